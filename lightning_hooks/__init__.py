@@ -1,0 +1,22 @@
+"""Lightning callbacks that instrument every layer with hooks and log to TensorBoard.
+
+Example:
+    >>> from lightning_hooks import GradFlowCallback
+    >>> callback = GradFlowCallback()
+"""
+
+from lightning_hooks.callbacks import GradFlowCallback
+from lightning_hooks.core import GradFlowTracker, HookRegistry, LayerStats, select_modules
+from lightning_hooks.errors import LightningHooksError, LightningHooksWarning
+
+__all__ = [
+    "GradFlowCallback",
+    "GradFlowTracker",
+    "HookRegistry",
+    "LayerStats",
+    "LightningHooksError",
+    "LightningHooksWarning",
+    "select_modules",
+]
+
+__version__ = "0.1.0"

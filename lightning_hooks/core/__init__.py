@@ -1,0 +1,22 @@
+"""The torch-only core: hook registry, module selection, statistics and accumulators."""
+
+from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
+from lightning_hooks.core.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
+from lightning_hooks.core.grad_stats import GRAD_STATS, ParamLayout, grad_stats
+from lightning_hooks.core.registry import HookRegistry
+from lightning_hooks.core.selection import select_modules
+from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
+
+__all__ = [
+    "GRAD_FLOW_STATS",
+    "GRAD_STATS",
+    "GradFlowTracker",
+    "HookRegistry",
+    "LayerStats",
+    "LayerStatsAccumulator",
+    "ParamLayout",
+    "grad_stats",
+    "is_training_forward",
+    "iter_float_tensors",
+    "select_modules",
+]

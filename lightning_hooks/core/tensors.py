@@ -1,0 +1,56 @@
+"""Small tensor helpers shared by the hooks: what counts as a training forward, which outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["is_training_forward", "iter_float_tensors"]
+
+
+def is_training_forward(module: nn.Module) -> bool:
+    """Whether a forward hook on ``module`` is running in a training forward that counts.
+
+    Validation and the sanity check run with grad disabled (and usually in eval mode); activation
+    checkpointing recomputes forwards *during* backward, when a graph task is running. None of
+    those count.
+
+    Example:
+        >>> from torch import nn
+        >>> layer = nn.Linear(2, 2)
+        >>> is_training_forward(layer)
+        True
+        >>> with torch.no_grad():
+        ...     is_training_forward(layer)
+        False
+    """
+    return (
+        module.training
+        and torch.is_grad_enabled()
+        and torch._C._current_graph_task_id() == -1  # not a checkpoint recompute in backward
+    )
+
+
+def iter_float_tensors(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(suffix, tensor)`` for every floating-point tensor in a (nested) module output.
+
+    Tuples and lists give ``.0``, ``.1`` suffixes, dicts ``.key``; a plain tensor gives ``""``.
+    Anything else (``None``, ints, strings) is skipped.
+
+    Example:
+        >>> out = (torch.zeros(1), {"h": torch.ones(1), "n": 3}, None)
+        >>> [suffix for suffix, _ in iter_float_tensors(out)]
+        ['.0', '.1.h']
+    """
+    if isinstance(output, torch.Tensor):
+        if output.is_floating_point():
+            yield prefix, output
+    elif isinstance(output, list | tuple):
+        for i, item in enumerate(output):
+            yield from iter_float_tensors(item, f"{prefix}.{i}")
+    elif isinstance(output, Mapping):
+        for key, item in output.items():
+            yield from iter_float_tensors(item, f"{prefix}.{key}")

@@ -1,0 +1,48 @@
+"""Everything that writes: scalars to every Lightning logger, images to TensorBoard only."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from matplotlib.figure import Figure
+
+__all__ = ["log_figure", "log_scalars", "tensorboard_writers"]
+
+
+def _tensorboard_logger_types() -> tuple[type, ...]:
+    # Both namespaces: a plain isinstance against one silently misses the other's loggers.
+    found: list[type] = []
+    try:
+        from pytorch_lightning.loggers import TensorBoardLogger as PLTensorBoardLogger
+
+        found.append(PLTensorBoardLogger)
+    except ImportError:  # pragma: no cover - pytorch_lightning is a dependency
+        pass
+    try:
+        from lightning.pytorch.loggers import TensorBoardLogger as LTensorBoardLogger
+
+        found.append(LTensorBoardLogger)
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+def tensorboard_writers(loggers: Sequence[Any]) -> list[Any]:
+    """The ``SummaryWriter`` of each TensorBoard logger among ``loggers`` (either namespace)."""
+    types = _tensorboard_logger_types()
+    return [getattr(logger, "experiment") for logger in loggers if isinstance(logger, types)]  # noqa: B009
+
+
+def log_scalars(loggers: Sequence[Any], metrics: Mapping[str, float], step: int) -> None:
+    """Send ``metrics`` to every logger (TensorBoard, CSV, ...); loggers write on rank 0 only."""
+    if not metrics:
+        return
+    for logger in loggers:
+        logger.log_metrics(dict(metrics), step=step)
+
+
+def log_figure(loggers: Sequence[Any], tag: str, figure: Figure, step: int) -> None:
+    """Write a matplotlib figure as an image to every TensorBoard logger."""
+    for writer in tensorboard_writers(loggers):
+        writer.add_figure(tag, figure, global_step=step, close=False)
