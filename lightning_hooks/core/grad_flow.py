@@ -145,6 +145,7 @@ class GradFlowTracker:
             self._views[id(optimizer)] = view
         return view
 
+    @torch.no_grad()
     def observe(
         self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None = None
     ) -> None:
@@ -174,6 +175,7 @@ class GradFlowTracker:
         self._out_sq.index_fill_(0, rows, 0.0)
         self._hit.index_fill_(0, rows, False)
 
+    @torch.no_grad()
     def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         view = self._views.get(id(optimizer))
         if view is None or view.weight_norm is None:

@@ -110,6 +110,7 @@ def _norms(tensors: Sequence[torch.Tensor], ord: float) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(list(tensors), ord)).float()
 
 
+@torch.no_grad()
 def grad_stats(
     grads: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
@@ -146,6 +147,7 @@ def grad_stats(
     )
 
 
+@torch.no_grad()
 def update_norms(
     before: Sequence[torch.Tensor],
     after: Sequence[torch.Tensor],

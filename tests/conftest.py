@@ -1,0 +1,154 @@
+"""Shared test fixtures: tiny models, a CPU trainer factory and a TensorBoard event reader."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+os.environ.setdefault("PL_DISABLE_FORK", "1")
+
+
+def dataset(n: int = 32, features: int = 8, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    y = x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+class TinyMLP(pl.LightningModule):
+    """8 -> 16 -> 16 -> 1 with ReLUs; 4 batches of 8 per epoch."""
+
+    def __init__(self, inplace: bool = False, lr: float = 0.1, fail_at_step: int = -1) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(8, 16),
+            nn.ReLU(inplace=inplace),
+            nn.Linear(16, 16),
+            nn.ReLU(inplace=inplace),
+            nn.Linear(16, 1),
+        )
+        self.lr = lr
+        self.fail_at_step = fail_at_step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == self.fail_at_step:
+            raise RuntimeError("boom in training_step")
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(dataset(), batch_size=8)
+
+
+class TinyCNN(pl.LightningModule):
+    """conv + BatchNorm + ReLU twice, then a linear head; 8x8 inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+        )
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(24, 3, 8, 8, generator=g)
+        y = torch.randint(0, 4, (24,), generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def make_trainer(root: Path, **kwargs: Any) -> pl.Trainer:
+    """A quiet CPU trainer logging to TensorBoard under ``root/tb/version_0``."""
+    options: dict[str, Any] = {
+        "max_epochs": 1,
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": TensorBoardLogger(str(root), name="tb", version=0),
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "log_every_n_steps": 1,
+        "num_sanity_val_steps": 0,
+    }
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+@pytest.fixture
+def trainer_factory(tmp_path: Path) -> Callable[..., pl.Trainer]:
+    return lambda **kwargs: make_trainer(tmp_path, **kwargs)
+
+
+def read_scalars(logdir: Path | str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the event files under ``logdir``: ``tag -> [(step, value), ...]``."""
+    out: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for acc in _accumulators(logdir):
+        for tag in acc.Tags()["scalars"]:
+            out[tag].extend((e.step, e.value) for e in acc.Scalars(tag))
+    return dict(out)
+
+
+def read_image_tags(logdir: Path | str) -> list[str]:
+    """Every image tag in the event files under ``logdir``."""
+    return sorted(tag for acc in _accumulators(logdir) for tag in acc.Tags()["images"])
+
+
+def _accumulators(logdir: Path | str) -> list[EventAccumulator]:
+    dirs = sorted({p.parent for p in Path(logdir).rglob("events.out.tfevents.*")})
+    accs = []
+    for d in dirs:
+        acc = EventAccumulator(str(d), size_guidance={"scalars": 0, "images": 0, "histograms": 0})
+        acc.Reload()
+        accs.append(acc)
+    return accs
+
+
+def hooks_left(model: nn.Module) -> list[str]:
+    """Names of every module and parameter hook dict that is not empty."""
+    left = []
+    for name, module in model.named_modules():
+        for attr in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+        ):
+            if getattr(module, attr):
+                left.append(f"{name or '<root>'}.{attr}")
+    for name, param in model.named_parameters():
+        for attr in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+            if getattr(param, attr, None):
+                left.append(f"{name}.{attr}")
+    return left

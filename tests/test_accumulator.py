@@ -1,0 +1,120 @@
+"""The on-device accumulator and the pure gradient statistics against plain torch."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+from lightning_hooks.core import GradFlowTracker, LayerStatsAccumulator, ParamLayout, grad_stats
+from lightning_hooks.core.grad_stats import update_norms
+
+
+def test_accumulator_mean_peak_total_count_with_rows_columns_and_mask() -> None:
+    acc = LayerStatsAccumulator(["a", "b", "c"], ["x", "y"])
+    acc.update(torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]]))
+    acc.update(torch.tensor([[5.0], [7.0]]), [1], rows=torch.tensor([0, 2]))
+    acc.update(
+        torch.tensor([[100.0], [9.0]]),
+        [0],
+        rows=torch.tensor([1, 2]),
+        valid=torch.tensor([[False], [True]]),
+    )
+    r = acc.result()
+    assert r.count.tolist() == [[1, 2], [1, 1], [2, 2]]
+    assert r.total.tolist() == [[1, 15], [2, 20], [12, 37]]
+    assert r.peak.tolist() == [[1, 10], [2, 20], [9, 30]]
+    assert r.mean.tolist() == [[1, 7.5], [2, 20], [6, 18.5]]
+    acc.reset()
+    assert math.isnan(acc.result().mean[0, 0])
+
+
+def test_nan_propagates_to_mean_and_peak() -> None:
+    acc = LayerStatsAccumulator(["a"], ["x"])
+    acc.update(torch.tensor([[1.0]]))
+    acc.update(torch.tensor([[float("nan")]]))
+    r = acc.result()
+    assert math.isnan(r.mean[0, 0]) and math.isnan(r.peak[0, 0])
+
+
+def test_grad_stats_match_plain_torch() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.LayerNorm(3))
+    model(torch.randn(11, 5)).pow(3).sum().backward()
+    layout = ParamLayout.from_modules(list(model.named_children()))
+    grads = [p.grad for p in layout.params]
+    grads[1][2] = float("inf")  # one non-finite entry in layer "0"
+    stats = grad_stats(grads, layout.params, layout.index, layout.numel)  # type: ignore[arg-type]
+    for row, name in enumerate(layout.layers):
+        module = dict(model.named_children())[name]
+        g = torch.cat([p.grad.flatten() for p in module.parameters()])  # type: ignore[union-attr]
+        w = torch.cat([p.flatten() for p in module.parameters()])
+        finite = row != 0
+        if finite:
+            torch.testing.assert_close(stats[row, 0], g.norm())
+            torch.testing.assert_close(stats[row, 1], g.abs().mean())
+            torch.testing.assert_close(stats[row, 2], g.abs().max())
+        assert stats[row, 3] == (~g.isfinite()).sum()
+        torch.testing.assert_close(stats[row, 4], w.norm())
+    assert stats[-1, 3] == 1 and math.isinf(stats[-1, 0])
+
+
+def test_update_norms_match_plain_torch() -> None:
+    layout = ParamLayout.from_modules([("a", nn.Linear(3, 2)), ("b", nn.Linear(2, 2))])
+    before = [p.detach().clone() for p in layout.params]
+    after = [p + 0.5 * torch.randn_like(p) for p in before]
+    expected = [
+        torch.cat([(a - b).flatten() for a, b, i in zip(after, before, layout.owner) if i == k])
+        for k in (0, 1)
+    ]
+    norms = update_norms([b.clone() for b in before], after, layout.index, 2)
+    torch.testing.assert_close(norms[:2], torch.stack([e.norm() for e in expected]))
+    torch.testing.assert_close(norms[2], torch.cat(expected).norm())
+
+
+def test_tracker_with_two_optimizers_measures_each_layer_once_per_step() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+    opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    with GradFlowTracker(model, [opt_a, opt_b]) as tracker:
+        for _ in range(2):
+            model(torch.randn(4, 3)).sum().backward()
+            for opt in (opt_a, opt_b):
+                tracker.observe(opt)
+                opt.step()
+                opt.zero_grad()
+        counts = tracker.result().count
+    assert counts[0].tolist() == [2] * 7 and counts[1].tolist() == [2] * 7
+    assert counts[2, 0] == 4  # the global row is observed at every optimizer step
+
+
+def test_tracker_output_grad_norm_matches_retain_grad_with_inplace_relu() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 2))
+    twin = copy.deepcopy(model)
+    twin[1] = nn.ReLU()  # the reference keeps the pre-activation tensor intact
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    expected = []
+    with GradFlowTracker(model, [opt]) as tracker:
+        for _ in range(3):
+            x = torch.randn(5, 4)
+            model(x).pow(2).sum().backward()
+            hidden = twin[0](x)
+            hidden.retain_grad()
+            out = twin[2](twin[1](hidden))
+            out.retain_grad()
+            out.pow(2).sum().backward()
+            expected.append((hidden.grad.norm(), out.grad.norm()))  # type: ignore[union-attr]
+            tracker.observe(opt)
+            for o in (opt, twin_opt):
+                o.step()
+                o.zero_grad()
+        stats = tracker.result()
+    col = stats.stats.index("output_grad_norm")
+    for row in (0, 1):
+        values = torch.stack([e[row] for e in expected])
+        assert math.isclose(stats.mean[row, col], values.mean().item(), rel_tol=1e-5)
+        assert math.isclose(stats.peak[row, col], values.max().item(), rel_tol=1e-5)

@@ -1,0 +1,191 @@
+"""GradFlowCallback through a real ``Trainer.fit``, read back from TensorBoard event files."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import CSVLogger
+
+from conftest import TinyMLP, hooks_left, read_image_tags, read_scalars
+from lightning_hooks import GradFlowCallback, LightningHooksWarning
+from syncs import count_syncs
+
+LAYERS = ("net.0", "net.2", "net.4")
+
+
+class ReferenceMLP(TinyMLP):
+    """Records, independently of the library, what each optimizer step applies and changes."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.steps: list[dict[str, dict[str, float]]] = []
+        self._before: dict[str, torch.Tensor] = {}
+        self._outputs: list[tuple[str, torch.Tensor]] = []
+        self._out_sq: dict[str, float] = dict.fromkeys(LAYERS, 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, module in enumerate(self.net):
+            x = module(x)
+            if f"net.{i}" in LAYERS and x.requires_grad:
+                x.register_hook(lambda g, n=f"net.{i}": self._add_out(n, g))
+        return x
+
+    def _add_out(self, name: str, grad: torch.Tensor) -> None:
+        self._out_sq[name] += float(grad.pow(2).sum())
+
+    def _layer(self, name: str) -> list[torch.nn.Parameter]:
+        return list(self.get_submodule(name).parameters())
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        step: dict[str, dict[str, float]] = {}
+        for name in LAYERS:
+            g = torch.cat([p.grad.flatten() for p in self._layer(name)])  # type: ignore[union-attr]
+            w = torch.cat([p.detach().flatten() for p in self._layer(name)])
+            self._before[name] = w.clone()
+            step[name] = {
+                "grad_norm": float(g.norm()),
+                "grad_abs_mean": float(g.abs().mean()),
+                "grad_abs_max": float(g.abs().max()),
+                "weight_norm": float(w.norm()),
+                "output_grad_norm": math.sqrt(self._out_sq[name]),
+            }
+            self._out_sq[name] = 0.0
+        self.steps.append(step)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.steps or "update_ratio" in self.steps[-1][LAYERS[0]]:
+            return  # no optimizer step since the last record (gradient accumulation)
+        for name in LAYERS:
+            w = torch.cat([p.detach().flatten() for p in self._layer(name)])
+            before = self._before[name]
+            self.steps[-1][name]["update_ratio"] = float((w - before).norm() / before.norm())
+
+
+def _expected(
+    steps: list[dict[str, dict[str, float]]], layer: str, stat: str
+) -> tuple[float, float]:
+    values = np.array([s[layer][stat] for s in steps])
+    return float(values.mean()), float(values.max())
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_logged_values_equal_an_independent_computation(
+    accumulate: int, trainer_factory: Any, tmp_path: Path
+) -> None:
+    model = ReferenceMLP()
+    trainer = trainer_factory(
+        callbacks=[GradFlowCallback()], max_epochs=2, accumulate_grad_batches=accumulate
+    )
+    trainer.fit(model)
+    scalars = read_scalars(tmp_path)
+    steps_per_epoch = 4 // accumulate
+    assert len(model.steps) == 2 * steps_per_epoch
+    for epoch in range(2):
+        steps = model.steps[epoch * steps_per_epoch : (epoch + 1) * steps_per_epoch]
+        at = (epoch + 1) * steps_per_epoch  # logged at trainer.global_step
+        for layer in LAYERS:
+            for stat, mean_tag, max_tag in (
+                ("grad_norm", "grad_norm", "grad_norm_max"),
+                ("grad_abs_mean", "grad_abs_mean", None),
+                ("grad_abs_max", None, "grad_abs_max"),
+                ("weight_norm", "weight_norm", None),
+                ("update_ratio", "update_ratio", "update_ratio_max"),
+                ("output_grad_norm", "output_grad_norm", "output_grad_norm_max"),
+            ):
+                mean, peak = _expected(steps, layer, stat)
+                for tag, want in ((mean_tag, mean), (max_tag, peak)):
+                    if tag is None:
+                        continue
+                    logged = dict(scalars[f"grad_flow/{tag}/{layer}"])[at]
+                    assert math.isclose(logged, want, rel_tol=1e-5), (tag, layer, epoch)
+            assert dict(scalars[f"grad_flow/grad_nonfinite/{layer}"])[at] == 0
+        global_norms = [math.sqrt(sum(s[n]["grad_norm"] ** 2 for n in LAYERS)) for s in steps]
+        logged = dict(scalars["grad_flow/global/grad_norm"])[at]
+        assert math.isclose(logged, float(np.mean(global_norms)), rel_tol=1e-5)
+    assert read_image_tags(tmp_path) == ["grad_flow/chart"]
+
+
+def test_no_host_sync_between_logging_points(
+    trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probe = _SyncWindow()
+    with count_syncs(monkeypatch) as counter:
+        probe.counter = counter
+        trainer_factory(callbacks=[probe, GradFlowCallback()], max_epochs=2).fit(TinyMLP())
+    assert probe.windows == 2
+    assert dict(counter.calls) == {}
+
+
+def test_sync_counter_catches_a_sync_in_a_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = torch.nn.Linear(2, 1)
+    with count_syncs(monkeypatch, root=__file__) as counter:
+        counter.active = True
+        out = model(torch.ones(1, 2))
+        out.register_hook(lambda g: g * float(g.sum().item() != 0))
+        out.sum().backward()
+    assert counter.calls["item"] == 1
+
+
+class _SyncWindow(pl.Callback):
+    """Opens the sync counter from each epoch's start until just before the epoch-end logging."""
+
+    counter: Any = None
+    windows = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.counter.active = True
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.counter.active = False
+        self.windows += 1
+
+
+def test_inplace_relu_model_trains_and_reports_finite_values(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    model = TinyMLP(inplace=True)
+    trainer_factory(callbacks=[GradFlowCallback()]).fit(model)
+    scalars = read_scalars(tmp_path)
+    for layer in LAYERS:
+        ((_, value),) = scalars[f"grad_flow/output_grad_norm/{layer}"]
+        assert math.isfinite(value) and value > 0
+    assert hooks_left(model) == []
+
+
+def test_csv_logger_gets_scalars_and_one_warning(trainer_factory: Any, tmp_path: Path) -> None:
+    logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    with pytest.warns(LightningHooksWarning, match="images need TensorBoard") as record:
+        trainer_factory(callbacks=[GradFlowCallback()], logger=logger).fit(TinyMLP())
+    assert len([w for w in record if w.category is LightningHooksWarning]) == 1
+    header = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+    assert "grad_flow/grad_norm/net.0" in header.split(",")
+
+
+def test_chart_off_needs_no_tensorboard(trainer_factory: Any, tmp_path: Path) -> None:
+    logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    trainer_factory(callbacks=[GradFlowCallback(chart=False)], logger=logger).fit(TinyMLP())
+
+
+def test_pattern_matching_nothing_fails_at_setup(trainer_factory: Any) -> None:
+    model = TinyMLP()
+    with pytest.raises(ValueError, match=r"include='net\.9' matches no module.*'net\.0'"):
+        trainer_factory(callbacks=[GradFlowCallback(include="net.9")]).fit(model)
+    assert hooks_left(model) == []
+
+
+def test_include_and_types_select_layers(trainer_factory: Any, tmp_path: Path) -> None:
+    callback = GradFlowCallback(types=torch.nn.Linear, exclude="net.4")
+    trainer_factory(callbacks=[callback]).fit(TinyMLP())
+    layers = {t.rsplit("/", 1)[1] for t in read_scalars(tmp_path) if "/grad_norm/" in t}
+    assert layers == {"net.0", "net.2"}
+
+
+def test_bad_types_argument_is_named() -> None:
+    with pytest.raises(TypeError, match=r"GradFlowCallback\(types=3\): expected an nn.Module"):
+        GradFlowCallback(types=3)  # type: ignore[arg-type]

@@ -1,0 +1,83 @@
+"""The hook registry and module selection, in a plain PyTorch loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import hooks_left
+from lightning_hooks import HookRegistry, select_modules
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(4, 4), nn.ReLU()),
+        nn.Sequential(nn.Linear(4, 4), nn.ReLU()),
+        nn.Linear(4, 1),
+    )
+
+
+def test_select_by_type_include_exclude() -> None:
+    model = _model()
+    assert [n for n, _ in select_modules(model, types=nn.Linear)] == ["0.0", "1.0", "2"]
+    assert [n for n, _ in select_modules(model, include="1.*")] == ["1.0", "1.1"]
+    assert [n for n, _ in select_modules(model, types=nn.Linear, exclude=["2", "0.*"])] == ["1.0"]
+    relu = select_modules(model, where=lambda name, m: isinstance(m, nn.ReLU))
+    assert [n for n, _ in relu] == ["0.1", "1.1"]
+
+
+def test_pattern_matching_nothing_names_the_closest_modules() -> None:
+    with pytest.raises(ValueError, match=r"include='1\.O' matches no module.*'1\.0'"):
+        select_modules(_model(), include="1.O")
+    with pytest.raises(ValueError, match=r"exclude='encoder' matches no module"):
+        select_modules(_model(), exclude="encoder")
+
+
+def test_pattern_of_wrong_type_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"include: expected str patterns, got 3"):
+        select_modules(_model(), include=[3])  # type: ignore[list-item]
+
+
+def test_shared_module_is_selected_once() -> None:
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    assert [n for n, _ in select_modules(model, types=nn.Linear)] == ["0"]
+
+
+def test_context_manager_removes_every_hook_and_remove_is_idempotent() -> None:
+    model = _model()
+    calls: list[str] = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with HookRegistry(model) as hooks:
+        for name, module in hooks.modules(types=nn.Linear):
+            hooks.forward_hook(module, lambda m, a, o, name=name: calls.append(name))
+            hooks.forward_pre_hook(module, lambda m, a: None)
+        hooks.tensor_hook(model[2].weight, lambda g: None)
+        hooks.optimizer_step_post_hook(opt, lambda o, a, k: None)
+        assert len(hooks) == 8 and hooks.active
+        model(torch.randn(3, 4)).sum().backward()
+    assert calls == ["0.0", "1.0", "2"]
+    assert hooks_left(model) == []
+    assert not opt._optimizer_step_post_hooks
+    assert not hooks.active
+    hooks.remove()
+    hooks.remove()
+
+
+def test_registry_removes_hooks_when_the_loop_raises() -> None:
+    model = _model()
+    with pytest.raises(RuntimeError, match="loop failed"), HookRegistry(model) as hooks:
+        hooks.forward_hook(model[2], lambda m, a, o: None)
+        raise RuntimeError("loop failed")
+    assert hooks_left(model) == []
+
+
+def test_remove_after_the_model_is_gone() -> None:
+    model = _model()
+    hooks = HookRegistry(model)
+    hooks.forward_hook(model[2], lambda m, a, o: None)
+    del model
+    hooks.model = nn.Identity()
+    hooks.remove()
+    assert len(hooks) == 0
