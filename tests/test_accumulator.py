@@ -66,7 +66,13 @@ def test_update_norms_match_plain_torch() -> None:
     before = [p.detach().clone() for p in layout.params]
     after = [p + 0.5 * torch.randn_like(p) for p in before]
     expected = [
-        torch.cat([(a - b).flatten() for a, b, i in zip(after, before, layout.owner) if i == k])
+        torch.cat(
+            [
+                (a - b).flatten()
+                for a, b, i in zip(after, before, layout.owner, strict=True)
+                if i == k
+            ]
+        )
         for k in (0, 1)
     ]
     norms = update_norms([b.clone() for b in before], after, layout.index, 2)

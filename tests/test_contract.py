@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 
-from conftest import TinyCNN, TinyMLP, hooks_left, read_scalars
 from lightning_hooks import GradFlowCallback
+
+from conftest import TinyCNN, TinyMLP, hooks_left, read_scalars
 
 CALLBACKS: list[Callable[[], pl.Callback]] = [GradFlowCallback]
 

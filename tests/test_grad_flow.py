@@ -12,8 +12,9 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import CSVLogger
 
-from conftest import TinyMLP, hooks_left, read_image_tags, read_scalars
 from lightning_hooks import GradFlowCallback, LightningHooksWarning
+
+from conftest import TinyMLP, hooks_left, read_image_tags, read_scalars
 from syncs import count_syncs
 
 LAYERS = ("net.0", "net.2", "net.4")

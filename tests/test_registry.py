@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import hooks_left
 from lightning_hooks import HookRegistry, select_modules
+
+from conftest import hooks_left
 
 
 def _model() -> nn.Sequential:
