@@ -1,0 +1,140 @@
+"""Pure functions: summary statistics of one module output, and of many pooled together.
+
+One output tensor gives a float32 vector of :data:`FEATURE_STATS`. Sums over many outputs (the
+batches of an epoch) pool exactly: the epoch's mean and standard deviation come from the summed
+``sum``, ``sum_sq`` and ``numel``; ``min`` and ``max`` pool with min and max.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = [
+    "FEATURE_STATS",
+    "NUM_SUMS",
+    "FeatureSummary",
+    "feature_stats",
+    "histogram_counts",
+    "summarize",
+]
+
+FEATURE_STATS = ("sum", "sum_sq", "sum_abs", "zeros", "nonfinite", "numel", "min", "max")
+"""Entries of :func:`feature_stats`: the first :data:`NUM_SUMS` pool by addition."""
+
+NUM_SUMS = 6
+
+
+@torch.no_grad()
+def feature_stats(x: torch.Tensor) -> torch.Tensor:
+    """``[8]`` float32 statistics of a non-empty tensor, in the order of :data:`FEATURE_STATS`.
+
+    Six reading passes and no host sync: ``aminmax``, ``sum``, the 2-, 1- and 0-norms (sum of
+    squares, sum of ``|x|``, count of non-zeros) and ``isfinite``. fp16 / bf16 inputs are summed
+    in float32 without a float32 copy. NaN propagates into every entry but ``zeros``,
+    ``nonfinite`` and ``numel``.
+
+    Example:
+        >>> feature_stats(torch.tensor([-1.0, 0.0, 2.0, 0.0])).tolist()
+        [1.0, 5.0, 3.0, 2.0, 0.0, 4.0, -1.0, 2.0]
+    """
+    x = x.detach()
+    f32 = torch.float32
+    numel = x.numel()
+    low, high = torch.aminmax(x)
+    nonzero = torch.linalg.vector_norm(x, 0, dtype=f32)
+    finite = torch.isfinite(x).sum(dtype=f32)
+    return torch.stack(
+        [
+            x.sum(dtype=f32),
+            torch.linalg.vector_norm(x, 2, dtype=f32).square(),
+            torch.linalg.vector_norm(x, 1, dtype=f32),
+            numel - nonzero,
+            numel - finite,
+            finite.new_full((), numel),
+            low.to(f32),
+            high.to(f32),
+        ]
+    )
+
+
+@torch.no_grad()
+def histogram_counts(x: torch.Tensor, edges: torch.Tensor, out: torch.Tensor) -> None:
+    """Add the counts of ``x`` in the bins of ``edges`` (``[bins + 1]``) to ``out`` (``[bins]``).
+
+    Binned on the device with ``bucketize`` + ``index_add_`` (no ``histc``: its automatic range
+    syncs and it is non-deterministic on CUDA). Values below the first or above the last edge
+    count in the first or last bin; NaN counts in the last bin.
+
+    Example:
+        >>> out = torch.zeros(2)
+        >>> histogram_counts(torch.tensor([-5.0, 0.2, 0.7, 0.9]), torch.tensor([0.0, 0.5, 1.0]), out)
+        >>> out.tolist()
+        [2.0, 2.0]
+    """
+    flat = x.detach().reshape(-1)
+    index = torch.bucketize(flat, edges[1:-1].to(flat.dtype), right=True)
+    out.index_add_(0, index, out.new_ones(()).expand(flat.numel()))
+
+
+@dataclass(frozen=True)
+class FeatureSummary:
+    """Host-side statistics of each row's outputs, pooled over every element observed.
+
+    Attributes:
+        layers: row names (a module's qualified name, with a suffix for tuple / dict outputs).
+        mean: mean of the elements.
+        std: standard deviation of the elements (Bessel-corrected, as ``torch.std``).
+        min: smallest element.
+        max: largest element.
+        abs_mean: mean of ``|x|``.
+        zero_fraction: fraction of elements exactly zero.
+        nonfinite: number of NaN / Inf elements.
+        numel: number of elements observed.
+    """
+
+    layers: tuple[str, ...]
+    mean: np.ndarray
+    std: np.ndarray
+    min: np.ndarray
+    max: np.ndarray
+    abs_mean: np.ndarray
+    zero_fraction: np.ndarray
+    nonfinite: np.ndarray
+    numel: np.ndarray
+
+    def column(self, stat: str) -> np.ndarray:
+        """One statistic (an attribute name) for every row."""
+        values: np.ndarray = getattr(self, stat)
+        return values
+
+
+def summarize(layers: tuple[str, ...], sums: np.ndarray, extremes: np.ndarray) -> FeatureSummary:
+    """Turn pooled ``[rows, NUM_SUMS]`` sums and ``[rows, 2]`` (min, max) into statistics.
+
+    Example:
+        >>> x = np.array([-1.0, 0.0, 2.0, 0.0])
+        >>> sums = np.array([[x.sum(), (x * x).sum(), abs(x).sum(), 2, 0, 4]])
+        >>> s = summarize(("a",), sums, np.array([[-1.0, 2.0]]))
+        >>> float(s.mean[0]), round(float(s.std[0]), 6), float(s.zero_fraction[0])
+        (0.25, 1.258306, 0.5)
+    """
+    total, sq, absolute, zeros, nonfinite, n = sums.astype(np.float64).T
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean = total / n
+        var = (sq - total * mean) / (n - 1)
+        std = np.sqrt(np.maximum(var, 0.0))
+        std = np.where(n > 1, std, np.nan)
+        return FeatureSummary(
+            layers=layers,
+            mean=mean,
+            std=std,
+            min=extremes[:, 0].astype(np.float64),
+            max=extremes[:, 1].astype(np.float64),
+            abs_mean=absolute / n,
+            zero_fraction=zeros / n,
+            nonfinite=nonfinite,
+            numel=n,
+        )
