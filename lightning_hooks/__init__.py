@@ -6,10 +6,18 @@ Example:
 """
 
 from lightning_hooks.callbacks import GradFlowCallback
+from lightning_hooks.callbacks.activation_stats import ActivationStatsCallback
+from lightning_hooks.callbacks.dead_relu import DeadReLUCallback
 from lightning_hooks.core import GradFlowTracker, HookRegistry, LayerStats, select_modules
+from lightning_hooks.core.activation_stats import ActivationStatsTracker
+from lightning_hooks.core.dead_units import DeadUnitTracker
 from lightning_hooks.errors import LightningHooksError, LightningHooksWarning
 
 __all__ = [
+    "ActivationStatsCallback",
+    "ActivationStatsTracker",
+    "DeadReLUCallback",
+    "DeadUnitTracker",
     "GradFlowCallback",
     "GradFlowTracker",
     "HookRegistry",

@@ -10,10 +10,13 @@ import pytest
 import pytorch_lightning as pl
 
 from lightning_hooks import GradFlowCallback
+from lightning_hooks.callbacks.activation_stats import ActivationStatsCallback
+from lightning_hooks.callbacks.dead_relu import DeadReLUCallback
 
 from conftest import TinyCNN, TinyMLP, hooks_left, read_scalars
 
 CALLBACKS: list[Callable[[], pl.Callback]] = [GradFlowCallback]
+CALLBACKS += [ActivationStatsCallback, DeadReLUCallback]
 
 
 class HookCounter(pl.Callback):

@@ -1,20 +1,31 @@
 """The torch-only core: hook registry, module selection, statistics and accumulators."""
 
 from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
+from lightning_hooks.core.activation_stats import ActivationStatsTracker
+from lightning_hooks.core.dead_units import DeadUnits, DeadUnitTracker
+from lightning_hooks.core.feature_stats import FEATURE_STATS, FeatureSummary, feature_stats
 from lightning_hooks.core.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
 from lightning_hooks.core.grad_stats import GRAD_STATS, ParamLayout, grad_stats
+from lightning_hooks.core.nonfinite import FirstNonFinite
 from lightning_hooks.core.registry import HookRegistry
 from lightning_hooks.core.selection import select_modules
 from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
 
 __all__ = [
+    "FEATURE_STATS",
     "GRAD_FLOW_STATS",
     "GRAD_STATS",
+    "ActivationStatsTracker",
+    "DeadUnitTracker",
+    "DeadUnits",
+    "FeatureSummary",
+    "FirstNonFinite",
     "GradFlowTracker",
     "HookRegistry",
     "LayerStats",
     "LayerStatsAccumulator",
     "ParamLayout",
+    "feature_stats",
     "grad_stats",
     "is_training_forward",
     "iter_float_tensors",

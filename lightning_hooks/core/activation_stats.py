@@ -72,9 +72,7 @@ class Histogram:
 class _State:
     """The on-device tensors, grown by one row when an output appears for the first time."""
 
-    def __init__(
-        self, device: torch.device, bins: int, fixed: tuple[float, float] | None
-    ) -> None:
+    def __init__(self, device: torch.device, bins: int, fixed: tuple[float, float] | None) -> None:
         dtype = torch.float32 if device.type == "mps" else torch.float64
         self.sums = torch.zeros(0, NUM_SUMS, dtype=dtype, device=device)
         self.extremes = torch.zeros(0, 2, device=device)
@@ -93,7 +91,9 @@ class _State:
         if self.fixed is not None:
             new_edges.copy_(self.fixed)
         self.edges = torch.cat([self.edges, new_edges])
-        self.has_edges = torch.cat([self.has_edges, self.has_edges.new_full((1,), self.fixed is not None)])
+        self.has_edges = torch.cat(
+            [self.has_edges, self.has_edges.new_full((1,), self.fixed is not None)]
+        )
 
     def edges_from(self, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
         low = torch.nan_to_num(low, nan=0.0, posinf=3e38, neginf=-3e38)

@@ -70,7 +70,8 @@ def histogram_counts(x: torch.Tensor, edges: torch.Tensor, out: torch.Tensor) ->
 
     Example:
         >>> out = torch.zeros(2)
-        >>> histogram_counts(torch.tensor([-5.0, 0.2, 0.7, 0.9]), torch.tensor([0.0, 0.5, 1.0]), out)
+        >>> edges = torch.tensor([0.0, 0.5, 1.0])
+        >>> histogram_counts(torch.tensor([-5.0, 0.2, 0.7, 0.9]), edges, out)
         >>> out.tolist()
         [2.0, 2.0]
     """
@@ -93,6 +94,8 @@ class FeatureSummary:
         zero_fraction: fraction of elements exactly zero.
         nonfinite: number of NaN / Inf elements.
         numel: number of elements observed.
+        sum: sum of the elements.
+        sum_sq: sum of their squares.
     """
 
     layers: tuple[str, ...]
@@ -104,6 +107,8 @@ class FeatureSummary:
     zero_fraction: np.ndarray
     nonfinite: np.ndarray
     numel: np.ndarray
+    sum: np.ndarray
+    sum_sq: np.ndarray
 
     def column(self, stat: str) -> np.ndarray:
         """One statistic (an attribute name) for every row."""
@@ -137,4 +142,6 @@ def summarize(layers: tuple[str, ...], sums: np.ndarray, extremes: np.ndarray) -
             zero_fraction=zeros / n,
             nonfinite=nonfinite,
             numel=n,
+            sum=total,
+            sum_sq=sq,
         )

@@ -55,14 +55,14 @@ class FirstNonFinite:
         if self.device.type != "cuda":
             self._host.copy_(self.code)
             return self._decode()
-        if self._event is not None and self._event.query():
+        if self._event is not None and self._event.query():  # type: ignore[no-untyped-call]
             self._event = None
             found = self._decode()
             if found is not None:
                 return found
         if self._event is None:
             self._host.copy_(self.code, non_blocking=True)
-            self._event = torch.cuda.Event()
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._event.record()
         return None
 

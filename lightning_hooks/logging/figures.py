@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-__all__ = ["grad_flow_figure"]
+__all__ = ["grad_flow_figure", "layer_epoch_heatmap"]
 
 
 def grad_flow_figure(
@@ -44,4 +44,33 @@ def grad_flow_figure(
     ax.set_title(title or "gradient flow")
     ax.legend(loc="upper right")
     ax.grid(True, axis="y", which="major", alpha=0.3)
+    return fig
+
+
+def layer_epoch_heatmap(
+    layers: Sequence[str], epochs: Sequence[int], values: np.ndarray, title: str = ""
+) -> Figure:
+    """A layer x epoch heatmap of one statistic (``values``: ``[layers, epochs]``).
+
+    Layers run top (input) to bottom (output); NaN cells (a layer that did not run) are blank.
+
+    Example:
+        >>> fig = layer_epoch_heatmap(["a", "b"], [0, 1], np.array([[0.1, 0.2], [np.nan, 0.4]]))
+        >>> fig.axes[0].get_ylabel()
+        'layer'
+    """
+    n, m = len(layers), len(epochs)
+    fig = Figure(
+        figsize=(min(14.0, max(5.0, 0.4 * m + 3.0)), max(3.0, 0.25 * n + 1.5)),
+        layout="constrained",
+    )
+    ax = fig.add_subplot()
+    image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", interpolation="nearest")
+    fig.colorbar(image, ax=ax)
+    ax.set_yticks(np.arange(n), list(layers), fontsize=7 if n > 30 else 9)
+    step = max(1, m // 20)
+    ax.set_xticks(np.arange(0, m, step), [str(e) for e in epochs[::step]])
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("layer")
+    ax.set_title(title)
     return fig

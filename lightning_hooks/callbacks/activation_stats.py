@@ -1,0 +1,253 @@
+"""``ActivationStatsCallback``: what every layer produces, logged at each epoch end."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+from pytorch_lightning.utilities import rank_zero_warn
+from typing_extensions import override
+
+from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.callbacks._checks import check_types
+from lightning_hooks.core.activation_stats import (
+    ActivationStatsTracker,
+    Histogram,
+    default_feature_module,
+)
+from lightning_hooks.core.feature_stats import FeatureSummary
+from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns, select_modules
+from lightning_hooks.errors import LightningHooksWarning
+from lightning_hooks.logging import layer_epoch_heatmap, log_figure, log_histogram_raw, log_scalars
+
+__all__ = ["ActivationStatsCallback"]
+
+_NAME = "ActivationStatsCallback"
+_SCALARS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
+_HEATMAPS = ("mean", "std", "zero_fraction")
+
+
+class ActivationStatsCallback(HookCallback):
+    r"""Per-layer statistics of every selected module's output, over each epoch's training data.
+
+    A forward hook on each selected module measures, on the device and without a host sync, every
+    floating tensor of its output in training forwards (not validation, not the sanity check, not
+    an activation-checkpointing recompute). Statistics pool every element of every training batch
+    of the epoch: the logged mean and std are those of all the epoch's outputs of the layer taken
+    together, min and max over all of them. At each epoch end the sums are reduced across ranks,
+    copied to the host once and logged at ``trainer.global_step``.
+
+    Logged metrics (``{layer}`` is the module's qualified name; a tuple / list / dict output adds
+    ``.{index}`` or ``.{key}``, e.g. ``lstm.0``):
+
+    ======================================  ===================================================
+    Tag                                     Value, over the epoch's training outputs
+    ======================================  ===================================================
+    ``activations/mean/{layer}``            mean of all elements
+    ``activations/std/{layer}``             standard deviation (Bessel-corrected)
+    ``activations/min/{layer}``             smallest element
+    ``activations/max/{layer}``             largest element
+    ``activations/abs_mean/{layer}``        mean ``|x|``
+    ``activations/zero_fraction/{layer}``   fraction of elements exactly ``0``
+    ``activations/nonfinite/{layer}``       number of NaN / Inf elements
+    ``activations/histogram/{layer}``       histogram (``histograms=True``, TensorBoard only)
+    ``activations/heatmap/{stat}`` (image)  layer x epoch heatmap of ``mean``, ``std`` and
+                                            ``zero_fraction`` (TensorBoard only)
+    ======================================  ===================================================
+
+    The default selection is every module owning parameters directly (``Linear``, ``Conv``,
+    ``BatchNorm``, ...) and every activation module (``ReLU``, ``GELU``, ``Tanh``, ...). A module
+    called twice in a forward is measured twice: both calls' outputs pool into its row. fp16 /
+    bf16 outputs are summed in float32. A NaN / Inf anywhere makes that layer's mean, std, min
+    and max NaN for the epoch and is counted in ``nonfinite``.
+
+    NaN / Inf: the first module in execution order whose output went non-finite, and the global
+    step, is named in one ``LightningHooksWarning`` per fit, read at the end of the step (on CUDA
+    from a non-blocking copy, at most one step late; never a blocking sync).
+
+    Histograms (opt-in) are binned on the device with ``bucketize`` + ``index_add_`` and written
+    with ``SummaryWriter.add_histogram_raw``; values outside the edges count in the end bins.
+
+    Args:
+        types: only modules of these types (default: parameter-owning and activation modules).
+        include: glob patterns on qualified module names (``"encoder.*"``) to keep.
+        exclude: glob patterns on qualified module names to drop.
+        histograms: log a histogram per layer each epoch.
+        histogram_bins: number of bins.
+        histogram_range: fixed ``(low, high)`` bin edges for every layer; ``None``: a running
+            range, each layer's edges spanning its min and max of the previous epoch (the first
+            epoch: of its first output).
+        heatmaps: log the layer x epoch heatmap images.
+        warn_nonfinite: warn when an output goes NaN / Inf.
+
+    Example:
+        >>> import pytorch_lightning as pl
+        >>> callback = ActivationStatsCallback(exclude="head", histograms=True)
+        >>> trainer = pl.Trainer(callbacks=[callback])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        types: ModuleTypes = None,
+        include: Patterns = None,
+        exclude: Patterns = None,
+        histograms: bool = False,
+        histogram_bins: int = 64,
+        histogram_range: tuple[float, float] | None = None,
+        heatmaps: bool = True,
+        warn_nonfinite: bool = True,
+    ) -> None:
+        check_types(_NAME, types)
+        if (
+            isinstance(histogram_bins, bool)
+            or not isinstance(histogram_bins, int)
+            or histogram_bins < 1
+        ):
+            raise ValueError(
+                f"{_NAME}(histogram_bins={histogram_bins!r}): must be a positive int, "
+                f"got {histogram_bins!r}"
+            )
+        if histogram_range is not None and not (
+            len(histogram_range) == 2 and float(histogram_range[0]) < float(histogram_range[1])
+        ):
+            raise ValueError(
+                f"{_NAME}(histogram_range={histogram_range!r}): must be None or (low, high) "
+                f"with low < high, got {histogram_range!r}"
+            )
+        self.types = types
+        self.include = as_patterns(include, f"{_NAME}(include=...)")
+        self.exclude = as_patterns(exclude, f"{_NAME}(exclude=...)")
+        self.histograms = histograms
+        self.histogram_bins = histogram_bins
+        self.histogram_range = histogram_range
+        self.heatmaps = heatmaps
+        self.uses_images = heatmaps or histograms
+        self.warn_nonfinite = warn_nonfinite
+        self._tracker: ActivationStatsTracker | None = None
+        self._history: list[tuple[int, FeatureSummary]] = []
+        self._warned_nonfinite = False
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(
+            types=repr(self.types), include=self.include, exclude=self.exclude
+        )
+
+    @override
+    def _validate(self, pl_module: pl.LightningModule) -> None:
+        where = default_feature_module if self.types is None else None
+        selected = select_modules(
+            pl_module, types=self.types, include=self.include, exclude=self.exclude, where=where
+        )
+        if not selected:
+            raise ValueError(
+                f"{_NAME}(types={self.types!r}, include={self.include!r}, "
+                f"exclude={self.exclude!r}): selects no module of the model"
+            )
+
+    @override
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._tracker = ActivationStatsTracker(
+            pl_module,
+            types=self.types,
+            include=self.include,
+            exclude=self.exclude,
+            histogram_bins=self.histogram_bins if self.histograms else 0,
+            histogram_range=self.histogram_range,
+        )
+        self._history = []
+        self._warned_nonfinite = False
+
+    @override
+    def _detach(self) -> None:
+        if self._tracker is not None:
+            self._tracker.remove()
+            self._tracker = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._tracker is not None:
+            self._tracker.step = trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        tracker = self._tracker
+        if tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
+            return
+        found = tracker.first_nonfinite.poll() if tracker.first_nonfinite else None
+        if found is not None:
+            step, row = found
+            self._warned_nonfinite = True
+            rank_zero_warn(
+                f"{_NAME}: the first module whose output went non-finite (NaN/Inf) is "
+                f"'{tracker.layers[row]}', at global step {step} (the first in execution order "
+                "in the first step with a non-finite output).",
+                category=LightningHooksWarning,
+            )
+
+    @override
+    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._tracker is None:
+            return
+        stats, hists = self._tracker.result()
+        self._tracker.reset()
+        if not stats.layers:
+            return
+        step = trainer.global_step
+        log_scalars(trainer.loggers, dict(_scalars(stats)), step)
+        if not trainer.is_global_zero:
+            return
+        for row, hist in enumerate(hists):
+            _log_histogram(trainer, stats, row, hist, step)
+        self._history.append((trainer.current_epoch, stats))
+        if self.heatmaps:
+            self._log_heatmaps(trainer, step)
+
+    def _log_heatmaps(self, trainer: pl.Trainer, step: int) -> None:
+        layers: list[str] = []
+        for _, stats in self._history:
+            layers.extend(name for name in stats.layers if name not in layers)
+        epochs = [epoch for epoch, _ in self._history]
+        for stat in _HEATMAPS:
+            grid = np.full((len(layers), len(epochs)), np.nan)
+            for col, (_, stats) in enumerate(self._history):
+                rows = [layers.index(name) for name in stats.layers]
+                grid[rows, col] = stats.column(stat)
+            figure = layer_epoch_heatmap(layers, epochs, grid, title=f"activations: {stat}")
+            log_figure(trainer.loggers, f"activations/heatmap/{stat}", figure, step)
+
+
+def _scalars(stats: FeatureSummary) -> Iterator[tuple[str, float]]:
+    for stat in _SCALARS:
+        for layer, value, n in zip(stats.layers, stats.column(stat), stats.numel, strict=True):
+            if n > 0:
+                yield f"activations/{stat}/{layer}", float(value)
+
+
+def _log_histogram(
+    trainer: pl.Trainer, stats: FeatureSummary, row: int, hist: Histogram, step: int
+) -> None:
+    n = float(stats.numel[row])
+    if n == 0 or not np.isfinite(hist.edges).all():
+        return
+    moments = (
+        float(stats.min[row]),
+        float(stats.max[row]),
+        float(stats.sum[row]),
+        float(stats.sum_sq[row]),
+    )
+    tag = f"activations/histogram/{hist.layer}"
+    log_histogram_raw(trainer.loggers, tag, hist.edges, hist.counts, moments, step)
