@@ -152,3 +152,16 @@ def hooks_left(model: nn.Module) -> list[str]:
             if getattr(param, attr, None):
                 left.append(f"{name}.{attr}")
     return left
+
+
+def read_histograms(logdir: Path | str) -> dict[str, list[tuple[int, Any]]]:
+    """Every histogram in the event files under ``logdir``: ``tag -> [(step, value), ...]``.
+
+    Each value has ``min``, ``max``, ``num``, ``sum``, ``sum_squares``, ``bucket_limit`` (right
+    edges) and ``bucket`` (counts).
+    """
+    out: dict[str, list[tuple[int, Any]]] = defaultdict(list)
+    for acc in _accumulators(logdir):
+        for tag in acc.Tags()["histograms"]:
+            out[tag].extend((e.step, e.histogram_value) for e in acc.Histograms(tag))
+    return dict(out)

@@ -187,7 +187,7 @@ class ActivationStatsCallback(HookCallback):
         tracker = self._tracker
         if tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
             return
-        found = tracker.first_nonfinite.poll() if tracker.first_nonfinite else None
+        found = tracker.first_nonfinite.poll()
         if found is not None:
             step, row = found
             self._warned_nonfinite = True

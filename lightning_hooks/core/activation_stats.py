@@ -102,6 +102,12 @@ class _State:
         return low.unsqueeze(-1) + span.unsqueeze(-1) * self.unit
 
 
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
 class ActivationStatsTracker:
     """Per-layer statistics of module outputs over an epoch, on the device, no host sync per step.
 
@@ -159,7 +165,8 @@ class ActivationStatsTracker:
         self.histogram_range = histogram_range
         self.rows: dict[str, int] = {}
         self._state: _State | None = None
-        self.first_nonfinite: FirstNonFinite | None = None
+        # Made here, not in a hook: its host buffer is set up once, outside any training step.
+        self.first_nonfinite = FirstNonFinite(_model_device(model))
         for name, module in modules:
             self.registry.forward_hook(module, self._hook(name))
 
@@ -183,7 +190,8 @@ class ActivationStatsTracker:
         if row is None:
             if self._state is None:
                 self._state = _State(device, self.bins, self.histogram_range)
-                self.first_nonfinite = FirstNonFinite(device)
+                if self.first_nonfinite.device != device:
+                    self.first_nonfinite = FirstNonFinite(device)
             row = self.rows[layer] = len(self.rows)
             self._state.grow()
         return row
@@ -191,7 +199,7 @@ class ActivationStatsTracker:
     @torch.no_grad()
     def _observe(self, row: int, x: torch.Tensor) -> None:
         state = self._state
-        assert state is not None and self.first_nonfinite is not None
+        assert state is not None
         stats = feature_stats(x)
         state.sums.select(0, row).add_(stats[:NUM_SUMS])
         extremes = state.extremes.select(0, row)

@@ -1,0 +1,263 @@
+"""ActivationStatsCallback through a real ``Trainer.fit``, read back from TensorBoard event files."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.checkpoint import checkpoint
+
+from lightning_hooks import ActivationStatsCallback, ActivationStatsTracker, LightningHooksWarning
+from lightning_hooks.core import feature_stats
+
+from conftest import TinyMLP, dataset, hooks_left, read_histograms, read_image_tags, read_scalars
+from syncs import count_syncs
+
+
+class RecordingMLP(TinyMLP):
+    """Keeps, independently of the library, a copy of every layer output of training forwards.
+
+    Validation batches are 1000x larger than training ones: counting them would show.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.outputs: dict[str, list[torch.Tensor]] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, module in enumerate(self.net):
+            x = module(x)
+            if self.training and torch.is_grad_enabled():
+                self.outputs.setdefault(f"net.{i}", []).append(x.detach().clone())
+        return x
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        x, y = dataset(16, seed=1).tensors
+        return DataLoader(TensorDataset(x * 1000.0, y), batch_size=8)
+
+
+def _reference(outputs: list[torch.Tensor]) -> dict[str, float]:
+    x = torch.cat([o.flatten() for o in outputs]).double()
+    return {
+        "mean": float(x.mean()),
+        "std": float(x.std()),
+        "min": float(x.min()),
+        "max": float(x.max()),
+        "abs_mean": float(x.abs().mean()),
+        "zero_fraction": float((x == 0).double().mean()),
+        "nonfinite": float((~torch.isfinite(x)).sum()),
+    }
+
+
+def _close(logged: float, want: float) -> bool:
+    return math.isclose(logged, want, rel_tol=1e-5, abs_tol=1e-7)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_logged_statistics_equal_plain_torch_over_each_epoch(
+    inplace: bool, trainer_factory: Any, tmp_path: Path
+) -> None:
+    model = RecordingMLP(inplace=inplace)
+    trainer = trainer_factory(
+        callbacks=[ActivationStatsCallback()], max_epochs=2, num_sanity_val_steps=2
+    )
+    trainer.fit(model)
+    scalars = read_scalars(tmp_path)
+    layers = [f"net.{i}" for i in range(5)]
+    assert sorted(t.rsplit("/", 1)[1] for t in scalars if t.startswith("activations/mean/")) == (
+        layers
+    )
+    for epoch in range(2):
+        at = 4 * (epoch + 1)
+        for layer in layers:
+            want = _reference(model.outputs[layer][4 * epoch : 4 * (epoch + 1)])
+            for stat, value in want.items():
+                logged = dict(scalars[f"activations/{stat}/{layer}"])[at]
+                assert _close(logged, value), (stat, layer, epoch, logged, value)
+    assert 0 < dict(scalars["activations/zero_fraction/net.1"])[4] < 1
+    assert read_image_tags(tmp_path) == [
+        "activations/heatmap/mean",
+        "activations/heatmap/std",
+        "activations/heatmap/zero_fraction",
+    ]
+    assert hooks_left(model) == []
+
+
+class TwoOutputs(nn.Module):
+    """Returns a tuple with a dict, an int and ``None`` in it."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return x, {"double": 2 * x, "count": 3}, None
+
+
+class SharedLayerModel(TinyMLP):
+    """One ``Linear`` called twice per forward, and a module with a structured output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.split = TwoOutputs()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.shared(x)
+        b = self.shared(torch.relu(a))
+        if self.training and torch.is_grad_enabled():
+            self.seen += [a.detach().clone(), b.detach().clone()]
+        out, extra, _ = self.split(b)
+        return self.net(out + extra["double"])
+
+
+def test_module_called_twice_pools_both_calls_and_tuple_outputs_get_suffixes(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    model = SharedLayerModel()
+    callback = ActivationStatsCallback(
+        types=(nn.Linear, TwoOutputs), include=["shared", "split"], heatmaps=False
+    )
+    trainer_factory(callbacks=[callback]).fit(model)
+    scalars = read_scalars(tmp_path)
+    want = _reference(model.seen)  # both calls of every training forward
+    assert _close(dict(scalars["activations/mean/shared"])[4], want["mean"])
+    assert _close(dict(scalars["activations/std/shared"])[4], want["std"])
+    outputs = model.seen[1::2]
+    assert _close(dict(scalars["activations/mean/split.0"])[4], _reference(outputs)["mean"])
+    doubled = [2 * o for o in outputs]
+    assert _close(dict(scalars["activations/max/split.1.double"])[4], _reference(doubled)["max"])
+    assert not [t for t in scalars if "count" in t]
+
+
+class PoisonedLinear(nn.Linear):
+    """A ``Linear`` whose output is NaN in its third training forward."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.training and torch.is_grad_enabled():
+            self.calls += 1
+            if self.calls == 3:
+                out = out * torch.nan
+        return out
+
+
+def test_first_nonfinite_module_and_step_are_named(trainer_factory: Any, tmp_path: Path) -> None:
+    model = TinyMLP()
+    model.net[2] = PoisonedLinear(16, 16)
+    with pytest.warns(LightningHooksWarning, match=r"non-finite.*'net\.2', at global step 2") as rec:
+        trainer_factory(callbacks=[ActivationStatsCallback()], max_epochs=2).fit(model)
+    assert len([w for w in rec if "non-finite" in str(w.message)]) == 1
+    scalars = read_scalars(tmp_path)
+    # The NaN step's update makes every weight NaN: all of net.2 in steps 2 and 3, net.0 in 3.
+    assert dict(scalars["activations/nonfinite/net.2"])[4] == 2 * 8 * 16
+    assert dict(scalars["activations/nonfinite/net.0"])[4] == 8 * 16
+    assert math.isnan(dict(scalars["activations/mean/net.2"])[4])
+
+
+def _np_counts(values: torch.Tensor, edges: np.ndarray) -> np.ndarray:
+    clipped = np.clip(values.double().numpy(), edges[0], edges[-1])
+    counts, _ = np.histogram(clipped, bins=edges)
+    return counts
+
+
+def test_histograms_fixed_and_running_range(trainer_factory: Any, tmp_path: Path) -> None:
+    model = RecordingMLP()
+    fixed = ActivationStatsCallback(
+        include="net.0", histograms=True, histogram_bins=8, histogram_range=(-1.0, 1.0)
+    )
+    trainer_factory(callbacks=[fixed], max_epochs=2).fit(model)
+    ((step, hist), _) = read_histograms(tmp_path)["activations/histogram/net.0"]
+    edges = torch.linspace(-1.0, 1.0, 9).double().numpy()
+    values = torch.cat([o.flatten() for o in model.outputs["net.0"][:4]])
+    assert step == 4
+    np.testing.assert_allclose(hist.bucket_limit, edges[1:], rtol=1e-6)
+    np.testing.assert_array_equal(hist.bucket, _np_counts(values, edges))
+    assert hist.num == values.numel()
+    assert math.isclose(hist.sum, float(values.double().sum()), rel_tol=1e-5)
+
+
+def test_running_range_edges_span_the_previous_epoch(trainer_factory: Any, tmp_path: Path) -> None:
+    model = RecordingMLP()
+    running = ActivationStatsCallback(include="net.1", histograms=True, histogram_bins=5)
+    trainer_factory(callbacks=[running], max_epochs=2).fit(model)
+    (first, second) = read_histograms(tmp_path)["activations/histogram/net.1"]
+    epoch0 = torch.cat([o.flatten() for o in model.outputs["net.1"][:4]])
+    epoch1 = torch.cat([o.flatten() for o in model.outputs["net.1"][4:]])
+    lo, hi = float(epoch0.min()), float(epoch0.max())
+    edges = np.linspace(lo, hi, 6)
+    np.testing.assert_allclose(second[1].bucket_limit, edges[1:], rtol=1e-5)
+    np.testing.assert_array_equal(second[1].bucket, _np_counts(epoch1, edges))
+    batch0 = model.outputs["net.1"][0].flatten()  # epoch 0: the range of the first output
+    assert math.isclose(first[1].bucket_limit[-1], float(batch0.max()), rel_tol=1e-6)
+    assert first[1].num == epoch0.numel()
+
+
+def test_no_host_sync_between_logging_points(
+    trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probe = _SyncWindow()
+    callback = ActivationStatsCallback(histograms=True)
+    with count_syncs(monkeypatch) as counter:
+        probe.counter = counter
+        trainer_factory(callbacks=[probe, callback], max_epochs=2).fit(TinyMLP())
+    assert probe.windows == 2
+    assert dict(counter.calls) == {}
+
+
+class _SyncWindow(pl.Callback):
+    """Opens the sync counter from each epoch's start until just before the epoch-end logging."""
+
+    counter: Any = None
+    windows = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.counter.active = True
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.counter.active = False
+        self.windows += 1
+
+
+def test_half_precision_outputs_are_summed_in_float32() -> None:
+    x = torch.full((70_000,), 1.0, dtype=torch.bfloat16)
+    x[0] = -3.0
+    stats = feature_stats(x)
+    assert stats.dtype == torch.float32
+    want = [69_996.0, 70_008.0, 70_002.0, 0.0, 0.0, 70_000.0]
+    assert stats[:6].tolist() == pytest.approx(want, rel=1e-6)
+    assert stats[6:].tolist() == [-3.0, 1.0]
+    assert float(x.sum()) != 69_996.0  # bf16 accumulation would be wrong
+
+
+def test_checkpoint_recompute_is_not_counted() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with ActivationStatsTracker(model, include="1") as tracker:
+        x = torch.randn(16, 4, requires_grad=True)
+        checkpoint(model, x, use_reentrant=False).sum().backward()
+        assert tracker.summary().numel.tolist() == [128.0]
+
+
+def test_arguments_are_checked_and_named(trainer_factory: Any) -> None:
+    with pytest.raises(ValueError, match=r"histogram_bins=0\): must be a positive int, got 0"):
+        ActivationStatsCallback(histogram_bins=0)
+    with pytest.raises(ValueError, match=r"histogram_range=\(1.0, 0.0\)\): must be None or"):
+        ActivationStatsCallback(histogram_range=(1.0, 0.0))
+    with pytest.raises(TypeError, match=r"ActivationStatsCallback\(types=3\): expected"):
+        ActivationStatsCallback(types=3)  # type: ignore[arg-type]
+    model = TinyMLP()
+    with pytest.raises(ValueError, match=r"include='net\.9' matches no module.*'net\.0'"):
+        trainer_factory(callbacks=[ActivationStatsCallback(include="net.9")]).fit(model)
+    with pytest.raises(ValueError, match=r"types=<class.*Conv2d.*selects no module"):
+        trainer_factory(callbacks=[ActivationStatsCallback(types=nn.Conv2d)]).fit(model)
+    assert hooks_left(model) == []
