@@ -1,4 +1,4 @@
-"""ActivationStatsCallback through a real ``Trainer.fit``, read back from TensorBoard event files."""
+"""ActivationStatsCallback through a real ``Trainer.fit``, read back from TensorBoard events."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import ActivationStatsCallback, ActivationStatsTracker, LightningHooksWarning
 from lightning_hooks.core import feature_stats
@@ -155,7 +155,9 @@ class PoisonedLinear(nn.Linear):
 def test_first_nonfinite_module_and_step_are_named(trainer_factory: Any, tmp_path: Path) -> None:
     model = TinyMLP()
     model.net[2] = PoisonedLinear(16, 16)
-    with pytest.warns(LightningHooksWarning, match=r"non-finite.*'net\.2', at global step 2") as rec:
+    with pytest.warns(
+        LightningHooksWarning, match=r"non-finite.*'net\.2', at global step 2"
+    ) as rec:
         trainer_factory(callbacks=[ActivationStatsCallback()], max_epochs=2).fit(model)
     assert len([w for w in rec if "non-finite" in str(w.message)]) == 1
     scalars = read_scalars(tmp_path)

@@ -1,0 +1,232 @@
+"""DeadReLUCallback through a real ``Trainer.fit``, read back from TensorBoard event files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hooks import DeadReLUCallback, LightningHooksWarning
+
+from conftest import TinyCNN, TinyMLP, dataset, hooks_left, read_scalars
+from syncs import count_syncs
+
+DEAD = [1, 4, 6, 9, 13]  # units of net.0 whose bias keeps them negative for every input
+
+
+def _kill(bias: torch.Tensor, units: list[int]) -> None:
+    with torch.no_grad():
+        bias[units] = -1e3
+
+
+class RecordingMLP(TinyMLP):
+    """Records every activation output of training forwards; ``k`` units of net.0 forced dead.
+
+    Validation inputs are 1e5 times larger: counted, they would make the dead units fire.
+    """
+
+    def __init__(self, activation: type[nn.Module] = nn.ReLU, inplace: bool = False) -> None:
+        super().__init__(inplace=inplace)
+        if activation is not nn.ReLU:
+            self.net[1], self.net[3] = activation(), activation()
+        _kill(self.net[0].bias, DEAD)
+        self.outputs: dict[str, list[torch.Tensor]] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, module in enumerate(self.net):
+            x = module(x)
+            if i in (1, 3) and self.training and torch.is_grad_enabled():
+                self.outputs.setdefault(f"net.{i}", []).append(x.detach().clone())
+        return x
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y))
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        x, y = dataset(16, seed=1).tensors
+        return DataLoader(TensorDataset(x * 1e5, y), batch_size=8)
+
+
+def _reference(outputs: list[torch.Tensor], dim: int) -> tuple[int, int, float]:
+    """(dead units, units, mean over calls of the fraction of outputs <= 0), in plain torch."""
+    stacked = torch.cat([o.movedim(dim, -1).reshape(-1, o.shape[dim]) for o in outputs])
+    dead = int((stacked > 0).sum(dim=0).eq(0).sum())
+    zero = sum(float((o <= 0).double().mean()) for o in outputs) / len(outputs)
+    return dead, stacked.shape[1], zero
+
+
+def _logged(scalars: dict[str, list[tuple[int, float]]], stat: str, layer: str, at: int) -> float:
+    return dict(scalars[f"dead_relu/{stat}/{layer}"])[at]
+
+
+@pytest.mark.parametrize(
+    ("activation", "inplace"), [(nn.ReLU, False), (nn.ReLU, True), (nn.GELU, False)]
+)
+def test_k_of_n_dead_and_zero_fraction_equal_plain_torch(
+    activation: type[nn.Module], inplace: bool, trainer_factory: Any, tmp_path: Path
+) -> None:
+    model = RecordingMLP(activation, inplace)
+    callback = DeadReLUCallback(threshold=1.0)
+    trainer_factory(callbacks=[callback], max_epochs=2, num_sanity_val_steps=2).fit(model)
+    scalars = read_scalars(tmp_path)
+    for epoch in range(2):
+        at = 4 * (epoch + 1)
+        for layer in ("net.1", "net.3"):
+            dead, units, zero = _reference(model.outputs[layer][4 * epoch : at], dim=1)
+            assert _logged(scalars, "dead_count", layer, at) == dead
+            assert _logged(scalars, "dead_fraction", layer, at) == pytest.approx(dead / units)
+            assert _logged(scalars, "zero_fraction", layer, at) == pytest.approx(zero, rel=1e-6)
+        assert _logged(scalars, "dead_count", "net.1", at) == len(DEAD)
+        assert _logged(scalars, "dead_fraction", "net.1", at) == pytest.approx(len(DEAD) / 16)
+    assert hooks_left(model) == []
+
+
+def test_warns_once_per_layer_and_epoch_naming_k_of_n(trainer_factory: Any) -> None:
+    model = RecordingMLP()
+    with pytest.warns(LightningHooksWarning, match=r"'net\.1' has 5 of 16 units dead") as rec:
+        trainer_factory(callbacks=[DeadReLUCallback(threshold=0.3)], max_epochs=2).fit(model)
+    about = [str(w.message) for w in rec if "'net.1'" in str(w.message)]
+    assert len(about) == 2
+    assert "in epoch 0" in about[0] and "in epoch 1" in about[1]
+
+
+def test_below_threshold_does_not_warn(trainer_factory: Any) -> None:
+    trainer_factory(callbacks=[DeadReLUCallback(threshold=0.4)]).fit(RecordingMLP())
+
+
+class DeadChannelCNN(TinyCNN):
+    """Channels 0, 3 and 5 of the first block are pushed negative by the BatchNorm shift."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        _kill(self.features[1].bias, [0, 3, 5])
+        self.outputs: list[torch.Tensor] = []
+        self.features[2].register_forward_hook(self._record)
+
+    def _record(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if self.training and torch.is_grad_enabled():
+            self.outputs.append(out.detach().clone())
+
+
+def test_conv_units_are_channels(trainer_factory: Any, tmp_path: Path) -> None:
+    model = DeadChannelCNN()
+    trainer_factory(callbacks=[DeadReLUCallback(include="features.2", threshold=1.0)]).fit(model)
+    scalars = read_scalars(tmp_path)
+    dead, units, zero = _reference(model.outputs, dim=1)
+    assert (dead, units) == (3, 8)
+    assert _logged(scalars, "dead_count", "features.2", 3) == 3
+    assert _logged(scalars, "dead_fraction", "features.2", 3) == pytest.approx(3 / 8)
+    assert _logged(scalars, "zero_fraction", "features.2", 3) == pytest.approx(zero, rel=1e-6)
+
+
+class FunctionalReLU(pl.LightningModule):
+    """``F.relu`` inside ``forward``, no activation module; a shared ReLU-free Linear used twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 1)
+        _kill(self.fc1.bias, DEAD)
+        self.pre: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.training and torch.is_grad_enabled():
+            self.pre.append(h.detach().clone())
+        return self.fc2(nn.functional.relu(h))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(dataset(), batch_size=8)
+
+
+def test_functional_relu_through_the_producing_layer(trainer_factory: Any, tmp_path: Path) -> None:
+    model = FunctionalReLU()
+    trainer_factory(callbacks=[DeadReLUCallback(pre_activation="fc1", threshold=1.0)]).fit(model)
+    scalars = read_scalars(tmp_path)
+    dead, units, zero = _reference(model.pre, dim=1)
+    assert (dead, units) == (len(DEAD), 16)
+    assert _logged(scalars, "dead_count", "fc1", 4) == len(DEAD)
+    assert _logged(scalars, "zero_fraction", "fc1", 4) == pytest.approx(zero, rel=1e-6)
+
+
+def test_functional_relu_without_the_option_fails_at_setup(trainer_factory: Any) -> None:
+    model = FunctionalReLU()
+    with pytest.raises(ValueError, match=r"no such module to watch.*pass pre_activation="):
+        trainer_factory(callbacks=[DeadReLUCallback()]).fit(model)
+    assert hooks_left(model) == []
+
+
+class TwiceCalled(TinyMLP):
+    """One ReLU module applied twice per forward: to ``h`` and to ``-h``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU()
+        self.calls: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net[0](x)
+        a, b = self.act(h), self.act(-h)
+        if self.training and torch.is_grad_enabled():
+            self.calls += [a.detach().clone(), b.detach().clone()]
+        return self.net[4](self.net[2](a + b))
+
+
+def test_module_called_twice_counts_both_calls(trainer_factory: Any, tmp_path: Path) -> None:
+    model = TwiceCalled()
+    model.lr = 0.0  # the weights stay: the units stay dead in the first call
+    _kill(model.net[0].bias, DEAD)  # dead in the first call, firing in the second
+    trainer_factory(callbacks=[DeadReLUCallback(include="act", threshold=1.0)]).fit(model)
+    scalars = read_scalars(tmp_path)
+    dead, _, zero = _reference(model.calls, dim=1)
+    assert dead == 0 and _reference(model.calls[::2], dim=1)[0] >= len(DEAD)
+    assert _logged(scalars, "dead_count", "act", 4) == 0
+    assert _logged(scalars, "zero_fraction", "act", 4) == pytest.approx(zero, rel=1e-6)
+
+
+def test_no_host_sync_between_logging_points(
+    trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probe = _SyncWindow()
+    with count_syncs(monkeypatch) as counter:
+        probe.counter = counter
+        callback = DeadReLUCallback(threshold=1.0)
+        trainer_factory(callbacks=[probe, callback], max_epochs=2).fit(RecordingMLP())
+    assert probe.windows == 2
+    assert dict(counter.calls) == {}
+
+
+class _SyncWindow(pl.Callback):
+    """Opens the sync counter from each epoch's start until just before the epoch-end logging."""
+
+    counter: Any = None
+    windows = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.counter.active = True
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.counter.active = False
+        self.windows += 1
+
+
+def test_arguments_are_checked_and_named() -> None:
+    with pytest.raises(ValueError, match=r"DeadReLUCallback\(threshold=2\): must be in \[0, 1\]"):
+        DeadReLUCallback(threshold=2)
+    with pytest.raises(TypeError, match=r"DeadReLUCallback\(threshold='x'\): must be a number"):
+        DeadReLUCallback(threshold="x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"DeadReLUCallback\(types=3\): expected"):
+        DeadReLUCallback(types=3)  # type: ignore[arg-type]
