@@ -97,6 +97,7 @@ def test_warns_once_per_layer_and_epoch_naming_k_of_n(trainer_factory: Any) -> N
 
 
 def test_below_threshold_does_not_warn(trainer_factory: Any) -> None:
+    torch.manual_seed(0)  # net.3 keeps under 40 % dead units with this initialization
     trainer_factory(callbacks=[DeadReLUCallback(threshold=0.4)]).fit(RecordingMLP())
 
 

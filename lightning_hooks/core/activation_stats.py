@@ -15,6 +15,7 @@ from lightning_hooks.core.collectives import reduce_across_ranks
 from lightning_hooks.core.feature_stats import (
     NUM_SUMS,
     FeatureSummary,
+    Workspace,
     feature_stats,
     histogram_counts,
     summarize,
@@ -164,6 +165,7 @@ class ActivationStatsTracker:
         self.bins = histogram_bins
         self.histogram_range = histogram_range
         self.rows: dict[str, int] = {}
+        self.workspace = Workspace()
         self._state: _State | None = None
         # Made here, not in a hook: its host buffer is set up once, outside any training step.
         self.first_nonfinite = FirstNonFinite(_model_device(model))
@@ -200,7 +202,7 @@ class ActivationStatsTracker:
     def _observe(self, row: int, x: torch.Tensor) -> None:
         state = self._state
         assert state is not None
-        stats = feature_stats(x)
+        stats = feature_stats(x, self.workspace)
         state.sums.select(0, row).add_(stats[:NUM_SUMS])
         extremes = state.extremes.select(0, row)
         torch.maximum(extremes, stats[NUM_SUMS:] * state.sign, out=extremes)

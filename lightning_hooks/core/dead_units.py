@@ -74,15 +74,16 @@ def unit_dim(module: nn.Module, ndim: int) -> int:
 
 @torch.no_grad()
 def fired_counts(y: torch.Tensor, dim: int) -> torch.Tensor:
-    """``[units]`` int64: how many entries of each unit of ``y`` are ``> 0`` (fired).
+    """``[units]`` integers: how many entries of each unit of ``y`` are ``> 0`` (fired).
 
     Example:
         >>> fired_counts(torch.tensor([[1.0, 0.0, -2.0], [3.0, 0.0, 0.5]]), dim=1).tolist()
         [2, 0, 1]
     """
-    positive = y.detach() > 0
+    positive = (y.detach() > 0).view(torch.uint8)  # byte sums vectorize, bool sums do not
     others = [d for d in range(y.ndim) if d != dim]
-    return positive.sum(dim=others) if others else positive.long()
+    count = torch.int32 if y.numel() < 2**31 else torch.int64
+    return positive.sum(dim=others, dtype=count) if others else positive.to(count)
 
 
 @dataclass(frozen=True)
