@@ -37,10 +37,10 @@ class DeadReLUCallback(HookCallback):
     ==========================================  ===========================================
     Module                                      Fired
     ==========================================  ===========================================
-    ``ReLU``, ``ReLU6``                          output ``> 0`` (input ``> 0``)
-    ``LeakyReLU`` (slope >= 0), ``ELU``          output ``> 0`` (input ``> 0``)
-    ``GELU``, ``SiLU``                           output ``> 0`` (input ``> 0``)
-    ``pre_activation`` layers (``F.relu``)       the layer's output ``> 0``
+    ``ReLU``, ``ReLU6``                         output ``> 0`` (input ``> 0``)
+    ``LeakyReLU`` (slope >= 0), ``ELU``         output ``> 0`` (input ``> 0``)
+    ``GELU``, ``SiLU``                          output ``> 0`` (input ``> 0``)
+    ``pre_activation`` layers (``F.relu``)      the layer's output ``> 0``
     ==========================================  ===========================================
 
     Logged metrics (``{layer}`` is the watched module's qualified name):
