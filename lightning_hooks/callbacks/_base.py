@@ -44,7 +44,8 @@ class HookCallback(pl.Callback):
             return
         name = type(self).__name__
         strategy = type(trainer.strategy).__name__
-        if strategy in _SHARDED_STRATEGIES:
+        # By class name, through the MRO: covers both Lightning namespaces and subclasses.
+        if any(c.__name__ in _SHARDED_STRATEGIES for c in type(trainer.strategy).__mro__):
             raise MisconfigurationException(
                 f"{name} does not support Trainer(strategy={strategy}): parameters are sharded "
                 "across ranks, so per-layer statistics would be wrong. Supported: a single "
