@@ -47,7 +47,9 @@ def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _add_output_grad(sq: torch.Tensor, row: int, grad: torch.Tensor) -> None:
-    sq.select(0, row).add_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+    # fp16/bf16 are summed in float32; float64 (precision="64-true") stays float64.
+    dtype = torch.promote_types(grad.dtype, torch.float32)
+    sq.select(0, row).add_(torch.linalg.vector_norm(grad, dtype=dtype).square())
 
 
 def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int) -> Any:
