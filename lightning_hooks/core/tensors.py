@@ -27,11 +27,13 @@ def is_training_forward(module: nn.Module) -> bool:
         ...     is_training_forward(layer)
         False
     """
-    return (
-        module.training
-        and torch.is_grad_enabled()
-        and torch._C._current_graph_task_id() == -1  # not a checkpoint recompute in backward
-    )
+    if not (module.training and torch.is_grad_enabled()):
+        return False
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace the graph-task query (a graph break per hooked module), and a
+        # compiled forward's hooks never run again in backward: recomputation is in the graph.
+        return True
+    return torch._C._current_graph_task_id() == -1  # not a checkpoint recompute in backward
 
 
 def iter_float_tensors(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
