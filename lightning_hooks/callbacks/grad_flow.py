@@ -76,7 +76,10 @@ class GradFlowCallback(HookCallback):
     ==========================================  ================================================
 
     The output-gradient norm of a step sums squares over its micro-batches and over every call of
-    a module called more than once. A step that is skipped (AMP overflow) measures gradients but
+    a module called more than once (under activation checkpointing, reentrant or not, each output
+    gradient is counted once). A layer none of whose parameters got a gradient in a step (a
+    branch not taken) is left out of that step's gradient statistics; frozen parameters are not
+    tracked; outputs that are dicts, tuples or ``None`` are searched for float tensors. A step that is skipped (AMP overflow) measures gradients but
     no update. Scalars go to every logger of the Trainer; the chart needs a ``TensorBoardLogger``.
 
     The two ``clip`` tags appear when ``Trainer(gradient_clip_val=...)`` is set: Lightning clips

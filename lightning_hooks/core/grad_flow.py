@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -17,7 +17,7 @@ from lightning_hooks.core.grad_stats import GLOBAL, GRAD_STATS, ParamLayout, gra
 from lightning_hooks.core.grad_stats import update_norms as _update_norms
 from lightning_hooks.core.registry import HookRegistry
 from lightning_hooks.core.selection import ModuleTypes, Patterns
-from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
+from lightning_hooks.core.tensors import is_grad_forward, iter_float_tensors
 
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
 
@@ -39,7 +39,22 @@ class _OptimizerView:
     index: torch.Tensor
     rows: torch.Tensor  # layers it steps, then the global row
     before: list[torch.Tensor]
+    owner: tuple[int, ...]  # index, on the host
     weight_norm: torch.Tensor | None = None
+    masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
+
+    def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
+        """``[layers + 1, len(GRAD_STATS)]``: false in the gradient columns of layers none of
+        whose parameters has a gradient this step (built once per pattern, not per step)."""
+        mask = self.masks.get(missing)
+        if mask is None:
+            has = [False] * (len(self.rows) - 1)
+            for owner, gone in zip(self.owner, missing, strict=True):
+                has[owner] = has[owner] or not gone
+            table = [[h, h, h, h, True] for h in [*has, any(has)]]
+            mask = torch.tensor(table, dtype=torch.bool, device=self.rows.device)
+            self.masks[missing] = mask
+        return mask
 
 
 def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -56,7 +71,7 @@ def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int) -> Any:
     """A forward hook that puts a gradient hook on the module's outputs in training forwards."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if not is_training_forward(module):
+        if not is_grad_forward(module):
             return
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
@@ -166,7 +181,9 @@ class GradFlowTracker:
             # Re-number the subset's layers 0..k-1 so the segment reductions stay dense.
             index = torch.searchsorted(rows, index)
             before = [torch.empty_like(p) for p in params] if self._update_ratio else []
-            view = _OptimizerView(params, index, rows, before)
+            dense = {layer: i for i, layer in enumerate(layers)}
+            owner = tuple(dense[o] for o, k in zip(self.layout.owner, keep, strict=True) if k)
+            view = _OptimizerView(params, index, rows, before, owner)
             self._views[id(optimizer)] = view
         return view
 
@@ -193,7 +210,10 @@ class GradFlowTracker:
         stats = grad_stats(grads, view.params, view.index, self.layout.numel[view.rows[:-1]])
         if param_grad_scale is not None:
             stats[:, _SCALED] /= param_grad_scale
-        self.accumulator.update(stats, slice(0, len(GRAD_STATS)), view.rows, replicated=True)
+        missing = tuple(p.grad is None for p in view.params)
+        valid = view.grad_mask(missing) if any(missing) else None
+        columns = slice(0, len(GRAD_STATS))
+        self.accumulator.update(stats, columns, view.rows, valid, replicated=True)
         if self._update_ratio:
             torch._foreach_copy_(view.before, list(view.params))
             view.weight_norm = stats[:, _WEIGHT]
