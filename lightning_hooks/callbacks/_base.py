@@ -72,7 +72,7 @@ class HookCallback(pl.Callback):
         if pending:
             try:
                 self._load_state(pending)
-            except ValueError as err:
+            except (KeyError, ValueError) as err:
                 rank_zero_warn(
                     f"{type(self).__name__}: the checkpoint's statistics do not match this model "
                     f"and are dropped ({err})",
