@@ -79,7 +79,7 @@ def test_compiled_training_matches_eager(mode: str, tmp_path: Path) -> None:
     _check_against_eager(mode, "aot_eager", tmp_path)
 
 
-@pytest.mark.skipif(os.environ.get("LH_HEAVY") != "1", reason="Inductor: ~1 min; LH_HEAVY=1")
+@pytest.mark.skipif(os.environ.get("LH_HEAVY") != "1", reason="Inductor: ~20 s per fit; LH_HEAVY=1")
 @pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")  # Inductor's
 def test_compiled_with_inductor_matches_eager(tmp_path: Path) -> None:
     _check_against_eager("module", "inductor", tmp_path)

@@ -79,8 +79,9 @@ class GradFlowCallback(HookCallback):
     a module called more than once (under activation checkpointing, reentrant or not, each output
     gradient is counted once). A layer none of whose parameters got a gradient in a step (a
     branch not taken) is left out of that step's gradient statistics; frozen parameters are not
-    tracked; outputs that are dicts, tuples or ``None`` are searched for float tensors. A step that is skipped (AMP overflow) measures gradients but
-    no update. Scalars go to every logger of the Trainer; the chart needs a ``TensorBoardLogger``.
+    tracked; outputs that are dicts, tuples or ``None`` are searched for float tensors. A step
+    that is skipped (AMP overflow) measures gradients but no update. Scalars go to every logger
+    of the Trainer; the chart needs a ``TensorBoardLogger``.
 
     The two ``clip`` tags appear when ``Trainer(gradient_clip_val=...)`` is set: Lightning clips
     after ``on_before_optimizer_step``, so the post-clip norm is read in an optimizer step
