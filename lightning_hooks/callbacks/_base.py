@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytorch_lightning as pl
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
@@ -12,6 +14,10 @@ from lightning_hooks.logging import tensorboard_writers
 
 __all__ = ["HookCallback"]
 
+# Strategies that shard parameters: a rank's hooks see a shard, so per-layer statistics would be
+# silently wrong. Refused at setup until they are tested (see the README's support matrix).
+_SHARDED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+
 
 class HookCallback(pl.Callback):
     """Base of the library's callbacks: owns when hooks exist, subclasses own what they measure.
@@ -21,15 +27,30 @@ class HookCallback(pl.Callback):
     hooks' siblings after an exception, so each of them removes, idempotently. A second ``fit``
     starts from a clean slate. Subclasses implement :meth:`_attach`, :meth:`_detach` and
     :meth:`_log_epoch`.
+
+    Checkpoints: :meth:`state_dict` holds :meth:`_save_state` (the epoch so far, reduced across
+    ranks, on the host); :meth:`load_state_dict` keeps it until the hooks are attached, then
+    :meth:`_load_state` hands it to the fresh accumulators (under DDP to rank 0 only, so the next
+    reduce counts it once). A state saved for other layers is dropped with one warning.
+    Strategies that shard parameters (FSDP, DeepSpeed, ModelParallel) are refused at setup.
     """
 
     uses_images: bool = True
+    _pending_state: dict[str, Any] | None = None
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         name = type(self).__name__
+        strategy = type(trainer.strategy).__name__
+        # By class name, through the MRO: covers both Lightning namespaces and subclasses.
+        if any(c.__name__ in _SHARDED_STRATEGIES for c in type(trainer.strategy).__mro__):
+            raise MisconfigurationException(
+                f"{name} does not support Trainer(strategy={strategy}): parameters are sharded "
+                "across ranks, so per-layer statistics would be wrong. Supported: a single "
+                "device, 'ddp', 'ddp_spawn', 'ddp_notebook' (see the README's support matrix)."
+            )
         if not trainer.loggers:
             raise MisconfigurationException(
                 f"{name} needs a logger, but the Trainer has none (logger=False). "
@@ -47,6 +68,24 @@ class HookCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._detach()
         self._attach(trainer, pl_module)
+        pending, self._pending_state = self._pending_state, None
+        if pending:
+            try:
+                self._load_state(pending)
+            except (KeyError, ValueError) as err:
+                rank_zero_warn(
+                    f"{type(self).__name__}: the checkpoint's statistics do not match this model "
+                    f"and are dropped ({err})",
+                    category=LightningHooksWarning,
+                )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self._save_state()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending_state = dict(state_dict)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -77,3 +116,10 @@ class HookCallback(pl.Callback):
 
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         raise NotImplementedError
+
+    def _save_state(self) -> dict[str, Any]:
+        """The statistics so far, reduced across ranks, on the host (every rank calls it)."""
+        return {}
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`_save_state` into freshly attached accumulators; ValueError if foreign."""

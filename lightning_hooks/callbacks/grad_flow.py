@@ -28,6 +28,7 @@ _LOGGED: tuple[tuple[str, str, str], ...] = (
     ("update_ratio_max", "update_ratio", "peak"),
     ("output_grad_norm", "output_grad_norm", "mean"),
     ("output_grad_norm_max", "output_grad_norm", "peak"),
+    ("grad_norm_postclip", "grad_norm_postclip", "mean"),
 )
 
 
@@ -69,12 +70,26 @@ class GradFlowCallback(HookCallback):
     ``grad_flow/output_grad_norm/{layer}``      L2 norm of d loss / d output, mean
     ``grad_flow/output_grad_norm_max/{layer}``  the same, max
     ``grad_flow/global/{stat}``                 the first eight, over all layers together
+    ``grad_flow/global/grad_norm_preclip``      global gradient L2 norm before clipping, mean
+    ``grad_flow/global/grad_norm_postclip``     the same after clipping, mean
     ``grad_flow/chart`` (image)                 mean and max ``|g|`` per layer, log scale
     ==========================================  ================================================
 
     The output-gradient norm of a step sums squares over its micro-batches and over every call of
-    a module called more than once. A step that is skipped (AMP overflow) measures gradients but
-    no update. Scalars go to every logger of the Trainer; the chart needs a ``TensorBoardLogger``.
+    a module called more than once (under activation checkpointing, reentrant or not, each output
+    gradient is counted once). A layer none of whose parameters got a gradient in a step (a
+    branch not taken) is left out of that step's gradient statistics; frozen parameters are not
+    tracked; outputs that are dicts, tuples or ``None`` are searched for float tensors. A step
+    that is skipped (AMP overflow) measures gradients but no update. Scalars go to every logger
+    of the Trainer; the chart needs a ``TensorBoardLogger``.
+
+    The two ``clip`` tags appear when ``Trainer(gradient_clip_val=...)`` is set: Lightning clips
+    after ``on_before_optimizer_step``, so the post-clip norm is read in an optimizer step
+    post-hook (the gradient is still there after the update). Under ``16-mixed`` the GradScaler's
+    scale is divided out on the device; a fused optimizer (``Adam(fused=True)``), whose
+    gradients Lightning leaves scaled, gets its gradient statistics divided by the same scale.
+    Under DDP the values equal one process's on the global batch (see
+    :class:`~lightning_hooks.core.GradFlowTracker`), at two collectives per epoch.
 
     Args:
         types: only modules of these types count as layers (default: any module with parameters).
@@ -130,6 +145,7 @@ class GradFlowCallback(HookCallback):
             exclude=self.exclude,
             update_ratio=self.update_ratio,
             output_grad=self.output_grad,
+            post_clip=bool(trainer.gradient_clip_val),
         )
 
     @override
@@ -143,7 +159,19 @@ class GradFlowCallback(HookCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         if self._tracker is not None:
-            self._tracker.observe(optimizer, _grad_scale(trainer))
+            scale = _grad_scale(trainer)
+            # Lightning does not unscale for optimizers that unscale inside their step (fused).
+            fused = scale is not None and getattr(optimizer, "_step_supports_amp_scaling", False)
+            self._tracker.observe(optimizer, scale, scale if fused else None)
+
+    @override
+    def _save_state(self) -> dict[str, Any]:
+        return {} if self._tracker is None else self._tracker.state()
+
+    @override
+    def _load_state(self, state: dict[str, Any]) -> None:
+        if self._tracker is not None:
+            self._tracker.load_state(state)
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -167,6 +195,9 @@ class GradFlowCallback(HookCallback):
 
 
 def _scalars(stats: LayerStats) -> Iterator[tuple[str, float]]:
+    postclip = stats.count[-1, stats.stats.index("grad_norm_postclip")]
+    if postclip > 0:
+        yield "grad_flow/global/grad_norm_preclip", float(stats.column("grad_norm")[-1])
     for suffix, stat, kind in _LOGGED:
         column = stats.column(stat, kind)
         counts = stats.count[:, stats.stats.index(stat)]

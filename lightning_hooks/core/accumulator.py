@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torchmetrics import Metric
 
+from lightning_hooks.core.distributed import all_gather_stacked, rank
+
 __all__ = ["LayerStats", "LayerStatsAccumulator"]
 
 Columns = slice | Sequence[int]
@@ -45,8 +47,12 @@ class LayerStatsAccumulator(Metric):
     """Sum, max and count of ``[layers, stats]`` values, kept on the device.
 
     Each :meth:`update` is a handful of in-place kernels and no host sync. Under
-    ``torch.distributed`` :meth:`compute` reduces across ranks (sums and counts summed, maxima
-    max-ed): three states, whatever the number of layers.
+    ``torch.distributed`` :meth:`compute`, :meth:`result` and :meth:`host_state` reduce across
+    ranks (sums and counts summed, maxima max-ed) in ONE collective: the three states are packed
+    into one tensor and all-gathered, whatever the number of layers (torchmetrics' default sync
+    makes three collectives per state). Values that are the same on every rank (gradients after
+    DDP's all-reduce) are passed with ``replicated=True`` and observed by rank 0 only, so the
+    reduce counts them once.
 
     Args:
         layers: the row names.
@@ -81,22 +87,32 @@ class LayerStatsAccumulator(Metric):
         columns: Columns = slice(None),
         rows: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
+        *,
+        replicated: bool = False,
     ) -> None:
-        """Add one observation per cell, on the device.
+        """Add one observation per cell (or one per step and cell), on the device.
 
         Args:
-            values: ``[rows, columns]`` values for the selected cells.
+            values: ``[rows, columns]`` values for the selected cells, or ``[steps, rows,
+                columns]`` for several observations of each.
             columns: which statistics ``values`` holds (a slice or column indices).
             rows: layer indices of ``values``' rows (default: every layer, in order).
             valid: optional boolean mask broadcastable to ``values``: cells where it is false are
                 not observed (a layer that did not run, a ratio with a zero denominator).
+            replicated: ``values`` are identical on every rank (e.g. all-reduced gradients):
+                only rank 0 records them, so the cross-rank reduce does not count them twice.
         """
+        if replicated and rank() != 0:
+            return
         cols = columns if isinstance(columns, slice) else list(columns)
         at: tuple[Any, ...]
         if rows is None:
             at = (slice(None), cols)
         else:
             at = (rows, cols) if isinstance(cols, slice) else (rows[:, None], cols)
+        if values.dim() == 3:
+            self._update_steps(values, at, valid)
+            return
         if valid is None:
             self.total[at] += values
             self.peak[at] = torch.maximum(self.peak[at], values)
@@ -107,17 +123,85 @@ class LayerStatsAccumulator(Metric):
         self.peak[at] = torch.where(valid, torch.maximum(self.peak[at], values), self.peak[at])
         self.count[at] += valid
 
-    def compute(self) -> torch.Tensor:
-        """``[4, layers, stats]``: mean, peak, total and count (synced across ranks)."""
+    def _update_steps(
+        self, values: torch.Tensor, at: tuple[Any, ...], valid: torch.Tensor | None
+    ) -> None:
+        if values.shape[0] == 0:
+            return
+        mask = torch.ones_like(values, dtype=torch.bool) if valid is None else valid
+        mask = mask.expand_as(values)
+        self.total[at] += torch.where(mask, values, 0.0).sum(0)
+        step_peak = torch.where(mask, values, -torch.inf).amax(0)
+        self.peak[at] = torch.maximum(self.peak[at], step_peak)
+        self.count[at] += mask.sum(0)
+
+    def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
+        # One all-gather of the packed states instead of torchmetrics' three collectives per state.
+        packed = all_gather_stacked(torch.stack([self.total, self.peak, self.count]), process_group)
+        self.total = packed[:, 0].sum(0)
+        self.peak = packed[:, 1].amax(0)
+        self.count = packed[:, 2].sum(0)
+
+    def _table(self) -> torch.Tensor:
         mean = torch.where(self.count > 0, self.total / self.count.clamp_min(1), torch.nan)
         peak = torch.where(self.count > 0, self.peak, torch.nan)
         return torch.stack([mean, peak, self.total, self.count])
 
+    def compute(self) -> torch.Tensor:
+        """``[4, layers, stats]``: mean, peak, total and count (synced across ranks)."""
+        return self._table()
+
     def result(self) -> LayerStats:
-        """:meth:`compute`, copied to the host once, as a :class:`LayerStats`."""
-        if self._update_count == 0:
-            nan = np.full((len(self.layers), len(self.stats)), np.nan)
-            zero = np.zeros_like(nan)
-            return LayerStats(self.layers, self.stats, nan, nan, zero, zero)
-        mean, peak, total, count = self.compute().cpu().double().numpy()
+        """Mean, peak, total and count, reduced across ranks and copied to the host once.
+
+        Every rank must call it (it is a collective under ``torch.distributed``), also a rank
+        that observed nothing. Cells never observed are ``NaN`` (mean, peak) and ``0``.
+        """
+        with self.sync_context():
+            table = self._table()
+        mean, peak, total, count = table.cpu().double().numpy()
         return LayerStats(self.layers, self.stats, mean, peak, total, count)
+
+    def host_state(self) -> dict[str, Any]:
+        """The reduced states on the host, for a checkpoint (a collective, like :meth:`result`).
+
+        Example:
+            >>> acc = LayerStatsAccumulator(["a"], ["x"])
+            >>> acc.update(torch.tensor([[2.0]]))
+            >>> state = acc.host_state()
+            >>> fresh = LayerStatsAccumulator(["a"], ["x"])
+            >>> fresh.load_host_state(state)
+            >>> fresh.result().total.tolist()
+            [[2.0]]
+        """
+        with self.sync_context():
+            states = [t.detach().to("cpu", torch.float64, copy=True) for t in self._states()]
+        total, peak, count = states
+        return {
+            "layers": list(self.layers),
+            "stats": list(self.stats),
+            "total": total,
+            "peak": peak,
+            "count": count,
+        }
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`host_state`: rank 0 holds the reduced values, other ranks start empty.
+
+        Raises:
+            ValueError: the state was saved for other layers or statistics.
+        """
+        saved = (tuple(state["layers"]), tuple(state["stats"]))
+        if saved != (self.layers, self.stats):
+            raise ValueError(
+                f"LayerStatsAccumulator.load_host_state: saved for layers={saved[0]!r}, "
+                f"stats={saved[1]!r}; this one has layers={self.layers!r}, stats={self.stats!r}"
+            )
+        self.reset()
+        if rank() != 0:
+            return
+        for name, tensor in zip(("total", "peak", "count"), self._states(), strict=True):
+            tensor.copy_(state[name])
+
+    def _states(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.total, self.peak, self.count

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -12,20 +12,23 @@ import torch
 from torch import nn
 
 from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
+from lightning_hooks.core.distributed import all_reduce_sum_, world_size
 from lightning_hooks.core.grad_stats import GLOBAL, GRAD_STATS, ParamLayout, grad_stats
 from lightning_hooks.core.grad_stats import update_norms as _update_norms
 from lightning_hooks.core.registry import HookRegistry
 from lightning_hooks.core.selection import ModuleTypes, Patterns
-from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
+from lightning_hooks.core.tensors import is_grad_forward, iter_float_tensors
 
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
 
-GRAD_FLOW_STATS = (*GRAD_STATS, "update_ratio", "output_grad_norm")
+GRAD_FLOW_STATS = (*GRAD_STATS, "update_ratio", "output_grad_norm", "grad_norm_postclip")
 """Columns of the tracker's :class:`~lightning_hooks.core.LayerStats`."""
 
 _UPDATE = GRAD_FLOW_STATS.index("update_ratio")
 _OUTPUT = GRAD_FLOW_STATS.index("output_grad_norm")
 _WEIGHT = GRAD_FLOW_STATS.index("weight_norm")
+_POSTCLIP = GRAD_FLOW_STATS.index("grad_norm_postclip")
+_SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the gradient
 
 
 @dataclass
@@ -36,18 +39,39 @@ class _OptimizerView:
     index: torch.Tensor
     rows: torch.Tensor  # layers it steps, then the global row
     before: list[torch.Tensor]
+    owner: tuple[int, ...]  # index, on the host
     weight_norm: torch.Tensor | None = None
+    masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
+
+    def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
+        """``[layers + 1, len(GRAD_STATS)]``: false in the gradient columns of layers none of
+        whose parameters has a gradient this step (built once per pattern, not per step)."""
+        mask = self.masks.get(missing)
+        if mask is None:
+            has = [False] * (len(self.rows) - 1)
+            for owner, gone in zip(self.owner, missing, strict=True):
+                has[owner] = has[owner] or not gone
+            table = [[h, h, h, h, True] for h in [*has, any(has)]]
+            mask = torch.tensor(table, dtype=torch.bool, device=self.rows.device)
+            self.masks[missing] = mask
+        return mask
+
+
+def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(torch._foreach_norm(tensors)).float()
 
 
 def _add_output_grad(sq: torch.Tensor, row: int, grad: torch.Tensor) -> None:
-    sq.select(0, row).add_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+    # fp16/bf16 are summed in float32; float64 (precision="64-true") stays float64.
+    dtype = torch.promote_types(grad.dtype, torch.float32)
+    sq.select(0, row).add_(torch.linalg.vector_norm(grad, dtype=dtype).square())
 
 
 def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int) -> Any:
     """A forward hook that puts a gradient hook on the module's outputs in training forwards."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if not is_training_forward(module):
+        if not is_grad_forward(module):
             return
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
@@ -66,8 +90,17 @@ class GradFlowTracker:
     norm of the gradient with respect to the layer's outputs (summed in square over the
     micro-batches and calls of the step). :meth:`result` gives the mean and max over steps.
 
-    Call :meth:`observe` just before ``optimizer.step()``; the update ratio is taken by an
-    optimizer step post-hook. Use it as a context manager, or call :meth:`remove`.
+    Call :meth:`observe` just before ``optimizer.step()``; the update ratio (and, with
+    ``post_clip``, the global norm of the gradient after clipping) is taken by an optimizer step
+    post-hook, which runs after any clipping and after the update, while ``p.grad`` still holds
+    what the optimizer applied. Use it as a context manager, or call :meth:`remove`.
+
+    Under ``torch.distributed`` (DDP) every rank must call :meth:`observe` and :meth:`result`.
+    Parameter gradients are the all-reduced ones, the same on every rank: rank 0 records them.
+    Output gradients are rank-local: their squares are kept per step and summed across ranks
+    in one collective at :meth:`result`, then divided by the world size, which gives the output
+    gradient of the rank-averaged loss that DDP's gradient averaging optimizes, i.e. what one
+    process would measure on the global batch.
 
     Args:
         model: the model to track.
@@ -77,6 +110,7 @@ class GradFlowTracker:
         exclude: glob patterns on module names to drop.
         update_ratio: measure the update ratio (keeps one copy of the parameters).
         output_grad: measure the gradient with respect to each layer's output.
+        post_clip: measure the global gradient norm after clipping, in the step post-hook.
 
     Example:
         >>> import torch
@@ -91,7 +125,7 @@ class GradFlowTracker:
         ...         opt.step()
         ...     stats = tracker.result()
         >>> stats.layers, stats.count[0].tolist()
-        (('0', '2', 'global'), [3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0])
+        (('0', '2', 'global'), [3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 0.0])
     """
 
     def __init__(
@@ -104,6 +138,7 @@ class GradFlowTracker:
         exclude: Patterns = None,
         update_ratio: bool = True,
         output_grad: bool = True,
+        post_clip: bool = False,
     ) -> None:
         self.registry = HookRegistry(model)
         modules = self.registry.modules(types=types, include=include, exclude=exclude)
@@ -119,7 +154,12 @@ class GradFlowTracker:
         num_layers = len(self.layout.layers)
         self._out_sq = torch.zeros(num_layers, device=device)
         self._hit = torch.zeros(num_layers, dtype=torch.bool, device=device)
+        # Per optimizer step: [squared output-grad norm, hit] per layer, reduced at result().
+        self._series = torch.zeros(16, 2, num_layers, device=device)
+        self._steps = 0
+        self._output_grad = output_grad
         self._update_ratio = update_ratio
+        self._post_clip = post_clip
         self._views: dict[int, _OptimizerView] = {}
         if output_grad:
             by_name = dict(modules)
@@ -141,59 +181,111 @@ class GradFlowTracker:
             # Re-number the subset's layers 0..k-1 so the segment reductions stay dense.
             index = torch.searchsorted(rows, index)
             before = [torch.empty_like(p) for p in params] if self._update_ratio else []
-            view = _OptimizerView(params, index, rows, before)
+            dense = {layer: i for i, layer in enumerate(layers)}
+            owner = tuple(dense[o] for o, k in zip(self.layout.owner, keep, strict=True) if k)
+            view = _OptimizerView(params, index, rows, before, owner)
             self._views[id(optimizer)] = view
         return view
 
     @torch.no_grad()
     def observe(
-        self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        grad_scale: torch.Tensor | None = None,
+        param_grad_scale: torch.Tensor | None = None,
     ) -> None:
         """Record the gradients ``optimizer`` is about to apply (call just before its step).
 
         Args:
             optimizer: the optimizer about to step; only the parameters it holds are measured.
             grad_scale: the AMP loss scale the output gradients still carry (a tensor, read on
-                the device), or ``None``. Parameter gradients must already be unscaled.
+                the device), or ``None``.
+            param_grad_scale: the loss scale the parameter gradients still carry (a fused
+                optimizer unscales inside its step), or ``None`` when they are unscaled.
         """
         view = self._view(optimizer)
         if not view.params:
             return
         grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in view.params]
         stats = grad_stats(grads, view.params, view.index, self.layout.numel[view.rows[:-1]])
-        self.accumulator.update(stats, slice(0, len(GRAD_STATS)), view.rows)
+        if param_grad_scale is not None:
+            stats[:, _SCALED] /= param_grad_scale
+        missing = tuple(p.grad is None for p in view.params)
+        valid = view.grad_mask(missing) if any(missing) else None
+        columns = slice(0, len(GRAD_STATS))
+        self.accumulator.update(stats, columns, view.rows, valid, replicated=True)
         if self._update_ratio:
             torch._foreach_copy_(view.before, list(view.params))
             view.weight_norm = stats[:, _WEIGHT]
-        self._observe_output_grad(view.rows[:-1], grad_scale)
+        if self._output_grad:
+            self._observe_output_grad(view.rows[:-1], grad_scale)
 
     def _observe_output_grad(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
-        norm = self._out_sq[rows].sqrt()
+        if self._steps == self._series.shape[0]:
+            self._series = torch.cat([self._series, torch.zeros_like(self._series)])
+        sq = self._out_sq[rows]
         if grad_scale is not None:
-            norm = norm / grad_scale
-        self.accumulator.update(norm[:, None], [_OUTPUT], rows, valid=self._hit[rows, None])
+            sq = sq / grad_scale.square()
+        slot = self._series[self._steps]
+        slot[0].index_copy_(0, rows, sq)
+        slot[1].index_copy_(0, rows, self._hit[rows].to(slot.dtype))
+        self._steps += 1
         self._out_sq.index_fill_(0, rows, 0.0)
         self._hit.index_fill_(0, rows, False)
+
+    def _flush_output_grad(self) -> None:
+        """Reduce the per-step output-gradient squares across ranks into the accumulator."""
+        if self._steps == 0:
+            return
+        series = all_reduce_sum_(self._series[: self._steps].clone())
+        norm = series[:, 0].sqrt() / world_size()
+        rows = torch.arange(norm.shape[1], device=norm.device)
+        valid = series[:, 1, :, None] > 0
+        self.accumulator.update(norm[:, :, None], [_OUTPUT], rows, valid, replicated=True)
+        self._series.zero_()
+        self._steps = 0
 
     @torch.no_grad()
     def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         view = self._views.get(id(optimizer))
-        if view is None or view.weight_norm is None:
+        if view is None:
+            return
+        if self._post_clip:
+            grads = [p.grad for p in view.params if p.grad is not None]
+            norm = torch.linalg.vector_norm(_norms(grads)) if grads else view.rows.new_zeros(())
+            glob = view.rows[-1:]
+            self.accumulator.update(norm.float().view(1, 1), [_POSTCLIP], glob, replicated=True)
+        if view.weight_norm is None:
             return
         num_layers = len(view.rows) - 1
         upd = _update_norms(view.before, view.params, view.index, num_layers)
         ratio = upd / view.weight_norm.clamp_min(torch.finfo(upd.dtype).tiny)
         valid = (view.weight_norm > 0)[:, None]
-        self.accumulator.update(ratio[:, None], [_UPDATE], view.rows, valid=valid)
+        self.accumulator.update(ratio[:, None], [_UPDATE], view.rows, valid, replicated=True)
         view.weight_norm = None
 
     def result(self) -> LayerStats:
-        """Mean and max over the observed steps (reduced across ranks), copied to the host."""
+        """Mean and max over the observed steps (reduced across ranks), copied to the host.
+
+        Under ``torch.distributed`` this is two collectives, whatever the number of layers.
+        """
+        self._flush_output_grad()
         return self.accumulator.result()
+
+    def state(self) -> dict[str, Any]:
+        """The epoch so far, reduced across ranks, on the host (for a checkpoint)."""
+        self._flush_output_grad()
+        return self.accumulator.host_state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue the epoch :meth:`state` saved (same layers and statistics, else ValueError)."""
+        self.accumulator.load_host_state(state)
 
     def reset(self) -> None:
         """Start a new accumulation period (an epoch)."""
         self.accumulator.reset()
+        self._series.zero_()
+        self._steps = 0
 
     def remove(self) -> None:
         """Remove every hook (idempotent)."""

@@ -54,6 +54,14 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+def _plain_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def _is_compiled_wrapper(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "_orig_mod", None), nn.Module)
+
+
 def select_modules(
     model: nn.Module,
     *,
@@ -65,7 +73,9 @@ def select_modules(
     """Return ``(qualified_name, module)`` pairs of ``model`` to instrument, in registration order.
 
     The root module itself is never returned. A module reachable under two names (a shared
-    module) is returned once, under its first name.
+    module) is returned once, under its first name. A submodule compiled in place
+    (``model.net = torch.compile(model.net)``) keeps its eager names: the ``_orig_mod`` segment
+    is dropped and the compiled wrapper itself is skipped.
 
     Args:
         model: the model to search.
@@ -88,7 +98,11 @@ def select_modules(
     """
     inc = as_patterns(include, "include")
     exc = as_patterns(exclude, "exclude")
-    named = [(n, m) for n, m in model.named_modules() if n]
+    named = [
+        (_plain_name(n), m)
+        for n, m in model.named_modules()
+        if _plain_name(n) and not _is_compiled_wrapper(m)
+    ]
     names = [n for n, _ in named]
     _check_patterns(inc, names, "include")
     _check_patterns(exc, names, "exclude")

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["is_training_forward", "iter_float_tensors"]
+__all__ = ["is_grad_forward", "is_training_forward", "iter_float_tensors"]
 
 
 def is_training_forward(module: nn.Module) -> bool:
@@ -27,11 +27,31 @@ def is_training_forward(module: nn.Module) -> bool:
         ...     is_training_forward(layer)
         False
     """
-    return (
-        module.training
-        and torch.is_grad_enabled()
-        and torch._C._current_graph_task_id() == -1  # not a checkpoint recompute in backward
-    )
+    if not (module.training and torch.is_grad_enabled()):
+        return False
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace the graph-task query (a graph break per hooked module), and a
+        # compiled forward's hooks never run again in backward: recomputation is in the graph.
+        return True
+    return torch._C._current_graph_task_id() == -1  # not a checkpoint recompute in backward
+
+
+def is_grad_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s outputs in this forward can receive training gradients.
+
+    For hooks that put a gradient hook on the outputs. Unlike :func:`is_training_forward`, an
+    activation-checkpoint recompute counts: with ``use_reentrant=True`` the first forward runs
+    without grad and only the recompute's outputs get gradients; with ``use_reentrant=False``
+    the recompute's outputs never get any (its gradient hooks never fire). Either way each
+    output gradient is seen exactly once.
+
+    Example:
+        >>> from torch import nn
+        >>> layer = nn.Linear(2, 2)
+        >>> is_grad_forward(layer), is_grad_forward(layer.eval())
+        (True, False)
+    """
+    return module.training and torch.is_grad_enabled()
 
 
 def iter_float_tensors(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,51 @@
+"""The few ``torch.distributed`` facts the core needs; every function is a no-op in one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather_stacked", "all_reduce_sum_", "is_distributed", "rank", "world_size"]
+
+
+def is_distributed() -> bool:
+    """Whether a default process group is up (Lightning's DDP creates one in ``setup``)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank in the default group, ``0`` without one."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of processes in the default group, ``1`` without one."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks in place (one collective); returns it.
+
+    Example:
+        >>> all_reduce_sum_(torch.ones(2))  # one process: unchanged
+        tensor([1., 1.])
+    """
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_stacked(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """``[world_size, *tensor.shape]``: every rank's ``tensor`` (one collective; same shapes).
+
+    Example:
+        >>> all_gather_stacked(torch.zeros(3)).shape
+        torch.Size([1, 3])
+    """
+    if not is_distributed():
+        return tensor.unsqueeze(0)
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.stack(parts)

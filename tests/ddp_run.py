@@ -1,0 +1,175 @@
+"""A 2-process CPU DDP fit (gloo) with GradFlowCallback, run as a script by test_distributed.py.
+
+Lightning's DDP launcher re-runs this script for rank 1, so everything happens under ``main()``.
+Two fits in one launch: 10 layers logged to TensorBoard, 200 layers to a CSVLogger (which makes
+the callback warn that the chart needs TensorBoard). Every ``torch.distributed`` collective is
+counted per epoch (all of them, and those made from the ``lightning_hooks`` package); each rank
+writes ``rank{r}.json`` into ``--out``. Each rank gets half of each global batch of 8 (a
+``DistributedSampler`` without shuffling: rank ``r`` takes samples ``r, r + 2, ...``), so
+``fit(..., devices=1)`` sees the same global batches in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+)
+SAMPLES = 32
+
+
+class DeepMLP(pl.LightningModule):
+    """``depth`` Linear(8, 8) + Tanh blocks and a Linear(8, 1) head, MSE (mean) loss."""
+
+    def __init__(self, depth: int = 10, batch_size: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        blocks: list[nn.Module] = []
+        for _ in range(depth):
+            blocks += [nn.Linear(8, 8), nn.Tanh()]
+        self.net = nn.Sequential(*blocks, nn.Linear(8, 1))
+        self.batch_size = batch_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(SAMPLES, 8, generator=g)
+        y = x[:, :1] - 0.5 * x[:, 1:2]
+        data = TensorDataset(x, y)
+        # Lightning's own DistributedSampler would shuffle: split without shuffling instead.
+        sampler = DistributedSampler(data, shuffle=False) if dist.is_initialized() else None
+        return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+
+
+def trainer_options(root: Path, logger: str) -> dict[str, Any]:
+    """The Trainer options both the DDP and the single-process run use."""
+    loggers = {
+        "tensorboard": TensorBoardLogger(str(root), name="tb", version=0),
+        "csv": CSVLogger(str(root), name="csv", version=0),
+    }
+    return {
+        "max_epochs": 2,
+        "accelerator": "cpu",
+        "logger": loggers[logger],
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "num_sanity_val_steps": 0,
+        "use_distributed_sampler": False,
+    }
+
+
+class _CollectiveCounter(pl.Callback):
+    """Counts ``torch.distributed`` collectives per epoch: all, and those from our package."""
+
+    def __init__(self) -> None:
+        self.all: Counter[str] = Counter()
+        self.ours: Counter[str] = Counter()
+        self.epochs: list[dict[str, int]] = []
+        self._mark = (0, 0)
+        self._originals = {name: getattr(dist, name) for name in COLLECTIVES}
+        for name, original in self._originals.items():
+            setattr(dist, name, self._wrap(name, original))
+
+    def restore(self) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.all[name] += 1
+            if _called_from_package():
+                self.ours[name] += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._mark = (self.all.total(), self.ours.total())
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.epochs.append(
+            {"all": self.all.total() - self._mark[0], "ours": self.ours.total() - self._mark[1]}
+        )
+
+
+def _called_from_package() -> bool:
+    import lightning_hooks
+
+    root = str(Path(lightning_hooks.__file__).parent)
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(root):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def fit(root: Path, depth: int, logger: str, devices: int) -> _CollectiveCounter:
+    """One fit of ``DeepMLP(depth)`` with GradFlowCallback; logs under ``root``."""
+    from lightning_hooks import GradFlowCallback
+
+    counter = _CollectiveCounter()
+    strategy = {"strategy": "ddp"} if devices > 1 else {}
+    trainer = pl.Trainer(
+        devices=devices,
+        callbacks=[GradFlowCallback(), counter],
+        **strategy,
+        **trainer_options(root, logger),
+    )
+    trainer.fit(DeepMLP(depth=depth, batch_size=SAMPLES // 4 // devices))
+    counter.restore()
+    return counter
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    report: dict[str, Any] = {}
+    # The second fit reuses the process group: Lightning does not launch again.
+    for depth, logger in ((10, "tensorboard"), (200, "csv")):
+        counter = fit(args.out / f"depth{depth}", depth, logger, devices=2)
+        report[f"depth{depth}"] = {"epochs": counter.epochs, "ours": dict(counter.ours)}
+    report["rank"] = dist.get_rank()
+    report["world_size"] = dist.get_world_size()
+    report["backend"] = dist.get_backend()
+    (args.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""DDP on CPU (gloo, 2 processes) against one process on the same global batches.
+
+One launch of ``tests/ddp_run.py`` (about 30 s on 2 cores, most of it importing Lightning twice)
+serves every test here: two fits, 10 and 200 layers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ddp_run import DeepMLP, fit
+from lightning_fabric.utilities.exceptions import MisconfigurationException
+from pytorch_lightning import Trainer
+from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.strategies import FSDPStrategy
+
+from lightning_hooks import GradFlowCallback
+
+from conftest import hooks_left, read_scalars
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER_ENV = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("ddp")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "ddp_run.py"), "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, proc.stdout + proc.stderr
+
+
+def _report(out: Path, rank: int) -> dict[str, Any]:
+    return json.loads((out / f"rank{rank}.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_ddp_statistics_equal_one_process_on_the_global_batch(
+    ddp_run: tuple[Path, str], tmp_path: Path
+) -> None:
+    out, _ = ddp_run
+    assert _report(out, 1)["world_size"] == 2 and _report(out, 1)["backend"] == "gloo"
+    fit(tmp_path, depth=10, logger="tensorboard", devices=1).restore()
+    single = read_scalars(tmp_path / "tb")
+    ddp = read_scalars(out / "depth10" / "tb")
+    tags = {t for t in single if t.startswith("grad_flow/")}
+    assert len(tags) == 11 * 10 + 8  # 11 layers x 10 statistics, 8 global
+    assert {t for t in ddp if t.startswith("grad_flow/")} == tags
+    for tag in sorted(tags):
+        assert [s for s, _ in ddp[tag]] == [s for s, _ in single[tag]] == [4, 8], tag
+        for (_, got), (_, want) in zip(ddp[tag], single[tag], strict=True):
+            assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-12), (tag, got, want)
+    # Output gradients are rank-local: were they not reduced, DDP would report about 1/sqrt(2).
+    assert single["grad_flow/output_grad_norm/net.0"][0][1] > 0
+
+
+def test_only_rank_zero_writes_and_warns_once(ddp_run: tuple[Path, str]) -> None:
+    out, output = ddp_run
+    events = sorted(p.relative_to(out) for p in out.rglob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].parts[:3] == ("depth10", "tb", "version_0")
+    assert [p.relative_to(out).parts[0] for p in out.rglob("metrics.csv")] == ["depth200"]
+    assert output.count("images need TensorBoard") == 1
+
+
+def test_collectives_per_epoch_do_not_grow_with_layers(ddp_run: tuple[Path, str]) -> None:
+    out, _ = ddp_run
+    for rank in (0, 1):
+        report = _report(out, rank)
+        small, large = report["depth10"], report["depth200"]
+        # ours: one all_reduce (output-gradient series) + one all_gather (accumulator states)
+        assert [e["ours"] for e in small["epochs"]] == [2, 2]
+        assert large["epochs"] == small["epochs"]
+        assert large["ours"] == {"all_reduce": 2, "all_gather": 2}
+
+
+def test_sharded_strategy_is_refused_at_setup(tmp_path: Path) -> None:
+    # Lightning itself refuses FSDP without CUDA, so on CPU the real strategy object is put on a
+    # CPU trainer by hand and the callback's setup is called as Trainer.fit would call it.
+    trainer = Trainer(accelerator="cpu", devices=1, logger=TensorBoardLogger(str(tmp_path)))
+    trainer._accelerator_connector.strategy = FSDPStrategy()
+    with pytest.raises(MisconfigurationException, match=r"strategy=FSDPStrategy.*sharded"):
+        GradFlowCallback().setup(trainer, DeepMLP(depth=2), "fit")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Lightning's FSDP needs CUDA")
+def test_fsdp_fit_is_refused_before_training(tmp_path: Path) -> None:
+    model = DeepMLP(depth=2)
+    trainer = Trainer(
+        accelerator="cuda",
+        devices=1,
+        strategy=FSDPStrategy(),
+        logger=TensorBoardLogger(str(tmp_path)),
+        callbacks=[GradFlowCallback()],
+        max_epochs=1,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(MisconfigurationException, match=r"strategy=FSDPStrategy.*sharded"):
+        trainer.fit(model)
+    assert hooks_left(model) == []

@@ -1,0 +1,103 @@
+"""Checkpoint resume: the reduced state travels in the checkpoint; hooks are not doubled."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from test_contract import HookCounter
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hooks import GradFlowCallback, LightningHooksWarning
+
+from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
+
+
+class RepeatedBatchMLP(TinyMLP):
+    """Every batch holds the same 8 samples: a replayed batch after a resume is the same data."""
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 8, generator=g).repeat(4, 1)
+        return DataLoader(TensorDataset(x, x[:, :1]), batch_size=8)
+
+
+def _fit(root: Path, model: TinyMLP, epochs: int, **kwargs: Any) -> HookCounter:
+    counter = HookCounter()
+    callbacks = [GradFlowCallback(), counter, *kwargs.pop("callbacks", [])]
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    make_trainer(root, max_epochs=epochs, callbacks=callbacks, **kwargs).fit(
+        model, ckpt_path=ckpt_path
+    )
+    assert hooks_left(model) == []
+    return counter
+
+
+def _grad_flow_at(root: Path, step: int) -> dict[str, float]:
+    scalars = read_scalars(root)
+    return {t: dict(v)[step] for t, v in scalars.items() if t.startswith("grad_flow/")}
+
+
+def _assert_same(got: dict[str, float], want: dict[str, float]) -> None:
+    assert got.keys() == want.keys() and len(want) > 30
+    for tag, value in want.items():
+        assert math.isclose(got[tag], value, rel_tol=1e-6, abs_tol=1e-12), tag
+
+
+def test_resume_after_epoch_one_reports_the_same_epoch_two(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    whole = _fit(tmp_path / "whole", TinyMLP(), epochs=2)
+    torch.manual_seed(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    _fit(tmp_path / "first", TinyMLP(), 1, callbacks=[ckpt], enable_checkpointing=True)
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["callbacks"]
+    state = saved[GradFlowCallback().state_key]
+    assert state["layers"] == ["net.0", "net.2", "net.4", "global"]
+    assert not state["count"].any()  # saved after the epoch was logged and reset
+    again = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    resumed = _fit(
+        tmp_path / "second",
+        TinyMLP(),
+        2,
+        callbacks=[again],
+        enable_checkpointing=True,
+        ckpt_path=tmp_path / "ckpt" / "last.ckpt",
+    )
+    _assert_same(_grad_flow_at(tmp_path / "second", 8), _grad_flow_at(tmp_path / "whole", 8))
+    assert set(resumed.counts) == set(whole.counts)  # as many hooks as a fresh fit: no duplicates
+
+
+# Lightning's advice about non-resumable dataloaders: every batch here is the same data.
+@pytest.mark.filterwarnings("ignore:.*checkpoint that ended before the epoch ended.*")
+def test_resume_mid_epoch_carries_the_partial_epoch(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    _fit(tmp_path / "whole", RepeatedBatchMLP(), epochs=1)
+    torch.manual_seed(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    _fit(tmp_path / "first", RepeatedBatchMLP(), 1, callbacks=[ckpt], enable_checkpointing=True)
+    path = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
+    state = torch.load(path, weights_only=False)["callbacks"][GradFlowCallback().state_key]
+    assert state["count"][:, 0].tolist() == [2, 2, 2, 2]  # two optimizer steps, reduced
+    again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    _fit(
+        tmp_path / "second",
+        RepeatedBatchMLP(),
+        1,
+        callbacks=[again],
+        enable_checkpointing=True,
+        ckpt_path=path,
+    )
+    _assert_same(_grad_flow_at(tmp_path / "second", 4), _grad_flow_at(tmp_path / "whole", 4))
+
+
+def test_state_for_another_model_is_dropped_with_a_warning(tmp_path: Path) -> None:
+    callback = GradFlowCallback()
+    state = {"layers": ["other"], "stats": ["x"], "total": 0, "peak": 0, "count": 0}
+    callback.load_state_dict(state)
+    with pytest.warns(LightningHooksWarning, match="do not match this model"):
+        make_trainer(tmp_path, callbacks=[callback]).fit(TinyMLP())
+    assert "grad_flow/grad_norm/net.0" in read_scalars(tmp_path)
