@@ -6,12 +6,30 @@ Example:
 """
 
 from lightning_hooks.callbacks import GradFlowCallback
-from lightning_hooks.core import GradFlowTracker, HookRegistry, LayerStats, select_modules
-from lightning_hooks.errors import LightningHooksError, LightningHooksWarning
+from lightning_hooks.core import (
+    AlarmRules,
+    GradFlowTracker,
+    GradientAlarm,
+    GradientAlarms,
+    HookRegistry,
+    LayerStats,
+    select_modules,
+)
+from lightning_hooks.errors import (
+    GradientAlarmError,
+    GradientAlarmWarning,
+    LightningHooksError,
+    LightningHooksWarning,
+)
 
 __all__ = [
+    "AlarmRules",
     "GradFlowCallback",
     "GradFlowTracker",
+    "GradientAlarm",
+    "GradientAlarmError",
+    "GradientAlarmWarning",
+    "GradientAlarms",
     "HookRegistry",
     "LayerStats",
     "LightningHooksError",

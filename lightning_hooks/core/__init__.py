@@ -1,6 +1,7 @@
 """The torch-only core: hook registry, module selection, statistics and accumulators."""
 
 from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
+from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, GradientAlarm, GradientAlarms
 from lightning_hooks.core.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
 from lightning_hooks.core.grad_stats import GRAD_STATS, ParamLayout, grad_stats
 from lightning_hooks.core.registry import HookRegistry
@@ -8,9 +9,13 @@ from lightning_hooks.core.selection import select_modules
 from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
 
 __all__ = [
+    "ALARM_RULES",
     "GRAD_FLOW_STATS",
     "GRAD_STATS",
+    "AlarmRules",
     "GradFlowTracker",
+    "GradientAlarm",
+    "GradientAlarms",
     "HookRegistry",
     "LayerStats",
     "LayerStatsAccumulator",

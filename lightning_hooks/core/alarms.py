@@ -29,7 +29,7 @@ _BAD = GRAD_STATS.index("grad_nonfinite")
 _WEIGHT = GRAD_STATS.index("weight_norm")
 
 
-def _positive(name: str, value: float | None, integer: bool = False) -> None:
+def _positive(name: str, value: Any, integer: bool = False) -> None:
     ok = value is None or (value > 0 and math.isfinite(value))
     if integer:
         ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
@@ -118,7 +118,7 @@ class _Mailbox:
         cuda = device.type == "cuda"
         self._host = torch.zeros(shape, pin_memory=cuda)
         self._view: np.ndarray = self._host.numpy()
-        self._event = torch.cuda.Event() if cuda else None
+        self._event = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
         self._meta: Any = None
 
     def post(self, value: torch.Tensor, meta: Any) -> None:
@@ -134,7 +134,7 @@ class _Mailbox:
         if self._event is not None:
             if wait:
                 self._event.synchronize()
-            elif not self._event.query():
+            elif not self._event.query():  # type: ignore[no-untyped-call]
                 return None
         meta, self._meta = self._meta, None
         return self._view, meta
@@ -205,7 +205,7 @@ class GradientAlarms:
         *,
         step: int,
         amp: bool = False,
-        backward_order: Sequence[int] = (),
+        order: Sequence[int] = (),
     ) -> None:
         """Apply the rules to one optimizer step (no host sync) and post the verdict.
 
@@ -215,7 +215,7 @@ class GradientAlarms:
             rows: the rows ``stats`` covers (the layers one optimizer steps, then global).
             step: the optimizer step, for the messages.
             amp: a GradScaler is active: non-finite gradients are an overflow it skips.
-            backward_order: layer rows in the order their output-gradient hooks fired.
+            order: layer rows in the order their output-gradient hooks fired.
         """
         self._drain(wait=True)  # the previous step's verdict: at most one step late
         n = len(self.layers)
@@ -230,7 +230,7 @@ class GradientAlarms:
         self._history[slot, self._rows] = torch.where(keep, norm, self._history[slot, self._rows])
         self._seen += keep
         report = torch.cat([flags.float(), norm[None], refs])
-        self._mailbox.post(report, (step, tuple(dict.fromkeys(backward_order))))
+        self._mailbox.post(report, (step, tuple(dict.fromkeys(order))))
 
     def _evaluate(
         self,
@@ -370,9 +370,7 @@ def _first_backward(flagged: set[int], order: Sequence[int], last: int) -> int:
     return next(row for row in _backward(order, last) if row in flagged)
 
 
-def _describe(
-    rule: str, layer: str, step: int, value: float, ref: float, rules: AlarmRules
-) -> str:
+def _describe(rule: str, layer: str, step: int, value: float, ref: float, rules: AlarmRules) -> str:
     at = f"optimizer step {step}"
     if rule == "spike":
         return (

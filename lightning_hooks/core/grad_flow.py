@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
+from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
 from lightning_hooks.core.grad_stats import GLOBAL, GRAD_STATS, ParamLayout, grad_stats
 from lightning_hooks.core.grad_stats import update_norms as _update_norms
 from lightning_hooks.core.registry import HookRegistry
@@ -39,11 +40,12 @@ class _OptimizerView:
     weight_norm: torch.Tensor | None = None
 
 
-def _add_output_grad(sq: torch.Tensor, row: int, grad: torch.Tensor) -> None:
+def _add_output_grad(sq: torch.Tensor, order: list[int], row: int, grad: torch.Tensor) -> None:
     sq.select(0, row).add_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+    order.append(row)  # host-side: the backward order the non-finite alarm names layers in
 
 
-def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int) -> Any:
+def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int]) -> Any:
     """A forward hook that puts a gradient hook on the module's outputs in training forwards."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -51,7 +53,7 @@ def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int) -> Any:
             return
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
-                tensor.register_hook(partial(_add_output_grad, sq, row))  # type: ignore[no-untyped-call]
+                tensor.register_hook(partial(_add_output_grad, sq, order, row))  # type: ignore[no-untyped-call]
                 hit.select(0, row).fill_(True)
 
     return hook
@@ -77,6 +79,8 @@ class GradFlowTracker:
         exclude: glob patterns on module names to drop.
         update_ratio: measure the update ratio (keeps one copy of the parameters).
         output_grad: measure the gradient with respect to each layer's output.
+        alarms: evaluate these gradient alarm rules at every step (see
+            :class:`~lightning_hooks.core.GradientAlarms`); read them with ``tracker.alarms``.
 
     Example:
         >>> import torch
@@ -104,6 +108,7 @@ class GradFlowTracker:
         exclude: Patterns = None,
         update_ratio: bool = True,
         output_grad: bool = True,
+        alarms: AlarmRules | None = None,
     ) -> None:
         self.registry = HookRegistry(model)
         modules = self.registry.modules(types=types, include=include, exclude=exclude)
@@ -121,10 +126,17 @@ class GradFlowTracker:
         self._hit = torch.zeros(num_layers, dtype=torch.bool, device=device)
         self._update_ratio = update_ratio
         self._views: dict[int, _OptimizerView] = {}
+        self._backward_order: list[int] = []
+        self._steps = 0
+        self.alarms = (
+            GradientAlarms((*self.layout.layers, GLOBAL), alarms, device)
+            if alarms is not None
+            else None
+        )
         if output_grad:
             by_name = dict(modules)
             for row, name in enumerate(self.layout.layers):
-                hook = _output_hook(self._out_sq, self._hit, row)
+                hook = _output_hook(self._out_sq, self._hit, row, self._backward_order)
                 self.registry.forward_hook(by_name[name], hook)
         for optimizer in optimizers:
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
@@ -147,7 +159,11 @@ class GradFlowTracker:
 
     @torch.no_grad()
     def observe(
-        self, optimizer: torch.optim.Optimizer, grad_scale: torch.Tensor | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        grad_scale: torch.Tensor | None = None,
+        *,
+        step: int | None = None,
     ) -> None:
         """Record the gradients ``optimizer`` is about to apply (call just before its step).
 
@@ -155,13 +171,20 @@ class GradFlowTracker:
             optimizer: the optimizer about to step; only the parameters it holds are measured.
             grad_scale: the AMP loss scale the output gradients still carry (a tensor, read on
                 the device), or ``None``. Parameter gradients must already be unscaled.
+            step: the optimizer step the alarms name (default: count calls from 0).
         """
+        step = self._steps if step is None else step
+        self._steps += 1
         view = self._view(optimizer)
         if not view.params:
             return
         grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in view.params]
         stats = grad_stats(grads, view.params, view.index, self.layout.numel[view.rows[:-1]])
         self.accumulator.update(stats, slice(0, len(GRAD_STATS)), view.rows)
+        if self.alarms is not None:
+            amp = grad_scale is not None
+            self.alarms.update(stats, view.rows, step=step, amp=amp, order=self._backward_order)
+        self._backward_order.clear()
         if self._update_ratio:
             torch._foreach_copy_(view.before, list(view.params))
             view.weight_norm = stats[:, _WEIGHT]
