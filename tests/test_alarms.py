@@ -1,0 +1,167 @@
+"""Gradient alarms through a real ``Trainer.fit``: injected faults, a normal run, the actions."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.plugins.precision import MixedPrecision
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import DataLoader
+
+from lightning_hooks import (
+    AlarmRules,
+    GradFlowCallback,
+    GradientAlarmError,
+    GradientAlarmWarning,
+)
+
+from conftest import TinyMLP, dataset, hooks_left, read_scalars
+
+LAYERS = ("net.0", "net.2", "net.4")
+RULES = ("spike", "absolute", "vanishing", "nonfinite", "amp_overflow")
+K = 30  # the step faults are injected at: well past AlarmRules.min_history
+ALARM = re.compile(r"at optimizer step (\d+): (\S+)")
+
+
+class LongMLP(TinyMLP):
+    """TinyMLP with ``batches`` batches of 8 per epoch and a sane learning rate."""
+
+    def __init__(self, batches: int = 40, lr: float = 0.05) -> None:
+        super().__init__(lr=lr)
+        self.batches = batches
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(dataset(n=8 * self.batches), batch_size=8)
+
+
+class Fault(pl.Callback):
+    """Injects one fault into ``layer`` at optimizer step ``step`` (``global_step``)."""
+
+    def __init__(self, kind: str, layer: str = "net.2", step: int = K) -> None:
+        self.kind, self.layer, self.step = kind, layer, step
+
+    def _params(self, pl_module: pl.LightningModule) -> list[torch.nn.Parameter]:
+        return list(pl_module.get_submodule(self.layer).parameters())
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        if self.kind == "nan_weight" and trainer.global_step == self.step:
+            with torch.no_grad():
+                self._params(pl_module)[0][0, 0] = math.nan
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        hit = trainer.global_step == self.step
+        for p in self._params(pl_module):
+            assert p.grad is not None
+            if self.kind == "multiply" and hit:
+                p.grad.mul_(1e6)
+            if self.kind == "shrink" and trainer.global_step >= self.step:
+                p.grad.mul_(1e-6)
+
+
+class NormProbe(pl.Callback):
+    """Records, in plain torch, each step's per-layer gradient norms and the weights around it."""
+
+    def __init__(self) -> None:
+        self.norms: list[list[float]] = []
+        self.before: dict[int, list[torch.Tensor]] = {}
+        self.after: dict[int, list[torch.Tensor]] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        self.before[trainer.global_step] = _snapshot(pl_module, trainer)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.norms.append([_layer_norm(pl_module, name) for name in LAYERS])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        self.after[trainer.global_step - 1] = _snapshot(pl_module, trainer)
+
+
+def _layer_norm(pl_module: pl.LightningModule, name: str) -> float:
+    grads = [p.grad.flatten() for p in pl_module.get_submodule(name).parameters()]  # type: ignore[union-attr]
+    return float(torch.cat(grads).norm())
+
+
+def _snapshot(pl_module: pl.LightningModule, trainer: pl.Trainer) -> list[torch.Tensor]:
+    state = trainer.optimizers[0].state
+    momenta = [state[p]["momentum_buffer"] for p in pl_module.parameters() if p in state]
+    return [t.detach().clone() for t in [*pl_module.parameters(), *momenta]]
+
+
+def _fit(trainer_factory: Any, model: pl.LightningModule, *callbacks: pl.Callback, **kw: Any) -> Any:
+    kw.setdefault("max_epochs", 1)
+    trainer = trainer_factory(callbacks=list(callbacks), **kw)
+    trainer.fit(model)
+    return trainer
+
+
+def _alarms(record: Iterator[warnings.WarningMessage]) -> list[tuple[int, str, str]]:
+    """``(step, layer, message)`` of each GradientAlarmWarning, in the order emitted."""
+    out = []
+    for w in record:
+        if issubclass(w.category, GradientAlarmWarning):
+            step, layer = ALARM.search(str(w.message)).groups()  # type: ignore[union-attr]
+            out.append((int(step), layer, str(w.message)))
+    return out
+
+
+def _texts(logdir: Path) -> dict[int, str]:
+    """The ``grad_flow/alarms`` text summaries in the event files: ``step -> text``."""
+    out = {}
+    for path in {p.parent for p in logdir.rglob("events.out.tfevents.*")}:
+        acc = EventAccumulator(str(path), size_guidance={"tensors": 0})
+        acc.Reload()
+        for tag in acc.Tags()["tensors"]:
+            if tag.startswith("grad_flow/alarms"):
+                for event in acc.Tensors(tag):
+                    out[event.step] = event.tensor_proto.string_val[0].decode()
+    return out
+
+
+def _counts(logdir: Path, step: int) -> dict[str, float]:
+    scalars = read_scalars(logdir)
+    return {rule: dict(scalars[f"grad_flow/alarms/{rule}"])[step] for rule in RULES}
+
+
+def test_spike_names_the_layer_at_the_step_and_none_before(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    probe = NormProbe()
+    with pytest.warns(GradientAlarmWarning) as record:
+        _fit(trainer_factory, LongMLP(), probe, Fault("multiply"), GradFlowCallback(), max_steps=K + 2)
+    alarms = _alarms(record)
+    assert min(step for step, _, _ in alarms) == K
+    step, layer, message = next(a for a in alarms if "spike" in a[2] and a[1] != "global")
+    assert (step, layer) == (K, "net.2")
+    norms = np.array(probe.norms)[:, LAYERS.index("net.2")]
+    median = float(np.median(norms[K - 50 if K > 50 else 0 : K]))
+    value, ref = (float(x) for x in re.findall(r"grad norm (\S+) is \S+ its running median (\S+)", message)[0])
+    assert math.isclose(value, norms[K], rel_tol=1e-3)
+    assert math.isclose(ref, median, rel_tol=1e-3)
+    counts = _counts(tmp_path, K + 2)
+    assert counts["spike"] >= 2  # net.2 and the global norm at step K
+    assert "net.2" in _texts(tmp_path)[K + 2]
+
+
+def test_nan_weight_is_reported_at_that_layer(trainer_factory: Any, tmp_path: Path) -> None:
+    with pytest.warns(GradientAlarmWarning) as record:
+        _fit(trainer_factory, LongMLP(), Fault("nan_weight"), GradFlowCallback(), max_steps=K + 2)
+    alarms = _alarms(record)
+    assert alarms[0][:2] == (K, "net.2")
+    assert "non-finite weights" in alarms[0][2]
+    assert _counts(tmp_path, K + 2)["nonfinite"] >= 3  # every layer's gradient is NaN at K
+
+
+def test_vanishing_layer_is_named_after_vanish_steps(trainer_factory: Any) -> None:
+    rules = AlarmRules(vanish_steps=5)
+    with pytest.warns(GradientAlarmWarning) as record:
+        _fit(trainer_factory, LongMLP(), Fault("shrink", "net.0", step=3), GradFlowCallback(alarms=rules), max_steps=12)
+    assert [a[:2] for a in _alarms(record)] == [(3 + 5 - 1, "net.0")]
