@@ -96,7 +96,9 @@ def _snapshot(pl_module: pl.LightningModule, trainer: pl.Trainer) -> list[torch.
     return [t.detach().clone() for t in [*pl_module.parameters(), *momenta]]
 
 
-def _fit(trainer_factory: Any, model: pl.LightningModule, *callbacks: pl.Callback, **kw: Any) -> Any:
+def _fit(
+    trainer_factory: Any, model: pl.LightningModule, *callbacks: pl.Callback, **kw: Any
+) -> Any:
     kw.setdefault("max_epochs", 1)
     trainer = trainer_factory(callbacks=list(callbacks), **kw)
     trainer.fit(model)
@@ -136,14 +138,23 @@ def test_spike_names_the_layer_at_the_step_and_none_before(
 ) -> None:
     probe = NormProbe()
     with pytest.warns(GradientAlarmWarning) as record:
-        _fit(trainer_factory, LongMLP(), probe, Fault("multiply"), GradFlowCallback(), max_steps=K + 2)
+        _fit(
+            trainer_factory,
+            LongMLP(),
+            probe,
+            Fault("multiply"),
+            GradFlowCallback(),
+            max_steps=K + 2,
+        )
     alarms = _alarms(record)
     assert min(step for step, _, _ in alarms) == K
     step, layer, message = next(a for a in alarms if "spike" in a[2] and a[1] != "global")
     assert (step, layer) == (K, "net.2")
     norms = np.array(probe.norms)[:, LAYERS.index("net.2")]
     median = float(np.median(norms[K - 50 if K > 50 else 0 : K]))
-    value, ref = (float(x) for x in re.findall(r"grad norm (\S+) is \S+ its running median (\S+)", message)[0])
+    value, ref = (
+        float(x) for x in re.findall(r"grad norm (\S+) is \S+ its running median (\S+)", message)[0]
+    )
     assert math.isclose(value, norms[K], rel_tol=1e-3)
     assert math.isclose(ref, median, rel_tol=1e-3)
     counts = _counts(tmp_path, K + 2)
@@ -163,5 +174,135 @@ def test_nan_weight_is_reported_at_that_layer(trainer_factory: Any, tmp_path: Pa
 def test_vanishing_layer_is_named_after_vanish_steps(trainer_factory: Any) -> None:
     rules = AlarmRules(vanish_steps=5)
     with pytest.warns(GradientAlarmWarning) as record:
-        _fit(trainer_factory, LongMLP(), Fault("shrink", "net.0", step=3), GradFlowCallback(alarms=rules), max_steps=12)
+        _fit(
+            trainer_factory,
+            LongMLP(),
+            Fault("shrink", "net.0", step=3),
+            GradFlowCallback(alarms=rules),
+            max_steps=12,
+        )
     assert [a[:2] for a in _alarms(record)] == [(3 + 5 - 1, "net.0")]
+
+
+def test_normal_run_of_200_steps_raises_no_alarm(trainer_factory: Any, tmp_path: Path) -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer = _fit(trainer_factory, LongMLP(batches=200), GradFlowCallback(chart=False))
+    assert trainer.global_step == 200
+    assert _alarms(record) == []
+    assert _counts(tmp_path, 200) == dict.fromkeys(RULES, 0.0)
+    assert _texts(tmp_path)[200].startswith("0 gradient alarms in epoch 0")
+
+
+def test_stop_ends_training_after_the_alarm_step(trainer_factory: Any) -> None:
+    with pytest.warns(GradientAlarmWarning, match=rf"spike at optimizer step {K}: net\.2"):
+        trainer = _fit(
+            trainer_factory,
+            LongMLP(),
+            Fault("multiply"),
+            GradFlowCallback(on_alarm="stop"),
+            max_steps=K + 5,
+        )
+    assert trainer.should_stop
+    assert trainer.global_step == K + 1  # step K ran (CPU: read at once); K + 1 did not
+
+
+def test_raise_raises_the_library_error_and_removes_hooks(trainer_factory: Any) -> None:
+    model = LongMLP()
+    trainer = trainer_factory(
+        callbacks=[Fault("multiply"), GradFlowCallback(on_alarm={"spike": "raise"})],
+        max_steps=K + 5,
+    )
+    with pytest.raises(GradientAlarmError, match=rf"spike at optimizer step {K}: net\.2") as info:
+        trainer.fit(model)
+    assert (info.value.rule, info.value.layer, info.value.step) == ("spike", "net.2", K)
+    assert info.value.value > 1e3
+    assert hooks_left(model) == []
+    assert all(not opt._optimizer_step_post_hooks for opt in trainer.optimizers)
+
+
+def test_skip_leaves_weights_and_momentum_unchanged_for_that_step(trainer_factory: Any) -> None:
+    probe = NormProbe()
+    with pytest.warns(GradientAlarmWarning, match=rf"spike at optimizer step {K}: net\.2"):
+        trainer = _fit(
+            trainer_factory,
+            LongMLP(),
+            probe,
+            Fault("multiply"),
+            GradFlowCallback(on_alarm="skip"),
+            max_steps=K + 2,
+        )
+    assert trainer.global_step == K + 2
+    for step in (K - 1, K, K + 1):
+        same = all(
+            torch.equal(a, b) for a, b in zip(probe.before[step], probe.after[step], strict=True)
+        )
+        assert same == (step == K), step
+
+
+class ScalerProbe(pl.Callback):
+    """Records the GradScaler's own verdict (found inf: step skipped) at every optimizer step."""
+
+    def __init__(self) -> None:
+        self.skipped: list[bool] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        scaler = trainer.strategy.precision_plugin.scaler  # type: ignore[attr-defined]
+        found = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        self.skipped.append(bool(sum(v.item() for v in found.values())))
+
+
+def test_amp_overflow_is_counted_never_an_explosion(trainer_factory: Any, tmp_path: Path) -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    probe = ScalerProbe()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _fit(
+            trainer_factory,
+            LongMLP(),
+            probe,
+            GradFlowCallback(chart=False),
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        )
+    assert _alarms(record) == []
+    skipped = sum(probe.skipped)
+    assert 0 < skipped < len(probe.skipped)
+    counts = _counts(tmp_path, 40)
+    assert counts == {**dict.fromkeys(RULES, 0.0), "amp_overflow": float(skipped)}
+    assert "AMP overflow at optimizer step 0, step skipped" in _texts(tmp_path)[40]
+
+
+def test_alarm_state_survives_a_checkpoint_resume(trainer_factory: Any, tmp_path: Path) -> None:
+    model, probe = LongMLP(batches=20), NormProbe()
+    first = _fit(trainer_factory, model, probe, GradFlowCallback(chart=False))
+    first.save_checkpoint(tmp_path / "mid.ckpt")
+    callback = GradFlowCallback(chart=False)
+    trainer = trainer_factory(callbacks=[probe, callback], max_epochs=2)
+    trainer.fit(model, ckpt_path=tmp_path / "mid.ckpt")
+    state = callback.state_dict()["alarms"]
+    assert state["seen"].tolist() == [40] * 4
+    norms = np.array(probe.norms)  # 40 steps: both runs, recorded independently
+    history = state["history"].numpy()[:40, :3]
+    np.testing.assert_allclose(history, norms, rtol=1e-5)
+
+
+def test_no_host_sync_while_alarms_fire(
+    trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_grad_flow import _SyncWindow
+
+    from syncs import count_syncs
+
+    window = _SyncWindow()
+    with count_syncs(monkeypatch) as counter, pytest.warns(GradientAlarmWarning, match="spike"):
+        window.counter = counter
+        _fit(
+            trainer_factory,
+            LongMLP(),
+            window,
+            Fault("multiply"),
+            GradFlowCallback(chart=False),
+            max_steps=K + 2,
+        )
+    assert window.windows == 1
+    assert dict(counter.calls) == {}

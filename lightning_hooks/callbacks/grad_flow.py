@@ -42,6 +42,8 @@ _SUMMARY_LINES = 100
 
 def _check_actions(on_alarm: Action | Mapping[str, Action]) -> dict[str, Action]:
     given = dict.fromkeys(_ACTIONABLE, on_alarm) if isinstance(on_alarm, str) else on_alarm
+    if on_alarm == "skip":
+        given = {**given, "vanishing": "warn"}  # skipping steps cannot revive a vanished gradient
     actions: dict[str, Action] = dict.fromkeys(_ACTIONABLE, "warn")
     for rule, action in given.items():
         if rule not in _ACTIONABLE:
@@ -132,7 +134,8 @@ class GradFlowCallback(HookCallback):
         output_grad: measure the gradient with respect to each layer's output.
         chart: log the gradient-flow chart image each epoch.
         alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
-        on_alarm: the action for every rule, or a mapping ``{rule: action}`` (others warn).
+        on_alarm: the action for every rule, or a mapping ``{rule: action}`` (others warn);
+            ``"skip"`` does not apply to ``"vanishing"``, which then warns.
 
     Example:
         >>> import pytorch_lightning as pl
