@@ -145,8 +145,9 @@ class GradientAlarms:
 
     Rows are layers and a last ``"global"`` row. :meth:`update` (no host sync) applies the rules:
 
-    - *spike*: ``norm > spike_factor * median`` of the row's last ``window`` finite norms, once
-      it has ``min_history`` of them (global row and each layer);
+    - *spike*: ``norm > spike_factor * median`` of the row's last ``window`` finite norms (the
+      lower median of an even count), once it has ``min_history`` of them (global row and each
+      layer);
     - *absolute*: global ``norm > max_grad_norm``;
     - *vanishing*: a layer's ``norm < vanish_fraction * median over layers`` for
       ``vanish_steps`` consecutive steps (fires once per such run);
@@ -218,11 +219,7 @@ class GradientAlarms:
             order: layer rows in the order their output-gradient hooks fired.
         """
         self._drain(wait=True)  # the previous step's verdict: at most one step late
-        n = len(self.layers)
-        norm = stats.new_full((n,), torch.nan).index_copy_(0, rows, stats[:, _NORM])
-        weight = stats.new_full((n,), torch.nan).index_copy_(0, rows, stats[:, _WEIGHT])
-        active = torch.zeros(n, dtype=torch.bool, device=stats.device).index_fill_(0, rows, True)
-        bad = torch.zeros_like(active).index_copy_(0, rows, stats[:, _BAD] > 0)
+        norm, weight, active, bad = self._rows_of(stats, rows)
         overflow = bad.any() & amp
         flags, refs = self._evaluate(norm, weight, active, bad, overflow)
         keep = active & torch.isfinite(norm) & ~overflow
@@ -231,6 +228,20 @@ class GradientAlarms:
         self._seen += keep
         report = torch.cat([flags.float(), norm[None], refs])
         self._mailbox.post(report, (step, tuple(dict.fromkeys(order))))
+
+    def _rows_of(
+        self, stats: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norms, weight norms, which rows were stepped and which have non-finite gradients."""
+        n = len(self.layers)
+        if rows.numel() == n:  # the usual case, one optimizer stepping every layer: no scatter
+            active = torch.ones(n, dtype=torch.bool, device=stats.device)
+            return stats[:, _NORM], stats[:, _WEIGHT], active, stats[:, _BAD] > 0
+        norm = stats.new_full((n,), torch.nan).index_copy_(0, rows, stats[:, _NORM])
+        weight = stats.new_full((n,), torch.nan).index_copy_(0, rows, stats[:, _WEIGHT])
+        active = torch.zeros(n, dtype=torch.bool, device=stats.device).index_fill_(0, rows, True)
+        bad = torch.zeros_like(active).index_copy_(0, rows, stats[:, _BAD] > 0)
+        return norm, weight, active, bad
 
     def _evaluate(
         self,
@@ -245,7 +256,7 @@ class GradientAlarms:
         refs = torch.full((len(ALARM_RULES), n), torch.nan, device=norm.device)
         ok = active & ~overflow
         if rules.spike_factor is not None:
-            median = torch.nanquantile(self._history, 0.5, dim=0)
+            median = torch.nanmedian(self._history, dim=0).values  # the lower median
             ready = self._seen >= rules.min_history
             flags[_SPIKE] = ok & ready & (median > 0) & (norm > rules.spike_factor * median)
             refs[_SPIKE] = median
