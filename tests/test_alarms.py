@@ -22,6 +22,7 @@ from lightning_hooks import (
     GradFlowCallback,
     GradientAlarmError,
     GradientAlarmWarning,
+    LightningHooksWarning,
 )
 
 from conftest import TinyMLP, dataset, hooks_left, read_scalars
@@ -307,3 +308,13 @@ def test_no_host_sync_while_alarms_fire(
         )
     assert window.windows == 1
     assert dict(counter.calls) == {}
+
+
+def test_alarm_state_of_another_model_is_dropped_with_a_warning(trainer_factory: Any) -> None:
+    from conftest import TinyCNN
+
+    callback = GradFlowCallback(chart=False)
+    _fit(trainer_factory, TinyMLP(), callback)
+    with pytest.warns(LightningHooksWarning, match=r"saved layers .*differ.*start afresh"):
+        _fit(trainer_factory, TinyCNN(), callback)
+    assert callback.state_dict()["alarms"]["layers"][0] == "features.0"

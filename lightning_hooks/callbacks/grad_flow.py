@@ -198,12 +198,11 @@ class GradFlowCallback(HookCallback):
         )
         alarms = self._tracker.alarms
         if alarms is not None and self._alarm_state is not None:
-            if tuple(self._alarm_state["layers"]) == alarms.layers:
+            try:
                 alarms.load_state_dict(self._alarm_state)
-            else:
+            except ValueError as err:
                 rank_zero_warn(
-                    "GradFlowCallback: the saved alarm state is for other layers "
-                    f"({len(self._alarm_state['layers'])} rows); running medians start afresh.",
+                    f"GradFlowCallback: {err}; running medians start afresh.",
                     category=LightningHooksWarning,
                 )
 
