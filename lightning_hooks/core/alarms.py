@@ -384,8 +384,10 @@ def _first_backward(flagged: set[int], order: Sequence[int], last: int) -> int:
 def _describe(rule: str, layer: str, step: int, value: float, ref: float, rules: AlarmRules) -> str:
     at = f"optimizer step {step}"
     if rule == "spike":
+        # finite entries whose squares overflow float32 give an infinite norm: still a spike
+        ratio = f"{value / ref:.3g}x" if math.isfinite(value) else "beyond float32,"
         return (
-            f"gradient spike at {at}: {layer} grad norm {value:.4g} is {value / ref:.3g}x its "
+            f"gradient spike at {at}: {layer} grad norm {value:.4g} is {ratio} its "
             f"running median {ref:.4g} (spike_factor={rules.spike_factor}, window={rules.window})"
         )
     if rule == "absolute":
