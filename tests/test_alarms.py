@@ -318,3 +318,19 @@ def test_alarm_state_of_another_model_is_dropped_with_a_warning(trainer_factory:
     with pytest.warns(LightningHooksWarning, match=r"saved layers .*differ.*start afresh"):
         _fit(trainer_factory, TinyCNN(), callback)
     assert callback.state_dict()["alarms"]["layers"][0] == "features.0"
+
+
+def test_stop_is_agreed_across_ranks(trainer_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another rank's alarm stops this one: the decision goes through reduce_boolean_decision."""
+    trainer = trainer_factory(callbacks=[GradFlowCallback(on_alarm="stop")], max_steps=K)
+    calls: list[tuple[int, bool]] = []
+
+    def other_rank_alarms_at_step_5(decision: bool, all: bool = True) -> bool:
+        calls.append((trainer.global_step, decision))
+        return decision or (not all and trainer.global_step == 5)
+
+    monkeypatch.setattr(trainer.strategy, "reduce_boolean_decision", other_rank_alarms_at_step_5)
+    trainer.fit(LongMLP())
+    assert trainer.global_step == 6
+    # once per optimizer step, and once more at the epoch end (the last drain); no local alarm
+    assert calls == [(step, False) for step in range(7)]

@@ -122,7 +122,8 @@ class _Mailbox:
         self._meta: Any = None
 
     def post(self, value: torch.Tensor, meta: Any) -> None:
-        self._host.copy_(value, non_blocking=True)
+        # Only CUDA gets an event to tell when a non_blocking copy is done: elsewhere, block.
+        self._host.copy_(value, non_blocking=self._event is not None)
         if self._event is not None:
             self._event.record()
         self._meta = meta
