@@ -135,3 +135,18 @@ def test_cuda_verdict_is_read_without_a_sync_at_most_one_step_late() -> None:
                 break
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_two_optimizers_on_different_scales_raise_no_global_spike() -> None:
+    """A GAN-like alternation: each optimizer's global norm differs by 100x from the other's."""
+    alarms = GradientAlarms(["g", "d", "global"], AlarmRules(min_history=2, window=8))
+    for step in range(20):
+        row, norm = (0, 0.1) if step % 2 else (1, 10.0)
+        stats = torch.full((2, 5), norm)
+        stats[:, 3] = 0.0
+        alarms.update(stats, torch.tensor([row, 2]), step=step)
+    assert alarms.poll() == []
+    stats = torch.full((2, 5), 10.0)
+    stats[:, 3] = 0.0
+    alarms.update(stats, torch.tensor([0, 2]), step=20)  # the generator's layer: 100x its median
+    assert [(a.rule, a.layer, a.others) for a in alarms.poll()] == [("spike", "g", ())]

@@ -192,6 +192,7 @@ class GradientAlarms:
         self._seen = torch.zeros(n, dtype=torch.long, device=device)
         self._low = torch.zeros(n - 1, dtype=torch.long, device=device)
         self._rows = torch.arange(n, device=device)
+        self._all = torch.ones(n, dtype=torch.bool, device=device)
         self._mailbox = _Mailbox((2 * len(ALARM_RULES) + 1, n), device)
         self.counts: dict[str, int] = dict.fromkeys(ALARM_RULES, 0)
         """Flagged (layer, step) pairs per rule since :meth:`take_epoch`, on the host."""
@@ -214,7 +215,8 @@ class GradientAlarms:
         Args:
             stats: ``[len(rows), GRAD_STATS]`` statistics from
                 :func:`~lightning_hooks.core.grad_stats.grad_stats`, last row global.
-            rows: the rows ``stats`` covers (the layers one optimizer steps, then global).
+            rows: the rows ``stats`` covers (the layers one optimizer steps, then global). When
+                they are not every layer, the global row is left out of the rules.
             step: the optimizer step, for the messages.
             amp: a GradScaler is active: non-finite gradients are an overflow it skips.
             order: layer rows in the order their output-gradient hooks fired.
@@ -236,11 +238,12 @@ class GradientAlarms:
         """Norms, weight norms, which rows were stepped and which have non-finite gradients."""
         n = len(self.layers)
         if rows.numel() == n:  # the usual case, one optimizer stepping every layer: no scatter
-            active = torch.ones(n, dtype=torch.bool, device=stats.device)
-            return stats[:, _NORM], stats[:, _WEIGHT], active, stats[:, _BAD] > 0
+            return stats[:, _NORM], stats[:, _WEIGHT], self._all, stats[:, _BAD] > 0
         norm = stats.new_full((n,), torch.nan).index_copy_(0, rows, stats[:, _NORM])
         weight = stats.new_full((n,), torch.nan).index_copy_(0, rows, stats[:, _WEIGHT])
-        active = torch.zeros(n, dtype=torch.bool, device=stats.device).index_fill_(0, rows, True)
+        # The global row of a subset (a GAN's generator, say) is not comparable from step to
+        # step with another optimizer's: it stays out of the rules, its layers do not.
+        active = torch.zeros_like(self._all).index_fill_(0, rows[:-1], True)
         bad = torch.zeros_like(active).index_copy_(0, rows, stats[:, _BAD] > 0)
         return norm, weight, active, bad
 
