@@ -8,18 +8,36 @@ Example:
 from lightning_hooks.callbacks import GradFlowCallback
 from lightning_hooks.callbacks.activation_stats import ActivationStatsCallback
 from lightning_hooks.callbacks.dead_relu import DeadReLUCallback
-from lightning_hooks.core import GradFlowTracker, HookRegistry, LayerStats, select_modules
+from lightning_hooks.core import (
+    AlarmRules,
+    GradFlowTracker,
+    GradientAlarm,
+    GradientAlarms,
+    HookRegistry,
+    LayerStats,
+    select_modules,
+)
 from lightning_hooks.core.activation_stats import ActivationStatsTracker
 from lightning_hooks.core.dead_units import DeadUnitTracker
-from lightning_hooks.errors import LightningHooksError, LightningHooksWarning
+from lightning_hooks.errors import (
+    GradientAlarmError,
+    GradientAlarmWarning,
+    LightningHooksError,
+    LightningHooksWarning,
+)
 
 __all__ = [
     "ActivationStatsCallback",
     "ActivationStatsTracker",
+    "AlarmRules",
     "DeadReLUCallback",
     "DeadUnitTracker",
     "GradFlowCallback",
     "GradFlowTracker",
+    "GradientAlarm",
+    "GradientAlarmError",
+    "GradientAlarmWarning",
+    "GradientAlarms",
     "HookRegistry",
     "LayerStats",
     "LightningHooksError",

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["LightningHooksError", "LightningHooksWarning"]
+__all__ = [
+    "GradientAlarmError",
+    "GradientAlarmWarning",
+    "LightningHooksError",
+    "LightningHooksWarning",
+]
 
 
 class LightningHooksWarning(UserWarning):
@@ -11,3 +16,25 @@ class LightningHooksWarning(UserWarning):
 
 class LightningHooksError(RuntimeError):
     """Raised by the library when training must not go on."""
+
+
+class GradientAlarmWarning(LightningHooksWarning):
+    """A gradient alarm (spike, vanishing, non-finite, ...): the message names rule, layer, step."""
+
+
+class GradientAlarmError(LightningHooksError):
+    """A gradient alarm with ``on_alarm="raise"``: carries the facts of the alarm.
+
+    Attributes:
+        rule: the rule that fired (``"spike"``, ``"absolute"``, ``"vanishing"``, ``"nonfinite"``).
+        layer: the layer it names (``"global"`` for all layers together).
+        step: the optimizer step whose gradients fired it.
+        value: the gradient norm that fired it.
+    """
+
+    def __init__(self, message: str, *, rule: str, layer: str, step: int, value: float) -> None:
+        super().__init__(message)
+        self.rule = rule
+        self.layer = layer
+        self.step = step
+        self.value = value

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.callbacks._base import HookCallback
 from lightning_hooks.core import GradFlowTracker, LayerStats, select_modules
+from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
 from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns
-from lightning_hooks.logging import grad_flow_figure, log_figure, log_scalars
+from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
+from lightning_hooks.logging import grad_flow_figure, log_figure, log_scalars, log_text
 
 __all__ = ["GradFlowCallback"]
 
@@ -30,6 +33,33 @@ _LOGGED: tuple[tuple[str, str, str], ...] = (
     ("output_grad_norm_max", "output_grad_norm", "peak"),
     ("grad_norm_postclip", "grad_norm_postclip", "mean"),
 )
+
+
+Action = Literal["warn", "stop", "raise", "skip"]
+_ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip")
+_ACTIONABLE = ("spike", "absolute", "vanishing", "nonfinite")  # amp_overflow: the scaler acts
+_SUMMARY_LINES = 100
+
+
+def _check_actions(on_alarm: Action | Mapping[str, Action]) -> dict[str, Action]:
+    given = dict.fromkeys(_ACTIONABLE, on_alarm) if isinstance(on_alarm, str) else on_alarm
+    if on_alarm == "skip":
+        given = {**given, "vanishing": "warn"}  # skipping steps cannot revive a vanished gradient
+    actions: dict[str, Action] = dict.fromkeys(_ACTIONABLE, "warn")
+    for rule, action in given.items():
+        if rule not in _ACTIONABLE:
+            raise ValueError(
+                f"GradFlowCallback(on_alarm={on_alarm!r}): rules must be in {_ACTIONABLE}, "
+                f"got {rule!r}"
+            )
+        if action not in _ACTIONS or (action == "skip" and rule == "vanishing"):
+            allowed = _ACTIONS if rule != "vanishing" else _ACTIONS[:3]
+            raise ValueError(
+                f"GradFlowCallback(on_alarm={on_alarm!r}): the action for {rule!r} must be in "
+                f"{allowed}, got {action!r}"
+            )
+        actions[rule] = action
+    return actions
 
 
 def _check_types(types: ModuleTypes) -> None:
@@ -73,7 +103,27 @@ class GradFlowCallback(HookCallback):
     ``grad_flow/global/grad_norm_preclip``      global gradient L2 norm before clipping, mean
     ``grad_flow/global/grad_norm_postclip``     the same after clipping, mean
     ``grad_flow/chart`` (image)                 mean and max ``|g|`` per layer, log scale
+    ``grad_flow/alarms/{rule}``                 alarms of the epoch per rule (layer-steps)
+    ``grad_flow/alarms`` (text)                 one line per alarm: step, rule, layer, values
     ==========================================  ================================================
+
+    Early warnings (``alarms``, see :class:`~lightning_hooks.core.AlarmRules` for the defaults)
+    are evaluated on the device at every optimizer step: a *spike* (a layer's or the global
+    gradient norm above ``spike_factor`` x its running median over ``window`` steps), an
+    *absolute* ``max_grad_norm`` (off by default), *vanishing* gradients (a layer below
+    ``vanish_fraction`` of the median layer's norm for ``vanish_steps`` steps), *nonfinite*
+    gradients or weights (naming where the NaN appeared), and *amp_overflow* (a GradScaler step
+    skipped for inf gradients: counted, never an explosion, no action). The verdict is copied to
+    the host without blocking and read at the same step on the CPU, at the next step on CUDA.
+    ``on_alarm`` says what happens, per rule or for all: ``"warn"`` (a
+    :class:`~lightning_hooks.errors.GradientAlarmWarning` on rank 0, once per rule and layer per
+    epoch, then only counted), ``"stop"`` (warn, and ``trainer.should_stop`` agreed across ranks:
+    training ends after the current step), ``"raise"`` (a
+    :class:`~lightning_hooks.errors.GradientAlarmError`; hooks are still removed) or ``"skip"``
+    (warn, and the step is not applied: every gradient of the optimizer is set to ``None``, so
+    torch optimizers leave weights, momentum and Adam moments untouched, but the LR scheduler
+    and ``global_step`` still advance; on CUDA ``"skip"`` reads the verdict of the current
+    step, one blocking copy per step).
 
     The output-gradient norm of a step sums squares over its micro-batches and over every call of
     a module called more than once (under activation checkpointing, reentrant or not, each output
@@ -98,6 +148,9 @@ class GradFlowCallback(HookCallback):
         update_ratio: measure the update-to-weight ratio (keeps one copy of the parameters).
         output_grad: measure the gradient with respect to each layer's output.
         chart: log the gradient-flow chart image each epoch.
+        alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
+        on_alarm: the action for every rule, or a mapping ``{rule: action}`` (others warn);
+            ``"skip"`` does not apply to ``"vanishing"``, which then warns.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -113,8 +166,17 @@ class GradFlowCallback(HookCallback):
         update_ratio: bool = True,
         output_grad: bool = True,
         chart: bool = True,
+        alarms: AlarmRules | bool = True,
+        on_alarm: Action | Mapping[str, Action] = "warn",
     ) -> None:
         _check_types(types)
+        if not isinstance(alarms, AlarmRules | bool):
+            raise TypeError(
+                f"GradFlowCallback(alarms={alarms!r}): expected an AlarmRules or a bool, "
+                f"got {type(alarms).__name__}"
+            )
+        self.alarms = AlarmRules() if alarms is True else alarms or None
+        self.on_alarm = _check_actions(on_alarm)
         self.types = types
         self.include = as_patterns(include, "GradFlowCallback(include=...)")
         self.exclude = as_patterns(exclude, "GradFlowCallback(exclude=...)")
@@ -123,6 +185,8 @@ class GradFlowCallback(HookCallback):
         self.chart = chart
         self.uses_images = chart
         self._tracker: GradFlowTracker | None = None
+        self._alarm_state: dict[str, Any] | None = None
+        self._warned: set[tuple[str, str]] = set()
 
     @property
     @override
@@ -146,11 +210,26 @@ class GradFlowCallback(HookCallback):
             update_ratio=self.update_ratio,
             output_grad=self.output_grad,
             post_clip=bool(trainer.gradient_clip_val),
+            alarms=self.alarms,
         )
+        self._load_alarm_state()
+
+    def _load_alarm_state(self) -> None:
+        alarms = self._tracker.alarms if self._tracker is not None else None
+        if alarms is not None and self._alarm_state is not None:
+            try:
+                alarms.load_state_dict(self._alarm_state)
+            except ValueError as err:
+                rank_zero_warn(
+                    f"GradFlowCallback: {err}; running medians start afresh.",
+                    category=LightningHooksWarning,
+                )
 
     @override
     def _detach(self) -> None:
         if self._tracker is not None:
+            if self._tracker.alarms is not None:
+                self._alarm_state = self._tracker.alarms.state_dict()
             self._tracker.remove()
             self._tracker = None
 
@@ -158,25 +237,74 @@ class GradFlowCallback(HookCallback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if self._tracker is not None:
-            scale = _grad_scale(trainer)
-            # Lightning does not unscale for optimizers that unscale inside their step (fused).
-            fused = scale is not None and getattr(optimizer, "_step_supports_amp_scaling", False)
-            self._tracker.observe(optimizer, scale, scale if fused else None)
+        if self._tracker is None:
+            return
+        scale = _grad_scale(trainer)
+        # Lightning does not unscale for optimizers that unscale inside their step (fused).
+        fused = scale is not None and getattr(optimizer, "_step_supports_amp_scaling", False)
+        self._tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
+        if self._tracker.alarms is not None:
+            now = "skip" in self.on_alarm.values()
+            self._act(trainer, optimizer, self._tracker.alarms.poll(wait=now))
+
+    def _act(
+        self,
+        trainer: pl.Trainer,
+        optimizer: torch.optim.Optimizer | None,
+        alarms: list[GradientAlarm],
+    ) -> None:
+        stop = False
+        for alarm in alarms:
+            action = self.on_alarm.get(alarm.rule)
+            if action is None:
+                continue  # amp_overflow: the GradScaler already skipped the step
+            if action == "raise":
+                raise GradientAlarmError(
+                    alarm.message,
+                    rule=alarm.rule,
+                    layer=alarm.layer,
+                    step=alarm.step,
+                    value=alarm.value,
+                )
+            self._warn_once(alarm)
+            stop = stop or action == "stop"
+            if action == "skip" and optimizer is not None and alarm.step == trainer.global_step:
+                _skip_step(optimizer)
+        if "stop" in self.on_alarm.values():
+            # Ranks see the same all-reduced gradients, so they agree; under FSDP they may not.
+            trainer.should_stop |= trainer.strategy.reduce_boolean_decision(stop, all=False)
+
+    def _warn_once(self, alarm: GradientAlarm) -> None:
+        key = (alarm.rule, alarm.layer)
+        if key not in self._warned:
+            self._warned.add(key)
+            rank_zero_warn(alarm.message, category=GradientAlarmWarning)
 
     @override
     def _save_state(self) -> dict[str, Any]:
-        return {} if self._tracker is None else self._tracker.state()
+        state = {} if self._tracker is None else self._tracker.state()
+        alarms = self._tracker.alarms if self._tracker is not None else None
+        alarm_state = alarms.state_dict() if alarms is not None else self._alarm_state
+        if alarm_state is not None:
+            state["alarms"] = alarm_state
+        return state
 
     @override
     def _load_state(self, state: dict[str, Any]) -> None:
-        if self._tracker is not None:
+        state = dict(state)
+        alarm_state = state.pop("alarms", None)
+        if alarm_state is not None:
+            self._alarm_state = alarm_state
+            self._load_alarm_state()
+        if state and self._tracker is not None:
             self._tracker.load_state(state)
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._tracker is None:
             return
+        if self._tracker.alarms is not None:
+            self._log_alarms(trainer, self._tracker.alarms)
         stats = self._tracker.result()
         self._tracker.reset()
         if not stats.count.any():
@@ -192,6 +320,30 @@ class GradFlowCallback(HookCallback):
                 title=f"gradient flow, epoch {trainer.current_epoch}",
             )
             log_figure(trainer.loggers, "grad_flow/chart", figure, step)
+
+    def _log_alarms(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
+        self._act(trainer, None, alarms.poll(wait=True))
+        counts, log = alarms.take_epoch()
+        self._warned.clear()
+        step = trainer.global_step
+        log_scalars(trainer.loggers, {f"grad_flow/alarms/{r}": counts[r] for r in counts}, step)
+        if trainer.is_global_zero:
+            log_text(trainer.loggers, "grad_flow/alarms", _summary(log, trainer), step)
+
+
+def _summary(log: list[GradientAlarm], trainer: pl.Trainer) -> str:
+    head = f"{len(log)} gradient alarms in epoch {trainer.current_epoch}"
+    lines = [f"- step {a.step}, {a.rule}, {a.layer}: {a.message}" for a in log[:_SUMMARY_LINES]]
+    if len(log) > _SUMMARY_LINES:
+        lines.append(f"- ... and {len(log) - _SUMMARY_LINES} more")
+    return "\n".join([head, "", *lines])
+
+
+def _skip_step(optimizer: torch.optim.Optimizer) -> None:
+    """Make the coming ``optimizer.step()`` a no-op: torch optimizers skip ``None`` gradients."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
 
 
 def _scalars(stats: LayerStats) -> Iterator[tuple[str, float]]:

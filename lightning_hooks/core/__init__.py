@@ -2,6 +2,7 @@
 
 from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
 from lightning_hooks.core.activation_stats import ActivationStatsTracker
+from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, GradientAlarm, GradientAlarms
 from lightning_hooks.core.dead_units import DeadUnits, DeadUnitTracker
 from lightning_hooks.core.feature_stats import FEATURE_STATS, FeatureSummary, feature_stats
 from lightning_hooks.core.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
@@ -12,15 +13,19 @@ from lightning_hooks.core.selection import select_modules
 from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
 
 __all__ = [
+    "ALARM_RULES",
     "FEATURE_STATS",
     "GRAD_FLOW_STATS",
     "GRAD_STATS",
     "ActivationStatsTracker",
+    "AlarmRules",
     "DeadUnitTracker",
     "DeadUnits",
     "FeatureSummary",
     "FirstNonFinite",
     "GradFlowTracker",
+    "GradientAlarm",
+    "GradientAlarms",
     "HookRegistry",
     "LayerStats",
     "LayerStatsAccumulator",

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
+from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
 from lightning_hooks.core.distributed import all_reduce_sum_, world_size
 from lightning_hooks.core.grad_stats import GLOBAL, GRAD_STATS, ParamLayout, grad_stats
 from lightning_hooks.core.grad_stats import update_norms as _update_norms
@@ -61,13 +62,14 @@ def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(tensors)).float()
 
 
-def _add_output_grad(sq: torch.Tensor, row: int, grad: torch.Tensor) -> None:
+def _add_output_grad(sq: torch.Tensor, order: list[int], row: int, grad: torch.Tensor) -> None:
     # fp16/bf16 are summed in float32; float64 (precision="64-true") stays float64.
     dtype = torch.promote_types(grad.dtype, torch.float32)
     sq.select(0, row).add_(torch.linalg.vector_norm(grad, dtype=dtype).square())
+    order.append(row)  # host-side: the backward order the non-finite alarm names layers in
 
 
-def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int) -> Any:
+def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int]) -> Any:
     """A forward hook that puts a gradient hook on the module's outputs in training forwards."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -75,7 +77,7 @@ def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int) -> Any:
             return
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
-                tensor.register_hook(partial(_add_output_grad, sq, row))  # type: ignore[no-untyped-call]
+                tensor.register_hook(partial(_add_output_grad, sq, order, row))  # type: ignore[no-untyped-call]
                 hit.select(0, row).fill_(True)
 
     return hook
@@ -111,6 +113,8 @@ class GradFlowTracker:
         update_ratio: measure the update ratio (keeps one copy of the parameters).
         output_grad: measure the gradient with respect to each layer's output.
         post_clip: measure the global gradient norm after clipping, in the step post-hook.
+        alarms: evaluate these gradient alarm rules at every step (see
+            :class:`~lightning_hooks.core.GradientAlarms`); read them with ``tracker.alarms``.
 
     Example:
         >>> import torch
@@ -139,6 +143,7 @@ class GradFlowTracker:
         update_ratio: bool = True,
         output_grad: bool = True,
         post_clip: bool = False,
+        alarms: AlarmRules | None = None,
     ) -> None:
         self.registry = HookRegistry(model)
         modules = self.registry.modules(types=types, include=include, exclude=exclude)
@@ -161,10 +166,17 @@ class GradFlowTracker:
         self._update_ratio = update_ratio
         self._post_clip = post_clip
         self._views: dict[int, _OptimizerView] = {}
+        self._backward_order: list[int] = []
+        self._calls = 0
+        self.alarms = (
+            GradientAlarms((*self.layout.layers, GLOBAL), alarms, device)
+            if alarms is not None
+            else None
+        )
         if output_grad:
             by_name = dict(modules)
             for row, name in enumerate(self.layout.layers):
-                hook = _output_hook(self._out_sq, self._hit, row)
+                hook = _output_hook(self._out_sq, self._hit, row, self._backward_order)
                 self.registry.forward_hook(by_name[name], hook)
         for optimizer in optimizers:
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
@@ -193,6 +205,8 @@ class GradFlowTracker:
         optimizer: torch.optim.Optimizer,
         grad_scale: torch.Tensor | None = None,
         param_grad_scale: torch.Tensor | None = None,
+        *,
+        step: int | None = None,
     ) -> None:
         """Record the gradients ``optimizer`` is about to apply (call just before its step).
 
@@ -202,7 +216,10 @@ class GradFlowTracker:
                 the device), or ``None``.
             param_grad_scale: the loss scale the parameter gradients still carry (a fused
                 optimizer unscales inside its step), or ``None`` when they are unscaled.
+            step: the optimizer step the alarms name (default: count calls from 0).
         """
+        step = self._calls if step is None else step
+        self._calls += 1
         view = self._view(optimizer)
         if not view.params:
             return
@@ -214,6 +231,10 @@ class GradFlowTracker:
         valid = view.grad_mask(missing) if any(missing) else None
         columns = slice(0, len(GRAD_STATS))
         self.accumulator.update(stats, columns, view.rows, valid, replicated=True)
+        if self.alarms is not None:
+            amp = grad_scale is not None
+            self.alarms.update(stats, view.rows, step=step, amp=amp, order=self._backward_order)
+        self._backward_order.clear()
         if self._update_ratio:
             torch._foreach_copy_(view.before, list(view.params))
             view.weight_norm = stats[:, _WEIGHT]

@@ -2,7 +2,7 @@
 
 from lightning_hooks.logging.figures import grad_flow_figure, layer_epoch_heatmap
 from lightning_hooks.logging.histograms import log_histogram_raw
-from lightning_hooks.logging.writer import log_figure, log_scalars, tensorboard_writers
+from lightning_hooks.logging.writer import log_figure, log_scalars, log_text, tensorboard_writers
 
 __all__ = [
     "grad_flow_figure",
@@ -10,5 +10,6 @@ __all__ = [
     "log_figure",
     "log_histogram_raw",
     "log_scalars",
+    "log_text",
     "tensorboard_writers",
 ]

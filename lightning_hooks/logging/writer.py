@@ -7,7 +7,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-__all__ = ["log_figure", "log_scalars", "tensorboard_writers"]
+__all__ = ["log_figure", "log_scalars", "log_text", "tensorboard_writers"]
 
 
 def _tensorboard_logger_types() -> tuple[type, ...]:
@@ -46,3 +46,9 @@ def log_figure(loggers: Sequence[Any], tag: str, figure: Figure, step: int) -> N
     """Write a matplotlib figure as an image to every TensorBoard logger."""
     for writer in tensorboard_writers(loggers):
         writer.add_figure(tag, figure, global_step=step, close=False)
+
+
+def log_text(loggers: Sequence[Any], tag: str, text: str, step: int) -> None:
+    """Write markdown ``text`` to every TensorBoard logger (``SummaryWriter.add_text``)."""
+    for writer in tensorboard_writers(loggers):
+        writer.add_text(tag, text, global_step=step)

@@ -1,0 +1,152 @@
+"""The alarm rules in plain torch: backward order, validation, state, the CUDA mailbox."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker, GradientAlarms
+
+
+class HeadFirst(nn.Module):
+    """Registers its head before its body: registration order is not the forward order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 1)
+        self.body = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def _nan_target_alarm(output_grad: bool) -> Any:
+    torch.manual_seed(0)
+    model = HeadFirst()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradFlowTracker(model, [opt], output_grad=output_grad, alarms=AlarmRules()) as tracker:
+        for step in range(3):
+            opt.zero_grad()
+            target = torch.full((4, 1), math.nan if step == 2 else 0.0)
+            nn.functional.mse_loss(model(torch.randn(4, 8)), target).backward()
+            tracker.observe(opt)
+            opt.step()
+        assert tracker.alarms is not None
+        return tracker.alarms.poll()
+
+
+def test_nonfinite_gradient_names_the_first_layer_in_backward_order() -> None:
+    (alarm,) = _nan_target_alarm(output_grad=True)
+    assert (alarm.rule, alarm.layer, alarm.step, alarm.others) == (
+        "nonfinite",
+        "head",
+        2,
+        ("body",),
+    )
+    assert "first layer in backward order" in alarm.message
+
+
+def test_without_output_hooks_backward_order_is_reverse_registration_order() -> None:
+    (alarm,) = _nan_target_alarm(output_grad=False)
+    assert alarm.layer == "body"  # the documented approximation, wrong for this model
+
+
+def test_absolute_threshold_fires_on_the_global_norm() -> None:
+    alarms = GradientAlarms(["a", "global"], AlarmRules(max_grad_norm=1.0))
+    for step, norm in enumerate([0.5, 2.0]):
+        stats = torch.zeros(2, 5)
+        stats[:, 0] = norm
+        alarms.update(stats, torch.arange(2), step=step)
+    (alarm,) = alarms.poll()
+    assert (alarm.rule, alarm.layer, alarm.step, alarm.value, alarm.reference) == (
+        "absolute",
+        "global",
+        1,
+        2.0,
+        1.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"spike_factor": 0.0}, r"AlarmRules\(spike_factor=0.0\): must be a positive finite"),
+        ({"window": 2.5}, r"AlarmRules\(window=2.5\): must be a positive int, got 2.5"),
+        ({"window": 5}, r"AlarmRules\(min_history=10\): must be at most window=5, got 10"),
+        ({"vanish_fraction": math.inf}, r"vanish_fraction=inf\): must be a positive finite"),
+    ],
+)
+def test_rules_are_checked_at_construction(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        AlarmRules(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"on_alarm": "panic"},
+            ValueError,
+            r"action for 'spike' must be in .*'skip'\), got 'panic'",
+        ),
+        (
+            {"on_alarm": {"vanishing": "skip"}},
+            ValueError,
+            r"for 'vanishing' must be in \('warn', 'stop', 'raise'\)",
+        ),
+        (
+            {"on_alarm": {"amp_overflow": "stop"}},
+            ValueError,
+            r"rules must be in .*got 'amp_overflow'",
+        ),
+        ({"alarms": "on"}, TypeError, r"alarms='on'\): expected an AlarmRules or a bool, got str"),
+    ],
+)
+def test_callback_checks_alarm_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        GradFlowCallback(**kwargs)
+
+
+def test_state_of_other_layers_is_refused() -> None:
+    state = GradientAlarms(["a", "global"]).state_dict()
+    with pytest.raises(ValueError, match=r"saved layers \('a', 'global'\) differ"):
+        GradientAlarms(["a", "b", "global"]).load_state_dict(state)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_verdict_is_read_without_a_sync_at_most_one_step_late() -> None:
+    alarms = GradientAlarms(["a", "global"], AlarmRules(min_history=2, window=4), "cuda")
+    rows = torch.arange(2, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step, norm in enumerate([1.0, 1.0, 1.0, 100.0, 1.0]):
+            stats = torch.zeros(2, 5, device="cuda")
+            stats[:, 0] = norm
+            alarms.update(stats, rows, step=step)
+            found = alarms.poll()
+            if step == 4:
+                assert [(a.rule, a.step) for a in found] == [("spike", 3)]
+            elif found:
+                assert [(a.rule, a.step) for a in found] == [("spike", 3)]
+                break
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_two_optimizers_on_different_scales_raise_no_global_spike() -> None:
+    """A GAN-like alternation: each optimizer's global norm differs by 100x from the other's."""
+    alarms = GradientAlarms(["g", "d", "global"], AlarmRules(min_history=2, window=8))
+    for step in range(20):
+        row, norm = (0, 0.1) if step % 2 else (1, 10.0)
+        stats = torch.full((2, 5), norm)
+        stats[:, 3] = 0.0
+        alarms.update(stats, torch.tensor([row, 2]), step=step)
+    assert alarms.poll() == []
+    stats = torch.full((2, 5), 10.0)
+    stats[:, 3] = 0.0
+    alarms.update(stats, torch.tensor([0, 2]), step=20)  # the generator's layer: 100x its median
+    assert [(a.rule, a.layer, a.others) for a in alarms.poll()] == [("spike", "g", ())]
