@@ -1,8 +1,9 @@
 """A 2-process CPU DDP fit (gloo) with GradFlowCallback, run as a script by test_distributed.py.
 
 Lightning's DDP launcher re-runs this script for rank 1, so everything happens under ``main()``.
-Two fits in one launch: 10 layers logged to TensorBoard, 200 layers to a CSVLogger (which makes
-the callback warn that the chart needs TensorBoard). Every ``torch.distributed`` collective is
+Three fits in one launch: 10 layers logged to TensorBoard, 200 layers to a CSVLogger (which
+makes the callback warn that the chart needs TensorBoard), and 10 layers with gradient
+accumulation and clipping. Every ``torch.distributed`` collective is
 counted per epoch (all of them, and those made from the ``lightning_hooks`` package); each rank
 writes ``rank{r}.json`` into ``--out``. Each rank gets half of each global batch of 8 (a
 ``DistributedSampler`` without shuffling: rank ``r`` takes samples ``r, r + 2, ...``), so
@@ -41,6 +42,7 @@ COLLECTIVES = (
     "all_to_all",
 )
 SAMPLES = 32
+ACCUMULATE_CLIP: dict[str, Any] = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
 
 
 class DeepMLP(pl.LightningModule):
@@ -139,7 +141,7 @@ def _called_from_package() -> bool:
     return False
 
 
-def fit(root: Path, depth: int, logger: str, devices: int) -> _CollectiveCounter:
+def fit(root: Path, depth: int, logger: str, devices: int, **extra: Any) -> _CollectiveCounter:
     """One fit of ``DeepMLP(depth)`` with GradFlowCallback; logs under ``root``."""
     from lightning_hooks import GradFlowCallback
 
@@ -150,6 +152,7 @@ def fit(root: Path, depth: int, logger: str, devices: int) -> _CollectiveCounter
         callbacks=[GradFlowCallback(), counter],
         **strategy,
         **trainer_options(root, logger),
+        **extra,
     )
     trainer.fit(DeepMLP(depth=depth, batch_size=SAMPLES // 4 // devices))
     counter.restore()
@@ -165,6 +168,7 @@ def main() -> None:
     for depth, logger in ((10, "tensorboard"), (200, "csv")):
         counter = fit(args.out / f"depth{depth}", depth, logger, devices=2)
         report[f"depth{depth}"] = {"epochs": counter.epochs, "ours": dict(counter.ours)}
+    fit(args.out / "accumulate_clip", 10, "tensorboard", devices=2, **ACCUMULATE_CLIP)
     report["rank"] = dist.get_rank()
     report["world_size"] = dist.get_world_size()
     report["backend"] = dist.get_backend()

@@ -1,7 +1,8 @@
 """DDP on CPU (gloo, 2 processes) against one process on the same global batches.
 
-One launch of ``tests/ddp_run.py`` (about 30 s on 2 cores, most of it importing Lightning twice)
-serves every test here: two fits, 10 and 200 layers.
+One launch of ``tests/ddp_run.py`` (about 40 s on 2 shared cores, most of it importing Lightning
+twice) serves every test here: three fits, 10 and 200 layers, and 10 with accumulation and
+clipping.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from ddp_run import DeepMLP, fit
+from ddp_run import ACCUMULATE_CLIP, DeepMLP, fit
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning import Trainer
 from pytorch_lightning.loggers import TensorBoardLogger
@@ -52,29 +53,44 @@ def _report(out: Path, rank: int) -> dict[str, Any]:
     return json.loads((out / f"rank{rank}.json").read_text())  # type: ignore[no-any-return]
 
 
+@pytest.mark.parametrize(
+    ("run", "extra", "steps", "tag_count"),
+    [
+        ("depth10", {}, [4, 8], 11 * 10 + 8),  # 11 layers x 10 statistics, 8 global
+        ("accumulate_clip", ACCUMULATE_CLIP, [2, 4], 11 * 10 + 8 + 2),  # + pre/post-clip
+    ],
+)
 def test_ddp_statistics_equal_one_process_on_the_global_batch(
-    ddp_run: tuple[Path, str], tmp_path: Path
+    run: str,
+    extra: dict[str, Any],
+    steps: list[int],
+    tag_count: int,
+    ddp_run: tuple[Path, str],
+    tmp_path: Path,
 ) -> None:
     out, _ = ddp_run
     assert _report(out, 1)["world_size"] == 2 and _report(out, 1)["backend"] == "gloo"
-    fit(tmp_path, depth=10, logger="tensorboard", devices=1).restore()
+    fit(tmp_path, depth=10, logger="tensorboard", devices=1, **extra).restore()
     single = read_scalars(tmp_path / "tb")
-    ddp = read_scalars(out / "depth10" / "tb")
+    ddp = read_scalars(out / run / "tb")
     tags = {t for t in single if t.startswith("grad_flow/")}
-    assert len(tags) == 11 * 10 + 8  # 11 layers x 10 statistics, 8 global
+    assert len(tags) == tag_count
     assert {t for t in ddp if t.startswith("grad_flow/")} == tags
     for tag in sorted(tags):
-        assert [s for s, _ in ddp[tag]] == [s for s, _ in single[tag]] == [4, 8], tag
+        assert [s for s, _ in ddp[tag]] == [s for s, _ in single[tag]] == steps, tag
         for (_, got), (_, want) in zip(ddp[tag], single[tag], strict=True):
             assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-12), (tag, got, want)
-    # Output gradients are rank-local: were they not reduced, DDP would report about 1/sqrt(2).
-    assert single["grad_flow/output_grad_norm/net.0"][0][1] > 0
+    if extra:  # clipped in the first epoch (norms above 0.5), not in the second
+        pre = [v for _, v in ddp["grad_flow/global/grad_norm_preclip"]]
+        post = [v for _, v in ddp["grad_flow/global/grad_norm_postclip"]]
+        assert post[0] < pre[0] and post[0] <= 0.5 * (1 + 1e-5)
+        assert math.isclose(post[1], pre[1], rel_tol=1e-6)
 
 
 def test_only_rank_zero_writes_and_warns_once(ddp_run: tuple[Path, str]) -> None:
     out, output = ddp_run
-    events = sorted(p.relative_to(out) for p in out.rglob("events.out.tfevents.*"))
-    assert len(events) == 1 and events[0].parts[:3] == ("depth10", "tb", "version_0")
+    events = sorted(p.relative_to(out).parts[:3] for p in out.rglob("events.out.tfevents.*"))
+    assert events == [("accumulate_clip", "tb", "version_0"), ("depth10", "tb", "version_0")]
     assert [p.relative_to(out).parts[0] for p in out.rglob("metrics.csv")] == ["depth200"]
     assert output.count("images need TensorBoard") == 1
 

@@ -48,8 +48,8 @@ class HookCallback(pl.Callback):
         if any(c.__name__ in _SHARDED_STRATEGIES for c in type(trainer.strategy).__mro__):
             raise MisconfigurationException(
                 f"{name} does not support Trainer(strategy={strategy}): parameters are sharded "
-                "across ranks, so per-layer statistics would be wrong. Supported: a single "
-                "device, 'ddp', 'ddp_spawn', 'ddp_notebook' (see the README's support matrix)."
+                "across ranks, so per-layer statistics would be wrong. Use a single device or "
+                "strategy='ddp' (see the README's support matrix)."
             )
         if not trainer.loggers:
             raise MisconfigurationException(
