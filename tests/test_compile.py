@@ -24,6 +24,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from lightning_hooks import GradFlowCallback
+from lightning_hooks.core import ALARM_RULES
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
 
@@ -68,7 +69,11 @@ def _check_against_eager(mode: str, backend: str, tmp_path: Path) -> None:
     eager = read_scalars(tmp_path / "eager")
     compiled = read_scalars(tmp_path / "compiled")
     tags = {t for t in eager if t.startswith("grad_flow/")}
-    assert len(tags) == 38 and {t for t in compiled if t.startswith("grad_flow/")} == tags
+    # 3 layers x 10 per-layer tags, 8 global tags, one alarm count per rule
+    assert (
+        len(tags) == 3 * 10 + 8 + len(ALARM_RULES)
+        and {t for t in compiled if t.startswith("grad_flow/")} == tags
+    )
     for tag in tags:
         for (step, got), (at, want) in zip(compiled[tag], eager[tag], strict=True):
             assert step == at and math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-9), tag

@@ -24,6 +24,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.strategies import FSDPStrategy
 
 from lightning_hooks import GradFlowCallback
+from lightning_hooks.core import ALARM_RULES
 
 from conftest import hooks_left, read_scalars
 
@@ -56,8 +57,9 @@ def _report(out: Path, rank: int) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("run", "extra", "steps", "tag_count"),
     [
-        ("depth10", {}, [4, 8], 11 * 10 + 8),  # 11 layers x 10 statistics, 8 global
-        ("accumulate_clip", ACCUMULATE_CLIP, [2, 4], 11 * 10 + 8 + 2),  # + pre/post-clip
+        # 11 layers x 10 statistics, 8 global, one alarm count per rule
+        ("depth10", {}, [4, 8], 11 * 10 + 8 + len(ALARM_RULES)),
+        ("accumulate_clip", ACCUMULATE_CLIP, [2, 4], 11 * 10 + 8 + len(ALARM_RULES) + 2),  # + clip
     ],
 )
 def test_ddp_statistics_equal_one_process_on_the_global_batch(

@@ -62,11 +62,14 @@ def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(tensors)).float()
 
 
-def _add_output_grad(sq: torch.Tensor, order: list[int], row: int, grad: torch.Tensor) -> None:
+def _add_output_grad(
+    sq: torch.Tensor, order: list[int] | None, row: int, grad: torch.Tensor
+) -> None:
     # fp16/bf16 are summed in float32; float64 (precision="64-true") stays float64.
     dtype = torch.promote_types(grad.dtype, torch.float32)
     sq.select(0, row).add_(torch.linalg.vector_norm(grad, dtype=dtype).square())
-    order.append(row)  # host-side: the backward order the non-finite alarm names layers in
+    if order is not None:
+        order.append(row)  # host-side: the backward order the non-finite alarm names layers in
 
 
 def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int]) -> Any:
@@ -75,9 +78,12 @@ def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int]
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         if not is_grad_forward(module):
             return
+        # Dynamo cannot trace a host list mutated in backward: compiled, the non-finite alarm
+        # falls back to reverse model order.
+        seen = None if torch.compiler.is_compiling() else order
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
-                tensor.register_hook(partial(_add_output_grad, sq, order, row))  # type: ignore[no-untyped-call]
+                tensor.register_hook(partial(_add_output_grad, sq, seen, row))  # type: ignore[no-untyped-call]
                 hit.select(0, row).fill_(True)
 
     return hook
