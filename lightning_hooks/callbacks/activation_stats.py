@@ -81,6 +81,9 @@ class ActivationStatsCallback(HookCallback):
             epoch: of its first output).
         heatmaps: log the layer x epoch heatmap images.
         warn_nonfinite: warn when an output goes NaN / Inf.
+        fused: compile the statistics with ``torch.compile`` into one reading pass per output
+            instead of six (about 6x cheaper on CPU; the first training step compiles, about
+            30 s on CPU).
 
     Example:
         >>> import pytorch_lightning as pl
@@ -99,6 +102,7 @@ class ActivationStatsCallback(HookCallback):
         histogram_range: tuple[float, float] | None = None,
         heatmaps: bool = True,
         warn_nonfinite: bool = True,
+        fused: bool = False,
     ) -> None:
         check_types(_NAME, types)
         if (
@@ -126,6 +130,7 @@ class ActivationStatsCallback(HookCallback):
         self.heatmaps = heatmaps
         self.uses_images = heatmaps or histograms
         self.warn_nonfinite = warn_nonfinite
+        self.fused = fused
         self._tracker: ActivationStatsTracker | None = None
         self._history: list[tuple[int, FeatureSummary]] = []
         self._warned_nonfinite = False
@@ -158,6 +163,7 @@ class ActivationStatsCallback(HookCallback):
             exclude=self.exclude,
             histogram_bins=self.histogram_bins if self.histograms else 0,
             histogram_range=self.histogram_range,
+            fused=self.fused,
         )
         self._history = []
         self._warned_nonfinite = False

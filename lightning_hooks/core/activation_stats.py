@@ -17,6 +17,7 @@ from lightning_hooks.core.feature_stats import (
     FeatureSummary,
     Workspace,
     feature_stats,
+    fused_feature_stats,
     histogram_counts,
     summarize,
 )
@@ -133,6 +134,8 @@ class ActivationStatsTracker:
         exclude: glob patterns on module names to drop.
         histogram_bins: number of histogram bins per row; ``0``: no histograms.
         histogram_range: fixed ``(low, high)`` edges; ``None``: a running range.
+        fused: compute the statistics with ``fused_feature_stats`` (``torch.compile``: one
+            reading pass instead of six; compiled on the first training step).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -152,6 +155,7 @@ class ActivationStatsTracker:
         exclude: Patterns = None,
         histogram_bins: int = 0,
         histogram_range: tuple[float, float] | None = None,
+        fused: bool = False,
     ) -> None:
         self.registry = HookRegistry(model)
         where = default_feature_module if types is None else None
@@ -166,6 +170,7 @@ class ActivationStatsTracker:
         self.histogram_range = histogram_range
         self.rows: dict[str, int] = {}
         self.workspace = Workspace()
+        self._stats = fused_feature_stats if fused else feature_stats
         self._state: _State | None = None
         # Made here, not in a hook: its host buffer is set up once, outside any training step.
         self.first_nonfinite = FirstNonFinite(_model_device(model))
@@ -202,7 +207,7 @@ class ActivationStatsTracker:
     def _observe(self, row: int, x: torch.Tensor) -> None:
         state = self._state
         assert state is not None
-        stats = feature_stats(x, self.workspace)
+        stats = self._stats(x, self.workspace)
         state.sums.select(0, row).add_(stats[:NUM_SUMS])
         extremes = state.extremes.select(0, row)
         torch.maximum(extremes, stats[NUM_SUMS:] * state.sign, out=extremes)
