@@ -127,6 +127,9 @@ class ActivationStatsTracker:
     The first module in execution order whose output contains NaN / Inf, and the step (the
     :attr:`step` attribute, set by the caller), is kept in :attr:`first_nonfinite`.
 
+    Rows are created in the order outputs first appear; under ``torch.distributed`` every rank
+    runs the same model, so every rank has the same rows when :meth:`result` reduces them.
+
     Args:
         model: the model to instrument.
         types: modules of these types (default: :func:`default_feature_module`).
