@@ -134,6 +134,7 @@ class ActivationStatsCallback(HookCallback):
         self._tracker: ActivationStatsTracker | None = None
         self._history: list[tuple[int, FeatureSummary]] = []
         self._warned_nonfinite = False
+        self._step = 0
 
     @property
     @override
@@ -178,8 +179,7 @@ class ActivationStatsCallback(HookCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._tracker is not None:
-            self._tracker.step = trainer.global_step
+        self._step = trainer.global_step
 
     @override
     def on_train_batch_end(
@@ -193,6 +193,7 @@ class ActivationStatsCallback(HookCallback):
         tracker = self._tracker
         if tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
             return
+        tracker.end_step(self._step)
         found = tracker.first_nonfinite.poll()
         if found is not None:
             step, row = found
