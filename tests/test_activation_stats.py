@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import ActivationStatsCallback, ActivationStatsTracker, LightningHooksWarning
 from lightning_hooks.core import feature_stats
+from lightning_hooks.core.feature_stats import fused_feature_stats
 
 from conftest import TinyMLP, dataset, hooks_left, read_histograms, read_image_tags, read_scalars
 from syncs import count_syncs
@@ -243,6 +244,16 @@ def test_half_precision_outputs_are_summed_in_float32() -> None:
     assert stats[:6].tolist() == pytest.approx(want, rel=1e-6)
     assert stats[6:].tolist() == [-3.0, 1.0]
     assert float(x.sum()) != 69_996.0  # bf16 accumulation would be wrong
+
+
+def test_fused_statistics_equal_the_eager_ones() -> None:
+    x = torch.randn(4, 3, 5, 5).relu()
+    x[0, 0, 0, :3] = torch.tensor([torch.nan, torch.inf, -torch.inf])
+    finite = x[1:]
+    for tensor in (finite, finite.bfloat16(), x):
+        fused, eager = fused_feature_stats(tensor), feature_stats(tensor)
+        torch.testing.assert_close(fused, eager, rtol=1e-5, atol=0.0, equal_nan=True)
+    assert fused_feature_stats(x)[4] == 3
 
 
 def test_checkpoint_recompute_is_not_counted() -> None:

@@ -81,6 +81,9 @@ class ActivationStatsCallback(HookCallback):
             epoch: of its first output).
         heatmaps: log the layer x epoch heatmap images.
         warn_nonfinite: warn when an output goes NaN / Inf.
+        fused: compile the statistics with ``torch.compile`` into one reading pass per output
+            instead of six (about 6x cheaper on CPU; the first training step compiles, about
+            30 s on CPU).
 
     Example:
         >>> import pytorch_lightning as pl
@@ -99,6 +102,7 @@ class ActivationStatsCallback(HookCallback):
         histogram_range: tuple[float, float] | None = None,
         heatmaps: bool = True,
         warn_nonfinite: bool = True,
+        fused: bool = False,
     ) -> None:
         check_types(_NAME, types)
         if (
@@ -126,9 +130,11 @@ class ActivationStatsCallback(HookCallback):
         self.heatmaps = heatmaps
         self.uses_images = heatmaps or histograms
         self.warn_nonfinite = warn_nonfinite
+        self.fused = fused
         self._tracker: ActivationStatsTracker | None = None
         self._history: list[tuple[int, FeatureSummary]] = []
         self._warned_nonfinite = False
+        self._step = 0
 
     @property
     @override
@@ -158,6 +164,7 @@ class ActivationStatsCallback(HookCallback):
             exclude=self.exclude,
             histogram_bins=self.histogram_bins if self.histograms else 0,
             histogram_range=self.histogram_range,
+            fused=self.fused,
         )
         self._history = []
         self._warned_nonfinite = False
@@ -172,8 +179,7 @@ class ActivationStatsCallback(HookCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._tracker is not None:
-            self._tracker.step = trainer.global_step
+        self._step = trainer.global_step
 
     @override
     def on_train_batch_end(
@@ -187,6 +193,7 @@ class ActivationStatsCallback(HookCallback):
         tracker = self._tracker
         if tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
             return
+        tracker.end_step(self._step)
         found = tracker.first_nonfinite.poll()
         if found is not None:
             step, row = found

@@ -17,6 +17,7 @@ from lightning_hooks.core.feature_stats import (
     FeatureSummary,
     Workspace,
     feature_stats,
+    fused_feature_stats,
     histogram_counts,
     summarize,
 )
@@ -45,6 +46,7 @@ ACTIVATION_MODULES: tuple[type[nn.Module], ...] = (
 )
 """Activation module types the default selection includes."""
 
+_NONFINITE = 4  # column of the non-finite count in the sums
 _SIGN = (-1.0, 1.0)  # extremes are kept as (-min, max) so one max-reduce pools both
 
 
@@ -123,8 +125,12 @@ class ActivationStatsTracker:
     a running range: a row's edges for an epoch span the previous epoch's min and max (the first
     epoch: the row's first output). Values outside the edges count in the end bins.
 
-    The first module in execution order whose output contains NaN / Inf, and the step (the
-    :attr:`step` attribute, set by the caller), is kept in :attr:`first_nonfinite`.
+    Call :meth:`end_step` after each training step: it keeps, in :attr:`first_nonfinite`, the
+    first module in execution order whose output contained NaN / Inf, and the step (a few tiny
+    kernels per step, instead of per output).
+
+    Rows are created in the order outputs first appear; under ``torch.distributed`` every rank
+    runs the same model, so every rank has the same rows when :meth:`result` reduces them.
 
     Args:
         model: the model to instrument.
@@ -133,6 +139,8 @@ class ActivationStatsTracker:
         exclude: glob patterns on module names to drop.
         histogram_bins: number of histogram bins per row; ``0``: no histograms.
         histogram_range: fixed ``(low, high)`` edges; ``None``: a running range.
+        fused: compute the statistics with ``fused_feature_stats`` (``torch.compile``: one
+            reading pass instead of six; compiled on the first training step).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -152,6 +160,7 @@ class ActivationStatsTracker:
         exclude: Patterns = None,
         histogram_bins: int = 0,
         histogram_range: tuple[float, float] | None = None,
+        fused: bool = False,
     ) -> None:
         self.registry = HookRegistry(model)
         where = default_feature_module if types is None else None
@@ -161,11 +170,11 @@ class ActivationStatsTracker:
                 "ActivationStatsTracker: no module selected "
                 f"(types={types!r}, include={include!r}, exclude={exclude!r})"
             )
-        self.step = 0
         self.bins = histogram_bins
         self.histogram_range = histogram_range
         self.rows: dict[str, int] = {}
         self.workspace = Workspace()
+        self._stats = fused_feature_stats if fused else feature_stats
         self._state: _State | None = None
         # Made here, not in a hook: its host buffer is set up once, outside any training step.
         self.first_nonfinite = FirstNonFinite(_model_device(model))
@@ -202,11 +211,10 @@ class ActivationStatsTracker:
     def _observe(self, row: int, x: torch.Tensor) -> None:
         state = self._state
         assert state is not None
-        stats = feature_stats(x, self.workspace)
+        stats = self._stats(x, self.workspace)
         state.sums.select(0, row).add_(stats[:NUM_SUMS])
         extremes = state.extremes.select(0, row)
         torch.maximum(extremes, stats[NUM_SUMS:] * state.sign, out=extremes)
-        self.first_nonfinite.mark(stats[4] > 0, self.step, row)
         if self.bins:
             self._bin(state, row, x, stats[NUM_SUMS], stats[NUM_SUMS + 1])
 
@@ -219,6 +227,20 @@ class ActivationStatsTracker:
             torch.where(known, edges, state.edges_from(low, high), out=edges)
             known.fill_(True)
         histogram_counts(x, edges, state.hist.select(0, row))
+
+    @torch.no_grad()
+    def end_step(self, step: int) -> None:
+        """Record ``step`` in :attr:`first_nonfinite` if an output went non-finite, no sync.
+
+        Rows are numbered in the order outputs first appear, which is execution order, and until
+        the first mark no row had a non-finite value: the first row with one now is the first
+        module in execution order whose output went non-finite in this step.
+        """
+        if self._state is None:
+            return
+        bad = self._state.sums[:, _NONFINITE] > 0
+        first = torch.argmax(bad.to(torch.uint8))
+        self.first_nonfinite.mark(bad.any(), step, first)
 
     def _pooled(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Reduce across ranks and copy to the host once: sums, extremes, counts, edges."""

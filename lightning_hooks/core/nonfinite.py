@@ -12,10 +12,9 @@ _ROW_SPACE = 1 << 24
 class FirstNonFinite:
     """Which row (a module, in execution order) first produced NaN / Inf, and at which step.
 
-    :meth:`mark`, called from a forward hook with an on-device "this output is bad" flag, keeps the
-    first ``(step, row)`` ever marked in one on-device int64 tensor: later marks never overwrite
-    it, so the row is the first *in execution order* of the first bad step. Three tiny kernels,
-    no host sync.
+    :meth:`mark`, called with an on-device "something is bad" flag (from a forward hook, or once
+    per step), keeps the first ``(step, row)`` ever marked in one on-device int64 tensor: later
+    marks never overwrite it. A few tiny kernels, no host sync.
 
     :meth:`poll` is the cheap per-step check: on CUDA it copies that tensor with
     ``non_blocking=True`` into pinned memory, records an event, and on a later call reads the
@@ -43,12 +42,16 @@ class FirstNonFinite:
         self._view = self._host.numpy()  # shares the pinned buffer: reading it is not a sync
         self._event: torch.cuda.Event | None = None
 
-    def mark(self, bad: torch.Tensor, step: int, row: int) -> None:
-        """Record ``(step, row)`` if ``bad`` (a 0-d bool on the device) and nothing was before."""
-        if not 0 <= row < _ROW_SPACE:
-            raise ValueError(f"FirstNonFinite.mark(row={row}): must be in [0, {_ROW_SPACE})")
+    def mark(self, bad: torch.Tensor, step: int, row: int | torch.Tensor) -> None:
+        """Record ``(step, row)`` if ``bad`` (a 0-d bool on the device) and nothing was before.
+
+        ``row`` is an int in ``[0, 2**24)`` or a 0-d int tensor on the device.
+        """
         hit = bad & (self.code < 0)
-        self.code.masked_fill_(hit, step * _ROW_SPACE + row)
+        if isinstance(row, int):
+            self.code.masked_fill_(hit, step * _ROW_SPACE + row)
+        else:  # stays on the device: a Python scalar added to it is a kernel argument, no copy
+            torch.where(hit, row + step * _ROW_SPACE, self.code, out=self.code)
 
     def poll(self) -> tuple[int, int] | None:
         """``(step, row)`` of the first mark that has reached the host, or ``None``."""
