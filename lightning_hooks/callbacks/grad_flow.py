@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 from typing_extensions import override
@@ -69,8 +70,16 @@ class GradFlowCallback(HookCallback):
     ``grad_flow/output_grad_norm/{layer}``      L2 norm of d loss / d output, mean
     ``grad_flow/output_grad_norm_max/{layer}``  the same, max
     ``grad_flow/global/{stat}``                 the first eight, over all layers together
+    ``grad_flow/global/{stat}_p{q}``            beyond ``max_layers_logged`` layers only: the
+                                                5th, 50th, 95th percentile over layers
     ``grad_flow/chart`` (image)                 mean and max ``|g|`` per layer, log scale
     ==========================================  ================================================
+
+    Bounded for deep models: with more than ``max_layers_logged`` layers, an epoch logs the
+    per-layer tags of that many layers only (the layers with a non-finite gradient first, then
+    half with the largest and half with the smallest gradient norm of the epoch, so the set may
+    change between epochs) plus the percentiles over all layers. The chart always shows every
+    layer, in a figure of bounded size.
 
     The output-gradient norm of a step sums squares over its micro-batches and over every call of
     a module called more than once. A step that is skipped (AMP overflow) measures gradients but
@@ -83,6 +92,7 @@ class GradFlowCallback(HookCallback):
         update_ratio: measure the update-to-weight ratio (keeps one copy of the parameters).
         output_grad: measure the gradient with respect to each layer's output.
         chart: log the gradient-flow chart image each epoch.
+        max_layers_logged: per-layer tags for at most this many layers per epoch (``None``: all).
 
     Example:
         >>> import pytorch_lightning as pl
@@ -98,8 +108,19 @@ class GradFlowCallback(HookCallback):
         update_ratio: bool = True,
         output_grad: bool = True,
         chart: bool = True,
+        max_layers_logged: int | None = 100,
     ) -> None:
         _check_types(types)
+        if max_layers_logged is not None and (
+            isinstance(max_layers_logged, bool)
+            or not isinstance(max_layers_logged, int)
+            or max_layers_logged < 1
+        ):
+            raise ValueError(
+                "GradFlowCallback(max_layers_logged=...): must be a positive int or None, "
+                f"got {max_layers_logged!r}"
+            )
+        self.max_layers_logged = max_layers_logged
         self.types = types
         self.include = as_patterns(include, "GradFlowCallback(include=...)")
         self.exclude = as_patterns(exclude, "GradFlowCallback(exclude=...)")
@@ -154,7 +175,7 @@ class GradFlowCallback(HookCallback):
         if not stats.count.any():
             return
         step = trainer.global_step
-        log_scalars(trainer.loggers, dict(_scalars(stats)), step)
+        log_scalars(trainer.loggers, dict(_scalars(stats, self.max_layers_logged)), step)
         if self.chart and trainer.is_global_zero:
             layers = stats.layers[:-1]
             figure = grad_flow_figure(
@@ -166,16 +187,46 @@ class GradFlowCallback(HookCallback):
             log_figure(trainer.loggers, "grad_flow/chart", figure, step)
 
 
-def _scalars(stats: LayerStats) -> Iterator[tuple[str, float]]:
+_PERCENTILES = (5, 50, 95)
+
+
+def _scalars(stats: LayerStats, max_layers: int | None = None) -> Iterator[tuple[str, float]]:
+    last = len(stats.layers) - 1  # the global row
+    rows = _logged_rows(stats, max_layers)
     for suffix, stat, kind in _LOGGED:
         column = stats.column(stat, kind)
         counts = stats.count[:, stats.stats.index(stat)]
-        last = len(stats.layers) - 1  # the global row
-        for row, (layer, value, count) in enumerate(zip(stats.layers, column, counts, strict=True)):
-            if count == 0:
+        for row in (*rows, last):
+            if counts[row] == 0:
                 continue
+            layer = stats.layers[row]
             tag = f"grad_flow/global/{suffix}" if row == last else f"grad_flow/{suffix}/{layer}"
-            yield tag, float(value)
+            yield tag, float(column[row])
+        if len(rows) < last:
+            yield from _percentiles(suffix, column[:last][counts[:last] > 0])
+
+
+def _logged_rows(stats: LayerStats, max_layers: int | None) -> list[int]:
+    """Layer rows to log: all, or non-finite first, then the largest and smallest grad norms."""
+    num_layers = len(stats.layers) - 1
+    if max_layers is None or num_layers <= max_layers:
+        return list(range(num_layers))
+    norm = stats.column("grad_norm")[:num_layers]
+    nonfinite = stats.column("grad_nonfinite", "total")[:num_layers]
+    bad = [int(i) for i in np.flatnonzero((nonfinite > 0) | ~np.isfinite(norm))][:max_layers]
+    order = [int(i) for i in np.argsort(np.where(np.isfinite(norm), norm, np.inf)) if i not in bad]
+    top = (max_layers - len(bad)) // 2
+    smallest = order[: max_layers - len(bad) - top]
+    largest = order[len(order) - top :] if top else []
+    return sorted({*bad, *smallest, *largest})
+
+
+def _percentiles(suffix: str, values: np.ndarray) -> Iterator[tuple[str, float]]:
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return
+    for q, value in zip(_PERCENTILES, np.percentile(values, _PERCENTILES), strict=True):
+        yield f"grad_flow/global/{suffix}_p{q:02d}", float(value)
 
 
 def _grad_scale(trainer: pl.Trainer) -> torch.Tensor | None:

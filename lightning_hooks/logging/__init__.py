@@ -1,6 +1,15 @@
 """Writing statistics: scalars to Lightning loggers, figures to TensorBoard."""
 
+from lightning_hooks.logging.dashboard import dashboard_layout, record_tags, write_dashboard
 from lightning_hooks.logging.figures import grad_flow_figure
 from lightning_hooks.logging.writer import log_figure, log_scalars, tensorboard_writers
 
-__all__ = ["grad_flow_figure", "log_figure", "log_scalars", "tensorboard_writers"]
+__all__ = [
+    "dashboard_layout",
+    "grad_flow_figure",
+    "log_figure",
+    "log_scalars",
+    "record_tags",
+    "tensorboard_writers",
+    "write_dashboard",
+]

@@ -9,6 +9,9 @@ from matplotlib.figure import Figure
 
 __all__ = ["grad_flow_figure"]
 
+_MAX_WIDTH = 24.0
+_MAX_LABELS = 60
+
 
 def grad_flow_figure(
     layers: Sequence[str], mean_abs: np.ndarray, max_abs: np.ndarray, title: str = ""
@@ -24,7 +27,8 @@ def grad_flow_figure(
         'log'
     """
     n = len(layers)
-    fig = Figure(figsize=(max(6.0, 0.35 * n + 2.0), 4.5), layout="constrained")
+    # Bounded size for deep models: at most _MAX_WIDTH inches, at most _MAX_LABELS tick labels.
+    fig = Figure(figsize=(min(_MAX_WIDTH, max(6.0, 0.35 * n + 2.0)), 4.5), layout="constrained")
     ax = fig.add_subplot()
     x = np.arange(n)
     finite = np.concatenate([v[np.isfinite(v) & (v > 0)] for v in (mean_abs, max_abs)])
@@ -37,7 +41,8 @@ def grad_flow_figure(
             ax.scatter(x[bad], np.full(int(bad.sum()), floor), color="r", marker="x", zorder=3)
     ax.set_yscale("log")
     ax.set_ylim(bottom=floor)
-    ax.set_xticks(x, list(layers), rotation=90, fontsize=7 if n > 30 else 9)
+    every = -(-n // _MAX_LABELS)
+    ax.set_xticks(x[::every], list(layers)[::every], rotation=90, fontsize=7 if n > 30 else 9)
     ax.set_xlim(-1, n)
     ax.set_xlabel("layer (input to output)")
     ax.set_ylabel("|gradient|")
