@@ -1,0 +1,125 @@
+"""The custom-scalars dashboard and its bound on deep models, read back from real event files."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hooks import GradFlowCallback
+from lightning_hooks.logging.dashboard import MAX_CHARTS
+
+from conftest import TinyMLP, make_trainer, read_scalars
+
+LAYOUT_TAG = "custom_scalars__config__"
+
+
+def read_layouts(logdir: Path) -> list[layout_pb2.Layout]:
+    """Every custom-scalars layout written under ``logdir``, in file order."""
+    layouts = []
+    for events in sorted(Path(logdir).rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"tensors": 0})
+        acc.Reload()
+        if LAYOUT_TAG in acc.Tags()["tensors"]:
+            for event in acc.Tensors(LAYOUT_TAG):
+                layouts.append(layout_pb2.Layout.FromString(event.tensor_proto.string_val[0]))
+    return layouts
+
+
+def charts(layout: layout_pb2.Layout) -> dict[str, list[str]]:
+    """``"category/chart title" -> regexes`` of a layout."""
+    return {
+        f"{category.title}/{chart.title}": list(chart.multiline.tag)
+        for category in layout.category
+        for chart in category.chart
+    }
+
+
+def test_one_layout_per_run_one_chart_per_statistic_matching_every_layer(tmp_path: Path) -> None:
+    make_trainer(tmp_path, max_epochs=3, callbacks=[GradFlowCallback()]).fit(TinyMLP())
+    layouts = read_layouts(tmp_path)
+    assert len(layouts) == 1, "the layout must be written once per run, not once per epoch"
+    found = charts(layouts[0])
+    scalar_tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
+    stats = {tag.split("/")[1] for tag in scalar_tags}
+    assert set(found) == {f"lightning_hooks: grad_flow/{s}" for s in stats}
+    for title, (regex,) in found.items():
+        stat = title.rsplit("/", 1)[1]
+        matched = {t for t in scalar_tags if re.match(regex, t)}
+        assert matched == {t for t in scalar_tags if t.split("/")[1] == stat}
+        expected = 1 if stat == "global" else 3  # three layers in TinyMLP
+        assert len({t for t in matched if stat == "global" or t.count("/") == 2}) >= expected
+
+
+def _fit(root: Path, max_layers: int | None) -> dict[str, list[tuple[int, float]]]:
+    pl.seed_everything(7, verbose=False)
+    callback = GradFlowCallback(max_layers_logged=max_layers, chart=False)
+    make_trainer(root, callbacks=[callback]).fit(TinyMLP())
+    return read_scalars(root)
+
+
+def test_max_layers_logged_keeps_the_extremes_and_logs_percentiles(tmp_path: Path) -> None:
+    full = _fit(tmp_path / "full", None)
+    bounded = _fit(tmp_path / "bounded", 2)
+    norms = {t.rsplit("/", 1)[1]: v[-1][1] for t, v in full.items() if "/grad_norm/" in t}
+    assert len(norms) == 3
+    extremes = {min(norms, key=norms.__getitem__), max(norms, key=norms.__getitem__)}
+    logged = {t.rsplit("/", 1)[1] for t in bounded if "/grad_norm/" in t}
+    assert logged == extremes
+    for layer in extremes:
+        tag = f"grad_flow/grad_norm/{layer}"
+        assert bounded[tag][-1][1] == pytest.approx(full[tag][-1][1], rel=1e-6)
+    expected = np.percentile(list(norms.values()), [5, 50, 95])
+    got = [bounded[f"grad_flow/global/grad_norm_p{q:02d}"][-1][1] for q in (5, 50, 95)]
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert not any("_p50" in t for t in full), "no percentiles below the bound"
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_max_layers_logged_is_validated(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"max_layers_logged=.*positive int or None, got"):
+        GradFlowCallback(max_layers_logged=bad)
+
+
+class DeepMLP(pl.LightningModule):
+    """1,000 ``Linear(4, 4)`` layers with tanh between them."""
+
+    def __init__(self, depth: int = 1000) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(depth)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 4)), 4)
+
+
+def test_a_thousand_layer_mlp_stays_bounded(tmp_path: Path) -> None:
+    make_trainer(tmp_path, callbacks=[GradFlowCallback()]).fit(DeepMLP())
+    tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
+    per_layer = [t for t in tags if not t.startswith("grad_flow/global/")]
+    layers = {t.rsplit("/", 1)[1] for t in per_layer}
+    assert len(layers) == 100, "max_layers_logged=100 by default"
+    assert len(per_layer) <= 10 * 100
+    assert len(tags) <= 10 * 100 + 10 + 10 * 3  # per layer, global, percentiles
+    (layout,) = read_layouts(tmp_path)
+    assert len(charts(layout)) == 11 <= MAX_CHARTS  # ten statistics and the global chart
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"images": 0})
+    acc.Reload()
+    (image,) = acc.Images("grad_flow/chart")
+    assert image.width <= 24 * 100 and image.height <= 5 * 100, "figure size is capped"
