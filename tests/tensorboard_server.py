@@ -1,4 +1,5 @@
-"""Start a real ``tensorboard`` on 127.0.0.1 and a free port, and always stop it."""
+"""TensorBoard in tests: a real ``tensorboard`` server on 127.0.0.1 (always stopped), and the
+custom-scalars layouts read back from event files."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
 
 
 def free_port() -> int:
@@ -102,3 +106,27 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+LAYOUT_TAG = "custom_scalars__config__"
+
+
+def read_layouts(logdir: Path) -> list[layout_pb2.Layout]:
+    """Every custom-scalars layout written under ``logdir``, in file order."""
+    layouts = []
+    for events in sorted(Path(logdir).rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"tensors": 0})
+        acc.Reload()
+        if LAYOUT_TAG in acc.Tags()["tensors"]:
+            for event in acc.Tensors(LAYOUT_TAG):
+                layouts.append(layout_pb2.Layout.FromString(event.tensor_proto.string_val[0]))
+    return layouts
+
+
+def charts(layout: layout_pb2.Layout) -> dict[str, list[str]]:
+    """``"category/chart title" -> regexes`` of a layout."""
+    return {
+        f"{category.title}/{chart.title}": list(chart.multiline.tag)
+        for category in layout.category
+        for chart in category.chart
+    }

@@ -11,7 +11,6 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.plugins.custom_scalar import layout_pb2
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -19,29 +18,7 @@ from lightning_hooks import GradFlowCallback
 from lightning_hooks.logging.dashboard import MAX_CHARTS
 
 from conftest import TinyMLP, make_trainer, read_scalars
-
-LAYOUT_TAG = "custom_scalars__config__"
-
-
-def read_layouts(logdir: Path) -> list[layout_pb2.Layout]:
-    """Every custom-scalars layout written under ``logdir``, in file order."""
-    layouts = []
-    for events in sorted(Path(logdir).rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(events), size_guidance={"tensors": 0})
-        acc.Reload()
-        if LAYOUT_TAG in acc.Tags()["tensors"]:
-            for event in acc.Tensors(LAYOUT_TAG):
-                layouts.append(layout_pb2.Layout.FromString(event.tensor_proto.string_val[0]))
-    return layouts
-
-
-def charts(layout: layout_pb2.Layout) -> dict[str, list[str]]:
-    """``"category/chart title" -> regexes`` of a layout."""
-    return {
-        f"{category.title}/{chart.title}": list(chart.multiline.tag)
-        for category in layout.category
-        for chart in category.chart
-    }
+from tensorboard_server import charts, read_layouts
 
 
 def test_one_layout_per_run_one_chart_per_statistic_matching_every_layer(tmp_path: Path) -> None:

@@ -7,15 +7,26 @@ import time
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
 
 import lightning_hooks
 from lightning_hooks import GradFlowCallback
+from lightning_hooks.logging import log_scalars
 
 from conftest import TinyMLP, make_trainer, read_scalars
-from tensorboard_server import TensorBoard, tensorboard
+from tensorboard_server import TensorBoard, read_layouts, tensorboard
 
 RUN = "tb/version_0"
+ALARM = "grad_flow/alarms/late_rule"
 LAYERS = ("net.0", "net.2", "net.4")
+
+
+class LateAlarm(pl.Callback):
+    """Logs an alarm tag in the second epoch only: a chart the first layout did not have."""
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            log_scalars(trainer.loggers, {ALARM: 1.0}, trainer.global_step)
 
 
 def _poll(server: TensorBoard, path: str, ready: str, timeout: float = 20.0) -> dict[str, object]:
@@ -30,7 +41,7 @@ def _poll(server: TensorBoard, path: str, ready: str, timeout: float = 20.0) -> 
 
 def test_tensorboard_serves_our_run_as_intended(tmp_path: Path) -> None:
     logdir = tmp_path / "logs"
-    callbacks = [GradFlowCallback()]
+    callbacks: list[pl.Callback] = [LateAlarm(), GradFlowCallback()]
     for name in ("ActivationStatsCallback", "DeadReLUCallback"):
         if hasattr(lightning_hooks, name):
             callbacks.append(getattr(lightning_hooks, name)())
@@ -55,6 +66,9 @@ def test_tensorboard_serves_our_run_as_intended(tmp_path: Path) -> None:
         }
         assert ("lightning_hooks: grad_flow", "grad_norm") in charts
         assert ("lightning_hooks: grad_flow", "global") in charts
+        # Rewritten when the alarm family appeared in epoch 2: TensorBoard serves the last one.
+        assert len(read_layouts(logdir)) == 2
+        assert charts[("lightning_hooks: grad_flow", "alarms")] == ["^grad_flow/alarms/.*"]
         for (_, stat), (regex,) in charts.items():
             assert any(re.match(regex, tag) for tag in served), f"chart {stat} matches no tag"
 
