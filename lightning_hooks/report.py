@@ -48,15 +48,17 @@ class LayerRow:
         full = dict(COLUMNS).get(name, name)
         return self.values.get(full, math.nan)
 
-    def severity(self) -> tuple[float, float, float]:
-        """Sort key, worst first: non-finite gradients, dead fraction, update ratio off 1e-3."""
-        norm = self.values.get("grad_flow/grad_norm", 0.0)
+    def severity(self) -> tuple[float, float, float, float]:
+        """Sort key, worst first: non-finite gradients, no gradient at all, dead fraction, then
+        the update ratio's distance from 1e-3 in decades."""
+        norm = self.values.get("grad_flow/grad_norm", 1.0)
         broken = self.get("grad_nonfinite") > 0 or not math.isfinite(norm)
         dead = self.get("dead_fraction")
         ratio = self.get("update_ratio")
         off = abs(math.log10(ratio / _HEALTHY_UPDATE_RATIO)) if ratio > 0 else math.inf
         return (
             -float(broken),
+            -float(norm == 0),
             -(dead if not math.isnan(dead) else 0.0),
             -(off if not math.isnan(ratio) else 0.0),
         )
