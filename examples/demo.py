@@ -79,9 +79,12 @@ def digits_loaders(batch_size: int = 64) -> tuple[DataLoader[Any], DataLoader[An
 
 
 def all_callbacks() -> list[pl.Callback]:
-    """One of each callback the installed library has."""
-    names = ("GradFlowCallback", "ActivationStatsCallback", "DeadReLUCallback")
-    return [getattr(lightning_hooks, name)() for name in names if hasattr(lightning_hooks, name)]
+    """One of each callback the installed library has (gradient histograms on)."""
+    callbacks: list[pl.Callback] = [lightning_hooks.GradFlowCallback(histograms=True)]
+    for name in ("ActivationStatsCallback", "DeadReLUCallback"):
+        if hasattr(lightning_hooks, name):
+            callbacks.append(getattr(lightning_hooks, name)())
+    return callbacks
 
 
 def train(name: str, model: DigitsCNN, logdir: str, epochs: int) -> tuple[Path, float, int]:

@@ -41,7 +41,7 @@ def _poll(server: TensorBoard, path: str, ready: str, timeout: float = 20.0) -> 
 
 def test_tensorboard_serves_our_run_as_intended(tmp_path: Path) -> None:
     logdir = tmp_path / "logs"
-    callbacks: list[pl.Callback] = [LateAlarm(), GradFlowCallback()]
+    callbacks: list[pl.Callback] = [LateAlarm(), GradFlowCallback(histograms=True)]
     for name in ("ActivationStatsCallback", "DeadReLUCallback"):
         if hasattr(lightning_hooks, name):
             callbacks.append(getattr(lightning_hooks, name)())
@@ -89,6 +89,12 @@ def test_tensorboard_serves_our_run_as_intended(tmp_path: Path) -> None:
         assert png.startswith(b"\x89PNG") and len(png) > 5000
 
         histograms = server.get("/data/plugin/histograms/tags")
+        assert {f"grad_flow/grad_log10_abs/{layer}" for layer in LAYERS} <= set(histograms[RUN])
+        tag = "grad_flow/grad_log10_abs/net.0"
+        series = server.get("/data/plugin/histograms/histograms", run=RUN, tag=tag)
+        assert [s[1] for s in series] == [s for s, _ in written["grad_flow/global/grad_norm"]]
+        for _, _, buckets in series:  # [left, right, count] triples summing to every entry
+            assert sum(b[2] for b in buckets) == pytest.approx(4 * (8 * 16 + 16), rel=1e-6)
         if hasattr(lightning_hooks, "ActivationStatsCallback"):
             assert histograms.get(RUN), "the activation callback's histograms are not served"
     assert time.monotonic() - started < 60

@@ -11,9 +11,15 @@ import torch
 from typing_extensions import override
 
 from lightning_hooks.callbacks._base import HookCallback
-from lightning_hooks.core import GradFlowTracker, LayerStats, select_modules
+from lightning_hooks.core import (
+    GradFlowTracker,
+    LayerHistogram,
+    LayerHistograms,
+    LayerStats,
+    select_modules,
+)
 from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns
-from lightning_hooks.logging import grad_flow_figure, log_figure, log_scalars
+from lightning_hooks.logging import grad_flow_figure, log_figure, log_histogram_raw, log_scalars
 
 __all__ = ["GradFlowCallback"]
 
@@ -73,6 +79,8 @@ class GradFlowCallback(HookCallback):
     ``grad_flow/global/{stat}_p{q}``            beyond ``max_layers_logged`` layers only: the
                                                 5th, 50th, 95th percentile over layers
     ``grad_flow/chart`` (image)                 mean and max ``|g|`` per layer, log scale
+    ``grad_flow/grad_log10_abs/{layer}``        with ``histograms=True``: histogram of
+    (histogram)                                 ``log10 |g|`` over the epoch's steps
     ==========================================  ================================================
 
     Bounded for deep models: with more than ``max_layers_logged`` layers, an epoch logs the
@@ -93,6 +101,9 @@ class GradFlowCallback(HookCallback):
         output_grad: measure the gradient with respect to each layer's output.
         chart: log the gradient-flow chart image each epoch.
         max_layers_logged: per-layer tags for at most this many layers per epoch (``None``: all).
+        histograms: log a histogram of ``log10 |g|`` per layer each epoch (fixed half-decade
+            buckets from 1e-12 to 1e4, counted on the device: one more pass over the gradients
+            per step).
 
     Example:
         >>> import pytorch_lightning as pl
@@ -109,6 +120,7 @@ class GradFlowCallback(HookCallback):
         output_grad: bool = True,
         chart: bool = True,
         max_layers_logged: int | None = 100,
+        histograms: bool = False,
     ) -> None:
         _check_types(types)
         if max_layers_logged is not None and (
@@ -121,6 +133,8 @@ class GradFlowCallback(HookCallback):
                 f"got {max_layers_logged!r}"
             )
         self.max_layers_logged = max_layers_logged
+        self.histograms = histograms
+        self._hist: LayerHistograms | None = None
         self.types = types
         self.include = as_patterns(include, "GradFlowCallback(include=...)")
         self.exclude = as_patterns(exclude, "GradFlowCallback(exclude=...)")
@@ -152,12 +166,16 @@ class GradFlowCallback(HookCallback):
             update_ratio=self.update_ratio,
             output_grad=self.output_grad,
         )
+        if self.histograms:
+            layout = self._tracker.layout
+            self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
 
     @override
     def _detach(self) -> None:
         if self._tracker is not None:
             self._tracker.remove()
             self._tracker = None
+        self._hist = None
 
     @override
     def on_before_optimizer_step(
@@ -165,6 +183,15 @@ class GradFlowCallback(HookCallback):
     ) -> None:
         if self._tracker is not None:
             self._tracker.observe(optimizer, _grad_scale(trainer))
+        if self._hist is not None and self._tracker is not None:
+            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            layout = self._tracker.layout
+            pairs = [
+                (p.grad, row)
+                for p, row in zip(layout.params, layout.owner, strict=True)
+                if p.grad is not None and id(p) in stepped
+            ]
+            self._hist.update([g for g, _ in pairs], [row for _, row in pairs])
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -176,6 +203,8 @@ class GradFlowCallback(HookCallback):
             return
         step = trainer.global_step
         log_scalars(trainer.loggers, dict(_scalars(stats, self.max_layers_logged)), step)
+        if self._hist is not None:
+            self._log_histograms(trainer, self._hist, stats, step)
         if self.chart and trainer.is_global_zero:
             layers = stats.layers[:-1]
             figure = grad_flow_figure(
@@ -185,6 +214,20 @@ class GradFlowCallback(HookCallback):
                 title=f"gradient flow, epoch {trainer.current_epoch}",
             )
             log_figure(trainer.loggers, "grad_flow/chart", figure, step)
+
+    def _log_histograms(
+        self, trainer: pl.Trainer, hist: LayerHistograms, stats: LayerStats, step: int
+    ) -> None:
+        # Gradients are all-reduced before the optimizer step: rank 0's counts are every rank's.
+        counts, limits = hist.host_counts(), hist.limits()
+        hist.reset()
+        if not trainer.is_global_zero:
+            return
+        for row in _logged_rows(stats, self.max_layers_logged):
+            if counts[row].any():
+                raw = LayerHistogram(limits, counts[row]).raw()
+                tag = f"grad_flow/grad_log10_abs/{stats.layers[row]}"
+                log_histogram_raw(trainer.loggers, tag, raw, step)
 
 
 _PERCENTILES = (5, 50, 95)

@@ -3,6 +3,7 @@
 from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
 from lightning_hooks.core.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
 from lightning_hooks.core.grad_stats import GRAD_STATS, ParamLayout, grad_stats
+from lightning_hooks.core.histogram import LayerHistogram, LayerHistograms
 from lightning_hooks.core.registry import HookRegistry
 from lightning_hooks.core.selection import select_modules
 from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
@@ -12,6 +13,8 @@ __all__ = [
     "GRAD_STATS",
     "GradFlowTracker",
     "HookRegistry",
+    "LayerHistogram",
+    "LayerHistograms",
     "LayerStats",
     "LayerStatsAccumulator",
     "ParamLayout",

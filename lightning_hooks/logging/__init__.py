@@ -2,12 +2,18 @@
 
 from lightning_hooks.logging.dashboard import dashboard_layout, record_tags, write_dashboard
 from lightning_hooks.logging.figures import grad_flow_figure
-from lightning_hooks.logging.writer import log_figure, log_scalars, tensorboard_writers
+from lightning_hooks.logging.writer import (
+    log_figure,
+    log_histogram_raw,
+    log_scalars,
+    tensorboard_writers,
+)
 
 __all__ = [
     "dashboard_layout",
     "grad_flow_figure",
     "log_figure",
+    "log_histogram_raw",
     "log_scalars",
     "record_tags",
     "tensorboard_writers",

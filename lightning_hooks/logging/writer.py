@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 
 from lightning_hooks.logging.dashboard import record_tags
 
-__all__ = ["log_figure", "log_scalars", "tensorboard_writers"]
+__all__ = ["log_figure", "log_histogram_raw", "log_scalars", "tensorboard_writers"]
 
 
 def _tensorboard_logger_types() -> tuple[type, ...]:
@@ -50,3 +50,9 @@ def log_figure(loggers: Sequence[Any], tag: str, figure: Figure, step: int) -> N
     """Write a matplotlib figure as an image to every TensorBoard logger."""
     for writer in tensorboard_writers(loggers):
         writer.add_figure(tag, figure, global_step=step, close=False)
+
+
+def log_histogram_raw(loggers: Sequence[Any], tag: str, raw: Mapping[str, Any], step: int) -> None:
+    """Write pre-bucketed counts (``add_histogram_raw`` arguments) to every TensorBoard logger."""
+    for writer in tensorboard_writers(loggers):
+        writer.add_histogram_raw(tag, global_step=step, **raw)
