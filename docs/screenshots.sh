@@ -26,3 +26,4 @@ shot() {  # shot NAME FRAGMENT WIDTH,HEIGHT
 }
 shot dashboard-custom.png custom_scalars 1400,900
 shot dashboard-images.png images 1400,600
+shot dashboard-histograms.png histograms 1400,700

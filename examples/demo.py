@@ -114,7 +114,7 @@ def train(name: str, model: DigitsCNN, logdir: str, epochs: int) -> tuple[Path, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--logdir", default="runs", help="TensorBoard log directory")
-    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args()
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*LeafSpec.*")
@@ -136,7 +136,7 @@ def main() -> None:
             print(format_table(report, limit=4))
     print(f"\nPer-layer report for CI: lightning-hooks report {args.logdir}")
     print(
-        f"View the dashboard (Custom Scalars, Images tabs):\n  tensorboard --logdir {args.logdir}"
+        f"View the dashboard (Custom Scalars, Images, Histograms tabs):\n  tensorboard --logdir {args.logdir}"
     )
 
 
