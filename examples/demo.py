@@ -135,9 +135,8 @@ def main() -> None:
         if report is not None:
             print(format_table(report, limit=4))
     print(f"\nPer-layer report for CI: lightning-hooks report {args.logdir}")
-    print(
-        f"View the dashboard (Custom Scalars, Images, Histograms tabs):\n  tensorboard --logdir {args.logdir}"
-    )
+    print("View the dashboard (Custom Scalars, Images, Histograms tabs):")
+    print(f"  tensorboard --logdir {args.logdir}")
 
 
 if __name__ == "__main__":
