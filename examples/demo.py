@@ -79,8 +79,8 @@ def digits_loaders(batch_size: int = 64) -> tuple[DataLoader[Any], DataLoader[An
 
 
 def all_callbacks() -> list[pl.Callback]:
-    """One of each callback the installed library has (gradient histograms on)."""
-    callbacks: list[pl.Callback] = [lightning_hooks.GradFlowCallback(histograms=True)]
+    """One of each callback the installed library has (gradient histograms and heatmap on)."""
+    callbacks: list[pl.Callback] = [lightning_hooks.GradFlowCallback(histograms=True, heatmap=True)]
     for name in ("ActivationStatsCallback", "DeadReLUCallback"):
         if hasattr(lightning_hooks, name):
             callbacks.append(getattr(lightning_hooks, name)())

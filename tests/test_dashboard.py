@@ -90,7 +90,7 @@ class DeepMLP(pl.LightningModule):
 
 
 def test_a_thousand_layer_mlp_stays_bounded(tmp_path: Path) -> None:
-    make_trainer(tmp_path, callbacks=[GradFlowCallback()]).fit(DeepMLP())
+    make_trainer(tmp_path, callbacks=[GradFlowCallback(heatmap=True)]).fit(DeepMLP())
     tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
     per_layer = [t for t in tags if not t.startswith("grad_flow/global/")]
     layers = {t.rsplit("/", 1)[1] for t in per_layer}
@@ -103,3 +103,32 @@ def test_a_thousand_layer_mlp_stays_bounded(tmp_path: Path) -> None:
     acc.Reload()
     (image,) = acc.Images("grad_flow/chart")
     assert image.width <= 24 * 100 and image.height <= 5 * 100, "figure size is capped"
+    (image,) = acc.Images("grad_flow/heatmap")
+    assert image.width <= 24 * 100 and image.height <= 12 * 100, "figure size is capped"
+
+
+def test_heatmap_holds_the_logged_gradient_norms_per_layer_and_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lightning_hooks.callbacks.grad_flow as module
+
+    drawn: list[tuple[list[str], list[int], np.ndarray]] = []
+    original = module.layer_epoch_heatmap
+
+    def spy(layers: Any, epochs: Any, values: np.ndarray, title: str = "") -> Any:
+        drawn.append((list(layers), list(epochs), values.copy()))
+        return original(layers, epochs, values, title)
+
+    monkeypatch.setattr(module, "layer_epoch_heatmap", spy)
+    callback = GradFlowCallback(heatmap=True, chart=False)
+    make_trainer(tmp_path, max_epochs=3, callbacks=[callback]).fit(TinyMLP())
+    layers, epochs, values = drawn[-1]
+    assert len(drawn) == 3 and epochs == [0, 1, 2] and layers == ["net.0", "net.2", "net.4"]
+    scalars = read_scalars(tmp_path)
+    for row, layer in enumerate(layers):
+        logged = [v for _, v in scalars[f"grad_flow/grad_norm/{layer}"]]
+        np.testing.assert_allclose(values[row], logged, rtol=1e-6)
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"images": 0})
+    acc.Reload()
+    assert acc.Tags()["images"] == ["grad_flow/heatmap"]
+    assert [e.step for e in acc.Images("grad_flow/heatmap")] == [4, 8, 12]

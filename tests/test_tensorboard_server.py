@@ -41,7 +41,7 @@ def _poll(server: TensorBoard, path: str, ready: str, timeout: float = 20.0) -> 
 
 def test_tensorboard_serves_our_run_as_intended(tmp_path: Path) -> None:
     logdir = tmp_path / "logs"
-    callbacks: list[pl.Callback] = [LateAlarm(), GradFlowCallback(histograms=True)]
+    callbacks: list[pl.Callback] = [LateAlarm(), GradFlowCallback(histograms=True, heatmap=True)]
     for name in ("ActivationStatsCallback", "DeadReLUCallback"):
         if hasattr(lightning_hooks, name):
             callbacks.append(getattr(lightning_hooks, name)())
@@ -82,7 +82,7 @@ def test_tensorboard_serves_our_run_as_intended(tmp_path: Path) -> None:
             assert [e[2] for e in events] == pytest.approx([v for _, v in written[tag]], rel=1e-6)
 
         images = server.get("/data/plugin/images/tags")
-        assert "grad_flow/chart" in images[RUN]
+        assert {"grad_flow/chart", "grad_flow/heatmap"} <= set(images[RUN])
         entries = server.get("/data/plugin/images/images", run=RUN, tag="grad_flow/chart")
         assert [e["step"] for e in entries] == [s for s, _ in written["grad_flow/global/grad_norm"]]
         png = server.get_bytes(f"/data/plugin/images/individualImage?{entries[-1]['query']}")

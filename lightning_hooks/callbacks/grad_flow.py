@@ -19,7 +19,13 @@ from lightning_hooks.core import (
     select_modules,
 )
 from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns
-from lightning_hooks.logging import grad_flow_figure, log_figure, log_histogram_raw, log_scalars
+from lightning_hooks.logging import (
+    grad_flow_figure,
+    layer_epoch_heatmap,
+    log_figure,
+    log_histogram_raw,
+    log_scalars,
+)
 
 __all__ = ["GradFlowCallback"]
 
@@ -79,6 +85,8 @@ class GradFlowCallback(HookCallback):
     ``grad_flow/global/{stat}_p{q}``            beyond ``max_layers_logged`` layers only: the
                                                 5th, 50th, 95th percentile over layers
     ``grad_flow/chart`` (image)                 mean and max ``|g|`` per layer, log scale
+    ``grad_flow/heatmap`` (image)               with ``heatmap=True``: gradient norm per
+                                                layer x epoch, log scale
     ``grad_flow/grad_log10_abs/{layer}``        with ``histograms=True``: histogram of
     (histogram)                                 ``log10 |g|`` over the epoch's steps
     ==========================================  ================================================
@@ -104,6 +112,8 @@ class GradFlowCallback(HookCallback):
         histograms: log a histogram of ``log10 |g|`` per layer each epoch (fixed half-decade
             buckets from 1e-12 to 1e4, counted on the device: one more pass over the gradients
             per step).
+        heatmap: log an image of the gradient norm per layer (rows) and epoch (columns) each
+            epoch (the history is kept on the host: one float per layer and epoch).
 
     Example:
         >>> import pytorch_lightning as pl
@@ -121,6 +131,7 @@ class GradFlowCallback(HookCallback):
         chart: bool = True,
         max_layers_logged: int | None = 100,
         histograms: bool = False,
+        heatmap: bool = False,
     ) -> None:
         _check_types(types)
         if max_layers_logged is not None and (
@@ -135,13 +146,15 @@ class GradFlowCallback(HookCallback):
         self.max_layers_logged = max_layers_logged
         self.histograms = histograms
         self._hist: LayerHistograms | None = None
+        self._history: list[tuple[int, np.ndarray]] = []
         self.types = types
         self.include = as_patterns(include, "GradFlowCallback(include=...)")
         self.exclude = as_patterns(exclude, "GradFlowCallback(exclude=...)")
         self.update_ratio = update_ratio
         self.output_grad = output_grad
         self.chart = chart
-        self.uses_images = chart
+        self.heatmap = heatmap
+        self.uses_images = chart or heatmap
         self._tracker: GradFlowTracker | None = None
 
     @property
@@ -166,6 +179,7 @@ class GradFlowCallback(HookCallback):
             update_ratio=self.update_ratio,
             output_grad=self.output_grad,
         )
+        self._history = []
         if self.histograms:
             layout = self._tracker.layout
             self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
@@ -214,6 +228,17 @@ class GradFlowCallback(HookCallback):
                 title=f"gradient flow, epoch {trainer.current_epoch}",
             )
             log_figure(trainer.loggers, "grad_flow/chart", figure, step)
+        if self.heatmap and trainer.is_global_zero:
+            self._log_heatmap(trainer, stats, step)
+
+    def _log_heatmap(self, trainer: pl.Trainer, stats: LayerStats, step: int) -> None:
+        layers, epoch = stats.layers[:-1], trainer.current_epoch
+        self._history.append((epoch, stats.column("grad_norm")[:-1].copy()))
+        epochs = [e for e, _ in self._history]
+        values = np.stack([v for _, v in self._history], axis=1)
+        title = "gradient norm per layer and epoch (mean over steps)"
+        heatmap = layer_epoch_heatmap(layers, epochs, values, title=title)
+        log_figure(trainer.loggers, "grad_flow/heatmap", heatmap, step)
 
     def _log_histograms(
         self, trainer: pl.Trainer, hist: LayerHistograms, stats: LayerStats, step: int

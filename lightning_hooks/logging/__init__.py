@@ -1,7 +1,7 @@
 """Writing statistics: scalars to Lightning loggers, figures to TensorBoard."""
 
 from lightning_hooks.logging.dashboard import dashboard_layout, record_tags, write_dashboard
-from lightning_hooks.logging.figures import grad_flow_figure
+from lightning_hooks.logging.figures import grad_flow_figure, layer_epoch_heatmap
 from lightning_hooks.logging.writer import (
     log_figure,
     log_histogram_raw,
@@ -12,6 +12,7 @@ from lightning_hooks.logging.writer import (
 __all__ = [
     "dashboard_layout",
     "grad_flow_figure",
+    "layer_epoch_heatmap",
     "log_figure",
     "log_histogram_raw",
     "log_scalars",

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-__all__ = ["grad_flow_figure"]
+__all__ = ["grad_flow_figure", "layer_epoch_heatmap"]
 
 _MAX_WIDTH = 24.0
 _MAX_LABELS = 60
@@ -49,4 +49,35 @@ def grad_flow_figure(
     ax.set_title(title or "gradient flow")
     ax.legend(loc="upper right")
     ax.grid(True, axis="y", which="major", alpha=0.3)
+    return fig
+
+
+def layer_epoch_heatmap(
+    layers: Sequence[str], epochs: Sequence[int], values: np.ndarray, title: str = ""
+) -> Figure:
+    """``log10`` of ``values[layer, epoch]`` as a heatmap: layers top (input) to bottom, epochs
+    left to right. Zero and non-finite cells are left blank (shown grey).
+
+    Example:
+        >>> fig = layer_epoch_heatmap(["a", "b"], [0, 1], np.array([[1.0, 10.0], [0.0, 100.0]]))
+        >>> fig.axes[0].images[0].get_array().tolist()
+        [[0.0, 1.0], [None, 2.0]]
+    """
+    n, num_epochs = values.shape
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.ma.masked_invalid(np.log10(np.where(values > 0, values, np.nan)))
+    height = min(_MAX_WIDTH / 2, max(3.0, 0.2 * n + 1.5))
+    fig = Figure(figsize=(min(_MAX_WIDTH, max(5.0, 0.4 * num_epochs + 3.0)), height))
+    fig.set_layout_engine("constrained")
+    ax = fig.add_subplot()
+    ax.set_facecolor("0.85")
+    image = ax.imshow(logs, aspect="auto", interpolation="nearest", cmap="viridis")
+    fig.colorbar(image, ax=ax, label="log10")
+    every_layer = -(-n // _MAX_LABELS)
+    ax.set_yticks(np.arange(n)[::every_layer], list(layers)[::every_layer], fontsize=7)
+    every_epoch = -(-num_epochs // _MAX_LABELS)
+    ax.set_xticks(np.arange(num_epochs)[::every_epoch], [str(e) for e in epochs][::every_epoch])
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("layer (input to output)")
+    ax.set_title(title)
     return fig
