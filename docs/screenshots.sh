@@ -25,5 +25,5 @@ shot() {  # shot NAME FRAGMENT WIDTH,HEIGHT
   echo "docs/$1"
 }
 shot dashboard-custom.png custom_scalars 1400,900
-shot dashboard-images.png images 1400,600
+shot dashboard-images.png images 1400,1000
 shot dashboard-histograms.png histograms 1400,700
