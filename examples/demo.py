@@ -1,12 +1,17 @@
-"""The demo: a small CNN learns the handwritten digits that ship with scikit-learn (offline),
-with GradFlowCallback, and writes TensorBoard logs under ./runs.
+"""The demo: a small CNN learns the handwritten digits that ship with scikit-learn (offline), twice.
 
-Run it with ``./dev demo`` (which sets everything up) or ``python examples/demo.py``.
+* ``runs/healthy``: a sensible initialisation and learning rate.
+* ``runs/broken``: hidden biases initialised at -3 (most ReLUs start dead) and a learning rate
+  30x too high, so gradients die out in the early layers and the library's warnings fire.
+
+Every callback of the library watches both runs. Run it with ``./dev demo`` (which sets
+everything up) or ``python examples/demo.py``; then ``tensorboard --logdir runs``.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,13 +23,14 @@ from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, random_split
 
-from lightning_hooks import GradFlowCallback
+import lightning_hooks
+from lightning_hooks.report import format_table, read_run
 
 
 class DigitsCNN(pl.LightningModule):
-    """conv + BatchNorm + ReLU blocks on the 8x8 digits, then a linear classifier."""
+    """conv + BatchNorm + ReLU blocks on the 8x8 digits, then a two-layer classifier."""
 
-    def __init__(self, lr: float = 3e-3) -> None:
+    def __init__(self, lr: float = 3e-3, bias_init: float | None = None) -> None:
         super().__init__()
         self.lr = lr
         self.features = nn.Sequential(
@@ -42,6 +48,10 @@ class DigitsCNN(pl.LightningModule):
         self.classifier = nn.Sequential(
             nn.Flatten(), nn.Linear(32 * 16, 64), nn.ReLU(), nn.Linear(64, 10)
         )
+        if bias_init is not None:
+            for bn in (m for m in self.features if isinstance(m, nn.BatchNorm2d)):
+                nn.init.constant_(bn.bias, bias_init)
+            nn.init.constant_(self.classifier[1].bias, bias_init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
@@ -68,30 +78,65 @@ def digits_loaders(batch_size: int = 64) -> tuple[DataLoader[Any], DataLoader[An
     return DataLoader(train, batch_size, shuffle=True), DataLoader(val, batch_size)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--logdir", default="runs", help="TensorBoard log directory")
-    parser.add_argument("--epochs", type=int, default=5)
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+def all_callbacks() -> list[pl.Callback]:
+    """One of each callback the installed library has (gradient histograms and heatmap on)."""
+    callbacks: list[pl.Callback] = [lightning_hooks.GradFlowCallback(histograms=True, heatmap=True)]
+    for name in ("ActivationStatsCallback", "DeadReLUCallback"):
+        if hasattr(lightning_hooks, name):
+            callbacks.append(getattr(lightning_hooks, name)())
+    return callbacks
+
+
+def train(name: str, model: DigitsCNN, logdir: str, epochs: int) -> tuple[Path, float, int]:
+    """Fit one run; returns its log directory, its final validation accuracy, warnings fired."""
     pl.seed_everything(0, verbose=False)
-    logger = TensorBoardLogger(args.logdir, name="digits_cnn")
+    logger = TensorBoardLogger(logdir, name=name)
     trainer = pl.Trainer(
-        max_epochs=args.epochs,
+        max_epochs=epochs,
         accelerator="cpu",
         logger=logger,
-        callbacks=[GradFlowCallback()],
+        callbacks=all_callbacks(),
         enable_checkpointing=False,
         enable_model_summary=False,
         log_every_n_steps=5,
     )
-    train, val = digits_loaders()
-    trainer.fit(DigitsCNN(), train, val)
-    logdir = Path(logger.log_dir).resolve()
-    print(f"\nTensorBoard logs written to {logdir}")
-    print("  gradient-flow scalars: grad_flow/*, chart image: grad_flow/chart")
-    print(f"\nView them with:\n  tensorboard --logdir {args.logdir}")
+    train_loader, val_loader = digits_loaders()
+    with warnings.catch_warnings(record=True) as fired:
+        warnings.simplefilter("always", lightning_hooks.LightningHooksWarning)
+        trainer.fit(model, train_loader, val_loader)
+    ours = [w for w in fired if issubclass(w.category, lightning_hooks.LightningHooksWarning)]
+    for warning in ours:
+        print(f"  warning: {warning.message}")
+    acc = float(trainer.callback_metrics.get("val/acc", torch.tensor(float("nan"))))
+    return Path(logger.log_dir), acc, len(ours)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--logdir", default="runs", help="TensorBoard log directory")
+    parser.add_argument("--epochs", type=int, default=3)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*LeafSpec.*")
+    start = time.perf_counter()
+    runs = {
+        "healthy": DigitsCNN(lr=3e-3),
+        "broken": DigitsCNN(lr=0.1, bias_init=-3.0),
+    }
+    results = {}
+    for name, model in runs.items():
+        print(f"\n== {name} run ==")
+        results[name] = train(name, model, args.logdir, args.epochs)
+    print(f"\n== summary ({time.perf_counter() - start:.0f} s) ==")
+    root = Path(args.logdir)
+    for name, (run_dir, acc, fired) in results.items():
+        print(f"\n{name}: val accuracy {acc:.1%}, {fired} warning(s), logs in {run_dir}")
+        report = read_run(run_dir, root)
+        if report is not None:
+            print(format_table(report, limit=4))
+    print(f"\nPer-layer report for CI: lightning-hooks report {args.logdir}")
+    print("View the dashboard (Custom Scalars, Images, Histograms tabs):")
+    print(f"  tensorboard --logdir {args.logdir}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.logging import tensorboard_writers
+from lightning_hooks.logging import tensorboard_writers, write_dashboard
 
 __all__ = ["HookCallback"]
 
@@ -90,6 +90,9 @@ class HookCallback(pl.Callback):
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log_epoch(trainer, pl_module)
+        if trainer.is_global_zero and self._is_last_hook_callback(trainer):
+            # One layout per run, covering every callback's tags: written by the last of ours.
+            write_dashboard(tensorboard_writers(trainer.loggers))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -104,6 +107,10 @@ class HookCallback(pl.Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._detach()
+
+    def _is_last_hook_callback(self, trainer: pl.Trainer) -> bool:
+        ours = [cb for cb in trainer.callbacks if isinstance(cb, HookCallback)]  # type: ignore[attr-defined]
+        return not ours or ours[-1] is self
 
     def _validate(self, pl_module: pl.LightningModule) -> None:
         """Check the configuration against the model before training starts."""

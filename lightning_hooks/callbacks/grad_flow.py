@@ -5,17 +5,31 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.callbacks._base import HookCallback
-from lightning_hooks.core import GradFlowTracker, LayerStats, select_modules
+from lightning_hooks.core import (
+    GradFlowTracker,
+    LayerHistogram,
+    LayerHistograms,
+    LayerStats,
+    select_modules,
+)
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
 from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
-from lightning_hooks.logging import grad_flow_figure, log_figure, log_scalars, log_text
+from lightning_hooks.logging import (
+    grad_flow_figure,
+    layer_epoch_heatmap,
+    log_figure,
+    log_scalars,
+    log_text,
+    write_histogram_raw,
+)
 
 __all__ = ["GradFlowCallback"]
 
@@ -105,7 +119,19 @@ class GradFlowCallback(HookCallback):
     ``grad_flow/chart`` (image)                 mean and max ``|g|`` per layer, log scale
     ``grad_flow/alarms/{rule}``                 alarms of the epoch per rule (layer-steps)
     ``grad_flow/alarms`` (text)                 one line per alarm: step, rule, layer, values
+    ``grad_flow/global/{stat}_p{q}``            beyond ``max_layers_logged`` layers only: the
+                                                5th, 50th, 95th percentile over layers
+    ``grad_flow/heatmap`` (image)               with ``heatmap=True``: gradient norm per
+                                                layer x epoch, log scale
+    ``grad_flow/grad_log10_abs/{layer}``        with ``histograms=True``: histogram of
+    (histogram)                                 ``log10 |g|`` over the epoch's steps
     ==========================================  ================================================
+
+    Bounded for deep models: with more than ``max_layers_logged`` layers, an epoch logs the
+    per-layer tags of that many layers only (the layers with a non-finite gradient first, then
+    half with the largest and half with the smallest gradient norm of the epoch, so the set may
+    change between epochs) plus the percentiles over all layers. The chart always shows every
+    layer, in a figure of bounded size.
 
     Early warnings (``alarms``, see :class:`~lightning_hooks.core.AlarmRules` for the defaults)
     are evaluated on the device at every optimizer step: a *spike* (a layer's or the global
@@ -151,6 +177,12 @@ class GradFlowCallback(HookCallback):
         alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
         on_alarm: the action for every rule, or a mapping ``{rule: action}`` (others warn);
             ``"skip"`` does not apply to ``"vanishing"``, which then warns.
+        max_layers_logged: per-layer tags for at most this many layers per epoch (``None``: all).
+        histograms: log a histogram of ``log10 |g|`` per layer each epoch (fixed half-decade
+            buckets from 1e-12 to 1e4, counted on the device: one more pass over the gradients
+            per step).
+        heatmap: log an image of the gradient norm per layer (rows) and epoch (columns) each
+            epoch (the history is kept on the host: one float per layer and epoch).
 
     Example:
         >>> import pytorch_lightning as pl
@@ -166,6 +198,9 @@ class GradFlowCallback(HookCallback):
         update_ratio: bool = True,
         output_grad: bool = True,
         chart: bool = True,
+        max_layers_logged: int | None = 100,
+        histograms: bool = False,
+        heatmap: bool = False,
         alarms: AlarmRules | bool = True,
         on_alarm: Action | Mapping[str, Action] = "warn",
     ) -> None:
@@ -177,13 +212,27 @@ class GradFlowCallback(HookCallback):
             )
         self.alarms = AlarmRules() if alarms is True else alarms or None
         self.on_alarm = _check_actions(on_alarm)
+        if max_layers_logged is not None and (
+            isinstance(max_layers_logged, bool)
+            or not isinstance(max_layers_logged, int)
+            or max_layers_logged < 1
+        ):
+            raise ValueError(
+                "GradFlowCallback(max_layers_logged=...): must be a positive int or None, "
+                f"got {max_layers_logged!r}"
+            )
+        self.max_layers_logged = max_layers_logged
+        self.histograms = histograms
+        self._hist: LayerHistograms | None = None
+        self._history: list[tuple[int, np.ndarray]] = []
         self.types = types
         self.include = as_patterns(include, "GradFlowCallback(include=...)")
         self.exclude = as_patterns(exclude, "GradFlowCallback(exclude=...)")
         self.update_ratio = update_ratio
         self.output_grad = output_grad
         self.chart = chart
-        self.uses_images = chart
+        self.heatmap = heatmap
+        self.uses_images = chart or heatmap
         self._tracker: GradFlowTracker | None = None
         self._alarm_state: dict[str, Any] | None = None
         self._warned: set[tuple[str, str]] = set()
@@ -212,6 +261,10 @@ class GradFlowCallback(HookCallback):
             post_clip=bool(trainer.gradient_clip_val),
             alarms=self.alarms,
         )
+        self._history = []
+        if self.histograms:
+            layout = self._tracker.layout
+            self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
         self._load_alarm_state()
 
     def _load_alarm_state(self) -> None:
@@ -232,6 +285,7 @@ class GradFlowCallback(HookCallback):
                 self._alarm_state = self._tracker.alarms.state_dict()
             self._tracker.remove()
             self._tracker = None
+        self._hist = None
 
     @override
     def on_before_optimizer_step(
@@ -243,9 +297,23 @@ class GradFlowCallback(HookCallback):
         # Lightning does not unscale for optimizers that unscale inside their step (fused).
         fused = scale is not None and getattr(optimizer, "_step_supports_amp_scaling", False)
         self._tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
+        if self._hist is not None:
+            self._observe_histograms(optimizer)
         if self._tracker.alarms is not None:
             now = "skip" in self.on_alarm.values()
             self._act(trainer, optimizer, self._tracker.alarms.poll(wait=now))
+
+    def _observe_histograms(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._hist is None or self._tracker is None:
+            return
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        layout = self._tracker.layout
+        pairs = [
+            (p.grad, row)
+            for p, row in zip(layout.params, layout.owner, strict=True)
+            if p.grad is not None and id(p) in stepped
+        ]
+        self._hist.update([g for g, _ in pairs], [row for _, row in pairs])
 
     def _act(
         self,
@@ -310,7 +378,9 @@ class GradFlowCallback(HookCallback):
         if not stats.count.any():
             return
         step = trainer.global_step
-        log_scalars(trainer.loggers, dict(_scalars(stats)), step)
+        log_scalars(trainer.loggers, dict(_scalars(stats, self.max_layers_logged)), step)
+        if self._hist is not None:
+            self._log_histograms(trainer, self._hist, stats, step)
         if self.chart and trainer.is_global_zero:
             layers = stats.layers[:-1]
             figure = grad_flow_figure(
@@ -320,6 +390,31 @@ class GradFlowCallback(HookCallback):
                 title=f"gradient flow, epoch {trainer.current_epoch}",
             )
             log_figure(trainer.loggers, "grad_flow/chart", figure, step)
+        if self.heatmap and trainer.is_global_zero:
+            self._log_heatmap(trainer, stats, step)
+
+    def _log_heatmap(self, trainer: pl.Trainer, stats: LayerStats, step: int) -> None:
+        layers, epoch = stats.layers[:-1], trainer.current_epoch
+        self._history.append((epoch, stats.column("grad_norm")[:-1].copy()))
+        epochs = [e for e, _ in self._history]
+        values = np.stack([v for _, v in self._history], axis=1)
+        title = "gradient norm per layer and epoch (mean over steps)"
+        heatmap = layer_epoch_heatmap(layers, epochs, values, title=title, log=True)
+        log_figure(trainer.loggers, "grad_flow/heatmap", heatmap, step)
+
+    def _log_histograms(
+        self, trainer: pl.Trainer, hist: LayerHistograms, stats: LayerStats, step: int
+    ) -> None:
+        # Gradients are all-reduced before the optimizer step: rank 0's counts are every rank's.
+        counts, limits = hist.host_counts(), hist.limits()
+        hist.reset()
+        if not trainer.is_global_zero:
+            return
+        for row in _logged_rows(stats, self.max_layers_logged):
+            if counts[row].any():
+                raw = LayerHistogram(limits, counts[row]).raw()
+                tag = f"grad_flow/grad_log10_abs/{stats.layers[row]}"
+                write_histogram_raw(trainer.loggers, tag, raw, step)
 
     def _log_alarms(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
         self._act(trainer, None, alarms.poll(wait=True))
@@ -346,19 +441,49 @@ def _skip_step(optimizer: torch.optim.Optimizer) -> None:
             param.grad = None
 
 
-def _scalars(stats: LayerStats) -> Iterator[tuple[str, float]]:
+_PERCENTILES = (5, 50, 95)
+
+
+def _scalars(stats: LayerStats, max_layers: int | None = None) -> Iterator[tuple[str, float]]:
+    last = len(stats.layers) - 1  # the global row
+    rows = _logged_rows(stats, max_layers)
     postclip = stats.count[-1, stats.stats.index("grad_norm_postclip")]
     if postclip > 0:
         yield "grad_flow/global/grad_norm_preclip", float(stats.column("grad_norm")[-1])
     for suffix, stat, kind in _LOGGED:
         column = stats.column(stat, kind)
         counts = stats.count[:, stats.stats.index(stat)]
-        last = len(stats.layers) - 1  # the global row
-        for row, (layer, value, count) in enumerate(zip(stats.layers, column, counts, strict=True)):
-            if count == 0:
+        for row in (*rows, last):
+            if counts[row] == 0:
                 continue
+            layer = stats.layers[row]
             tag = f"grad_flow/global/{suffix}" if row == last else f"grad_flow/{suffix}/{layer}"
-            yield tag, float(value)
+            yield tag, float(column[row])
+        if len(rows) < last:
+            yield from _percentiles(suffix, column[:last][counts[:last] > 0])
+
+
+def _logged_rows(stats: LayerStats, max_layers: int | None) -> list[int]:
+    """Layer rows to log: all, or non-finite first, then the largest and smallest grad norms."""
+    num_layers = len(stats.layers) - 1
+    if max_layers is None or num_layers <= max_layers:
+        return list(range(num_layers))
+    norm = stats.column("grad_norm")[:num_layers]
+    nonfinite = stats.column("grad_nonfinite", "total")[:num_layers]
+    bad = [int(i) for i in np.flatnonzero((nonfinite > 0) | ~np.isfinite(norm))][:max_layers]
+    order = [int(i) for i in np.argsort(np.where(np.isfinite(norm), norm, np.inf)) if i not in bad]
+    top = (max_layers - len(bad)) // 2
+    smallest = order[: max_layers - len(bad) - top]
+    largest = order[len(order) - top :] if top else []
+    return sorted({*bad, *smallest, *largest})
+
+
+def _percentiles(suffix: str, values: np.ndarray) -> Iterator[tuple[str, float]]:
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return
+    for q, value in zip(_PERCENTILES, np.percentile(values, _PERCENTILES), strict=True):
+        yield f"grad_flow/global/{suffix}_p{q:02d}", float(value)
 
 
 def _grad_scale(trainer: pl.Trainer) -> torch.Tensor | None:

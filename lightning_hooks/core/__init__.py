@@ -7,6 +7,7 @@ from lightning_hooks.core.dead_units import DeadUnits, DeadUnitTracker
 from lightning_hooks.core.feature_stats import FEATURE_STATS, FeatureSummary, feature_stats
 from lightning_hooks.core.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
 from lightning_hooks.core.grad_stats import GRAD_STATS, ParamLayout, grad_stats
+from lightning_hooks.core.histogram import LayerHistogram, LayerHistograms
 from lightning_hooks.core.nonfinite import FirstNonFinite
 from lightning_hooks.core.registry import HookRegistry
 from lightning_hooks.core.selection import select_modules
@@ -27,6 +28,8 @@ __all__ = [
     "GradientAlarm",
     "GradientAlarms",
     "HookRegistry",
+    "LayerHistogram",
+    "LayerHistograms",
     "LayerStats",
     "LayerStatsAccumulator",
     "ParamLayout",

@@ -9,6 +9,9 @@ from matplotlib.figure import Figure
 
 __all__ = ["grad_flow_figure", "layer_epoch_heatmap"]
 
+_MAX_WIDTH = 24.0
+_MAX_LABELS = 60
+
 
 def grad_flow_figure(
     layers: Sequence[str], mean_abs: np.ndarray, max_abs: np.ndarray, title: str = ""
@@ -24,7 +27,8 @@ def grad_flow_figure(
         'log'
     """
     n = len(layers)
-    fig = Figure(figsize=(max(6.0, 0.35 * n + 2.0), 4.5), layout="constrained")
+    # Bounded size for deep models: at most _MAX_WIDTH inches, at most _MAX_LABELS tick labels.
+    fig = Figure(figsize=(min(_MAX_WIDTH, max(6.0, 0.35 * n + 2.0)), 4.5), layout="constrained")
     ax = fig.add_subplot()
     x = np.arange(n)
     finite = np.concatenate([v[np.isfinite(v) & (v > 0)] for v in (mean_abs, max_abs)])
@@ -37,7 +41,8 @@ def grad_flow_figure(
             ax.scatter(x[bad], np.full(int(bad.sum()), floor), color="r", marker="x", zorder=3)
     ax.set_yscale("log")
     ax.set_ylim(bottom=floor)
-    ax.set_xticks(x, list(layers), rotation=90, fontsize=7 if n > 30 else 9)
+    every = -(-n // _MAX_LABELS)
+    ax.set_xticks(x[::every], list(layers)[::every], rotation=90, fontsize=7 if n > 30 else 9)
     ax.set_xlim(-1, n)
     ax.set_xlabel("layer (input to output)")
     ax.set_ylabel("|gradient|")
@@ -48,29 +53,44 @@ def grad_flow_figure(
 
 
 def layer_epoch_heatmap(
-    layers: Sequence[str], epochs: Sequence[int], values: np.ndarray, title: str = ""
+    layers: Sequence[str],
+    epochs: Sequence[int],
+    values: np.ndarray,
+    title: str = "",
+    log: bool = False,
 ) -> Figure:
-    """A layer x epoch heatmap of one statistic (``values``: ``[layers, epochs]``).
+    """``values[layer, epoch]`` as a heatmap: layers top (input) to bottom, epochs left to right.
 
-    Layers run top (input) to bottom (output); NaN cells (a layer that did not run) are blank.
+    With ``log=True`` the cells show ``log10`` of the values, and zero cells are blank too.
+    Non-finite cells (a layer that did not run) are left blank (shown grey). Labels and size are
+    capped, so a 1,000-layer model still gives a readable image.
 
     Example:
-        >>> fig = layer_epoch_heatmap(["a", "b"], [0, 1], np.array([[0.1, 0.2], [np.nan, 0.4]]))
-        >>> fig.axes[0].get_ylabel()
-        'layer'
+        >>> values = np.array([[1.0, 10.0], [0.0, 100.0]])
+        >>> fig = layer_epoch_heatmap(["a", "b"], [0, 1], values)
+        >>> fig.axes[0].images[0].get_array().tolist()
+        [[1.0, 10.0], [0.0, 100.0]]
+        >>> fig = layer_epoch_heatmap(["a", "b"], [0, 1], values, log=True)
+        >>> fig.axes[0].images[0].get_array().tolist()
+        [[0.0, 1.0], [None, 2.0]]
     """
-    n, m = len(layers), len(epochs)
-    fig = Figure(
-        figsize=(min(14.0, max(5.0, 0.4 * m + 3.0)), max(3.0, 0.25 * n + 1.5)),
-        layout="constrained",
-    )
+    n, num_epochs = values.shape
+    if log:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            values = np.log10(np.where(values > 0, values, np.nan))
+    cells = np.ma.masked_invalid(values)
+    height = min(_MAX_WIDTH / 2, max(3.0, 0.2 * n + 1.5))
+    fig = Figure(figsize=(min(_MAX_WIDTH, max(5.0, 0.4 * num_epochs + 3.0)), height))
+    fig.set_layout_engine("constrained")
     ax = fig.add_subplot()
-    image = ax.imshow(np.ma.masked_invalid(values), aspect="auto", interpolation="nearest")
-    fig.colorbar(image, ax=ax)
-    ax.set_yticks(np.arange(n), list(layers), fontsize=7 if n > 30 else 9)
-    step = max(1, m // 20)
-    ax.set_xticks(np.arange(0, m, step), [str(e) for e in epochs[::step]])
+    ax.set_facecolor("0.85")
+    image = ax.imshow(cells, aspect="auto", interpolation="nearest", cmap="viridis")
+    fig.colorbar(image, ax=ax, label="log10" if log else None)
+    every_layer = -(-n // _MAX_LABELS)
+    ax.set_yticks(np.arange(n)[::every_layer], list(layers)[::every_layer], fontsize=7)
+    every_epoch = -(-num_epochs // _MAX_LABELS)
+    ax.set_xticks(np.arange(num_epochs)[::every_epoch], [str(e) for e in epochs][::every_epoch])
     ax.set_xlabel("epoch")
-    ax.set_ylabel("layer")
+    ax.set_ylabel("layer (input to output)")
     ax.set_title(title)
     return fig

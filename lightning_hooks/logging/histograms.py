@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from lightning_hooks.logging.writer import tensorboard_writers
 
-__all__ = ["log_histogram_raw"]
+__all__ = ["log_histogram_raw", "write_histogram_raw"]
 
 
 def log_histogram_raw(
@@ -31,15 +31,21 @@ def log_histogram_raw(
         step: the global step.
     """
     low, high, total, sum_sq = moments
+    raw = {
+        "min": low,
+        "max": high,
+        "num": float(counts.sum()),
+        "sum": total,
+        "sum_squares": sum_sq,
+        "bucket_limits": [float(e) for e in edges[1:]],
+        "bucket_counts": [float(c) for c in counts],
+    }
+    write_histogram_raw(loggers, tag, raw, step)
+
+
+def write_histogram_raw(
+    loggers: Sequence[Any], tag: str, raw: Mapping[str, Any], step: int
+) -> None:
+    """Write ``add_histogram_raw`` keyword arguments to every TensorBoard logger."""
     for writer in tensorboard_writers(loggers):
-        writer.add_histogram_raw(
-            tag,
-            min=low,
-            max=high,
-            num=float(counts.sum()),
-            sum=total,
-            sum_squares=sum_sq,
-            bucket_limits=[float(e) for e in edges[1:]],
-            bucket_counts=[float(c) for c in counts],
-            global_step=step,
-        )
+        writer.add_histogram_raw(tag, global_step=step, **raw)

@@ -7,6 +7,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
+from lightning_hooks.logging.dashboard import record_tags
+
 __all__ = ["log_figure", "log_scalars", "log_text", "tensorboard_writers"]
 
 
@@ -40,6 +42,8 @@ def log_scalars(loggers: Sequence[Any], metrics: Mapping[str, float], step: int)
         return
     for logger in loggers:
         logger.log_metrics(dict(metrics), step=step)
+    for writer in tensorboard_writers(loggers):
+        record_tags(writer, metrics)
 
 
 def log_figure(loggers: Sequence[Any], tag: str, figure: Figure, step: int) -> None:

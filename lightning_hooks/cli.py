@@ -1,0 +1,82 @@
+"""The ``lightning-hooks`` command: ``lightning-hooks report LOGDIR`` reads the event files back.
+
+Exit codes: 0 all good, 1 a ``--fail-on`` rule was broken, 2 usage error or no events found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_hooks.report import FailRule, check, find_runs, format_table, read_run
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-hooks", description="Inspect lightning_hooks TensorBoard logs."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    report = commands.add_parser(
+        "report",
+        help="per-layer table of the last epoch of every run under LOGDIR, worst layer first",
+        description="Per-layer table of the last logged epoch of every run under LOGDIR, worst "
+        "layer first (non-finite gradients, dead fraction, update ratio far from 1e-3).",
+    )
+    report.add_argument("logdir", metavar="LOGDIR", type=Path, help="a TensorBoard log directory")
+    report.add_argument("--format", choices=("table", "json"), default="table")
+    report.add_argument("--top", type=int, default=20, help="table rows per run (default 20)")
+    report.add_argument(
+        "--fail-on",
+        action="append",
+        default=[],
+        metavar="RULE",
+        help="exit 1 if any layer or alarm matches RULE, e.g. 'grad_nonfinite>0', "
+        "'dead_fraction>=0.9', 'alarms>0' (repeatable)",
+    )
+    return parser
+
+
+def _report(args: argparse.Namespace) -> int:
+    try:
+        rules = [FailRule.parse(text) for text in args.fail_on]
+    except ValueError as error:
+        print(f"lightning-hooks report: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    logdir: Path = args.logdir
+    if not logdir.is_dir():
+        print(f"lightning-hooks report: {logdir}: no such directory", file=sys.stderr)
+        return EXIT_USAGE
+    reports = [r for r in (read_run(run, logdir) for run in find_runs(logdir)) if r is not None]
+    if not reports:
+        print(
+            f"lightning-hooks report: no lightning_hooks events under {logdir} "
+            "(expected TensorBoard event files with tags like grad_flow/grad_norm/<layer>)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    violations = check(reports, rules)
+    if args.format == "json":
+        payload = {"runs": [r.to_json() for r in reports], "violations": violations}
+        print(json.dumps(payload, indent=2))
+    else:
+        print("\n\n".join(format_table(r, args.top) for r in reports))
+    for line in violations:
+        print(f"FAIL {line}", file=sys.stderr)
+    return EXIT_FAILED if violations else EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (also the process's, via ``sys.exit``)."""
+    args = _parser().parse_args(argv)
+    return _report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The TensorBoard custom-scalars dashboard: one multiline chart per statistic, all layers in it.
+
+Every scalar tag the library logs follows ``<family>/<stat>/<layer>`` (per layer),
+``<family>/global/<stat>`` (over all layers; ``<stat>_p50`` for a percentile over layers) or
+``<family>/alarms/<rule>``. The dashboard has one chart per ``(family, stat)`` holding every
+layer's line and the global lines of that statistic, so the number of panels is bounded by the
+number of statistics, whatever the number of layers (the number of lines in a chart is bounded by
+the callbacks' own ``max_layers_logged``), and one chart per family for its alarms.
+
+:func:`record_tags` is called for every scalar the library logs; :func:`write_dashboard` writes
+the layout of the tags seen so far to each TensorBoard writer, once, and again only when a new
+chart appears (an alarm family that first fires in a later epoch). TensorBoard reads the last
+layout a run wrote.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = ["MAX_CHARTS", "chart_key", "dashboard_layout", "record_tags", "write_dashboard"]
+
+MAX_CHARTS = 64
+"""At most this many charts in one run's layout; the families' own tags beyond it are dropped."""
+
+_CATEGORY_PREFIX = "lightning_hooks"
+_PERCENTILE = re.compile(r"_p\d+$")
+# Tags seen per TensorBoard writer, and the charts already written to it.
+_SEEN: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
+_WRITTEN: weakref.WeakKeyDictionary[Any, frozenset[tuple[str, str]]] = weakref.WeakKeyDictionary()
+
+
+def chart_key(tag: str) -> tuple[str, str] | None:
+    """The ``(family, stat)`` chart a tag belongs to, or ``None`` for a tag outside the scheme.
+
+    Example:
+        >>> chart_key("grad_flow/grad_norm/encoder.0"), chart_key("grad_flow/global/grad_norm_p50")
+        (('grad_flow', 'grad_norm'), ('grad_flow', 'grad_norm'))
+        >>> chart_key("train/loss") is None
+        True
+    """
+    parts = tag.split("/")
+    if len(parts) < 3 or not all(parts):
+        return None
+    if parts[1] == "global":
+        return parts[0], _PERCENTILE.sub("", parts[2])
+    return parts[0], parts[1]
+
+
+def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, list[Any]]]:
+    """The custom-scalars layout of the given charts, for ``SummaryWriter.add_custom_scalars``.
+
+    One category per family (``lightning_hooks: grad_flow``), one multiline chart per statistic
+    (its layers and its global lines), at most :data:`MAX_CHARTS` charts; ``alarms`` first.
+
+    Example:
+        >>> layout = dashboard_layout([("grad_flow", "grad_norm"), ("grad_flow", "alarms")])
+        >>> list(layout["lightning_hooks: grad_flow"])
+        ['alarms', 'grad_norm']
+        >>> kind, (per_layer, overall) = layout["lightning_hooks: grad_flow"]["grad_norm"]
+        >>> kind, per_layer, bool(re.match(overall, "grad_flow/global/grad_norm_p50"))
+        ('Multiline', '^grad_flow/grad_norm/.*', True)
+    """
+    ordered = sorted(set(keys), key=lambda k: (k[0], k[1] != "alarms", k[1]))[:MAX_CHARTS]
+    layout: dict[str, dict[str, list[Any]]] = {}
+    for family, stat in ordered:
+        fam, st = re.escape(family), re.escape(stat)
+        regexes = [f"^{fam}/{st}/.*"]
+        if stat != "alarms":
+            regexes.append(f"^{fam}/global/{st}(_p\\d+)?$")
+        layout.setdefault(f"{_CATEGORY_PREFIX}: {family}", {})[stat] = ["Multiline", regexes]
+    return layout
+
+
+def record_tags(writer: Any, tags: Iterable[str]) -> None:
+    """Remember the scalar tags written to ``writer`` (their charts go into its layout)."""
+    keys = {key for key in map(chart_key, tags) if key is not None}
+    if keys:
+        _SEEN.setdefault(writer, set()).update(keys)
+
+
+def write_dashboard(writers: Sequence[Any]) -> None:
+    """Write each writer's layout if it has charts it has not written yet."""
+    for writer in writers:
+        keys = frozenset(_SEEN.get(writer, ()))
+        if not keys or keys <= _WRITTEN.get(writer, frozenset()):
+            continue
+        writer.add_custom_scalars(dashboard_layout(keys))
+        _WRITTEN[writer] = keys

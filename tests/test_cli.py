@@ -1,0 +1,164 @@
+"""``lightning-hooks report`` on the event files of real ``Trainer.fit`` runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from lightning_hooks import GradFlowCallback, GradientAlarmWarning
+from lightning_hooks.cli import main
+
+from conftest import TinyMLP, make_trainer, read_scalars
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class NaNAtStep(TinyMLP):
+    """TinyMLP whose loss is NaN at one batch: every gradient of that step is non-finite."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * math.nan if batch_idx == 1 else loss
+
+
+class DeadFractionLogger(pl.Callback):
+    """Logs, per ReLU, the fraction of zero outputs in the last training batch, plain torch,
+    under the documented tag scheme ``dead_relu/dead_fraction/{layer}``, and an alarm count."""
+
+    def __init__(self) -> None:
+        self.fraction: dict[str, float] = {}
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, *_: Any
+    ) -> None:
+        x = batch[0]
+        for name, module in pl_module.net.named_children():
+            x = module(x)
+            if isinstance(module, nn.ReLU):
+                self.fraction[f"net.{name}"] = float((x == 0).float().mean())
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        metrics = {f"dead_relu/dead_fraction/{k}": v for k, v in self.fraction.items()}
+        metrics["dead_relu/alarms/dead_layer"] = float(
+            sum(v >= 0.5 for v in self.fraction.values())
+        )
+        trainer.logger.log_metrics(metrics, step=trainer.global_step)  # type: ignore[union-attr]
+
+
+def _report_json(logdir: Path, *extra: str, capsys: pytest.CaptureFixture[str]) -> Any:
+    code = main(["report", str(logdir), "--format", "json", *extra])
+    out, err = capsys.readouterr()
+    return code, json.loads(out), err
+
+
+def test_json_report_holds_the_last_epoch_worst_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_trainer(tmp_path, max_epochs=2, callbacks=[GradFlowCallback()]).fit(TinyMLP())
+    code, payload, _ = _report_json(tmp_path, capsys=capsys)
+    assert code == 0
+    (run,) = payload["runs"]
+    scalars = read_scalars(tmp_path)
+    last_step = scalars["grad_flow/global/grad_norm"][-1][0]
+    assert run["run"] == "tb/version_0" and run["step"] == last_step
+    for row in run["layers"]:
+        for stat in ("grad_norm", "update_ratio", "grad_abs_max"):
+            step, value = scalars[f"grad_flow/{stat}/{row['layer']}"][-1]
+            assert step == last_step
+            assert row[f"grad_flow/{stat}"] == pytest.approx(value, rel=1e-6)
+    # No non-finite gradient, no dead ReLU: worst first is the update ratio furthest from 1e-3.
+    off = {
+        t.rsplit("/", 1)[1]: abs(math.log10(v[-1][1] / 1e-3))
+        for t, v in scalars.items()
+        if t.startswith("grad_flow/update_ratio/")
+    }
+    assert [row["layer"] for row in run["layers"]] == sorted(off, key=off.__getitem__, reverse=True)
+
+
+def test_fail_on_nonfinite_gradients_fails_the_broken_run_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_trainer(tmp_path / "ok", callbacks=[GradFlowCallback()]).fit(TinyMLP())
+    with pytest.warns(GradientAlarmWarning, match="non-finite gradient at optimizer step 1"):
+        make_trainer(tmp_path / "nan", callbacks=[GradFlowCallback()]).fit(NaNAtStep())
+    assert main(["report", str(tmp_path / "ok"), "--fail-on", "grad_nonfinite>0"]) == 0
+    capsys.readouterr()
+    code, payload, err = _report_json(tmp_path, "--fail-on", "grad_nonfinite>0", capsys=capsys)
+    assert code == 1
+    nan_run = next(r for r in payload["runs"] if r["run"].startswith("nan"))
+    counts = {r["layer"]: r["grad_flow/grad_nonfinite"] for r in nan_run["layers"]}
+    params = {
+        n: sum(p.numel() for p in NaNAtStep().net.get_submodule(n[4:]).parameters()) for n in counts
+    }
+    # The NaN step (batch 1) poisons the weights: steps 1, 2 and 3 of 4 have NaN gradients in
+    # every entry of the output layer; behind a ReLU, entries it masks get a finite 0 instead.
+    assert counts["net.4"] == 3 * params["net.4"]
+    assert all(0 < counts[n] <= 3 * params[n] for n in counts)
+    assert len(payload["violations"]) == 3 and all(
+        v.startswith("nan") for v in payload["violations"]
+    )
+    assert err.count("FAIL nan/tb/version_0: net.") == 3
+
+
+def test_dead_fraction_and_alarm_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dead = DeadFractionLogger()
+    pl.seed_everything(0, verbose=False)
+    make_trainer(tmp_path, callbacks=[GradFlowCallback(), dead]).fit(TinyMLP())
+    code, payload, _ = _report_json(tmp_path, "--fail-on", "dead_fraction>=0.0", capsys=capsys)
+    (run,) = payload["runs"]
+    got = {
+        r["layer"]: r["dead_relu/dead_fraction"]
+        for r in run["layers"]
+        if "dead_relu/dead_fraction" in r
+    }
+    assert got == pytest.approx(dead.fraction)
+    worst = max(dead.fraction, key=dead.fraction.__getitem__)
+    assert run["layers"][0]["layer"] == worst, "dead fraction ranks right after non-finite"
+    assert code == 1 and len(payload["violations"]) == 2
+    alarms = sum(v >= 0.5 for v in dead.fraction.values())
+    assert run["alarms"] == {"dead_relu/dead_layer": alarms}
+    assert main(["report", str(tmp_path), "--fail-on", "alarms>0"]) == int(alarms > 0)
+    assert main(["report", str(tmp_path), "--fail-on", "dead_fraction>1"]) == 0
+
+
+def test_table_through_the_installed_module(tmp_path: Path) -> None:
+    make_trainer(tmp_path, callbacks=[GradFlowCallback()]).fit(TinyMLP())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_hooks.cli", "report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("run tb/version_0  (step 4, 3 layers, worst first)")
+    assert lines[1].split() == ["layer", "grad_norm", "update_ratio", "grad_nonfinite"]
+    assert sorted(line.split()[0] for line in lines[2:5]) == ["net.0", "net.2", "net.4"]
+    assert lines[-1] == "alarms: none"
+
+
+def test_no_events_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(tmp_path)]) == 2
+    assert f"no lightning_hooks events under {tmp_path}" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert f"{tmp_path / 'missing'}: no such directory" in capsys.readouterr().err
+
+
+def test_a_malformed_rule_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["report", str(tmp_path), "--fail-on", "dead fraction high"]) == 2
+    assert "expected <metric><op><number>" in capsys.readouterr().err

@@ -1,0 +1,134 @@
+"""The custom-scalars dashboard and its bound on deep models, read back from real event files."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hooks import GradFlowCallback
+from lightning_hooks.logging.dashboard import MAX_CHARTS
+
+from conftest import TinyMLP, make_trainer, read_scalars
+from tensorboard_server import charts, read_layouts
+
+
+def test_one_layout_per_run_one_chart_per_statistic_matching_every_layer(tmp_path: Path) -> None:
+    make_trainer(tmp_path, max_epochs=3, callbacks=[GradFlowCallback()]).fit(TinyMLP())
+    layouts = read_layouts(tmp_path)
+    assert len(layouts) == 1, "the layout must be written once per run, not once per epoch"
+    found = charts(layouts[0])
+    scalar_tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
+    stats = {tag.split("/")[1] for tag in scalar_tags} - {"global"}
+    assert set(found) == {f"lightning_hooks: grad_flow/{s}" for s in stats}
+    for title, regexes in found.items():
+        stat = title.rsplit("/", 1)[1]
+        matched = {t for t in scalar_tags if any(re.match(r, t) for r in regexes)}
+        layers = {f"grad_flow/{stat}/net.{i}" for i in (0, 2, 4)}
+        overall = {f"grad_flow/global/{stat}"} & set(scalar_tags)
+        assert matched == layers | overall
+    assert any(
+        "grad_flow/global/grad_norm" in r for r in found["lightning_hooks: grad_flow/grad_norm"][1:]
+    )
+
+
+def _fit(root: Path, max_layers: int | None) -> dict[str, list[tuple[int, float]]]:
+    pl.seed_everything(7, verbose=False)
+    callback = GradFlowCallback(max_layers_logged=max_layers, chart=False)
+    make_trainer(root, callbacks=[callback]).fit(TinyMLP())
+    return read_scalars(root)
+
+
+def test_max_layers_logged_keeps_the_extremes_and_logs_percentiles(tmp_path: Path) -> None:
+    full = _fit(tmp_path / "full", None)
+    bounded = _fit(tmp_path / "bounded", 2)
+    norms = {t.rsplit("/", 1)[1]: v[-1][1] for t, v in full.items() if "/grad_norm/" in t}
+    assert len(norms) == 3
+    extremes = {min(norms, key=norms.__getitem__), max(norms, key=norms.__getitem__)}
+    logged = {t.rsplit("/", 1)[1] for t in bounded if "/grad_norm/" in t}
+    assert logged == extremes
+    for layer in extremes:
+        tag = f"grad_flow/grad_norm/{layer}"
+        assert bounded[tag][-1][1] == pytest.approx(full[tag][-1][1], rel=1e-6)
+    expected = np.percentile(list(norms.values()), [5, 50, 95])
+    got = [bounded[f"grad_flow/global/grad_norm_p{q:02d}"][-1][1] for q in (5, 50, 95)]
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert not any("_p50" in t for t in full), "no percentiles below the bound"
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_max_layers_logged_is_validated(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"max_layers_logged=.*positive int or None, got"):
+        GradFlowCallback(max_layers_logged=bad)
+
+
+class DeepMLP(pl.LightningModule):
+    """1,000 ``Linear(4, 4)`` layers with tanh between them."""
+
+    def __init__(self, depth: int = 1000) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(depth)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 4)), 4)
+
+
+def test_a_thousand_layer_mlp_stays_bounded(tmp_path: Path) -> None:
+    make_trainer(tmp_path, callbacks=[GradFlowCallback(heatmap=True)]).fit(DeepMLP())
+    tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
+    per_layer = [t for t in tags if not t.startswith("grad_flow/global/")]
+    layers = {t.rsplit("/", 1)[1] for t in per_layer}
+    assert len(layers) == 100, "max_layers_logged=100 by default"
+    assert len(per_layer) <= 10 * 100
+    assert len(tags) <= 10 * 100 + 10 + 10 * 3  # per layer, global, percentiles
+    (layout,) = read_layouts(tmp_path)
+    assert len(charts(layout)) == 10 <= MAX_CHARTS  # one per statistic, whatever the depth
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"images": 0})
+    acc.Reload()
+    (image,) = acc.Images("grad_flow/chart")
+    assert image.width <= 24 * 100 and image.height <= 5 * 100, "figure size is capped"
+    (image,) = acc.Images("grad_flow/heatmap")
+    assert image.width <= 24 * 100 and image.height <= 12 * 100, "figure size is capped"
+
+
+def test_heatmap_holds_the_logged_gradient_norms_per_layer_and_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lightning_hooks.callbacks.grad_flow as module
+
+    drawn: list[tuple[list[str], list[int], np.ndarray]] = []
+    original = module.layer_epoch_heatmap
+
+    def spy(layers: Any, epochs: Any, values: np.ndarray, title: str = "") -> Any:
+        drawn.append((list(layers), list(epochs), values.copy()))
+        return original(layers, epochs, values, title)
+
+    monkeypatch.setattr(module, "layer_epoch_heatmap", spy)
+    callback = GradFlowCallback(heatmap=True, chart=False)
+    make_trainer(tmp_path, max_epochs=3, callbacks=[callback]).fit(TinyMLP())
+    layers, epochs, values = drawn[-1]
+    assert len(drawn) == 3 and epochs == [0, 1, 2] and layers == ["net.0", "net.2", "net.4"]
+    scalars = read_scalars(tmp_path)
+    for row, layer in enumerate(layers):
+        logged = [v for _, v in scalars[f"grad_flow/grad_norm/{layer}"]]
+        np.testing.assert_allclose(values[row], logged, rtol=1e-6)
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"images": 0})
+    acc.Reload()
+    assert acc.Tags()["images"] == ["grad_flow/heatmap"]
+    assert [e.step for e in acc.Images("grad_flow/heatmap")] == [4, 8, 12]

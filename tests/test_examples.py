@@ -1,0 +1,42 @@
+"""The short examples run as scripts (``__main__``) in an empty working directory."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+from conftest import read_image_tags, read_scalars
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _run(script: str, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # In-process: a fresh interpreter would spend most of the test importing torch again.
+    monkeypatch.chdir(cwd)
+    runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+
+
+def test_quickstart_logs_the_dashboard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _run("quickstart.py", tmp_path, monkeypatch)
+    assert capsys.readouterr().out.strip().endswith("tensorboard --logdir runs")
+    run = tmp_path / "runs" / "quickstart"
+    scalars = read_scalars(run)
+    assert {f"grad_flow/grad_norm/net.{i}" for i in (0, 2, 4)} <= set(scalars)
+    assert [step for step, _ in scalars["grad_flow/global/grad_norm"]] == [16, 32, 48]
+    assert read_image_tags(run) == ["grad_flow/chart"]
+
+
+def test_plain_loop_measures_without_lightning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _run("plain_loop.py", tmp_path, monkeypatch)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["epoch 0", "epoch 1", "epoch 2"]
+    for line in lines:
+        ratio = float(line.split("update ratio ")[1].split(";")[0])
+        assert 0 < ratio < 1
+    assert not (tmp_path / "runs").exists()

@@ -1,0 +1,73 @@
+"""Per-layer gradient histograms: counts on the device, read back from TensorBoard event files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_grad_flow import _SyncWindow
+
+from lightning_hooks import GradFlowCallback
+from lightning_hooks.core.histogram import LOG10_EDGES, LayerHistograms
+
+from conftest import TinyMLP, make_trainer
+from syncs import count_syncs
+
+LAYERS = ("net.0", "net.2", "net.4")
+
+
+class GradRecorder(pl.Callback):
+    """Keeps a copy of every layer's gradient at every optimizer step, in plain torch."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, list[np.ndarray]] = {layer: [] for layer in LAYERS}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        for layer in LAYERS:
+            params = pl_module.get_submodule(layer).parameters()
+            self.grads[layer].append(torch.cat([p.grad.flatten() for p in params]).numpy().copy())
+
+
+def test_histograms_equal_numpy_counts_of_the_recorded_gradients(tmp_path: Path) -> None:
+    recorder = GradRecorder()
+    callback = GradFlowCallback(histograms=True)
+    make_trainer(tmp_path, max_epochs=2, callbacks=[recorder, callback]).fit(TinyMLP())
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"histograms": 0})
+    acc.Reload()
+    assert sorted(acc.Tags()["histograms"]) == [f"grad_flow/grad_log10_abs/{n}" for n in LAYERS]
+    edges = LOG10_EDGES.double().numpy()
+    for layer in LAYERS:
+        events = acc.Histograms(f"grad_flow/grad_log10_abs/{layer}")
+        assert [e.step for e in events] == [4, 8]
+        for epoch, event in enumerate(events):
+            grads = np.concatenate(recorder.grads[layer][4 * epoch : 4 * epoch + 4])
+            with np.errstate(divide="ignore"):
+                logs = np.log10(np.abs(grads).astype(np.float32))
+            expected = np.bincount(np.digitize(logs, edges), minlength=len(edges) + 1)
+            hist = event.histogram_value
+            assert list(hist.bucket) == expected.tolist()
+            assert hist.num == grads.size
+            assert list(hist.bucket_limit)[:-1] == pytest.approx(edges.tolist())
+
+
+def test_no_host_sync_between_logging_points_with_histograms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probe = _SyncWindow()
+    with count_syncs(monkeypatch) as counter:
+        probe.counter = counter
+        callbacks = [probe, GradFlowCallback(histograms=True)]
+        make_trainer(tmp_path, max_epochs=2, callbacks=callbacks).fit(TinyMLP())
+    assert probe.windows == 2
+    assert dict(counter.calls) == {}
+
+
+def test_non_finite_entries_are_not_counted() -> None:
+    hist = LayerHistograms(1, edges=torch.tensor([0.0]))
+    hist.update([torch.tensor([float("nan"), float("inf"), 0.5, 2.0])], [0])
+    assert hist.host_counts().tolist() == [[1.0, 1.0]]
