@@ -7,6 +7,7 @@ Example:
 
 from lightning_hooks.callbacks import GradFlowCallback
 from lightning_hooks.core import GradFlowTracker, HookRegistry, LayerStats, select_modules
+from lightning_hooks.core.capture import capture_outputs
 from lightning_hooks.errors import LightningHooksError, LightningHooksWarning
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "LayerStats",
     "LightningHooksError",
     "LightningHooksWarning",
+    "capture_outputs",
     "select_modules",
 ]
 

@@ -1,6 +1,7 @@
 """The torch-only core: hook registry, module selection, statistics and accumulators."""
 
 from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
+from lightning_hooks.core.capture import capture_outputs
 from lightning_hooks.core.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
 from lightning_hooks.core.grad_stats import GRAD_STATS, ParamLayout, grad_stats
 from lightning_hooks.core.registry import HookRegistry
@@ -15,6 +16,7 @@ __all__ = [
     "LayerStats",
     "LayerStatsAccumulator",
     "ParamLayout",
+    "capture_outputs",
     "grad_stats",
     "is_training_forward",
     "iter_float_tensors",
