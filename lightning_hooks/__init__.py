@@ -6,6 +6,7 @@ Example:
 """
 
 from lightning_hooks.callbacks import GradFlowCallback
+from lightning_hooks.callbacks.layer_time import LayerTimeCallback
 from lightning_hooks.core import GradFlowTracker, HookRegistry, LayerStats, select_modules
 from lightning_hooks.core.capture import capture_outputs
 from lightning_hooks.errors import LightningHooksError, LightningHooksWarning
@@ -15,6 +16,7 @@ __all__ = [
     "GradFlowTracker",
     "HookRegistry",
     "LayerStats",
+    "LayerTimeCallback",
     "LightningHooksError",
     "LightningHooksWarning",
     "capture_outputs",

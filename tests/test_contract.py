@@ -10,10 +10,12 @@ import pytest
 import pytorch_lightning as pl
 
 from lightning_hooks import GradFlowCallback
+from lightning_hooks.callbacks.layer_time import LayerTimeCallback
 
 from conftest import TinyCNN, TinyMLP, hooks_left, read_scalars
 
 CALLBACKS: list[Callable[[], pl.Callback]] = [GradFlowCallback]
+CALLBACKS += [LayerTimeCallback]
 
 
 class HookCounter(pl.Callback):

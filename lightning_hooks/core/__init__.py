@@ -4,6 +4,7 @@ from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
 from lightning_hooks.core.capture import capture_outputs
 from lightning_hooks.core.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
 from lightning_hooks.core.grad_stats import GRAD_STATS, ParamLayout, grad_stats
+from lightning_hooks.core.layer_time import LayerTimer, LayerTimes
 from lightning_hooks.core.registry import HookRegistry
 from lightning_hooks.core.selection import select_modules
 from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
@@ -15,6 +16,8 @@ __all__ = [
     "HookRegistry",
     "LayerStats",
     "LayerStatsAccumulator",
+    "LayerTimer",
+    "LayerTimes",
     "ParamLayout",
     "capture_outputs",
     "grad_stats",
