@@ -10,12 +10,13 @@ import pytest
 import pytorch_lightning as pl
 
 from lightning_hooks import GradFlowCallback
+from lightning_hooks.callbacks.feature_map import FeatureMapCallback
 from lightning_hooks.callbacks.layer_time import LayerTimeCallback
 
 from conftest import TinyCNN, TinyMLP, hooks_left, read_scalars
 
 CALLBACKS: list[Callable[[], pl.Callback]] = [GradFlowCallback]
-CALLBACKS += [LayerTimeCallback]
+CALLBACKS += [LayerTimeCallback, FeatureMapCallback]
 
 
 class HookCounter(pl.Callback):

@@ -1,6 +1,7 @@
 """Lightning callbacks: thin adapters over the core."""
 
+from lightning_hooks.callbacks.feature_map import FeatureMapCallback
 from lightning_hooks.callbacks.grad_flow import GradFlowCallback
 from lightning_hooks.callbacks.layer_time import LayerTimeCallback
 
-__all__ = ["GradFlowCallback", "LayerTimeCallback"]
+__all__ = ["FeatureMapCallback", "GradFlowCallback", "LayerTimeCallback"]

@@ -5,6 +5,7 @@ from lightning_hooks.core.capture import capture_outputs
 from lightning_hooks.core.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
 from lightning_hooks.core.grad_stats import GRAD_STATS, ParamLayout, grad_stats
 from lightning_hooks.core.layer_time import LayerTimer, LayerTimes
+from lightning_hooks.core.probe import probe_mode
 from lightning_hooks.core.registry import HookRegistry
 from lightning_hooks.core.selection import select_modules
 from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
@@ -23,5 +24,6 @@ __all__ = [
     "grad_stats",
     "is_training_forward",
     "iter_float_tensors",
+    "probe_mode",
     "select_modules",
 ]

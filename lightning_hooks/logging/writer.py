@@ -7,7 +7,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-__all__ = ["log_figure", "log_scalars", "tensorboard_writers"]
+__all__ = ["log_embedding", "log_figure", "log_image", "log_scalars", "tensorboard_writers"]
 
 
 def _tensorboard_logger_types() -> tuple[type, ...]:
@@ -46,3 +46,17 @@ def log_figure(loggers: Sequence[Any], tag: str, figure: Figure, step: int) -> N
     """Write a matplotlib figure as an image to every TensorBoard logger."""
     for writer in tensorboard_writers(loggers):
         writer.add_figure(tag, figure, global_step=step, close=False)
+
+
+def log_image(loggers: Sequence[Any], tag: str, image: Any, step: int) -> None:
+    """Write a ``CHW`` image tensor in ``[0, 1]`` to every TensorBoard logger."""
+    for writer in tensorboard_writers(loggers):
+        writer.add_image(tag, image, global_step=step, dataformats="CHW")
+
+
+def log_embedding(
+    loggers: Sequence[Any], tag: str, features: Any, labels: list[Any] | None, step: int
+) -> None:
+    """Write ``[N, D]`` features (and ``N`` labels) to every TensorBoard logger's projector."""
+    for writer in tensorboard_writers(loggers):
+        writer.add_embedding(features, metadata=labels, global_step=step, tag=tag)
