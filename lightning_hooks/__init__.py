@@ -8,6 +8,7 @@ Example:
 from lightning_hooks.callbacks import GradFlowCallback
 from lightning_hooks.callbacks.feature_map import FeatureMapCallback
 from lightning_hooks.callbacks.layer_time import LayerTimeCallback
+from lightning_hooks.callbacks.saturation import SaturationCallback
 from lightning_hooks.core import GradFlowTracker, HookRegistry, LayerStats, select_modules
 from lightning_hooks.core.capture import capture_outputs
 from lightning_hooks.errors import LightningHooksError, LightningHooksWarning
@@ -21,6 +22,7 @@ __all__ = [
     "LayerTimeCallback",
     "LightningHooksError",
     "LightningHooksWarning",
+    "SaturationCallback",
     "capture_outputs",
     "select_modules",
 ]

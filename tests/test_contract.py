@@ -12,11 +12,12 @@ import pytorch_lightning as pl
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.callbacks.feature_map import FeatureMapCallback
 from lightning_hooks.callbacks.layer_time import LayerTimeCallback
+from lightning_hooks.callbacks.saturation import SaturationCallback
 
 from conftest import TinyCNN, TinyMLP, hooks_left, read_scalars
 
 CALLBACKS: list[Callable[[], pl.Callback]] = [GradFlowCallback]
-CALLBACKS += [LayerTimeCallback, FeatureMapCallback]
+CALLBACKS += [LayerTimeCallback, FeatureMapCallback, SaturationCallback]
 
 
 class HookCounter(pl.Callback):

@@ -7,12 +7,20 @@ from lightning_hooks.core.grad_stats import GRAD_STATS, ParamLayout, grad_stats
 from lightning_hooks.core.layer_time import LayerTimer, LayerTimes
 from lightning_hooks.core.probe import probe_mode
 from lightning_hooks.core.registry import HookRegistry
+from lightning_hooks.core.saturation import (
+    SATURATING_TYPES,
+    SaturationStats,
+    SaturationTracker,
+    saturation_mask,
+    unit_saturation,
+)
 from lightning_hooks.core.selection import select_modules
 from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
 
 __all__ = [
     "GRAD_FLOW_STATS",
     "GRAD_STATS",
+    "SATURATING_TYPES",
     "GradFlowTracker",
     "HookRegistry",
     "LayerStats",
@@ -20,10 +28,14 @@ __all__ = [
     "LayerTimer",
     "LayerTimes",
     "ParamLayout",
+    "SaturationStats",
+    "SaturationTracker",
     "capture_outputs",
     "grad_stats",
     "is_training_forward",
     "iter_float_tensors",
     "probe_mode",
+    "saturation_mask",
     "select_modules",
+    "unit_saturation",
 ]

@@ -75,8 +75,9 @@ def saturation_mask(module: nn.Module, output: torch.Tensor, margin: float = 0.0
 def unit_saturation(mask: torch.Tensor, unit_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Saturated entries, and which units had any unsaturated entry, on the device.
 
-    A *unit* is an index along ``unit_dim`` (a feature of a ``Linear``, a channel of a conv);
-    its entries are every sample and position. A tensor with no ``unit_dim`` is one unit.
+    A *unit* is an index along ``unit_dim`` (a feature of a ``Linear``, a channel of a conv;
+    negative counts from the end); its entries are every sample and position. A tensor with no
+    ``unit_dim`` is one unit.
 
     Returns:
         ``(count, unsaturated)``: the number of saturated entries (an int64 scalar tensor) and a
@@ -89,8 +90,9 @@ def unit_saturation(mask: torch.Tensor, unit_dim: int = 1) -> tuple[torch.Tensor
         (3, [False, True])
     """
     count = mask.sum()
-    if mask.dim() <= unit_dim:
+    if not -mask.dim() <= unit_dim < mask.dim():
         return count, (~mask).any().reshape(1)
+    unit_dim %= mask.dim()
     dims = tuple(d for d in range(mask.dim()) if d != unit_dim)
     return count, (~mask).any(dim=dims) if dims else ~mask
 
