@@ -9,7 +9,12 @@ to the last one's ``on_train_batch_end`` (forward, backward, optimizer step, eve
 median step of the fit against that round's bare run; the table gives the median and range of
 those ratios over rounds, and the median epoch-end time.
 
-Run: ``python examples/overhead.py [--rounds 7]``.
+A second table measures the per-step hooks without Lightning, step by step: identical copies of
+the model (one bare, one per configuration) take turns, one training step each, for ``--steps``
+turns, and each turn's time is divided by the bare copy's time in the same turn. This is the
+steadier number on a shared machine: load changes between turns, hardly within one.
+
+Run: ``python examples/overhead.py [--rounds 7] [--steps 300]``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import FeatureMapCallback, LayerTimeCallback, SaturationCallback
+from lightning_hooks.core import LayerTimer, SaturationTracker
 
 
 class SmallCNN(pl.LightningModule):
@@ -115,9 +121,49 @@ def _fit(callbacks: list[pl.Callback], root: str) -> _Times:
     return times
 
 
+def _plain_step(model: SmallCNN, opt: torch.optim.Optimizer, x: torch.Tensor, y: Any) -> float:
+    start = time.perf_counter()
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    return time.perf_counter() - start
+
+
+def _plain_loop(steps: int) -> None:
+    models = {name: SmallCNN() for name in ("bare", "off", "sampled", "saturation")}
+    off, sampled = LayerTimer(models["off"]), LayerTimer(models["sampled"])
+    tracker = SaturationTracker(models["saturation"])
+    opts = {name: torch.optim.SGD(m.parameters(), lr=0.01) for name, m in models.items()}
+    x, y = next(iter(models["bare"].train_dataloader()))
+    seconds: dict[str, list[float]] = {name: [] for name in models}
+    for turn in range(steps + 20):
+        sampled.start_step()
+        for name, model in models.items():
+            seconds[name].append(_plain_step(model, opts[name], x, y))
+        sampled.end_step()
+        if turn % 50 == 0:
+            sampled.reset()
+    labels = {
+        "off": "LayerTimer, off-sample step",
+        "sampled": "LayerTimer, sampled step",
+        "saturation": "SaturationTracker (4 Tanh)",
+    }
+    bare = np.array(seconds["bare"][20:])
+    print(f"\n| plain loop, {steps} interleaved steps | step vs bare: median (25-75%) |")
+    print("| --- | --- |")
+    print(f"| bare step | {1e3 * np.median(bare):.2f} ms |")
+    for name, label in labels.items():
+        ratio = np.array(seconds[name][20:]) / bare
+        low, mid, high = np.percentile(ratio, [25, 50, 75])
+        print(f"| {label} | {mid:.3f}x ({low:.3f}-{high:.3f}) |")
+    for hooks in (off, sampled, tracker):
+        hooks.remove()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # a shared 2-core machine: one thread is the stable measurement
@@ -142,6 +188,7 @@ def main() -> None:
             f"| {name} | {np.median(step_ms[name]):.2f} | {np.median(ratio):.3f}x "
             f"({ratio.min():.3f}-{ratio.max():.3f}) | {np.median(epoch_end_ms[name]):.1f} |"
         )
+    _plain_loop(args.steps)
 
 
 if __name__ == "__main__":
