@@ -8,6 +8,9 @@ Example:
 from lightning_hooks.callbacks import GradFlowCallback
 from lightning_hooks.callbacks.activation_stats import ActivationStatsCallback
 from lightning_hooks.callbacks.dead_relu import DeadReLUCallback
+from lightning_hooks.callbacks.feature_map import FeatureMapCallback
+from lightning_hooks.callbacks.layer_time import LayerTimeCallback
+from lightning_hooks.callbacks.saturation import SaturationCallback
 from lightning_hooks.core import (
     AlarmRules,
     GradFlowTracker,
@@ -18,6 +21,7 @@ from lightning_hooks.core import (
     select_modules,
 )
 from lightning_hooks.core.activation_stats import ActivationStatsTracker
+from lightning_hooks.core.capture import capture_outputs
 from lightning_hooks.core.dead_units import DeadUnitTracker
 from lightning_hooks.errors import (
     GradientAlarmError,
@@ -32,6 +36,7 @@ __all__ = [
     "AlarmRules",
     "DeadReLUCallback",
     "DeadUnitTracker",
+    "FeatureMapCallback",
     "GradFlowCallback",
     "GradFlowTracker",
     "GradientAlarm",
@@ -40,8 +45,11 @@ __all__ = [
     "GradientAlarms",
     "HookRegistry",
     "LayerStats",
+    "LayerTimeCallback",
     "LightningHooksError",
     "LightningHooksWarning",
+    "SaturationCallback",
+    "capture_outputs",
     "select_modules",
 ]
 

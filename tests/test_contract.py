@@ -12,11 +12,15 @@ import pytorch_lightning as pl
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.callbacks.activation_stats import ActivationStatsCallback
 from lightning_hooks.callbacks.dead_relu import DeadReLUCallback
+from lightning_hooks.callbacks.feature_map import FeatureMapCallback
+from lightning_hooks.callbacks.layer_time import LayerTimeCallback
+from lightning_hooks.callbacks.saturation import SaturationCallback
 
 from conftest import TinyCNN, TinyMLP, hooks_left, read_scalars
 
 CALLBACKS: list[Callable[[], pl.Callback]] = [GradFlowCallback]
 CALLBACKS += [ActivationStatsCallback, DeadReLUCallback]
+CALLBACKS += [LayerTimeCallback, FeatureMapCallback, SaturationCallback]
 
 
 class HookCounter(pl.Callback):

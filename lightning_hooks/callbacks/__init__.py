@@ -2,6 +2,16 @@
 
 from lightning_hooks.callbacks.activation_stats import ActivationStatsCallback
 from lightning_hooks.callbacks.dead_relu import DeadReLUCallback
+from lightning_hooks.callbacks.feature_map import FeatureMapCallback
 from lightning_hooks.callbacks.grad_flow import GradFlowCallback
+from lightning_hooks.callbacks.layer_time import LayerTimeCallback
+from lightning_hooks.callbacks.saturation import SaturationCallback
 
-__all__ = ["ActivationStatsCallback", "DeadReLUCallback", "GradFlowCallback"]
+__all__ = [
+    "ActivationStatsCallback",
+    "DeadReLUCallback",
+    "FeatureMapCallback",
+    "GradFlowCallback",
+    "LayerTimeCallback",
+    "SaturationCallback",
+]

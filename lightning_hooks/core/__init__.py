@@ -3,13 +3,23 @@
 from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
 from lightning_hooks.core.activation_stats import ActivationStatsTracker
 from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, GradientAlarm, GradientAlarms
+from lightning_hooks.core.capture import capture_outputs
 from lightning_hooks.core.dead_units import DeadUnits, DeadUnitTracker
 from lightning_hooks.core.feature_stats import FEATURE_STATS, FeatureSummary, feature_stats
 from lightning_hooks.core.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
 from lightning_hooks.core.grad_stats import GRAD_STATS, ParamLayout, grad_stats
 from lightning_hooks.core.histogram import LayerHistogram, LayerHistograms
+from lightning_hooks.core.layer_time import LayerTimer, LayerTimes
 from lightning_hooks.core.nonfinite import FirstNonFinite
+from lightning_hooks.core.probe import probe_mode
 from lightning_hooks.core.registry import HookRegistry
+from lightning_hooks.core.saturation import (
+    SATURATING_TYPES,
+    SaturationStats,
+    SaturationTracker,
+    saturation_mask,
+    unit_saturation,
+)
 from lightning_hooks.core.selection import select_modules
 from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
 
@@ -18,6 +28,7 @@ __all__ = [
     "FEATURE_STATS",
     "GRAD_FLOW_STATS",
     "GRAD_STATS",
+    "SATURATING_TYPES",
     "ActivationStatsTracker",
     "AlarmRules",
     "DeadUnitTracker",
@@ -32,10 +43,18 @@ __all__ = [
     "LayerHistograms",
     "LayerStats",
     "LayerStatsAccumulator",
+    "LayerTimer",
+    "LayerTimes",
     "ParamLayout",
+    "SaturationStats",
+    "SaturationTracker",
+    "capture_outputs",
     "feature_stats",
     "grad_stats",
     "is_training_forward",
     "iter_float_tensors",
+    "probe_mode",
+    "saturation_mask",
     "select_modules",
+    "unit_saturation",
 ]

@@ -1,16 +1,28 @@
 """Writing statistics: scalars to Lightning loggers, figures to TensorBoard."""
 
 from lightning_hooks.logging.dashboard import dashboard_layout, record_tags, write_dashboard
-from lightning_hooks.logging.figures import grad_flow_figure, layer_epoch_heatmap
+from lightning_hooks.logging.figures import grad_flow_figure, layer_epoch_heatmap, layer_time_figure
 from lightning_hooks.logging.histograms import log_histogram_raw, write_histogram_raw
-from lightning_hooks.logging.writer import log_figure, log_scalars, log_text, tensorboard_writers
+from lightning_hooks.logging.images import feature_map_grid
+from lightning_hooks.logging.writer import (
+    log_embedding,
+    log_figure,
+    log_image,
+    log_scalars,
+    log_text,
+    tensorboard_writers,
+)
 
 __all__ = [
     "dashboard_layout",
+    "feature_map_grid",
     "grad_flow_figure",
     "layer_epoch_heatmap",
+    "layer_time_figure",
+    "log_embedding",
     "log_figure",
     "log_histogram_raw",
+    "log_image",
     "log_scalars",
     "log_text",
     "record_tags",

@@ -9,7 +9,14 @@ from matplotlib.figure import Figure
 
 from lightning_hooks.logging.dashboard import record_tags
 
-__all__ = ["log_figure", "log_scalars", "log_text", "tensorboard_writers"]
+__all__ = [
+    "log_embedding",
+    "log_figure",
+    "log_image",
+    "log_scalars",
+    "log_text",
+    "tensorboard_writers",
+]
 
 
 def _tensorboard_logger_types() -> tuple[type, ...]:
@@ -56,3 +63,17 @@ def log_text(loggers: Sequence[Any], tag: str, text: str, step: int) -> None:
     """Write markdown ``text`` to every TensorBoard logger (``SummaryWriter.add_text``)."""
     for writer in tensorboard_writers(loggers):
         writer.add_text(tag, text, global_step=step)
+
+
+def log_image(loggers: Sequence[Any], tag: str, image: Any, step: int) -> None:
+    """Write a ``CHW`` image tensor in ``[0, 1]`` to every TensorBoard logger."""
+    for writer in tensorboard_writers(loggers):
+        writer.add_image(tag, image, global_step=step, dataformats="CHW")
+
+
+def log_embedding(
+    loggers: Sequence[Any], tag: str, features: Any, labels: list[Any] | None, step: int
+) -> None:
+    """Write ``[N, D]`` features (and ``N`` labels) to every TensorBoard logger's projector."""
+    for writer in tensorboard_writers(loggers):
+        writer.add_embedding(features, metadata=labels, global_step=step, tag=tag)

@@ -1,0 +1,227 @@
+"""``FeatureMapCallback``: what the layers respond to, drawn from a fixed probe batch each epoch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from typing_extensions import override
+
+from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.core import capture_outputs, probe_mode, select_modules
+from lightning_hooks.core.selection import Patterns, as_patterns
+from lightning_hooks.logging import feature_map_grid, log_embedding, log_image, log_scalars
+
+__all__ = ["FeatureMapCallback"]
+
+_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _default_input(batch: Any) -> Any:
+    """The model input of a batch: the batch itself if a tensor, else its first element."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, list | tuple) and batch:
+        return batch[0]
+    raise TypeError(
+        f"FeatureMapCallback(input_fn=None): cannot find the model input in a batch of type "
+        f"{type(batch).__name__}; pass input_fn=lambda batch: ... or probe=..."
+    )
+
+
+def _default_labels(batch: Any, size: int) -> torch.Tensor | None:
+    """The second element of a tuple batch when it holds one label per sample, else ``None``."""
+    if isinstance(batch, list | tuple) and len(batch) > 1:
+        labels = batch[1]
+        if isinstance(labels, torch.Tensor) and labels.dim() == 1 and len(labels) >= size:
+            return labels[:size].detach().clone()
+    return None
+
+
+def _head(x: Any, size: int) -> Any:
+    """The first ``size`` samples of a tensor or a (nested) structure of tensors, copied."""
+    if isinstance(x, torch.Tensor):
+        return x[:size].detach().clone()
+    if isinstance(x, list | tuple):
+        return type(x)(_head(item, size) for item in x)
+    if isinstance(x, Mapping):
+        return {key: _head(item, size) for key, item in x.items()}
+    return x
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, list | tuple):
+        return type(x)(_to(item, device) for item in x)
+    if isinstance(x, Mapping):
+        return {key: _to(item, device) for key, item in x.items()}
+    return x
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"FeatureMapCallback({name}={value!r}): must be a positive int, got {value!r}"
+        )
+
+
+def _spread(items: list[str], bound: int) -> list[str]:
+    """At most ``bound`` items, evenly spaced from first to last."""
+    if len(items) <= bound:
+        return items
+    picks = np.unique(np.linspace(0, len(items) - 1, bound).round().astype(int))
+    return [items[i] for i in picks]
+
+
+class FeatureMapCallback(HookCallback):
+    r"""Feature-map images of a fixed probe batch each epoch, and optionally its embedding.
+
+    The probe batch is fixed once: the first ``probe_size`` samples of the first training batch
+    (the model input is the batch itself when it is a tensor, else its first element, or what
+    ``input_fn`` returns; labels are the batch's second element when it holds one per sample),
+    or the ``probe`` / ``probe_labels`` the user gives. At the end of every ``every_n_epochs``-th
+    epoch it runs through the model (the ``LightningModule`` itself, on rank 0) in eval mode under
+    ``no_grad``, its outputs recorded with :func:`~lightning_hooks.core.capture_outputs` (hooks
+    removed right after). :func:`~lightning_hooks.core.probe_mode` restores every submodule's
+    train/eval flag and the CPU and CUDA random states afterwards; BatchNorm running statistics
+    do not move (eval mode), parameters are untouched, and the other callbacks' hooks ignore the
+    forward (they count grad-enabled forwards only). No hook exists during training steps.
+
+    Layers drawn: ``layers`` (names or glob patterns), default every ``Conv1d``/``Conv2d``/
+    ``Conv3d``, or every ``Linear`` when the model has no convolution; at most ``max_layers``,
+    evenly spaced from input to output. The image of a conv layer tiles its first ``channels``
+    channels for the first probe sample, each channel min-max scaled; the image of a dense layer
+    is the probe's ``[samples, features]`` matrix. See
+    :func:`~lightning_hooks.logging.feature_map_grid`.
+
+    Logged metrics, at ``trainer.global_step``:
+
+    ==================================  ======================================================
+    Tag                                 Value
+    ==================================  ======================================================
+    ``feature_map/{layer}`` (image)     the layer's output on the probe, grayscale grid
+    ``feature_map/abs_mean/{layer}``    mean ``|output|`` of the layer on the probe batch
+    projector: ``feature_map/{layer}``  with ``embedding=layer``: the probe's flattened
+                                        outputs at that layer, labelled when labels exist
+    ==================================  ======================================================
+
+    Args:
+        layers: which layers to draw (qualified names or glob patterns).
+        max_layers: the most layers drawn.
+        channels: the most channels drawn per conv layer.
+        probe: a model input to use as the probe instead of the first training batch.
+        probe_labels: one label per probe sample, for the projector.
+        probe_size: how many samples of the first training batch form the probe.
+        input_fn: ``batch -> model input``, for batches that are not ``(input, ...)``.
+        embedding: a layer whose flattened probe outputs go to TensorBoard's projector.
+        every_n_epochs: probe at the end of every n-th epoch.
+
+    Example:
+        >>> callback = FeatureMapCallback(layers="features.*", embedding="head", probe_size=32)
+        >>> callback.probe_size
+        32
+    """
+
+    def __init__(
+        self,
+        *,
+        layers: Patterns = None,
+        max_layers: int = 8,
+        channels: int = 16,
+        probe: Any = None,
+        probe_labels: torch.Tensor | None = None,
+        probe_size: int = 64,
+        input_fn: Callable[[Any], Any] | None = None,
+        embedding: str | None = None,
+        every_n_epochs: int = 1,
+    ) -> None:
+        for name, value in (
+            ("max_layers", max_layers),
+            ("channels", channels),
+            ("probe_size", probe_size),
+            ("every_n_epochs", every_n_epochs),
+        ):
+            _check_positive(name, value)
+        self.layers = as_patterns(layers, "FeatureMapCallback(layers=...)")
+        self.max_layers = max_layers
+        self.channels = channels
+        self.probe_size = probe_size
+        self.input_fn = input_fn or _default_input
+        self.embedding = embedding
+        self.every_n_epochs = every_n_epochs
+        self._probe: Any = probe
+        self._labels = probe_labels
+        self._drawn: list[str] = []
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(layers=self.layers, embedding=self.embedding)
+
+    @override
+    def _validate(self, pl_module: pl.LightningModule) -> None:
+        self._drawn = self._select(pl_module)
+        if self.embedding is not None:
+            select_modules(pl_module, include=self.embedding)
+
+    def _select(self, model: nn.Module) -> list[str]:
+        if self.layers:
+            names = [name for name, _ in select_modules(model, include=self.layers)]
+        else:
+            names = [name for name, _ in select_modules(model, types=_CONV)]
+            names = names or [name for name, _ in select_modules(model, types=nn.Linear)]
+        return _spread(names, self.max_layers)
+
+    @override
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """No training-time hook: the probe's hooks live only during the probe forward."""
+
+    @override
+    def _detach(self) -> None:
+        """Nothing to remove: :func:`capture_outputs` removes its hooks when the probe ends."""
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._probe is None:
+            self._probe = _head(self.input_fn(batch), self.probe_size)
+            self._labels = _default_labels(batch, self.probe_size)
+
+    @override
+    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._probe is None or not trainer.is_global_zero:
+            return
+        if (trainer.current_epoch + 1) % self.every_n_epochs:
+            return
+        wanted = [*self._drawn, *([self.embedding] if self.embedding else [])]
+        with probe_mode(pl_module), capture_outputs(pl_module, wanted, clone=True) as outputs:
+            pl_module(_to(self._probe, pl_module.device))
+        step = trainer.global_step
+        drawn = [(name, outputs[name]) for name in self._drawn if _is_tensor(outputs.get(name))]
+        log_scalars(trainer.loggers, dict(_abs_means(drawn)), step)
+        for name, output in drawn:
+            if 2 <= output.dim() <= 5:
+                image = feature_map_grid(output, self.channels)
+                log_image(trainer.loggers, f"feature_map/{name}", image, step)
+        if self.embedding is not None and _is_tensor(outputs.get(self.embedding)):
+            features = outputs[self.embedding].flatten(1).float().cpu()
+            labels = None if self._labels is None else self._labels.cpu().tolist()
+            log_embedding(trainer.loggers, f"feature_map/{self.embedding}", features, labels, step)
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _abs_means(outputs: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, float]]:
+    if not outputs:
+        return
+    values = torch.stack([out.float().abs().mean() for _, out in outputs]).cpu()
+    for (name, _), value in zip(outputs, values, strict=True):
+        yield f"feature_map/abs_mean/{name}", float(value)

@@ -1,0 +1,85 @@
+"""Feature extraction: record the outputs of named layers in a plain PyTorch loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_hooks.core.registry import HookRegistry
+from lightning_hooks.core.selection import Patterns, as_patterns
+
+__all__ = ["capture_outputs"]
+
+
+def _apply(output: Any, fn: Any) -> Any:
+    """``fn`` on every tensor of a (nested) module output, structure kept."""
+    if isinstance(output, torch.Tensor):
+        return fn(output)
+    if isinstance(output, tuple) and hasattr(output, "_fields"):  # a namedtuple
+        return type(output)(*(_apply(item, fn) for item in output))
+    if isinstance(output, list | tuple):
+        return type(output)(_apply(item, fn) for item in output)
+    if isinstance(output, Mapping):
+        return {key: _apply(item, fn) for key, item in output.items()}
+    return output
+
+
+def _keeper(name: str, store: dict[str, Any], detach: bool, clone: bool) -> Any:
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        if detach:
+            tensor = tensor.detach()
+        return tensor.clone() if clone else tensor
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        store[name] = _apply(output, keep)
+
+    return hook
+
+
+@contextmanager
+def capture_outputs(
+    model: nn.Module, layers: Patterns, *, detach: bool = True, clone: bool = False
+) -> Iterator[dict[str, Any]]:
+    """Record the outputs of the named layers of ``model`` while the block runs.
+
+    Yields a dict that maps each selected module's qualified name to its output of the most
+    recent forward (overwritten at every call; a module called twice in one forward keeps its
+    last output). Every forward counts: training, ``eval`` and ``no_grad``. The forward hooks go
+    through a :class:`~lightning_hooks.core.HookRegistry` and are removed when the block exits,
+    also on an exception; the dict keeps its last contents.
+
+    Args:
+        model: the model to record from.
+        layers: qualified module names or glob patterns (``"layer4"``, ``"encoder.*"``); each
+            must match some module, or the error lists the closest real names.
+        detach: store ``output.detach()``: no autograd graph is kept alive. With
+            ``detach=False`` the stored outputs are part of the graph (for a feature loss).
+        clone: store a copy. A detached output shares memory with the model's activation, so an
+            in-place op after the layer (``ReLU(inplace=True)``) changes it: clone then.
+
+    Raises:
+        ValueError: a name or pattern matches no module of the model.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+        >>> with capture_outputs(model, ["0", "1"]) as features:
+        ...     _ = model(torch.ones(2, 4))
+        >>> sorted(features), features["1"].shape, features["1"].requires_grad
+        (['0', '1'], torch.Size([2, 3]), False)
+        >>> len(model[0]._forward_hooks)
+        0
+    """
+    patterns = as_patterns(layers, "capture_outputs(layers=...)")
+    if not patterns:
+        raise ValueError("capture_outputs(layers=...): expected at least one name, got none")
+    store: dict[str, Any] = {}
+    with HookRegistry(model) as hooks:
+        for name, module in hooks.modules(include=patterns):
+            hooks.forward_hook(module, _keeper(name, store, detach, clone))
+        yield store

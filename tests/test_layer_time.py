@@ -1,0 +1,134 @@
+"""LayerTimer and LayerTimeCallback: per-layer forward time on sampled steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hooks import LayerTimeCallback
+from lightning_hooks.core.layer_time import LayerTimer, _CpuClock
+
+from conftest import hooks_left, read_image_tags, read_scalars
+
+HEAVY = "net.3"
+
+
+class HeavyNet(pl.LightningModule):
+    """Small layers around one deliberately heavy ``Linear(1024, 2048)``; 6 batches of 64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(8, 32),
+            nn.ReLU(),
+            nn.Linear(32, 1024),
+            nn.Linear(1024, 2048),
+            nn.Tanh(),
+            nn.Linear(2048, 1),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(384, 8, generator=g), torch.randn(384, 1)), 64)
+
+
+def test_heavy_layer_is_the_slowest_and_layer_times_fit_in_the_step(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    model = HeavyNet()
+    trainer_factory(callbacks=[LayerTimeCallback(every_n_steps=1)]).fit(model)
+    scalars = read_scalars(tmp_path)
+    layers = [f"net.{i}" for i in range(6)]
+    forward = {name: scalars[f"layer_time/forward_ms/{name}"][0][1] for name in layers}
+    share = {name: scalars[f"layer_time/share/{name}"][0][1] for name in layers}
+    ((_, step_ms),) = scalars["layer_time/step_ms"]
+    assert all(value > 0 for value in forward.values())
+    assert sum(forward.values()) <= step_ms
+    assert max(forward, key=forward.__getitem__) == HEAVY
+    for name in layers:
+        assert share[name] == pytest.approx(forward[name] / step_ms, rel=1e-5)
+    assert scalars["layer_time/forward_share"][0][1] == pytest.approx(sum(share.values()), 1e-5)
+    assert "layer_time/chart" in read_image_tags(tmp_path)
+    assert hooks_left(model) == []
+
+
+def test_only_sampled_training_forwards_are_timed() -> None:
+    model = HeavyNet()
+    timer = LayerTimer(model)
+    x = torch.randn(4, 8)
+    for step in range(5):
+        if step % 2 == 0:
+            timer.start_step()
+        model(x).sum().backward()
+        timer.end_step()
+    with torch.no_grad():
+        timer.start_step()
+        model(x)  # a validation-like forward: not counted
+        timer.end_step()
+    times = timer.result()
+    assert times.layers == tuple(f"net.{i}" for i in range(6))
+    assert times.steps == 4 and times.calls.tolist() == [3] * 6
+    timer.reset()
+    assert timer.result().steps == 0
+    timer.remove()
+    assert hooks_left(model) == []
+
+
+def test_off_sample_steps_read_no_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    marks = []
+    original = _CpuClock.mark
+    monkeypatch.setattr(_CpuClock, "mark", lambda self: marks.append(1) or original(self))
+    model = HeavyNet()
+    timer = LayerTimer(model)
+    for _ in range(3):
+        model(torch.randn(2, 8))
+    assert marks == []
+    timer.start_step()
+    model(torch.randn(2, 8))
+    timer.end_step()
+    assert len(marks) == 2 * 6 + 2
+    timer.remove()
+
+
+def test_parent_modules_are_skipped_by_default_and_timed_on_request() -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), nn.Linear(2, 1))
+    assert LayerTimer(model).layers == ("0.0", "0.1", "1")
+    assert LayerTimer(model, leaves=False, include="0").layers == ("0",)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, True])
+def test_every_n_steps_is_validated(bad: Any) -> None:
+    with pytest.raises(ValueError, match=rf"every_n_steps={bad!r}\): must be a positive int"):
+        LayerTimeCallback(every_n_steps=bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_events_time_the_heavy_layer() -> None:
+    model = HeavyNet().net.cuda()
+    timer = LayerTimer(model)
+    assert timer._clock.__class__.__name__ == "_CudaClock"
+    x = torch.randn(256, 8, device="cuda")
+    for _ in range(3):
+        timer.start_step()
+        model(x).sum().backward()
+        timer.end_step()
+    times = timer.result()
+    timer.remove()
+    assert (times.forward_ms > 0).all() and times.forward_ms.sum() <= times.step_ms
+    assert times.layers[int(times.forward_ms.argmax())] == "3"

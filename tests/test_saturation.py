@@ -1,0 +1,194 @@
+"""SaturationCallback through a real fit, against plain torch on the same activations."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hooks import FeatureMapCallback, LightningHooksWarning, SaturationCallback
+from lightning_hooks.core import SaturationTracker, saturation_mask, unit_saturation
+
+from conftest import TinyMLP, hooks_left, read_scalars
+from syncs import count_syncs
+
+WATCHED = {"net.1": "tanh", "net.3": "sigmoid"}
+
+
+class BoundedNet(pl.LightningModule):
+    """Linear -> Tanh -> Linear -> Sigmoid -> Linear; 4 batches of 8 per epoch.
+
+    ``saturate=True`` pins 12 of the 16 tanh units at ``tanh(+-6)`` (bias 6, tiny weights) and
+    scales the other weights up, so that many outputs and most units saturate.
+    Records every training activation of the two watched modules, independently of the library.
+    """
+
+    def __init__(self, saturate: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Sigmoid(), nn.Linear(16, 1)
+        )
+        with torch.no_grad():
+            self.net[0].weight.mul_(2.0)  # healthy: a few saturated outputs, no saturated unit
+            if saturate:
+                self.net[0].weight[:12].mul_(0.01)
+                self.net[0].bias[:12] = torch.where(torch.arange(12) % 2 == 0, 6.0, -6.0)
+                self.net[0].weight[12:].mul_(4.0)
+                self.net[2].weight.mul_(6.0)
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        record = self.training and torch.is_grad_enabled()
+        outputs = {}
+        for i, module in enumerate(self.net):
+            x = module(x)
+            if f"net.{i}" in WATCHED:
+                outputs[f"net.{i}"] = x.detach().clone()
+        if record:
+            self.seen.append(outputs)
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(32, 8, generator=g)
+        return DataLoader(TensorDataset(x, x[:, :1].tanh()), batch_size=8)
+
+
+def _reference(seen: list[dict[str, torch.Tensor]], layer: str) -> tuple[float, float, int]:
+    """Plain torch: saturated fraction, always-saturated fraction and count, over ``seen``."""
+    out = torch.cat([step[layer] for step in seen])
+    saturated = out.abs() > 0.99 if WATCHED[layer] == "tanh" else (out < 0.01) | (out > 0.99)
+    always = saturated.all(dim=0)
+    return saturated.float().mean().item(), always.float().mean().item(), int(always.sum())
+
+
+def _fit(trainer_factory: Any, model: BoundedNet, **kwargs: Any) -> None:
+    callbacks = [SaturationCallback(**kwargs), FeatureMapCallback()]
+    trainer_factory(callbacks=callbacks, max_epochs=2).fit(model)
+
+
+def test_saturated_layers_match_plain_torch_and_warn(trainer_factory: Any, tmp_path: Path) -> None:
+    model = BoundedNet(saturate=True)
+    with pytest.warns(LightningHooksWarning) as caught:
+        _fit(trainer_factory, model)
+    scalars = read_scalars(tmp_path)
+    expected_warnings = []
+    for epoch, step in enumerate((4, 8)):
+        seen = model.seen[4 * epoch : 4 * epoch + 4]
+        for layer in WATCHED:
+            fraction, always, k = _reference(seen, layer)
+            assert (step, pytest.approx(fraction, abs=1e-6)) in scalars[
+                f"saturation/saturated_fraction/{layer}"
+            ]
+            assert (step, pytest.approx(always, abs=1e-6)) in scalars[
+                f"saturation/always_saturated_fraction/{layer}"
+            ]
+            if always > 0.5:
+                expected_warnings.append(f"layer {layer!r} has {k} of 16 units")
+    assert len(model.seen) == 8  # the feature-map probe forwards were not recorded
+    assert any("net.1" in w for w in expected_warnings)
+    messages = [str(w.message) for w in caught if w.category is LightningHooksWarning]
+    assert len(messages) == len(expected_warnings)
+    for text, message in zip(expected_warnings, messages, strict=True):
+        assert text in message and "saturated on every training sample" in message
+    assert hooks_left(model) == []
+
+
+def test_healthy_layers_match_plain_torch_and_do_not_warn(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    model = BoundedNet(saturate=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LightningHooksWarning)
+        _fit(trainer_factory, model)
+    scalars = read_scalars(tmp_path)
+    for layer in WATCHED:
+        fraction, always, _ = _reference(model.seen[4:], layer)
+        ((_, _), (step, logged)) = scalars[f"saturation/saturated_fraction/{layer}"]
+        assert step == 8 and logged == pytest.approx(fraction, abs=1e-6) and logged < 0.5
+        assert scalars[f"saturation/always_saturated_fraction/{layer}"][-1][1] == always == 0
+    ((_, _), (_, layers)) = scalars["saturation/global/layers"]
+    assert layers == 2
+
+
+def test_no_host_sync_during_training_steps(
+    monkeypatch: pytest.MonkeyPatch, trainer_factory: Any
+) -> None:
+    class Window(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            counter.active = True
+
+        def on_train_epoch_end(self, *args: Any) -> None:
+            counter.active = False
+
+    with count_syncs(monkeypatch) as counter:
+        callback = SaturationCallback(warn_above=None)
+        trainer_factory(callbacks=[Window(), callback]).fit(BoundedNet(True))
+    assert dict(counter.calls) == {}
+
+
+def test_model_without_bounded_activations_logs_zero_layers(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    trainer_factory(callbacks=[SaturationCallback()]).fit(TinyMLP())
+    assert read_scalars(tmp_path) == {"saturation/global/layers": [(4, 0.0)]}
+
+
+@pytest.mark.parametrize(
+    ("module", "values", "expected"),
+    [
+        (nn.Sigmoid(), [0.005, 0.5, 0.995], [True, False, True]),
+        (nn.Softsign(), [-0.995, 0.98, 0.999], [True, False, True]),
+        (nn.Hardtanh(-2.0, 3.0), [-2.0, 2.9, 3.0], [True, False, True]),
+        (nn.Hardsigmoid(), [0.0, 0.5, 1.0], [True, False, True]),
+    ],
+)
+def test_masks_per_type(module: nn.Module, values: list[float], expected: list[bool]) -> None:
+    assert saturation_mask(module, torch.tensor(values)).tolist() == expected
+
+
+def test_units_along_the_last_dim_of_a_sequence() -> None:
+    mask = torch.zeros(2, 5, 3, dtype=torch.bool)
+    mask[..., 1] = True
+    count, unsaturated = unit_saturation(mask, unit_dim=-1)
+    assert int(count) == 10 and unsaturated.tolist() == [True, False, True]
+
+
+def test_tracker_packs_reduces_like_a_sum_and_errors_on_changing_units() -> None:
+    model = nn.Sequential(nn.Linear(2, 4), nn.Tanh())
+    tracker = SaturationTracker(model)
+    model(torch.randn(3, 2))
+    packed = tracker.packed()
+    twice = tracker.unpack(packed + packed)  # what a 2-rank sum gives for equal ranks
+    once = tracker.unpack(packed)
+    np.testing.assert_array_equal(twice.saturated, 2 * once.saturated)
+    np.testing.assert_array_equal(twice.always_saturated, once.always_saturated)
+    with pytest.raises(ValueError, match=r"unit_dim=0\): layer '1' had 3 units, now 5"):
+        tracker_rows = SaturationTracker(model, unit_dim=0)
+        model(torch.randn(3, 2))
+        model(torch.randn(5, 2))
+    tracker.remove()
+    tracker_rows.remove()
+    assert hooks_left(model) == []
+
+
+def test_bad_arguments_name_the_culprit() -> None:
+    with pytest.raises(ValueError, match=r"SaturationCallback\(warn_above=1.5\): must be in"):
+        SaturationCallback(warn_above=1.5)
+    with pytest.raises(TypeError, match=r"SaturationCallback\(types=.*ReLU.*subclass of one"):
+        SaturationCallback(types=nn.ReLU)
