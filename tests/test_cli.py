@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_hooks import GradFlowCallback, GradientAlarmWarning
 from lightning_hooks.cli import main
+from lightning_hooks.core.alarms import ALARM_RULES
 
 from conftest import TinyMLP, make_trainer, read_scalars
 
@@ -89,8 +90,15 @@ def test_fail_on_nonfinite_gradients_fails_the_broken_run_only(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     make_trainer(tmp_path / "ok", callbacks=[GradFlowCallback()]).fit(TinyMLP())
-    with pytest.warns(GradientAlarmWarning, match="non-finite gradient at optimizer step 1"):
+    # GradFlowCallback's default alarms warn as it happens: the NaN loss at step 1, then the
+    # weights it poisoned from step 2 on (once per cause per epoch, not once per step).
+    with pytest.warns(GradientAlarmWarning) as record:
         make_trainer(tmp_path / "nan", callbacks=[GradFlowCallback()]).fit(NaNAtStep())
+    alarms = [str(w.message) for w in record if issubclass(w.category, GradientAlarmWarning)]
+    assert [m.split(":")[0] for m in alarms] == [
+        "non-finite gradient at optimizer step 1",
+        "non-finite weights at optimizer step 2",
+    ]
     assert main(["report", str(tmp_path / "ok"), "--fail-on", "grad_nonfinite>0"]) == 0
     capsys.readouterr()
     code, payload, err = _report_json(tmp_path, "--fail-on", "grad_nonfinite>0", capsys=capsys)
@@ -126,7 +134,18 @@ def test_dead_fraction_and_alarm_rules(tmp_path: Path, capsys: pytest.CaptureFix
     assert run["layers"][0]["layer"] == worst, "dead fraction ranks right after non-finite"
     assert code == 1 and len(payload["violations"]) == 2
     alarms = sum(v >= 0.5 for v in dead.fraction.values())
-    assert run["alarms"] == {"dead_relu/dead_layer": alarms}
+    # Alarm counts are per rule, per run, never layer rows: the logger's rule and every rule of
+    # GradFlowCallback's default alarms (a healthy run: all zero), read back from the event files.
+    scalars = read_scalars(tmp_path)
+    grad_alarms = {
+        f"grad_flow/{t.rsplit('/', 1)[1]}": v[-1][1]
+        for t, v in scalars.items()
+        if t.startswith("grad_flow/alarms/")
+    }
+    assert set(grad_alarms) == {f"grad_flow/{rule}" for rule in ALARM_RULES}
+    assert run["alarms"] == {"dead_relu/dead_layer": alarms, **grad_alarms}
+    assert not set(ALARM_RULES) & {r["layer"] for r in run["layers"]}
+    assert {r["layer"] for r in run["layers"]} == {"net.0", "net.1", "net.2", "net.3", "net.4"}
     assert main(["report", str(tmp_path), "--fail-on", "alarms>0"]) == int(alarms > 0)
     assert main(["report", str(tmp_path), "--fail-on", "dead_fraction>1"]) == 0
 
