@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import GradFlowCallback
+from lightning_hooks.core.alarms import ALARM_RULES
 from lightning_hooks.logging.dashboard import MAX_CHARTS
 
 from conftest import TinyMLP, make_trainer, read_scalars
@@ -29,9 +30,13 @@ def test_one_layout_per_run_one_chart_per_statistic_matching_every_layer(tmp_pat
     scalar_tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
     stats = {tag.split("/")[1] for tag in scalar_tags} - {"global"}
     assert set(found) == {f"lightning_hooks: grad_flow/{s}" for s in stats}
+    assert "alarms" in stats, "the default alarms log a count per rule"
     for title, regexes in found.items():
         stat = title.rsplit("/", 1)[1]
         matched = {t for t in scalar_tags if any(re.match(r, t) for r in regexes)}
+        if stat == "alarms":  # one line per rule, never a layer
+            assert matched == {f"grad_flow/alarms/{rule}" for rule in ALARM_RULES}
+            continue
         layers = {f"grad_flow/{stat}/net.{i}" for i in (0, 2, 4)}
         overall = {f"grad_flow/global/{stat}"} & set(scalar_tags)
         assert matched == layers | overall
@@ -92,13 +97,17 @@ class DeepMLP(pl.LightningModule):
 def test_a_thousand_layer_mlp_stays_bounded(tmp_path: Path) -> None:
     make_trainer(tmp_path, callbacks=[GradFlowCallback(heatmap=True)]).fit(DeepMLP())
     tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
-    per_layer = [t for t in tags if not t.startswith("grad_flow/global/")]
+    alarms = [t for t in tags if t.startswith("grad_flow/alarms/")]
+    assert sorted(alarms) == sorted(f"grad_flow/alarms/{rule}" for rule in ALARM_RULES)
+    per_layer = [t for t in tags if not t.startswith(("grad_flow/global/", "grad_flow/alarms/"))]
     layers = {t.rsplit("/", 1)[1] for t in per_layer}
     assert len(layers) == 100, "max_layers_logged=100 by default"
     assert len(per_layer) <= 10 * 100
-    assert len(tags) <= 10 * 100 + 10 + 10 * 3  # per layer, global, percentiles
+    # per layer, global, percentiles, one count per alarm rule
+    assert len(tags) <= 10 * 100 + 10 + 10 * 3 + len(ALARM_RULES)
     (layout,) = read_layouts(tmp_path)
-    assert len(charts(layout)) == 10 <= MAX_CHARTS  # one per statistic, whatever the depth
+    # one chart per statistic and one for the alarms, whatever the depth
+    assert len(charts(layout)) == 10 + 1 <= MAX_CHARTS
     acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"images": 0})
     acc.Reload()
     (image,) = acc.Images("grad_flow/chart")
@@ -113,17 +122,22 @@ def test_heatmap_holds_the_logged_gradient_norms_per_layer_and_epoch(
     import lightning_hooks.callbacks.grad_flow as module
 
     drawn: list[tuple[list[str], list[int], np.ndarray]] = []
+    scales: list[bool] = []
     original = module.layer_epoch_heatmap
 
-    def spy(layers: Any, epochs: Any, values: np.ndarray, title: str = "") -> Any:
+    def spy(
+        layers: Any, epochs: Any, values: np.ndarray, title: str = "", log: bool = False
+    ) -> Any:
         drawn.append((list(layers), list(epochs), values.copy()))
-        return original(layers, epochs, values, title)
+        scales.append(log)
+        return original(layers, epochs, values, title, log=log)
 
     monkeypatch.setattr(module, "layer_epoch_heatmap", spy)
     callback = GradFlowCallback(heatmap=True, chart=False)
     make_trainer(tmp_path, max_epochs=3, callbacks=[callback]).fit(TinyMLP())
     layers, epochs, values = drawn[-1]
     assert len(drawn) == 3 and epochs == [0, 1, 2] and layers == ["net.0", "net.2", "net.4"]
+    assert scales == [True] * 3, "gradient norms span decades: the heatmap's colours are log"
     scalars = read_scalars(tmp_path)
     for row, layer in enumerate(layers):
         logged = [v for _, v in scalars[f"grad_flow/grad_norm/{layer}"]]
