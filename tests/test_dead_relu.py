@@ -88,11 +88,15 @@ def test_k_of_n_dead_and_zero_fraction_equal_plain_torch(
 
 
 def test_warns_once_per_layer_and_epoch_naming_k_of_n(trainer_factory: Any) -> None:
+    torch.manual_seed(0)  # the suite's order must not decide the random initialization
     model = RecordingMLP()
-    with pytest.warns(LightningHooksWarning, match=r"'net\.1' has 5 of 16 units dead") as rec:
+    # net.3 may cross the threshold by chance at random initialization: its own warnings are
+    # legitimate (and recorded here, not errors); net.1's five killed units must warn per epoch.
+    with pytest.warns(LightningHooksWarning) as rec:
         trainer_factory(callbacks=[DeadReLUCallback(threshold=0.3)], max_epochs=2).fit(model)
     about = [str(w.message) for w in rec if "'net.1'" in str(w.message)]
     assert len(about) == 2
+    assert all("'net.1' has 5 of 16 units dead" in m for m in about)
     assert "in epoch 0" in about[0] and "in epoch 1" in about[1]
 
 
