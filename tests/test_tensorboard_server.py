@@ -17,7 +17,8 @@ from conftest import TinyMLP, make_trainer, read_scalars
 from tensorboard_server import TensorBoard, read_layouts, tensorboard
 
 RUN = "tb/version_0"
-ALARM = "grad_flow/alarms/late_rule"
+# A family of its own: grad_flow/alarms/{rule} is logged from the first epoch on (default alarms).
+ALARM = "watchdog/alarms/late_rule"
 LAYERS = ("net.0", "net.2", "net.4")
 
 
@@ -65,9 +66,16 @@ def test_tensorboard_serves_our_run_as_intended(tmp_path: Path) -> None:
             for chart in category["chart"]
         }
         assert ("lightning_hooks: grad_flow", "grad_norm") in charts
-        # Rewritten when the alarm family appeared in epoch 2: TensorBoard serves the last one.
+        # One layout for every callback's family (written once, by the last of ours) ...
+        families = {t.split("/")[0] for t in written if t.count("/") >= 2}
+        assert {title for title, _ in charts} == {f"lightning_hooks: {f}" for f in families}
+        # ... rewritten when the alarm family appeared in epoch 2: TensorBoard serves the last one.
         assert len(read_layouts(logdir)) == 2
+        assert charts[("lightning_hooks: watchdog", "alarms")] == ["^watchdog/alarms/.*"]
         assert charts[("lightning_hooks: grad_flow", "alarms")] == ["^grad_flow/alarms/.*"]
+        assert ("lightning_hooks: watchdog", "alarms") not in {
+            (c.title, chart.title) for c in read_layouts(logdir)[0].category for chart in c.chart
+        }
         for (_, stat), (per_layer, *_) in charts.items():
             assert any(re.match(per_layer, tag) for tag in served), f"{stat}: matches no tag"
 
