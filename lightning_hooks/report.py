@@ -1,7 +1,9 @@
 """Reading a run back from its TensorBoard event files: the per-layer table of the last epoch.
 
 Tags follow ``<family>/<stat>/<layer>`` per layer, ``<family>/global/<stat>`` over all layers and
-``<family>/alarms/<rule>`` for alarm counts. A *run* is a directory holding event files.
+``<family>/alarms/<rule>`` for alarm counts (per epoch; the report sums them over the run, so an
+alarm of an early epoch is not hidden by quiet later ones). A *run* is a directory holding event
+files.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class LayerRow:
 
 @dataclass
 class RunReport:
-    """The last step of one run: its layers worst first, its global values, its alarms."""
+    """The last step of one run: its layers worst first, its global values, and its alarm
+    counts per ``family/rule`` summed over the whole run."""
 
     run: str
     step: int
@@ -101,24 +104,34 @@ def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     acc.Reload()
     last: dict[str, tuple[int, float]] = {}
+    totals: dict[str, float] = {}
     for tag in acc.Tags()["scalars"]:
         events = acc.Scalars(tag)
         if events and tag.count("/") >= 2:
             last[tag] = (events[-1].step, events[-1].value)
+            if tag.split("/")[1] == "alarms":  # counts per epoch: the run's total per rule
+                totals[tag] = math.fsum(e.value for e in events)
     if not last:
         return None
     step = max(s for s, _ in last.values())
-    return _build(str(run_dir.relative_to(logdir)) or ".", step, last)
+    return _build(str(run_dir.relative_to(logdir)) or ".", step, last, totals)
 
 
-def _build(run: str, step: int, last: dict[str, tuple[int, float]]) -> RunReport:
+def _build(
+    run: str,
+    step: int,
+    last: dict[str, tuple[int, float]],
+    totals: dict[str, float],
+) -> RunReport:
+    """``last``: each tag's last ``(step, value)``; ``totals``: each alarm tag's sum over the
+    run (an alarm of an earlier epoch still counts)."""
     rows: dict[str, LayerRow] = {}
     global_values: dict[str, float] = {}
     alarms: dict[str, float] = {}
     for tag, (tag_step, value) in sorted(last.items()):
         family, stat, rest = tag.split("/", 2)
         if stat == "alarms":
-            alarms[f"{family}/{rest}"] = value  # an alarm count stays until it is logged again
+            alarms[f"{family}/{rest}"] = totals[tag]
         elif tag_step != step:
             continue  # a layer not logged in the last epoch (max_layers_logged)
         elif stat == "global":
@@ -205,7 +218,8 @@ class FailRule:
                 [f"{report.run}: alarms={total:g} ({name})"] if test(total, self.threshold) else []
             )
         if "/alarms/" in self.metric:
-            value = report.alarms.get(self.metric, math.nan)
+            family, _, rule = self.metric.partition("/alarms/")
+            value = report.alarms.get(f"{family}/{rule}", math.nan)
             return [f"{report.run}: {self.metric}={value:g}"] if test(value, self.threshold) else []
         return [
             f"{report.run}: {row.layer} {self.metric}={row.get(self.metric):.4g} ({name})"

@@ -150,6 +150,44 @@ def test_dead_fraction_and_alarm_rules(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["report", str(tmp_path), "--fail-on", "dead_fraction>1"]) == 0
 
 
+class EpochAlarm(pl.Callback):
+    """Logs ``watchdog/alarms/late`` = 2 in the first epoch and 0 afterwards."""
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        count = 2.0 if trainer.current_epoch == 0 else 0.0
+        trainer.logger.log_metrics(  # type: ignore[union-attr]
+            {"watchdog/alarms/late": count}, step=trainer.global_step
+        )
+
+
+def test_alarm_counts_are_summed_over_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    callbacks = [GradFlowCallback(), EpochAlarm()]
+    make_trainer(tmp_path, max_epochs=3, callbacks=callbacks).fit(TinyMLP())
+    scalars = read_scalars(tmp_path)
+    assert [v for _, v in scalars["watchdog/alarms/late"]] == [2.0, 0.0, 0.0]
+    code, payload, _ = _report_json(tmp_path, "--fail-on", "alarms>=2", capsys=capsys)
+    (run,) = payload["runs"]
+    expected = {
+        f"{t.split('/')[0]}/{t.rsplit('/', 1)[1]}": math.fsum(v for _, v in events)
+        for t, events in scalars.items()
+        if t.split("/")[1:2] == ["alarms"]
+    }
+    assert run["alarms"] == expected and expected["watchdog/late"] == 2
+    assert code == 1, "an alarm of the first epoch is not hidden by the quiet ones after it"
+    assert main(["report", str(tmp_path), "--fail-on", "watchdog/alarms/late<2"]) == 0
+    assert main(["report", str(tmp_path), "--fail-on", "watchdog/alarms/late>=2"]) == 1
+    assert main(["report", str(tmp_path), "--fail-on", "grad_flow/alarms/spike>0"]) == 0
+    assert "alarms: watchdog/late=2" in _table(tmp_path, capsys)
+
+
+def _table(logdir: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()
+    assert main(["report", str(logdir)]) == 0
+    return capsys.readouterr().out
+
+
 def test_table_through_the_installed_module(tmp_path: Path) -> None:
     make_trainer(tmp_path, callbacks=[GradFlowCallback()]).fit(TinyMLP())
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
