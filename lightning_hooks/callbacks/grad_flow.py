@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 import torch
 from typing_extensions import override
 
-from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
 from lightning_hooks.core import GradFlowTracker, LayerStats, select_modules
 from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns
 from lightning_hooks.logging import grad_flow_figure, log_figure, log_scalars
@@ -83,6 +83,9 @@ class GradFlowCallback(HookCallback):
         update_ratio: measure the update-to-weight ratio (keeps one copy of the parameters).
         output_grad: measure the gradient with respect to each layer's output.
         chart: log the gradient-flow chart image each epoch.
+        every_n_steps: measure optimizer steps ``0, n, 2n, ...`` only (``trainer.global_step``);
+            the logged means and maxima are then over the sampled steps. Off-sample steps cost a
+            Python flag check per hooked layer.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -98,8 +101,10 @@ class GradFlowCallback(HookCallback):
         update_ratio: bool = True,
         output_grad: bool = True,
         chart: bool = True,
+        every_n_steps: int = 1,
     ) -> None:
         _check_types(types)
+        self.every_n_steps = check_every_n_steps("GradFlowCallback", every_n_steps)
         self.types = types
         self.include = as_patterns(include, "GradFlowCallback(include=...)")
         self.exclude = as_patterns(exclude, "GradFlowCallback(exclude=...)")
@@ -137,6 +142,13 @@ class GradFlowCallback(HookCallback):
         if self._tracker is not None:
             self._tracker.remove()
             self._tracker = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._tracker is not None:
+            self._tracker.sampled = self._is_sampled_step(trainer)
 
     @override
     def on_before_optimizer_step(

@@ -39,15 +39,24 @@ class _OptimizerView:
     weight_norm: torch.Tensor | None = None
 
 
+class _Gate:
+    """Whether the current step is measured: a plain Python flag the hooks read first."""
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open = True
+
+
 def _add_output_grad(sq: torch.Tensor, row: int, grad: torch.Tensor) -> None:
     sq.select(0, row).add_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
 
 
-def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int) -> Any:
+def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, gate: _Gate) -> Any:
     """A forward hook that puts a gradient hook on the module's outputs in training forwards."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if not is_training_forward(module):
+        if not gate.open or not is_training_forward(module):
             return
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
@@ -68,6 +77,10 @@ class GradFlowTracker:
 
     Call :meth:`observe` just before ``optimizer.step()``; the update ratio is taken by an
     optimizer step post-hook. Use it as a context manager, or call :meth:`remove`.
+
+    Sampling: set :attr:`sampled` to ``False`` before a step's forward to skip that step; its
+    hooks then return at once and :meth:`observe` does nothing. Under ``torch.compile`` the flag
+    is guarded: each of its two values compiles once.
 
     Args:
         model: the model to track.
@@ -121,13 +134,23 @@ class GradFlowTracker:
         self._hit = torch.zeros(num_layers, dtype=torch.bool, device=device)
         self._update_ratio = update_ratio
         self._views: dict[int, _OptimizerView] = {}
+        self._gate = _Gate()
         if output_grad:
             by_name = dict(modules)
             for row, name in enumerate(self.layout.layers):
-                hook = _output_hook(self._out_sq, self._hit, row)
+                hook = _output_hook(self._out_sq, self._hit, row, self._gate)
                 self.registry.forward_hook(by_name[name], hook)
         for optimizer in optimizers:
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the current step is measured (default ``True``)."""
+        return self._gate.open
+
+    @sampled.setter
+    def sampled(self, value: bool) -> None:
+        self._gate.open = value
 
     def _view(self, optimizer: torch.optim.Optimizer) -> _OptimizerView:
         view = self._views.get(id(optimizer))
@@ -156,6 +179,8 @@ class GradFlowTracker:
             grad_scale: the AMP loss scale the output gradients still carry (a tensor, read on
                 the device), or ``None``. Parameter gradients must already be unscaled.
         """
+        if not self._gate.open:
+            return
         view = self._view(optimizer)
         if not view.params:
             return
