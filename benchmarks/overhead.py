@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,7 @@ def _cnn() -> nn.Module:
 
 
 def _mlp() -> nn.Module:
-    width = 2048
+    width = 1024
     return nn.Sequential(
         nn.Linear(1024, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
         nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10),
@@ -189,9 +190,10 @@ def configs(include_tutorial: bool = True) -> list[Config]:
     if len(found) > 1:
         out.append(Config("all, defaults", lambda: [c() for c in found.values()]))
     full = {n: _accepted(c, FULL.get(n, {})) for n, c in found.items()}
-    out.append(Config("all, every stat/step/leaf", lambda: _build(found, full), full))
-    sampled = {n: _accepted(c, {"every_n_steps": 4}) for n, c in found.items()}
-    out.append(Config("all, every 4th step", lambda: _build(found, sampled), sampled))
+    out.append(Config("all, every stat/step/leaf", partial(_build, found, full), full))
+    for every in (4, 16):
+        sampled = {n: _accepted(c, {"every_n_steps": every}) for n, c in found.items()}
+        out.append(Config(f"all, every {every}th step", partial(_build, found, sampled), sampled))
     if include_tutorial:
         out.append(Config("tutorial (.item() hooks)", lambda: [TutorialHooks()]))
     return out
@@ -241,7 +243,9 @@ def _hooked_layers(model: nn.Module) -> int:
         if (
             module._forward_hooks
             or module._forward_pre_hooks
-            or any(p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in own)
+            or any(
+                p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in own
+            )
         ):
             count += 1
     return count
@@ -524,7 +528,8 @@ def main(argv: list[str] | None = None) -> None:
         "steps": args.steps,
         "warmup": args.warmup,
         "callbacks": list(discovered()),
-        "command": "python benchmarks/overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python benchmarks/overhead.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "load_before": os.getloadavg(),
     }
     started = time.perf_counter()

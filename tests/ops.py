@@ -22,9 +22,7 @@ class OpCounter(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
         self.running = False
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops[str(func.overloadpacket.__name__)] += 1
         return func(*args, **(kwargs or {}))
 

@@ -185,7 +185,10 @@ class GradFlowTracker:
         if not view.params:
             return
         grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in view.params]
-        stats = grad_stats(grads, view.params, view.index, self.layout.numel[view.rows[:-1]])
+        # The update-ratio buffers are free until the copy below: reuse them as scratch.
+        scratch = view.before if all(p.grad is not None for p in view.params) else None
+        numel = self.layout.numel[view.rows[:-1]]
+        stats = grad_stats(grads, view.params, view.index, numel, scratch or None)
         self.accumulator.update(stats, slice(0, len(GRAD_STATS)), view.rows)
         if self._update_ratio:
             torch._foreach_copy_(view.before, list(view.params))
