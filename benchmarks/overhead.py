@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import logging
 import os
 import platform
 import statistics
@@ -55,13 +56,17 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ops import OpCounter  # noqa: E402
-from syncs import count_syncs  # noqa: E402
 from tutorial import TutorialHooks  # noqa: E402
+
+from syncs import count_syncs  # noqa: E402
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LeafSpec.*")
 warnings.filterwarnings("ignore", ".*tensorboardX.*")
+warnings.filterwarnings("ignore", ".*smaller than the logging interval.*")
+for _name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 FULL: dict[str, dict[str, Any]] = {
     # "every statistic, every step, every leaf module" per callback; filtered by signature.
