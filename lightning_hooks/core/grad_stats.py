@@ -138,8 +138,9 @@ def grad_stats(
     """
     num_layers = numel.numel()
     l2 = _norms(grads, 2.0)
+    absolute: list[torch.Tensor]
     if scratch is None:
-        absolute = torch._foreach_abs(list(grads))
+        absolute = list(torch._foreach_abs(list(grads)))
     else:
         absolute = list(scratch)
         torch._foreach_copy_(absolute, list(grads))
