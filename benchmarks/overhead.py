@@ -212,16 +212,23 @@ def _build(found: dict[str, type[pl.Callback]], kw: dict[str, dict[str, Any]]) -
 
 
 class StepTimer(pl.Callback):
-    """Wall time between consecutive ``on_train_batch_start`` calls; first in the list."""
+    """Wall and process CPU time between consecutive ``on_train_batch_start``; first in the list.
+
+    On a shared machine the wall clock also counts the time other processes hold the cores;
+    the process CPU time (``time.process_time``, all of this process's threads) does not.
+    """
 
     def __init__(self) -> None:
-        self.starts: list[float] = []
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
 
     def on_train_batch_start(self, *args: Any) -> None:
-        self.starts.append(time.perf_counter())
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
 
-    def steps(self, skip: int) -> list[float]:
-        return [b - a for a, b in zip(self.starts[skip:], self.starts[skip + 1 :], strict=False)]
+    def steps(self, skip: int, clock: str = "wall") -> list[float]:
+        marks = self.wall if clock == "wall" else self.cpu
+        return [b - a for a, b in zip(marks[skip:], marks[skip + 1 :], strict=False)]
 
 
 class Window(pl.Callback):
@@ -300,34 +307,41 @@ def fit(model_name: str, callbacks: list[pl.Callback], steps: int, logger: Any =
 # --- measurements ---------------------------------------------------------------------------
 
 
+CLOCKS = ("cpu", "wall")
+
+
 def time_rounds(
     model_name: str, cfgs: list[Config], rounds: int, steps: int, warmup: int
 ) -> dict[str, Any]:
     """Median step time per configuration and round; ratio to bare in the same round."""
-    times: dict[str, list[float]] = {c.name: [] for c in cfgs}
+    times: dict[str, dict[str, list[float]]] = {
+        clock: {c.name: [] for c in cfgs} for clock in CLOCKS
+    }
     fit(model_name, [], warmup + 2)  # process warm-up: allocator, thread pool, imports
     for _ in range(rounds):
         for cfg in cfgs:
             timer = StepTimer()
             fit(model_name, [timer, *cfg.make()], warmup + steps + 1)
-            # The mean, not the median: a sampled step every n steps is part of the cost.
-            times[cfg.name].append(statistics.fmean(timer.steps(warmup)))
-    bare = times["bare"]
-    rows = {}
+            for clock in CLOCKS:
+                # The mean, not the median: a sampled step every n steps is part of the cost.
+                times[clock][cfg.name].append(statistics.fmean(timer.steps(warmup, clock)))
+    rows: dict[str, Any] = {}
     for cfg in cfgs:
-        ratios = [t / b for t, b in zip(times[cfg.name], bare, strict=True)]
-        rows[cfg.name] = {
-            "step_ms": statistics.median(times[cfg.name]) * 1e3,
-            "ratio_median": statistics.median(ratios),
-            "ratio_min": min(ratios),
-            "ratio_max": max(ratios),
-            "ratios": ratios,
-            "options": cfg.options,
-        }
+        rows[cfg.name] = {"options": cfg.options}
+        for clock in CLOCKS:
+            bare = times[clock]["bare"]
+            ratios = [t / b for t, b in zip(times[clock][cfg.name], bare, strict=True)]
+            rows[cfg.name][clock] = {
+                "step_ms": statistics.median(times[clock][cfg.name]) * 1e3,
+                "ratio_median": statistics.median(ratios),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+                "ratios": ratios,
+            }
     return rows
 
 
-def count_ops(model_name: str, cfg: Config, steps: int = 3, first: int = 2) -> tuple[int, int]:
+def count_ops(model_name: str, cfg: Config, steps: int = 16, first: int = 1) -> tuple[int, int]:
     """ATen ops per step (steps ``first`` .. ``first + steps - 1``) and hooked layers."""
     counter = OpCounter()
     window = Window(counter.start, counter.stop, first)
@@ -364,15 +378,16 @@ def depth_scaling(depths: list[int], rounds: int, steps: int, warmup: int) -> di
     out = {}
     for depth in depths:
         rows = time_rounds(f"deep{depth}", cfgs, rounds, steps, warmup)
-        ops, hooked = count_ops(f"deep{depth}", cfgs[1])
-        bare_ops, _ = count_ops(f"deep{depth}", cfgs[0])
-        bare_ms, ratio = rows["bare"]["step_ms"], rows["all"]["ratio_median"]
+        ops, hooked = count_ops(f"deep{depth}", cfgs[1], steps=2)
+        bare_ops, _ = count_ops(f"deep{depth}", cfgs[0], steps=2)
+        bare, cb = rows["bare"]["cpu"], rows["all"]["cpu"]
+        bare_ms, ratio = bare["step_ms"], cb["ratio_median"]
         out[str(depth)] = {
             "hooked_layers": hooked,
             "bare_step_ms": bare_ms,
             "ratio_median": ratio,
-            "ratio_min": rows["all"]["ratio_min"],
-            "ratio_max": rows["all"]["ratio_max"],
+            "ratio_min": cb["ratio_min"],
+            "ratio_max": cb["ratio_max"],
             "us_per_layer": (ratio - 1) * bare_ms * 1e3 / max(hooked, 1),
             "ops_per_layer": (ops - bare_ops) / max(hooked, 1),
         }
@@ -411,7 +426,7 @@ def _is_mean(tag: str) -> bool:
 # --- report ---------------------------------------------------------------------------------
 
 
-def _table(results: dict[str, Any]) -> str:
+def _table(results: dict[str, Any], clock: str) -> str:
     models = list(results["timing"])
     names = list(results["timing"][models[0]])
     head = "| configuration | " + " | ".join(models) + " |"
@@ -419,7 +434,7 @@ def _table(results: dict[str, Any]) -> str:
     for name in names:
         cells = []
         for m in models:
-            r = results["timing"][m][name]
+            r = results["timing"][m][name][clock]
             if name == "bare":
                 cells.append(f"{r['step_ms']:.1f} ms/step")
             else:
@@ -447,7 +462,8 @@ def _measures_table(results: dict[str, Any]) -> str:
 
 def _depth_table(results: dict[str, Any]) -> str:
     lines = [
-        "| hooked layers | bare ms/step | all callbacks | us per hooked layer | ATen ops/layer |",
+        "| hooked layers | bare CPU ms/step | all callbacks | us per hooked layer "
+        "| ATen ops/layer |",
         "|---|---|---|---|---|",
     ]
     for r in results["depth"].values():
@@ -473,12 +489,19 @@ def markdown(results: dict[str, Any]) -> str:
     parts = [
         f"Mean step time vs bare (median ratio over {env['rounds']} interleaved rounds, min-max), "
         f"{env['steps']} timed steps after {env['warmup']} warm-up steps, "
-        f"torch {env['torch']}, {env['threads']} threads, {env['device']}.",
+        f"torch {env['torch']}, {env['threads']} threads, {env['device']}, load average "
+        f"{env['load_before'][0]:.1f} before, {env['load_after'][0]:.1f} after.",
         "",
-        _table(results),
+        "Process CPU time per step (what the step costs this process):",
+        "",
+        _table(results, "cpu"),
+        "",
+        "Wall time per step (includes waiting for cores held by other processes):",
+        "",
+        _table(results, "wall"),
     ]
     if results.get("measures"):
-        parts += ["", "Deterministic measures (counted steps after warm-up):", ""]
+        parts += ["", "Deterministic measures (mean over steps 1-16):", ""]
         parts.append(_measures_table(results))
     if results.get("depth"):
         parts += ["", "Cost against depth (deep MLP of 32-wide Linear + ReLU):", ""]
