@@ -62,29 +62,42 @@ def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(tensors)).float()
 
 
+class _Gate:
+    """Whether the current step is measured: a plain Python flag the hooks read first."""
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open = True
+
+
 def _add_output_grad(
-    sq: torch.Tensor, order: list[int] | None, row: int, grad: torch.Tensor
+    sq_row: torch.Tensor, order: list[int] | None, row: int, grad: torch.Tensor
 ) -> None:
     # fp16/bf16 are summed in float32; float64 (precision="64-true") stays float64.
-    dtype = torch.promote_types(grad.dtype, torch.float32)
-    sq.select(0, row).add_(torch.linalg.vector_norm(grad, dtype=dtype).square())
+    norm = torch.linalg.vector_norm(grad, dtype=torch.promote_types(grad.dtype, torch.float32))
+    sq_row.addcmul_(norm, norm)
     if order is not None:
         order.append(row)  # host-side: the backward order the non-finite alarm names layers in
 
 
-def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int]) -> Any:
+def _output_hook(
+    sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int], gate: _Gate
+) -> Any:
     """A forward hook that puts a gradient hook on the module's outputs in training forwards."""
+    # Views made once: each step then costs one op per forward and two per gradient.
+    sq_row, hit_row = sq.select(0, row), hit.select(0, row)
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if not is_grad_forward(module):
+        if not gate.open or not is_grad_forward(module):
             return
         # Dynamo cannot trace a host list mutated in backward: compiled, the non-finite alarm
         # falls back to reverse model order.
         seen = None if torch.compiler.is_compiling() else order
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
-                tensor.register_hook(partial(_add_output_grad, sq, seen, row))  # type: ignore[no-untyped-call]
-                hit.select(0, row).fill_(True)
+                tensor.register_hook(partial(_add_output_grad, sq_row, seen, row))  # type: ignore[no-untyped-call]
+                hit_row.fill_(True)
 
     return hook
 
@@ -109,6 +122,10 @@ class GradFlowTracker:
     in one collective at :meth:`result`, then divided by the world size, which gives the output
     gradient of the rank-averaged loss that DDP's gradient averaging optimizes, i.e. what one
     process would measure on the global batch.
+
+    Sampling: set :attr:`sampled` to ``False`` before a step's forward to skip that step; its
+    hooks then return at once and :meth:`observe` does nothing. Under ``torch.compile`` the flag
+    is guarded: each of its two values compiles once.
 
     Args:
         model: the model to track.
@@ -172,6 +189,7 @@ class GradFlowTracker:
         self._update_ratio = update_ratio
         self._post_clip = post_clip
         self._views: dict[int, _OptimizerView] = {}
+        self._gate = _Gate()
         self._backward_order: list[int] = []
         self._calls = 0
         self.alarms = (
@@ -182,10 +200,19 @@ class GradFlowTracker:
         if output_grad:
             by_name = dict(modules)
             for row, name in enumerate(self.layout.layers):
-                hook = _output_hook(self._out_sq, self._hit, row, self._backward_order)
+                hook = _output_hook(self._out_sq, self._hit, row, self._backward_order, self._gate)
                 self.registry.forward_hook(by_name[name], hook)
         for optimizer in optimizers:
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the current step is measured (default ``True``)."""
+        return self._gate.open
+
+    @sampled.setter
+    def sampled(self, value: bool) -> None:
+        self._gate.open = value
 
     def _view(self, optimizer: torch.optim.Optimizer) -> _OptimizerView:
         view = self._views.get(id(optimizer))
@@ -224,13 +251,18 @@ class GradFlowTracker:
                 optimizer unscales inside its step), or ``None`` when they are unscaled.
             step: the optimizer step the alarms name (default: count calls from 0).
         """
+        if not self._gate.open:
+            return
         step = self._calls if step is None else step
         self._calls += 1
         view = self._view(optimizer)
         if not view.params:
             return
         grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in view.params]
-        stats = grad_stats(grads, view.params, view.index, self.layout.numel[view.rows[:-1]])
+        # The update-ratio buffers are free until the copy below: reuse them as scratch.
+        scratch = view.before if all(p.grad is not None for p in view.params) else None
+        numel = self.layout.numel[view.rows[:-1]]
+        stats = grad_stats(grads, view.params, view.index, numel, scratch or None)
         if param_grad_scale is not None:
             stats[:, _SCALED] /= param_grad_scale
         missing = tuple(p.grad is None for p in view.params)
@@ -275,7 +307,7 @@ class GradFlowTracker:
     @torch.no_grad()
     def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         view = self._views.get(id(optimizer))
-        if view is None:
+        if view is None or not self._gate.open:
             return
         if self._post_clip:
             grads = [p.grad for p in view.params if p.grad is not None]
