@@ -21,7 +21,7 @@ from test_grad_flow import LAYERS, ReferenceMLP
 from torch import nn
 
 import lightning_hooks
-from lightning_hooks import GradFlowCallback, GradFlowTracker
+from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker
 
 from conftest import TinyMLP, read_scalars
 from syncs import count_syncs
@@ -184,6 +184,7 @@ class _MemoryProbe(pl.Callback):
         self.watched = watched
         self.bytes: list[int] = []
         self.accumulator: list[int] = []
+        self.alarm_bytes: list[int] = []
 
     def on_train_epoch_end(self, *args: Any) -> None:
         held = _held_tensors(self.watched).values()
@@ -191,6 +192,7 @@ class _MemoryProbe(pl.Callback):
         self.bytes.append(sum(t.nbytes for t in held if id(t) not in params))
         tracker = self.watched._tracker  # type: ignore[attr-defined]
         self.accumulator.append(sum(s.numel() for s in tracker.accumulator.metric_state.values()))
+        self.alarm_bytes.append(sum(t.nbytes for t in _held_tensors(tracker.alarms).values()))
 
 
 def test_memory_is_layers_times_stats_and_flat_over_ten_epochs(trainer_factory: Any) -> None:
@@ -204,8 +206,11 @@ def test_memory_is_layers_times_stats_and_flat_over_ten_epochs(trainer_factory: 
     stats = len(lightning_hooks.core.GRAD_FLOW_STATS)
     assert set(probe.accumulator) == {3 * (len(LAYERS) + 1) * stats}  # total, peak, count
     params = sum(p.numel() for p in TinyMLP().parameters()) * 4
+    # The alarms' running-median window: O(window x layers), whatever the number of steps.
+    window = AlarmRules().window * (len(LAYERS) + 1) * 4
+    assert probe.alarm_bytes[0] <= 2 * window
     # Beyond the accumulator: one copy of the parameters (update ratio), O(layers) buffers.
-    assert probe.bytes[0] <= params + 64 * (len(LAYERS) + 1) * stats
+    assert probe.bytes[0] - probe.alarm_bytes[0] <= params + 64 * (len(LAYERS) + 1) * stats
 
 
 class _RefMLP(TinyMLP):

@@ -71,14 +71,22 @@ class _Gate:
         self.open = True
 
 
-def _add_output_grad(
-    sq_row: torch.Tensor, order: list[int] | None, row: int, grad: torch.Tensor
-) -> None:
+def _add_output_grad(sq_row: torch.Tensor, grad: torch.Tensor) -> None:
     # fp16/bf16 are summed in float32; float64 (precision="64-true") stays float64.
-    norm = torch.linalg.vector_norm(grad, dtype=torch.promote_types(grad.dtype, torch.float32))
+    dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm(grad, dtype=dtype)
     sq_row.addcmul_(norm, norm)
-    if order is not None:
-        order.append(row)  # host-side: the backward order the non-finite alarm names layers in
+
+
+def _add_output_grad_at(sq: torch.Tensor, row: int, grad: torch.Tensor) -> None:
+    _add_output_grad(sq.select(0, row), grad)
+
+
+def _add_output_grad_in_order(
+    sq_row: torch.Tensor, order: list[int], row: int, grad: torch.Tensor
+) -> None:
+    _add_output_grad(sq_row, grad)
+    order.append(row)  # host-side: the backward order the non-finite alarm names layers in
 
 
 def _output_hook(
@@ -91,12 +99,15 @@ def _output_hook(
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         if not gate.open or not is_grad_forward(module):
             return
-        # Dynamo cannot trace a host list mutated in backward: compiled, the non-finite alarm
-        # falls back to reverse model order.
-        seen = None if torch.compiler.is_compiling() else order
+        # Dynamo cannot trace a host list mutated in backward, nor views made outside the
+        # graph: compiled, the non-finite alarm falls back to reverse model order.
+        if torch.compiler.is_compiling():
+            add = partial(_add_output_grad_at, sq, row)
+        else:
+            add = partial(_add_output_grad_in_order, sq_row, order, row)
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
-                tensor.register_hook(partial(_add_output_grad, sq_row, seen, row))  # type: ignore[no-untyped-call]
+                tensor.register_hook(add)  # type: ignore[no-untyped-call]
                 hit_row.fill_(True)
 
     return hook
@@ -182,8 +193,8 @@ class GradFlowTracker:
         num_layers = len(self.layout.layers)
         self._out_sq = torch.zeros(num_layers, device=device)
         self._hit = torch.zeros(num_layers, dtype=torch.bool, device=device)
-        # Per optimizer step: [squared output-grad norm, hit] per layer, reduced at result().
-        self._series = torch.zeros(16, 2, num_layers, device=device)
+        # Under DDP only: [steps, squared output-grad norm | hit, layers], reduced at result().
+        self._series = torch.zeros(0, 2, num_layers, device=device)
         self._steps = 0
         self._output_grad = output_grad
         self._update_ratio = update_ratio
@@ -280,17 +291,27 @@ class GradFlowTracker:
             self._observe_output_grad(view.rows[:-1], grad_scale)
 
     def _observe_output_grad(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
-        if self._steps == self._series.shape[0]:
-            self._series = torch.cat([self._series, torch.zeros_like(self._series)])
         sq = self._out_sq[rows]
         if grad_scale is not None:
             sq = sq / grad_scale.square()
+        if world_size() == 1:
+            valid = self._hit[rows, None]
+            self.accumulator.update(sq.sqrt()[:, None], [_OUTPUT], rows, valid, replicated=True)
+        else:
+            self._record_output_grad(rows, sq)
+        self._out_sq.index_fill_(0, rows, 0.0)
+        self._hit.index_fill_(0, rows, False)
+
+    def _record_output_grad(self, rows: torch.Tensor, sq: torch.Tensor) -> None:
+        """Under DDP: keep the step's rank-local squares until the epoch's one reduction."""
+        if self._steps == self._series.shape[0]:
+            grown = self._series.new_zeros(max(16, 2 * self._steps), *self._series.shape[1:])
+            grown[: self._steps] = self._series
+            self._series = grown
         slot = self._series[self._steps]
         slot[0].index_copy_(0, rows, sq)
         slot[1].index_copy_(0, rows, self._hit[rows].to(slot.dtype))
         self._steps += 1
-        self._out_sq.index_fill_(0, rows, 0.0)
-        self._hit.index_fill_(0, rows, False)
 
     def _flush_output_grad(self) -> None:
         """Reduce the per-step output-gradient squares across ranks into the accumulator."""
