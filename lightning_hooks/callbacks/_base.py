@@ -12,7 +12,23 @@ from typing_extensions import override
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import tensorboard_writers, write_dashboard
 
-__all__ = ["HookCallback"]
+__all__ = ["HookCallback", "check_every_n_steps"]
+
+
+def check_every_n_steps(owner: str, every_n_steps: int) -> int:
+    """Validate a cadence argument: a positive int, named with its owner in the error.
+
+    Example:
+        >>> check_every_n_steps("GradFlowCallback", 4)
+        4
+    """
+    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+        raise ValueError(
+            f"{owner}(every_n_steps={every_n_steps!r}): must be a positive int, "
+            f"got {every_n_steps!r}"
+        )
+    return every_n_steps
+
 
 # Strategies that shard parameters: a rank's hooks see a shard, so per-layer statistics would be
 # silently wrong. Refused at setup until they are tested (see the README's support matrix).
@@ -37,6 +53,13 @@ class HookCallback(pl.Callback):
 
     uses_images: bool = True
     _pending_state: dict[str, Any] | None = None
+    every_n_steps: int = 1
+    """Cadence: measure on optimizer steps ``0, n, 2n, ...`` only (1: every step). Off-sample
+    steps cost a Python int check per hook; statistics are then means over the sampled steps."""
+
+    def _is_sampled_step(self, trainer: pl.Trainer) -> bool:
+        """Whether the optimizer step about to run (``trainer.global_step``) is measured."""
+        return trainer.global_step % self.every_n_steps == 0
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

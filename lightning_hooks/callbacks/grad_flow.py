@@ -11,7 +11,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
 from lightning_hooks.core import (
     GradFlowTracker,
     LayerHistogram,
@@ -183,6 +183,9 @@ class GradFlowCallback(HookCallback):
             per step).
         heatmap: log an image of the gradient norm per layer (rows) and epoch (columns) each
             epoch (the history is kept on the host: one float per layer and epoch).
+        every_n_steps: measure optimizer steps ``0, n, 2n, ...`` only (``trainer.global_step``);
+            the logged means and maxima are then over the sampled steps. Off-sample steps cost a
+            Python flag check per hooked layer.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -203,8 +206,10 @@ class GradFlowCallback(HookCallback):
         heatmap: bool = False,
         alarms: AlarmRules | bool = True,
         on_alarm: Action | Mapping[str, Action] = "warn",
+        every_n_steps: int = 1,
     ) -> None:
         _check_types(types)
+        self.every_n_steps = check_every_n_steps("GradFlowCallback", every_n_steps)
         if not isinstance(alarms, AlarmRules | bool):
             raise TypeError(
                 f"GradFlowCallback(alarms={alarms!r}): expected an AlarmRules or a bool, "
@@ -286,6 +291,13 @@ class GradFlowCallback(HookCallback):
             self._tracker.remove()
             self._tracker = None
         self._hist = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._tracker is not None:
+            self._tracker.sampled = self._is_sampled_step(trainer)
 
     @override
     def on_before_optimizer_step(

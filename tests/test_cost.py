@@ -1,0 +1,287 @@
+"""What instrumentation costs, measured exactly: syncs, ATen operations, memory, sampling.
+
+Timings live in ``benchmarks/overhead.py`` (noisy, not a test); the counts here are exact and
+deterministic, so they are guarded.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from ops import OpCounter
+from test_grad_flow import LAYERS, ReferenceMLP
+from torch import nn
+
+import lightning_hooks
+from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker
+
+from conftest import TinyMLP, read_scalars
+from syncs import count_syncs
+
+CALLBACKS = [
+    obj
+    for name in lightning_hooks.__all__
+    if isinstance(obj := getattr(lightning_hooks, name), type) and issubclass(obj, pl.Callback)
+]
+
+
+class _StepWindow(pl.Callback):
+    """Opens ``start`` at each batch start, closes ``stop`` at the epoch end (before logging)."""
+
+    def __init__(self, start: Callable[[], None], stop: Callable[[], None]) -> None:
+        self.start, self.stop = start, stop
+        self.steps = 0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.steps += 1
+        self.start()
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        self.stop()
+
+
+def test_no_host_sync_per_step_with_every_callback(
+    trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with count_syncs(monkeypatch) as counter:
+
+        def start() -> None:
+            counter.active = True
+
+        def stop() -> None:
+            counter.active = False
+
+        window = _StepWindow(start, stop)
+        callbacks = [window, *(cls() for cls in CALLBACKS)]
+        trainer_factory(callbacks=callbacks, max_epochs=2).fit(TinyMLP())
+    assert window.steps == 8
+    assert dict(counter.calls) == {}
+
+
+def test_op_counter_sees_operations_inside_backward_hooks() -> None:
+    layer = nn.Linear(2, 2)
+    out = layer(torch.ones(1, 2))
+
+    def hook(grad: torch.Tensor) -> None:
+        torch.linalg.vector_norm(grad)
+
+    out.register_hook(hook)
+    counter = OpCounter()
+    with counter:
+        out.sum().backward()
+    assert counter.ops["linalg_vector_norm"] == 1
+
+
+def _deep(depth: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(depth)])
+
+
+def _ops_per_step(depth: int, tracked: bool, sampled: bool = True) -> int:
+    """ATen ops of one training step (after a warm-up step), with or without a tracker."""
+    model = _deep(depth)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = GradFlowTracker(model, [opt]) if tracked else None
+    x = torch.randn(8, 4)
+    counter = OpCounter()
+    for i in range(2):
+        if tracker is not None:
+            tracker.sampled = sampled
+        if i == 1:
+            counter.start()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        if tracker is not None:
+            tracker.observe(opt)
+        opt.step()
+    counter.stop()
+    if tracker is not None:
+        tracker.remove()
+    return counter.total
+
+
+def test_operations_per_layer_are_constant_and_few() -> None:
+    extra = {d: _ops_per_step(d, True) - _ops_per_step(d, False) for d in (4, 8, 12)}
+    per_layer = (extra[8] - extra[4]) / 4
+    assert extra[12] - extra[8] == extra[8] - extra[4]  # linear in depth, exactly
+    # forward hook 1, output-gradient hook 2, per-parameter sum / NaN count 3 x 2 parameters
+    assert per_layer <= 9, extra
+
+
+def test_an_off_sample_step_dispatches_no_operation() -> None:
+    for depth in (4, 16):
+        assert _ops_per_step(depth, True, sampled=False) == _ops_per_step(depth, False)
+
+
+class _OpsPerStep(pl.Callback):
+    """Counts the ATen ops of every training step (batch start to the next batch start)."""
+
+    def __init__(self) -> None:
+        self.counter = OpCounter()
+        self.per_step: list[int] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._close()
+        self.counter.start()
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.counter.running:
+            self.counter.stop()
+            self.per_step.append(self.counter.total)
+            self.counter.ops.clear()
+
+
+def test_callback_off_sample_steps_cost_what_bare_steps_cost(trainer_factory: Any) -> None:
+    bare, sampled = _OpsPerStep(), _OpsPerStep()
+    trainer_factory(callbacks=[bare]).fit(TinyMLP())
+    trainer_factory(callbacks=[sampled, GradFlowCallback(every_n_steps=2)]).fit(TinyMLP())
+    assert len(bare.per_step) == len(sampled.per_step) == 4
+    assert sampled.per_step[1] == bare.per_step[1]
+    assert sampled.per_step[3] == bare.per_step[3]
+    assert sampled.per_step[2] > bare.per_step[2]
+
+
+def _held_tensors(obj: Any, seen: set[int] | None = None) -> dict[int, torch.Tensor]:
+    """Every tensor reachable from ``obj`` through the library's own objects and containers."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return {}
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return {id(obj): obj}
+    if isinstance(obj, nn.Module) and not type(obj).__module__.startswith("lightning_hooks"):
+        return {}  # the user's model, not ours
+    found: dict[int, torch.Tensor] = {}
+    if isinstance(obj, dict):
+        children: list[Any] = list(obj.values())
+    elif isinstance(obj, list | tuple | set):
+        children = list(obj)
+    elif type(obj).__module__.startswith("lightning_hooks"):
+        children = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+        children += [getattr(obj, s) for s in getattr(type(obj), "__slots__", ())]
+    else:
+        return {}
+    for child in children:
+        found.update(_held_tensors(child, seen))
+    return found
+
+
+class _MemoryProbe(pl.Callback):
+    """Bytes of tensors the watched callback holds, at each epoch end, after its logging."""
+
+    def __init__(self, watched: pl.Callback) -> None:
+        self.watched = watched
+        self.bytes: list[int] = []
+        self.accumulator: list[int] = []
+        self.alarm_bytes: list[int] = []
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        held = _held_tensors(self.watched).values()
+        params = {id(p) for p in args[1].parameters()}
+        self.bytes.append(sum(t.nbytes for t in held if id(t) not in params))
+        tracker = self.watched._tracker  # type: ignore[attr-defined]
+        self.accumulator.append(sum(s.numel() for s in tracker.accumulator.metric_state.values()))
+        self.alarm_bytes.append(sum(t.nbytes for t in _held_tensors(tracker.alarms).values()))
+
+
+def test_memory_is_layers_times_stats_and_flat_over_ten_epochs(trainer_factory: Any) -> None:
+    callback = GradFlowCallback(chart=False)
+    probe = _MemoryProbe(callback)
+    trainer_factory(callbacks=[callback, probe], max_epochs=10, limit_train_batches=2).fit(
+        TinyMLP()
+    )
+    assert len(probe.bytes) == 10
+    assert len(set(probe.bytes)) == 1, probe.bytes
+    stats = len(lightning_hooks.core.GRAD_FLOW_STATS)
+    assert set(probe.accumulator) == {3 * (len(LAYERS) + 1) * stats}  # total, peak, count
+    params = sum(p.numel() for p in TinyMLP().parameters()) * 4
+    # The alarms' running-median window: O(window x layers), whatever the number of steps.
+    window = AlarmRules().window * (len(LAYERS) + 1) * 4
+    assert probe.alarm_bytes[0] <= 2 * window
+    # Beyond the accumulator: one copy of the parameters (update ratio), O(layers) buffers.
+    assert probe.bytes[0] - probe.alarm_bytes[0] <= params + 64 * (len(LAYERS) + 1) * stats
+
+
+class _RefMLP(TinyMLP):
+    """Keeps weak references to every activation and activation gradient of each step."""
+
+    def __init__(self, leak: bool = False) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref[torch.Tensor]] = []
+        self.leak = leak
+        self.kept: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for module in self.net:
+            x = module(x)
+            self.refs.append(weakref.ref(x))
+            if x.requires_grad:
+                x.register_hook(self._grad_ref)
+            if self.leak:
+                self.kept.append(x)
+        return x
+
+    def _grad_ref(self, grad: torch.Tensor) -> None:
+        self.refs.append(weakref.ref(grad))
+
+
+class _AliveAtNextStep(pl.Callback):
+    """At each batch start (and at the end), counts the previous step's tensors still alive."""
+
+    def __init__(self) -> None:
+        self.alive: list[int] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, model: Any, *args: Any) -> None:
+        self._check(model)
+
+    def on_train_end(self, trainer: pl.Trainer, model: Any) -> None:
+        self._check(model)
+
+    def _check(self, model: _RefMLP) -> None:
+        if model.refs:
+            self.alive.append(sum(ref() is not None for ref in model.refs))
+        model.refs.clear()
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_no_activation_or_gradient_outlives_its_step(trainer_factory: Any, leak: bool) -> None:
+    probe, model = _AliveAtNextStep(), _RefMLP(leak=leak)
+    callbacks = [GradFlowCallback(), *(cls() for cls in CALLBACKS if cls is not GradFlowCallback)]
+    trainer_factory(callbacks=[probe, *callbacks]).fit(model)
+    assert len(probe.alive) == 4
+    if leak:  # the check can fail: a model that keeps its activations is caught
+        assert all(n >= 5 for n in probe.alive)
+    else:
+        assert probe.alive == [0, 0, 0, 0]
+
+
+def test_every_n_steps_logs_the_mean_over_the_sampled_steps(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    model = ReferenceMLP()
+    trainer_factory(callbacks=[GradFlowCallback(every_n_steps=3)], max_epochs=2).fit(model)
+    scalars = read_scalars(tmp_path)
+    for epoch, sampled in ((0, [0, 3]), (1, [6])):
+        at = 4 * (epoch + 1)
+        for layer in LAYERS:
+            for stat in ("grad_norm", "update_ratio", "output_grad_norm"):
+                want = float(np.mean([model.steps[s][layer][stat] for s in sampled]))
+                logged = dict(scalars[f"grad_flow/{stat}/{layer}"])[at]
+                assert math.isclose(logged, want, rel_tol=1e-5), (stat, layer, epoch)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_every_n_steps_must_be_a_positive_int(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"GradFlowCallback\(every_n_steps=.*\): must be a posi"):
+        GradFlowCallback(every_n_steps=bad)
