@@ -18,8 +18,8 @@ and 1,000 hooked layers, and the error of statistics sampled every n steps.
 
 Usage::
 
-    PYTHONPATH=$PWD python benchmarks/overhead.py --quick          # about 2 minutes
-    PYTHONPATH=$PWD python benchmarks/overhead.py                  # the README table
+    PYTHONPATH=$PWD python benchmarks/overhead.py --quick                 # a few minutes
+    PYTHONPATH=$PWD python benchmarks/overhead.py --threads 1 --rounds 3  # the README tables
 """
 
 from __future__ import annotations
@@ -543,13 +543,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depths", type=int, nargs="*", default=[10, 100, 1000])
     parser.add_argument("--sample-every", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    parser.add_argument("--quick", action="store_true", help="3 rounds, 10 steps, 2 models")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 rounds, the MLP only (unless --models), depths 10 100",
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "overhead"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.steps = 3, 16
-        args.models = [m for m in args.models if m != "transformer"] or args.models
-        args.depths = [10, 100]
+        args.rounds, args.steps, args.depths, args.sample_every = 3, 16, [10, 100], [4]
+        if args.models == list(MODELS):
+            args.models = ["mlp"]
     if args.threads:
         torch.set_num_threads(args.threads)
     pl.seed_everything(0, verbose=False)
