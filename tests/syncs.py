@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
 
 import lightning_hooks
@@ -57,3 +58,18 @@ def count_syncs(monkeypatch: pytest.MonkeyPatch, root: str = PACKAGE_DIR) -> Ite
 
         monkeypatch.setattr(torch.Tensor, name, wrapper)
     yield counter
+
+
+class SyncWindow(pl.Callback):
+    """Opens a :class:`SyncCounter` from each epoch's start until just before the epoch-end
+    logging (put it first in the callbacks list, so its epoch end runs before theirs)."""
+
+    counter: Any = None
+    windows = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.counter.active = True
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.counter.active = False
+        self.windows += 1

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -19,7 +18,7 @@ from lightning_hooks.core import feature_stats
 from lightning_hooks.core.feature_stats import fused_feature_stats
 
 from conftest import TinyMLP, dataset, hooks_left, read_histograms, read_image_tags, read_scalars
-from syncs import count_syncs
+from syncs import SyncWindow, count_syncs
 
 
 class RecordingMLP(TinyMLP):
@@ -212,27 +211,13 @@ def test_running_range_edges_span_the_previous_epoch(trainer_factory: Any, tmp_p
 def test_no_host_sync_between_logging_points(
     trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    probe = _SyncWindow()
+    probe = SyncWindow()
     callback = ActivationStatsCallback(histograms=True)
     with count_syncs(monkeypatch) as counter:
         probe.counter = counter
         trainer_factory(callbacks=[probe, callback], max_epochs=2).fit(TinyMLP())
     assert probe.windows == 2
     assert dict(counter.calls) == {}
-
-
-class _SyncWindow(pl.Callback):
-    """Opens the sync counter from each epoch's start until just before the epoch-end logging."""
-
-    counter: Any = None
-    windows = 0
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        self.counter.active = True
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        self.counter.active = False
-        self.windows += 1
 
 
 def test_half_precision_outputs_are_summed_in_float32() -> None:

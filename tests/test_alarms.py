@@ -291,11 +291,10 @@ def test_alarm_state_survives_a_checkpoint_resume(trainer_factory: Any, tmp_path
 def test_no_host_sync_while_alarms_fire(
     trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from test_grad_flow import _SyncWindow
 
-    from syncs import count_syncs
+    from syncs import SyncWindow, count_syncs
 
-    window = _SyncWindow()
+    window = SyncWindow()
     with count_syncs(monkeypatch) as counter, pytest.warns(GradientAlarmWarning, match="spike"):
         window.counter = counter
         _fit(

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hooks import DeadReLUCallback, LightningHooksWarning
 
 from conftest import TinyCNN, TinyMLP, dataset, hooks_left, read_scalars
-from syncs import count_syncs
+from syncs import SyncWindow, count_syncs
 
 DEAD = [1, 4, 6, 9, 13]  # units of net.0 whose bias keeps them negative for every input
 
@@ -205,27 +205,13 @@ def test_module_called_twice_counts_both_calls(trainer_factory: Any, tmp_path: P
 def test_no_host_sync_between_logging_points(
     trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    probe = _SyncWindow()
+    probe = SyncWindow()
     with count_syncs(monkeypatch) as counter:
         probe.counter = counter
         callback = DeadReLUCallback(threshold=1.0)
         trainer_factory(callbacks=[probe, callback], max_epochs=2).fit(RecordingMLP())
     assert probe.windows == 2
     assert dict(counter.calls) == {}
-
-
-class _SyncWindow(pl.Callback):
-    """Opens the sync counter from each epoch's start until just before the epoch-end logging."""
-
-    counter: Any = None
-    windows = 0
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        self.counter.active = True
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        self.counter.active = False
-        self.windows += 1
 
 
 def test_arguments_are_checked_and_named() -> None:

@@ -8,14 +8,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import CSVLogger
 
 from lightning_hooks import GradFlowCallback, LightningHooksWarning
 
 from conftest import TinyMLP, hooks_left, read_image_tags, read_scalars
-from syncs import count_syncs
+from syncs import SyncWindow, count_syncs
 
 LAYERS = ("net.0", "net.2", "net.4")
 
@@ -115,7 +114,7 @@ def test_logged_values_equal_an_independent_computation(
 def test_no_host_sync_between_logging_points(
     trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    probe = _SyncWindow()
+    probe = SyncWindow()
     with count_syncs(monkeypatch) as counter:
         probe.counter = counter
         trainer_factory(callbacks=[probe, GradFlowCallback()], max_epochs=2).fit(TinyMLP())
@@ -131,20 +130,6 @@ def test_sync_counter_catches_a_sync_in_a_hook(monkeypatch: pytest.MonkeyPatch) 
         out.register_hook(lambda g: g * float(g.sum().item() != 0))
         out.sum().backward()
     assert counter.calls["item"] == 1
-
-
-class _SyncWindow(pl.Callback):
-    """Opens the sync counter from each epoch's start until just before the epoch-end logging."""
-
-    counter: Any = None
-    windows = 0
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        self.counter.active = True
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        self.counter.active = False
-        self.windows += 1
 
 
 def test_inplace_relu_model_trains_and_reports_finite_values(

@@ -10,13 +10,12 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_grad_flow import _SyncWindow
 
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.core.histogram import LOG10_EDGES, LayerHistograms
 
 from conftest import TinyMLP, make_trainer
-from syncs import count_syncs
+from syncs import SyncWindow, count_syncs
 
 LAYERS = ("net.0", "net.2", "net.4")
 
@@ -58,7 +57,7 @@ def test_histograms_equal_numpy_counts_of_the_recorded_gradients(tmp_path: Path)
 def test_no_host_sync_between_logging_points_with_histograms(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    probe = _SyncWindow()
+    probe = SyncWindow()
     with count_syncs(monkeypatch) as counter:
         probe.counter = counter
         callbacks = [probe, GradFlowCallback(histograms=True)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import pytorch_lightning as pl
 from lightning_fabric.utilities.exceptions import MisconfigurationException
@@ -11,6 +11,11 @@ from typing_extensions import override
 
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import tensorboard_writers, write_dashboard
+
+
+class _Removable(Protocol):
+    def remove(self) -> None: ...
+
 
 __all__ = ["HookCallback", "check_every_n_steps"]
 
@@ -52,6 +57,7 @@ class HookCallback(pl.Callback):
     """
 
     uses_images: bool = True
+    _tracker: _Removable | None = None
     _pending_state: dict[str, Any] | None = None
     every_n_steps: int = 1
     """Cadence: measure on optimizer steps ``0, n, 2n, ...`` only (1: every step). Off-sample
@@ -142,7 +148,10 @@ class HookCallback(pl.Callback):
         raise NotImplementedError
 
     def _detach(self) -> None:
-        raise NotImplementedError
+        """Remove the tracker's hooks and drop it (idempotent); override to keep state first."""
+        if self._tracker is not None:
+            self._tracker.remove()
+            self._tracker = None
 
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         raise NotImplementedError

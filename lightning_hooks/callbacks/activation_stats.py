@@ -170,12 +170,6 @@ class ActivationStatsCallback(HookCallback):
         self._warned_nonfinite = False
 
     @override
-    def _detach(self) -> None:
-        if self._tracker is not None:
-            self._tracker.remove()
-            self._tracker = None
-
-    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:

@@ -135,12 +135,6 @@ class SaturationCallback(HookCallback):
         )
 
     @override
-    def _detach(self) -> None:
-        if self._tracker is not None:
-            self._tracker.remove()
-            self._tracker = None
-
-    @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._tracker is None:
             return

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -22,7 +21,7 @@ from lightning_hooks.core.feature_stats import (
     summarize,
 )
 from lightning_hooks.core.nonfinite import FirstNonFinite
-from lightning_hooks.core.registry import HookRegistry
+from lightning_hooks.core.registry import HookOwner, HookRegistry
 from lightning_hooks.core.selection import ModuleTypes, Patterns
 from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
 
@@ -111,7 +110,7 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-class ActivationStatsTracker:
+class ActivationStatsTracker(HookOwner):
     """Per-layer statistics of module outputs over an epoch, on the device, no host sync per step.
 
     A forward hook on each selected module measures every floating tensor of its output (tuple,
@@ -288,18 +287,3 @@ class ActivationStatsTracker:
         state.sums.zero_()
         state.hist.zero_()
         state.extremes.fill_(-torch.inf)
-
-    def remove(self) -> None:
-        """Remove every hook (idempotent)."""
-        self.registry.remove()
-
-    def __enter__(self) -> ActivationStatsTracker:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.remove()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -36,7 +35,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
 from lightning_hooks.core.collectives import reduce_across_ranks
-from lightning_hooks.core.registry import HookRegistry
+from lightning_hooks.core.registry import HookOwner, HookRegistry
 from lightning_hooks.core.selection import Patterns, as_patterns, select_modules
 from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
 
@@ -115,7 +114,7 @@ class DeadUnits:
         return fraction
 
 
-class DeadUnitTracker:
+class DeadUnitTracker(HookOwner):
     """Per-unit "ever fired" counts of activation outputs over an epoch, on the device.
 
     A forward hook on each watched module counts, per unit, the outputs that fired (see the
@@ -226,21 +225,6 @@ class DeadUnitTracker:
         if self._fired is not None:
             self._fired.zero_()
         self._calls = [0] * len(self.layers)
-
-    def remove(self) -> None:
-        """Remove every hook (idempotent)."""
-        self.registry.remove()
-
-    def __enter__(self) -> DeadUnitTracker:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.remove()
 
 
 def _dtype(device: torch.device) -> torch.dtype:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
 from lightning_hooks.core.distributed import all_reduce_sum_, world_size
 from lightning_hooks.core.grad_stats import GLOBAL, GRAD_STATS, ParamLayout, grad_stats
 from lightning_hooks.core.grad_stats import update_norms as _update_norms
-from lightning_hooks.core.registry import HookRegistry
+from lightning_hooks.core.registry import HookOwner, HookRegistry
 from lightning_hooks.core.selection import ModuleTypes, Patterns
 from lightning_hooks.core.tensors import is_grad_forward, iter_float_tensors
 
@@ -113,7 +112,7 @@ def _output_hook(
     return hook
 
 
-class GradFlowTracker:
+class GradFlowTracker(HookOwner):
     """Per-layer gradient flow over optimizer steps, on the device, with no host sync per step.
 
     A layer is a module that owns trainable parameters directly. Per optimizer step it measures
@@ -366,18 +365,3 @@ class GradFlowTracker:
         self.accumulator.reset()
         self._series.zero_()
         self._steps = 0
-
-    def remove(self) -> None:
-        """Remove every hook (idempotent)."""
-        self.registry.remove()
-
-    def __enter__(self) -> GradFlowTracker:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.remove()

@@ -9,15 +9,38 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from typing_extensions import Self
 
 from lightning_hooks.core.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 
-__all__ = ["HookRegistry"]
+__all__ = ["HookOwner", "HookRegistry"]
 
 ForwardHook = Callable[[nn.Module, Any, Any], Any]
 
 
-class HookRegistry:
+class HookOwner:
+    """Base of the core's trackers: each owns a :class:`HookRegistry` and is a context manager
+    that removes every hook on exit, also when the loop raises."""
+
+    registry: HookRegistry
+
+    def remove(self) -> None:
+        """Remove every hook (idempotent)."""
+        self.registry.remove()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+
+class HookRegistry(HookOwner):
     """Registers module, parameter and optimizer hooks and removes every one of them.
 
     Use it as a context manager in a plain PyTorch loop, or call :meth:`remove` (idempotent) from
@@ -99,14 +122,3 @@ class HookRegistry:
 
     def __len__(self) -> int:
         return len(self._handles)
-
-    def __enter__(self) -> HookRegistry:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.remove()
