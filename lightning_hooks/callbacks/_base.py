@@ -67,6 +67,16 @@ class HookCallback(pl.Callback):
         """Whether the optimizer step about to run (``trainer.global_step``) is measured."""
         return trainer.global_step % self.every_n_steps == 0
 
+    @property
+    @override
+    def state_key(self) -> str:
+        """Unique per configuration: two instances watching different modules do not collide."""
+        return self._generate_state_key(
+            types=repr(getattr(self, "types", None)),
+            include=getattr(self, "include", ()),
+            exclude=getattr(self, "exclude", ()),
+        )
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":

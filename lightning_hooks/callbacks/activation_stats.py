@@ -136,13 +136,6 @@ class ActivationStatsCallback(HookCallback):
         self._warned_nonfinite = False
         self._step = 0
 
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._generate_state_key(
-            types=repr(self.types), include=self.include, exclude=self.exclude
-        )
-
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
         where = default_feature_module if self.types is None else None

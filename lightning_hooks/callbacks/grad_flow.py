@@ -242,13 +242,6 @@ class GradFlowCallback(HookCallback):
         self._alarm_state: dict[str, Any] | None = None
         self._warned: set[tuple[str, str]] = set()
 
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._generate_state_key(
-            types=repr(self.types), include=self.include, exclude=self.exclude
-        )
-
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
         select_modules(pl_module, types=self.types, include=self.include, exclude=self.exclude)

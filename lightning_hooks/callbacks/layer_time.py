@@ -91,11 +91,6 @@ class LayerTimeCallback(HookCallback):
         self._timer: LayerTimer | None = None
         self._batches = 0
 
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._generate_state_key(include=self.include, exclude=self.exclude)
-
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
         select_modules(pl_module, types=self.types, include=self.include, exclude=self.exclude)

@@ -104,11 +104,6 @@ class SaturationCallback(HookCallback):
         self.uses_images = False
         self._tracker: SaturationTracker | None = None
 
-    @property
-    @override
-    def state_key(self) -> str:
-        return self._generate_state_key(include=self.include, exclude=self.exclude)
-
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
         found = select_modules(
