@@ -11,6 +11,8 @@ everything up) or ``python examples/demo.py``; then ``tensorboard --logdir runs`
 from __future__ import annotations
 
 import argparse
+import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -153,9 +155,19 @@ def main() -> None:
         report = read_run(run_dir, root)
         if report is not None:
             print(format_table(report, limit=4))
-    print(f"\nPer-layer report for CI: lightning-hooks report {args.logdir}")
+    # The tools sit beside this interpreter (.venv/bin after ./dev demo), maybe not on PATH.
+    bin_dir = Path(sys.executable).parent
+    print(f"\nPer-layer report for CI: {_tool(bin_dir, 'lightning-hooks')} report {args.logdir}")
     print("View the dashboard (Custom Scalars, Images, Histograms tabs):")
-    print(f"  tensorboard --logdir {args.logdir}")
+    print(f"  {_tool(bin_dir, 'tensorboard')} --logdir {args.logdir}")
+
+
+def _tool(bin_dir: Path, name: str) -> str:
+    """``name`` when it is on PATH as the one beside this interpreter, else its full path."""
+    local = bin_dir / name
+    if not local.exists() or shutil.which(name) == str(local):
+        return name
+    return str(local.relative_to(Path.cwd()) if local.is_relative_to(Path.cwd()) else local)
 
 
 if __name__ == "__main__":
