@@ -91,6 +91,7 @@ def trainer_options(root: Path, logger: str) -> dict[str, Any]:
         "enable_model_summary": False,
         "enable_checkpointing": False,
         "num_sanity_val_steps": 0,
+        "log_every_n_steps": 1,  # the callbacks' default cadence: every step is compared
         "use_distributed_sampler": False,
     }
 

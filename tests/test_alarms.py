@@ -134,9 +134,12 @@ def _counts(logdir: Path, step: int) -> dict[str, float]:
     return {rule: dict(scalars[f"grad_flow/alarms/{rule}"])[step] for rule in RULES}
 
 
+# every_n_steps=7: the fault's step is not sampled, so the alarms run on the norm-only path.
+@pytest.mark.parametrize("every", [1, 7])
 def test_spike_names_the_layer_at_the_step_and_none_before(
-    trainer_factory: Any, tmp_path: Path
+    trainer_factory: Any, tmp_path: Path, every: int
 ) -> None:
+    assert K % 7 != 0
     probe = NormProbe()
     with pytest.warns(GradientAlarmWarning) as record:
         _fit(
@@ -144,7 +147,7 @@ def test_spike_names_the_layer_at_the_step_and_none_before(
             LongMLP(),
             probe,
             Fault("multiply"),
-            GradFlowCallback(),
+            GradFlowCallback(every_n_steps=every),
             max_steps=K + 2,
         )
     alarms = _alarms(record)
@@ -164,9 +167,13 @@ def test_spike_names_the_layer_at_the_step_and_none_before(
     assert "net.2" in _texts(tmp_path)[K + 2]
 
 
-def test_nan_weight_is_reported_at_that_layer(trainer_factory: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("every", [1, 7])
+def test_nan_weight_is_reported_at_that_layer(
+    trainer_factory: Any, tmp_path: Path, every: int
+) -> None:
+    callback = GradFlowCallback(every_n_steps=every)
     with pytest.warns(GradientAlarmWarning) as record:
-        _fit(trainer_factory, LongMLP(), Fault("nan_weight"), GradFlowCallback(), max_steps=K + 2)
+        _fit(trainer_factory, LongMLP(), Fault("nan_weight"), callback, max_steps=K + 2)
     alarms = _alarms(record)
     assert alarms[0][:2] == (K, "net.2")
     assert "non-finite weights" in alarms[0][2]

@@ -143,13 +143,19 @@ class _OpsPerStep(pl.Callback):
 
 
 def test_callback_off_sample_steps_cost_what_bare_steps_cost(trainer_factory: Any) -> None:
-    bare, sampled = _OpsPerStep(), _OpsPerStep()
+    bare, sampled, alarmed = _OpsPerStep(), _OpsPerStep(), _OpsPerStep()
     trainer_factory(callbacks=[bare]).fit(TinyMLP())
-    trainer_factory(callbacks=[sampled, GradFlowCallback(every_n_steps=2)]).fit(TinyMLP())
-    assert len(bare.per_step) == len(sampled.per_step) == 4
+    quiet = GradFlowCallback(every_n_steps=2, alarms=False)
+    trainer_factory(callbacks=[sampled, quiet]).fit(TinyMLP())
+    watched = GradFlowCallback(every_n_steps=2, alarms=AlarmRules(every_n_steps=1))
+    trainer_factory(callbacks=[alarmed, watched]).fit(TinyMLP())
+    assert len(bare.per_step) == len(sampled.per_step) == len(alarmed.per_step) == 4
     assert sampled.per_step[1] == bare.per_step[1]
     assert sampled.per_step[3] == bare.per_step[3]
     assert sampled.per_step[2] > bare.per_step[2]
+    # Alarms on every step: off-sample steps pay the norms and the rules, not the full statistics.
+    extra = [a - b for a, b in zip(alarmed.per_step, bare.per_step, strict=True)]
+    assert 0 < extra[1] == extra[3] < extra[2]
 
 
 def _held_tensors(obj: Any, seen: set[int] | None = None) -> dict[int, torch.Tensor]:
@@ -266,13 +272,20 @@ def test_no_activation_or_gradient_outlives_its_step(trainer_factory: Any, leak:
         assert probe.alive == [0, 0, 0, 0]
 
 
+# The default cadence is the Trainer's log_every_n_steps; the first step of an epoch is sampled.
+@pytest.mark.parametrize(
+    ("options", "trainer_options"),
+    [({"every_n_steps": 3}, {}), ({}, {"log_every_n_steps": 3})],
+    ids=["every_n_steps=3", "log_every_n_steps=3"],
+)
 def test_every_n_steps_logs_the_mean_over_the_sampled_steps(
-    trainer_factory: Any, tmp_path: Path
+    trainer_factory: Any, tmp_path: Path, options: dict[str, Any], trainer_options: dict[str, Any]
 ) -> None:
     model = ReferenceMLP()
-    trainer_factory(callbacks=[GradFlowCallback(every_n_steps=3)], max_epochs=2).fit(model)
+    callback = GradFlowCallback(**options)
+    trainer_factory(callbacks=[callback], max_epochs=2, **trainer_options).fit(model)
     scalars = read_scalars(tmp_path)
-    for epoch, sampled in ((0, [0, 3]), (1, [6])):
+    for epoch, sampled in ((0, [0, 3]), (1, [4, 6])):
         at = 4 * (epoch + 1)
         for layer in LAYERS:
             for stat in ("grad_norm", "update_ratio", "output_grad_norm"):

@@ -17,20 +17,28 @@ class _Removable(Protocol):
     def remove(self) -> None: ...
 
 
+class _Gate(Protocol):
+    sampled: bool
+
+
 __all__ = ["HookCallback", "check_every_n_steps"]
 
 
-def check_every_n_steps(owner: str, every_n_steps: int) -> int:
-    """Validate a cadence argument: a positive int, named with its owner in the error.
+def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
+    """Validate a cadence argument: a positive int or ``None``, named with its owner in the error.
 
     Example:
         >>> check_every_n_steps("GradFlowCallback", 4)
         4
+        >>> check_every_n_steps("GradFlowCallback", None) is None
+        True
     """
+    if every_n_steps is None:
+        return None
     if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
         raise ValueError(
-            f"{owner}(every_n_steps={every_n_steps!r}): must be a positive int, "
-            f"got {every_n_steps!r}"
+            f"{owner}(every_n_steps={every_n_steps!r}): must be a positive int or None "
+            f"(the Trainer's log_every_n_steps), got {every_n_steps!r}"
         )
     return every_n_steps
 
@@ -59,13 +67,33 @@ class HookCallback(pl.Callback):
     uses_images: bool = True
     _tracker: _Removable | None = None
     _pending_state: dict[str, Any] | None = None
-    every_n_steps: int = 1
-    """Cadence: measure on optimizer steps ``0, n, 2n, ...`` only (1: every step). Off-sample
-    steps cost a Python int check per hook; statistics are then means over the sampled steps."""
+    every_n_steps: int | None = None
+    """Cadence: measure optimizer steps ``0, n, 2n, ...`` and the first step of every epoch
+    (1: every step; ``None``: the Trainer's ``log_every_n_steps``, 50 by default). Off-sample
+    steps cost a Python attribute check per hook; statistics are then means over the sampled
+    steps, and an epoch shorter than ``n`` steps still has one."""
+    _epoch_start_step: int = 0
+
+    def _cadence(self, trainer: pl.Trainer) -> int:
+        """The resolved ``every_n_steps``."""
+        return self.every_n_steps or max(1, int(trainer.log_every_n_steps))
 
     def _is_sampled_step(self, trainer: pl.Trainer) -> bool:
         """Whether the optimizer step about to run (``trainer.global_step``) is measured."""
-        return trainer.global_step % self.every_n_steps == 0
+        step = trainer.global_step
+        return step % self._cadence(trainer) == 0 or step == self._epoch_start_step
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_start_step = trainer.global_step
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        gate: _Gate | None = getattr(self._tracker, "registry", None)
+        if gate is not None:
+            gate.sampled = self._is_sampled_step(trainer)
 
     @property
     @override

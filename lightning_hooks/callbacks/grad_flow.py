@@ -134,7 +134,9 @@ class GradFlowCallback(HookCallback):
     layer, in a figure of bounded size.
 
     Early warnings (``alarms``, see :class:`~lightning_hooks.core.AlarmRules` for the defaults)
-    are evaluated on the device at every optimizer step: a *spike* (a layer's or the global
+    are evaluated on the device at every optimizer step (``AlarmRules(every_n_steps=...)`` sets
+    their own cadence; on steps that are not sampled they read one L2 pass over the gradients
+    and one over the weights, not the full statistics): a *spike* (a layer's or the global
     gradient norm above ``spike_factor`` x its running median over ``window`` steps), an
     *absolute* ``max_grad_norm`` (off by default), *vanishing* gradients (a layer below
     ``vanish_fraction`` of the median layer's norm for ``vanish_steps`` steps), *nonfinite*
@@ -184,8 +186,10 @@ class GradFlowCallback(HookCallback):
         heatmap: log an image of the gradient norm per layer (rows) and epoch (columns) each
             epoch (the history is kept on the host: one float per layer and epoch).
         every_n_steps: measure optimizer steps ``0, n, 2n, ...`` only (``trainer.global_step``);
-            the logged means and maxima are then over the sampled steps. Off-sample steps cost a
-            Python flag check per hooked layer.
+            ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set). The logged
+            means and maxima are over the sampled steps; 1 measures every step. Off-sample
+            steps cost a Python flag check per hooked layer, plus the alarms' norm-only pass
+            (see below).
 
     Example:
         >>> import pytorch_lightning as pl
@@ -206,7 +210,7 @@ class GradFlowCallback(HookCallback):
         heatmap: bool = False,
         alarms: AlarmRules | bool = True,
         on_alarm: Action | Mapping[str, Action] = "warn",
-        every_n_steps: int = 1,
+        every_n_steps: int | None = None,
     ) -> None:
         _check_types(types)
         self.every_n_steps = check_every_n_steps("GradFlowCallback", every_n_steps)
@@ -284,13 +288,6 @@ class GradFlowCallback(HookCallback):
             self._tracker.remove()
             self._tracker = None
         self._hist = None
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self._tracker is not None:
-            self._tracker.sampled = self._is_sampled_step(trainer)
 
     @override
     def on_before_optimizer_step(

@@ -54,6 +54,10 @@ class AlarmRules:
             median layer's norm ... ``None`` turns it off.
         vanish_steps: ... for this many consecutive optimizer steps.
         nonfinite: *nonfinite*: a NaN/Inf in a gradient or in a layer's weights.
+        every_n_steps: evaluate the rules on optimizer steps ``0, n, 2n, ...`` (and on every step
+            whose full statistics are sampled). Steps between sampled ones cost one L2 pass over
+            the gradients and one over the weights; ``window`` and ``vanish_steps`` then count
+            evaluated steps.
 
     Example:
         >>> AlarmRules(spike_factor=20.0).window
@@ -71,9 +75,10 @@ class AlarmRules:
     vanish_fraction: float | None = 1e-3
     vanish_steps: int = 20
     nonfinite: bool = True
+    every_n_steps: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("window", "min_history", "vanish_steps"):
+        for name in ("window", "min_history", "vanish_steps", "every_n_steps"):
             _positive(name, getattr(self, name), integer=True)
         for name in ("spike_factor", "max_grad_norm", "vanish_fraction"):
             _positive(name, getattr(self, name))

@@ -13,7 +13,13 @@ from torch import nn
 from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
 from lightning_hooks.core.distributed import all_reduce_sum_, world_size
-from lightning_hooks.core.grad_stats import GLOBAL, GRAD_STATS, ParamLayout, grad_stats
+from lightning_hooks.core.grad_stats import (
+    GLOBAL,
+    GRAD_STATS,
+    ParamLayout,
+    grad_norms,
+    grad_stats,
+)
 from lightning_hooks.core.grad_stats import update_norms as _update_norms
 from lightning_hooks.core.registry import HookOwner, HookRegistry
 from lightning_hooks.core.selection import ModuleTypes, Patterns
@@ -61,15 +67,6 @@ def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(tensors)).float()
 
 
-class _Gate:
-    """Whether the current step is measured: a plain Python flag the hooks read first."""
-
-    __slots__ = ("open",)
-
-    def __init__(self) -> None:
-        self.open = True
-
-
 def _add_output_grad(sq_row: torch.Tensor, grad: torch.Tensor) -> None:
     # fp16/bf16 are summed in float32; float64 (precision="64-true") stays float64.
     dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
@@ -88,15 +85,13 @@ def _add_output_grad_in_order(
     order.append(row)  # host-side: the backward order the non-finite alarm names layers in
 
 
-def _output_hook(
-    sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int], gate: _Gate
-) -> Any:
+def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int]) -> Any:
     """A forward hook that puts a gradient hook on the module's outputs in training forwards."""
     # Views made once: each step then costs one op per forward and two per gradient.
     sq_row, hit_row = sq.select(0, row), hit.select(0, row)
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        if not gate.open or not is_grad_forward(module):
+        if not is_grad_forward(module):
             return
         # Dynamo cannot trace a host list mutated in backward, nor views made outside the
         # graph: compiled, the non-finite alarm falls back to reverse model order.
@@ -134,8 +129,12 @@ class GradFlowTracker(HookOwner):
     process would measure on the global batch.
 
     Sampling: set :attr:`sampled` to ``False`` before a step's forward to skip that step; its
-    hooks then return at once and :meth:`observe` does nothing. Under ``torch.compile`` the flag
-    is guarded: each of its two values compiles once.
+    hooks then return at once and :meth:`observe` records nothing. Under ``torch.compile`` the
+    flag is guarded: each of its two values compiles once. The alarms keep their own cadence
+    (``AlarmRules.every_n_steps``, default every step): on a step that is not sampled they get
+    the gradient and weight L2 norms only (one pass over each, :func:`grad_norms`), and name a
+    non-finite gradient's layer in reverse model order (the backward order needs the output
+    hooks).
 
     Args:
         model: the model to track.
@@ -199,7 +198,6 @@ class GradFlowTracker(HookOwner):
         self._update_ratio = update_ratio
         self._post_clip = post_clip
         self._views: dict[int, _OptimizerView] = {}
-        self._gate = _Gate()
         self._backward_order: list[int] = []
         self._calls = 0
         self.alarms = (
@@ -210,19 +208,19 @@ class GradFlowTracker(HookOwner):
         if output_grad:
             by_name = dict(modules)
             for row, name in enumerate(self.layout.layers):
-                hook = _output_hook(self._out_sq, self._hit, row, self._backward_order, self._gate)
-                self.registry.forward_hook(by_name[name], hook)
+                hook = _output_hook(self._out_sq, self._hit, row, self._backward_order)
+                self.registry.forward_hook(by_name[name], hook, gated=True)
         for optimizer in optimizers:
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
 
     @property
     def sampled(self) -> bool:
         """Whether the current step is measured (default ``True``)."""
-        return self._gate.open
+        return self.registry.sampled
 
     @sampled.setter
     def sampled(self, value: bool) -> None:
-        self._gate.open = value
+        self.registry.sampled = value
 
     def _view(self, optimizer: torch.optim.Optimizer) -> _OptimizerView:
         view = self._views.get(id(optimizer))
@@ -259,35 +257,49 @@ class GradFlowTracker(HookOwner):
                 the device), or ``None``.
             param_grad_scale: the loss scale the parameter gradients still carry (a fused
                 optimizer unscales inside its step), or ``None`` when they are unscaled.
-            step: the optimizer step the alarms name (default: count calls from 0).
+            step: the optimizer step the alarms name, and their cadence counts (default:
+                count calls from 0).
         """
-        if not self._gate.open:
-            return
         step = self._calls if step is None else step
         self._calls += 1
+        sampled = self.registry.sampled
+        alarms = self.alarms
+        if alarms is not None and not (sampled or step % alarms.rules.every_n_steps == 0):
+            alarms = None
+        if not (sampled or alarms):
+            return
         view = self._view(optimizer)
         if not view.params:
             return
-        grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in view.params]
-        # The update-ratio buffers are free until the copy below: reuse them as scratch.
-        scratch = view.before if all(p.grad is not None for p in view.params) else None
-        numel = self.layout.numel[view.rows[:-1]]
-        stats = grad_stats(grads, view.params, view.index, numel, scratch or None)
+        stats = self._gradient_stats(view, full=sampled)
         if param_grad_scale is not None:
             stats[:, _SCALED] /= param_grad_scale
-        missing = tuple(p.grad is None for p in view.params)
-        valid = view.grad_mask(missing) if any(missing) else None
-        columns = slice(0, len(GRAD_STATS))
-        self.accumulator.update(stats, columns, view.rows, valid, replicated=True)
-        if self.alarms is not None:
+        if sampled:
+            missing = tuple(p.grad is None for p in view.params)
+            valid = view.grad_mask(missing) if any(missing) else None
+            columns = slice(0, len(GRAD_STATS))
+            self.accumulator.update(stats, columns, view.rows, valid, replicated=True)
+        if alarms is not None:
             amp = grad_scale is not None
-            self.alarms.update(stats, view.rows, step=step, amp=amp, order=self._backward_order)
+            alarms.update(stats, view.rows, step=step, amp=amp, order=self._backward_order)
         self._backward_order.clear()
+        if not sampled:
+            return
         if self._update_ratio:
             torch._foreach_copy_(view.before, list(view.params))
             view.weight_norm = stats[:, _WEIGHT]
         if self._output_grad:
             self._observe_output_grad(view.rows[:-1], grad_scale)
+
+    def _gradient_stats(self, view: _OptimizerView, *, full: bool) -> torch.Tensor:
+        """:func:`grad_stats` (``full``), else the alarms' :func:`grad_norms`."""
+        grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in view.params]
+        if not full:
+            return grad_norms(grads, view.params, view.index, len(view.rows) - 1)
+        # The update-ratio buffers are free until the copy after it: reuse them as scratch.
+        scratch = view.before if all(p.grad is not None for p in view.params) else None
+        numel = self.layout.numel[view.rows[:-1]]
+        return grad_stats(grads, view.params, view.index, numel, scratch or None)
 
     def _observe_output_grad(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         sq = self._out_sq[rows]
@@ -327,7 +339,7 @@ class GradFlowTracker(HookOwner):
     @torch.no_grad()
     def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         view = self._views.get(id(optimizer))
-        if view is None or not self._gate.open:
+        if view is None or not self.registry.sampled:
             return
         if self._post_clip:
             grads = [p.grad for p in view.params if p.grad is not None]

@@ -18,6 +18,7 @@ __all__ = [
     "GLOBAL",
     "GRAD_STATS",
     "ParamLayout",
+    "grad_norms",
     "grad_stats",
     "segment_max",
     "segment_norm",
@@ -159,6 +160,35 @@ def grad_stats(
         ],
         dim=1,
     )
+
+
+@torch.no_grad()
+def grad_norms(
+    grads: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    index: torch.Tensor,
+    num_layers: int,
+) -> torch.Tensor:
+    """The columns of :func:`grad_stats` the gradient alarms read, at the cost of one L2 pass
+    over the gradients and one over the weights.
+
+    ``grad_norm`` and ``weight_norm`` are exact; ``grad_nonfinite`` is 1 where the layer's
+    gradient norm is not finite (a NaN/Inf entry, or squares beyond float32), else 0; mean and
+    max ``|g|`` are NaN (not measured).
+
+    Example:
+        >>> g = [torch.tensor([3.0, -4.0]), torch.tensor([float("nan")])]
+        >>> w = [torch.ones(2), torch.ones(1)]
+        >>> grad_norms(g, w, torch.tensor([0, 1]), 2)
+        tensor([[5.0000,    nan,    nan, 0.0000, 1.4142],
+                [   nan,    nan,    nan, 1.0000, 1.0000],
+                [   nan,    nan,    nan, 1.0000, 1.7321]])
+    """
+    norm = segment_norm(_norms(grads, 2.0), index, num_layers)
+    nan = torch.full_like(norm, torch.nan)
+    bad = (~torch.isfinite(norm)).to(norm.dtype)
+    weight = segment_norm(_norms(params, 2.0), index, num_layers)
+    return torch.stack([norm, nan, nan, bad, weight], dim=1)
 
 
 @torch.no_grad()

@@ -47,6 +47,10 @@ class HookRegistry(HookOwner):
     every exit path. Hooks placed on per-step tensors (activations) are not tracked: they die with
     the step's autograd graph.
 
+    Cadence: forward hooks registered with ``gated=True`` run only while :attr:`sampled` is
+    true; otherwise they return after one Python attribute read, dispatching no tensor op.
+    Set :attr:`sampled` before a step's forward (``False``: skip the step).
+
     Args:
         model: the model whose modules :meth:`modules` selects from.
 
@@ -68,6 +72,8 @@ class HookRegistry(HookOwner):
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._handles: list[RemovableHandle] = []
+        self.sampled = True
+        """Whether the current step is measured: gated hooks return at once when ``False``."""
 
     def modules(
         self,
@@ -87,9 +93,24 @@ class HookRegistry(HookOwner):
         self._handles.append(handle)
         return handle
 
-    def forward_hook(self, module: nn.Module, hook: ForwardHook) -> RemovableHandle:
-        """``module.register_forward_hook(hook)``, owned by the registry."""
+    def forward_hook(
+        self, module: nn.Module, hook: ForwardHook, *, gated: bool = False
+    ) -> RemovableHandle:
+        """``module.register_forward_hook(hook)``, owned by the registry.
+
+        With ``gated``, the hook runs only on steps where :attr:`sampled` is true.
+        """
+        if gated:
+            hook = self._gated(hook)
         return self.add(module.register_forward_hook(hook))
+
+    def _gated(self, hook: ForwardHook) -> ForwardHook:
+        def gated(module: nn.Module, args: Any, output: Any) -> Any:
+            if self.sampled:
+                return hook(module, args, output)
+            return None
+
+        return gated
 
     def forward_pre_hook(
         self, module: nn.Module, hook: Callable[[nn.Module, Any], Any]
