@@ -76,7 +76,8 @@ class HookCallback(pl.Callback):
 
     def _cadence(self, trainer: pl.Trainer) -> int:
         """The resolved ``every_n_steps``."""
-        return self.every_n_steps or max(1, int(trainer.log_every_n_steps))
+        # An attribute Lightning sets at init, not declared on the class.
+        return self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
 
     def _is_sampled_step(self, trainer: pl.Trainer) -> bool:
         """Whether the optimizer step about to run (``trainer.global_step``) is measured."""

@@ -117,7 +117,7 @@ class LayerTimeCallback(HookCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._timer is not None and self._batches % self.every_n_steps == 0:
+        if self._timer is not None and self._batches % self._cadence(trainer) == 0:
             self._timer.start_step()
         self._batches += 1
 
