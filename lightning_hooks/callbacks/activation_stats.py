@@ -10,7 +10,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
 from lightning_hooks.callbacks._checks import check_types
 from lightning_hooks.core.activation_stats import (
     ActivationStatsTracker,
@@ -84,6 +84,10 @@ class ActivationStatsCallback(HookCallback):
         fused: compile the statistics with ``torch.compile`` into one reading pass per output
             instead of six (about 6x cheaper on CPU; the first training step compiles, about
             30 s on CPU).
+        every_n_steps: observe optimizer steps ``0, n, 2n, ...`` and each epoch's first step only;
+            ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set), 1: every step.
+            Statistics then pool the sampled batches' outputs. Off-sample steps cost one Python
+            attribute check per hook.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -103,8 +107,10 @@ class ActivationStatsCallback(HookCallback):
         heatmaps: bool = True,
         warn_nonfinite: bool = True,
         fused: bool = False,
+        every_n_steps: int | None = None,
     ) -> None:
         check_types(_NAME, types)
+        self.every_n_steps = check_every_n_steps(_NAME, every_n_steps)
         if (
             isinstance(histogram_bins, bool)
             or not isinstance(histogram_bins, int)
@@ -166,6 +172,7 @@ class ActivationStatsCallback(HookCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         self._step = trainer.global_step
 
     @override
@@ -179,6 +186,8 @@ class ActivationStatsCallback(HookCallback):
     ) -> None:
         tracker = self._tracker
         if tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
+            return
+        if not tracker.registry.sampled:
             return
         tracker.end_step(self._step)
         found = tracker.first_nonfinite.poll()

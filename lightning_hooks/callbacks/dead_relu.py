@@ -9,7 +9,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
 from lightning_hooks.callbacks._checks import check_types
 from lightning_hooks.core.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
 from lightning_hooks.core.selection import Patterns, as_patterns, select_modules
@@ -68,6 +68,10 @@ class DeadReLUCallback(HookCallback):
             (``F.relu(self.fc1(x))`` in ``forward``: ``pre_activation="fc1"``).
         threshold: dead fraction in ``[0, 1]`` at which a layer is warned about.
         warn: warn about dead layers at all.
+        every_n_steps: observe optimizer steps ``0, n, 2n, ...`` and each epoch's first step only;
+            ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set), 1: every step.
+            A unit is then dead when it fired on no sampled batch of the epoch (an upper bound on
+            the every-step count). Off-sample steps cost one Python attribute check per hook.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -86,8 +90,10 @@ class DeadReLUCallback(HookCallback):
         pre_activation: Patterns = None,
         threshold: float = 0.5,
         warn: bool = True,
+        every_n_steps: int | None = None,
     ) -> None:
         check_types(_NAME, types)
+        self.every_n_steps = check_every_n_steps(_NAME, every_n_steps)
         if isinstance(threshold, bool) or not isinstance(threshold, int | float):
             raise TypeError(
                 f"{_NAME}(threshold={threshold!r}): must be a number, got {threshold!r}"

@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
 from lightning_hooks.core import select_modules
 from lightning_hooks.core.saturation import SATURATING_TYPES, SaturationStats, SaturationTracker
 from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns
@@ -68,6 +68,10 @@ class SaturationCallback(HookCallback):
         margin: threshold margin of the smooth activations (0.01: ``|tanh| > 0.99``).
         warn_above: warn when more than this fraction of a layer's units is saturated on every
             sample of an epoch (``None``: never).
+        every_n_steps: observe optimizer steps ``0, n, 2n, ...`` and each epoch's first step only;
+            ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set), 1: every step.
+            Fractions are then over the sampled batches. Off-sample steps cost one Python attribute
+            check per hook.
 
     Example:
         >>> callback = SaturationCallback(warn_above=0.25)
@@ -84,8 +88,10 @@ class SaturationCallback(HookCallback):
         unit_dim: int = 1,
         margin: float = 0.01,
         warn_above: float | None = 0.5,
+        every_n_steps: int | None = None,
     ) -> None:
         _check_types(types)
+        self.every_n_steps = check_every_n_steps("SaturationCallback", every_n_steps)
         if not 0 < margin < 0.5:
             raise ValueError(
                 f"SaturationCallback(margin={margin}): must be in (0, 0.5), got {margin}"

@@ -178,7 +178,7 @@ class ActivationStatsTracker(HookOwner):
         # Made here, not in a hook: its host buffer is set up once, outside any training step.
         self.first_nonfinite = FirstNonFinite(_model_device(model))
         for name, module in modules:
-            self.registry.forward_hook(module, self._hook(name))
+            self.registry.forward_hook(module, self._hook(name), gated=True)
 
     @property
     def layers(self) -> tuple[str, ...]:

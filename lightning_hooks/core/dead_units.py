@@ -168,7 +168,7 @@ class DeadUnitTracker(HookOwner):
         self._fired: torch.Tensor | None = None  # per row: sum over calls of the fired fraction
         self._calls = [0] * len(self.layers)
         for row, (_, module) in enumerate(watched):
-            self.registry.forward_hook(module, self._hook(row))
+            self.registry.forward_hook(module, self._hook(row), gated=True)
 
     def _hook(self, row: int) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:

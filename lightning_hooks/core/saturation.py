@@ -175,8 +175,8 @@ class SaturationTracker:
     ) -> None:
         self.unit_dim = unit_dim
         self.margin = margin
-        self._hooks = HookRegistry(model)
-        selected = self._hooks.modules(
+        self.registry = HookRegistry(model)
+        selected = self.registry.modules(
             types=types or SATURATING_TYPES, include=include, exclude=exclude
         )
         self.layers = tuple(name for name, _ in selected)
@@ -185,7 +185,7 @@ class SaturationTracker:
         self._entries = [0] * len(self.layers)
         self._unsaturated: list[torch.Tensor | None] = [None] * len(self.layers)
         for index, (_, module) in enumerate(selected):
-            self._hooks.forward_hook(module, self._hook(index))
+            self.registry.forward_hook(module, self._hook(index), gated=True)
 
     def _hook(self, index: int) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -242,4 +242,4 @@ class SaturationTracker:
 
     def remove(self) -> None:
         """Remove every hook (idempotent)."""
-        self._hooks.remove()
+        self.registry.remove()

@@ -1,0 +1,95 @@
+"""Cadence: every callback with ``every_n_steps`` logs what every step of the sampled batches gives.
+
+With a learning rate of 0 the weights never change, so a step's statistics depend on its batch
+only: a run sampling steps 0 and 3 of 4 must log exactly what a run measuring every step logs on
+a loader holding just batches 0 and 3. The default cadence is the Trainer's log_every_n_steps.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+
+from lightning_hooks import (
+    ActivationStatsCallback,
+    DeadReLUCallback,
+    GradFlowCallback,
+    SaturationCallback,
+)
+
+from conftest import TinyMLP, dataset, make_trainer, read_scalars
+
+CADENCED = (ActivationStatsCallback, DeadReLUCallback, SaturationCallback, GradFlowCallback)
+FAMILIES = ("activations/", "dead_relu/", "saturation/", "grad_flow/")
+
+
+class FrozenNet(TinyMLP):
+    """ReLU and Tanh layers, learning rate 0; ``batches`` picks the loader's batches of 8."""
+
+    def __init__(self, batches: tuple[int, ...] = (0, 1, 2, 3)) -> None:
+        super().__init__(lr=0.0)
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+        )  # fmt: skip
+        with torch.no_grad():
+            self.net[0].bias.fill_(-0.5)  # some ReLU units fire rarely
+            self.net[2].weight.mul_(8.0)  # some Tanh units saturate
+        self.batches = batches
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        rows = [8 * b + i for b in self.batches for i in range(8)]
+        return DataLoader(Subset(dataset(), rows), batch_size=8)
+
+
+NO_IMAGES: dict[type, dict[str, bool]] = {
+    GradFlowCallback: {"chart": False},
+    ActivationStatsCallback: {"heatmaps": False},
+}
+
+
+def _logged(
+    root: Path, batches: tuple[int, ...], trainer_options: dict[str, Any], **kw: Any
+) -> dict[str, float]:
+    callbacks = [cls(**kw, **NO_IMAGES.get(cls, {})) for cls in CADENCED]
+    make_trainer(root, callbacks=callbacks, **trainer_options).fit(FrozenNet(batches))
+    scalars = read_scalars(root)
+    return {tag: values[-1][1] for tag, values in scalars.items() if tag.startswith(FAMILIES)}
+
+
+@pytest.mark.parametrize(
+    ("options", "trainer_options"),
+    [({"every_n_steps": 3}, {}), ({}, {"log_every_n_steps": 3})],
+    ids=["every_n_steps=3", "default=log_every_n_steps=3"],
+)
+def test_sampled_steps_equal_every_step_on_those_batches(
+    tmp_path: Path, options: dict[str, Any], trainer_options: dict[str, Any]
+) -> None:
+    sampled = _logged(tmp_path / "sampled", (0, 1, 2, 3), trainer_options, **options)
+    reference = _logged(tmp_path / "ref", (0, 3), {}, every_n_steps=1)
+    everything = _logged(tmp_path / "all", (0, 1, 2, 3), {}, every_n_steps=1)
+    for family in FAMILIES:
+        assert any(tag.startswith(family) for tag in reference), family
+    assert sampled.keys() == reference.keys()
+    for tag, want in reference.items():
+        assert math.isclose(sampled[tag], want, rel_tol=1e-5, abs_tol=1e-7), tag
+    # The check can fail: every step of the four batches logs other values.
+    differ = [t for t, v in reference.items() if not math.isclose(everything[t], v, rel_tol=1e-5)]
+    assert any(t.startswith("activations/mean/") for t in differ)
+    assert any(t.startswith("grad_flow/grad_norm/") for t in differ)
+    assert reference["dead_relu/dead_count/net.1"] >= 1
+    assert reference["saturation/saturated_fraction/net.3"] > 0
+
+
+@pytest.mark.parametrize("cls", CADENCED)
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_every_n_steps_is_validated(cls: type[pl.Callback], bad: Any) -> None:
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\(every_n_steps={bad!r}\): must be a"):
+        cls(every_n_steps=bad)
