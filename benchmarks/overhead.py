@@ -73,6 +73,8 @@ FULL: dict[str, dict[str, Any]] = {
     "GradFlowCallback": {"every_n_steps": 1, "update_ratio": True, "output_grad": True},
     "ActivationStatsCallback": {"every_n_steps": 1, "types": None},
     "DeadReLUCallback": {"every_n_steps": 1},
+    "SaturationCallback": {"every_n_steps": 1},
+    "LayerTimeCallback": {"every_n_steps": 1},
 }
 
 

@@ -134,7 +134,8 @@ def _counts(logdir: Path, step: int) -> dict[str, float]:
     return {rule: dict(scalars[f"grad_flow/alarms/{rule}"])[step] for rule in RULES}
 
 
-# every_n_steps=7: the fault's step is not sampled, so the alarms run on the norm-only path.
+# every_n_steps=7 with alarms on every step: the fault's step is not sampled, so the alarms
+# run on the norm-only path.
 @pytest.mark.parametrize("every", [1, 7])
 def test_spike_names_the_layer_at_the_step_and_none_before(
     trainer_factory: Any, tmp_path: Path, every: int
@@ -147,7 +148,7 @@ def test_spike_names_the_layer_at_the_step_and_none_before(
             LongMLP(),
             probe,
             Fault("multiply"),
-            GradFlowCallback(every_n_steps=every),
+            GradFlowCallback(every_n_steps=every, alarms=AlarmRules(every_n_steps=1)),
             max_steps=K + 2,
         )
     alarms = _alarms(record)
@@ -171,7 +172,7 @@ def test_spike_names_the_layer_at_the_step_and_none_before(
 def test_nan_weight_is_reported_at_that_layer(
     trainer_factory: Any, tmp_path: Path, every: int
 ) -> None:
-    callback = GradFlowCallback(every_n_steps=every)
+    callback = GradFlowCallback(every_n_steps=every, alarms=AlarmRules(every_n_steps=1))
     with pytest.warns(GradientAlarmWarning) as record:
         _fit(trainer_factory, LongMLP(), Fault("nan_weight"), callback, max_steps=K + 2)
     alarms = _alarms(record)

@@ -90,12 +90,13 @@ class GradFlowCallback(HookCallback):
     r"""Per-layer gradient flow: the gradient the optimizer applies, weights, updates.
 
     A *layer* is a module owning trainable parameters directly (a ``Linear``, a ``Conv2d``, a
-    ``BatchNorm``); its parameters are measured together. At every optimizer step, on the device
-    and without a host sync, it measures the gradient the optimizer applies (in
-    ``on_before_optimizer_step``: accumulated over ``accumulate_grad_batches``, all-reduced under
-    DDP, unscaled under AMP), the weights, the update the step makes, and the gradient with
-    respect to each layer's output (a tensor hook on the output, which works with
-    ``ReLU(inplace=True)``). At each epoch end the mean and max over the epoch's optimizer steps
+    ``BatchNorm``); its parameters are measured together. At every sampled optimizer step (every
+    ``every_n_steps``-th, by default the Trainer's ``log_every_n_steps``, and the first of each
+    epoch), on the device and without a host sync, it measures the gradient the optimizer
+    applies (in ``on_before_optimizer_step``: accumulated over ``accumulate_grad_batches``,
+    all-reduced under DDP, unscaled under AMP), the weights, the update the step makes, and the
+    gradient with respect to each layer's output (a tensor hook on the output, which works with
+    ``ReLU(inplace=True)``). At each epoch end the mean and max over the epoch's sampled steps
     are reduced across ranks, copied to the host once and logged at ``trainer.global_step``.
 
     Logged metrics (``{layer}`` is the module's qualified name, e.g. ``encoder.0``):
@@ -134,9 +135,9 @@ class GradFlowCallback(HookCallback):
     layer, in a figure of bounded size.
 
     Early warnings (``alarms``, see :class:`~lightning_hooks.core.AlarmRules` for the defaults)
-    are evaluated on the device at every optimizer step (``AlarmRules(every_n_steps=...)`` sets
-    their own cadence; on steps that are not sampled they read one L2 pass over the gradients
-    and one over the weights, not the full statistics): a *spike* (a layer's or the global
+    are evaluated on the device at every sampled step; ``AlarmRules(every_n_steps=1)`` evaluates
+    them at every optimizer step (the steps between sampled ones then read one L2 pass over the
+    gradients and one over the weights, not the full statistics): a *spike* (a layer's or the global
     gradient norm above ``spike_factor`` x its running median over ``window`` steps), an
     *absolute* ``max_grad_norm`` (off by default), *vanishing* gradients (a layer below
     ``vanish_fraction`` of the median layer's norm for ``vanish_steps`` steps), *nonfinite*
@@ -188,8 +189,8 @@ class GradFlowCallback(HookCallback):
         every_n_steps: measure optimizer steps ``0, n, 2n, ...`` only (``trainer.global_step``);
             ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set). The logged
             means and maxima are over the sampled steps; 1 measures every step. Off-sample
-            steps cost a Python flag check per hooked layer, plus the alarms' norm-only pass
-            (see below).
+            steps cost a Python flag check per hooked layer (plus the alarms' norm-only pass
+            when ``AlarmRules.every_n_steps`` is set).
 
     Example:
         >>> import pytorch_lightning as pl

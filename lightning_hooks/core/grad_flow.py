@@ -130,11 +130,11 @@ class GradFlowTracker(HookOwner):
 
     Sampling: set :attr:`sampled` to ``False`` before a step's forward to skip that step; its
     hooks then return at once and :meth:`observe` records nothing. Under ``torch.compile`` the
-    flag is guarded: each of its two values compiles once. The alarms keep their own cadence
-    (``AlarmRules.every_n_steps``, default every step): on a step that is not sampled they get
-    the gradient and weight L2 norms only (one pass over each, :func:`grad_norms`), and name a
-    non-finite gradient's layer in reverse model order (the backward order needs the output
-    hooks).
+    flag is guarded: each of its two values compiles once. The alarms run on the sampled steps,
+    and also every ``AlarmRules.every_n_steps`` steps when that is set: on a step that is not
+    sampled they get the gradient and weight L2 norms only (one pass over each,
+    :func:`grad_norms`), and name a non-finite gradient's layer in reverse model order (the
+    backward order needs the output hooks).
 
     Args:
         model: the model to track.
@@ -264,8 +264,9 @@ class GradFlowTracker(HookOwner):
         self._calls += 1
         sampled = self.registry.sampled
         alarms = self.alarms
-        if alarms is not None and not (sampled or step % alarms.rules.every_n_steps == 0):
-            alarms = None
+        if alarms is not None and not sampled:
+            every = alarms.rules.every_n_steps
+            alarms = alarms if every is not None and step % every == 0 else None
         if not (sampled or alarms):
             return
         view = self._view(optimizer)
