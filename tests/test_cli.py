@@ -105,13 +105,9 @@ def test_fail_on_nonfinite_gradients_fails_the_broken_run_only(
     assert code == 1
     nan_run = next(r for r in payload["runs"] if r["run"].startswith("nan"))
     counts = {r["layer"]: r["grad_flow/grad_nonfinite"] for r in nan_run["layers"]}
-    params = {
-        n: sum(p.numel() for p in NaNAtStep().net.get_submodule(n[4:]).parameters()) for n in counts
-    }
     # The NaN step (batch 1) poisons the weights: steps 1, 2 and 3 of 4 have NaN gradients in
-    # every entry of the output layer; behind a ReLU, entries it masks get a finite 0 instead.
-    assert counts["net.4"] == 3 * params["net.4"]
-    assert all(0 < counts[n] <= 3 * params[n] for n in counts)
+    # every layer (behind a ReLU, entries it masks get a finite 0, the others NaN).
+    assert counts == dict.fromkeys(counts, 3.0)
     assert len(payload["violations"]) == 3 and all(
         v.startswith("nan") for v in payload["violations"]
     )

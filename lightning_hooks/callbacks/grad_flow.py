@@ -108,7 +108,7 @@ class GradFlowCallback(HookCallback):
     ``grad_flow/grad_norm_max/{layer}``         L2 norm of the layer's gradient, max
     ``grad_flow/grad_abs_mean/{layer}``         mean ``|g|`` over the layer's entries, mean
     ``grad_flow/grad_abs_max/{layer}``          max ``|g|`` over the layer's entries, max
-    ``grad_flow/grad_nonfinite/{layer}``        NaN/Inf gradient entries, total
+    ``grad_flow/grad_nonfinite/{layer}``        steps with a NaN/Inf gradient entry, total
     ``grad_flow/weight_norm/{layer}``           L2 norm of the weights before the step, mean
     ``grad_flow/update_ratio/{layer}``          ``||w_after - w_before|| / ||w_before||``, mean
     ``grad_flow/update_ratio_max/{layer}``      the same, max

@@ -111,7 +111,7 @@ class GradFlowTracker(HookOwner):
     """Per-layer gradient flow over optimizer steps, on the device, with no host sync per step.
 
     A layer is a module that owns trainable parameters directly. Per optimizer step it measures
-    the gradient the optimizer applies (L2 norm, mean ``|g|``, max ``|g|``, non-finite count), the
+    the gradient the optimizer applies (L2 norm, mean ``|g|``, max ``|g|``, any non-finite), the
     weight norm, the update-to-weight ratio ``||w_after - w_before|| / ||w_before||`` and the L2
     norm of the gradient with respect to the layer's outputs (summed in square over the
     micro-batches and calls of the step). :meth:`result` gives the mean and max over steps.

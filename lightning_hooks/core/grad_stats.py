@@ -121,13 +121,15 @@ def grad_stats(
     """``[layers + 1, len(GRAD_STATS)]`` statistics of one optimizer step's gradients.
 
     Rows are the layers of ``numel`` and a last row for all of them together. Columns are
-    :data:`GRAD_STATS`: L2 norm, mean ``|g|``, max ``|g|``, count of non-finite entries, weight L2
-    norm. A parameter whose gradient is ``None`` is passed as a zero tensor.
+    :data:`GRAD_STATS`: L2 norm, mean ``|g|``, max ``|g|``, whether any entry is non-finite (1 or
+    0: summed over steps it counts the steps with a NaN/Inf gradient), weight L2 norm. A parameter
+    whose gradient is ``None`` is passed as a zero tensor.
 
-    ``_foreach_norm`` with orders 1, inf and 0 takes a slow path on the CPU (10-30x the cost of
-    order 2), so only the L2 norms use it; the rest runs on ``|g|`` in ``scratch`` (buffers shaped
-    like ``grads``, overwritten; allocated when ``None``): max, sums, and ``|g| - |g|``, which is
-    NaN exactly where ``g`` is not finite, counted with ``x != x``.
+    Four reading passes over the gradients and one over the weights: ``_foreach_norm`` with
+    orders 1, inf and 0 takes a slow path on the CPU (10-30x the cost of order 2), so only the L2
+    norms use it; ``|g|`` is written once into ``scratch`` (buffers shaped like ``grads``,
+    overwritten; allocated when ``None``), then summed and maxed. The maximum propagates NaN and
+    Inf, so a non-finite maximum is exactly a non-finite entry: no pass of its own.
 
     Example:
         >>> g = [torch.tensor([3.0, -4.0]), torch.tensor([1.0])]
@@ -139,23 +141,17 @@ def grad_stats(
     """
     num_layers = numel.numel()
     l2 = _norms(grads, 2.0)
-    absolute: list[torch.Tensor]
-    if scratch is None:
-        absolute = list(torch._foreach_abs(list(grads)))
-    else:
-        absolute = list(scratch)
-        torch._foreach_copy_(absolute, list(grads))
-        torch._foreach_abs_(absolute)
+    absolute = [torch.empty_like(g) for g in grads] if scratch is None else list(scratch)
+    sums = [torch.abs(g, out=a).sum() for g, a in zip(grads, absolute, strict=True)]
     peak = torch.stack(torch._foreach_max(absolute)).float()
-    l1 = _segment_sum(torch.stack([a.sum() for a in absolute]).float(), index, num_layers)
-    torch._foreach_sub_(absolute, absolute)  # 0 where finite, NaN where not
-    nonfinite = torch.stack([a.ne_(a).sum() for a in absolute]).float()
+    l1 = _segment_sum(torch.stack(sums).float(), index, num_layers)
+    nonfinite = (~torch.isfinite(peak)).float()
     return torch.stack(
         [
             segment_norm(l2, index, num_layers),
             l1 / torch.cat([numel, numel.sum().view(1)]),
             segment_max(peak, index, num_layers),
-            _segment_sum(nonfinite, index, num_layers),
+            segment_max(nonfinite, index, num_layers),
             segment_norm(_norms(params, 2.0), index, num_layers),
         ],
         dim=1,
@@ -174,7 +170,8 @@ def grad_norms(
 
     ``grad_norm`` and ``weight_norm`` are exact; ``grad_nonfinite`` is 1 where the layer's
     gradient norm is not finite (a NaN/Inf entry, or squares beyond float32), else 0; mean and
-    max ``|g|`` are NaN (not measured).
+    max ``|g|`` are NaN (not measured). For the alarms only: the accumulated statistics always
+    come from :func:`grad_stats`.
 
     Example:
         >>> g = [torch.tensor([3.0, -4.0]), torch.tensor([float("nan")])]
