@@ -198,6 +198,9 @@ def configs(include_tutorial: bool = True) -> list[Config]:
         out.append(Config("all, defaults", lambda: [c() for c in found.values()]))
     full = {n: _accepted(c, FULL.get(n, {})) for n, c in found.items()}
     out.append(Config("all, every stat/step/leaf", partial(_build, found, full), full))
+    fused = {n: {**kw, **_accepted(found[n], {"fused": True})} for n, kw in full.items()}
+    if fused != full:  # the compiled one-pass statistics (the first step compiles)
+        out.append(Config("all, every stat/step/leaf, fused", partial(_build, found, fused), fused))
     for every in (4, 16):
         sampled = {n: _accepted(c, {"every_n_steps": every}) for n, c in found.items()}
         out.append(Config(f"all, every {every}th step", partial(_build, found, sampled), sampled))
@@ -287,8 +290,16 @@ class CaptureLogger(Logger):
         pass
 
 
+# Models whose ReLU is functional (nn.TransformerEncoderLayer): DeadReLUCallback watches the
+# layer that feeds it, as its docstring says to.
+PRE_ACTIVATION: dict[str, tuple[str, ...]] = {"transformer": ("*.linear1",)}
+
+
 def fit(model_name: str, callbacks: list[pl.Callback], steps: int, logger: Any = None) -> Bench:
     model = make_model(model_name, steps)
+    for callback in callbacks:
+        if isinstance(callback, lightning_hooks.DeadReLUCallback):
+            callback.pre_activation = PRE_ACTIVATION.get(model_name, callback.pre_activation)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = pl.Trainer(
             max_epochs=1,
@@ -537,14 +548,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--steps",
         type=int,
-        default=16,
-        help="timed steps per fit (a multiple of 16 is fair "
-        "to the every-4th/16th-step rows: each fit holds the same share of sampled steps)",
+        default=50,
+        help="timed steps per fit (50, the default cadence: each fit holds one sampled step "
+        "at the defaults, the same share as a long run)",
     )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--depths", type=int, nargs="*", default=[10, 100, 1000])
-    parser.add_argument("--sample-every", type=int, nargs="*", default=[2, 4, 8])
+    parser.add_argument("--sample-every", type=int, nargs="*", default=[2, 4, 8, 16, 50])
+    parser.add_argument("--sample-model", default="mlp", choices=list(MODELS))
+    parser.add_argument("--sample-steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=[],
+        help="time only the configurations whose name contains one of these (bare always)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -553,13 +572,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "overhead"))
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.steps, args.depths, args.sample_every = 3, 16, [10, 100], [4]
+        args.rounds, args.steps, args.depths, args.sample_every = 3, 50, [10, 100], [4]
         if args.models == list(MODELS):
             args.models = ["mlp"]
     if args.threads:
         torch.set_num_threads(args.threads)
     pl.seed_everything(0, verbose=False)
     cfgs = configs()
+    if args.only:
+        cfgs = [c for c in cfgs if c.name == "bare" or any(o in c.name for o in args.only)]
     env = {
         "torch": torch.__version__,
         "lightning": pl.__version__,
@@ -583,8 +604,10 @@ def main(argv: list[str] | None = None) -> None:
         rounds = max(2, args.rounds // 2)
         results["depth"] = depth_scaling(args.depths, rounds, args.steps, args.warmup)
     if args.sample_every:
-        results["sampling_model"] = f"{args.models[0]}, 64 steps"
-        results["sampling"] = sampling_error(args.models[0], args.sample_every, 64)
+        results["sampling_model"] = f"{args.sample_model}, {args.sample_steps} steps"
+        results["sampling"] = sampling_error(
+            args.sample_model, args.sample_every, args.sample_steps
+        )
     env["load_after"] = os.getloadavg()
     env["wall_s"] = time.perf_counter() - started
     out = Path(args.out)
