@@ -204,6 +204,15 @@ def configs(include_tutorial: bool = True) -> list[Config]:
     for every in (4, 16):
         sampled = {n: _accepted(c, {"every_n_steps": every}) for n, c in found.items()}
         out.append(Config(f"all, every {every}th step", partial(_build, found, sampled), sampled))
+    if "GradFlowCallback" in found:  # the early warnings on every step, statistics sampled
+        every_step = {"alarms": lightning_hooks.AlarmRules(every_n_steps=1)}
+        out.append(
+            Config(
+                "GradFlowCallback, alarms every step",
+                lambda: [found["GradFlowCallback"](**every_step)],
+                every_step,
+            )
+        )
     if include_tutorial:
         out.append(Config("tutorial (.item() hooks)", lambda: [TutorialHooks()]))
     return out
@@ -612,7 +621,7 @@ def main(argv: list[str] | None = None) -> None:
     env["wall_s"] = time.perf_counter() - started
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2, default=repr) + "\n")
     out.with_suffix(".md").write_text(markdown(results))
     print(markdown(results))
 

@@ -100,7 +100,7 @@ CONFIGS: dict[str, Callable[[], list[pl.Callback]]] = {
     "FeatureMapCallback(embedding='features.11')": lambda: [
         FeatureMapCallback(embedding="features.11")
     ],
-    "SaturationCallback()": lambda: [SaturationCallback()],
+    "SaturationCallback(every_n_steps=1)": lambda: [SaturationCallback(every_n_steps=1)],
 }
 
 
