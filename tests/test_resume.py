@@ -72,16 +72,28 @@ def test_resume_after_epoch_one_reports_the_same_epoch_two(tmp_path: Path) -> No
 
 
 # Lightning's advice about non-resumable dataloaders: every batch here is the same data.
+# every 3rd step: steps 0 and 3 of 4 are sampled; the resumed run (from step 2) must not take
+# its first batch for the start of an epoch.
 @pytest.mark.filterwarnings("ignore:.*checkpoint that ended before the epoch ended.*")
-def test_resume_mid_epoch_carries_the_partial_epoch(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("every", "sampled_before"), [(1, 2), (3, 1)])
+def test_resume_mid_epoch_carries_the_partial_epoch(
+    tmp_path: Path, every: int, sampled_before: int
+) -> None:
     torch.manual_seed(0)
-    _fit(tmp_path / "whole", RepeatedBatchMLP(), epochs=1)
+    _fit(tmp_path / "whole", RepeatedBatchMLP(), epochs=1, log_every_n_steps=every)
     torch.manual_seed(0)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
-    _fit(tmp_path / "first", RepeatedBatchMLP(), 1, callbacks=[ckpt], enable_checkpointing=True)
+    _fit(
+        tmp_path / "first",
+        RepeatedBatchMLP(),
+        1,
+        callbacks=[ckpt],
+        enable_checkpointing=True,
+        log_every_n_steps=every,
+    )
     path = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
     state = torch.load(path, weights_only=False)["callbacks"][GradFlowCallback().state_key]
-    assert state["count"][:, 0].tolist() == [2, 2, 2, 2]  # two optimizer steps, reduced
+    assert state["count"][:, 0].tolist() == [sampled_before] * 4  # sampled steps, reduced
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     _fit(
         tmp_path / "second",
@@ -90,6 +102,7 @@ def test_resume_mid_epoch_carries_the_partial_epoch(tmp_path: Path) -> None:
         callbacks=[again],
         enable_checkpointing=True,
         ckpt_path=path,
+        log_every_n_steps=every,
     )
     _assert_same(_grad_flow_at(tmp_path / "second", 4), _grad_flow_at(tmp_path / "whole", 4))
 

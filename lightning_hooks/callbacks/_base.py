@@ -72,7 +72,7 @@ class HookCallback(pl.Callback):
     (1: every step; ``None``: the Trainer's ``log_every_n_steps``, 50 by default). Off-sample
     steps cost a Python attribute check per hook; statistics are then means over the sampled
     steps, and an epoch shorter than ``n`` steps still has one."""
-    _epoch_start_step: int = 0
+    _epoch_start_step: int = -1
 
     def _cadence(self, trainer: pl.Trainer) -> int:
         """The resolved ``every_n_steps``."""
@@ -85,13 +85,13 @@ class HookCallback(pl.Callback):
         return step % self._cadence(trainer) == 0 or step == self._epoch_start_step
 
     @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._epoch_start_step = trainer.global_step
-
-    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if batch_idx == 0:
+            # By batch index, not on_train_epoch_start: a run resumed mid-epoch samples the
+            # same steps as the uninterrupted one. Every micro-batch of the step follows.
+            self._epoch_start_step = trainer.global_step
         gate: _Gate | None = getattr(self._tracker, "registry", None)
         if gate is not None:
             gate.sampled = self._is_sampled_step(trainer)
