@@ -99,12 +99,23 @@ class HookCallback(pl.Callback):
     @property
     @override
     def state_key(self) -> str:
-        """Unique per configuration: two instances watching different modules do not collide."""
-        return self._generate_state_key(
-            types=repr(getattr(self, "types", None)),
-            include=getattr(self, "include", ()),
-            exclude=getattr(self, "exclude", ()),
-        )
+        """Unique per configuration: two instances watching different modules do not collide.
+
+        Made once: Lightning reads it for every hook it calls (its profiler's action names).
+        """
+        key: str | None = self.__dict__.get("_cached_state_key")
+        if key is None:
+            key = self._generate_state_key(**self._state_key_fields())
+            self.__dict__["_cached_state_key"] = key
+        return key
+
+    def _state_key_fields(self) -> dict[str, Any]:
+        """What makes this instance's checkpoint state distinct (the module selection)."""
+        return {
+            "types": repr(getattr(self, "types", None)),
+            "include": getattr(self, "include", ()),
+            "exclude": getattr(self, "exclude", ()),
+        }
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

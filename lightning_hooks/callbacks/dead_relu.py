@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
@@ -110,15 +111,9 @@ class DeadReLUCallback(HookCallback):
         self.warn = warn
         self._tracker: DeadUnitTracker | None = None
 
-    @property
     @override
-    def state_key(self) -> str:
-        return self._generate_state_key(
-            types=repr(self.types),
-            include=self.include,
-            exclude=self.exclude,
-            pre_activation=self.pre_activation,
-        )
+    def _state_key_fields(self) -> dict[str, Any]:
+        return {**super()._state_key_fields(), "pre_activation": self.pre_activation}
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:

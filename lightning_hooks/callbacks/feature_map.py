@@ -158,10 +158,9 @@ class FeatureMapCallback(HookCallback):
         self._labels = probe_labels
         self._drawn: list[str] = []
 
-    @property
     @override
-    def state_key(self) -> str:
-        return self._generate_state_key(layers=self.layers, embedding=self.embedding)
+    def _state_key_fields(self) -> dict[str, Any]:
+        return {"layers": self.layers, "embedding": self.embedding}
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
