@@ -33,11 +33,12 @@ class ActivationStatsCallback(HookCallback):
     r"""Per-layer statistics of every selected module's output, over each epoch's training data.
 
     A forward hook on each selected module measures, on the device and without a host sync, every
-    floating tensor of its output in training forwards (not validation, not the sanity check, not
-    an activation-checkpointing recompute). Statistics pool every element of every training batch
-    of the epoch: the logged mean and std are those of all the epoch's outputs of the layer taken
-    together, min and max over all of them. At each epoch end the sums are reduced across ranks,
-    copied to the host once and logged at ``trainer.global_step``.
+    floating tensor of its output in training forwards (not validation, not the sanity check, not an
+    activation-checkpointing recompute) of the sampled steps (``every_n_steps``). Statistics pool
+    every element of every sampled training batch of the epoch: the logged mean and std are those of
+    all the epoch's outputs of the layer taken together, min and max over all of them. At each epoch
+    end the sums are reduced across ranks, copied to the host once and logged at
+    ``trainer.global_step``.
 
     Logged metrics (``{layer}`` is the module's qualified name; a tuple / list / dict output adds
     ``.{index}`` or ``.{key}``, e.g. ``lstm.0``):

@@ -23,13 +23,13 @@ _NAME = "DeadReLUCallback"
 
 
 class DeadReLUCallback(HookCallback):
-    r"""Dead units per activation layer: units that never fired on any training sample of an epoch.
+    r"""Dead units per activation layer: units that never fired on a sampled batch of an epoch.
 
-    A unit is a channel of a conv output ``[N, C, ...]`` or a feature of a linear output
-    ``[N, ..., F]``. A forward hook on each watched activation keeps, on the device, how often
-    each unit fired in the epoch's training forwards (not validation, not the sanity check); a
-    unit that never fired is dead (the keras-contrib ``DeadReluDetector`` definition). At each
-    epoch end the counts are summed across ranks, copied to the host once and logged at
+    A unit is a channel of a conv output ``[N, C, ...]`` or a feature of a linear output ``[N, ...,
+    F]``. A forward hook on each watched activation keeps, on the device, how often each unit fired
+    in the epoch's sampled training forwards (``every_n_steps``; not validation, not the sanity
+    check); a unit that never fired is dead (the keras-contrib ``DeadReluDetector`` definition). At
+    each epoch end the counts are summed across ranks, copied to the host once and logged at
     ``trainer.global_step``.
 
     When a unit fires, per type (all of them keep the sign of their input, so the test reads
