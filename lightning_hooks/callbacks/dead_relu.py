@@ -160,7 +160,7 @@ class DeadReLUCallback(HookCallback):
             if dead > 0 and fraction >= self.threshold:
                 rank_zero_warn(
                     f"{_NAME}: layer '{layer}' has {dead} of {units} units dead in epoch {epoch} "
-                    f"(never fired on any training sample; dead fraction {fraction:.3g} >= "
+                    f"(never fired on a sampled training batch; dead fraction {fraction:.3g} >= "
                     f"threshold {self.threshold:g})",
                     category=LightningHooksWarning,
                 )
