@@ -35,8 +35,8 @@ class SaturationCallback(HookCallback):
     A forward hook on every ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6`` included)
     and ``Hardsigmoid`` module counts, on the device and on every sampled training forward
     (``every_n_steps``), the outputs in the flat, near-zero-gradient region (thresholds in
-    :func:`~lightning_hooks.core.saturation_mask`: ``|tanh| > 0.99``, sigmoid ``< 0.01`` or ``>
-    0.99``, Hardtanh exactly at ``min_val``/``max_val``, ...), and marks per *unit* (index along
+    :func:`~lightning_hooks.core.saturation_mask`: ``|tanh| > 0.99``, sigmoid ``< 0.01`` or
+    ``> 0.99``, Hardtanh exactly at ``min_val``/``max_val``, ...), and marks per *unit* (index along
     ``unit_dim``: a feature of a ``Linear``, a channel of a conv) whether any of its outputs was
     unsaturated. At each epoch end the counts are summed across ranks (one collective), copied to
     the host once and logged. A functional ``torch.tanh`` inside ``forward`` cannot be hooked: use

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_hooks.core.registry import HookRegistry
+from lightning_hooks.core.registry import HookOwner, HookRegistry
 from lightning_hooks.core.selection import ModuleTypes, Patterns
 from lightning_hooks.core.tensors import is_training_forward
 
@@ -131,7 +131,7 @@ class SaturationStats:
             return np.where(self.entries > 0, self.always_saturated / self.units, np.nan)
 
 
-class SaturationTracker:
+class SaturationTracker(HookOwner):
     """Counts saturated outputs of bounded activations over training forwards, on the device.
 
     A forward hook on each selected module computes :func:`saturation_mask` and
@@ -239,7 +239,3 @@ class SaturationTracker:
         self._saturated.zero_()
         self._entries = [0] * len(self.layers)
         self._unsaturated = [None] * len(self.layers)
-
-    def remove(self) -> None:
-        """Remove every hook (idempotent)."""
-        self.registry.remove()
