@@ -1,0 +1,169 @@
+"""Argument checks shared by every public class: each error names the owner, the argument, the
+allowed values and the value received.
+
+Integers accept any :class:`numbers.Integral` (``numpy.int64`` too) but not ``bool``; reals
+accept any :class:`numbers.Real` but not ``bool``. Each check returns the value normalized to a
+plain Python ``int``/``float``, so callers store what they checked.
+
+Example:
+    >>> positive_int("GradFlowCallback", "every_n_steps", 4)
+    4
+    >>> positive_int("GradFlowCallback", "every_n_steps", 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: GradFlowCallback(every_n_steps=0): must be a positive int, got 0
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+__all__ = [
+    "boolean",
+    "callable_or_none",
+    "choice",
+    "fraction",
+    "positive_int",
+    "positive_real",
+    "real",
+]
+
+T = TypeVar("T")
+
+
+def _fail(owner: str, name: str, value: Any, expected: str, error: type[Exception]) -> Exception:
+    return error(f"{owner}({name}={value!r}): must be {expected}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def positive_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
+    """``value`` as an ``int`` >= ``minimum`` (default 1), else ``ValueError``/``TypeError``.
+
+    Example:
+        >>> import numpy as np
+        >>> positive_int("Cb", "n", np.int64(3))
+        3
+        >>> positive_int("Cb", "n", "3")
+        Traceback (most recent call last):
+        ...
+        TypeError: Cb(n='3'): must be a positive int, got '3'
+    """
+    kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    if not _is_int(value):
+        raise _fail(owner, name, value, kind, TypeError)
+    if int(value) < minimum:
+        raise _fail(owner, name, value, kind, ValueError)
+    return int(value)
+
+
+def real(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """``value`` as a finite ``float`` in ``[low, high]`` (``low_open``/``high_open``: exclusive).
+
+    Example:
+        >>> real("AlarmRules", "spike_factor", 2, low=1.0, low_open=True)
+        2.0
+        >>> real("AlarmRules", "spike_factor", 0.5, low=1.0, low_open=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: AlarmRules(spike_factor=0.5): must be a finite real > 1.0, got 0.5
+    """
+    bounds = []
+    if low > -math.inf:
+        bounds.append(f"{'>' if low_open else '>='} {low}")
+    if high < math.inf:
+        bounds.append(f"{'<' if high_open else '<='} {high}")
+    kind = "a finite real" + (" " + " and ".join(bounds) if bounds else "")
+    if not _is_real(value):
+        raise _fail(owner, name, value, kind, TypeError)
+    number = float(value)
+    too_low = number <= low if low_open else number < low
+    too_high = number >= high if high_open else number > high
+    if not math.isfinite(number) or too_low or too_high:
+        raise _fail(owner, name, value, kind, ValueError)
+    return number
+
+
+def positive_real(owner: str, name: str, value: Any) -> float:
+    """``value`` as a finite ``float`` > 0.
+
+    Example:
+        >>> positive_real("Cb", "margin", "x")
+        Traceback (most recent call last):
+        ...
+        TypeError: Cb(margin='x'): must be a finite real > 0.0, got 'x'
+    """
+    return real(owner, name, value, low=0.0, low_open=True)
+
+
+def fraction(owner: str, name: str, value: Any) -> float:
+    """``value`` as a ``float`` in ``[0, 1]``.
+
+    Example:
+        >>> fraction("Cb", "threshold", 1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: Cb(threshold=1.5): must be a finite real >= 0.0 and <= 1.0, got 1.5
+    """
+    return real(owner, name, value, low=0.0, high=1.0)
+
+
+def boolean(owner: str, name: str, value: Any) -> bool:
+    """``value`` if it is a ``bool`` (``numpy.bool_`` too), else ``TypeError``.
+
+    Example:
+        >>> boolean("Cb", "chart", "yes")
+        Traceback (most recent call last):
+        ...
+        TypeError: Cb(chart='yes'): must be True or False, got 'yes'
+    """
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise _fail(owner, name, value, "True or False", TypeError)
+
+
+def choice(owner: str, name: str, value: Any, allowed: Sequence[T]) -> T:
+    """``value`` if it is one of ``allowed``, else ``ValueError`` listing them.
+
+    Example:
+        >>> choice("Cb", "mode", "fast", ("exact", "sampled"))
+        Traceback (most recent call last):
+        ...
+        ValueError: Cb(mode='fast'): must be one of ('exact', 'sampled'), got 'fast'
+    """
+    for option in allowed:
+        if type(value) is type(option) and value == option:
+            return option
+    raise _fail(owner, name, value, f"one of {tuple(allowed)!r}", ValueError)
+
+
+def callable_or_none(owner: str, name: str, value: Any) -> Callable[..., Any] | None:
+    """``value`` if it is callable or ``None``, else ``TypeError``.
+
+    Example:
+        >>> callable_or_none("FeatureMapCallback", "input_fn", "x")
+        Traceback (most recent call last):
+        ...
+        TypeError: FeatureMapCallback(input_fn='x'): must be a callable or None, got 'x'
+    """
+    if value is None or callable(value):
+        return value  # type: ignore[no-any-return]
+    raise _fail(owner, name, value, "a callable or None", TypeError)
