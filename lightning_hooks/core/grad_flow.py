@@ -85,8 +85,11 @@ def _add_output_grad_in_order(
     order.append(row)  # host-side: the backward order the non-finite alarm names layers in
 
 
-def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int]) -> Any:
-    """A forward hook that puts a gradient hook on the module's outputs in training forwards."""
+def _output_hook(
+    sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int], wrap: Any = None
+) -> Any:
+    """A forward hook that puts a gradient hook on the module's outputs in training forwards
+    (``wrap``: the registry's guard for those tensor hooks)."""
     # Views made once: each step then costs one op per forward and two per gradient.
     sq_row, hit_row = sq.select(0, row), hit.select(0, row)
 
@@ -99,6 +102,8 @@ def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int]
             add = partial(_add_output_grad_at, sq, row)
         else:
             add = partial(_add_output_grad_in_order, sq_row, order, row)
+        if wrap is not None:
+            add = wrap(add, "output gradient hook")
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(add)  # type: ignore[no-untyped-call]
@@ -208,7 +213,8 @@ class GradFlowTracker(HookOwner):
         if output_grad:
             by_name = dict(modules)
             for row, name in enumerate(self.layout.layers):
-                hook = _output_hook(self._out_sq, self._hit, row, self._backward_order)
+                wrap = self.registry.guarded
+                hook = _output_hook(self._out_sq, self._hit, row, self._backward_order, wrap)
                 self.registry.forward_hook(by_name[name], hook, gated=True)
         for optimizer in optimizers:
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
