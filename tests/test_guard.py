@@ -15,6 +15,7 @@ import torch
 from lightning_hooks import (
     ActivationStatsCallback,
     DeadReLUCallback,
+    FeatureMapCallback,
     GradFlowCallback,
     LightningHooksWarning,
 )
@@ -156,11 +157,27 @@ def test_non_strict_guard_adds_no_measurable_cost_when_nothing_raises() -> None:
         calls[0] += 1
 
     x = torch.zeros(1, 4)
-    timings = {}
-    for name, guard in (("bare", None), ("guarded", Guard("G", strict=False))):
-        registry = HookRegistry(layer, guard=guard)
-        registry.forward_hook(layer, hook, gated=True)
-        timings[name] = min(timeit.repeat(lambda: layer(x), number=2000, repeat=5))
-        registry.remove()
-    assert calls[0] == 2 * 5 * 2000
-    assert timings["guarded"] < 1.25 * timings["bare"], timings
+    timings: dict[str, list[float]] = {"bare": [], "guarded": []}
+    for _ in range(15):  # interleaved: another tenant's burst hits both alike
+        for name, guard in (("bare", None), ("guarded", Guard("G", strict=False))):
+            registry = HookRegistry(layer, guard=guard)
+            registry.forward_hook(layer, hook, gated=True)
+            timings[name].append(timeit.timeit(lambda: layer(x), number=400))
+            registry.remove()
+    assert calls[0] == 2 * 15 * 400
+    assert min(timings["guarded"]) < 1.25 * min(timings["bare"]), timings
+
+
+def test_a_failing_probe_disables_feature_maps_for_the_fit(tmp_path: Path) -> None:
+    def broken(module: Any, probe: Any) -> None:
+        raise BoomError("probe forward failed")
+
+    model = TinyMLP()
+    callbacks = [FeatureMapCallback(forward_fn=broken, strict=False), GradFlowCallback()]
+    with pytest.warns(LightningHooksWarning, match=r"FeatureMapCallback is disabled.*"):
+        make_trainer(tmp_path, callbacks=callbacks, max_epochs=2).fit(model)
+    scalars = read_scalars(tmp_path)
+    assert model.trainer.global_step == 8
+    assert not [t for t in scalars if t.startswith("feature_map/")]
+    assert [s for s, _ in scalars["grad_flow/global/grad_norm"]] == [4, 8]
+    assert hooks_left(model) == []
