@@ -17,6 +17,7 @@ from lightning_hooks.core import (
     LayerHistogram,
     LayerHistograms,
     LayerStats,
+    ParamLayout,
     select_modules,
 )
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
@@ -312,11 +313,12 @@ class GradFlowCallback(HookCallback):
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         layout = self._tracker.layout
         pairs = [
-            (p.grad, row)
+            (p, row)
             for p, row in zip(layout.params, layout.owner, strict=True)
             if p.grad is not None and id(p) in stepped
         ]
-        self._hist.update([g for g, _ in pairs], [row for _, row in pairs])
+        grads = ParamLayout.grads([p for p, _ in pairs])  # sparse: the coalesced values
+        self._hist.update(grads, [row for _, row in pairs])
 
     def _act(
         self,
