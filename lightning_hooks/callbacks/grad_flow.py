@@ -21,6 +21,7 @@ from lightning_hooks.core import (
 )
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
 from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns
+from lightning_hooks.core.sharding import to_local
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
 from lightning_hooks.logging import (
     grad_flow_figure,
@@ -312,7 +313,7 @@ class GradFlowCallback(HookCallback):
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         layout = self._tracker.layout
         pairs = [
-            (p.grad, row)
+            (to_local(p.grad), row)
             for p, row in zip(layout.params, layout.owner, strict=True)
             if p.grad is not None and id(p) in stepped
         ]
@@ -409,7 +410,12 @@ class GradFlowCallback(HookCallback):
         self, trainer: pl.Trainer, hist: LayerHistograms, stats: LayerStats, step: int
     ) -> None:
         # Gradients are all-reduced before the optimizer step: rank 0's counts are every rank's.
-        counts, limits = hist.host_counts(), hist.limits()
+        shards = self._tracker.shards if self._tracker is not None else None
+        # FSDP2: each rank counted its shard's entries; the whole gradient is their sum.
+        counts = (
+            hist.host_counts() if shards is None else shards.sum(hist.counts).cpu().double().numpy()
+        )
+        limits = hist.limits()
         hist.reset()
         if not trainer.is_global_zero:
             return

@@ -23,6 +23,7 @@ from lightning_hooks.core.grad_stats import (
 from lightning_hooks.core.grad_stats import update_norms as _update_norms
 from lightning_hooks.core.registry import HookOwner, HookRegistry
 from lightning_hooks.core.selection import ModuleTypes, Patterns
+from lightning_hooks.core.sharding import ShardPlan, to_local
 from lightning_hooks.core.tensors import is_grad_forward, iter_float_tensors
 
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
@@ -186,6 +187,8 @@ class GradFlowTracker(HookOwner):
                 f"(types={types!r}, include={include!r}, exclude={exclude!r})"
             )
         device = self.layout.index.device
+        # FSDP2: parameters are DTensors; statistics of their shards are made whole per step.
+        self.shards = ShardPlan.from_params(self.layout.params)
         self.accumulator = LayerStatsAccumulator((*self.layout.layers, GLOBAL), GRAD_FLOW_STATS)
         self.accumulator.to(device)
         num_layers = len(self.layout.layers)
@@ -233,7 +236,7 @@ class GradFlowTracker(HookOwner):
             rows = torch.tensor(layers, dtype=torch.long, device=index.device)
             # Re-number the subset's layers 0..k-1 so the segment reductions stay dense.
             index = torch.searchsorted(rows, index)
-            before = [torch.empty_like(p) for p in params] if self._update_ratio else []
+            before = [torch.empty_like(to_local(p)) for p in params] if self._update_ratio else []
             dense = {layer: i for i, layer in enumerate(layers)}
             owner = tuple(dense[o] for o, k in zip(self.layout.owner, keep, strict=True) if k)
             view = _OptimizerView(params, index, rows, before, owner)
@@ -287,20 +290,24 @@ class GradFlowTracker(HookOwner):
         if not sampled:
             return
         if self._update_ratio:
-            torch._foreach_copy_(view.before, list(view.params))
+            torch._foreach_copy_(view.before, [to_local(p) for p in view.params])
             view.weight_norm = stats[:, _WEIGHT]
         if self._output_grad:
             self._observe_output_grad(view.rows[:-1], grad_scale)
 
     def _gradient_stats(self, view: _OptimizerView, *, full: bool) -> torch.Tensor:
         """:func:`grad_stats` (``full``), else the alarms' :func:`grad_norms`."""
-        grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in view.params]
+        params = [to_local(p) for p in view.params]
+        grads = [
+            to_local(p.grad) if p.grad is not None else w.new_zeros(1)
+            for p, w in zip(view.params, params, strict=True)
+        ]
         if not full:
-            return grad_norms(grads, view.params, view.index, len(view.rows) - 1)
+            return grad_norms(grads, params, view.index, len(view.rows) - 1, self.shards)
         # The update-ratio buffers are free until the copy after it: reuse them as scratch.
         scratch = view.before if all(p.grad is not None for p in view.params) else None
         numel = self.layout.numel[view.rows[:-1]]
-        return grad_stats(grads, view.params, view.index, numel, scratch or None)
+        return grad_stats(grads, params, view.index, numel, scratch or None, self.shards)
 
     def _observe_output_grad(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         sq = self._out_sq[rows]
@@ -343,14 +350,18 @@ class GradFlowTracker(HookOwner):
         if view is None or not self.registry.sampled:
             return
         if self._post_clip:
-            grads = [p.grad for p in view.params if p.grad is not None]
-            norm = torch.linalg.vector_norm(_norms(grads)) if grads else view.rows.new_zeros(())
+            grads = [to_local(p.grad) for p in view.params if p.grad is not None]
+            norms = _norms(grads) if grads else view.rows.new_zeros(1, dtype=torch.float32)
+            if self.shards is not None and grads:
+                norms = self.shards.reduce(norms=[norms])[0][0]
+            norm = torch.linalg.vector_norm(norms)
             glob = view.rows[-1:]
             self.accumulator.update(norm.float().view(1, 1), [_POSTCLIP], glob, replicated=True)
         if view.weight_norm is None:
             return
         num_layers = len(view.rows) - 1
-        upd = _update_norms(view.before, view.params, view.index, num_layers)
+        after = [to_local(p) for p in view.params]
+        upd = _update_norms(view.before, after, view.index, num_layers, self.shards)
         ratio = upd / view.weight_norm.clamp_min(torch.finfo(upd.dtype).tiny)
         valid = (view.weight_norm > 0)[:, None]
         self.accumulator.update(ratio[:, None], [_UPDATE], view.rows, valid, replicated=True)

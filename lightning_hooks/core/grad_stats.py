@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_hooks.core.sharding import ShardPlan, foreach_amax
+
 __all__ = [
     "GLOBAL",
     "GRAD_STATS",
@@ -117,6 +119,7 @@ def grad_stats(
     index: torch.Tensor,
     numel: torch.Tensor,
     scratch: Sequence[torch.Tensor] | None = None,
+    shards: ShardPlan | None = None,
 ) -> torch.Tensor:
     """``[layers + 1, len(GRAD_STATS)]`` statistics of one optimizer step's gradients.
 
@@ -142,17 +145,22 @@ def grad_stats(
     num_layers = numel.numel()
     l2 = _norms(grads, 2.0)
     absolute = [torch.empty_like(g) for g in grads] if scratch is None else list(scratch)
-    sums = [torch.abs(g, out=a).sum() for g, a in zip(grads, absolute, strict=True)]
-    peak = torch.stack(torch._foreach_max(absolute)).float()
-    l1 = _segment_sum(torch.stack(sums).float(), index, num_layers)
+    sums = torch.stack([torch.abs(g, out=a).sum() for g, a in zip(grads, absolute, strict=True)])
+    peak = torch.stack(torch._foreach_max(absolute)) if shards is None else foreach_amax(absolute)
+    weight = _norms(params, 2.0)
+    if shards is not None:  # shard-local partials made whole: one collective
+        (l2, weight), (sums,), (peak,) = shards.reduce(
+            norms=[l2, weight], sums=[sums], maxima=[peak]
+        )
+    l1 = _segment_sum(sums.float(), index, num_layers)
     nonfinite = (~torch.isfinite(peak)).float()
     return torch.stack(
         [
             segment_norm(l2, index, num_layers),
             l1 / torch.cat([numel, numel.sum().view(1)]),
-            segment_max(peak, index, num_layers),
+            segment_max(peak.float(), index, num_layers),
             segment_max(nonfinite, index, num_layers),
-            segment_norm(_norms(params, 2.0), index, num_layers),
+            segment_norm(weight, index, num_layers),
         ],
         dim=1,
     )
@@ -164,6 +172,7 @@ def grad_norms(
     params: Sequence[torch.Tensor],
     index: torch.Tensor,
     num_layers: int,
+    shards: ShardPlan | None = None,
 ) -> torch.Tensor:
     """The columns of :func:`grad_stats` the gradient alarms read, at the cost of one L2 pass
     over the gradients and one over the weights.
@@ -181,10 +190,13 @@ def grad_norms(
                 [   nan,    nan,    nan, 1.0000, 1.0000],
                 [   nan,    nan,    nan, 1.0000, 1.7321]])
     """
-    norm = segment_norm(_norms(grads, 2.0), index, num_layers)
+    norms = [_norms(grads, 2.0), _norms(params, 2.0)]
+    if shards is not None:  # shard-local norms made whole: one collective
+        norms = shards.reduce(norms=norms)[0]
+    norm = segment_norm(norms[0], index, num_layers)
     nan = torch.full_like(norm, torch.nan)
     bad = (~torch.isfinite(norm)).to(norm.dtype)
-    weight = segment_norm(_norms(params, 2.0), index, num_layers)
+    weight = segment_norm(norms[1], index, num_layers)
     return torch.stack([norm, nan, nan, bad, weight], dim=1)
 
 
@@ -194,8 +206,12 @@ def update_norms(
     after: Sequence[torch.Tensor],
     index: torch.Tensor,
     num_layers: int,
+    shards: ShardPlan | None = None,
 ) -> torch.Tensor:
     """``[layers + 1]`` norms of ``after - before`` per layer, last: all. Overwrites ``before``."""
     diffs = list(before)
     torch._foreach_sub_(diffs, list(after))
-    return segment_norm(_norms(diffs, 2.0), index, num_layers)
+    norms = _norms(diffs, 2.0)
+    if shards is not None:  # shard-local norms made whole: one collective
+        norms = shards.reduce(norms=[norms])[0][0]
+    return segment_norm(norms, index, num_layers)
