@@ -10,8 +10,9 @@ launch, each writing TensorBoard events under ``--out/<name>``:
   dead units, saturation); collectives counted per step and per epoch, from our package and all;
 - ``hsdp``: the same on the 2-D ``(replicate=2, shard=1)`` mesh: replicas must not count twice;
 - ``skip`` and ``stop``: a NaN written into one gradient entry, which only rank 0's shard holds,
-  at step ``NAN_STEP``, with ``on_alarm="skip"`` / ``"stop"``; each rank saves its final weights
-  and ``global_step`` (``rank{r}.json``);
+  at step ``NAN_STEP``, with ``on_alarm="skip"`` (statistics every 4th step, the sentinel's
+  norm-only pass between) / ``"stop"`` (every statistic at every step); each rank saves its final
+  weights and ``global_step`` (``rank{r}.json``);
 - ``tensor_parallel``: ``tensor_parallel_size=2`` must be refused at setup (the message is kept).
 
 Each rank gets half of each global batch of 8 (a ``DistributedSampler`` without shuffling), so
@@ -179,11 +180,13 @@ def callbacks(run: str) -> list[pl.Callback]:
     )
     from lightning_hooks.core import AlarmRules
 
-    if run in ("skip", "stop"):
+    if run == "skip":
         # Statistics every 4th step (0 and 4), the sentinel's norm-only pass at every other step
         # (NAN_STEP is one of those).
         sentinel = AlarmRules(every_n_steps=1)
         return [GradFlowCallback(on_alarm=run, chart=False, every_n_steps=4, alarms=sentinel)]
+    if run == "stop":  # every statistic at every step: the NaN step is counted in grad_nonfinite
+        return [GradFlowCallback(on_alarm=run, chart=False)]
     return [
         GradFlowCallback(histograms=True, chart=False),
         ActivationStatsCallback(histograms=True, histogram_range=(-2.0, 2.0), heatmaps=False),
