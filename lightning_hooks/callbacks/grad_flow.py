@@ -411,7 +411,12 @@ class GradFlowCallback(HookCallback):
         self, trainer: pl.Trainer, hist: LayerHistograms, stats: LayerStats, step: int
     ) -> None:
         # Gradients are all-reduced before the optimizer step: rank 0's counts are every rank's.
-        counts, limits = hist.host_counts(), hist.limits()
+        shards = self._tracker.shards if self._tracker is not None else None
+        # FSDP2: each rank counted its shard's entries; the whole gradient is their sum.
+        counts = (
+            hist.host_counts() if shards is None else shards.sum(hist.counts).cpu().double().numpy()
+        )
+        limits = hist.limits()
         hist.reset()
         if not trainer.is_global_zero:
             return
