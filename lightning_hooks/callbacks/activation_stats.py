@@ -16,7 +16,7 @@ from lightning_hooks.core.feature_stats import FeatureSummary
 from lightning_hooks.core.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.logging import layer_epoch_heatmap, log_figure, log_histogram_raw
+from lightning_hooks.logging import layer_epoch_heatmap, log_figure, log_histogram
 
 __all__ = ["ActivationStatsCallback"]
 
@@ -231,4 +231,4 @@ def _log_histogram(
         float(stats.sum_sq[row]),
     )
     tag = f"activations/histogram/{hist.layer}"
-    log_histogram_raw(trainer.loggers, tag, hist.edges, hist.counts, moments, step)
+    log_histogram(trainer.loggers, tag, hist.edges[1:], hist.counts, step, moments)

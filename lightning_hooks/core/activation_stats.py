@@ -15,9 +15,9 @@ from lightning_hooks.core.feature_stats import (
     Workspace,
     feature_stats,
     fused_feature_stats,
-    histogram_counts,
     summarize,
 )
+from lightning_hooks.core.histogram import bin_counts, linear_edges
 from lightning_hooks.core.nonfinite import FirstNonFinite
 from lightning_hooks.core.registry import HookRegistry
 from lightning_hooks.core.selection import ModuleTypes, Patterns, Selection
@@ -91,7 +91,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
     Optional histograms bin every output on the device with fixed edges (``histogram_range``) or
     a running range: a row's edges for an epoch span the previous epoch's min and max over every
     rank (the first epoch: the row's first output). Values outside the edges count in the end
-    bins, NaN in the last one.
+    bins; NaN / Inf are not binned (they count in ``nonfinite``), as in every histogram here.
 
     Call :meth:`end_step` after each training step: it keeps, in :attr:`first_nonfinite`, the
     first module in execution order whose output contained NaN / Inf, and the step (a few tiny
@@ -211,13 +211,10 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
                 low, high = stats[NUM_SUMS], stats[NUM_SUMS + 1]
                 torch.where(known, edges, self._edges_from(low, high), out=edges)
                 known.fill_(True)
-            histogram_counts(x, edges, self.hist[row])
+            bin_counts(x, edges[1:-1], self.hist[row])
 
     def _edges_from(self, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-        low = torch.nan_to_num(low, nan=0.0, posinf=3e38, neginf=-3e38)
-        high = torch.nan_to_num(high, nan=1.0, posinf=3e38, neginf=-3e38)
-        span = (high - low).clamp_min(1e-12)
-        return low.unsqueeze(-1) + span.unsqueeze(-1) * self._unit
+        return linear_edges(low, high, self._unit)
 
     @torch.no_grad()
     def end_step(self, step: int) -> None:
