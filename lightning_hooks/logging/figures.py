@@ -20,12 +20,14 @@ def grad_flow_figure(
     """Bars of mean and max ``|grad|`` per layer, input layer to output layer, on a log scale.
 
     Zero and non-finite values cannot be drawn on a log axis: they are drawn at the axis floor and
-    marked with a red ``x``.
+    marked with a red ``x``, which the legend names ("zero or non-finite").
 
     Example:
         >>> fig = grad_flow_figure(["a", "b"], np.array([1e-3, 0.0]), np.array([1e-2, 1e-1]))
         >>> fig.axes[0].get_yscale()
         'log'
+        >>> [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+        ['zero or non-finite', 'max |grad|', 'mean |grad|']
     """
     n = len(layers)
     # Bounded size for deep models: at most _MAX_WIDTH inches, at most _MAX_LABELS tick labels.
@@ -37,9 +39,17 @@ def grad_flow_figure(
     for values, label, color in ((max_abs, "max |grad|", "c"), (mean_abs, "mean |grad|", "b")):
         shown = np.where(np.isfinite(values) & (values > 0), values, floor)
         ax.bar(x, shown, width=0.8 if color == "c" else 0.5, color=color, alpha=0.6, label=label)
-        bad = ~(np.isfinite(values) & (values > 0))
-        if bad.any():
-            ax.scatter(x[bad], np.full(int(bad.sum()), floor), color="r", marker="x", zorder=3)
+    bad = ~(np.isfinite(mean_abs) & (mean_abs > 0)) | ~(np.isfinite(max_abs) & (max_abs > 0))
+    if bad.any():
+        ax.scatter(
+            x[bad],
+            np.full(int(bad.sum()), floor),
+            color="r",
+            marker="x",
+            s=60,
+            zorder=3,
+            label="zero or non-finite",
+        )
     ax.set_yscale("log")
     ax.set_ylim(bottom=floor)
     every = -(-n // _MAX_LABELS)
@@ -63,8 +73,9 @@ def layer_epoch_heatmap(
     """``values[layer, epoch]`` as a heatmap: layers top (input) to bottom, epochs left to right.
 
     With ``log=True`` the cells show ``log10`` of the values, and zero cells are blank too.
-    Non-finite cells (a layer that did not run) are left blank (shown grey). Labels and size are
-    capped, so a 1,000-layer model still gives a readable image.
+    Non-finite cells (a layer that did not run) are left blank (shown grey, and the axis says so).
+    Labels are 9 pt up to 30 layers; labels and size are capped, so a 1,000-layer model still
+    gives a readable image.
 
     Example:
         >>> values = np.array([[1.0, 10.0], [0.0, 100.0]])
@@ -74,13 +85,17 @@ def layer_epoch_heatmap(
         >>> fig = layer_epoch_heatmap(["a", "b"], [0, 1], values, log=True)
         >>> fig.axes[0].images[0].get_array().tolist()
         [[0.0, 1.0], [None, 2.0]]
+        >>> fig.axes[0].get_yticklabels()[0].get_fontsize(), fig.axes[0].get_xlabel()
+        (9.0, 'epoch   (grey: zero or no value)')
     """
     n, num_epochs = values.shape
     if log:
         with np.errstate(divide="ignore", invalid="ignore"):
             values = np.log10(np.where(values > 0, values, np.nan))
     cells = np.ma.masked_invalid(values)
-    height = min(_MAX_WIDTH / 2, max(3.0, 0.2 * n + 1.5))
+    # 0.3 inch and 9 pt per row: readable at TensorBoard's default card size (the image is shown
+    # at its pixel size, 100 dpi, up to the card's width).
+    height = min(_MAX_WIDTH / 2, max(3.0, 0.3 * n + 1.5))
     fig = Figure(figsize=(min(_MAX_WIDTH, max(5.0, 0.4 * num_epochs + 3.0)), height))
     fig.set_layout_engine("constrained")
     ax = fig.add_subplot()
@@ -88,10 +103,11 @@ def layer_epoch_heatmap(
     image = ax.imshow(cells, aspect="auto", interpolation="nearest", cmap="viridis")
     fig.colorbar(image, ax=ax, label="log10" if log else None)
     every_layer = -(-n // _MAX_LABELS)
-    ax.set_yticks(np.arange(n)[::every_layer], list(layers)[::every_layer], fontsize=7)
+    labels = list(layers)[::every_layer]
+    ax.set_yticks(np.arange(n)[::every_layer], labels, fontsize=9 if n <= 30 else 7)
     every_epoch = -(-num_epochs // _MAX_LABELS)
     ax.set_xticks(np.arange(num_epochs)[::every_epoch], [str(e) for e in epochs][::every_epoch])
-    ax.set_xlabel("epoch")
+    ax.set_xlabel("epoch   (grey: zero or no value)" if log else "epoch   (grey: no value)")
     ax.set_ylabel("layer (input to output)")
     ax.set_title(title)
     return fig
