@@ -14,6 +14,11 @@ _MAX_WIDTH = 24.0
 _MAX_LABELS = 60
 
 
+def _label_size(n: int) -> int:
+    """Layer-label font size: large enough for TensorBoard's card when there are few layers."""
+    return 11 if n <= 16 else 9 if n <= 30 else 7
+
+
 def grad_flow_figure(
     layers: Sequence[str], mean_abs: np.ndarray, max_abs: np.ndarray, title: str = ""
 ) -> Figure:
@@ -31,7 +36,7 @@ def grad_flow_figure(
     """
     n = len(layers)
     # Bounded size for deep models: at most _MAX_WIDTH inches, at most _MAX_LABELS tick labels.
-    fig = Figure(figsize=(min(_MAX_WIDTH, max(6.0, 0.35 * n + 2.0)), 4.5), layout="constrained")
+    fig = Figure(figsize=(min(_MAX_WIDTH, max(4.5, 0.35 * n + 2.0)), 4.5), layout="constrained")
     ax = fig.add_subplot()
     x = np.arange(n)
     finite = np.concatenate([v[np.isfinite(v) & (v > 0)] for v in (mean_abs, max_abs)])
@@ -53,7 +58,7 @@ def grad_flow_figure(
     ax.set_yscale("log")
     ax.set_ylim(bottom=floor)
     every = -(-n // _MAX_LABELS)
-    ax.set_xticks(x[::every], list(layers)[::every], rotation=90, fontsize=7 if n > 30 else 9)
+    ax.set_xticks(x[::every], list(layers)[::every], rotation=90, fontsize=_label_size(n))
     ax.set_xlim(-1, n)
     ax.set_xlabel("layer (input to output)")
     ax.set_ylabel("|gradient|")
@@ -74,8 +79,8 @@ def layer_epoch_heatmap(
 
     With ``log=True`` the cells show ``log10`` of the values, and zero cells are blank too.
     Non-finite cells (a layer that did not run) are left blank (shown grey, and the axis says so).
-    Labels are 9 pt up to 30 layers; labels and size are capped, so a 1,000-layer model still
-    gives a readable image.
+    Labels are 11 pt up to 16 layers, 9 pt up to 30; labels and size are capped, so a
+    1,000-layer model still gives a readable image.
 
     Example:
         >>> values = np.array([[1.0, 10.0], [0.0, 100.0]])
@@ -86,17 +91,17 @@ def layer_epoch_heatmap(
         >>> fig.axes[0].images[0].get_array().tolist()
         [[0.0, 1.0], [None, 2.0]]
         >>> fig.axes[0].get_yticklabels()[0].get_fontsize(), fig.axes[0].get_xlabel()
-        (9.0, 'epoch   (grey: zero or no value)')
+        (11.0, 'epoch   (grey: zero or no value)')
     """
     n, num_epochs = values.shape
     if log:
         with np.errstate(divide="ignore", invalid="ignore"):
             values = np.log10(np.where(values > 0, values, np.nan))
     cells = np.ma.masked_invalid(values)
-    # 0.3 inch and 9 pt per row: readable at TensorBoard's default card size (the image is shown
-    # at its pixel size, 100 dpi, up to the card's width).
-    height = min(_MAX_WIDTH / 2, max(3.0, 0.3 * n + 1.5))
-    fig = Figure(figsize=(min(_MAX_WIDTH, max(5.0, 0.4 * num_epochs + 3.0)), height))
+    # TensorBoard scales an image down to its card (about 330 px wide): a narrow figure with
+    # 11 pt labels and 0.32 inch rows keeps the layer names readable there.
+    height = min(_MAX_WIDTH / 2, max(3.0, 0.32 * n + 1.5))
+    fig = Figure(figsize=(min(_MAX_WIDTH, max(4.2, 0.4 * num_epochs + 2.8)), height))
     fig.set_layout_engine("constrained")
     ax = fig.add_subplot()
     ax.set_facecolor("0.85")
@@ -104,12 +109,12 @@ def layer_epoch_heatmap(
     fig.colorbar(image, ax=ax, label="log10" if log else None)
     every_layer = -(-n // _MAX_LABELS)
     labels = list(layers)[::every_layer]
-    ax.set_yticks(np.arange(n)[::every_layer], labels, fontsize=9 if n <= 30 else 7)
+    ax.set_yticks(np.arange(n)[::every_layer], labels, fontsize=_label_size(n))
     every_epoch = -(-num_epochs // _MAX_LABELS)
     ax.set_xticks(np.arange(num_epochs)[::every_epoch], [str(e) for e in epochs][::every_epoch])
     ax.set_xlabel("epoch   (grey: zero or no value)" if log else "epoch   (grey: no value)")
     ax.set_ylabel("layer (input to output)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10, wrap=True)
     return fig
 
 
