@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import pytorch_lightning as pl
-import torch
 
 from lightning_hooks import (
     ActivationStatsCallback,
@@ -142,30 +141,6 @@ def test_library_errors_are_never_swallowed() -> None:
     with pytest.raises(GradientAlarmError, match="spike"):
         guard.wrap(raise_alarm, "on_before_optimizer_step hook")()
     assert guard.failed is None
-
-
-def test_non_strict_guard_adds_no_measurable_cost_when_nothing_raises() -> None:
-    """The guarded forward hook against the bare one: within noise on a 2-core shared CPU."""
-    import timeit
-
-    from lightning_hooks.core.registry import HookRegistry
-
-    layer = torch.nn.Linear(4, 4)
-    calls = [0]
-
-    def hook(module: Any, args: Any, output: Any) -> None:
-        calls[0] += 1
-
-    x = torch.zeros(1, 4)
-    timings: dict[str, list[float]] = {"bare": [], "guarded": []}
-    for _ in range(15):  # interleaved: another tenant's burst hits both alike
-        for name, guard in (("bare", None), ("guarded", Guard("G", strict=False))):
-            registry = HookRegistry(layer, guard=guard)
-            registry.forward_hook(layer, hook, gated=True)
-            timings[name].append(timeit.timeit(lambda: layer(x), number=400))
-            registry.remove()
-    assert calls[0] == 2 * 15 * 400
-    assert min(timings["guarded"]) < 1.25 * min(timings["bare"]), timings
 
 
 def test_a_failing_probe_disables_feature_maps_for_the_fit(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from lightning_hooks.core.grad_stats import (
 from lightning_hooks.core.grad_stats import update_norms as _update_norms
 from lightning_hooks.core.registry import HookOwner, HookRegistry
 from lightning_hooks.core.selection import ModuleTypes, Patterns
+from lightning_hooks.core.sharding import ShardPlan, to_local
 from lightning_hooks.core.tensors import is_grad_forward, iter_float_tensors
 
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
@@ -198,6 +199,8 @@ class GradFlowTracker(HookOwner):
                 f"(types={types!r}, include={include!r}, exclude={exclude!r})"
             )
         device = self.layout.index.device
+        # FSDP2: parameters are DTensors; statistics of their shards are made whole per step.
+        self.shards = ShardPlan.from_params(self.layout.params)
         self.accumulator = LayerStatsAccumulator((*self.layout.layers, GLOBAL), GRAD_FLOW_STATS)
         self.accumulator.to(device)
         num_layers = len(self.layout.layers)
@@ -264,7 +267,7 @@ class GradFlowTracker(HookOwner):
         rows = torch.tensor(layers, dtype=torch.long, device=index.device)
         # Re-number the subset's layers 0..k-1 so the segment reductions stay dense.
         index = torch.searchsorted(rows, index)
-        before = [torch.empty_like(p) for p in params] if self._update_ratio else []
+        before = [torch.empty_like(to_local(p)) for p in params] if self._update_ratio else []
         dense = {layer: i for i, layer in enumerate(layers)}
         owner = tuple(dense[o] for o, k in zip(self.layout.owner, keep, strict=True) if k)
         unique = self.layout.unique(keep)
@@ -322,7 +325,7 @@ class GradFlowTracker(HookOwner):
         if not sampled:
             return
         if self._update_ratio:
-            torch._foreach_copy_(view.before, list(view.params))
+            torch._foreach_copy_(view.before, [to_local(p) for p in view.params])
             view.weight_norm = stats[:, _WEIGHT]
         if self._output_grad:
             self._drop_other_backward(optimizer, view)
@@ -372,22 +375,26 @@ class GradFlowTracker(HookOwner):
 
     def _gradient_stats(self, view: _OptimizerView, *, full: bool) -> torch.Tensor:
         """:func:`grad_stats` (``full``), else the alarms' :func:`grad_norms`."""
+        params = [to_local(p) for p in view.params]
         grads = ParamLayout.grads(view.params)
         num_layers = len(view.rows) - 1
         if not full:
-            return grad_norms(grads, view.params, view.index, num_layers, unique=view.unique)
+            return grad_norms(
+                grads, params, view.index, num_layers, unique=view.unique, shards=self.shards
+            )
         # The update-ratio buffers are free until the copy after it: reuse them as scratch.
         dense = all(p.grad is not None and not p.grad.is_sparse for p in view.params)
         scratch = view.before if dense else None
         numel, total = view.numel[:-1], view.numel[-1]
         return grad_stats(
             grads,
-            view.params,
+            params,
             view.index,
             numel,
             scratch or None,
             unique=view.unique,
             total_numel=total,
+            shards=self.shards,
         )
 
     def _observe_output_grad(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
@@ -432,13 +439,18 @@ class GradFlowTracker(HookOwner):
             return
         if self._post_clip:
             norms = _norms(ParamLayout.grads(view.params)).index_select(0, view.unique)
+            if self.shards is not None:
+                norms = self.shards.reduce(norms=[norms])[0][0]
             norm = torch.linalg.vector_norm(norms)
             glob = view.rows[-1:]
             self.accumulator.update(norm.float().view(1, 1), [_POSTCLIP], glob, replicated=True)
         if view.weight_norm is None:
             return
         num_layers = len(view.rows) - 1
-        upd = _update_norms(view.before, view.params, view.index, num_layers, unique=view.unique)
+        after = [to_local(p) for p in view.params]
+        upd = _update_norms(
+            view.before, after, view.index, num_layers, unique=view.unique, shards=self.shards
+        )
         ratio = upd / view.weight_norm.clamp_min(torch.finfo(upd.dtype).tiny)
         valid = (view.weight_norm > 0)[:, None]
         self.accumulator.update(ratio[:, None], [_UPDATE], view.rows, valid, replicated=True)

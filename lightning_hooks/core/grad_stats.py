@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_hooks.core.sharding import ShardPlan, foreach_amax, to_local
+
 __all__ = [
     "GLOBAL",
     "GRAD_STATS",
@@ -146,11 +148,11 @@ class ParamLayout:
         for p in params:
             g = p.grad
             if g is None:
-                g = p.new_zeros(1)
+                g = to_local(p).new_zeros(1)
             elif g.is_sparse:
                 g = g.coalesce().values()
                 g = g if g.numel() else p.new_zeros(1)
-            out.append(g)
+            out.append(to_local(g))  # FSDP2: this rank's shard (sharding.py makes it whole)
         return out
 
 
@@ -199,6 +201,7 @@ def grad_stats(
     *,
     unique: torch.Tensor | None = None,
     total_numel: torch.Tensor | None = None,
+    shards: ShardPlan | None = None,
 ) -> torch.Tensor:
     """``[layers + 1, len(GRAD_STATS)]`` statistics of one optimizer step's gradients.
 
@@ -226,9 +229,15 @@ def grad_stats(
     num_layers = numel.numel()
     l2 = _norms(grads, 2.0)
     absolute = [torch.empty_like(g) for g in grads] if scratch is None else list(scratch)
-    sums = [torch.abs(g, out=a).sum() for g, a in zip(grads, absolute, strict=True)]
-    peak = torch.stack(torch._foreach_max(absolute)).float()
-    l1 = _segment_sum(torch.stack(sums).float(), index, num_layers, unique)
+    sums = torch.stack([torch.abs(g, out=a).sum() for g, a in zip(grads, absolute, strict=True)])
+    peak = torch.stack(torch._foreach_max(absolute)) if shards is None else foreach_amax(absolute)
+    weight = _norms(params, 2.0)
+    if shards is not None:  # shard-local partials made whole: one collective
+        (l2, weight), (sums,), (peak,) = shards.reduce(
+            norms=[l2, weight], sums=[sums], maxima=[peak]
+        )
+    peak = peak.float()
+    l1 = _segment_sum(sums.float(), index, num_layers, unique)
     nonfinite = (~torch.isfinite(peak)).float()
     total = numel.sum().view(1) if total_numel is None else total_numel.view(1)
     return torch.stack(
@@ -237,7 +246,7 @@ def grad_stats(
             l1 / torch.cat([numel, total]),
             segment_max(peak, index, num_layers),
             segment_max(nonfinite, index, num_layers),
-            segment_norm(_norms(params, 2.0), index, num_layers, unique),
+            segment_norm(weight, index, num_layers, unique),
         ],
         dim=1,
     )
@@ -251,6 +260,7 @@ def grad_norms(
     num_layers: int,
     *,
     unique: torch.Tensor | None = None,
+    shards: ShardPlan | None = None,
 ) -> torch.Tensor:
     """The columns of :func:`grad_stats` the gradient alarms read, at the cost of one L2 pass
     over the gradients and one over the weights.
@@ -268,10 +278,13 @@ def grad_norms(
                 [   nan,    nan,    nan, 1.0000, 1.0000],
                 [   nan,    nan,    nan, 1.0000, 1.7321]])
     """
-    norm = segment_norm(_norms(grads, 2.0), index, num_layers, unique)
+    norms = [_norms(grads, 2.0), _norms(params, 2.0)]
+    if shards is not None:  # shard-local norms made whole: one collective
+        norms = shards.reduce(norms=norms)[0]
+    norm = segment_norm(norms[0], index, num_layers, unique)
     nan = torch.full_like(norm, torch.nan)
     bad = (~torch.isfinite(norm)).to(norm.dtype)
-    weight = segment_norm(_norms(params, 2.0), index, num_layers, unique)
+    weight = segment_norm(norms[1], index, num_layers, unique)
     return torch.stack([norm, nan, nan, bad, weight], dim=1)
 
 
@@ -283,9 +296,13 @@ def update_norms(
     num_layers: int,
     *,
     unique: torch.Tensor | None = None,
+    shards: ShardPlan | None = None,
 ) -> torch.Tensor:
     """``[layers + 1]`` norms of ``after - before`` per layer, last: all (a shared parameter
     once, with ``unique``). Overwrites ``before``."""
     diffs = list(before)
     torch._foreach_sub_(diffs, list(after))
-    return segment_norm(_norms(diffs, 2.0), index, num_layers, unique)
+    norms = _norms(diffs, 2.0)
+    if shards is not None:  # shard-local norms made whole: one collective
+        norms = shards.reduce(norms=[norms])[0][0]
+    return segment_norm(norms, index, num_layers, unique)
