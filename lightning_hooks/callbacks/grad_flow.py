@@ -16,6 +16,7 @@ from lightning_hooks.core import (
     GradFlowTracker,
     LayerHistograms,
     LayerStats,
+    ParamLayout,
     select_modules,
 )
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
@@ -311,11 +312,12 @@ class GradFlowCallback(HookCallback):
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         layout = self._tracker.layout
         pairs = [
-            (p.grad, row)
+            (p, row)
             for p, row in zip(layout.params, layout.owner, strict=True)
             if p.grad is not None and id(p) in stepped
         ]
-        self._hist.update([g for g, _ in pairs], [row for _, row in pairs])
+        grads = ParamLayout.grads([p for p, _ in pairs])  # sparse: the coalesced values
+        self._hist.update(grads, [row for _, row in pairs])
 
     def _act(
         self,
@@ -408,7 +410,12 @@ class GradFlowCallback(HookCallback):
         self, trainer: pl.Trainer, hist: LayerHistograms, stats: LayerStats, step: int
     ) -> None:
         # Gradients are all-reduced before the optimizer step: rank 0's counts are every rank's.
-        counts, limits = hist.host_counts(), hist.limits()
+        shards = self._tracker.shards if self._tracker is not None else None
+        # FSDP2: each rank counted its shard's entries; the whole gradient is their sum.
+        counts = (
+            hist.host_counts() if shards is None else shards.sum(hist.counts).cpu().double().numpy()
+        )
+        limits = hist.limits()
         hist.reset()
         if not trainer.is_global_zero:
             return

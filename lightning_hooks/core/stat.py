@@ -212,7 +212,9 @@ class LayerStat(Metric, HookOwner, Generic[R]):
             setattr(self, spec.name, self._fresh(spec, 0, device))
         self.to(device)
         self.registry = HookRegistry(model) if registry is None else registry
-        selected = self.select(model)
+        chosen = {name for name, _ in self.select(model)}
+        # Through the registry: it warns once about selected modules that run no Python hooks.
+        selected = self.registry.modules(where=lambda name, _: name in chosen)
         self._hooked = tuple(name for name, _ in selected)
         for name, module in selected:
             self.hook_module(self.registry, name, module)
