@@ -193,8 +193,8 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
             return
         counts = fired_counts(y, unit_dim(module, y.ndim))
         row = self.row(name, counts.numel())
-        self.counts[self.unit_slice(row)] += counts
-        self.fired[row] += counts.sum() / y.numel()
+        self.counts[self.unit_slice(row)].add_(counts)
+        self.fired[row].add_(counts.sum(), alpha=1.0 / y.numel())
         self._calls[row] = self._calls.get(row, 0) + 1
 
     def flush(self) -> None:
