@@ -169,6 +169,10 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         if model is not None:
             self.attach(model)
 
+    def config_key(self) -> str:
+        """The selection and the ``pre_activation`` patterns."""
+        return f"{super().config_key()}:{self.producers.include!r}"
+
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The watched activations and the ``pre_activation`` producers, in model order."""
         assert self.selection is not None

@@ -220,6 +220,10 @@ class LayerStat(Metric, HookOwner, Generic[R]):
             self.hook_module(self.registry, name, module)
         return self
 
+    def config_key(self) -> str:
+        """What tells two instances' checkpoint states apart (default: the class and selection)."""
+        return f"{type(self).__name__}:{self.selection!r}"
+
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The modules to hook: :attr:`selection`'s (override to add others)."""
         return [] if self.selection is None else self.selection.modules(model)
