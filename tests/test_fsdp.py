@@ -137,8 +137,8 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         assert [e["ours_by_name"] for e in skip["epochs"]] == [
             {"all_gather": 2 + 3 + 1, "all_reduce": 1}
         ] * 2
-        # Every callback: + the gradient histogram's counts over the shard group (all_reduce),
-        # and one packed all_gather per LayerStat: activations, dead units, saturation.
+        # Every callback: + the gradient histogram's counts over the shard group, and one packed
+        # all_gather each for activations, dead units and saturation (LayerStat).
         assert [e["ours_by_name"] for e in fsdp["epochs"]] == [
             {"all_gather": 4 * 2 + 1 + 3, "all_reduce": 1 + 1}
         ] * 2

@@ -88,3 +88,15 @@ def test_selection_validates_types_and_patterns_once() -> None:
         Selection.of("Cb", include=[1], arguments=("layers", "exclude"))  # type: ignore[list-item]
     picked = Selection.of("Cb", types=nn.Linear, exclude="net.4").modules(TinyMLP())
     assert [name for name, _ in picked] == ["net.0", "net.2"]
+
+
+def test_state_keys_tell_configurations_apart() -> None:
+    keys = {
+        DeadReLUCallback().state_key,
+        DeadReLUCallback(pre_activation="net.0").state_key,
+        DeadReLUCallback(exclude="net.1").state_key,
+        ActivationStatsCallback().state_key,
+        ActivationStatsCallback(types=nn.Linear).state_key,
+    }
+    assert len(keys) == 5
+    assert DeadReLUCallback(include="a").state_key == DeadReLUCallback(include=["a"]).state_key
