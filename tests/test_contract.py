@@ -108,9 +108,6 @@ def test_fails_cleanly_without_a_logger(
 _SENTINEL = pytest.mark.xfail(
     strict=True, reason="sentinel branch: GradFlowCallback/AlarmRules/GradFlowTracker checks"
 )
-_PIPELINE = pytest.mark.xfail(
-    strict=True, reason="pipeline (core/selection.py): include=5 / pre_activation=5 unchecked"
-)
 _MODEL = nn.Sequential(nn.Linear(2, 2))
 _STATS = LayerStats(("a",), ("grad_norm",), *([np.ones((1, 1))] * 4))
 
@@ -133,21 +130,19 @@ BAD_ARGUMENTS = [
         r"GradFlowTracker\(optimizers=",
         _SENTINEL,
     ),
-    _bad(lambda: GradFlowCallback(include=5), r"GradFlowCallback\(include=5\)", _PIPELINE),
+    _bad(lambda: GradFlowCallback(include=5), r"GradFlowCallback\(include=5\)"),
     _bad(
         lambda: ActivationStatsCallback(include=5),
         r"ActivationStatsCallback\(include=5\)",
-        _PIPELINE,
     ),
-    _bad(lambda: DeadReLUCallback(include=5), r"DeadReLUCallback\(include=5\)", _PIPELINE),
+    _bad(lambda: DeadReLUCallback(include=5), r"DeadReLUCallback\(include=5\)"),
     _bad(
         lambda: DeadReLUCallback(pre_activation=5),
         r"DeadReLUCallback\(pre_activation=5\)",
-        _PIPELINE,
     ),
-    _bad(lambda: LayerTimeCallback(include=5), r"LayerTimeCallback\(include=5\)", _PIPELINE),
+    _bad(lambda: LayerTimeCallback(include=5), r"LayerTimeCallback\(include=5\)"),
     _bad(lambda: LayerTimeCallback(types=str), r"LayerTimeCallback\(types=<class 'str'>\)"),
-    _bad(lambda: SaturationCallback(include=5), r"SaturationCallback\(include=5\)", _PIPELINE),
+    _bad(lambda: SaturationCallback(include=5), r"SaturationCallback\(include=5\)"),
     _bad(lambda: SaturationCallback(margin="x"), r"SaturationCallback\(margin='x'\)"),
     _bad(lambda: SaturationCallback(unit_dim="x"), r"SaturationCallback\(unit_dim='x'\)"),
     _bad(

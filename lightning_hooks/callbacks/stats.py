@@ -73,7 +73,7 @@ class StatsCallback(HookCallback):
 
     @override
     def _state_key_fields(self) -> dict[str, Any]:
-        return {"stats": [f"{type(s).__name__}:{s.selection!r}" for s in self.stats]}
+        return {"stats": [s.config_key() for s in self.stats]}
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:

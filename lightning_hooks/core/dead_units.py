@@ -169,6 +169,10 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         if model is not None:
             self.attach(model)
 
+    def config_key(self) -> str:
+        """The selection and the ``pre_activation`` patterns."""
+        return f"{super().config_key()}:{self.producers.include!r}"
+
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The watched activations and the ``pre_activation`` producers, in model order."""
         assert self.selection is not None
@@ -193,8 +197,8 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
             return
         counts = fired_counts(y, unit_dim(module, y.ndim))
         row = self.row(name, counts.numel())
-        self.counts[self.unit_slice(row)] += counts
-        self.fired[row] += counts.sum() / y.numel()
+        self.counts[self.unit_slice(row)].add_(counts)
+        self.fired[row].add_(counts.sum(), alpha=1.0 / y.numel())
         self._calls[row] = self._calls.get(row, 0) + 1
 
     def flush(self) -> None:

@@ -205,8 +205,8 @@ class SaturationTracker(LayerStat[SaturationStats]):
                 f"{tuple(output.shape)}); pass the unit_dim whose size does not change"
             )
         row = self.row(name, unsaturated.numel())
-        self.saturated[row] += count
-        self.unsaturated[self.unit_slice(row)] |= unsaturated
+        self.saturated[row].add_(count)
+        self.unsaturated[self.unit_slice(row)].logical_or_(unsaturated)
         self._entries[row] = self._entries.get(row, 0) + output.numel()
 
     def flush(self) -> None:

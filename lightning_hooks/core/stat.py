@@ -212,11 +212,17 @@ class LayerStat(Metric, HookOwner, Generic[R]):
             setattr(self, spec.name, self._fresh(spec, 0, device))
         self.to(device)
         self.registry = HookRegistry(model) if registry is None else registry
-        selected = self.select(model)
+        chosen = {name for name, _ in self.select(model)}
+        # Through the registry: it warns once about selected modules that run no Python hooks.
+        selected = self.registry.modules(where=lambda name, _: name in chosen)
         self._hooked = tuple(name for name, _ in selected)
         for name, module in selected:
             self.hook_module(self.registry, name, module)
         return self
+
+    def config_key(self) -> str:
+        """What tells two instances' checkpoint states apart (default: the class and selection)."""
+        return f"{type(self).__name__}:{self.selection!r}"
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The modules to hook: :attr:`selection`'s (override to add others)."""
