@@ -153,6 +153,7 @@ BAD_ARGUMENTS = [
     _bad(lambda: FeatureMapCallback(input_fn="x"), r"FeatureMapCallback\(input_fn='x'\)"),
     _bad(lambda: FeatureMapCallback(embedding=3), r"FeatureMapCallback\(embedding=3\)"),
     _bad(lambda: FeatureMapCallback(probe_size=0), r"FeatureMapCallback\(probe_size=0\)"),
+    _bad(lambda: FeatureMapCallback(strict="yes"), r"FeatureMapCallback\(strict='yes'\)"),
     _bad(lambda: _STATS.column("grad_nrom"), r"LayerStats.column\(stat='grad_nrom'\)"),
     _bad(lambda: _STATS.column("grad_norm", "median"), r"LayerStats.column\(kind='median'\)"),
     _bad(lambda: capture_outputs("net", "0").__enter__(), r"capture_outputs\(model='net'\)"),
@@ -173,7 +174,6 @@ def test_bad_arguments_are_refused_naming_argument_and_value(
 
 
 COUNTS = [
-    # check_every_n_steps (callbacks/_base.py) is the pipeline branch's.
     pytest.param(lambda n: GradFlowCallback(every_n_steps=n), "every_n_steps", id="GradFlow"),
     pytest.param(
         lambda n: ActivationStatsCallback(every_n_steps=n),
