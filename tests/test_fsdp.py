@@ -1,8 +1,8 @@
 """FSDP2 on CPU (gloo, 2 processes) against one process on the same global batches.
 
 One launch of ``tests/fsdp_run.py`` (about 30 s on 2 shared cores) serves every test here: the
-FSDP2 and HSDP fits with every statistic, the sentinel's ``skip`` and ``stop`` on a NaN that only
-one rank's shard holds, and the tensor-parallel refusal.
+FSDP2 and HSDP fits with every statistic, accumulation with clipping, the sentinel's ``skip`` and
+``stop`` on a NaN that only one rank's shard holds, and the tensor-parallel refusal.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def fsdp_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """The one-process reference fits, ``devices=1``, for every run."""
     out = tmp_path_factory.mktemp("single")
-    runs = {"fsdp": run(out, "fsdp", devices=1)}
+    runs = {name: run(out, name, devices=1) for name in ("fsdp", "clip")}
     for action in ("skip", "stop"):
         with pytest.warns(GradientAlarmWarning, match="non-finite"):
             runs[action] = run(out, action, devices=1)
@@ -96,6 +96,16 @@ def _assert_same_scalars(
             assert same or (math.isnan(value) and math.isnan(reference)), (tag, value, reference)
 
 
+def test_accumulation_and_clipping_equal_one_process(
+    fsdp_out: Path, single: tuple[Path, dict[str, Any]]
+) -> None:
+    want = read_scalars(single[0] / "clip" / "tb")
+    pre = [v for _, v in want["grad_flow/global/grad_norm_preclip"]]
+    post = [v for _, v in want["grad_flow/global/grad_norm_postclip"]]
+    assert post[0] < pre[0]  # clipped: the post-clip norm is made whole across shards too
+    _assert_same_scalars(read_scalars(fsdp_out / "clip" / "tb"), want, [2, 4])
+
+
 @pytest.mark.parametrize("mesh", ["fsdp", "hsdp"])
 def test_histograms_equal_one_process(
     mesh: str, fsdp_out: Path, single: tuple[Path, dict[str, Any]]
@@ -125,7 +135,7 @@ def test_sharded_weights_have_an_empty_shard(fsdp_out: Path) -> None:
 def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
     for rank in (0, 1):
         report = _report(fsdp_out, rank)
-        fsdp, hsdp, skip = report["fsdp"], report["hsdp"], report["skip"]
+        fsdp, hsdp, skip = report["fsdp"], report["hsdp"], report["skip"]  # batches = steps
         # Per sampled step, whatever the number of layers: one all_gather of every parameter's
         # packed gradient and weight partials (which the sentinel reads too), one of the update's.
         assert fsdp["steps"] == [2] * 8
@@ -142,6 +152,8 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         assert [e["ours_by_name"] for e in fsdp["epochs"]] == [
             {"all_gather": 4 * 2 + 1, "all_reduce": 1 + 1 + 2 + 1 + 1, "barrier": 1}
         ] * 2
+        # Accumulating 2 batches, clipped: one more all_gather, of the post-clip norms.
+        assert report["clip"]["steps"] == [0, 3] * 4
         # HSDP (replicate=2, shard=1): a shard group of one rank makes no collective of its own.
         assert hsdp["steps"] == [0] * 8
         assert [e["ours_by_name"] for e in hsdp["epochs"]] == [
