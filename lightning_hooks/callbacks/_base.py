@@ -9,6 +9,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_hooks.core.guard import Guard, guard_hooks
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import tensorboard_writers, write_dashboard
 
@@ -97,6 +98,24 @@ class HookCallback(pl.Callback):
     steps cost a Python attribute check per hook; statistics are then means over the sampled
     steps, and an epoch shorter than ``n`` steps still has one."""
     _epoch_start_step: int = -1
+    strict: bool | None = None
+    """``True``: an exception in one of the callback's hooks propagates; ``False``: it disables
+    the callback for the rest of the fit with one warning; ``None``: ``LIGHTNING_HOOKS_STRICT``."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        guard_hooks(cls)
+
+    def _hook_guard(self) -> Guard:
+        """This fit's guard of the callback's hooks (see :mod:`lightning_hooks.core.guard`)."""
+        guard: Guard | None = self.__dict__.get("_guard")
+        if guard is None:
+            guard = self.__dict__["_guard"] = Guard(type(self).__name__, strict=self.strict)
+        return guard
+
+    def _guard_disable(self) -> None:
+        """After a guarded failure: remove every hook now; the guard keeps the rest off."""
+        self._detach()
 
     def _cadence(self, trainer: pl.Trainer) -> int:
         """The resolved ``every_n_steps``."""
@@ -145,6 +164,7 @@ class HookCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self.__dict__.pop("_guard", None)  # each fit starts healthy
         name = type(self).__name__
         _check_strategy(name, trainer.strategy)
         if not trainer.loggers:
@@ -229,3 +249,6 @@ class HookCallback(pl.Callback):
 
     def _load_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`_save_state` into freshly attached accumulators; ValueError if foreign."""
+
+
+guard_hooks(HookCallback)

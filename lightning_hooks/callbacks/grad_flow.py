@@ -17,11 +17,11 @@ from lightning_hooks.core import (
     LayerHistogram,
     LayerHistograms,
     LayerStats,
+    ParamLayout,
     select_modules,
 )
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
 from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns
-from lightning_hooks.core.sharding import to_local
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
 from lightning_hooks.logging import (
     grad_flow_figure,
@@ -313,11 +313,12 @@ class GradFlowCallback(HookCallback):
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         layout = self._tracker.layout
         pairs = [
-            (to_local(p.grad), row)
+            (p, row)
             for p, row in zip(layout.params, layout.owner, strict=True)
             if p.grad is not None and id(p) in stepped
         ]
-        self._hist.update([g for g, _ in pairs], [row for _, row in pairs])
+        grads = ParamLayout.grads([p for p, _ in pairs])  # sparse: the coalesced values
+        self._hist.update(grads, [row for _, row in pairs])
 
     def _act(
         self,

@@ -47,6 +47,9 @@ class _OptimizerView:
     rows: torch.Tensor  # layers it steps, then the global row
     before: list[torch.Tensor]
     owner: tuple[int, ...]  # index, on the host
+    key: tuple[int, ...]  # the param_groups' sizes it was built for
+    unique: torch.Tensor  # positions of each parameter's first listing (global figures)
+    numel: torch.Tensor  # [layers + 1] elements it steps per layer, then all (shared once)
     weight_norm: torch.Tensor | None = None
     masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
 
@@ -86,8 +89,11 @@ def _add_output_grad_in_order(
     order.append(row)  # host-side: the backward order the non-finite alarm names layers in
 
 
-def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int]) -> Any:
-    """A forward hook that puts a gradient hook on the module's outputs in training forwards."""
+def _output_hook(
+    sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int], wrap: Any = None
+) -> Any:
+    """A forward hook that puts a gradient hook on the module's outputs in training forwards
+    (``wrap``: the registry's guard for those tensor hooks)."""
     # Views made once: each step then costs one op per forward and two per gradient.
     sq_row, hit_row = sq.select(0, row), hit.select(0, row)
 
@@ -100,6 +106,8 @@ def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int]
             add = partial(_add_output_grad_at, sq, row)
         else:
             add = partial(_add_output_grad_in_order, sq_row, order, row)
+        if wrap is not None:
+            add = wrap(add, "output gradient hook")
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(add)  # type: ignore[no-untyped-call]
@@ -180,10 +188,12 @@ class GradFlowTracker(HookOwner):
     ) -> None:
         self.registry = HookRegistry(model)
         modules = self.registry.modules(types=types, include=include, exclude=exclude)
-        self.layout = ParamLayout.from_modules(modules)
+        # The model's own parameters (a learnable temperature) unless a selection narrows it.
+        root = model if types is None and not include else None
+        self.layout = ParamLayout.from_modules(modules, root=root)
         if not self.layout.layers:
             raise ValueError(
-                "GradFlowTracker: no selected module owns a trainable parameter "
+                "GradFlowTracker: no selected module owns a parameter "
                 f"(types={types!r}, include={include!r}, exclude={exclude!r})"
             )
         device = self.layout.index.device
@@ -211,7 +221,10 @@ class GradFlowTracker(HookOwner):
         if output_grad:
             by_name = dict(modules)
             for row, name in enumerate(self.layout.layers):
-                hook = _output_hook(self._out_sq, self._hit, row, self._backward_order)
+                if name not in by_name:
+                    continue  # the model's own row: its output is the loss's input, not a layer's
+                wrap = self.registry.guarded
+                hook = _output_hook(self._out_sq, self._hit, row, self._backward_order, wrap)
                 self.registry.forward_hook(by_name[name], hook, gated=True)
         for optimizer in optimizers:
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
@@ -226,22 +239,33 @@ class GradFlowTracker(HookOwner):
         self.registry.sampled = value
 
     def _view(self, optimizer: torch.optim.Optimizer) -> _OptimizerView:
+        # Rebuilt when the param_groups change (add_param_group: BackboneFinetuning) and at
+        # each reset (epoch): a parameter unfrozen by requires_grad alone counts from there.
+        key = tuple(len(group["params"]) for group in optimizer.param_groups)
         view = self._views.get(id(optimizer))
-        if view is None:
-            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            keep = [id(p) in stepped for p in self.layout.params]
-            params, index = self.layout.subset(keep)
-            layers = sorted({i for i, k in zip(self.layout.owner, keep, strict=True) if k})
-            layers.append(len(self.layout.layers))
-            rows = torch.tensor(layers, dtype=torch.long, device=index.device)
-            # Re-number the subset's layers 0..k-1 so the segment reductions stay dense.
-            index = torch.searchsorted(rows, index)
-            before = [torch.empty_like(to_local(p)) for p in params] if self._update_ratio else []
-            dense = {layer: i for i, layer in enumerate(layers)}
-            owner = tuple(dense[o] for o, k in zip(self.layout.owner, keep, strict=True) if k)
-            view = _OptimizerView(params, index, rows, before, owner)
-            self._views[id(optimizer)] = view
+        if view is None or view.key != key:
+            view = self._views[id(optimizer)] = self._build_view(optimizer, key)
         return view
+
+    def _build_view(self, optimizer: torch.optim.Optimizer, key: tuple[int, ...]) -> _OptimizerView:
+        stepped = {
+            id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad
+        }
+        keep = [id(p) in stepped for p in self.layout.params]
+        params, index = self.layout.subset(keep)
+        layers = sorted({i for i, k in zip(self.layout.owner, keep, strict=True) if k})
+        layers.append(len(self.layout.layers))
+        rows = torch.tensor(layers, dtype=torch.long, device=index.device)
+        # Re-number the subset's layers 0..k-1 so the segment reductions stay dense.
+        index = torch.searchsorted(rows, index)
+        before = [torch.empty_like(to_local(p)) for p in params] if self._update_ratio else []
+        dense = {layer: i for i, layer in enumerate(layers)}
+        owner = tuple(dense[o] for o, k in zip(self.layout.owner, keep, strict=True) if k)
+        unique = self.layout.unique(keep)
+        sizes = torch.tensor([float(p.numel()) for p in params], device=rows.device)
+        numel = sizes.new_zeros(len(layers) - 1).index_add_(0, index, sizes)
+        numel = torch.cat([numel, sizes.index_select(0, unique).sum().view(1)])
+        return _OptimizerView(params, index, rows, before, owner, key, unique, numel)
 
     @torch.no_grad()
     def observe(
@@ -298,16 +322,26 @@ class GradFlowTracker(HookOwner):
     def _gradient_stats(self, view: _OptimizerView, *, full: bool) -> torch.Tensor:
         """:func:`grad_stats` (``full``), else the alarms' :func:`grad_norms`."""
         params = [to_local(p) for p in view.params]
-        grads = [
-            to_local(p.grad) if p.grad is not None else w.new_zeros(1)
-            for p, w in zip(view.params, params, strict=True)
-        ]
+        grads = ParamLayout.grads(view.params)
+        num_layers = len(view.rows) - 1
         if not full:
-            return grad_norms(grads, params, view.index, len(view.rows) - 1, self.shards)
+            return grad_norms(
+                grads, params, view.index, num_layers, unique=view.unique, shards=self.shards
+            )
         # The update-ratio buffers are free until the copy after it: reuse them as scratch.
-        scratch = view.before if all(p.grad is not None for p in view.params) else None
-        numel = self.layout.numel[view.rows[:-1]]
-        return grad_stats(grads, params, view.index, numel, scratch or None, self.shards)
+        dense = all(p.grad is not None and not p.grad.is_sparse for p in view.params)
+        scratch = view.before if dense else None
+        numel, total = view.numel[:-1], view.numel[-1]
+        return grad_stats(
+            grads,
+            params,
+            view.index,
+            numel,
+            scratch or None,
+            unique=view.unique,
+            total_numel=total,
+            shards=self.shards,
+        )
 
     def _observe_output_grad(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         sq = self._out_sq[rows]
@@ -318,8 +352,11 @@ class GradFlowTracker(HookOwner):
             self.accumulator.update(sq.sqrt()[:, None], [_OUTPUT], rows, valid, replicated=True)
         else:
             self._record_output_grad(rows, sq)
-        self._out_sq.index_fill_(0, rows, 0.0)
-        self._hit.index_fill_(0, rows, False)
+        # Every row, not only this optimizer's: what other layers saw in this step's backward
+        # fed this step, not their own optimizer's (a GAN's generator loss flows through the
+        # discriminator). Their own backward comes after, before their step.
+        self._out_sq.zero_()
+        self._hit.zero_()
 
     def _record_output_grad(self, rows: torch.Tensor, sq: torch.Tensor) -> None:
         """Under DDP: keep the step's rank-local squares until the epoch's one reduction."""
@@ -347,12 +384,11 @@ class GradFlowTracker(HookOwner):
     @torch.no_grad()
     def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         view = self._views.get(id(optimizer))
-        if view is None or not self.registry.sampled:
+        if view is None or not view.params or not self.registry.sampled:
             return
         if self._post_clip:
-            grads = [to_local(p.grad) for p in view.params if p.grad is not None]
-            norms = _norms(grads) if grads else view.rows.new_zeros(1, dtype=torch.float32)
-            if self.shards is not None and grads:
+            norms = _norms(ParamLayout.grads(view.params)).index_select(0, view.unique)
+            if self.shards is not None:
                 norms = self.shards.reduce(norms=[norms])[0][0]
             norm = torch.linalg.vector_norm(norms)
             glob = view.rows[-1:]
@@ -361,7 +397,9 @@ class GradFlowTracker(HookOwner):
             return
         num_layers = len(view.rows) - 1
         after = [to_local(p) for p in view.params]
-        upd = _update_norms(view.before, after, view.index, num_layers, self.shards)
+        upd = _update_norms(
+            view.before, after, view.index, num_layers, unique=view.unique, shards=self.shards
+        )
         ratio = upd / view.weight_norm.clamp_min(torch.finfo(upd.dtype).tiny)
         valid = (view.weight_norm > 0)[:, None]
         self.accumulator.update(ratio[:, None], [_UPDATE], view.rows, valid, replicated=True)
@@ -385,7 +423,8 @@ class GradFlowTracker(HookOwner):
         self.accumulator.load_host_state(state)
 
     def reset(self) -> None:
-        """Start a new accumulation period (an epoch)."""
+        """Start a new accumulation period (an epoch); parameters are looked up afresh."""
         self.accumulator.reset()
+        self._views.clear()
         self._series.zero_()
         self._steps = 0
