@@ -14,6 +14,7 @@ launch, each writing TensorBoard events under ``--out/<name>``:
   at step ``NAN_STEP``, with ``on_alarm="skip"`` (statistics every 4th step, the sentinel's
   norm-only pass between) / ``"stop"`` (every statistic at every step); each rank saves its final
   weights and ``global_step`` (``rank{r}.json``);
+- ``example``: ``examples/fsdp2.py``'s training (logs under ``--out/example/runs``);
 - ``tensor_parallel``: ``tensor_parallel_size=2`` must be refused at setup (the message is kept).
 
 Each rank gets half of each global batch of 8 (a ``DistributedSampler`` without shuffling), so
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import runpy
 import sys
 from collections import Counter
 from pathlib import Path
@@ -264,6 +267,18 @@ def compare(out: Path) -> None:
             print(f"| {tag} | {step} | {cells} | {diff:.1e} |")
 
 
+def _run_example(cwd: Path) -> None:
+    """``examples/fsdp2.py``'s training in this launch (its logs go to ``cwd / "runs"``)."""
+    cwd.mkdir(exist_ok=True)
+    previous = Path.cwd()
+    os.chdir(cwd)
+    try:
+        example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "fsdp2.py"))
+        example["train"]()
+    finally:
+        os.chdir(previous)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -276,6 +291,7 @@ def main() -> None:
     report["rank"] = dist.get_rank()
     report["world_size"] = dist.get_world_size()
     report["backend"] = dist.get_backend()
+    _run_example(args.out / "example")
     try:  # last: the refusal ends this fit inside Lightning's exception handling
         run(args.out, "tensor_parallel", devices=2, tensor_parallel=2)
     except MisconfigurationException as err:

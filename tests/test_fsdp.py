@@ -2,7 +2,8 @@
 
 One launch of ``tests/fsdp_run.py`` (about 30 s on 2 shared cores) serves every test here: the
 FSDP2 and HSDP fits with every statistic, accumulation with clipping, the sentinel's ``skip`` and
-``stop`` on a NaN that only one rank's shard holds, and the tensor-parallel refusal.
+``stop`` on a NaN that only one rank's shard holds, ``examples/fsdp2.py`` and the tensor-parallel
+refusal.
 """
 
 from __future__ import annotations
@@ -185,6 +186,15 @@ def test_alarm_actions_agree_across_ranks_and_with_one_process(
         assert all(np.isfinite(np.asarray(v)).all() for v in reference["weights"].values())
     # Every tag: the same value as in one process (stop: the second epoch ends at step 6).
     _assert_same_scalars(got_tags, want, [4, 6] if action == "stop" else STEPS)
+
+
+def test_example_trains_sharded_and_logs_whole_model_statistics(fsdp_out: Path) -> None:
+    scalars = read_scalars(fsdp_out / "example" / "runs" / "fsdp2")
+    layers = ("net.0", "net.2", "net.4")
+    assert {f"grad_flow/grad_norm/{layer}" for layer in layers} <= set(scalars)
+    assert {f"activations/mean/{layer}" for layer in layers} <= set(scalars)
+    # 256 samples, 32 a batch, half of them per rank: 4 steps an epoch, logged at each end.
+    assert [s for s, _ in scalars["grad_flow/global/grad_norm"]] == [4, 8]
 
 
 def test_tensor_parallel_is_refused_naming_what_is_supported(fsdp_out: Path) -> None:
