@@ -75,6 +75,19 @@ def _check_name(name: str, value: Any) -> str | None:
     )
 
 
+def _check_patterns(name: str, value: Any) -> tuple[str, ...]:
+    """One glob pattern, a sequence of them, or ``None``."""
+    items = [value] if isinstance(value, str) else value
+    if value is None or (
+        isinstance(items, list | tuple) and all(isinstance(item, str) for item in items)
+    ):
+        return as_patterns(value)
+    raise TypeError(
+        f"{_OWNER}({name}={value!r}): must be a module name or glob pattern, a sequence of "
+        f"them, or None, got {value!r}"
+    )
+
+
 def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[str, nn.Module]]:
     """The modules ``patterns`` name; the error names the user's argument first."""
     try:
@@ -166,7 +179,7 @@ class FeatureMapCallback(HookCallback):
         self.channels = checks.positive_int(_OWNER, "channels", channels)
         self.probe_size = checks.positive_int(_OWNER, "probe_size", probe_size)
         self.every_n_epochs = checks.positive_int(_OWNER, "every_n_epochs", every_n_epochs)
-        self.layers = as_patterns(layers, f"{_OWNER}(layers=...)")
+        self.layers = _check_patterns("layers", layers)
         self.input_fn = checks.callable_or_none(_OWNER, "input_fn", input_fn) or _default_input
         self.forward_fn = checks.callable_or_none(_OWNER, "forward_fn", forward_fn)
         self.embedding = _check_name("embedding", embedding)

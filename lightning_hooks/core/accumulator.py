@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torchmetrics import Metric
 
+from lightning_hooks.core.checks import choice
 from lightning_hooks.core.distributed import all_gather_stacked, rank
 
 __all__ = ["LayerStats", "LayerStatsAccumulator"]
@@ -38,7 +39,17 @@ class LayerStats:
     count: np.ndarray
 
     def column(self, stat: str, kind: str = "mean") -> np.ndarray:
-        """One statistic for every layer: ``kind`` is ``"mean"``, ``"peak"`` or ``"total"``."""
+        """One statistic for every layer: ``kind`` is ``"mean"``, ``"peak"`` or ``"total"``.
+
+        Example:
+            >>> stats = LayerStats(("a",), ("norm",), *([np.ones((1, 1))] * 4))
+            >>> stats.column("nrom")
+            Traceback (most recent call last):
+            ...
+            ValueError: LayerStats.column(stat='nrom'): must be one of ('norm',), got 'nrom'
+        """
+        choice("LayerStats.column", "stat", stat, self.stats)
+        choice("LayerStats.column", "kind", kind, ("mean", "peak", "total", "count"))
         table: np.ndarray = getattr(self, kind)
         return table[:, self.stats.index(stat)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
@@ -50,6 +51,7 @@ class _OptimizerView:
     key: tuple[int, ...]  # the param_groups' sizes it was built for
     unique: torch.Tensor  # positions of each parameter's first listing (global figures)
     numel: torch.Tensor  # [layers + 1] elements it steps per layer, then all (shared once)
+    layer_ids: frozenset[int]  # the layout rows it steps, on the host
     weight_norm: torch.Tensor | None = None
     masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
 
@@ -111,7 +113,7 @@ def _output_hook(
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(add)  # type: ignore[no-untyped-call]
-                hit_row.fill_(True)
+                hit_row.add_(1.0)  # a count: a later step may take back what came before
 
     return hook
 
@@ -203,7 +205,14 @@ class GradFlowTracker(HookOwner):
         self.accumulator.to(device)
         num_layers = len(self.layout.layers)
         self._out_sq = torch.zeros(num_layers, device=device)
-        self._hit = torch.zeros(num_layers, dtype=torch.bool, device=device)
+        self._hit = torch.zeros(num_layers, device=device)
+        # Several optimizers: each row's output-gradient sums as they stood at the last step of
+        # another optimizer, and the gradient each optimizer's first parameter had then.
+        self._pending_sq = torch.zeros_like(self._out_sq)
+        self._pending_hit = torch.zeros_like(self._hit)
+        self._markers: dict[int, weakref.ref[torch.Tensor] | None] = {}
+        self._optimizers = list(optimizers)
+        self._unowned: torch.Tensor | None = None  # rows no optimizer steps (frozen)
         # Under DDP only: [steps, squared output-grad norm | hit, layers], reduced at result().
         self._series = torch.zeros(0, 2, num_layers, device=device)
         self._steps = 0
@@ -265,7 +274,9 @@ class GradFlowTracker(HookOwner):
         sizes = torch.tensor([float(p.numel()) for p in params], device=rows.device)
         numel = sizes.new_zeros(len(layers) - 1).index_add_(0, index, sizes)
         numel = torch.cat([numel, sizes.index_select(0, unique).sum().view(1)])
-        return _OptimizerView(params, index, rows, before, owner, key, unique, numel)
+        self._unowned = None
+        ids = frozenset(layers[:-1])
+        return _OptimizerView(params, index, rows, before, owner, key, unique, numel, ids)
 
     @torch.no_grad()
     def observe(
@@ -317,7 +328,50 @@ class GradFlowTracker(HookOwner):
             torch._foreach_copy_(view.before, [to_local(p) for p in view.params])
             view.weight_norm = stats[:, _WEIGHT]
         if self._output_grad:
+            self._drop_other_backward(optimizer, view)
             self._observe_output_grad(view.rows[:-1], grad_scale)
+            self._clear_unowned()
+            self._mark_other_optimizers(optimizer)
+
+    def _clear_unowned(self) -> None:
+        """Zero the output-gradient sums of rows no optimizer steps (a frozen layer's output
+        still gets a gradient): unfrozen later, it counts from its first step, not before."""
+        for other in self._optimizers:
+            self._view(other)  # a param_groups change rebuilds, and resets ``_unowned``
+        if self._unowned is None:
+            owned = set().union(*(v.layer_ids for v in self._views.values()))
+            rows = [i for i in range(len(self.layout.layers)) if i not in owned]
+            self._unowned = torch.tensor(rows, dtype=torch.long, device=self._out_sq.device)
+        if self._unowned.numel():
+            self._out_sq.index_fill_(0, self._unowned, 0.0)
+            self._hit.index_fill_(0, self._unowned, 0.0)
+
+    def _drop_other_backward(self, optimizer: torch.optim.Optimizer, view: _OptimizerView) -> None:
+        """Under several optimizers (a GAN), take back from this optimizer's rows what the
+        backward passes before another optimizer's last step put there, if this optimizer
+        zeroed its gradients since (its first parameter holds another gradient tensor): those
+        passes fed the other step, not this one. Two device ops; nothing with one optimizer."""
+        if id(optimizer) not in self._markers:
+            return
+        marker = self._markers.pop(id(optimizer))
+        then = marker() if marker is not None else None
+        if then is not None and then is view.params[0].grad:
+            return  # no zero_grad since: those passes feed this step too
+        rows = view.rows[:-1]
+        sq = (self._out_sq[rows] - self._pending_sq[rows]).clamp_(min=0.0)
+        self._out_sq.index_copy_(0, rows, sq)
+        self._hit.index_copy_(0, rows, self._hit[rows] - self._pending_hit[rows])
+
+    def _mark_other_optimizers(self, optimizer: torch.optim.Optimizer) -> None:
+        if len(self._optimizers) < 2:
+            return
+        self._pending_sq.copy_(self._out_sq)
+        self._pending_hit.copy_(self._hit)
+        for other in self._optimizers:
+            params = self._view(other).params if other is not optimizer else ()
+            if params:
+                grad = params[0].grad
+                self._markers[id(other)] = weakref.ref(grad) if grad is not None else None
 
     def _gradient_stats(self, view: _OptimizerView, *, full: bool) -> torch.Tensor:
         """:func:`grad_stats` (``full``), else the alarms' :func:`grad_norms`."""
@@ -348,15 +402,12 @@ class GradFlowTracker(HookOwner):
         if grad_scale is not None:
             sq = sq / grad_scale.square()
         if world_size() == 1:
-            valid = self._hit[rows, None]
+            valid = self._hit[rows, None] > 0
             self.accumulator.update(sq.sqrt()[:, None], [_OUTPUT], rows, valid, replicated=True)
         else:
             self._record_output_grad(rows, sq)
-        # Every row, not only this optimizer's: what other layers saw in this step's backward
-        # fed this step, not their own optimizer's (a GAN's generator loss flows through the
-        # discriminator). Their own backward comes after, before their step.
-        self._out_sq.zero_()
-        self._hit.zero_()
+        self._out_sq.index_fill_(0, rows, 0.0)
+        self._hit.index_fill_(0, rows, 0.0)
 
     def _record_output_grad(self, rows: torch.Tensor, sq: torch.Tensor) -> None:
         """Under DDP: keep the step's rank-local squares until the epoch's one reduction."""
@@ -426,5 +477,6 @@ class GradFlowTracker(HookOwner):
         """Start a new accumulation period (an epoch); parameters are looked up afresh."""
         self.accumulator.reset()
         self._views.clear()
+        self._unowned = None
         self._series.zero_()
         self._steps = 0
