@@ -267,6 +267,26 @@ def compare(out: Path) -> None:
             print(f"| {tag} | {step} | {cells} | {diff:.1e} |")
 
 
+def _refused_layouts() -> dict[str, str]:
+    """``ShardPlan.from_params``'s errors on real DTensors: a plain parameter beside sharded ones,
+    a parameter sharded over two mesh dimensions (FSDP + tensor parallel)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_hooks.core.sharding import ShardPlan
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b"))
+    sharded = distribute_tensor(torch.ones(4, 2), mesh["a"], [Shard(0)])
+    two_dims = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0), Shard(1)])
+    errors = {}
+    for name, params in (("mixed", [sharded, torch.ones(3)]), ("two_dims", [two_dims])):
+        try:
+            ShardPlan.from_params(params)
+        except ValueError as err:
+            errors[name] = str(err)
+    return errors
+
+
 def _run_example(cwd: Path) -> None:
     """``examples/fsdp2.py``'s training in this launch (its logs go to ``cwd / "runs"``)."""
     cwd.mkdir(exist_ok=True)
@@ -292,6 +312,7 @@ def main() -> None:
     report["world_size"] = dist.get_world_size()
     report["backend"] = dist.get_backend()
     _run_example(args.out / "example")
+    report["refused_layouts"] = _refused_layouts()
     try:  # last: the refusal ends this fit inside Lightning's exception handling
         run(args.out, "tensor_parallel", devices=2, tensor_parallel=2)
     except MisconfigurationException as err:

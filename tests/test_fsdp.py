@@ -234,6 +234,14 @@ def test_partials_of_shards_combine_to_the_whole_tensor() -> None:
     assert torch.isnan(combine_partials(partials, num_sums=2)).all()
 
 
+def test_layouts_that_would_give_wrong_numbers_are_refused(fsdp_out: Path) -> None:
+    errors = _report(fsdp_out, 0)["refused_layouts"]
+    assert "parameter 1 of shape (3,) is a plain tensor" in errors["mixed"]
+    assert "apply fully_shard to the root module too" in errors["mixed"]
+    assert "placements (Shard(dim=0), Shard(dim=1))" in errors["two_dims"]
+    assert "supported: Shard along one mesh dimension" in errors["two_dims"]
+
+
 def test_unsharded_parameters_make_no_plan() -> None:
     assert ShardPlan.from_params(list(torch.nn.Linear(2, 2).parameters())) is None
 
