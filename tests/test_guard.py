@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import pytorch_lightning as pl
-import torch
 
 from lightning_hooks import (
     ActivationStatsCallback,
@@ -141,26 +140,3 @@ def test_library_errors_are_never_swallowed() -> None:
     with pytest.raises(GradientAlarmError, match="spike"):
         guard.wrap(raise_alarm, "on_before_optimizer_step hook")()
     assert guard.failed is None
-
-
-def test_non_strict_guard_adds_no_measurable_cost_when_nothing_raises() -> None:
-    """The guarded forward hook against the bare one: within noise on a 2-core shared CPU."""
-    import timeit
-
-    from lightning_hooks.core.registry import HookRegistry
-
-    layer = torch.nn.Linear(4, 4)
-    calls = [0]
-
-    def hook(module: Any, args: Any, output: Any) -> None:
-        calls[0] += 1
-
-    x = torch.zeros(1, 4)
-    timings = {}
-    for name, guard in (("bare", None), ("guarded", Guard("G", strict=False))):
-        registry = HookRegistry(layer, guard=guard)
-        registry.forward_hook(layer, hook, gated=True)
-        timings[name] = min(timeit.repeat(lambda: layer(x), number=2000, repeat=5))
-        registry.remove()
-    assert calls[0] == 2 * 5 * 2000
-    assert timings["guarded"] < 1.25 * timings["bare"], timings

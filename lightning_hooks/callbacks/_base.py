@@ -9,6 +9,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_hooks.core.checks import positive_int
 from lightning_hooks.core.guard import Guard, guard_hooks
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import tensorboard_writers, write_dashboard
@@ -36,12 +37,13 @@ def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
     """
     if every_n_steps is None:
         return None
-    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+    try:
+        return positive_int(owner, "every_n_steps", every_n_steps)
+    except TypeError as err:  # one error type for every wrong cadence, as before
         raise ValueError(
             f"{owner}(every_n_steps={every_n_steps!r}): must be a positive int or None "
             f"(the Trainer's log_every_n_steps), got {every_n_steps!r}"
-        )
-    return every_n_steps
+        ) from err
 
 
 # Strategies whose sharded statistics are not made whole: refused at setup. FSDP2 (Lightning's

@@ -14,7 +14,6 @@ from typing_extensions import override
 from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
 from lightning_hooks.core import (
     GradFlowTracker,
-    LayerHistogram,
     LayerHistograms,
     LayerStats,
     ParamLayout,
@@ -27,9 +26,9 @@ from lightning_hooks.logging import (
     grad_flow_figure,
     layer_epoch_heatmap,
     log_figure,
+    log_histogram,
     log_scalars,
     log_text,
-    write_histogram_raw,
 )
 
 __all__ = ["GradFlowCallback"]
@@ -422,9 +421,8 @@ class GradFlowCallback(HookCallback):
             return
         for row in _logged_rows(stats, self.max_layers_logged):
             if counts[row].any():
-                raw = LayerHistogram(limits, counts[row]).raw()
                 tag = f"grad_flow/grad_log10_abs/{stats.layers[row]}"
-                write_histogram_raw(trainer.loggers, tag, raw, step)
+                log_histogram(trainer.loggers, tag, limits, counts[row], step)
 
     def _log_alarms(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
         self._act(trainer, None, alarms.poll(wait=True))
