@@ -137,15 +137,15 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         assert [e["ours_by_name"] for e in skip["epochs"]] == [
             {"all_gather": 2 + 3 + 1, "all_reduce": 1}
         ] * 2
-        # Every callback: + the gradient histogram's counts over the shard group, activations
-        # (sums, extremes), dead units, saturation (Lightning's reduce: all_reduce + barrier).
+        # Every callback: + the gradient histogram's counts over the shard group (all_reduce),
+        # and one packed all_gather per LayerStat: activations, dead units, saturation.
         assert [e["ours_by_name"] for e in fsdp["epochs"]] == [
-            {"all_gather": 4 * 2 + 1, "all_reduce": 1 + 1 + 2 + 1 + 1, "barrier": 1}
+            {"all_gather": 4 * 2 + 1 + 3, "all_reduce": 1 + 1}
         ] * 2
         # HSDP (replicate=2, shard=1): a shard group of one rank makes no collective of its own.
         assert hsdp["steps"] == [0] * 8
         assert [e["ours_by_name"] for e in hsdp["epochs"]] == [
-            {"all_gather": 1, "all_reduce": 1 + 2 + 1 + 1, "barrier": 1}
+            {"all_gather": 1 + 3, "all_reduce": 1}
         ] * 2
 
 

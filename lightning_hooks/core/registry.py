@@ -122,6 +122,11 @@ class HookRegistry(HookOwner):
         selected = select_modules(
             self.model, types=types, include=include, exclude=exclude, where=where
         )
+        self.warn_unhookable(selected)
+        return selected
+
+    def warn_unhookable(self, selected: list[tuple[str, nn.Module]]) -> None:
+        """One warning naming the ``selected`` modules that run no Python hooks (``torch.jit``)."""
         skipped = [name for name, module in selected if id(module) in self._unhookable]
         if skipped:
             warnings.warn(
@@ -131,7 +136,6 @@ class HookRegistry(HookOwner):
                 LightningHooksWarning,
                 stacklevel=3,
             )
-        return selected
 
     def _name(self, module: nn.Module) -> str:
         return self._names.get(id(module)) or type(module).__name__

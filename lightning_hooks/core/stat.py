@@ -213,6 +213,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         self.to(device)
         self.registry = HookRegistry(model) if registry is None else registry
         selected = self.select(model)
+        self.registry.warn_unhookable(selected)
         self._hooked = tuple(name for name, _ in selected)
         for name, module in selected:
             self.hook_module(self.registry, name, module)
