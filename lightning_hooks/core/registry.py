@@ -123,14 +123,10 @@ class HookRegistry(HookOwner):
         selected = select_modules(
             self.model, types=types, include=include, exclude=exclude, where=where
         )
-        self.warn_unhookable(selected)
-        return selected
-
-    def warn_unhookable(self, selected: list[tuple[str, nn.Module]]) -> None:
-        """One warning naming the ``selected`` modules that run no Python hooks (``torch.jit``)."""
         skipped = [name for name, module in selected if id(module) in self._unhookable]
         if skipped:
             self._warn_unhookable(skipped)
+        return selected
 
     def _warn_unhookable(self, names: list[str]) -> None:
         """One warning per registry naming the modules that get no module hook."""
