@@ -108,9 +108,6 @@ def test_fails_cleanly_without_a_logger(
 _SENTINEL = pytest.mark.xfail(
     strict=True, reason="sentinel branch: GradFlowCallback/AlarmRules/GradFlowTracker checks"
 )
-_PIPELINE = pytest.mark.xfail(
-    strict=True, reason="pipeline branch: Selection and the per-step callbacks' checks"
-)
 _MODEL = nn.Sequential(nn.Linear(2, 2))
 _STATS = LayerStats(("a",), ("grad_norm",), *([np.ones((1, 1))] * 4))
 
@@ -133,31 +130,18 @@ BAD_ARGUMENTS = [
         r"GradFlowTracker\(optimizers=",
         _SENTINEL,
     ),
-    _bad(lambda: GradFlowCallback(include=5), r"GradFlowCallback\(include=5\)", _PIPELINE),
-    _bad(
-        lambda: ActivationStatsCallback(include=5),
-        r"ActivationStatsCallback\(include=5\)",
-        _PIPELINE,
-    ),
-    _bad(lambda: DeadReLUCallback(include=5), r"DeadReLUCallback\(include=5\)", _PIPELINE),
-    _bad(
-        lambda: DeadReLUCallback(pre_activation=5),
-        r"DeadReLUCallback\(pre_activation=5\)",
-        _PIPELINE,
-    ),
-    _bad(lambda: LayerTimeCallback(include=5), r"LayerTimeCallback\(include=5\)", _PIPELINE),
-    _bad(
-        lambda: LayerTimeCallback(types=str), r"LayerTimeCallback\(types=<class 'str'>\)", _PIPELINE
-    ),
-    _bad(lambda: SaturationCallback(include=5), r"SaturationCallback\(include=5\)", _PIPELINE),
-    _bad(lambda: SaturationCallback(margin="x"), r"SaturationCallback\(margin='x'\)", _PIPELINE),
-    _bad(
-        lambda: SaturationCallback(unit_dim="x"), r"SaturationCallback\(unit_dim='x'\)", _PIPELINE
-    ),
+    _bad(lambda: GradFlowCallback(include=5), r"GradFlowCallback\(include=5\)"),
+    _bad(lambda: ActivationStatsCallback(include=5), r"ActivationStatsCallback\(include=5\)"),
+    _bad(lambda: DeadReLUCallback(include=5), r"DeadReLUCallback\(include=5\)"),
+    _bad(lambda: DeadReLUCallback(pre_activation=5), r"DeadReLUCallback\(pre_activation=5\)"),
+    _bad(lambda: LayerTimeCallback(include=5), r"LayerTimeCallback\(include=5\)"),
+    _bad(lambda: LayerTimeCallback(types=str), r"LayerTimeCallback\(types=<class 'str'>\)"),
+    _bad(lambda: SaturationCallback(include=5), r"SaturationCallback\(include=5\)"),
+    _bad(lambda: SaturationCallback(margin="x"), r"SaturationCallback\(margin='x'\)"),
+    _bad(lambda: SaturationCallback(unit_dim="x"), r"SaturationCallback\(unit_dim='x'\)"),
     _bad(
         lambda: ActivationStatsCallback(histogram_range="ab"),
         r"ActivationStatsCallback\(histogram_range='ab'\)",
-        _PIPELINE,
     ),
     _bad(lambda: FeatureMapCallback(layers=5), r"FeatureMapCallback\(layers=5\)"),
     _bad(lambda: FeatureMapCallback(input_fn="x"), r"FeatureMapCallback\(input_fn='x'\)"),
@@ -183,30 +167,22 @@ def test_bad_arguments_are_refused_naming_argument_and_value(
 
 
 COUNTS = [
-    # check_every_n_steps (callbacks/_base.py) is the pipeline branch's.
-    pytest.param(
-        lambda n: GradFlowCallback(every_n_steps=n), "every_n_steps", id="GradFlow", marks=_PIPELINE
-    ),
+    pytest.param(lambda n: GradFlowCallback(every_n_steps=n), "every_n_steps", id="GradFlow"),
     pytest.param(
         lambda n: ActivationStatsCallback(every_n_steps=n),
         "every_n_steps",
         id="Activation",
-        marks=_PIPELINE,
     ),
-    pytest.param(
-        lambda n: DeadReLUCallback(every_n_steps=n), "every_n_steps", id="DeadReLU", marks=_PIPELINE
-    ),
+    pytest.param(lambda n: DeadReLUCallback(every_n_steps=n), "every_n_steps", id="DeadReLU"),
     pytest.param(
         lambda n: SaturationCallback(every_n_steps=n),
         "every_n_steps",
         id="Saturation",
-        marks=_PIPELINE,
     ),
     pytest.param(
         lambda n: LayerTimeCallback(every_n_steps=n),
         "every_n_steps",
         id="LayerTime",
-        marks=_PIPELINE,
     ),
     pytest.param(lambda n: FeatureMapCallback(probe_size=n), "probe_size", id="FeatureMap"),
     pytest.param(lambda n: AlarmRules(window=n), "window", id="AlarmRules", marks=_SENTINEL),

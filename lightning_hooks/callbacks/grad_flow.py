@@ -236,8 +236,8 @@ class GradFlowCallback(HookCallback):
         self._hist: LayerHistograms | None = None
         self._history: list[tuple[int, np.ndarray]] = []
         self.types = types
-        self.include = as_patterns(include, "GradFlowCallback(include=...)")
-        self.exclude = as_patterns(exclude, "GradFlowCallback(exclude=...)")
+        self.include = as_patterns(include, f"GradFlowCallback(include={include!r})")
+        self.exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
         self.update_ratio = update_ratio
         self.output_grad = output_grad
         self.chart = chart

@@ -29,6 +29,10 @@ def as_patterns(patterns: Patterns, argument: str = "include") -> tuple[str, ...
         return ()
     if isinstance(patterns, str):
         return (patterns,)
+    if not isinstance(patterns, Sequence | set | frozenset):
+        raise TypeError(
+            f"{argument}: expected str patterns, got {patterns!r} ({type(patterns).__name__})"
+        )
     out = tuple(patterns)
     for p in out:
         if not isinstance(p, str):
