@@ -9,10 +9,12 @@ launch, each writing TensorBoard events under ``--out/<name>``:
 - ``fsdp``: 1-D mesh, every statistic (gradient flow with histograms, activations with histograms,
   dead units, saturation); collectives counted per step and per epoch, from our package and all;
 - ``hsdp``: the same on the 2-D ``(replicate=2, shard=1)`` mesh: replicas must not count twice;
+- ``clip``: gradient flow with ``accumulate_grad_batches=2`` and ``gradient_clip_val=0.5``;
 - ``skip`` and ``stop``: a NaN written into one gradient entry, which only rank 0's shard holds,
   at step ``NAN_STEP``, with ``on_alarm="skip"`` (statistics every 4th step, the sentinel's
   norm-only pass between) / ``"stop"`` (every statistic at every step); each rank saves its final
   weights and ``global_step`` (``rank{r}.json``);
+- ``example``: ``examples/fsdp2.py``'s training (logs under ``--out/example/runs``);
 - ``tensor_parallel``: ``tensor_parallel_size=2`` must be refused at setup (the message is kept).
 
 Each rank gets half of each global batch of 8 (a ``DistributedSampler`` without shuffling), so
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import runpy
 import sys
 from collections import Counter
 from pathlib import Path
@@ -55,7 +59,8 @@ COLLECTIVES = (
 SAMPLES = 32
 GLOBAL_BATCH = 8
 NAN_STEP = 5
-RUNS = ("fsdp", "hsdp", "skip", "stop")
+RUNS = ("fsdp", "hsdp", "clip", "skip", "stop")
+CLIP: dict[str, Any] = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
 
 
 class ShardedMLP(pl.LightningModule):
@@ -187,6 +192,8 @@ def callbacks(run: str) -> list[pl.Callback]:
         return [GradFlowCallback(on_alarm=run, chart=False, every_n_steps=4, alarms=sentinel)]
     if run == "stop":  # every statistic at every step: the NaN step is counted in grad_nonfinite
         return [GradFlowCallback(on_alarm=run, chart=False)]
+    if run == "clip":  # + the gradient norm after clipping, read in the optimizer's post-hook
+        return [GradFlowCallback(chart=False)]
     return [
         GradFlowCallback(histograms=True, chart=False),
         ActivationStatsCallback(histograms=True, histogram_range=(-2.0, 2.0), heatmaps=False),
@@ -216,6 +223,7 @@ def run(root: Path, name: str, devices: int, tensor_parallel: int = 1) -> dict[s
         log_every_n_steps=1,  # the callbacks' default cadence: every step is compared
         use_distributed_sampler=False,
         **strategy,
+        **(CLIP if name == "clip" else {}),
     )
     nan_step = NAN_STEP if name in ("skip", "stop") else -1
     model = ShardedMLP(mesh="hsdp" if name == "hsdp" else "fsdp", nan_step=nan_step)
@@ -238,14 +246,73 @@ def run(root: Path, name: str, devices: int, tensor_parallel: int = 1) -> dict[s
     }
 
 
+def compare(out: Path) -> None:
+    """Print every tag of the one-process reference next to the FSDP2 and HSDP runs in ``out``.
+
+    Run after the 2-process launch: ``python tests/fsdp_run.py --out DIR`` then
+    ``python tests/fsdp_run.py --out DIR --compare``.
+    """
+    from conftest import read_scalars
+
+    run(out / "single", "fsdp", devices=1)
+    want = read_scalars(out / "single" / "fsdp" / "tb")
+    got = {mesh: read_scalars(out / mesh / "tb") for mesh in ("fsdp", "hsdp")}
+    print("| tag | step | one process | FSDP2 | HSDP | max rel. diff |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for tag in sorted(want):
+        for i, (step, value) in enumerate(want[tag]):
+            other = [got[mesh][tag][i][1] for mesh in ("fsdp", "hsdp")]
+            diff = max(abs(v - value) / max(abs(value), 1e-12) for v in other)
+            cells = " | ".join(f"{v:.6g}" for v in (value, *other))
+            print(f"| {tag} | {step} | {cells} | {diff:.1e} |")
+
+
+def _refused_layouts() -> dict[str, str]:
+    """``ShardPlan.from_params``'s errors on real DTensors: a plain parameter beside sharded ones,
+    a parameter sharded over two mesh dimensions (FSDP + tensor parallel)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_hooks.core.sharding import ShardPlan
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b"))
+    sharded = distribute_tensor(torch.ones(4, 2), mesh["a"], [Shard(0)])
+    two_dims = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0), Shard(1)])
+    errors = {}
+    for name, params in (("mixed", [sharded, torch.ones(3)]), ("two_dims", [two_dims])):
+        try:
+            ShardPlan.from_params(params)
+        except ValueError as err:
+            errors[name] = str(err)
+    return errors
+
+
+def _run_example(cwd: Path) -> None:
+    """``examples/fsdp2.py``'s training in this launch (its logs go to ``cwd / "runs"``)."""
+    cwd.mkdir(exist_ok=True)
+    previous = Path.cwd()
+    os.chdir(cwd)
+    try:
+        example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "fsdp2.py"))
+        example["train"]()
+    finally:
+        os.chdir(previous)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--compare", action="store_true", help="print the tag-by-tag table")
     args = parser.parse_args()
+    if args.compare:
+        compare(args.out)
+        return
     report: dict[str, Any] = {name: run(args.out, name, devices=2) for name in RUNS}
     report["rank"] = dist.get_rank()
     report["world_size"] = dist.get_world_size()
     report["backend"] = dist.get_backend()
+    _run_example(args.out / "example")
+    report["refused_layouts"] = _refused_layouts()
     try:  # last: the refusal ends this fit inside Lightning's exception handling
         run(args.out, "tensor_parallel", devices=2, tensor_parallel=2)
     except MisconfigurationException as err:

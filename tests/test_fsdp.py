@@ -1,8 +1,9 @@
 """FSDP2 on CPU (gloo, 2 processes) against one process on the same global batches.
 
 One launch of ``tests/fsdp_run.py`` (about 30 s on 2 shared cores) serves every test here: the
-FSDP2 and HSDP fits with every statistic, the sentinel's ``skip`` and ``stop`` on a NaN that only
-one rank's shard holds, and the tensor-parallel refusal.
+FSDP2 and HSDP fits with every statistic, accumulation with clipping, the sentinel's ``skip`` and
+``stop`` on a NaN that only one rank's shard holds, ``examples/fsdp2.py`` and the tensor-parallel
+refusal.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def fsdp_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """The one-process reference fits, ``devices=1``, for every run."""
     out = tmp_path_factory.mktemp("single")
-    runs = {"fsdp": run(out, "fsdp", devices=1)}
+    runs = {name: run(out, name, devices=1) for name in ("fsdp", "clip")}
     for action in ("skip", "stop"):
         with pytest.warns(GradientAlarmWarning, match="non-finite"):
             runs[action] = run(out, action, devices=1)
@@ -96,6 +97,16 @@ def _assert_same_scalars(
             assert same or (math.isnan(value) and math.isnan(reference)), (tag, value, reference)
 
 
+def test_accumulation_and_clipping_equal_one_process(
+    fsdp_out: Path, single: tuple[Path, dict[str, Any]]
+) -> None:
+    want = read_scalars(single[0] / "clip" / "tb")
+    pre = [v for _, v in want["grad_flow/global/grad_norm_preclip"]]
+    post = [v for _, v in want["grad_flow/global/grad_norm_postclip"]]
+    assert post[0] < pre[0]  # clipped: the post-clip norm is made whole across shards too
+    _assert_same_scalars(read_scalars(fsdp_out / "clip" / "tb"), want, [2, 4])
+
+
 @pytest.mark.parametrize("mesh", ["fsdp", "hsdp"])
 def test_histograms_equal_one_process(
     mesh: str, fsdp_out: Path, single: tuple[Path, dict[str, Any]]
@@ -125,7 +136,7 @@ def test_sharded_weights_have_an_empty_shard(fsdp_out: Path) -> None:
 def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
     for rank in (0, 1):
         report = _report(fsdp_out, rank)
-        fsdp, hsdp, skip = report["fsdp"], report["hsdp"], report["skip"]
+        fsdp, hsdp, skip = report["fsdp"], report["hsdp"], report["skip"]  # batches = steps
         # Per sampled step, whatever the number of layers: one all_gather of every parameter's
         # packed gradient and weight partials (which the sentinel reads too), one of the update's.
         assert fsdp["steps"] == [2] * 8
@@ -142,6 +153,8 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         assert [e["ours_by_name"] for e in fsdp["epochs"]] == [
             {"all_gather": 4 * 2 + 1 + 3, "all_reduce": 1 + 1}
         ] * 2
+        # Accumulating 2 batches, clipped: one more all_gather, of the post-clip norms.
+        assert report["clip"]["steps"] == [0, 3] * 4
         # HSDP (replicate=2, shard=1): a shard group of one rank makes no collective of its own.
         assert hsdp["steps"] == [0] * 8
         assert [e["ours_by_name"] for e in hsdp["epochs"]] == [
@@ -173,6 +186,15 @@ def test_alarm_actions_agree_across_ranks_and_with_one_process(
         assert all(np.isfinite(np.asarray(v)).all() for v in reference["weights"].values())
     # Every tag: the same value as in one process (stop: the second epoch ends at step 6).
     _assert_same_scalars(got_tags, want, [4, 6] if action == "stop" else STEPS)
+
+
+def test_example_trains_sharded_and_logs_whole_model_statistics(fsdp_out: Path) -> None:
+    scalars = read_scalars(fsdp_out / "example" / "runs" / "fsdp2")
+    layers = ("net.0", "net.2", "net.4")
+    assert {f"grad_flow/grad_norm/{layer}" for layer in layers} <= set(scalars)
+    assert {f"activations/mean/{layer}" for layer in layers} <= set(scalars)
+    # 256 samples, 32 a batch, half of them per rank: 4 steps an epoch, logged at each end.
+    assert [s for s, _ in scalars["grad_flow/global/grad_norm"]] == [4, 8]
 
 
 def test_tensor_parallel_is_refused_naming_what_is_supported(fsdp_out: Path) -> None:
@@ -210,6 +232,14 @@ def test_partials_of_shards_combine_to_the_whole_tensor() -> None:
     # A NaN in one shard reaches the sums and the maximum.
     partials[1, 0, :] = torch.nan
     assert torch.isnan(combine_partials(partials, num_sums=2)).all()
+
+
+def test_layouts_that_would_give_wrong_numbers_are_refused(fsdp_out: Path) -> None:
+    errors = _report(fsdp_out, 0)["refused_layouts"]
+    assert "parameter 1 of shape (3,) is a plain tensor" in errors["mixed"]
+    assert "apply fully_shard to the root module too" in errors["mixed"]
+    assert "placements (Shard(dim=0), Shard(dim=1))" in errors["two_dims"]
+    assert "supported: Shard along one mesh dimension" in errors["two_dims"]
 
 
 def test_unsharded_parameters_make_no_plan() -> None:

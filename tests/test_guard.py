@@ -14,6 +14,7 @@ import pytorch_lightning as pl
 from lightning_hooks import (
     ActivationStatsCallback,
     DeadReLUCallback,
+    FeatureMapCallback,
     GradFlowCallback,
     LightningHooksWarning,
 )
@@ -140,3 +141,18 @@ def test_library_errors_are_never_swallowed() -> None:
     with pytest.raises(GradientAlarmError, match="spike"):
         guard.wrap(raise_alarm, "on_before_optimizer_step hook")()
     assert guard.failed is None
+
+
+def test_a_failing_probe_disables_feature_maps_for_the_fit(tmp_path: Path) -> None:
+    def broken(module: Any, probe: Any) -> None:
+        raise BoomError("probe forward failed")
+
+    model = TinyMLP()
+    callbacks = [FeatureMapCallback(forward_fn=broken, strict=False), GradFlowCallback()]
+    with pytest.warns(LightningHooksWarning, match=r"FeatureMapCallback is disabled.*"):
+        make_trainer(tmp_path, callbacks=callbacks, max_epochs=2).fit(model)
+    scalars = read_scalars(tmp_path)
+    assert model.trainer.global_step == 8
+    assert not [t for t in scalars if t.startswith("feature_map/")]
+    assert [s for s, _ in scalars["grad_flow/global/grad_norm"]] == [4, 8]
+    assert hooks_left(model) == []

@@ -82,7 +82,9 @@ def test_a_pattern_matching_nothing_names_the_argument_the_user_passed(
 def test_selection_validates_types_and_patterns_once() -> None:
     with pytest.raises(TypeError, match=r"Cb\(types=3\): must be an nn.Module subclass"):
         Selection.of("Cb", types=3)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"Cb\(layers=\[1\]\): expected str patterns, got 1"):
+    with pytest.raises(
+        TypeError, match=r"Cb\(layers=\[1\]\): must be a glob pattern \(str\).*got 1"
+    ):
         Selection.of("Cb", include=[1], arguments=("layers", "exclude"))  # type: ignore[list-item]
     picked = Selection.of("Cb", types=nn.Linear, exclude="net.4").modules(TinyMLP())
     assert [name for name, _ in picked] == ["net.0", "net.2"]

@@ -70,8 +70,12 @@ def _check(logged: dict[int, float], want: dict[int, float], what: str) -> None:
         )
 
 
+# DeadReLU's warning is its finding (the GAN's LeakyReLU units never positive), not a failure.
+@pytest.mark.filterwarnings("ignore:.*units dead.*:lightning_hooks.errors.LightningHooksWarning")
 @pytest.mark.parametrize("zoo_cls", ZOO, ids=lambda c: c.__name__)
 def test_zoo_every_callback_matches_plain_torch(zoo_cls: type[ZooModule], tmp_path: Path) -> None:
+    # The initialisation (a dead-unit warning depends on it), whatever ran before.
+    pl.seed_everything(0, verbose=False)
     model = zoo_cls()
     trainer = make_trainer(tmp_path, callbacks=_callbacks(model), max_epochs=2)
     trainer.fit(model)

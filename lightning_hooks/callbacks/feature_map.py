@@ -154,6 +154,10 @@ class FeatureMapCallback(HookCallback):
             ``setup`` says so before the first epoch.
         embedding: a layer whose flattened probe outputs go to TensorBoard's projector.
         every_n_epochs: probe at the end of every n-th epoch.
+        strict: an exception in the callback's hooks propagates (``True``) or disables the
+            callback for the rest of the fit with one warning (``False``); ``None``: the
+            environment variable ``LIGHTNING_HOOKS_STRICT`` (see
+            :mod:`lightning_hooks.core.guard`).
 
     Example:
         >>> callback = FeatureMapCallback(layers="features.*", embedding="head", probe_size=32)
@@ -174,6 +178,7 @@ class FeatureMapCallback(HookCallback):
         forward_fn: Callable[[pl.LightningModule, Any], Any] | None = None,
         embedding: str | None = None,
         every_n_epochs: int = 1,
+        strict: bool | None = None,
     ) -> None:
         self.max_layers = checks.positive_int(_OWNER, "max_layers", max_layers)
         self.channels = checks.positive_int(_OWNER, "channels", channels)
@@ -183,6 +188,7 @@ class FeatureMapCallback(HookCallback):
         self.input_fn = checks.callable_or_none(_OWNER, "input_fn", input_fn) or _default_input
         self.forward_fn = checks.callable_or_none(_OWNER, "forward_fn", forward_fn)
         self.embedding = _check_name("embedding", embedding)
+        self.strict = None if strict is None else checks.boolean(_OWNER, "strict", strict)
         if probe_labels is not None and not isinstance(probe_labels, torch.Tensor):
             raise TypeError(
                 f"{_OWNER}(probe_labels={probe_labels!r}): must be a tensor of one label per "

@@ -104,6 +104,7 @@ class HookRegistry(HookOwner):
         """Catches the hooks' exceptions (default: the guard of the running callback hook)."""
         self._unhookable = unhookable_modules(model)
         self._names = {id(module): name for name, module in model.named_modules()}
+        self._warned_unhookable = False
 
     def modules(
         self,
@@ -124,14 +125,21 @@ class HookRegistry(HookOwner):
         )
         skipped = [name for name, module in selected if id(module) in self._unhookable]
         if skipped:
-            warnings.warn(
-                f"{self._owner()}: {len(skipped)} selected module(s) are torch.jit scripted or "
-                f"traced and run no Python hooks; their forward statistics are skipped: "
-                f"{', '.join(skipped[:10])}{' ...' if len(skipped) > 10 else ''}",
-                LightningHooksWarning,
-                stacklevel=3,
-            )
+            self._warn_unhookable(skipped)
         return selected
+
+    def _warn_unhookable(self, names: list[str]) -> None:
+        """One warning per registry naming the modules that get no module hook."""
+        if self._warned_unhookable:
+            return
+        self._warned_unhookable = True
+        warnings.warn(
+            f"{self._owner()}: {len(names)} selected module(s) are torch.jit scripted or "
+            f"traced and run no Python hooks; their forward statistics are skipped: "
+            f"{', '.join(names[:10])}{' ...' if len(names) > 10 else ''}",
+            LightningHooksWarning,
+            stacklevel=4,
+        )
 
     def _name(self, module: nn.Module) -> str:
         return self._names.get(id(module)) or type(module).__name__
@@ -160,6 +168,7 @@ class HookRegistry(HookOwner):
         runs no Python hooks (``torch.jit``) gets none: ``None`` is returned.
         """
         if id(module) in self._unhookable:
+            self._warn_unhookable(sorted(self._unhookable.values()))
             return None
         where = f"forward hook on {self._name(module)!r}"
         hook = self._gated(hook, where) if gated else self.guarded(hook, where)
@@ -192,6 +201,7 @@ class HookRegistry(HookOwner):
     ) -> RemovableHandle | None:
         """``module.register_forward_pre_hook(hook)``, owned and guarded (``None``: jit)."""
         if id(module) in self._unhookable:
+            self._warn_unhookable(sorted(self._unhookable.values()))
             return None
         hook = self.guarded(hook, f"forward pre-hook on {self._name(module)!r}")
         return self.add(module.register_forward_pre_hook(hook))

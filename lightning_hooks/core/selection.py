@@ -29,14 +29,13 @@ def as_patterns(patterns: Patterns, argument: str = "include") -> tuple[str, ...
         return ()
     if isinstance(patterns, str):
         return (patterns,)
-    if not isinstance(patterns, Sequence | set | frozenset):
-        raise TypeError(
-            f"{argument}: expected str patterns, got {patterns!r} ({type(patterns).__name__})"
-        )
+    expected = "a glob pattern (str), a sequence of them, or None"
+    if not isinstance(patterns, Sequence):
+        raise TypeError(f"{argument}: must be {expected}, got {patterns!r}")
     out = tuple(patterns)
     for p in out:
         if not isinstance(p, str):
-            raise TypeError(f"{argument}: expected str patterns, got {p!r} ({type(p).__name__})")
+            raise TypeError(f"{argument}: must be {expected}, got {p!r} ({type(p).__name__})")
     return out
 
 
