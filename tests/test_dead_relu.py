@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import DeadReLUCallback, LightningHooksWarning
 
-from conftest import TinyCNN, TinyMLP, dataset, hooks_left, read_scalars
+from conftest import TinyCNN, TinyMLP, dataset, hooks_left, make_trainer, read_scalars
 from syncs import SyncWindow, count_syncs
 
 DEAD = [1, 4, 6, 9, 13]  # units of net.0 whose bias keeps them negative for every input
@@ -87,17 +87,39 @@ def test_k_of_n_dead_and_zero_fraction_equal_plain_torch(
     assert hooks_left(model) == []
 
 
-def test_warns_once_per_layer_and_epoch_naming_k_of_n(trainer_factory: Any) -> None:
+def test_warns_once_per_layer_per_fit_and_counts_the_rest(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
     torch.manual_seed(0)  # the suite's order must not decide the random initialization
     model = RecordingMLP()
-    # net.3 may cross the threshold by chance at random initialization: its own warnings are
-    # legitimate (and recorded here, not errors); net.1's five killed units must warn per epoch.
+    _kill(model.net[2].bias, [0, 2, 4, 6])  # net.3: at least 4 of 16 units dead every epoch
+    callback = DeadReLUCallback(threshold=0.25)
     with pytest.warns(LightningHooksWarning) as rec:
-        trainer_factory(callbacks=[DeadReLUCallback(threshold=0.3)], max_epochs=2).fit(model)
-    about = [str(w.message) for w in rec if "'net.1'" in str(w.message)]
-    assert len(about) == 2
-    assert all("'net.1' has 5 of 16 units dead" in m for m in about)
-    assert "in epoch 0" in about[0] and "in epoch 1" in about[1]
+        trainer_factory(callbacks=[callback], max_epochs=3).fit(model)
+    scalars = read_scalars(tmp_path)
+    crossed = {
+        layer: [e for e in range(3) if _logged(scalars, "dead_fraction", layer, 4 * e + 4) >= 0.25]
+        for layer in ("net.1", "net.3")
+    }
+    assert crossed == {"net.1": [0, 1, 2], "net.3": [0, 1, 2]}
+    messages = [str(w.message) for w in rec if w.category is LightningHooksWarning]
+    assert len(messages) == 3  # one per layer, one summary: not 6
+    assert "'net.1' has 5 of 16 units dead in epoch 0" in messages[0]
+    dead3 = int(_logged(scalars, "dead_count", "net.3", 4))
+    assert f"'net.3' has {dead3} of 16 units dead in epoch 0" in messages[1]
+    assert messages[2] == (
+        "DeadReLUCallback: 4 more dead-unit findings held back after the first warning per "
+        "layer: net.1 x2, net.3 x2"
+    )
+    # A second fit warns afresh, and with nothing held back it has no summary.
+    with pytest.warns(LightningHooksWarning) as again:
+        make_trainer(tmp_path / "second", callbacks=[callback]).fit(model)
+    assert [
+        str(w.message).split(" has")[0] for w in again if w.category is LightningHooksWarning
+    ] == [
+        "DeadReLUCallback: layer 'net.1'",
+        "DeadReLUCallback: layer 'net.3'",
+    ]
 
 
 def test_below_threshold_does_not_warn(trainer_factory: Any) -> None:

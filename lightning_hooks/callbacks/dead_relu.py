@@ -9,7 +9,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.callbacks._once import WarnsOncePerLayer
 from lightning_hooks.core.checks import boolean, fraction
 from lightning_hooks.core.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
 from lightning_hooks.core.selection import Patterns
@@ -21,7 +21,7 @@ __all__ = ["DeadReLUCallback"]
 _NAME = "DeadReLUCallback"
 
 
-class DeadReLUCallback(StatsCallback):
+class DeadReLUCallback(WarnsOncePerLayer):
     r"""Dead units per activation layer: units that never fired on a sampled batch of an epoch.
 
     A unit is a channel of a conv output ``[N, C, ...]`` or a feature of a linear output ``[N, ...,
@@ -54,8 +54,9 @@ class DeadReLUCallback(StatsCallback):
                                             averaged over the epoch (ReLU: exact zeros)
     ======================================  ===================================================
 
-    A ``LightningHooksWarning`` per layer and epoch, on rank 0, names the layer and "k of n
-    units" when its dead fraction is ``>= threshold`` and at least one unit is dead. A module
+    A ``LightningHooksWarning``, on rank 0, names the layer and "k of n units" the first epoch of
+    a fit its dead fraction is ``>= threshold`` with at least one unit dead; later epochs of the
+    same layer are counted, and one summary warning at the end of fit gives the counts. A module
     called twice in a forward is observed twice: a unit is alive if it fired in either call,
     and each call counts as one batch in ``zero_fraction``.
 
@@ -80,6 +81,7 @@ class DeadReLUCallback(StatsCallback):
     """
 
     uses_images = False
+    _findings = "dead-unit findings"
 
     def __init__(
         self,
@@ -117,7 +119,7 @@ class DeadReLUCallback(StatsCallback):
         for layer, dead, units, share in zip(
             result.layers, result.dead, result.units, fractions, strict=True
         ):
-            if dead > 0 and share >= self.threshold:
+            if dead > 0 and share >= self.threshold and self.warned.first(layer):
                 rank_zero_warn(
                     f"{_NAME}: layer '{layer}' has {dead} of {units} units dead in epoch {epoch} "
                     f"(never fired on a sampled training batch; dead fraction {share:.3g} >= "

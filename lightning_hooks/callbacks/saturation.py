@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.callbacks._once import OncePerLayer, WarnsOncePerLayer
 from lightning_hooks.core.checks import real
 from lightning_hooks.core.saturation import SATURATING_TYPES, SaturationStats, SaturationTracker
 from lightning_hooks.core.selection import ModuleTypes, Patterns
@@ -32,7 +32,7 @@ def _check_types(types: ModuleTypes) -> None:
             )
 
 
-class SaturationCallback(StatsCallback):
+class SaturationCallback(WarnsOncePerLayer):
     r"""Saturated outputs of every bounded activation, and units saturated all epoch long.
 
     A forward hook on every ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6`` included)
@@ -45,9 +45,10 @@ class SaturationCallback(StatsCallback):
     the host once and logged. A functional ``torch.tanh`` inside ``forward`` cannot be hooked: use
     the module.
 
-    Warning rule (as for dead ReLUs): at each epoch end, on rank 0, one
-    ``LightningHooksWarning`` per layer whose always-saturated fraction exceeds ``warn_above``,
-    naming the layer and "k of n units".
+    Warning rule (as for dead ReLUs): on rank 0, one ``LightningHooksWarning`` per layer, the first
+    epoch of a fit its always-saturated fraction exceeds ``warn_above``, naming the layer and "k of
+    n units"; later epochs of the same layer are counted, and one summary warning at the end of fit
+    gives the counts.
 
     Logged metrics, per epoch (``{layer}``: the module's qualified name):
 
@@ -81,6 +82,8 @@ class SaturationCallback(StatsCallback):
         >>> callback.warn_above
         0.25
     """
+
+    _findings = "saturation findings"
 
     def __init__(
         self,
@@ -129,10 +132,10 @@ class SaturationCallback(StatsCallback):
     @override
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
         if self.warn_above is not None and trainer.is_global_zero:
-            _warn(result, trainer.current_epoch, self.warn_above)
+            _warn(result, trainer.current_epoch, self.warn_above, self.warned)
 
 
-def _warn(stats: SaturationStats, epoch: int, warn_above: float) -> None:
+def _warn(stats: SaturationStats, epoch: int, warn_above: float, warned: OncePerLayer) -> None:
     for layer, share, k, n in zip(
         stats.layers,
         stats.always_saturated_fraction,
@@ -140,7 +143,7 @@ def _warn(stats: SaturationStats, epoch: int, warn_above: float) -> None:
         stats.units,
         strict=True,
     ):
-        if share > warn_above:
+        if share > warn_above and warned.first(layer):
             rank_zero_warn(
                 f"{_NAME}: layer {layer!r} has {k} of {n} units ({share:.0%}) "
                 f"saturated on every training sample of epoch {epoch} (warn_above="
