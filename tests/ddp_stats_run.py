@@ -29,8 +29,8 @@ def callbacks() -> list[pl.Callback]:
     return [
         StatsCallback([output_rms()]),
         ActivationStatsCallback(heatmaps=False),
-        DeadReLUCallback(types=nn.Tanh, warn=False),
-        SaturationCallback(margin=0.2, warn_above=None),
+        DeadReLUCallback(types=nn.Tanh, warn_at=None),
+        SaturationCallback(margin=0.2, warn_at=None),
     ]
 
 

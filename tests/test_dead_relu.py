@@ -72,7 +72,7 @@ def test_k_of_n_dead_and_zero_fraction_equal_plain_torch(
     activation: type[nn.Module], inplace: bool, trainer_factory: Any, tmp_path: Path
 ) -> None:
     model = RecordingMLP(activation, inplace)
-    callback = DeadReLUCallback(threshold=1.0)
+    callback = DeadReLUCallback(warn_at=1.0)
     trainer_factory(callbacks=[callback], max_epochs=2, num_sanity_val_steps=2).fit(model)
     scalars = read_scalars(tmp_path)
     for epoch in range(2):
@@ -93,7 +93,7 @@ def test_warns_once_per_layer_per_fit_and_counts_the_rest(
     torch.manual_seed(0)  # the suite's order must not decide the random initialization
     model = RecordingMLP()
     _kill(model.net[2].bias, [0, 2, 4, 6])  # net.3: at least 4 of 16 units dead every epoch
-    callback = DeadReLUCallback(threshold=0.25)
+    callback = DeadReLUCallback(warn_at=0.25)
     with pytest.warns(LightningHooksWarning) as rec:
         trainer_factory(callbacks=[callback], max_epochs=3).fit(model)
     scalars = read_scalars(tmp_path)
@@ -124,7 +124,7 @@ def test_warns_once_per_layer_per_fit_and_counts_the_rest(
 
 def test_below_threshold_does_not_warn(trainer_factory: Any) -> None:
     torch.manual_seed(0)  # net.3 keeps under 40 % dead units with this initialization
-    trainer_factory(callbacks=[DeadReLUCallback(threshold=0.4)]).fit(RecordingMLP())
+    trainer_factory(callbacks=[DeadReLUCallback(warn_at=0.4)]).fit(RecordingMLP())
 
 
 class DeadChannelCNN(TinyCNN):
@@ -143,7 +143,7 @@ class DeadChannelCNN(TinyCNN):
 
 def test_conv_units_are_channels(trainer_factory: Any, tmp_path: Path) -> None:
     model = DeadChannelCNN()
-    trainer_factory(callbacks=[DeadReLUCallback(include="features.2", threshold=1.0)]).fit(model)
+    trainer_factory(callbacks=[DeadReLUCallback(include="features.2", warn_at=1.0)]).fit(model)
     scalars = read_scalars(tmp_path)
     dead, units, zero = _reference(model.outputs, dim=1)
     assert (dead, units) == (3, 8)
@@ -181,7 +181,7 @@ class FunctionalReLU(pl.LightningModule):
 
 def test_functional_relu_through_the_producing_layer(trainer_factory: Any, tmp_path: Path) -> None:
     model = FunctionalReLU()
-    trainer_factory(callbacks=[DeadReLUCallback(pre_activation="fc1", threshold=1.0)]).fit(model)
+    trainer_factory(callbacks=[DeadReLUCallback(pre_activation="fc1", warn_at=1.0)]).fit(model)
     scalars = read_scalars(tmp_path)
     dead, units, zero = _reference(model.pre, dim=1)
     assert (dead, units) == (len(DEAD), 16)
@@ -216,7 +216,7 @@ def test_module_called_twice_counts_both_calls(trainer_factory: Any, tmp_path: P
     model = TwiceCalled()
     model.lr = 0.0  # the weights stay: the units stay dead in the first call
     _kill(model.net[0].bias, DEAD)  # dead in the first call, firing in the second
-    trainer_factory(callbacks=[DeadReLUCallback(include="act", threshold=1.0)]).fit(model)
+    trainer_factory(callbacks=[DeadReLUCallback(include="act", warn_at=1.0)]).fit(model)
     scalars = read_scalars(tmp_path)
     dead, _, zero = _reference(model.calls, dim=1)
     assert dead == 0 and _reference(model.calls[::2], dim=1)[0] >= len(DEAD)
@@ -230,7 +230,7 @@ def test_no_host_sync_between_logging_points(
     probe = SyncWindow()
     with count_syncs(monkeypatch) as counter:
         probe.counter = counter
-        callback = DeadReLUCallback(threshold=1.0)
+        callback = DeadReLUCallback(warn_at=1.0)
         trainer_factory(callbacks=[probe, callback], max_epochs=2).fit(RecordingMLP())
     assert probe.windows == 2
     assert dict(counter.calls) == {}
@@ -239,12 +239,51 @@ def test_no_host_sync_between_logging_points(
 def test_arguments_are_checked_and_named() -> None:
     with pytest.raises(
         ValueError,
-        match=r"DeadReLUCallback\(threshold=2\): must be a finite real >= 0.0 and <= 1.0",
+        match=r"DeadReLUCallback\(warn_at=2\): must be a finite real >= 0.0 and <= 1.0",
     ):
+        DeadReLUCallback(warn_at=2)
+    with pytest.raises(TypeError, match=r"DeadReLUCallback\(warn_at=.x.\): must be a finite real"):
+        DeadReLUCallback(warn_at="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"DeadReLUCallback\(threshold=2\): must be a finite"):
         DeadReLUCallback(threshold=2)
     with pytest.raises(
-        TypeError, match=r"DeadReLUCallback\(threshold=.x.\): must be a finite real"
+        TypeError,
+        match=r"DeadReLUCallback\(warn_at=0.3, threshold=0.2\): pass warn_at only \(threshold",
     ):
-        DeadReLUCallback(threshold="x")  # type: ignore[arg-type]
+        DeadReLUCallback(warn_at=0.3, threshold=0.2)
     with pytest.raises(TypeError, match=r"DeadReLUCallback\(types=3\): must be an nn.Module"):
         DeadReLUCallback(types=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("old", "warn_at"),
+    [
+        ({"threshold": 0.3}, 0.3),
+        ({"threshold": 0.0}, 0.0),
+        ({"warn": False}, None),
+        ({"warn": True}, 0.5),
+        ({"threshold": 0.3, "warn": True}, 0.3),
+        ({"threshold": 0.3, "warn": False}, None),
+    ],
+)
+def test_old_names_warn_and_map_exactly_to_warn_at(old: dict[str, Any], warn_at: Any) -> None:
+    with pytest.warns(DeprecationWarning) as caught:
+        callback = DeadReLUCallback(**old)
+    assert callback.warn_at == warn_at
+    assert len(caught) == len(old)
+    for name, warning in zip(old, caught, strict=True):
+        assert f"DeadReLUCallback({name}=...) is deprecated" in str(warning.message)
+        assert "use warn_at" in str(warning.message)
+        assert warning.filename == __file__  # points at the caller's line
+    assert DeadReLUCallback(warn_at=None).warn_at is None
+    assert DeadReLUCallback().warn_at == 0.5
+
+
+def test_old_threshold_warns_through_fit_like_warn_at(trainer_factory: Any) -> None:
+    torch.manual_seed(0)
+    with pytest.warns(DeprecationWarning, match=r"threshold=0.3 is warn_at=0.3"):
+        callback = DeadReLUCallback(threshold=0.3)
+    with pytest.warns(LightningHooksWarning) as rec:
+        trainer_factory(callbacks=[callback]).fit(RecordingMLP())
+    about = [str(w.message) for w in rec if "'net.1'" in str(w.message)]
+    assert len(about) == 1 and "dead fraction 0.312 >= warn_at 0.3" in about[0]

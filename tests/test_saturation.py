@@ -100,9 +100,11 @@ def test_saturated_layers_match_plain_torch_and_warn(trainer_factory: Any, tmp_p
             assert (step, pytest.approx(always, abs=1e-6)) in scalars[
                 f"saturation/always_saturated_fraction/{layer}"
             ]
-            if always > 0.5 and layer in repeats:
+            if k > 0 and always >= 0.5 and layer in repeats:
                 repeats[layer] += 1
-            elif always > 0.5:  # the first finding of a layer warns, the rest are counted
+            elif (
+                k > 0 and always >= 0.5
+            ):  # the first finding of a layer warns, the rest are counted
                 repeats[layer] = 0
                 expected_warnings.append(f"layer {layer!r} has {k} of 16 units")
     assert len(model.seen) == 8  # the feature-map probe forwards were not recorded
@@ -147,7 +149,7 @@ def test_no_host_sync_during_training_steps(
             counter.active = False
 
     with count_syncs(monkeypatch) as counter:
-        callback = SaturationCallback(warn_above=None)
+        callback = SaturationCallback(warn_at=None)
         trainer_factory(callbacks=[Window(), callback]).fit(BoundedNet(True))
     assert dict(counter.calls) == {}
 
@@ -207,10 +209,31 @@ def test_tracker_reduces_counts_by_sum_flags_by_max_and_errors_on_changing_units
 def test_bad_arguments_name_the_culprit() -> None:
     with pytest.raises(
         ValueError,
-        match=r"SaturationCallback\(warn_above=1.5\): must be a finite real >= 0.0 and < 1.0",
+        match=r"SaturationCallback\(warn_at=1.5\): must be a finite real >= 0.0 and <= 1.0",
     ):
-        SaturationCallback(warn_above=1.5)
+        SaturationCallback(warn_at=1.5)
+    with pytest.raises(
+        ValueError,
+        match=r"SaturationCallback\(warn_above=1.0\): must be a finite real >= 0.0 and < 1.0",
+    ):
+        SaturationCallback(warn_above=1.0)
+    with pytest.raises(TypeError, match=r"SaturationCallback\(warn_at=0.2, warn_above=None\)"):
+        SaturationCallback(warn_at=0.2, warn_above=None)
     with pytest.raises(
         TypeError, match=r"SaturationCallback\(types=.*ReLU.*must be a subclass of one"
     ):
         SaturationCallback(types=nn.ReLU)
+
+
+@pytest.mark.parametrize("above", [0.0, 0.25, 0.5, 0.75])
+def test_warn_above_maps_exactly_to_warn_at(above: float) -> None:
+    with pytest.warns(DeprecationWarning, match=r"SaturationCallback\(warn_above=...\) is dep"):
+        callback = SaturationCallback(warn_above=above)
+    at = callback.warn_at
+    assert at is not None
+    # Every always-saturated fraction k/n a layer can have: the old rule and the new one agree.
+    shares = [k / n for n in range(1, 65) for k in range(n + 1)]
+    assert [s > above for s in shares] == [s >= at for s in shares]
+    with pytest.warns(DeprecationWarning, match="warn_above=None is warn_at=None"):
+        assert SaturationCallback(warn_above=None).warn_at is None
+    assert SaturationCallback(warn_at=above).warn_at == above

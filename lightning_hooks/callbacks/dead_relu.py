@@ -9,8 +9,9 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_hooks.callbacks._checks import UNSET, renamed
 from lightning_hooks.callbacks._once import WarnsOncePerLayer
-from lightning_hooks.core.checks import boolean, fraction
+from lightning_hooks.core.checks import boolean, fraction, fraction_or_none
 from lightning_hooks.core.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
 from lightning_hooks.core.selection import Patterns
 from lightning_hooks.core.stat import LayerStat
@@ -55,7 +56,7 @@ class DeadReLUCallback(WarnsOncePerLayer):
     ======================================  ===================================================
 
     A ``LightningHooksWarning``, on rank 0, names the layer and "k of n units" the first epoch of
-    a fit its dead fraction is ``>= threshold`` with at least one unit dead; later epochs of the
+    a fit its dead fraction is ``>= warn_at`` with at least one unit dead; later epochs of the
     same layer are counted, and one summary warning at the end of fit gives the counts. A module
     called twice in a forward is observed twice: a unit is alive if it fired in either call,
     and each call counts as one batch in ``zero_fraction``.
@@ -67,8 +68,8 @@ class DeadReLUCallback(WarnsOncePerLayer):
         exclude: glob patterns on qualified module names to drop.
         pre_activation: glob patterns of modules whose output feeds a functional activation
             (``F.relu(self.fc1(x))`` in ``forward``: ``pre_activation="fc1"``).
-        threshold: dead fraction in ``[0, 1]`` at which a layer is warned about.
-        warn: warn about dead layers at all.
+        warn_at: warn about a layer whose dead fraction is ``>= warn_at`` (in ``[0, 1]``; 0:
+            any dead unit); ``None``: no warning.
         every_n_steps: observe optimizer steps ``0, n, 2n, ...`` and each epoch's first step only;
             ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set), 1: every step.
             A unit is then dead when it fired on no sampled batch of the epoch (an upper bound on
@@ -76,7 +77,7 @@ class DeadReLUCallback(WarnsOncePerLayer):
 
     Example:
         >>> import pytorch_lightning as pl
-        >>> callback = DeadReLUCallback(pre_activation="fc*", threshold=0.25)
+        >>> callback = DeadReLUCallback(pre_activation="fc*", warn_at=0.25)
         >>> trainer = pl.Trainer(callbacks=[callback])  # doctest: +SKIP
     """
 
@@ -90,9 +91,10 @@ class DeadReLUCallback(WarnsOncePerLayer):
         include: Patterns = None,
         exclude: Patterns = None,
         pre_activation: Patterns = None,
-        threshold: float = 0.5,
-        warn: bool = True,
+        warn_at: float | None = 0.5,
         every_n_steps: int | None = None,
+        threshold: float = UNSET,
+        warn: bool = UNSET,
     ) -> None:
         tracker = DeadUnitTracker(
             types=types,
@@ -101,8 +103,7 @@ class DeadReLUCallback(WarnsOncePerLayer):
             pre_activation=pre_activation,
             owner=_NAME,
         )
-        self.threshold = fraction(_NAME, "threshold", threshold)
-        self.warn = boolean(_NAME, "warn", warn)
+        self.warn_at = _warn_at(warn_at, threshold, warn)
         super().__init__(tracker, every_n_steps=every_n_steps)
         assert tracker.selection is not None
         self.types = types
@@ -111,18 +112,43 @@ class DeadReLUCallback(WarnsOncePerLayer):
 
     @override
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
-        if self.warn:
-            self._warn_dead(result, trainer.current_epoch)
+        if self.warn_at is not None:
+            self._warn_dead(result, trainer.current_epoch, self.warn_at)
 
-    def _warn_dead(self, result: DeadUnits, epoch: int) -> None:
+    def _warn_dead(self, result: DeadUnits, epoch: int, warn_at: float) -> None:
         fractions = result.dead_fraction
         for layer, dead, units, share in zip(
             result.layers, result.dead, result.units, fractions, strict=True
         ):
-            if dead > 0 and share >= self.threshold and self.warned.first(layer):
+            if dead > 0 and share >= warn_at and self.warned.first(layer):
                 rank_zero_warn(
                     f"{_NAME}: layer '{layer}' has {dead} of {units} units dead in epoch {epoch} "
                     f"(never fired on a sampled training batch; dead fraction {share:.3g} >= "
-                    f"threshold {self.threshold:g})",
+                    f"warn_at {warn_at:g})",
                     category=LightningHooksWarning,
                 )
+
+
+def _warn_at(warn_at: float | None, threshold: float, warn: bool) -> float | None:
+    """``warn_at``, checked, or what the deprecated ``threshold``/``warn`` say, mapped exactly."""
+    given = {k: v for k, v in (("threshold", threshold), ("warn", warn)) if v is not UNSET}
+    if given and warn_at != 0.5:
+        old = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        raise TypeError(
+            f"{_NAME}(warn_at={warn_at!r}, {old}): pass warn_at only ({' and '.join(given)}: "
+            "its deprecated names)"
+        )
+    if "threshold" in given:
+        warn_at = fraction(_NAME, "threshold", threshold)
+        renamed(
+            _NAME,
+            "threshold",
+            "warn_at",
+            f"threshold={threshold!r} is warn_at={warn_at!r}",
+            stacklevel=4,
+        )
+    if "warn" in given:
+        renamed(_NAME, "warn", "warn_at", "warn=False is warn_at=None", stacklevel=4)
+        if not boolean(_NAME, "warn", warn):
+            return None
+    return fraction_or_none(_NAME, "warn_at", warn_at)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -9,8 +10,9 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_hooks.callbacks._checks import UNSET, renamed
 from lightning_hooks.callbacks._once import OncePerLayer, WarnsOncePerLayer
-from lightning_hooks.core.checks import real
+from lightning_hooks.core.checks import fraction_or_none, real
 from lightning_hooks.core.saturation import SATURATING_TYPES, SaturationStats, SaturationTracker
 from lightning_hooks.core.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stat import LayerStat
@@ -46,9 +48,9 @@ class SaturationCallback(WarnsOncePerLayer):
     the module.
 
     Warning rule (as for dead ReLUs): on rank 0, one ``LightningHooksWarning`` per layer, the first
-    epoch of a fit its always-saturated fraction exceeds ``warn_above``, naming the layer and "k of
-    n units"; later epochs of the same layer are counted, and one summary warning at the end of fit
-    gives the counts.
+    epoch of a fit its always-saturated fraction is ``>= warn_at`` with at least one such unit,
+    naming the layer and "k of n units"; later epochs of the same layer are counted, and one
+    summary warning at the end of fit gives the counts.
 
     Logged metrics, per epoch (``{layer}``: the module's qualified name):
 
@@ -70,16 +72,18 @@ class SaturationCallback(WarnsOncePerLayer):
         unit_dim: the output dimension that indexes units (1: features of ``[N, F]``, channels
             of ``[N, C, H, W]``; use -1 for ``[N, T, F]`` sequences).
         margin: threshold margin of the smooth activations (0.01: ``|tanh| > 0.99``).
-        warn_above: warn when more than this fraction of a layer's units is saturated on every
-            sample of an epoch (``None``: never).
+        warn_at: warn about a layer when at least this fraction (in ``[0, 1]``) of its units is
+            saturated on every sample of an epoch (0: any such unit); ``None``: no warning.
         every_n_steps: observe optimizer steps ``0, n, 2n, ...`` and each epoch's first step only;
             ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set), 1: every step.
             Fractions are then over the sampled batches. Off-sample steps cost one Python attribute
             check per hook.
+        warn_above: deprecated (a ``DeprecationWarning``): it warned strictly above its value,
+            so it maps to ``warn_at=math.nextafter(warn_above, 1)``; ``None`` to ``None``.
 
     Example:
-        >>> callback = SaturationCallback(warn_above=0.25)
-        >>> callback.warn_above
+        >>> callback = SaturationCallback(warn_at=0.25)
+        >>> callback.warn_at
         0.25
     """
 
@@ -93,8 +97,9 @@ class SaturationCallback(WarnsOncePerLayer):
         exclude: Patterns = None,
         unit_dim: int = 1,
         margin: float = 0.01,
-        warn_above: float | None = 0.5,
+        warn_at: float | None = 0.5,
         every_n_steps: int | None = None,
+        warn_above: float | None = UNSET,
     ) -> None:
         _check_types(types)
         dim: Any = unit_dim
@@ -102,9 +107,7 @@ class SaturationCallback(WarnsOncePerLayer):
             raise TypeError(f"{_NAME}(unit_dim={dim!r}): must be an int, got {dim!r}")
         unit_dim = int(dim)
         margin = real(_NAME, "margin", margin, low=0.0, high=0.5, low_open=True, high_open=True)
-        above: float | None = None
-        if warn_above is not None:
-            above = real(_NAME, "warn_above", warn_above, low=0.0, high=1.0, high_open=True)
+        warn_at = _warn_at(warn_at, warn_above)
         tracker = SaturationTracker(
             types=types,
             include=include,
@@ -119,7 +122,7 @@ class SaturationCallback(WarnsOncePerLayer):
         self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
         self.unit_dim = unit_dim
         self.margin = margin
-        self.warn_above = above
+        self.warn_at = warn_at
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
@@ -131,11 +134,35 @@ class SaturationCallback(WarnsOncePerLayer):
 
     @override
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
-        if self.warn_above is not None and trainer.is_global_zero:
-            _warn(result, trainer.current_epoch, self.warn_above, self.warned)
+        if self.warn_at is not None and trainer.is_global_zero:
+            _warn(result, trainer.current_epoch, self.warn_at, self.warned)
 
 
-def _warn(stats: SaturationStats, epoch: int, warn_above: float, warned: OncePerLayer) -> None:
+def _warn_at(warn_at: float | None, warn_above: float | None) -> float | None:
+    """``warn_at``, checked, or the deprecated ``warn_above`` mapped exactly (``>`` to ``>=``)."""
+    if warn_above is UNSET:
+        return fraction_or_none(_NAME, "warn_at", warn_at)
+    if warn_at != 0.5:
+        raise TypeError(
+            f"{_NAME}(warn_at={warn_at!r}, warn_above={warn_above!r}): pass warn_at only "
+            "(warn_above: its deprecated name)"
+        )
+    if warn_above is None:
+        renamed(_NAME, "warn_above", "warn_at", "warn_above=None is warn_at=None", stacklevel=4)
+        return None
+    above = real(_NAME, "warn_above", warn_above, low=0.0, high=1.0, high_open=True)
+    at = math.nextafter(above, 1.0)  # share > above  <=>  share >= at, for every float share
+    renamed(
+        _NAME,
+        "warn_above",
+        "warn_at",
+        f"warn_above={warn_above!r} warned above it, as warn_at={at!r} does",
+        stacklevel=4,
+    )
+    return at
+
+
+def _warn(stats: SaturationStats, epoch: int, warn_at: float, warned: OncePerLayer) -> None:
     for layer, share, k, n in zip(
         stats.layers,
         stats.always_saturated_fraction,
@@ -143,11 +170,11 @@ def _warn(stats: SaturationStats, epoch: int, warn_above: float, warned: OncePer
         stats.units,
         strict=True,
     ):
-        if share > warn_above and warned.first(layer):
+        if k > 0 and share >= warn_at and warned.first(layer):
             rank_zero_warn(
                 f"{_NAME}: layer {layer!r} has {k} of {n} units ({share:.0%}) "
-                f"saturated on every training sample of epoch {epoch} (warn_above="
-                f"{warn_above}); their gradients are near zero. Consider a smaller learning "
+                f"saturated on every training sample of epoch {epoch} (warn_at="
+                f"{warn_at!r}); their gradients are near zero. Consider a smaller learning "
                 "rate or weight init, normalization before the activation, or a "
                 "non-saturating activation.",
                 category=LightningHooksWarning,

@@ -26,6 +26,7 @@ __all__ = [
     "callable_or_none",
     "choice",
     "fraction",
+    "fraction_or_none",
     "positive_int",
     "positive_real",
     "real",
@@ -124,6 +125,20 @@ def fraction(owner: str, name: str, value: Any) -> float:
         ValueError: Cb(threshold=1.5): must be a finite real >= 0.0 and <= 1.0, got 1.5
     """
     return real(owner, name, value, low=0.0, high=1.0)
+
+
+def fraction_or_none(owner: str, name: str, value: Any) -> float | None:
+    """``value`` as a ``float`` in ``[0, 1]``, or ``None`` (a setting that is off).
+
+    Example:
+        >>> fraction_or_none("Cb", "warn_at", None) is None
+        True
+        >>> fraction_or_none("Cb", "warn_at", -0.1)
+        Traceback (most recent call last):
+        ...
+        ValueError: Cb(warn_at=-0.1): must be a finite real >= 0.0 and <= 1.0, got -0.1
+    """
+    return None if value is None else fraction(owner, name, value)
 
 
 def boolean(owner: str, name: str, value: Any) -> bool:
