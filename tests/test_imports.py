@@ -5,6 +5,7 @@ Each check runs in a fresh interpreter: this test process has long imported ever
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -30,11 +31,36 @@ def _modules_after(statement: str) -> set[str]:
     return set(json.loads(out.splitlines()[-1]))
 
 
-def test_core_imports_neither_lightning_nor_tensorboard() -> None:
-    loaded = _modules_after("import lightning_hooks.core")
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "import lightning_hooks.core",
+        "from lightning_hooks.core import HookRegistry, select_modules",
+    ],
+)
+def test_core_imports_neither_lightning_nor_matplotlib_nor_tensorboard(statement: str) -> None:
+    loaded = _modules_after(statement)
     assert "torch" in loaded  # the probe does see what was imported
-    assert not {"lightning", "pytorch_lightning", "tensorboard"} & loaded
+    assert not {"lightning", "pytorch_lightning", "tensorboard", "matplotlib"} & loaded
     assert not {"lightning_hooks.callbacks", "lightning_hooks.logging"} & loaded
+
+
+def test_core_names_resolve_lazily() -> None:
+    from lightning_hooks import core
+
+    # The probe sees matplotlib when torchmetrics loads it: what the lazy core keeps away.
+    assert "matplotlib" in _modules_after("from lightning_hooks.core import LayerStat")
+    for name in core.__all__:
+        assert getattr(core, name) is getattr(importlib.import_module(core._LAZY[name]), name)
+    assert set(core.__all__) == set(core._LAZY)
+    assert set(core.__all__) <= set(dir(core))
+    # A function named like its module stays the function, even once the module is imported.
+    importlib.import_module("lightning_hooks.core.feature_stats")
+    assert callable(core.feature_stats) and callable(core.grad_stats)
+    with pytest.raises(
+        AttributeError, match=r"'lightning_hooks\.core' has no attribute 'HookRegstry'"
+    ):
+        _ = core.HookRegstry  # type: ignore[attr-defined]
 
 
 def test_package_import_is_lazy_and_names_resolve() -> None:

@@ -1,28 +1,76 @@
-"""The torch-only core: hook registry, module selection, statistics and accumulators."""
+"""The torch-only core: hook registry, module selection, statistics and accumulators.
 
-from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
-from lightning_hooks.core.activation_stats import ActivationStatsTracker
-from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, GradientAlarm, GradientAlarms
-from lightning_hooks.core.capture import capture_outputs
-from lightning_hooks.core.dead_units import DeadUnits, DeadUnitTracker
-from lightning_hooks.core.feature_stats import FEATURE_STATS, FeatureSummary, feature_stats
-from lightning_hooks.core.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
-from lightning_hooks.core.grad_stats import GRAD_STATS, ParamLayout, grad_stats
-from lightning_hooks.core.histogram import LayerHistogram, LayerHistograms
-from lightning_hooks.core.layer_time import LayerTimer, LayerTimes
-from lightning_hooks.core.nonfinite import FirstNonFinite
-from lightning_hooks.core.probe import probe_mode
-from lightning_hooks.core.registry import HookRegistry
-from lightning_hooks.core.saturation import (
-    SATURATING_TYPES,
-    SaturationStats,
-    SaturationTracker,
-    saturation_mask,
-    unit_saturation,
-)
-from lightning_hooks.core.selection import Selection, select_modules
-from lightning_hooks.core.stat import LayerStat
-from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
+No Lightning, no matplotlib, no TensorBoard: the public names load on first use (PEP 562), so
+``import lightning_hooks.core`` and ``from lightning_hooks.core import HookRegistry,
+select_modules`` import only torch and numpy. The statistics built on torchmetrics' ``Metric``
+(:class:`LayerStat` and the trackers: ``ActivationStatsTracker``, ``DeadUnitTracker``, ...) load
+torchmetrics, and torchmetrics itself imports matplotlib when it is installed.
+
+Example:
+    >>> from lightning_hooks.core import HookRegistry, select_modules
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
+    from lightning_hooks.core.activation_stats import ActivationStatsTracker
+    from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, GradientAlarm, GradientAlarms
+    from lightning_hooks.core.capture import capture_outputs
+    from lightning_hooks.core.dead_units import DeadUnits, DeadUnitTracker
+    from lightning_hooks.core.feature_stats import FEATURE_STATS, FeatureSummary, feature_stats
+    from lightning_hooks.core.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
+    from lightning_hooks.core.grad_stats import GRAD_STATS, ParamLayout, grad_stats
+    from lightning_hooks.core.histogram import LayerHistogram, LayerHistograms
+    from lightning_hooks.core.layer_time import LayerTimer, LayerTimes
+    from lightning_hooks.core.nonfinite import FirstNonFinite
+    from lightning_hooks.core.probe import probe_mode
+    from lightning_hooks.core.registry import HookRegistry
+    from lightning_hooks.core.saturation import (
+        SATURATING_TYPES,
+        SaturationStats,
+        SaturationTracker,
+        saturation_mask,
+        unit_saturation,
+    )
+    from lightning_hooks.core.selection import Selection, select_modules
+    from lightning_hooks.core.stat import LayerStat
+    from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
+
+# Module -> the public names it defines, imported on first attribute access.
+_MODULES: dict[str, tuple[str, ...]] = {
+    "lightning_hooks.core.accumulator": ("LayerStats", "LayerStatsAccumulator"),
+    "lightning_hooks.core.activation_stats": ("ActivationStatsTracker",),
+    "lightning_hooks.core.alarms": ("ALARM_RULES", "AlarmRules", "GradientAlarm", "GradientAlarms"),
+    "lightning_hooks.core.capture": ("capture_outputs",),
+    "lightning_hooks.core.dead_units": ("DeadUnits", "DeadUnitTracker"),
+    "lightning_hooks.core.feature_stats": ("FEATURE_STATS", "FeatureSummary", "feature_stats"),
+    "lightning_hooks.core.grad_flow": ("GRAD_FLOW_STATS", "GradFlowTracker"),
+    "lightning_hooks.core.grad_stats": ("GRAD_STATS", "ParamLayout", "grad_stats"),
+    "lightning_hooks.core.histogram": ("LayerHistogram", "LayerHistograms"),
+    "lightning_hooks.core.layer_time": ("LayerTimer", "LayerTimes"),
+    "lightning_hooks.core.nonfinite": ("FirstNonFinite",),
+    "lightning_hooks.core.probe": ("probe_mode",),
+    "lightning_hooks.core.registry": ("HookRegistry",),
+    "lightning_hooks.core.saturation": (
+        "SATURATING_TYPES",
+        "SaturationStats",
+        "SaturationTracker",
+        "saturation_mask",
+        "unit_saturation",
+    ),
+    "lightning_hooks.core.selection": ("Selection", "select_modules"),
+    "lightning_hooks.core.stat": ("LayerStat",),
+    "lightning_hooks.core.tensors": ("is_training_forward", "iter_float_tensors"),
+}
+_LAZY: dict[str, str] = {name: module for module, names in _MODULES.items() for name in names}
+# A name that is also its module's name (``feature_stats``) is bound now: imported later, the
+# submodule would take the package attribute and hide the function. These modules are torch-only.
+_SHADOWED = [name for name, module in _LAZY.items() if module.rsplit(".", 1)[1] == name]
+globals().update({name: getattr(importlib.import_module(_LAZY[name]), name) for name in _SHADOWED})
 
 __all__ = [
     "ALARM_RULES",
@@ -61,3 +109,17 @@ __all__ = [
     "select_modules",
     "unit_saturation",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access and cache the name in this module."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_hooks.core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
