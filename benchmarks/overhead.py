@@ -80,13 +80,24 @@ FULL: dict[str, dict[str, Any]] = {
 
 
 def discovered() -> dict[str, type[pl.Callback]]:
-    """Every callback class the package exports, by name."""
+    """Every callback class the package exports that builds with no argument, by name.
+
+    ``StatsCallback`` needs its statistics: it is measured through the callbacks built on it.
+    """
     found = {}
     for name in getattr(lightning_hooks, "__all__", ()):
         obj = getattr(lightning_hooks, name, None)
-        if isinstance(obj, type) and issubclass(obj, pl.Callback):
+        if isinstance(obj, type) and issubclass(obj, pl.Callback) and _needs_no_argument(obj):
             found[name] = obj
     return found
+
+
+def _needs_no_argument(cls: type) -> bool:
+    optional = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return all(
+        p.default is not p.empty or p.kind in optional
+        for p in inspect.signature(cls).parameters.values()
+    )
 
 
 def _accepted(cls: type, options: dict[str, Any]) -> dict[str, Any]:

@@ -48,7 +48,7 @@ def main() -> None:
     from pytorch_lightning.loggers import TensorBoardLogger
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_hooks.callbacks.stats import StatsCallback
+    from lightning_hooks import StatsCallback
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:

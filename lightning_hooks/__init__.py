@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from lightning_hooks.callbacks.grad_flow import GradFlowCallback
     from lightning_hooks.callbacks.layer_time import LayerTimeCallback
     from lightning_hooks.callbacks.saturation import SaturationCallback
+    from lightning_hooks.callbacks.stats import StatsCallback
     from lightning_hooks.core.accumulator import LayerStats
     from lightning_hooks.core.activation_stats import ActivationStatsTracker
     from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
@@ -45,6 +46,7 @@ _LAZY: dict[str, str] = {
     "GradFlowCallback": "lightning_hooks.callbacks.grad_flow",
     "LayerTimeCallback": "lightning_hooks.callbacks.layer_time",
     "SaturationCallback": "lightning_hooks.callbacks.saturation",
+    "StatsCallback": "lightning_hooks.callbacks.stats",
     "LayerStats": "lightning_hooks.core.accumulator",
     "ActivationStatsTracker": "lightning_hooks.core.activation_stats",
     "AlarmRules": "lightning_hooks.core.alarms",
@@ -76,6 +78,7 @@ __all__ = [
     "LightningHooksError",
     "LightningHooksWarning",
     "SaturationCallback",
+    "StatsCallback",
     "capture_outputs",
     "select_modules",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections import defaultdict
 from collections.abc import Callable
@@ -89,6 +90,29 @@ class TinyCNN(pl.LightningModule):
         x = torch.randn(24, 3, 8, 8, generator=g)
         y = torch.randint(0, 4, (24,), generator=g)
         return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def default_callback_types() -> list[type[pl.Callback]]:
+    """Every callback class the package exports that can be built with no argument.
+
+    ``StatsCallback`` needs its statistics, so it is left out.
+    """
+    import lightning_hooks
+
+    exported = [getattr(lightning_hooks, name) for name in lightning_hooks.__all__]
+    return [
+        obj
+        for obj in exported
+        if isinstance(obj, type) and issubclass(obj, pl.Callback) and _needs_no_argument(obj)
+    ]
+
+
+def _needs_no_argument(cls: type) -> bool:
+    optional = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return all(
+        p.default is not p.empty or p.kind in optional
+        for p in inspect.signature(cls).parameters.values()
+    )
 
 
 def make_trainer(root: Path, **kwargs: Any) -> pl.Trainer:

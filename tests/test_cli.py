@@ -20,7 +20,7 @@ from lightning_hooks import GradFlowCallback, GradientAlarmWarning
 from lightning_hooks.cli import main
 from lightning_hooks.core.alarms import ALARM_RULES
 
-from conftest import TinyMLP, make_trainer, read_scalars
+from conftest import TinyMLP, default_callback_types, make_trainer, read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -316,8 +316,7 @@ def test_the_known_metrics_are_what_every_callback_logs(tmp_path: Path) -> None:
 
     model = TinyMLP()
     model.net[3] = nn.Tanh()  # SaturationCallback watches bounded activations
-    names = [n for n in lightning_hooks.__all__ if n.endswith("Callback")]
-    callbacks = [getattr(lightning_hooks, n)() for n in names]
+    callbacks = [cls() for cls in default_callback_types()]
     with warnings.catch_warnings():  # a dead ReLU on this tiny model is not what is tested here
         warnings.simplefilter("ignore", lightning_hooks.LightningHooksWarning)
         make_trainer(tmp_path, callbacks=callbacks).fit(model)

@@ -23,14 +23,10 @@ from torch import nn
 import lightning_hooks
 from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker
 
-from conftest import TinyMLP, read_scalars
+from conftest import TinyMLP, default_callback_types, read_scalars
 from syncs import count_syncs
 
-CALLBACKS = [
-    obj
-    for name in lightning_hooks.__all__
-    if isinstance(obj := getattr(lightning_hooks, name), type) and issubclass(obj, pl.Callback)
-]
+CALLBACKS = default_callback_types()
 
 
 class _StepWindow(pl.Callback):
