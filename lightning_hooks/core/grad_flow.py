@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hooks.core import checks
 from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
 from lightning_hooks.core.distributed import all_reduce_sum_, world_size
@@ -17,8 +18,9 @@ from lightning_hooks.core.grad_stats import (
     GLOBAL,
     GRAD_STATS,
     ParamLayout,
-    grad_norms,
     grad_stats,
+    param_norms,
+    segment_norm,
 )
 from lightning_hooks.core.grad_stats import update_norms as _update_norms
 from lightning_hooks.core.registry import HookOwner, HookRegistry
@@ -27,13 +29,16 @@ from lightning_hooks.core.tensors import is_grad_forward, iter_float_tensors
 
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
 
-GRAD_FLOW_STATS = (*GRAD_STATS, "update_ratio", "output_grad_norm", "grad_norm_postclip")
-"""Columns of the tracker's :class:`~lightning_hooks.core.LayerStats`."""
+GRAD_FLOW_STATS = (*GRAD_STATS, "update_ratio", "output_grad_norm", "grad_norm_preclip")
+"""Columns of the tracker's :class:`~lightning_hooks.core.LayerStats`. With ``post_clip`` the
+``grad_*`` columns are the gradient the optimizer applied (after clipping) and
+``grad_norm_preclip`` the L2 norm before clipping; without, ``grad_norm_preclip`` is empty."""
 
 _UPDATE = GRAD_FLOW_STATS.index("update_ratio")
 _OUTPUT = GRAD_FLOW_STATS.index("output_grad_norm")
 _WEIGHT = GRAD_FLOW_STATS.index("weight_norm")
-_POSTCLIP = GRAD_FLOW_STATS.index("grad_norm_postclip")
+_PRECLIP = GRAD_FLOW_STATS.index("grad_norm_preclip")
+_GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 _SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the gradient
 
 
@@ -62,9 +67,16 @@ class _OptimizerView:
             self.masks[missing] = mask
         return mask
 
+    def grads(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """The gradients (a 1-element zero for ``None``) and the :meth:`grad_mask`, if needed."""
+        missing = tuple(p.grad is None for p in self.params)
+        grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in self.params]
+        return grads, self.grad_mask(missing) if any(missing) else None
 
-def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(torch._foreach_norm(tensors)).float()
+
+def _weight_norms(view: _OptimizerView) -> torch.Tensor:
+    """The alarms' attribution pass: ``[rows]`` weight norms of the view (on an alarm only)."""
+    return segment_norm(param_norms(view.params), view.index, len(view.rows) - 1)
 
 
 def _add_output_grad(sq_row: torch.Tensor, grad: torch.Tensor) -> None:
@@ -107,6 +119,20 @@ def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int]
     return hook
 
 
+def _check_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
+    expected = "an iterable of torch.optim.Optimizer (e.g. [optimizer])"
+    if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, Iterable):
+        shown = f"{type(optimizers).__name__}(...)"  # an optimizer's repr spans many lines
+        raise TypeError(f"GradFlowTracker(optimizers={shown}): must be {expected}, got {shown}")
+    out = list(optimizers)
+    for item in out:
+        if not isinstance(item, torch.optim.Optimizer):
+            raise TypeError(
+                f"GradFlowTracker(optimizers={out!r}): must be {expected}, got an item {item!r}"
+            )
+    return out
+
+
 class GradFlowTracker(HookOwner):
     """Per-layer gradient flow over optimizer steps, on the device, with no host sync per step.
 
@@ -116,10 +142,12 @@ class GradFlowTracker(HookOwner):
     norm of the gradient with respect to the layer's outputs (summed in square over the
     micro-batches and calls of the step). :meth:`result` gives the mean and max over steps.
 
-    Call :meth:`observe` just before ``optimizer.step()``; the update ratio (and, with
-    ``post_clip``, the global norm of the gradient after clipping) is taken by an optimizer step
-    post-hook, which runs after any clipping and after the update, while ``p.grad`` still holds
-    what the optimizer applied. Use it as a context manager, or call :meth:`remove`.
+    Call :meth:`observe` just before ``optimizer.step()`` (and before any clipping); the update
+    ratio is taken by an optimizer step post-hook, which runs after the clipping and the update,
+    while ``p.grad`` still holds what the optimizer applied. With ``post_clip`` (gradients are
+    clipped between :meth:`observe` and the step) the gradient columns are measured in that
+    post-hook too, so they are what the optimizer applied, and ``grad_norm_preclip`` holds the
+    L2 norm :meth:`observe` saw. Use it as a context manager, or call :meth:`remove`.
 
     Under ``torch.distributed`` (DDP) every rank must call :meth:`observe` and :meth:`result`.
     Parameter gradients are the all-reduced ones, the same on every rank: rank 0 records them.
@@ -130,11 +158,13 @@ class GradFlowTracker(HookOwner):
 
     Sampling: set :attr:`sampled` to ``False`` before a step's forward to skip that step; its
     hooks then return at once and :meth:`observe` records nothing. Under ``torch.compile`` the
-    flag is guarded: each of its two values compiles once. The alarms run on the sampled steps,
-    and also every ``AlarmRules.every_n_steps`` steps when that is set: on a step that is not
-    sampled they get the gradient and weight L2 norms only (one pass over each,
-    :func:`grad_norms`), and name a non-finite gradient's layer in reverse model order (the
-    backward order needs the output hooks).
+    flag is guarded: each of its two values compiles once. The alarms (the sentinel) run on
+    every ``AlarmRules.every_n_steps``-th step (every step by default), sampled or not: one
+    multi-tensor L2 pass over the gradients (before clipping: clipping would hide a spike),
+    segment-summed per layer on the device, which a sampled step reuses for its statistics. The
+    weights are read only when a rule fired (to name where a NaN entered). On a step that is
+    not sampled a non-finite gradient's layer is named in reverse model order (the backward
+    order needs the output hooks).
 
     Args:
         model: the model to track.
@@ -144,8 +174,9 @@ class GradFlowTracker(HookOwner):
         exclude: glob patterns on module names to drop.
         update_ratio: measure the update ratio (keeps one copy of the parameters).
         output_grad: measure the gradient with respect to each layer's output.
-        post_clip: measure the global gradient norm after clipping, in the step post-hook.
-        alarms: evaluate these gradient alarm rules at every step (see
+        post_clip: gradients are clipped before the step: measure them in the step post-hook
+            (what the optimizer applied), and the pre-clip norm in :meth:`observe`.
+        alarms: evaluate these gradient alarm rules (see
             :class:`~lightning_hooks.core.GradientAlarms`); read them with ``tracker.alarms``.
 
     Example:
@@ -177,6 +208,18 @@ class GradFlowTracker(HookOwner):
         post_clip: bool = False,
         alarms: AlarmRules | None = None,
     ) -> None:
+        optimizers = _check_optimizers(optimizers)
+        for name, flag in (
+            ("update_ratio", update_ratio),
+            ("output_grad", output_grad),
+            ("post_clip", post_clip),
+        ):
+            checks.boolean("GradFlowTracker", name, flag)
+        if alarms is not None and not isinstance(alarms, AlarmRules):
+            raise TypeError(
+                f"GradFlowTracker(alarms={alarms!r}): must be an AlarmRules or None, "
+                f"got {type(alarms).__name__}"
+            )
         self.registry = HookRegistry(model)
         modules = self.registry.modules(types=types, include=include, exclude=exclude)
         self.layout = ParamLayout.from_modules(modules)
@@ -264,43 +307,64 @@ class GradFlowTracker(HookOwner):
         self._calls += 1
         sampled = self.registry.sampled
         alarms = self.alarms
-        if alarms is not None and not sampled:
-            every = alarms.rules.every_n_steps
-            alarms = alarms if every is not None and step % every == 0 else None
+        if alarms is not None and step % alarms.rules.every_n_steps != 0:
+            alarms = None
         if not (sampled or alarms):
             return
         view = self._view(optimizer)
         if not view.params:
             return
-        stats = self._gradient_stats(view, full=sampled)
-        if param_grad_scale is not None:
-            stats[:, _SCALED] /= param_grad_scale
+        grads, valid = view.grads()
+        raw = param_norms(grads)  # the sentinel's one pass, reused by the full statistics
+        l2 = raw if param_grad_scale is None else raw / param_grad_scale
+        norm = segment_norm(l2, view.index, len(view.rows) - 1)
+        if alarms is not None:
+            stepped = None if valid is None else valid[:, 0]
+            weights = partial(_weight_norms, view)
+            alarms.update(
+                norm,
+                view.rows,
+                step=step,
+                amp=grad_scale is not None,
+                order=self._backward_order,
+                weights=weights,
+                stepped=stepped,
+            )
+        self._backward_order.clear()
         if sampled:
-            missing = tuple(p.grad is None for p in view.params)
-            valid = view.grad_mask(missing) if any(missing) else None
+            self._observe_sampled(view, grads, raw, norm, valid, param_grad_scale)
+            if self._output_grad:
+                self._observe_output_grad(view.rows[:-1], grad_scale)
+
+    def _observe_sampled(
+        self,
+        view: _OptimizerView,
+        grads: list[torch.Tensor],
+        raw: torch.Tensor,
+        norm: torch.Tensor,
+        valid: torch.Tensor | None,
+        param_grad_scale: torch.Tensor | None,
+    ) -> None:
+        """The full statistics of a sampled step (under clipping: the pre-clip norm and the
+        weights; the applied gradient is measured in the step post-hook)."""
+        if self._post_clip:
+            weight = segment_norm(param_norms(view.params), view.index, len(view.rows) - 1)
+            values = torch.stack([norm, weight], dim=1)
+            cells = None if valid is None else valid[:, [0, _WEIGHT]]
+            self.accumulator.update(values, [_PRECLIP, _WEIGHT], view.rows, cells, replicated=True)
+        else:
+            # The update-ratio buffers are free until the copy after it: reuse them as scratch.
+            scratch = view.before if valid is None and view.before else None
+            numel = self.layout.numel[view.rows[:-1]]
+            stats = grad_stats(grads, view.params, view.index, numel, scratch, l2=raw)
+            if param_grad_scale is not None:
+                stats[:, _SCALED] /= param_grad_scale
+            weight = stats[:, _WEIGHT]
             columns = slice(0, len(GRAD_STATS))
             self.accumulator.update(stats, columns, view.rows, valid, replicated=True)
-        if alarms is not None:
-            amp = grad_scale is not None
-            alarms.update(stats, view.rows, step=step, amp=amp, order=self._backward_order)
-        self._backward_order.clear()
-        if not sampled:
-            return
         if self._update_ratio:
             torch._foreach_copy_(view.before, list(view.params))
-            view.weight_norm = stats[:, _WEIGHT]
-        if self._output_grad:
-            self._observe_output_grad(view.rows[:-1], grad_scale)
-
-    def _gradient_stats(self, view: _OptimizerView, *, full: bool) -> torch.Tensor:
-        """:func:`grad_stats` (``full``), else the alarms' :func:`grad_norms`."""
-        grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in view.params]
-        if not full:
-            return grad_norms(grads, view.params, view.index, len(view.rows) - 1)
-        # The update-ratio buffers are free until the copy after it: reuse them as scratch.
-        scratch = view.before if all(p.grad is not None for p in view.params) else None
-        numel = self.layout.numel[view.rows[:-1]]
-        return grad_stats(grads, view.params, view.index, numel, scratch or None)
+            view.weight_norm = weight
 
     def _observe_output_grad(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         sq = self._out_sq[rows]
@@ -343,10 +407,12 @@ class GradFlowTracker(HookOwner):
         if view is None or not self.registry.sampled:
             return
         if self._post_clip:
-            grads = [p.grad for p in view.params if p.grad is not None]
-            norm = torch.linalg.vector_norm(_norms(grads)) if grads else view.rows.new_zeros(())
-            glob = view.rows[-1:]
-            self.accumulator.update(norm.float().view(1, 1), [_POSTCLIP], glob, replicated=True)
+            # After clipping and the update, p.grad still holds what the optimizer applied.
+            grads, valid = view.grads()
+            numel = self.layout.numel[view.rows[:-1]]
+            stats = grad_stats(grads, None, view.index, numel)[:, _GRAD]
+            cells = None if valid is None else valid[:, _GRAD]
+            self.accumulator.update(stats, _GRAD, view.rows, cells, replicated=True)
         if view.weight_norm is None:
             return
         num_layers = len(view.rows) - 1

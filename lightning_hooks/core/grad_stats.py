@@ -18,8 +18,8 @@ __all__ = [
     "GLOBAL",
     "GRAD_STATS",
     "ParamLayout",
-    "grad_norms",
     "grad_stats",
+    "param_norms",
     "segment_max",
     "segment_norm",
     "update_norms",
@@ -106,24 +106,28 @@ def _segment_sum(values: torch.Tensor, index: torch.Tensor, num_layers: int) -> 
     return torch.cat([total, total.sum().view(1)])
 
 
-def _norms(tensors: Sequence[torch.Tensor], ord: float) -> torch.Tensor:
+def param_norms(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
+    """``[len(tensors)]`` norms of each tensor, in float32 (one multi-tensor pass)."""
     return torch.stack(torch._foreach_norm(list(tensors), ord)).float()
 
 
 @torch.no_grad()
 def grad_stats(
     grads: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor] | None,
     index: torch.Tensor,
     numel: torch.Tensor,
     scratch: Sequence[torch.Tensor] | None = None,
+    l2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[layers + 1, len(GRAD_STATS)]`` statistics of one optimizer step's gradients.
 
     Rows are the layers of ``numel`` and a last row for all of them together. Columns are
     :data:`GRAD_STATS`: L2 norm, mean ``|g|``, max ``|g|``, whether any entry is non-finite (1 or
-    0: summed over steps it counts the steps with a NaN/Inf gradient), weight L2 norm. A parameter
-    whose gradient is ``None`` is passed as a zero tensor.
+    0: summed over steps it counts the steps with a NaN/Inf gradient), weight L2 norm (NaN when
+    ``params`` is ``None``). A parameter whose gradient is ``None`` is passed as a zero tensor.
+    ``l2``: the per-parameter L2 norms of ``grads`` when already computed (the alarms' sentinel
+    reads them every step): the L2 pass is not repeated.
 
     Four reading passes over the gradients and one over the weights: ``_foreach_norm`` with
     orders 1, inf and 0 takes a slow path on the CPU (10-30x the cost of order 2), so only the L2
@@ -140,52 +144,26 @@ def grad_stats(
                 [5.0990, 2.6667, 4.0000, 0.0000, 1.7321]])
     """
     num_layers = numel.numel()
-    l2 = _norms(grads, 2.0)
+    l2 = param_norms(grads, 2.0) if l2 is None else l2
     absolute = [torch.empty_like(g) for g in grads] if scratch is None else list(scratch)
     sums = [torch.abs(g, out=a).sum() for g, a in zip(grads, absolute, strict=True)]
     peak = torch.stack(torch._foreach_max(absolute)).float()
     l1 = _segment_sum(torch.stack(sums).float(), index, num_layers)
     nonfinite = (~torch.isfinite(peak)).float()
+    if params is None:
+        weight = torch.full((num_layers + 1,), torch.nan, device=l2.device)
+    else:
+        weight = segment_norm(param_norms(params, 2.0), index, num_layers)
     return torch.stack(
         [
             segment_norm(l2, index, num_layers),
             l1 / torch.cat([numel, numel.sum().view(1)]),
             segment_max(peak, index, num_layers),
             segment_max(nonfinite, index, num_layers),
-            segment_norm(_norms(params, 2.0), index, num_layers),
+            weight,
         ],
         dim=1,
     )
-
-
-@torch.no_grad()
-def grad_norms(
-    grads: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
-    index: torch.Tensor,
-    num_layers: int,
-) -> torch.Tensor:
-    """The columns of :func:`grad_stats` the gradient alarms read, at the cost of one L2 pass
-    over the gradients and one over the weights.
-
-    ``grad_norm`` and ``weight_norm`` are exact; ``grad_nonfinite`` is 1 where the layer's
-    gradient norm is not finite (a NaN/Inf entry, or squares beyond float32), else 0; mean and
-    max ``|g|`` are NaN (not measured). For the alarms only: the accumulated statistics always
-    come from :func:`grad_stats`.
-
-    Example:
-        >>> g = [torch.tensor([3.0, -4.0]), torch.tensor([float("nan")])]
-        >>> w = [torch.ones(2), torch.ones(1)]
-        >>> grad_norms(g, w, torch.tensor([0, 1]), 2)
-        tensor([[5.0000,    nan,    nan, 0.0000, 1.4142],
-                [   nan,    nan,    nan, 1.0000, 1.0000],
-                [   nan,    nan,    nan, 1.0000, 1.7321]])
-    """
-    norm = segment_norm(_norms(grads, 2.0), index, num_layers)
-    nan = torch.full_like(norm, torch.nan)
-    bad = (~torch.isfinite(norm)).to(norm.dtype)
-    weight = segment_norm(_norms(params, 2.0), index, num_layers)
-    return torch.stack([norm, nan, nan, bad, weight], dim=1)
 
 
 @torch.no_grad()
@@ -198,4 +176,4 @@ def update_norms(
     """``[layers + 1]`` norms of ``after - before`` per layer, last: all. Overwrites ``before``."""
     diffs = list(before)
     torch._foreach_sub_(diffs, list(after))
-    return segment_norm(_norms(diffs, 2.0), index, num_layers)
+    return segment_norm(param_norms(diffs, 2.0), index, num_layers)
