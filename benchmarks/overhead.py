@@ -18,8 +18,8 @@ and 1,000 hooked layers, and the error of statistics sampled every n steps.
 
 Usage::
 
-    PYTHONPATH=$PWD python benchmarks/overhead.py --quick                 # a few minutes
-    PYTHONPATH=$PWD python benchmarks/overhead.py --threads 1 --rounds 3  # the README tables
+    PYTHONPATH=$PWD python benchmarks/overhead.py --quick   # printed only, nothing written
+    PYTHONPATH=$PWD python benchmarks/overhead.py --threads 1 --rounds 3 --save  # docs/overhead.md
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_hooks
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -601,7 +602,8 @@ def _matches(pattern: str, name: str) -> bool:
     return name == pattern[1:] if pattern.startswith("=") else pattern in name
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``--quick`` fills in its smaller settings."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--rounds", type=int, default=7)
@@ -630,12 +632,33 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="3 rounds, the MLP only (unless --models), depths 10 100",
     )
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "overhead"))
+    parser.add_argument(
+        "--save",
+        action="store_true",
+        help="write the results to --out (.md and .json); without it they are only printed",
+    )
+    parser.add_argument(
+        "--out",
+        default=str(RESULTS / "overhead"),
+        help="where --save writes, without suffix (default: the tracked benchmarks/results/)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.depths, args.sample_every = 3, 50, [10, 100], [4]
         if args.models == list(MODELS):
             args.models = ["mlp"]
+    return args
+
+
+def save(results: dict[str, Any], out: Path) -> None:
+    """Write ``out.json`` (every round, the command, the load) and ``out.md`` (the tables)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2, default=repr) + "\n")
+    out.with_suffix(".md").write_text(markdown(results))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     pl.seed_everything(0, verbose=False)
@@ -671,11 +694,12 @@ def main(argv: list[str] | None = None) -> None:
         )
     env["load_after"] = os.getloadavg()
     env["wall_s"] = time.perf_counter() - started
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=2, default=repr) + "\n")
-    out.with_suffix(".md").write_text(markdown(results))
     print(markdown(results))
+    if args.save:
+        save(results, Path(args.out))
+        print(f"saved {args.out}.md and .json", file=sys.stderr)
+    else:
+        print(f"not saved: add --save to write {args.out}.md and .json", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,34 +1,61 @@
 """Lightning callbacks that instrument every layer with hooks and log to TensorBoard.
 
+The public names load on first use (PEP 562): ``import lightning_hooks`` or
+``import lightning_hooks.core`` imports neither Lightning nor matplotlib nor TensorBoard, and the
+``lightning-hooks`` command answers ``--help`` without importing torch.
+
 Example:
     >>> from lightning_hooks import GradFlowCallback
     >>> callback = GradFlowCallback()
 """
 
-from lightning_hooks.callbacks import GradFlowCallback
-from lightning_hooks.callbacks.activation_stats import ActivationStatsCallback
-from lightning_hooks.callbacks.dead_relu import DeadReLUCallback
-from lightning_hooks.callbacks.feature_map import FeatureMapCallback
-from lightning_hooks.callbacks.layer_time import LayerTimeCallback
-from lightning_hooks.callbacks.saturation import SaturationCallback
-from lightning_hooks.core import (
-    AlarmRules,
-    GradFlowTracker,
-    GradientAlarm,
-    GradientAlarms,
-    HookRegistry,
-    LayerStats,
-    select_modules,
-)
-from lightning_hooks.core.activation_stats import ActivationStatsTracker
-from lightning_hooks.core.capture import capture_outputs
-from lightning_hooks.core.dead_units import DeadUnitTracker
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lightning_hooks.errors import (
     GradientAlarmError,
     GradientAlarmWarning,
     LightningHooksError,
     LightningHooksWarning,
 )
+
+if TYPE_CHECKING:
+    from lightning_hooks.callbacks.activation_stats import ActivationStatsCallback
+    from lightning_hooks.callbacks.dead_relu import DeadReLUCallback
+    from lightning_hooks.callbacks.feature_map import FeatureMapCallback
+    from lightning_hooks.callbacks.grad_flow import GradFlowCallback
+    from lightning_hooks.callbacks.layer_time import LayerTimeCallback
+    from lightning_hooks.callbacks.saturation import SaturationCallback
+    from lightning_hooks.core.accumulator import LayerStats
+    from lightning_hooks.core.activation_stats import ActivationStatsTracker
+    from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
+    from lightning_hooks.core.capture import capture_outputs
+    from lightning_hooks.core.dead_units import DeadUnitTracker
+    from lightning_hooks.core.grad_flow import GradFlowTracker
+    from lightning_hooks.core.registry import HookRegistry
+    from lightning_hooks.core.selection import select_modules
+
+# Public name -> the module that defines it, imported on first attribute access.
+_LAZY: dict[str, str] = {
+    "ActivationStatsCallback": "lightning_hooks.callbacks.activation_stats",
+    "DeadReLUCallback": "lightning_hooks.callbacks.dead_relu",
+    "FeatureMapCallback": "lightning_hooks.callbacks.feature_map",
+    "GradFlowCallback": "lightning_hooks.callbacks.grad_flow",
+    "LayerTimeCallback": "lightning_hooks.callbacks.layer_time",
+    "SaturationCallback": "lightning_hooks.callbacks.saturation",
+    "LayerStats": "lightning_hooks.core.accumulator",
+    "ActivationStatsTracker": "lightning_hooks.core.activation_stats",
+    "AlarmRules": "lightning_hooks.core.alarms",
+    "GradientAlarm": "lightning_hooks.core.alarms",
+    "GradientAlarms": "lightning_hooks.core.alarms",
+    "capture_outputs": "lightning_hooks.core.capture",
+    "DeadUnitTracker": "lightning_hooks.core.dead_units",
+    "GradFlowTracker": "lightning_hooks.core.grad_flow",
+    "HookRegistry": "lightning_hooks.core.registry",
+    "select_modules": "lightning_hooks.core.selection",
+}
 
 __all__ = [
     "ActivationStatsCallback",
@@ -54,3 +81,17 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access and cache the name in this module."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_hooks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

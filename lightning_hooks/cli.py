@@ -1,6 +1,8 @@
 """The ``lightning-hooks`` command: ``lightning-hooks report LOGDIR`` reads the event files back.
 
-Exit codes: 0 all good, 1 a ``--fail-on`` rule was broken, 2 usage error or no events found.
+Exit codes: 0 all good, 1 a ``--fail-on`` rule was broken, 2 a rule that cannot be checked (an
+unknown metric, a run that never logged it), a corrupt or truncated event file, no events, or
+another usage error. It fails closed: a typo in a CI gate is an error, never a pass.
 """
 
 from __future__ import annotations
@@ -11,7 +13,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_hooks.report import FailRule, check, find_runs, format_table, read_run
+from lightning_hooks.report import (
+    EventFileError,
+    FailRule,
+    RunReport,
+    check,
+    find_runs,
+    format_table,
+    read_run,
+)
 
 __all__ = ["main"]
 
@@ -38,29 +48,46 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="RULE",
         help="exit 1 if any layer or alarm matches RULE, e.g. 'grad_nonfinite>0', "
-        "'dead_fraction>=0.9', 'alarms>0' (repeatable)",
+        "'dead_fraction>=0.9', 'alarms>0' (repeatable); exit 2 if RULE names an unknown metric "
+        "or one a run never logged",
     )
     return parser
+
+
+def _error(message: str) -> int:
+    print(f"lightning-hooks report: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _read(logdir: Path) -> list[RunReport]:
+    """Every run under ``logdir`` with library tags; a progress bar on stderr after 1 s."""
+    from tqdm import tqdm  # Lightning's own progress bar: already installed
+
+    runs = find_runs(logdir)
+    progress = tqdm(runs, desc="reading event files", unit="run", delay=1.0, file=sys.stderr)
+    return [r for r in (read_run(run, logdir) for run in progress) if r is not None]
 
 
 def _report(args: argparse.Namespace) -> int:
     try:
         rules = [FailRule.parse(text) for text in args.fail_on]
     except ValueError as error:
-        print(f"lightning-hooks report: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        return _error(str(error))
     logdir: Path = args.logdir
     if not logdir.is_dir():
-        print(f"lightning-hooks report: {logdir}: no such directory", file=sys.stderr)
-        return EXIT_USAGE
-    reports = [r for r in (read_run(run, logdir) for run in find_runs(logdir)) if r is not None]
+        return _error(f"{logdir}: no such directory")
+    try:
+        reports = _read(logdir)
+    except EventFileError as error:
+        return _error(str(error))
     if not reports:
-        print(
-            f"lightning-hooks report: no lightning_hooks events under {logdir} "
-            "(expected TensorBoard event files with tags like grad_flow/grad_norm/<layer>)",
-            file=sys.stderr,
+        return _error(
+            f"no lightning_hooks events under {logdir} "
+            "(expected TensorBoard event files with tags like grad_flow/grad_norm/<layer>)"
         )
-        return EXIT_USAGE
+    problems = [line for rule in rules for line in rule.problems(reports)]
+    if problems:
+        return _error("\n".join(problems))
     violations = check(reports, rules)
     if args.format == "json":
         payload = {"runs": [r.to_json() for r in reports], "violations": violations}

@@ -4,20 +4,29 @@ Tags follow ``<family>/<stat>/<layer>`` per layer, ``<family>/global/<stat>`` ov
 ``<family>/alarms/<rule>`` for alarm counts (per epoch; the report sums them over the run, so an
 alarm of an early epoch is not hidden by quiet later ones). A *run* is a directory holding event
 files.
+
+The event files are read record by record with their checksums (TensorBoard's own reader stops
+silently at a corrupt or truncated record): a file that cannot be read to its end raises
+:class:`EventFileError`, naming the file and the byte offset.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import operator
 import re
-from collections.abc import Callable, Iterable, Sequence
+import struct
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "ALARMS",
     "COLUMNS",
+    "LAYER_METRICS",
+    "EventFileError",
     "FailRule",
     "LayerRow",
     "RunReport",
@@ -25,6 +34,7 @@ __all__ = [
     "find_runs",
     "format_table",
     "read_run",
+    "scalar_events",
 ]
 
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -34,6 +44,32 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("grad_nonfinite", "grad_flow/grad_nonfinite"),
 )
 """The table's columns: ``(name, family/stat)``; every other statistic is in the JSON only."""
+
+LAYER_METRICS: dict[str, tuple[str, ...]] = {
+    "grad_flow": (
+        "grad_norm",
+        "grad_norm_max",
+        "grad_abs_mean",
+        "grad_abs_max",
+        "grad_nonfinite",
+        "weight_norm",
+        "update_ratio",
+        "update_ratio_max",
+        "output_grad_norm",
+        "output_grad_norm_max",
+    ),
+    "activations": ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite"),
+    "dead_relu": ("dead_fraction", "dead_count", "zero_fraction"),
+    "saturation": ("saturated_fraction", "always_saturated_fraction"),
+    "layer_time": ("forward_ms", "share"),
+    "feature_map": ("abs_mean",),
+}
+"""Every per-layer ``family/stat`` the library's callbacks log (a test holds it to a real fit)."""
+
+ALARMS: dict[str, tuple[str, ...]] = {
+    "grad_flow": ("spike", "absolute", "vanishing", "nonfinite", "amp_overflow"),
+}
+"""Every ``family/alarms/rule`` count the library logs (``lightning_hooks.core.ALARM_RULES``)."""
 
 _HEALTHY_UPDATE_RATIO = 1e-3  # the usual rule of thumb for ||dw|| / ||w|| per step
 
@@ -97,20 +133,107 @@ def find_runs(logdir: Path) -> list[Path]:
     return sorted({p.parent for p in logdir.rglob("events.out.tfevents.*") if p.is_file()})
 
 
-def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
-    """The report of the last logged step of one run, or ``None`` if it has no library tags."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+class EventFileError(ValueError):
+    """An event file that cannot be read to its end: a corrupt or a truncated record."""
 
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
+
+def scalar_events(path: Path) -> Iterator[tuple[str, int, float]]:
+    """``(tag, step, value)`` of every scalar in one event file, in file order.
+
+    Every record's framing is checked (its length and the length's checksum), and so is the
+    payload checksum of every record that holds a scalar.
+
+    Raises:
+        EventFileError: the file is corrupt or ends inside a record; the message names the file
+            and the byte offset of the record.
+    """
+    from google.protobuf.message import DecodeError
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    data = path.read_bytes()
+    offset = 0
+    while offset < len(data):
+        payload, payload_crc, end = _record(data, offset, path)
+        try:
+            event = Event.FromString(payload)
+        except DecodeError as error:
+            raise EventFileError(f"{path}: corrupt record at byte {offset} ({error})") from None
+        scalars = [(v.tag, x) for v in event.summary.value if (x := _scalar(v)) is not None]
+        if scalars and _masked_crc32c(payload) != payload_crc:
+            raise EventFileError(f"{path}: corrupt record at byte {offset} (checksum mismatch)")
+        for tag, value in scalars:
+            yield tag, event.step, value
+        offset = end
+
+
+def _record(data: bytes, offset: int, path: Path) -> tuple[bytes, int, int]:
+    """The TFRecord at ``offset``: ``(payload, payload checksum, offset of the next record)``."""
+    size = len(data)
+    if offset + 12 > size:
+        raise EventFileError(
+            f"{path}: truncated: the file ends inside the record header at byte {offset} "
+            f"({size} bytes; a run still being written, or a file cut short)"
+        )
+    (length,) = struct.unpack_from("<Q", data, offset)
+    (length_crc,) = struct.unpack_from("<I", data, offset + 8)
+    if _masked_crc32c(data[offset : offset + 8]) != length_crc:
+        raise EventFileError(f"{path}: corrupt record header at byte {offset} (checksum mismatch)")
+    start, end = offset + 12, offset + 12 + length
+    if end + 4 > size:
+        raise EventFileError(
+            f"{path}: truncated: the record at byte {offset} needs {length + 16} bytes, the file "
+            f"ends after {size - offset} (a run still being written, or a file cut short)"
+        )
+    (payload_crc,) = struct.unpack_from("<I", data, end)
+    return data[start:end], payload_crc, end + 4
+
+
+def _masked_crc32c(data: bytes) -> int:
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    return int(masked_crc32c(data))
+
+
+def _scalar(value: Any) -> float | None:
+    """A summary value's scalar (``simple_value`` or a scalar-plugin tensor), else ``None``."""
+    if value.HasField("simple_value"):
+        return float(value.simple_value)
+    if value.HasField("tensor") and value.metadata.plugin_data.plugin_name == "scalars":
+        from tensorboard.util.tensor_util import make_ndarray
+
+        return float(make_ndarray(value.tensor).item())
+    return None
+
+
+def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of one run (its event files in name order) as ``[(step, value)]``.
+
+    As TensorBoard does, a step lower than the tag's last one (a run resumed from a checkpoint)
+    drops the tag's values from that step on.
+    """
+    series: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(run_dir.glob("events.out.tfevents.*")):
+        for tag, step, value in scalar_events(path):
+            values = series.setdefault(tag, [])
+            if values and step < values[-1][0]:
+                values[:] = [(s, v) for s, v in values if s < step]
+            values.append((step, value))
+    return series
+
+
+def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
+    """The report of the last logged step of one run, or ``None`` if it has no library tags.
+
+    Raises:
+        EventFileError: one of the run's event files is corrupt or truncated.
+    """
     last: dict[str, tuple[int, float]] = {}
     totals: dict[str, float] = {}
-    for tag in acc.Tags()["scalars"]:
-        events = acc.Scalars(tag)
-        if events and tag.count("/") >= 2:
-            last[tag] = (events[-1].step, events[-1].value)
+    for tag, events in read_series(run_dir).items():
+        if tag.count("/") >= 2:
+            last[tag] = events[-1]
             if tag.split("/")[1] == "alarms":  # counts per epoch: the run's total per rule
-                totals[tag] = math.fsum(e.value for e in events)
+                totals[tag] = math.fsum(value for _, value in events)
     if not last:
         return None
     step = max(s for s, _ in last.values())
@@ -208,10 +331,27 @@ class FailRule:
             )
         return cls(match[1], match[2], float(match[3]))
 
+    def problems(self, reports: Sequence[RunReport]) -> list[str]:
+        """Why the rule cannot be checked: an unknown metric (the message lists the known ones),
+        or a run that never logged what it asks for. Empty when every run has it."""
+        logged = [_logged(report, self.metric) for report in reports]
+        if not any(logged) and self.metric not in known_metrics():
+            return [_unknown(self.metric, reports)]
+        return [
+            f"{report.run}: logged no {_describe(self.metric)} (rule {self.text!r})"
+            for report, found in zip(reports, logged, strict=True)
+            if not found
+        ]
+
+    @property
+    def text(self) -> str:
+        """The rule as written, normalised: ``dead_fraction>=0.9``."""
+        return f"{self.metric}{self.op}{self.threshold:g}"
+
     def violations(self, report: RunReport) -> list[str]:
         """A line per layer (or alarm) of ``report`` that breaks the rule."""
         test = _OPS[self.op]
-        name = f"{self.metric}{self.op}{self.threshold:g}"
+        name = self.text
         if self.metric == "alarms":
             total = sum(report.alarms.values())
             return (
@@ -226,6 +366,56 @@ class FailRule:
             for row in report.layers
             if test(row.get(self.metric), self.threshold)
         ]
+
+
+def known_metrics() -> list[str]:
+    """Every metric a ``--fail-on`` rule may name that the library logs, in the order listed to
+    a user who misspelt one: the columns, ``alarms``, each ``family/stat``, each alarm rule."""
+    return [
+        *(name for name, _ in COLUMNS),
+        "alarms",
+        *(f"{family}/{stat}" for family, stats in LAYER_METRICS.items() for stat in stats),
+        *(f"{family}/alarms/{rule}" for family, rules in ALARMS.items() for rule in rules),
+    ]
+
+
+def _logged(report: RunReport, metric: str) -> bool:
+    if metric == "alarms":
+        return bool(report.alarms)
+    if "/alarms/" in metric:
+        family, _, rule = metric.partition("/alarms/")
+        return f"{family}/{rule}" in report.alarms
+    full = dict(COLUMNS).get(metric, metric)
+    return any(full in row.values for row in report.layers)
+
+
+_CALLBACK = {
+    "grad_flow": "GradFlowCallback",
+    "activations": "ActivationStatsCallback",
+    "dead_relu": "DeadReLUCallback",
+    "saturation": "SaturationCallback",
+    "layer_time": "LayerTimeCallback",
+    "feature_map": "FeatureMapCallback",
+}
+
+
+def _describe(metric: str) -> str:
+    """What a run that lacks ``metric`` lacks, and which callback would log it."""
+    if metric == "alarms":
+        return "alarm counts <family>/alarms/<rule> (GradFlowCallback(alarms=False)?)"
+    full = dict(COLUMNS).get(metric, metric)
+    callback = _CALLBACK.get(full.split("/")[0])
+    return f"{full} (is {callback} in the Trainer?)" if callback else full
+
+
+def _unknown(metric: str, reports: Sequence[RunReport]) -> str:
+    """An unknown metric's message: the closest names, then every known one."""
+    known = known_metrics()
+    seen = {f for r in reports for row in r.layers for f in row.values if f not in known}
+    names = [*known, *sorted(seen)]
+    close = difflib.get_close_matches(metric, names, n=3, cutoff=0.6)
+    hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+    return f"--fail-on: unknown metric {metric!r}{hint}; known: {', '.join(names)}"
 
 
 def check(reports: Iterable[RunReport], rules: Sequence[FailRule]) -> list[str]:

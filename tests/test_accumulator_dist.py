@@ -11,6 +11,7 @@ import torch
 
 from lightning_hooks.core import LayerStatsAccumulator
 from lightning_hooks.core import accumulator as accumulator_module
+from lightning_hooks.core import stat as stat_module
 
 
 def test_steps_batch_equals_one_update_per_step() -> None:
@@ -42,12 +43,16 @@ def test_one_all_gather_sums_totals_and_counts_and_maxes_peaks(
 ) -> None:
     acc = LayerStatsAccumulator(["a", "b"], ["x"])
     acc.update(torch.tensor([[1.0], [4.0]]))
-    other = torch.stack(
-        [
-            torch.tensor([[5.0], [0.0]]),
-            torch.tensor([[5.0], [-math.inf]]),
-            torch.tensor([[1.0], [0.0]]),
-        ]
+    other = (
+        torch.stack(
+            [
+                torch.tensor([[5.0], [0.0]]),
+                torch.tensor([[5.0], [-math.inf]]),
+                torch.tensor([[1.0], [0.0]]),
+            ]
+        )
+        .reshape(-1)
+        .double()
     )  # rank 1: a saw 5 once, b nothing
     calls: list[torch.Tensor] = []
 
@@ -55,10 +60,10 @@ def test_one_all_gather_sums_totals_and_counts_and_maxes_peaks(
         calls.append(packed)
         return torch.stack([packed, other])
 
-    monkeypatch.setattr(accumulator_module, "all_gather_stacked", gather)
+    monkeypatch.setattr(stat_module, "all_gather_stacked", gather)
     acc.distributed_available_fn = lambda: True
     result = acc.result()
-    assert len(calls) == 1 and calls[0].shape == (3, 2, 1)
+    assert len(calls) == 1 and calls[0].shape == (6,)  # total, peak, count: one packed tensor
     assert result.total.tolist() == [[6.0], [4.0]] and result.count.tolist() == [[2.0], [1.0]]
     assert result.peak.tolist() == [[5.0], [4.0]] and result.mean.tolist() == [[3.0], [4.0]]
     assert acc.total.tolist() == [[1.0], [4.0]]  # local states restored: accumulation goes on
@@ -68,7 +73,7 @@ def test_loaded_state_goes_to_rank_zero_only(monkeypatch: pytest.MonkeyPatch) ->
     saved = LayerStatsAccumulator(["a"], ["x"])
     saved.update(torch.tensor([[2.0]]))
     state = saved.host_state()
-    monkeypatch.setattr(accumulator_module, "rank", lambda: 1)
+    monkeypatch.setattr(stat_module, "rank", lambda: 1)
     fresh = LayerStatsAccumulator(["a"], ["x"])
     fresh.load_host_state(state)
     assert fresh.result().count.tolist() == [[0.0]]

@@ -254,11 +254,13 @@ def test_arguments_are_checked_and_named(trainer_factory: Any) -> None:
         ActivationStatsCallback(histogram_bins=0)
     with pytest.raises(ValueError, match=r"histogram_range=\(1.0, 0.0\)\): must be None or"):
         ActivationStatsCallback(histogram_range=(1.0, 0.0))
-    with pytest.raises(TypeError, match=r"ActivationStatsCallback\(types=3\): expected"):
+    with pytest.raises(
+        TypeError, match=r"ActivationStatsCallback\(types=3\): must be an nn.Module"
+    ):
         ActivationStatsCallback(types=3)  # type: ignore[arg-type]
     model = TinyMLP()
-    with pytest.raises(ValueError, match=r"include='net\.9' matches no module.*'net\.0'"):
+    with pytest.raises(ValueError, match=r"Callback\(include='net\.9'\) matches no.*'net\.0'"):
         trainer_factory(callbacks=[ActivationStatsCallback(include="net.9")]).fit(model)
-    with pytest.raises(ValueError, match=r"types=<class.*Conv2d.*selects no module"):
+    with pytest.raises(ValueError, match=r"types=\(<class.*Conv2d.*selects no module"):
         trainer_factory(callbacks=[ActivationStatsCallback(types=nn.Conv2d)]).fit(model)
     assert hooks_left(model) == []

@@ -4,6 +4,7 @@ are dicts or ``None``, and a model that changes between two fits."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
-from lightning_hooks import GradFlowCallback, LightningHooksWarning
+from lightning_hooks import (
+    ActivationStatsCallback,
+    GradFlowCallback,
+    LayerTimeCallback,
+    LightningHooksWarning,
+)
 
 from conftest import TinyMLP, dataset, hooks_left, make_trainer, read_scalars
 
@@ -191,4 +197,127 @@ def test_a_layer_added_between_two_fits_is_tracked(tmp_path: Path) -> None:
     for stat in ("grad_norm", "update_ratio", "output_grad_norm"):
         ((_, value),) = second[f"grad_flow/{stat}/net.5"]
         assert math.isfinite(value) and value > 0
+    assert hooks_left(model) == []
+
+
+class Scripted(Recorded):
+    """A torch.jit.script submodule between two plain layers: it runs no Python hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        with warnings.catch_warnings():  # torch 2.10+ deprecates torch.jit.script
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.body = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.inp(x)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+
+@pytest.mark.parametrize(
+    "callback_cls", [GradFlowCallback, ActivationStatsCallback, LayerTimeCallback]
+)
+def test_a_scripted_submodule_is_skipped_with_one_warning(
+    callback_cls: type[pl.Callback], tmp_path: Path
+) -> None:
+    model = Scripted()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[callback_cls(every_n_steps=1)]).fit(model)
+    ours = [str(w.message) for w in caught if issubclass(w.category, LightningHooksWarning)]
+    assert len(ours) == 1, ours
+    assert ours[0].startswith(callback_cls.__name__) and "scripted" in ours[0]
+    assert "body.0" in ours[0]
+    scalars = read_scalars(tmp_path)
+    assert model.trainer.global_step == 4
+    if callback_cls is GradFlowCallback:
+        # Its parameters are still measured (no module hook needed); the global norm has them.
+        ((_, value),) = scalars["grad_flow/grad_norm/body.0"]
+        want = np.mean([norms["body.0"] for norms, _ in model.steps])
+        assert math.isclose(value, want, rel_tol=1e-5)
+        assert "grad_flow/output_grad_norm/body.0" not in scalars
+    parameter_stats = ("grad_flow/grad", "grad_flow/weight", "grad_flow/update")
+    hooked = [t for t in scalars if "/body." in t and not t.startswith(parameter_stats)]
+    assert hooked == []
+    assert hooks_left(model) == []
+
+
+class OnlyOwnParameters(pl.LightningModule):
+    """Every parameter on the LightningModule itself: a scale, a shift and a temperature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8, 1) * 0.1)
+        self.shift = nn.Parameter(torch.zeros(1))
+        self.temperature = nn.Parameter(torch.ones(()))
+        self.norms: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss((x @ self.scale + self.shift) / self.temperature, y)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(dataset(), batch_size=8)
+
+
+def test_parameters_of_the_module_itself_get_a_row(tmp_path: Path) -> None:
+    model = OnlyOwnParameters()
+    make_trainer(tmp_path, callbacks=[GradFlowCallback(every_n_steps=1)]).fit(model)
+    scalars = read_scalars(tmp_path)
+    for tag in ("grad_flow/grad_norm/<root>", "grad_flow/global/grad_norm"):
+        ((_, value),) = scalars[tag]
+        assert math.isclose(value, float(np.mean(model.norms)), rel_tol=1e-5), tag
+    assert hooks_left(model) == []
+
+
+class LateLayer(Recorded):
+    """``late`` is frozen and outside the optimizer until a callback unfreezes it mid-epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.late, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.late.requires_grad_(False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.out("late", self.late(self.inp(x).tanh()))
+        return nn.functional.mse_loss(self.head(h), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+
+class UnfreezeAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            pl_module.late.requires_grad_(True)
+            trainer.optimizers[0].add_param_group({"params": list(pl_module.late.parameters())})
+
+
+def test_a_layer_unfrozen_mid_epoch_is_measured_from_that_step(tmp_path: Path) -> None:
+    model = LateLayer()
+    callbacks = [UnfreezeAt(2), GradFlowCallback(every_n_steps=1)]
+    make_trainer(tmp_path, callbacks=callbacks).fit(model)
+    assert [("late" in norms) for norms, _ in model.steps] == [False, False, True, True]
+    scalars = read_scalars(tmp_path)
+    # Its output gradient exists from step 0 (inp trains), but it counts from its own step 2.
+    for kind, stat in ((0, "grad_norm"), (1, "output_grad_norm")):
+        want = np.mean([step[kind]["late"] for step in model.steps[2:]])
+        ((_, value),) = scalars[f"grad_flow/{stat}/late"]
+        assert math.isclose(value, want, rel_tol=1e-5), stat
     assert hooks_left(model) == []

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -215,3 +216,114 @@ def test_a_malformed_rule_is_a_usage_error(
 ) -> None:
     assert main(["report", str(tmp_path), "--fail-on", "dead fraction high"]) == 2
     assert "expected <metric><op><number>" in capsys.readouterr().err
+
+
+def _fit(root: Path, **kwargs: Any) -> Path:
+    make_trainer(root, callbacks=[GradFlowCallback(**kwargs)]).fit(TinyMLP())
+    (events,) = root.rglob("events.out.tfevents.*")
+    return events
+
+
+def test_an_unknown_metric_fails_closed_and_lists_the_known_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fit(tmp_path)
+    assert main(["report", str(tmp_path), "--fail-on", "dead_fractoin>0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown metric 'dead_fractoin' (did you mean 'dead_fraction'" in err
+    known = err.split("known: ")[1].split(", ")
+    assert known[:5] == ["dead_fraction", "grad_norm", "update_ratio", "grad_nonfinite", "alarms"]
+    assert {"grad_flow/grad_abs_max", "grad_flow/alarms/vanishing"} <= set(known)
+    assert main(["report", str(tmp_path), "--fail-on", "grad_flwo/grad_norm>0"]) == 2
+    assert "unknown metric 'grad_flwo/grad_norm' (did you mean 'grad_flow/grad_norm'" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_rule_on_what_a_run_never_logged_fails_closed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fit(tmp_path / "quiet", alarms=False)
+    assert main(["report", str(tmp_path), "--fail-on", "dead_fraction>0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "quiet/tb/version_0: logged no dead_relu/dead_fraction (is DeadReLUCallback" in err
+    assert main(["report", str(tmp_path), "--fail-on", "alarms>0"]) == 2
+    assert "quiet/tb/version_0: logged no alarm counts" in capsys.readouterr().err
+    assert main(["report", str(tmp_path), "--fail-on", "grad_flow/alarms/spike>0"]) == 2
+    assert main(["report", str(tmp_path), "--fail-on", "grad_norm>1e9"]) == 0
+
+
+def _scalar_record(path: Path) -> int:
+    """The byte offset of the first record in ``path`` that holds a scalar (plain parsing)."""
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    data, offset = path.read_bytes(), 0
+    while True:
+        length = int.from_bytes(data[offset : offset + 8], "little")
+        event = Event.FromString(data[offset + 12 : offset + 12 + length])
+        if any(v.HasField("simple_value") for v in event.summary.value):
+            return offset
+        offset += length + 16
+
+
+def test_a_corrupt_or_truncated_event_file_fails_closed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    events = _fit(tmp_path)
+    data = bytearray(events.read_bytes())
+    offset = _scalar_record(events)
+    data[offset + 12 + int.from_bytes(data[offset : offset + 8], "little") - 1] ^= 0x40
+    events.write_bytes(bytes(data))  # the float's top byte: still parses, the checksum catches it
+    assert main(["report", str(tmp_path)]) == 2
+    assert f"{events}: corrupt record at byte {offset} (checksum mismatch)" in (
+        capsys.readouterr().err
+    )
+    data[offset + 12 + int.from_bytes(data[offset : offset + 8], "little") - 1] ^= 0x40
+    events.write_bytes(bytes(data[:-10]))
+    assert main(["report", str(tmp_path), "--format", "json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and f"{events}: truncated: the record at byte" in err
+    events.write_bytes(bytes(data))
+    assert main(["report", str(tmp_path)]) == 0
+
+
+def test_progress_on_stderr_only_when_reading_takes_over_a_second(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from lightning_hooks import cli
+
+    for name in ("a", "b", "c"):
+        _fit(tmp_path / name)
+    assert main(["report", str(tmp_path)]) == 0
+    assert "reading event files" not in capsys.readouterr().err
+
+    read = cli.read_run
+
+    def slow(run: Path, logdir: Path) -> Any:
+        time.sleep(0.6)
+        return read(run, logdir)
+
+    monkeypatch.setattr(cli, "read_run", slow)
+    assert main(["report", str(tmp_path)]) == 0
+    assert "reading event files" in capsys.readouterr().err
+
+
+def test_the_known_metrics_are_what_every_callback_logs(tmp_path: Path) -> None:
+    import lightning_hooks
+    from lightning_hooks.report import ALARMS, LAYER_METRICS
+
+    model = TinyMLP()
+    model.net[3] = nn.Tanh()  # SaturationCallback watches bounded activations
+    names = [n for n in lightning_hooks.__all__ if n.endswith("Callback")]
+    callbacks = [getattr(lightning_hooks, n)() for n in names]
+    with warnings.catch_warnings():  # a dead ReLU on this tiny model is not what is tested here
+        warnings.simplefilter("ignore", lightning_hooks.LightningHooksWarning)
+        make_trainer(tmp_path, callbacks=callbacks).fit(model)
+    tags = [t.split("/") for t in read_scalars(tmp_path)]
+    logged = {(t[0], t[1]) for t in tags if len(t) == 3 and t[1] not in ("global", "alarms")}
+    assert logged == {(f, s) for f, stats in LAYER_METRICS.items() for s in stats}
+    alarms = {(t[0], t[2]) for t in tags if len(t) == 3 and t[1] == "alarms"}
+    assert alarms == {(f, r) for f, rules in ALARMS.items() for r in rules}
+    assert ALARMS == {"grad_flow": ALARM_RULES}

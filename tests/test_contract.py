@@ -6,15 +6,19 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
+import torch
+from torch import nn
 
-from lightning_hooks import GradFlowCallback
+from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker, capture_outputs
 from lightning_hooks.callbacks.activation_stats import ActivationStatsCallback
 from lightning_hooks.callbacks.dead_relu import DeadReLUCallback
 from lightning_hooks.callbacks.feature_map import FeatureMapCallback
 from lightning_hooks.callbacks.layer_time import LayerTimeCallback
 from lightning_hooks.callbacks.saturation import SaturationCallback
+from lightning_hooks.core import LayerStats, probe_mode
 
 from conftest import TinyCNN, TinyMLP, hooks_left, read_scalars
 
@@ -95,3 +99,101 @@ def test_fails_cleanly_without_a_logger(
     with pytest.raises(MisconfigurationException, match=r"needs a logger.*logger=False"):
         trainer_factory(callbacks=[make_callback()], logger=False).fit(model)
     assert hooks_left(model) == []
+
+
+# Bad input on every public callable: the error names the callable, the argument and the value
+# received, at construction (or at the call, for functions). Cases whose owner (another branch)
+# has not landed its checks yet are strict xfails naming that owner: they turn into failures,
+# to be unmarked, as soon as the check lands.
+_MODEL = nn.Sequential(nn.Linear(2, 2))
+_STATS = LayerStats(("a",), ("grad_norm",), *([np.ones((1, 1))] * 4))
+
+
+def _bad(call: Callable[[], Any], match: str, *marks: pytest.MarkDecorator) -> Any:
+    return pytest.param(call, match, marks=marks, id=match.replace("\\", ""))
+
+
+BAD_ARGUMENTS = [
+    _bad(lambda: GradFlowCallback(on_alarm=None), r"GradFlowCallback\(on_alarm=None\)"),
+    _bad(
+        lambda: GradFlowCallback(on_alarm=["warn"]),
+        r"GradFlowCallback\(on_alarm=\['warn'\]\)",
+    ),
+    _bad(lambda: AlarmRules(spike_factor="x"), r"AlarmRules\(spike_factor='x'\)"),
+    _bad(lambda: AlarmRules(spike_factor=0.5), r"AlarmRules\(spike_factor=0.5\)"),
+    _bad(
+        lambda: GradFlowTracker(_MODEL, torch.optim.SGD(_MODEL.parameters(), lr=0.1)),
+        r"GradFlowTracker\(optimizers=",
+    ),
+    _bad(lambda: GradFlowCallback(include=5), r"GradFlowCallback\(include=5\)"),
+    _bad(
+        lambda: ActivationStatsCallback(include=5),
+        r"ActivationStatsCallback\(include=5\)",
+    ),
+    _bad(lambda: DeadReLUCallback(include=5), r"DeadReLUCallback\(include=5\)"),
+    _bad(
+        lambda: DeadReLUCallback(pre_activation=5),
+        r"DeadReLUCallback\(pre_activation=5\)",
+    ),
+    _bad(lambda: LayerTimeCallback(include=5), r"LayerTimeCallback\(include=5\)"),
+    _bad(lambda: LayerTimeCallback(types=str), r"LayerTimeCallback\(types=<class 'str'>\)"),
+    _bad(lambda: SaturationCallback(include=5), r"SaturationCallback\(include=5\)"),
+    _bad(lambda: SaturationCallback(margin="x"), r"SaturationCallback\(margin='x'\)"),
+    _bad(lambda: SaturationCallback(unit_dim="x"), r"SaturationCallback\(unit_dim='x'\)"),
+    _bad(
+        lambda: ActivationStatsCallback(histogram_range="ab"),
+        r"ActivationStatsCallback\(histogram_range='ab'\)",
+    ),
+    _bad(lambda: FeatureMapCallback(layers=5), r"FeatureMapCallback\(layers=5\)"),
+    _bad(lambda: FeatureMapCallback(input_fn="x"), r"FeatureMapCallback\(input_fn='x'\)"),
+    _bad(lambda: FeatureMapCallback(embedding=3), r"FeatureMapCallback\(embedding=3\)"),
+    _bad(lambda: FeatureMapCallback(probe_size=0), r"FeatureMapCallback\(probe_size=0\)"),
+    _bad(lambda: FeatureMapCallback(strict="yes"), r"FeatureMapCallback\(strict='yes'\)"),
+    _bad(lambda: _STATS.column("grad_nrom"), r"LayerStats.column\(stat='grad_nrom'\)"),
+    _bad(lambda: _STATS.column("grad_norm", "median"), r"LayerStats.column\(kind='median'\)"),
+    _bad(lambda: capture_outputs("net", "0").__enter__(), r"capture_outputs\(model='net'\)"),
+    _bad(
+        lambda: capture_outputs(_MODEL, "0", detach="yes").__enter__(),
+        r"capture_outputs\(detach='yes'\)",
+    ),
+    _bad(lambda: probe_mode("net").__enter__(), r"probe_mode\(model='net'\)"),
+]
+
+
+@pytest.mark.parametrize(("call", "match"), BAD_ARGUMENTS)
+def test_bad_arguments_are_refused_naming_argument_and_value(
+    call: Callable[[], Any], match: str
+) -> None:
+    with pytest.raises((TypeError, ValueError), match=match + r".*got "):
+        call()
+
+
+COUNTS = [
+    pytest.param(lambda n: GradFlowCallback(every_n_steps=n), "every_n_steps", id="GradFlow"),
+    pytest.param(
+        lambda n: ActivationStatsCallback(every_n_steps=n),
+        "every_n_steps",
+        id="Activation",
+    ),
+    pytest.param(lambda n: DeadReLUCallback(every_n_steps=n), "every_n_steps", id="DeadReLU"),
+    pytest.param(
+        lambda n: SaturationCallback(every_n_steps=n),
+        "every_n_steps",
+        id="Saturation",
+    ),
+    pytest.param(
+        lambda n: LayerTimeCallback(every_n_steps=n),
+        "every_n_steps",
+        id="LayerTime",
+    ),
+    pytest.param(lambda n: FeatureMapCallback(probe_size=n), "probe_size", id="FeatureMap"),
+    pytest.param(lambda n: AlarmRules(window=n), "window", id="AlarmRules"),
+]
+
+
+@pytest.mark.parametrize(("make", "argument"), COUNTS)
+def test_numpy_integer_counts_are_accepted_as_ints(
+    make: Callable[[Any], Any], argument: str
+) -> None:
+    value = getattr(make(np.int64(3)), argument)
+    assert value == 3 and type(value) is int

@@ -29,12 +29,14 @@ def test_one_layout_per_run_one_chart_per_statistic_matching_every_layer(tmp_pat
     found = charts(layouts[0])
     scalar_tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
     stats = {tag.split("/")[1] for tag in scalar_tags} - {"global"}
-    assert set(found) == {f"lightning_hooks: grad_flow/{s}" for s in stats}
     assert "alarms" in stats, "the default alarms log a count per rule"
+    assert set(found) == {f"lightning_hooks: grad_flow/{s}" for s in stats - {"alarms"}} | {
+        "lightning_hooks: alarms/grad_flow"
+    }
     for title, regexes in found.items():
         stat = title.rsplit("/", 1)[1]
         matched = {t for t in scalar_tags if any(re.match(r, t) for r in regexes)}
-        if stat == "alarms":  # one line per rule, never a layer
+        if title.startswith("lightning_hooks: alarms/"):  # one line per rule, never a layer
             assert matched == {f"grad_flow/alarms/{rule}" for rule in ALARM_RULES}
             continue
         layers = {f"grad_flow/{stat}/net.{i}" for i in (0, 2, 4)}
@@ -105,7 +107,7 @@ def test_a_thousand_layer_mlp_stays_bounded(tmp_path: Path) -> None:
     assert len(per_layer) <= 10 * 100
     # per layer, global, percentiles, one count per alarm rule
     assert len(tags) <= 10 * 100 + 10 + 10 * 3 + len(ALARM_RULES)
-    (layout,) = read_layouts(tmp_path)
+    layout = read_layouts(tmp_path)[-1]  # the last one written is the one TensorBoard shows
     # one chart per statistic and one for the alarms, whatever the depth
     assert len(charts(layout)) == 10 + 1 <= MAX_CHARTS
     acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"images": 0})
@@ -146,3 +148,21 @@ def test_heatmap_holds_the_logged_gradient_norms_per_layer_and_epoch(
     acc.Reload()
     assert acc.Tags()["images"] == ["grad_flow/heatmap"]
     assert [e.step for e in acc.Images("grad_flow/heatmap")] == [4, 8, 12]
+
+
+def test_the_dashboard_leads_with_gradient_flow_then_alarms(tmp_path: Path) -> None:
+    import lightning_hooks
+
+    names = [n for n in lightning_hooks.__all__ if n.endswith("Callback")]
+    callbacks = [getattr(lightning_hooks, n)() for n in names]
+    make_trainer(tmp_path, callbacks=callbacks).fit(TinyMLP())
+    layout = read_layouts(tmp_path)[-1]  # the last one written is the one TensorBoard shows
+    titles = [c.title.split(": ")[1] for c in layout.category]
+    families = {t.split("/")[0] for t in read_scalars(tmp_path) if t.count("/") >= 2}
+    rest = sorted(families - {"grad_flow", "activations", "dead_relu"})
+    assert titles == ["grad_flow", "alarms", "activations", "dead_relu", *rest]
+    assert [c.title for c in layout.category[0].chart][:3] == [
+        "grad_norm",
+        "output_grad_norm",
+        "update_ratio",
+    ]

@@ -215,9 +215,14 @@ def test_no_host_sync_between_logging_points(
 
 
 def test_arguments_are_checked_and_named() -> None:
-    with pytest.raises(ValueError, match=r"DeadReLUCallback\(threshold=2\): must be in \[0, 1\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"DeadReLUCallback\(threshold=2\): must be a finite real >= 0.0 and <= 1.0",
+    ):
         DeadReLUCallback(threshold=2)
-    with pytest.raises(TypeError, match=r"DeadReLUCallback\(threshold='x'\): must be a number"):
+    with pytest.raises(
+        TypeError, match=r"DeadReLUCallback\(threshold=.x.\): must be a finite real"
+    ):
         DeadReLUCallback(threshold="x")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"DeadReLUCallback\(types=3\): expected"):
+    with pytest.raises(TypeError, match=r"DeadReLUCallback\(types=3\): must be an nn.Module"):
         DeadReLUCallback(types=3)  # type: ignore[arg-type]

@@ -8,13 +8,14 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader
+from pytorch_lightning.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import FeatureMapCallback, LayerTimeCallback
 from lightning_hooks.core import LayerTimer, probe_mode
 from lightning_hooks.logging import feature_map_grid
 
-from conftest import TinyCNN, hooks_left, read_image_tags, read_scalars
+from conftest import TinyCNN, dataset, hooks_left, read_image_tags, read_scalars
 
 
 class NoisyCNN(TinyCNN):
@@ -138,7 +139,9 @@ def test_a_user_probe_is_used_and_layers_are_spread(trainer_factory: Any, tmp_pa
 def test_bad_arguments_name_the_culprit(trainer_factory: Any) -> None:
     with pytest.raises(ValueError, match=r"FeatureMapCallback\(channels=0\): must be a positive"):
         FeatureMapCallback(channels=0)
-    with pytest.raises(ValueError, match=r"include='feature.9' matches no module.*closest"):
+    with pytest.raises(
+        ValueError, match=r"\(embedding='feature.9'\): .*matches no module.*closest"
+    ):
         trainer_factory(callbacks=[FeatureMapCallback(embedding="feature.9")]).fit(TinyCNN())
 
 
@@ -151,3 +154,98 @@ def test_grid_tiles_channels_and_scales_each_to_unit_range() -> None:
     assert grid.min() == 0 and grid.max() == 1
     with pytest.raises(ValueError, match=r"2 to 5 dimensions, got shape \(3,\)"):
         feature_map_grid(torch.zeros(3))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"probe_size": "8"}, TypeError, r"\(probe_size='8'\): must be a positive int, got '8'"),
+        ({"max_layers": 2.5}, TypeError, r"\(max_layers=2.5\): must be a positive int"),
+        ({"input_fn": "x"}, TypeError, r"\(input_fn='x'\): must be a callable or None"),
+        ({"forward_fn": 3}, TypeError, r"\(forward_fn=3\): must be a callable or None"),
+        ({"embedding": 5}, TypeError, r"\(embedding=5\): must be a module name"),
+        ({"probe_labels": [1, 2]}, TypeError, r"\(probe_labels=\[1, 2\]\): must be a tensor"),
+    ],
+)
+def test_every_argument_is_checked_at_construction(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=r"FeatureMapCallback" + match):
+        FeatureMapCallback(**kwargs)
+
+
+def test_numpy_counts_are_accepted() -> None:
+    import numpy as np
+
+    callback = FeatureMapCallback(probe_size=np.int64(4), every_n_epochs=np.int32(2))
+    assert (callback.probe_size, callback.every_n_epochs) == (4, 2)
+    assert type(callback.probe_size) is int
+
+
+class WideCNN(TinyCNN):
+    """TinyCNN on 12x12 inputs with 3 channels: another model for the same callback."""
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(8, 3, 12, 12, generator=g)
+        y = torch.randint(0, 4, (8,), generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != 12:
+            raise ValueError(f"WideCNN takes 12x12 inputs, got {tuple(x.shape)}")
+        return super().forward(x)
+
+
+def test_a_second_model_gets_its_own_probe(trainer_factory: Any, tmp_path: Path) -> None:
+    callback = FeatureMapCallback(layers="features.0")
+    trainer_factory(callbacks=[callback]).fit(TinyCNN())
+    model = WideCNN()
+    make = trainer_factory
+    make(callbacks=[callback], logger=TensorBoardLogger(str(tmp_path), name="wide")).fit(model)
+    (x, _), *_ = model.train_dataloader()
+    model.eval()
+    with torch.no_grad():
+        expected = model.features[0](x).abs().mean()
+    ((_, value),) = read_scalars(tmp_path / "wide")["feature_map/abs_mean/features.0"]
+    assert value == pytest.approx(float(expected), rel=1e-5)
+
+
+class NoForward(pl.LightningModule):
+    """All the work in training_step: no forward() to run a probe through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.head(self.body(x).relu()), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(dataset(), batch_size=8)
+
+
+def test_a_module_without_forward_is_refused_at_setup_or_run_by_forward_fn(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    from lightning_fabric.utilities.exceptions import MisconfigurationException
+
+    model = NoForward()
+    trainer = trainer_factory(callbacks=[FeatureMapCallback()])
+    with pytest.raises(
+        MisconfigurationException, match=r"NoForward defines no forward\(\).*forward_fn"
+    ):
+        trainer.fit(model)
+    assert trainer.global_step == 0  # said at setup, not after an epoch
+    callback = FeatureMapCallback(forward_fn=lambda module, x: module.head(module.body(x).relu()))
+    trainer_factory(callbacks=[callback]).fit(model)
+    x, _ = next(iter(model.train_dataloader()))
+    with torch.no_grad():
+        expected = model.body(x).abs().mean()
+    ((_, value),) = read_scalars(tmp_path)["feature_map/abs_mean/body"]
+    assert value == pytest.approx(float(expected), rel=1e-5)

@@ -10,11 +10,12 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
 
-from lightning_hooks import GradFlowCallback
-from lightning_hooks.core.histogram import LOG10_EDGES, LayerHistograms
+from lightning_hooks import ActivationStatsCallback, GradFlowCallback
+from lightning_hooks.core.histogram import LOG10_EDGES, LayerHistograms, bin_counts
 
-from conftest import TinyMLP, make_trainer
+from conftest import TinyMLP, make_trainer, read_histograms, read_scalars
 from syncs import SyncWindow, count_syncs
 
 LAYERS = ("net.0", "net.2", "net.4")
@@ -70,3 +71,32 @@ def test_non_finite_entries_are_not_counted() -> None:
     hist = LayerHistograms(1, edges=torch.tensor([0.0]))
     hist.update([torch.tensor([float("nan"), float("inf"), 0.5, 2.0])], [0])
     assert hist.host_counts().tolist() == [[1.0, 1.0]]
+
+
+def test_one_binning_rule_for_linear_and_log_edges() -> None:
+    values = torch.tensor([float("nan"), float("-inf"), -3.0, 0.0, 0.02, 0.3, 7.0])
+    linear, log = torch.zeros(3), torch.zeros(3)
+    bin_counts(values, torch.tensor([0.0, 0.5]), linear)
+    bin_counts(values, torch.tensor([-1.0, 0.0]), log, "log10")
+    finite = values[torch.isfinite(values)].numpy()
+    assert linear.tolist() == np.bincount(np.digitize(finite, [0.0, 0.5]), minlength=3).tolist()
+    with np.errstate(divide="ignore"):
+        logs = np.log10(np.abs(finite))
+    assert log.tolist() == np.bincount(np.digitize(logs, [-1.0, 0.0]), minlength=3).tolist()
+    assert linear.sum() == log.sum() == finite.size  # NaN / Inf counted by neither
+
+
+def test_activation_histograms_count_finite_values_only(tmp_path: Path) -> None:
+    class Poisoned(TinyMLP):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(torch.where(x > 2.5, torch.nan, x))
+
+    callback = ActivationStatsCallback(
+        types=nn.Linear, histograms=True, heatmaps=False, warn_nonfinite=False
+    )
+    make_trainer(tmp_path, callbacks=[callback]).fit(Poisoned(lr=0.0))
+    ((_, hist),) = read_histograms(tmp_path)["activations/histogram/net.0"]
+    scalars = read_scalars(tmp_path)
+    numel = 32 * 16
+    nonfinite = dict(scalars["activations/nonfinite/net.0"])[4]
+    assert nonfinite > 0 and hist.num == sum(hist.bucket) == numel - nonfinite

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +133,66 @@ def test_cuda_events_time_the_heavy_layer() -> None:
     timer.remove()
     assert (times.forward_ms > 0).all() and times.forward_ms.sum() <= times.step_ms
     assert times.layers[int(times.forward_ms.argmax())] == "3"
+
+
+class _TimedSteps(pl.Callback):
+    """After the LayerTimeCallback's batch start: which optimizer steps it times."""
+
+    def __init__(self, watched: LayerTimeCallback) -> None:
+        self.watched = watched
+        self.timed: list[int] = []
+        self.steps: list[int] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        timer = self.watched.attached[0]
+        assert isinstance(timer, LayerTimer)
+        if timer.sampling:
+            self.timed.append(trainer.global_step)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.steps.append(self.watched.attached[0].result().steps)
+
+
+def test_cadence_counts_optimizer_steps_under_gradient_accumulation(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    callback = LayerTimeCallback(chart=False)  # default cadence: the Trainer's log_every_n_steps
+    probe = _TimedSteps(callback)
+    # 6 batches, 2 per optimizer step: steps 0, 1, 2; every 2nd step is 0 and 2
+    trainer_factory(
+        callbacks=[callback, probe], accumulate_grad_batches=2, log_every_n_steps=2
+    ).fit(HeavyNet())
+    assert probe.timed == [0, 0, 2, 2]  # both micro-batches of steps 0 and 2, none of step 1
+    assert probe.steps == [1, 1, 1, 1, 2, 2]  # steps timed so far, after each batch
+    calls = read_scalars(tmp_path)["layer_time/forward_ms/net.0"]
+    assert [step for step, _ in calls] == [3]
+
+
+class _TimerMemory(pl.Callback):
+    """Bytes allocated by ``core/layer_time.py`` and still held, at batches 5 and 35."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        batch = trainer.global_step
+        if batch == 5:
+            tracemalloc.start()
+        if batch in (5, 35):
+            snapshot = tracemalloc.take_snapshot().filter_traces(
+                [tracemalloc.Filter(True, "*lightning_hooks/core/layer_time.py")]
+            )
+            self.held[batch] = sum(stat.size for stat in snapshot.statistics("filename"))
+        if batch == 35:
+            tracemalloc.stop()
+
+
+def test_memory_stays_flat_when_every_step_is_timed(trainer_factory: Any) -> None:
+    probe = _TimerMemory()
+    model = HeavyNet()
+    loader = DataLoader(TensorDataset(torch.randn(40, 8), torch.randn(40, 1)), batch_size=1)
+    model.train_dataloader = lambda: loader  # type: ignore[method-assign]
+    trainer_factory(callbacks=[LayerTimeCallback(every_n_steps=1, chart=False), probe]).fit(model)
+    assert set(probe.held) == {5, 35}
+    # Before: every mark kept until the epoch ended (about 700 bytes a step, 21 kB here).
+    assert probe.held[35] - probe.held[5] < 1000, probe.held

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -36,7 +38,10 @@ def test_pattern_matching_nothing_names_the_closest_modules() -> None:
 
 
 def test_pattern_of_wrong_type_is_refused() -> None:
-    with pytest.raises(TypeError, match=r"include: expected str patterns, got 3"):
+    with pytest.raises(
+        TypeError,
+        match=r"include: must be a glob pattern \(str\), a sequence of them, or None, got 3",
+    ):
         select_modules(_model(), include=[3])  # type: ignore[list-item]
 
 
@@ -82,3 +87,45 @@ def test_remove_after_the_model_is_gone() -> None:
     hooks.model = nn.Identity()
     hooks.remove()
     assert len(hooks) == 0
+
+
+def test_a_guarded_registry_turns_hook_errors_into_one_warning() -> None:
+    from lightning_hooks import LightningHooksWarning
+    from lightning_hooks.core.guard import Guard
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    guard = Guard("Demo", strict=False)
+    registry = HookRegistry(model, guard=guard)
+
+    def broken(module: nn.Module, args: Any, output: Any) -> None:
+        raise KeyError("no such row")
+
+    registry.forward_hook(model[0], broken, gated=True)
+    registry.forward_hook(model[1], broken)
+    with pytest.warns(
+        LightningHooksWarning, match=r"Demo is disabled.*forward hook on '0'.*KeyError"
+    ):
+        out = model(torch.ones(3, 2))
+    assert out.shape == (3, 2)  # the forward went on, output untouched
+    assert guard.failed is not None and guard.take_pending() and not guard.take_pending()
+    model(torch.ones(3, 2))  # later failures are silent (warnings are errors in this suite)
+    registry.remove()
+    assert not model[0]._forward_hooks and not model[1]._forward_hooks
+
+
+def test_scripted_modules_get_no_module_hook() -> None:
+    import warnings
+
+    from lightning_hooks import LightningHooksWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(nn.Sequential(nn.Linear(2, 2)))
+    model = nn.Sequential(nn.Linear(2, 2), scripted)
+    registry = HookRegistry(model)
+    with pytest.warns(LightningHooksWarning, match=r"Sequential: 2 selected module\(s\).*1, 1.0"):
+        selected = registry.modules()
+    assert [name for name, _ in selected] == ["0", "1", "1.0"]  # parameters still measurable
+    handles = [registry.forward_hook(m, lambda *a: None) for _, m in selected]
+    assert [h is not None for h in handles] == [True, False, False]
+    registry.remove()

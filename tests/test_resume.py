@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from test_contract import HookCounter
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hooks import GradFlowCallback, LightningHooksWarning
+from lightning_hooks import (
+    ActivationStatsCallback,
+    DeadReLUCallback,
+    GradFlowCallback,
+    LayerTimeCallback,
+    LightningHooksWarning,
+    SaturationCallback,
+)
+from lightning_hooks.callbacks.stats import StatsCallback
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
 
@@ -42,8 +53,8 @@ def _grad_flow_at(root: Path, step: int) -> dict[str, float]:
     return {t: dict(v)[step] for t, v in scalars.items() if t.startswith("grad_flow/")}
 
 
-def _assert_same(got: dict[str, float], want: dict[str, float]) -> None:
-    assert got.keys() == want.keys() and len(want) > 30
+def _assert_same(got: dict[str, float], want: dict[str, float], at_least: int = 30) -> None:
+    assert got.keys() == want.keys() and len(want) > at_least
     for tag, value in want.items():
         assert math.isclose(got[tag], value, rel_tol=1e-6, abs_tol=1e-12), tag
 
@@ -114,3 +125,73 @@ def test_state_for_another_model_is_dropped_with_a_warning(tmp_path: Path) -> No
     with pytest.warns(LightningHooksWarning, match="do not match this model"):
         make_trainer(tmp_path, callbacks=[callback]).fit(TinyMLP())
     assert "grad_flow/grad_norm/net.0" in read_scalars(tmp_path)
+
+
+class MixedMLP(RepeatedBatchMLP):
+    """Tanh and ReLU layers, so that every per-step callback has something to watch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)
+        )
+
+
+class _ResultProbe(pl.Callback):
+    """Placed before the watched callback: its statistic's result at each epoch end."""
+
+    def __init__(self, watched: StatsCallback) -> None:
+        self.watched = watched
+        self.results: list[Any] = []
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.results.append(self.watched.attached[0].result())
+
+
+_PER_STEP = {
+    "activations/": lambda: ActivationStatsCallback(heatmaps=False),
+    "dead_relu/": lambda: DeadReLUCallback(types=(nn.ReLU, nn.Tanh)),
+    "saturation/": lambda: SaturationCallback(margin=0.2),
+    "layer_time/": lambda: LayerTimeCallback(chart=False),
+}
+
+
+def _fit_with(root: Path, make: Callable[[], StatsCallback], **kwargs: Any) -> _ResultProbe:
+    torch.manual_seed(0)
+    callback = make()
+    probe = _ResultProbe(callback)
+    callbacks = [probe, callback, *kwargs.pop("callbacks", [])]
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    make_trainer(root, callbacks=callbacks, **kwargs).fit(MixedMLP(), ckpt_path=ckpt_path)
+    return probe
+
+
+@pytest.mark.filterwarnings("ignore:.*checkpoint that ended before the epoch ended.*")
+@pytest.mark.parametrize("prefix", list(_PER_STEP))
+def test_every_per_step_callback_resumes_mid_epoch_with_the_same_values(
+    tmp_path: Path, prefix: str
+) -> None:
+    make = _PER_STEP[prefix]
+    whole = _fit_with(tmp_path / "whole", make)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    _fit_with(tmp_path / "first", make, callbacks=[ckpt], enable_checkpointing=True)
+    path = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
+    saved = torch.load(path, weights_only=False)["callbacks"][make().state_key]
+    assert saved and all(state["layers"] for state in saved.values())
+    again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    resumed = _fit_with(
+        tmp_path / "second", make, callbacks=[again], enable_checkpointing=True, ckpt_path=path
+    )
+    if prefix == "layer_time/":  # wall times differ; what was timed must not
+        got, want = resumed.results[0], whole.results[0]
+        assert (got.steps, got.calls.tolist()) == (want.steps, want.calls.tolist()) == (4, [4] * 5)
+        return
+    logged = {
+        name: {t: v for t, v in _at(tmp_path / name, 4).items() if t.startswith(prefix)}
+        for name in ("whole", "second")
+    }
+    _assert_same(logged["second"], logged["whole"], at_least=4)
+
+
+def _at(root: Path, step: int) -> dict[str, float]:
+    return {t: dict(v)[step] for t, v in read_scalars(root).items() if step in dict(v)}

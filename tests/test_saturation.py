@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import FeatureMapCallback, LightningHooksWarning, SaturationCallback
 from lightning_hooks.core import SaturationTracker, saturation_mask, unit_saturation
+from lightning_hooks.core import stat as stat_module
 
 from conftest import TinyMLP, hooks_left, read_scalars
 from syncs import count_syncs
@@ -169,13 +170,20 @@ def test_units_along_the_last_dim_of_a_sequence() -> None:
     assert int(count) == 10 and unsaturated.tolist() == [True, False, True]
 
 
-def test_tracker_packs_reduces_like_a_sum_and_errors_on_changing_units() -> None:
+def test_tracker_reduces_counts_by_sum_flags_by_max_and_errors_on_changing_units(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     model = nn.Sequential(nn.Linear(2, 4), nn.Tanh())
     tracker = SaturationTracker(model)
-    model(torch.randn(3, 2))
-    packed = tracker.packed()
-    twice = tracker.unpack(packed + packed)  # what a 2-rank sum gives for equal ranks
-    once = tracker.unpack(packed)
+    with torch.no_grad():
+        model(torch.randn(3, 2) * 50)  # not a training forward: not counted
+    model(torch.randn(3, 2) * 50)
+    once = tracker.result()
+    # a second rank that saw the same: one all-gather of every state, packed
+    monkeypatch.setattr(stat_module, "all_gather_stacked", lambda t, g=None: torch.stack([t, t]))
+    tracker.distributed_available_fn = lambda: True
+    twice = tracker.result()
+    assert once.entries.tolist() == [12] and twice.entries.tolist() == [24]
     np.testing.assert_array_equal(twice.saturated, 2 * once.saturated)
     np.testing.assert_array_equal(twice.always_saturated, once.always_saturated)
     with pytest.raises(ValueError, match=r"unit_dim=0\): layer '1' had 3 units, now 5"):
@@ -188,7 +196,12 @@ def test_tracker_packs_reduces_like_a_sum_and_errors_on_changing_units() -> None
 
 
 def test_bad_arguments_name_the_culprit() -> None:
-    with pytest.raises(ValueError, match=r"SaturationCallback\(warn_above=1.5\): must be in"):
+    with pytest.raises(
+        ValueError,
+        match=r"SaturationCallback\(warn_above=1.5\): must be a finite real >= 0.0 and < 1.0",
+    ):
         SaturationCallback(warn_above=1.5)
-    with pytest.raises(TypeError, match=r"SaturationCallback\(types=.*ReLU.*subclass of one"):
+    with pytest.raises(
+        TypeError, match=r"SaturationCallback\(types=.*ReLU.*must be a subclass of one"
+    ):
         SaturationCallback(types=nn.ReLU)

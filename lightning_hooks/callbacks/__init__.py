@@ -6,6 +6,7 @@ from lightning_hooks.callbacks.feature_map import FeatureMapCallback
 from lightning_hooks.callbacks.grad_flow import GradFlowCallback
 from lightning_hooks.callbacks.layer_time import LayerTimeCallback
 from lightning_hooks.callbacks.saturation import SaturationCallback
+from lightning_hooks.callbacks.stats import StatsCallback
 
 __all__ = [
     "ActivationStatsCallback",
@@ -14,4 +15,5 @@ __all__ = [
     "GradFlowCallback",
     "LayerTimeCallback",
     "SaturationCallback",
+    "StatsCallback",
 ]

@@ -9,6 +9,8 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_hooks.core.checks import positive_int
+from lightning_hooks.core.guard import Guard, guard_hooks
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import tensorboard_writers, write_dashboard
 
@@ -35,17 +37,41 @@ def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
     """
     if every_n_steps is None:
         return None
-    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+    try:
+        return positive_int(owner, "every_n_steps", every_n_steps)
+    except TypeError as err:  # one error type for every wrong cadence, as before
         raise ValueError(
             f"{owner}(every_n_steps={every_n_steps!r}): must be a positive int or None "
             f"(the Trainer's log_every_n_steps), got {every_n_steps!r}"
+        ) from err
+
+
+# Strategies whose sharded statistics are not made whole: refused at setup. FSDP2 (Lightning's
+# ModelParallelStrategy with fully_shard) is supported, data parallel only: see _check_strategy.
+_REFUSED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
+_FSDP2 = (
+    "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) with fully_shard "
+    "applied in configure_model (FSDP2; HSDP on a 2-D (replicate, shard) mesh)"
+)
+
+
+def _check_strategy(owner: str, strategy: object) -> None:
+    """Refuse the strategies whose statistics would be a shard's or a replica's, naming FSDP2."""
+    names = {c.__name__ for c in type(strategy).__mro__}  # both Lightning namespaces, subclasses
+    name = type(strategy).__name__
+    if names & set(_REFUSED_STRATEGIES):
+        raise MisconfigurationException(
+            f"{owner} does not support Trainer(strategy={name}): parameters are sharded across "
+            f"ranks and their statistics are not made whole there. Use {_FSDP2}, strategy='ddp' "
+            "or a single device (see the README's support matrix)."
         )
-    return every_n_steps
-
-
-# Strategies that shard parameters: a rank's hooks see a shard, so per-layer statistics would be
-# silently wrong. Refused at setup until they are tested (see the README's support matrix).
-_SHARDED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+    tensor_parallel = getattr(strategy, "_tensor_parallel_size", 1)
+    if "ModelParallelStrategy" in names and tensor_parallel != 1:
+        raise MisconfigurationException(
+            f"{owner} does not support {name}(tensor_parallel_size={tensor_parallel!r}): ranks of "
+            "a tensor-parallel group see the same batch and shards of each activation, so "
+            f"per-layer statistics would be wrong. Supported: {_FSDP2}."
+        )
 
 
 class HookCallback(pl.Callback):
@@ -61,7 +87,8 @@ class HookCallback(pl.Callback):
     ranks, on the host); :meth:`load_state_dict` keeps it until the hooks are attached, then
     :meth:`_load_state` hands it to the fresh accumulators (under DDP to rank 0 only, so the next
     reduce counts it once). A state saved for other layers is dropped with one warning.
-    Strategies that shard parameters (FSDP, DeepSpeed, ModelParallel) are refused at setup.
+    FSDP1 and DeepSpeed are refused at setup, and so is tensor parallelism; FSDP2 (Lightning's
+    ``ModelParallelStrategy`` with ``fully_shard``) is supported.
     """
 
     uses_images: bool = True
@@ -73,6 +100,24 @@ class HookCallback(pl.Callback):
     steps cost a Python attribute check per hook; statistics are then means over the sampled
     steps, and an epoch shorter than ``n`` steps still has one."""
     _epoch_start_step: int = -1
+    strict: bool | None = None
+    """``True``: an exception in one of the callback's hooks propagates; ``False``: it disables
+    the callback for the rest of the fit with one warning; ``None``: ``LIGHTNING_HOOKS_STRICT``."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        guard_hooks(cls)
+
+    def _hook_guard(self) -> Guard:
+        """This fit's guard of the callback's hooks (see :mod:`lightning_hooks.core.guard`)."""
+        guard: Guard | None = self.__dict__.get("_guard")
+        if guard is None:
+            guard = self.__dict__["_guard"] = Guard(type(self).__name__, strict=self.strict)
+        return guard
+
+    def _guard_disable(self) -> None:
+        """After a guarded failure: remove every hook now; the guard keeps the rest off."""
+        self._detach()
 
     def _cadence(self, trainer: pl.Trainer) -> int:
         """The resolved ``every_n_steps``."""
@@ -121,15 +166,9 @@ class HookCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self.__dict__.pop("_guard", None)  # each fit starts healthy
         name = type(self).__name__
-        strategy = type(trainer.strategy).__name__
-        # By class name, through the MRO: covers both Lightning namespaces and subclasses.
-        if any(c.__name__ in _SHARDED_STRATEGIES for c in type(trainer.strategy).__mro__):
-            raise MisconfigurationException(
-                f"{name} does not support Trainer(strategy={strategy}): parameters are sharded "
-                "across ranks, so per-layer statistics would be wrong. Use a single device or "
-                "strategy='ddp' (see the README's support matrix)."
-            )
+        _check_strategy(name, trainer.strategy)
         if not trainer.loggers:
             raise MisconfigurationException(
                 f"{name} needs a logger, but the Trainer has none (logger=False). "
@@ -212,3 +251,6 @@ class HookCallback(pl.Callback):
 
     def _load_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`_save_state` into freshly attached accumulators; ValueError if foreign."""
+
+
+guard_hooks(HookCallback)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -10,26 +9,22 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
-from lightning_hooks.callbacks._checks import check_types
-from lightning_hooks.core.activation_stats import (
-    ActivationStatsTracker,
-    Histogram,
-    default_feature_module,
-)
+from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.core.activation_stats import ActivationStatsTracker, Histogram
+from lightning_hooks.core.checks import boolean, positive_int, real
 from lightning_hooks.core.feature_stats import FeatureSummary
-from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns, select_modules
+from lightning_hooks.core.selection import ModuleTypes, Patterns, Selection
+from lightning_hooks.core.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.logging import layer_epoch_heatmap, log_figure, log_histogram_raw, log_scalars
+from lightning_hooks.logging import layer_epoch_heatmap, log_figure, log_histogram
 
 __all__ = ["ActivationStatsCallback"]
 
 _NAME = "ActivationStatsCallback"
-_SCALARS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
 _HEATMAPS = ("mean", "std", "zero_fraction")
 
 
-class ActivationStatsCallback(HookCallback):
+class ActivationStatsCallback(StatsCallback):
     r"""Per-layer statistics of every selected module's output, over each epoch's training data.
 
     A forward hook on each selected module measures, on the device and without a host sync, every
@@ -110,64 +105,46 @@ class ActivationStatsCallback(HookCallback):
         fused: bool = False,
         every_n_steps: int | None = None,
     ) -> None:
-        check_types(_NAME, types)
-        self.every_n_steps = check_every_n_steps(_NAME, every_n_steps)
-        if (
-            isinstance(histogram_bins, bool)
-            or not isinstance(histogram_bins, int)
-            or histogram_bins < 1
-        ):
-            raise ValueError(
-                f"{_NAME}(histogram_bins={histogram_bins!r}): must be a positive int, "
-                f"got {histogram_bins!r}"
-            )
-        if histogram_range is not None and not (
-            len(histogram_range) == 2 and float(histogram_range[0]) < float(histogram_range[1])
-        ):
-            raise ValueError(
-                f"{_NAME}(histogram_range={histogram_range!r}): must be None or (low, high) "
-                f"with low < high, got {histogram_range!r}"
-            )
-        self.types = types
-        self.include = as_patterns(include, f"{_NAME}(include=...)")
-        self.exclude = as_patterns(exclude, f"{_NAME}(exclude=...)")
-        self.histograms = histograms
-        self.histogram_bins = histogram_bins
-        self.histogram_range = histogram_range
-        self.heatmaps = heatmaps
-        self.uses_images = heatmaps or histograms
-        self.warn_nonfinite = warn_nonfinite
-        self.fused = fused
-        self._tracker: ActivationStatsTracker | None = None
+        self.selection = Selection.of(_NAME, types=types, include=include, exclude=exclude)
+        self.histogram_bins = positive_int(_NAME, "histogram_bins", histogram_bins)
+        self.histogram_range = _check_range(histogram_range)
+        self.histograms = boolean(_NAME, "histograms", histograms)
+        self.heatmaps = boolean(_NAME, "heatmaps", heatmaps)
+        self.warn_nonfinite = boolean(_NAME, "warn_nonfinite", warn_nonfinite)
+        self.fused = boolean(_NAME, "fused", fused)
+        super().__init__(self._tracker_for(), every_n_steps=every_n_steps)
+        self.types, self.include, self.exclude = (
+            types,
+            self.selection.include,
+            self.selection.exclude,
+        )
+        self.uses_images = self.heatmaps or self.histograms
         self._history: list[tuple[int, FeatureSummary]] = []
         self._warned_nonfinite = False
         self._step = 0
 
-    @override
-    def _validate(self, pl_module: pl.LightningModule) -> None:
-        where = default_feature_module if self.types is None else None
-        selected = select_modules(
-            pl_module, types=self.types, include=self.include, exclude=self.exclude, where=where
-        )
-        if not selected:
-            raise ValueError(
-                f"{_NAME}(types={self.types!r}, include={self.include!r}, "
-                f"exclude={self.exclude!r}): selects no module of the model"
-            )
-
-    @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._tracker = ActivationStatsTracker(
-            pl_module,
-            types=self.types,
-            include=self.include,
-            exclude=self.exclude,
+    def _tracker_for(self) -> ActivationStatsTracker:
+        s = self.selection
+        return ActivationStatsTracker(
+            types=s.types,
+            include=s.include,
+            exclude=s.exclude,
             histogram_bins=self.histogram_bins if self.histograms else 0,
             histogram_range=self.histogram_range,
             fused=self.fused,
+            owner=_NAME,
         )
+
+    @override
+    def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:
         self._history = []
         self._warned_nonfinite = False
+        return self.stats
+
+    @property
+    def _activations(self) -> ActivationStatsTracker | None:
+        attached = self.attached
+        return attached[0] if attached else None  # type: ignore[return-value]
 
     @override
     def on_train_batch_start(
@@ -185,10 +162,10 @@ class ActivationStatsCallback(HookCallback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        tracker = self._tracker
+        tracker = self._activations
         if tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
             return
-        if not tracker.registry.sampled:
+        if tracker.registry is None or not tracker.registry.sampled:
             return
         tracker.end_step(self._step)
         found = tracker.first_nonfinite.poll()
@@ -203,17 +180,11 @@ class ActivationStatsCallback(HookCallback):
             )
 
     @override
-    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._tracker is None:
-            return
-        stats, hists = self._tracker.result()
-        self._tracker.reset()
-        if not stats.layers:
+    def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
+        stats, hists = result
+        if not stats.layers or not trainer.is_global_zero:
             return
         step = trainer.global_step
-        log_scalars(trainer.loggers, dict(_scalars(stats)), step)
-        if not trainer.is_global_zero:
-            return
         for row, hist in enumerate(hists):
             _log_histogram(trainer, stats, row, hist, step)
         self._history.append((trainer.current_epoch, stats))
@@ -234,11 +205,17 @@ class ActivationStatsCallback(HookCallback):
             log_figure(trainer.loggers, f"activations/heatmap/{stat}", figure, step)
 
 
-def _scalars(stats: FeatureSummary) -> Iterator[tuple[str, float]]:
-    for stat in _SCALARS:
-        for layer, value, n in zip(stats.layers, stats.column(stat), stats.numel, strict=True):
-            if n > 0:
-                yield f"activations/{stat}/{layer}", float(value)
+def _check_range(value: tuple[float, float] | None) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    expected = "None or (low, high) with low < high"
+    if not isinstance(value, tuple | list) or len(value) != 2:
+        raise ValueError(f"{_NAME}(histogram_range={value!r}): must be {expected}, got {value!r}")
+    low = real(_NAME, "histogram_range[0]", value[0])
+    high = real(_NAME, "histogram_range[1]", value[1])
+    if not low < high:
+        raise ValueError(f"{_NAME}(histogram_range={value!r}): must be {expected}, got {value!r}")
+    return low, high
 
 
 def _log_histogram(
@@ -254,4 +231,4 @@ def _log_histogram(
         float(stats.sum_sq[row]),
     )
     tag = f"activations/histogram/{hist.layer}"
-    log_histogram_raw(trainer.loggers, tag, hist.edges, hist.counts, moments, step)
+    log_histogram(trainer.loggers, tag, hist.edges[1:], hist.counts, step, moments)

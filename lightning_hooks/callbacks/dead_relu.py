@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytorch_lightning as pl
@@ -10,19 +9,19 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
-from lightning_hooks.callbacks._checks import check_types
+from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.core.checks import boolean, fraction
 from lightning_hooks.core.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
-from lightning_hooks.core.selection import Patterns, as_patterns, select_modules
+from lightning_hooks.core.selection import Patterns
+from lightning_hooks.core.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.logging import log_scalars
 
 __all__ = ["DeadReLUCallback"]
 
 _NAME = "DeadReLUCallback"
 
 
-class DeadReLUCallback(HookCallback):
+class DeadReLUCallback(StatsCallback):
     r"""Dead units per activation layer: units that never fired on a sampled batch of an epoch.
 
     A unit is a channel of a conv output ``[N, C, ...]`` or a feature of a linear output ``[N, ...,
@@ -93,86 +92,35 @@ class DeadReLUCallback(HookCallback):
         warn: bool = True,
         every_n_steps: int | None = None,
     ) -> None:
-        check_types(_NAME, types)
-        self.every_n_steps = check_every_n_steps(_NAME, every_n_steps)
-        if isinstance(threshold, bool) or not isinstance(threshold, int | float):
-            raise TypeError(
-                f"{_NAME}(threshold={threshold!r}): must be a number, got {threshold!r}"
-            )
-        if not 0.0 <= threshold <= 1.0:
-            raise ValueError(
-                f"{_NAME}(threshold={threshold!r}): must be in [0, 1], got {threshold!r}"
-            )
+        tracker = DeadUnitTracker(
+            types=types,
+            include=include,
+            exclude=exclude,
+            pre_activation=pre_activation,
+            owner=_NAME,
+        )
+        self.threshold = fraction(_NAME, "threshold", threshold)
+        self.warn = boolean(_NAME, "warn", warn)
+        super().__init__(tracker, every_n_steps=every_n_steps)
+        assert tracker.selection is not None
         self.types = types
-        self.include = as_patterns(include, f"{_NAME}(include=...)")
-        self.exclude = as_patterns(exclude, f"{_NAME}(exclude=...)")
-        self.pre_activation = as_patterns(pre_activation, f"{_NAME}(pre_activation=...)")
-        self.threshold = float(threshold)
-        self.warn = warn
-        self._tracker: DeadUnitTracker | None = None
+        self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
+        self.pre_activation = tracker.producers.include
 
     @override
-    def _state_key_fields(self) -> dict[str, Any]:
-        return {**super()._state_key_fields(), "pre_activation": self.pre_activation}
-
-    @override
-    def _validate(self, pl_module: pl.LightningModule) -> None:
-        found = select_modules(
-            pl_module, types=self.types, include=self.include, exclude=self.exclude
-        )
-        if self.pre_activation:
-            found += select_modules(pl_module, include=self.pre_activation)
-        if not found:
-            names = [getattr(t, "__name__", repr(t)) for t in _as_tuple(self.types)]
-            raise ValueError(
-                f"{_NAME}(types={names}, include={self.include!r}, exclude={self.exclude!r}): "
-                "the model has no such module to watch; for a functional F.relu in forward, "
-                "pass pre_activation= the layer that produces its input"
-            )
-
-    @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._tracker = DeadUnitTracker(
-            pl_module,
-            types=self.types,
-            include=self.include,
-            exclude=self.exclude,
-            pre_activation=self.pre_activation,
-        )
-
-    @override
-    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._tracker is None:
-            return
-        result = self._tracker.result()
-        self._tracker.reset()
-        if not result.layers:
-            return
-        log_scalars(trainer.loggers, dict(_scalars(result)), trainer.global_step)
+    def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
         if self.warn:
             self._warn_dead(result, trainer.current_epoch)
 
     def _warn_dead(self, result: DeadUnits, epoch: int) -> None:
         fractions = result.dead_fraction
-        for layer, dead, units, fraction in zip(
+        for layer, dead, units, share in zip(
             result.layers, result.dead, result.units, fractions, strict=True
         ):
-            if dead > 0 and fraction >= self.threshold:
+            if dead > 0 and share >= self.threshold:
                 rank_zero_warn(
                     f"{_NAME}: layer '{layer}' has {dead} of {units} units dead in epoch {epoch} "
-                    f"(never fired on a sampled training batch; dead fraction {fraction:.3g} >= "
+                    f"(never fired on a sampled training batch; dead fraction {share:.3g} >= "
                     f"threshold {self.threshold:g})",
                     category=LightningHooksWarning,
                 )
-
-
-def _scalars(result: DeadUnits) -> Iterator[tuple[str, float]]:
-    fractions = result.dead_fraction
-    for i, layer in enumerate(result.layers):
-        yield f"dead_relu/dead_fraction/{layer}", float(fractions[i])
-        yield f"dead_relu/dead_count/{layer}", float(result.dead[i])
-        yield f"dead_relu/zero_fraction/{layer}", float(result.zero_fraction[i])
-
-
-def _as_tuple(types: type[nn.Module] | tuple[type[nn.Module], ...]) -> tuple[type[nn.Module], ...]:
-    return types if isinstance(types, tuple) else (types,)

@@ -8,11 +8,12 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks._base import HookCallback
-from lightning_hooks.core import capture_outputs, probe_mode, select_modules
+from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
 from lightning_hooks.core.selection import Patterns, as_patterns
 from lightning_hooks.logging import feature_map_grid, log_embedding, log_image, log_scalars
 
@@ -63,11 +64,41 @@ def _to(x: Any, device: torch.device) -> Any:
     return x
 
 
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"FeatureMapCallback({name}={value!r}): must be a positive int, got {value!r}"
-        )
+_OWNER = "FeatureMapCallback"
+
+
+def _check_name(name: str, value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise TypeError(
+        f"{_OWNER}({name}={value!r}): must be a module name (str) or None, got {value!r}"
+    )
+
+
+def _check_patterns(name: str, value: Any) -> tuple[str, ...]:
+    """One glob pattern, a sequence of them, or ``None``."""
+    items = [value] if isinstance(value, str) else value
+    if value is None or (
+        isinstance(items, list | tuple) and all(isinstance(item, str) for item in items)
+    ):
+        return as_patterns(value)
+    raise TypeError(
+        f"{_OWNER}({name}={value!r}): must be a module name or glob pattern, a sequence of "
+        f"them, or None, got {value!r}"
+    )
+
+
+def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[str, nn.Module]]:
+    """The modules ``patterns`` name; the error names the user's argument first."""
+    try:
+        return select_modules(model, include=patterns)
+    except ValueError as err:
+        raise ValueError(f"{_OWNER}({argument}={patterns!r}): {err}") from None
+
+
+def _has_forward(model: nn.Module) -> bool:
+    """Whether the model defines ``forward`` (LightningModule's own only calls nn.Module's stub)."""
+    return type(model).forward not in (pl.LightningModule.forward, nn.Module.forward)
 
 
 def _spread(items: list[str], bound: int) -> list[str]:
@@ -118,8 +149,15 @@ class FeatureMapCallback(HookCallback):
         probe_labels: one label per probe sample, for the projector.
         probe_size: how many samples of the first training batch form the probe.
         input_fn: ``batch -> model input``, for batches that are not ``(input, ...)``.
+        forward_fn: ``(pl_module, probe) -> output``: how to run the model on the probe, for a
+            LightningModule without ``forward`` (default: ``pl_module(probe)``). Without either,
+            ``setup`` says so before the first epoch.
         embedding: a layer whose flattened probe outputs go to TensorBoard's projector.
         every_n_epochs: probe at the end of every n-th epoch.
+        strict: an exception in the callback's hooks propagates (``True``) or disables the
+            callback for the rest of the fit with one warning (``False``); ``None``: the
+            environment variable ``LIGHTNING_HOOKS_STRICT`` (see
+            :mod:`lightning_hooks.core.guard`).
 
     Example:
         >>> callback = FeatureMapCallback(layers="features.*", embedding="head", probe_size=32)
@@ -137,23 +175,27 @@ class FeatureMapCallback(HookCallback):
         probe_labels: torch.Tensor | None = None,
         probe_size: int = 64,
         input_fn: Callable[[Any], Any] | None = None,
+        forward_fn: Callable[[pl.LightningModule, Any], Any] | None = None,
         embedding: str | None = None,
         every_n_epochs: int = 1,
+        strict: bool | None = None,
     ) -> None:
-        for name, value in (
-            ("max_layers", max_layers),
-            ("channels", channels),
-            ("probe_size", probe_size),
-            ("every_n_epochs", every_n_epochs),
-        ):
-            _check_positive(name, value)
-        self.layers = as_patterns(layers, "FeatureMapCallback(layers=...)")
-        self.max_layers = max_layers
-        self.channels = channels
-        self.probe_size = probe_size
-        self.input_fn = input_fn or _default_input
-        self.embedding = embedding
-        self.every_n_epochs = every_n_epochs
+        self.max_layers = checks.positive_int(_OWNER, "max_layers", max_layers)
+        self.channels = checks.positive_int(_OWNER, "channels", channels)
+        self.probe_size = checks.positive_int(_OWNER, "probe_size", probe_size)
+        self.every_n_epochs = checks.positive_int(_OWNER, "every_n_epochs", every_n_epochs)
+        self.layers = _check_patterns("layers", layers)
+        self.input_fn = checks.callable_or_none(_OWNER, "input_fn", input_fn) or _default_input
+        self.forward_fn = checks.callable_or_none(_OWNER, "forward_fn", forward_fn)
+        self.embedding = _check_name("embedding", embedding)
+        self.strict = None if strict is None else checks.boolean(_OWNER, "strict", strict)
+        if probe_labels is not None and not isinstance(probe_labels, torch.Tensor):
+            raise TypeError(
+                f"{_OWNER}(probe_labels={probe_labels!r}): must be a tensor of one label per "
+                f"probe sample or None, got {type(probe_labels).__name__}"
+            )
+        # The user's probe is kept for every fit; one taken from a batch belongs to its fit.
+        self._given = (probe, probe_labels)
         self._probe: Any = probe
         self._labels = probe_labels
         self._drawn: list[str] = []
@@ -164,13 +206,19 @@ class FeatureMapCallback(HookCallback):
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
+        if self.forward_fn is None and not _has_forward(pl_module):
+            raise MisconfigurationException(
+                f"{_OWNER}: {type(pl_module).__name__} defines no forward(), so the probe "
+                "batch cannot run through it. Define forward(), or pass "
+                f"{_OWNER}(forward_fn=lambda module, probe: ...) that runs the probe."
+            )
         self._drawn = self._select(pl_module)
         if self.embedding is not None:
-            select_modules(pl_module, include=self.embedding)
+            _named(pl_module, "embedding", self.embedding)
 
     def _select(self, model: nn.Module) -> list[str]:
         if self.layers:
-            names = [name for name, _ in select_modules(model, include=self.layers)]
+            names = [name for name, _ in _named(model, "layers", self.layers)]
         else:
             names = [name for name, _ in select_modules(model, types=_CONV)]
             names = names or [name for name, _ in select_modules(model, types=nn.Linear)]
@@ -178,7 +226,9 @@ class FeatureMapCallback(HookCallback):
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """No training-time hook: the probe's hooks live only during the probe forward."""
+        """No training-time hook (the probe's live only during the probe forward); a probe
+        taken from a batch is taken afresh for each fit (a second model has other inputs)."""
+        self._probe, self._labels = self._given
 
     @override
     def _detach(self) -> None:
@@ -199,8 +249,12 @@ class FeatureMapCallback(HookCallback):
         if (trainer.current_epoch + 1) % self.every_n_epochs:
             return
         wanted = [*self._drawn, *([self.embedding] if self.embedding else [])]
+        probe = _to(self._probe, pl_module.device)
         with probe_mode(pl_module), capture_outputs(pl_module, wanted, clone=True) as outputs:
-            pl_module(_to(self._probe, pl_module.device))
+            if self.forward_fn is not None:
+                self.forward_fn(pl_module, probe)
+            else:
+                pl_module(probe)
         step = trainer.global_step
         drawn = [(name, outputs[name]) for name in self._drawn if _is_tensor(outputs.get(name))]
         log_scalars(trainer.loggers, dict(_abs_means(drawn)), step)

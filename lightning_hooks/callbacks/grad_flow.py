@@ -162,8 +162,8 @@ class GradFlowCallback(HookCallback):
         self._hist: LayerHistograms | None = None
         self._history: list[tuple[int, np.ndarray]] = []
         self.types = types
-        self.include = as_patterns(include, "GradFlowCallback(include=...)")
-        self.exclude = as_patterns(exclude, "GradFlowCallback(exclude=...)")
+        self.include = as_patterns(include, f"GradFlowCallback(include={include!r})")
+        self.exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
         self.update_ratio = update_ratio
         self.output_grad = output_grad
         self.chart = chart
@@ -265,7 +265,8 @@ class GradFlowCallback(HookCallback):
         step = trainer.global_step
         log_scalars(trainer.loggers, dict(grad_flow_scalars(stats, self.max_layers_logged)), step)
         if self._hist is not None:
-            write_histograms(trainer, self._hist, stats, self.max_layers_logged)
+            shards = self._tracker.shards
+            write_histograms(trainer, self._hist, stats, self.max_layers_logged, shards)
         if self.chart and trainer.is_global_zero:
             layers = stats.layers[:-1]
             figure = grad_flow_figure(

@@ -10,8 +10,9 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from lightning_hooks.core import LayerHistogram, LayerHistograms, LayerStats, ParamLayout
-from lightning_hooks.logging import write_histogram_raw
+from lightning_hooks.core import LayerHistograms, LayerStats, ParamLayout
+from lightning_hooks.core.sharding import ShardPlan
+from lightning_hooks.logging import log_histogram
 
 __all__ = ["grad_flow_scalars", "logged_rows", "observe_histograms", "write_histograms"]
 
@@ -84,24 +85,32 @@ def observe_histograms(
     """Count the gradients ``optimizer`` is about to apply into ``hist``, per layer."""
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     pairs = [
-        (p.grad, row)
+        (p, row)
         for p, row in zip(layout.params, layout.owner, strict=True)
         if p.grad is not None and id(p) in stepped
     ]
-    hist.update([g for g, _ in pairs], [row for _, row in pairs])
+    grads = ParamLayout.grads([p for p, _ in pairs])  # sparse: the coalesced values
+    hist.update(grads, [row for _, row in pairs])
 
 
 def write_histograms(
-    trainer: pl.Trainer, hist: LayerHistograms, stats: LayerStats, max_layers: int | None
+    trainer: pl.Trainer,
+    hist: LayerHistograms,
+    stats: LayerStats,
+    max_layers: int | None,
+    shards: ShardPlan | None,
 ) -> None:
     """Write the epoch's histograms of the logged layers (rank 0), then reset ``hist``."""
     # Gradients are all-reduced before the optimizer step: rank 0's counts are every rank's.
-    counts, limits = hist.host_counts(), hist.limits()
+    # FSDP2: each rank counted its shard's entries; the whole gradient is their sum.
+    counts = (
+        hist.host_counts() if shards is None else shards.sum(hist.counts).cpu().double().numpy()
+    )
+    limits = hist.limits()
     hist.reset()
     if not trainer.is_global_zero:
         return
     for row in logged_rows(stats, max_layers):
         if counts[row].any():
-            raw = LayerHistogram(limits, counts[row]).raw()
             tag = f"grad_flow/grad_log10_abs/{stats.layers[row]}"
-            write_histogram_raw(trainer.loggers, tag, raw, trainer.global_step)
+            log_histogram(trainer.loggers, tag, limits, counts[row], trainer.global_step)

@@ -2,35 +2,41 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytorch_lightning as pl
 from typing_extensions import override
 
-from lightning_hooks.callbacks._base import HookCallback
-from lightning_hooks.core import select_modules
+from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.core.checks import boolean
 from lightning_hooks.core.layer_time import LayerTimer, LayerTimes
-from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns
-from lightning_hooks.logging import layer_time_figure, log_figure, log_scalars
+from lightning_hooks.core.selection import ModuleTypes, Patterns
+from lightning_hooks.core.stat import LayerStat
+from lightning_hooks.logging import layer_time_figure, log_figure
 
 __all__ = ["LayerTimeCallback"]
 
+_NAME = "LayerTimeCallback"
 
-class LayerTimeCallback(HookCallback):
+
+class LayerTimeCallback(StatsCallback):
     r"""Forward time of every layer on sampled training steps, as ms and as a share of the step.
 
-    Every ``every_n_steps``-th training batch (the first one included) is *sampled*: a forward
-    pre-hook and a forward hook on each layer mark its start and end (``time.perf_counter`` on
-    the CPU; CUDA events on a GPU, read once at epoch end, so no step waits for the device), and
-    the step is marked from ``on_train_batch_start`` to ``on_train_batch_end`` (forward,
-    backward and optimizer step; not data loading). On the other batches each hook returns after
-    one Python attribute check. A *layer* is a leaf module (a module without children:
+    The sampled optimizer steps (``every_n_steps``, as for every callback of the library: steps
+    ``0, n, 2n, ...`` and each epoch's first) are timed: a forward pre-hook and a forward hook on
+    each layer mark its start and end (``time.perf_counter`` on the CPU; CUDA events on a GPU,
+    read when the next sampled step starts, so no step waits for its own kernels), and each
+    micro-batch of the step is marked from ``on_train_batch_start`` to ``on_train_batch_end``
+    (forward, backward and optimizer step; not data loading). On the other steps each hook
+    returns after one Python attribute check. Memory stays O(layers) however many steps.
+    A *layer* is a leaf module (a module without children:
     ``Conv2d``, ``ReLU``, ``Flatten``, ...), so no time is counted twice and the shares sum to at
     most 1. Time spent in ``forward`` outside any module (functional ops) belongs to no layer.
 
     Backward time per layer is not measured: it needs full backward hooks, which break in-place
-    ops and cost several times a forward hook. Under DDP each rank times itself; rank 0 logs.
+    ops and cost several times a forward hook. Under DDP the totals are summed across ranks in
+    one collective: the logged times are means over ranks and sampled steps. The totals of a
+    partial epoch travel in checkpoints.
 
     Cost, measured with ``examples/overhead.py`` on a small CNN (CPU, 2 shared cores): see the
     README. With ``every_n_steps=1`` every step pays two clock reads per leaf module.
@@ -48,7 +54,8 @@ class LayerTimeCallback(HookCallback):
     =================================  ========================================================
 
     Args:
-        every_n_steps: time every n-th training batch (default 50: about 2% of the steps).
+        every_n_steps: time optimizer steps ``0, n, 2n, ...`` and each epoch's first step;
+            ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set).
         types: only modules of these types.
         include: glob patterns on qualified module names to keep.
         exclude: glob patterns on qualified module names to drop.
@@ -65,61 +72,44 @@ class LayerTimeCallback(HookCallback):
     def __init__(
         self,
         *,
-        every_n_steps: int = 50,
+        every_n_steps: int | None = None,
         types: ModuleTypes = None,
         include: Patterns = None,
         exclude: Patterns = None,
         leaves: bool = True,
         chart: bool = True,
     ) -> None:
-        if (
-            isinstance(every_n_steps, bool)
-            or not isinstance(every_n_steps, int)
-            or every_n_steps < 1
-        ):
-            raise ValueError(
-                f"LayerTimeCallback(every_n_steps={every_n_steps!r}): must be a positive int, "
-                f"got {every_n_steps!r}"
-            )
-        self.every_n_steps = every_n_steps
-        self.types = types
-        self.include = as_patterns(include, "LayerTimeCallback(include=...)")
-        self.exclude = as_patterns(exclude, "LayerTimeCallback(exclude=...)")
-        self.leaves = leaves
-        self.chart = chart
-        self.uses_images = chart
-        self._timer: LayerTimer | None = None
-        self._batches = 0
-
-    @override
-    def _validate(self, pl_module: pl.LightningModule) -> None:
-        select_modules(pl_module, types=self.types, include=self.include, exclude=self.exclude)
-
-    @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._batches = 0
-        self._timer = LayerTimer(
-            pl_module,
-            types=self.types,
-            include=self.include,
-            exclude=self.exclude,
-            leaves=self.leaves,
-            cuda=pl_module.device.type == "cuda",
+        self.leaves = boolean(_NAME, "leaves", leaves)
+        self.chart = boolean(_NAME, "chart", chart)
+        timer = LayerTimer(
+            types=types, include=include, exclude=exclude, leaves=self.leaves, owner=_NAME
         )
+        super().__init__(timer, every_n_steps=every_n_steps)
+        assert timer.selection is not None
+        self.types = types
+        self.include, self.exclude = timer.selection.include, timer.selection.exclude
+        self.uses_images = self.chart
+
+    @property
+    def _timer(self) -> LayerTimer | None:
+        attached = self.attached
+        return attached[0] if attached else None  # type: ignore[return-value]
 
     @override
-    def _detach(self) -> None:
-        if self._timer is not None:
-            self._timer.remove()
-            self._timer = None
+    def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:
+        timer = self.stats[0]
+        assert isinstance(timer, LayerTimer)
+        timer.use_cuda = pl_module.device.type == "cuda"
+        return self.stats
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._timer is not None and self._batches % self._cadence(trainer) == 0:
-            self._timer.start_step()
-        self._batches += 1
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        timer = self._timer
+        if timer is not None and timer.registry is not None and timer.registry.sampled:
+            timer.start_step(trainer.global_step)
 
     @override
     def on_train_batch_end(
@@ -135,33 +125,20 @@ class LayerTimeCallback(HookCallback):
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._timer is None:
-            return
-        self._timer.end_step()  # a step cut short by a skipped batch closes here
-        times = self._timer.result()
-        self._timer.reset()
-        if times.steps == 0 or not trainer.is_global_zero:
-            return
-        step = trainer.global_step
-        log_scalars(trainer.loggers, dict(_scalars(times)), step)
-        if self.chart:
-            figure = layer_time_figure(
-                times.layers,
-                times.forward_ms,
-                times.step_ms,
-                title=f"forward time per layer, epoch {trainer.current_epoch}, "
-                f"step {times.step_ms:.2f} ms",
-            )
-            log_figure(trainer.loggers, "layer_time/chart", figure, step)
+        if self._timer is not None:
+            self._timer.end_step()  # a step cut short by a skipped batch closes here
+        super()._log_epoch(trainer, pl_module)
 
-
-def _scalars(times: LayerTimes) -> Iterator[tuple[str, float]]:
-    share = times.share
-    for layer, ms, fraction, calls in zip(
-        times.layers, times.forward_ms, share, times.calls, strict=True
-    ):
-        if calls:
-            yield f"layer_time/forward_ms/{layer}", float(ms)
-            yield f"layer_time/share/{layer}", float(fraction)
-    yield "layer_time/step_ms", times.step_ms
-    yield "layer_time/forward_share", float(share.sum())
+    @override
+    def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
+        times: LayerTimes = result
+        if times.steps == 0 or not trainer.is_global_zero or not self.chart:
+            return
+        figure = layer_time_figure(
+            times.layers,
+            times.forward_ms,
+            times.step_ms,
+            title=f"forward time per layer, epoch {trainer.current_epoch}, "
+            f"step {times.step_ms:.2f} ms",
+        )
+        log_figure(trainer.loggers, "layer_time/chart", figure, trainer.global_step)

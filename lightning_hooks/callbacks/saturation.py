@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import numbers
+from typing import Any
 
-import numpy as np
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
-from lightning_hooks.core import select_modules
+from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.core.checks import real
 from lightning_hooks.core.saturation import SATURATING_TYPES, SaturationStats, SaturationTracker
-from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns
+from lightning_hooks.core.selection import ModuleTypes, Patterns
+from lightning_hooks.core.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.logging import log_scalars
 
 __all__ = ["SaturationCallback"]
+
+
+_NAME = "SaturationCallback"
 
 
 def _check_types(types: ModuleTypes) -> None:
@@ -24,12 +27,12 @@ def _check_types(types: ModuleTypes) -> None:
     for t in items:
         if t is not None and not (isinstance(t, type) and issubclass(t, SATURATING_TYPES)):
             raise TypeError(
-                f"SaturationCallback(types={types!r}): expected a subclass of one of "
+                f"{_NAME}(types={types!r}): must be a subclass of one of "
                 f"{[s.__name__ for s in SATURATING_TYPES]}, got {t!r}"
             )
 
 
-class SaturationCallback(HookCallback):
+class SaturationCallback(StatsCallback):
     r"""Saturated outputs of every bounded activation, and units saturated all epoch long.
 
     A forward hook on every ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6`` included)
@@ -91,94 +94,58 @@ class SaturationCallback(HookCallback):
         every_n_steps: int | None = None,
     ) -> None:
         _check_types(types)
-        self.every_n_steps = check_every_n_steps("SaturationCallback", every_n_steps)
-        if not 0 < margin < 0.5:
-            raise ValueError(
-                f"SaturationCallback(margin={margin}): must be in (0, 0.5), got {margin}"
-            )
-        if warn_above is not None and not 0 <= warn_above < 1:
-            raise ValueError(
-                f"SaturationCallback(warn_above={warn_above}): must be in [0, 1) or None, "
-                f"got {warn_above}"
-            )
+        dim: Any = unit_dim
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+            raise TypeError(f"{_NAME}(unit_dim={dim!r}): must be an int, got {dim!r}")
+        unit_dim = int(dim)
+        margin = real(_NAME, "margin", margin, low=0.0, high=0.5, low_open=True, high_open=True)
+        above: float | None = None
+        if warn_above is not None:
+            above = real(_NAME, "warn_above", warn_above, low=0.0, high=1.0, high_open=True)
+        tracker = SaturationTracker(
+            types=types,
+            include=include,
+            exclude=exclude,
+            unit_dim=unit_dim,
+            margin=margin,
+            owner=_NAME,
+        )
+        super().__init__(tracker, every_n_steps=every_n_steps)
+        assert tracker.selection is not None
         self.types = types
-        self.include = as_patterns(include, "SaturationCallback(include=...)")
-        self.exclude = as_patterns(exclude, "SaturationCallback(exclude=...)")
+        self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
         self.unit_dim = unit_dim
         self.margin = margin
-        self.warn_above = warn_above
-        self.uses_images = False
-        self._tracker: SaturationTracker | None = None
+        self.warn_above = above
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
-        found = select_modules(
-            pl_module,
-            types=self.types or SATURATING_TYPES,
-            include=self.include,
-            exclude=self.exclude,
-        )
-        if not found:
+        if not self.stats[0].select(pl_module):
             rank_zero_info(
-                "SaturationCallback: the model has no Sigmoid, Tanh, Softsign, Hardtanh, ReLU6 or "
+                f"{_NAME}: the model has no Sigmoid, Tanh, Softsign, Hardtanh, ReLU6 or "
                 "Hardsigmoid module to watch; saturation/global/layers will read 0."
             )
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._tracker = SaturationTracker(
-            pl_module,
-            types=self.types,
-            include=self.include,
-            exclude=self.exclude,
-            unit_dim=self.unit_dim,
-            margin=self.margin,
-        )
-
-    @override
-    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._tracker is None:
-            return
-        packed = self._tracker.packed()
-        if trainer.world_size > 1:
-            packed = trainer.strategy.reduce(packed.clone(), reduce_op="sum")
-        stats = self._tracker.unpack(packed)
-        self._tracker.reset()
-        log_scalars(trainer.loggers, dict(_scalars(stats)), trainer.global_step)
+    def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
         if self.warn_above is not None and trainer.is_global_zero:
-            _warn(stats, trainer.current_epoch, self.warn_above)
+            _warn(result, trainer.current_epoch, self.warn_above)
 
 
 def _warn(stats: SaturationStats, epoch: int, warn_above: float) -> None:
-    for layer, fraction, k, n in zip(
+    for layer, share, k, n in zip(
         stats.layers,
         stats.always_saturated_fraction,
         stats.always_saturated,
         stats.units,
         strict=True,
     ):
-        if fraction > warn_above:
+        if share > warn_above:
             rank_zero_warn(
-                f"SaturationCallback: layer {layer!r} has {k} of {n} units ({fraction:.0%}) "
+                f"{_NAME}: layer {layer!r} has {k} of {n} units ({share:.0%}) "
                 f"saturated on every training sample of epoch {epoch} (warn_above="
                 f"{warn_above}); their gradients are near zero. Consider a smaller learning "
                 "rate or weight init, normalization before the activation, or a "
                 "non-saturating activation.",
                 category=LightningHooksWarning,
             )
-
-
-def _scalars(stats: SaturationStats) -> Iterator[tuple[str, float]]:
-    ran = stats.entries > 0
-    for layer, sat, always, active in zip(
-        stats.layers, stats.saturated_fraction, stats.always_saturated_fraction, ran, strict=True
-    ):
-        if active:
-            yield f"saturation/saturated_fraction/{layer}", float(sat)
-            yield f"saturation/always_saturated_fraction/{layer}", float(always)
-    if ran.any():
-        entries, units = stats.entries[ran].sum(), stats.units[ran].sum()
-        yield "saturation/global/saturated_fraction", float(stats.saturated[ran].sum() / entries)
-        always = np.sum(stats.always_saturated[ran])
-        yield "saturation/global/always_saturated_fraction", float(always / units)
-    yield "saturation/global/layers", float(ran.sum())

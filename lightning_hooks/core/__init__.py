@@ -20,7 +20,8 @@ from lightning_hooks.core.saturation import (
     saturation_mask,
     unit_saturation,
 )
-from lightning_hooks.core.selection import select_modules
+from lightning_hooks.core.selection import Selection, select_modules
+from lightning_hooks.core.stat import LayerStat
 from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "HookRegistry",
     "LayerHistogram",
     "LayerHistograms",
+    "LayerStat",
     "LayerStats",
     "LayerStatsAccumulator",
     "LayerTimer",
@@ -48,6 +50,7 @@ __all__ = [
     "ParamLayout",
     "SaturationStats",
     "SaturationTracker",
+    "Selection",
     "capture_outputs",
     "feature_stats",
     "grad_stats",

@@ -8,9 +8,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torchmetrics import Metric
 
-from lightning_hooks.core.distributed import all_gather_stacked, rank
+from lightning_hooks.core.checks import choice
+from lightning_hooks.core.distributed import rank
+from lightning_hooks.core.stat import LayerStat
 
 __all__ = ["LayerStats", "LayerStatsAccumulator"]
 
@@ -38,21 +39,31 @@ class LayerStats:
     count: np.ndarray
 
     def column(self, stat: str, kind: str = "mean") -> np.ndarray:
-        """One statistic for every layer: ``kind`` is ``"mean"``, ``"peak"`` or ``"total"``."""
+        """One statistic for every layer: ``kind`` is ``"mean"``, ``"peak"`` or ``"total"``.
+
+        Example:
+            >>> stats = LayerStats(("a",), ("norm",), *([np.ones((1, 1))] * 4))
+            >>> stats.column("nrom")
+            Traceback (most recent call last):
+            ...
+            ValueError: LayerStats.column(stat='nrom'): must be one of ('norm',), got 'nrom'
+        """
+        choice("LayerStats.column", "stat", stat, self.stats)
+        choice("LayerStats.column", "kind", kind, ("mean", "peak", "total", "count"))
         table: np.ndarray = getattr(self, kind)
         return table[:, self.stats.index(stat)]
 
 
-class LayerStatsAccumulator(Metric):
+class LayerStatsAccumulator(LayerStat[LayerStats]):
     """Sum, max and count of ``[layers, stats]`` values, kept on the device.
 
-    Each :meth:`update` is a handful of in-place kernels and no host sync. Under
-    ``torch.distributed`` :meth:`compute`, :meth:`result` and :meth:`host_state` reduce across
-    ranks (sums and counts summed, maxima max-ed) in ONE collective: the three states are packed
-    into one tensor and all-gathered, whatever the number of layers (torchmetrics' default sync
-    makes three collectives per state). Values that are the same on every rank (gradients after
-    DDP's all-reduce) are passed with ``replicated=True`` and observed by rank 0 only, so the
-    reduce counts them once.
+    A :class:`~lightning_hooks.core.stat.LayerStat` with fixed rows and no hooks of its own: the
+    caller (the gradient-flow tracker) feeds it with :meth:`update`, a handful of in-place
+    kernels and no host sync. Under ``torch.distributed`` :meth:`compute`, :meth:`result` and
+    :meth:`host_state` reduce across ranks (sums and counts summed, maxima max-ed) in ONE
+    collective: the states are packed into one tensor and all-gathered, whatever the number of
+    layers. Values that are the same on every rank (gradients after DDP's all-reduce) are passed
+    with ``replicated=True`` and observed by rank 0 only, so the reduce counts them once.
 
     Args:
         layers: the row names.
@@ -67,19 +78,19 @@ class LayerStatsAccumulator(Metric):
         ([[2.0], [2.0]], [[3.0], [2.0]], [[2.0], [1.0]])
     """
 
-    full_state_update = False
     total: torch.Tensor
     peak: torch.Tensor
     count: torch.Tensor
 
     def __init__(self, layers: Sequence[str], stats: Sequence[str]) -> None:
-        super().__init__(sync_on_compute=True, compute_with_cache=False)
-        self.layers = tuple(layers)
+        super().__init__()
         self.stats = tuple(stats)
-        shape = (len(self.layers), len(self.stats))
-        self.add_state("total", torch.zeros(shape), dist_reduce_fx="sum")
-        self.add_state("peak", torch.full(shape, -torch.inf), dist_reduce_fx="max")
-        self.add_state("count", torch.zeros(shape), dist_reduce_fx="sum")
+        width = (len(self.stats),)
+        self.add_layer_state("total", reduce="sum", width=width, dtype=torch.float32)
+        self.add_layer_state("peak", reduce="max", width=width, dtype=torch.float32)
+        self.add_layer_state("count", reduce="sum", width=width, dtype=torch.float32)
+        for layer in layers:
+            self.row(layer)
 
     def update(
         self,
@@ -135,13 +146,6 @@ class LayerStatsAccumulator(Metric):
         self.peak[at] = torch.maximum(self.peak[at], step_peak)
         self.count[at] += mask.sum(0)
 
-    def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
-        # One all-gather of the packed states instead of torchmetrics' three collectives per state.
-        packed = all_gather_stacked(torch.stack([self.total, self.peak, self.count]), process_group)
-        self.total = packed[:, 0].sum(0)
-        self.peak = packed[:, 1].amax(0)
-        self.count = packed[:, 2].sum(0)
-
     def _table(self) -> torch.Tensor:
         mean = torch.where(self.count > 0, self.total / self.count.clamp_min(1), torch.nan)
         peak = torch.where(self.count > 0, self.peak, torch.nan)
@@ -151,16 +155,22 @@ class LayerStatsAccumulator(Metric):
         """``[4, layers, stats]``: mean, peak, total and count (synced across ranks)."""
         return self._table()
 
-    def result(self) -> LayerStats:
-        """Mean, peak, total and count, reduced across ranks and copied to the host once.
-
-        Every rank must call it (it is a collective under ``torch.distributed``), also a rank
-        that observed nothing. Cells never observed are ``NaN`` (mean, peak) and ``0``.
-        """
-        with self.sync_context():
-            table = self._table()
-        mean, peak, total, count = table.cpu().double().numpy()
+    def summarize(self, states: dict[str, np.ndarray]) -> LayerStats:
+        """Mean, peak, total and count: ``NaN`` mean and peak where a cell was never observed."""
+        total, peak, count = states["total"], states["peak"], states["count"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            mean = np.where(count > 0, total / np.maximum(count, 1), np.nan)
+        peak = np.where(count > 0, peak, np.nan)
         return LayerStats(self.layers, self.stats, mean, peak, total, count)
+
+    def tags(self, result: LayerStats) -> dict[str, float]:
+        """``{stat}/{layer}``: the mean of every observed cell."""
+        return {
+            f"{stat}/{layer}": float(result.mean[i, j])
+            for i, layer in enumerate(result.layers)
+            for j, stat in enumerate(result.stats)
+            if result.count[i, j] > 0
+        }
 
     def host_state(self) -> dict[str, Any]:
         """The reduced states on the host, for a checkpoint (a collective, like :meth:`result`).
@@ -174,16 +184,7 @@ class LayerStatsAccumulator(Metric):
             >>> fresh.result().total.tolist()
             [[2.0]]
         """
-        with self.sync_context():
-            states = [t.detach().to("cpu", torch.float64, copy=True) for t in self._states()]
-        total, peak, count = states
-        return {
-            "layers": list(self.layers),
-            "stats": list(self.stats),
-            "total": total,
-            "peak": peak,
-            "count": count,
-        }
+        return {**super().host_state(), "stats": list(self.stats)}
 
     def load_host_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`host_state`: rank 0 holds the reduced values, other ranks start empty.
@@ -198,10 +199,4 @@ class LayerStatsAccumulator(Metric):
                 f"stats={saved[1]!r}; this one has layers={self.layers!r}, stats={self.stats!r}"
             )
         self.reset()
-        if rank() != 0:
-            return
-        for name, tensor in zip(("total", "peak", "count"), self._states(), strict=True):
-            tensor.copy_(state[name])
-
-    def _states(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.total, self.peak, self.count
+        super().load_host_state(state)

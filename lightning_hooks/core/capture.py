@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hooks.core.checks import boolean
 from lightning_hooks.core.registry import HookRegistry
 from lightning_hooks.core.selection import Patterns, as_patterns
 
@@ -38,6 +39,13 @@ def _keeper(name: str, store: dict[str, Any], detach: bool, clone: bool) -> Any:
         store[name] = _apply(output, keep)
 
     return hook
+
+
+def _check_module(owner: str, model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{owner}(model={model!r}): must be an nn.Module, got {type(model).__name__}"
+        )
 
 
 @contextmanager
@@ -75,6 +83,9 @@ def capture_outputs(
         >>> len(model[0]._forward_hooks)
         0
     """
+    _check_module("capture_outputs", model)
+    detach = boolean("capture_outputs", "detach", detach)
+    clone = boolean("capture_outputs", "clone", clone)
     patterns = as_patterns(layers, "capture_outputs(layers=...)")
     if not patterns:
         raise ValueError("capture_outputs(layers=...): expected at least one name, got none")

@@ -24,7 +24,6 @@ A *unit* is a channel of a ``[N, C, ...]`` output (convolutions, dim 1) or a fea
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +33,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
-from lightning_hooks.core.collectives import reduce_across_ranks
-from lightning_hooks.core.registry import HookOwner, HookRegistry
-from lightning_hooks.core.selection import Patterns, as_patterns, select_modules
-from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
+from lightning_hooks.core.selection import ModuleTypes, Patterns, Selection
+from lightning_hooks.core.stat import LayerStat
+from lightning_hooks.core.tensors import iter_float_tensors
 
 __all__ = ["RELU_FAMILY", "DeadUnitTracker", "DeadUnits", "fired_counts", "unit_dim"]
 
@@ -114,21 +112,24 @@ class DeadUnits:
         return fraction
 
 
-class DeadUnitTracker(HookOwner):
+class DeadUnitTracker(LayerStat[DeadUnits]):
     """Per-unit "ever fired" counts of activation outputs over an epoch, on the device.
 
     A forward hook on each watched module counts, per unit, the outputs that fired (see the
     module docstring) in training forwards only, and the fraction of outputs that did not fire.
     A unit is dead if it never fired on any training sample of the period (the definition of the
     keras-contrib ``DeadReluDetector``). A module called twice in a forward is observed twice.
+    A :class:`~lightning_hooks.core.stat.LayerStat`: rows in execution order, one collective,
+    and the counts carried through a checkpoint.
 
     Args:
-        model: the model to watch.
+        model: the model to watch now (``None``: call :meth:`attach` later).
         types: activation module types to watch (default :data:`RELU_FAMILY`).
         include: glob patterns on module names to keep (among ``types``).
         exclude: glob patterns on module names to drop.
         pre_activation: glob patterns of modules whose output feeds a functional activation
             (``F.relu`` in ``forward``); their output ``> 0`` fires. Any module type.
+        owner: the public name errors give (a callback passes its own).
 
     Example:
         >>> layer = nn.Linear(3, 4)
@@ -142,90 +143,93 @@ class DeadUnitTracker(HookOwner):
         (('1',), [2], [4])
     """
 
+    fired: torch.Tensor
+    calls: torch.Tensor
+    counts: torch.Tensor
+
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | None = None,
         *,
-        types: type[nn.Module] | tuple[type[nn.Module], ...] = RELU_FAMILY,
+        types: ModuleTypes = RELU_FAMILY,
         include: Patterns = None,
         exclude: Patterns = None,
         pre_activation: Patterns = None,
+        owner: str = "DeadUnitTracker",
     ) -> None:
-        self.registry = HookRegistry(model)
-        watched = self.registry.modules(types=types, include=include, exclude=exclude)
-        producers = as_patterns(pre_activation, "pre_activation")
-        if producers:
-            named = dict(watched)
-            named.update(select_modules(model, include=producers))
-            watched = [(n, m) for n, m in model.named_modules() if n in named]
+        super().__init__(Selection.of(owner, types=types, include=include, exclude=exclude))
+        self.owner = owner
+        self.producers = Selection.of(
+            owner, include=pre_activation, arguments=("pre_activation", "exclude")
+        )
+        self._calls: dict[int, int] = {}  # host-side counts, moved into ``calls`` by flush()
+        self.add_layer_state("fired", reduce="sum")  # per row: sum over calls of fired fraction
+        self.add_layer_state("calls", reduce="sum")
+        self.add_unit_state("counts", reduce="sum")
+        if model is not None:
+            self.attach(model)
+
+    def config_key(self) -> str:
+        """The selection and the ``pre_activation`` patterns."""
+        return f"{super().config_key()}:{self.producers.include!r}"
+
+    def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The watched activations and the ``pre_activation`` producers, in model order."""
+        assert self.selection is not None
+        named = dict(self.selection.modules(model))
+        if self.producers.include:
+            named.update(self.producers.modules(model))
+        watched = [(n, m) for n, m in model.named_modules() if n in named]
         if not watched:
+            s = self.selection
             raise ValueError(
-                f"DeadUnitTracker: no module to watch (types={types!r}, include={include!r}, "
-                f"exclude={exclude!r}, pre_activation={pre_activation!r})"
+                f"{self.owner}(types={s.types!r}, include={s.include!r}, exclude={s.exclude!r}, "
+                f"pre_activation={self.producers.include!r}): the model has no such module "
+                "to watch; for a functional F.relu in forward, pass pre_activation= the layer "
+                "that produces its input"
             )
-        self.layers = tuple(name for name, _ in watched)
-        self._counts: list[torch.Tensor | None] = [None] * len(self.layers)
-        self._fired: torch.Tensor | None = None  # per row: sum over calls of the fired fraction
-        self._calls = [0] * len(self.layers)
-        for row, (_, module) in enumerate(watched):
-            self.registry.forward_hook(module, self._hook(row), gated=True)
+        return watched
 
-    def _hook(self, row: int) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not is_training_forward(module):
-                return
-            tensor = next((t for _, t in iter_float_tensors(output) if t.ndim >= 1), None)
-            if tensor is not None and tensor.numel() > 0:
-                self._observe(row, tensor, unit_dim(module, tensor.ndim))
+    def observe(self, name: str, module: nn.Module, output: Any) -> None:
+        """Count the fired entries of each unit of the first floating tensor of ``output``."""
+        y = next((t for _, t in iter_float_tensors(output) if t.ndim >= 1), None)
+        if y is None or y.numel() == 0:
+            return
+        counts = fired_counts(y, unit_dim(module, y.ndim))
+        row = self.row(name, counts.numel())
+        self.counts[self.unit_slice(row)].add_(counts)
+        self.fired[row].add_(counts.sum(), alpha=1.0 / y.numel())
+        self._calls[row] = self._calls.get(row, 0) + 1
 
-        return hook
+    def flush(self) -> None:
+        """Move the host-side call counts into the ``calls`` state."""
+        if self._calls:
+            rows = torch.tensor(list(self._calls), device=self.calls.device)
+            added = torch.tensor(list(self._calls.values()), dtype=self.calls.dtype)
+            self.calls.index_add_(0, rows, added.to(self.calls.device))
+            self._calls = {}
 
-    @torch.no_grad()
-    def _observe(self, row: int, y: torch.Tensor, dim: int) -> None:
-        counts = fired_counts(y, dim)
-        if self._fired is None:
-            self._fired = torch.zeros(len(self.layers), device=y.device, dtype=_dtype(y.device))
-        total = self._counts[row]
-        if total is None or total.numel() != counts.numel():
-            total = self._counts[row] = torch.zeros_like(counts, dtype=self._fired.dtype)
-        total.add_(counts)
-        self._fired.select(0, row).add_(counts.sum(), alpha=1.0 / y.numel())
-        self._calls[row] += 1
-
-    def result(self) -> DeadUnits:
-        """Dead units so far (summed across ranks), copied to the host once."""
-        seen = [i for i, c in enumerate(self._counts) if c is not None]
-        if self._fired is None or not seen:
-            empty = np.zeros(0)
-            return DeadUnits((), empty, empty, empty, empty, ())
-        calls = torch.tensor(self._calls, dtype=self._fired.dtype).to(self._fired.device)
-        parts = [self._fired, calls, *(c for c in self._counts if c is not None)]
-        host = reduce_across_ranks(torch.cat(parts), "sum").cpu().numpy()
-        rows = len(self.layers)
-        fired, calls_np, offset = host[:rows], host[rows : 2 * rows], 2 * rows
-        per_unit = []
-        for i in seen:
-            size = self._counts[i].numel()  # type: ignore[union-attr]
-            per_unit.append(host[offset : offset + size])
-            offset += size
+    def summarize(self, states: dict[str, np.ndarray]) -> DeadUnits:
+        """Dead units per row from the reduced counts."""
+        per_unit = [states["counts"][self.unit_slice(i)] for i in range(len(self.rows))]
+        calls = states["calls"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            zero_fraction = 1.0 - states["fired"] / calls
         return DeadUnits(
-            layers=tuple(self.layers[i] for i in seen),
+            layers=self.layers,
             units=np.array([u.size for u in per_unit], dtype=np.int64),
             dead=np.array([int((u == 0).sum()) for u in per_unit], dtype=np.int64),
-            zero_fraction=1.0 - fired[seen] / calls_np[seen],
-            calls=calls_np[seen],
+            zero_fraction=zero_fraction,
+            calls=calls,
             dead_units=tuple(np.flatnonzero(u == 0) for u in per_unit),
         )
 
-    def reset(self) -> None:
-        """Start a new period (an epoch): every unit is dead again until it fires."""
-        for counts in self._counts:
-            if counts is not None:
-                counts.zero_()
-        if self._fired is not None:
-            self._fired.zero_()
-        self._calls = [0] * len(self.layers)
-
-
-def _dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "mps" else torch.float64
+    def tags(self, result: DeadUnits) -> dict[str, float]:
+        """``dead_relu/{dead_fraction,dead_count,zero_fraction}/{layer}``."""
+        out: dict[str, float] = {}
+        fractions = result.dead_fraction
+        for i, layer in enumerate(result.layers):
+            out[f"dead_relu/dead_fraction/{layer}"] = float(fractions[i])
+            out[f"dead_relu/dead_count/{layer}"] = float(result.dead[i])
+            out[f"dead_relu/zero_fraction/{layer}"] = float(result.zero_fraction[i])
+        return out

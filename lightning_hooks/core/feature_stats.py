@@ -21,7 +21,6 @@ __all__ = [
     "Workspace",
     "feature_stats",
     "fused_feature_stats",
-    "histogram_counts",
     "summarize",
 ]
 
@@ -132,26 +131,6 @@ def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> 
     the same signature and not used. The tests check it against :func:`feature_stats`.
     """
     return _compiled()(x)
-
-
-@torch.no_grad()
-def histogram_counts(x: torch.Tensor, edges: torch.Tensor, out: torch.Tensor) -> None:
-    """Add the counts of ``x`` in the bins of ``edges`` (``[bins + 1]``) to ``out`` (``[bins]``).
-
-    Binned on the device with ``bucketize`` + ``index_add_`` (no ``histc``: its automatic range
-    syncs and it is non-deterministic on CUDA). Values below the first or above the last edge
-    count in the first or last bin; NaN counts in the last bin.
-
-    Example:
-        >>> out = torch.zeros(2)
-        >>> edges = torch.tensor([0.0, 0.5, 1.0])
-        >>> histogram_counts(torch.tensor([-5.0, 0.2, 0.7, 0.9]), edges, out)
-        >>> out.tolist()
-        [2.0, 2.0]
-    """
-    flat = x.detach().reshape(-1)
-    index = torch.bucketize(flat, edges[1:-1].to(flat.dtype), right=True)
-    out.index_add_(0, index, out.new_ones(()).expand(flat.numel()))
 
 
 @dataclass(frozen=True)

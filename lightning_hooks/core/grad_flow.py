@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,6 +26,7 @@ from lightning_hooks.core.grad_stats import (
 from lightning_hooks.core.grad_stats import update_norms as _update_norms
 from lightning_hooks.core.registry import HookOwner, HookRegistry
 from lightning_hooks.core.selection import ModuleTypes, Patterns
+from lightning_hooks.core.sharding import ShardPlan, to_local
 from lightning_hooks.core.tensors import is_grad_forward, iter_float_tensors
 
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
@@ -51,6 +53,10 @@ class _OptimizerView:
     rows: torch.Tensor  # layers it steps, then the global row
     before: list[torch.Tensor]
     owner: tuple[int, ...]  # index, on the host
+    key: tuple[int, ...]  # the param_groups' sizes it was built for
+    unique: torch.Tensor  # positions of each parameter's first listing (global figures)
+    numel: torch.Tensor  # [layers + 1] elements it steps per layer, then all (shared once)
+    layer_ids: frozenset[int]  # the layout rows it steps, on the host
     weight_norm: torch.Tensor | None = None
     masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
 
@@ -67,16 +73,19 @@ class _OptimizerView:
             self.masks[missing] = mask
         return mask
 
-    def grads(self) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """The gradients (a 1-element zero for ``None``) and the :meth:`grad_mask`, if needed."""
-        missing = tuple(p.grad is None for p in self.params)
-        grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in self.params]
-        return grads, self.grad_mask(missing) if any(missing) else None
 
-
-def _weight_norms(view: _OptimizerView) -> torch.Tensor:
-    """The alarms' attribution pass: ``[rows]`` weight norms of the view (on an alarm only)."""
-    return segment_norm(param_norms(view.params), view.index, len(view.rows) - 1)
+def _check_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
+    expected = "an iterable of torch.optim.Optimizer (e.g. [optimizer])"
+    if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, Iterable):
+        shown = f"{type(optimizers).__name__}(...)"  # an optimizer's repr spans many lines
+        raise TypeError(f"GradFlowTracker(optimizers={shown}): must be {expected}, got {shown}")
+    out = list(optimizers)
+    for item in out:
+        if not isinstance(item, torch.optim.Optimizer):
+            raise TypeError(
+                f"GradFlowTracker(optimizers=[...]): must be {expected}, got an item {item!r}"
+            )
+    return out
 
 
 def _add_output_grad(sq_row: torch.Tensor, grad: torch.Tensor) -> None:
@@ -97,8 +106,11 @@ def _add_output_grad_in_order(
     order.append(row)  # host-side: the backward order the non-finite alarm names layers in
 
 
-def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int]) -> Any:
-    """A forward hook that puts a gradient hook on the module's outputs in training forwards."""
+def _output_hook(
+    sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int], wrap: Any = None
+) -> Any:
+    """A forward hook that puts a gradient hook on the module's outputs in training forwards
+    (``wrap``: the registry's guard for those tensor hooks)."""
     # Views made once: each step then costs one op per forward and two per gradient.
     sq_row, hit_row = sq.select(0, row), hit.select(0, row)
 
@@ -111,26 +123,14 @@ def _output_hook(sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int]
             add = partial(_add_output_grad_at, sq, row)
         else:
             add = partial(_add_output_grad_in_order, sq_row, order, row)
+        if wrap is not None:
+            add = wrap(add, "output gradient hook")
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(add)  # type: ignore[no-untyped-call]
-                hit_row.fill_(True)
+                hit_row.add_(1.0)  # a count: a later step may take back what came before
 
     return hook
-
-
-def _check_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
-    expected = "an iterable of torch.optim.Optimizer (e.g. [optimizer])"
-    if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, Iterable):
-        shown = f"{type(optimizers).__name__}(...)"  # an optimizer's repr spans many lines
-        raise TypeError(f"GradFlowTracker(optimizers={shown}): must be {expected}, got {shown}")
-    out = list(optimizers)
-    for item in out:
-        if not isinstance(item, torch.optim.Optimizer):
-            raise TypeError(
-                f"GradFlowTracker(optimizers={out!r}): must be {expected}, got an item {item!r}"
-            )
-    return out
 
 
 class GradFlowTracker(HookOwner):
@@ -222,18 +222,29 @@ class GradFlowTracker(HookOwner):
             )
         self.registry = HookRegistry(model)
         modules = self.registry.modules(types=types, include=include, exclude=exclude)
-        self.layout = ParamLayout.from_modules(modules)
+        # The model's own parameters (a learnable temperature) unless a selection narrows it.
+        root = model if types is None and not include else None
+        self.layout = ParamLayout.from_modules(modules, root=root)
         if not self.layout.layers:
             raise ValueError(
-                "GradFlowTracker: no selected module owns a trainable parameter "
+                "GradFlowTracker: no selected module owns a parameter "
                 f"(types={types!r}, include={include!r}, exclude={exclude!r})"
             )
         device = self.layout.index.device
+        # FSDP2: parameters are DTensors; statistics of their shards are made whole per step.
+        self.shards = ShardPlan.from_params(self.layout.params)
         self.accumulator = LayerStatsAccumulator((*self.layout.layers, GLOBAL), GRAD_FLOW_STATS)
         self.accumulator.to(device)
         num_layers = len(self.layout.layers)
         self._out_sq = torch.zeros(num_layers, device=device)
-        self._hit = torch.zeros(num_layers, dtype=torch.bool, device=device)
+        self._hit = torch.zeros(num_layers, device=device)
+        # Several optimizers: each row's output-gradient sums as they stood at the last step of
+        # another optimizer, and the gradient each optimizer's first parameter had then.
+        self._pending_sq = torch.zeros_like(self._out_sq)
+        self._pending_hit = torch.zeros_like(self._hit)
+        self._markers: dict[int, weakref.ref[torch.Tensor] | None] = {}
+        self._optimizers = list(optimizers)
+        self._unowned: torch.Tensor | None = None  # rows no optimizer steps (frozen)
         # Under DDP only: [steps, squared output-grad norm | hit, layers], reduced at result().
         self._series = torch.zeros(0, 2, num_layers, device=device)
         self._steps = 0
@@ -251,7 +262,10 @@ class GradFlowTracker(HookOwner):
         if output_grad:
             by_name = dict(modules)
             for row, name in enumerate(self.layout.layers):
-                hook = _output_hook(self._out_sq, self._hit, row, self._backward_order)
+                if name not in by_name:
+                    continue  # the model's own row: its output is the loss's input, not a layer's
+                wrap = self.registry.guarded
+                hook = _output_hook(self._out_sq, self._hit, row, self._backward_order, wrap)
                 self.registry.forward_hook(by_name[name], hook, gated=True)
         for optimizer in optimizers:
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
@@ -266,22 +280,35 @@ class GradFlowTracker(HookOwner):
         self.registry.sampled = value
 
     def _view(self, optimizer: torch.optim.Optimizer) -> _OptimizerView:
+        # Rebuilt when the param_groups change (add_param_group: BackboneFinetuning) and at
+        # each reset (epoch): a parameter unfrozen by requires_grad alone counts from there.
+        key = tuple(len(group["params"]) for group in optimizer.param_groups)
         view = self._views.get(id(optimizer))
-        if view is None:
-            stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            keep = [id(p) in stepped for p in self.layout.params]
-            params, index = self.layout.subset(keep)
-            layers = sorted({i for i, k in zip(self.layout.owner, keep, strict=True) if k})
-            layers.append(len(self.layout.layers))
-            rows = torch.tensor(layers, dtype=torch.long, device=index.device)
-            # Re-number the subset's layers 0..k-1 so the segment reductions stay dense.
-            index = torch.searchsorted(rows, index)
-            before = [torch.empty_like(p) for p in params] if self._update_ratio else []
-            dense = {layer: i for i, layer in enumerate(layers)}
-            owner = tuple(dense[o] for o, k in zip(self.layout.owner, keep, strict=True) if k)
-            view = _OptimizerView(params, index, rows, before, owner)
-            self._views[id(optimizer)] = view
+        if view is None or view.key != key:
+            view = self._views[id(optimizer)] = self._build_view(optimizer, key)
         return view
+
+    def _build_view(self, optimizer: torch.optim.Optimizer, key: tuple[int, ...]) -> _OptimizerView:
+        stepped = {
+            id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad
+        }
+        keep = [id(p) in stepped for p in self.layout.params]
+        params, index = self.layout.subset(keep)
+        layers = sorted({i for i, k in zip(self.layout.owner, keep, strict=True) if k})
+        layers.append(len(self.layout.layers))
+        rows = torch.tensor(layers, dtype=torch.long, device=index.device)
+        # Re-number the subset's layers 0..k-1 so the segment reductions stay dense.
+        index = torch.searchsorted(rows, index)
+        before = [torch.empty_like(to_local(p)) for p in params] if self._update_ratio else []
+        dense = {layer: i for i, layer in enumerate(layers)}
+        owner = tuple(dense[o] for o, k in zip(self.layout.owner, keep, strict=True) if k)
+        unique = self.layout.unique(keep)
+        sizes = torch.tensor([float(p.numel()) for p in params], device=rows.device)
+        numel = sizes.new_zeros(len(layers) - 1).index_add_(0, index, sizes)
+        numel = torch.cat([numel, sizes.index_select(0, unique).sum().view(1)])
+        self._unowned = None
+        ids = frozenset(layers[:-1])
+        return _OptimizerView(params, index, rows, before, owner, key, unique, numel, ids)
 
     @torch.no_grad()
     def observe(
@@ -314,69 +341,146 @@ class GradFlowTracker(HookOwner):
         view = self._view(optimizer)
         if not view.params:
             return
-        grads, valid = view.grads()
-        raw = param_norms(grads)  # the sentinel's one pass, reused by the full statistics
-        l2 = raw if param_grad_scale is None else raw / param_grad_scale
-        norm = segment_norm(l2, view.index, len(view.rows) - 1)
+        grads = ParamLayout.grads(view.params)
+        local = param_norms(grads)  # the sentinel's one pass, reused by the full statistics
+        whole = local if self.shards is None else self.shards.reduce(norms=[local])[0][0]
+        if param_grad_scale is not None:
+            whole = whole / param_grad_scale
+        norm = segment_norm(whole, view.index, len(view.rows) - 1, view.unique)
+        missing = tuple(p.grad is None for p in view.params)
+        valid = view.grad_mask(missing) if any(missing) else None
         if alarms is not None:
-            stepped = None if valid is None else valid[:, 0]
-            weights = partial(_weight_norms, view)
             alarms.update(
                 norm,
                 view.rows,
                 step=step,
                 amp=grad_scale is not None,
                 order=self._backward_order,
-                weights=weights,
-                stepped=stepped,
+                weights=partial(self._weight_norms, view),
+                stepped=None if valid is None else valid[:, 0],
             )
         self._backward_order.clear()
-        if sampled:
-            self._observe_sampled(view, grads, raw, norm, valid, param_grad_scale)
-            if self._output_grad:
-                self._observe_output_grad(view.rows[:-1], grad_scale)
+        if not sampled:
+            return
+        self._observe_sampled(view, grads, local, norm, valid, param_grad_scale)
+        if self._output_grad:
+            self._drop_other_backward(optimizer, view)
+            self._observe_output_grad(view.rows[:-1], grad_scale)
+            self._clear_unowned()
+            self._mark_other_optimizers(optimizer)
+
+    def _weight_norms(self, view: _OptimizerView) -> torch.Tensor:
+        """``[rows]`` weight norms of ``view``: the alarms' attribution pass, and the weight
+        column under clipping."""
+        norms = param_norms([to_local(p) for p in view.params])
+        if self.shards is not None:
+            norms = self.shards.reduce(norms=[norms])[0][0]
+        return segment_norm(norms, view.index, len(view.rows) - 1, view.unique)
 
     def _observe_sampled(
         self,
         view: _OptimizerView,
         grads: list[torch.Tensor],
-        raw: torch.Tensor,
+        local: torch.Tensor,
         norm: torch.Tensor,
         valid: torch.Tensor | None,
         param_grad_scale: torch.Tensor | None,
     ) -> None:
-        """The full statistics of a sampled step (under clipping: the pre-clip norm and the
-        weights; the applied gradient is measured in the step post-hook)."""
+        """The statistics of a sampled step. Under clipping: the pre-clip norm and the weights
+        (the gradient the optimizer applies is measured in the step post-hook)."""
         if self._post_clip:
-            weight = segment_norm(param_norms(view.params), view.index, len(view.rows) - 1)
+            weight = self._weight_norms(view)
             values = torch.stack([norm, weight], dim=1)
             cells = None if valid is None else valid[:, [0, _WEIGHT]]
             self.accumulator.update(values, [_PRECLIP, _WEIGHT], view.rows, cells, replicated=True)
         else:
-            # The update-ratio buffers are free until the copy after it: reuse them as scratch.
-            scratch = view.before if valid is None and view.before else None
-            numel = self.layout.numel[view.rows[:-1]]
-            stats = grad_stats(grads, view.params, view.index, numel, scratch, l2=raw)
+            stats = self._gradient_stats(view, grads, local)
             if param_grad_scale is not None:
                 stats[:, _SCALED] /= param_grad_scale
             weight = stats[:, _WEIGHT]
             columns = slice(0, len(GRAD_STATS))
             self.accumulator.update(stats, columns, view.rows, valid, replicated=True)
         if self._update_ratio:
-            torch._foreach_copy_(view.before, list(view.params))
+            torch._foreach_copy_(view.before, [to_local(p) for p in view.params])
             view.weight_norm = weight
+
+    def _clear_unowned(self) -> None:
+        """Zero the output-gradient sums of rows no optimizer steps (a frozen layer's output
+        still gets a gradient): unfrozen later, it counts from its first step, not before."""
+        for other in self._optimizers:
+            self._view(other)  # a param_groups change rebuilds, and resets ``_unowned``
+        if self._unowned is None:
+            owned = set().union(*(v.layer_ids for v in self._views.values()))
+            rows = [i for i in range(len(self.layout.layers)) if i not in owned]
+            self._unowned = torch.tensor(rows, dtype=torch.long, device=self._out_sq.device)
+        if self._unowned.numel():
+            self._out_sq.index_fill_(0, self._unowned, 0.0)
+            self._hit.index_fill_(0, self._unowned, 0.0)
+
+    def _drop_other_backward(self, optimizer: torch.optim.Optimizer, view: _OptimizerView) -> None:
+        """Under several optimizers (a GAN), take back from this optimizer's rows what the
+        backward passes before another optimizer's last step put there, if this optimizer
+        zeroed its gradients since (its first parameter holds another gradient tensor): those
+        passes fed the other step, not this one. Two device ops; nothing with one optimizer."""
+        if id(optimizer) not in self._markers:
+            return
+        marker = self._markers.pop(id(optimizer))
+        then = marker() if marker is not None else None
+        if then is not None and then is view.params[0].grad:
+            return  # no zero_grad since: those passes feed this step too
+        rows = view.rows[:-1]
+        sq = (self._out_sq[rows] - self._pending_sq[rows]).clamp_(min=0.0)
+        self._out_sq.index_copy_(0, rows, sq)
+        self._hit.index_copy_(0, rows, self._hit[rows] - self._pending_hit[rows])
+
+    def _mark_other_optimizers(self, optimizer: torch.optim.Optimizer) -> None:
+        if len(self._optimizers) < 2:
+            return
+        self._pending_sq.copy_(self._out_sq)
+        self._pending_hit.copy_(self._hit)
+        for other in self._optimizers:
+            params = self._view(other).params if other is not optimizer else ()
+            if params:
+                grad = params[0].grad
+                self._markers[id(other)] = weakref.ref(grad) if grad is not None else None
+
+    def _gradient_stats(
+        self,
+        view: _OptimizerView,
+        grads: list[torch.Tensor],
+        local: torch.Tensor | None = None,
+        *,
+        weights: bool = True,
+    ) -> torch.Tensor:
+        """:func:`grad_stats` of ``view`` (``local``: the shard-local L2 norms, if known)."""
+        params = [to_local(p) for p in view.params] if weights else None
+        # The update-ratio buffers are free until the copy after it: reuse them as scratch.
+        dense = all(p.grad is not None and not p.grad.is_sparse for p in view.params)
+        scratch = view.before if dense and weights else None
+        numel, total = view.numel[:-1], view.numel[-1]
+        return grad_stats(
+            grads,
+            params,
+            view.index,
+            numel,
+            scratch or None,
+            unique=view.unique,
+            total_numel=total,
+            shards=self.shards,
+            l2=local,
+        )
 
     def _observe_output_grad(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         sq = self._out_sq[rows]
         if grad_scale is not None:
             sq = sq / grad_scale.square()
         if world_size() == 1:
-            valid = self._hit[rows, None]
+            valid = self._hit[rows, None] > 0
             self.accumulator.update(sq.sqrt()[:, None], [_OUTPUT], rows, valid, replicated=True)
         else:
             self._record_output_grad(rows, sq)
         self._out_sq.index_fill_(0, rows, 0.0)
-        self._hit.index_fill_(0, rows, False)
+        self._hit.index_fill_(0, rows, 0.0)
 
     def _record_output_grad(self, rows: torch.Tensor, sq: torch.Tensor) -> None:
         """Under DDP: keep the step's rank-local squares until the epoch's one reduction."""
@@ -404,19 +508,23 @@ class GradFlowTracker(HookOwner):
     @torch.no_grad()
     def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         view = self._views.get(id(optimizer))
-        if view is None or not self.registry.sampled:
+        if view is None or not view.params or not self.registry.sampled:
             return
         if self._post_clip:
             # After clipping and the update, p.grad still holds what the optimizer applied.
-            grads, valid = view.grads()
-            numel = self.layout.numel[view.rows[:-1]]
-            stats = grad_stats(grads, None, view.index, numel)[:, _GRAD]
+            missing = tuple(p.grad is None for p in view.params)
+            valid = view.grad_mask(missing) if any(missing) else None
+            grads = ParamLayout.grads(view.params)
+            stats = self._gradient_stats(view, grads, weights=False)[:, _GRAD]
             cells = None if valid is None else valid[:, _GRAD]
             self.accumulator.update(stats, _GRAD, view.rows, cells, replicated=True)
         if view.weight_norm is None:
             return
         num_layers = len(view.rows) - 1
-        upd = _update_norms(view.before, view.params, view.index, num_layers)
+        after = [to_local(p) for p in view.params]
+        upd = _update_norms(
+            view.before, after, view.index, num_layers, unique=view.unique, shards=self.shards
+        )
         ratio = upd / view.weight_norm.clamp_min(torch.finfo(upd.dtype).tiny)
         valid = (view.weight_norm > 0)[:, None]
         self.accumulator.update(ratio[:, None], [_UPDATE], view.rows, valid, replicated=True)
@@ -440,7 +548,9 @@ class GradFlowTracker(HookOwner):
         self.accumulator.load_host_state(state)
 
     def reset(self) -> None:
-        """Start a new accumulation period (an epoch)."""
+        """Start a new accumulation period (an epoch); parameters are looked up afresh."""
         self.accumulator.reset()
+        self._views.clear()
+        self._unowned = None
         self._series.zero_()
         self._steps = 0

@@ -14,9 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_hooks.core.sharding import ShardPlan, foreach_amax, to_local
+
 __all__ = [
     "GLOBAL",
     "GRAD_STATS",
+    "ROOT",
     "ParamLayout",
     "grad_stats",
     "param_norms",
@@ -32,16 +35,27 @@ GLOBAL = "global"
 """Name of the extra last row that aggregates every layer."""
 
 
+ROOT = "<root>"
+"""Row name of the parameters the model itself owns (a LightningModule's learnable temperature)."""
+
+
 @dataclass(frozen=True)
 class ParamLayout:
-    """Which layer each trainable parameter belongs to.
+    """Which layer each parameter belongs to.
+
+    A layer is a module that owns parameters directly: a leaf (``Linear``), a container with a
+    parameter of its own, or the model itself (row :data:`ROOT`). Every parameter is listed,
+    trainable or not: :meth:`subset` picks those an optimizer steps. A parameter held by two
+    modules (a tied embedding: ``lm_head.weight is wte.weight``) is listed once per owner, so
+    each owner's row has it; :attr:`first` marks its first listing, the one global figures count.
 
     Attributes:
         layers: layer (owning module) names, in model order.
-        params: trainable parameters, grouped by layer.
-        owner: layer index of each parameter, on the host.
+        params: the parameters, grouped by layer (a shared one once per owner).
+        owner: layer index of each listed parameter, on the host.
         index: ``owner`` as a tensor on the parameters' device.
         numel: ``[layers]`` number of parameter elements per layer (float).
+        first: whether each listing is the parameter's first (the others repeat it).
     """
 
     layers: tuple[str, ...]
@@ -49,10 +63,13 @@ class ParamLayout:
     owner: tuple[int, ...]
     index: torch.Tensor
     numel: torch.Tensor
+    first: tuple[bool, ...] = ()
 
     @classmethod
-    def from_modules(cls, modules: Sequence[tuple[str, nn.Module]]) -> ParamLayout:
-        """Group the trainable parameters owned directly by each module.
+    def from_modules(
+        cls, modules: Sequence[tuple[str, nn.Module]], *, root: nn.Module | None = None
+    ) -> ParamLayout:
+        """Group the parameters owned directly by each module (and by ``root``, first).
 
         Example:
             >>> from torch import nn
@@ -60,17 +77,25 @@ class ParamLayout:
             >>> layout = ParamLayout.from_modules(list(net.named_children()))
             >>> layout.layers, layout.index.tolist(), layout.numel.tolist()
             (('0', '2'), [0, 0, 1, 1], [9.0, 4.0])
+            >>> net[2].weight = net[0].weight = nn.Parameter(torch.ones(3, 3))  # tied
+            >>> ParamLayout.from_modules(list(net.named_children())).first
+            (True, True, False, True)
         """
+        named = [(ROOT, root)] if root is not None else []
         layers: list[str] = []
         params: list[nn.Parameter] = []
         index: list[int] = []
         numel: list[int] = []
-        for name, module in modules:
-            own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        first: list[bool] = []
+        seen: set[int] = set()
+        for name, module in [*named, *modules]:
+            own = list(module.parameters(recurse=False))
             if not own:
                 continue
             index.extend([len(layers)] * len(own))
             numel.append(sum(p.numel() for p in own))
+            first.extend(id(p) not in seen for p in own)
+            seen.update(id(p) for p in own)
             layers.append(name)
             params.extend(own)
         device = params[0].device if params else torch.device("cpu")
@@ -80,6 +105,7 @@ class ParamLayout:
             owner=tuple(index),
             index=torch.tensor(index, dtype=torch.long, device=device),
             numel=torch.tensor(numel, dtype=torch.float32, device=device),
+            first=tuple(first),
         )
 
     def subset(self, keep: Sequence[bool]) -> tuple[tuple[nn.Parameter, ...], torch.Tensor]:
@@ -88,11 +114,64 @@ class ParamLayout:
         params = tuple(self.params[i] for i in picked)
         return params, self.index[torch.tensor(picked, dtype=torch.long, device=self.index.device)]
 
+    def unique(self, keep: Sequence[bool]) -> torch.Tensor:
+        """Positions, within :meth:`subset`, of the first listing of each parameter: what a
+        global figure sums over. ``keep`` must keep or drop every listing of a parameter alike.
 
-def segment_norm(norms: torch.Tensor, index: torch.Tensor, num_layers: int) -> torch.Tensor:
-    """``[layers + 1]`` L2 norms of per-layer groups of per-parameter L2 ``norms``; last: all."""
-    sq = norms.new_zeros(num_layers).index_add_(0, index, norms.square())
-    return torch.cat([sq, sq.sum().view(1)]).sqrt()
+        Example:
+            >>> from torch import nn
+            >>> a, b = nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False)
+            >>> b.weight = a.weight
+            >>> layout = ParamLayout.from_modules([("a", a), ("b", b)])
+            >>> layout.unique([True, True]).tolist()
+            [0]
+        """
+        first = self.first or (True,) * len(self.params)
+        picked = [f for f, k in zip(first, keep, strict=True) if k]
+        positions = [i for i, f in enumerate(picked) if f]
+        return torch.tensor(positions, dtype=torch.long, device=self.index.device)
+
+    @staticmethod
+    def grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+        """Each parameter's gradient in a form every statistic kernel takes: a sparse gradient
+        (``nn.Embedding(sparse=True)``) as its coalesced values, whose norms, sums and maxima
+        are those of the dense gradient with zeros for the absent rows; ``None`` as one zero.
+
+        Example:
+            >>> from torch import nn
+            >>> emb = nn.Embedding(10, 3, sparse=True)
+            >>> emb(torch.tensor([1, 1, 4])).sum().backward()
+            >>> [g.shape for g in ParamLayout.grads([emb.weight, nn.Parameter(torch.ones(2))])]
+            [torch.Size([2, 3]), torch.Size([1])]
+        """
+        out = []
+        for p in params:
+            g = p.grad
+            if g is None:
+                g = to_local(p).new_zeros(1)
+            elif g.is_sparse:
+                g = g.coalesce().values()
+                g = g if g.numel() else p.new_zeros(1)
+            out.append(to_local(g))  # FSDP2: this rank's shard (sharding.py makes it whole)
+        return out
+
+
+def _total(values: torch.Tensor, unique: torch.Tensor | None) -> torch.Tensor:
+    """Sum over every parameter once (``unique``: positions of first listings; ``None``: all)."""
+    return (values if unique is None else values.index_select(0, unique)).sum().view(1)
+
+
+def segment_norm(
+    norms: torch.Tensor,
+    index: torch.Tensor,
+    num_layers: int,
+    unique: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[layers + 1]`` L2 norms of per-layer groups of per-parameter L2 ``norms``; last: all
+    (over the ``unique`` listings: a shared parameter counts once)."""
+    squares = norms.square()
+    sq = norms.new_zeros(num_layers).index_add_(0, index, squares)
+    return torch.cat([sq, _total(squares, unique)]).sqrt()
 
 
 def segment_max(values: torch.Tensor, index: torch.Tensor, num_layers: int) -> torch.Tensor:
@@ -101,14 +180,20 @@ def segment_max(values: torch.Tensor, index: torch.Tensor, num_layers: int) -> t
     return torch.cat([peak, values.max().view(1)])
 
 
-def _segment_sum(values: torch.Tensor, index: torch.Tensor, num_layers: int) -> torch.Tensor:
+def _segment_sum(
+    values: torch.Tensor, index: torch.Tensor, num_layers: int, unique: torch.Tensor | None
+) -> torch.Tensor:
     total = values.new_zeros(num_layers).index_add_(0, index, values)
-    return torch.cat([total, total.sum().view(1)])
+    return torch.cat([total, _total(values, unique)])
 
 
-def param_norms(tensors: Sequence[torch.Tensor], ord: float = 2.0) -> torch.Tensor:
-    """``[len(tensors)]`` norms of each tensor, in float32 (one multi-tensor pass)."""
+def _norms(tensors: Sequence[torch.Tensor], ord: float) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(list(tensors), ord)).float()
+
+
+def param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[len(tensors)]`` L2 norms of each tensor, in float32 (one multi-tensor pass)."""
+    return _norms(tensors, 2.0)
 
 
 @torch.no_grad()
@@ -118,16 +203,23 @@ def grad_stats(
     index: torch.Tensor,
     numel: torch.Tensor,
     scratch: Sequence[torch.Tensor] | None = None,
+    *,
+    unique: torch.Tensor | None = None,
+    total_numel: torch.Tensor | None = None,
+    shards: ShardPlan | None = None,
     l2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[layers + 1, len(GRAD_STATS)]`` statistics of one optimizer step's gradients.
 
     Rows are the layers of ``numel`` and a last row for all of them together. Columns are
     :data:`GRAD_STATS`: L2 norm, mean ``|g|``, max ``|g|``, whether any entry is non-finite (1 or
-    0: summed over steps it counts the steps with a NaN/Inf gradient), weight L2 norm (NaN when
-    ``params`` is ``None``). A parameter whose gradient is ``None`` is passed as a zero tensor.
-    ``l2``: the per-parameter L2 norms of ``grads`` when already computed (the alarms' sentinel
-    reads them every step): the L2 pass is not repeated.
+    0: summed over steps it counts the steps with a NaN/Inf gradient), weight L2 norm. A parameter
+    whose gradient is ``None`` is passed as a zero tensor (see :meth:`ParamLayout.grads`). With
+    ``unique`` (positions of each parameter's first listing, :meth:`ParamLayout.unique`) the last
+    row counts a shared parameter once, its mean over ``total_numel`` elements. ``params=None``:
+    no weights are read, the weight column is NaN. ``l2``: the per-parameter (shard-local) L2
+    norms of ``grads`` when already computed (the alarms' sentinel reads them every step): the L2
+    pass is not repeated.
 
     Four reading passes over the gradients and one over the weights: ``_foreach_norm`` with
     orders 1, inf and 0 takes a slow path on the CPU (10-30x the cost of order 2), so only the L2
@@ -144,23 +236,26 @@ def grad_stats(
                 [5.0990, 2.6667, 4.0000, 0.0000, 1.7321]])
     """
     num_layers = numel.numel()
-    l2 = param_norms(grads, 2.0) if l2 is None else l2
+    l2 = _norms(grads, 2.0) if l2 is None else l2
     absolute = [torch.empty_like(g) for g in grads] if scratch is None else list(scratch)
-    sums = [torch.abs(g, out=a).sum() for g, a in zip(grads, absolute, strict=True)]
-    peak = torch.stack(torch._foreach_max(absolute)).float()
-    l1 = _segment_sum(torch.stack(sums).float(), index, num_layers)
+    sums = torch.stack([torch.abs(g, out=a).sum() for g, a in zip(grads, absolute, strict=True)])
+    peak = torch.stack(torch._foreach_max(absolute)) if shards is None else foreach_amax(absolute)
+    weight = _norms(params, 2.0) if params is not None else torch.full_like(l2, torch.nan)
+    if shards is not None:  # shard-local partials made whole: one collective
+        (l2, weight), (sums,), (peak,) = shards.reduce(
+            norms=[l2, weight], sums=[sums], maxima=[peak]
+        )
+    peak = peak.float()
+    l1 = _segment_sum(sums.float(), index, num_layers, unique)
     nonfinite = (~torch.isfinite(peak)).float()
-    if params is None:
-        weight = torch.full((num_layers + 1,), torch.nan, device=l2.device)
-    else:
-        weight = segment_norm(param_norms(params, 2.0), index, num_layers)
+    total = numel.sum().view(1) if total_numel is None else total_numel.view(1)
     return torch.stack(
         [
-            segment_norm(l2, index, num_layers),
-            l1 / torch.cat([numel, numel.sum().view(1)]),
+            segment_norm(l2, index, num_layers, unique),
+            l1 / torch.cat([numel, total]),
             segment_max(peak, index, num_layers),
             segment_max(nonfinite, index, num_layers),
-            weight,
+            segment_norm(weight, index, num_layers, unique),
         ],
         dim=1,
     )
@@ -172,8 +267,15 @@ def update_norms(
     after: Sequence[torch.Tensor],
     index: torch.Tensor,
     num_layers: int,
+    *,
+    unique: torch.Tensor | None = None,
+    shards: ShardPlan | None = None,
 ) -> torch.Tensor:
-    """``[layers + 1]`` norms of ``after - before`` per layer, last: all. Overwrites ``before``."""
+    """``[layers + 1]`` norms of ``after - before`` per layer, last: all (a shared parameter
+    once, with ``unique``). Overwrites ``before``."""
     diffs = list(before)
     torch._foreach_sub_(diffs, list(after))
-    return segment_norm(param_norms(diffs, 2.0), index, num_layers)
+    norms = _norms(diffs, 2.0)
+    if shards is not None:  # shard-local norms made whole: one collective
+        norms = shards.reduce(norms=[norms])[0][0]
+    return segment_norm(norms, index, num_layers, unique)

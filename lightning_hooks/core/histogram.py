@@ -1,30 +1,89 @@
-"""Per-layer histograms of ``log10 |x|`` on fixed edges, accumulated on the device.
+"""The one device histogram: log10 or linear edges, fixed or running, counts kept on the device.
 
 No ``torch.histc`` (its automatic range syncs with the host, and it is non-deterministic on CUDA):
-fixed edges, ``torch.bucketize`` and ``index_add_``, so an update is a few kernels and no sync.
+:func:`bin_counts` is ``torch.bucketize`` on given edges and ``bincount``, a few kernels and no
+sync. One rule everywhere: values below the first inner edge count in the first bucket, values
+above the last in the last one, non-finite values are not counted (they are counted as
+``nonfinite`` by the statistics). Edges are fixed (:data:`LOG10_EDGES`, a user range) or running
+(:func:`linear_edges` of the previous epoch's min and max).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 
-__all__ = ["LOG10_EDGES", "LayerHistogram", "LayerHistograms"]
+__all__ = [
+    "LOG10_EDGES",
+    "LayerHistogram",
+    "LayerHistograms",
+    "Scale",
+    "bin_counts",
+    "linear_edges",
+]
+
+Scale = Literal["log10", "linear"]
+"""What is binned: ``log10 |x|`` or ``x`` itself."""
 
 LOG10_EDGES = torch.arange(-12.0, 4.01, 0.5)
 """Default inner edges of ``log10 |x|``: half-decades from 1e-12 to 1e4. Values below the first
 edge (zeros included) fall in the first bucket, values above the last in the last one."""
 
 
+@torch.no_grad()
+def bin_counts(
+    x: torch.Tensor, inner: torch.Tensor, out: torch.Tensor, scale: Scale = "linear"
+) -> None:
+    """Add the counts of ``x``'s finite entries to ``out`` (``[len(inner) + 1]``), no host sync.
+
+    Bucket ``i`` holds values in ``[inner[i - 1], inner[i])``; the first and last are open-ended.
+
+    Example:
+        >>> out = torch.zeros(3)
+        >>> bin_counts(torch.tensor([-5.0, 0.2, 0.7, float("nan")]), torch.tensor([0.0, 0.5]), out)
+        >>> out.tolist()
+        [1.0, 1.0, 1.0]
+        >>> bin_counts(torch.tensor([0.05, 50.0]), torch.tensor([-1.0, 1.0]), out, "log10")
+        >>> out.tolist()
+        [2.0, 1.0, 2.0]
+    """
+    flat = x.detach().reshape(-1)
+    if scale == "log10":
+        flat = flat.abs().float()
+        values = flat.clamp_min(1e-38).log10()
+    else:
+        values = flat
+    bucket = torch.bucketize(values, inner.to(values.dtype), right=True)
+    spill = out.shape[0]  # non-finite entries go to a bucket past the end, then dropped
+    bucket = torch.where(torch.isfinite(flat), bucket, spill)
+    out += torch.bincount(bucket, minlength=spill + 1)[:spill].to(out.dtype)
+
+
+def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+    """``[..., bins + 1]`` edges spanning ``[low, high]`` (``unit``: ``linspace(0, 1, bins + 1)``).
+
+    A running range: the edges of an epoch from the previous one's min and max. Non-finite
+    bounds are clamped to finite ones, and an empty span gets a tiny width.
+
+    Example:
+        >>> linear_edges(torch.tensor(-1.0), torch.tensor(1.0), torch.linspace(0, 1, 3)).tolist()
+        [-1.0, 0.0, 1.0]
+    """
+    low = torch.nan_to_num(low, nan=0.0, posinf=3e38, neginf=-3e38)
+    high = torch.nan_to_num(high, nan=1.0, posinf=3e38, neginf=-3e38)
+    span = (high - low).clamp_min(1e-12)
+    return low.unsqueeze(-1) + span.unsqueeze(-1) * unit
+
+
 @dataclass(frozen=True)
 class LayerHistogram:
-    """One layer's counts, in the form ``SummaryWriter.add_histogram_raw`` takes.
+    """One layer's counts on the host: ``limits[i]`` is the right edge of bucket ``i``.
 
-    ``limits[i]`` is the right edge of bucket ``i`` in ``log10 |x|``; the last is ``+inf``
-    clamped to the last edge plus one step. Non-finite values are not counted.
+    For log10 histograms the limits are in ``log10 |x|`` and the last is the last edge plus one
+    step. TensorBoard's form of it is made by ``lightning_hooks.logging`` (the writer), not here.
     """
 
     limits: np.ndarray
@@ -34,29 +93,15 @@ class LayerHistogram:
     def num(self) -> float:
         return float(self.counts.sum())
 
-    def raw(self) -> dict[str, object]:
-        """Keyword arguments for ``add_histogram_raw`` (bucket centres stand in for the values)."""
-        lower = np.concatenate([[self.limits[0] - (self.limits[1] - self.limits[0])], self.limits])
-        centres = (lower[:-1] + lower[1:]) / 2
-        filled = np.flatnonzero(self.counts)
-        return {
-            "min": float(lower[filled[0]]),
-            "max": float(self.limits[filled[-1]]),
-            "num": self.num,
-            "sum": float((centres * self.counts).sum()),
-            "sum_squares": float((centres**2 * self.counts).sum()),
-            "bucket_limits": self.limits.tolist(),
-            "bucket_counts": self.counts.tolist(),
-        }
-
 
 class LayerHistograms:
-    """``[layers, buckets]`` counts of ``log10 |x|`` over the tensors of each layer.
+    """``[layers, buckets]`` counts of ``log10 |x|`` (or ``x``) over the tensors of each layer.
 
     Args:
         num_layers: rows.
-        edges: inner bucket edges in ``log10 |x|`` (ascending); default :data:`LOG10_EDGES`.
+        edges: inner bucket edges (ascending); default :data:`LOG10_EDGES`.
         device: where the counts live.
+        scale: ``"log10"`` (default) bins ``log10 |x|``, ``"linear"`` bins ``x``.
 
     Example:
         >>> hist = LayerHistograms(2, edges=torch.tensor([-1.0, 0.0, 1.0]))
@@ -72,23 +117,18 @@ class LayerHistograms:
         num_layers: int,
         edges: torch.Tensor | None = None,
         device: torch.device | str | None = None,
+        scale: Scale = "log10",
     ) -> None:
         edges = LOG10_EDGES if edges is None else edges
+        self.scale: Scale = scale
         self.edges = edges.to(device=device, dtype=torch.float32)
         self.counts = torch.zeros(num_layers, len(edges) + 1, device=device)
 
     @torch.no_grad()
-    def update(self, tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> None:
+    def update(self, tensors: list[torch.Tensor], rows: list[int]) -> None:
         """Count every finite entry of ``tensors[i]`` into layer ``rows[i]`` (no host sync)."""
-        num_buckets = self.counts.shape[1]
         for tensor, row in zip(tensors, rows, strict=True):
-            mag = tensor.detach().abs().float().flatten()
-            finite = torch.isfinite(mag)
-            bucket = torch.bucketize(mag.clamp_min(1e-38).log10(), self.edges, right=True)
-            # Non-finite entries go to a spill bucket that is dropped.
-            bucket = torch.where(finite, bucket, num_buckets)
-            counts = torch.bincount(bucket, minlength=num_buckets + 1)[:num_buckets]
-            self.counts[row].add_(counts.to(self.counts.dtype))
+            bin_counts(tensor, self.edges, self.counts[row], self.scale)
 
     def reset(self) -> None:
         """Zero every count (a new epoch)."""

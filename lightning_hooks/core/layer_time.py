@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from lightning_hooks.core.registry import HookRegistry
-from lightning_hooks.core.selection import ModuleTypes, Patterns
+from lightning_hooks.core.selection import ModuleTypes, Patterns, Selection
+from lightning_hooks.core.stat import LayerStat
 from lightning_hooks.core.tensors import is_training_forward
 
 __all__ = ["LayerTimer", "LayerTimes"]
@@ -27,8 +28,9 @@ class LayerTimes:
         forward_ms: forward time of each layer per sampled step, milliseconds (mean over steps;
             a layer called twice in a step counts both calls).
         calls: forward calls of each layer, over all sampled steps.
-        step_ms: wall time of a sampled step, milliseconds (mean), or ``NaN`` when no step was
-            bracketed by :meth:`LayerTimer.start_step` / :meth:`LayerTimer.end_step`.
+        step_ms: wall time of a sampled step, milliseconds (mean; the sum of its micro-batches'
+            brackets), or ``NaN`` when no step was bracketed by :meth:`LayerTimer.start_step` /
+            :meth:`LayerTimer.end_step`.
         steps: number of sampled steps.
     """
 
@@ -66,28 +68,32 @@ class _CudaClock:
         return float(start.elapsed_time(end))
 
 
-class LayerTimer:
+class LayerTimer(LayerStat[LayerTimes]):
     """Times the forward of every selected layer on the steps the caller samples.
 
-    Forward pre- and post-hooks (through a :class:`HookRegistry`) bracket each layer's forward.
-    On steps that are not sampled every hook returns after one Python attribute check: no
-    clock read, no allocation. On the CPU a mark is a ``time.perf_counter()`` reading; on a CUDA
-    device a mark is a CUDA event recorded on the current stream, and the events are read only in
-    :meth:`result`, after one synchronize: no host sync on any step. Only training forwards count
-    (not ``no_grad``/eval forwards, not activation-checkpoint recomputes).
+    Forward pre- and post-hooks bracket each layer's forward. On steps that are not sampled
+    every hook returns after one Python attribute check: no clock read, no allocation. On the
+    CPU a mark is a ``time.perf_counter()`` reading, added to per-layer host totals at once; on
+    a CUDA device a mark is a CUDA event recorded on the current stream, and a sampled step's
+    events are read when the next sampled step starts (after waiting for that step's last
+    event, long recorded by then) or at :meth:`result`. Memory is O(layers) whatever the number
+    of steps: one open mark per layer, one step's events, per-layer totals. Only training
+    forwards count (not ``no_grad``/eval forwards, not activation-checkpoint recomputes).
 
     By default only *leaf* modules (no child modules) are timed, so that no time is counted twice
     and the layers' times sum to at most the forward. Backward time per layer is not measured:
     it would need full backward hooks, which break in-place ops and cost several times a forward
-    hook.
+    hook. A :class:`~lightning_hooks.core.stat.LayerStat`: totals sum across ranks in one
+    collective (the result is the mean over ranks and steps) and travel through a checkpoint.
 
     Args:
-        model: the model.
+        model: the model to time now (``None``: call :meth:`attach` later).
         types: only modules of these types.
         include: glob patterns on qualified names to keep.
         exclude: glob patterns on qualified names to drop.
         leaves: keep only modules without children.
         cuda: use CUDA events (``None``: when a parameter of the model is on a CUDA device).
+        owner: the public name errors give (a callback passes its own).
 
     Example:
         >>> from torch import nn
@@ -105,31 +111,67 @@ class LayerTimer:
         >>> timer.remove()
     """
 
+    forward_ms: torch.Tensor
+    calls: torch.Tensor
+    step_ms: torch.Tensor
+    steps: torch.Tensor
+
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | None = None,
         *,
         types: ModuleTypes = None,
         include: Patterns = None,
         exclude: Patterns = None,
         leaves: bool = True,
         cuda: bool | None = None,
+        owner: str = "LayerTimer",
     ) -> None:
+        super().__init__(Selection.of(owner, types=types, include=include, exclude=exclude))
+        self.leaves = leaves
+        self.use_cuda = cuda
+        self.sampling = False
+        self._clock: _CpuClock | _CudaClock = _CpuClock()
+        self.add_layer_state("forward_ms", reduce="sum")
+        self.add_layer_state("calls", reduce="sum")
+        self.add_global_state("step_ms", reduce="sum")
+        self.add_global_state("steps", reduce="sum")
+        self._clear_host()
+        if model is not None:
+            self.attach(model)
+
+    def _clear_host(self) -> None:
+        n = len(self.rows)
+        self._open: list[Any] = [None] * n
+        self._ms = np.zeros(n)
+        self._calls = np.zeros(n)
+        self._step = np.zeros(2)  # milliseconds, steps
+        self._marks: list[tuple[int, Any, Any]] = []  # CUDA: this step's events only
+        self._brackets: list[tuple[Any, Any]] = []
+        self._last_step: int | None = None
+        self._step_start: Any = None
+
+    def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The selected modules, leaves only unless ``leaves=False``."""
+        assert self.selection is not None
+        where = (lambda _n, m: next(m.children(), None) is None) if self.leaves else None
+        return self.selection.modules(model, where=where)
+
+    def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> LayerTimer:
+        """Hook ``model``: one row per selected layer, in model order."""
+        super().attach(model, registry)
+        cuda = self.use_cuda
         if cuda is None:
             cuda = any(p.is_cuda for p in model.parameters())
-        self._clock: _CpuClock | _CudaClock = _CudaClock() if cuda else _CpuClock()
-        self._hooks = HookRegistry(model)
-        where = (lambda _n, m: next(m.children(), None) is None) if leaves else None
-        selected = self._hooks.modules(types=types, include=include, exclude=exclude, where=where)
-        self.layers = tuple(name for name, _ in selected)
-        self.sampling = False
-        self._open: list[Any] = [None] * len(self.layers)
-        self._marks: list[tuple[int, Any, Any]] = []
-        self._steps: list[tuple[Any, Any]] = []
-        self._step_start: Any = None
-        for index, (_, module) in enumerate(selected):
-            self._hooks.forward_pre_hook(module, self._pre_hook(index))
-            self._hooks.forward_hook(module, self._post_hook(index))
+        self._clock = _CudaClock() if cuda else _CpuClock()
+        self._clear_host()
+        return self
+
+    def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
+        """A pre-hook and a post-hook bracketing the module's forward."""
+        index = self.row(name)  # rows in model order, made as the hooks are
+        registry.forward_pre_hook(module, self._pre_hook(index))
+        registry.forward_hook(module, self._post_hook(index))
 
     def _pre_hook(self, index: int) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -142,49 +184,96 @@ class LayerTimer:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             start = self._open[index]
             if self.sampling and start is not None:
-                self._marks.append((index, start, self._clock.mark()))
                 self._open[index] = None
+                end = self._clock.mark()
+                if isinstance(self._clock, _CpuClock):
+                    self._ms[index] += self._clock.elapsed_ms(start, end)
+                    self._calls[index] += 1
+                else:
+                    self._marks.append((index, start, end))
 
         return hook
 
-    def start_step(self) -> None:
-        """Start timing a sampled step: layers' forwards count until :meth:`end_step`."""
+    def start_step(self, step: int | None = None) -> None:
+        """Start timing a sampled batch; a new ``step`` (``None``: always) counts one step.
+
+        The micro-batches of one optimizer step (``accumulate_grad_batches``) pass the same
+        ``step``: their times add up into that step's.
+        """
+        self._fold_events()
+        if step is None or step != self._last_step:
+            self._step[1] += 1
+        self._last_step = step
         self.sampling = True
         self._step_start = self._clock.mark()
 
     def end_step(self) -> None:
-        """End the sampled step (a no-op when none is open)."""
+        """End the sampled batch (a no-op when none is open)."""
         if not self.sampling:
             return
-        self._steps.append((self._step_start, self._clock.mark()))
+        self._brackets.append((self._step_start, self._clock.mark()))
         self.sampling = False
-        self._open = [None] * len(self.layers)
+        self._open = [None] * len(self.rows)
+        if isinstance(self._clock, _CpuClock):
+            self._fold_events()
 
-    def result(self) -> LayerTimes:
-        """Read the marks (one synchronize on CUDA) into per-step means."""
-        if isinstance(self._clock, _CudaClock) and (self._marks or self._steps):
-            torch.cuda.synchronize()
-        total = np.zeros(len(self.layers))
-        calls = np.zeros(len(self.layers), dtype=np.int64)
+    def _fold_events(self) -> None:
+        """Add the last sampled batch's marks to the host totals (CUDA: waits for its end)."""
+        if not self._brackets:
+            return
+        if isinstance(self._clock, _CudaClock):
+            self._brackets[-1][1].synchronize()
         for index, start, end in self._marks:
-            total[index] += self._clock.elapsed_ms(start, end)
-            calls[index] += 1
-        steps = len(self._steps)
-        step_ms = [self._clock.elapsed_ms(start, end) for start, end in self._steps]
+            self._ms[index] += self._clock.elapsed_ms(start, end)
+            self._calls[index] += 1
+        self._step[0] += sum(self._clock.elapsed_ms(a, b) for a, b in self._brackets)
+        self._marks, self._brackets = [], []
+
+    def flush(self) -> None:
+        """Move the host totals into the states."""
+        self._fold_events()
+        if not self._step[1] and not self._calls.any():
+            return
+        device = self.forward_ms.device
+        self.forward_ms += torch.as_tensor(self._ms, device=device)
+        self.calls += torch.as_tensor(self._calls, device=device)
+        self.step_ms += torch.as_tensor(self._step[:1], device=device)
+        self.steps += torch.as_tensor(self._step[1:], device=device)
+        self._ms[:], self._calls[:], self._step[:] = 0.0, 0.0, 0.0
+
+    def summarize(self, states: dict[str, np.ndarray]) -> LayerTimes:
+        """Per-step means of the reduced totals."""
+        steps = int(states["steps"][0])
         return LayerTimes(
             layers=self.layers,
-            forward_ms=total / max(steps, 1),
-            calls=calls,
-            step_ms=float(np.mean(step_ms)) if steps else float("nan"),
+            forward_ms=states["forward_ms"] / max(steps, 1),
+            calls=states["calls"].astype(np.int64),
+            step_ms=float(states["step_ms"][0] / steps) if steps else float("nan"),
             steps=steps,
         )
 
+    def tags(self, result: LayerTimes) -> dict[str, float]:
+        """``layer_time/{forward_ms,share}/{layer}``, ``step_ms`` and ``forward_share``."""
+        if result.steps == 0:
+            return {}
+        share = result.share
+        out: dict[str, float] = {}
+        for layer, ms, part, calls in zip(
+            result.layers, result.forward_ms, share, result.calls, strict=True
+        ):
+            if calls:
+                out[f"layer_time/forward_ms/{layer}"] = float(ms)
+                out[f"layer_time/share/{layer}"] = float(part)
+        out["layer_time/step_ms"] = result.step_ms
+        out["layer_time/forward_share"] = float(share.sum())
+        return out
+
     def reset(self) -> None:
-        """Forget every mark (call after :meth:`result`, once per logging period)."""
-        self._marks, self._steps = [], []
+        """Forget every time (call after :meth:`result`, once per logging period)."""
+        super().reset()
+        self._last_step = None
 
     def remove(self) -> None:
         """Remove every hook (idempotent) and stop sampling."""
-        self._hooks.remove()
+        super().remove()
         self.sampling = False
-        self.reset()

@@ -35,6 +35,10 @@ def probe_mode(model: nn.Module) -> Iterator[None]:
         >>> model.training, model[1].training, torch.equal(state, torch.random.get_rng_state())
         (True, False, True)
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"probe_mode(model={model!r}): must be an nn.Module, got {type(model).__name__}"
+        )
     modes = [(module, module.training) for module in model.modules()]
     cpu_state = torch.random.get_rng_state()
     initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]

@@ -2,20 +2,46 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import Self
 
+from lightning_hooks.core.guard import Guard, active_guard
 from lightning_hooks.core.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
+from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["HookOwner", "HookRegistry"]
+__all__ = ["HookOwner", "HookRegistry", "unhookable_modules"]
 
 ForwardHook = Callable[[nn.Module, Any, Any], Any]
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def unhookable_modules(model: nn.Module) -> dict[int, str]:
+    """``id(module) -> name`` of every module whose Python hooks never run: a
+    ``torch.jit.script``/``trace`` module and everything inside it.
+
+    Example:
+        >>> import torch, warnings
+        >>> from torch import nn
+        >>> with warnings.catch_warnings():  # torch 2.10+ deprecates torch.jit.script
+        ...     warnings.simplefilter("ignore", DeprecationWarning)
+        ...     scripted = torch.jit.script(nn.Sequential(nn.ReLU()))
+        >>> net = nn.Sequential(nn.Linear(2, 2), scripted)
+        >>> sorted(unhookable_modules(net).values())
+        ['1', '1.0']
+    """
+    found: dict[int, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.jit.ScriptModule) and id(module) not in found:
+            for sub, inner in module.named_modules(prefix=name):
+                found[id(inner)] = sub
+    return found
 
 
 class HookOwner:
@@ -69,11 +95,16 @@ class HookRegistry(HookOwner):
         ([torch.Size([4, 3])], 0)
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, guard: Guard | None = None) -> None:
         self.model = model
         self._handles: list[RemovableHandle] = []
         self.sampled = True
         """Whether the current step is measured: gated hooks return at once when ``False``."""
+        self.guard = guard if guard is not None else active_guard()
+        """Catches the hooks' exceptions (default: the guard of the running callback hook)."""
+        self._unhookable = unhookable_modules(model)
+        self._names = {id(module): name for name, module in model.named_modules()}
+        self._warned_unhookable = False
 
     def modules(
         self,
@@ -83,10 +114,45 @@ class HookRegistry(HookOwner):
         exclude: Patterns = None,
         where: ModuleFilter | None = None,
     ) -> list[tuple[str, nn.Module]]:
-        """Select modules of the model; see :func:`~lightning_hooks.core.select_modules`."""
-        return select_modules(
+        """Select modules of the model; see :func:`~lightning_hooks.core.select_modules`.
+
+        Modules whose Python hooks never run (``torch.jit`` scripted or traced, and their
+        submodules) stay in the selection, since their parameters can still be measured, but
+        get no module hook: one :class:`~lightning_hooks.errors.LightningHooksWarning` names them.
+        """
+        selected = select_modules(
             self.model, types=types, include=include, exclude=exclude, where=where
         )
+        skipped = [name for name, module in selected if id(module) in self._unhookable]
+        if skipped:
+            self._warn_unhookable(skipped)
+        return selected
+
+    def _warn_unhookable(self, names: list[str]) -> None:
+        """One warning per registry naming the modules that get no module hook."""
+        if self._warned_unhookable:
+            return
+        self._warned_unhookable = True
+        warnings.warn(
+            f"{self._owner()}: {len(names)} selected module(s) are torch.jit scripted or "
+            f"traced and run no Python hooks; their forward statistics are skipped: "
+            f"{', '.join(names[:10])}{' ...' if len(names) > 10 else ''}",
+            LightningHooksWarning,
+            stacklevel=4,
+        )
+
+    def _name(self, module: nn.Module) -> str:
+        return self._names.get(id(module)) or type(module).__name__
+
+    def _owner(self) -> str:
+        return self.guard.name if self.guard is not None else type(self.model).__name__
+
+    def guarded(self, fn: F, where: str) -> F:
+        """``fn`` wrapped by the registry's guard (itself when there is none or it is strict).
+
+        For hooks the registry does not own: those put on per-step tensors inside a hook.
+        """
+        return fn if self.guard is None else self.guard.wrap(fn, where)
 
     def add(self, handle: RemovableHandle) -> RemovableHandle:
         """Take ownership of a handle created elsewhere."""
@@ -95,39 +161,63 @@ class HookRegistry(HookOwner):
 
     def forward_hook(
         self, module: nn.Module, hook: ForwardHook, *, gated: bool = False
-    ) -> RemovableHandle:
-        """``module.register_forward_hook(hook)``, owned by the registry.
+    ) -> RemovableHandle | None:
+        """``module.register_forward_hook(hook)``, owned by the registry and guarded.
 
-        With ``gated``, the hook runs only on steps where :attr:`sampled` is true.
+        With ``gated``, the hook runs only on steps where :attr:`sampled` is true. A module that
+        runs no Python hooks (``torch.jit``) gets none: ``None`` is returned.
         """
-        if gated:
-            hook = self._gated(hook)
+        if id(module) in self._unhookable:
+            self._warn_unhookable(sorted(self._unhookable.values()))
+            return None
+        where = f"forward hook on {self._name(module)!r}"
+        hook = self._gated(hook, where) if gated else self.guarded(hook, where)
         return self.add(module.register_forward_hook(hook))
 
-    def _gated(self, hook: ForwardHook) -> ForwardHook:
-        def gated(module: nn.Module, args: Any, output: Any) -> Any:
+    def _gated(self, hook: ForwardHook, where: str) -> ForwardHook:
+        guard = self.guard
+        if guard is None or guard.strict:
+
+            def gated(module: nn.Module, args: Any, output: Any) -> Any:
+                if self.sampled:
+                    return hook(module, args, output)
+                return None
+
+            return gated
+
+        # One closure for both: the guarded path adds no Python call per hook.
+        def gated_guarded(module: nn.Module, args: Any, output: Any) -> Any:
             if self.sampled:
-                return hook(module, args, output)
+                try:
+                    return hook(module, args, output)
+                except Exception as error:
+                    guard.fail(where, error)
             return None
 
-        return gated
+        return gated_guarded
 
     def forward_pre_hook(
         self, module: nn.Module, hook: Callable[[nn.Module, Any], Any]
-    ) -> RemovableHandle:
-        """``module.register_forward_pre_hook(hook)``, owned by the registry."""
+    ) -> RemovableHandle | None:
+        """``module.register_forward_pre_hook(hook)``, owned and guarded (``None``: jit)."""
+        if id(module) in self._unhookable:
+            self._warn_unhookable(sorted(self._unhookable.values()))
+            return None
+        hook = self.guarded(hook, f"forward pre-hook on {self._name(module)!r}")
         return self.add(module.register_forward_pre_hook(hook))
 
     def tensor_hook(
         self, tensor: torch.Tensor, hook: Callable[[torch.Tensor], torch.Tensor | None]
     ) -> RemovableHandle:
-        """``tensor.register_hook(hook)`` on a long-lived tensor (a parameter), owned."""
+        """``tensor.register_hook(hook)`` on a long-lived tensor (a parameter), owned, guarded."""
+        hook = self.guarded(hook, "gradient hook")
         return self.add(tensor.register_hook(hook))  # type: ignore[no-untyped-call]
 
     def optimizer_step_post_hook(
         self, optimizer: torch.optim.Optimizer, hook: Callable[..., None]
     ) -> RemovableHandle:
-        """``optimizer.register_step_post_hook(hook)``, owned by the registry."""
+        """``optimizer.register_step_post_hook(hook)``, owned by the registry and guarded."""
+        hook = self.guarded(hook, "optimizer step post-hook")
         return self.add(optimizer.register_step_post_hook(hook))
 
     def remove(self) -> None:

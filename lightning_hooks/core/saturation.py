@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,9 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_hooks.core.registry import HookOwner, HookRegistry
-from lightning_hooks.core.selection import ModuleTypes, Patterns
-from lightning_hooks.core.tensors import is_training_forward
+from lightning_hooks.core.selection import ModuleTypes, Patterns, Selection
+from lightning_hooks.core.stat import LayerStat
 
 __all__ = [
     "SATURATING_TYPES",
@@ -131,24 +128,25 @@ class SaturationStats:
             return np.where(self.entries > 0, self.always_saturated / self.units, np.nan)
 
 
-class SaturationTracker(HookOwner):
+class SaturationTracker(LayerStat[SaturationStats]):
     """Counts saturated outputs of bounded activations over training forwards, on the device.
 
     A forward hook on each selected module computes :func:`saturation_mask` and
-    :func:`unit_saturation` and adds them in place to device tensors: one int64 count per layer
-    and one "ever unsaturated" boolean per unit. No host sync. Only training forwards count.
-    :meth:`packed` gives every state as one int64 tensor (to all-reduce with a sum: a unit is
-    ever unsaturated when its sum is positive), :meth:`unpack` turns it into
-    :class:`SaturationStats`.
+    :func:`unit_saturation` and adds them in place to device states: one saturated count per
+    layer and one "ever unsaturated" flag per unit. No host sync; the entry counts stay on the
+    host until a reduce. Only training forwards count. A
+    :class:`~lightning_hooks.core.stat.LayerStat`: counts sum and flags max across ranks in one
+    collective, and travel through a checkpoint.
 
     Args:
-        model: the model.
+        model: the model to watch now (``None``: call :meth:`attach` later).
         types: the module types to watch (default :data:`SATURATING_TYPES`; each must be one of
             them or a subclass).
         include: glob patterns on qualified names to keep.
         exclude: glob patterns on qualified names to drop.
         unit_dim: the output dimension that indexes units.
         margin: the threshold margin of the smooth activations (see :func:`saturation_mask`).
+        owner: the public name errors give (a callback passes its own).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 3), nn.Tanh())
@@ -157,85 +155,100 @@ class SaturationTracker(HookOwner):
         ...     _ = model[0].weight.copy_(torch.tensor([[9.0, 9.0], [0.0, 0.0], [9.0, 0.0]]))
         ...     _ = model[0].bias.zero_()
         >>> _ = model(torch.tensor([[1.0, 1.0], [1.0, -1.0]]))
-        >>> stats = tracker.unpack(tracker.packed())
+        >>> stats = tracker.result()
         >>> stats.saturated.tolist(), stats.always_saturated.tolist(), stats.units.tolist()
         ([3], [1], [3])
         >>> tracker.remove()
     """
 
+    saturated: torch.Tensor
+    entries: torch.Tensor
+    unsaturated: torch.Tensor
+
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | None = None,
         *,
         types: ModuleTypes = None,
         include: Patterns = None,
         exclude: Patterns = None,
         unit_dim: int = 1,
         margin: float = 0.01,
+        owner: str = "SaturationTracker",
     ) -> None:
+        selection = Selection.of(
+            owner, types=types or SATURATING_TYPES, include=include, exclude=exclude
+        )
+        super().__init__(selection)
+        self.owner = owner
         self.unit_dim = unit_dim
         self.margin = margin
-        self.registry = HookRegistry(model)
-        selected = self.registry.modules(
-            types=types or SATURATING_TYPES, include=include, exclude=exclude
-        )
-        self.layers = tuple(name for name, _ in selected)
-        device = next(model.parameters(), torch.empty(0)).device
-        self._saturated = torch.zeros(len(self.layers), dtype=torch.int64, device=device)
-        self._entries = [0] * len(self.layers)
-        self._unsaturated: list[torch.Tensor | None] = [None] * len(self.layers)
-        for index, (_, module) in enumerate(selected):
-            self.registry.forward_hook(module, self._hook(index), gated=True)
+        self._entries: dict[int, int] = {}  # host-side counts, moved into ``entries`` by flush()
+        self.add_layer_state("saturated", reduce="sum", dtype=torch.int64)
+        self.add_layer_state("entries", reduce="sum", dtype=torch.int64)
+        self.add_unit_state("unsaturated", reduce="max", dtype=torch.bool)
+        if model is not None:
+            self.attach(model)
 
-    def _hook(self, index: int) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if isinstance(output, torch.Tensor) and is_training_forward(module):
-                self._observe(index, module, output.detach())
-
-        return hook
-
-    def _observe(self, index: int, module: nn.Module, output: torch.Tensor) -> None:
+    def observe(self, name: str, module: nn.Module, output: Any) -> None:
+        """Count the saturated entries of ``output`` and mark its units ever unsaturated."""
+        if not isinstance(output, torch.Tensor):
+            return
         count, unsaturated = unit_saturation(
-            saturation_mask(module, output, self.margin), self.unit_dim
+            saturation_mask(module, output.detach(), self.margin), self.unit_dim
         )
-        if self._saturated.device != output.device:
-            self._saturated = self._saturated.to(output.device)
-        self._saturated[index] += count
-        self._entries[index] += output.numel()
-        seen = self._unsaturated[index]
-        if seen is None:
-            self._unsaturated[index] = unsaturated.clone()
-        elif seen.shape != unsaturated.shape:
+        known = self.rows.get(name)
+        if known is not None and self.units[known] != unsaturated.numel():
             raise ValueError(
-                f"SaturationTracker(unit_dim={self.unit_dim}): layer {self.layers[index]!r} "
-                f"had {seen.numel()} units, now {unsaturated.numel()} (output shape "
+                f"{self.owner}(unit_dim={self.unit_dim}): layer {name!r} had "
+                f"{self.units[known]} units, now {unsaturated.numel()} (output shape "
                 f"{tuple(output.shape)}); pass the unit_dim whose size does not change"
             )
-        else:
-            seen |= unsaturated
+        row = self.row(name, unsaturated.numel())
+        self.saturated[row].add_(count)
+        self.unsaturated[self.unit_slice(row)].logical_or_(unsaturated)
+        self._entries[row] = self._entries.get(row, 0) + output.numel()
 
-    def packed(self) -> torch.Tensor:
-        """Every state as one int64 device tensor: saturated, entries, units, per-unit flags."""
-        device = self._saturated.device
-        units = [0 if u is None else u.numel() for u in self._unsaturated]
-        head = torch.tensor([*self._entries, *units], dtype=torch.int64, device=device)
-        flags = [u.to(torch.int64) for u in self._unsaturated if u is not None]
-        return torch.cat([self._saturated, head, *flags])
+    def flush(self) -> None:
+        """Move the host-side entry counts into the ``entries`` state."""
+        if self._entries:
+            rows = torch.tensor(list(self._entries), device=self.entries.device)
+            added = torch.tensor(list(self._entries.values()), dtype=torch.int64)
+            self.entries.index_add_(0, rows, added.to(self.entries.device))
+            self._entries = {}
 
-    def unpack(self, packed: torch.Tensor) -> SaturationStats:
-        """:class:`SaturationStats` from a :meth:`packed` tensor (copied to the host once)."""
-        values = packed.cpu().numpy()
-        n = len(self.layers)
-        saturated, entries, units = values[:n], values[n : 2 * n], values[2 * n : 3 * n]
-        bounds = np.cumsum([3 * n, *units])
-        always = np.array(
-            [int((values[lo:hi] == 0).sum()) for lo, hi in itertools.pairwise(bounds)],
-            dtype=np.int64,
+    def summarize(self, states: dict[str, np.ndarray]) -> SaturationStats:
+        """Saturated and always-saturated counts per row from the reduced states."""
+        flags = states["unsaturated"]
+        always = [int((flags[self.unit_slice(i)] == 0).sum()) for i in range(len(self.rows))]
+        return SaturationStats(
+            self.layers,
+            states["entries"].astype(np.int64),
+            states["saturated"].astype(np.int64),
+            np.array(self.units, dtype=np.int64),
+            np.array(always, dtype=np.int64),
         )
-        return SaturationStats(self.layers, entries, saturated, units, always)
 
-    def reset(self) -> None:
-        """Start a new period (call after reading)."""
-        self._saturated.zero_()
-        self._entries = [0] * len(self.layers)
-        self._unsaturated = [None] * len(self.layers)
+    def tags(self, result: SaturationStats) -> dict[str, float]:
+        """Per-layer and global saturated and always-saturated fractions, and layers that ran."""
+        out: dict[str, float] = {}
+        ran = result.entries > 0
+        for layer, sat, always, active in zip(
+            result.layers,
+            result.saturated_fraction,
+            result.always_saturated_fraction,
+            ran,
+            strict=True,
+        ):
+            if active:
+                out[f"saturation/saturated_fraction/{layer}"] = float(sat)
+                out[f"saturation/always_saturated_fraction/{layer}"] = float(always)
+        if ran.any():
+            entries, units = result.entries[ran].sum(), result.units[ran].sum()
+            out["saturation/global/saturated_fraction"] = float(
+                result.saturated[ran].sum() / entries
+            )
+            always_all = np.sum(result.always_saturated[ran])
+            out["saturation/global/always_saturated_fraction"] = float(always_all / units)
+        out["saturation/global/layers"] = float(ran.sum())
+        return out

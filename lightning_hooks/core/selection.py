@@ -5,10 +5,11 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["ModuleFilter", "Patterns", "as_patterns", "select_modules"]
+__all__ = ["ModuleFilter", "Patterns", "Selection", "as_patterns", "select_modules"]
 
 Patterns = str | Sequence[str] | None
 ModuleTypes = type[nn.Module] | tuple[type[nn.Module], ...] | None
@@ -28,11 +29,94 @@ def as_patterns(patterns: Patterns, argument: str = "include") -> tuple[str, ...
         return ()
     if isinstance(patterns, str):
         return (patterns,)
+    expected = "a glob pattern (str), a sequence of them, or None"
+    if not isinstance(patterns, Sequence):
+        raise TypeError(f"{argument}: must be {expected}, got {patterns!r}")
     out = tuple(patterns)
     for p in out:
         if not isinstance(p, str):
-            raise TypeError(f"{argument}: expected str patterns, got {p!r} ({type(p).__name__})")
+            raise TypeError(f"{argument}: must be {expected}, got {p!r} ({type(p).__name__})")
     return out
+
+
+def _as_types(owner: str, types: ModuleTypes) -> tuple[type[nn.Module], ...] | None:
+    if types is None:
+        return None
+    items = types if isinstance(types, tuple) else (types,)
+    for t in items:
+        if not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise TypeError(
+                f"{owner}(types={types!r}): must be an nn.Module subclass or a tuple of them, "
+                f"got {t!r}"
+            )
+    return items
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which modules of a model a callback watches: types, and name patterns to keep and drop.
+
+    Made with :meth:`of`, which validates every argument once, naming the argument the user
+    passed (``DeadReLUCallback(pre_activation=...)``, not ``include=``). :meth:`modules` checks
+    the patterns against the model, again naming that argument.
+
+    Attributes:
+        owner: the public class the arguments were passed to (for error messages).
+        types: module types to keep (``None``: any).
+        include: glob patterns on qualified names to keep (empty: every name).
+        exclude: glob patterns on qualified names to drop.
+        arguments: the user-facing names of ``include`` and ``exclude``.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> [n for n, _ in Selection.of("Cb", types=nn.Linear).modules(model)]
+        ['0', '2']
+        >>> picked = Selection.of("Cb", include="9", arguments=("layers", "x"))
+        >>> picked.modules(model)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Cb(layers='9') matches no module of the model; closest module names: ...
+    """
+
+    owner: str
+    types: tuple[type[nn.Module], ...] | None = None
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    arguments: tuple[str, str] = ("include", "exclude")
+
+    @classmethod
+    def of(
+        cls,
+        owner: str,
+        *,
+        types: ModuleTypes = None,
+        include: Patterns = None,
+        exclude: Patterns = None,
+        arguments: tuple[str, str] = ("include", "exclude"),
+    ) -> Selection:
+        """Validate and normalize the arguments; errors name ``owner(argument=value)``."""
+        inc, exc = arguments
+        return cls(
+            owner,
+            _as_types(owner, types),
+            as_patterns(include, f"{owner}({inc}={include!r})"),
+            as_patterns(exclude, f"{owner}({exc}={exclude!r})"),
+            arguments,
+        )
+
+    def modules(
+        self, model: nn.Module, where: ModuleFilter | None = None
+    ) -> list[tuple[str, nn.Module]]:
+        """The selected ``(name, module)`` pairs of ``model``; see :func:`select_modules`."""
+        inc, exc = (f"{self.owner}({a}" for a in self.arguments)
+        return select_modules(
+            model,
+            types=self.types,
+            include=self.include,
+            exclude=self.exclude,
+            where=where,
+            arguments=(inc, exc),
+        )
 
 
 def _closest(pattern: str, names: Sequence[str], n: int = 5) -> list[str]:
@@ -44,8 +128,9 @@ def _check_patterns(patterns: tuple[str, ...], names: Sequence[str], argument: s
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             close = ", ".join(repr(c) for c in _closest(pattern, names)) or "(the model has none)"
+            close_paren = ")" if "(" in argument else ""
             raise ValueError(
-                f"{argument}={pattern!r} matches no module of the model; "
+                f"{argument}={pattern!r}{close_paren} matches no module of the model; "
                 f"closest module names: {close}"
             )
 
@@ -69,6 +154,7 @@ def select_modules(
     include: Patterns = None,
     exclude: Patterns = None,
     where: ModuleFilter | None = None,
+    arguments: tuple[str, str] = ("include", "exclude"),
 ) -> list[tuple[str, nn.Module]]:
     """Return ``(qualified_name, module)`` pairs of ``model`` to instrument, in registration order.
 
@@ -84,6 +170,7 @@ def select_modules(
             keep only modules matching at least one. Each pattern must match some module.
         exclude: glob patterns; drop modules matching any. Each pattern must match some module.
         where: an extra predicate ``(name, module) -> bool``.
+        arguments: how errors name ``include`` and ``exclude`` (the user's argument names).
 
     Raises:
         ValueError: a pattern matches no module; the message lists the closest real names.
@@ -96,16 +183,16 @@ def select_modules(
         >>> [name for name, _ in select_modules(model, exclude="2")]
         ['0', '1']
     """
-    inc = as_patterns(include, "include")
-    exc = as_patterns(exclude, "exclude")
+    inc = as_patterns(include, arguments[0])
+    exc = as_patterns(exclude, arguments[1])
     named = [
         (_plain_name(n), m)
         for n, m in model.named_modules()
         if _plain_name(n) and not _is_compiled_wrapper(m)
     ]
     names = [n for n, _ in named]
-    _check_patterns(inc, names, "include")
-    _check_patterns(exc, names, "exclude")
+    _check_patterns(inc, names, arguments[0])
+    _check_patterns(exc, names, arguments[1])
     return [
         (name, module)
         for name, module in named

@@ -2,7 +2,7 @@
 
 from lightning_hooks.logging.dashboard import dashboard_layout, record_tags, write_dashboard
 from lightning_hooks.logging.figures import grad_flow_figure, layer_epoch_heatmap, layer_time_figure
-from lightning_hooks.logging.histograms import log_histogram_raw, write_histogram_raw
+from lightning_hooks.logging.histograms import histogram_raw, log_histogram
 from lightning_hooks.logging.images import feature_map_grid
 from lightning_hooks.logging.writer import (
     log_embedding,
@@ -17,16 +17,16 @@ __all__ = [
     "dashboard_layout",
     "feature_map_grid",
     "grad_flow_figure",
+    "histogram_raw",
     "layer_epoch_heatmap",
     "layer_time_figure",
     "log_embedding",
     "log_figure",
-    "log_histogram_raw",
+    "log_histogram",
     "log_image",
     "log_scalars",
     "log_text",
     "record_tags",
     "tensorboard_writers",
     "write_dashboard",
-    "write_histogram_raw",
 ]

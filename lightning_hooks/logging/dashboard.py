@@ -7,6 +7,10 @@ layer's line and the global lines of that statistic, so the number of panels is 
 number of statistics, whatever the number of layers (the number of lines in a chart is bounded by
 the callbacks' own ``max_layers_logged``), and one chart per family for its alarms.
 
+The categories lead with the headline: gradient flow (its gradient norm first), then every
+family's alarms, activations, dead units, then the other families by name. TensorBoard shows the
+categories in the layout's order.
+
 :func:`record_tags` is called for every scalar the library logs; :func:`write_dashboard` writes
 the layout of the tags seen so far to each TensorBoard writer, once, and again only when a new
 chart appears (an alarm family that first fires in a later epoch). TensorBoard reads the last
@@ -26,6 +30,20 @@ MAX_CHARTS = 64
 """At most this many charts in one run's layout; the families' own tags beyond it are dropped."""
 
 _CATEGORY_PREFIX = "lightning_hooks"
+_CATEGORY_ORDER = ("grad_flow", "alarms", "activations", "dead_relu")
+# Within a category: the statistics a reader looks at first (the rest by name).
+_CHART_ORDER = (
+    "grad_norm",
+    "output_grad_norm",
+    "update_ratio",
+    "grad_abs_mean",
+    "grad_nonfinite",
+    "dead_fraction",
+    "zero_fraction",
+    "abs_mean",
+    "std",
+    "mean",
+)
 _PERCENTILE = re.compile(r"_p\d+$")
 # Tags seen per TensorBoard writer, and the charts already written to it.
 _SEEN: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
@@ -52,26 +70,44 @@ def chart_key(tag: str) -> tuple[str, str] | None:
 def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout of the given charts, for ``SummaryWriter.add_custom_scalars``.
 
-    One category per family (``lightning_hooks: grad_flow``), one multiline chart per statistic
-    (its layers and its global lines), at most :data:`MAX_CHARTS` charts; ``alarms`` first.
+    One category per family (``lightning_hooks: grad_flow``) and one for every family's alarms
+    (``lightning_hooks: alarms``), one multiline chart per statistic (its layers and its global
+    lines), at most :data:`MAX_CHARTS` charts. Categories in the order grad_flow, alarms,
+    activations, dead_relu, then the rest by name.
 
     Example:
-        >>> layout = dashboard_layout([("grad_flow", "grad_norm"), ("grad_flow", "alarms")])
-        >>> list(layout["lightning_hooks: grad_flow"])
-        ['alarms', 'grad_norm']
+        >>> keys = [("dead_relu", "dead_fraction"), ("grad_flow", "update_ratio"),
+        ...         ("grad_flow", "alarms"), ("activations", "std"), ("grad_flow", "grad_norm")]
+        >>> layout = dashboard_layout(keys)
+        >>> [(title.split(": ")[1], list(charts)) for title, charts in layout.items()]
+        ... # doctest: +NORMALIZE_WHITESPACE
+        [('grad_flow', ['grad_norm', 'update_ratio']), ('alarms', ['grad_flow']),
+         ('activations', ['std']), ('dead_relu', ['dead_fraction'])]
         >>> kind, (per_layer, overall) = layout["lightning_hooks: grad_flow"]["grad_norm"]
         >>> kind, per_layer, bool(re.match(overall, "grad_flow/global/grad_norm_p50"))
         ('Multiline', '^grad_flow/grad_norm/.*', True)
     """
-    ordered = sorted(set(keys), key=lambda k: (k[0], k[1] != "alarms", k[1]))[:MAX_CHARTS]
     layout: dict[str, dict[str, list[Any]]] = {}
-    for family, stat in ordered:
+    for family, stat in sorted(set(keys), key=_chart_rank)[:MAX_CHARTS]:
         fam, st = re.escape(family), re.escape(stat)
-        regexes = [f"^{fam}/{st}/.*"]
-        if stat != "alarms":
-            regexes.append(f"^{fam}/global/{st}(_p\\d+)?$")
+        if stat == "alarms":
+            layout.setdefault(f"{_CATEGORY_PREFIX}: alarms", {})[family] = [
+                "Multiline",
+                [f"^{fam}/alarms/.*"],
+            ]
+            continue
+        regexes = [f"^{fam}/{st}/.*", f"^{fam}/global/{st}(_p\\d+)?$"]
         layout.setdefault(f"{_CATEGORY_PREFIX}: {family}", {})[stat] = ["Multiline", regexes]
     return layout
+
+
+def _chart_rank(key: tuple[str, str]) -> tuple[int, str, int, str]:
+    """Sort key of a chart: its category's rank, then the statistic's."""
+    family, stat = key
+    category = "alarms" if stat == "alarms" else family
+    first = _CATEGORY_ORDER.index(category) if category in _CATEGORY_ORDER else len(_CATEGORY_ORDER)
+    within = _CHART_ORDER.index(stat) if stat in _CHART_ORDER else len(_CHART_ORDER)
+    return first, category, within, f"{family}/{stat}"
 
 
 def record_tags(writer: Any, tags: Iterable[str]) -> None:

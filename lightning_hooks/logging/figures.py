@@ -14,22 +14,29 @@ _MAX_WIDTH = 24.0
 _MAX_LABELS = 60
 
 
+def _label_size(n: int) -> int:
+    """Layer-label font size: large enough for TensorBoard's card when there are few layers."""
+    return 11 if n <= 16 else 9 if n <= 30 else 7
+
+
 def grad_flow_figure(
     layers: Sequence[str], mean_abs: np.ndarray, max_abs: np.ndarray, title: str = ""
 ) -> Figure:
     """Bars of mean and max ``|grad|`` per layer, input layer to output layer, on a log scale.
 
     Zero and non-finite values cannot be drawn on a log axis: they are drawn at the axis floor and
-    marked with a red ``x``.
+    marked with a red ``x``, which the legend names ("zero or non-finite").
 
     Example:
         >>> fig = grad_flow_figure(["a", "b"], np.array([1e-3, 0.0]), np.array([1e-2, 1e-1]))
         >>> fig.axes[0].get_yscale()
         'log'
+        >>> [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+        ['zero or non-finite', 'max |grad|', 'mean |grad|']
     """
     n = len(layers)
     # Bounded size for deep models: at most _MAX_WIDTH inches, at most _MAX_LABELS tick labels.
-    fig = Figure(figsize=(min(_MAX_WIDTH, max(6.0, 0.35 * n + 2.0)), 4.5), layout="constrained")
+    fig = Figure(figsize=(min(_MAX_WIDTH, max(4.5, 0.35 * n + 2.0)), 4.5), layout="constrained")
     ax = fig.add_subplot()
     x = np.arange(n)
     finite = np.concatenate([v[np.isfinite(v) & (v > 0)] for v in (mean_abs, max_abs)])
@@ -37,13 +44,21 @@ def grad_flow_figure(
     for values, label, color in ((max_abs, "max |grad|", "c"), (mean_abs, "mean |grad|", "b")):
         shown = np.where(np.isfinite(values) & (values > 0), values, floor)
         ax.bar(x, shown, width=0.8 if color == "c" else 0.5, color=color, alpha=0.6, label=label)
-        bad = ~(np.isfinite(values) & (values > 0))
-        if bad.any():
-            ax.scatter(x[bad], np.full(int(bad.sum()), floor), color="r", marker="x", zorder=3)
+    bad = ~(np.isfinite(mean_abs) & (mean_abs > 0)) | ~(np.isfinite(max_abs) & (max_abs > 0))
+    if bad.any():
+        ax.scatter(
+            x[bad],
+            np.full(int(bad.sum()), floor),
+            color="r",
+            marker="x",
+            s=60,
+            zorder=3,
+            label="zero or non-finite",
+        )
     ax.set_yscale("log")
     ax.set_ylim(bottom=floor)
     every = -(-n // _MAX_LABELS)
-    ax.set_xticks(x[::every], list(layers)[::every], rotation=90, fontsize=7 if n > 30 else 9)
+    ax.set_xticks(x[::every], list(layers)[::every], rotation=90, fontsize=_label_size(n))
     ax.set_xlim(-1, n)
     ax.set_xlabel("layer (input to output)")
     ax.set_ylabel("|gradient|")
@@ -63,8 +78,9 @@ def layer_epoch_heatmap(
     """``values[layer, epoch]`` as a heatmap: layers top (input) to bottom, epochs left to right.
 
     With ``log=True`` the cells show ``log10`` of the values, and zero cells are blank too.
-    Non-finite cells (a layer that did not run) are left blank (shown grey). Labels and size are
-    capped, so a 1,000-layer model still gives a readable image.
+    Non-finite cells (a layer that did not run) are left blank (shown grey, and the axis says so).
+    Labels are 11 pt up to 16 layers, 9 pt up to 30; labels and size are capped, so a
+    1,000-layer model still gives a readable image.
 
     Example:
         >>> values = np.array([[1.0, 10.0], [0.0, 100.0]])
@@ -74,26 +90,31 @@ def layer_epoch_heatmap(
         >>> fig = layer_epoch_heatmap(["a", "b"], [0, 1], values, log=True)
         >>> fig.axes[0].images[0].get_array().tolist()
         [[0.0, 1.0], [None, 2.0]]
+        >>> fig.axes[0].get_yticklabels()[0].get_fontsize(), fig.axes[0].get_xlabel()
+        (11.0, 'epoch   (grey: zero or no value)')
     """
     n, num_epochs = values.shape
     if log:
         with np.errstate(divide="ignore", invalid="ignore"):
             values = np.log10(np.where(values > 0, values, np.nan))
     cells = np.ma.masked_invalid(values)
-    height = min(_MAX_WIDTH / 2, max(3.0, 0.2 * n + 1.5))
-    fig = Figure(figsize=(min(_MAX_WIDTH, max(5.0, 0.4 * num_epochs + 3.0)), height))
+    # TensorBoard scales an image down to its card (about 330 px wide): a narrow figure with
+    # 11 pt labels and 0.32 inch rows keeps the layer names readable there.
+    height = min(_MAX_WIDTH / 2, max(3.0, 0.32 * n + 1.5))
+    fig = Figure(figsize=(min(_MAX_WIDTH, max(4.2, 0.4 * num_epochs + 2.8)), height))
     fig.set_layout_engine("constrained")
     ax = fig.add_subplot()
     ax.set_facecolor("0.85")
     image = ax.imshow(cells, aspect="auto", interpolation="nearest", cmap="viridis")
     fig.colorbar(image, ax=ax, label="log10" if log else None)
     every_layer = -(-n // _MAX_LABELS)
-    ax.set_yticks(np.arange(n)[::every_layer], list(layers)[::every_layer], fontsize=7)
+    labels = list(layers)[::every_layer]
+    ax.set_yticks(np.arange(n)[::every_layer], labels, fontsize=_label_size(n))
     every_epoch = -(-num_epochs // _MAX_LABELS)
     ax.set_xticks(np.arange(num_epochs)[::every_epoch], [str(e) for e in epochs][::every_epoch])
-    ax.set_xlabel("epoch")
+    ax.set_xlabel("epoch   (grey: zero or no value)" if log else "epoch   (grey: no value)")
     ax.set_ylabel("layer (input to output)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10, wrap=True)
     return fig
 
 

@@ -1,51 +1,75 @@
-"""Histograms binned on the device, written to TensorBoard with ``add_histogram_raw``."""
+"""The one histogram writer: device-binned counts to TensorBoard's ``add_histogram_raw``."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from lightning_hooks.logging.writer import tensorboard_writers
 
-__all__ = ["log_histogram_raw", "write_histogram_raw"]
+__all__ = ["histogram_raw", "log_histogram"]
 
 
-def log_histogram_raw(
-    loggers: Sequence[Any],
-    tag: str,
-    edges: np.ndarray,
+def histogram_raw(
+    limits: np.ndarray,
     counts: np.ndarray,
-    moments: tuple[float, float, float, float],
-    step: int,
-) -> None:
-    """Write pre-binned counts to every TensorBoard logger among ``loggers``.
+    moments: tuple[float, float, float, float] | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of ``SummaryWriter.add_histogram_raw`` for pre-binned counts.
 
     Args:
-        loggers: the Trainer's loggers; those that are not TensorBoard loggers are skipped.
-        tag: the histogram's tag.
-        edges: ``[bins + 1]`` bin edges.
-        counts: ``[bins]`` counts.
-        moments: ``(min, max, sum, sum of squares)`` of the values binned.
-        step: the global step.
+        limits: ``[buckets]`` right edges of the buckets.
+        counts: ``[buckets]`` counts.
+        moments: ``(min, max, sum, sum of squares)`` of the values binned; ``None``: from the
+            bucket centres (the first bucket as wide as the second), the filled buckets' span.
+
+    Example:
+        >>> raw = histogram_raw(np.array([0.0, 1.0, 2.0]), np.array([0.0, 2.0, 1.0]))
+        >>> raw["min"], raw["max"], raw["num"], raw["sum"]
+        (0.0, 2.0, 3.0, 2.5)
     """
+    if moments is None:
+        lower = np.concatenate([[limits[0] - (limits[1] - limits[0])], limits[:-1]])
+        centres = (lower + limits) / 2
+        filled = np.flatnonzero(counts)
+        moments = (
+            float(lower[filled[0]]) if filled.size else 0.0,
+            float(limits[filled[-1]]) if filled.size else 0.0,
+            float((centres * counts).sum()),
+            float((centres**2 * counts).sum()),
+        )
     low, high, total, sum_sq = moments
-    raw = {
+    return {
         "min": low,
         "max": high,
         "num": float(counts.sum()),
         "sum": total,
         "sum_squares": sum_sq,
-        "bucket_limits": [float(e) for e in edges[1:]],
+        "bucket_limits": [float(e) for e in limits],
         "bucket_counts": [float(c) for c in counts],
     }
-    write_histogram_raw(loggers, tag, raw, step)
 
 
-def write_histogram_raw(
-    loggers: Sequence[Any], tag: str, raw: Mapping[str, Any], step: int
+def log_histogram(
+    loggers: Sequence[Any],
+    tag: str,
+    limits: np.ndarray,
+    counts: np.ndarray,
+    step: int,
+    moments: tuple[float, float, float, float] | None = None,
 ) -> None:
-    """Write ``add_histogram_raw`` keyword arguments to every TensorBoard logger."""
+    """Write pre-binned counts to every TensorBoard logger among ``loggers`` (others skipped).
+
+    Args:
+        loggers: the Trainer's loggers.
+        tag: the histogram's tag.
+        limits: ``[buckets]`` right edges.
+        counts: ``[buckets]`` counts.
+        step: the global step.
+        moments: see :func:`histogram_raw`.
+    """
+    raw = histogram_raw(limits, counts, moments)
     for writer in tensorboard_writers(loggers):
         writer.add_histogram_raw(tag, global_step=step, **raw)

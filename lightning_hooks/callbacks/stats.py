@@ -1,0 +1,122 @@
+"""``StatsCallback``: any :class:`~lightning_hooks.core.stat.LayerStat`, logged every epoch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+from typing_extensions import override
+
+from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
+from lightning_hooks.core.registry import HookRegistry
+from lightning_hooks.core.stat import LayerStat
+from lightning_hooks.logging import log_scalars
+
+__all__ = ["StatsCallback"]
+
+
+class _Attached:
+    """The statistics of one fit and the one registry (and sampled gate) they share."""
+
+    def __init__(self, registry: HookRegistry, stats: tuple[LayerStat[Any], ...]) -> None:
+        self.registry = registry
+        self.stats = stats
+
+    def remove(self) -> None:
+        self.registry.remove()
+
+
+class StatsCallback(HookCallback):
+    """Hooks each statistic on the model, logs its tags every epoch, carries it in checkpoints.
+
+    Every statistic's hooks run on the sampled optimizer steps only (``every_n_steps``, as for
+    every callback of the library) and in training forwards only. At each epoch end every
+    statistic's states are reduced across ranks in one collective, copied to the host once,
+    turned into its result and logged at ``trainer.global_step`` under the tags
+    :meth:`LayerStat.tags` gives; then they are reset. A checkpoint holds each statistic's
+    reduced states, so a fit resumed mid-epoch logs what the uninterrupted fit logs.
+
+    Logged metrics: whatever the statistics' :meth:`~lightning_hooks.core.stat.LayerStat.tags`
+    return.
+
+    Args:
+        stats: one statistic or several; each is attached afresh at every fit.
+        every_n_steps: observe optimizer steps ``0, n, 2n, ...`` and each epoch's first step only;
+            ``None`` (default): the Trainer's ``log_every_n_steps``; 1: every step.
+
+    Example:
+        >>> from lightning_hooks.core.activation_stats import ActivationStatsTracker
+        >>> callback = StatsCallback(ActivationStatsTracker(), every_n_steps=1)
+        >>> len(callback.stats)
+        1
+    """
+
+    uses_images = False
+    _tracker: _Attached | None = None
+
+    def __init__(
+        self, stats: LayerStat[Any] | Sequence[LayerStat[Any]], *, every_n_steps: int | None = None
+    ) -> None:
+        items = (stats,) if isinstance(stats, LayerStat) else tuple(_sequence(stats))
+        if not items or not all(isinstance(s, LayerStat) for s in items):
+            raise TypeError(
+                f"StatsCallback(stats={stats!r}): must be a LayerStat or a non-empty sequence "
+                f"of them, got {stats!r}"
+            )
+        self.stats: tuple[LayerStat[Any], ...] = items
+        self.every_n_steps = check_every_n_steps(type(self).__name__, every_n_steps)
+
+    def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:
+        """The statistics to attach for this fit (subclasses build them from their settings)."""
+        return self.stats
+
+    @override
+    def _state_key_fields(self) -> dict[str, Any]:
+        return {"stats": [s.config_key() for s in self.stats]}
+
+    @override
+    def _validate(self, pl_module: pl.LightningModule) -> None:
+        for stat in self.stats:
+            stat.select(pl_module)  # a pattern matching no module raises, naming it
+
+    @override
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        registry = HookRegistry(pl_module)
+        stats = self._make_stats(pl_module)
+        for stat in stats:
+            stat.attach(pl_module, registry)
+        self._tracker = _Attached(registry, stats)
+
+    @property
+    def attached(self) -> tuple[LayerStat[Any], ...]:
+        """The statistics of the running fit (empty outside a fit)."""
+        return () if self._tracker is None else self._tracker.stats
+
+    @override
+    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for stat in self.attached:
+            result = stat.result()
+            stat.reset()
+            log_scalars(trainer.loggers, stat.tags(result), trainer.global_step)
+            self._log_result(trainer, stat, result)
+
+    def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
+        """Log what is not a scalar tag (pictures, warnings): nothing here, subclasses add."""
+
+    @override
+    def _save_state(self) -> dict[str, Any]:
+        return {_key(i, s): s.host_state() for i, s in enumerate(self.attached)}
+
+    @override
+    def _load_state(self, state: dict[str, Any]) -> None:
+        for i, stat in enumerate(self.attached):
+            stat.load_host_state(state[_key(i, stat)])
+
+
+def _sequence(value: Any) -> Sequence[Any]:
+    return value if isinstance(value, Sequence) and not isinstance(value, str) else ()
+
+
+def _key(index: int, stat: LayerStat[Any]) -> str:
+    return f"{index}:{type(stat).__name__}"

@@ -1,0 +1,181 @@
+"""The guard: an error in one of our hooks disables that statistic, never the user's run.
+
+A :class:`Guard` belongs to one statistic (a callback, or a tracker in a plain loop). Hooks
+wrapped by it run their body in ``try``/``except``, which costs nothing in CPython 3.11+ while
+nothing raises. The first exception marks the guard failed and emits one
+:class:`~lightning_hooks.errors.LightningHooksWarning` naming the statistic, the hook and the
+cause; later exceptions of the same statistic are swallowed silently. The owner then removes
+its hooks at the next safe point (a Lightning hook, not in the middle of autograd). With
+``strict`` (or the environment variable ``LIGHTNING_HOOKS_STRICT=1``, which the test suite sets)
+the exception propagates unchanged. The library's own deliberate errors
+(:class:`~lightning_hooks.errors.LightningHooksError`, e.g. ``on_alarm="raise"``) always
+propagate.
+
+Example:
+    >>> import warnings
+    >>> guard = Guard("MyStat", strict=False)
+    >>> hook = guard.wrap(lambda x: 1 / x, "tensor hook")
+    >>> hook(2)
+    0.5
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     hook(0), hook(0)
+    (None, None)
+    >>> len(caught), guard.failed
+    (1, 'tensor hook: ZeroDivisionError: division by zero')
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import wraps
+from typing import Any, TypeVar
+
+from lightning_hooks.errors import LightningHooksError, LightningHooksWarning
+
+__all__ = ["STRICT_ENV", "Guard", "active_guard", "guard_hooks", "guarding", "strict_default"]
+
+STRICT_ENV = "LIGHTNING_HOOKS_STRICT"
+"""Environment variable: ``1`` makes every guard strict (re-raise) unless told otherwise."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_ACTIVE: contextvars.ContextVar[Guard | None] = contextvars.ContextVar(
+    "lightning_hooks_guard", default=None
+)
+
+
+def strict_default() -> bool:
+    """Whether ``LIGHTNING_HOOKS_STRICT`` asks for strict guards (``1``, ``true``, ``yes``, ``on``).
+
+    Example:
+        >>> import os
+        >>> isinstance(strict_default(), bool)
+        True
+    """
+    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class Guard:
+    """Catches the exceptions of one statistic's hooks (see the module docstring).
+
+    Args:
+        name: the statistic, as the warning names it (``"GradFlowCallback"``).
+        strict: re-raise instead of disabling; ``None``: :func:`strict_default`.
+
+    Attributes:
+        failed: ``None`` while healthy, else ``"where: ErrorType: message"`` of the first error.
+        pending: a failure whose hooks the owner has not removed yet (see :meth:`take_pending`).
+    """
+
+    def __init__(self, name: str, *, strict: bool | None = None) -> None:
+        self.name = name
+        self.strict = strict_default() if strict is None else bool(strict)
+        self.failed: str | None = None
+        self.pending = False
+
+    def fail(self, where: str, error: Exception) -> None:
+        """Record ``error`` raised in ``where``: re-raise if strict or ours, else warn once."""
+        if self.strict or isinstance(error, LightningHooksError):
+            raise error
+        if self.failed is not None:
+            return
+        self.failed = f"{where}: {type(error).__name__}: {error}"
+        self.pending = True
+        warnings.warn(
+            f"{self.name} is disabled for the rest of the fit: its {where} raised "
+            f"{type(error).__name__}: {error}. Training goes on without it; set "
+            f"{STRICT_ENV}=1 (or strict=True) to raise instead.",
+            LightningHooksWarning,
+            stacklevel=3,
+        )
+
+    def take_pending(self) -> bool:
+        """``True`` once after a failure: the owner should now remove the statistic's hooks."""
+        pending, self.pending = self.pending, False
+        return pending
+
+    def wrap(self, fn: F, where: str) -> F:
+        """``fn`` with its exceptions handled by :meth:`fail` (returns ``None`` after one).
+
+        Strict guards return ``fn`` itself: nothing is added to the hot path.
+        """
+        if self.strict:
+            return fn
+
+        @wraps(fn)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as error:
+                self.fail(where, error)
+                return None
+
+        return guarded  # type: ignore[return-value]
+
+
+def active_guard() -> Guard | None:
+    """The guard of the Lightning hook now running (hooks registered now are wrapped by it)."""
+    return _ACTIVE.get()
+
+
+@contextmanager
+def guarding(guard: Guard | None) -> Iterator[None]:
+    """Make ``guard`` the :func:`active_guard` inside the block."""
+    token = _ACTIVE.set(guard)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+GUARDED_HOOKS = (
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
+    "on_train_epoch_end",
+    "on_validation_epoch_start",
+    "on_validation_epoch_end",
+)
+"""The Lightning callback hooks :func:`guard_hooks` wraps: every per-step and per-epoch hook.
+``setup`` (configuration errors must stop the fit) and the removal hooks are left alone."""
+
+
+def guard_hooks(cls: type) -> None:
+    """Wrap the :data:`GUARDED_HOOKS` that ``cls`` defines itself.
+
+    The wrapped hook looks up the instance's guard with ``self._hook_guard()`` and, once the
+    guard failed, removes the statistic's hooks with ``self._guard_disable()`` (once) and runs
+    nothing more. Hooks registered inside the call are wrapped by the same guard.
+    """
+    for name in GUARDED_HOOKS:
+        method = cls.__dict__.get(name)
+        if method is not None and not getattr(method, "_lightning_hooks_guarded", False):
+            setattr(cls, name, _guarded_method(method, name))
+
+
+def _guarded_method(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+    @wraps(method)
+    def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
+        guard: Guard = self._hook_guard()
+        if guard.failed is None:
+            with guarding(guard):
+                try:
+                    return method(self, *args, **kwargs)
+                except Exception as error:
+                    guard.fail(f"{name} hook", error)
+        if guard.take_pending():
+            self._guard_disable()
+        return None
+
+    hook._lightning_hooks_guarded = True  # type: ignore[attr-defined]
+    return hook

@@ -1,0 +1,381 @@
+"""``LayerStat``: one per-layer statistic on torchmetrics' state machinery, the one pipeline.
+
+A statistic declares its device states (dtype, reduction, one row per layer or a run of entries
+per unit), its hooks (a forward hook by default: :meth:`LayerStat.observe`), how the reduced
+states become a host result (:meth:`LayerStat.summarize`) and which tags that result gives
+(:meth:`LayerStat.tags`). The base owns the rest: module selection, attach / remove through a
+:class:`~lightning_hooks.core.registry.HookRegistry` (whose ``sampled`` flag gates the hooks),
+ONE packed collective for every state, one device-to-host copy, reset and the checkpoint state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+import numpy as np
+import torch
+from torch import nn
+from torchmetrics import Metric
+
+from lightning_hooks.core.distributed import all_gather_stacked, rank
+from lightning_hooks.core.registry import HookOwner, HookRegistry
+from lightning_hooks.core.selection import Selection
+from lightning_hooks.core.tensors import is_training_forward
+
+__all__ = ["LayerStat", "Reduce", "StateSpec"]
+
+Reduce = Literal["sum", "max", "min", "same"]
+Kind = Literal["layer", "unit", "global"]
+"""How a state pools across ranks: ``"same"`` holds values every rank shares (bin edges)."""
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One declared state: ``[rows, *width]`` per layer, a flat run of entries per unit, or one
+    ``[*width]`` tensor for the whole model (``kind="global"``)."""
+
+    name: str
+    reduce: Reduce
+    dtype: torch.dtype
+    width: tuple[int, ...] = ()
+    kind: Kind = "layer"
+    fill: float | None = None
+
+    @property
+    def identity(self) -> float:
+        """The value of a fresh entry (and of a reset one, unless ``reduce == "same"``)."""
+        if self.fill is not None:
+            return self.fill
+        if self.reduce in ("sum", "same"):
+            return 0.0
+        low, high = _extremes(self.dtype)
+        return low if self.reduce == "max" else high
+
+
+def _extremes(dtype: torch.dtype) -> tuple[float, float]:
+    if dtype.is_floating_point:
+        return -torch.inf, torch.inf
+    if dtype == torch.bool:
+        return 0.0, 1.0
+    info = torch.iinfo(dtype)
+    return float(info.min), float(info.max)
+
+
+def _pack_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+class LayerStat(Metric, HookOwner, Generic[R]):
+    """Base of every per-layer statistic: states on the device, one collective, one copy.
+
+    Subclasses declare states in ``__init__`` with :meth:`add_layer_state` /
+    :meth:`add_unit_state`, implement :meth:`observe` (or override :meth:`hook_module` for other
+    hooks), :meth:`summarize` and :meth:`tags`. Rows are created by :meth:`row` the first time a
+    layer is observed (or up front), in execution order; every rank runs the same model, so every
+    rank has the same rows when :meth:`result` reduces them. Values a hook keeps on the host
+    (Python counters) are moved into the states by :meth:`flush`, which the base calls before
+    every reduce and checkpoint.
+
+    Args:
+        selection: which modules to hook (``None``: none; rows are made by the caller).
+
+    Example:
+        >>> class Peak(LayerStat[dict[str, float]]):
+        ...     def __init__(self) -> None:
+        ...         super().__init__(Selection.of("Peak", types=nn.Linear))
+        ...         self.add_layer_state("peak", reduce="max")
+        ...     def observe(self, name, module, output):
+        ...         row = self.row(name)
+        ...         self.peak[row] = torch.maximum(self.peak[row], output.detach().abs().max())
+        ...     def summarize(self, states):
+        ...         return dict(zip(self.layers, states["peak"].tolist()))
+        ...     def tags(self, result):
+        ...         return {f"peak/{k}": v for k, v in result.items()}
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+        >>> with Peak().attach(model) as stat:
+        ...     _ = model(torch.ones(3, 2))
+        ...     sorted(stat.tags(stat.result()))
+        ['peak/0', 'peak/2']
+    """
+
+    full_state_update = False
+    tag_prefix = ""
+
+    def __init__(self, selection: Selection | None = None) -> None:
+        super().__init__(sync_on_compute=True, compute_with_cache=False)
+        self.selection = selection
+        self.specs: dict[str, StateSpec] = {}
+        self.rows: dict[str, int] = {}
+        self.units: list[int] = []
+        self._starts: list[int] = []  # where each row's entries begin in the per-unit states
+        self.registry: HookRegistry | None = None  # type: ignore[assignment]
+        self._hooked: tuple[str, ...] = ()
+
+    # --- declaring states -------------------------------------------------------------------
+
+    def add_layer_state(
+        self,
+        name: str,
+        *,
+        reduce: Reduce,
+        width: Sequence[int] = (),
+        dtype: torch.dtype = torch.float64,
+        fill: float | None = None,
+    ) -> None:
+        """Declare a ``[rows, *width]`` state, pooled across ranks with ``reduce``."""
+        self._declare(StateSpec(name, reduce, dtype, tuple(width), "layer", fill))
+
+    def add_unit_state(
+        self,
+        name: str,
+        *,
+        reduce: Reduce,
+        dtype: torch.dtype = torch.float64,
+        fill: float | None = None,
+    ) -> None:
+        """Declare a flat state holding ``units`` entries per row (see :meth:`unit_slice`)."""
+        self._declare(StateSpec(name, reduce, dtype, (), "unit", fill))
+
+    def add_global_state(
+        self,
+        name: str,
+        *,
+        reduce: Reduce,
+        width: Sequence[int] = (1,),
+        dtype: torch.dtype = torch.float64,
+    ) -> None:
+        """Declare one ``[*width]`` state for the whole model (a step count, a step time)."""
+        self._declare(StateSpec(name, reduce, dtype, tuple(width), "global"))
+
+    def _declare(self, spec: StateSpec) -> None:
+        self.specs[spec.name] = spec
+        self.add_state(spec.name, self._fresh(spec, 0, self.device), dist_reduce_fx=None)
+
+    @staticmethod
+    def _fresh(spec: StateSpec, rows: int, device: torch.device) -> torch.Tensor:
+        shape = {"layer": (rows, *spec.width), "unit": (rows,), "global": spec.width}[spec.kind]
+        mps_double = device.type == "mps" and spec.dtype == torch.float64
+        dtype = torch.float32 if mps_double else spec.dtype  # MPS has no float64
+        return torch.full(shape, spec.identity, dtype=dtype, device=device)
+
+    # --- rows ------------------------------------------------------------------------------
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """Row names, in the order they were created."""
+        return tuple(self.rows)
+
+    def row(self, name: str, units: int = 0) -> int:
+        """The row of ``name``, created (every state grown) the first time, with ``units`` units.
+
+        Raises:
+            ValueError: the row exists with another number of units.
+        """
+        index = self.rows.get(name)
+        if index is not None:
+            if self.units[index] != units:
+                raise ValueError(
+                    f"{type(self).__name__}: layer {name!r} had {self.units[index]} units, "
+                    f"now {units}; pass the unit dimension whose size does not change"
+                )
+            return index
+        index = self.rows[name] = len(self.rows)
+        self._starts.append(sum(self.units))
+        self.units.append(units)
+        for spec in self.specs.values():
+            if spec.kind != "global":
+                old: torch.Tensor = getattr(self, spec.name)
+                new = self._fresh(spec, units if spec.kind == "unit" else 1, old.device)
+                setattr(self, spec.name, torch.cat([old, new]))
+        return index
+
+    def unit_slice(self, row: int) -> slice:
+        """Where ``row``'s entries lie in a per-unit state."""
+        start = self._starts[row]
+        return slice(start, start + self.units[row])
+
+    # --- hooks -----------------------------------------------------------------------------
+
+    def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> LayerStat[R]:
+        """Forget every row and hook the selected modules of ``model`` (through ``registry``).
+
+        Returns ``self``, a context manager that removes the hooks on exit.
+        """
+        self.remove()
+        self.rows, self.units, self._starts = {}, [], []
+        device = _model_device(model)
+        for spec in self.specs.values():
+            setattr(self, spec.name, self._fresh(spec, 0, device))
+        self.to(device)
+        self.registry = HookRegistry(model) if registry is None else registry
+        chosen = {name for name, _ in self.select(model)}
+        # Through the registry: it warns once about selected modules that run no Python hooks.
+        selected = self.registry.modules(where=lambda name, _: name in chosen)
+        self._hooked = tuple(name for name, _ in selected)
+        for name, module in selected:
+            self.hook_module(self.registry, name, module)
+        return self
+
+    def config_key(self) -> str:
+        """What tells two instances' checkpoint states apart (default: the class and selection)."""
+        return f"{type(self).__name__}:{self.selection!r}"
+
+    def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The modules to hook: :attr:`selection`'s (override to add others)."""
+        return [] if self.selection is None else self.selection.modules(model)
+
+    def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
+        """Register the hooks of one selected module: a gated forward hook by default."""
+        registry.forward_hook(module, self._forward_hook(name), gated=True)
+
+    def _forward_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if is_training_forward(module):
+                with torch.no_grad():
+                    self.observe(name, module, output)
+
+        return hook
+
+    def observe(self, name: str, module: nn.Module, output: Any) -> None:
+        """Measure one training output of module ``name`` into the states (no host sync)."""
+        raise NotImplementedError
+
+    def remove(self) -> None:
+        """Remove every hook this statistic registered (idempotent)."""
+        if self.registry is not None:
+            self.registry.remove()
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    # --- reduce, result, reset ---------------------------------------------------------------
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """Unused by hooked statistics: their hooks write into the states (see :meth:`observe`)."""
+        raise NotImplementedError(f"{type(self).__name__} is fed by its hooks, not update()")
+
+    def compute(self) -> Any:
+        """Every state by name, on the device (reduced across ranks inside ``Metric.compute``)."""
+        return {name: getattr(self, name) for name in self.specs}
+
+    def flush(self) -> None:
+        """Move values kept on the host into the states (override; called before a reduce)."""
+
+    def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
+        # One all-gather of every state packed together, whatever their number and dtypes.
+        names = list(self.specs)
+        tensors = [getattr(self, n) for n in names]
+        dtype = _pack_dtype(self.device)
+        packed = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+        gathered = all_gather_stacked(packed, process_group)
+        offset = 0
+        for name, tensor in zip(names, tensors, strict=True):
+            part = gathered[:, offset : offset + tensor.numel()]
+            offset += tensor.numel()
+            setattr(
+                self, name, _pool(part, self.specs[name].reduce).to(tensor.dtype).view_as(tensor)
+            )
+
+    def _host_states(self) -> dict[str, np.ndarray]:
+        """Every state reduced across ranks and copied to the host in one copy (a collective)."""
+        self.flush()
+        names = list(self.specs)
+        with self.sync_context():
+            tensors = [getattr(self, n) for n in names]
+            dtype = _pack_dtype(self.device)
+            packed = torch.cat([t.reshape(-1).to(dtype) for t in tensors]) if tensors else None
+            host = np.zeros(0) if packed is None else packed.cpu().double().numpy()
+        out, offset = {}, 0
+        for name, tensor in zip(names, tensors, strict=True):
+            out[name] = host[offset : offset + tensor.numel()].reshape(tensor.shape)
+            offset += tensor.numel()
+        return out
+
+    def result(self) -> R:
+        """The statistic so far, reduced across ranks (every rank must call it)."""
+        return self.summarize(self._host_states())
+
+    def summarize(self, states: dict[str, np.ndarray]) -> R:
+        """Turn the reduced host states (float64 arrays) into the result."""
+        raise NotImplementedError
+
+    def tags(self, result: R) -> dict[str, float]:
+        """The scalars ``result`` gives, by tag."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Start a new period: every state but ``"same"`` ones back to its identity; rows kept."""
+        self.flush()
+        for spec in self.specs.values():
+            if spec.reduce != "same":
+                getattr(self, spec.name).fill_(spec.identity)
+        self._update_count = 0
+        self._cache = None
+        self._is_synced = False
+
+    # --- checkpoint ------------------------------------------------------------------------
+
+    def host_state(self) -> dict[str, Any]:
+        """Rows, units and every state reduced across ranks, on the host (a collective)."""
+        states = self._host_states()
+        saved: dict[str, Any] = {"layers": list(self.rows), "units": list(self.units)}
+        for name, spec in self.specs.items():
+            saved[name] = torch.from_numpy(states[name]).to(spec.dtype)
+        return saved
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`host_state`: sums on rank 0 only, so the next reduce counts them once.
+
+        Raises:
+            ValueError: the state names layers this statistic does not watch.
+            KeyError: the state lacks one of this statistic's states.
+        """
+        layers = tuple(state["layers"])
+        self.check_layers(layers)
+        units = state.get("units") or [0] * len(layers)
+        for name, n in zip(layers, units, strict=True):
+            self.row(name, int(n))
+        if self.layers != layers:
+            raise ValueError(f"saved for layers {layers!r}; this one has {self.layers!r}")
+        for name, spec in self.specs.items():
+            target: torch.Tensor = getattr(self, name)
+            saved = torch.as_tensor(state[name])
+            if saved.shape != target.shape:
+                raise ValueError(f"{name}: saved shape {tuple(saved.shape)}, now {target.shape}")
+            if spec.reduce == "sum" and rank() != 0:
+                target.fill_(spec.identity)
+            else:
+                target.copy_(saved)
+
+    def check_layers(self, layers: tuple[str, ...]) -> None:
+        """Raise ``ValueError`` unless each saved row belongs to a hooked module."""
+        hooked = self.hooked_names()
+        foreign = [n for n in layers if not any(n == h or n.startswith(h + ".") for h in hooked)]
+        if foreign:
+            raise ValueError(
+                f"{type(self).__name__}: saved for layers {foreign!r}, which it does not watch"
+            )
+
+    def hooked_names(self) -> tuple[str, ...]:
+        """Names a saved row may start with: the hooked modules' and the rows made so far."""
+        return (*self._hooked, *self.layers)
+
+
+def _pool(part: torch.Tensor, reduce: Reduce) -> torch.Tensor:
+    if reduce == "sum":
+        return part.sum(0)
+    if reduce == "max":
+        return part.amax(0)
+    if reduce == "min":
+        return part.amin(0)
+    return part[0]
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")

@@ -1,0 +1,112 @@
+"""The README's story of ``./dev demo``, sentence by sentence, against the demo's event files.
+
+The demo runs once per session (``examples/demo.py`` in-process, both runs, three epochs); each
+test quotes one claim of the README (it must appear there verbatim, so README and test change
+together) and checks it on the scalars read back from the event files with TensorBoard's own
+reader, independently of the library's report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import runpy
+from pathlib import Path
+
+import pytest
+
+from conftest import read_image_tags, read_scalars
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+LAYERS = [
+    "features.0",
+    "features.1",
+    "features.3",
+    "features.4",
+    "features.7",
+    "features.8",
+    "classifier.1",
+    "classifier.3",
+]
+Scalars = dict[str, list[tuple[int, float]]]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The demo's log directory and what it printed."""
+    logdir = tmp_path_factory.mktemp("demo") / "runs"
+    module = runpy.run_path(str(ROOT / "examples" / "demo.py"), run_name="demo")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        module["main"](["--logdir", str(logdir)])
+    return logdir, printed.getvalue()
+
+
+def _run(demo: tuple[Path, str], name: str) -> Scalars:
+    return read_scalars(demo[0] / name)
+
+
+def _claim(sentence: str) -> None:
+    assert sentence in " ".join(README.split()), f"the README no longer says: {sentence!r}"
+
+
+def _per_epoch(scalars: Scalars, tag: str) -> list[float]:
+    return [value for _, value in scalars[tag]]
+
+
+def test_healthy_learns_with_gradient_in_every_layer(demo: tuple[Path, str]) -> None:
+    _claim("`runs/healthy` reaches about 98% validation accuracy")
+    _claim("every one of its 8 layers passes a gradient in every epoch and no alarm fires")
+    healthy = _run(demo, "healthy")
+    assert _per_epoch(healthy, "val/acc")[-1] >= 0.95
+    layers = {t.rsplit("/", 1)[1] for t in healthy if t.startswith("grad_flow/grad_norm/")}
+    assert sorted(layers) == sorted(LAYERS)
+    for layer in LAYERS:
+        norms = _per_epoch(healthy, f"grad_flow/grad_norm/{layer}")
+        assert len(norms) == 3 and all(n > 0 for n in norms), layer
+    alarms = [v for t, e in healthy.items() if "/alarms/" in t for _, v in e]
+    assert alarms and sum(alarms) == 0
+
+
+def test_broken_explodes_in_its_second_epoch(demo: tuple[Path, str]) -> None:
+    _claim("In its second epoch the gradients explode")
+    _claim("the global gradient norm is over 10x that of the first epoch")
+    _claim("`spike` alarms fire (most of them in that epoch)")
+    broken = _run(demo, "broken")
+    norm = _per_epoch(broken, "grad_flow/global/grad_norm")
+    assert norm[1] > 10 * norm[0], norm
+    spikes = _per_epoch(broken, "grad_flow/alarms/spike")
+    assert spikes[1] > sum(spikes) / 2, spikes
+
+
+def test_broken_has_no_gradient_but_in_its_output_layer_in_its_last_epoch(
+    demo: tuple[Path, str],
+) -> None:
+    _claim("In its third epoch the gradient is gone")
+    _claim("every layer but the output layer `classifier.3` gets exactly zero gradient")
+    broken = _run(demo, "broken")
+    for layer in LAYERS[:-1]:
+        for stat in ("grad_norm", "grad_abs_mean", "grad_abs_max"):  # the chart, the heatmap
+            assert _per_epoch(broken, f"grad_flow/{stat}/{layer}")[-1] == 0.0, (layer, stat)
+        assert _per_epoch(broken, f"grad_flow/grad_norm/{layer}")[0] > 0, "alive at the start"
+    assert _per_epoch(broken, "grad_flow/grad_norm/classifier.3")[-1] > 0
+    assert {"grad_flow/chart", "grad_flow/heatmap"} <= set(read_image_tags(demo[0] / "broken"))
+
+
+def test_broken_relus_are_dead_and_it_guesses(demo: tuple[Path, str]) -> None:
+    _claim("`classifier.2`, the ReLU before the output layer, has every unit dead")
+    _claim("ends near chance, about 11% validation accuracy")
+    broken = _run(demo, "broken")
+    assert _per_epoch(broken, "dead_relu/dead_fraction/classifier.2")[-1] == 1.0
+    assert _per_epoch(broken, "val/acc")[-1] <= 0.15
+
+
+def test_the_report_names_the_alarms(demo: tuple[Path, str]) -> None:
+    _claim("the report's last line for it counts the alarms: `alarms: grad_flow/spike=")
+    broken = _run(demo, "broken")
+    total = math.fsum(_per_epoch(broken, "grad_flow/alarms/spike"))
+    summary = demo[1].split("== summary")[1]
+    assert f"alarms: grad_flow/spike={total:g}" in summary
+    assert f"`alarms: grad_flow/spike={total:g}`" in README, "the README quotes the count"

@@ -1,0 +1,63 @@
+"""What importing the package costs: the core without Lightning, a CLI that answers at once.
+
+Each check runs in a fresh interpreter: this test process has long imported everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import lightning_hooks
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("lightning", "pytorch_lightning", "tensorboard", "matplotlib", "torch")
+
+
+def _modules_after(statement: str) -> set[str]:
+    """The top-level modules (and our subpackages) a fresh interpreter holds after ``statement``."""
+    probe = f"import sys, json\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env
+    ).stdout
+    return set(json.loads(out.splitlines()[-1]))
+
+
+def test_core_imports_neither_lightning_nor_tensorboard() -> None:
+    loaded = _modules_after("import lightning_hooks.core")
+    assert "torch" in loaded  # the probe does see what was imported
+    assert not {"lightning", "pytorch_lightning", "tensorboard"} & loaded
+    assert not {"lightning_hooks.callbacks", "lightning_hooks.logging"} & loaded
+
+
+def test_package_import_is_lazy_and_names_resolve() -> None:
+    assert not set(HEAVY) & _modules_after("import lightning_hooks")
+    loaded = _modules_after("from lightning_hooks import GradFlowCallback")
+    assert {"pytorch_lightning", "lightning_hooks.callbacks.grad_flow"} <= loaded
+    for name in lightning_hooks.__all__:
+        assert getattr(lightning_hooks, name).__name__ == name
+    assert set(lightning_hooks.__all__) <= set(dir(lightning_hooks))
+    with pytest.raises(AttributeError, match="has no attribute 'GradFlowCalback'"):
+        _ = lightning_hooks.GradFlowCalback  # type: ignore[attr-defined]
+
+
+def test_cli_help_answers_in_under_a_second_without_torch() -> None:
+    assert not set(HEAVY) & _modules_after(
+        "from lightning_hooks.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "lightning_hooks.cli", "--help"]
+    subprocess.run(command, capture_output=True, check=True, env=env)  # warm the file cache
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+    elapsed = time.perf_counter() - start
+    assert "report" in done.stdout
+    assert elapsed < 1.0, f"lightning-hooks --help took {elapsed:.2f} s"

@@ -1,0 +1,167 @@
+"""The README and the docs pages: every table renders, every Python block runs, the site builds.
+
+Tables are checked on markdown-it-py's own parse (the CommonMark + GFM-tables parser the
+rendered pages agree with): a line that starts with ``|`` outside a rendered table is a stray
+row, and every row of a table has the header's number of cells.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+IDS = [str(p.relative_to(ROOT)) for p in PAGES]
+MarkdownIt = pytest.importorskip("markdown_it").MarkdownIt
+
+
+def _tokens(text: str) -> list[Any]:
+    return list(MarkdownIt("commonmark").enable("table").parse(text))
+
+
+def _cells(line: str) -> int:
+    """GFM cells of a table row: split on pipes not escaped with a backslash."""
+    inner = line.strip().removeprefix("|").removesuffix("|")
+    return len(re.split(r"(?<!\\)\|", inner))
+
+
+def table_problems(text: str) -> list[str]:
+    """Stray table rows and rows whose cell count differs from their header's."""
+    lines = text.splitlines()
+    covered: set[int] = set()
+    problems = []
+    for token in _tokens(text):
+        if token.type in ("fence", "code_block", "html_block") and token.map:
+            covered.update(range(*token.map))
+        if token.type == "table_open" and token.map:
+            start, end = token.map
+            covered.update(range(start, end))
+            width = _cells(lines[start])
+            problems += [
+                f"line {i + 1}: {_cells(lines[i])} cells, the header has {width}"
+                for i in range(start, end)
+                if _cells(lines[i]) != width
+            ]
+    problems += [
+        f"line {i + 1}: a table row outside any table: {line[:60]!r}"
+        for i, line in enumerate(lines)
+        if line.lstrip().startswith("|") and i not in covered
+    ]
+    return problems
+
+
+def test_the_table_check_catches_both_faults() -> None:
+    cut = "| a | b |\n| --- | --- |\n| 1 | 2 |\n\n| 3 | 4 |\n"
+    assert table_problems(cut) == ["line 5: a table row outside any table: '| 3 | 4 |'"]
+    wide = "| a | b |\n|---|---|---|\n| 1 | 2 | 3 |\n"
+    assert len(table_problems(wide)) == 3  # not a table at all: every row is stray
+    ragged = "| a | b |\n| --- | --- |\n| 1 | 2 | 3 |\n| `x \\| y` | 2 |\n"
+    assert table_problems(ragged) == ["line 3: 3 cells, the header has 2"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=IDS)
+def test_every_table_renders(page: Path) -> None:
+    assert table_problems(page.read_text()) == []
+
+
+def test_the_readme_is_a_five_minute_read() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < 250
+    text = "\n".join(lines)
+    assert "./dev demo" in text and "./dev test" in text
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page.name != "index.md":
+            assert f"docs/{page.name}" in text, f"the README does not link {page.name}"
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+        if not target.startswith(("http://", "https://")):
+            assert (ROOT / target).exists(), f"the README links {target}, which does not exist"
+
+
+class DocNet(pl.LightningModule):
+    """The ``model`` the documentation's snippets train: a stem, a ``layer4`` and an ``fc``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU())
+        self.layer4 = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())
+        self.fc = nn.Sequential(nn.Flatten(), nn.Linear(4 * 8 * 8, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.layer4(self.stem(x)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return _loader()
+
+
+def _loader() -> DataLoader[Any]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 1, 8, 8, generator=generator)
+    return DataLoader(TensorDataset(x, (x.mean((1, 2, 3)) > 0).long()), batch_size=8)
+
+
+def _python_blocks() -> list[tuple[str, str]]:
+    blocks = []
+    for page, name in zip(PAGES, IDS, strict=True):
+        fences = [t for t in _tokens(page.read_text()) if t.type == "fence"]
+        for token in fences:
+            if token.info.strip() == "python" and token.map:
+                blocks.append((f"{name}:{token.map[0] + 1}", token.content))
+    return blocks
+
+
+BLOCKS = _python_blocks()
+
+
+@pytest.mark.parametrize("code", [c for _, c in BLOCKS], ids=[n for n, _ in BLOCKS])
+def test_every_python_block_runs(
+    code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the snippets' Trainers log under ./lightning_logs, ./runs
+    pl.seed_everything(0, verbose=False)
+    model = DocNet()
+    namespace: dict[str, Any] = {
+        "__name__": "__doc_snippet__",
+        "model": model,
+        "train_loader": _loader(),
+        "loader": _loader(),
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.05),
+        "loss_fn": nn.functional.cross_entropy,
+        "my_hook": lambda module, inputs, output: None,
+        "bank": [],
+        "nn": nn,
+        "pl": pl,
+    }
+    code = code.replace("max_epochs=10", "max_epochs=2")  # the same code, a shorter fit
+    exec(compile(code, "<doc snippet>", "exec"), namespace)
+
+
+def test_the_docs_site_builds_in_strict_mode(tmp_path: Path) -> None:
+    pytest.importorskip("mkdocs")  # the dev extra; `./dev test` builds the site too
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "cli" / "index.html").is_file()

@@ -1,0 +1,102 @@
+"""StatsCallback and the one Selection: the example statistic, argument errors, naming."""
+
+from __future__ import annotations
+
+import re
+import runpy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lightning_hooks import (
+    ActivationStatsCallback,
+    DeadReLUCallback,
+    LayerTimeCallback,
+    SaturationCallback,
+)
+from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.core.selection import Selection
+
+from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_stat.py"
+
+
+def test_the_example_logs_its_statistic_every_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    runpy.run_path(str(EXAMPLE), run_name="__main__")
+    scalars = read_scalars(tmp_path / "runs" / "custom_stat")
+    assert sorted(t for t in scalars if t.startswith("output_rms/")) == [
+        "output_rms/net.0",
+        "output_rms/net.2",
+    ]
+    assert [s for s, _ in scalars["output_rms/net.0"]] == [8, 16, 24]
+
+
+def test_a_user_statistic_matches_plain_torch_in_a_fit(tmp_path: Path) -> None:
+    output_rms: Any = runpy.run_path(str(EXAMPLE))["OutputRMS"]
+    outputs: list[torch.Tensor] = []
+    model = TinyMLP()
+    model.net[2].register_forward_hook(
+        lambda m, a, out: outputs.append(out.detach().clone()) if m.training else None
+    )
+    stat = output_rms()
+    make_trainer(tmp_path, callbacks=[StatsCallback(stat, every_n_steps=2)]).fit(model)
+    sampled = torch.cat([outputs[0], outputs[2]])  # steps 0 and 2 of 4
+    logged = dict(read_scalars(tmp_path)["output_rms/net.2"])[4]
+    assert np.isclose(logged, float(sampled.square().mean().sqrt()), rtol=1e-6)
+    model.net[2]._forward_hooks.clear()
+    assert hooks_left(model) == []
+
+
+def test_stats_callback_refuses_what_is_not_a_layer_stat() -> None:
+    with pytest.raises(TypeError, match=r"StatsCallback\(stats=\[\]\): must be a LayerStat"):
+        StatsCallback([])
+    with pytest.raises(TypeError, match=r"StatsCallback\(stats=3\): must be a LayerStat"):
+        StatsCallback(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("make", "argument"),
+    [
+        (lambda: DeadReLUCallback(pre_activation="net.9"), "DeadReLUCallback(pre_activation="),
+        (lambda: DeadReLUCallback(include="net.9"), "DeadReLUCallback(include="),
+        (lambda: ActivationStatsCallback(exclude="net.9"), "ActivationStatsCallback(exclude="),
+        (lambda: SaturationCallback(include="net.9"), "SaturationCallback(include="),
+        (lambda: LayerTimeCallback(include="net.9"), "LayerTimeCallback(include="),
+    ],
+)
+def test_a_pattern_matching_nothing_names_the_argument_the_user_passed(
+    make: Any, argument: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"{argument}'net.9') matches no")):
+        make_trainer(tmp_path, callbacks=[make()]).fit(TinyMLP())
+
+
+def test_selection_validates_types_and_patterns_once() -> None:
+    with pytest.raises(TypeError, match=r"Cb\(types=3\): must be an nn.Module subclass"):
+        Selection.of("Cb", types=3)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"Cb\(layers=\[1\]\): must be a glob pattern \(str\).*got 1"
+    ):
+        Selection.of("Cb", include=[1], arguments=("layers", "exclude"))  # type: ignore[list-item]
+    picked = Selection.of("Cb", types=nn.Linear, exclude="net.4").modules(TinyMLP())
+    assert [name for name, _ in picked] == ["net.0", "net.2"]
+
+
+def test_state_keys_tell_configurations_apart() -> None:
+    keys = {
+        DeadReLUCallback().state_key,
+        DeadReLUCallback(pre_activation="net.0").state_key,
+        DeadReLUCallback(exclude="net.1").state_key,
+        ActivationStatsCallback().state_key,
+        ActivationStatsCallback(types=nn.Linear).state_key,
+    }
+    assert len(keys) == 5
+    assert DeadReLUCallback(include="a").state_key == DeadReLUCallback(include=["a"]).state_key

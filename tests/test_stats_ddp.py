@@ -1,0 +1,97 @@
+"""LayerStat callbacks under DDP (gloo, 2 CPU processes) against one process on the same global
+batches, and the user-defined statistic of ``examples/custom_stat.py`` against plain torch."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ddp_run import SAMPLES, DeepMLP
+from ddp_stats_run import fit
+
+from conftest import read_scalars
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER_ENV = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+PREFIXES = ("output_rms/", "activations/", "dead_relu/", "saturation/")
+
+
+@pytest.fixture(scope="module")
+def ddp_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ddp_stats")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "ddp_stats_run.py"), "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+class _Recorder:
+    """Every Linear output of the training forwards, kept by plain hooks of the test's own."""
+
+    def __init__(self, model: DeepMLP) -> None:
+        self.outputs: dict[str, list[torch.Tensor]] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(self._hook(name))
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+            if module.training and torch.is_grad_enabled():
+                self.outputs.setdefault(name, []).append(output.detach().double().clone())
+
+        return hook
+
+
+def test_output_rms_under_ddp_equals_plain_torch_on_the_global_batches(ddp_out: Path) -> None:
+    model = DeepMLP(depth=3, batch_size=SAMPLES // 4)
+    recorder = _Recorder(model)
+    model.train()
+    loader = model.train_dataloader()
+    optimizer = model.configure_optimizers()
+    ddp = read_scalars(ddp_out / "tb")
+    for epoch, step in enumerate((4, 8)):
+        for x, y in loader:  # the same plain SGD steps the fit took
+            optimizer.zero_grad()
+            model.training_step((x, y), 0).backward()
+            optimizer.step()
+        for name, outputs in recorder.outputs.items():
+            x = torch.cat([o.flatten() for o in outputs[4 * epoch : 4 * epoch + 4]])
+            want = float(x.square().mean().sqrt())
+            ((got,),) = [[v for s, v in ddp[f"output_rms/{name}"] if s == step]]
+            assert math.isclose(got, want, rel_tol=1e-5), (name, epoch, got, want)
+    assert len(recorder.outputs) == 4
+
+
+def test_every_layer_stat_under_ddp_equals_one_process(ddp_out: Path, tmp_path: Path) -> None:
+    fit(tmp_path, devices=1).restore()
+    single, ddp = read_scalars(tmp_path / "tb"), read_scalars(ddp_out / "tb")
+    tags = {t for t in single if t.startswith(PREFIXES)}
+    assert {t.split("/")[0] + "/" for t in tags} == set(PREFIXES)
+    assert {t for t in ddp if t.startswith(PREFIXES)} == tags
+    for tag in sorted(tags):
+        assert [s for s, _ in ddp[tag]] == [s for s, _ in single[tag]] == [4, 8], tag
+        for (_, got), (_, want) in zip(ddp[tag], single[tag], strict=True):
+            assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-9), (tag, got, want)
+
+
+def test_one_collective_per_statistic_per_epoch(ddp_out: Path) -> None:
+    for rank in (0, 1):
+        report = json.loads((ddp_out / f"rank{rank}.json").read_text())
+        assert [e["ours"] for e in report["epochs"]] == [4, 4]  # one per callback
+        assert report["ours"] == {"all_gather": 8}
