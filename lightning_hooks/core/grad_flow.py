@@ -41,6 +41,7 @@ _OUTPUT = GRAD_FLOW_STATS.index("output_grad_norm")
 _WEIGHT = GRAD_FLOW_STATS.index("weight_norm")
 _PRECLIP = GRAD_FLOW_STATS.index("grad_norm_preclip")
 _GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
+_ALL = slice(0, len(GRAD_STATS))
 _SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the gradient
 
 
@@ -342,16 +343,14 @@ class GradFlowTracker(HookOwner):
         if not view.params:
             return
         grads = ParamLayout.grads(view.params)
-        local = param_norms(grads)  # the sentinel's one pass, reused by the full statistics
-        whole = local if self.shards is None else self.shards.reduce(norms=[local])[0][0]
-        if param_grad_scale is not None:
-            whole = whole / param_grad_scale
-        norm = segment_norm(whole, view.index, len(view.rows) - 1, view.unique)
         missing = tuple(p.grad is None for p in view.params)
         valid = view.grad_mask(missing) if any(missing) else None
+        stats = self._step_stats(view, grads, full=sampled and not self._post_clip)
+        if param_grad_scale is not None:
+            stats[:, _SCALED] /= param_grad_scale
         if alarms is not None:
             alarms.update(
-                norm,
+                stats[:, 0],
                 view.rows,
                 step=step,
                 amp=grad_scale is not None,
@@ -362,47 +361,46 @@ class GradFlowTracker(HookOwner):
         self._backward_order.clear()
         if not sampled:
             return
-        self._observe_sampled(view, grads, local, norm, valid, param_grad_scale)
+        if self._post_clip:  # the gradient the optimizer applies is read in the step post-hook
+            cells = None if valid is None else valid[:, [0, _WEIGHT]]
+            values = stats[:, [0, _WEIGHT]]
+            self.accumulator.update(values, [_PRECLIP, _WEIGHT], view.rows, cells, replicated=True)
+        else:
+            self.accumulator.update(stats, _ALL, view.rows, valid, replicated=True)
+        if self._update_ratio:
+            torch._foreach_copy_(view.before, [to_local(p) for p in view.params])
+            view.weight_norm = stats[:, _WEIGHT]
         if self._output_grad:
             self._drop_other_backward(optimizer, view)
             self._observe_output_grad(view.rows[:-1], grad_scale)
             self._clear_unowned()
             self._mark_other_optimizers(optimizer)
 
+    def _step_stats(
+        self, view: _OptimizerView, grads: list[torch.Tensor], *, full: bool
+    ) -> torch.Tensor:
+        """``[rows, GRAD_STATS]``: every column (``full``), else the sentinel's: the gradient
+        L2 norm (one multi-tensor pass), and on a sampled step under clipping the weight norm,
+        in one collective under FSDP2."""
+        if full:
+            return self._gradient_stats(view, grads)
+        norms = [param_norms(grads)]
+        if self._post_clip and self.registry.sampled:
+            norms.append(param_norms([to_local(p) for p in view.params]))
+        if self.shards is not None:
+            norms = self.shards.reduce(norms=norms)[0]
+        num_layers = len(view.rows) - 1
+        stats = norms[0].new_full((num_layers + 1, len(GRAD_STATS)), torch.nan)
+        for column, values in zip((0, _WEIGHT), norms, strict=False):
+            stats[:, column] = segment_norm(values, view.index, num_layers, view.unique)
+        return stats
+
     def _weight_norms(self, view: _OptimizerView) -> torch.Tensor:
-        """``[rows]`` weight norms of ``view``: the alarms' attribution pass, and the weight
-        column under clipping."""
+        """``[rows]`` weight norms of ``view``: the alarms' attribution pass."""
         norms = param_norms([to_local(p) for p in view.params])
         if self.shards is not None:
             norms = self.shards.reduce(norms=[norms])[0][0]
         return segment_norm(norms, view.index, len(view.rows) - 1, view.unique)
-
-    def _observe_sampled(
-        self,
-        view: _OptimizerView,
-        grads: list[torch.Tensor],
-        local: torch.Tensor,
-        norm: torch.Tensor,
-        valid: torch.Tensor | None,
-        param_grad_scale: torch.Tensor | None,
-    ) -> None:
-        """The statistics of a sampled step. Under clipping: the pre-clip norm and the weights
-        (the gradient the optimizer applies is measured in the step post-hook)."""
-        if self._post_clip:
-            weight = self._weight_norms(view)
-            values = torch.stack([norm, weight], dim=1)
-            cells = None if valid is None else valid[:, [0, _WEIGHT]]
-            self.accumulator.update(values, [_PRECLIP, _WEIGHT], view.rows, cells, replicated=True)
-        else:
-            stats = self._gradient_stats(view, grads, local)
-            if param_grad_scale is not None:
-                stats[:, _SCALED] /= param_grad_scale
-            weight = stats[:, _WEIGHT]
-            columns = slice(0, len(GRAD_STATS))
-            self.accumulator.update(stats, columns, view.rows, valid, replicated=True)
-        if self._update_ratio:
-            torch._foreach_copy_(view.before, [to_local(p) for p in view.params])
-            view.weight_norm = weight
 
     def _clear_unowned(self) -> None:
         """Zero the output-gradient sums of rows no optimizer steps (a frozen layer's output
@@ -445,14 +443,9 @@ class GradFlowTracker(HookOwner):
                 self._markers[id(other)] = weakref.ref(grad) if grad is not None else None
 
     def _gradient_stats(
-        self,
-        view: _OptimizerView,
-        grads: list[torch.Tensor],
-        local: torch.Tensor | None = None,
-        *,
-        weights: bool = True,
+        self, view: _OptimizerView, grads: list[torch.Tensor], *, weights: bool = True
     ) -> torch.Tensor:
-        """:func:`grad_stats` of ``view`` (``local``: the shard-local L2 norms, if known)."""
+        """:func:`grad_stats` of ``view`` (``weights``: also the weight norms)."""
         params = [to_local(p) for p in view.params] if weights else None
         # The update-ratio buffers are free until the copy after it: reuse them as scratch.
         dense = all(p.grad is not None and not p.grad.is_sparse for p in view.params)
@@ -467,7 +460,6 @@ class GradFlowTracker(HookOwner):
             unique=view.unique,
             total_numel=total,
             shards=self.shards,
-            l2=local,
         )
 
     def _observe_output_grad(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
