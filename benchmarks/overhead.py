@@ -216,20 +216,30 @@ def configs(include_tutorial: bool = True) -> list[Config]:
     for every in (4, 16):
         sampled = {n: _accepted(c, {"every_n_steps": every}) for n, c in found.items()}
         out.append(Config(f"all, every {every}th step", partial(_build, found, sampled), sampled))
-    if "GradFlowCallback" in found:  # the early warnings on every step, statistics sampled
-        every_step = {"alarms": lightning_hooks.AlarmRules(every_n_steps=1)}
+    if "GradFlowCallback" in found:  # the sentinel's share: the same without alarms
+        quiet = {"alarms": False}
         out.append(
             Config(
-                "GradFlowCallback, alarms every step",
-                lambda: [found["GradFlowCallback"](**every_step)],
-                every_step,
+                "GradFlowCallback, alarms off",
+                lambda: [found["GradFlowCallback"](**quiet)],
+                quiet,
             )
         )
+    # The floor of a per-step gradient sentinel: one multi-tensor read of the gradients.
+    out.append(Config("floor: one gradient read (_foreach_norm)", lambda: [GradientRead()]))
     # The floor: what Lightning's hook dispatch costs for as many callbacks that do nothing.
     out.append(Config(f"{len(found)} empty callbacks", lambda: [pl.Callback() for _ in found]))
     if include_tutorial:
         out.append(Config("tutorial (.item() hooks)", lambda: [TutorialHooks()]))
     return out
+
+
+class GradientRead(pl.Callback):
+    """``torch._foreach_norm`` over the gradients before each optimizer step, nothing else."""
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        torch._foreach_norm(grads)
 
 
 def _build(found: dict[str, type[pl.Callback]], kw: dict[str, dict[str, Any]]) -> list[Any]:

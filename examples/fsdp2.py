@@ -9,7 +9,8 @@ support matrix). Rank 0 writes the logs under ``runs/fsdp2``.
 Run: ``python examples/fsdp2.py``. ``python examples/fsdp2.py --time`` instead times a training
 step of a wider model (8 x Linear(512, 512) + head, batch 64 per rank, Adam): without callbacks,
 with ``GradFlowCallback`` at its defaults, with the sentinel on every step, and with every
-gradient statistic on every step, interleaved over 3 rounds; it prints the median step time.
+gradient statistic on every step, interleaved over 3 rounds; it prints the median step time, and
+the median time of the one collective a sampled step adds for the gradient statistics.
 """
 
 from __future__ import annotations
@@ -119,13 +120,31 @@ def time_steps(rounds: int = 3, steps: int = 30) -> None:
             trainer = _trainer(
                 [*make(), clock], "fsdp2_time", max_epochs=1, log_every_n_steps=every
             )
-            trainer.fit(ShardedRegressor(inputs=512, width=512, depth=8), data)
+            model = ShardedRegressor(inputs=512, width=512, depth=8)
+            trainer.fit(model, data)
             medians[name].append(statistics.median(clock.times[5:]))  # step 0 is sampled
+    reduce_us = _time_shard_reduce(list(model.parameters()))
     if torch.distributed.get_rank() == 0:
         bare = statistics.median(medians["bare"])
         for name, values in medians.items():
             median = statistics.median(values)
             print(f"{name:>32}: {median * 1e3:7.2f} ms/step  {median / bare:.3f}x bare")
+        print(f"the step's packed shard reduce alone: {reduce_us:.0f} us per call")
+
+
+def _time_shard_reduce(params: list[torch.Tensor], calls: int = 200) -> float:
+    """Median time of one ``ShardPlan.reduce`` of a sampled step's partials (4 per parameter)."""
+    from lightning_hooks.core.sharding import ShardPlan
+
+    plan = ShardPlan.from_params(params)
+    assert plan is not None
+    partials = [torch.rand(len(params)) for _ in range(4)]
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        plan.reduce(norms=partials[:2], sums=partials[2:3], maxima=partials[3:])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
 
 
 if __name__ == "__main__":

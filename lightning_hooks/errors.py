@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "GradientAlarmError",
     "GradientAlarmWarning",
@@ -19,7 +21,14 @@ class LightningHooksError(RuntimeError):
 
 
 class GradientAlarmWarning(LightningHooksWarning):
-    """A gradient alarm (spike, vanishing, non-finite, ...): the message names rule, layer, step."""
+    """A gradient alarm (spike, vanishing, non-finite, ...): the message names rule, layer, step.
+
+    Attributes:
+        alarm: the :class:`~lightning_hooks.core.GradientAlarm` (values, the last steps' norms
+            from the ring buffer), or ``None``.
+    """
+
+    alarm: Any = None
 
 
 class GradientAlarmError(LightningHooksError):
@@ -30,11 +39,22 @@ class GradientAlarmError(LightningHooksError):
         layer: the layer it names (``"global"`` for all layers together).
         step: the optimizer step whose gradients fired it.
         value: the gradient norm that fired it.
+        alarm: the :class:`~lightning_hooks.core.GradientAlarm`, or ``None``.
     """
 
-    def __init__(self, message: str, *, rule: str, layer: str, step: int, value: float) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        rule: str,
+        layer: str,
+        step: int,
+        value: float,
+        alarm: Any = None,
+    ) -> None:
         super().__init__(message)
         self.rule = rule
         self.layer = layer
         self.step = step
         self.value = value
+        self.alarm = alarm

@@ -67,7 +67,7 @@ LAYER_METRICS: dict[str, tuple[str, ...]] = {
 """Every per-layer ``family/stat`` the library's callbacks log (a test holds it to a real fit)."""
 
 ALARMS: dict[str, tuple[str, ...]] = {
-    "grad_flow": ("spike", "absolute", "vanishing", "nonfinite", "amp_overflow"),
+    "grad_flow": ("spike", "absolute", "vanishing", "nonfinite", "amp_overflow", "loss_spike"),
 }
 """Every ``family/alarms/rule`` count the library logs (``lightning_hooks.core.ALARM_RULES``)."""
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker, GradientAlarms
+
+from conftest import hooks_left
 
 
 class HeadFirst(nn.Module):
@@ -72,17 +75,27 @@ def test_absolute_threshold_fires_on_the_global_norm() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"spike_factor": 0.0}, r"AlarmRules\(spike_factor=0.0\): must be a positive finite"),
-        ({"window": 2.5}, r"AlarmRules\(window=2.5\): must be a positive int, got 2.5"),
-        ({"window": 5}, r"AlarmRules\(min_history=10\): must be at most window=5, got 10"),
-        ({"vanish_fraction": math.inf}, r"vanish_fraction=inf\): must be a positive finite"),
+        ({"spike_factor": 0.5}, ValueError, r"spike_factor=0.5\): must be a finite real > 1.0"),
+        ({"spike_factor": "x"}, TypeError, r"spike_factor='x'\): must be a finite real > 1.0"),
+        ({"window": 2.5}, TypeError, r"AlarmRules\(window=2.5\): must be a positive int, got 2.5"),
+        ({"window": 2}, ValueError, r"AlarmRules\(min_history=3\): must be at most window=2"),
+        ({"vanish_fraction": math.inf}, ValueError, r"vanish_fraction=inf\): must be a finite"),
+        ({"vanish_fraction": 1.0}, ValueError, r"vanish_fraction=1.0\): .* < 1.0, got 1.0"),
+        ({"nonfinite": "yes"}, TypeError, r"nonfinite='yes'\): must be True or False"),
+        ({"history": 0}, ValueError, r"history=0\): must be a positive int"),
+        ({"loss_factor": 1}, ValueError, r"loss_factor=1\): must be a finite real > 1.0"),
     ],
 )
-def test_rules_are_checked_at_construction(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+def test_rules_are_checked_at_construction(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
         AlarmRules(**kwargs)
+
+
+def test_rules_accept_numpy_numbers_and_store_plain_ones() -> None:
+    rules = AlarmRules(window=np.int64(8), spike_factor=np.float32(4.0))
+    assert (type(rules.window), rules.window, type(rules.spike_factor)) == (int, 8, float)
 
 
 @pytest.mark.parametrize(
@@ -103,12 +116,30 @@ def test_rules_are_checked_at_construction(kwargs: dict[str, Any], match: str) -
             ValueError,
             r"rules must be in .*got 'amp_overflow'",
         ),
+        ({"on_alarm": None}, TypeError, r"on_alarm=None\): must be one of \('warn'.* got None"),
+        ({"on_alarm": ["warn"]}, TypeError, r"on_alarm=\['warn'\]\): must be one of"),
         ({"alarms": "on"}, TypeError, r"alarms='on'\): expected an AlarmRules or a bool, got str"),
+        ({"chart": "yes"}, TypeError, r"GradFlowCallback\(chart='yes'\): must be True or False"),
+        ({"max_layers_logged": 0}, ValueError, r"max_layers_logged=0\): must be a positive int"),
     ],
 )
 def test_callback_checks_alarm_arguments(kwargs: dict[str, Any], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         GradFlowCallback(**kwargs)
+
+
+def test_tracker_checks_its_arguments() -> None:
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"optimizers=SGD.*must be an iterable of torch.optim"):
+        GradFlowTracker(model, opt)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"must be an iterable .*got an item 3"):
+        GradFlowTracker(model, [3])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"GradFlowTracker\(alarms=True\): must be an AlarmRules"):
+        GradFlowTracker(model, [opt], alarms=True)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"GradFlowTracker\(post_clip=1\): must be True or False"):
+        GradFlowTracker(model, [opt], post_clip=1)  # type: ignore[arg-type]
+    assert hooks_left(model) == []
 
 
 def test_state_of_other_layers_is_refused() -> None:

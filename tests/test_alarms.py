@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.precision import MixedPrecision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import (
     AlarmRules,
@@ -28,7 +28,7 @@ from lightning_hooks import (
 from conftest import TinyMLP, dataset, hooks_left, read_scalars
 
 LAYERS = ("net.0", "net.2", "net.4")
-RULES = ("spike", "absolute", "vanishing", "nonfinite", "amp_overflow")
+RULES = ("spike", "absolute", "vanishing", "nonfinite", "amp_overflow", "loss_spike")
 K = 30  # the step faults are injected at: well past AlarmRules.min_history
 ALARM = re.compile(r"at optimizer step (\d+): (\S+)")
 
@@ -134,74 +134,192 @@ def _counts(logdir: Path, step: int) -> dict[str, float]:
     return {rule: dict(scalars[f"grad_flow/alarms/{rule}"])[step] for rule in RULES}
 
 
-# every_n_steps=7 with alarms on every step: the fault's step is not sampled, so the alarms
-# run on the norm-only path.
-@pytest.mark.parametrize("every", [1, 7])
-def test_spike_names_the_layer_at_the_step_and_none_before(
-    trainer_factory: Any, tmp_path: Path, every: int
+def default_fit(
+    tmp_path: Path, model: pl.LightningModule, *callbacks: pl.Callback, **kw: Any
+) -> pl.Trainer:
+    """``Trainer.fit`` with every Trainer argument at its default but the length and the root:
+    ``log_every_n_steps=50``, the default TensorBoard logger, progress bar, checkpointing."""
+    kw.setdefault("max_epochs", 1)
+    trainer = pl.Trainer(default_root_dir=tmp_path, callbacks=list(callbacks), **kw)
+    trainer.fit(model)
+    return trainer
+
+
+def _running_scale(norms: np.ndarray, window: int = 50) -> tuple[float, float]:
+    """Plain-Python EMA of ``log(norm)`` and of its variance (exact mean/variance first)."""
+    mean = var = 0.0
+    for n, value in enumerate(np.log(norms), start=1):
+        weight = max(1.0 / n, 2.0 / (window + 1))
+        delta = value - mean
+        mean += weight * delta
+        var = (1 - weight) * (var + weight * delta**2)
+    return mean, var
+
+
+@pytest.mark.parametrize("at", [37, 137])
+def test_spike_at_a_step_that_is_not_a_statistics_step_is_named_at_defaults(
+    tmp_path: Path, at: int
 ) -> None:
-    assert K % 7 != 0
+    assert at % 50 != 0  # log_every_n_steps=50: the statistics do not sample this step
     probe = NormProbe()
     with pytest.warns(GradientAlarmWarning) as record:
+        default_fit(
+            tmp_path, LongMLP(batches=at + 3), probe, Fault("multiply", step=at), GradFlowCallback()
+        )
+    alarms = _alarms(record)
+    assert min(step for step, _, _ in alarms) == at  # nothing before the fault
+    step, layer, message = next(a for a in alarms if "spike" in a[2])
+    assert (step, layer) == (at, "net.2")
+    warning = next(w.message for w in record if "spike" in str(w.message))
+    alarm = warning.alarm  # type: ignore[union-attr]
+    norms = np.array(probe.norms)[:, LAYERS.index("net.2")]
+    mean, _ = _running_scale(norms[:at])
+    assert math.isclose(alarm.value, norms[at], rel_tol=1e-4)
+    assert math.isclose(alarm.reference, math.exp(mean), rel_tol=1e-4)
+    assert alarm.others == ("global",)
+    # the ring buffer: the last 16 steps' norms, oldest first, the layer that left first
+    assert alarm.history_steps == tuple(range(at - 15, at + 1))
+    ring = np.array(alarm.history)[:, LAYERS.index("net.2")]
+    np.testing.assert_allclose(ring, norms[at - 15 : at + 1], rtol=1e-4)
+    assert alarm.departed == "net.2"
+    assert f"net.2 left its scale first, at step {at}" in message
+    logdir = tmp_path / "lightning_logs"
+    # net.2 and the global norm at the fault; with momentum the next steps' gradients follow
+    assert _counts(logdir, at + 3)["spike"] >= 2
+    text = _texts(logdir)[at + 3]
+    assert f"- step {at}, spike, net.2:" in text
+    assert f"    - step {at}: net.2 {norms[at]:.4g} (" in text
+
+
+def test_nan_weight_is_named_at_its_layer_and_step_at_defaults(tmp_path: Path) -> None:
+    with pytest.warns(GradientAlarmWarning) as record:
+        default_fit(tmp_path, LongMLP(), Fault("nan_weight", step=20), GradFlowCallback())
+    alarms = _alarms(record)
+    assert alarms[0][:2] == (20, "net.2")
+    assert (
+        "non-finite weights at optimizer step 20: net.2 (first layer in forward order)"
+        in (alarms[0][2])
+    )
+    assert _counts(tmp_path / "lightning_logs", 40)["nonfinite"] >= 3  # every layer's gradient
+
+
+class Dead(pl.Callback):
+    """Zeroes the gradients of ``layers`` from optimizer step ``start`` on."""
+
+    def __init__(self, layers: tuple[str, ...], start: int) -> None:
+        self.layers, self.start = layers, start
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step >= self.start:
+            for name in self.layers:
+                for p in pl_module.get_submodule(name).parameters():
+                    assert p.grad is not None
+                    p.grad.zero_()
+
+
+def test_dead_layers_are_named_after_vanish_steps_at_defaults(tmp_path: Path) -> None:
+    """Two of three layers at exactly zero: the median layer is zero, and still they fire."""
+    probe = NormProbe()
+    with pytest.warns(GradientAlarmWarning) as record:
+        default_fit(
+            tmp_path, LongMLP(batches=80), probe, Dead(("net.0", "net.2"), 10), GradFlowCallback()
+        )
+    norms = np.array(probe.norms)
+    assert (norms[10:, :2] == 0).all() and (norms[10:, 2] > 0).all()
+    alarms = _alarms(record)
+    assert [a[:2] for a in alarms] == [(10 + 20 - 1, "net.0")]  # once per run of steps
+    assert "also flagged: net.2" in alarms[0][2]
+    assert _counts(tmp_path / "lightning_logs", 80)["vanishing"] == 2
+
+
+def test_a_shrunk_layer_is_named_after_vanish_steps(trainer_factory: Any) -> None:
+    with pytest.warns(GradientAlarmWarning) as record:
+        _fit(trainer_factory, LongMLP(), Fault("shrink", "net.0", step=3), GradFlowCallback())
+    assert [a[:2] for a in _alarms(record)] == [(3 + 20 - 1, "net.0")]
+
+
+class Adam(LongMLP):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+class RandomLabels(Adam):
+    def train_dataloader(self) -> DataLoader[Any]:
+        data = dataset(n=2 * self.batches)
+        y = torch.randn(len(data), 1, generator=torch.Generator().manual_seed(1))
+        return DataLoader(TensorDataset(data.tensors[0], y), batch_size=2)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [LongMLP(batches=300), RandomLabels(batches=300)],
+    ids=["sgd-momentum-batch-8", "adam-1e-2-random-labels-batch-2"],
+)
+def test_healthy_runs_of_300_steps_raise_no_alarm_at_defaults(
+    tmp_path: Path, model: pl.LightningModule
+) -> None:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer = default_fit(tmp_path, model, GradFlowCallback())
+    assert trainer.global_step == 300
+    assert _alarms(record) == []
+    assert _counts(tmp_path / "lightning_logs", 300) == dict.fromkeys(RULES, 0.0)
+    assert _texts(tmp_path / "lightning_logs")[300].startswith("0 gradient alarms in epoch 0")
+
+
+def test_clipping_hides_no_spike_from_the_alarms(trainer_factory: Any) -> None:
+    """The alarms watch the gradient before clipping: a spike clipped away still fires."""
+    probe = NormProbe()
+    with pytest.warns(GradientAlarmWarning, match=rf"spike at optimizer step {K}: net\.2") as rec:
         _fit(
             trainer_factory,
             LongMLP(),
             probe,
             Fault("multiply"),
-            GradFlowCallback(every_n_steps=every, alarms=AlarmRules(every_n_steps=1)),
-            max_steps=K + 2,
+            GradFlowCallback(),
+            max_steps=K + 1,
+            gradient_clip_val=1.0,
         )
-    alarms = _alarms(record)
-    assert min(step for step, _, _ in alarms) == K
-    step, layer, message = next(a for a in alarms if "spike" in a[2] and a[1] != "global")
-    assert (step, layer) == (K, "net.2")
-    norms = np.array(probe.norms)[:, LAYERS.index("net.2")]
-    window = np.sort(norms[max(0, K - 50) : K])
-    median = float(window[(len(window) - 1) // 2])  # the lower median
-    value, ref = (
-        float(x) for x in re.findall(r"grad norm (\S+) is \S+ its running median (\S+)", message)[0]
-    )
-    assert math.isclose(value, norms[K], rel_tol=1e-3)
-    assert math.isclose(ref, median, rel_tol=1e-3)
-    counts = _counts(tmp_path, K + 2)
-    assert counts["spike"] >= 2  # net.2 and the global norm at step K
-    assert "net.2" in _texts(tmp_path)[K + 2]
+    alarm = next(w.message for w in rec if "spike" in str(w.message)).alarm  # type: ignore[union-attr]
+    assert math.isclose(alarm.value, probe.norms[K][LAYERS.index("net.2")], rel_tol=1e-4)
+    assert alarm.value > 1e3  # not the clipped norm (at most 1.0)
 
 
-@pytest.mark.parametrize("every", [1, 7])
-def test_nan_weight_is_reported_at_that_layer(
-    trainer_factory: Any, tmp_path: Path, every: int
-) -> None:
-    callback = GradFlowCallback(every_n_steps=every, alarms=AlarmRules(every_n_steps=1))
+class BadBatch(pl.Callback):
+    """Multiplies the inputs of the batch of optimizer step ``step`` by ``factor``."""
+
+    def __init__(self, step: int, factor: float = 30.0) -> None:
+        self.step, self.factor = step, factor
+        self.losses: list[float] = []
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, *a: Any
+    ) -> None:
+        if trainer.global_step == self.step:
+            batch[0].mul_(self.factor)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, *a: Any
+    ) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_loss_rule_names_the_step_of_a_bad_batch(trainer_factory: Any) -> None:
+    bad = BadBatch(K)
+    callback = GradFlowCallback(alarms=AlarmRules(loss_factor=3.0))
     with pytest.warns(GradientAlarmWarning) as record:
-        _fit(trainer_factory, LongMLP(), Fault("nan_weight"), callback, max_steps=K + 2)
-    alarms = _alarms(record)
-    assert alarms[0][:2] == (K, "net.2")
-    assert "non-finite weights" in alarms[0][2]
-    assert _counts(tmp_path, K + 2)["nonfinite"] >= 3  # every layer's gradient is NaN at K
+        _fit(trainer_factory, LongMLP(), bad, callback, max_steps=K + 2)
+    loss = next(w.message.alarm for w in record if "loss spike" in str(w.message))  # type: ignore[union-attr]
+    assert (loss.rule, loss.layer, loss.step) == ("loss_spike", "loss", K)
+    assert math.isclose(loss.value, bad.losses[K], rel_tol=1e-5)
+    mean, _ = _running_scale(np.array(bad.losses[:K]))
+    assert math.isclose(loss.reference, math.exp(mean), rel_tol=1e-4)
 
 
-def test_vanishing_layer_is_named_after_vanish_steps(trainer_factory: Any) -> None:
-    rules = AlarmRules(vanish_steps=5)
+def test_loss_rule_is_off_by_default(trainer_factory: Any) -> None:
     with pytest.warns(GradientAlarmWarning) as record:
-        _fit(
-            trainer_factory,
-            LongMLP(),
-            Fault("shrink", "net.0", step=3),
-            GradFlowCallback(alarms=rules),
-            max_steps=12,
-        )
-    assert [a[:2] for a in _alarms(record)] == [(3 + 5 - 1, "net.0")]
-
-
-def test_normal_run_of_200_steps_raises_no_alarm(trainer_factory: Any, tmp_path: Path) -> None:
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        trainer = _fit(trainer_factory, LongMLP(batches=200), GradFlowCallback(chart=False))
-    assert trainer.global_step == 200
-    assert _alarms(record) == []
-    assert _counts(tmp_path, 200) == dict.fromkeys(RULES, 0.0)
-    assert _texts(tmp_path)[200].startswith("0 gradient alarms in epoch 0")
+        _fit(trainer_factory, LongMLP(), BadBatch(K), GradFlowCallback(), max_steps=K + 2)
+    assert not [w for w in record if "loss spike" in str(w.message)]
 
 
 def test_stop_ends_training_after_the_alarm_step(trainer_factory: Any) -> None:
@@ -290,31 +408,62 @@ def test_alarm_state_survives_a_checkpoint_resume(trainer_factory: Any, tmp_path
     trainer = trainer_factory(callbacks=[probe, callback], max_epochs=2)
     trainer.fit(model, ckpt_path=tmp_path / "mid.ckpt")
     state = callback.state_dict()["alarms"]
-    assert state["seen"].tolist() == [40] * 4
     norms = np.array(probe.norms)  # 40 steps: both runs, recorded independently
-    history = state["history"].numpy()[:40, :3]
-    np.testing.assert_allclose(history, norms, rtol=1e-5)
+    assert state["scale"][2].tolist() == [40.0] * 4  # finite steps seen, per row
+    for row, layer in enumerate(LAYERS):
+        mean, var = _running_scale(norms[:, row])
+        assert math.isclose(float(state["scale"][0, row]), mean, rel_tol=1e-4), layer
+        assert math.isclose(float(state["scale"][1, row]), var, rel_tol=1e-3), layer
+    ring = state["ring"][:, 0, :3].numpy()  # the last 16 steps' norms, by step % 16
+    np.testing.assert_allclose(ring[[s % 16 for s in range(24, 40)]], norms[24:], rtol=1e-5)
 
 
-def test_no_host_sync_while_alarms_fire(
+class StepSyncs(pl.Callback):
+    """Host syncs from the library per optimizer step, between two batch starts."""
+
+    def __init__(self) -> None:
+        self.counter: Any = None
+        self.per_step: list[int] = []
+        self._seen = 0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.counter.active = True
+        self._close()
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        self._close()
+        self.counter.active = False
+
+    def _close(self) -> None:
+        total = sum(self.counter.calls.values())
+        if self.counter.active and self._seen is not None:
+            self.per_step.append(total - self._seen)
+        self._seen = total
+
+
+def test_no_host_sync_on_a_quiet_step_and_a_diagnosis_only_when_one_fires(
     trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from syncs import count_syncs
 
-    from syncs import SyncWindow, count_syncs
-
-    window = SyncWindow()
+    probe = StepSyncs()
     with count_syncs(monkeypatch) as counter, pytest.warns(GradientAlarmWarning, match="spike"):
-        window.counter = counter
+        probe.counter = counter
         _fit(
             trainer_factory,
             LongMLP(),
-            window,
+            probe,
             Fault("multiply"),
             GradFlowCallback(chart=False),
             max_steps=K + 2,
         )
-    assert window.windows == 1
-    assert dict(counter.calls) == {}
+    per_step = probe.per_step[1:]  # per_step[i]: from the start of step i to that of i + 1
+    assert len(per_step) == K + 2
+    assert per_step[:K] == [0] * K  # every quiet step
+    # The step of the fault, and the next, where momentum still carries it: one read of the
+    # ring buffer each, no more.
+    assert per_step[K] > 0
+    assert all(n <= 2 for n in per_step[K:]), per_step[K:]
 
 
 def test_alarm_state_of_another_model_is_dropped_with_a_warning(trainer_factory: Any) -> None:

@@ -81,11 +81,13 @@ def _deep(depth: int) -> nn.Sequential:
     return nn.Sequential(*[nn.Linear(4, 4) for _ in range(depth)])
 
 
-def _ops_per_step(depth: int, tracked: bool, sampled: bool = True) -> int:
+def _ops_per_step(
+    depth: int, tracked: bool, sampled: bool = True, alarms: AlarmRules | None = None
+) -> int:
     """ATen ops of one training step (after a warm-up step), with or without a tracker."""
     model = _deep(depth)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    tracker = GradFlowTracker(model, [opt]) if tracked else None
+    tracker = GradFlowTracker(model, [opt], alarms=alarms) if tracked else None
     x = torch.randn(8, 4)
     counter = OpCounter()
     for i in range(2):
@@ -115,6 +117,15 @@ def test_operations_per_layer_are_constant_and_few() -> None:
 def test_an_off_sample_step_dispatches_no_operation() -> None:
     for depth in (4, 16):
         assert _ops_per_step(depth, True, sampled=False) == _ops_per_step(depth, False)
+
+
+def test_the_sentinel_is_a_few_dozen_kernels_a_step_whatever_the_depth() -> None:
+    """Off-sample steps with the alarms on: one multi-tensor norm, a segment sum, the rules."""
+    extra = {
+        d: _ops_per_step(d, True, sampled=False, alarms=AlarmRules()) - _ops_per_step(d, False)
+        for d in (4, 16)
+    }
+    assert extra[4] == extra[16] <= 70, extra
 
 
 class _OpsPerStep(pl.Callback):
@@ -208,9 +219,10 @@ def test_memory_is_layers_times_stats_and_flat_over_ten_epochs(trainer_factory: 
     stats = len(lightning_hooks.core.GRAD_FLOW_STATS)
     assert set(probe.accumulator) == {3 * (len(LAYERS) + 1) * stats}  # total, peak, count
     params = sum(p.numel() for p in TinyMLP().parameters()) * 4
-    # The alarms' running-median window: O(window x layers), whatever the number of steps.
-    window = AlarmRules().window * (len(LAYERS) + 1) * 4
-    assert probe.alarm_bytes[0] <= 2 * window
+    # The alarms: running scales and the ring buffer of the last `history` steps (norm, scale,
+    # band), O(history x layers) whatever the number of steps, plus the host mailbox.
+    rows = len(LAYERS) + 1
+    assert probe.alarm_bytes[0] <= (AlarmRules().history * 3 + 24) * rows * 4
     # Beyond the accumulator: one copy of the parameters (update ratio), O(layers) buffers.
     assert probe.bytes[0] - probe.alarm_bytes[0] <= params + 64 * (len(LAYERS) + 1) * stats
 

@@ -37,6 +37,7 @@ class ScaledReference(ReferenceMLP):
         super().__init__()
         self.fused = fused
         self.postclip: list[float] = []
+        self.applied: list[dict[str, dict[str, float]]] = []
         self.scales: list[float] = []
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -63,6 +64,15 @@ class ScaledReference(ReferenceMLP):
         super().on_train_batch_end(outputs, batch, batch_idx)
         grads = [p.grad.double().flatten() for n in LAYERS for p in self._layer(n)]  # type: ignore[union-attr]
         self.postclip.append(float(torch.cat(grads).norm()))
+        applied = {}  # p.grad after the step: what the optimizer applied, after any clipping
+        for name in LAYERS:
+            g = torch.cat([p.grad.double().flatten() for p in self._layer(name)])  # type: ignore[union-attr]
+            applied[name] = {
+                "grad_norm": float(g.norm()),
+                "grad_abs_mean": float(g.abs().mean()),
+                "grad_abs_max": float(g.abs().max()),
+            }
+        self.applied.append(applied)
 
 
 def _check(model: ScaledReference, scalars: dict[str, list[tuple[int, float]]]) -> None:
@@ -113,17 +123,37 @@ def test_fp16_mixed_on_cuda(trainer_factory: Any, tmp_path: Path) -> None:
     _check(model, read_scalars(tmp_path))
 
 
-def test_clipping_logs_pre_and_post_clip_global_norms(trainer_factory: Any, tmp_path: Path) -> None:
+def _mean_max(values: list[float]) -> tuple[float, float]:
+    return float(np.mean(values)), float(np.max(values))
+
+
+def test_clipping_logs_the_applied_gradient_and_the_one_before_clipping(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
     clip = 0.05
     model = ScaledReference()
     trainer_factory(callbacks=[GradFlowCallback()], gradient_clip_val=clip).fit(model)
     scalars = read_scalars(tmp_path)
-    _check(model, scalars)  # per-layer statistics stay those of the pre-clip gradient
+    assert len(model.applied) == 4
+    for layer in LAYERS:
+        pre = [s[layer]["grad_norm"] for s in model.steps]  # before clipping, plain torch
+        ((_, got),) = scalars[f"grad_flow/grad_norm_preclip/{layer}"]
+        assert math.isclose(got, float(np.mean(pre)), rel_tol=1e-5), layer
+        for stat, mean_tag, max_tag in CHECKED[:3]:
+            mean, peak = _mean_max([s[layer][stat] for s in model.applied])
+            for tag, want in ((mean_tag, mean), (max_tag, peak)):
+                if tag is not None:
+                    ((_, got),) = scalars[f"grad_flow/{tag}/{layer}"]
+                    assert math.isclose(got, want, rel_tol=1e-5), (tag, layer, got, want)
+        # the applied gradient is the clipped one: smaller than before clipping
+        assert dict(scalars[f"grad_flow/grad_norm/{layer}"])[4] < float(np.mean(pre))
     pre = [math.sqrt(sum(s[n]["grad_norm"] ** 2 for n in LAYERS)) for s in model.steps]
     ((_, pre_logged),) = scalars["grad_flow/global/grad_norm_preclip"]
     ((_, post_logged),) = scalars["grad_flow/global/grad_norm_postclip"]
+    ((_, applied_logged),) = scalars["grad_flow/global/grad_norm"]
     assert math.isclose(pre_logged, float(np.mean(pre)), rel_tol=1e-5)
     assert math.isclose(post_logged, float(np.mean(model.postclip)), rel_tol=1e-5)
+    assert applied_logged == post_logged
     assert min(pre) > clip  # every step was clipped, to clip_grad_norm_'s clip / (norm + 1e-6)
     assert math.isclose(post_logged, clip, rel_tol=1e-4)
 

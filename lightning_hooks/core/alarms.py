@@ -1,91 +1,107 @@
-"""Early warnings on gradients, evaluated on the device at every optimizer step: no Lightning here.
+"""Early warnings on gradients, a sentinel run on the device at every optimizer step: no Lightning.
 
-The rules run as a handful of kernels on the per-layer gradient statistics the
-:class:`~lightning_hooks.core.GradFlowTracker` already computes. Their verdict is one small
-``[2 * rules + 1, layers + 1]`` tensor that is copied to host memory without blocking and read on
-the host later (see :class:`_Mailbox`): the steps where nothing is wrong pay no host sync.
+The rules read one ``[layers + 1]`` tensor of gradient L2 norms per step (the layers, then the
+global norm), keep O(layers) state (a running scale per row: an EMA of the log-norm and of its
+spread, as ZClip and OLMo-core's SkipStep do), and post a small verdict to host memory without
+blocking (:class:`~lightning_hooks.core.readback.HostMailbox`): a quiet step pays no host sync.
+When a rule fires, the diagnosis runs on the host: which layer, the weights (read only then) and
+the last ``history`` steps' norms from a device ring buffer.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from lightning_hooks.core.grad_stats import GRAD_STATS
+from lightning_hooks.core import checks
+from lightning_hooks.core.readback import HostMailbox
 
 __all__ = ["ALARM_RULES", "AlarmRules", "GradientAlarm", "GradientAlarms"]
 
-ALARM_RULES = ("spike", "absolute", "vanishing", "nonfinite", "amp_overflow")
+ALARM_RULES = ("spike", "absolute", "vanishing", "nonfinite", "amp_overflow", "loss_spike")
 """Names of the rules, in the order of :attr:`GradientAlarms.counts`."""
 
-_SPIKE, _ABSOLUTE, _VANISHING, _NONFINITE, _AMP = range(len(ALARM_RULES))
-_NORM = GRAD_STATS.index("grad_norm")
-_BAD = GRAD_STATS.index("grad_nonfinite")
-_WEIGHT = GRAD_STATS.index("weight_norm")
+_SPIKE, _ABSOLUTE, _VANISHING, _NONFINITE, _AMP, _LOSS = range(len(ALARM_RULES))
+_GRAD_RULES = 5  # rows of flags in the gradient report; the loss has its own mailbox
+_NORM, _SCALE, _BAND, _FLOOR = range(_GRAD_RULES, _GRAD_RULES + 4)
 
-
-def _positive(name: str, value: Any, integer: bool = False) -> None:
-    ok = value is None or (value > 0 and math.isfinite(value))
-    if integer:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-    if not ok:
-        kind = "a positive int" if integer else "a positive finite float or None"
-        raise ValueError(f"AlarmRules({name}={value!r}): must be {kind}, got {value!r}")
+WeightNorms = Callable[[], torch.Tensor]
+"""Returns ``[layers + 1]`` weight L2 norms (last: all); called on the host when a rule fired."""
 
 
 @dataclass(frozen=True)
 class AlarmRules:
-    """Which gradient alarms are on, and their thresholds. Every rule but ``absolute`` is on.
+    """Which gradient alarms are on, and their thresholds (the defaults come from the false-alarm
+    and detection table of ``benchmarks/alarms.py``, in the README's "Early warnings").
 
     Args:
-        spike_factor: *spike*: a layer's (or the global) gradient norm exceeds this many times
-            its running median over the last ``window`` optimizer steps. ``None`` turns it off.
-            The default, 50, sits above what healthy small-batch training reaches (21.9x at
-            most on a batch-of-8 MLP over 12 seeds x 200 steps) and far below an explosion.
-        window: optimizer steps in the running median.
-        min_history: the spike rule waits until a layer has this many finite steps of history.
+        spike_factor: *spike*: a layer's (or the global) gradient norm exceeds this many times its
+            running scale (``exp`` of the EMA of its log-norm) and ``spike_sigmas`` spreads of
+            the log-norm above it. ``None`` turns it off. Must be > 1.
+        spike_sigmas: *spike*: how many running standard deviations of the log-norm the step must
+            also be above the running mean (the spread makes noisy layers need more).
+        window: span, in evaluated steps, of the running scale: the EMA weight is
+            ``2 / (window + 1)`` (the exact mean and variance over the first steps).
+        min_history: the spike rules are armed once a row has this many finite steps.
         max_grad_norm: *absolute*: the global gradient norm exceeds this value (off by default).
-        vanish_fraction: *vanishing*: a layer's gradient norm is below this fraction of the
-            median layer's norm ... ``None`` turns it off.
-        vanish_steps: ... for this many consecutive optimizer steps.
-        nonfinite: *nonfinite*: a NaN/Inf in a gradient or in a layer's weights.
-        every_n_steps: also evaluate the rules on optimizer steps ``0, n, 2n, ...`` between the
-            steps whose statistics are sampled (``None``, the default: on the sampled steps only; 1:
-            every step). Such a step costs one L2 pass over the gradients, one over the weights and
-            the rules' kernels (measured: 1.13-1.20x of a step on the README's wide MLP on CPU,
-            where a step is parameter-bound). ``window``, ``min_history`` and ``vanish_steps`` count
-            evaluated steps.
+        vanish_fraction: *vanishing*: a layer's gradient norm is exactly zero, or below this
+            fraction of the median norm of the layers whose gradient is not zero ... ``None``
+            turns it off.
+        vanish_steps: ... for this many consecutive evaluated steps (fires once per such run).
+        nonfinite: *nonfinite*: a NaN/Inf gradient norm (a NaN/Inf entry, or a norm beyond the
+            gradient's dtype), naming the layer where it entered.
+        every_n_steps: evaluate the rules on optimizer steps ``0, n, 2n, ...`` (1: every step).
+        loss_factor: *loss_spike*: the training loss exceeds this many times its running scale
+            (and ``spike_sigmas`` spreads above it); ``None`` (default) turns it off.
+        history: steps of per-layer norms kept in the device ring buffer that an alarm reports.
 
     Example:
         >>> AlarmRules(spike_factor=20.0).window
         50
-        >>> AlarmRules(window=0)
+        >>> AlarmRules(spike_factor=0.5)
         Traceback (most recent call last):
         ...
-        ValueError: AlarmRules(window=0): must be a positive int, got 0
+        ValueError: AlarmRules(spike_factor=0.5): must be a finite real > 1.0, got 0.5
     """
 
-    spike_factor: float | None = 50.0
+    spike_factor: float | None = 10.0
+    spike_sigmas: float = 4.0
     window: int = 50
-    min_history: int = 10
+    min_history: int = 3
     max_grad_norm: float | None = None
     vanish_fraction: float | None = 1e-3
     vanish_steps: int = 20
     nonfinite: bool = True
-    every_n_steps: int | None = None
+    every_n_steps: int = 1
+    loss_factor: float | None = None
+    history: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("window", "min_history", "vanish_steps"):
-            _positive(name, getattr(self, name), integer=True)
-        if self.every_n_steps is not None:
-            _positive("every_n_steps", self.every_n_steps, integer=True)
-        for name in ("spike_factor", "max_grad_norm", "vanish_fraction"):
-            _positive(name, getattr(self, name))
+        owner = "AlarmRules"
+        checked: dict[str, Any] = {
+            "spike_sigmas": checks.positive_real(owner, "spike_sigmas", self.spike_sigmas),
+            "nonfinite": checks.boolean(owner, "nonfinite", self.nonfinite),
+        }
+        for name in ("window", "min_history", "vanish_steps", "every_n_steps", "history"):
+            checked[name] = checks.positive_int(owner, name, getattr(self, name))
+        optional: dict[str, Callable[[str, Any], float]] = {
+            "spike_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
+            "loss_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
+            "max_grad_norm": lambda n, v: checks.positive_real(owner, n, v),
+            "vanish_fraction": lambda n, v: checks.real(
+                owner, n, v, low=0.0, high=1.0, low_open=True, high_open=True
+            ),
+        }
+        for name, check in optional.items():
+            value = getattr(self, name)
+            checked[name] = None if value is None else check(name, value)
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
         if self.min_history > self.window:
             raise ValueError(
                 f"AlarmRules(min_history={self.min_history}): must be at most "
@@ -99,12 +115,21 @@ class GradientAlarm:
 
     Attributes:
         rule: one of :data:`ALARM_RULES`.
-        layer: the layer the alarm names (``"global"`` for all layers together).
+        layer: the layer the alarm names (``"global"`` for all layers together, ``"loss"``).
         step: the optimizer step (0-based) whose gradients fired it.
-        value: the gradient norm that fired it.
-        reference: what it was compared with (running median, threshold, weight norm).
+        value: the gradient norm (or loss) that fired it.
+        reference: what it was compared with (running scale, threshold, floor, weight norm).
         message: the whole story in one line.
         others: the other layers the rule flagged at the same step.
+        history_steps: the optimizer steps in the ring buffer, oldest first, up to ``step``.
+        history: per step of ``history_steps``, the gradient norm of every row (the layers,
+            then the global norm), from the device ring buffer.
+        history_scale: the same rows' running scales before each step (NaN: not armed yet).
+        history_layers: the rows' names (the layers, then ``"global"``).
+        departure: which layer left its running scale first (by more than the spike rule's
+            band, up or down), when, and by how much; :meth:`history_lines` gives it step by
+            step.
+        departed: that layer's name (``""``: none left its scale in the ring buffer).
     """
 
     rule: str
@@ -114,62 +139,87 @@ class GradientAlarm:
     reference: float
     message: str
     others: tuple[str, ...] = field(default=())
+    history_steps: tuple[int, ...] = field(default=())
+    history: tuple[tuple[float, ...], ...] = field(default=())
+    history_scale: tuple[tuple[float, ...], ...] = field(default=())
+    history_layers: tuple[str, ...] = field(default=())
+    departure: str = ""
+    departed: str = ""
+
+    def history_lines(self) -> list[str]:
+        """Step by step, norm / running scale of the layer that left first, the layer named and
+        the global row (``"-"``: not armed yet)."""
+        names = dict.fromkeys(n for n in (self.departed, self.layer, "global") if n)
+        rows = [self.history_layers.index(n) for n in names if n in self.history_layers]
+        lines = []
+        for step, norm, scale in zip(
+            self.history_steps, self.history, self.history_scale, strict=True
+        ):
+            cells = [
+                f"{self.history_layers[r]} {norm[r]:.4g} ({_ratio(norm[r] / scale[r])})"
+                if math.isfinite(scale[r]) and scale[r] > 0
+                else f"{self.history_layers[r]} {norm[r]:.4g} (-)"
+                for r in rows
+            ]
+            lines.append(f"step {step}: " + ", ".join(cells))
+        return lines
 
 
-class _Mailbox:
-    """A small device tensor copied to host memory without blocking, read on a later call.
+class _RunningScale:
+    """Per row: EMA of ``log x`` and of its variance, and the count of finite steps seen.
 
-    On CUDA the host buffer is pinned, the copy is ``non_blocking`` and an event marks its end:
-    :meth:`read` does not wait unless asked to (``wait``: at most for the copy posted one step
-    earlier). On the CPU the copy is the read. The host buffer's numpy view is made once here,
-    so reading it is plain host memory access: no torch call, no sync, on any step.
+    Written for few kernels: views of one state tensor made once, in-place updates.
     """
 
-    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
-        cuda = device.type == "cuda"
-        self._host = torch.zeros(shape, pin_memory=cuda)
-        self._view: np.ndarray = self._host.numpy()
-        self._event = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
-        self._meta: Any = None
+    def __init__(self, rows: int, rules: AlarmRules, device: torch.device) -> None:
+        self.state = torch.zeros(3, rows, device=device)  # mean, variance, count
+        self.mean, self.var, self.count = self.state.unbind(0)
+        self.alpha = 2.0 / (rules.window + 1)
+        self.armed_at = float(rules.min_history)
+        self.sigmas = rules.spike_sigmas
+        self._inf = torch.full((rows,), math.inf, device=device)
 
-    def post(self, value: torch.Tensor, meta: Any) -> None:
-        # Only CUDA gets an event to tell when a non_blocking copy is done: elsewhere, block.
-        self._host.copy_(value, non_blocking=self._event is not None)
-        if self._event is not None:
-            self._event.record()
-        self._meta = meta
+    def threshold(self, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``log`` of the spike threshold per row (``inf`` until armed), and whether armed."""
+        armed = torch.ge(self.count, self.armed_at)
+        band = self.var.sqrt().mul_(self.sigmas).clamp_min_(math.log(factor))
+        return torch.where(armed, band.add_(self.mean), self._inf), armed
 
-    def read(self, wait: bool) -> tuple[np.ndarray, Any] | None:
-        """The posted value and its ``meta`` once the copy is done, else ``None``."""
-        if self._meta is None:
-            return None
-        if self._event is not None:
-            if wait:
-                self._event.synchronize()
-            elif not self._event.query():  # type: ignore[no-untyped-call]
-                return None
-        meta, self._meta = self._meta, None
-        return self._view, meta
+    def update(self, log_x: torch.Tensor, keep: torch.Tensor, ceiling: torch.Tensor) -> None:
+        """Fold ``log_x`` into the rows where ``keep``. Above ``ceiling`` (a spike) only the
+        mean moves, towards the ceiling: a lasting change of level is learnt in a few dozen
+        steps, while the spread, which would otherwise grow with each spike, stays."""
+        self.count.add_(keep)
+        weight = self.count.clamp_min(1.0).reciprocal_().clamp_min_(self.alpha).mul_(keep)
+        delta = torch.where(keep, torch.minimum(log_x, ceiling), self.mean).sub_(self.mean)
+        spread = torch.mul(weight, torch.le(log_x, ceiling))
+        self.mean.addcmul_(weight, delta)
+        self.var.addcmul_(spread, delta.square()).mul_(torch.rsub(spread, 1.0))
 
 
 class GradientAlarms:
     """Evaluates :class:`AlarmRules` on each optimizer step's gradient norms, on the device.
 
-    Rows are layers and a last ``"global"`` row. :meth:`update` (no host sync) applies the rules:
+    Rows are layers and a last ``"global"`` row. :meth:`update` (a few dozen small kernels, no
+    host sync) applies the rules to ``[layers + 1]`` L2 norms:
 
-    - *spike*: ``norm > spike_factor * median`` of the row's last ``window`` finite norms (the
-      lower median of an even count), once it has ``min_history`` of them (global row and each
-      layer);
+    - *spike*: ``log(norm) > mean + max(spike_sigmas * std, log(spike_factor))``, with the
+      running mean and standard deviation of the row's log-norm (an EMA over about ``window``
+      steps), once the row has ``min_history`` finite steps (global row and each layer). A spike
+      is folded into the scale clamped at the threshold (as ZClip does), so a lasting change of
+      level is learnt, not alarmed at every step;
     - *absolute*: global ``norm > max_grad_norm``;
-    - *vanishing*: a layer's ``norm < vanish_fraction * median over layers`` for
-      ``vanish_steps`` consecutive steps (fires once per such run);
-    - *nonfinite*: a NaN/Inf gradient or weight. The alarm names the first layer in forward
-      order whose *weights* are non-finite (where a NaN entered the forward), else the first
-      layer in backward order whose gradient is (the order the output-gradient hooks fired;
-      reverse model order without them);
+    - *vanishing*: a layer's norm is exactly zero, or below ``vanish_fraction`` x the median
+      norm of the layers whose norm is not zero, for ``vanish_steps`` consecutive steps (fires
+      once per such run; when every layer is zero, every layer fires);
+    - *nonfinite*: a NaN/Inf gradient norm. The alarm names the first layer in forward order
+      whose *weights* are non-finite (where a NaN entered the forward; the weights are read on
+      the host, only then), else the first layer in backward order whose gradient is (the order
+      the output-gradient hooks fired; reverse model order without them);
     - *amp_overflow*: with ``amp=True`` (a GradScaler), non-finite gradients mean the scaler
       skips the step: counted as an overflow, not a spike or a nonfinite alarm, and kept out of
-      the running medians.
+      the running scales;
+    - *loss_spike* (off by default): :meth:`update_loss`'s loss against its own running scale.
 
     :meth:`poll` reads the verdicts on the host: at once on the CPU; on CUDA when the copy is
     done, at the latest at the next :meth:`update` (one step late) or with ``wait=True``.
@@ -180,12 +230,10 @@ class GradientAlarms:
         device: where the statistics live.
 
     Example:
-        >>> alarms = GradientAlarms(["a", "b", "global"], AlarmRules(min_history=2, window=4))
+        >>> alarms = GradientAlarms(["a", "b", "global"], AlarmRules(min_history=3))
         >>> norms = [[1.0, 2.0, 2.2], [1.1, 2.1, 2.4], [0.9, 1.9, 2.1], [1.0, 200.0, 200.0]]
         >>> for step, norm in enumerate(norms):
-        ...     stats = torch.zeros(3, 5)
-        ...     stats[:, 0] = torch.tensor(norm)
-        ...     alarms.update(stats, torch.arange(3), step=step)
+        ...     alarms.update(torch.tensor(norm), step=step)
         >>> [(a.rule, a.layer, a.step, a.others) for a in alarms.poll()]
         [('spike', 'b', 3, ('global',))]
         >>> alarms.counts["spike"]
@@ -197,14 +245,25 @@ class GradientAlarms:
     ) -> None:
         self.layers = tuple(layers)
         self.rules = rules if rules is not None else AlarmRules()
+        if not isinstance(self.rules, AlarmRules):
+            raise TypeError(f"GradientAlarms(rules={rules!r}): must be an AlarmRules or None")
         device = torch.device(device) if device is not None else torch.device("cpu")
         n = len(self.layers)
-        self._history = torch.full((self.rules.window, n), torch.nan, device=device)
-        self._seen = torch.zeros(n, dtype=torch.long, device=device)
-        self._low = torch.zeros(n - 1, dtype=torch.long, device=device)
-        self._rows = torch.arange(n, device=device)
+        self._scale = _RunningScale(n, self.rules, device)
+        self._low = torch.zeros(n, dtype=torch.long, device=device)
+        self._is_layer = torch.ones(n, dtype=torch.bool, device=device)
+        self._is_layer[-1] = False
+        self._not_layer = torch.logical_not(self._is_layer)
         self._all = torch.ones(n, dtype=torch.bool, device=device)
-        self._mailbox = _Mailbox((2 * len(ALARM_RULES) + 1, n), device)
+        self._false = torch.zeros(n, dtype=torch.bool, device=device)
+        self._nan = torch.full((n,), torch.nan, device=device)
+        # per step: norm, running scale, half-width of the spike band (log), for the diagnosis
+        self._ring = torch.full((self.rules.history, 3, n), torch.nan, device=device)
+        self._ring_steps = [-1] * self.rules.history
+        self._mailbox = HostMailbox((_FLOOR + 1, n), device)
+        self._cuda = device.type == "cuda"
+        self._loss_scale = _RunningScale(1, self.rules, device)
+        self._loss_box = HostMailbox((3, 1), device)
         self.counts: dict[str, int] = dict.fromkeys(ALARM_RULES, 0)
         """Flagged (layer, step) pairs per rule since :meth:`take_epoch`, on the host."""
         self.log: list[GradientAlarm] = []
@@ -214,82 +273,129 @@ class GradientAlarms:
     @torch.no_grad()
     def update(
         self,
-        stats: torch.Tensor,
-        rows: torch.Tensor,
+        norm: torch.Tensor,
+        rows: torch.Tensor | None = None,
         *,
         step: int,
         amp: bool = False,
         order: Sequence[int] = (),
+        weights: WeightNorms | None = None,
+        stepped: torch.Tensor | None = None,
     ) -> None:
         """Apply the rules to one optimizer step (no host sync) and post the verdict.
 
         Args:
-            stats: ``[len(rows), GRAD_STATS]`` statistics from
-                :func:`~lightning_hooks.core.grad_stats.grad_stats`, last row global.
-            rows: the rows ``stats`` covers (the layers one optimizer steps, then global). When
-                they are not every layer, the global row is left out of the rules.
+            norm: ``[len(rows)]`` gradient L2 norms, last the global one; a ``[len(rows), k]``
+                table is read in its first column.
+            rows: the rows ``norm`` covers (the layers one optimizer steps, then global; default:
+                all). When they are not every layer, the global row is left out of the rules.
             step: the optimizer step, for the messages.
             amp: a GradScaler is active: non-finite gradients are an overflow it skips.
             order: layer rows in the order their output-gradient hooks fired.
+            weights: gives the weight norms of ``rows`` when a rule fired (the attribution
+                pass); ``None``: the non-finite alarm goes by gradients only.
+            stepped: ``[len(rows)]`` bool, false for a layer none of whose parameters got a
+                gradient this step (a branch not taken): left out of the rules (default: all).
         """
         self._drain(wait=True)  # the previous step's verdict: at most one step late
-        norm, weight, active, bad = self._rows_of(stats, rows)
-        overflow = bad.any() & amp
-        flags, refs = self._evaluate(norm, weight, active, bad, overflow)
-        keep = active & torch.isfinite(norm) & ~overflow
-        slot = self._seen % self.rules.window
-        self._history[slot, self._rows] = torch.where(keep, norm, self._history[slot, self._rows])
-        self._seen += keep
-        report = torch.cat([flags.float(), norm[None], refs])
-        self._mailbox.post(report, (step, tuple(dict.fromkeys(order))))
+        norm = norm[:, 0] if norm.dim() == 2 else norm
+        norm, active = self._rows_of(norm.float(), rows, stepped)
+        report = self._evaluate(norm, active, amp)
+        slot = step % self.rules.history
+        self._ring[slot].copy_(report[_NORM : _BAND + 1])
+        self._ring_steps[slot] = step
+        self._mailbox.post(report, (step, tuple(dict.fromkeys(order)), rows, weights))
+        if not self._cuda:  # the copy was the read: diagnose now, while the weights are these
+            self._drain(wait=False)
 
     def _rows_of(
-        self, stats: torch.Tensor, rows: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Norms, weight norms, which rows were stepped and which have non-finite gradients."""
+        self, norm: torch.Tensor, rows: torch.Tensor | None, stepped: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norms of every row (NaN where not stepped) and which rows were stepped."""
         n = len(self.layers)
-        if rows.numel() == n:  # the usual case, one optimizer stepping every layer: no scatter
-            return stats[:, _NORM], stats[:, _WEIGHT], self._all, stats[:, _BAD] > 0
-        norm = stats.new_full((n,), torch.nan).index_copy_(0, rows, stats[:, _NORM])
-        weight = stats.new_full((n,), torch.nan).index_copy_(0, rows, stats[:, _WEIGHT])
+        if rows is None or rows.numel() == n:  # one optimizer stepping every layer: no scatter
+            return norm, self._all if stepped is None else stepped
+        full = norm.new_full((n,), torch.nan).index_copy_(0, rows, norm)
         # The global row of a subset (a GAN's generator, say) is not comparable from step to
         # step with another optimizer's: it stays out of the rules, its layers do not.
         active = torch.zeros_like(self._all).index_fill_(0, rows[:-1], True)
-        bad = torch.zeros_like(active).index_copy_(0, rows, stats[:, _BAD] > 0)
-        return norm, weight, active, bad
+        if stepped is not None:
+            active.index_copy_(0, rows[:-1], stepped[:-1])
+        return full, active
 
-    def _evaluate(
-        self,
-        norm: torch.Tensor,
-        weight: torch.Tensor,
-        active: torch.Tensor,
-        bad: torch.Tensor,
-        overflow: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        rules, n = self.rules, len(self.layers)
-        flags = torch.zeros(len(ALARM_RULES), n, dtype=torch.bool, device=norm.device)
-        refs = torch.full((len(ALARM_RULES), n), torch.nan, device=norm.device)
-        ok = active & ~overflow
+    def _evaluate(self, norm: torch.Tensor, active: torch.Tensor, amp: bool) -> torch.Tensor:
+        """``[flags of each rule..., norm, scale, band, floor]`` x rows; the state updated.
+
+        Python-side branches keep the usual step (every row stepped, no AMP, default rules) to
+        about 50 small kernels.
+        """
+        rules, no = self.rules, self._false
+        log_norm = norm.log()
+        finite = torch.lt(log_norm.abs(), math.inf)  # a positive, finite norm
+        bad = torch.lt(norm.abs(), math.inf)
+        bad = bad.logical_not_() if active is self._all else torch.logical_and(active, ~bad)
+        overflow = bad.any() if amp else None
+        ok = active if overflow is None else active & ~overflow
+        ceiling, armed = self._scale.threshold(rules.spike_factor or math.inf)
+        scale = torch.where(armed, self._scale.mean.exp(), self._nan)
+        band = torch.sub(ceiling, self._scale.mean)
+        spike = no
         if rules.spike_factor is not None:
-            median = torch.nanmedian(self._history, dim=0).values  # the lower median
-            ready = self._seen >= rules.min_history
-            flags[_SPIKE] = ok & ready & (median > 0) & (norm > rules.spike_factor * median)
-            refs[_SPIKE] = median
+            spike = torch.gt(log_norm, ceiling).logical_and_(finite)
+            spike = spike if ok is self._all else spike.logical_and_(ok)
+        absolute = no
         if rules.max_grad_norm is not None:
-            flags[_ABSOLUTE, -1] = ok[-1] & (norm[-1] > rules.max_grad_norm)
-            refs[_ABSOLUTE, -1] = rules.max_grad_norm
-        if rules.vanish_fraction is not None:
-            floor = rules.vanish_fraction * torch.nanquantile(norm[:-1], 0.5)
-            low = torch.where(norm[:-1] < floor, self._low + 1, 0)
-            self._low.copy_(torch.where(ok[:-1], low, self._low))
-            flags[_VANISHING, :-1] = ok[:-1] & (self._low == rules.vanish_steps)
-            refs[_VANISHING, :-1] = floor
+            absolute = (norm > rules.max_grad_norm).logical_and_(ok).logical_and_(~self._is_layer)
+        layers = self._is_layer if ok is self._all else torch.logical_and(ok, self._is_layer)
+        vanishing, floor = self._vanishing(norm, layers, finite)
+        nonfinite = no
         if rules.nonfinite:
-            broken = active & ~torch.isfinite(weight)
-            flags[_NONFINITE, :-1] = (broken | (bad & ~overflow))[:-1]
-            refs[_NONFINITE] = weight
-        flags[_AMP, -1] = overflow
-        return flags, refs
+            nonfinite = torch.logical_and(bad, self._is_layer)
+            nonfinite = nonfinite if overflow is None else nonfinite.logical_and_(~overflow)
+        amp_flag = no if overflow is None else overflow & ~self._is_layer
+        keep = finite if ok is self._all else torch.logical_and(finite, ok)
+        self._scale.update(log_norm, keep, ceiling)
+        flags = torch.stack([spike, absolute, vanishing, nonfinite, amp_flag]).float()
+        return torch.cat([flags, torch.stack([norm, scale, band, floor])])
+
+    def _vanishing(
+        self, norm: torch.Tensor, layers: torch.Tensor, finite: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which layers finished a run of ``vanish_steps`` tiny steps, and the floor."""
+        fraction = self.rules.vanish_fraction
+        if fraction is None:
+            return self._false, self._nan
+        live = torch.where(torch.logical_and(finite, layers), norm, self._nan)
+        # 0 when every layer is zero: a zero norm is always tiny
+        floor = torch.nanmedian(live).mul_(fraction).nan_to_num_(0.0)
+        tiny = torch.le(norm, floor).logical_and_(layers)
+        self._low.mul_(
+            torch.logical_or(
+                tiny, self._not_layer if layers is self._is_layer else torch.logical_not(layers)
+            )
+        ).add_(tiny)  # a layer not stepped keeps its count
+        return torch.eq(self._low, self.rules.vanish_steps).logical_and_(tiny), floor.expand_as(
+            norm
+        )
+
+    @torch.no_grad()
+    def update_loss(self, loss: torch.Tensor, *, step: int) -> None:
+        """Apply the *loss_spike* rule to one training loss (a device scalar; no host sync).
+
+        Losses that are not positive and finite are left out of the scale and never fire.
+        """
+        if self.rules.loss_factor is None:
+            return
+        self._drain(wait=True)
+        log_loss = loss.detach().float().reshape(1).log()
+        ceiling, _ = self._loss_scale.threshold(self.rules.loss_factor)
+        finite = log_loss.abs() < math.inf
+        flag = finite & (log_loss > ceiling)
+        scale = self._loss_scale.mean.exp()
+        self._loss_scale.update(log_loss, finite, ceiling)
+        self._loss_box.post(torch.stack([flag.float(), log_loss.exp(), scale]), step)
+        if not self._cuda:
+            self._drain(wait=False)
 
     def poll(self, wait: bool = False) -> list[GradientAlarm]:
         """Alarms read on the host since the last poll (``wait``: include the latest step)."""
@@ -298,31 +404,55 @@ class GradientAlarms:
         return new
 
     def _drain(self, wait: bool) -> None:
+        got = self._loss_box.read(wait)
+        if got is not None and got[0][0, 0] > 0:
+            value, ref = float(got[0][1, 0]), float(got[0][2, 0])
+            self._record(_loss_alarm(got[1], value, ref, self.rules))
         got = self._mailbox.read(wait)
         if got is None:
             return
-        report, (step, order) = got
-        k = len(ALARM_RULES)
-        flags, norm, refs = report[:k], report[k], report[k + 1 :]
+        report, (step, order, rows, weights) = got
+        flags = report[:_GRAD_RULES]
         if not flags.any():
             return
-        for index, rule in enumerate(ALARM_RULES):
+        report = report.copy()  # the view is overwritten by the next post
+        weight = _weight_norms(weights, rows, len(self.layers)) if flags[_NONFINITE].any() else None
+        history = self._history(step)
+        for index in np.flatnonzero(flags.any(axis=1)):
             hit = np.flatnonzero(flags[index])
-            if hit.size:
-                self.counts[rule] += int(hit.size)
-                alarm = self._alarm(index, hit, norm, refs[index], step, order)
-                self.log.append(alarm)
-                self._new.append(alarm)
+            alarm = self._alarm(int(index), hit, report, weight, step, order)
+            self._record(_with_history(alarm, self.layers, history))
+
+    def _record(self, alarm: GradientAlarm) -> None:
+        self.counts[alarm.rule] += 1 + len(alarm.others)
+        self.log.append(alarm)
+        self._new.append(alarm)
+
+    def _history(self, step: int) -> tuple[list[int], np.ndarray]:
+        """The ring buffer up to ``step``, oldest first, on the host (a sync: an alarm fired)."""
+        ring = self._ring.cpu().numpy()
+        slots = sorted(
+            (s, i)
+            for i, s in enumerate(self._ring_steps)
+            if 0 <= s <= step and step - s < len(ring)
+        )
+        return [s for s, _ in slots], ring[[i for _, i in slots]]
 
     def _alarm(
         self,
         index: int,
         hit: np.ndarray,
-        norm: np.ndarray,
-        ref: np.ndarray,
+        report: np.ndarray,
+        weight: np.ndarray | None,
         step: int,
         order: tuple[int, ...],
     ) -> GradientAlarm:
+        norm = report[_NORM]
+        ref = {
+            _SPIKE: report[_SCALE],
+            _ABSOLUTE: np.full_like(norm, self.rules.max_grad_norm or math.nan),
+            _VANISHING: report[_FLOOR],
+        }.get(index, weight if weight is not None else np.full_like(norm, -1.0))
         row = int(_culprit(index, hit, norm, ref, order, len(self.layers) - 1))
         layer, value, reference = self.layers[row], float(norm[row]), float(ref[row])
         others = tuple(self.layers[i] for i in hit if i != row)
@@ -339,32 +469,43 @@ class GradientAlarms:
         return counts, log
 
     def state_dict(self) -> dict[str, Any]:
-        """Running medians, vanishing counters and counts, on the host (for checkpoints)."""
+        """Running scales, vanishing counters, ring buffer and counts, on the host."""
         self._drain(wait=True)
         return {
             "layers": self.layers,
-            "history": self._history.cpu(),
-            "seen": self._seen.cpu(),
+            "scale": self._scale.state.cpu(),
+            "loss_scale": self._loss_scale.state.cpu(),
             "low": self._low.cpu(),
+            "ring": self._ring.cpu(),
+            "ring_steps": list(self._ring_steps),
             "counts": dict(self.counts),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; layers and window must match this instance."""
+        """Restore :meth:`state_dict`; the layers must match this instance's."""
         if tuple(state["layers"]) != self.layers:
             raise ValueError(
                 f"GradientAlarms.load_state_dict: saved layers {tuple(state['layers'])!r} differ "
                 f"from this model's {self.layers!r}"
             )
-        if state["history"].shape != self._history.shape:
-            raise ValueError(
-                f"GradientAlarms.load_state_dict: saved window {state['history'].shape[0]} "
-                f"differs from window={self.rules.window}"
-            )
-        self._history.copy_(state["history"])
-        self._seen.copy_(state["seen"])
+        if "scale" not in state:
+            raise ValueError("GradientAlarms.load_state_dict: a state of an older version")
+        self._scale.state.copy_(state["scale"])
+        self._loss_scale.state.copy_(state["loss_scale"])
         self._low.copy_(state["low"])
+        if state["ring"].shape == self._ring.shape:
+            self._ring.copy_(state["ring"])
+            self._ring_steps = list(state["ring_steps"])
         self.counts = {**dict.fromkeys(ALARM_RULES, 0), **state["counts"]}
+
+
+def _weight_norms(weights: WeightNorms | None, rows: torch.Tensor | None, n: int) -> np.ndarray:
+    """The attribution pass: per-row weight norms on the host (-1 where not read)."""
+    out = np.full(n, -1.0)
+    if weights is not None:
+        values = weights().detach().float().cpu().numpy()
+        out[rows.cpu().numpy() if rows is not None else np.arange(n)] = values
+    return out
 
 
 def _culprit(
@@ -372,10 +513,9 @@ def _culprit(
 ) -> int:
     """The row an alarm names among the flagged rows ``hit`` (``last`` is the global row)."""
     if index == _NONFINITE:
-        broken = [int(i) for i in hit if not math.isfinite(ref[i])]
-        if broken:
-            return broken[0]  # forward order: where the NaN entered
-        return _first_backward({int(i) for i in hit}, order, last)
+        # ref: weight norms, -1 where not read (no attribution pass, or not stepped)
+        broken = [i for i in range(last) if not math.isfinite(ref[i])]
+        return broken[0] if broken else _first_backward({int(i) for i in hit}, order, last)
     layers = hit[hit != last]
     if layers.size == 0:
         return last
@@ -396,22 +536,80 @@ def _first_backward(flagged: set[int], order: Sequence[int], last: int) -> int:
     return next(row for row in _backward(order, last) if row in flagged)
 
 
+def _with_history(
+    alarm: GradientAlarm, layers: tuple[str, ...], history: tuple[list[int], np.ndarray]
+) -> GradientAlarm:
+    steps, ring = history
+    if not steps:
+        return alarm
+    norms, scales = ring[:, 0], ring[:, 1]
+    first = _first_departure(norms, scales, ring[:, 2])
+    departure = ""
+    if first is not None:
+        at, row = first
+        ratio = norms[at, row] / scales[at, row]
+        departure = f"{layers[row]} left its scale first, at step {steps[at]} ({_ratio(ratio)})"
+    return GradientAlarm(
+        **{
+            **alarm.__dict__,
+            "message": f"{alarm.message}; {departure}" if departure else alarm.message,
+            "history_steps": tuple(steps),
+            "history_layers": layers,
+            "history": tuple(tuple(float(v) for v in row) for row in norms),
+            "history_scale": tuple(tuple(float(v) for v in row) for row in scales),
+            "departure": departure,
+            "departed": layers[first[1]] if first is not None else "",
+        }
+    )
+
+
+def _first_departure(
+    norms: np.ndarray, scales: np.ndarray, band: np.ndarray
+) -> tuple[int, int] | None:
+    """``(step index, layer row)`` where a layer first left its running scale by more than the
+    spike rule's band, up or down (or went non-finite), the largest departure of that step (in
+    bands); else ``None``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        size = np.abs(np.log(np.abs(norms / scales)))
+    size[np.isnan(norms) | np.isnan(scales)] = np.nan  # not stepped, or not armed yet
+    size[~np.isnan(scales) & ~np.isfinite(norms)] = np.inf  # a NaN/Inf gradient left for sure
+    size /= band
+    size[:, -1] = np.nan  # a layer, not the global row
+    away = np.nan_to_num(size, nan=0.0) > 1.0
+    if not away.any():
+        return None
+    at = int(np.flatnonzero(away.any(axis=1))[0])
+    return at, int(np.nanargmax(np.where(away[at], size[at], -1.0)))
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.3g}x" if math.isfinite(value) else f"{value}"
+
+
+def _loss_alarm(step: int, value: float, ref: float, rules: AlarmRules) -> GradientAlarm:
+    text = (
+        f"loss spike at optimizer step {step}: loss {value:.4g} is {value / ref:.3g}x its "
+        f"running scale {ref:.4g} (loss_factor={rules.loss_factor}, "
+        f"spike_sigmas={rules.spike_sigmas})"
+    )
+    return GradientAlarm("loss_spike", "loss", step, value, ref, text)
+
+
 def _describe(rule: str, layer: str, step: int, value: float, ref: float, rules: AlarmRules) -> str:
     at = f"optimizer step {step}"
     if rule == "spike":
-        # finite entries whose squares overflow float32 give an infinite norm: still a spike
-        ratio = f"{value / ref:.3g}x" if math.isfinite(value) else "beyond float32,"
         return (
-            f"gradient spike at {at}: {layer} grad norm {value:.4g} is {ratio} its "
-            f"running median {ref:.4g} (spike_factor={rules.spike_factor}, window={rules.window})"
+            f"gradient spike at {at}: {layer} grad norm {value:.4g} is {value / ref:.3g}x its "
+            f"running scale {ref:.4g} (spike_factor={rules.spike_factor}, "
+            f"spike_sigmas={rules.spike_sigmas})"
         )
     if rule == "absolute":
         return f"gradient norm above max_grad_norm at {at}: {layer} {value:.4g} > {ref:.4g}"
     if rule == "vanishing":
         return (
-            f"vanishing gradient at {at}: {layer} grad norm {value:.4g} below {ref:.4g} "
-            f"(vanish_fraction={rules.vanish_fraction} of the median layer's norm) for "
-            f"{rules.vanish_steps} consecutive steps"
+            f"vanishing gradient at {at}: {layer} grad norm {value:.4g} is zero or below "
+            f"{ref:.4g} (vanish_fraction={rules.vanish_fraction} of the median non-zero layer "
+            f"norm) for {rules.vanish_steps} consecutive steps"
         )
     if rule == "nonfinite":
         if not math.isfinite(ref):

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hooks.core import checks
 from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
 from lightning_hooks.core.distributed import all_reduce_sum_, world_size
@@ -18,8 +19,9 @@ from lightning_hooks.core.grad_stats import (
     GLOBAL,
     GRAD_STATS,
     ParamLayout,
-    grad_norms,
     grad_stats,
+    param_norms,
+    segment_norm,
 )
 from lightning_hooks.core.grad_stats import update_norms as _update_norms
 from lightning_hooks.core.registry import HookOwner, HookRegistry
@@ -29,13 +31,17 @@ from lightning_hooks.core.tensors import is_grad_forward, iter_float_tensors
 
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
 
-GRAD_FLOW_STATS = (*GRAD_STATS, "update_ratio", "output_grad_norm", "grad_norm_postclip")
-"""Columns of the tracker's :class:`~lightning_hooks.core.LayerStats`."""
+GRAD_FLOW_STATS = (*GRAD_STATS, "update_ratio", "output_grad_norm", "grad_norm_preclip")
+"""Columns of the tracker's :class:`~lightning_hooks.core.LayerStats`. With ``post_clip`` the
+``grad_*`` columns are the gradient the optimizer applied (after clipping) and
+``grad_norm_preclip`` the L2 norm before clipping; without, ``grad_norm_preclip`` is empty."""
 
 _UPDATE = GRAD_FLOW_STATS.index("update_ratio")
 _OUTPUT = GRAD_FLOW_STATS.index("output_grad_norm")
 _WEIGHT = GRAD_FLOW_STATS.index("weight_norm")
-_POSTCLIP = GRAD_FLOW_STATS.index("grad_norm_postclip")
+_PRECLIP = GRAD_FLOW_STATS.index("grad_norm_preclip")
+_GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
+_ALL = slice(0, len(GRAD_STATS))
 _SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the gradient
 
 
@@ -69,8 +75,18 @@ class _OptimizerView:
         return mask
 
 
-def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(torch._foreach_norm(tensors)).float()
+def _check_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
+    expected = "an iterable of torch.optim.Optimizer (e.g. [optimizer])"
+    if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, Iterable):
+        shown = f"{type(optimizers).__name__}(...)"  # an optimizer's repr spans many lines
+        raise TypeError(f"GradFlowTracker(optimizers={shown}): must be {expected}, got {shown}")
+    out = list(optimizers)
+    for item in out:
+        if not isinstance(item, torch.optim.Optimizer):
+            raise TypeError(
+                f"GradFlowTracker(optimizers=[...]): must be {expected}, got an item {item!r}"
+            )
+    return out
 
 
 def _add_output_grad(sq_row: torch.Tensor, grad: torch.Tensor) -> None:
@@ -127,10 +143,12 @@ class GradFlowTracker(HookOwner):
     norm of the gradient with respect to the layer's outputs (summed in square over the
     micro-batches and calls of the step). :meth:`result` gives the mean and max over steps.
 
-    Call :meth:`observe` just before ``optimizer.step()``; the update ratio (and, with
-    ``post_clip``, the global norm of the gradient after clipping) is taken by an optimizer step
-    post-hook, which runs after any clipping and after the update, while ``p.grad`` still holds
-    what the optimizer applied. Use it as a context manager, or call :meth:`remove`.
+    Call :meth:`observe` just before ``optimizer.step()`` (and before any clipping); the update
+    ratio is taken by an optimizer step post-hook, which runs after the clipping and the update,
+    while ``p.grad`` still holds what the optimizer applied. With ``post_clip`` (gradients are
+    clipped between :meth:`observe` and the step) the gradient columns are measured in that
+    post-hook too, so they are what the optimizer applied, and ``grad_norm_preclip`` holds the
+    L2 norm :meth:`observe` saw. Use it as a context manager, or call :meth:`remove`.
 
     Under ``torch.distributed`` (DDP) every rank must call :meth:`observe` and :meth:`result`.
     Parameter gradients are the all-reduced ones, the same on every rank: rank 0 records them.
@@ -141,11 +159,13 @@ class GradFlowTracker(HookOwner):
 
     Sampling: set :attr:`sampled` to ``False`` before a step's forward to skip that step; its
     hooks then return at once and :meth:`observe` records nothing. Under ``torch.compile`` the
-    flag is guarded: each of its two values compiles once. The alarms run on the sampled steps,
-    and also every ``AlarmRules.every_n_steps`` steps when that is set: on a step that is not
-    sampled they get the gradient and weight L2 norms only (one pass over each,
-    :func:`grad_norms`), and name a non-finite gradient's layer in reverse model order (the
-    backward order needs the output hooks).
+    flag is guarded: each of its two values compiles once. The alarms (the sentinel) run on
+    every ``AlarmRules.every_n_steps``-th step (every step by default), sampled or not: one
+    multi-tensor L2 pass over the gradients (before clipping: clipping would hide a spike),
+    segment-summed per layer on the device, which a sampled step reuses for its statistics. The
+    weights are read only when a rule fired (to name where a NaN entered). On a step that is
+    not sampled a non-finite gradient's layer is named in reverse model order (the backward
+    order needs the output hooks).
 
     Args:
         model: the model to track.
@@ -155,8 +175,9 @@ class GradFlowTracker(HookOwner):
         exclude: glob patterns on module names to drop.
         update_ratio: measure the update ratio (keeps one copy of the parameters).
         output_grad: measure the gradient with respect to each layer's output.
-        post_clip: measure the global gradient norm after clipping, in the step post-hook.
-        alarms: evaluate these gradient alarm rules at every step (see
+        post_clip: gradients are clipped before the step: measure them in the step post-hook
+            (what the optimizer applied), and the pre-clip norm in :meth:`observe`.
+        alarms: evaluate these gradient alarm rules (see
             :class:`~lightning_hooks.core.GradientAlarms`); read them with ``tracker.alarms``.
 
     Example:
@@ -188,6 +209,18 @@ class GradFlowTracker(HookOwner):
         post_clip: bool = False,
         alarms: AlarmRules | None = None,
     ) -> None:
+        optimizers = _check_optimizers(optimizers)
+        for name, flag in (
+            ("update_ratio", update_ratio),
+            ("output_grad", output_grad),
+            ("post_clip", post_clip),
+        ):
+            checks.boolean("GradFlowTracker", name, flag)
+        if alarms is not None and not isinstance(alarms, AlarmRules):
+            raise TypeError(
+                f"GradFlowTracker(alarms={alarms!r}): must be an AlarmRules or None, "
+                f"got {type(alarms).__name__}"
+            )
         self.registry = HookRegistry(model)
         modules = self.registry.modules(types=types, include=include, exclude=exclude)
         # The model's own parameters (a learnable temperature) unless a selection narrows it.
@@ -302,28 +335,38 @@ class GradFlowTracker(HookOwner):
         self._calls += 1
         sampled = self.registry.sampled
         alarms = self.alarms
-        if alarms is not None and not sampled:
-            every = alarms.rules.every_n_steps
-            alarms = alarms if every is not None and step % every == 0 else None
+        if alarms is not None and step % alarms.rules.every_n_steps != 0:
+            alarms = None
         if not (sampled or alarms):
             return
         view = self._view(optimizer)
         if not view.params:
             return
-        stats = self._gradient_stats(view, full=sampled)
+        grads = ParamLayout.grads(view.params)
+        missing = tuple(p.grad is None for p in view.params)
+        valid = view.grad_mask(missing) if any(missing) else None
+        stats = self._step_stats(view, grads, full=sampled and not self._post_clip)
         if param_grad_scale is not None:
             stats[:, _SCALED] /= param_grad_scale
-        if sampled:
-            missing = tuple(p.grad is None for p in view.params)
-            valid = view.grad_mask(missing) if any(missing) else None
-            columns = slice(0, len(GRAD_STATS))
-            self.accumulator.update(stats, columns, view.rows, valid, replicated=True)
         if alarms is not None:
-            amp = grad_scale is not None
-            alarms.update(stats, view.rows, step=step, amp=amp, order=self._backward_order)
+            alarms.update(
+                stats[:, 0],
+                view.rows,
+                step=step,
+                amp=grad_scale is not None,
+                order=self._backward_order,
+                weights=partial(self._weight_norms, view),
+                stepped=None if valid is None else valid[:, 0],
+            )
         self._backward_order.clear()
         if not sampled:
             return
+        if self._post_clip:  # the gradient the optimizer applies is read in the step post-hook
+            cells = None if valid is None else valid[:, [0, _WEIGHT]]
+            values = stats[:, [0, _WEIGHT]]
+            self.accumulator.update(values, [_PRECLIP, _WEIGHT], view.rows, cells, replicated=True)
+        else:
+            self.accumulator.update(stats, _ALL, view.rows, valid, replicated=True)
         if self._update_ratio:
             torch._foreach_copy_(view.before, [to_local(p) for p in view.params])
             view.weight_norm = stats[:, _WEIGHT]
@@ -332,6 +375,32 @@ class GradFlowTracker(HookOwner):
             self._observe_output_grad(view.rows[:-1], grad_scale)
             self._clear_unowned()
             self._mark_other_optimizers(optimizer)
+
+    def _step_stats(
+        self, view: _OptimizerView, grads: list[torch.Tensor], *, full: bool
+    ) -> torch.Tensor:
+        """``[rows, GRAD_STATS]``: every column (``full``), else the sentinel's: the gradient
+        L2 norm (one multi-tensor pass), and on a sampled step under clipping the weight norm,
+        in one collective under FSDP2."""
+        if full:
+            return self._gradient_stats(view, grads)
+        norms = [param_norms(grads)]
+        if self._post_clip and self.registry.sampled:
+            norms.append(param_norms([to_local(p) for p in view.params]))
+        if self.shards is not None:
+            norms = self.shards.reduce(norms=norms)[0]
+        num_layers = len(view.rows) - 1
+        stats = norms[0].new_full((num_layers + 1, len(GRAD_STATS)), torch.nan)
+        for column, values in zip((0, _WEIGHT), norms, strict=False):
+            stats[:, column] = segment_norm(values, view.index, num_layers, view.unique)
+        return stats
+
+    def _weight_norms(self, view: _OptimizerView) -> torch.Tensor:
+        """``[rows]`` weight norms of ``view``: the alarms' attribution pass."""
+        norms = param_norms([to_local(p) for p in view.params])
+        if self.shards is not None:
+            norms = self.shards.reduce(norms=[norms])[0][0]
+        return segment_norm(norms, view.index, len(view.rows) - 1, view.unique)
 
     def _clear_unowned(self) -> None:
         """Zero the output-gradient sums of rows no optimizer steps (a frozen layer's output
@@ -373,18 +442,14 @@ class GradFlowTracker(HookOwner):
                 grad = params[0].grad
                 self._markers[id(other)] = weakref.ref(grad) if grad is not None else None
 
-    def _gradient_stats(self, view: _OptimizerView, *, full: bool) -> torch.Tensor:
-        """:func:`grad_stats` (``full``), else the alarms' :func:`grad_norms`."""
-        params = [to_local(p) for p in view.params]
-        grads = ParamLayout.grads(view.params)
-        num_layers = len(view.rows) - 1
-        if not full:
-            return grad_norms(
-                grads, params, view.index, num_layers, unique=view.unique, shards=self.shards
-            )
+    def _gradient_stats(
+        self, view: _OptimizerView, grads: list[torch.Tensor], *, weights: bool = True
+    ) -> torch.Tensor:
+        """:func:`grad_stats` of ``view`` (``weights``: also the weight norms)."""
+        params = [to_local(p) for p in view.params] if weights else None
         # The update-ratio buffers are free until the copy after it: reuse them as scratch.
         dense = all(p.grad is not None and not p.grad.is_sparse for p in view.params)
-        scratch = view.before if dense else None
+        scratch = view.before if dense and weights else None
         numel, total = view.numel[:-1], view.numel[-1]
         return grad_stats(
             grads,
@@ -438,12 +503,13 @@ class GradFlowTracker(HookOwner):
         if view is None or not view.params or not self.registry.sampled:
             return
         if self._post_clip:
-            norms = _norms(ParamLayout.grads(view.params)).index_select(0, view.unique)
-            if self.shards is not None:
-                norms = self.shards.reduce(norms=[norms])[0][0]
-            norm = torch.linalg.vector_norm(norms)
-            glob = view.rows[-1:]
-            self.accumulator.update(norm.float().view(1, 1), [_POSTCLIP], glob, replicated=True)
+            # After clipping and the update, p.grad still holds what the optimizer applied.
+            missing = tuple(p.grad is None for p in view.params)
+            valid = view.grad_mask(missing) if any(missing) else None
+            grads = ParamLayout.grads(view.params)
+            stats = self._gradient_stats(view, grads, weights=False)[:, _GRAD]
+            cells = None if valid is None else valid[:, _GRAD]
+            self.accumulator.update(stats, _GRAD, view.rows, cells, replicated=True)
         if view.weight_norm is None:
             return
         num_layers = len(view.rows) - 1

@@ -21,8 +21,8 @@ __all__ = [
     "GRAD_STATS",
     "ROOT",
     "ParamLayout",
-    "grad_norms",
     "grad_stats",
+    "param_norms",
     "segment_max",
     "segment_norm",
     "update_norms",
@@ -191,10 +191,15 @@ def _norms(tensors: Sequence[torch.Tensor], ord: float) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(list(tensors), ord)).float()
 
 
+def param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[len(tensors)]`` L2 norms of each tensor, in float32 (one multi-tensor pass)."""
+    return _norms(tensors, 2.0)
+
+
 @torch.no_grad()
 def grad_stats(
     grads: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor] | None,
     index: torch.Tensor,
     numel: torch.Tensor,
     scratch: Sequence[torch.Tensor] | None = None,
@@ -202,6 +207,7 @@ def grad_stats(
     unique: torch.Tensor | None = None,
     total_numel: torch.Tensor | None = None,
     shards: ShardPlan | None = None,
+    l2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[layers + 1, len(GRAD_STATS)]`` statistics of one optimizer step's gradients.
 
@@ -210,7 +216,10 @@ def grad_stats(
     0: summed over steps it counts the steps with a NaN/Inf gradient), weight L2 norm. A parameter
     whose gradient is ``None`` is passed as a zero tensor (see :meth:`ParamLayout.grads`). With
     ``unique`` (positions of each parameter's first listing, :meth:`ParamLayout.unique`) the last
-    row counts a shared parameter once, its mean over ``total_numel`` elements.
+    row counts a shared parameter once, its mean over ``total_numel`` elements. ``params=None``:
+    no weights are read, the weight column is NaN. ``l2``: the per-parameter (shard-local) L2
+    norms of ``grads`` when already computed (the alarms' sentinel reads them every step): the L2
+    pass is not repeated.
 
     Four reading passes over the gradients and one over the weights: ``_foreach_norm`` with
     orders 1, inf and 0 takes a slow path on the CPU (10-30x the cost of order 2), so only the L2
@@ -227,11 +236,11 @@ def grad_stats(
                 [5.0990, 2.6667, 4.0000, 0.0000, 1.7321]])
     """
     num_layers = numel.numel()
-    l2 = _norms(grads, 2.0)
+    l2 = _norms(grads, 2.0) if l2 is None else l2
     absolute = [torch.empty_like(g) for g in grads] if scratch is None else list(scratch)
     sums = torch.stack([torch.abs(g, out=a).sum() for g, a in zip(grads, absolute, strict=True)])
     peak = torch.stack(torch._foreach_max(absolute)) if shards is None else foreach_amax(absolute)
-    weight = _norms(params, 2.0)
+    weight = _norms(params, 2.0) if params is not None else torch.full_like(l2, torch.nan)
     if shards is not None:  # shard-local partials made whole: one collective
         (l2, weight), (sums,), (peak,) = shards.reduce(
             norms=[l2, weight], sums=[sums], maxima=[peak]
@@ -250,42 +259,6 @@ def grad_stats(
         ],
         dim=1,
     )
-
-
-@torch.no_grad()
-def grad_norms(
-    grads: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor],
-    index: torch.Tensor,
-    num_layers: int,
-    *,
-    unique: torch.Tensor | None = None,
-    shards: ShardPlan | None = None,
-) -> torch.Tensor:
-    """The columns of :func:`grad_stats` the gradient alarms read, at the cost of one L2 pass
-    over the gradients and one over the weights.
-
-    ``grad_norm`` and ``weight_norm`` are exact; ``grad_nonfinite`` is 1 where the layer's
-    gradient norm is not finite (a NaN/Inf entry, or squares beyond float32), else 0; mean and
-    max ``|g|`` are NaN (not measured). For the alarms only: the accumulated statistics always
-    come from :func:`grad_stats`.
-
-    Example:
-        >>> g = [torch.tensor([3.0, -4.0]), torch.tensor([float("nan")])]
-        >>> w = [torch.ones(2), torch.ones(1)]
-        >>> grad_norms(g, w, torch.tensor([0, 1]), 2)
-        tensor([[5.0000,    nan,    nan, 0.0000, 1.4142],
-                [   nan,    nan,    nan, 1.0000, 1.0000],
-                [   nan,    nan,    nan, 1.0000, 1.7321]])
-    """
-    norms = [_norms(grads, 2.0), _norms(params, 2.0)]
-    if shards is not None:  # shard-local norms made whole: one collective
-        norms = shards.reduce(norms=norms)[0]
-    norm = segment_norm(norms[0], index, num_layers, unique)
-    nan = torch.full_like(norm, torch.nan)
-    bad = (~torch.isfinite(norm)).to(norm.dtype)
-    weight = segment_norm(norms[1], index, num_layers, unique)
-    return torch.stack([norm, nan, nan, bad, weight], dim=1)
 
 
 @torch.no_grad()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from lightning_hooks.core.readback import HostMailbox
+
 __all__ = ["FirstNonFinite"]
 
 _ROW_SPACE = 1 << 24
@@ -16,11 +18,11 @@ class FirstNonFinite:
     per step), keeps the first ``(step, row)`` ever marked in one on-device int64 tensor: later
     marks never overwrite it. A few tiny kernels, no host sync.
 
-    :meth:`poll` is the cheap per-step check: on CUDA it copies that tensor with
-    ``non_blocking=True`` into pinned memory, records an event, and on a later call reads the
-    pinned copy only once ``event.query()`` says it has landed (never waiting), so the answer
-    comes at most one step late when the GPU keeps up. On a CPU device the tensor already lives
-    in host memory: the copy is an 8-byte ``memcpy`` and the answer is immediate.
+    :meth:`poll` is the cheap per-step check, through the shared
+    :class:`~lightning_hooks.core.readback.HostMailbox`: on CUDA it copies that tensor with
+    ``non_blocking=True`` into pinned memory and, on a later call, reads the copy only once it
+    has landed (never waiting), so the answer comes at most one step late when the GPU keeps up.
+    On a CPU device the copy is an 8-byte ``memcpy`` and the answer is immediate.
 
     Args:
         device: the device the hooks run on.
@@ -37,10 +39,8 @@ class FirstNonFinite:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.code = torch.full((1,), -1, dtype=torch.int64, device=device)
-        cuda = device.type == "cuda"
-        self._host = torch.full((1,), -1, dtype=torch.int64, pin_memory=cuda)
-        self._view = self._host.numpy()  # shares the pinned buffer: reading it is not a sync
-        self._event: torch.cuda.Event | None = None
+        self._mailbox = HostMailbox((1,), device, torch.int64)
+        self._mailbox.clear(-1)
 
     def mark(self, bad: torch.Tensor, step: int, row: int | torch.Tensor) -> None:
         """Record ``(step, row)`` if ``bad`` (a 0-d bool on the device) and nothing was before.
@@ -55,26 +55,19 @@ class FirstNonFinite:
 
     def poll(self) -> tuple[int, int] | None:
         """``(step, row)`` of the first mark that has reached the host, or ``None``."""
-        if self.device.type != "cuda":
-            self._host.copy_(self.code)
-            return self._decode()
-        if self._event is not None and self._event.query():  # type: ignore[no-untyped-call]
-            self._event = None
-            found = self._decode()
-            if found is not None:
-                return found
-        if self._event is None:
-            self._host.copy_(self.code, non_blocking=True)
-            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._event.record()
+        got = self._mailbox.read(wait=False)
+        if got is not None:
+            code = int(got[0][0])
+            if code >= 0:
+                return divmod(code, _ROW_SPACE)
+        if not self._mailbox.pending:
+            self._mailbox.post(self.code)
+            got = None if self.device.type == "cuda" else self._mailbox.read(wait=False)
+            if got is not None and int(got[0][0]) >= 0:
+                return divmod(int(got[0][0]), _ROW_SPACE)
         return None
-
-    def _decode(self) -> tuple[int, int] | None:
-        code = int(self._view[0])
-        return None if code < 0 else divmod(code, _ROW_SPACE)
 
     def reset(self) -> None:
         """Forget any mark (a new run)."""
         self.code.fill_(-1)
-        self._event = None
-        self._view[0] = -1
+        self._mailbox.clear(-1)

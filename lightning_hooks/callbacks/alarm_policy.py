@@ -1,0 +1,187 @@
+"""What ``GradFlowCallback`` does when a gradient alarm fires: warn, stop, raise or skip."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities import rank_zero_warn
+
+from lightning_hooks.core.alarms import GradientAlarm, GradientAlarms
+from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
+from lightning_hooks.logging import log_scalars, log_text
+
+__all__ = ["AlarmPolicy"]
+
+Action = Literal["warn", "stop", "raise", "skip"]
+_ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip")
+# amp_overflow: the GradScaler already acts, so it is counted, never acted on.
+_ACTIONABLE = ("spike", "absolute", "vanishing", "nonfinite", "loss_spike")
+_NOT_SKIPPABLE = ("vanishing", "loss_spike")  # skipping steps revives neither
+_SUMMARY_LINES = 100
+
+
+def check_actions(on_alarm: Any) -> dict[str, Action]:
+    """``on_alarm`` (one action, or ``{rule: action}``) as an action per rule; others warn.
+
+    Example:
+        >>> check_actions("skip")["vanishing"]
+        'warn'
+        >>> check_actions(None)
+        Traceback (most recent call last):
+        ...
+        TypeError: GradFlowCallback(on_alarm=None): must be one of ('warn', 'stop', 'raise', \
+'skip') or a mapping {rule: action} with rules in ('spike', 'absolute', 'vanishing', \
+'nonfinite', 'loss_spike'), got None
+    """
+    if not isinstance(on_alarm, str | Mapping):
+        raise TypeError(
+            f"GradFlowCallback(on_alarm={on_alarm!r}): must be one of {_ACTIONS} or a mapping "
+            f"{{rule: action}} with rules in {_ACTIONABLE}, got {on_alarm!r}"
+        )
+    given = dict.fromkeys(_ACTIONABLE, on_alarm) if isinstance(on_alarm, str) else on_alarm
+    if on_alarm == "skip":
+        given = {**given, **dict.fromkeys(_NOT_SKIPPABLE, "warn")}
+    actions: dict[str, Action] = dict.fromkeys(_ACTIONABLE, "warn")
+    for rule, action in given.items():
+        if rule not in _ACTIONABLE:
+            raise ValueError(
+                f"GradFlowCallback(on_alarm={on_alarm!r}): rules must be in {_ACTIONABLE}, "
+                f"got {rule!r}"
+            )
+        skippable = rule not in _NOT_SKIPPABLE
+        if action not in _ACTIONS or (action == "skip" and not skippable):
+            allowed = _ACTIONS if skippable else _ACTIONS[:3]
+            raise ValueError(
+                f"GradFlowCallback(on_alarm={on_alarm!r}): the action for {rule!r} must be in "
+                f"{allowed}, got {action!r}"
+            )
+        actions[rule] = action
+    return actions
+
+
+class AlarmPolicy:
+    """Applies ``on_alarm`` to the alarms read on the host, and logs the epoch's alarms.
+
+    - ``warn``: a :class:`~lightning_hooks.errors.GradientAlarmWarning` on rank 0, once per
+      rule and layer per epoch (then only counted);
+    - ``stop``: warn, and ``trainer.should_stop``, agreed across ranks;
+    - ``raise``: a :class:`~lightning_hooks.errors.GradientAlarmError`;
+    - ``skip``: warn, and the step is not applied (every gradient of the optimizer set to
+      ``None``): needs the verdict of the current step, so :attr:`wait` is true.
+
+    Args:
+        on_alarm: one action for every rule, or ``{rule: action}`` (others warn).
+    """
+
+    def __init__(self, on_alarm: Action | Mapping[str, Action]) -> None:
+        self.actions = check_actions(on_alarm)
+        self.wait = "skip" in self.actions.values()
+        """Read the current step's verdict before the optimizer step (blocking on CUDA)."""
+        self._stop = "stop" in self.actions.values()
+        self._warned: set[tuple[str, str]] = set()
+        self.saved: dict[str, Any] | None = None
+        """The alarms' running state between fits, or from a checkpoint."""
+
+    def keep(self, alarms: GradientAlarms | None) -> None:
+        """Save ``alarms``' state (the hooks are about to be removed)."""
+        if alarms is not None:
+            self.saved = alarms.state_dict()
+
+    def state(self, alarms: GradientAlarms | None) -> dict[str, Any] | None:
+        """The state to checkpoint: the live alarms', else the saved one."""
+        return alarms.state_dict() if alarms is not None else self.saved
+
+    def restore(self, alarms: GradientAlarms | None) -> None:
+        """Load the saved state into fresh ``alarms``; another model's is dropped with a warning."""
+        if alarms is None or self.saved is None:
+            return
+        try:
+            alarms.load_state_dict(self.saved)
+        except ValueError as err:
+            rank_zero_warn(
+                f"GradFlowCallback: {err}; running scales start afresh.",
+                category=LightningHooksWarning,
+            )
+
+    def act(
+        self,
+        trainer: pl.Trainer,
+        optimizer: torch.optim.Optimizer | None,
+        alarms: list[GradientAlarm],
+    ) -> None:
+        """Warn, stop, raise or skip for each alarm (``optimizer``: the one about to step)."""
+        stop = False
+        for alarm in alarms:
+            action = self.actions.get(alarm.rule)
+            if action is None:
+                continue
+            if action == "raise":
+                raise GradientAlarmError(
+                    alarm.message,
+                    rule=alarm.rule,
+                    layer=alarm.layer,
+                    step=alarm.step,
+                    value=alarm.value,
+                    alarm=alarm,
+                )
+            self._warn_once(alarm)
+            stop = stop or action == "stop"
+            if action == "skip" and optimizer is not None and alarm.step == trainer.global_step:
+                _skip_step(optimizer)
+        if self._stop:
+            # Ranks see the same all-reduced gradients, so they agree; under FSDP they may not.
+            trainer.should_stop |= trainer.strategy.reduce_boolean_decision(stop, all=False)
+
+    def observe_loss(
+        self, trainer: pl.Trainer, alarms: GradientAlarms, outputs: Any, step: int
+    ) -> None:
+        """The *loss_spike* rule on ``training_step``'s loss (a device tensor), when it is on."""
+        if alarms.rules.loss_factor is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if isinstance(loss, torch.Tensor):
+            alarms.update_loss(loss, step=step)
+            self.act(trainer, None, alarms.poll())
+
+    def _warn_once(self, alarm: GradientAlarm) -> None:
+        key = (alarm.rule, alarm.layer)
+        if key not in self._warned:
+            self._warned.add(key)
+            warning = GradientAlarmWarning(alarm.message)
+            warning.alarm = alarm
+            rank_zero_warn(warning, category=GradientAlarmWarning)
+
+    def end_epoch(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
+        """Act on the last verdicts, then log the epoch's counts and its text summary."""
+        self.act(trainer, None, alarms.poll(wait=True))
+        counts, log = alarms.take_epoch()
+        self._warned.clear()
+        step = trainer.global_step
+        log_scalars(trainer.loggers, {f"grad_flow/alarms/{r}": counts[r] for r in counts}, step)
+        if trainer.is_global_zero:
+            log_text(trainer.loggers, "grad_flow/alarms", _summary(log, trainer), step)
+
+
+def _summary(log: list[GradientAlarm], trainer: pl.Trainer) -> str:
+    head = f"{len(log)} gradient alarms in epoch {trainer.current_epoch}"
+    lines: list[str] = []
+    shown: set[int] = set()
+    for alarm in log[:_SUMMARY_LINES]:
+        lines.append(f"- step {alarm.step}, {alarm.rule}, {alarm.layer}: {alarm.message}")
+        if alarm.history_steps and alarm.step not in shown:
+            # the ring buffer once per step: norm (norm / running scale) of the rows involved
+            shown.add(alarm.step)
+            lines += [f"    - {line}" for line in alarm.history_lines()]
+    if len(log) > _SUMMARY_LINES:
+        lines.append(f"- ... and {len(log) - _SUMMARY_LINES} more")
+    return "\n".join([head, "", *lines])
+
+
+def _skip_step(optimizer: torch.optim.Optimizer) -> None:
+    """Make the coming ``optimizer.step()`` a no-op: torch optimizers skip ``None`` gradients."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None

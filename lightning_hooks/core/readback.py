@@ -1,0 +1,75 @@
+"""One host read-back for small device tensors: a pinned buffer, a non-blocking copy, an event."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["HostMailbox"]
+
+
+class HostMailbox:
+    """A small device tensor copied to host memory without blocking, read on a later call.
+
+    On CUDA the host buffer is pinned, the copy is ``non_blocking`` and an event marks its end:
+    :meth:`read` does not wait unless asked to (``wait``: at most for the copy posted one step
+    earlier). On the CPU the copy is the read. The host buffer's numpy view is made once here,
+    so reading it is plain host memory access: no torch call, no sync, on any step. Used by the
+    gradient alarms (:class:`~lightning_hooks.core.GradientAlarms`) and the first-non-finite
+    probe (:class:`~lightning_hooks.core.FirstNonFinite`).
+
+    Args:
+        shape: the shape of the tensors posted.
+        device: where they live.
+        dtype: their dtype.
+
+    Example:
+        >>> box = HostMailbox((2,), torch.device("cpu"))
+        >>> box.pending
+        False
+        >>> box.post(torch.tensor([1.0, 2.0]), meta="step 3")
+        >>> view, meta = box.read(wait=False)
+        >>> view.tolist(), meta, box.pending
+        ([1.0, 2.0], 'step 3', False)
+    """
+
+    def __init__(
+        self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> None:
+        cuda = device.type == "cuda"
+        self._host = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
+        self._view: np.ndarray = self._host.numpy()
+        self._event = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
+        self._meta: Any = None
+        self.pending = False
+        """Whether a posted value has not been read yet."""
+
+    def post(self, value: torch.Tensor, meta: Any = None) -> None:
+        """Start copying ``value`` to the host; ``meta`` comes back with it from :meth:`read`."""
+        # Only CUDA gets an event to tell when a non_blocking copy is done: elsewhere, block.
+        self._host.copy_(value, non_blocking=self._event is not None)
+        if self._event is not None:
+            self._event.record()
+        self._meta = meta
+        self.pending = True
+
+    def read(self, wait: bool) -> tuple[np.ndarray, Any] | None:
+        """The posted value (a numpy view, valid until the next post) and its ``meta`` once the
+        copy is done, else ``None``; ``wait``: block until it is."""
+        if not self.pending:
+            return None
+        if self._event is not None:
+            if wait:
+                self._event.synchronize()
+            elif not self._event.query():  # type: ignore[no-untyped-call]
+                return None
+        meta, self._meta = self._meta, None
+        self.pending = False
+        return self._view, meta
+
+    def clear(self, fill: float = 0) -> None:
+        """Drop a pending value and fill the host buffer with ``fill``."""
+        self._meta, self.pending = None, False
+        self._view.fill(fill)
