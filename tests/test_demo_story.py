@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_hooks import AlarmRules
+
 from conftest import read_image_tags, read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,10 +105,28 @@ def test_broken_relus_are_dead_and_it_guesses(demo: tuple[Path, str]) -> None:
     assert _per_epoch(broken, "val/acc")[-1] <= 0.15
 
 
+def test_broken_vanishing_fires_in_its_last_epoch(demo: tuple[Path, str]) -> None:
+    _claim("Once those 7 layers have had zero gradient for 20 consecutive steps")
+    _claim("`vanishing` alarms fire for those 7 layers, at optimizer step 63")
+    broken = _run(demo, "broken")
+    zero = [n for n in LAYERS if _per_epoch(broken, f"grad_flow/grad_norm/{n}")[-1] == 0.0]
+    assert len(zero) == 7, zero
+    assert _per_epoch(broken, "grad_flow/alarms/vanishing") == [0.0, 0.0, 7.0]
+    assert AlarmRules().vanish_steps == 20  # the rule's default, which the demo keeps
+    warned = [line for line in demo[1].splitlines() if "vanishing gradient at" in line]
+    assert warned and "at optimizer step 63:" in warned[0], warned
+    assert f"{zero[0]} grad norm 0 " in warned[0], warned  # the layers the event files show
+    assert f"(also flagged: {', '.join(zero[1:])})" in warned[0], warned
+    healthy = _run(demo, "healthy")
+    assert sum(_per_epoch(healthy, "grad_flow/alarms/vanishing")) == 0
+
+
 def test_the_report_names_the_alarms(demo: tuple[Path, str]) -> None:
     _claim("the report's last line for it counts the alarms: `alarms: grad_flow/spike=")
     broken = _run(demo, "broken")
-    total = math.fsum(_per_epoch(broken, "grad_flow/alarms/spike"))
+    spike = math.fsum(_per_epoch(broken, "grad_flow/alarms/spike"))
+    vanishing = math.fsum(_per_epoch(broken, "grad_flow/alarms/vanishing"))
+    line = f"alarms: grad_flow/spike={spike:g}, grad_flow/vanishing={vanishing:g}"
     summary = demo[1].split("== summary")[1]
-    assert f"alarms: grad_flow/spike={total:g}" in summary
-    assert f"`alarms: grad_flow/spike={total:g}`" in README, "the README quotes the count"
+    assert line in summary
+    assert f"`{line}`" in " ".join(README.split()), "the README quotes the counts"
