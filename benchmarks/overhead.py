@@ -330,9 +330,15 @@ PRE_ACTIVATION: dict[str, tuple[str, ...]] = {"transformer": ("*.linear1",)}
 
 def fit(model_name: str, callbacks: list[pl.Callback], steps: int, logger: Any = None) -> Bench:
     model = make_model(model_name, steps)
-    for callback in callbacks:
-        if isinstance(callback, lightning_hooks.DeadReLUCallback):
-            callback.pre_activation = PRE_ACTIVATION.get(model_name, callback.pre_activation)
+    if model_name in PRE_ACTIVATION:  # the selection is fixed at construction: build it anew
+        callbacks = [
+            lightning_hooks.DeadReLUCallback(
+                pre_activation=PRE_ACTIVATION[model_name], every_n_steps=c.every_n_steps
+            )
+            if isinstance(c, lightning_hooks.DeadReLUCallback)
+            else c
+            for c in callbacks
+        ]
     with tempfile.TemporaryDirectory() as tmp:
         trainer = pl.Trainer(
             max_epochs=1,
