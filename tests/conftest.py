@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import subprocess
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -191,3 +193,28 @@ def read_histograms(logdir: Path | str) -> dict[str, list[tuple[int, Any]]]:
         for tag in acc.Tags()["histograms"]:
             out[tag].extend((e.step, e.histogram_value) for e in acc.Histograms(tag))
     return dict(out)
+
+
+_LAUNCHER_ENV = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_script(script: str, out: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``tests/<script> --out OUT`` (a multi-process launch) in a clean environment.
+
+    Lightning's launcher variables of this process are dropped, so the script starts its own
+    processes; the repository root is put on ``PYTHONPATH``. A non-zero exit fails the test.
+    """
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(root / "tests" / script), "--out", str(out)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc

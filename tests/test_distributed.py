@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,27 +23,13 @@ from pytorch_lightning.strategies import FSDPStrategy
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.core import ALARM_RULES
 
-from conftest import hooks_left, read_scalars
-
-ROOT = Path(__file__).resolve().parent.parent
-LAUNCHER_ENV = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from conftest import hooks_left, read_scalars, run_script
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("ddp")
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "ddp_run.py"), "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_script("ddp_run.py", out)
     return out, proc.stdout + proc.stderr
 
 

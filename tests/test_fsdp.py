@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,28 +26,15 @@ from lightning_hooks import GradFlowCallback
 from lightning_hooks.core.sharding import ShardPlan, combine_partials, foreach_amax
 from lightning_hooks.errors import GradientAlarmWarning
 
-from conftest import read_histograms, read_scalars
+from conftest import read_histograms, read_scalars, run_script
 
-ROOT = Path(__file__).resolve().parent.parent
-LAUNCHER_ENV = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 STEPS = [4, 8]  # two epochs of four optimizer steps, logged at each epoch end
 
 
 @pytest.fixture(scope="module")
 def fsdp_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp")
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "fsdp_run.py"), "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_script("fsdp_run.py", out)
     return out
 
 

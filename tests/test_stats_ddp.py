@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,28 +13,15 @@ import torch
 from ddp_run import SAMPLES, DeepMLP
 from ddp_stats_run import fit
 
-from conftest import read_scalars
+from conftest import read_scalars, run_script
 
-ROOT = Path(__file__).resolve().parent.parent
-LAUNCHER_ENV = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 PREFIXES = ("output_rms/", "activations/", "dead_relu/", "saturation/")
 
 
 @pytest.fixture(scope="module")
 def ddp_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ddp_stats")
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "ddp_stats_run.py"), "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_script("ddp_stats_run.py", out)
     return out
 
 
