@@ -14,33 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from collectives import CollectiveCounter
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "broadcast",
-    "broadcast_object_list",
-    "barrier",
-    "reduce",
-    "gather",
-    "scatter",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-)
 SAMPLES = 32
 ACCUMULATE_CLIP: dict[str, Any] = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
 
@@ -96,57 +80,11 @@ def trainer_options(root: Path, logger: str) -> dict[str, Any]:
     }
 
 
-class _CollectiveCounter(pl.Callback):
-    """Counts ``torch.distributed`` collectives per epoch: all, and those from our package."""
-
-    def __init__(self) -> None:
-        self.all: Counter[str] = Counter()
-        self.ours: Counter[str] = Counter()
-        self.epochs: list[dict[str, int]] = []
-        self._mark = (0, 0)
-        self._originals = {name: getattr(dist, name) for name in COLLECTIVES}
-        for name, original in self._originals.items():
-            setattr(dist, name, self._wrap(name, original))
-
-    def restore(self) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-
-    def _wrap(self, name: str, original: Any) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.all[name] += 1
-            if _called_from_package():
-                self.ours[name] += 1
-            return original(*args, **kwargs)
-
-        return counted
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        self._mark = (self.all.total(), self.ours.total())
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        self.epochs.append(
-            {"all": self.all.total() - self._mark[0], "ours": self.ours.total() - self._mark[1]}
-        )
-
-
-def _called_from_package() -> bool:
-    import lightning_hooks
-
-    root = str(Path(lightning_hooks.__file__).parent)
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(root):
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
-
-
-def fit(root: Path, depth: int, logger: str, devices: int, **extra: Any) -> _CollectiveCounter:
+def fit(root: Path, depth: int, logger: str, devices: int, **extra: Any) -> CollectiveCounter:
     """One fit of ``DeepMLP(depth)`` with GradFlowCallback; logs under ``root``."""
     from lightning_hooks import GradFlowCallback
 
-    counter = _CollectiveCounter()
+    counter = CollectiveCounter()
     strategy = {"strategy": "ddp"} if devices > 1 else {}
     trainer = pl.Trainer(
         devices=devices,

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch.distributed as dist
-from ddp_run import SAMPLES, DeepMLP, _CollectiveCounter, trainer_options
+from collectives import CollectiveCounter
+from ddp_run import SAMPLES, DeepMLP, trainer_options
 from torch import nn
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_stat.py"
@@ -34,9 +35,9 @@ def callbacks() -> list[pl.Callback]:
     ]
 
 
-def fit(root: Path, devices: int) -> _CollectiveCounter:
+def fit(root: Path, devices: int) -> CollectiveCounter:
     """One fit of ``DeepMLP(depth=3)``; logs under ``root``."""
-    counter = _CollectiveCounter()
+    counter = CollectiveCounter()
     strategy = {"strategy": "ddp"} if devices > 1 else {}
     trainer = pl.Trainer(
         devices=devices,

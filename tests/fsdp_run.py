@@ -27,35 +27,19 @@ import argparse
 import json
 import os
 import runpy
-import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from collectives import CollectiveCounter
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "broadcast",
-    "broadcast_object_list",
-    "barrier",
-    "reduce",
-    "gather",
-    "scatter",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-)
 SAMPLES = 32
 GLOBAL_BATCH = 8
 NAN_STEP = 5
@@ -120,59 +104,6 @@ class ShardedMLP(pl.LightningModule):
         sampler = DistributedSampler(data, shuffle=False) if dist.is_initialized() else None
         batch = GLOBAL_BATCH // (dist.get_world_size() if dist.is_initialized() else 1)
         return DataLoader(data, batch_size=batch, sampler=sampler)
-
-
-class CollectiveCounter(pl.Callback):
-    """Counts ``torch.distributed`` collectives: per step and per epoch, all and ours."""
-
-    def __init__(self) -> None:
-        self.all: Counter[str] = Counter()
-        self.ours: Counter[str] = Counter()
-        self.steps: list[int] = []
-        self.epochs: list[dict[str, Any]] = []
-        self._marks = (0, 0)
-        self._originals = {name: getattr(dist, name) for name in COLLECTIVES}
-        for name, original in self._originals.items():
-            setattr(dist, name, self._wrap(name, original))
-
-    def restore(self) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-
-    def _wrap(self, name: str, original: Any) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.all[name] += 1
-            if _called_from_package():
-                self.ours[name] += 1
-            return original(*args, **kwargs)
-
-        return counted
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._step_mark = self.ours.total()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.steps.append(self.ours.total() - self._step_mark)
-
-    def on_train_epoch_start(self, *args: Any) -> None:
-        self._marks = (self.all.copy(), self.ours.copy())
-
-    def on_train_epoch_end(self, *args: Any) -> None:
-        ours = self.ours - self._marks[1]
-        all_ = (self.all - self._marks[0]).total()
-        self.epochs.append({"all": all_, "ours": ours.total(), "ours_by_name": dict(ours)})
-
-
-def _called_from_package() -> bool:
-    import lightning_hooks
-
-    root = str(Path(lightning_hooks.__file__).parent)
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(root):
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
 
 
 def callbacks(run: str) -> list[pl.Callback]:
