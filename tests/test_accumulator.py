@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_hooks.core import GradFlowTracker, LayerStatsAccumulator, ParamLayout, grad_stats
-from lightning_hooks.core.grad_stats import update_norms
+from lightning_hooks.core.grad_stats import CHUNK, abs_sum_max, update_norms
 
 
 def test_accumulator_mean_peak_total_count_with_rows_columns_and_mask() -> None:
@@ -59,6 +59,23 @@ def test_grad_stats_match_plain_torch() -> None:
         assert stats[row, 3] == (~g.isfinite()).sum()
         torch.testing.assert_close(stats[row, 4], w.norm())
     assert stats[-1, 3] == 1 and math.isinf(stats[-1, 0])
+
+
+def test_abs_sum_max_pieces_large_tensors_and_keeps_nan() -> None:
+    # A tensor over CHUNK elements goes through the reused buffer in pieces (the last one
+    # short); small, empty, half-precision and NaN-holding tensors alongside.
+    g = torch.Generator().manual_seed(0)
+    large = torch.randn(2 * CHUNK + 5, generator=g)
+    large[CHUNK + 3] = -7.0  # the maximum sits in the middle piece
+    tensors = [large, torch.randn(3, 4, generator=g), torch.empty(0), torch.randn(9).half()]
+    sums, peaks = abs_sum_max(tensors)
+    for t, s, m in zip(tensors, sums, peaks, strict=True):
+        ref = t.float().abs()
+        torch.testing.assert_close(s, ref.sum(), rtol=1e-5, atol=0.0)
+        assert m == (ref.max() if t.numel() else 0.0)
+    large[2 * CHUNK + 1] = torch.nan  # in the short last piece
+    sums, peaks = abs_sum_max([large])
+    assert sums.isnan().all() and peaks.isnan().all()
 
 
 def test_update_norms_match_plain_torch() -> None:

@@ -23,7 +23,8 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.strategies import FSDPStrategy, SingleDeviceStrategy
 
 from lightning_hooks import GradFlowCallback
-from lightning_hooks.core.sharding import ShardPlan, combine_partials, foreach_amax
+from lightning_hooks.core.grad_stats import abs_sum_max
+from lightning_hooks.core.sharding import ShardPlan, combine_partials
 from lightning_hooks.errors import GradientAlarmWarning
 
 from conftest import read_histograms, read_scalars, run_script
@@ -204,8 +205,7 @@ def test_partials_of_shards_combine_to_the_whole_tensor() -> None:
             torch.stack(
                 [
                     torch.linalg.vector_norm(s).square().view(1),
-                    s.abs().sum().view(1),
-                    foreach_amax([s.abs()]),
+                    *abs_sum_max([s]),
                 ],
                 dim=1,
             )

@@ -12,7 +12,6 @@ from torch import nn
 from lightning_hooks.core.feature_stats import (
     NUM_SUMS,
     FeatureSummary,
-    Workspace,
     feature_stats,
     fused_feature_stats,
     summarize,
@@ -22,7 +21,7 @@ from lightning_hooks.core.nonfinite import FirstNonFinite
 from lightning_hooks.core.registry import HookRegistry
 from lightning_hooks.core.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.stat import LayerStat
-from lightning_hooks.core.tensors import iter_float_tensors
+from lightning_hooks.core.tensors import Workspace, iter_float_tensors
 
 __all__ = ["ACTIVATION_MODULES", "ActivationStatsTracker", "Histogram", "default_feature_module"]
 

@@ -35,7 +35,7 @@ from torch.nn.modules.conv import _ConvNd
 
 from lightning_hooks.core.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.stat import LayerStat
-from lightning_hooks.core.tensors import iter_float_tensors
+from lightning_hooks.core.tensors import Workspace, iter_float_tensors
 
 __all__ = ["RELU_FAMILY", "DeadUnitTracker", "DeadUnits", "fired_counts", "unit_dim"]
 
@@ -69,18 +69,32 @@ def unit_dim(module: nn.Module, ndim: int) -> int:
     return 1
 
 
+_EXACT = 2**24
+"""float32 holds every integer up to this exactly."""
+
+
 @torch.no_grad()
-def fired_counts(y: torch.Tensor, dim: int) -> torch.Tensor:
+def fired_counts(y: torch.Tensor, dim: int, workspace: Workspace | None = None) -> torch.Tensor:
     """``[units]`` integers: how many entries of each unit of ``y`` are ``> 0`` (fired).
+
+    ``y > 0`` is written as 0.0 / 1.0 into ``workspace`` (float32) and summed: exact, every
+    partial sum being an integer below 2**24, and 4x faster on CPU than a byte sum into int32,
+    which converts the bytes first (measured: 0.5 ms against 2.0 ms for a ``[64, 32, 32, 32]``
+    output). A larger output sums bytes into int64.
 
     Example:
         >>> fired_counts(torch.tensor([[1.0, 0.0, -2.0], [3.0, 0.0, 0.5]]), dim=1).tolist()
         [2, 0, 1]
     """
-    positive = (y.detach() > 0).view(torch.uint8)  # byte sums vectorize, bool sums do not
+    y = y.detach()
     others = [d for d in range(y.ndim) if d != dim]
-    count = torch.int32 if y.numel() < 2**31 else torch.int64
-    return positive.sum(dim=others, dtype=count) if others else positive.to(count)
+    if y.numel() > _EXACT:
+        positive = (y > 0).view(torch.uint8)
+        return positive.sum(dim=others, dtype=torch.int64) if others else positive.long()
+    ws = workspace or Workspace()
+    fired = ws.get(y.numel(), torch.float32, y.device).view(y.shape)
+    torch.gt(y, 0, out=fired)
+    return (fired.sum(dim=others) if others else fired).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -158,6 +172,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         owner: str = "DeadUnitTracker",
     ) -> None:
         super().__init__(Selection.of(owner, types=types, include=include, exclude=exclude))
+        self.workspace = Workspace()  # the fired mask of the largest output, reused
         self.owner = owner
         self.producers = Selection.of(
             owner, include=pre_activation, arguments=("pre_activation", "exclude")
@@ -195,7 +210,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         y = next((t for _, t in iter_float_tensors(output) if t.ndim >= 1), None)
         if y is None or y.numel() == 0:
             return
-        counts = fired_counts(y, unit_dim(module, y.ndim))
+        counts = fired_counts(y, unit_dim(module, y.ndim), self.workspace)
         row = self.row(name, counts.numel())
         self.counts[self.unit_slice(row)].add_(counts)
         self.fired[row].add_(counts.sum(), alpha=1.0 / y.numel())

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lightning_hooks.core.tensors import Workspace
+
 __all__ = [
     "FEATURE_STATS",
     "NUM_SUMS",
     "FeatureSummary",
-    "Workspace",
     "feature_stats",
     "fused_feature_stats",
     "summarize",
@@ -30,39 +31,18 @@ FEATURE_STATS = ("sum", "sum_sq", "sum_abs", "zeros", "nonfinite", "numel", "min
 NUM_SUMS = 6
 
 
-class Workspace:
-    """Reusable scratch buffers for :func:`feature_stats`, grown to the largest output seen.
-
-    Writing the temporaries of :func:`feature_stats` into reused memory instead of fresh
-    activation-sized allocations makes it about 3x faster on CPU (fresh large blocks page-fault);
-    the cost is one float buffer and one byte buffer as large as the largest output.
-
-    Example:
-        >>> ws = Workspace()
-        >>> ws.get(4, torch.float32, torch.device("cpu")).shape
-        torch.Size([4])
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat tensor of ``numel`` entries (its contents are garbage)."""
-        buffer = self._buffers.get((dtype, device))
-        if buffer is None or buffer.numel() < numel:
-            buffer = self._buffers[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
-        return buffer[:numel]
-
-
 @torch.no_grad()
 def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
     """``[8]`` float32 statistics of a non-empty tensor, in the order of :data:`FEATURE_STATS`.
 
     Six reading passes, each a vectorized kernel, and no host sync: ``aminmax``, ``sum``, the
-    2-norm (sum of squares), ``abs`` summed, ``logical_not`` summed as bytes (exact zeros) and
-    ``x * 0 + 1`` summed with ``nansum`` (finite entries: ``x * 0`` is NaN exactly where ``x`` is
-    not finite). Measured on CPU these are 5 to 30 times faster than ``count_nonzero``,
-    ``isfinite().sum()`` or the 0- and 1-norms, which do not vectorize. fp16 / bf16 inputs are
+    2-norm (sum of squares), ``abs`` summed, ``x == 0`` written as 0.0 / 1.0 and summed (exact
+    zeros) and ``x * 0 + 1`` summed with ``nansum`` (finite entries: ``x * 0`` is NaN exactly
+    where ``x`` is not finite); the counts are float32 sums of 0 and 1, exact up to 2**24
+    elements per output (the result is float32 anyway). Measured
+    on CPU these are 5 to 30 times faster than ``count_nonzero``, ``isfinite().sum()``, the 0-
+    and 1-norms or a byte sum into int32 (which converts the bytes first: 2.0 ms against 0.4 ms
+    for the zeros of a 2M-element output). fp16 / bf16 inputs are
     summed in float32 without a float32 copy. NaN propagates into every entry but ``zeros``,
     ``nonfinite`` and ``numel``. With a :class:`Workspace` the temporaries reuse its memory.
 
@@ -78,10 +58,8 @@ def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.
     low, high = torch.aminmax(flat)
     scratch = ws.get(n, x.dtype, x.device)
     sum_abs = torch.abs(flat, out=scratch).sum(dtype=f32)
+    zeros = torch.eq(flat, 0, out=scratch).sum(dtype=f32)
     finite = torch.mul(flat, 0, out=scratch).add_(1).nansum(dtype=f32)
-    count = torch.int32 if n < 2**31 else torch.int64  # int32 sums vectorize, int64 do not
-    is_zero = torch.logical_not(flat, out=ws.get(n, torch.bool, x.device))
-    zeros = is_zero.view(torch.uint8).sum(dtype=count)
     numel = finite.new_full((), n)
     return torch.stack(
         [

@@ -27,7 +27,7 @@ from lightning_hooks.core.grad_stats import update_norms as _update_norms
 from lightning_hooks.core.registry import HookOwner, HookRegistry
 from lightning_hooks.core.selection import ModuleTypes, Patterns
 from lightning_hooks.core.sharding import ShardPlan, to_local
-from lightning_hooks.core.tensors import is_grad_forward, iter_float_tensors
+from lightning_hooks.core.tensors import Workspace, is_grad_forward, iter_float_tensors
 
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
 
@@ -226,6 +226,7 @@ class GradFlowTracker(HookOwner):
         # The model's own parameters (a learnable temperature) unless a selection narrows it.
         root = model if types is None and not include else None
         self.layout = ParamLayout.from_modules(modules, root=root)
+        self.workspace = Workspace()  # the |g| pass's buffer, reused every step
         if not self.layout.layers:
             raise ValueError(
                 "GradFlowTracker: no selected module owns a parameter "
@@ -447,19 +448,16 @@ class GradFlowTracker(HookOwner):
     ) -> torch.Tensor:
         """:func:`grad_stats` of ``view`` (``weights``: also the weight norms)."""
         params = [to_local(p) for p in view.params] if weights else None
-        # The update-ratio buffers are free until the copy after it: reuse them as scratch.
-        dense = all(p.grad is not None and not p.grad.is_sparse for p in view.params)
-        scratch = view.before if dense and weights else None
         numel, total = view.numel[:-1], view.numel[-1]
         return grad_stats(
             grads,
             params,
             view.index,
             numel,
-            scratch or None,
             unique=view.unique,
             total_numel=total,
             shards=self.shards,
+            workspace=self.workspace,
         )
 
     def _observe_output_grad(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShardPlan", "combine_partials", "foreach_amax", "is_sharded", "to_local"]
+__all__ = ["ShardPlan", "combine_partials", "is_sharded", "to_local"]
 
 _DTENSOR: tuple[type, ...] = ()
 try:  # public since torch 2.4; without it no parameter is a DTensor
@@ -48,30 +48,6 @@ def to_local(tensor: torch.Tensor) -> torch.Tensor:
         tensor([1., 1.])
     """
     return tensor.to_local() if is_sharded(tensor) else tensor  # type: ignore[attr-defined]
-
-
-def foreach_amax(tensors: Sequence[torch.Tensor], empty: float = 0.0) -> torch.Tensor:
-    """``[len(tensors)]`` maxima (NaN propagates), ``empty`` for a tensor with no element.
-
-    ``torch._foreach_max`` raises on an empty tensor, which a shard can be (``Linear(8, 1)``'s
-    bias over two ranks): give the identity of the maximum being taken (``0.0`` for ``|g|``).
-
-    Example:
-        >>> foreach_amax([torch.tensor([1.0, 3.0]), torch.empty(0, 4)])
-        tensor([3., 0.])
-    """
-    full = [i for i, t in enumerate(tensors) if t.numel() > 0]
-    if len(full) == len(tensors):
-        return torch.stack(torch._foreach_max(list(tensors))).float()
-    out = torch.full((len(tensors),), empty, dtype=torch.float32, device=_device(tensors))
-    if full:
-        peaks = torch.stack(torch._foreach_max([tensors[i] for i in full])).float()
-        out[torch.tensor(full, device=out.device)] = peaks
-    return out
-
-
-def _device(tensors: Sequence[torch.Tensor]) -> torch.device:
-    return tensors[0].device if tensors else torch.device("cpu")
 
 
 def combine_partials(gathered: torch.Tensor, num_sums: int) -> torch.Tensor:

