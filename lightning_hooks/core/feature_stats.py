@@ -36,9 +36,9 @@ def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.
     """``[8]`` float32 statistics of a non-empty tensor, in the order of :data:`FEATURE_STATS`.
 
     Six reading passes, each a vectorized kernel, and no host sync: ``aminmax``, ``sum``, the
-    2-norm (sum of squares), ``abs`` summed, ``x == 0`` written as 0.0 / 1.0 and summed (exact
-    zeros) and ``x * 0 + 1`` summed with ``nansum`` (finite entries: ``x * 0`` is NaN exactly
-    where ``x`` is not finite); the counts are float32 sums of 0 and 1, exact up to 2**24
+    2-norm (sum of squares), ``abs`` written and summed, then overwritten in place by
+    ``|x| < inf`` and summed (finite entries: false for NaN and Inf), and ``x == 0`` written as
+    0.0 / 1.0 and summed (exact zeros); the counts are float32 sums of 0 and 1, exact up to 2**24
     elements per output (the result is float32 anyway). Measured
     on CPU these are 5 to 30 times faster than ``count_nonzero``, ``isfinite().sum()``, the 0-
     and 1-norms or a byte sum into int32 (which converts the bytes first: 2.0 ms against 0.4 ms
@@ -58,8 +58,8 @@ def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.
     low, high = torch.aminmax(flat)
     scratch = ws.get(n, x.dtype, x.device)
     sum_abs = torch.abs(flat, out=scratch).sum(dtype=f32)
+    finite = torch.lt(scratch, torch.inf, out=scratch).sum(dtype=f32)  # |x| < inf: not NaN / Inf
     zeros = torch.eq(flat, 0, out=scratch).sum(dtype=f32)
-    finite = torch.mul(flat, 0, out=scratch).add_(1).nansum(dtype=f32)
     numel = finite.new_full((), n)
     return torch.stack(
         [
