@@ -13,7 +13,9 @@ Example:
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_hooks._lazy import lazy_names
 
 if TYPE_CHECKING:
     from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
@@ -111,15 +113,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first access and cache the name in this module."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_hooks.core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
