@@ -29,6 +29,17 @@ SAMPLES = 32
 ACCUMULATE_CLIP: dict[str, Any] = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
 
 
+def regression_loader(batch_size: int) -> DataLoader[Any]:
+    """``SAMPLES`` fixed regression pairs, split over the ranks in order (no shuffling)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, 8, generator=g)
+    y = x[:, :1] - 0.5 * x[:, 1:2]
+    data = TensorDataset(x, y)
+    # Lightning's own DistributedSampler would shuffle: split without shuffling instead.
+    sampler = DistributedSampler(data, shuffle=False) if dist.is_initialized() else None
+    return DataLoader(data, batch_size=batch_size, sampler=sampler)
+
+
 class DeepMLP(pl.LightningModule):
     """``depth`` Linear(8, 8) + Tanh blocks and a Linear(8, 1) head, MSE (mean) loss."""
 
@@ -52,13 +63,7 @@ class DeepMLP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader[Any]:
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(SAMPLES, 8, generator=g)
-        y = x[:, :1] - 0.5 * x[:, 1:2]
-        data = TensorDataset(x, y)
-        # Lightning's own DistributedSampler would shuffle: split without shuffling instead.
-        sampler = DistributedSampler(data, shuffle=False) if dist.is_initialized() else None
-        return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+        return regression_loader(self.batch_size)
 
 
 def trainer_options(root: Path, logger: str) -> dict[str, Any]:

@@ -34,13 +34,13 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from collectives import CollectiveCounter
+from ddp_run import regression_loader
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.strategies import ModelParallelStrategy
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader
 
-SAMPLES = 32
 GLOBAL_BATCH = 8
 NAN_STEP = 5
 RUNS = ("fsdp", "hsdp", "clip", "skip", "stop")
@@ -97,13 +97,8 @@ class ShardedMLP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader[Any]:
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(SAMPLES, 8, generator=g)
-        y = x[:, :1] - 0.5 * x[:, 1:2]
-        data = TensorDataset(x, y)
-        sampler = DistributedSampler(data, shuffle=False) if dist.is_initialized() else None
         batch = GLOBAL_BATCH // (dist.get_world_size() if dist.is_initialized() else 1)
-        return DataLoader(data, batch_size=batch, sampler=sampler)
+        return regression_loader(batch)
 
 
 def callbacks(run: str) -> list[pl.Callback]:
