@@ -203,9 +203,9 @@ def abs_sum_max(
     Small tensors take one ``torch._foreach_abs`` call; a larger one is read in pieces of at
     most :data:`CHUNK` elements through one buffer of ``workspace`` (pass the same one every
     step). A fresh gradient-sized ``|g|`` would cost more than the arithmetic: large blocks go
-    back to the system when freed and page-fault again on every step (measured on the
-    benchmark MLP: 5.4 ms a step for 12.6 MB of gradients, against 0.6 ms this way). NaN
-    propagates into both the sum and the maximum.
+    back to the system when freed and page-fault again on every step (profiled on the
+    benchmark MLP, 12.6 MB of gradients: the ``abs`` op took 5.4 ms a step, 0.55 ms this way).
+    NaN propagates into both the sum and the maximum.
 
     Example:
         >>> sums, peaks = abs_sum_max([torch.tensor([3.0, -4.0]), torch.empty(0)])
