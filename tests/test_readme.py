@@ -165,3 +165,29 @@ def test_the_docs_site_builds_in_strict_mode(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "cli" / "index.html").is_file()
+
+
+def test_the_readme_cost_figures_are_the_saved_benchmark_run() -> None:
+    # README "What it costs" quotes benchmarks/results/every_stat.json (CPU-time median ratios,
+    # bare step times): re-running the benchmark with --save and not updating the README fails.
+    import json
+
+    timing = json.loads((ROOT / "benchmarks/results/every_stat.json").read_text())["timing"]
+    text = " ".join((ROOT / "README.md").read_text().split())
+    section = text[text.index("## What it costs") : text.index("## In a terminal or CI")]
+    models = ("mlp", "cnn", "transformer")
+
+    def ratios(config: str, digits: int) -> list[str]:
+        return [f"{timing[m][config]['cpu']['ratio_median']:.{digits}f}x" for m in models]
+
+    defaults = ratios("all, defaults", 3)
+    assert "`benchmarks/results/every_stat.md`" in section
+    assert f"**{defaults[0]}** on a parameter-bound MLP" in section
+    assert f"**{defaults[1]}** on a CNN" in section and f"**{defaults[2]}** on a" in section
+    floor = ratios("floor: one gradient read (_foreach_norm)", 3)
+    assert f"measured {floor[0]}, {floor[1]} and {floor[2]} in the same run" in section
+    every = ratios("all, every stat/step/leaf", 2)
+    tutorial = ratios("tutorial (.item() hooks)", 2)
+    assert f"costs more: {every[0]}, {every[1]} and {every[2]}" in section
+    assert f"against {tutorial[0]}, {tutorial[1]} and {tutorial[2]} for the" in section
+    assert f"({timing['mlp']['bare']['cpu']['step_ms']:.1f} ms bare step)" in section
