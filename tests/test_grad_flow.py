@@ -111,6 +111,42 @@ def test_logged_values_equal_an_independent_computation(
     assert read_image_tags(tmp_path) == ["grad_flow/chart"]
 
 
+class WideReferenceMLP(ReferenceMLP):
+    """ReferenceMLP with layers past the |g| pass's small-tensor and one-piece sizes: net.0's
+    32x1024 weight goes through the reused buffer, net.2's 1100x1024 in two pieces. A small
+    learning rate: wide layers at lr 0.1 diverge (and the alarms rightly say so)."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=1e-3)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32 * 1024 // 8),
+            torch.nn.ReLU(),
+            torch.nn.Linear(32 * 1024 // 8, 1100),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1100, 1),
+        )
+
+
+def test_large_layers_logged_values_equal_an_independent_computation_at_defaults(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    from lightning_hooks.core.grad_stats import CHUNK
+
+    torch.manual_seed(0)
+    model = WideReferenceMLP()
+    assert model.net[2].weight.numel() > CHUNK  # the chunked path runs
+    trainer = trainer_factory(callbacks=[GradFlowCallback()], max_epochs=1)
+    trainer.fit(model)
+    scalars = read_scalars(tmp_path)
+    at = len(model.steps)
+    for layer in LAYERS:
+        for stat, tag in (("grad_abs_mean", "grad_abs_mean"), ("grad_abs_max", "grad_abs_max")):
+            mean, peak = _expected(model.steps, layer, stat)
+            want = peak if tag.endswith("max") else mean
+            logged = dict(scalars[f"grad_flow/{tag}/{layer}"])[at]
+            assert math.isclose(logged, want, rel_tol=1e-5), (tag, layer)
+
+
 def test_no_host_sync_between_logging_points(
     trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

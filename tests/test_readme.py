@@ -7,6 +7,7 @@ row, and every row of a table has the header's number of cells.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -170,8 +171,6 @@ def test_the_docs_site_builds_in_strict_mode(tmp_path: Path) -> None:
 def test_the_readme_cost_figures_are_the_saved_benchmark_run() -> None:
     # README "What it costs" quotes benchmarks/results/every_stat.json (CPU-time median ratios,
     # bare step times): re-running the benchmark with --save and not updating the README fails.
-    import json
-
     timing = json.loads((ROOT / "benchmarks/results/every_stat.json").read_text())["timing"]
     text = " ".join((ROOT / "README.md").read_text().split())
     section = text[text.index("## What it costs") : text.index("## In a terminal or CI")]
