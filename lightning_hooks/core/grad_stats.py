@@ -212,31 +212,33 @@ def abs_sum_max(
         >>> sums.tolist(), peaks.tolist()
         ([7.0, 0.0], [4.0, 0.0])
     """
-    if not tensors:
-        empty = torch.zeros(0)
-        return empty, empty
     ws = workspace or Workspace()
-    sums: list[torch.Tensor | None] = [None] * len(tensors)
-    peaks: list[torch.Tensor | None] = [None] * len(tensors)
     small = [i for i, t in enumerate(tensors) if 0 < t.numel() <= _SMALL]
-    if small:
-        absolute = torch._foreach_abs([tensors[i] for i in small])
-        for i, a, m in zip(small, absolute, torch._foreach_max(absolute), strict=True):
-            sums[i], peaks[i] = a.sum(dtype=torch.float32), m.float()
-    for i, t in enumerate(tensors):
-        if t.numel() == 0:
-            sums[i] = peaks[i] = t.new_zeros((), dtype=torch.float32)
-        elif sums[i] is None:
-            flat = t.reshape(-1)
-            buf = ws.get(min(flat.numel(), CHUNK), t.dtype, t.device)
-            parts = []
-            for start in range(0, flat.numel(), CHUNK):
-                piece = flat[start : start + CHUNK]
-                a = torch.abs(piece, out=buf[: piece.numel()])
-                parts.append(torch.stack([a.sum(dtype=torch.float32), a.max().float()]))
-            both = torch.stack(parts)
-            sums[i], peaks[i] = both[:, 0].sum(), both[:, 1].max()
-    return torch.stack(sums), torch.stack(peaks)  # type: ignore[arg-type]
+    absolute = torch._foreach_abs([tensors[i] for i in small]) if small else []
+    peaks = torch._foreach_max(list(absolute)) if small else []
+    done = {
+        i: (a.sum(dtype=torch.float32), m.float())
+        for i, a, m in zip(small, absolute, peaks, strict=True)
+    }
+    pairs = [done[i] if i in done else _abs_sum_max_pieces(t, ws) for i, t in enumerate(tensors)]
+    if not pairs:
+        return torch.zeros(0), torch.zeros(0)
+    return torch.stack([s for s, _ in pairs]), torch.stack([m for _, m in pairs])
+
+
+def _abs_sum_max_pieces(t: torch.Tensor, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum and maximum of ``|t|``, written :data:`CHUNK` elements at a time into ``ws``."""
+    if t.numel() == 0:
+        zero = t.new_zeros((), dtype=torch.float32)
+        return zero, zero
+    flat = t.reshape(-1)
+    buf = ws.get(min(flat.numel(), CHUNK), t.dtype, t.device)
+    parts = []
+    for start in range(0, flat.numel(), CHUNK):
+        piece = torch.abs(flat[start : start + CHUNK], out=buf[: min(CHUNK, flat.numel() - start)])
+        parts.append(torch.stack([piece.sum(dtype=torch.float32), piece.max().float()]))
+    both = torch.stack(parts)
+    return both[:, 0].sum(), both[:, 1].max()
 
 
 def _norms(tensors: Sequence[torch.Tensor], ord: float) -> torch.Tensor:
