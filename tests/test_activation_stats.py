@@ -236,7 +236,7 @@ def test_fused_statistics_equal_the_eager_ones() -> None:
     x = torch.randn(4, 3, 5, 5).relu()
     x[0, 0, 0, :3] = torch.tensor([torch.nan, torch.inf, -torch.inf])
     finite = x[1:]
-    for tensor in (finite, finite.bfloat16(), x):
+    for tensor in (finite, finite.bfloat16(), x, x.transpose(0, 3)):
         fused, eager = fused_feature_stats(tensor), feature_stats(tensor)
         torch.testing.assert_close(fused, eager, rtol=1e-5, atol=0.0, equal_nan=True)
     assert fused_feature_stats(x)[4] == 3

@@ -78,8 +78,9 @@ class ActivationStatsCallback(StatsCallback):
         heatmaps: log the layer x epoch heatmap images.
         warn_nonfinite: warn when an output goes NaN / Inf.
         fused: compile the statistics with ``torch.compile`` into one reading pass per output
-            instead of six (about 6x cheaper on CPU; the first training step compiles, about
-            30 s on CPU).
+            instead of six (needs a C++ compiler on CPU; about 2x cheaper for large outputs on
+            CPU, see ``benchmarks/feature_stats.py``; the first training step compiles, about
+            5 s on CPU, then about 1.5 s per new rank or dtype).
         every_n_steps: observe optimizer steps ``0, n, 2n, ...`` and each epoch's first step only;
             ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set), 1: every step.
             Statistics then pool the sampled batches' outputs. Off-sample steps cost one Python

@@ -33,8 +33,8 @@ NUM_SUMS = 6
 
 CHUNK = 1 << 19
 """Elements :func:`feature_stats` reads at a time: its passes after the first find the piece in
-cache (2 MiB in float32). Out of cache, a ``[64, 32, 32, 32]`` output costs 1.8 ms this way
-against 2.7 ms in whole-tensor passes (``benchmarks/feature_stats.py``)."""
+cache (2 MiB in float32). A ``[64, 32, 32, 32]`` output just written costs 2.3 ms this way
+against 2.55 ms in whole-tensor passes (one thread; ``benchmarks/feature_stats.py``)."""
 
 
 @torch.no_grad()
@@ -61,23 +61,15 @@ def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.
     n = flat.numel()
     ws = workspace or Workspace()
     scratch = ws.get(min(n, CHUNK), x.dtype, x.device)
-    pieces = [_piece_stats(flat[i : i + CHUNK], scratch) for i in range(0, n, CHUNK)]
-    if len(pieces) == 1:
-        sums, low, high = pieces[0]
-    else:
-        sums = torch.stack([p[0] for p in pieces]).sum(dim=0)
-        low = torch.stack([p[1] for p in pieces]).min()
-        high = torch.stack([p[2] for p in pieces]).max()
-    numel = sums.new_full((1,), n)
-    finite = sums[4:5]
-    return torch.cat([sums[:4], numel - finite, numel, low.view(1), high.view(1)])
+    if n <= CHUNK:
+        return _piece_stats(flat, scratch)
+    pieces = torch.stack([_piece_stats(flat[i : i + CHUNK], scratch) for i in range(0, n, CHUNK)])
+    extremes = [pieces[:, 6].min().view(1), pieces[:, 7].max().view(1)]
+    return torch.cat([pieces[:, :NUM_SUMS].sum(dim=0), *extremes])
 
 
-def _piece_stats(
-    flat: torch.Tensor, scratch: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[5]`` float32 sum, sum of squares, sum of ``|x|``, zeros, finite entries of ``flat``;
-    its minimum and maximum (float32)."""
+def _piece_stats(flat: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """:func:`feature_stats` of a flat tensor of at most ``scratch.numel()`` elements."""
     f32 = torch.float32
     low, high = torch.aminmax(flat)
     buf = scratch[: flat.numel()]
@@ -85,8 +77,19 @@ def _piece_stats(
     finite = torch.lt(buf, torch.inf, out=buf).sum(dtype=f32)  # |x| < inf: not NaN / Inf
     zeros = torch.eq(flat, 0, out=buf).sum(dtype=f32)
     square = torch.linalg.vector_norm(flat, 2, dtype=f32).square()
-    sums = torch.stack([flat.sum(dtype=f32), square, sum_abs, zeros, finite])
-    return sums, low.to(f32), high.to(f32)
+    numel = finite.new_full((), flat.numel())
+    return torch.stack(
+        [
+            flat.sum(dtype=f32),
+            square,
+            sum_abs,
+            zeros,
+            numel - finite,
+            numel,
+            low.to(f32),
+            high.to(f32),
+        ]
+    )
 
 
 def _one_pass_stats(x: torch.Tensor) -> torch.Tensor:
@@ -120,11 +123,16 @@ def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> 
 
     The first call compiles (about 5 s on CPU, then about 1.5 s per new rank or dtype, once per
     process). Measured on this project's 2-core CPU with one thread, for a ``[64, 32, 32, 32]``
-    float32 output out of cache: 0.9 ms against 1.85 ms eager, and 0.26 ms against 0.39 ms for
-    ``[64, 128, 8, 8]`` (``benchmarks/feature_stats.py`` reproduces them). ``workspace``
+    float32 output just written: 1.2 ms against 2.3 ms eager; for a ``[64, 1024]`` one the
+    compiled call's overhead makes them even, 0.30 ms against 0.34 ms
+    (``benchmarks/feature_stats.py``). A non-contiguous tensor (a transposed attention output)
+    takes the eager path: the compiled kernel read it 6x slower (1.7 ms against 0.28 ms for a
+    transposed ``[64, 32, 128]``). ``workspace``
     is accepted for the same signature and not used. The tests check it against
     :func:`feature_stats`.
     """
+    if not x.is_contiguous():  # strided, the compiled kernel is 6x slower than eager
+        return feature_stats(x, workspace)
     values = _compiled()(x.detach())  # a leaf: Dynamo would read a non-leaf's .grad
     numel = values.new_full((1,), x.numel())
     return torch.cat([values[:5], numel, values[5:]])
