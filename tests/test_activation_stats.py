@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 from pathlib import Path
 from typing import Any
@@ -232,14 +233,30 @@ def test_half_precision_outputs_are_summed_in_float32() -> None:
     assert float(x.sum()) != 69_996.0  # bf16 accumulation would be wrong
 
 
-def test_fused_statistics_equal_the_eager_ones() -> None:
-    x = torch.randn(4, 3, 5, 5).relu()
+def test_fused_statistics_equal_the_eager_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = importlib.import_module("lightning_hooks.core.feature_stats")
+    compiled = module._compiled()
+    calls: list[tuple[int, ...]] = []
+
+    def counted(t: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(t.shape))
+        return compiled(t)
+
+    monkeypatch.setattr(module, "_compiled", lambda: counted)
+    x = torch.randn(4, 3, 200, 200).relu()  # above FUSED_MIN: compiled
     x[0, 0, 0, :3] = torch.tensor([torch.nan, torch.inf, -torch.inf])
     finite = x[1:]
-    for tensor in (finite, finite.bfloat16(), x, x.transpose(0, 3)):
-        fused, eager = fused_feature_stats(tensor), feature_stats(tensor)
-        torch.testing.assert_close(fused, eager, rtol=1e-5, atol=0.0, equal_nan=True)
+    for tensor in (finite, finite.bfloat16(), x, x.transpose(0, 3), x[:1, :1, :8]):
+        d = tensor.double()
+        finite_count = torch.isfinite(d).sum()
+        want = [d.sum(), d.square().sum(), d.abs().sum(), (d == 0).sum(), d.numel() - finite_count]
+        want = torch.stack([*want, torch.tensor(d.numel()), d.amin(), d.amax()]).double()
+        for got in (fused_feature_stats(tensor), feature_stats(tensor)):
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0.0, equal_nan=True)
     assert fused_feature_stats(x)[4] == 3
+    # Strided and small (below FUSED_MIN) tensors take the eager path; the others compile.
+    assert calls == [(3, 3, 200, 200), (3, 3, 200, 200), (4, 3, 200, 200), (4, 3, 200, 200)]
+    assert x[:1, :1, :8].numel() < module.FUSED_MIN <= finite.numel()
 
 
 def test_outputs_read_in_pieces_give_the_whole_tensors_statistics() -> None:

@@ -186,7 +186,14 @@ def test_the_readme_cost_figures_are_the_saved_benchmark_run() -> None:
     floor = ratios("floor: one gradient read (_foreach_norm)", 3)
     assert f"measured {floor[0]}, {floor[1]} and {floor[2]} in the same run" in section
     every = ratios("all, every stat/step/leaf", 2)
+    fused = ratios("all, every stat/step/leaf, fused", 2)
     tutorial = ratios("tutorial (.item() hooks)", 2)
     assert f"costs more: {every[0]}, {every[1]} and {every[2]}" in section
+    assert (
+        f"and {fused[0]}, {fused[1]} and {fused[2]} with `ActivationStatsCallback(fused=True)`"
+        in (section)
+    )
     assert f"against {tutorial[0]}, {tutorial[1]} and {tutorial[2]} for the" in section
     assert f"({timing['mlp']['bare']['cpu']['step_ms']:.1f} ms bare step)" in section
+    for model, shown in (("cnn", "on a CNN"), ("transformer", "on a transformer")):
+        assert f"{shown} ({timing[model]['bare']['cpu']['step_ms']:.0f} ms)" in section

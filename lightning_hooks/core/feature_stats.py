@@ -17,7 +17,9 @@ import torch
 from lightning_hooks.core.tensors import Workspace
 
 __all__ = [
+    "CHUNK",
     "FEATURE_STATS",
+    "FUSED_MIN",
     "NUM_SUMS",
     "FeatureSummary",
     "feature_stats",
@@ -33,8 +35,13 @@ NUM_SUMS = 6
 
 CHUNK = 1 << 19
 """Elements :func:`feature_stats` reads at a time: its passes after the first find the piece in
-cache (2 MiB in float32). A ``[64, 32, 32, 32]`` output just written costs 2.3 ms this way
-against 2.55 ms in whole-tensor passes (one thread; ``benchmarks/feature_stats.py``)."""
+cache (2 MiB in float32). A ``[64, 32, 32, 32]`` output just written costs 2.1-2.3 ms this way
+against 2.3-2.55 ms in whole-tensor passes (one thread; ``benchmarks/feature_stats.py``)."""
+
+FUSED_MIN = 1 << 17
+"""Smallest output :func:`fused_feature_stats` compiles for: below, the compiled call's own
+overhead costs more than the eager passes it saves (measured: 0.29 ms against 0.24 ms eager for
+65,536 elements; 0.18 against 0.23 for 262,144)."""
 
 
 @torch.no_grad()
@@ -123,15 +130,13 @@ def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> 
 
     The first call compiles (about 5 s on CPU, then about 1.5 s per new rank or dtype, once per
     process). Measured on this project's 2-core CPU with one thread, for a ``[64, 32, 32, 32]``
-    float32 output just written: 1.2 ms against 2.3 ms eager; for a ``[64, 1024]`` one the
-    compiled call's overhead makes them even, 0.30 ms against 0.34 ms
-    (``benchmarks/feature_stats.py``). A non-contiguous tensor (a transposed attention output)
-    takes the eager path: the compiled kernel read it 6x slower (1.7 ms against 0.28 ms for a
-    transposed ``[64, 32, 128]``). ``workspace``
-    is accepted for the same signature and not used. The tests check it against
-    :func:`feature_stats`.
+    float32 output just written: 1.2 ms against 2.1-2.3 ms eager (``benchmarks/feature_stats.py``).
+    Outputs smaller than :data:`FUSED_MIN` elements and non-contiguous ones (a transposed
+    attention output: the compiled kernel read a transposed ``[64, 32, 128]`` in 1.7 ms against
+    0.28 ms eager) take the eager :func:`feature_stats`, with ``workspace``. The tests check the
+    compiled path against :func:`feature_stats`.
     """
-    if not x.is_contiguous():  # strided, the compiled kernel is 6x slower than eager
+    if x.numel() < FUSED_MIN or not x.is_contiguous():
         return feature_stats(x, workspace)
     values = _compiled()(x.detach())  # a leaf: Dynamo would read a non-leaf's .grad
     numel = values.new_full((1,), x.numel())
