@@ -5,11 +5,12 @@ Each call starts as a forward hook sees an output: a 64 MiB buffer is written (t
 step), then the output itself (just produced, so what of it fits is in cache). Calls are timed
 in process CPU time and the rounds interleave the variants; the median per call is printed, in
 ms. ``feature_stats, whole`` is the eager statistics with :data:`CHUNK` set above the output's
-size: every pass over the whole tensor.
+size: every pass over the whole tensor. ``compiled`` calls the compiled statistics directly,
+without ``fused_feature_stats``'s check for strided tensors.
 
 Usage::
 
-    PYTHONPATH=$PWD python benchmarks/feature_stats.py --threads 1 --calls 20 --rounds 3
+    PYTHONPATH=$PWD python benchmarks/feature_stats.py --threads 1 --calls 100 --rounds 5
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from lightning_hooks.core.tensors import Workspace
 
 fs = importlib.import_module("lightning_hooks.core.feature_stats")  # the module, not the function
 
-SHAPES = ((64, 32, 32, 32), (64, 64, 16, 16), (64, 128, 8, 8), (64, 1024))
+SHAPES = ((64, 32, 32, 32), (64, 64, 16, 16), (64, 128, 8, 8), (32, 64, 128), (64, 1024))
 
 
 def _time(fn: Callable[[], object], calls: int, evict: torch.Tensor, x: torch.Tensor) -> float:
@@ -55,8 +56,8 @@ def _whole(x: torch.Tensor, ws: Workspace) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--calls", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     evict = torch.empty(16 << 20)
@@ -68,6 +69,7 @@ def main() -> None:
             "feature_stats": partial(feature_stats, x, ws),
             "feature_stats, whole": partial(_whole, x, ws),
             "fused_feature_stats": partial(fused_feature_stats, x),
+            "compiled": partial(fs._compiled(), x),
             "fired_counts": partial(fired_counts, x, 1, ws),
         }
         rows: dict[str, list[float]] = {name: [] for name in variants}

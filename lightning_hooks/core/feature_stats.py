@@ -19,7 +19,6 @@ from lightning_hooks.core.tensors import Workspace
 __all__ = [
     "CHUNK",
     "FEATURE_STATS",
-    "FUSED_MIN",
     "NUM_SUMS",
     "FeatureSummary",
     "feature_stats",
@@ -35,13 +34,9 @@ NUM_SUMS = 6
 
 CHUNK = 1 << 19
 """Elements :func:`feature_stats` reads at a time: its passes after the first find the piece in
-cache (2 MiB in float32). A ``[64, 32, 32, 32]`` output just written costs 2.1-2.3 ms this way
-against 2.3-2.55 ms in whole-tensor passes (one thread; ``benchmarks/feature_stats.py``)."""
-
-FUSED_MIN = 1 << 17
-"""Smallest output :func:`fused_feature_stats` compiles for: below, the compiled call's own
-overhead costs more than the eager passes it saves (measured: 0.29 ms against 0.24 ms eager for
-65,536 elements; 0.18 against 0.23 for 262,144)."""
+cache (2 MiB in float32). A ``[64, 32, 32, 32]`` output just written costs 1.9 ms this way
+against 2.1 ms in whole-tensor passes (one thread; ``benchmarks/feature_stats.py --calls 100
+--rounds 5``)."""
 
 
 @torch.no_grad()
@@ -112,6 +107,7 @@ def _one_pass_stats(x: torch.Tensor) -> torch.Tensor:
             absolute.sum(),
             (f == 0).float().sum(),
             (~(absolute < torch.inf)).float().sum(),  # NaN and Inf
+            torch.full((), f.numel(), dtype=f.dtype, device=f.device),
             f.amin(),
             f.amax(),
         ]
@@ -129,18 +125,16 @@ def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> 
     """:func:`feature_stats` compiled with ``torch.compile`` into one reading pass.
 
     The first call compiles (about 5 s on CPU, then about 1.5 s per new rank or dtype, once per
-    process). Measured on this project's 2-core CPU with one thread, for a ``[64, 32, 32, 32]``
-    float32 output just written: 1.2 ms against 2.1-2.3 ms eager (``benchmarks/feature_stats.py``).
-    Outputs smaller than :data:`FUSED_MIN` elements and non-contiguous ones (a transposed
-    attention output: the compiled kernel read a transposed ``[64, 32, 128]`` in 1.7 ms against
-    0.28 ms eager) take the eager :func:`feature_stats`, with ``workspace``. The tests check the
-    compiled path against :func:`feature_stats`.
+    process). Measured on this project's 2-core CPU with one thread, for a float32 output just
+    written: 1.0-1.1 ms against 1.9 ms eager for ``[64, 32, 32, 32]``, 0.19 against 0.22 ms for
+    ``[64, 1024]`` (``benchmarks/feature_stats.py --calls 100 --rounds 5``). A non-contiguous
+    output (a transposed attention output) takes the eager :func:`feature_stats`, with
+    ``workspace``: the compiled kernel read a transposed ``[64, 32, 128]`` in 1.7 ms against
+    0.28 ms eager. The tests check the compiled path against an independent computation.
     """
-    if x.numel() < FUSED_MIN or not x.is_contiguous():
+    if not x.is_contiguous():
         return feature_stats(x, workspace)
-    values = _compiled()(x.detach())  # a leaf: Dynamo would read a non-leaf's .grad
-    numel = values.new_full((1,), x.numel())
-    return torch.cat([values[:5], numel, values[5:]])
+    return _compiled()(x.detach())  # a leaf: Dynamo would read a non-leaf's .grad
 
 
 @dataclass(frozen=True)
