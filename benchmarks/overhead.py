@@ -227,6 +227,9 @@ def configs(include_tutorial: bool = True) -> list[Config]:
         )
     # The floor of a per-step gradient sentinel: one multi-tensor read of the gradients.
     out.append(Config("floor: one gradient read (_foreach_norm)", lambda: [GradientRead()]))
+    # The floor of every statistic on every step: each tensor it measures read once, plus the
+    # copy and the difference the exact update ratio cannot do without.
+    out.append(Config("floor: every stat's data read once (+ update copy)", lambda: [EveryRead()]))
     # The floor: what Lightning's hook dispatch costs for as many callbacks that do nothing.
     out.append(Config(f"{len(found)} empty callbacks", lambda: [pl.Callback() for _ in found]))
     if include_tutorial:
@@ -240,6 +243,52 @@ class GradientRead(pl.Callback):
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         torch._foreach_norm(grads)
+
+
+class EveryRead(pl.Callback):
+    """What every statistic on every step cannot do with less, in eager PyTorch: one multi-tensor
+    read of the gradients and of the weights, a copy of the weights before the step, after it the
+    difference written and read once (the exact update ratio), and one read of every leaf
+    module's output and of every output gradient. No statistic is kept."""
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+        self.before: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        for name, module in pl_module.named_modules():
+            if name and not list(module.children()):
+                self.handles.append(module.register_forward_hook(self._read_output))
+        for optimizer in trainer.optimizers:
+            self.handles.append(optimizer.register_step_post_hook(self._update))
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    @staticmethod
+    def _read_output(module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and module.training and torch.is_grad_enabled():
+            torch.linalg.vector_norm(output.detach())
+            if output.requires_grad:
+                output.register_hook(EveryRead._read_grad)  # type: ignore[no-untyped-call]
+
+    @staticmethod
+    def _read_grad(grad: torch.Tensor) -> None:
+        torch.linalg.vector_norm(grad)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        params = [p for p in pl_module.parameters() if p.grad is not None]
+        torch._foreach_norm([p.grad for p in params])
+        torch._foreach_norm([p.detach() for p in params])
+        if len(self.before) != len(params):
+            self.before = [torch.empty_like(p) for p in params]
+        self.params = params
+        torch._foreach_copy_(self.before, [p.detach() for p in params])
+
+    def _update(self, optimizer: Any, *args: Any) -> None:
+        torch._foreach_sub_(self.before, [p.detach() for p in self.params])
+        torch._foreach_norm(self.before)
 
 
 def _build(found: dict[str, type[pl.Callback]], kw: dict[str, dict[str, Any]]) -> list[Any]:
