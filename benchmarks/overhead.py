@@ -253,6 +253,7 @@ class EveryRead(pl.Callback):
 
     def __init__(self) -> None:
         self.handles: list[Any] = []
+        self.params: list[torch.Tensor] = []
         self.before: list[torch.Tensor] = []
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -265,6 +266,7 @@ class EveryRead(pl.Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         for handle in self.handles:
             handle.remove()
+        self.handles.clear()
 
     @staticmethod
     def _read_output(module: nn.Module, args: Any, output: Any) -> None:
