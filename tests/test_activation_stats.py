@@ -345,6 +345,6 @@ def test_arguments_are_checked_and_named(trainer_factory: Any) -> None:
     model = TinyMLP()
     with pytest.raises(ValueError, match=r"Callback\(include='net\.9'\) matches no.*'net\.0'"):
         trainer_factory(callbacks=[ActivationStatsCallback(include="net.9")]).fit(model)
-    with pytest.raises(ValueError, match=r"types=\(<class.*Conv2d.*selects no module"):
+    with pytest.raises(ValueError, match=r"Callback\(types=<class.*Conv2d'>\): selects no module"):
         trainer_factory(callbacks=[ActivationStatsCallback(types=nn.Conv2d)]).fit(model)
     assert hooks_left(model) == []

@@ -42,6 +42,16 @@ def make_callback(request: pytest.FixtureRequest) -> Callable[[], pl.Callback]:
     return request.param  # type: ignore[no-any-return]
 
 
+def _watchable(model: pl.LightningModule, make_callback: Callable[[], pl.Callback]) -> Any:
+    """``model`` with something for the callback to watch: a bounded activation for
+    SaturationCallback (its last ReLU becomes a Tanh); with nothing, it would warn and idle."""
+    if make_callback is SaturationCallback and isinstance(model, TinyMLP):
+        model.net[3] = nn.Tanh()
+    elif make_callback is SaturationCallback:
+        model.features[5] = nn.Tanh()
+    return model
+
+
 @pytest.mark.parametrize("model_cls", [TinyMLP, TinyCNN])
 def test_trains_with_defaults_logs_and_cleans_up(
     make_callback: Callable[[], pl.Callback],
@@ -49,7 +59,7 @@ def test_trains_with_defaults_logs_and_cleans_up(
     trainer_factory: Any,
     tmp_path: Any,
 ) -> None:
-    model = model_cls()
+    model = _watchable(model_cls(), make_callback)
     trainer = trainer_factory(callbacks=[make_callback()])
     trainer.fit(model)
     assert read_scalars(tmp_path), "nothing was logged"
@@ -60,7 +70,7 @@ def test_trains_with_defaults_logs_and_cleans_up(
 def test_hooks_removed_after_exception_in_training_step(
     make_callback: Callable[[], pl.Callback], trainer_factory: Any
 ) -> None:
-    model = TinyMLP(fail_at_step=2)
+    model = _watchable(TinyMLP(fail_at_step=2), make_callback)
     trainer = trainer_factory(callbacks=[make_callback()])
     with pytest.raises(RuntimeError, match="boom in training_step"):
         trainer.fit(model)
@@ -71,7 +81,7 @@ def test_hooks_removed_after_exception_in_training_step(
 def test_two_fits_do_not_register_twice(
     make_callback: Callable[[], pl.Callback], trainer_factory: Any
 ) -> None:
-    callback, model = make_callback(), TinyMLP()
+    callback, model = make_callback(), _watchable(TinyMLP(), make_callback)
     first, second = HookCounter(), HookCounter()
     trainer_factory(callbacks=[callback, first]).fit(model)
     trainer_factory(callbacks=[callback, second], max_epochs=2).fit(model)
@@ -83,7 +93,7 @@ def test_deepcopies_before_and_after_fit(
     make_callback: Callable[[], pl.Callback], trainer_factory: Any
 ) -> None:
     callback = copy.deepcopy(make_callback())
-    model = TinyMLP()
+    model = _watchable(TinyMLP(), make_callback)
     trainer_factory(callbacks=[callback]).fit(model)
     clone = copy.deepcopy(callback)
     trainer_factory(callbacks=[clone]).fit(model)

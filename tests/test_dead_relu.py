@@ -189,10 +189,24 @@ def test_functional_relu_through_the_producing_layer(trainer_factory: Any, tmp_p
     assert _logged(scalars, "zero_fraction", "fc1", 4) == pytest.approx(zero, rel=1e-6)
 
 
-def test_functional_relu_without_the_option_fails_at_setup(trainer_factory: Any) -> None:
+def test_functional_relu_at_the_defaults_says_so_once_and_goes_on(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
     model = FunctionalReLU()
-    with pytest.raises(ValueError, match=r"no such module to watch.*pass pre_activation="):
-        trainer_factory(callbacks=[DeadReLUCallback()]).fit(model)
+    trainer = trainer_factory(callbacks=[DeadReLUCallback()])
+    with pytest.warns(
+        LightningHooksWarning, match=r"nothing in this fit.*pass pre_activation="
+    ) as w:
+        trainer.fit(model)
+    assert len([x for x in w if issubclass(x.category, LightningHooksWarning)]) == 1
+    assert trainer.global_step == 4 and hooks_left(model) == []
+    assert not any(t.startswith("dead_relu/") for t in read_scalars(tmp_path))
+
+
+def test_functional_relu_with_a_selection_fails_at_setup(trainer_factory: Any) -> None:
+    model = FunctionalReLU()
+    with pytest.raises(ValueError, match=r"DeadReLUCallback\(include=\('fc1',\)\): selects no"):
+        trainer_factory(callbacks=[DeadReLUCallback(include="fc1")]).fit(model)
     assert hooks_left(model) == []
 
 

@@ -66,11 +66,18 @@ class ZooModule(pl.LightningModule):
             if id(p) in stepped and p.grad is not None
         ]
         total = float(torch.nn.utils.get_total_norm(unique)) if unique else math.nan
-        outs = {k: math.sqrt(v) for k, v in self._sq.items()}
+        # A layer's output gradient counts in the step of the optimizer that steps the layer.
+        mine = {
+            name or ROOT
+            for name, module in self.named_modules()
+            if any(id(p) in stepped for p in module.parameters(recurse=False))
+        }
+        outs = {k: math.sqrt(v) for k, v in self._sq.items() if k in mine}
         self.steps.append(
             {"epoch": self.current_epoch, "grad": grads, "global": total, "out": outs}
         )
-        self._sq.clear()
+        for name in outs:
+            del self._sq[name]
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -296,6 +303,87 @@ class GANZoo(ZooModule):
         return DataLoader(TensorDataset(real), batch_size=8)
 
 
+class LightningGANZoo(ZooModule):
+    """Lightning's basic GAN recipe (manual optimization, ``toggle_optimizer`` around each
+    optimizer's backward and step, ``zero_grad`` after the step), tiny: the generator's block is
+    Linear, BatchNorm1d, LeakyReLU, then Linear and Tanh; the discriminator Linear, LeakyReLU,
+    Linear and Sigmoid, trained with BCE."""
+
+    toggle = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.probe_input = lambda batch: batch[0].repeat(1, 2)  # a latent batch for the probe
+        self.generator = nn.Sequential(
+            nn.Linear(4, 8), nn.BatchNorm1d(8, 0.8), nn.LeakyReLU(0.2), nn.Linear(8, 2), nn.Tanh()
+        )
+        self.discriminator = nn.Sequential(
+            nn.Linear(2, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1), nn.Sigmoid()
+        )
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        g = self.generator
+        h = self.mark("generator.0", g[0](z))
+        return g[4](self.mark("generator.3", g[3](g[2](g[1](h)))))  # type: ignore[no-any-return]
+
+    def _disc(self, x: torch.Tensor, marked: bool) -> torch.Tensor:
+        mark = self.mark if marked else (lambda name, t: t)
+        d = self.discriminator
+        h = mark("discriminator.0", self.act("discriminator.0", d[0](x)))
+        return d[3](mark("discriminator.2", d[2](d[1](h))))  # type: ignore[no-any-return]
+
+    def _toggle(self, optimizer: Any) -> None:
+        if self.toggle:
+            self.toggle_optimizer(optimizer)
+
+    def _untoggle(self, optimizer: Any) -> None:
+        if self.toggle:
+            self.untoggle_optimizer(optimizer)
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        (imgs,) = batch
+        optimizer_g, optimizer_d = self.optimizers()  # type: ignore[misc]
+        z = torch.randn(imgs.shape[0], 4, generator=_gen(batch_idx)).type_as(imgs)
+        bce = nn.functional.binary_cross_entropy
+        # train generator
+        self._toggle(optimizer_g)
+        valid = torch.ones(imgs.size(0), 1).type_as(imgs)
+        # Untoggled, this backward also feeds the discriminator's next step: its gradients
+        # accumulate until optimizer_d.step().
+        g_loss = bce(self._disc(self(z), not self.toggle), valid)
+        self.manual_backward(g_loss)
+        optimizer_g.step()
+        optimizer_g.zero_grad()
+        self._untoggle(optimizer_g)
+        # train discriminator
+        self._toggle(optimizer_d)
+        real_loss = bce(self._disc(imgs, True), valid)
+        fake = torch.zeros(imgs.size(0), 1).type_as(imgs)
+        fake_loss = bce(self._disc(self(z).detach(), True), fake)
+        d_loss = (real_loss + fake_loss) / 2
+        self.manual_backward(d_loss)
+        optimizer_d.step()
+        optimizer_d.zero_grad()
+        self._untoggle(optimizer_d)
+
+    def configure_optimizers(self) -> Any:
+        opt_g = torch.optim.Adam(self.generator.parameters(), lr=2e-4, betas=(0.5, 0.999))
+        opt_d = torch.optim.Adam(self.discriminator.parameters(), lr=2e-4, betas=(0.5, 0.999))
+        return [opt_g, opt_d], []
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        real = torch.randn(24, 2, generator=_gen(5)) * 0.5 + 1.0
+        return DataLoader(TensorDataset(real), batch_size=8)
+
+
+class UntoggledGANZoo(LightningGANZoo):
+    """The same recipe without ``toggle_optimizer``: the generator's backward also fills the
+    discriminator's gradients, which ``optimizer_d`` never zeroes before its own backward."""
+
+    toggle = False
+
+
 class FinetuneZoo(ZooModule):
     """A backbone frozen by Lightning's BackboneFinetuning, unfrozen at epoch 1 (it calls
     ``optimizer.add_param_group``), and a head trained throughout."""
@@ -336,5 +424,7 @@ ZOO: tuple[type[ZooModule], ...] = (
     LSTMZoo,
     RecommenderZoo,
     GANZoo,
+    LightningGANZoo,
+    UntoggledGANZoo,
     FinetuneZoo,
 )

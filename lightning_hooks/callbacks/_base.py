@@ -100,6 +100,12 @@ class HookCallback(pl.Callback):
     steps cost a Python attribute check per hook; statistics are then means over the sampled
     steps, and an epoch shorter than ``n`` steps still has one."""
     _epoch_start_step: int = -1
+    _idle: bool = False
+    """Set by :meth:`_nothing_to_watch`: the model has nothing to watch, this fit does nothing."""
+    _default_types: Any = None
+    """The ``types`` of the default selection (an explicit ``types=`` differs from it)."""
+    _selection_arguments: tuple[str, ...] = ("include", "exclude")
+    """The constructor arguments, besides ``types``, that narrow the selection."""
     strict: bool | None = None
     """``True``: an exception in one of the callback's hooks propagates; ``False``: it disables
     the callback for the rest of the fit with one warning; ``None``: ``LIGHTNING_HOOKS_STRICT``."""
@@ -180,11 +186,14 @@ class HookCallback(pl.Callback):
                 f"{[type(lg).__name__ for lg in trainer.loggers]}, images need TensorBoard.",
                 category=LightningHooksWarning,
             )
+        self._idle = False
         self._validate(pl_module)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._detach()
+        if self._idle:
+            return
         self._attach(trainer, pl_module)
         pending, self._pending_state = self._pending_state, None
         if pending:
@@ -232,6 +241,35 @@ class HookCallback(pl.Callback):
 
     def _validate(self, pl_module: pl.LightningModule) -> None:
         """Check the configuration against the model before training starts."""
+
+    def _explicit_selection(self) -> str:
+        """The selection arguments given other values than their defaults, as ``name=value``."""
+        types = getattr(self, "types", None)
+        given = [f"types={types!r}"] if types is not None and types != self._default_types else []
+        for name in self._selection_arguments:
+            value = getattr(self, name, None)
+            if value:
+                given.append(f"{name}={value!r}")
+        return ", ".join(given)
+
+    def _nothing_to_watch(self, what: str, hint: str = "") -> None:
+        """The selection holds no ``what``: an explicit selection is the user's mistake and
+        raises, naming its arguments; at the defaults, one warning and this fit does nothing
+        (as Lightning's ``LearningRateMonitor`` without a scheduler).
+
+        Raises:
+            ValueError: a selection argument was given.
+        """
+        name = type(self).__name__
+        given = self._explicit_selection()
+        if given:
+            raise ValueError(f"{name}({given}): selects no {what} of the model{hint}")
+        rank_zero_warn(
+            f"{name}: the model has no {what} to watch at the defaults; this callback does "
+            f"nothing in this fit{hint}",
+            category=LightningHooksWarning,
+        )
+        self._idle = True
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         raise NotImplementedError

@@ -83,6 +83,16 @@ class DeadReLUCallback(WarnsOncePerLayer):
 
     uses_images = False
     _findings = "dead-unit findings"
+    _default_types = RELU_FAMILY
+    _selection_arguments = ("include", "exclude", "pre_activation")
+    _watches = (
+        "ReLU-family activation module (ReLU, ReLU6, LeakyReLU, ELU, GELU, SiLU, or a Hugging "
+        "Face or timm activation computing one)"
+    )
+    _watch_hint = (
+        "; for a functional F.relu in forward, pass pre_activation= the layer that produces "
+        "its input"
+    )
 
     def __init__(
         self,

@@ -165,6 +165,8 @@ class FeatureMapCallback(HookCallback):
         32
     """
 
+    _selection_arguments = ("layers",)
+
     def __init__(
         self,
         *,
@@ -213,6 +215,8 @@ class FeatureMapCallback(HookCallback):
                 f"{_OWNER}(forward_fn=lambda module, probe: ...) that runs the probe."
             )
         self._drawn = self._select(pl_module)
+        if not self._drawn and self.embedding is None:
+            self._nothing_to_watch("convolution or Linear layer")
         if self.embedding is not None:
             _named(pl_module, "embedding", self.embedding)
 
@@ -238,7 +242,7 @@ class FeatureMapCallback(HookCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._probe is None:
+        if self._probe is None and not self._idle:
             self._probe = _head(self.input_fn(batch), self.probe_size)
             self._labels = _default_labels(batch, self.probe_size)
 

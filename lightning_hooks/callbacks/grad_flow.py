@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
@@ -27,7 +28,9 @@ from lightning_hooks.core import (
     select_modules,
 )
 from lightning_hooks.core.alarms import AlarmRules
+from lightning_hooks.core.grad_stats import ParamLayout
 from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns
+from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import (
     grad_flow_figure,
     layer_epoch_heatmap,
@@ -174,7 +177,13 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
-        select_modules(pl_module, types=self.types, include=self.include, exclude=self.exclude)
+        modules = select_modules(
+            pl_module, types=self.types, include=self.include, exclude=self.exclude
+        )
+        # The model's own parameters count too, unless a selection narrows it (the tracker's rule).
+        root = pl_module if self.types is None and not self.include else None
+        if not ParamLayout.from_modules(modules, root=root).layers:
+            self._nothing_to_watch("module owning a parameter")
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -190,6 +199,13 @@ class GradFlowCallback(HookCallback):
             alarms=self.alarms,
         )
         self._history = []
+        unstepped = self._tracker.unstepped()
+        if unstepped:
+            rank_zero_warn(
+                f"GradFlowCallback: no optimizer of the Trainer steps the trainable parameters "
+                f"of {', '.join(repr(n) for n in unstepped)}; these layers are not measured.",
+                category=LightningHooksWarning,
+            )
         if self.histograms:
             layout = self._tracker.layout
             self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)

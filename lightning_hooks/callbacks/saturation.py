@@ -7,7 +7,7 @@ import numbers
 from typing import Any
 
 import pytorch_lightning as pl
-from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
+from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.callbacks._checks import UNSET, renamed
@@ -61,8 +61,7 @@ class SaturationCallback(WarnsOncePerLayer):
     ``saturation/always_saturated_fraction/{layer}``  units never unsaturated / units
     ``saturation/global/saturated_fraction``          the same over every watched layer
     ``saturation/global/always_saturated_fraction``   the same over every watched unit
-    ``saturation/global/layers``                      watched layers that ran (0: the model has
-                                                      no bounded activation module)
+    ``saturation/global/layers``                      watched layers that ran
     ================================================  ==========================================
 
     Args:
@@ -88,6 +87,10 @@ class SaturationCallback(WarnsOncePerLayer):
     """
 
     _findings = "saturation findings"
+    _watches = (
+        "bounded activation module (Sigmoid, Tanh, Softsign, Hardtanh, ReLU6, Hardsigmoid, or a "
+        "Hugging Face or timm activation computing one)"
+    )
 
     def __init__(
         self,
@@ -123,14 +126,6 @@ class SaturationCallback(WarnsOncePerLayer):
         self.unit_dim = unit_dim
         self.margin = margin
         self.warn_at = warn_at
-
-    @override
-    def _validate(self, pl_module: pl.LightningModule) -> None:
-        if not self.stats[0].select(pl_module):
-            rank_zero_info(
-                f"{_NAME}: the model has no Sigmoid, Tanh, Softsign, Hardtanh, ReLU6 or "
-                "Hardsigmoid module to watch; saturation/global/layers will read 0."
-            )
 
     @override
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:

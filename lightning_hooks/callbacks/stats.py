@@ -75,10 +75,16 @@ class StatsCallback(HookCallback):
     def _state_key_fields(self) -> dict[str, Any]:
         return {"stats": [s.config_key() for s in self.stats]}
 
+    _watches = "module"
+    """What the statistics watch, as the "nothing to watch" warning and error name it."""
+    _watch_hint = ""
+
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
-        for stat in self.stats:
-            stat.select(pl_module)  # a pattern matching no module raises, naming it
+        # A pattern matching no module name raises here, naming it.
+        selected = [stat.select(pl_module) for stat in self.stats]
+        if not any(selected):
+            self._nothing_to_watch(self._watches, self._watch_hint)
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

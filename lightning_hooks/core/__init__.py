@@ -20,6 +20,7 @@ from lightning_hooks._lazy import lazy_names
 if TYPE_CHECKING:
     from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
     from lightning_hooks.core.activation_stats import ActivationStatsTracker
+    from lightning_hooks.core.activations import is_kind, torch_equivalent
     from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, GradientAlarm, GradientAlarms
     from lightning_hooks.core.capture import capture_outputs
     from lightning_hooks.core.dead_units import DeadUnits, DeadUnitTracker
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 _MODULES: dict[str, tuple[str, ...]] = {
     "lightning_hooks.core.accumulator": ("LayerStats", "LayerStatsAccumulator"),
     "lightning_hooks.core.activation_stats": ("ActivationStatsTracker",),
+    "lightning_hooks.core.activations": ("is_kind", "torch_equivalent"),
     "lightning_hooks.core.alarms": ("ALARM_RULES", "AlarmRules", "GradientAlarm", "GradientAlarms"),
     "lightning_hooks.core.capture": ("capture_outputs",),
     "lightning_hooks.core.dead_units": ("DeadUnits", "DeadUnitTracker"),
@@ -104,11 +106,13 @@ __all__ = [
     "capture_outputs",
     "feature_stats",
     "grad_stats",
+    "is_kind",
     "is_training_forward",
     "iter_float_tensors",
     "probe_mode",
     "saturation_mask",
     "select_modules",
+    "torch_equivalent",
     "unit_saturation",
 ]
 

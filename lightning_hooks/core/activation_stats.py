@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_hooks.core.activations import is_kind
 from lightning_hooks.core.feature_stats import (
     NUM_SUMS,
     FeatureSummary,
@@ -41,7 +42,8 @@ ACTIVATION_MODULES: tuple[type[nn.Module], ...] = (
     nn.Tanh,
     nn.Softplus,
 )
-"""Activation module types the default selection includes."""
+"""Activation module types the default selection includes (and the third-party activations
+that compute as one of them: :mod:`lightning_hooks.core.activations`)."""
 
 _NONFINITE = 4  # column of the non-finite count in the sums
 _SIGN = (-1.0, 1.0)  # extremes are kept as (-min, max) so one max-reduce pools both
@@ -59,7 +61,7 @@ def default_feature_module(name: str, module: nn.Module) -> bool:
         (False, False)
     """
     owns = any(True for _ in module.parameters(recurse=False))
-    return owns or isinstance(module, ACTIVATION_MODULES)
+    return owns or is_kind(module, ACTIVATION_MODULES)
 
 
 @dataclass(frozen=True)
@@ -159,17 +161,10 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
             self.attach(model)
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """The selected modules (default: parameter owners and activations); none is an error."""
+        """The selected modules (default: parameter owners and activations)."""
         assert self.selection is not None
         where = default_feature_module if self.selection.types is None else None
-        modules = self.selection.modules(model, where=where)
-        if not modules:
-            s = self.selection
-            raise ValueError(
-                f"{self.owner}(types={s.types!r}, include={s.include!r}, exclude={s.exclude!r}): "
-                "selects no module of the model"
-            )
-        return modules
+        return self.selection.modules(model, where=where)
 
     def attach(
         self, model: nn.Module, registry: HookRegistry | None = None

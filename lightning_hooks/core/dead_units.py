@@ -201,16 +201,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         named = dict(self.selection.modules(model))
         if self.producers.include:
             named.update(self.producers.modules(model))
-        watched = [(n, m) for n, m in model.named_modules() if n in named]
-        if not watched:
-            s = self.selection
-            raise ValueError(
-                f"{self.owner}(types={s.types!r}, include={s.include!r}, exclude={s.exclude!r}, "
-                f"pre_activation={self.producers.include!r}): the model has no such module "
-                "to watch; for a functional F.relu in forward, pass pre_activation= the layer "
-                "that produces its input"
-            )
-        return watched
+        return [(n, m) for n, m in model.named_modules() if n in named]
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
         """Count the fired entries of each unit of the first floating tensor of ``output``."""

@@ -75,6 +75,11 @@ class _OptimizerView:
         return mask
 
 
+def _groups_key(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+    """The param_groups' sizes: a view is rebuilt when they change (``add_param_group``)."""
+    return tuple(len(group["params"]) for group in optimizer.param_groups)
+
+
 def _check_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
     expected = "an iterable of torch.optim.Optimizer (e.g. [optimizer])"
     if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, Iterable):
@@ -272,6 +277,16 @@ class GradFlowTracker(HookOwner):
         for optimizer in optimizers:
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
 
+    def unstepped(self) -> tuple[str, ...]:
+        """Layers with a trainable parameter in none of the optimizers given: never measured."""
+        held = {id(p) for o in self._optimizers for g in o.param_groups for p in g["params"]}
+        rows = {
+            o
+            for o, p in zip(self.layout.owner, self.layout.params, strict=True)
+            if p.requires_grad and id(p) not in held
+        }
+        return tuple(self.layout.layers[i] for i in sorted(rows))
+
     @property
     def sampled(self) -> bool:
         """Whether the current step is measured (default ``True``)."""
@@ -282,12 +297,24 @@ class GradFlowTracker(HookOwner):
         self.registry.sampled = value
 
     def _view(self, optimizer: torch.optim.Optimizer) -> _OptimizerView:
+        """The view of ``optimizer``, built at its own step only: what it steps is read from
+        ``requires_grad`` then, which Lightning's ``toggle_optimizer`` turns off for every
+        other optimizer's parameters (a GAN's generator while the discriminator steps)."""
         # Rebuilt when the param_groups change (add_param_group: BackboneFinetuning) and at
         # each reset (epoch): a parameter unfrozen by requires_grad alone counts from there.
-        key = tuple(len(group["params"]) for group in optimizer.param_groups)
-        view = self._views.get(id(optimizer))
-        if view is None or view.key != key:
+        view = self._current_view(optimizer)
+        if view is None:
+            key = _groups_key(optimizer)
             view = self._views[id(optimizer)] = self._build_view(optimizer, key)
+        return view
+
+    def _current_view(self, optimizer: torch.optim.Optimizer) -> _OptimizerView | None:
+        """The view built at ``optimizer``'s last step, if its param_groups are unchanged."""
+        view = self._views.get(id(optimizer))
+        if view is not None and view.key != _groups_key(optimizer):
+            del self._views[id(optimizer)]
+            self._unowned = None
+            return None
         return view
 
     def _build_view(self, optimizer: torch.optim.Optimizer, key: tuple[int, ...]) -> _OptimizerView:
@@ -405,11 +432,13 @@ class GradFlowTracker(HookOwner):
 
     def _clear_unowned(self) -> None:
         """Zero the output-gradient sums of rows no optimizer steps (a frozen layer's output
-        still gets a gradient): unfrozen later, it counts from its first step, not before."""
+        still gets a gradient): unfrozen later, it counts from its first step, not before.
+        An optimizer that has not stepped yet owns every layer in its param_groups."""
+        owned: set[int] = set()
         for other in self._optimizers:
-            self._view(other)  # a param_groups change rebuilds, and resets ``_unowned``
+            view = self._current_view(other)  # a param_groups change resets ``_unowned``
+            owned |= view.layer_ids if view is not None else self._layers_in(other)
         if self._unowned is None:
-            owned = set().union(*(v.layer_ids for v in self._views.values()))
             rows = [i for i in range(len(self.layout.layers)) if i not in owned]
             self._unowned = torch.tensor(rows, dtype=torch.long, device=self._out_sq.device)
         if self._unowned.numel():
@@ -438,10 +467,27 @@ class GradFlowTracker(HookOwner):
         self._pending_sq.copy_(self._out_sq)
         self._pending_hit.copy_(self._hit)
         for other in self._optimizers:
-            params = self._view(other).params if other is not optimizer else ()
-            if params:
-                grad = params[0].grad
+            first = self._first_param(other) if other is not optimizer else None
+            if first is not None:
+                grad = first.grad
                 self._markers[id(other)] = weakref.ref(grad) if grad is not None else None
+
+    def _first_param(self, optimizer: torch.optim.Optimizer) -> nn.Parameter | None:
+        """The parameter whose gradient tells whether ``optimizer`` zeroed its gradients: its
+        view's first, or before its first step the first tracked one in its param_groups."""
+        view = self._current_view(optimizer)
+        if view is not None:
+            return view.params[0] if view.params else None
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return next((p for p in self.layout.params if id(p) in held), None)
+
+    def _layers_in(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
+        """The layout rows with a parameter in ``optimizer``'s param_groups."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        rows = (
+            o for o, p in zip(self.layout.owner, self.layout.params, strict=True) if id(p) in held
+        )
+        return frozenset(rows)
 
     def _gradient_stats(
         self, view: _OptimizerView, grads: list[torch.Tensor], *, weights: bool = True

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_hooks.core.activations import torch_equivalent
 from lightning_hooks.core.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.stat import LayerStat
 
@@ -55,13 +56,14 @@ def saturation_mask(module: nn.Module, output: torch.Tensor, margin: float = 0.0
         >>> saturation_mask(nn.ReLU6(), torch.tensor([0.0, 3.0, 6.0])).tolist()
         [True, False, True]
     """
-    if isinstance(module, nn.Sigmoid):
+    kind = torch_equivalent(module)  # timm's Tanh, Hugging Face's LaplaceActivation, ...
+    if issubclass(kind, nn.Sigmoid):
         return (output < margin) | (output > 1 - margin)
-    if isinstance(module, nn.Tanh | nn.Softsign):
+    if issubclass(kind, nn.Tanh | nn.Softsign):
         return output.abs() > 1 - margin
     if isinstance(module, nn.Hardtanh):
         return (output <= module.min_val) | (output >= module.max_val)
-    if isinstance(module, nn.Hardsigmoid):
+    if issubclass(kind, nn.Hardsigmoid):
         return (output <= 0) | (output >= 1)
     raise TypeError(
         f"saturation_mask(module=...): expected one of "

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_hooks.core.activations import is_kind
+
 __all__ = ["ModuleFilter", "Patterns", "Selection", "as_patterns", "select_modules"]
 
 Patterns = str | Sequence[str] | None
@@ -165,7 +167,9 @@ def select_modules(
 
     Args:
         model: the model to search.
-        types: keep only modules that are instances of these types.
+        types: keep only modules that are instances of these types, or known third-party
+            activations that compute as one (``types=nn.GELU`` keeps Hugging Face's
+            ``NewGELUActivation``: see :mod:`lightning_hooks.core.activations`).
         include: glob patterns (``fnmatch``, e.g. ``"encoder.*"``) on qualified names; when given,
             keep only modules matching at least one. Each pattern must match some module.
         exclude: glob patterns; drop modules matching any. Each pattern must match some module.
@@ -196,7 +200,7 @@ def select_modules(
     return [
         (name, module)
         for name, module in named
-        if (types is None or isinstance(module, types))
+        if (types is None or is_kind(module, types))
         and (not inc or _matches(name, inc))
         and not _matches(name, exc)
         and (where is None or where(name, module))

@@ -14,6 +14,21 @@ _MAX_WIDTH = 24.0
 _MAX_LABELS = 60
 
 
+_MAX_LABEL_CHARS = 32
+
+
+def _labels(layers: Sequence[str]) -> list[str]:
+    """Layer names as tick labels: a long one keeps its last ``_MAX_LABEL_CHARS`` characters
+    (the specific end: ``...layer.0.attention.self.query``), or its axes collapse in the figure.
+
+    Example:
+        >>> _labels(["fc1", "bert.encoder.layer.11.attention.self.query"])
+        ['fc1', '…r.layer.11.attention.self.query']
+    """
+    n = _MAX_LABEL_CHARS
+    return [name if len(name) <= n else "…" + name[-(n - 1) :] for name in layers]
+
+
 def _label_size(n: int) -> int:
     """Layer-label font size: large enough for TensorBoard's card when there are few layers."""
     return 11 if n <= 16 else 9 if n <= 30 else 7
@@ -58,7 +73,7 @@ def grad_flow_figure(
     ax.set_yscale("log")
     ax.set_ylim(bottom=floor)
     every = -(-n // _MAX_LABELS)
-    ax.set_xticks(x[::every], list(layers)[::every], rotation=90, fontsize=_label_size(n))
+    ax.set_xticks(x[::every], _labels(layers)[::every], rotation=90, fontsize=_label_size(n))
     ax.set_xlim(-1, n)
     ax.set_xlabel("layer (input to output)")
     ax.set_ylabel("|gradient|")
@@ -108,7 +123,7 @@ def layer_epoch_heatmap(
     image = ax.imshow(cells, aspect="auto", interpolation="nearest", cmap="viridis")
     fig.colorbar(image, ax=ax, label="log10" if log else None)
     every_layer = -(-n // _MAX_LABELS)
-    labels = list(layers)[::every_layer]
+    labels = _labels(layers)[::every_layer]
     ax.set_yticks(np.arange(n)[::every_layer], labels, fontsize=_label_size(n))
     every_epoch = -(-num_epochs // _MAX_LABELS)
     ax.set_xticks(np.arange(num_epochs)[::every_epoch], [str(e) for e in epochs][::every_epoch])
@@ -136,7 +151,7 @@ def layer_time_figure(
     for xi, value in zip(x, forward_ms, strict=True):
         share = value / step_ms if step_ms > 0 else float("nan")
         ax.text(float(xi), float(value), f"{share:.0%}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(x, list(layers), rotation=90, fontsize=7 if n > 30 else 9)
+    ax.set_xticks(x, _labels(layers), rotation=90, fontsize=7 if n > 30 else 9)
     ax.set_xlim(-1, n)
     ax.set_xlabel("layer (input to output)")
     ax.set_ylabel("forward time per step (ms)")

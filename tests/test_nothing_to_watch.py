@@ -1,0 +1,104 @@
+"""Nothing to watch: at the defaults every callback says so once and the run goes on; an explicit
+selection that leaves nothing to measure fails at setup, naming its arguments, guard or not."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_hooks import (
+    ActivationStatsCallback,
+    DeadReLUCallback,
+    FeatureMapCallback,
+    GradFlowCallback,
+    LayerTimeCallback,
+    LightningHooksWarning,
+    SaturationCallback,
+)
+
+from conftest import TinyMLP, dataset, hooks_left, make_trainer, read_scalars
+
+
+class BilinearNet(pl.LightningModule):
+    """No activation module, no convolution, no Linear: a Bilinear layer and functional tanh."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Bilinear(8, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mix(x, x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(dataset(), batch_size=8)
+
+
+@pytest.mark.parametrize(
+    ("callback", "family"),
+    [
+        (DeadReLUCallback(), "dead_relu/"),
+        (SaturationCallback(), "saturation/"),
+        (FeatureMapCallback(), "feature_map/"),
+    ],
+    ids=lambda c: type(c).__name__,
+)
+def test_defaults_with_nothing_to_watch_warn_once_and_train(
+    callback: pl.Callback, family: str, tmp_path: Path
+) -> None:
+    model = BilinearNet()
+    for fit in range(2):  # once per fit, and the reused callback says it again
+        trainer = make_trainer(tmp_path / str(fit), callbacks=[callback, GradFlowCallback()])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model)
+        ours = [str(w.message) for w in caught if issubclass(w.category, LightningHooksWarning)]
+        assert len(ours) == 1, ours
+        name = type(callback).__name__
+        assert ours[0].startswith(f"{name}: the model has no ")
+        assert "to watch at the defaults; this callback does nothing in this fit" in ours[0]
+        assert trainer.global_step == 4 and hooks_left(model) == []
+        tags = read_scalars(tmp_path / str(fit))
+        assert "grad_flow/grad_norm/mix" in tags  # the others measure as usual
+        assert not any(tag.startswith(family) for tag in tags)
+
+
+@pytest.mark.parametrize(
+    ("callback", "message"),
+    [
+        (GradFlowCallback(include="net.1"), r"GradFlowCallback\(include=\('net.1',\)\)"),
+        (GradFlowCallback(exclude="*"), r"GradFlowCallback\(exclude=\('\*',\)\)"),
+        (GradFlowCallback(types=nn.ReLU), r"GradFlowCallback\(types=<class '.*ReLU'>\)"),
+        (
+            ActivationStatsCallback(types=nn.Tanh),
+            r"ActivationStatsCallback\(types=<class '.*Tanh'>\)",
+        ),
+        (LayerTimeCallback(types=nn.Tanh), r"LayerTimeCallback\(types=<class '.*Tanh'>\)"),
+        (LayerTimeCallback(exclude="net*"), r"LayerTimeCallback\(exclude=\('net\*',\)\)"),
+        (DeadReLUCallback(include="net.0"), r"DeadReLUCallback\(include=\('net.0',\)\)"),
+        (SaturationCallback(include="net.*"), r"SaturationCallback\(include=\('net.\*',\)\)"),
+    ],
+    ids=lambda c: type(c).__name__ if isinstance(c, pl.Callback) else "",
+)
+def test_explicit_selection_of_nothing_fails_at_setup_past_the_guard(
+    callback: pl.Callback, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIGHTNING_HOOKS_STRICT", "0")  # the guard would turn errors into warnings
+    model = TinyMLP()
+    trainer = make_trainer(tmp_path, callbacks=[callback])
+    with pytest.raises(ValueError, match=message + r": selects no .* of the model"):
+        trainer.fit(model)
+    assert trainer.global_step == 0 and hooks_left(model) == []
