@@ -62,6 +62,15 @@ class TinyMLP(pl.LightningModule):
         return DataLoader(dataset(), batch_size=8)
 
 
+class BoundedMLP(TinyMLP):
+    """TinyMLP with its second ReLU a Tanh: every callback has something to watch at its
+    defaults (SaturationCallback watches bounded activations only, and idles without one)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.net[3] = nn.Tanh()
+
+
 class TinyCNN(pl.LightningModule):
     """conv + BatchNorm + ReLU twice, then a linear head; 8x8 inputs."""
 

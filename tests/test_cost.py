@@ -23,7 +23,7 @@ from torch import nn
 import lightning_hooks
 from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker
 
-from conftest import TinyMLP, default_callback_types, read_scalars
+from conftest import BoundedMLP, TinyMLP, default_callback_types, read_scalars
 from syncs import count_syncs
 
 CALLBACKS = default_callback_types()
@@ -57,7 +57,7 @@ def test_no_host_sync_per_step_with_every_callback(
 
         window = _StepWindow(start, stop)
         callbacks = [window, *(cls() for cls in CALLBACKS)]
-        trainer_factory(callbacks=callbacks, max_epochs=2).fit(TinyMLP())
+        trainer_factory(callbacks=callbacks, max_epochs=2).fit(BoundedMLP())
     assert window.steps == 8
     assert dict(counter.calls) == {}
 
@@ -227,7 +227,7 @@ def test_memory_is_layers_times_stats_and_flat_over_ten_epochs(trainer_factory: 
     assert probe.bytes[0] - probe.alarm_bytes[0] <= params + 64 * (len(LAYERS) + 1) * stats
 
 
-class _RefMLP(TinyMLP):
+class _RefMLP(BoundedMLP):
     """Keeps weak references to every activation and activation gradient of each step."""
 
     def __init__(self, leak: bool = False) -> None:

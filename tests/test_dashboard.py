@@ -18,7 +18,7 @@ from lightning_hooks import GradFlowCallback
 from lightning_hooks.core.alarms import ALARM_RULES
 from lightning_hooks.logging.dashboard import MAX_CHARTS
 
-from conftest import TinyMLP, default_callback_types, make_trainer, read_scalars
+from conftest import BoundedMLP, TinyMLP, default_callback_types, make_trainer, read_scalars
 from tensorboard_server import charts, read_layouts
 
 
@@ -152,7 +152,7 @@ def test_heatmap_holds_the_logged_gradient_norms_per_layer_and_epoch(
 
 def test_the_dashboard_leads_with_gradient_flow_then_alarms(tmp_path: Path) -> None:
     callbacks = [cls() for cls in default_callback_types()]
-    make_trainer(tmp_path, callbacks=callbacks).fit(TinyMLP())
+    make_trainer(tmp_path, callbacks=callbacks).fit(BoundedMLP())
     layout = read_layouts(tmp_path)[-1]  # the last one written is the one TensorBoard shows
     titles = [c.title.split(": ")[1] for c in layout.category]
     families = {t.split("/")[0] for t in read_scalars(tmp_path) if t.count("/") >= 2}
