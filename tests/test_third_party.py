@@ -49,8 +49,9 @@ def _timm() -> Any:
         import timm
     except Exception as err:  # torchvision absent, or built for another torch
         pytest.skip(
-            f"timm does not import here ({type(err).__name__}: {err}): it needs a torchvision "
-            "built for this torch, which PyPI does not have for torch 2.13.0+cpu"
+            f"timm does not import here ({type(err).__name__}: {err}); not a dev dependency: "
+            "it imports torchvision, and PyPI's torchvision fails beside torch 2.13.0+cpu "
+            "(operator torchvision::nms does not exist)"
         )
     return timm
 
