@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 import lightning_hooks
 from lightning_hooks import AlarmRules
 
-from conftest import dataset, read_scalars
+from conftest import TinyMLP, dataset, read_scalars
 
 L = pytest.importorskip("lightning.pytorch")
 pytest.importorskip("jsonargparse")
@@ -189,3 +189,21 @@ def test_the_readme_snippet_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert _ours(cli)[0].alarms.spike_factor == 5.0
     families = {t.split("/", 1)[0] for t in read_scalars(tmp_path)}
     assert {"grad_flow", "dead_relu", "saturation"} <= families
+
+
+def test_the_readme_snippet_runs_in_pytorch_lightning_cli_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytorch_lightning.cli import LightningCLI as PlCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(_readme_yaml())
+    args = [
+        a.replace("lightning.pytorch.loggers", "pytorch_lightning.loggers")
+        for a in _trainer_args(tmp_path)
+    ]
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    cli = PlCLI(TinyMLP, args=["fit", *args, "--config", str(config)])
+    assert [type(cb).__name__ for cb in _ours(cli)] == ["GradFlowCallback", "DeadReLUCallback"]
+    families = {t.split("/", 1)[0] for t in read_scalars(tmp_path)}
+    assert {"grad_flow", "dead_relu"} <= families

@@ -239,11 +239,19 @@ class HookCallback(_CallbackBase):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._detach()
+        self._release()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        """The run is over: remove the hooks, and let go of the LightningModule's ``log`` and
+        ``log_dict``, which Lightning binds to every callback at the start of each run (and binds
+        again at the next) and which would otherwise keep the model alive after ``fit``."""
         self._detach()
+        for bound in ("log", "log_dict"):
+            self.__dict__.pop(bound, None)
 
     def _is_last_hook_callback(self, trainer: pl.Trainer) -> bool:
         ours = [cb for cb in trainer.callbacks if isinstance(cb, HookCallback)]  # type: ignore[attr-defined]
