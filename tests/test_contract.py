@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
+import types
+import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -11,16 +16,34 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
-from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker, capture_outputs
+from lightning_hooks import (
+    AlarmRules,
+    GradFlowCallback,
+    GradFlowTracker,
+    LightningHooksWarning,
+    capture_outputs,
+)
 from lightning_hooks.callbacks.activation_stats import ActivationStatsCallback
 from lightning_hooks.callbacks.dead_relu import DeadReLUCallback
 from lightning_hooks.callbacks.feature_map import FeatureMapCallback
 from lightning_hooks.callbacks.layer_time import LayerTimeCallback
 from lightning_hooks.callbacks.saturation import SaturationCallback
-from lightning_hooks.core import LayerStats, probe_mode
+from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.core import (
+    ActivationStatsTracker,
+    DeadUnitTracker,
+    HookRegistry,
+    LayerStats,
+    LayerTimer,
+    SaturationTracker,
+    Selection,
+    probe_mode,
+    select_modules,
+)
 
-from conftest import TinyCNN, TinyMLP, hooks_left, read_scalars
+from conftest import TinyCNN, TinyMLP, dataset, hooks_left, make_trainer, read_scalars
 
 CALLBACKS: list[Callable[[], pl.Callback]] = [GradFlowCallback]
 CALLBACKS += [ActivationStatsCallback, DeadReLUCallback]
@@ -167,6 +190,26 @@ BAD_ARGUMENTS = [
         r"capture_outputs\(detach='yes'\)",
     ),
     _bad(lambda: probe_mode("net").__enter__(), r"probe_mode\(model='net'\)"),
+    # Core entry points given a non-module or a non-optimizer: a TypeError naming the argument.
+    _bad(lambda: GradFlowTracker("x"), r"GradFlowTracker\(model='x'\): must be a torch.nn.Module"),
+    _bad(
+        lambda: GradFlowTracker(_MODEL, ["not an optimizer"]),
+        r"GradFlowTracker\(optimizers=\[...\]\): must be an iterable of torch.optim.Optimizer",
+    ),
+    _bad(
+        lambda: GradFlowTracker(nn.Linear(2, 2)).observe("sgd"),
+        r"GradFlowTracker.observe\(optimizer='sgd'\): must be a torch.optim.Optimizer",
+    ),
+    _bad(lambda: select_modules(7), r"select_modules\(model=7\): must be a torch.nn.Module"),
+    _bad(
+        lambda: Selection.of("Mine").modules("net"),
+        r"Mine: Selection.modules\(model='net'\): must be a torch.nn.Module",
+    ),
+    _bad(lambda: HookRegistry(None), r"HookRegistry\(model=None\): must be a torch.nn.Module"),
+    _bad(lambda: ActivationStatsTracker("x"), r"ActivationStatsTracker\(model='x'\): must be a"),
+    _bad(lambda: DeadUnitTracker(3), r"DeadUnitTracker\(model=3\): must be a torch.nn.Module"),
+    _bad(lambda: SaturationTracker([]), r"SaturationTracker\(model=\[\]\): must be a torch"),
+    _bad(lambda: LayerTimer("x"), r"LayerTimer\(model='x'\): must be a torch.nn.Module"),
 ]
 
 
@@ -207,3 +250,108 @@ def test_numpy_integer_counts_are_accepted_as_ints(
 ) -> None:
     value = getattr(make(np.int64(3)), argument)
     assert value == 3 and type(value) is int
+
+
+# Reuse without leaks: after fit, a callback keeps nothing of the model, its optimizers, its
+# batches or its activations, on a normal end and on an exception; reused for the next model, it
+# measures that model as a fresh callback does. Lightning binds ``callback.log`` and
+# ``callback.log_dict`` to the LightningModule at the start of each run: ours drop them in
+# teardown / on_exception, the test's own recording callback has them dropped by hand.
+def _stats_callback() -> pl.Callback:
+    return StatsCallback(ActivationStatsTracker())
+
+
+EXPORTED: list[Callable[[], pl.Callback]] = [*CALLBACKS, _stats_callback]
+BATCH = 7  # a leading size no statistic state has (rows <= 6, units 16): a batch or activation
+
+
+class OddBatchMLP(TinyMLP):
+    """TinyMLP on 4 batches of 7 samples."""
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(dataset(n=4 * BATCH), batch_size=BATCH)
+
+
+class BatchRefs(pl.Callback):
+    """Weak references to every training batch's tensors and to the optimizers."""
+
+    def __init__(self) -> None:
+        self.refs: list[weakref.ref[Any]] = []
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: Any, batch: Any, *_: Any
+    ) -> None:
+        self.refs += [weakref.ref(t) for t in batch]
+        self.refs += [weakref.ref(opt) for opt in trainer.optimizers]
+
+
+def _reachable_tensors(root: object) -> list[torch.Tensor]:
+    """Tensors reachable from ``root`` through its attributes and containers (and closures,
+    not through modules, classes or a function's globals)."""
+    seen, stack, found = {id(root)}, [root], []
+    while stack:
+        node = stack.pop()
+        if isinstance(node, types.FunctionType):
+            children: list[Any] = [*(node.__closure__ or ()), *(node.__defaults__ or ())]
+        else:
+            children = gc.get_referents(node)
+        for child in children:
+            if id(child) in seen or isinstance(child, type | types.ModuleType | types.CodeType):
+                continue
+            seen.add(id(child))
+            if isinstance(child, torch.Tensor):
+                found.append(child)
+            else:
+                stack.append(child)
+    return found
+
+
+@pytest.fixture(params=EXPORTED, ids=lambda c: getattr(c, "__name__", "StatsCallback"))
+def make_exported(request: pytest.FixtureRequest) -> Callable[[], pl.Callback]:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("fail_at_step", [-1, 2], ids=["normal end", "exception"])
+def test_after_fit_the_callback_keeps_nothing_of_the_run(
+    make_exported: Callable[[], pl.Callback], fail_at_step: int, trainer_factory: Any
+) -> None:
+    callback, refs = make_exported(), BatchRefs()
+    model = OddBatchMLP(fail_at_step=fail_at_step)
+    trainer = trainer_factory(callbacks=[callback, refs])
+    with contextlib.suppress(RuntimeError):
+        trainer.fit(model)
+    model_ref = weakref.ref(model)
+    del model, trainer
+    for bound in ("log", "log_dict"):  # Lightning's bindings to the LightningModule
+        refs.__dict__.pop(bound, None)
+    gc.collect()
+    assert model_ref() is None, "the callback keeps the model alive"
+    assert refs.refs and [r for r in refs.refs if r() is not None] == []
+    kept = [tuple(t.shape) for t in _reachable_tensors(callback) if t.dim() and len(t) == BATCH]
+    assert kept == [], f"the callback keeps batch-sized tensors {kept}"
+
+
+def test_reused_for_another_model_it_measures_that_model_as_a_fresh_one_does(
+    make_exported: Callable[[], pl.Callback], tmp_path: Path
+) -> None:
+    reused = make_exported()
+    make_trainer(tmp_path / "first", callbacks=[reused]).fit(TinyMLP())
+    runs = {}
+    for name, callback in (("reused", reused), ("fresh", make_exported())):
+        pl.seed_everything(1, verbose=False)
+        # GradFlowCallback carries its alarms' running scales from fit to fit and says so
+        # when the next model's layers differ (tests/test_alarms.py): the one warning expected.
+        dropped = name == "reused" and isinstance(callback, GradFlowCallback)
+        with (
+            pytest.warns(LightningHooksWarning, match="start afresh")
+            if dropped
+            else contextlib.nullcontext()
+        ):
+            make_trainer(tmp_path / name, callbacks=[callback]).fit(TinyCNN())
+        runs[name] = read_scalars(tmp_path / name)
+    assert runs["reused"].keys() == runs["fresh"].keys()
+    assert not [t for t in runs["reused"] if "net." in t], "a tag of the first model's layers"
+    for tag, points in runs["fresh"].items():
+        if not tag.startswith("layer_time/"):  # wall-clock times differ from run to run
+            assert [s for s, _ in runs["reused"][tag]] == [s for s, _ in points], tag
+            assert [v for _, v in runs["reused"][tag]] == pytest.approx([v for _, v in points])

@@ -258,46 +258,8 @@ def test_arguments_are_checked_and_named() -> None:
         DeadReLUCallback(warn_at=2)
     with pytest.raises(TypeError, match=r"DeadReLUCallback\(warn_at=.x.\): must be a finite real"):
         DeadReLUCallback(warn_at="x")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"DeadReLUCallback\(threshold=2\): must be a finite"):
-        DeadReLUCallback(threshold=2)
-    with pytest.raises(
-        TypeError,
-        match=r"DeadReLUCallback\(warn_at=0.3, threshold=0.2\): pass warn_at only \(threshold",
-    ):
-        DeadReLUCallback(warn_at=0.3, threshold=0.2)
+    for removed in ("threshold", "warn"):  # the unreleased aliases of warn_at are gone
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{removed}'"):
+            DeadReLUCallback(**{removed: 0.3})
     with pytest.raises(TypeError, match=r"DeadReLUCallback\(types=3\): must be an nn.Module"):
         DeadReLUCallback(types=3)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("old", "warn_at"),
-    [
-        ({"threshold": 0.3}, 0.3),
-        ({"threshold": 0.0}, 0.0),
-        ({"warn": False}, None),
-        ({"warn": True}, 0.5),
-        ({"threshold": 0.3, "warn": True}, 0.3),
-        ({"threshold": 0.3, "warn": False}, None),
-    ],
-)
-def test_old_names_warn_and_map_exactly_to_warn_at(old: dict[str, Any], warn_at: Any) -> None:
-    with pytest.warns(DeprecationWarning) as caught:
-        callback = DeadReLUCallback(**old)
-    assert callback.warn_at == warn_at
-    assert len(caught) == len(old)
-    for name, warning in zip(old, caught, strict=True):
-        assert f"DeadReLUCallback({name}=...) is deprecated" in str(warning.message)
-        assert "use warn_at" in str(warning.message)
-        assert warning.filename == __file__  # points at the caller's line
-    assert DeadReLUCallback(warn_at=None).warn_at is None
-    assert DeadReLUCallback().warn_at == 0.5
-
-
-def test_old_threshold_warns_through_fit_like_warn_at(trainer_factory: Any) -> None:
-    torch.manual_seed(0)
-    with pytest.warns(DeprecationWarning, match=r"threshold=0.3 is warn_at=0.3"):
-        callback = DeadReLUCallback(threshold=0.3)
-    with pytest.warns(LightningHooksWarning) as rec:
-        trainer_factory(callbacks=[callback]).fit(RecordingMLP())
-    about = [str(w.message) for w in rec if "'net.1'" in str(w.message)]
-    assert len(about) == 1 and "dead fraction 0.312 >= warn_at 0.3" in about[0]

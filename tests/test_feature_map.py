@@ -123,6 +123,24 @@ def test_dict_batches_need_input_fn(trainer_factory: Any, tmp_path: Path) -> Non
     assert read_image_tags(tmp_path) == ["feature_map/features.3"]
 
 
+@pytest.mark.parametrize(
+    ("input_fn", "match"),
+    [
+        (None, r"input_fn=None\): cannot find the model input in a batch of type dict"),
+        (lambda batch: batch["x"], r"input_fn=<function .*\): raised KeyError: 'x' on the first"),
+        (lambda batch: "image", r"input_fn=...\): the model input .* holds no tensor, got str"),
+    ],
+    ids=["no input_fn", "input_fn raises", "no tensor"],
+)
+def test_no_usable_input_stops_the_fit_at_its_first_batch_even_when_not_strict(
+    trainer_factory: Any, input_fn: Any, match: str
+) -> None:
+    trainer = trainer_factory(callbacks=[FeatureMapCallback(input_fn=input_fn, strict=False)])
+    with pytest.raises(TypeError, match=match):  # not the guard's warning: warnings are errors
+        trainer.fit(DictCNN())
+    assert trainer.global_step == 0
+
+
 def test_a_user_probe_is_used_and_layers_are_spread(trainer_factory: Any, tmp_path: Path) -> None:
     model = TinyCNN()
     probe = torch.full((2, 3, 8, 8), 0.5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -79,14 +81,18 @@ def test_registry_removes_hooks_when_the_loop_raises() -> None:
     assert hooks_left(model) == []
 
 
-def test_remove_after_the_model_is_gone() -> None:
+def test_remove_lets_the_model_go_and_is_safe_after_it_is_gone() -> None:
     model = _model()
     hooks = HookRegistry(model)
     hooks.forward_hook(model[2], lambda m, a, o: None)
-    del model
-    hooks.model = nn.Identity()
+    gone = weakref.ref(model)
     hooks.remove()
-    assert len(hooks) == 0
+    del model
+    gc.collect()
+    assert gone() is None and len(hooks) == 0
+    hooks.remove()
+    with pytest.raises(RuntimeError, match="HookRegistry: removed; it no longer holds the model"):
+        hooks.modules()
 
 
 def test_a_guarded_registry_turns_hook_errors_into_one_warning() -> None:

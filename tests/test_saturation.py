@@ -213,28 +213,9 @@ def test_bad_arguments_name_the_culprit() -> None:
         match=r"SaturationCallback\(warn_at=1.5\): must be a finite real >= 0.0 and <= 1.0",
     ):
         SaturationCallback(warn_at=1.5)
-    with pytest.raises(
-        ValueError,
-        match=r"SaturationCallback\(warn_above=1.0\): must be a finite real >= 0.0 and < 1.0",
-    ):
-        SaturationCallback(warn_above=1.0)
-    with pytest.raises(TypeError, match=r"SaturationCallback\(warn_at=0.2, warn_above=None\)"):
-        SaturationCallback(warn_at=0.2, warn_above=None)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'warn_above'"):
+        SaturationCallback(warn_above=0.5)  # type: ignore[call-arg]  # the unreleased alias
     with pytest.raises(
         TypeError, match=r"SaturationCallback\(types=.*ReLU.*must be a subclass of one"
     ):
         SaturationCallback(types=nn.ReLU)
-
-
-@pytest.mark.parametrize("above", [0.0, 0.25, 0.5, 0.75])
-def test_warn_above_maps_exactly_to_warn_at(above: float) -> None:
-    with pytest.warns(DeprecationWarning, match=r"SaturationCallback\(warn_above=...\) is dep"):
-        callback = SaturationCallback(warn_above=above)
-    at = callback.warn_at
-    assert at is not None
-    # Every always-saturated fraction k/n a layer can have: the old rule and the new one agree.
-    shares = [k / n for n in range(1, 65) for k in range(n + 1)]
-    assert [s > above for s in shares] == [s >= at for s in shares]
-    with pytest.warns(DeprecationWarning, match="warn_above=None is warn_at=None"):
-        assert SaturationCallback(warn_above=None).warn_at is None
-    assert SaturationCallback(warn_at=above).warn_at == above

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pytorch_lightning as pl
 from lightning_fabric.utilities.exceptions import MisconfigurationException
@@ -24,6 +24,25 @@ class _Gate(Protocol):
 
 
 __all__ = ["HookCallback", "check_every_n_steps"]
+
+
+def _callback_bases() -> tuple[type, ...]:
+    """``pytorch_lightning.Callback``, and ``lightning.pytorch.Callback`` when installed.
+
+    Each namespace's ``LightningCLI`` (jsonargparse) accepts in ``trainer.callbacks`` only
+    subclasses of its own ``Callback``: deriving from both lets either CLI configure ours.
+    """
+    try:
+        from lightning.pytorch import Callback as LightningCallback
+    except ImportError:
+        return (pl.Callback,)
+    return tuple(dict.fromkeys((pl.Callback, LightningCallback)))  # once, were they one class
+
+
+if TYPE_CHECKING:
+    _CallbackBase = pl.Callback
+else:
+    _CallbackBase = type("_CallbackBase", _callback_bases(), {"__module__": __name__})
 
 
 def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
@@ -74,7 +93,7 @@ def _check_strategy(owner: str, strategy: object) -> None:
         )
 
 
-class HookCallback(pl.Callback):
+class HookCallback(_CallbackBase):
     """Base of the library's callbacks: owns when hooks exist, subclasses own what they measure.
 
     Hooks are registered in ``on_train_start`` (after the sanity check) and removed in
@@ -229,11 +248,19 @@ class HookCallback(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._detach()
+        self._release()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        """The run is over: remove the hooks, and let go of the LightningModule's ``log`` and
+        ``log_dict``, which Lightning binds to every callback at the start of each run (and binds
+        again at the next) and which would otherwise keep the model alive after ``fit``."""
         self._detach()
+        for bound in ("log", "log_dict"):
+            self.__dict__.pop(bound, None)
 
     def _is_last_hook_callback(self, trainer: pl.Trainer) -> bool:
         ours = [cb for cb in trainer.callbacks if isinstance(cb, HookCallback)]  # type: ignore[attr-defined]

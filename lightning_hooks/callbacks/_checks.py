@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
-
 from torch import nn
 
 from lightning_hooks.core.selection import ModuleTypes
 
-__all__ = ["UNSET", "check_types", "renamed"]
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "<unset>"
-
-
-UNSET: Any = _Unset()
-"""The default of a deprecated keyword: tells "not passed" from any value, ``None`` included."""
+__all__ = ["check_types"]
 
 
 def check_types(owner: str, types: ModuleTypes) -> None:
@@ -37,21 +25,3 @@ def check_types(owner: str, types: ModuleTypes) -> None:
                 f"{owner}(types={types!r}): expected an nn.Module subclass or a tuple of them, "
                 f"got {t!r}"
             )
-
-
-def renamed(owner: str, old: str, new: str, how: str, *, stacklevel: int = 3) -> None:
-    """Warn (``DeprecationWarning``, at the caller's caller) that ``old`` is now ``new``.
-
-    Example:
-        >>> import warnings
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     renamed("Cb", "warn", "warn_at", "warn=False is warn_at=None")
-        >>> print(caught[0].message)
-        Cb(warn=...) is deprecated and will be removed: use warn_at (warn=False is warn_at=None)
-    """
-    warnings.warn(
-        f"{owner}({old}=...) is deprecated and will be removed: use {new} ({how})",
-        DeprecationWarning,
-        stacklevel=stacklevel,
-    )

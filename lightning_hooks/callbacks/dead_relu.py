@@ -9,9 +9,8 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._checks import UNSET, renamed
 from lightning_hooks.callbacks._once import WarnsOncePerLayer
-from lightning_hooks.core.checks import boolean, fraction, fraction_or_none
+from lightning_hooks.core.checks import fraction_or_none
 from lightning_hooks.core.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
 from lightning_hooks.core.selection import Patterns
 from lightning_hooks.core.stat import LayerStat
@@ -103,8 +102,6 @@ class DeadReLUCallback(WarnsOncePerLayer):
         pre_activation: Patterns = None,
         warn_at: float | None = 0.5,
         every_n_steps: int | None = None,
-        threshold: float = UNSET,
-        warn: bool = UNSET,
     ) -> None:
         tracker = DeadUnitTracker(
             types=types,
@@ -113,7 +110,7 @@ class DeadReLUCallback(WarnsOncePerLayer):
             pre_activation=pre_activation,
             owner=_NAME,
         )
-        self.warn_at = _warn_at(warn_at, threshold, warn)
+        self.warn_at = fraction_or_none(_NAME, "warn_at", warn_at)
         super().__init__(tracker, every_n_steps=every_n_steps)
         assert tracker.selection is not None
         self.types = types
@@ -137,28 +134,3 @@ class DeadReLUCallback(WarnsOncePerLayer):
                     f"warn_at {warn_at:g})",
                     category=LightningHooksWarning,
                 )
-
-
-def _warn_at(warn_at: float | None, threshold: float, warn: bool) -> float | None:
-    """``warn_at``, checked, or what the deprecated ``threshold``/``warn`` say, mapped exactly."""
-    given = {k: v for k, v in (("threshold", threshold), ("warn", warn)) if v is not UNSET}
-    if given and warn_at != 0.5:
-        old = ", ".join(f"{k}={v!r}" for k, v in given.items())
-        raise TypeError(
-            f"{_NAME}(warn_at={warn_at!r}, {old}): pass warn_at only ({' and '.join(given)}: "
-            "its deprecated names)"
-        )
-    if "threshold" in given:
-        warn_at = fraction(_NAME, "threshold", threshold)
-        renamed(
-            _NAME,
-            "threshold",
-            "warn_at",
-            f"threshold={threshold!r} is warn_at={warn_at!r}",
-            stacklevel=4,
-        )
-    if "warn" in given:
-        renamed(_NAME, "warn", "warn_at", "warn=False is warn_at=None", stacklevel=4)
-        if not boolean(_NAME, "warn", warn):
-            return None
-    return fraction_or_none(_NAME, "warn_at", warn_at)

@@ -15,11 +15,25 @@ from typing_extensions import override
 from lightning_hooks.callbacks._base import HookCallback
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
 from lightning_hooks.core.selection import Patterns, as_patterns
+from lightning_hooks.errors import LightningHooksError
 from lightning_hooks.logging import feature_map_grid, log_embedding, log_image, log_scalars
 
 __all__ = ["FeatureMapCallback"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+class _ProbeInputError(LightningHooksError, TypeError):
+    """No usable model input in the first training batch: a configuration error, which the
+    guard lets through (it propagates the library's own errors) so the fit stops there."""
+
+
+def _has_tensor(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, list | tuple):
+        return any(_has_tensor(item) for item in x)
+    return isinstance(x, Mapping) and any(_has_tensor(item) for item in x.values())
 
 
 def _default_input(batch: Any) -> Any:
@@ -28,7 +42,7 @@ def _default_input(batch: Any) -> Any:
         return batch
     if isinstance(batch, list | tuple) and batch:
         return batch[0]
-    raise TypeError(
+    raise _ProbeInputError(
         f"FeatureMapCallback(input_fn=None): cannot find the model input in a batch of type "
         f"{type(batch).__name__}; pass input_fn=lambda batch: ... or probe=..."
     )
@@ -148,7 +162,9 @@ class FeatureMapCallback(HookCallback):
         probe: a model input to use as the probe instead of the first training batch.
         probe_labels: one label per probe sample, for the projector.
         probe_size: how many samples of the first training batch form the probe.
-        input_fn: ``batch -> model input``, for batches that are not ``(input, ...)``.
+        input_fn: ``batch -> model input``, for batches that are not ``(input, ...)``. Without
+            a usable input (none found, ``input_fn`` raises or returns no tensor) the fit stops
+            at its first training batch with a ``TypeError``, whatever ``strict`` says.
         forward_fn: ``(pl_module, probe) -> output``: how to run the model on the probe, for a
             LightningModule without ``forward`` (default: ``pl_module(probe)``). Without either,
             ``setup`` says so before the first epoch.
@@ -236,15 +252,39 @@ class FeatureMapCallback(HookCallback):
 
     @override
     def _detach(self) -> None:
-        """Nothing to remove: :func:`capture_outputs` removes its hooks when the probe ends."""
+        """No hook to remove (:func:`capture_outputs` removes its hooks when the probe ends);
+        a probe taken from a batch is dropped, so the fit's data is not kept after it."""
+        self._probe, self._labels = self._given
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._probe is None and not self._idle:
-            self._probe = _head(self.input_fn(batch), self.probe_size)
+            self._probe = _head(self._model_input(batch), self.probe_size)
             self._labels = _default_labels(batch, self.probe_size)
+
+    def _model_input(self, batch: Any) -> Any:
+        """The model input of the first training batch; a ``TypeError`` that stops the fit now
+        (not an epoch in, and not a guard warning) when there is none."""
+        try:
+            x = self.input_fn(batch)
+        except _ProbeInputError:
+            raise
+        except Exception as err:
+            shown = "None" if self.input_fn is _default_input else repr(self.input_fn)
+            raise _ProbeInputError(
+                f"{_OWNER}(input_fn={shown}): raised {type(err).__name__}: {err} on the first "
+                f"training batch (a {type(batch).__name__}); pass input_fn=lambda batch: ... "
+                "that returns the model input, or probe=..."
+            ) from err
+        if not _has_tensor(x):
+            raise _ProbeInputError(
+                f"{_OWNER}(input_fn=...): the model input taken from the first training batch "
+                f"holds no tensor, got {type(x).__name__}; pass input_fn=lambda batch: ... "
+                "that returns the model input, or probe=..."
+            )
+        return x
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

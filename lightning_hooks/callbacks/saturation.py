@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any
 
@@ -10,7 +9,6 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._checks import UNSET, renamed
 from lightning_hooks.callbacks._once import OncePerLayer, WarnsOncePerLayer
 from lightning_hooks.core.checks import fraction_or_none, real
 from lightning_hooks.core.saturation import SATURATING_TYPES, SaturationStats, SaturationTracker
@@ -77,8 +75,6 @@ class SaturationCallback(WarnsOncePerLayer):
             ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set), 1: every step.
             Fractions are then over the sampled batches. Off-sample steps cost one Python attribute
             check per hook.
-        warn_above: deprecated (a ``DeprecationWarning``): it warned strictly above its value,
-            so it maps to ``warn_at=math.nextafter(warn_above, 1)``; ``None`` to ``None``.
 
     Example:
         >>> callback = SaturationCallback(warn_at=0.25)
@@ -102,7 +98,6 @@ class SaturationCallback(WarnsOncePerLayer):
         margin: float = 0.01,
         warn_at: float | None = 0.5,
         every_n_steps: int | None = None,
-        warn_above: float | None = UNSET,
     ) -> None:
         _check_types(types)
         dim: Any = unit_dim
@@ -110,7 +105,7 @@ class SaturationCallback(WarnsOncePerLayer):
             raise TypeError(f"{_NAME}(unit_dim={dim!r}): must be an int, got {dim!r}")
         unit_dim = int(dim)
         margin = real(_NAME, "margin", margin, low=0.0, high=0.5, low_open=True, high_open=True)
-        warn_at = _warn_at(warn_at, warn_above)
+        warn_at = fraction_or_none(_NAME, "warn_at", warn_at)
         tracker = SaturationTracker(
             types=types,
             include=include,
@@ -131,30 +126,6 @@ class SaturationCallback(WarnsOncePerLayer):
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
         if self.warn_at is not None and trainer.is_global_zero:
             _warn(result, trainer.current_epoch, self.warn_at, self.warned)
-
-
-def _warn_at(warn_at: float | None, warn_above: float | None) -> float | None:
-    """``warn_at``, checked, or the deprecated ``warn_above`` mapped exactly (``>`` to ``>=``)."""
-    if warn_above is UNSET:
-        return fraction_or_none(_NAME, "warn_at", warn_at)
-    if warn_at != 0.5:
-        raise TypeError(
-            f"{_NAME}(warn_at={warn_at!r}, warn_above={warn_above!r}): pass warn_at only "
-            "(warn_above: its deprecated name)"
-        )
-    if warn_above is None:
-        renamed(_NAME, "warn_above", "warn_at", "warn_above=None is warn_at=None", stacklevel=4)
-        return None
-    above = real(_NAME, "warn_above", warn_above, low=0.0, high=1.0, high_open=True)
-    at = math.nextafter(above, 1.0)  # share > above  <=>  share >= at, for every float share
-    renamed(
-        _NAME,
-        "warn_above",
-        "warn_at",
-        f"warn_above={warn_above!r} warned above it, as warn_at={at!r} does",
-        stacklevel=4,
-    )
-    return at
 
 
 def _warn(stats: SaturationStats, epoch: int, warn_at: float, warned: OncePerLayer) -> None:

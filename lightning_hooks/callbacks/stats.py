@@ -15,6 +15,10 @@ from lightning_hooks.logging import log_scalars
 
 __all__ = ["StatsCallback"]
 
+# The bare class in the signature: jsonargparse (LightningCLI) resolves a ``class_path`` against
+# a class, not against the subscripted generic ``LayerStat[Any]``.
+_AnyStat = LayerStat
+
 
 class _Attached:
     """The statistics of one fit and the one registry (and sampled gate) they share."""
@@ -56,7 +60,10 @@ class StatsCallback(HookCallback):
     _tracker: _Attached | None = None
 
     def __init__(
-        self, stats: LayerStat[Any] | Sequence[LayerStat[Any]], *, every_n_steps: int | None = None
+        self,
+        stats: _AnyStat | Sequence[_AnyStat],  # type: ignore[type-arg]
+        *,
+        every_n_steps: int | None = None,
     ) -> None:
         items = (stats,) if isinstance(stats, LayerStat) else tuple(_sequence(stats))
         if not items or not all(isinstance(s, LayerStat) for s in items):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import reprlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -27,6 +28,8 @@ __all__ = [
     "choice",
     "fraction",
     "fraction_or_none",
+    "module",
+    "optimizer",
     "positive_int",
     "positive_real",
     "real",
@@ -182,3 +185,41 @@ def callable_or_none(owner: str, name: str, value: Any) -> Callable[..., Any] | 
     if value is None or callable(value):
         return value  # type: ignore[no-any-return]
     raise _fail(owner, name, value, "a callable or None", TypeError)
+
+
+def module(owner: str, name: str, value: Any) -> Any:
+    """``value`` if it is a ``torch.nn.Module``, else ``TypeError`` naming the argument.
+
+    Example:
+        >>> module("GradFlowTracker", "model", "x")
+        Traceback (most recent call last):
+        ...
+        TypeError: GradFlowTracker(model='x'): must be a torch.nn.Module, got str
+    """
+    from torch import nn  # here: the checks above serve torch-free callers too
+
+    if isinstance(value, nn.Module):
+        return value
+    raise TypeError(
+        f"{owner}({name}={reprlib.repr(value)}): must be a torch.nn.Module, "
+        f"got {type(value).__name__}"
+    )
+
+
+def optimizer(owner: str, name: str, value: Any) -> Any:
+    """``value`` if it is a ``torch.optim.Optimizer``, else ``TypeError`` naming the argument.
+
+    Example:
+        >>> optimizer("Tracker.observe", "optimizer", "sgd")
+        Traceback (most recent call last):
+        ...
+        TypeError: Tracker.observe(optimizer='sgd'): must be a torch.optim.Optimizer, got str
+    """
+    import torch
+
+    if isinstance(value, torch.optim.Optimizer):
+        return value
+    raise TypeError(
+        f"{owner}({name}={reprlib.repr(value)}): must be a torch.optim.Optimizer, "
+        f"got {type(value).__name__}"
+    )

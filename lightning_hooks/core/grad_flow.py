@@ -214,6 +214,7 @@ class GradFlowTracker(HookOwner):
         post_clip: bool = False,
         alarms: AlarmRules | None = None,
     ) -> None:
+        checks.module("GradFlowTracker", "model", model)
         optimizers = _check_optimizers(optimizers)
         for name, flag in (
             ("update_ratio", update_ratio),
@@ -359,6 +360,7 @@ class GradFlowTracker(HookOwner):
             step: the optimizer step the alarms name, and their cadence counts (default:
                 count calls from 0).
         """
+        checks.optimizer("GradFlowTracker.observe", "optimizer", optimizer)
         step = self._calls if step is None else step
         self._calls += 1
         sampled = self.registry.sampled

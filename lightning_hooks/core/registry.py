@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import Self
 
+from lightning_hooks.core import checks
 from lightning_hooks.core.guard import Guard, active_guard
 from lightning_hooks.core.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 from lightning_hooks.errors import LightningHooksWarning
@@ -96,7 +97,7 @@ class HookRegistry(HookOwner):
     """
 
     def __init__(self, model: nn.Module, *, guard: Guard | None = None) -> None:
-        self.model = model
+        self._model: nn.Module | None = checks.module("HookRegistry", "model", model)
         self._handles: list[RemovableHandle] = []
         self.sampled = True
         """Whether the current step is measured: gated hooks return at once when ``False``."""
@@ -105,6 +106,17 @@ class HookRegistry(HookOwner):
         self._unhookable = unhookable_modules(model)
         self._names = {id(module): name for name, module in model.named_modules()}
         self._warned_unhookable = False
+
+    @property
+    def model(self) -> nn.Module:
+        """The model, until :meth:`remove`: a removed registry keeps no reference to it.
+
+        Raises:
+            RuntimeError: the registry was removed.
+        """
+        if self._model is None:
+            raise RuntimeError("HookRegistry: removed; it no longer holds the model")
+        return self._model
 
     def modules(
         self,
@@ -145,7 +157,7 @@ class HookRegistry(HookOwner):
         return self._names.get(id(module)) or type(module).__name__
 
     def _owner(self) -> str:
-        return self.guard.name if self.guard is not None else type(self.model).__name__
+        return self.guard.name if self.guard is not None else type(self._model).__name__
 
     def guarded(self, fn: F, where: str) -> F:
         """``fn`` wrapped by the registry's guard (itself when there is none or it is strict).
@@ -221,7 +233,9 @@ class HookRegistry(HookOwner):
         return self.add(optimizer.register_step_post_hook(hook))
 
     def remove(self) -> None:
-        """Remove every hook. Safe to call any number of times, also after the model is gone."""
+        """Remove every hook and drop the model (a reused owner must not keep the last model
+        alive). Safe to call any number of times, also after the model is gone."""
+        self._model = None
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_hooks.core.activations import is_kind
+from lightning_hooks.core.checks import module as check_module
 
 __all__ = ["ModuleFilter", "Patterns", "Selection", "as_patterns", "select_modules"]
 
@@ -110,6 +111,7 @@ class Selection:
         self, model: nn.Module, where: ModuleFilter | None = None
     ) -> list[tuple[str, nn.Module]]:
         """The selected ``(name, module)`` pairs of ``model``; see :func:`select_modules`."""
+        check_module(f"{self.owner}: Selection.modules", "model", model)
         inc, exc = (f"{self.owner}({a}" for a in self.arguments)
         return select_modules(
             model,
@@ -187,6 +189,7 @@ def select_modules(
         >>> [name for name, _ in select_modules(model, exclude="2")]
         ['0', '1']
     """
+    check_module("select_modules", "model", model)
     inc = as_patterns(include, arguments[0])
     exc = as_patterns(exclude, arguments[1])
     named = [

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
+from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.distributed import all_gather_stacked, rank
 from lightning_hooks.core.registry import HookOwner, HookRegistry
 from lightning_hooks.core.selection import Selection
@@ -205,6 +206,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
 
         Returns ``self``, a context manager that removes the hooks on exit.
         """
+        check_module(type(self).__name__, "model", model)
         self.remove()
         self.rows, self.units, self._starts = {}, [], []
         device = _model_device(model)
@@ -245,9 +247,13 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         raise NotImplementedError
 
     def remove(self) -> None:
-        """Remove every hook this statistic registered (idempotent)."""
+        """Remove every hook this statistic registered and drop the registry (idempotent).
+
+        Nothing of the model stays referenced: the statistic can be attached to the next one.
+        """
         if self.registry is not None:
             self.registry.remove()
+            self.registry = None
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
