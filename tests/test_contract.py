@@ -316,7 +316,7 @@ def test_after_fit_the_callback_keeps_nothing_of_the_run(
     make_exported: Callable[[], pl.Callback], fail_at_step: int, trainer_factory: Any
 ) -> None:
     callback, refs = make_exported(), BatchRefs()
-    model = OddBatchMLP(fail_at_step=fail_at_step)
+    model = _watchable(OddBatchMLP(fail_at_step=fail_at_step), make_exported)
     trainer = trainer_factory(callbacks=[callback, refs])
     with contextlib.suppress(RuntimeError):
         trainer.fit(model)
@@ -335,7 +335,7 @@ def test_reused_for_another_model_it_measures_that_model_as_a_fresh_one_does(
     make_exported: Callable[[], pl.Callback], tmp_path: Path
 ) -> None:
     reused = make_exported()
-    make_trainer(tmp_path / "first", callbacks=[reused]).fit(TinyMLP())
+    make_trainer(tmp_path / "first", callbacks=[reused]).fit(_watchable(TinyMLP(), make_exported))
     runs = {}
     for name, callback in (("reused", reused), ("fresh", make_exported())):
         pl.seed_everything(1, verbose=False)
@@ -347,7 +347,8 @@ def test_reused_for_another_model_it_measures_that_model_as_a_fresh_one_does(
             if dropped
             else contextlib.nullcontext()
         ):
-            make_trainer(tmp_path / name, callbacks=[callback]).fit(TinyCNN())
+            model = _watchable(TinyCNN(), make_exported)
+            make_trainer(tmp_path / name, callbacks=[callback]).fit(model)
         runs[name] = read_scalars(tmp_path / name)
     assert runs["reused"].keys() == runs["fresh"].keys()
     assert not [t for t in runs["reused"] if "net." in t], "a tag of the first model's layers"
