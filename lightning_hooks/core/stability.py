@@ -126,8 +126,9 @@ class StabilityStats(LayerStat[Result]):
     ``logit_logz/{layer}`` and ``logit_logz_max/{layer}``: ``logsumexp`` over the last dimension
     of the *output layer*'s output, mean and max over positions and over the period. The output
     layer is the last module owning parameters whose output is a floating tensor, in forward
-    execution order (the classifier, the LM head), found on the first measured training forward:
-    :meth:`end_step` (called after each forward, or step) settles it. A head applied with
+    execution order (the classifier, the LM head), found on the first measured training forward
+    and settled by :meth:`end_step` (``GradFlowCallback`` calls it after every batch) or at the
+    latest by the next reduce; until then every candidate's ``log Z`` is kept. A head applied with
     ``F.linear`` (weights tied to an embedding, not a module call) is not seen; the last module
     before it is measured instead.
 
@@ -159,11 +160,12 @@ class StabilityStats(LayerStat[Result]):
         self.add_layer_state("logz_max", reduce="max")
         self._attention: set[str] = set()
         self._output: str | None = None
-        self._pending: tuple[str, _LogZ] | None = None
+        self._last: str | None = None  # while the output layer is not known: the last candidate
+        self._candidates: dict[str, list[_LogZ]] = {}  # and what each candidate measured
 
     def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> StabilityStats:
         """Hook ``model``'s attention layers and parameter owners; find the output layer anew."""
-        self._output, self._pending = None, None
+        self._output, self._last, self._candidates = None, None, {}
         super().attach(model, registry)
         return self
 
@@ -202,8 +204,9 @@ class StabilityStats(LayerStat[Result]):
             return
         logz = torch.logsumexp(output.detach().float(), dim=-1)
         measured = (logz.sum(), logz.numel(), logz.max())
-        if self._output is None:
-            self._pending = (name, measured)  # the last one of this forward is the output layer
+        if self._output is None:  # the last candidate of a forward is the output layer
+            self._last = name
+            self._candidates.setdefault(name, []).append(measured)
         else:
             self._add(name, measured)
 
@@ -216,11 +219,12 @@ class StabilityStats(LayerStat[Result]):
 
     def end_step(self) -> None:
         """After a forward: the last candidate seen is the output layer (an attribute check
-        when there is nothing to settle)."""
-        if self._pending is not None:
-            name, measured = self._pending
-            self._pending, self._output = None, name
-            self._add(name, measured)
+        when there is nothing to settle). Also settled before every reduce (:meth:`flush`)."""
+        if self._last is not None:
+            name, self._last, self._output = self._last, None, self._last
+            for measured in self._candidates.pop(name):
+                self._add(name, measured)
+            self._candidates.clear()
 
     def flush(self) -> None:
         """Settle a measured forward that :meth:`end_step` has not seen yet."""
