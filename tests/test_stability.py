@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.nn import functional
 from torch.utils.data import DataLoader, TensorDataset
@@ -234,3 +235,33 @@ def test_quiet_steps_run_no_tensor_op() -> None:
         "stability/logit_logz_max/norm2",
     ]
     stat.remove()
+
+
+class RepeatedBatchTransformer(TinyTransformer):
+    """Every batch holds the same 4 samples: a replayed batch after a resume is the same data."""
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        x, y = next(iter(super().train_dataloader()))
+        return DataLoader(TensorDataset(x.repeat(STEPS, 1, 1), y.repeat(STEPS, 1)), batch_size=4)
+
+
+@pytest.mark.filterwarnings("ignore:.*checkpoint that ended before the epoch ended.*")
+def test_resumed_mid_epoch_logs_what_the_whole_fit_logs(tmp_path: Path) -> None:
+    def fit(root: Path, ckpt_path: Path | None = None, **kwargs: Any) -> dict[str, float]:
+        torch.manual_seed(0)
+        callbacks = [GradFlowCallback(), *kwargs.pop("callbacks", [])]
+        trainer = make_trainer(root, callbacks=callbacks, **kwargs)
+        trainer.fit(RepeatedBatchTransformer(batch_first=True), ckpt_path=ckpt_path)
+        return {t: v[-1][1] for t, v in read_scalars(root).items() if t.startswith("stability/")}
+
+    whole = fit(tmp_path / "whole")
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    fit(tmp_path / "first", callbacks=[ckpt], enable_checkpointing=True, max_steps=2)
+    path = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
+    assert torch.load(path, weights_only=False)["callbacks"][GradFlowCallback().state_key][
+        "stability"
+    ]["layers"]
+    again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    resumed = fit(tmp_path / "second", path, callbacks=[again], enable_checkpointing=True)
+    assert len(whole) == 4
+    assert resumed == pytest.approx(whole, rel=1e-5)
