@@ -132,6 +132,10 @@ class StabilityStats(LayerStat[Result]):
     ``F.linear`` (weights tied to an embedding, not a module call) is not seen; the last module
     before it is measured instead.
 
+    Modules inside a ``torch.compile`` region are not measured: Dynamo does not replay the hooks'
+    Python side effects in execution order, which finding the output layer relies on, and a
+    state read in a hook would add graphs.
+
     Hooks are gated by the registry's ``sampled`` flag and measure training forwards only. The
     states reduce across ranks in the base's one collective: max for maxima, sum and count for
     means.
@@ -185,7 +189,7 @@ class StabilityStats(LayerStat[Result]):
 
     def _attention_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if is_training_forward(module):
+            if is_training_forward(module) and not torch.compiler.is_compiling():
                 assert isinstance(module, nn.MultiheadAttention)
                 with torch.no_grad():
                     peak = mha_logit_max(module, *_mha_inputs(*args, **kwargs))
@@ -196,7 +200,7 @@ class StabilityStats(LayerStat[Result]):
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
         """The output layer's ``log Z`` into its row; while it is not known, the candidate's."""
-        if self._output is not None and name != self._output:
+        if torch.compiler.is_compiling() or (self._output is not None and name != self._output):
             return
         if not isinstance(output, torch.Tensor) or not output.is_floating_point():
             return
