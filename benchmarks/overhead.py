@@ -225,6 +225,14 @@ def configs(include_tutorial: bool = True) -> list[Config]:
                 quiet,
             )
         )
+        off = {"stability": False}  # the instability statistics' share (attention logits)
+        out.append(
+            Config(
+                "GradFlowCallback, stability off",
+                lambda: [found["GradFlowCallback"](**off)],
+                off,
+            )
+        )
     # The floor of a per-step gradient sentinel: one multi-tensor read of the gradients.
     out.append(Config("floor: one gradient read (_foreach_norm)", lambda: [GradientRead()]))
     # The floor of every statistic on every step: each tensor it measures read once, plus the

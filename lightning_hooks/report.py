@@ -63,6 +63,7 @@ LAYER_METRICS: dict[str, tuple[str, ...]] = {
     "saturation": ("saturated_fraction", "always_saturated_fraction"),
     "layer_time": ("forward_ms", "share"),
     "feature_map": ("abs_mean",),
+    "stability": ("attn_logit_max", "logit_logz", "logit_logz_max"),
 }
 """Every per-layer ``family/stat`` the library's callbacks log (a test holds it to a real fit)."""
 
@@ -396,6 +397,7 @@ _CALLBACK = {
     "saturation": "SaturationCallback",
     "layer_time": "LayerTimeCallback",
     "feature_map": "FeatureMapCallback",
+    "stability": "GradFlowCallback",
 }
 
 

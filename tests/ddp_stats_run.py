@@ -25,6 +25,7 @@ def callbacks() -> list[pl.Callback]:
     """The callbacks under test, fresh."""
     from lightning_hooks import ActivationStatsCallback, DeadReLUCallback, SaturationCallback
     from lightning_hooks.callbacks.stats import StatsCallback
+    from lightning_hooks.core.stability import StabilityStats
 
     output_rms: Any = runpy.run_path(str(EXAMPLE))["OutputRMS"]
     return [
@@ -32,6 +33,7 @@ def callbacks() -> list[pl.Callback]:
         ActivationStatsCallback(heatmaps=False),
         DeadReLUCallback(types=nn.Tanh, warn_at=None),
         SaturationCallback(margin=0.2, warn_at=None),
+        StatsCallback([StabilityStats()]),  # the output logits' log Z: sum/count and max
     ]
 
 

@@ -30,9 +30,15 @@ def test_one_layout_per_run_one_chart_per_statistic_matching_every_layer(tmp_pat
     scalar_tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
     stats = {tag.split("/")[1] for tag in scalar_tags} - {"global"}
     assert "alarms" in stats, "the default alarms log a count per rule"
-    assert set(found) == {f"lightning_hooks: grad_flow/{s}" for s in stats - {"alarms"}} | {
-        "lightning_hooks: alarms/grad_flow"
-    }
+    logz = {"lightning_hooks: stability/logit_logz", "lightning_hooks: stability/logit_logz_max"}
+    assert (
+        set(found)
+        == {f"lightning_hooks: grad_flow/{s}" for s in stats - {"alarms"}}
+        | {"lightning_hooks: alarms/grad_flow"}
+        | logz
+    )
+    for title in logz:  # the output layer's chart holds its line
+        assert any(re.match(r, f"{title.split()[1]}/net.4") for r in found.pop(title))
     for title, regexes in found.items():
         stat = title.rsplit("/", 1)[1]
         matched = {t for t in scalar_tags if any(re.match(r, t) for r in regexes)}
@@ -108,8 +114,9 @@ def test_a_thousand_layer_mlp_stays_bounded(tmp_path: Path) -> None:
     # per layer, global, percentiles, one count per alarm rule
     assert len(tags) <= 10 * 100 + 10 + 10 * 3 + len(ALARM_RULES)
     layout = read_layouts(tmp_path)[-1]  # the last one written is the one TensorBoard shows
-    # one chart per statistic and one for the alarms, whatever the depth
-    assert len(charts(layout)) == 10 + 1 <= MAX_CHARTS
+    # one chart per statistic, one for the alarms and two for the output layer's log Z,
+    # whatever the depth
+    assert len(charts(layout)) == 10 + 1 + 2 <= MAX_CHARTS
     acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"images": 0})
     acc.Reload()
     (image,) = acc.Images("grad_flow/chart")

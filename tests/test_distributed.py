@@ -87,9 +87,10 @@ def test_collectives_per_epoch_do_not_grow_with_layers(ddp_run: tuple[Path, str]
         report = _report(out, rank)
         small, large = report["depth10"], report["depth200"]
         # ours: one all_reduce (output-gradient series) + one all_gather (accumulator states)
-        assert [e["ours"] for e in small["epochs"]] == [2, 2]
+        # + one all_gather (the instability statistics' states)
+        assert [e["ours"] for e in small["epochs"]] == [3, 3]
         assert large["epochs"] == small["epochs"]
-        assert large["ours"] == {"all_reduce": 2, "all_gather": 2}
+        assert large["ours"] == {"all_reduce": 2, "all_gather": 4}
 
 
 def test_sharded_strategy_is_refused_at_setup(tmp_path: Path) -> None:

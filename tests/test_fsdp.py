@@ -65,7 +65,9 @@ def test_every_tag_equals_one_process(
     want = read_scalars(single[0] / "fsdp" / "tb")
     got = read_scalars(fsdp_out / mesh / "tb")
     families = {tag.split("/")[0] for tag in want}
-    assert families == {"grad_flow", "activations", "dead_relu", "saturation"}, families
+    assert families == {"grad_flow", "activations", "dead_relu", "saturation", "stability"}, (
+        families
+    )
     _assert_same_scalars(got, want)
 
 
@@ -128,24 +130,24 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         # The sentinel alone (off the statistics' cadence): one all_gather of the gradient
         # norms; at NAN_STEP, where it fires, one more: the weights, read only then.
         assert skip["steps"] == [2, 1, 1, 1, 2, 2 if NAN_STEP == 5 else 1, 1, 1]
-        # Per epoch, GradFlowCallback alone: the steps', then one all_gather (the accumulator) and
-        # one all_reduce (output gradients).
+        # Per epoch, GradFlowCallback alone: the steps', then one all_gather (the accumulator),
+        # one all_reduce (output gradients) and one all_gather (the instability statistics).
         # (the second epoch holds NAN_STEP: + the weights' attribution pass)
         assert [e["ours_by_name"] for e in skip["epochs"]] == [
-            {"all_gather": 2 + 3 + 1, "all_reduce": 1},
             {"all_gather": 2 + 3 + 1 + 1, "all_reduce": 1},
+            {"all_gather": 2 + 3 + 1 + 1 + 1, "all_reduce": 1},
         ]
         # Every callback: + the gradient histogram's counts over the shard group, and one packed
         # all_gather each for activations, dead units and saturation (LayerStat).
         assert [e["ours_by_name"] for e in fsdp["epochs"]] == [
-            {"all_gather": 4 * 2 + 1 + 3, "all_reduce": 1 + 1}
+            {"all_gather": 4 * 2 + 1 + 3 + 1, "all_reduce": 1 + 1}
         ] * 2
         # Accumulating 2 batches, clipped: one more all_gather, of the post-clip norms.
         assert report["clip"]["steps"] == [0, 3] * 4
         # HSDP (replicate=2, shard=1): a shard group of one rank makes no collective of its own.
         assert hsdp["steps"] == [0] * 8
         assert [e["ours_by_name"] for e in hsdp["epochs"]] == [
-            {"all_gather": 1 + 3, "all_reduce": 1}
+            {"all_gather": 1 + 3 + 1, "all_reduce": 1}
         ] * 2
 
 

@@ -15,7 +15,7 @@ from ddp_stats_run import fit
 
 from conftest import read_scalars, run_script
 
-PREFIXES = ("output_rms/", "activations/", "dead_relu/", "saturation/")
+PREFIXES = ("output_rms/", "activations/", "dead_relu/", "saturation/", "stability/")
 
 
 @pytest.fixture(scope="module")
@@ -77,5 +77,5 @@ def test_every_layer_stat_under_ddp_equals_one_process(ddp_out: Path, tmp_path: 
 def test_one_collective_per_statistic_per_epoch(ddp_out: Path) -> None:
     for rank in (0, 1):
         report = json.loads((ddp_out / f"rank{rank}.json").read_text())
-        assert [e["ours"] for e in report["epochs"]] == [4, 4]  # one per callback
-        assert report["ours"] == {"all_gather": 8}
+        assert [e["ours"] for e in report["epochs"]] == [5, 5]  # one per callback
+        assert report["ours"] == {"all_gather": 10}

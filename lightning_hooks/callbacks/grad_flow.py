@@ -30,6 +30,7 @@ from lightning_hooks.core import (
 from lightning_hooks.core.alarms import AlarmRules
 from lightning_hooks.core.grad_stats import ParamLayout
 from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns
+from lightning_hooks.core.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import (
     grad_flow_figure,
@@ -83,6 +84,11 @@ class GradFlowCallback(HookCallback):
                                                 5th, 50th, 95th percentile over layers
     ``grad_flow/heatmap`` (image)               with ``heatmap=True``: gradient norm per
                                                 layer x epoch, log scale
+    ``stability/attn_logit_max/{layer}``        per ``nn.MultiheadAttention``: the largest
+                                                pre-softmax logit ``q.k / sqrt(d_head)``, max
+    ``stability/logit_logz/{layer}``            the output layer's ``logsumexp`` over its last
+                                                dimension, mean over positions and steps
+    ``stability/logit_logz_max/{layer}``        the same, max
     ``grad_flow/grad_log10_abs/{layer}``        with ``histograms=True``: histogram of
     (histogram)                                 ``log10 |g|`` over the epoch's steps
     ==========================================  ================================================
@@ -118,6 +124,11 @@ class GradFlowCallback(HookCallback):
             ``"skip"`` does not apply to ``"vanishing"`` and ``"loss_spike"``, which then warn.
         every_n_steps: measure the statistics on optimizer steps ``0, n, 2n, ...`` only
             (``None``: the Trainer's ``log_every_n_steps``); the alarms run on every step.
+        stability: log the transformer instability statistics ``stability/...``
+            (:class:`~lightning_hooks.core.stability.StabilityStats`: the largest attention
+            logit, the output logits' log-partition) on the sampled steps, whatever ``types``,
+            ``include`` and ``exclude`` select. The output layer is the last module owning
+            parameters whose output is a floating tensor, in forward execution order.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -139,6 +150,7 @@ class GradFlowCallback(HookCallback):
         alarms: AlarmRules | bool = True,
         on_alarm: Action | Mapping[str, Action] = "warn",
         every_n_steps: int | None = None,
+        stability: bool = True,
     ) -> None:
         check_types("GradFlowCallback", types)
         self.every_n_steps = check_every_n_steps("GradFlowCallback", every_n_steps)
@@ -159,7 +171,7 @@ class GradFlowCallback(HookCallback):
                 f"int or None, got {max_layers_logged!r}"
             )
         self.max_layers_logged = max_layers_logged
-        for name in ("update_ratio", "output_grad", "chart", "histograms", "heatmap"):
+        for name in ("update_ratio", "output_grad", "chart", "histograms", "heatmap", "stability"):
             checks.boolean("GradFlowCallback", name, locals()[name])
         self.histograms = histograms
         self._hist: LayerHistograms | None = None
@@ -171,6 +183,8 @@ class GradFlowCallback(HookCallback):
         self.output_grad = output_grad
         self.chart = chart
         self.heatmap = heatmap
+        self.stability = stability
+        self._stability: StabilityStats | None = None
         self.uses_images = chart or heatmap
         self._tracker: GradFlowTracker | None = None
         self._batch_step = 0
@@ -206,6 +220,8 @@ class GradFlowCallback(HookCallback):
                 f"of {', '.join(repr(n) for n in unstepped)}; these layers are not measured.",
                 category=LightningHooksWarning,
             )
+        if self.stability:  # on the tracker's registry: one sampled gate, removed with it
+            self._stability = StabilityStats().attach(pl_module, self._tracker.registry)
         if self.histograms:
             layout = self._tracker.layout
             self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
@@ -218,6 +234,7 @@ class GradFlowCallback(HookCallback):
             self._tracker.remove()
             self._tracker = None
         self._hist = None
+        self._stability = None
 
     @override
     def on_train_batch_start(
@@ -250,12 +267,16 @@ class GradFlowCallback(HookCallback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        if self._stability is not None:
+            self._stability.end_step()
         if self._tracker is not None and self._tracker.alarms is not None:
             self.policy.observe_loss(trainer, self._tracker.alarms, outputs, self._batch_step)
 
     @override
     def _save_state(self) -> dict[str, Any]:
         state = {} if self._tracker is None else self._tracker.state()
+        if self._stability is not None:
+            state["stability"] = self._stability.host_state()
         alarm_state = self.policy.state(self._tracker.alarms if self._tracker else None)
         return state if alarm_state is None else {**state, "alarms": alarm_state}
 
@@ -263,10 +284,13 @@ class GradFlowCallback(HookCallback):
     def _load_state(self, state: dict[str, Any]) -> None:
         state = dict(state)
         self.policy.saved = state.pop("alarms", self.policy.saved)
+        stability = state.pop("stability", None)
         if self._tracker is not None:
             self.policy.restore(self._tracker.alarms)
             if state:
                 self._tracker.load_state(state)
+        if self._stability is not None and stability is not None:
+            self._stability.load_host_state(stability)
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -276,6 +300,7 @@ class GradFlowCallback(HookCallback):
             self.policy.end_epoch(trainer, self._tracker.alarms)
         stats = self._tracker.result()
         self._tracker.reset()
+        self._log_stability(trainer)
         if not stats.count.any():
             return
         step = trainer.global_step
@@ -294,6 +319,13 @@ class GradFlowCallback(HookCallback):
             log_figure(trainer.loggers, "grad_flow/chart", figure, step)
         if self.heatmap and trainer.is_global_zero:
             self._log_heatmap(trainer, stats, step)
+
+    def _log_stability(self, trainer: pl.Trainer) -> None:
+        """Log the instability statistics of the sampled steps so far, then start afresh."""
+        if self._stability is not None:
+            result = self._stability.result()  # a collective: every rank calls it
+            self._stability.reset()
+            log_scalars(trainer.loggers, self._stability.tags(result), trainer.global_step)
 
     def _log_heatmap(self, trainer: pl.Trainer, stats: LayerStats, step: int) -> None:
         layers, epoch = stats.layers[:-1], trainer.current_epoch

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         unit_saturation,
     )
     from lightning_hooks.core.selection import Selection, select_modules
+    from lightning_hooks.core.stability import StabilityStats
     from lightning_hooks.core.stat import LayerStat
     from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
 
@@ -67,6 +68,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "unit_saturation",
     ),
     "lightning_hooks.core.selection": ("Selection", "select_modules"),
+    "lightning_hooks.core.stability": ("StabilityStats",),
     "lightning_hooks.core.stat": ("LayerStat",),
     "lightning_hooks.core.tensors": ("is_training_forward", "iter_float_tensors"),
 }
@@ -103,6 +105,7 @@ __all__ = [
     "SaturationStats",
     "SaturationTracker",
     "Selection",
+    "StabilityStats",
     "capture_outputs",
     "feature_stats",
     "grad_stats",

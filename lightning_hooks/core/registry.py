@@ -209,14 +209,29 @@ class HookRegistry(HookOwner):
         return gated_guarded
 
     def forward_pre_hook(
-        self, module: nn.Module, hook: Callable[[nn.Module, Any], Any]
+        self,
+        module: nn.Module,
+        hook: Callable[..., Any],
+        *,
+        gated: bool = False,
+        with_kwargs: bool = False,
     ) -> RemovableHandle | None:
-        """``module.register_forward_pre_hook(hook)``, owned and guarded (``None``: jit)."""
+        """``module.register_forward_pre_hook(hook, with_kwargs=...)``, owned and guarded.
+
+        With ``gated``, the hook runs only on steps where :attr:`sampled` is true (``None`` is
+        returned for a module that runs no Python hooks: ``torch.jit``).
+        """
         if id(module) in self._unhookable:
             self._warn_unhookable(sorted(self._unhookable.values()))
             return None
         hook = self.guarded(hook, f"forward pre-hook on {self._name(module)!r}")
-        return self.add(module.register_forward_pre_hook(hook))
+        if gated:
+            inner = hook
+
+            def hook(*args: Any) -> Any:
+                return inner(*args) if self.sampled else None
+
+        return self.add(module.register_forward_pre_hook(hook, with_kwargs=with_kwargs))
 
     def tensor_hook(
         self, tensor: torch.Tensor, hook: Callable[[torch.Tensor], torch.Tensor | None]

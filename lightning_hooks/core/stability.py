@@ -1,0 +1,255 @@
+"""Transformer instability signals: the largest attention logit, the output logits' log-partition.
+
+Attention-logit growth precedes divergence in transformers (the reason for QK-norm: Dehghani et
+al. 2023; Wortsman et al. 2023, arXiv 2309.14322), and so does the growth of the output logits'
+log-partition ``log Z = logsumexp(logits)`` (the reason for z-loss). Both are measured on the
+sampled steps only, on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional
+
+from lightning_hooks.core.registry import HookRegistry
+from lightning_hooks.core.selection import select_modules
+from lightning_hooks.core.stat import LayerStat
+from lightning_hooks.core.tensors import is_training_forward
+
+__all__ = ["STABILITY_STATS", "StabilityStats", "mha_logit_max"]
+
+STABILITY_STATS = ("attn_logit_max", "logit_logz", "logit_logz_max")
+"""The statistics logged as ``stability/{stat}/{layer}``."""
+
+Result = dict[str, dict[str, float]]
+_LogZ = tuple[torch.Tensor, int, torch.Tensor]  # sum of log Z, positions, max of log Z
+
+
+def _mha_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    need_weights: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    *_: Any,
+    **__: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Bind ``nn.MultiheadAttention.forward``'s arguments the way the module does."""
+    return query, key, key_padding_mask, attn_mask
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (``True``: excluded) as ``-inf``; a float mask as it is added."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+            mask, -torch.inf
+        )
+    return mask.to(dtype)
+
+
+def mha_logit_max(
+    mha: nn.MultiheadAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The largest pre-softmax logit ``q.k / sqrt(d_head)`` of ``mha`` on these inputs.
+
+    Over batch, heads, queries and keys; masked-out keys excluded, float masks added (the logit
+    the softmax sees); ``bias_k`` and ``add_zero_attn`` keys included. A 0-d float32 tensor on
+    the inputs' device, no host sync.
+
+    Example:
+        >>> mha = nn.MultiheadAttention(4, 2, batch_first=True)
+        >>> x = torch.randn(3, 5, 4)
+        >>> peak = mha_logit_max(mha, x, x)
+        >>> w = mha.in_proj_weight
+        >>> q = (x @ w[:4].T + mha.in_proj_bias[:4]).view(3, 5, 2, 2).transpose(1, 2)
+        >>> k = (x @ w[4:8].T + mha.in_proj_bias[4:8]).view(3, 5, 2, 2).transpose(1, 2)
+        >>> torch.allclose(peak, (q @ k.transpose(-1, -2) / 2**0.5).max())
+        True
+    """
+    if query.dim() == 2:  # unbatched: [L, E]
+        query, key = query.unsqueeze(1), key.unsqueeze(1)
+        key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+    elif mha.batch_first:
+        query, key = query.transpose(0, 1), key.transpose(0, 1)
+    e, heads = mha.embed_dim, mha.num_heads
+    if mha._qkv_same_embed_dim:
+        w_q, w_k = mha.in_proj_weight[:e], mha.in_proj_weight[e : 2 * e]
+    else:
+        w_q, w_k = mha.q_proj_weight, mha.k_proj_weight
+    bias = mha.in_proj_bias
+    q = functional.linear(query, w_q, None if bias is None else bias[:e])  # [L, N, E]
+    k = functional.linear(key, w_k, None if bias is None else bias[e : 2 * e])  # [S, N, E]
+    n = q.shape[1]
+    extra = []
+    if mha.bias_k is not None:
+        extra.append(mha.bias_k.to(k.dtype).expand(1, n, e))
+    if mha.add_zero_attn:
+        extra.append(k.new_zeros(1, n, e))
+    k = torch.cat([k, *extra]) if extra else k
+    q = q.reshape(q.shape[0], n * heads, -1).transpose(0, 1)  # [N*H, L, d]
+    k = k.reshape(k.shape[0], n * heads, -1).transpose(0, 1)  # [N*H, S', d]
+    logits = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1])
+    pad = (0, len(extra))
+    if attn_mask is not None:
+        mask = _additive(attn_mask, logits.dtype)
+        logits = logits + functional.pad(mask if mask.dim() == 3 else mask.unsqueeze(0), pad)
+    if key_padding_mask is not None:
+        mask = _additive(key_padding_mask, logits.dtype)  # [N, S]
+        mask = mask.view(n, 1, 1, -1).expand(n, heads, 1, -1).reshape(n * heads, 1, -1)
+        logits = logits + functional.pad(mask, pad)
+    return logits.amax().float()
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False))
+
+
+class StabilityStats(LayerStat[Result]):
+    """The largest attention logit per attention layer and the output logits' log-partition.
+
+    ``attn_logit_max/{layer}``: for every ``nn.MultiheadAttention`` (the attention of
+    ``nn.TransformerEncoderLayer`` / ``DecoderLayer``), the largest pre-softmax logit
+    ``q.k / sqrt(d_head)`` over batch, heads and positions (:func:`mha_logit_max`), recomputed
+    from the module's inputs in a forward pre-hook; the max over the period.
+
+    ``logit_logz/{layer}`` and ``logit_logz_max/{layer}``: ``logsumexp`` over the last dimension
+    of the *output layer*'s output, mean and max over positions and over the period. The output
+    layer is the last module owning parameters whose output is a floating tensor, in forward
+    execution order (the classifier, the LM head), found on the first measured training forward
+    and settled by :meth:`end_step` (``GradFlowCallback`` calls it after every batch) or at the
+    latest by the next reduce; until then every candidate's ``log Z`` is kept. A head applied with
+    ``F.linear`` (weights tied to an embedding, not a module call) is not seen; the last module
+    before it is measured instead.
+
+    Modules inside a ``torch.compile`` region are not measured: Dynamo does not replay the hooks'
+    Python side effects in execution order, which finding the output layer relies on, and a
+    state read in a hook would add graphs.
+
+    Hooks are gated by the registry's ``sampled`` flag and measure training forwards only. The
+    states reduce across ranks in the base's one collective: max for maxima, sum and count for
+    means.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> with StabilityStats().attach(model) as stat:
+        ...     logits = model(torch.randn(5, 4))
+        ...     stat.end_step()
+        ...     tags = stat.tags(stat.result())
+        >>> sorted(tags)
+        ['stability/logit_logz/2', 'stability/logit_logz_max/2']
+        >>> round(tags["stability/logit_logz/2"], 5) == round(
+        ...     torch.logsumexp(logits, -1).mean().item(), 5)
+        True
+    """
+
+    attn_max: torch.Tensor
+    logz: torch.Tensor
+    logz_max: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_layer_state("attn_max", reduce="max")
+        self.add_layer_state("logz", reduce="sum", width=(2,))  # sum of log Z, positions
+        self.add_layer_state("logz_max", reduce="max")
+        self._attention: set[str] = set()
+        self._output: str | None = None
+        self._last: str | None = None  # while the output layer is not known: the last candidate
+        self._candidates: dict[str, list[_LogZ]] = {}  # and what each candidate measured
+
+    def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> StabilityStats:
+        """Hook ``model``'s attention layers and parameter owners; find the output layer anew."""
+        self._output, self._last, self._candidates = None, None, {}
+        super().attach(model, registry)
+        return self
+
+    def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """Every ``nn.MultiheadAttention`` and every module owning parameters directly."""
+        modules = select_modules(model, where=lambda _, m: _owns_parameters(m))
+        self._attention = {n for n, m in modules if isinstance(m, nn.MultiheadAttention)}
+        return modules
+
+    def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
+        """A pre-hook on an attention layer, a forward hook on any other parameter owner."""
+        if name in self._attention:
+            hook = self._attention_hook(name)
+            registry.forward_pre_hook(module, hook, gated=True, with_kwargs=True)
+        else:
+            registry.forward_hook(module, self._forward_hook(name), gated=True)
+
+    def _attention_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if is_training_forward(module) and not torch.compiler.is_compiling():
+                assert isinstance(module, nn.MultiheadAttention)
+                with torch.no_grad():
+                    peak = mha_logit_max(module, *_mha_inputs(*args, **kwargs))
+                row = self.row(name)
+                self.attn_max[row] = torch.maximum(self.attn_max[row], peak)
+
+        return hook
+
+    def observe(self, name: str, module: nn.Module, output: Any) -> None:
+        """The output layer's ``log Z`` into its row; while it is not known, the candidate's."""
+        if torch.compiler.is_compiling() or (self._output is not None and name != self._output):
+            return
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            return
+        if output.dim() == 0 or output.numel() == 0:
+            return
+        logz = torch.logsumexp(output.detach().float(), dim=-1)
+        measured = (logz.sum(), logz.numel(), logz.max())
+        if self._output is None:  # the last candidate of a forward is the output layer
+            self._last = name
+            self._candidates.setdefault(name, []).append(measured)
+        else:
+            self._add(name, measured)
+
+    def _add(self, name: str, measured: _LogZ) -> None:
+        total, count, peak = measured
+        row = self.row(name)
+        self.logz[row, 0] += total
+        self.logz[row, 1] += count  # a Python int: no copy to the device
+        self.logz_max[row] = torch.maximum(self.logz_max[row], peak)
+
+    def end_step(self) -> None:
+        """After a forward: the last candidate seen is the output layer (an attribute check
+        when there is nothing to settle). Also settled before every reduce (:meth:`flush`)."""
+        if self._last is not None:
+            name, self._last, self._output = self._last, None, self._last
+            for measured in self._candidates.pop(name):
+                self._add(name, measured)
+            self._candidates.clear()
+
+    def flush(self) -> None:
+        """Settle a measured forward that :meth:`end_step` has not seen yet."""
+        self.end_step()
+
+    def summarize(self, states: dict[str, np.ndarray]) -> Result:
+        """Per statistic, ``{layer: value}`` for the rows that measured it."""
+        out: Result = {stat: {} for stat in STABILITY_STATS}
+        logz, count = states["logz"][:, 0], states["logz"][:, 1]
+        for i, layer in enumerate(self.layers):
+            if layer in self._attention and states["attn_max"][i] != -np.inf:
+                out["attn_logit_max"][layer] = float(states["attn_max"][i])
+            if count[i] > 0:
+                out["logit_logz"][layer] = float(logz[i] / count[i])
+                out["logit_logz_max"][layer] = float(states["logz_max"][i])
+        return out
+
+    def tags(self, result: Result) -> dict[str, float]:
+        """``stability/{stat}/{layer}``."""
+        return {
+            f"stability/{stat}/{layer}": value
+            for stat, values in result.items()
+            for layer, value in values.items()
+        }

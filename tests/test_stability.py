@@ -1,0 +1,267 @@
+"""Transformer instability statistics: largest attention logit, output logits' log-partition."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import nn
+from torch.nn import functional
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hooks import GradFlowCallback
+from lightning_hooks.core.stability import StabilityStats, mha_logit_max
+
+from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
+
+STEPS, EVERY = 4, 2  # one epoch of 4 steps; steps 0 and 2 are sampled
+
+
+def reference_logit_max(
+    mha: nn.MultiheadAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+) -> float:
+    """Plain torch, seq-first ``[L, N, E]`` inputs, torch's own input projections."""
+    heads, e = mha.num_heads, mha.embed_dim
+    b = mha.in_proj_bias
+    if mha._qkv_same_embed_dim:
+        q, k, _ = functional._in_projection_packed(query, key, key, mha.in_proj_weight, b)
+    else:
+        bq, bk, bv = b.chunk(3) if b is not None else (None, None, None)
+        w = (mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight)
+        q, k, _ = functional._in_projection(query, key, key, *w, bq, bk, bv)
+    n = query.shape[1]
+    q = q.reshape(q.shape[0], n, heads, e // heads).permute(1, 2, 0, 3)  # N, H, L, d
+    k = k.reshape(k.shape[0], n, heads, e // heads).permute(1, 2, 0, 3)  # N, H, S, d
+    logits = torch.einsum("nhld,nhsd->nhls", q, k) / math.sqrt(e // heads)
+    for mask in (attn_mask, None if key_padding_mask is None else key_padding_mask[:, None, None]):
+        if mask is not None and mask.dtype == torch.bool:
+            logits = logits.masked_fill(mask, -math.inf)
+        elif mask is not None:  # TransformerEncoder hands its masks on as float (-inf)
+            logits = logits + mask
+    return logits.max().item()
+
+
+class TinyTransformer(pl.LightningModule):
+    """Two post-LN encoder layers (causal, padded keys) and a token classifier; 4 batches."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.embed = nn.Linear(4, 16)
+        layer = nn.TransformerEncoderLayer(
+            16, 2, dim_feedforward=32, dropout=0.0, batch_first=batch_first
+        )
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 5)
+        self.expected_attn: dict[str, list[float]] = defaultdict(list)
+        self.expected_logz: list[torch.Tensor] = []
+        for name, module in self.named_modules():
+            if isinstance(module, nn.MultiheadAttention):
+                module.register_forward_pre_hook(self._capture(name), with_kwargs=True)
+
+    def _sampled(self) -> bool:
+        return self.training and self.trainer.global_step % EVERY == 0
+
+    def _capture(self, name: str) -> Any:
+        def hook(mha: nn.MultiheadAttention, args: Any, kwargs: dict[str, Any]) -> None:
+            if self._sampled():
+                query = args[0] if self.batch_first is False else args[0].transpose(0, 1)
+                expected = reference_logit_max(
+                    mha, query, query, kwargs["attn_mask"], kwargs["key_padding_mask"]
+                )
+                self.expected_attn[name].append(expected)
+
+        return hook
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1] if self.batch_first else x.shape[0]
+        causal = torch.ones(length, length, dtype=torch.bool).triu(1)
+        return self.head(self.encoder(self.embed(x), mask=causal, src_key_padding_mask=pad))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch  # x: [N, L, 4], y: [N, L]
+        pad = torch.zeros(y.shape, dtype=torch.bool)
+        pad[:, 1:3] = True  # positions 1 and 2 are padding, and large: they would give the max
+        x = torch.where(pad[..., None], x * 10, x)
+        logits = self(x if self.batch_first else x.transpose(0, 1), pad)
+        logits = logits if self.batch_first else logits.transpose(0, 1)
+        if self._sampled():
+            self.expected_logz.append(torch.logsumexp(logits.detach(), -1).flatten())
+        return functional.cross_entropy(logits.reshape(-1, 5), y.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(4 * STEPS, 6, 4, generator=g) * 3
+        y = torch.randint(0, 5, (4 * STEPS, 6), generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=4)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_transformer_logs_attention_logits_and_logz_equal_to_torch(
+    tmp_path: Path, batch_first: bool
+) -> None:
+    model = TinyTransformer(batch_first)
+    trainer = make_trainer(
+        tmp_path, callbacks=[GradFlowCallback()], max_steps=STEPS, log_every_n_steps=EVERY
+    )
+    trainer.fit(model)
+    scalars = read_scalars(tmp_path)
+    attention = [f"encoder.layers.{i}.self_attn" for i in range(2)]
+    assert sorted(t for t in scalars if t.startswith("stability/attn_logit_max/")) == [
+        f"stability/attn_logit_max/{name}" for name in attention
+    ]
+    for name in attention:
+        assert len(model.expected_attn[name]) == 2  # steps 0 and 2 only
+        [(step, value)] = scalars[f"stability/attn_logit_max/{name}"]
+        assert step == STEPS
+        assert value == pytest.approx(max(model.expected_attn[name]), rel=1e-5)
+    logz = torch.cat(model.expected_logz)
+    assert len(model.expected_logz) == 2
+    assert scalars["stability/logit_logz/head"] == [(STEPS, pytest.approx(logz.mean().item()))]
+    assert scalars["stability/logit_logz_max/head"] == [(STEPS, pytest.approx(logz.max().item()))]
+    assert hooks_left(model) == [
+        f"{name}._forward_pre_hooks" for name in attention
+    ]  # the test's own capture hooks only
+
+
+class ClassifierMLP(TinyMLP):
+    """TinyMLP with a 3-way head; records the sampled steps' log-partitions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[4] = nn.Linear(16, 3)
+        self.expected: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        if self.trainer.global_step % EVERY == 0:
+            self.expected.append(torch.logsumexp(logits.detach(), -1))
+        return functional.cross_entropy(logits, (y[:, 0] > 0).long())
+
+
+def test_mlp_has_no_attention_tags_and_logs_its_heads_logz(tmp_path: Path) -> None:
+    model = ClassifierMLP()
+    make_trainer(tmp_path, callbacks=[GradFlowCallback()], log_every_n_steps=EVERY).fit(model)
+    scalars = read_scalars(tmp_path)
+    assert sorted(t for t in scalars if t.startswith("stability/")) == [
+        "stability/logit_logz/net.4",
+        "stability/logit_logz_max/net.4",
+    ]
+    logz = torch.cat(model.expected)
+    assert len(model.expected) == 2
+    assert scalars["stability/logit_logz/net.4"][0][1] == pytest.approx(logz.mean().item())
+    assert scalars["stability/logit_logz_max/net.4"][0][1] == pytest.approx(logz.max().item())
+    assert hooks_left(model) == []
+
+
+def test_stability_off_logs_no_stability_tag(tmp_path: Path) -> None:
+    model = ClassifierMLP()
+    make_trainer(tmp_path, callbacks=[GradFlowCallback(stability=False)]).fit(model)
+    scalars = read_scalars(tmp_path)
+    assert "grad_flow/grad_norm/net.4" in scalars
+    assert not [t for t in scalars if t.startswith("stability/")]
+
+
+def test_stability_argument_is_checked() -> None:
+    with pytest.raises(TypeError, match=r"GradFlowCallback\(stability=1\)"):
+        GradFlowCallback(stability=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_logit_max_with_separate_projections_bias_k_zero_attn_and_float_mask(
+    batched: bool,
+) -> None:
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, kdim=3, vdim=3, add_bias_kv=True, add_zero_attn=True)
+    with torch.no_grad():
+        mha.bias_k.normal_()
+    query, key = torch.randn(5, 2, 8), torch.randn(7, 2, 3)
+    mask = torch.randn(5, 7)  # a float mask is added to the logits
+    if not batched:
+        query, key = query[:, 0], key[:, 0]
+    peak = mha_logit_max(mha, query, key, attn_mask=mask)
+    # Independent: torch's projections, the extra keys appended per head by hand.
+    q, k, _ = functional._in_projection(
+        query, key, key, mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight,
+        *mha.in_proj_bias.chunk(3),
+    )  # fmt: skip
+    q, k = q.reshape(*q.shape[:-1], 2, 4), k.reshape(*k.shape[:-1], 2, 4)
+    if batched:  # [N, L, h, d]: the batch in front of the positions
+        q, k = q.transpose(0, 1), k.transpose(0, 1)
+    bias_k = mha.bias_k.reshape(2, 4)
+    logits = torch.einsum("...lhd,...shd->...hls", q, k) / 2 + mask
+    extra = torch.einsum("...lhd,hd->...hl", q, bias_k) / 2
+    expected = max(logits.max().item(), extra.max().item(), 0.0)
+    assert peak.item() == pytest.approx(expected, rel=1e-6)
+    assert peak.dtype == torch.float32 and peak.dim() == 0
+
+
+def _ops(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    with torch.profiler.profile() as prof:
+        model(x)
+    return {e.key: e.count for e in prof.key_averages()}
+
+
+def test_quiet_steps_run_no_tensor_op() -> None:
+    model = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0)
+    x = torch.randn(3, 2, 8)
+    bare = _ops(model, x)
+    stat = StabilityStats().attach(model)
+    assert stat.registry is not None
+    stat.registry.sampled = False
+    assert _ops(model, x) == bare
+    stat.registry.sampled = True
+    assert "aten::logsumexp" in set(_ops(model, x)) - set(bare)
+    stat.reset()
+    model(x)
+    stat.end_step()
+    assert sorted(stat.tags(stat.result())) == [
+        "stability/attn_logit_max/self_attn",
+        "stability/logit_logz/norm2",
+        "stability/logit_logz_max/norm2",
+    ]
+    stat.remove()
+
+
+class RepeatedBatchTransformer(TinyTransformer):
+    """Every batch holds the same 4 samples: a replayed batch after a resume is the same data."""
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        x, y = next(iter(super().train_dataloader()))
+        return DataLoader(TensorDataset(x.repeat(STEPS, 1, 1), y.repeat(STEPS, 1)), batch_size=4)
+
+
+@pytest.mark.filterwarnings("ignore:.*checkpoint that ended before the epoch ended.*")
+def test_resumed_mid_epoch_logs_what_the_whole_fit_logs(tmp_path: Path) -> None:
+    def fit(root: Path, ckpt_path: Path | None = None, **kwargs: Any) -> dict[str, float]:
+        torch.manual_seed(0)
+        callbacks = [GradFlowCallback(), *kwargs.pop("callbacks", [])]
+        trainer = make_trainer(root, callbacks=callbacks, **kwargs)
+        trainer.fit(RepeatedBatchTransformer(batch_first=True), ckpt_path=ckpt_path)
+        return {t: v[-1][1] for t, v in read_scalars(root).items() if t.startswith("stability/")}
+
+    whole = fit(tmp_path / "whole")
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    fit(tmp_path / "first", callbacks=[ckpt], enable_checkpointing=True, max_steps=2)
+    path = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
+    assert torch.load(path, weights_only=False)["callbacks"][GradFlowCallback().state_key][
+        "stability"
+    ]["layers"]
+    again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    resumed = fit(tmp_path / "second", path, callbacks=[again], enable_checkpointing=True)
+    assert len(whole) == 4
+    assert resumed == pytest.approx(whole, rel=1e-5)
