@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from conftest import read_scalars
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.core import AlarmRules
 from lightning_hooks.errors import GradientAlarmWarning
+
+from conftest import read_scalars
 
 CHANCE = math.log(10)
 
