@@ -122,7 +122,7 @@ def test_broken_vanishing_fires_in_its_last_epoch(demo: tuple[Path, str]) -> Non
 
 
 def test_the_report_names_the_alarms(demo: tuple[Path, str]) -> None:
-    _claim("the report's last line for it counts the alarms: `alarms: grad_flow/spike=")
+    _claim("the report's last line for it counts the alarms: `alarms: grad_flow/diverging=")
     broken = _run(demo, "broken")
     counts = {
         rule: math.fsum(_per_epoch(broken, f"grad_flow/alarms/{rule}"))
