@@ -111,7 +111,7 @@ class AlarmRules:
     history: int = 16
     diverge_ratio: float | None = 2.0
     diverge_giveback: float = 0.5
-    diverge_span: int = 3
+    diverge_span: int = 4
 
     def __post_init__(self) -> None:
         owner = "AlarmRules"
