@@ -68,7 +68,15 @@ LAYER_METRICS: dict[str, tuple[str, ...]] = {
 """Every per-layer ``family/stat`` the library's callbacks log (a test holds it to a real fit)."""
 
 ALARMS: dict[str, tuple[str, ...]] = {
-    "grad_flow": ("spike", "absolute", "vanishing", "nonfinite", "amp_overflow", "loss_spike"),
+    "grad_flow": (
+        "spike",
+        "absolute",
+        "vanishing",
+        "nonfinite",
+        "amp_overflow",
+        "loss_spike",
+        "diverging",
+    ),
 }
 """Every ``family/alarms/rule`` count the library logs (``lightning_hooks.core.ALARM_RULES``)."""
 
@@ -231,6 +239,8 @@ def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     last: dict[str, tuple[int, float]] = {}
     totals: dict[str, float] = {}
     for tag, events in read_series(run_dir).items():
+        if tag.endswith("/alarms/spike_score"):
+            continue  # a rate (alarms per 1,000 steps), not a count to sum
         if tag.count("/") >= 2:
             last[tag] = events[-1]
             if tag.split("/")[1] == "alarms":  # counts per epoch: the run's total per rule

@@ -117,7 +117,9 @@ def callbacks(run: str) -> list[pl.Callback]:
         sentinel = AlarmRules(every_n_steps=1)
         return [GradFlowCallback(on_alarm=run, chart=False, every_n_steps=4, alarms=sentinel)]
     if run == "stop":  # every statistic at every step: the NaN step is counted in grad_nonfinite
-        return [GradFlowCallback(on_alarm=run, chart=False)]
+        # The gradient rules: the loss rule reads each rank's own loss, not the global batch's.
+        rules = AlarmRules(diverge_ratio=None)
+        return [GradFlowCallback(on_alarm=run, chart=False, alarms=rules)]
     if run == "clip":  # + the gradient norm after clipping, read in the optimizer's post-hook
         return [GradFlowCallback(chart=False)]
     return [

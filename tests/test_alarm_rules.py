@@ -104,12 +104,12 @@ def test_rules_accept_numpy_numbers_and_store_plain_ones() -> None:
         (
             {"on_alarm": "panic"},
             ValueError,
-            r"action for 'spike' must be in .*'skip'\), got 'panic'",
+            r"action for 'spike' must be in .*'skip', 'log'\), got 'panic'",
         ),
         (
             {"on_alarm": {"vanishing": "skip"}},
             ValueError,
-            r"for 'vanishing' must be in \('warn', 'stop', 'raise'\)",
+            r"for 'vanishing' must be in \('warn', 'stop', 'raise', 'log'\)",
         ),
         (
             {"on_alarm": {"amp_overflow": "stop"}},

@@ -72,9 +72,9 @@ def _check_against_eager(mode: str, backend: str, tmp_path: Path) -> None:
     assert "stability/logit_logz/net.4" in eager
     assert not [t for t in compiled if t.startswith("stability/")]
     tags = {t for t in eager if t.startswith("grad_flow/")}
-    # 3 layers x 10 per-layer tags, 8 global tags, one alarm count per rule
+    # 3 layers x 10 per-layer tags, 8 global tags, one alarm count per rule, the spike score
     assert (
-        len(tags) == 3 * 10 + 8 + len(ALARM_RULES)
+        len(tags) == 3 * 10 + 8 + len(ALARM_RULES) + 1
         and {t for t in compiled if t.startswith("grad_flow/")} == tags
     )
     for tag in tags:

@@ -22,6 +22,7 @@ from torch import nn
 
 import lightning_hooks
 from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker
+from lightning_hooks.core import GradientAlarms
 
 from conftest import BoundedMLP, TinyMLP, default_callback_types, read_scalars
 from syncs import count_syncs
@@ -128,6 +129,20 @@ def test_the_sentinel_is_a_few_dozen_kernels_a_step_whatever_the_depth() -> None
     assert extra[4] == extra[16] <= 70, extra
 
 
+def test_the_loss_rules_are_a_few_dozen_kernels_a_step() -> None:
+    """*diverging* on by default: its running mean, best and first loss, on one scalar."""
+    alarms = GradientAlarms(["a", "b", "global"], AlarmRules())
+    counter = OpCounter()
+    for step in range(3):
+        loss = torch.tensor(1.0 - 0.1 * step)
+        counter.start()
+        alarms.update_loss(loss, step=step)
+        counter.stop()
+        assert counter.total <= 36, dict(counter.ops)
+        counter.ops.clear()
+    assert alarms.poll() == []
+
+
 class _OpsPerStep(pl.Callback):
     """Counts the ATen ops of every training step (batch start to the next batch start)."""
 
@@ -220,9 +235,10 @@ def test_memory_is_layers_times_stats_and_flat_over_ten_epochs(trainer_factory: 
     assert set(probe.accumulator) == {3 * (len(LAYERS) + 1) * stats}  # total, peak, count
     params = sum(p.numel() for p in TinyMLP().parameters()) * 4
     # The alarms: running scales and the ring buffer of the last `history` steps (norm, scale,
-    # band), O(history x layers) whatever the number of steps, plus the host mailbox.
+    # band), O(history x layers) whatever the number of steps, plus the host mailbox; the loss
+    # rules' state and mailbox (11 floats).
     rows = len(LAYERS) + 1
-    assert probe.alarm_bytes[0] <= (AlarmRules().history * 3 + 24) * rows * 4
+    assert probe.alarm_bytes[0] <= ((AlarmRules().history * 3 + 24) * rows + 11) * 4
     # Beyond the accumulator: one copy of the parameters (update ratio), O(layers) buffers.
     assert probe.bytes[0] - probe.alarm_bytes[0] <= params + 64 * (len(LAYERS) + 1) * stats
 

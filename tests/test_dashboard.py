@@ -43,7 +43,7 @@ def test_one_layout_per_run_one_chart_per_statistic_matching_every_layer(tmp_pat
         stat = title.rsplit("/", 1)[1]
         matched = {t for t in scalar_tags if any(re.match(r, t) for r in regexes)}
         if title.startswith("lightning_hooks: alarms/"):  # one line per rule, never a layer
-            assert matched == {f"grad_flow/alarms/{rule}" for rule in ALARM_RULES}
+            assert matched == {f"grad_flow/alarms/{r}" for r in (*ALARM_RULES, "spike_score")}
             continue
         layers = {f"grad_flow/{stat}/net.{i}" for i in (0, 2, 4)}
         overall = {f"grad_flow/global/{stat}"} & set(scalar_tags)
@@ -106,7 +106,7 @@ def test_a_thousand_layer_mlp_stays_bounded(tmp_path: Path) -> None:
     make_trainer(tmp_path, callbacks=[GradFlowCallback(heatmap=True)]).fit(DeepMLP())
     tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
     alarms = [t for t in tags if t.startswith("grad_flow/alarms/")]
-    assert sorted(alarms) == sorted(f"grad_flow/alarms/{rule}" for rule in ALARM_RULES)
+    assert sorted(alarms) == sorted(f"grad_flow/alarms/{r}" for r in (*ALARM_RULES, "spike_score"))
     per_layer = [t for t in tags if not t.startswith(("grad_flow/global/", "grad_flow/alarms/"))]
     layers = {t.rsplit("/", 1)[1] for t in per_layer}
     assert len(layers) == 100, "max_layers_logged=100 by default"

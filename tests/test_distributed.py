@@ -40,10 +40,10 @@ def _report(out: Path, rank: int) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("run", "extra", "steps", "tag_count"),
     [
-        # 11 layers x 10 statistics, 8 global, one alarm count per rule
-        ("depth10", {}, [4, 8], 11 * 10 + 8 + len(ALARM_RULES)),
+        # 11 layers x 10 statistics, 8 global, one alarm count per rule, the spike score
+        ("depth10", {}, [4, 8], 11 * 10 + 8 + len(ALARM_RULES) + 1),
         # + clip: per layer and global grad_norm_preclip, global grad_norm_postclip
-        ("accumulate_clip", ACCUMULATE_CLIP, [2, 4], 11 * 11 + 8 + len(ALARM_RULES) + 2),
+        ("accumulate_clip", ACCUMULATE_CLIP, [2, 4], 11 * 11 + 8 + len(ALARM_RULES) + 3),
     ],
 )
 def test_ddp_statistics_equal_one_process_on_the_global_batch(

@@ -1,4 +1,4 @@
-"""What ``GradFlowCallback`` does when a gradient alarm fires: warn, stop, raise or skip."""
+"""What ``GradFlowCallback`` does when a gradient alarm fires: log, warn, stop, raise or skip."""
 
 from __future__ import annotations
 
@@ -15,26 +15,32 @@ from lightning_hooks.logging import log_scalars, log_text
 
 __all__ = ["AlarmPolicy"]
 
-Action = Literal["warn", "stop", "raise", "skip"]
-_ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip")
+Action = Literal["warn", "stop", "raise", "skip", "log"]
+_ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
 # amp_overflow: the GradScaler already acts, so it is counted, never acted on.
-_ACTIONABLE = ("spike", "absolute", "vanishing", "nonfinite", "loss_spike")
-_NOT_SKIPPABLE = ("vanishing", "loss_spike")  # skipping steps revives neither
+_ACTIONABLE = ("spike", "absolute", "vanishing", "nonfinite", "loss_spike", "diverging")
+_NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging")  # skipping steps cures none
+# A one-step spike is a fact that healthy runs show too (benchmarks/divergence.py): under the
+# default "warn" it is logged and counted (spike score, text tab), not warned about.
+_TRANSIENT = "spike"
 _SUMMARY_LINES = 100
 
 
 def check_actions(on_alarm: Any) -> dict[str, Action]:
-    """``on_alarm`` (one action, or ``{rule: action}``) as an action per rule; others warn.
+    """``on_alarm`` (one action, or ``{rule: action}``) as an action per rule; others warn,
+    but *spike* logs unless it is named (or the one action is not ``"warn"``).
 
     Example:
         >>> check_actions("skip")["vanishing"]
         'warn'
+        >>> check_actions("warn")["spike"], check_actions({"spike": "warn"})["spike"]
+        ('log', 'warn')
         >>> check_actions(None)
         Traceback (most recent call last):
         ...
         TypeError: GradFlowCallback(on_alarm=None): must be one of ('warn', 'stop', 'raise', \
-'skip') or a mapping {rule: action} with rules in ('spike', 'absolute', 'vanishing', \
-'nonfinite', 'loss_spike'), got None
+'skip', 'log') or a mapping {rule: action} with rules in ('spike', 'absolute', 'vanishing', \
+'nonfinite', 'loss_spike', 'diverging'), got None
     """
     if not isinstance(on_alarm, str | Mapping):
         raise TypeError(
@@ -44,7 +50,9 @@ def check_actions(on_alarm: Any) -> dict[str, Action]:
     given = dict.fromkeys(_ACTIONABLE, on_alarm) if isinstance(on_alarm, str) else on_alarm
     if on_alarm == "skip":
         given = {**given, **dict.fromkeys(_NOT_SKIPPABLE, "warn")}
-    actions: dict[str, Action] = dict.fromkeys(_ACTIONABLE, "warn")
+    if on_alarm == "warn":
+        given = {**given, _TRANSIENT: "log"}
+    actions: dict[str, Action] = {**dict.fromkeys(_ACTIONABLE, "warn"), _TRANSIENT: "log"}
     for rule, action in given.items():
         if rule not in _ACTIONABLE:
             raise ValueError(
@@ -53,7 +61,7 @@ def check_actions(on_alarm: Any) -> dict[str, Action]:
             )
         skippable = rule not in _NOT_SKIPPABLE
         if action not in _ACTIONS or (action == "skip" and not skippable):
-            allowed = _ACTIONS if skippable else _ACTIONS[:3]
+            allowed = _ACTIONS if skippable else tuple(a for a in _ACTIONS if a != "skip")
             raise ValueError(
                 f"GradFlowCallback(on_alarm={on_alarm!r}): the action for {rule!r} must be in "
                 f"{allowed}, got {action!r}"
@@ -65,6 +73,8 @@ def check_actions(on_alarm: Any) -> dict[str, Action]:
 class AlarmPolicy:
     """Applies ``on_alarm`` to the alarms read on the host, and logs the epoch's alarms.
 
+    - ``log``: counted and logged (the counts, the spike score, the text tab), no warning:
+      what a one-step *spike* gets under the default ``"warn"``;
     - ``warn``: a :class:`~lightning_hooks.errors.GradientAlarmWarning` on rank 0, once per
       rule and layer per epoch (then only counted);
     - ``stop``: warn, and ``trainer.should_stop``, agreed across ranks;
@@ -116,7 +126,7 @@ class AlarmPolicy:
         stop = False
         for alarm in alarms:
             action = self.actions.get(alarm.rule)
-            if action is None:
+            if action is None or action == "log":
                 continue
             if action == "raise":
                 raise GradientAlarmError(
@@ -138,8 +148,9 @@ class AlarmPolicy:
     def observe_loss(
         self, trainer: pl.Trainer, alarms: GradientAlarms, outputs: Any, step: int
     ) -> None:
-        """The *loss_spike* rule on ``training_step``'s loss (a device tensor), when it is on."""
-        if alarms.rules.loss_factor is None:
+        """The loss rules (*diverging*, *loss_spike*) on ``training_step``'s loss (a device
+        tensor), when one is on."""
+        if not alarms.rules.watches_loss:
             return
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if isinstance(loss, torch.Tensor):
@@ -160,7 +171,9 @@ class AlarmPolicy:
         counts, log = alarms.take_epoch()
         self._warned.clear()
         step = trainer.global_step
-        log_scalars(trainer.loggers, {f"grad_flow/alarms/{r}": counts[r] for r in counts}, step)
+        scalars = {f"grad_flow/alarms/{r}": float(counts[r]) for r in counts}
+        scalars["grad_flow/alarms/spike_score"] = alarms.spike_score
+        log_scalars(trainer.loggers, scalars, step)
         if trainer.is_global_zero:
             log_text(trainer.loggers, "grad_flow/alarms", _summary(log, trainer), step)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -23,10 +23,32 @@ from lightning_hooks.core.readback import HostMailbox
 
 __all__ = ["ALARM_RULES", "AlarmRules", "GradientAlarm", "GradientAlarms"]
 
-ALARM_RULES = ("spike", "absolute", "vanishing", "nonfinite", "amp_overflow", "loss_spike")
+ALARM_RULES = (
+    "spike",
+    "absolute",
+    "vanishing",
+    "nonfinite",
+    "amp_overflow",
+    "loss_spike",
+    "diverging",
+)
 """Names of the rules, in the order of :attr:`GradientAlarms.counts`."""
 
-_SPIKE, _ABSOLUTE, _VANISHING, _NONFINITE, _AMP, _LOSS = range(len(ALARM_RULES))
+_SPIKE, _ABSOLUTE, _VANISHING, _NONFINITE, _AMP, _LOSS, _DIVERGING = range(len(ALARM_RULES))
+# the loss report: flags of loss_spike and diverging, then loss, its running scale, its running
+# mean, best running mean, first loss
+_L_SPIKE, _L_DIVERGING, _L_VALUE, _L_SCALE, _L_MEAN, _L_BEST, _L_FIRST = range(7)
+
+_ADVICE = {
+    "spike": "one step: a transient if the next steps come back to scale (it counts in the "
+    "spike score); if it repeats, clip gradients (gradient_clip_val) or lower the learning rate",
+    "absolute": "clip gradients (gradient_clip_val) or lower the learning rate",
+    "vanishing": "check that the layer is used and trainable, its initialisation and the "
+    "activations that feed it",
+    "nonfinite": "lower the learning rate, clip gradients, or train in bf16 / with a GradScaler",
+    "loss_spike": "look at this step's batch; if it repeats, lower the learning rate",
+    "diverging": "lower the learning rate, add warm-up, or clip gradients (gradient_clip_val)",
+}
 _GRAD_RULES = 5  # rows of flags in the gradient report; the loss has its own mailbox
 _NORM, _SCALE, _BAND, _FLOOR = range(_GRAD_RULES, _GRAD_RULES + 4)
 
@@ -58,6 +80,13 @@ class AlarmRules:
         every_n_steps: evaluate the rules on optimizer steps ``0, n, 2n, ...`` (1: every step).
         loss_factor: *loss_spike*: the training loss exceeds this many times its running scale
             (and ``spike_sigmas`` spreads above it); ``None`` (default) turns it off.
+        diverge_ratio: *diverging*: the running mean of the training loss (an EMA over
+            ``diverge_span`` steps) has risen above its best so far by ``diverge_ratio - 1``
+            times the best's magnitude ... (a non-finite loss always fires); ``None`` turns it
+            off. Must be > 1.
+        diverge_giveback: ... and has given back at least this fraction of what it had learnt
+            (the first step's loss minus the best), so a loss near zero does not fire on noise.
+        diverge_span: span, in steps, of the loss's running mean for *diverging*.
         history: steps of per-layer norms kept in the device ring buffer that an alarm reports.
 
     Example:
@@ -80,6 +109,9 @@ class AlarmRules:
     every_n_steps: int = 1
     loss_factor: float | None = None
     history: int = 16
+    diverge_ratio: float | None = 2.0
+    diverge_giveback: float = 0.5
+    diverge_span: int = 4
 
     def __post_init__(self) -> None:
         owner = "AlarmRules"
@@ -87,11 +119,16 @@ class AlarmRules:
             "spike_sigmas": checks.positive_real(owner, "spike_sigmas", self.spike_sigmas),
             "nonfinite": checks.boolean(owner, "nonfinite", self.nonfinite),
         }
-        for name in ("window", "min_history", "vanish_steps", "every_n_steps", "history"):
+        checked["diverge_giveback"] = checks.real(
+            owner, "diverge_giveback", self.diverge_giveback, low=0.0, high=1.0
+        )
+        names = ("window", "min_history", "vanish_steps", "every_n_steps", "history")
+        for name in (*names, "diverge_span"):
             checked[name] = checks.positive_int(owner, name, getattr(self, name))
         optional: dict[str, Callable[[str, Any], float]] = {
             "spike_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
             "loss_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
+            "diverge_ratio": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
             "max_grad_norm": lambda n, v: checks.positive_real(owner, n, v),
             "vanish_fraction": lambda n, v: checks.real(
                 owner, n, v, low=0.0, high=1.0, low_open=True, high_open=True
@@ -107,6 +144,11 @@ class AlarmRules:
                 f"AlarmRules(min_history={self.min_history}): must be at most "
                 f"window={self.window}, got {self.min_history}"
             )
+
+    @property
+    def watches_loss(self) -> bool:
+        """Whether a rule reads the training loss (*loss_spike* or *diverging*)."""
+        return self.loss_factor is not None or self.diverge_ratio is not None
 
 
 @dataclass(frozen=True)
@@ -219,7 +261,16 @@ class GradientAlarms:
     - *amp_overflow*: with ``amp=True`` (a GradScaler), non-finite gradients mean the scaler
       skips the step: counted as an overflow, not a spike or a nonfinite alarm, and kept out of
       the running scales;
-    - *loss_spike* (off by default): :meth:`update_loss`'s loss against its own running scale.
+    - *loss_spike* (off by default): :meth:`update_loss`'s loss against its own running scale;
+    - *diverging*: :meth:`update_loss`'s loss, its running mean (EMA over ``diverge_span``
+      steps) against its best so far and the first step's loss: ``mean - best >=
+      (diverge_ratio - 1) * |best|`` and ``mean - best >= diverge_giveback * (first - best)``,
+      or a non-finite loss. Referenced from the first step (no blind start), and a loss near
+      zero does not fire on noise (it must give back a share of what it had learnt).
+
+    A *spike* is a one-step fact (a transient, if the run recovers); *diverging* is the
+    warning that the run is being lost. :attr:`spike_score` counts every alarm per 1,000
+    evaluated steps.
 
     :meth:`poll` reads the verdicts on the host: at once on the CPU; on CUDA when the copy is
     done, at the latest at the next :meth:`update` (one step late) or with ``wait=True``.
@@ -263,7 +314,13 @@ class GradientAlarms:
         self._mailbox = HostMailbox((_FLOOR + 1, n), device)
         self._cuda = device.type == "cuda"
         self._loss_scale = _RunningScale(1, self.rules, device)
-        self._loss_box = HostMailbox((3, 1), device)
+        # running mean, best running mean, first loss, seen (0/1)
+        self._loss_state = torch.zeros(4, device=device)
+        self._loss_box = HostMailbox((_L_FIRST + 1,), device)
+        self.evaluated = 0
+        """Optimizer steps the rules were evaluated on, since construction."""
+        self.total = 0
+        """Alarms since construction (every rule, transient spikes included)."""
         self.counts: dict[str, int] = dict.fromkeys(ALARM_RULES, 0)
         """Flagged (layer, step) pairs per rule since :meth:`take_epoch`, on the host."""
         self.log: list[GradientAlarm] = []
@@ -298,6 +355,7 @@ class GradientAlarms:
                 gradient this step (a branch not taken): left out of the rules (default: all).
         """
         self._drain(wait=True)  # the previous step's verdict: at most one step late
+        self.evaluated += 1
         norm = norm[:, 0] if norm.dim() == 2 else norm
         norm, active = self._rows_of(norm.float(), rows, stepped)
         report = self._evaluate(norm, active, amp)
@@ -380,22 +438,57 @@ class GradientAlarms:
 
     @torch.no_grad()
     def update_loss(self, loss: torch.Tensor, *, step: int) -> None:
-        """Apply the *loss_spike* rule to one training loss (a device scalar; no host sync).
+        """Apply the loss rules (*loss_spike*, *diverging*) to one training loss (a device
+        scalar; no host sync: the previous step's loss verdict is read, at most one step late).
 
-        Losses that are not positive and finite are left out of the scale and never fire.
+        A loss that is not finite fires *diverging* and stays out of the running state; one that
+        is not positive stays out of *loss_spike*'s (log) scale and never fires it.
         """
-        if self.rules.loss_factor is None:
+        rules = self.rules
+        if not rules.watches_loss:
             return
-        self._drain(wait=True)
-        log_loss = loss.detach().float().reshape(1).log()
-        ceiling, _ = self._loss_scale.threshold(self.rules.loss_factor)
-        finite = log_loss.abs() < math.inf
-        flag = finite & (log_loss > ceiling)
-        scale = self._loss_scale.mean.exp()
-        self._loss_scale.update(log_loss, finite, ceiling)
-        self._loss_box.post(torch.stack([flag.float(), log_loss.exp(), scale]), step)
+        self._drain_loss(wait=True)
+        x = loss.detach().float().reshape(1)
+        finite = x.abs() < math.inf
+        spike, scale = self._loss_spike(x)
+        mean, best, first, seen = self._loss_state.unsqueeze(1).unbind(0)
+        known = seen > 0
+        alpha = 2.0 / (rules.diverge_span + 1)
+        mean = torch.where(known, torch.lerp(mean, x, alpha), x)
+        first = torch.where(known, first, x)
+        best = torch.minimum(torch.where(known, best, x), mean)
+        rise = torch.sub(mean, best)
+        diverging = torch.zeros_like(finite)
+        if rules.diverge_ratio is not None:
+            learnt = torch.sub(first, best).clamp_min_(0.0)
+            diverging = (rise >= best.abs() * (rules.diverge_ratio - 1.0)) & (
+                rise >= learnt * rules.diverge_giveback
+            )
+            diverging = diverging.logical_and_(known).logical_or_(~finite)
+        fresh = torch.cat([mean, best, first, torch.ones_like(x)])
+        self._loss_state.copy_(torch.where(finite, fresh, self._loss_state))
+        report = torch.cat([spike.float(), diverging.float(), x, scale, mean, best, first])
+        self._loss_box.post(report, step)
         if not self._cuda:
-            self._drain(wait=False)
+            self._drain_loss(wait=False)
+
+    def _loss_spike(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """*loss_spike*'s flag and running scale (the scale updated); off: false and NaN."""
+        if self.rules.loss_factor is None:
+            return torch.zeros_like(x, dtype=torch.bool), torch.full_like(x, math.nan)
+        log_loss = x.log()
+        ceiling, _ = self._loss_scale.threshold(self.rules.loss_factor)
+        positive = log_loss.abs() < math.inf
+        flag = positive & (log_loss > ceiling)
+        scale = self._loss_scale.mean.exp()
+        self._loss_scale.update(log_loss, positive, ceiling)
+        return flag, scale
+
+    @property
+    def spike_score(self) -> float:
+        """Alarms per 1,000 evaluated optimizer steps since construction (every rule; one-step
+        transient spikes included), as OLMo-core's ``SpikeScore``: compare runs at a glance."""
+        return 1000.0 * self.total / max(self.evaluated, 1)
 
     def poll(self, wait: bool = False) -> list[GradientAlarm]:
         """Alarms read on the host since the last poll (``wait``: include the latest step)."""
@@ -403,11 +496,17 @@ class GradientAlarms:
         new, self._new = self._new, []
         return new
 
-    def _drain(self, wait: bool) -> None:
+    def _drain_loss(self, wait: bool) -> None:
         got = self._loss_box.read(wait)
-        if got is not None and got[0][0, 0] > 0:
-            value, ref = float(got[0][1, 0]), float(got[0][2, 0])
-            self._record(_loss_alarm(got[1], value, ref, self.rules))
+        if got is None or not got[0][: _L_DIVERGING + 1].any():
+            return
+        report, step = got[0].copy(), got[1]
+        history = self._history(step)
+        for alarm in _loss_alarms(step, report, self.rules):
+            self._record(_with_history(alarm, self.layers, history))
+
+    def _drain(self, wait: bool) -> None:
+        self._drain_loss(wait)
         got = self._mailbox.read(wait)
         if got is None:
             return
@@ -425,6 +524,7 @@ class GradientAlarms:
 
     def _record(self, alarm: GradientAlarm) -> None:
         self.counts[alarm.rule] += 1 + len(alarm.others)
+        self.total += 1
         self.log.append(alarm)
         self._new.append(alarm)
 
@@ -475,6 +575,7 @@ class GradientAlarms:
             "layers": self.layers,
             "scale": self._scale.state.cpu(),
             "loss_scale": self._loss_scale.state.cpu(),
+            "loss_state": self._loss_state.cpu(),
             "low": self._low.cpu(),
             "ring": self._ring.cpu(),
             "ring_steps": list(self._ring_steps),
@@ -492,6 +593,8 @@ class GradientAlarms:
             raise ValueError("GradientAlarms.load_state_dict: a state of an older version")
         self._scale.state.copy_(state["scale"])
         self._loss_scale.state.copy_(state["loss_scale"])
+        if "loss_state" in state:
+            self._loss_state.copy_(state["loss_state"])
         self._low.copy_(state["low"])
         if state["ring"].shape == self._ring.shape:
             self._ring.copy_(state["ring"])
@@ -540,8 +643,9 @@ def _with_history(
     alarm: GradientAlarm, layers: tuple[str, ...], history: tuple[list[int], np.ndarray]
 ) -> GradientAlarm:
     steps, ring = history
+    advice = f"advice: {_ADVICE[alarm.rule]}" if alarm.rule in _ADVICE else ""
     if not steps:
-        return alarm
+        return replace(alarm, message=f"{alarm.message}; {advice}") if advice else alarm
     norms, scales = ring[:, 0], ring[:, 1]
     first = _first_departure(norms, scales, ring[:, 2])
     departure = ""
@@ -549,10 +653,13 @@ def _with_history(
         at, row = first
         ratio = norms[at, row] / scales[at, row]
         departure = f"{layers[row]} left its scale first, at step {steps[at]} ({_ratio(ratio)})"
+        if advice and alarm.rule != "vanishing":
+            advice += f"; look at {layers[row]} first"
+    message = "; ".join(part for part in (alarm.message, departure, advice) if part)
     return GradientAlarm(
         **{
             **alarm.__dict__,
-            "message": f"{alarm.message}; {departure}" if departure else alarm.message,
+            "message": message,
             "history_steps": tuple(steps),
             "history_layers": layers,
             "history": tuple(tuple(float(v) for v in row) for row in norms),
@@ -586,13 +693,37 @@ def _ratio(value: float) -> str:
     return f"{value:.3g}x" if math.isfinite(value) else f"{value}"
 
 
-def _loss_alarm(step: int, value: float, ref: float, rules: AlarmRules) -> GradientAlarm:
+def _loss_alarms(step: int, report: np.ndarray, rules: AlarmRules) -> list[GradientAlarm]:
+    value = float(report[_L_VALUE])
+    alarms = []
+    if report[_L_SPIKE] > 0:
+        ref = float(report[_L_SCALE])
+        text = (
+            f"loss spike at optimizer step {step}: loss {value:.4g} is {value / ref:.3g}x its "
+            f"running scale {ref:.4g} (loss_factor={rules.loss_factor}, "
+            f"spike_sigmas={rules.spike_sigmas})"
+        )
+        alarms.append(GradientAlarm("loss_spike", "loss", step, value, ref, text))
+    if report[_L_DIVERGING] > 0:
+        alarms.append(_diverging(step, value, report, rules))
+    return alarms
+
+
+def _diverging(step: int, value: float, report: np.ndarray, rules: AlarmRules) -> GradientAlarm:
+    mean, best, first = (float(report[i]) for i in (_L_MEAN, _L_BEST, _L_FIRST))
+    if not math.isfinite(value):
+        text = f"loss diverging at optimizer step {step}: the loss is {value}"
+        return GradientAlarm("diverging", "loss", step, value, best, text)
+    learnt = first - best
+    given = f"{(mean - best) / learnt:.0%}" if learnt > 0 else "all"
     text = (
-        f"loss spike at optimizer step {step}: loss {value:.4g} is {value / ref:.3g}x its "
-        f"running scale {ref:.4g} (loss_factor={rules.loss_factor}, "
-        f"spike_sigmas={rules.spike_sigmas})"
+        f"loss diverging at optimizer step {step}: its running mean {mean:.4g} (loss "
+        f"{value:.4g}) is {_ratio(mean / best) if best > 0 else f'+{mean - best:.4g} over'} "
+        f"its best {best:.4g} and has given back {given} of what it had learnt since the first "
+        f"step's {first:.4g} (diverge_ratio={rules.diverge_ratio}, "
+        f"diverge_giveback={rules.diverge_giveback}, diverge_span={rules.diverge_span})"
     )
-    return GradientAlarm("loss_spike", "loss", step, value, ref, text)
+    return GradientAlarm("diverging", "loss", step, value, best, text)
 
 
 def _describe(rule: str, layer: str, step: int, value: float, ref: float, rules: AlarmRules) -> str:

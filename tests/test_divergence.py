@@ -1,0 +1,166 @@
+"""The *diverging* warning through ``Trainer.fit`` on real data (scikit-learn's digits): an early
+blow-up is warned at its step, a slow drift before the loss is back at chance, a healthy Adam run
+not at all; the spike score is logged. Each expected step is computed here from the losses the
+model saw, by the ground truth of ``benchmarks/divergence.py`` and the rule written in numpy."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hooks import GradFlowCallback
+from lightning_hooks.core import AlarmRules
+from lightning_hooks.errors import GradientAlarmWarning
+
+from conftest import read_scalars
+
+CHANCE = math.log(10)
+
+
+class Digits(pl.LightningModule):
+    """64 -> 32 -> 10 on scikit-learn's digits; Adam, an optional linear LR ramp."""
+
+    def __init__(self, lr: float, ramp: int = 0, steps: int = 40) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.lr, self.ramp, self.steps = lr, ramp, steps
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.losses.append(float(loss))  # the test's own record: a sync is fine here
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        if not self.ramp:
+            return opt
+        ramp = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / self.ramp)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": ramp, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        from sklearn.datasets import load_digits
+
+        data = load_digits()
+        g = torch.Generator().manual_seed(0)
+        idx = torch.randint(0, len(data.target), (self.steps * 32,), generator=g)
+        x = torch.tensor(data.data, dtype=torch.float32)[idx] / 16.0
+        y = torch.tensor(data.target)[idx]
+        return DataLoader(TensorDataset(x, y), batch_size=32)
+
+
+def _fit(tmp_path: Path, model: Digits) -> list[warnings.WarningMessage]:
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=1,
+        callbacks=[GradFlowCallback()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=10,
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    return [w for w in record if issubclass(w.category, GradientAlarmWarning)]
+
+
+def _ground_truth(losses: list[float]) -> int | None:
+    """benchmarks/divergence.py's divergence step, written again."""
+    best = math.inf
+    for step in range(len(losses)):
+        if not math.isfinite(losses[step]):
+            return step
+        mean = float(np.mean(losses[max(0, step - 4) : step + 1]))
+        best = min(best, mean)
+        if mean >= 2 * best and mean - best >= 0.5 * max(losses[0] - best, 0.0):
+            return step
+    return None
+
+
+def _rule(losses: list[float], rules: AlarmRules) -> list[int]:
+    """Steps where *diverging* holds, in plain numpy."""
+    assert rules.diverge_ratio is not None
+    alpha = 2.0 / (rules.diverge_span + 1)
+    mean = best = first = losses[0]
+    fired = []
+    for step, loss in enumerate(losses[1:], start=1):
+        mean += alpha * (loss - mean)
+        best = min(best, mean)
+        rise = mean - best
+        if rise >= (rules.diverge_ratio - 1) * abs(best) and rise >= rules.diverge_giveback * (
+            first - best
+        ):
+            fired.append(step)
+    return fired
+
+
+def _steps(record: list[warnings.WarningMessage]) -> list[int]:
+    return [w.message.alarm.step for w in record if "diverging" in str(w.message)]  # type: ignore[union-attr]
+
+
+def test_an_early_blow_up_is_warned_at_its_step(tmp_path: Path) -> None:
+    model = Digits(lr=1.0, steps=12)
+    record = _fit(tmp_path, model)
+    diverged = _ground_truth(model.losses)
+    assert diverged is not None and diverged < 5, model.losses  # a blow-up in the first steps
+    warned = _steps(record)
+    assert warned and warned[0] == _rule(model.losses, AlarmRules())[0] <= diverged
+    message = str(record[0].message)
+    assert re.search(r"loss diverging at optimizer step \d+: its running mean", message)
+    assert "advice: lower the learning rate" in message
+    # the spike score: every alarm (transient spikes included) per 1,000 steps of the fit
+    texts = _texts(tmp_path)
+    alarms = int(re.match(r"(\d+) gradient alarms", texts[-1]).group(1))  # type: ignore[union-attr]
+    (score,) = [v for _, v in read_scalars(tmp_path)["grad_flow/alarms/spike_score"]]
+    assert score == pytest.approx(1000.0 * alarms / len(model.losses))
+
+
+def test_a_slow_drift_is_warned_before_the_loss_is_back_at_chance(tmp_path: Path) -> None:
+    model = Digits(lr=0.5, ramp=150, steps=150)  # learns, then the rising LR undoes it
+    record = _fit(tmp_path, model)
+    losses = model.losses
+    diverged = _ground_truth(losses)
+    assert diverged is not None and diverged > 20, losses  # after a healthy start
+    means = [float(np.mean(losses[max(0, s - 4) : s + 1])) for s in range(len(losses))]
+    at_chance = next(s for s in range(diverged, len(losses)) if means[s] >= 0.9 * CHANCE)
+    warned = _steps(record)
+    assert warned, losses
+    assert warned[0] == _rule(losses, AlarmRules())[0] <= diverged < at_chance
+
+
+def test_a_healthy_adam_run_raises_no_alarm(tmp_path: Path) -> None:
+    model = Digits(lr=1e-3, steps=60)
+    record = _fit(tmp_path, model)
+    assert _ground_truth(model.losses) is None
+    assert model.losses[-1] < model.losses[0]
+    assert record == []
+    assert _rule(model.losses, AlarmRules()) == []
+
+
+def _texts(logdir: Path) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = []
+    for path in sorted({p.parent for p in logdir.rglob("events.out.tfevents.*")}):
+        acc = EventAccumulator(str(path), size_guidance={"tensors": 0})
+        acc.Reload()
+        for tag in acc.Tags()["tensors"]:
+            if tag.startswith("grad_flow/alarms"):
+                out += [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)]
+    return out
