@@ -163,6 +163,12 @@ class ActivationStatsCallback(StatsCallback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        self._probe_nonfinite()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _probe_nonfinite(self) -> None:
+        """Warn once about the first module whose output went non-finite (before the window of a
+        logging step is posted: the probe reads it)."""
         tracker = self._activations
         if tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
             return

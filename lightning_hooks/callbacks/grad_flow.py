@@ -16,6 +16,7 @@ from lightning_hooks.callbacks._checks import check_types
 from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
 from lightning_hooks.callbacks.grad_flow_tags import (
     grad_flow_scalars,
+    grad_flow_step_scalars,
     observe_histograms,
     write_histograms,
 )
@@ -33,6 +34,7 @@ from lightning_hooks.logging import (
     layer_epoch_heatmap,
     log_figure,
     log_scalars,
+    step_tags,
 )
 
 __all__ = ["GradFlowCallback"]
@@ -236,6 +238,25 @@ class GradFlowCallback(HookCallback):
     ) -> None:
         if self._tracker is not None and self._tracker.alarms is not None:
             self.policy.observe_loss(trainer, self._tracker.alarms, outputs, self._batch_step)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def _log_step(self, trainer: pl.Trainer, step: int) -> None:
+        if self._tracker is None:
+            return
+        self._tracker.post_window(step)
+        if self._tracker.alarms is not None:
+            self.policy.log_step(trainer, self._tracker.alarms, step)
+
+    @override
+    def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
+        got = None if self._tracker is None else self._tracker.read_window(wait)
+        if got is None:
+            return False
+        step, stats = got
+        scalars = grad_flow_step_scalars(stats, self.max_layers_logged)
+        log_scalars(trainer.loggers, step_tags(scalars), step)
+        return True
 
     @override
     def _save_state(self) -> dict[str, Any]:

@@ -122,6 +122,7 @@ class LayerTimeCallback(StatsCallback):
     ) -> None:
         if self._timer is not None:
             self._timer.end_step()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

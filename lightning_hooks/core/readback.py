@@ -46,6 +46,11 @@ class HostMailbox:
         self.pending = False
         """Whether a posted value has not been read yet."""
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the tensors it takes."""
+        return tuple(self._host.shape)
+
     def post(self, value: torch.Tensor, meta: Any = None) -> None:
         """Start copying ``value`` to the host; ``meta`` comes back with it from :meth:`read`."""
         # Only CUDA gets an event to tell when a non_blocking copy is done: elsewhere, block.
