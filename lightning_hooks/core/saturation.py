@@ -230,7 +230,10 @@ class SaturationTracker(LayerStat[SaturationStats]):
         )
 
     def step_values(self, result: SaturationStats) -> dict[str, float]:
-        """At a logging step, the saturated fractions only (``always`` is over an epoch)."""
+        """At a logging step, the saturated fractions only (``always`` is over an epoch), and
+        nothing when no bounded layer ran."""
+        if not (result.entries > 0).any():
+            return {}
         return {k: v for k, v in self.tags(result).items() if "always_saturated" not in k}
 
     def tags(self, result: SaturationStats) -> dict[str, float]:

@@ -210,6 +210,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         """
         self.remove()
         self.rows, self.units, self._starts = {}, [], []
+        self._epoch, self._mailbox = None, None
         device = _model_device(model)
         for spec in self.specs.values():
             setattr(self, spec.name, self._fresh(spec, 0, device))
