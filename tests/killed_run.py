@@ -19,9 +19,9 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from long_epoch import Regressor, Stream  # noqa: E402
+from long_epoch import Regressor, Stream
 
-from lightning_hooks import ActivationStatsCallback, DeadReLUCallback, GradFlowCallback  # noqa: E402
+from lightning_hooks import ActivationStatsCallback, DeadReLUCallback, GradFlowCallback
 
 EVERY = 10
 LAYERS = ("net.0", "net.2", "net.4")

@@ -21,11 +21,12 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from conftest import TinyMLP, dataset, make_trainer, read_scalars
 from lightning_hooks import ActivationStatsCallback, DeadReLUCallback, GradFlowCallback
 
+from conftest import TinyMLP, dataset, make_trainer, read_scalars
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from long_epoch import Regressor, Stream  # noqa: E402
+from long_epoch import Regressor, Stream
 
 LAYERS = ("net.0", "net.2", "net.4")
 _LAUNCHER_ENV = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -6,7 +6,7 @@ Every scalar tag the library logs follows ``<family>/<stat>/<layer>`` (per layer
 after its statistic, Lightning's convention for a metric logged on step:
 ``<family>/<stat>_step/<layer>``; the epoch aggregate keeps the plain name, so the two never
 share a curve. The dashboard has one chart per ``(family, stat)`` holding every layer's line and
-the global lines of that statistic (a statistic's step chart first, its epoch chart next), so the
+the global lines of that statistic (its epoch chart, then its logging steps' chart), so the
 number of panels is bounded by the number of statistics, whatever the number of layers (the
 number of lines in a chart is bounded by the callbacks' own ``max_layers_logged``), and one chart
 per family for its alarms.
@@ -147,7 +147,7 @@ def _chart_rank(key: tuple[str, str]) -> tuple[int, str, int, str]:
     category = "alarms" if base == "alarms" else family
     first = _CATEGORY_ORDER.index(category) if category in _CATEGORY_ORDER else len(_CATEGORY_ORDER)
     within = _CHART_ORDER.index(base) if base in _CHART_ORDER else len(_CHART_ORDER)
-    # A statistic's per-step chart comes first, its epoch chart right after.
+    # A statistic's epoch chart first, its per-step chart right after.
     return first, category, within, f"{family}/{base}/{stat != base:d}"
 
 
