@@ -41,7 +41,9 @@ class LayerTimeCallback(StatsCallback):
     Cost, measured with ``examples/overhead.py`` on a small CNN (CPU, 2 shared cores): see the
     README. With ``every_n_steps=1`` every step pays two clock reads per leaf module.
 
-    Logged metrics, per epoch, means over the epoch's sampled steps:
+    Logged metrics, per epoch, means over the epoch's sampled steps; at each logging step (every
+    sampled step) the same tags with ``_step`` after the statistic (``layer_time/step_ms_step``),
+    of that step only:
 
     =================================  ========================================================
     Tag                                Value
