@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import ActivationStatsCallback, DeadReLUCallback, GradFlowCallback
+from lightning_hooks.report import read_run
 
 from conftest import TinyMLP, dataset, make_trainer, read_scalars
 
@@ -253,3 +254,10 @@ def test_a_run_killed_mid_epoch_keeps_every_statistic_up_to_its_last_logging_ste
     for tag in step_tags:
         assert {s for s, _ in scalars[tag]} >= set(logging_steps), tag
     assert "grad_flow/grad_norm/net.0" not in scalars  # the epoch never ended
+    # The report reads the killed run at its last logging step, from its _step tags.
+    report = read_run(tmp_path / "tb" / "version_0", tmp_path)
+    assert report is not None
+    last_written = max(s for s, _ in scalars["grad_flow/grad_norm_step/net.0"])
+    assert report.step == last_written >= logging_steps[-1]
+    row = next(r for r in report.layers if r.layer == "net.0")
+    assert row.get("grad_norm") == dict(scalars["grad_flow/grad_norm_step/net.0"])[last_written]

@@ -160,7 +160,9 @@ class HookCallback(pl.Callback):
         measured = self._measured_step
         if measured is not None and trainer.global_step > measured:
             # The measured step's optimizer step ran (its last micro-batch): a logging point.
+            # The last one's copy (CUDA: posted a step or more ago) is written first.
             self._measured_step = None
+            self._read_steps(trainer, wait=True)
             self._log_step(trainer, measured)
             self._read_steps(trainer, wait=False)
 
