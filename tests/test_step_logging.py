@@ -261,3 +261,21 @@ def test_a_run_killed_mid_epoch_keeps_every_statistic_up_to_its_last_logging_ste
     assert report.step == last_written >= logging_steps[-1]
     row = next(r for r in report.layers if r.layer == "net.0")
     assert row.get("grad_norm") == dict(scalars["grad_flow/grad_norm_step/net.0"])[last_written]
+
+
+def test_a_window_read_by_a_checkpoint_is_still_written_and_counted_once() -> None:
+    """A checkpoint between a logging step's post and its read (CUDA: the copy in flight) folds
+    the window into the epoch and keeps it for the write."""
+    from lightning_hooks.core.accumulator import LayerStatsAccumulator
+
+    acc = LayerStatsAccumulator(["a"], ["x"])
+    acc.update(torch.tensor([[2.0]]))
+    acc.post_window(step=3)
+    acc.update(torch.tensor([[4.0]]))
+    saved = acc.host_state()
+    assert saved["total"].tolist() == [[6.0]] and saved["count"].tolist() == [[2.0]]
+    got = acc.read_window(wait=False)
+    assert got is not None and got[0] == 3 and got[1].total.tolist() == [[2.0]]
+    assert acc.read_window(wait=False) is None
+    epoch = acc.result()
+    assert epoch.total.tolist() == [[6.0]] and epoch.count.tolist() == [[2.0]]

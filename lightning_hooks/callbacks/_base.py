@@ -258,7 +258,10 @@ class HookCallback(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._detach()
+        try:
+            self._read_steps(trainer, wait=True)  # CUDA: the last logging step's copy
+        finally:
+            self._detach()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -117,6 +117,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         self._hooked: tuple[str, ...] = ()
         self._epoch: dict[str, np.ndarray] | None = None  # the folded windows, reduced, on host
         self._mailbox: HostMailbox | None = None
+        self._ready: list[tuple[int, dict[str, np.ndarray]]] = []  # folded, not yet read
 
     # --- declaring states -------------------------------------------------------------------
 
@@ -210,7 +211,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         """
         self.remove()
         self.rows, self.units, self._starts = {}, [], []
-        self._epoch, self._mailbox = None, None
+        self._epoch, self._mailbox, self._ready = None, None, []
         device = _model_device(model)
         for spec in self.specs.values():
             setattr(self, spec.name, self._fresh(spec, 0, device))
@@ -314,7 +315,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
 
         :meth:`read_window` returns it, once the copy is done, and folds it into the epoch.
         """
-        self.collect(wait=True)  # at most one window in flight
+        self._collect(wait=True)  # at most one window in flight
         packed, shapes = self._reduced()
         box = self._mailbox
         if box is None or box.shape != tuple(packed.shape):
@@ -325,19 +326,21 @@ class LayerStat(Metric, HookOwner, Generic[R]):
     def read_window(self, wait: bool) -> tuple[int, R] | None:
         """``(step, result)`` of the window posted at ``step``, folded into the epoch; ``None``
         when none is posted, or (``wait=False``) while its copy is still running."""
-        got = self.collect(wait)
-        return None if got is None else (got[0], self.summarize(got[1]))
-
-    def collect(self, wait: bool) -> tuple[int, dict[str, np.ndarray]] | None:
-        """The posted window's step and host states, folded into the epoch (see
-        :meth:`read_window`)."""
-        got = None if self._mailbox is None else self._mailbox.read(wait)
-        if got is None:
+        self._collect(wait)
+        if not self._ready:
             return None
-        view, (step, shapes) = got
-        states = self._unpack(view, shapes)
-        self._fold(states)
-        return step, states
+        step, states = self._ready.pop(0)
+        return step, self.summarize(states)
+
+    def _collect(self, wait: bool) -> None:
+        """Fold the posted window into the epoch once its copy is done (``wait``: block for it)
+        and keep it for :meth:`read_window`: a reduce in between (a checkpoint) loses nothing."""
+        got = None if self._mailbox is None else self._mailbox.read(wait)
+        if got is not None:
+            view, (step, shapes) = got
+            states = self._unpack(view, shapes)
+            self._fold(states)
+            self._ready.append((step, states))
 
     def _fold(self, states: dict[str, np.ndarray]) -> None:
         """Add a window's host states into the epoch's (sums added, extremes kept)."""
@@ -355,7 +358,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
 
     def _host_states(self) -> dict[str, np.ndarray]:
         """The epoch so far: the folded windows and the current one (reduced, one copy)."""
-        self.collect(wait=True)
+        self._collect(wait=True)
         packed, shapes = self._reduced()
         window = self._unpack(packed.cpu().numpy(), shapes)
         if self._epoch is None:
@@ -387,7 +390,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         windows and a window still in flight dropped; rows kept."""
         self.flush()
         self._reset_window()
-        self._epoch = None
+        self._epoch, self._ready = None, []
         if self._mailbox is not None:
             self._mailbox.clear()
 
