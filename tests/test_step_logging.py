@@ -279,3 +279,31 @@ def test_a_window_read_by_a_checkpoint_is_still_written_and_counted_once() -> No
     assert acc.read_window(wait=False) is None
     epoch = acc.result()
     assert epoch.total.tolist() == [[6.0]] and epoch.count.tolist() == [[2.0]]
+
+
+def test_alarms_reach_the_text_tab_at_the_next_logging_step(tmp_path: Path) -> None:
+    """``max_grad_norm`` below every norm: an ``absolute`` alarm on every step, counted and
+    listed at each logging step (every 4th), not only at the epoch end."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_hooks import AlarmRules
+
+    rules = AlarmRules(max_grad_norm=1e-9)
+    callback = GradFlowCallback(alarms=rules, chart=False)
+    trainer = make_trainer(tmp_path, callbacks=[callback], log_every_n_steps=4)
+    with pytest.warns(Warning):  # the alarm's warning, once per layer
+        trainer.fit(_Model(batches=12))
+    scalars = read_scalars(tmp_path)
+    counts = dict(scalars["grad_flow/alarms_step/absolute"])
+    assert sorted(counts) == [0, 3, 7, 11]
+    assert all(n > 0 for n in counts.values())  # the steps polled since the last logging step
+    epoch = dict(scalars["grad_flow/alarms/absolute"])[12]
+    assert sum(counts.values()) <= epoch
+    texts: dict[int, str] = {}
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"tensors": 0})
+    acc.Reload()
+    for event in acc.Tensors("grad_flow/alarms/text_summary"):
+        texts[event.step] = event.tensor_proto.string_val[0].decode()
+    assert sorted(texts) == [0, 3, 7, 11, 12]
+    assert texts[7].startswith("gradient alarms up to step 7", texts[7].index(" ") + 1)
+    assert "absolute" in texts[7] and "in epoch 0" in texts[12]
