@@ -2,8 +2,10 @@
 
 Tags follow ``<family>/<stat>/<layer>`` per layer, ``<family>/global/<stat>`` over all layers and
 ``<family>/alarms/<rule>`` for alarm counts (per epoch; the report sums them over the run, so an
-alarm of an early epoch is not hidden by quiet later ones). A *run* is a directory holding event
-files.
+alarm of an early epoch is not hidden by quiet later ones). The values of one logging step have
+``_step`` after the statistic (``<family>/<stat>_step/<layer>``): the report uses them for a run
+whose last logging steps came after its last epoch end (still running, or killed). A *run* is a
+directory holding event files.
 
 The event files are read record by record with their checksums (TensorBoard's own reader stops
 silently at a corrupt or truncated record): a file that cannot be read to its end raises
@@ -233,22 +235,56 @@ def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     """The report of the last logged step of one run, or ``None`` if it has no library tags.
 
+    The last epoch's aggregates; when the run logged steps after its last epoch end (a long
+    epoch still running, or a run that died), the values of its last logging step
+    (``<family>/<stat>_step/<layer>`` tags, reported under ``<family>/<stat>``) and the alarms
+    counted at its logging steps since.
+
     Raises:
         EventFileError: one of the run's event files is corrupt or truncated.
     """
-    last: dict[str, tuple[int, float]] = {}
-    totals: dict[str, float] = {}
+    epoch: dict[str, list[tuple[int, float]]] = {}
+    steps: dict[str, list[tuple[int, float]]] = {}
     for tag, events in read_series(run_dir).items():
         if tag.endswith("/alarms/spike_score"):
             continue  # a rate (alarms per 1,000 steps), not a count to sum
         if tag.count("/") >= 2:
-            last[tag] = events[-1]
-            if tag.split("/")[1] == "alarms":  # counts per epoch: the run's total per rule
-                totals[tag] = math.fsum(value for _, value in events)
-    if not last:
+            name = _epoch_name(tag)
+            if name is None:
+                epoch[tag] = events
+            else:
+                steps[name] = events
+    if not epoch and not steps:
         return None
+    ended = max((events[-1][0] for events in epoch.values()), default=-1)
+    source = epoch
+    if max((events[-1][0] for events in steps.values()), default=-1) > ended:
+        source = steps  # the values of its last logging step, after its last epoch end
+    last = {tag: events[-1] for tag, events in source.items()}
+    totals: dict[str, float] = {}
+    for tag in last:
+        if tag.split("/")[1] == "alarms":  # the run's total per rule
+            counted = [v for _, v in epoch.get(tag, [])]
+            if source is steps:
+                counted += [v for s, v in steps[tag] if s > ended]
+            totals[tag] = math.fsum(counted)
     step = max(s for s, _ in last.values())
     return _build(str(run_dir.relative_to(logdir)) or ".", step, last, totals)
+
+
+_STEP_SUFFIX = re.compile(r"_step(_p\d+)?$")
+
+
+def _epoch_name(tag: str) -> str | None:
+    """The epoch tag of a logging step's tag (``grad_flow/grad_norm_step/x`` ->
+    ``grad_flow/grad_norm/x``), ``None`` for an epoch tag."""
+    parts = tag.split("/")
+    at = 2 if parts[1] == "global" else 1
+    plain = _STEP_SUFFIX.sub(r"\1", parts[at])
+    if plain == parts[at]:
+        return None
+    parts[at] = plain
+    return "/".join(parts)
 
 
 def _build(

@@ -69,14 +69,24 @@ def test_one_all_gather_sums_totals_and_counts_and_maxes_peaks(
     assert acc.total.tolist() == [[1.0], [4.0]]  # local states restored: accumulation goes on
 
 
-def test_loaded_state_goes_to_rank_zero_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_loaded_state_is_counted_once_across_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank loads the checkpoint's reduced epoch on the host; only windows are reduced."""
     saved = LayerStatsAccumulator(["a"], ["x"])
     saved.update(torch.tensor([[2.0]]))
     state = saved.host_state()
-    monkeypatch.setattr(stat_module, "rank", lambda: 1)
     fresh = LayerStatsAccumulator(["a"], ["x"])
     fresh.load_host_state(state)
-    assert fresh.result().count.tolist() == [[0.0]]
+    fresh.update(torch.tensor([[4.0]]))  # this rank's next step; the other rank saw 6
+    other = torch.tensor([6.0, 6.0, 1.0], dtype=torch.float64)  # total, peak, count
+
+    def gather(packed: torch.Tensor, group: Any = None) -> torch.Tensor:
+        return torch.stack([packed, other])
+
+    monkeypatch.setattr(stat_module, "all_gather_stacked", gather)
+    fresh.distributed_available_fn = lambda: True
+    result = fresh.result()
+    assert result.count.tolist() == [[3.0]] and result.total.tolist() == [[12.0]]
+    assert result.peak.tolist() == [[6.0]]
     with pytest.raises(
         ValueError, match=r"saved for layers=\('a',\).*this one has layers=\('b',\)"
     ):

@@ -321,8 +321,13 @@ def test_the_known_metrics_are_what_every_callback_logs(tmp_path: Path) -> None:
     with warnings.catch_warnings():  # a dead ReLU on this tiny model is not what is tested here
         warnings.simplefilter("ignore", lightning_hooks.LightningHooksWarning)
         make_trainer(tmp_path, callbacks=callbacks).fit(model)
-    tags = [t.split("/") for t in read_scalars(tmp_path)]
+    every = [t.split("/") for t in read_scalars(tmp_path)]
+    tags = [t for t in every if not t[1].endswith("_step")]  # a logging step's: see below
     logged = {(t[0], t[1]) for t in tags if len(t) == 3 and t[1] not in ("global", "alarms")}
+    stepped = {
+        (t[0], t[1].removesuffix("_step")) for t in every if len(t) == 3 and t[1].endswith("_step")
+    }
+    assert stepped - {(f, "alarms") for f in ALARMS} <= logged  # each one an epoch statistic
     known = {(f, s) for f, stats in LAYER_METRICS.items() for s in stats}
     # No attention in an MLP: test_stability.py holds attn_logit_max to a transformer's fit.
     assert logged == known - {("stability", "attn_logit_max")}

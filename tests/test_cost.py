@@ -172,12 +172,13 @@ def test_callback_off_sample_steps_cost_what_bare_steps_cost(trainer_factory: An
     watched = GradFlowCallback(every_n_steps=2, alarms=AlarmRules(every_n_steps=1))
     trainer_factory(callbacks=[alarmed, watched]).fit(TinyMLP())
     assert len(bare.per_step) == len(sampled.per_step) == len(alarmed.per_step) == 4
-    assert sampled.per_step[1] == bare.per_step[1]
-    assert sampled.per_step[3] == bare.per_step[3]
-    assert sampled.per_step[2] > bare.per_step[2]
+    # every_n_steps=2 over steps 0-3: steps 0 (the epoch's first), 1 and 3 are sampled.
+    assert sampled.per_step[2] == bare.per_step[2]
+    assert sampled.per_step[1] > bare.per_step[1]
+    assert sampled.per_step[3] > bare.per_step[3]
     # Alarms on every step: off-sample steps pay the norms and the rules, not the full statistics.
     extra = [a - b for a, b in zip(alarmed.per_step, bare.per_step, strict=True)]
-    assert 0 < extra[1] == extra[3] < extra[2]
+    assert 0 < extra[2] < min(extra[1], extra[3])
 
 
 def _held_tensors(obj: Any, seen: set[int] | None = None) -> dict[int, torch.Tensor]:
@@ -309,7 +310,7 @@ def test_every_n_steps_logs_the_mean_over_the_sampled_steps(
     callback = GradFlowCallback(**options)
     trainer_factory(callbacks=[callback], max_epochs=2, **trainer_options).fit(model)
     scalars = read_scalars(tmp_path)
-    for epoch, sampled in ((0, [0, 3]), (1, [4, 6])):
+    for epoch, sampled in ((0, [0, 2]), (1, [4, 5])):
         at = 4 * (epoch + 1)
         for layer in LAYERS:
             for stat in ("grad_norm", "update_ratio", "output_grad_norm"):

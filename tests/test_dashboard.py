@@ -25,16 +25,18 @@ from tensorboard_server import charts, read_layouts
 def test_one_layout_per_run_one_chart_per_statistic_matching_every_layer(tmp_path: Path) -> None:
     make_trainer(tmp_path, max_epochs=3, callbacks=[GradFlowCallback()]).fit(TinyMLP())
     layouts = read_layouts(tmp_path)
-    assert len(layouts) == 1, "the layout must be written once per run, not once per epoch"
-    found = charts(layouts[0])
+    # At the first logging step (its step charts) and the first epoch end (the epoch's): not
+    # once per epoch.
+    assert len(layouts) == 2, "the layout must be written when charts appear, not per epoch"
+    found = charts(layouts[-1])
     scalar_tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
     stats = {tag.split("/")[1] for tag in scalar_tags} - {"global"}
-    assert "alarms" in stats, "the default alarms log a count per rule"
+    assert {"alarms", "alarms_step"} <= stats, "the default alarms log a count per rule"
     logz = {"lightning_hooks: stability/logit_logz", "lightning_hooks: stability/logit_logz_max"}
     assert (
         set(found)
-        == {f"lightning_hooks: grad_flow/{s}" for s in stats - {"alarms"}}
-        | {"lightning_hooks: alarms/grad_flow"}
+        == {f"lightning_hooks: grad_flow/{s}" for s in stats - {"alarms", "alarms_step"}}
+        | {"lightning_hooks: alarms/grad_flow", "lightning_hooks: alarms/grad_flow_step"}
         | logz
     )
     for title in logz:  # the output layer's chart holds its line
@@ -43,7 +45,9 @@ def test_one_layout_per_run_one_chart_per_statistic_matching_every_layer(tmp_pat
         stat = title.rsplit("/", 1)[1]
         matched = {t for t in scalar_tags if any(re.match(r, t) for r in regexes)}
         if title.startswith("lightning_hooks: alarms/"):  # one line per rule, never a layer
-            assert matched == {f"grad_flow/alarms/{r}" for r in (*ALARM_RULES, "spike_score")}
+            kind = "alarms_step" if title.endswith("_step") else "alarms"
+            rules = (*ALARM_RULES, "spike_score") if kind == "alarms" else ALARM_RULES
+            assert matched == {f"grad_flow/{kind}/{rule}" for rule in rules}
             continue
         layers = {f"grad_flow/{stat}/net.{i}" for i in (0, 2, 4)}
         overall = {f"grad_flow/global/{stat}"} & set(scalar_tags)
@@ -107,16 +111,17 @@ def test_a_thousand_layer_mlp_stays_bounded(tmp_path: Path) -> None:
     tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
     alarms = [t for t in tags if t.startswith("grad_flow/alarms/")]
     assert sorted(alarms) == sorted(f"grad_flow/alarms/{r}" for r in (*ALARM_RULES, "spike_score"))
-    per_layer = [t for t in tags if not t.startswith(("grad_flow/global/", "grad_flow/alarms/"))]
+    per_layer = [t for t in tags if not t.startswith(("grad_flow/global/", "grad_flow/alarms"))]
     layers = {t.rsplit("/", 1)[1] for t in per_layer}
     assert len(layers) == 100, "max_layers_logged=100 by default"
-    assert len(per_layer) <= 10 * 100
-    # per layer, global, percentiles, one count per alarm rule
-    assert len(tags) <= 10 * 100 + 10 + 10 * 3 + len(ALARM_RULES)
+    # 10 statistics per epoch, 7 per logging step (no *_max: one step)
+    assert len(per_layer) <= (10 + 7) * 100
+    # per layer, global, percentiles, one count per alarm rule; per epoch and per logging step
+    assert len(tags) <= (10 + 7) * (100 + 1 + 3) + 2 + 2 * len(ALARM_RULES) + 1
     layout = read_layouts(tmp_path)[-1]  # the last one written is the one TensorBoard shows
-    # one chart per statistic, one for the alarms and two for the output layer's log Z,
-    # whatever the depth
-    assert len(charts(layout)) == 10 + 1 + 2 <= MAX_CHARTS
+    # one chart per statistic and one for the alarms, per epoch and per step, and two for the
+    # output layer's log Z, whatever the depth
+    assert len(charts(layout)) == 10 + 7 + 2 + 2 <= MAX_CHARTS
     acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"images": 0})
     acc.Reload()
     (image,) = acc.Images("grad_flow/chart")
@@ -165,8 +170,9 @@ def test_the_dashboard_leads_with_gradient_flow_then_alarms(tmp_path: Path) -> N
     families = {t.split("/")[0] for t in read_scalars(tmp_path) if t.count("/") >= 2}
     rest = sorted(families - {"grad_flow", "activations", "dead_relu"})
     assert titles == ["grad_flow", "alarms", "activations", "dead_relu", *rest]
-    assert [c.title for c in layout.category[0].chart][:3] == [
+    assert [c.title for c in layout.category[0].chart][:4] == [
         "grad_norm",
+        "grad_norm_step",
         "output_grad_norm",
-        "update_ratio",
+        "output_grad_norm_step",
     ]

@@ -40,3 +40,21 @@ def test_plain_loop_measures_without_lightning(
         ratio = float(line.split("update ratio ")[1].split(";")[0])
         assert 0 < ratio < 1
     assert not (tmp_path / "runs").exists()
+
+
+def test_long_epoch_writes_at_each_logging_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _run("long_epoch.py", tmp_path, monkeypatch)
+    assert capsys.readouterr().out.strip().endswith("tensorboard --logdir runs")
+    scalars = read_scalars(tmp_path / "runs" / "long_epoch")
+    assert [s for s, _ in scalars["loss"]] == [49, 99, 149, 199, 249, 299]
+    for tag in ("grad_flow/grad_norm_step/net.0", "activations/mean_step/net.2"):
+        assert [s for s, _ in scalars[tag]] == [0, 49, 99, 149, 199, 249, 299]
+    assert [s for s, _ in scalars["dead_relu/dead_fraction/net.1"]] == [300]
+    assert read_image_tags(tmp_path / "runs" / "long_epoch") == [
+        "activations/heatmap/mean",
+        "activations/heatmap/std",
+        "activations/heatmap/zero_fraction",
+        "grad_flow/chart",
+    ]

@@ -77,8 +77,10 @@ def _assert_same_scalars(
     steps: list[int] = STEPS,
 ) -> None:
     assert set(got) == set(want)
+    assert any("_step" in tag for tag in want)  # each logging step's values are compared too
     for tag in sorted(want):
-        assert [s for s, _ in got[tag]] == [s for s, _ in want[tag]] == steps, tag
+        at = [s for s, _ in want[tag]]
+        assert [s for s, _ in got[tag]] == at and ("_step" in tag or at == steps), tag
         for (_, value), (_, reference) in zip(got[tag], want[tag], strict=True):
             same = math.isclose(value, reference, rel_tol=1e-4, abs_tol=1e-7)
             assert same or (math.isnan(value) and math.isnan(reference)), (tag, value, reference)
@@ -125,29 +127,35 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         report = _report(fsdp_out, rank)
         fsdp, hsdp, skip = report["fsdp"], report["hsdp"], report["skip"]  # batches = steps
         # Per sampled step, whatever the number of layers: one all_gather of every parameter's
-        # packed gradient and weight partials (which the sentinel reads too), one of the update's.
-        assert fsdp["steps"] == [2] * 8
+        # packed gradient and weight partials (which the sentinel reads too), one of the update's;
+        # each is a logging step: one all_reduce (output gradients) and one all_gather (the
+        # accumulator), one all_gather each for activations, dead units and saturation.
+        assert fsdp["steps"] == [2 + 2 + 3] * 8
         # The sentinel alone (off the statistics' cadence): one all_gather of the gradient
         # norms; at NAN_STEP, where it fires, one more: the weights, read only then.
-        assert skip["steps"] == [2, 1, 1, 1, 2, 2 if NAN_STEP == 5 else 1, 1, 1]
-        # Per epoch, GradFlowCallback alone: the steps', then one all_gather (the accumulator),
-        # one all_reduce (output gradients) and one all_gather (the instability statistics).
+        # every_n_steps=4 samples steps 0, 3, 4 and 7 (each + 2 at its logging step).
+        assert NAN_STEP == 5
+        assert skip["steps"] == [4, 1, 1, 4, 4, 2, 1, 4]
+        # Per epoch, GradFlowCallback alone: the steps', then one all_gather (the accumulator's
+        # window since the last logging step).
         # (the second epoch holds NAN_STEP: + the weights' attribution pass)
         assert [e["ours_by_name"] for e in skip["epochs"]] == [
-            {"all_gather": 2 + 3 + 1 + 1, "all_reduce": 1},
-            {"all_gather": 2 + 3 + 1 + 1 + 1, "all_reduce": 1},
+            {"all_gather": 4 + 2 + 2 + 1, "all_reduce": 2},
+            {"all_gather": 4 + 2 + 2 + 1 + 1, "all_reduce": 2},
         ]
         # Every callback: + the gradient histogram's counts over the shard group, and one packed
         # all_gather each for activations, dead units and saturation (LayerStat).
         assert [e["ours_by_name"] for e in fsdp["epochs"]] == [
-            {"all_gather": 4 * 2 + 1 + 3 + 1, "all_reduce": 1 + 1}
+            {"all_gather": 4 * (2 + 1 + 3) + 1 + 3, "all_reduce": 4 + 1}
         ] * 2
-        # Accumulating 2 batches, clipped: one more all_gather, of the post-clip norms.
-        assert report["clip"]["steps"] == [0, 3] * 4
-        # HSDP (replicate=2, shard=1): a shard group of one rank makes no collective of its own.
-        assert hsdp["steps"] == [0] * 8
+        # Accumulating 2 batches, clipped: one more all_gather, of the post-clip norms (+ 2 at
+        # the logging step).
+        assert report["clip"]["steps"] == [0, 3 + 2] * 4
+        # HSDP (replicate=2, shard=1): a shard group of one rank makes no collective of its own;
+        # the logging steps' reduce across the replicas.
+        assert hsdp["steps"] == [2 + 3] * 8
         assert [e["ours_by_name"] for e in hsdp["epochs"]] == [
-            {"all_gather": 1 + 3 + 1, "all_reduce": 1}
+            {"all_gather": 4 * (1 + 3) + 1 + 3, "all_reduce": 4}
         ] * 2
 
 

@@ -158,12 +158,12 @@ def test_cadence_counts_optimizer_steps_under_gradient_accumulation(
 ) -> None:
     callback = LayerTimeCallback(chart=False)  # default cadence: the Trainer's log_every_n_steps
     probe = _TimedSteps(callback)
-    # 6 batches, 2 per optimizer step: steps 0, 1, 2; every 2nd step is 0 and 2
+    # 6 batches, 2 per optimizer step: steps 0, 1, 2; sampled: 0 (the epoch's first) and 1
     trainer_factory(
         callbacks=[callback, probe], accumulate_grad_batches=2, log_every_n_steps=2
     ).fit(HeavyNet())
-    assert probe.timed == [0, 0, 2, 2]  # both micro-batches of steps 0 and 2, none of step 1
-    assert probe.steps == [1, 1, 1, 1, 2, 2]  # steps timed so far, after each batch
+    assert probe.timed == [0, 0, 1, 1]  # both micro-batches of steps 0 and 1, none of step 2
+    assert probe.steps == [1, 1, 2, 2, 2, 2]  # steps timed so far, after each batch
     calls = read_scalars(tmp_path)["layer_time/forward_ms/net.0"]
     assert [step for step, _ in calls] == [3]
 

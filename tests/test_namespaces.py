@@ -80,4 +80,4 @@ def test_either_trainer_with_either_tensorboard_logger(
     for tag in ours:
         assert got[tag][-1][1] == pytest.approx(reference[tag][-1][1], rel=1e-5, nan_ok=True)
     assert read_image_tags(tmp_path / "run") == ["grad_flow/chart"]
-    assert len(read_layouts(tmp_path / "run")) == 1
+    assert len(read_layouts(tmp_path / "run")) == 2  # at the first logging step, at the epoch end

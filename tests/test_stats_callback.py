@@ -34,7 +34,9 @@ def test_the_example_logs_its_statistic_every_epoch(
     scalars = read_scalars(tmp_path / "runs" / "custom_stat")
     assert sorted(t for t in scalars if t.startswith("output_rms/")) == [
         "output_rms/net.0",
+        "output_rms/net.0_step",
         "output_rms/net.2",
+        "output_rms/net.2_step",
     ]
     assert [s for s, _ in scalars["output_rms/net.0"]] == [8, 16, 24]
 
@@ -48,7 +50,7 @@ def test_a_user_statistic_matches_plain_torch_in_a_fit(tmp_path: Path) -> None:
     )
     stat = output_rms()
     make_trainer(tmp_path, callbacks=[StatsCallback(stat, every_n_steps=2)]).fit(model)
-    sampled = torch.cat([outputs[0], outputs[2]])  # steps 0 and 2 of 4
+    sampled = torch.cat([outputs[0], outputs[1], outputs[3]])  # steps 0, 1 and 3 of 4
     logged = dict(read_scalars(tmp_path)["output_rms/net.2"])[4]
     assert np.isclose(logged, float(sampled.square().mean().sqrt()), rtol=1e-6)
     model.net[2]._forward_hooks.clear()

@@ -68,8 +68,11 @@ def test_every_layer_stat_under_ddp_equals_one_process(ddp_out: Path, tmp_path: 
     tags = {t for t in single if t.startswith(PREFIXES)}
     assert {t.split("/")[0] + "/" for t in tags} == set(PREFIXES)
     assert {t for t in ddp if t.startswith(PREFIXES)} == tags
+    stepped = {t for t in tags if "_step" in t}  # each logging step's values (every step)
+    assert {t.split("/")[0] + "/" for t in stepped} == set(PREFIXES)
     for tag in sorted(tags):
-        assert [s for s, _ in ddp[tag]] == [s for s, _ in single[tag]] == [4, 8], tag
+        steps = list(range(8)) if tag in stepped else [4, 8]
+        assert [s for s, _ in ddp[tag]] == [s for s, _ in single[tag]] == steps, tag
         for (_, got), (_, want) in zip(ddp[tag], single[tag], strict=True):
             assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-9), (tag, got, want)
 
@@ -77,5 +80,6 @@ def test_every_layer_stat_under_ddp_equals_one_process(ddp_out: Path, tmp_path: 
 def test_one_collective_per_statistic_per_epoch(ddp_out: Path) -> None:
     for rank in (0, 1):
         report = json.loads((ddp_out / f"rank{rank}.json").read_text())
-        assert [e["ours"] for e in report["epochs"]] == [5, 5]  # one per callback
-        assert report["ours"] == {"all_gather": 10}
+        # one per callback at each of an epoch's 4 logging steps and at its end
+        assert [e["ours"] for e in report["epochs"]] == [4 * 5, 4 * 5]
+        assert report["ours"] == {"all_gather": 2 * 4 * 5}

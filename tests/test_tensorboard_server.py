@@ -72,12 +72,13 @@ def test_tensorboard_serves_our_run_as_intended(tmp_path: Path) -> None:
         titles = [category["title"] for category in layout["category"]]
         assert titles[:2] == ["lightning_hooks: grad_flow", "lightning_hooks: alarms"]
         assert set(titles) == {f"lightning_hooks: {f}" for f in families | {"alarms"}}
-        # ... rewritten when the alarm family appeared in epoch 2: TensorBoard serves the last one.
-        assert len(read_layouts(logdir)) == 2
+        # ... written at the first logging step, rewritten at the first epoch end (its epoch
+        # charts) and when the alarm family appeared in epoch 2: TensorBoard serves the last one.
+        assert len(read_layouts(logdir)) == 3
         assert charts[("lightning_hooks: alarms", "watchdog")] == ["^watchdog/alarms/.*"]
         assert charts[("lightning_hooks: alarms", "grad_flow")] == ["^grad_flow/alarms/.*"]
         assert ("lightning_hooks: alarms", "watchdog") not in {
-            (c.title, chart.title) for c in read_layouts(logdir)[0].category for chart in c.chart
+            (c.title, chart.title) for c in read_layouts(logdir)[1].category for chart in c.chart
         }
         for (_, stat), (per_layer, *_) in charts.items():
             assert any(re.match(per_layer, tag) for tag in served), f"{stat}: matches no tag"

@@ -12,7 +12,7 @@ from typing_extensions import override
 from lightning_hooks.core.checks import positive_int
 from lightning_hooks.core.guard import Guard, guard_hooks
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.logging import tensorboard_writers, write_dashboard
+from lightning_hooks.logging import save_loggers, tensorboard_writers, write_dashboard
 
 
 class _Removable(Protocol):
@@ -114,10 +114,12 @@ class HookCallback(_CallbackBase):
     _tracker: _Removable | None = None
     _pending_state: dict[str, Any] | None = None
     every_n_steps: int | None = None
-    """Cadence: measure optimizer steps ``0, n, 2n, ...`` and the first step of every epoch
-    (1: every step; ``None``: the Trainer's ``log_every_n_steps``, 50 by default). Off-sample
-    steps cost a Python attribute check per hook; statistics are then means over the sampled
-    steps, and an epoch shorter than ``n`` steps still has one."""
+    """Cadence: measure optimizer steps ``n-1, 2n-1, ...`` (the steps at which Lightning logs
+    ``self.log`` values when ``n`` is ``log_every_n_steps``) and the first step of every epoch
+    (1: every step; ``None``: the Trainer's ``log_every_n_steps``, 50 by default). Each measured
+    step is a logging point: its values are written at that step, under ``..._step`` tags.
+    Off-sample steps cost a Python attribute check per hook; epoch aggregates are then over the
+    sampled steps, and an epoch shorter than ``n`` steps still has one."""
     _epoch_start_step: int = -1
     _idle: bool = False
     """Set by :meth:`_nothing_to_watch`: the model has nothing to watch, this fit does nothing."""
@@ -125,6 +127,7 @@ class HookCallback(_CallbackBase):
     """The ``types`` of the default selection (an explicit ``types=`` differs from it)."""
     _selection_arguments: tuple[str, ...] = ("include", "exclude")
     """The constructor arguments, besides ``types``, that narrow the selection."""
+    _measured_step: int | None = None
     strict: bool | None = None
     """``True``: an exception in one of the callback's hooks propagates; ``False``: it disables
     the callback for the rest of the fit with one warning; ``None``: ``LIGHTNING_HOOKS_STRICT``."""
@@ -152,7 +155,7 @@ class HookCallback(_CallbackBase):
     def _is_sampled_step(self, trainer: pl.Trainer) -> bool:
         """Whether the optimizer step about to run (``trainer.global_step``) is measured."""
         step = trainer.global_step
-        return step % self._cadence(trainer) == 0 or step == self._epoch_start_step
+        return (step + 1) % self._cadence(trainer) == 0 or step == self._epoch_start_step
 
     @override
     def on_train_batch_start(
@@ -162,9 +165,31 @@ class HookCallback(_CallbackBase):
             # By batch index, not on_train_epoch_start: a run resumed mid-epoch samples the
             # same steps as the uninterrupted one. Every micro-batch of the step follows.
             self._epoch_start_step = trainer.global_step
+        self._read_steps(trainer, wait=False)  # on CUDA, the last logging point's copy
+        sampled = self._is_sampled_step(trainer)
+        if sampled and self._tracker is not None:
+            self._measured_step = trainer.global_step
         gate: _Gate | None = getattr(self._tracker, "registry", None)
         if gate is not None:
-            gate.sampled = self._is_sampled_step(trainer)
+            gate.sampled = sampled
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        measured = self._measured_step
+        if measured is not None and trainer.global_step > measured:
+            # The measured step's optimizer step ran (its last micro-batch): a logging point.
+            # The last one's copy (CUDA: posted a step or more ago) is written first.
+            self._measured_step = None
+            self._read_steps(trainer, wait=True)
+            self._log_step(trainer, measured)
+            self._read_steps(trainer, wait=False)
 
     @property
     @override
@@ -235,10 +260,23 @@ class HookCallback(_CallbackBase):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._read_steps(trainer, wait=True)
+        self._measured_step = None
         self._log_epoch(trainer, pl_module)
+        self._write_dashboard(trainer)
+        save_loggers(trainer.loggers)
+
+    def _write_dashboard(self, trainer: pl.Trainer) -> None:
         if trainer.is_global_zero and self._is_last_hook_callback(trainer):
             # One layout per run, covering every callback's tags: written by the last of ours.
             write_dashboard(tensorboard_writers(trainer.loggers))
+
+    def _read_steps(self, trainer: pl.Trainer, wait: bool) -> None:
+        """Write what the last logging point measured once its host copy is done (``wait``:
+        block for it), then save the loggers as Lightning does after ``log_metrics``."""
+        if self._write_steps(trainer, wait):
+            self._write_dashboard(trainer)
+            save_loggers(trainer.loggers)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -248,7 +286,10 @@ class HookCallback(_CallbackBase):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        self._release()
+        try:
+            self._read_steps(trainer, wait=True)  # CUDA: the last logging step's copy
+        finally:
+            self._release()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -306,6 +347,14 @@ class HookCallback(_CallbackBase):
         if self._tracker is not None:
             self._tracker.remove()
             self._tracker = None
+
+    def _log_step(self, trainer: pl.Trainer, step: int) -> None:
+        """A logging point: end the window of the steps measured since the last one (post its
+        one host copy); :meth:`_write_steps` writes it at ``step`` once the copy is done."""
+
+    def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
+        """Write the windows whose copies are done (``wait``: block for them); whether any was."""
+        return False
 
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         raise NotImplementedError

@@ -31,9 +31,10 @@ class ActivationStatsCallback(StatsCallback):
     floating tensor of its output in training forwards (not validation, not the sanity check, not an
     activation-checkpointing recompute) of the sampled steps (``every_n_steps``). Statistics pool
     every element of every sampled training batch of the epoch: the logged mean and std are those of
-    all the epoch's outputs of the layer taken together, min and max over all of them. At each epoch
-    end the sums are reduced across ranks, copied to the host once and logged at
-    ``trainer.global_step``.
+    all the epoch's outputs of the layer taken together, min and max over all of them. Each
+    sampled step is a logging step: right after it, every scalar below over that step's outputs
+    is logged at that step under ``activations/{stat}_step/{layer}``. At each epoch end the
+    epoch's sums are logged at ``trainer.global_step`` under the plain tags below.
 
     Logged metrics (``{layer}`` is the module's qualified name; a tuple / list / dict output adds
     ``.{index}`` or ``.{key}``, e.g. ``lstm.0``):
@@ -163,6 +164,12 @@ class ActivationStatsCallback(StatsCallback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        self._probe_nonfinite()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _probe_nonfinite(self) -> None:
+        """Warn once about the first module whose output went non-finite (before the window of a
+        logging step is posted: the probe reads it)."""
         tracker = self._activations
         if tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
             return

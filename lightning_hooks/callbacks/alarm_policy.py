@@ -11,7 +11,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_hooks.core.alarms import GradientAlarm, GradientAlarms
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
-from lightning_hooks.logging import log_scalars, log_text
+from lightning_hooks.logging import log_scalars, log_text, step_tags
 
 __all__ = ["AlarmPolicy"]
 
@@ -92,6 +92,8 @@ class AlarmPolicy:
         """Read the current step's verdict before the optimizer step (blocking on CUDA)."""
         self._stop = "stop" in self.actions.values()
         self._warned: set[tuple[str, str]] = set()
+        self._logged = 0  # alarms of the epoch's log already written at a logging step
+        self._counted: dict[str, int] = {}
         self.saved: dict[str, Any] | None = None
         """The alarms' running state between fits, or from a checkpoint."""
 
@@ -165,21 +167,36 @@ class AlarmPolicy:
             warning.alarm = alarm
             rank_zero_warn(warning, category=GradientAlarmWarning)
 
+    def log_step(self, trainer: pl.Trainer, alarms: GradientAlarms, step: int) -> None:
+        """At a logging step: the alarms read since the last one (no wait), their counts per
+        rule as ``grad_flow/alarms_step/{rule}`` and, when any fired, their text summary."""
+        counts = {rule: n - self._counted.get(rule, 0) for rule, n in alarms.counts.items()}
+        self._counted = dict(alarms.counts)
+        log_scalars(
+            trainer.loggers, step_tags({f"grad_flow/alarms/{r}": counts[r] for r in counts}), step
+        )
+        new = alarms.log[self._logged :]
+        self._logged = len(alarms.log)
+        if new and trainer.is_global_zero:
+            head = f"{len(new)} gradient alarms up to step {step}"
+            log_text(trainer.loggers, "grad_flow/alarms", _summary(new, head), step)
+
     def end_epoch(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
         """Act on the last verdicts, then log the epoch's counts and its text summary."""
         self.act(trainer, None, alarms.poll(wait=True))
         counts, log = alarms.take_epoch()
         self._warned.clear()
+        self._logged, self._counted = 0, {}
         step = trainer.global_step
         scalars = {f"grad_flow/alarms/{r}": float(counts[r]) for r in counts}
         scalars["grad_flow/alarms/spike_score"] = alarms.spike_score
         log_scalars(trainer.loggers, scalars, step)
         if trainer.is_global_zero:
-            log_text(trainer.loggers, "grad_flow/alarms", _summary(log, trainer), step)
+            head = f"{len(log)} gradient alarms in epoch {trainer.current_epoch}"
+            log_text(trainer.loggers, "grad_flow/alarms", _summary(log, head), step)
 
 
-def _summary(log: list[GradientAlarm], trainer: pl.Trainer) -> str:
-    head = f"{len(log)} gradient alarms in epoch {trainer.current_epoch}"
+def _summary(log: list[GradientAlarm], head: str) -> str:
     lines: list[str] = []
     shown: set[int] = set()
     for alarm in log[:_SUMMARY_LINES]:

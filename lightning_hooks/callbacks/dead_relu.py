@@ -43,7 +43,9 @@ class DeadReLUCallback(WarnsOncePerLayer):
     ``pre_activation`` layers (``F.relu``)      the layer's output ``> 0``
     ==========================================  ===========================================
 
-    Logged metrics (``{layer}`` is the watched module's qualified name):
+    Logged metrics (``{layer}`` is the watched module's qualified name), at each epoch end; at
+    each logging step (every sampled step) ``dead_relu/zero_fraction_step/{layer}`` of that step
+    only: a unit is dead over an epoch, not over one step.
 
     ======================================  ===================================================
     Tag                                     Value, over the epoch's training forwards

@@ -17,6 +17,7 @@ from lightning_hooks.callbacks._checks import check_types
 from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
 from lightning_hooks.callbacks.grad_flow_tags import (
     grad_flow_scalars,
+    grad_flow_step_scalars,
     observe_histograms,
     write_histograms,
 )
@@ -37,6 +38,7 @@ from lightning_hooks.logging import (
     layer_epoch_heatmap,
     log_figure,
     log_scalars,
+    step_tags,
 )
 
 __all__ = ["GradFlowCallback"]
@@ -53,8 +55,13 @@ class GradFlowCallback(HookCallback):
     applies (accumulated over ``accumulate_grad_batches``, all-reduced under DDP, unscaled under
     AMP, after clipping), the weights, the update the step makes, and the gradient with respect
     to each layer's output (a tensor hook on the output, which works with
-    ``ReLU(inplace=True)``). At each epoch end the mean and max over the epoch's sampled steps
-    are reduced across ranks, copied to the host once and logged at ``trainer.global_step``.
+    ``ReLU(inplace=True)``). Each sampled step is a logging step: right after it, its values
+    are reduced across ranks, copied to the host once (non-blocking on CUDA) and logged at that
+    step under ``grad_flow/{stat}_step/{layer}`` and ``grad_flow/global/{stat}_step`` for every
+    statistic of the table below but the ``*_max`` ones (a logging step is one step), with
+    ``grad_flow/alarms_step/{rule}`` and the alarms' text since the last logging step. At each
+    epoch end the mean and max over the epoch's sampled steps are logged at
+    ``trainer.global_step`` under the plain tags below.
 
     Logged metrics (``{layer}`` is the module's qualified name, e.g. ``encoder.0``):
 
@@ -271,6 +278,25 @@ class GradFlowCallback(HookCallback):
             self._stability.end_step()
         if self._tracker is not None and self._tracker.alarms is not None:
             self.policy.observe_loss(trainer, self._tracker.alarms, outputs, self._batch_step)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def _log_step(self, trainer: pl.Trainer, step: int) -> None:
+        if self._tracker is None:
+            return
+        self._tracker.post_window(step)
+        if self._tracker.alarms is not None:
+            self.policy.log_step(trainer, self._tracker.alarms, step)
+
+    @override
+    def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
+        got = None if self._tracker is None else self._tracker.read_window(wait)
+        if got is None:
+            return False
+        step, stats = got
+        scalars = grad_flow_step_scalars(stats, self.max_layers_logged)
+        log_scalars(trainer.loggers, step_tags(scalars), step)
+        return True
 
     @override
     def _save_state(self) -> dict[str, Any]:

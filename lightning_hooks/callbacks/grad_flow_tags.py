@@ -4,6 +4,7 @@ and the per-layer gradient histograms."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -14,7 +15,13 @@ from lightning_hooks.core import LayerHistograms, LayerStats, ParamLayout
 from lightning_hooks.core.sharding import ShardPlan
 from lightning_hooks.logging import log_histogram
 
-__all__ = ["grad_flow_scalars", "logged_rows", "observe_histograms", "write_histograms"]
+__all__ = [
+    "grad_flow_scalars",
+    "grad_flow_step_scalars",
+    "logged_rows",
+    "observe_histograms",
+    "write_histograms",
+]
 
 # (tag suffix, statistic, reduction over the epoch's optimizer steps)
 _LOGGED: tuple[tuple[str, str, str], ...] = (
@@ -33,6 +40,7 @@ _LOGGED: tuple[tuple[str, str, str], ...] = (
 
 
 _PERCENTILES = (5, 50, 95)
+_PERCENTILE_SUFFIX = re.compile(r"_p\d+$")
 
 
 def grad_flow_scalars(
@@ -54,6 +62,20 @@ def grad_flow_scalars(
             yield tag, float(column[row])
         if len(rows) < last:
             yield from _percentiles(suffix, column[:last][counts[:last] > 0])
+
+
+# A logging step's window is one measured step: its max is its mean, logged once.
+_EPOCH_ONLY = frozenset({"grad_norm_max", "update_ratio_max", "output_grad_norm_max"})
+
+
+def grad_flow_step_scalars(stats: LayerStats, max_layers: int | None = None) -> dict[str, float]:
+    """The scalars of one logging step's window, by their epoch tag (no ``*_max`` duplicates)."""
+    return {
+        tag: value
+        for tag, value in grad_flow_scalars(stats, max_layers)
+        if _PERCENTILE_SUFFIX.sub("", tag.split("/")[-1 if "/global/" in tag else 1])
+        not in _EPOCH_ONLY
+    }
 
 
 def logged_rows(stats: LayerStats, max_layers: int | None) -> list[int]:

@@ -41,7 +41,9 @@ class LayerTimeCallback(StatsCallback):
     Cost, measured with ``examples/overhead.py`` on a small CNN (CPU, 2 shared cores): see the
     README. With ``every_n_steps=1`` every step pays two clock reads per leaf module.
 
-    Logged metrics, per epoch, means over the epoch's sampled steps:
+    Logged metrics, per epoch, means over the epoch's sampled steps; at each logging step (every
+    sampled step) the same tags with ``_step`` after the statistic (``layer_time/step_ms_step``),
+    of that step only:
 
     =================================  ========================================================
     Tag                                Value
@@ -122,6 +124,7 @@ class LayerTimeCallback(StatsCallback):
     ) -> None:
         if self._timer is not None:
             self._timer.end_step()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

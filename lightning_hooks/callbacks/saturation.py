@@ -50,7 +50,9 @@ class SaturationCallback(WarnsOncePerLayer):
     naming the layer and "k of n units"; later epochs of the same layer are counted, and one
     summary warning at the end of fit gives the counts.
 
-    Logged metrics, per epoch (``{layer}``: the module's qualified name):
+    Logged metrics, per epoch (``{layer}``: the module's qualified name); at each logging step
+    (every sampled step) the same tags with ``_step`` after the statistic, of that step only,
+    but ``always_saturated_fraction`` (over an epoch):
 
     ================================================  ==========================================
     Tag                                               Value, over the epoch's training forwards

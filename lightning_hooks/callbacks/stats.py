@@ -11,7 +11,7 @@ from typing_extensions import override
 from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
 from lightning_hooks.core.registry import HookRegistry
 from lightning_hooks.core.stat import LayerStat
-from lightning_hooks.logging import log_scalars
+from lightning_hooks.logging import log_scalars, step_tags
 
 __all__ = ["StatsCallback"]
 
@@ -35,11 +35,17 @@ class StatsCallback(HookCallback):
     """Hooks each statistic on the model, logs its tags every epoch, carries it in checkpoints.
 
     Every statistic's hooks run on the sampled optimizer steps only (``every_n_steps``, as for
-    every callback of the library) and in training forwards only. At each epoch end every
-    statistic's states are reduced across ranks in one collective, copied to the host once,
-    turned into its result and logged at ``trainer.global_step`` under the tags
-    :meth:`LayerStat.tags` gives; then they are reset. A checkpoint holds each statistic's
-    reduced states, so a fit resumed mid-epoch logs what the uninterrupted fit logs.
+    every callback of the library) and in training forwards only. Each sampled step is a
+    logging point: after its optimizer step every statistic's states of the steps measured since
+    the last one (the *window*) are reduced across ranks in one collective, copied to the host
+    once (pinned and non-blocking on CUDA, written once the copy is done, at the latest at the
+    next batch) and logged at that step under :meth:`LayerStat.step_values` with ``_step`` after
+    the statistic (``activations/mean_step/{layer}``); the loggers are then saved, as Lightning
+    does after its own ``log_metrics``, so a killed run keeps them. The windows are folded into
+    the epoch on the host; at each epoch end the epoch's result is logged at
+    ``trainer.global_step`` under the tags :meth:`LayerStat.tags` gives. A checkpoint holds
+    each statistic's reduced states, so a fit resumed mid-epoch logs what the uninterrupted fit
+    logs.
 
     Logged metrics: whatever the statistics' :meth:`~lightning_hooks.core.stat.LayerStat.tags`
     return.
@@ -105,6 +111,22 @@ class StatsCallback(HookCallback):
     def attached(self) -> tuple[LayerStat[Any], ...]:
         """The statistics of the running fit (empty outside a fit)."""
         return () if self._tracker is None else self._tracker.stats
+
+    @override
+    def _log_step(self, trainer: pl.Trainer, step: int) -> None:
+        for stat in self.attached:
+            stat.post_window(step)
+
+    @override
+    def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
+        wrote = False
+        for stat in self.attached:
+            got = stat.read_window(wait)
+            if got is not None:
+                step, result = got
+                log_scalars(trainer.loggers, step_tags(stat.step_values(result)), step)
+                wrote = True
+        return wrote
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

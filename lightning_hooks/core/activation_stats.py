@@ -146,7 +146,6 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         self.histogram_range = histogram_range
         self.workspace = Workspace()
         self._stats = fused_feature_stats if fused else feature_stats
-        self._next_extremes: np.ndarray | None = None
         self.add_layer_state("sums", reduce="sum", width=(NUM_SUMS,))
         self.add_layer_state("extremes", reduce="max", width=(2,), dtype=torch.float32)
         if self.bins:
@@ -176,7 +175,6 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         self.first_nonfinite = FirstNonFinite(device)
         self._sign = torch.tensor(_SIGN, device=device)
         self._unit = torch.linspace(0.0, 1.0, self.bins + 1, device=device)
-        self._next_extremes = None
         return self
 
     def row(self, name: str, units: int = 0) -> int:
@@ -231,7 +229,6 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
     def summarize(self, states: dict[str, np.ndarray]) -> tuple[FeatureSummary, list[Histogram]]:
         """Statistics and histograms from the reduced states."""
         extremes = states["extremes"] * np.array(_SIGN)
-        self._next_extremes = extremes
         layers = self.layers
         hists = []
         if self.bins:
@@ -252,12 +249,24 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
     def reset(self) -> None:
         """Start a new epoch: zero the sums; running-range edges span the finished epoch."""
         if self.bins and self.histogram_range is None and self.rows:
-            if self._next_extremes is None:  # no result() since the last reset: local extremes
-                self._next_extremes = self.extremes.double().cpu().numpy() * np.array(_SIGN)
-            extremes = torch.as_tensor(self._next_extremes, device=self.edges.device)
+            extremes, seen = self._epoch_extremes()
             low, high = extremes[:, 0].float(), extremes[:, 1].float()
-            seen = self.sums[:, NUM_SUMS - 1] > 0
             torch.where(seen[:, None], self._edges_from(low, high), self.edges, out=self.edges)
             self.has_edges.copy_(seen)
-        self._next_extremes = None
         super().reset()
+
+    def _epoch_extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[rows, 2]`` (min, max) of the epoch and which rows saw an element, on the device:
+        the folded windows' (reduced across ranks) and the local window's."""
+        sign = np.array(_SIGN)
+        local = self.extremes.double().cpu().numpy()
+        sums = self.sums[:, NUM_SUMS - 1].double().cpu().numpy()
+        epoch = self.epoch_states()
+        if epoch is not None:
+            rows = epoch["extremes"].shape[0]
+            local[:rows] = np.maximum(local[:rows], epoch["extremes"])
+            sums[:rows] += epoch["sums"][:, NUM_SUMS - 1]
+        device = self.edges.device
+        return torch.as_tensor(local * sign, device=device), torch.as_tensor(
+            sums > 0, device=device
+        )

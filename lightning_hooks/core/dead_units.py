@@ -237,6 +237,14 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
             dead_units=tuple(np.flatnonzero(u == 0) for u in per_unit),
         )
 
+    def step_values(self, result: DeadUnits) -> dict[str, float]:
+        """At a logging step, ``zero_fraction`` only: a unit is dead over an epoch, not a step."""
+        return {
+            f"dead_relu/zero_fraction/{layer}": float(result.zero_fraction[i])
+            for i, layer in enumerate(result.layers)
+            if result.calls[i] > 0
+        }
+
     def tags(self, result: DeadUnits) -> dict[str, float]:
         """``dead_relu/{dead_fraction,dead_count,zero_fraction}/{layer}``."""
         out: dict[str, float] = {}

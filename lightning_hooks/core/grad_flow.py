@@ -569,12 +569,22 @@ class GradFlowTracker(HookOwner):
         view.weight_norm = None
 
     def result(self) -> LayerStats:
-        """Mean and max over the observed steps (reduced across ranks), copied to the host.
+        """Mean and max over the epoch's observed steps (reduced across ranks), on the host.
 
         Under ``torch.distributed`` this is two collectives, whatever the number of layers.
         """
         self._flush_output_grad()
         return self.accumulator.result()
+
+    def post_window(self, step: int) -> None:
+        """A logging point: post the window of steps since the last one (one collective, one
+        copy, see :meth:`LayerStat.post_window`); :meth:`read_window` returns it."""
+        self._flush_output_grad()
+        self.accumulator.post_window(step)
+
+    def read_window(self, wait: bool) -> tuple[int, LayerStats] | None:
+        """``(step, stats)`` of the posted window once its copy is done (``wait``: block)."""
+        return self.accumulator.read_window(wait)
 
     def state(self) -> dict[str, Any]:
         """The epoch so far, reduced across ranks, on the host (for a checkpoint)."""

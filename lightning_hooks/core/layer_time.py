@@ -235,10 +235,14 @@ class LayerTimer(LayerStat[LayerTimes]):
         if not self._step[1] and not self._calls.any():
             return
         device = self.forward_ms.device
-        self.forward_ms += torch.as_tensor(self._ms, device=device)
-        self.calls += torch.as_tensor(self._calls, device=device)
-        self.step_ms += torch.as_tensor(self._step[:1], device=device)
-        self.steps += torch.as_tensor(self._step[1:], device=device)
+        # One host-to-device copy of the four totals (flushed at every logging step).
+        host = np.concatenate([self._ms, self._calls, self._step])
+        totals = torch.from_numpy(host).to(device)  # torch.tensor would keep ~1 kB of noise
+        rows = len(self._ms)
+        self.forward_ms += totals[:rows]
+        self.calls += totals[rows : 2 * rows]
+        self.step_ms += totals[2 * rows : 2 * rows + 1]
+        self.steps += totals[2 * rows + 1 :]
         self._ms[:], self._calls[:], self._step[:] = 0.0, 0.0, 0.0
 
     def summarize(self, states: dict[str, np.ndarray]) -> LayerTimes:

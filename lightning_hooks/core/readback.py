@@ -39,12 +39,22 @@ class HostMailbox:
         self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32
     ) -> None:
         cuda = device.type == "cuda"
-        self._host = torch.zeros(shape, dtype=dtype, pin_memory=cuda)
-        self._view: np.ndarray = self._host.numpy()
+        self._view: np.ndarray
+        if cuda:
+            self._host = torch.zeros(shape, dtype=dtype, pin_memory=True)
+            self._view = self._host.numpy()
+        else:  # host memory both ways: numpy's buffer, seen by torch
+            self._view = np.zeros(shape, dtype=np.dtype(str(dtype).removeprefix("torch.")))
+            self._host = torch.from_numpy(self._view)
         self._event = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
         self._meta: Any = None
         self.pending = False
         """Whether a posted value has not been read yet."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the tensors it takes."""
+        return tuple(self._host.shape)
 
     def post(self, value: torch.Tensor, meta: Any = None) -> None:
         """Start copying ``value`` to the host; ``meta`` comes back with it from :meth:`read`."""

@@ -231,6 +231,13 @@ class SaturationTracker(LayerStat[SaturationStats]):
             np.array(always, dtype=np.int64),
         )
 
+    def step_values(self, result: SaturationStats) -> dict[str, float]:
+        """At a logging step, the saturated fractions only (``always`` is over an epoch), and
+        nothing when no bounded layer ran."""
+        if not (result.entries > 0).any():
+            return {}
+        return {k: v for k, v in self.tags(result).items() if "always_saturated" not in k}
+
     def tags(self, result: SaturationStats) -> dict[str, float]:
         """Per-layer and global saturated and always-saturated fractions, and layers that ran."""
         out: dict[str, float] = {}

@@ -20,7 +20,8 @@ from torch import nn
 from torchmetrics import Metric
 
 from lightning_hooks.core.checks import module as check_module
-from lightning_hooks.core.distributed import all_gather_stacked, rank
+from lightning_hooks.core.distributed import all_gather_stacked
+from lightning_hooks.core.readback import HostMailbox
 from lightning_hooks.core.registry import HookOwner, HookRegistry
 from lightning_hooks.core.selection import Selection
 from lightning_hooks.core.tensors import is_training_forward
@@ -115,6 +116,9 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         self._starts: list[int] = []  # where each row's entries begin in the per-unit states
         self.registry: HookRegistry | None = None  # type: ignore[assignment]
         self._hooked: tuple[str, ...] = ()
+        self._epoch: dict[str, np.ndarray] | None = None  # the folded windows, reduced, on host
+        self._mailbox: HostMailbox | None = None
+        self._ready: list[tuple[int, dict[str, np.ndarray]]] = []  # folded, not yet read
 
     # --- declaring states -------------------------------------------------------------------
 
@@ -209,6 +213,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         check_module(type(self).__name__, "model", model)
         self.remove()
         self.rows, self.units, self._starts = {}, [], []
+        self._epoch, self._mailbox, self._ready = None, None, []
         device = _model_device(model)
         for spec in self.specs.values():
             setattr(self, spec.name, self._fresh(spec, 0, device))
@@ -286,23 +291,91 @@ class LayerStat(Metric, HookOwner, Generic[R]):
                 self, name, _pool(part, self.specs[name].reduce).to(tensor.dtype).view_as(tensor)
             )
 
-    def _host_states(self) -> dict[str, np.ndarray]:
-        """Every state reduced across ranks and copied to the host in one copy (a collective)."""
+    def _reduced(self) -> tuple[torch.Tensor, dict[str, torch.Size]]:
+        """Every state of the window reduced across ranks (one collective), packed in one."""
         self.flush()
         names = list(self.specs)
+        dtype = _pack_dtype(self.device)
         with self.sync_context():
             tensors = [getattr(self, n) for n in names]
-            dtype = _pack_dtype(self.device)
-            packed = torch.cat([t.reshape(-1).to(dtype) for t in tensors]) if tensors else None
-            host = np.zeros(0) if packed is None else packed.cpu().double().numpy()
+            shapes = {n: t.shape for n, t in zip(names, tensors, strict=True)}
+            parts = [t.reshape(-1).to(dtype) for t in tensors]
+            packed = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=self.device)
+        return packed, shapes
+
+    @staticmethod
+    def _unpack(host: np.ndarray, shapes: dict[str, torch.Size]) -> dict[str, np.ndarray]:
         out, offset = {}, 0
-        for name, tensor in zip(names, tensors, strict=True):
-            out[name] = host[offset : offset + tensor.numel()].reshape(tensor.shape)
-            offset += tensor.numel()
+        for name, shape in shapes.items():
+            size = int(np.prod(shape, dtype=np.int64))
+            out[name] = np.array(host[offset : offset + size], dtype=np.float64).reshape(shape)
+            offset += size
         return out
 
+    # --- logging points: a window of steps, folded into the epoch on the host ---------------
+
+    def post_window(self, step: int) -> None:
+        """End the window at a logging point: reduce its states across ranks (one collective),
+        start ONE copy to the host (pinned and non-blocking on CUDA, see
+        :class:`~lightning_hooks.core.readback.HostMailbox`) and start a new window on the device.
+
+        :meth:`read_window` returns it, once the copy is done, and folds it into the epoch.
+        """
+        self._collect(wait=True)  # at most one window in flight
+        packed, shapes = self._reduced()
+        box = self._mailbox
+        if box is None or box.shape != tuple(packed.shape):
+            box = self._mailbox = HostMailbox(tuple(packed.shape), packed.device, packed.dtype)
+        box.post(packed, meta=(step, shapes))
+        self._reset_window()
+
+    def read_window(self, wait: bool) -> tuple[int, R] | None:
+        """``(step, result)`` of the window posted at ``step``, folded into the epoch; ``None``
+        when none is posted, or (``wait=False``) while its copy is still running."""
+        self._collect(wait)
+        if not self._ready:
+            return None
+        step, states = self._ready.pop(0)
+        return step, self.summarize(states)
+
+    def _collect(self, wait: bool) -> None:
+        """Fold the posted window into the epoch once its copy is done (``wait``: block for it)
+        and keep it for :meth:`read_window`: a reduce in between (a checkpoint) loses nothing."""
+        got = None if self._mailbox is None else self._mailbox.read(wait)
+        if got is not None:
+            view, (step, shapes) = got
+            states = self._unpack(view, shapes)
+            self._fold(states)
+            self._ready.append((step, states))
+
+    def _fold(self, states: dict[str, np.ndarray]) -> None:
+        """Add a window's host states into the epoch's (sums added, extremes kept)."""
+        if self._epoch is None:
+            self._epoch = {k: v.copy() for k, v in states.items()}
+            return
+        for name, new in states.items():
+            spec = self.specs[name]
+            old = _pad(self._epoch[name], new.shape, spec)
+            self._epoch[name] = _combine(old, new, spec.reduce)
+
+    def epoch_states(self) -> dict[str, np.ndarray] | None:
+        """The folded windows of the epoch (reduced, on the host), ``None`` before the first."""
+        return self._epoch
+
+    def _host_states(self) -> dict[str, np.ndarray]:
+        """The epoch so far: the folded windows and the current one (reduced, one copy)."""
+        self._collect(wait=True)
+        packed, shapes = self._reduced()
+        window = self._unpack(packed.cpu().numpy(), shapes)
+        if self._epoch is None:
+            return window
+        return {
+            name: _combine(_pad(self._epoch[name], new.shape, self.specs[name]), new, spec.reduce)
+            for (name, new), spec in zip(window.items(), self.specs.values(), strict=True)
+        }
+
     def result(self) -> R:
-        """The statistic so far, reduced across ranks (every rank must call it)."""
+        """The statistic over the epoch so far, reduced across ranks (every rank must call it)."""
         return self.summarize(self._host_states())
 
     def summarize(self, states: dict[str, np.ndarray]) -> R:
@@ -313,9 +386,22 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         """The scalars ``result`` gives, by tag."""
         raise NotImplementedError
 
+    def step_values(self, result: R) -> dict[str, float]:
+        """The scalars of one logging step's window, by their epoch tag (the callback adds
+        ``_step``): :meth:`tags` by default; override to leave out epoch-only ones."""
+        return self.tags(result)
+
     def reset(self) -> None:
-        """Start a new period: every state but ``"same"`` ones back to its identity; rows kept."""
+        """Start a new epoch: every state but ``"same"`` ones back to its identity, the folded
+        windows and a window still in flight dropped; rows kept."""
         self.flush()
+        self._reset_window()
+        self._epoch, self._ready = None, []
+        if self._mailbox is not None:
+            self._mailbox.clear()
+
+    def _reset_window(self) -> None:
+        """Start a new window on the device: every state but ``"same"`` ones to its identity."""
         for spec in self.specs.values():
             if spec.reduce != "same":
                 getattr(self, spec.name).fill_(spec.identity)
@@ -334,7 +420,8 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         return saved
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`host_state`: sums on rank 0 only, so the next reduce counts them once.
+        """Restore :meth:`host_state` as the epoch's folded windows (reduced already, on every
+        rank); the device window starts empty.
 
         Raises:
             ValueError: the state names layers this statistic does not watch.
@@ -347,15 +434,17 @@ class LayerStat(Metric, HookOwner, Generic[R]):
             self.row(name, int(n))
         if self.layers != layers:
             raise ValueError(f"saved for layers {layers!r}; this one has {self.layers!r}")
+        epoch: dict[str, np.ndarray] = {}
         for name, spec in self.specs.items():
             target: torch.Tensor = getattr(self, name)
             saved = torch.as_tensor(state[name])
             if saved.shape != target.shape:
                 raise ValueError(f"{name}: saved shape {tuple(saved.shape)}, now {target.shape}")
-            if spec.reduce == "sum" and rank() != 0:
-                target.fill_(spec.identity)
-            else:
+            if spec.reduce == "same":
                 target.copy_(saved)
+            epoch[name] = saved.double().numpy().copy()
+        self._reset_window()
+        self._epoch = epoch
 
     def check_layers(self, layers: tuple[str, ...]) -> None:
         """Raise ``ValueError`` unless each saved row belongs to a hooked module."""
@@ -369,6 +458,25 @@ class LayerStat(Metric, HookOwner, Generic[R]):
     def hooked_names(self) -> tuple[str, ...]:
         """Names a saved row may start with: the hooked modules' and the rows made so far."""
         return (*self._hooked, *self.layers)
+
+
+def _pad(values: np.ndarray, shape: tuple[int, ...], spec: StateSpec) -> np.ndarray:
+    """``values`` grown along its first axis to ``shape`` with fresh entries (rows only grow)."""
+    if values.shape == shape:
+        return values
+    grown = np.full(shape, spec.identity, dtype=np.float64)
+    grown[: values.shape[0]] = values
+    return grown
+
+
+def _combine(old: np.ndarray, new: np.ndarray, reduce: Reduce) -> np.ndarray:
+    if reduce == "sum":
+        return np.asarray(old + new)
+    if reduce == "max":
+        return np.asarray(np.maximum(old, new))
+    if reduce == "min":
+        return np.asarray(np.minimum(old, new))
+    return new
 
 
 def _pool(part: torch.Tensor, reduce: Reduce) -> torch.Tensor:

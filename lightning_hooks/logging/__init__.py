@@ -1,6 +1,12 @@
 """Writing statistics: scalars to Lightning loggers, figures to TensorBoard."""
 
-from lightning_hooks.logging.dashboard import dashboard_layout, record_tags, write_dashboard
+from lightning_hooks.logging.dashboard import (
+    dashboard_layout,
+    record_tags,
+    step_tag,
+    step_tags,
+    write_dashboard,
+)
 from lightning_hooks.logging.figures import grad_flow_figure, layer_epoch_heatmap, layer_time_figure
 from lightning_hooks.logging.histograms import histogram_raw, log_histogram
 from lightning_hooks.logging.images import feature_map_grid
@@ -10,6 +16,7 @@ from lightning_hooks.logging.writer import (
     log_image,
     log_scalars,
     log_text,
+    save_loggers,
     tensorboard_writers,
 )
 
@@ -27,6 +34,9 @@ __all__ = [
     "log_scalars",
     "log_text",
     "record_tags",
+    "save_loggers",
+    "step_tag",
+    "step_tags",
     "tensorboard_writers",
     "write_dashboard",
 ]

@@ -2,10 +2,14 @@
 
 Every scalar tag the library logs follows ``<family>/<stat>/<layer>`` (per layer),
 ``<family>/global/<stat>`` (over all layers; ``<stat>_p50`` for a percentile over layers) or
-``<family>/alarms/<rule>``. The dashboard has one chart per ``(family, stat)`` holding every
-layer's line and the global lines of that statistic, so the number of panels is bounded by the
-number of statistics, whatever the number of layers (the number of lines in a chart is bounded by
-the callbacks' own ``max_layers_logged``), and one chart per family for its alarms.
+``<family>/alarms/<rule>``. A value of one logging step (see :func:`step_tag`) has ``_step``
+after its statistic, Lightning's convention for a metric logged on step:
+``<family>/<stat>_step/<layer>``; the epoch aggregate keeps the plain name, so the two never
+share a curve. The dashboard has one chart per ``(family, stat)`` holding every layer's line and
+the global lines of that statistic (its epoch chart, then its logging steps' chart), so the
+number of panels is bounded by the number of statistics, whatever the number of layers (the
+number of lines in a chart is bounded by the callbacks' own ``max_layers_logged``), and one chart
+per family for its alarms.
 
 The categories lead with the headline: gradient flow (its gradient norm first), then every
 family's alarms, activations, dead units, then the other families by name. TensorBoard shows the
@@ -21,10 +25,18 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["MAX_CHARTS", "chart_key", "dashboard_layout", "record_tags", "write_dashboard"]
+__all__ = [
+    "MAX_CHARTS",
+    "chart_key",
+    "dashboard_layout",
+    "record_tags",
+    "step_tag",
+    "step_tags",
+    "write_dashboard",
+]
 
 MAX_CHARTS = 64
 """At most this many charts in one run's layout; the families' own tags beyond it are dropped."""
@@ -48,6 +60,32 @@ _PERCENTILE = re.compile(r"_p\d+$")
 # Tags seen per TensorBoard writer, and the charts already written to it.
 _SEEN: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
 _WRITTEN: weakref.WeakKeyDictionary[Any, frozenset[tuple[str, str]]] = weakref.WeakKeyDictionary()
+
+
+STEP = "_step"
+"""The suffix of a statistic's name in the tags of one logging step."""
+
+
+def step_tag(tag: str) -> str:
+    """The tag of ``tag``'s value at one logging step: ``_step`` after the statistic's name.
+
+    Example:
+        >>> step_tag("grad_flow/grad_norm/encoder.0"), step_tag("grad_flow/global/grad_norm_p50")
+        ('grad_flow/grad_norm_step/encoder.0', 'grad_flow/global/grad_norm_step_p50')
+        >>> step_tag("layer_time/step_ms"), step_tag("grad_flow/alarms/spike")
+        ('layer_time/step_ms_step', 'grad_flow/alarms_step/spike')
+    """
+    parts = tag.split("/")
+    at = 2 if len(parts) > 2 and parts[1] == "global" else min(1, len(parts) - 1)
+    percentile = _PERCENTILE.search(parts[at])
+    cut = percentile.start() if percentile else len(parts[at])
+    parts[at] = parts[at][:cut] + STEP + parts[at][cut:]
+    return "/".join(parts)
+
+
+def step_tags(values: Mapping[str, float]) -> dict[str, float]:
+    """``values`` under their :func:`step_tag`."""
+    return {step_tag(tag): value for tag, value in values.items()}
 
 
 def chart_key(tag: str) -> tuple[str, str] | None:
@@ -90,10 +128,11 @@ def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, lis
     layout: dict[str, dict[str, list[Any]]] = {}
     for family, stat in sorted(set(keys), key=_chart_rank)[:MAX_CHARTS]:
         fam, st = re.escape(family), re.escape(stat)
-        if stat == "alarms":
-            layout.setdefault(f"{_CATEGORY_PREFIX}: alarms", {})[family] = [
+        if stat.removesuffix(STEP) == "alarms":
+            chart = family + stat.removeprefix("alarms")  # grad_flow, grad_flow_step
+            layout.setdefault(f"{_CATEGORY_PREFIX}: alarms", {})[chart] = [
                 "Multiline",
-                [f"^{fam}/alarms/.*"],
+                [f"^{fam}/{st}/.*"],
             ]
             continue
         regexes = [f"^{fam}/{st}/.*", f"^{fam}/global/{st}(_p\\d+)?$"]
@@ -104,10 +143,12 @@ def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, lis
 def _chart_rank(key: tuple[str, str]) -> tuple[int, str, int, str]:
     """Sort key of a chart: its category's rank, then the statistic's."""
     family, stat = key
-    category = "alarms" if stat == "alarms" else family
+    base = stat.removesuffix(STEP)
+    category = "alarms" if base == "alarms" else family
     first = _CATEGORY_ORDER.index(category) if category in _CATEGORY_ORDER else len(_CATEGORY_ORDER)
-    within = _CHART_ORDER.index(stat) if stat in _CHART_ORDER else len(_CHART_ORDER)
-    return first, category, within, f"{family}/{stat}"
+    within = _CHART_ORDER.index(base) if base in _CHART_ORDER else len(_CHART_ORDER)
+    # A statistic's epoch chart first, its per-step chart right after.
+    return first, category, within, f"{family}/{base}/{stat != base:d}"
 
 
 def record_tags(writer: Any, tags: Iterable[str]) -> None:

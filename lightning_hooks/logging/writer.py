@@ -15,6 +15,7 @@ __all__ = [
     "log_image",
     "log_scalars",
     "log_text",
+    "save_loggers",
     "tensorboard_writers",
 ]
 
@@ -51,6 +52,13 @@ def log_scalars(loggers: Sequence[Any], metrics: Mapping[str, float], step: int)
         logger.log_metrics(dict(metrics), step=step)
     for writer in tensorboard_writers(loggers):
         record_tags(writer, metrics)
+
+
+def save_loggers(loggers: Sequence[Any]) -> None:
+    """Save every logger as Lightning does after its own ``log_metrics``: the
+    ``TensorBoardLogger`` flushes its event file, so what was written survives a SIGKILL."""
+    for logger in loggers:
+        logger.save()
 
 
 def log_figure(loggers: Sequence[Any], tag: str, figure: Figure, step: int) -> None:
