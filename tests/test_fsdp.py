@@ -137,16 +137,17 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         assert NAN_STEP == 5
         assert skip["steps"] == [4, 1, 1, 4, 4, 2, 1, 4]
         # Per epoch, GradFlowCallback alone: the steps', then one all_gather (the accumulator's
-        # window since the last logging step).
+        # window since the last logging step) and one all_gather (the instability statistics).
         # (the second epoch holds NAN_STEP: + the weights' attribution pass)
         assert [e["ours_by_name"] for e in skip["epochs"]] == [
-            {"all_gather": 4 + 2 + 2 + 1, "all_reduce": 2},
             {"all_gather": 4 + 2 + 2 + 1 + 1, "all_reduce": 2},
+            {"all_gather": 4 + 2 + 2 + 1 + 1 + 1, "all_reduce": 2},
         ]
         # Every callback: + the gradient histogram's counts over the shard group, and one packed
-        # all_gather each for activations, dead units and saturation (LayerStat).
+        # all_gather each for activations, dead units and saturation (LayerStat), one for the
+        # instability statistics.
         assert [e["ours_by_name"] for e in fsdp["epochs"]] == [
-            {"all_gather": 4 * (2 + 1 + 3) + 1 + 3, "all_reduce": 4 + 1}
+            {"all_gather": 4 * (2 + 1 + 3) + 1 + 3 + 1, "all_reduce": 4 + 1}
         ] * 2
         # Accumulating 2 batches, clipped: one more all_gather, of the post-clip norms (+ 2 at
         # the logging step).
@@ -155,7 +156,7 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         # the logging steps' reduce across the replicas.
         assert hsdp["steps"] == [2 + 3] * 8
         assert [e["ours_by_name"] for e in hsdp["epochs"]] == [
-            {"all_gather": 4 * (1 + 3) + 1 + 3, "all_reduce": 4}
+            {"all_gather": 4 * (1 + 3) + 1 + 3 + 1, "all_reduce": 4}
         ] * 2
 
 

@@ -20,7 +20,12 @@ from lightning_hooks.core.stability import StabilityStats, mha_logit_max
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
 
-STEPS, EVERY = 4, 2  # one epoch of 4 steps; steps 0 and 2 are sampled
+STEPS, EVERY = 4, 2  # one epoch of 4 steps; steps 0 (the epoch's first), 1 and 3 are sampled
+
+
+def _is_sampled(step: int, batch_idx: int) -> bool:
+    """The callbacks' schedule: Lightning's logging steps and each epoch's first step."""
+    return batch_idx == 0 or (step + 1) % EVERY == 0
 
 
 def reference_logit_max(
@@ -65,12 +70,13 @@ class TinyTransformer(pl.LightningModule):
         self.head = nn.Linear(16, 5)
         self.expected_attn: dict[str, list[float]] = defaultdict(list)
         self.expected_logz: list[torch.Tensor] = []
+        self.batch_idx = -1
         for name, module in self.named_modules():
             if isinstance(module, nn.MultiheadAttention):
                 module.register_forward_pre_hook(self._capture(name), with_kwargs=True)
 
     def _sampled(self) -> bool:
-        return self.training and self.trainer.global_step % EVERY == 0
+        return self.training and _is_sampled(self.trainer.global_step, self.batch_idx)
 
     def _capture(self, name: str) -> Any:
         def hook(mha: nn.MultiheadAttention, args: Any, kwargs: dict[str, Any]) -> None:
@@ -90,6 +96,7 @@ class TinyTransformer(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch  # x: [N, L, 4], y: [N, L]
+        self.batch_idx = batch_idx
         pad = torch.zeros(y.shape, dtype=torch.bool)
         pad[:, 1:3] = True  # positions 1 and 2 are padding, and large: they would give the max
         x = torch.where(pad[..., None], x * 10, x)
@@ -124,12 +131,12 @@ def test_transformer_logs_attention_logits_and_logz_equal_to_torch(
         f"stability/attn_logit_max/{name}" for name in attention
     ]
     for name in attention:
-        assert len(model.expected_attn[name]) == 2  # steps 0 and 2 only
+        assert len(model.expected_attn[name]) == 3  # steps 0, 1 and 3 only
         [(step, value)] = scalars[f"stability/attn_logit_max/{name}"]
         assert step == STEPS
         assert value == pytest.approx(max(model.expected_attn[name]), rel=1e-5)
     logz = torch.cat(model.expected_logz)
-    assert len(model.expected_logz) == 2
+    assert len(model.expected_logz) == 3
     assert scalars["stability/logit_logz/head"] == [(STEPS, pytest.approx(logz.mean().item()))]
     assert scalars["stability/logit_logz_max/head"] == [(STEPS, pytest.approx(logz.max().item()))]
     assert hooks_left(model) == [
@@ -148,7 +155,7 @@ class ClassifierMLP(TinyMLP):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         logits = self(x)
-        if self.trainer.global_step % EVERY == 0:
+        if _is_sampled(self.trainer.global_step, batch_idx):
             self.expected.append(torch.logsumexp(logits.detach(), -1))
         return functional.cross_entropy(logits, (y[:, 0] > 0).long())
 
@@ -162,7 +169,7 @@ def test_mlp_has_no_attention_tags_and_logs_its_heads_logz(tmp_path: Path) -> No
         "stability/logit_logz_max/net.4",
     ]
     logz = torch.cat(model.expected)
-    assert len(model.expected) == 2
+    assert len(model.expected) == 3
     assert scalars["stability/logit_logz/net.4"][0][1] == pytest.approx(logz.mean().item())
     assert scalars["stability/logit_logz_max/net.4"][0][1] == pytest.approx(logz.max().item())
     assert hooks_left(model) == []

@@ -80,6 +80,6 @@ def test_every_layer_stat_under_ddp_equals_one_process(ddp_out: Path, tmp_path: 
 def test_one_collective_per_statistic_per_epoch(ddp_out: Path) -> None:
     for rank in (0, 1):
         report = json.loads((ddp_out / f"rank{rank}.json").read_text())
-        # one per callback at each of an epoch's 4 logging steps and at its end
-        assert [e["ours"] for e in report["epochs"]] == [4 * 5, 4 * 5]
-        assert report["ours"] == {"all_gather": 2 * 4 * 5}
+        # one per callback (5 of them) at each of an epoch's 4 logging steps and at its end
+        assert [e["ours"] for e in report["epochs"]] == [5 * 5, 5 * 5]
+        assert report["ours"] == {"all_gather": 2 * 5 * 5}
