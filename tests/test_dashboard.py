@@ -23,6 +23,9 @@ from tensorboard_server import charts, read_layouts
 
 
 def test_one_layout_per_run_one_chart_per_statistic_matching_every_layer(tmp_path: Path) -> None:
+    # Seeded: TinyMLP's loss on 4 batches of 8 random samples bounces enough that, for some
+    # initialisations, the diverging rule warns (docs/alarms.md: small noisy runs).
+    pl.seed_everything(0, verbose=False)
     make_trainer(tmp_path, max_epochs=3, callbacks=[GradFlowCallback()]).fit(TinyMLP())
     layouts = read_layouts(tmp_path)
     # At the first logging step (its step charts) and the first epoch end (the epoch's): not
@@ -32,7 +35,11 @@ def test_one_layout_per_run_one_chart_per_statistic_matching_every_layer(tmp_pat
     scalar_tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
     stats = {tag.split("/")[1] for tag in scalar_tags} - {"global"}
     assert {"alarms", "alarms_step"} <= stats, "the default alarms log a count per rule"
-    logz = {"lightning_hooks: stability/logit_logz", "lightning_hooks: stability/logit_logz_max"}
+    logz = {
+        f"lightning_hooks: stability/logit_logz{kind}{when}"
+        for kind in ("", "_max")
+        for when in ("", "_step")
+    }
     assert (
         set(found)
         == {f"lightning_hooks: grad_flow/{s}" for s in stats - {"alarms", "alarms_step"}}
@@ -120,8 +127,8 @@ def test_a_thousand_layer_mlp_stays_bounded(tmp_path: Path) -> None:
     assert len(tags) <= (10 + 7) * (100 + 1 + 3) + 2 + 2 * len(ALARM_RULES) + 1
     layout = read_layouts(tmp_path)[-1]  # the last one written is the one TensorBoard shows
     # one chart per statistic and one for the alarms, per epoch and per step, and two for the
-    # output layer's log Z, whatever the depth
-    assert len(charts(layout)) == 10 + 7 + 2 + 2 <= MAX_CHARTS
+    # output layer's log Z, per epoch and per step, whatever the depth
+    assert len(charts(layout)) == 10 + 7 + 2 + 2 * 2 <= MAX_CHARTS
     acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"images": 0})
     acc.Reload()
     (image,) = acc.Images("grad_flow/chart")

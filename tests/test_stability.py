@@ -139,6 +139,15 @@ def test_transformer_logs_attention_logits_and_logz_equal_to_torch(
     assert len(model.expected_logz) == 3
     assert scalars["stability/logit_logz/head"] == [(STEPS, pytest.approx(logz.mean().item()))]
     assert scalars["stability/logit_logz_max/head"] == [(STEPS, pytest.approx(logz.max().item()))]
+    # Each logging step (the sampled steps 0, 1, 3) has its own values, under ``_step`` tags.
+    for name in attention:
+        got = scalars[f"stability/attn_logit_max_step/{name}"]
+        assert [s for s, _ in got] == [0, 1, 3]
+        assert [v for _, v in got] == pytest.approx(model.expected_attn[name], rel=1e-5)
+    for tag, reduce in (("logit_logz_step", torch.mean), ("logit_logz_max_step", torch.amax)):
+        got = scalars[f"stability/{tag}/head"]
+        want = [reduce(z).item() for z in model.expected_logz]
+        assert [s for s, _ in got] == [0, 1, 3] and [v for _, v in got] == pytest.approx(want)
     assert hooks_left(model) == [
         f"{name}._forward_pre_hooks" for name in attention
     ]  # the test's own capture hooks only
@@ -167,6 +176,8 @@ def test_mlp_has_no_attention_tags_and_logs_its_heads_logz(tmp_path: Path) -> No
     assert sorted(t for t in scalars if t.startswith("stability/")) == [
         "stability/logit_logz/net.4",
         "stability/logit_logz_max/net.4",
+        "stability/logit_logz_max_step/net.4",
+        "stability/logit_logz_step/net.4",
     ]
     logz = torch.cat(model.expected)
     assert len(model.expected) == 3
@@ -270,5 +281,5 @@ def test_resumed_mid_epoch_logs_what_the_whole_fit_logs(tmp_path: Path) -> None:
     ]["layers"]
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     resumed = fit(tmp_path / "second", path, callbacks=[again], enable_checkpointing=True)
-    assert len(whole) == 4
+    assert len(whole) == 8  # 4 per epoch, 4 of the last logging step
     assert resumed == pytest.approx(whole, rel=1e-5)

@@ -96,6 +96,7 @@ class GradFlowCallback(HookCallback):
     ``stability/logit_logz/{layer}``            the output layer's ``logsumexp`` over its last
                                                 dimension, mean over positions and steps
     ``stability/logit_logz_max/{layer}``        the same, max
+    ``stability/{stat}_step/{layer}``           each of the three at each logging step
     ``grad_flow/grad_log10_abs/{layer}``        with ``histograms=True``: histogram of
     (histogram)                                 ``log10 |g|`` over the epoch's steps
     ==========================================  ================================================
@@ -285,6 +286,8 @@ class GradFlowCallback(HookCallback):
         if self._tracker is None:
             return
         self._tracker.post_window(step)
+        if self._stability is not None:
+            self._stability.post_window(step)
         if self._tracker.alarms is not None:
             self.policy.log_step(trainer, self._tracker.alarms, step)
 
@@ -295,6 +298,11 @@ class GradFlowCallback(HookCallback):
             return False
         step, stats = got
         scalars = grad_flow_step_scalars(stats, self.max_layers_logged)
+        stat = self._stability
+        # Posted right after the tracker's window, at the same step: its copy is done too.
+        window = None if stat is None else stat.read_window(wait=True)
+        if stat is not None and window is not None:
+            scalars.update(stat.step_values(window[1]))
         log_scalars(trainer.loggers, step_tags(scalars), step)
         return True
 
