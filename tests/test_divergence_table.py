@@ -1,0 +1,48 @@
+"""The divergence table in docs/alarms.md and the README is the saved run of
+``benchmarks/divergence.py`` (``benchmarks/results/divergence.json``), recounted from its runs,
+and that run used today's defaults: change the rules or the table, and this fails."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from lightning_hooks import AlarmRules
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = json.loads((ROOT / "benchmarks" / "results" / "divergence.json").read_text())
+
+
+def _recount(runs: list[dict[str, Any]]) -> tuple[str, str, str]:
+    """``warned in time``, ``median lead`` and ``healthy warned`` cells, from the runs alone."""
+    divergent = [r for r in runs if r["diverges_at"] is not None]
+    healthy = [r for r in runs if r["diverges_at"] is None]
+    in_time = [
+        r
+        for r in divergent
+        if r["first_warning"] is not None and r["first_warning"] <= r["diverges_at"]
+    ]
+    leads = [r["diverges_at"] - r["first_warning"] for r in in_time]
+    lead = f"{statistics.median(leads):g}" if leads else "-"
+    warned = [r for r in healthy if r["first_warning"] is not None]
+    return f"{len(in_time)} of {len(divergent)}", lead, f"{len(warned)} of {len(healthy)}"
+
+
+def test_the_saved_run_used_todays_defaults() -> None:
+    assert RESULTS["defaults"] == dataclasses.asdict(AlarmRules())
+
+
+def test_docs_table_rows_are_the_saved_runs_recounted() -> None:
+    docs = (ROOT / "docs" / "alarms.md").read_text()
+    for name, rule_set in RESULTS["rule_sets"].items():
+        in_time, lead, healthy = _recount(rule_set["runs"])
+        assert f"| {name} | {in_time} | {lead} | {healthy} |" in docs, name
+
+
+def test_readme_quotes_the_defaults_row() -> None:
+    in_time, _, healthy = _recount(RESULTS["rule_sets"]["lightning_hooks, defaults"]["runs"])
+    readme = (ROOT / "README.md").read_text()
+    assert f"in {in_time} real divergent runs, on {healthy} healthy ones" in readme
