@@ -294,6 +294,35 @@ def test_every_callback_at_its_defaults_on_a_third_party_model(name: str, tmp_pa
     assert any(tag.startswith("feature_map/abs_mean/") for tag in scalars)
 
 
+class BuiltInConfigureModel(Recorded):
+    """Lightning's recipe for large and sharded models: the layers are built in
+    ``configure_model``, which Lightning calls after the callbacks' ``setup``."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Sequential(), _classify)  # no parameter until configure_model
+
+    def configure_model(self) -> None:
+        if len(self.net) == 0:  # type: ignore[arg-type]
+            self.net.extend([nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.ReLU(), nn.Linear(16, 10)])
+
+
+def test_layers_built_in_configure_model_are_watched(tmp_path: Path) -> None:
+    model = BuiltInConfigureModel()
+    model.train_dataloader = lambda: DataLoader(_images(size=8), batch_size=4)  # type: ignore[method-assign]
+    trainer = _trainer(pl.Trainer, tmp_path, pl.loggers.TensorBoardLogger)
+    ours = _fit_quietly(trainer, model)
+    assert all(_FINDINGS.search(m) for m in ours), ours
+    assert _idle(ours) == {"SaturationCallback"}, ours  # no sigmoid or tanh: nothing else idles
+    assert trainer.global_step == 3 and hooks_left(model) == []
+    last = {tag: values[-1][1] for tag, values in read_scalars(tmp_path).items()}
+    for layer in ("global", "net.1", "net.3"):
+        tag = "grad_flow/global/grad_norm" if layer == "global" else f"grad_flow/grad_norm/{layer}"
+        want = sum(step[layer] for step in model.grads) / len(model.grads)
+        assert math.isclose(last[tag], want, rel_tol=1e-4), (tag, last[tag], want)
+    assert "dead_relu/zero_fraction/net.2" in last
+    assert "activations/mean/net.2" in last
+
+
 # --- Lightning's own demos, on the lightning.pytorch Trainer --------------------------------------
 
 

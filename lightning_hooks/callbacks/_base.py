@@ -230,6 +230,11 @@ class HookCallback(_CallbackBase):
                 f"{[type(lg).__name__ for lg in trainer.loggers]}, images need TensorBoard.",
                 category=LightningHooksWarning,
             )
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After ``configure_model``, which Lightning calls after ``setup``: layers built there
+        # (its recipe for FSDP and large models) exist now. Still before the first batch.
         self._idle = False
         self._validate(pl_module)
 
