@@ -234,6 +234,7 @@ class GradFlowCallback(HookCallback):
             layout = self._tracker.layout
             self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
         self.policy.restore(self._tracker.alarms)
+        self.policy.plan_loss(pl_module, self.alarms)
 
     @override
     def _detach(self) -> None:
