@@ -80,7 +80,9 @@ class AlarmPolicy:
     - ``warn``: a :class:`~lightning_hooks.errors.GradientAlarmWarning` on rank 0, once per
       rule and layer per epoch (then only counted);
     - ``stop``: warn, and ``trainer.should_stop``, agreed across ranks;
-    - ``raise``: a :class:`~lightning_hooks.errors.GradientAlarmError`;
+    - ``raise``: a :class:`~lightning_hooks.errors.GradientAlarmError`; under DDP on every rank at
+      the same step (the gradient rules read the all-reduced gradient, the loss rules the mean
+      loss over ranks);
     - ``skip``: warn, and the step is not applied (every gradient of the optimizer set to
       ``None``): needs the verdict of the current step, so :attr:`wait` is true.
 
@@ -148,7 +150,8 @@ class AlarmPolicy:
             if action == "skip" and optimizer is not None and alarm.step == trainer.global_step:
                 _skip_step(optimizer)
         if self._stop:
-            # Ranks see the same all-reduced gradients, so they agree; under FSDP they may not.
+            # Ranks see the same all-reduced gradients and mean loss, so they agree; under FSDP
+            # they may not.
             trainer.should_stop |= trainer.strategy.reduce_boolean_decision(stop, all=False)
 
     def plan_loss(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
