@@ -180,7 +180,8 @@ class AlarmPolicy:
             "GradFlowCallback: the loss rules (diverging, loss_spike) are off in this fit: under "
             "manual optimization in a distributed run a rank's training_step may return no loss, "
             "and the ranks would disagree on the loss's all_reduce; the gradient rules still run. "
-            "Pass alarms=AlarmRules(diverge_ratio=None) to turn them off without this warning.",
+            "Pass alarms=AlarmRules(diverge_ratio=None) (without loss_factor) to turn them off "
+            "without this warning.",
             category=LightningHooksWarning,
         )
 
