@@ -1,11 +1,14 @@
 """A 2-process CPU DDP fit (gloo) with GradFlowCallback, run as a script by test_distributed.py.
 
 Lightning's DDP launcher re-runs this script for rank 1, so everything happens under ``main()``.
-Three fits in one launch: 10 layers logged to TensorBoard, 200 layers to a CSVLogger (which
-makes the callback warn that the chart needs TensorBoard), and 10 layers with gradient
-accumulation and clipping. Every ``torch.distributed`` collective is
-counted per epoch (all of them, and those made from the ``lightning_hooks`` package); each rank
-writes ``rank{r}.json`` into ``--out``. Each rank gets half of each global batch of 8 (a
+Fits in one launch: 10 layers logged to TensorBoard, 200 layers to a CSVLogger (which makes the
+callback warn that the chart needs TensorBoard), 10 layers with gradient accumulation and
+clipping; then the loss rules: rank 1's loss jumps by ``OFFSET`` from optimizer step ``JUMP`` on
+(rank 0's does not), under the default ``on_alarm`` and then ``{"diverging": "raise"}`` (last:
+the error ends that fit on both ranks), and a manual-optimization fit whose rank 1 returns no
+loss. Every ``torch.distributed`` collective is counted per batch and per epoch (all of them, and
+those made from the ``lightning_hooks`` package); each rank writes ``rank{r}.json`` into
+``--out``. Each rank gets half of each global batch of 8 (a
 ``DistributedSampler`` without shuffling: rank ``r`` takes samples ``r, r + 2, ...``), so
 ``fit(..., devices=1)`` sees the same global batches in one process.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +31,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 SAMPLES = 32
 ACCUMULATE_CLIP: dict[str, Any] = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+JUMP = 5  # the optimizer step from which rank 1's loss is OFFSET higher
+OFFSET = 20.0  # a constant: the gradients, and so the training, do not change
 
 
 def regression_loader(batch_size: int) -> DataLoader[Any]:
@@ -64,6 +70,84 @@ class DeepMLP(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader[Any]:
         return regression_loader(self.batch_size)
+
+
+class JumpingLoss(DeepMLP):
+    """``DeepMLP(10)`` whose rank 1 adds ``OFFSET`` to its loss from step ``JUMP`` on; every
+    rank records the loss it returns at each optimizer step (``losses``)."""
+
+    def __init__(self) -> None:
+        super().__init__(depth=10, batch_size=SAMPLES // 4 // 2)
+        self.losses: dict[int, float] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if dist.get_rank() == 1 and self.trainer.global_step >= JUMP:
+            loss = loss + OFFSET
+        self.losses[self.trainer.global_step] = loss.item()
+        return loss
+
+
+class ManualSkip(DeepMLP):
+    """``DeepMLP(10)`` under manual optimization: rank 0 returns its loss, rank 1 nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(depth=10, batch_size=SAMPLES // 4 // 2)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:  # type: ignore[override]
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        optimizer.step()  # type: ignore[union-attr]
+        return loss if dist.get_rank() == 0 else None
+
+
+class AlarmLog(pl.Callback):
+    """Each epoch's alarms as ``GradFlowCallback`` holds them after the batch (put it after)."""
+
+    def __init__(self, watched: Any) -> None:
+        self.watched = watched
+        self.epochs: dict[int, list[tuple[str, int, float]]] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        alarms = self.watched._tracker.alarms
+        self.epochs[trainer.current_epoch] = [(a.rule, a.step, a.value) for a in alarms.log]
+
+
+def loss_fit(root: Path, model: DeepMLP, on_alarm: Any = "warn") -> dict[str, Any]:
+    """A 2-process fit of ``model`` with ``GradFlowCallback(on_alarm=on_alarm)``: each epoch's
+    alarms, the losses, the collectives per batch, the warnings and the error on this rank."""
+    from lightning_hooks import GradFlowCallback
+    from lightning_hooks.errors import GradientAlarmError, LightningHooksWarning
+
+    grad_flow = GradFlowCallback(on_alarm=on_alarm, chart=False)
+    log, counter = AlarmLog(grad_flow), CollectiveCounter()
+    trainer = pl.Trainer(
+        devices=2,
+        strategy="ddp",
+        callbacks=[grad_flow, log, counter],
+        **trainer_options(root, "tensorboard"),
+    )
+    report: dict[str, Any] = {"error": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(model)
+        except GradientAlarmError as err:
+            report["error"] = {"rule": err.rule, "step": err.step, "value": err.value}
+        finally:
+            counter.restore()
+    report["warnings"] = [
+        str(w.message) for w in caught if issubclass(w.category, LightningHooksWarning)
+    ]
+    report["alarms"] = log.epochs
+    report["losses"] = getattr(model, "losses", {})
+    report["steps"] = counter.steps
+    report["global_step"] = trainer.global_step
+    report["loss_reading"] = grad_flow.policy.loss_reading
+    return report
 
 
 def trainer_options(root: Path, logger: str) -> dict[str, Any]:
@@ -112,7 +196,11 @@ def main() -> None:
     for depth, logger in ((10, "tensorboard"), (200, "csv")):
         counter = fit(args.out / f"depth{depth}", depth, logger, devices=2)
         report[f"depth{depth}"] = {"epochs": counter.epochs, "ours": dict(counter.ours)}
-    fit(args.out / "accumulate_clip", 10, "tensorboard", devices=2, **ACCUMULATE_CLIP)
+    counter = fit(args.out / "accumulate_clip", 10, "tensorboard", devices=2, **ACCUMULATE_CLIP)
+    report["accumulate_clip"] = {"steps": counter.steps}
+    report["warn"] = loss_fit(args.out / "warn", JumpingLoss())
+    report["manual"] = loss_fit(args.out / "manual", ManualSkip())
+    report["raise"] = loss_fit(args.out / "raise", JumpingLoss(), {"diverging": "raise"})
     report["rank"] = dist.get_rank()
     report["world_size"] = dist.get_world_size()
     report["backend"] = dist.get_backend()

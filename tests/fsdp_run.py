@@ -117,7 +117,7 @@ def callbacks(run: str) -> list[pl.Callback]:
         sentinel = AlarmRules(every_n_steps=1)
         return [GradFlowCallback(on_alarm=run, chart=False, every_n_steps=4, alarms=sentinel)]
     if run == "stop":  # every statistic at every step: the NaN step is counted in grad_nonfinite
-        # The gradient rules: the loss rule reads each rank's own loss, not the global batch's.
+        # The gradient rules only: what is compared is the stop at the NaN's step.
         rules = AlarmRules(diverge_ratio=None)
         return [GradFlowCallback(on_alarm=run, chart=False, alarms=rules)]
     if run == "clip":  # + the gradient norm after clipping, read in the optimizer's post-hook

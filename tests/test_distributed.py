@@ -2,7 +2,8 @@
 
 One launch of ``tests/ddp_run.py`` (about 40 s on 2 shared cores, most of it importing Lightning
 twice) serves every test here: three fits, 10 and 200 layers, and 10 with accumulation and
-clipping.
+clipping; then the loss rules on a loss that jumps on rank 1 only (warn, then raise), and a
+manual-optimization fit whose rank 1 returns no loss.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from ddp_run import ACCUMULATE_CLIP, DeepMLP, fit
+from ddp_run import ACCUMULATE_CLIP, JUMP, OFFSET, DeepMLP, fit
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning import Trainer
 from pytorch_lightning.loggers import TensorBoardLogger
@@ -80,7 +81,8 @@ def test_ddp_statistics_equal_one_process_on_the_global_batch(
 def test_only_rank_zero_writes_and_warns_once(ddp_run: tuple[Path, str]) -> None:
     out, output = ddp_run
     events = sorted(p.relative_to(out).parts[:3] for p in out.rglob("events.out.tfevents.*"))
-    assert events == [("accumulate_clip", "tb", "version_0"), ("depth10", "tb", "version_0")]
+    fits = ("accumulate_clip", "depth10", "manual", "raise", "warn")
+    assert events == [(fit, "tb", "version_0") for fit in fits]
     assert [p.relative_to(out).parts[0] for p in out.rglob("metrics.csv")] == ["depth200"]
     assert output.count("images need TensorBoard") == 1
 
@@ -92,11 +94,73 @@ def test_collectives_per_epoch_do_not_grow_with_layers(ddp_run: tuple[Path, str]
         small, large = report["depth10"], report["depth200"]
         # ours, at each of an epoch's 4 logging steps (log_every_n_steps=1): one all_reduce
         # (output-gradient series) + one all_gather (accumulator states) + one all_gather (the
-        # instability statistics' states); at its end one all_gather each (the windows since
-        # the last logging step)
-        assert [e["ours"] for e in small["epochs"]] == [4 * 3 + 1 + 1] * 2
+        # instability statistics' states) + one all_reduce (the loss, for the diverging rule,
+        # on at the defaults); at its end one all_gather each (the windows since the last
+        # logging step)
+        assert [e["ours"] for e in small["epochs"]] == [4 * (3 + 1) + 1 + 1] * 2
         assert large["epochs"] == small["epochs"]
-        assert large["ours"] == {"all_reduce": 2 * 4, "all_gather": 2 * 10}
+        assert large["ours"] == {"all_reduce": 2 * 4 * 2, "all_gather": 2 * 10}
+        # Accumulating 2 batches: the loss's all_reduce at every batch (each rank ends as many
+        # batches), the 3 of the logging step at each optimizer step.
+        assert report["accumulate_clip"]["steps"] == [1, 1 + 3] * 4
+        # Manual optimization: the loss rules are off, so no loss all_reduce.
+        assert report["manual"]["steps"] == [3] * 8
+        assert report["warn"]["steps"] == [3 + 1] * 8
+
+
+def test_loss_rules_read_the_mean_loss_and_raise_on_every_rank(
+    ddp_run: tuple[Path, str],
+) -> None:
+    # Rank 1's loss jumps by OFFSET from step JUMP on, rank 0's does not: the diverging rule reads
+    # the mean over ranks, so both ranks raise at JUMP (a rank that did not would leave the other
+    # waiting in the next collective: the launch's timeout would fail the fixture).
+    out, _ = ddp_run
+    ranks = [_report(out, r)["raise"] for r in (0, 1)]
+    losses = [{int(s): v for s, v in r["losses"].items()} for r in ranks]
+    assert max(losses[0].values()) < OFFSET / 4 < losses[1][JUMP]  # only rank 1's jumps
+    for report in ranks:
+        assert report["loss_reading"] == "mean"
+        assert report["error"]["rule"] == "diverging" and report["error"]["step"] == JUMP
+        assert report["global_step"] == JUMP + 1
+        want = (losses[0][JUMP] + losses[1][JUMP]) / 2  # the mean of what each rank returned
+        assert math.isclose(report["error"]["value"], want, rel_tol=1e-6), (report, want)
+
+
+def test_default_actions_count_the_same_alarms_on_every_rank(
+    ddp_run: tuple[Path, str],
+) -> None:
+    out, _ = ddp_run
+    ranks = [_report(out, r)["warn"] for r in (0, 1)]
+    assert ranks[0]["alarms"] == ranks[1]["alarms"]  # rule, step and value of every alarm
+    losses = [{int(s): v for s, v in r["losses"].items()} for r in ranks]
+    diverging = [a for a in ranks[0]["alarms"]["1"] if a[0] == "diverging"]
+    assert [step for _, step, _ in diverging] == list(range(JUMP, 8))  # from the jump on
+    for _, step, value in diverging:
+        assert math.isclose(value, (losses[0][step] + losses[1][step]) / 2, rel_tol=1e-6)
+    # "warn": once per rule and epoch, on rank 0 only
+    assert [
+        w.startswith(f"loss diverging at optimizer step {JUMP}:") for w in ranks[0]["warnings"]
+    ] == [True]
+    assert ranks[1]["warnings"] == []
+    # rank 0's TensorBoard counts (each epoch's, at its last step) are those alarms
+    logged = read_scalars(out / "warn" / "tb")["grad_flow/alarms/diverging"]
+    assert logged == [(4, 0.0), (8, float(len(diverging)))]
+
+
+def test_manual_optimization_turns_the_loss_rules_off_with_one_warning(
+    ddp_run: tuple[Path, str],
+) -> None:
+    # Rank 1's training_step returns nothing: a loss collective would hang rank 0.
+    out, _ = ddp_run
+    ranks = [_report(out, r)["manual"] for r in (0, 1)]
+    for report in ranks:
+        assert report["loss_reading"] == "off" and report["global_step"] == 8
+        assert report["alarms"] == {"0": [], "1": []}
+    # rank 0's warnings: one, this; rank 1 warns nothing (rank_zero_warn)
+    assert [w.split(": ")[1] for w in ranks[0]["warnings"]] == [
+        "the loss rules (diverging, loss_spike) are off in this fit"
+    ]
+    assert ranks[1]["warnings"] == []
 
 
 def test_sharded_strategy_is_refused_at_setup(tmp_path: Path) -> None:

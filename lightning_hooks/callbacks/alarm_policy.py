@@ -9,13 +9,15 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 
-from lightning_hooks.core.alarms import GradientAlarm, GradientAlarms
+from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
+from lightning_hooks.core.distributed import mean_over_ranks, world_size
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
 from lightning_hooks.logging import log_scalars, log_text, step_tags
 
 __all__ = ["AlarmPolicy"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
+LossReading = Literal["own", "mean", "off"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
 # amp_overflow: the GradScaler already acts, so it is counted, never acted on.
 _ACTIONABLE = ("spike", "absolute", "vanishing", "nonfinite", "loss_spike", "diverging")
@@ -78,7 +80,9 @@ class AlarmPolicy:
     - ``warn``: a :class:`~lightning_hooks.errors.GradientAlarmWarning` on rank 0, once per
       rule and layer per epoch (then only counted);
     - ``stop``: warn, and ``trainer.should_stop``, agreed across ranks;
-    - ``raise``: a :class:`~lightning_hooks.errors.GradientAlarmError`;
+    - ``raise``: a :class:`~lightning_hooks.errors.GradientAlarmError`; under DDP on every rank at
+      the same step (the gradient rules read the all-reduced gradient, the loss rules the mean
+      loss over ranks);
     - ``skip``: warn, and the step is not applied (every gradient of the optimizer set to
       ``None``): needs the verdict of the current step, so :attr:`wait` is true.
 
@@ -96,6 +100,8 @@ class AlarmPolicy:
         self._counted: dict[str, int] = {}
         self.saved: dict[str, Any] | None = None
         """The alarms' running state between fits, or from a checkpoint."""
+        self.loss_reading: LossReading = "own"
+        """What the loss rules read in this fit (:meth:`plan_loss`)."""
 
     def keep(self, alarms: GradientAlarms | None) -> None:
         """Save ``alarms``' state (the hooks are about to be removed)."""
@@ -144,18 +150,53 @@ class AlarmPolicy:
             if action == "skip" and optimizer is not None and alarm.step == trainer.global_step:
                 _skip_step(optimizer)
         if self._stop:
-            # Ranks see the same all-reduced gradients, so they agree; under FSDP they may not.
+            # Ranks see the same all-reduced gradients and mean loss, so they agree; under FSDP
+            # they may not.
             trainer.should_stop |= trainer.strategy.reduce_boolean_decision(stop, all=False)
+
+    def plan_loss(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
+        """Decide, at the start of a fit, what the loss rules read (:attr:`loss_reading`).
+
+        - ``"own"``: one process, or no loss rule on: the loss ``training_step`` returns;
+        - ``"mean"``: a distributed run (world size > 1) under automatic optimization: the mean
+          of the ranks' losses (one ``all_reduce`` per batch), as ``self.log(...,
+          sync_dist=True)`` computes it, so that every rank takes the same decision at the same
+          step. Every rank has a loss: Lightning raises when ``training_step`` returns ``None``
+          in a distributed run (``Skipping the `training_step` by returning None in distributed
+          training is not supported``), so every rank enters the collective;
+        - ``"off"``: a distributed run under manual optimization, where ``training_step`` may
+          return nothing on some ranks and a loss on others: the ranks that had a loss would wait
+          in the collective for ever. The loss rules are off (one warning); the gradient rules
+          run.
+        """
+        self.loss_reading = "own"
+        if rules is None or not rules.watches_loss or world_size() == 1:
+            return
+        if pl_module.automatic_optimization:
+            self.loss_reading = "mean"
+            return
+        self.loss_reading = "off"
+        rank_zero_warn(
+            "GradFlowCallback: the loss rules (diverging, loss_spike) are off in this fit: under "
+            "manual optimization in a distributed run a rank's training_step may return no loss, "
+            "and the ranks would disagree on the loss's all_reduce; the gradient rules still run. "
+            "Pass alarms=AlarmRules(diverge_ratio=None) (without loss_factor) to turn them off "
+            "without this warning.",
+            category=LightningHooksWarning,
+        )
 
     def observe_loss(
         self, trainer: pl.Trainer, alarms: GradientAlarms, outputs: Any, step: int
     ) -> None:
         """The loss rules (*diverging*, *loss_spike*) on ``training_step``'s loss (a device
-        tensor), when one is on."""
-        if not alarms.rules.watches_loss:
+        tensor), when one is on; in a distributed run on the mean over ranks (:meth:`plan_loss`).
+        """
+        if not alarms.rules.watches_loss or self.loss_reading == "off":
             return
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if isinstance(loss, torch.Tensor):
+            if self.loss_reading == "mean":
+                loss = mean_over_ranks(loss)  # a float32 copy: the user's loss is not touched
             alarms.update_loss(loss, step=step)
             self.act(trainer, None, alarms.poll())
 

@@ -109,8 +109,13 @@ class GradFlowCallback(HookCallback):
     optimizer step, whatever the statistics cadence: one multi-tensor L2 pass over the gradients
     before clipping, rules with O(layers) state on the device, a verdict read without blocking
     (same step on the CPU, the next on CUDA): *spike*, *absolute*, *vanishing*, *nonfinite*,
-    *amp_overflow* (counted) and the optional *loss_spike*. ``on_alarm``: ``"warn"``,
-    ``"stop"``, ``"raise"`` or ``"skip"`` (:class:`.alarm_policy.AlarmPolicy`). Under
+    *amp_overflow* (counted) and the optional *loss_spike*; the loss rule *diverging* on
+    every batch. Under DDP the loss rules read the mean loss over ranks, as
+    ``self.log(..., sync_dist=True)`` does (one ``all_reduce`` per batch, no host sync), so every
+    rank takes the same decision at the same step; under manual optimization in a distributed
+    run they are off, with one warning (:meth:`.alarm_policy.AlarmPolicy.plan_loss`).
+    ``on_alarm``: ``"warn"``, ``"stop"``, ``"raise"`` or ``"skip"``
+    (:class:`.alarm_policy.AlarmPolicy`). Under
     ``gradient_clip_val`` the gradient columns are the applied (clipped) gradient, read in an
     optimizer step post-hook, and ``grad_norm_preclip`` the one before clipping. Under
     ``16-mixed`` the loss scale is divided out on the device; under DDP the values equal one
@@ -234,6 +239,7 @@ class GradFlowCallback(HookCallback):
             layout = self._tracker.layout
             self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
         self.policy.restore(self._tracker.alarms)
+        self.policy.plan_loss(pl_module, self.alarms)
 
     @override
     def _detach(self) -> None:

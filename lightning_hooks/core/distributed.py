@@ -7,7 +7,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_stacked", "all_reduce_sum_", "is_distributed", "rank", "world_size"]
+__all__ = [
+    "all_gather_stacked",
+    "all_reduce_sum_",
+    "is_distributed",
+    "mean_over_ranks",
+    "rank",
+    "world_size",
+]
 
 
 def is_distributed() -> bool:
@@ -35,6 +42,25 @@ def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """The mean of ``tensor`` over the ranks, as a new float32 tensor on its device (one
+    collective: a sum, then a division, as gloo has no average); ``tensor`` is left unchanged.
+
+    Every rank of the default group must call it, in the same order as its other collectives.
+    Like any ``all_reduce`` it does not block the host on CUDA.
+
+    Example:
+        >>> loss = torch.tensor(2.0, dtype=torch.bfloat16)
+        >>> mean_over_ranks(loss)  # one process: a float32 copy
+        tensor(2.)
+    """
+    out = tensor.detach().to(torch.float32, copy=True)
+    if is_distributed() and dist.get_world_size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        out.div_(dist.get_world_size())
+    return out
 
 
 def all_gather_stacked(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
