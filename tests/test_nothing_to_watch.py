@@ -18,6 +18,7 @@ from lightning_hooks import (
     DeadReLUCallback,
     FeatureMapCallback,
     GradFlowCallback,
+    GradientAlarmWarning,
     LayerTimeCallback,
     LightningHooksWarning,
     SaturationCallback,
@@ -65,7 +66,14 @@ def test_defaults_with_nothing_to_watch_warn_once_and_train(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(model)
-        ours = [str(w.message) for w in caught if issubclass(w.category, LightningHooksWarning)]
+        # Not the alarms: this 4-step run's loss can jump 10x at one batch (and a jump the run
+        # does not come back from within the span is what *diverging* warns about).
+        ours = [
+            str(w.message)
+            for w in caught
+            if issubclass(w.category, LightningHooksWarning)
+            and not issubclass(w.category, GradientAlarmWarning)
+        ]
         assert len(ours) == 1, ours
         name = type(callback).__name__
         assert ours[0].startswith(f"{name}: the model has no ")
