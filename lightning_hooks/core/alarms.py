@@ -273,9 +273,12 @@ class GradientAlarms:
     - *loss_spike* (off by default): :meth:`update_loss`'s loss against its own running scale;
     - *diverging*: :meth:`update_loss`'s loss, its running mean (EMA over ``diverge_span``
       steps) against its best so far and the first step's loss: ``mean - best >=
-      (diverge_ratio - 1) * |best|`` and ``mean - best >= diverge_giveback * (first - best)``,
-      or a non-finite loss. Referenced from the first step (no blind start), and a loss near
-      zero does not fire on noise (it must give back a share of what it had learnt).
+      (diverge_ratio - 1) * |best| + diverge_noise * max(dev - (first - best) / 4, 0)`` and
+      ``mean - best >= diverge_giveback * (first - best)``, with ``dev`` the loss's mean
+      absolute deviation from its running mean before this step (an EMA over ``2 *
+      diverge_span`` steps), or a non-finite loss. Referenced from the first step (no blind
+      start); a loss near zero does not fire on noise (it must give back a share of what it had
+      learnt), nor does a noisy loss that learns little (it must rise beyond its own swings).
 
     A *spike* is a one-step fact (a transient, if the run recovers); *diverging* is the
     warning that the run is being lost. :attr:`spike_score` counts every alarm per 1,000
