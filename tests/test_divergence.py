@@ -211,6 +211,31 @@ def test_a_small_noisy_run_is_not_warned(tmp_path: Path, seed: int) -> None:
     assert _rule(model.losses, AlarmRules(diverge_noise=0.0)), model.losses
 
 
+class NaNLossAt(Digits):
+    """Digits whose returned loss is NaN at one step (its gradient stays the finite one)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(lr=1e-3, steps=20)
+        self.nan_step = step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == self.nan_step:
+            loss = loss + torch.full_like(loss, math.nan)  # a constant: the gradient is loss's
+        return loss
+
+
+def test_a_non_finite_loss_is_warned_at_its_step_and_leaves_the_state(tmp_path: Path) -> None:
+    model = NaNLossAt(step=6)
+    record = _fit(tmp_path, model)
+    assert len(model.losses) == 20 and all(map(math.isfinite, model.losses))  # before the NaN
+    assert [str(w.message).split(";")[0] for w in record] == [
+        "loss diverging at optimizer step 6: the loss is nan"
+    ]
+    # the steps after it are judged as if it had not been: the rule on the other losses is quiet
+    assert _rule(model.losses[:6] + model.losses[7:], AlarmRules()) == []
+
+
 def _texts(logdir: Path) -> list[str]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
