@@ -20,6 +20,7 @@ import json
 import sys
 import tempfile
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +159,11 @@ def main(argv: list[str] | None = None) -> None:
         }
         for kind, losses in runs.items()
     }
-    out = {"command": "PYTHONPATH=$PWD python benchmarks/noisy_runs.py", "warned_live": live}
+    out = {
+        "command": "PYTHONPATH=$PWD python benchmarks/noisy_runs.py",
+        "defaults": asdict(AlarmRules()),
+        "warned_live": live,
+    }
     out["warned_seeds"] = table
     out["runs"] = {kind: len(losses) for kind, losses in runs.items()}
     lines = [
