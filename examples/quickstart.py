@@ -30,7 +30,6 @@ class Regressor(pl.LightningModule):
 
 
 if __name__ == "__main__":
-    torch.manual_seed(0)
     x = torch.randn(512, 16)
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32, shuffle=True)
     trainer = pl.Trainer(

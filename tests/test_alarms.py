@@ -29,9 +29,8 @@ from conftest import TinyMLP, dataset, hooks_left, read_scalars
 
 LAYERS = ("net.0", "net.2", "net.4")
 RULES = ("spike", "absolute", "vanishing", "nonfinite", "amp_overflow", "loss_spike", "diverging")
-# The gradient rules alone: the loss of these fixtures (batches of 8, SGD with momentum at 0.05
-# to 0.1) bounces to twice its best often enough for *diverging*, which is tested on real data in
-# test_divergence.py; a one-step spike warns only when asked to (it logs by default).
+# The gradient rules alone: the loss rules are tested on real data in test_divergence.py; a
+# one-step spike warns only when asked to (it logs by default).
 GRAD_RULES = AlarmRules(diverge_ratio=None)
 SPIKE_WARNS = {"spike": "warn"}
 K = 30  # the step faults are injected at: well past AlarmRules.min_history

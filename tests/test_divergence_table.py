@@ -1,6 +1,7 @@
 """The divergence table in docs/alarms.md and the README is the saved run of
 ``benchmarks/divergence.py`` (``benchmarks/results/divergence.json``), recounted from its runs,
-and that run used today's defaults: change the rules or the table, and this fails."""
+and that run used today's defaults: change the rules or the table, and this fails. The same for
+the small noisy runs' counts in docs/alarms.md (``benchmarks/noisy_runs.py``)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,28 @@ def test_readme_quotes_the_defaults_row() -> None:
     in_time, _, healthy = _recount(RESULTS["rule_sets"]["lightning_hooks, defaults"]["runs"])
     readme = (ROOT / "README.md").read_text()
     assert f"in {in_time} real divergent runs, on {healthy} healthy ones" in readme
+
+
+NOISY = json.loads((ROOT / "benchmarks" / "results" / "noisy_runs.json").read_text())
+
+
+def test_the_noisy_runs_in_the_docs_are_the_saved_run_with_todays_defaults() -> None:
+    assert NOISY["defaults"] == dataclasses.asdict(AlarmRules())
+    docs = " ".join((ROOT / "docs" / "alarms.md").read_text().split())
+    warned, runs = NOISY["warned_seeds"], NOISY["runs"]
+    before = [len(warned[kind]["without (diverge_noise=0)"]) for kind in runs]
+    after = [len(warned[kind]["with the noise bar (defaults)"]) for kind in runs]
+    fit, plain, tiny = runs.values()
+    assert f"**{before[0]} of {fit} seeds warned**" in docs
+    assert f"{before[1]} of {plain}, and on {tiny} seeds" in docs
+    assert (
+        f"TinyMLP` (SGD with momentum on 4 fixed batches, 12 steps), {before[2]} of {tiny}" in docs
+    )
+    assert (
+        f"With the bar: **{after[0]} of {fit}, {after[1]} of {plain} and {after[2]} of {tiny}**"
+        in docs
+    )
+    assert (
+        NOISY["warned_live"]
+        == warned["quickstart through Trainer.fit"]["with the noise bar (defaults)"]
+    )

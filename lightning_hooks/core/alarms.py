@@ -35,9 +35,11 @@ ALARM_RULES = (
 """Names of the rules, in the order of :attr:`GradientAlarms.counts`."""
 
 _SPIKE, _ABSOLUTE, _VANISHING, _NONFINITE, _AMP, _LOSS, _DIVERGING = range(len(ALARM_RULES))
-# the loss report: flags of loss_spike and diverging, then loss, its running scale, its running
-# mean, best running mean, first loss
-_L_SPIKE, _L_DIVERGING, _L_VALUE, _L_SCALE, _L_MEAN, _L_BEST, _L_FIRST = range(7)
+# the loss report: loss_spike's flag, diverging's margin (it fires unless the margin is < 0: NaN
+# for a non-finite loss), the loss, its running scale; then diverging's state: the loss's running
+# mean, its mean absolute deviation, the best running mean, the first loss
+_L_SPIKE, _L_DIVERGING, _L_VALUE, _L_SCALE, _L_MEAN, _L_DEV, _L_BEST, _L_FIRST = range(8)
+_LEARNT_NOISE = 4.0  # diverging's noise bar shrinks by 1/4 of what the run has learnt
 
 _ADVICE = {
     "spike": "one step: a transient if the next steps come back to scale (it counts in the "
@@ -86,6 +88,11 @@ class AlarmRules:
             off. Must be > 1.
         diverge_giveback: ... and has given back at least this fraction of what it had learnt
             (the first step's loss minus the best), so a loss near zero does not fire on noise.
+        diverge_noise: ... and the rise also clears ``(diverge_ratio - 1) * |best|`` by this many
+            mean absolute deviations of the loss from its running mean (an EMA over
+            ``2 * diverge_span`` steps, before this step), less a quarter of what it had learnt,
+            so a noisy loss that learns little does not fire on its own swings; 0 turns the bar
+            off.
         diverge_span: span, in steps, of the loss's running mean for *diverging*.
         history: steps of per-layer norms kept in the device ring buffer that an alarm reports.
 
@@ -111,6 +118,7 @@ class AlarmRules:
     history: int = 16
     diverge_ratio: float | None = 2.0
     diverge_giveback: float = 0.5
+    diverge_noise: float = 1.0
     diverge_span: int = 4
 
     def __post_init__(self) -> None:
@@ -122,6 +130,7 @@ class AlarmRules:
         checked["diverge_giveback"] = checks.real(
             owner, "diverge_giveback", self.diverge_giveback, low=0.0, high=1.0
         )
+        checked["diverge_noise"] = checks.real(owner, "diverge_noise", self.diverge_noise, low=0.0)
         names = ("window", "min_history", "vanish_steps", "every_n_steps", "history")
         for name in (*names, "diverge_span"):
             checked[name] = checks.positive_int(owner, name, getattr(self, name))
@@ -264,9 +273,12 @@ class GradientAlarms:
     - *loss_spike* (off by default): :meth:`update_loss`'s loss against its own running scale;
     - *diverging*: :meth:`update_loss`'s loss, its running mean (EMA over ``diverge_span``
       steps) against its best so far and the first step's loss: ``mean - best >=
-      (diverge_ratio - 1) * |best|`` and ``mean - best >= diverge_giveback * (first - best)``,
-      or a non-finite loss. Referenced from the first step (no blind start), and a loss near
-      zero does not fire on noise (it must give back a share of what it had learnt).
+      (diverge_ratio - 1) * |best| + diverge_noise * max(dev - (first - best) / 4, 0)`` and
+      ``mean - best >= diverge_giveback * (first - best)``, with ``dev`` the loss's mean
+      absolute deviation from its running mean before this step (an EMA over ``2 *
+      diverge_span`` steps), or a non-finite loss. Referenced from the first step (no blind
+      start); a loss near zero does not fire on noise (it must give back a share of what it had
+      learnt), nor does a noisy loss that learns little (it must rise beyond its own swings).
 
     A *spike* is a one-step fact (a transient, if the run recovers); *diverging* is the
     warning that the run is being lost. :attr:`spike_score` counts every alarm per 1,000
@@ -314,8 +326,13 @@ class GradientAlarms:
         self._mailbox = HostMailbox((_FLOOR + 1, n), device)
         self._cuda = device.type == "cuda"
         self._loss_scale = _RunningScale(1, self.rules, device)
-        # running mean, best running mean, first loss, seen (0/1)
-        self._loss_state = torch.zeros(4, device=device)
+        # The loss report is also diverging's state (its last four entries, updated in place):
+        # one buffer, posted as is, so a quiet step is a few fused scalar kernels.
+        self._loss_report = torch.zeros(_L_FIRST + 1, device=device)
+        self._loss_report[_L_SCALE] = math.nan
+        self._loss_state = self._loss_report[_L_MEAN:]
+        self._loss_views = self._loss_report.unbind(0)
+        self._loss_seen = 0  # finite losses in the state, counted on the host from the reports
         self._loss_box = HostMailbox((_L_FIRST + 1,), device)
         self.evaluated = 0
         """Optimizer steps the rules were evaluated on, since construction."""
@@ -441,48 +458,67 @@ class GradientAlarms:
         """Apply the loss rules (*loss_spike*, *diverging*) to one training loss (a device
         scalar; no host sync: the previous step's loss verdict is read, at most one step late).
 
-        A loss that is not finite fires *diverging* and stays out of the running state; one that
-        is not positive stays out of *loss_spike*'s (log) scale and never fires it.
+        A loss that is not finite fires *diverging* and leaves its running mean, best and first
+        loss as they were; one that is not positive stays out of *loss_spike*'s (log) scale and
+        never fires it.
         """
-        rules = self.rules
-        if not rules.watches_loss:
+        if not self.rules.watches_loss:
             return
-        self._drain_loss(wait=True)
-        x = loss.detach().float().reshape(1)
-        finite = x.abs() < math.inf
-        spike, scale = self._loss_spike(x)
-        mean, best, first, seen = self._loss_state.unsqueeze(1).unbind(0)
-        known = seen > 0
-        alpha = 2.0 / (rules.diverge_span + 1)
-        mean = torch.where(known, torch.lerp(mean, x, alpha), x)
-        first = torch.where(known, first, x)
-        best = torch.minimum(torch.where(known, best, x), mean)
-        rise = torch.sub(mean, best)
-        diverging = torch.zeros_like(finite)
-        if rules.diverge_ratio is not None:
-            learnt = torch.sub(first, best).clamp_min_(0.0)
-            diverging = (rise >= best.abs() * (rules.diverge_ratio - 1.0)) & (
-                rise >= learnt * rules.diverge_giveback
-            )
-            diverging = diverging.logical_and_(known).logical_or_(~finite)
-        fresh = torch.cat([mean, best, first, torch.ones_like(x)])
-        self._loss_state.copy_(torch.where(finite, fresh, self._loss_state))
-        report = torch.cat([spike.float(), diverging.float(), x, scale, mean, best, first])
-        self._loss_box.post(report, step)
+        self._drain_loss(wait=True)  # also counts the finite losses seen so far
+        x = loss if loss.dim() == 0 else loss.reshape(())
+        x = x if x.dtype == torch.float32 else x.float()
+        if self.rules.loss_factor is not None:
+            self._loss_spike(x)
+        margin = self._loss_views[_L_DIVERGING]
+        if self.rules.diverge_ratio is None:
+            pass
+        elif self._loss_seen == 0:
+            self._diverge_start(x, margin)
+        else:
+            self._diverge_step(x, margin)
+        self._loss_views[_L_VALUE].copy_(x)
+        self._loss_box.post(self._loss_report, step)
         if not self._cuda:
             self._drain_loss(wait=False)
 
-    def _loss_spike(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """*loss_spike*'s flag and running scale (the scale updated); off: false and NaN."""
-        if self.rules.loss_factor is None:
-            return torch.zeros_like(x, dtype=torch.bool), torch.full_like(x, math.nan)
+    def _diverge_start(self, x: torch.Tensor, margin: torch.Tensor) -> None:
+        """The first finite loss starts the state (running mean, best and first loss)."""
+        finite = torch.lt(x.abs(), math.inf)
+        torch.where(finite, x, self._loss_state, out=self._loss_state)
+        self._loss_views[_L_DEV].zero_()
+        margin.fill_(-1.0).add_(x, alpha=0.0)  # quiet, or NaN if the loss is not finite
+
+    def _diverge_step(self, x: torch.Tensor, margin: torch.Tensor) -> None:
+        """*diverging*'s state updated in place and its margin (``>= 0`` or NaN: it fires):
+        ``min(rise - noise_bar - (ratio - 1) |best|, rise - giveback * learnt)``."""
+        rules = self.rules
+        assert rules.diverge_ratio is not None
+        mean, dev, best, first = self._loss_views[_L_MEAN:]
+        # a non-finite loss moves nothing (its deviation counts as 0) and fires through margin
+        delta = torch.sub(x, mean).nan_to_num_(0.0, 0.0, 0.0)
+        mean.add_(delta, alpha=2.0 / (rules.diverge_span + 1))
+        torch.minimum(best, mean, out=best)
+        rise = torch.sub(mean, best)
+        learnt = torch.sub(first, best)  # >= 0: the best never rises above the first loss
+        noise = torch.sub(dev, learnt, alpha=1.0 / _LEARNT_NOISE).clamp_min_(0.0)
+        ratio = torch.sub(rise, noise, alpha=rules.diverge_noise).sub_(
+            best.abs(), alpha=rules.diverge_ratio - 1.0
+        )
+        giveback = torch.sub(rise, learnt, alpha=rules.diverge_giveback)
+        torch.minimum(ratio, giveback, out=margin).add_(x, alpha=0.0)
+        # the deviation after the check: a blow-up's own step does not raise its bar
+        weight = max(2.0 / (2 * rules.diverge_span + 1), 1.0 / self._loss_seen)
+        dev.lerp_(delta.abs_(), weight)
+
+    def _loss_spike(self, x: torch.Tensor) -> None:
+        """*loss_spike*'s flag and running scale into the report (the scale updated)."""
+        assert self.rules.loss_factor is not None
         log_loss = x.log()
         ceiling, _ = self._loss_scale.threshold(self.rules.loss_factor)
         positive = log_loss.abs() < math.inf
-        flag = positive & (log_loss > ceiling)
-        scale = self._loss_scale.mean.exp()
+        self._loss_report[_L_SPIKE : _L_SPIKE + 1].copy_(positive & (log_loss > ceiling))
+        self._loss_report[_L_SCALE : _L_SCALE + 1].copy_(self._loss_scale.mean.exp())
         self._loss_scale.update(log_loss, positive, ceiling)
-        return flag, scale
 
     @property
     def spike_score(self) -> float:
@@ -498,9 +534,13 @@ class GradientAlarms:
 
     def _drain_loss(self, wait: bool) -> None:
         got = self._loss_box.read(wait)
-        if got is None or not got[0][: _L_DIVERGING + 1].any():
+        if got is None:
             return
-        report, step = got[0].copy(), got[1]
+        report, step = got
+        self._loss_seen += bool(np.isfinite(report[_L_VALUE]))
+        if not (report[_L_SPIKE] > 0 or _fires(report, self.rules)):
+            return
+        report = report.copy()
         history = self._history(step)
         for alarm in _loss_alarms(step, report, self.rules):
             self._record(_with_history(alarm, self.layers, history))
@@ -575,7 +615,8 @@ class GradientAlarms:
             "layers": self.layers,
             "scale": self._scale.state.cpu(),
             "loss_scale": self._loss_scale.state.cpu(),
-            "loss_state": self._loss_state.cpu(),
+            "diverging": self._loss_state.cpu(),
+            "loss_seen": self._loss_seen,
             "low": self._low.cpu(),
             "ring": self._ring.cpu(),
             "ring_steps": list(self._ring_steps),
@@ -593,8 +634,9 @@ class GradientAlarms:
             raise ValueError("GradientAlarms.load_state_dict: a state of an older version")
         self._scale.state.copy_(state["scale"])
         self._loss_scale.state.copy_(state["loss_scale"])
-        if "loss_state" in state:
-            self._loss_state.copy_(state["loss_state"])
+        if "diverging" in state:  # an older state's loss rule starts again
+            self._loss_state.copy_(state["diverging"])
+            self._loss_seen = int(state["loss_seen"])
         self._low.copy_(state["low"])
         if state["ring"].shape == self._ring.shape:
             self._ring.copy_(state["ring"])
@@ -704,9 +746,14 @@ def _loss_alarms(step: int, report: np.ndarray, rules: AlarmRules) -> list[Gradi
             f"spike_sigmas={rules.spike_sigmas})"
         )
         alarms.append(GradientAlarm("loss_spike", "loss", step, value, ref, text))
-    if report[_L_DIVERGING] > 0:
+    if _fires(report, rules):
         alarms.append(_diverging(step, value, report, rules))
     return alarms
+
+
+def _fires(report: np.ndarray, rules: AlarmRules) -> bool:
+    """Whether *diverging* fired: its margin is not below 0 (NaN: a non-finite loss)."""
+    return rules.diverge_ratio is not None and not report[_L_DIVERGING] < 0
 
 
 def _diverging(step: int, value: float, report: np.ndarray, rules: AlarmRules) -> GradientAlarm:
@@ -720,8 +767,10 @@ def _diverging(step: int, value: float, report: np.ndarray, rules: AlarmRules) -
         f"loss diverging at optimizer step {step}: its running mean {mean:.4g} (loss "
         f"{value:.4g}) is {_ratio(mean / best) if best > 0 else f'+{mean - best:.4g} over'} "
         f"its best {best:.4g} and has given back {given} of what it had learnt since the first "
-        f"step's {first:.4g} (diverge_ratio={rules.diverge_ratio}, "
-        f"diverge_giveback={rules.diverge_giveback}, diverge_span={rules.diverge_span})"
+        f"step's {first:.4g}, beyond the loss's own swings (mean absolute deviation "
+        f"{float(report[_L_DEV]):.3g}) (diverge_ratio={rules.diverge_ratio}, "
+        f"diverge_giveback={rules.diverge_giveback}, diverge_noise={rules.diverge_noise}, "
+        f"diverge_span={rules.diverge_span})"
     )
     return GradientAlarm("diverging", "loss", step, value, best, text)
 
