@@ -24,6 +24,14 @@ os.environ.setdefault("PL_DISABLE_FORK", "1")
 os.environ["LIGHTNING_HOOKS_STRICT"] = "1"
 
 
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Every test starts from torch's seed 0 (torch seeds itself at random in each process):
+    a model's initial weights, and so whether its loss bounces enough for *diverging* to warn,
+    do not depend on the process or on the tests run before."""
+    torch.manual_seed(0)
+
+
 def dataset(n: int = 32, features: int = 8, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, features, generator=g)

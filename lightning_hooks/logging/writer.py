@@ -45,13 +45,39 @@ def tensorboard_writers(loggers: Sequence[Any]) -> list[Any]:
 
 
 def log_scalars(loggers: Sequence[Any], metrics: Mapping[str, float], step: int) -> None:
-    """Send ``metrics`` to every logger (TensorBoard, CSV, ...); loggers write on rank 0 only."""
+    """Send ``metrics`` to every logger (TensorBoard, CSV, ...); loggers write on rank 0 only.
+
+    A plain ``TensorBoardLogger`` gets them as one event holding every value (what
+    :func:`_write_summary` does), not one event per scalar as its ``log_metrics`` writes: the
+    same tags, steps and values in the file, one queue hand-off to its writer thread instead of
+    one per scalar (a logging step writes a hundred or more).
+    """
     if not metrics:
         return
     for logger in loggers:
-        logger.log_metrics(dict(metrics), step=step)
+        if not _write_summary(logger, metrics, step):
+            logger.log_metrics(dict(metrics), step=step)
     for writer in tensorboard_writers(loggers):
         record_tags(writer, metrics)
+
+
+def _write_summary(logger: Any, metrics: Mapping[str, float], step: int) -> bool:
+    """``metrics`` as one TensorBoard event, ``simple_value`` per tag as ``add_scalar`` writes
+    them; ``False`` (nothing written) unless ``logger`` is a TensorBoardLogger itself (not a
+    subclass, which may log otherwise) with no prefix, whose writer is torch's ``SummaryWriter``
+    (on ranks other than 0 it is Lightning's dummy: its ``log_metrics`` does nothing there)."""
+    prefix: str = getattr(logger, "_prefix", "")
+    if type(logger) not in _tensorboard_logger_types() or prefix:
+        return False
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = logger.experiment
+    if not isinstance(writer, SummaryWriter):
+        return False
+    values = [Summary.Value(tag=tag, simple_value=float(v)) for tag, v in metrics.items()]
+    writer._get_file_writer().add_summary(Summary(value=values), step)  # type: ignore[no-untyped-call]
+    return True
 
 
 def save_loggers(loggers: Sequence[Any]) -> None:

@@ -1,0 +1,92 @@
+"""How scalars reach the loggers: one TensorBoard event per logging call for a plain
+``TensorBoardLogger``, the logger's own ``log_metrics`` for any other (a subclass, a prefix, CSV),
+the same tags, steps and values either way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+from lightning_hooks import GradFlowCallback
+from lightning_hooks.logging import log_scalars
+
+from conftest import TinyMLP, make_trainer, read_scalars
+
+METRICS = {"grad_flow/a": 1.5, "grad_flow/b": -2.0, "grad_flow/c": float("nan")}
+
+
+def _events(root: Path) -> list[Any]:
+    files = sorted(root.rglob("events.out.tfevents.*"))
+    assert len(files) == 1, files
+    return [e for e in EventFileLoader(str(files[0])).Load() if e.HasField("summary")]
+
+
+class _Counting(TensorBoardLogger):
+    """A subclass: its own ``log_metrics`` must be called (it may log otherwise)."""
+
+    calls = 0
+
+    def log_metrics(self, metrics: Any, step: int | None = None) -> None:
+        type(self).calls += 1
+        super().log_metrics(metrics, step)
+
+
+def test_a_tensorboard_logger_gets_one_event_holding_every_value(tmp_path: Path) -> None:
+    logger = TensorBoardLogger(str(tmp_path), name="tb", version=0)
+    log_scalars([logger], METRICS, step=7)
+    logger.finalize("success")
+    (event,) = _events(tmp_path)
+    assert event.step == 7
+    # the loader hands simple values over as scalar tensors (TensorBoard's data_compat)
+    got = {v.tag: v.tensor.float_val[0] for v in event.summary.value}
+    assert list(got) == list(METRICS)
+    assert got["grad_flow/a"] == 1.5 and got["grad_flow/b"] == -2.0
+    assert got["grad_flow/c"] != got["grad_flow/c"]  # NaN kept, as add_scalar keeps it
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda root: _Counting(str(root), name="tb", version=0),
+        lambda root: TensorBoardLogger(str(root), name="tb", version=0, prefix="run"),
+    ],
+    ids=["subclass", "prefix"],
+)
+def test_other_tensorboard_loggers_log_through_their_own_log_metrics(
+    make: Any, tmp_path: Path
+) -> None:
+    _Counting.calls = 0
+    logger = make(tmp_path)
+    log_scalars([logger], METRICS, step=3)
+    logger.finalize("success")
+    events = _events(tmp_path)
+    assert len(events) == len(METRICS)  # one event per scalar: Lightning's add_scalar
+    prefix = "run-" if logger._prefix else ""
+    assert {v.tag for e in events for v in e.summary.value} == {prefix + t for t in METRICS}
+    assert _Counting.calls == (1 if isinstance(logger, _Counting) else 0)
+
+
+def test_a_fit_logs_the_same_values_to_tensorboard_and_csv(tmp_path: Path) -> None:
+    """Through ``Trainer.fit``: TensorBoard's batched events and the CSV logger's rows agree."""
+    tb = TensorBoardLogger(str(tmp_path), name="tb", version=0)
+    csv = CSVLogger(str(tmp_path), name="csv", version=0)
+    trainer = make_trainer(tmp_path, logger=[tb, csv], callbacks=[GradFlowCallback()])
+    trainer.fit(TinyMLP())
+    scalars = read_scalars(tmp_path / "tb")
+    rows = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    tag = "grad_flow/grad_norm_step/net.0"
+    column = header.index(tag)
+    csv_values = [
+        (int(r.split(",")[header.index("step")]), float(r.split(",")[column]))
+        for r in rows[1:]
+        if r.split(",")[column]
+    ]
+    assert csv_values == [(s, pytest.approx(v, rel=1e-6)) for s, v in scalars[tag]]
+    assert len(csv_values) == trainer.global_step  # log_every_n_steps=1: every step
+    assert isinstance(trainer.loggers[0], pl.loggers.TensorBoardLogger)
