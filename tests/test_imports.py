@@ -82,8 +82,10 @@ def test_cli_help_answers_in_under_a_second_without_torch() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "lightning_hooks.cli", "--help"]
     subprocess.run(command, capture_output=True, check=True, env=env)  # warm the file cache
-    start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
-    elapsed = time.perf_counter() - start
-    assert "report" in done.stdout
+    elapsed = float("inf")
+    for _ in range(3):  # the best of three: one descheduling on a loaded machine is not the CLI
+        start = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
+        elapsed = min(elapsed, time.perf_counter() - start)
+        assert "report" in done.stdout
     assert elapsed < 1.0, f"lightning-hooks --help took {elapsed:.2f} s"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,24 @@ from lightning_hooks.core.layer_time import LayerTimer, _CpuClock
 from conftest import hooks_left, read_image_tags, read_scalars
 
 HEAVY = "net.3"
+HEAVY_SLEEP_S = 0.02
+
+
+class _SlowLinear(nn.Linear):
+    """A ``Linear`` whose forward also waits ``HEAVY_SLEEP_S`` of wall-clock time.
+
+    Its matmul alone was not enough: on a loaded CI machine one descheduling of a few
+    milliseconds inside a small layer outweighed it. The wait makes the heavy layer slowest by
+    a margin no scheduler noise reaches, so the test checks attribution, not the machine.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(HEAVY_SLEEP_S)
+        return super().forward(x)
 
 
 class HeavyNet(pl.LightningModule):
-    """Small layers around one deliberately heavy ``Linear(1024, 2048)``; 6 batches of 64."""
+    """Small layers around one deliberately heavy, slowed ``Linear(1024, 2048)``; 6 batches."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -29,7 +44,7 @@ class HeavyNet(pl.LightningModule):
             nn.Linear(8, 32),
             nn.ReLU(),
             nn.Linear(32, 1024),
-            nn.Linear(1024, 2048),
+            _SlowLinear(1024, 2048),
             nn.Tanh(),
             nn.Linear(2048, 1),
         )
@@ -62,6 +77,7 @@ def test_heavy_layer_is_the_slowest_and_layer_times_fit_in_the_step(
     assert all(value > 0 for value in forward.values())
     assert sum(forward.values()) <= step_ms
     assert max(forward, key=forward.__getitem__) == HEAVY
+    assert forward[HEAVY] >= HEAVY_SLEEP_S * 1e3
     for name in layers:
         assert share[name] == pytest.approx(forward[name] / step_ms, rel=1e-5)
     assert scalars["layer_time/forward_share"][0][1] == pytest.approx(sum(share.values()), 1e-5)
