@@ -12,7 +12,12 @@ import pytorch_lightning as pl
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-from lightning_hooks import GradFlowCallback
+from lightning_hooks import (
+    ActivationStatsCallback,
+    DeadReLUCallback,
+    GradFlowCallback,
+    LightningHooksWarning,
+)
 from lightning_hooks.logging import log_scalars
 
 from conftest import TinyMLP, make_trainer, read_scalars
@@ -90,3 +95,57 @@ def test_a_fit_logs_the_same_values_to_tensorboard_and_csv(tmp_path: Path) -> No
     assert csv_values == [(s, pytest.approx(v, rel=1e-6)) for s, v in scalars[tag]]
     assert len(csv_values) == trainer.global_step  # log_every_n_steps=1: every step
     assert isinstance(trainer.loggers[0], pl.loggers.TensorBoardLogger)
+
+
+class _SavesPerBatch(pl.Callback):
+    """Placed after ours: how many logger saves each batch's hooks made (ours run first)."""
+
+    def __init__(self) -> None:
+        self.saves = 0
+        self.per_batch: list[tuple[int, int]] = []  # (batch_idx, saves since the last batch)
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        self.per_batch.append((args[-1], self.saves))
+        self.saves = 0
+
+
+@pytest.mark.parametrize("last_fails", [False, True], ids=["all-live", "last-fails"])
+def test_one_logger_save_per_batch_whatever_the_number_of_callbacks_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, last_fails: bool
+) -> None:
+    """Three callbacks write at every step: one save (flush) per batch, not one per callback;
+    when the last of them fails, the one before it saves for the rest, and nothing is lost."""
+    counter = _SavesPerBatch()
+    save = TensorBoardLogger.save
+
+    def counting_save(self: TensorBoardLogger) -> None:
+        counter.saves += 1
+        save(self)
+
+    monkeypatch.setattr(TensorBoardLogger, "save", counting_save)
+    ours = [
+        GradFlowCallback(every_n_steps=1),
+        ActivationStatsCallback(every_n_steps=1),
+        DeadReLUCallback(every_n_steps=1),
+    ]
+    if last_fails:
+
+        def broken(trainer: pl.Trainer, wait: bool) -> bool:
+            raise RuntimeError("broken writer")
+
+        monkeypatch.setattr(ours[-1], "_write_steps", broken)
+        ours[-1].strict = False  # the suite sets LIGHTNING_HOOKS_STRICT=1
+    trainer = make_trainer(
+        tmp_path, max_epochs=2, log_every_n_steps=1000, callbacks=[*ours, counter]
+    )
+    if last_fails:
+        with pytest.warns(LightningHooksWarning, match="DeadReLUCallback is disabled"):
+            trainer.fit(TinyMLP())
+    else:
+        trainer.fit(TinyMLP())
+    # The first batch of an epoch also counts the saves of the previous epoch's end.
+    within = [saves for batch_idx, saves in counter.per_batch if batch_idx > 0]
+    assert within == [1] * 6
+    scalars = read_scalars(tmp_path)
+    for tag in ("grad_flow/grad_norm_step/net.0", "activations/mean_step/net.0"):
+        assert [step for step, _ in scalars[tag]] == list(range(8)), tag

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pytorch_lightning as pl
@@ -24,6 +25,9 @@ class _Gate(Protocol):
 
 
 __all__ = ["HookCallback", "check_every_n_steps"]
+
+_UNSAVED: weakref.WeakSet[pl.Trainer] = weakref.WeakSet()
+"""The trainers whose loggers one of our callbacks wrote to since they were last saved."""
 
 
 def _callback_bases() -> tuple[type, ...]:
@@ -172,6 +176,7 @@ class HookCallback(_CallbackBase):
         gate: _Gate | None = getattr(self._tracker, "registry", None)
         if gate is not None:
             gate.sampled = sampled
+        self._end_round(trainer)
 
     @override
     def on_train_batch_end(
@@ -190,6 +195,7 @@ class HookCallback(_CallbackBase):
             self._read_steps(trainer, wait=True)
             self._log_step(trainer, measured)
             self._read_steps(trainer, wait=False)
+        self._end_round(trainer)
 
     @property
     @override
@@ -270,6 +276,7 @@ class HookCallback(_CallbackBase):
         self._log_epoch(trainer, pl_module)
         self._write_dashboard(trainer)
         save_loggers(trainer.loggers)
+        _UNSAVED.discard(trainer)
 
     def _write_dashboard(self, trainer: pl.Trainer) -> None:
         if trainer.is_global_zero and self._is_last_hook_callback(trainer):
@@ -278,10 +285,38 @@ class HookCallback(_CallbackBase):
 
     def _read_steps(self, trainer: pl.Trainer, wait: bool) -> None:
         """Write what the last logging point measured once its host copy is done (``wait``:
-        block for it), then save the loggers as Lightning does after ``log_metrics``."""
+        block for it); the loggers are saved at the end of the hook round (:meth:`_end_round`)."""
         if self._write_steps(trainer, wait):
-            self._write_dashboard(trainer)
-            save_loggers(trainer.loggers)
+            _UNSAVED.add(trainer)
+
+    def _end_round(self, trainer: pl.Trainer) -> None:
+        """Save the loggers once per per-batch hook when any of ours wrote in it.
+
+        Lightning saves its loggers after each ``log_metrics``, so what was written survives a
+        SIGKILL; a save flushes the event file and waits for TensorBoard's writer thread. With
+        several of our callbacks writing at the same step, each saving would cost one flush per
+        callback: the last of ours still running (its guard not failed) saves for all, at the
+        end of its hook. A callback that fails mid-hook leaves its write unsaved until the next
+        round, whose last live callback saves it. A quiet step costs one set lookup.
+        """
+        if trainer not in _UNSAVED:
+            return
+        live = [
+            cb
+            for cb in trainer.callbacks  # type: ignore[attr-defined]
+            if isinstance(cb, HookCallback) and cb._hook_guard().failed is None
+        ]
+        if not live or live[-1] is self:
+            self._save(trainer)
+
+    def _save(self, trainer: pl.Trainer) -> None:
+        """Write the dashboard (rank 0) and save the loggers if any of ours wrote since."""
+        if trainer not in _UNSAVED:
+            return
+        _UNSAVED.discard(trainer)
+        if trainer.is_global_zero:
+            write_dashboard(tensorboard_writers(trainer.loggers))
+        save_loggers(trainer.loggers)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -293,6 +328,7 @@ class HookCallback(_CallbackBase):
     ) -> None:
         try:
             self._read_steps(trainer, wait=True)  # CUDA: the last logging step's copy
+            self._save(trainer)
         finally:
             self._release()
 
