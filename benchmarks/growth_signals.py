@@ -20,7 +20,12 @@ scale-free rules (:data:`FAMILIES`: the smoothed value over its running minimum,
 ``k`` steps, a short EMA over a long one, a z-score on the log-value), each armed from step 3 or
 10, and scored as ``divergence.py`` scores a rule set: divergent runs warned at or before their
 divergence step, the median lead, healthy runs warned; alone and OR'd with the library's defaults.
-Rules are chosen on seeds 0-1 and checked on the held-out seed 2.
+A warning more than ``HORIZON`` (50) steps ahead is counted apart, as premature: on these runs it
+comes in the first steps of a run that diverges a hundred or more steps later, a false alarm, not a
+lead (:data:`BUDGETS` says how each column of best rules treats it; ``plain`` counts it as a lead,
+as ``divergence.py`` would). Rules are chosen on seeds 0-1 and checked on the held-out seed 2.
+:func:`separation` compares, without any rule, each signal's growth just before the late
+divergences with the largest growth of the healthy runs.
 
 Usage::
 
@@ -82,15 +87,12 @@ class _Probe:
     def __init__(self, model: nn.Module) -> None:
         self.rms: dict[str, torch.Tensor] = {}
         self.attn: dict[str, torch.Tensor] = {}
-        self.handles = []
         for name, module in model.named_modules():
             if isinstance(module, nn.MultiheadAttention):
-                self.handles += [
-                    module.register_forward_pre_hook(partial(self._logits, name), with_kwargs=True),
-                    module.register_forward_hook(partial(self._rms, f"{name}.out_proj")),
-                ]
+                module.register_forward_pre_hook(partial(self._logits, name), with_kwargs=True)
+                module.register_forward_hook(partial(self._rms, f"{name}.out_proj"))
             elif isinstance(module, nn.Linear) and not name.endswith("out_proj"):
-                self.handles.append(module.register_forward_hook(partial(self._rms, name)))
+                module.register_forward_hook(partial(self._rms, name))
 
     def _rms(self, name: str, _module: nn.Module, _args: Any, output: Any) -> None:
         out = output[0] if isinstance(output, tuple) else output
