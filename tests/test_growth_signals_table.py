@@ -1,0 +1,133 @@
+"""The growth-signal numbers in docs/alarms.md are the saved run of
+``benchmarks/growth_signals.py`` (``benchmarks/results/growth_signals.json``), recounted here from
+its per-run first warnings; that run used today's defaults and ``benchmarks/divergence.py``'s
+runs (the same ground truth and the same warnings of the defaults, run by run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from lightning_hooks import AlarmRules
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = json.loads((ROOT / "benchmarks" / "results" / "growth_signals.json").read_text())
+DIVERGENCE = json.loads((ROOT / "benchmarks" / "results" / "divergence.json").read_text())
+BASE = RESULTS["base"]["runs"]
+LATE = ("blow-up", "drift")
+
+
+def _docs() -> str:
+    return " ".join((ROOT / "docs" / "alarms.md").read_text().split())
+
+
+def _firsts(choice: str, signal: str) -> list[int | None]:
+    """The rule OR'd with the defaults: the earlier of the two first warnings, run by run."""
+    rule = RESULTS["signals"][signal]["best"][choice]["first"]
+    return [
+        d if r is None else r if d is None else min(r, d)
+        for r, d in zip(rule, (row["defaults"] for row in BASE), strict=True)
+    ]
+
+
+def _leads(firsts: list[int | None], seeds: tuple[int, ...]) -> list[int]:
+    """Leads of the late divergences of ``seeds`` warned at or before they diverged."""
+    return [
+        row["diverges_at"] - first
+        for row, first in zip(BASE, firsts, strict=True)
+        if row["seed"] in seeds
+        and row["shape"] in LATE
+        and first is not None
+        and first <= row["diverges_at"]
+    ]
+
+
+def _timely(leads: list[int]) -> int:
+    return sum(5 <= lead <= 50 for lead in leads)
+
+
+def _healthy_warned(firsts: list[int | None]) -> int:
+    return sum(
+        first is not None
+        for row, first in zip(BASE, firsts, strict=True)
+        if row["shape"] == "healthy"
+    )
+
+
+def test_the_saved_run_used_todays_defaults_and_divergence_pys_runs() -> None:
+    assert RESULTS["defaults"] == dataclasses.asdict(AlarmRules())
+    theirs = DIVERGENCE["rule_sets"]["lightning_hooks, defaults"]["runs"]
+    assert [(r["run"], r["seed"], r["diverges_at"], r["defaults"]) for r in BASE] == [
+        (r["run"], r["seed"], r["diverges_at"], r["first_warning"]) for r in theirs
+    ]
+    shapes = {f"{r['run']}, seed {r['seed']}": r["shape"] for r in BASE if r["shape"] != "healthy"}
+    assert shapes == DIVERGENCE["shapes"]
+
+
+def test_docs_quote_the_strict_best_recounted() -> None:
+    defaults = [row["defaults"] for row in BASE]
+    late = [r for r in BASE if r["shape"] in LATE]
+    tuning = sum(r["seed"] in (0, 1) for r in late)
+    held = sum(r["seed"] == 2 for r in late)
+    best = {
+        signal: (_timely(_leads(_firsts("strict", signal), (0, 1))), signal)
+        for signal in RESULTS["signals"]
+    }
+    top, _ = max(best.values())
+    held_top = max(_timely(_leads(_firsts("strict", s), (2,))) for s in RESULTS["signals"])
+    docs = _docs()
+    assert f"the best rule of any signal warns **{top} of the {tuning}** late divergences" in docs
+    assert f"the defaults alone {_timely(_leads(defaults, (0, 1)))}" in docs
+    assert f"at most {held_top} of the {held} of seed 2" in docs
+    assert "the median lead over all 21 stays 0" in docs
+    for signal in RESULTS["signals"]:
+        firsts = _firsts("strict", signal)
+        leads = [
+            row["diverges_at"] - first
+            for row, first in zip(BASE, firsts, strict=True)
+            if row["diverges_at"] is not None and first is not None and first <= row["diverges_at"]
+        ]
+        assert len(leads) == 21, signal
+        assert statistics.median(leads) == 0, signal
+
+
+def test_docs_quote_the_plain_best_recounted() -> None:
+    scored = []
+    for signal in RESULTS["signals"]:
+        firsts = _firsts("plain", signal)
+        leads = _leads(firsts, (0, 1))
+        scored.append((sum(lead >= 5 for lead in leads), signal, firsts))
+    ahead, signal, firsts = max(scored)
+    early = [
+        (first, row["diverges_at"] - first)
+        for row, first in zip(BASE, firsts, strict=True)
+        if row["shape"] in LATE and first is not None and row["diverges_at"] - first > 50
+    ]
+    docs = _docs()
+    assert f"the plain best, {signal}, leads {ahead} of 8 by 5 steps or more" in docs
+    assert f"{len(early)} of its warnings fire at steps {min(f for f, _ in early)} to " in docs
+    assert f"{max(f for f, _ in early)} on runs that diverge {min(d for _, d in early)} to " in docs
+    assert f"{max(d for _, d in early)} steps later" in docs
+    assert f"{_healthy_warned(firsts)} of 45 healthy runs warned" in docs
+
+
+def test_docs_quote_the_separation_recounted() -> None:
+    medians: dict[str, tuple[float, float]] = {
+        signal: (statistics.median(sep["late"]), statistics.median(sep["healthy"]))
+        for signal, sep in RESULTS["separation"].items()
+    }
+    late = [m[0] for m in medians.values()]
+    healthy = [m[1] for m in medians.values()]
+    docs = _docs()
+    assert f"(median {min(late):.2f}x to {max(late):.2f}x by signal)" in docs
+    assert f"(median over the runs {min(healthy):.2f}x to {max(healthy):.2f}x)" in docs
+
+
+def test_no_late_run_grows_more_than_one_healthy_run_in_ten() -> None:
+    for signal, sep in RESULTS["separation"].items():
+        assert max(sep["late"]) < float(np.percentile(sep["healthy"], 90)), signal
+    assert "for every signal below what 1 in 10 healthy runs shows" in _docs()
