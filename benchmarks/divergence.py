@@ -314,21 +314,32 @@ def olmo_stability(trace: dict[str, Any]) -> list[int]:
 
 def foundry_kill_loss_spike(trace: dict[str, Any]) -> list[int]:
     """llm-foundry ``KillLossSpike`` (llmfoundry/callbacks/kill_loss_spike_callback.py) at its
-    defaults: with a full window of 100 losses, a loss ``>= 2x`` the window's mean for more than
-    ``patience=4`` steps in a row, or from step 200 half the window above ``loss_cap=10``."""
-    found, window, outliers = [], [], 0
+    defaults, run after each optimizer step as Composer's ``BATCH_END``: with a full window of
+    100 losses (``max(100, 5%`` of the run's 300 steps``)``), a loss ``>= 2x`` the window's mean
+    for more than ``patience=4`` steps in a row; failing that, from batch 200 (twice the window),
+    half the window above ``loss_cap=10``. Composer advances ``state.timestamp.batch`` before
+    ``BATCH_END``, so the batch count at step ``s`` (0-based) is ``s + 1``: the check that would
+    lower the cap to the first window's largest loss (``current_step == window_size``) never
+    holds once the window is full, and the cap stays 10."""
+    window_size, loss_cap, patience = 100, 10.0, 4
+    found: list[int] = []
+    window: list[float] = []
+    outliers = 0
     for step, loss in enumerate(trace["losses"]):
-        if len(window) == 100:
+        if len(window) == window_size:
             mean = float(np.mean(window))
+            spike = False
             if loss >= 2.0 * mean:
                 outliers += 1
-                if outliers > 4:
-                    found.append(step)
+                spike = outliers > patience
             else:
                 outliers = 0
-                if step >= 200 and sum(v > 10.0 for v in window) >= 50:
-                    found.append(step)
-        window = [*window[-99:], loss]
+            high = step + 1 >= 2 * window_size and (
+                sum(v > loss_cap for v in window) >= window_size / 2
+            )
+            if spike or high:
+                found.append(step)
+        window = [*window[-(window_size - 1) :], loss]
     return found
 
 
