@@ -185,16 +185,21 @@ def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if any(True for _ in m.parameters(False))]
 
 
-def record(run: Run) -> dict[str, Any]:
-    """Train ``run`` and record what the sentinel reads each step: per-layer gradient norms (then
-    the global one) and the loss; also the weight norms, for rules that want them."""
+def train(
+    run: Run, built: Callable[[nn.Module], object] | None = None
+) -> Iterator[tuple[nn.Module, ParamLayout, torch.Tensor, torch.Tensor]]:
+    """Train ``run`` for ``STEPS`` steps from its seed: yields the model, its layout, the output
+    and the loss after each backward, before the optimizer step, which runs when the caller asks
+    for the next step (and after the last one, when the loop ends). ``built`` sees the model
+    before its first forward (to hook it)."""
     torch.manual_seed(run.seed)
     gen = torch.Generator().manual_seed(run.seed)
     model = BUILD[run.model]()
+    if built is not None:
+        built(model)
     opt = _optimizer(run, model)
     layout = ParamLayout.from_modules(_layers(model))
     batches = _batches(run, gen)
-    norms, weights, losses = [], [], []
     for step in range(STEPS):
         if run.schedule == "ramp":
             for group in opt.param_groups:
@@ -204,23 +209,42 @@ def record(run: Run) -> dict[str, Any]:
         out = model(x)
         loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         loss.backward()
-        grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in layout.params]
+        yield model, layout, out, loss
+        opt.step()
+
+
+def grad_norms(layout: ParamLayout) -> np.ndarray:
+    """Per-layer gradient L2 norms, then the global one (a parameter without a gradient: 0)."""
+    grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in layout.params]
+    with torch.no_grad():
+        return segment_norm(param_norms(grads), layout.index, len(layout.layers)).numpy().copy()
+
+
+def record(run: Run) -> dict[str, Any]:
+    """Train ``run`` and record what the sentinel reads each step: per-layer gradient norms (then
+    the global one) and the loss; also the weight norms, for rules that want them."""
+    norms, weights, losses = [], [], []
+    layers: list[str] = []
+    for _, layout, _, loss in train(run):
+        layers = layout.layers
+        norms.append(grad_norms(layout))
         with torch.no_grad():
             n = len(layout.layers)
-            norms.append(segment_norm(param_norms(grads), layout.index, n).numpy().copy())
             weights.append(segment_norm(param_norms(layout.params), layout.index, n).numpy().copy())
         losses.append(float(loss.detach()))
-        opt.step()
     return {
         "run": asdict(run),
-        "layers": [*layout.layers, "global"],
+        "layers": [*layers, "global"],
         "norms": np.array(norms, dtype=np.float64),
         "weights": np.array(weights, dtype=np.float64),
         "losses": np.array(losses, dtype=np.float64),
     }
 
 
-def record_all(path: Path) -> list[dict[str, Any]]:
+def record_all(
+    path: Path, record: Callable[[Run], dict[str, Any]] = record
+) -> list[dict[str, Any]]:
+    """Every run of the sweep on every seed, recorded by ``record`` and saved to ``path``."""
     started = time.perf_counter()
     traces = []
     for seed in SEEDS:
@@ -458,21 +482,50 @@ def _subset(result: dict[str, Any], keep: Callable[[dict[str, Any]], bool]) -> d
     return _totals([r for r in result["runs"] if keep(r)])
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(
+    script: str,
+    traces: str,
+    argv: list[str] | None,
+    doc: str | None,
+    record: Callable[[Path], list[dict[str, Any]]] = record_all,
+) -> tuple[argparse.Namespace, list[dict[str, Any]], float, float]:
+    """The options every script on these runs takes, and the traces: recorded with ``record``
+    when asked or when the file ``traces`` (under ``benchmarks/results``) is missing, else
+    loaded. Returns the options, the traces, when the script started and how long that took.
+    """
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
     parser.add_argument("--record", action="store_true", help="record the traces again")
-    parser.add_argument("--traces", default=str(RESULTS / "divergence_traces.pt"))
-    parser.add_argument("--out", default=str(RESULTS / "divergence"))
+    parser.add_argument("--traces", default=str(RESULTS / f"{traces}.pt"))
+    parser.add_argument("--out", default=str(RESULTS / script))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
     path = Path(args.traces)
-    traces = (
-        record_all(path)
-        if args.record or not path.exists()
-        else torch.load(path, weights_only=False)
+    loaded = (
+        record(path) if args.record or not path.exists() else torch.load(path, weights_only=False)
     )
-    recorded = time.perf_counter() - started
+    return args, loaded, started, time.perf_counter() - started
+
+
+def result_header(
+    script: str, argv: list[str] | None, started: float, recorded: float
+) -> dict[str, Any]:
+    """What every saved result starts with: the command, torch, the runs and the defaults."""
+    return {
+        "command": f"PYTHONPATH=$PWD python benchmarks/{script}.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "torch": torch.__version__,
+        "steps": STEPS,
+        "seeds": SEEDS,
+        "held_out_seeds": HELD_OUT,
+        "record_s": recorded,
+        "wall_s": time.perf_counter() - started,
+        "defaults": asdict(AlarmRules()),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, traces, started, recorded = parse_args("divergence", "divergence_traces", argv, __doc__)
     shapes = {
         (Run(**t["run"]).name, t["run"]["seed"]): shape(t["losses"], step)
         for t in traces
@@ -490,15 +543,7 @@ def main(argv: list[str] | None = None) -> None:
         results[name] = result
         print(f"{time.perf_counter() - started:5.0f}s replayed {name}", file=sys.stderr)
     out = {
-        "command": "PYTHONPATH=$PWD python benchmarks/divergence.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "torch": torch.__version__,
-        "steps": STEPS,
-        "seeds": SEEDS,
-        "held_out_seeds": HELD_OUT,
-        "record_s": recorded,
-        "wall_s": time.perf_counter() - started,
-        "defaults": asdict(AlarmRules()),
+        **result_header("divergence", argv, started, recorded),
         "shapes": {f"{run}, seed {seed}": kind for (run, seed), kind in shapes.items()},
         "rule_sets": results,
     }

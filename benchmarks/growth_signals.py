@@ -35,7 +35,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -51,19 +50,17 @@ from typing import Any
 import numpy as np
 import torch
 from divergence import (
-    BUILD,
     HELD_OUT,
-    RESULTS,
-    SEEDS,
-    STEPS,
     SWEEP,
     Run,
-    _batches,
-    _layers,
-    _optimizer,
     divergence_step,
+    grad_norms,
     ours,
+    parse_args,
+    record_all,
+    result_header,
     shape,
+    train,
 )
 from scipy.signal import lfilter
 from torch import nn
@@ -124,41 +121,36 @@ class _Probe:
 def record(run: Run) -> dict[str, Any]:
     """``divergence.record`` (the same seed, batches and steps, so the same losses and gradient
     norms), plus the growth signals of the module docstring."""
-    torch.manual_seed(run.seed)
-    gen = torch.Generator().manual_seed(run.seed)
-    model = BUILD[run.model]()
-    opt = _optimizer(run, model)
-    layout = ParamLayout.from_modules(_layers(model))
-    probe = _Probe(model)
-    batches = _batches(run, gen)
-    n = len(layout.layers)
     keep: dict[str, list[np.ndarray]] = {k: [] for k in ("norms", "weights", "update", "lse")}
     rms, attn, losses = [], [], []
-    for step in range(STEPS):
-        if run.schedule == "ramp":
-            for group in opt.param_groups:
-                group["lr"] = run.lr * (step + 1) / STEPS
-        x, y = next(batches)
-        opt.zero_grad()
-        out = model(x)
-        loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        loss.backward()
-        grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in layout.params]
+    probes: list[_Probe] = []
+    before: list[torch.Tensor] = []
+    weight = torch.zeros(0)
+
+    def update(layout: ParamLayout) -> None:
+        """The last step's update over the weights before it, per layer (then all weights)."""
         with torch.no_grad():
-            keep["norms"].append(segment_norm(param_norms(grads), layout.index, n).numpy().copy())
+            delta = torch._foreach_sub([p.detach() for p in layout.params], before)
+            moved = segment_norm(param_norms(delta), layout.index, len(layout.layers))
+            keep["update"].append((moved / weight).numpy().copy())
+
+    layout: ParamLayout | None = None
+    for _, layout, out, loss in train(run, lambda model: probes.append(_Probe(model))):
+        if before:
+            update(layout)  # the optimizer step of the step before has run
+        keep["norms"].append(grad_norms(layout))
+        with torch.no_grad():
+            n = len(layout.layers)
             weight = segment_norm(param_norms(layout.params), layout.index, n)
             keep["weights"].append(weight.numpy().copy())
             lse = out.detach().float().logsumexp(-1)
             keep["lse"].append(np.array([float(lse.mean().abs()), float(lse.abs().amax())]))
             before = [p.detach().clone() for p in layout.params]
-        rms.append({k: float(v) for k, v in probe.rms.items()})
-        attn.append({k: float(v) for k, v in probe.attn.items()})
+        rms.append({k: float(v) for k, v in probes[0].rms.items()})
+        attn.append({k: float(v) for k, v in probes[0].attn.items()})
         losses.append(float(loss.detach()))
-        opt.step()
-        with torch.no_grad():
-            delta = torch._foreach_sub([p.detach() for p in layout.params], before)
-            moved = segment_norm(param_norms(delta), layout.index, n)
-            keep["update"].append((moved / weight).numpy().copy())
+    assert layout is not None
+    update(layout)  # the last step's
     return {
         "run": asdict(run),
         "layers": [*layout.layers, "global"],
@@ -169,23 +161,6 @@ def record(run: Run) -> dict[str, Any]:
         "attn_layers": list(attn[0]),
         "attn": np.array([[a[k] for k in attn[0]] for a in attn], dtype=np.float64),
     }
-
-
-def record_all(path: Path) -> list[dict[str, Any]]:
-    torch.set_num_threads(1)
-    started = time.perf_counter()
-    traces = []
-    for seed in SEEDS:
-        for run in SWEEP:
-            traces.append(record(Run(**{**asdict(run), "seed": seed})))
-            print(
-                f"{time.perf_counter() - started:5.0f}s {run.name} seed {seed}: diverges at "
-                f"{divergence_step(traces[-1]['losses'])}",
-                file=sys.stderr,
-            )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(traces, path)
-    return traces
 
 
 # --- the signals and the rules -----------------------------------------------------------------
@@ -474,19 +449,9 @@ def _dumps(out: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--record", action="store_true", help="record the traces again")
-    parser.add_argument("--traces", default=str(RESULTS / "growth_traces.pt"))
-    parser.add_argument("--out", default=str(RESULTS / "growth_signals"))
-    args = parser.parse_args(argv)
-    started = time.perf_counter()
-    path = Path(args.traces)
-    traces = (
-        record_all(path)
-        if args.record or not path.exists()
-        else torch.load(path, weights_only=False)
+    args, traces, started, recorded = parse_args(
+        "growth_signals", "growth_traces", argv, __doc__, partial(record_all, record=record)
     )
-    recorded = time.perf_counter() - started
     base = _base(traces)
     own = _counts([r for r in base if r["seed"] not in HELD_OUT], "defaults")
     signals: dict[str, Any] = {}
@@ -499,17 +464,9 @@ def main(argv: list[str] | None = None) -> None:
         }
         print(f"{time.perf_counter() - started:5.0f}s scored {signal}", file=sys.stderr)
     out = {
-        "command": "PYTHONPATH=$PWD python benchmarks/growth_signals.py "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "torch": torch.__version__,
-        "steps": STEPS,
-        "seeds": SEEDS,
-        "held_out_seeds": HELD_OUT,
+        **result_header("growth_signals", argv, started, recorded),
         "lead": LEAD,
         "horizon": HORIZON,
-        "record_s": recorded,
-        "wall_s": time.perf_counter() - started,
-        "defaults": asdict(AlarmRules()),
         "budgets": BUDGETS,
         "base": {"runs": base, "scores": _subsets(base, "defaults")},
         "signals": signals,
