@@ -53,6 +53,8 @@ import lightning_hooks
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+ACCELERATOR = "cpu"
+"""The Trainer's accelerator for every fit (``--accelerator``)."""
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -320,6 +322,8 @@ class StepTimer(pl.Callback):
         self.cpu: list[float] = []
 
     def on_train_batch_start(self, *args: Any) -> None:
+        if ACCELERATOR == "cuda":  # a step ends when its kernels do, not when they are queued
+            torch.cuda.synchronize()
         self.wall.append(time.perf_counter())
         self.cpu.append(time.process_time())
 
@@ -402,7 +406,7 @@ def fit(model_name: str, callbacks: list[pl.Callback], steps: int, logger: Any =
         trainer = pl.Trainer(
             max_epochs=1,
             limit_train_batches=steps,
-            accelerator="cpu",
+            accelerator=ACCELERATOR,
             devices=1,
             logger=logger if logger is not None else TensorBoardLogger(tmp, name="tb"),
             enable_progress_bar=False,
@@ -695,6 +699,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sample-every", type=int, nargs="*", default=[2, 4, 8, 16, 50])
     parser.add_argument("--sample-model", default="mlp", choices=list(MODELS))
     parser.add_argument("--sample-steps", type=int, default=200)
+    parser.add_argument(
+        "--accelerator",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where every fit trains (cuda: the step timer synchronizes at each step start)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument(
         "--only",
@@ -733,8 +743,16 @@ def save(results: dict[str, Any], out: Path) -> None:
     out.with_suffix(".md").write_text(markdown(results))
 
 
+def _device_name(accelerator: str) -> str:
+    if accelerator == "cuda":
+        return f"CUDA ({torch.cuda.get_device_name()})"
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
 def main(argv: list[str] | None = None) -> None:
+    global ACCELERATOR  # noqa: PLW0603 - one setting read by every fit of this run
     args = parse_args(argv)
+    ACCELERATOR = args.accelerator
     if args.threads:
         torch.set_num_threads(args.threads)
     pl.seed_everything(0, verbose=False)
@@ -745,7 +763,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "lightning": pl.__version__,
         "threads": torch.get_num_threads(),
-        "device": f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "device": _device_name(args.accelerator),
         "rounds": args.rounds,
         "steps": args.steps,
         "warmup": args.warmup,
