@@ -31,6 +31,8 @@ from lightning_hooks import (
 )
 from lightning_hooks.core import is_kind, torch_equivalent
 
+from timm_shim import import_timm
+
 from conftest import hooks_left, read_scalars
 
 # What a callback may say about one of these models: findings, never a fault of ours.
@@ -46,14 +48,9 @@ def _transformers() -> Any:
 
 def _timm() -> Any:
     try:
-        import timm
-    except Exception as err:  # torchvision absent, or built for another torch
-        pytest.skip(
-            f"timm does not import here ({type(err).__name__}: {err}); not a dev dependency: "
-            "it imports torchvision, and PyPI's torchvision fails beside torch 2.13.0+cpu "
-            "(operator torchvision::nms does not exist)"
-        )
-    return timm
+        return import_timm()  # torchvision without its fake kernels if it must: see timm_shim
+    except ImportError as err:
+        pytest.skip(f"timm is not installed ({err}): ./dev installs it with torchvision")
 
 
 # --- the registry of third-party activations against what each class computes ---------------
