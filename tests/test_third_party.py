@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from timm_shim import import_timm
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -30,8 +31,6 @@ from lightning_hooks import (
     SaturationCallback,
 )
 from lightning_hooks.core import is_kind, torch_equivalent
-
-from timm_shim import import_timm
 
 from conftest import hooks_left, read_scalars
 

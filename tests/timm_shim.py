@@ -36,7 +36,7 @@ def import_timm() -> Any:
     if EXTRAS.is_dir() and str(EXTRAS) not in sys.path:
         sys.path.append(str(EXTRAS))
     try:
-        import torchvision  # noqa: F401
+        import torchvision
     except RuntimeError as err:
         if "torchvision::" not in str(err):
             raise
