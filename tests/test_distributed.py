@@ -34,6 +34,15 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return out, proc.stdout + proc.stderr
 
 
+def _tolerance(tag: str, value: float) -> float:
+    """1e-5 relative, but an update ratio ``|w_after - w_before| / |w|`` is a float32 difference
+    of two weights that agree to ``ratio``: it carries a rounding error of about ``eps / ratio``
+    relative (1.8e-5 was seen at a ratio of 4.9e-4, with the reduction order of 16 threads)."""
+    if "/update_ratio" in tag and value > 0:
+        return max(1e-5, 8 * torch.finfo(torch.float32).eps / value)
+    return 1e-5
+
+
 def _report(out: Path, rank: int) -> dict[str, Any]:
     return json.loads((out / f"rank{rank}.json").read_text())  # type: ignore[no-any-return]
 
@@ -70,7 +79,11 @@ def test_ddp_statistics_equal_one_process_on_the_global_batch(
         at = [s for s, _ in single[tag]]
         assert [s for s, _ in ddp[tag]] == at and (tag in stepped or at == steps), tag
         for (_, got), (_, want) in zip(ddp[tag], single[tag], strict=True):
-            assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-12), (tag, got, want)
+            assert math.isclose(got, want, rel_tol=_tolerance(tag, want), abs_tol=1e-12), (
+                tag,
+                got,
+                want,
+            )
     if extra:  # clipped in the first epoch (norms above 0.5), not in the second
         pre = [v for _, v in ddp["grad_flow/global/grad_norm_preclip"]]
         post = [v for _, v in ddp["grad_flow/global/grad_norm_postclip"]]
