@@ -13,7 +13,9 @@ whole process group at its time limit and fails.
 
 Fits (``GradFlowCallback`` with its default alarms unless said):
 
-- ``healthy``: no fault (the collectives of a fit without one);
+- ``healthy``, ``stats_healthy``, ``stop_healthy_no_loss``: no fault (the collectives of a
+  fit without one: ``GradFlowCallback``, a ``StatsCallback``, ``on_alarm="stop"`` without a
+  loss rule);
 - ``quiet``: the gradient alarms' update (``on_before_optimizer_step``) from step 1 on;
 - ``quiet_no_loss``: the same with no loss rule (nothing carried per batch);
 - ``logging``: the write of logging step 3's values (after its collectives);
@@ -270,6 +272,8 @@ def fit(root: Path, name: str, strategy: str) -> dict[str, Any]:
 FITS = {
     "ddp": (
         "healthy",
+        "stats_healthy",
+        "stop_healthy_no_loss",
         "quiet",
         "quiet_no_loss",
         "logging",

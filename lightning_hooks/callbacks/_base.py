@@ -133,6 +133,9 @@ class HookCallback(_CallbackBase):
     _selection_arguments: tuple[str, ...] = ("include", "exclude")
     """The constructor arguments, besides ``types``, that narrow the selection."""
     _measured_step: int | None = None
+    _ranks: int = 1
+    """The processes of this fit (set in ``on_train_start``): above 1, ranks agree on a
+    failure and on a stop (:meth:`_agree`)."""
     strict: bool | None = None
     """``True``: an exception in one of the callback's hooks propagates; ``False``: it disables
     the callback for the rest of the fit with one warning; ``None``: ``LIGHTNING_HOOKS_STRICT``."""
@@ -251,8 +254,9 @@ class HookCallback(_CallbackBase):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._detach()
         guard = self._hook_guard()
+        self._ranks = world_size()
         # Ranks agree on a failure before any disables (see lightning_hooks.core.guard).
-        guard.defer = not guard.strict and world_size() > 1
+        guard.defer = not guard.strict and self._ranks > 1
         if self._idle:
             return
         self._attach(trainer, pl_module)
@@ -329,8 +333,7 @@ class HookCallback(_CallbackBase):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A failure after the last epoch end is agreed here, so that rank 0 names it.
-        guard = self._hook_guard()
-        if guard.defer and guard.failed is None:
+        if self._hook_guard().failed is None:
             self._agree(trainer, trainer.global_step, always=True)
         self._detach()
 
@@ -340,7 +343,7 @@ class HookCallback(_CallbackBase):
         host), unless a collective of every batch carries them (:meth:`_carried`); whether the
         callback is now disabled on every rank."""
         guard = self._hook_guard()
-        if not guard.defer or guard.failed is not None or (self._carried() and not always):
+        if self._ranks == 1 or guard.failed is not None or (self._carried() and not always):
             return guard.failed is not None
         failed, stopping = agree([guard.local is not None, self._wants_stop()])
         return self._settle(trainer, step, failed, stopping)
