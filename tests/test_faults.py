@@ -186,3 +186,45 @@ def test_manual_optimization_where_ranks_disagree_turns_the_loss_rules_off_on_al
     assert ranks[1]["warnings"] == []
     # the loss all_reduce at step 0 only, then one agreement per logging step
     assert ranks[0]["steps"] == [1 + 1 + 3, 0, 0, 1 + 3, 1 + 3, 0, 0, 1 + 3]
+
+
+def test_the_loss_moves_to_the_nccl_group_device_without_a_sync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No GPU here: an NCCL group is faked, and every Tensor.to is recorded (a CUDA target is
+    # answered with a CPU copy), so what is shown is the path a CPU loss takes under NCCL: moved
+    # to the group's device, non_blocking, as float32; under gloo it stays on the CPU.
+    import torch
+    import torch.distributed as dist
+    from torch.overrides import TorchFunctionMode
+
+    from lightning_hooks.callbacks.alarm_policy import _carry
+    from lightning_hooks.core import distributed
+
+    assert distributed.group_device() == torch.device("cpu")  # no group, as gloo's
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    reduced: list[str] = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, **k: reduced.append(str(t.device)))
+    assert distributed.group_device() == torch.device("cuda", 3)
+    moves: list[tuple[str, bool]] = []
+
+    class RecordMoves(TorchFunctionMode):
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            kwargs = kwargs or {}
+            if func is torch.Tensor.to and str(kwargs.get("device", "")).startswith("cuda"):
+                moves.append((str(kwargs["device"]), bool(kwargs.get("non_blocking"))))
+                kwargs = {**kwargs, "device": "cpu"}
+            return func(*args, **kwargs)
+
+    loss = torch.tensor(2.5, dtype=torch.bfloat16)  # on the CPU: NCCL would refuse it
+    with RecordMoves():
+        carried = _carry(loss, failed=True, stop=False)
+    # the flags, then the loss: each to cuda:3 without blocking
+    assert moves == [("cuda:3", True), ("cuda:3", True)]
+    assert carried.tolist() == [2.5, 1.0, 1.0, 0.0] and carried.dtype == torch.float32
+    assert len(reduced) == 1  # the one all_reduce of the batch

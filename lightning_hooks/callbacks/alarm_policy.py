@@ -308,7 +308,7 @@ def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
     """``[loss, has loss, failed, stop]`` summed over the ranks, on the group's device: the loss
     moved there without a sync (a CPU loss under NCCL), the flags copied from the host."""
     flags = [0.0, float(loss is not None), float(failed), float(stop)]
-    carried = torch.tensor(flags, dtype=torch.float32).to(group_device(), non_blocking=True)
+    carried = torch.tensor(flags, dtype=torch.float32).to(device=group_device(), non_blocking=True)
     if loss is not None:
         carried[:1].copy_(to_group_device(loss).reshape(1))
     return all_reduce_sum_(carried)

@@ -112,8 +112,11 @@ class GradFlowCallback(HookCallback):
     *amp_overflow* (counted) and the optional *loss_spike*; the loss rule *diverging* on
     every batch. Under DDP the loss rules read the mean loss over ranks, as
     ``self.log(..., sync_dist=True)`` does (one ``all_reduce`` per batch, no host sync), so every
-    rank takes the same decision at the same step; under manual optimization in a distributed
-    run they are off, with one warning (:meth:`.alarm_policy.AlarmPolicy.plan_loss`).
+    rank takes the same decision at the same step; the same ``all_reduce`` carries the ranks'
+    agreement on a failure of the callback and on ``stop``. Under manual optimization in a
+    distributed run they read it when every rank returned a loss, and turn off on every rank,
+    with one warning, at the first batch where the ranks disagree
+    (:meth:`.alarm_policy.AlarmPolicy.plan_loss`).
     ``on_alarm``: ``"warn"``, ``"stop"``, ``"raise"`` or ``"skip"``
     (:class:`.alarm_policy.AlarmPolicy`). Under
     ``gradient_clip_val`` the gradient columns are the applied (clipped) gradient, read in an
