@@ -109,15 +109,18 @@ def test_collectives_per_epoch_do_not_grow_with_layers(ddp_run: tuple[Path, str]
         # (output-gradient series) + one all_gather (accumulator states) + one all_gather (the
         # instability statistics' states) + one all_reduce (the loss, for the diverging rule,
         # on at the defaults); at its end one all_gather each (the windows since the last
-        # logging step)
-        assert [e["ours"] for e in small["epochs"]] == [4 * (3 + 1) + 1 + 1] * 2
+        # logging step), and one small all_reduce: the ranks' agreement on a failure or a stop
+        # (during the epoch it rides on the loss's all_reduce)
+        assert [e["ours"] for e in small["epochs"]] == [4 * (3 + 1) + 1 + 1 + 1] * 2
         assert large["epochs"] == small["epochs"]
-        assert large["ours"] == {"all_reduce": 2 * 4 * 2, "all_gather": 2 * 10}
+        # + one agreement at the end of the fit
+        assert large["ours"] == {"all_reduce": 2 * (4 * 2 + 1) + 1, "all_gather": 2 * 10}
         # Accumulating 2 batches: the loss's all_reduce at every batch (each rank ends as many
         # batches), the 3 of the logging step at each optimizer step.
         assert report["accumulate_clip"]["steps"] == [1, 1 + 3] * 4
-        # Manual optimization: the loss rules are off, so no loss all_reduce.
-        assert report["manual"]["steps"] == [3] * 8
+        # Manual optimization, rank 1 returning no loss: the loss all_reduce of step 0 finds
+        # the ranks disagree and turns the loss rules off; then one agreement per logging step.
+        assert report["manual"]["steps"] == [1 + 1 + 3] + [1 + 3] * 7
         assert report["warn"]["steps"] == [3 + 1] * 8
 
 
@@ -160,7 +163,7 @@ def test_default_actions_count_the_same_alarms_on_every_rank(
     assert logged == [(4, 0.0), (8, float(len(diverging)))]
 
 
-def test_manual_optimization_turns_the_loss_rules_off_with_one_warning(
+def test_manual_optimization_without_a_loss_on_one_rank_turns_the_loss_rules_off(
     ddp_run: tuple[Path, str],
 ) -> None:
     # Rank 1's training_step returns nothing: a loss collective would hang rank 0.
@@ -169,9 +172,9 @@ def test_manual_optimization_turns_the_loss_rules_off_with_one_warning(
     for report in ranks:
         assert report["loss_reading"] == "off" and report["global_step"] == 8
         assert report["alarms"] == {"0": [], "1": []}
-    # rank 0's warnings: one, this; rank 1 warns nothing (rank_zero_warn)
+    # rank 0's warnings: one, this, at the first batch; rank 1 warns nothing (rank_zero_warn)
     assert [w.split(": ")[1] for w in ranks[0]["warnings"]] == [
-        "the loss rules (diverging, loss_spike) are off in this fit"
+        "the loss rules (diverging, loss_spike) are off from step 0 on"
     ]
     assert ranks[1]["warnings"] == []
 

@@ -131,8 +131,9 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         # each is a logging step: one all_reduce (output gradients) and one all_gather each (the
         # accumulator, the instability statistics), one all_gather each for activations, dead
         # units and saturation; and one all_reduce of the loss (the diverging rule reads the mean
-        # over ranks) at every batch.
-        assert fsdp["steps"] == [2 + 3 + 3 + 1] * 8
+        # over ranks) at every batch, which carries GradFlowCallback's agreement of the ranks on a
+        # failure or a stop; the 3 statistics callbacks agree in one small all_reduce each.
+        assert fsdp["steps"] == [2 + 3 + 3 + 1 + 3] * 8
         # The sentinel alone (off the statistics' cadence): one all_gather of the gradient
         # norms; at NAN_STEP, where it fires, one more: the weights, read only then.
         # every_n_steps=4 samples steps 0, 3, 4 and 7 (each + 3 at its logging step); + 1 each:
@@ -140,17 +141,20 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         assert NAN_STEP == 5
         assert skip["steps"] == [6, 2, 2, 6, 6, 3, 2, 6]
         # Per epoch, GradFlowCallback alone: the steps', then one all_gather (the accumulator's
-        # window since the last logging step) and one all_gather (the instability statistics).
+        # window since the last logging step) and one all_gather (the instability statistics),
+        # and one all_reduce: the ranks' agreement at the epoch end.
         # (the second epoch holds NAN_STEP: + the weights' attribution pass)
         assert [e["ours_by_name"] for e in skip["epochs"]] == [
-            {"all_gather": 5 + 2 + 3 + 1 + 1, "all_reduce": 2 + 4},
-            {"all_gather": 5 + 2 + 3 + 1 + 1 + 1, "all_reduce": 2 + 4},
+            {"all_gather": 5 + 2 + 3 + 1 + 1, "all_reduce": 2 + 4 + 1},
+            {"all_gather": 5 + 2 + 3 + 1 + 1 + 1, "all_reduce": 2 + 4 + 1},
         ]
         # Every callback: + the gradient histogram's counts over the shard group, and one packed
         # all_gather each for activations, dead units and saturation (LayerStat), one for the
-        # instability statistics.
+        # instability statistics; the agreements: each callback's at the epoch end, the 3
+        # statistics callbacks' at each logging step.
+        agreements = 1 + 3 * (4 + 1)
         assert [e["ours_by_name"] for e in fsdp["epochs"]] == [
-            {"all_gather": 4 * (2 + 1 + 3 + 1) + 1 + 3 + 1, "all_reduce": 4 + 4 + 1}
+            {"all_gather": 4 * (2 + 1 + 3 + 1) + 1 + 3 + 1, "all_reduce": 4 + 4 + 1 + agreements}
         ] * 2
         # Accumulating 2 batches, clipped: one more all_gather, of the post-clip norms (+ 3 at
         # the logging step); the loss's all_reduce at every batch.
@@ -158,9 +162,9 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         # HSDP (replicate=2, shard=1): a shard group of one rank makes no collective of its own;
         # the logging steps' reduce across the replicas.
         # The loss's all_reduce spans the whole world: the replicas' batches differ.
-        assert hsdp["steps"] == [2 + 3 + 1 + 1] * 8
+        assert hsdp["steps"] == [2 + 3 + 1 + 1 + 3] * 8
         assert [e["ours_by_name"] for e in hsdp["epochs"]] == [
-            {"all_gather": 4 * (1 + 3 + 1) + 1 + 3 + 1, "all_reduce": 4 + 4}
+            {"all_gather": 4 * (1 + 3 + 1) + 1 + 3 + 1, "all_reduce": 4 + 4 + agreements}
         ] * 2
 
 

@@ -77,9 +77,11 @@ def test_every_layer_stat_under_ddp_equals_one_process(ddp_out: Path, tmp_path: 
             assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-9), (tag, got, want)
 
 
-def test_one_collective_per_statistic_per_epoch(ddp_out: Path) -> None:
+def test_one_collective_and_one_agreement_per_statistic_per_logging_step(ddp_out: Path) -> None:
     for rank in (0, 1):
         report = json.loads((ddp_out / f"rank{rank}.json").read_text())
-        # one per callback (5 of them) at each of an epoch's 4 logging steps and at its end
-        assert [e["ours"] for e in report["epochs"]] == [5 * 5, 5 * 5]
-        assert report["ours"] == {"all_gather": 2 * 5 * 5}
+        # one per callback (5 of them) at each of an epoch's 4 logging steps and at its end,
+        # and as many small all_reduces: the ranks' agreement on a failure (one more each at
+        # the end of the fit)
+        assert [e["ours"] for e in report["epochs"]] == [5 * 5 * 2, 5 * 5 * 2]
+        assert report["ours"] == {"all_gather": 2 * 5 * 5, "all_reduce": 2 * 5 * 5 + 5}

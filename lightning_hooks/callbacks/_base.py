@@ -11,6 +11,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.core.checks import positive_int
+from lightning_hooks.core.distributed import agree, gather_objects, world_size
 from lightning_hooks.core.guard import Guard, guard_hooks
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import save_loggers, tensorboard_writers, write_dashboard
@@ -132,6 +133,9 @@ class HookCallback(_CallbackBase):
     _selection_arguments: tuple[str, ...] = ("include", "exclude")
     """The constructor arguments, besides ``types``, that narrow the selection."""
     _measured_step: int | None = None
+    _ranks: int = 1
+    """The processes of this fit (set in ``on_train_start``): above 1, ranks agree on a
+    failure and on a stop (:meth:`_agree`)."""
     strict: bool | None = None
     """``True``: an exception in one of the callback's hooks propagates; ``False``: it disables
     the callback for the rest of the fit with one warning; ``None``: ``LIGHTNING_HOOKS_STRICT``."""
@@ -192,6 +196,8 @@ class HookCallback(_CallbackBase):
             # The measured step's optimizer step ran (its last micro-batch): a logging point.
             # The last one's copy (CUDA: posted a step or more ago) is written first.
             self._measured_step = None
+            if self._agree(trainer, measured):
+                return
             self._read_steps(trainer, wait=True)
             self._log_step(trainer, measured)
             self._read_steps(trainer, wait=False)
@@ -247,6 +253,10 @@ class HookCallback(_CallbackBase):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._detach()
+        guard = self._hook_guard()
+        self._ranks = world_size()
+        # Ranks agree on a failure before any disables (see lightning_hooks.core.guard).
+        guard.defer = not guard.strict and self._ranks > 1
         if self._idle:
             return
         self._attach(trainer, pl_module)
@@ -271,6 +281,8 @@ class HookCallback(_CallbackBase):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._agree(trainer, trainer.global_step, always=True):
+            return
         self._read_steps(trainer, wait=True)
         self._measured_step = None
         self._log_epoch(trainer, pl_module)
@@ -320,7 +332,48 @@ class HookCallback(_CallbackBase):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A failure after the last epoch end is agreed here, so that rank 0 names it.
+        if self._hook_guard().failed is None:
+            self._agree(trainer, trainer.global_step, always=True)
         self._detach()
+
+    def _agree(self, trainer: pl.Trainer, step: int, *, always: bool = False) -> bool:
+        """At a logging point (``always``: an epoch end) of a multi-process run, agree with the
+        other ranks on a deferred failure and a ``stop`` (one small ``all_reduce``, read on the
+        host), unless a collective of every batch carries them (:meth:`_carried`); whether the
+        callback is now disabled on every rank."""
+        guard = self._hook_guard()
+        if self._ranks == 1 or guard.failed is not None or (self._carried() and not always):
+            return guard.failed is not None
+        failed, stopping = agree([guard.local is not None, self._wants_stop()])
+        return self._settle(trainer, step, failed, stopping)
+
+    def _settle(self, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
+        """Act on the ranks' agreement at ``step``: stop every rank if any asked; when one
+        failed, disable the callback on every rank now (one warning on rank 0 names each failed
+        rank, its hook and its error: one ``all_gather_object``). Whether it is disabled."""
+        if stopping:
+            trainer.should_stop = True
+            self._stop_agreed()
+        if not failed:
+            return False
+        guard = self._hook_guard()
+        guard.settle(gather_objects(guard.local), step, warn=trainer.is_global_zero)
+        guard.take_pending()
+        self._guard_disable()
+        return True
+
+    def _carried(self) -> bool:
+        """Whether a collective of every batch carries the agreement (then the logging points
+        make none of their own)."""
+        return False
+
+    def _wants_stop(self) -> bool:
+        """Whether this rank asks every rank to stop (an alarm's ``stop``, not yet agreed)."""
+        return False
+
+    def _stop_agreed(self) -> None:
+        """The ranks agreed to stop: forget this rank's request."""
 
     @override
     def on_exception(

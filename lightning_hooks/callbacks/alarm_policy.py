@@ -10,7 +10,13 @@ import torch
 from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
-from lightning_hooks.core.distributed import mean_over_ranks, world_size
+from lightning_hooks.core.distributed import (
+    all_reduce_sum_,
+    group_device,
+    to_group_device,
+    world_size,
+)
+from lightning_hooks.core.readback import HostMailbox
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
 from lightning_hooks.logging import log_scalars, log_text, step_tags
 
@@ -79,7 +85,9 @@ class AlarmPolicy:
       what a one-step *spike* gets under the default ``"warn"``;
     - ``warn``: a :class:`~lightning_hooks.errors.GradientAlarmWarning` on rank 0, once per
       rule and layer per epoch (then only counted);
-    - ``stop``: warn, and ``trainer.should_stop``, agreed across ranks;
+    - ``stop``: warn, and ``trainer.should_stop``; in a multi-process run every rank stops at
+      the same step, agreed on a collective the callback makes anyway (:meth:`observe_loss`'s,
+      else the next logging step's): the step after the alarm was read;
     - ``raise``: a :class:`~lightning_hooks.errors.GradientAlarmError`; under DDP on every rank at
       the same step (the gradient rules read the all-reduced gradient, the loss rules the mean
       loss over ranks);
@@ -94,7 +102,9 @@ class AlarmPolicy:
         self.actions = check_actions(on_alarm)
         self.wait = "skip" in self.actions.values()
         """Read the current step's verdict before the optimizer step (blocking on CUDA)."""
-        self._stop = "stop" in self.actions.values()
+        self.stop_requested = False
+        """A ``stop`` this rank read, not yet agreed by the ranks (a multi-process run)."""
+        self._carrier: HostMailbox | None = None
         self._warned: set[tuple[str, str]] = set()
         self._logged = 0  # alarms of the epoch's log already written at a logging step
         self._counted: dict[str, int] = {}
@@ -102,6 +112,8 @@ class AlarmPolicy:
         """The alarms' running state between fits, or from a checkpoint."""
         self.loss_reading: LossReading = "own"
         """What the loss rules read in this fit (:meth:`plan_loss`)."""
+        self._manual = False
+        self._pending_loss: tuple[torch.Tensor, int, list[tuple[Any, int]]] | None = None
 
     def keep(self, alarms: GradientAlarms | None) -> None:
         """Save ``alarms``' state (the hooks are about to be removed)."""
@@ -149,56 +161,108 @@ class AlarmPolicy:
             stop = stop or action == "stop"
             if action == "skip" and optimizer is not None and alarm.step == trainer.global_step:
                 _skip_step(optimizer)
-        if self._stop:
-            # Ranks see the same all-reduced gradients and mean loss, so they agree; under FSDP
-            # they may not.
-            trainer.should_stop |= trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop and world_size() == 1:
+            trainer.should_stop = True
+        elif stop:
+            # Agreed by the ranks on a collective the callback makes anyway (HookCallback._settle):
+            # no collective, no host sync here.
+            self.stop_requested = True
 
     def plan_loss(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
         """Decide, at the start of a fit, what the loss rules read (:attr:`loss_reading`).
 
         - ``"own"``: one process, or no loss rule on: the loss ``training_step`` returns;
-        - ``"mean"``: a distributed run (world size > 1) under automatic optimization: the mean
-          of the ranks' losses (one ``all_reduce`` per batch), as ``self.log(...,
-          sync_dist=True)`` computes it, so that every rank takes the same decision at the same
-          step. Every rank has a loss: Lightning raises when ``training_step`` returns ``None``
-          in a distributed run (``Skipping the `training_step` by returning None in distributed
-          training is not supported``), so every rank enters the collective;
-        - ``"off"``: a distributed run under manual optimization, where ``training_step`` may
-          return nothing on some ranks and a loss on others: the ranks that had a loss would wait
-          in the collective for ever. The loss rules are off (one warning); the gradient rules
-          run.
+        - ``"mean"``: a distributed run (world size > 1): the mean of the ranks' losses, as
+          ``self.log(..., sync_dist=True)`` computes it, in one ``all_reduce`` per batch that
+          every rank makes (:meth:`observe_loss`), so that every rank takes the same decision at
+          the same step. Under manual optimization ``training_step`` may return a loss on some
+          ranks and nothing on others: the ``all_reduce`` counts the ranks with a loss, and the
+          loss rules read the mean only when every rank returned one; the first batch where the
+          ranks disagree turns the rules off on every rank (``"off"``, one warning).
         """
         self.loss_reading = "own"
+        self.stop_requested = False
+        self._carrier = None
         if rules is None or not rules.watches_loss or world_size() == 1:
             return
-        if pl_module.automatic_optimization:
-            self.loss_reading = "mean"
+        self.loss_reading = "mean"
+        self._manual = not pl_module.automatic_optimization
+        self._carrier = HostMailbox((_CARRIED,), group_device())
+
+    def observe_loss(
+        self,
+        trainer: pl.Trainer,
+        alarms: GradientAlarms,
+        outputs: Any,
+        step: int,
+        *,
+        failed: bool = False,
+    ) -> list[int] | None:
+        """The loss rules (*diverging*, *loss_spike*) on ``training_step``'s loss (a device
+        tensor), when one is on; in a distributed run on the mean over ranks (:meth:`plan_loss`).
+
+        In a distributed run the loss's ``all_reduce`` also carries this rank's ``failed`` (a
+        guard's deferred failure) and :attr:`stop_requested`; their sums over the ranks come
+        back from the host copy, read without blocking for a copy of this batch: at once on the
+        CPU, at the next batch on CUDA. Returns ``[ranks failed, ranks stopping]`` once read,
+        else ``None``: every rank reads it at the same batch, and before the loss rules run,
+        which may raise.
+        """
+        if not alarms.rules.watches_loss or self.loss_reading == "off":
+            return None
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        loss = loss if isinstance(loss, torch.Tensor) else None
+        if self.loss_reading == "own":
+            if loss is not None:
+                alarms.update_loss(loss, step=step)
+                self.act(trainer, None, alarms.poll())
+            return None
+        assert self._carrier is not None
+        read = [self._carrier.read(wait=True)]  # CUDA: the last batch's, posted then
+        carried = _carry(loss, failed, self.stop_requested)
+        self._carrier.post(carried, meta=step)
+        if carried.device.type != "cuda":
+            read.append(self._carrier.read(wait=True))
+        sums = [(got[0].copy(), got[1]) for got in read if got is not None]
+        self._pending_loss = (carried, step, sums)
+        disagree = [(at, int(v[1])) for v, at in sums if 0 < v[1] < world_size()]
+        if self._manual and disagree:  # decided on the host, before anything that may raise
+            self._loss_rules_off(*disagree[0])
+        return [int(sum(s[0][2] for s in sums)), int(sum(s[0][3] for s in sums))] if sums else None
+
+    def apply_loss(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
+        """The loss rules on the batch :meth:`observe_loss` carried (a distributed run): the
+        mean loss at once under automatic optimization; under manual optimization the mean once
+        read, when every rank returned a loss, else the rules turn off on every rank."""
+        pending, self._pending_loss = self._pending_loss, None
+        if pending is None:
             return
+        carried, step, sums = pending
+        if not self._manual:
+            alarms.update_loss(carried[0] / world_size(), step=step)
+        elif self.loss_reading == "mean":
+            for values, at in sums:
+                if values[1] == world_size():
+                    alarms.update_loss(torch.tensor(float(values[0]) / world_size()), step=at)
+        self.act(trainer, None, alarms.poll())
+
+    def _loss_rules_off(self, step: int, with_loss: int) -> None:
         self.loss_reading = "off"
+        self._carrier = None
         rank_zero_warn(
-            "GradFlowCallback: the loss rules (diverging, loss_spike) are off in this fit: under "
-            "manual optimization in a distributed run a rank's training_step may return no loss, "
-            "and the ranks would disagree on the loss's all_reduce; the gradient rules still run. "
-            "Pass alarms=AlarmRules(diverge_ratio=None) (without loss_factor) to turn them off "
+            "GradFlowCallback: the loss rules (diverging, loss_spike) are off from step "
+            f"{step} on: under manual optimization {with_loss} of {world_size()} ranks' "
+            "training_step returned a loss there, the others none, so the mean over ranks is "
+            "unknown; the gradient rules still run. Return the loss on every rank to keep them, "
+            "or pass alarms=AlarmRules(diverge_ratio=None) (without loss_factor) to turn them off "
             "without this warning.",
             category=LightningHooksWarning,
         )
 
-    def observe_loss(
-        self, trainer: pl.Trainer, alarms: GradientAlarms, outputs: Any, step: int
-    ) -> None:
-        """The loss rules (*diverging*, *loss_spike*) on ``training_step``'s loss (a device
-        tensor), when one is on; in a distributed run on the mean over ranks (:meth:`plan_loss`).
-        """
-        if not alarms.rules.watches_loss or self.loss_reading == "off":
-            return
-        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        if isinstance(loss, torch.Tensor):
-            if self.loss_reading == "mean":
-                loss = mean_over_ranks(loss)  # a float32 copy: the user's loss is not touched
-            alarms.update_loss(loss, step=step)
-            self.act(trainer, None, alarms.poll())
+    @property
+    def carries(self) -> bool:
+        """Whether every batch's loss ``all_reduce`` carries the ranks' agreement."""
+        return self._carrier is not None
 
     def _warn_once(self, alarm: GradientAlarm) -> None:
         key = (alarm.rule, alarm.layer)
@@ -235,6 +299,19 @@ class AlarmPolicy:
         if trainer.is_global_zero:
             head = f"{len(log)} gradient alarms in epoch {trainer.current_epoch}"
             log_text(trainer.loggers, "grad_flow/alarms", _summary(log, head), step)
+
+
+_CARRIED = 4  # the loss, whether this rank has one, a deferred failure, a stop request
+
+
+def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
+    """``[loss, has loss, failed, stop]`` summed over the ranks, on the group's device: the loss
+    moved there without a sync (a CPU loss under NCCL), the flags copied from the host."""
+    flags = [0.0, float(loss is not None), float(failed), float(stop)]
+    carried = torch.tensor(flags, dtype=torch.float32).to(device=group_device(), non_blocking=True)
+    if loss is not None:
+        carried[:1].copy_(to_group_device(loss).reshape(1))
+    return all_reduce_sum_(carried)
 
 
 def _summary(log: list[GradientAlarm], head: str) -> str:

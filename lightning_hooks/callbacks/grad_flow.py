@@ -112,8 +112,11 @@ class GradFlowCallback(HookCallback):
     *amp_overflow* (counted) and the optional *loss_spike*; the loss rule *diverging* on
     every batch. Under DDP the loss rules read the mean loss over ranks, as
     ``self.log(..., sync_dist=True)`` does (one ``all_reduce`` per batch, no host sync), so every
-    rank takes the same decision at the same step; under manual optimization in a distributed
-    run they are off, with one warning (:meth:`.alarm_policy.AlarmPolicy.plan_loss`).
+    rank takes the same decision at the same step; the same ``all_reduce`` carries the ranks'
+    agreement on a failure of the callback and on ``stop``. Under manual optimization in a
+    distributed run they read it when every rank returned a loss, and turn off on every rank,
+    with one warning, at the first batch where the ranks disagree
+    (:meth:`.alarm_policy.AlarmPolicy.plan_loss`).
     ``on_alarm``: ``"warn"``, ``"stop"``, ``"raise"`` or ``"skip"``
     (:class:`.alarm_policy.AlarmPolicy`). Under
     ``gradient_clip_val`` the gradient columns are the applied (clipped) gradient, read in an
@@ -283,9 +286,28 @@ class GradFlowCallback(HookCallback):
     ) -> None:
         if self._stability is not None:
             self._stability.end_step()
-        if self._tracker is not None and self._tracker.alarms is not None:
-            self.policy.observe_loss(trainer, self._tracker.alarms, outputs, self._batch_step)
+        alarms = None if self._tracker is None else self._tracker.alarms
+        if alarms is not None:
+            failed = self._hook_guard().local is not None
+            agreed = self.policy.observe_loss(
+                trainer, alarms, outputs, self._batch_step, failed=failed
+            )
+            if agreed is not None and self._settle(trainer, self._batch_step, *agreed):
+                return
+            self.policy.apply_loss(trainer, alarms)
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    @override
+    def _carried(self) -> bool:
+        return self._tracker is not None and self.policy.carries
+
+    @override
+    def _wants_stop(self) -> bool:
+        return self.policy.stop_requested
+
+    @override
+    def _stop_agreed(self) -> None:
+        self.policy.stop_requested = False
 
     @override
     def _log_step(self, trainer: pl.Trainer, step: int) -> None:
@@ -336,18 +358,19 @@ class GradFlowCallback(HookCallback):
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._tracker is None:
             return
-        if self._tracker.alarms is not None:
-            self.policy.end_epoch(trainer, self._tracker.alarms)
+        # The collectives first: a rank whose host side fails later has made them all.
         stats = self._tracker.result()
         self._tracker.reset()
         self._log_stability(trainer)
+        if self._hist is not None and stats.count.any():
+            shards = self._tracker.shards
+            write_histograms(trainer, self._hist, stats, self.max_layers_logged, shards)
+        if self._tracker.alarms is not None:
+            self.policy.end_epoch(trainer, self._tracker.alarms)
         if not stats.count.any():
             return
         step = trainer.global_step
         log_scalars(trainer.loggers, dict(grad_flow_scalars(stats, self.max_layers_logged)), step)
-        if self._hist is not None:
-            shards = self._tracker.shards
-            write_histograms(trainer, self._hist, stats, self.max_layers_logged, shards)
         if self.chart and trainer.is_global_zero:
             layers = stats.layers[:-1]
             figure = grad_flow_figure(

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "agree",
     "all_gather_stacked",
     "all_reduce_sum_",
+    "gather_objects",
+    "group_device",
     "is_distributed",
     "mean_over_ranks",
     "rank",
+    "to_group_device",
     "world_size",
 ]
 
@@ -32,6 +37,59 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
+def group_device() -> torch.device:
+    """The device the default group's collectives take: the current CUDA device under NCCL,
+    else the CPU (gloo, or no group).
+
+    Example:
+        >>> group_device()  # no process group
+        device(type='cpu')
+    """
+    if is_distributed() and "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def to_group_device(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, as a new float32 tensor on :func:`group_device` (a CPU loss under
+    NCCL, a CUDA loss under gloo); the copy is ``non_blocking``: no host sync.
+
+    Example:
+        >>> to_group_device(torch.tensor(2.0, dtype=torch.bfloat16))
+        tensor(2.)
+    """
+    device = group_device()
+    return tensor.detach().to(device=device, dtype=torch.float32, non_blocking=True, copy=True)
+
+
+def agree(flags: Sequence[bool]) -> list[int]:
+    """How many ranks raise each flag: one small ``all_reduce`` read on the host (a host sync:
+    for logging steps and epoch ends, never a quiet step); each flag itself in one process.
+
+    Example:
+        >>> agree([True, False])
+        [1, 0]
+    """
+    counts = torch.tensor([float(f) for f in flags], dtype=torch.float32, device=group_device())
+    if is_distributed() and dist.get_world_size() > 1:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    return [int(c) for c in counts.tolist()]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), by rank: a one-off ``all_gather_object``.
+
+    Example:
+        >>> gather_objects("rank 0's")
+        ["rank 0's"]
+    """
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over the ranks in place (one collective); returns it.
 
@@ -45,7 +103,7 @@ def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
-    """The mean of ``tensor`` over the ranks, as a new float32 tensor on its device (one
+    """The mean of ``tensor`` over the ranks, as a new float32 tensor on :func:`group_device` (one
     collective: a sum, then a division, as gloo has no average); ``tensor`` is left unchanged.
 
     Every rank of the default group must call it, in the same order as its other collectives.
@@ -56,7 +114,7 @@ def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
         >>> mean_over_ranks(loss)  # one process: a float32 copy
         tensor(2.)
     """
-    out = tensor.detach().to(torch.float32, copy=True)
+    out = to_group_device(tensor)
     if is_distributed() and dist.get_world_size() > 1:
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         out.div_(dist.get_world_size())

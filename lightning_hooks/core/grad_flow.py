@@ -378,7 +378,9 @@ class GradFlowTracker(HookOwner):
         stats = self._step_stats(view, grads, full=sampled and not self._post_clip)
         if param_grad_scale is not None:
             stats[:, _SCALED] /= param_grad_scale
-        if alarms is not None:
+        if sampled:
+            self._record_step(optimizer, view, stats, valid, grad_scale)
+        if alarms is not None:  # last: what the optimizer step's post-hook reduces is set
             alarms.update(
                 stats[:, 0],
                 view.rows,
@@ -389,8 +391,17 @@ class GradFlowTracker(HookOwner):
                 stepped=None if valid is None else valid[:, 0],
             )
         self._backward_order.clear()
-        if not sampled:
-            return
+
+    def _record_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        view: _OptimizerView,
+        stats: torch.Tensor,
+        valid: torch.Tensor | None,
+        grad_scale: torch.Tensor | None,
+    ) -> None:
+        """A sampled step: its statistics into the accumulator, the weights kept for the
+        update ratio (reduced in the optimizer step's post-hook), the output gradients."""
         if self._post_clip:  # the gradient the optimizer applies is read in the step post-hook
             cells = None if valid is None else valid[:, [0, _WEIGHT]]
             values = stats[:, [0, _WEIGHT]]

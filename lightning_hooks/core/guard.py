@@ -5,7 +5,13 @@ wrapped by it run their body in ``try``/``except``, which costs nothing in CPyth
 nothing raises. The first exception marks the guard failed and emits one
 :class:`~lightning_hooks.errors.LightningHooksWarning` naming the statistic, the hook and the
 cause; later exceptions of the same statistic are swallowed silently. The owner then removes
-its hooks at the next safe point (a Lightning hook, not in the middle of autograd). With
+its hooks at the next safe point (a Lightning hook, not in the middle of autograd).
+
+In a multi-process run the owner makes the guard *deferred* (:attr:`Guard.defer`): a failure is
+only recorded (:attr:`Guard.local`) and the owner's hooks go on running, so this rank keeps
+issuing every collective the other ranks issue; the owner agrees with the other ranks at a
+collective they all make, and every rank then settles (:meth:`Guard.settle`) at the same
+step, with one warning on rank 0 naming each failed rank, its hook and its error. With
 ``strict`` (or the environment variable ``LIGHTNING_HOOKS_STRICT=1``, which the test suite sets)
 the exception propagates unchanged. The library's own deliberate errors
 (:class:`~lightning_hooks.errors.LightningHooksError`, e.g. ``on_alarm="raise"``) always
@@ -30,7 +36,7 @@ from __future__ import annotations
 import contextvars
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import wraps
 from typing import Any, TypeVar
@@ -70,6 +76,11 @@ class Guard:
     Attributes:
         failed: ``None`` while healthy, else ``"where: ErrorType: message"`` of the first error.
         pending: a failure whose hooks the owner has not removed yet (see :meth:`take_pending`).
+        defer: record a failure in :attr:`local` instead of disabling (a multi-process run,
+            whose ranks must agree on the step: see the module docstring).
+        local: with :attr:`defer`, ``"where: ErrorType: message"`` of this rank's first error
+            not yet agreed by the ranks.
+        disabled_step: the step at which the owner disabled the statistic (set by the owner).
     """
 
     def __init__(self, name: str, *, strict: bool | None = None) -> None:
@@ -77,14 +88,21 @@ class Guard:
         self.strict = strict_default() if strict is None else bool(strict)
         self.failed: str | None = None
         self.pending = False
+        self.defer = False
+        self.local: str | None = None
+        self.disabled_step: int | None = None
 
     def fail(self, where: str, error: Exception) -> None:
         """Record ``error`` raised in ``where``: re-raise if strict or ours, else warn once."""
         if self.strict or isinstance(error, LightningHooksError):
             raise error
-        if self.failed is not None:
+        if self.failed is not None or self.local is not None:
             return
-        self.failed = f"{where}: {type(error).__name__}: {error}"
+        cause = f"{where}: {type(error).__name__}: {error}"
+        if self.defer:
+            self.local = cause
+            return
+        self.failed = cause
         self.pending = True
         warnings.warn(
             f"{self.name} is disabled for the rest of the fit: its {where} raised "
@@ -93,6 +111,30 @@ class Guard:
             LightningHooksWarning,
             stacklevel=3,
         )
+
+    def settle(self, causes: Sequence[str | None], step: int, *, warn: bool) -> None:
+        """Disable at ``step`` on the ranks' agreement: ``causes[r]`` is rank ``r``'s
+        :attr:`local` (``None``: healthy); ``warn`` (rank 0): one warning naming every failed
+        rank, its hook and its error.
+
+        Example:
+            >>> guard = Guard("MyStat", strict=False)
+            >>> guard.settle([None, "tensor hook: ValueError: bad"], 7, warn=False)
+            >>> guard.failed, guard.disabled_step, guard.take_pending()
+            ('rank 1: tensor hook: ValueError: bad', 7, True)
+        """
+        failed = [f"rank {r}: {cause}" for r, cause in enumerate(causes) if cause is not None]
+        self.failed = "; ".join(failed)
+        self.pending = True
+        self.disabled_step = step
+        if warn:
+            warnings.warn(
+                f"{self.name} is disabled on every rank from step {step} for the rest of the "
+                f"fit: {self.failed}. Training goes on without it; set {STRICT_ENV}=1 (or "
+                "strict=True) to raise instead.",
+                LightningHooksWarning,
+                stacklevel=3,
+            )
 
     def take_pending(self) -> bool:
         """``True`` once after a failure: the owner should now remove the statistic's hooks."""
