@@ -224,6 +224,7 @@ class GradFlowCallback(HookCallback):
             output_grad=self.output_grad,
             post_clip=bool(trainer.gradient_clip_val),
             alarms=self.alarms,
+            clip=_clip(trainer),
         )
         self._history = []
         unstepped = self._tracker.unstepped()
@@ -384,3 +385,11 @@ def _grad_scale(trainer: pl.Trainer) -> torch.Tensor | None:
         return None
     scale = getattr(scaler, "_scale", None)
     return scale if isinstance(scale, torch.Tensor) else None
+
+
+def _clip(trainer: pl.Trainer) -> tuple[float, str] | None:
+    """The Trainer's gradient clipping, ``(value, algorithm)``, or ``None``."""
+    if not trainer.gradient_clip_val:
+        return None
+    algorithm = trainer.gradient_clip_algorithm or "norm"
+    return float(trainer.gradient_clip_val), str(getattr(algorithm, "value", algorithm))
