@@ -83,12 +83,12 @@ class AlarmRules:
             also be above the running mean (the spread makes noisy layers need more).
         explode_factor: *explosion*: a spike that reaches the optimizer: the gradient the
             optimizer applies (after ``gradient_clip_val``'s clipping, when the caller gives the
-            clip) of a layer (or all) exceeds this many times its running scale (and
-            ``spike_sigmas`` spreads above it): big enough to wreck SGD's weights or poison an
-            adaptive optimizer's second moment (Adam's takes ``(1 - beta2) g**2``: at 300x its
-            scale, 90 times its usual size, so every update for thousands of steps is about 10
-            times too small). Warned under the default ``on_alarm="warn"``
-            (a smaller spike is only logged). ``None`` turns it off. Must be > 1.
+            clip), all layers together and the layer named, exceeds this many times its running
+            scale (and ``spike_sigmas`` spreads above it): big enough to wreck SGD's weights or
+            poison an adaptive optimizer's second moment (Adam's takes ``(1 - beta2) g**2``: at
+            300x its scale, 90 times its usual size, so every update for thousands of steps is
+            about 10 times too small). Warned under the default ``on_alarm="warn"`` (a smaller
+            spike is only logged). ``None`` turns it off. Must be > 1.
         window: span, in evaluated steps, of the running scale: the EMA weight is
             ``2 / (window + 1)`` (the exact mean and variance over the first steps).
         min_history: the spike rules are armed once a row has this many finite steps.
@@ -481,14 +481,18 @@ class GradientAlarms:
         self, log_norm: torch.Tensor, clip: float | None, keep: torch.Tensor
     ) -> torch.Tensor:
         """*explosion*: rows whose gradient as the optimizer applies it (scaled down as the
-        global norm is clipped to ``clip``) is above ``explode_factor`` x the running scale."""
+        global norm is clipped to ``clip``) is above ``explode_factor`` x the running scale, on a
+        step whose global row is too (or is out of the rules: a subset's optimizer). A bad
+        batch or a numerical fault blows up the whole gradient; one layer's norm alone jumps in
+        healthy runs (an embedding meeting rare tokens), and per coordinate it is no outlier."""
         if self.rules.explode_factor is None:
             return self._false
         ceiling, _ = self._scale.threshold(self.rules.explode_factor)
         if clip is not None:  # every row scales by min(1, clip / global norm)
             shrink = torch.rsub(log_norm[-1:], math.log(clip)).clamp_max_(0.0)
             log_norm = torch.add(log_norm, shrink)
-        return torch.gt(log_norm, ceiling).logical_and_(keep)
+        fired = torch.gt(log_norm, ceiling).logical_and_(keep)
+        return fired.logical_and_(torch.logical_or(fired[-1:], ~keep[-1:]))
 
     def _vanishing(
         self, norm: torch.Tensor, layers: torch.Tensor, finite: torch.Tensor
