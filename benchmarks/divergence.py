@@ -2,13 +2,16 @@
 replayed on the same recorded traces, this library's and its peers'.
 
 Data that ships with installed packages, nothing downloaded: scikit-learn's ``load_digits``
-(8x8 images, 10 classes) for an MLP and a CNN with BatchNorm; the source text of Python's own
-``argparse`` module for a character-level LSTM and tiny pre-LN and post-LN transformers. Each run
-is 300 optimizer steps, SGD or Adam, from a healthy learning rate to a divergent one (a constant
-LR, or a linear ramp that rises past what the model can take), several seeds.
+(8x8 images, 10 classes) for an MLP, a 6-layer MLP and a CNN with BatchNorm; its
+``load_breast_cancer`` for a residual MLP; the source text of Python's own ``argparse`` module
+for a character-level LSTM and tiny pre-LN and post-LN transformers. Each run is 300 optimizer
+steps, several seeds: issue 21's sweep (SGD or Adam, a constant LR or a linear ramp past what
+the model can take) and issue 27's recipes (AdamW with warm-up and cosine decay to 0, RMSprop,
+SGD with Nesterov and one-cycle, clipping on and off).
 
 Each step records what the sentinel reads (per-layer gradient L2 norms and the global one, before
-the optimizer step) and the training loss, into one trace file (``--traces``); the rules are then
+clipping and the optimizer step), the training loss, the LR and the typical update (what the
+*stall* rule reads on logging steps), into one trace file (``--traces``); the rules are then
 replayed on the traces: ours through the real :class:`~lightning_hooks.core.GradientAlarms`, the
 peers' re-implemented from their published sources at their defaults (see :data:`PEERS`).
 
@@ -16,6 +19,11 @@ Ground truth, from the loss alone (:func:`divergence_step`): a run diverges at t
 where the loss is not finite, or where the mean loss of the last 5 steps is at least twice its
 best so far *and* has given back at least half of what it had learnt (best vs the first step's
 loss). A run that never does is healthy.
+
+One-step gradient explosions (:data:`EXPLOSIONS`: the gradient multiplied by 10, 1e3 or 1e6
+after the backward, at step 37 or 150) are judged against their twin, the same run without the
+event (:func:`damaging`): damaging when the loss 50 to 100 steps later is clearly above the
+twin's, else harmless.
 
 Usage::
 
