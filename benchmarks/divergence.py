@@ -2,13 +2,16 @@
 replayed on the same recorded traces, this library's and its peers'.
 
 Data that ships with installed packages, nothing downloaded: scikit-learn's ``load_digits``
-(8x8 images, 10 classes) for an MLP and a CNN with BatchNorm; the source text of Python's own
-``argparse`` module for a character-level LSTM and tiny pre-LN and post-LN transformers. Each run
-is 300 optimizer steps, SGD or Adam, from a healthy learning rate to a divergent one (a constant
-LR, or a linear ramp that rises past what the model can take), several seeds.
+(8x8 images, 10 classes) for an MLP, a 6-layer MLP and a CNN with BatchNorm; its
+``load_breast_cancer`` for a residual MLP; the source text of Python's own ``argparse`` module
+for a character-level LSTM and tiny pre-LN and post-LN transformers. Each run is 300 optimizer
+steps, several seeds: issue 21's sweep (SGD or Adam, a constant LR or a linear ramp past what
+the model can take) and issue 27's recipes (AdamW with warm-up and cosine decay to 0, RMSprop,
+SGD with Nesterov and one-cycle, clipping on and off).
 
 Each step records what the sentinel reads (per-layer gradient L2 norms and the global one, before
-the optimizer step) and the training loss, into one trace file (``--traces``); the rules are then
+clipping and the optimizer step), the training loss, the LR and the typical update (what the
+*stall* rule reads on logging steps), into one trace file (``--traces``); the rules are then
 replayed on the traces: ours through the real :class:`~lightning_hooks.core.GradientAlarms`, the
 peers' re-implemented from their published sources at their defaults (see :data:`PEERS`).
 
@@ -16,6 +19,11 @@ Ground truth, from the loss alone (:func:`divergence_step`): a run diverges at t
 where the loss is not finite, or where the mean loss of the last 5 steps is at least twice its
 best so far *and* has given back at least half of what it had learnt (best vs the first step's
 loss). A run that never does is healthy.
+
+One-step gradient explosions (:data:`EXPLOSIONS`: the gradient multiplied by 10, 1e3 or 1e6
+after the backward, at step 37 or 150) are judged against their twin, the same run without the
+event (:func:`damaging`): damaging when the loss 50 to 100 steps later is clearly above the
+twin's, else harmless.
 
 Usage::
 
@@ -31,7 +39,8 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +50,7 @@ from torch import nn
 
 from lightning_hooks.callbacks.alarm_policy import check_actions
 from lightning_hooks.core import AlarmRules, GradientAlarms, ParamLayout
-from lightning_hooks.core.grad_stats import param_norms, segment_norm
+from lightning_hooks.core.grad_stats import param_norms, segment_norm, typical_update
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -49,6 +58,10 @@ STEPS = 300
 SMOOTH = 5  # steps in the ground truth's mean loss
 SEEDS = (0, 1, 2)
 HELD_OUT = (2,)  # seeds not looked at while the defaults were chosen
+ADAPTIVE = ("adam", "adamw", "rmsprop")  # the optimizers with a second moment
+LOG_EVERY = 50  # the Trainer's log_every_n_steps: the callback's logging (sampled) steps
+DAMAGE_WINDOW = (50, 100)  # steps after an explosion where its loss is compared with the twin's
+DAMAGE_RATIO, DAMAGE_ABS = 1.25, 0.05  # "clearly worse": this ratio and this much above it
 _SEQ, _VOCAB = 32, 96
 WARNED = tuple(rule for rule, action in check_actions("warn").items() if action == "warn")
 """The rules that warn under the default ``on_alarm="warn"``."""
@@ -61,6 +74,16 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor]:
 
     data = load_digits()
     x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    return x, torch.tensor(data.target, dtype=torch.long)
+
+
+def _cancer() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's ``load_breast_cancer`` (30 features, 2 classes), standardised."""
+    from sklearn.datasets import load_breast_cancer
+
+    data = load_breast_cancer()
+    x = torch.tensor(data.data, dtype=torch.float32)
+    x = (x - x.mean(0)) / x.std(0)
     return x, torch.tensor(data.target, dtype=torch.long)
 
 
@@ -78,6 +101,33 @@ def _mlp() -> nn.Module:
     return nn.Sequential(
         nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
     )  # fmt: skip
+
+
+def _mlp6() -> nn.Module:
+    """The issue's 6-layer MLP on the digits."""
+    layers: list[nn.Module] = []
+    for _ in range(5):
+        layers += [nn.Linear(64, 64), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(64, 10))
+
+
+class _ResMLP(nn.Module):
+    """A residual MLP (pre-LN blocks) on the breast-cancer features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(30, 32)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+            for _ in range(3)
+        )
+        self.head = nn.Linear(32, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)  # type: ignore[no-any-return]
 
 
 def _cnn() -> nn.Module:
@@ -119,12 +169,13 @@ class _Transformer(nn.Module):
 
 BUILD: dict[str, Callable[[], nn.Module]] = {
     "mlp": _mlp,
+    "mlp6": _mlp6,
+    "resmlp": _ResMLP,
     "cnn": _cnn,
     "lstm": _LSTM,
     "pre-ln": lambda: _Transformer(pre_ln=True),
     "post-ln": lambda: _Transformer(pre_ln=False),
 }
-CHANCE = {"mlp": math.log(10), "cnn": math.log(10)}  # the text models: log(vocabulary in use)
 
 
 # --- the sweep --------------------------------------------------------------------------------
@@ -132,18 +183,49 @@ CHANCE = {"mlp": math.log(10), "cnn": math.log(10)}  # the text models: log(voca
 
 @dataclass(frozen=True)
 class Run:
-    """One training run: model, optimizer, learning rate and its schedule, seed."""
+    """One training run: model, optimizer, learning rate and its schedule, clipping, seed, and
+    an injected one-step gradient explosion (the gradient times ``explode`` at ``explode_at``).
+    """
 
     model: str
-    optimizer: str
+    optimizer: str  # sgd (momentum 0.9, 0 on the LSTM), nesterov, adam, adamw, rmsprop
     lr: float
-    schedule: str = "constant"  # or "ramp": linear from 0 to ``lr`` over the run
+    # "ramp": linear from 0 to ``lr`` over the run; "cosine": 10% linear warm-up, then cosine
+    # decay to 0 at the last step; "onecycle": torch's OneCycleLR (cosine, pct_start 0.3)
+    schedule: str = "constant"
     seed: int = 0
+    clip: float | None = None  # clip_grad_norm_ before the step
+    explode_at: int | None = None
+    explode: float = 1.0
 
     @property
     def name(self) -> str:
-        ramp = ", ramp" if self.schedule == "ramp" else ""
-        return f"{self.model}, {self.optimizer} {self.lr:g}{ramp}"
+        sched = "" if self.schedule == "constant" else f", {self.schedule}"
+        clip = "" if self.clip is None else f", clip {self.clip:g}"
+        boom = "" if self.explode_at is None else f", x{self.explode:g} at {self.explode_at}"
+        return f"{self.model}, {self.optimizer} {self.lr:g}{sched}{clip}{boom}"
+
+    @property
+    def twin(self) -> Run:
+        """The same run without the explosion."""
+        return replace(self, explode_at=None, explode=1.0)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step``."""
+        t = step / (STEPS - 1)
+        if self.schedule == "ramp":
+            return self.lr * (step + 1) / STEPS
+        if self.schedule == "cosine":
+            warm = STEPS // 10
+            if step < warm:
+                return self.lr * (step + 1) / warm
+            return self.lr * 0.5 * (1.0 + math.cos(math.pi * (step - warm) / (STEPS - 1 - warm)))
+        if self.schedule == "onecycle":
+            start, end = self.lr / 25.0, self.lr / 25.0 / 1e4
+            if t <= 0.3:
+                return start + (self.lr - start) * 0.5 * (1.0 - math.cos(math.pi * t / 0.3))
+            return end + (self.lr - end) * 0.5 * (1.0 + math.cos(math.pi * (t - 0.3) / 0.7))
+        return self.lr
 
 
 SWEEP = [
@@ -159,18 +241,62 @@ SWEEP = [
     *(Run("post-ln", "adam", lr) for lr in (1e-3, 3e-2)),
     Run("post-ln", "adam", 0.3, "ramp"),
 ]
+"""The runs of issue 21: SGD and Adam, constant or a ramp, no clipping."""
+
+# The twins of the explosions (healthy recipes, with and without clipping), and recipes that
+# users run beyond SGD and Adam: AdamW with warm-up and cosine decay to 0, RMSprop, SGD with
+# Nesterov and one-cycle; a recurrent model on RMSprop with clipping; a residual model on
+# another data set.
+_RECIPES = [("adam", 1e-3, "constant"), ("adamw", 1e-3, "cosine"), ("sgd", 0.05, "constant")]
+TWINS = [
+    *(
+        Run(model, opt, lr, sched, clip=clip)
+        for model in ("mlp6", "resmlp")
+        for opt, lr, sched in (*_RECIPES, ("rmsprop", 1e-3, "constant"))
+        for clip in (None, 1.0)
+    ),
+]
+RECIPES = [
+    *TWINS,
+    Run("mlp6", "adamw", 0.1, "cosine"),
+    Run("mlp6", "rmsprop", 0.03),
+    Run("mlp6", "nesterov", 0.3, "onecycle"),
+    Run("mlp6", "nesterov", 10.0, "onecycle"),
+    *(Run("lstm", "rmsprop", lr, clip=1.0) for lr in (3e-3, 1e-2, 0.1)),
+    Run("lstm", "adamw", 3e-3, "cosine", clip=1.0),
+    Run("resmlp", "adamw", 0.3, "cosine"),
+    Run("resmlp", "nesterov", 1.0, "onecycle", clip=1.0),
+    Run("resmlp", "rmsprop", 0.1),
+]
+EXPLODE_SIZES = (10.0, 1e3, 1e6)
+EXPLODE_AT = {0: 37, 1: 150}  # by seed: the issue's step, and one later in the run
+EXPLOSIONS = [
+    replace(twin, explode_at=-1, explode=size)  # explode_at: set from the seed when recorded
+    for twin in TWINS
+    if twin.model == "mlp6" or twin.optimizer in ("adam", "rmsprop")
+    for size in EXPLODE_SIZES
+]
+"""One-step gradient explosions: every recipe of the 6-layer MLP, Adam and RMSprop on the
+residual model, with and without clipping, three sizes; on seeds 0 and 1."""
 
 
 def _optimizer(run: Run, model: nn.Module) -> torch.optim.Optimizer:
+    params = model.parameters()
     if run.optimizer == "sgd":
         momentum = 0.0 if run.model == "lstm" else 0.9
-        return torch.optim.SGD(model.parameters(), lr=run.lr, momentum=momentum)
-    return torch.optim.Adam(model.parameters(), lr=run.lr)
+        return torch.optim.SGD(params, lr=run.lr, momentum=momentum)
+    if run.optimizer == "nesterov":
+        return torch.optim.SGD(params, lr=run.lr, momentum=0.9, nesterov=True)
+    if run.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=run.lr, weight_decay=0.01)
+    if run.optimizer == "rmsprop":
+        return torch.optim.RMSprop(params, lr=run.lr)
+    return torch.optim.Adam(params, lr=run.lr)
 
 
 def _batches(run: Run, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    if run.model in ("mlp", "cnn"):
-        x, y = _digits()
+    if run.model in ("mlp", "mlp6", "cnn", "resmlp"):
+        x, y = _cancer() if run.model == "resmlp" else _digits()
         while True:
             idx = torch.randint(0, len(x), (32,), generator=gen)
             yield x[idx], y[idx]
@@ -201,15 +327,20 @@ def train(
     layout = ParamLayout.from_modules(_layers(model))
     batches = _batches(run, gen)
     for step in range(STEPS):
-        if run.schedule == "ramp":
-            for group in opt.param_groups:
-                group["lr"] = run.lr * (step + 1) / STEPS
+        for group in opt.param_groups:
+            group["lr"] = run.lr_at(step)
         x, y = next(batches)
         opt.zero_grad()
         out = model(x)
         loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         loss.backward()
+        if step == run.explode_at:  # a bad batch, a numerical fault: the gradient blows up
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(run.explode)
         yield model, layout, out, loss
+        if run.clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), run.clip)
         opt.step()
 
 
@@ -223,40 +354,64 @@ def grad_norms(layout: ParamLayout) -> np.ndarray:
 def record(run: Run) -> dict[str, Any]:
     """Train ``run`` and record what the sentinel reads each step: per-layer gradient norms (then
     the global one) and the loss; also the weight norms, for rules that want them."""
-    norms, weights, losses = [], [], []
+    norms, weights, losses, updates = [], [], [], []
     layers: list[str] = []
-    for _, layout, _, loss in train(run):
+    last: list[torch.Tensor] | None = None
+    grads: list[torch.Tensor | None] = []
+    for model, layout, _, loss in train(run):
         layers = layout.layers
         norms.append(grad_norms(layout))
         with torch.no_grad():
             n = len(layout.layers)
             weights.append(segment_norm(param_norms(layout.params), layout.index, n).numpy().copy())
+            now = [p.detach().clone() for p in model.parameters()]
+            if last is not None:  # the previous step's typical update, as the callback reads it
+                updates.append(float(typical_update(last, now, grads)))
+            last = now
+            grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
         losses.append(float(loss.detach()))
+    updates.append(math.nan)  # the last step's update is not read
     return {
         "run": asdict(run),
         "layers": [*layers, "global"],
         "norms": np.array(norms, dtype=np.float64),
         "weights": np.array(weights, dtype=np.float64),
         "losses": np.array(losses, dtype=np.float64),
+        "updates": np.array(updates, dtype=np.float64),
+        "lrs": np.array([run.lr_at(s) for s in range(STEPS)], dtype=np.float64),
     }
 
 
+def all_runs() -> list[Run]:
+    """The sweep and the recipes on every seed, then the explosions on seeds 0 and 1."""
+    runs = [replace(run, seed=seed) for seed in SEEDS for run in (*SWEEP, *RECIPES)]
+    runs += [
+        replace(run, seed=seed, explode_at=at)
+        for seed, at in EXPLODE_AT.items()
+        for run in EXPLOSIONS
+    ]
+    return runs
+
+
 def record_all(
-    path: Path, record: Callable[[Run], dict[str, Any]] = record
+    path: Path,
+    record: Callable[[Run], dict[str, Any]] = record,
+    runs: Callable[[], list[Run]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every run of the sweep on every seed, recorded by ``record`` and saved to ``path``."""
+    """Every run of ``runs()`` (default: the sweep of issue 21 on every seed), recorded by
+    ``record`` and saved to ``path``."""
     started = time.perf_counter()
     traces = []
-    for seed in SEEDS:
-        for run in SWEEP:
-            traces.append(record(Run(**{**asdict(run), "seed": seed})))
-            t = traces[-1]
-            print(
-                f"{time.perf_counter() - started:5.0f}s {run.name} seed {seed}: loss "
-                f"{t['losses'][0]:.3g} -> {np.nanmin(t['losses']):.3g} -> {t['losses'][-1]:.3g}, "
-                f"diverges at {divergence_step(t['losses'])}",
-                file=sys.stderr,
-            )
+    todo = runs() if runs is not None else [replace(r, seed=s) for s in SEEDS for r in SWEEP]
+    for run in todo:
+        t = record(run)
+        traces.append(t)
+        print(
+            f"{time.perf_counter() - started:5.0f}s {run.name} seed {run.seed}: loss "
+            f"{t['losses'][0]:.3g} -> {np.nanmin(t['losses']):.3g} -> {t['losses'][-1]:.3g}, "
+            f"diverges at {divergence_step(t['losses'])}",
+            file=sys.stderr,
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(traces, path)
     return traces
@@ -287,14 +442,23 @@ def ours(
     rules: AlarmRules, warn: tuple[str, ...] = WARNED
 ) -> Callable[[dict[str, Any]], list[int]]:
     """This library's sentinel at ``rules``: the steps of its alarms of the ``warn`` rules (by
-    default, those that warn under ``GradFlowCallback``'s default ``on_alarm="warn"``)."""
+    default, those that warn under ``GradFlowCallback``'s default ``on_alarm="warn"``), fed
+    as the callback feeds it: the pre-clip norms and the clip every step, the typical update
+    and the learning rate on the logging steps (every ``LOG_EVERY``)."""
 
     def replay(trace: dict[str, Any]) -> list[int]:
         alarms = GradientAlarms(trace["layers"], rules)
+        clip = trace["run"].get("clip")
+        # the callback reads the stall on optimizers with a second moment (growth_signals'
+        # traces have no updates)
+        adaptive = trace["run"]["optimizer"] in ADAPTIVE and "updates" in trace
         found = []
         for step, (norm, loss) in enumerate(zip(trace["norms"], trace["losses"], strict=True)):
-            alarms.update(torch.from_numpy(norm).float(), step=step)
+            alarms.update(torch.from_numpy(norm).float(), step=step, clip=clip)
             alarms.update_loss(torch.tensor(loss, dtype=torch.float32), step=step)
+            if (step == 0 or (step + 1) % LOG_EVERY == 0) and adaptive:
+                update = torch.tensor(trace["updates"][step], dtype=torch.float32)
+                alarms.update_stall(update, float(trace["lrs"][step]), step=step)
             found += [a.step for a in alarms.poll() if a.rule in warn]
         return found
 
@@ -423,12 +587,57 @@ PEERS: dict[str, Callable[[dict[str, Any]], list[int]]] = {
 # --- the table --------------------------------------------------------------------------------
 
 
+def damaging(trace: dict[str, Any], twin: dict[str, Any]) -> bool:
+    """Ground truth of an explosion: its run's mean loss over ``DAMAGE_WINDOW`` steps after it
+    is not finite, or clearly above its twin's (the same seed and data without the event)."""
+    at = trace["run"]["explode_at"]
+    lo, hi = at + DAMAGE_WINDOW[0], min(at + DAMAGE_WINDOW[1], STEPS)
+    hurt, base = (float(np.mean(t["losses"][lo:hi])) for t in (trace, twin))
+    return not math.isfinite(hurt) or hurt > DAMAGE_RATIO * base + DAMAGE_ABS
+
+
+def _key(run: dict[str, Any]) -> tuple[str, int]:
+    return Run(**run).name, run["seed"]
+
+
+def score_explosions(
+    traces: list[dict[str, Any]], replay: Callable[[dict[str, Any]], list[int]]
+) -> dict[str, Any]:
+    """Per explosion: damaging or harmless (against its twin), warned at its step, any
+    warning; totals."""
+    twins = {_key(t["run"]): t for t in traces if t["run"]["explode_at"] is None}
+    rows = []
+    for trace in (t for t in traces if t["run"]["explode_at"] is not None):
+        found = sorted(replay(trace))
+        twin = twins[_key(asdict(Run(**trace["run"]).twin))]
+        rows.append(
+            {
+                "run": Run(**trace["run"]).name,
+                "seed": trace["run"]["seed"],
+                "at": trace["run"]["explode_at"],
+                "damaging": damaging(trace, twin),
+                "warned_at_step": trace["run"]["explode_at"] in found,
+                "first_warning": found[0] if found else None,
+            }
+        )
+    hurt = [r for r in rows if r["damaging"]]
+    harmless = [r for r in rows if not r["damaging"]]
+    return {
+        "runs": rows,
+        "damaging": len(hurt),
+        "damaging_warned": sum(r["warned_at_step"] for r in hurt),
+        "harmless": len(harmless),
+        "harmless_warned": sum(r["first_warning"] is not None for r in harmless),
+    }
+
+
 def score(
     traces: list[dict[str, Any]], replay: Callable[[dict[str, Any]], list[int]]
 ) -> dict[str, Any]:
-    """Per run: the divergence step and the first warning; totals for divergent and healthy."""
+    """Per run without an explosion: the divergence step and the first warning; totals for
+    divergent and healthy."""
     rows = []
-    for trace in traces:
+    for trace in (t for t in traces if t["run"].get("explode_at") is None):
         found = sorted(replay(trace))
         rows.append(
             {
@@ -471,8 +680,13 @@ def shape(losses: np.ndarray, step: int) -> str:
 
 RULE_SETS: dict[str, Callable[[dict[str, Any]], list[int]]] = {
     "lightning_hooks, defaults": ours(AlarmRules()),
+    "lightning_hooks before issue 27 (no explosion or stall rule)": ours(
+        AlarmRules(explode_factor=None, stall_factor=None),
+        ("absolute", "vanishing", "nonfinite", "loss_spike", "diverging"),
+    ),
     "lightning_hooks before issue 21 (spike warns, no loss rule)": ours(
-        AlarmRules(diverge_ratio=None), ("spike", "absolute", "vanishing", "nonfinite")
+        AlarmRules(diverge_ratio=None, explode_factor=None, stall_factor=None),
+        ("spike", "absolute", "vanishing", "nonfinite"),
     ),
     **PEERS,
 }
@@ -525,7 +739,9 @@ def result_header(
 
 
 def main(argv: list[str] | None = None) -> None:
-    args, traces, started, recorded = parse_args("divergence", "divergence_traces", argv, __doc__)
+    args, traces, started, recorded = parse_args(
+        "divergence", "divergence_traces", argv, __doc__, partial(record_all, runs=all_runs)
+    )
     shapes = {
         (Run(**t["run"]).name, t["run"]["seed"]): shape(t["losses"], step)
         for t in traces
@@ -534,6 +750,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {}
     for name, replay in RULE_SETS.items():
         result = score(traces, replay)
+        result["explosions"] = score_explosions(traces, replay)
         result["tuning_seeds"] = _subset(result, lambda r: r["seed"] not in HELD_OUT)
         result["held_out_seeds"] = _subset(result, lambda r: r["seed"] in HELD_OUT)
         result["by_shape"] = {
@@ -560,20 +777,38 @@ def _cells(t: dict[str, Any]) -> str:
     return f"{warned} | {lead} | {t['healthy_warned']} of {t['healthy']}"
 
 
+def _main_cells(r: dict[str, Any]) -> str:
+    """Divergent warned in time, damaging explosions warned at their step, harmless ones
+    warned, healthy runs warned."""
+    e = r["explosions"]
+    return (
+        f"{r['warned_in_time']} of {r['divergent']} | {e['damaging_warned']} of "
+        f"{e['damaging']} | {e['harmless_warned']} of {e['harmless']} | "
+        f"{r['healthy_warned']} of {r['healthy']}"
+    )
+
+
 def markdown(out: dict[str, Any]) -> str:
     sets = out["rule_sets"]
     seeds = ", ".join(str(s) for s in out["seeds"])
     held = ", ".join(str(s) for s in out["held_out_seeds"])
+    first = next(iter(sets.values()))
     lines = [
-        f"{len(next(iter(sets.values()))['runs'])} runs ({len(SWEEP)} settings x seeds {seeds}), "
+        f"{len(first['runs'])} runs ({len(SWEEP) + len(RECIPES)} settings x seeds {seeds}) and "
+        f"{len(first['explosions']['runs'])} one-step gradient explosions (x"
+        f"{', x'.join(f'{x:g}' for x in EXPLODE_SIZES)}, at step "
+        f"{' or '.join(str(a) for a in EXPLODE_AT.values())}, each against its twin run), "
         f"{out['steps']} steps each; every rule set replayed on the same traces. Divergent "
-        "runs warned at or before the step the loss diverged; median lead in steps (over those "
-        "warned in time); healthy runs with any warning.",
+        "runs warned at or before the step the loss diverged; damaging explosions (the loss "
+        f"{DAMAGE_WINDOW[0]}-{DAMAGE_WINDOW[1]} steps later above {DAMAGE_RATIO:g}x the twin's "
+        f"+ {DAMAGE_ABS:g}, or not finite) warned at their step; harmless explosions and "
+        "healthy runs with any warning.",
         "",
-        "| rule set | divergent runs warned in time | median lead (steps) | healthy runs warned |",
-        "| --- | --- | --- | --- |",
+        "| rule set | divergent runs warned in time | damaging explosions warned at their step "
+        "| harmless explosions warned | healthy runs warned |",
+        "| --- | --- | --- | --- | --- |",
     ]
-    lines += [f"| {name} | {_cells(r)} |" for name, r in sets.items()]
+    lines += [f"| {name} | {_main_cells(r)} |" for name, r in sets.items()]
     lines += [
         "",
         f"Seeds used to choose the defaults vs held out (seed {held}):",
@@ -588,7 +823,8 @@ def markdown(out: dict[str, Any]) -> str:
     ]
     lines += [
         "",
-        "By the shape of the failure (divergent runs: warned in time, median lead):",
+        "By the shape of the failure (divergent runs: warned in time, median lead in steps over "
+        "those warned in time; no lead target):",
         "",
         "| rule set | early blow-up (< 10 steps) | blow-up after a healthy start | slow drift |",
         "| --- | --- | --- | --- |",
@@ -600,6 +836,18 @@ def markdown(out: dict[str, Any]) -> str:
             lead = "-" if t["median_lead"] is None else f"{t['median_lead']:g}"
             cells.append(f"{t['warned_in_time']} of {t['divergent']}, lead {lead}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Per explosion (ground truth against the twin; the defaults):", ""]
+    lines += [
+        "| run | seed | ground truth | warned at its step | first warning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in sets["lightning_hooks, defaults"]["explosions"]["runs"]:
+        truth = "damaging" if row["damaging"] else "harmless"
+        first = "-" if row["first_warning"] is None else row["first_warning"]
+        lines.append(
+            f"| {row['run']} | {row['seed']} | {truth} | "
+            f"{'yes' if row['warned_at_step'] else 'no'} | {first} |"
+        )
     lines += ["", "Per run (ground truth; first warning of the defaults):", ""]
     lines += [
         "| run | seed | diverges at | shape | first warning |",

@@ -72,12 +72,14 @@ LAYER_METRICS: dict[str, tuple[str, ...]] = {
 ALARMS: dict[str, tuple[str, ...]] = {
     "grad_flow": (
         "spike",
+        "explosion",
         "absolute",
         "vanishing",
         "nonfinite",
         "amp_overflow",
         "loss_spike",
         "diverging",
+        "stall",
     ),
 }
 """Every ``family/alarms/rule`` count the library logs (``lightning_hooks.core.ALARM_RULES``)."""

@@ -17,6 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = json.loads((ROOT / "benchmarks" / "results" / "divergence.json").read_text())
 
 
+def _recount_explosions(rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """``damaging explosions warned at their step`` and ``harmless explosions warned`` cells."""
+    hurt = [r for r in rows if r["damaging"]]
+    harmless = [r for r in rows if not r["damaging"]]
+    at_step = sum(r["warned_at_step"] for r in hurt)
+    warned = sum(r["first_warning"] is not None for r in harmless)
+    return f"{at_step} of {len(hurt)}", f"{warned} of {len(harmless)}"
+
+
 def _recount(runs: list[dict[str, Any]]) -> tuple[str, str, str]:
     """``warned in time``, ``median lead`` and ``healthy warned`` cells, from the runs alone."""
     divergent = [r for r in runs if r["diverges_at"] is not None]
@@ -39,14 +48,32 @@ def test_the_saved_run_used_todays_defaults() -> None:
 def test_docs_table_rows_are_the_saved_runs_recounted() -> None:
     docs = (ROOT / "docs" / "alarms.md").read_text()
     for name, rule_set in RESULTS["rule_sets"].items():
-        in_time, lead, healthy = _recount(rule_set["runs"])
-        assert f"| {name} | {in_time} | {lead} | {healthy} |" in docs, name
+        in_time, _, healthy = _recount(rule_set["runs"])
+        hurt, harmless = _recount_explosions(rule_set["explosions"]["runs"])
+        assert f"| {name} | {in_time} | {hurt} | {harmless} | {healthy} |" in docs, name
+
+
+def test_every_explosion_has_its_twin_in_the_saved_run() -> None:
+    """The ground truth of an explosion is its twin's loss: the twin (the same run without the
+    event) is one of the saved runs, and a warning at the step comes no later than the step."""
+    defaults = RESULTS["rule_sets"]["lightning_hooks, defaults"]
+    names = {(r["run"], r["seed"]) for r in defaults["runs"]}
+    rows = defaults["explosions"]["runs"]
+    for row in rows:
+        assert (row["run"].rsplit(", x", 1)[0], row["seed"]) in names, row["run"]
+        if row["warned_at_step"]:
+            assert row["first_warning"] is not None and row["first_warning"] <= row["at"]
+    assert {r["at"] for r in rows} == {37, 150}
 
 
 def test_readme_quotes_the_defaults_row() -> None:
-    in_time, _, healthy = _recount(RESULTS["rule_sets"]["lightning_hooks, defaults"]["runs"])
-    readme = (ROOT / "README.md").read_text()
+    defaults = RESULTS["rule_sets"]["lightning_hooks, defaults"]
+    in_time, _, healthy = _recount(defaults["runs"])
+    hurt, harmless = _recount_explosions(defaults["explosions"]["runs"])
+    readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"in {in_time} real divergent runs, on {healthy} healthy ones" in readme
+    assert f"{hurt} damaging one-step gradient explosions at their step" in readme
+    assert f"{harmless} harmless ones" in readme
 
 
 NOISY = json.loads((ROOT / "benchmarks" / "results" / "noisy_runs.json").read_text())

@@ -26,10 +26,20 @@ Action = Literal["warn", "stop", "raise", "skip", "log"]
 LossReading = Literal["own", "mean", "off"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
 # amp_overflow: the GradScaler already acts, so it is counted, never acted on.
-_ACTIONABLE = ("spike", "absolute", "vanishing", "nonfinite", "loss_spike", "diverging")
-_NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging")  # skipping steps cures none
+_ACTIONABLE = (
+    "spike",
+    "explosion",
+    "absolute",
+    "vanishing",
+    "nonfinite",
+    "loss_spike",
+    "diverging",
+    "stall",
+)
+_NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall")  # skipping steps cures none
 # A one-step spike is a fact that healthy runs show too (benchmarks/divergence.py): under the
-# default "warn" it is logged and counted (spike score, text tab), not warned about.
+# default "warn" it is logged and counted (spike score, text tab), not warned about; one big
+# enough to hurt the optimizer is also an *explosion*, which warns.
 _TRANSIENT = "spike"
 _SUMMARY_LINES = 100
 
@@ -47,8 +57,8 @@ def check_actions(on_alarm: Any) -> dict[str, Action]:
         Traceback (most recent call last):
         ...
         TypeError: GradFlowCallback(on_alarm=None): must be one of ('warn', 'stop', 'raise', \
-'skip', 'log') or a mapping {rule: action} with rules in ('spike', 'absolute', 'vanishing', \
-'nonfinite', 'loss_spike', 'diverging'), got None
+'skip', 'log') or a mapping {rule: action} with rules in ('spike', 'explosion', 'absolute', \
+'vanishing', 'nonfinite', 'loss_spike', 'diverging', 'stall'), got None
     """
     if not isinstance(on_alarm, str | Mapping):
         raise TypeError(

@@ -108,9 +108,12 @@ class GradFlowCallback(HookCallback):
     **Early warnings** (``alarms``: :class:`~lightning_hooks.core.AlarmRules`) run on *every*
     optimizer step, whatever the statistics cadence: one multi-tensor L2 pass over the gradients
     before clipping, rules with O(layers) state on the device, a verdict read without blocking
-    (same step on the CPU, the next on CUDA): *spike*, *absolute*, *vanishing*, *nonfinite*,
-    *amp_overflow* (counted) and the optional *loss_spike*; the loss rule *diverging* on
-    every batch. Under DDP the loss rules read the mean loss over ranks, as
+    (same step on the CPU, the next on CUDA): *spike* (logged), *explosion* (a spike that
+    reaches the optimizer, after ``gradient_clip_val``'s clipping, big enough to hurt it),
+    *absolute*, *vanishing*, *nonfinite*, *amp_overflow* (counted) and the optional
+    *loss_spike*; the loss rule *diverging* on every batch; *stall* (an adaptive optimizer's
+    typical update per unit of learning rate collapsing) on the sampled steps, with
+    ``update_ratio``. Under DDP the loss rules read the mean loss over ranks, as
     ``self.log(..., sync_dist=True)`` does (one ``all_reduce`` per batch, no host sync), so every
     rank takes the same decision at the same step; the same ``all_reduce`` carries the ranks'
     agreement on a failure of the callback and on ``stop``. Under manual optimization in a
@@ -137,7 +140,8 @@ class GradFlowCallback(HookCallback):
         heatmap: log an image of the gradient norm per layer and epoch each epoch.
         alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
         on_alarm: the action for every rule, or a mapping ``{rule: action}`` (others warn);
-            ``"skip"`` does not apply to ``"vanishing"`` and ``"loss_spike"``, which then warn.
+            ``"skip"`` does not apply to ``"vanishing"``, ``"loss_spike"``, ``"diverging"`` and
+            ``"stall"``, which then warn.
         every_n_steps: measure the statistics on optimizer steps ``0, n, 2n, ...`` only
             (``None``: the Trainer's ``log_every_n_steps``); the alarms run on every step.
         stability: log the transformer instability statistics ``stability/...``
@@ -227,6 +231,7 @@ class GradFlowCallback(HookCallback):
             output_grad=self.output_grad,
             post_clip=bool(trainer.gradient_clip_val),
             alarms=self.alarms,
+            clip=_clip(trainer),
         )
         self._history = []
         unstepped = self._tracker.unstepped()
@@ -407,3 +412,11 @@ def _grad_scale(trainer: pl.Trainer) -> torch.Tensor | None:
         return None
     scale = getattr(scaler, "_scale", None)
     return scale if isinstance(scale, torch.Tensor) else None
+
+
+def _clip(trainer: pl.Trainer) -> tuple[float, str] | None:
+    """The Trainer's gradient clipping, ``(value, algorithm)``, or ``None``."""
+    if not trainer.gradient_clip_val:
+        return None
+    algorithm = trainer.gradient_clip_algorithm or "norm"
+    return float(trainer.gradient_clip_val), str(getattr(algorithm, "value", algorithm))

@@ -25,16 +25,20 @@ __all__ = ["ALARM_RULES", "AlarmRules", "GradientAlarm", "GradientAlarms"]
 
 ALARM_RULES = (
     "spike",
+    "explosion",
     "absolute",
     "vanishing",
     "nonfinite",
     "amp_overflow",
     "loss_spike",
     "diverging",
+    "stall",
 )
 """Names of the rules, in the order of :attr:`GradientAlarms.counts`."""
 
-_SPIKE, _ABSOLUTE, _VANISHING, _NONFINITE, _AMP, _LOSS, _DIVERGING = range(len(ALARM_RULES))
+_SPIKE, _EXPLOSION, _ABSOLUTE, _VANISHING, _NONFINITE, _AMP, _LOSS, _DIVERGING, _STALL = range(
+    len(ALARM_RULES)
+)
 # the loss report: loss_spike's flag, diverging's margin (it fires unless the margin is < 0: NaN
 # for a non-finite loss), the loss, its running scale; then diverging's state: the loss's running
 # mean, its mean absolute deviation, the best running mean, the first loss
@@ -50,8 +54,16 @@ _ADVICE = {
     "nonfinite": "lower the learning rate, clip gradients, or train in bf16 / with a GradScaler",
     "loss_spike": "look at this step's batch; if it repeats, lower the learning rate",
     "diverging": "lower the learning rate, add warm-up, or clip gradients (gradient_clip_val)",
+    "stall": "an adaptive optimizer's second moment poisoned by an explosion recovers only "
+    "slowly: reset the optimizer's state (or resume from a checkpoint before it) and clip "
+    "gradients (gradient_clip_val); check that the learning rate is what you meant",
 }
-_GRAD_RULES = 5  # rows of flags in the gradient report; the loss has its own mailbox
+# the stall report: its flag, the log of the update per unit of learning rate, its running level
+# before this logging step and after it (the state)
+_S_FLAG, _S_VALUE, _S_BEFORE, _S_LEVEL = range(4)
+_STALL_LR_FLOOR = 0.01  # below this share of its peak, the LR is being decayed away: no stall
+_STALL_ALPHA = 0.5  # the stall's level: an EMA over the last few logging steps
+_GRAD_RULES = 6  # rows of flags in the gradient report; the loss has its own mailbox
 _NORM, _SCALE, _BAND, _FLOOR = range(_GRAD_RULES, _GRAD_RULES + 4)
 
 WeightNorms = Callable[[], torch.Tensor]
@@ -69,6 +81,14 @@ class AlarmRules:
             the log-norm above it. ``None`` turns it off. Must be > 1.
         spike_sigmas: *spike*: how many running standard deviations of the log-norm the step must
             also be above the running mean (the spread makes noisy layers need more).
+        explode_factor: *explosion*: a spike that reaches the optimizer: the gradient the
+            optimizer applies (after ``gradient_clip_val``'s clipping, when the caller gives the
+            clip), all layers together and the layer named, exceeds this many times its running
+            scale (and ``spike_sigmas`` spreads above it): big enough to wreck SGD's weights or
+            poison an adaptive optimizer's second moment (Adam's takes ``(1 - beta2) g**2``: at
+            300x its scale, 90 times its usual size, so every update for thousands of steps is
+            about 10 times too small). Warned under the default ``on_alarm="warn"`` (a smaller
+            spike is only logged). ``None`` turns it off. Must be > 1.
         window: span, in evaluated steps, of the running scale: the EMA weight is
             ``2 / (window + 1)`` (the exact mean and variance over the first steps).
         min_history: the spike rules are armed once a row has this many finite steps.
@@ -94,6 +114,16 @@ class AlarmRules:
             so a noisy loss that learns little does not fire on its own swings; 0 turns the bar
             off.
         diverge_span: span, in steps, of the loss's running mean for *diverging*.
+        stall_factor: *stall*: on a logging step, the typical size of the optimizer's update
+            per unit of learning rate (the median ``|w_after - w_before| / lr`` over a sample of
+            each tensor's entries) fell this many times below its
+            running level (an EMA of its log over the last few logging steps): the optimizer no
+            longer moves the weights as the learning rate says it should (a second moment
+            poisoned by an explosion). Adaptive optimizers only (a per-coordinate second moment
+            in their state): SGD's update is the gradient, which shrinks as a run converges; and
+            only entries whose gradient is not zero (a dead unit stops by design). Not evaluated
+            while the learning rate is under 1% of its
+            peak (a schedule decaying it to zero). ``None`` turns it off. Must be > 1.
         history: steps of per-layer norms kept in the device ring buffer that an alarm reports.
 
     Example:
@@ -106,6 +136,7 @@ class AlarmRules:
     """
 
     spike_factor: float | None = 10.0
+    explode_factor: float | None = 300.0
     spike_sigmas: float = 4.0
     window: int = 50
     min_history: int = 3
@@ -120,6 +151,7 @@ class AlarmRules:
     diverge_giveback: float = 0.5
     diverge_noise: float = 1.0
     diverge_span: int = 4
+    stall_factor: float | None = 100.0
 
     def __post_init__(self) -> None:
         owner = "AlarmRules"
@@ -136,6 +168,8 @@ class AlarmRules:
             checked[name] = checks.positive_int(owner, name, getattr(self, name))
         optional: dict[str, Callable[[str, Any], float]] = {
             "spike_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
+            "explode_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
+            "stall_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
             "loss_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
             "diverge_ratio": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
             "max_grad_norm": lambda n, v: checks.positive_real(owner, n, v),
@@ -334,6 +368,9 @@ class GradientAlarms:
         self._loss_views = self._loss_report.unbind(0)
         self._loss_seen = 0  # finite losses in the state, counted on the host from the reports
         self._loss_box = HostMailbox((_L_FIRST + 1,), device)
+        self._stall = torch.full((_S_LEVEL + 1,), torch.nan, device=device)
+        self._stall_box = HostMailbox((_S_LEVEL + 1,), device)
+        self._peak_lr = 0.0
         self.evaluated = 0
         """Optimizer steps the rules were evaluated on, since construction."""
         self.total = 0
@@ -355,6 +392,7 @@ class GradientAlarms:
         order: Sequence[int] = (),
         weights: WeightNorms | None = None,
         stepped: torch.Tensor | None = None,
+        clip: float | None = None,
     ) -> None:
         """Apply the rules to one optimizer step (no host sync) and post the verdict.
 
@@ -370,16 +408,19 @@ class GradientAlarms:
                 pass); ``None``: the non-finite alarm goes by gradients only.
             stepped: ``[len(rows)]`` bool, false for a layer none of whose parameters got a
                 gradient this step (a branch not taken): left out of the rules (default: all).
+            clip: the largest global L2 norm the optimizer will apply (gradients clipped by norm
+                between this call and the step; a bound under clipping by value); ``None``: not
+                clipped. *explosion* judges the gradient as clipped.
         """
         self._drain(wait=True)  # the previous step's verdict: at most one step late
         self.evaluated += 1
         norm = norm[:, 0] if norm.dim() == 2 else norm
         norm, active = self._rows_of(norm.float(), rows, stepped)
-        report = self._evaluate(norm, active, amp)
+        report = self._evaluate(norm, active, amp, clip)
         slot = step % self.rules.history
         self._ring[slot].copy_(report[_NORM : _BAND + 1])
         self._ring_steps[slot] = step
-        self._mailbox.post(report, (step, tuple(dict.fromkeys(order)), rows, weights))
+        self._mailbox.post(report, (step, tuple(dict.fromkeys(order)), rows, weights, clip))
         if not self._cuda:  # the copy was the read: diagnose now, while the weights are these
             self._drain(wait=False)
 
@@ -398,7 +439,9 @@ class GradientAlarms:
             active.index_copy_(0, rows[:-1], stepped[:-1])
         return full, active
 
-    def _evaluate(self, norm: torch.Tensor, active: torch.Tensor, amp: bool) -> torch.Tensor:
+    def _evaluate(
+        self, norm: torch.Tensor, active: torch.Tensor, amp: bool, clip: float | None
+    ) -> torch.Tensor:
         """``[flags of each rule..., norm, scale, band, floor]`` x rows; the state updated.
 
         Python-side branches keep the usual step (every row stepped, no AMP, default rules) to
@@ -418,6 +461,7 @@ class GradientAlarms:
         if rules.spike_factor is not None:
             spike = torch.gt(log_norm, ceiling).logical_and_(finite)
             spike = spike if ok is self._all else spike.logical_and_(ok)
+        explosion = self._explosion(log_norm, clip, finite if ok is self._all else finite & ok)
         absolute = no
         if rules.max_grad_norm is not None:
             absolute = (norm > rules.max_grad_norm).logical_and_(ok).logical_and_(~self._is_layer)
@@ -430,8 +474,25 @@ class GradientAlarms:
         amp_flag = no if overflow is None else overflow & ~self._is_layer
         keep = finite if ok is self._all else torch.logical_and(finite, ok)
         self._scale.update(log_norm, keep, ceiling)
-        flags = torch.stack([spike, absolute, vanishing, nonfinite, amp_flag]).float()
+        flags = torch.stack([spike, explosion, absolute, vanishing, nonfinite, amp_flag]).float()
         return torch.cat([flags, torch.stack([norm, scale, band, floor])])
+
+    def _explosion(
+        self, log_norm: torch.Tensor, clip: float | None, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """*explosion*: rows whose gradient as the optimizer applies it (scaled down as the
+        global norm is clipped to ``clip``) is above ``explode_factor`` x the running scale, on a
+        step whose global row is too (or is out of the rules: a subset's optimizer). A bad
+        batch or a numerical fault blows up the whole gradient; one layer's norm alone jumps in
+        healthy runs (an embedding meeting rare tokens), and per coordinate it is no outlier."""
+        if self.rules.explode_factor is None:
+            return self._false
+        ceiling, _ = self._scale.threshold(self.rules.explode_factor)
+        if clip is not None:  # every row scales by min(1, clip / global norm)
+            shrink = torch.rsub(log_norm[-1:], math.log(clip)).clamp_max_(0.0)
+            log_norm = torch.add(log_norm, shrink)
+        fired = torch.gt(log_norm, ceiling).logical_and_(keep)
+        return fired.logical_and_(torch.logical_or(fired[-1:], ~keep[-1:]))
 
     def _vanishing(
         self, norm: torch.Tensor, layers: torch.Tensor, finite: torch.Tensor
@@ -480,6 +541,53 @@ class GradientAlarms:
         self._loss_box.post(self._loss_report, step)
         if not self._cuda:
             self._drain_loss(wait=False)
+
+    @torch.no_grad()
+    def update_stall(self, update: torch.Tensor, lr: float, *, step: int) -> None:
+        """*stall*, on a logging step: ``update`` (the typical size of a weight's change this
+        step, a device scalar: :func:`~lightning_hooks.core.grad_stats.typical_update`) per unit
+        of the learning rate ``lr`` against its running level (a few kernels, no host sync: the
+        verdict is read at the next poll).
+
+        Not evaluated while ``lr`` is under 1% of its peak so far (a schedule decaying it to
+        zero moves the weights less than float32 resolves).
+        """
+        if self.rules.stall_factor is None or not lr > 0.0:
+            return
+        self._peak_lr = max(self._peak_lr, float(lr))
+        if lr < _STALL_LR_FLOOR * self._peak_lr:
+            return
+        self._drain_stall(wait=True)
+        flag, value, before, level = self._stall.unbind(0)
+        torch.div(update.detach().reshape(()).float(), lr, out=value).log_()
+        before.copy_(level)
+        low = torch.sub(level, math.log(self.rules.stall_factor))
+        finite = torch.lt(value.abs(), math.inf)
+        # False while the level is NaN (the first logging step), and on a zero update (-inf):
+        # a weight that does not move at all is a dead unit or a frozen tensor, not this rule's
+        torch.lt(value, low, out=flag).logical_and_(finite)
+        # a collapse folds in clamped (as the spike rule's scale), so it keeps firing a while
+        target = torch.where(finite, torch.maximum(value, low), level)
+        start = torch.logical_and(level.isnan(), finite)
+        level.lerp_(target, _STALL_ALPHA).copy_(torch.where(start, value, level))
+        self._stall_box.post(self._stall, step)
+        if not self._cuda:
+            self._drain_stall(wait=False)
+
+    def _drain_stall(self, wait: bool) -> None:
+        got = self._stall_box.read(wait)
+        if got is None or not got[0][_S_FLAG] > 0:
+            return
+        report, step = got
+        value, level = math.exp(report[_S_VALUE]), math.exp(report[_S_BEFORE])
+        text = (
+            f"learning stalled at optimizer step {step}: the typical update per unit of "
+            f"learning rate (median |w_after - w_before| / lr) is {value:.4g}, "
+            f"{level / value:.3g}x below its running level {level:.4g} (stall_factor="
+            f"{self.rules.stall_factor}): the optimizer barely moves the weights while the "
+            "learning rate says it should"
+        )
+        self._record(GradientAlarm("stall", "global", step, value, level, text))
 
     def _diverge_start(self, x: torch.Tensor, margin: torch.Tensor) -> None:
         """The first finite loss starts the state (running mean, best and first loss)."""
@@ -547,10 +655,11 @@ class GradientAlarms:
 
     def _drain(self, wait: bool) -> None:
         self._drain_loss(wait)
+        self._drain_stall(wait)
         got = self._mailbox.read(wait)
         if got is None:
             return
-        report, (step, order, rows, weights) = got
+        report, (step, order, rows, weights, clip) = got
         flags = report[:_GRAD_RULES]
         if not flags.any():
             return
@@ -559,7 +668,7 @@ class GradientAlarms:
         history = self._history(step)
         for index in np.flatnonzero(flags.any(axis=1)):
             hit = np.flatnonzero(flags[index])
-            alarm = self._alarm(int(index), hit, report, weight, step, order)
+            alarm = self._alarm(int(index), hit, report, weight, step, order, clip)
             self._record(_with_history(alarm, self.layers, history))
 
     def _record(self, alarm: GradientAlarm) -> None:
@@ -586,17 +695,22 @@ class GradientAlarms:
         weight: np.ndarray | None,
         step: int,
         order: tuple[int, ...],
+        clip: float | None,
     ) -> GradientAlarm:
         norm = report[_NORM]
         ref = {
             _SPIKE: report[_SCALE],
+            _EXPLOSION: report[_SCALE],
             _ABSOLUTE: np.full_like(norm, self.rules.max_grad_norm or math.nan),
             _VANISHING: report[_FLOOR],
         }.get(index, weight if weight is not None else np.full_like(norm, -1.0))
         row = int(_culprit(index, hit, norm, ref, order, len(self.layers) - 1))
         layer, value, reference = self.layers[row], float(norm[row]), float(ref[row])
         others = tuple(self.layers[i] for i in hit if i != row)
-        text = _describe(ALARM_RULES[index], layer, step, value, reference, self.rules)
+        if index == _EXPLOSION:
+            text = _explosion_text(layer, step, value, reference, report, clip, self.rules)
+        else:
+            text = _describe(ALARM_RULES[index], layer, step, value, reference, self.rules)
         if others:
             text += f" (also flagged: {', '.join(others)})"
         return GradientAlarm(ALARM_RULES[index], layer, step, value, reference, text, others)
@@ -617,6 +731,8 @@ class GradientAlarms:
             "loss_scale": self._loss_scale.state.cpu(),
             "diverging": self._loss_state.cpu(),
             "loss_seen": self._loss_seen,
+            "stall": self._stall.cpu(),
+            "peak_lr": self._peak_lr,
             "low": self._low.cpu(),
             "ring": self._ring.cpu(),
             "ring_steps": list(self._ring_steps),
@@ -637,6 +753,9 @@ class GradientAlarms:
         if "diverging" in state:  # an older state's loss rule starts again
             self._loss_state.copy_(state["diverging"])
             self._loss_seen = int(state["loss_seen"])
+        if "stall" in state:  # an older state's stall level starts again
+            self._stall.copy_(state["stall"])
+            self._peak_lr = float(state["peak_lr"])
         self._low.copy_(state["low"])
         if state["ring"].shape == self._ring.shape:
             self._ring.copy_(state["ring"])
@@ -802,3 +921,32 @@ def _describe(rule: str, layer: str, step: int, value: float, ref: float, rules:
             f"grad norm {value:.4g}"
         )
     return f"AMP overflow at {at}, step skipped by the GradScaler (grad norm {value:.4g})"
+
+
+def _explosion_text(
+    layer: str,
+    step: int,
+    value: float,
+    ref: float,
+    report: np.ndarray,
+    clip: float | None,
+    rules: AlarmRules,
+) -> str:
+    """*explosion*'s message: the size, what the optimizer applies, and advice with a clip
+    value read from the global row's running scale."""
+    global_norm, global_scale = float(report[_NORM, -1]), float(report[_SCALE, -1])
+    shrink = 1.0 if clip is None or global_norm <= clip else clip / global_norm
+    applied = (
+        "reaches the optimizer unclipped"
+        if shrink == 1.0
+        else f"is still {value * shrink / ref:.3g}x its scale after clipping to {clip:.4g}"
+    )
+    suggested = f"{5.0 * global_scale:.2g}" if math.isfinite(global_scale) else "a few times it"
+    return (
+        f"gradient explosion at optimizer step {step}: {layer} grad norm {value:.4g} is "
+        f"{value / ref:.3g}x its running scale {ref:.4g} and {applied} (explode_factor="
+        f"{rules.explode_factor}): one such step wrecks SGD's weights or poisons an adaptive "
+        f"optimizer's second moment for thousands of steps; advice: clip gradients at a few "
+        f"times the global norm's running scale {global_scale:.3g} (gradient_clip_val="
+        f"{suggested}), or skip such steps with on_alarm={{'spike': 'skip'}}"
+    )

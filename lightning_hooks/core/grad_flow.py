@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -22,6 +22,7 @@ from lightning_hooks.core.grad_stats import (
     grad_stats,
     param_norms,
     segment_norm,
+    typical_update,
 )
 from lightning_hooks.core.grad_stats import update_norms as _update_norms
 from lightning_hooks.core.registry import HookOwner, HookRegistry
@@ -73,6 +74,18 @@ class _OptimizerView:
             mask = torch.tensor(table, dtype=torch.bool, device=self.rows.device)
             self.masks[missing] = mask
         return mask
+
+
+_SECOND_MOMENT = ("exp_avg_sq", "square_avg", "sum", "exp_avg_sq_row")
+"""Optimizer state keys of a per-coordinate second moment (Adam/AdamW/NAdam/RAdam, RMSprop/
+Adadelta, Adagrad, Adafactor): the optimizers whose update size per unit of learning rate does
+not follow the gradient's, and which one explosion can stall (SGD's update is the gradient)."""
+
+
+def _adaptive(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> bool:
+    """Whether ``optimizer`` keeps a second moment for the first of ``params``."""
+    state = optimizer.state.get(params[0], {}) if params else {}
+    return any(key in state for key in _SECOND_MOMENT)
 
 
 def _groups_key(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
@@ -182,6 +195,9 @@ class GradFlowTracker(HookOwner):
         output_grad: measure the gradient with respect to each layer's output.
         post_clip: gradients are clipped before the step: measure them in the step post-hook
             (what the optimizer applied), and the pre-clip norm in :meth:`observe`.
+        clip: ``(gradient_clip_val, gradient_clip_algorithm)`` when the gradients are clipped
+            before the step: the *explosion* rule judges the gradient as the optimizer applies
+            it. With ``update_ratio``, the alarms' *stall* reads the update on sampled steps.
         alarms: evaluate these gradient alarm rules (see
             :class:`~lightning_hooks.core.GradientAlarms`); read them with ``tracker.alarms``.
 
@@ -213,6 +229,7 @@ class GradFlowTracker(HookOwner):
         output_grad: bool = True,
         post_clip: bool = False,
         alarms: AlarmRules | None = None,
+        clip: tuple[float, str] | None = None,
     ) -> None:
         checks.module("GradFlowTracker", "model", model)
         optimizers = _check_optimizers(optimizers)
@@ -259,6 +276,8 @@ class GradFlowTracker(HookOwner):
         self._output_grad = output_grad
         self._update_ratio = update_ratio
         self._post_clip = post_clip
+        self._clip = clip
+        self._step = 0  # the step of the last observe, which the step post-hook follows
         self._views: dict[int, _OptimizerView] = {}
         self._backward_order: list[int] = []
         self._calls = 0
@@ -363,6 +382,7 @@ class GradFlowTracker(HookOwner):
         checks.optimizer("GradFlowTracker.observe", "optimizer", optimizer)
         step = self._calls if step is None else step
         self._calls += 1
+        self._step = step
         sampled = self.registry.sampled
         alarms = self.alarms
         if alarms is not None and step % alarms.rules.every_n_steps != 0:
@@ -389,6 +409,7 @@ class GradFlowTracker(HookOwner):
                 order=self._backward_order,
                 weights=partial(self._weight_norms, view),
                 stepped=None if valid is None else valid[:, 0],
+                clip=self._clip_norm(view),
             )
         self._backward_order.clear()
 
@@ -416,6 +437,14 @@ class GradFlowTracker(HookOwner):
             self._observe_output_grad(view.rows[:-1], grad_scale)
             self._clear_unowned()
             self._mark_other_optimizers(optimizer)
+
+    def _clip_norm(self, view: _OptimizerView) -> float | None:
+        """The largest global norm the optimizer will apply under ``clip`` (by value: a bound,
+        the value times the square root of the number of entries)."""
+        if self._clip is None:
+            return None
+        value, algorithm = self._clip
+        return value if algorithm == "norm" else value * sum(p.numel() for p in view.params) ** 0.5
 
     def _step_stats(
         self, view: _OptimizerView, grads: list[torch.Tensor], *, full: bool
@@ -571,6 +600,14 @@ class GradFlowTracker(HookOwner):
             return
         num_layers = len(view.rows) - 1
         after = [to_local(p) for p in view.params]
+        if self.alarms is not None and _adaptive(optimizer, view.params):
+            # before update_norms, which overwrites view.before; a logging step only
+            lr = max(float(g["lr"]) for g in optimizer.param_groups)
+            applied: list[torch.Tensor | None] = [
+                to_local(p.grad) if p.grad is not None else None for p in view.params
+            ]
+            typical = typical_update(view.before, after, applied)
+            self.alarms.update_stall(typical, lr, step=self._step)
         upd = _update_norms(
             view.before, after, view.index, num_layers, unique=view.unique, shards=self.shards
         )
