@@ -510,6 +510,7 @@ def test_stop_makes_no_per_step_decision_collective(
     monkeypatch.setattr(
         trainer.strategy, "reduce_boolean_decision", lambda *a, **k: calls.append(1) or False
     )
-    with pytest.warns(GradientAlarmWarning, match=rf"spike at optimizer step {K}"):
+    # The 1e6x gradient reaches the optimizer unclipped: a spike and an explosion.
+    with pytest.warns(GradientAlarmWarning, match=rf"(spike|explosion) at optimizer step {K}"):
         trainer.fit(LongMLP())
     assert trainer.global_step == K + 1 and calls == []

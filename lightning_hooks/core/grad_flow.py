@@ -398,11 +398,14 @@ class GradFlowTracker(HookOwner):
         stats = self._step_stats(view, grads, full=sampled and not self._post_clip)
         if param_grad_scale is not None:
             stats[:, _SCALED] /= param_grad_scale
+        norms = stats[:, 0]
         if sampled:
+            if alarms is not None:  # the accumulator may write into ``stats`` in place
+                norms = norms.clone()
             self._record_step(optimizer, view, stats, valid, grad_scale)
         if alarms is not None:  # last: what the optimizer step's post-hook reduces is set
             alarms.update(
-                stats[:, 0],
+                norms,
                 view.rows,
                 step=step,
                 amp=grad_scale is not None,
