@@ -50,7 +50,7 @@ from torch import nn
 
 from lightning_hooks.callbacks.alarm_policy import check_actions
 from lightning_hooks.core import AlarmRules, GradientAlarms, ParamLayout
-from lightning_hooks.core.grad_stats import param_norms, segment_norm, typical_update
+from lightning_hooks.core.kernels.grad_stats import param_norms, segment_norm, typical_update
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -24,11 +24,13 @@ from functools import partial
 
 import torch
 
-from lightning_hooks.core.dead_units import fired_counts
-from lightning_hooks.core.feature_stats import feature_stats, fused_feature_stats
-from lightning_hooks.core.tensors import Workspace
+from lightning_hooks.core.kernels.feature_stats import feature_stats, fused_feature_stats
+from lightning_hooks.core.kernels.tensors import Workspace
+from lightning_hooks.core.stats.dead_units import fired_counts
 
-fs = importlib.import_module("lightning_hooks.core.feature_stats")  # the module, not the function
+fs = importlib.import_module(
+    "lightning_hooks.core.kernels.feature_stats"
+)  # the module, not the function
 
 SHAPES = ((64, 32, 32, 32), (64, 64, 16, 16), (64, 128, 8, 8), (32, 64, 128), (64, 1024))
 

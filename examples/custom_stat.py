@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_hooks.core.selection import Selection
-from lightning_hooks.core.stat import LayerStat
+from lightning_hooks.core.hooks.selection import Selection
+from lightning_hooks.core.stats.stat import LayerStat
 
 
 class OutputRMS(LayerStat[dict[str, float]]):

@@ -29,14 +29,14 @@ if TYPE_CHECKING:
     from lightning_hooks.callbacks.layer_time import LayerTimeCallback
     from lightning_hooks.callbacks.saturation import SaturationCallback
     from lightning_hooks.callbacks.stats import StatsCallback
-    from lightning_hooks.core.accumulator import LayerStats
-    from lightning_hooks.core.activation_stats import ActivationStatsTracker
     from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
-    from lightning_hooks.core.capture import capture_outputs
-    from lightning_hooks.core.dead_units import DeadUnitTracker
-    from lightning_hooks.core.grad_flow import GradFlowTracker
-    from lightning_hooks.core.registry import HookRegistry
-    from lightning_hooks.core.selection import select_modules
+    from lightning_hooks.core.hooks.capture import capture_outputs
+    from lightning_hooks.core.hooks.registry import HookRegistry
+    from lightning_hooks.core.hooks.selection import select_modules
+    from lightning_hooks.core.stats.accumulator import LayerStats
+    from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
+    from lightning_hooks.core.stats.dead_units import DeadUnitTracker
+    from lightning_hooks.core.stats.grad_flow import GradFlowTracker
 
 # Public name -> the module that defines it, imported on first attribute access.
 _LAZY: dict[str, str] = {
@@ -47,16 +47,16 @@ _LAZY: dict[str, str] = {
     "LayerTimeCallback": "lightning_hooks.callbacks.layer_time",
     "SaturationCallback": "lightning_hooks.callbacks.saturation",
     "StatsCallback": "lightning_hooks.callbacks.stats",
-    "LayerStats": "lightning_hooks.core.accumulator",
-    "ActivationStatsTracker": "lightning_hooks.core.activation_stats",
+    "LayerStats": "lightning_hooks.core.stats.accumulator",
+    "ActivationStatsTracker": "lightning_hooks.core.stats.activation_stats",
     "AlarmRules": "lightning_hooks.core.alarms",
     "GradientAlarm": "lightning_hooks.core.alarms",
     "GradientAlarms": "lightning_hooks.core.alarms",
-    "capture_outputs": "lightning_hooks.core.capture",
-    "DeadUnitTracker": "lightning_hooks.core.dead_units",
-    "GradFlowTracker": "lightning_hooks.core.grad_flow",
-    "HookRegistry": "lightning_hooks.core.registry",
-    "select_modules": "lightning_hooks.core.selection",
+    "capture_outputs": "lightning_hooks.core.hooks.capture",
+    "DeadUnitTracker": "lightning_hooks.core.stats.dead_units",
+    "GradFlowTracker": "lightning_hooks.core.stats.grad_flow",
+    "HookRegistry": "lightning_hooks.core.hooks.registry",
+    "select_modules": "lightning_hooks.core.hooks.selection",
 }
 
 __all__ = [

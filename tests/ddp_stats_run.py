@@ -25,7 +25,7 @@ def callbacks() -> list[pl.Callback]:
     """The callbacks under test, fresh."""
     from lightning_hooks import ActivationStatsCallback, DeadReLUCallback, SaturationCallback
     from lightning_hooks.callbacks.stats import StatsCallback
-    from lightning_hooks.core.stability import StabilityStats
+    from lightning_hooks.core.stats.stability import StabilityStats
 
     output_rms: Any = runpy.run_path(str(EXAMPLE))["OutputRMS"]
     return [

@@ -60,8 +60,8 @@ Trainer = dict[str, Any]  # holds the running trainer for the fault's condition
 
 def peak_stat() -> Any:
     """A user's statistic: the largest ``|output|`` of every Linear (one packed collective)."""
-    from lightning_hooks.core.selection import Selection
-    from lightning_hooks.core.stat import LayerStat
+    from lightning_hooks.core.hooks.selection import Selection
+    from lightning_hooks.core.stats.stat import LayerStat
 
     class LinearPeak(LayerStat[dict[str, float]]):
         def __init__(self) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_hooks.core import GradFlowTracker, LayerStatsAccumulator, ParamLayout, grad_stats
-from lightning_hooks.core.grad_stats import CHUNK, abs_sum_max, update_norms
+from lightning_hooks.core.kernels.grad_stats import CHUNK, abs_sum_max, update_norms
 
 
 def test_accumulator_mean_peak_total_count_with_rows_columns_and_mask() -> None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lightning_hooks.core import LayerStatsAccumulator
-from lightning_hooks.core import accumulator as accumulator_module
-from lightning_hooks.core import stat as stat_module
+from lightning_hooks.core.stats import accumulator as accumulator_module
+from lightning_hooks.core.stats import stat as stat_module
 
 
 def test_steps_batch_equals_one_update_per_step() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hooks.core.capture import capture_outputs
+from lightning_hooks.core.hooks.capture import capture_outputs
 
 from conftest import hooks_left
 

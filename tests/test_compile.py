@@ -68,7 +68,7 @@ def _check_against_eager(mode: str, backend: str, tmp_path: Path) -> None:
     assert hooked.graphs[0] == hooked.graphs[1]  # nothing compiled after the first epoch
     eager = read_scalars(tmp_path / "eager")
     compiled = read_scalars(tmp_path / "compiled")
-    # Modules in a compiled region get no instability statistics (core/stability.py says why).
+    # Modules in a compiled region get no instability statistics (core/stats/stability.py says why).
     assert "stability/logit_logz/net.4" in eager
     assert not [t for t in compiled if t.startswith("stability/")]
     tags = {t for t in eager if t.startswith("grad_flow/")}

@@ -18,11 +18,11 @@ from lightning_hooks import (
     GradFlowCallback,
     LightningHooksWarning,
 )
-from lightning_hooks.core import grad_flow as grad_flow_module
-from lightning_hooks.core import guard as guard_module
-from lightning_hooks.core.activation_stats import ActivationStatsTracker
-from lightning_hooks.core.grad_flow import GradFlowTracker
-from lightning_hooks.core.guard import STRICT_ENV, Guard
+from lightning_hooks.core.hooks import guard as guard_module
+from lightning_hooks.core.hooks.guard import STRICT_ENV, Guard
+from lightning_hooks.core.stats import grad_flow as grad_flow_module
+from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
+from lightning_hooks.core.stats.grad_flow import GradFlowTracker
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import LayerTimeCallback
-from lightning_hooks.core.layer_time import LayerTimer, _CpuClock
+from lightning_hooks.core.stats.layer_time import LayerTimer, _CpuClock
 
 from conftest import hooks_left, read_image_tags, read_scalars
 
@@ -185,7 +185,7 @@ def test_cadence_counts_optimizer_steps_under_gradient_accumulation(
 
 
 class _TimerMemory(pl.Callback):
-    """Bytes allocated by ``core/layer_time.py`` and still held, at batches 5 and 35."""
+    """Bytes allocated by ``core/stats/layer_time.py`` and still held, at batches 5 and 35."""
 
     def __init__(self) -> None:
         self.held: dict[int, int] = {}
@@ -196,7 +196,7 @@ class _TimerMemory(pl.Callback):
             tracemalloc.start()
         if batch in (5, 35):
             snapshot = tracemalloc.take_snapshot().filter_traces(
-                [tracemalloc.Filter(True, "*lightning_hooks/core/layer_time.py")]
+                [tracemalloc.Filter(True, "*lightning_hooks/core/stats/layer_time.py")]
             )
             self.held[batch] = sum(stat.size for stat in snapshot.statistics("filename"))
         if batch == 35:

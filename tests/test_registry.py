@@ -97,7 +97,7 @@ def test_remove_lets_the_model_go_and_is_safe_after_it_is_gone() -> None:
 
 def test_a_guarded_registry_turns_hook_errors_into_one_warning() -> None:
     from lightning_hooks import LightningHooksWarning
-    from lightning_hooks.core.guard import Guard
+    from lightning_hooks.core.hooks.guard import Guard
 
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     guard = Guard("Demo", strict=False)

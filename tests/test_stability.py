@@ -16,7 +16,7 @@ from torch.nn import functional
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import GradFlowCallback
-from lightning_hooks.core.stability import StabilityStats, mha_logit_max
+from lightning_hooks.core.stats.stability import StabilityStats, mha_logit_max
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
 

@@ -19,7 +19,7 @@ from lightning_hooks import (
     SaturationCallback,
 )
 from lightning_hooks.callbacks.stats import StatsCallback
-from lightning_hooks.core.selection import Selection
+from lightning_hooks.core.hooks.selection import Selection
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
 

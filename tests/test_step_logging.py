@@ -266,7 +266,7 @@ def test_a_run_killed_mid_epoch_keeps_every_statistic_up_to_its_last_logging_ste
 def test_a_window_read_by_a_checkpoint_is_still_written_and_counted_once() -> None:
     """A checkpoint between a logging step's post and its read (CUDA: the copy in flight) folds
     the window into the epoch and keeps it for the write."""
-    from lightning_hooks.core.accumulator import LayerStatsAccumulator
+    from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
 
     acc = LayerStatsAccumulator(["a"], ["x"])
     acc.update(torch.tensor([[2.0]]))

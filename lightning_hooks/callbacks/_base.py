@@ -11,8 +11,8 @@ from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.core.checks import positive_int
-from lightning_hooks.core.distributed import agree, gather_objects, world_size
-from lightning_hooks.core.guard import Guard, guard_hooks
+from lightning_hooks.core.hooks.guard import Guard, guard_hooks
+from lightning_hooks.core.transport.distributed import agree, gather_objects, world_size
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import save_loggers, tensorboard_writers, write_dashboard
 
@@ -145,7 +145,7 @@ class HookCallback(_CallbackBase):
         guard_hooks(cls)
 
     def _hook_guard(self) -> Guard:
-        """This fit's guard of the callback's hooks (see :mod:`lightning_hooks.core.guard`)."""
+        """This fit's guard of the callback's hooks (see ``core/hooks/guard.py``)."""
         guard: Guard | None = self.__dict__.get("_guard")
         if guard is None:
             guard = self.__dict__["_guard"] = Guard(type(self).__name__, strict=self.strict)
@@ -255,7 +255,7 @@ class HookCallback(_CallbackBase):
         self._detach()
         guard = self._hook_guard()
         self._ranks = world_size()
-        # Ranks agree on a failure before any disables (see lightning_hooks.core.guard).
+        # Ranks agree on a failure before any disables (see lightning_hooks.core.hooks.guard).
         guard.defer = not guard.strict and self._ranks > 1
         if self._idle:
             return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_hooks.core.selection import ModuleTypes
+from lightning_hooks.core.hooks.selection import ModuleTypes
 
 __all__ = ["check_types"]
 

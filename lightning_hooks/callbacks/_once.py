@@ -11,7 +11,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.stats import StatsCallback
-from lightning_hooks.core.stat import LayerStat
+from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["OncePerLayer", "WarnsOncePerLayer"]

@@ -10,11 +10,11 @@ from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.stats import StatsCallback
-from lightning_hooks.core.activation_stats import ActivationStatsTracker, Histogram
 from lightning_hooks.core.checks import boolean, positive_int, real
-from lightning_hooks.core.feature_stats import FeatureSummary
-from lightning_hooks.core.selection import ModuleTypes, Patterns, Selection
-from lightning_hooks.core.stat import LayerStat
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
+from lightning_hooks.core.kernels.feature_stats import FeatureSummary
+from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker, Histogram
+from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import layer_epoch_heatmap, log_figure, log_histogram
 

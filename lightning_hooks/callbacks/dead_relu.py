@@ -11,9 +11,9 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks._once import WarnsOncePerLayer
 from lightning_hooks.core.checks import fraction_or_none
-from lightning_hooks.core.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
-from lightning_hooks.core.selection import Patterns
-from lightning_hooks.core.stat import LayerStat
+from lightning_hooks.core.hooks.selection import Patterns
+from lightning_hooks.core.stats.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
+from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["DeadReLUCallback"]

@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks._base import HookCallback
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
-from lightning_hooks.core.selection import Patterns, as_patterns
+from lightning_hooks.core.hooks.selection import Patterns, as_patterns
 from lightning_hooks.errors import LightningHooksError
 from lightning_hooks.logging import feature_map_grid, log_embedding, log_image, log_scalars
 
@@ -173,7 +173,7 @@ class FeatureMapCallback(HookCallback):
         strict: an exception in the callback's hooks propagates (``True``) or disables the
             callback for the rest of the fit with one warning (``False``); ``None``: the
             environment variable ``LIGHTNING_HOOKS_STRICT`` (see
-            :mod:`lightning_hooks.core.guard`).
+            :mod:`lightning_hooks.core.hooks.guard`).
 
     Example:
         >>> callback = FeatureMapCallback(layers="features.*", embedding="head", probe_size=32)

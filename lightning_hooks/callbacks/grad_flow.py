@@ -29,9 +29,9 @@ from lightning_hooks.core import (
     select_modules,
 )
 from lightning_hooks.core.alarms import AlarmRules
-from lightning_hooks.core.grad_stats import ParamLayout
-from lightning_hooks.core.selection import ModuleTypes, Patterns, as_patterns
-from lightning_hooks.core.stability import StabilityStats
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, as_patterns
+from lightning_hooks.core.kernels.grad_stats import ParamLayout
+from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import (
     grad_flow_figure,
@@ -145,7 +145,7 @@ class GradFlowCallback(HookCallback):
         every_n_steps: measure the statistics on optimizer steps ``0, n, 2n, ...`` only
             (``None``: the Trainer's ``log_every_n_steps``); the alarms run on every step.
         stability: log the transformer instability statistics ``stability/...``
-            (:class:`~lightning_hooks.core.stability.StabilityStats`: the largest attention
+            (:class:`~lightning_hooks.core.stats.stability.StabilityStats`: the largest attention
             logit, the output logits' log-partition) on the sampled steps, whatever ``types``,
             ``include`` and ``exclude`` select. The output layer is the last module owning
             parameters whose output is a floating tensor, in forward execution order.

@@ -9,9 +9,9 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks.stats import StatsCallback
 from lightning_hooks.core.checks import boolean
-from lightning_hooks.core.layer_time import LayerTimer, LayerTimes
-from lightning_hooks.core.selection import ModuleTypes, Patterns
-from lightning_hooks.core.stat import LayerStat
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
+from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
+from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.logging import layer_time_figure, log_figure
 
 __all__ = ["LayerTimeCallback"]

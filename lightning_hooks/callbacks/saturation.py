@@ -11,9 +11,13 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks._once import OncePerLayer, WarnsOncePerLayer
 from lightning_hooks.core.checks import fraction_or_none, real
-from lightning_hooks.core.saturation import SATURATING_TYPES, SaturationStats, SaturationTracker
-from lightning_hooks.core.selection import ModuleTypes, Patterns
-from lightning_hooks.core.stat import LayerStat
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
+from lightning_hooks.core.stats.saturation import (
+    SATURATING_TYPES,
+    SaturationStats,
+    SaturationTracker,
+)
+from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["SaturationCallback"]

@@ -1,4 +1,4 @@
-"""``StatsCallback``: any :class:`~lightning_hooks.core.stat.LayerStat`, logged every epoch."""
+"""``StatsCallback``: any :class:`~.stat.LayerStat`, logged every epoch."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytorch_lightning as pl
 from typing_extensions import override
 
 from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
-from lightning_hooks.core.registry import HookRegistry
-from lightning_hooks.core.stat import LayerStat
+from lightning_hooks.core.hooks.registry import HookRegistry
+from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.logging import log_scalars, step_tags
 
 __all__ = ["StatsCallback"]
@@ -47,7 +47,7 @@ class StatsCallback(HookCallback):
     each statistic's reduced states, so a fit resumed mid-epoch logs what the uninterrupted fit
     logs.
 
-    Logged metrics: whatever the statistics' :meth:`~lightning_hooks.core.stat.LayerStat.tags`
+    Logged metrics: whatever the statistics' :meth:`~lightning_hooks.core.stats.stat.LayerStat.tags`
     return.
 
     Args:
@@ -56,7 +56,7 @@ class StatsCallback(HookCallback):
             ``None`` (default): the Trainer's ``log_every_n_steps``; 1: every step.
 
     Example:
-        >>> from lightning_hooks.core.activation_stats import ActivationStatsTracker
+        >>> from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
         >>> callback = StatsCallback(ActivationStatsTracker(), every_n_steps=1)
         >>> len(callback.stats)
         1

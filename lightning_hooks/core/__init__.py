@@ -18,59 +18,67 @@ from typing import TYPE_CHECKING
 from lightning_hooks._lazy import lazy_names
 
 if TYPE_CHECKING:
-    from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
-    from lightning_hooks.core.activation_stats import ActivationStatsTracker
-    from lightning_hooks.core.activations import is_kind, torch_equivalent
     from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, GradientAlarm, GradientAlarms
-    from lightning_hooks.core.capture import capture_outputs
-    from lightning_hooks.core.dead_units import DeadUnits, DeadUnitTracker
-    from lightning_hooks.core.feature_stats import FEATURE_STATS, FeatureSummary, feature_stats
-    from lightning_hooks.core.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
-    from lightning_hooks.core.grad_stats import GRAD_STATS, ParamLayout, grad_stats
-    from lightning_hooks.core.histogram import LayerHistogram, LayerHistograms
-    from lightning_hooks.core.layer_time import LayerTimer, LayerTimes
-    from lightning_hooks.core.nonfinite import FirstNonFinite
-    from lightning_hooks.core.probe import probe_mode
-    from lightning_hooks.core.registry import HookRegistry
-    from lightning_hooks.core.saturation import (
+    from lightning_hooks.core.hooks.activations import is_kind, torch_equivalent
+    from lightning_hooks.core.hooks.capture import capture_outputs
+    from lightning_hooks.core.hooks.probe import probe_mode
+    from lightning_hooks.core.hooks.registry import HookRegistry
+    from lightning_hooks.core.hooks.selection import Selection, select_modules
+    from lightning_hooks.core.kernels.feature_stats import (
+        FEATURE_STATS,
+        FeatureSummary,
+        feature_stats,
+    )
+    from lightning_hooks.core.kernels.grad_stats import GRAD_STATS, ParamLayout, grad_stats
+    from lightning_hooks.core.kernels.histogram import LayerHistogram, LayerHistograms
+    from lightning_hooks.core.kernels.nonfinite import FirstNonFinite
+    from lightning_hooks.core.kernels.tensors import is_training_forward, iter_float_tensors
+    from lightning_hooks.core.stats.accumulator import LayerStats, LayerStatsAccumulator
+    from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
+    from lightning_hooks.core.stats.dead_units import DeadUnits, DeadUnitTracker
+    from lightning_hooks.core.stats.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
+    from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
+    from lightning_hooks.core.stats.saturation import (
         SATURATING_TYPES,
         SaturationStats,
         SaturationTracker,
         saturation_mask,
         unit_saturation,
     )
-    from lightning_hooks.core.selection import Selection, select_modules
-    from lightning_hooks.core.stability import StabilityStats
-    from lightning_hooks.core.stat import LayerStat
-    from lightning_hooks.core.tensors import is_training_forward, iter_float_tensors
+    from lightning_hooks.core.stats.stability import StabilityStats
+    from lightning_hooks.core.stats.stat import LayerStat
 
 # Module -> the public names it defines, imported on first attribute access.
 _MODULES: dict[str, tuple[str, ...]] = {
-    "lightning_hooks.core.accumulator": ("LayerStats", "LayerStatsAccumulator"),
-    "lightning_hooks.core.activation_stats": ("ActivationStatsTracker",),
-    "lightning_hooks.core.activations": ("is_kind", "torch_equivalent"),
+    "lightning_hooks.core.stats.accumulator": ("LayerStats", "LayerStatsAccumulator"),
+    "lightning_hooks.core.stats.activation_stats": ("ActivationStatsTracker",),
+    "lightning_hooks.core.hooks.activations": ("is_kind", "torch_equivalent"),
     "lightning_hooks.core.alarms": ("ALARM_RULES", "AlarmRules", "GradientAlarm", "GradientAlarms"),
-    "lightning_hooks.core.capture": ("capture_outputs",),
-    "lightning_hooks.core.dead_units": ("DeadUnits", "DeadUnitTracker"),
-    "lightning_hooks.core.feature_stats": ("FEATURE_STATS", "FeatureSummary", "feature_stats"),
-    "lightning_hooks.core.grad_flow": ("GRAD_FLOW_STATS", "GradFlowTracker"),
-    "lightning_hooks.core.grad_stats": ("GRAD_STATS", "ParamLayout", "grad_stats"),
-    "lightning_hooks.core.histogram": ("LayerHistogram", "LayerHistograms"),
-    "lightning_hooks.core.layer_time": ("LayerTimer", "LayerTimes"),
-    "lightning_hooks.core.nonfinite": ("FirstNonFinite",),
-    "lightning_hooks.core.probe": ("probe_mode",),
-    "lightning_hooks.core.registry": ("HookRegistry",),
-    "lightning_hooks.core.saturation": (
+    "lightning_hooks.core.hooks.capture": ("capture_outputs",),
+    "lightning_hooks.core.stats.dead_units": ("DeadUnits", "DeadUnitTracker"),
+    "lightning_hooks.core.kernels.feature_stats": (
+        "FEATURE_STATS",
+        "FeatureSummary",
+        "feature_stats",
+    ),
+    "lightning_hooks.core.stats.grad_flow": ("GRAD_FLOW_STATS", "GradFlowTracker"),
+    "lightning_hooks.core.kernels.grad_stats": ("GRAD_STATS", "ParamLayout", "grad_stats"),
+    "lightning_hooks.core.kernels.histogram": ("LayerHistogram", "LayerHistograms"),
+    "lightning_hooks.core.stats.layer_time": ("LayerTimer", "LayerTimes"),
+    "lightning_hooks.core.kernels.nonfinite": ("FirstNonFinite",),
+    "lightning_hooks.core.hooks.probe": ("probe_mode",),
+    "lightning_hooks.core.hooks.registry": ("HookRegistry",),
+    "lightning_hooks.core.stats.saturation": (
         "SATURATING_TYPES",
         "SaturationStats",
         "SaturationTracker",
         "saturation_mask",
         "unit_saturation",
     ),
-    "lightning_hooks.core.selection": ("Selection", "select_modules"),
-    "lightning_hooks.core.stability": ("StabilityStats",),
-    "lightning_hooks.core.stat": ("LayerStat",),
-    "lightning_hooks.core.tensors": ("is_training_forward", "iter_float_tensors"),
+    "lightning_hooks.core.hooks.selection": ("Selection", "select_modules"),
+    "lightning_hooks.core.stats.stability": ("StabilityStats",),
+    "lightning_hooks.core.stats.stat": ("LayerStat",),
+    "lightning_hooks.core.kernels.tensors": ("is_training_forward", "iter_float_tensors"),
 }
 _LAZY: dict[str, str] = {name: module for module, names in _MODULES.items() for name in names}
 # A name that is also its module's name (``feature_stats``) is bound now: imported later, the

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_hooks.core.activations import is_kind
 from lightning_hooks.core.checks import module as check_module
+from lightning_hooks.core.hooks.activations import is_kind
 
 __all__ = ["ModuleFilter", "Patterns", "Selection", "as_patterns", "select_modules"]
 
@@ -171,7 +171,7 @@ def select_modules(
         model: the model to search.
         types: keep only modules that are instances of these types, or known third-party
             activations that compute as one (``types=nn.GELU`` keeps Hugging Face's
-            ``NewGELUActivation``: see :mod:`lightning_hooks.core.activations`).
+            ``NewGELUActivation``: see :mod:`lightning_hooks.core.hooks.activations`).
         include: glob patterns (``fnmatch``, e.g. ``"encoder.*"``) on qualified names; when given,
             keep only modules matching at least one. Each pattern must match some module.
         exclude: glob patterns; drop modules matching any. Each pattern must match some module.

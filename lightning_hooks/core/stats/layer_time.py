@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_hooks.core.registry import HookRegistry
-from lightning_hooks.core.selection import ModuleTypes, Patterns, Selection
-from lightning_hooks.core.stat import LayerStat
-from lightning_hooks.core.tensors import is_training_forward
+from lightning_hooks.core.hooks.registry import HookRegistry
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
+from lightning_hooks.core.kernels.tensors import is_training_forward
+from lightning_hooks.core.stats.stat import LayerStat
 
 __all__ = ["LayerTimer", "LayerTimes"]
 
@@ -83,7 +83,7 @@ class LayerTimer(LayerStat[LayerTimes]):
     By default only *leaf* modules (no child modules) are timed, so that no time is counted twice
     and the layers' times sum to at most the forward. Backward time per layer is not measured:
     it would need full backward hooks, which break in-place ops and cost several times a forward
-    hook. A :class:`~lightning_hooks.core.stat.LayerStat`: totals sum across ranks in one
+    hook. A :class:`~lightning_hooks.core.stats.stat.LayerStat`: totals sum across ranks in one
     collective (the result is the mean over ranks and steps) and travel through a checkpoint.
 
     Args:

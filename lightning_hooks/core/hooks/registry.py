@@ -13,8 +13,8 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import Self
 
 from lightning_hooks.core import checks
-from lightning_hooks.core.guard import Guard, active_guard
-from lightning_hooks.core.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
+from lightning_hooks.core.hooks.guard import Guard, active_guard
+from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["HookOwner", "HookRegistry", "unhookable_modules"]

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_hooks.core.sharding import ShardPlan, to_local
-from lightning_hooks.core.tensors import Workspace
+from lightning_hooks.core.kernels.tensors import Workspace
+from lightning_hooks.core.transport.sharding import ShardPlan, to_local
 
 __all__ = [
     "GLOBAL",

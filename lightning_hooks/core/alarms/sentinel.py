@@ -3,7 +3,7 @@
 The rules read one ``[layers + 1]`` tensor of gradient L2 norms per step (the layers, then the
 global norm), keep O(layers) state (a running scale per row: an EMA of the log-norm and of its
 spread, as ZClip and OLMo-core's SkipStep do), and post a small verdict to host memory without
-blocking (:class:`~lightning_hooks.core.readback.HostMailbox`): a quiet step pays no host sync.
+blocking (:class:`~.readback.HostMailbox`): a quiet step pays no host sync.
 When a rule fires, the diagnosis runs on the host: which layer, the weights (read only then) and
 the last ``history`` steps' norms from a device ring buffer.
 """
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from lightning_hooks.core import checks
-from lightning_hooks.core.readback import HostMailbox
+from lightning_hooks.core.transport.readback import HostMailbox
 
 __all__ = ["ALARM_RULES", "AlarmRules", "GradientAlarm", "GradientAlarms"]
 
@@ -545,7 +545,7 @@ class GradientAlarms:
     @torch.no_grad()
     def update_stall(self, update: torch.Tensor, lr: float, *, step: int) -> None:
         """*stall*, on a logging step: ``update`` (the typical size of a weight's change this
-        step, a device scalar: :func:`~lightning_hooks.core.grad_stats.typical_update`) per unit
+        step, a device scalar: :func:`~.grad_stats.typical_update`) per unit
         of the learning rate ``lr`` against its running level (a few kernels, no host sync: the
         verdict is read at the next poll).
 

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from lightning_hooks.core.registry import HookRegistry
-from lightning_hooks.core.selection import select_modules
-from lightning_hooks.core.stat import LayerStat
-from lightning_hooks.core.tensors import is_training_forward
+from lightning_hooks.core.hooks.registry import HookRegistry
+from lightning_hooks.core.hooks.selection import select_modules
+from lightning_hooks.core.kernels.tensors import is_training_forward
+from lightning_hooks.core.stats.stat import LayerStat
 
 __all__ = ["STABILITY_STATS", "StabilityStats", "mha_logit_max"]
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lightning_hooks.core.tensors import Workspace
+from lightning_hooks.core.kernels.tensors import Workspace
 
 __all__ = [
     "CHUNK",

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from lightning_hooks.core import checks
-from lightning_hooks.core.accumulator import LayerStats, LayerStatsAccumulator
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
-from lightning_hooks.core.distributed import all_reduce_sum_, world_size
-from lightning_hooks.core.grad_stats import (
+from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
+from lightning_hooks.core.kernels.grad_stats import (
     GLOBAL,
     GRAD_STATS,
     ParamLayout,
@@ -24,11 +24,11 @@ from lightning_hooks.core.grad_stats import (
     segment_norm,
     typical_update,
 )
-from lightning_hooks.core.grad_stats import update_norms as _update_norms
-from lightning_hooks.core.registry import HookOwner, HookRegistry
-from lightning_hooks.core.selection import ModuleTypes, Patterns
-from lightning_hooks.core.sharding import ShardPlan, to_local
-from lightning_hooks.core.tensors import Workspace, is_grad_forward, iter_float_tensors
+from lightning_hooks.core.kernels.grad_stats import update_norms as _update_norms
+from lightning_hooks.core.kernels.tensors import Workspace, is_grad_forward, iter_float_tensors
+from lightning_hooks.core.stats.accumulator import LayerStats, LayerStatsAccumulator
+from lightning_hooks.core.transport.distributed import all_reduce_sum_, world_size
+from lightning_hooks.core.transport.sharding import ShardPlan, to_local
 
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
 

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from lightning_hooks.core.checks import choice
-from lightning_hooks.core.distributed import rank
-from lightning_hooks.core.stat import LayerStat
+from lightning_hooks.core.stats.stat import LayerStat
+from lightning_hooks.core.transport.distributed import rank
 
 __all__ = ["LayerStats", "LayerStatsAccumulator"]
 
@@ -57,7 +57,7 @@ class LayerStats:
 class LayerStatsAccumulator(LayerStat[LayerStats]):
     """Sum, max and count of ``[layers, stats]`` values, kept on the device.
 
-    A :class:`~lightning_hooks.core.stat.LayerStat` with fixed rows and no hooks of its own: the
+    A :class:`~.stat.LayerStat` with fixed rows and no hooks of its own: the
     caller (the gradient-flow tracker) feeds it with :meth:`update`, a handful of in-place
     kernels and no host sync. Under ``torch.distributed`` :meth:`compute`, :meth:`result` and
     :meth:`host_state` reduce across ranks (sums and counts summed, maxima max-ed) in ONE

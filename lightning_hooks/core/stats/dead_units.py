@@ -33,9 +33,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
-from lightning_hooks.core.selection import ModuleTypes, Patterns, Selection
-from lightning_hooks.core.stat import LayerStat
-from lightning_hooks.core.tensors import Workspace, iter_float_tensors
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
+from lightning_hooks.core.kernels.tensors import Workspace, iter_float_tensors
+from lightning_hooks.core.stats.stat import LayerStat
 
 __all__ = ["RELU_FAMILY", "DeadUnitTracker", "DeadUnits", "fired_counts", "unit_dim"]
 
@@ -140,7 +140,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
     module docstring) in training forwards only, and the fraction of outputs that did not fire.
     A unit is dead if it never fired on any training sample of the period (the definition of the
     keras-contrib ``DeadReluDetector``). A module called twice in a forward is observed twice.
-    A :class:`~lightning_hooks.core.stat.LayerStat`: rows in execution order, one collective,
+    A :class:`~lightning_hooks.core.stats.stat.LayerStat`: rows in execution order, one collective,
     and the counts carried through a checkpoint.
 
     Args:

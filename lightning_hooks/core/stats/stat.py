@@ -4,7 +4,7 @@ A statistic declares its device states (dtype, reduction, one row per layer or a
 per unit), its hooks (a forward hook by default: :meth:`LayerStat.observe`), how the reduced
 states become a host result (:meth:`LayerStat.summarize`) and which tags that result gives
 (:meth:`LayerStat.tags`). The base owns the rest: module selection, attach / remove through a
-:class:`~lightning_hooks.core.registry.HookRegistry` (whose ``sampled`` flag gates the hooks),
+:class:`~lightning_hooks.core.hooks.registry.HookRegistry` (whose ``sampled`` flag gates the hooks),
 ONE packed collective for every state, one device-to-host copy, reset and the checkpoint state.
 """
 
@@ -20,11 +20,11 @@ from torch import nn
 from torchmetrics import Metric
 
 from lightning_hooks.core.checks import module as check_module
-from lightning_hooks.core.distributed import all_gather_stacked
-from lightning_hooks.core.readback import HostMailbox
-from lightning_hooks.core.registry import HookOwner, HookRegistry
-from lightning_hooks.core.selection import Selection
-from lightning_hooks.core.tensors import is_training_forward
+from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
+from lightning_hooks.core.hooks.selection import Selection
+from lightning_hooks.core.kernels.tensors import is_training_forward
+from lightning_hooks.core.transport.distributed import all_gather_stacked
+from lightning_hooks.core.transport.readback import HostMailbox
 
 __all__ = ["LayerStat", "Reduce", "StateSpec"]
 
@@ -317,7 +317,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
     def post_window(self, step: int) -> None:
         """End the window at a logging point: reduce its states across ranks (one collective),
         start ONE copy to the host (pinned and non-blocking on CUDA, see
-        :class:`~lightning_hooks.core.readback.HostMailbox`) and start a new window on the device.
+        :class:`~.readback.HostMailbox`) and start a new window on the device.
 
         :meth:`read_window` returns it, once the copy is done, and folds it into the epoch.
         """

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from lightning_hooks.core.checks import boolean
-from lightning_hooks.core.registry import HookRegistry
-from lightning_hooks.core.selection import Patterns, as_patterns
+from lightning_hooks.core.hooks.registry import HookRegistry
+from lightning_hooks.core.hooks.selection import Patterns, as_patterns
 
 __all__ = ["capture_outputs"]
 

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_hooks.core.activations import torch_equivalent
-from lightning_hooks.core.selection import ModuleTypes, Patterns, Selection
-from lightning_hooks.core.stat import LayerStat
+from lightning_hooks.core.hooks.activations import torch_equivalent
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
+from lightning_hooks.core.stats.stat import LayerStat
 
 __all__ = [
     "SATURATING_TYPES",
@@ -137,7 +137,7 @@ class SaturationTracker(LayerStat[SaturationStats]):
     :func:`unit_saturation` and adds them in place to device states: one saturated count per
     layer and one "ever unsaturated" flag per unit. No host sync; the entry counts stay on the
     host until a reduce. Only training forwards count. A
-    :class:`~lightning_hooks.core.stat.LayerStat`: counts sum and flags max across ranks in one
+    :class:`~.stat.LayerStat`: counts sum and flags max across ranks in one
     collective, and travel through a checkpoint.
 
     Args:

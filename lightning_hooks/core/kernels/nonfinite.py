@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_hooks.core.readback import HostMailbox
+from lightning_hooks.core.transport.readback import HostMailbox
 
 __all__ = ["FirstNonFinite"]
 
@@ -19,7 +19,7 @@ class FirstNonFinite:
     marks never overwrite it. A few tiny kernels, no host sync.
 
     :meth:`poll` is the cheap per-step check, through the shared
-    :class:`~lightning_hooks.core.readback.HostMailbox`: on CUDA it copies that tensor with
+    :class:`~.readback.HostMailbox`: on CUDA it copies that tensor with
     ``non_blocking=True`` into pinned memory and, on a later call, reads the copy only once it
     has landed (never waiting), so the answer comes at most one step late when the GPU keeps up.
     On a CPU device the copy is an 8-byte ``memcpy`` and the answer is immediate.

@@ -9,20 +9,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_hooks.core.activations import is_kind
-from lightning_hooks.core.feature_stats import (
+from lightning_hooks.core.hooks.activations import is_kind
+from lightning_hooks.core.hooks.registry import HookRegistry
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
+from lightning_hooks.core.kernels.feature_stats import (
     NUM_SUMS,
     FeatureSummary,
     feature_stats,
     fused_feature_stats,
     summarize,
 )
-from lightning_hooks.core.histogram import bin_counts, linear_edges
-from lightning_hooks.core.nonfinite import FirstNonFinite
-from lightning_hooks.core.registry import HookRegistry
-from lightning_hooks.core.selection import ModuleTypes, Patterns, Selection
-from lightning_hooks.core.stat import LayerStat
-from lightning_hooks.core.tensors import Workspace, iter_float_tensors
+from lightning_hooks.core.kernels.histogram import bin_counts, linear_edges
+from lightning_hooks.core.kernels.nonfinite import FirstNonFinite
+from lightning_hooks.core.kernels.tensors import Workspace, iter_float_tensors
+from lightning_hooks.core.stats.stat import LayerStat
 
 __all__ = ["ACTIVATION_MODULES", "ActivationStatsTracker", "Histogram", "default_feature_module"]
 
@@ -43,7 +43,7 @@ ACTIVATION_MODULES: tuple[type[nn.Module], ...] = (
     nn.Softplus,
 )
 """Activation module types the default selection includes (and the third-party activations
-that compute as one of them: :mod:`lightning_hooks.core.activations`)."""
+that compute as one of them: :mod:`lightning_hooks.core.hooks.activations`)."""
 
 _NONFINITE = 4  # column of the non-finite count in the sums
 _SIGN = (-1.0, 1.0)  # extremes are kept as (-min, max) so one max-reduce pools both
@@ -98,7 +98,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
     first module in execution order whose output contained NaN / Inf, and the step (a few tiny
     kernels per step, instead of per output).
 
-    A :class:`~lightning_hooks.core.stat.LayerStat`: rows are created in the order outputs
+    A :class:`~lightning_hooks.core.stats.stat.LayerStat`: rows are created in the order outputs
     first appear, the states reduce in one collective, and :meth:`host_state` /
     :meth:`load_host_state` carry them (bin edges included) through a checkpoint.
 

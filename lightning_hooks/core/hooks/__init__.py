@@ -1,0 +1,1 @@
+"""Hook machinery: selection, the handle registry, capture, probes and the guard."""

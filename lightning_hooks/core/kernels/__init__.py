@@ -1,0 +1,1 @@
+"""Pure tensor kernels: gradient, feature, histogram, non-finite statistics; workspaces."""

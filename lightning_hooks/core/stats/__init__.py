@@ -1,0 +1,1 @@
+"""One module per per-layer statistic: its states, hooks, compute and tags."""

@@ -1,0 +1,1 @@
+"""Off the device and across ranks: the host mailbox, collectives, sharded parameters."""

@@ -1,0 +1,43 @@
+"""The public API is pinned: what ``lightning_hooks`` and ``lightning_hooks.core`` export, and
+where each name resolves from. A rename, a removal or a move that loses a name fails here."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+PUBLIC = {
+    "lightning_hooks": [
+        "ActivationStatsCallback", "ActivationStatsTracker", "AlarmRules", "DeadReLUCallback",
+        "DeadUnitTracker", "FeatureMapCallback", "GradFlowCallback", "GradFlowTracker",
+        "GradientAlarm", "GradientAlarmError", "GradientAlarmWarning", "GradientAlarms",
+        "HookRegistry", "LayerStats", "LayerTimeCallback", "LightningHooksError",
+        "LightningHooksWarning", "SaturationCallback", "StatsCallback", "capture_outputs",
+        "select_modules",
+    ],
+    "lightning_hooks.core": [
+        "ALARM_RULES", "ActivationStatsTracker", "AlarmRules", "DeadUnitTracker", "DeadUnits",
+        "FEATURE_STATS", "FeatureSummary", "FirstNonFinite", "GRAD_FLOW_STATS", "GRAD_STATS",
+        "GradFlowTracker", "GradientAlarm", "GradientAlarms", "HookRegistry", "LayerHistogram",
+        "LayerHistograms", "LayerStat", "LayerStats", "LayerStatsAccumulator", "LayerTimer",
+        "LayerTimes", "ParamLayout", "SATURATING_TYPES", "SaturationStats", "SaturationTracker",
+        "Selection", "StabilityStats", "capture_outputs", "feature_stats", "grad_stats",
+        "is_kind", "is_training_forward", "iter_float_tensors", "probe_mode", "saturation_mask",
+        "select_modules", "torch_equivalent", "unit_saturation",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC))
+def test_exports_are_pinned_and_resolve(package: str) -> None:
+    module = importlib.import_module(package)
+    assert sorted(module.__all__) == sorted(PUBLIC[package])
+    for name in PUBLIC[package]:
+        assert getattr(module, name) is not None, name
+
+
+def test_the_two_facades_export_one_object_per_shared_name() -> None:
+    top, core = (importlib.import_module(p) for p in PUBLIC)
+    for name in set(PUBLIC["lightning_hooks"]) & set(PUBLIC["lightning_hooks.core"]):
+        assert getattr(top, name) is getattr(core, name), name
