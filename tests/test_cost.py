@@ -126,7 +126,9 @@ def test_the_sentinel_is_a_few_dozen_kernels_a_step_whatever_the_depth() -> None
         d: _ops_per_step(d, True, sampled=False, alarms=AlarmRules()) - _ops_per_step(d, False)
         for d in (4, 16)
     }
-    assert extra[4] == extra[16] <= 70, extra
+    # 81 since issue 27: the explosion rule caps the norm at the clip value and tests it
+    # against its own threshold, per layer and global (68 before).
+    assert extra[4] == extra[16] <= 85, extra
 
 
 def test_the_loss_rules_are_a_few_dozen_kernels_a_step() -> None:
