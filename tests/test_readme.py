@@ -206,3 +206,8 @@ def test_the_readme_cost_figures_are_the_saved_benchmark_run() -> None:
     }
     expected["bare step"] = [f"{timing[m]['bare']['cpu']['step_ms']:.1f} ms" for m in models]
     assert _cost_table() == expected
+    defaults = [timing[m]["all, defaults"]["cpu"]["ratio_median"] for m in models]
+    first_screen = " ".join((ROOT / "README.md").read_text().split())
+    assert f"{min(defaults):.2f}x to {max(defaults):.2f}x a bare step at the defaults" in (
+        first_screen
+    )
