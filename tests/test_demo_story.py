@@ -1,8 +1,8 @@
-"""The README's story of ``./dev demo``, sentence by sentence, against the demo's event files.
+"""The story of ``./dev demo`` in docs/demo.md, sentence by sentence, against its event files.
 
 The demo runs once per session (``examples/demo.py`` in-process, both runs, three epochs); each
-test quotes one claim of the README (it must appear there verbatim, so README and test change
-together) and checks it on the scalars read back from the event files with TensorBoard's own
+test quotes one claim of docs/demo.md (it must appear there verbatim, so the page and the test
+change together) and checks it on the scalars read back from the event files with TensorBoard's own
 reader, independently of the library's report.
 """
 
@@ -24,7 +24,7 @@ from conftest import read_image_tags, read_scalars
 from tensorboard_server import charts, read_layouts
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+STORY = (ROOT / "docs" / "demo.md").read_text()
 LAYERS = [
     "features.0",
     "features.1",
@@ -54,7 +54,7 @@ def _run(demo: tuple[Path, str], name: str) -> Scalars:
 
 
 def _claim(sentence: str) -> None:
-    assert sentence in " ".join(README.split()), f"the README no longer says: {sentence!r}"
+    assert sentence in " ".join(STORY.split()), f"docs/demo.md no longer says: {sentence!r}"
 
 
 def _per_epoch(scalars: Scalars, tag: str) -> list[float]:
@@ -138,7 +138,7 @@ def test_the_report_names_the_alarms(demo: tuple[Path, str]) -> None:
     line = "alarms: " + ", ".join(f"grad_flow/{r}={v:g}" for r, v in counts.items())
     summary = demo[1].split("== summary")[1]
     assert line in summary
-    assert f"`{line}`" in " ".join(README.split()), "the README quotes the counts"
+    assert f"`{line}`" in " ".join(STORY.split()), "docs/demo.md quotes the counts"
 
 
 def test_the_dashboard_shows_per_step_curves_and_alarms_before_the_epoch_ends(

@@ -76,6 +76,32 @@ def test_readme_quotes_the_defaults_row() -> None:
     assert f"{harmless} harmless ones" in readme
 
 
+def _count(cell: str) -> int:
+    """The count of an ``N of M`` cell."""
+    return int(cell.split(" of ", maxsplit=1)[0])
+
+
+def test_the_defaults_beat_every_peer() -> None:
+    """The README's claim: more divergent runs warned in time than any peer's rule, and every
+    peer that warns in time on at least half of them warns on more healthy runs."""
+    ours = RESULTS["rule_sets"]["lightning_hooks, defaults"]["runs"]
+    in_time_cell, _, healthy_cell = _recount(ours)
+    in_time, healthy = _count(in_time_cell), _count(healthy_cell)
+    divergent = sum(r["diverges_at"] is not None for r in ours)
+    peers = {n: r for n, r in RESULTS["rule_sets"].items() if not n.startswith("lightning_hooks")}
+    assert len(peers) == 5
+    for name, rule_set in peers.items():
+        peer_in_time, _, peer_healthy = _recount(rule_set["runs"])
+        assert _count(peer_in_time) < in_time, name
+        if 2 * _count(peer_in_time) >= divergent:
+            assert _count(peer_healthy) > healthy, name
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "more divergent runs in time than any peer's rule" in readme
+    assert "every peer that warns in time on at least half of them warns on more healthy runs" in (
+        readme
+    )
+
+
 NOISY = json.loads((ROOT / "benchmarks" / "results" / "noisy_runs.json").read_text())
 
 
