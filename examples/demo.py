@@ -6,7 +6,7 @@
   (spike alarms) and die in the third, where every layer but the output layer gets exactly zero
   gradient.
 
-The README's story of the two runs is checked against their event files by
+The story of the two runs in docs/demo.md is checked against their event files by
 ``tests/test_demo_story.py``.
 
 Every callback of the library watches both runs. Run it with ``./dev demo`` (which sets
