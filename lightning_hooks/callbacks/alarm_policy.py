@@ -9,21 +9,15 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 
+from lightning_hooks.callbacks.loss_agreement import LossAgreement, LossReading
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
-from lightning_hooks.core.transport.distributed import (
-    all_reduce_sum_,
-    group_device,
-    to_group_device,
-    world_size,
-)
-from lightning_hooks.core.transport.readback import HostMailbox
+from lightning_hooks.core.transport.distributed import world_size
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
 from lightning_hooks.logging import log_scalars, log_text, step_tags
 
 __all__ = ["AlarmPolicy"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
-LossReading = Literal["own", "mean", "off"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
 # amp_overflow: the GradScaler already acts, so it is counted, never acted on.
 _ACTIONABLE = (
@@ -114,16 +108,12 @@ class AlarmPolicy:
         """Read the current step's verdict before the optimizer step (blocking on CUDA)."""
         self.stop_requested = False
         """A ``stop`` this rank read, not yet agreed by the ranks (a multi-process run)."""
-        self._carrier: HostMailbox | None = None
         self._warned: set[tuple[str, str]] = set()
         self._logged = 0  # alarms of the epoch's log already written at a logging step
         self._counted: dict[str, int] = {}
         self.saved: dict[str, Any] | None = None
         """The alarms' running state between fits, or from a checkpoint."""
-        self.loss_reading: LossReading = "own"
-        """What the loss rules read in this fit (:meth:`plan_loss`)."""
-        self._manual = False
-        self._pending_loss: tuple[torch.Tensor, int, list[tuple[Any, int]]] | None = None
+        self._loss = LossAgreement(self.act)
 
     def keep(self, alarms: GradientAlarms | None) -> None:
         """Save ``alarms``' state (the hooks are about to be removed)."""
@@ -179,25 +169,10 @@ class AlarmPolicy:
             self.stop_requested = True
 
     def plan_loss(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
-        """Decide, at the start of a fit, what the loss rules read (:attr:`loss_reading`).
-
-        - ``"own"``: one process, or no loss rule on: the loss ``training_step`` returns;
-        - ``"mean"``: a distributed run (world size > 1): the mean of the ranks' losses, as
-          ``self.log(..., sync_dist=True)`` computes it, in one ``all_reduce`` per batch that
-          every rank makes (:meth:`observe_loss`), so that every rank takes the same decision at
-          the same step. Under manual optimization ``training_step`` may return a loss on some
-          ranks and nothing on others: the ``all_reduce`` counts the ranks with a loss, and the
-          loss rules read the mean only when every rank returned one; the first batch where the
-          ranks disagree turns the rules off on every rank (``"off"``, one warning).
-        """
-        self.loss_reading = "own"
+        """Decide, at the start of a fit, what the loss rules read (:attr:`loss_reading`):
+        :meth:`.loss_agreement.LossAgreement.plan`."""
         self.stop_requested = False
-        self._carrier = None
-        if rules is None or not rules.watches_loss or world_size() == 1:
-            return
-        self.loss_reading = "mean"
-        self._manual = not pl_module.automatic_optimization
-        self._carrier = HostMailbox((_CARRIED,), group_device())
+        self._loss.plan(pl_module, rules)
 
     def observe_loss(
         self,
@@ -208,71 +183,26 @@ class AlarmPolicy:
         *,
         failed: bool = False,
     ) -> list[int] | None:
-        """The loss rules (*diverging*, *loss_spike*) on ``training_step``'s loss (a device
-        tensor), when one is on; in a distributed run on the mean over ranks (:meth:`plan_loss`).
-
-        In a distributed run the loss's ``all_reduce`` also carries this rank's ``failed`` (a
-        guard's deferred failure) and :attr:`stop_requested`; their sums over the ranks come
-        back from the host copy, read without blocking for a copy of this batch: at once on the
-        CPU, at the next batch on CUDA. Returns ``[ranks failed, ranks stopping]`` once read,
-        else ``None``: every rank reads it at the same batch, and before the loss rules run,
-        which may raise.
-        """
-        if not alarms.rules.watches_loss or self.loss_reading == "off":
-            return None
-        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        loss = loss if isinstance(loss, torch.Tensor) else None
-        if self.loss_reading == "own":
-            if loss is not None:
-                alarms.update_loss(loss, step=step)
-                self.act(trainer, None, alarms.poll())
-            return None
-        assert self._carrier is not None
-        read = [self._carrier.read(wait=True)]  # CUDA: the last batch's, posted then
-        carried = _carry(loss, failed, self.stop_requested)
-        self._carrier.post(carried, meta=step)
-        if carried.device.type != "cuda":
-            read.append(self._carrier.read(wait=True))
-        sums = [(got[0].copy(), got[1]) for got in read if got is not None]
-        self._pending_loss = (carried, step, sums)
-        disagree = [(at, int(v[1])) for v, at in sums if 0 < v[1] < world_size()]
-        if self._manual and disagree:  # decided on the host, before anything that may raise
-            self._loss_rules_off(*disagree[0])
-        return [int(sum(s[0][2] for s in sums)), int(sum(s[0][3] for s in sums))] if sums else None
+        """The loss rules on ``training_step``'s loss, with this rank's ``failed`` and
+        :attr:`stop_requested` carried in a distributed run; ``[ranks failed, ranks stopping]``
+        once read, else ``None``: :meth:`.loss_agreement.LossAgreement.observe`."""
+        return self._loss.observe(
+            trainer, alarms, outputs, step, failed=failed, stop=self.stop_requested
+        )
 
     def apply_loss(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
-        """The loss rules on the batch :meth:`observe_loss` carried (a distributed run): the
-        mean loss at once under automatic optimization; under manual optimization the mean once
-        read, when every rank returned a loss, else the rules turn off on every rank."""
-        pending, self._pending_loss = self._pending_loss, None
-        if pending is None:
-            return
-        carried, step, sums = pending
-        if not self._manual:
-            alarms.update_loss(carried[0] / world_size(), step=step)
-        elif self.loss_reading == "mean":
-            for values, at in sums:
-                if values[1] == world_size():
-                    alarms.update_loss(torch.tensor(float(values[0]) / world_size()), step=at)
-        self.act(trainer, None, alarms.poll())
+        """The loss rules on the batch :meth:`observe_loss` carried (a distributed run)."""
+        self._loss.apply(trainer, alarms)
 
-    def _loss_rules_off(self, step: int, with_loss: int) -> None:
-        self.loss_reading = "off"
-        self._carrier = None
-        rank_zero_warn(
-            "GradFlowCallback: the loss rules (diverging, loss_spike) are off from step "
-            f"{step} on: under manual optimization {with_loss} of {world_size()} ranks' "
-            "training_step returned a loss there, the others none, so the mean over ranks is "
-            "unknown; the gradient rules still run. Return the loss on every rank to keep them, "
-            "or pass alarms=AlarmRules(diverge_ratio=None) (without loss_factor) to turn them off "
-            "without this warning.",
-            category=LightningHooksWarning,
-        )
+    @property
+    def loss_reading(self) -> LossReading:
+        """What the loss rules read in this fit (:meth:`plan_loss`)."""
+        return self._loss.reading
 
     @property
     def carries(self) -> bool:
         """Whether every batch's loss ``all_reduce`` carries the ranks' agreement."""
-        return self._carrier is not None
+        return self._loss.carries
 
     def _warn_once(self, alarm: GradientAlarm) -> None:
         key = (alarm.rule, alarm.layer)
@@ -309,19 +239,6 @@ class AlarmPolicy:
         if trainer.is_global_zero:
             head = f"{len(log)} gradient alarms in epoch {trainer.current_epoch}"
             log_text(trainer.loggers, "grad_flow/alarms", _summary(log, head), step)
-
-
-_CARRIED = 4  # the loss, whether this rank has one, a deferred failure, a stop request
-
-
-def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
-    """``[loss, has loss, failed, stop]`` summed over the ranks, on the group's device: the loss
-    moved there without a sync (a CPU loss under NCCL), the flags copied from the host."""
-    flags = [0.0, float(loss is not None), float(failed), float(stop)]
-    carried = torch.tensor(flags, dtype=torch.float32).to(device=group_device(), non_blocking=True)
-    if loss is not None:
-        carried[:1].copy_(to_group_device(loss).reshape(1))
-    return all_reduce_sum_(carried)
 
 
 def _summary(log: list[GradientAlarm], head: str) -> str:

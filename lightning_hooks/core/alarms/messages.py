@@ -1,0 +1,337 @@
+"""What an alarm says: :class:`GradientAlarm`, the layer it names, its message, the ring
+buffer's story and the advice; all on the host, once a rule fired."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from lightning_hooks.core.alarms.rules import (
+    _ABSOLUTE,
+    _ADVICE,
+    _EXPLOSION,
+    _FLOOR,
+    _L_BEST,
+    _L_DEV,
+    _L_DIVERGING,
+    _L_FIRST,
+    _L_MEAN,
+    _L_SCALE,
+    _L_SPIKE,
+    _L_VALUE,
+    _NONFINITE,
+    _NORM,
+    _S_BEFORE,
+    _S_VALUE,
+    _SCALE,
+    _SPIKE,
+    _VANISHING,
+    ALARM_RULES,
+    AlarmRules,
+    WeightNorms,
+)
+
+__all__ = [
+    "GradientAlarm",
+    "describe",
+    "diverging_fires",
+    "explosion_text",
+    "gradient_alarm",
+    "loss_alarms",
+    "stall_alarm",
+    "weight_norms",
+    "with_history",
+]
+
+
+@dataclass(frozen=True)
+class GradientAlarm:
+    """One rule firing at one optimizer step, as read on the host.
+
+    Attributes:
+        rule: one of :data:`ALARM_RULES`.
+        layer: the layer the alarm names (``"global"`` for all layers together, ``"loss"``).
+        step: the optimizer step (0-based) whose gradients fired it.
+        value: the gradient norm (or loss) that fired it.
+        reference: what it was compared with (running scale, threshold, floor, weight norm).
+        message: the whole story in one line.
+        others: the other layers the rule flagged at the same step.
+        history_steps: the optimizer steps in the ring buffer, oldest first, up to ``step``.
+        history: per step of ``history_steps``, the gradient norm of every row (the layers,
+            then the global norm), from the device ring buffer.
+        history_scale: the same rows' running scales before each step (NaN: not armed yet).
+        history_layers: the rows' names (the layers, then ``"global"``).
+        departure: which layer left its running scale first (by more than the spike rule's
+            band, up or down), when, and by how much; :meth:`history_lines` gives it step by
+            step.
+        departed: that layer's name (``""``: none left its scale in the ring buffer).
+    """
+
+    rule: str
+    layer: str
+    step: int
+    value: float
+    reference: float
+    message: str
+    others: tuple[str, ...] = field(default=())
+    history_steps: tuple[int, ...] = field(default=())
+    history: tuple[tuple[float, ...], ...] = field(default=())
+    history_scale: tuple[tuple[float, ...], ...] = field(default=())
+    history_layers: tuple[str, ...] = field(default=())
+    departure: str = ""
+    departed: str = ""
+
+    def history_lines(self) -> list[str]:
+        """Step by step, norm / running scale of the layer that left first, the layer named and
+        the global row (``"-"``: not armed yet)."""
+        names = dict.fromkeys(n for n in (self.departed, self.layer, "global") if n)
+        rows = [self.history_layers.index(n) for n in names if n in self.history_layers]
+        lines = []
+        for step, norm, scale in zip(
+            self.history_steps, self.history, self.history_scale, strict=True
+        ):
+            cells = [
+                f"{self.history_layers[r]} {norm[r]:.4g} ({_ratio(norm[r] / scale[r])})"
+                if math.isfinite(scale[r]) and scale[r] > 0
+                else f"{self.history_layers[r]} {norm[r]:.4g} (-)"
+                for r in rows
+            ]
+            lines.append(f"step {step}: " + ", ".join(cells))
+        return lines
+
+
+def gradient_alarm(
+    index: int,
+    hit: np.ndarray,
+    report: np.ndarray,
+    weight: np.ndarray | None,
+    at: tuple[int, tuple[int, ...], float | None],
+    layers: tuple[str, ...],
+    rules: AlarmRules,
+) -> GradientAlarm:
+    """The alarm of gradient rule ``index`` at the rows ``hit`` of ``report``; ``at``: the step,
+    the rows' backward order and the clip the step was posted with."""
+    step, order, clip = at
+    norm = report[_NORM]
+    ref = {
+        _SPIKE: report[_SCALE],
+        _EXPLOSION: report[_SCALE],
+        _ABSOLUTE: np.full_like(norm, rules.max_grad_norm or math.nan),
+        _VANISHING: report[_FLOOR],
+    }.get(index, weight if weight is not None else np.full_like(norm, -1.0))
+    row = int(culprit(index, hit, norm, ref, order, len(layers) - 1))
+    layer, value, reference = layers[row], float(norm[row]), float(ref[row])
+    others = tuple(layers[i] for i in hit if i != row)
+    if index == _EXPLOSION:
+        text = explosion_text(layer, step, value, reference, report, clip, rules)
+    else:
+        text = describe(ALARM_RULES[index], layer, step, value, reference, rules)
+    if others:
+        text += f" (also flagged: {', '.join(others)})"
+    return GradientAlarm(ALARM_RULES[index], layer, step, value, reference, text, others)
+
+
+def stall_alarm(report: np.ndarray, step: int, rules: AlarmRules) -> GradientAlarm:
+    """*stall*'s alarm from its report (the update per unit of LR and its level, as logs)."""
+    value, level = math.exp(report[_S_VALUE]), math.exp(report[_S_BEFORE])
+    text = (
+        f"learning stalled at optimizer step {step}: the typical update per unit of "
+        f"learning rate (median |w_after - w_before| / lr) is {value:.4g}, "
+        f"{level / value:.3g}x below its running level {level:.4g} (stall_factor="
+        f"{rules.stall_factor}): the optimizer barely moves the weights while the "
+        "learning rate says it should"
+    )
+    return GradientAlarm("stall", "global", step, value, level, text)
+
+
+def weight_norms(weights: WeightNorms | None, rows: torch.Tensor | None, n: int) -> np.ndarray:
+    """The attribution pass: per-row weight norms on the host (-1 where not read)."""
+    out = np.full(n, -1.0)
+    if weights is not None:
+        values = weights().detach().float().cpu().numpy()
+        out[rows.cpu().numpy() if rows is not None else np.arange(n)] = values
+    return out
+
+
+def culprit(
+    index: int, hit: np.ndarray, norm: np.ndarray, ref: np.ndarray, order: Sequence[int], last: int
+) -> int:
+    """The row an alarm names among the flagged rows ``hit`` (``last`` is the global row)."""
+    if index == _NONFINITE:
+        # ref: weight norms, -1 where not read (no attribution pass, or not stepped)
+        broken = [i for i in range(last) if not math.isfinite(ref[i])]
+        return broken[0] if broken else _first_backward({int(i) for i in hit}, order, last)
+    layers = hit[hit != last]
+    if layers.size == 0:
+        return last
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = norm[layers] / ref[layers]
+    if index == _VANISHING:
+        return int(layers[np.nanargmin(ratio)]) if np.isfinite(ratio).any() else int(layers[0])
+    return int(layers[np.nanargmax(ratio)]) if np.isfinite(ratio).any() else int(layers[0])
+
+
+def _backward(order: Sequence[int], last: int) -> Iterator[int]:
+    yield from order
+    yield from range(last - 1, -1, -1)
+
+
+def _first_backward(flagged: set[int], order: Sequence[int], last: int) -> int:
+    """First flagged row in backward order: hook order, then reverse model order."""
+    return next(row for row in _backward(order, last) if row in flagged)
+
+
+def with_history(
+    alarm: GradientAlarm, layers: tuple[str, ...], history: tuple[list[int], np.ndarray]
+) -> GradientAlarm:
+    steps, ring = history
+    advice = f"advice: {_ADVICE[alarm.rule]}" if alarm.rule in _ADVICE else ""
+    if not steps:
+        return replace(alarm, message=f"{alarm.message}; {advice}") if advice else alarm
+    norms, scales = ring[:, 0], ring[:, 1]
+    first = _first_departure(norms, scales, ring[:, 2])
+    departure = ""
+    if first is not None:
+        at, row = first
+        ratio = norms[at, row] / scales[at, row]
+        departure = f"{layers[row]} left its scale first, at step {steps[at]} ({_ratio(ratio)})"
+        if advice and alarm.rule != "vanishing":
+            advice += f"; look at {layers[row]} first"
+    message = "; ".join(part for part in (alarm.message, departure, advice) if part)
+    return GradientAlarm(
+        **{
+            **alarm.__dict__,
+            "message": message,
+            "history_steps": tuple(steps),
+            "history_layers": layers,
+            "history": tuple(tuple(float(v) for v in row) for row in norms),
+            "history_scale": tuple(tuple(float(v) for v in row) for row in scales),
+            "departure": departure,
+            "departed": layers[first[1]] if first is not None else "",
+        }
+    )
+
+
+def _first_departure(
+    norms: np.ndarray, scales: np.ndarray, band: np.ndarray
+) -> tuple[int, int] | None:
+    """``(step index, layer row)`` where a layer first left its running scale by more than the
+    spike rule's band, up or down (or went non-finite), the largest departure of that step (in
+    bands); else ``None``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        size = np.abs(np.log(np.abs(norms / scales)))
+    size[np.isnan(norms) | np.isnan(scales)] = np.nan  # not stepped, or not armed yet
+    size[~np.isnan(scales) & ~np.isfinite(norms)] = np.inf  # a NaN/Inf gradient left for sure
+    size /= band
+    size[:, -1] = np.nan  # a layer, not the global row
+    away = np.nan_to_num(size, nan=0.0) > 1.0
+    if not away.any():
+        return None
+    at = int(np.flatnonzero(away.any(axis=1))[0])
+    return at, int(np.nanargmax(np.where(away[at], size[at], -1.0)))
+
+
+def _ratio(value: float) -> str:
+    return f"{value:.3g}x" if math.isfinite(value) else f"{value}"
+
+
+def loss_alarms(step: int, report: np.ndarray, rules: AlarmRules) -> list[GradientAlarm]:
+    value = float(report[_L_VALUE])
+    alarms = []
+    if report[_L_SPIKE] > 0:
+        ref = float(report[_L_SCALE])
+        text = (
+            f"loss spike at optimizer step {step}: loss {value:.4g} is {value / ref:.3g}x its "
+            f"running scale {ref:.4g} (loss_factor={rules.loss_factor}, "
+            f"spike_sigmas={rules.spike_sigmas})"
+        )
+        alarms.append(GradientAlarm("loss_spike", "loss", step, value, ref, text))
+    if diverging_fires(report, rules):
+        alarms.append(_diverging(step, value, report, rules))
+    return alarms
+
+
+def diverging_fires(report: np.ndarray, rules: AlarmRules) -> bool:
+    """Whether *diverging* fired: its margin is not below 0 (NaN: a non-finite loss)."""
+    return rules.diverge_ratio is not None and not report[_L_DIVERGING] < 0
+
+
+def _diverging(step: int, value: float, report: np.ndarray, rules: AlarmRules) -> GradientAlarm:
+    mean, best, first = (float(report[i]) for i in (_L_MEAN, _L_BEST, _L_FIRST))
+    if not math.isfinite(value):
+        text = f"loss diverging at optimizer step {step}: the loss is {value}"
+        return GradientAlarm("diverging", "loss", step, value, best, text)
+    learnt = first - best
+    given = f"{(mean - best) / learnt:.0%}" if learnt > 0 else "all"
+    text = (
+        f"loss diverging at optimizer step {step}: its running mean {mean:.4g} (loss "
+        f"{value:.4g}) is {_ratio(mean / best) if best > 0 else f'+{mean - best:.4g} over'} "
+        f"its best {best:.4g} and has given back {given} of what it had learnt since the first "
+        f"step's {first:.4g}, beyond the loss's own swings (mean absolute deviation "
+        f"{float(report[_L_DEV]):.3g}) (diverge_ratio={rules.diverge_ratio}, "
+        f"diverge_giveback={rules.diverge_giveback}, diverge_noise={rules.diverge_noise}, "
+        f"diverge_span={rules.diverge_span})"
+    )
+    return GradientAlarm("diverging", "loss", step, value, best, text)
+
+
+def describe(rule: str, layer: str, step: int, value: float, ref: float, rules: AlarmRules) -> str:
+    at = f"optimizer step {step}"
+    if rule == "spike":
+        return (
+            f"gradient spike at {at}: {layer} grad norm {value:.4g} is {value / ref:.3g}x its "
+            f"running scale {ref:.4g} (spike_factor={rules.spike_factor}, "
+            f"spike_sigmas={rules.spike_sigmas})"
+        )
+    if rule == "absolute":
+        return f"gradient norm above max_grad_norm at {at}: {layer} {value:.4g} > {ref:.4g}"
+    if rule == "vanishing":
+        return (
+            f"vanishing gradient at {at}: {layer} grad norm {value:.4g} is zero or below "
+            f"{ref:.4g} (vanish_fraction={rules.vanish_fraction} of the median non-zero layer "
+            f"norm) for {rules.vanish_steps} consecutive steps"
+        )
+    if rule == "nonfinite":
+        if not math.isfinite(ref):
+            return (
+                f"non-finite weights at {at}: {layer} (first layer in forward order), "
+                f"grad norm {value:.4g}"
+            )
+        return (
+            f"non-finite gradient at {at}: {layer} (first layer in backward order), "
+            f"grad norm {value:.4g}"
+        )
+    return f"AMP overflow at {at}, step skipped by the GradScaler (grad norm {value:.4g})"
+
+
+def explosion_text(
+    layer: str,
+    step: int,
+    value: float,
+    ref: float,
+    report: np.ndarray,
+    clip: float | None,
+    rules: AlarmRules,
+) -> str:
+    """*explosion*'s message: the size, what the optimizer applies, and advice with a clip
+    value read from the global row's running scale."""
+    global_norm, global_scale = float(report[_NORM, -1]), float(report[_SCALE, -1])
+    shrink = 1.0 if clip is None or global_norm <= clip else clip / global_norm
+    applied = (
+        "reaches the optimizer unclipped"
+        if shrink == 1.0
+        else f"is still {value * shrink / ref:.3g}x its scale after clipping to {clip:.4g}"
+    )
+    suggested = f"{5.0 * global_scale:.2g}" if math.isfinite(global_scale) else "a few times it"
+    return (
+        f"gradient explosion at optimizer step {step}: {layer} grad norm {value:.4g} is "
+        f"{value / ref:.3g}x its running scale {ref:.4g} and {applied} (explode_factor="
+        f"{rules.explode_factor}): one such step wrecks SGD's weights or poisons an adaptive "
+        f"optimizer's second moment for thousands of steps; advice: clip gradients at a few "
+        f"times the global norm's running scale {global_scale:.3g} (gradient_clip_val="
+        f"{suggested}), or skip such steps with on_alarm={{'spike': 'skip'}}"
+    )

@@ -1,0 +1,184 @@
+"""The alarm rules: their names, their thresholds and defaults (:class:`AlarmRules`), the advice
+each rule's message ends with, and the row layout of the reports the rules post to the host."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_hooks.core import checks
+
+__all__ = ["ALARM_RULES", "AlarmRules", "WeightNorms"]
+
+ALARM_RULES = (
+    "spike",
+    "explosion",
+    "absolute",
+    "vanishing",
+    "nonfinite",
+    "amp_overflow",
+    "loss_spike",
+    "diverging",
+    "stall",
+)
+"""Names of the rules, in the order of :attr:`GradientAlarms.counts`."""
+
+_SPIKE, _EXPLOSION, _ABSOLUTE, _VANISHING, _NONFINITE, _AMP, _LOSS, _DIVERGING, _STALL = range(
+    len(ALARM_RULES)
+)
+# the loss report: loss_spike's flag, diverging's margin (it fires unless the margin is < 0: NaN
+# for a non-finite loss), the loss, its running scale; then diverging's state: the loss's running
+# mean, its mean absolute deviation, the best running mean, the first loss
+_L_SPIKE, _L_DIVERGING, _L_VALUE, _L_SCALE, _L_MEAN, _L_DEV, _L_BEST, _L_FIRST = range(8)
+_LEARNT_NOISE = 4.0  # diverging's noise bar shrinks by 1/4 of what the run has learnt
+
+_ADVICE = {
+    "spike": "one step: a transient if the next steps come back to scale (it counts in the "
+    "spike score); if it repeats, clip gradients (gradient_clip_val) or lower the learning rate",
+    "absolute": "clip gradients (gradient_clip_val) or lower the learning rate",
+    "vanishing": "check that the layer is used and trainable, its initialisation and the "
+    "activations that feed it",
+    "nonfinite": "lower the learning rate, clip gradients, or train in bf16 / with a GradScaler",
+    "loss_spike": "look at this step's batch; if it repeats, lower the learning rate",
+    "diverging": "lower the learning rate, add warm-up, or clip gradients (gradient_clip_val)",
+    "stall": "an adaptive optimizer's second moment poisoned by an explosion recovers only "
+    "slowly: reset the optimizer's state (or resume from a checkpoint before it) and clip "
+    "gradients (gradient_clip_val); check that the learning rate is what you meant",
+}
+# the stall report: its flag, the log of the update per unit of learning rate, its running level
+# before this logging step and after it (the state)
+_S_FLAG, _S_VALUE, _S_BEFORE, _S_LEVEL = range(4)
+_STALL_LR_FLOOR = 0.01  # below this share of its peak, the LR is being decayed away: no stall
+_STALL_ALPHA = 0.5  # the stall's level: an EMA over the last few logging steps
+_GRAD_RULES = 6  # rows of flags in the gradient report; the loss has its own mailbox
+_NORM, _SCALE, _BAND, _FLOOR = range(_GRAD_RULES, _GRAD_RULES + 4)
+
+WeightNorms = Callable[[], torch.Tensor]
+"""Returns ``[layers + 1]`` weight L2 norms (last: all); called on the host when a rule fired."""
+
+
+@dataclass(frozen=True)
+class AlarmRules:
+    """Which gradient alarms are on, and their thresholds (the defaults come from the false-alarm
+    and detection table of ``benchmarks/alarms.py``, in the README's "Early warnings").
+
+    Args:
+        spike_factor: *spike*: a layer's (or the global) gradient norm exceeds this many times its
+            running scale (``exp`` of the EMA of its log-norm) and ``spike_sigmas`` spreads of
+            the log-norm above it. ``None`` turns it off. Must be > 1.
+        spike_sigmas: *spike*: how many running standard deviations of the log-norm the step must
+            also be above the running mean (the spread makes noisy layers need more).
+        explode_factor: *explosion*: a spike that reaches the optimizer: the gradient the
+            optimizer applies (after ``gradient_clip_val``'s clipping, when the caller gives the
+            clip), all layers together and the layer named, exceeds this many times its running
+            scale (and ``spike_sigmas`` spreads above it): big enough to wreck SGD's weights or
+            poison an adaptive optimizer's second moment (Adam's takes ``(1 - beta2) g**2``: at
+            300x its scale, 90 times its usual size, so every update for thousands of steps is
+            about 10 times too small). Warned under the default ``on_alarm="warn"`` (a smaller
+            spike is only logged). ``None`` turns it off. Must be > 1.
+        window: span, in evaluated steps, of the running scale: the EMA weight is
+            ``2 / (window + 1)`` (the exact mean and variance over the first steps).
+        min_history: the spike rules are armed once a row has this many finite steps.
+        max_grad_norm: *absolute*: the global gradient norm exceeds this value (off by default).
+        vanish_fraction: *vanishing*: a layer's gradient norm is exactly zero, or below this
+            fraction of the median norm of the layers whose gradient is not zero ... ``None``
+            turns it off.
+        vanish_steps: ... for this many consecutive evaluated steps (fires once per such run).
+        nonfinite: *nonfinite*: a NaN/Inf gradient norm (a NaN/Inf entry, or a norm beyond the
+            gradient's dtype), naming the layer where it entered.
+        every_n_steps: evaluate the rules on optimizer steps ``0, n, 2n, ...`` (1: every step).
+        loss_factor: *loss_spike*: the training loss exceeds this many times its running scale
+            (and ``spike_sigmas`` spreads above it); ``None`` (default) turns it off.
+        diverge_ratio: *diverging*: the running mean of the training loss (an EMA over
+            ``diverge_span`` steps) has risen above its best so far by ``diverge_ratio - 1``
+            times the best's magnitude ... (a non-finite loss always fires); ``None`` turns it
+            off. Must be > 1.
+        diverge_giveback: ... and has given back at least this fraction of what it had learnt
+            (the first step's loss minus the best), so a loss near zero does not fire on noise.
+        diverge_noise: ... and the rise also clears ``(diverge_ratio - 1) * |best|`` by this many
+            mean absolute deviations of the loss from its running mean (an EMA over
+            ``2 * diverge_span`` steps, before this step), less a quarter of what it had learnt,
+            so a noisy loss that learns little does not fire on its own swings; 0 turns the bar
+            off.
+        diverge_span: span, in steps, of the loss's running mean for *diverging*.
+        stall_factor: *stall*: on a logging step, the typical size of the optimizer's update
+            per unit of learning rate (the median ``|w_after - w_before| / lr`` over a sample of
+            each tensor's entries) fell this many times below its
+            running level (an EMA of its log over the last few logging steps): the optimizer no
+            longer moves the weights as the learning rate says it should (a second moment
+            poisoned by an explosion). Adaptive optimizers only (a per-coordinate second moment
+            in their state): SGD's update is the gradient, which shrinks as a run converges; and
+            only entries whose gradient is not zero (a dead unit stops by design). Not evaluated
+            while the learning rate is under 1% of its
+            peak (a schedule decaying it to zero). ``None`` turns it off. Must be > 1.
+        history: steps of per-layer norms kept in the device ring buffer that an alarm reports.
+
+    Example:
+        >>> AlarmRules(spike_factor=20.0).window
+        50
+        >>> AlarmRules(spike_factor=0.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: AlarmRules(spike_factor=0.5): must be a finite real > 1.0, got 0.5
+    """
+
+    spike_factor: float | None = 10.0
+    explode_factor: float | None = 300.0
+    spike_sigmas: float = 4.0
+    window: int = 50
+    min_history: int = 3
+    max_grad_norm: float | None = None
+    vanish_fraction: float | None = 1e-3
+    vanish_steps: int = 20
+    nonfinite: bool = True
+    every_n_steps: int = 1
+    loss_factor: float | None = None
+    history: int = 16
+    diverge_ratio: float | None = 2.0
+    diverge_giveback: float = 0.5
+    diverge_noise: float = 1.0
+    diverge_span: int = 4
+    stall_factor: float | None = 100.0
+
+    def __post_init__(self) -> None:
+        owner = "AlarmRules"
+        checked: dict[str, Any] = {
+            "spike_sigmas": checks.positive_real(owner, "spike_sigmas", self.spike_sigmas),
+            "nonfinite": checks.boolean(owner, "nonfinite", self.nonfinite),
+        }
+        checked["diverge_giveback"] = checks.real(
+            owner, "diverge_giveback", self.diverge_giveback, low=0.0, high=1.0
+        )
+        checked["diverge_noise"] = checks.real(owner, "diverge_noise", self.diverge_noise, low=0.0)
+        names = ("window", "min_history", "vanish_steps", "every_n_steps", "history")
+        for name in (*names, "diverge_span"):
+            checked[name] = checks.positive_int(owner, name, getattr(self, name))
+        optional: dict[str, Callable[[str, Any], float]] = {
+            "spike_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
+            "explode_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
+            "stall_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
+            "loss_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
+            "diverge_ratio": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
+            "max_grad_norm": lambda n, v: checks.positive_real(owner, n, v),
+            "vanish_fraction": lambda n, v: checks.real(
+                owner, n, v, low=0.0, high=1.0, low_open=True, high_open=True
+            ),
+        }
+        for name, check in optional.items():
+            value = getattr(self, name)
+            checked[name] = None if value is None else check(name, value)
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+        if self.min_history > self.window:
+            raise ValueError(
+                f"AlarmRules(min_history={self.min_history}): must be at most "
+                f"window={self.window}, got {self.min_history}"
+            )
+
+    @property
+    def watches_loss(self) -> bool:
+        """Whether a rule reads the training loss (*loss_spike* or *diverging*)."""
+        return self.loss_factor is not None or self.diverge_ratio is not None
