@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
@@ -11,6 +11,8 @@ from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.core.checks import fraction_or_none
+from lightning_hooks.core.hooks.selection import Patterns
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
@@ -60,15 +62,33 @@ class OncePerLayer:
 
 
 class WarnsOncePerLayer(StatsCallback):
-    """A :class:`StatsCallback` whose layer warnings go through :attr:`warned` (one per fit)."""
+    """A :class:`StatsCallback` over one tracker of a module selection, whose layer warnings past
+    ``warn_at`` go through :attr:`warned` (one per fit); the tracker's validated selection is
+    kept as the callback's ``types``, ``include`` and ``exclude`` (its checkpoint key, its
+    errors)."""
 
     _findings = "findings"
 
     def __init__(
-        self, stats: LayerStat[Any] | Sequence[LayerStat[Any]], *, every_n_steps: int | None = None
+        self,
+        make: Callable[..., LayerStat[Any]],
+        types: Any,
+        include: Patterns,
+        exclude: Patterns,
+        warn_at: float | None,
+        every_n_steps: int | None,
+        /,
+        **options: Any,
     ) -> None:
-        super().__init__(stats, every_n_steps=every_n_steps)
-        self.warned = OncePerLayer(type(self).__name__, self._findings)
+        """``make(types=, include=, exclude=, owner=, **options)`` builds the tracker."""
+        name = type(self).__name__
+        tracker = make(types=types, include=include, exclude=exclude, owner=name, **options)
+        self.warn_at = fraction_or_none(name, "warn_at", warn_at)
+        super().__init__(tracker, every_n_steps=every_n_steps)
+        self.warned = OncePerLayer(name, self._findings)
+        assert tracker.selection is not None
+        self.types = types
+        self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -149,23 +149,13 @@ class ActivationStatsCallback(StatsCallback):
         return attached[0] if attached else None  # type: ignore[return-value]
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+    def _batch_started(self, trainer: pl.Trainer) -> None:
         self._step = trainer.global_step
 
     @override
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
+    def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
         self._probe_nonfinite()
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        return False
 
     def _probe_nonfinite(self) -> None:
         """Warn once about the first module whose output went non-finite (before the window of a

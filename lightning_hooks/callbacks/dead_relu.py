@@ -10,7 +10,6 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks._once import WarnsOncePerLayer
-from lightning_hooks.core.checks import fraction_or_none
 from lightning_hooks.core.hooks.selection import Patterns
 from lightning_hooks.core.stats.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
 from lightning_hooks.core.stats.stat import LayerStat
@@ -105,18 +104,12 @@ class DeadReLUCallback(WarnsOncePerLayer):
         warn_at: float | None = 0.5,
         every_n_steps: int | None = None,
     ) -> None:
-        tracker = DeadUnitTracker(
-            types=types,
-            include=include,
-            exclude=exclude,
-            pre_activation=pre_activation,
-            owner=_NAME,
+        selection = (types, include, exclude)
+        super().__init__(
+            DeadUnitTracker, *selection, warn_at, every_n_steps, pre_activation=pre_activation
         )
-        self.warn_at = fraction_or_none(_NAME, "warn_at", warn_at)
-        super().__init__(tracker, every_n_steps=every_n_steps)
-        assert tracker.selection is not None
-        self.types = types
-        self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
+        tracker = self.stats[0]
+        assert isinstance(tracker, DeadUnitTracker)
         self.pre_activation = tracker.producers.include
 
     @override

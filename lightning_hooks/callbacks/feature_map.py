@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -13,69 +13,21 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks._base import HookCallback
+from lightning_hooks.callbacks.feature_map_probe import (
+    ProbeInputError,
+    default_input,
+    default_labels,
+    has_tensor,
+    head,
+    to_device,
+)
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
 from lightning_hooks.core.hooks.selection import Patterns, as_patterns
-from lightning_hooks.errors import LightningHooksError
 from lightning_hooks.logging import feature_map_grid, log_embedding, log_image, log_scalars
 
 __all__ = ["FeatureMapCallback"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-
-class _ProbeInputError(LightningHooksError, TypeError):
-    """No usable model input in the first training batch: a configuration error, which the
-    guard lets through (it propagates the library's own errors) so the fit stops there."""
-
-
-def _has_tensor(x: Any) -> bool:
-    if isinstance(x, torch.Tensor):
-        return True
-    if isinstance(x, list | tuple):
-        return any(_has_tensor(item) for item in x)
-    return isinstance(x, Mapping) and any(_has_tensor(item) for item in x.values())
-
-
-def _default_input(batch: Any) -> Any:
-    """The model input of a batch: the batch itself if a tensor, else its first element."""
-    if isinstance(batch, torch.Tensor):
-        return batch
-    if isinstance(batch, list | tuple) and batch:
-        return batch[0]
-    raise _ProbeInputError(
-        f"FeatureMapCallback(input_fn=None): cannot find the model input in a batch of type "
-        f"{type(batch).__name__}; pass input_fn=lambda batch: ... or probe=..."
-    )
-
-
-def _default_labels(batch: Any, size: int) -> torch.Tensor | None:
-    """The second element of a tuple batch when it holds one label per sample, else ``None``."""
-    if isinstance(batch, list | tuple) and len(batch) > 1:
-        labels = batch[1]
-        if isinstance(labels, torch.Tensor) and labels.dim() == 1 and len(labels) >= size:
-            return labels[:size].detach().clone()
-    return None
-
-
-def _head(x: Any, size: int) -> Any:
-    """The first ``size`` samples of a tensor or a (nested) structure of tensors, copied."""
-    if isinstance(x, torch.Tensor):
-        return x[:size].detach().clone()
-    if isinstance(x, list | tuple):
-        return type(x)(_head(item, size) for item in x)
-    if isinstance(x, Mapping):
-        return {key: _head(item, size) for key, item in x.items()}
-    return x
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, list | tuple):
-        return type(x)(_to(item, device) for item in x)
-    if isinstance(x, Mapping):
-        return {key: _to(item, device) for key, item in x.items()}
-    return x
 
 
 _OWNER = "FeatureMapCallback"
@@ -203,7 +155,7 @@ class FeatureMapCallback(HookCallback):
         self.probe_size = checks.positive_int(_OWNER, "probe_size", probe_size)
         self.every_n_epochs = checks.positive_int(_OWNER, "every_n_epochs", every_n_epochs)
         self.layers = _check_patterns("layers", layers)
-        self.input_fn = checks.callable_or_none(_OWNER, "input_fn", input_fn) or _default_input
+        self.input_fn = checks.callable_or_none(_OWNER, "input_fn", input_fn) or default_input
         self.forward_fn = checks.callable_or_none(_OWNER, "forward_fn", forward_fn)
         self.embedding = _check_name("embedding", embedding)
         self.strict = None if strict is None else checks.boolean(_OWNER, "strict", strict)
@@ -261,25 +213,25 @@ class FeatureMapCallback(HookCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._probe is None and not self._idle:
-            self._probe = _head(self._model_input(batch), self.probe_size)
-            self._labels = _default_labels(batch, self.probe_size)
+            self._probe = head(self._model_input(batch), self.probe_size)
+            self._labels = default_labels(batch, self.probe_size)
 
     def _model_input(self, batch: Any) -> Any:
         """The model input of the first training batch; a ``TypeError`` that stops the fit now
         (not an epoch in, and not a guard warning) when there is none."""
         try:
             x = self.input_fn(batch)
-        except _ProbeInputError:
+        except ProbeInputError:
             raise
         except Exception as err:
-            shown = "None" if self.input_fn is _default_input else repr(self.input_fn)
-            raise _ProbeInputError(
+            shown = "None" if self.input_fn is default_input else repr(self.input_fn)
+            raise ProbeInputError(
                 f"{_OWNER}(input_fn={shown}): raised {type(err).__name__}: {err} on the first "
                 f"training batch (a {type(batch).__name__}); pass input_fn=lambda batch: ... "
                 "that returns the model input, or probe=..."
             ) from err
-        if not _has_tensor(x):
-            raise _ProbeInputError(
+        if not has_tensor(x):
+            raise ProbeInputError(
                 f"{_OWNER}(input_fn=...): the model input taken from the first training batch "
                 f"holds no tensor, got {type(x).__name__}; pass input_fn=lambda batch: ... "
                 "that returns the model input, or probe=..."
@@ -293,7 +245,7 @@ class FeatureMapCallback(HookCallback):
         if (trainer.current_epoch + 1) % self.every_n_epochs:
             return
         wanted = [*self._drawn, *([self.embedding] if self.embedding else [])]
-        probe = _to(self._probe, pl_module.device)
+        probe = to_device(self._probe, pl_module.device)
         with probe_mode(pl_module), capture_outputs(pl_module, wanted, clone=True) as outputs:
             if self.forward_fn is not None:
                 self.forward_fn(pl_module, probe)

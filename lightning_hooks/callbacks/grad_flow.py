@@ -2,49 +2,35 @@
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
-from lightning_hooks.callbacks._checks import check_types
+from lightning_hooks.callbacks._checks import (
+    check_alarms,
+    check_every_n_steps,
+    check_max_layers,
+    check_types,
+)
+from lightning_hooks.callbacks._trainer import clip_of, grad_scale
 from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
-from lightning_hooks.callbacks.grad_flow_tags import (
-    grad_flow_scalars,
-    grad_flow_step_scalars,
-    observe_histograms,
-    write_histograms,
-)
-from lightning_hooks.core import (
-    GradFlowTracker,
-    LayerHistograms,
-    LayerStats,
-    checks,
-    select_modules,
-)
+from lightning_hooks.callbacks.grad_flow_logging import GradFlowLogging
+from lightning_hooks.callbacks.grad_flow_tags import observe_histograms
+from lightning_hooks.core import GradFlowTracker, LayerHistograms, checks, select_modules
 from lightning_hooks.core.alarms import AlarmRules
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, as_patterns
 from lightning_hooks.core.kernels.grad_stats import ParamLayout
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.logging import (
-    grad_flow_figure,
-    layer_epoch_heatmap,
-    log_figure,
-    log_scalars,
-    step_tags,
-)
 
 __all__ = ["GradFlowCallback"]
 
 
-class GradFlowCallback(HookCallback):
+class GradFlowCallback(GradFlowLogging):
     r"""Per-layer gradient flow: the gradient the optimizer applies, weights, updates; and an
     early-warning sentinel on every optimizer step.
 
@@ -174,28 +160,15 @@ class GradFlowCallback(HookCallback):
     ) -> None:
         check_types("GradFlowCallback", types)
         self.every_n_steps = check_every_n_steps("GradFlowCallback", every_n_steps)
-        if not isinstance(alarms, AlarmRules | bool):
-            raise TypeError(
-                f"GradFlowCallback(alarms={alarms!r}): expected an AlarmRules or a bool, "
-                f"got {type(alarms).__name__}"
-            )
-        self.alarms = AlarmRules() if alarms is True else alarms or None
+        self.alarms = check_alarms("GradFlowCallback", alarms)
         self.policy = AlarmPolicy(on_alarm)
         self.on_alarm = self.policy.actions
-        integral = isinstance(max_layers_logged, numbers.Integral)
-        if max_layers_logged is not None and (
-            not integral or isinstance(max_layers_logged, bool) or max_layers_logged < 1
-        ):
-            raise ValueError(
-                f"GradFlowCallback(max_layers_logged={max_layers_logged!r}): must be a positive "
-                f"int or None, got {max_layers_logged!r}"
-            )
-        self.max_layers_logged = max_layers_logged
+        self.max_layers_logged = check_max_layers("GradFlowCallback", max_layers_logged)
         for name in ("update_ratio", "output_grad", "chart", "histograms", "heatmap", "stability"):
             checks.boolean("GradFlowCallback", name, locals()[name])
         self.histograms = histograms
-        self._hist: LayerHistograms | None = None
-        self._history: list[tuple[int, np.ndarray]] = []
+        self._hist = None
+        self._history = []
         self.types = types
         self.include = as_patterns(include, f"GradFlowCallback(include={include!r})")
         self.exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
@@ -204,9 +177,9 @@ class GradFlowCallback(HookCallback):
         self.chart = chart
         self.heatmap = heatmap
         self.stability = stability
-        self._stability: StabilityStats | None = None
+        self._stability = None
         self.uses_images = chart or heatmap
-        self._tracker: GradFlowTracker | None = None
+        self._tracker = None
         self._batch_step = 0
 
     @override
@@ -231,7 +204,7 @@ class GradFlowCallback(HookCallback):
             output_grad=self.output_grad,
             post_clip=bool(trainer.gradient_clip_val),
             alarms=self.alarms,
-            clip=_clip(trainer),
+            clip=clip_of(trainer),
         )
         self._history = []
         unstepped = self._tracker.unstepped()
@@ -259,10 +232,7 @@ class GradFlowCallback(HookCallback):
         self._stability = None
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+    def _batch_started(self, trainer: pl.Trainer) -> None:
         self._batch_step = trainer.global_step  # the optimizer step this batch's loss feeds
 
     @override
@@ -271,7 +241,7 @@ class GradFlowCallback(HookCallback):
     ) -> None:
         if self._tracker is None:
             return
-        scale = _grad_scale(trainer)
+        scale = grad_scale(trainer)
         # Lightning does not unscale for optimizers that unscale inside their step (fused).
         fused = scale is not None and getattr(optimizer, "_step_supports_amp_scaling", False)
         self._tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
@@ -281,14 +251,7 @@ class GradFlowCallback(HookCallback):
             self.policy.act(trainer, optimizer, self._tracker.alarms.poll(wait=self.policy.wait))
 
     @override
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
+    def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
         if self._stability is not None:
             self._stability.end_step()
         alarms = None if self._tracker is None else self._tracker.alarms
@@ -298,9 +261,9 @@ class GradFlowCallback(HookCallback):
                 trainer, alarms, outputs, self._batch_step, failed=failed
             )
             if agreed is not None and self._settle(trainer, self._batch_step, *agreed):
-                return
+                return True
             self.policy.apply_loss(trainer, alarms)
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        return False
 
     @override
     def _carried(self) -> bool:
@@ -313,110 +276,3 @@ class GradFlowCallback(HookCallback):
     @override
     def _stop_agreed(self) -> None:
         self.policy.stop_requested = False
-
-    @override
-    def _log_step(self, trainer: pl.Trainer, step: int) -> None:
-        if self._tracker is None:
-            return
-        self._tracker.post_window(step)
-        if self._stability is not None:
-            self._stability.post_window(step)
-        if self._tracker.alarms is not None:
-            self.policy.log_step(trainer, self._tracker.alarms, step)
-
-    @override
-    def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
-        got = None if self._tracker is None else self._tracker.read_window(wait)
-        if got is None:
-            return False
-        step, stats = got
-        scalars = grad_flow_step_scalars(stats, self.max_layers_logged)
-        stat = self._stability
-        # Posted right after the tracker's window, at the same step: its copy is done too.
-        window = None if stat is None else stat.read_window(wait=True)
-        if stat is not None and window is not None:
-            scalars.update(stat.step_values(window[1]))
-        log_scalars(trainer.loggers, step_tags(scalars), step)
-        return True
-
-    @override
-    def _save_state(self) -> dict[str, Any]:
-        state = {} if self._tracker is None else self._tracker.state()
-        if self._stability is not None:
-            state["stability"] = self._stability.host_state()
-        alarm_state = self.policy.state(self._tracker.alarms if self._tracker else None)
-        return state if alarm_state is None else {**state, "alarms": alarm_state}
-
-    @override
-    def _load_state(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        self.policy.saved = state.pop("alarms", self.policy.saved)
-        stability = state.pop("stability", None)
-        if self._tracker is not None:
-            self.policy.restore(self._tracker.alarms)
-            if state:
-                self._tracker.load_state(state)
-        if self._stability is not None and stability is not None:
-            self._stability.load_host_state(stability)
-
-    @override
-    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._tracker is None:
-            return
-        # The collectives first: a rank whose host side fails later has made them all.
-        stats = self._tracker.result()
-        self._tracker.reset()
-        self._log_stability(trainer)
-        if self._hist is not None and stats.count.any():
-            shards = self._tracker.shards
-            write_histograms(trainer, self._hist, stats, self.max_layers_logged, shards)
-        if self._tracker.alarms is not None:
-            self.policy.end_epoch(trainer, self._tracker.alarms)
-        if not stats.count.any():
-            return
-        step = trainer.global_step
-        log_scalars(trainer.loggers, dict(grad_flow_scalars(stats, self.max_layers_logged)), step)
-        if self.chart and trainer.is_global_zero:
-            layers = stats.layers[:-1]
-            figure = grad_flow_figure(
-                layers,
-                stats.column("grad_abs_mean")[:-1],
-                stats.column("grad_abs_max", "peak")[:-1],
-                title=f"gradient flow, epoch {trainer.current_epoch}",
-            )
-            log_figure(trainer.loggers, "grad_flow/chart", figure, step)
-        if self.heatmap and trainer.is_global_zero:
-            self._log_heatmap(trainer, stats, step)
-
-    def _log_stability(self, trainer: pl.Trainer) -> None:
-        """Log the instability statistics of the sampled steps so far, then start afresh."""
-        if self._stability is not None:
-            result = self._stability.result()  # a collective: every rank calls it
-            self._stability.reset()
-            log_scalars(trainer.loggers, self._stability.tags(result), trainer.global_step)
-
-    def _log_heatmap(self, trainer: pl.Trainer, stats: LayerStats, step: int) -> None:
-        layers, epoch = stats.layers[:-1], trainer.current_epoch
-        self._history.append((epoch, stats.column("grad_norm")[:-1].copy()))
-        epochs = [e for e, _ in self._history]
-        values = np.stack([v for _, v in self._history], axis=1)
-        title = "gradient norm per layer and epoch (mean over steps)"
-        heatmap = layer_epoch_heatmap(layers, epochs, values, title=title, log=True)
-        log_figure(trainer.loggers, "grad_flow/heatmap", heatmap, step)
-
-
-def _grad_scale(trainer: pl.Trainer) -> torch.Tensor | None:
-    """The AMP GradScaler's scale as a device tensor (no sync), or ``None`` without AMP."""
-    scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return None
-    scale = getattr(scaler, "_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else None
-
-
-def _clip(trainer: pl.Trainer) -> tuple[float, str] | None:
-    """The Trainer's gradient clipping, ``(value, algorithm)``, or ``None``."""
-    if not trainer.gradient_clip_val:
-        return None
-    algorithm = trainer.gradient_clip_algorithm or "norm"
-    return float(trainer.gradient_clip_val), str(getattr(algorithm, "value", algorithm))

@@ -105,26 +105,16 @@ class LayerTimeCallback(StatsCallback):
         return self.stats
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+    def _batch_started(self, trainer: pl.Trainer) -> None:
         timer = self._timer
         if timer is not None and timer.registry is not None and timer.registry.sampled:
             timer.start_step(trainer.global_step)
 
     @override
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
+    def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
         if self._timer is not None:
             self._timer.end_step()
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        return False
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -111,22 +111,13 @@ class SaturationCallback(WarnsOncePerLayer):
             raise TypeError(f"{_NAME}(unit_dim={dim!r}): must be an int, got {dim!r}")
         unit_dim = int(dim)
         margin = real(_NAME, "margin", margin, low=0.0, high=0.5, low_open=True, high_open=True)
-        warn_at = fraction_or_none(_NAME, "warn_at", warn_at)
-        tracker = SaturationTracker(
-            types=types,
-            include=include,
-            exclude=exclude,
-            unit_dim=unit_dim,
-            margin=margin,
-            owner=_NAME,
+        warn_at = fraction_or_none(_NAME, "warn_at", warn_at)  # before the selection's errors
+        selection = (types, include, exclude)
+        super().__init__(
+            SaturationTracker, *selection, warn_at, every_n_steps, unit_dim=unit_dim, margin=margin
         )
-        super().__init__(tracker, every_n_steps=every_n_steps)
-        assert tracker.selection is not None
-        self.types = types
-        self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
         self.unit_dim = unit_dim
         self.margin = margin
-        self.warn_at = warn_at
 
     @override
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
