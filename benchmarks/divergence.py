@@ -23,7 +23,8 @@ loss). A run that never does is healthy.
 One-step gradient explosions (:data:`EXPLOSIONS`: the gradient multiplied by 10, 1e3 or 1e6
 after the backward, at step 37 or 150) are judged against their twin, the same run without the
 event (:func:`damaging`): damaging when the loss 50 to 100 steps later is clearly above the
-twin's, else harmless.
+twin's (1.25x it plus 2% of the twin's first loss, a margin in the loss's own scale), else
+harmless.
 
 Usage::
 
@@ -61,7 +62,9 @@ HELD_OUT = (2,)  # seeds not looked at while the defaults were chosen
 ADAPTIVE = ("adam", "adamw", "rmsprop")  # the optimizers with a second moment
 LOG_EVERY = 50  # the Trainer's log_every_n_steps: the callback's logging (sampled) steps
 DAMAGE_WINDOW = (50, 100)  # steps after an explosion where its loss is compared with the twin's
-DAMAGE_RATIO, DAMAGE_ABS = 1.25, 0.05  # "clearly worse": this ratio and this much above it
+# "clearly worse": this ratio, and above it by this share of the twin's first loss (the loss's
+# scale: 0.046 on the 10-class sets, whose first loss is ln 10; 0.014 on a 2-class one)
+DAMAGE_RATIO, DAMAGE_MARGIN = 1.25, 0.02
 _SEQ, _VOCAB = 32, 96
 WARNED = tuple(rule for rule, action in check_actions("warn").items() if action == "warn")
 """The rules that warn under the default ``on_alarm="warn"``."""
@@ -589,11 +592,14 @@ PEERS: dict[str, Callable[[dict[str, Any]], list[int]]] = {
 
 def damaging(trace: dict[str, Any], twin: dict[str, Any]) -> bool:
     """Ground truth of an explosion: its run's mean loss over ``DAMAGE_WINDOW`` steps after it
-    is not finite, or clearly above its twin's (the same seed and data without the event)."""
+    is not finite, or clearly above its twin's (the same seed and data without the event):
+    ``DAMAGE_RATIO`` times it plus ``DAMAGE_MARGIN`` times the twin's first loss, a margin
+    in the loss's own scale (a 2-class loss starts at ln 2, a 10-class one at ln 10)."""
     at = trace["run"]["explode_at"]
     lo, hi = at + DAMAGE_WINDOW[0], min(at + DAMAGE_WINDOW[1], STEPS)
     hurt, base = (float(np.mean(t["losses"][lo:hi])) for t in (trace, twin))
-    return not math.isfinite(hurt) or hurt > DAMAGE_RATIO * base + DAMAGE_ABS
+    margin = DAMAGE_MARGIN * float(twin["losses"][0])
+    return not math.isfinite(hurt) or hurt > DAMAGE_RATIO * base + margin
 
 
 def _key(run: dict[str, Any]) -> tuple[str, int]:
@@ -801,7 +807,8 @@ def markdown(out: dict[str, Any]) -> str:
         f"{out['steps']} steps each; every rule set replayed on the same traces. Divergent "
         "runs warned at or before the step the loss diverged; damaging explosions (the loss "
         f"{DAMAGE_WINDOW[0]}-{DAMAGE_WINDOW[1]} steps later above {DAMAGE_RATIO:g}x the twin's "
-        f"+ {DAMAGE_ABS:g}, or not finite) warned at their step; harmless explosions and "
+        f"+ {DAMAGE_MARGIN:g}x the twin's first loss, or not finite) warned at their step; "
+        "harmless explosions and "
         "healthy runs with any warning.",
         "",
         "| rule set | divergent runs warned in time | damaging explosions warned at their step "

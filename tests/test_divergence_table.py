@@ -6,10 +6,15 @@ the small noisy runs' counts in docs/alarms.md (``benchmarks/noisy_runs.py``).""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import math
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from lightning_hooks import AlarmRules
 
@@ -125,3 +130,33 @@ def test_the_noisy_runs_in_the_docs_are_the_saved_run_with_todays_defaults() -> 
         NOISY["warned_live"]
         == warned["quickstart through Trainer.fit"]["with the noise bar (defaults)"]
     )
+
+
+def _benchmark() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "divergence", ROOT / "benchmarks" / "divergence.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("divergence", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_explosion_is_damaging_in_the_scale_of_its_loss() -> None:
+    """The margin of "clearly worse" is a share of the twin's first loss: a loss 4x its twin's
+    is damage on a 2-class task that has learnt down to 0.01, and 0.04 above 1.25x the twin's is
+    noise on a 10-class loss that starts at ln 10."""
+    damaging = _benchmark().damaging
+
+    def trace(first: float, after: float, explode_at: int | None) -> dict[str, Any]:
+        losses = np.full(300, after)
+        losses[0] = first
+        return {"run": {"explode_at": explode_at}, "losses": losses}
+
+    two, ten = math.log(2), math.log(10)
+    assert damaging(trace(two, 0.04, 37), trace(two, 0.01, None))
+    assert not damaging(trace(two, 0.02, 37), trace(two, 0.01, None))
+    assert not damaging(trace(ten, 0.5 * 1.25 + 0.04, 37), trace(ten, 0.5, None))
+    assert damaging(trace(ten, 0.5 * 1.25 + 0.05, 37), trace(ten, 0.5, None))
+    assert damaging(trace(ten, math.nan, 37), trace(ten, 0.5, None))

@@ -137,7 +137,35 @@ def test_docs_quote_the_separation_recounted() -> None:
     assert f"(median over the runs {min(healthy):.2f}x to {max(healthy):.2f}x)" in docs
 
 
-def test_no_late_run_grows_more_than_one_healthy_run_in_ten() -> None:
-    for signal, sep in RESULTS["separation"].items():
-        assert max(sep["late"]) < float(np.percentile(sep["healthy"], 90)), signal
-    assert "for every signal below what 1 in 10 healthy runs shows" in _docs()
+def test_docs_name_the_signals_whose_late_runs_outgrow_one_healthy_run_in_ten() -> None:
+    above = {
+        signal: (max(sep["late"]), float(np.percentile(sep["healthy"], 90)))
+        for signal, sep in RESULTS["separation"].items()
+        if max(sep["late"]) >= float(np.percentile(sep["healthy"], 90))
+    }
+    assert len(above) == 1  # the sentence below names one exception
+    ((signal, (late, healthy)),) = above.items()
+    assert (
+        f"below what 1 in 10 healthy runs shows for every signal but {signal}, where 1 of the 8 "
+        f"late runs grows {late:.2f}x, above the healthy runs' 90th percentile of {healthy:.2f}x"
+    ) in _docs()
+    assert sum(g >= healthy for g in RESULTS["separation"][signal]["late"]) == 1
+
+
+def test_docs_quote_the_strict_best_on_the_held_out_seed() -> None:
+    tuning = {s: _timely(_leads(_firsts("strict", s), (0, 1))) for s in RESULTS["signals"]}
+    (top,) = [s for s, n in tuning.items() if n == max(tuning.values())]
+    firsts = _firsts("strict", top)
+    held_healthy = [
+        (first, row["defaults"])
+        for row, first in zip(BASE, firsts, strict=True)
+        if row["shape"] == "healthy" and row["seed"] == 2
+    ]
+    rule = RESULTS["signals"][top]["best"]["strict"]["rule"]
+    docs = _docs()
+    assert rule == "growth(3, 2), from step 3"  # the family and its arguments the docs name
+    assert f"(the defaults alone 1): {top}, by 2x growth over 3 steps" in docs
+    assert _timely(_leads(firsts, (2,))) == 0
+    assert "on seed 2 it leads none of the 4 late divergences by 5 steps" in docs
+    assert sum(f is not None and d is None for f, d in held_healthy) == 1, rule
+    assert "warns a healthy run the defaults leave quiet" in docs
