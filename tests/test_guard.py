@@ -20,7 +20,7 @@ from lightning_hooks import (
 )
 from lightning_hooks.core.hooks import guard as guard_module
 from lightning_hooks.core.hooks.guard import STRICT_ENV, Guard
-from lightning_hooks.core.stats import grad_flow as grad_flow_module
+from lightning_hooks.core.stats import output_grad as output_grad_module
 from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
 from lightning_hooks.core.stats.grad_flow import GradFlowTracker
 
@@ -58,7 +58,12 @@ class HookCounter(pl.Callback):
 # (what fails, where the message says it failed, the callback that owns it)
 CASES = {
     "forward hook": (ActivationStatsTracker, "_observe", "forward hook on 'net.", "Activation"),
-    "output gradient hook": (grad_flow_module, "_add_output_grad", "output gradient hook", "Grad"),
+    "output gradient hook": (
+        output_grad_module,
+        "_add_output_grad",
+        "output gradient hook",
+        "Grad",
+    ),
     "optimizer hook": (GradFlowTracker, "_after_step", "optimizer step post-hook", "Grad"),
     "lightning hook": (GradFlowTracker, "observe", "on_before_optimizer_step hook", "Grad"),
 }
@@ -103,7 +108,7 @@ def test_strict_reraises_the_original_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert guard_module.strict_default()  # the suite runs strict (tests/conftest.py)
-    monkeypatch.setattr(grad_flow_module, "_add_output_grad", _fail_after(3, lambda *a: None))
+    monkeypatch.setattr(output_grad_module, "_add_output_grad", _fail_after(3, lambda *a: None))
     model = TinyMLP()
     trainer = make_trainer(tmp_path, callbacks=[GradFlowCallback(every_n_steps=1)])
     with pytest.raises(BoomError, match="injected failure after 3 calls"):

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.activations import is_kind
 from lightning_hooks.core.hooks.registry import HookRegistry
-from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.kernels.feature_stats import (
     NUM_SUMS,
     FeatureSummary,
@@ -22,7 +22,7 @@ from lightning_hooks.core.kernels.feature_stats import (
 from lightning_hooks.core.kernels.histogram import bin_counts, linear_edges
 from lightning_hooks.core.kernels.nonfinite import FirstNonFinite
 from lightning_hooks.core.kernels.tensors import Workspace, iter_float_tensors
-from lightning_hooks.core.stats.stat import LayerStat
+from lightning_hooks.core.stats.selected import SelectedStat, SelectionArgs
 
 __all__ = ["ACTIVATION_MODULES", "ActivationStatsTracker", "Histogram", "default_feature_module"]
 
@@ -79,7 +79,7 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
+class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]]):
     """Per-layer statistics of module outputs over an epoch, on the device, no host sync per step.
 
     A forward hook on each selected module measures every floating tensor of its output (tuple,
@@ -132,16 +132,13 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         self,
         model: nn.Module | None = None,
         *,
-        types: ModuleTypes = None,
-        include: Patterns = None,
-        exclude: Patterns = None,
         histogram_bins: int = 0,
         histogram_range: tuple[float, float] | None = None,
         fused: bool = False,
         owner: str = "ActivationStatsTracker",
+        **selection: Unpack[SelectionArgs],
     ) -> None:
-        super().__init__(Selection.of(owner, types=types, include=include, exclude=exclude))
-        self.owner = owner
+        super().__init__(owner, selection)
         self.bins = histogram_bins
         self.histogram_range = histogram_range
         self.workspace = Workspace()

@@ -32,10 +32,11 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
+from typing_extensions import Unpack
 
-from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
+from lightning_hooks.core.hooks.selection import Patterns, Selection
 from lightning_hooks.core.kernels.tensors import Workspace, iter_float_tensors
-from lightning_hooks.core.stats.stat import LayerStat
+from lightning_hooks.core.stats.selected import SelectedStat, SelectionArgs
 
 __all__ = ["RELU_FAMILY", "DeadUnitTracker", "DeadUnits", "fired_counts", "unit_dim"]
 
@@ -133,7 +134,7 @@ class DeadUnits:
         return fraction
 
 
-class DeadUnitTracker(LayerStat[DeadUnits]):
+class DeadUnitTracker(SelectedStat[DeadUnits]):
     """Per-unit "ever fired" counts of activation outputs over an epoch, on the device.
 
     A forward hook on each watched module counts, per unit, the outputs that fired (see the
@@ -172,15 +173,12 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         self,
         model: nn.Module | None = None,
         *,
-        types: ModuleTypes = RELU_FAMILY,
-        include: Patterns = None,
-        exclude: Patterns = None,
         pre_activation: Patterns = None,
         owner: str = "DeadUnitTracker",
+        **selection: Unpack[SelectionArgs],
     ) -> None:
-        super().__init__(Selection.of(owner, types=types, include=include, exclude=exclude))
+        super().__init__(owner, selection, default_types=RELU_FAMILY)
         self.workspace = Workspace()  # the fired mask of the largest output, reused
-        self.owner = owner
         self.producers = Selection.of(
             owner, include=pre_activation, arguments=("pre_activation", "exclude")
         )

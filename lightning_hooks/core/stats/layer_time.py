@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.registry import HookRegistry
-from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.kernels.tensors import is_training_forward
-from lightning_hooks.core.stats.stat import LayerStat
+from lightning_hooks.core.stats.selected import SelectedStat, SelectionArgs
 
 __all__ = ["LayerTimer", "LayerTimes"]
 
@@ -68,7 +68,7 @@ class _CudaClock:
         return float(start.elapsed_time(end))
 
 
-class LayerTimer(LayerStat[LayerTimes]):
+class LayerTimer(SelectedStat[LayerTimes]):
     """Times the forward of every selected layer on the steps the caller samples.
 
     Forward pre- and post-hooks bracket each layer's forward. On steps that are not sampled
@@ -120,14 +120,12 @@ class LayerTimer(LayerStat[LayerTimes]):
         self,
         model: nn.Module | None = None,
         *,
-        types: ModuleTypes = None,
-        include: Patterns = None,
-        exclude: Patterns = None,
         leaves: bool = True,
         cuda: bool | None = None,
         owner: str = "LayerTimer",
+        **selection: Unpack[SelectionArgs],
     ) -> None:
-        super().__init__(Selection.of(owner, types=types, include=include, exclude=exclude))
+        super().__init__(owner, selection)
         self.leaves = leaves
         self.use_cuda = cuda
         self.sampling = False

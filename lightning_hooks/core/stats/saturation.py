@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.activations import torch_equivalent
-from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
-from lightning_hooks.core.stats.stat import LayerStat
+from lightning_hooks.core.stats.selected import SelectedStat, SelectionArgs
 
 __all__ = [
     "SATURATING_TYPES",
@@ -130,7 +130,7 @@ class SaturationStats:
             return np.where(self.entries > 0, self.always_saturated / self.units, np.nan)
 
 
-class SaturationTracker(LayerStat[SaturationStats]):
+class SaturationTracker(SelectedStat[SaturationStats]):
     """Counts saturated outputs of bounded activations over training forwards, on the device.
 
     A forward hook on each selected module computes :func:`saturation_mask` and
@@ -171,18 +171,13 @@ class SaturationTracker(LayerStat[SaturationStats]):
         self,
         model: nn.Module | None = None,
         *,
-        types: ModuleTypes = None,
-        include: Patterns = None,
-        exclude: Patterns = None,
         unit_dim: int = 1,
         margin: float = 0.01,
         owner: str = "SaturationTracker",
+        **selection: Unpack[SelectionArgs],
     ) -> None:
-        selection = Selection.of(
-            owner, types=types or SATURATING_TYPES, include=include, exclude=exclude
-        )
-        super().__init__(selection)
-        self.owner = owner
+        types = selection.get("types") or SATURATING_TYPES
+        super().__init__(owner, {**selection, "types": types})
         self.unit_dim = unit_dim
         self.margin = margin
         self._entries: dict[int, int] = {}  # host-side counts, moved into ``entries`` by flush()

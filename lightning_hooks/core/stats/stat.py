@@ -11,8 +11,7 @@ ONE packed collective for every state, one device-to-host copy, reset and the ch
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -23,52 +22,18 @@ from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import Selection
 from lightning_hooks.core.kernels.tensors import is_training_forward
-from lightning_hooks.core.transport.distributed import all_gather_stacked
-from lightning_hooks.core.transport.readback import HostMailbox
+from lightning_hooks.core.stats.windows import (
+    EpochWindows,
+    Reduce,
+    StateSpec,
+    all_pool,
+    pack_dtype,
+    unpack,
+)
 
 __all__ = ["LayerStat", "Reduce", "StateSpec"]
 
-Reduce = Literal["sum", "max", "min", "same"]
-Kind = Literal["layer", "unit", "global"]
-"""How a state pools across ranks: ``"same"`` holds values every rank shares (bin edges)."""
-
 R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class StateSpec:
-    """One declared state: ``[rows, *width]`` per layer, a flat run of entries per unit, or one
-    ``[*width]`` tensor for the whole model (``kind="global"``)."""
-
-    name: str
-    reduce: Reduce
-    dtype: torch.dtype
-    width: tuple[int, ...] = ()
-    kind: Kind = "layer"
-    fill: float | None = None
-
-    @property
-    def identity(self) -> float:
-        """The value of a fresh entry (and of a reset one, unless ``reduce == "same"``)."""
-        if self.fill is not None:
-            return self.fill
-        if self.reduce in ("sum", "same"):
-            return 0.0
-        low, high = _extremes(self.dtype)
-        return low if self.reduce == "max" else high
-
-
-def _extremes(dtype: torch.dtype) -> tuple[float, float]:
-    if dtype.is_floating_point:
-        return -torch.inf, torch.inf
-    if dtype == torch.bool:
-        return 0.0, 1.0
-    info = torch.iinfo(dtype)
-    return float(info.min), float(info.max)
-
-
-def _pack_dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "mps" else torch.float64
 
 
 class LayerStat(Metric, HookOwner, Generic[R]):
@@ -116,9 +81,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         self._starts: list[int] = []  # where each row's entries begin in the per-unit states
         self.registry: HookRegistry | None = None  # type: ignore[assignment]
         self._hooked: tuple[str, ...] = ()
-        self._epoch: dict[str, np.ndarray] | None = None  # the folded windows, reduced, on host
-        self._mailbox: HostMailbox | None = None
-        self._ready: list[tuple[int, dict[str, np.ndarray]]] = []  # folded, not yet read
+        self._windows = EpochWindows(self.specs)  # the logging points' windows, on the host
 
     # --- declaring states -------------------------------------------------------------------
 
@@ -213,7 +176,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         check_module(type(self).__name__, "model", model)
         self.remove()
         self.rows, self.units, self._starts = {}, [], []
-        self._epoch, self._mailbox, self._ready = None, None, []
+        self._windows.forget()
         device = _model_device(model)
         for spec in self.specs.values():
             setattr(self, spec.name, self._fresh(spec, 0, device))
@@ -280,37 +243,22 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         # One all-gather of every state packed together, whatever their number and dtypes.
         names = list(self.specs)
         tensors = [getattr(self, n) for n in names]
-        dtype = _pack_dtype(self.device)
-        packed = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
-        gathered = all_gather_stacked(packed, process_group)
-        offset = 0
-        for name, tensor in zip(names, tensors, strict=True):
-            part = gathered[:, offset : offset + tensor.numel()]
-            offset += tensor.numel()
-            setattr(
-                self, name, _pool(part, self.specs[name].reduce).to(tensor.dtype).view_as(tensor)
-            )
+        reduces = [self.specs[n].reduce for n in names]
+        pooled = all_pool(tensors, reduces, pack_dtype(self.device), process_group)
+        for name, tensor in zip(names, pooled, strict=True):
+            setattr(self, name, tensor)
 
     def _reduced(self) -> tuple[torch.Tensor, dict[str, torch.Size]]:
         """Every state of the window reduced across ranks (one collective), packed in one."""
         self.flush()
         names = list(self.specs)
-        dtype = _pack_dtype(self.device)
+        dtype = pack_dtype(self.device)
         with self.sync_context():
             tensors = [getattr(self, n) for n in names]
             shapes = {n: t.shape for n, t in zip(names, tensors, strict=True)}
             parts = [t.reshape(-1).to(dtype) for t in tensors]
             packed = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=self.device)
         return packed, shapes
-
-    @staticmethod
-    def _unpack(host: np.ndarray, shapes: dict[str, torch.Size]) -> dict[str, np.ndarray]:
-        out, offset = {}, 0
-        for name, shape in shapes.items():
-            size = int(np.prod(shape, dtype=np.int64))
-            out[name] = np.array(host[offset : offset + size], dtype=np.float64).reshape(shape)
-            offset += size
-        return out
 
     # --- logging points: a window of steps, folded into the epoch on the host ---------------
 
@@ -321,58 +269,30 @@ class LayerStat(Metric, HookOwner, Generic[R]):
 
         :meth:`read_window` returns it, once the copy is done, and folds it into the epoch.
         """
-        self._collect(wait=True)  # at most one window in flight
+        self._windows.collect(wait=True)  # at most one window in flight
         packed, shapes = self._reduced()
-        box = self._mailbox
-        if box is None or box.shape != tuple(packed.shape):
-            box = self._mailbox = HostMailbox(tuple(packed.shape), packed.device, packed.dtype)
-        box.post(packed, meta=(step, shapes))
+        self._windows.post(packed, shapes, step)
         self._reset_window()
 
     def read_window(self, wait: bool) -> tuple[int, R] | None:
         """``(step, result)`` of the window posted at ``step``, folded into the epoch; ``None``
         when none is posted, or (``wait=False``) while its copy is still running."""
-        self._collect(wait)
-        if not self._ready:
+        self._windows.collect(wait)
+        ready = self._windows.pop()
+        if ready is None:
             return None
-        step, states = self._ready.pop(0)
+        step, states = ready
         return step, self.summarize(states)
-
-    def _collect(self, wait: bool) -> None:
-        """Fold the posted window into the epoch once its copy is done (``wait``: block for it)
-        and keep it for :meth:`read_window`: a reduce in between (a checkpoint) loses nothing."""
-        got = None if self._mailbox is None else self._mailbox.read(wait)
-        if got is not None:
-            view, (step, shapes) = got
-            states = self._unpack(view, shapes)
-            self._fold(states)
-            self._ready.append((step, states))
-
-    def _fold(self, states: dict[str, np.ndarray]) -> None:
-        """Add a window's host states into the epoch's (sums added, extremes kept)."""
-        if self._epoch is None:
-            self._epoch = {k: v.copy() for k, v in states.items()}
-            return
-        for name, new in states.items():
-            spec = self.specs[name]
-            old = _pad(self._epoch[name], new.shape, spec)
-            self._epoch[name] = _combine(old, new, spec.reduce)
 
     def epoch_states(self) -> dict[str, np.ndarray] | None:
         """The folded windows of the epoch (reduced, on the host), ``None`` before the first."""
-        return self._epoch
+        return self._windows.epoch
 
     def _host_states(self) -> dict[str, np.ndarray]:
         """The epoch so far: the folded windows and the current one (reduced, one copy)."""
-        self._collect(wait=True)
+        self._windows.collect(wait=True)
         packed, shapes = self._reduced()
-        window = self._unpack(packed.cpu().numpy(), shapes)
-        if self._epoch is None:
-            return window
-        return {
-            name: _combine(_pad(self._epoch[name], new.shape, self.specs[name]), new, spec.reduce)
-            for (name, new), spec in zip(window.items(), self.specs.values(), strict=True)
-        }
+        return self._windows.with_epoch(unpack(packed.cpu().numpy(), shapes))
 
     def result(self) -> R:
         """The statistic over the epoch so far, reduced across ranks (every rank must call it)."""
@@ -396,9 +316,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         windows and a window still in flight dropped; rows kept."""
         self.flush()
         self._reset_window()
-        self._epoch, self._ready = None, []
-        if self._mailbox is not None:
-            self._mailbox.clear()
+        self._windows.clear()
 
     def _reset_window(self) -> None:
         """Start a new window on the device: every state but ``"same"`` ones to its identity."""
@@ -444,7 +362,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
                 target.copy_(saved)
             epoch[name] = saved.double().numpy().copy()
         self._reset_window()
-        self._epoch = epoch
+        self._windows.epoch = epoch
 
     def check_layers(self, layers: tuple[str, ...]) -> None:
         """Raise ``ValueError`` unless each saved row belongs to a hooked module."""
@@ -458,35 +376,6 @@ class LayerStat(Metric, HookOwner, Generic[R]):
     def hooked_names(self) -> tuple[str, ...]:
         """Names a saved row may start with: the hooked modules' and the rows made so far."""
         return (*self._hooked, *self.layers)
-
-
-def _pad(values: np.ndarray, shape: tuple[int, ...], spec: StateSpec) -> np.ndarray:
-    """``values`` grown along its first axis to ``shape`` with fresh entries (rows only grow)."""
-    if values.shape == shape:
-        return values
-    grown = np.full(shape, spec.identity, dtype=np.float64)
-    grown[: values.shape[0]] = values
-    return grown
-
-
-def _combine(old: np.ndarray, new: np.ndarray, reduce: Reduce) -> np.ndarray:
-    if reduce == "sum":
-        return np.asarray(old + new)
-    if reduce == "max":
-        return np.asarray(np.maximum(old, new))
-    if reduce == "min":
-        return np.asarray(np.minimum(old, new))
-    return new
-
-
-def _pool(part: torch.Tensor, reduce: Reduce) -> torch.Tensor:
-    if reduce == "sum":
-        return part.sum(0)
-    if reduce == "max":
-        return part.amax(0)
-    if reduce == "min":
-        return part.amin(0)
-    return part[0]
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -1,0 +1,191 @@
+"""What one optimizer steps of a gradient-flow layout: its parameters, rows and buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_hooks.core.kernels.grad_stats import ParamLayout
+from lightning_hooks.core.transport.sharding import to_local
+
+__all__ = ["OptimizerView", "OptimizerViews", "adaptive", "check_optimizers"]
+
+
+@dataclass
+class OptimizerView:
+    """The tracked parameters one optimizer steps, and the buffers of its update ratio."""
+
+    params: tuple[nn.Parameter, ...]
+    index: torch.Tensor
+    rows: torch.Tensor  # layers it steps, then the global row
+    before: list[torch.Tensor]
+    owner: tuple[int, ...]  # index, on the host
+    key: tuple[int, ...]  # the param_groups' sizes it was built for
+    unique: torch.Tensor  # positions of each parameter's first listing (global figures)
+    numel: torch.Tensor  # [layers + 1] elements it steps per layer, then all (shared once)
+    layer_ids: frozenset[int]  # the layout rows it steps, on the host
+    weight_norm: torch.Tensor | None = None
+    masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
+
+    def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
+        """``[layers + 1, len(GRAD_STATS)]``: false in the gradient columns of layers none of
+        whose parameters has a gradient this step (built once per pattern, not per step)."""
+        mask = self.masks.get(missing)
+        if mask is None:
+            has = [False] * (len(self.rows) - 1)
+            for owner, gone in zip(self.owner, missing, strict=True):
+                has[owner] = has[owner] or not gone
+            table = [[h, h, h, h, True] for h in [*has, any(has)]]
+            mask = torch.tensor(table, dtype=torch.bool, device=self.rows.device)
+            self.masks[missing] = mask
+        return mask
+
+    def clip_norm(self, clip: tuple[float, str] | None) -> float | None:
+        """The largest global norm the optimizer will apply under ``clip`` (by value: a bound,
+        the value times the square root of the number of entries)."""
+        if clip is None:
+            return None
+        value, algorithm = clip
+        return value if algorithm == "norm" else value * sum(p.numel() for p in self.params) ** 0.5
+
+    def valid(self) -> torch.Tensor | None:
+        """:meth:`grad_mask` of this step's missing gradients, ``None`` when none is missing."""
+        missing = tuple(p.grad is None for p in self.params)
+        return self.grad_mask(missing) if any(missing) else None
+
+
+_SECOND_MOMENT = ("exp_avg_sq", "square_avg", "sum", "exp_avg_sq_row")
+"""Optimizer state keys of a per-coordinate second moment (Adam/AdamW/NAdam/RAdam, RMSprop/
+Adadelta, Adagrad, Adafactor): the optimizers whose update size per unit of learning rate does
+not follow the gradient's, and which one explosion can stall (SGD's update is the gradient)."""
+
+
+def adaptive(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> bool:
+    """Whether ``optimizer`` keeps a second moment for the first of ``params``."""
+    state = optimizer.state.get(params[0], {}) if params else {}
+    return any(key in state for key in _SECOND_MOMENT)
+
+
+def _groups_key(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+    """The param_groups' sizes: a view is rebuilt when they change (``add_param_group``)."""
+    return tuple(len(group["params"]) for group in optimizer.param_groups)
+
+
+def _held(optimizer: torch.optim.Optimizer) -> set[int]:
+    """Ids of the parameters in ``optimizer``'s param_groups."""
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
+def check_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
+    """``optimizers`` as a list, else ``TypeError`` naming ``GradFlowTracker(optimizers=...)``."""
+    expected = "an iterable of torch.optim.Optimizer (e.g. [optimizer])"
+    if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, Iterable):
+        shown = f"{type(optimizers).__name__}(...)"  # an optimizer's repr spans many lines
+        raise TypeError(f"GradFlowTracker(optimizers={shown}): must be {expected}, got {shown}")
+    out = list(optimizers)
+    for item in out:
+        if not isinstance(item, torch.optim.Optimizer):
+            raise TypeError(
+                f"GradFlowTracker(optimizers=[...]): must be {expected}, got an item {item!r}"
+            )
+    return out
+
+
+class OptimizerViews:
+    """The :class:`OptimizerView` of each optimizer over ``layout``, built at its own step.
+
+    :attr:`generation` counts the views built and dropped: what depends on which layers the
+    optimizers step (the rows none steps) is recomputed when it changes.
+
+    Args:
+        layout: the tracked parameters and their layers.
+        update_ratio: keep a copy of the parameters for the update ratio.
+    """
+
+    def __init__(self, layout: ParamLayout, *, update_ratio: bool) -> None:
+        self.layout = layout
+        self.update_ratio = update_ratio
+        self.generation = 0
+        self._views: dict[int, OptimizerView] = {}
+
+    def view(self, optimizer: torch.optim.Optimizer) -> OptimizerView:
+        """The view of ``optimizer``, built at its own step only: what it steps is read from
+        ``requires_grad`` then, which Lightning's ``toggle_optimizer`` turns off for every
+        other optimizer's parameters (a GAN's generator while the discriminator steps)."""
+        # Rebuilt when the param_groups change (add_param_group: BackboneFinetuning) and at
+        # each reset (epoch): a parameter unfrozen by requires_grad alone counts from there.
+        view = self.current(optimizer)
+        if view is None:
+            view = self._views[id(optimizer)] = self._build(optimizer, _groups_key(optimizer))
+        return view
+
+    def built(self, optimizer: torch.optim.Optimizer) -> OptimizerView | None:
+        """The view built at ``optimizer``'s last step, as it was built."""
+        return self._views.get(id(optimizer))
+
+    def current(self, optimizer: torch.optim.Optimizer) -> OptimizerView | None:
+        """The view built at ``optimizer``'s last step, if its param_groups are unchanged."""
+        view = self._views.get(id(optimizer))
+        if view is not None and view.key != _groups_key(optimizer):
+            del self._views[id(optimizer)]
+            self.generation += 1
+            return None
+        return view
+
+    def clear(self) -> None:
+        """Forget every view: parameters are looked up afresh at each optimizer's next step."""
+        self._views.clear()
+        self.generation += 1
+
+    def unstepped(self, optimizers: Sequence[torch.optim.Optimizer]) -> tuple[str, ...]:
+        """Layers with a trainable parameter in none of ``optimizers``: never measured."""
+        held = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+        pairs = zip(self.layout.owner, self.layout.params, strict=True)
+        rows = {o for o, p in pairs if p.requires_grad and id(p) not in held}
+        return tuple(self.layout.layers[i] for i in sorted(rows))
+
+    def _build(self, optimizer: torch.optim.Optimizer, key: tuple[int, ...]) -> OptimizerView:
+        layout = self.layout
+        stepped = {
+            id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad
+        }
+        keep = [id(p) in stepped for p in layout.params]
+        params, index = layout.subset(keep)
+        layers = sorted({i for i, k in zip(layout.owner, keep, strict=True) if k})
+        layers.append(len(layout.layers))
+        rows = torch.tensor(layers, dtype=torch.long, device=index.device)
+        # Re-number the subset's layers 0..k-1 so the segment reductions stay dense.
+        index = torch.searchsorted(rows, index)
+        before = [torch.empty_like(to_local(p)) for p in params] if self.update_ratio else []
+        dense = {layer: i for i, layer in enumerate(layers)}
+        owner = tuple(dense[o] for o, k in zip(layout.owner, keep, strict=True) if k)
+        unique = layout.unique(keep)
+        sizes = torch.tensor([float(p.numel()) for p in params], device=rows.device)
+        numel = sizes.new_zeros(len(layers) - 1).index_add_(0, index, sizes)
+        numel = torch.cat([numel, sizes.index_select(0, unique).sum().view(1)])
+        self.generation += 1
+        ids = frozenset(layers[:-1])
+        return OptimizerView(params, index, rows, before, owner, key, unique, numel, ids)
+
+    def first_param(self, optimizer: torch.optim.Optimizer) -> nn.Parameter | None:
+        """The parameter whose gradient tells whether ``optimizer`` zeroed its gradients: its
+        view's first, or before its first step the first tracked one in its param_groups."""
+        view = self.current(optimizer)
+        if view is not None:
+            return view.params[0] if view.params else None
+        held = _held(optimizer)
+        return next((p for p in self.layout.params if id(p) in held), None)
+
+    def layers(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
+        """The layout rows ``optimizer`` steps: its view's, or before its first step (or after
+        a param_groups change) those with a parameter in its param_groups."""
+        view = self.current(optimizer)  # a param_groups change bumps the generation
+        if view is not None:
+            return view.layer_ids
+        held = _held(optimizer)
+        pairs = zip(self.layout.owner, self.layout.params, strict=True)
+        return frozenset(o for o, p in pairs if id(p) in held)

@@ -1,0 +1,216 @@
+"""The gradient with respect to each layer's output, per optimizer step, on the device."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_hooks.core.hooks.registry import HookRegistry
+from lightning_hooks.core.kernels.tensors import is_grad_forward, iter_float_tensors
+from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
+from lightning_hooks.core.stats.optimizer_view import OptimizerView, OptimizerViews
+from lightning_hooks.core.transport.distributed import all_reduce_sum_, world_size
+
+__all__ = ["OutputGradients"]
+
+
+def _add_output_grad(sq_row: torch.Tensor, grad: torch.Tensor) -> None:
+    # fp16/bf16 are summed in float32; float64 (precision="64-true") stays float64.
+    dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm(grad, dtype=dtype)
+    sq_row.addcmul_(norm, norm)
+
+
+def _add_output_grad_at(sq: torch.Tensor, row: int, grad: torch.Tensor) -> None:
+    _add_output_grad(sq.select(0, row), grad)
+
+
+def _add_output_grad_in_order(
+    sq_row: torch.Tensor, order: list[int], row: int, grad: torch.Tensor
+) -> None:
+    _add_output_grad(sq_row, grad)
+    order.append(row)  # host-side: the backward order the non-finite alarm names layers in
+
+
+def _output_hook(
+    sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int], wrap: Any = None
+) -> Any:
+    """A forward hook that puts a gradient hook on the module's outputs in training forwards
+    (``wrap``: the registry's guard for those tensor hooks)."""
+    # Views made once: each step then costs one op per forward and two per gradient.
+    sq_row, hit_row = sq.select(0, row), hit.select(0, row)
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if not is_grad_forward(module):
+            return
+        # Dynamo cannot trace a host list mutated in backward, nor views made outside the
+        # graph: compiled, the non-finite alarm falls back to reverse model order.
+        if torch.compiler.is_compiling():
+            add = partial(_add_output_grad_at, sq, row)
+        else:
+            add = partial(_add_output_grad_in_order, sq_row, order, row)
+        if wrap is not None:
+            add = wrap(add, "output gradient hook")
+        for _, tensor in iter_float_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(add)  # type: ignore[no-untyped-call]
+                hit_row.add_(1.0)  # a count: a later step may take back what came before
+
+    return hook
+
+
+class OutputGradients:
+    """The L2 norm of the gradient with respect to each layer's output, summed in square over
+    the backward passes of an optimizer step, into one column of ``accumulator``.
+
+    Output gradients are rank-local: under DDP the squares are kept per step and summed across
+    ranks in one collective at :meth:`flush`, then divided by the world size. Under several
+    optimizers (a GAN) each step takes back what fed another optimizer's step. :attr:`order`
+    is the backward order of the layers hooked (host-side, for the non-finite alarm).
+
+    Args:
+        num_layers: rows of the layout (the global row excluded).
+        accumulator: where the norms go.
+        column: the accumulator's column of the norms.
+        optimizers: every optimizer the tracker follows.
+        views: their views of the layout.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        accumulator: LayerStatsAccumulator,
+        column: int,
+        optimizers: Sequence[torch.optim.Optimizer],
+        views: OptimizerViews,
+    ) -> None:
+        device = views.layout.index.device
+        self.accumulator, self.column = accumulator, column
+        self.optimizers, self.views = list(optimizers), views
+        self.order: list[int] = []
+        self._sq = torch.zeros(num_layers, device=device)
+        self._hit = torch.zeros(num_layers, device=device)
+        # Several optimizers: each row's output-gradient sums as they stood at the last step of
+        # another optimizer, and the gradient each optimizer's first parameter had then.
+        self._pending_sq = torch.zeros_like(self._sq)
+        self._pending_hit = torch.zeros_like(self._hit)
+        self._markers: dict[int, weakref.ref[torch.Tensor] | None] = {}
+        self._unowned: torch.Tensor | None = None  # rows no optimizer steps (frozen)
+        self._unowned_at = -1  # the views' generation ``_unowned`` was made for
+        # Under DDP only: [steps, squared output-grad norm | hit, layers], reduced at flush().
+        self._series = torch.zeros(0, 2, num_layers, device=device)
+        self._steps = 0
+
+    def hook(
+        self,
+        registry: HookRegistry,
+        modules: Sequence[tuple[str, nn.Module]],
+        layers: Sequence[str],
+    ) -> None:
+        """Hook the output of each module among ``modules`` that is one of ``layers``."""
+        by_name = dict(modules)
+        for row, name in enumerate(layers):
+            if name not in by_name:
+                continue  # the model's own row: its output is the loss's input, not a layer's
+            wrap = registry.guarded
+            hook = _output_hook(self._sq, self._hit, row, self.order, wrap)
+            registry.forward_hook(by_name[name], hook, gated=True)
+
+    def record(
+        self,
+        optimizer: torch.optim.Optimizer,
+        view: OptimizerView,
+        grad_scale: torch.Tensor | None,
+    ) -> None:
+        """A sampled step of ``optimizer``: its rows' output gradients into the accumulator."""
+        self._drop_other_backward(optimizer, view)
+        self._observe(view.rows[:-1], grad_scale)
+        self._clear_unowned()
+        self._mark_other_optimizers(optimizer)
+
+    def _clear_unowned(self) -> None:
+        """Zero the output-gradient sums of rows no optimizer steps (a frozen layer's output
+        still gets a gradient): unfrozen later, it counts from its first step, not before.
+        An optimizer that has not stepped yet owns every layer in its param_groups."""
+        owned: set[int] = set()
+        for other in self.optimizers:
+            owned |= self.views.layers(other)  # a param_groups change bumps the generation
+        if self._unowned is None or self._unowned_at != self.views.generation:
+            rows = [i for i in range(self._sq.shape[0]) if i not in owned]
+            self._unowned = torch.tensor(rows, dtype=torch.long, device=self._sq.device)
+            self._unowned_at = self.views.generation
+        if self._unowned.numel():
+            self._sq.index_fill_(0, self._unowned, 0.0)
+            self._hit.index_fill_(0, self._unowned, 0.0)
+
+    def _drop_other_backward(self, optimizer: torch.optim.Optimizer, view: OptimizerView) -> None:
+        """Under several optimizers (a GAN), take back from this optimizer's rows what the
+        backward passes before another optimizer's last step put there, if this optimizer
+        zeroed its gradients since (its first parameter holds another gradient tensor): those
+        passes fed the other step, not this one. Two device ops; nothing with one optimizer."""
+        if id(optimizer) not in self._markers:
+            return
+        marker = self._markers.pop(id(optimizer))
+        then = marker() if marker is not None else None
+        if then is not None and then is view.params[0].grad:
+            return  # no zero_grad since: those passes feed this step too
+        rows = view.rows[:-1]
+        sq = (self._sq[rows] - self._pending_sq[rows]).clamp_(min=0.0)
+        self._sq.index_copy_(0, rows, sq)
+        self._hit.index_copy_(0, rows, self._hit[rows] - self._pending_hit[rows])
+
+    def _mark_other_optimizers(self, optimizer: torch.optim.Optimizer) -> None:
+        if len(self.optimizers) < 2:
+            return
+        self._pending_sq.copy_(self._sq)
+        self._pending_hit.copy_(self._hit)
+        for other in self.optimizers:
+            first = self.views.first_param(other) if other is not optimizer else None
+            if first is not None:
+                grad = first.grad
+                self._markers[id(other)] = weakref.ref(grad) if grad is not None else None
+
+    def _observe(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
+        sq = self._sq[rows]
+        if grad_scale is not None:
+            sq = sq / grad_scale.square()
+        if world_size() == 1:
+            valid = self._hit[rows, None] > 0
+            self.accumulator.update(sq.sqrt()[:, None], [self.column], rows, valid, replicated=True)
+        else:
+            self._keep(rows, sq)
+        self._sq.index_fill_(0, rows, 0.0)
+        self._hit.index_fill_(0, rows, 0.0)
+
+    def _keep(self, rows: torch.Tensor, sq: torch.Tensor) -> None:
+        """Under DDP: keep the step's rank-local squares until the epoch's one reduction."""
+        if self._steps == self._series.shape[0]:
+            grown = self._series.new_zeros(max(16, 2 * self._steps), *self._series.shape[1:])
+            grown[: self._steps] = self._series
+            self._series = grown
+        slot = self._series[self._steps]
+        slot[0].index_copy_(0, rows, sq)
+        slot[1].index_copy_(0, rows, self._hit[rows].to(slot.dtype))
+        self._steps += 1
+
+    def flush(self) -> None:
+        """Reduce the per-step output-gradient squares across ranks into the accumulator."""
+        if self._steps == 0:
+            return
+        series = all_reduce_sum_(self._series[: self._steps].clone())
+        norm = series[:, 0].sqrt() / world_size()
+        rows = torch.arange(norm.shape[1], device=norm.device)
+        valid = series[:, 1, :, None] > 0
+        self.accumulator.update(norm[:, :, None], [self.column], rows, valid, replicated=True)
+        self._series.zero_()
+        self._steps = 0
+
+    def reset(self) -> None:
+        """Drop the steps kept for the reduction (a new accumulation period)."""
+        self._series.zero_()
+        self._steps = 0
