@@ -13,7 +13,7 @@ from typing_extensions import override
 from lightning_hooks.core.checks import positive_int
 from lightning_hooks.core.guard import Guard, guard_hooks
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.logging import save_loggers, tensorboard_writers, write_dashboard
+from lightning_hooks.logging import save_loggers, shows_pictures, write_dashboards
 
 
 class _Removable(Protocol):
@@ -230,10 +230,11 @@ class HookCallback(_CallbackBase):
                 f"{name} needs a logger, but the Trainer has none (logger=False). "
                 "Use Trainer(logger=TensorBoardLogger(...)) or leave logger at its default."
             )
-        if self.uses_images and not tensorboard_writers(trainer.loggers):
+        if self.uses_images and not shows_pictures(trainer.loggers):
             rank_zero_warn(
-                f"{name}: no TensorBoardLogger among the Trainer's loggers; scalars go to "
-                f"{[type(lg).__name__ for lg in trainer.loggers]}, images need TensorBoard.",
+                f"{name}: no logger that shows pictures among the Trainer's loggers; scalars go "
+                f"to {[type(lg).__name__ for lg in trainer.loggers]}, images need TensorBoard, "
+                "W&B, MLflow or CSV.",
                 category=LightningHooksWarning,
             )
 
@@ -281,7 +282,7 @@ class HookCallback(_CallbackBase):
     def _write_dashboard(self, trainer: pl.Trainer) -> None:
         if trainer.is_global_zero and self._is_last_hook_callback(trainer):
             # One layout per run, covering every callback's tags: written by the last of ours.
-            write_dashboard(tensorboard_writers(trainer.loggers))
+            write_dashboards(trainer.loggers)
 
     def _read_steps(self, trainer: pl.Trainer, wait: bool) -> None:
         """Write what the last logging point measured once its host copy is done (``wait``:
@@ -315,7 +316,7 @@ class HookCallback(_CallbackBase):
             return
         _UNSAVED.discard(trainer)
         if trainer.is_global_zero:
-            write_dashboard(tensorboard_writers(trainer.loggers))
+            write_dashboards(trainer.loggers)
         save_loggers(trainer.loggers)
 
     @override

@@ -1,0 +1,61 @@
+"""Weights & Biases: pictures through ``log_image``, histograms as ``wandb.Histogram``, text as a
+table, each at the optimizer step (``trainer/global_step``, as Lightning's ``log_metrics``)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from lightning_hooks.logging.sinks._pictures import figure_pixels, image_pixels
+from lightning_hooks.logging.sinks._types import lightning_types
+from lightning_hooks.logging.sinks.base import LoggerSink, Moments
+
+__all__ = ["WandbSink"]
+
+_STEP_KEY = "trainer/global_step"
+_MAX_BINS = 512  # wandb.Histogram refuses more
+
+
+class WandbSink(LoggerSink):
+    """A ``WandbLogger``: figures and images as ``wandb.Image`` (``log_image``), histograms as
+    ``wandb.Histogram``, text as a one-row table (``log_text``); no embeddings.
+
+    Example:
+        >>> from pytorch_lightning.loggers import CSVLogger
+        >>> WandbSink.accepts(CSVLogger("/tmp/x")), WandbSink.shows_pictures
+        (False, True)
+    """
+
+    shows_pictures: ClassVar[bool] = True
+
+    @classmethod
+    def accepts(cls, logger: Any) -> bool:
+        return isinstance(logger, lightning_types("WandbLogger"))
+
+    def figure(self, tag: str, figure: Figure, step: int) -> None:
+        self.logger.log_image(key=tag, images=[figure_pixels(figure)], step=step)
+
+    def image(self, tag: str, image: Any, step: int) -> None:
+        self.logger.log_image(key=tag, images=[image_pixels(image)], step=step)
+
+    def histogram(
+        self,
+        tag: str,
+        limits: np.ndarray,
+        counts: np.ndarray,
+        step: int,
+        moments: Moments | None,
+    ) -> None:
+        import wandb
+
+        if len(counts) > _MAX_BINS:
+            return
+        width = limits[1] - limits[0] if len(limits) > 1 else 1.0
+        edges = np.concatenate([[limits[0] - width], limits])
+        histogram = wandb.Histogram(np_histogram=(counts.tolist(), edges.tolist()))
+        self.logger.experiment.log({tag: histogram, _STEP_KEY: step})
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.logger.log_text(key=tag, columns=["step", "text"], data=[[step, text]], step=step)
