@@ -67,7 +67,8 @@ class Run:
         make_trainer(
             root, logger=[tb, wb, ml, csv_logger], max_epochs=2, callbacks=_callbacks()
         ).fit(TinyMLP())
-        self.summary = dict(wb.experiment.summary.items())
+        summary = wb.experiment.summary  # readable while the run is open
+        self.summary = {key: summary[key] for key in list(summary.keys())}
         self.wandb_dir = Path(wb.experiment.dir)
         wandb.finish()
         self.mlflow = mlflow.MlflowClient(f"sqlite:///{root}/mlflow.db")
