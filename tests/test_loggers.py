@@ -17,14 +17,19 @@ import torch
 from pytorch_lightning.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_hooks import ActivationStatsCallback, GradFlowCallback, LightningHooksWarning
+from lightning_hooks import (
+    ActivationStatsCallback,
+    FeatureMapCallback,
+    GradFlowCallback,
+    LightningHooksWarning,
+)
 
 from conftest import TinyMLP, make_trainer, read_histograms, read_scalars
 
 wandb = pytest.importorskip("wandb")
 mlflow = pytest.importorskip("mlflow")
 
-PICTURES = ("grad_flow/chart", "grad_flow/heatmap", "activations/heatmap/std")
+PICTURES = ("grad_flow/chart", "grad_flow/heatmap", "activations/heatmap/std", "feature_map/net.0")
 HISTOGRAMS = ("grad_flow/grad_log10_abs/net.0", "activations/histogram/net.0")
 ALARMS = "grad_flow/alarms"
 
@@ -33,6 +38,7 @@ def _callbacks() -> list[Any]:
     return [
         GradFlowCallback(histograms=True, heatmap=True),
         ActivationStatsCallback(histograms=True),
+        FeatureMapCallback(),
     ]
 
 
@@ -142,10 +148,20 @@ def _wandb_order(path: Path) -> int:
     return int(path.name.split("_")[-2])
 
 
-def test_mlflow_gets_figures_and_alarm_text_per_step(run: Run) -> None:
+def test_mlflow_gets_figures_images_and_alarm_text_per_step(run: Run) -> None:
     artifacts = set(run.mlflow_artifacts())
-    expected = {f"{tag}/step_{s:06d}.png" for tag, steps in run.tb_images().items() for s in steps}
+    images = run.tb_images()
+    figures = {tag: steps for tag, steps in images.items() if not tag.startswith("feature_map/")}
+    expected = {f"{tag}/step_{s:06d}.png" for tag, steps in figures.items() for s in steps}
     assert expected <= artifacts
+    # Feature maps as MLflow images: images/<key>+step+<step>+... ("/" in a key becomes "~").
+    keyed = sorted(
+        (a.split("+")[0], int(a.split("+")[2]))
+        for a in artifacts
+        if a.startswith("images/") and a.endswith(".png")
+    )
+    maps = {tag: steps for tag, steps in images.items() if tag not in figures}
+    assert keyed == sorted((f"images/{t.replace('/', '~')}", s) for t in maps for s in maps[t])
     for step, text in run.tb_text(ALARMS):
         path = f"{ALARMS}/step_{step:06d}.md"
         assert mlflow.artifacts.load_text(f"runs:/{run.run_id}/{path}") == text
