@@ -18,6 +18,22 @@ _STEP_KEY = "trainer/global_step"
 _MAX_BINS = 512  # wandb.Histogram refuses more
 
 
+def _rebinned(counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``counts`` (``edges``: one more) with neighbours merged to at most 512 buckets, the most
+    ``wandb.Histogram`` takes.
+
+    Example:
+        >>> counts, edges = _rebinned(np.ones(1000), np.arange(1001.0))
+        >>> len(counts), len(edges), float(counts.sum()), float(edges[-1])
+        (500, 501, 1000.0, 1000.0)
+    """
+    factor = -(-len(counts) // _MAX_BINS)
+    if factor == 1:
+        return counts, edges
+    padded = np.concatenate([counts, np.zeros((-len(counts)) % factor)])
+    return padded.reshape(-1, factor).sum(1), np.append(edges[:-1][::factor], edges[-1])
+
+
 class WandbSink(LoggerSink):
     """A ``WandbLogger``: figures and images as ``wandb.Image`` (``log_image``), histograms as
     ``wandb.Histogram``, text as a one-row table (``log_text``); no embeddings.
@@ -50,10 +66,8 @@ class WandbSink(LoggerSink):
     ) -> None:
         import wandb
 
-        if len(counts) > _MAX_BINS:
-            return
         width = limits[1] - limits[0] if len(limits) > 1 else 1.0
-        edges = np.concatenate([[limits[0] - width], limits])
+        counts, edges = _rebinned(counts, np.concatenate([[limits[0] - width], limits]))
         histogram = wandb.Histogram(np_histogram=(counts.tolist(), edges.tolist()))
         self.logger.experiment.log({tag: histogram, _STEP_KEY: step})
 
