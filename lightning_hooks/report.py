@@ -1,11 +1,12 @@
-"""Reading a run back from its TensorBoard event files: the per-layer table of the last epoch.
+"""Reading a run back from its TensorBoard event files (or a ``CSVLogger``'s ``metrics.csv``): the
+per-layer table of the last epoch.
 
 Tags follow ``<family>/<stat>/<layer>`` per layer, ``<family>/global/<stat>`` over all layers and
 ``<family>/alarms/<rule>`` for alarm counts (per epoch; the report sums them over the run, so an
 alarm of an early epoch is not hidden by quiet later ones). The values of one logging step have
 ``_step`` after the statistic (``<family>/<stat>_step/<layer>``): the report uses them for a run
 whose last logging steps came after its last epoch end (still running, or killed). A *run* is a
-directory holding event files.
+directory holding event files, or a ``metrics.csv``.
 
 The event files are read record by record with their checksums (TensorBoard's own reader stops
 silently at a corrupt or truncated record): a file that cannot be read to its end raises
@@ -23,6 +24,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from lightning_hooks.report_csv import METRICS_FILE, csv_series
 
 __all__ = [
     "ALARMS",
@@ -142,8 +145,10 @@ class RunReport:
 
 
 def find_runs(logdir: Path) -> list[Path]:
-    """Every directory under ``logdir`` (itself included) that holds TensorBoard event files."""
-    return sorted({p.parent for p in logdir.rglob("events.out.tfevents.*") if p.is_file()})
+    """Every directory under ``logdir`` (itself included) that holds TensorBoard event files or
+    a ``CSVLogger``'s ``metrics.csv``."""
+    found = [*logdir.rglob("events.out.tfevents.*"), *logdir.rglob(METRICS_FILE)]
+    return sorted({p.parent for p in found if p.is_file()})
 
 
 class EventFileError(ValueError):
@@ -219,11 +224,14 @@ def _scalar(value: Any) -> float | None:
 
 
 def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar tag of one run (its event files in name order) as ``[(step, value)]``.
+    """Every scalar tag of one run (its event files in name order, or else its ``CSVLogger``
+    ``metrics.csv``) as ``[(step, value)]``.
 
     As TensorBoard does, a step lower than the tag's last one (a run resumed from a checkpoint)
     drops the tag's values from that step on.
     """
+    if not any(run_dir.glob("events.out.tfevents.*")) and (run_dir / METRICS_FILE).is_file():
+        return csv_series(run_dir / METRICS_FILE)
     series: dict[str, list[tuple[int, float]]] = {}
     for path in sorted(run_dir.glob("events.out.tfevents.*")):
         for tag, step, value in scalar_events(path):

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.loggers import Logger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -154,6 +154,29 @@ def make_trainer(root: Path, **kwargs: Any) -> pl.Trainer:
 @pytest.fixture
 def trainer_factory(tmp_path: Path) -> Callable[..., pl.Trainer]:
     return lambda **kwargs: make_trainer(tmp_path, **kwargs)
+
+
+class MetricsOnlyLogger(Logger):
+    """A real Lightning logger that keeps scalars only (like a user's own): ``logged`` holds
+    ``(metrics, step)`` per ``log_metrics`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[dict[str, float], int | None]] = []
+
+    @property
+    def name(self) -> str:
+        return "metrics_only"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        del params, args, kwargs
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((dict(metrics), step))
 
 
 def read_scalars(logdir: Path | str) -> dict[str, list[tuple[int, float]]]:

@@ -1,8 +1,8 @@
 """A 2-process CPU DDP fit (gloo) with GradFlowCallback, run as a script by test_distributed.py.
 
 Lightning's DDP launcher re-runs this script for rank 1, so everything happens under ``main()``.
-Fits in one launch: 10 layers logged to TensorBoard, 200 layers to a CSVLogger (which makes the
-callback warn that the chart needs TensorBoard), 10 layers with gradient accumulation and
+Fits in one launch: 10 layers logged to TensorBoard, 200 layers to a CSVLogger (the chart as PNG
+files beside its metrics.csv), 10 layers with gradient accumulation and
 clipping; then the loss rules: rank 1's loss jumps by ``OFFSET`` from optimizer step ``JUMP`` on
 (rank 0's does not), under the default ``on_alarm`` and then ``{"diverging": "raise"}`` (last:
 the error ends that fit on both ranks), and a manual-optimization fit whose rank 1 returns no

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 
-from lightning_hooks import GradFlowCallback, GradientAlarmWarning
+from lightning_hooks import DeadReLUCallback, GradFlowCallback, GradientAlarmWarning
 from lightning_hooks.cli import main
 from lightning_hooks.core.alarms import ALARM_RULES
 
@@ -336,3 +337,29 @@ def test_the_known_metrics_are_what_every_callback_logs(tmp_path: Path) -> None:
     }
     assert alarms == {(f, r) for f, rules in ALARMS.items() for r in rules}
     assert ALARMS == {"grad_flow": ALARM_RULES}
+
+
+def test_a_csv_logger_run_reports_as_its_tensorboard_twin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tb = TensorBoardLogger(str(tmp_path), name="tb", version=0)
+    csv_logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    callbacks = [GradFlowCallback(), DeadReLUCallback()]
+    make_trainer(tmp_path, logger=[tb, csv_logger], max_epochs=2, callbacks=callbacks).fit(
+        TinyMLP()
+    )
+    code, payload, _ = _report_json(tmp_path, "--fail-on", "alarms>=0", capsys=capsys)
+    assert code == 1
+    csv_run, tb_run = payload["runs"]
+    assert (csv_run["run"], tb_run["run"]) == ("csv/version_0", "tb/version_0")
+    assert csv_run["layers"] and csv_run["step"] == tb_run["step"] == 8
+    # TensorBoard keeps float32, metrics.csv the float64 logged: the same report otherwise.
+    assert _approx({**csv_run, "run": ""}) == {**tb_run, "run": ""}
+
+
+def _approx(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _approx(v) for key, v in value.items()}
+    if isinstance(value, list):
+        return [_approx(v) for v in value]
+    return pytest.approx(value, rel=1e-6) if isinstance(value, float) else value

@@ -58,3 +58,35 @@ def test_long_epoch_writes_at_each_logging_step(
         "activations/heatmap/zero_fraction",
         "grad_flow/chart",
     ]
+
+
+def test_wandb_offline_example_writes_the_pictures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("wandb")
+    for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _run("wandb_offline.py", tmp_path, monkeypatch)
+    assert "wandb sync" in capsys.readouterr().out
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    media = run / "files" / "media"
+    assert len(list((media / "images" / "grad_flow").glob("chart_*.png"))) == 3
+    assert len(list((media / "images" / "grad_flow").glob("heatmap_*.png"))) == 3
+    assert len(list((media / "table" / "grad_flow").glob("alarms_*.table.json"))) == 3
+
+
+def test_mlflow_example_logs_figures_and_text(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mlflow = pytest.importorskip("mlflow")
+    _run("mlflow_local.py", tmp_path, monkeypatch)
+    run_id = capsys.readouterr().out.split("MLflow run ")[1].split(";")[0]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    charts = [a.path for a in client.list_artifacts(run_id, "grad_flow/chart")]
+    assert charts == [f"grad_flow/chart/step_{s:06d}.png" for s in (16, 32, 48)]
+    assert [m.step for m in client.get_metric_history(run_id, "grad_flow/global/grad_norm")] == [
+        16,
+        32,
+        48,
+    ]

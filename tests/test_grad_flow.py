@@ -13,7 +13,7 @@ from pytorch_lightning.loggers import CSVLogger
 
 from lightning_hooks import GradFlowCallback, LightningHooksWarning
 
-from conftest import TinyMLP, hooks_left, read_image_tags, read_scalars
+from conftest import MetricsOnlyLogger, TinyMLP, hooks_left, read_image_tags, read_scalars
 from syncs import SyncWindow, count_syncs
 
 LAYERS = ("net.0", "net.2", "net.4")
@@ -180,13 +180,23 @@ def test_inplace_relu_model_trains_and_reports_finite_values(
     assert hooks_left(model) == []
 
 
-def test_csv_logger_gets_scalars_and_one_warning(trainer_factory: Any, tmp_path: Path) -> None:
+def test_csv_logger_gets_scalars_and_the_chart(trainer_factory: Any, tmp_path: Path) -> None:
     logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    trainer_factory(callbacks=[GradFlowCallback()], logger=logger).fit(TinyMLP())
+    run = tmp_path / "csv" / "version_0"
+    header = (run / "metrics.csv").read_text().splitlines()[0]
+    assert "grad_flow/grad_norm/net.0" in header.split(",")
+    assert [p.name for p in (run / "grad_flow" / "chart").iterdir()] == ["step_000004.png"]
+
+
+def test_scalars_only_logger_gets_scalars_and_one_warning(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    logger = MetricsOnlyLogger()
     with pytest.warns(LightningHooksWarning, match="images need TensorBoard") as record:
         trainer_factory(callbacks=[GradFlowCallback()], logger=logger).fit(TinyMLP())
     assert len([w for w in record if w.category is LightningHooksWarning]) == 1
-    header = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
-    assert "grad_flow/grad_norm/net.0" in header.split(",")
+    assert any("grad_flow/grad_norm/net.0" in metrics for metrics, _ in logger.logged)
 
 
 def test_chart_off_needs_no_tensorboard(trainer_factory: Any, tmp_path: Path) -> None:

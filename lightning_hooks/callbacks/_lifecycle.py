@@ -19,7 +19,7 @@ from lightning_hooks.callbacks._checks import check_strategy
 from lightning_hooks.core.hooks.guard import Guard, guard_hooks
 from lightning_hooks.core.transport.distributed import agree, gather_objects, world_size
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.logging import tensorboard_writers
+from lightning_hooks.logging import shows_pictures
 
 __all__ = ["Lifecycle"]
 
@@ -117,10 +117,11 @@ class Lifecycle(_CallbackBase):
                 f"{name} needs a logger, but the Trainer has none (logger=False). "
                 "Use Trainer(logger=TensorBoardLogger(...)) or leave logger at its default."
             )
-        if self.uses_images and not tensorboard_writers(trainer.loggers):
+        if self.uses_images and not shows_pictures(trainer.loggers):
             rank_zero_warn(
-                f"{name}: no TensorBoardLogger among the Trainer's loggers; scalars go to "
-                f"{[type(lg).__name__ for lg in trainer.loggers]}, images need TensorBoard.",
+                f"{name}: no logger that shows pictures among the Trainer's loggers; scalars go "
+                f"to {[type(lg).__name__ for lg in trainer.loggers]}, images need TensorBoard, "
+                "W&B, MLflow or CSV.",
                 category=LightningHooksWarning,
             )
 

@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 from typing_extensions import override
 
 from lightning_hooks.callbacks._lifecycle import Lifecycle
-from lightning_hooks.logging import save_loggers, tensorboard_writers, write_dashboard
+from lightning_hooks.logging import save_loggers, write_dashboards
 
 __all__ = ["Writing"]
 
@@ -40,7 +40,7 @@ class Writing(Lifecycle):
     def _write_dashboard(self, trainer: pl.Trainer) -> None:
         if trainer.is_global_zero and self._is_last_hook_callback(trainer):
             # One layout per run, covering every callback's tags: written by the last of ours.
-            write_dashboard(tensorboard_writers(trainer.loggers))
+            write_dashboards(trainer.loggers)
 
     def _read_steps(self, trainer: pl.Trainer, wait: bool) -> None:
         """Write what the last logging point measured once its host copy is done (``wait``:
@@ -74,7 +74,7 @@ class Writing(Lifecycle):
             return
         _UNSAVED.discard(trainer)
         if trainer.is_global_zero:
-            write_dashboard(tensorboard_writers(trainer.loggers))
+            write_dashboards(trainer.loggers)
         save_loggers(trainer.loggers)
 
     @override

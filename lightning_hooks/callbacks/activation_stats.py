@@ -49,9 +49,9 @@ class ActivationStatsCallback(StatsCallback):
     ``activations/abs_mean/{layer}``        mean ``|x|``
     ``activations/zero_fraction/{layer}``   fraction of elements exactly ``0``
     ``activations/nonfinite/{layer}``       number of NaN / Inf elements
-    ``activations/histogram/{layer}``       histogram (``histograms=True``, TensorBoard only)
+    ``activations/histogram/{layer}``       histogram (``histograms=True``; TensorBoard, W&B)
     ``activations/heatmap/{stat}`` (image)  layer x epoch heatmap of ``mean``, ``std`` and
-                                            ``zero_fraction`` (TensorBoard only)
+                                            ``zero_fraction`` (every logger with pictures)
     ======================================  ===================================================
 
     The default selection is every module owning parameters directly (``Linear``, ``Conv``,

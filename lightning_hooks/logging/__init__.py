@@ -1,4 +1,4 @@
-"""Writing statistics: scalars to Lightning loggers, figures to TensorBoard."""
+"""Writing statistics and pictures to every Lightning logger, one sink per kind of logger."""
 
 from lightning_hooks.logging.dashboard import (
     dashboard_layout,
@@ -10,6 +10,7 @@ from lightning_hooks.logging.dashboard import (
 from lightning_hooks.logging.figures import grad_flow_figure, layer_epoch_heatmap, layer_time_figure
 from lightning_hooks.logging.histograms import histogram_raw, log_histogram
 from lightning_hooks.logging.images import feature_map_grid
+from lightning_hooks.logging.sinks import LoggerSink, register_sink, sinks_for
 from lightning_hooks.logging.writer import (
     log_embedding,
     log_figure,
@@ -17,10 +18,13 @@ from lightning_hooks.logging.writer import (
     log_scalars,
     log_text,
     save_loggers,
+    shows_pictures,
     tensorboard_writers,
+    write_dashboards,
 )
 
 __all__ = [
+    "LoggerSink",
     "dashboard_layout",
     "feature_map_grid",
     "grad_flow_figure",
@@ -34,9 +38,13 @@ __all__ = [
     "log_scalars",
     "log_text",
     "record_tags",
+    "register_sink",
     "save_loggers",
+    "shows_pictures",
+    "sinks_for",
     "step_tag",
     "step_tags",
     "tensorboard_writers",
     "write_dashboard",
+    "write_dashboards",
 ]

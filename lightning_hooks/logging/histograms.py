@@ -1,4 +1,4 @@
-"""The one histogram writer: device-binned counts to TensorBoard's ``add_histogram_raw``."""
+"""The one histogram writer: device-binned counts to every logger with histograms."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-from lightning_hooks.logging.writer import tensorboard_writers
 
 __all__ = ["histogram_raw", "log_histogram"]
 
@@ -60,7 +58,7 @@ def log_histogram(
     step: int,
     moments: tuple[float, float, float, float] | None = None,
 ) -> None:
-    """Write pre-binned counts to every TensorBoard logger among ``loggers`` (others skipped).
+    """Write pre-binned counts to every logger with histograms (TensorBoard, W&B).
 
     Args:
         loggers: the Trainer's loggers.
@@ -70,6 +68,6 @@ def log_histogram(
         step: the global step.
         moments: see :func:`histogram_raw`.
     """
-    raw = histogram_raw(limits, counts, moments)
-    for writer in tensorboard_writers(loggers):
-        writer.add_histogram_raw(tag, global_step=step, **raw)
+    from lightning_hooks.logging.sinks import each_sink
+
+    each_sink(loggers, lambda sink: sink.histogram(tag, limits, counts, step, moments))

@@ -1,4 +1,4 @@
-"""Everything that writes: scalars to every Lightning logger, images to TensorBoard only."""
+"""Everything that writes, to every Lightning logger through its sink (:mod:`.sinks`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from lightning_hooks.logging.dashboard import record_tags
+from lightning_hooks.logging.sinks import each_sink, sinks_for
+from lightning_hooks.logging.sinks._types import lightning_types
 
 __all__ = [
     "log_embedding",
@@ -16,98 +17,61 @@ __all__ = [
     "log_scalars",
     "log_text",
     "save_loggers",
+    "shows_pictures",
     "tensorboard_writers",
+    "write_dashboards",
 ]
-
-
-def _tensorboard_logger_types() -> tuple[type, ...]:
-    # Both namespaces: a plain isinstance against one silently misses the other's loggers.
-    found: list[type] = []
-    try:
-        from pytorch_lightning.loggers import TensorBoardLogger as PLTensorBoardLogger
-
-        found.append(PLTensorBoardLogger)
-    except ImportError:  # pragma: no cover - pytorch_lightning is a dependency
-        pass
-    try:
-        from lightning.pytorch.loggers import TensorBoardLogger as LTensorBoardLogger
-
-        found.append(LTensorBoardLogger)
-    except ImportError:
-        pass
-    return tuple(found)
 
 
 def tensorboard_writers(loggers: Sequence[Any]) -> list[Any]:
     """The ``SummaryWriter`` of each TensorBoard logger among ``loggers`` (either namespace)."""
-    types = _tensorboard_logger_types()
+    types = lightning_types("TensorBoardLogger")
     return [getattr(logger, "experiment") for logger in loggers if isinstance(logger, types)]  # noqa: B009
 
 
 def log_scalars(loggers: Sequence[Any], metrics: Mapping[str, float], step: int) -> None:
-    """Send ``metrics`` to every logger (TensorBoard, CSV, ...); loggers write on rank 0 only.
+    """Send ``metrics`` to every logger (TensorBoard, W&B, MLflow, CSV, ...), rank 0 only.
 
-    A plain ``TensorBoardLogger`` gets them as one event holding every value (what
-    :func:`_write_summary` does), not one event per scalar as its ``log_metrics`` writes: the
-    same tags, steps and values in the file, one queue hand-off to its writer thread instead of
-    one per scalar (a logging step writes a hundred or more).
+    A plain ``TensorBoardLogger`` gets them as one event holding every value, not one event per
+    scalar as its ``log_metrics`` writes (see ``TensorBoardSink.scalars``).
     """
-    if not metrics:
-        return
-    for logger in loggers:
-        if not _write_summary(logger, metrics, step):
-            logger.log_metrics(dict(metrics), step=step)
-    for writer in tensorboard_writers(loggers):
-        record_tags(writer, metrics)
-
-
-def _write_summary(logger: Any, metrics: Mapping[str, float], step: int) -> bool:
-    """``metrics`` as one TensorBoard event, ``simple_value`` per tag as ``add_scalar`` writes
-    them; ``False`` (nothing written) unless ``logger`` is a TensorBoardLogger itself (not a
-    subclass, which may log otherwise) with no prefix, whose writer is torch's ``SummaryWriter``
-    (on ranks other than 0 it is Lightning's dummy: its ``log_metrics`` does nothing there)."""
-    prefix: str = getattr(logger, "_prefix", "")
-    if type(logger) not in _tensorboard_logger_types() or prefix:
-        return False
-    from tensorboard.compat.proto.summary_pb2 import Summary
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = logger.experiment
-    if not isinstance(writer, SummaryWriter):
-        return False
-    values = [Summary.Value(tag=tag, simple_value=float(v)) for tag, v in metrics.items()]
-    writer._get_file_writer().add_summary(Summary(value=values), step)  # type: ignore[no-untyped-call]
-    return True
+    if metrics:
+        each_sink(loggers, lambda sink: sink.scalars(metrics, step))
 
 
 def save_loggers(loggers: Sequence[Any]) -> None:
     """Save every logger as Lightning does after its own ``log_metrics``: the
     ``TensorBoardLogger`` flushes its event file, so what was written survives a SIGKILL."""
-    for logger in loggers:
-        logger.save()
+    each_sink(loggers, lambda sink: sink.save())
+
+
+def write_dashboards(loggers: Sequence[Any]) -> None:
+    """Write the chart layout of the scalars logged so far, to each logger that has one."""
+    each_sink(loggers, lambda sink: sink.dashboard())
+
+
+def shows_pictures(loggers: Sequence[Any]) -> bool:
+    """Whether figures and images reach any of ``loggers``."""
+    return any(sink.shows_pictures for sink in sinks_for(loggers))
 
 
 def log_figure(loggers: Sequence[Any], tag: str, figure: Figure, step: int) -> None:
-    """Write a matplotlib figure as an image to every TensorBoard logger."""
-    for writer in tensorboard_writers(loggers):
-        writer.add_figure(tag, figure, global_step=step, close=False)
+    """Write a matplotlib figure to every logger that shows pictures."""
+    each_sink(loggers, lambda sink: sink.figure(tag, figure, step))
 
 
 def log_text(loggers: Sequence[Any], tag: str, text: str, step: int) -> None:
-    """Write markdown ``text`` to every TensorBoard logger (``SummaryWriter.add_text``)."""
-    for writer in tensorboard_writers(loggers):
-        writer.add_text(tag, text, global_step=step)
+    """Write Markdown ``text`` to every logger that keeps text."""
+    each_sink(loggers, lambda sink: sink.text(tag, text, step))
 
 
 def log_image(loggers: Sequence[Any], tag: str, image: Any, step: int) -> None:
-    """Write a ``CHW`` image tensor in ``[0, 1]`` to every TensorBoard logger."""
-    for writer in tensorboard_writers(loggers):
-        writer.add_image(tag, image, global_step=step, dataformats="CHW")
+    """Write a ``CHW`` image tensor in ``[0, 1]`` to every logger that shows pictures."""
+    each_sink(loggers, lambda sink: sink.image(tag, image, step))
 
 
 def log_embedding(
     loggers: Sequence[Any], tag: str, features: Any, labels: list[Any] | None, step: int
 ) -> None:
-    """Write ``[N, D]`` features (and ``N`` labels) to every TensorBoard logger's projector."""
-    for writer in tensorboard_writers(loggers):
-        writer.add_embedding(features, metadata=labels, global_step=step, tag=tag)
+    """Write ``[N, D]`` features (and ``N`` labels) to every logger with a projector."""
+    each_sink(loggers, lambda sink: sink.embedding(tag, features, labels, step))
