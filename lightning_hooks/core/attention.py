@@ -1,0 +1,217 @@
+"""Attention statistics of the attention real models run: ``scaled_dot_product_attention`` and
+eager softmax attention, seen through a ``TorchFunctionMode`` active only in sampled forwards.
+
+Pure kernels (:func:`sdpa_logits`, :func:`attention_stats`) turn a call's own ``q``, ``k``,
+mask, causal flag and scale into the logits its softmax sees, then into the largest logit and
+the smallest per-head mean entropy. :class:`AttentionCapture` finds the calls: module pre/post
+hooks keep the stack of running modules of a sampled training forward, and while the stack is
+not empty a ``TorchFunctionMode`` sees every ``torch.nn.functional.scaled_dot_product_attention``
+call and every softmax over the last dimension of a 4-D tensor (Hugging Face's eager
+``eager_attention_forward``), attributed to the innermost running module. The model is not
+patched; a quiet step runs no mode and no tensor op.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional
+from torch.overrides import TorchFunctionMode
+
+from lightning_hooks.core.registry import HookRegistry
+from lightning_hooks.core.tensors import is_training_forward
+
+__all__ = ["AttentionCapture", "attention_stats", "sdpa_logits"]
+
+Record = Callable[[str, torch.Tensor], None]
+_SOFTMAX = (functional.softmax, torch.softmax, torch.Tensor.softmax)
+
+
+def sdpa_logits(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """The float32 logits ``[..., L, S]`` that ``scaled_dot_product_attention``'s softmax sees.
+
+    ``q.k * scale`` (default scale ``1 / sqrt(E)``), ``-inf`` where ``is_causal`` (top-left
+    aligned, as sdpa) or a boolean mask (``True``: takes part) excludes a key, a float mask
+    added. With ``enable_gqa``, key heads are repeated to the query heads, as sdpa does.
+
+    Example:
+        >>> q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
+        >>> logits = sdpa_logits(q, k, is_causal=True, enable_gqa=True)
+        >>> logits.shape, bool(logits[0, 0, 0, 1] == -torch.inf)
+        (torch.Size([2, 4, 3, 3]), True)
+        >>> k2 = k.repeat_interleave(2, dim=1)
+        >>> torch.allclose(logits[..., 2, :], (q @ k2.transpose(-1, -2))[..., 2, :] / 8**0.5)
+        True
+    """
+    q, k = query.float(), key.float()
+    if enable_gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    factor = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    logits = torch.matmul(q, k.transpose(-2, -1)) * factor
+    length, keys = logits.shape[-2:]
+    if is_causal:
+        keep = torch.ones(length, keys, dtype=torch.bool, device=logits.device).tril()
+        logits = logits.masked_fill(~keep, -torch.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            logits = torch.where(attn_mask, logits, -torch.inf)
+        else:
+            logits = logits + attn_mask.float()
+    return logits
+
+
+def attention_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(largest logit, smallest per-head mean entropy)`` of softmax logits ``[..., H, L, S]``.
+
+    The entropy ``-sum p log p`` (nats) of each query's attention row, averaged per head over
+    the batch and the query rows that attend to at least one key (a row of only ``-inf`` is
+    left out), then the smallest over heads. Logits of fewer than 3 dimensions are one head.
+    Two 0-d float32 tensors, no host sync.
+
+    Example:
+        >>> logits = torch.tensor([[[0.0, 0.0], [5.0, -torch.inf]], [[1.0, 1.0], [1.0, 1.0]]])
+        >>> peak, entropy = attention_stats(logits)
+        >>> float(peak), round(float(entropy), 4), round(math.log(2) / 2, 4)
+        (5.0, 0.3466, 0.3466)
+    """
+    logits = logits.float()
+    if logits.dim() < 3:
+        logits = logits.reshape(1, *logits.shape[-2:]) if logits.dim() == 2 else logits.view(1, 1, -1)
+    row_max = logits.amax(-1)  # [..., H, L]
+    live = row_max > -torch.inf
+    logp = torch.log_softmax(logits, -1)
+    p = logp.exp()
+    entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1)
+    heads = entropy.shape[-2]
+    total = torch.where(live, entropy, 0.0).movedim(-2, 0).reshape(heads, -1).sum(1)
+    count = live.movedim(-2, 0).reshape(heads, -1).sum(1)
+    mean = torch.where(count > 0, total / count.clamp(min=1), torch.inf)
+    return row_max.amax(), mean.amin()
+
+
+def _sdpa_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Bind ``scaled_dot_product_attention``'s arguments as it does; dropout plays no part."""
+    return sdpa_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
+
+
+def _softmax_logits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The input of a softmax over the last dimension of a 4-D float tensor, else ``None``."""
+    x = args[0] if args else kwargs.get("input")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+        return None
+    return x if dim in (-1, 3) else None
+
+
+class _AttentionMode(TorchFunctionMode):
+    """Hands every attention call it sees to its capture, then runs the call unchanged."""
+
+    def __init__(self, capture: AttentionCapture) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is functional.scaled_dot_product_attention:
+            self.capture.see(lambda: _sdpa_call(*args, **kwargs))
+        elif func in _SOFTMAX:
+            logits = _softmax_logits(args, kwargs)
+            if logits is not None:
+                self.capture.see(lambda: logits)
+        return func(*args, **kwargs)
+
+
+class AttentionCapture:
+    """Sees the attention calls of the sampled training forwards of a model's modules.
+
+    :meth:`attach` puts a gated pre-hook and an always-called post-hook on every module; the
+    outermost module of a sampled training forward enters a ``TorchFunctionMode`` and leaves it
+    when it returns (or raises). Each ``scaled_dot_product_attention`` call, and each softmax
+    over the last dimension of a 4-D tensor, gives its logits (:func:`sdpa_logits`, or the
+    softmax's input) to ``record(name, logits)`` under ``torch.no_grad``, ``name`` being the
+    qualified name of the innermost running module. Calls made by modules in ``skip``
+    (measured another way: ``nn.MultiheadAttention``) are not handed over.
+
+    Not seen: forwards compiled by ``torch.compile`` (no mode is entered while compiling),
+    fused kernels called directly (``torch.ops.aten._scaled_dot_product_*``, flash-attn), and
+    calls made outside any module's forward.
+
+    Example:
+        >>> class Attend(nn.Module):
+        ...     def forward(self, x):
+        ...         return functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+        >>> model = nn.Sequential(nn.Linear(4, 4), Attend())
+        >>> seen = []
+        >>> with HookRegistry(model) as registry:
+        ...     AttentionCapture(lambda name, z: seen.append((name, z.shape))).attach(registry)
+        ...     _ = model(torch.randn(2, 3, 4))
+        >>> seen
+        [('1', torch.Size([2, 3, 3]))]
+    """
+
+    def __init__(self, record: Record, skip: Iterable[str] = ()) -> None:
+        self._record = record
+        self._skip = set(skip)
+        self._mode = _AttentionMode(self)
+        self._stack: list[tuple[str, nn.Module]] = []
+        self.seen: set[str] = set()
+        """Names of the modules whose attention was recorded."""
+
+    def attach(self, registry: HookRegistry) -> AttentionCapture:
+        """Hook every module of ``registry``'s model that runs Python hooks."""
+        for name, module in registry.model.named_modules():
+            if registry.forward_pre_hook(module, self._enter(name), gated=True) is not None:
+                hook = registry.guarded(self._leave, f"forward hook on {name!r}")
+                registry.add(module.register_forward_hook(hook, always_call=True))
+        return self
+
+    def _enter(self, name: str) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if not self._stack:
+                if torch.compiler.is_compiling() or not is_training_forward(module):
+                    return
+                self._mode.__enter__()
+            self._stack.append((name, module))
+
+        return hook
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._stack and self._stack[-1][1] is module:
+            self._stack.pop()
+            if not self._stack:
+                self._mode.__exit__(None, None, None)
+
+    def see(self, logits: Callable[[], torch.Tensor]) -> None:
+        """Record the logits of one attention call made by the innermost running module."""
+        name = self._stack[-1][0] if self._stack else None
+        if name is None or name in self._skip:
+            return
+        with torch.no_grad():
+            self._record(name, logits())
+        self.seen.add(name)
