@@ -248,6 +248,7 @@ def test_quiet_steps_run_no_tensor_op() -> None:
     model(x)
     stat.end_step()
     assert sorted(stat.tags(stat.result())) == [
+        "stability/attn_entropy_min/self_attn",
         "stability/attn_logit_max/self_attn",
         "stability/logit_logz/norm2",
         "stability/logit_logz_max/norm2",
@@ -281,5 +282,5 @@ def test_resumed_mid_epoch_logs_what_the_whole_fit_logs(tmp_path: Path) -> None:
     ]["layers"]
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     resumed = fit(tmp_path / "second", path, callbacks=[again], enable_checkpointing=True)
-    assert len(whole) == 8  # 4 per epoch, 4 of the last logging step
+    assert len(whole) == 12  # 6 per epoch, 6 of the last logging step
     assert resumed == pytest.approx(whole, rel=1e-5)

@@ -87,7 +87,9 @@ def attention_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     logits = logits.float()
     if logits.dim() < 3:
-        logits = logits.reshape(1, *logits.shape[-2:]) if logits.dim() == 2 else logits.view(1, 1, -1)
+        logits = (
+            logits.reshape(1, *logits.shape[-2:]) if logits.dim() == 2 else logits.view(1, 1, -1)
+        )
     row_max = logits.amax(-1)  # [..., H, L]
     live = row_max > -torch.inf
     logp = torch.log_softmax(logits, -1)
@@ -169,7 +171,7 @@ class AttentionCapture:
         >>> model = nn.Sequential(nn.Linear(4, 4), Attend())
         >>> seen = []
         >>> with HookRegistry(model) as registry:
-        ...     AttentionCapture(lambda name, z: seen.append((name, z.shape))).attach(registry)
+        ...     _ = AttentionCapture(lambda name, z: seen.append((name, z.shape))).attach(registry)
         ...     _ = model(torch.randn(2, 3, 4))
         >>> seen
         [('1', torch.Size([2, 3, 3]))]
@@ -180,36 +182,51 @@ class AttentionCapture:
         self._skip = set(skip)
         self._mode = _AttentionMode(self)
         self._stack: list[tuple[str, nn.Module]] = []
+        self._live = False  # whether the innermost module's own forward is running
         self.seen: set[str] = set()
         """Names of the modules whose attention was recorded."""
 
     def attach(self, registry: HookRegistry) -> AttentionCapture:
-        """Hook every module of ``registry``'s model that runs Python hooks."""
+        """Hook every module of ``registry``'s model that runs Python hooks.
+
+        Per module: a pre-hook placed first pauses the running module (the other pre-hooks are
+        not its forward), one placed last pushes the module; a forward hook placed first pauses
+        it again (the other forward hooks are not its forward either), one placed last pops it.
+        The forward hooks are called also when the forward raises.
+        """
         for name, module in registry.model.named_modules():
-            if registry.forward_pre_hook(module, self._enter(name), gated=True) is not None:
-                hook = registry.guarded(self._leave, f"forward hook on {name!r}")
-                registry.add(module.register_forward_hook(hook, always_call=True))
+            if registry.forward_pre_hook(module, self._push(name), gated=True) is None:
+                continue  # torch.jit: runs no Python hook
+            registry.add(module.register_forward_pre_hook(self._pause, prepend=True))
+            for hook, first in ((self._pause, True), (self._pop, False)):
+                guarded = registry.guarded(hook, f"forward hook on {name!r}")
+                registry.add(module.register_forward_hook(guarded, prepend=first, always_call=True))
         return self
 
-    def _enter(self, name: str) -> Callable[[nn.Module, Any], None]:
+    def _pause(self, *_: Any) -> None:
+        self._live = False
+
+    def _push(self, name: str) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
             if not self._stack:
                 if torch.compiler.is_compiling() or not is_training_forward(module):
                     return
-                self._mode.__enter__()
+                self._mode.__enter__()  # type: ignore[no-untyped-call]
             self._stack.append((name, module))
+            self._live = True
 
         return hook
 
-    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._stack and self._stack[-1][1] is module:
             self._stack.pop()
+            self._live = bool(self._stack)
             if not self._stack:
-                self._mode.__exit__(None, None, None)
+                self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
     def see(self, logits: Callable[[], torch.Tensor]) -> None:
         """Record the logits of one attention call made by the innermost running module."""
-        name = self._stack[-1][0] if self._stack else None
+        name = self._stack[-1][0] if self._stack and self._live else None
         if name is None or name in self._skip:
             return
         with torch.no_grad():
