@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_hooks.core.registry import HookRegistry
 from lightning_hooks.core.tensors import is_training_forward
 
-__all__ = ["AttentionCapture", "attention_stats", "sdpa_logits"]
+__all__ = ["AttentionCapture", "attention_stats", "looks_like_attention", "sdpa_logits"]
 
 Record = Callable[[str, torch.Tensor], None]
 _SOFTMAX = (functional.softmax, torch.softmax, torch.Tensor.softmax)
@@ -58,14 +58,14 @@ def sdpa_logits(
     if enable_gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     factor = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    logits = torch.matmul(q, k.transpose(-2, -1)) * factor
+    logits = torch.matmul(q, k.transpose(-2, -1)).mul_(factor)  # in place: one [..., L, S]
     length, keys = logits.shape[-2:]
     if is_causal:
         keep = torch.ones(length, keys, dtype=torch.bool, device=logits.device).tril()
-        logits = logits.masked_fill(~keep, -torch.inf)
+        logits.masked_fill_(~keep, -torch.inf)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            logits = torch.where(attn_mask, logits, -torch.inf)
+            logits = torch.where(attn_mask, logits, -torch.inf)  # the mask may broadcast it
         else:
             logits = logits + attn_mask.float()
     return logits
@@ -92,14 +92,25 @@ def attention_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         )
     row_max = logits.amax(-1)  # [..., H, L]
     live = row_max > -torch.inf
-    logp = torch.log_softmax(logits, -1)
-    p = logp.exp()
-    entropy = -torch.where(p > 0, p * logp, 0.0).sum(-1)
+    entropy = torch.special.entr(torch.softmax(logits, -1)).sum(-1)  # entr(0) = 0: masked keys
     heads = entropy.shape[-2]
     total = torch.where(live, entropy, 0.0).movedim(-2, 0).reshape(heads, -1).sum(1)
     count = live.movedim(-2, 0).reshape(heads, -1).sum(1)
     mean = torch.where(count > 0, total / count.clamp(min=1), torch.inf)
     return row_max.amax(), mean.amin()
+
+
+def looks_like_attention(module: nn.Module) -> bool:
+    """Whether ``module``'s class is named as an attention layer (``...Attention``, ``...Attn``;
+    any case), ``nn.MultiheadAttention`` aside.
+
+    Example:
+        >>> class GPT2Attention(nn.Module): ...
+        >>> looks_like_attention(GPT2Attention()), looks_like_attention(nn.Linear(2, 2))
+        (True, False)
+    """
+    name = type(module).__name__.lower()
+    return not isinstance(module, nn.MultiheadAttention) and ("attention" in name or "attn" in name)
 
 
 def _sdpa_call(
@@ -140,6 +151,8 @@ class _AttentionMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # a compiled region inside a measured forward
+            return func(*args, **kwargs)
         if func is functional.scaled_dot_product_attention:
             self.capture.see(lambda: _sdpa_call(*args, **kwargs))
         elif func in _SOFTMAX:
@@ -223,6 +236,22 @@ class AttentionCapture:
             self._live = bool(self._stack)
             if not self._stack:
                 self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+    def unseen(self, model: nn.Module) -> list[str]:
+        """Names of ``model``'s modules that look like attention (:func:`looks_like_attention`)
+        but made no call seen here, none of their submodules or enclosing modules either."""
+        seen = tuple(self.seen)
+
+        def related(name: str) -> bool:
+            return any(
+                s == name or s.startswith(f"{name}.") or name.startswith(f"{s}.") for s in seen
+            )
+
+        return [
+            name
+            for name, module in model.named_modules()
+            if looks_like_attention(module) and not related(name)
+        ]
 
     def see(self, logits: Callable[[], torch.Tensor]) -> None:
         """Record the logits of one attention call made by the innermost running module."""

@@ -9,6 +9,7 @@ sampled steps only, on the device.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ from lightning_hooks.core.registry import HookRegistry
 from lightning_hooks.core.selection import select_modules
 from lightning_hooks.core.stat import LayerStat
 from lightning_hooks.core.tensors import is_training_forward
+from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["STABILITY_STATS", "StabilityStats", "mha_logit_max", "mha_logits"]
 
@@ -195,6 +197,7 @@ class StabilityStats(LayerStat[Result]):
         self._last: str | None = None  # while the output layer is not known: the last candidate
         self._candidates: dict[str, list[_LogZ]] = {}  # and what each candidate measured
         self._capture: AttentionCapture | None = None
+        self._checked = False  # whether unseen attention was looked for since attach
 
     def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> StabilityStats:
         """Hook ``model``'s attention layers and parameter owners; find the output layer anew."""
@@ -202,6 +205,7 @@ class StabilityStats(LayerStat[Result]):
         super().attach(model, registry)
         assert self.registry is not None
         self._capture = AttentionCapture(self._add_attention, skip=self._attention)
+        self._checked = False
         self._capture.attach(self.registry)
         return self
 
@@ -260,12 +264,35 @@ class StabilityStats(LayerStat[Result]):
 
     def end_step(self) -> None:
         """After a forward: the last candidate seen is the output layer (an attribute check
-        when there is nothing to settle). Also settled before every reduce (:meth:`flush`)."""
+        when there is nothing to settle). Also settled before every reduce (:meth:`flush`).
+        After the first sampled step, one warning names the attention layers not seen."""
+        if (
+            not self._checked
+            and self._capture is not None
+            and self.registry is not None
+            and self.registry.sampled
+        ):
+            self._warn_unseen(self._capture, self.registry.model)
         if self._last is not None:
             name, self._last, self._output = self._last, None, self._last
             for measured in self._candidates.pop(name):
                 self._add(name, measured)
             self._candidates.clear()
+
+    def _warn_unseen(self, capture: AttentionCapture, model: nn.Module) -> None:
+        """Once per attach: the modules named as attention whose statistics cannot be seen."""
+        self._checked = True
+        unseen = capture.unseen(model)
+        if unseen:
+            warnings.warn(
+                f"StabilityStats: {len(unseen)} module(s) look like attention but made no "
+                "scaled_dot_product_attention call nor 4-D softmax that could be seen (inside "
+                "torch.compile, a fused kernel called directly, or attention computed another "
+                f"way); stability/attn_* is not logged for them: {', '.join(unseen[:5])}"
+                f"{' ...' if len(unseen) > 5 else ''}",
+                LightningHooksWarning,
+                stacklevel=3,
+            )
 
     def flush(self) -> None:
         """Settle a measured forward that :meth:`end_step` has not seen yet."""
