@@ -18,10 +18,12 @@ from torch.nn import functional
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import GradFlowCallback
+from lightning_hooks.cli import main
 from lightning_hooks.core.attention import AttentionCapture, attention_stats, sdpa_logits
 from lightning_hooks.core.registry import HookRegistry
 from lightning_hooks.core.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
+from lightning_hooks.report import _fmt
 
 from conftest import make_trainer, read_scalars
 
@@ -368,3 +370,30 @@ def test_compiled_attention_is_left_out_with_a_warning() -> None:
             stat.end_step()
         tags = sorted(t for t in stat.tags(stat.result()) if "attn" in t)
     assert tags == ["stability/attn_entropy_min/h.0", "stability/attn_logit_max/h.0"]
+
+
+def test_report_names_the_worst_attention_layer_by_logit_and_by_entropy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fit = _gpt2("sdpa")
+    trainer = make_trainer(
+        tmp_path, callbacks=[GradFlowCallback()], max_steps=STEPS, log_every_n_steps=EVERY
+    )
+    trainer.fit(fit)
+    scalars = read_scalars(tmp_path)
+
+    def worst(stat: str, pick: Callable[..., Any]) -> tuple[float, str]:
+        tags = [t for t in scalars if t.startswith(f"stability/{stat}/")]
+        tag = pick(tags, key=lambda t: scalars[t][-1][1])
+        return scalars[tag][-1][1], tag.split("/", 2)[2]
+
+    assert main(["report", str(tmp_path)]) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("attention: ")]
+    (logit, at_logit), (entropy, at_entropy) = (
+        worst("attn_logit_max", max),
+        worst("attn_entropy_min", min),
+    )
+    assert line == (
+        f"attention: largest logit {_fmt(logit)} at {at_logit}; "
+        f"lowest entropy {_fmt(entropy)} at {at_entropy}"
+    )
