@@ -4,6 +4,7 @@ module: equal to plain torch on the same q, k and mask, through ``Trainer.fit`` 
 from __future__ import annotations
 
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.report import _fmt
 
 from conftest import make_trainer, read_scalars
+from tensorboard_server import charts, read_layouts
 
 STEPS, EVERY = 4, 2  # one epoch of 4 steps; steps 0 (the epoch's first), 1 and 3 are sampled
 LENGTH, BATCH, VOCAB = 8, 4, 50
@@ -397,3 +399,23 @@ def test_report_names_the_worst_attention_layer_by_logit_and_by_entropy(
         f"attention: largest logit {_fmt(logit)} at {at_logit}; "
         f"lowest entropy {_fmt(entropy)} at {at_entropy}"
     )
+
+
+def test_dashboard_leads_the_stability_category_with_the_attention_charts(tmp_path: Path) -> None:
+    trainer = make_trainer(
+        tmp_path, callbacks=[GradFlowCallback()], max_steps=STEPS, log_every_n_steps=EVERY
+    )
+    trainer.fit(_nano(2))
+    found = charts(read_layouts(tmp_path)[-1])
+    stability = [t.split("/", 1)[1] for t in found if t.startswith("lightning_hooks: stability/")]
+    assert stability[:4] == [
+        "attn_logit_max",
+        "attn_logit_max_step",
+        "attn_entropy_min",
+        "attn_entropy_min_step",
+    ]
+    tags = set(read_scalars(tmp_path))
+    for chart in stability[:4]:
+        regexes = found[f"lightning_hooks: stability/{chart}"]
+        matched = {t for t in tags if any(re.match(r, t) for r in regexes)}
+        assert matched == {f"stability/{chart}/net.h.{i}" for i in (0, 1)}
