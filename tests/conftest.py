@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torchvision_shim  # noqa: F401  # before torchmetrics imports torchvision: see its docstring
+
+# isort: split
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import TensorBoardLogger

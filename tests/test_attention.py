@@ -257,6 +257,42 @@ def _bert(impl: str) -> Fit:
     return Fit(net, loss, _bert_capture, padded=True)
 
 
+def _vit_capture(fit: Fit, _: str, net: nn.Module) -> None:
+    for i, block in enumerate(net.blocks):
+        attn = block.attn
+
+        def hook(
+            m: nn.Module, args: Any, out: torch.Tensor, i: int = i, h: int = attn.num_heads
+        ) -> None:
+            b, n, _ = out.shape
+            q, k, _ = out.reshape(b, n, 3, h, -1).permute(2, 0, 3, 1, 4)
+            if fit.sampled():
+                keep = torch.ones(n, n, dtype=torch.bool)  # bidirectional, no mask
+                fit.expected[f"net.blocks.{i}.attn"].append(reference(q.detach(), k.detach(), keep))
+
+        attn.qkv.register_forward_hook(hook)
+
+
+def _vit() -> Fit:
+    """timm's ViT (fused attention: ``F.scaled_dot_product_attention``) on 32x32 images."""
+    try:
+        import timm
+    except Exception as err:  # absent, or torchvision built for another torch
+        pytest.skip(f"timm does not import here ({type(err).__name__}: {err})")
+    net = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+        num_classes=3, attn_drop_rate=0.1,
+    )  # fmt: skip
+    assert all(block.attn.fused_attn for block in net.blocks)
+
+    def loss(net: nn.Module, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        g = torch.Generator().manual_seed(int(ids.sum()))
+        images = torch.randn(ids.shape[0], 3, 32, 32, generator=g) * 3
+        return functional.cross_entropy(net(images), ids[:, 0] % 3)
+
+    return Fit(net, loss, _vit_capture, padded=False)
+
+
 def _nano(kv_heads: int) -> Fit:
     def loss(net: nn.Module, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         return functional.cross_entropy(net(ids).flatten(0, 1), ids.flatten())
@@ -271,6 +307,7 @@ MODELS: dict[str, Callable[[], Fit]] = {
     "bert-eager": lambda: _bert("eager"),
     "nanogpt": lambda: _nano(4),
     "nanogpt-gqa": lambda: _nano(2),
+    "timm-vit": _vit,
 }
 
 

@@ -165,9 +165,9 @@ class _AttentionMode(TorchFunctionMode):
 class AttentionCapture:
     """Sees the attention calls of the sampled training forwards of a model's modules.
 
-    :meth:`attach` puts a gated pre-hook and an always-called post-hook on every module; the
+    :meth:`attach` hooks every module so that the stack of running modules is known; the
     outermost module of a sampled training forward enters a ``TorchFunctionMode`` and leaves it
-    when it returns (or raises). Each ``scaled_dot_product_attention`` call, and each softmax
+    when it returns (or raises), and the other hooks' own calls are not taken for the module's. Each ``scaled_dot_product_attention`` call, and each softmax
     over the last dimension of a 4-D tensor, gives its logits (:func:`sdpa_logits`, or the
     softmax's input) to ``record(name, logits)`` under ``torch.no_grad``, ``name`` being the
     qualified name of the innermost running module. Calls made by modules in ``skip``
@@ -239,8 +239,9 @@ class AttentionCapture:
 
     def unseen(self, model: nn.Module) -> list[str]:
         """Names of ``model``'s modules that look like attention (:func:`looks_like_attention`)
-        but made no call seen here, none of their submodules or enclosing modules either."""
-        seen = tuple(self.seen)
+        but made no call seen here (nor are in ``skip``), none of their submodules or enclosing
+        modules either."""
+        seen = (*self.seen, *self._skip)
 
         def related(name: str) -> bool:
             return any(
