@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from test_cost import _OpsPerStep, _StepWindow
 from torch import nn
 from torch.distributions import Categorical
 from torch.nn import functional
@@ -27,6 +28,7 @@ from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.report import _fmt
 
 from conftest import make_trainer, read_scalars
+from syncs import count_syncs
 from tensorboard_server import charts, read_layouts
 
 STEPS, EVERY = 4, 2  # one epoch of 4 steps; steps 0 (the epoch's first), 1 and 3 are sampled
@@ -456,3 +458,31 @@ def test_dashboard_leads_the_stability_category_with_the_attention_charts(tmp_pa
         regexes = found[f"lightning_hooks: stability/{chart}"]
         matched = {t for t in tags if any(re.match(r, t) for r in regexes)}
         assert matched == {f"stability/{chart}/net.h.{i}" for i in (0, 1)}
+
+
+def _unchecked_nano() -> Fit:
+    """The nanoGPT fit without the reference hooks (their ``.item()`` would count as syncs: the
+    mode's frame is on their stack)."""
+    return Fit(NanoGPT(2), _nano(2).loss, lambda *_: None, padded=False)
+
+
+def test_through_fit_a_quiet_step_runs_the_bare_ops_and_no_step_syncs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bare, hooked = _OpsPerStep(), _OpsPerStep()
+    make_trainer(tmp_path / "bare", callbacks=[bare], max_steps=STEPS).fit(_unchecked_nano())
+    with count_syncs(monkeypatch) as counter:
+
+        def active(on: bool) -> Callable[[], None]:
+            return lambda: setattr(counter, "active", on)
+
+        window = _StepWindow(active(True), active(False))
+        callbacks = [window, hooked, GradFlowCallback(every_n_steps=2, alarms=False)]
+        make_trainer(tmp_path / "hooked", callbacks=callbacks, max_steps=STEPS).fit(
+            _unchecked_nano()
+        )
+    assert window.steps == STEPS and dict(counter.calls) == {}
+    # every_n_steps=2 over steps 0-3: steps 0 (the epoch's first), 1 and 3 are sampled.
+    assert hooked.per_step[2] == bare.per_step[2]
+    assert hooked.per_step[1] > bare.per_step[1]
+    assert "stability/attn_entropy_min/net.h.1" in read_scalars(tmp_path / "hooked")
