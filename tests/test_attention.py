@@ -259,6 +259,45 @@ def _bert(impl: str) -> Fit:
     return Fit(net, loss, _bert_capture, padded=True)
 
 
+def _llama_capture(fit: Fit, _: str, net: nn.Module) -> None:
+    """RoPE'd q and k recomputed from each attention's inputs with the model's own weights;
+    grouped-query keys repeated to the query heads."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    for i, layer in enumerate(net.model.layers):
+        attn = layer.self_attn
+
+        def hook(m: nn.Module, args: Any, kwargs: dict[str, Any], i: int = i) -> None:
+            h = kwargs.get("hidden_states", args[0] if args else None)
+            b, n, _ = h.shape
+            q = m.q_proj(h).view(b, n, -1, m.head_dim).transpose(1, 2)
+            k = m.k_proj(h).view(b, n, -1, m.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, *kwargs["position_embeddings"])
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            _record(fit, f"net.model.layers.{i}.self_attn", q, k, causal=True)
+
+        attn.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _llama(impl: str, padded: bool) -> Fit:
+    """A tiny Llama with grouped-query attention (4 query heads, 2 key/value heads): unpadded,
+    its sdpa path calls sdpa with ``enable_gqa=True``; padded, it repeats the keys itself."""
+    t = pytest.importorskip("transformers")
+    config = t.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH,
+        initializer_range=0.5, attn_implementation=impl, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0,
+    )  # fmt: skip
+    net = t.LlamaForCausalLM(config)
+
+    def loss(net: nn.Module, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        mask = keep.long() if padded else None
+        return net(input_ids=ids, attention_mask=mask, labels=ids).loss  # type: ignore[no-any-return]
+
+    return Fit(net, loss, _llama_capture, padded=padded)
+
+
 def _vit_capture(fit: Fit, _: str, net: nn.Module) -> None:
     for i, block in enumerate(net.blocks):
         attn = block.attn
@@ -310,6 +349,9 @@ MODELS: dict[str, Callable[[], Fit]] = {
     "nanogpt": lambda: _nano(4),
     "nanogpt-gqa": lambda: _nano(2),
     "timm-vit": _vit,
+    "llama-gqa-sdpa": lambda: _llama("sdpa", padded=False),
+    "llama-gqa-sdpa-padded": lambda: _llama("sdpa", padded=True),
+    "llama-gqa-eager-padded": lambda: _llama("eager", padded=True),
 }
 
 
@@ -486,3 +528,26 @@ def test_through_fit_a_quiet_step_runs_the_bare_ops_and_no_step_syncs(
     assert hooked.per_step[2] == bare.per_step[2]
     assert hooked.per_step[1] > bare.per_step[1]
     assert "stability/attn_entropy_min/net.h.1" in read_scalars(tmp_path / "hooked")
+
+
+def test_other_hooks_calls_are_not_attention_even_when_they_call_modules() -> None:
+    class Attend(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return functional.scaled_dot_product_attention(x, x, x)
+
+    model = nn.Sequential(nn.Linear(4, 4), Attend())
+
+    def softmax(*_: Any) -> None:
+        torch.softmax(torch.randn(1, 2, 3, 3), -1)
+
+    def call_then_softmax(module: nn.Module, args: Any) -> None:
+        model[0](args[0])  # a module called from a hook ends: still inside the hook
+        softmax()
+
+    model[0].register_forward_hook(softmax)
+    model[1].register_forward_pre_hook(call_then_softmax)
+    seen: list[str] = []
+    with HookRegistry(model) as registry:
+        AttentionCapture(lambda name, _: seen.append(name)).attach(registry)
+        model(torch.randn(2, 3, 4))
+    assert seen == ["1"]

@@ -167,8 +167,9 @@ class AttentionCapture:
 
     :meth:`attach` hooks every module so that the stack of running modules is known; the
     outermost module of a sampled training forward enters a ``TorchFunctionMode`` and leaves it
-    when it returns (or raises), and the other hooks' own calls are not taken for the module's. Each ``scaled_dot_product_attention`` call, and each softmax
-    over the last dimension of a 4-D tensor, gives its logits (:func:`sdpa_logits`, or the
+    when it returns (or raises); calls made in other hooks are not taken for the module's.
+    Each ``scaled_dot_product_attention`` call, and each softmax over the last dimension of a
+    4-D tensor, gives its logits (:func:`sdpa_logits`, or the
     softmax's input) to ``record(name, logits)`` under ``torch.no_grad``, ``name`` being the
     qualified name of the innermost running module. Calls made by modules in ``skip``
     (measured another way: ``nn.MultiheadAttention``) are not handed over.
@@ -194,8 +195,9 @@ class AttentionCapture:
         self._record = record
         self._skip = set(skip)
         self._mode = _AttentionMode(self)
-        self._stack: list[tuple[str, nn.Module]] = []
+        self._stack: list[tuple[str, nn.Module, bool]] = []  # and whether its caller was live
         self._live = False  # whether the innermost module's own forward is running
+        self._callers: list[bool] = []  # between a call's first and last pre-hook: the caller's
         self.seen: set[str] = set()
         """Names of the modules whose attention was recorded."""
 
@@ -210,30 +212,39 @@ class AttentionCapture:
         for name, module in registry.model.named_modules():
             if registry.forward_pre_hook(module, self._push(name), gated=True) is None:
                 continue  # torch.jit: runs no Python hook
-            registry.add(module.register_forward_pre_hook(self._pause, prepend=True))
+            registry.add(module.register_forward_pre_hook(self._enter, prepend=True))
             for hook, first in ((self._pause, True), (self._pop, False)):
                 guarded = registry.guarded(hook, f"forward hook on {name!r}")
                 registry.add(module.register_forward_hook(guarded, prepend=first, always_call=True))
         return self
+
+    def _enter(self, *_: Any) -> None:
+        """A module is called: its caller's state is kept until :meth:`_push` (or the other
+        pre-hooks' calls) and the caller is paused meanwhile."""
+        if self._stack:
+            self._callers.append(self._live)
+            self._live = False
 
     def _pause(self, *_: Any) -> None:
         self._live = False
 
     def _push(self, name: str) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if not self._stack:
-                if torch.compiler.is_compiling() or not is_training_forward(module):
-                    return
+            if self._stack:
+                caller = self._callers.pop()
+            elif torch.compiler.is_compiling() or not is_training_forward(module):
+                return
+            else:
+                caller = False
                 self._mode.__enter__()  # type: ignore[no-untyped-call]
-            self._stack.append((name, module))
+            self._stack.append((name, module, caller))
             self._live = True
 
         return hook
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._stack and self._stack[-1][1] is module:
-            self._stack.pop()
-            self._live = bool(self._stack)
+            self._live = self._stack.pop()[2]  # a module called from a hook: still in the hook
             if not self._stack:
                 self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
