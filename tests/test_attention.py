@@ -551,3 +551,22 @@ def test_other_hooks_calls_are_not_attention_even_when_they_call_modules() -> No
         AttentionCapture(lambda name, _: seen.append(name)).attach(registry)
         model(torch.randn(2, 3, 4))
     assert seen == ["1"]
+
+
+def test_a_softmax_counts_as_attention_only_in_a_module_named_as_attention() -> None:
+    class SpatialSoftmax(nn.Module):  # a 4-D softmax over the width of a feature map
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(x, dim=-1)
+
+    class EagerAttention(SpatialSoftmax):
+        pass
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), SpatialSoftmax(), EagerAttention())
+    seen: list[tuple[str, torch.Tensor]] = []
+    with HookRegistry(model) as registry:
+        AttentionCapture(lambda name, logits: seen.append((name, logits))).attach(registry)
+        x = torch.randn(2, 3, 5, 6)
+        y = model[1](model[0](x))
+        model(x)
+    assert [name for name, _ in seen] == ["2"]
+    torch.testing.assert_close(seen[0][1], y)

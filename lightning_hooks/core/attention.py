@@ -6,9 +6,9 @@ mask, causal flag and scale into the logits its softmax sees, then into the larg
 the smallest per-head mean entropy. :class:`AttentionCapture` finds the calls: module pre/post
 hooks keep the stack of running modules of a sampled training forward, and while the stack is
 not empty a ``TorchFunctionMode`` sees every ``torch.nn.functional.scaled_dot_product_attention``
-call and every softmax over the last dimension of a 4-D tensor (Hugging Face's eager
-``eager_attention_forward``), attributed to the innermost running module. The model is not
-patched; a quiet step runs no mode and no tensor op.
+call, and every softmax over the last dimension of a 4-D tensor made by a module named as
+attention (Hugging Face's eager ``eager_attention_forward``), attributed to the innermost
+running module. The model is not patched; a quiet step runs no mode and no tensor op.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class _AttentionMode(TorchFunctionMode):
         elif func in _SOFTMAX:
             logits = _softmax_logits(args, kwargs)
             if logits is not None:
-                self.capture.see(lambda: logits)
+                self.capture.see(lambda: logits, softmax=True)
         return func(*args, **kwargs)
 
 
@@ -171,7 +171,8 @@ class AttentionCapture:
     Each ``scaled_dot_product_attention`` call, and each softmax over the last dimension of a
     4-D tensor, gives its logits (:func:`sdpa_logits`, or the
     softmax's input) to ``record(name, logits)`` under ``torch.no_grad``, ``name`` being the
-    qualified name of the innermost running module. Calls made by modules in ``skip``
+    qualified name of the innermost running module; a softmax counts only in a module whose
+    class is named as attention (:func:`looks_like_attention`). Calls made by modules in ``skip``
     (measured another way: ``nn.MultiheadAttention``) are not handed over.
 
     Not seen: forwards compiled by ``torch.compile`` (no mode is entered while compiling),
@@ -265,10 +266,13 @@ class AttentionCapture:
             if looks_like_attention(module) and not related(name)
         ]
 
-    def see(self, logits: Callable[[], torch.Tensor]) -> None:
-        """Record the logits of one attention call made by the innermost running module."""
-        name = self._stack[-1][0] if self._stack and self._live else None
-        if name is None or name in self._skip:
+    def see(self, logits: Callable[[], torch.Tensor], softmax: bool = False) -> None:
+        """Record the logits of one attention call made by the innermost running module; a
+        ``softmax`` only when that module looks like attention (:func:`looks_like_attention`)."""
+        if not (self._stack and self._live):
+            return
+        name, module, _ = self._stack[-1]
+        if name in self._skip or (softmax and not looks_like_attention(module)):
             return
         with torch.no_grad():
             self._record(name, logits())
