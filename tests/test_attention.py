@@ -570,3 +570,14 @@ def test_a_softmax_counts_as_attention_only_in_a_module_named_as_attention() -> 
         model(x)
     assert [name for name, _ in seen] == ["2"]
     torch.testing.assert_close(seen[0][1], y)
+
+
+def test_logits_are_float32_under_autocast() -> None:
+    q, k = (
+        torch.randn(2, 2, 5, 8, dtype=torch.bfloat16),
+        torch.randn(2, 2, 5, 8, dtype=torch.bfloat16),
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = sdpa_logits(q, k, is_causal=True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, sdpa_logits(q, k, is_causal=True), rtol=0, atol=0)

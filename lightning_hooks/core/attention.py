@@ -44,6 +44,7 @@ def sdpa_logits(
     ``q.k * scale`` (default scale ``1 / sqrt(E)``), ``-inf`` where ``is_causal`` (top-left
     aligned, as sdpa) or a boolean mask (``True``: takes part) excludes a key, a float mask
     added. With ``enable_gqa``, key heads are repeated to the query heads, as sdpa does.
+    Float32 under autocast too.
 
     Example:
         >>> q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
@@ -58,7 +59,8 @@ def sdpa_logits(
     if enable_gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     factor = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    logits = torch.matmul(q, k.transpose(-2, -1)).mul_(factor)  # in place: one [..., L, S]
+    with torch.autocast(q.device.type, enabled=False):  # float32 also in a mixed-precision run
+        logits = torch.matmul(q, k.transpose(-2, -1)).mul_(factor)  # in place: one [..., L, S]
     length, keys = logits.shape[-2:]
     if is_causal:
         keep = torch.ones(length, keys, dtype=torch.bool, device=logits.device).tril()
