@@ -35,6 +35,7 @@ __all__ = [
     "FailRule",
     "LayerRow",
     "RunReport",
+    "attention_summary",
     "check",
     "find_runs",
     "format_table",
@@ -68,7 +69,7 @@ LAYER_METRICS: dict[str, tuple[str, ...]] = {
     "saturation": ("saturated_fraction", "always_saturated_fraction"),
     "layer_time": ("forward_ms", "share"),
     "feature_map": ("abs_mean",),
-    "stability": ("attn_logit_max", "logit_logz", "logit_logz_max"),
+    "stability": ("attn_logit_max", "attn_entropy_min", "logit_logz", "logit_logz_max"),
 }
 """Every per-layer ``family/stat`` the library's callbacks log (a test holds it to a real fit)."""
 
@@ -337,9 +338,39 @@ def format_table(report: RunReport, limit: int | None = None) -> str:
     ]
     if limit is not None and len(report.layers) > limit:
         lines.append(f"... {len(report.layers) - limit} more layers (--top to show more)")
+    attention = attention_summary(report)
+    if attention is not None:
+        lines.append(attention)
     alarms = ", ".join(f"{k}={_fmt(v)}" for k, v in report.alarms.items() if v) or "none"
     lines.append(f"alarms: {alarms}")
     return "\n".join(lines)
+
+
+_ATTENTION = (
+    ("largest logit", "stability/attn_logit_max", max),
+    ("lowest entropy", "stability/attn_entropy_min", min),
+)
+
+
+def attention_summary(report: RunReport) -> str | None:
+    """The worst attention layer by its largest logit and by its lowest head entropy, as one
+    line (``None`` when the run logged no attention statistic).
+
+    Example:
+        >>> rows = [LayerRow("h.0", {"stability/attn_logit_max": 9.0,
+        ...                          "stability/attn_entropy_min": 0.5}),
+        ...         LayerRow("h.1", {"stability/attn_logit_max": 3.0,
+        ...                          "stability/attn_entropy_min": 0.25})]
+        >>> attention_summary(RunReport("run", 7, rows, {}, {}))
+        'attention: largest logit 9 at h.0; lowest entropy 0.25 at h.1'
+    """
+    parts = []
+    for label, full, pick in _ATTENTION:
+        rows = [r for r in report.layers if not math.isnan(r.values.get(full, math.nan))]
+        if rows:
+            worst = pick(rows, key=lambda r: r.values[full])
+            parts.append(f"{label} {_fmt(worst.values[full])} at {worst.layer}")
+    return f"attention: {'; '.join(parts)}" if parts else None
 
 
 def _fmt(value: float) -> str:

@@ -12,6 +12,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
+from torch.distributions import Categorical
 from torch.nn import functional
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -34,8 +35,9 @@ def reference_logit_max(
     key: torch.Tensor,
     attn_mask: torch.Tensor | None,
     key_padding_mask: torch.Tensor | None,
-) -> float:
-    """Plain torch, seq-first ``[L, N, E]`` inputs, torch's own input projections."""
+) -> tuple[float, float]:
+    """Plain torch, seq-first ``[L, N, E]`` inputs, torch's own input projections: the largest
+    logit and the smallest per-head mean attention entropy."""
     heads, e = mha.num_heads, mha.embed_dim
     b = mha.in_proj_bias
     if mha._qkv_same_embed_dim:
@@ -53,7 +55,7 @@ def reference_logit_max(
             logits = logits.masked_fill(mask, -math.inf)
         elif mask is not None:  # TransformerEncoder hands its masks on as float (-inf)
             logits = logits + mask
-    return logits.max().item()
+    return logits.max().item(), Categorical(logits=logits).entropy().mean((0, 2)).min().item()
 
 
 class TinyTransformer(pl.LightningModule):
@@ -69,6 +71,7 @@ class TinyTransformer(pl.LightningModule):
         self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(16, 5)
         self.expected_attn: dict[str, list[float]] = defaultdict(list)
+        self.expected_entropy: dict[str, list[float]] = defaultdict(list)
         self.expected_logz: list[torch.Tensor] = []
         self.batch_idx = -1
         for name, module in self.named_modules():
@@ -82,10 +85,11 @@ class TinyTransformer(pl.LightningModule):
         def hook(mha: nn.MultiheadAttention, args: Any, kwargs: dict[str, Any]) -> None:
             if self._sampled():
                 query = args[0] if self.batch_first is False else args[0].transpose(0, 1)
-                expected = reference_logit_max(
+                expected, entropy = reference_logit_max(
                     mha, query, query, kwargs["attn_mask"], kwargs["key_padding_mask"]
                 )
                 self.expected_attn[name].append(expected)
+                self.expected_entropy[name].append(entropy)
 
         return hook
 
@@ -144,6 +148,10 @@ def test_transformer_logs_attention_logits_and_logz_equal_to_torch(
         got = scalars[f"stability/attn_logit_max_step/{name}"]
         assert [s for s, _ in got] == [0, 1, 3]
         assert [v for _, v in got] == pytest.approx(model.expected_attn[name], rel=1e-5)
+        got = scalars[f"stability/attn_entropy_min_step/{name}"]
+        assert [v for _, v in got] == pytest.approx(model.expected_entropy[name], rel=1e-5)
+        want = min(model.expected_entropy[name])
+        assert scalars[f"stability/attn_entropy_min/{name}"] == [(STEPS, pytest.approx(want))]
     for tag, reduce in (("logit_logz_step", torch.mean), ("logit_logz_max_step", torch.amax)):
         got = scalars[f"stability/{tag}/head"]
         want = [reduce(z).item() for z in model.expected_logz]
@@ -248,6 +256,7 @@ def test_quiet_steps_run_no_tensor_op() -> None:
     model(x)
     stat.end_step()
     assert sorted(stat.tags(stat.result())) == [
+        "stability/attn_entropy_min/self_attn",
         "stability/attn_logit_max/self_attn",
         "stability/logit_logz/norm2",
         "stability/logit_logz_max/norm2",
@@ -281,5 +290,5 @@ def test_resumed_mid_epoch_logs_what_the_whole_fit_logs(tmp_path: Path) -> None:
     ]["layers"]
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     resumed = fit(tmp_path / "second", path, callbacks=[again], enable_checkpointing=True)
-    assert len(whole) == 8  # 4 per epoch, 4 of the last logging step
+    assert len(whole) == 12  # 6 per epoch, 6 of the last logging step
     assert resumed == pytest.approx(whole, rel=1e-5)

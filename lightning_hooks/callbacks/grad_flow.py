@@ -77,12 +77,16 @@ class GradFlowCallback(GradFlowLogging):
                                                 5th, 50th, 95th percentile over layers
     ``grad_flow/heatmap`` (image)               with ``heatmap=True``: gradient norm per
                                                 layer x epoch, log scale
-    ``stability/attn_logit_max/{layer}``        per ``nn.MultiheadAttention``: the largest
-                                                pre-softmax logit ``q.k / sqrt(d_head)``, max
+    ``stability/attn_logit_max/{layer}``        per attention module (``nn.MultiheadAttention``,
+                                                any module calling ``F.scaled_dot_product_
+                                                attention`` or an eager 4-D softmax): the
+                                                largest pre-softmax logit, max
+    ``stability/attn_entropy_min/{layer}``      the same modules: the attention entropy
+                                                averaged per head, smallest head, min
     ``stability/logit_logz/{layer}``            the output layer's ``logsumexp`` over its last
                                                 dimension, mean over positions and steps
     ``stability/logit_logz_max/{layer}``        the same, max
-    ``stability/{stat}_step/{layer}``           each of the three at each logging step
+    ``stability/{stat}_step/{layer}``           each of the five at each logging step
     ``grad_flow/grad_log10_abs/{layer}``        with ``histograms=True``: histogram of
     (histogram)                                 ``log10 |g|`` over the epoch's steps
     ==========================================  ================================================
@@ -132,7 +136,8 @@ class GradFlowCallback(GradFlowLogging):
             (``None``: the Trainer's ``log_every_n_steps``); the alarms run on every step.
         stability: log the transformer instability statistics ``stability/...``
             (:class:`~lightning_hooks.core.stats.stability.StabilityStats`: the largest attention
-            logit, the output logits' log-partition) on the sampled steps, whatever ``types``,
+            logit and smallest attention entropy, the output logits' log-partition) on the
+            sampled steps, whatever ``types``,
             ``include`` and ``exclude`` select. The output layer is the last module owning
             parameters whose output is a floating tensor, in forward execution order.
 

@@ -45,6 +45,8 @@ _CATEGORY_PREFIX = "lightning_hooks"
 _CATEGORY_ORDER = ("grad_flow", "alarms", "activations", "dead_relu")
 # Within a category: the statistics a reader looks at first (the rest by name).
 _CHART_ORDER = (
+    "attn_logit_max",
+    "attn_entropy_min",
     "grad_norm",
     "output_grad_norm",
     "update_ratio",
@@ -111,7 +113,8 @@ def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, lis
     One category per family (``lightning_hooks: grad_flow``) and one for every family's alarms
     (``lightning_hooks: alarms``), one multiline chart per statistic (its layers and its global
     lines), at most :data:`MAX_CHARTS` charts. Categories in the order grad_flow, alarms,
-    activations, dead_relu, then the rest by name.
+    activations, dead_relu, then the rest by name; the attention charts lead their category
+    (``stability``).
 
     Example:
         >>> keys = [("dead_relu", "dead_fraction"), ("grad_flow", "update_ratio"),

@@ -9,6 +9,7 @@ sampled steps only, on the device.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -20,11 +21,13 @@ from torch.nn import functional
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import select_modules
 from lightning_hooks.core.kernels.tensors import is_training_forward
+from lightning_hooks.core.stats.attention import AttentionCapture, attention_stats
 from lightning_hooks.core.stats.stat import LayerStat
+from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["STABILITY_STATS", "StabilityStats", "mha_logit_max"]
+__all__ = ["STABILITY_STATS", "StabilityStats", "mha_logit_max", "mha_logits"]
 
-STABILITY_STATS = ("attn_logit_max", "logit_logz", "logit_logz_max")
+STABILITY_STATS = ("attn_logit_max", "attn_entropy_min", "logit_logz", "logit_logz_max")
 """The statistics logged as ``stability/{stat}/{layer}``."""
 
 Result = dict[str, dict[str, float]]
@@ -77,6 +80,25 @@ def mha_logit_max(
         >>> torch.allclose(peak, (q @ k.transpose(-1, -2) / 2**0.5).max())
         True
     """
+    return mha_logits(mha, query, key, key_padding_mask, attn_mask).amax().float()
+
+
+def mha_logits(
+    mha: nn.MultiheadAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The pre-softmax logits ``[N, H, L, S']`` of ``mha`` on these inputs, as its softmax sees
+    them: ``q.k / sqrt(d_head)``, ``-inf`` for masked-out keys, float masks added, ``bias_k`` and
+    ``add_zero_attn`` keys included (an unbatched input gives ``N = 1``).
+
+    Example:
+        >>> mha = nn.MultiheadAttention(4, 2, batch_first=True)
+        >>> mha_logits(mha, torch.randn(3, 5, 4), torch.randn(3, 6, 4)).shape
+        torch.Size([3, 2, 5, 6])
+    """
     if query.dim() == 2:  # unbatched: [L, E]
         query, key = query.unsqueeze(1), key.unsqueeze(1)
         key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
@@ -108,7 +130,7 @@ def mha_logit_max(
         mask = _additive(key_padding_mask, logits.dtype)  # [N, S]
         mask = mask.view(n, 1, 1, -1).expand(n, heads, 1, -1).reshape(n * heads, 1, -1)
         logits = logits + functional.pad(mask, pad)
-    return logits.amax().float()
+    return logits.view(n, heads, *logits.shape[1:])
 
 
 def _owns_parameters(module: nn.Module) -> bool:
@@ -118,10 +140,16 @@ def _owns_parameters(module: nn.Module) -> bool:
 class StabilityStats(LayerStat[Result]):
     """The largest attention logit per attention layer and the output logits' log-partition.
 
-    ``attn_logit_max/{layer}``: for every ``nn.MultiheadAttention`` (the attention of
-    ``nn.TransformerEncoderLayer`` / ``DecoderLayer``), the largest pre-softmax logit
-    ``q.k / sqrt(d_head)`` over batch, heads and positions (:func:`mha_logit_max`), recomputed
-    from the module's inputs in a forward pre-hook; the max over the period.
+    ``attn_logit_max/{layer}``: the largest pre-softmax logit over batch, heads and positions,
+    the max over the period; ``attn_entropy_min/{layer}``: the attention entropy (nats) averaged
+    per head over batch and query rows, the smallest head, the min over the period
+    (:func:`~lightning_hooks.core.stats.attention.attention_stats`). For every
+    ``nn.MultiheadAttention`` (the attention of ``nn.TransformerEncoderLayer`` / ``DecoderLayer``)
+    the logits ``q.k / sqrt(d_head)`` are recomputed from the module's inputs in a forward
+    pre-hook (:func:`mha_logits`); for any other module, from the arguments of each
+    ``scaled_dot_product_attention`` call it makes (its own scale, causal flag and mask) or the
+    input of each softmax over the last dimension of a 4-D tensor (eager attention), seen by
+    :class:`~.attention.AttentionCapture` in the sampled training forwards.
 
     ``logit_logz/{layer}`` and ``logit_logz_max/{layer}``: ``logsumexp`` over the last dimension
     of the *output layer*'s output, mean and max over positions and over the period. The output
@@ -154,23 +182,31 @@ class StabilityStats(LayerStat[Result]):
     """
 
     attn_max: torch.Tensor
+    attn_entropy: torch.Tensor
     logz: torch.Tensor
     logz_max: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
         self.add_layer_state("attn_max", reduce="max")
+        self.add_layer_state("attn_entropy", reduce="min")
         self.add_layer_state("logz", reduce="sum", width=(2,))  # sum of log Z, positions
         self.add_layer_state("logz_max", reduce="max")
         self._attention: set[str] = set()
         self._output: str | None = None
         self._last: str | None = None  # while the output layer is not known: the last candidate
         self._candidates: dict[str, list[_LogZ]] = {}  # and what each candidate measured
+        self._capture: AttentionCapture | None = None
+        self._checked = False  # whether unseen attention was looked for since attach
 
     def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> StabilityStats:
         """Hook ``model``'s attention layers and parameter owners; find the output layer anew."""
         self._output, self._last, self._candidates = None, None, {}
         super().attach(model, registry)
+        assert self.registry is not None
+        self._capture = AttentionCapture(self._add_attention, skip=self._attention)
+        self._checked = False
+        self._capture.attach(self.registry)
         return self
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -192,11 +228,16 @@ class StabilityStats(LayerStat[Result]):
             if is_training_forward(module) and not torch.compiler.is_compiling():
                 assert isinstance(module, nn.MultiheadAttention)
                 with torch.no_grad():
-                    peak = mha_logit_max(module, *_mha_inputs(*args, **kwargs))
-                row = self.row(name)
-                self.attn_max[row] = torch.maximum(self.attn_max[row], peak)
+                    self._add_attention(name, mha_logits(module, *_mha_inputs(*args, **kwargs)))
 
         return hook
+
+    def _add_attention(self, name: str, logits: torch.Tensor) -> None:
+        """One attention call's largest logit and smallest head entropy into ``name``'s row."""
+        peak, entropy = attention_stats(logits)
+        row = self.row(name)
+        self.attn_max[row] = torch.maximum(self.attn_max[row], peak)
+        self.attn_entropy[row] = torch.minimum(self.attn_entropy[row], entropy)
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
         """The output layer's ``log Z`` into its row; while it is not known, the candidate's."""
@@ -223,12 +264,35 @@ class StabilityStats(LayerStat[Result]):
 
     def end_step(self) -> None:
         """After a forward: the last candidate seen is the output layer (an attribute check
-        when there is nothing to settle). Also settled before every reduce (:meth:`flush`)."""
+        when there is nothing to settle). Also settled before every reduce (:meth:`flush`).
+        After the first sampled step, one warning names the attention layers not seen."""
+        if (
+            not self._checked
+            and self._capture is not None
+            and self.registry is not None
+            and self.registry.sampled
+        ):
+            self._warn_unseen(self._capture, self.registry.model)
         if self._last is not None:
             name, self._last, self._output = self._last, None, self._last
             for measured in self._candidates.pop(name):
                 self._add(name, measured)
             self._candidates.clear()
+
+    def _warn_unseen(self, capture: AttentionCapture, model: nn.Module) -> None:
+        """Once per attach: the modules named as attention whose statistics cannot be seen."""
+        self._checked = True
+        unseen = capture.unseen(model)
+        if unseen:
+            warnings.warn(
+                f"StabilityStats: {len(unseen)} module(s) look like attention but made no "
+                "scaled_dot_product_attention call nor 4-D softmax that could be seen (inside "
+                "torch.compile, a fused kernel called directly, or attention computed another "
+                f"way); stability/attn_* is not logged for them: {', '.join(unseen[:5])}"
+                f"{' ...' if len(unseen) > 5 else ''}",
+                LightningHooksWarning,
+                stacklevel=3,
+            )
 
     def flush(self) -> None:
         """Settle a measured forward that :meth:`end_step` has not seen yet."""
@@ -239,8 +303,10 @@ class StabilityStats(LayerStat[Result]):
         out: Result = {stat: {} for stat in STABILITY_STATS}
         logz, count = states["logz"][:, 0], states["logz"][:, 1]
         for i, layer in enumerate(self.layers):
-            if layer in self._attention and states["attn_max"][i] != -np.inf:
+            if states["attn_max"][i] != -np.inf:
                 out["attn_logit_max"][layer] = float(states["attn_max"][i])
+            if states["attn_entropy"][i] != np.inf:
+                out["attn_entropy_min"][layer] = float(states["attn_entropy"][i])
             if count[i] > 0:
                 out["logit_logz"][layer] = float(logz[i] / count[i])
                 out["logit_logz_max"][layer] = float(states["logz_max"][i])

@@ -1,0 +1,281 @@
+"""Attention statistics of the attention real models run: ``scaled_dot_product_attention`` and
+eager softmax attention, seen through a ``TorchFunctionMode`` active only in sampled forwards.
+
+Pure kernels (:func:`sdpa_logits`, :func:`attention_stats`) turn a call's own ``q``, ``k``,
+mask, causal flag and scale into the logits its softmax sees, then into the largest logit and
+the smallest per-head mean entropy. :class:`AttentionCapture` finds the calls: module pre/post
+hooks keep the stack of running modules of a sampled training forward, and while the stack is
+not empty a ``TorchFunctionMode`` sees every ``torch.nn.functional.scaled_dot_product_attention``
+call, and every softmax over the last dimension of a 4-D tensor made by a module named as
+attention (Hugging Face's eager ``eager_attention_forward``), attributed to the innermost
+running module. The model is not patched; a quiet step runs no mode and no tensor op.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional
+from torch.overrides import TorchFunctionMode
+
+from lightning_hooks.core.hooks.registry import HookRegistry
+from lightning_hooks.core.kernels.tensors import is_training_forward
+
+__all__ = ["AttentionCapture", "attention_stats", "looks_like_attention", "sdpa_logits"]
+
+Record = Callable[[str, torch.Tensor], None]
+_SOFTMAX = (functional.softmax, torch.softmax, torch.Tensor.softmax)
+
+
+def sdpa_logits(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """The float32 logits ``[..., L, S]`` that ``scaled_dot_product_attention``'s softmax sees.
+
+    ``q.k * scale`` (default scale ``1 / sqrt(E)``), ``-inf`` where ``is_causal`` (top-left
+    aligned, as sdpa) or a boolean mask (``True``: takes part) excludes a key, a float mask
+    added. With ``enable_gqa``, key heads are repeated to the query heads, as sdpa does.
+    Float32 under autocast too.
+
+    Example:
+        >>> q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
+        >>> logits = sdpa_logits(q, k, is_causal=True, enable_gqa=True)
+        >>> logits.shape, bool(logits[0, 0, 0, 1] == -torch.inf)
+        (torch.Size([2, 4, 3, 3]), True)
+        >>> k2 = k.repeat_interleave(2, dim=1)
+        >>> torch.allclose(logits[..., 2, :], (q @ k2.transpose(-1, -2))[..., 2, :] / 8**0.5)
+        True
+    """
+    q, k = query.float(), key.float()
+    if enable_gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    factor = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    with torch.autocast(q.device.type, enabled=False):  # float32 also in a mixed-precision run
+        logits = torch.matmul(q, k.transpose(-2, -1)).mul_(factor)  # in place: one [..., L, S]
+    length, keys = logits.shape[-2:]
+    if is_causal:
+        keep = torch.ones(length, keys, dtype=torch.bool, device=logits.device).tril()
+        logits.masked_fill_(~keep, -torch.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            logits = torch.where(attn_mask, logits, -torch.inf)  # the mask may broadcast it
+        else:
+            logits = logits + attn_mask.float()
+    return logits
+
+
+def attention_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(largest logit, smallest per-head mean entropy)`` of softmax logits ``[..., H, L, S]``.
+
+    The entropy ``-sum p log p`` (nats) of each query's attention row, averaged per head over
+    the batch and the query rows that attend to at least one key (a row of only ``-inf`` is
+    left out), then the smallest over heads. Logits of fewer than 3 dimensions are one head.
+    Two 0-d float32 tensors, no host sync.
+
+    Example:
+        >>> logits = torch.tensor([[[0.0, 0.0], [5.0, -torch.inf]], [[1.0, 1.0], [1.0, 1.0]]])
+        >>> peak, entropy = attention_stats(logits)
+        >>> float(peak), round(float(entropy), 4), round(math.log(2) / 2, 4)
+        (5.0, 0.3466, 0.3466)
+    """
+    logits = logits.float()
+    if logits.dim() < 3:
+        logits = (
+            logits.reshape(1, *logits.shape[-2:]) if logits.dim() == 2 else logits.view(1, 1, -1)
+        )
+    row_max = logits.amax(-1)  # [..., H, L]
+    live = row_max > -torch.inf
+    entropy = torch.special.entr(torch.softmax(logits, -1)).sum(-1)  # entr(0) = 0: masked keys
+    heads = entropy.shape[-2]
+    total = torch.where(live, entropy, 0.0).movedim(-2, 0).reshape(heads, -1).sum(1)
+    count = live.movedim(-2, 0).reshape(heads, -1).sum(1)
+    mean = torch.where(count > 0, total / count.clamp(min=1), torch.inf)
+    return row_max.amax(), mean.amin()
+
+
+def looks_like_attention(module: nn.Module) -> bool:
+    """Whether ``module``'s class is named as an attention layer (``...Attention``, ``...Attn``;
+    any case), ``nn.MultiheadAttention`` aside.
+
+    Example:
+        >>> class GPT2Attention(nn.Module): ...
+        >>> looks_like_attention(GPT2Attention()), looks_like_attention(nn.Linear(2, 2))
+        (True, False)
+    """
+    name = type(module).__name__.lower()
+    return not isinstance(module, nn.MultiheadAttention) and ("attention" in name or "attn" in name)
+
+
+def _sdpa_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Bind ``scaled_dot_product_attention``'s arguments as it does; dropout plays no part."""
+    return sdpa_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
+
+
+def _softmax_logits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The input of a softmax over the last dimension of a 4-D float tensor, else ``None``."""
+    x = args[0] if args else kwargs.get("input")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+        return None
+    return x if dim in (-1, 3) else None
+
+
+class _AttentionMode(TorchFunctionMode):
+    """Hands every attention call it sees to its capture, then runs the call unchanged."""
+
+    def __init__(self, capture: AttentionCapture) -> None:
+        super().__init__()
+        self.capture = capture
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # a compiled region inside a measured forward
+            return func(*args, **kwargs)
+        if func is functional.scaled_dot_product_attention:
+            self.capture.see(lambda: _sdpa_call(*args, **kwargs))
+        elif func in _SOFTMAX:
+            logits = _softmax_logits(args, kwargs)
+            if logits is not None:
+                self.capture.see(lambda: logits, softmax=True)
+        return func(*args, **kwargs)
+
+
+class AttentionCapture:
+    """Sees the attention calls of the sampled training forwards of a model's modules.
+
+    :meth:`attach` hooks every module so that the stack of running modules is known; the
+    outermost module of a sampled training forward enters a ``TorchFunctionMode`` and leaves it
+    when it returns (or raises); calls made in other hooks are not taken for the module's.
+    Each ``scaled_dot_product_attention`` call, and each softmax over the last dimension of a
+    4-D tensor, gives its logits (:func:`sdpa_logits`, or the
+    softmax's input) to ``record(name, logits)`` under ``torch.no_grad``, ``name`` being the
+    qualified name of the innermost running module; a softmax counts only in a module whose
+    class is named as attention (:func:`looks_like_attention`). Calls made by modules in ``skip``
+    (measured another way: ``nn.MultiheadAttention``) are not handed over.
+
+    Not seen: forwards compiled by ``torch.compile`` (no mode is entered while compiling),
+    fused kernels called directly (``torch.ops.aten._scaled_dot_product_*``, flash-attn), and
+    calls made outside any module's forward.
+
+    Example:
+        >>> class Attend(nn.Module):
+        ...     def forward(self, x):
+        ...         return functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+        >>> model = nn.Sequential(nn.Linear(4, 4), Attend())
+        >>> seen = []
+        >>> with HookRegistry(model) as registry:
+        ...     _ = AttentionCapture(lambda name, z: seen.append((name, z.shape))).attach(registry)
+        ...     _ = model(torch.randn(2, 3, 4))
+        >>> seen
+        [('1', torch.Size([2, 3, 3]))]
+    """
+
+    def __init__(self, record: Record, skip: Iterable[str] = ()) -> None:
+        self._record = record
+        self._skip = set(skip)
+        self._mode = _AttentionMode(self)
+        self._stack: list[tuple[str, nn.Module, bool]] = []  # and whether its caller was live
+        self._live = False  # whether the innermost module's own forward is running
+        self._callers: list[bool] = []  # between a call's first and last pre-hook: the caller's
+        self.seen: set[str] = set()
+        """Names of the modules whose attention was recorded."""
+
+    def attach(self, registry: HookRegistry) -> AttentionCapture:
+        """Hook every module of ``registry``'s model that runs Python hooks.
+
+        Per module: a pre-hook placed first pauses the running module (the other pre-hooks are
+        not its forward), one placed last pushes the module; a forward hook placed first pauses
+        it again (the other forward hooks are not its forward either), one placed last pops it.
+        The forward hooks are called also when the forward raises.
+        """
+        for name, module in registry.model.named_modules():
+            if registry.forward_pre_hook(module, self._push(name), gated=True) is None:
+                continue  # torch.jit: runs no Python hook
+            registry.add(module.register_forward_pre_hook(self._enter, prepend=True))
+            for hook, first in ((self._pause, True), (self._pop, False)):
+                guarded = registry.guarded(hook, f"forward hook on {name!r}")
+                registry.add(module.register_forward_hook(guarded, prepend=first, always_call=True))
+        return self
+
+    def _enter(self, *_: Any) -> None:
+        """A module is called: its caller's state is kept until :meth:`_push` (or the other
+        pre-hooks' calls) and the caller is paused meanwhile."""
+        if self._stack:
+            self._callers.append(self._live)
+            self._live = False
+
+    def _pause(self, *_: Any) -> None:
+        self._live = False
+
+    def _push(self, name: str) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._stack:
+                caller = self._callers.pop()
+            elif torch.compiler.is_compiling() or not is_training_forward(module):
+                return
+            else:
+                caller = False
+                self._mode.__enter__()  # type: ignore[no-untyped-call]
+            self._stack.append((name, module, caller))
+            self._live = True
+
+        return hook
+
+    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._stack and self._stack[-1][1] is module:
+            self._live = self._stack.pop()[2]  # a module called from a hook: still in the hook
+            if not self._stack:
+                self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+    def unseen(self, model: nn.Module) -> list[str]:
+        """Names of ``model``'s modules that look like attention (:func:`looks_like_attention`)
+        but made no call seen here (nor are in ``skip``), none of their submodules or enclosing
+        modules either."""
+        seen = (*self.seen, *self._skip)
+
+        def related(name: str) -> bool:
+            return any(
+                s == name or s.startswith(f"{name}.") or name.startswith(f"{s}.") for s in seen
+            )
+
+        return [
+            name
+            for name, module in model.named_modules()
+            if looks_like_attention(module) and not related(name)
+        ]
+
+    def see(self, logits: Callable[[], torch.Tensor], softmax: bool = False) -> None:
+        """Record the logits of one attention call made by the innermost running module; a
+        ``softmax`` only when that module looks like attention (:func:`looks_like_attention`)."""
+        if not (self._stack and self._live):
+            return
+        name, module, _ = self._stack[-1]
+        if name in self._skip or (softmax and not looks_like_attention(module)):
+            return
+        with torch.no_grad():
+            self._record(name, logits())
+        self.seen.add(name)

@@ -1,0 +1,584 @@
+"""Attention statistics of ``scaled_dot_product_attention`` and eager softmax attention, per
+module: equal to plain torch on the same q, k and mask, through ``Trainer.fit`` and TensorBoard."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from test_cost import _OpsPerStep, _StepWindow
+from timm_shim import import_timm
+from torch import nn
+from torch.distributions import Categorical
+from torch.nn import functional
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_hooks import GradFlowCallback
+from lightning_hooks.cli import main
+from lightning_hooks.core.hooks.registry import HookRegistry
+from lightning_hooks.core.stats.attention import AttentionCapture, attention_stats, sdpa_logits
+from lightning_hooks.core.stats.stability import StabilityStats
+from lightning_hooks.errors import LightningHooksWarning
+from lightning_hooks.report import _fmt
+
+from conftest import make_trainer, read_scalars
+from syncs import count_syncs
+from tensorboard_server import charts, read_layouts
+
+STEPS, EVERY = 4, 2  # one epoch of 4 steps; steps 0 (the epoch's first), 1 and 3 are sampled
+LENGTH, BATCH, VOCAB = 8, 4, 50
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, keep: torch.Tensor) -> tuple[float, float]:
+    """Plain torch on ``q, k: [B, H, L, d]``, ``keep`` broadcast to ``[B, H, L, S]``: the largest
+    kept logit ``q.k / sqrt(d)`` and the smallest per-head mean of the rows' entropies."""
+    logits = torch.einsum("bhld,bhsd->bhls", q.double(), k.double()) / math.sqrt(q.shape[-1])
+    logits = logits.masked_fill(~keep, -math.inf)
+    entropy = Categorical(logits=logits).entropy()  # [B, H, L]; every row keeps a key here
+    return logits.max().item(), entropy.mean(dim=(0, 2)).min().item()
+
+
+# --- the pure kernels -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mask", ["none", "causal", "bool", "float", "gqa", "gqa-causal", "scale", "3-d"]
+)
+def test_softmax_of_sdpa_logits_gives_sdpa_output(mask: str) -> None:
+    """The logits' softmax times v is what sdpa returns: the same scale, mask and heads."""
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    kwargs: dict[str, Any] = {}
+    if mask.startswith("gqa"):
+        k, v, kwargs["enable_gqa"] = k[:, :2], v[:, :2], True
+    if mask.endswith("causal"):
+        kwargs["is_causal"] = True
+    if mask == "bool":
+        kwargs["attn_mask"] = torch.rand(2, 1, 5, 6) > 0.3
+        kwargs["attn_mask"][..., 0] = True
+    if mask == "float":
+        kwargs["attn_mask"] = torch.randn(5, 6)
+    if mask == "scale":
+        kwargs["scale"] = 0.7
+    if mask == "3-d":
+        q, k, v = q[0], k[0], v[0]
+    logits = sdpa_logits(q, k, **kwargs)
+    values = v.repeat_interleave(2, dim=-3) if mask.startswith("gqa") else v
+    got = torch.softmax(logits, -1) @ values
+    want = functional.scaled_dot_product_attention(q, k, v, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_stats_against_categorical_entropy() -> None:
+    logits = torch.randn(3, 4, 5, 6) * 3
+    keep = torch.rand(3, 1, 5, 6) > 0.4
+    keep[..., 2] = True
+    peak, entropy = attention_stats(logits.masked_fill(~keep, -torch.inf))
+    q = logits  # reference() takes q, k: pass logits * sqrt(d) as q and the identity as k
+    want = reference(q * math.sqrt(6), torch.eye(6).expand(3, 4, 6, 6), keep)
+    assert (peak.item(), entropy.item()) == pytest.approx(want, rel=1e-5)
+
+
+def test_a_fully_masked_row_is_left_out_and_all_masked_gives_no_value() -> None:
+    logits = torch.tensor([[[[1.0, 1.0], [-torch.inf, -torch.inf]]]])
+    peak, entropy = attention_stats(logits)
+    assert (peak.item(), entropy.item()) == pytest.approx((1.0, math.log(2)))
+    peak, entropy = attention_stats(torch.full((1, 2, 3, 3), -torch.inf))
+    assert (peak.item(), entropy.item()) == (-math.inf, math.inf)
+
+
+# --- models ---------------------------------------------------------------------------------
+
+
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention (``model.py``), with ``kv_heads`` < ``heads`` for grouped queries."""
+
+    def __init__(self, width: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.d = heads, kv_heads, width // heads
+        self.c_attn = nn.Linear(width, (heads + 2 * kv_heads) * self.d)
+        self.c_proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.c_attn(x).split([self.heads * self.d, *[self.kv_heads * self.d] * 2], 2)
+        q = q.view(b, n, self.heads, self.d).transpose(1, 2)
+        k = k.view(b, n, self.kv_heads, self.d).transpose(1, 2)
+        v = v.view(b, n, self.kv_heads, self.d).transpose(1, 2)
+        y = functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=0.1, is_causal=True, enable_gqa=self.kv_heads != self.heads
+        )
+        return self.c_proj(y.transpose(1, 2).reshape(b, n, -1))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, kv_heads: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, 16)
+        self.h = nn.ModuleList(CausalSelfAttention(16, 4, kv_heads) for _ in range(2))
+        self.lm_head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids) * 4  # large logits: the entropy is far from uniform
+        for block in self.h:
+            x = x + block(x)
+        return self.lm_head(x)
+
+
+Capture = Callable[["Fit", str, nn.Module], None]
+
+
+class Fit(pl.LightningModule):
+    """Trains ``net`` on padded token batches; on the sampled steps ``capture`` records each
+    attention module's plain-torch reference into :attr:`expected`."""
+
+    def __init__(
+        self, net: nn.Module, loss: Callable[..., torch.Tensor], capture: Capture, padded: bool
+    ) -> None:
+        super().__init__()
+        self.net, self.loss, self.padded = net, loss, padded
+        self.expected: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        self.keep = torch.ones(BATCH, LENGTH, dtype=torch.bool)
+        self.batch_idx = -1
+        capture(self, "", net)
+
+    def sampled(self) -> bool:
+        step = self.trainer.global_step
+        return self.training and (self.batch_idx == 0 or (step + 1) % EVERY == 0)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.batch_idx = batch_idx
+        ids, keep = batch
+        self.keep = keep if self.padded else torch.ones_like(keep)  # nanoGPT takes no mask
+        return self.loss(self.net, ids, keep)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, VOCAB, (BATCH * STEPS, LENGTH), generator=g)
+        lengths = torch.randint(3, LENGTH + 1, (BATCH * STEPS,), generator=g)
+        keep = torch.arange(LENGTH) < lengths[:, None]  # right padding
+        return DataLoader(TensorDataset(ids, keep), batch_size=BATCH)
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x.view(x.shape[0], x.shape[1], heads, -1).transpose(1, 2)
+
+
+def _record(fit: Fit, name: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+    if fit.sampled():
+        keep = fit.keep[:, None, None, :]
+        if causal:
+            keep = keep & torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril()
+        fit.expected[name].append(reference(q.detach(), k.detach(), keep))
+
+
+def _gpt2_capture(fit: Fit, _: str, net: nn.Module) -> None:
+    for i, block in enumerate(net.transformer.h):
+        attn = block.attn
+
+        def hook(
+            m: nn.Module, args: Any, out: torch.Tensor, i: int = i, h: int = attn.num_heads
+        ) -> None:
+            q, k, _ = out.split(out.shape[-1] // 3, dim=2)
+            _record(fit, f"net.transformer.h.{i}.attn", _heads(q, h), _heads(k, h), causal=True)
+
+        attn.c_attn.register_forward_hook(hook)
+
+
+def _bert_capture(fit: Fit, _: str, net: nn.Module) -> None:
+    for i, layer in enumerate(net.bert.encoder.layer):
+        attn = layer.attention.self
+        got: dict[str, torch.Tensor] = {}
+
+        def keep_q(
+            m: nn.Module, args: Any, out: torch.Tensor, got: dict[str, torch.Tensor] = got
+        ) -> None:
+            got["q"] = out
+
+        def hook(
+            m: nn.Module,
+            args: Any,
+            out: torch.Tensor,
+            i: int = i,
+            got: dict[str, torch.Tensor] = got,
+            h: int = attn.num_attention_heads,
+        ) -> None:
+            name = f"net.bert.encoder.layer.{i}.attention.self"
+            _record(fit, name, _heads(got["q"], h), _heads(out, h), causal=False)
+
+        attn.query.register_forward_hook(keep_q)
+        attn.key.register_forward_hook(hook)
+
+
+def _nano_capture(fit: Fit, _: str, net: nn.Module) -> None:
+    for i, block in enumerate(net.h):
+
+        def hook(m: nn.Module, args: Any, out: torch.Tensor, i: int = i, b: Any = block) -> None:
+            q, k, _ = out.split([b.heads * b.d, *[b.kv_heads * b.d] * 2], 2)
+            k = _heads(k, b.kv_heads).repeat_interleave(b.heads // b.kv_heads, dim=1)
+            _record(fit, f"net.h.{i}", _heads(q, b.heads), k, causal=True)
+
+        block.c_attn.register_forward_hook(hook)
+
+
+def _gpt2(impl: str) -> Fit:
+    t = pytest.importorskip("transformers")
+    config = t.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=LENGTH,
+        bos_token_id=0, eos_token_id=0, initializer_range=0.5, attn_implementation=impl,
+    )  # fmt: skip
+    net = t.GPT2LMHeadModel(config)
+
+    def loss(net: nn.Module, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return net(input_ids=ids, attention_mask=keep.long(), labels=ids).loss  # type: ignore[no-any-return]
+
+    return Fit(net, loss, _gpt2_capture, padded=True)
+
+
+def _bert(impl: str) -> Fit:
+    t = pytest.importorskip("transformers")
+    config = t.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=LENGTH, num_labels=3,
+        initializer_range=0.5, attn_implementation=impl,
+    )  # fmt: skip
+    net = t.BertForSequenceClassification(config)
+
+    def loss(net: nn.Module, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        labels = ids[:, 0] % 3
+        return net(input_ids=ids, attention_mask=keep.long(), labels=labels).loss  # type: ignore[no-any-return]
+
+    return Fit(net, loss, _bert_capture, padded=True)
+
+
+def _llama_capture(fit: Fit, _: str, net: nn.Module) -> None:
+    """RoPE'd q and k recomputed from each attention's inputs with the model's own weights;
+    grouped-query keys repeated to the query heads."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    for i, layer in enumerate(net.model.layers):
+        attn = layer.self_attn
+
+        def hook(m: nn.Module, args: Any, kwargs: dict[str, Any], i: int = i) -> None:
+            h = kwargs.get("hidden_states", args[0] if args else None)
+            b, n, _ = h.shape
+            q = m.q_proj(h).view(b, n, -1, m.head_dim).transpose(1, 2)
+            k = m.k_proj(h).view(b, n, -1, m.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, *kwargs["position_embeddings"])
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            _record(fit, f"net.model.layers.{i}.self_attn", q, k, causal=True)
+
+        attn.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _llama(impl: str, padded: bool) -> Fit:
+    """A tiny Llama with grouped-query attention (4 query heads, 2 key/value heads): unpadded,
+    its sdpa path calls sdpa with ``enable_gqa=True``; padded, it repeats the keys itself."""
+    t = pytest.importorskip("transformers")
+    config = t.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH,
+        initializer_range=0.5, attn_implementation=impl, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0,
+    )  # fmt: skip
+    net = t.LlamaForCausalLM(config)
+
+    def loss(net: nn.Module, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        mask = keep.long() if padded else None
+        return net(input_ids=ids, attention_mask=mask, labels=ids).loss  # type: ignore[no-any-return]
+
+    return Fit(net, loss, _llama_capture, padded=padded)
+
+
+def _vit_capture(fit: Fit, _: str, net: nn.Module) -> None:
+    for i, block in enumerate(net.blocks):
+        attn = block.attn
+
+        def hook(
+            m: nn.Module, args: Any, out: torch.Tensor, i: int = i, h: int = attn.num_heads
+        ) -> None:
+            b, n, _ = out.shape
+            q, k, _ = out.reshape(b, n, 3, h, -1).permute(2, 0, 3, 1, 4)
+            if fit.sampled():
+                keep = torch.ones(n, n, dtype=torch.bool)  # bidirectional, no mask
+                fit.expected[f"net.blocks.{i}.attn"].append(reference(q.detach(), k.detach(), keep))
+
+        attn.qkv.register_forward_hook(hook)
+
+
+def _vit() -> Fit:
+    """timm's ViT (fused attention: ``F.scaled_dot_product_attention``) on 32x32 images."""
+    try:
+        timm = import_timm()  # torchvision without its fake kernels if it must: see timm_shim
+    except ImportError as err:
+        pytest.skip(f"timm is not installed ({err}): ./dev installs it with torchvision")
+    net = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+        num_classes=3, attn_drop_rate=0.1,
+    )  # fmt: skip
+    assert all(block.attn.fused_attn for block in net.blocks)
+
+    def loss(net: nn.Module, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        g = torch.Generator().manual_seed(int(ids.sum()))
+        images = torch.randn(ids.shape[0], 3, 32, 32, generator=g) * 3
+        return functional.cross_entropy(net(images), ids[:, 0] % 3)
+
+    return Fit(net, loss, _vit_capture, padded=False)
+
+
+def _nano(kv_heads: int) -> Fit:
+    def loss(net: nn.Module, ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return functional.cross_entropy(net(ids).flatten(0, 1), ids.flatten())
+
+    return Fit(NanoGPT(kv_heads), loss, _nano_capture, padded=False)
+
+
+MODELS: dict[str, Callable[[], Fit]] = {
+    "gpt2-sdpa": lambda: _gpt2("sdpa"),
+    "gpt2-eager": lambda: _gpt2("eager"),
+    "bert-sdpa": lambda: _bert("sdpa"),
+    "bert-eager": lambda: _bert("eager"),
+    "nanogpt": lambda: _nano(4),
+    "nanogpt-gqa": lambda: _nano(2),
+    "timm-vit": _vit,
+    "llama-gqa-sdpa": lambda: _llama("sdpa", padded=False),
+    "llama-gqa-sdpa-padded": lambda: _llama("sdpa", padded=True),
+    "llama-gqa-eager-padded": lambda: _llama("eager", padded=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_attention_statistics_equal_plain_torch_through_fit(name: str, tmp_path: Path) -> None:
+    fit = MODELS[name]()
+    trainer = make_trainer(
+        tmp_path, callbacks=[GradFlowCallback()], max_steps=STEPS, log_every_n_steps=EVERY
+    )
+    trainer.fit(fit)
+    scalars = read_scalars(tmp_path)
+    modules = sorted(fit.expected)
+    assert len(modules) == 2
+    for stat in ("attn_logit_max", "attn_entropy_min"):
+        assert sorted(t for t in scalars if t.startswith(f"stability/{stat}/")) == [
+            f"stability/{stat}/{m}" for m in modules
+        ]
+    for module in modules:
+        expected = fit.expected[module]
+        assert len(expected) == 3  # steps 0, 1 and 3 only
+        for i, stat in enumerate(("attn_logit_max", "attn_entropy_min")):
+            got = scalars[f"stability/{stat}_step/{module}"]
+            assert [s for s, _ in got] == [0, 1, 3]
+            assert [v for _, v in got] == pytest.approx([e[i] for e in expected], rel=1e-5)
+            reduce = max if i == 0 else min
+            want = reduce(e[i] for e in expected)
+            assert scalars[f"stability/{stat}/{module}"] == [(STEPS, pytest.approx(want, rel=1e-5))]
+
+
+def _ops(model: nn.Module, ids: torch.Tensor) -> dict[str, int]:
+    with torch.profiler.profile() as prof:
+        model(ids)
+    return {e.key: e.count for e in prof.key_averages()}
+
+
+def test_quiet_steps_run_the_same_ops_and_sampled_steps_pay() -> None:
+    net = NanoGPT(2)
+    ids = torch.randint(0, VOCAB, (2, LENGTH))
+    bare = _ops(net, ids)
+    stat = StabilityStats().attach(net)
+    assert stat.registry is not None
+    stat.registry.sampled = False
+    assert _ops(net, ids) == bare
+    stat.registry.sampled = True
+    assert "aten::special_entr" in set(_ops(net, ids)) - set(bare)
+    stat.remove()
+    assert _ops(net, ids) == bare
+
+
+def test_capture_leaves_the_mode_when_the_forward_raises() -> None:
+    class Fails(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            functional.scaled_dot_product_attention(x, x, x)
+            raise RuntimeError("boom")
+
+    model = nn.Sequential(nn.Linear(4, 4), Fails())
+    seen: list[str] = []
+    with HookRegistry(model) as registry:
+        capture = AttentionCapture(lambda name, _: seen.append(name)).attach(registry)
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.randn(2, 3, 4))
+        assert torch._C._len_torch_function_stack() == 0 and not capture._stack
+        functional.scaled_dot_product_attention(*[torch.randn(1, 2, 4)] * 3)  # outside a module
+    assert seen == ["1"]
+
+
+# --- where it cannot see ----------------------------------------------------------------------
+
+
+class FusedAttention(nn.Module):
+    """Calls the fused CPU kernel directly: no ``scaled_dot_product_attention`` call to see."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.view(x.shape[0], x.shape[1], 2, -1).transpose(1, 2)
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, is_causal=True)
+        return out[0].transpose(1, 2).flatten(2)  # type: ignore[no-any-return]
+
+
+def test_a_fused_kernel_called_directly_warns_once_and_logs_nothing() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), FusedAttention(), nn.Linear(8, 3))
+    with StabilityStats().attach(model) as stat:
+        with pytest.warns(LightningHooksWarning, match=r"1 module\(s\) look like attention.*: 1$"):
+            model(torch.randn(2, 5, 8)).sum().backward()
+            stat.end_step()
+        model(torch.randn(2, 5, 8)).sum().backward()  # no second warning: errors would raise
+        stat.end_step()
+        assert not [t for t in stat.tags(stat.result()) if "attn" in t]
+
+
+def test_compiled_attention_is_left_out_with_a_warning() -> None:
+    """Through the statistic: ``Trainer.fit`` with a compiled attention block raises an
+    in-place autograd error in ``GradFlowCallback`` already on the main branch (not this code)."""
+    net = NanoGPT(4)
+    net.h[1] = torch.compile(net.h[1], backend="aot_eager")  # type: ignore[assignment]
+    ids = torch.randint(0, VOCAB, (2, LENGTH))
+    with StabilityStats().attach(net) as stat:
+        with pytest.warns(LightningHooksWarning, match=r"look like attention.*: h\.1\._orig_mod$"):
+            net(ids).sum().backward()
+            stat.end_step()
+        tags = sorted(t for t in stat.tags(stat.result()) if "attn" in t)
+    assert tags == ["stability/attn_entropy_min/h.0", "stability/attn_logit_max/h.0"]
+
+
+def test_report_names_the_worst_attention_layer_by_logit_and_by_entropy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fit = _gpt2("sdpa")
+    trainer = make_trainer(
+        tmp_path, callbacks=[GradFlowCallback()], max_steps=STEPS, log_every_n_steps=EVERY
+    )
+    trainer.fit(fit)
+    scalars = read_scalars(tmp_path)
+
+    def worst(stat: str, pick: Callable[..., Any]) -> tuple[float, str]:
+        tags = [t for t in scalars if t.startswith(f"stability/{stat}/")]
+        tag = pick(tags, key=lambda t: scalars[t][-1][1])
+        return scalars[tag][-1][1], tag.split("/", 2)[2]
+
+    assert main(["report", str(tmp_path)]) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("attention: ")]
+    (logit, at_logit), (entropy, at_entropy) = (
+        worst("attn_logit_max", max),
+        worst("attn_entropy_min", min),
+    )
+    assert line == (
+        f"attention: largest logit {_fmt(logit)} at {at_logit}; "
+        f"lowest entropy {_fmt(entropy)} at {at_entropy}"
+    )
+
+
+def test_dashboard_leads_the_stability_category_with_the_attention_charts(tmp_path: Path) -> None:
+    trainer = make_trainer(
+        tmp_path, callbacks=[GradFlowCallback()], max_steps=STEPS, log_every_n_steps=EVERY
+    )
+    trainer.fit(_nano(2))
+    found = charts(read_layouts(tmp_path)[-1])
+    stability = [t.split("/", 1)[1] for t in found if t.startswith("lightning_hooks: stability/")]
+    assert stability[:4] == [
+        "attn_logit_max",
+        "attn_logit_max_step",
+        "attn_entropy_min",
+        "attn_entropy_min_step",
+    ]
+    tags = set(read_scalars(tmp_path))
+    for chart in stability[:4]:
+        regexes = found[f"lightning_hooks: stability/{chart}"]
+        matched = {t for t in tags if any(re.match(r, t) for r in regexes)}
+        assert matched == {f"stability/{chart}/net.h.{i}" for i in (0, 1)}
+
+
+def _unchecked_nano() -> Fit:
+    """The nanoGPT fit without the reference hooks (their ``.item()`` would count as syncs: the
+    mode's frame is on their stack)."""
+    return Fit(NanoGPT(2), _nano(2).loss, lambda *_: None, padded=False)
+
+
+def test_through_fit_a_quiet_step_runs_the_bare_ops_and_no_step_syncs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bare, hooked = _OpsPerStep(), _OpsPerStep()
+    make_trainer(tmp_path / "bare", callbacks=[bare], max_steps=STEPS).fit(_unchecked_nano())
+    with count_syncs(monkeypatch) as counter:
+
+        def active(on: bool) -> Callable[[], None]:
+            return lambda: setattr(counter, "active", on)
+
+        window = _StepWindow(active(True), active(False))
+        callbacks = [window, hooked, GradFlowCallback(every_n_steps=2, alarms=False)]
+        make_trainer(tmp_path / "hooked", callbacks=callbacks, max_steps=STEPS).fit(
+            _unchecked_nano()
+        )
+    assert window.steps == STEPS and dict(counter.calls) == {}
+    # every_n_steps=2 over steps 0-3: steps 0 (the epoch's first), 1 and 3 are sampled.
+    assert hooked.per_step[2] == bare.per_step[2]
+    assert hooked.per_step[1] > bare.per_step[1]
+    assert "stability/attn_entropy_min/net.h.1" in read_scalars(tmp_path / "hooked")
+
+
+def test_other_hooks_calls_are_not_attention_even_when_they_call_modules() -> None:
+    class Attend(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return functional.scaled_dot_product_attention(x, x, x)
+
+    model = nn.Sequential(nn.Linear(4, 4), Attend())
+
+    def softmax(*_: Any) -> None:
+        torch.softmax(torch.randn(1, 2, 3, 3), -1)
+
+    def call_then_softmax(module: nn.Module, args: Any) -> None:
+        model[0](args[0])  # a module called from a hook ends: still inside the hook
+        softmax()
+
+    model[0].register_forward_hook(softmax)
+    model[1].register_forward_pre_hook(call_then_softmax)
+    seen: list[str] = []
+    with HookRegistry(model) as registry:
+        AttentionCapture(lambda name, _: seen.append(name)).attach(registry)
+        model(torch.randn(2, 3, 4))
+    assert seen == ["1"]
+
+
+def test_a_softmax_counts_as_attention_only_in_a_module_named_as_attention() -> None:
+    class SpatialSoftmax(nn.Module):  # a 4-D softmax over the width of a feature map
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(x, dim=-1)
+
+    class EagerAttention(SpatialSoftmax):
+        pass
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), SpatialSoftmax(), EagerAttention())
+    seen: list[tuple[str, torch.Tensor]] = []
+    with HookRegistry(model) as registry:
+        AttentionCapture(lambda name, logits: seen.append((name, logits))).attach(registry)
+        x = torch.randn(2, 3, 5, 6)
+        y = model[1](model[0](x))
+        model(x)
+    assert [name for name, _ in seen] == ["2"]
+    torch.testing.assert_close(seen[0][1], y)
+
+
+def test_logits_are_float32_under_autocast() -> None:
+    q, k = (
+        torch.randn(2, 2, 5, 8, dtype=torch.bfloat16),
+        torch.randn(2, 2, 5, 8, dtype=torch.bfloat16),
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = sdpa_logits(q, k, is_causal=True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, sdpa_logits(q, k, is_causal=True), rtol=0, atol=0)
