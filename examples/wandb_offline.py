@@ -10,28 +10,10 @@ import os
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import WandbLogger
-from torch import nn
+from quickstart import Regressor  # the quickstart's model: only the logger differs
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import ActivationStatsCallback, GradFlowCallback
-
-
-class Regressor(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)
-        )
-
-    def training_step(
-        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
-    ) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
-
 
 if __name__ == "__main__":
     import wandb

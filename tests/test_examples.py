@@ -15,6 +15,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 def _run(script: str, cwd: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # In-process: a fresh interpreter would spend most of the test importing torch again.
     monkeypatch.chdir(cwd)
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # as `python examples/x.py` puts it first
     runpy.run_path(str(EXAMPLES / script), run_name="__main__")
 
 
