@@ -93,3 +93,68 @@ def test_compiled_training_matches_eager(mode: str, tmp_path: Path) -> None:
 @pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning")  # Inductor's
 def test_compiled_with_inductor_matches_eager(tmp_path: Path) -> None:
     _check_against_eager("module", "inductor", tmp_path)
+
+
+class _Block(torch.nn.Module):
+    """A residual block around ``scaled_dot_product_attention``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 4, 4).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.proj(y.transpose(1, 2).flatten(2))
+
+
+class _TwoBlocks(pl.LightningModule):
+    """Embedding, two attention blocks (the second compiled on request), a head."""
+
+    def __init__(self, compiled: bool) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50)
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+        if compiled:
+            self.blocks[1] = torch.compile(self.blocks[1], backend="aot_eager")
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x = self.emb(batch[0])
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x).flatten(0, 1)
+        return torch.nn.functional.cross_entropy(logits, batch[0].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        tokens = torch.randint(0, 50, (16, 8), generator=torch.Generator().manual_seed(1))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4)
+
+
+def _blocks_fit(root: Path, compiled: bool) -> dict[str, list[tuple[int, float]]]:
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = _TwoBlocks(compiled)
+    trainer = make_trainer(root, max_steps=4, log_every_n_steps=2, callbacks=[GradFlowCallback()])
+    trainer.fit(model)
+    assert hooks_left(model) == []
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    return read_scalars(root)
+
+
+# Dynamo's own read of the compiled block's input (a non-leaf), with or without the callback.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_compiled_attention_block_among_eager_ones_matches_eager(tmp_path: Path) -> None:
+    """One of two residual attention blocks compiled: its layers' output-gradient hooks run in
+    the compiled backward, after the eager head's; the grad_flow values equal eager's."""
+    eager = _blocks_fit(tmp_path / "eager", compiled=False)
+    compiled = _blocks_fit(tmp_path / "compiled", compiled=True)
+    tags = {t for t in eager if t.startswith("grad_flow/")}
+    assert "grad_flow/output_grad_norm/blocks.1.proj" in tags
+    assert {t for t in compiled if t.startswith("grad_flow/")} == tags
+    for tag in tags:
+        for (step, got), (at, want) in zip(compiled[tag], eager[tag], strict=True):
+            assert step == at and math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-9), tag

@@ -224,18 +224,23 @@ class AttentionCapture:
     def _enter(self, *_: Any) -> None:
         """A module is called: its caller's state is kept until :meth:`_push` (or the other
         pre-hooks' calls) and the caller is paused meanwhile."""
-        if self._stack:
+        # Compiled (a region's own hooks): the mode sees nothing there, and Dynamo must not
+        # read the stack, which may hold the region's ``torch.compile`` wrapper.
+        if not torch.compiler.is_compiling() and self._stack:
             self._callers.append(self._live)
             self._live = False
 
     def _pause(self, *_: Any) -> None:
-        self._live = False
+        if not torch.compiler.is_compiling():
+            self._live = False
 
     def _push(self, name: str) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
             if self._stack:
                 caller = self._callers.pop()
-            elif torch.compiler.is_compiling() or not is_training_forward(module):
+            elif not is_training_forward(module):
                 return
             else:
                 caller = False
@@ -246,6 +251,8 @@ class AttentionCapture:
         return hook
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         if self._stack and self._stack[-1][1] is module:
             self._live = self._stack.pop()[2]  # a module called from a hook: still in the hook
             if not self._stack:

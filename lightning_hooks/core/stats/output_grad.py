@@ -26,10 +26,6 @@ def _add_output_grad(sq_row: torch.Tensor, grad: torch.Tensor) -> None:
     sq_row.addcmul_(norm, norm)
 
 
-def _add_output_grad_at(sq: torch.Tensor, row: int, grad: torch.Tensor) -> None:
-    _add_output_grad(sq.select(0, row), grad)
-
-
 def _add_output_grad_in_order(
     sq_row: torch.Tensor, order: list[int], row: int, grad: torch.Tensor
 ) -> None:
@@ -38,10 +34,16 @@ def _add_output_grad_in_order(
 
 
 def _output_hook(
-    sq: torch.Tensor, hit: torch.Tensor, row: int, order: list[int], wrap: Any = None
+    sq: torch.Tensor,
+    hit: torch.Tensor,
+    row: int,
+    order: list[int],
+    compiled_sq: torch.Tensor,
+    wrap: Any = None,
 ) -> Any:
     """A forward hook that puts a gradient hook on the module's outputs in training forwards
-    (``wrap``: the registry's guard for those tensor hooks)."""
+    (``wrap``: the registry's guard for those tensor hooks; ``compiled_sq``: the row's own
+    tensor, not a view of ``sq``, that a compiled region's gradient hook sums into)."""
     # Views made once: each step then costs one op per forward and two per gradient.
     sq_row, hit_row = sq.select(0, row), hit.select(0, row)
 
@@ -49,9 +51,12 @@ def _output_hook(
         if not is_grad_forward(module):
             return
         # Dynamo cannot trace a host list mutated in backward, nor views made outside the
-        # graph: compiled, the non-finite alarm falls back to reverse model order.
+        # graph: compiled, the non-finite alarm falls back to reverse model order. AOTAutograd
+        # saves a tensor the backward hook writes to, and checks its version when the region's
+        # backward starts: were it ``sq`` (or a view), the eager layers' hooks, which run first
+        # in backward, would have bumped it. Each row has its own tensor, summed in at record.
         if torch.compiler.is_compiling():
-            add = partial(_add_output_grad_at, sq, row)
+            add = partial(_add_output_grad, compiled_sq)
         else:
             add = partial(_add_output_grad_in_order, sq_row, order, row)
         if wrap is not None:
@@ -95,6 +100,8 @@ class OutputGradients:
         self.order: list[int] = []
         self._sq = torch.zeros(num_layers, device=device)
         self._hit = torch.zeros(num_layers, device=device)
+        # One tensor per row for the gradient hooks traced in compiled regions (see _output_hook).
+        self._compiled_sq = [torch.zeros((), device=device) for _ in range(num_layers)]
         # Several optimizers: each row's output-gradient sums as they stood at the last step of
         # another optimizer, and the gradient each optimizer's first parameter had then.
         self._pending_sq = torch.zeros_like(self._sq)
@@ -118,7 +125,8 @@ class OutputGradients:
             if name not in by_name:
                 continue  # the model's own row: its output is the loss's input, not a layer's
             wrap = registry.guarded
-            hook = _output_hook(self._sq, self._hit, row, self.order, wrap)
+            slot = self._compiled_sq[row]
+            hook = _output_hook(self._sq, self._hit, row, self.order, slot, wrap)
             registry.forward_hook(by_name[name], hook, gated=True)
 
     def record(
@@ -128,10 +136,16 @@ class OutputGradients:
         grad_scale: torch.Tensor | None,
     ) -> None:
         """A sampled step of ``optimizer``: its rows' output gradients into the accumulator."""
+        self._merge_compiled()
         self._drop_other_backward(optimizer, view)
         self._observe(view.rows[:-1], grad_scale)
         self._clear_unowned()
         self._mark_other_optimizers(optimizer)
+
+    def _merge_compiled(self) -> None:
+        """Sum what compiled regions' gradient hooks added into ``_sq``; three device ops."""
+        self._sq.add_(torch.stack(self._compiled_sq))
+        torch._foreach_zero_(self._compiled_sq)
 
     def _clear_unowned(self) -> None:
         """Zero the output-gradient sums of rows no optimizer steps (a frozen layer's output
