@@ -686,7 +686,7 @@ def shape(losses: np.ndarray, step: int) -> str:
 
 RULE_SETS: dict[str, Callable[[dict[str, Any]], list[int]]] = {
     "lightning_hooks, defaults": ours(AlarmRules()),
-    "lightning_hooks before issue 27 (no explosion or stall rule)": ours(
+    "lightning_hooks, defaults without the explosion and stall rules": ours(
         AlarmRules(explode_factor=None, stall_factor=None),
         ("absolute", "vanishing", "nonfinite", "loss_spike", "diverging"),
     ),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import subprocess
@@ -258,3 +259,17 @@ def run_script(script: str, out: Path) -> subprocess.CompletedProcess[str]:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+def load_benchmark(name: str) -> Any:
+    """``benchmarks/<name>.py`` as a module (registered in ``sys.modules``, where its
+    dataclasses look their module up)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -22,7 +22,7 @@ from lightning_hooks import GradFlowCallback
 from lightning_hooks.core import AlarmRules
 from lightning_hooks.errors import GradientAlarmWarning
 
-from conftest import read_scalars
+from conftest import load_benchmark, read_scalars
 
 CHANCE = math.log(10)
 
@@ -96,7 +96,8 @@ def _ground_truth(losses: list[float]) -> int | None:
 def _rule(losses: list[float], rules: AlarmRules) -> list[int]:
     """Steps where *diverging* holds, in plain Python: the running mean's rise over its best
     clears the ratio bar plus the noise bar (the loss's mean absolute deviation from its running
-    mean before this step, less a quarter of what was learnt) and the giveback bar."""
+    mean before this step, less a quarter of what was learnt; armed from ``min_history``
+    losses) and the giveback bar."""
     assert rules.diverge_ratio is not None
     alpha = 2.0 / (rules.diverge_span + 1)
     mean = best = first = losses[0]
@@ -107,7 +108,9 @@ def _rule(losses: list[float], rules: AlarmRules) -> list[int]:
         mean += alpha * (loss - mean)
         best = min(best, mean)
         rise, learnt = mean - best, first - best
-        noise = rules.diverge_noise * max(deviation - learnt / 4, 0.0)
+        # the bar is armed once it has ``min_history`` losses (steps 0 .. step - 1)
+        armed = step >= rules.min_history
+        noise = rules.diverge_noise * max(deviation - learnt / 4, 0.0) if armed else 0.0
         if rise >= (rules.diverge_ratio - 1) * abs(best) + noise and rise >= (
             rules.diverge_giveback * learnt
         ):
@@ -155,6 +158,78 @@ def test_a_healthy_adam_run_raises_no_alarm(tmp_path: Path) -> None:
     record = _fit(tmp_path, model)
     assert _ground_truth(model.losses) is None
     assert model.losses[-1] < model.losses[0]
+    assert record == []
+    assert _rule(model.losses, AlarmRules()) == []
+
+
+class BenchmarkRecipe(pl.LightningModule):
+    """A recipe of ``benchmarks/divergence.py`` through ``Trainer.fit``: its model, seed, data
+    and optimizer (the clip is the Trainer's ``gradient_clip_val``)."""
+
+    def __init__(self, model: str, optimizer: str, lr: float, seed: int, steps: int) -> None:
+        super().__init__()
+        bench = load_benchmark("divergence")
+        self.recipe = bench.Run(model, optimizer, lr, seed=seed)
+        torch.manual_seed(seed)
+        self.net = bench.BUILD[model]()
+        batches = bench._batches(self.recipe, torch.Generator().manual_seed(seed))
+        self.batches = [next(batches) for _ in range(steps)]
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.net(x)
+        loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        self.losses.append(float(loss))  # the test's own record
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return load_benchmark("divergence")._optimizer(self.recipe, self.net)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.batches, batch_size=None)  # type: ignore[arg-type]
+
+
+def _fit_recipe(tmp_path: Path, model: BenchmarkRecipe) -> list[warnings.WarningMessage]:
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=1,
+        accelerator="cpu",
+        gradient_clip_val=1.0,
+        callbacks=[GradFlowCallback()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    return [w for w in record if issubclass(w.category, GradientAlarmWarning)]
+
+
+def test_a_blow_up_in_the_first_steps_is_not_hidden_by_its_own_swing(tmp_path: Path) -> None:
+    """The benchmark's LSTM on RMSprop at 0.1 with clipping (seed 0): its loss doubles at step 1
+    and triples at step 2. With the noise bar armed from the first swing, that swing was the
+    bar, and the rule stayed quiet; armed from ``min_history`` losses, it warns in time."""
+    model = BenchmarkRecipe("lstm", "rmsprop", 0.1, seed=0, steps=6)
+    record = _fit_recipe(tmp_path, model)
+    diverged = _ground_truth(model.losses)
+    assert diverged is not None and diverged <= 2, model.losses
+    warned = _steps(record)
+    assert warned and warned[0] == _rule(model.losses, AlarmRules())[0] <= diverged
+    # the bar armed at the first swing would have hidden it
+    early = [s for s in _rule(model.losses, AlarmRules(min_history=1)) if s <= diverged]
+    assert early == [], model.losses
+
+
+def test_a_healthy_rmsprop_overshoot_in_the_first_steps_is_not_warned(tmp_path: Path) -> None:
+    """The same LSTM at 0.01: RMSprop's first steps overshoot (the loss rises again at step 2)
+    before it learns; nothing is warned."""
+    model = BenchmarkRecipe("lstm", "rmsprop", 0.01, seed=2, steps=60)
+    record = _fit_recipe(tmp_path, model)
+    assert _ground_truth(model.losses) is None
+    assert max(model.losses[1:4]) > model.losses[1], model.losses  # the overshoot
+    assert np.mean(model.losses[-10:]) < 0.7 * model.losses[0]
     assert record == []
     assert _rule(model.losses, AlarmRules()) == []
 

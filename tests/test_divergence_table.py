@@ -6,17 +6,17 @@ the small noisy runs' counts in docs/alarms.md (``benchmarks/noisy_runs.py``).""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from lightning_hooks import AlarmRules
+
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = json.loads((ROOT / "benchmarks" / "results" / "divergence.json").read_text())
@@ -133,14 +133,7 @@ def test_the_noisy_runs_in_the_docs_are_the_saved_run_with_todays_defaults() -> 
 
 
 def _benchmark() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "divergence", ROOT / "benchmarks" / "divergence.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("divergence", module)  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("divergence")
 
 
 def test_an_explosion_is_damaging_in_the_scale_of_its_loss() -> None:

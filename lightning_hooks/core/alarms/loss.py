@@ -98,10 +98,12 @@ class LossRules:
         torch.minimum(best, mean, out=best)
         rise = torch.sub(mean, best)
         learnt = torch.sub(first, best)  # >= 0: the best never rises above the first loss
-        noise = torch.sub(dev, learnt, alpha=1.0 / _LEARNT_NOISE).clamp_min_(0.0)
-        ratio = torch.sub(rise, noise, alpha=rules.diverge_noise).sub_(
-            best.abs(), alpha=rules.diverge_ratio - 1.0
-        )
+        ratio = torch.sub(rise, best.abs(), alpha=rules.diverge_ratio - 1.0)
+        if self.seen >= rules.min_history:
+            # the noise bar is armed once it has ``min_history`` losses, as the spike rules
+            # are: the deviation of the first one or two is a blow-up's own first steps
+            noise = torch.sub(dev, learnt, alpha=1.0 / _LEARNT_NOISE).clamp_min_(0.0)
+            ratio.sub_(noise, alpha=rules.diverge_noise)
         giveback = torch.sub(rise, learnt, alpha=rules.diverge_giveback)
         torch.minimum(ratio, giveback, out=margin).add_(x, alpha=0.0)
         # the deviation after the check: a blow-up's own step does not raise its bar

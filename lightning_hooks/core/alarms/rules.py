@@ -81,7 +81,8 @@ class AlarmRules:
             spike is only logged). ``None`` turns it off. Must be > 1.
         window: span, in evaluated steps, of the running scale: the EMA weight is
             ``2 / (window + 1)`` (the exact mean and variance over the first steps).
-        min_history: the spike rules are armed once a row has this many finite steps.
+        min_history: the spike rules are armed once a row has this many finite steps (and
+            *diverging*'s noise bar once it has this many losses).
         max_grad_norm: *absolute*: the global gradient norm exceeds this value (off by default).
         vanish_fraction: *vanishing*: a layer's gradient norm is exactly zero, or below this
             fraction of the median norm of the layers whose gradient is not zero ... ``None``
@@ -102,7 +103,8 @@ class AlarmRules:
             mean absolute deviations of the loss from its running mean (an EMA over
             ``2 * diverge_span`` steps, before this step), less a quarter of what it had learnt,
             so a noisy loss that learns little does not fire on its own swings; 0 turns the bar
-            off.
+            off. The bar is armed once ``min_history`` losses are in (before that, the only
+            deviations are a blow-up's own first steps).
         diverge_span: span, in steps, of the loss's running mean for *diverging*.
         stall_factor: *stall*: on a logging step, the typical size of the optimizer's update
             per unit of learning rate (the median ``|w_after - w_before| / lr`` over a sample of
