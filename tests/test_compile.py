@@ -109,10 +109,12 @@ class _Block(torch.nn.Module):
 
 
 class _TwoBlocks(pl.LightningModule):
-    """Embedding, two attention blocks (the second compiled on request), a head."""
+    """Embedding, two attention blocks (the second compiled on request, and applied twice on
+    request: one compiled region run twice a step), a head."""
 
-    def __init__(self, compiled: bool) -> None:
+    def __init__(self, compiled: bool, twice: bool = False) -> None:
         super().__init__()
+        self.twice = twice
         self.emb, self.head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50)
         self.blocks = torch.nn.ModuleList([_Block(), _Block()])
         if compiled:
@@ -122,6 +124,8 @@ class _TwoBlocks(pl.LightningModule):
         x = self.emb(batch[0])
         for block in self.blocks:
             x = block(x)
+        if self.twice:
+            x = self.blocks[1](x)
         logits = self.head(x).flatten(0, 1)
         return torch.nn.functional.cross_entropy(logits, batch[0].flatten())
 
@@ -133,11 +137,13 @@ class _TwoBlocks(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4)
 
 
-def _blocks_fit(root: Path, compiled: bool) -> dict[str, list[tuple[int, float]]]:
+def _blocks_fit(
+    root: Path, compiled: bool, twice: bool = False
+) -> dict[str, list[tuple[int, float]]]:
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = _TwoBlocks(compiled)
+    model = _TwoBlocks(compiled, twice)
     trainer = make_trainer(root, max_steps=4, log_every_n_steps=2, callbacks=[GradFlowCallback()])
     trainer.fit(model)
     assert hooks_left(model) == []
@@ -150,8 +156,21 @@ def _blocks_fit(root: Path, compiled: bool) -> dict[str, list[tuple[int, float]]
 def test_compiled_attention_block_among_eager_ones_matches_eager(tmp_path: Path) -> None:
     """One of two residual attention blocks compiled: its layers' output-gradient hooks run in
     the compiled backward, after the eager head's; the grad_flow values equal eager's."""
-    eager = _blocks_fit(tmp_path / "eager", compiled=False)
-    compiled = _blocks_fit(tmp_path / "compiled", compiled=True)
+    _assert_compiled_equals_eager(tmp_path, twice=False)
+
+
+# Dynamo's own read of the compiled block's input (a non-leaf), with or without the callback.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_a_compiled_block_applied_twice_a_step_matches_eager(tmp_path: Path) -> None:
+    """The compiled block run twice in one forward: the second call's backward, which runs
+    first, must not write the tensor the first call's backward saved (its region gets fresh
+    ones); the output-gradient norms sum both calls, as eager's do."""
+    _assert_compiled_equals_eager(tmp_path, twice=True)
+
+
+def _assert_compiled_equals_eager(tmp_path: Path, twice: bool) -> None:
+    eager = _blocks_fit(tmp_path / "eager", compiled=False, twice=twice)
+    compiled = _blocks_fit(tmp_path / "compiled", compiled=True, twice=twice)
     tags = {t for t in eager if t.startswith("grad_flow/")}
     assert "grad_flow/output_grad_norm/blocks.1.proj" in tags
     assert {t for t in compiled if t.startswith("grad_flow/")} == tags

@@ -12,7 +12,14 @@ from torch import nn
 from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.hooks.activations import is_kind
 
-__all__ = ["ModuleFilter", "Patterns", "Selection", "as_patterns", "select_modules"]
+__all__ = [
+    "ModuleFilter",
+    "Patterns",
+    "Selection",
+    "as_patterns",
+    "compiled_regions",
+    "select_modules",
+]
 
 Patterns = str | Sequence[str] | None
 ModuleTypes = type[nn.Module] | tuple[type[nn.Module], ...] | None
@@ -149,6 +156,16 @@ def _plain_name(name: str) -> str:
 
 def _is_compiled_wrapper(module: nn.Module) -> bool:
     return isinstance(getattr(module, "_orig_mod", None), nn.Module)
+
+
+def compiled_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(eager_name, wrapper)`` of each submodule of ``model`` compiled in place
+    (``model.net = torch.compile(model.net)``): its eager name, without ``_orig_mod``."""
+    return [
+        (_plain_name(name), module)
+        for name, module in model.named_modules()
+        if name and _is_compiled_wrapper(module)
+    ]
 
 
 def select_modules(

@@ -180,7 +180,7 @@ class GradFlowTracker(HookOwner):
         self._calls = 0
         self.alarms = GradientAlarms(rows, alarms, device) if alarms is not None else None
         if output_grad:
-            self._outputs.hook(self.registry, modules, self.layout.layers)
+            self._outputs.hook(self.registry, modules, self.layout.layers, model)
         for optimizer in optimizers:
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from lightning_hooks.core.hooks.registry import HookRegistry
+from lightning_hooks.core.hooks.selection import compiled_regions
 from lightning_hooks.core.kernels.tensors import is_grad_forward, iter_float_tensors
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
 from lightning_hooks.core.stats.optimizer_view import OptimizerView, OptimizerViews
@@ -38,12 +39,12 @@ def _output_hook(
     hit: torch.Tensor,
     row: int,
     order: list[int],
-    compiled_sq: torch.Tensor,
+    compiled_sq: list[torch.Tensor],
     wrap: Any = None,
 ) -> Any:
     """A forward hook that puts a gradient hook on the module's outputs in training forwards
-    (``wrap``: the registry's guard for those tensor hooks; ``compiled_sq``: the row's own
-    tensor, not a view of ``sq``, that a compiled region's gradient hook sums into)."""
+    (``wrap``: the registry's guard for those tensor hooks; ``compiled_sq``: a cell holding the
+    row's own tensor, not a view of ``sq``, that a compiled region's gradient hook sums into)."""
     # Views made once: each step then costs one op per forward and two per gradient.
     sq_row, hit_row = sq.select(0, row), hit.select(0, row)
 
@@ -55,8 +56,10 @@ def _output_hook(
         # saves a tensor the backward hook writes to, and checks its version when the region's
         # backward starts: were it ``sq`` (or a view), the eager layers' hooks, which run first
         # in backward, would have bumped it. Each row has its own tensor, summed in at record.
+        # Dynamo lifts the cell's tensor as a graph input, read again at each call: a region
+        # called twice a step gets a fresh one for its second call (see OutputGradients).
         if torch.compiler.is_compiling():
-            add = partial(_add_output_grad, compiled_sq)
+            add = partial(_add_output_grad, compiled_sq[0])
         else:
             add = partial(_add_output_grad_in_order, sq_row, order, row)
         if wrap is not None:
@@ -100,8 +103,14 @@ class OutputGradients:
         self.order: list[int] = []
         self._sq = torch.zeros(num_layers, device=device)
         self._hit = torch.zeros(num_layers, device=device)
-        # One tensor per row for the gradient hooks traced in compiled regions (see _output_hook).
+        # One tensor per row for the gradient hooks traced in compiled regions (see _output_hook),
+        # each in a cell the traced hook reads; a region called again in a step (a compiled
+        # block applied twice) puts a fresh tensor in its rows' cells: the first call's backward,
+        # which runs last, checks that its tensor was not written since its forward.
         self._compiled_sq = [torch.zeros((), device=device) for _ in range(num_layers)]
+        self._cells = [[t] for t in self._compiled_sq]
+        self._extra: list[tuple[int, torch.Tensor]] = []  # the fresh tensors, until record
+        self._called: set[int] = set()  # the compiled regions called since the last record
         # Several optimizers: each row's output-gradient sums as they stood at the last step of
         # another optimizer, and the gradient each optimizer's first parameter had then.
         self._pending_sq = torch.zeros_like(self._sq)
@@ -118,16 +127,35 @@ class OutputGradients:
         registry: HookRegistry,
         modules: Sequence[tuple[str, nn.Module]],
         layers: Sequence[str],
+        model: nn.Module | None = None,
     ) -> None:
-        """Hook the output of each module among ``modules`` that is one of ``layers``."""
+        """Hook the output of each module among ``modules`` that is one of ``layers``; each
+        compiled region in ``model`` (a ``torch.compile``'d submodule) gets a pre-hook that
+        gives its rows fresh tensors when it is called again before the next record."""
         by_name = dict(modules)
         for row, name in enumerate(layers):
             if name not in by_name:
                 continue  # the model's own row: its output is the loss's input, not a layer's
             wrap = registry.guarded
-            slot = self._compiled_sq[row]
-            hook = _output_hook(self._sq, self._hit, row, self.order, slot, wrap)
+            hook = _output_hook(self._sq, self._hit, row, self.order, self._cells[row], wrap)
             registry.forward_hook(by_name[name], hook, gated=True)
+        for name, region in compiled_regions(model) if model is not None else ():
+            rows = [i for i, n in enumerate(layers) if n == name or n.startswith(f"{name}.")]
+            if rows:
+                registry.forward_pre_hook(region, partial(self._called_again, rows), gated=True)
+
+    def _called_again(self, rows: list[int], region: nn.Module, args: Any) -> None:
+        """A compiled region's call in a sampled training forward: from its second call on,
+        fresh tensors for its rows (host work and one allocation per row)."""
+        if not is_grad_forward(region):
+            return
+        if id(region) not in self._called:
+            self._called.add(id(region))
+            return
+        for row in rows:
+            fresh = torch.zeros((), device=self._sq.device)
+            self._cells[row][0] = fresh
+            self._extra.append((row, fresh))
 
     def record(
         self,
@@ -143,7 +171,13 @@ class OutputGradients:
         self._mark_other_optimizers(optimizer)
 
     def _merge_compiled(self) -> None:
-        """Sum what compiled regions' gradient hooks added into ``_sq``; three device ops."""
+        """Sum what compiled regions' gradient hooks added into ``_sq``; three device ops (and
+        one per fresh tensor of a region called again)."""
+        for row, fresh in self._extra:
+            self._compiled_sq[row].add_(fresh)
+            self._cells[row][0] = self._compiled_sq[row]
+        self._extra.clear()
+        self._called.clear()
         self._sq.add_(torch.stack(self._compiled_sq))
         torch._foreach_zero_(self._compiled_sq)
 
