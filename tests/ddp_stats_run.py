@@ -1,7 +1,9 @@
 """A 2-process CPU DDP fit (gloo) of every LayerStat callback, run as a script by
 test_stats_ddp.py: the user-defined ``OutputRMS`` of ``examples/custom_stat.py`` through
-``StatsCallback``, and the activation, dead-unit and saturation callbacks. Each rank writes the
-collectives our package made per epoch into ``rank{r}.json`` under ``--out``.
+``StatsCallback``, the activation, dead-unit and saturation callbacks, and ``StabilityStats``
+(the attention of a 2-head ``scaled_dot_product_attention`` layer in front of the MLP, and the
+output logits). Each rank writes the collectives our package made per epoch into
+``rank{r}.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 import torch.distributed as dist
 from collectives import CollectiveCounter
 from ddp_run import SAMPLES, DeepMLP, trainer_options
 from torch import nn
+from torch.nn import functional
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_stat.py"
 
@@ -37,6 +41,29 @@ def callbacks() -> list[pl.Callback]:
     ]
 
 
+class SelfAttention(nn.Module):
+    """The 8 features as a sequence of 4 tokens of 2, 2 heads of width 1, bidirectional."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(2, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x.view(-1, 4, 2)).view(-1, 4, 3, 2, 1).permute(2, 0, 3, 1, 4)
+        return functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(1)
+
+
+class AttentionMLP(DeepMLP):
+    """``DeepMLP(depth=3)`` with a residual :class:`SelfAttention` in front."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__(depth=3, batch_size=batch_size)
+        self.attn = SelfAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x + 4 * self.attn(x))  # type: ignore[no-any-return]
+
+
 def fit(root: Path, devices: int) -> CollectiveCounter:
     """One fit of ``DeepMLP(depth=3)``; logs under ``root``."""
     counter = CollectiveCounter()
@@ -47,7 +74,7 @@ def fit(root: Path, devices: int) -> CollectiveCounter:
         **strategy,
         **trainer_options(root, "tensorboard"),
     )
-    trainer.fit(DeepMLP(depth=3, batch_size=SAMPLES // 4 // devices))
+    trainer.fit(AttentionMLP(batch_size=SAMPLES // 4 // devices))
     counter.restore()
     return counter
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from ddp_run import SAMPLES, DeepMLP
-from ddp_stats_run import fit
+from ddp_run import SAMPLES
+from ddp_stats_run import AttentionMLP, fit
 
 from conftest import read_scalars, run_script
 
@@ -28,7 +28,7 @@ def ddp_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class _Recorder:
     """Every Linear output of the training forwards, kept by plain hooks of the test's own."""
 
-    def __init__(self, model: DeepMLP) -> None:
+    def __init__(self, model: AttentionMLP) -> None:
         self.outputs: dict[str, list[torch.Tensor]] = {}
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
@@ -43,7 +43,7 @@ class _Recorder:
 
 
 def test_output_rms_under_ddp_equals_plain_torch_on_the_global_batches(ddp_out: Path) -> None:
-    model = DeepMLP(depth=3, batch_size=SAMPLES // 4)
+    model = AttentionMLP(batch_size=SAMPLES // 4)
     recorder = _Recorder(model)
     model.train()
     loader = model.train_dataloader()
@@ -59,7 +59,7 @@ def test_output_rms_under_ddp_equals_plain_torch_on_the_global_batches(ddp_out: 
             want = float(x.square().mean().sqrt())
             ((got,),) = [[v for s, v in ddp[f"output_rms/{name}"] if s == step]]
             assert math.isclose(got, want, rel_tol=1e-5), (name, epoch, got, want)
-    assert len(recorder.outputs) == 4
+    assert len(recorder.outputs) == 5  # the attention's qkv and the MLP's 4 Linear layers
 
 
 def test_every_layer_stat_under_ddp_equals_one_process(ddp_out: Path, tmp_path: Path) -> None:
@@ -67,6 +67,9 @@ def test_every_layer_stat_under_ddp_equals_one_process(ddp_out: Path, tmp_path: 
     single, ddp = read_scalars(tmp_path / "tb"), read_scalars(ddp_out / "tb")
     tags = {t for t in single if t.startswith(PREFIXES)}
     assert {t.split("/")[0] + "/" for t in tags} == set(PREFIXES)
+    # the attention's per-head entropy: sums and row counts pooled over the ranks, so the mean
+    # over the global batch (each rank's own mean, or the smallest of them, differs)
+    assert {"stability/attn_entropy_min/attn", "stability/attn_logit_max/attn"} <= tags
     assert {t for t in ddp if t.startswith(PREFIXES)} == tags
     stepped = {t for t in tags if "_step" in t}  # each logging step's values (every step)
     assert {t.split("/")[0] + "/" for t in stepped} == set(PREFIXES)

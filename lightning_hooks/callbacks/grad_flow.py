@@ -82,7 +82,8 @@ class GradFlowCallback(GradFlowLogging):
                                                 attention`` or an eager 4-D softmax): the
                                                 largest pre-softmax logit, max
     ``stability/attn_entropy_min/{layer}``      the same modules: the attention entropy
-                                                averaged per head, smallest head, min
+                                                averaged per head over the period's rows
+                                                (every rank's), the smallest head
     ``stability/logit_logz/{layer}``            the output layer's ``logsumexp`` over its last
                                                 dimension, mean over positions and steps
     ``stability/logit_logz_max/{layer}``        the same, max

@@ -25,7 +25,13 @@ from torch.overrides import TorchFunctionMode
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.kernels.tensors import is_training_forward
 
-__all__ = ["AttentionCapture", "attention_stats", "looks_like_attention", "sdpa_logits"]
+__all__ = [
+    "AttentionCapture",
+    "attention_head_entropy",
+    "attention_stats",
+    "looks_like_attention",
+    "sdpa_logits",
+]
 
 Record = Callable[[str, torch.Tensor], None]
 _SOFTMAX = (functional.softmax, torch.softmax, torch.Tensor.softmax)
@@ -73,6 +79,37 @@ def sdpa_logits(
     return logits
 
 
+def attention_head_entropy(
+    logits: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(largest logit, per-head entropy sum, per-head row count)`` of softmax logits
+    ``[..., H, L, S]``: the sums that pool exactly over calls, micro-batches and ranks.
+
+    The entropy ``-sum p log p`` (nats) of each query's attention row, summed per head over the
+    batch and the query rows that attend to at least one key (a row of only ``-inf`` is left
+    out, and not counted). Logits of fewer than 3 dimensions are one head. Float32 tensors
+    ``[]``, ``[H]``, ``[H]``; no host sync.
+
+    Example:
+        >>> logits = torch.tensor([[[0.0, 0.0], [5.0, -torch.inf]], [[1.0, 1.0], [1.0, 1.0]]])
+        >>> peak, total, rows = attention_head_entropy(logits)
+        >>> float(peak), [round(float(t), 4) for t in total], rows.tolist()
+        (5.0, [0.6931, 1.3863], [2.0, 2.0])
+    """
+    logits = logits.float()
+    if logits.dim() < 3:
+        logits = (
+            logits.reshape(1, *logits.shape[-2:]) if logits.dim() == 2 else logits.view(1, 1, -1)
+        )
+    row_max = logits.amax(-1)  # [..., H, L]
+    live = row_max > -torch.inf
+    entropy = torch.special.entr(torch.softmax(logits, -1)).sum(-1)  # entr(0) = 0: masked keys
+    heads = entropy.shape[-2]
+    total = torch.where(live, entropy, 0.0).movedim(-2, 0).reshape(heads, -1).sum(1)
+    count = live.movedim(-2, 0).reshape(heads, -1).sum(1, dtype=torch.float32)
+    return row_max.amax(), total, count
+
+
 def attention_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(largest logit, smallest per-head mean entropy)`` of softmax logits ``[..., H, L, S]``.
 
@@ -87,19 +124,9 @@ def attention_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         >>> float(peak), round(float(entropy), 4), round(math.log(2) / 2, 4)
         (5.0, 0.3466, 0.3466)
     """
-    logits = logits.float()
-    if logits.dim() < 3:
-        logits = (
-            logits.reshape(1, *logits.shape[-2:]) if logits.dim() == 2 else logits.view(1, 1, -1)
-        )
-    row_max = logits.amax(-1)  # [..., H, L]
-    live = row_max > -torch.inf
-    entropy = torch.special.entr(torch.softmax(logits, -1)).sum(-1)  # entr(0) = 0: masked keys
-    heads = entropy.shape[-2]
-    total = torch.where(live, entropy, 0.0).movedim(-2, 0).reshape(heads, -1).sum(1)
-    count = live.movedim(-2, 0).reshape(heads, -1).sum(1)
+    peak, total, count = attention_head_entropy(logits)
     mean = torch.where(count > 0, total / count.clamp(min=1), torch.inf)
-    return row_max.amax(), mean.amin()
+    return peak, mean.amin()
 
 
 def looks_like_attention(module: nn.Module) -> bool:
@@ -261,16 +288,18 @@ class AttentionCapture:
     def unseen(self, model: nn.Module) -> list[str]:
         """Names of ``model``'s modules that look like attention (:func:`looks_like_attention`)
         but made no call seen here (nor are in ``skip``), none of their submodules or enclosing
-        modules either."""
+        modules either (the model itself, named by its class, encloses every module)."""
         seen = (*self.seen, *self._skip)
 
         def related(name: str) -> bool:
+            if not name:
+                return bool(seen)
             return any(
                 s == name or s.startswith(f"{name}.") or name.startswith(f"{s}.") for s in seen
             )
 
         return [
-            name
+            name or type(module).__name__
             for name, module in model.named_modules()
             if looks_like_attention(module) and not related(name)
         ]

@@ -21,7 +21,7 @@ from torch.nn import functional
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import select_modules
 from lightning_hooks.core.kernels.tensors import is_training_forward
-from lightning_hooks.core.stats.attention import AttentionCapture, attention_stats
+from lightning_hooks.core.stats.attention import AttentionCapture, attention_head_entropy
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
@@ -142,8 +142,10 @@ class StabilityStats(LayerStat[Result]):
 
     ``attn_logit_max/{layer}``: the largest pre-softmax logit over batch, heads and positions,
     the max over the period; ``attn_entropy_min/{layer}``: the attention entropy (nats) averaged
-    per head over batch and query rows, the smallest head, the min over the period
-    (:func:`~lightning_hooks.core.stats.attention.attention_stats`). For every
+    per head over every query row of the period (every call, micro-batch and rank: per-head
+    sums and counts, so accumulation and DDP give the value of one process on the global
+    batches), the smallest head
+    (:func:`~lightning_hooks.core.stats.attention.attention_head_entropy`). For every
     ``nn.MultiheadAttention`` (the attention of ``nn.TransformerEncoderLayer`` / ``DecoderLayer``)
     the logits ``q.k / sqrt(d_head)`` are recomputed from the module's inputs in a forward
     pre-hook (:func:`mha_logits`); for any other module, from the arguments of each
@@ -183,13 +185,15 @@ class StabilityStats(LayerStat[Result]):
 
     attn_max: torch.Tensor
     attn_entropy: torch.Tensor
+    attn_rows: torch.Tensor
     logz: torch.Tensor
     logz_max: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
         self.add_layer_state("attn_max", reduce="max")
-        self.add_layer_state("attn_entropy", reduce="min")
+        self.add_unit_state("attn_entropy", reduce="sum")  # per head: the sum of row entropies
+        self.add_unit_state("attn_rows", reduce="sum")  # ... and the rows summed
         self.add_layer_state("logz", reduce="sum", width=(2,))  # sum of log Z, positions
         self.add_layer_state("logz_max", reduce="max")
         self._attention: set[str] = set()
@@ -234,10 +238,12 @@ class StabilityStats(LayerStat[Result]):
 
     def _add_attention(self, name: str, logits: torch.Tensor) -> None:
         """One attention call's largest logit and smallest head entropy into ``name``'s row."""
-        peak, entropy = attention_stats(logits)
-        row = self.row(name)
+        peak, total, count = attention_head_entropy(logits)
+        row = self.row(name, units=total.numel())  # a unit per head
         self.attn_max[row] = torch.maximum(self.attn_max[row], peak)
-        self.attn_entropy[row] = torch.minimum(self.attn_entropy[row], entropy)
+        heads = self.unit_slice(row)
+        self.attn_entropy[heads].add_(total)
+        self.attn_rows[heads].add_(count)
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
         """The output layer's ``log Z`` into its row; while it is not known, the candidate's."""
@@ -305,8 +311,10 @@ class StabilityStats(LayerStat[Result]):
         for i, layer in enumerate(self.layers):
             if states["attn_max"][i] != -np.inf:
                 out["attn_logit_max"][layer] = float(states["attn_max"][i])
-            if states["attn_entropy"][i] != np.inf:
-                out["attn_entropy_min"][layer] = float(states["attn_entropy"][i])
+            heads = self.unit_slice(i)
+            total, rows = states["attn_entropy"][heads], states["attn_rows"][heads]
+            if (rows > 0).any():
+                out["attn_entropy_min"][layer] = float((total[rows > 0] / rows[rows > 0]).min())
             if count[i] > 0:
                 out["logit_logz"][layer] = float(logz[i] / count[i])
                 out["logit_logz_max"][layer] = float(states["logz_max"][i])
