@@ -23,7 +23,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.cli import main
 from lightning_hooks.core.hooks.registry import HookRegistry
-from lightning_hooks.core.stats.attention import AttentionCapture, attention_stats, sdpa_logits
+from lightning_hooks.core.stats import attention
+from lightning_hooks.core.stats.attention import (
+    AttentionCapture,
+    attention_stats,
+    sdpa_logit_chunks,
+    sdpa_logits,
+)
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.report import _fmt
@@ -91,6 +97,59 @@ def test_softmax_of_sdpa_logits_gives_sdpa_output(mask: str) -> None:
     got = torch.softmax(logits, -1) @ values
     want = functional.scaled_dot_product_attention(q, k, v, **kwargs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float", "gqa-causal", "3-d"])
+def test_logit_chunks_are_the_logits_a_row_budget_at_a_time(mask: str) -> None:
+    """Each chunk holds at most the budget (or one query row), and together they are
+    :func:`sdpa_logits`: the statistics, sums and maxima over rows, are the same."""
+    q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 6, 8)
+    kwargs: dict[str, Any] = {}
+    if mask.endswith("causal"):
+        kwargs["is_causal"] = True
+    if mask == "bool":
+        kwargs["attn_mask"] = torch.rand(2, 1, 5, 6) > 0.3
+    if mask == "float":
+        kwargs["attn_mask"] = torch.randn(5, 6)
+    if mask.startswith("gqa"):
+        k, kwargs["enable_gqa"] = k[:, :2], True
+    if mask == "3-d":
+        q, k = q[0], k[0]
+    full = sdpa_logits(q, k, **kwargs)
+    per_row = full[..., :1, :].numel()
+    for budget in (1, per_row, 2 * per_row + 1, full.numel()):
+        chunks = list(sdpa_logit_chunks(q, k, budget=budget, **kwargs))
+        assert all(c.numel() <= max(budget, per_row) for c in chunks)
+        assert len(chunks) == -(-5 // max(1, budget // per_row))
+        torch.testing.assert_close(torch.cat(chunks, -2), full, rtol=0, atol=0)
+
+
+def test_a_long_sequence_is_measured_a_chunk_at_a_time_within_the_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through ``StabilityStats``: every chunk handed on is within the budget, and the
+    statistics equal those of the whole logits."""
+    net = NanoGPT(2)
+    ids = torch.randint(0, VOCAB, (2, LENGTH))
+    per_row = 2 * 4 * LENGTH  # batch x heads x keys
+    sizes: list[int] = []
+
+    def measured(budget: int) -> dict[str, float]:
+        monkeypatch.setattr(attention, "LOGIT_BUDGET", budget)
+        torch.manual_seed(0)  # the same dropout
+        with StabilityStats().attach(net) as stat:
+            record = stat._capture._record  # type: ignore[union-attr]
+            stat._capture._record = lambda n, c: (sizes.append(c.numel()), record(n, c))  # type: ignore[union-attr]
+            net(ids).sum().backward()
+            stat.end_step()
+            return stat.tags(stat.result())
+
+    whole = measured(1 << 30)
+    assert sizes and max(sizes) == LENGTH * per_row
+    sizes.clear()
+    chunked = measured(3 * per_row)
+    assert max(sizes) == 3 * per_row and len(sizes) == 2 * 3  # 2 layers, rows 3 + 3 + 2
+    assert chunked == pytest.approx(whole, rel=1e-6)
 
 
 def test_attention_stats_against_categorical_entropy() -> None:
@@ -376,8 +435,20 @@ MODELS: dict[str, Callable[[], Fit]] = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_attention_statistics_equal_plain_torch_through_fit(name: str, tmp_path: Path) -> None:
+# A budget of one element: every chunk is one query row (long sequences' path), on padded and
+# causal masks with a query dimension (GPT-2, Llama), a padding mask without (BERT), GQA.
+CHUNKED = ("gpt2-sdpa", "gpt2-eager", "bert-sdpa", "llama-gqa-sdpa-padded", "nanogpt-gqa")
+
+
+@pytest.mark.parametrize(
+    ("name", "budget"),
+    [(n, None) for n in sorted(MODELS)] + [(n, 1) for n in CHUNKED],
+)
+def test_attention_statistics_equal_plain_torch_through_fit(
+    name: str, budget: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if budget is not None:
+        monkeypatch.setattr(attention, "LOGIT_BUDGET", budget)
     fit = MODELS[name]()
     trainer = make_trainer(
         tmp_path, callbacks=[GradFlowCallback()], max_steps=STEPS, log_every_n_steps=EVERY

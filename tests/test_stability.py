@@ -17,7 +17,9 @@ from torch.nn import functional
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import GradFlowCallback
-from lightning_hooks.core.stats.stability import StabilityStats, mha_logit_max
+from lightning_hooks.core.stats import attention as attention_module
+from lightning_hooks.core.stats.stability import StabilityStats, mha_logit_max, mha_logits
+from lightning_hooks.core.stats.stability import mha_logit_chunks as attention_chunks
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
 
@@ -125,10 +127,13 @@ class TinyTransformer(pl.LightningModule):
         return DataLoader(TensorDataset(x, y), batch_size=4)
 
 
-@pytest.mark.parametrize("batch_first", [True, False])
+# budget 1: the logits are made a query row at a time (a long sequence's path)
+@pytest.mark.parametrize(("batch_first", "budget"), [(True, None), (False, None), (True, 1)])
 def test_transformer_logs_attention_logits_and_logz_equal_to_torch(
-    tmp_path: Path, batch_first: bool
+    tmp_path: Path, batch_first: bool, budget: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if budget is not None:
+        monkeypatch.setattr(attention_module, "LOGIT_BUDGET", budget)
     model = TinyTransformer(batch_first)
     trainer = make_trainer(
         tmp_path, callbacks=[GradFlowCallback()], max_steps=STEPS, log_every_n_steps=EVERY
@@ -300,3 +305,24 @@ def test_resumed_mid_epoch_logs_what_the_whole_fit_logs(tmp_path: Path) -> None:
     resumed = fit(tmp_path / "second", path, callbacks=[again], enable_checkpointing=True)
     assert len(whole) == 12  # 6 per epoch, 6 of the last logging step
     assert resumed == pytest.approx(whole, rel=1e-5)
+
+
+@pytest.mark.parametrize("mask", ["2-d", "3-d", "padding"])
+def test_mha_logit_chunks_are_the_logits_a_row_at_a_time(mask: str) -> None:
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, add_bias_kv=True, add_zero_attn=True, batch_first=True)
+    x = torch.randn(3, 5, 8)
+    kwargs: dict[str, Any] = {}
+    if mask == "2-d":
+        kwargs["attn_mask"] = torch.randn(5, 5)
+    if mask == "3-d":
+        kwargs["attn_mask"] = torch.rand(3 * 2, 5, 5) > 0.5
+    if mask == "padding":
+        kwargs["key_padding_mask"] = torch.arange(5) >= torch.tensor([[5], [3], [4]])
+    full = mha_logits(mha, x, x, **kwargs)
+    per_row = 3 * 2 * 7  # batch x heads x (5 keys, bias_k, zero_attn)
+    for budget in (1, 2 * per_row):
+        chunks = list(attention_chunks(mha, x, x, budget=budget, **kwargs))
+        assert all(c.numel() <= max(budget, per_row) for c in chunks)
+        assert len(chunks) == (5 if budget == 1 else 3)
+        torch.testing.assert_close(torch.cat(chunks, -2), full, rtol=0, atol=0)

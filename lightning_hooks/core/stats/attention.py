@@ -14,7 +14,8 @@ running module. The model is not patched; a quiet step runs no mode and no tenso
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -26,14 +27,23 @@ from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.kernels.tensors import is_training_forward
 
 __all__ = [
+    "LOGIT_BUDGET",
     "AttentionCapture",
     "attention_head_entropy",
     "attention_stats",
+    "logit_chunks",
     "looks_like_attention",
+    "query_rows",
+    "row_chunks",
+    "sdpa_logit_chunks",
     "sdpa_logits",
 ]
 
 Record = Callable[[str, torch.Tensor], None]
+"""Gets an attention module's name and a chunk of its logits (:func:`logit_chunks`)."""
+LOGIT_BUDGET = 1 << 24
+"""Elements of the largest chunk of attention logits made at once (64 MiB in float32): a long
+sequence's ``[B, H, L, S]`` logits are made and reduced a chunk of query rows at a time."""
 _SOFTMAX = (functional.softmax, torch.softmax, torch.Tensor.softmax)
 
 
@@ -61,22 +71,80 @@ def sdpa_logits(
         >>> torch.allclose(logits[..., 2, :], (q @ k2.transpose(-1, -2))[..., 2, :] / 8**0.5)
         True
     """
+    (chunk,) = sdpa_logit_chunks(
+        query, key, attn_mask, is_causal, scale, enable_gqa, budget=sys.maxsize
+    )
+    return chunk
+
+
+def sdpa_logit_chunks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    budget: int | None = None,
+) -> Iterator[torch.Tensor]:
+    """:func:`sdpa_logits` a chunk of query rows at a time: each chunk ``[..., rows, S]`` holds
+    at most ``budget`` elements (default :data:`LOGIT_BUDGET`), or one query row when a row is
+    larger, so a long sequence never makes the whole ``[..., L, S]`` (its statistics are sums
+    and maxima over rows: the chunks give them exactly).
+
+    Example:
+        >>> q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+        >>> chunks = list(sdpa_logit_chunks(q, k, is_causal=True, budget=2 * 4 * 6 * 2))
+        >>> [c.shape[-2] for c in chunks]
+        [2, 2, 2]
+        >>> torch.equal(torch.cat(chunks, -2), sdpa_logits(q, k, is_causal=True))
+        True
+    """
     q, k = query.float(), key.float()
     if enable_gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     factor = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    with torch.autocast(q.device.type, enabled=False):  # float32 also in a mixed-precision run
-        logits = torch.matmul(q, k.transpose(-2, -1)).mul_(factor)  # in place: one [..., L, S]
-    length, keys = logits.shape[-2:]
-    if is_causal:
-        keep = torch.ones(length, keys, dtype=torch.bool, device=logits.device).tril()
-        logits.masked_fill_(~keep, -torch.inf)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            logits = torch.where(attn_mask, logits, -torch.inf)  # the mask may broadcast it
-        else:
-            logits = logits + attn_mask.float()
-    return logits
+    length, keys = q.shape[-2], k.shape[-2]
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])  # type: ignore[no-untyped-call]
+    per_row = math.prod(lead) * keys
+    key_t = k.transpose(-2, -1)
+    for start, stop in row_chunks(length, per_row, budget):
+        with torch.autocast(q.device.type, enabled=False):  # float32 under mixed precision too
+            logits = torch.matmul(q[..., start:stop, :], key_t).mul_(factor)  # in place
+        if is_causal:
+            keep = torch.ones(stop - start, keys, dtype=torch.bool, device=logits.device)
+            logits.masked_fill_(~keep.tril_(start), -torch.inf)
+        if attn_mask is not None:
+            mask = query_rows(attn_mask, start, stop, length)
+            if mask.dtype == torch.bool:
+                logits = torch.where(mask, logits, -torch.inf)  # the mask may broadcast it
+            else:
+                logits = logits + mask.float()
+        yield logits
+
+
+def logit_chunks(logits: torch.Tensor, budget: int | None = None) -> Iterator[torch.Tensor]:
+    """Views of ``logits [..., L, S]``, a chunk of query rows each, of at most ``budget``
+    elements (default :data:`LOGIT_BUDGET`; one row when a row is larger)."""
+    if logits.dim() < 2:
+        yield logits
+        return
+    per_row = logits[..., :1, :].numel()
+    for start, stop in row_chunks(logits.shape[-2], per_row, budget):
+        yield logits[..., start:stop, :]
+
+
+def row_chunks(length: int, per_row: int, budget: int | None) -> list[tuple[int, int]]:
+    """``[start, stop)`` of query rows, ``per_row`` elements each, within ``budget``."""
+    rows = max(1, (LOGIT_BUDGET if budget is None else budget) // max(per_row, 1))
+    return [(i, min(i + rows, length)) for i in range(0, max(length, 1), rows)]
+
+
+def query_rows(mask: torch.Tensor, start: int, stop: int, length: int) -> torch.Tensor:
+    """``mask``'s query rows ``[start, stop)`` when it has a query dimension, else ``mask``
+    (it broadcasts over the queries)."""
+    if mask.dim() >= 2 and mask.shape[-2] == length and length != 1:
+        return mask[..., start:stop, :]
+    return mask
 
 
 def attention_head_entropy(
@@ -151,9 +219,9 @@ def _sdpa_call(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
-) -> torch.Tensor:
+) -> Iterator[torch.Tensor]:
     """Bind ``scaled_dot_product_attention``'s arguments as it does; dropout plays no part."""
-    return sdpa_logits(query, key, attn_mask, is_causal, scale, enable_gqa)
+    return sdpa_logit_chunks(query, key, attn_mask, is_causal, scale, enable_gqa)
 
 
 def _softmax_logits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -187,7 +255,7 @@ class _AttentionMode(TorchFunctionMode):
         elif func in _SOFTMAX:
             logits = _softmax_logits(args, kwargs)
             if logits is not None:
-                self.capture.see(lambda: logits, softmax=True)
+                self.capture.see(lambda: logit_chunks(logits), softmax=True)
         return func(*args, **kwargs)
 
 
@@ -304,14 +372,16 @@ class AttentionCapture:
             if looks_like_attention(module) and not related(name)
         ]
 
-    def see(self, logits: Callable[[], torch.Tensor], softmax: bool = False) -> None:
-        """Record the logits of one attention call made by the innermost running module; a
-        ``softmax`` only when that module looks like attention (:func:`looks_like_attention`)."""
+    def see(self, chunks: Callable[[], Iterable[torch.Tensor]], softmax: bool = False) -> None:
+        """Record the logits of one attention call made by the innermost running module, a
+        chunk of query rows at a time (:data:`LOGIT_BUDGET`); a ``softmax`` only when that
+        module looks like attention (:func:`looks_like_attention`)."""
         if not (self._stack and self._live):
             return
         name, module, _ = self._stack[-1]
         if name in self._skip or (softmax and not looks_like_attention(module)):
             return
         with torch.no_grad():
-            self._record(name, logits())
+            for chunk in chunks():
+                self._record(name, chunk)
         self.seen.add(name)

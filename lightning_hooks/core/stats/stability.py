@@ -9,8 +9,9 @@ sampled steps only, on the device.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -21,11 +22,22 @@ from torch.nn import functional
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import select_modules
 from lightning_hooks.core.kernels.tensors import is_training_forward
-from lightning_hooks.core.stats.attention import AttentionCapture, attention_head_entropy
+from lightning_hooks.core.stats.attention import (
+    AttentionCapture,
+    attention_head_entropy,
+    query_rows,
+    row_chunks,
+)
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["STABILITY_STATS", "StabilityStats", "mha_logit_max", "mha_logits"]
+__all__ = [
+    "STABILITY_STATS",
+    "StabilityStats",
+    "mha_logit_chunks",
+    "mha_logit_max",
+    "mha_logits",
+]
 
 STABILITY_STATS = ("attn_logit_max", "attn_entropy_min", "logit_logz", "logit_logz_max")
 """The statistics logged as ``stability/{stat}/{layer}``."""
@@ -99,11 +111,52 @@ def mha_logits(
         >>> mha_logits(mha, torch.randn(3, 5, 4), torch.randn(3, 6, 4)).shape
         torch.Size([3, 2, 5, 6])
     """
+    chunks = mha_logit_chunks(mha, query, key, key_padding_mask, attn_mask, budget=sys.maxsize)
+    (logits,) = chunks
+    return logits
+
+
+def mha_logit_chunks(
+    mha: nn.MultiheadAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    budget: int | None = None,
+) -> Iterator[torch.Tensor]:
+    """:func:`mha_logits` a chunk of query rows at a time, each of at most ``budget``
+    elements (default :data:`~lightning_hooks.core.stats.attention.LOGIT_BUDGET`; one row
+    when a row is larger)."""
     if query.dim() == 2:  # unbatched: [L, E]
         query, key = query.unsqueeze(1), key.unsqueeze(1)
         key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
     elif mha.batch_first:
         query, key = query.transpose(0, 1), key.transpose(0, 1)
+    q, key_t, extra = _mha_projections(mha, query, key)
+    n, heads, pad = query.shape[1], mha.num_heads, (0, extra)
+    if attn_mask is not None:
+        mask = _additive(attn_mask, q.dtype)
+        attn_mask = functional.pad(mask if mask.dim() == 3 else mask.unsqueeze(0), pad)
+    padding = None
+    if key_padding_mask is not None:
+        mask = _additive(key_padding_mask, q.dtype)  # [N, S]
+        mask = mask.view(n, 1, 1, -1).expand(n, heads, 1, -1).reshape(n * heads, 1, -1)
+        padding = functional.pad(mask, pad)
+    length = q.shape[1]
+    for start, stop in row_chunks(length, n * heads * key_t.shape[-1], budget):
+        logits = torch.bmm(q[:, start:stop], key_t) / math.sqrt(q.shape[-1])
+        if attn_mask is not None:
+            logits = logits + query_rows(attn_mask, start, stop, length)
+        if padding is not None:
+            logits = logits + padding
+        yield logits.view(n, heads, *logits.shape[1:])
+
+
+def _mha_projections(
+    mha: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``q [N*H, L, d]``, ``k`` transposed ``[N*H, d, S']`` of seq-first ``[L, N, E]`` inputs,
+    with ``bias_k`` and ``add_zero_attn``'s keys (their number, the third)."""
     e, heads = mha.embed_dim, mha.num_heads
     if mha._qkv_same_embed_dim:
         w_q, w_k = mha.in_proj_weight[:e], mha.in_proj_weight[e : 2 * e]
@@ -120,17 +173,8 @@ def mha_logits(
         extra.append(k.new_zeros(1, n, e))
     k = torch.cat([k, *extra]) if extra else k
     q = q.reshape(q.shape[0], n * heads, -1).transpose(0, 1)  # [N*H, L, d]
-    k = k.reshape(k.shape[0], n * heads, -1).transpose(0, 1)  # [N*H, S', d]
-    logits = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1])
-    pad = (0, len(extra))
-    if attn_mask is not None:
-        mask = _additive(attn_mask, logits.dtype)
-        logits = logits + functional.pad(mask if mask.dim() == 3 else mask.unsqueeze(0), pad)
-    if key_padding_mask is not None:
-        mask = _additive(key_padding_mask, logits.dtype)  # [N, S]
-        mask = mask.view(n, 1, 1, -1).expand(n, heads, 1, -1).reshape(n * heads, 1, -1)
-        logits = logits + functional.pad(mask, pad)
-    return logits.view(n, heads, *logits.shape[1:])
+    key_t = k.reshape(k.shape[0], n * heads, -1).permute(1, 2, 0)  # [N*H, d, S']
+    return q, key_t, len(extra)
 
 
 def _owns_parameters(module: nn.Module) -> bool:
@@ -232,7 +276,8 @@ class StabilityStats(LayerStat[Result]):
             if is_training_forward(module) and not torch.compiler.is_compiling():
                 assert isinstance(module, nn.MultiheadAttention)
                 with torch.no_grad():
-                    self._add_attention(name, mha_logits(module, *_mha_inputs(*args, **kwargs)))
+                    for chunk in mha_logit_chunks(module, *_mha_inputs(*args, **kwargs)):
+                        self._add_attention(name, chunk)
 
         return hook
 
