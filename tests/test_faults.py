@@ -151,8 +151,9 @@ def test_healthy_fits_make_one_agreement_per_epoch_end_and_none_per_quiet_step(
     assert ddp[0]["healthy"]["epochs"][0]["ours_by_name"] == {"all_reduce": 7, "all_gather": 6}
     # FSDP2: + the shard norms' all_gather at every step.
     assert fsdp[0]["healthy"]["steps"] == [6, 2, 2, 6] * 2
-    # A StatsCallback: its packed all_gather and one small all_reduce per logging step.
-    assert ddp[0]["stats_logging"]["steps"][:1] == [2]
+    # A StatsCallback: its packed all_gather and one small all_reduce per logging step; at the
+    # first, the new rows' names (one all_gather_object).
+    assert ddp[0]["stats_logging"]["steps"][:1] == [3]
 
 
 def test_gan_on_two_processes_keeps_the_loss_rules(ddp: list[dict[str, Any]]) -> None:

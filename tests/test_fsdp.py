@@ -133,7 +133,9 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         # units and saturation; and one all_reduce of the loss (the diverging rule reads the mean
         # over ranks) at every batch, which carries GradFlowCallback's agreement of the ranks on a
         # failure or a stop; the 3 statistics callbacks agree in one small all_reduce each.
-        assert fsdp["steps"] == [2 + 3 + 3 + 1 + 3] * 8
+        # At the first logging step, each statistics callback's new rows: one all_gather_object
+        # (the rows' names) each, once.
+        assert fsdp["steps"] == [2 + 3 + 3 + 1 + 3 + 3] + [2 + 3 + 3 + 1 + 3] * 7
         # The sentinel alone (off the statistics' cadence): one all_gather of the gradient
         # norms; at NAN_STEP, where it fires, one more: the weights, read only then.
         # every_n_steps=4 samples steps 0, 3, 4 and 7 (each + 3 at its logging step); + 1 each:
@@ -153,19 +155,26 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         # instability statistics; the agreements: each callback's at the epoch end, the 3
         # statistics callbacks' at each logging step.
         agreements = 1 + 3 * (4 + 1)
+        epoch = {
+            "all_gather": 4 * (2 + 1 + 3 + 1) + 1 + 3 + 1,
+            "all_reduce": 4 + 4 + 1 + agreements,
+        }
         assert [e["ours_by_name"] for e in fsdp["epochs"]] == [
-            {"all_gather": 4 * (2 + 1 + 3 + 1) + 1 + 3 + 1, "all_reduce": 4 + 4 + 1 + agreements}
-        ] * 2
+            {**epoch, "all_gather_object": 3},  # the new rows' names, at the first logging step
+            epoch,
+        ]
         # Accumulating 2 batches, clipped: one more all_gather, of the post-clip norms (+ 3 at
         # the logging step); the loss's all_reduce at every batch.
         assert report["clip"]["steps"] == [1, 3 + 3 + 1] * 4
         # HSDP (replicate=2, shard=1): a shard group of one rank makes no collective of its own;
         # the logging steps' reduce across the replicas.
         # The loss's all_reduce spans the whole world: the replicas' batches differ.
-        assert hsdp["steps"] == [2 + 3 + 1 + 1 + 3] * 8
+        assert hsdp["steps"] == [2 + 3 + 1 + 1 + 3 + 3] + [2 + 3 + 1 + 1 + 3] * 7
+        epoch = {"all_gather": 4 * (1 + 3 + 1) + 1 + 3 + 1, "all_reduce": 4 + 4 + agreements}
         assert [e["ours_by_name"] for e in hsdp["epochs"]] == [
-            {"all_gather": 4 * (1 + 3 + 1) + 1 + 3 + 1, "all_reduce": 4 + 4 + agreements}
-        ] * 2
+            {**epoch, "all_gather_object": 3},
+            epoch,
+        ]
 
 
 @pytest.mark.parametrize("action", ["skip", "stop"])

@@ -102,3 +102,27 @@ def test_state_keys_tell_configurations_apart() -> None:
     }
     assert len(keys) == 5
     assert DeadReLUCallback(include="a").state_key == DeadReLUCallback(include=["a"]).state_key
+
+
+def test_align_rows_puts_every_ranks_new_rows_in_one_order_with_their_values() -> None:
+    """A rank's rows moved to the order every rank agrees on (the aligned rows, then each
+    rank's new ones by rank), with what they measured; rows only another rank made start
+    empty; per-unit states move with their rows."""
+    from lightning_hooks.core.stats.dead_units import DeadUnitTracker
+
+    stat = DeadUnitTracker(types=nn.ReLU)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 5), nn.ReLU())
+    with stat.attach(model):
+        model[3](torch.randn(6, 5).abs())  # this rank met "3" (5 units) first, then "1"
+        model[1](-torch.ones(6, 3))
+        counts = {n: stat.counts[stat.unit_slice(i)].clone() for n, i in stat.rows.items()}
+        assert stat.layers == ("3", "1") and stat.rows_grew
+        other = [("1", 3), ("9", 2)]  # the other rank (rank 0): "1", then a layer only it ran
+        stat.align_rows([other, stat.new_rows()])
+        assert stat.layers == ("1", "9", "3") and not stat.rows_grew
+        assert stat.units == [3, 2, 5]
+        for name in ("1", "3"):
+            torch.testing.assert_close(stat.counts[stat.unit_slice(stat.rows[name])], counts[name])
+        assert not stat.counts[stat.unit_slice(1)].any()
+        with pytest.raises(ValueError, match=r"layer '1' has 4 units on one rank and 3"):
+            stat.align_rows([[("1", 4)], [("1", 3)]])

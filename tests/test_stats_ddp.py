@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from ddp_run import SAMPLES
-from ddp_stats_run import AttentionMLP, fit
+from ddp_stats_run import AttentionMLP, fit, routed_fit
 
 from conftest import read_scalars, run_script
 
@@ -86,5 +86,31 @@ def test_one_collective_and_one_agreement_per_statistic_per_logging_step(ddp_out
         # one per callback (5 of them) at each of an epoch's 4 logging steps and at its end,
         # and as many small all_reduces: the ranks' agreement on a failure (one more each at
         # the end of the fit)
-        assert [e["ours"] for e in report["epochs"]] == [5 * 5 * 2, 5 * 5 * 2]
-        assert report["ours"] == {"all_gather": 2 * 5 * 5, "all_reduce": 2 * 5 * 5 + 5}
+        # and, when rows were made since the last logging point, one all_gather_object of the
+        # new rows' names: each callback's at its first logging point, and StabilityStats' once
+        # more (its output layer's row, settled at its first reduce); none in the second epoch
+        assert [e["ours"] for e in report["epochs"]] == [5 * 5 * 2 + 6, 5 * 5 * 2]
+        assert report["ours"] == {
+            "all_gather": 2 * 5 * 5,
+            "all_reduce": 2 * 5 * 5 + 5,
+            "all_gather_object": 6,
+        }
+
+
+def test_a_layer_one_rank_meets_first_is_measured_as_in_one_process(
+    ddp_out: Path, tmp_path: Path
+) -> None:
+    """Rows are made when a layer is first observed: the expert of ``RoutedMLP`` is met by
+    rank 0 at step 0 and by rank 1 only at step 1. The ranks align their rows at the logging
+    point (before, the one collective failed: "Received data size doesn't match"), and every
+    value equals one process on the global batches."""
+    routed_fit(tmp_path, devices=1)
+    single = read_scalars(tmp_path / "tb")
+    ddp = read_scalars(ddp_out / "routed" / "tb")
+    tags = {t for t in single if t.startswith("activations/")}
+    assert any(t.endswith("/expert") for t in tags), sorted(tags)
+    assert {t for t in ddp if t.startswith("activations/")} == tags
+    for tag in sorted(tags):
+        assert [s for s, _ in ddp[tag]] == [s for s, _ in single[tag]], tag
+        for (_, got), (_, want) in zip(ddp[tag], single[tag], strict=True):
+            assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-9), (tag, got, want)

@@ -176,8 +176,20 @@ class Lifecycle(_CallbackBase):
         guard = self._hook_guard()
         if self._ranks == 1 or guard.failed is not None or (self._carried() and not always):
             return guard.failed is not None
-        failed, stopping = agree([guard.local is not None, self._wants_stop()])
-        return self._settle(trainer, step, failed, stopping)
+        failed, stopping, *extra = agree(
+            [guard.local is not None, self._wants_stop(), *self._agreement_flags()]
+        )
+        disabled = self._settle(trainer, step, failed, stopping)
+        if not disabled:
+            self._agreed(extra)
+        return disabled
+
+    def _agreement_flags(self) -> list[bool]:
+        """Extend: more flags for the ranks' agreement (each counted over the ranks)."""
+        return []
+
+    def _agreed(self, counts: list[int]) -> None:
+        """Extend: act on the counts of :meth:`_agreement_flags` (every rank, the same)."""
 
     def _settle(self, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
         """Act on the ranks' agreement at ``step``: stop every rank if any asked; when one

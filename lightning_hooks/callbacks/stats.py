@@ -11,6 +11,7 @@ from typing_extensions import override
 from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
+from lightning_hooks.core.transport.distributed import gather_objects
 from lightning_hooks.logging import log_scalars, step_tags
 
 __all__ = ["StatsCallback"]
@@ -140,7 +141,26 @@ class StatsCallback(HookCallback):
         """Log what is not a scalar tag (pictures, warnings): nothing here, subclasses add."""
 
     @override
+    def _agreement_flags(self) -> list[bool]:
+        # whether this rank made rows since they were last aligned across the ranks
+        return [any(stat.rows_grew for stat in self.attached)]
+
+    @override
+    def _agreed(self, counts: list[int]) -> None:
+        if counts[0]:
+            self._align_rows()
+
+    def _align_rows(self) -> None:
+        """Every rank's new rows, in one order on every rank (one ``all_gather_object``, only
+        at the logging points and epoch ends after some rank made a row)."""
+        new = gather_objects([stat.new_rows() for stat in self.attached])
+        for i, stat in enumerate(self.attached):
+            stat.align_rows([rank[i] for rank in new])
+
+    @override
     def _save_state(self) -> dict[str, Any]:
+        if self._ranks > 1:  # a checkpoint between logging points: rows made since
+            self._align_rows()
         return {_key(i, s): s.host_state() for i, s in enumerate(self.attached)}
 
     @override

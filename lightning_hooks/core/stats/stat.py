@@ -42,8 +42,9 @@ class LayerStat(Metric, HookOwner, Generic[R]):
     Subclasses declare states in ``__init__`` with :meth:`add_layer_state` /
     :meth:`add_unit_state`, implement :meth:`observe` (or override :meth:`hook_module` for other
     hooks), :meth:`summarize` and :meth:`tags`. Rows are created by :meth:`row` the first time a
-    layer is observed (or up front), in execution order; every rank runs the same model, so every
-    rank has the same rows when :meth:`result` reduces them. Values a hook keeps on the host
+    layer is observed (or up front), in execution order; a layer that runs on some ranks only
+    gives the ranks different rows, which the callbacks align (:meth:`align_rows`) before the
+    states are reduced. Values a hook keeps on the host
     (Python counters) are moved into the states by :meth:`flush`, which the base calls before
     every reduce and checkpoint.
 
@@ -79,6 +80,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         self.rows: dict[str, int] = {}
         self.units: list[int] = []
         self._starts: list[int] = []  # where each row's entries begin in the per-unit states
+        self._aligned = 0  # rows every rank has, in the same order (see align_rows)
         self.registry: HookRegistry | None = None  # type: ignore[assignment]
         self._hooked: tuple[str, ...] = ()
         self._windows = EpochWindows(self.specs)  # the logging points' windows, on the host
@@ -161,6 +163,75 @@ class LayerStat(Metric, HookOwner, Generic[R]):
                 setattr(self, spec.name, torch.cat([old, new]))
         return index
 
+    @property
+    def rows_grew(self) -> bool:
+        """Whether rows were made since the ranks last aligned them (:meth:`align_rows`)."""
+        return len(self.rows) != self._aligned
+
+    def new_rows(self) -> list[tuple[str, int]]:
+        """``(name, units)`` of the rows made since the ranks last aligned them, in order."""
+        return [(name, self.units[i]) for name, i in self.rows.items() if i >= self._aligned]
+
+    def align_rows(self, new: Sequence[Sequence[tuple[str, int]]]) -> None:
+        """Give this rank the rows every rank made since the last alignment (``new``: each
+        rank's :meth:`new_rows`, by rank), in one order on every rank: the rows aligned before,
+        then the new ones by rank and, within a rank, in the order it made them.
+
+        Rows are made when a layer is first observed: a module that runs on some ranks only
+        (an expert that got no tokens, a branch the data skips) would otherwise leave the
+        ranks with different states, and the one collective would fail or hang. This rank's
+        new rows move to their place with what they measured; the others start empty.
+
+        Raises:
+            ValueError: two ranks made the same layer's row with different numbers of units.
+        """
+        order: dict[str, int] = {}
+        for rank_rows in new:
+            for name, units in rank_rows:
+                if order.setdefault(name, units) != units:
+                    raise ValueError(
+                        f"{type(self).__name__}: layer {name!r} has {order[name]} units on one "
+                        f"rank and {units} on another"
+                    )
+        mine = self.new_rows()
+        if [n for n, _ in mine] != list(order):
+            kept = {n: self._row_values(self.rows[n]) for n, _ in mine}
+            self._truncate(self._aligned)
+            for name, units in order.items():
+                row = self.row(name, units)
+                if name in kept:
+                    self._set_row_values(row, kept[name])
+        self._aligned = len(self.rows)
+
+    def _row_values(self, row: int) -> dict[str, torch.Tensor]:
+        """Every per-row state's entries of ``row`` (copies)."""
+        out = {}
+        for spec in self.specs.values():
+            state: torch.Tensor = getattr(self, spec.name)
+            if spec.kind == "layer":
+                out[spec.name] = state[row].clone()
+            elif spec.kind == "unit":
+                out[spec.name] = state[self.unit_slice(row)].clone()
+        return out
+
+    def _set_row_values(self, row: int, values: dict[str, torch.Tensor]) -> None:
+        for name, value in values.items():
+            state: torch.Tensor = getattr(self, name)
+            if self.specs[name].kind == "layer":
+                state[row] = value
+            else:
+                state[self.unit_slice(row)] = value
+
+    def _truncate(self, rows: int) -> None:
+        """Keep the first ``rows`` rows (every per-row state cut to them)."""
+        units = sum(self.units[:rows])
+        for spec in self.specs.values():
+            if spec.kind != "global":
+                state: torch.Tensor = getattr(self, spec.name)
+                setattr(self, spec.name, state[: units if spec.kind == "unit" else rows].clone())
+        self.rows = {n: i for n, i in self.rows.items() if i < rows}
+        self.units, self._starts = self.units[:rows], self._starts[:rows]
+
     def unit_slice(self, row: int) -> slice:
         """Where ``row``'s entries lie in a per-unit state."""
         start = self._starts[row]
@@ -176,6 +247,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         check_module(type(self).__name__, "model", model)
         self.remove()
         self.rows, self.units, self._starts = {}, [], []
+        self._aligned = 0
         self._windows.forget()
         device = _model_device(model)
         for spec in self.specs.values():
@@ -350,6 +422,7 @@ class LayerStat(Metric, HookOwner, Generic[R]):
         units = state.get("units") or [0] * len(layers)
         for name, n in zip(layers, units, strict=True):
             self.row(name, int(n))
+        self._aligned = len(self.rows)  # the same saved rows on every rank
         if self.layers != layers:
             raise ValueError(f"saved for layers {layers!r}; this one has {self.layers!r}")
         epoch: dict[str, np.ndarray] = {}
