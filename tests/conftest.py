@@ -7,6 +7,7 @@ import inspect
 import os
 import subprocess
 import sys
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -273,3 +274,13 @@ def load_benchmark(name: str) -> Any:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def fit_alarms(trainer: pl.Trainer, model: pl.LightningModule) -> list[warnings.WarningMessage]:
+    """``trainer.fit(model)``, and the ``GradientAlarmWarning``s it raised (every one)."""
+    from lightning_hooks.errors import GradientAlarmWarning
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    return [w for w in record if issubclass(w.category, GradientAlarmWarning)]

@@ -22,7 +22,7 @@ from lightning_hooks import GradFlowCallback
 from lightning_hooks.core import AlarmRules
 from lightning_hooks.errors import GradientAlarmWarning
 
-from conftest import load_benchmark, read_scalars
+from conftest import fit_alarms, load_benchmark, read_scalars
 
 CHANCE = math.log(10)
 
@@ -74,10 +74,7 @@ def _fit(tmp_path: Path, model: Digits) -> list[warnings.WarningMessage]:
         enable_checkpointing=False,
         log_every_n_steps=10,
     )
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        trainer.fit(model)
-    return [w for w in record if issubclass(w.category, GradientAlarmWarning)]
+    return fit_alarms(trainer, model)
 
 
 def _ground_truth(losses: list[float]) -> int | None:
@@ -201,10 +198,7 @@ def _fit_recipe(tmp_path: Path, model: BenchmarkRecipe) -> list[warnings.Warning
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        trainer.fit(model)
-    return [w for w in record if issubclass(w.category, GradientAlarmWarning)]
+    return fit_alarms(trainer, model)
 
 
 def test_a_blow_up_in_the_first_steps_is_not_hidden_by_its_own_swing(tmp_path: Path) -> None:

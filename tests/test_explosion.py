@@ -9,7 +9,6 @@ Counts are read back from the TensorBoard event files."""
 from __future__ import annotations
 
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.errors import GradientAlarmWarning
 
-from conftest import read_scalars
+from conftest import fit_alarms, read_scalars
 
 BOOM = 37  # the issue's step
 
@@ -85,10 +84,7 @@ def _fit(
         enable_checkpointing=False,
         **kwargs,
     )
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        trainer.fit(model)
-    found = [w.message for w in record if issubclass(w.category, GradientAlarmWarning)]
+    found = [w.message for w in fit_alarms(trainer, model)]
     return found, read_scalars(tmp_path)  # type: ignore[return-value]
 
 
