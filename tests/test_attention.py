@@ -580,6 +580,69 @@ def test_a_model_named_as_attention_encloses_the_attention_seen() -> None:
         stat.end_step()
 
 
+class TwoScales(nn.Module):
+    """One module, two attention calls: 4 heads over the tokens, then 1 head pooling them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.view(x.shape[0], x.shape[1], 4, -1).transpose(1, 2)
+        y = functional.scaled_dot_product_attention(q, q, q).transpose(1, 2).flatten(2)
+        pooled = functional.scaled_dot_product_attention(y[:, None, :1], y[:, None], y[:, None])
+        return y + pooled[:, 0]
+
+
+class TwoScalesModel(pl.LightningModule):
+    """An embedding, :class:`TwoScales`, a head; 2 batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Linear(4, 8), TwoScales(), nn.Linear(8, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.head(self.mix(self.embed(batch[0]))).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(TensorDataset(torch.randn(8, 5, 4)), batch_size=4)
+
+
+def test_calls_with_other_heads_are_left_out_of_the_entropy_with_one_warning(
+    tmp_path: Path,
+) -> None:
+    """Through ``Trainer.fit`` at the defaults: the 1-head call of a module whose first call
+    had 4 heads cannot pool into its per-head sums; it is left out of the entropy (one warning),
+    counted in the largest logit, and the fit goes on."""
+
+    trainer = make_trainer(tmp_path, callbacks=[GradFlowCallback()], max_epochs=1)
+    with pytest.warns(LightningHooksWarning, match=r"'mix' made attention calls of 4 and of 1"):
+        trainer.fit(TwoScalesModel())
+    scalars = read_scalars(tmp_path)
+    assert "stability/attn_entropy_min/mix" in scalars
+    assert "stability/attn_logit_max/mix" in scalars
+
+
+def test_an_error_in_the_capture_is_reported_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The capture runs inside the model's forward: an error of ours there is the guard's
+    (reported once, the callback disabled), not the forward's."""
+    from lightning_hooks.core.hooks.guard import STRICT_ENV
+    from lightning_hooks.core.stats import stability
+
+    monkeypatch.setenv(STRICT_ENV, "0")
+
+    def boom(logits: torch.Tensor) -> Any:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(stability, "attention_head_entropy", boom)
+    model = TwoScalesModel()
+    trainer = make_trainer(tmp_path, callbacks=[GradFlowCallback()], max_epochs=1)
+    with pytest.warns(LightningHooksWarning, match=r"attention capture.*RuntimeError: injected"):
+        trainer.fit(model)
+    assert trainer.global_step == 2
+
+
 def test_compiled_attention_is_left_out_with_a_warning() -> None:
     """Through the statistic alone (``Trainer.fit`` with a compiled block: test_compile.py)."""
     net = NanoGPT(4)

@@ -126,3 +126,33 @@ def test_align_rows_puts_every_ranks_new_rows_in_one_order_with_their_values() -
         assert not stat.counts[stat.unit_slice(1)].any()
         with pytest.raises(ValueError, match=r"layer '1' has 4 units on one rank and 3"):
             stat.align_rows([[("1", 4)], [("1", 3)]])
+
+
+def test_rows_the_ranks_cannot_align_disable_the_callback_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks, faked in one process: the other rank made ``net.1``'s row with 7 units. The
+    same error on every rank (from what they exchanged) disables the callback everywhere at
+    that logging point, one warning, and training goes on (strict mode raises it instead)."""
+    import warnings
+
+    from lightning_hooks.callbacks import _lifecycle, stats
+    from lightning_hooks.core.hooks.guard import STRICT_ENV
+    from lightning_hooks.errors import LightningHooksWarning
+
+    monkeypatch.setenv(STRICT_ENV, "0")
+    monkeypatch.setattr(_lifecycle, "world_size", lambda: 2)
+    monkeypatch.setattr(_lifecycle, "agree", lambda flags: [int(f) for f in flags])
+    monkeypatch.setattr(stats, "gather_objects", lambda mine: [mine, [[("net.1", 7)]]])
+    model = TinyMLP()
+    callback = DeadReLUCallback(every_n_steps=1, warn_at=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path, callbacks=[callback], max_epochs=2).fit(model)
+    ours = [str(w.message) for w in caught if issubclass(w.category, LightningHooksWarning)]
+    assert len(ours) == 1, ours
+    assert "disabled on every rank from step 0" in ours[0]
+    assert (
+        "aligning rows across ranks: ValueError: DeadUnitTracker: layer 'net.1' has 16" in ours[0]
+    )
+    assert model.trainer.global_step == 8 and hooks_left(model) == []

@@ -180,16 +180,30 @@ class Lifecycle(_CallbackBase):
             [guard.local is not None, self._wants_stop(), *self._agreement_flags()]
         )
         disabled = self._settle(trainer, step, failed, stopping)
-        if not disabled:
-            self._agreed(extra)
-        return disabled
+        return disabled or self._agreed(trainer, step, extra)
 
     def _agreement_flags(self) -> list[bool]:
         """Extend: more flags for the ranks' agreement (each counted over the ranks)."""
         return []
 
-    def _agreed(self, counts: list[int]) -> None:
-        """Extend: act on the counts of :meth:`_agreement_flags` (every rank, the same)."""
+    def _agreed(self, trainer: pl.Trainer, step: int, counts: list[int]) -> bool:
+        """Extend: act on the counts of :meth:`_agreement_flags` (every rank, the same);
+        whether the callback is now disabled on every rank."""
+        return False
+
+    def _fail_everywhere(
+        self, trainer: pl.Trainer, step: int, where: str, error: Exception
+    ) -> bool:
+        """An error every rank met alike (computed from what the ranks exchanged): raise if
+        strict, else disable the callback on every rank now, one warning on rank 0."""
+        guard = self._hook_guard()
+        if guard.strict:
+            raise error
+        cause = f"{where}: {type(error).__name__}: {error}"
+        guard.settle([cause] * self._ranks, step, warn=trainer.is_global_zero)  # every rank's
+        guard.take_pending()
+        self._guard_disable()
+        return True
 
     def _settle(self, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
         """Act on the ranks' agreement at ``step``: stop every rank if any asked; when one

@@ -146,9 +146,13 @@ class StatsCallback(HookCallback):
         return [any(stat.rows_grew for stat in self.attached)]
 
     @override
-    def _agreed(self, counts: list[int]) -> None:
+    def _agreed(self, trainer: pl.Trainer, step: int, counts: list[int]) -> bool:
         if counts[0]:
-            self._align_rows()
+            try:
+                self._align_rows()
+            except ValueError as error:  # a layer's units differ between ranks: on every rank
+                return self._fail_everywhere(trainer, step, "aligning rows across ranks", error)
+        return False
 
     def _align_rows(self) -> None:
         """Every rank's new rows, in one order on every rank (one ``all_gather_object``, only

@@ -251,11 +251,11 @@ class _AttentionMode(TorchFunctionMode):
         if torch.compiler.is_compiling():  # a compiled region inside a measured forward
             return func(*args, **kwargs)
         if func is functional.scaled_dot_product_attention:
-            self.capture.see(lambda: _sdpa_call(*args, **kwargs))
+            self.capture.guarded_see(lambda: _sdpa_call(*args, **kwargs))
         elif func in _SOFTMAX:
             logits = _softmax_logits(args, kwargs)
             if logits is not None:
-                self.capture.see(lambda: logit_chunks(logits), softmax=True)
+                self.capture.guarded_see(lambda: logit_chunks(logits), softmax=True)
         return func(*args, **kwargs)
 
 
@@ -298,6 +298,9 @@ class AttentionCapture:
         self._callers: list[bool] = []  # between a call's first and last pre-hook: the caller's
         self.seen: set[str] = set()
         """Names of the modules whose attention was recorded."""
+        self.guarded_see: Callable[..., None] = self.see
+        """:meth:`see` as the mode calls it: under the registry's guard once attached (an
+        error of ours inside the model's forward is reported, not raised into it)."""
 
     def attach(self, registry: HookRegistry) -> AttentionCapture:
         """Hook every module of ``registry``'s model that runs Python hooks.
@@ -307,6 +310,7 @@ class AttentionCapture:
         it again (the other forward hooks are not its forward either), one placed last pops it.
         The forward hooks are called also when the forward raises.
         """
+        self.guarded_see = registry.guarded(self.see, "attention capture")
         for name, module in registry.model.named_modules():
             if registry.forward_pre_hook(module, self._push(name), gated=True) is None:
                 continue  # torch.jit: runs no Python hook

@@ -246,6 +246,7 @@ class StabilityStats(LayerStat[Result]):
         self._candidates: dict[str, list[_LogZ]] = {}  # and what each candidate measured
         self._capture: AttentionCapture | None = None
         self._checked = False  # whether unseen attention was looked for since attach
+        self._mixed_heads: set[str] = set()  # modules warned of calls with other heads
 
     def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> StabilityStats:
         """Hook ``model``'s attention layers and parameter owners; find the output layer anew."""
@@ -284,11 +285,29 @@ class StabilityStats(LayerStat[Result]):
     def _add_attention(self, name: str, logits: torch.Tensor) -> None:
         """One attention call's largest logit and smallest head entropy into ``name``'s row."""
         peak, total, count = attention_head_entropy(logits)
-        row = self.row(name, units=total.numel())  # a unit per head
+        row = self.rows.get(name)
+        if row is None:
+            row = self.row(name, units=total.numel())  # a unit per head
         self.attn_max[row] = torch.maximum(self.attn_max[row], peak)
+        if self.units[row] != total.numel():  # another call of the module, other heads
+            self._warn_heads(name, self.units[row], total.numel())
+            return
         heads = self.unit_slice(row)
         self.attn_entropy[heads].add_(total)
         self.attn_rows[heads].add_(count)
+
+    def _warn_heads(self, name: str, heads: int, other: int) -> None:
+        """Once per module: a call with another number of heads is left out of its entropy."""
+        if name in self._mixed_heads:
+            return
+        self._mixed_heads.add(name)
+        warnings.warn(
+            f"StabilityStats: {name!r} made attention calls of {heads} and of {other} heads; "
+            f"stability/attn_entropy_min/{name} is over its {heads}-head calls only (the "
+            "largest logit is over all of them)",
+            LightningHooksWarning,
+            stacklevel=2,
+        )
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
         """The output layer's ``log Z`` into its row; while it is not known, the candidate's."""
@@ -308,7 +327,8 @@ class StabilityStats(LayerStat[Result]):
 
     def _add(self, name: str, measured: _LogZ) -> None:
         total, count, peak = measured
-        row = self.row(name)
+        row = self.rows.get(name)
+        row = self.row(name) if row is None else row  # an attention row has units: kept
         self.logz[row, 0] += total
         self.logz[row, 1] += count  # a Python int: no copy to the device
         self.logz_max[row] = torch.maximum(self.logz_max[row], peak)
