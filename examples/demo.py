@@ -2,7 +2,7 @@
 
 * ``runs/healthy``: a sensible initialisation and learning rate.
 * ``runs/broken``: the biases before every ReLU initialised at -3 (most units start dead) and
-  Adam at a learning rate of 2.0 instead of 3e-3: the gradients explode in the second epoch
+  Adam at a learning rate of 2.0 instead of 3e-3: the gradients explode in the first epoch
   (spike alarms) and die in the third, where every layer but the output layer gets exactly zero
   gradient.
 

@@ -50,6 +50,7 @@ ALARMS: dict[str, tuple[str, ...]] = {
         "loss_spike",
         "diverging",
         "stall",
+        "attention",
     ),
 }
 """Every ``family/alarms/rule`` count the library logs (``lightning_hooks.core.ALARM_RULES``)."""

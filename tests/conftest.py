@@ -264,10 +264,13 @@ def run_script(script: str, out: Path) -> subprocess.CompletedProcess[str]:
 
 def load_benchmark(name: str) -> Any:
     """``benchmarks/<name>.py`` as a module (registered in ``sys.modules``, where its
-    dataclasses look their module up)."""
+    dataclasses look their module up; ``benchmarks/`` on ``sys.path`` for its imports)."""
     if name in sys.modules:
         return sys.modules[name]
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    if str(folder) not in sys.path:  # as running the script does: its siblings import
+        sys.path.append(str(folder))
+    path = folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

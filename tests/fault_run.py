@@ -53,7 +53,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 EVERY = 4
-JUMP = 2  # the GAN's batch from which rank 1's loss is OFFSET higher
+JUMP = 3  # the GAN's batch from which rank 1's loss is OFFSET higher (after diverge_early)
 OFFSET = 20.0
 Trainer = dict[str, Any]  # holds the running trainer for the fault's condition
 

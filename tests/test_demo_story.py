@@ -75,18 +75,18 @@ def test_healthy_learns_with_gradient_in_every_layer(demo: tuple[Path, str]) -> 
     assert alarms and sum(alarms) == 0
 
 
-def test_broken_explodes_at_single_steps_of_its_first_epochs(demo: tuple[Path, str]) -> None:
-    _claim("In its first two epochs the gradients explode at single steps")
+def test_broken_explodes_at_single_steps_of_its_first_epoch(demo: tuple[Path, str]) -> None:
+    _claim("In its first epoch the gradients explode at single steps")
     _claim("the global gradient norm of a logging step jumps to over 100x its median")
-    _claim("`spike` alarms fire (most of them in its second epoch)")
+    _claim("`spike` alarms fire in its first two epochs (most of them in its first)")
     broken = _run(demo, "broken")
     steps = broken["grad_flow/global/grad_norm_step"]
     median = float(np.median([v for _, v in steps]))
     ends = [s for s, _ in broken["grad_flow/global/grad_norm"]]  # each epoch's last step
     exploded = [s for s, v in steps if v > 100 * median]
-    assert any(s < ends[0] for s in exploded) and any(ends[0] <= s < ends[1] for s in exploded)
+    assert exploded and all(s < ends[0] for s in exploded), exploded
     spikes = _per_epoch(broken, "grad_flow/alarms/spike")
-    assert spikes[1] > sum(spikes) / 2, spikes
+    assert spikes[0] > sum(spikes) / 2 and spikes[1] > 0 and spikes[2] == 0, spikes
 
 
 def test_broken_has_no_gradient_but_in_its_output_layer_in_its_last_epoch(
@@ -113,14 +113,14 @@ def test_broken_relus_are_dead_and_it_guesses(demo: tuple[Path, str]) -> None:
 
 def test_broken_vanishing_fires_in_its_last_epoch(demo: tuple[Path, str]) -> None:
     _claim("Once those 7 layers have had zero gradient for 20 consecutive steps")
-    _claim("`vanishing` alarms fire for those 7 layers, at optimizer step 63")
+    _claim("`vanishing` alarms fire for those 7 layers, at optimizer step 62")
     broken = _run(demo, "broken")
     zero = [n for n in LAYERS if _per_epoch(broken, f"grad_flow/grad_norm/{n}")[-1] == 0.0]
     assert len(zero) == 7, zero
     assert _per_epoch(broken, "grad_flow/alarms/vanishing") == [0.0, 0.0, 7.0]
     assert AlarmRules().vanish_steps == 20  # the rule's default, which the demo keeps
     warned = [line for line in demo[1].splitlines() if "vanishing gradient at" in line]
-    assert warned and "at optimizer step 63:" in warned[0], warned
+    assert warned and "at optimizer step 62:" in warned[0], warned
     assert f"{zero[0]} grad norm 0 " in warned[0], warned  # the layers the event files show
     assert f"(also flagged: {', '.join(zero[1:])})" in warned[0], warned
     healthy = _run(demo, "healthy")

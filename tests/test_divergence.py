@@ -78,7 +78,16 @@ def _fit(tmp_path: Path, model: Digits) -> list[warnings.WarningMessage]:
 
 
 def _ground_truth(losses: list[float]) -> int | None:
-    """benchmarks/divergence.py's divergence step, written again."""
+    """benchmarks/divergence.py's divergence step, written again (an early rise the run
+    recovers from, its last 50 losses below half its first, is not one)."""
+    step = _first_rise(losses)
+    tail = float(np.mean(losses[-50:]))
+    if step is not None and step < 10 and math.isfinite(tail) and tail < 0.5 * losses[0]:
+        return None
+    return step
+
+
+def _first_rise(losses: list[float]) -> int | None:
     best = math.inf
     for step in range(len(losses)):
         if not math.isfinite(losses[step]):
@@ -90,11 +99,12 @@ def _ground_truth(losses: list[float]) -> int | None:
     return None
 
 
-def _rule(losses: list[float], rules: AlarmRules) -> list[int]:
+def _rule(losses: list[float], rules: AlarmRules, adaptive: bool = False) -> list[int]:
     """Steps where *diverging* holds, in plain Python: the running mean's rise over its best
-    clears the ratio bar plus the noise bar (the loss's mean absolute deviation from its running
-    mean before this step, less a quarter of what was learnt; armed from ``min_history``
-    losses) and the giveback bar."""
+    clears the ratio bar (``diverge_overshoot`` over the first ``diverge_early`` losses of an
+    ``adaptive`` optimizer's run) plus the noise bar (the loss's mean absolute deviation from
+    its running mean before this step, less a quarter of what was learnt; armed from
+    ``min_history`` losses) and the giveback bar."""
     assert rules.diverge_ratio is not None
     alpha = 2.0 / (rules.diverge_span + 1)
     mean = best = first = losses[0]
@@ -108,9 +118,9 @@ def _rule(losses: list[float], rules: AlarmRules) -> list[int]:
         # the bar is armed once it has ``min_history`` losses (steps 0 .. step - 1)
         armed = step >= rules.min_history
         noise = rules.diverge_noise * max(deviation - learnt / 4, 0.0) if armed else 0.0
-        if rise >= (rules.diverge_ratio - 1) * abs(best) + noise and rise >= (
-            rules.diverge_giveback * learnt
-        ):
+        early = adaptive and step < rules.diverge_early
+        ratio = rules.diverge_overshoot if early else rules.diverge_ratio
+        if rise >= (ratio - 1) * abs(best) + noise and rise >= (rules.diverge_giveback * learnt):
             fired.append(step)
         deviation += max(2.0 / (2 * rules.diverge_span + 1), 1.0 / step) * (swing - deviation)
     return fired
@@ -202,18 +212,44 @@ def _fit_recipe(tmp_path: Path, model: BenchmarkRecipe) -> list[warnings.Warning
 
 
 def test_a_blow_up_in_the_first_steps_is_not_hidden_by_its_own_swing(tmp_path: Path) -> None:
-    """The benchmark's LSTM on RMSprop at 0.1 with clipping (seed 0): its loss doubles at step 1
-    and triples at step 2. With the noise bar armed from the first swing, that swing was the
-    bar, and the rule stayed quiet; armed from ``min_history`` losses, it warns in time."""
-    model = BenchmarkRecipe("lstm", "rmsprop", 0.1, seed=0, steps=6)
+    """The benchmark's LSTM on SGD at 30 (seed 0): its loss more than doubles by step 2. With
+    the noise bar armed from the first swing, that swing was the bar, and the rule stayed quiet;
+    armed from ``min_history`` losses, it warns in time."""
+    model = BenchmarkRecipe("lstm", "sgd", 30.0, seed=0, steps=6)
     record = _fit_recipe(tmp_path, model)
     diverged = _ground_truth(model.losses)
-    assert diverged is not None and diverged <= 2, model.losses
+    assert diverged is not None and diverged <= 3, model.losses
     warned = _steps(record)
     assert warned and warned[0] == _rule(model.losses, AlarmRules())[0] <= diverged
     # the bar armed at the first swing would have hidden it
     early = [s for s in _rule(model.losses, AlarmRules(min_history=1)) if s <= diverged]
     assert early == [], model.losses
+
+
+def test_an_rmsprop_overshoot_that_recovers_is_not_warned(tmp_path: Path) -> None:
+    """The benchmark's LSTM on RMSprop at 0.1 with clipping (seed 0), issue 35: RMSprop's first
+    update is 10x its learning rate per coordinate, the loss doubles at step 1 and triples at
+    step 2, then the run learns (its last 50 losses under half its first). At step 2 it cannot
+    be told from a lost run; an adaptive optimizer's first ``diverge_early`` losses are held to
+    the ``diverge_overshoot`` bar, and nothing is warned. The bar of later steps would have
+    warned it at step 2."""
+    model = BenchmarkRecipe("lstm", "rmsprop", 0.1, seed=0, steps=120)
+    record = _fit_recipe(tmp_path, model)
+    assert max(model.losses[1:3]) > 2.0 * model.losses[0], model.losses[:4]  # the overshoot
+    assert np.mean(model.losses[-50:]) < 0.5 * model.losses[0]  # ... that recovers
+    assert _ground_truth(model.losses) is None
+    assert record == []
+    assert _rule(model.losses, AlarmRules(), adaptive=True) == []
+    assert _rule(model.losses, AlarmRules(), adaptive=False)[0] == 2
+
+
+def test_an_rmsprop_blow_up_that_is_lost_is_warned_at_its_step(tmp_path: Path) -> None:
+    """The benchmark's 6-layer MLP on RMSprop at 0.03 (seed 0): a thousandfold loss at step 1
+    that the run never recovers from clears the overshoot bar, and is warned at once."""
+    model = BenchmarkRecipe("mlp6", "rmsprop", 0.03, seed=0, steps=6)
+    record = _fit_recipe(tmp_path, model)
+    assert _first_rise(model.losses) == 1, model.losses
+    assert _steps(record)[:1] == [1]
 
 
 def test_a_healthy_rmsprop_overshoot_in_the_first_steps_is_not_warned(tmp_path: Path) -> None:
@@ -225,7 +261,7 @@ def test_a_healthy_rmsprop_overshoot_in_the_first_steps_is_not_warned(tmp_path: 
     assert max(model.losses[1:4]) > model.losses[1], model.losses  # the overshoot
     assert np.mean(model.losses[-10:]) < 0.7 * model.losses[0]
     assert record == []
-    assert _rule(model.losses, AlarmRules()) == []
+    assert _rule(model.losses, AlarmRules(), adaptive=True) == []
 
 
 class NoisyRegressor(pl.LightningModule):

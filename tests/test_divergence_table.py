@@ -22,6 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = json.loads((ROOT / "benchmarks" / "results" / "divergence.json").read_text())
 
 
+HELD_OUT = frozenset(RESULTS["held_out_families"])
+
+
 def _recount_explosions(rows: list[dict[str, Any]]) -> tuple[str, str]:
     """``damaging explosions warned at their step`` and ``harmless explosions warned`` cells."""
     hurt = [r for r in rows if r["damaging"]]
@@ -31,10 +34,11 @@ def _recount_explosions(rows: list[dict[str, Any]]) -> tuple[str, str]:
     return f"{at_step} of {len(hurt)}", f"{warned} of {len(harmless)}"
 
 
-def _recount(runs: list[dict[str, Any]]) -> tuple[str, str, str]:
-    """``warned in time``, ``median lead`` and ``healthy warned`` cells, from the runs alone."""
+def _recount(runs: list[dict[str, Any]]) -> tuple[str, str, str, str]:
+    """``warned in time``, ``median lead``, ``collapses warned in the first half`` and
+    ``healthy warned`` cells, from the runs alone."""
     divergent = [r for r in runs if r["diverges_at"] is not None]
-    healthy = [r for r in runs if r["diverges_at"] is None]
+    healthy = [r for r in runs if r["diverges_at"] is None and not r["damaged"]]
     in_time = [
         r
         for r in divergent
@@ -43,19 +47,52 @@ def _recount(runs: list[dict[str, Any]]) -> tuple[str, str, str]:
     leads = [r["diverges_at"] - r["first_warning"] for r in in_time]
     lead = f"{statistics.median(leads):g}" if leads else "-"
     warned = [r for r in healthy if r["first_warning"] is not None]
-    return f"{len(in_time)} of {len(divergent)}", lead, f"{len(warned)} of {len(healthy)}"
+    collapses = [r for r in runs if r["kind"] == "attention" and r["damaged"]]
+    early = [
+        r
+        for r in collapses
+        if r["first_warning"] is not None and 2 * r["first_warning"] < r["steps"]
+    ]
+    return (
+        f"{len(in_time)} of {len(divergent)}",
+        lead,
+        f"{len(early)} of {len(collapses)}",
+        f"{len(warned)} of {len(healthy)}",
+    )
+
+
+def _row(rule_set: dict[str, Any], held_out: bool | None) -> str:
+    """The table row's cells of ``rule_set`` on one half (``None``: every run)."""
+    keep = (
+        (lambda r: True) if held_out is None else (lambda r: (r["family"] in HELD_OUT) == held_out)
+    )
+    in_time, _, collapses, healthy = _recount([r for r in rule_set["runs"] if keep(r)])
+    rows = [r for r in rule_set["explosions"]["runs"] if keep(r)]
+    hurt, harmless = _recount_explosions(rows)
+    return f"{in_time} | {hurt} | {harmless} | {collapses} | {healthy}"
 
 
 def test_the_saved_run_used_todays_defaults() -> None:
     assert RESULTS["defaults"] == dataclasses.asdict(AlarmRules())
 
 
+def test_the_halves_are_split_by_family() -> None:
+    """Every family is on one side: no run or explosion of a held-out family tunes."""
+    families = {r["family"] for r in RESULTS["rule_sets"]["lightning_hooks, defaults"]["runs"]}
+    assert families > HELD_OUT and len(HELD_OUT) >= len(families) / 3
+    bench = load_benchmark("divergence")
+    assert frozenset(bench.HELD_OUT_FAMILIES) == HELD_OUT
+    for run in bench.all_runs():  # the attention twins share their family
+        twin = bench.twin_of(run)
+        if twin is not None and twin[0] == "attention":
+            assert bench.family(run) == bench.family(twin[1])
+
+
 def test_docs_table_rows_are_the_saved_runs_recounted() -> None:
     docs = (ROOT / "docs" / "alarms.md").read_text()
     for name, rule_set in RESULTS["rule_sets"].items():
-        in_time, _, healthy = _recount(rule_set["runs"])
-        hurt, harmless = _recount_explosions(rule_set["explosions"]["runs"])
-        assert f"| {name} | {in_time} | {hurt} | {harmless} | {healthy} |" in docs, name
+        for held_out in (False, True, None):
+            assert f"| {name} | {_row(rule_set, held_out)} |" in docs, (name, held_out)
 
 
 def test_every_explosion_has_its_twin_in_the_saved_run() -> None:
@@ -71,14 +108,17 @@ def test_every_explosion_has_its_twin_in_the_saved_run() -> None:
     assert {r["at"] for r in rows} == {37, 150}
 
 
-def test_readme_quotes_the_defaults_row() -> None:
-    defaults = RESULTS["rule_sets"]["lightning_hooks, defaults"]
-    in_time, _, healthy = _recount(defaults["runs"])
-    hurt, harmless = _recount_explosions(defaults["explosions"]["runs"])
+def _held_out_cells(name: str) -> list[str]:
+    return _row(RESULTS["rule_sets"][name], True).split(" | ")
+
+
+def test_readme_quotes_the_held_out_row() -> None:
+    in_time, hurt, harmless, collapses, healthy = _held_out_cells("lightning_hooks, defaults")
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert f"in {in_time} real divergent runs, on {healthy} healthy ones" in readme
     assert f"{hurt} damaging one-step gradient explosions at their step" in readme
     assert f"{harmless} harmless ones" in readme
+    assert f"{collapses} damaging attention collapses" in readme
 
 
 def _count(cell: str) -> int:
@@ -86,22 +126,22 @@ def _count(cell: str) -> int:
     return int(cell.split(" of ", maxsplit=1)[0])
 
 
-def test_the_defaults_beat_every_peer() -> None:
-    """The README's claim: more divergent runs warned in time than any peer's rule, and every
-    peer that warns in time on at least half of them warns on more healthy runs."""
-    ours = RESULTS["rule_sets"]["lightning_hooks, defaults"]["runs"]
-    in_time_cell, _, healthy_cell = _recount(ours)
-    in_time, healthy = _count(in_time_cell), _count(healthy_cell)
-    divergent = sum(r["diverges_at"] is not None for r in ours)
-    peers = {n: r for n, r in RESULTS["rule_sets"].items() if not n.startswith("lightning_hooks")}
+def test_the_defaults_beat_every_peer_on_the_held_out_half() -> None:
+    """The README's claim, on the families the defaults were not tuned on: no peer's rule warns
+    more divergent runs in time (one ties), and every peer that warns in time on at least half
+    of them warns on more healthy runs."""
+    ours = _held_out_cells("lightning_hooks, defaults")
+    in_time, healthy = _count(ours[0]), _count(ours[-1])
+    divergent = int(ours[0].split(" of ")[1])
+    peers = [n for n in RESULTS["rule_sets"] if not n.startswith("lightning_hooks")]
     assert len(peers) == 5
-    for name, rule_set in peers.items():
-        peer_in_time, _, peer_healthy = _recount(rule_set["runs"])
-        assert _count(peer_in_time) < in_time, name
-        if 2 * _count(peer_in_time) >= divergent:
-            assert _count(peer_healthy) > healthy, name
+    for name in peers:
+        cells = _held_out_cells(name)
+        assert _count(cells[0]) <= in_time, name
+        if 2 * _count(cells[0]) >= divergent:
+            assert _count(cells[-1]) > healthy, name
     readme = " ".join((ROOT / "README.md").read_text().split())
-    assert "more divergent runs in time than any peer's rule" in readme
+    assert "No peer's rule warns more divergent runs in time" in readme
     assert "every peer that warns in time on at least half of them warns on more healthy runs" in (
         readme
     )

@@ -16,7 +16,6 @@ from lightning_hooks import AlarmRules
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = json.loads((ROOT / "benchmarks" / "results" / "growth_signals.json").read_text())
-DIVERGENCE = json.loads((ROOT / "benchmarks" / "results" / "divergence.json").read_text())
 BASE = RESULTS["base"]["runs"]
 LATE = ("blow-up", "drift")
 
@@ -58,24 +57,21 @@ def _healthy_warned(firsts: list[int | None]) -> int:
     )
 
 
-def test_the_saved_run_used_todays_defaults_and_divergence_pys_runs() -> None:
-    assert RESULTS["defaults"] == dataclasses.asdict(AlarmRules())
-    # divergence.py also runs issue 27's recipes: these are its runs of issue 21's sweep
-    theirs = {
-        (r["run"], r["seed"]): r
-        for r in DIVERGENCE["rule_sets"]["lightning_hooks, defaults"]["runs"]
-    }
-    assert [(r["run"], r["seed"], r["diverges_at"], r["defaults"]) for r in BASE] == [
-        (r["run"], r["seed"], theirs[r["run"], r["seed"]]["diverges_at"],
-         theirs[r["run"], r["seed"]]["first_warning"])
-        for r in BASE
-    ]  # fmt: skip
-    shapes = {f"{r['run']}, seed {r['seed']}": r["shape"] for r in BASE if r["shape"] != "healthy"}
-    assert shapes == {k: v for k, v in DIVERGENCE["shapes"].items() if k in shapes} and all(
-        f"{r['run']}, seed {r['seed']}" not in DIVERGENCE["shapes"]
-        for r in BASE
-        if r["shape"] == "healthy"
-    )
+ISSUE_35 = (
+    "stall_progress",
+    "diverge_early",
+    "diverge_overshoot",
+    "attn_logit_max",
+    "attn_entropy_min",
+)
+
+
+def test_the_saved_run_is_issue_27s_study_at_its_defaults() -> None:
+    """The study was run at the defaults of issue 27 (commit fda7481) and is not re-run since:
+    today's defaults are those plus issue 35's rules, which docs/alarms.md says it predates."""
+    today = dataclasses.asdict(AlarmRules())
+    assert RESULTS["defaults"] == {k: v for k, v in today.items() if k not in ISSUE_35}
+    assert "not re-run for issue 35" in _docs()
 
 
 def test_docs_quote_the_strict_best_recounted() -> None:

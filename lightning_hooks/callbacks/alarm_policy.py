@@ -29,8 +29,10 @@ _ACTIONABLE = (
     "loss_spike",
     "diverging",
     "stall",
+    "attention",
 )
-_NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall")  # skipping steps cures none
+# skipping steps cures none of these
+_NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")
 # A one-step spike is a fact that healthy runs show too (benchmarks/divergence.py): under the
 # default "warn" it is logged and counted (spike score, text tab), not warned about; one big
 # enough to hurt the optimizer is also an *explosion*, which warns.
@@ -52,7 +54,7 @@ def check_actions(on_alarm: Any) -> dict[str, Action]:
         ...
         TypeError: GradFlowCallback(on_alarm=None): must be one of ('warn', 'stop', 'raise', \
 'skip', 'log') or a mapping {rule: action} with rules in ('spike', 'explosion', 'absolute', \
-'vanishing', 'nonfinite', 'loss_spike', 'diverging', 'stall'), got None
+'vanishing', 'nonfinite', 'loss_spike', 'diverging', 'stall', 'attention'), got None
     """
     if not isinstance(on_alarm, str | Mapping):
         raise TypeError(

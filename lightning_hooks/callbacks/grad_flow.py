@@ -102,14 +102,13 @@ class GradFlowCallback(GradFlowLogging):
     (same step on the CPU, the next on CUDA): *spike* (logged), *explosion* (a spike that
     reaches the optimizer, after ``gradient_clip_val``'s clipping, big enough to hurt it),
     *absolute*, *vanishing*, *nonfinite*, *amp_overflow* (counted) and the optional
-    *loss_spike*; the loss rule *diverging* on every batch; *stall* (an adaptive optimizer's
-    typical update per unit of learning rate collapsing) on the sampled steps, with
-    ``update_ratio``. Under DDP the loss rules read the mean loss over ranks, as
-    ``self.log(..., sync_dist=True)`` does (one ``all_reduce`` per batch, no host sync), so every
-    rank takes the same decision at the same step; the same ``all_reduce`` carries the ranks'
-    agreement on a failure of the callback and on ``stop``. Under manual optimization in a
-    distributed run they read it when every rank returned a loss, and turn off on every rank,
-    with one warning, at the first batch where the ranks disagree
+    *loss_spike*; *diverging* on every batch; *stall* (an adaptive optimizer's update collapsing
+    while the loss stops learning) and *attention* (attention collapse) on the sampled steps.
+    Under DDP the loss rules read the mean loss over ranks (one ``all_reduce`` per batch, no
+    host sync), so every rank takes the same decision at the same step; the same
+    ``all_reduce`` carries the ranks' agreement on a failure of the callback and on ``stop``.
+    Under manual optimization in a distributed run they read it when every rank returned a
+    loss, and turn off on every rank, with one warning, at the first batch where they disagree
     (:meth:`.alarm_policy.AlarmPolicy.plan_loss`).
     ``on_alarm``: ``"warn"``, ``"stop"``, ``"raise"`` or ``"skip"``
     (:class:`.alarm_policy.AlarmPolicy`). Under
@@ -131,8 +130,8 @@ class GradFlowCallback(GradFlowLogging):
         heatmap: log an image of the gradient norm per layer and epoch each epoch.
         alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
         on_alarm: the action for every rule, or a mapping ``{rule: action}`` (others warn);
-            ``"skip"`` does not apply to ``"vanishing"``, ``"loss_spike"``, ``"diverging"`` and
-            ``"stall"``, which then warn.
+            ``"skip"`` does not apply to ``"vanishing"``, ``"loss_spike"``, ``"diverging"``,
+            ``"stall"`` and ``"attention"``, which then warn.
         every_n_steps: measure the statistics on optimizer steps ``0, n, 2n, ...`` only
             (``None``: the Trainer's ``log_every_n_steps``); the alarms run on every step.
         stability: log the transformer instability statistics ``stability/...``

@@ -58,8 +58,9 @@ class GradFlowLogging(HookCallback):
 
     @override
     def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
-        got = None if self._tracker is None else self._tracker.read_window(wait)
-        if got is None:
+        tracker = self._tracker
+        got = None if tracker is None else tracker.read_window(wait)
+        if tracker is None or got is None:
             return False
         step, stats = got
         scalars = grad_flow_step_scalars(stats, self.max_layers_logged)
@@ -68,6 +69,11 @@ class GradFlowLogging(HookCallback):
         window = None if stat is None else stat.read_window(wait=True)
         if stat is not None and window is not None:
             scalars.update(stat.step_values(window[1]))
+            if tracker.alarms is not None:  # attention collapse: this logging step's measure
+                at, found = window
+                tracker.alarms.update_attention(
+                    found["attn_logit_max"], found["attn_entropy_min"], step=at
+                )
         log_scalars(trainer.loggers, step_tags(scalars), step)
         return True
 

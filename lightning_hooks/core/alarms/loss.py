@@ -48,6 +48,9 @@ class LossRules:
         self._views = self.report.unbind(0)
         self.seen = 0
         """Finite losses in the state, counted on the host from the reports."""
+        self.adaptive = False
+        """The optimizer keeps a second moment: its first ``diverge_early`` losses are held to
+        the ``diverge_overshoot`` bar (:meth:`GradientAlarms.set_adaptive`)."""
         self._box = HostMailbox((_L_FIRST + 1,), device)
 
     def update(self, loss: torch.Tensor, step: int) -> None:
@@ -98,7 +101,10 @@ class LossRules:
         torch.minimum(best, mean, out=best)
         rise = torch.sub(mean, best)
         learnt = torch.sub(first, best)  # >= 0: the best never rises above the first loss
-        ratio = torch.sub(rise, best.abs(), alpha=rules.diverge_ratio - 1.0)
+        # the first losses are held to the overshoot bar (a Python number: no extra kernel)
+        early = self.adaptive and self.seen < rules.diverge_early
+        bar = rules.diverge_overshoot if early else rules.diverge_ratio
+        ratio = torch.sub(rise, best.abs(), alpha=bar - 1.0)
         if self.seen >= rules.min_history:
             # the noise bar is armed once it has ``min_history`` losses, as the spike rules
             # are: the deviation of the first one or two is a blow-up's own first steps

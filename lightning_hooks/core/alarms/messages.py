@@ -26,6 +26,7 @@ from lightning_hooks.core.alarms.rules import (
     _NONFINITE,
     _NORM,
     _S_BEFORE,
+    _S_PROGRESS,
     _S_VALUE,
     _SCALE,
     _SPIKE,
@@ -145,6 +146,12 @@ def stall_alarm(report: np.ndarray, step: int, rules: AlarmRules) -> GradientAla
         f"{rules.stall_factor}): the optimizer barely moves the weights while the "
         "learning rate says it should"
     )
+    if math.isfinite(report[_S_PROGRESS]) and rules.stall_progress < 1.0:
+        text += (
+            f", and the loss has stopped learning (its best improved by "
+            f"{max(report[_S_PROGRESS], 0.0):.1%} of what the run had learnt since the last "
+            "logging step)"
+        )
     return GradientAlarm("stall", "global", step, value, level, text)
 
 

@@ -23,11 +23,12 @@ ALARM_RULES = (
     "loss_spike",
     "diverging",
     "stall",
+    "attention",
 )
 """Names of the rules, in the order of :attr:`GradientAlarms.counts`."""
 
-_SPIKE, _EXPLOSION, _ABSOLUTE, _VANISHING, _NONFINITE, _AMP, _LOSS, _DIVERGING, _STALL = range(
-    len(ALARM_RULES)
+_SPIKE, _EXPLOSION, _ABSOLUTE, _VANISHING, _NONFINITE, _AMP, _LOSS, _DIVERGING, _STALL, _ATTN = (
+    range(len(ALARM_RULES))
 )
 # the loss report: loss_spike's flag, diverging's margin (it fires unless the margin is < 0: NaN
 # for a non-finite loss), the loss, its running scale; then diverging's state: the loss's running
@@ -47,10 +48,14 @@ _ADVICE = {
     "stall": "an adaptive optimizer's second moment poisoned by an explosion recovers only "
     "slowly: reset the optimizer's state (or resume from a checkpoint before it) and clip "
     "gradients (gradient_clip_val); check that the learning rate is what you meant",
+    "attention": "qk-layernorm (a LayerNorm on each head's queries and keys before their dot "
+    "product), a lower learning rate, or a cap on the attention logits (cap * tanh(logit / "
+    "cap), as Gemma 2 does)",
 }
 # the stall report: its flag, the log of the update per unit of learning rate, its running level
-# before this logging step and after it (the state)
-_S_FLAG, _S_VALUE, _S_BEFORE, _S_LEVEL = range(4)
+# before this logging step, the loss's progress since the last one (a share of what it had
+# learnt), then the state: the level after this step, the loss's best at this step
+_S_FLAG, _S_VALUE, _S_BEFORE, _S_PROGRESS, _S_LEVEL, _S_BEST = range(6)
 _STALL_LR_FLOOR = 0.01  # below this share of its peak, the LR is being decayed away: no stall
 _STALL_ALPHA = 0.5  # the stall's level: an EMA over the last few logging steps
 _GRAD_RULES = 6  # rows of flags in the gradient report; the loss has its own mailbox
@@ -106,6 +111,13 @@ class AlarmRules:
             off. The bar is armed once ``min_history`` losses are in (before that, the only
             deviations are a blow-up's own first steps).
         diverge_span: span, in steps, of the loss's running mean for *diverging*.
+        diverge_early: over the first this many losses, *diverging*'s bar is
+            ``diverge_overshoot`` x the best instead of ``diverge_ratio`` x: an adaptive
+            optimizer's first updates overshoot (RMSprop's first step is ``lr / sqrt(1 - alpha)``
+            = 10x its learning rate per coordinate) and runs that recover from a 2-3x rise cannot
+            be told at step 2 from runs that are lost; a blow-up that large is warned at once,
+            a smaller rise once it outlasts these steps.
+        diverge_overshoot: ... the bar of those first steps. Must be >= ``diverge_ratio``.
         stall_factor: *stall*: on a logging step, the typical size of the optimizer's update
             per unit of learning rate (the median ``|w_after - w_before| / lr`` over a sample of
             each tensor's entries) fell this many times below its
@@ -116,7 +128,20 @@ class AlarmRules:
             only entries whose gradient is not zero (a dead unit stops by design). Not evaluated
             while the learning rate is under 1% of its
             peak (a schedule decaying it to zero). ``None`` turns it off. Must be > 1.
+        stall_progress: *stall*: ... and the loss has stopped learning: the best of its running
+            mean (*diverging*'s) improved since the previous logging step by at most this share
+            of what the run had learnt (its first loss minus that best). An adaptive optimizer's
+            update also shrinks in healthy runs (a transformer's early gradients fill Adam's
+            second moment), while the loss keeps falling: a run that still learns is not
+            stalled. Without the loss (``diverge_ratio=None``, or a loop that does not feed it)
+            only the update is read; 1 turns this condition off.
         history: steps of per-layer norms kept in the device ring buffer that an alarm reports.
+        attn_logit_max: *attention* (attention collapse, Wortsman et al. 2023): on a logging
+            step, an attention layer's largest pre-softmax logit (what ``GradFlowCallback``
+            logs as ``stability/attn_logit_max``) is above this ... ``None`` turns it off.
+        attn_entropy_min: ... while its most focused head's mean attention entropy
+            (``stability/attn_entropy_min``, nats) is below this: one-hot attention whose
+            gradient vanishes.
 
     Example:
         >>> AlarmRules(spike_factor=20.0).window
@@ -143,7 +168,12 @@ class AlarmRules:
     diverge_giveback: float = 0.5
     diverge_noise: float = 1.0
     diverge_span: int = 4
+    diverge_early: int = 3
+    diverge_overshoot: float = 10.0
     stall_factor: float | None = 100.0
+    stall_progress: float = 0.02
+    attn_logit_max: float | None = 1e4
+    attn_entropy_min: float = 0.1
 
     def __post_init__(self) -> None:
         owner = "AlarmRules"
@@ -155,8 +185,17 @@ class AlarmRules:
             owner, "diverge_giveback", self.diverge_giveback, low=0.0, high=1.0
         )
         checked["diverge_noise"] = checks.real(owner, "diverge_noise", self.diverge_noise, low=0.0)
+        checked["attn_entropy_min"] = checks.positive_real(
+            owner, "attn_entropy_min", self.attn_entropy_min
+        )
+        checked["diverge_overshoot"] = checks.real(
+            owner, "diverge_overshoot", self.diverge_overshoot, low=1.0, low_open=True
+        )
+        checked["stall_progress"] = checks.real(
+            owner, "stall_progress", self.stall_progress, low=0.0, high=1.0
+        )
         names = ("window", "min_history", "vanish_steps", "every_n_steps", "history")
-        for name in (*names, "diverge_span"):
+        for name in (*names, "diverge_span", "diverge_early"):
             checked[name] = checks.positive_int(owner, name, getattr(self, name))
         optional: dict[str, Callable[[str, Any], float]] = {
             "spike_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
@@ -165,6 +204,7 @@ class AlarmRules:
             "loss_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
             "diverge_ratio": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
             "max_grad_norm": lambda n, v: checks.positive_real(owner, n, v),
+            "attn_logit_max": lambda n, v: checks.positive_real(owner, n, v),
             "vanish_fraction": lambda n, v: checks.real(
                 owner, n, v, low=0.0, high=1.0, low_open=True, high_open=True
             ),
@@ -174,6 +214,11 @@ class AlarmRules:
             checked[name] = None if value is None else check(name, value)
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+        if self.diverge_ratio is not None and self.diverge_overshoot < self.diverge_ratio:
+            raise ValueError(
+                f"AlarmRules(diverge_overshoot={self.diverge_overshoot}): must be at least "
+                f"diverge_ratio={self.diverge_ratio}, got {self.diverge_overshoot}"
+            )
         if self.min_history > self.window:
             raise ValueError(
                 f"AlarmRules(min_history={self.min_history}): must be at most "

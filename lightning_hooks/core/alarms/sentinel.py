@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_hooks.core.alarms.attention import attention_alarms
 from lightning_hooks.core.alarms.gradients import GradientRules
 from lightning_hooks.core.alarms.loss import LossRules
 from lightning_hooks.core.alarms.messages import (
@@ -63,19 +64,14 @@ class GradientAlarms:
     - *amp_overflow*: with ``amp=True`` (a GradScaler), non-finite gradients mean the scaler
       skips the step: counted as an overflow, not a spike or a nonfinite alarm, and kept out of
       the running scales;
-    - *loss_spike* (off by default): :meth:`update_loss`'s loss against its own running scale;
+    - *loss_spike* (off by default): the loss against its own running scale; *stall* and
+      *attention* on logging steps (:meth:`update_stall`, :meth:`update_attention`);
     - *diverging*: :meth:`update_loss`'s loss, its running mean (EMA over ``diverge_span``
       steps) against its best so far and the first step's loss: ``mean - best >=
       (diverge_ratio - 1) * |best| + diverge_noise * max(dev - (first - best) / 4, 0)`` and
       ``mean - best >= diverge_giveback * (first - best)``, with ``dev`` the loss's mean
       absolute deviation from its running mean before this step (an EMA over ``2 *
-      diverge_span`` steps), or a non-finite loss. Referenced from the first step (no blind
-      start); a loss near zero does not fire on noise (it must give back a share of what it had
-      learnt), nor does a noisy loss that learns little (it must rise beyond its own swings).
-
-    A *spike* is a one-step fact (a transient, if the run recovers); *diverging* is the
-    warning that the run is being lost. :attr:`spike_score` counts every alarm per 1,000
-    evaluated steps.
+      diverge_span`` steps), or a non-finite loss (the rules' docs: :class:`AlarmRules`).
 
     :meth:`poll` reads the verdicts on the host: at once on the CPU; on CUDA when the copy is
     done, at the latest at the next :meth:`update` (one step late) or with ``wait=True``.
@@ -162,6 +158,11 @@ class GradientAlarms:
         if not self._cuda:  # the copy was the read: diagnose now, while the weights are these
             self._drain(wait=False)
 
+    def set_adaptive(self, value: bool) -> None:
+        """The optimizer keeps a second moment (Adam, RMSprop, ...): *diverging* holds its first
+        ``diverge_early`` losses to ``diverge_overshoot`` (``GradFlowTracker`` sets it)."""
+        self._loss.adaptive = bool(value)
+
     @torch.no_grad()
     def update_loss(self, loss: torch.Tensor, *, step: int) -> None:
         """Apply the loss rules (*loss_spike*, *diverging*) to one training loss (a device
@@ -191,9 +192,18 @@ class GradientAlarms:
         if not self._stall.due(lr):
             return
         self._drain_stall(wait=True)
-        self._stall.update(update, lr, step)
+        watched = self.rules.diverge_ratio is not None and self._loss.seen > 0
+        self._stall.update(update, lr, step, self._loss.state if watched else None)
         if not self._cuda:
             self._drain_stall(wait=False)
+
+    def update_attention(
+        self, logit_max: Mapping[str, float], entropy_min: Mapping[str, float], *, step: int
+    ) -> None:
+        """*attention* on a logging step's attention statistics (host values, reduced across
+        ranks: every rank reads the same alarms)."""
+        for alarm in attention_alarms(logit_max, entropy_min, step, self.rules):
+            self._record(alarm)
 
     @property
     def spike_score(self) -> float:

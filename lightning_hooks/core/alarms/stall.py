@@ -11,8 +11,8 @@ import torch
 
 from lightning_hooks.core.alarms.messages import GradientAlarm, stall_alarm
 from lightning_hooks.core.alarms.rules import (
+    _S_BEST,
     _S_FLAG,
-    _S_LEVEL,
     _STALL_ALPHA,
     _STALL_LR_FLOOR,
     AlarmRules,
@@ -24,7 +24,8 @@ __all__ = ["StallRule"]
 
 class StallRule:
     """*stall*'s state (its flag, the log of the update per unit of learning rate, its running
-    level before this logging step and after it) and its report to the host.
+    level before this logging step, the loss's progress since the last one, then the level after
+    this step and the loss's best) and its report to the host.
 
     Args:
         rules: the rules and thresholds.
@@ -33,8 +34,8 @@ class StallRule:
 
     def __init__(self, rules: AlarmRules, device: torch.device) -> None:
         self.rules = rules
-        self.state = torch.full((_S_LEVEL + 1,), torch.nan, device=device)
-        self._box = HostMailbox((_S_LEVEL + 1,), device)
+        self.state = torch.full((_S_BEST + 1,), torch.nan, device=device)
+        self._box = HostMailbox((_S_BEST + 1,), device)
         self.peak_lr = 0.0
         """The largest learning rate seen so far."""
 
@@ -47,10 +48,15 @@ class StallRule:
         self.peak_lr = max(self.peak_lr, float(lr))
         return not lr < _STALL_LR_FLOOR * self.peak_lr
 
-    def update(self, update: torch.Tensor, lr: float, step: int) -> None:
-        """Fold ``update / lr`` into the level and post the verdict (a few kernels, no sync)."""
+    def update(
+        self, update: torch.Tensor, lr: float, step: int, loss: torch.Tensor | None = None
+    ) -> None:
+        """Fold ``update / lr`` into the level and post the verdict (a few kernels, no sync).
+        ``loss``: *diverging*'s state ``[mean, dev, best, first]``; the rule fires only when
+        its best improved by at most ``stall_progress`` of what was learnt since the last
+        call (``None``: the update alone decides)."""
         assert self.rules.stall_factor is not None
-        flag, value, before, level = self.state.unbind(0)
+        flag, value, before, progress, level, best = self.state.unbind(0)
         torch.div(update.detach().reshape(()).float(), lr, out=value).log_()
         before.copy_(level)
         low = torch.sub(level, math.log(self.rules.stall_factor))
@@ -58,6 +64,13 @@ class StallRule:
         # False while the level is NaN (the first logging step), and on a zero update (-inf):
         # a weight that does not move at all is a dead unit or a frozen tensor, not this rule's
         torch.lt(value, low, out=flag).logical_and_(finite)
+        if loss is not None:  # a run whose loss still improves is not stalled
+            now, first = loss[2], loss[3]
+            # progress since the last call; at the first call with a loss, since the first loss
+            torch.where(best.isnan(), first, best, out=progress).sub_(now)
+            progress.div_(torch.sub(first, now))  # 0 / 0 (nothing learnt yet): NaN, quiet
+            flag.logical_and_(torch.le(progress, self.rules.stall_progress))
+            best.copy_(now)
         # a collapse folds in clamped (as the spike rule's scale), so it keeps firing a while
         target = torch.where(finite, torch.maximum(value, low), level)
         start = torch.logical_and(level.isnan(), finite)
@@ -78,6 +91,6 @@ class StallRule:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; an older state's level starts again."""
-        if "stall" in state:
+        if "stall" in state and state["stall"].shape == self.state.shape:
             self.state.copy_(state["stall"])
             self.peak_lr = float(state["peak_lr"])

@@ -23,6 +23,7 @@ from lightning_hooks.core.stats.accumulator import LayerStats, LayerStatsAccumul
 from lightning_hooks.core.stats.optimizer_view import (
     OptimizerView,
     OptimizerViews,
+    adaptive,
     check_optimizers,
 )
 from lightning_hooks.core.stats.output_grad import OutputGradients
@@ -99,10 +100,7 @@ class GradFlowTracker(HookOwner):
     flag is guarded: each of its two values compiles once. The alarms (the sentinel) run on
     every ``AlarmRules.every_n_steps``-th step (every step by default), sampled or not: one
     multi-tensor L2 pass over the gradients (before clipping: clipping would hide a spike),
-    segment-summed per layer on the device, which a sampled step reuses for its statistics. The
-    weights are read only when a rule fired (to name where a NaN entered). On a step that is
-    not sampled a non-finite gradient's layer is named in reverse model order (the backward
-    order needs the output hooks).
+    segment-summed per layer on the device, which a sampled step reuses for its statistics.
 
     Args:
         model: the model to track.
@@ -230,6 +228,8 @@ class GradFlowTracker(HookOwner):
         view = self._views.view(optimizer)
         if not view.params:
             return
+        if alarms is not None and alarms.evaluated < alarms.rules.diverge_early:  # from step 1
+            alarms.set_adaptive(adaptive(optimizer, view.params))
         grads = ParamLayout.grads(view.params)
         valid = view.valid()
         if sampled and not self._post_clip:

@@ -1,0 +1,125 @@
+"""The model families issue 35 added to ``benchmarks/divergence.py``: runs nobody tuned the
+warning on, as users run them.
+
+- ``byte-pre-ln``, ``byte-post-ln``: byte-level transformers (``nn.TransformerEncoderLayer``,
+  vocabulary 256, d 64, 4 heads, 2 layers) on plain Adam without warm-up;
+- ``gru``: a byte-level GRU on RMSprop with clipping at 5;
+- ``gpt``, ``gpt-wide``: the attention-instability family of Wortsman et al. 2023 ("Small-scale
+  proxies for large-scale Transformer training instabilities", arXiv 2309.14322): a byte-level
+  pre-LN GPT, no biases, ``F.scaled_dot_product_attention``, with or without qk-layernorm, on
+  AdamW (0.9, 0.95) with warm-up, cosine decay, clipping at 1 and z-loss 1e-4. ``gpt`` (2
+  layers, d 64, on ``argparse``'s source) and ``gpt-wide`` (3 layers, d 80, on ``inspect``'s)
+  are two families: one tunes, one is held out.
+- the output-logit family: the qk-layernorm GPT without z-loss; its twin adds z-loss 1e-4.
+
+Data is the source text of Python's own modules, read as bytes: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+__all__ = ["BYTES", "GPT", "ByteGRU", "ByteTransformer", "byte_text"]
+
+BYTES = 256
+SEQ = 64
+TEXTS = {"argparse": argparse.__file__, "inspect": inspect.__file__}
+
+
+def byte_text(name: str) -> torch.Tensor:
+    """The source of the stdlib module ``name`` (``argparse`` or ``inspect``) as bytes."""
+    return torch.tensor(list(Path(TEXTS[name]).read_bytes()), dtype=torch.long)
+
+
+class ByteTransformer(nn.Module):
+    """A byte-level causal transformer of ``nn.TransformerEncoderLayer`` (pre- or post-LN)."""
+
+    def __init__(self, pre_ln: bool, d: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(BYTES, d)
+        self.pos = nn.Embedding(SEQ, d)
+        layer = nn.TransformerEncoderLayer(
+            d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=pre_ln
+        )
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, BYTES)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) + self.pos.weight[: x.shape[1]]
+        return self.head(self.encoder(h, mask=self.mask, is_causal=True))  # type: ignore[no-any-return]
+
+
+class ByteGRU(nn.Module):
+    """A byte-level GRU language model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(BYTES, 32)
+        self.gru = nn.GRU(32, 96, batch_first=True)
+        self.head = nn.Linear(96, BYTES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gru(self.embed(x))[0])  # type: ignore[no-any-return]
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention through ``F.scaled_dot_product_attention``, no biases;
+    with ``qk_norm``, a LayerNorm on each head's queries and keys (Wortsman et al.'s fix)."""
+
+    def __init__(self, d: int, heads: int, qk_norm: bool) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        head = d // heads
+        self.q_norm = nn.LayerNorm(head, bias=False) if qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(head, bias=False) if qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        q, k, v = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), v.transpose(1, 2)
+        out = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(b, t, d))  # type: ignore[no-any-return]
+
+
+class Block(nn.Module):
+    """A pre-LN GPT block without biases."""
+
+    def __init__(self, d: int, heads: int, qk_norm: bool) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d, bias=False)
+        self.attn = SelfAttention(d, heads, qk_norm)
+        self.ln2 = nn.LayerNorm(d, bias=False)
+        self.mlp = nn.Sequential(
+            nn.Linear(d, 4 * d, bias=False), nn.GELU(), nn.Linear(4 * d, d, bias=False)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))  # type: ignore[no-any-return]
+
+
+class GPT(nn.Module):
+    """A byte-level pre-LN GPT: ``layers`` blocks of width ``d`` (heads of 16), no biases."""
+
+    def __init__(self, qk_norm: bool, d: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(BYTES, d)
+        self.pos = nn.Embedding(SEQ, d)
+        self.blocks = nn.ModuleList(Block(d, d // 16, qk_norm) for _ in range(layers))
+        self.ln = nn.LayerNorm(d, bias=False)
+        self.head = nn.Linear(d, BYTES, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) + self.pos.weight[: x.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h))  # type: ignore[no-any-return]

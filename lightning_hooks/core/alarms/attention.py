@@ -1,0 +1,48 @@
+"""The *attention* rule: attention collapse (Wortsman et al. 2023, arXiv 2309.14322), read on the
+host from what the attention capture measured on a logging step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from lightning_hooks.core.alarms.messages import GradientAlarm
+from lightning_hooks.core.alarms.rules import _ADVICE, AlarmRules
+
+__all__ = ["attention_alarms"]
+
+
+def attention_alarms(
+    logit_max: Mapping[str, float],
+    entropy_min: Mapping[str, float],
+    step: int,
+    rules: AlarmRules,
+) -> list[GradientAlarm]:
+    """*attention*'s alarms at a logging step: the attention layers whose largest pre-softmax
+    logit is above ``rules.attn_logit_max`` while their smallest head entropy (nats) is below
+    ``rules.attn_entropy_min``: the softmax has become one-hot and its gradient vanishes,
+    the collapse that qk-layernorm prevents. A layer without an entropy (a call of another
+    head count only) is judged on its logit.
+
+    Example:
+        >>> [a.layer for a in attention_alarms({"h.0": 5e4, "h.1": 20.0},
+        ...                                    {"h.0": 0.01, "h.1": 0.01}, 99, AlarmRules())]
+        ['h.0']
+    """
+    limit, floor = rules.attn_logit_max, rules.attn_entropy_min
+    if limit is None:
+        return []
+    alarms = []
+    for layer, peak in logit_max.items():
+        entropy = entropy_min.get(layer, math.nan)
+        if not (peak > limit or math.isnan(peak)) or entropy >= floor:
+            continue
+        text = (
+            f"attention collapse at optimizer step {step} in {layer!r}: its largest attention "
+            f"logit is {peak:.4g} (attn_logit_max={limit:g}) and its most focused head's "
+            f"entropy {entropy:.3g} nats (attn_entropy_min={floor:g}): the softmax is one-hot "
+            "and its gradient vanishes (Wortsman et al. 2023, arXiv 2309.14322). Fixes that "
+            f"work: {_ADVICE['attention']}"
+        )
+        alarms.append(GradientAlarm("attention", layer, step, peak, limit, text))
+    return alarms
