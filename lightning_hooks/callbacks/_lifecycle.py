@@ -101,12 +101,14 @@ class Lifecycle(_CallbackBase):
         return key
 
     def _state_key_fields(self) -> dict[str, Any]:
-        """What makes this instance's checkpoint state distinct (the module selection)."""
-        return {
+        """What makes this instance's checkpoint state distinct (the module selection; one
+        added by ``LIGHTNING_HOOKS`` beside the user's, which Lightning refuses at init else)."""
+        fields = {
             "types": repr(getattr(self, "types", None)),
             "include": getattr(self, "include", ()),
             "exclude": getattr(self, "exclude", ()),
         }
+        return {**fields, "environment": True} if self._from_environment else fields
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
