@@ -182,3 +182,34 @@ def test_fabric_refusals(tmp_path: Path) -> None:
     sharded = SimpleNamespace(strategy=FSDPStrategy(), loggers=[CSVLogger(str(tmp_path))])
     with pytest.raises(MisconfigurationException, match=r"supports strategy in .*got FSDPStrategy"):
         check_fabric(GradFlowCallback(), sharded)
+
+
+@pytest.mark.parametrize(
+    "name", ["ActivationStatsCallback", "DeadReLUCallback", "SaturationCallback"]
+)
+def test_other_callbacks_log_under_fabric(tmp_path: Path, name: str) -> None:
+    import lightning_hooks
+
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+    fabric = _fabric(tmp_path, getattr(lightning_hooks, name)(every_n_steps=2))
+    _train(fabric, model, 4)
+    fabric.call("on_train_epoch_end")
+    fabric.call("on_train_end")
+    assert read_scalars(tmp_path / "tb")
+    assert hooks_left(model) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [("LayerTimeCallback", "pl_module.device"), ("FeatureMapCallback", "probe images")],
+)
+def test_trainer_only_callbacks_refused_under_fabric(tmp_path: Path, name: str, why: str) -> None:
+    import lightning_hooks
+
+    fabric = _fabric(tmp_path, getattr(lightning_hooks, name)())
+    with pytest.raises(
+        MisconfigurationException, match=rf"{name} does not work under Fabric.*{why}"
+    ):
+        _train(fabric, _model(), 1)

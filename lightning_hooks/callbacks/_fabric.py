@@ -28,8 +28,15 @@ _REFUSED_STRATEGIES = (
     "XLAFSDPStrategy",
     "DataParallelStrategy",
 )
-_TRAINER_ONLY: dict[str, str] = {}
-"""Callbacks refused under Fabric, with the reason (none today)."""
+_TRAINER_ONLY: dict[str, str] = {
+    "LayerTimeCallback": "it times on the LightningModule's device (pl_module.device), which a "
+    "plain nn.Module set up by Fabric does not have. Under Fabric: GradFlowCallback, "
+    "ActivationStatsCallback, DeadReLUCallback, SaturationCallback.",
+    "FeatureMapCallback": "it draws its probe images from the training batch, which Fabric does "
+    "not hand to callbacks. Under Fabric: GradFlowCallback, ActivationStatsCallback, "
+    "DeadReLUCallback, SaturationCallback.",
+}
+"""Callbacks refused under Fabric, with the reason."""
 
 
 class _StrategyView:
