@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from lightning_hooks.callbacks._cadence import Cadence
 from lightning_hooks.callbacks._checks import check_every_n_steps
+from lightning_hooks.callbacks.fabric_run import FabricHooks
 
 __all__ = ["HookCallback", "check_every_n_steps"]
 
 
-class HookCallback(Cadence):
+class HookCallback(Cadence, FabricHooks):
     """Base of the library's callbacks: owns when hooks exist, subclasses own what they measure.
 
     Hooks are registered in ``on_train_start`` (after the sanity check) and removed in
@@ -31,4 +32,7 @@ class HookCallback(Cadence):
     reduce counts it once). A state saved for other layers is dropped with one warning.
     FSDP1 and DeepSpeed are refused at setup, and so is tensor parallelism; FSDP2 (Lightning's
     ``ModelParallelStrategy`` with ``fully_shard``) is supported.
+
+    Under Fabric (``Fabric(callbacks=[...])``), :class:`~.fabric_run.FabricHooks` drives the same
+    hooks from Fabric's ``on_after_setup`` and ``on_after_optimizer_step``.
     """

@@ -65,6 +65,9 @@ class Lifecycle(_CallbackBase):
     _ranks: int = 1
     """The processes of this fit (set in ``on_train_start``): above 1, ranks agree on a
     failure and on a stop (:meth:`_agree`)."""
+    _from_environment: bool = False
+    """Added by ``LIGHTNING_HOOKS`` (``entry_points.py``): stands down in a fit whose callbacks
+    hold one of its class that the user passed."""
     strict: bool | None = None
     """``True``: an exception in one of the callback's hooks propagates; ``False``: it disables
     the callback for the rest of the fit with one warning; ``None``: ``LIGHTNING_HOOKS_STRICT``."""
@@ -98,16 +101,18 @@ class Lifecycle(_CallbackBase):
         return key
 
     def _state_key_fields(self) -> dict[str, Any]:
-        """What makes this instance's checkpoint state distinct (the module selection)."""
-        return {
+        """What makes this instance's checkpoint state distinct (the module selection; one
+        added by ``LIGHTNING_HOOKS`` beside the user's, which Lightning refuses at init else)."""
+        fields = {
             "types": repr(getattr(self, "types", None)),
             "include": getattr(self, "include", ()),
             "exclude": getattr(self, "exclude", ()),
         }
+        return {**fields, "environment": True} if self._from_environment else fields
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
+        if stage != "fit" or _passed_by_user(self, trainer.callbacks):  # type: ignore[attr-defined]
             return
         self.__dict__.pop("_guard", None)  # each fit starts healthy
         name = type(self).__name__
@@ -129,8 +134,9 @@ class Lifecycle(_CallbackBase):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # After ``configure_model``, which Lightning calls after ``setup``: layers built there
         # (its recipe for FSDP and large models) exist now. Still before the first batch.
-        self._idle = False
-        self._validate(pl_module)
+        self._idle = _passed_by_user(self, trainer.callbacks)  # type: ignore[attr-defined]
+        if not self._idle:
+            self._validate(pl_module)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -306,3 +312,12 @@ class Lifecycle(_CallbackBase):
 
 
 guard_hooks(Lifecycle)
+
+
+def _passed_by_user(callback: Lifecycle, callbacks: list[Any]) -> bool:
+    """Whether ``callback`` came from ``LIGHTNING_HOOKS`` and ``callbacks`` hold one of its class
+    that did not (the user's: it is not added twice)."""
+    return callback._from_environment and any(
+        isinstance(other, type(callback)) and not getattr(other, "_from_environment", False)
+        for other in callbacks
+    )

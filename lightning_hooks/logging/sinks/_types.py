@@ -1,4 +1,4 @@
-"""Lightning's logger classes, from both of its namespaces."""
+"""Lightning's logger classes, from its Trainer's two namespaces and Fabric's two."""
 
 from __future__ import annotations
 
@@ -7,14 +7,20 @@ import importlib
 
 __all__ = ["lightning_types"]
 
-_NAMESPACES = ("pytorch_lightning.loggers", "lightning.pytorch.loggers")
+# Fabric's loggers last: the Trainer's TensorBoardLogger and CSVLogger subclass them.
+_NAMESPACES = (
+    "pytorch_lightning.loggers",
+    "lightning.pytorch.loggers",
+    "lightning_fabric.loggers",
+    "lightning.fabric.loggers",
+)
 
 
 @functools.cache
 def lightning_types(name: str) -> tuple[type, ...]:
-    """The class ``name`` from ``pytorch_lightning.loggers`` and ``lightning.pytorch.loggers``,
-    whichever are installed: an ``isinstance`` against one namespace's class silently misses the
-    other's loggers.
+    """The class ``name`` from ``pytorch_lightning.loggers``, ``lightning.pytorch.loggers`` and
+    Fabric's ``lightning_fabric.loggers`` and ``lightning.fabric.loggers``, whichever are
+    installed: an ``isinstance`` against one namespace's class silently misses the others'.
 
     Example:
         >>> [t.__module__ for t in lightning_types("CSVLogger")][0]

@@ -1,0 +1,253 @@
+"""Our callbacks in a Fabric loop: ``Fabric(callbacks=[GradFlowCallback()])``, nothing else.
+
+Fabric fires two hooks by itself: ``on_after_setup(fabric, module)`` from ``fabric.setup`` and
+``on_after_optimizer_step(strategy, optimizer)`` after each step of a wrapped optimizer.
+:class:`FabricHooks` (a base of every callback) answers the first by starting a
+:class:`FabricRun`, which takes the callback's place in Fabric's callback list and drives the
+callback's Trainer hooks from Fabric's:
+
+====================================  ===========================================================
+Fabric                                the callback
+====================================  ===========================================================
+``fabric.setup(module)``              ``setup``, ``on_fit_start`` (checks), pre-step hooks armed
+first step (or clip) of an optimizer  ``on_train_start``: the hooks attached, that optimizer
+  holding the module's parameters       watched
+``fabric.clip_gradients``             ``on_before_optimizer_step`` before the clipping (pre-clip
+                                        norm, alarms); the applied gradient in the step post-hook
+``optimizer.step()``: before          ``on_before_optimizer_step`` (when not clipped): statistics,
+                                        alarms, ``skip``
+``on_after_optimizer_step``           ``global_step += 1``; ``on_train_batch_end`` (a logging
+                                        step: written and saved), ``on_train_batch_start`` (gate)
+``fabric.call("on_before_backward",   the loss rules' loss of the coming step
+  loss)``
+``fabric.call("on_train_epoch_end")``  the epoch's aggregates, charts and alarm summary
+``fabric.call("on_train_end")``       the last window written, every hook removed
+====================================  ===========================================================
+
+Nothing global holds the run strongly: when the Fabric and the module are released, so are the
+callback's hooks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning_fabric.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities import rank_zero_warn
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from lightning_hooks.callbacks._fabric import FabricTrainer, check_fabric, original_module
+from lightning_hooks.errors import LightningHooksWarning
+
+if TYPE_CHECKING:
+    from lightning_hooks.callbacks._lifecycle import Lifecycle
+
+__all__ = ["FabricHooks", "FabricRun"]
+
+_CLIPS = (
+    ("clip_gradients_norm", "norm", "max_norm"),
+    ("clip_gradients_value", "value", "clip_val"),
+)
+
+
+class FabricRun:
+    """One callback watching one module of one Fabric loop (see the module's table).
+
+    Args:
+        callback: the library callback driven.
+        fabric: the ``Fabric`` whose ``setup`` called ``on_after_setup``.
+        module: the module set up (Fabric's wrapper; the user's module is watched).
+    """
+
+    def __init__(self, callback: Lifecycle, fabric: Any, module: nn.Module) -> None:
+        check_fabric(callback, fabric)
+        self.callback = callback
+        self.fabric = fabric
+        self.module = original_module(module)
+        self.trainer = FabricTrainer(fabric, callback)
+        self._params = {id(p) for p in self.module.parameters()}
+        self._owned: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]
+        self._owned = weakref.WeakKeyDictionary()
+        self._observed: set[int] = set()  # optimizers observed before their clip, this step
+        self._loss: Any = None
+        self._attached = False
+        self._undo: list[Callable[[], None]] = []
+        self._warned_module = False
+
+    def start(self) -> None:
+        """Run the callback's set-up checks; arm the pre-step and clipping hooks."""
+        pl_module: Any = self.module
+        self.callback.setup(self.trainer, pl_module, "fit")  # type: ignore[arg-type]
+        self.callback.on_fit_start(self.trainer, pl_module)  # type: ignore[arg-type]
+        ref = weakref.ref(self)
+
+        def pre_step(optimizer: torch.optim.Optimizer, *args: Any) -> None:
+            run = ref()
+            if run is not None:
+                run._before_step(optimizer)
+
+        handle = register_optimizer_step_pre_hook(pre_step)
+        self._undo.append(handle.remove)
+        weakref.finalize(self, handle.remove)  # a run garbage-collected leaves no global hook
+        for attribute, algorithm, argument in _CLIPS:
+            self._wrap_clip(ref, attribute, algorithm, argument)
+
+    def _wrap_clip(
+        self, ref: weakref.ref[FabricRun], attribute: str, algorithm: str, argument: str
+    ) -> None:
+        """Observe the gradients before ``fabric.clip_gradients`` clips them (the pre-clip norm,
+        the alarms); the instance attribute shadows the strategy's method until released."""
+        strategy = self.fabric.strategy
+        original = getattr(strategy, attribute)
+
+        def clip(module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            run = ref()
+            if run is not None:
+                value = kwargs.get(argument, args[0] if args else None)
+                run._before_clip(optimizer, algorithm, value)
+            return original(module, optimizer, *args, **kwargs)
+
+        setattr(strategy, attribute, clip)
+        self._undo.append(lambda: strategy.__dict__.pop(attribute, None))
+
+    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        owned = self._owned.get(optimizer)
+        if owned is None:
+            params = (p for group in optimizer.param_groups for p in group["params"])
+            owned = self._owned[optimizer] = any(id(p) in self._params for p in params)
+        return owned
+
+    def _before_clip(self, optimizer: Any, algorithm: str, value: Any) -> None:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if not self._owns(optimizer) or value is None:
+            return
+        scaler = getattr(self.fabric.strategy.precision, "scaler", None)
+        if scaler is not None:
+            raise MisconfigurationException(
+                f"{type(self.callback).__name__} under Fabric: fabric.clip_gradients with a "
+                "GradScaler (precision='16-mixed') is not supported: the gradients are still "
+                "scaled before the clip, so the pre-clip norm cannot be read there. Use "
+                "precision='bf16-mixed' or clip without the callback."
+            )
+        clip = (float(value), algorithm)
+        known = (self.trainer.gradient_clip_val, self.trainer.gradient_clip_algorithm)
+        if known != clip:
+            self.trainer.gradient_clip_val, self.trainer.gradient_clip_algorithm = clip
+            if self._attached:  # the clipping began or changed: measured after it from now on
+                self._start()
+        self._before_step(optimizer)
+        self._observed.add(id(optimizer))
+
+    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._owns(optimizer):
+            return
+        if id(optimizer) in self._observed:  # observed before its clip
+            self._observed.discard(id(optimizer))
+            return
+        if optimizer not in self.trainer.optimizers:
+            self.trainer.optimizers.append(optimizer)
+            self._start()
+        elif not self._attached:
+            self._start()
+        self.callback.on_before_optimizer_step(self.trainer, self.module, optimizer)  # type: ignore[arg-type]
+
+    def _start(self) -> None:
+        """Attach (again) for the optimizers known, and set the gate of the coming step."""
+        self.callback.on_train_start(self.trainer, self.module)  # type: ignore[arg-type]
+        self._attached = True
+        self._batch_start()
+
+    def _batch_start(self) -> None:
+        # A batch index other than 0: Fabric has no epochs, the cadence alone samples.
+        step = self.trainer.global_step
+        self.callback.on_train_batch_start(self.trainer, self.module, None, step + 1)  # type: ignore[arg-type]
+
+    def on_after_optimizer_step(self, strategy: Any, optimizer: torch.optim.Optimizer) -> None:
+        """Fabric's hook: count the step, make it a logging step when sampled, gate the next."""
+        if not self._attached or not self._owns(optimizer):
+            return
+        self.trainer.global_step += 1
+        loss, self._loss = self._loss, None
+        step = self.trainer.global_step - 1
+        self.callback.on_train_batch_end(self.trainer, self.module, loss, None, step)  # type: ignore[arg-type]
+        self._batch_start()
+
+    def on_before_backward(self, loss: Any) -> None:
+        """``fabric.call("on_before_backward", loss)``: the loss of the coming optimizer step
+        for the loss rules (*diverging*, *loss_spike*); the last one before the step counts."""
+        self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
+
+    def on_train_epoch_end(self) -> None:
+        """``fabric.call("on_train_epoch_end")``: log the epoch's aggregates (the charts, the
+        alarms' summary) at the current step."""
+        if self._attached:
+            self.callback.on_train_epoch_end(self.trainer, self.module)  # type: ignore[arg-type]
+        self.trainer.current_epoch += 1
+
+    def on_train_end(self) -> None:
+        """``fabric.call("on_train_end")``: write what is pending, remove every hook."""
+        callback, trainer = self.callback, self.trainer
+        if self._attached:
+            callback._flush(trainer)  # type: ignore[arg-type]
+            callback.on_train_end(trainer, self.module)  # type: ignore[arg-type]
+        callback.teardown(trainer, self.module, "fit")  # type: ignore[arg-type]
+        self._attached = False
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+    def on_after_setup(self, fabric: Any, module: nn.Module) -> None:
+        """A second ``fabric.setup``: its module is not watched (one warning)."""
+        if original_module(module) is not self.module and not self._warned_module:
+            self._warned_module = True
+            rank_zero_warn(
+                f"{type(self.callback).__name__} under Fabric watches the first module set up "
+                f"({type(self.module).__name__}); {type(original_module(module)).__name__} is not "
+                "watched. Pass one callback per Fabric.",
+                category=LightningHooksWarning,
+            )
+
+
+class FabricHooks:
+    """Fabric's hooks on every callback: ``Fabric(callbacks=[GradFlowCallback()])`` works."""
+
+    _from_environment: bool
+
+    def on_after_setup(self, fabric: Any, module: nn.Module) -> None:
+        """Fabric's hook: start watching ``module`` (see :class:`FabricRun`)."""
+        callbacks: list[Any] | None = getattr(fabric, "_callbacks", None)
+        if self._from_environment and callbacks is not None and _passed_by_user(self, callbacks):
+            return  # LIGHTNING_HOOKS asked for a callback the user passed already
+        run = FabricRun(self, fabric, module)  # type: ignore[arg-type]
+        self.__dict__["_fabric_run"] = run
+        if callbacks is not None and self in callbacks:
+            # Fabric calls any hook a loop names (fabric.call("on_train_batch_end", ...)) with
+            # Fabric's arguments; the run answers those, not the callback's Trainer hooks.
+            callbacks[callbacks.index(self)] = run
+        run.start()
+
+    def on_after_optimizer_step(self, strategy: Any, optimizer: torch.optim.Optimizer) -> None:
+        """Fabric's hook, when the run could not take the callback's place in its list."""
+        run: FabricRun | None = self.__dict__.get("_fabric_run")
+        if run is not None:
+            run.on_after_optimizer_step(strategy, optimizer)
+
+    def release(self) -> None:
+        """Under Fabric: write what is pending and remove every hook now (as
+        ``fabric.call("on_train_end")``); the hooks also go when the module is released."""
+        run: FabricRun | None = self.__dict__.pop("_fabric_run", None)
+        if run is not None:
+            run.on_train_end()
+
+
+def _passed_by_user(callback: Any, callbacks: list[Any]) -> bool:
+    """Whether ``callbacks`` (or their runs) hold one of ``callback``'s class not added by
+    ``LIGHTNING_HOOKS``."""
+    return any(
+        isinstance(cb, type(callback)) and not getattr(cb, "_from_environment", False)
+        for cb in (other.callback if isinstance(other, FabricRun) else other for other in callbacks)
+    )

@@ -1,0 +1,215 @@
+"""The callbacks in real Fabric loops: values read back from the event files, against plain
+torch; the alarms; clipping; release; refusals."""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+from lightning.fabric.strategies import FSDPStrategy
+from lightning_fabric.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.optim import optimizer as torch_optimizer
+
+from lightning_hooks import GradFlowCallback
+from lightning_hooks.callbacks._fabric import check_fabric
+from lightning_hooks.errors import GradientAlarmWarning
+
+from conftest import hooks_left, read_scalars
+
+
+def _fabric(root: Path, callback: Any, **kwargs: Any) -> Fabric:
+    logger = TensorBoardLogger(str(root), name="tb", version=0)
+    return Fabric(accelerator="cpu", devices=1, callbacks=[callback], loggers=[logger], **kwargs)
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+
+
+def _layer_norms(model: nn.Module) -> dict[str, float]:
+    """Plain torch: the L2 norm of each layer's gradient (weight and bias together)."""
+    return {
+        name: math.sqrt(sum(float(p.grad.pow(2).sum()) for p in m.parameters()))
+        for name, m in model.named_children()
+        if any(True for _ in m.parameters())
+    }
+
+
+def _train(
+    fabric: Fabric,
+    model: nn.Module,
+    steps: int,
+    *,
+    clip: float | None = None,
+    spike_at: int = -1,
+    feed_loss: bool = False,
+) -> dict[int, dict[str, tuple[float, float]]]:
+    """A plain Fabric loop; per step and layer, ``(pre-clip, applied)`` gradient norms."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    wrapped, opt = fabric.setup(model, opt)
+    seen: dict[int, dict[str, tuple[float, float]]] = {}
+    for step in range(steps):
+        x, y = _batch(step)
+        loss = nn.functional.mse_loss(wrapped(x), y) * (1e6 if step == spike_at else 1.0)
+        if feed_loss:
+            fabric.call("on_before_backward", loss)
+        fabric.backward(loss)
+        before = _layer_norms(model)
+        if clip is not None:
+            fabric.clip_gradients(wrapped, opt, max_norm=clip)
+        after = _layer_norms(model)
+        seen[step] = {k: (before[k], after[k]) for k in before}
+        opt.step()
+        opt.zero_grad()
+    return seen
+
+
+def test_fabric_loop_logs_each_logging_step_as_plain_torch(tmp_path: Path) -> None:
+    """No call of ours in the loop and none at its end: the steps 3, 7, 11 are in the event
+    files, each layer's gradient norm as plain torch computes it."""
+    model = _model()
+    fabric = _fabric(tmp_path, GradFlowCallback(every_n_steps=4))
+    seen = _train(fabric, model, 12)
+    scalars = read_scalars(tmp_path / "tb")
+    for layer in ("0", "2"):
+        logged = scalars[f"grad_flow/grad_norm_step/{layer}"]
+        assert [s for s, _ in logged] == [3, 7, 11]
+        for step, value in logged:
+            assert value == pytest.approx(seen[step][layer][1], rel=1e-5)
+    assert "grad_flow/output_grad_norm_step/0" in scalars
+    assert "grad_flow/update_ratio_step/2" in scalars
+    assert hooks_left(model)  # still watching: the loop may go on
+
+
+def test_fabric_default_cadence_is_50_and_the_spike_warns(tmp_path: Path) -> None:
+    """The issue's case: 120 steps, a 1e6x gradient at step 37: warned at step 37, logging
+    steps at 49 and 99 (Fabric has no log_every_n_steps: 50)."""
+    fabric = _fabric(tmp_path, GradFlowCallback())
+    with pytest.warns(GradientAlarmWarning) as record:
+        _train(fabric, _model(), 120, spike_at=37)
+    alarms = [w.message.alarm for w in record if hasattr(w.message, "alarm")]  # type: ignore[union-attr]
+    assert alarms[0].step == 37  # nothing before the spike; what it wrecked after
+    assert ("explosion", 37) in {(a.rule, a.step) for a in alarms}
+    scalars = read_scalars(tmp_path / "tb")
+    assert [s for s, _ in scalars["grad_flow/global/grad_norm_step"]] == [49, 99]
+    assert scalars["grad_flow/alarms_step/explosion"][0][1] >= 1
+
+
+def test_fabric_clip_gradients_preclip_norm_is_exact(tmp_path: Path) -> None:
+    """Under fabric.clip_gradients the pre-clip norm is read before the clip and the applied
+    gradient after it: both as plain torch."""
+    model = _model()
+    fabric = _fabric(tmp_path, GradFlowCallback(every_n_steps=2))
+    seen = _train(fabric, model, 6, clip=0.05)
+    scalars = read_scalars(tmp_path / "tb")
+    for step, value in scalars["grad_flow/grad_norm_preclip_step/0"]:
+        assert value == pytest.approx(seen[step]["0"][0], rel=1e-5)
+    for step, value in scalars["grad_flow/grad_norm_step/0"]:
+        assert value == pytest.approx(seen[step]["0"][1], rel=1e-5)
+        assert seen[step]["0"][1] < seen[step]["0"][0]  # the clip did clip
+    assert [s for s, _ in scalars["grad_flow/grad_norm_step/0"]] == [1, 3, 5]
+
+
+def test_fabric_loss_rules_read_the_fed_loss(tmp_path: Path) -> None:
+    """``fabric.call("on_before_backward", loss)`` feeds the loss rules: the loss spike at step
+    37 is named diverging; without the line only the gradient rules speak."""
+    with pytest.warns(GradientAlarmWarning) as record:
+        _train(
+            _fabric(tmp_path / "a", GradFlowCallback()), _model(), 40, spike_at=37, feed_loss=True
+        )
+    rules = {w.message.alarm.rule for w in record if hasattr(w.message, "alarm")}
+    assert "diverging" in rules or "loss_spike" in rules
+    with pytest.warns(GradientAlarmWarning) as record:
+        _train(_fabric(tmp_path / "b", GradFlowCallback()), _model(), 40, spike_at=37)
+    rules = {w.message.alarm.rule for w in record if hasattr(w.message, "alarm")}
+    assert not rules & {"diverging", "loss_spike"}
+
+
+def test_fabric_epoch_end_and_release(tmp_path: Path) -> None:
+    """``fabric.call("on_train_epoch_end")`` writes the aggregates and the chart;
+    ``fabric.call("on_train_end")`` removes every hook; a released module leaves nothing."""
+    model = _model()
+    fabric = _fabric(tmp_path, GradFlowCallback(every_n_steps=2))
+    _train(fabric, model, 4)
+    fabric.call("on_train_epoch_end")
+    scalars = read_scalars(tmp_path / "tb")
+    assert [s for s, _ in scalars["grad_flow/grad_norm/0"]] == [4]
+    fabric.call("on_train_end")
+    assert hooks_left(model) == []
+
+    gone = _model()
+    ref = weakref.ref(gone)
+    gc.collect()  # the runs of the tests before
+    pre_hooks = len(torch_optimizer._global_optimizer_pre_hooks)
+    _train(_fabric(tmp_path / "b", GradFlowCallback(every_n_steps=2)), gone, 2)
+    assert len(torch_optimizer._global_optimizer_pre_hooks) == pre_hooks + 1
+    del gone
+    gc.collect()
+    assert ref() is None  # the Fabric, the callback and the module went together
+    assert len(torch_optimizer._global_optimizer_pre_hooks) == pre_hooks
+
+
+def test_fabric_csv_logger_gets_the_scalars(tmp_path: Path) -> None:
+    logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    cb = GradFlowCallback(every_n_steps=2, chart=False)
+    fabric = Fabric(accelerator="cpu", devices=1, callbacks=[cb], loggers=[logger])
+    _train(fabric, _model(), 4)
+    fabric.call("on_train_end")
+    text = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text()
+    assert "grad_flow/grad_norm_step/0" in text
+
+
+def test_fabric_refusals(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"on_alarm=.*'stop'.*must be in \('warn'"):
+        _train(_fabric(tmp_path, GradFlowCallback(on_alarm="stop")), _model(), 1)
+    fabric = Fabric(accelerator="cpu", devices=1, callbacks=[GradFlowCallback()])
+    with pytest.raises(MisconfigurationException, match=r"needs a logger.*Fabric has none"):
+        _train(fabric, _model(), 1)
+    sharded = SimpleNamespace(strategy=FSDPStrategy(), loggers=[CSVLogger(str(tmp_path))])
+    with pytest.raises(MisconfigurationException, match=r"supports strategy in .*got FSDPStrategy"):
+        check_fabric(GradFlowCallback(), sharded)
+
+
+@pytest.mark.parametrize(
+    "name", ["ActivationStatsCallback", "DeadReLUCallback", "SaturationCallback"]
+)
+def test_other_callbacks_log_under_fabric(tmp_path: Path, name: str) -> None:
+    import lightning_hooks
+
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
+    )
+    fabric = _fabric(tmp_path, getattr(lightning_hooks, name)(every_n_steps=2))
+    _train(fabric, model, 4)
+    fabric.call("on_train_epoch_end")
+    fabric.call("on_train_end")
+    assert read_scalars(tmp_path / "tb")
+    assert hooks_left(model) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [("LayerTimeCallback", "pl_module.device"), ("FeatureMapCallback", "probe images")],
+)
+def test_trainer_only_callbacks_refused_under_fabric(tmp_path: Path, name: str, why: str) -> None:
+    import lightning_hooks
+
+    fabric = _fabric(tmp_path, getattr(lightning_hooks, name)())
+    with pytest.raises(
+        MisconfigurationException, match=rf"{name} does not work under Fabric.*{why}"
+    ):
+        _train(fabric, _model(), 1)
