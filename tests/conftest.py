@@ -240,8 +240,8 @@ def read_histograms(logdir: Path | str) -> dict[str, list[tuple[int, Any]]]:
 _LAUNCHER_ENV = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def run_script(script: str, out: Path) -> subprocess.CompletedProcess[str]:
-    """Run ``tests/<script> --out OUT`` (a multi-process launch) in a clean environment.
+def run_script(script: str, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``tests/<script> --out OUT [args]`` (a multi-process launch) in a clean environment.
 
     Lightning's launcher variables of this process are dropped, so the script starts its own
     processes; the repository root is put on ``PYTHONPATH``. A non-zero exit fails the test.
@@ -250,7 +250,7 @@ def run_script(script: str, out: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, str(root / "tests" / script), "--out", str(out)],
+        [sys.executable, str(root / "tests" / script), "--out", str(out), *args],
         cwd=root,
         env=env,
         capture_output=True,

@@ -3,9 +3,6 @@ global batch (every per-layer statistic at every logging step and the epoch's)."
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,27 +10,9 @@ import pytest
 from conftest import read_scalars, run_script
 
 
-def _one_process(out: Path) -> None:
-    root = Path(__file__).resolve().parent.parent
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    script = root / "tests" / "fabric_ddp_run.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--out", str(out), "--devices", "1"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-
 def test_fabric_ddp_logs_what_one_process_logs(tmp_path: Path) -> None:
     run_script("fabric_ddp_run.py", tmp_path / "ddp")
-    _one_process(tmp_path / "one")
+    run_script("fabric_ddp_run.py", tmp_path / "one", "--devices", "1")
     ddp, one = read_scalars(tmp_path / "ddp" / "tb"), read_scalars(tmp_path / "one" / "tb")
     assert set(ddp) == set(one)
     compared = [t for t in one if t.startswith("grad_flow/") and "/alarms" not in t]
