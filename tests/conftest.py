@@ -262,6 +262,11 @@ def run_script(script: str, out: Path, *args: str) -> subprocess.CompletedProces
     return proc
 
 
+collect_ignore = ["litgpt_data.py"]
+"""Imported by LitGPT's CLI in ``tests/test_litgpt.py``'s subprocess only (it needs LitGPT on
+the path): not a test module, and ``--doctest-modules`` would import it."""
+
+
 def load_benchmark(name: str) -> Any:
     """``benchmarks/<name>.py`` as a module (registered in ``sys.modules``, where its
     dataclasses look their module up; ``benchmarks/`` on ``sys.path`` for its imports)."""
