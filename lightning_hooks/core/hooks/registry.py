@@ -79,6 +79,13 @@ class _Gated(NamedTuple):
     options: dict[str, bool]
 
 
+def _install(gated: _Gated) -> RemovableHandle:
+    """Put ``gated`` on its module."""
+    if gated.pre:
+        return gated.module.register_forward_pre_hook(gated.hook, **gated.options)
+    return gated.module.register_forward_hook(gated.hook, **gated.options)
+
+
 class HookOwner:
     """Base of the core's trackers: each owns a :class:`HookRegistry` and is a context manager
     that removes every hook on exit, also when the loop raises."""
@@ -162,37 +169,25 @@ class HookRegistry(HookOwner):
         if self.fixed:
             return
         if value:
-            self._installed = [self._install(gated) for gated in self._gated_hooks]
+            self._installed = [_install(gated) for gated in self._gated_hooks]
         else:
             installed, self._installed = self._installed, []
             for handle in installed:
                 handle.remove()
 
-    @staticmethod
-    def _install(gated: _Gated) -> RemovableHandle:
-        if gated.pre:
-            return gated.module.register_forward_pre_hook(gated.hook, **gated.options)
-        return gated.module.register_forward_hook(gated.hook, **gated.options)
-
     def gated_hook(
-        self,
-        module: nn.Module,
-        hook: Callable[..., Any],
-        *,
-        pre: bool,
-        **options: bool,
+        self, module: nn.Module, hook: Callable[..., Any], *, pre: bool, **options: bool
     ) -> RemovableHandle | None:
         """A module hook (``pre``: a forward pre-hook) that runs only on sampled steps, with
         ``register_forward_(pre_)hook``'s ``options`` (``prepend``, ``with_kwargs``,
-        ``always_call``). It is already wrapped as it should be (guarded, checking the flag).
-
-        Returns the handle while it is installed, else ``None``.
+        ``always_call``), already wrapped as it should be (guarded, checking the flag). Returns
+        the handle while it is installed, else ``None``.
         """
         gated = _Gated(module, hook, pre, options)
         self._gated_hooks.append(gated)
         if not (self._sampled or self.fixed):
             return None
-        handle = self._install(gated)
+        handle = _install(gated)
         (self._handles if self.fixed else self._installed).append(handle)
         return handle
 
