@@ -171,11 +171,20 @@ def _deep(depth: int) -> nn.Module:
     return nn.Sequential(*body, nn.Linear(32, 10))
 
 
+def _launch() -> nn.Module:
+    """The launch-bound stand-in (issue 36): 24 x (Linear(64), LayerNorm, ReLU) at batch 16, a
+    step of about 3 ms on one CPU thread that is mostly per-op dispatch, as a small model's step
+    on a GPU is mostly kernel launches."""
+    body = [m for _ in range(24) for m in (nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU())]
+    return nn.Sequential(*body, nn.Linear(64, 10))
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
     # name: (network, input shape of one sample, batch size)
     "cnn": (_cnn, (3, 32, 32), 64),
     "mlp": (_mlp, (1024,), 64),
     "transformer": (_Transformer, (64, 32), 32),
+    "launch": (_launch, (64,), 16),
 }
 
 

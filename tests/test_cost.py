@@ -7,6 +7,8 @@ deterministic, so they are guarded.
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -23,8 +25,9 @@ from torch import nn
 import lightning_hooks
 from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker
 from lightning_hooks.core import GradientAlarms
+from lightning_hooks.errors import LightningHooksWarning
 
-from conftest import BoundedMLP, TinyMLP, default_callback_types, read_scalars
+from conftest import BoundedMLP, TinyMLP, default_callback_types, make_trainer, read_scalars
 from syncs import count_syncs
 
 CALLBACKS = default_callback_types()
@@ -333,3 +336,112 @@ def test_every_n_steps_logs_the_mean_over_the_sampled_steps(
 def test_every_n_steps_must_be_a_positive_int(bad: Any) -> None:
     with pytest.raises(ValueError, match=r"GradFlowCallback\(every_n_steps=.*\): must be a posi"):
         GradFlowCallback(every_n_steps=bad)
+
+
+_OURS = str(Path(lightning_hooks.__file__).parent)
+
+
+class _Chain(TinyMLP):
+    """``modules`` modules in all, itself included, its children called in turn:
+    ``modules - 4`` Linear and Tanh layers, then a Linear, a ReLU and a Tanh (4 modules: the
+    smallest model every default callback watches)."""
+
+    def __init__(self, modules: int) -> None:
+        super().__init__()
+        del self.net
+        body = [nn.Linear(8, 8) if i % 2 == 0 else nn.Tanh() for i in range(modules - 4)]
+        for i, layer in enumerate([*body, nn.Linear(8, 1), nn.ReLU(), nn.Tanh()]):
+            self.add_module(f"layer{i}", layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.children():
+            x = layer(x)
+        return x
+
+
+class _QuietSteps(_OpsPerStep):
+    """Per step: ATen ops by name, and calls of the library's Python functions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[dict[str, int]] = []
+        self.calls: list[int] = []
+        self._calls = 0
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(_OURS):
+            self._calls += 1
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        super().on_train_batch_start(*args)
+        self._calls = 0
+        sys.setprofile(self._profile)
+
+    def _close(self) -> None:
+        if self.counter.running:
+            sys.setprofile(None)
+            self.ops.append(dict(self.counter.ops))
+            self.calls.append(self._calls)
+        super()._close()
+
+
+def _quiet_steps(factory: Any, modules: int, callbacks: list[pl.Callback]) -> _QuietSteps:
+    """Four steps; the Trainer logs every 50, so step 0 (the epoch's first) is the one sampled."""
+    probe = _QuietSteps()
+    torch.manual_seed(0)  # module-scoped: the autouse seed has not run yet
+    model = _Chain(modules)
+    assert len(list(model.modules())) == modules
+    with warnings.catch_warnings():  # 196 layers deep, the head's one ReLU unit dies
+        warnings.filterwarnings("ignore", "DeadReLUCallback: layer .* dead", LightningHooksWarning)
+        factory(callbacks=[probe, *callbacks], log_every_n_steps=50).fit(model)
+    assert len(probe.per_step) == 4
+    return probe
+
+
+@pytest.fixture(scope="module")
+def quiet_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, bool], _QuietSteps]:
+    """Bare and with every default callback, on 4 and on 200 modules."""
+    root = tmp_path_factory.mktemp("quiet")
+    factory = lambda **kwargs: make_trainer(root, **kwargs)  # noqa: E731
+    return {
+        (modules, tracked): _quiet_steps(
+            factory, modules, [cls() for cls in CALLBACKS] if tracked else []
+        )
+        for modules in (4, 200)
+        for tracked in (False, True)
+    }
+
+
+def test_a_quiet_step_runs_no_python_of_ours_per_module(
+    quiet_steps: dict[tuple[int, bool], _QuietSteps],
+) -> None:
+    small, deep = quiet_steps[4, True].calls, quiet_steps[200, True].calls
+    assert deep[0] > small[0] + 200  # the sampled step hooks every module: the count can fail
+    assert small[1:] == deep[1:], (small, deep)
+    assert quiet_steps[4, False].calls == [0, 0, 0, 0]
+
+
+def test_a_quiet_step_reads_nothing_back_on_the_host(
+    quiet_steps: dict[tuple[int, bool], _QuietSteps],
+) -> None:
+    for modules in (4, 200):
+        for ops in quiet_steps[modules, True].ops[1:]:
+            assert not {"_local_scalar_dense", "item", "nonzero"} & set(ops), ops
+
+
+def test_a_quiet_step_is_a_constant_few_dozen_ops_whatever_the_depth(
+    quiet_steps: dict[tuple[int, bool], _QuietSteps],
+) -> None:
+    """Every default callback, loss rules included: the norms, the sentinel's rules, the loss
+    rules (99 before issue 36; its target of 30 needs the rules fused: not reached)."""
+    extra = {
+        modules: [
+            sum(ops.values()) - sum(bare.values())
+            for ops, bare in zip(
+                quiet_steps[modules, True].ops, quiet_steps[modules, False].ops, strict=True
+            )
+        ][1:]
+        for modules in (4, 200)
+    }
+    assert extra[4] == extra[200], extra
+    assert max(extra[4]) <= 92, extra

@@ -135,3 +135,63 @@ def test_scripted_modules_get_no_module_hook() -> None:
     handles = [registry.forward_hook(m, lambda *a: None) for _, m in selected]
     assert [h is not None for h in handles] == [True, False, False]
     registry.remove()
+
+
+def _hooked(module: nn.Module) -> int:
+    return len(module._forward_hooks) + len(module._forward_pre_hooks)
+
+
+def test_gated_hooks_are_on_the_modules_only_on_sampled_steps() -> None:
+    model = _model()
+    seen: list[str] = []
+    with HookRegistry(model) as hooks:
+        for name, module in hooks.modules(types=nn.Linear):
+            hooks.forward_hook(module, lambda m, a, o, name=name: seen.append(name), gated=True)
+            hooks.forward_pre_hook(module, lambda m, a: None, gated=True)
+        assert not hooks.fixed
+        assert [_hooked(m) for m in (model[0][0], model[2])] == [2, 2]
+        hooks.sampled = False
+        assert hooks_left(model) == []  # a quiet step runs no hook of ours
+        assert len(hooks) == 6 and hooks.active  # kept for the next sampled step
+        model(torch.ones(1, 4))
+        hooks.sampled = True
+        hooks.sampled = True  # idempotent: installed once
+        assert _hooked(model[2]) == 2
+        model(torch.ones(1, 4))
+        assert seen == ["0.0", "1.0", "2"]
+        hooks.sampled = False
+        hooks.sampled = True
+    assert hooks_left(model) == []
+    assert len(hooks) == 0
+
+
+def test_a_gated_hook_registered_on_a_quiet_step_waits_for_the_next_sampled_one() -> None:
+    model = _model()
+    with HookRegistry(model) as hooks:
+        hooks.sampled = False
+        assert hooks.forward_hook(model[2], lambda m, a, o: None, gated=True) is None
+        assert _hooked(model[2]) == 0
+        hooks.sampled = True
+        assert _hooked(model[2]) == 1
+
+
+@pytest.mark.parametrize("how", ["submodule", "in_place"])
+def test_under_torch_compile_the_gated_hooks_stay_and_check_the_flag(how: str) -> None:
+    model = _model()
+    if how == "submodule":
+        model[1] = torch.compile(model[1], backend="eager")  # type: ignore[assignment]
+    else:
+        model[1].compile(backend="eager")
+    seen: list[int] = []
+    with HookRegistry(model) as hooks:
+        assert hooks.fixed  # a changing hook set would recompile
+        hooks.forward_hook(model[2], lambda m, a, o: seen.append(1), gated=True)
+        hooks.sampled = False
+        assert _hooked(model[2]) == 1
+        with torch.no_grad():  # Dynamo warns of .grad reads while tracing a grad-mode forward
+            model(torch.ones(1, 4))
+            assert seen == [] and len(hooks) == 1
+            hooks.sampled = True
+            model(torch.ones(1, 4))
+        assert seen == [1]
+    assert hooks_left(model) == []

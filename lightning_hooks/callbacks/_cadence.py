@@ -31,7 +31,8 @@ class Cadence(Writing):
     ``self.log`` values when ``n`` is ``log_every_n_steps``) and the first step of every epoch
     (1: every step; ``None``: the Trainer's ``log_every_n_steps``, 50 by default). Each measured
     step is a logging point: its values are written at that step, under ``..._step`` tags.
-    Off-sample steps cost a Python attribute check per hook; epoch aggregates are then over the
+    Off-sample steps run no module hook of ours (under ``torch.compile``: an attribute check
+    per hook, the hook set staying fixed); epoch aggregates are then over the
     sampled steps, and an epoch shorter than ``n`` steps still has one."""
     _epoch_start_step: int = -1
 

@@ -84,8 +84,8 @@ class ActivationStatsCallback(StatsCallback):
             5 s on CPU, then about 1.5 s per new rank or dtype).
         every_n_steps: observe optimizer steps ``0, n, 2n, ...`` and each epoch's first step only;
             ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set), 1: every step.
-            Statistics then pool the sampled batches' outputs. Off-sample steps cost one Python
-            attribute check per hook.
+            Statistics then pool the sampled batches' outputs. Off-sample steps run no hook of ours
+            (``torch.compile``: an attribute check per hook).
 
     Example:
         >>> import pytorch_lightning as pl

@@ -73,7 +73,8 @@ class DeadReLUCallback(WarnsOncePerLayer):
         every_n_steps: observe optimizer steps ``0, n, 2n, ...`` and each epoch's first step only;
             ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set), 1: every step.
             A unit is then dead when it fired on no sampled batch of the epoch (an upper bound on
-            the every-step count). Off-sample steps cost one Python attribute check per hook.
+            the every-step count). Off-sample steps run no hook of ours (``torch.compile``:
+            an attribute check per hook).
 
     Example:
         >>> import pytorch_lightning as pl

@@ -27,8 +27,9 @@ class LayerTimeCallback(StatsCallback):
     each layer mark its start and end (``time.perf_counter`` on the CPU; CUDA events on a GPU,
     read when the next sampled step starts, so no step waits for its own kernels), and each
     micro-batch of the step is marked from ``on_train_batch_start`` to ``on_train_batch_end``
-    (forward, backward and optimizer step; not data loading). On the other steps each hook
-    returns after one Python attribute check. Memory stays O(layers) however many steps.
+    (forward, backward and optimizer step; not data loading). On the other steps the hooks
+    are not on the modules (under ``torch.compile``: each returns after one attribute check).
+    Memory stays O(layers) however many steps.
     A *layer* is a leaf module (a module without children:
     ``Conv2d``, ``ReLU``, ``Flatten``, ...), so no time is counted twice and the shares sum to at
     most 1. Time spent in ``forward`` outside any module (functional ops) belongs to no layer.

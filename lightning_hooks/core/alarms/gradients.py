@@ -66,14 +66,19 @@ class GradientRules:
         bad = bad.logical_not_() if active is self._all else torch.logical_and(active, ~bad)
         overflow = bad.any() if amp else None
         ok = active if overflow is None else active & ~overflow
-        ceiling, armed = self.scale.threshold(rules.spike_factor or math.inf)
+        factors = [rules.spike_factor or math.inf]
+        if rules.explode_factor is not None:
+            factors.append(rules.explode_factor)
+        ceilings, armed = self.scale.thresholds(*factors)
+        ceiling = ceilings[0]
         scale = torch.where(armed, self.scale.mean.exp(), self._nan)
         band = torch.sub(ceiling, self.scale.mean)
         spike = no
         if rules.spike_factor is not None:
             spike = torch.gt(log_norm, ceiling).logical_and_(finite)
             spike = spike if ok is self._all else spike.logical_and_(ok)
-        explosion = self._explosion(log_norm, clip, finite if ok is self._all else finite & ok)
+        keep = finite if ok is self._all else torch.logical_and(finite, ok)  # what the scale learns
+        explosion = self._explosion(log_norm, clip, keep, ceilings[-1])
         absolute = no
         if rules.max_grad_norm is not None:
             absolute = (norm > rules.max_grad_norm).logical_and_(ok).logical_and_(~self._is_layer)
@@ -84,22 +89,22 @@ class GradientRules:
             nonfinite = torch.logical_and(bad, self._is_layer)
             nonfinite = nonfinite if overflow is None else nonfinite.logical_and_(~overflow)
         amp_flag = no if overflow is None else overflow & ~self._is_layer
-        keep = finite if ok is self._all else torch.logical_and(finite, ok)
         self.scale.update(log_norm, keep, ceiling)
-        flags = torch.stack([spike, explosion, absolute, vanishing, nonfinite, amp_flag]).float()
-        return torch.cat([flags, torch.stack([norm, scale, band, floor])])
+        # One kernel: the flags are promoted to float (0 or 1) beside the float rows.
+        flags = [spike, explosion, absolute, vanishing, nonfinite, amp_flag]
+        return torch.stack([*flags, norm, scale, band, floor])
 
     def _explosion(
-        self, log_norm: torch.Tensor, clip: float | None, keep: torch.Tensor
+        self, log_norm: torch.Tensor, clip: float | None, keep: torch.Tensor, ceiling: torch.Tensor
     ) -> torch.Tensor:
         """*explosion*: rows whose gradient as the optimizer applies it (scaled down as the
         global norm is clipped to ``clip``) is above ``explode_factor`` x the running scale, on a
         step whose global row is too (or is out of the rules: a subset's optimizer). A bad
         batch or a numerical fault blows up the whole gradient; one layer's norm alone jumps in
-        healthy runs (an embedding meeting rare tokens), and per coordinate it is no outlier."""
+        healthy runs (an embedding meeting rare tokens), and per coordinate it is no outlier.
+        ``ceiling``: the log of ``explode_factor`` x the running scale (inf until armed)."""
         if self.rules.explode_factor is None:
             return self._false
-        ceiling, _ = self.scale.threshold(self.rules.explode_factor)
         if clip is not None:  # every row scales by min(1, clip / global norm)
             shrink = torch.rsub(log_norm[-1:], math.log(clip)).clamp_max_(0.0)
             log_norm = torch.add(log_norm, shrink)

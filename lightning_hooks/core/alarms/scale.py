@@ -27,9 +27,19 @@ class RunningScale:
 
     def threshold(self, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``log`` of the spike threshold per row (``inf`` until armed), and whether armed."""
+        (ceiling,), armed = self.thresholds(factor)
+        return ceiling, armed
+
+    def thresholds(self, *factors: float) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """:meth:`threshold` for each of ``factors``, the spread read once (fewer kernels, the
+        same values), and whether armed."""
         armed = torch.ge(self.count, self.armed_at)
-        band = self.var.sqrt().mul_(self.sigmas).clamp_min_(math.log(factor))
-        return torch.where(armed, band.add_(self.mean), self._inf), armed
+        spread = self.var.sqrt().mul_(self.sigmas)
+        ceilings = [
+            torch.where(armed, spread.clamp_min(math.log(f)).add_(self.mean), self._inf)
+            for f in factors
+        ]
+        return ceilings, armed
 
     def update(self, log_x: torch.Tensor, keep: torch.Tensor, ceiling: torch.Tensor) -> None:
         """Fold ``log_x`` into the rows where ``keep``. Above ``ceiling`` (a spike) only the

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from lightning_hooks.core.hooks.guard import Guard, active_guard
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["HookOwner", "HookRegistry", "unhookable_modules"]
+__all__ = ["HookOwner", "HookRegistry", "is_compiled", "unhookable_modules"]
 
 ForwardHook = Callable[[nn.Module, Any, Any], Any]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -43,6 +44,46 @@ def unhookable_modules(model: nn.Module) -> dict[int, str]:
             for sub, inner in module.named_modules(prefix=name):
                 found[id(inner)] = sub
     return found
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` runs under ``torch.compile``: it, or one of its modules, is a
+    ``torch._dynamo`` ``OptimizedModule``, was compiled in place (``module.compile()``), or is a
+    LightningModule that Lightning unwrapped from ``torch.compile(model)``.
+
+    Example:
+        >>> from torch import nn
+        >>> net = nn.Sequential(nn.Linear(2, 2))
+        >>> is_compiled(net)
+        False
+        >>> net.compile()
+        >>> is_compiled(net)
+        True
+    """
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
+    optimized = getattr(dynamo, "OptimizedModule", ())
+    return any(
+        isinstance(module, optimized)
+        or getattr(module, "_compiled_call_impl", None) is not None
+        or getattr(module, "_compiler_ctx", None) is not None
+        for module in model.modules()
+    )
+
+
+class _Gated(NamedTuple):
+    """A gated module hook, kept to be installed on each sampled step."""
+
+    module: nn.Module
+    hook: Callable[..., Any]
+    pre: bool
+    options: dict[str, bool]
+
+
+def _install(gated: _Gated) -> RemovableHandle:
+    """Put ``gated`` on its module."""
+    if gated.pre:
+        return gated.module.register_forward_pre_hook(gated.hook, **gated.options)
+    return gated.module.register_forward_hook(gated.hook, **gated.options)
 
 
 class HookOwner:
@@ -74,9 +115,12 @@ class HookRegistry(HookOwner):
     every exit path. Hooks placed on per-step tensors (activations) are not tracked: they die with
     the step's autograd graph.
 
-    Cadence: forward hooks registered with ``gated=True`` run only while :attr:`sampled` is
-    true; otherwise they return after one Python attribute read, dispatching no tensor op.
-    Set :attr:`sampled` before a step's forward (``False``: skip the step).
+    Cadence: module hooks registered with ``gated=True`` run only while :attr:`sampled` is
+    true. In eager mode they are installed on the modules when :attr:`sampled` becomes true and
+    removed when it becomes false, so a step that is not sampled runs no Python of ours per
+    module. A model under ``torch.compile`` (:func:`is_compiled`) keeps them installed, since a
+    hook set that changes recompiles: there they return after one attribute read, dispatching
+    no tensor op. Set :attr:`sampled` before a step's forward (``False``: skip the step).
 
     Args:
         model: the model whose modules :meth:`modules` selects from.
@@ -99,13 +143,53 @@ class HookRegistry(HookOwner):
     def __init__(self, model: nn.Module, *, guard: Guard | None = None) -> None:
         self._model: nn.Module | None = checks.module("HookRegistry", "model", model)
         self._handles: list[RemovableHandle] = []
-        self.sampled = True
-        """Whether the current step is measured: gated hooks return at once when ``False``."""
+        self._gated_hooks: list[_Gated] = []
+        self._installed: list[RemovableHandle] = []  # the gated hooks while sampled
+        self._sampled = True
+        self.fixed = is_compiled(model)
+        """Whether the gated hooks stay installed on every step (``torch.compile``)."""
         self.guard = guard if guard is not None else active_guard()
         """Catches the hooks' exceptions (default: the guard of the running callback hook)."""
         self._unhookable = unhookable_modules(model)
         self._names = {id(module): name for name, module in model.named_modules()}
         self._warned_unhookable = False
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the current step is measured: the gated hooks are installed (or, when
+        :attr:`fixed`, run) only while ``True``."""
+        return self._sampled
+
+    @sampled.setter
+    def sampled(self, value: bool) -> None:
+        value = bool(value)
+        if value == self._sampled:
+            return
+        self._sampled = value
+        if self.fixed:
+            return
+        if value:
+            self._installed = [_install(gated) for gated in self._gated_hooks]
+        else:
+            installed, self._installed = self._installed, []
+            for handle in installed:
+                handle.remove()
+
+    def gated_hook(
+        self, module: nn.Module, hook: Callable[..., Any], *, pre: bool, **options: bool
+    ) -> RemovableHandle | None:
+        """A module hook (``pre``: a forward pre-hook) that runs only on sampled steps, with
+        ``register_forward_(pre_)hook``'s ``options`` (``prepend``, ``with_kwargs``,
+        ``always_call``), already wrapped as it should be (guarded, checking the flag). Returns
+        the handle while it is installed, else ``None``.
+        """
+        gated = _Gated(module, hook, pre, options)
+        self._gated_hooks.append(gated)
+        if not (self._sampled or self.fixed):
+            return None
+        handle = _install(gated)
+        (self._handles if self.fixed else self._installed).append(handle)
+        return handle
 
     @property
     def model(self) -> nn.Module:
@@ -153,6 +237,14 @@ class HookRegistry(HookOwner):
             stacklevel=4,
         )
 
+    def hookable(self, module: nn.Module) -> bool:
+        """Whether ``module`` runs Python hooks; if not (``torch.jit``), one warning names
+        every such module."""
+        if id(module) in self._unhookable:
+            self._warn_unhookable(sorted(self._unhookable.values()))
+            return False
+        return True
+
     def _name(self, module: nn.Module) -> str:
         return self._names.get(id(module)) or type(module).__name__
 
@@ -179,19 +271,19 @@ class HookRegistry(HookOwner):
         With ``gated``, the hook runs only on steps where :attr:`sampled` is true. A module that
         runs no Python hooks (``torch.jit``) gets none: ``None`` is returned.
         """
-        if id(module) in self._unhookable:
-            self._warn_unhookable(sorted(self._unhookable.values()))
+        if not self.hookable(module):
             return None
         where = f"forward hook on {self._name(module)!r}"
-        hook = self._gated(hook, where) if gated else self.guarded(hook, where)
-        return self.add(module.register_forward_hook(hook))
+        if gated:
+            return self.gated_hook(module, self._gated(hook, where), pre=False)
+        return self.add(module.register_forward_hook(self.guarded(hook, where)))
 
     def _gated(self, hook: ForwardHook, where: str) -> ForwardHook:
         guard = self.guard
         if guard is None or guard.strict:
 
             def gated(module: nn.Module, args: Any, output: Any) -> Any:
-                if self.sampled:
+                if self._sampled:
                     return hook(module, args, output)
                 return None
 
@@ -199,7 +291,7 @@ class HookRegistry(HookOwner):
 
         # One closure for both: the guarded path adds no Python call per hook.
         def gated_guarded(module: nn.Module, args: Any, output: Any) -> Any:
-            if self.sampled:
+            if self._sampled:
                 try:
                     return hook(module, args, output)
                 except Exception as error:
@@ -221,16 +313,16 @@ class HookRegistry(HookOwner):
         With ``gated``, the hook runs only on steps where :attr:`sampled` is true (``None`` is
         returned for a module that runs no Python hooks: ``torch.jit``).
         """
-        if id(module) in self._unhookable:
-            self._warn_unhookable(sorted(self._unhookable.values()))
+        if not self.hookable(module):
             return None
         hook = self.guarded(hook, f"forward pre-hook on {self._name(module)!r}")
         if gated:
             inner = hook
 
             def hook(*args: Any) -> Any:
-                return inner(*args) if self.sampled else None
+                return inner(*args) if self._sampled else None
 
+            return self.gated_hook(module, hook, pre=True, with_kwargs=with_kwargs)
         return self.add(module.register_forward_pre_hook(hook, with_kwargs=with_kwargs))
 
     def tensor_hook(
@@ -251,14 +343,16 @@ class HookRegistry(HookOwner):
         """Remove every hook and drop the model (a reused owner must not keep the last model
         alive). Safe to call any number of times, also after the model is gone."""
         self._model = None
-        handles, self._handles = self._handles, []
+        handles = [*self._handles, *self._installed]
+        self._handles, self._installed, self._gated_hooks = [], [], []
         for handle in handles:
             handle.remove()
 
     @property
     def active(self) -> bool:
-        """Whether the registry currently holds hooks."""
-        return bool(self._handles)
+        """Whether the registry currently holds hooks (installed or kept for sampled steps)."""
+        return bool(self._handles or self._gated_hooks)
 
     def __len__(self) -> int:
-        return len(self._handles)
+        """The hooks it holds: the gated ones count whether or not installed on this step."""
+        return len(self._handles) + (0 if self.fixed else len(self._gated_hooks))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -149,6 +150,9 @@ class ParamLayout:
             >>> [g.shape for g in ParamLayout.grads([emb.weight, nn.Parameter(torch.ones(2))])]
             [torch.Size([2, 3]), torch.Size([1])]
         """
+        plain = [p.grad for p in params]  # one Python frame, whatever the number of tensors
+        if not [g for g in plain if g is None or g.is_sparse or type(g) is not torch.Tensor]:
+            return cast("list[torch.Tensor]", plain)  # every one a plain dense tensor
         out = []
         for p in params:
             g = p.grad

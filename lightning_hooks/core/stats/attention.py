@@ -312,12 +312,14 @@ class AttentionCapture:
         """
         self.guarded_see = registry.guarded(self.see, "attention capture")
         for name, module in registry.model.named_modules():
-            if registry.forward_pre_hook(module, self._push(name), gated=True) is None:
+            if not registry.hookable(module):
                 continue  # torch.jit: runs no Python hook
-            registry.add(module.register_forward_pre_hook(self._enter, prepend=True))
+            # Gated: installed for sampled steps only (see HookRegistry), in this order.
+            registry.forward_pre_hook(module, self._push(name), gated=True)
+            registry.gated_hook(module, self._enter, pre=True, prepend=True)
             for hook, first in ((self._pause, True), (self._pop, False)):
                 guarded = registry.guarded(hook, f"forward hook on {name!r}")
-                registry.add(module.register_forward_hook(guarded, prepend=first, always_call=True))
+                registry.gated_hook(module, guarded, pre=False, prepend=first, always_call=True)
         return self
 
     def _enter(self, *_: Any) -> None:

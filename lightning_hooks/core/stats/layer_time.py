@@ -72,7 +72,8 @@ class LayerTimer(SelectedStat[LayerTimes]):
     """Times the forward of every selected layer on the steps the caller samples.
 
     Forward pre- and post-hooks bracket each layer's forward. On steps that are not sampled
-    every hook returns after one Python attribute check: no clock read, no allocation. On the
+    the hooks are not installed (gated, see ``HookRegistry``; under ``torch.compile`` each
+    returns after one Python attribute check): no clock read, no allocation. On the
     CPU a mark is a ``time.perf_counter()`` reading, added to per-layer host totals at once; on
     a CUDA device a mark is a CUDA event recorded on the current stream, and a sampled step's
     events are read when the next sampled step starts (after waiting for that step's last
@@ -168,8 +169,8 @@ class LayerTimer(SelectedStat[LayerTimes]):
     def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
         """A pre-hook and a post-hook bracketing the module's forward."""
         index = self.row(name)  # rows in model order, made as the hooks are
-        registry.forward_pre_hook(module, self._pre_hook(index))
-        registry.forward_hook(module, self._post_hook(index))
+        registry.forward_pre_hook(module, self._pre_hook(index), gated=True)
+        registry.forward_hook(module, self._post_hook(index), gated=True)
 
     def _pre_hook(self, index: int) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:

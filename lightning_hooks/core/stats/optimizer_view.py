@@ -29,6 +29,7 @@ class OptimizerView:
     numel: torch.Tensor  # [layers + 1] elements it steps per layer, then all (shared once)
     layer_ids: frozenset[int]  # the layout rows it steps, on the host
     weight_norm: torch.Tensor | None = None
+    distinct: bool = False  # no parameter listed twice: ``unique`` is every position, in order
     masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
 
     def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
@@ -54,7 +55,7 @@ class OptimizerView:
 
     def valid(self) -> torch.Tensor | None:
         """:meth:`grad_mask` of this step's missing gradients, ``None`` when none is missing."""
-        missing = tuple(p.grad is None for p in self.params)
+        missing = tuple([p.grad is None for p in self.params])  # one frame, not one per tensor
         return self.grad_mask(missing) if any(missing) else None
 
 
@@ -169,7 +170,10 @@ class OptimizerViews:
         numel = torch.cat([numel, sizes.index_select(0, unique).sum().view(1)])
         self.generation += 1
         ids = frozenset(layers[:-1])
-        return OptimizerView(params, index, rows, before, owner, key, unique, numel, ids)
+        distinct = len(unique) == len(params)
+        view = OptimizerView(params, index, rows, before, owner, key, unique, numel, ids)
+        view.distinct = distinct
+        return view
 
     def first_param(self, optimizer: torch.optim.Optimizer) -> nn.Parameter | None:
         """The parameter whose gradient tells whether ``optimizer`` zeroed its gradients: its

@@ -62,8 +62,9 @@ class ViewStats:
             norms = self.shards.reduce(norms=norms)[0]
         num_layers = len(view.rows) - 1
         stats = norms[0].new_full((num_layers + 1, len(GRAD_STATS)), torch.nan)
+        unique = None if view.distinct else view.unique  # the same sum, one gather fewer
         for column, values in zip((0, _WEIGHT), norms, strict=False):
-            stats[:, column] = segment_norm(values, view.index, num_layers, view.unique)
+            stats[:, column] = segment_norm(values, view.index, num_layers, unique)
         return stats
 
     def weight_norms(self, view: OptimizerView) -> torch.Tensor:
