@@ -82,7 +82,8 @@ def test_fabric_loop_logs_each_logging_step_as_plain_torch(tmp_path: Path) -> No
     """No call of ours in the loop and none at its end: the steps 3, 7, 11 are in the event
     files, each layer's gradient norm as plain torch computes it."""
     model = _model()
-    fabric = _fabric(tmp_path, GradFlowCallback(every_n_steps=4))
+    callback = GradFlowCallback(every_n_steps=4)
+    fabric = _fabric(tmp_path, callback)
     seen = _train(fabric, model, 12)
     scalars = read_scalars(tmp_path / "tb")
     for layer in ("0", "2"):
@@ -92,7 +93,8 @@ def test_fabric_loop_logs_each_logging_step_as_plain_torch(tmp_path: Path) -> No
             assert value == pytest.approx(seen[step][layer][1], rel=1e-5)
     assert "grad_flow/output_grad_norm_step/0" in scalars
     assert "grad_flow/update_ratio_step/2" in scalars
-    assert hooks_left(model)  # still watching: the loop may go on
+    # still watching: the loop may go on (module hooks are on the modules on sampled steps only)
+    assert callback._tracker is not None and callback._tracker.registry.active
 
 
 def test_fabric_default_cadence_is_50_and_the_spike_warns(tmp_path: Path) -> None:
