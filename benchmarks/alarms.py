@@ -333,8 +333,8 @@ def _worst_ratio(trace: Trace) -> float:
     alarms = GradientAlarms(trace.layers, rules)
     worst = 0.0
     for step, norm in enumerate(trace.norms):
-        scale = alarms._gradients.scale.state[0].exp().numpy().copy()
-        armed = alarms._gradients.scale.state[2].numpy() >= rules.min_history
+        scale = np.exp(alarms._gradients.scale.state[0])
+        armed = alarms._gradients.scale.state[2] >= rules.min_history
         alarms.update(torch.from_numpy(norm), step=step)
         alarms.poll()
         ratio = np.where(armed & (norm > 0), norm / scale, 0.0)

@@ -155,12 +155,12 @@ def stall_alarm(report: np.ndarray, step: int, rules: AlarmRules) -> GradientAla
     return GradientAlarm("stall", "global", step, value, level, text)
 
 
-def weight_norms(weights: WeightNorms | None, rows: torch.Tensor | None, n: int) -> np.ndarray:
+def weight_norms(weights: WeightNorms | None, rows: np.ndarray | None, n: int) -> np.ndarray:
     """The attribution pass: per-row weight norms on the host (-1 where not read)."""
     out = np.full(n, -1.0)
     if weights is not None:
         values = weights().detach().float().cpu().numpy()
-        out[rows.cpu().numpy() if rows is not None else np.arange(n)] = values
+        out[rows if rows is not None else np.arange(n)] = values
     return out
 
 

@@ -1,5 +1,5 @@
-"""The device ring buffer of the last steps' norms, running scales and spike bands, that an
-alarm's diagnosis reads on the host."""
+"""The host ring buffer of the last steps' norms, running scales and spike bands, that an
+alarm's diagnosis reads."""
 
 from __future__ import annotations
 
@@ -9,43 +9,44 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_hooks.core.alarms.loss import as_array
+
 __all__ = ["NormRing"]
 
 
 class NormRing:
     """The last ``size`` steps' ``[3, rows]`` (norm, running scale, half-width of the spike
-    band in log) of every row, on the device, and their steps on the host.
+    band in log) of every row, and their steps, in host memory.
 
     Args:
         size: steps kept.
         rows: the layers and the global row.
-        device: where the buffer lives.
     """
 
-    def __init__(self, size: int, rows: int, device: torch.device) -> None:
-        self.ring = torch.full((size, 3, rows), torch.nan, device=device)
+    def __init__(self, size: int, rows: int) -> None:
+        self.ring = np.full((size, 3, rows), np.nan, dtype=np.float32)
         self.steps = [-1] * size
 
-    def write(self, step: int, rows: torch.Tensor) -> None:
-        """Keep ``rows`` (``[3, rows]``) as ``step``'s (a copy on the device, no sync)."""
+    def write(self, step: int, rows: np.ndarray) -> None:
+        """Keep ``rows`` (``[3, rows]``) as ``step``'s."""
         slot = step % len(self.steps)
-        self.ring[slot].copy_(rows)
+        self.ring[slot] = rows
         self.steps[slot] = step
 
     def read(self, step: int) -> tuple[list[int], np.ndarray]:
-        """The buffer up to ``step``, oldest first, on the host (a sync: an alarm fired)."""
-        ring = self.ring.cpu().numpy()
+        """The buffer up to ``step``, oldest first."""
+        ring = self.ring
         slots = sorted(
             (s, i) for i, s in enumerate(self.steps) if 0 <= s <= step and step - s < len(ring)
         )
         return [s for s, _ in slots], ring[[i for _, i in slots]]
 
     def state_dict(self) -> dict[str, Any]:
-        """The buffer and its steps, on the host."""
-        return {"ring": self.ring.cpu(), "ring_steps": list(self.steps)}
+        """The buffer and its steps."""
+        return {"ring": torch.from_numpy(self.ring.copy()), "ring_steps": list(self.steps)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` when its size is this buffer's (else it starts empty)."""
-        if state["ring"].shape == self.ring.shape:
-            self.ring.copy_(state["ring"])
+        if tuple(state["ring"].shape) == self.ring.shape:
+            self.ring[...] = as_array(state["ring"])
             self.steps = list(state["ring_steps"])

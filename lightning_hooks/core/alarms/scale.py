@@ -1,10 +1,14 @@
-"""The running scale a spike is measured against: per row, an EMA of the log and of its spread."""
+"""The running scale a spike is measured against: per row, an EMA of the log and of its spread.
+
+Host arithmetic (numpy, float32, as the device rules computed it before issue 36): the rules
+read values already copied to the host, so a quiet step launches no kernel for them.
+"""
 
 from __future__ import annotations
 
 import math
 
-import torch
+import numpy as np
 
 from lightning_hooks.core.alarms.rules import AlarmRules
 
@@ -14,40 +18,41 @@ __all__ = ["RunningScale"]
 class RunningScale:
     """Per row: EMA of ``log x`` and of its variance, and the count of finite steps seen.
 
-    Written for few kernels: views of one state tensor made once, in-place updates.
+    Views of one ``float32`` state array, updated in place.
     """
 
-    def __init__(self, rows: int, rules: AlarmRules, device: torch.device) -> None:
-        self.state = torch.zeros(3, rows, device=device)  # mean, variance, count
-        self.mean, self.var, self.count = self.state.unbind(0)
-        self.alpha = 2.0 / (rules.window + 1)
+    def __init__(self, rows: int, rules: AlarmRules) -> None:
+        self.state = np.zeros((3, rows), dtype=np.float32)  # mean, variance, count
+        self.mean, self.var, self.count = self.state
+        self.alpha = np.float32(2.0 / (rules.window + 1))
         self.armed_at = float(rules.min_history)
-        self.sigmas = rules.spike_sigmas
-        self._inf = torch.full((rows,), math.inf, device=device)
+        self.sigmas = np.float32(rules.spike_sigmas)
 
-    def threshold(self, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def threshold(self, factor: float) -> tuple[np.ndarray, np.ndarray]:
         """``log`` of the spike threshold per row (``inf`` until armed), and whether armed."""
         (ceiling,), armed = self.thresholds(factor)
         return ceiling, armed
 
-    def thresholds(self, *factors: float) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """:meth:`threshold` for each of ``factors``, the spread read once (fewer kernels, the
-        same values), and whether armed."""
-        armed = torch.ge(self.count, self.armed_at)
-        spread = self.var.sqrt().mul_(self.sigmas)
+    def thresholds(self, *factors: float) -> tuple[list[np.ndarray], np.ndarray]:
+        """:meth:`threshold` for each of ``factors``, the spread read once, and whether armed."""
+        armed = self.count >= self.armed_at
+        spread = np.sqrt(self.var) * self.sigmas
         ceilings = [
-            torch.where(armed, spread.clamp_min(math.log(f)).add_(self.mean), self._inf)
+            np.where(armed, np.maximum(spread, np.float32(math.log(f))) + self.mean, np.inf)
+            .astype(np.float32, copy=False)
             for f in factors
         ]
         return ceilings, armed
 
-    def update(self, log_x: torch.Tensor, keep: torch.Tensor, ceiling: torch.Tensor) -> None:
+    def update(self, log_x: np.ndarray, keep: np.ndarray, ceiling: np.ndarray) -> None:
         """Fold ``log_x`` into the rows where ``keep``. Above ``ceiling`` (a spike) only the
         mean moves, towards the ceiling: a lasting change of level is learnt in a few dozen
         steps, while the spread, which would otherwise grow with each spike, stays."""
-        self.count.add_(keep)
-        weight = self.count.clamp_min(1.0).reciprocal_().clamp_min_(self.alpha).mul_(keep)
-        delta = torch.where(keep, torch.minimum(log_x, ceiling), self.mean).sub_(self.mean)
-        spread = torch.mul(weight, torch.le(log_x, ceiling))
-        self.mean.addcmul_(weight, delta)
-        self.var.addcmul_(spread, delta.square()).mul_(torch.rsub(spread, 1.0))
+        self.count += keep
+        weight = np.maximum(np.reciprocal(np.maximum(self.count, np.float32(1.0))), self.alpha)
+        weight *= keep
+        delta = np.where(keep, np.minimum(log_x, ceiling), self.mean) - self.mean
+        spread = weight * (log_x <= ceiling)
+        self.mean += weight * delta
+        self.var += spread * np.square(delta)
+        self.var *= np.float32(1.0) - spread

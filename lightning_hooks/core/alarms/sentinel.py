@@ -1,11 +1,13 @@
-"""Early warnings on gradients, a sentinel run on the device at every optimizer step: no Lightning.
+"""Early warnings on gradients, a sentinel run at every optimizer step: no Lightning.
 
-The rules read one ``[layers + 1]`` tensor of gradient L2 norms per step (the layers, then the
-global norm), keep O(layers) state (a running scale per row: an EMA of the log-norm and of its
-spread, as ZClip and OLMo-core's SkipStep do), and post a small verdict to host memory without
-blocking (:class:`~.readback.HostMailbox`): a quiet step pays no host sync.
-When a rule fires, the diagnosis runs on the host: which layer, the weights (read only then) and
-the last ``history`` steps' norms from a device ring buffer.
+The device's part of a step is one copy: the ``[layers + 1]`` gradient L2 norms (the layers,
+then the global norm) are posted to host memory without blocking
+(:class:`~.readback.HostMailbox`), and so is the loss. The rules run on the host when the copy
+is read, over O(layers) state in ``float32`` (a running scale per row: an EMA of the log-norm
+and of its spread, as ZClip and OLMo-core's SkipStep do): a quiet step pays no host sync and
+launches no kernel for them (issue 36: the rules were 60-odd kernels on the device). When a rule
+fires, the diagnosis runs on the host too: which layer, the weights (read only then) and the
+last ``history`` steps' norms from a host ring buffer.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from lightning_hooks.core.alarms.attention import attention_alarms
 from lightning_hooks.core.alarms.gradients import GradientRules
-from lightning_hooks.core.alarms.loss import LossRules
+from lightning_hooks.core.alarms.loss import LossRules, as_array
 from lightning_hooks.core.alarms.messages import (
     GradientAlarm,
     gradient_alarm,
@@ -28,7 +30,6 @@ from lightning_hooks.core.alarms.messages import (
 from lightning_hooks.core.alarms.ring import NormRing
 from lightning_hooks.core.alarms.rules import (
     _BAND,
-    _FLOOR,
     _GRAD_RULES,
     _NONFINITE,
     _NORM,
@@ -45,8 +46,8 @@ __all__ = ["GradientAlarms"]
 class GradientAlarms:
     """Evaluates :class:`AlarmRules` on each optimizer step's gradient norms, on the device.
 
-    Rows are layers and a last ``"global"`` row. :meth:`update` (a few dozen small kernels, no
-    host sync) applies the rules to ``[layers + 1]`` L2 norms:
+    Rows are layers and a last ``"global"`` row. :meth:`update` posts ``[layers + 1]`` L2 norms
+    to the host (one copy, no host sync) and the rules run there when the copy is read:
 
     - *spike*: ``log(norm) > mean + max(spike_sigmas * std, log(spike_factor))``, with the
       running mean and standard deviation of the row's log-norm (an EMA over about ``window``
@@ -101,9 +102,9 @@ class GradientAlarms:
             raise TypeError(f"GradientAlarms(rules={rules!r}): must be an AlarmRules or None")
         device = torch.device(device) if device is not None else torch.device("cpu")
         n = len(self.layers)
-        self._gradients = GradientRules(n, self.rules, device)
-        self._ring = NormRing(self.rules.history, n, device)
-        self._mailbox = HostMailbox((_FLOOR + 1, n), device)
+        self._gradients = GradientRules(n, self.rules)
+        self._ring = NormRing(self.rules.history, n)
+        self._mailbox = HostMailbox((2, n), device)
         self._cuda = device.type == "cuda"
         self._loss = LossRules(self.rules, device)
         self._stall = StallRule(self.rules, device)
@@ -121,7 +122,7 @@ class GradientAlarms:
     def update(
         self,
         norm: torch.Tensor,
-        rows: torch.Tensor | None = None,
+        rows: Sequence[int] | torch.Tensor | None = None,
         *,
         step: int,
         amp: bool = False,
@@ -130,13 +131,15 @@ class GradientAlarms:
         stepped: torch.Tensor | None = None,
         clip: float | None = None,
     ) -> None:
-        """Apply the rules to one optimizer step (no host sync) and post the verdict.
+        """Post one optimizer step's norms to the host (one copy, no host sync); the rules run on
+        the host when it is read (at once on the CPU).
 
         Args:
             norm: ``[len(rows)]`` gradient L2 norms, last the global one; a ``[len(rows), k]``
                 table is read in its first column.
             rows: the rows ``norm`` covers (the layers one optimizer steps, then global; default:
-                all). When they are not every layer, the global row is left out of the rules.
+                all), best on the host (a device tensor is read once: a sync). When they are not
+                every layer, the global row is left out of the rules.
             step: the optimizer step, for the messages.
             amp: a GradScaler is active: non-finite gradients are an overflow it skips.
             order: layer rows in the order their output-gradient hooks fired.
@@ -151,10 +154,13 @@ class GradientAlarms:
         self._drain(wait=True)  # the previous step's verdict: at most one step late
         self.evaluated += 1
         norm = norm[:, 0] if norm.dim() == 2 else norm
-        norm, active = self._gradients.rows_of(norm.float(), rows, stepped)
-        report = self._gradients.evaluate(norm, active, amp, clip)
-        self._ring.write(step, report[_NORM : _BAND + 1])
-        self._mailbox.post(report, (step, tuple(dict.fromkeys(order)), rows, weights, clip))
+        if isinstance(rows, torch.Tensor):
+            rows = rows.tolist()
+        host_rows = None if rows is None else np.asarray(rows, dtype=np.int64)
+        # one copy: the norms, with the stepped rows beside them only when some were not
+        value = norm if stepped is None else torch.stack([norm.float(), stepped.float()])
+        meta = (step, tuple(dict.fromkeys(order)), host_rows, weights, clip, amp)
+        self._mailbox.post(value, meta)
         if not self._cuda:  # the copy was the read: diagnose now, while the weights are these
             self._drain(wait=False)
 
@@ -192,6 +198,7 @@ class GradientAlarms:
         if not self._stall.due(lr):
             return
         self._drain_stall(wait=True)
+        self._drain_loss(wait=True)  # the loss's state as of this step, as the device had it
         watched = self.rules.diverge_ratio is not None and self._loss.seen > 0
         self._stall.update(update, lr, step, self._loss.state if watched else None)
         if not self._cuda:
@@ -237,11 +244,16 @@ class GradientAlarms:
         got = self._mailbox.read(wait)
         if got is None:
             return
-        report, (step, order, rows, weights, clip) = got
+        value, (step, order, rows, weights, clip, amp) = got
+        norm = value[0] if value.ndim == 2 else value
+        stepped = value[1] > 0 if value.ndim == 2 else None
+        with np.errstate(all="ignore"):
+            norm, active = self._gradients.rows_of(norm, rows, stepped)
+            report = self._gradients.evaluate(norm, active, amp, clip)
+        self._ring.write(step, report[_NORM : _BAND + 1])
         flags = report[:_GRAD_RULES]
         if not flags.any():
             return
-        report = report.copy()  # the view is overwritten by the next post
         weight = weight_norms(weights, rows, len(self.layers)) if flags[_NONFINITE].any() else None
         history = self._ring.read(step)
         for index in np.flatnonzero(flags.any(axis=1)):
@@ -268,10 +280,10 @@ class GradientAlarms:
         self._drain(wait=True)
         return {
             "layers": self.layers,
-            "scale": self._gradients.scale.state.cpu(),
+            "scale": torch.from_numpy(self._gradients.scale.state.copy()),
             **self._loss.state_dict(),
             **self._stall.state_dict(),
-            "low": self._gradients.low.cpu(),
+            "low": torch.from_numpy(self._gradients.low.copy()),
             **self._ring.state_dict(),
             "counts": dict(self.counts),
         }
@@ -285,9 +297,9 @@ class GradientAlarms:
             )
         if "scale" not in state:
             raise ValueError("GradientAlarms.load_state_dict: a state of an older version")
-        self._gradients.scale.state.copy_(state["scale"])
+        self._gradients.scale.state[...] = as_array(state["scale"])
         self._loss.load_state_dict(state)
         self._stall.load_state_dict(state)
-        self._gradients.low.copy_(state["low"])
+        self._gradients.low[...] = as_array(state["low"])
         self._ring.load_state_dict(state)
         self.counts = {**dict.fromkeys(ALARM_RULES, 0), **state["counts"]}

@@ -1,5 +1,5 @@
-"""The stall rule on the device: the optimizer's update per unit of learning rate against its
-running level, on logging steps."""
+"""The stall rule: the optimizer's update per unit of learning rate against its running level,
+on logging steps. The device copies the update to the host; the rule runs there."""
 
 from __future__ import annotations
 
@@ -7,12 +7,18 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
+from lightning_hooks.core.alarms.loss import as_array, lerp
 from lightning_hooks.core.alarms.messages import GradientAlarm, stall_alarm
 from lightning_hooks.core.alarms.rules import (
+    _S_BEFORE,
     _S_BEST,
     _S_FLAG,
+    _S_LEVEL,
+    _S_PROGRESS,
+    _S_VALUE,
     _STALL_ALPHA,
     _STALL_LR_FLOOR,
     AlarmRules,
@@ -21,21 +27,23 @@ from lightning_hooks.core.transport.readback import HostMailbox
 
 __all__ = ["StallRule"]
 
+_F = np.float32
+
 
 class StallRule:
     """*stall*'s state (its flag, the log of the update per unit of learning rate, its running
     level before this logging step, the loss's progress since the last one, then the level after
-    this step and the loss's best) and its report to the host.
+    this step and the loss's best) and the update's copy to the host.
 
     Args:
         rules: the rules and thresholds.
-        device: where the state lives.
+        device: where the update lives.
     """
 
     def __init__(self, rules: AlarmRules, device: torch.device) -> None:
         self.rules = rules
-        self.state = torch.full((_S_BEST + 1,), torch.nan, device=device)
-        self._box = HostMailbox((_S_BEST + 1,), device)
+        self.state = np.full(_S_BEST + 1, np.nan, dtype=np.float32)
+        self._box = HostMailbox((1,), device)
         self.peak_lr = 0.0
         """The largest learning rate seen so far."""
 
@@ -49,48 +57,57 @@ class StallRule:
         return not lr < _STALL_LR_FLOOR * self.peak_lr
 
     def update(
-        self, update: torch.Tensor, lr: float, step: int, loss: torch.Tensor | None = None
+        self, update: torch.Tensor, lr: float, step: int, loss: np.ndarray | None = None
     ) -> None:
-        """Fold ``update / lr`` into the level and post the verdict (a few kernels, no sync).
-        ``loss``: *diverging*'s state ``[mean, dev, best, first]``; the rule fires only when
-        its best improved by at most ``stall_progress`` of what was learnt since the last
-        call (``None``: the update alone decides)."""
+        """Post ``update`` (a device scalar: a copy, no sync) for :meth:`read`. ``loss``:
+        *diverging*'s state ``[mean, dev, best, first]`` as of this step (copied); the rule fires
+        only when its best improved by at most ``stall_progress`` of what was learnt since the
+        last call (``None``: the update alone decides)."""
+        snapshot = None if loss is None else loss.copy()
+        self._box.post(update.detach().reshape(1), (step, lr, snapshot))
+
+    def read(self, wait: bool) -> GradientAlarm | None:
+        """Evaluate the posted update once its copy is read: the alarm when the rule fired,
+        else ``None``."""
+        got = self._box.read(wait)
+        if got is None:
+            return None
+        value, (step, lr, loss) = got
+        with np.errstate(all="ignore"):
+            self.evaluate(_F(value[0]), lr, loss)
+        return stall_alarm(self.state.copy(), step, self.rules) if self.state[_S_FLAG] else None
+
+    def evaluate(self, update: np.float32, lr: float, loss: np.ndarray | None) -> None:
+        """Fold ``update / lr`` into the level and set the flag (the state updated)."""
         assert self.rules.stall_factor is not None
-        flag, value, before, progress, level, best = self.state.unbind(0)
-        torch.div(update.detach().reshape(()).float(), lr, out=value).log_()
-        before.copy_(level)
-        low = torch.sub(level, math.log(self.rules.stall_factor))
-        finite = torch.lt(value.abs(), math.inf)
+        s = self.state
+        level = s[_S_LEVEL]
+        value = np.log(update / _F(lr))
+        s[_S_VALUE], s[_S_BEFORE] = value, level
+        low = level - _F(math.log(self.rules.stall_factor))
+        finite = bool(abs(value) < math.inf)
         # False while the level is NaN (the first logging step), and on a zero update (-inf):
         # a weight that does not move at all is a dead unit or a frozen tensor, not this rule's
-        torch.lt(value, low, out=flag).logical_and_(finite)
+        flag = bool(value < low) and finite
         if loss is not None:  # a run whose loss still improves is not stalled
             now, first = loss[2], loss[3]
             # progress since the last call; at the first call with a loss, since the first loss
-            torch.where(best.isnan(), first, best, out=progress).sub_(now)
-            progress.div_(torch.sub(first, now))  # 0 / 0 (nothing learnt yet): NaN, quiet
-            flag.logical_and_(torch.le(progress, self.rules.stall_progress))
-            best.copy_(now)
+            since = first if np.isnan(s[_S_BEST]) else s[_S_BEST]
+            s[_S_PROGRESS] = (since - now) / (first - now)  # 0 / 0: NaN, quiet
+            flag = flag and bool(s[_S_PROGRESS] <= self.rules.stall_progress)
+            s[_S_BEST] = now
+        s[_S_FLAG] = flag
         # a collapse folds in clamped (as the spike rule's scale), so it keeps firing a while
-        target = torch.where(finite, torch.maximum(value, low), level)
-        start = torch.logical_and(level.isnan(), finite)
-        level.lerp_(target, _STALL_ALPHA).copy_(torch.where(start, value, level))
-        self._box.post(self.state, step)
-
-    def read(self, wait: bool) -> GradientAlarm | None:
-        """The alarm of the posted verdict once read, when the rule fired; else ``None``."""
-        got = self._box.read(wait)
-        if got is None or not got[0][_S_FLAG] > 0:
-            return None
-        report, step = got
-        return stall_alarm(report, step, self.rules)
+        target = np.maximum(value, low) if finite else level
+        start = bool(np.isnan(level)) and finite
+        s[_S_LEVEL] = value if start else lerp(level, target, _STALL_ALPHA)
 
     def state_dict(self) -> dict[str, Any]:
         """The state and the peak learning rate, on the host."""
-        return {"stall": self.state.cpu(), "peak_lr": self.peak_lr}
+        return {"stall": torch.from_numpy(self.state.copy()), "peak_lr": self.peak_lr}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; an older state's level starts again."""
-        if "stall" in state and state["stall"].shape == self.state.shape:
-            self.state.copy_(state["stall"])
+        if "stall" in state and tuple(state["stall"].shape) == self.state.shape:
+            self.state[...] = as_array(state["stall"])
             self.peak_lr = float(state["peak_lr"])

@@ -246,7 +246,7 @@ class GradFlowTracker(HookOwner):
         if alarms is not None:  # last: what the optimizer step's post-hook reduces is set
             alarms.update(
                 norms,
-                view.rows,
+                view.row_ids,
                 step=step,
                 amp=grad_scale is not None,
                 order=self._outputs.order,

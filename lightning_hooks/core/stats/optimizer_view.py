@@ -30,6 +30,7 @@ class OptimizerView:
     layer_ids: frozenset[int]  # the layout rows it steps, on the host
     weight_norm: torch.Tensor | None = None
     distinct: bool = False  # no parameter listed twice: ``unique`` is every position, in order
+    row_ids: tuple[int, ...] = ()  # ``rows`` on the host
     masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
 
     def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
@@ -173,6 +174,7 @@ class OptimizerViews:
         distinct = len(unique) == len(params)
         view = OptimizerView(params, index, rows, before, owner, key, unique, numel, ids)
         view.distinct = distinct
+        view.row_ids = tuple(layers)
         return view
 
     def first_param(self, optimizer: torch.optim.Optimizer) -> nn.Parameter | None:

@@ -20,8 +20,11 @@ class HostMailbox:
     gradient alarms (:class:`~lightning_hooks.core.GradientAlarms`) and the first-non-finite
     probe (:class:`~lightning_hooks.core.FirstNonFinite`).
 
+    A tensor of fewer elements than ``shape`` may be posted: it lands at the buffer's start, and
+    :meth:`read` gives it back in its own shape (its views are made once per shape).
+
     Args:
-        shape: the shape of the tensors posted.
+        shape: the shape of the tensors posted (the largest).
         device: where they live.
         dtype: their dtype.
 
@@ -48,6 +51,8 @@ class HostMailbox:
             self._host = torch.from_numpy(self._view)
         self._event = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
         self._meta: Any = None
+        self._slot: tuple[torch.Tensor, np.ndarray] = (self._host, self._view)
+        self._slots = {tuple(self._host.shape): self._slot}
         self.pending = False
         """Whether a posted value has not been read yet."""
 
@@ -58,8 +63,15 @@ class HostMailbox:
 
     def post(self, value: torch.Tensor, meta: Any = None) -> None:
         """Start copying ``value`` to the host; ``meta`` comes back with it from :meth:`read`."""
+        slot = self._slots.get(tuple(value.shape))
+        if slot is None:
+            count = value.numel()
+            host = self._host.view(-1)[:count].view(value.shape)
+            view = self._view.reshape(-1)[:count].reshape(value.shape)
+            slot = self._slots[tuple(value.shape)] = (host, view)
+        self._slot = slot
         # Only CUDA gets an event to tell when a non_blocking copy is done: elsewhere, block.
-        self._host.copy_(value, non_blocking=self._event is not None)
+        slot[0].copy_(value, non_blocking=self._event is not None)
         if self._event is not None:
             self._event.record()
         self._meta = meta
@@ -77,7 +89,7 @@ class HostMailbox:
                 return None
         meta, self._meta = self._meta, None
         self.pending = False
-        return self._view, meta
+        return self._slot[1], meta
 
     def clear(self, fill: float = 0) -> None:
         """Drop a pending value and fill the host buffer with ``fill``."""
