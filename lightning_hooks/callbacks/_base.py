@@ -2,6 +2,7 @@
 
 =====================  ===========================================================================
 ``_lifecycle.py``      setup, attach, checkpoints, the guard and the ranks' agreement, release
+``_watching.py``       the selection checked against the model (a mixin of the lifecycle)
 ``_writing.py``        logging steps, epoch ends, the loggers' save, the dashboard
 ``_cadence.py``        the sampled-step gate and the logging points (the per-batch hooks)
 =====================  ===========================================================================

@@ -3,7 +3,8 @@
 :class:`Lifecycle` is the lowest of the three pieces of
 :class:`~lightning_hooks.callbacks._base.HookCallback` (lifecycle, writing, cadence): it attaches
 in ``on_train_start`` and removes the hooks on every exit, owns the guard, and agrees with the
-other ranks on a failure and on a stop.
+other ranks on a failure and on a stop. Its selection, checked against the model before
+training starts, is :class:`~lightning_hooks.callbacks._watching.Watching`'s.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.callbacks._checks import check_strategy
+from lightning_hooks.callbacks._watching import Watching
 from lightning_hooks.core.hooks.guard import Guard, guard_hooks
 from lightning_hooks.core.transport.distributed import agree, gather_objects, world_size
 from lightning_hooks.errors import LightningHooksWarning
@@ -47,21 +49,16 @@ else:
     _CallbackBase = type("_CallbackBase", _callback_bases(), {"__module__": __name__})
 
 
-class Lifecycle(_CallbackBase):
+class Lifecycle(Watching, _CallbackBase):
     """Hooks registered in ``on_train_start`` (after the sanity check), removed in
     ``on_train_end``, ``on_exception`` and ``teardown`` (each idempotently); a checkpoint's state
     kept until the hooks are attached; the guard and the ranks' agreement (see
-    :class:`~lightning_hooks.callbacks._base.HookCallback`)."""
+    :class:`~lightning_hooks.callbacks._base.HookCallback`). The selection is checked against
+    the model in ``on_fit_start`` (:class:`~lightning_hooks.callbacks._watching.Watching`)."""
 
     uses_images: bool = True
     _tracker: _Removable | None = None
     _pending_state: dict[str, Any] | None = None
-    _idle: bool = False
-    """Set by :meth:`_nothing_to_watch`: the model has nothing to watch, this fit does nothing."""
-    _default_types: Any = None
-    """The ``types`` of the default selection (an explicit ``types=`` differs from it)."""
-    _selection_arguments: tuple[str, ...] = ("include", "exclude")
-    """The constructor arguments, besides ``types``, that narrow the selection."""
     _ranks: int = 1
     """The processes of this fit (set in ``on_train_start``): above 1, ranks agree on a
     failure and on a stop (:meth:`_agree`)."""
@@ -261,38 +258,6 @@ class Lifecycle(_CallbackBase):
         self._detach()
         for bound in ("log", "log_dict"):
             self.__dict__.pop(bound, None)
-
-    def _validate(self, pl_module: pl.LightningModule) -> None:
-        """Check the configuration against the model before training starts."""
-
-    def _explicit_selection(self) -> str:
-        """The selection arguments given other values than their defaults, as ``name=value``."""
-        types = getattr(self, "types", None)
-        given = [f"types={types!r}"] if types is not None and types != self._default_types else []
-        for name in self._selection_arguments:
-            value = getattr(self, name, None)
-            if value:
-                given.append(f"{name}={value!r}")
-        return ", ".join(given)
-
-    def _nothing_to_watch(self, what: str, hint: str = "") -> None:
-        """The selection holds no ``what``: an explicit selection is the user's mistake and
-        raises, naming its arguments; at the defaults, one warning and this fit does nothing
-        (as Lightning's ``LearningRateMonitor`` without a scheduler).
-
-        Raises:
-            ValueError: a selection argument was given.
-        """
-        name = type(self).__name__
-        given = self._explicit_selection()
-        if given:
-            raise ValueError(f"{name}({given}): selects no {what} of the model{hint}")
-        rank_zero_warn(
-            f"{name}: the model has no {what} to watch at the defaults; this callback does "
-            f"nothing in this fit{hint}",
-            category=LightningHooksWarning,
-        )
-        self._idle = True
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         raise NotImplementedError

@@ -212,13 +212,7 @@ class GradFlowCallback(GradFlowLogging):
             clip=clip_of(trainer),
         )
         self._history = []
-        unstepped = self._tracker.unstepped()
-        if unstepped:
-            rank_zero_warn(
-                f"GradFlowCallback: no optimizer of the Trainer steps the trainable parameters "
-                f"of {', '.join(repr(n) for n in unstepped)}; these layers are not measured.",
-                category=LightningHooksWarning,
-            )
+        _warn_unstepped(self._tracker.unstepped())
         if self.stability:  # on the tracker's registry: one sampled gate, removed with it
             self._stability = StabilityStats().attach(pl_module, self._tracker.registry)
         if self.histograms:
@@ -281,3 +275,13 @@ class GradFlowCallback(GradFlowLogging):
     @override
     def _stop_agreed(self) -> None:
         self.policy.stop_requested = False
+
+
+def _warn_unstepped(layers: tuple[str, ...]) -> None:
+    """Warn that no optimizer of the Trainer steps the trainable parameters of ``layers``."""
+    if layers:
+        rank_zero_warn(
+            f"GradFlowCallback: no optimizer of the Trainer steps the trainable parameters "
+            f"of {', '.join(repr(n) for n in layers)}; these layers are not measured.",
+            category=LightningHooksWarning,
+        )
