@@ -14,7 +14,9 @@ __all__ = ["GradientRules", "lower_median"]
 
 def lower_median(values: np.ndarray) -> np.float32:
     """The lower of the two middle values for an even count (``torch.median``'s choice)."""
-    return np.partition(values, (values.size - 1) // 2)[(values.size - 1) // 2]
+    middle = (values.size - 1) // 2
+    low: np.float32 = np.partition(values, middle)[middle]
+    return low
 
 
 class GradientRules:
@@ -37,6 +39,17 @@ class GradientRules:
         self._is_layer = np.ones(rows, dtype=bool)
         self._is_layer[-1] = False
         self._false = np.zeros(rows, dtype=bool)
+
+    def read(
+        self, value: np.ndarray, rows: np.ndarray | None, amp: bool, clip: float | None
+    ) -> np.ndarray:
+        """:meth:`evaluate` on a posted copy: the norms, with the stepped rows beside them as a
+        second row when some were not (``rows``: the rows it covers; ``None``: all)."""
+        norm = value[0] if value.ndim == 2 else value
+        stepped = value[1] > 0 if value.ndim == 2 else None
+        with np.errstate(all="ignore"):
+            norm, active = self.rows_of(norm, rows, stepped)
+            return self.evaluate(norm, active, amp, clip)
 
     def rows_of(
         self, norm: np.ndarray, rows: np.ndarray | None, stepped: np.ndarray | None
@@ -96,8 +109,9 @@ class GradientRules:
             return self._false
         if clip is not None:  # every row scales by min(1, clip / global norm)
             log_norm = log_norm + min(np.float32(math.log(clip)) - log_norm[-1], np.float32(0))
-        fired = (log_norm > ceiling) & keep
-        return fired & (fired[-1] | ~keep[-1])
+        fired: np.ndarray = (log_norm > ceiling) & keep
+        last: np.bool_ = fired[-1] | ~keep[-1]
+        return fired & last
 
     def _vanishing(
         self, norm: np.ndarray, layers: np.ndarray, finite: np.ndarray

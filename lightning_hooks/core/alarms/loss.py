@@ -37,7 +37,8 @@ _F = np.float32
 def lerp(start: np.float32, end: np.float32, weight: float) -> np.float32:
     """``torch.lerp``'s formula, in ``float32``: exact at both ends for any weight."""
     w = _F(weight)
-    return start + w * (end - start) if w < 0.5 else end - (end - start) * (_F(1.0) - w)
+    out: np.float32 = start + w * (end - start) if w < 0.5 else end - (end - start) * (_F(1) - w)
+    return out
 
 
 def as_array(value: Any) -> np.ndarray:

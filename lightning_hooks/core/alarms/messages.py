@@ -8,7 +8,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-import torch
 
 from lightning_hooks.core.alarms.rules import (
     _ABSOLUTE,

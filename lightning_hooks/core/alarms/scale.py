@@ -38,8 +38,9 @@ class RunningScale:
         armed = self.count >= self.armed_at
         spread = np.sqrt(self.var) * self.sigmas
         ceilings = [
-            np.where(armed, np.maximum(spread, np.float32(math.log(f))) + self.mean, np.inf)
-            .astype(np.float32, copy=False)
+            np.where(armed, np.maximum(spread, np.float32(math.log(f))) + self.mean, np.inf).astype(
+                np.float32, copy=False
+            )
             for f in factors
         ]
         return ceilings, armed

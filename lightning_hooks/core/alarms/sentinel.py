@@ -245,22 +245,12 @@ class GradientAlarms:
         if got is None:
             return
         value, (step, order, rows, weights, clip, amp) = got
-        norm = value[0] if value.ndim == 2 else value
-        stepped = value[1] > 0 if value.ndim == 2 else None
-        with np.errstate(all="ignore"):
-            norm, active = self._gradients.rows_of(norm, rows, stepped)
-            report = self._gradients.evaluate(norm, active, amp, clip)
+        report = self._gradients.read(value, rows, amp, clip)
         self._ring.write(step, report[_NORM : _BAND + 1])
-        flags = report[:_GRAD_RULES]
-        if not flags.any():
-            return
-        weight = weight_norms(weights, rows, len(self.layers)) if flags[_NONFINITE].any() else None
-        history = self._ring.read(step)
-        for index in np.flatnonzero(flags.any(axis=1)):
-            hit = np.flatnonzero(flags[index])
-            at = (step, order, clip)
-            alarm = gradient_alarm(int(index), hit, report, weight, at, self.layers, self.rules)
-            self._record(with_history(alarm, self.layers, history))
+        if report[:_GRAD_RULES].any():
+            at = (step, order, rows, weights, clip)
+            for alarm in _diagnose(report, at, self.layers, self.rules, self._ring):
+                self._record(alarm)
 
     def _record(self, alarm: GradientAlarm) -> None:
         self.counts[alarm.rule] += 1 + len(alarm.others)
@@ -303,3 +293,24 @@ class GradientAlarms:
         self._gradients.low[...] = as_array(state["low"])
         self._ring.load_state_dict(state)
         self.counts = {**dict.fromkeys(ALARM_RULES, 0), **state["counts"]}
+
+
+def _diagnose(
+    report: np.ndarray,
+    at: tuple[int, tuple[int, ...], np.ndarray | None, WeightNorms | None, float | None],
+    layers: tuple[str, ...],
+    rules: AlarmRules,
+    ring: NormRing,
+) -> list[GradientAlarm]:
+    """The alarms of a gradient report in which a rule fired, with their ring-buffer history
+    (``at``: the step, the backward order, the rows, the weight norms' pass and the clip)."""
+    step, order, rows, weights, clip = at
+    flags = report[:_GRAD_RULES]
+    weight = weight_norms(weights, rows, len(layers)) if flags[_NONFINITE].any() else None
+    history = ring.read(step)
+    alarms = []
+    for index in np.flatnonzero(flags.any(axis=1)):
+        hit = np.flatnonzero(flags[index])
+        alarm = gradient_alarm(int(index), hit, report, weight, (step, order, clip), layers, rules)
+        alarms.append(with_history(alarm, layers, history))
+    return alarms
