@@ -187,12 +187,59 @@ def _cost_table() -> dict[str, list[str]]:
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## What it costs") : text.index("## Where it runs")]
     assert table_problems(section) == []
-    rows = [line for line in section.splitlines() if line.startswith("| ")]
-    cells = [[c.strip().strip("*") for c in _row(row)] for row in rows]
+    cells = _tables(section)[0]
     assert cells[0] == ["configuration", "MLP", "CNN", "transformer"], cells[0]
     assert "`benchmarks/results/every_stat.md`" in section
     assert "benchmarks/overhead.py" in section and "--out benchmarks/results/every_stat" in section
     return {row[0]: row[1:] for row in cells[2:]}
+
+
+def _tables(section: str) -> list[list[list[str]]]:
+    """Each Markdown table of ``section``: its rows' cells, bold stripped."""
+    tables: list[list[list[str]]] = []
+    previous = False
+    for line in section.splitlines():
+        row = line.startswith("| ")
+        if row and not previous:
+            tables.append([])
+        if row:
+            tables[-1].append([c.strip().strip("*") for c in _row(line)])
+        previous = row
+    return tables
+
+
+def test_the_readme_launch_bound_figures_are_the_saved_benchmark_runs() -> None:
+    """README "What it costs", the launch-bound table: benchmarks/results/launch.json (after) and
+    launch_before_5726dc7.json (before), CPU-time ratios: mean step and median (quiet) step."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## What it costs") : text.index("## Where it runs")]
+    cells = _tables(section)[1]
+    assert cells[0] == ["configuration", "mean step", "quiet step (median)", "before: mean, quiet"]
+    runs = [
+        json.loads((ROOT / f"benchmarks/results/{name}.json").read_text())["timing"]["launch"]
+        for name in ("launch", "launch_before_5726dc7")
+    ]
+    labels = {
+        "`GradFlowCallback()`": "GradFlowCallback",
+        "all five at their defaults": "all, defaults",
+        "floor: one `torch._foreach_norm`": "floor: one gradient read (_foreach_norm)",
+        "tutorial (`.item()` hooks)": "tutorial (.item() hooks)",
+    }
+
+    def ratio(run: dict[str, Any], config: str, clock: str) -> str:
+        return f"{run[config][clock]['ratio_median']:.3f}x"
+
+    expected = {
+        label: [
+            ratio(runs[0], config, "cpu"),
+            ratio(runs[0], config, "cpu_median"),
+            f"{ratio(runs[1], config, 'cpu')}, {ratio(runs[1], config, 'cpu_median')}",
+        ]
+        for label, config in labels.items()
+    }
+    assert {row[0]: row[1:] for row in cells[2:]} == expected
+    assert f"a {runs[0]['bare']['cpu']['step_ms']:.1f} ms bare step" in " ".join(section.split())
+    assert "--out benchmarks/results/launch" in section
 
 
 def test_the_readme_cost_figures_are_the_saved_benchmark_run() -> None:
