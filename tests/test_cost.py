@@ -134,35 +134,37 @@ def test_the_sentinel_is_the_norm_pass_and_one_copy_whatever_the_depth() -> None
     assert extra[4] == extra[16] <= 14, extra
 
 
+def _ops_of_each_call(
+    values: list[torch.Tensor], call: Callable[..., None]
+) -> list[dict[str, int]]:
+    """ATen ops of ``call(value, step=step)`` for each value, after the first (whose post makes
+    its views of the host buffer, once per shape)."""
+    counter = OpCounter()
+    ops = []
+    for step, value in enumerate(values):
+        counter.start()
+        call(value, step=step)
+        counter.stop()
+        ops.append(dict(counter.ops))
+        counter.ops.clear()
+    return ops[1:]
+
+
 def test_the_loss_rules_are_one_copy_a_step() -> None:
     """*diverging* on by default: the device copies the loss to the host, where the rules run
     (18 ATen ops before issue 36, 35 before issue 21)."""
     alarms = GradientAlarms(["a", "b", "global"], AlarmRules())
-    counter = OpCounter()
-    for step in range(3):
-        loss = torch.tensor(1.0 - 0.1 * step)
-        counter.start()
-        alarms.update_loss(loss, step=step)
-        counter.stop()
-        if step > 0:  # the first post of a shape makes its views of the host buffer, once
-            assert dict(counter.ops) == {"copy_": 1}, dict(counter.ops)
-        counter.ops.clear()
+    losses = [torch.tensor(1.0 - 0.1 * step) for step in range(3)]
+    assert _ops_of_each_call(losses, alarms.update_loss) == [{"copy_": 1}] * 2
     assert alarms.poll() == []
 
 
 def test_the_gradient_rules_launch_no_kernel() -> None:
     """:meth:`GradientAlarms.update` is one copy of the norms, whatever fires."""
     alarms = GradientAlarms(["a", "b", "global"], AlarmRules(min_history=3))
-    counter = OpCounter()
     norms = [[1.0, 2.0, 2.2], [1.1, 2.1, 2.4], [0.9, 1.9, 2.1], [1.0, 200.0, 200.0]]
-    for step, norm in enumerate(norms):
-        value = torch.tensor(norm)
-        counter.start()
-        alarms.update(value, step=step)
-        counter.stop()
-        if step > 0:  # the first post of a shape makes its views of the host buffer, once
-            assert dict(counter.ops) == {"copy_": 1}, dict(counter.ops)
-        counter.ops.clear()
+    values = [torch.tensor(norm) for norm in norms]
+    assert _ops_of_each_call(values, alarms.update) == [{"copy_": 1}] * 3
     assert [(a.rule, a.layer, a.step) for a in alarms.poll()] == [("spike", "b", 3)]
 
 
