@@ -73,7 +73,9 @@ class LossRules:
 
     def update(self, loss: torch.Tensor, step: int) -> None:
         """Post ``loss`` (a copy, no sync); :meth:`read` evaluates it."""
-        self._box.post(loss, step)  # under no_grad: the copy records no graph
+        # float32 on the device first: a non-blocking copy to the host does not convert
+        value = loss if loss.dtype == torch.float32 else loss.float()
+        self._box.post(value, step)  # under no_grad: the copy records no graph
 
     def read(self, wait: bool) -> tuple[int, list[GradientAlarm]] | None:
         """Evaluate the posted loss once its copy is read: its step and alarms when a rule

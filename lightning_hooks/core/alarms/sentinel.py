@@ -158,7 +158,8 @@ class GradientAlarms:
             rows = rows.tolist()
         host_rows = None if rows is None else np.asarray(rows, dtype=np.int64)
         # one copy: the norms, with the stepped rows beside them only when some were not
-        value = norm if stepped is None else torch.stack([norm.float(), stepped.float()])
+        norm = norm.float()  # a no-op on the float32 norms of GradFlowTracker
+        value = norm if stepped is None else torch.stack([norm, stepped.float()])
         meta = (step, tuple(dict.fromkeys(order)), host_rows, weights, clip, amp)
         self._mailbox.post(value, meta)
         if not self._cuda:  # the copy was the read: diagnose now, while the weights are these

@@ -64,7 +64,7 @@ class StallRule:
         only when its best improved by at most ``stall_progress`` of what was learnt since the
         last call (``None``: the update alone decides)."""
         snapshot = None if loss is None else loss.copy()
-        self._box.post(update.detach().reshape(1), (step, lr, snapshot))
+        self._box.post(update.detach().reshape(1).float(), (step, lr, snapshot))
 
     def read(self, wait: bool) -> GradientAlarm | None:
         """Evaluate the posted update once its copy is read: the alarm when the rule fired,
