@@ -153,12 +153,11 @@ class GradientAlarms:
         """
         self._drain(wait=True)  # the previous step's verdict: at most one step late
         self.evaluated += 1
-        norm = norm[:, 0] if norm.dim() == 2 else norm
+        norm = (norm[:, 0] if norm.dim() == 2 else norm).float()  # GradFlowTracker's: float32
         if isinstance(rows, torch.Tensor):
             rows = rows.tolist()
         host_rows = None if rows is None else np.asarray(rows, dtype=np.int64)
         # one copy: the norms, with the stepped rows beside them only when some were not
-        norm = norm.float()  # a no-op on the float32 norms of GradFlowTracker
         value = norm if stepped is None else torch.stack([norm, stepped.float()])
         meta = (step, tuple(dict.fromkeys(order)), host_rows, weights, clip, amp)
         self._mailbox.post(value, meta)
