@@ -181,3 +181,19 @@ def test_two_optimizers_on_different_scales_raise_no_global_spike() -> None:
     stats[:, 3] = 0.0
     alarms.update(stats, torch.tensor([0, 2]), step=20)  # the generator's layer: 100x its median
     assert [(a.rule, a.layer, a.others) for a in alarms.poll()] == [("spike", "g", ())]
+
+
+def test_rows_given_as_the_same_tensor_are_read_to_the_host_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A caller passing one rows tensor every step pays its host read once (on CUDA, a sync)."""
+    reads: list[int] = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    alarms = GradientAlarms(["g", "d", "global"], AlarmRules())
+    rows = torch.tensor([0, 2])
+    for step in range(4):
+        alarms.update(torch.tensor([1.0, 1.0]), rows, step=step)
+    alarms.update(torch.tensor([1.0, 1.0]), torch.tensor([1, 2]), step=4)
+    assert len(reads) == 2
+    assert alarms.poll() == []

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from lightning_hooks.core.alarms.rules import AlarmRules
 from lightning_hooks.core.alarms.scale import RunningScale
@@ -39,6 +41,17 @@ class GradientRules:
         self._is_layer = np.ones(rows, dtype=bool)
         self._is_layer[-1] = False
         self._false = np.zeros(rows, dtype=bool)
+        self._rows: tuple[object, np.ndarray | None] = (None, None)
+
+    def host_rows(self, rows: Sequence[int] | torch.Tensor | None) -> np.ndarray | None:
+        """``rows`` as a host array, converted when they are not the last step's object (a
+        device tensor is read then: once, for a caller that passes the same rows each step)."""
+        if rows is None:
+            return None
+        if rows is not self._rows[0]:
+            host = rows.tolist() if isinstance(rows, torch.Tensor) else rows
+            self._rows = (rows, np.asarray(host, dtype=np.int64))
+        return self._rows[1]
 
     def read(
         self, value: np.ndarray, rows: np.ndarray | None, amp: bool, clip: float | None

@@ -26,24 +26,12 @@ from lightning_hooks.core.alarms.rules import (
     _LEARNT_NOISE,
     AlarmRules,
 )
-from lightning_hooks.core.alarms.scale import RunningScale
+from lightning_hooks.core.alarms.scale import RunningScale, as_array, lerp
 from lightning_hooks.core.transport.readback import HostMailbox
 
-__all__ = ["LossRules", "as_array", "lerp"]
+__all__ = ["LossRules"]
 
 _F = np.float32
-
-
-def lerp(start: np.float32, end: np.float32, weight: float) -> np.float32:
-    """``torch.lerp``'s formula, in ``float32``: exact at both ends for any weight."""
-    w = _F(weight)
-    out: np.float32 = start + w * (end - start) if w < 0.5 else end - (end - start) * (_F(1) - w)
-    return out
-
-
-def as_array(value: Any) -> np.ndarray:
-    """A saved state entry (a tensor, or an array) as a host array."""
-    return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
 
 
 class LossRules:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_hooks.core.alarms.loss import as_array
+from lightning_hooks.core.alarms.scale import as_array
 
 __all__ = ["NormRing"]
 

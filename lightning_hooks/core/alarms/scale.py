@@ -7,12 +7,28 @@ read values already copied to the host, so a quiet step launches no kernel for t
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
+import torch
 
 from lightning_hooks.core.alarms.rules import AlarmRules
 
-__all__ = ["RunningScale"]
+__all__ = ["RunningScale", "as_array", "lerp"]
+
+_F = np.float32
+
+
+def lerp(start: np.float32, end: np.float32, weight: float) -> np.float32:
+    """``torch.lerp``'s formula, in ``float32``: exact at both ends for any weight."""
+    w = _F(weight)
+    out: np.float32 = start + w * (end - start) if w < 0.5 else end - (end - start) * (_F(1) - w)
+    return out
+
+
+def as_array(value: Any) -> np.ndarray:
+    """A saved state entry (a tensor, or an array) as a host array."""
+    return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
 
 
 class RunningScale:

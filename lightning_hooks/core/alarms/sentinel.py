@@ -20,7 +20,7 @@ import torch
 
 from lightning_hooks.core.alarms.attention import attention_alarms
 from lightning_hooks.core.alarms.gradients import GradientRules
-from lightning_hooks.core.alarms.loss import LossRules, as_array
+from lightning_hooks.core.alarms.loss import LossRules
 from lightning_hooks.core.alarms.messages import (
     GradientAlarm,
     gradient_alarm,
@@ -37,6 +37,7 @@ from lightning_hooks.core.alarms.rules import (
     AlarmRules,
     WeightNorms,
 )
+from lightning_hooks.core.alarms.scale import as_array
 from lightning_hooks.core.alarms.stall import StallRule
 from lightning_hooks.core.transport.readback import HostMailbox
 
@@ -154,9 +155,7 @@ class GradientAlarms:
         self._drain(wait=True)  # the previous step's verdict: at most one step late
         self.evaluated += 1
         norm = (norm[:, 0] if norm.dim() == 2 else norm).float()  # GradFlowTracker's: float32
-        if isinstance(rows, torch.Tensor):
-            rows = rows.tolist()
-        host_rows = None if rows is None else np.asarray(rows, dtype=np.int64)
+        host_rows = self._gradients.host_rows(rows)
         # one copy: the norms, with the stepped rows beside them only when some were not
         value = norm if stepped is None else torch.stack([norm, stepped.float()])
         meta = (step, tuple(dict.fromkeys(order)), host_rows, weights, clip, amp)

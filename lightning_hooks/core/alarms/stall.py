@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_hooks.core.alarms.loss import as_array, lerp
 from lightning_hooks.core.alarms.messages import GradientAlarm, stall_alarm
 from lightning_hooks.core.alarms.rules import (
     _S_BEFORE,
@@ -23,6 +22,7 @@ from lightning_hooks.core.alarms.rules import (
     _STALL_LR_FLOOR,
     AlarmRules,
 )
+from lightning_hooks.core.alarms.scale import as_array, lerp
 from lightning_hooks.core.transport.readback import HostMailbox
 
 __all__ = ["StallRule"]
