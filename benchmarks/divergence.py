@@ -190,10 +190,12 @@ BUILD: dict[str, Callable[[], nn.Module]] = {
     "gpt-wide-qk": lambda: families.GPT(qk_norm=True, d=80, layers=3),
     "gpt-deep": lambda: families.GPT(qk_norm=False, layers=4),
     "gpt-deep-qk": lambda: families.GPT(qk_norm=True, layers=4),
+    "gpt-6h": lambda: families.GPT(qk_norm=False, d=96, layers=3),
+    "gpt-6h-qk": lambda: families.GPT(qk_norm=True, d=96, layers=3),
 }
 BYTE_TEXT = {"byte-pre-ln": "argparse", "byte-post-ln": "inspect", "gru": "inspect"}
-"""The text each byte-level model reads (the GPTs: ``argparse``, the wide ones ``inspect``, the
-deep ones ``typing``)."""
+GPT_TEXT = {"gpt": "argparse", "gpt-wide": "inspect", "gpt-deep": "typing", "gpt-6h": "tarfile"}
+"""The text each byte-level model reads (a GPT's qk-layernorm twin: its own)."""
 
 
 # --- the sweep --------------------------------------------------------------------------------
@@ -319,7 +321,8 @@ UNSEEN = [
 loss goes to about 0 over a long run; on every seed."""
 ATTENTION = [
     Run(model, lr=lr, **_GPT)  # type: ignore[arg-type]
-    for model in ("gpt", "gpt-qk", "gpt-wide", "gpt-wide-qk", "gpt-deep", "gpt-deep-qk")
+    for base in GPT_TEXT
+    for model in (base, f"{base}-qk")
     for lr in ATTENTION_LRS
 ]
 """The attention-instability family: each GPT without qk-layernorm and its qk-layernorm twin."""
@@ -333,7 +336,7 @@ FAMILY = {
     "pre-ln": "pre-ln", "post-ln": "post-ln", "byte-pre-ln": "byte-pre-ln",
     "byte-post-ln": "byte-post-ln", "gru": "gru", "gpt": "gpt", "gpt-qk": "gpt",
     "gpt-wide": "gpt-wide", "gpt-wide-qk": "gpt-wide", "gpt-deep": "gpt-deep",
-    "gpt-deep-qk": "gpt-deep",
+    "gpt-deep-qk": "gpt-deep", "gpt-6h": "gpt-6h", "gpt-6h-qk": "gpt-6h",
 }  # fmt: skip
 
 
@@ -355,7 +358,7 @@ chosen on. Each failure the issue names has a family on each side: char-level tr
 plain Adam (``byte-pre-ln`` tunes, ``byte-post-ln`` is held out), recurrent models on RMSprop
 with clipping (``gru``; ``lstm``), attention collapse (``gpt``; ``gpt-wide``), explosions
 (``mlp6``; ``resmlp``)."""
-FRESH_FAMILIES = frozenset({"gpt-deep"})
+FRESH_FAMILIES = frozenset({"gpt-deep", "gpt-6h"})
 """Added in session 11, after the held-out half had been read (its attention collapses: 2 of 4
 warned) and the attention rule revised on it (``attn_min_layers``, ``attn_logit_max=1e3``): a
 family recorded only after that rule was committed, so the revised rule has a half it has not
@@ -394,8 +397,7 @@ def _batches(run: Run, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, tor
     if run.model in ("lstm", "pre-ln", "post-ln"):
         text, seq = _text(), _SEQ
     else:
-        gpt = "inspect" if "wide" in run.model else "typing" if "deep" in run.model else "argparse"
-        source = BYTE_TEXT.get(run.model, gpt)
+        source = BYTE_TEXT.get(run.model) or GPT_TEXT[run.model.removesuffix("-qk")]
         text, seq = families.byte_text(source), families.SEQ
     while True:
         start = torch.randint(0, len(text) - seq - 1, (16,), generator=gen)
@@ -786,7 +788,7 @@ def twin_of(run: Run) -> tuple[str, Run] | None:
     """The kind of failure a run is judged on against a twin, and the twin: ``attention`` (a GPT
     without qk-layernorm; the twin has it) or ``logits`` (a GPT without z-loss; the twin has
     z-loss 1e-4); ``None`` for the other runs."""
-    if run.model in ("gpt", "gpt-wide", "gpt-deep"):
+    if run.model in GPT_TEXT:
         return "attention", replace(run, model=f"{run.model}-qk")
     if family(run) == "gpt-logits":
         return "logits", replace(run, zloss=1e-4)
@@ -935,7 +937,7 @@ def _subset(result: dict[str, Any], keep: Callable[[dict[str, Any]], bool]) -> d
 HALVES = {
     "tuning": "tuning families",
     "held_out": "held-out families",
-    "fresh": "fresh held-out family, recorded after this rule set was frozen",
+    "fresh": "fresh held-out families, recorded after the defaults were frozen",
 }
 
 
