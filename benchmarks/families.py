@@ -9,7 +9,9 @@ warning on, as users run them.
   pre-LN GPT, no biases, ``F.scaled_dot_product_attention``, with or without qk-layernorm, on
   AdamW (0.9, 0.95) with warm-up, cosine decay, clipping at 1 and z-loss 1e-4. ``gpt`` (2
   layers, d 64, on ``argparse``'s source) and ``gpt-wide`` (3 layers, d 80, on ``inspect``'s)
-  are two families: one tunes, one is held out.
+  are two families: one tunes, one is held out. ``gpt-deep`` (4 layers, d 64, on ``typing``'s
+  source) and ``gpt-6h`` (3 layers, d 96: 6 heads, on ``tarfile``'s) were added later, with
+  the attention rule frozen before they were recorded.
 - the output-logit family: the qk-layernorm GPT without z-loss; its twin adds z-loss 1e-4.
 
 Data is the source text of Python's own modules, read as bytes: nothing is downloaded.
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import tarfile
+import typing
 from pathlib import Path
 
 import torch
@@ -29,11 +33,16 @@ __all__ = ["BYTES", "GPT", "ByteGRU", "ByteTransformer", "byte_text"]
 
 BYTES = 256
 SEQ = 64
-TEXTS = {"argparse": argparse.__file__, "inspect": inspect.__file__}
+TEXTS = {
+    "argparse": argparse.__file__,
+    "inspect": inspect.__file__,
+    "typing": typing.__file__,
+    "tarfile": tarfile.__file__,
+}
 
 
 def byte_text(name: str) -> torch.Tensor:
-    """The source of the stdlib module ``name`` (``argparse`` or ``inspect``) as bytes."""
+    """The source of the stdlib module ``name`` (a key of :data:`TEXTS`) as bytes."""
     return torch.tensor(list(Path(TEXTS[name]).read_bytes()), dtype=torch.long)
 
 

@@ -85,6 +85,7 @@ def test_absolute_threshold_fires_on_the_global_norm() -> None:
         ({"vanish_fraction": 1.0}, ValueError, r"vanish_fraction=1.0\): .* < 1.0, got 1.0"),
         ({"nonfinite": "yes"}, TypeError, r"nonfinite='yes'\): must be True or False"),
         ({"history": 0}, ValueError, r"history=0\): must be a positive int"),
+        ({"attn_min_layers": 0}, ValueError, r"attn_min_layers=0\): must be a positive int, got 0"),
         ({"loss_factor": 1}, ValueError, r"loss_factor=1\): must be a finite real > 1.0"),
     ],
 )

@@ -23,6 +23,11 @@ RESULTS = json.loads((ROOT / "benchmarks" / "results" / "divergence.json").read_
 
 
 HELD_OUT = frozenset(RESULTS["held_out_families"])
+FRESH = frozenset(RESULTS["fresh_families"])
+
+
+def _group(family: str) -> str:
+    return "fresh" if family in FRESH else "held_out" if family in HELD_OUT else "tuning"
 
 
 def _recount_explosions(rows: list[dict[str, Any]]) -> tuple[str, str]:
@@ -61,11 +66,10 @@ def _recount(runs: list[dict[str, Any]]) -> tuple[str, str, str, str]:
     )
 
 
-def _row(rule_set: dict[str, Any], held_out: bool | None) -> str:
-    """The table row's cells of ``rule_set`` on one half (``None``: every run)."""
-    keep = (
-        (lambda r: True) if held_out is None else (lambda r: (r["family"] in HELD_OUT) == held_out)
-    )
+def _row(rule_set: dict[str, Any], half: str | None) -> str:
+    """The table row's cells of ``rule_set`` on one half (``tuning``, ``held_out``, ``fresh``;
+    ``None``: every run)."""
+    keep = (lambda r: True) if half is None else (lambda r: _group(r["family"]) == half)
     in_time, _, collapses, healthy = _recount([r for r in rule_set["runs"] if keep(r)])
     rows = [r for r in rule_set["explosions"]["runs"] if keep(r)]
     hurt, harmless = _recount_explosions(rows)
@@ -77,11 +81,14 @@ def test_the_saved_run_used_todays_defaults() -> None:
 
 
 def test_the_halves_are_split_by_family() -> None:
-    """Every family is on one side: no run or explosion of a held-out family tunes."""
+    """Every family is on one side: no run or explosion of a held-out family tunes; the fresh
+    families are neither."""
     families = {r["family"] for r in RESULTS["rule_sets"]["lightning_hooks, defaults"]["runs"]}
-    assert families > HELD_OUT and len(HELD_OUT) >= len(families) / 3
+    assert families > HELD_OUT | FRESH and len(HELD_OUT) >= len(families) / 3
+    assert not HELD_OUT & FRESH and FRESH
     bench = load_benchmark("divergence")
     assert frozenset(bench.HELD_OUT_FAMILIES) == HELD_OUT
+    assert frozenset(bench.FRESH_FAMILIES) == FRESH
     for run in bench.all_runs():  # the attention twins share their family
         twin = bench.twin_of(run)
         if twin is not None and twin[0] == "attention":
@@ -91,8 +98,8 @@ def test_the_halves_are_split_by_family() -> None:
 def test_docs_table_rows_are_the_saved_runs_recounted() -> None:
     docs = (ROOT / "docs" / "alarms.md").read_text()
     for name, rule_set in RESULTS["rule_sets"].items():
-        for held_out in (False, True, None):
-            assert f"| {name} | {_row(rule_set, held_out)} |" in docs, (name, held_out)
+        for half in ("tuning", "held_out", "fresh", None):
+            assert f"| {name} | {_row(rule_set, half)} |" in docs, (name, half)
 
 
 def test_every_explosion_has_its_twin_in_the_saved_run() -> None:
@@ -108,8 +115,8 @@ def test_every_explosion_has_its_twin_in_the_saved_run() -> None:
     assert {r["at"] for r in rows} == {37, 150}
 
 
-def _held_out_cells(name: str) -> list[str]:
-    return _row(RESULTS["rule_sets"][name], True).split(" | ")
+def _held_out_cells(name: str, half: str = "held_out") -> list[str]:
+    return _row(RESULTS["rule_sets"][name], half).split(" | ")
 
 
 def test_readme_quotes_the_held_out_row() -> None:
@@ -119,6 +126,9 @@ def test_readme_quotes_the_held_out_row() -> None:
     assert f"{hurt} damaging one-step gradient explosions at their step" in readme
     assert f"{harmless} harmless ones" in readme
     assert f"{collapses} damaging attention collapses" in readme
+    _, _, _, collapses, healthy = _held_out_cells("lightning_hooks, defaults", "fresh")
+    assert f"there the defaults warn on {collapses} damaging attention collapses" in readme
+    assert f"in the first half of the run and on {healthy} healthy runs" in readme
 
 
 def _count(cell: str) -> int:

@@ -72,13 +72,19 @@ class Digits6(pl.LightningModule):
 
 
 def _fit(
-    tmp_path: Path, model: Digits6, steps: int, rules: AlarmRules | None = None, **kwargs: Any
+    tmp_path: Path,
+    model: Digits6,
+    steps: int,
+    rules: AlarmRules | None = None,
+    on_alarm: Any = "warn",
+    **kwargs: Any,
 ) -> tuple[list[GradientAlarmWarning], dict[str, list[tuple[int, float]]]]:
     torch.manual_seed(0)
+    callback = GradFlowCallback(alarms=AlarmRules() if rules is None else rules, on_alarm=on_alarm)
     trainer = pl.Trainer(
         default_root_dir=tmp_path,
         max_steps=steps,
-        callbacks=[GradFlowCallback() if rules is None else GradFlowCallback(alarms=rules)],
+        callbacks=[callback],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
@@ -111,10 +117,16 @@ def test_adam_explosion_is_warned_at_its_step(tmp_path: Path) -> None:
 
 
 def test_the_update_collapse_after_it_is_a_stall_without_the_loss_gate(tmp_path: Path) -> None:
-    """With ``stall_progress=1`` (the update alone decides, as before issue 35) the same run is
-    warned ``stall`` at the next logging step after the explosion's own momentum has died out
-    (about step 80): 99."""
-    found, _ = _fit(tmp_path, Digits6(explode=1e6), steps=150, rules=AlarmRules(stall_progress=1.0))
+    """With ``stall_progress=1`` (the update alone decides, as before issue 35) the same run has
+    a ``stall`` at the next logging step after the explosion's own momentum has died out (about
+    step 80): 99. Under the default ``on_alarm`` it is logged (counted), not warned: the
+    explosion was warned at its step; ``on_alarm={"stall": "warn"}`` warns it."""
+    rules = AlarmRules(stall_progress=1.0)
+    found, scalars = _fit(tmp_path / "log", Digits6(explode=1e6), steps=150, rules=rules)
+    assert [w.alarm.rule for w in found] == ["explosion"]  # type: ignore[attr-defined]
+    assert _epoch_count(scalars, "stall") >= 1.0
+    on = {"stall": "warn"}
+    found, _ = _fit(tmp_path / "warn", Digits6(explode=1e6), steps=150, rules=rules, on_alarm=on)
     stall = [w.alarm for w in found if w.alarm.rule == "stall"]  # type: ignore[attr-defined]
     assert [a.step for a in stall] == [99]
     assert stall[0].reference / stall[0].value > 100.0

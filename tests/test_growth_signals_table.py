@@ -63,6 +63,7 @@ ISSUE_35 = (
     "diverge_overshoot",
     "attn_logit_max",
     "attn_entropy_min",
+    "attn_min_layers",
 )
 
 

@@ -55,10 +55,15 @@ class Recipe(pl.LightningModule):
 
 
 def _fit(
-    tmp_path: Path, model: Recipe, rules: AlarmRules | None = None, **trainer: Any
+    tmp_path: Path,
+    model: Recipe,
+    rules: AlarmRules | None = None,
+    on_alarm: Any = "warn",
+    **trainer: Any,
 ) -> list[Any]:
-    """The alarms ``GradFlowCallback()`` (or with ``rules``) warned in one epoch of ``model``."""
-    callback = GradFlowCallback() if rules is None else GradFlowCallback(alarms=rules)
+    """The alarms ``GradFlowCallback()`` (or with ``rules``, ``on_alarm``) warned in one epoch
+    of ``model``."""
+    callback = GradFlowCallback(alarms=rules or AlarmRules(), on_alarm=on_alarm)
     fit = pl.Trainer(
         default_root_dir=tmp_path,
         max_epochs=1,
@@ -77,12 +82,15 @@ def test_a_healthy_byte_transformer_on_plain_adam_is_not_warned(tmp_path: Path) 
     """A byte-level post-LN transformer on Adam at 0.03, no warm-up (issue 35's family): Adam's
     update per unit of LR falls more than 100x from its first step by the first logging step
     (the early gradients fill the second moment), while the loss keeps falling. Not a stall:
-    nothing is warned. Without the loss's progress (``stall_progress=1``) it was."""
+    nothing is warned. Without the loss's progress (``stall_progress=1``), and with the stall
+    warning (``on_alarm={"stall": "warn"}``, as by default before session 11), it was."""
     fields = {"model": "byte-post-ln", "optimizer": "adam", "lr": 0.03, "seed": 0}
     model = Recipe(60, **fields)
     assert _fit(tmp_path / "now", model) == []
     assert model.losses[-1] < 0.7 * model.losses[0]  # it learns
-    before = _fit(tmp_path / "before", Recipe(60, **fields), AlarmRules(stall_progress=1.0))
+    before = _fit(
+        tmp_path / "before", Recipe(60, **fields), AlarmRules(stall_progress=1.0), {"stall": "warn"}
+    )
     assert [(a.rule, a.step) for a in before] == [("stall", 49)]
 
 
@@ -124,3 +132,23 @@ def test_its_qk_layernorm_twin_is_not_warned(tmp_path: Path) -> None:
     peaks = [v for tag, rows in scalars.items() if "attn_logit_max_step" in tag for _, v in rows]
     assert peaks and max(peaks) < 100.0
     assert recipe.losses[-1] < 0.6 * recipe.losses[0]
+
+
+def test_one_collapsed_layer_of_two_is_not_warned(tmp_path: Path) -> None:
+    """The same GPT at LR 0.1 (its qk-layernorm twin is no better, in the benchmark): by step
+    199 one of its two attention layers has collapsed (logit over 1e3, entropy under 0.1 nats),
+    the other has not. Not warned: a collapse needs ``attn_min_layers=2`` layers. With
+    ``attn_min_layers=1`` (one layer suffices) it is, naming that layer, at a logging step."""
+    recipe = Recipe(200, model="gpt", lr=0.1, seed=0, **_GPT)
+    assert _fit(tmp_path / "now", recipe, log_every_n_steps=50) == []
+    scalars = read_scalars(tmp_path / "now")
+    peaks = {
+        tag.rsplit("/", 1)[1]: dict(rows)[199]
+        for tag, rows in scalars.items()
+        if tag.startswith("stability/attn_logit_max_step/")
+    }
+    assert len(peaks) == 2 and sum(p > 1e3 for p in peaks.values()) == 1, peaks
+    one = Recipe(200, model="gpt", lr=0.1, seed=0, **_GPT)
+    found = _fit(tmp_path / "one", one, AlarmRules(attn_min_layers=1), log_every_n_steps=50)
+    assert [a.rule for a in found] == ["attention"] and found[0].step in (99, 199)
+    assert peaks[found[0].layer] > 1e3  # the layer that collapses alone

@@ -98,12 +98,13 @@ class GradFlowCallback(GradFlowLogging):
 
     **Early warnings** (``alarms``: :class:`~lightning_hooks.core.AlarmRules`) run on *every*
     optimizer step, whatever the statistics cadence: one multi-tensor L2 pass over the gradients
-    before clipping, rules with O(layers) state on the device, a verdict read without blocking
+    before clipping, whose norms are copied to the host without blocking, where the rules run
     (same step on the CPU, the next on CUDA): *spike* (logged), *explosion* (a spike that
     reaches the optimizer, after ``gradient_clip_val``'s clipping, big enough to hurt it),
     *absolute*, *vanishing*, *nonfinite*, *amp_overflow* (counted) and the optional
-    *loss_spike*; *diverging* on every batch; *stall* (an adaptive optimizer's update collapsing
-    while the loss stops learning) and *attention* (attention collapse) on the sampled steps.
+    *loss_spike*; *diverging* on every batch; *stall* (logged: an adaptive optimizer's update
+    collapsing while the loss stops learning) and *attention* (attention collapse across
+    layers) on the sampled steps.
     Under DDP the loss rules read the mean loss over ranks (one ``all_reduce`` per batch, no
     host sync), so every rank takes the same decision at the same step; the same
     ``all_reduce`` carries the ranks' agreement on a failure of the callback and on ``stop``.
@@ -129,7 +130,8 @@ class GradFlowCallback(GradFlowLogging):
             the gradients per sampled step).
         heatmap: log an image of the gradient norm per layer and epoch each epoch.
         alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
-        on_alarm: the action for every rule, or a mapping ``{rule: action}`` (others warn);
+        on_alarm: the action for every rule, or a mapping ``{rule: action}`` (others warn;
+            under ``"warn"``, *spike* and *stall* log unless named);
             ``"skip"`` does not apply to ``"vanishing"``, ``"loss_spike"``, ``"diverging"``,
             ``"stall"`` and ``"attention"``, which then warn.
         every_n_steps: measure the statistics on optimizer steps ``0, n, 2n, ...`` only

@@ -21,22 +21,32 @@ def attention_alarms(
     """*attention*'s alarms at a logging step: the attention layers whose largest pre-softmax
     logit is above ``rules.attn_logit_max`` while their smallest head entropy (nats) is below
     ``rules.attn_entropy_min``: the softmax has become one-hot and its gradient vanishes,
-    the collapse that qk-layernorm prevents. A layer without an entropy (a call of another
-    head count only) is judged on its logit.
+    the collapse that qk-layernorm prevents. Warned when at least ``rules.attn_min_layers``
+    layers (every layer, in a model with fewer) have collapsed at this step: one one-hot layer
+    alone is routed around. A layer without an entropy (a call of another head count only) is
+    judged on its logit.
 
     Example:
-        >>> [a.layer for a in attention_alarms({"h.0": 5e4, "h.1": 20.0},
-        ...                                    {"h.0": 0.01, "h.1": 0.01}, 99, AlarmRules())]
-        ['h.0']
+        >>> rules = AlarmRules()
+        >>> [a.layer for a in attention_alarms({"h.0": 5e4, "h.1": 2e3, "h.2": 20.0},
+        ...                                    {"h.0": 0.01, "h.1": 0.05, "h.2": 0.01}, 99, rules)]
+        ['h.0', 'h.1']
+        >>> attention_alarms({"h.0": 5e4, "h.1": 20.0}, {"h.0": 0.01, "h.1": 2.0}, 99, rules)
+        []
     """
     limit, floor = rules.attn_logit_max, rules.attn_entropy_min
     if limit is None:
         return []
+    collapsed = [
+        (layer, peak, entropy)
+        for layer, peak in logit_max.items()
+        if (peak > limit or math.isnan(peak))
+        and not (entropy := entropy_min.get(layer, math.nan)) >= floor
+    ]
+    if len(collapsed) < min(rules.attn_min_layers, len(logit_max)):
+        return []
     alarms = []
-    for layer, peak in logit_max.items():
-        entropy = entropy_min.get(layer, math.nan)
-        if not (peak > limit or math.isnan(peak)) or entropy >= floor:
-            continue
+    for layer, peak, entropy in collapsed:
         text = (
             f"attention collapse at optimizer step {step} in {layer!r}: its largest attention "
             f"logit is {peak:.4g} (attn_logit_max={limit:g}) and its most focused head's "

@@ -142,6 +142,10 @@ class AlarmRules:
         attn_entropy_min: ... while its most focused head's mean attention entropy
             (``stability/attn_entropy_min``, nats) is below this: one-hot attention whose
             gradient vanishes.
+        attn_min_layers: ... in at least this many attention layers at the same logging step
+            (every layer of a model with fewer). One one-hot layer is something a model can
+            route around (healthy models keep attention sinks, heads that attend to one
+            token); collapse across layers is what costs the run its loss. Must be >= 1.
 
     Example:
         >>> AlarmRules(spike_factor=20.0).window
@@ -172,8 +176,9 @@ class AlarmRules:
     diverge_overshoot: float = 10.0
     stall_factor: float | None = 100.0
     stall_progress: float = 0.02
-    attn_logit_max: float | None = 1e4
+    attn_logit_max: float | None = 1e3
     attn_entropy_min: float = 0.1
+    attn_min_layers: int = 2
 
     def __post_init__(self) -> None:
         owner = "AlarmRules"
@@ -195,7 +200,7 @@ class AlarmRules:
             owner, "stall_progress", self.stall_progress, low=0.0, high=1.0
         )
         names = ("window", "min_history", "vanish_steps", "every_n_steps", "history")
-        for name in (*names, "diverge_span", "diverge_early"):
+        for name in (*names, "diverge_span", "diverge_early", "attn_min_layers"):
             checked[name] = checks.positive_int(owner, name, getattr(self, name))
         optional: dict[str, Callable[[str, Any], float]] = {
             "spike_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
