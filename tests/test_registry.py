@@ -195,3 +195,43 @@ def test_under_torch_compile_the_gated_hooks_stay_and_check_the_flag(how: str) -
             model(torch.ones(1, 4))
         assert seen == [1]
     assert hooks_left(model) == []
+
+
+def test_gated_hooks_of_every_registry_run_outside_the_attention_mode() -> None:
+    """The attention capture's mode sees the model's own calls on a sampled forward, not the
+    torch calls of gated hooks, its registry's or another's (each callback has its own): they
+    would cost a Python call each and are never the model's attention. The scaled dot product
+    a module makes is still seen, and the hook still measures."""
+    from torch.nn import functional
+
+    from lightning_hooks.core.stats import attention
+
+    class Attend(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return functional.scaled_dot_product_attention(x, x, x)
+
+    model = nn.Sequential(nn.Linear(4, 4), Attend(), nn.ReLU())
+    seen: list[str] = []
+    inner = attention._AttentionMode.__torch_function__
+
+    def counting(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        seen.append(getattr(func, "__name__", str(func)))
+        return inner(self, func, types, args, kwargs)
+
+    measured: list[float] = []
+
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        measured.append(float(output.detach().abs().amax().cpu()))
+
+    logits: list[str] = []
+    with HookRegistry(model) as own, HookRegistry(model) as other:
+        attention.AttentionCapture(lambda name, z: logits.append(name)).attach(own)
+        own.forward_hook(model[0], hook, gated=True)
+        other.forward_hook(model[2], hook, gated=True)
+        attention._AttentionMode.__torch_function__ = counting  # type: ignore[method-assign]
+        try:
+            model(torch.randn(2, 3, 4))
+        finally:
+            attention._AttentionMode.__torch_function__ = inner  # type: ignore[method-assign]
+    assert logits == ["1"] and len(measured) == 2
+    assert sorted(set(seen)) == ["linear", "relu", "scaled_dot_product_attention"], seen

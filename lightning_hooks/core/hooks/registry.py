@@ -15,6 +15,7 @@ from typing_extensions import Self
 
 from lightning_hooks.core import checks
 from lightning_hooks.core.hooks.guard import Guard, active_guard
+from lightning_hooks.core.hooks.modes import outside_shelved
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 from lightning_hooks.errors import LightningHooksWarning
 
@@ -279,13 +280,11 @@ class HookRegistry(HookOwner):
         return self.add(module.register_forward_hook(self.guarded(hook, where)))
 
     def _gated(self, hook: ForwardHook, where: str) -> ForwardHook:
-        guard = self.guard
+        guard = self.guard  # the gated hooks run outside the attention capture's mode
         if guard is None or guard.strict:
 
             def gated(module: nn.Module, args: Any, output: Any) -> Any:
-                if self._sampled:
-                    return hook(module, args, output)
-                return None
+                return outside_shelved(hook, module, args, output) if self._sampled else None
 
             return gated
 
@@ -293,7 +292,7 @@ class HookRegistry(HookOwner):
         def gated_guarded(module: nn.Module, args: Any, output: Any) -> Any:
             if self._sampled:
                 try:
-                    return hook(module, args, output)
+                    return outside_shelved(hook, module, args, output)
                 except Exception as error:
                     guard.fail(where, error)
             return None
@@ -320,7 +319,7 @@ class HookRegistry(HookOwner):
             inner = hook
 
             def hook(*args: Any) -> Any:
-                return inner(*args) if self._sampled else None
+                return outside_shelved(inner, *args) if self._sampled else None
 
             return self.gated_hook(module, hook, pre=True, with_kwargs=with_kwargs)
         return self.add(module.register_forward_pre_hook(hook, with_kwargs=with_kwargs))

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional
-from torch.overrides import TorchFunctionMode
 
+from lightning_hooks.core.hooks.modes import ShelvedMode
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.kernels.tensors import is_training_forward
 
@@ -233,7 +233,7 @@ def _softmax_logits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tens
     return x if dim in (-1, 3) else None
 
 
-class _AttentionMode(TorchFunctionMode):
+class _AttentionMode(ShelvedMode):
     """Hands every attention call it sees to its capture, then runs the call unchanged."""
 
     def __init__(self, capture: AttentionCapture) -> None:
