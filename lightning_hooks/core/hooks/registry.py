@@ -280,7 +280,8 @@ class HookRegistry(HookOwner):
         return self.add(module.register_forward_hook(self.guarded(hook, where)))
 
     def _gated(self, hook: ForwardHook, where: str) -> ForwardHook:
-        guard = self.guard  # the gated hooks run outside the attention capture's mode
+        # A gated hook runs outside the attention capture's mode (core/hooks/modes.py).
+        guard = self.guard
         if guard is None or guard.strict:
 
             def gated(module: nn.Module, args: Any, output: Any) -> Any:
