@@ -55,6 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 ACCELERATOR = "cpu"
 """The Trainer's accelerator for every fit (``--accelerator``)."""
+PRECISION = "32-true"
+"""The Trainer's precision for every fit (``--precision``)."""
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -188,7 +190,81 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
 }
 
 
+class Resident(Bench):
+    """A large model trained on one fixed batch that lives on the model's device, ``steps``
+    times: its step is the model's own (no host collation, no host-to-device copy of a 38 MB
+    image batch each step)."""
+
+    def __init__(self, net: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> None:
+        super().__init__(net, x, y, len(x))
+        self.steps = steps
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        x, y = (t.to(self.device) for t in self.data.tensors)
+        return DataLoader(_Repeat(x, y, self.steps), batch_size=None)
+
+
+class _Repeat(torch.utils.data.Dataset[Any]):
+    """The same ``(x, y)`` batch ``n`` times."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, n: int) -> None:
+        self.x, self.y, self.n = x, y, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x, self.y
+
+
+def _resnet50() -> nn.Module:
+    from torchvision.models import resnet50  # on the GPU machine's image; built, not downloaded
+
+    return resnet50(num_classes=10)
+
+
+class _GPT2(nn.Module):
+    """GPT-2 small (124M) from ``transformers``' default config, next-token loss layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.lm = GPT2LMHeadModel(GPT2Config())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # logits of tokens 0..T-2 as (batch, vocab, T-1), for cross_entropy against x[:, 1:]
+        return self.lm(input_ids=x).logits[:, :-1].transpose(1, 2)  # type: ignore[no-any-return]
+
+
+LARGE: dict[str, tuple[Callable[[], nn.Module], int]] = {
+    # name: (network, batch): ResNet-50 on 224 x 224 images, GPT-2 on 1024 tokens. For
+    # --accelerator cuda (with --precision bf16-mixed); not in the default --models.
+    "resnet50": (_resnet50, 64),
+    "gpt2": (_GPT2, 8),
+}
+
+
+GPT2_TOKENS = 1024  # GPT-2's context
+
+
+def _large(name: str, steps: int, seed: int) -> Bench:
+    build, batch = LARGE[name]
+    torch.manual_seed(seed)
+    net = build()
+    g = torch.Generator().manual_seed(seed)
+    if name == "gpt2":
+        x = torch.randint(0, 50257, (batch, GPT2_TOKENS), generator=g)
+        y = x[:, 1:].clone()
+    else:
+        x = torch.randn(batch, 3, 224, 224, generator=g)
+        y = torch.randint(0, 10, (batch,), generator=g)
+    return Resident(net, x, y, steps)
+
+
 def make_model(name: str, batches: int, seed: int = 0) -> Bench:
+    if name in LARGE:
+        return _large(name, batches, seed)
     if name.startswith("deep"):
         build: Callable[[], nn.Module] = lambda: _deep(int(name[4:]))  # noqa: E731
         shape, batch = (32,), 32
@@ -416,6 +492,7 @@ def fit(model_name: str, callbacks: list[pl.Callback], steps: int, logger: Any =
             max_epochs=1,
             limit_train_batches=steps,
             accelerator=ACCELERATOR,
+            precision=PRECISION,
             devices=1,
             logger=logger if logger is not None else TensorBoardLogger(tmp, name="tb"),
             enable_progress_bar=False,
@@ -642,7 +719,8 @@ def markdown(results: dict[str, Any]) -> str:
     parts = [
         f"Mean step time vs bare (median ratio over {env['rounds']} interleaved rounds, min-max), "
         f"{env['steps']} timed steps after {env['warmup']} warm-up steps, "
-        f"torch {env['torch']}, {env['threads']} threads, {env['device']}, load average "
+        f"torch {env['torch']}, {env['threads']} threads, {env['device']}, "
+        f"precision {env.get('precision', '32-true')}, load average "
         f"{env['load_before'][0]:.1f} before, {env['load_after'][0]:.1f} after.",
         "",
         "Process CPU time per step (what the step costs this process):",
@@ -694,7 +772,7 @@ def _matches(pattern: str, name: str) -> bool:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; ``--quick`` fills in its smaller settings."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=[*MODELS, *LARGE])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument(
         "--steps",
@@ -713,6 +791,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="cpu",
         choices=["cpu", "cuda"],
         help="where every fit trains (cuda: the step timer synchronizes at each step start)",
+    )
+    parser.add_argument(
+        "--precision", default="32-true", help="the Trainer's precision (e.g. bf16-mixed)"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument(
@@ -759,9 +840,9 @@ def _device_name(accelerator: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    global ACCELERATOR  # noqa: PLW0603 - one setting read by every fit of this run
+    global ACCELERATOR, PRECISION  # settings read by every fit of this run
     args = parse_args(argv)
-    ACCELERATOR = args.accelerator
+    ACCELERATOR, PRECISION = args.accelerator, args.precision
     if args.threads:
         torch.set_num_threads(args.threads)
     pl.seed_everything(0, verbose=False)
@@ -772,6 +853,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "lightning": pl.__version__,
         "threads": torch.get_num_threads(),
+        "precision": args.precision,
         "device": _device_name(args.accelerator),
         "rounds": args.rounds,
         "steps": args.steps,

@@ -1,0 +1,110 @@
+"""On a CUDA device, through a real ``Trainer.fit``: a quiet step makes no host sync beyond what
+bare training makes (counted by CUDA's own sync-debug mode, not by our wrappers), and an alarm
+still names the step of its fault although the rules read the device's copy a step late.
+
+Skipped without CUDA; run on a lent GPU (issue 36).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from test_alarms import GRAD_RULES, SPIKE_WARNS, Fault, LongMLP, _alarms
+
+from lightning_hooks import (
+    ActivationStatsCallback,
+    DeadReLUCallback,
+    GradFlowCallback,
+    GradientAlarmWarning,
+    LayerTimeCallback,
+    SaturationCallback,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SYNC = "synchroniz"  # CUDA's sync-debug warning: "called a synchronizing CUDA operation"
+
+
+class CudaSyncs(pl.Callback):
+    """Counts CUDA's sync-debug warnings per step: ``per_step[s]`` from the start of step ``s``
+    to the start of step ``s + 1`` (the optimizer step and every callback hook between)."""
+
+    def __init__(self) -> None:
+        self.record: list[warnings.WarningMessage] = []
+        self.per_step: dict[int, int] = {}
+        self._step: int | None = None
+        self._seen = 0
+
+    def _syncs(self) -> int:
+        return sum(SYNC in str(w.message) for w in self.record)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        total = self._syncs()
+        if self._step is not None:
+            self.per_step[self._step] = total - self._seen
+        self._step, self._seen = trainer.global_step, total
+
+
+def _count(callbacks: list[pl.Callback], steps: int, tmp_path: Any) -> dict[int, int]:
+    probe = CudaSyncs()
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="cuda",
+        devices=1,
+        max_steps=steps,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        callbacks=[probe, *callbacks],
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        probe.record = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.fit(LongMLP(batches=steps))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return probe.per_step
+
+
+def test_a_quiet_step_makes_no_cuda_sync_beyond_bare_training(tmp_path: Any) -> None:
+    """Every callback at its defaults, Trainer defaults (``log_every_n_steps=50``): steps 1-48
+    hold no logging step and no sampled step, and make exactly bare training's syncs."""
+    every = [
+        GradFlowCallback(),
+        ActivationStatsCallback(),
+        DeadReLUCallback(),
+        SaturationCallback(),
+        LayerTimeCallback(),
+    ]
+    bare = _count([], 60, tmp_path / "bare")
+    ours = _count(every, 60, tmp_path / "ours")
+    quiet = range(1, 49)
+    assert [ours[s] for s in quiet] == [bare[s] for s in quiet]
+    # and the sync counter works: a logging step of ours reads its statistics back
+    assert sum(ours.values()) > sum(bare.values())
+
+
+def test_a_spike_on_cuda_is_named_at_its_own_step(tmp_path: Any) -> None:
+    """The rules read a non-blocking copy of the norms at most one step late: the warning still
+    names the step of the fault, and the layer."""
+    with pytest.warns(GradientAlarmWarning) as record:
+        pl.Trainer(
+            default_root_dir=tmp_path,
+            accelerator="cuda",
+            devices=1,
+            max_steps=40,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            callbacks=[
+                Fault("multiply", step=37),
+                GradFlowCallback(alarms=GRAD_RULES, on_alarm=SPIKE_WARNS),
+            ],
+        ).fit(LongMLP(batches=40))
+    alarms = _alarms(record)
+    assert min(step for step, _, _ in alarms) == 37
+    assert next((s, layer) for s, layer, m in alarms if "spike" in m) == (37, "net.2")
