@@ -60,7 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="cnn")
     parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--top", type=int, default=25, help="0: no profile")
     parser.add_argument("--only", nargs="*", default=[], help="configurations to time (all)")
     args = parser.parse_args()
     overhead.ACCELERATOR = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,6 +75,8 @@ def main() -> None:
         overhead.fit(args.model, [clock, *(c() for c in classes)], SAMPLED + 3)
         quiet = statistics.median(clock.ms(s) for s in range(40, SAMPLED))
         print(f"{name:28s} quiet {quiet:8.2f} ms  sampled {clock.ms(SAMPLED):8.2f} ms", flush=True)
+    if args.top <= 0:
+        return
     clock = StepClock(profile=True)
     overhead.fit(args.model, [clock, *(c() for c in found.values())], SAMPLED + 3)
     table = clock.prof.key_averages()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lightning_hooks.core.kernels.tensors import Workspace
+from lightning_hooks.core.kernels.tensors import Workspace, piece_size
 
 __all__ = [
     "CHUNK",
@@ -33,27 +33,28 @@ NUM_SUMS = 6
 
 
 CHUNK = 1 << 19
-"""Elements :func:`feature_stats` reads at a time: its passes after the first find the piece in
-cache (2 MiB in float32). A ``[64, 32, 32, 32]`` output just written costs 1.9 ms this way
-against 2.1 ms in whole-tensor passes (one thread; ``benchmarks/feature_stats.py --calls 100
---rounds 5``)."""
+"""Elements :func:`feature_stats` reads at a time on the CPU: its passes after the first find the
+piece in cache (2 MiB in float32). A ``[64, 32, 32, 32]`` output just written costs 1.9 ms this
+way against 2.1 ms in whole-tensor passes (one thread; ``benchmarks/feature_stats.py --calls 100
+--rounds 5``). Off the CPU, :data:`~.tensors.DEVICE_PIECE`."""
 
 
 @torch.no_grad()
 def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
     """``[8]`` float32 statistics of a non-empty tensor, in the order of :data:`FEATURE_STATS`.
 
-    Six reading passes, each a vectorized kernel, and no host sync: ``aminmax``, ``sum``, the
-    2-norm (sum of squares), ``abs`` written and summed, then overwritten in place by
-    ``|x| < inf`` and summed (finite entries: false for NaN and Inf), and ``x == 0`` written as
-    0.0 / 1.0 and summed (exact zeros); the counts are float32 sums of 0 and 1, exact up to 2**24
-    elements per output (the result is float32 anyway). A tensor larger than :data:`CHUNK` is
-    read a piece at a time, so that only the first pass over each piece reads memory. Measured
-    on CPU these are 5 to 30 times faster than ``count_nonzero``, ``isfinite().sum()``, the 0-
-    and 1-norms or a byte sum into int32 (which converts the bytes first: 2.0 ms against 0.4 ms
-    for the zeros of a 2M-element output). fp16 / bf16 inputs are summed in float32 without a
-    float32 copy. NaN propagates into every entry but ``zeros``, ``nonfinite`` and ``numel``.
-    With a :class:`Workspace` the temporaries reuse its memory.
+    Six reading passes, each a vectorized kernel, and no host sync: ``aminmax``, ``sum``, the 2-norm
+    (sum of squares), ``abs`` written and summed, then overwritten in place by ``|x| < inf`` and
+    summed (finite entries: false for NaN and Inf), and ``x == 0`` written as 0.0 / 1.0 and summed
+    (exact zeros); the counts are float32 sums of 0 and 1, exact up to 2**24 elements per piece (the
+    result is float32 anyway). On the CPU a tensor larger than :data:`CHUNK` is read a piece at a
+    time, so that only the first pass over each piece reads memory; on a GPU the pieces are
+    :data:`~.tensors.DEVICE_PIECE` large (launches are its cost). Measured on CPU these are 5 to 30
+    times faster than ``count_nonzero``, ``isfinite().sum()``, the 0- and 1-norms or a byte sum into
+    int32 (which converts the bytes first: 2.0 ms against 0.4 ms for the zeros of a 2M-element
+    output). fp16 / bf16 inputs are summed in float32 without a float32 copy. NaN propagates into
+    every entry but ``zeros``, ``nonfinite`` and ``numel``. With a :class:`Workspace` the
+    temporaries reuse its memory.
 
     Example:
         >>> feature_stats(torch.tensor([-1.0, 0.0, 2.0, 0.0])).tolist()
@@ -62,10 +63,11 @@ def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.
     flat = x.detach().reshape(-1)
     n = flat.numel()
     ws = workspace or Workspace()
-    scratch = ws.get(min(n, CHUNK), x.dtype, x.device)
-    if n <= CHUNK:
+    chunk = piece_size(x.device, CHUNK)
+    scratch = ws.get(min(n, chunk), x.dtype, x.device)
+    if n <= chunk:
         return _piece_stats(flat, scratch)
-    pieces = torch.stack([_piece_stats(flat[i : i + CHUNK], scratch) for i in range(0, n, CHUNK)])
+    pieces = torch.stack([_piece_stats(flat[i : i + chunk], scratch) for i in range(0, n, chunk)])
     extremes = [pieces[:, 6].min().view(1), pieces[:, 7].max().view(1)]
     return torch.cat([pieces[:, :NUM_SUMS].sum(dim=0), *extremes])
 

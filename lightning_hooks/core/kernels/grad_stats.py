@@ -15,7 +15,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from lightning_hooks.core.kernels.tensors import Workspace
+from lightning_hooks.core.kernels.tensors import Workspace, piece_size
 from lightning_hooks.core.transport.sharding import ShardPlan, to_local
 
 __all__ = [
@@ -197,7 +197,8 @@ def _segment_sum(
 
 
 CHUNK = 1 << 20
-"""Elements of ``|g|`` :func:`abs_sum_max` writes at a time (4 MiB in float32: stays in cache)."""
+"""Elements of ``|g|`` :func:`abs_sum_max` writes at a time on the CPU (4 MiB in float32: stays in
+cache); off the CPU, :data:`~.tensors.DEVICE_PIECE`."""
 
 _SMALL = 1 << 14  # tensors up to this size take one multi-tensor call: small heap allocations
 
@@ -239,10 +240,11 @@ def _abs_sum_max_pieces(t: torch.Tensor, ws: Workspace) -> tuple[torch.Tensor, t
         zero = t.new_zeros((), dtype=torch.float32)
         return zero, zero
     flat = t.reshape(-1)
-    buf = ws.get(min(flat.numel(), CHUNK), t.dtype, t.device)
+    chunk = piece_size(t.device, CHUNK)
+    buf = ws.get(min(flat.numel(), chunk), t.dtype, t.device)
     parts = []
-    for start in range(0, flat.numel(), CHUNK):
-        piece = torch.abs(flat[start : start + CHUNK], out=buf[: min(CHUNK, flat.numel() - start)])
+    for start in range(0, flat.numel(), chunk):
+        piece = torch.abs(flat[start : start + chunk], out=buf[: min(chunk, flat.numel() - start)])
         parts.append(torch.stack([piece.sum(dtype=torch.float32), piece.max().float()]))
     both = torch.stack(parts)
     return both[:, 0].sum(), both[:, 1].max()
