@@ -258,3 +258,48 @@ def test_the_readme_cost_figures_are_the_saved_benchmark_run() -> None:
     assert f"{min(defaults):.2f}x to {max(defaults):.2f}x a bare step at the defaults" in (
         first_screen
     )
+
+
+GPU_MODELS = {  # the README's column -> (saved run, model)
+    "launch": ("gpu_h200_small", "launch"),
+    "MLP": ("gpu_h200_small", "mlp"),
+    "CNN": ("gpu_h200_small", "cnn"),
+    "transformer": ("gpu_h200_small", "transformer"),
+    "ResNet-50": ("gpu_h200_large", "resnet50"),
+    "GPT-2": ("gpu_h200_large", "gpt2"),
+}
+
+
+def test_the_readme_gpu_figures_are_the_saved_gpu_runs() -> None:
+    """README "What it costs", the H200 table: benchmarks/results/gpu_h200_{small,large}.json,
+    CPU-time ratios of the mean step / the median (quiet) step, made by benchmarks/gpu_session.sh."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## What it costs") : text.index("## Where it runs")]
+    cells = _tables(section)[2]
+    assert cells[0] == ["configuration", *GPU_MODELS]
+    runs = {
+        name: json.loads((ROOT / f"benchmarks/results/{name}.json").read_text())
+        for name in ("gpu_h200_small", "gpu_h200_large")
+    }
+    assert all("H200" in run["env"]["device"] for run in runs.values())
+    assert runs["gpu_h200_large"]["env"]["precision"] == "bf16-mixed"
+    labels = {
+        "`GradFlowCallback()`": "GradFlowCallback",
+        "all five": "all, defaults",
+        "floor": "floor: one gradient read (_foreach_norm)",
+    }
+
+    def cell(name: str, model: str, config: str) -> str:
+        row = runs[name]["timing"][model][config]
+        return f"{row['cpu']['ratio_median']:.3f} / {row['cpu_median']['ratio_median']:.3f}x"
+
+    expected = {
+        label: [cell(name, model, config) for name, model in GPU_MODELS.values()]
+        for label, config in labels.items()
+    }
+    expected["bare step"] = [
+        f"{runs[name]['timing'][model]['bare']['cpu']['step_ms']:.1f} ms"
+        for name, model in GPU_MODELS.values()
+    ]
+    assert {row[0]: row[1:] for row in cells[2:]} == expected
+    assert "measured 2026-11-26" in " ".join(section.split())
