@@ -272,7 +272,7 @@ GPU_MODELS = {  # the README's column -> (saved run, model)
 
 def test_the_readme_gpu_figures_are_the_saved_gpu_runs() -> None:
     """README "What it costs", the H200 table: benchmarks/results/gpu_h200_{small,large}.json,
-    CPU-time ratios of the mean step / the median (quiet) step, made by benchmarks/gpu_session.sh."""
+    CPU-time ratios of the mean step / the median (quiet) step, by benchmarks/gpu_session.sh."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## What it costs") : text.index("## Where it runs")]
     cells = _tables(section)[2]
