@@ -110,3 +110,37 @@ def test_explicit_selection_of_nothing_fails_at_setup_past_the_guard(
     with pytest.raises(ValueError, match=message + r": selects no .* of the model"):
         trainer.fit(model)
     assert trainer.global_step == 0 and hooks_left(model) == []
+
+
+class LazyMLP(TinyMLP):
+    """TinyMLP whose first layer is an ``nn.LazyLinear``: its size is known at the first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0] = nn.LazyLinear(16)
+
+
+def test_lazy_parameters_are_refused_with_one_warning_and_the_run_goes_on(tmp_path: Path) -> None:
+    # Before: ParamLayout read the uninitialized parameter's numel in on_fit_start and the
+    # user's fit died with torch's ValueError ("Attempted to use an uninitialized parameter").
+    model = LazyMLP()
+    trainer = make_trainer(
+        tmp_path / "lazy", callbacks=[GradFlowCallback(), ActivationStatsCallback()]
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    ours = [str(w.message) for w in caught if issubclass(w.category, LightningHooksWarning)]
+    assert ours == [
+        "GradFlowCallback: the model's lazy parameters ['net.0.weight', 'net.0.bias'] are not "
+        "initialized before fit; this callback does nothing in this fit. Initialize them first: "
+        "one forward of a sample batch before trainer.fit (or in the LightningModule's setup)"
+    ]
+    assert trainer.global_step == 4 and hooks_left(model) == []
+    tags = read_scalars(tmp_path / "lazy")
+    assert not any(tag.startswith("grad_flow/") for tag in tags)
+    assert "activations/mean/net.0" in tags  # the others measure as usual
+    # As the warning says: initialized by one forward, the same model is measured.
+    trainer = make_trainer(tmp_path / "init", callbacks=[GradFlowCallback()])
+    trainer.fit(model)
+    assert "grad_flow/grad_norm/net.0" in read_scalars(tmp_path / "init")

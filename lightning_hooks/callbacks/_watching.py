@@ -12,6 +12,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
+from torch.nn.parameter import is_lazy
 
 from lightning_hooks.errors import LightningHooksWarning
 
@@ -59,3 +60,19 @@ class Watching:
             category=LightningHooksWarning,
         )
         self._idle = True
+
+    def _lazy_parameters(self, pl_module: pl.LightningModule) -> bool:
+        """Whether the model still holds uninitialized lazy parameters (``nn.LazyLinear`` before
+        its first forward), whose sizes no statistic of the parameters can be laid out by: one
+        warning naming them, and this fit does nothing (training goes on)."""
+        lazy = [n for n, p in pl_module.named_parameters() if is_lazy(p)]
+        if lazy:
+            rank_zero_warn(
+                f"{type(self).__name__}: the model's lazy parameters {lazy[:3]} are not "
+                "initialized before fit; this callback does nothing in this fit. Initialize "
+                "them first: one forward of a sample batch before trainer.fit (or in the "
+                "LightningModule's setup)",
+                category=LightningHooksWarning,
+            )
+            self._idle = True
+        return bool(lazy)

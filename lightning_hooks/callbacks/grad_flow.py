@@ -194,6 +194,8 @@ class GradFlowCallback(GradFlowLogging):
         modules = select_modules(
             pl_module, types=self.types, include=self.include, exclude=self.exclude
         )
+        if self._lazy_parameters(pl_module):
+            return
         # The model's own parameters count too, unless a selection narrows it (the tracker's rule).
         root = pl_module if self.types is None and not self.include else None
         if not ParamLayout.from_modules(modules, root=root).layers:
