@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -263,3 +264,47 @@ def test_arguments_are_checked_and_named() -> None:
             DeadReLUCallback(**{removed: 0.3})
     with pytest.raises(TypeError, match=r"DeadReLUCallback\(types=3\): must be an nn.Module"):
         DeadReLUCallback(types=3)  # type: ignore[arg-type]
+
+
+class TwoWidths(TinyMLP):
+    """One ReLU module called at two widths per forward, as torchvision's ``Bottleneck`` calls
+    its ``relu`` at 64, 64 and 256 channels: after a 16-wide layer and after an 8-wide one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU()
+        self.wide, self.narrow = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.head = nn.Linear(8, 1)
+        self.calls: dict[int, list[torch.Tensor]] = {16: [], 8: []}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.act(self.wide(x))
+        b = self.act(self.narrow(a))
+        if self.training and torch.is_grad_enabled():
+            self.calls[16].append(a.detach().clone())
+            self.calls[8].append(b.detach().clone())
+        return self.head(b)
+
+
+def test_a_module_called_at_two_widths_gets_a_row_per_width(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    # Before: the second width raised in the hook ("had 16 units, now 8") and the callback was
+    # disabled for the fit, so DeadReLUCallback() measured nothing on torchvision's ResNets.
+    model = TwoWidths()
+    model.lr = 0.0  # the weights stay: the dead units stay dead
+    _kill(model.wide.bias, DEAD)
+    _kill(model.narrow.bias, [2, 5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LightningHooksWarning)
+        trainer_factory(callbacks=[DeadReLUCallback(warn_at=1.0)]).fit(model)
+    scalars = read_scalars(tmp_path)
+    for layer, width in (("act", 16), ("act-8", 8)):
+        dead, units, zero = _reference(model.calls[width], dim=1)
+        assert units == width
+        assert _logged(scalars, "dead_count", layer, 4) == dead
+        assert _logged(scalars, "dead_fraction", layer, 4) == pytest.approx(dead / width)
+        assert _logged(scalars, "zero_fraction", layer, 4) == pytest.approx(zero, rel=1e-6)
+    assert _reference(model.calls[16], dim=1)[0] >= len(DEAD)
+    assert _reference(model.calls[8], dim=1)[0] >= 2
+    assert hooks_left(model) == []

@@ -70,6 +70,9 @@ def unit_dim(module: nn.Module, ndim: int) -> int:
     return 1
 
 
+_WIDTHS = 4
+"""Widths one module may be observed at (a row each) before its unit dimension is refused."""
+
 _EXACT = 2**24
 """float32 holds every integer up to this exactly."""
 
@@ -140,7 +143,8 @@ class DeadUnitTracker(SelectedStat[DeadUnits]):
     A forward hook on each watched module counts, per unit, the outputs that fired (see the
     module docstring) in training forwards only, and the fraction of outputs that did not fire.
     A unit is dead if it never fired on any training sample of the period (the definition of the
-    keras-contrib ``DeadReluDetector``). A module called twice in a forward is observed twice.
+    keras-contrib ``DeadReluDetector``). A module called twice in a forward is observed twice; one
+    called at several widths gets a row per width (``name``, then ``name-{units}``).
     A :class:`~lightning_hooks.core.stats.stat.LayerStat`: rows in execution order, one collective,
     and the counts carried through a checkpoint.
 
@@ -207,10 +211,27 @@ class DeadUnitTracker(SelectedStat[DeadUnits]):
         if y is None or y.numel() == 0:
             return
         counts = fired_counts(y, unit_dim(module, y.ndim), self.workspace)
-        row = self.row(name, counts.numel())
+        row = self._width_row(name, counts.numel())
         self.counts[self.unit_slice(row)].add_(counts)
         self.fired[row].add_(counts.sum(), alpha=1.0 / y.numel())
         self._calls[row] = self._calls.get(row, 0) + 1
+
+    def _width_row(self, name: str, units: int) -> int:
+        """The row of ``name`` at this width: a module called at several widths in a forward
+        (torchvision's ``Bottleneck`` calls one ``relu`` at 64, 64 and 256 channels) gets a row
+        per width, ``name`` for the first and ``name-{units}`` for each other, up to
+        :data:`_WIDTHS`; calls at one width pool, as a module called twice is observed twice.
+
+        Raises:
+            ValueError: more widths than :data:`_WIDTHS` (a unit dimension that varies).
+        """
+        index = self.rows.get(name)
+        if index is None or self.units[index] == units:
+            return self.row(name, units)
+        widths = [n for n in self.rows if n.startswith(f"{name}-")]
+        if f"{name}-{units}" not in self.rows and len(widths) + 1 >= _WIDTHS:
+            return self.row(name, units)  # raises, naming the widths
+        return self.row(f"{name}-{units}", units)
 
     def flush(self) -> None:
         """Move the host-side call counts into the ``calls`` state."""
