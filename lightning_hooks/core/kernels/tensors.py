@@ -24,7 +24,8 @@ few MiB, to stay in cache) would launch one set of kernels per piece, and a GPU'
 launches. Measured on an H200 in bf16 (``benchmarks/sampled_step_gpu.py``): with 2**19-element
 pieces, ``ActivationStatsCallback``'s sampled step on ResNet-50 at batch 64 launched about
 60,000 kernels and took 970 ms over a 30 ms step. 2**24 keeps a piece's float32 count of 0/1
-entries exact (a float32 sum is exact up to 2**24)."""
+entries exact (a float32 sum is exact up to 2**24); the reused scratch of a reading pass is then
+at most 64 MiB (float32) on the device."""
 
 
 def piece_size(device: torch.device, cpu: int) -> int:
