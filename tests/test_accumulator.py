@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_hooks.core import GradFlowTracker, LayerStatsAccumulator, ParamLayout, grad_stats
 from lightning_hooks.core.kernels.feature_stats import feature_stats
 from lightning_hooks.core.kernels.grad_stats import CHUNK, abs_sum_max, update_norms
-from lightning_hooks.core.kernels.tensors import DEVICE_PIECE
+from lightning_hooks.core.kernels.tensors import DEVICE_PIECE, LOGSUMEXP_PIECE, logsumexp_rows
 
 
 def test_accumulator_mean_peak_total_count_with_rows_columns_and_mask() -> None:
@@ -171,3 +172,32 @@ def test_off_the_cpu_a_large_tensor_is_read_in_one_piece_not_in_cache_sized_ones
     assert _ops(fn, large, "meta") == _ops(fn, small, "meta")
     assert _ops(fn, DEVICE_PIECE + 1, "meta") > _ops(fn, DEVICE_PIECE, "meta")  # two pieces
     assert _ops(fn, large, "cpu") > _ops(fn, small, "cpu")  # the CPU keeps its cache pieces
+
+
+class _Largest(TorchDispatchMode):
+    """The most elements of any float32 tensor an operation returned while it was active (the
+    copies and temporaries; the views of a bf16 input are not memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.most = max(self.most, t.numel())
+        return out
+
+
+def test_the_log_partition_of_large_logits_makes_no_float32_copy_of_them() -> None:
+    # The output layer's log Z on a sampled step: an LM head's bf16 logits (GPT-2 124M: 411M
+    # entries) were copied whole to float32, with logsumexp's temporaries as large, every time.
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 40, 5000, generator=g) * 8).to(torch.bfloat16)  # 1.2M > a piece
+    with _Largest() as largest:
+        logz = logsumexp_rows(logits)
+    assert torch.equal(logz, torch.logsumexp(logits.float(), dim=-1))
+    assert logz.shape == (6, 40) and logz.dtype == torch.float32
+    assert largest.most <= LOGSUMEXP_PIECE < logits.numel()
+    assert logsumexp_rows(torch.tensor([1.0, 2.0])).shape == ()  # a 1-d output: one row

@@ -1,5 +1,6 @@
 """Small tensor helpers shared by the hooks: what counts as a training forward, which outputs,
-reused scratch memory."""
+reused scratch memory, how large a piece a reading pass takes, a row-wise ``logsumexp`` in
+pieces."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ __all__ = [
     "is_grad_forward",
     "is_training_forward",
     "iter_float_tensors",
+    "logsumexp_rows",
     "piece_size",
 ]
 
@@ -127,3 +129,30 @@ def iter_float_tensors(output: Any, prefix: str = "") -> Iterator[tuple[str, tor
     elif isinstance(output, Mapping):
         for key, item in output.items():
             yield from iter_float_tensors(item, f"{prefix}.{key}")
+
+
+LOGSUMEXP_PIECE = 1 << 19
+"""Elements :func:`logsumexp_rows` converts to float32 at a time on the CPU (2 MiB)."""
+
+
+@torch.no_grad()
+def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(x.float(), dim=-1)``, row for row the same values, without a float32
+    copy of the whole of ``x``: whole rows are converted and reduced a piece of at most
+    :func:`piece_size` elements at a time (at least one row). An LM head's logits in bf16 (GPT-2
+    124M at 8 x 1024 tokens: 411M entries) would otherwise take a 1.6 GB float32 copy and
+    ``logsumexp``'s temporaries of the same size on every sampled step.
+
+    Example:
+        >>> x = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
+        >>> torch.equal(logsumexp_rows(x), torch.logsumexp(x, dim=-1))
+        True
+    """
+    width = x.shape[-1]
+    rows = x.reshape(-1, width)
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    step = max(1, piece_size(x.device, LOGSUMEXP_PIECE) // max(width, 1))
+    for start in range(0, rows.shape[0], step):
+        part = rows[start : start + step].float()
+        torch.logsumexp(part, dim=-1, out=out[start : start + step])
+    return out.view(x.shape[:-1])

@@ -21,7 +21,7 @@ from torch.nn import functional
 
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import select_modules
-from lightning_hooks.core.kernels.tensors import is_training_forward
+from lightning_hooks.core.kernels.tensors import is_training_forward, logsumexp_rows
 from lightning_hooks.core.stats.attention import (
     AttentionCapture,
     attention_head_entropy,
@@ -317,7 +317,7 @@ class StabilityStats(LayerStat[Result]):
             return
         if output.dim() == 0 or output.numel() == 0:
             return
-        logz = torch.logsumexp(output.detach().float(), dim=-1)
+        logz = logsumexp_rows(output.detach())
         measured = (logz.sum(), logz.numel(), logz.max())
         if self._output is None:  # the last candidate of a forward is the output layer
             self._last = name
