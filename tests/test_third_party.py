@@ -355,3 +355,33 @@ def test_lightning_demo_models_at_the_defaults(tmp_path: Path) -> None:
         scalars = read_scalars(tmp_path / str(i))
         assert "grad_flow/global/grad_norm" in scalars
         assert any(t.startswith("activations/mean/") for t in scalars)
+
+
+def test_torchvisions_bottleneck_relu_at_two_widths_is_measured_at_the_defaults(
+    tmp_path: Path,
+) -> None:
+    """torchvision's ``Bottleneck`` calls one in-place ``relu`` at 64, 64 and 256 channels. Before,
+    ``DeadReLUCallback()`` refused the second width in its hook and was disabled for the fit."""
+    _timm()  # torchvision, importable beside this torch (timm_shim)
+    from torchvision.models.resnet import Bottleneck, ResNet
+
+    torch.manual_seed(0)
+    net = ResNet(Bottleneck, [1, 1, 1, 1], num_classes=10)  # a ResNet-50's blocks, one per stage
+    model = Recorded(net, _classify)
+    model.train_dataloader = lambda: DataLoader(_images(), batch_size=4)  # type: ignore[method-assign]
+    model.watch("net.layer1.0.relu")
+    trainer = _trainer(pl.Trainer, tmp_path, pl.loggers.TensorBoardLogger)
+    ours = _fit_quietly(trainer, model)
+    model.unwatch()
+    assert all(_FINDINGS.search(m) for m in ours), ours
+    assert "DeadReLUCallback" not in _idle(ours)
+    last = {tag: values[-1][1] for tag, values in read_scalars(tmp_path).items()}
+    calls = model.outputs["net.layer1.0.relu"]
+    assert [o.shape[1] for o in calls] == [64, 64, 256] * 3
+    for row, width in (("net.layer1.0.relu", 64), ("net.layer1.0.relu-256", 256)):
+        outs = [o for o in calls if o.shape[1] == width]
+        zero = float(sum((o <= 0).double().mean() for o in outs) / len(outs))
+        assert math.isclose(last[f"dead_relu/zero_fraction/{row}"], zero, rel_tol=1e-6), row
+        fired = torch.cat([o.movedim(1, -1).reshape(-1, width) for o in outs]) > 0
+        dead = int((fired.sum(dim=0) == 0).sum())
+        assert last[f"dead_relu/dead_count/{row}"] == dead, row
