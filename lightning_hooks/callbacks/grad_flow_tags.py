@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from functools import lru_cache
 
 import numpy as np
 import pytorch_lightning as pl
@@ -70,12 +71,14 @@ _EPOCH_ONLY = frozenset({"grad_norm_max", "update_ratio_max", "output_grad_norm_
 
 def grad_flow_step_scalars(stats: LayerStats, max_layers: int | None = None) -> dict[str, float]:
     """The scalars of one logging step's window, by their epoch tag (no ``*_max`` duplicates)."""
-    return {
-        tag: value
-        for tag, value in grad_flow_scalars(stats, max_layers)
-        if _PERCENTILE_SUFFIX.sub("", tag.split("/")[-1 if "/global/" in tag else 1])
-        not in _EPOCH_ONLY
-    }
+    return {tag: value for tag, value in grad_flow_scalars(stats, max_layers) if _per_step(tag)}
+
+
+@lru_cache(maxsize=1 << 16)
+def _per_step(tag: str) -> bool:
+    """Whether an epoch tag has a per-step value (not a ``*_max`` duplicate of one)."""
+    stat = tag.split("/")[-1 if "/global/" in tag else 1]
+    return _PERCENTILE_SUFFIX.sub("", stat) not in _EPOCH_ONLY
 
 
 def logged_rows(stats: LayerStats, max_layers: int | None) -> list[int]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 __all__ = [
@@ -68,6 +69,10 @@ STEP = "_step"
 """The suffix of a statistic's name in the tags of one logging step."""
 
 
+_TAGS = 1 << 16  # tags whose derived names are kept (each logging step writes the same ones)
+
+
+@lru_cache(maxsize=_TAGS)
 def step_tag(tag: str) -> str:
     """The tag of ``tag``'s value at one logging step: ``_step`` after the statistic's name.
 
@@ -90,6 +95,7 @@ def step_tags(values: Mapping[str, float]) -> dict[str, float]:
     return {step_tag(tag): value for tag, value in values.items()}
 
 
+@lru_cache(maxsize=_TAGS)
 def chart_key(tag: str) -> tuple[str, str] | None:
     """The ``(family, stat)`` chart a tag belongs to, or ``None`` for a tag outside the scheme.
 

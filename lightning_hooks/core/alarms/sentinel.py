@@ -38,6 +38,7 @@ from lightning_hooks.core.alarms.rules import (
     WeightNorms,
 )
 from lightning_hooks.core.alarms.scale import as_array
+from lightning_hooks.core.alarms.segments import HostSegments
 from lightning_hooks.core.alarms.stall import StallRule
 from lightning_hooks.core.transport.readback import HostMailbox
 
@@ -68,12 +69,8 @@ class GradientAlarms:
       the running scales;
     - *loss_spike* (off by default): the loss against its own running scale; *stall* and
       *attention* on logging steps (:meth:`update_stall`, :meth:`update_attention`);
-    - *diverging*: :meth:`update_loss`'s loss, its running mean (EMA over ``diverge_span``
-      steps) against its best so far and the first step's loss: ``mean - best >=
-      (diverge_ratio - 1) * |best| + diverge_noise * max(dev - (first - best) / 4, 0)`` and
-      ``mean - best >= diverge_giveback * (first - best)``, with ``dev`` the loss's mean
-      absolute deviation from its running mean before this step (an EMA over ``2 *
-      diverge_span`` steps), or a non-finite loss (the rules' docs: :class:`AlarmRules`).
+    - *diverging*: :meth:`update_loss`'s running mean loss has given back much of what it had
+      learnt, or the loss is not finite (the formula: :class:`AlarmRules`).
 
     :meth:`poll` reads the verdicts on the host: at once on the CPU; on CUDA when the copy is
     done, at the latest at the next :meth:`update` (one step late) or with ``wait=True``.
@@ -131,6 +128,7 @@ class GradientAlarms:
         weights: WeightNorms | None = None,
         stepped: torch.Tensor | None = None,
         clip: float | None = None,
+        segments: HostSegments | None = None,
     ) -> None:
         """Post one optimizer step's norms to the host (one copy, no host sync); the rules run on
         the host when it is read (at once on the CPU).
@@ -148,9 +146,9 @@ class GradientAlarms:
                 pass); ``None``: the non-finite alarm goes by gradients only.
             stepped: ``[len(rows)]`` bool, false for a layer none of whose parameters got a
                 gradient this step (a branch not taken): left out of the rules (default: all).
-            clip: the largest global L2 norm the optimizer will apply (gradients clipped by norm
-                between this call and the step; a bound under clipping by value); ``None``: not
-                clipped. *explosion* judges the gradient as clipped.
+            clip: the largest global L2 norm the optimizer will apply (a bound under clipping
+                by value; ``None``: not clipped): *explosion* judges the gradient as clipped.
+            segments: ``norm`` is ``[parameters]`` L2 norms, folded into ``rows`` on the host.
         """
         self._drain(wait=True)  # the previous step's verdict: at most one step late
         self.evaluated += 1
@@ -158,10 +156,14 @@ class GradientAlarms:
         host_rows = self._gradients.host_rows(rows)
         # one copy: the norms, with the stepped rows beside them only when some were not
         value = norm if stepped is None else torch.stack([norm, stepped.float()])
-        meta = (step, tuple(dict.fromkeys(order)), host_rows, weights, clip, amp)
+        meta = (step, tuple(dict.fromkeys(order)), host_rows, weights, clip, amp, segments)
         self._mailbox.post(value, meta)
         if not self._cuda:  # the copy was the read: diagnose now, while the weights are these
             self._drain(wait=False)
+
+    def reserve(self, parameters: int) -> None:
+        """Make the host copy of ``parameters`` norms ready for :meth:`update`'s ``segments``."""
+        self._mailbox.reserve((parameters,))
 
     def set_adaptive(self, value: bool) -> None:
         """The optimizer keeps a second moment (Adam, RMSprop, ...): *diverging* holds its first
@@ -243,8 +245,9 @@ class GradientAlarms:
         got = self._mailbox.read(wait)
         if got is None:
             return
-        value, (step, order, rows, weights, clip, amp) = got
-        report = self._gradients.read(value, rows, amp, clip)
+        value, (step, order, rows, weights, clip, amp, segments) = got
+        folded = value if segments is None else segments.fold(value)  # per parameter: a row each
+        report = self._gradients.read(folded, rows, amp, clip)
         self._ring.write(step, report[_NORM : _BAND + 1])
         if report[:_GRAD_RULES].any():
             at = (step, order, rows, weights, clip)

@@ -210,11 +210,13 @@ def _guarded_method(method: Callable[..., Any], name: str) -> Callable[..., Any]
     def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
         guard: Guard = self._hook_guard()
         if guard.failed is None:
-            with guarding(guard):
-                try:
-                    return method(self, *args, **kwargs)
-                except Exception as error:
-                    guard.fail(f"{name} hook", error)
+            token = _ACTIVE.set(guard)  # ``guarding(guard)``, without a generator per call
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as error:
+                guard.fail(f"{name} hook", error)
+            finally:
+                _ACTIVE.reset(token)
         if guard.take_pending():
             self._guard_disable()
         return None

@@ -132,10 +132,24 @@ class ParamLayout:
             >>> layout.unique([True, True]).tolist()
             [0]
         """
+        positions = self.unique_positions(keep)
+        return torch.tensor(positions, dtype=torch.long, device=self.index.device)
+
+    def unique_positions(self, keep: Sequence[bool]) -> list[int]:
+        """:meth:`unique` on the host."""
         first = self.first or (True,) * len(self.params)
         picked = [f for f, k in zip(first, keep, strict=True) if k]
-        positions = [i for i, f in enumerate(picked) if f]
-        return torch.tensor(positions, dtype=torch.long, device=self.index.device)
+        return [i for i, f in enumerate(picked) if f]
+
+    @staticmethod
+    def plain_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor] | None:
+        """Each parameter's gradient when every one is a plain dense tensor (none missing, none
+        sparse, none a ``DTensor``), else ``None``: one Python frame, whatever the number of
+        tensors (the quiet step's read)."""
+        plain = [p.grad for p in params]
+        if [g for g in plain if g is None or g.is_sparse or type(g) is not torch.Tensor]:
+            return None
+        return cast("list[torch.Tensor]", plain)
 
     @staticmethod
     def grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
@@ -150,9 +164,9 @@ class ParamLayout:
             >>> [g.shape for g in ParamLayout.grads([emb.weight, nn.Parameter(torch.ones(2))])]
             [torch.Size([2, 3]), torch.Size([1])]
         """
-        plain = [p.grad for p in params]  # one Python frame, whatever the number of tensors
-        if not [g for g in plain if g is None or g.is_sparse or type(g) is not torch.Tensor]:
-            return cast("list[torch.Tensor]", plain)  # every one a plain dense tensor
+        plain = ParamLayout.plain_grads(params)
+        if plain is not None:
+            return plain
         out = []
         for p in params:
             g = p.grad

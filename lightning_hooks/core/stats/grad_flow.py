@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import partial
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from lightning_hooks.core.stats.optimizer_view import (
     check_optimizers,
 )
 from lightning_hooks.core.stats.output_grad import OutputGradients
+from lightning_hooks.core.stats.sentinel_read import SentinelRead
 from lightning_hooks.core.stats.update_ratio import UpdateRatio
 from lightning_hooks.core.stats.view_stats import ViewStats
 from lightning_hooks.core.transport.sharding import ShardPlan
@@ -100,7 +100,8 @@ class GradFlowTracker(HookOwner):
     flag is guarded: each of its two values compiles once. The alarms (the sentinel) run on
     every ``AlarmRules.every_n_steps``-th step (every step by default), sampled or not: one
     multi-tensor L2 pass over the gradients (before clipping: clipping would hide a spike),
-    segment-summed per layer on the device, which a sampled step reuses for its statistics.
+    whose per-parameter norms a quiet step copies to the host and folds into layers there
+    (:class:`~.sentinel_read.SentinelRead`); a sampled step reuses its statistics' norms.
 
     Args:
         model: the model to track.
@@ -173,10 +174,11 @@ class GradFlowTracker(HookOwner):
         self._output_grad = output_grad
         self._update_ratio = update_ratio
         self._post_clip = post_clip
-        self._clip = clip
         self._step = 0  # the step of the last observe, which the step post-hook follows
         self._calls = 0
         self.alarms = GradientAlarms(rows, alarms, device) if alarms is not None else None
+        sharded = self.shards is not None
+        self._read = SentinelRead(self.alarms, self._stats, self._outputs.order, clip, sharded)
         if output_grad:
             self._outputs.hook(self.registry, modules, self.layout.layers, model)
         for optimizer in optimizers:
@@ -220,9 +222,7 @@ class GradFlowTracker(HookOwner):
         self._calls += 1
         self._step = step
         sampled = self.registry.sampled
-        alarms = self.alarms
-        if alarms is not None and step % alarms.rules.every_n_steps != 0:
-            alarms = None
+        alarms = self._read.due(step)
         if not (sampled or alarms):
             return
         view = self._views.view(optimizer)
@@ -230,6 +230,9 @@ class GradFlowTracker(HookOwner):
             return
         if alarms is not None and alarms.evaluated < alarms.rules.diverge_early:  # from step 1
             alarms.set_adaptive(adaptive(optimizer, view.params))
+        amp = grad_scale is not None
+        if alarms and param_grad_scale is None and self._read.quiet(view, sampled, amp, step):
+            return
         grads = ParamLayout.grads(view.params)
         valid = view.valid()
         if sampled and not self._post_clip:
@@ -244,16 +247,7 @@ class GradFlowTracker(HookOwner):
                 norms = norms.clone()
             self._record_step(optimizer, view, stats, valid, grad_scale)
         if alarms is not None:  # last: what the optimizer step's post-hook reduces is set
-            alarms.update(
-                norms,
-                view.row_ids,
-                step=step,
-                amp=grad_scale is not None,
-                order=self._outputs.order,
-                weights=partial(self._stats.weight_norms, view),
-                stepped=None if valid is None else valid[:, 0],
-                clip=view.clip_norm(self._clip),
-            )
+            self._read.post(view, norms, None if valid is None else valid[:, 0], amp, step)
         self._outputs.order.clear()
 
     def _record_step(

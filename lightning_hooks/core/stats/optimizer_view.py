@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hooks.core.alarms.segments import HostSegments
 from lightning_hooks.core.kernels.grad_stats import ParamLayout
 from lightning_hooks.core.transport.sharding import to_local
 
@@ -31,6 +32,7 @@ class OptimizerView:
     weight_norm: torch.Tensor | None = None
     distinct: bool = False  # no parameter listed twice: ``unique`` is every position, in order
     row_ids: tuple[int, ...] = ()  # ``rows`` on the host
+    segments: HostSegments | None = None  # ``index`` and ``unique`` on the host (the sentinel's)
     masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
 
     def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
@@ -165,7 +167,8 @@ class OptimizerViews:
         before = [torch.empty_like(to_local(p)) for p in params] if self.update_ratio else []
         dense = {layer: i for i, layer in enumerate(layers)}
         owner = tuple(dense[o] for o, k in zip(layout.owner, keep, strict=True) if k)
-        unique = layout.unique(keep)
+        positions = layout.unique_positions(keep)
+        unique = torch.tensor(positions, dtype=torch.long, device=index.device)
         sizes = torch.tensor([float(p.numel()) for p in params], device=rows.device)
         numel = sizes.new_zeros(len(layers) - 1).index_add_(0, index, sizes)
         numel = torch.cat([numel, sizes.index_select(0, unique).sum().view(1)])
@@ -175,6 +178,7 @@ class OptimizerViews:
         view = OptimizerView(params, index, rows, before, owner, key, unique, numel, ids)
         view.distinct = distinct
         view.row_ids = tuple(layers)
+        view.segments = HostSegments.of(owner, len(layers) - 1, positions)
         return view
 
     def first_param(self, optimizer: torch.optim.Optimizer) -> nn.Parameter | None:

@@ -47,6 +47,8 @@ def _output_hook(
     row's own tensor, not a view of ``sq``, that a compiled region's gradient hook sums into)."""
     # Views made once: each step then costs one op per forward and two per gradient.
     sq_row, hit_row = sq.select(0, row), hit.select(0, row)
+    eager: Any = partial(_add_output_grad_in_order, sq_row, order, row)
+    eager = wrap(eager, "output gradient hook") if wrap is not None else eager  # made once
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         if not is_grad_forward(module):
@@ -58,12 +60,10 @@ def _output_hook(
         # in backward, would have bumped it. Each row has its own tensor, summed in at record.
         # Dynamo lifts the cell's tensor as a graph input, read again at each call: a region
         # called twice a step gets a fresh one for its second call (see OutputGradients).
+        add = eager
         if torch.compiler.is_compiling():
             add = partial(_add_output_grad, compiled_sq[0])
-        else:
-            add = partial(_add_output_grad_in_order, sq_row, order, row)
-        if wrap is not None:
-            add = wrap(add, "output gradient hook")
+            add = wrap(add, "output gradient hook") if wrap is not None else add
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(add)  # type: ignore[no-untyped-call]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,8 @@ class HostMailbox:
     probe (:class:`~lightning_hooks.core.FirstNonFinite`).
 
     A tensor of fewer elements than ``shape`` may be posted: it lands at the buffer's start, and
-    :meth:`read` gives it back in its own shape (its views are made once per shape).
+    :meth:`read` gives it back in its own shape (its views are made once per shape). A larger
+    one replaces the buffer with one its size (once per size; an unread value stays readable).
 
     Args:
         shape: the shape of the tensors posted (the largest).
@@ -41,34 +43,51 @@ class HostMailbox:
     def __init__(
         self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32
     ) -> None:
-        cuda = device.type == "cuda"
-        self._view: np.ndarray
-        if cuda:
-            self._host = torch.zeros(shape, dtype=dtype, pin_memory=True)
-            self._view = self._host.numpy()
-        else:  # host memory both ways: numpy's buffer, seen by torch
-            self._view = np.zeros(shape, dtype=np.dtype(str(dtype).removeprefix("torch.")))
-            self._host = torch.from_numpy(self._view)
-        self._event = torch.cuda.Event() if cuda else None  # type: ignore[no-untyped-call]
+        self._cuda = device.type == "cuda"
+        self._dtype = dtype
+        self._event = torch.cuda.Event() if self._cuda else None  # type: ignore[no-untyped-call]
         self._meta: Any = None
-        self._slot: tuple[torch.Tensor, np.ndarray] = (self._host, self._view)
-        self._slots = {tuple(self._host.shape): self._slot}
+        self._allocate(shape)
         self.pending = False
         """Whether a posted value has not been read yet."""
+
+    def _allocate(self, shape: tuple[int, ...]) -> None:
+        """The host buffer of ``shape`` (pinned on CUDA) and its numpy view, made once."""
+        self._view: np.ndarray
+        if self._cuda:
+            self._host = torch.zeros(shape, dtype=self._dtype, pin_memory=True)
+            self._view = self._host.numpy()
+        else:  # host memory both ways: numpy's buffer, seen by torch
+            dtype = np.dtype(str(self._dtype).removeprefix("torch."))
+            self._view = np.zeros(shape, dtype=dtype)
+            self._host = torch.from_numpy(self._view)
+        self._slot: tuple[torch.Tensor, np.ndarray] = (self._host, self._view)
+        self._slots = {tuple(self._host.shape): self._slot}
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the tensors it takes."""
         return tuple(self._host.shape)
 
+    def reserve(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
+        """The host buffer's views for values of ``shape``, made on first use (a larger one
+        than any before gets a new buffer its size; an unread value is kept). Reserve a shape
+        ahead of the steps that post it and they make no view."""
+        slot = self._slots.get(shape)
+        if slot is None:
+            count = math.prod(shape)
+            if count > self._host.numel():  # larger than any before: a new buffer, once
+                unread = self._slot  # a pending value stays in the old buffer until read
+                self._allocate((count,))
+                self._slot = unread
+            host = self._host.view(-1)[:count].view(shape)
+            view = self._view.reshape(-1)[:count].reshape(shape)
+            slot = self._slots[shape] = (host, view)
+        return slot
+
     def post(self, value: torch.Tensor, meta: Any = None) -> None:
         """Start copying ``value`` to the host; ``meta`` comes back with it from :meth:`read`."""
-        slot = self._slots.get(tuple(value.shape))
-        if slot is None:
-            count = value.numel()
-            host = self._host.view(-1)[:count].view(value.shape)
-            view = self._view.reshape(-1)[:count].reshape(value.shape)
-            slot = self._slots[tuple(value.shape)] = (host, view)
+        slot = self._slots.get(tuple(value.shape)) or self.reserve(tuple(value.shape))
         self._slot = slot
         # Only CUDA gets an event to tell when a non_blocking copy is done: elsewhere, block.
         slot[0].copy_(value, non_blocking=self._event is not None)

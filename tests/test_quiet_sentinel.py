@@ -1,0 +1,128 @@
+"""The quiet step's sentinel: per-parameter norms copied to the host and folded into layers there
+(issue 36), against plain torch; the host mailbox that carries them."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from lightning_hooks import AlarmRules, GradFlowCallback
+from lightning_hooks.core.alarms.segments import HostSegments
+from lightning_hooks.core.kernels.grad_stats import ParamLayout, param_norms, segment_norm
+from lightning_hooks.core.transport.readback import HostMailbox
+from lightning_hooks.errors import GradientAlarmWarning
+
+FAULT = 37  # a quiet step: the Trainer logs (and the statistics sample) every 50
+
+
+class TiedAutoencoder(pl.LightningModule):
+    """``enc`` and ``dec`` share one weight (each layer's row has it, the global norm once), and
+    ``mid`` in between; 60 batches of 16."""
+
+    LAYERS = ("enc", "mid", "dec")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.mid, self.dec = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.dec.weight = self.enc.weight
+        g = torch.Generator().manual_seed(0)
+        self.data = torch.randn(60 * 16, 8, generator=g)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(torch.tanh(self.mid(torch.tanh(self.enc(x)))))  # type: ignore[no-any-return]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return nn.functional.mse_loss(self(x), x)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        dataset = torch.utils.data.TensorDataset(self.data)
+        return torch.utils.data.DataLoader(dataset, batch_size=16)
+
+
+class Probe(pl.Callback):
+    """Per step, in plain torch before the sentinel reads them: each layer's gradient norm over
+    the parameters it owns, and the global norm over every distinct parameter once; at
+    ``FAULT`` it multiplies ``mid``'s gradient by 1e6 first."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[float]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        if trainer.global_step == FAULT:
+            for p in pl_module.mid.parameters():
+                p.grad.mul_(1e6)
+        layers = [pl_module.get_submodule(n) for n in TiedAutoencoder.LAYERS]
+        row = [_norm([p.grad for p in m.parameters(recurse=False)]) for m in layers]
+        self.rows.append([*row, _norm([p.grad for p in pl_module.parameters()])])
+
+
+def _norm(grads: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+
+
+def test_a_quiet_step_names_the_spike_with_the_norms_plain_torch_gives_tied_weights_included(
+    tmp_path: Path,
+) -> None:
+    probe = Probe()
+    callback = GradFlowCallback(alarms=AlarmRules(diverge_ratio=None), on_alarm={"spike": "warn"})
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=1,
+        limit_train_batches=FAULT + 3,
+        enable_progress_bar=False,
+        callbacks=[probe, callback],
+    )
+    with pytest.warns(GradientAlarmWarning) as record:
+        trainer.fit(TiedAutoencoder())
+    alarms = [w.message.alarm for w in record if isinstance(w.message, GradientAlarmWarning)]
+    spike = next(a for a in alarms if a.rule == "spike")
+    assert (spike.step, spike.layer) == (FAULT, "mid")
+    assert "global" in spike.others and "enc" not in spike.others
+    # the ring buffer holds the rows the host folded on the 16 quiet steps up to the fault
+    assert spike.history_steps == tuple(range(FAULT - 15, FAULT + 1))
+    expected = np.array(probe.rows)[FAULT - 15 : FAULT + 1]
+    np.testing.assert_allclose(np.array(spike.history), expected, rtol=1e-5)
+    # the global norm counts the tied weight once: not the layers' norms summed in squares
+    before = expected[:-1]  # at the fault mid's gradient is all of it
+    layers_squared = np.sqrt(np.square(before[:, :3]).sum(axis=1))
+    assert (np.abs(before[:, 3] - layers_squared) > 0.1 * before[:, 3]).all()
+
+
+def test_the_host_fold_equals_the_device_segments() -> None:
+    torch.manual_seed(0)
+    model = TiedAutoencoder()
+    layout = ParamLayout.from_modules([(n, model.get_submodule(n)) for n in model.LAYERS])
+    keep = [True] * len(layout.params)
+    unique = layout.unique_positions(keep)
+    assert len(unique) < len(layout.params)  # the tied weight is listed twice
+    norms = param_norms([torch.randn_like(p) for p in layout.params])
+    seg = HostSegments.of(layout.owner, len(layout.layers), unique)
+    device = segment_norm(norms, layout.index, len(layout.layers), torch.tensor(unique))
+    np.testing.assert_allclose(seg.fold(norms.numpy()), device.numpy(), rtol=1e-6)
+    norms[2] = math.nan  # mid's weight: its row and the global row, no other
+    folded = seg.fold(norms.numpy())
+    assert np.isnan(folded).tolist() == [False, True, False, True]
+
+
+def test_the_mailbox_grows_for_a_larger_value_and_keeps_the_unread_one() -> None:
+    box = HostMailbox((2,), torch.device("cpu"))
+    box.post(torch.tensor([1.0, 2.0]), meta="small")
+    box.reserve((5,))  # larger than the buffer, with a value unread
+    value, meta = box.read(wait=True)
+    assert (value.tolist(), meta) == ([1.0, 2.0], "small")
+    box.post(torch.arange(5.0), meta="large")
+    value, meta = box.read(wait=True)
+    assert (value.tolist(), meta) == ([0.0, 1.0, 2.0, 3.0, 4.0], "large")
+    box.post(torch.tensor([7.0, 8.0]))  # a smaller one still lands in the larger buffer
+    assert box.read(wait=True)[0].tolist() == [7.0, 8.0]
