@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_hooks import AlarmRules, GradFlowCallback
+from lightning_hooks.core.alarms.gradients import GradientRules
 from lightning_hooks.core.alarms.segments import HostSegments
 from lightning_hooks.core.kernels.grad_stats import ParamLayout, param_norms, segment_norm
 from lightning_hooks.core.transport.readback import HostMailbox
@@ -126,3 +127,26 @@ def test_the_mailbox_grows_for_a_larger_value_and_keeps_the_unread_one() -> None
     assert (value.tolist(), meta) == ([0.0, 1.0, 2.0, 3.0, 4.0], "large")
     box.post(torch.tensor([7.0, 8.0]))  # a smaller one still lands in the larger buffer
     assert box.read(wait=True)[0].tolist() == [7.0, 8.0]
+
+
+def test_the_rules_quiet_report_and_state_equal_the_full_evaluation() -> None:
+    """Two rule sets on the same norms: one evaluated in full on every step (a stepped-rows
+    array of its own), one that may take the quiet report: the same reports, the same state.
+    The steps include spikes, an explosion, a vanishing layer and a NaN."""
+    rules = AlarmRules(max_grad_norm=1e4)
+    full, quick = GradientRules(5, rules), GradientRules(5, rules)
+    rng = np.random.default_rng(0)
+    norms = np.exp(rng.normal(0.0, 0.3, size=(200, 5))).astype(np.float32)
+    norms[60, 1] *= 1e3  # a spike
+    norms[90] *= 1e4  # an explosion, and above max_grad_norm
+    norms[120:150, 3] = 1e-6  # a vanishing layer
+    norms[170, 2] = np.nan
+    quiet = 0
+    for step, norm in enumerate(norms):
+        expected = full.evaluate(norm, np.ones(5, dtype=bool), False, None)
+        got = quick.evaluate(norm, quick._true, False, None)
+        quiet += got is quick._quiet
+        np.testing.assert_array_equal(got, expected, err_msg=f"step {step}")
+        np.testing.assert_array_equal(quick.scale.state, full.scale.state)
+        np.testing.assert_array_equal(quick.low, full.low)
+    assert 100 < quiet < 190  # both paths were taken
