@@ -108,12 +108,16 @@ def test_the_host_fold_equals_the_device_segments() -> None:
     unique = layout.unique_positions(keep)
     assert len(unique) < len(layout.params)  # the tied weight is listed twice
     norms = param_norms([torch.randn_like(p) for p in layout.params])
-    seg = HostSegments.of(layout.owner, len(layout.layers), unique)
+    seg = HostSegments(layout.owner, len(layout.layers), unique)
     device = segment_norm(norms, layout.index, len(layout.layers), torch.tensor(unique))
     np.testing.assert_allclose(seg.fold(norms.numpy()), device.numpy(), rtol=1e-6)
     norms[2] = math.nan  # mid's weight: its row and the global row, no other
     folded = seg.fold(norms.numpy())
     assert np.isnan(folded).tolist() == [False, True, False, True]
+    # parameters not grouped by layer: the other way of summing, the same rows
+    mixed = HostSegments([0, 1, 0], 2, [0, 1, 2])
+    values = np.array([3.0, 5.0, 4.0], dtype=np.float32)
+    np.testing.assert_allclose(mixed.fold(values), [5.0, 5.0, math.sqrt(50.0)], rtol=1e-7)
 
 
 def test_the_mailbox_grows_for_a_larger_value_and_keeps_the_unread_one() -> None:

@@ -178,7 +178,7 @@ class OptimizerViews:
         view = OptimizerView(params, index, rows, before, owner, key, unique, numel, ids)
         view.distinct = distinct
         view.row_ids = tuple(layers)
-        view.segments = HostSegments.of(owner, len(layers) - 1, positions)
+        view.segments = HostSegments(owner, len(layers) - 1, positions)
         return view
 
     def first_param(self, optimizer: torch.optim.Optimizer) -> nn.Parameter | None:
