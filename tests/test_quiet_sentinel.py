@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_hooks import AlarmRules, GradFlowCallback
 from lightning_hooks.core.alarms.gradients import GradientRules
+from lightning_hooks.core.alarms.scale import RunningScale
 from lightning_hooks.core.alarms.segments import HostSegments
 from lightning_hooks.core.kernels.grad_stats import ParamLayout, param_norms, segment_norm
 from lightning_hooks.core.transport.readback import HostMailbox
@@ -154,3 +155,21 @@ def test_the_rules_quiet_report_and_state_equal_the_full_evaluation() -> None:
         np.testing.assert_array_equal(quick.scale.state, full.scale.state)
         np.testing.assert_array_equal(quick.low, full.low)
     assert 100 < quiet < 190  # both paths were taken
+
+
+def test_the_ceilings_of_every_factor_made_at_once_equal_each_made_alone() -> None:
+    """``RunningScale.thresholds`` against the documented formula, one factor at a time:
+    ``mean + max(spike_sigmas * std, log(factor))`` where armed, ``inf`` elsewhere."""
+    scale = RunningScale(40, AlarmRules())
+    rng = np.random.default_rng(1)
+    scale.state[0] = rng.normal(0.0, 3.0, 40)
+    scale.state[1] = np.abs(rng.normal(0.0, 1.0, 40))
+    scale.state[2] = rng.integers(0, 6, 40)  # armed from min_history=3 finite steps
+    for factors in [(10.0, 300.0), (math.inf,), (math.inf, 300.0)]:
+        ceilings, armed = scale.thresholds(*factors)
+        assert armed.tolist() == (scale.state[2] >= 3).tolist()
+        spread = np.sqrt(scale.var) * scale.sigmas
+        for factor, ceiling in zip(factors, ceilings, strict=True):
+            alone = np.maximum(spread, np.float32(math.log(factor))) + scale.mean
+            assert ceiling.dtype == np.float32
+            np.testing.assert_array_equal(ceiling, np.where(armed, alone, np.inf))

@@ -146,7 +146,7 @@ class GradientRules:
         report[_SCALE], report[_BAND] = scale_band
         report[_FLOOR] = floor if fraction is not None else np.nan
         self.low[:-1] = 0  # no layer is tiny: every run of tiny steps ends
-        self.scale.update(log_norm, self._true, ceilings[0])
+        self.scale.update_all(log_norm)  # every row kept, none above its spike ceiling
         return report
 
     def _explosion(

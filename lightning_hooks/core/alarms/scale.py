@@ -43,6 +43,7 @@ class RunningScale:
         self.alpha = np.float32(2.0 / (rules.window + 1))
         self.armed_at = float(rules.min_history)
         self.sigmas = np.float32(rules.spike_sigmas)
+        self._logs: dict[tuple[float, ...], np.ndarray] = {}  # ``[[log f], ...]`` per factors
 
     def threshold(self, factor: float) -> tuple[np.ndarray, np.ndarray]:
         """``log`` of the spike threshold per row (``inf`` until armed), and whether armed."""
@@ -50,16 +51,16 @@ class RunningScale:
         return ceiling, armed
 
     def thresholds(self, *factors: float) -> tuple[list[np.ndarray], np.ndarray]:
-        """:meth:`threshold` for each of ``factors``, the spread read once, and whether armed."""
+        """:meth:`threshold` for each of ``factors``, the spread read once, and whether armed
+        (every factor's row in one array: a handful of numpy calls, whatever their number)."""
+        logs = self._logs.get(factors)
+        if logs is None:
+            logs = self._logs[factors] = np.array([[math.log(f)] for f in factors], np.float32)
         armed = self.count >= self.armed_at
-        spread = np.sqrt(self.var) * self.sigmas
-        ceilings = [
-            np.where(armed, np.maximum(spread, np.float32(math.log(f))) + self.mean, np.inf).astype(
-                np.float32, copy=False
-            )
-            for f in factors
-        ]
-        return ceilings, armed
+        ceilings = np.maximum(np.sqrt(self.var) * self.sigmas, logs)  # [factors, rows]
+        ceilings += self.mean
+        ceilings[:, ~armed] = np.inf
+        return list(ceilings), armed
 
     def update(self, log_x: np.ndarray, keep: np.ndarray, ceiling: np.ndarray) -> None:
         """Fold ``log_x`` into the rows where ``keep``. Above ``ceiling`` (a spike) only the
@@ -73,3 +74,13 @@ class RunningScale:
         self.mean += weight * delta
         self.var += spread * np.square(delta)
         self.var *= np.float32(1.0) - spread
+
+    def update_all(self, log_x: np.ndarray) -> None:
+        """:meth:`update` where every row is kept and none is above its ceiling (a step on
+        which no rule fired): the same arithmetic, the same state, six numpy calls fewer."""
+        self.count += np.float32(1.0)
+        weight = np.maximum(np.reciprocal(np.maximum(self.count, np.float32(1.0))), self.alpha)
+        delta = log_x - self.mean
+        self.mean += weight * delta
+        self.var += weight * np.square(delta)
+        self.var *= np.float32(1.0) - weight
