@@ -267,13 +267,17 @@ class RandomLabels(Adam):
 
 
 @pytest.mark.parametrize(
-    "model",
-    [LongMLP(batches=300), RandomLabels(batches=300)],
+    "family",
+    [LongMLP, RandomLabels],
     ids=["sgd-momentum-batch-8", "adam-1e-2-random-labels-batch-2"],
 )
 def test_healthy_runs_of_300_steps_raise_no_alarm_at_defaults(
-    tmp_path: Path, model: pl.LightningModule
+    tmp_path: Path, family: type[LongMLP]
 ) -> None:
+    # Built here, under the suite's seed 0: a model built at collection time took its weights
+    # from whatever the collected modules had drawn, and in CI (issue 36's run) an init whose
+    # sgd run logs 3 one-step spikes (seeds 3, 9 and 16 of 0-19 log 1-2; none warns).
+    model = family(batches=300)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer = default_fit(tmp_path, model, GradFlowCallback(alarms=GRAD_RULES))
