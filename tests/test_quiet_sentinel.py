@@ -134,11 +134,21 @@ def test_the_mailbox_grows_for_a_larger_value_and_keeps_the_unread_one() -> None
     assert box.read(wait=True)[0].tolist() == [7.0, 8.0]
 
 
-def test_the_rules_quiet_report_and_state_equal_the_full_evaluation() -> None:
+@pytest.mark.parametrize(
+    "rules",
+    [
+        AlarmRules(max_grad_norm=1e4),
+        AlarmRules(explode_factor=None),
+        AlarmRules(spike_factor=None, vanish_fraction=None),
+        AlarmRules(spike_factor=None, explode_factor=None),
+    ],
+    ids=["defaults-and-absolute", "no-explosion", "explosion-only", "no-ceiling"],
+)
+def test_the_rules_quiet_report_and_state_equal_the_full_evaluation(rules: AlarmRules) -> None:
     """Two rule sets on the same norms: one evaluated in full on every step (a stepped-rows
     array of its own), one that may take the quiet report: the same reports, the same state.
-    The steps include spikes, an explosion, a vanishing layer and a NaN."""
-    rules = AlarmRules(max_grad_norm=1e4)
+    The steps include spikes, an explosion, a vanishing layer, a NaN and an Inf; the rules
+    with and without each ceiling (the quiet report's is the lowest of them)."""
     full, quick = GradientRules(5, rules), GradientRules(5, rules)
     rng = np.random.default_rng(0)
     norms = np.exp(rng.normal(0.0, 0.3, size=(200, 5))).astype(np.float32)
@@ -146,11 +156,12 @@ def test_the_rules_quiet_report_and_state_equal_the_full_evaluation() -> None:
     norms[90] *= 1e4  # an explosion, and above max_grad_norm
     norms[120:150, 3] = 1e-6  # a vanishing layer
     norms[170, 2] = np.nan
+    norms[180, 4] = np.inf
     quiet = 0
     for step, norm in enumerate(norms):
         expected = full.evaluate(norm, np.ones(5, dtype=bool), False, None)
         got = quick.evaluate(norm, quick._true, False, None)
-        quiet += got is quick._quiet
+        quiet += got is quick.quiet
         np.testing.assert_array_equal(got, expected, err_msg=f"step {step}")
         np.testing.assert_array_equal(quick.scale.state, full.scale.state)
         np.testing.assert_array_equal(quick.low, full.low)
@@ -166,10 +177,30 @@ def test_the_ceilings_of_every_factor_made_at_once_equal_each_made_alone() -> No
     scale.state[1] = np.abs(rng.normal(0.0, 1.0, 40))
     scale.state[2] = rng.integers(0, 6, 40)  # armed from min_history=3 finite steps
     for factors in [(10.0, 300.0), (math.inf,), (math.inf, 300.0)]:
-        ceilings, armed = scale.thresholds(*factors)
+        ceilings, armed, bands = scale.thresholds(*factors)
         assert armed.tolist() == (scale.state[2] >= 3).tolist()
         spread = np.sqrt(scale.var) * scale.sigmas
-        for factor, ceiling in zip(factors, ceilings, strict=True):
-            alone = np.maximum(spread, np.float32(math.log(factor))) + scale.mean
-            assert ceiling.dtype == np.float32
-            np.testing.assert_array_equal(ceiling, np.where(armed, alone, np.inf))
+        for factor, ceiling, band in zip(factors, ceilings, bands, strict=True):
+            alone = np.maximum(spread, np.float32(math.log(factor)))
+            assert ceiling.dtype == band.dtype == np.float32
+            np.testing.assert_array_equal(band, np.where(armed, alone, np.inf))
+            np.testing.assert_array_equal(ceiling, np.where(armed, alone + scale.mean, np.inf))
+    armed = scale.state[2] >= 3
+    scale.state[2] = 100.0  # every row armed, the EMA's weight at its floor
+    assert scale.steady()
+    for factors in [(10.0, 300.0), (math.inf, 300.0), (10.0,)]:
+        logs = [np.float32(math.log(f)) for f in factors]
+        low = None if min(logs) == logs[0] else min(logs)
+        band = np.zeros(40, dtype=np.float32)
+        top = scale.quiet_ceiling(low, band, logs[0]).copy()
+        ceilings, _, bands = scale.thresholds(*factors)
+        np.testing.assert_array_equal(top, np.minimum.reduce(ceilings))
+        np.testing.assert_array_equal(band, bands[0])
+    steady, full = RunningScale(40, AlarmRules()), RunningScale(40, AlarmRules())
+    steady.state[...] = full.state[...] = scale.state
+    log_x = rng.normal(0.0, 1.0, 40).astype(np.float32)
+    steady.update_steady(log_x)
+    full.update(log_x, np.ones(40, dtype=bool), np.full(40, np.inf, dtype=np.float32))
+    np.testing.assert_array_equal(steady.state, full.state)
+    scale.load(torch.from_numpy(np.where(armed, 100.0, 0.0).astype(np.float32)).expand(3, 40))
+    assert not scale.steady()  # a loaded state is looked at again

@@ -13,8 +13,6 @@ from lightning_hooks.core.alarms.scale import RunningScale
 
 __all__ = ["GradientRules", "lower_median"]
 
-_LOG_MAX = np.float32(np.log(np.finfo(np.float32).max))  # the log of the largest float32 norm
-
 
 def lower_median(values: np.ndarray) -> np.float32:
     """The lower of the two middle values for an even count (``torch.median``'s choice)."""
@@ -48,7 +46,11 @@ class GradientRules:
         self._factors = [rules.spike_factor or math.inf]
         if rules.explode_factor is not None:
             self._factors.append(rules.explode_factor)
-        self._quiet = np.zeros((_FLOOR + 1, rows), dtype=np.float32)  # no flag ever set in it
+        self.quiet = np.zeros((_FLOOR + 1, rows), dtype=np.float32)  # no flag ever set in it
+        """The report of a step on which no rule fired (:meth:`_quiet_report`), reused."""
+        logs = [np.float32(math.log(f)) for f in self._factors]
+        self._log_first = logs[0]  # the band the report gives: the spike rule's
+        self._low_log = None if min(logs) == logs[0] else min(logs)
 
     def host_rows(self, rows: Sequence[int] | torch.Tensor | None) -> np.ndarray | None:
         """``rows`` as a host array, converted when they are not the last step's object (a
@@ -90,16 +92,15 @@ class GradientRules:
         self, norm: np.ndarray, active: np.ndarray, amp: bool, clip: float | None
     ) -> np.ndarray:
         """``[flags of each rule..., norm, scale, band, floor]`` x rows; the state updated."""
-        rules, no = self.rules, self._false
         log_norm = np.log(norm)
-        ceilings, armed = self.scale.thresholds(*self._factors)
-        ceiling = ceilings[0]
-        scale = np.where(armed, np.exp(self.scale.mean), np.float32(np.nan))
-        band = ceiling - self.scale.mean
-        if active is self._true:
-            quiet = self._quiet_report(norm, log_norm, ceilings, (scale, band))
+        if active is self._true and self.scale.steady():
+            quiet = self._quiet_report(norm, log_norm)
             if quiet is not None:
                 return quiet
+        rules, no = self.rules, self._false
+        ceilings, armed, bands = self.scale.thresholds(*self._factors)
+        ceiling = ceilings[0]
+        scale = np.where(armed, np.exp(self.scale.mean), np.float32(np.nan))
         finite = np.abs(log_norm) < math.inf  # a positive, finite norm
         bad = active & ~(np.abs(norm) < math.inf)
         overflow = amp and bool(bad.any())
@@ -115,22 +116,20 @@ class GradientRules:
         amp_flag = ~self._is_layer & overflow
         self.scale.update(log_norm, keep, ceiling)
         flags = [spike, explosion, absolute, vanishing, nonfinite, amp_flag]
-        return np.stack([*flags, norm, scale, band, floor]).astype(np.float32, copy=False)
+        return np.stack([*flags, norm, scale, bands[0], floor]).astype(np.float32, copy=False)
 
-    def _quiet_report(
-        self,
-        norm: np.ndarray,
-        log_norm: np.ndarray,
-        ceilings: list[np.ndarray],
-        scale_band: tuple[np.ndarray, np.ndarray],
-    ) -> np.ndarray | None:
+    def _quiet_report(self, norm: np.ndarray, log_norm: np.ndarray) -> np.ndarray | None:
         """The report of a step on which no rule can fire, its state updated as
-        :meth:`evaluate` would (most steps: a dozen numpy calls fewer), else ``None``. Every
-        row is stepped; none fires when each norm is finite and at most every ceiling (*spike*,
-        *explosion*: clipping only lowers a norm; *absolute*), and each layer's is above the
-        *vanishing* floor (so positive: every row is learnt)."""
-        top = ceilings[0] if len(ceilings) == 1 else np.minimum(ceilings[0], ceilings[1])
-        if not (log_norm <= np.minimum(top, _LOG_MAX)).all():  # NaN and Inf too
+        :meth:`evaluate` would (most steps: half of its numpy calls), else ``None``. Every row
+        is stepped and armed, with the EMA's weight at its floor (:meth:`RunningScale.steady`);
+        none fires when each norm is finite and at most every ceiling (*spike*, *explosion*:
+        clipping only lowers a norm; *absolute*), and each layer's is above the *vanishing*
+        floor (so positive: every row is learnt)."""
+        report, scale = self.quiet, self.scale
+        # the lowest ceiling, mean + max(spread, log of the lowest factor): exactly the least
+        # of the factors' ceilings (adding the mean rounds monotonically)
+        top = scale.quiet_ceiling(self._low_log, report[_BAND], self._log_first)
+        if not (log_norm <= top).all():  # NaN and Inf too
             return None
         cap = self.rules.max_grad_norm
         if cap is not None and not norm[-1] <= cap:
@@ -141,12 +140,11 @@ class GradientRules:
         floor = lower_median(layers) * np.float32(fraction) if fraction is not None else 0
         if not (layers > floor).all():
             return None
-        report = self._quiet
         report[_NORM] = norm
-        report[_SCALE], report[_BAND] = scale_band
+        np.exp(scale.mean, out=report[_SCALE])
         report[_FLOOR] = floor if fraction is not None else np.nan
         self.low[:-1] = 0  # no layer is tiny: every run of tiny steps ends
-        self.scale.update_all(log_norm)  # every row kept, none above its spike ceiling
+        scale.update_steady(log_norm)  # every row kept, none above its spike ceiling
         return report
 
     def _explosion(

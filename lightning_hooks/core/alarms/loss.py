@@ -147,7 +147,7 @@ class LossRules:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; an older state's *diverging* starts again."""
-        self.scale.state[...] = as_array(state["loss_scale"])
+        self.scale.load(state["loss_scale"])
         if "diverging" in state:
             self.state[...] = as_array(state["diverging"])
             self.seen = int(state["loss_seen"])

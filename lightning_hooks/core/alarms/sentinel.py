@@ -249,7 +249,7 @@ class GradientAlarms:
         folded = value if segments is None else segments.fold(value)  # per parameter: a row each
         report = self._gradients.read(folded, rows, amp, clip)
         self._ring.write(step, report[_NORM : _BAND + 1])
-        if report[:_GRAD_RULES].any():
+        if report is not self._gradients.quiet and report[:_GRAD_RULES].any():
             at = (step, order, rows, weights, clip)
             for alarm in _diagnose(report, at, self.layers, self.rules, self._ring):
                 self._record(alarm)
@@ -289,7 +289,7 @@ class GradientAlarms:
             )
         if "scale" not in state:
             raise ValueError("GradientAlarms.load_state_dict: a state of an older version")
-        self._gradients.scale.state[...] = as_array(state["scale"])
+        self._gradients.scale.load(state["scale"])
         self._loss.load_state_dict(state)
         self._stall.load_state_dict(state)
         self._gradients.low[...] = as_array(state["low"])
