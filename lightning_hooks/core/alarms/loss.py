@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -26,12 +26,40 @@ from lightning_hooks.core.alarms.rules import (
     _LEARNT_NOISE,
     AlarmRules,
 )
-from lightning_hooks.core.alarms.scale import RunningScale, as_array, lerp
+from lightning_hooks.core.alarms.scale import RunningScale, as_array, f32, lerp32
 from lightning_hooks.core.transport.readback import HostMailbox
 
 __all__ = ["LossRules"]
 
 _F = np.float32
+
+
+class _Constants(NamedTuple):
+    """*diverging*'s constants, each rounded to ``float32`` once."""
+
+    mean: float  # the running mean's weight
+    bar: float  # diverge_ratio - 1
+    early: float  # diverge_overshoot - 1
+    learnt: float  # the share of what was learnt that the noise bar gives up
+    noise: float
+    giveback: float
+
+    @classmethod
+    def of(cls, rules: AlarmRules) -> _Constants:
+        ratio = rules.diverge_ratio if rules.diverge_ratio is not None else math.nan
+        return cls(
+            *map(
+                f32,
+                (
+                    2.0 / (rules.diverge_span + 1),
+                    ratio - 1.0,
+                    rules.diverge_overshoot - 1.0,
+                    1.0 / _LEARNT_NOISE,
+                    rules.diverge_noise,
+                    rules.diverge_giveback,
+                ),
+            )
+        )
 
 
 class LossRules:
@@ -58,6 +86,7 @@ class LossRules:
         """The optimizer keeps a second moment: its first ``diverge_early`` losses are held to
         the ``diverge_overshoot`` bar (:meth:`GradientAlarms.set_adaptive`)."""
         self._box = HostMailbox((1,), device)
+        self._k = _Constants.of(rules)
 
     def update(self, loss: torch.Tensor, step: int) -> None:
         """Post ``loss`` (a copy, no sync); :meth:`read` evaluates it."""
@@ -79,17 +108,18 @@ class LossRules:
 
     def evaluate(self, x: np.float32) -> np.ndarray:
         """Apply the rules to the loss ``x``: the report, the state updated."""
-        with np.errstate(all="ignore"):
-            if self.rules.loss_factor is not None:
+        if self.rules.loss_factor is not None:
+            with np.errstate(all="ignore"):
                 self._spike(x)
-            if self.rules.diverge_ratio is None:
-                pass
-            elif self.seen == 0:
+        if self.rules.diverge_ratio is None:
+            pass
+        elif self.seen == 0:
+            with np.errstate(all="ignore"):
                 self._diverge_start(x)
-            else:
-                self._diverge_step(x)
-            self.report[_L_VALUE] = x
-        self.seen += bool(np.isfinite(x))
+        else:
+            self._diverge_step(float(x))
+        self.report[_L_VALUE] = x
+        self.seen += math.isfinite(x)
         return self.report
 
     def _diverge_start(self, x: np.float32) -> None:
@@ -99,33 +129,35 @@ class LossRules:
         self.report[_L_DEV] = 0.0
         self.report[_L_DIVERGING] = _F(-1.0) + x * _F(0.0)  # quiet, or NaN if not finite
 
-    def _diverge_step(self, x: np.float32) -> None:
+    def _diverge_step(self, x: float) -> None:
         """*diverging*'s state updated in place and its margin (``>= 0`` or NaN: it fires):
-        ``min(rise - noise_bar - (ratio - 1) |best|, rise - giveback * learnt)``."""
-        rules, r = self.rules, self.report
-        assert rules.diverge_ratio is not None
-        mean, dev, best, first = (_F(v) for v in self.state)
+        ``min(rise - noise_bar - (ratio - 1) |best|, rise - giveback * learnt)``.
+
+        In ``float32`` arithmetic, done as Python floats each rounded to ``float32`` (exactly
+        the same values: a double holds a ``float32`` operation's exact result, or rounds it
+        innocuously): a scalar numpy operation costs ten times as much."""
+        rules, r, k = self.rules, self.report, self._k
+        mean, dev, best, first = self.state.tolist()
         # a non-finite loss moves nothing (its deviation counts as 0) and fires through margin
-        delta = x - mean
-        delta = delta if np.isfinite(delta) else _F(0.0)
-        mean = mean + _F(2.0 / (rules.diverge_span + 1)) * delta
-        best = np.minimum(best, mean)
-        rise, learnt = mean - best, first - best  # learnt >= 0: best never rises above first
+        delta = f32(x - mean)
+        delta = delta if math.isfinite(delta) else 0.0
+        mean = f32(mean + f32(k.mean * delta))
+        best = min(best, mean)  # both finite
+        rise, learnt = f32(mean - best), f32(first - best)  # learnt >= 0: best never rises
         # the first losses are held to the overshoot bar
         early = self.adaptive and self.seen < rules.diverge_early
-        bar = rules.diverge_overshoot if early else rules.diverge_ratio
-        ratio = rise - _F(bar - 1.0) * abs(best)
+        ratio = f32(rise - f32((k.early if early else k.bar) * abs(best)))
         if self.seen >= rules.min_history:
             # the noise bar is armed once it has ``min_history`` losses, as the spike rules
             # are: the deviation of the first one or two is a blow-up's own first steps
-            noise = np.maximum(dev - _F(1.0 / _LEARNT_NOISE) * learnt, _F(0.0))
-            ratio = ratio - _F(rules.diverge_noise) * noise
-        giveback = rise - _F(rules.diverge_giveback) * learnt
-        r[_L_DIVERGING] = np.minimum(ratio, giveback) + x * _F(0.0)
+            noise = max(f32(dev - f32(k.learnt * learnt)), 0.0)
+            ratio = f32(ratio - f32(k.noise * noise))
+        giveback = f32(rise - f32(k.giveback * learnt))
+        r[_L_DIVERGING] = min(ratio, giveback) + x * 0.0  # NaN when the loss is not finite
         # the deviation after the check: a blow-up's own step does not raise its bar
         weight = max(2.0 / (2 * rules.diverge_span + 1), 1.0 / self.seen)
         r[_L_MEAN], r[_L_BEST] = mean, best
-        r[_L_DEV] = lerp(dev, abs(delta), weight)
+        r[_L_DEV] = lerp32(dev, abs(delta), weight)
 
     def _spike(self, x: np.float32) -> None:
         """*loss_spike*'s flag and running scale into the report (the scale updated)."""

@@ -7,6 +7,7 @@ read values already copied to the host, so a quiet step launches no kernel for t
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 
 from lightning_hooks.core.alarms.rules import AlarmRules
 
-__all__ = ["RunningScale", "as_array", "lerp"]
+__all__ = ["RunningScale", "as_array", "f32", "lerp", "lerp32"]
 
 _F = np.float32
 _LOG_MAX = _F(np.log(np.finfo(np.float32).max))  # the log of the largest float32 norm
@@ -25,6 +26,31 @@ def lerp(start: np.float32, end: np.float32, weight: float) -> np.float32:
     w = _F(weight)
     out: np.float32 = start + w * (end - start) if w < 0.5 else end - (end - start) * (_F(1) - w)
     return out
+
+
+_PACK = struct.Struct("f")
+
+
+def f32(value: float) -> float:
+    """``value`` rounded to the nearest ``float32`` (overflow to a signed ``inf``), as a Python
+    float: Python-float arithmetic rounded so after each operation is ``float32`` arithmetic.
+
+    Example:
+        >>> f32(0.1) == float(np.float32(0.1)), f32(1e39), f32(-1e39)
+        (True, inf, -inf)
+    """
+    try:
+        rounded: float = _PACK.unpack(_PACK.pack(value))[0]
+    except OverflowError:  # a Python whose pack refuses what a cast rounds to inf
+        return math.copysign(math.inf, value)
+    return rounded
+
+
+def lerp32(start: float, end: float, weight: float) -> float:
+    """:func:`lerp` on Python floats, rounded to ``float32`` after each operation."""
+    w = f32(weight)
+    d = f32(end - start)
+    return f32(start + f32(w * d)) if w < 0.5 else f32(end - f32(d * f32(1.0 - w)))
 
 
 def as_array(value: Any) -> np.ndarray:
