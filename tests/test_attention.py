@@ -773,6 +773,44 @@ def test_a_softmax_counts_as_attention_only_in_a_module_named_as_attention() -> 
     torch.testing.assert_close(seen[0][1], y)
 
 
+def test_torch_nn_plain_layers_are_not_hooked_and_count_as_their_callers() -> None:
+    """``torch.nn``'s own layers without submodules or hooks call no attention: the capture
+    hooks none of them (issue 36: most of a model's modules), whatever hooks our statistics put
+    there. A ``Softmax`` module's softmax then counts as its caller's, here an attention
+    module's; a plain layer carrying a hook of the user's stays hooked, so an attention call
+    made in that hook is still not taken; with a global forward hook every module is."""
+
+    class EagerAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.softmax = nn.Linear(6, 6), nn.Softmax(dim=-1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.softmax(self.proj(x))
+
+    model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), EagerAttention(), nn.Linear(6, 6))
+    model[3].register_forward_hook(lambda *_: functional.scaled_dot_product_attention(*[x] * 3))
+    x = torch.randn(2, 3, 4, 6)
+    seen: list[tuple[str, torch.Tensor]] = []
+    with HookRegistry(model) as stats, HookRegistry(model) as registry:
+        stats.forward_hook(model[0], lambda *_: None)  # another statistic's: not foreign
+        AttentionCapture(lambda name, logits: seen.append((name, logits))).attach(registry)
+        hooked = {registry._name(g.module) for g in registry._gated_hooks}
+        model(x)
+    assert hooked == {"Sequential", "2", "3"}  # the root, the attention, the layer with a hook
+    assert [name for name, _ in seen] == ["2"]
+    torch.testing.assert_close(seen[0][1], model[2].proj(model[1](model[0](x))))
+    # a global forward hook runs in every layer: then every module is hooked
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *_: None)
+    try:
+        with HookRegistry(model) as registry:
+            AttentionCapture(lambda *_: None).attach(registry)
+            everything = {registry._name(g.module) for g in registry._gated_hooks}
+    finally:
+        handle.remove()
+    assert len(everything) == len(list(model.modules()))
+
+
 def test_logits_are_float32_under_autocast() -> None:
     q, k = (
         torch.randn(2, 2, 5, 8, dtype=torch.bfloat16),

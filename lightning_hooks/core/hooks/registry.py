@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
@@ -69,6 +70,32 @@ def is_compiled(model: nn.Module) -> bool:
         or getattr(module, "_compiler_ctx", None) is not None
         for module in model.modules()
     )
+
+
+_OURS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+"""The module hooks every registry put on a module (:func:`plain_layers` tells them apart)."""
+
+
+def _ours(hook: F) -> F:
+    _OURS.add(hook)
+    return hook
+
+
+def plain_layers() -> Callable[[nn.Module], bool]:
+    """Whether a module is a layer of ``torch.nn`` itself with no submodule and no forward
+    (pre-)hook but a registry's (``Linear``, ``LayerNorm``, ``ReLU``, ``Softmax``...): its
+    forward calls no attention. None is while a global forward hook is registered."""
+    nn_module = sys.modules["torch.nn.modules.module"]
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return lambda module: False
+
+    def plain(module: nn.Module) -> bool:
+        if module._modules or not type(module).__module__.startswith("torch.nn.modules."):
+            return False
+        hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+        return all(hook in _OURS for hook in hooks)
+
+    return plain
 
 
 class _Gated(NamedTuple):
@@ -184,7 +211,7 @@ class HookRegistry(HookOwner):
         ``always_call``), already wrapped as it should be (guarded, checking the flag). Returns
         the handle while it is installed, else ``None``.
         """
-        gated = _Gated(module, hook, pre, options)
+        gated = _Gated(module, _ours(hook), pre, options)
         self._gated_hooks.append(gated)
         if not (self._sampled or self.fixed):
             return None
@@ -277,7 +304,7 @@ class HookRegistry(HookOwner):
         where = f"forward hook on {self._name(module)!r}"
         if gated:
             return self.gated_hook(module, self._gated(hook, where), pre=False)
-        return self.add(module.register_forward_hook(self.guarded(hook, where)))
+        return self.add(module.register_forward_hook(_ours(self.guarded(hook, where))))
 
     def _gated(self, hook: ForwardHook, where: str) -> ForwardHook:
         # A gated hook runs outside the attention capture's mode (core/hooks/modes.py).
@@ -323,7 +350,7 @@ class HookRegistry(HookOwner):
                 return outside_shelved(inner, *args) if self._sampled else None
 
             return self.gated_hook(module, hook, pre=True, with_kwargs=with_kwargs)
-        return self.add(module.register_forward_pre_hook(hook, with_kwargs=with_kwargs))
+        return self.add(module.register_forward_pre_hook(_ours(hook), with_kwargs=with_kwargs))
 
     def tensor_hook(
         self, tensor: torch.Tensor, hook: Callable[[torch.Tensor], torch.Tensor | None]

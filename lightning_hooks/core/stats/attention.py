@@ -3,12 +3,12 @@ eager softmax attention, seen through a ``TorchFunctionMode`` active only in sam
 
 Pure kernels (:func:`sdpa_logits`, :func:`attention_stats`) turn a call's own ``q``, ``k``,
 mask, causal flag and scale into the logits its softmax sees, then into the largest logit and
-the smallest per-head mean entropy. :class:`AttentionCapture` finds the calls: module pre/post
-hooks keep the stack of running modules of a sampled training forward, and while the stack is
-not empty a ``TorchFunctionMode`` sees every ``torch.nn.functional.scaled_dot_product_attention``
-call, and every softmax over the last dimension of a 4-D tensor made by a module named as
-attention (Hugging Face's eager ``eager_attention_forward``), attributed to the innermost
-running module. The model is not patched; a quiet step runs no mode and no tensor op.
+the smallest per-head mean entropy. :class:`AttentionCapture` finds the calls: module hooks
+keep the stack of running modules of a sampled training forward, and while it is not empty a
+``TorchFunctionMode`` sees every ``scaled_dot_product_attention`` call and every softmax over
+the last dimension of a 4-D tensor made by a module named as attention (Hugging Face's
+``eager_attention_forward``), attributed to the innermost running module. The model is not
+patched; a quiet step runs no mode and no tensor op.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional
 
 from lightning_hooks.core.hooks.modes import ShelvedMode
-from lightning_hooks.core.hooks.registry import HookRegistry
+from lightning_hooks.core.hooks.registry import HookRegistry, plain_layers
 from lightning_hooks.core.kernels.tensors import is_training_forward
 
 __all__ = [
@@ -262,19 +262,19 @@ class _AttentionMode(ShelvedMode):
 class AttentionCapture:
     """Sees the attention calls of the sampled training forwards of a model's modules.
 
-    :meth:`attach` hooks every module so that the stack of running modules is known; the
+    :meth:`attach` hooks the modules so that the stack of running modules is known; the
     outermost module of a sampled training forward enters a ``TorchFunctionMode`` and leaves it
     when it returns (or raises); calls made in other hooks are not taken for the module's.
     Each ``scaled_dot_product_attention`` call, and each softmax over the last dimension of a
-    4-D tensor, gives its logits (:func:`sdpa_logits`, or the
-    softmax's input) to ``record(name, logits)`` under ``torch.no_grad``, ``name`` being the
-    qualified name of the innermost running module; a softmax counts only in a module whose
-    class is named as attention (:func:`looks_like_attention`). Calls made by modules in ``skip``
-    (measured another way: ``nn.MultiheadAttention``) are not handed over.
+    4-D tensor, gives its logits (:func:`sdpa_logits`, or the softmax's input) to
+    ``record(name, logits)`` under ``torch.no_grad``, ``name`` being the qualified name of the
+    innermost running module; a softmax counts only in a module whose class is named as
+    attention (:func:`looks_like_attention`). Calls made by modules in ``skip`` (measured
+    another way: ``nn.MultiheadAttention``) are not handed over.
 
-    Not seen: forwards compiled by ``torch.compile`` (no mode is entered while compiling),
-    fused kernels called directly (``torch.ops.aten._scaled_dot_product_*``, flash-attn), and
-    calls made outside any module's forward.
+    Not seen: forwards compiled by ``torch.compile`` (no mode is entered while compiling), fused
+    kernels called directly (``torch.ops.aten._scaled_dot_product_*``, flash-attn), calls made
+    outside any module's forward.
 
     Example:
         >>> class Attend(nn.Module):
@@ -303,7 +303,8 @@ class AttentionCapture:
         error of ours inside the model's forward is reported, not raised into it)."""
 
     def attach(self, registry: HookRegistry) -> AttentionCapture:
-        """Hook every module of ``registry``'s model that runs Python hooks.
+        """Hook every module of ``registry``'s model that runs Python hooks but ``torch.nn``'s
+        plain layers (:func:`.plain_layers`: what runs in one counts as its caller's).
 
         Per module: a pre-hook placed first pauses the running module (the other pre-hooks are
         not its forward), one placed last pushes the module; a forward hook placed first pauses
@@ -311,9 +312,10 @@ class AttentionCapture:
         The forward hooks are called also when the forward raises.
         """
         self.guarded_see = registry.guarded(self.see, "attention capture")
+        plain = plain_layers()
         for name, module in registry.model.named_modules():
-            if not registry.hookable(module):
-                continue  # torch.jit: runs no Python hook
+            if plain(module) or not registry.hookable(module):
+                continue  # a layer that calls no attention; torch.jit: runs no Python hook
             # Gated: installed for sampled steps only (see HookRegistry), in this order.
             registry.forward_pre_hook(module, self._push(name), gated=True)
             registry.gated_hook(module, self._enter, pre=True, prepend=True)
