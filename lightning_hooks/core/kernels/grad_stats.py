@@ -8,6 +8,7 @@ number of parameters, and nothing is read back to the host.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -222,7 +223,7 @@ def abs_sum_max(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[len(tensors)]`` sums and maxima of ``|t|`` (float32; an empty tensor gives 0 and 0).
 
-    Small tensors take one ``torch._foreach_abs`` call; a larger one is read in pieces of at
+    Small tensors take two multi-tensor norms (L1 and L-inf); a larger one is read in pieces of at
     most :data:`CHUNK` elements through one buffer of ``workspace`` (pass the same one every
     step). A fresh gradient-sized ``|g|`` would cost more than the arithmetic: large blocks go
     back to the system when freed and page-fault again on every step (profiled on the
@@ -235,17 +236,22 @@ def abs_sum_max(
         ([7.0, 0.0], [4.0, 0.0])
     """
     ws = workspace or Workspace()
-    small = [i for i, t in enumerate(tensors) if 0 < t.numel() <= _SMALL]
-    absolute = torch._foreach_abs([tensors[i] for i in small]) if small else []
-    peaks = torch._foreach_max(list(absolute)) if small else []
-    done = {
-        i: (a.sum(dtype=torch.float32), m.float())
-        for i, a, m in zip(small, absolute, peaks, strict=True)
-    }
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for wide in (False, True):  # float64 in float64 (then float32), the others in float32
+        small = [
+            i
+            for i, t in enumerate(tensors)
+            if 0 < t.numel() <= _SMALL and (t.dtype == torch.float64) == wide
+        ]
+        if small:  # the L1 and L-inf norms: two multi-tensor passes, no |t|, no op per tensor
+            picked, dtype = [tensors[i] for i in small], None if wide else torch.float32
+            sums = torch._foreach_norm(picked, 1, dtype=dtype)
+            peaks = torch._foreach_norm(picked, math.inf, dtype=dtype)
+            done.update(zip(small, zip(sums, peaks, strict=True), strict=True))
     pairs = [done[i] if i in done else _abs_sum_max_pieces(t, ws) for i, t in enumerate(tensors)]
     if not pairs:
         return torch.zeros(0), torch.zeros(0)
-    return torch.stack([s for s, _ in pairs]), torch.stack([m for _, m in pairs])
+    return torch.stack([s for s, _ in pairs]).float(), torch.stack([m for _, m in pairs]).float()
 
 
 def _abs_sum_max_pieces(t: torch.Tensor, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
