@@ -222,3 +222,26 @@ def test_small_tensors_take_a_constant_few_ops_whatever_their_number() -> None:
         return counter.total
 
     assert count(10) == count(200) <= 6
+
+
+def test_noted_output_gradient_norms_sum_into_their_rows_once_each() -> None:
+    """The eager output-gradient hooks note ``(row, norm)`` and the record sums the squares in
+    one multi-tensor op per round of distinct rows: a row noted three times (a module called
+    thrice, or three backward passes) gets all three, as one ``addcmul_`` per note would."""
+    from ops import OpCounter
+
+    from lightning_hooks.core.stats.output_grad import _sum_noted
+
+    sq, expected = torch.zeros(4), torch.zeros(4)
+    rows = [sq.select(0, i) for i in range(4)]
+    picks = [0, 2, 0, 3, 0, 2]
+    norms = [torch.tensor(float(k + 1)) for k in range(len(picks))]
+    noted = [(rows[i], n) for i, n in zip(picks, norms, strict=True)]
+    for i, n in zip(picks, norms, strict=True):
+        expected[i] += n * n
+    counter = OpCounter()
+    counter.start()
+    _sum_noted(noted)
+    counter.stop()
+    assert noted == [] and sq.tolist() == expected.tolist() == [35.0, 0.0, 40.0, 16.0]
+    assert counter.ops["_foreach_addcmul_"] == counter.total == 3  # rounds: {0,2,3}, {0,2}, {0}

@@ -60,7 +60,7 @@ CASES = {
     "forward hook": (ActivationStatsTracker, "_observe", "forward hook on 'net.", "Activation"),
     "output gradient hook": (
         output_grad_module,
-        "_add_output_grad",
+        "_output_norm",
         "output gradient hook",
         "Grad",
     ),
@@ -108,7 +108,8 @@ def test_strict_reraises_the_original_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert guard_module.strict_default()  # the suite runs strict (tests/conftest.py)
-    monkeypatch.setattr(output_grad_module, "_add_output_grad", _fail_after(3, lambda *a: None))
+    norm = output_grad_module._output_norm
+    monkeypatch.setattr(output_grad_module, "_output_norm", _fail_after(3, norm))
     model = TinyMLP()
     trainer = make_trainer(tmp_path, callbacks=[GradFlowCallback(every_n_steps=1)])
     with pytest.raises(BoomError, match="injected failure after 3 calls"):

@@ -20,23 +20,48 @@ from lightning_hooks.core.transport.distributed import all_reduce_sum_, world_si
 __all__ = ["OutputGradients"]
 
 
-def _add_output_grad(sq_row: torch.Tensor, grad: torch.Tensor) -> None:
+Noted = list[tuple[torch.Tensor, torch.Tensor]]
+"""The eager gradient hooks' ``(row of the sums, output-gradient norm)``, until a record."""
+
+
+def _output_norm(grad: torch.Tensor) -> torch.Tensor:
     # fp16/bf16 are summed in float32; float64 (precision="64-true") stays float64.
     dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    norm = torch.linalg.vector_norm(grad, dtype=dtype)
+    norm: torch.Tensor = torch.linalg.vector_norm(grad, dtype=dtype)
+    return norm
+
+
+def _add_output_grad(sq_row: torch.Tensor, grad: torch.Tensor) -> None:
+    norm = _output_norm(grad)
     sq_row.addcmul_(norm, norm)
 
 
-def _add_output_grad_in_order(
-    sq_row: torch.Tensor, order: list[int], row: int, grad: torch.Tensor
+def _note_output_grad(
+    noted: Noted, sq_row: torch.Tensor, order: list[int], row: int, grad: torch.Tensor
 ) -> None:
-    _add_output_grad(sq_row, grad)
+    noted.append((sq_row, _output_norm(grad)))  # summed into the row at record: one op for all
     order.append(row)  # host-side: the backward order the non-finite alarm names layers in
 
 
+def _sum_noted(noted: Noted) -> None:
+    """Add each noted norm's square into its row, one multi-tensor op per round of distinct
+    rows (a round per backward pass in an accumulation period, or per call of a module called
+    twice), not an op per module; ``noted`` is emptied."""
+    rounds: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    seen: dict[int, int] = {}
+    for row, norm in noted:
+        k = seen[id(row)] = seen.get(id(row), -1) + 1
+        if k == len(rounds):
+            rounds.append(([], []))
+        rounds[k][0].append(row)
+        rounds[k][1].append(norm)
+    noted.clear()
+    for rows, norms in rounds:
+        torch._foreach_addcmul_(rows, norms, norms)
+
+
 def _output_hook(
-    sq: torch.Tensor,
-    hit: torch.Tensor,
+    sums: tuple[torch.Tensor, torch.Tensor, Noted],
     row: int,
     order: list[int],
     compiled_sq: list[torch.Tensor],
@@ -45,9 +70,10 @@ def _output_hook(
     """A forward hook that puts a gradient hook on the module's outputs in training forwards
     (``wrap``: the registry's guard for those tensor hooks; ``compiled_sq``: a cell holding the
     row's own tensor, not a view of ``sq``, that a compiled region's gradient hook sums into)."""
-    # Views made once: each step then costs one op per forward and two per gradient.
+    # Views made once: each step then costs one op per forward and one per gradient.
+    sq, hit, noted = sums
     sq_row, hit_row = sq.select(0, row), hit.select(0, row)
-    eager: Any = partial(_add_output_grad_in_order, sq_row, order, row)
+    eager: Any = partial(_note_output_grad, noted, sq_row, order, row)
     eager = wrap(eager, "output gradient hook") if wrap is not None else eager  # made once
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -103,6 +129,7 @@ class OutputGradients:
         self.order: list[int] = []
         self._sq = torch.zeros(num_layers, device=device)
         self._hit = torch.zeros(num_layers, device=device)
+        self._noted: Noted = []  # the eager gradient hooks' norms, summed into _sq at record
         # One tensor per row for the gradient hooks traced in compiled regions (see _output_hook),
         # each in a cell the traced hook reads; a region called again in a step (a compiled
         # block applied twice) puts a fresh tensor in its rows' cells: the first call's backward,
@@ -137,7 +164,8 @@ class OutputGradients:
             if name not in by_name:
                 continue  # the model's own row: its output is the loss's input, not a layer's
             wrap = registry.guarded
-            hook = _output_hook(self._sq, self._hit, row, self.order, self._cells[row], wrap)
+            sums = (self._sq, self._hit, self._noted)
+            hook = _output_hook(sums, row, self.order, self._cells[row], wrap)
             registry.forward_hook(by_name[name], hook, gated=True)
         for name, region in compiled_regions(model) if model is not None else ():
             rows = [i for i, n in enumerate(layers) if n == name or n.startswith(f"{name}.")]
@@ -171,8 +199,9 @@ class OutputGradients:
         self._mark_other_optimizers(optimizer)
 
     def _merge_compiled(self) -> None:
-        """Sum what compiled regions' gradient hooks added into ``_sq``; three device ops (and
-        one per fresh tensor of a region called again)."""
+        """Sum what the eager gradient hooks noted and what compiled regions' added into
+        ``_sq``; a few device ops (and one per fresh tensor of a region called again)."""
+        _sum_noted(self._noted)
         for row, fresh in self._extra:
             self._compiled_sq[row].add_(fresh)
             self._cells[row][0] = self._compiled_sq[row]
