@@ -239,9 +239,14 @@ def test_noted_output_gradient_norms_sum_into_their_rows_once_each() -> None:
     noted = [(rows[i], n) for i, n in zip(picks, norms, strict=True)]
     for i, n in zip(picks, norms, strict=True):
         expected[i] += n * n
+    hit = torch.zeros(4)
+    hit_rows = [hit.select(0, i) for i in range(4)]  # one view per row, as the hooks hold
+    hits = [hit_rows[i] for i in picks]
     counter = OpCounter()
     counter.start()
-    _sum_noted(noted)
+    _sum_noted(noted, hits)
     counter.stop()
-    assert noted == [] and sq.tolist() == expected.tolist() == [35.0, 0.0, 40.0, 16.0]
-    assert counter.ops["_foreach_addcmul_"] == counter.total == 3  # rounds: {0,2,3}, {0,2}, {0}
+    assert noted == hits == [] and sq.tolist() == expected.tolist() == [35.0, 0.0, 40.0, 16.0]
+    assert hit.tolist() == [3.0, 0.0, 2.0, 1.0]
+    # rounds of distinct rows: {0, 2, 3}, {0, 2}, {0}; for the norms and for the hits
+    assert counter.ops == {"_foreach_addcmul_": 3, "_foreach_add_": 3}

@@ -43,25 +43,34 @@ def _note_output_grad(
     order.append(row)  # host-side: the backward order the non-finite alarm names layers in
 
 
-def _sum_noted(noted: Noted) -> None:
-    """Add each noted norm's square into its row, one multi-tensor op per round of distinct
-    rows (a round per backward pass in an accumulation period, or per call of a module called
-    twice), not an op per module; ``noted`` is emptied."""
-    rounds: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+def _by_round(rows: list[torch.Tensor]) -> list[list[int]]:
+    """Positions of ``rows`` in rounds of distinct rows, the k-th round holding each row's k-th
+    occurrence: a multi-tensor op must not write one row twice."""
+    rounds: list[list[int]] = []
     seen: dict[int, int] = {}
-    for row, norm in noted:
+    for i, row in enumerate(rows):
         k = seen[id(row)] = seen.get(id(row), -1) + 1
         if k == len(rounds):
-            rounds.append(([], []))
-        rounds[k][0].append(row)
-        rounds[k][1].append(norm)
+            rounds.append([])
+        rounds[k].append(i)
+    return rounds
+
+
+def _sum_noted(noted: Noted, hits: list[torch.Tensor]) -> None:
+    """Add each noted norm's square into its row, and count each noted hit into its row: one
+    multi-tensor op per round of distinct rows (a round per backward pass of an accumulation
+    period, or per call of a module called twice), not an op per module. Both are emptied."""
+    for picks in _by_round([row for row, _ in noted]):
+        norms = [noted[i][1] for i in picks]
+        torch._foreach_addcmul_([noted[i][0] for i in picks], norms, norms)
+    for picks in _by_round(hits):
+        torch._foreach_add_([hits[i] for i in picks], 1.0)
     noted.clear()
-    for rows, norms in rounds:
-        torch._foreach_addcmul_(rows, norms, norms)
+    hits.clear()
 
 
 def _output_hook(
-    sums: tuple[torch.Tensor, torch.Tensor, Noted],
+    sums: tuple[torch.Tensor, torch.Tensor, Noted, list[torch.Tensor]],
     row: int,
     order: list[int],
     compiled_sq: list[torch.Tensor],
@@ -70,8 +79,8 @@ def _output_hook(
     """A forward hook that puts a gradient hook on the module's outputs in training forwards
     (``wrap``: the registry's guard for those tensor hooks; ``compiled_sq``: a cell holding the
     row's own tensor, not a view of ``sq``, that a compiled region's gradient hook sums into)."""
-    # Views made once: each step then costs one op per forward and one per gradient.
-    sq, hit, noted = sums
+    # Views made once: each step then costs one op per gradient (and the record's few).
+    sq, hit, noted, hits = sums
     sq_row, hit_row = sq.select(0, row), hit.select(0, row)
     eager: Any = partial(_note_output_grad, noted, sq_row, order, row)
     eager = wrap(eager, "output gradient hook") if wrap is not None else eager  # made once
@@ -86,14 +95,17 @@ def _output_hook(
         # in backward, would have bumped it. Each row has its own tensor, summed in at record.
         # Dynamo lifts the cell's tensor as a graph input, read again at each call: a region
         # called twice a step gets a fresh one for its second call (see OutputGradients).
-        add = eager
-        if torch.compiler.is_compiling():
+        add, compiled = eager, torch.compiler.is_compiling()
+        if compiled:
             add = partial(_add_output_grad, compiled_sq[0])
             add = wrap(add, "output gradient hook") if wrap is not None else add
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(add)  # type: ignore[no-untyped-call]
-                hit_row.add_(1.0)  # a count: a later step may take back what came before
+                if compiled:  # a count: a later step may take back what came before
+                    hit_row.add_(1.0)
+                else:  # counted at record
+                    hits.append(hit_row)
 
     return hook
 
@@ -130,6 +142,7 @@ class OutputGradients:
         self._sq = torch.zeros(num_layers, device=device)
         self._hit = torch.zeros(num_layers, device=device)
         self._noted: Noted = []  # the eager gradient hooks' norms, summed into _sq at record
+        self._hits: list[torch.Tensor] = []  # the eager forward hooks' rows of _hit, counted then
         # One tensor per row for the gradient hooks traced in compiled regions (see _output_hook),
         # each in a cell the traced hook reads; a region called again in a step (a compiled
         # block applied twice) puts a fresh tensor in its rows' cells: the first call's backward,
@@ -164,7 +177,7 @@ class OutputGradients:
             if name not in by_name:
                 continue  # the model's own row: its output is the loss's input, not a layer's
             wrap = registry.guarded
-            sums = (self._sq, self._hit, self._noted)
+            sums = (self._sq, self._hit, self._noted, self._hits)
             hook = _output_hook(sums, row, self.order, self._cells[row], wrap)
             registry.forward_hook(by_name[name], hook, gated=True)
         for name, region in compiled_regions(model) if model is not None else ():
@@ -201,7 +214,7 @@ class OutputGradients:
     def _merge_compiled(self) -> None:
         """Sum what the eager gradient hooks noted and what compiled regions' added into
         ``_sq``; a few device ops (and one per fresh tensor of a region called again)."""
-        _sum_noted(self._noted)
+        _sum_noted(self._noted, self._hits)
         for row, fresh in self._extra:
             self._compiled_sq[row].add_(fresh)
             self._cells[row][0] = self._compiled_sq[row]
