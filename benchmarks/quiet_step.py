@@ -14,6 +14,11 @@ the launch-bound stand-in (``overhead._launch``), one torch thread::
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/quiet_step.py
     PYTHONPATH=/path/to/another/checkout .venv/bin/python benchmarks/quiet_step.py  # compare
+
+On a lent GPU (``--accelerator cuda``) the times are the host's: what our hooks and the floor's
+hook take to launch their kernels and run their Python, the step's wall time beside them::
+
+    PYTHONPATH=$PWD python3 benchmarks/quiet_step.py --accelerator cuda --model launch
 """
 
 from __future__ import annotations
@@ -65,15 +70,15 @@ def _timed(callback: pl.Callback, into: dict[int, float], clock: _Clock) -> pl.C
     return callback
 
 
-def measure(make: Callable[[], list[pl.Callback]], steps: int) -> dict[str, float]:
+def measure(
+    make: Callable[[], list[pl.Callback]], steps: int, model: str = "launch"
+) -> dict[str, float]:
     """Medians over the quiet steps of one fit: the step, our hooks, the floor's hook (us)."""
     clock = _Clock()
     ours: dict[int, float] = defaultdict(float)
     floor: dict[int, float] = defaultdict(float)
     callbacks = [_timed(c, ours, clock) for c in make()]
-    overhead.fit(
-        "launch", [clock, _timed(overhead.GradientRead(), floor, clock), *callbacks], steps
-    )
+    overhead.fit(model, [clock, _timed(overhead.GradientRead(), floor, clock), *callbacks], steps)
     every = 50  # the Trainer's log_every_n_steps: steps 0, 49, 99, ... are sampled
     quiet = [i for i in range(3, steps - 1) if i % every not in (0, every - 1, every - 2)]
     step = [clock.starts[i] - clock.starts[i - 1] for i in quiet]
@@ -88,8 +93,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default="launch", choices=[*overhead.MODELS, *overhead.LARGE])
+    parser.add_argument("--accelerator", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--precision", default="32-true", help="e.g. bf16-mixed")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    overhead.ACCELERATOR, overhead.PRECISION = args.accelerator, args.precision
+    if args.accelerator == "cpu":
+        torch.set_num_threads(1)
     found = overhead.discovered()
     configs = {
         "GradFlowCallback()": lambda: [lightning_hooks.GradFlowCallback()],
@@ -98,8 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, make in configs.items():
-            rows[name].append(measure(make, args.steps))
+            rows[name].append(measure(make, args.steps, args.model))
     print(f"lightning_hooks from {Path(lightning_hooks.__file__).parent}")
+    print(f"model {args.model}, {args.accelerator}, {args.precision}, torch {torch.__version__}")
     print("| configuration | step | our hooks | floor's hook | ours / floor | ours / step |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, runs in rows.items():

@@ -1,6 +1,8 @@
 """On a CUDA device, through a real ``Trainer.fit``: a quiet step makes no host sync beyond what
-bare training makes (counted by CUDA's own sync-debug mode, not by our wrappers), and an alarm
-still names the step of its fault although the rules read the device's copy a step late.
+bare training makes (counted by CUDA's own sync-debug mode, not by our wrappers), an alarm
+still names the step of its fault although the rules read the device's copy a step late, and
+the CPU suite's exactness tests pass with the fit on the device (the multi-tensor reads, the
+device-sized pieces, the output-gradient norms summed at the record).
 
 Skipped without CUDA; run on a lent GPU (issue 36).
 """
@@ -8,10 +10,16 @@ Skipped without CUDA; run on a lent GPU (issue 36).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import pytorch_lightning as pl
+import test_activation_stats
+import test_dead_relu
+import test_grad_flow
+import test_saturation
 import torch
 from test_alarms import GRAD_RULES, SPIKE_WARNS, Fault, LongMLP, _alarms
 
@@ -23,6 +31,8 @@ from lightning_hooks import (
     LayerTimeCallback,
     SaturationCallback,
 )
+
+from conftest import make_trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -108,3 +118,39 @@ def test_a_spike_on_cuda_is_named_at_its_own_step(tmp_path: Any) -> None:
     alarms = _alarms(record)
     assert min(step for step, _, _ in alarms) == 37
     assert next((s, layer) for s, layer, m in alarms if "spike" in m) == (37, "net.2")
+
+
+EXACTNESS: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
+    # the CPU suite's tests of logged values against plain torch, run with the fit on CUDA
+    "grad-flow-accumulate-2": (
+        test_grad_flow.test_logged_values_equal_an_independent_computation,
+        {"accumulate": 2},
+    ),
+    "grad-flow-large-layers": (
+        test_grad_flow.test_large_layers_logged_values_equal_an_independent_computation_at_defaults,
+        {},
+    ),
+    "activations": (
+        test_activation_stats.test_logged_statistics_equal_plain_torch_over_each_epoch,
+        {"inplace": False},
+    ),
+    "activations-large-fused": (
+        test_activation_stats.test_large_outputs_logged_statistics_equal_plain_torch,
+        {"options": {"every_n_steps": 1, "fused": True}, "sampled": 2},
+    ),
+    "dead-relu": (
+        test_dead_relu.test_k_of_n_dead_and_zero_fraction_equal_plain_torch,
+        {"activation": torch.nn.ReLU, "inplace": True},
+    ),
+    "saturation": (test_saturation.test_saturated_layers_match_plain_torch_and_warn, {}),
+}
+
+
+@pytest.mark.parametrize("name", list(EXACTNESS))
+def test_exactness_holds_on_cuda(name: str, tmp_path: Path) -> None:
+    test, arguments = EXACTNESS[name]
+
+    def on_cuda(**options: Any) -> pl.Trainer:
+        return make_trainer(tmp_path, **{"accelerator": "cuda", **options})
+
+    test(trainer_factory=on_cuda, tmp_path=tmp_path, **arguments)
