@@ -9,8 +9,10 @@ Lightning's default ``zero_grad(set_to_none=True)`` each backward allocates them
 For each model this measures, on the model's own gradients:
 
 - the host time of one call, eager and as a graph replay (median of 20 batches of 50 calls,
-  the device synchronized between batches and outside the timing), and the replay with the
-  address check a graph would need each step (``data_ptr`` of every gradient);
+  the device synchronized between batches and outside the timing), the replay with the
+  address check a graph would need each step (``data_ptr`` of every gradient), and the
+  pointer-table kernels of ``AlarmRules(quiet_read="triton")`` (``PointerNorms``, its norms
+  checked against eager's) with their copy to the host;
 - the device time of one call each way (CUDA events over 200 calls);
 - how many of 30 real steps (SGD, ``zero_grad()`` at its default) left every gradient at the
   address of the step before, as a graph would need.
@@ -34,6 +36,8 @@ import torch
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "tests")]
 
 import overhead  # noqa: E402
+
+from lightning_hooks.core.kernels.pointer_norms import PointerNorms  # noqa: E402
 
 
 def _host_us(call: Callable[[], object], batches: int = 20, per: int = 50) -> float:
@@ -111,19 +115,30 @@ def probe(name: str) -> dict[str, float]:
         if [g.data_ptr() for g in grads] == captured:
             replay()
 
+    pointers = PointerNorms(list(net.parameters()))
+
+    def table() -> None:
+        host.copy_(pointers(grads), non_blocking=True)  # type: ignore[arg-type]
+        event.record()
+
     eager()
     torch.cuda.synchronize()
     want = host.clone()
     replay()
     torch.cuda.synchronize()
     assert torch.equal(host, want), "the graph's norms differ from eager's"
+    table()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(host, want, rtol=1e-5, atol=0)
     return {
         "tensors": len(grads),
         "eager_host_us": _host_us(eager),
         "graph_host_us": _host_us(replay),
         "checked_host_us": _host_us(checked),
+        "table_host_us": _host_us(table),
         "eager_device_us": _device_us(eager),
         "graph_device_us": _device_us(replay),
+        "table_device_us": _device_us(table),
         "stable_steps": _stable_steps(name),
     }
 
@@ -137,15 +152,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print(
         "| model | gradients | host: eager | host: graph | host: graph + address check "
-        "| device: eager | device: graph | steps with every gradient where it was |"
+        "| host: pointer table | device: eager | device: graph | device: pointer table "
+        "| steps with every gradient where it was |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models:
         r = probe(name)
         print(
             f"| {name} | {r['tensors']:.0f} | {r['eager_host_us']:.1f} us "
             f"| {r['graph_host_us']:.1f} us | {r['checked_host_us']:.1f} us "
+            f"| {r['table_host_us']:.1f} us "
             f"| {r['eager_device_us']:.1f} us | {r['graph_device_us']:.1f} us "
+            f"| {r['table_device_us']:.1f} us "
             f"| {r['stable_steps']:.0f} of 30 |"
         )
 

@@ -312,6 +312,15 @@ def configs(include_tutorial: bool = True) -> list[Config]:
                 quiet,
             )
         )
+        if ACCELERATOR == "cuda":  # the opt-in pointer-table read of quiet steps (Triton)
+            read = {"alarms": lightning_hooks.AlarmRules(quiet_read="triton")}
+            out.append(
+                Config(
+                    "GradFlowCallback, quiet_read=triton",
+                    lambda: [found["GradFlowCallback"](**read)],
+                    read,
+                )
+            )
         off = {"stability": False}  # the instability statistics' share (attention logits)
         out.append(
             Config(

@@ -105,6 +105,11 @@ def main(argv: list[str] | None = None) -> None:
         "GradFlowCallback()": lambda: [lightning_hooks.GradFlowCallback()],
         "all five at their defaults": lambda: [cls() for cls in found.values()],
     }
+    if args.accelerator == "cuda":  # the pointer-table read, opt-in (Triton, CUDA only)
+        rules = lightning_hooks.AlarmRules(quiet_read="triton")
+        configs["GradFlowCallback(alarms=AlarmRules(quiet_read='triton'))"] = lambda: [
+            lightning_hooks.GradFlowCallback(alarms=rules)
+        ]
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, make in configs.items():

@@ -25,6 +25,7 @@ from test_alarms import GRAD_RULES, SPIKE_WARNS, Fault, LongMLP, _alarms
 
 from lightning_hooks import (
     ActivationStatsCallback,
+    AlarmRules,
     DeadReLUCallback,
     GradFlowCallback,
     GradientAlarmWarning,
@@ -154,3 +155,58 @@ def test_exactness_holds_on_cuda(name: str, tmp_path: Path) -> None:
         return make_trainer(tmp_path, **{"accelerator": "cuda", **options})
 
     test(trainer_factory=on_cuda, tmp_path=tmp_path, **arguments)
+
+
+def _counting_reads(monkeypatch: pytest.MonkeyPatch, compare: bool) -> list[Any]:
+    """Each call of the pointer-table read; with ``compare``, its norms beside
+    ``_foreach_norm``'s of the same gradients."""
+    from lightning_hooks.core.kernels.pointer_norms import PointerNorms
+
+    calls: list[Any] = []
+    read = PointerNorms.__call__
+
+    def counted(self: PointerNorms, grads: Any) -> torch.Tensor | None:
+        norms = read(self, grads)
+        want = torch.stack(torch._foreach_norm(grads)).float() if compare else None
+        calls.append((None if norms is None else norms.clone(), want) if compare else 1)
+        return norms
+
+    monkeypatch.setattr(PointerNorms, "__call__", counted)
+    return calls
+
+
+def test_the_triton_read_makes_no_cuda_sync_beyond_bare_training(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _counting_reads(monkeypatch, compare=False)
+    bare = _count([], 60, tmp_path / "bare")
+    ours = _count([GradFlowCallback(alarms=AlarmRules(quiet_read="triton"))], 60, tmp_path / "t")
+    quiet = range(1, 49)
+    assert [ours[s] for s in quiet] == [bare[s] for s in quiet]
+    assert len(calls) >= 48  # the kernels read every quiet step: no fallback
+
+
+def test_the_triton_read_gives_foreach_norms_and_names_the_spike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _counting_reads(monkeypatch, compare=True)
+    rules = AlarmRules(diverge_ratio=None, quiet_read="triton")
+    with pytest.warns(GradientAlarmWarning) as record:
+        pl.Trainer(
+            default_root_dir=tmp_path,
+            accelerator="cuda",
+            devices=1,
+            max_steps=40,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            callbacks=[
+                Fault("multiply", step=37),
+                GradFlowCallback(alarms=rules, on_alarm=SPIKE_WARNS),
+            ],
+        ).fit(LongMLP(batches=40))
+    assert not [w for w in record if "quiet_read" in str(w.message)]
+    assert len(calls) >= 38
+    for got, want in calls:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    alarms = _alarms(record)
+    assert next((s, layer) for s, layer, m in alarms if "spike" in m) == (37, "net.2")

@@ -11,7 +11,7 @@ import torch
 
 from lightning_hooks.core import checks
 
-__all__ = ["ALARM_RULES", "AlarmRules", "WeightNorms"]
+__all__ = ["ALARM_RULES", "QUIET_READS", "AlarmRules", "WeightNorms"]
 
 ALARM_RULES = (
     "spike",
@@ -26,6 +26,9 @@ ALARM_RULES = (
     "attention",
 )
 """Names of the rules, in the order of :attr:`GradientAlarms.counts`."""
+
+QUIET_READS = ("foreach", "triton")
+"""The values of :attr:`AlarmRules.quiet_read`."""
 
 _SPIKE, _EXPLOSION, _ABSOLUTE, _VANISHING, _NONFINITE, _AMP, _LOSS, _DIVERGING, _STALL, _ATTN = (
     range(len(ALARM_RULES))
@@ -146,6 +149,13 @@ class AlarmRules:
             (every layer of a model with fewer). One one-hot layer is something a model can
             route around (healthy models keep attention sinks, heads that attend to one
             token); collapse across layers is what costs the run its loss. Must be >= 1.
+        quiet_read: how a quiet step reads the gradients' norms: ``"foreach"``, one
+            ``torch._foreach_norm`` (PyTorch's host work is per tensor: about 3 us each on an
+            H100's host), or ``"triton"``, two Triton kernels that find the gradients through a
+            table of their addresses (``core/kernels/pointer_norms.py``): the same norms up to
+            float32 rounding. On CUDA, for contiguous
+            gradients of one dtype among float32, bfloat16 and float16; elsewhere, or if Triton
+            fails, the ``"foreach"`` read, with one message. Opt-in while new.
 
     Example:
         >>> AlarmRules(spike_factor=20.0).window
@@ -179,12 +189,14 @@ class AlarmRules:
     attn_logit_max: float | None = 1e3
     attn_entropy_min: float = 0.1
     attn_min_layers: int = 2
+    quiet_read: str = "foreach"
 
     def __post_init__(self) -> None:
         owner = "AlarmRules"
         checked: dict[str, Any] = {
             "spike_sigmas": checks.positive_real(owner, "spike_sigmas", self.spike_sigmas),
             "nonfinite": checks.boolean(owner, "nonfinite", self.nonfinite),
+            "quiet_read": checks.choice(owner, "quiet_read", self.quiet_read, QUIET_READS),
         }
         checked["diverge_giveback"] = checks.real(
             owner, "diverge_giveback", self.diverge_giveback, low=0.0, high=1.0

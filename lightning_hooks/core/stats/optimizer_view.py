@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from lightning_hooks.core.alarms.segments import HostSegments
 from lightning_hooks.core.kernels.grad_stats import ParamLayout
+from lightning_hooks.core.kernels.pointer_norms import PointerNorms
 from lightning_hooks.core.transport.sharding import to_local
 
 __all__ = ["OptimizerView", "OptimizerViews", "adaptive", "check_optimizers"]
@@ -34,6 +35,9 @@ class OptimizerView:
     row_ids: tuple[int, ...] = ()  # ``rows`` on the host
     segments: HostSegments | None = None  # ``index`` and ``unique`` on the host (the sentinel's)
     masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
+    pointers: PointerNorms | Literal[False] | None = (
+        None  # quiet_read="triton": built once; False: cannot
+    )
 
     def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
         """``[layers + 1, len(GRAD_STATS)]``: false in the gradient columns of layers none of

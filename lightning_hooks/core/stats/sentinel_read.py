@@ -4,14 +4,18 @@ statistics computed."""
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
+from typing import Literal
 
 import torch
 
 from lightning_hooks.core.alarms import GradientAlarms
+from lightning_hooks.core.kernels import pointer_norms
 from lightning_hooks.core.kernels.grad_stats import ParamLayout
 from lightning_hooks.core.stats.optimizer_view import OptimizerView
 from lightning_hooks.core.stats.view_stats import ViewStats
+from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["SentinelRead"]
 
@@ -56,8 +60,36 @@ class SentinelRead:
         grads = ParamLayout.plain_grads(view.params)
         if grads is None:  # a missing or sparse gradient: the general path
             return False
-        self.post(view, torch.stack(torch._foreach_norm(grads)), None, amp, step, segmented=False)
+        self.post(view, self._norms(view, grads), None, amp, step, segmented=False)
         return True
+
+    def _norms(self, view: OptimizerView, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Each gradient's L2 norm: one ``_foreach_norm``, or the pointer-table kernels where
+        ``AlarmRules(quiet_read="triton")`` asks for them and they can read these gradients."""
+        if view.pointers is None and self.alarms and self.alarms.rules.quiet_read == "triton":
+            view.pointers = self._pointer_norms(view)
+        if view.pointers:  # a PointerNorms (False: it cannot read them)
+            try:
+                norms = view.pointers(grads)
+            except Exception as error:  # a Triton that cannot build or launch the kernels
+                view.pointers = _fallback(f"its kernels failed ({type(error).__name__}: {error})")
+            else:
+                if norms is not None:  # None: a gradient set by hand that is not contiguous
+                    return norms
+        return torch.stack(torch._foreach_norm(grads))
+
+    @staticmethod
+    def _pointer_norms(view: OptimizerView) -> pointer_norms.PointerNorms | Literal[False]:
+        """The pointer-table read of ``view``'s gradients, or ``False`` with one message."""
+        why = pointer_norms.available()
+        if why is None and view.params[0].device.type != "cuda":
+            why = f"the gradients are on {view.params[0].device.type}, not CUDA"
+        if why is None:
+            try:
+                return pointer_norms.PointerNorms(view.params)
+            except ValueError as error:
+                why = f"it reads {error}"
+        return _fallback(why)
 
     def post(
         self,
@@ -84,3 +116,14 @@ class SentinelRead:
             segments=None if segmented else view.segments,
         )
         self._order.clear()
+
+
+def _fallback(why: str) -> Literal[False]:
+    """Say once, for one optimizer, why the quiet step reads with ``_foreach_norm``."""
+    warnings.warn(
+        f"AlarmRules(quiet_read='triton'): {why}; quiet steps read the gradients' norms with "
+        "torch._foreach_norm instead",
+        LightningHooksWarning,
+        stacklevel=3,
+    )
+    return False

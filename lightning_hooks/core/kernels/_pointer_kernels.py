@@ -1,0 +1,39 @@
+"""The Triton kernels of :mod:`.pointer_norms`: a module of their own, imported only when they
+are used, since Triton ships with PyTorch's CUDA wheels and not with the CPU ones."""
+
+import triton
+import triton.language as tl
+
+__all__ = ["norms", "partial_sums"]
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def partial_sums(  # type: ignore[no-untyped-def]
+    ptrs, owner, begin, end, partial, block: tl.constexpr, dt: tl.constexpr
+):
+    """``partial[p]``: the float32 sum of squares of the elements ``begin[p]:end[p]`` of the
+    tensor ``owner[p]``, whose address is ``ptrs[owner[p]]`` and whose dtype is ``dt``."""
+    pid = tl.program_id(0)
+    base = tl.load(ptrs + tl.load(owner + pid)).to(tl.pointer_type(dt))
+    lo = tl.load(begin + pid)
+    hi = tl.load(end + pid)
+    acc = tl.zeros([block], tl.float32)
+    for start in range(lo, hi, block):
+        at = start + tl.arange(0, block)
+        x = tl.load(base + at, mask=at < hi, other=0.0).to(tl.float32)
+        acc += x * x
+    tl.store(partial + pid, tl.sum(acc, axis=0))
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def norms(partial, first, out, block: tl.constexpr, dt: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``out[t]``: the square root of tensor ``t``'s partial sums ``first[t]:first[t + 1]``,
+    added in order, rounded to ``dt`` (as ``_foreach_norm`` returns it) and widened to float32."""
+    t = tl.program_id(0)
+    lo = tl.load(first + t)
+    hi = tl.load(first + t + 1)
+    acc = tl.zeros([block], tl.float32)
+    for start in range(lo, hi, block):
+        at = start + tl.arange(0, block)
+        acc += tl.load(partial + at, mask=at < hi, other=0.0)
+    tl.store(out + t, tl.sqrt_rn(tl.sum(acc, axis=0)).to(dt).to(tl.float32))

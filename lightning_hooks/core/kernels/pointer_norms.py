@@ -1,0 +1,112 @@
+"""Each gradient's L2 norm in two Triton kernels that find the tensors through a table of their
+addresses: the quiet step's read without PyTorch's per-tensor host work (issue 36).
+
+``torch.stack(torch._foreach_norm(grads))`` is one fused pass on a GPU, but its host side is
+per tensor: an output tensor allocated and wrapped for Python for each gradient, then a
+``stack`` of them all. With about 100 gradients that is about 300 us of host time a step
+(``benchmarks/graph_probe.py`` on an H100), as much as a small model's whole step spends
+launching a dozen layers. A CUDA graph would replay it in 10 us, but a graph reads fixed
+addresses and Lightning's ``zero_grad(set_to_none=True)`` gives the gradients new ones each step.
+
+Here the addresses are a table written on the host each step (one ``data_ptr`` per gradient)
+and copied to the device with the step's other work; everything else is built once per
+parameter layout: which program reads which span of which tensor. Two launches: partial sums
+of squares in float32 over spans of at most :data:`SPAN` elements, then each tensor's spans
+summed in order, its square root rounded to the gradient's dtype (as ``_foreach_norm`` returns
+it) and widened to float32. No atomics: the same gradients give the same bits.
+
+Opt-in (``AlarmRules(quiet_read="triton")``), for CUDA gradients that are all float32, bfloat16
+or float16 of one dtype, and contiguous; anything else takes ``_foreach_norm``. Triton is
+imported on first use: it ships with PyTorch's CUDA wheels, not with the CPU ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["SPAN", "PointerNorms", "available"]
+
+SPAN = 1 << 16
+"""Elements one program of the first kernel sums: a tensor of n elements gets ceil(n / SPAN)."""
+_BLOCK = 1024  # elements per load
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def available() -> str | None:
+    """``None`` when Triton can be imported, else why not (for the caller's one message)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as error:
+        return f"the triton package cannot be imported ({error})"
+    return None
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    """The two Triton kernels (:mod:`._pointer_kernels`), imported on first use."""
+    from lightning_hooks.core.kernels import _pointer_kernels
+
+    return _pointer_kernels.partial_sums, _pointer_kernels.norms
+
+
+class PointerNorms:
+    """The L2 norms of the gradients of ``params``, as ``torch.stack(torch._foreach_norm(g))``
+    gives them (float32), in two kernel launches whatever the number of tensors.
+
+    Args:
+        params: the parameters whose gradients :meth:`__call__` reads, in that order.
+
+    Raises:
+        ValueError: the parameters are not all of one dtype among float32, bfloat16 and
+            float16, on one device, contiguous (the caller reads them with ``_foreach_norm``).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        dtypes = {p.dtype for p in params}
+        devices = {p.device for p in params}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES or len(devices) != 1:
+            raise ValueError(f"one dtype of {_DTYPES} on one device, got {dtypes} on {devices}")
+        if not all(p.is_contiguous() for p in params):
+            raise ValueError("contiguous parameters (their gradients follow their layout)")
+        import triton.language as tl
+
+        self.device = next(iter(devices))
+        self._dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}.get(
+            next(iter(dtypes)), tl.float16
+        )
+        numels = [p.numel() for p in params]
+        owner, begin, end, first = [], [], [], [0]
+        for t, n in enumerate(numels):
+            spans = math.ceil(n / SPAN)
+            owner += [t] * spans
+            begin += [s * SPAN for s in range(spans)]
+            end += [min(n, (s + 1) * SPAN) for s in range(spans)]
+            first.append(first[-1] + spans)
+        table = torch.tensor([owner, begin, end], dtype=torch.int64, device=self.device)
+        self._owner, self._begin, self._end = table
+        self._first = torch.tensor(first, dtype=torch.int64, device=self.device)
+        self._partial = torch.empty(len(owner), dtype=torch.float32, device=self.device)
+        self._out = torch.empty(len(numels), dtype=torch.float32, device=self.device)
+        self._pin = self.device.type == "cuda"
+
+    def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The norms of ``grads`` (the gradients of the parameters, in their order) as a float32
+        tensor the next call overwrites, or ``None`` when one is not contiguous (a gradient set
+        by hand: read it with ``_foreach_norm``)."""
+        if not all(g.is_contiguous() for g in grads):
+            return None
+        # a fresh pinned table: PyTorch's host allocator reuses it only once its copy is done
+        ptrs = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64, pin_memory=self._pin)
+        ptrs = ptrs.to(self.device, non_blocking=True)
+        partial_sums, norms = _kernels()
+        if len(self._partial):
+            partial_sums[(len(self._partial),)](
+                ptrs, self._owner, self._begin, self._end, self._partial, _BLOCK, self._dtype
+            )
+        norms[(len(self._out),)](self._partial, self._first, self._out, _BLOCK, self._dtype)
+        return self._out

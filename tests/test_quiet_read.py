@@ -1,0 +1,53 @@
+"""``AlarmRules(quiet_read=...)``: the argument is checked at construction, and where the
+pointer-table read cannot run (here: no CUDA, or no Triton) the quiet steps read with
+``_foreach_norm``, after one message, and the alarms are those of the default read. On a GPU,
+``tests/test_cuda.py`` runs the read itself through ``Trainer.fit``."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from test_alarms import SPIKE_WARNS, Fault, LongMLP, _alarms
+
+from lightning_hooks import AlarmRules, GradFlowCallback, LightningHooksWarning
+
+
+def test_an_unknown_read_is_named_with_the_allowed_ones() -> None:
+    with pytest.raises(ValueError, match=r"quiet_read='cuda-graph'.*\('foreach', 'triton'\)"):
+        AlarmRules(quiet_read="cuda-graph")
+
+
+def _fit(read: str, root: Path) -> tuple[list[tuple[int, str, str]], list[str]]:
+    torch.manual_seed(0)  # the same model and data for each read
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pl.Trainer(
+            default_root_dir=root,
+            accelerator="cpu",
+            max_steps=40,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+            callbacks=[
+                Fault("multiply", step=33),
+                GradFlowCallback(
+                    alarms=AlarmRules(diverge_ratio=None, quiet_read=read), on_alarm=SPIKE_WARNS
+                ),
+            ],
+        ).fit(LongMLP(batches=40))
+    said = [str(w.message) for w in record if w.category is LightningHooksWarning]
+    return _alarms(iter(record)), said
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback off CUDA")
+def test_off_cuda_the_triton_read_falls_back_once_with_the_same_alarms(tmp_path: Path) -> None:
+    foreach, said_foreach = _fit("foreach", tmp_path / "foreach")
+    triton, said_triton = _fit("triton", tmp_path / "triton")
+    assert triton == foreach and min(step for step, _, _ in triton) == 33
+    fallback = [m for m in said_triton if "quiet_read='triton'" in m]
+    assert len(fallback) == 1 and "_foreach_norm" in fallback[0], said_triton
+    assert "not CUDA" in fallback[0] or "triton" in fallback[0]
+    assert not [m for m in said_foreach if "quiet_read" in m]
