@@ -50,6 +50,7 @@ def test_norms_equal_foreach_norm_and_repeat_bit_for_bit(dtype: torch.dtype) -> 
         # land one unit in the last place away
         tol = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
         torch.testing.assert_close(got, want, rtol=tol, atol=0)
+        assert torch.equal(got.to(dtype).float(), got)  # rounded to the gradients' dtype
         assert got[0] == 0  # an empty gradient's norm
         again = read(grads).clone()  # type: ignore[union-attr]
         assert torch.equal(again, got)

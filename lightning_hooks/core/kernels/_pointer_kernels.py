@@ -9,12 +9,19 @@ __all__ = ["norms", "partial_sums"]
 
 @triton.jit  # type: ignore[untyped-decorator]
 def partial_sums(  # type: ignore[no-untyped-def]
-    ptrs, owner, begin, end, partial, block: tl.constexpr, dt: tl.constexpr
+    ptrs, owner, begin, end, partial, block: tl.constexpr, kind: tl.constexpr
 ):
     """``partial[p]``: the float32 sum of squares of the elements ``begin[p]:end[p]`` of the
-    tensor ``owner[p]``, whose address is ``ptrs[owner[p]]`` and whose dtype is ``dt``."""
+    tensor ``owner[p]``, whose address is ``ptrs[owner[p]]`` and whose dtype is ``kind``'s
+    (0: float32, 1: bfloat16, 2: float16)."""
     pid = tl.program_id(0)
-    base = tl.load(ptrs + tl.load(owner + pid)).to(tl.pointer_type(dt))
+    address = tl.load(ptrs + tl.load(owner + pid))
+    if kind == 0:
+        base = address.to(tl.pointer_type(tl.float32))
+    elif kind == 1:
+        base = address.to(tl.pointer_type(tl.bfloat16))
+    else:
+        base = address.to(tl.pointer_type(tl.float16))
     lo = tl.load(begin + pid)
     hi = tl.load(end + pid)
     acc = tl.zeros([block], tl.float32)
@@ -26,9 +33,10 @@ def partial_sums(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def norms(partial, first, out, block: tl.constexpr, dt: tl.constexpr):  # type: ignore[no-untyped-def]
+def norms(partial, first, out, block: tl.constexpr, kind: tl.constexpr):  # type: ignore[no-untyped-def]
     """``out[t]``: the square root of tensor ``t``'s partial sums ``first[t]:first[t + 1]``,
-    added in order, rounded to ``dt`` (as ``_foreach_norm`` returns it) and widened to float32."""
+    added in order, rounded to ``kind``'s dtype (as ``_foreach_norm`` returns it) and widened to
+    float32."""
     t = tl.program_id(0)
     lo = tl.load(first + t)
     hi = tl.load(first + t + 1)
@@ -36,4 +44,9 @@ def norms(partial, first, out, block: tl.constexpr, dt: tl.constexpr):  # type: 
     for start in range(lo, hi, block):
         at = start + tl.arange(0, block)
         acc += tl.load(partial + at, mask=at < hi, other=0.0)
-    tl.store(out + t, tl.sqrt_rn(tl.sum(acc, axis=0)).to(dt).to(tl.float32))
+    norm = tl.sqrt_rn(tl.sum(acc, axis=0))
+    if kind == 1:
+        norm = norm.to(tl.bfloat16).to(tl.float32)
+    elif kind == 2:
+        norm = norm.to(tl.float16).to(tl.float32)
+    tl.store(out + t, norm)

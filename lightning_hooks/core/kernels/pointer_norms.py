@@ -73,12 +73,8 @@ class PointerNorms:
             raise ValueError(f"one dtype of {_DTYPES} on one device, got {dtypes} on {devices}")
         if not all(p.is_contiguous() for p in params):
             raise ValueError("contiguous parameters (their gradients follow their layout)")
-        import triton.language as tl
-
         self.device = next(iter(devices))
-        self._dtype = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16}.get(
-            next(iter(dtypes)), tl.float16
-        )
+        self._kind = _DTYPES.index(next(iter(dtypes)))  # the kernels' constexpr
         numels = [p.numel() for p in params]
         owner, begin, end, first = [], [], [], [0]
         for t, n in enumerate(numels):
@@ -106,7 +102,7 @@ class PointerNorms:
         partial_sums, norms = _kernels()
         if len(self._partial):
             partial_sums[(len(self._partial),)](
-                ptrs, self._owner, self._begin, self._end, self._partial, _BLOCK, self._dtype
+                ptrs, self._owner, self._begin, self._end, self._partial, _BLOCK, self._kind
             )
-        norms[(len(self._out),)](self._partial, self._first, self._out, _BLOCK, self._dtype)
+        norms[(len(self._out),)](self._partial, self._first, self._out, _BLOCK, self._kind)
         return self._out
