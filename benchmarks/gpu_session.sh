@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# A lent GPU's checks (issue 36), as one prepared run of about 8 minutes:
+# A lent GPU's checks (issue 36), as one prepared run of at most 7 minutes:
 #   the CUDA tests (and the Triton read's), the quiet step's host time in our hooks against the
 #   floor's (quiet_step.py), what a CUDA graph or the pointer-table kernels save on the norm
 #   pass (graph_probe.py), the overhead table on the launch-bound stand-in and the small models
-#   (fp32), on ResNet-50 and GPT-2 124M (bf16-mixed), and their sampled step against a quiet one
-#   (sampled_step_gpu.py).
+#   (fp32), and on ResNet-50 and GPT-2 124M (bf16-mixed). A sampled step against a quiet one:
+#   benchmarks/sampled_step_gpu.py, separately.
 # Run from the repository root on the GPU machine, whose python3 holds torch, Lightning, Triton,
 # torchvision and transformers; results go to $OUT (default ./gpu_out): log.txt and the tables' .md and .json. Each part has a time
 # limit (seconds, overridable: TESTS_S ...) so that the whole fits one call of the device tool.
@@ -26,15 +26,10 @@ timeout "${QUIET_S:-45}" python3 benchmarks/quiet_step.py --accelerator cuda --m
 timeout "${GRAPH_S:-35}" python3 benchmarks/graph_probe.py \
   --models launch transformer resnet50 gpt2 2>&1 | tee -a "$OUT/log.txt" | tail -n 8
 ONLY=(=GradFlowCallback "floor: one gradient read" "quiet_read=triton")
-timeout "${SMALL_S:-100}" python3 benchmarks/overhead.py --accelerator cuda --rounds 2 \
+timeout "${SMALL_S:-95}" python3 benchmarks/overhead.py --accelerator cuda --rounds 2 \
   --models launch mlp cnn transformer --depths --sample-every --only "${ONLY[@]}" \
   --save --out "$OUT/small" 2>&1 | tail -n 40
-timeout "${LARGE_S:-150}" python3 benchmarks/overhead.py --accelerator cuda \
+timeout "${LARGE_S:-180}" python3 benchmarks/overhead.py --accelerator cuda \
   --precision bf16-mixed --rounds 2 --models resnet50 gpt2 --depths --sample-every \
   --only =GradFlowCallback "=all, defaults" "quiet_read=triton" --save --out "$OUT/large" 2>&1 \
   | tail -n 40
-for model in resnet50 gpt2; do
-  timeout "${SAMPLED_S:-42}" python3 benchmarks/sampled_step_gpu.py --model "$model" \
-    --precision bf16-mixed --only bare GradFlowCallback all --top 0 2>&1 \
-    | tee -a "$OUT/log.txt" | tail -n 12
-done
