@@ -83,12 +83,14 @@ class PointerNorms:
             begin += [s * SPAN for s in range(spans)]
             end += [min(n, (s + 1) * SPAN) for s in range(spans)]
             first.append(first[-1] + spans)
-        table = torch.tensor([owner, begin, end], dtype=torch.int64, device=self.device)
-        self._owner, self._begin, self._end = table
-        self._first = torch.tensor(first, dtype=torch.int64, device=self.device)
+        self._pin = self.device.type == "cuda"
+        # pinned and copied without blocking: building it makes no host sync either
+        table = torch.tensor([owner, begin, end], dtype=torch.int64, pin_memory=self._pin)
+        self._owner, self._begin, self._end = table.to(self.device, non_blocking=True)
+        first_host = torch.tensor(first, dtype=torch.int64, pin_memory=self._pin)
+        self._first = first_host.to(self.device, non_blocking=True)
         self._partial = torch.empty(len(owner), dtype=torch.float32, device=self.device)
         self._out = torch.empty(len(numels), dtype=torch.float32, device=self.device)
-        self._pin = self.device.type == "cuda"
 
     def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """The norms of ``grads`` (the gradients of the parameters, in their order) as a float32
