@@ -261,28 +261,31 @@ def test_the_readme_cost_figures_are_the_saved_benchmark_run() -> None:
 
 
 GPU_MODELS = {  # the README's column -> (saved run, model)
-    "launch": ("gpu_h200_small", "launch"),
-    "MLP": ("gpu_h200_small", "mlp"),
-    "CNN": ("gpu_h200_small", "cnn"),
-    "transformer": ("gpu_h200_small", "transformer"),
+    "launch": ("gpu_h100_small", "launch"),
+    "MLP": ("gpu_h100_small", "mlp"),
+    "CNN": ("gpu_h100_small", "cnn"),
+    "transformer": ("gpu_h100_small", "transformer"),
     "ResNet-50": ("gpu_h200_large", "resnet50"),
     "GPT-2": ("gpu_h200_large", "gpt2"),
 }
+GPU_RUNS = {"gpu_h100_small": ("H100", "32-true"), "gpu_h200_large": ("H200", "bf16-mixed")}
 
 
 def test_the_readme_gpu_figures_are_the_saved_gpu_runs() -> None:
-    """README "What it costs", the H200 table: benchmarks/results/gpu_h200_{small,large}.json,
-    CPU-time ratios of the mean step / the median (quiet) step, by benchmarks/gpu_session.sh."""
+    """README "What it costs", the GPU table: benchmarks/results/gpu_h100_small.json (the small
+    models) and gpu_h200_large.json (ResNet-50, GPT-2), CPU-time ratios of the mean step / the
+    median (quiet) step, by benchmarks/gpu_session.sh."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## What it costs") : text.index("## Where it runs")]
     cells = _tables(section)[2]
     assert cells[0] == ["configuration", *GPU_MODELS]
     runs = {
         name: json.loads((ROOT / f"benchmarks/results/{name}.json").read_text())
-        for name in ("gpu_h200_small", "gpu_h200_large")
+        for name in GPU_RUNS
     }
-    assert all("H200" in run["env"]["device"] for run in runs.values())
-    assert runs["gpu_h200_large"]["env"]["precision"] == "bf16-mixed"
+    for name, (device, precision) in GPU_RUNS.items():
+        assert device in runs[name]["env"]["device"]
+        assert runs[name]["env"]["precision"] == precision
     labels = {
         "`GradFlowCallback()`": "GradFlowCallback",
         "all five": "all, defaults",
