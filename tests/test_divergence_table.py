@@ -76,8 +76,14 @@ def _row(rule_set: dict[str, Any], half: str | None) -> str:
     return f"{in_time} | {hurt} | {harmless} | {collapses} | {healthy}"
 
 
+def _todays_rules() -> dict[str, object]:
+    """Today's default rules; ``quiet_read`` says how a quiet step reads the norms, not which
+    alarms fire (the runs are on the CPU, where every read is ``_foreach_norm``)."""
+    return {k: v for k, v in dataclasses.asdict(AlarmRules()).items() if k != "quiet_read"}
+
+
 def test_the_saved_run_used_todays_defaults() -> None:
-    assert RESULTS["defaults"] == dataclasses.asdict(AlarmRules())
+    assert RESULTS["defaults"] == _todays_rules()
 
 
 def test_the_halves_are_split_by_family() -> None:
@@ -161,7 +167,7 @@ NOISY = json.loads((ROOT / "benchmarks" / "results" / "noisy_runs.json").read_te
 
 
 def test_the_noisy_runs_in_the_docs_are_the_saved_run_with_todays_defaults() -> None:
-    assert NOISY["defaults"] == dataclasses.asdict(AlarmRules())
+    assert NOISY["defaults"] == _todays_rules()
     docs = " ".join((ROOT / "docs" / "alarms.md").read_text().split())
     warned, runs = NOISY["warned_seeds"], NOISY["runs"]
     before = [len(warned[kind]["without (diverge_noise=0)"]) for kind in runs]
