@@ -21,7 +21,7 @@ import test_dead_relu
 import test_grad_flow
 import test_saturation
 import torch
-from test_alarms import GRAD_RULES, SPIKE_WARNS, Fault, LongMLP, _alarms
+from test_alarms import SPIKE_WARNS, Fault, LongMLP, _alarms
 
 from lightning_hooks import (
     ActivationStatsCallback,
@@ -100,27 +100,6 @@ def test_a_quiet_step_makes_no_cuda_sync_beyond_bare_training(tmp_path: Any) -> 
     assert sum(ours.values()) > sum(bare.values())
 
 
-def test_a_spike_on_cuda_is_named_at_its_own_step(tmp_path: Any) -> None:
-    """The rules read a non-blocking copy of the norms at most one step late: the warning still
-    names the step of the fault, and the layer."""
-    with pytest.warns(GradientAlarmWarning) as record:
-        pl.Trainer(
-            default_root_dir=tmp_path,
-            accelerator="cuda",
-            devices=1,
-            max_steps=40,
-            enable_progress_bar=False,
-            enable_checkpointing=False,
-            callbacks=[
-                Fault("multiply", step=37),
-                GradFlowCallback(alarms=GRAD_RULES, on_alarm=SPIKE_WARNS),
-            ],
-        ).fit(LongMLP(batches=40))
-    alarms = _alarms(record)
-    assert min(step for step, _, _ in alarms) == 37
-    assert next((s, layer) for s, layer, m in alarms if "spike" in m) == (37, "net.2")
-
-
 EXACTNESS: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
     # the CPU suite's tests of logged values against plain torch, run with the fit on CUDA
     "grad-flow-accumulate-2": (
@@ -186,11 +165,16 @@ def test_the_triton_read_makes_no_cuda_sync_beyond_bare_training(
     assert len(calls) >= 48  # the kernels read every quiet step: no fallback
 
 
-def test_the_triton_read_gives_foreach_norms_and_names_the_spike(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("read", ["foreach", "triton"])
+def test_a_spike_on_cuda_is_named_at_its_own_step(
+    read: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The rules read a non-blocking copy of the norms at most one step late: the warning still
+    names the step of the fault, and the layer. With ``quiet_read="triton"`` every quiet step's
+    norms come from the pointer-table kernels (none falls back), equal to ``_foreach_norm``'s of
+    the same gradients."""
     calls = _counting_reads(monkeypatch, compare=True)
-    rules = AlarmRules(diverge_ratio=None, quiet_read="triton")
+    rules = AlarmRules(diverge_ratio=None, quiet_read=read)
     with pytest.warns(GradientAlarmWarning) as record:
         pl.Trainer(
             default_root_dir=tmp_path,
@@ -205,8 +189,12 @@ def test_the_triton_read_gives_foreach_norms_and_names_the_spike(
             ],
         ).fit(LongMLP(batches=40))
     assert not [w for w in record if "quiet_read" in str(w.message)]
-    assert len(calls) >= 38
+    assert len(calls) >= (38 if read == "triton" else 0)
     for got, want in calls:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+        # past 1e19 the squares overflow float32: inf here (on CUDA in _foreach_norm too)
+        big = ~(want < 1e19)
+        torch.testing.assert_close(got[~big], want[~big], rtol=1e-5, atol=0)
+        assert torch.equal(~(got < 1e19), big)
     alarms = _alarms(record)
+    assert min(step for step, _, _ in alarms) == 37
     assert next((s, layer) for s, layer, m in alarms if "spike" in m) == (37, "net.2")
