@@ -14,6 +14,7 @@ import torch
 from test_alarms import SPIKE_WARNS, Fault, LongMLP, _alarms
 
 from lightning_hooks import AlarmRules, GradFlowCallback, LightningHooksWarning
+from lightning_hooks.core.stats.sentinel_read import SentinelRead
 
 
 def test_an_unknown_read_is_named_with_the_allowed_ones() -> None:
@@ -51,3 +52,24 @@ def test_off_cuda_the_triton_read_falls_back_once_with_the_same_alarms(tmp_path:
     assert len(fallback) == 1 and "_foreach_norm" in fallback[0], said_triton
     assert "not CUDA" in fallback[0] or "triton" in fallback[0]
     assert not [m for m in said_foreach if "quiet_read" in m]
+
+
+def test_kernels_that_fail_are_said_once_and_the_fit_reads_with_foreach(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Our failure is never the user's: a Triton that cannot launch (a driver without the
+    kernels' image, say) costs one message, and the alarms are the default read's."""
+    launches: list[int] = []
+
+    class Broken:
+        def __call__(self, grads: list[torch.Tensor]) -> torch.Tensor:
+            launches.append(len(grads))
+            raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(SentinelRead, "_pointer_norms", staticmethod(lambda view: Broken()))
+    foreach, _ = _fit("foreach", tmp_path / "foreach")
+    broken, said = _fit("triton", tmp_path / "triton")
+    assert broken == foreach and len(launches) == 1
+    fallback = [m for m in said if "quiet_read='triton'" in m]
+    assert len(fallback) == 1, said
+    assert "its kernels failed (RuntimeError: no kernel image" in fallback[0]

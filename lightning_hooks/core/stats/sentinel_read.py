@@ -87,8 +87,10 @@ class SentinelRead:
         if why is None:
             try:
                 return pointer_norms.PointerNorms(view.params)
-            except ValueError as error:
+            except ValueError as error:  # a layout it does not read
                 why = f"it reads {error}"
+            except Exception as error:  # its tables could not be built (pinned memory, say)
+                why = f"its tables could not be built ({type(error).__name__}: {error})"
         return _fallback(why)
 
     def post(
