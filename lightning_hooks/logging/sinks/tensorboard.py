@@ -10,6 +10,7 @@ from matplotlib.figure import Figure
 
 from lightning_hooks.logging.dashboard import record_tags, write_dashboard
 from lightning_hooks.logging.histograms import histogram_raw
+from lightning_hooks.logging.sinks._crc import fast_tensorboard_crc
 from lightning_hooks.logging.sinks._types import lightning_types
 from lightning_hooks.logging.sinks.base import LoggerSink, Moments
 
@@ -28,6 +29,10 @@ class TensorBoardSink(LoggerSink):
     """
 
     shows_pictures: ClassVar[bool] = True
+
+    def __init__(self, logger: Any) -> None:
+        super().__init__(logger)
+        fast_tensorboard_crc()  # the event files' checksums in C (``_crc.py``), once
 
     @classmethod
     def accepts(cls, logger: Any) -> bool:
