@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullLocator
 
 __all__ = ["grad_flow_figure", "layer_epoch_heatmap", "layer_time_figure"]
 
@@ -34,6 +38,25 @@ def _label_size(n: int) -> int:
     return 11 if n <= 16 else 9 if n <= 30 else 7
 
 
+def _bars(
+    ax: Axes, x: np.ndarray, heights: np.ndarray, floor: float, width: float, **style: Any
+) -> None:
+    """Bars from ``floor`` to ``heights`` at ``x`` as one artist (``ax.bar`` makes a rectangle
+    artist per bar, each laid out and drawn on its own: half the chart's time at 75 layers).
+
+    Example:
+        >>> fig = Figure()
+        >>> ax = fig.add_subplot()
+        >>> _bars(ax, np.arange(2), np.array([1.0, 3.0]), 0.0, 0.5, label="b")
+        >>> ax.collections[0].get_paths()[1].vertices[:4].tolist()
+        [[0.75, 0.0], [0.75, 3.0], [1.25, 3.0], [1.25, 0.0]]
+    """
+    left, right, low = x - width / 2, x + width / 2, np.full(len(x), floor)
+    corners = [(left, low), (left, heights), (right, heights), (right, low)]
+    verts = np.stack([np.stack(corner, axis=1) for corner in corners], axis=1)
+    ax.add_collection(PolyCollection(list(verts), alpha=0.6, **style))
+
+
 def grad_flow_figure(
     layers: Sequence[str], mean_abs: np.ndarray, max_abs: np.ndarray, title: str = ""
 ) -> Figure:
@@ -47,7 +70,7 @@ def grad_flow_figure(
         >>> fig.axes[0].get_yscale()
         'log'
         >>> [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
-        ['zero or non-finite', 'max |grad|', 'mean |grad|']
+        ['max |grad|', 'mean |grad|', 'zero or non-finite']
     """
     n = len(layers)
     # Bounded size for deep models: at most _MAX_WIDTH inches, at most _MAX_LABELS tick labels.
@@ -58,7 +81,7 @@ def grad_flow_figure(
     floor = float(finite.min()) / 10 if finite.size else 1e-12
     for values, label, color in ((max_abs, "max |grad|", "c"), (mean_abs, "mean |grad|", "b")):
         shown = np.where(np.isfinite(values) & (values > 0), values, floor)
-        ax.bar(x, shown, width=0.8 if color == "c" else 0.5, color=color, alpha=0.6, label=label)
+        _bars(ax, x, shown, floor, width=0.8 if color == "c" else 0.5, color=color, label=label)
     bad = ~(np.isfinite(mean_abs) & (mean_abs > 0)) | ~(np.isfinite(max_abs) & (max_abs > 0))
     if bad.any():
         ax.scatter(
@@ -71,6 +94,8 @@ def grad_flow_figure(
             label="zero or non-finite",
         )
     ax.set_yscale("log")
+    ax.yaxis.set_minor_locator(NullLocator())  # a deep model's chart: fewer ticks to lay out
+    ax.autoscale_view()
     ax.set_ylim(bottom=floor)
     every = -(-n // _MAX_LABELS)
     ax.set_xticks(x[::every], _labels(layers)[::every], rotation=90, fontsize=_label_size(n))
