@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# A lent GPU's checks (issue 36), as one prepared run of at most 7 minutes:
+# A lent GPU's checks (issue 36), as one prepared run of at most 8 minutes:
 #   the CUDA tests (and the Triton read's), the quiet step's host time in our hooks against the
-#   floor's (quiet_step.py), what a CUDA graph or the pointer-table kernels save on the norm
-#   pass (graph_probe.py), the overhead table on the launch-bound stand-in and the small models
+#   floor's (quiet_step.py), what a CUDA graph, the pointer-table kernels or the grouped read
+#   save on the norm pass (graph_probe.py), the overhead table on the launch-bound stand-in and the small models
 #   (fp32), and on ResNet-50 and GPT-2 124M (bf16-mixed). A sampled step against a quiet one:
 #   benchmarks/sampled_step_gpu.py, separately.
 # Run from the repository root on the GPU machine, whose python3 holds torch, Lightning, Triton,
@@ -17,19 +17,20 @@ mkdir -p "$OUT"
   python3 -c "import torch, triton, pytorch_lightning as pl; print('torch', torch.__version__, 'triton', triton.__version__, 'lightning', pl.__version__, torch.cuda.get_device_name())"
   date -u
 } 2>&1 | tee -a "$OUT/log.txt"
-timeout "${TESTS_S:-55}" python3 -m pytest -q -p no:cacheprovider -o addopts=-ra \
+timeout "${TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider -o addopts=-ra \
   tests/test_cuda.py tests/test_alarm_rules.py tests/test_layer_time.py tests/test_precision.py \
   tests/test_distributed.py tests/test_pointer_norms.py tests/test_quiet_read.py \
-  -k "cuda or fsdp_fit_is_refused or pointer or quiet_read" 2>&1 | tee -a "$OUT/log.txt" | tail -n 25
-timeout "${QUIET_S:-45}" python3 benchmarks/quiet_step.py --accelerator cuda --model launch \
+  tests/test_grouped_norms.py -k "cuda or fsdp_fit_is_refused or pointer or quiet_read or grouped" \
+  2>&1 | tee -a "$OUT/log.txt" | tail -n 25
+timeout "${QUIET_S:-70}" python3 benchmarks/quiet_step.py --accelerator cuda --model launch \
   --steps 300 --rounds 2 2>&1 | tee -a "$OUT/log.txt" | tail -n 8
-timeout "${GRAPH_S:-35}" python3 benchmarks/graph_probe.py \
+timeout "${GRAPH_S:-40}" python3 benchmarks/graph_probe.py \
   --models launch transformer resnet50 gpt2 2>&1 | tee -a "$OUT/log.txt" | tail -n 8
-ONLY=(=GradFlowCallback "floor: one gradient read" "quiet_read=triton")
-timeout "${SMALL_S:-95}" python3 benchmarks/overhead.py --accelerator cuda --rounds 2 \
-  --models launch mlp cnn transformer --depths --sample-every --only "${ONLY[@]}" \
-  --save --out "$OUT/small" 2>&1 | tail -n 40
-timeout "${LARGE_S:-180}" python3 benchmarks/overhead.py --accelerator cuda \
-  --precision bf16-mixed --rounds 2 --models resnet50 gpt2 --depths --sample-every \
-  --only =GradFlowCallback "=all, defaults" "quiet_read=triton" --save --out "$OUT/large" 2>&1 \
+ONLY=(=GradFlowCallback "=all, defaults" "floor: one gradient read" "quiet_read=foreach")
+timeout "${SMALL_S:-110}" python3 benchmarks/overhead.py --accelerator cuda --rounds 2 \
+  --models launch mlp cnn transformer --only "${ONLY[@]}" --save --out "$OUT/small" 2>&1 \
+  | tail -n 40
+timeout "${LARGE_S:-170}" python3 benchmarks/overhead.py --accelerator cuda \
+  --precision bf16-mixed --rounds 2 --models resnet50 gpt2 \
+  --only =GradFlowCallback "=all, defaults" "quiet_read=foreach" --save --out "$OUT/large" 2>&1 \
   | tail -n 40

@@ -12,7 +12,8 @@ For each model this measures, on the model's own gradients:
   the device synchronized between batches and outside the timing), the replay with the
   address check a graph would need each step (``data_ptr`` of every gradient), and the
   pointer-table kernels of ``AlarmRules(quiet_read="triton")`` (``PointerNorms``, its norms
-  checked against eager's) with their copy to the host;
+  checked against eager's) with their copy to the host, and the default grouped read
+  (``GroupedNorms``: small gradients of one shape stacked, the rest by ``_foreach_norm``);
 - the device time of one call each way (CUDA events over 200 calls);
 - how many of 30 real steps (SGD, ``zero_grad()`` at its default) left every gradient at the
   address of the step before, as a graph would need.
@@ -37,6 +38,7 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "tes
 
 import overhead  # noqa: E402
 
+from lightning_hooks.core.kernels.grouped_norms import GroupedNorms  # noqa: E402
 from lightning_hooks.core.kernels.pointer_norms import PointerNorms  # noqa: E402
 
 
@@ -121,9 +123,18 @@ def probe(name: str) -> dict[str, float]:
         host.copy_(pointers(grads), non_blocking=True)  # type: ignore[arg-type]
         event.record()
 
+    grouped_read = GroupedNorms(list(net.parameters()))
+
+    def grouped() -> None:
+        host.copy_(grouped_read(grads), non_blocking=True)
+        event.record()
+
     eager()
     torch.cuda.synchronize()
     want = host.clone()
+    grouped()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(host, want, rtol=1e-5, atol=0)
     replay()
     torch.cuda.synchronize()
     assert torch.equal(host, want), "the graph's norms differ from eager's"
@@ -136,9 +147,12 @@ def probe(name: str) -> dict[str, float]:
         "graph_host_us": _host_us(replay),
         "checked_host_us": _host_us(checked),
         "table_host_us": _host_us(table),
+        "grouped_host_us": _host_us(grouped),
+        "groups": len(grouped_read.groups),
         "eager_device_us": _device_us(eager),
         "graph_device_us": _device_us(replay),
         "table_device_us": _device_us(table),
+        "grouped_device_us": _device_us(grouped),
         "stable_steps": _stable_steps(name),
     }
 
@@ -152,18 +166,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print(
         "| model | gradients | host: eager | host: graph | host: graph + address check "
-        "| host: pointer table | device: eager | device: graph | device: pointer table "
-        "| steps with every gradient where it was |"
+        "| host: pointer table | host: grouped (stacks) | device: eager | device: graph "
+        "| device: pointer table | device: grouped | steps with every gradient where it was |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name in args.models:
         r = probe(name)
         print(
             f"| {name} | {r['tensors']:.0f} | {r['eager_host_us']:.1f} us "
             f"| {r['graph_host_us']:.1f} us | {r['checked_host_us']:.1f} us "
             f"| {r['table_host_us']:.1f} us "
+            f"| {r['grouped_host_us']:.1f} us ({r['groups']:.0f}) "
             f"| {r['eager_device_us']:.1f} us | {r['graph_device_us']:.1f} us "
-            f"| {r['table_device_us']:.1f} us "
+            f"| {r['table_device_us']:.1f} us | {r['grouped_device_us']:.1f} us "
             f"| {r['stable_steps']:.0f} of 30 |"
         )
 

@@ -312,12 +312,14 @@ def configs(include_tutorial: bool = True) -> list[Config]:
                 quiet,
             )
         )
-        if ACCELERATOR == "cuda":  # the opt-in pointer-table read of quiet steps (Triton)
-            read = {"alarms": lightning_hooks.AlarmRules(quiet_read="triton")}
+        # the other reads of a quiet step's norms: one _foreach_norm, and (Triton, CUDA only)
+        # the opt-in pointer-table kernels
+        for way in ("foreach", "triton") if ACCELERATOR == "cuda" else ("foreach",):
+            read = {"alarms": lightning_hooks.AlarmRules(quiet_read=way)}
             out.append(
                 Config(
-                    "GradFlowCallback, quiet_read=triton",
-                    lambda: [found["GradFlowCallback"](**read)],
+                    f"GradFlowCallback, quiet_read={way}",
+                    partial(lambda kw: [found["GradFlowCallback"](**kw)], read),
                     read,
                 )
             )

@@ -29,6 +29,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -105,11 +106,12 @@ def main(argv: list[str] | None = None) -> None:
         "GradFlowCallback()": lambda: [lightning_hooks.GradFlowCallback()],
         "all five at their defaults": lambda: [cls() for cls in found.values()],
     }
-    if args.accelerator == "cuda":  # the pointer-table read, opt-in (Triton, CUDA only)
-        rules = lightning_hooks.AlarmRules(quiet_read="triton")
-        configs["GradFlowCallback(alarms=AlarmRules(quiet_read='triton'))"] = lambda: [
-            lightning_hooks.GradFlowCallback(alarms=rules)
-        ]
+    reads = ["foreach", "triton"] if args.accelerator == "cuda" else ["foreach"]  # Triton: CUDA
+    for read in reads:  # the other reads of a quiet step's norms, beside the default
+        rules = lightning_hooks.AlarmRules(quiet_read=read)
+        configs[f"GradFlowCallback(alarms=AlarmRules(quiet_read={read!r}))"] = partial(
+            lambda r: [lightning_hooks.GradFlowCallback(alarms=r)], rules
+        )
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, make in configs.items():

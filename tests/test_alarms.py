@@ -15,6 +15,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.precision import MixedPrecision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import (
@@ -47,6 +48,16 @@ class LongMLP(TinyMLP):
 
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(dataset(n=8 * self.batches), batch_size=8)
+
+
+class DeeperMLP(LongMLP):
+    """LongMLP with two more hidden layers: sets of gradients of one shape (the hidden layers'
+    biases and 16 x 16 weights), which the default quiet read stacks."""
+
+    def __init__(self, batches: int = 40) -> None:
+        super().__init__(batches=batches)
+        hidden = [m for _ in range(2) for m in (nn.Linear(16, 16), nn.ReLU())]
+        self.net = nn.Sequential(*self.net[:4], *hidden, self.net[4])
 
 
 class Fault(pl.Callback):

@@ -21,7 +21,7 @@ import test_dead_relu
 import test_grad_flow
 import test_saturation
 import torch
-from test_alarms import SPIKE_WARNS, Fault, LongMLP, _alarms
+from test_alarms import SPIKE_WARNS, DeeperMLP, Fault, _alarms
 
 from lightning_hooks import (
     ActivationStatsCallback,
@@ -76,7 +76,7 @@ def _count(callbacks: list[pl.Callback], steps: int, tmp_path: Any) -> dict[int,
         probe.record = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            trainer.fit(LongMLP(batches=steps))
+            trainer.fit(DeeperMLP(batches=steps))  # sets of gradients the default read stacks
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return probe.per_step
@@ -136,44 +136,54 @@ def test_exactness_holds_on_cuda(name: str, tmp_path: Path) -> None:
     test(trainer_factory=on_cuda, tmp_path=tmp_path, **arguments)
 
 
-def _counting_reads(monkeypatch: pytest.MonkeyPatch, compare: bool) -> list[Any]:
-    """Each call of the pointer-table read; with ``compare``, its norms beside
-    ``_foreach_norm``'s of the same gradients."""
+def _counting_reads(monkeypatch: pytest.MonkeyPatch, compare: bool, read: str) -> list[Any]:
+    """Each call of the pointer-table read (``read="triton"``) or of the grouped read (else);
+    with ``compare``, its norms beside ``_foreach_norm``'s of the same gradients."""
+    from lightning_hooks.core.kernels import grouped_norms
+    from lightning_hooks.core.kernels.grouped_norms import GroupedNorms
     from lightning_hooks.core.kernels.pointer_norms import PointerNorms
 
+    cls: Any = PointerNorms if read == "triton" else GroupedNorms
+    # stacks of DeeperMLP's 3 and 4 gradients of one shape, as on the CPU (a CUDA read stacks
+    # 12 at least: fewer are not worth their ops, and this model has none)
+    monkeypatch.setitem(grouped_norms.MIN_GROUP, "cuda", 3)
     calls: list[Any] = []
-    read = PointerNorms.__call__
+    call = cls.__call__
 
-    def counted(self: PointerNorms, grads: Any) -> torch.Tensor | None:
-        norms = read(self, grads)
+    def counted(self: Any, grads: Any) -> torch.Tensor | None:
+        norms = call(self, grads)
         want = torch.stack(torch._foreach_norm(grads)).float() if compare else None
-        calls.append((None if norms is None else norms.clone(), want) if compare else 1)
+        got = None if norms is None else norms.float().clone()  # a buffer the next read reuses
+        calls.append((got, want) if compare else getattr(self, "groups", 1))
         return norms
 
-    monkeypatch.setattr(PointerNorms, "__call__", counted)
+    monkeypatch.setattr(cls, "__call__", counted)
     return calls
 
 
-def test_the_triton_read_makes_no_cuda_sync_beyond_bare_training(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("read", ["grouped", "triton"])
+def test_each_read_makes_no_cuda_sync_beyond_bare_training(
+    read: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls = _counting_reads(monkeypatch, compare=False)
+    calls = _counting_reads(monkeypatch, compare=False, read=read)
     bare = _count([], 60, tmp_path / "bare")
-    ours = _count([GradFlowCallback(alarms=AlarmRules(quiet_read="triton"))], 60, tmp_path / "t")
+    ours = _count([GradFlowCallback(alarms=AlarmRules(quiet_read=read))], 60, tmp_path / "t")
     quiet = range(1, 49)
     assert [ours[s] for s in quiet] == [bare[s] for s in quiet]
-    assert len(calls) >= 48  # the kernels read every quiet step: no fallback
+    assert len(calls) >= 48  # the read ran on every quiet step: no fallback
+    if read == "grouped":  # the hidden layers' biases and 16 x 16 weights, each in a stack
+        assert calls[0] == [[1, 3, 5, 7], [2, 4, 6]]
 
 
-@pytest.mark.parametrize("read", ["foreach", "triton"])
+@pytest.mark.parametrize("read", ["grouped", "foreach", "triton"])
 def test_a_spike_on_cuda_is_named_at_its_own_step(
     read: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The rules read a non-blocking copy of the norms at most one step late: the warning still
-    names the step of the fault, and the layer. With ``quiet_read="triton"`` every quiet step's
-    norms come from the pointer-table kernels (none falls back), equal to ``_foreach_norm``'s of
-    the same gradients."""
-    calls = _counting_reads(monkeypatch, compare=True)
+    names the step of the fault, and the layer. With ``quiet_read="triton"`` or ``"grouped"``
+    every quiet step's norms come from that read (none falls back), equal to ``_foreach_norm``'s
+    of the same gradients up to float32 rounding (the reductions' order differs on CUDA)."""
+    calls = _counting_reads(monkeypatch, compare=True, read=read)
     rules = AlarmRules(diverge_ratio=None, quiet_read=read)
     with pytest.warns(GradientAlarmWarning) as record:
         pl.Trainer(
@@ -187,9 +197,9 @@ def test_a_spike_on_cuda_is_named_at_its_own_step(
                 Fault("multiply", step=37),
                 GradFlowCallback(alarms=rules, on_alarm=SPIKE_WARNS),
             ],
-        ).fit(LongMLP(batches=40))
+        ).fit(DeeperMLP(batches=40))
     assert not [w for w in record if "quiet_read" in str(w.message)]
-    assert len(calls) >= (38 if read == "triton" else 0)
+    assert len(calls) >= (0 if read == "foreach" else 38)
     for got, want in calls:
         # past 1e19 the squares overflow float32: inf here (on CUDA in _foreach_norm too)
         big = ~(want < 1e19)

@@ -11,18 +11,22 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-from test_alarms import SPIKE_WARNS, Fault, LongMLP, _alarms
+from test_alarms import SPIKE_WARNS, DeeperMLP, Fault, LongMLP, _alarms
 
 from lightning_hooks import AlarmRules, GradFlowCallback, LightningHooksWarning
+from lightning_hooks.core.kernels.grouped_norms import GroupedNorms
 from lightning_hooks.core.stats.sentinel_read import SentinelRead
 
 
 def test_an_unknown_read_is_named_with_the_allowed_ones() -> None:
-    with pytest.raises(ValueError, match=r"quiet_read='cuda-graph'.*\('foreach', 'triton'\)"):
+    allowed = r"\('grouped', 'foreach', 'triton'\)"
+    with pytest.raises(ValueError, match=r"quiet_read='cuda-graph'.*" + allowed):
         AlarmRules(quiet_read="cuda-graph")
 
 
-def _fit(read: str, root: Path) -> tuple[list[tuple[int, str, str]], list[str]]:
+def _fit(
+    read: str, root: Path, model: type[LongMLP] = LongMLP
+) -> tuple[list[tuple[int, str, str]], list[str]]:
     torch.manual_seed(0)  # the same model and data for each read
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -38,7 +42,7 @@ def _fit(read: str, root: Path) -> tuple[list[tuple[int, str, str]], list[str]]:
                     alarms=AlarmRules(diverge_ratio=None, quiet_read=read), on_alarm=SPIKE_WARNS
                 ),
             ],
-        ).fit(LongMLP(batches=40))
+        ).fit(model())
     said = [str(w.message) for w in record if w.category is LightningHooksWarning]
     return _alarms(iter(record)), said
 
@@ -73,3 +77,43 @@ def test_kernels_that_fail_are_said_once_and_the_fit_reads_with_foreach(
     fallback = [m for m in said if "quiet_read='triton'" in m]
     assert len(fallback) == 1, said
     assert "its kernels failed (RuntimeError: no kernel image" in fallback[0]
+
+
+def test_the_grouped_read_gives_the_foreach_reads_alarms_without_a_word(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default read (small gradients of one shape stacked) and one ``_foreach_norm`` give
+    the same norms, so the same alarms at the same steps."""
+    calls: list[list[list[int]]] = []
+    read = GroupedNorms.__call__
+
+    def spy(self: GroupedNorms, grads: list[torch.Tensor]) -> torch.Tensor:
+        calls.append(self.groups)
+        return read(self, grads)
+
+    monkeypatch.setattr(GroupedNorms, "__call__", spy)
+    foreach, _ = _fit("foreach", tmp_path / "foreach", DeeperMLP)
+    assert not calls
+    grouped, said = _fit("grouped", tmp_path / "grouped", DeeperMLP)
+    assert grouped == foreach and min(step for step, _, _ in grouped) == 33
+    assert not [m for m in said if "quiet_read" in m], said
+    assert len(calls) > 30 and calls[0] == [[1, 3, 5, 7], [2, 4, 6]]  # biases, 16 x 16 weights
+
+
+def test_a_grouped_read_that_fails_is_said_once_and_the_fit_reads_with_foreach(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gradient set by hand unlike its parameter cannot be stacked with its group's: one
+    message, and the alarms are ``_foreach_norm``'s."""
+    calls: list[int] = []
+
+    def broken(self: GroupedNorms, grads: list[torch.Tensor]) -> torch.Tensor:
+        calls.append(len(grads))
+        raise RuntimeError("stack expects each tensor to be equal size")
+
+    monkeypatch.setattr(GroupedNorms, "__call__", broken)
+    foreach, _ = _fit("foreach", tmp_path / "foreach", DeeperMLP)
+    grouped, said = _fit("grouped", tmp_path / "grouped", DeeperMLP)
+    assert grouped == foreach and len(calls) == 1
+    fallback = [m for m in said if "quiet_read='grouped'" in m]
+    assert len(fallback) == 1 and "stack expects each tensor" in fallback[0], said

@@ -27,7 +27,7 @@ ALARM_RULES = (
 )
 """Names of the rules, in the order of :attr:`GradientAlarms.counts`."""
 
-QUIET_READS = ("foreach", "triton")
+QUIET_READS = ("grouped", "foreach", "triton")
 """The values of :attr:`AlarmRules.quiet_read`."""
 
 _SPIKE, _EXPLOSION, _ABSOLUTE, _VANISHING, _NONFINITE, _AMP, _LOSS, _DIVERGING, _STALL, _ATTN = (
@@ -189,7 +189,7 @@ class AlarmRules:
     attn_logit_max: float | None = 1e3
     attn_entropy_min: float = 0.1
     attn_min_layers: int = 2
-    quiet_read: str = "foreach"
+    quiet_read: str = "grouped"
 
     def __post_init__(self) -> None:
         owner = "AlarmRules"

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_hooks.core.alarms.segments import HostSegments
 from lightning_hooks.core.kernels.grad_stats import ParamLayout
+from lightning_hooks.core.kernels.grouped_norms import GroupedNorms
 from lightning_hooks.core.kernels.pointer_norms import PointerNorms
 from lightning_hooks.core.transport.sharding import to_local
 
@@ -38,6 +39,7 @@ class OptimizerView:
     pointers: PointerNorms | Literal[False] | None = (
         None  # quiet_read="triton": built once; False: cannot
     )
+    grouped: GroupedNorms | Literal[False] | None = None  # "grouped": built once; False: failed
 
     def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
         """``[layers + 1, len(GRAD_STATS)]``: false in the gradient columns of layers none of

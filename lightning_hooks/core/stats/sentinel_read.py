@@ -13,6 +13,7 @@ import torch
 from lightning_hooks.core.alarms import GradientAlarms
 from lightning_hooks.core.kernels import pointer_norms
 from lightning_hooks.core.kernels.grad_stats import ParamLayout
+from lightning_hooks.core.kernels.grouped_norms import GroupedNorms
 from lightning_hooks.core.stats.optimizer_view import OptimizerView
 from lightning_hooks.core.stats.view_stats import ViewStats
 from lightning_hooks.errors import LightningHooksWarning
@@ -54,8 +55,10 @@ class SentinelRead:
         ready and returns ``False``: its statistics give the alarms their norms."""
         if self.alarms is None or self._sharded:
             return False
-        if sampled:
+        if sampled:  # the host copy and the grouped read made here, not on a quiet step
             self.alarms.reserve(len(view.params))
+            if view.grouped is None and self.alarms.rules.quiet_read == "grouped":
+                view.grouped = GroupedNorms(view.params)
             return False
         grads = ParamLayout.plain_grads(view.params)
         if grads is None:  # a missing or sparse gradient: the general path
@@ -64,15 +67,27 @@ class SentinelRead:
         return True
 
     def _norms(self, view: OptimizerView, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Each gradient's L2 norm: one ``_foreach_norm``, or the pointer-table kernels where
-        ``AlarmRules(quiet_read="triton")`` asks for them and they can read these gradients."""
-        if view.pointers is None and self.alarms and self.alarms.rules.quiet_read == "triton":
+        """Each gradient's L2 norm, read as ``AlarmRules.quiet_read`` says: small gradients of one
+        shape stacked (``"grouped"``, :class:`GroupedNorms`), one ``_foreach_norm``, or the
+        pointer-table kernels where they can read these gradients (``"triton"``)."""
+        read = self.alarms.rules.quiet_read if self.alarms else "foreach"
+        if read == "grouped":
+            if view.grouped is None:
+                view.grouped = GroupedNorms(view.params)
+            if view.grouped:
+                try:
+                    return view.grouped(grads)
+                except Exception as error:  # a gradient set by hand, unlike its parameter
+                    why = f"its stacks failed ({type(error).__name__}: {error})"
+                    view.grouped = _fallback("grouped", why)
+        if view.pointers is None and read == "triton":
             view.pointers = self._pointer_norms(view)
         if view.pointers:  # a PointerNorms (False: it cannot read them)
             try:
                 norms = view.pointers(grads)
             except Exception as error:  # a Triton that cannot build or launch the kernels
-                view.pointers = _fallback(f"its kernels failed ({type(error).__name__}: {error})")
+                why = f"its kernels failed ({type(error).__name__}: {error})"
+                view.pointers = _fallback("triton", why)
             else:
                 if norms is not None:  # None: a gradient set by hand that is not contiguous
                     return norms
@@ -91,7 +106,7 @@ class SentinelRead:
                 why = f"it reads {error}"
             except Exception as error:  # its tables could not be built (pinned memory, say)
                 why = f"its tables could not be built ({type(error).__name__}: {error})"
-        return _fallback(why)
+        return _fallback("triton", why)
 
     def post(
         self,
@@ -120,10 +135,10 @@ class SentinelRead:
         self._order.clear()
 
 
-def _fallback(why: str) -> Literal[False]:
+def _fallback(read: str, why: str) -> Literal[False]:
     """Say once, for one optimizer, why the quiet step reads with ``_foreach_norm``."""
     warnings.warn(
-        f"AlarmRules(quiet_read='triton'): {why}; quiet steps read the gradients' norms with "
+        f"AlarmRules(quiet_read={read!r}): {why}; quiet steps read the gradients' norms with "
         "torch._foreach_norm instead",
         LightningHooksWarning,
         stacklevel=3,
