@@ -149,13 +149,16 @@ class AlarmRules:
             (every layer of a model with fewer). One one-hot layer is something a model can
             route around (healthy models keep attention sinks, heads that attend to one
             token); collapse across layers is what costs the run its loss. Must be >= 1.
-        quiet_read: how a quiet step reads the gradients' norms: ``"foreach"``, one
-            ``torch._foreach_norm`` (PyTorch's host work is per tensor: about 3 us each on an
-            H100's host), or ``"triton"``, two Triton kernels that find the gradients through a
-            table of their addresses (``core/kernels/pointer_norms.py``): the same norms up to
-            float32 rounding. On CUDA, for contiguous
-            gradients of one dtype among float32, bfloat16 and float16; elsewhere, or if Triton
-            fails, the ``"foreach"`` read, with one message. Opt-in while new.
+        quiet_read: how a quiet step reads the gradients' norms: ``"grouped"`` (the default),
+            small gradients of one shape and dtype stacked and reduced in two ops per shape,
+            the rest by one ``torch._foreach_norm`` (``core/kernels/grouped_norms.py``: the
+            same norms, bit for bit on the CPU); ``"foreach"``, one ``_foreach_norm`` of all
+            (PyTorch's host work is per tensor: about 2-5 us each on the CPU, 3 on an H100's
+            host); or ``"triton"``, two Triton kernels that find the gradients through a table
+            of their addresses (``core/kernels/pointer_norms.py``): the same norms up to
+            float32 rounding. On CUDA, for contiguous gradients of one dtype among float32,
+            bfloat16 and float16; elsewhere, or if Triton fails, the ``"foreach"`` read, with
+            one message. Opt-in while new.
 
     Example:
         >>> AlarmRules(spike_factor=20.0).window
