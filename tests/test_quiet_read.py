@@ -117,3 +117,17 @@ def test_a_grouped_read_that_fails_is_said_once_and_the_fit_reads_with_foreach(
     assert grouped == foreach and len(calls) == 1
     fallback = [m for m in said if "quiet_read='grouped'" in m]
     assert len(fallback) == 1 and "stack expects each tensor" in fallback[0], said
+
+
+def test_a_grouped_read_that_cannot_be_made_is_said_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: GroupedNorms, params: list[torch.Tensor]) -> None:
+        raise RuntimeError("cannot pin memory")
+
+    monkeypatch.setattr(GroupedNorms, "__init__", broken)
+    foreach, _ = _fit("foreach", tmp_path / "foreach", DeeperMLP)
+    grouped, said = _fit("grouped", tmp_path / "grouped", DeeperMLP)
+    assert grouped == foreach
+    fallback = [m for m in said if "quiet_read='grouped'" in m]
+    assert len(fallback) == 1 and "could not be made (RuntimeError: cannot pin" in fallback[0]

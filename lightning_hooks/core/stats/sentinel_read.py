@@ -58,7 +58,7 @@ class SentinelRead:
         if sampled:  # the host copy and the grouped read made here, not on a quiet step
             self.alarms.reserve(len(view.params))
             if view.grouped is None and self.alarms.rules.quiet_read == "grouped":
-                view.grouped = GroupedNorms(view.params)
+                view.grouped = _grouped(view)
             return False
         grads = ParamLayout.plain_grads(view.params)
         if grads is None:  # a missing or sparse gradient: the general path
@@ -73,7 +73,7 @@ class SentinelRead:
         read = self.alarms.rules.quiet_read if self.alarms else "foreach"
         if read == "grouped":
             if view.grouped is None:
-                view.grouped = GroupedNorms(view.params)
+                view.grouped = _grouped(view)
             if view.grouped:
                 try:
                     return view.grouped(grads)
@@ -133,6 +133,15 @@ class SentinelRead:
             segments=None if segmented else view.segments,
         )
         self._order.clear()
+
+
+def _grouped(view: OptimizerView) -> GroupedNorms | Literal[False]:
+    """The grouped read of ``view``'s gradients, or ``False`` with one message if it cannot be
+    made (its index copied to the device, say)."""
+    try:
+        return GroupedNorms(view.params)
+    except Exception as error:
+        return _fallback("grouped", f"it could not be made ({type(error).__name__}: {error})")
 
 
 def _fallback(read: str, why: str) -> Literal[False]:
