@@ -74,3 +74,12 @@ def test_without_a_set_of_three_it_is_one_foreach_norm() -> None:
     read = GroupedNorms(grads)
     assert read.groups == [] and read.rest == [0, 1, 2]
     assert torch.equal(read(grads), torch.stack(torch._foreach_norm(grads)))
+
+
+def test_mixed_dtypes_are_promoted_as_foreach_norms_stack_is() -> None:
+    grads = [torch.randn(4).bfloat16() for _ in range(3)] + [torch.randn(3) for _ in range(3)]
+    grads.append(torch.randn(5, dtype=torch.float64))
+    read = GroupedNorms(grads)
+    assert read.groups == [[0, 1, 2], [3, 4, 5]]
+    got, want = read(grads), torch.stack(torch._foreach_norm(grads))
+    assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
