@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops import OpCounter
 
 from lightning_hooks.core.kernels.grouped_norms import MAX_GROUPS, SMALL, GroupedNorms
 
@@ -83,3 +84,17 @@ def test_mixed_dtypes_are_promoted_as_foreach_norms_stack_is() -> None:
     assert read.groups == [[0, 1, 2], [3, 4, 5]]
     got, want = read(grads), torch.stack(torch._foreach_norm(grads))
     assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
+
+
+def test_a_read_is_at_most_two_ops_per_stack_and_four_more() -> None:
+    """The bound ``tests/test_cost.py`` and the docs give: at most ``2 * MAX_GROUPS + 4`` ATen
+    ops per read (a stack and a norm per stack, a ``_foreach_norm`` and a stack for the rest, a
+    cat and an index), whatever the number of tensors; 2 when nothing is stacked."""
+    many = [torch.randn(n) for n in range(1, MAX_GROUPS + 4) for _ in range(40)]
+    many += [torch.randn(SMALL + 1) for _ in range(30)]
+    for grads, ops in ((many, 2 * MAX_GROUPS + 4), ([torch.randn(3), torch.randn(4)], 2)):
+        read = GroupedNorms(grads)
+        counter = OpCounter()
+        with counter:
+            read(grads)
+        assert counter.total == ops, counter.ops
