@@ -8,6 +8,8 @@
 # Run from the repository root on the GPU machine, whose python3 holds torch, Lightning, Triton,
 # torchvision and transformers; results go to $OUT (default ./gpu_out): log.txt and the tables' .md and .json. Each part has a time
 # limit (seconds, overridable: TESTS_S ...) so that the whole fits one call of the device tool.
+# Keep `--depths --sample-every` (empty: off) on every overhead.py call: their defaults fit
+# 1,000-layer models, which took session 16's whole limit on the GPU.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu_out}
@@ -28,9 +30,10 @@ timeout "${GRAPH_S:-40}" python3 benchmarks/graph_probe.py \
   --models launch transformer resnet50 gpt2 2>&1 | tee -a "$OUT/log.txt" | tail -n 8
 ONLY=(=GradFlowCallback "=all, defaults" "floor: one gradient read" "quiet_read=foreach")
 timeout "${SMALL_S:-110}" python3 benchmarks/overhead.py --accelerator cuda --rounds 2 \
-  --models launch mlp cnn transformer --only "${ONLY[@]}" --save --out "$OUT/small" 2>&1 \
+  --models launch mlp cnn transformer --depths --sample-every --only "${ONLY[@]}" \
+  --save --out "$OUT/small" 2>&1 \
   | tail -n 40
 timeout "${LARGE_S:-170}" python3 benchmarks/overhead.py --accelerator cuda \
-  --precision bf16-mixed --rounds 2 --models resnet50 gpt2 \
+  --precision bf16-mixed --rounds 2 --models resnet50 gpt2 --depths --sample-every \
   --only =GradFlowCallback "=all, defaults" "quiet_read=foreach" --save --out "$OUT/large" 2>&1 \
   | tail -n 40
