@@ -20,6 +20,7 @@ from lightning_hooks import (
 )
 from lightning_hooks.core.hooks import guard as guard_module
 from lightning_hooks.core.hooks.guard import STRICT_ENV, Guard
+from lightning_hooks.core.stats import activation_stats as activation_stats_module
 from lightning_hooks.core.stats import output_grad as output_grad_module
 from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
 from lightning_hooks.core.stats.grad_flow import GradFlowTracker
@@ -57,7 +58,14 @@ class HookCounter(pl.Callback):
 
 # (what fails, where the message says it failed, the callback that owns it)
 CASES = {
-    "forward hook": (ActivationStatsTracker, "_observe", "forward hook on 'net.", "Activation"),
+    "forward hook": (ActivationStatsTracker, "observe", "forward hook on 'net.", "Activation"),
+    # the small outputs' statistics, measured in a batch at the end of the sampled step
+    "batched statistics": (
+        activation_stats_module,
+        "stacked_feature_stats",
+        "on_train_batch_end hook",
+        "Activation",
+    ),
     "output gradient hook": (
         output_grad_module,
         "_output_norm",

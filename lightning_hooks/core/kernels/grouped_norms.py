@@ -17,6 +17,8 @@ from operator import itemgetter
 
 import torch
 
+from lightning_hooks.core.kernels.tensors import row_index
+
 __all__ = ["MAX_GROUPS", "MIN_GROUP", "SMALL", "GroupedNorms"]
 
 SMALL = 8192
@@ -76,7 +78,7 @@ class GroupedNorms:
         where = [0] * len(order)
         for position, i in enumerate(order):
             where[i] = position
-        self._index = _on(params[0].device, where) if self.groups else None
+        self._index = row_index(where, params[0].device) if self.groups else None
 
     def __call__(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """``[len(grads)]`` L2 norms of ``grads`` (the parameters' gradients, in order), each in
@@ -89,12 +91,3 @@ class GroupedNorms:
         if self._rest is not None:
             parts.append(torch.stack(torch._foreach_norm(self._rest(grads))))
         return torch.cat(parts).index_select(0, self._index)
-
-
-def _on(device: torch.device, values: list[int]) -> torch.Tensor:
-    """``values`` as a ``long`` tensor on ``device``; on CUDA copied from pinned memory without
-    blocking (no host sync, whichever step builds the read)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)

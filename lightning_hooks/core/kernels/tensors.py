@@ -18,6 +18,7 @@ __all__ = [
     "iter_float_tensors",
     "logsumexp_rows",
     "piece_size",
+    "row_index",
 ]
 
 DEVICE_PIECE = 1 << 24
@@ -156,3 +157,17 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
         part = rows[start : start + step].float()
         torch.logsumexp(part, dim=-1, out=out[start : start + step])
     return out.view(x.shape[:-1])
+
+
+def row_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as a ``long`` tensor on ``device``; on CUDA copied from pinned memory without
+    blocking (no host sync, on whichever step it is made).
+
+    Example:
+        >>> row_index([2, 0, 1], torch.device("cpu"))
+        tensor([2, 0, 1])
+    """
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)

@@ -14,14 +14,16 @@ from lightning_hooks.core.hooks.activations import is_kind
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.kernels.feature_stats import (
     NUM_SUMS,
+    STACKED,
     FeatureSummary,
     feature_stats,
     fused_feature_stats,
+    stacked_feature_stats,
     summarize,
 )
 from lightning_hooks.core.kernels.histogram import bin_counts, linear_edges
 from lightning_hooks.core.kernels.nonfinite import FirstNonFinite
-from lightning_hooks.core.kernels.tensors import Workspace, iter_float_tensors
+from lightning_hooks.core.kernels.tensors import Workspace, iter_float_tensors, row_index
 from lightning_hooks.core.stats.selected import SelectedStat, SelectionArgs
 
 __all__ = ["ACTIVATION_MODULES", "ActivationStatsTracker", "Histogram", "default_feature_module"]
@@ -47,6 +49,7 @@ that compute as one of them: :mod:`lightning_hooks.core.hooks.activations`)."""
 
 _NONFINITE = 4  # column of the non-finite count in the sums
 _SIGN = (-1.0, 1.0)  # extremes are kept as (-min, max) so one max-reduce pools both
+_PENDING = 1 << 22  # elements of small outputs' copies held for their batch, at most
 SCALARS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
 """The statistics logged as ``activations/{stat}/{layer}``."""
 
@@ -143,6 +146,12 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
         self.histogram_range = histogram_range
         self.workspace = Workspace()
         self._stats = fused_feature_stats if fused else feature_stats
+        # small outputs, copied in their hooks and measured together by shape and dtype at the
+        # end of the step (no histograms, not fused): (rows, copies) by (shape, dtype, device)
+        self._batched = not fused and not histogram_bins
+        self._pending: dict[tuple[Any, ...], tuple[list[int], list[torch.Tensor]]] = {}
+        self._pending_numel = 0
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}
         self.add_layer_state("sums", reduce="sum", width=(NUM_SUMS,))
         self.add_layer_state("extremes", reduce="max", width=(2,), dtype=torch.float32)
         if self.bins:
@@ -183,10 +192,40 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
         return index
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
-        """Measure every floating tensor of ``output`` into its row."""
+        """Measure every floating tensor of ``output`` into its row: a small one (at most
+        :data:`~.feature_stats.STACKED` elements) is copied, and measured with the others of its
+        shape and dtype at the end of the step (:meth:`flush`), in one batch of ops."""
         for suffix, tensor in iter_float_tensors(output):
-            if tensor.numel() > 0:
-                self._observe(self.row(name + suffix), tensor)
+            n = tensor.numel()
+            if n == 0:
+                continue
+            row = self.row(name + suffix)
+            if self._batched and n <= STACKED and not torch.compiler.is_compiling():
+                rows, copies = self._pending.setdefault(
+                    (tensor.shape, tensor.dtype, tensor.device), ([], [])
+                )
+                rows.append(row)
+                copies.append(tensor.detach().clone())  # before an in-place op overwrites it
+                self._pending_numel += n
+                if self._pending_numel > _PENDING:
+                    self.flush()
+            else:
+                self._observe(row, tensor)
+
+    def flush(self) -> None:
+        """Measure the small outputs copied since the last call, a batch per shape and dtype,
+        into their rows (in the order they were seen: the sums add as :meth:`_observe`'s)."""
+        for rows, copies in self._pending.values():
+            stats = stacked_feature_stats(torch.stack(copies))
+            index = self._indices.get(tuple(rows))
+            if index is None:
+                index = self._indices[tuple(rows)] = row_index(rows, stats.device)
+            self.sums.index_add_(0, index, stats[:, :NUM_SUMS].to(self.sums.dtype))
+            signed = stats[:, NUM_SUMS:] * self._sign
+            self.extremes.scatter_reduce_(0, index[:, None].expand(-1, 2), signed, "amax")
+        self._pending.clear()
+        self._pending_numel = 0
+        super().flush()
 
     def _observe(self, row: int, x: torch.Tensor) -> None:
         stats = self._stats(x, self.workspace)
@@ -213,6 +252,7 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
         the first mark no row had a non-finite value: the first row with one now is the first
         module in execution order whose output went non-finite in this step.
         """
+        self.flush()
         if not self.rows:
             return
         bad = self.sums[:, _NONFINITE] > 0
