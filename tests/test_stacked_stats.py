@@ -113,3 +113,12 @@ def test_a_small_output_costs_two_ops_in_its_hook() -> None:
     tracker.remove()
     assert hooked - bare == 2 * 40, counter.ops
     assert counter.total <= 2 * 20  # Linear's and ReLU's outputs are one shape: one batch
+
+
+def test_copies_of_a_step_cut_short_go_with_the_hooks() -> None:
+    net = _Net()
+    tracker = ActivationStatsTracker(net)
+    net(torch.randn(4, 8))
+    assert tracker._pending
+    tracker.remove()
+    assert not tracker._pending and tracker._pending_numel == 0

@@ -50,6 +50,7 @@ that compute as one of them: :mod:`lightning_hooks.core.hooks.activations`)."""
 _NONFINITE = 4  # column of the non-finite count in the sums
 _SIGN = (-1.0, 1.0)  # extremes are kept as (-min, max) so one max-reduce pools both
 _PENDING = 1 << 22  # elements of small outputs' copies held for their batch, at most
+_INDICES = 64  # row patterns whose device index is kept
 SCALARS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
 """The statistics logged as ``activations/{stat}/{layer}``."""
 
@@ -219,6 +220,8 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
             stats = stacked_feature_stats(torch.stack(copies))
             index = self._indices.get(tuple(rows))
             if index is None:
+                if len(self._indices) >= _INDICES:  # a forward whose calls vary: start over
+                    self._indices.clear()
                 index = self._indices[tuple(rows)] = row_index(rows, stats.device)
             self.sums.index_add_(0, index, stats[:, :NUM_SUMS].to(self.sums.dtype))
             signed = stats[:, NUM_SUMS:] * self._sign
@@ -226,6 +229,12 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
         self._pending.clear()
         self._pending_numel = 0
         super().flush()
+
+    def remove(self) -> None:
+        """Remove the hooks; copies not yet measured (a step cut short) are dropped."""
+        self._pending.clear()
+        self._pending_numel = 0
+        super().remove()
 
     def _observe(self, row: int, x: torch.Tensor) -> None:
         stats = self._stats(x, self.workspace)
