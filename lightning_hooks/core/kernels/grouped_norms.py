@@ -6,8 +6,9 @@ each tensor (about 3 us each on an H100's host). A small model's gradients are m
 tensors of a few repeated shapes (biases, norm weights, the blocks' matrices), for which that
 overhead is the whole cost. Here the small gradients of one shape and dtype are stacked into one
 tensor (one copy, one op, whatever their number) and reduced along its rows (one op); the rest
-take one ``_foreach_norm``. Each row's reduction is the same as the tensor's own, so the norms
-equal ``_foreach_norm``'s (``tests/test_grouped_norms.py`` checks them bit for bit).
+take one ``_foreach_norm``. Each row's reduction is the same as the tensor's own, so on the CPU
+the norms equal ``_foreach_norm``'s bit for bit (``tests/test_grouped_norms.py``); on CUDA,
+within float32 rounding (``tests/test_cuda.py``).
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ class GroupedNorms:
     The groups are made once, from the parameters' shapes, dtypes and devices (a dense gradient
     has its parameter's): the :data:`MAX_GROUPS` largest sets of non-scalar parameters of at
     most :data:`SMALL` elements that share all three, of at least :data:`MIN_GROUP` (3 on the
-    CPU, 12 on CUDA). A call runs the same
-    Python whatever the number of tensors or groups (their gradients are picked by
-    ``operator.itemgetter``): no frame per group, none per tensor.
+    CPU, 12 on CUDA). A call runs the same Python whatever the number of tensors or groups
+    (their gradients are picked by ``operator.itemgetter``): no frame per group, none per tensor.
 
     Args:
         params: the parameters whose gradients each call reads, in order.

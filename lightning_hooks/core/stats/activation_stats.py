@@ -152,7 +152,7 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
         self._batched = not fused and not histogram_bins
         self._pending: dict[tuple[Any, ...], tuple[list[int], list[torch.Tensor]]] = {}
         self._pending_numel = 0
-        self._indices: dict[tuple[int, ...], torch.Tensor] = {}
+        self._indices: dict[tuple[Any, ...], torch.Tensor] = {}
         self.add_layer_state("sums", reduce="sum", width=(NUM_SUMS,))
         self.add_layer_state("extremes", reduce="max", width=(2,), dtype=torch.float32)
         if self.bins:
@@ -218,11 +218,12 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
         into their rows (in the order they were seen: the sums add as :meth:`_observe`'s)."""
         for rows, copies in self._pending.values():
             stats = stacked_feature_stats(torch.stack(copies))
-            index = self._indices.get(tuple(rows))
+            key = (stats.device, *rows)  # a tracker attached again may be on another device
+            index = self._indices.get(key)
             if index is None:
                 if len(self._indices) >= _INDICES:  # a forward whose calls vary: start over
                     self._indices.clear()
-                index = self._indices[tuple(rows)] = row_index(rows, stats.device)
+                index = self._indices[key] = row_index(rows, stats.device)
             self.sums.index_add_(0, index, stats[:, :NUM_SUMS].to(self.sums.dtype))
             signed = stats[:, NUM_SUMS:] * self._sign
             self.extremes.scatter_reduce_(0, index[:, None].expand(-1, 2), signed, "amax")
