@@ -37,3 +37,71 @@ def test_results_are_written_only_with_save(
     overhead.main(["--models", "mlp", "--depths", "--sample-every", "--out", str(out), "--save"])
     assert out.with_suffix(".md").read_text() == "| table |\n"
     assert '"command"' in out.with_suffix(".json").read_text()
+
+
+def _paired() -> ModuleType:
+    _overhead()  # paired.py imports it by name
+    spec = importlib.util.spec_from_file_location("paired", ROOT / "benchmarks" / "paired.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("players", "turn"), [(2, 1), (3, 2), (4, 5)])
+def test_the_paired_ring_runs_one_turn_at_a_time_in_order_and_ends(players: int, turn: int) -> None:
+    """``benchmarks/paired.py``'s baton: each player runs ``turn`` steps while the others wait,
+    around the ring in order, and every player finishes (no one is left waiting)."""
+    import threading
+    import time
+
+    paired = _paired()
+    steps = 3 * turn + 1  # a last, short turn too
+    batons = [threading.Semaphore(1 if i == 0 else 0) for i in range(players)]
+    log: list[int] = []
+    running: list[int] = []
+
+    overlaps: list[list[int]] = []
+
+    def play(i: int) -> None:
+        baton = paired.Baton(batons[i], batons[(i + 1) % players], turn)
+        for _ in range(steps):
+            baton.on_train_batch_start()
+            running.append(i)
+            log.append(i)
+            time.sleep(0.002)  # a step: the others get the interpreter meanwhile
+            if running != [i]:  # somebody else ran inside this player's turn
+                overlaps.append(list(running))
+            running.remove(i)
+        baton.on_train_end()
+        counts.append(len(baton.cpu))
+
+    counts: list[int] = []
+    threads = [threading.Thread(target=play, args=(i,), daemon=True) for i in range(players)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads)
+    assert not overlaps
+    assert counts == [steps] * players  # a step start timed per step
+    expected = [
+        i
+        for start in range(0, steps, turn)
+        for i in range(players)
+        for _ in range(min(turn, steps - start))
+    ]
+    assert log == expected
+
+
+def test_paired_ratios_are_to_bare_in_the_same_round() -> None:
+    paired = _paired()
+    rounds = [
+        {"bare": [9.0, 1.0, 1.0, 1.0, 2.0], "x": [9.0, 1.1, 1.1, 1.1, 4.0]},
+        {"bare": [9.0, 2.0, 2.0, 2.0, 4.0], "x": [9.0, 2.4, 2.4, 2.4, 8.0]},
+    ]
+    rows = paired.summarize(rounds, warmup=1)
+    assert rows["x"]["rounds"]["quiet"] == pytest.approx([1.1, 1.2])  # the median steps
+    assert rows["x"]["rounds"]["mean"] == pytest.approx([7.3 / 5, 15.2 / 10])  # sampled in it
+    assert rows["x"]["quiet"]["median"] == pytest.approx(1.15)
+    assert rows["bare"]["mean"] == {"median": 1.0, "min": 1.0, "max": 1.0}

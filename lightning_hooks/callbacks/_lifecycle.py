@@ -17,6 +17,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.callbacks._checks import check_strategy
+from lightning_hooks.callbacks._dispatch import restore_inherited, skip_inherited
 from lightning_hooks.callbacks._watching import Watching
 from lightning_hooks.core.hooks.guard import Guard, guard_hooks
 from lightning_hooks.core.transport.distributed import agree, gather_objects, world_size
@@ -134,6 +135,7 @@ class Lifecycle(Watching, _CallbackBase):
         self._idle = _passed_by_user(self, trainer.callbacks)  # type: ignore[attr-defined]
         if not self._idle:
             self._validate(pl_module)
+        skip_inherited(self, trainer)  # for the fit: Lightning calls only the hooks we define
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -256,6 +258,7 @@ class Lifecycle(Watching, _CallbackBase):
         ``log_dict``, which Lightning binds to every callback at the start of each run (and binds
         again at the next) and which would otherwise keep the model alive after ``fit``."""
         self._detach()
+        restore_inherited(self)
         for bound in ("log", "log_dict"):
             self.__dict__.pop(bound, None)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import cast
 
 import torch
@@ -33,6 +34,8 @@ __all__ = [
     "update_norms",
 ]
 
+_GRAD, _IS_SPARSE = attrgetter("grad"), attrgetter("is_sparse")
+_PLAIN = {torch.Tensor}
 _TYPICAL_SAMPLE = 1024  # entries read per tensor by typical_update
 
 GRAD_STATS = ("grad_norm", "grad_abs_mean", "grad_abs_max", "grad_nonfinite", "weight_norm")
@@ -146,9 +149,10 @@ class ParamLayout:
     def plain_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor] | None:
         """Each parameter's gradient when every one is a plain dense tensor (none missing, none
         sparse, none a ``DTensor``), else ``None``: one Python frame, whatever the number of
-        tensors (the quiet step's read)."""
-        plain = [p.grad for p in params]
-        if [g for g in plain if g is None or g.is_sparse or type(g) is not torch.Tensor]:
+        tensors (the quiet step's read): C loops over the list, no Python frame per tensor."""
+        plain = list(map(_GRAD, params))
+        # None is NoneType's and a DTensor its own type: only dense tensors are plain Tensors
+        if set(map(type, plain)) - _PLAIN or any(map(_IS_SPARSE, plain)):
             return None
         return cast("list[torch.Tensor]", plain)
 
