@@ -11,10 +11,13 @@ one process run ``--turn`` steps while the others block. Each step's *process CP
 recorded; blocking costs none. So every configuration's steps run within ``N x turn`` steps of
 every other's, under the same speed of the host, and their ratio holds where the fits' does not.
 
-What a turn changes: the first step of a turn runs after another process's steps, with colder
-caches than in a fit alone, for bare as for the others (``--turn`` steps share that: 1 in 5 at
-the default). A process's own step, hooks and the sampled step (one in ``log_every_n_steps``, 50,
-the same in every process) are all measured; the fit's set-up and epoch end are not.
+What a turn changes: its first step runs after another process's steps, with colder caches
+than any step of a fit alone, and how cold depends on which process ran before (in one ring of
+seven, six callbacks that do nothing read 0.96x bare, in a ring of five 1.05x). So the first step of
+each turn is dropped: what is kept followed a step of its own process, as in a fit alone, and
+who follows whom is drawn anew each round. A process's own steps, hooks and the sampled step
+(one in ``log_every_n_steps``, 50, the last of its turn at the default ``--turn 5``) are
+measured; the fit's set-up and epoch end are not.
 
 Usage (the launch-bound stand-in, one thread per process, 3 rounds of 300 timed steps)::
 
@@ -28,6 +31,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import random
 import statistics
 import sys
 import time
@@ -38,8 +42,14 @@ import pytorch_lightning as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# A process of the ring spawned for another checkout (``--compare``) imports lightning_hooks
+# from there: a spawned process gets its parent's sys.path, which PYTHONPATH cannot change.
+if os.environ.get(_CHECKOUT := "PAIRED_CHECKOUT"):
+    sys.path.insert(0, os.environ[_CHECKOUT])
 
 import overhead
+
+import lightning_hooks
 
 DEFAULT = ["=GradFlowCallback", "=all, defaults", "floor: one gradient read", "quiet_read=foreach"]
 
@@ -76,7 +86,8 @@ def _worker(label: str, model: str, steps: int, turn: int, mine: Any, after: Any
     except BaseException as error:  # the parent ends the ring
         out.put((label, f"{type(error).__name__}: {error}"))
         raise
-    out.put((label, [b - a for a, b in zip(baton.cpu, baton.cpu[1:], strict=False)]))
+    source = str(Path(lightning_hooks.__file__).parents[1])
+    out.put((label, ([b - a for a, b in zip(baton.cpu, baton.cpu[1:], strict=False)], source)))
 
 
 def paired_round(
@@ -94,15 +105,13 @@ def paired_round(
         )
         for i, name in enumerate(names)
     ]
-    own = os.environ.get("PYTHONPATH", "")
     try:
         for name, proc in zip(names, procs, strict=True):
             tag = name.split(" @ ")[1] if " @ " in name else None
-            # a spawned process imports what PYTHONPATH names first, from its environment
-            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [checkouts.get(tag, ""), own]))
+            os.environ[_CHECKOUT] = checkouts.get(tag, "")  # read by the spawned process
             proc.start()
     finally:
-        os.environ["PYTHONPATH"] = own
+        os.environ.pop(_CHECKOUT, None)
     steps_of: dict[str, list[float]] = {}
     for _ in procs:
         name, got = out.get()
@@ -110,20 +119,33 @@ def paired_round(
             for proc in procs:
                 proc.terminate()
             raise RuntimeError(f"paired.py: the fit of {name!r} failed: {got}")
-        steps_of[name] = got
+        steps, source = got
+        tag = name.split(" @ ")[1] if " @ " in name else None
+        want = checkouts.get(tag) or str(Path(__file__).resolve().parents[1])
+        if tag is not None and source != want:  # never time one checkout under another's name
+            raise RuntimeError(f"paired.py: {name!r} imported lightning_hooks from {source}")
+        steps_of[name] = steps
     for proc in procs:
         proc.join()
     return steps_of
 
 
-def summarize(rounds: list[dict[str, list[float]]], warmup: int) -> dict[str, Any]:
-    """Per configuration: the mean step (sampled steps in it) and the median (quiet) step,
-    against bare's in the same round; the median, min and max over the rounds."""
+def own_steps(steps: list[float], warmup: int, turn: int) -> list[float]:
+    """The steps after ``warmup`` that followed a step of the same process: the first of each
+    turn ran after another process's steps, with its caches cold, which a fit alone never
+    sees (a sampled step, one in 50, ends a turn of 5 and stays in)."""
+    return [s for i, s in enumerate(steps) if i >= warmup and i % turn]
+
+
+def summarize(rounds: list[dict[str, list[float]]], warmup: int, turn: int) -> dict[str, Any]:
+    """Per configuration: the mean step (sampled steps in it) and the median (quiet) step of
+    :func:`own_steps`, against bare's in the same round; the median, min and max over the
+    rounds."""
     rows: dict[str, Any] = {}
     for name in rounds[0]:
         means, medians, ms = [], [], []
         for r in rounds:
-            mine, bare = r[name][warmup:], r["bare"][warmup:]
+            mine, bare = own_steps(r[name], warmup, turn), own_steps(r["bare"], warmup, turn)
             means.append(statistics.fmean(mine) / statistics.fmean(bare))
             medians.append(statistics.median(mine) / statistics.median(bare))
             ms.append(statistics.fmean(mine) * 1e3)
@@ -143,7 +165,8 @@ def summarize(rounds: list[dict[str, list[float]]], warmup: int) -> dict[str, An
 def markdown(rows: dict[str, Any], env: dict[str, Any]) -> str:
     lines = [
         f"Paired fits in turns (`benchmarks/paired.py`): model {env['model']}, {env['rounds']} "
-        f"rounds of {env['steps']} steps ({env['warmup']} dropped), turns of {env['turn']} steps, "
+        f"rounds of {env['steps']} steps ({env['warmup']} dropped), turns of {env['turn']} steps "
+        "(the first of each dropped), "
         f"torch {env['torch']}, one thread per process, process CPU time per step.",
         "",
         "| configuration | step | mean step / bare (min-max) | quiet step / bare (min-max) |",
@@ -185,9 +208,10 @@ def main(argv: list[str] | None = None) -> None:
     names += [f"{n} @ {tag}" for tag in checkouts for n in names if n != "bare"]
     rounds = []
     for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]  # who starts the ring rotates
+        order = random.Random(r).sample(names, len(names))  # who follows whom: new each round
         rounds.append(paired_round(order, args.model, args.steps, args.turn, checkouts))
-    rows = summarize(rounds, args.warmup)
+    rows = summarize(rounds, args.warmup, args.turn)
+    rows = {name: rows[name] for name in names}  # in the order asked, not the rings'
     env = {
         "model": args.model,
         "rounds": args.rounds,

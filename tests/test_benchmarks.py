@@ -94,13 +94,14 @@ def test_the_paired_ring_runs_one_turn_at_a_time_in_order_and_ends(players: int,
     assert log == expected
 
 
-def test_paired_ratios_are_to_bare_in_the_same_round() -> None:
+def test_paired_ratios_are_to_bare_in_the_same_round_over_steps_that_followed_their_own() -> None:
     paired = _paired()
-    rounds = [
-        {"bare": [9.0, 1.0, 1.0, 1.0, 2.0], "x": [9.0, 1.1, 1.1, 1.1, 4.0]},
-        {"bare": [9.0, 2.0, 2.0, 2.0, 4.0], "x": [9.0, 2.4, 2.4, 2.4, 8.0]},
+    rounds = [  # turns of 3: steps 0 and 3 began a turn (the 9s: after another process's)
+        {"bare": [9.0, 1.0, 1.0, 9.0, 1.0, 2.0], "x": [9.0, 1.1, 1.1, 9.0, 1.1, 4.0]},
+        {"bare": [9.0, 2.0, 2.0, 9.0, 2.0, 4.0], "x": [9.0, 2.4, 2.4, 9.0, 2.4, 8.0]},
     ]
-    rows = paired.summarize(rounds, warmup=1)
+    assert paired.own_steps(rounds[0]["x"], warmup=1, turn=3) == [1.1, 1.1, 1.1, 4.0]
+    rows = paired.summarize(rounds, warmup=1, turn=3)
     assert rows["x"]["rounds"]["quiet"] == pytest.approx([1.1, 1.2])  # the median steps
     assert rows["x"]["rounds"]["mean"] == pytest.approx([7.3 / 5, 15.2 / 10])  # sampled in it
     assert rows["x"]["quiet"]["median"] == pytest.approx(1.15)

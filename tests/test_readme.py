@@ -208,17 +208,15 @@ def _tables(section: str) -> list[list[list[str]]]:
     return tables
 
 
-def test_the_readme_launch_bound_figures_are_the_saved_benchmark_runs() -> None:
-    """README "What it costs", the launch-bound table: benchmarks/results/launch.json (run 1) and
-    launch_rerun.json (run 2), CPU-time ratios: mean step and median (quiet) step."""
+def test_the_readme_launch_bound_figures_are_the_saved_paired_run() -> None:
+    """README "What it costs", the launch-bound table: benchmarks/results/paired_launch.json
+    (``benchmarks/paired.py``), process CPU time against bare in the same ring: mean step and
+    median (quiet) step, the median over the rounds and their range."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## What it costs") : text.index("## Where it runs")]
     cells = _tables(section)[1]
-    assert cells[0] == ["configuration", "run 1: mean, quiet step", "run 2: mean, quiet step"]
-    runs = [
-        json.loads((ROOT / f"benchmarks/results/{name}.json").read_text())["timing"]["launch"]
-        for name in ("launch", "launch_rerun")
-    ]
+    assert cells[0] == ["configuration", "mean step", "quiet step"]
+    rows = json.loads((ROOT / "benchmarks/results/paired_launch.json").read_text())["rows"]
     labels = {
         "`GradFlowCallback()`": "GradFlowCallback",
         "all five at their defaults": "all, defaults",
@@ -226,20 +224,20 @@ def test_the_readme_launch_bound_figures_are_the_saved_benchmark_runs() -> None:
             "GradFlowCallback, quiet_read=foreach"
         ),
         "floor: one `torch._foreach_norm`": "floor: one gradient read (_foreach_norm)",
+        "six callbacks that do nothing": "6 empty callbacks",
         "tutorial (`.item()` hooks)": "tutorial (.item() hooks)",
     }
+
+    def cell(ratio: dict[str, float]) -> str:
+        return f"{ratio['median']:.3f}x ({ratio['min']:.3f}-{ratio['max']:.3f})"
+
     expected = {
-        label: [
-            ", ".join(
-                f"{run[config][clock]['ratio_median']:.3f}x" for clock in ("cpu", "cpu_median")
-            )
-            for run in runs
-        ]
+        label: [cell(rows[config]["mean"]), cell(rows[config]["quiet"])]
         for label, config in labels.items()
     }
     assert {row[0]: row[1:] for row in cells[2:]} == expected
-    assert f"a {runs[0]['bare']['cpu']['step_ms']:.1f} ms bare step" in " ".join(section.split())
-    assert "--out benchmarks/results/launch" in section
+    assert f"a bare step of {rows['bare']['step_ms']:.1f} ms" in " ".join(section.split())
+    assert "--out benchmarks/results/paired_launch" in section
 
 
 def test_the_readme_cost_figures_are_the_saved_benchmark_run() -> None:
@@ -293,7 +291,6 @@ def test_the_readme_gpu_figures_are_the_saved_gpu_runs() -> None:
     labels = {
         "`GradFlowCallback()`": "GradFlowCallback",
         "all five": "all, defaults",
-        '`quiet_read="foreach"`': "GradFlowCallback, quiet_read=foreach",
         "floor": "floor: one gradient read (_foreach_norm)",
     }
 
