@@ -3,8 +3,8 @@
 Lightning calls every per-batch hook of every callback (``trainer/call.py``:
 ``_call_callback_hooks``), each inside its profiler's context with an action name built for the
 call, also when the hook is ``Callback``'s empty default: six such calls a training step per
-callback. On a launch-bound step of about 10 ms on the CPU, six callbacks that do nothing cost
-about 1.05x (``benchmarks/paired.py``, "6 empty callbacks"). Lightning skips an attribute that
+callback. On a launch-bound step of about 11 ms on the CPU, six callbacks that do nothing cost
+1.03x a bare step (``benchmarks/results/paired_launch.md``). Lightning skips an attribute that
 is not callable (``if callable(fn)``, and Fabric's ``call`` one that is ``None``): for the fit,
 each inherited per-batch hook of ours is shadowed by ``None`` on the instance, and the shadow is
 removed when the fit ends. Hooks Lightning calls directly (``on_save_checkpoint``,
