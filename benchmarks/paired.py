@@ -31,6 +31,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import random
 import statistics
 import sys
@@ -90,6 +91,23 @@ def _worker(label: str, model: str, steps: int, turn: int, mine: Any, after: Any
     out.put((label, ([b - a for a, b in zip(baton.cpu, baton.cpu[1:], strict=False)], source)))
 
 
+def _next_result(out: Any, procs: list[Any]) -> tuple[str, Any]:
+    """The next process's result; a process that died without one (killed, out of memory) ends
+    the round instead of leaving the ring waiting for ever."""
+    while True:
+        try:
+            got: tuple[str, Any] = out.get(timeout=5)
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for proc in procs:
+                    proc.terminate()
+                died = f"paired.py: a fit's process died (exit {dead[0].exitcode})"
+                raise RuntimeError(died) from None
+            continue
+        return got
+
+
 def paired_round(
     names: list[str], model: str, steps: int, turn: int, checkouts: dict[str, str]
 ) -> dict[str, list[float]]:
@@ -114,7 +132,7 @@ def paired_round(
         os.environ.pop(_CHECKOUT, None)
     steps_of: dict[str, list[float]] = {}
     for _ in procs:
-        name, got = out.get()
+        name, got = _next_result(out, procs)
         if isinstance(got, str):  # a fit failed: the ring cannot go round without it
             for proc in procs:
                 proc.terminate()

@@ -9,6 +9,8 @@ from types import ModuleType
 
 import pytest
 
+from conftest import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -39,15 +41,6 @@ def test_results_are_written_only_with_save(
     assert '"command"' in out.with_suffix(".json").read_text()
 
 
-def _paired() -> ModuleType:
-    _overhead()  # paired.py imports it by name
-    spec = importlib.util.spec_from_file_location("paired", ROOT / "benchmarks" / "paired.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(("players", "turn"), [(2, 1), (3, 2), (4, 5)])
 def test_the_paired_ring_runs_one_turn_at_a_time_in_order_and_ends(players: int, turn: int) -> None:
     """``benchmarks/paired.py``'s baton: each player runs ``turn`` steps while the others wait,
@@ -55,7 +48,7 @@ def test_the_paired_ring_runs_one_turn_at_a_time_in_order_and_ends(players: int,
     import threading
     import time
 
-    paired = _paired()
+    paired = load_benchmark("paired")
     steps = 3 * turn + 1  # a last, short turn too
     batons = [threading.Semaphore(1 if i == 0 else 0) for i in range(players)]
     log: list[int] = []
@@ -95,7 +88,7 @@ def test_the_paired_ring_runs_one_turn_at_a_time_in_order_and_ends(players: int,
 
 
 def test_paired_ratios_are_to_bare_in_the_same_round_over_steps_that_followed_their_own() -> None:
-    paired = _paired()
+    paired = load_benchmark("paired")
     rounds = [  # turns of 3: steps 0 and 3 began a turn (the 9s: after another process's)
         {"bare": [9.0, 1.0, 1.0, 9.0, 1.0, 2.0], "x": [9.0, 1.1, 1.1, 9.0, 1.1, 4.0]},
         {"bare": [9.0, 2.0, 2.0, 9.0, 2.0, 4.0], "x": [9.0, 2.4, 2.4, 9.0, 2.4, 8.0]},
