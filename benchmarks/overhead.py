@@ -487,7 +487,13 @@ class CaptureLogger(Logger):
 PRE_ACTIVATION: dict[str, tuple[str, ...]] = {"transformer": ("*.linear1",)}
 
 
-def fit(model_name: str, callbacks: list[pl.Callback], steps: int, logger: Any = None) -> Bench:
+def fit(
+    model_name: str,
+    callbacks: list[pl.Callback],
+    steps: int,
+    logger: Any = None,
+    log_every_n_steps: int = 50,
+) -> Bench:
     model = make_model(model_name, steps)
     if model_name in PRE_ACTIVATION:  # the selection is fixed at construction: build it anew
         callbacks = [
@@ -510,6 +516,7 @@ def fit(model_name: str, callbacks: list[pl.Callback], steps: int, logger: Any =
             enable_model_summary=False,
             enable_checkpointing=False,
             num_sanity_val_steps=0,
+            log_every_n_steps=log_every_n_steps,
             callbacks=callbacks,
         )
         trainer.fit(model)

@@ -76,14 +76,16 @@ class Baton(pl.Callback):
         self.after.release()  # the ring's next process runs its last turn
 
 
-def _worker(label: str, model: str, steps: int, turn: int, mine: Any, after: Any, out: Any) -> None:
+def _worker(
+    label: str, model: str, steps: int, turn: int, every: int, mine: Any, after: Any, out: Any
+) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     name = label.split(" @ ", maxsplit=1)[0]  # "name @ tag": the same one, another checkout
     config = next(c for c in overhead.configs() if c.name == name)
     baton = Baton(mine, after, turn)
     try:
-        overhead.fit(model, [baton, *config.make()], steps + 1)
+        overhead.fit(model, [baton, *config.make()], steps + 1, log_every_n_steps=every)
     except BaseException as error:  # the parent ends the ring
         out.put((label, f"{type(error).__name__}: {error}"))
         raise
@@ -109,7 +111,12 @@ def _next_result(out: Any, procs: list[Any]) -> tuple[str, Any]:
 
 
 def paired_round(
-    names: list[str], model: str, steps: int, turn: int, checkouts: dict[str, str]
+    names: list[str],
+    model: str,
+    steps: int,
+    turn: int,
+    checkouts: dict[str, str],
+    every: int = 50,
 ) -> dict[str, list[float]]:
     """One fit per configuration, all in turns; each one's CPU time per step. A label
     ``"name @ tag"`` imports ``lightning_hooks`` from ``checkouts[tag]``."""
@@ -119,7 +126,7 @@ def paired_round(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(name, model, steps, turn, batons[i], batons[(i + 1) % len(names)], out),
+            args=(name, model, steps, turn, every, batons[i], batons[(i + 1) % len(names)], out),
         )
         for i, name in enumerate(names)
     ]
@@ -185,6 +192,7 @@ def markdown(rows: dict[str, Any], env: dict[str, Any]) -> str:
         f"Paired fits in turns (`benchmarks/paired.py`): model {env['model']}, {env['rounds']} "
         f"rounds of {env['steps']} steps ({env['warmup']} dropped), turns of {env['turn']} steps "
         "(the first of each dropped), "
+        f"log_every_n_steps {env.get('log_every_n_steps', 50)}, "
         f"torch {env['torch']}, one thread per process, process CPU time per step.",
         "",
         "| configuration | step | mean step / bare (min-max) | quiet step / bare (min-max) |",
@@ -205,6 +213,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--turn", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=50,
+        help="the Trainer's log_every_n_steps (1: every step is a sampled step, the mean its cost)",
+    )
     parser.add_argument("--only", nargs="*", default=DEFAULT, help="as overhead.py's --only")
     parser.add_argument(
         "--compare",
@@ -227,7 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     rounds = []
     for r in range(args.rounds):
         order = random.Random(r).sample(names, len(names))  # who follows whom: new each round
-        rounds.append(paired_round(order, args.model, args.steps, args.turn, checkouts))
+        rounds.append(
+            paired_round(order, args.model, args.steps, args.turn, checkouts, args.log_every)
+        )
     rows = summarize(rounds, args.warmup, args.turn)
     rows = {name: rows[name] for name in names}  # in the order asked, not the rings'
     env = {
@@ -236,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         "steps": args.steps,
         "warmup": args.warmup,
         "turn": args.turn,
+        "log_every_n_steps": args.log_every,
         "torch": torch.__version__,
         "lightning": pl.__version__,
         "compare": checkouts,

@@ -129,22 +129,35 @@ def test_below_threshold_does_not_warn(trainer_factory: Any) -> None:
 
 
 class DeadChannelCNN(TinyCNN):
-    """Channels 0, 3 and 5 of the first block are pushed negative by the BatchNorm shift."""
+    """Channels 0, 3 and 5 of the first block are pushed negative by the BatchNorm shift;
+    ``side`` x ``side`` inputs."""
 
-    def __init__(self) -> None:
+    def __init__(self, side: int = 8) -> None:
         super().__init__()
         _kill(self.features[1].bias, [0, 3, 5])
         self.outputs: list[torch.Tensor] = []
         self.features[2].register_forward_hook(self._record)
+        self.side = side
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(24, 3, self.side, self.side, generator=g)
+        return DataLoader(TensorDataset(x, torch.randint(0, 4, (24,), generator=g)), batch_size=8)
 
     def _record(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
         if self.training and torch.is_grad_enabled():
             self.outputs.append(out.detach().clone())
 
 
-def test_conv_units_are_channels(trainer_factory: Any, tmp_path: Path) -> None:
-    model = DeadChannelCNN()
+@pytest.mark.parametrize("side", [8, 96], ids=["counted-at-step-end", "counted-in-its-hook"])
+def test_conv_units_are_channels(side: int, trainer_factory: Any, tmp_path: Path) -> None:
+    # A small output's fired mask is counted with the others of its shape at the end of the
+    # step; one over STACKED elements (8 x 8 x 96 x 96) is counted in its hook.
+    from lightning_hooks.core.kernels.feature_stats import STACKED
+
+    model = DeadChannelCNN(side)
     trainer_factory(callbacks=[DeadReLUCallback(include="features.2", warn_at=1.0)]).fit(model)
+    assert (model.outputs[0].numel() > STACKED) == (side == 96)
     scalars = read_scalars(tmp_path)
     dead, units, zero = _reference(model.outputs, dim=1)
     assert (dead, units) == (3, 8)

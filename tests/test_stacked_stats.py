@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_hooks import ActivationStatsTracker
 from lightning_hooks.core.kernels.feature_stats import feature_stats, stacked_feature_stats
-from lightning_hooks.core.stats import activation_stats
+from lightning_hooks.core.stats import pending
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -82,7 +82,7 @@ def test_copies_beyond_the_cap_are_measured_early_with_the_same_result(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     want, _ = _measured(True)
-    monkeypatch.setattr(activation_stats, "_PENDING", 100)  # every output or two
+    monkeypatch.setattr(pending, "_HELD", 100)  # every output or two
     got, _ = _measured(True)
     for name in ("mean", "std", "min", "max"):
         torch.testing.assert_close(
@@ -119,6 +119,6 @@ def test_copies_of_a_step_cut_short_go_with_the_hooks() -> None:
     net = _Net()
     tracker = ActivationStatsTracker(net)
     net(torch.randn(4, 8))
-    assert tracker._pending
+    assert len(tracker._pending) == 12  # 5 Linear calls, 5 ReLU, the head's Linear and Tanh
     tracker.remove()
-    assert not tracker._pending and tracker._pending_numel == 0
+    assert len(tracker._pending) == 0 and tracker._pending._held == 0

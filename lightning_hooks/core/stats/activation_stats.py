@@ -23,7 +23,8 @@ from lightning_hooks.core.kernels.feature_stats import (
 )
 from lightning_hooks.core.kernels.histogram import bin_counts, linear_edges
 from lightning_hooks.core.kernels.nonfinite import FirstNonFinite
-from lightning_hooks.core.kernels.tensors import Workspace, iter_float_tensors, row_index
+from lightning_hooks.core.kernels.tensors import Workspace, iter_float_tensors
+from lightning_hooks.core.stats.pending import Pending
 from lightning_hooks.core.stats.selected import SelectedStat, SelectionArgs
 
 __all__ = ["ACTIVATION_MODULES", "ActivationStatsTracker", "Histogram", "default_feature_module"]
@@ -49,8 +50,6 @@ that compute as one of them: :mod:`lightning_hooks.core.hooks.activations`)."""
 
 _NONFINITE = 4  # column of the non-finite count in the sums
 _SIGN = (-1.0, 1.0)  # extremes are kept as (-min, max) so one max-reduce pools both
-_PENDING = 1 << 22  # elements of small outputs' copies held for their batch, at most
-_INDICES = 64  # row patterns whose device index is kept
 SCALARS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
 """The statistics logged as ``activations/{stat}/{layer}``."""
 
@@ -150,9 +149,7 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
         # small outputs, copied in their hooks and measured together by shape and dtype at the
         # end of the step (no histograms, not fused): (rows, copies) by (shape, dtype, device)
         self._batched = not fused and not histogram_bins
-        self._pending: dict[tuple[Any, ...], tuple[list[int], list[torch.Tensor]]] = {}
-        self._pending_numel = 0
-        self._indices: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._pending: Pending[tuple[torch.Size, torch.dtype, torch.device]] = Pending()
         self.add_layer_state("sums", reduce="sum", width=(NUM_SUMS,))
         self.add_layer_state("extremes", reduce="max", width=(2,), dtype=torch.float32)
         if self.bins:
@@ -202,13 +199,9 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
                 continue
             row = self.row(name + suffix)
             if self._batched and n <= STACKED and not torch.compiler.is_compiling():
-                rows, copies = self._pending.setdefault(
-                    (tensor.shape, tensor.dtype, tensor.device), ([], [])
-                )
-                rows.append(row)
-                copies.append(tensor.detach().clone())  # before an in-place op overwrites it
-                self._pending_numel += n
-                if self._pending_numel > _PENDING:
+                key = (tensor.shape, tensor.dtype, tensor.device)
+                # a copy, before an in-place op overwrites the output
+                if self._pending.add(key, row, tensor.detach().clone()):
                     self.flush()
             else:
                 self._observe(row, tensor)
@@ -216,25 +209,17 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
     def flush(self) -> None:
         """Measure the small outputs copied since the last call, a batch per shape and dtype,
         into their rows (in the order they were seen: the sums add as :meth:`_observe`'s)."""
-        for rows, copies in self._pending.values():
-            stats = stacked_feature_stats(torch.stack(copies))
-            key = (stats.device, *rows)  # a tracker attached again may be on another device
-            index = self._indices.get(key)
-            if index is None:
-                if len(self._indices) >= _INDICES:  # a forward whose calls vary: start over
-                    self._indices.clear()
-                index = self._indices[key] = row_index(rows, stats.device)
+        for _, rows, copies in self._pending.drain():
+            stats = stacked_feature_stats(copies)
+            index = self._pending.index(rows, stats.device)
             self.sums.index_add_(0, index, stats[:, :NUM_SUMS].to(self.sums.dtype))
             signed = stats[:, NUM_SUMS:] * self._sign
             self.extremes.scatter_reduce_(0, index[:, None].expand(-1, 2), signed, "amax")
-        self._pending.clear()
-        self._pending_numel = 0
         super().flush()
 
     def remove(self) -> None:
         """Remove the hooks; copies not yet measured (a step cut short) are dropped."""
         self._pending.clear()
-        self._pending_numel = 0
         super().remove()
 
     def _observe(self, row: int, x: torch.Tensor) -> None:

@@ -35,7 +35,9 @@ from torch.nn.modules.conv import _ConvNd
 from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.selection import Patterns, Selection
+from lightning_hooks.core.kernels.feature_stats import STACKED
 from lightning_hooks.core.kernels.tensors import Workspace, iter_float_tensors
+from lightning_hooks.core.stats.pending import Pending
 from lightning_hooks.core.stats.selected import SelectedStat, SelectionArgs
 
 __all__ = ["RELU_FAMILY", "DeadUnitTracker", "DeadUnits", "fired_counts", "unit_dim"]
@@ -187,6 +189,8 @@ class DeadUnitTracker(SelectedStat[DeadUnits]):
             owner, include=pre_activation, arguments=("pre_activation", "exclude")
         )
         self._calls: dict[int, int] = {}  # host-side counts, moved into ``calls`` by flush()
+        # small outputs' fired masks, by (shape, unit dimension, device), counted by flush()
+        self._pending: Pending[tuple[torch.Size, int, torch.device]] = Pending()
         self.add_layer_state("fired", reduce="sum")  # per row: sum over calls of fired fraction
         self.add_layer_state("calls", reduce="sum")
         self.add_unit_state("counts", reduce="sum")
@@ -206,15 +210,23 @@ class DeadUnitTracker(SelectedStat[DeadUnits]):
         return [(n, m) for n, m in model.named_modules() if n in named]
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
-        """Count the fired entries of each unit of the first floating tensor of ``output``."""
+        """Count the fired entries of each unit of the first floating tensor of ``output``: a
+        small one's (at most :data:`~..kernels.feature_stats.STACKED` elements) fired mask is
+        kept, and counted with the others of its shape and unit dimension when the tracker
+        flushes (before any read), in one batch of ops."""
         y = next((t for _, t in iter_float_tensors(output) if t.ndim >= 1), None)
         if y is None or y.numel() == 0:
             return
-        counts = fired_counts(y, unit_dim(module, y.ndim), self.workspace)
-        row = self._width_row(name, counts.numel())
+        dim = unit_dim(module, y.ndim)
+        row = self._width_row(name, y.shape[dim])
+        self._calls[row] = self._calls.get(row, 0) + 1
+        if y.numel() <= STACKED and not torch.compiler.is_compiling():
+            if self._pending.add((y.shape, dim, y.device), row, torch.gt(y.detach(), 0)):
+                self.flush()
+            return
+        counts = fired_counts(y, dim, self.workspace)
         self.counts[self.unit_slice(row)].add_(counts)
         self.fired[row].add_(counts.sum(), alpha=1.0 / y.numel())
-        self._calls[row] = self._calls.get(row, 0) + 1
 
     def _width_row(self, name: str, units: int) -> int:
         """The row of ``name`` at this width: a module called at several widths in a forward
@@ -234,12 +246,27 @@ class DeadUnitTracker(SelectedStat[DeadUnits]):
         return self.row(f"{name}-{units}", units)
 
     def flush(self) -> None:
-        """Move the host-side call counts into the ``calls`` state."""
+        """Count the fired masks kept since the last call, a batch per shape and unit dimension,
+        and move the host-side call counts into the ``calls`` state."""
+        for (shape, dim, device), rows, fired in self._pending.drain():
+            units, numel = shape[dim], fired[0].numel()
+            counts = fired.movedim(dim + 1, -1).reshape(len(rows), -1, units).sum(1)
+            spans = [self.unit_slice(row) for row in rows]
+            where = self._pending.index(rows, device, [range(s.start, s.stop) for s in spans])
+            self.counts.index_add_(0, where, counts.flatten().to(self.counts.dtype))
+            fired_sum = counts.sum(1).to(self.fired.dtype)
+            index = self._pending.index(rows, device)
+            self.fired.index_add_(0, index, fired_sum, alpha=1.0 / numel)
         if self._calls:
-            rows = torch.tensor(list(self._calls), device=self.calls.device)
+            called = torch.tensor(list(self._calls), device=self.calls.device)
             added = torch.tensor(list(self._calls.values()), dtype=self.calls.dtype)
-            self.calls.index_add_(0, rows, added.to(self.calls.device))
+            self.calls.index_add_(0, called, added.to(self.calls.device))
             self._calls = {}
+
+    def remove(self) -> None:
+        """Remove the hooks, counting the fired masks kept so far first."""
+        self.flush()
+        super().remove()
 
     def summarize(self, states: dict[str, np.ndarray]) -> DeadUnits:
         """Dead units per row from the reduced counts."""

@@ -139,7 +139,10 @@ class LayerStates(Metric):
         return len(self.rows) != self._aligned
 
     def new_rows(self) -> list[tuple[str, int]]:
-        """``(name, units)`` of the rows made since the ranks last aligned them, in order."""
+        """``(name, units)`` of the rows made since the ranks last aligned them, in order; what
+        the hooks still hold is flushed into the states first (it may make a row, and it is
+        held by row number: it must be in its row before :meth:`align_rows` moves the rows)."""
+        self.flush()
         return [(name, self.units[i]) for name, i in self.rows.items() if i >= self._aligned]
 
     def align_rows(self, new: Sequence[Sequence[tuple[str, int]]]) -> None:
