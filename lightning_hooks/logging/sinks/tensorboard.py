@@ -11,6 +11,7 @@ from matplotlib.figure import Figure
 from lightning_hooks.logging.dashboard import record_tags, write_dashboard
 from lightning_hooks.logging.histograms import histogram_raw
 from lightning_hooks.logging.sinks._crc import fast_tensorboard_crc
+from lightning_hooks.logging.sinks._summary import scalar_summary
 from lightning_hooks.logging.sinks._types import lightning_types
 from lightning_hooks.logging.sinks.base import LoggerSink, Moments
 
@@ -60,14 +61,12 @@ class TensorBoardSink(LoggerSink):
         prefix: str = getattr(self.logger, "_prefix", "")
         if type(self.logger) not in lightning_types("TensorBoardLogger") or prefix:
             return False
-        from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard import SummaryWriter
 
         writer = self._writer
         if not isinstance(writer, SummaryWriter):
             return False
-        values = [Summary.Value(tag=tag, simple_value=float(v)) for tag, v in metrics.items()]
-        writer._get_file_writer().add_summary(Summary(value=values), step)  # type: ignore[no-untyped-call]
+        writer._get_file_writer().add_summary(scalar_summary(metrics), step)  # type: ignore[no-untyped-call]
         return True
 
     def figure(self, tag: str, figure: Figure, step: int) -> None:
