@@ -240,6 +240,21 @@ def test_the_readme_launch_bound_figures_are_the_saved_paired_run() -> None:
     assert "--out benchmarks/results/paired_launch" in section
 
 
+def test_the_readme_before_and_after_figures_are_the_saved_comparison() -> None:
+    """README "What it costs": this head against session 17's (a037f50) in the same rings,
+    benchmarks/results/paired_vs_a037f50.json, mean step against bare."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    rows = json.loads((ROOT / "benchmarks/results/paired_vs_a037f50.json").read_text())["rows"]
+
+    def mean(config: str) -> str:
+        return f"{rows[config]['mean']['median']:.3f}x"
+
+    now, old = mean("all, defaults"), mean("all, defaults @ oldA")
+    assert f"all five {now} against {old}" in text
+    now, old = mean("GradFlowCallback"), mean("GradFlowCallback @ oldA")
+    assert f"`GradFlowCallback()` {now} against {old}" in text
+
+
 def test_the_readme_cost_figures_are_the_saved_benchmark_run() -> None:
     # README "What it costs" is benchmarks/results/every_stat.json (CPU-time median ratios, bare
     # step times): re-running the benchmark with --save and not updating the README fails.

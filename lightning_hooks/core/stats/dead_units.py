@@ -264,9 +264,12 @@ class DeadUnitTracker(SelectedStat[DeadUnits]):
             self._calls = {}
 
     def remove(self) -> None:
-        """Remove the hooks, counting the fired masks kept so far first."""
-        self.flush()
-        super().remove()
+        """Remove the hooks, counting the fired masks kept so far first (the hooks go also
+        when that fails)."""
+        try:
+            self.flush()
+        finally:
+            super().remove()
 
     def summarize(self, states: dict[str, np.ndarray]) -> DeadUnits:
         """Dead units per row from the reduced counts."""
