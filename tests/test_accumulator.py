@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_hooks.core import GradFlowTracker, LayerStatsAccumulator, ParamLayout, grad_stats
+from lightning_hooks.core.kernels import grad_stats as kernels
 from lightning_hooks.core.kernels.feature_stats import feature_stats
 from lightning_hooks.core.kernels.grad_stats import CHUNK, abs_sum_max, update_norms
 from lightning_hooks.core.kernels.tensors import DEVICE_PIECE, LOGSUMEXP_PIECE, logsumexp_rows
@@ -207,11 +208,19 @@ def test_the_log_partition_of_large_logits_makes_no_float32_copy_of_them() -> No
     assert logsumexp_rows(torch.tensor([1.0, 2.0])).shape == ()  # a 1-d output: one row
 
 
-def test_small_tensors_take_a_constant_few_ops_whatever_their_number() -> None:
-    """A sampled step's ``|g|`` sums and maxima of small gradients are two multi-tensor norms
-    and their stacks: the same few ATen ops for 10 tensors as for 200 (a GPU's cost is
-    launches; a sum per tensor was 100 ops for 96 tensors)."""
+@pytest.mark.parametrize("grouped", [True, False], ids=["cpu-stacks", "multi-tensor"])
+def test_small_tensors_take_a_constant_few_ops_whatever_their_number(
+    grouped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sampled step's ``|g|`` sums and maxima of small gradients take the same few ATen ops
+    for 10 tensors as for 200 (a GPU's cost is launches; a sum per tensor was 100 ops for 96
+    tensors). On the CPU, tensors of one shape are stacked and reduced along the rows (stack,
+    ``abs_``, sum, max, and a cat and an index per result); elsewhere, as on the CPU without a
+    stack, they take two multi-tensor norms and their stacks."""
     from ops import OpCounter
+
+    if not grouped:
+        monkeypatch.setattr(kernels, "cpu_grouping", lambda tensors: None)
 
     def count(n: int) -> int:
         tensors = [torch.randn(64) for _ in range(n)]
@@ -221,7 +230,26 @@ def test_small_tensors_take_a_constant_few_ops_whatever_their_number() -> None:
         counter.stop()
         return counter.total
 
-    assert count(10) == count(200) <= 6
+    assert count(10) == count(200) <= (10 if grouped else 6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_stacked_abs_sums_and_maxima_are_those_of_each_tensor(dtype: torch.dtype) -> None:
+    """The CPU's stacks give each tensor's own ``|t|`` sum and maximum, NaN and Inf in their own
+    row only, in the order given, with the tensors too large or alone to stack among them."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(8, 5), (7,), (8, 5), (7,), (8, 5), (7,), (20000,), (3, 3), (7,)]
+    tensors = [(torch.randn(s, generator=g) * 100).to(dtype) for s in shapes]
+    tensors[2][1, 1], tensors[5][0] = torch.nan, -torch.inf
+    assert kernels.cpu_grouping(tensors) is not None
+    sums, peaks = abs_sum_max(tensors)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    for i, t in enumerate(tensors):
+        expected_sum = t.to(wide).abs().sum().float()
+        torch.testing.assert_close(sums[i], expected_sum, equal_nan=True, rtol=1e-6, atol=0)
+        assert torch.equal(peaks[i], t.abs().max().float()) or (peaks[i].isnan() and i == 2)
+    assert sums.dtype == peaks.dtype == torch.float32
+    assert sums[[0, 1, 3, 4, 6, 7, 8]].isfinite().all() and peaks[5].isinf()
 
 
 def test_noted_output_gradient_norms_sum_into_their_rows_once_each() -> None:

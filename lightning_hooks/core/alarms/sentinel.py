@@ -189,7 +189,7 @@ class GradientAlarms:
     @torch.no_grad()
     def update_stall(self, update: torch.Tensor, lr: float, *, step: int) -> None:
         """*stall*, on a logging step: ``update`` (the typical size of a weight's change this
-        step, a device scalar: :func:`~.grad_stats.typical_update`) per unit
+        step, a device scalar: :func:`~.updates.typical_update`) per unit
         of the learning rate ``lr`` against its running level (a few kernels, no host sync: the
         verdict is read at the next poll).
 

@@ -7,7 +7,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -15,6 +15,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import Self
 
 from lightning_hooks.core import checks
+from lightning_hooks.core.hooks.gated import Gated, GatedHandle, gated_hook
 from lightning_hooks.core.hooks.guard import Guard, active_guard
 from lightning_hooks.core.hooks.modes import outside_shelved
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
@@ -98,22 +99,6 @@ def plain_layers() -> Callable[[nn.Module], bool]:
     return plain
 
 
-class _Gated(NamedTuple):
-    """A gated module hook, kept to be installed on each sampled step."""
-
-    module: nn.Module
-    hook: Callable[..., Any]
-    pre: bool
-    options: dict[str, bool]
-
-
-def _install(gated: _Gated) -> RemovableHandle:
-    """Put ``gated`` on its module."""
-    if gated.pre:
-        return gated.module.register_forward_pre_hook(gated.hook, **gated.options)
-    return gated.module.register_forward_hook(gated.hook, **gated.options)
-
-
 class HookOwner:
     """Base of the core's trackers: each owns a :class:`HookRegistry` and is a context manager
     that removes every hook on exit, also when the loop raises."""
@@ -171,8 +156,7 @@ class HookRegistry(HookOwner):
     def __init__(self, model: nn.Module, *, guard: Guard | None = None) -> None:
         self._model: nn.Module | None = checks.module("HookRegistry", "model", model)
         self._handles: list[RemovableHandle] = []
-        self._gated_hooks: list[_Gated] = []
-        self._installed: list[RemovableHandle] = []  # the gated hooks while sampled
+        self._gated_hooks: list[Gated] = []
         self._sampled = True
         self.fixed = is_compiled(model)
         """Whether the gated hooks stay installed on every step (``torch.compile``)."""
@@ -197,11 +181,14 @@ class HookRegistry(HookOwner):
         if self.fixed:
             return
         if value:
-            self._installed = [_install(gated) for gated in self._gated_hooks]
-        else:
-            installed, self._installed = self._installed, []
-            for handle in installed:
-                handle.remove()
+            for gated in self._gated_hooks:
+                gated.install()
+            return
+        # The first quiet step after a sampled one: inline, no frame of ours per hook.
+        for module, table, flags, key, *_ in self._gated_hooks:
+            getattr(module, table).pop(key, None)
+            for flag in flags:
+                getattr(module, flag).pop(key, None)
 
     def gated_hook(
         self, module: nn.Module, hook: Callable[..., Any], *, pre: bool, **options: bool
@@ -211,13 +198,12 @@ class HookRegistry(HookOwner):
         ``always_call``), already wrapped as it should be (guarded, checking the flag). Returns
         the handle while it is installed, else ``None``.
         """
-        gated = _Gated(module, _ours(hook), pre, options)
+        gated = gated_hook(module, _ours(hook), pre, **options)
         self._gated_hooks.append(gated)
         if not (self._sampled or self.fixed):
             return None
-        handle = _install(gated)
-        (self._handles if self.fixed else self._installed).append(handle)
-        return handle
+        gated.install()
+        return GatedHandle(gated)
 
     @property
     def model(self) -> nn.Module:
@@ -370,10 +356,12 @@ class HookRegistry(HookOwner):
         """Remove every hook and drop the model (a reused owner must not keep the last model
         alive). Safe to call any number of times, also after the model is gone."""
         self._model = None
-        handles = [*self._handles, *self._installed]
-        self._handles, self._installed, self._gated_hooks = [], [], []
+        handles, gated = self._handles, self._gated_hooks
+        self._handles, self._gated_hooks = [], []
         for handle in handles:
             handle.remove()
+        for hook in gated:
+            hook.uninstall()
 
     @property
     def active(self) -> bool:
@@ -382,4 +370,4 @@ class HookRegistry(HookOwner):
 
     def __len__(self) -> int:
         """The hooks it holds: the gated ones count whether or not installed on this step."""
-        return len(self._handles) + (0 if self.fixed else len(self._gated_hooks))
+        return len(self._handles) + len(self._gated_hooks)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from operator import attrgetter
 from typing import cast
 
 import torch
 from torch import nn
 
+from lightning_hooks.core.kernels.grouped_norms import cpu_grouping
 from lightning_hooks.core.kernels.tensors import Workspace, piece_size
 from lightning_hooks.core.transport.sharding import ShardPlan, to_local
 
@@ -30,13 +32,11 @@ __all__ = [
     "param_norms",
     "segment_max",
     "segment_norm",
-    "typical_update",
     "update_norms",
 ]
 
 _GRAD, _IS_SPARSE = attrgetter("grad"), attrgetter("is_sparse")
 _PLAIN = {torch.Tensor}
-_TYPICAL_SAMPLE = 1024  # entries read per tensor by typical_update
 
 GRAD_STATS = ("grad_norm", "grad_abs_mean", "grad_abs_max", "grad_nonfinite", "weight_norm")
 """Columns of :func:`grad_stats`, in order."""
@@ -240,6 +240,16 @@ def abs_sum_max(
         ([7.0, 0.0], [4.0, 0.0])
     """
     ws = workspace or Workspace()
+    grouping = cpu_grouping(tensors)
+    if grouping is not None:  # on the CPU: small tensors of one shape in a stack
+        return grouping.abs_sum_max(tensors, partial(_abs_sum_max, workspace=ws))
+    return _abs_sum_max(tensors, ws)
+
+
+def _abs_sum_max(
+    tensors: Sequence[torch.Tensor], workspace: Workspace
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ws = workspace
     done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for wide in (False, True):  # float64 in float64 (then float32), the others in float32
         small = [
@@ -275,38 +285,10 @@ def _abs_sum_max_pieces(t: torch.Tensor, ws: Workspace) -> tuple[torch.Tensor, t
 
 
 def _norms(tensors: Sequence[torch.Tensor], ord: float) -> torch.Tensor:
+    grouping = cpu_grouping(tensors) if ord == 2.0 else None
+    if grouping is not None:  # on the CPU: small tensors of one shape in a stack
+        return grouping(tensors).float()
     return torch.stack(torch._foreach_norm(list(tensors), ord)).float()
-
-
-@torch.no_grad()
-def typical_update(
-    before: Sequence[torch.Tensor],
-    after: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor | None] | None = None,
-) -> torch.Tensor:
-    """The median ``|after - before|`` over a fixed strided sample of up to about 1,024 entries
-    of each tensor (a device scalar; no host sync): the size of a typical coordinate's update,
-    which an adaptive optimizer's poisoned second moment shrinks even where a few unpoisoned
-    coordinates keep the update's norm up. With ``grads`` (the gradients the step applied), only
-    entries whose gradient is not zero count: a dead unit's weights stop moving by design.
-
-    Example:
-        >>> typical_update([torch.zeros(3)], [torch.tensor([1.0, -2.0, 3.0])])
-        tensor(2.)
-        >>> typical_update([torch.zeros(3)], [torch.tensor([1.0, -2.0, 3.0])], [torch.eye(3)[0]])
-        tensor(1.)
-    """
-    picks = []
-    for i, (old, new) in enumerate(zip(before, after, strict=True)):
-        stride = max(1, new.numel() // _TYPICAL_SAMPLE)
-        pick = torch.sub(new.flatten()[::stride], old.flatten()[::stride]).float().abs_()
-        grad = None if grads is None else grads[i]
-        if grad is not None:
-            pick = pick.masked_fill_(grad.flatten()[::stride] == 0, torch.nan)
-        elif grads is not None:  # no gradient at all: the tensor did not take part
-            pick = pick.fill_(torch.nan)
-        picks.append(pick)
-    return torch.cat(picks).nanmedian()
 
 
 def param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

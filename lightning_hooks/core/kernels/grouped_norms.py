@@ -13,14 +13,14 @@ within float32 rounding (``tests/test_cuda.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from operator import itemgetter
+from collections.abc import Callable, Sequence
+from operator import attrgetter, itemgetter
 
 import torch
 
 from lightning_hooks.core.kernels.tensors import row_index
 
-__all__ = ["MAX_GROUPS", "MIN_GROUP", "SMALL", "GroupedNorms"]
+__all__ = ["MAX_GROUPS", "MIN_GROUP", "SMALL", "GroupedNorms", "cpu_grouping"]
 
 SMALL = 8192
 """Elements: a tensor this small is read in a stack (copying it costs less than its own op)."""
@@ -31,6 +31,9 @@ MIN_GROUP = {"cpu": 3, "cuda": 12}
 and saves each gradient its own: on the CPU an op costs about what a gradient costs
 ``_foreach_norm``; on an H100's host about 3-4 gradients' worth (``benchmarks/graph_probe.py``:
 stacks of 4 made the read slower)."""
+
+
+_SumMax = tuple[torch.Tensor, torch.Tensor]
 
 
 class GroupedNorms:
@@ -80,14 +83,73 @@ class GroupedNorms:
             where[i] = position
         self._index = row_index(where, params[0].device) if self.groups else None
 
-    def __call__(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """``[len(grads)]`` L2 norms of ``grads`` (the parameters' gradients, in order), each in
         its gradient's dtype, promoted to a common one where they differ."""
         if self._index is None:  # no stack
-            return torch.stack(torch._foreach_norm(grads))
+            return torch.stack(torch._foreach_norm(list(grads)))
         parts = []
         for pick, dims in self._stacks:
             parts.append(torch.linalg.vector_norm(torch.stack(pick(grads)), dim=dims))
         if self._rest is not None:
             parts.append(torch.stack(torch._foreach_norm(self._rest(grads))))
         return torch.cat(parts).index_select(0, self._index)
+
+    def abs_sum_max(
+        self, tensors: Sequence[torch.Tensor], rest: Callable[[list[torch.Tensor]], _SumMax]
+    ) -> _SumMax:
+        """``[len(tensors)]`` sums and maxima of ``|t|`` in float32 (float64's summed in float64):
+        each stack's ``|t|`` taken in place and reduced along its rows (three ops; no order-1 or
+        order-inf norm, which take a slow path on the CPU), the rest by ``rest``."""
+        if self._index is None:
+            return rest(list(tensors))
+        sums, peaks = [], []
+        for pick, _ in self._stacks:
+            stack = torch.stack(pick(tensors))
+            flat = stack.abs_().view(len(stack), -1)
+            wide = flat.dtype == torch.float64
+            sums.append(flat.sum(1, dtype=None if wide else torch.float32).float())
+            peaks.append(flat.amax(1).float())
+        if self._rest is not None:
+            sum_rest, peak_rest = rest(list(self._rest(tensors)))
+            sums.append(sum_rest)
+            peaks.append(peak_rest)
+        return torch.cat(sums).index_select(0, self._index), torch.cat(peaks).index_select(
+            0, self._index
+        )
+
+
+_SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
+_CPU = torch.device("cpu")
+_GROUPINGS: dict[tuple[object, ...], GroupedNorms | None] = {}
+"""The groupings :func:`cpu_grouping` made, by the tensors' shapes and dtypes."""
+
+
+def cpu_grouping(tensors: Sequence[torch.Tensor]) -> GroupedNorms | None:
+    """A :class:`GroupedNorms` for tensors of these shapes and dtypes, all on the CPU, made once
+    and kept (a sampled step's reads: the weights, the gradients' ``|g|``, the updates), or
+    ``None`` when they are elsewhere or none would be stacked.
+
+    On the CPU ``_foreach_norm`` is a loop of one op per tensor, and slow for orders 1 and inf;
+    off it, the multi-tensor kernels are left as they are.
+
+    Example:
+        >>> grouping = cpu_grouping([torch.ones(3), torch.ones(3), torch.ones(3), torch.ones(9)])
+        >>> grouping.groups, grouping.rest
+        ([[0, 1, 2]], [3])
+        >>> cpu_grouping([torch.ones(3), torch.ones(9)]) is None  # nothing to stack
+        True
+    """
+    if not tensors or set(map(_DEVICE, tensors)) != {_CPU}:
+        return None
+    key = (*map(_SHAPE, tensors), *map(_DTYPE, tensors))
+    found = _GROUPINGS.get(key)
+    if found is None:
+        if len(_GROUPINGS) >= 16:  # a model whose shapes keep changing: keep a few
+            _GROUPINGS.clear()
+        try:
+            found = GroupedNorms(tensors)
+        except Exception:  # the multi-tensor read gives the same numbers: nothing to say
+            found = None
+        _GROUPINGS[key] = found
+    return found if found is not None and found.groups else None

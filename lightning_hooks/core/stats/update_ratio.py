@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from lightning_hooks.core.alarms import GradientAlarms
-from lightning_hooks.core.kernels.grad_stats import typical_update
 from lightning_hooks.core.kernels.grad_stats import update_norms as _update_norms
+from lightning_hooks.core.kernels.updates import typical_update
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
 from lightning_hooks.core.stats.optimizer_view import OptimizerView, adaptive
 from lightning_hooks.core.transport.sharding import ShardPlan, to_local
