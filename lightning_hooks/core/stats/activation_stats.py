@@ -193,18 +193,26 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
         """Measure every floating tensor of ``output`` into its row: a small one (at most
         :data:`~.feature_stats.STACKED` elements) is copied, and measured with the others of its
         shape and dtype at the end of the step (:meth:`flush`), in one batch of ops."""
+        if type(output) is torch.Tensor:  # most modules': no walk of the output
+            if output.is_floating_point():
+                self._observe_one(name, output)
+            return
         for suffix, tensor in iter_float_tensors(output):
-            n = tensor.numel()
-            if n == 0:
-                continue
-            row = self.row(name + suffix)
-            if self._batched and n <= STACKED and not torch.compiler.is_compiling():
-                key = (tensor.shape, tensor.dtype, tensor.device)
-                # a copy, before an in-place op overwrites the output
-                if self._pending.add(key, row, tensor.detach().clone()):
-                    self.flush()
-            else:
-                self._observe(row, tensor)
+            self._observe_one(name + suffix, tensor)
+
+    def _observe_one(self, name: str, tensor: torch.Tensor) -> None:
+        n = tensor.numel()
+        if n == 0:
+            return
+        row = self.rows.get(name)
+        row = self.row(name) if row is None else row
+        if self._batched and n <= STACKED and not torch.compiler.is_compiling():
+            key = (tensor.shape, tensor.dtype, tensor.device)
+            # a copy, before an in-place op overwrites the output
+            if self._pending.add(key, row, tensor.detach().clone()):
+                self.flush()
+        else:
+            self._observe(row, tensor)
 
     def flush(self) -> None:
         """Measure the small outputs copied since the last call, a batch per shape and dtype,

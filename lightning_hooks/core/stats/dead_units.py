@@ -214,7 +214,10 @@ class DeadUnitTracker(SelectedStat[DeadUnits]):
         small one's (at most :data:`~..kernels.feature_stats.STACKED` elements) fired mask is
         kept, and counted with the others of its shape and unit dimension when the tracker
         flushes (before any read), in one batch of ops."""
-        y = next((t for _, t in iter_float_tensors(output) if t.ndim >= 1), None)
+        if type(output) is torch.Tensor:  # most modules': no walk of the output
+            y = output if output.is_floating_point() and output.ndim >= 1 else None
+        else:
+            y = next((t for _, t in iter_float_tensors(output) if t.ndim >= 1), None)
         if y is None or y.numel() == 0:
             return
         dim = unit_dim(module, y.ndim)
