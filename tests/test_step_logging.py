@@ -162,6 +162,66 @@ def test_step_values_are_exactly_the_measured_steps(
     _check_steps(read_scalars(tmp_path), recorder, steps)
 
 
+@pytest.mark.parametrize("copy", ["done at once", "done a batch later"])
+def test_quiet_batches_read_no_window_and_a_late_copy_is_written_at_the_next_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copy: str
+) -> None:
+    """A window is read only where a logging point posted one (a quiet batch's hooks look at no
+    statistic's mailbox); a copy not done when the logging point looks (CUDA's non-blocking
+    copy) is written at the next batch's start, with the values of its own step."""
+    from lightning_hooks.callbacks._writing import Writing
+    from lightning_hooks.core.stats.windows import EpochWindows
+
+    late = copy == "done a batch later"
+    collect, seen = EpochWindows.collect, set()
+
+    def slow_collect(self: EpochWindows, wait: bool) -> None:
+        box = self._mailbox
+        if late and not wait and box is not None and box.pending and id(box) not in seen:
+            seen.add(id(box))  # its first look without waiting: still copying
+            return
+        if box is not None and not box.pending:
+            seen.discard(id(box))
+        collect(self, wait)
+
+    batch, reads = [-1], defaultdict(int)
+    write_steps = {cls: cls.__dict__["_write_steps"] for cls in _writers(Writing)}
+    for cls, method in write_steps.items():
+
+        def counted(self: Any, trainer: Any, wait: bool, method: Any = method) -> bool:
+            reads[batch[0]] += 1
+            return bool(method(self, trainer, wait))
+
+        monkeypatch.setattr(cls, "_write_steps", counted)
+    monkeypatch.setattr(EpochWindows, "collect", slow_collect)
+
+    class Batch(pl.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            batch[0] = args[-1]
+
+    recorder = Recorder(every=4)
+    callbacks = [Batch(), GradFlowCallback(), ActivationStatsCallback(), recorder]
+    trainer = make_trainer(tmp_path, callbacks=callbacks, log_every_n_steps=4)
+    trainer.fit(_Model(batches=12))
+    _check_steps(read_scalars(tmp_path), recorder, [0, 3, 7, 11])
+    logging = {0, 3, 7, 11}
+    read = {b for b in reads if b >= 0}
+    assert logging <= read <= logging | ({1, 4, 8} if late else set()), reads
+    if late:  # the late copies were read, and written, at the next batch's start
+        assert read == logging | {1, 4, 8}
+
+
+def _writers(base: type) -> list[type]:
+    """``base`` and its subclasses that define their own ``_write_steps``."""
+    found, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if "_write_steps" in cls.__dict__:
+            found.append(cls)
+    return found
+
+
 class _Model(TinyMLP):
     """TinyMLP on ``batches`` batches of 8 (``repeated``: all the same, so a batch replayed
     after a mid-epoch resume is the same data), with a validation loop."""

@@ -87,6 +87,7 @@ class Cadence(Writing):
                 return
             self._read_steps(trainer, wait=True)
             self._log_step(trainer, measured)
+            self._posted = True
             self._read_steps(trainer, wait=False)
         self._end_round(trainer)
 

@@ -25,6 +25,7 @@ class Writing(Lifecycle):
     the loggers once per hook round for all of our callbacks, and writes the dashboard."""
 
     _measured_step: int | None = None
+    _posted = False  # a logging point's windows were posted, and may not all be written yet
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -44,9 +45,14 @@ class Writing(Lifecycle):
 
     def _read_steps(self, trainer: pl.Trainer, wait: bool) -> None:
         """Write what the last logging point measured once its host copy is done (``wait``:
-        block for it); the loggers are saved at the end of the hook round (:meth:`_end_round`)."""
+        block for it); the loggers are saved at the end of the hook round (:meth:`_end_round`).
+        Without ``wait``, nothing is looked at unless a logging point posted a window that is
+        not yet written (a quiet step's hooks cost no read of each statistic's mailbox)."""
+        if not (wait or self._posted):
+            return
         if self._write_steps(trainer, wait):
             _UNSAVED.add(trainer)
+        self._posted = not wait and self._steps_in_flight()
 
     def _end_round(self, trainer: pl.Trainer) -> None:
         """Save the loggers once per per-batch hook when any of ours wrote in it.
@@ -91,7 +97,12 @@ class Writing(Lifecycle):
         one host copy); :meth:`_write_steps` writes it at ``step`` once the copy is done."""
 
     def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
-        """Write the windows whose copies are done (``wait``: block for them); whether any was."""
+        """Write the windows whose copies are done (``wait``: block for them); whether any was.
+        A callback that overrides it overrides :meth:`_steps_in_flight` too."""
+        return False
+
+    def _steps_in_flight(self) -> bool:
+        """Whether a window :meth:`_log_step` posted is not yet written."""
         return False
 
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -57,6 +57,13 @@ class GradFlowLogging(HookCallback):
             self.policy.log_step(trainer, self._tracker.alarms, step)
 
     @override
+    def _steps_in_flight(self) -> bool:
+        tracker, stat = self._tracker, self._stability
+        return (tracker is not None and tracker.window_in_flight) or (
+            stat is not None and stat.window_in_flight
+        )
+
+    @override
     def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
         tracker = self._tracker
         got = None if tracker is None else tracker.read_window(wait)

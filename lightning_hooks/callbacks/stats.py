@@ -130,6 +130,10 @@ class StatsCallback(HookCallback):
         return wrote
 
     @override
+    def _steps_in_flight(self) -> bool:
+        return any(stat.window_in_flight for stat in self.attached)
+
+    @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for stat in self.attached:
             result = stat.result()

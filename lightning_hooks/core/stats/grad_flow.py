@@ -300,6 +300,11 @@ class GradFlowTracker(HookOwner):
         """``(step, stats)`` of the posted window once its copy is done (``wait``: block)."""
         return self.accumulator.read_window(wait)
 
+    @property
+    def window_in_flight(self) -> bool:
+        """Whether a posted window was not yet returned by :meth:`read_window`."""
+        return self.accumulator.window_in_flight
+
     def state(self) -> dict[str, Any]:
         """The epoch so far, reduced across ranks, on the host (for a checkpoint)."""
         self._outputs.flush()

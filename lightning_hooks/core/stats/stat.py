@@ -171,6 +171,11 @@ class LayerStat(LayerStates, HookOwner, Generic[R]):
         step, states = ready
         return step, self.summarize(states)
 
+    @property
+    def window_in_flight(self) -> bool:
+        """Whether a posted window was not yet returned by :meth:`read_window`."""
+        return self._windows.in_flight
+
     def epoch_states(self) -> dict[str, np.ndarray] | None:
         """The folded windows of the epoch (reduced, on the host), ``None`` before the first."""
         return self._windows.epoch

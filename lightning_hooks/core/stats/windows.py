@@ -147,6 +147,11 @@ class EpochWindows:
             self._fold(states)
             self._ready.append((step, states))
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a window was posted and not yet read by :meth:`pop`."""
+        return bool(self._ready) or (self._mailbox is not None and self._mailbox.pending)
+
     def pop(self) -> tuple[int, dict[str, np.ndarray]] | None:
         """The oldest folded window not yet read, ``None`` when none is."""
         return self._ready.pop(0) if self._ready else None
