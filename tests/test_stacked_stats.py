@@ -10,18 +10,27 @@ from ops import OpCounter
 from torch import nn
 
 from lightning_hooks import ActivationStatsTracker
+from lightning_hooks.core.kernels import feature_stats as feature_stats_module
 from lightning_hooks.core.kernels.feature_stats import feature_stats, stacked_feature_stats
 from lightning_hooks.core.stats import pending
 
 
+@pytest.mark.parametrize("device", ["cpu", "other"], ids=["cpu-signs", "comparisons"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_each_row_is_that_tensors_feature_stats(dtype: torch.dtype) -> None:
+def test_each_row_is_that_tensors_feature_stats(
+    dtype: torch.dtype, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both ways of counting: the CPU's sums of signs, and the comparisons off it (run here on
+    the CPU by counting as off it)."""
     torch.manual_seed(0)
     x = (torch.randn(5, 3, 7) * 10).to(dtype)
     x[1, 0, :3] = 0.0
     x[2, 1, 1] = float("nan")
     x[3, 2, 2] = float("inf")
+    x[0, 2, 4] = -float("inf")
     x[4] = -x[4].abs()
+    if device == "other":
+        monkeypatch.setattr(feature_stats_module, "SIGN_COUNTS", frozenset())
     got = stacked_feature_stats(x)
     want = torch.stack([feature_stats(t) for t in x])
     assert got.dtype == torch.float32 and got.shape == (5, 8)
