@@ -8,6 +8,10 @@ ms. ``feature_stats, whole`` is the eager statistics with :data:`CHUNK` set abov
 size: every pass over the whole tensor. ``compiled`` calls the compiled statistics directly,
 without ``fused_feature_stats``'s check for strided tensors.
 
+Last, the batch a sampled step of the launch-bound stand-in measures at its end: 73 outputs of
+``[16, 64]`` in one :func:`stacked_feature_stats`, counting by sums of signs (the CPU's way,
+:data:`SIGN_COUNTS`) and by comparisons (the way off the CPU).
+
 Usage::
 
     PYTHONPATH=$PWD python benchmarks/feature_stats.py --threads 1 --calls 100 --rounds 5
@@ -24,7 +28,11 @@ from functools import partial
 
 import torch
 
-from lightning_hooks.core.kernels.feature_stats import feature_stats, fused_feature_stats
+from lightning_hooks.core.kernels.feature_stats import (
+    feature_stats,
+    fused_feature_stats,
+    stacked_feature_stats,
+)
 from lightning_hooks.core.kernels.tensors import Workspace
 from lightning_hooks.core.stats.dead_units import fired_counts
 
@@ -80,6 +88,23 @@ def main() -> None:
                 rows[name].append(_time(fn, args.calls, evict, x))
         cells = "  ".join(f"{n} {statistics.median(v):.3f}" for n, v in rows.items())
         print(f"{list(shape)!s:18s} {cells}")
+    _stacked(args.calls, args.rounds, evict)
+
+
+def _stacked(calls: int, rounds: int, evict: torch.Tensor) -> None:
+    """The sampled step's batch of 73 ``[16, 64]`` outputs, both ways of counting."""
+    x = torch.randn(73, 16, 64)
+    signs = getattr(fs, "SIGN_COUNTS")  # noqa: B009 (mypy: a module found at run time)
+    rows: dict[str, list[float]] = {"sums of signs": [], "comparisons": []}
+    for _ in range(rounds):
+        for name, times in rows.items():
+            setattr(fs, "SIGN_COUNTS", signs if name == "sums of signs" else frozenset())  # noqa: B010
+            try:
+                times.append(_time(partial(stacked_feature_stats, x), calls, evict, x))
+            finally:
+                setattr(fs, "SIGN_COUNTS", signs)  # noqa: B010
+    cells = "  ".join(f"{n} {statistics.median(v):.3f}" for n, v in rows.items())
+    print(f"{'stacked [73, 16, 64]':18s} {cells}")
 
 
 if __name__ == "__main__":

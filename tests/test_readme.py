@@ -241,17 +241,17 @@ def test_the_readme_launch_bound_figures_are_the_saved_paired_run() -> None:
 
 
 def test_the_readme_before_and_after_figures_are_the_saved_comparison() -> None:
-    """README "What it costs": this head against session 17's (a037f50) in the same rings,
-    benchmarks/results/paired_vs_a037f50.json, mean step against bare."""
+    """README "What it costs": this head against session 18's (7b4df9c) in the same rings,
+    benchmarks/results/paired_vs_7b4df9c.json, mean step against bare."""
     text = " ".join((ROOT / "README.md").read_text().split())
-    rows = json.loads((ROOT / "benchmarks/results/paired_vs_a037f50.json").read_text())["rows"]
+    rows = json.loads((ROOT / "benchmarks/results/paired_vs_7b4df9c.json").read_text())["rows"]
 
     def mean(config: str) -> str:
         return f"{rows[config]['mean']['median']:.3f}x"
 
-    now, old = mean("all, defaults"), mean("all, defaults @ oldA")
+    now, old = mean("all, defaults"), mean("all, defaults @ oldB")
     assert f"all five {now} against {old}" in text
-    now, old = mean("GradFlowCallback"), mean("GradFlowCallback @ oldA")
+    now, old = mean("GradFlowCallback"), mean("GradFlowCallback @ oldB")
     assert f"`GradFlowCallback()` {now} against {old}" in text
 
 

@@ -4,9 +4,9 @@ A sampled step puts several hundred hooks on a small model's modules and takes t
 it (:class:`~lightning_hooks.core.hooks.registry.HookRegistry`). ``register_forward_hook`` makes
 a ``RemovableHandle`` with weak references each time, which costs more than the hook's own
 call. A :class:`Gated` hook is written into its module's hook dicts under an id reserved once
-and deleted from them, as ``register_forward_(pre_)hook`` and ``RemovableHandle.remove`` do
-(about 1 us per hook put on and taken off, against about 3.5 us with a handle).
-"""
+and deleted from them, as ``register_forward_(pre_)hook`` and ``RemovableHandle.remove`` do:
+all five callbacks' 349 hooks on the launch-bound stand-in are put on and taken off in about
+0.5 ms, against 2.2 ms with handles (``benchmarks/gated_hooks.py``)."""
 
 from __future__ import annotations
 
