@@ -278,3 +278,48 @@ def test_noted_output_gradient_norms_sum_into_their_rows_once_each() -> None:
     assert hit.tolist() == [3.0, 0.0, 2.0, 1.0]
     # rounds of distinct rows: {0, 2, 3}, {0, 2}, {0}; for the norms and for the hits
     assert counter.ops == {"_foreach_addcmul_": 3, "_foreach_add_": 3}
+
+
+def _typical_update_one_by_one(
+    before: list[torch.Tensor], after: list[torch.Tensor], grads: list[Any] | None
+) -> torch.Tensor:
+    """``typical_update`` as it was written before its stacks: one tensor at a time."""
+    picks = []
+    for i, (old, new) in enumerate(zip(before, after, strict=True)):
+        stride = max(1, new.numel() // 1024)
+        pick = torch.sub(new.flatten()[::stride], old.flatten()[::stride]).float().abs_()
+        grad = None if grads is None else grads[i]
+        if grad is not None:
+            pick = pick.masked_fill_(grad.flatten()[::stride] == 0, torch.nan)
+        elif grads is not None:
+            pick = pick.fill_(torch.nan)
+        picks.append(pick)
+    return torch.cat(picks).nanmedian()
+
+
+@pytest.mark.parametrize("masked", ["none", "some zero", "some missing"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_typical_update_read_in_stacks_is_the_one_read_tensor_by_tensor(
+    dtype: torch.dtype, masked: str
+) -> None:
+    """Small tensors of one shape are read in a stack (their strided sample, their gradients'
+    zeros): the median is the one read tensor by tensor, whatever the order of the reads."""
+    from lightning_hooks.core.kernels.updates import typical_update
+
+    g = torch.Generator().manual_seed(7)
+    shapes = [(64, 64), (64,), (64, 64), (64,), (3,), (9000,), (64,), (2, 5000), (64, 64), (1,)]
+    before = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    after = [
+        (b.float() + torch.randn(b.shape, generator=g) * (i + 1)).to(dtype)
+        for i, b in enumerate(before)
+    ]
+    grads: list[Any] | None = None
+    if masked != "none":
+        grads = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+        for grad in grads[::2]:
+            grad.view(-1)[::3] = 0.0  # dead entries: out of the median
+        if masked == "some missing":
+            grads[1] = grads[4] = grads[8] = None  # did not take part
+    got = typical_update(before, after, grads)
+    want = _typical_update_one_by_one(before, after, grads)
+    assert torch.equal(got, want), (got, want)

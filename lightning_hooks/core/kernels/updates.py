@@ -30,13 +30,44 @@ def typical_update(
         tensor(1.)
     """
     picks = []
+    groups: dict[tuple[object, ...], list[int]] = {}
     for i, (old, new) in enumerate(zip(before, after, strict=True)):
-        stride = max(1, new.numel() // _TYPICAL_SAMPLE)
-        pick = torch.sub(new.flatten()[::stride], old.flatten()[::stride]).float().abs_()
         grad = None if grads is None else grads[i]
-        if grad is not None:
-            pick = pick.masked_fill_(grad.flatten()[::stride] == 0, torch.nan)
-        elif grads is not None:  # no gradient at all: the tensor did not take part
-            pick = pick.fill_(torch.nan)
-        picks.append(pick)
+        if _stackable(old, new, grad):  # small and plain: read with its shape's others
+            kind = None if grad is None else grad.dtype
+            groups.setdefault((new.shape, new.dtype, new.device, kind), []).append(i)
+        else:
+            flat = None if grad is None else grad.flatten()
+            picks.append(_pick(old.flatten(), new.flatten(), flat, grads is not None))
+    for rows in groups.values():
+        old, new = (torch.stack([t[i] for i in rows]).flatten(1) for t in (before, after))
+        got = None if grads is None else [grads[i] for i in rows]
+        grad = None if got is None or got[0] is None else torch.stack(got).flatten(1)  # type: ignore[arg-type]
+        picks.append(_pick(old, new, grad, grads is not None).flatten())
     return torch.cat(picks).nanmedian()
+
+
+_STACKED = 8192  # elements: a tensor this small is stacked with the others of its shape
+
+
+def _stackable(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None) -> bool:
+    """Whether ``new`` is read in a stack: small, dense, with its old copy and its gradient
+    (if any) of its shape."""
+    plain = type(new) is torch.Tensor and type(old) is torch.Tensor and not new.is_sparse
+    if not plain or not 0 < new.numel() <= _STACKED or old.shape != new.shape:
+        return False
+    return grad is None or (type(grad) is torch.Tensor and grad.shape == new.shape)
+
+
+def _pick(
+    old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None, masked: bool
+) -> torch.Tensor:
+    """``|new - old|`` in float32 over every ``stride``-th entry along the last dimension (a
+    flattened tensor, or a stack of same-shape ones flattened from the second), the stride
+    making about :data:`_TYPICAL_SAMPLE` of them: NaN where ``grad`` is zero, and everywhere
+    when ``masked`` and there is no gradient (the tensor did not take part)."""
+    stride = max(1, new.shape[-1] // _TYPICAL_SAMPLE)
+    pick = torch.sub(new[..., ::stride], old[..., ::stride]).float().abs_()
+    if grad is not None:
+        return pick.masked_fill_(grad[..., ::stride] == 0, torch.nan)
+    return pick.fill_(torch.nan) if masked else pick
