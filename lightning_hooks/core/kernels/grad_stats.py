@@ -242,14 +242,13 @@ def abs_sum_max(
     ws = workspace or Workspace()
     grouping = cpu_grouping(tensors)
     if grouping is not None:  # on the CPU: small tensors of one shape in a stack
-        return grouping.abs_sum_max(tensors, partial(_abs_sum_max, workspace=ws))
+        return grouping.abs_sum_max(tensors, partial(_abs_sum_max, ws=ws))
     return _abs_sum_max(tensors, ws)
 
 
 def _abs_sum_max(
-    tensors: Sequence[torch.Tensor], workspace: Workspace
+    tensors: Sequence[torch.Tensor], ws: Workspace
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    ws = workspace
     done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for wide in (False, True):  # float64 in float64 (then float32), the others in float32
         small = [

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_hooks.core.kernels.grouped_norms import SMALL
+
 __all__ = ["typical_update"]
 
 _TYPICAL_SAMPLE = 1024  # entries read per tensor by typical_update
@@ -47,14 +49,11 @@ def typical_update(
     return torch.cat(picks).nanmedian()
 
 
-_STACKED = 8192  # elements: a tensor this small is stacked with the others of its shape
-
-
 def _stackable(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None) -> bool:
-    """Whether ``new`` is read in a stack: small, dense, with its old copy and its gradient
-    (if any) of its shape."""
+    """Whether ``new`` is read in a stack: small (:data:`~.grouped_norms.SMALL`), dense, with
+    its old copy and its gradient (if any) of its shape."""
     plain = type(new) is torch.Tensor and type(old) is torch.Tensor and not new.is_sparse
-    if not plain or not 0 < new.numel() <= _STACKED or old.shape != new.shape:
+    if not plain or not 0 < new.numel() <= SMALL or old.shape != new.shape:
         return False
     return grad is None or (type(grad) is torch.Tensor and grad.shape == new.shape)
 
