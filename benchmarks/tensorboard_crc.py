@@ -1,5 +1,5 @@
 """What TensorBoard's event-file checksums cost: its pure-Python CRC-32C against the C one
-the TensorBoard sink installs (``lightning_hooks/logging/sinks/_crc.py``).
+the TensorBoard sink installs (``lightning_hooks/logging/tensorboard.py``).
 
 For each configuration, one 200-step fit of the launch-bound stand-in (``overhead._launch``,
 one torch thread) per checksum: the bytes and records written, the CPU time of the checksums
@@ -27,7 +27,7 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "tes
 import overhead  # noqa: E402
 
 import lightning_hooks.callbacks._writing as writing  # noqa: E402
-from lightning_hooks.logging.sinks import _crc  # noqa: E402
+from lightning_hooks.logging import tensorboard as _crc  # noqa: E402
 
 
 def measure(

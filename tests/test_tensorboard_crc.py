@@ -1,4 +1,4 @@
-"""TensorBoard's event-file checksums in C (``lightning_hooks/logging/sinks/_crc.py``): the
+"""TensorBoard's event-file checksums in C (``lightning_hooks/logging/tensorboard.py``): the
 same values as TensorBoard's pure-Python ones, and event files its reader (which checks every
 checksum) reads back after a real ``Trainer.fit``."""
 
@@ -13,7 +13,7 @@ from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c a
 from tensorboard.summary.writer import record_writer
 
 from lightning_hooks import GradFlowCallback
-from lightning_hooks.logging.sinks import _crc
+from lightning_hooks.logging import tensorboard as _crc
 
 from conftest import read_scalars
 

@@ -1,4 +1,4 @@
-"""The scalars' ``Summary`` encoded by hand (``logging/sinks/_summary.py``) is protobuf's own."""
+"""The scalars' ``Summary`` encoded by hand (``logging/tensorboard.py``) is protobuf's own."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import struct
 import numpy as np
 from tensorboard.compat.proto.summary_pb2 import Summary
 
-from lightning_hooks.logging.sinks._summary import scalar_summary
+from lightning_hooks.logging.tensorboard import scalar_summary
 
 
 def _protobufs(metrics: dict[str, float]) -> bytes:

@@ -1,32 +1,111 @@
-"""Everything that writes, to every Lightning logger through its sink (:mod:`.sinks`)."""
+"""Everything that writes, to every Lightning logger through its sink: which sink adapts which
+logger, and the one guarded way to write to each."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from matplotlib.figure import Figure
 
-from lightning_hooks.logging.sinks import each_sink, sinks_for
-from lightning_hooks.logging.sinks._types import lightning_types
+from lightning_hooks.core.hooks.guard import strict_default
+from lightning_hooks.errors import LightningHooksWarning
+from lightning_hooks.logging.sinks import CSVSink, LoggerSink, MLflowSink, Moments, WandbSink
+from lightning_hooks.logging.tensorboard import TensorBoardSink
 
 __all__ = [
+    "each_sink",
     "log_embedding",
     "log_figure",
+    "log_histogram",
     "log_image",
     "log_scalars",
     "log_text",
+    "register_sink",
     "save_loggers",
     "shows_pictures",
-    "tensorboard_writers",
+    "sinks_for",
     "write_dashboards",
 ]
 
+# The first kind that accepts a logger adapts it: a subclass's sink is registered after its base's.
+_KINDS: list[type[LoggerSink]] = [TensorBoardSink, WandbSink, MLflowSink, CSVSink]
+# One sink per logger for the logger's life: a sink that failed stays failed.
+_SINKS: weakref.WeakKeyDictionary[Any, LoggerSink] = weakref.WeakKeyDictionary()
+_FAILED: weakref.WeakSet[LoggerSink] = weakref.WeakSet()
 
-def tensorboard_writers(loggers: Sequence[Any]) -> list[Any]:
-    """The ``SummaryWriter`` of each TensorBoard logger among ``loggers`` (either namespace)."""
-    types = lightning_types("TensorBoardLogger")
-    return [getattr(logger, "experiment") for logger in loggers if isinstance(logger, types)]  # noqa: B009
+
+def register_sink(kind: type[LoggerSink]) -> type[LoggerSink]:
+    """Adapt the loggers that ``kind.accepts`` with ``kind``, before every kind registered
+    earlier (a subclass's sink is registered after its base's). Usable as a class decorator.
+
+    Example:
+        >>> class MySink(LoggerSink):
+        ...     @classmethod
+        ...     def accepts(cls, logger):
+        ...         return type(logger).__name__ == "MyLogger"
+        >>> register_sink(MySink) is MySink
+        True
+        >>> _KINDS.remove(MySink)
+    """
+    if not (isinstance(kind, type) and issubclass(kind, LoggerSink)):
+        raise TypeError(
+            f"register_sink(kind={kind!r}): must be a subclass of LoggerSink, got {type(kind)}"
+        )
+    _KINDS.insert(0, kind)
+    return kind
+
+
+def _sink(logger: Any) -> LoggerSink:
+    sink = _SINKS.get(logger)
+    if sink is None:
+        kind = next((k for k in _KINDS if k.accepts(logger)), LoggerSink)
+        sink = _SINKS[logger] = kind(logger)
+    return sink
+
+
+def sinks_for(loggers: Sequence[Any]) -> list[LoggerSink]:
+    """One live sink per distinct logger among ``loggers`` (a logger listed twice is written
+    once); a sink whose client raised is left out.
+
+    Example:
+        >>> from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+        >>> tb, csv = TensorBoardLogger("/tmp/x"), CSVLogger("/tmp/x")
+        >>> [type(s).__name__ for s in sinks_for([tb, csv, tb])]
+        ['TensorBoardSink', 'CSVSink']
+    """
+    sinks: list[LoggerSink] = []
+    for logger in loggers:
+        sink = _sink(logger)
+        if sink not in sinks and sink not in _FAILED:
+            sinks.append(sink)
+    return sinks
+
+
+def each_sink(loggers: Sequence[Any], write: Callable[[LoggerSink], None]) -> None:
+    """``write`` to each live sink of ``loggers``. A sink whose client raises (a network error,
+    a closed run) is left out from then on, with one warning, and training goes on; with
+    ``LIGHTNING_HOOKS_STRICT=1`` the error is raised instead."""
+    for sink in sinks_for(loggers):
+        try:
+            write(sink)
+        except Exception as err:
+            if strict_default():
+                raise
+            _FAILED.add(sink)
+            _warn_failed(sink, err)
+
+
+def _warn_failed(sink: LoggerSink, err: Exception) -> None:
+    from pytorch_lightning.utilities import rank_zero_warn
+
+    rank_zero_warn(
+        f"lightning_hooks: {type(sink.logger).__name__} raised {type(err).__name__}: {err}; "
+        "nothing more of ours is written to it in this run, training goes on.",
+        category=LightningHooksWarning,
+    )
 
 
 def log_scalars(loggers: Sequence[Any], metrics: Mapping[str, float], step: int) -> None:
@@ -75,3 +154,25 @@ def log_embedding(
 ) -> None:
     """Write ``[N, D]`` features (and ``N`` labels) to every logger with a projector."""
     each_sink(loggers, lambda sink: sink.embedding(tag, features, labels, step))
+
+
+def log_histogram(
+    loggers: Sequence[Any],
+    tag: str,
+    limits: np.ndarray,
+    counts: np.ndarray,
+    step: int,
+    moments: Moments | None = None,
+) -> None:
+    """Write pre-binned counts to every logger with histograms (TensorBoard, W&B).
+
+    Args:
+        loggers: the Trainer's loggers.
+        tag: the histogram's tag.
+        limits: ``[buckets]`` right edges.
+        counts: ``[buckets]`` counts.
+        step: the global step.
+        moments: ``(min, max, sum, sum of squares)`` of the values binned; ``None``: from the
+            bucket centres (see :func:`~lightning_hooks.logging.tensorboard.histogram_raw`).
+    """
+    each_sink(loggers, lambda sink: sink.histogram(tag, limits, counts, step, moments))

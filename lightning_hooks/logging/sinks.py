@@ -1,0 +1,308 @@
+"""The writer interface, :class:`LoggerSink`, and its adapters for CSV, MLflow and W&B loggers.
+
+Every callback writes host values (numpy arrays, CPU tensors, matplotlib figures) through one
+sink per logger; a kind of logger that cannot show something keeps the base's method, which
+writes nothing. TensorBoard's sink is in :mod:`lightning_hooks.logging.tensorboard`; which sink
+adapts which logger is decided in :mod:`lightning_hooks.logging.writer`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import io
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+__all__ = ["CSVSink", "LoggerSink", "MLflowSink", "Moments", "WandbSink", "lightning_types"]
+
+Moments = tuple[float, float, float, float]
+"""``(min, max, sum, sum of squares)`` of the values a histogram binned."""
+
+# Fabric's loggers last: the Trainer's TensorBoardLogger and CSVLogger subclass them.
+_NAMESPACES = (
+    "pytorch_lightning.loggers",
+    "lightning.pytorch.loggers",
+    "lightning_fabric.loggers",
+    "lightning.fabric.loggers",
+)
+
+
+@functools.cache
+def lightning_types(name: str) -> tuple[type, ...]:
+    """The class ``name`` from ``pytorch_lightning.loggers``, ``lightning.pytorch.loggers`` and
+    Fabric's ``lightning_fabric.loggers`` and ``lightning.fabric.loggers``, whichever are
+    installed: an ``isinstance`` against one namespace's class silently misses the others'.
+
+    Example:
+        >>> [t.__module__ for t in lightning_types("CSVLogger")][0]
+        'pytorch_lightning.loggers.csv_logs'
+    """
+    found: list[type] = []
+    for namespace in _NAMESPACES:
+        try:
+            found.append(getattr(importlib.import_module(namespace), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
+class LoggerSink:
+    """One Lightning logger as the library writes to it: one subclass per kind of logger.
+
+    Every method gets host values (numpy arrays, CPU tensors, matplotlib figures) and the
+    optimizer step; a kind of logger that cannot show something keeps the default, which writes
+    nothing. :meth:`scalars` and :meth:`save` default to the logger's own ``log_metrics`` and
+    ``save``, what Lightning calls for any logger. A subclass names the logger classes it adapts
+    in :meth:`accepts` and is registered with
+    :func:`~lightning_hooks.logging.writer.register_sink`.
+
+    Attributes:
+        logger: the Lightning logger written to.
+        shows_pictures: whether figures and images reach this logger.
+
+    Example:
+        >>> sink = LoggerSink(object())
+        >>> sink.shows_pictures, LoggerSink.accepts(object())
+        (False, True)
+    """
+
+    shows_pictures: ClassVar[bool] = False
+
+    def __init__(self, logger: Any) -> None:
+        self.logger = logger
+
+    @classmethod
+    def accepts(cls, logger: Any) -> bool:
+        """Whether this sink adapts ``logger``; the base adapts any logger (scalars only)."""
+        return True
+
+    def scalars(self, metrics: Mapping[str, float], step: int) -> None:
+        """Write ``metrics`` at ``step`` (the logger's own ``log_metrics``)."""
+        self.logger.log_metrics(dict(metrics), step=step)
+
+    def figure(self, tag: str, figure: Figure, step: int) -> None:
+        """Write a matplotlib figure (the caller closes it)."""
+
+    def image(self, tag: str, image: Any, step: int) -> None:
+        """Write a ``CHW`` CPU image tensor with values in ``[0, 1]``."""
+
+    def histogram(
+        self,
+        tag: str,
+        limits: np.ndarray,
+        counts: np.ndarray,
+        step: int,
+        moments: Moments | None,
+    ) -> None:
+        """Write pre-binned ``counts`` with right edges ``limits`` (see ``histogram_raw``)."""
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        """Write Markdown ``text``."""
+
+    def embedding(self, tag: str, features: Any, labels: list[Any] | None, step: int) -> None:
+        """Write ``[N, D]`` features and their ``N`` labels for a projector."""
+
+    def dashboard(self) -> None:
+        """Write the layout of the charts of the scalars written so far, where one exists."""
+
+    def save(self) -> None:
+        """Persist what was written (the logger's own ``save``)."""
+        self.logger.save()
+
+
+def _figure_pixels(figure: Figure) -> np.ndarray:
+    """``[H, W, 3]`` ``uint8`` RGB pixels of ``figure``, rendered as TensorBoard renders it.
+
+    Example:
+        >>> _figure_pixels(Figure(figsize=(2, 1), dpi=50)).shape
+        (50, 100, 3)
+    """
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()  # type: ignore[no-untyped-call]
+    rgba: np.ndarray = np.asarray(canvas.buffer_rgba())  # type: ignore[no-untyped-call]
+    pixels: np.ndarray = rgba[:, :, :3].copy()
+    return pixels
+
+
+def _image_pixels(image: Any) -> np.ndarray:
+    """A ``CHW`` tensor in ``[0, 1]`` as ``uint8`` pixels: ``[H, W]`` for one channel, else
+    ``[H, W, C]``.
+
+    Example:
+        >>> import torch
+        >>> _image_pixels(torch.tensor([[[0.0, 1.0]]])).tolist()
+        [[0, 255]]
+    """
+    pixels = (image.detach().float().clamp(0, 1) * 255).round().byte().cpu().numpy()
+    return pixels[0] if pixels.shape[0] == 1 else np.transpose(pixels, (1, 2, 0))
+
+
+def _png_bytes(pixels: np.ndarray) -> bytes:
+    """``uint8`` pixels encoded as PNG."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _step_file(tag: str, step: int, suffix: str) -> str:
+    """The file of ``tag`` at ``step``: one folder per tag, the step in the name.
+
+    Example:
+        >>> _step_file("grad_flow/chart", 80, ".png")
+        'grad_flow/chart/step_000080.png'
+    """
+    return f"{tag}/step_{step:06d}{suffix}"
+
+
+class CSVSink(LoggerSink):
+    """A ``CSVLogger``: ``<log_dir>/<tag>/step_<step>.png`` per figure or image (one folder per
+    tag), ``<log_dir>/<tag with dots>.md`` gathering every step's text under a heading per
+    step; no histograms or embeddings.
+
+    Example:
+        >>> from pytorch_lightning.loggers import CSVLogger
+        >>> CSVSink.accepts(CSVLogger("/tmp/x")), CSVSink.shows_pictures
+        (True, True)
+    """
+
+    shows_pictures: ClassVar[bool] = True
+
+    @classmethod
+    def accepts(cls, logger: Any) -> bool:
+        return isinstance(logger, lightning_types("CSVLogger"))
+
+    def _log_dir(self) -> Path | None:
+        """The run's folder; ``None`` on ranks other than 0 (their experiment is a dummy)."""
+        log_dir = getattr(self.logger.experiment, "log_dir", None)
+        return Path(log_dir) if isinstance(log_dir, str) else None
+
+    def _write_png(self, tag: str, step: int, png: bytes) -> None:
+        log_dir = self._log_dir()
+        if log_dir is None:
+            return
+        path = log_dir / _step_file(tag, step, ".png")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(png)
+
+    def figure(self, tag: str, figure: Figure, step: int) -> None:
+        self._write_png(tag, step, _png_bytes(_figure_pixels(figure)))
+
+    def image(self, tag: str, image: Any, step: int) -> None:
+        self._write_png(tag, step, _png_bytes(_image_pixels(image)))
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        """Append ``text`` to ``<tag with dots>.md`` (``grad_flow/alarms``:
+        ``grad_flow.alarms.md``) beside ``metrics.csv``."""
+        log_dir = self._log_dir()
+        if log_dir is None:
+            return
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with (log_dir / (tag.replace("/", ".") + ".md")).open("a", encoding="utf-8") as file:
+            file.write(f"## {tag}, step {step}\n\n{text}\n\n")
+
+
+_UNSAFE = re.compile(r"[^a-zA-Z0-9_/. -]+")
+
+
+class MLflowSink(LoggerSink):
+    """An ``MLFlowLogger``, through the ``MlflowClient`` that its ``experiment`` is: figures as
+    ``<tag>/step_<step>.png`` artifacts, images as MLflow images under their key and step,
+    Markdown text as ``<tag>/step_<step>.md``; no histograms or embeddings (MLflow has neither).
+
+    Example:
+        >>> from pytorch_lightning.loggers import CSVLogger
+        >>> MLflowSink.accepts(CSVLogger("/tmp/x")), MLflowSink.shows_pictures
+        (False, True)
+    """
+
+    shows_pictures: ClassVar[bool] = True
+
+    @classmethod
+    def accepts(cls, logger: Any) -> bool:
+        return isinstance(logger, lightning_types("MLFlowLogger"))
+
+    def figure(self, tag: str, figure: Figure, step: int) -> None:
+        client = self.logger.experiment
+        client.log_figure(self.logger.run_id, figure, _step_file(tag, step, ".png"))
+
+    def image(self, tag: str, image: Any, step: int) -> None:
+        # The key follows MLflow's metric-name rules, as Lightning's log_metrics cleans its keys.
+        key = _UNSAFE.sub("", tag)
+        self.logger.experiment.log_image(
+            self.logger.run_id, _image_pixels(image), key=key, step=step
+        )
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        client = self.logger.experiment
+        client.log_text(self.logger.run_id, text, _step_file(tag, step, ".md"))
+
+
+_STEP_KEY = "trainer/global_step"
+_MAX_BINS = 512  # wandb.Histogram refuses more
+
+
+def _rebinned(counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``counts`` (``edges``: one more) with neighbours merged to at most 512 buckets, the most
+    ``wandb.Histogram`` takes.
+
+    Example:
+        >>> counts, edges = _rebinned(np.ones(1000), np.arange(1001.0))
+        >>> len(counts), len(edges), float(counts.sum()), float(edges[-1])
+        (500, 501, 1000.0, 1000.0)
+    """
+    factor = -(-len(counts) // _MAX_BINS)
+    if factor == 1:
+        return counts, edges
+    padded = np.concatenate([counts, np.zeros((-len(counts)) % factor)])
+    return padded.reshape(-1, factor).sum(1), np.append(edges[:-1][::factor], edges[-1])
+
+
+class WandbSink(LoggerSink):
+    """A ``WandbLogger``, each write at the optimizer step (``trainer/global_step``, as
+    Lightning's ``log_metrics``): figures and images as ``wandb.Image`` (``log_image``),
+    histograms as ``wandb.Histogram``, text as a one-row table (``log_text``); no embeddings.
+
+    Example:
+        >>> from pytorch_lightning.loggers import CSVLogger
+        >>> WandbSink.accepts(CSVLogger("/tmp/x")), WandbSink.shows_pictures
+        (False, True)
+    """
+
+    shows_pictures: ClassVar[bool] = True
+
+    @classmethod
+    def accepts(cls, logger: Any) -> bool:
+        return isinstance(logger, lightning_types("WandbLogger"))
+
+    def figure(self, tag: str, figure: Figure, step: int) -> None:
+        self.logger.log_image(key=tag, images=[_figure_pixels(figure)], step=step)
+
+    def image(self, tag: str, image: Any, step: int) -> None:
+        self.logger.log_image(key=tag, images=[_image_pixels(image)], step=step)
+
+    def histogram(
+        self,
+        tag: str,
+        limits: np.ndarray,
+        counts: np.ndarray,
+        step: int,
+        moments: Moments | None,
+    ) -> None:
+        import wandb
+
+        width = limits[1] - limits[0] if len(limits) > 1 else 1.0
+        counts, edges = _rebinned(counts, np.concatenate([[limits[0] - width], limits]))
+        histogram = wandb.Histogram(np_histogram=(counts.tolist(), edges.tolist()))
+        self.logger.experiment.log({tag: histogram, _STEP_KEY: step})
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self.logger.log_text(key=tag, columns=["step", "text"], data=[[step, text]], step=step)
