@@ -1,5 +1,5 @@
 """Reading a run back from its TensorBoard event files (or a ``CSVLogger``'s ``metrics.csv``): the
-per-layer table of the last epoch.
+per-layer table of the last epoch, as ``lightning-hooks report`` prints it.
 
 Tags follow ``<family>/<stat>/<layer>`` per layer, ``<family>/global/<stat>`` over all layers and
 ``<family>/alarms/<rule>`` for alarm counts (per epoch; the report sums them over the run, so an
@@ -10,35 +10,210 @@ directory holding event files, or a ``metrics.csv``.
 
 The event files are read record by record with their checksums (TensorBoard's own reader stops
 silently at a corrupt or truncated record): a file that cannot be read to its end raises
-:class:`EventFileError`, naming the file and the byte offset.
+:class:`EventFileError`, naming the file and the byte offset. Nothing heavy is imported here
+(no torch, no Lightning): the command answers at once.
 """
 
 from __future__ import annotations
 
+import csv
 import math
 import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-
-from lightning_hooks.report_csv import METRICS_FILE, csv_series
-from lightning_hooks.report_events import EventFileError, scalar_events
-from lightning_hooks.report_model import ALARMS, COLUMNS, LAYER_METRICS, LayerRow, RunReport
-from lightning_hooks.report_rules import FailRule, check
+from typing import Any
 
 __all__ = [
-    "ALARMS",
     "COLUMNS",
-    "LAYER_METRICS",
+    "METRICS_FILE",
     "EventFileError",
-    "FailRule",
     "LayerRow",
     "RunReport",
     "attention_summary",
-    "check",
+    "csv_series",
     "find_runs",
     "format_table",
     "read_run",
+    "read_series",
     "scalar_events",
 ]
+
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("dead_fraction", "dead_relu/dead_fraction"),
+    ("grad_norm", "grad_flow/grad_norm"),
+    ("update_ratio", "grad_flow/update_ratio"),
+    ("grad_nonfinite", "grad_flow/grad_nonfinite"),
+)
+"""The table's columns: ``(name, family/stat)``; every other statistic is in the JSON only."""
+
+_HEALTHY_UPDATE_RATIO = 1e-3  # the usual rule of thumb for ||dw|| / ||w|| per step
+
+
+@dataclass
+class LayerRow:
+    """One layer's statistics at the last logged step (every ``family/stat`` found)."""
+
+    layer: str
+    values: dict[str, float] = field(default_factory=dict)
+
+    def get(self, name: str) -> float:
+        """A column by its short name (``grad_norm``) or full ``family/stat``; NaN if absent."""
+        full = dict(COLUMNS).get(name, name)
+        return self.values.get(full, math.nan)
+
+    def severity(self) -> tuple[float, float, float, float]:
+        """Sort key, worst first: non-finite gradients, no gradient at all, dead fraction, then
+        the update ratio's distance from 1e-3 in decades."""
+        norm = self.values.get("grad_flow/grad_norm", 1.0)
+        broken = self.get("grad_nonfinite") > 0 or not math.isfinite(norm)
+        dead = self.get("dead_fraction")
+        ratio = self.get("update_ratio")
+        off = abs(math.log10(ratio / _HEALTHY_UPDATE_RATIO)) if ratio > 0 else math.inf
+        return (
+            -float(broken),
+            -float(norm == 0),
+            -(dead if not math.isnan(dead) else 0.0),
+            -(off if not math.isnan(ratio) else 0.0),
+        )
+
+
+@dataclass
+class RunReport:
+    """The last step of one run: its layers worst first, its global values, and its alarm
+    counts per ``family/rule`` summed over the whole run."""
+
+    run: str
+    step: int
+    layers: list[LayerRow]
+    global_values: dict[str, float]
+    alarms: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (NaN becomes ``None``)."""
+
+        def clean(values: dict[str, float]) -> dict[str, float | None]:
+            return {k: (None if math.isnan(v) else v) for k, v in values.items()}
+
+        return {
+            "run": self.run,
+            "step": self.step,
+            "alarms": clean(self.alarms),
+            "global": clean(self.global_values),
+            "layers": [{"layer": r.layer, **clean(r.values)} for r in self.layers],
+        }
+
+
+METRICS_FILE = "metrics.csv"
+"""The file a ``CSVLogger`` writes its scalars to, in its ``log_dir``."""
+
+
+def csv_series(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar column of a ``metrics.csv`` as ``[(step, value)]`` per tag, in row order.
+
+    A blank cell (the tag was not logged in that row) is skipped; as TensorBoard does, a step
+    lower than the tag's last one (a run resumed from a checkpoint) drops the tag's values from
+    that step on.
+
+    Example:
+        >>> import tempfile
+        >>> path = Path(tempfile.mkdtemp()) / "metrics.csv"
+        >>> _ = path.write_text("a/b/c,step\\n1.5,0\\n,1\\n2.5,2\\n")
+        >>> csv_series(path)
+        {'a/b/c': [(0, 1.5), (2, 2.5)]}
+    """
+    series: dict[str, list[tuple[int, float]]] = {}
+    with path.open(newline="", encoding="utf-8") as file:
+        for row in csv.DictReader(file):
+            step = int(float(row.get("step") or 0))
+            for tag, cell in row.items():
+                if tag == "step" or not cell:
+                    continue
+                values = series.setdefault(tag, [])
+                if values and step < values[-1][0]:
+                    values[:] = [(s, v) for s, v in values if s < step]
+                values.append((step, _float(cell)))
+    return series
+
+
+def _float(cell: str) -> float:
+    try:
+        return float(cell)
+    except ValueError:
+        return math.nan
+
+
+class EventFileError(ValueError):
+    """An event file that cannot be read to its end: a corrupt or a truncated record."""
+
+
+def scalar_events(path: Path) -> Iterator[tuple[str, int, float]]:
+    """``(tag, step, value)`` of every scalar in one event file, in file order.
+
+    Every record's framing is checked (its length and the length's checksum), and so is the
+    payload checksum of every record that holds a scalar.
+
+    Raises:
+        EventFileError: the file is corrupt or ends inside a record; the message names the file
+            and the byte offset of the record.
+    """
+    from google.protobuf.message import DecodeError
+    from tensorboard.compat.proto.event_pb2 import Event
+
+    data = path.read_bytes()
+    offset = 0
+    while offset < len(data):
+        payload, payload_crc, end = _record(data, offset, path)
+        try:
+            event = Event.FromString(payload)
+        except DecodeError as error:
+            raise EventFileError(f"{path}: corrupt record at byte {offset} ({error})") from None
+        scalars = [(v.tag, x) for v in event.summary.value if (x := _scalar(v)) is not None]
+        if scalars and _masked_crc32c(payload) != payload_crc:
+            raise EventFileError(f"{path}: corrupt record at byte {offset} (checksum mismatch)")
+        for tag, value in scalars:
+            yield tag, event.step, value
+        offset = end
+
+
+def _record(data: bytes, offset: int, path: Path) -> tuple[bytes, int, int]:
+    """The TFRecord at ``offset``: ``(payload, payload checksum, offset of the next record)``."""
+    size = len(data)
+    if offset + 12 > size:
+        raise EventFileError(
+            f"{path}: truncated: the file ends inside the record header at byte {offset} "
+            f"({size} bytes; a run still being written, or a file cut short)"
+        )
+    (length,) = struct.unpack_from("<Q", data, offset)
+    (length_crc,) = struct.unpack_from("<I", data, offset + 8)
+    if _masked_crc32c(data[offset : offset + 8]) != length_crc:
+        raise EventFileError(f"{path}: corrupt record header at byte {offset} (checksum mismatch)")
+    start, end = offset + 12, offset + 12 + length
+    if end + 4 > size:
+        raise EventFileError(
+            f"{path}: truncated: the record at byte {offset} needs {length + 16} bytes, the file "
+            f"ends after {size - offset} (a run still being written, or a file cut short)"
+        )
+    (payload_crc,) = struct.unpack_from("<I", data, end)
+    return data[start:end], payload_crc, end + 4
+
+
+def _masked_crc32c(data: bytes) -> int:
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    return int(masked_crc32c(data))
+
+
+def _scalar(value: Any) -> float | None:
+    """A summary value's scalar (``simple_value`` or a scalar-plugin tensor), else ``None``."""
+    if value.HasField("simple_value"):
+        return float(value.simple_value)
+    if value.HasField("tensor") and value.metadata.plugin_data.plugin_name == "scalars":
+        from tensorboard.util.tensor_util import make_ndarray
+
+        return float(make_ndarray(value.tensor).item())
+    return None
 
 
 def find_runs(logdir: Path) -> list[Path]:

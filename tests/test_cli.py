@@ -314,7 +314,7 @@ def test_progress_on_stderr_only_when_reading_takes_over_a_second(
 
 def test_the_known_metrics_are_what_every_callback_logs(tmp_path: Path) -> None:
     import lightning_hooks
-    from lightning_hooks.report import ALARMS, LAYER_METRICS
+    from lightning_hooks.cli import ALARMS, LAYER_METRICS
 
     model = TinyMLP()
     model.net[3] = nn.Tanh()  # SaturationCallback watches bounded activations
