@@ -18,7 +18,7 @@ from lightning_hooks import (
     GradFlowCallback,
     LightningHooksWarning,
 )
-from lightning_hooks.logging import log_scalars
+from lightning_hooks.logging import LoggerSink, log_scalars, register_sink, sinks_for, writer
 
 from conftest import TinyMLP, make_trainer, read_scalars
 
@@ -151,3 +151,17 @@ def test_one_logger_save_per_batch_whatever_the_number_of_callbacks_writing(
     scalars = read_scalars(tmp_path)
     for tag in ("grad_flow/grad_norm_step/net.0", "activations/mean_step/net.0"):
         assert [step for step, _ in scalars[tag]] == list(range(8)), tag
+
+
+def test_a_sink_registered_before_any_write_keeps_the_built_in_ones(tmp_path: Path) -> None:
+    class Nothing(LoggerSink):
+        @classmethod
+        def accepts(cls, logger: Any) -> bool:
+            return False
+
+    register_sink(Nothing)
+    try:
+        sinks = sinks_for([TensorBoardLogger(tmp_path), CSVLogger(tmp_path)])
+        assert [type(s).__name__ for s in sinks] == ["TensorBoardSink", "CSVSink"]
+    finally:
+        writer._KINDS.remove(Nothing)
