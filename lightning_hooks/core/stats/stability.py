@@ -9,7 +9,6 @@ sampled steps only, on the device.
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,8 +34,6 @@ __all__ = [
     "STABILITY_STATS",
     "StabilityStats",
     "mha_logit_chunks",
-    "mha_logit_max",
-    "mha_logits",
 ]
 
 STABILITY_STATS = ("attn_logit_max", "attn_entropy_min", "logit_logz", "logit_logz_max")
@@ -69,53 +66,6 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
-def mha_logit_max(
-    mha: nn.MultiheadAttention,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    key_padding_mask: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The largest pre-softmax logit ``q.k / sqrt(d_head)`` of ``mha`` on these inputs.
-
-    Over batch, heads, queries and keys; masked-out keys excluded, float masks added (the logit
-    the softmax sees); ``bias_k`` and ``add_zero_attn`` keys included. A 0-d float32 tensor on
-    the inputs' device, no host sync.
-
-    Example:
-        >>> mha = nn.MultiheadAttention(4, 2, batch_first=True)
-        >>> x = torch.randn(3, 5, 4)
-        >>> peak = mha_logit_max(mha, x, x)
-        >>> w = mha.in_proj_weight
-        >>> q = (x @ w[:4].T + mha.in_proj_bias[:4]).view(3, 5, 2, 2).transpose(1, 2)
-        >>> k = (x @ w[4:8].T + mha.in_proj_bias[4:8]).view(3, 5, 2, 2).transpose(1, 2)
-        >>> torch.allclose(peak, (q @ k.transpose(-1, -2) / 2**0.5).max())
-        True
-    """
-    return mha_logits(mha, query, key, key_padding_mask, attn_mask).amax().float()
-
-
-def mha_logits(
-    mha: nn.MultiheadAttention,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    key_padding_mask: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The pre-softmax logits ``[N, H, L, S']`` of ``mha`` on these inputs, as its softmax sees
-    them: ``q.k / sqrt(d_head)``, ``-inf`` for masked-out keys, float masks added, ``bias_k`` and
-    ``add_zero_attn`` keys included (an unbatched input gives ``N = 1``).
-
-    Example:
-        >>> mha = nn.MultiheadAttention(4, 2, batch_first=True)
-        >>> mha_logits(mha, torch.randn(3, 5, 4), torch.randn(3, 6, 4)).shape
-        torch.Size([3, 2, 5, 6])
-    """
-    chunks = mha_logit_chunks(mha, query, key, key_padding_mask, attn_mask, budget=sys.maxsize)
-    (logits,) = chunks
-    return logits
-
-
 def mha_logit_chunks(
     mha: nn.MultiheadAttention,
     query: torch.Tensor,
@@ -124,9 +74,17 @@ def mha_logit_chunks(
     attn_mask: torch.Tensor | None = None,
     budget: int | None = None,
 ) -> Iterator[torch.Tensor]:
-    """:func:`mha_logits` a chunk of query rows at a time, each of at most ``budget``
-    elements (default :data:`~lightning_hooks.core.stats.attention.LOGIT_BUDGET`; one row
-    when a row is larger)."""
+    """The pre-softmax logits ``[N, H, L, S']`` of ``mha`` on these inputs, as its softmax sees
+    them, a chunk of query rows at a time: ``q.k / sqrt(d_head)``, ``-inf`` for masked-out keys,
+    float masks added, ``bias_k`` and ``add_zero_attn`` keys included (an unbatched input gives
+    ``N = 1``). Each chunk holds at most ``budget`` elements (default
+    :data:`~lightning_hooks.core.stats.attention.LOGIT_BUDGET`; one row when a row is larger).
+
+    Example:
+        >>> mha = nn.MultiheadAttention(4, 2, batch_first=True)
+        >>> [c.shape for c in mha_logit_chunks(mha, torch.randn(3, 5, 4), torch.randn(3, 6, 4))]
+        [torch.Size([3, 2, 5, 6])]
+    """
     if query.dim() == 2:  # unbatched: [L, E]
         query, key = query.unsqueeze(1), key.unsqueeze(1)
         key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
@@ -192,7 +150,7 @@ class StabilityStats(LayerStat[Result]):
     (:func:`~lightning_hooks.core.stats.attention.attention_head_entropy`). For every
     ``nn.MultiheadAttention`` (the attention of ``nn.TransformerEncoderLayer`` / ``DecoderLayer``)
     the logits ``q.k / sqrt(d_head)`` are recomputed from the module's inputs in a forward
-    pre-hook (:func:`mha_logits`); for any other module, from the arguments of each
+    pre-hook (:func:`mha_logit_chunks`); for any other module, from the arguments of each
     ``scaled_dot_product_attention`` call it makes (its own scale, causal flag and mask) or the
     input of each softmax over the last dimension of a 4-D tensor (eager attention), seen by
     :class:`~.attention.AttentionCapture` in the sampled training forwards.

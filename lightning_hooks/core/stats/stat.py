@@ -67,8 +67,6 @@ class LayerStat(LayerStates, HookOwner, Generic[R]):
         ['peak/0', 'peak/2']
     """
 
-    tag_prefix = ""
-
     def __init__(self, selection: Selection | None = None) -> None:
         super().__init__()
         self.selection = selection
