@@ -293,7 +293,7 @@ class StabilityStats(LayerStat[Result]):
 
     def end_step(self) -> None:
         """After a forward: the last candidate seen is the output layer (an attribute check
-        when there is nothing to settle). Also settled before every reduce (:meth:`flush`).
+        when there is nothing to settle). Also settled before every reduce (:meth:`drain`).
         After the first sampled step, one warning names the attention layers not seen."""
         if (
             not self._checked
@@ -323,7 +323,7 @@ class StabilityStats(LayerStat[Result]):
                 stacklevel=3,
             )
 
-    def flush(self) -> None:
+    def drain(self) -> None:
         """Settle a measured forward that :meth:`end_step` has not seen yet."""
         self.end_step()
 
