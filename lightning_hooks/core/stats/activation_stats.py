@@ -76,12 +76,6 @@ class Histogram:
     counts: np.ndarray
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return torch.device("cpu")
-
-
 class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
     """Per-layer statistics of module outputs over an epoch, on the device, no host sync per step.
 
@@ -174,7 +168,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
     ) -> ActivationStatsTracker:
         """Hook ``model``; the device constants and the non-finite probe go to its device."""
         super().attach(model, registry)
-        device = _model_device(model)
+        device = self.device  # the model's: the base moved the states there
         # Made here, not in a hook: its host buffer is set up once, outside any training step.
         self.first_nonfinite = FirstNonFinite(device)
         self._sign = torch.tensor(_SIGN, device=device)

@@ -291,7 +291,7 @@ class GradFlowTracker(HookOwner):
         return self.accumulator.result()
 
     def post_window(self, step: int) -> None:
-        """A logging point: post the window of steps since the last one (one collective, one
+        """A logging step: post the window of steps since the last one (one collective, one
         copy, see :meth:`LayerStat.post_window`); :meth:`read_window` returns it."""
         self._outputs.drain()
         self.accumulator.post_window(step)
