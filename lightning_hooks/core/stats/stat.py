@@ -263,9 +263,6 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
             self.registry.remove()
             self.registry = None
 
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
     # --- logging steps: a window of steps, folded into the epoch on the host ----------------
 
     def post_window(self, step: int) -> None:
