@@ -1,4 +1,4 @@
-"""The name :class:`~lightning_hooks.core.stats.optimizer_view.ViewStats` was imported by."""
+"""``ViewStats`` under its former module path: it is defined in :mod:`.optimizer_view`."""
 
 from __future__ import annotations
 
