@@ -1,7 +1,7 @@
 """The core without Lightning: ``GradFlowTracker`` and ``HookRegistry`` in a plain PyTorch loop.
 
 Run: ``python examples/plain_loop.py``. No Trainer, no LightningModule: the core
-(``lightning_hooks.core``) itself imports torch and torchmetrics only.
+(``lightning_hooks.core``) itself imports torch and numpy only.
 """
 
 import torch

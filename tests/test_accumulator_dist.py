@@ -11,7 +11,7 @@ import torch
 
 from lightning_hooks.core import LayerStatsAccumulator
 from lightning_hooks.core.stats import accumulator as accumulator_module
-from lightning_hooks.core.stats import windows as windows_module
+from lightning_hooks.core.stats import states as states_module
 
 
 def test_steps_batch_equals_one_update_per_step() -> None:
@@ -60,8 +60,8 @@ def test_one_all_gather_sums_totals_and_counts_and_maxes_peaks(
         calls.append(packed)
         return torch.stack([packed, other])
 
-    monkeypatch.setattr(windows_module, "all_gather_stacked", gather)
-    acc.distributed_available_fn = lambda: True
+    monkeypatch.setattr(states_module, "all_gather_stacked", gather)
+    monkeypatch.setattr(states_module, "is_distributed", lambda: True)
     result = acc.result()
     assert len(calls) == 1 and calls[0].shape == (6,)  # total, peak, count: one packed tensor
     assert result.total.tolist() == [[6.0], [4.0]] and result.count.tolist() == [[2.0], [1.0]]
@@ -82,8 +82,8 @@ def test_a_loaded_state_is_counted_once_across_ranks(monkeypatch: pytest.MonkeyP
     def gather(packed: torch.Tensor, group: Any = None) -> torch.Tensor:
         return torch.stack([packed, other])
 
-    monkeypatch.setattr(windows_module, "all_gather_stacked", gather)
-    fresh.distributed_available_fn = lambda: True
+    monkeypatch.setattr(states_module, "all_gather_stacked", gather)
+    monkeypatch.setattr(states_module, "is_distributed", lambda: True)
     result = fresh.result()
     assert result.count.tolist() == [[3.0]] and result.total.tolist() == [[12.0]]
     assert result.peak.tolist() == [[6.0]]

@@ -26,9 +26,8 @@ from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats import attention
 from lightning_hooks.core.stats.attention import (
     AttentionCapture,
-    attention_stats,
+    attention_head_entropy,
     sdpa_logit_chunks,
-    sdpa_logits,
 )
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
@@ -37,6 +36,19 @@ from lightning_hooks.report import _fmt
 from conftest import make_trainer, read_scalars
 from syncs import count_syncs
 from tensorboard_server import charts, read_layouts
+
+
+def sdpa_logits_whole(q: torch.Tensor, k: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """The whole logits: :func:`sdpa_logit_chunks` in one chunk."""
+    (logits,) = sdpa_logit_chunks(q, k, budget=1 << 30, **kwargs)
+    return logits
+
+
+def peak_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest logit and the smallest per-head mean entropy, as ``StabilityStats`` logs."""
+    peak, total, count = attention_head_entropy(logits)
+    return peak, torch.where(count > 0, total / count.clamp(min=1), torch.inf).amin()
+
 
 STEPS, EVERY = 4, 2  # one epoch of 4 steps; steps 0 (the epoch's first), 1 and 3 are sampled
 LENGTH, BATCH, VOCAB = 8, 4, 50
@@ -92,7 +104,7 @@ def test_softmax_of_sdpa_logits_gives_sdpa_output(mask: str) -> None:
         kwargs["scale"] = 0.7
     if mask == "3-d":
         q, k, v = q[0], k[0], v[0]
-    logits = sdpa_logits(q, k, **kwargs)
+    logits = sdpa_logits_whole(q, k, **kwargs)
     values = v.repeat_interleave(2, dim=-3) if mask.startswith("gqa") else v
     got = torch.softmax(logits, -1) @ values
     want = functional.scaled_dot_product_attention(q, k, v, **kwargs)
@@ -115,7 +127,7 @@ def test_logit_chunks_are_the_logits_a_row_budget_at_a_time(mask: str) -> None:
         k, kwargs["enable_gqa"] = k[:, :2], True
     if mask == "3-d":
         q, k = q[0], k[0]
-    full = sdpa_logits(q, k, **kwargs)
+    full = sdpa_logits_whole(q, k, **kwargs)
     per_row = full[..., :1, :].numel()
     for budget in (1, per_row, 2 * per_row + 1, full.numel()):
         chunks = list(sdpa_logit_chunks(q, k, budget=budget, **kwargs))
@@ -156,7 +168,7 @@ def test_attention_stats_against_categorical_entropy() -> None:
     logits = torch.randn(3, 4, 5, 6) * 3
     keep = torch.rand(3, 1, 5, 6) > 0.4
     keep[..., 2] = True
-    peak, entropy = attention_stats(logits.masked_fill(~keep, -torch.inf))
+    peak, entropy = peak_and_entropy(logits.masked_fill(~keep, -torch.inf))
     q = logits  # reference() takes q, k: pass logits * sqrt(d) as q and the identity as k
     want = reference(q * math.sqrt(6), torch.eye(6).expand(3, 4, 6, 6), keep)
     assert (peak.item(), entropy.item()) == pytest.approx(want, rel=1e-5)
@@ -164,9 +176,9 @@ def test_attention_stats_against_categorical_entropy() -> None:
 
 def test_a_fully_masked_row_is_left_out_and_all_masked_gives_no_value() -> None:
     logits = torch.tensor([[[[1.0, 1.0], [-torch.inf, -torch.inf]]]])
-    peak, entropy = attention_stats(logits)
+    peak, entropy = peak_and_entropy(logits)
     assert (peak.item(), entropy.item()) == pytest.approx((1.0, math.log(2)))
-    peak, entropy = attention_stats(torch.full((1, 2, 3, 3), -torch.inf))
+    peak, entropy = peak_and_entropy(torch.full((1, 2, 3, 3), -torch.inf))
     assert (peak.item(), entropy.item()) == (-math.inf, math.inf)
 
 
@@ -817,6 +829,6 @@ def test_logits_are_float32_under_autocast() -> None:
         torch.randn(2, 2, 5, 8, dtype=torch.bfloat16),
     )
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = sdpa_logits(q, k, is_causal=True)
+        got = sdpa_logits_whole(q, k, is_causal=True)
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, sdpa_logits(q, k, is_causal=True), rtol=0, atol=0)
+    torch.testing.assert_close(got, sdpa_logits_whole(q, k, is_causal=True), rtol=0, atol=0)

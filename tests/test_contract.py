@@ -182,8 +182,8 @@ BAD_ARGUMENTS = [
     _bad(lambda: FeatureMapCallback(embedding=3), r"FeatureMapCallback\(embedding=3\)"),
     _bad(lambda: FeatureMapCallback(probe_size=0), r"FeatureMapCallback\(probe_size=0\)"),
     _bad(lambda: FeatureMapCallback(strict="yes"), r"FeatureMapCallback\(strict='yes'\)"),
-    _bad(lambda: _STATS.column("grad_nrom"), r"LayerStats.column\(stat='grad_nrom'\)"),
-    _bad(lambda: _STATS.column("grad_norm", "median"), r"LayerStats.column\(kind='median'\)"),
+    _bad(lambda: _STATS.column("grad_nrom"), r"LayerTable.column\(stat='grad_nrom'\)"),
+    _bad(lambda: _STATS.column("grad_norm", "median"), r"LayerTable.column\(kind='median'\)"),
     _bad(lambda: capture_outputs("net", "0").__enter__(), r"capture_outputs\(model='net'\)"),
     _bad(
         lambda: capture_outputs(_MODEL, "0", detach="yes").__enter__(),

@@ -247,7 +247,8 @@ class _MemoryProbe(pl.Callback):
         params = {id(p) for p in args[1].parameters()}
         self.bytes.append(_storage_bytes(t for t in held if id(t) not in params))
         tracker = self.watched._tracker  # type: ignore[attr-defined]
-        self.accumulator.append(sum(s.numel() for s in tracker.accumulator.metric_state.values()))
+        states = tracker.accumulator
+        self.accumulator.append(sum(getattr(states, n).numel() for n in states.specs))
         self.alarm_bytes.append(_storage_bytes(_held_tensors(tracker.alarms).values()))
 
 

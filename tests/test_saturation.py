@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import FeatureMapCallback, LightningHooksWarning, SaturationCallback
 from lightning_hooks.core import SaturationTracker, saturation_mask, unit_saturation
-from lightning_hooks.core.stats import windows as windows_module
+from lightning_hooks.core.stats import states as states_module
 
 from conftest import TinyMLP, hooks_left, read_scalars
 from syncs import count_syncs
@@ -192,8 +192,8 @@ def test_tracker_reduces_counts_by_sum_flags_by_max_and_errors_on_changing_units
     model(torch.randn(3, 2) * 50)
     once = tracker.result()
     # a second rank that saw the same: one all-gather of every state, packed
-    monkeypatch.setattr(windows_module, "all_gather_stacked", lambda t, g=None: torch.stack([t, t]))
-    tracker.distributed_available_fn = lambda: True
+    monkeypatch.setattr(states_module, "all_gather_stacked", lambda t, g=None: torch.stack([t, t]))
+    monkeypatch.setattr(states_module, "is_distributed", lambda: True)
     twice = tracker.result()
     assert once.entries.tolist() == [12] and twice.entries.tolist() == [24]
     np.testing.assert_array_equal(twice.saturated, 2 * once.saturated)

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.core.stats import attention as attention_module
-from lightning_hooks.core.stats.stability import StabilityStats, mha_logit_max, mha_logits
-from lightning_hooks.core.stats.stability import mha_logit_chunks as attention_chunks
+from lightning_hooks.core.stats.attention import mha_logit_chunks as attention_chunks
+from lightning_hooks.core.stats.stability import StabilityStats
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
 
@@ -232,7 +232,8 @@ def test_logit_max_with_separate_projections_bias_k_zero_attn_and_float_mask(
     mask = torch.randn(5, 7)  # a float mask is added to the logits
     if not batched:
         query, key = query[:, 0], key[:, 0]
-    peak = mha_logit_max(mha, query, key, attn_mask=mask)
+    (logits,) = attention_chunks(mha, query, key, attn_mask=mask, budget=1 << 30)
+    peak = logits.amax()
     # Independent: torch's projections, the extra keys appended per head by hand.
     q, k, _ = functional._in_projection(
         query, key, key, mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight,
@@ -319,7 +320,7 @@ def test_mha_logit_chunks_are_the_logits_a_row_at_a_time(mask: str) -> None:
         kwargs["attn_mask"] = torch.rand(3 * 2, 5, 5) > 0.5
     if mask == "padding":
         kwargs["key_padding_mask"] = torch.arange(5) >= torch.tensor([[5], [3], [4]])
-    full = mha_logits(mha, x, x, **kwargs)
+    (full,) = attention_chunks(mha, x, x, budget=1 << 30, **kwargs)
     per_row = 3 * 2 * 7  # batch x heads x (5 keys, bias_k, zero_attn)
     for budget in (1, 2 * per_row):
         chunks = list(attention_chunks(mha, x, x, budget=budget, **kwargs))

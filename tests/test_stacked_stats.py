@@ -12,7 +12,7 @@ from torch import nn
 from lightning_hooks import ActivationStatsTracker
 from lightning_hooks.core.kernels import feature_stats as feature_stats_module
 from lightning_hooks.core.kernels.feature_stats import feature_stats, stacked_feature_stats
-from lightning_hooks.core.stats import pending
+from lightning_hooks.core.stats import states
 
 
 @pytest.mark.parametrize("device", ["cpu", "other"], ids=["cpu-signs", "comparisons"])
@@ -91,7 +91,7 @@ def test_copies_beyond_the_cap_are_measured_early_with_the_same_result(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     want, _ = _measured(True)
-    monkeypatch.setattr(pending, "_HELD", 100)  # every output or two
+    monkeypatch.setattr(states, "_HELD", 100)  # every output or two
     got, _ = _measured(True)
     for name in ("mean", "std", "min", "max"):
         torch.testing.assert_close(
@@ -111,14 +111,14 @@ def test_a_small_output_costs_two_ops_in_its_hook() -> None:
     bare = counter.total
     tracker = ActivationStatsTracker(net)
     net(x)  # the rows are made
-    tracker.flush()
+    tracker.drain()
     counter = OpCounter()
     with counter:
         net(x)
     hooked = counter.total
     counter = OpCounter()
     with counter:
-        tracker.flush()
+        tracker.drain()
     tracker.remove()
     assert hooked - bare == 2 * 40, counter.ops
     assert counter.total <= 2 * 20  # Linear's and ReLU's outputs are one shape: one batch

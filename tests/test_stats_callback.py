@@ -115,7 +115,7 @@ def test_align_rows_puts_every_ranks_new_rows_in_one_order_with_their_values() -
     with stat.attach(model):
         model[3](torch.randn(6, 5).abs())  # this rank met "3" (5 units) first, then "1"
         model[1](-torch.ones(6, 3))
-        stat.flush()  # what the hooks hold, into the states (before a read, as the base does)
+        stat.drain()  # what the hooks hold, into the states (before a read, as the base does)
         counts = {n: stat.counts[stat.unit_slice(i)].clone() for n, i in stat.rows.items()}
         assert stat.layers == ("3", "1") and stat.rows_grew
         other = [("1", 3), ("9", 2)]  # the other rank (rank 0): "1", then a layer only it ran
@@ -131,7 +131,7 @@ def test_align_rows_puts_every_ranks_new_rows_in_one_order_with_their_values() -
 
 def test_align_rows_moves_what_the_hooks_still_hold_with_its_row() -> None:
     """Fired masks held for the end of the step (and the host call counts) are counted into the
-    row they were seen for, also when the rows move before they are flushed."""
+    row they were seen for, also when the rows move before they are drained."""
     from lightning_hooks.core.stats.dead_units import DeadUnitTracker
 
     stat = DeadUnitTracker(types=nn.ReLU)
@@ -141,7 +141,7 @@ def test_align_rows_moves_what_the_hooks_still_hold_with_its_row() -> None:
         model[3](x3)  # rows "3" then "1" on this rank; held, not yet counted
         model[1](x1)
         stat.align_rows([[("1", 3), ("9", 2)], stat.new_rows()])
-        stat.flush()
+        stat.drain()
         for name, x in (("3", x3), ("1", x1)):
             got = stat.counts[stat.unit_slice(stat.rows[name])]
             torch.testing.assert_close(got, (x > 0).sum(0).double())

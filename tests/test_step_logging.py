@@ -170,7 +170,7 @@ def test_quiet_batches_read_no_window_and_a_late_copy_is_written_at_the_next_bat
     statistic's mailbox); a copy not done when the logging point looks (CUDA's non-blocking
     copy) is written at the next batch's start, with the values of its own step."""
     from lightning_hooks.callbacks._writing import Writing
-    from lightning_hooks.core.stats.windows import EpochWindows
+    from lightning_hooks.core.stats.stat import EpochWindows
 
     late = copy == "done a batch later"
     collect, seen = EpochWindows.collect, set()

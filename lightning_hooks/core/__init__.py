@@ -1,10 +1,8 @@
 """The torch-only core: hook registry, module selection, statistics and accumulators.
 
-No Lightning, no matplotlib, no TensorBoard: the public names load on first use (PEP 562), so
-``import lightning_hooks.core`` and ``from lightning_hooks.core import HookRegistry,
-select_modules`` import only torch and numpy. The statistics built on torchmetrics' ``Metric``
-(:class:`LayerStat` and the trackers: ``ActivationStatsTracker``, ``DeadUnitTracker``, ...) load
-torchmetrics, and torchmetrics itself imports matplotlib when it is installed.
+No Lightning, no matplotlib, no TensorBoard: torch and numpy only. The public names load on
+first use (PEP 562), so ``from lightning_hooks.core import HookRegistry, select_modules``
+imports only the modules that define them.
 
 Example:
     >>> from lightning_hooks.core import HookRegistry, select_modules
@@ -33,7 +31,7 @@ if TYPE_CHECKING:
     from lightning_hooks.core.kernels.histogram import LayerHistogram, LayerHistograms
     from lightning_hooks.core.kernels.nonfinite import FirstNonFinite
     from lightning_hooks.core.kernels.tensors import is_training_forward, iter_float_tensors
-    from lightning_hooks.core.stats.accumulator import LayerStats, LayerStatsAccumulator
+    from lightning_hooks.core.stats.accumulator import LayerStats, LayerStatsAccumulator, LayerTable
     from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
     from lightning_hooks.core.stats.dead_units import DeadUnits, DeadUnitTracker
     from lightning_hooks.core.stats.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
@@ -50,7 +48,7 @@ if TYPE_CHECKING:
 
 # Module -> the public names it defines, imported on first attribute access.
 _MODULES: dict[str, tuple[str, ...]] = {
-    "lightning_hooks.core.stats.accumulator": ("LayerStats", "LayerStatsAccumulator"),
+    "lightning_hooks.core.stats.accumulator": ("LayerStats", "LayerStatsAccumulator", "LayerTable"),
     "lightning_hooks.core.stats.activation_stats": ("ActivationStatsTracker",),
     "lightning_hooks.core.hooks.activations": ("is_kind", "torch_equivalent"),
     "lightning_hooks.core.alarms": ("ALARM_RULES", "AlarmRules", "GradientAlarm", "GradientAlarms"),
@@ -107,6 +105,7 @@ __all__ = [
     "LayerStat",
     "LayerStats",
     "LayerStatsAccumulator",
+    "LayerTable",
     "LayerTimer",
     "LayerTimes",
     "ParamLayout",

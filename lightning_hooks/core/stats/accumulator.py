@@ -1,4 +1,4 @@
-"""On-device accumulation of per-layer statistics over an epoch, as a torchmetrics ``Metric``."""
+"""On-device accumulation of ``[layers, stats]`` values over an epoch, read as a table."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from lightning_hooks.core.checks import choice
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.core.transport.distributed import rank
 
-__all__ = ["LayerStats", "LayerStatsAccumulator"]
+__all__ = ["LayerStats", "LayerStatsAccumulator", "LayerTable"]
 
 Columns = slice | Sequence[int]
 
 
 @dataclass(frozen=True)
-class LayerStats:
+class LayerTable:
     """Host-side result of an epoch: ``[layers, stats]`` arrays, ``NaN`` where never updated.
 
     Attributes:
@@ -42,25 +42,29 @@ class LayerStats:
         """One statistic for every layer: ``kind`` is ``"mean"``, ``"peak"`` or ``"total"``.
 
         Example:
-            >>> stats = LayerStats(("a",), ("norm",), *([np.ones((1, 1))] * 4))
+            >>> stats = LayerTable(("a",), ("norm",), *([np.ones((1, 1))] * 4))
             >>> stats.column("nrom")
             Traceback (most recent call last):
             ...
-            ValueError: LayerStats.column(stat='nrom'): must be one of ('norm',), got 'nrom'
+            ValueError: LayerTable.column(stat='nrom'): must be one of ('norm',), got 'nrom'
         """
-        choice("LayerStats.column", "stat", stat, self.stats)
-        choice("LayerStats.column", "kind", kind, ("mean", "peak", "total", "count"))
+        choice("LayerTable.column", "stat", stat, self.stats)
+        choice("LayerTable.column", "kind", kind, ("mean", "peak", "total", "count"))
         table: np.ndarray = getattr(self, kind)
         return table[:, self.stats.index(stat)]
 
 
-class LayerStatsAccumulator(LayerStat[LayerStats]):
+LayerStats = LayerTable
+"""The former name of :class:`LayerTable`."""
+
+
+class LayerStatsAccumulator(LayerStat[LayerTable]):
     """Sum, max and count of ``[layers, stats]`` values, kept on the device.
 
     A :class:`~.stat.LayerStat` with fixed rows and no hooks of its own: the
     caller (the gradient-flow tracker) feeds it with :meth:`update`, a handful of in-place
-    kernels and no host sync. Under ``torch.distributed`` :meth:`compute`, :meth:`result` and
-    :meth:`host_state` reduce across ranks (sums and counts summed, maxima max-ed) in ONE
+    kernels and no host sync. Under ``torch.distributed`` :meth:`result`, :meth:`post_window`
+    and :meth:`host_state` reduce across ranks (sums and counts summed, maxima max-ed) in ONE
     collective: the states are packed into one tensor and all-gathered, whatever the number of
     layers. Values that are the same on every rank (gradients after DDP's all-reduce) are passed
     with ``replicated=True`` and observed by rank 0 only, so the reduce counts them once.
@@ -146,24 +150,15 @@ class LayerStatsAccumulator(LayerStat[LayerStats]):
         self.peak[at] = torch.maximum(self.peak[at], step_peak)
         self.count[at] += mask.sum(0)
 
-    def _table(self) -> torch.Tensor:
-        mean = torch.where(self.count > 0, self.total / self.count.clamp_min(1), torch.nan)
-        peak = torch.where(self.count > 0, self.peak, torch.nan)
-        return torch.stack([mean, peak, self.total, self.count])
-
-    def compute(self) -> torch.Tensor:
-        """``[4, layers, stats]``: mean, peak, total and count (synced across ranks)."""
-        return self._table()
-
-    def summarize(self, states: dict[str, np.ndarray]) -> LayerStats:
+    def summarize(self, states: dict[str, np.ndarray]) -> LayerTable:
         """Mean, peak, total and count: ``NaN`` mean and peak where a cell was never observed."""
         total, peak, count = states["total"], states["peak"], states["count"]
         with np.errstate(divide="ignore", invalid="ignore"):
             mean = np.where(count > 0, total / np.maximum(count, 1), np.nan)
         peak = np.where(count > 0, peak, np.nan)
-        return LayerStats(self.layers, self.stats, mean, peak, total, count)
+        return LayerTable(self.layers, self.stats, mean, peak, total, count)
 
-    def tags(self, result: LayerStats) -> dict[str, float]:
+    def tags(self, result: LayerTable) -> dict[str, float]:
         """``{stat}/{layer}``: the mean of every observed cell."""
         return {
             f"{stat}/{layer}": float(result.mean[i, j])

@@ -24,8 +24,8 @@ from lightning_hooks.core.kernels.feature_stats import (
 from lightning_hooks.core.kernels.histogram import bin_counts, linear_edges
 from lightning_hooks.core.kernels.nonfinite import FirstNonFinite
 from lightning_hooks.core.kernels.tensors import Workspace, iter_float_tensors
-from lightning_hooks.core.stats.pending import Pending
-from lightning_hooks.core.stats.selected import SelectedStat, SelectionArgs
+from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
+from lightning_hooks.core.stats.states import Pending
 
 __all__ = ["ACTIVATION_MODULES", "ActivationStatsTracker", "Histogram", "default_feature_module"]
 
@@ -76,13 +76,7 @@ class Histogram:
     counts: np.ndarray
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return torch.device("cpu")
-
-
-class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]]):
+class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
     """Per-layer statistics of module outputs over an epoch, on the device, no host sync per step.
 
     A forward hook on each selected module measures every floating tensor of its output (tuple,
@@ -141,7 +135,7 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
         owner: str = "ActivationStatsTracker",
         **selection: Unpack[SelectionArgs],
     ) -> None:
-        super().__init__(owner, selection)
+        super().__init__(selection_of(type(self).__name__, owner, selection))
         self.bins = histogram_bins
         self.histogram_range = histogram_range
         self.workspace = Workspace()
@@ -174,7 +168,7 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
     ) -> ActivationStatsTracker:
         """Hook ``model``; the device constants and the non-finite probe go to its device."""
         super().attach(model, registry)
-        device = _model_device(model)
+        device = self.device  # the model's: the base moved the states there
         # Made here, not in a hook: its host buffer is set up once, outside any training step.
         self.first_nonfinite = FirstNonFinite(device)
         self._sign = torch.tensor(_SIGN, device=device)
@@ -192,7 +186,7 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
         """Measure every floating tensor of ``output`` into its row: a small one (at most
         :data:`~.feature_stats.STACKED` elements) is copied, and measured with the others of its
-        shape and dtype at the end of the step (:meth:`flush`), in one batch of ops."""
+        shape and dtype at the end of the step (:meth:`drain`), in one batch of ops."""
         if type(output) is torch.Tensor:  # most modules': no walk of the output
             if output.is_floating_point():
                 self._observe_one(name, output)
@@ -210,11 +204,11 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
             key = (tensor.shape, tensor.dtype, tensor.device)
             # a copy, before an in-place op overwrites the output
             if self._pending.add(key, row, tensor.detach().clone()):
-                self.flush()
+                self.drain()
         else:
             self._observe(row, tensor)
 
-    def flush(self) -> None:
+    def drain(self) -> None:
         """Measure the small outputs copied since the last call, a batch per shape and dtype,
         into their rows (in the order they were seen: the sums add as :meth:`_observe`'s)."""
         for _, rows, copies in self._pending.drain():
@@ -223,7 +217,7 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
             self.sums.index_add_(0, index, stats[:, :NUM_SUMS].to(self.sums.dtype))
             signed = stats[:, NUM_SUMS:] * self._sign
             self.extremes.scatter_reduce_(0, index[:, None].expand(-1, 2), signed, "amax")
-        super().flush()
+        super().drain()
 
     def remove(self) -> None:
         """Remove the hooks; copies not yet measured (a step cut short) are dropped."""
@@ -255,7 +249,7 @@ class ActivationStatsTracker(SelectedStat[tuple[FeatureSummary, list[Histogram]]
         the first mark no row had a non-finite value: the first row with one now is the first
         module in execution order whose output went non-finite in this step.
         """
-        self.flush()
+        self.drain()
         if not self.rows:
             return
         bad = self.sums[:, _NONFINITE] > 0

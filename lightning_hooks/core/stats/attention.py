@@ -1,20 +1,21 @@
-"""Attention statistics of the attention real models run: ``scaled_dot_product_attention`` and
-eager softmax attention, seen through a ``TorchFunctionMode`` active only in sampled forwards.
+"""The attention logits of the attention real models run: ``scaled_dot_product_attention``,
+eager softmax attention (seen through a ``TorchFunctionMode`` active only in sampled forwards)
+and ``nn.MultiheadAttention`` (recomputed from its inputs, :func:`mha_logit_chunks`).
 
-Pure kernels (:func:`sdpa_logits`, :func:`attention_stats`) turn a call's own ``q``, ``k``,
-mask, causal flag and scale into the logits its softmax sees, then into the largest logit and
-the smallest per-head mean entropy. :class:`AttentionCapture` finds the calls: module hooks
-keep the stack of running modules of a sampled training forward, and while it is not empty a
-``TorchFunctionMode`` sees every ``scaled_dot_product_attention`` call and every softmax over
-the last dimension of a 4-D tensor made by a module named as attention (Hugging Face's
-``eager_attention_forward``), attributed to the innermost running module. The model is not
-patched; a quiet step runs no mode and no tensor op.
+Pure kernels (:func:`sdpa_logit_chunks`, :func:`attention_head_entropy`) turn a call's own
+``q``, ``k``, mask, causal flag and scale into the logits its softmax sees, a chunk of query
+rows at a time, then into the largest logit and the per-head entropy sums.
+:class:`AttentionCapture` finds the calls: module hooks keep the stack of running modules of a
+sampled training forward, and while it is not empty a ``TorchFunctionMode`` sees every
+``scaled_dot_product_attention`` call and every softmax over the last dimension of a 4-D tensor
+made by a module named as attention (Hugging Face's ``eager_attention_forward``), attributed to
+the innermost running module. The model is not patched; a quiet step runs no mode and no
+tensor op.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -30,13 +31,13 @@ __all__ = [
     "LOGIT_BUDGET",
     "AttentionCapture",
     "attention_head_entropy",
-    "attention_stats",
     "logit_chunks",
     "looks_like_attention",
+    "mha_inputs",
+    "mha_logit_chunks",
     "query_rows",
     "row_chunks",
     "sdpa_logit_chunks",
-    "sdpa_logits",
 ]
 
 Record = Callable[[str, torch.Tensor], None]
@@ -45,36 +46,6 @@ LOGIT_BUDGET = 1 << 24
 """Elements of the largest chunk of attention logits made at once (64 MiB in float32): a long
 sequence's ``[B, H, L, S]`` logits are made and reduced a chunk of query rows at a time."""
 _SOFTMAX = (functional.softmax, torch.softmax, torch.Tensor.softmax)
-
-
-def sdpa_logits(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """The float32 logits ``[..., L, S]`` that ``scaled_dot_product_attention``'s softmax sees.
-
-    ``q.k * scale`` (default scale ``1 / sqrt(E)``), ``-inf`` where ``is_causal`` (top-left
-    aligned, as sdpa) or a boolean mask (``True``: takes part) excludes a key, a float mask
-    added. With ``enable_gqa``, key heads are repeated to the query heads, as sdpa does.
-    Float32 under autocast too.
-
-    Example:
-        >>> q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
-        >>> logits = sdpa_logits(q, k, is_causal=True, enable_gqa=True)
-        >>> logits.shape, bool(logits[0, 0, 0, 1] == -torch.inf)
-        (torch.Size([2, 4, 3, 3]), True)
-        >>> k2 = k.repeat_interleave(2, dim=1)
-        >>> torch.allclose(logits[..., 2, :], (q @ k2.transpose(-1, -2))[..., 2, :] / 8**0.5)
-        True
-    """
-    (chunk,) = sdpa_logit_chunks(
-        query, key, attn_mask, is_causal, scale, enable_gqa, budget=sys.maxsize
-    )
-    return chunk
 
 
 def sdpa_logit_chunks(
@@ -86,17 +57,23 @@ def sdpa_logit_chunks(
     enable_gqa: bool = False,
     budget: int | None = None,
 ) -> Iterator[torch.Tensor]:
-    """:func:`sdpa_logits` a chunk of query rows at a time: each chunk ``[..., rows, S]`` holds
-    at most ``budget`` elements (default :data:`LOGIT_BUDGET`), or one query row when a row is
-    larger, so a long sequence never makes the whole ``[..., L, S]`` (its statistics are sums
-    and maxima over rows: the chunks give them exactly).
+    """The float32 logits ``[..., L, S]`` that ``scaled_dot_product_attention``'s softmax sees,
+    a chunk of query rows at a time.
+
+    ``q.k * scale`` (default scale ``1 / sqrt(E)``), ``-inf`` where ``is_causal`` (top-left
+    aligned, as sdpa) or a boolean mask (``True``: takes part) excludes a key, a float mask
+    added. With ``enable_gqa``, key heads are repeated to the query heads, as sdpa does.
+    Float32 under autocast too. Each chunk ``[..., rows, S]`` holds at most ``budget`` elements
+    (default :data:`LOGIT_BUDGET`), or one query row when a row is larger, so a long sequence
+    never makes the whole ``[..., L, S]`` (its statistics are sums and maxima over rows: the
+    chunks give them exactly).
 
     Example:
         >>> q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
         >>> chunks = list(sdpa_logit_chunks(q, k, is_causal=True, budget=2 * 4 * 6 * 2))
         >>> [c.shape[-2] for c in chunks]
         [2, 2, 2]
-        >>> torch.equal(torch.cat(chunks, -2), sdpa_logits(q, k, is_causal=True))
+        >>> bool(chunks[0][0, 0, 0, 1] == -torch.inf)
         True
     """
     q, k = query.float(), key.float()
@@ -178,23 +155,96 @@ def attention_head_entropy(
     return row_max.amax(), total, count
 
 
-def attention_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(largest logit, smallest per-head mean entropy)`` of softmax logits ``[..., H, L, S]``.
+def mha_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    need_weights: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    *_: Any,
+    **__: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Bind ``nn.MultiheadAttention.forward``'s arguments the way the module does."""
+    return query, key, key_padding_mask, attn_mask
 
-    The entropy ``-sum p log p`` (nats) of each query's attention row, averaged per head over
-    the batch and the query rows that attend to at least one key (a row of only ``-inf`` is
-    left out), then the smallest over heads. Logits of fewer than 3 dimensions are one head.
-    Two 0-d float32 tensors, no host sync.
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (``True``: excluded) as ``-inf``; a float mask as it is added."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+            mask, -torch.inf
+        )
+    return mask.to(dtype)
+
+
+def mha_logit_chunks(
+    mha: nn.MultiheadAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    budget: int | None = None,
+) -> Iterator[torch.Tensor]:
+    """The pre-softmax logits ``[N, H, L, S']`` of ``mha`` on these inputs, as its softmax sees
+    them, a chunk of query rows at a time: ``q.k / sqrt(d_head)``, ``-inf`` for masked-out keys,
+    float masks added, ``bias_k`` and ``add_zero_attn`` keys included (an unbatched input gives
+    ``N = 1``). Each chunk holds at most ``budget`` elements (default :data:`LOGIT_BUDGET`; one
+    row when a row is larger).
 
     Example:
-        >>> logits = torch.tensor([[[0.0, 0.0], [5.0, -torch.inf]], [[1.0, 1.0], [1.0, 1.0]]])
-        >>> peak, entropy = attention_stats(logits)
-        >>> float(peak), round(float(entropy), 4), round(math.log(2) / 2, 4)
-        (5.0, 0.3466, 0.3466)
+        >>> mha = nn.MultiheadAttention(4, 2, batch_first=True)
+        >>> [c.shape for c in mha_logit_chunks(mha, torch.randn(3, 5, 4), torch.randn(3, 6, 4))]
+        [torch.Size([3, 2, 5, 6])]
     """
-    peak, total, count = attention_head_entropy(logits)
-    mean = torch.where(count > 0, total / count.clamp(min=1), torch.inf)
-    return peak, mean.amin()
+    if query.dim() == 2:  # unbatched: [L, E]
+        query, key = query.unsqueeze(1), key.unsqueeze(1)
+        key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+    elif mha.batch_first:
+        query, key = query.transpose(0, 1), key.transpose(0, 1)
+    q, key_t, extra = _mha_projections(mha, query, key)
+    n, heads, pad = query.shape[1], mha.num_heads, (0, extra)
+    if attn_mask is not None:
+        mask = _additive(attn_mask, q.dtype)
+        attn_mask = functional.pad(mask if mask.dim() == 3 else mask.unsqueeze(0), pad)
+    padding = None
+    if key_padding_mask is not None:
+        mask = _additive(key_padding_mask, q.dtype)  # [N, S]
+        mask = mask.view(n, 1, 1, -1).expand(n, heads, 1, -1).reshape(n * heads, 1, -1)
+        padding = functional.pad(mask, pad)
+    length = q.shape[1]
+    for start, stop in row_chunks(length, n * heads * key_t.shape[-1], budget):
+        logits = torch.bmm(q[:, start:stop], key_t) / math.sqrt(q.shape[-1])
+        if attn_mask is not None:
+            logits = logits + query_rows(attn_mask, start, stop, length)
+        if padding is not None:
+            logits = logits + padding
+        yield logits.view(n, heads, *logits.shape[1:])
+
+
+def _mha_projections(
+    mha: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``q [N*H, L, d]``, ``k`` transposed ``[N*H, d, S']`` of seq-first ``[L, N, E]`` inputs,
+    with ``bias_k`` and ``add_zero_attn``'s keys (their number, the third)."""
+    e, heads = mha.embed_dim, mha.num_heads
+    if mha._qkv_same_embed_dim:
+        w_q, w_k = mha.in_proj_weight[:e], mha.in_proj_weight[e : 2 * e]
+    else:
+        w_q, w_k = mha.q_proj_weight, mha.k_proj_weight
+    bias = mha.in_proj_bias
+    q = functional.linear(query, w_q, None if bias is None else bias[:e])  # [L, N, E]
+    k = functional.linear(key, w_k, None if bias is None else bias[e : 2 * e])  # [S, N, E]
+    n = q.shape[1]
+    extra = []
+    if mha.bias_k is not None:
+        extra.append(mha.bias_k.to(k.dtype).expand(1, n, e))
+    if mha.add_zero_attn:
+        extra.append(k.new_zeros(1, n, e))
+    k = torch.cat([k, *extra]) if extra else k
+    q = q.reshape(q.shape[0], n * heads, -1).transpose(0, 1)  # [N*H, L, d]
+    key_t = k.reshape(k.shape[0], n * heads, -1).permute(1, 2, 0)  # [N*H, d, S']
+    return q, key_t, len(extra)
 
 
 def looks_like_attention(module: nn.Module) -> bool:
@@ -248,7 +298,7 @@ class _AttentionMode(ShelvedMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # a compiled region inside a measured forward
+        if torch.compiler.is_compiling():  # a compiled region inside a sampled forward
             return func(*args, **kwargs)
         if func is functional.scaled_dot_product_attention:
             self.capture.guarded_see(lambda: _sdpa_call(*args, **kwargs))
@@ -266,7 +316,7 @@ class AttentionCapture:
     outermost module of a sampled training forward enters a ``TorchFunctionMode`` and leaves it
     when it returns (or raises); calls made in other hooks are not taken for the module's.
     Each ``scaled_dot_product_attention`` call, and each softmax over the last dimension of a
-    4-D tensor, gives its logits (:func:`sdpa_logits`, or the softmax's input) to
+    4-D tensor, gives its logits (:func:`sdpa_logit_chunks`, or the softmax's input) to
     ``record(name, logits)`` under ``torch.no_grad``, ``name`` being the qualified name of the
     innermost running module; a softmax counts only in a module whose class is named as
     attention (:func:`looks_like_attention`). Calls made by modules in ``skip`` (measured

@@ -37,8 +37,8 @@ from typing_extensions import Unpack
 from lightning_hooks.core.hooks.selection import Patterns, Selection
 from lightning_hooks.core.kernels.feature_stats import STACKED
 from lightning_hooks.core.kernels.tensors import Workspace, iter_float_tensors
-from lightning_hooks.core.stats.pending import Pending
-from lightning_hooks.core.stats.selected import SelectedStat, SelectionArgs
+from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
+from lightning_hooks.core.stats.states import Pending
 
 __all__ = ["RELU_FAMILY", "DeadUnitTracker", "DeadUnits", "fired_counts", "unit_dim"]
 
@@ -139,7 +139,7 @@ class DeadUnits:
         return fraction
 
 
-class DeadUnitTracker(SelectedStat[DeadUnits]):
+class DeadUnitTracker(LayerStat[DeadUnits]):
     """Per-unit "ever fired" counts of activation outputs over an epoch, on the device.
 
     A forward hook on each watched module counts, per unit, the outputs that fired (see the
@@ -183,13 +183,13 @@ class DeadUnitTracker(SelectedStat[DeadUnits]):
         owner: str = "DeadUnitTracker",
         **selection: Unpack[SelectionArgs],
     ) -> None:
-        super().__init__(owner, selection, default_types=RELU_FAMILY)
+        super().__init__(selection_of(type(self).__name__, owner, selection, RELU_FAMILY))
         self.workspace = Workspace()  # the fired mask of the largest output, reused
         self.producers = Selection.of(
             owner, include=pre_activation, arguments=("pre_activation", "exclude")
         )
-        self._calls: dict[int, int] = {}  # host-side counts, moved into ``calls`` by flush()
-        # small outputs' fired masks, by (shape, unit dimension, device), counted by flush()
+        self._calls: dict[int, int] = {}  # host-side counts, moved into ``calls`` by drain()
+        # small outputs' fired masks, by (shape, unit dimension, device), counted by drain()
         self._pending: Pending[tuple[torch.Size, int, torch.device]] = Pending()
         self.add_layer_state("fired", reduce="sum")  # per row: sum over calls of fired fraction
         self.add_layer_state("calls", reduce="sum")
@@ -213,7 +213,7 @@ class DeadUnitTracker(SelectedStat[DeadUnits]):
         """Count the fired entries of each unit of the first floating tensor of ``output``: a
         small one's (at most :data:`~..kernels.feature_stats.STACKED` elements) fired mask is
         kept, and counted with the others of its shape and unit dimension when the tracker
-        flushes (before any read), in one batch of ops."""
+        drains (before any read), in one batch of ops."""
         if type(output) is torch.Tensor:  # most modules': no walk of the output
             y = output if output.is_floating_point() and output.ndim >= 1 else None
         else:
@@ -225,7 +225,7 @@ class DeadUnitTracker(SelectedStat[DeadUnits]):
         self._calls[row] = self._calls.get(row, 0) + 1
         if y.numel() <= STACKED and not torch.compiler.is_compiling():
             if self._pending.add((y.shape, dim, y.device), row, torch.gt(y.detach(), 0)):
-                self.flush()
+                self.drain()
             return
         counts = fired_counts(y, dim, self.workspace)
         self.counts[self.unit_slice(row)].add_(counts)
@@ -248,7 +248,7 @@ class DeadUnitTracker(SelectedStat[DeadUnits]):
             return self.row(name, units)  # raises, naming the widths
         return self.row(f"{name}-{units}", units)
 
-    def flush(self) -> None:
+    def drain(self) -> None:
         """Count the fired masks kept since the last call, a batch per shape and unit dimension,
         and move the host-side call counts into the ``calls`` state."""
         for (shape, dim, device), rows, fired in self._pending.drain():
@@ -270,7 +270,7 @@ class DeadUnitTracker(SelectedStat[DeadUnits]):
         """Remove the hooks, counting the fired masks kept so far first (the hooks go also
         when that fails)."""
         try:
-            self.flush()
+            self.drain()
         finally:
             super().remove()
 

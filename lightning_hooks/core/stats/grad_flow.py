@@ -18,23 +18,23 @@ from lightning_hooks.core.kernels.grad_stats import (
     ParamLayout,
 )
 from lightning_hooks.core.kernels.tensors import Workspace
-from lightning_hooks.core.stats.accumulator import LayerStats, LayerStatsAccumulator
+from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable
 from lightning_hooks.core.stats.optimizer_view import (
     OptimizerView,
     OptimizerViews,
+    UpdateRatio,
+    ViewStats,
     adaptive,
     check_optimizers,
 )
 from lightning_hooks.core.stats.output_grad import OutputGradients
 from lightning_hooks.core.stats.sentinel_read import SentinelRead
-from lightning_hooks.core.stats.update_ratio import UpdateRatio
-from lightning_hooks.core.stats.view_stats import ViewStats
 from lightning_hooks.core.transport.sharding import ShardPlan
 
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
 
 GRAD_FLOW_STATS = (*GRAD_STATS, "update_ratio", "output_grad_norm", "grad_norm_preclip")
-"""Columns of the tracker's :class:`~lightning_hooks.core.LayerStats`. With ``post_clip`` the
+"""Columns of the tracker's :class:`~lightning_hooks.core.LayerTable`. With ``post_clip`` the
 ``grad_*`` columns are the gradient the optimizer applied (after clipping) and
 ``grad_norm_preclip`` the L2 norm before clipping; without, ``grad_norm_preclip`` is empty."""
 
@@ -282,21 +282,21 @@ class GradFlowTracker(HookOwner):
             self.accumulator.update(stats, _GRAD, view.rows, cells, replicated=True)
         self._updates.record(optimizer, view, self.alarms, self._step)
 
-    def result(self) -> LayerStats:
+    def result(self) -> LayerTable:
         """Mean and max over the epoch's observed steps (reduced across ranks), on the host.
 
         Under ``torch.distributed`` this is two collectives, whatever the number of layers.
         """
-        self._outputs.flush()
+        self._outputs.drain()
         return self.accumulator.result()
 
     def post_window(self, step: int) -> None:
-        """A logging point: post the window of steps since the last one (one collective, one
+        """A logging step: post the window of steps since the last one (one collective, one
         copy, see :meth:`LayerStat.post_window`); :meth:`read_window` returns it."""
-        self._outputs.flush()
+        self._outputs.drain()
         self.accumulator.post_window(step)
 
-    def read_window(self, wait: bool) -> tuple[int, LayerStats] | None:
+    def read_window(self, wait: bool) -> tuple[int, LayerTable] | None:
         """``(step, stats)`` of the posted window once its copy is done (``wait``: block)."""
         return self.accumulator.read_window(wait)
 
@@ -307,7 +307,7 @@ class GradFlowTracker(HookOwner):
 
     def state(self) -> dict[str, Any]:
         """The epoch so far, reduced across ranks, on the host (for a checkpoint)."""
-        self._outputs.flush()
+        self._outputs.drain()
         return self.accumulator.host_state()
 
     def load_state(self, state: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.kernels.tensors import is_training_forward
-from lightning_hooks.core.stats.selected import SelectedStat, SelectionArgs
+from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
 
 __all__ = ["LayerTimer", "LayerTimes"]
 
@@ -68,7 +68,7 @@ class _CudaClock:
         return float(start.elapsed_time(end))
 
 
-class LayerTimer(SelectedStat[LayerTimes]):
+class LayerTimer(LayerStat[LayerTimes]):
     """Times the forward of every selected layer on the steps the caller samples.
 
     Forward pre- and post-hooks bracket each layer's forward. On steps that are not sampled
@@ -126,7 +126,7 @@ class LayerTimer(SelectedStat[LayerTimes]):
         owner: str = "LayerTimer",
         **selection: Unpack[SelectionArgs],
     ) -> None:
-        super().__init__(owner, selection)
+        super().__init__(selection_of(type(self).__name__, owner, selection))
         self.leaves = leaves
         self.use_cuda = cuda
         self.sampling = False
@@ -228,13 +228,13 @@ class LayerTimer(SelectedStat[LayerTimes]):
         self._step[0] += sum(self._clock.elapsed_ms(a, b) for a, b in self._brackets)
         self._marks, self._brackets = [], []
 
-    def flush(self) -> None:
+    def drain(self) -> None:
         """Move the host totals into the states."""
         self._fold_events()
         if not self._step[1] and not self._calls.any():
             return
         device = self.forward_ms.device
-        # One host-to-device copy of the four totals (flushed at every logging step).
+        # One host-to-device copy of the four totals (drained at every logging step).
         host = np.concatenate([self._ms, self._calls, self._step])
         totals = torch.from_numpy(host).to(device)  # torch.tensor would keep ~1 kB of noise
         rows = len(self._ms)

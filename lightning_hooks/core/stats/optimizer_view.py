@@ -1,4 +1,6 @@
-"""What one optimizer steps of a gradient-flow layout: its parameters, rows and buffers."""
+"""What one optimizer steps of a gradient-flow layout (its parameters, rows and buffers), and
+what is read of it: the gradient statistics per layer (:class:`ViewStats`) and the
+update-to-weight ratio of its step (:class:`UpdateRatio`), on the device."""
 
 from __future__ import annotations
 
@@ -9,13 +11,34 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from lightning_hooks.core.alarms import GradientAlarms
 from lightning_hooks.core.alarms.segments import HostSegments
-from lightning_hooks.core.kernels.grad_stats import ParamLayout
+from lightning_hooks.core.kernels.grad_stats import (
+    GRAD_STATS,
+    ParamLayout,
+    grad_stats,
+    param_norms,
+    segment_norm,
+    update_norms,
+)
 from lightning_hooks.core.kernels.grouped_norms import GroupedNorms
 from lightning_hooks.core.kernels.pointer_norms import PointerNorms
-from lightning_hooks.core.transport.sharding import to_local
+from lightning_hooks.core.kernels.tensors import Workspace
+from lightning_hooks.core.kernels.updates import typical_update
+from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
+from lightning_hooks.core.transport.sharding import ShardPlan, to_local
 
-__all__ = ["OptimizerView", "OptimizerViews", "adaptive", "check_optimizers"]
+__all__ = [
+    "OptimizerView",
+    "OptimizerViews",
+    "UpdateRatio",
+    "ViewStats",
+    "adaptive",
+    "check_optimizers",
+]
+
+_WEIGHT = GRAD_STATS.index("weight_norm")
+_GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 
 
 @dataclass
@@ -205,3 +228,117 @@ class OptimizerViews:
         held = _held(optimizer)
         pairs = zip(self.layout.owner, self.layout.params, strict=True)
         return frozenset(o for o, p in pairs if id(p) in held)
+
+
+class ViewStats:
+    """``[rows, GRAD_STATS]`` of an :class:`OptimizerView`: every column, or only the norms
+    the alarms need; shards made whole under FSDP2 (``shards``), in one collective.
+
+    Args:
+        shards: the FSDP2 plan of the tracked parameters, or ``None``.
+        workspace: the ``|g|`` pass's buffer, reused every step.
+    """
+
+    def __init__(self, shards: ShardPlan | None, workspace: Workspace) -> None:
+        self.shards, self.workspace = shards, workspace
+
+    def full(
+        self, view: OptimizerView, grads: list[torch.Tensor], *, weights: bool = True
+    ) -> torch.Tensor:
+        """:func:`grad_stats` of ``view`` (``weights``: also the weight norms)."""
+        params = [to_local(p) for p in view.params] if weights else None
+        numel, total = view.numel[:-1], view.numel[-1]
+        return grad_stats(
+            grads,
+            params,
+            view.index,
+            numel,
+            unique=view.unique,
+            total_numel=total,
+            shards=self.shards,
+            workspace=self.workspace,
+        )
+
+    def norms(
+        self, view: OptimizerView, grads: list[torch.Tensor], *, weights: bool
+    ) -> torch.Tensor:
+        """The sentinel's columns, the others NaN: the gradient L2 norm (one multi-tensor pass)
+        and with ``weights`` the weight norm."""
+        norms = [param_norms(grads)]
+        if weights:
+            norms.append(param_norms([to_local(p) for p in view.params]))
+        if self.shards is not None:
+            norms = self.shards.reduce(norms=norms)[0]
+        num_layers = len(view.rows) - 1
+        stats = norms[0].new_full((num_layers + 1, len(GRAD_STATS)), torch.nan)
+        unique = None if view.distinct else view.unique  # the same sum, one gather fewer
+        for column, values in zip((0, _WEIGHT), norms, strict=False):
+            stats[:, column] = segment_norm(values, view.index, num_layers, unique)
+        return stats
+
+    def weight_norms(self, view: OptimizerView) -> torch.Tensor:
+        """``[rows]`` weight norms of ``view``: the alarms' attribution pass."""
+        norms = param_norms([to_local(p) for p in view.params])
+        if self.shards is not None:
+            norms = self.shards.reduce(norms=[norms])[0][0]
+        return segment_norm(norms, view.index, len(view.rows) - 1, view.unique)
+
+    def applied(self, view: OptimizerView) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The gradient columns of what the optimizer applied (read in its step post-hook,
+        after clipping), and where they are valid (``None``: everywhere)."""
+        valid = view.valid()
+        grads = ParamLayout.grads(view.params)
+        stats = self.full(view, grads, weights=False)[:, _GRAD]
+        return stats, None if valid is None else valid[:, _GRAD]
+
+
+class UpdateRatio:
+    """``||w_after - w_before|| / ||w_before||`` per layer of an optimizer step, into one
+    column of ``accumulator``: :meth:`keep` copies the weights before the step into the view's
+    buffers, :meth:`record` (in the optimizer step's post-hook) reduces the update.
+
+    Args:
+        accumulator: where the ratios go.
+        column: the accumulator's column of the ratios.
+        shards: the FSDP2 plan that makes the shards' norms whole, or ``None``.
+    """
+
+    def __init__(
+        self, accumulator: LayerStatsAccumulator, column: int, shards: ShardPlan | None
+    ) -> None:
+        self.accumulator, self.column, self.shards = accumulator, column, shards
+
+    @staticmethod
+    def keep(view: OptimizerView, weight_norm: torch.Tensor) -> None:
+        """Copy the weights ``view`` steps, and their norms, before the step."""
+        torch._foreach_copy_(view.before, [to_local(p) for p in view.params])
+        view.weight_norm = weight_norm
+
+    def record(
+        self,
+        optimizer: torch.optim.Optimizer,
+        view: OptimizerView,
+        alarms: GradientAlarms | None,
+        step: int,
+    ) -> None:
+        """After ``optimizer``'s step: the ratio of each layer :meth:`keep` saw, and the
+        typical update the alarms' *stall* reads (adaptive optimizers only)."""
+        if view.weight_norm is None:
+            return
+        num_layers = len(view.rows) - 1
+        after = [to_local(p) for p in view.params]
+        if alarms is not None and adaptive(optimizer, view.params):
+            # before update_norms, which overwrites view.before; a logging step only
+            lr = max(float(g["lr"]) for g in optimizer.param_groups)
+            applied: list[torch.Tensor | None] = [
+                to_local(p.grad) if p.grad is not None else None for p in view.params
+            ]
+            typical = typical_update(view.before, after, applied)
+            alarms.update_stall(typical, lr, step=step)
+        upd = update_norms(
+            view.before, after, view.index, num_layers, unique=view.unique, shards=self.shards
+        )
+        ratio = upd / view.weight_norm.clamp_min(torch.finfo(upd.dtype).tiny)
+        valid = (view.weight_norm > 0)[:, None]
+        self.accumulator.update(ratio[:, None], [self.column], view.rows, valid, replicated=True)
+        view.weight_norm = None

@@ -115,7 +115,7 @@ class OutputGradients:
     the backward passes of an optimizer step, into one column of ``accumulator``.
 
     Output gradients are rank-local: under DDP the squares are kept per step and summed across
-    ranks in one collective at :meth:`flush`, then divided by the world size. Under several
+    ranks in one collective at :meth:`drain`, then divided by the world size. Under several
     optimizers (a GAN) each step takes back what fed another optimizer's step. :attr:`order`
     is the backward order of the layers hooked (host-side, for the non-finite alarm).
 
@@ -158,7 +158,7 @@ class OutputGradients:
         self._markers: dict[int, weakref.ref[torch.Tensor] | None] = {}
         self._unowned: torch.Tensor | None = None  # rows no optimizer steps (frozen)
         self._unowned_at = -1  # the views' generation ``_unowned`` was made for
-        # Under DDP only: [steps, squared output-grad norm | hit, layers], reduced at flush().
+        # Under DDP only: [steps, squared output-grad norm | hit, layers], reduced at drain().
         self._series = torch.zeros(0, 2, num_layers, device=device)
         self._steps = 0
 
@@ -288,7 +288,7 @@ class OutputGradients:
         slot[1].index_copy_(0, rows, self._hit[rows].to(slot.dtype))
         self._steps += 1
 
-    def flush(self) -> None:
+    def drain(self) -> None:
         """Reduce the per-step output-gradient squares across ranks into the accumulator."""
         if self._steps == 0:
             return

@@ -11,7 +11,7 @@ from torch import nn
 from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.activations import torch_equivalent
-from lightning_hooks.core.stats.selected import SelectedStat, SelectionArgs
+from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
 
 __all__ = [
     "SATURATING_TYPES",
@@ -130,7 +130,7 @@ class SaturationStats:
             return np.where(self.entries > 0, self.always_saturated / self.units, np.nan)
 
 
-class SaturationTracker(SelectedStat[SaturationStats]):
+class SaturationTracker(LayerStat[SaturationStats]):
     """Counts saturated outputs of bounded activations over training forwards, on the device.
 
     A forward hook on each selected module computes :func:`saturation_mask` and
@@ -177,10 +177,11 @@ class SaturationTracker(SelectedStat[SaturationStats]):
         **selection: Unpack[SelectionArgs],
     ) -> None:
         types = selection.get("types") or SATURATING_TYPES
-        super().__init__(owner, {**selection, "types": types})
+        super().__init__(selection_of(type(self).__name__, owner, {**selection, "types": types}))
+        self.owner = owner
         self.unit_dim = unit_dim
         self.margin = margin
-        self._entries: dict[int, int] = {}  # host-side counts, moved into ``entries`` by flush()
+        self._entries: dict[int, int] = {}  # host-side counts, moved into ``entries`` by drain()
         self.add_layer_state("saturated", reduce="sum", dtype=torch.int64)
         self.add_layer_state("entries", reduce="sum", dtype=torch.int64)
         self.add_unit_state("unsaturated", reduce="max", dtype=torch.bool)
@@ -206,7 +207,7 @@ class SaturationTracker(SelectedStat[SaturationStats]):
         self.unsaturated[self.unit_slice(row)].logical_or_(unsaturated)
         self._entries[row] = self._entries.get(row, 0) + output.numel()
 
-    def flush(self) -> None:
+    def drain(self) -> None:
         """Move the host-side entry counts into the ``entries`` state."""
         if self._entries:
             rows = torch.tensor(list(self._entries), device=self.entries.device)

@@ -8,16 +8,13 @@ sampled steps only, on the device.
 
 from __future__ import annotations
 
-import math
-import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import functional
 
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import select_modules
@@ -25,156 +22,19 @@ from lightning_hooks.core.kernels.tensors import is_training_forward, logsumexp_
 from lightning_hooks.core.stats.attention import (
     AttentionCapture,
     attention_head_entropy,
-    query_rows,
-    row_chunks,
+    mha_inputs,
+    mha_logit_chunks,
 )
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = [
-    "STABILITY_STATS",
-    "StabilityStats",
-    "mha_logit_chunks",
-    "mha_logit_max",
-    "mha_logits",
-]
+__all__ = ["STABILITY_STATS", "StabilityStats"]
 
 STABILITY_STATS = ("attn_logit_max", "attn_entropy_min", "logit_logz", "logit_logz_max")
 """The statistics logged as ``stability/{stat}/{layer}``."""
 
 Result = dict[str, dict[str, float]]
 _LogZ = tuple[torch.Tensor, int, torch.Tensor]  # sum of log Z, positions, max of log Z
-
-
-def _mha_inputs(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_padding_mask: torch.Tensor | None = None,
-    need_weights: bool = True,
-    attn_mask: torch.Tensor | None = None,
-    *_: Any,
-    **__: Any,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Bind ``nn.MultiheadAttention.forward``'s arguments the way the module does."""
-    return query, key, key_padding_mask, attn_mask
-
-
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (``True``: excluded) as ``-inf``; a float mask as it is added."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-            mask, -torch.inf
-        )
-    return mask.to(dtype)
-
-
-def mha_logit_max(
-    mha: nn.MultiheadAttention,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    key_padding_mask: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The largest pre-softmax logit ``q.k / sqrt(d_head)`` of ``mha`` on these inputs.
-
-    Over batch, heads, queries and keys; masked-out keys excluded, float masks added (the logit
-    the softmax sees); ``bias_k`` and ``add_zero_attn`` keys included. A 0-d float32 tensor on
-    the inputs' device, no host sync.
-
-    Example:
-        >>> mha = nn.MultiheadAttention(4, 2, batch_first=True)
-        >>> x = torch.randn(3, 5, 4)
-        >>> peak = mha_logit_max(mha, x, x)
-        >>> w = mha.in_proj_weight
-        >>> q = (x @ w[:4].T + mha.in_proj_bias[:4]).view(3, 5, 2, 2).transpose(1, 2)
-        >>> k = (x @ w[4:8].T + mha.in_proj_bias[4:8]).view(3, 5, 2, 2).transpose(1, 2)
-        >>> torch.allclose(peak, (q @ k.transpose(-1, -2) / 2**0.5).max())
-        True
-    """
-    return mha_logits(mha, query, key, key_padding_mask, attn_mask).amax().float()
-
-
-def mha_logits(
-    mha: nn.MultiheadAttention,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    key_padding_mask: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The pre-softmax logits ``[N, H, L, S']`` of ``mha`` on these inputs, as its softmax sees
-    them: ``q.k / sqrt(d_head)``, ``-inf`` for masked-out keys, float masks added, ``bias_k`` and
-    ``add_zero_attn`` keys included (an unbatched input gives ``N = 1``).
-
-    Example:
-        >>> mha = nn.MultiheadAttention(4, 2, batch_first=True)
-        >>> mha_logits(mha, torch.randn(3, 5, 4), torch.randn(3, 6, 4)).shape
-        torch.Size([3, 2, 5, 6])
-    """
-    chunks = mha_logit_chunks(mha, query, key, key_padding_mask, attn_mask, budget=sys.maxsize)
-    (logits,) = chunks
-    return logits
-
-
-def mha_logit_chunks(
-    mha: nn.MultiheadAttention,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    key_padding_mask: torch.Tensor | None = None,
-    attn_mask: torch.Tensor | None = None,
-    budget: int | None = None,
-) -> Iterator[torch.Tensor]:
-    """:func:`mha_logits` a chunk of query rows at a time, each of at most ``budget``
-    elements (default :data:`~lightning_hooks.core.stats.attention.LOGIT_BUDGET`; one row
-    when a row is larger)."""
-    if query.dim() == 2:  # unbatched: [L, E]
-        query, key = query.unsqueeze(1), key.unsqueeze(1)
-        key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
-    elif mha.batch_first:
-        query, key = query.transpose(0, 1), key.transpose(0, 1)
-    q, key_t, extra = _mha_projections(mha, query, key)
-    n, heads, pad = query.shape[1], mha.num_heads, (0, extra)
-    if attn_mask is not None:
-        mask = _additive(attn_mask, q.dtype)
-        attn_mask = functional.pad(mask if mask.dim() == 3 else mask.unsqueeze(0), pad)
-    padding = None
-    if key_padding_mask is not None:
-        mask = _additive(key_padding_mask, q.dtype)  # [N, S]
-        mask = mask.view(n, 1, 1, -1).expand(n, heads, 1, -1).reshape(n * heads, 1, -1)
-        padding = functional.pad(mask, pad)
-    length = q.shape[1]
-    for start, stop in row_chunks(length, n * heads * key_t.shape[-1], budget):
-        logits = torch.bmm(q[:, start:stop], key_t) / math.sqrt(q.shape[-1])
-        if attn_mask is not None:
-            logits = logits + query_rows(attn_mask, start, stop, length)
-        if padding is not None:
-            logits = logits + padding
-        yield logits.view(n, heads, *logits.shape[1:])
-
-
-def _mha_projections(
-    mha: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``q [N*H, L, d]``, ``k`` transposed ``[N*H, d, S']`` of seq-first ``[L, N, E]`` inputs,
-    with ``bias_k`` and ``add_zero_attn``'s keys (their number, the third)."""
-    e, heads = mha.embed_dim, mha.num_heads
-    if mha._qkv_same_embed_dim:
-        w_q, w_k = mha.in_proj_weight[:e], mha.in_proj_weight[e : 2 * e]
-    else:
-        w_q, w_k = mha.q_proj_weight, mha.k_proj_weight
-    bias = mha.in_proj_bias
-    q = functional.linear(query, w_q, None if bias is None else bias[:e])  # [L, N, E]
-    k = functional.linear(key, w_k, None if bias is None else bias[e : 2 * e])  # [S, N, E]
-    n = q.shape[1]
-    extra = []
-    if mha.bias_k is not None:
-        extra.append(mha.bias_k.to(k.dtype).expand(1, n, e))
-    if mha.add_zero_attn:
-        extra.append(k.new_zeros(1, n, e))
-    k = torch.cat([k, *extra]) if extra else k
-    q = q.reshape(q.shape[0], n * heads, -1).transpose(0, 1)  # [N*H, L, d]
-    key_t = k.reshape(k.shape[0], n * heads, -1).permute(1, 2, 0)  # [N*H, d, S']
-    return q, key_t, len(extra)
 
 
 def _owns_parameters(module: nn.Module) -> bool:
@@ -192,7 +52,7 @@ class StabilityStats(LayerStat[Result]):
     (:func:`~lightning_hooks.core.stats.attention.attention_head_entropy`). For every
     ``nn.MultiheadAttention`` (the attention of ``nn.TransformerEncoderLayer`` / ``DecoderLayer``)
     the logits ``q.k / sqrt(d_head)`` are recomputed from the module's inputs in a forward
-    pre-hook (:func:`mha_logits`); for any other module, from the arguments of each
+    pre-hook (:func:`mha_logit_chunks`); for any other module, from the arguments of each
     ``scaled_dot_product_attention`` call it makes (its own scale, causal flag and mask) or the
     input of each softmax over the last dimension of a 4-D tensor (eager attention), seen by
     :class:`~.attention.AttentionCapture` in the sampled training forwards.
@@ -200,7 +60,7 @@ class StabilityStats(LayerStat[Result]):
     ``logit_logz/{layer}`` and ``logit_logz_max/{layer}``: ``logsumexp`` over the last dimension
     of the *output layer*'s output, mean and max over positions and over the period. The output
     layer is the last module owning parameters whose output is a floating tensor, in forward
-    execution order (the classifier, the LM head), found on the first measured training forward
+    execution order (the classifier, the LM head), found on the first sampled training forward
     and settled by :meth:`end_step` (``GradFlowCallback`` calls it after every batch) or at the
     latest by the next reduce; until then every candidate's ``log Z`` is kept. A head applied with
     ``F.linear`` (weights tied to an embedding, not a module call) is not seen; the last module
@@ -277,7 +137,7 @@ class StabilityStats(LayerStat[Result]):
             if is_training_forward(module) and not torch.compiler.is_compiling():
                 assert isinstance(module, nn.MultiheadAttention)
                 with torch.no_grad():
-                    for chunk in mha_logit_chunks(module, *_mha_inputs(*args, **kwargs)):
+                    for chunk in mha_logit_chunks(module, *mha_inputs(*args, **kwargs)):
                         self._add_attention(name, chunk)
 
         return hook
@@ -335,7 +195,7 @@ class StabilityStats(LayerStat[Result]):
 
     def end_step(self) -> None:
         """After a forward: the last candidate seen is the output layer (an attribute check
-        when there is nothing to settle). Also settled before every reduce (:meth:`flush`).
+        when there is nothing to settle). Also settled before every reduce (:meth:`drain`).
         After the first sampled step, one warning names the attention layers not seen."""
         if (
             not self._checked
@@ -365,8 +225,8 @@ class StabilityStats(LayerStat[Result]):
                 stacklevel=3,
             )
 
-    def flush(self) -> None:
-        """Settle a measured forward that :meth:`end_step` has not seen yet."""
+    def drain(self) -> None:
+        """Settle a sampled forward that :meth:`end_step` has not seen yet."""
         self.end_step()
 
     def summarize(self, states: dict[str, np.ndarray]) -> Result:

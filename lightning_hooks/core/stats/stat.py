@@ -1,4 +1,4 @@
-"""``LayerStat``: one per-layer statistic on torchmetrics' state machinery, the one pipeline.
+"""``LayerStat``: one per-layer statistic, the one pipeline.
 
 A statistic declares its device states (dtype, reduction, one row per layer or a run of entries
 per unit), its hooks (a forward hook by default: :meth:`LayerStat.observe`), how the reduced
@@ -7,7 +7,9 @@ states become a host result (:meth:`LayerStat.summarize`) and which tags that re
 :class:`~lightning_hooks.core.hooks.registry.HookRegistry` (whose ``sampled`` flag gates the hooks),
 ONE packed collective for every state, one device-to-host copy, reset and the checkpoint state.
 The states themselves (declared, grown a row at a time, aligned and reduced across ranks) are
-those of its base :class:`~lightning_hooks.core.stats.states.LayerStates` (``states.py``).
+those of its base :class:`~lightning_hooks.core.stats.states.RowStates` (``states.py``); the
+windows of steps it posts at logging steps are folded into the epoch on the host here
+(:class:`EpochWindows`).
 """
 
 from __future__ import annotations
@@ -18,22 +20,145 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 from torch import nn
+from typing_extensions import TypedDict
 
 from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
-from lightning_hooks.core.hooks.selection import Selection
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.kernels.tensors import is_training_forward
-from lightning_hooks.core.stats.states import LayerStates
-from lightning_hooks.core.stats.windows import EpochWindows, Reduce, StateSpec, unpack
+from lightning_hooks.core.stats.states import Reduce, RowStates, StateSpec, unpack
+from lightning_hooks.core.transport.readback import HostMailbox
 
 _set_grad_enabled = torch._C._set_grad_enabled
 
-__all__ = ["LayerStat", "Reduce", "StateSpec"]
+__all__ = ["EpochWindows", "LayerStat", "Reduce", "SelectionArgs", "StateSpec", "selection_of"]
 
 R = TypeVar("R")
 
 
-class LayerStat(LayerStates, HookOwner, Generic[R]):
+def _pad(values: np.ndarray, shape: tuple[int, ...], spec: StateSpec) -> np.ndarray:
+    """``values`` grown along its first axis to ``shape`` with fresh entries (rows only grow)."""
+    if values.shape == shape:
+        return values
+    grown = np.full(shape, spec.identity, dtype=np.float64)
+    grown[: values.shape[0]] = values
+    return grown
+
+
+def _combine(old: np.ndarray, new: np.ndarray, reduce: Reduce) -> np.ndarray:
+    if reduce == "sum":
+        return np.asarray(old + new)
+    if reduce == "max":
+        return np.asarray(np.maximum(old, new))
+    if reduce == "min":
+        return np.asarray(np.minimum(old, new))
+    return new
+
+
+class EpochWindows:
+    """The windows of steps a statistic posts at logging steps: ONE copy each to the host
+    (pinned and non-blocking on CUDA, see :class:`~.readback.HostMailbox`), folded there into
+    the epoch's states (sums added, extremes kept) and kept until read.
+
+    Args:
+        specs: the statistic's declared states, by name (read, never changed).
+    """
+
+    def __init__(self, specs: dict[str, StateSpec]) -> None:
+        self.specs = specs
+        self.epoch: dict[str, np.ndarray] | None = None  # the folded windows, reduced, on host
+        self._mailbox: HostMailbox | None = None
+        self._ready: list[tuple[int, dict[str, np.ndarray]]] = []  # folded, not yet read
+
+    def post(self, packed: torch.Tensor, shapes: dict[str, torch.Size], step: int) -> None:
+        """Start the copy of the window ``packed`` (reduced already) ended at ``step``."""
+        box = self._mailbox
+        if box is None or box.shape != tuple(packed.shape):
+            box = self._mailbox = HostMailbox(tuple(packed.shape), packed.device, packed.dtype)
+        box.post(packed, meta=(step, shapes))
+
+    def collect(self, wait: bool) -> None:
+        """Fold the posted window into the epoch once its copy is done (``wait``: block for it)
+        and keep it for :meth:`pop`: a reduce in between (a checkpoint) loses nothing."""
+        got = None if self._mailbox is None else self._mailbox.read(wait)
+        if got is not None:
+            view, (step, shapes) = got
+            states = unpack(view, shapes)
+            self._fold(states)
+            self._ready.append((step, states))
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a window was posted and not yet read by :meth:`pop`."""
+        return bool(self._ready) or (self._mailbox is not None and self._mailbox.pending)
+
+    def pop(self) -> tuple[int, dict[str, np.ndarray]] | None:
+        """The oldest folded window not yet read, ``None`` when none is."""
+        return self._ready.pop(0) if self._ready else None
+
+    def _fold(self, states: dict[str, np.ndarray]) -> None:
+        """Add a window's host states into the epoch's (sums added, extremes kept)."""
+        if self.epoch is None:
+            self.epoch = {k: v.copy() for k, v in states.items()}
+            return
+        for name, new in states.items():
+            spec = self.specs[name]
+            old = _pad(self.epoch[name], new.shape, spec)
+            self.epoch[name] = _combine(old, new, spec.reduce)
+
+    def with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The epoch's folded windows and the current ``window`` together."""
+        if self.epoch is None:
+            return window
+        return {
+            name: _combine(_pad(self.epoch[name], new.shape, self.specs[name]), new, spec.reduce)
+            for (name, new), spec in zip(window.items(), self.specs.values(), strict=True)
+        }
+
+    def clear(self) -> None:
+        """A new epoch: the folded windows and a window still in flight dropped."""
+        self.epoch, self._ready = None, []
+        if self._mailbox is not None:
+            self._mailbox.clear()
+
+    def forget(self) -> None:
+        """As new: the mailbox too (the states may change shape or device)."""
+        self.epoch, self._mailbox, self._ready = None, None, []
+
+
+class SelectionArgs(TypedDict, total=False):
+    """The keyword arguments that select a statistic's modules (see :meth:`Selection.of`)."""
+
+    types: ModuleTypes
+    include: Patterns
+    exclude: Patterns
+
+
+def selection_of(
+    stat: str, owner: str, args: SelectionArgs, default_types: ModuleTypes = None
+) -> Selection:
+    """The :class:`Selection` of the ``types`` / ``include`` / ``exclude`` arguments ``args``
+    given to the statistic class ``stat``; errors name ``owner`` (a callback passes its own).
+
+    Raises:
+        TypeError: ``args`` holds another argument (a typo).
+
+    Example:
+        >>> selection_of("Peak", "Peak", {"typse": nn.Linear})
+        Traceback (most recent call last):
+        ...
+        TypeError: Peak.__init__() got an unexpected keyword argument 'typse'
+    """
+    unknown = sorted(set(args) - set(SelectionArgs.__annotations__))
+    if unknown:
+        raise TypeError(f"{stat}.__init__() got an unexpected keyword argument {unknown[0]!r}")
+    types = args.get("types", default_types)
+    return Selection.of(
+        owner, types=types, include=args.get("include"), exclude=args.get("exclude")
+    )
+
+
+class LayerStat(RowStates, HookOwner, Generic[R]):
     """Base of every per-layer statistic: states on the device, one collective, one copy.
 
     Subclasses declare states in ``__init__`` with :meth:`add_layer_state` /
@@ -42,7 +167,7 @@ class LayerStat(LayerStates, HookOwner, Generic[R]):
     layer is observed (or up front), in execution order; a layer that runs on some ranks only
     gives the ranks different rows, which the callbacks align (:meth:`align_rows`) before the
     states are reduced. Values a hook keeps on the host
-    (Python counters) are moved into the states by :meth:`flush`, which the base calls before
+    (Python counters) are moved into the states by :meth:`drain`, which the base calls before
     every reduce and checkpoint.
 
     Args:
@@ -67,14 +192,12 @@ class LayerStat(LayerStates, HookOwner, Generic[R]):
         ['peak/0', 'peak/2']
     """
 
-    tag_prefix = ""
-
     def __init__(self, selection: Selection | None = None) -> None:
         super().__init__()
         self.selection = selection
         self.registry: HookRegistry | None = None  # type: ignore[assignment]
         self._hooked: tuple[str, ...] = ()
-        self._windows = EpochWindows(self.specs)  # the logging points' windows, on the host
+        self._windows = EpochWindows(self.specs)  # the logging steps' windows, on the host
 
     # --- hooks -----------------------------------------------------------------------------
 
@@ -140,17 +263,10 @@ class LayerStat(LayerStates, HookOwner, Generic[R]):
             self.registry.remove()
             self.registry = None
 
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        """Unused by hooked statistics: their hooks write into the states (see :meth:`observe`)."""
-        raise NotImplementedError(f"{type(self).__name__} is fed by its hooks, not update()")
-
-    # --- logging points: a window of steps, folded into the epoch on the host ---------------
+    # --- logging steps: a window of steps, folded into the epoch on the host ----------------
 
     def post_window(self, step: int) -> None:
-        """End the window at a logging point: reduce its states across ranks (one collective),
+        """End the window at a logging step: reduce its states across ranks (one collective),
         start ONE copy to the host (pinned and non-blocking on CUDA, see
         :class:`~.readback.HostMailbox`) and start a new window on the device.
 
@@ -206,7 +322,7 @@ class LayerStat(LayerStates, HookOwner, Generic[R]):
     def reset(self) -> None:
         """Start a new epoch: every state but ``"same"`` ones back to its identity, the folded
         windows and a window still in flight dropped; rows kept."""
-        self.flush()
+        self.drain()
         self._reset_window()
         self._windows.clear()
 

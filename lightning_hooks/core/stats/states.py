@@ -1,35 +1,134 @@
-"""``LayerStates``: the device states of a :class:`~lightning_hooks.core.stats.stat.LayerStat`.
+"""The device states of a per-layer statistic, and the small outputs its hooks hold.
 
-Each state is declared with a dtype and a reduction; a layer's row is made the first time it is
-seen (every state grown by one row, or by a run of entries per unit), the ranks align their rows
-before a reduce, and every state is reduced across ranks in ONE packed collective. What the
-states measure, and what becomes of them on the host, is :class:`LayerStat`'s.
+:class:`RowStates` declares each state with a dtype and a reduction; a layer's row is made the
+first time it is seen (every state grown by one row, or by a run of entries per unit), the ranks
+align their rows before a reduce, and every state is reduced across ranks in ONE packed
+collective. What the states measure, and what becomes of them on the host, is
+:class:`~lightning_hooks.core.stats.stat.LayerStat`'s.
+
+:class:`Pending` holds small outputs from their hooks to the end of the step. A sampled forward
+calls a statistic's hook once per watched module; measuring each output where it is seen costs
+a handful of ops and some Python per module, and most outputs of a model are small enough that
+this per-call cost, not their size, is what the sampled step pays. A statistic hands each small
+output's snapshot to :class:`Pending` instead, and measures each group (same shape, dtype and
+device, and whatever else its key holds) as one stacked tensor when it drains
+(:data:`~..kernels.feature_stats.STACKED` says which outputs are small).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
 
+import numpy as np
 import torch
-from torchmetrics import Metric
+from typing_extensions import Self
 
-from lightning_hooks.core.stats.windows import Reduce, StateSpec, all_pool, pack_dtype
+from lightning_hooks.core.kernels.tensors import row_index
+from lightning_hooks.core.transport.distributed import all_gather_stacked, is_distributed
 
-__all__ = ["LayerStates"]
+__all__ = [
+    "Kind",
+    "Pending",
+    "Reduce",
+    "RowStates",
+    "StateSpec",
+    "all_pool",
+    "pack_dtype",
+    "unpack",
+]
+
+Reduce = Literal["sum", "max", "min", "same"]
+Kind = Literal["layer", "unit", "global"]
+"""How a state pools across ranks: ``"same"`` holds values every rank shares (bin edges)."""
 
 
-class LayerStates(Metric):
-    """Per-layer device states on torchmetrics' state machinery: declared, grown a row at a time,
+@dataclass(frozen=True)
+class StateSpec:
+    """One declared state: ``[rows, *width]`` per layer, a flat run of entries per unit, or one
+    ``[*width]`` tensor for the whole model (``kind="global"``)."""
+
+    name: str
+    reduce: Reduce
+    dtype: torch.dtype
+    width: tuple[int, ...] = ()
+    kind: Kind = "layer"
+    fill: float | None = None
+
+    @property
+    def identity(self) -> float:
+        """The value of a fresh entry (and of a reset one, unless ``reduce == "same"``)."""
+        if self.fill is not None:
+            return self.fill
+        if self.reduce in ("sum", "same"):
+            return 0.0
+        low, high = _extremes(self.dtype)
+        return low if self.reduce == "max" else high
+
+
+def _extremes(dtype: torch.dtype) -> tuple[float, float]:
+    if dtype.is_floating_point:
+        return -torch.inf, torch.inf
+    if dtype == torch.bool:
+        return 0.0, 1.0
+    info = torch.iinfo(dtype)
+    return float(info.min), float(info.max)
+
+
+def pack_dtype(device: torch.device) -> torch.dtype:
+    """The dtype every state is packed in on ``device`` (MPS has no float64)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def unpack(host: np.ndarray, shapes: dict[str, torch.Size]) -> dict[str, np.ndarray]:
+    """The packed states ``host`` as float64 arrays by name, in ``shapes``' order."""
+    out, offset = {}, 0
+    for name, shape in shapes.items():
+        size = int(np.prod(shape, dtype=np.int64))
+        out[name] = np.array(host[offset : offset + size], dtype=np.float64).reshape(shape)
+        offset += size
+    return out
+
+
+def all_pool(
+    tensors: Sequence[torch.Tensor],
+    reduces: Sequence[Reduce],
+    dtype: torch.dtype,
+    process_group: Any = None,
+) -> list[torch.Tensor]:
+    """Each of ``tensors`` pooled across ranks with its reduce, in ONE all-gather of them all
+    packed together in ``dtype`` (whatever their number and dtypes)."""
+    packed = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+    gathered = all_gather_stacked(packed, process_group)
+    out, offset = [], 0
+    for tensor, reduce in zip(tensors, reduces, strict=True):
+        part = gathered[:, offset : offset + tensor.numel()]
+        offset += tensor.numel()
+        out.append(_pool(part, reduce).to(tensor.dtype).view_as(tensor))
+    return out
+
+
+def _pool(part: torch.Tensor, reduce: Reduce) -> torch.Tensor:
+    """The ranks' copies ``part`` (stacked on the first axis) pooled with ``reduce``."""
+    if reduce == "sum":
+        return part.sum(0)
+    if reduce == "max":
+        return part.amax(0)
+    if reduce == "min":
+        return part.amin(0)
+    return part[0]
+
+
+class RowStates:
+    """Per-layer device states: declared, grown a row at a time, moved with :meth:`to`,
     aligned and reduced across ranks in one collective, reset to their identities.
 
     The base of :class:`~lightning_hooks.core.stats.stat.LayerStat`, which adds the hooks that
-    feed the states and the host windows they are read into; a subclass defines ``update``.
+    feed the states and the host windows they are read into.
 
     Example:
-        >>> class Seen(LayerStates):
-        ...     def update(self) -> None: ...
-        >>> states = Seen()
+        >>> states = RowStates()
         >>> states.add_layer_state("seen", reduce="sum")
         >>> states.add_unit_state("alive", reduce="max", dtype=torch.bool)
         >>> states.row("encoder"), states.row("head", units=3), states.layers
@@ -38,10 +137,8 @@ class LayerStates(Metric):
         (torch.Size([2]), torch.Size([3]), slice(0, 3, None))
     """
 
-    full_state_update = False
-
     def __init__(self) -> None:
-        super().__init__(sync_on_compute=True, compute_with_cache=False)
+        self.device = torch.device("cpu")
         self.specs: dict[str, StateSpec] = {}
         self.rows: dict[str, int] = {}
         self.units: list[int] = []
@@ -86,7 +183,16 @@ class LayerStates(Metric):
 
     def _declare(self, spec: StateSpec) -> None:
         self.specs[spec.name] = spec
-        self.add_state(spec.name, self._fresh(spec, 0, self.device), dist_reduce_fx=None)
+        setattr(self, spec.name, self._fresh(spec, 0, self.device))
+
+    def to(self, device: torch.device) -> Self:
+        """Move every state to ``device`` (a float64 state is float32 on MPS)."""
+        self.device = torch.device(device)
+        for spec in self.specs.values():
+            state: torch.Tensor = getattr(self, spec.name)
+            mps_double = self.device.type == "mps" and spec.dtype == torch.float64
+            setattr(self, spec.name, state.to(self.device, torch.float32 if mps_double else None))
+        return self
 
     @staticmethod
     def _fresh(spec: StateSpec, rows: int, device: torch.device) -> torch.Tensor:
@@ -140,9 +246,9 @@ class LayerStates(Metric):
 
     def new_rows(self) -> list[tuple[str, int]]:
         """``(name, units)`` of the rows made since the ranks last aligned them, in order; what
-        the hooks still hold is flushed into the states first (it may make a row, and it is
+        the hooks still hold is drained into the states first (it may make a row, and it is
         held by row number: it must be in its row before :meth:`align_rows` moves the rows)."""
-        self.flush()
+        self.drain()
         return [(name, self.units[i]) for name, i in self.rows.items() if i >= self._aligned]
 
     def align_rows(self, new: Sequence[Sequence[tuple[str, int]]]) -> None:
@@ -212,32 +318,21 @@ class LayerStates(Metric):
 
     # --- reduce and reset ------------------------------------------------------------------
 
-    def compute(self) -> Any:
-        """Every state by name, on the device (reduced across ranks inside ``Metric.compute``)."""
-        return {name: getattr(self, name) for name in self.specs}
-
-    def flush(self) -> None:
-        """Move values kept on the host into the states (override; called before a reduce)."""
-
-    def _sync_dist(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
-        # One all-gather of every state packed together, whatever their number and dtypes.
-        names = list(self.specs)
-        tensors = [getattr(self, n) for n in names]
-        reduces = [self.specs[n].reduce for n in names]
-        pooled = all_pool(tensors, reduces, pack_dtype(self.device), process_group)
-        for name, tensor in zip(names, pooled, strict=True):
-            setattr(self, name, tensor)
+    def drain(self) -> None:
+        """Move what the hooks hold on the host (counters, copies not yet measured) into the
+        states (override; called before every reduce and checkpoint)."""
 
     def _reduced(self) -> tuple[torch.Tensor, dict[str, torch.Size]]:
         """Every state of the window reduced across ranks (one collective), packed in one."""
-        self.flush()
+        self.drain()
         names = list(self.specs)
         dtype = pack_dtype(self.device)
-        with self.sync_context():
-            tensors = [getattr(self, n) for n in names]
-            shapes = {n: t.shape for n, t in zip(names, tensors, strict=True)}
-            parts = [t.reshape(-1).to(dtype) for t in tensors]
-            packed = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=self.device)
+        tensors = [getattr(self, n) for n in names]
+        if is_distributed():
+            tensors = all_pool(tensors, [self.specs[n].reduce for n in names], dtype)
+        shapes = {n: t.shape for n, t in zip(names, tensors, strict=True)}
+        parts = [t.reshape(-1).to(dtype) for t in tensors]
+        packed = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=self.device)
         return packed, shapes
 
     def _reset_window(self) -> None:
@@ -245,6 +340,75 @@ class LayerStates(Metric):
         for spec in self.specs.values():
             if spec.reduce != "same":
                 getattr(self, spec.name).fill_(spec.identity)
-        self._update_count = 0
-        self._cache = None
-        self._is_synced = False
+
+
+K = TypeVar("K", bound=Hashable)
+
+_HELD = 1 << 22  # elements held for their batches, at most: a drain is due beyond
+_INDICES = 64  # row patterns whose device index is kept
+
+
+class Pending(Generic[K]):
+    """Snapshots by group, with the rows they go to, and a cache of the rows' device indices.
+
+    Example:
+        >>> pending: Pending[tuple[str]] = Pending()
+        >>> pending.add(("a",), 3, torch.ones(2))
+        False
+        >>> pending.add(("a",), 1, torch.zeros(2))
+        False
+        >>> len(pending)
+        2
+        >>> [(key, rows, stacked.tolist()) for key, rows, stacked in pending.drain()]
+        [(('a',), [3, 1], [[1.0, 1.0], [0.0, 0.0]])]
+        >>> list(pending.drain())
+        []
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[K, tuple[list[int], list[torch.Tensor]]] = {}
+        self._held = 0
+        self._indices: dict[tuple[object, ...], torch.Tensor] = {}
+
+    def add(self, key: K, row: int, snapshot: torch.Tensor) -> bool:
+        """Hold ``snapshot`` for ``row`` in ``key``'s group; ``True`` when a drain is due."""
+        rows, snapshots = self._groups.setdefault(key, ([], []))
+        rows.append(row)
+        snapshots.append(snapshot)
+        self._held += snapshot.numel()
+        return self._held > _HELD
+
+    def __len__(self) -> int:
+        """The snapshots held."""
+        return sum(len(rows) for rows, _ in self._groups.values())
+
+    def drain(self) -> Iterator[tuple[K, list[int], torch.Tensor]]:
+        """Each group as ``(key, rows, snapshots stacked)``, in the order the groups and their
+        calls were first seen; the groups are dropped as they are given."""
+        groups, self._groups, self._held = self._groups, {}, 0
+        for key, (rows, snapshots) in groups.items():
+            yield key, rows, torch.stack(snapshots)
+
+    def clear(self) -> None:
+        """Drop what is held (a step cut short)."""
+        self._groups, self._held = {}, 0
+
+    def index(
+        self, rows: list[int], device: torch.device, spans: Sequence[range] | None = None
+    ) -> torch.Tensor:
+        """``rows`` as a device index, kept for the next step's same rows; with ``spans`` (a
+        range of positions per row), every row's positions in turn.
+
+        Example:
+            >>> Pending().index([2, 0], torch.device("cpu"), spans=[range(4, 6), range(0, 2)])
+            tensor([4, 5, 0, 1])
+        """
+        # keyed by the device too: a tracker attached again may be on another one
+        key = (device, *rows) if spans is None else (device, None, *spans)
+        index = self._indices.get(key)
+        if index is None:
+            if len(self._indices) >= _INDICES:  # a forward whose calls vary: start over
+                self._indices.clear()
+            values = rows if spans is None else [i for span in spans for i in span]
+            index = self._indices[key] = row_index(values, device)
+        return index
