@@ -305,7 +305,6 @@ def grad_stats(
     unique: torch.Tensor | None = None,
     total_numel: torch.Tensor | None = None,
     shards: ShardPlan | None = None,
-    l2: torch.Tensor | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """``[layers + 1, len(GRAD_STATS)]`` statistics of one optimizer step's gradients.
@@ -316,10 +315,8 @@ def grad_stats(
     whose gradient is ``None`` is passed as a zero tensor (see :meth:`ParamLayout.grads`). With
     ``unique`` (positions of each parameter's first listing, :meth:`ParamLayout.unique`) the last
     row counts a shared parameter once, its mean over ``total_numel`` elements. ``params=None``:
-    no weights are read, the weight column is NaN. ``l2``: the per-parameter (shard-local) L2
-    norms of ``grads`` when already computed (the alarms' sentinel reads them every step): the L2
-    pass is not repeated. ``workspace``: the buffer :func:`abs_sum_max` reuses (keep one per
-    tracker).
+    no weights are read, the weight column is NaN. ``workspace``: the buffer :func:`abs_sum_max`
+    reuses (keep one per tracker).
 
     Two reading passes over the gradients and one over the weights: ``_foreach_norm`` with
     orders 1, inf and 0 takes a slow path on the CPU (10-30x the cost of order 2), so only the L2
@@ -336,7 +333,7 @@ def grad_stats(
                 [5.0990, 2.6667, 4.0000, 0.0000, 1.7321]])
     """
     num_layers = numel.numel()
-    l2 = _norms(grads, 2.0) if l2 is None else l2
+    l2 = _norms(grads, 2.0)
     sums, peak = abs_sum_max(grads, workspace)
     weight = _norms(params, 2.0) if params is not None else torch.full_like(l2, torch.nan)
     if shards is not None:  # shard-local partials made whole: one collective

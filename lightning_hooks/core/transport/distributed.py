@@ -15,7 +15,6 @@ __all__ = [
     "gather_objects",
     "group_device",
     "is_distributed",
-    "mean_over_ranks",
     "rank",
     "to_group_device",
     "world_size",
@@ -100,25 +99,6 @@ def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
-
-
-def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
-    """The mean of ``tensor`` over the ranks, as a new float32 tensor on :func:`group_device` (one
-    collective: a sum, then a division, as gloo has no average); ``tensor`` is left unchanged.
-
-    Every rank of the default group must call it, in the same order as its other collectives.
-    Like any ``all_reduce`` it does not block the host on CUDA.
-
-    Example:
-        >>> loss = torch.tensor(2.0, dtype=torch.bfloat16)
-        >>> mean_over_ranks(loss)  # one process: a float32 copy
-        tensor(2.)
-    """
-    out = to_group_device(tensor)
-    if is_distributed() and dist.get_world_size() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        out.div_(dist.get_world_size())
-    return out
 
 
 def all_gather_stacked(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
