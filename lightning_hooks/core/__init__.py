@@ -20,8 +20,7 @@ from lightning_hooks._lazy import lazy_names
 if TYPE_CHECKING:
     from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, GradientAlarm, GradientAlarms
     from lightning_hooks.core.hooks.activations import is_kind, torch_equivalent
-    from lightning_hooks.core.hooks.capture import capture_outputs
-    from lightning_hooks.core.hooks.probe import probe_mode
+    from lightning_hooks.core.hooks.capture import capture_outputs, probe_mode
     from lightning_hooks.core.hooks.registry import HookRegistry
     from lightning_hooks.core.hooks.selection import Selection, select_modules
     from lightning_hooks.core.kernels.feature_stats import (
@@ -54,7 +53,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "lightning_hooks.core.stats.activation_stats": ("ActivationStatsTracker",),
     "lightning_hooks.core.hooks.activations": ("is_kind", "torch_equivalent"),
     "lightning_hooks.core.alarms": ("ALARM_RULES", "AlarmRules", "GradientAlarm", "GradientAlarms"),
-    "lightning_hooks.core.hooks.capture": ("capture_outputs",),
+    "lightning_hooks.core.hooks.capture": ("capture_outputs", "probe_mode"),
     "lightning_hooks.core.stats.dead_units": ("DeadUnits", "DeadUnitTracker"),
     "lightning_hooks.core.kernels.feature_stats": (
         "FEATURE_STATS",
@@ -66,7 +65,6 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "lightning_hooks.core.kernels.histogram": ("LayerHistogram", "LayerHistograms"),
     "lightning_hooks.core.stats.layer_time": ("LayerTimer", "LayerTimes"),
     "lightning_hooks.core.kernels.nonfinite": ("FirstNonFinite",),
-    "lightning_hooks.core.hooks.probe": ("probe_mode",),
     "lightning_hooks.core.hooks.registry": ("HookRegistry",),
     "lightning_hooks.core.stats.saturation": (
         "SATURATING_TYPES",

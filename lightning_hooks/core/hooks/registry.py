@@ -15,9 +15,8 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import Self
 
 from lightning_hooks.core import checks
-from lightning_hooks.core.hooks.gated import Gated, GatedHandle, gated_hook
 from lightning_hooks.core.hooks.guard import Guard, active_guard
-from lightning_hooks.core.hooks.modes import outside_shelved
+from lightning_hooks.core.hooks.modes import Gated, GatedHandle, gated_hook, outside_shelved
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 from lightning_hooks.errors import LightningHooksWarning
 
