@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     )
     from lightning_hooks.core.kernels.grad_stats import GRAD_STATS, ParamLayout, grad_stats
     from lightning_hooks.core.kernels.histogram import LayerHistogram, LayerHistograms
-    from lightning_hooks.core.kernels.nonfinite import FirstNonFinite
     from lightning_hooks.core.kernels.tensors import is_training_forward, iter_float_tensors
     from lightning_hooks.core.stats.accumulator import LayerStats, LayerStatsAccumulator
     from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
@@ -46,6 +45,7 @@ if TYPE_CHECKING:
     )
     from lightning_hooks.core.stats.stability import StabilityStats
     from lightning_hooks.core.stats.stat import LayerStat
+    from lightning_hooks.core.transport.readback import FirstNonFinite
 
 # Module -> the public names it defines, imported on first attribute access.
 _MODULES: dict[str, tuple[str, ...]] = {
@@ -64,7 +64,6 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "lightning_hooks.core.kernels.grad_stats": ("GRAD_STATS", "ParamLayout", "grad_stats"),
     "lightning_hooks.core.kernels.histogram": ("LayerHistogram", "LayerHistograms"),
     "lightning_hooks.core.stats.layer_time": ("LayerTimer", "LayerTimes"),
-    "lightning_hooks.core.kernels.nonfinite": ("FirstNonFinite",),
     "lightning_hooks.core.hooks.registry": ("HookRegistry",),
     "lightning_hooks.core.stats.saturation": (
         "SATURATING_TYPES",
@@ -76,6 +75,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "lightning_hooks.core.hooks.selection": ("Selection", "select_modules"),
     "lightning_hooks.core.stats.stability": ("StabilityStats",),
     "lightning_hooks.core.stats.stat": ("LayerStat",),
+    "lightning_hooks.core.transport.readback": ("FirstNonFinite",),
     "lightning_hooks.core.kernels.tensors": ("is_training_forward", "iter_float_tensors"),
 }
 _LAZY: dict[str, str] = {name: module for module, names in _MODULES.items() for name in names}

@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_hooks.core.kernels.grouped_norms import cpu_grouping
 from lightning_hooks.core.kernels.tensors import Workspace, piece_size
-from lightning_hooks.core.transport.sharding import ShardPlan, to_local
+from lightning_hooks.core.transport.distributed import ShardPlan, to_local
 
 __all__ = [
     "GLOBAL",
@@ -180,7 +180,7 @@ class ParamLayout:
             elif g.is_sparse:
                 g = g.coalesce().values()
                 g = g if g.numel() else p.new_zeros(1)
-            out.append(to_local(g))  # FSDP2: this rank's shard (sharding.py makes it whole)
+            out.append(to_local(g))  # FSDP2: this rank's shard (ShardPlan makes it whole)
         return out
 
 
