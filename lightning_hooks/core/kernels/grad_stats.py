@@ -212,16 +212,13 @@ def _segment_sum(
     return torch.cat([total, _total(values, unique)])
 
 
-def _norms(tensors: Sequence[torch.Tensor], ord: float) -> torch.Tensor:
-    grouping = cpu_grouping(tensors) if ord == 2.0 else None
-    if grouping is not None:  # on the CPU: small tensors of one shape in a stack
-        return grouping(tensors).float()
-    return torch.stack(torch._foreach_norm(list(tensors), ord)).float()
-
-
 def param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[len(tensors)]`` L2 norms of each tensor, in float32 (one multi-tensor pass)."""
-    return _norms(tensors, 2.0)
+    """``[len(tensors)]`` L2 norms of each tensor, in float32: one multi-tensor pass (on the
+    CPU, small tensors of one shape in stacks: :func:`~.grouped_norms.cpu_grouping`)."""
+    grouping = cpu_grouping(tensors)
+    if grouping is not None:
+        return grouping(tensors).float()
+    return torch.stack(torch._foreach_norm(list(tensors), 2.0)).float()
 
 
 @torch.no_grad()
@@ -262,9 +259,9 @@ def grad_stats(
                 [5.0990, 2.6667, 4.0000, 0.0000, 1.7321]])
     """
     num_layers = numel.numel()
-    l2 = _norms(grads, 2.0)
+    l2 = param_norms(grads)
     sums, peak = abs_sum_max(grads, workspace)
-    weight = _norms(params, 2.0) if params is not None else torch.full_like(l2, torch.nan)
+    weight = param_norms(params) if params is not None else torch.full_like(l2, torch.nan)
     if shards is not None:  # shard-local partials made whole: one collective
         (l2, weight), (sums,), (peak,) = shards.reduce(
             norms=[l2, weight], sums=[sums], maxima=[peak]
@@ -299,7 +296,7 @@ def update_norms(
     once, with ``unique``). Overwrites ``before``."""
     diffs = list(before)
     torch._foreach_sub_(diffs, list(after))
-    norms = _norms(diffs, 2.0)
+    norms = param_norms(diffs)
     if shards is not None:  # shard-local norms made whole: one collective
         norms = shards.reduce(norms=[norms])[0][0]
     return segment_norm(norms, index, num_layers, unique)

@@ -171,7 +171,7 @@ CHUNK = 1 << 20
 """Elements of ``|g|`` :func:`abs_sum_max` writes at a time on the CPU (4 MiB in float32: stays in
 cache); off the CPU, :data:`~.tensors.DEVICE_PIECE`."""
 
-_SMALL = 1 << 14  # tensors up to this size take one multi-tensor call: small heap allocations
+_MULTI_TENSOR = 1 << 14  # up to this size, one multi-tensor call: small heap allocations
 
 
 def abs_sum_max(
@@ -206,7 +206,7 @@ def _abs_sum_max(
         small = [
             i
             for i, t in enumerate(tensors)
-            if 0 < t.numel() <= _SMALL and (t.dtype == torch.float64) == wide
+            if 0 < t.numel() <= _MULTI_TENSOR and (t.dtype == torch.float64) == wide
         ]
         if small:  # the L1 and L-inf norms: two multi-tensor passes, no |t|, no op per tensor
             picked, dtype = [tensors[i] for i in small], None if wide else torch.float32
