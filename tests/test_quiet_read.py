@@ -1,10 +1,11 @@
 """``AlarmRules(quiet_read=...)``: the argument is checked at construction, and where the
-pointer-table read cannot run (here: no CUDA, or no Triton) the quiet steps read with
-``_foreach_norm``, after one message, and the alarms are those of the default read. On a GPU,
-``tests/test_cuda.py`` runs the read itself through ``Trainer.fit``."""
+chosen read cannot run (here: no CUDA, or no Triton; a stack that fails) the quiet steps read
+with ``_foreach_norm``, after one message, and the alarms are those of the default read. On a
+GPU, ``tests/test_cuda.py`` runs the read itself through ``Trainer.fit``."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,15 +16,31 @@ import torch
 from test_alarms import SPIKE_WARNS, DeeperMLP, Fault, LongMLP, _alarms
 
 from lightning_hooks import AlarmRules, GradFlowCallback, LightningHooksWarning
+from lightning_hooks.core.alarms.rules import QUIET_READS
 from lightning_hooks.core.kernels.grouped_norms import GroupedNorms
 from lightning_hooks.core.stats import sentinel_read
-from lightning_hooks.core.stats.sentinel_read import SentinelRead
 
 
 def test_an_unknown_read_is_named_with_the_allowed_ones() -> None:
-    allowed = r"\('grouped', 'foreach', 'triton'\)"
+    allowed = re.escape(str(QUIET_READS))
     with pytest.raises(ValueError, match=r"quiet_read='cuda-graph'.*" + allowed):
         AlarmRules(quiet_read="cuda-graph")
+
+
+class _Foreach(GroupedNorms):
+    """The reference read: one ``_foreach_norm`` of every gradient."""
+
+    def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(torch._foreach_norm(list(grads)))
+
+
+def _foreach(root: Path, model: type[LongMLP] = LongMLP) -> list[tuple[int, str, str]]:
+    """The alarms of a fit whose quiet steps read with one ``_foreach_norm``, without a word."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sentinel_read, "GroupedNorms", _Foreach)
+        alarms, said = _fit("grouped", root, model)
+    assert not [m for m in said if "quiet_read" in m], said
+    return alarms
 
 
 def _fit(
@@ -51,13 +68,12 @@ def _fit(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback off CUDA")
 def test_off_cuda_the_triton_read_falls_back_once_with_the_same_alarms(tmp_path: Path) -> None:
-    foreach, said_foreach = _fit("foreach", tmp_path / "foreach")
+    foreach = _foreach(tmp_path / "foreach")
     triton, said_triton = _fit("triton", tmp_path / "triton")
     assert triton == foreach and min(step for step, _, _ in triton) == 33
     fallback = [m for m in said_triton if "quiet_read='triton'" in m]
     assert len(fallback) == 1 and "_foreach_norm" in fallback[0], said_triton
     assert "not CUDA" in fallback[0] or "triton" in fallback[0]
-    assert not [m for m in said_foreach if "quiet_read" in m]
 
 
 def test_kernels_that_fail_are_said_once_and_the_fit_reads_with_foreach(
@@ -72,8 +88,8 @@ def test_kernels_that_fail_are_said_once_and_the_fit_reads_with_foreach(
             launches.append(len(grads))
             raise RuntimeError("no kernel image is available for execution on the device")
 
-    monkeypatch.setattr(SentinelRead, "_pointer_norms", staticmethod(lambda view: Broken()))
-    foreach, _ = _fit("foreach", tmp_path / "foreach")
+    foreach = _foreach(tmp_path / "foreach")
+    monkeypatch.setattr(sentinel_read, "_pointer_norms", lambda view: Broken())
     broken, said = _fit("triton", tmp_path / "triton")
     assert broken == foreach and len(launches) == 1
     fallback = [m for m in said if "quiet_read='triton'" in m]
@@ -81,7 +97,7 @@ def test_kernels_that_fail_are_said_once_and_the_fit_reads_with_foreach(
     assert "its kernels failed (RuntimeError: no kernel image" in fallback[0]
 
 
-def test_the_grouped_read_gives_the_foreach_reads_alarms_without_a_word(
+def test_the_grouped_read_gives_the_foreach_norms_alarms_without_a_word(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The default read (small gradients of one shape stacked) and one ``_foreach_norm`` give
@@ -93,9 +109,8 @@ def test_the_grouped_read_gives_the_foreach_reads_alarms_without_a_word(
             calls.append(self.groups)
             return super().__call__(grads)
 
+    foreach = _foreach(tmp_path / "foreach", DeeperMLP)
     monkeypatch.setattr(sentinel_read, "GroupedNorms", Spy)
-    foreach, _ = _fit("foreach", tmp_path / "foreach", DeeperMLP)
-    assert not calls
     grouped, said = _fit("grouped", tmp_path / "grouped", DeeperMLP)
     assert grouped == foreach and min(step for step, _, _ in grouped) == 33
     assert not [m for m in said if "quiet_read" in m], said
@@ -114,8 +129,8 @@ def test_a_grouped_read_that_fails_is_said_once_and_the_fit_reads_with_foreach(
             calls.append(len(grads))
             raise RuntimeError("stack expects each tensor to be equal size")
 
+    foreach = _foreach(tmp_path / "foreach", DeeperMLP)
     monkeypatch.setattr(sentinel_read, "GroupedNorms", Broken)
-    foreach, _ = _fit("foreach", tmp_path / "foreach", DeeperMLP)
     grouped, said = _fit("grouped", tmp_path / "grouped", DeeperMLP)
     assert grouped == foreach and len(calls) == 1
     fallback = [m for m in said if "quiet_read='grouped'" in m]
@@ -128,8 +143,8 @@ def test_a_grouped_read_that_cannot_be_made_is_said_once(
     def broken(self: GroupedNorms, params: list[torch.Tensor]) -> None:
         raise RuntimeError("cannot pin memory")
 
+    foreach = _foreach(tmp_path / "foreach", DeeperMLP)
     monkeypatch.setattr(GroupedNorms, "__init__", broken)
-    foreach, _ = _fit("foreach", tmp_path / "foreach", DeeperMLP)
     grouped, said = _fit("grouped", tmp_path / "grouped", DeeperMLP)
     assert grouped == foreach
     fallback = [m for m in said if "quiet_read='grouped'" in m]

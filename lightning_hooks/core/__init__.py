@@ -18,8 +18,7 @@ from lightning_hooks._lazy import lazy_names
 if TYPE_CHECKING:
     from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, GradientAlarm, GradientAlarms
     from lightning_hooks.core.hooks.activations import is_kind, torch_equivalent
-    from lightning_hooks.core.hooks.capture import capture_outputs
-    from lightning_hooks.core.hooks.probe import probe_mode
+    from lightning_hooks.core.hooks.capture import capture_outputs, probe_mode
     from lightning_hooks.core.hooks.registry import HookRegistry
     from lightning_hooks.core.hooks.selection import Selection, select_modules
     from lightning_hooks.core.kernels.feature_stats import (
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
     )
     from lightning_hooks.core.kernels.grad_stats import GRAD_STATS, ParamLayout, grad_stats
     from lightning_hooks.core.kernels.histogram import LayerHistogram, LayerHistograms
-    from lightning_hooks.core.kernels.nonfinite import FirstNonFinite
     from lightning_hooks.core.kernels.tensors import is_training_forward, iter_float_tensors
     from lightning_hooks.core.stats.accumulator import LayerStats, LayerStatsAccumulator, LayerTable
     from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
@@ -45,6 +43,7 @@ if TYPE_CHECKING:
     )
     from lightning_hooks.core.stats.stability import StabilityStats
     from lightning_hooks.core.stats.stat import LayerStat
+    from lightning_hooks.core.transport.readback import FirstNonFinite
 
 # Module -> the public names it defines, imported on first attribute access.
 _MODULES: dict[str, tuple[str, ...]] = {
@@ -52,7 +51,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "lightning_hooks.core.stats.activation_stats": ("ActivationStatsTracker",),
     "lightning_hooks.core.hooks.activations": ("is_kind", "torch_equivalent"),
     "lightning_hooks.core.alarms": ("ALARM_RULES", "AlarmRules", "GradientAlarm", "GradientAlarms"),
-    "lightning_hooks.core.hooks.capture": ("capture_outputs",),
+    "lightning_hooks.core.hooks.capture": ("capture_outputs", "probe_mode"),
     "lightning_hooks.core.stats.dead_units": ("DeadUnits", "DeadUnitTracker"),
     "lightning_hooks.core.kernels.feature_stats": (
         "FEATURE_STATS",
@@ -63,8 +62,6 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "lightning_hooks.core.kernels.grad_stats": ("GRAD_STATS", "ParamLayout", "grad_stats"),
     "lightning_hooks.core.kernels.histogram": ("LayerHistogram", "LayerHistograms"),
     "lightning_hooks.core.stats.layer_time": ("LayerTimer", "LayerTimes"),
-    "lightning_hooks.core.kernels.nonfinite": ("FirstNonFinite",),
-    "lightning_hooks.core.hooks.probe": ("probe_mode",),
     "lightning_hooks.core.hooks.registry": ("HookRegistry",),
     "lightning_hooks.core.stats.saturation": (
         "SATURATING_TYPES",
@@ -76,6 +73,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "lightning_hooks.core.hooks.selection": ("Selection", "select_modules"),
     "lightning_hooks.core.stats.stability": ("StabilityStats",),
     "lightning_hooks.core.stats.stat": ("LayerStat",),
+    "lightning_hooks.core.transport.readback": ("FirstNonFinite",),
     "lightning_hooks.core.kernels.tensors": ("is_training_forward", "iter_float_tensors"),
 }
 _LAZY: dict[str, str] = {name: module for module, names in _MODULES.items() for name in names}

@@ -36,14 +36,13 @@ from __future__ import annotations
 import contextvars
 import os
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from functools import wraps
 from typing import Any, TypeVar
 
 from lightning_hooks.errors import LightningHooksError, LightningHooksWarning
 
-__all__ = ["STRICT_ENV", "Guard", "active_guard", "guard_hooks", "guarding", "strict_default"]
+__all__ = ["STRICT_ENV", "Guard", "active_guard", "guard_hooks", "strict_default"]
 
 STRICT_ENV = "LIGHTNING_HOOKS_STRICT"
 """Environment variable: ``1`` makes every guard strict (re-raise) unless told otherwise."""
@@ -165,16 +164,6 @@ def active_guard() -> Guard | None:
     return _ACTIVE.get()
 
 
-@contextmanager
-def guarding(guard: Guard | None) -> Iterator[None]:
-    """Make ``guard`` the :func:`active_guard` inside the block."""
-    token = _ACTIVE.set(guard)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
 GUARDED_HOOKS = (
     "on_train_start",
     "on_train_epoch_start",
@@ -210,7 +199,7 @@ def _guarded_method(method: Callable[..., Any], name: str) -> Callable[..., Any]
     def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
         guard: Guard = self._hook_guard()
         if guard.failed is None:
-            token = _ACTIVE.set(guard)  # ``guarding(guard)``, without a generator per call
+            token = _ACTIVE.set(guard)
             try:
                 return method(self, *args, **kwargs)
             except Exception as error:

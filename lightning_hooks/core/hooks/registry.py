@@ -15,9 +15,8 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import Self
 
 from lightning_hooks.core import checks
-from lightning_hooks.core.hooks.gated import Gated, GatedHandle, gated_hook
 from lightning_hooks.core.hooks.guard import Guard, active_guard
-from lightning_hooks.core.hooks.modes import outside_shelved
+from lightning_hooks.core.hooks.modes import Gated, GatedHandle, gated_hook, outside_shelved
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 from lightning_hooks.errors import LightningHooksWarning
 
@@ -338,13 +337,6 @@ class HookRegistry(HookOwner):
             return self.gated_hook(module, hook, pre=True, with_kwargs=with_kwargs)
         return self.add(module.register_forward_pre_hook(_ours(hook), with_kwargs=with_kwargs))
 
-    def tensor_hook(
-        self, tensor: torch.Tensor, hook: Callable[[torch.Tensor], torch.Tensor | None]
-    ) -> RemovableHandle:
-        """``tensor.register_hook(hook)`` on a long-lived tensor (a parameter), owned, guarded."""
-        hook = self.guarded(hook, "gradient hook")
-        return self.add(tensor.register_hook(hook))  # type: ignore[no-untyped-call]
-
     def optimizer_step_post_hook(
         self, optimizer: torch.optim.Optimizer, hook: Callable[..., None]
     ) -> RemovableHandle:
@@ -362,11 +354,6 @@ class HookRegistry(HookOwner):
             handle.remove()
         for hook in gated:
             hook.uninstall()
-
-    @property
-    def active(self) -> bool:
-        """Whether the registry currently holds hooks (installed or kept for sampled steps)."""
-        return bool(self._handles or self._gated_hooks)
 
     def __len__(self) -> int:
         """The hooks it holds: the gated ones count whether or not installed on this step."""

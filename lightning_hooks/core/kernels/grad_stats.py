@@ -8,26 +8,23 @@ number of parameters, and nothing is read back to the host.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from operator import attrgetter
 from typing import cast
 
 import torch
 from torch import nn
 
-from lightning_hooks.core.kernels.grouped_norms import cpu_grouping
-from lightning_hooks.core.kernels.tensors import Workspace, piece_size
-from lightning_hooks.core.transport.sharding import ShardPlan, to_local
+from lightning_hooks.core.kernels.grouped_norms import abs_sum_max, cpu_grouping
+from lightning_hooks.core.kernels.tensors import Workspace
+from lightning_hooks.core.transport.distributed import ShardPlan, to_local
 
 __all__ = [
     "GLOBAL",
     "GRAD_STATS",
     "ROOT",
     "ParamLayout",
-    "abs_sum_max",
     "grad_stats",
     "param_norms",
     "segment_max",
@@ -180,7 +177,7 @@ class ParamLayout:
             elif g.is_sparse:
                 g = g.coalesce().values()
                 g = g if g.numel() else p.new_zeros(1)
-            out.append(to_local(g))  # FSDP2: this rank's shard (sharding.py makes it whole)
+            out.append(to_local(g))  # FSDP2: this rank's shard (ShardPlan makes it whole)
         return out
 
 
@@ -215,84 +212,13 @@ def _segment_sum(
     return torch.cat([total, _total(values, unique)])
 
 
-CHUNK = 1 << 20
-"""Elements of ``|g|`` :func:`abs_sum_max` writes at a time on the CPU (4 MiB in float32: stays in
-cache); off the CPU, :data:`~.tensors.DEVICE_PIECE`."""
-
-_SMALL = 1 << 14  # tensors up to this size take one multi-tensor call: small heap allocations
-
-
-def abs_sum_max(
-    tensors: Sequence[torch.Tensor], workspace: Workspace | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[len(tensors)]`` sums and maxima of ``|t|`` (float32; an empty tensor gives 0 and 0).
-
-    Small tensors take two multi-tensor norms (L1 and L-inf); a larger one is read in pieces of at
-    most :data:`CHUNK` elements through one buffer of ``workspace`` (pass the same one every
-    step). A fresh gradient-sized ``|g|`` would cost more than the arithmetic: large blocks go
-    back to the system when freed and page-fault again on every step (profiled on the
-    benchmark MLP, 12.6 MB of gradients: the ``abs`` op took 5.4 ms a step, 0.55 ms this way).
-    NaN propagates into both the sum and the maximum.
-
-    Example:
-        >>> sums, peaks = abs_sum_max([torch.tensor([3.0, -4.0]), torch.empty(0)])
-        >>> sums.tolist(), peaks.tolist()
-        ([7.0, 0.0], [4.0, 0.0])
-    """
-    ws = workspace or Workspace()
-    grouping = cpu_grouping(tensors)
-    if grouping is not None:  # on the CPU: small tensors of one shape in a stack
-        return grouping.abs_sum_max(tensors, partial(_abs_sum_max, ws=ws))
-    return _abs_sum_max(tensors, ws)
-
-
-def _abs_sum_max(
-    tensors: Sequence[torch.Tensor], ws: Workspace
-) -> tuple[torch.Tensor, torch.Tensor]:
-    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for wide in (False, True):  # float64 in float64 (then float32), the others in float32
-        small = [
-            i
-            for i, t in enumerate(tensors)
-            if 0 < t.numel() <= _SMALL and (t.dtype == torch.float64) == wide
-        ]
-        if small:  # the L1 and L-inf norms: two multi-tensor passes, no |t|, no op per tensor
-            picked, dtype = [tensors[i] for i in small], None if wide else torch.float32
-            sums = torch._foreach_norm(picked, 1, dtype=dtype)
-            peaks = torch._foreach_norm(picked, math.inf, dtype=dtype)
-            done.update(zip(small, zip(sums, peaks, strict=True), strict=True))
-    pairs = [done[i] if i in done else _abs_sum_max_pieces(t, ws) for i, t in enumerate(tensors)]
-    if not pairs:
-        return torch.zeros(0), torch.zeros(0)
-    return torch.stack([s for s, _ in pairs]).float(), torch.stack([m for _, m in pairs]).float()
-
-
-def _abs_sum_max_pieces(t: torch.Tensor, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum and maximum of ``|t|``, written :data:`CHUNK` elements at a time into ``ws``."""
-    if t.numel() == 0:
-        zero = t.new_zeros((), dtype=torch.float32)
-        return zero, zero
-    flat = t.reshape(-1)
-    chunk = piece_size(t.device, CHUNK)
-    buf = ws.get(min(flat.numel(), chunk), t.dtype, t.device)
-    parts = []
-    for start in range(0, flat.numel(), chunk):
-        piece = torch.abs(flat[start : start + chunk], out=buf[: min(chunk, flat.numel() - start)])
-        parts.append(torch.stack([piece.sum(dtype=torch.float32), piece.max().float()]))
-    both = torch.stack(parts)
-    return both[:, 0].sum(), both[:, 1].max()
-
-
-def _norms(tensors: Sequence[torch.Tensor], ord: float) -> torch.Tensor:
-    grouping = cpu_grouping(tensors) if ord == 2.0 else None
-    if grouping is not None:  # on the CPU: small tensors of one shape in a stack
-        return grouping(tensors).float()
-    return torch.stack(torch._foreach_norm(list(tensors), ord)).float()
-
-
 def param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[len(tensors)]`` L2 norms of each tensor, in float32 (one multi-tensor pass)."""
-    return _norms(tensors, 2.0)
+    """``[len(tensors)]`` L2 norms of each tensor, in float32: one multi-tensor pass (on the
+    CPU, small tensors of one shape in stacks: :func:`~.grouped_norms.cpu_grouping`)."""
+    grouping = cpu_grouping(tensors)
+    if grouping is not None:
+        return grouping(tensors).float()
+    return torch.stack(torch._foreach_norm(list(tensors), 2.0)).float()
 
 
 @torch.no_grad()
@@ -305,7 +231,6 @@ def grad_stats(
     unique: torch.Tensor | None = None,
     total_numel: torch.Tensor | None = None,
     shards: ShardPlan | None = None,
-    l2: torch.Tensor | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """``[layers + 1, len(GRAD_STATS)]`` statistics of one optimizer step's gradients.
@@ -316,16 +241,14 @@ def grad_stats(
     whose gradient is ``None`` is passed as a zero tensor (see :meth:`ParamLayout.grads`). With
     ``unique`` (positions of each parameter's first listing, :meth:`ParamLayout.unique`) the last
     row counts a shared parameter once, its mean over ``total_numel`` elements. ``params=None``:
-    no weights are read, the weight column is NaN. ``l2``: the per-parameter (shard-local) L2
-    norms of ``grads`` when already computed (the alarms' sentinel reads them every step): the L2
-    pass is not repeated. ``workspace``: the buffer :func:`abs_sum_max` reuses (keep one per
-    tracker).
+    no weights are read, the weight column is NaN. ``workspace``: the buffer
+    :func:`~.grouped_norms.abs_sum_max` reuses (keep one per tracker).
 
     Two reading passes over the gradients and one over the weights: ``_foreach_norm`` with
     orders 1, inf and 0 takes a slow path on the CPU (10-30x the cost of order 2), so only the L2
-    norms use it; ``|g|`` is summed and maxed by :func:`abs_sum_max` through a cache-sized
-    buffer, with no gradient-sized scratch. The maximum propagates NaN and Inf, so a non-finite
-    maximum is exactly a non-finite entry: no pass of its own.
+    norms use it; ``|g|`` is summed and maxed by :func:`~.grouped_norms.abs_sum_max` through a
+    cache-sized buffer, with no gradient-sized scratch. The maximum propagates NaN and Inf, so a
+    non-finite maximum is exactly a non-finite entry: no pass of its own.
 
     Example:
         >>> g = [torch.tensor([3.0, -4.0]), torch.tensor([1.0])]
@@ -336,9 +259,9 @@ def grad_stats(
                 [5.0990, 2.6667, 4.0000, 0.0000, 1.7321]])
     """
     num_layers = numel.numel()
-    l2 = _norms(grads, 2.0) if l2 is None else l2
+    l2 = param_norms(grads)
     sums, peak = abs_sum_max(grads, workspace)
-    weight = _norms(params, 2.0) if params is not None else torch.full_like(l2, torch.nan)
+    weight = param_norms(params) if params is not None else torch.full_like(l2, torch.nan)
     if shards is not None:  # shard-local partials made whole: one collective
         (l2, weight), (sums,), (peak,) = shards.reduce(
             norms=[l2, weight], sums=[sums], maxima=[peak]
@@ -373,7 +296,7 @@ def update_norms(
     once, with ``unique``). Overwrites ``before``."""
     diffs = list(before)
     torch._foreach_sub_(diffs, list(after))
-    norms = _norms(diffs, 2.0)
+    norms = param_norms(diffs)
     if shards is not None:  # shard-local norms made whole: one collective
         norms = shards.reduce(norms=[norms])[0][0]
     return segment_norm(norms, index, num_layers, unique)

@@ -92,12 +92,12 @@ class PointerNorms:
         self._partial = torch.empty(len(owner), dtype=torch.float32, device=self.device)
         self._out = torch.empty(len(numels), dtype=torch.float32, device=self.device)
 
-    def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """The norms of ``grads`` (the gradients of the parameters, in their order) as a float32
-        tensor the next call overwrites, or ``None`` when one is not contiguous (a gradient set
-        by hand: read it with ``_foreach_norm``)."""
+        tensor the next call overwrites; by ``_foreach_norm`` when one is not contiguous (a
+        gradient set by hand)."""
         if not all(g.is_contiguous() for g in grads):
-            return None
+            return torch.stack(torch._foreach_norm(list(grads)))
         # a fresh pinned table: PyTorch's host allocator reuses it only once its copy is done
         ptrs = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64, pin_memory=self._pin)
         ptrs = ptrs.to(self.device, non_blocking=True)

@@ -48,7 +48,7 @@ class Workspace:
     Writing activation- or gradient-sized temporaries into reused memory instead of fresh
     allocations makes them about 3x faster on CPU (fresh large blocks page-fault on every step).
     :func:`~lightning_hooks.core.kernels.feature_stats.feature_stats` and
-    :func:`~lightning_hooks.core.kernels.grad_stats.abs_sum_max` take one.
+    :func:`~lightning_hooks.core.kernels.grouped_norms.abs_sum_max` take one.
 
     Example:
         >>> ws = Workspace()

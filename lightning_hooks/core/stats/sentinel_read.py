@@ -1,12 +1,13 @@
-"""What the gradient alarms read from one optimizer's step: on a quiet step, one multi-tensor
-norm of the parameters' gradients copied to the host; on a sampled step, the norms its
-statistics computed."""
+"""What the gradient alarms read from one optimizer's step: on a quiet step, the norms of the
+parameters' gradients by one read chosen when it is made, copied to the host; on a sampled step,
+the norms its statistics computed."""
 
 from __future__ import annotations
 
 import warnings
+import weakref
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Literal
 
 import torch
 
@@ -19,6 +20,8 @@ from lightning_hooks.core.stats.view_stats import ViewStats
 from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["SentinelRead"]
+
+_Read = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 
 
 class SentinelRead:
@@ -42,6 +45,9 @@ class SentinelRead:
     ) -> None:
         self.alarms, self._stats, self._order = alarms, stats, order
         self._clip, self._sharded = clip, sharded
+        self._triton = alarms is not None and alarms.rules.quiet_read == "triton"
+        self._reads: dict[int, tuple[weakref.ref[OptimizerView], _Read]] = {}
+        """The read of each live view's gradient norms, by the view's ``id``."""
 
     def due(self, step: int) -> GradientAlarms | None:
         """The alarms, when their cadence runs them at ``step``."""
@@ -50,63 +56,51 @@ class SentinelRead:
 
     def quiet(self, view: OptimizerView, sampled: bool, amp: bool, step: int) -> bool:
         """A quiet step's read, when every gradient is a plain dense tensor (``True``: done):
-        one multi-tensor norm of the parameters' gradients, posted to the host, where it is
-        folded into the layers' rows and the rules run. A sampled step makes that host copy
-        ready and returns ``False``: its statistics give the alarms their norms."""
+        the norms of the parameters' gradients by the read chosen for ``view`` (:meth:`_read`),
+        posted to the host, where they are folded into the layers' rows and the rules run. A
+        sampled step makes that host copy and that read ready and returns ``False``: its
+        statistics give the alarms their norms."""
         if self.alarms is None or self._sharded:
             return False
-        if sampled:  # the host copy and the grouped read made here, not on a quiet step
+        if sampled:  # the host copy and the read made here, not on a quiet step
             self.alarms.reserve(len(view.params))
-            if view.grouped is None and self.alarms.rules.quiet_read == "grouped":
-                view.grouped = _grouped(view)
+            self._read(view)
             return False
         grads = ParamLayout.plain_grads(view.params)
         if grads is None:  # a missing or sparse gradient: the general path
             return False
-        self.post(view, self._norms(view, grads), None, amp, step, segmented=False)
+        try:
+            norms = self._read(view)(grads)
+        except Exception as error:  # a gradient set by hand, unlike its parameter; a Triton
+            # that cannot launch the kernels: said once, then the multi-tensor read
+            self._reads[id(view)] = (weakref.ref(view), _foreach)
+            failed = "its kernels failed" if self._triton else "its stacks failed"
+            _fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
+            norms = _foreach(grads)
+        self.post(view, norms, None, amp, step, segmented=False)
         return True
 
-    def _norms(self, view: OptimizerView, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Each gradient's L2 norm, read as ``AlarmRules.quiet_read`` says: small gradients of one
-        shape stacked (``"grouped"``, :class:`GroupedNorms`), one ``_foreach_norm``, or the
-        pointer-table kernels where they can read these gradients (``"triton"``)."""
-        read = self.alarms.rules.quiet_read if self.alarms else "foreach"
-        if read == "grouped":
-            if view.grouped is None:
-                view.grouped = _grouped(view)
-            if view.grouped:
-                try:
-                    return view.grouped(grads)
-                except Exception as error:  # a gradient set by hand, unlike its parameter
-                    why = f"its stacks failed ({type(error).__name__}: {error})"
-                    view.grouped = _fallback("grouped", why)
-        if view.pointers is None and read == "triton":
-            view.pointers = self._pointer_norms(view)
-        if view.pointers:  # a PointerNorms (False: it cannot read them)
-            try:
-                norms = view.pointers(grads)
-            except Exception as error:  # a Triton that cannot build or launch the kernels
-                why = f"its kernels failed ({type(error).__name__}: {error})"
-                view.pointers = _fallback("triton", why)
-            else:
-                if norms is not None:  # None: a gradient set by hand that is not contiguous
-                    return norms
-        return torch.stack(torch._foreach_norm(grads))
-
-    @staticmethod
-    def _pointer_norms(view: OptimizerView) -> pointer_norms.PointerNorms | Literal[False]:
-        """The pointer-table read of ``view``'s gradients, or ``False`` with one message."""
-        why = pointer_norms.available()
-        if why is None and view.params[0].device.type != "cuda":
-            why = f"the gradients are on {view.params[0].device.type}, not CUDA"
-        if why is None:
-            try:
-                return pointer_norms.PointerNorms(view.params)
-            except ValueError as error:  # a layout it does not read
-                why = f"it reads {error}"
-            except Exception as error:  # its tables could not be built (pinned memory, say)
-                why = f"its tables could not be built ({type(error).__name__}: {error})"
-        return _fallback("triton", why)
+    def _read(self, view: OptimizerView) -> _Read:
+        """The read of ``view``'s gradient norms, chosen once, when first asked for, as
+        ``AlarmRules.quiet_read`` says: ``"grouped"``, small gradients of one shape stacked
+        (:class:`GroupedNorms`); ``"triton"``, the pointer-table kernels
+        (:class:`~lightning_hooks.core.kernels.pointer_norms.PointerNorms`). One that cannot be
+        made is said once, and the gradients are read by one ``torch._foreach_norm``."""
+        kept = self._reads.get(id(view))
+        if kept is not None and kept[0]() is view:
+            return kept[1]
+        read: _Read = _foreach
+        try:
+            read = _pointer_norms(view) if self._triton else GroupedNorms(view.params)
+        except _RefusedError as error:
+            _fallback(self._triton, str(error))
+        except Exception as error:  # its index or tables not made (pinned memory, say)
+            failed = "its tables could not be built" if self._triton else "it could not be made"
+            _fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
+        # the views of an epoch that ended are gone, and their reads with them
+        self._reads = {k: kept for k, kept in self._reads.items() if kept[0]() is not None}
+        self._reads[id(view)] = (weakref.ref(view), read)
+        return read
 
     def post(
         self,
@@ -135,21 +129,34 @@ class SentinelRead:
         self._order.clear()
 
 
-def _grouped(view: OptimizerView) -> GroupedNorms | Literal[False]:
-    """The grouped read of ``view``'s gradients, or ``False`` with one message if it cannot be
-    made (its index copied to the device, say)."""
+def _foreach(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's L2 norm by one ``torch._foreach_norm`` (the read of last resort)."""
+    return torch.stack(torch._foreach_norm(list(grads)))
+
+
+class _RefusedError(Exception):
+    """Why the pointer-table read cannot read these gradients."""
+
+
+def _pointer_norms(view: OptimizerView) -> _Read:
+    """The pointer-table read of ``view``'s gradients; :class:`_RefusedError` where it cannot be."""
+    why = pointer_norms.available()
+    if why is None and view.params[0].device.type != "cuda":
+        why = f"the gradients are on {view.params[0].device.type}, not CUDA"
+    if why is not None:
+        raise _RefusedError(why)
     try:
-        return GroupedNorms(view.params)
-    except Exception as error:
-        return _fallback("grouped", f"it could not be made ({type(error).__name__}: {error})")
+        return pointer_norms.PointerNorms(view.params)
+    except ValueError as error:  # a layout it does not read
+        raise _RefusedError(f"it reads {error}") from error
 
 
-def _fallback(read: str, why: str) -> Literal[False]:
+def _fallback(triton: bool, why: str) -> None:
     """Say once, for one optimizer, why the quiet step reads with ``_foreach_norm``."""
+    read = "triton" if triton else "grouped"
     warnings.warn(
         f"AlarmRules(quiet_read={read!r}): {why}; quiet steps read the gradients' norms with "
         "torch._foreach_norm instead",
         LightningHooksWarning,
         stacklevel=3,
     )
-    return False

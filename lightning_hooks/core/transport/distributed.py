@@ -1,23 +1,38 @@
-"""The few ``torch.distributed`` facts the core needs; every function is a no-op in one process."""
+"""``torch.distributed`` for the core: the few facts of the process group it needs (every function
+a no-op in one process), and exact per-parameter statistics of sharded (``DTensor``) parameters.
+
+Under FSDP2 (``fully_shard``) every parameter and gradient is a ``DTensor`` and each rank holds a
+shard (``to_local()``): a norm computed on it is the shard's, not the parameter's (the bug of
+torchtitan#766 and Lightning#17600). Here each rank computes shard-local *partials* (sums of
+squares, sums, maxima) per parameter, and ONE collective over the shard group combines them:
+sums are summed, maxima max-ed, minima min-ed (as maxima of the negation). Under HSDP the
+parameters are replicated along the other mesh dimension: only the shard group is reduced, so
+replicas are not counted twice (VeOmni#184). An empty shard (a dimension smaller than the group)
+contributes the identity: zero to sums, nothing to maxima.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "ShardPlan",
     "agree",
     "all_gather_stacked",
     "all_reduce_sum_",
+    "combine_partials",
     "gather_objects",
     "group_device",
     "is_distributed",
-    "mean_over_ranks",
+    "is_sharded",
     "rank",
     "to_group_device",
+    "to_local",
     "world_size",
 ]
 
@@ -102,25 +117,6 @@ def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def mean_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
-    """The mean of ``tensor`` over the ranks, as a new float32 tensor on :func:`group_device` (one
-    collective: a sum, then a division, as gloo has no average); ``tensor`` is left unchanged.
-
-    Every rank of the default group must call it, in the same order as its other collectives.
-    Like any ``all_reduce`` it does not block the host on CUDA.
-
-    Example:
-        >>> loss = torch.tensor(2.0, dtype=torch.bfloat16)
-        >>> mean_over_ranks(loss)  # one process: a float32 copy
-        tensor(2.)
-    """
-    out = to_group_device(tensor)
-    if is_distributed() and dist.get_world_size() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
-        out.div_(dist.get_world_size())
-    return out
-
-
 def all_gather_stacked(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """``[world_size, *tensor.shape]``: every rank's ``tensor`` (one collective; same shapes).
 
@@ -133,3 +129,140 @@ def all_gather_stacked(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, tensor.contiguous(), group=group)
     return torch.stack(parts)
+
+
+_DTENSOR: tuple[type, ...] = ()
+try:  # public since torch 2.4; without it no parameter is a DTensor
+    from torch.distributed.tensor import DTensor
+
+    _DTENSOR = (DTensor,)
+except ImportError:  # pragma: no cover - older torch
+    pass
+
+
+def is_sharded(tensor: object) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` (a parameter or gradient under FSDP2).
+
+    Example:
+        >>> is_sharded(torch.ones(2))
+        False
+    """
+    return isinstance(tensor, _DTENSOR)
+
+
+def to_local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor`` (a view, no copy, no collective); else ``tensor``.
+
+    Example:
+        >>> to_local(torch.ones(2))
+        tensor([1., 1.])
+    """
+    return tensor.to_local() if is_sharded(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def combine_partials(gathered: torch.Tensor, num_sums: int) -> torch.Tensor:
+    """Combine ``[shards, rows, columns]`` partials: the first ``num_sums`` columns are summed over
+    the shards, the others max-ed (NaN propagates through both).
+
+    Example:
+        >>> shards = torch.tensor([[[9.0, 1.0]], [[16.0, 4.0]]])  # sum of squares | max, 2 shards
+        >>> combine_partials(shards, num_sums=1)
+        tensor([[25.,  4.]])
+    """
+    return torch.cat([gathered[..., :num_sums].sum(0), gathered[..., num_sums:].amax(0)], dim=-1)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The process group over which every tracked parameter is sharded, found once.
+
+    Build it with :meth:`from_params`, which returns ``None`` when no parameter is a ``DTensor``
+    (one device, DDP): the callers then skip every step of this module.
+
+    Supported layouts, checked at construction (``ValueError`` otherwise, never a wrong number):
+    every parameter a ``DTensor`` sharded (``Shard``) along exactly one mesh dimension, the same
+    for all of them (FSDP2's ``fully_shard`` on a 1-D mesh), and replicated (``Replicate``) along
+    any other (HSDP's 2-D ``(replicate, shard)`` mesh).
+
+    Attributes:
+        group: the shard group.
+        ranks: its global ranks.
+    """
+
+    group: Any = field(compare=False)
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def from_params(cls, params: Sequence[torch.Tensor]) -> ShardPlan | None:
+        """The plan of ``params``, ``None`` if none is a ``DTensor``."""
+        sharded = [is_sharded(p) for p in params]
+        if not any(sharded):
+            return None
+        if not all(sharded):
+            i = sharded.index(False)
+            raise ValueError(
+                "ShardPlan.from_params(params): every parameter must be a DTensor when one is "
+                f"(apply fully_shard to the root module too); parameter {i} of shape "
+                f"{tuple(params[i].shape)} is a plain tensor"
+            )
+        plans = {_plan_of(p) for p in params}
+        if len(plans) > 1:
+            raise ValueError(
+                "ShardPlan.from_params(params): the parameters are sharded over different process "
+                f"groups (ranks {sorted(p.ranks for p in plans)}); supported: one fully_shard mesh "
+                "for the whole model"
+            )
+        return plans.pop()
+
+    @property
+    def size(self) -> int:
+        """Number of shards."""
+        return len(self.ranks)
+
+    def reduce(
+        self,
+        *,
+        norms: Sequence[torch.Tensor] = (),
+        sums: Sequence[torch.Tensor] = (),
+        maxima: Sequence[torch.Tensor] = (),
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Per-parameter shard-local L2 ``norms``, ``sums`` and ``maxima`` (each ``[P]``) made
+        whole over the shard group, in ONE collective (none for a group of one rank).
+
+        Norms are combined as sums of squares; a minimum is the maximum of the negation.
+        """
+        columns = [n.float().square() for n in norms] + [s.float() for s in sums]
+        num_sums = len(columns)
+        columns += [m.float() for m in maxima]
+        packed = torch.stack(columns, dim=1)
+        if self.size > 1:
+            parts = [torch.empty_like(packed) for _ in self.ranks]
+            dist.all_gather(parts, packed, group=self.group)
+            packed = combine_partials(torch.stack(parts), num_sums)
+        out = list(packed.unbind(1))
+        k = len(norms)
+        return [n.sqrt() for n in out[:k]], out[k:num_sums], out[num_sums:]
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (counts of the local shard) summed over the shard group (a new tensor)."""
+        if self.size == 1:
+            return tensor
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+
+def _plan_of(param: torch.Tensor) -> ShardPlan:
+    """The shard group of one ``DTensor``: its only ``Shard`` mesh dimension."""
+    placements = tuple(param.placements)  # type: ignore[attr-defined]
+    mesh = param.device_mesh  # type: ignore[attr-defined]
+    shard_dims = [d for d, p in enumerate(placements) if p.is_shard()]
+    others = [p for p in placements if not (p.is_shard() or p.is_replicate())]
+    if len(shard_dims) != 1 or others:
+        raise ValueError(
+            f"ShardPlan.from_params(params): a parameter of shape {tuple(param.shape)} has "
+            f"placements {placements} on mesh {mesh}; supported: Shard along one mesh dimension "
+            "(FSDP2 fully_shard), Replicate along the others (HSDP)"
+        )
+    group = mesh.get_group(shard_dims[0])
+    return ShardPlan(group, tuple(dist.get_process_group_ranks(group)))
