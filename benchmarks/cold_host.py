@@ -26,9 +26,8 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "tes
 
 import overhead  # noqa: E402
 
-from lightning_hooks.core.alarms import AlarmRules  # noqa: E402
+from lightning_hooks.core.alarms import AlarmRules, HostSegments  # noqa: E402
 from lightning_hooks.core.alarms.gradients import GradientRules  # noqa: E402
-from lightning_hooks.core.alarms.segments import HostSegments  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

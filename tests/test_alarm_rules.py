@@ -152,7 +152,7 @@ def test_state_of_other_layers_is_refused() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_verdict_is_read_without_a_sync_at_most_one_step_late() -> None:
     """Updates and polls never sync, the one that finds the alarm included (the rules and the
-    ring buffer are on the host since issue 36); the spike of step 3 is read by step 4's poll
+    ring buffer are on the host); the spike of step 3 is read by step 4's poll
     at the latest."""
     alarms = GradientAlarms(["a", "global"], AlarmRules(min_history=2, window=4), "cuda")
     found: list[Any] = []

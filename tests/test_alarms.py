@@ -286,7 +286,7 @@ def test_healthy_runs_of_300_steps_raise_no_alarm_at_defaults(
     tmp_path: Path, family: type[LongMLP]
 ) -> None:
     # Built here, under the suite's seed 0: a model built at collection time took its weights
-    # from whatever the collected modules had drawn, and in CI (issue 36's run) an init whose
+    # from whatever the collected modules had drawn, and in CI an init whose
     # sgd run logs 3 one-step spikes (seeds 3, 9 and 16 of 0-19 log 1-2; none warns).
     model = family(batches=300)
     with warnings.catch_warnings(record=True) as record:
@@ -494,8 +494,8 @@ def test_no_host_sync_on_a_quiet_step_nor_on_the_step_a_spike_fires(
         )
     per_step = probe.per_step[1:]  # per_step[i]: from the start of step i to that of i + 1
     assert len(per_step) == K + 2
-    # Every step, the fault's included: since issue 36 the rules and the ring buffer of the
-    # diagnosis live on the host (before, the fault's step read the device ring: one sync).
+    # Every step, the fault's included: the rules and the ring buffer of the diagnosis live on
+    # the host.
     assert per_step == [0] * (K + 2)
 
 

@@ -1,5 +1,5 @@
-"""The quiet step's sentinel: per-parameter norms copied to the host and folded into layers there
-(issue 36), against plain torch; the host mailbox that carries them."""
+"""The quiet step's sentinel: per-parameter norms copied to the host and folded into layers there,
+against plain torch; the host mailbox that carries them."""
 
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ import torch
 from torch import nn
 
 from lightning_hooks import AlarmRules, GradFlowCallback
-from lightning_hooks.core.alarms.gradients import GradientRules
+from lightning_hooks.core.alarms import HostSegments
+from lightning_hooks.core.alarms.gradients import GradientRules, RunningScale
 from lightning_hooks.core.alarms.loss import LossRules
 from lightning_hooks.core.alarms.rules import _L_BEST, _L_DEV, _L_DIVERGING, _L_MEAN
-from lightning_hooks.core.alarms.scale import RunningScale
-from lightning_hooks.core.alarms.segments import HostSegments
 from lightning_hooks.core.kernels.grad_stats import ParamLayout, param_norms, segment_norm
 from lightning_hooks.core.transport.readback import HostMailbox
 from lightning_hooks.errors import GradientAlarmWarning
@@ -209,8 +208,8 @@ def test_the_ceilings_of_every_factor_made_at_once_equal_each_made_alone() -> No
 
 
 def _diverge_reference(state: np.ndarray, x: np.float32, seen: int, early: bool) -> np.ndarray:
-    """*diverging*'s step in numpy ``float32`` scalars, as ``LossRules`` did it before: its
-    margin, running mean, best and deviation (the same formula, the same rounding)."""
+    """*diverging*'s step in numpy ``float32`` scalars: its margin, running mean, best and
+    deviation (``LossRules``' formula, each operation rounded to ``float32``)."""
     rules, f = AlarmRules(), np.float32
     mean, dev, best, first = (f(v) for v in state)
     with np.errstate(all="ignore"):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from lightning_hooks.core.alarms.messages import GradientAlarm
-from lightning_hooks.core.alarms.rules import _ADVICE, AlarmRules
+from lightning_hooks.core.alarms.messages import _ADVICE, GradientAlarm
+from lightning_hooks.core.alarms.rules import AlarmRules
 
 __all__ = ["attention_alarms"]
 

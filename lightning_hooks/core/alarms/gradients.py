@@ -1,17 +1,30 @@
-"""The gradient rules on the host: one step's norms in, the flags of each rule out."""
+"""The gradient rules on the host: one step's norms in (a quiet step's per-parameter norms folded
+into layer rows first), the flags of each rule out; and the running scale a spike is measured
+against (per row, an EMA of the log and of its spread), which *loss_spike* uses too.
+
+The rules read values already copied to the host (numpy, in ``float32``): a quiet step launches
+no kernel for them.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from lightning_hooks.core.alarms.rules import _BAND, _FLOOR, _NORM, _SCALE, AlarmRules
-from lightning_hooks.core.alarms.scale import RunningScale
 
-__all__ = ["GradientRules", "lower_median"]
+__all__ = ["GradientRules", "HostSegments", "RunningScale", "as_array", "lower_median"]
+
+_LOG_MAX = np.float32(np.log(np.finfo(np.float32).max))  # the log of the largest float32 norm
+
+
+def as_array(value: Any) -> np.ndarray:
+    """A saved state entry (a tensor, or an array) as a host array."""
+    return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
 
 
 def lower_median(values: np.ndarray) -> np.float32:
@@ -19,6 +32,137 @@ def lower_median(values: np.ndarray) -> np.float32:
     middle = (values.size - 1) // 2
     low: np.float32 = np.partition(values, middle)[middle]
     return low
+
+
+class HostSegments:
+    """Which row each per-parameter gradient norm belongs to: a quiet step copies one
+    ``[parameters]`` vector of L2 norms to the host (one multi-tensor norm, one stack, one copy),
+    and :meth:`fold` makes the rows the rules read, in a handful of numpy calls into buffers made
+    once (no segment kernels on the device, no per-layer Python).
+
+    Args:
+        owner: the layer row of each parameter (``0 .. layers - 1``), in parameter order.
+        layers: the number of layer rows (the global row comes after them).
+        unique: positions the global row sums over (a tied parameter once, in order).
+
+    Example:
+        >>> seg = HostSegments([0, 0, 1], 2, [0, 1, 2])
+        >>> seg.fold(np.array([3.0, 4.0, 12.0], dtype=np.float32)).tolist()
+        [5.0, 12.0, 13.0]
+    """
+
+    def __init__(self, owner: Sequence[int], layers: int, unique: Sequence[int]) -> None:
+        self.owner = np.asarray(owner, dtype=np.int64)
+        self.layers = layers
+        distinct = list(unique) == list(range(len(owner)))
+        self.unique = None if distinct else np.asarray(unique, dtype=np.int64)
+        # Parameters are grouped by layer (ParamLayout's order): each layer's run starts here,
+        # and one ``reduceat`` sums them; any other order takes ``bincount``.
+        starts = np.flatnonzero(np.diff(self.owner, prepend=-1))
+        runs = len(starts) == layers and (self.owner[starts] == np.arange(layers)).all()
+        self._starts = starts if runs and layers > 0 else None
+        self._squares = np.zeros(len(owner), dtype=np.float64)
+        self._rows = np.zeros(layers + 1, dtype=np.float64)
+        self._out = np.zeros(layers + 1, dtype=np.float32)
+
+    def fold(self, norms: np.ndarray) -> np.ndarray:
+        """``[layers + 1]`` float32 L2 norms: each layer's parameters, then the global norm
+        (squares summed in float64; NaN and Inf propagate). The array is reused by the next
+        call."""
+        squares, rows = self._squares, self._rows
+        np.multiply(norms, norms, out=squares, dtype=np.float64)
+        if self._starts is not None:
+            np.add.reduceat(squares, self._starts, out=rows[:-1])
+        else:
+            rows[:-1] = np.bincount(self.owner, weights=squares, minlength=self.layers)
+        rows[-1] = squares.sum() if self.unique is None else squares[self.unique].sum()
+        np.sqrt(rows, out=rows)
+        self._out[...] = rows
+        return self._out
+
+
+class RunningScale:
+    """Per row: EMA of ``log x`` and of its variance, and the count of finite steps seen.
+
+    Views of one ``float32`` state array, updated in place.
+    """
+
+    def __init__(self, rows: int, rules: AlarmRules) -> None:
+        self.state = np.zeros((3, rows), dtype=np.float32)  # mean, variance, count
+        self.mean, self.var, self.count = self.state
+        self.alpha = np.float32(2.0 / (rules.window + 1))
+        self.armed_at = float(rules.min_history)
+        self.sigmas = np.float32(rules.spike_sigmas)
+        self._logs: dict[tuple[float, ...], np.ndarray] = {}  # ``[[log f], ...]`` per factors
+        self._steady = False
+        self._keep = np.float32(1.0) - self.alpha  # what the variance keeps of a steady step
+        self._spread = np.zeros(rows, dtype=np.float32)  # work buffers of the quiet steps
+        self._top = np.zeros(rows, dtype=np.float32)
+
+    def thresholds(self, *factors: float) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+        """Per factor of ``factors``, the ``log`` of its spike threshold per row (``inf`` until
+        armed), the spread read once; whether armed; and each factor's band, the half-width of
+        its ceiling above the mean in log, ``max(spike_sigmas * std, log(factor))`` (``inf``
+        until armed). Every factor's row is in one array: a handful of numpy calls, whatever
+        their number."""
+        logs = self._logs.get(factors)
+        if logs is None:
+            logs = self._logs[factors] = np.array([[math.log(f)] for f in factors], np.float32)
+        armed = self.count >= self.armed_at
+        bands = np.maximum(np.sqrt(self.var) * self.sigmas, logs)  # [factors, rows]
+        bands[:, ~armed] = np.inf
+        return list(bands + self.mean), armed, bands
+
+    def load(self, state: Any) -> None:
+        """Restore a saved :attr:`state` (a tensor, or an array)."""
+        self.state[...] = as_array(state)
+        self._steady = False
+
+    def steady(self) -> bool:
+        """Every row is armed and past its first ``1 / alpha`` steps, so that the EMA's weight
+        is ``alpha`` everywhere: true from then on (counts only grow, until :meth:`load`)."""
+        if not self._steady:
+            count = self.count
+            armed = bool((count >= self.armed_at).all())
+            self._steady = armed and bool((np.reciprocal(np.maximum(count, 1)) <= self.alpha).all())
+        return self._steady
+
+    def quiet_ceiling(self, low: np.float32 | None, band: np.ndarray, first: np.float32) -> Any:
+        """Where :meth:`steady`: the lowest of the factors' ceilings, ``mean + max(spike_sigmas
+        * std, low)`` (``low``: the log of the lowest factor, ``None``: ``first``), with the
+        first factor's band written into ``band``; ``_LOG_MAX`` where every factor is off."""
+        spread = np.sqrt(self.var, out=self._spread)
+        spread *= self.sigmas
+        np.maximum(spread, first, out=band)
+        bound = band if low is None else np.maximum(spread, low, out=spread)
+        if bound is band and first == math.inf:  # no ceiling: only a non-finite norm stands out
+            return _LOG_MAX
+        return np.add(bound, self.mean, out=self._top)
+
+    def update(self, log_x: np.ndarray, keep: np.ndarray, ceiling: np.ndarray) -> None:
+        """Fold ``log_x`` into the rows where ``keep``. Above ``ceiling`` (a spike) only the
+        mean moves, towards the ceiling: a lasting change of level is learnt in a few dozen
+        steps, while the spread, which would otherwise grow with each spike, stays."""
+        self.count += keep
+        weight = np.maximum(np.reciprocal(np.maximum(self.count, np.float32(1.0))), self.alpha)
+        weight *= keep
+        delta = np.where(keep, np.minimum(log_x, ceiling), self.mean) - self.mean
+        spread = weight * (log_x <= ceiling)
+        self.mean += weight * delta
+        self.var += spread * np.square(delta)
+        self.var *= np.float32(1.0) - spread
+
+    def update_steady(self, log_x: np.ndarray) -> None:
+        """:meth:`update` where :meth:`steady`, every row kept and none above its ceiling (a
+        step on which no rule fired): the same arithmetic, the same state, in half the numpy
+        calls (the weight is ``alpha`` on every row)."""
+        self.count += np.float32(1.0)
+        delta = np.subtract(log_x, self.mean, out=self._spread)
+        self.mean += np.multiply(delta, self.alpha, out=self._top)
+        delta *= delta
+        delta *= self.alpha
+        self.var += delta
+        self.var *= self._keep
 
 
 class GradientRules:

@@ -1,19 +1,27 @@
-"""The loss rules: *loss_spike* and *diverging*, their state and their report.
+"""The rules on the loss and on the optimizer's progress: *loss_spike* and *diverging* on the
+training loss at each step, *stall* on the update at logging steps; their state and reports.
 
-The device's only work is one copy of the loss into host memory (posted without blocking); the
-rules run on the host, in ``float32``, when the copy is read.
+The device's only work is one copy of the loss (or of the update) into host memory, posted
+without blocking; the rules run on the host, in ``float32``, when the copy is read.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from lightning_hooks.core.alarms.messages import GradientAlarm, diverging_fires, loss_alarms
+from lightning_hooks.core.alarms.gradients import RunningScale, as_array
+from lightning_hooks.core.alarms.messages import (
+    GradientAlarm,
+    diverging_fires,
+    loss_alarms,
+    stall_alarm,
+)
 from lightning_hooks.core.alarms.rules import (
     _L_BEST,
     _L_DEV,
@@ -23,15 +31,53 @@ from lightning_hooks.core.alarms.rules import (
     _L_SCALE,
     _L_SPIKE,
     _L_VALUE,
-    _LEARNT_NOISE,
+    _S_BEFORE,
+    _S_BEST,
+    _S_FLAG,
+    _S_LEVEL,
+    _S_PROGRESS,
+    _S_VALUE,
     AlarmRules,
 )
-from lightning_hooks.core.alarms.scale import RunningScale, as_array, f32, lerp32
 from lightning_hooks.core.transport.readback import HostMailbox
 
-__all__ = ["LossRules"]
+__all__ = ["LossRules", "StallRule"]
 
 _F = np.float32
+_LEARNT_NOISE = 4.0  # diverging's noise bar shrinks by 1/4 of what the run has learnt
+_STALL_LR_FLOOR = 0.01  # below this share of its peak, the LR is being decayed away: no stall
+_STALL_ALPHA = 0.5  # the stall's level: an EMA over the last few logging steps
+_PACK = struct.Struct("f")
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to the nearest ``float32`` (overflow to a signed ``inf``), as a Python
+    float: Python-float arithmetic rounded so after each operation is ``float32`` arithmetic
+    (the same bits as numpy's ``float32`` scalars, at a tenth of their cost).
+
+    Example:
+        >>> _f32(0.1) == float(np.float32(0.1)), _f32(1e39), _f32(-1e39)
+        (True, inf, -inf)
+    """
+    try:
+        rounded: float = _PACK.unpack(_PACK.pack(value))[0]
+    except OverflowError:  # a Python whose pack refuses what a cast rounds to inf
+        return math.copysign(math.inf, value)
+    return rounded
+
+
+def _lerp(start: np.float32, end: np.float32, weight: float) -> np.float32:
+    """``torch.lerp``'s formula, in ``float32``: exact at both ends for any weight."""
+    w = _F(weight)
+    out: np.float32 = start + w * (end - start) if w < 0.5 else end - (end - start) * (_F(1) - w)
+    return out
+
+
+def _lerp32(start: float, end: float, weight: float) -> float:
+    """:func:`_lerp` on Python floats, rounded to ``float32`` after each operation."""
+    w = _f32(weight)
+    d = _f32(end - start)
+    return _f32(start + _f32(w * d)) if w < 0.5 else _f32(end - _f32(d * _f32(1.0 - w)))
 
 
 class _Constants(NamedTuple):
@@ -43,23 +89,6 @@ class _Constants(NamedTuple):
     learnt: float  # the share of what was learnt that the noise bar gives up
     noise: float
     giveback: float
-
-    @classmethod
-    def of(cls, rules: AlarmRules) -> _Constants:
-        ratio = rules.diverge_ratio if rules.diverge_ratio is not None else math.nan
-        return cls(
-            *map(
-                f32,
-                (
-                    2.0 / (rules.diverge_span + 1),
-                    ratio - 1.0,
-                    rules.diverge_overshoot - 1.0,
-                    1.0 / _LEARNT_NOISE,
-                    rules.diverge_noise,
-                    rules.diverge_giveback,
-                ),
-            )
-        )
 
 
 class LossRules:
@@ -86,7 +115,10 @@ class LossRules:
         """The optimizer keeps a second moment: its first ``diverge_early`` losses are held to
         the ``diverge_overshoot`` bar (:meth:`GradientAlarms.set_adaptive`)."""
         self._box = HostMailbox((1,), device)
-        self._k = _Constants.of(rules)
+        ratio = rules.diverge_ratio if rules.diverge_ratio is not None else math.nan
+        bars = (2.0 / (rules.diverge_span + 1), ratio - 1.0, rules.diverge_overshoot - 1.0)
+        shares = (1.0 / _LEARNT_NOISE, rules.diverge_noise, rules.diverge_giveback)
+        self._k = _Constants(*map(_f32, bars + shares))
 
     def update(self, loss: torch.Tensor, step: int) -> None:
         """Post ``loss`` (a copy, no sync); :meth:`read` evaluates it."""
@@ -111,13 +143,11 @@ class LossRules:
         if self.rules.loss_factor is not None:
             with np.errstate(all="ignore"):
                 self._spike(x)
-        if self.rules.diverge_ratio is None:
-            pass
-        elif self.seen == 0:
+        if self.rules.diverge_ratio is not None and self.seen:
+            self._diverge_step(float(x))
+        elif self.rules.diverge_ratio is not None:
             with np.errstate(all="ignore"):
                 self._diverge_start(x)
-        else:
-            self._diverge_step(float(x))
         self.report[_L_VALUE] = x
         self.seen += math.isfinite(x)
         return self.report
@@ -139,31 +169,31 @@ class LossRules:
         rules, r, k = self.rules, self.report, self._k
         mean, dev, best, first = self.state.tolist()
         # a non-finite loss moves nothing (its deviation counts as 0) and fires through margin
-        delta = f32(x - mean)
+        delta = _f32(x - mean)
         delta = delta if math.isfinite(delta) else 0.0
-        mean = f32(mean + f32(k.mean * delta))
+        mean = _f32(mean + _f32(k.mean * delta))
         best = min(best, mean)  # both finite
-        rise, learnt = f32(mean - best), f32(first - best)  # learnt >= 0: best never rises
+        rise, learnt = _f32(mean - best), _f32(first - best)  # learnt >= 0: best never rises
         # the first losses are held to the overshoot bar
         early = self.adaptive and self.seen < rules.diverge_early
-        ratio = f32(rise - f32((k.early if early else k.bar) * abs(best)))
+        ratio = _f32(rise - _f32((k.early if early else k.bar) * abs(best)))
         if self.seen >= rules.min_history:
             # the noise bar is armed once it has ``min_history`` losses, as the spike rules
             # are: the deviation of the first one or two is a blow-up's own first steps
-            noise = max(f32(dev - f32(k.learnt * learnt)), 0.0)
-            ratio = f32(ratio - f32(k.noise * noise))
-        giveback = f32(rise - f32(k.giveback * learnt))
+            noise = max(_f32(dev - _f32(k.learnt * learnt)), 0.0)
+            ratio = _f32(ratio - _f32(k.noise * noise))
+        giveback = _f32(rise - _f32(k.giveback * learnt))
         r[_L_DIVERGING] = min(ratio, giveback) + x * 0.0  # NaN when the loss is not finite
         # the deviation after the check: a blow-up's own step does not raise its bar
         weight = max(2.0 / (2 * rules.diverge_span + 1), 1.0 / self.seen)
         r[_L_MEAN], r[_L_BEST] = mean, best
-        r[_L_DEV] = lerp32(dev, abs(delta), weight)
+        r[_L_DEV] = _lerp32(dev, abs(delta), weight)
 
     def _spike(self, x: np.float32) -> None:
         """*loss_spike*'s flag and running scale into the report (the scale updated)."""
         assert self.rules.loss_factor is not None
         log_loss = np.log(np.array([x], dtype=np.float32))
-        ceiling, _ = self.scale.threshold(self.rules.loss_factor)
+        (ceiling,), _, _ = self.scale.thresholds(self.rules.loss_factor)
         positive = np.abs(log_loss) < math.inf
         self.report[_L_SPIKE] = float((positive & (log_loss > ceiling))[0])
         self.report[_L_SCALE] = np.exp(self.scale.mean[0])
@@ -183,3 +213,86 @@ class LossRules:
         if "diverging" in state:
             self.state[...] = as_array(state["diverging"])
             self.seen = int(state["loss_seen"])
+
+
+class StallRule:
+    """*stall*'s state (its flag, the log of the update per unit of learning rate, its running
+    level before this logging step, the loss's progress since the last one, then the level after
+    this step and the loss's best) and the update's copy to the host.
+
+    Args:
+        rules: the rules and thresholds.
+        device: where the update lives.
+    """
+
+    def __init__(self, rules: AlarmRules, device: torch.device) -> None:
+        self.rules = rules
+        self.state = np.full(_S_BEST + 1, np.nan, dtype=np.float32)
+        self._box = HostMailbox((1,), device)
+        self.peak_lr = 0.0
+        """The largest learning rate seen so far."""
+
+    def due(self, lr: float) -> bool:
+        """Whether the rule is evaluated at ``lr`` (on, and ``lr`` at least 1% of its peak so
+        far, the peak updated: a schedule decaying it to zero moves the weights less than
+        float32 resolves)."""
+        if self.rules.stall_factor is None or not lr > 0.0:
+            return False
+        self.peak_lr = max(self.peak_lr, float(lr))
+        return not lr < _STALL_LR_FLOOR * self.peak_lr
+
+    def update(
+        self, update: torch.Tensor, lr: float, step: int, loss: np.ndarray | None = None
+    ) -> None:
+        """Post ``update`` (a device scalar: a copy, no sync) for :meth:`read`. ``loss``:
+        *diverging*'s state ``[mean, dev, best, first]`` as of this step (copied); the rule fires
+        only when its best improved by at most ``stall_progress`` of what was learnt since the
+        last call (``None``: the update alone decides)."""
+        snapshot = None if loss is None else loss.copy()
+        self._box.post(update.detach().reshape(1).float(), (step, lr, snapshot))
+
+    def read(self, wait: bool) -> GradientAlarm | None:
+        """Evaluate the posted update once its copy is read: the alarm when the rule fired,
+        else ``None``."""
+        got = self._box.read(wait)
+        if got is None:
+            return None
+        value, (step, lr, loss) = got
+        with np.errstate(all="ignore"):
+            self.evaluate(_F(value[0]), lr, loss)
+        return stall_alarm(self.state.copy(), step, self.rules) if self.state[_S_FLAG] else None
+
+    def evaluate(self, update: np.float32, lr: float, loss: np.ndarray | None) -> None:
+        """Fold ``update / lr`` into the level and set the flag (the state updated)."""
+        assert self.rules.stall_factor is not None
+        s = self.state
+        level = s[_S_LEVEL]
+        value = np.log(update / _F(lr))
+        s[_S_VALUE], s[_S_BEFORE] = value, level
+        low = level - _F(math.log(self.rules.stall_factor))
+        finite = bool(abs(value) < math.inf)
+        # False while the level is NaN (the first logging step), and on a zero update (-inf):
+        # a weight that does not move at all is a dead unit or a frozen tensor, not this rule's
+        flag = bool(value < low) and finite
+        if loss is not None:  # a run whose loss still improves is not stalled
+            now, first = loss[2], loss[3]
+            # progress since the last call; at the first call with a loss, since the first loss
+            since = first if np.isnan(s[_S_BEST]) else s[_S_BEST]
+            s[_S_PROGRESS] = (since - now) / (first - now)  # 0 / 0: NaN, quiet
+            flag = flag and bool(s[_S_PROGRESS] <= self.rules.stall_progress)
+            s[_S_BEST] = now
+        s[_S_FLAG] = flag
+        # a collapse folds in clamped (as the spike rule's scale), so it keeps firing a while
+        target = np.maximum(value, low) if finite else level
+        start = bool(np.isnan(level)) and finite
+        s[_S_LEVEL] = value if start else _lerp(level, target, _STALL_ALPHA)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state and the peak learning rate, on the host."""
+        return {"stall": torch.from_numpy(self.state.copy()), "peak_lr": self.peak_lr}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; an older state's level starts again."""
+        if "stall" in state and tuple(state["stall"].shape) == self.state.shape:
+            self.state[...] = as_array(state["stall"])
+            self.peak_lr = float(state["peak_lr"])

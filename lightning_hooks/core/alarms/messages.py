@@ -1,17 +1,18 @@
 """What an alarm says: :class:`GradientAlarm`, the layer it names, its message, the ring
-buffer's story and the advice; all on the host, once a rule fired."""
+buffer's story and the advice each rule's message ends with; all on the host, once a rule
+fired."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from itertools import chain
 
 import numpy as np
 
 from lightning_hooks.core.alarms.rules import (
     _ABSOLUTE,
-    _ADVICE,
     _EXPLOSION,
     _FLOOR,
     _L_BEST,
@@ -37,15 +38,30 @@ from lightning_hooks.core.alarms.rules import (
 
 __all__ = [
     "GradientAlarm",
-    "describe",
     "diverging_fires",
-    "explosion_text",
     "gradient_alarm",
     "loss_alarms",
     "stall_alarm",
     "weight_norms",
     "with_history",
 ]
+
+_ADVICE = {
+    "spike": "one step: a transient if the next steps come back to scale (it counts in the "
+    "spike score); if it repeats, clip gradients (gradient_clip_val) or lower the learning rate",
+    "absolute": "clip gradients (gradient_clip_val) or lower the learning rate",
+    "vanishing": "check that the layer is used and trainable, its initialisation and the "
+    "activations that feed it",
+    "nonfinite": "lower the learning rate, clip gradients, or train in bf16 / with a GradScaler",
+    "loss_spike": "look at this step's batch; if it repeats, lower the learning rate",
+    "diverging": "lower the learning rate, add warm-up, or clip gradients (gradient_clip_val)",
+    "stall": "an adaptive optimizer's second moment poisoned by an explosion recovers only "
+    "slowly: reset the optimizer's state (or resume from a checkpoint before it) and clip "
+    "gradients (gradient_clip_val); check that the learning rate is what you meant",
+    "attention": "qk-layernorm (a LayerNorm on each head's queries and keys before their dot "
+    "product), a lower learning rate, or a cap on the attention logits (cap * tanh(logit / "
+    "cap), as Gemma 2 does)",
+}
 
 
 @dataclass(frozen=True)
@@ -62,7 +78,7 @@ class GradientAlarm:
         others: the other layers the rule flagged at the same step.
         history_steps: the optimizer steps in the ring buffer, oldest first, up to ``step``.
         history: per step of ``history_steps``, the gradient norm of every row (the layers,
-            then the global norm), from the device ring buffer.
+            then the global norm), from the sentinel's ring buffer.
         history_scale: the same rows' running scales before each step (NaN: not armed yet).
         history_layers: the rows' names (the layers, then ``"global"``).
         departure: which layer left its running scale first (by more than the spike rule's
@@ -123,13 +139,13 @@ def gradient_alarm(
         _ABSOLUTE: np.full_like(norm, rules.max_grad_norm or math.nan),
         _VANISHING: report[_FLOOR],
     }.get(index, weight if weight is not None else np.full_like(norm, -1.0))
-    row = int(culprit(index, hit, norm, ref, order, len(layers) - 1))
+    row = int(_culprit(index, hit, norm, ref, order, len(layers) - 1))
     layer, value, reference = layers[row], float(norm[row]), float(ref[row])
     others = tuple(layers[i] for i in hit if i != row)
     if index == _EXPLOSION:
-        text = explosion_text(layer, step, value, reference, report, clip, rules)
+        text = _explosion_text(layer, step, value, reference, report, clip, rules)
     else:
-        text = describe(ALARM_RULES[index], layer, step, value, reference, rules)
+        text = _describe(ALARM_RULES[index], layer, step, value, reference, rules)
     if others:
         text += f" (also flagged: {', '.join(others)})"
     return GradientAlarm(ALARM_RULES[index], layer, step, value, reference, text, others)
@@ -163,7 +179,7 @@ def weight_norms(weights: WeightNorms | None, rows: np.ndarray | None, n: int) -
     return out
 
 
-def culprit(
+def _culprit(
     index: int, hit: np.ndarray, norm: np.ndarray, ref: np.ndarray, order: Sequence[int], last: int
 ) -> int:
     """The row an alarm names among the flagged rows ``hit`` (``last`` is the global row)."""
@@ -181,19 +197,16 @@ def culprit(
     return int(layers[np.nanargmax(ratio)]) if np.isfinite(ratio).any() else int(layers[0])
 
 
-def _backward(order: Sequence[int], last: int) -> Iterator[int]:
-    yield from order
-    yield from range(last - 1, -1, -1)
-
-
 def _first_backward(flagged: set[int], order: Sequence[int], last: int) -> int:
     """First flagged row in backward order: hook order, then reverse model order."""
-    return next(row for row in _backward(order, last) if row in flagged)
+    return next(row for row in chain(order, range(last - 1, -1, -1)) if row in flagged)
 
 
 def with_history(
     alarm: GradientAlarm, layers: tuple[str, ...], history: tuple[list[int], np.ndarray]
 ) -> GradientAlarm:
+    """``alarm`` with the ring buffer's ``history`` (its steps, and per step the rows' norms,
+    running scales and bands), the layer that left its scale first, and the rule's advice."""
     steps, ring = history
     advice = f"advice: {_ADVICE[alarm.rule]}" if alarm.rule in _ADVICE else ""
     if not steps:
@@ -246,6 +259,7 @@ def _ratio(value: float) -> str:
 
 
 def loss_alarms(step: int, report: np.ndarray, rules: AlarmRules) -> list[GradientAlarm]:
+    """*loss_spike*'s and *diverging*'s alarms from the loss report of ``step``."""
     value = float(report[_L_VALUE])
     alarms = []
     if report[_L_SPIKE] > 0:
@@ -285,7 +299,7 @@ def _diverging(step: int, value: float, report: np.ndarray, rules: AlarmRules) -
     return GradientAlarm("diverging", "loss", step, value, best, text)
 
 
-def describe(rule: str, layer: str, step: int, value: float, ref: float, rules: AlarmRules) -> str:
+def _describe(rule: str, layer: str, step: int, value: float, ref: float, rules: AlarmRules) -> str:
     at = f"optimizer step {step}"
     if rule == "spike":
         return (
@@ -314,7 +328,7 @@ def describe(rule: str, layer: str, step: int, value: float, ref: float, rules: 
     return f"AMP overflow at {at}, step skipped by the GradScaler (grad norm {value:.4g})"
 
 
-def explosion_text(
+def _explosion_text(
     layer: str,
     step: int,
     value: float,

@@ -1,5 +1,5 @@
-"""The alarm rules: their names, their thresholds and defaults (:class:`AlarmRules`), the advice
-each rule's message ends with, and the row layout of the reports the rules post to the host."""
+"""The alarm rules: their names, their thresholds and defaults (:class:`AlarmRules`), and the row
+layout of the reports the rules make on the host."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from lightning_hooks.core import checks
 
-__all__ = ["ALARM_RULES", "QUIET_READS", "AlarmRules", "WeightNorms"]
+__all__ = ["ALARM_RULES", "AlarmRules", "WeightNorms"]
 
 ALARM_RULES = (
     "spike",
@@ -27,42 +27,19 @@ ALARM_RULES = (
 )
 """Names of the rules, in the order of :attr:`GradientAlarms.counts`."""
 
-QUIET_READS = ("grouped", "foreach", "triton")
-"""The values of :attr:`AlarmRules.quiet_read`."""
-
-_SPIKE, _EXPLOSION, _ABSOLUTE, _VANISHING, _NONFINITE, _AMP, _LOSS, _DIVERGING, _STALL, _ATTN = (
-    range(len(ALARM_RULES))
-)
+# the gradient report: a row of flags per gradient rule, then the norms, their running scales,
+# the spike band's half-width (in log) and the vanishing floor
+_SPIKE, _EXPLOSION, _ABSOLUTE, _VANISHING, _NONFINITE = range(5)
+_GRAD_RULES = 6  # rows of flags (the sixth: amp_overflow); the loss has its own report
+_NORM, _SCALE, _BAND, _FLOOR = range(_GRAD_RULES, _GRAD_RULES + 4)
 # the loss report: loss_spike's flag, diverging's margin (it fires unless the margin is < 0: NaN
 # for a non-finite loss), the loss, its running scale; then diverging's state: the loss's running
 # mean, its mean absolute deviation, the best running mean, the first loss
 _L_SPIKE, _L_DIVERGING, _L_VALUE, _L_SCALE, _L_MEAN, _L_DEV, _L_BEST, _L_FIRST = range(8)
-_LEARNT_NOISE = 4.0  # diverging's noise bar shrinks by 1/4 of what the run has learnt
-
-_ADVICE = {
-    "spike": "one step: a transient if the next steps come back to scale (it counts in the "
-    "spike score); if it repeats, clip gradients (gradient_clip_val) or lower the learning rate",
-    "absolute": "clip gradients (gradient_clip_val) or lower the learning rate",
-    "vanishing": "check that the layer is used and trainable, its initialisation and the "
-    "activations that feed it",
-    "nonfinite": "lower the learning rate, clip gradients, or train in bf16 / with a GradScaler",
-    "loss_spike": "look at this step's batch; if it repeats, lower the learning rate",
-    "diverging": "lower the learning rate, add warm-up, or clip gradients (gradient_clip_val)",
-    "stall": "an adaptive optimizer's second moment poisoned by an explosion recovers only "
-    "slowly: reset the optimizer's state (or resume from a checkpoint before it) and clip "
-    "gradients (gradient_clip_val); check that the learning rate is what you meant",
-    "attention": "qk-layernorm (a LayerNorm on each head's queries and keys before their dot "
-    "product), a lower learning rate, or a cap on the attention logits (cap * tanh(logit / "
-    "cap), as Gemma 2 does)",
-}
 # the stall report: its flag, the log of the update per unit of learning rate, its running level
 # before this logging step, the loss's progress since the last one (a share of what it had
 # learnt), then the state: the level after this step, the loss's best at this step
 _S_FLAG, _S_VALUE, _S_BEFORE, _S_PROGRESS, _S_LEVEL, _S_BEST = range(6)
-_STALL_LR_FLOOR = 0.01  # below this share of its peak, the LR is being decayed away: no stall
-_STALL_ALPHA = 0.5  # the stall's level: an EMA over the last few logging steps
-_GRAD_RULES = 6  # rows of flags in the gradient report; the loss has its own mailbox
-_NORM, _SCALE, _BAND, _FLOOR = range(_GRAD_RULES, _GRAD_RULES + 4)
 
 WeightNorms = Callable[[], torch.Tensor]
 """Returns ``[layers + 1]`` weight L2 norms (last: all); called on the host when a rule fired."""
@@ -138,7 +115,7 @@ class AlarmRules:
             second moment), while the loss keeps falling: a run that still learns is not
             stalled. Without the loss (``diverge_ratio=None``, or a loop that does not feed it)
             only the update is read; 1 turns this condition off.
-        history: steps of per-layer norms kept in the device ring buffer that an alarm reports.
+        history: steps of per-layer norms kept in the host ring buffer that an alarm reports.
         attn_logit_max: *attention* (attention collapse, Wortsman et al. 2023): on a logging
             step, an attention layer's largest pre-softmax logit (what ``GradFlowCallback``
             logs as ``stability/attn_logit_max``) is above this ... ``None`` turns it off.
@@ -199,7 +176,9 @@ class AlarmRules:
         checked: dict[str, Any] = {
             "spike_sigmas": checks.positive_real(owner, "spike_sigmas", self.spike_sigmas),
             "nonfinite": checks.boolean(owner, "nonfinite", self.nonfinite),
-            "quiet_read": checks.choice(owner, "quiet_read", self.quiet_read, QUIET_READS),
+            "quiet_read": checks.choice(
+                owner, "quiet_read", self.quiet_read, ("grouped", "foreach", "triton")
+            ),
         }
         checked["diverge_giveback"] = checks.real(
             owner, "diverge_giveback", self.diverge_giveback, low=0.0, high=1.0

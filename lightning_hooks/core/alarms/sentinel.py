@@ -1,13 +1,14 @@
 """Early warnings on gradients, a sentinel run at every optimizer step: no Lightning.
 
 The device's part of a step is one copy: the ``[layers + 1]`` gradient L2 norms (the layers,
-then the global norm) are posted to host memory without blocking
-(:class:`~.readback.HostMailbox`), and so is the loss. The rules run on the host when the copy
-is read, over O(layers) state in ``float32`` (a running scale per row: an EMA of the log-norm
-and of its spread, as ZClip and OLMo-core's SkipStep do): a quiet step pays no host sync and
-launches no kernel for them (issue 36: the rules were 60-odd kernels on the device). When a rule
-fires, the diagnosis runs on the host too: which layer, the weights (read only then) and the
-last ``history`` steps' norms from a host ring buffer.
+then the global norm), or on a quiet step one L2 norm per parameter, are posted to host memory
+without blocking (:class:`~.readback.HostMailbox`), and so is the loss. The rules run on the host
+when the copy is read (a quiet step's norms folded into layer rows there first:
+:class:`~.gradients.HostSegments`) over O(layers) state in ``float32`` (a running scale per row:
+an EMA of the log-norm and of its spread, as ZClip and OLMo-core's SkipStep do): a quiet step
+pays no host sync and launches no kernel for them. When a rule fires, the diagnosis runs on the
+host too: which layer, the weights (read only then) and the last ``history`` steps' norms from a
+host ring buffer (:class:`NormRing`).
 """
 
 from __future__ import annotations
@@ -19,15 +20,14 @@ import numpy as np
 import torch
 
 from lightning_hooks.core.alarms.attention import attention_alarms
-from lightning_hooks.core.alarms.gradients import GradientRules
-from lightning_hooks.core.alarms.loss import LossRules
+from lightning_hooks.core.alarms.gradients import GradientRules, HostSegments, as_array
+from lightning_hooks.core.alarms.loss import LossRules, StallRule
 from lightning_hooks.core.alarms.messages import (
     GradientAlarm,
     gradient_alarm,
     weight_norms,
     with_history,
 )
-from lightning_hooks.core.alarms.ring import NormRing
 from lightning_hooks.core.alarms.rules import (
     _BAND,
     _GRAD_RULES,
@@ -37,16 +37,13 @@ from lightning_hooks.core.alarms.rules import (
     AlarmRules,
     WeightNorms,
 )
-from lightning_hooks.core.alarms.scale import as_array
-from lightning_hooks.core.alarms.segments import HostSegments
-from lightning_hooks.core.alarms.stall import StallRule
 from lightning_hooks.core.transport.readback import HostMailbox
 
-__all__ = ["GradientAlarms"]
+__all__ = ["GradientAlarms", "NormRing"]
 
 
 class GradientAlarms:
-    """Evaluates :class:`AlarmRules` on each optimizer step's gradient norms, on the device.
+    """Evaluates :class:`AlarmRules` on each optimizer step's gradient norms, on the host.
 
     Rows are layers and a last ``"global"`` row. :meth:`update` posts ``[layers + 1]`` L2 norms
     to the host (one copy, no host sync) and the rules run there when the copy is read:
@@ -189,9 +186,9 @@ class GradientAlarms:
     @torch.no_grad()
     def update_stall(self, update: torch.Tensor, lr: float, *, step: int) -> None:
         """*stall*, on a logging step: ``update`` (the typical size of a weight's change this
-        step, a device scalar: :func:`~.updates.typical_update`) per unit
-        of the learning rate ``lr`` against its running level (a few kernels, no host sync: the
-        verdict is read at the next poll).
+        step, a device scalar: :func:`~.updates.typical_update`) per unit of the learning rate
+        ``lr`` against its running level (one copy, no host sync: the verdict is read at the
+        next poll).
 
         Not evaluated while ``lr`` is under 1% of its peak so far (a schedule decaying it to
         zero moves the weights less than float32 resolves).
@@ -199,7 +196,7 @@ class GradientAlarms:
         if not self._stall.due(lr):
             return
         self._drain_stall(wait=True)
-        self._drain_loss(wait=True)  # the loss's state as of this step, as the device had it
+        self._drain_loss(wait=True)  # the loss's state as of this step
         watched = self.rules.diverge_ratio is not None and self._loss.seen > 0
         self._stall.update(update, lr, step, self._loss.state if watched else None)
         if not self._cuda:
@@ -316,3 +313,41 @@ def _diagnose(
         alarm = gradient_alarm(int(index), hit, report, weight, (step, order, clip), layers, rules)
         alarms.append(with_history(alarm, layers, history))
     return alarms
+
+
+class NormRing:
+    """The last ``size`` steps' ``[3, rows]`` (norm, running scale, half-width of the spike
+    band in log) of every row, and their steps, in host memory.
+
+    Args:
+        size: steps kept.
+        rows: the layers and the global row.
+    """
+
+    def __init__(self, size: int, rows: int) -> None:
+        self.ring = np.full((size, 3, rows), np.nan, dtype=np.float32)
+        self.steps = [-1] * size
+
+    def write(self, step: int, rows: np.ndarray) -> None:
+        """Keep ``rows`` (``[3, rows]``) as ``step``'s."""
+        slot = step % len(self.steps)
+        self.ring[slot] = rows
+        self.steps[slot] = step
+
+    def read(self, step: int) -> tuple[list[int], np.ndarray]:
+        """The buffer up to ``step``, oldest first."""
+        ring = self.ring
+        slots = sorted(
+            (s, i) for i, s in enumerate(self.steps) if 0 <= s <= step and step - s < len(ring)
+        )
+        return [s for s, _ in slots], ring[[i for _, i in slots]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The buffer and its steps."""
+        return {"ring": torch.from_numpy(self.ring.copy()), "ring_steps": list(self.steps)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` when its size is this buffer's (else it starts empty)."""
+        if tuple(state["ring"].shape) == self.ring.shape:
+            self.ring[...] = as_array(state["ring"])
+            self.steps = list(state["ring_steps"])
