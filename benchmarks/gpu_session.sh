@@ -28,7 +28,7 @@ timeout "${QUIET_S:-70}" python3 benchmarks/quiet_step.py --accelerator cuda --m
   --steps 300 --rounds 2 2>&1 | tee -a "$OUT/log.txt" | tail -n 8
 timeout "${GRAPH_S:-40}" python3 benchmarks/graph_probe.py \
   --models launch transformer resnet50 gpt2 2>&1 | tee -a "$OUT/log.txt" | tail -n 8
-ONLY=(=GradFlowCallback "=all, defaults" "floor: one gradient read" "quiet_read=foreach")
+ONLY=(=GradFlowCallback "=all, defaults" "floor: one gradient read")
 timeout "${SMALL_S:-110}" python3 benchmarks/overhead.py --accelerator cuda --rounds 2 \
   --models launch mlp cnn transformer --depths --sample-every --only "${ONLY[@]}" \
   --save --out "$OUT/small" 2>&1 \
@@ -36,6 +36,6 @@ timeout "${SMALL_S:-110}" python3 benchmarks/overhead.py --accelerator cuda --ro
 for model in resnet50 gpt2; do  # one call each: session 17's one call for both ran past 170 s
   timeout "${LARGE_S:-150}" python3 benchmarks/overhead.py --accelerator cuda \
     --precision bf16-mixed --rounds 2 --models "$model" --depths --sample-every \
-    --only =GradFlowCallback "=all, defaults" "quiet_read=foreach" --save --out "$OUT/large_$model" \
+    --only =GradFlowCallback "=all, defaults" --save --out "$OUT/large_$model" \
     2>&1 | tail -n 40
 done

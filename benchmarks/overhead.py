@@ -314,7 +314,7 @@ def configs(include_tutorial: bool = True) -> list[Config]:
         )
         # the other reads of a quiet step's norms: one _foreach_norm, and (Triton, CUDA only)
         # the opt-in pointer-table kernels
-        for way in ("foreach", "triton") if ACCELERATOR == "cuda" else ("foreach",):
+        for way in ("triton",) if ACCELERATOR == "cuda" else ():
             read = {"alarms": lightning_hooks.AlarmRules(quiet_read=way)}
             out.append(
                 Config(

@@ -52,7 +52,7 @@ import overhead
 
 import lightning_hooks
 
-DEFAULT = ["=GradFlowCallback", "=all, defaults", "floor: one gradient read", "quiet_read=foreach"]
+DEFAULT = ["=GradFlowCallback", "=all, defaults", "floor: one gradient read"]
 
 
 class Baton(pl.Callback):

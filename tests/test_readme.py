@@ -220,9 +220,6 @@ def test_the_readme_launch_bound_figures_are_the_saved_paired_run() -> None:
     labels = {
         "`GradFlowCallback()`": "GradFlowCallback",
         "all five at their defaults": "all, defaults",
-        '`GradFlowCallback(alarms=AlarmRules(quiet_read="foreach"))`': (
-            "GradFlowCallback, quiet_read=foreach"
-        ),
         "floor: one `torch._foreach_norm`": "floor: one gradient read (_foreach_norm)",
         "six callbacks that do nothing": "6 empty callbacks",
         "tutorial (`.item()` hooks)": "tutorial (.item() hooks)",

@@ -150,5 +150,5 @@ def test_one_collapsed_layer_of_two_is_not_warned(tmp_path: Path) -> None:
     assert len(peaks) == 2 and sum(p > 1e3 for p in peaks.values()) == 1, peaks
     one = Recipe(200, model="gpt", lr=0.1, seed=0, **_GPT)
     found = _fit(tmp_path / "one", one, AlarmRules(attn_min_layers=1), log_every_n_steps=50)
-    assert [a.rule for a in found] == ["attention"] and found[0].step in (99, 199)
+    assert [a.rule for a in found] == ["attention"] and (found[0].step + 1) % 50 == 0  # logging
     assert peaks[found[0].layer] > 1e3  # the layer that collapses alone

@@ -13,7 +13,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_hooks.core import LayerHistograms, LayerStats, ParamLayout
-from lightning_hooks.core.transport.sharding import ShardPlan
+from lightning_hooks.core.transport.distributed import ShardPlan
 from lightning_hooks.logging import log_histogram
 
 __all__ = [

@@ -11,7 +11,7 @@ import torch
 
 from lightning_hooks.core import checks
 
-__all__ = ["ALARM_RULES", "AlarmRules", "WeightNorms"]
+__all__ = ["ALARM_RULES", "QUIET_READS", "AlarmRules", "WeightNorms"]
 
 ALARM_RULES = (
     "spike",
@@ -26,6 +26,9 @@ ALARM_RULES = (
     "attention",
 )
 """Names of the rules, in the order of :attr:`GradientAlarms.counts`."""
+
+QUIET_READS = ("grouped", "triton")
+"""The values of :attr:`AlarmRules.quiet_read`."""
 
 # the gradient report: a row of flags per gradient rule, then the norms, their running scales,
 # the spike band's half-width (in log) and the vanishing floor
@@ -126,16 +129,15 @@ class AlarmRules:
             (every layer of a model with fewer). One one-hot layer is something a model can
             route around (healthy models keep attention sinks, heads that attend to one
             token); collapse across layers is what costs the run its loss. Must be >= 1.
-        quiet_read: how a quiet step reads the gradients' norms: ``"grouped"`` (the default),
-            small gradients of one shape and dtype stacked and reduced in two ops per shape,
-            the rest by one ``torch._foreach_norm`` (``core/kernels/grouped_norms.py``: the
-            same norms, bit for bit on the CPU); ``"foreach"``, one ``_foreach_norm`` of all
-            (PyTorch's host work is per tensor: about 2-5 us each on the CPU, 3 on an H100's
-            host); or ``"triton"``, two Triton kernels that find the gradients through a table
-            of their addresses (``core/kernels/pointer_norms.py``): the same norms up to
-            float32 rounding. On CUDA, for contiguous gradients of one dtype among float32,
-            bfloat16 and float16; elsewhere, or if Triton fails, the ``"foreach"`` read, with
-            one message. Opt-in while new.
+        quiet_read: how a quiet step reads the gradients' norms, chosen once per optimizer:
+            ``"grouped"`` (the default), small gradients of one shape and dtype stacked and
+            reduced in two ops per shape, the rest by one ``torch._foreach_norm``
+            (``core/kernels/grouped_norms.py``: the same norms, bit for bit on the CPU); or
+            ``"triton"``, two Triton kernels that find the gradients through a table of their
+            addresses (``core/kernels/pointer_norms.py``): the same norms up to float32
+            rounding. On CUDA, for contiguous gradients of one dtype among float32, bfloat16
+            and float16; elsewhere, or if Triton fails, one ``torch._foreach_norm``, with one
+            message. Opt-in while new.
 
     Example:
         >>> AlarmRules(spike_factor=20.0).window
@@ -176,9 +178,7 @@ class AlarmRules:
         checked: dict[str, Any] = {
             "spike_sigmas": checks.positive_real(owner, "spike_sigmas", self.spike_sigmas),
             "nonfinite": checks.boolean(owner, "nonfinite", self.nonfinite),
-            "quiet_read": checks.choice(
-                owner, "quiet_read", self.quiet_read, ("grouped", "foreach", "triton")
-            ),
+            "quiet_read": checks.choice(owner, "quiet_read", self.quiet_read, QUIET_READS),
         }
         checked["diverge_giveback"] = checks.real(
             owner, "diverge_giveback", self.diverge_giveback, low=0.0, high=1.0

@@ -186,7 +186,7 @@ class GradientAlarms:
     @torch.no_grad()
     def update_stall(self, update: torch.Tensor, lr: float, *, step: int) -> None:
         """*stall*, on a logging step: ``update`` (the typical size of a weight's change this
-        step, a device scalar: :func:`~.updates.typical_update`) per unit of the learning rate
+        step, a device scalar: :func:`~.grouped_norms.typical_update`) per unit of the learning rate
         ``lr`` against its running level (one copy, no host sync: the verdict is read at the
         next poll).
 

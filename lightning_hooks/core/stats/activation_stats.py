@@ -22,10 +22,9 @@ from lightning_hooks.core.kernels.feature_stats import (
     summarize,
 )
 from lightning_hooks.core.kernels.histogram import bin_counts, linear_edges
-from lightning_hooks.core.kernels.nonfinite import FirstNonFinite
-from lightning_hooks.core.kernels.tensors import Workspace, iter_float_tensors
+from lightning_hooks.core.kernels.tensors import Pending, Workspace, iter_float_tensors
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
-from lightning_hooks.core.stats.states import Pending
+from lightning_hooks.core.transport.readback import FirstNonFinite
 
 __all__ = ["ACTIVATION_MODULES", "ActivationStatsTracker", "Histogram", "default_feature_module"]
 

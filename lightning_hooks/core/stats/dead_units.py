@@ -36,9 +36,8 @@ from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.selection import Patterns, Selection
 from lightning_hooks.core.kernels.feature_stats import STACKED
-from lightning_hooks.core.kernels.tensors import Workspace, iter_float_tensors
+from lightning_hooks.core.kernels.tensors import Pending, Workspace, iter_float_tensors
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
-from lightning_hooks.core.stats.states import Pending
 
 __all__ = ["RELU_FAMILY", "DeadUnitTracker", "DeadUnits", "fired_counts", "unit_dim"]
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_hooks.core.alarms import GradientAlarms
-from lightning_hooks.core.alarms.segments import HostSegments
+from lightning_hooks.core.alarms import GradientAlarms, HostSegments
 from lightning_hooks.core.kernels.grad_stats import (
     GRAD_STATS,
     ParamLayout,
@@ -21,12 +20,10 @@ from lightning_hooks.core.kernels.grad_stats import (
     segment_norm,
     update_norms,
 )
-from lightning_hooks.core.kernels.grouped_norms import GroupedNorms
-from lightning_hooks.core.kernels.pointer_norms import PointerNorms
+from lightning_hooks.core.kernels.grouped_norms import typical_update
 from lightning_hooks.core.kernels.tensors import Workspace
-from lightning_hooks.core.kernels.updates import typical_update
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
-from lightning_hooks.core.transport.sharding import ShardPlan, to_local
+from lightning_hooks.core.transport.distributed import ShardPlan, to_local
 
 __all__ = [
     "OptimizerView",
@@ -59,10 +56,6 @@ class OptimizerView:
     row_ids: tuple[int, ...] = ()  # ``rows`` on the host
     segments: HostSegments | None = None  # ``index`` and ``unique`` on the host (the sentinel's)
     masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
-    pointers: PointerNorms | Literal[False] | None = (
-        None  # quiet_read="triton": built once; False: cannot
-    )
-    grouped: GroupedNorms | Literal[False] | None = None  # "grouped": built once; False: failed
 
     def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
         """``[layers + 1, len(GRAD_STATS)]``: false in the gradient columns of layers none of

@@ -15,8 +15,7 @@ from lightning_hooks.core.alarms import GradientAlarms
 from lightning_hooks.core.kernels import pointer_norms
 from lightning_hooks.core.kernels.grad_stats import ParamLayout
 from lightning_hooks.core.kernels.grouped_norms import GroupedNorms
-from lightning_hooks.core.stats.optimizer_view import OptimizerView
-from lightning_hooks.core.stats.view_stats import ViewStats
+from lightning_hooks.core.stats.optimizer_view import OptimizerView, ViewStats
 from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["SentinelRead"]

@@ -8,13 +8,15 @@ sampled steps only, on the device.
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional
 
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import select_modules
@@ -22,19 +24,111 @@ from lightning_hooks.core.kernels.tensors import is_training_forward, logsumexp_
 from lightning_hooks.core.stats.attention import (
     AttentionCapture,
     attention_head_entropy,
-    mha_inputs,
-    mha_logit_chunks,
+    query_rows,
+    row_chunks,
 )
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["STABILITY_STATS", "StabilityStats"]
+__all__ = ["STABILITY_STATS", "StabilityStats", "mha_inputs", "mha_logit_chunks"]
 
 STABILITY_STATS = ("attn_logit_max", "attn_entropy_min", "logit_logz", "logit_logz_max")
 """The statistics logged as ``stability/{stat}/{layer}``."""
 
 Result = dict[str, dict[str, float]]
 _LogZ = tuple[torch.Tensor, int, torch.Tensor]  # sum of log Z, positions, max of log Z
+
+
+def mha_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    need_weights: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    *_: Any,
+    **__: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Bind ``nn.MultiheadAttention.forward``'s arguments the way the module does."""
+    return query, key, key_padding_mask, attn_mask
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (``True``: excluded) as ``-inf``; a float mask as it is added."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+            mask, -torch.inf
+        )
+    return mask.to(dtype)
+
+
+def mha_logit_chunks(
+    mha: nn.MultiheadAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    budget: int | None = None,
+) -> Iterator[torch.Tensor]:
+    """The pre-softmax logits ``[N, H, L, S']`` of ``mha`` on these inputs, as its softmax sees
+    them, a chunk of query rows at a time: ``q.k / sqrt(d_head)``, ``-inf`` for masked-out keys,
+    float masks added, ``bias_k`` and ``add_zero_attn`` keys included (an unbatched input gives
+    ``N = 1``). Each chunk holds at most ``budget`` elements (default :data:`LOGIT_BUDGET`; one
+    row when a row is larger).
+
+    Example:
+        >>> mha = nn.MultiheadAttention(4, 2, batch_first=True)
+        >>> [c.shape for c in mha_logit_chunks(mha, torch.randn(3, 5, 4), torch.randn(3, 6, 4))]
+        [torch.Size([3, 2, 5, 6])]
+    """
+    if query.dim() == 2:  # unbatched: [L, E]
+        query, key = query.unsqueeze(1), key.unsqueeze(1)
+        key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+    elif mha.batch_first:
+        query, key = query.transpose(0, 1), key.transpose(0, 1)
+    q, key_t, extra = _mha_projections(mha, query, key)
+    n, heads, pad = query.shape[1], mha.num_heads, (0, extra)
+    if attn_mask is not None:
+        mask = _additive(attn_mask, q.dtype)
+        attn_mask = functional.pad(mask if mask.dim() == 3 else mask.unsqueeze(0), pad)
+    padding = None
+    if key_padding_mask is not None:
+        mask = _additive(key_padding_mask, q.dtype)  # [N, S]
+        mask = mask.view(n, 1, 1, -1).expand(n, heads, 1, -1).reshape(n * heads, 1, -1)
+        padding = functional.pad(mask, pad)
+    length = q.shape[1]
+    for start, stop in row_chunks(length, n * heads * key_t.shape[-1], budget):
+        logits = torch.bmm(q[:, start:stop], key_t) / math.sqrt(q.shape[-1])
+        if attn_mask is not None:
+            logits = logits + query_rows(attn_mask, start, stop, length)
+        if padding is not None:
+            logits = logits + padding
+        yield logits.view(n, heads, *logits.shape[1:])
+
+
+def _mha_projections(
+    mha: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``q [N*H, L, d]``, ``k`` transposed ``[N*H, d, S']`` of seq-first ``[L, N, E]`` inputs,
+    with ``bias_k`` and ``add_zero_attn``'s keys (their number, the third)."""
+    e, heads = mha.embed_dim, mha.num_heads
+    if mha._qkv_same_embed_dim:
+        w_q, w_k = mha.in_proj_weight[:e], mha.in_proj_weight[e : 2 * e]
+    else:
+        w_q, w_k = mha.q_proj_weight, mha.k_proj_weight
+    bias = mha.in_proj_bias
+    q = functional.linear(query, w_q, None if bias is None else bias[:e])  # [L, N, E]
+    k = functional.linear(key, w_k, None if bias is None else bias[e : 2 * e])  # [S, N, E]
+    n = q.shape[1]
+    extra = []
+    if mha.bias_k is not None:
+        extra.append(mha.bias_k.to(k.dtype).expand(1, n, e))
+    if mha.add_zero_attn:
+        extra.append(k.new_zeros(1, n, e))
+    k = torch.cat([k, *extra]) if extra else k
+    q = q.reshape(q.shape[0], n * heads, -1).transpose(0, 1)  # [N*H, L, d]
+    key_t = k.reshape(k.shape[0], n * heads, -1).permute(1, 2, 0)  # [N*H, d, S']
+    return q, key_t, len(extra)
 
 
 def _owns_parameters(module: nn.Module) -> bool:

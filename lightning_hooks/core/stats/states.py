@@ -17,20 +17,18 @@ device, and whatever else its key holds) as one stacked tensor when it drains
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from typing_extensions import Self
 
-from lightning_hooks.core.kernels.tensors import row_index
 from lightning_hooks.core.transport.distributed import all_gather_stacked, is_distributed
 
 __all__ = [
     "Kind",
-    "Pending",
     "Reduce",
     "RowStates",
     "StateSpec",
@@ -340,75 +338,3 @@ class RowStates:
         for spec in self.specs.values():
             if spec.reduce != "same":
                 getattr(self, spec.name).fill_(spec.identity)
-
-
-K = TypeVar("K", bound=Hashable)
-
-_HELD = 1 << 22  # elements held for their batches, at most: a drain is due beyond
-_INDICES = 64  # row patterns whose device index is kept
-
-
-class Pending(Generic[K]):
-    """Snapshots by group, with the rows they go to, and a cache of the rows' device indices.
-
-    Example:
-        >>> pending: Pending[tuple[str]] = Pending()
-        >>> pending.add(("a",), 3, torch.ones(2))
-        False
-        >>> pending.add(("a",), 1, torch.zeros(2))
-        False
-        >>> len(pending)
-        2
-        >>> [(key, rows, stacked.tolist()) for key, rows, stacked in pending.drain()]
-        [(('a',), [3, 1], [[1.0, 1.0], [0.0, 0.0]])]
-        >>> list(pending.drain())
-        []
-    """
-
-    def __init__(self) -> None:
-        self._groups: dict[K, tuple[list[int], list[torch.Tensor]]] = {}
-        self._held = 0
-        self._indices: dict[tuple[object, ...], torch.Tensor] = {}
-
-    def add(self, key: K, row: int, snapshot: torch.Tensor) -> bool:
-        """Hold ``snapshot`` for ``row`` in ``key``'s group; ``True`` when a drain is due."""
-        rows, snapshots = self._groups.setdefault(key, ([], []))
-        rows.append(row)
-        snapshots.append(snapshot)
-        self._held += snapshot.numel()
-        return self._held > _HELD
-
-    def __len__(self) -> int:
-        """The snapshots held."""
-        return sum(len(rows) for rows, _ in self._groups.values())
-
-    def drain(self) -> Iterator[tuple[K, list[int], torch.Tensor]]:
-        """Each group as ``(key, rows, snapshots stacked)``, in the order the groups and their
-        calls were first seen; the groups are dropped as they are given."""
-        groups, self._groups, self._held = self._groups, {}, 0
-        for key, (rows, snapshots) in groups.items():
-            yield key, rows, torch.stack(snapshots)
-
-    def clear(self) -> None:
-        """Drop what is held (a step cut short)."""
-        self._groups, self._held = {}, 0
-
-    def index(
-        self, rows: list[int], device: torch.device, spans: Sequence[range] | None = None
-    ) -> torch.Tensor:
-        """``rows`` as a device index, kept for the next step's same rows; with ``spans`` (a
-        range of positions per row), every row's positions in turn.
-
-        Example:
-            >>> Pending().index([2, 0], torch.device("cpu"), spans=[range(4, 6), range(0, 2)])
-            tensor([4, 5, 0, 1])
-        """
-        # keyed by the device too: a tracker attached again may be on another one
-        key = (device, *rows) if spans is None else (device, None, *spans)
-        index = self._indices.get(key)
-        if index is None:
-            if len(self._indices) >= _INDICES:  # a forward whose calls vary: start over
-                self._indices.clear()
-            values = rows if spans is None else [i for span in spans for i in span]
-            index = self._indices[key] = row_index(values, device)
-        return index
