@@ -148,7 +148,10 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     # The initialisations too, not only the training: with this seed the broken run shows each
     # kind of trouble (gradient spikes, then dead ReLUs and no gradient at all) in its own epoch.
-    pl.seed_everything(2, verbose=False)
+    # Adam at lr 2.0 is chaotic, so most seeds tell another story, and with some the rounding of
+    # the CPU's kernels decides it; this one keeps the same counts with AVX-512 or AVX2 kernels
+    # and on 1, 2 or 4 threads, its gradients exploding far past 100x and dying in mid-epoch.
+    pl.seed_everything(85, verbose=False)
     runs = {
         "healthy": DigitsCNN(lr=3e-3),
         "broken": DigitsCNN(lr=2.0, bias_init=-3.0),
