@@ -41,3 +41,25 @@ def test_the_two_facades_export_one_object_per_shared_name() -> None:
     top, core = (importlib.import_module(p) for p in PUBLIC)
     for name in set(PUBLIC["lightning_hooks"]) & set(PUBLIC["lightning_hooks.core"]):
         assert getattr(top, name) is getattr(core, name), name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ActivationStatsCallback",
+        "DeadReLUCallback",
+        "FeatureMapCallback",
+        "GradFlowCallback",
+        "LayerTimeCallback",
+        "SaturationCallback",
+        "StatsCallback",
+    ],
+)
+def test_a_callback_chain_holds_at_most_three_classes_of_ours(name: str) -> None:
+    """Composition over inheritance: a callback derives from at most two classes of ours (the
+    base and, for a statistic's callback, ``StatsCallback``); what else it needs it holds."""
+    import lightning_hooks.callbacks
+
+    cls = getattr(lightning_hooks.callbacks, name)
+    ours = [c.__qualname__ for c in cls.__mro__ if c.__module__.split(".")[0] == "lightning_hooks"]
+    assert len(ours) <= 3, ours

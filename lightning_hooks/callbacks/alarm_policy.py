@@ -173,7 +173,7 @@ class AlarmPolicy:
         if stop and world_size() == 1:
             trainer.should_stop = True
         elif stop:
-            # Agreed by the ranks on a collective the callback makes anyway (HookCallback._settle):
+            # Agreed by the ranks on a collective the callback makes anyway (``checks.settle``):
             # no collective, no host sync here.
             self.stop_requested = True
 

@@ -10,14 +10,18 @@ import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._checks import (
+from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
+from lightning_hooks.callbacks.checks import (
     check_alarms,
     check_every_n_steps,
     check_max_layers,
     check_types,
+    clip_of,
+    grad_scale,
+    lazy_parameters,
+    nothing_to_watch,
+    settle,
 )
-from lightning_hooks.callbacks._trainer import clip_of, grad_scale
-from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
 from lightning_hooks.callbacks.grad_flow_logging import GradFlowLogging
 from lightning_hooks.callbacks.grad_flow_tags import observe_histograms
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, checks, select_modules
@@ -194,12 +198,12 @@ class GradFlowCallback(GradFlowLogging):
         modules = select_modules(
             pl_module, types=self.types, include=self.include, exclude=self.exclude
         )
-        if self._lazy_parameters(pl_module):
+        if lazy_parameters(self, pl_module):
             return
         # The model's own parameters count too, unless a selection narrows it (the tracker's rule).
         root = pl_module if self.types is None and not self.include else None
         if not ParamLayout.from_modules(modules, root=root).layers:
-            self._nothing_to_watch("module owning a parameter")
+            nothing_to_watch(self, "module owning a parameter")
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -263,7 +267,7 @@ class GradFlowCallback(GradFlowLogging):
             agreed = self.policy.observe_loss(
                 trainer, alarms, outputs, self._batch_step, failed=failed
             )
-            if agreed is not None and self._settle(trainer, self._batch_step, *agreed):
+            if agreed is not None and settle(self, trainer, self._batch_step, *agreed):
                 return True
             self.policy.apply_loss(trainer, alarms)
         return False

@@ -14,8 +14,8 @@ import numpy as np
 import pytorch_lightning as pl
 from typing_extensions import override
 
-from lightning_hooks.callbacks._base import HookCallback
 from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
+from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.grad_flow_tags import (
     grad_flow_scalars,
     grad_flow_step_scalars,

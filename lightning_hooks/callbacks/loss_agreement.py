@@ -59,7 +59,7 @@ class LossAgreement:
         if rules is None or not rules.watches_loss or world_size() == 1:
             return
         self.reading = "mean"
-        # A Fabric loop feeds its loss when it wants (fabric_run.py): read as manual optimization.
+        # A Fabric loop feeds its loss when it wants (fabric.py): read as manual optimization.
         fabric = getattr(pl_module, "_fabric", None) is not None
         self._manual = fabric or not getattr(pl_module, "automatic_optimization", False)
         self._carrier = HostMailbox((_CARRIED,), group_device())
