@@ -145,8 +145,8 @@ class ActivationStatsCallback(StatsCallback):
 
     @property
     def _activations(self) -> ActivationStatsTracker | None:
-        attached = self.attached
-        return attached[0] if attached else None  # type: ignore[return-value]
+        attached = self._tracker  # not ``self.attached``: read on every batch
+        return None if attached is None else attached.stats[0]  # type: ignore[return-value]
 
     @override
     def _batch_started(self, trainer: pl.Trainer) -> None:

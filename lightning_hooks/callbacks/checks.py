@@ -1,10 +1,10 @@
-"""What a callback checks and arranges before it runs, and reads off the Trainer.
+"""What a callback checks and arranges before it runs, and what its ranks agree on.
 
 Its arguments, the Trainer's strategy and loggers, and the selection against the model are
-checked (each error names the culprit); the Trainer's AMP scale and clipping are read without a
-host sync; and Lightning's dispatch of the per-batch hooks a callback does not define is skipped
-for the fit (:func:`skip_inherited`). At the logging points of a multi-process run, the ranks
-agree on a failure of the callback and on a stop (:func:`agree_ranks`).
+checked (each error names the culprit); Lightning's dispatch of the per-batch hooks a callback
+does not define is skipped for the fit (:func:`skip_inherited`). At the logging points of a
+multi-process run, the ranks agree on a failure of the callback and on a stop
+(:func:`agree_ranks`).
 
 Per-batch Lightning hooks a callback of ours does not define are not dispatched at all.
 
@@ -26,7 +26,6 @@ import numbers
 from typing import Any
 
 import pytorch_lightning as pl
-import torch
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
@@ -48,9 +47,7 @@ __all__ = [
     "check_strategy",
     "check_trainer",
     "check_types",
-    "clip_of",
     "fail_everywhere",
-    "grad_scale",
     "lazy_parameters",
     "nothing_to_watch",
     "passed_by_user",
@@ -235,23 +232,6 @@ def lazy_parameters(callback: Any, pl_module: nn.Module) -> bool:
         )
         callback._idle = True
     return bool(lazy)
-
-
-def grad_scale(trainer: pl.Trainer) -> torch.Tensor | None:
-    """The AMP GradScaler's scale as a device tensor (no sync), or ``None`` without AMP."""
-    scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return None
-    scale = getattr(scaler, "_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else None
-
-
-def clip_of(trainer: pl.Trainer) -> tuple[float, str] | None:
-    """The Trainer's gradient clipping, ``(value, algorithm)``, or ``None``."""
-    if not trainer.gradient_clip_val:
-        return None
-    algorithm = trainer.gradient_clip_algorithm or "norm"
-    return float(trainer.gradient_clip_val), str(getattr(algorithm, "value", algorithm))
 
 
 PER_BATCH_HOOKS = (

@@ -20,8 +20,6 @@ from lightning_hooks.callbacks.checks import (
     check_every_n_steps,
     check_max_layers,
     check_types,
-    clip_of,
-    grad_scale,
     lazy_parameters,
     nothing_to_watch,
     settle,
@@ -313,6 +311,23 @@ def _tracker(
         alarms=callback.alarms,
         clip=clip_of(trainer),
     )
+
+
+def grad_scale(trainer: pl.Trainer) -> torch.Tensor | None:
+    """The AMP GradScaler's scale as a device tensor (no sync), or ``None`` without AMP."""
+    scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
+def clip_of(trainer: pl.Trainer) -> tuple[float, str] | None:
+    """The Trainer's gradient clipping, ``(value, algorithm)``, or ``None``."""
+    if not trainer.gradient_clip_val:
+        return None
+    algorithm = trainer.gradient_clip_algorithm or "norm"
+    return float(trainer.gradient_clip_val), str(getattr(algorithm, "value", algorithm))
 
 
 def _warn_unstepped(layers: tuple[str, ...]) -> None:
