@@ -1,13 +1,13 @@
 """The base of every callback: when its hooks exist, which steps it measures, when it writes.
 
 :class:`HookCallback` owns the lifecycle (attach in ``on_train_start``, remove on every exit,
-checkpoints, the guard and the ranks' agreement), the selection check, the cadence (the
-sampled-step gate and the logging points) and the writing (logging steps, epoch ends, one save
-of the loggers per hook round, the dashboard). Subclasses own what they measure: they implement
-:meth:`~HookCallback._attach` and :meth:`~HookCallback._log_epoch`, and extend the hooks listed
-under "Extend" below. Under Fabric, the callback holds a :class:`~.fabric.FabricRun`.
-
-Per-batch hooks a callback does not define are not dispatched at all (``checks.py``).
+checkpoints, the guard), the cadence (the sampled-step gate and the logging points) and the
+writing (logging steps, epoch ends, one save of the loggers per hook round, the dashboard).
+Subclasses own what they measure: they implement :meth:`~HookCallback._attach` and
+:meth:`~HookCallback._log_epoch`, and extend the hooks listed under "Extend" below. What a
+callback checks before it runs, the per-batch hooks hidden from Lightning's dispatch and the
+ranks' agreement are in ``checks.py``; under Fabric, the callback holds a
+:class:`~.fabric.FabricRun` (``fabric.py``).
 """
 
 from __future__ import annotations
