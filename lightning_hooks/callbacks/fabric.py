@@ -41,6 +41,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_hooks.callbacks.base import flush
+from lightning_hooks.callbacks.checks import passed_by_user
 from lightning_hooks.errors import LightningHooksWarning
 
 if TYPE_CHECKING:
@@ -336,11 +337,8 @@ def start_run(callback: HookCallback, fabric: Any, module: nn.Module) -> None:
     """Fabric's ``on_after_setup`` on ``callback``: start watching ``module`` with a
     :class:`FabricRun` the callback holds, which takes its place in Fabric's callback list."""
     callbacks: list[Any] | None = getattr(fabric, "_callbacks", None)
-    if (
-        callback._from_environment
-        and callbacks is not None
-        and _passed_by_user(callback, callbacks)
-    ):
+    ours = [other.callback if isinstance(other, FabricRun) else other for other in callbacks or ()]
+    if passed_by_user(callback, ours):
         return  # LIGHTNING_HOOKS asked for a callback the user passed already
     run = FabricRun(callback, fabric, module)
     callback.__dict__["_fabric_run"] = run
@@ -349,12 +347,3 @@ def start_run(callback: HookCallback, fabric: Any, module: nn.Module) -> None:
         # Fabric's arguments; the run answers those, not the callback's Trainer hooks.
         callbacks[callbacks.index(callback)] = run
     run.start()
-
-
-def _passed_by_user(callback: Any, callbacks: list[Any]) -> bool:
-    """Whether ``callbacks`` (or their runs) hold one of ``callback``'s class not added by
-    ``LIGHTNING_HOOKS``."""
-    return any(
-        isinstance(cb, type(callback)) and not getattr(cb, "_from_environment", False)
-        for cb in (other.callback if isinstance(other, FabricRun) else other for other in callbacks)
-    )
