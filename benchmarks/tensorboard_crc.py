@@ -26,7 +26,7 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "tes
 
 import overhead  # noqa: E402
 
-import lightning_hooks.callbacks._writing as writing  # noqa: E402
+import lightning_hooks.callbacks.base as writing  # noqa: E402
 from lightning_hooks.logging import tensorboard as _crc  # noqa: E402
 
 

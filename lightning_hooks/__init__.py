@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from lightning_hooks.core.hooks.capture import capture_outputs
     from lightning_hooks.core.hooks.registry import HookRegistry
     from lightning_hooks.core.hooks.selection import select_modules
-    from lightning_hooks.core.stats.accumulator import LayerStats
+    from lightning_hooks.core.stats.accumulator import LayerTable
     from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
     from lightning_hooks.core.stats.dead_units import DeadUnitTracker
     from lightning_hooks.core.stats.grad_flow import GradFlowTracker
@@ -47,7 +47,7 @@ _LAZY: dict[str, str] = {
     "LayerTimeCallback": "lightning_hooks.callbacks.layer_time",
     "SaturationCallback": "lightning_hooks.callbacks.saturation",
     "StatsCallback": "lightning_hooks.callbacks.stats",
-    "LayerStats": "lightning_hooks.core.stats.accumulator",
+    "LayerTable": "lightning_hooks.core.stats.accumulator",
     "ActivationStatsTracker": "lightning_hooks.core.stats.activation_stats",
     "AlarmRules": "lightning_hooks.core.alarms",
     "GradientAlarm": "lightning_hooks.core.alarms",
@@ -73,7 +73,7 @@ __all__ = [
     "GradientAlarmWarning",
     "GradientAlarms",
     "HookRegistry",
-    "LayerStats",
+    "LayerTable",
     "LayerTimeCallback",
     "LightningHooksError",
     "LightningHooksWarning",

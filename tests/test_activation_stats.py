@@ -59,6 +59,8 @@ def _reference(outputs: list[torch.Tensor]) -> dict[str, float]:
         "abs_mean": float(x.abs().mean()),
         "zero_fraction": float((x == 0).double().mean()),
         "nonfinite": float((~torch.isfinite(x)).sum()),
+        "kurtosis": float(((x - x.mean()) ** 4).mean() / ((x - x.mean()) ** 2).mean() ** 2),
+        "outlier_ratio": float(x.abs().max() / x.square().mean().sqrt()),
     }
 
 
@@ -87,6 +89,12 @@ def test_logged_statistics_equal_plain_torch_over_each_epoch(
             for stat, value in want.items():
                 logged = dict(scalars[f"activations/{stat}/{layer}"])[at]
                 assert _close(logged, value), (stat, layer, epoch, logged, value)
+    for step in range(8):  # every step a logging step: its own outputs
+        for layer in layers:
+            want = _reference(model.outputs[layer][step : step + 1])
+            for stat in ("kurtosis", "outlier_ratio"):
+                logged = dict(scalars[f"activations/{stat}_step/{layer}"])[step]
+                assert _close(logged, want[stat]), (stat, layer, step, logged, want[stat])
     assert 0 < dict(scalars["activations/zero_fraction/net.1"])[4] < 1
     assert read_image_tags(tmp_path) == [
         "activations/heatmap/mean",

@@ -35,7 +35,7 @@ from lightning_hooks.core import (
     ActivationStatsTracker,
     DeadUnitTracker,
     HookRegistry,
-    LayerStats,
+    LayerTable,
     LayerTimer,
     SaturationTracker,
     Selection,
@@ -139,7 +139,7 @@ def test_fails_cleanly_without_a_logger(
 # has not landed its checks yet are strict xfails naming that owner: they turn into failures,
 # to be unmarked, as soon as the check lands.
 _MODEL = nn.Sequential(nn.Linear(2, 2))
-_STATS = LayerStats(("a",), ("grad_norm",), *([np.ones((1, 1))] * 4))
+_STATS = LayerTable(("a",), ("grad_norm",), *([np.ones((1, 1))] * 4))
 
 
 def _bad(call: Callable[[], Any], match: str, *marks: pytest.MarkDecorator) -> Any:

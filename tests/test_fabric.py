@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
 from lightning_hooks import GradFlowCallback
-from lightning_hooks.callbacks._fabric import check_fabric
+from lightning_hooks.callbacks.fabric import check_fabric
 from lightning_hooks.errors import GradientAlarmWarning
 
 from conftest import hooks_left, read_scalars

@@ -67,9 +67,8 @@ def test_package_import_is_lazy_and_names_resolve() -> None:
     assert not set(HEAVY) & _modules_after("import lightning_hooks")
     loaded = _modules_after("from lightning_hooks import GradFlowCallback")
     assert {"pytorch_lightning", "lightning_hooks.callbacks.grad_flow"} <= loaded
-    renamed = {"LayerStats": "LayerTable"}  # the former name, until the facade exports the new
     for name in lightning_hooks.__all__:
-        assert getattr(lightning_hooks, name).__name__ == renamed.get(name, name)
+        assert getattr(lightning_hooks, name).__name__ == name
     assert set(lightning_hooks.__all__) <= set(dir(lightning_hooks))
     with pytest.raises(AttributeError, match="has no attribute 'GradFlowCalback'"):
         _ = lightning_hooks.GradFlowCalback  # type: ignore[attr-defined]

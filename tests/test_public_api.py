@@ -12,7 +12,7 @@ PUBLIC = {
         "ActivationStatsCallback", "ActivationStatsTracker", "AlarmRules", "DeadReLUCallback",
         "DeadUnitTracker", "FeatureMapCallback", "GradFlowCallback", "GradFlowTracker",
         "GradientAlarm", "GradientAlarmError", "GradientAlarmWarning", "GradientAlarms",
-        "HookRegistry", "LayerStats", "LayerTimeCallback", "LightningHooksError",
+        "HookRegistry", "LayerTable", "LayerTimeCallback", "LightningHooksError",
         "LightningHooksWarning", "SaturationCallback", "StatsCallback", "capture_outputs",
         "select_modules",
     ],
@@ -20,7 +20,7 @@ PUBLIC = {
         "ALARM_RULES", "ActivationStatsTracker", "AlarmRules", "DeadUnitTracker", "DeadUnits",
         "FEATURE_STATS", "FeatureSummary", "FirstNonFinite", "GRAD_FLOW_STATS", "GRAD_STATS",
         "GradFlowTracker", "GradientAlarm", "GradientAlarms", "HookRegistry", "LayerHistogram",
-        "LayerHistograms", "LayerStat", "LayerStats", "LayerStatsAccumulator", "LayerTable",
+        "LayerHistograms", "LayerStat", "LayerStatsAccumulator", "LayerTable",
         "LayerTimer",
         "LayerTimes", "ParamLayout", "SATURATING_TYPES", "SaturationStats", "SaturationTracker",
         "Selection", "StabilityStats", "capture_outputs", "feature_stats", "grad_stats",
@@ -42,3 +42,25 @@ def test_the_two_facades_export_one_object_per_shared_name() -> None:
     top, core = (importlib.import_module(p) for p in PUBLIC)
     for name in set(PUBLIC["lightning_hooks"]) & set(PUBLIC["lightning_hooks.core"]):
         assert getattr(top, name) is getattr(core, name), name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ActivationStatsCallback",
+        "DeadReLUCallback",
+        "FeatureMapCallback",
+        "GradFlowCallback",
+        "LayerTimeCallback",
+        "SaturationCallback",
+        "StatsCallback",
+    ],
+)
+def test_a_callback_chain_holds_at_most_three_classes_of_ours(name: str) -> None:
+    """Composition over inheritance: a callback derives from at most two classes of ours (the
+    base and, for a statistic's callback, ``StatsCallback``); what else it needs it holds."""
+    import lightning_hooks.callbacks
+
+    cls = getattr(lightning_hooks.callbacks, name)
+    ours = [c.__qualname__ for c in cls.__mro__ if c.__module__.split(".")[0] == "lightning_hooks"]
+    assert len(ours) <= 3, ours

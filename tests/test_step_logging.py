@@ -169,7 +169,7 @@ def test_quiet_batches_read_no_window_and_a_late_copy_is_written_at_the_next_bat
     """A window is read only where a logging point posted one (a quiet batch's hooks look at no
     statistic's mailbox); a copy not done when the logging point looks (CUDA's non-blocking
     copy) is written at the next batch's start, with the values of its own step."""
-    from lightning_hooks.callbacks._writing import Writing
+    from lightning_hooks.callbacks.base import HookCallback
     from lightning_hooks.core.stats.stat import EpochWindows
 
     late = copy == "done a batch later"
@@ -185,7 +185,7 @@ def test_quiet_batches_read_no_window_and_a_late_copy_is_written_at_the_next_bat
         collect(self, wait)
 
     batch, reads = [-1], defaultdict(int)
-    write_steps = {cls: cls.__dict__["_write_steps"] for cls in _writers(Writing)}
+    write_steps = {cls: cls.__dict__["_write_steps"] for cls in _writers(HookCallback)}
     for cls, method in write_steps.items():
 
         def counted(self: Any, trainer: Any, wait: bool, method: Any = method) -> bool:

@@ -13,6 +13,7 @@ from lightning_hooks.callbacks.stats import StatsCallback
 from lightning_hooks.core.checks import boolean, positive_int, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.kernels.feature_stats import FeatureSummary
+from lightning_hooks.core.stats.activation_shape import ActivationShape
 from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker, Histogram
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
@@ -49,6 +50,9 @@ class ActivationStatsCallback(StatsCallback):
     ``activations/abs_mean/{layer}``        mean ``|x|``
     ``activations/zero_fraction/{layer}``   fraction of elements exactly ``0``
     ``activations/nonfinite/{layer}``       number of NaN / Inf elements
+    ``activations/kurtosis/{layer}``        Pearson's kurtosis, population moments (3 for a
+                                            Gaussian, higher for heavier tails)
+    ``activations/outlier_ratio/{layer}``   ``max |x|`` over the root mean square of ``x``
     ``activations/histogram/{layer}``       histogram (``histograms=True``; TensorBoard, W&B)
     ``activations/heatmap/{stat}`` (image)  layer x epoch heatmap of ``mean``, ``std`` and
                                             ``zero_fraction`` (every logger with pictures)
@@ -114,7 +118,7 @@ class ActivationStatsCallback(StatsCallback):
         self.heatmaps = boolean(_NAME, "heatmaps", heatmaps)
         self.warn_nonfinite = boolean(_NAME, "warn_nonfinite", warn_nonfinite)
         self.fused = boolean(_NAME, "fused", fused)
-        super().__init__(self._tracker_for(), every_n_steps=every_n_steps)
+        super().__init__(self._stats_for(), every_n_steps=every_n_steps)
         self.types, self.include, self.exclude = (
             types,
             self.selection.include,
@@ -125,9 +129,9 @@ class ActivationStatsCallback(StatsCallback):
         self._warned_nonfinite = False
         self._step = 0
 
-    def _tracker_for(self) -> ActivationStatsTracker:
+    def _stats_for(self) -> tuple[ActivationStatsTracker, ActivationShape]:
         s = self.selection
-        return ActivationStatsTracker(
+        tracker = ActivationStatsTracker(
             types=s.types,
             include=s.include,
             exclude=s.exclude,
@@ -136,6 +140,8 @@ class ActivationStatsCallback(StatsCallback):
             fused=self.fused,
             owner=_NAME,
         )
+        shape = ActivationShape(types=s.types, include=s.include, exclude=s.exclude, owner=_NAME)
+        return tracker, shape
 
     @override
     def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:
@@ -145,8 +151,8 @@ class ActivationStatsCallback(StatsCallback):
 
     @property
     def _activations(self) -> ActivationStatsTracker | None:
-        attached = self.attached
-        return attached[0] if attached else None  # type: ignore[return-value]
+        attached = self._tracker  # not ``self.attached``: read on every batch
+        return None if attached is None else attached.stats[0]  # type: ignore[return-value]
 
     @override
     def _batch_started(self, trainer: pl.Trainer) -> None:
@@ -179,6 +185,8 @@ class ActivationStatsCallback(StatsCallback):
 
     @override
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
+        if not isinstance(stat, ActivationStatsTracker):
+            return  # the activation shape has scalars only
         stats, hists = result
         if not stats.layers or not trainer.is_global_zero:
             return

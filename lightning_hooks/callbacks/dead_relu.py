@@ -9,7 +9,8 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._once import WarnsOncePerLayer
+from lightning_hooks.callbacks.stats import OncePerLayer, StatsCallback
+from lightning_hooks.core.checks import fraction_or_none
 from lightning_hooks.core.hooks.selection import Patterns
 from lightning_hooks.core.stats.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
 from lightning_hooks.core.stats.stat import LayerStat
@@ -20,7 +21,7 @@ __all__ = ["DeadReLUCallback"]
 _NAME = "DeadReLUCallback"
 
 
-class DeadReLUCallback(WarnsOncePerLayer):
+class DeadReLUCallback(StatsCallback):
     r"""Dead units per activation layer: units that never fired on a sampled batch of an epoch.
 
     A unit is a channel of a conv output ``[N, C, ...]`` or a feature of a linear output ``[N, ...,
@@ -83,7 +84,7 @@ class DeadReLUCallback(WarnsOncePerLayer):
     """
 
     uses_images = False
-    _findings = "dead-unit findings"
+    warned: OncePerLayer
     _default_types = RELU_FAMILY
     _selection_arguments = ("include", "exclude", "pre_activation")
     _watches = (
@@ -105,12 +106,19 @@ class DeadReLUCallback(WarnsOncePerLayer):
         warn_at: float | None = 0.5,
         every_n_steps: int | None = None,
     ) -> None:
-        selection = (types, include, exclude)
-        super().__init__(
-            DeadUnitTracker, *selection, warn_at, every_n_steps, pre_activation=pre_activation
+        tracker = DeadUnitTracker(
+            types=types,
+            include=include,
+            exclude=exclude,
+            owner=_NAME,
+            pre_activation=pre_activation,
         )
-        tracker = self.stats[0]
-        assert isinstance(tracker, DeadUnitTracker)
+        self.warn_at = fraction_or_none(_NAME, "warn_at", warn_at)
+        super().__init__(tracker, every_n_steps=every_n_steps)
+        self.warned = OncePerLayer(_NAME, "dead-unit findings")
+        assert tracker.selection is not None
+        self.types = types
+        self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
         self.pre_activation = tracker.producers.include
 
     @override

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -12,20 +12,14 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._base import HookCallback
-from lightning_hooks.callbacks.feature_map_probe import (
-    ProbeInputError,
-    default_input,
-    default_labels,
-    has_tensor,
-    head,
-    to_device,
-)
+from lightning_hooks.callbacks.base import HookCallback
+from lightning_hooks.callbacks.checks import nothing_to_watch
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
 from lightning_hooks.core.hooks.selection import Patterns, as_patterns
+from lightning_hooks.errors import LightningHooksError
 from lightning_hooks.logging import feature_map_grid, log_embedding, log_image, log_scalars
 
-__all__ = ["FeatureMapCallback"]
+__all__ = ["FeatureMapCallback", "ProbeInputError"]
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -184,7 +178,7 @@ class FeatureMapCallback(HookCallback):
             )
         self._drawn = self._select(pl_module)
         if not self._drawn and self.embedding is None:
-            self._nothing_to_watch("convolution or Linear layer")
+            nothing_to_watch(self, "convolution or Linear layer")
         if self.embedding is not None:
             _named(pl_module, "embedding", self.embedding)
 
@@ -274,3 +268,63 @@ def _abs_means(outputs: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, f
     values = torch.stack([out.float().abs().mean() for _, out in outputs]).cpu()
     for (name, _), value in zip(outputs, values, strict=True):
         yield f"feature_map/abs_mean/{name}", float(value)
+
+
+# The probe: the model input, the labels, the first samples, copied, on the model's device.
+
+
+class ProbeInputError(LightningHooksError, TypeError):
+    """No usable model input in the first training batch: a configuration error, which the
+    guard lets through (it propagates the library's own errors) so the fit stops there."""
+
+
+def has_tensor(x: Any) -> bool:
+    """Whether ``x`` is a tensor or a (nested) list, tuple or mapping holding one."""
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, list | tuple):
+        return any(has_tensor(item) for item in x)
+    return isinstance(x, Mapping) and any(has_tensor(item) for item in x.values())
+
+
+def default_input(batch: Any) -> Any:
+    """The model input of a batch: the batch itself if a tensor, else its first element."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    if isinstance(batch, list | tuple) and batch:
+        return batch[0]
+    raise ProbeInputError(
+        f"FeatureMapCallback(input_fn=None): cannot find the model input in a batch of type "
+        f"{type(batch).__name__}; pass input_fn=lambda batch: ... or probe=..."
+    )
+
+
+def default_labels(batch: Any, size: int) -> torch.Tensor | None:
+    """The second element of a tuple batch when it holds one label per sample, else ``None``."""
+    if isinstance(batch, list | tuple) and len(batch) > 1:
+        labels = batch[1]
+        if isinstance(labels, torch.Tensor) and labels.dim() == 1 and len(labels) >= size:
+            return labels[:size].detach().clone()
+    return None
+
+
+def head(x: Any, size: int) -> Any:
+    """The first ``size`` samples of a tensor or a (nested) structure of tensors, copied."""
+    if isinstance(x, torch.Tensor):
+        return x[:size].detach().clone()
+    if isinstance(x, list | tuple):
+        return type(x)(head(item, size) for item in x)
+    if isinstance(x, Mapping):
+        return {key: head(item, size) for key, item in x.items()}
+    return x
+
+
+def to_device(x: Any, device: torch.device) -> Any:
+    """``x`` (a tensor or a nested structure of tensors) on ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, list | tuple):
+        return type(x)(to_device(item, device) for item in x)
+    if isinstance(x, Mapping):
+        return {key: to_device(item, device) for key, item in x.items()}
+    return x

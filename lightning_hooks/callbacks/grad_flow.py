@@ -5,21 +5,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
+from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._checks import (
+from lightning_hooks.callbacks import grad_flow_tags as tags
+from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
+from lightning_hooks.callbacks.base import HookCallback
+from lightning_hooks.callbacks.checks import (
     check_alarms,
     check_every_n_steps,
     check_max_layers,
     check_types,
+    lazy_parameters,
+    nothing_to_watch,
+    settle,
 )
-from lightning_hooks.callbacks._trainer import clip_of, grad_scale
-from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
-from lightning_hooks.callbacks.grad_flow_logging import GradFlowLogging
-from lightning_hooks.callbacks.grad_flow_tags import observe_histograms
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, checks, select_modules
 from lightning_hooks.core.alarms import AlarmRules
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, as_patterns
@@ -30,24 +34,23 @@ from lightning_hooks.errors import LightningHooksWarning
 __all__ = ["GradFlowCallback"]
 
 
-class GradFlowCallback(GradFlowLogging):
+class GradFlowCallback(HookCallback):
     r"""Per-layer gradient flow: the gradient the optimizer applies, weights, updates; and an
     early-warning sentinel on every optimizer step.
 
     A *layer* is a module owning trainable parameters directly (a ``Linear``, a ``Conv2d``, a
     ``BatchNorm``); its parameters are measured together. At every sampled optimizer step (every
     ``every_n_steps``-th, by default the Trainer's ``log_every_n_steps``, and the first of each
-    epoch), on the device and without a host sync, it measures the gradient the optimizer
-    applies (accumulated over ``accumulate_grad_batches``, all-reduced under DDP, unscaled under
-    AMP, after clipping), the weights, the update the step makes, and the gradient with respect
-    to each layer's output (a tensor hook on the output, which works with
-    ``ReLU(inplace=True)``). Each sampled step is a logging step: right after it, its values
-    are reduced across ranks, copied to the host once (non-blocking on CUDA) and logged at that
-    step under ``grad_flow/{stat}_step/{layer}`` and ``grad_flow/global/{stat}_step`` for every
-    statistic of the table below but the ``*_max`` ones (a logging step is one step), with
-    ``grad_flow/alarms_step/{rule}`` and the alarms' text since the last logging step. At each
-    epoch end the mean and max over the epoch's sampled steps are logged at
-    ``trainer.global_step`` under the plain tags below.
+    epoch), on the device and without a host sync, it measures the gradient the optimizer applies
+    (accumulated over ``accumulate_grad_batches``, all-reduced under DDP, unscaled under AMP, after
+    clipping), the weights, the update the step makes, and the gradient with respect to each layer's
+    output (a tensor hook on the output, which works with ``ReLU(inplace=True)``). Each sampled step
+    is a logging step: right after it, its values are reduced across ranks, copied to the host once
+    (non-blocking on CUDA) and logged at that step under ``grad_flow/{stat}_step/{layer}`` and
+    ``grad_flow/global/{stat}_step`` for every statistic of the table below but the ``*_max`` ones
+    (a logging step is one step), with ``grad_flow/alarms_step/{rule}`` and the alarms' text since
+    the last logging step. At each epoch end the mean and max over the epoch's sampled steps are
+    logged at ``trainer.global_step`` under the plain tags below.
 
     Logged metrics (``{layer}`` is the module's qualified name, e.g. ``encoder.0``):
 
@@ -110,13 +113,12 @@ class GradFlowCallback(GradFlowLogging):
     ``all_reduce`` carries the ranks' agreement on a failure of the callback and on ``stop``.
     Under manual optimization in a distributed run they read it when every rank returned a
     loss, and turn off on every rank, with one warning, at the first batch where they disagree
-    (:meth:`.alarm_policy.AlarmPolicy.plan_loss`).
-    ``on_alarm``: ``"warn"``, ``"stop"``, ``"raise"`` or ``"skip"``
-    (:class:`.alarm_policy.AlarmPolicy`). Under
-    ``gradient_clip_val`` the gradient columns are the applied (clipped) gradient, read in an
-    optimizer step post-hook, and ``grad_norm_preclip`` the one before clipping. Under
-    ``16-mixed`` the loss scale is divided out on the device; under DDP the values equal one
-    process's on the global batch.
+    (:meth:`.alarm_policy.AlarmPolicy.plan_loss`). ``on_alarm``: ``"warn"``, ``"stop"``,
+    ``"raise"`` or ``"skip"`` (:class:`.alarm_policy.AlarmPolicy`). Under ``gradient_clip_val``
+    the gradient columns are the applied (clipped) gradient, read in an optimizer step
+    post-hook, and ``grad_norm_preclip`` the one before clipping. Under ``16-mixed`` the loss
+    scale is divided out on the device; under DDP the values equal one process's on the global
+    batch.
 
     Args:
         types: only modules of these types count as layers (default: any module with parameters).
@@ -173,48 +175,28 @@ class GradFlowCallback(GradFlowLogging):
         self.max_layers_logged = check_max_layers("GradFlowCallback", max_layers_logged)
         for name in ("update_ratio", "output_grad", "chart", "histograms", "heatmap", "stability"):
             checks.boolean("GradFlowCallback", name, locals()[name])
-        self.histograms = histograms
-        self._hist = None
-        self._history = []
-        self.types = types
+        self.types, self.histograms = types, histograms
+        self._hist: LayerHistograms | None = None
+        self._history: list[tuple[int, np.ndarray]] = []
         self.include = as_patterns(include, f"GradFlowCallback(include={include!r})")
         self.exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
-        self.update_ratio = update_ratio
-        self.output_grad = output_grad
-        self.chart = chart
-        self.heatmap = heatmap
-        self.stability = stability
-        self._stability = None
+        self.update_ratio, self.output_grad = update_ratio, output_grad
+        self.chart, self.heatmap, self.stability = chart, heatmap, stability
+        self._stability: StabilityStats | None = None
         self.uses_images = chart or heatmap
-        self._tracker = None
+        self._tracker: GradFlowTracker | None = None
         self._batch_step = 0
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
-        modules = select_modules(
-            pl_module, types=self.types, include=self.include, exclude=self.exclude
-        )
-        if self._lazy_parameters(pl_module):
-            return
-        # The model's own parameters count too, unless a selection narrows it (the tracker's rule).
-        root = pl_module if self.types is None and not self.include else None
-        if not ParamLayout.from_modules(modules, root=root).layers:
-            self._nothing_to_watch("module owning a parameter")
+        types, include, exclude = self.types, self.include, self.exclude
+        modules = select_modules(pl_module, types=types, include=include, exclude=exclude)
+        if not lazy_parameters(self, pl_module) and not _layers(self, pl_module, modules):
+            nothing_to_watch(self, "module owning a parameter")
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._tracker = GradFlowTracker(
-            pl_module,
-            trainer.optimizers,
-            types=self.types,
-            include=self.include,
-            exclude=self.exclude,
-            update_ratio=self.update_ratio,
-            output_grad=self.output_grad,
-            post_clip=bool(trainer.gradient_clip_val),
-            alarms=self.alarms,
-            clip=clip_of(trainer),
-        )
+        self._tracker = _tracker(self, trainer, pl_module)
         self._history = []
         _warn_unstepped(self._tracker.unstepped())
         if self.stability:  # on the tracker's registry: one sampled gate, removed with it
@@ -231,8 +213,7 @@ class GradFlowCallback(GradFlowLogging):
             self.policy.keep(self._tracker.alarms)
             self._tracker.remove()
             self._tracker = None
-        self._hist = None
-        self._stability = None
+        self._hist = self._stability = None
 
     @override
     def _batch_started(self, trainer: pl.Trainer) -> None:
@@ -249,7 +230,7 @@ class GradFlowCallback(GradFlowLogging):
         fused = scale is not None and getattr(optimizer, "_step_supports_amp_scaling", False)
         self._tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
         if self._hist is not None:
-            observe_histograms(self._hist, self._tracker.layout, optimizer)
+            tags.observe_histograms(self._hist, self._tracker.layout, optimizer)
         if self._tracker.alarms is not None:
             self.policy.act(trainer, optimizer, self._tracker.alarms.poll(wait=self.policy.wait))
 
@@ -263,10 +244,34 @@ class GradFlowCallback(GradFlowLogging):
             agreed = self.policy.observe_loss(
                 trainer, alarms, outputs, self._batch_step, failed=failed
             )
-            if agreed is not None and self._settle(trainer, self._batch_step, *agreed):
+            if agreed is not None and settle(self, trainer, self._batch_step, *agreed):
                 return True
             self.policy.apply_loss(trainer, alarms)
         return False
+
+    @override
+    def _log_step(self, trainer: pl.Trainer, step: int) -> None:
+        tags.post_window(self, trainer, step)
+
+    @override
+    def _steps_in_flight(self) -> bool:
+        return tags.window_in_flight(self)
+
+    @override
+    def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
+        return tags.write_window(self, trainer, wait)
+
+    @override
+    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        tags.write_epoch(self, trainer)
+
+    @override
+    def _save_state(self) -> dict[str, Any]:
+        return tags.save_state(self)
+
+    @override
+    def _load_state(self, state: dict[str, Any]) -> None:
+        tags.load_state(self, state)
 
     @override
     def _carried(self) -> bool:
@@ -279,6 +284,50 @@ class GradFlowCallback(GradFlowLogging):
     @override
     def _stop_agreed(self) -> None:
         self.policy.stop_requested = False
+
+
+def _layers(
+    callback: GradFlowCallback, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]
+) -> tuple[str, ...]:
+    """The layers of the ``modules`` ``callback`` selects in ``pl_module``."""
+    # The model's own parameters count too, unless a selection narrows it (the tracker's rule).
+    root = pl_module if callback.types is None and not callback.include else None
+    return ParamLayout.from_modules(modules, root=root).layers
+
+
+def _tracker(
+    callback: GradFlowCallback, trainer: pl.Trainer, pl_module: pl.LightningModule
+) -> GradFlowTracker:
+    """The tracker of this fit, for the Trainer's optimizers and clipping."""
+    return GradFlowTracker(
+        pl_module,
+        trainer.optimizers,
+        types=callback.types,
+        include=callback.include,
+        exclude=callback.exclude,
+        update_ratio=callback.update_ratio,
+        output_grad=callback.output_grad,
+        post_clip=bool(trainer.gradient_clip_val),
+        alarms=callback.alarms,
+        clip=clip_of(trainer),
+    )
+
+
+def grad_scale(trainer: pl.Trainer) -> torch.Tensor | None:
+    """The AMP GradScaler's scale as a device tensor (no sync), or ``None`` without AMP."""
+    scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
+def clip_of(trainer: pl.Trainer) -> tuple[float, str] | None:
+    """The Trainer's gradient clipping, ``(value, algorithm)``, or ``None``."""
+    if not trainer.gradient_clip_val:
+        return None
+    algorithm = trainer.gradient_clip_algorithm or "norm"
+    return float(trainer.gradient_clip_val), str(getattr(algorithm, "value", algorithm))
 
 
 def _warn_unstepped(layers: tuple[str, ...]) -> None:

@@ -1,27 +1,46 @@
-"""What ``GradFlowCallback`` logs from a :class:`~lightning_hooks.core.LayerStats`: scalars
-bounded for deep models (at most ``max_layers`` layers' tags plus percentiles over all layers)
-and the per-layer gradient histograms."""
+"""What ``GradFlowCallback`` writes: its logging steps, its epoch (scalars bounded for deep
+models: at most ``max_layers`` layers' tags plus percentiles over all layers; the chart, the
+heatmap, the per-layer gradient histograms, the instability statistics) and its checkpoint
+state."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from lightning_hooks.core import LayerHistograms, LayerStats, ParamLayout
+from lightning_hooks.core import LayerHistograms, LayerTable, ParamLayout
+from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.core.transport.distributed import ShardPlan
-from lightning_hooks.logging import log_histogram
+from lightning_hooks.logging import (
+    grad_flow_figure,
+    layer_epoch_heatmap,
+    log_figure,
+    log_histogram,
+    log_scalars,
+    step_tags,
+)
+
+if TYPE_CHECKING:
+    from lightning_hooks.callbacks.grad_flow import GradFlowCallback
 
 __all__ = [
     "grad_flow_scalars",
     "grad_flow_step_scalars",
+    "load_state",
     "logged_rows",
     "observe_histograms",
+    "post_window",
+    "save_state",
+    "window_in_flight",
+    "write_epoch",
     "write_histograms",
+    "write_window",
 ]
 
 # (tag suffix, statistic, reduction over the epoch's optimizer steps)
@@ -45,7 +64,7 @@ _PERCENTILE_SUFFIX = re.compile(r"_p\d+$")
 
 
 def grad_flow_scalars(
-    stats: LayerStats, max_layers: int | None = None
+    stats: LayerTable, max_layers: int | None = None
 ) -> Iterator[tuple[str, float]]:
     """``(tag, value)`` of every scalar of an epoch (see ``GradFlowCallback``'s table)."""
     last = len(stats.layers) - 1  # the global row
@@ -69,7 +88,7 @@ def grad_flow_scalars(
 _EPOCH_ONLY = frozenset({"grad_norm_max", "update_ratio_max", "output_grad_norm_max"})
 
 
-def grad_flow_step_scalars(stats: LayerStats, max_layers: int | None = None) -> dict[str, float]:
+def grad_flow_step_scalars(stats: LayerTable, max_layers: int | None = None) -> dict[str, float]:
     """The scalars of one logging step's window, by their epoch tag (no ``*_max`` duplicates)."""
     return {tag: value for tag, value in grad_flow_scalars(stats, max_layers) if _per_step(tag)}
 
@@ -81,7 +100,7 @@ def _per_step(tag: str) -> bool:
     return _PERCENTILE_SUFFIX.sub("", stat) not in _EPOCH_ONLY
 
 
-def logged_rows(stats: LayerStats, max_layers: int | None) -> list[int]:
+def logged_rows(stats: LayerTable, max_layers: int | None) -> list[int]:
     """Layer rows to log: all, or non-finite first, then the largest and smallest grad norms."""
     num_layers = len(stats.layers) - 1
     if max_layers is None or num_layers <= max_layers:
@@ -121,7 +140,7 @@ def observe_histograms(
 def write_histograms(
     trainer: pl.Trainer,
     hist: LayerHistograms,
-    stats: LayerStats,
+    stats: LayerTable,
     max_layers: int | None,
     shards: ShardPlan | None,
 ) -> None:
@@ -139,3 +158,122 @@ def write_histograms(
         if counts[row].any():
             tag = f"grad_flow/grad_log10_abs/{stats.layers[row]}"
             log_histogram(trainer.loggers, tag, limits, counts[row], trainer.global_step)
+
+
+# What a logging step and an epoch write, and the checkpoint state.
+
+
+def post_window(callback: GradFlowCallback, trainer: pl.Trainer, step: int) -> None:
+    """A logging point: post the window of the tracker and the instability statistics."""
+    if callback._tracker is None:
+        return
+    callback._tracker.post_window(step)
+    if callback._stability is not None:
+        callback._stability.post_window(step)
+    if callback._tracker.alarms is not None:
+        callback.policy.log_step(trainer, callback._tracker.alarms, step)
+
+
+def window_in_flight(callback: GradFlowCallback) -> bool:
+    """Whether a posted window is not yet written."""
+    tracker, stat = callback._tracker, callback._stability
+    return (tracker is not None and tracker.window_in_flight) or (
+        stat is not None and stat.window_in_flight
+    )
+
+
+def write_window(callback: GradFlowCallback, trainer: pl.Trainer, wait: bool) -> bool:
+    """Write the logging step whose copy is done (``wait``: block for it); whether one was."""
+    tracker = callback._tracker
+    got = None if tracker is None else tracker.read_window(wait)
+    if tracker is None or got is None:
+        return False
+    step, stats = got
+    scalars = grad_flow_step_scalars(stats, callback.max_layers_logged)
+    stat = callback._stability
+    # Posted right after the tracker's window, at the same step: its copy is done too.
+    window = None if stat is None else stat.read_window(wait=True)
+    if stat is not None and window is not None:
+        scalars.update(stat.step_values(window[1]))
+        if tracker.alarms is not None:  # attention collapse: this logging step's measure
+            at, found = window
+            tracker.alarms.update_attention(
+                found["attn_logit_max"], found["attn_entropy_min"], step=at
+            )
+    log_scalars(trainer.loggers, step_tags(scalars), step)
+    return True
+
+
+def save_state(callback: GradFlowCallback) -> dict[str, Any]:
+    """The epoch so far (tracker, instability statistics, alarms), reduced, on the host."""
+    tracker = callback._tracker
+    state = {} if tracker is None else tracker.state()
+    if callback._stability is not None:
+        state["stability"] = callback._stability.host_state()
+    alarm_state = callback.policy.state(tracker.alarms if tracker else None)
+    return state if alarm_state is None else {**state, "alarms": alarm_state}
+
+
+def load_state(callback: GradFlowCallback, state: dict[str, Any]) -> None:
+    """Restore :func:`save_state` into the freshly attached tracker."""
+    state = dict(state)
+    policy = callback.policy
+    policy.saved = state.pop("alarms", policy.saved)
+    stability = state.pop("stability", None)
+    if callback._tracker is not None:
+        policy.restore(callback._tracker.alarms)
+        if state:
+            callback._tracker.load_state(state)
+    if callback._stability is not None and stability is not None:
+        callback._stability.load_host_state(stability)
+
+
+def write_epoch(callback: GradFlowCallback, trainer: pl.Trainer) -> None:
+    """The epoch's scalars, chart, heatmap, histograms, instability statistics and alarms."""
+    tracker = callback._tracker
+    if tracker is None:
+        return
+    # The collectives first: a rank whose host side fails later has made them all.
+    stats = tracker.result()
+    tracker.reset()
+    _write_stability(trainer, callback._stability)
+    if callback._hist is not None and stats.count.any():
+        hist, shards = callback._hist, tracker.shards
+        write_histograms(trainer, hist, stats, callback.max_layers_logged, shards)
+    if tracker.alarms is not None:
+        callback.policy.end_epoch(trainer, tracker.alarms)
+    if not stats.count.any():
+        return
+    step = trainer.global_step
+    scalars = dict(grad_flow_scalars(stats, callback.max_layers_logged))
+    log_scalars(trainer.loggers, scalars, step)
+    if callback.chart and trainer.is_global_zero:
+        figure = grad_flow_figure(
+            stats.layers[:-1],
+            stats.column("grad_abs_mean")[:-1],
+            stats.column("grad_abs_max", "peak")[:-1],
+            title=f"gradient flow, epoch {trainer.current_epoch}",
+        )
+        log_figure(trainer.loggers, "grad_flow/chart", figure, step)
+    if callback.heatmap and trainer.is_global_zero:
+        _write_heatmap(trainer, callback._history, stats, step)
+
+
+def _write_stability(trainer: pl.Trainer, stability: StabilityStats | None) -> None:
+    """Log the instability statistics of the sampled steps so far, then start afresh."""
+    if stability is not None:
+        result = stability.result()  # a collective: every rank calls it
+        stability.reset()
+        log_scalars(trainer.loggers, stability.tags(result), trainer.global_step)
+
+
+def _write_heatmap(
+    trainer: pl.Trainer, history: list[tuple[int, np.ndarray]], stats: LayerTable, step: int
+) -> None:
+    layers, epoch = stats.layers[:-1], trainer.current_epoch
+    history.append((epoch, stats.column("grad_norm")[:-1].copy()))
+    epochs = [e for e, _ in history]
+    values = np.stack([v for _, v in history], axis=1)
+    title = "gradient norm per layer and epoch (mean over steps)"
+    heatmap = layer_epoch_heatmap(layers, epochs, values, title=title, log=True)
+    log_figure(trainer.loggers, "grad_flow/heatmap", heatmap, step)

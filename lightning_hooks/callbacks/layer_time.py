@@ -95,8 +95,8 @@ class LayerTimeCallback(StatsCallback):
 
     @property
     def _timer(self) -> LayerTimer | None:
-        attached = self.attached
-        return attached[0] if attached else None  # type: ignore[return-value]
+        attached = self._tracker  # not ``self.attached``: read on every batch
+        return None if attached is None else attached.stats[0]  # type: ignore[return-value]
 
     @override
     def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:

@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._once import OncePerLayer, WarnsOncePerLayer
+from lightning_hooks.callbacks.stats import OncePerLayer, StatsCallback
 from lightning_hooks.core.checks import fraction_or_none, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.saturation import (
@@ -36,7 +36,7 @@ def _check_types(types: ModuleTypes) -> None:
             )
 
 
-class SaturationCallback(WarnsOncePerLayer):
+class SaturationCallback(StatsCallback):
     r"""Saturated outputs of every bounded activation, and units saturated all epoch long.
 
     A forward hook on every ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6`` included)
@@ -88,7 +88,7 @@ class SaturationCallback(WarnsOncePerLayer):
         0.25
     """
 
-    _findings = "saturation findings"
+    warned: OncePerLayer
     _watches = (
         "bounded activation module (Sigmoid, Tanh, Softsign, Hardtanh, ReLU6, Hardsigmoid, or a "
         "Hugging Face or timm activation computing one)"
@@ -112,10 +112,20 @@ class SaturationCallback(WarnsOncePerLayer):
         unit_dim = int(dim)
         margin = real(_NAME, "margin", margin, low=0.0, high=0.5, low_open=True, high_open=True)
         warn_at = fraction_or_none(_NAME, "warn_at", warn_at)  # before the selection's errors
-        selection = (types, include, exclude)
-        super().__init__(
-            SaturationTracker, *selection, warn_at, every_n_steps, unit_dim=unit_dim, margin=margin
+        tracker = SaturationTracker(
+            types=types,
+            include=include,
+            exclude=exclude,
+            owner=_NAME,
+            unit_dim=unit_dim,
+            margin=margin,
         )
+        self.warn_at = warn_at
+        super().__init__(tracker, every_n_steps=every_n_steps)
+        self.warned = OncePerLayer(_NAME, "saturation findings")
+        assert tracker.selection is not None
+        self.types = types
+        self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
         self.unit_dim = unit_dim
         self.margin = margin
 

@@ -2,23 +2,69 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import pytorch_lightning as pl
+from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks._base import HookCallback, check_every_n_steps
+from lightning_hooks.callbacks.base import HookCallback
+from lightning_hooks.callbacks.checks import check_every_n_steps, fail_everywhere, nothing_to_watch
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.core.transport.distributed import gather_objects
+from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import log_scalars, step_tags
 
-__all__ = ["StatsCallback"]
+__all__ = ["OncePerLayer", "StatsCallback"]
 
 # The bare class in the signature: jsonargparse (LightningCLI) resolves a ``class_path`` against
 # a class, not against the subscripted generic ``LayerStat[Any]``.
 _AnyStat = LayerStat
+
+
+class OncePerLayer:
+    """Remembers, within one fit, which layers were warned about and how often they recurred.
+
+    Example:
+        >>> once = OncePerLayer("DeadReLUCallback", "dead-unit findings")
+        >>> [once.first("net.1") for _ in range(3)] + [once.first("net.3")]
+        [True, False, False, True]
+        >>> once.summary().startswith("DeadReLUCallback: 2 more dead-unit findings held back")
+        True
+        >>> once.summary().endswith("after the first warning per layer: net.1 x2")
+        True
+        >>> once.reset()
+        >>> once.summary() is None
+        True
+    """
+
+    def __init__(self, owner: str, findings: str) -> None:
+        self.owner = owner
+        self.findings = findings
+        self._seen: Counter[str] = Counter()
+
+    def reset(self) -> None:
+        """Forget every layer: the next fit warns afresh."""
+        self._seen.clear()
+
+    def first(self, layer: str) -> bool:
+        """Count one finding on ``layer``; ``True`` when it is the first of this fit."""
+        self._seen[layer] += 1
+        return self._seen[layer] == 1
+
+    def summary(self) -> str | None:
+        """The repeats held back, per layer in the order first warned; ``None`` when none."""
+        held = {layer: n - 1 for layer, n in self._seen.items() if n > 1}
+        if not held:
+            return None
+        per_layer = ", ".join(f"{layer} x{n}" for layer, n in held.items())
+        return (
+            f"{self.owner}: {sum(held.values())} more {self.findings} held back after the "
+            f"first warning per layer: {per_layer}"
+        )
 
 
 class _Attached:
@@ -65,6 +111,9 @@ class StatsCallback(HookCallback):
 
     uses_images = False
     _tracker: _Attached | None = None
+    warned: OncePerLayer | None = None
+    """Set by a subclass that warns about a layer once per fit (its repeats summed up at the
+    end of fit, on rank 0)."""
 
     def __init__(
         self,
@@ -98,7 +147,7 @@ class StatsCallback(HookCallback):
         # A pattern matching no module name raises here, naming it.
         selected = [stat.select(pl_module) for stat in self.stats]
         if not any(selected):
-            self._nothing_to_watch(self._watches, self._watch_hint)
+            nothing_to_watch(self, self._watches, self._watch_hint)
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -107,6 +156,19 @@ class StatsCallback(HookCallback):
         for stat in stats:
             stat.attach(pl_module, registry)
         self._tracker = _Attached(registry, stats)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if self.warned is not None:
+            self.warned.reset()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        summary = None if self.warned is None else self.warned.summary()
+        if summary is not None and trainer.is_global_zero:
+            rank_zero_warn(summary, category=LightningHooksWarning)
 
     @property
     def attached(self) -> tuple[LayerStat[Any], ...]:
@@ -155,7 +217,7 @@ class StatsCallback(HookCallback):
             try:
                 self._align_rows()
             except ValueError as error:  # a layer's units differ between ranks: on every rank
-                return self._fail_everywhere(trainer, step, "aligning rows across ranks", error)
+                return fail_everywhere(self, trainer, step, "aligning rows across ranks", error)
         return False
 
     def _align_rows(self) -> None:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from lightning_hooks.core.kernels.grad_stats import GRAD_STATS, ParamLayout, grad_stats
     from lightning_hooks.core.kernels.histogram import LayerHistogram, LayerHistograms
     from lightning_hooks.core.kernels.tensors import is_training_forward, iter_float_tensors
-    from lightning_hooks.core.stats.accumulator import LayerStats, LayerStatsAccumulator, LayerTable
+    from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable
     from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
     from lightning_hooks.core.stats.dead_units import DeadUnits, DeadUnitTracker
     from lightning_hooks.core.stats.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 # Module -> the public names it defines, imported on first attribute access.
 _MODULES: dict[str, tuple[str, ...]] = {
-    "lightning_hooks.core.stats.accumulator": ("LayerStats", "LayerStatsAccumulator", "LayerTable"),
+    "lightning_hooks.core.stats.accumulator": ("LayerStatsAccumulator", "LayerTable"),
     "lightning_hooks.core.stats.activation_stats": ("ActivationStatsTracker",),
     "lightning_hooks.core.hooks.activations": ("is_kind", "torch_equivalent"),
     "lightning_hooks.core.alarms": ("ALARM_RULES", "AlarmRules", "GradientAlarm", "GradientAlarms"),
@@ -101,7 +101,6 @@ __all__ = [
     "LayerHistogram",
     "LayerHistograms",
     "LayerStat",
-    "LayerStats",
     "LayerStatsAccumulator",
     "LayerTable",
     "LayerTimer",

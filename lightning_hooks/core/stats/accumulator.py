@@ -13,7 +13,7 @@ from lightning_hooks.core.checks import choice
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.core.transport.distributed import rank
 
-__all__ = ["LayerStats", "LayerStatsAccumulator", "LayerTable"]
+__all__ = ["LayerStatsAccumulator", "LayerTable"]
 
 Columns = slice | Sequence[int]
 
@@ -52,10 +52,6 @@ class LayerTable:
         choice("LayerTable.column", "kind", kind, ("mean", "peak", "total", "count"))
         table: np.ndarray = getattr(self, kind)
         return table[:, self.stats.index(stat)]
-
-
-LayerStats = LayerTable
-"""The former name of :class:`LayerTable`."""
 
 
 class LayerStatsAccumulator(LayerStat[LayerTable]):

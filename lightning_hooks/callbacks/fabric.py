@@ -2,9 +2,9 @@
 
 Fabric fires two hooks by itself: ``on_after_setup(fabric, module)`` from ``fabric.setup`` and
 ``on_after_optimizer_step(strategy, optimizer)`` after each step of a wrapped optimizer.
-:class:`FabricHooks` (a base of every callback) answers the first by starting a
-:class:`FabricRun`, which takes the callback's place in Fabric's callback list and drives the
-callback's Trainer hooks from Fabric's:
+The callback answers the first by holding a :class:`FabricRun` (:func:`start_run`), which takes
+the callback's place in Fabric's callback list and drives the callback's Trainer hooks from
+Fabric's; :class:`FabricTrainer` gives the callback the Trainer's names over the ``Fabric``:
 
 ====================================  ===========================================================
 Fabric                                the callback
@@ -40,13 +40,133 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lightning_hooks.callbacks._fabric import FabricTrainer, check_fabric, original_module
+from lightning_hooks.callbacks.checks import passed_by_user
 from lightning_hooks.errors import LightningHooksWarning
 
 if TYPE_CHECKING:
-    from lightning_hooks.callbacks._lifecycle import Lifecycle
+    from lightning_hooks.callbacks.base import HookCallback
 
-__all__ = ["FabricHooks", "FabricRun"]
+__all__ = [
+    "FABRIC_EVERY_N_STEPS",
+    "FabricRun",
+    "FabricTrainer",
+    "check_fabric",
+    "original_module",
+    "start_run",
+]
+
+FABRIC_EVERY_N_STEPS = 50
+"""The cadence under Fabric when the callback's ``every_n_steps`` is ``None``: Fabric has no
+``log_every_n_steps``, so the Trainer's default."""
+
+_SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+_REFUSED_STRATEGIES = (
+    "FSDPStrategy",
+    "DeepSpeedStrategy",
+    "ModelParallelStrategy",
+    "XLAStrategy",
+    "XLAFSDPStrategy",
+    "DataParallelStrategy",
+)
+_TRAINER_ONLY: dict[str, str] = {
+    "LayerTimeCallback": "it times on the LightningModule's device (pl_module.device), which a "
+    "plain nn.Module set up by Fabric does not have. Under Fabric: GradFlowCallback, "
+    "ActivationStatsCallback, DeadReLUCallback, SaturationCallback.",
+    "FeatureMapCallback": "it draws its probe images from the training batch, which Fabric does "
+    "not hand to callbacks. Under Fabric: GradFlowCallback, ActivationStatsCallback, "
+    "DeadReLUCallback, SaturationCallback.",
+}
+"""Callbacks refused under Fabric, with the reason."""
+
+
+class _StrategyView:
+    """The one attribute of a Trainer's strategy our callbacks read: its precision plugin."""
+
+    def __init__(self, fabric: Any) -> None:
+        self.precision_plugin = fabric.strategy.precision
+
+
+class FabricTrainer:
+    """The attributes of a ``pl.Trainer`` that our callbacks read, over a ``Fabric``.
+
+    ``global_step`` counts the optimizer steps of the watched module's optimizers (Fabric has no
+    step counter); ``current_epoch`` counts ``fabric.call("on_train_epoch_end")``;
+    ``should_stop`` is never read by Fabric (``on_alarm="stop"`` is refused).
+
+    Args:
+        fabric: the ``Fabric`` whose loop is watched.
+        callback: the one callback written for (the logger saves of ``base.py``).
+
+    Example:
+        >>> from lightning.fabric import Fabric
+        >>> trainer = FabricTrainer(Fabric(accelerator="cpu", devices=1), callback=None)
+        >>> trainer.global_step, trainer.log_every_n_steps, trainer.is_global_zero
+        (0, 50, True)
+    """
+
+    def __init__(self, fabric: Any, callback: Any) -> None:
+        self.fabric = fabric
+        self.strategy = _StrategyView(fabric)
+        self.callbacks = [callback]
+        self.global_step = 0
+        self.current_epoch = 0
+        self.should_stop = False
+        self.log_every_n_steps = FABRIC_EVERY_N_STEPS
+        self.optimizers: list[Any] = []
+        self.gradient_clip_val: float | None = None
+        self.gradient_clip_algorithm: str | None = None
+
+    @property
+    def loggers(self) -> list[Any]:
+        """Fabric's loggers (``Fabric(loggers=[...])``)."""
+        return list(self.fabric.loggers)
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this process is rank 0."""
+        return bool(self.fabric.is_global_zero)
+
+
+def original_module(module: nn.Module) -> nn.Module:
+    """The user's module inside Fabric's wrapper (``_FabricModule.module``), else ``module``."""
+    inner = getattr(module, "module", None)
+    return inner if type(module).__name__ == "_FabricModule" and inner is not None else module
+
+
+def check_fabric(callback: Any, fabric: Any) -> None:
+    """Refuse what a callback cannot do under Fabric, naming why and what works.
+
+    Raises:
+        MisconfigurationException: an unsupported strategy, no logger, or a callback that needs
+            the Trainer.
+        ValueError: ``on_alarm`` asks to ``stop`` (Fabric's loop has no ``should_stop``).
+    """
+    name = type(callback).__name__
+    if name in _TRAINER_ONLY:
+        raise MisconfigurationException(f"{name} does not work under Fabric: {_TRAINER_ONLY[name]}")
+    strategy = type(fabric.strategy)
+    mro = {c.__name__ for c in strategy.__mro__}
+    if mro & set(_REFUSED_STRATEGIES) or not mro & set(_SUPPORTED_STRATEGIES):
+        raise MisconfigurationException(
+            f"{name} under Fabric supports strategy in ('auto' on one device, 'ddp'), got "
+            f"{strategy.__name__}: under FSDP, DeepSpeed and model parallelism the parameters are "
+            "sharded and their statistics are not made whole there; under DataParallel each "
+            "replica sees part of the batch."
+        )
+    if not fabric.loggers:
+        raise MisconfigurationException(
+            f"{name} needs a logger, but the Fabric has none. Use "
+            "Fabric(loggers=[TensorBoardLogger(...)]) (lightning.fabric.loggers)."
+        )
+    actions = getattr(getattr(callback, "policy", None), "actions", {})
+    if "stop" in actions.values():
+        stopping = sorted(rule for rule, action in actions.items() if action == "stop")
+        raise ValueError(
+            f"{name}(on_alarm=...): 'stop' (for {stopping}) needs a Trainer; a Fabric loop has "
+            "no should_stop to set. Under Fabric on_alarm must be in ('warn', 'raise', 'skip', "
+            f"'log'), got 'stop'."
+        )
+
 
 _CLIPS = (
     ("clip_gradients_norm", "norm", "max_norm"),
@@ -63,7 +183,7 @@ class FabricRun:
         module: the module set up (Fabric's wrapper; the user's module is watched).
     """
 
-    def __init__(self, callback: Lifecycle, fabric: Any, module: nn.Module) -> None:
+    def __init__(self, callback: HookCallback, fabric: Any, module: nn.Module) -> None:
         check_fabric(callback, fabric)
         self.callback = callback
         self.fabric = fabric
@@ -192,7 +312,7 @@ class FabricRun:
         """``fabric.call("on_train_end")``: write what is pending, remove every hook."""
         callback, trainer = self.callback, self.trainer
         if self._attached:
-            callback._flush(trainer)  # type: ignore[arg-type]
+            callback.flush(trainer)  # type: ignore[arg-type]
             callback.on_train_end(trainer, self.module)  # type: ignore[arg-type]
         callback.teardown(trainer, self.module, "fit")  # type: ignore[arg-type]
         self._attached = False
@@ -212,42 +332,17 @@ class FabricRun:
             )
 
 
-class FabricHooks:
-    """Fabric's hooks on every callback: ``Fabric(callbacks=[GradFlowCallback()])`` works."""
-
-    _from_environment: bool
-
-    def on_after_setup(self, fabric: Any, module: nn.Module) -> None:
-        """Fabric's hook: start watching ``module`` (see :class:`FabricRun`)."""
-        callbacks: list[Any] | None = getattr(fabric, "_callbacks", None)
-        if self._from_environment and callbacks is not None and _passed_by_user(self, callbacks):
-            return  # LIGHTNING_HOOKS asked for a callback the user passed already
-        run = FabricRun(self, fabric, module)  # type: ignore[arg-type]
-        self.__dict__["_fabric_run"] = run
-        if callbacks is not None and self in callbacks:
-            # Fabric calls any hook a loop names (fabric.call("on_train_batch_end", ...)) with
-            # Fabric's arguments; the run answers those, not the callback's Trainer hooks.
-            callbacks[callbacks.index(self)] = run
-        run.start()
-
-    def on_after_optimizer_step(self, strategy: Any, optimizer: torch.optim.Optimizer) -> None:
-        """Fabric's hook, when the run could not take the callback's place in its list."""
-        run: FabricRun | None = self.__dict__.get("_fabric_run")
-        if run is not None:
-            run.on_after_optimizer_step(strategy, optimizer)
-
-    def release(self) -> None:
-        """Under Fabric: write what is pending and remove every hook now (as
-        ``fabric.call("on_train_end")``); the hooks also go when the module is released."""
-        run: FabricRun | None = self.__dict__.pop("_fabric_run", None)
-        if run is not None:
-            run.on_train_end()
-
-
-def _passed_by_user(callback: Any, callbacks: list[Any]) -> bool:
-    """Whether ``callbacks`` (or their runs) hold one of ``callback``'s class not added by
-    ``LIGHTNING_HOOKS``."""
-    return any(
-        isinstance(cb, type(callback)) and not getattr(cb, "_from_environment", False)
-        for cb in (other.callback if isinstance(other, FabricRun) else other for other in callbacks)
-    )
+def start_run(callback: HookCallback, fabric: Any, module: nn.Module) -> None:
+    """Fabric's ``on_after_setup`` on ``callback``: start watching ``module`` with a
+    :class:`FabricRun` the callback holds, which takes its place in Fabric's callback list."""
+    callbacks: list[Any] | None = getattr(fabric, "_callbacks", None)
+    ours = [other.callback if isinstance(other, FabricRun) else other for other in callbacks or ()]
+    if passed_by_user(callback, ours):
+        return  # LIGHTNING_HOOKS asked for a callback the user passed already
+    run = FabricRun(callback, fabric, module)
+    callback.__dict__["_fabric_run"] = run
+    if callbacks is not None and callback in callbacks:
+        # Fabric calls any hook a loop names (fabric.call("on_train_batch_end", ...)) with
+        # Fabric's arguments; the run answers those, not the callback's Trainer hooks.
+        callbacks[callbacks.index(callback)] = run
+    run.start()

@@ -1,0 +1,347 @@
+"""What a callback checks and arranges before it runs, and what its ranks agree on.
+
+Its arguments, the Trainer's strategy and loggers, and the selection against the model are
+checked (each error names the culprit); Lightning's dispatch of the per-batch hooks a callback
+does not define is skipped for the fit (:func:`skip_inherited`). At the logging points of a
+multi-process run, the ranks agree on a failure of the callback and on a stop
+(:func:`agree_ranks`).
+
+Per-batch Lightning hooks a callback of ours does not define are not dispatched at all.
+
+Lightning calls every per-batch hook of every callback (``trainer/call.py``:
+``_call_callback_hooks``), each inside its profiler's context with an action name built for the
+call, also when the hook is ``Callback``'s empty default: six such calls a training step per
+callback. On a launch-bound step of about 11 ms on the CPU, six callbacks that do nothing cost
+1.03x a bare step (``benchmarks/results/paired_launch.md``). Lightning skips an attribute that
+is not callable (``if callable(fn)``, and Fabric's ``call`` one that is ``None``): for the fit,
+each inherited per-batch hook of ours is shadowed by ``None`` on the instance, and the shadow is
+removed when the fit ends. Hooks Lightning calls directly (``on_save_checkpoint``,
+``on_load_checkpoint``) and every hook a class defines are left alone, as is an attribute
+someone else set on the instance (a timing wrapper, say).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import pytorch_lightning as pl
+from lightning_fabric.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities import rank_zero_warn
+from torch import nn
+from torch.nn.parameter import is_lazy
+
+from lightning_hooks.core.alarms import AlarmRules
+from lightning_hooks.core.checks import positive_int
+from lightning_hooks.core.hooks.selection import ModuleTypes
+from lightning_hooks.core.transport.distributed import agree, gather_objects
+from lightning_hooks.errors import LightningHooksWarning
+from lightning_hooks.logging import shows_pictures
+
+__all__ = [
+    "PER_BATCH_HOOKS",
+    "agree_ranks",
+    "check_alarms",
+    "check_every_n_steps",
+    "check_max_layers",
+    "check_strategy",
+    "check_trainer",
+    "check_types",
+    "fail_everywhere",
+    "lazy_parameters",
+    "nothing_to_watch",
+    "passed_by_user",
+    "restore_inherited",
+    "second_callback",
+    "settle",
+    "skip_inherited",
+]
+
+
+def check_types(owner: str, types: ModuleTypes) -> None:
+    """Raise ``TypeError`` unless ``types`` is ``None``, an ``nn.Module`` subclass or a tuple.
+
+    Example:
+        >>> check_types("Cb", 3)
+        Traceback (most recent call last):
+        ...
+        TypeError: Cb(types=3): expected an nn.Module subclass or a tuple of them, got 3
+    """
+    items = types if isinstance(types, tuple) else (types,)
+    for t in items:
+        if t is not None and not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise TypeError(
+                f"{owner}(types={types!r}): expected an nn.Module subclass or a tuple of them, "
+                f"got {t!r}"
+            )
+
+
+def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
+    """Validate a cadence argument: a positive int or ``None``, named with its owner in the error.
+
+    Example:
+        >>> check_every_n_steps("GradFlowCallback", 4)
+        4
+        >>> check_every_n_steps("GradFlowCallback", None) is None
+        True
+    """
+    if every_n_steps is None:
+        return None
+    try:
+        return positive_int(owner, "every_n_steps", every_n_steps)
+    except TypeError as err:  # one error type for every wrong cadence, as before
+        raise ValueError(
+            f"{owner}(every_n_steps={every_n_steps!r}): must be a positive int or None "
+            f"(the Trainer's log_every_n_steps), got {every_n_steps!r}"
+        ) from err
+
+
+# Strategies whose sharded statistics are not made whole: refused at setup. FSDP2 (Lightning's
+# ModelParallelStrategy with fully_shard) is supported, data parallel only: see check_strategy.
+_REFUSED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
+_FSDP2 = (
+    "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) with fully_shard "
+    "applied in configure_model (FSDP2; HSDP on a 2-D (replicate, shard) mesh)"
+)
+
+
+def check_strategy(owner: str, strategy: object) -> None:
+    """Refuse the strategies whose statistics would be a shard's or a replica's, naming FSDP2."""
+    names = {c.__name__ for c in type(strategy).__mro__}  # both Lightning namespaces, subclasses
+    name = type(strategy).__name__
+    if names & set(_REFUSED_STRATEGIES):
+        raise MisconfigurationException(
+            f"{owner} does not support Trainer(strategy={name}): parameters are sharded across "
+            f"ranks and their statistics are not made whole there. Use {_FSDP2}, strategy='ddp' "
+            "or a single device (see the README's support matrix)."
+        )
+    tensor_parallel = getattr(strategy, "_tensor_parallel_size", 1)
+    if "ModelParallelStrategy" in names and tensor_parallel != 1:
+        raise MisconfigurationException(
+            f"{owner} does not support {name}(tensor_parallel_size={tensor_parallel!r}): ranks of "
+            "a tensor-parallel group see the same batch and shards of each activation, so "
+            f"per-layer statistics would be wrong. Supported: {_FSDP2}."
+        )
+
+
+def second_callback() -> type:
+    """``lightning.pytorch.Callback`` when installed and not ``pytorch_lightning``'s, else
+    ``object``: each namespace's ``LightningCLI`` (jsonargparse) accepts in
+    ``trainer.callbacks`` only subclasses of its own ``Callback``, so ours derive from both."""
+    try:
+        from lightning.pytorch import Callback as LightningCallback
+    except ImportError:
+        return object
+    second: type = LightningCallback
+    return object if second is pl.Callback else second
+
+
+def check_trainer(callback: Any, trainer: pl.Trainer) -> None:
+    """At ``setup``: refuse a strategy the callback cannot measure under and a Trainer without a
+    logger; warn when no logger shows the callback's pictures.
+
+    Raises:
+        MisconfigurationException: an unsupported strategy, or no logger.
+    """
+    name = type(callback).__name__
+    check_strategy(name, trainer.strategy)
+    if not trainer.loggers:
+        raise MisconfigurationException(
+            f"{name} needs a logger, but the Trainer has none (logger=False). "
+            "Use Trainer(logger=TensorBoardLogger(...)) or leave logger at its default."
+        )
+    if callback.uses_images and not shows_pictures(trainer.loggers):
+        rank_zero_warn(
+            f"{name}: no logger that shows pictures among the Trainer's loggers; scalars go "
+            f"to {[type(lg).__name__ for lg in trainer.loggers]}, images need TensorBoard, "
+            "W&B, MLflow or CSV.",
+            category=LightningHooksWarning,
+        )
+
+
+def check_alarms(owner: str, alarms: AlarmRules | bool) -> AlarmRules | None:
+    """The alarm rules asked for: ``True`` the defaults, ``False`` none; ``TypeError`` else.
+
+    Example:
+        >>> check_alarms("GradFlowCallback", False) is None
+        True
+    """
+    if not isinstance(alarms, AlarmRules | bool):
+        raise TypeError(
+            f"{owner}(alarms={alarms!r}): expected an AlarmRules or a bool, "
+            f"got {type(alarms).__name__}"
+        )
+    return AlarmRules() if alarms is True else alarms or None
+
+
+def check_max_layers(owner: str, max_layers_logged: int | None) -> int | None:
+    """Validate ``max_layers_logged``: a positive int or ``None``.
+
+    Example:
+        >>> check_max_layers("GradFlowCallback", 100)
+        100
+    """
+    integral = isinstance(max_layers_logged, numbers.Integral)
+    if max_layers_logged is not None and (
+        not integral or isinstance(max_layers_logged, bool) or max_layers_logged < 1
+    ):
+        raise ValueError(
+            f"{owner}(max_layers_logged={max_layers_logged!r}): must be a positive "
+            f"int or None, got {max_layers_logged!r}"
+        )
+    return max_layers_logged
+
+
+def nothing_to_watch(callback: Any, what: str, hint: str = "") -> None:
+    """``callback``'s selection holds no ``what``: an explicit selection is the user's mistake
+    and raises, naming its arguments; at the defaults, one warning and this fit does nothing
+    (as Lightning's ``LearningRateMonitor`` without a scheduler).
+
+    Raises:
+        ValueError: a selection argument was given.
+    """
+    name = type(callback).__name__
+    types = getattr(callback, "types", None)
+    given = [f"types={types!r}"] if types is not None and types != callback._default_types else []
+    for argument in callback._selection_arguments:
+        value = getattr(callback, argument, None)
+        if value:
+            given.append(f"{argument}={value!r}")
+    if given:
+        raise ValueError(f"{name}({', '.join(given)}): selects no {what} of the model{hint}")
+    rank_zero_warn(
+        f"{name}: the model has no {what} to watch at the defaults; this callback does "
+        f"nothing in this fit{hint}",
+        category=LightningHooksWarning,
+    )
+    callback._idle = True
+
+
+def lazy_parameters(callback: Any, pl_module: nn.Module) -> bool:
+    """Whether the model still holds uninitialized lazy parameters (``nn.LazyLinear`` before its
+    first forward), whose sizes no statistic of the parameters can be laid out by: one warning
+    naming them, and ``callback`` does nothing in this fit (training goes on)."""
+    lazy = [n for n, p in pl_module.named_parameters() if is_lazy(p)]
+    if lazy:
+        rank_zero_warn(
+            f"{type(callback).__name__}: the model's lazy parameters {lazy[:3]} are not "
+            "initialized before fit; this callback does nothing in this fit. Initialize "
+            "them first: one forward of a sample batch before trainer.fit (or in the "
+            "LightningModule's setup)",
+            category=LightningHooksWarning,
+        )
+        callback._idle = True
+    return bool(lazy)
+
+
+PER_BATCH_HOOKS = (
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_zero_grad",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+)
+"""The hooks Lightning calls per batch through ``_call_callback_hooks``."""
+
+_SHADOWED = "_lightning_hooks_shadowed"
+
+
+def _namespaces() -> tuple[tuple[type, ...], dict[str, set[Any]]]:
+    """The ``Trainer`` classes installed (two namespaces), and each hook's empty default in
+    their ``Callback`` classes."""
+    pairs: list[tuple[type, type]] = [(pl.Trainer, pl.Callback)]
+    try:
+        from lightning.pytorch import Callback as LightningCallback
+        from lightning.pytorch import Trainer as LightningTrainer
+
+        pairs.append((LightningTrainer, LightningCallback))
+    except ImportError:
+        pass
+    defaults = {name: {getattr(base, name) for _, base in pairs} for name in PER_BATCH_HOOKS}
+    return tuple(trainer for trainer, _ in pairs), defaults
+
+
+_TRAINERS, _DEFAULTS = _namespaces()
+
+
+def skip_inherited(callback: Any, trainer: Any) -> None:
+    """Shadow ``callback``'s inherited per-batch hooks with ``None`` until
+    :func:`restore_inherited`, when ``trainer`` is Lightning's, which then dispatches only the
+    hooks the class defines (Fabric's loop in ``fabric.py`` calls ours by name: untouched)."""
+    if not isinstance(trainer, _TRAINERS):
+        return
+    shadowed = []
+    for name in PER_BATCH_HOOKS:
+        if name not in callback.__dict__ and getattr(type(callback), name) in _DEFAULTS[name]:
+            callback.__dict__[name] = None
+            shadowed.append(name)
+    callback.__dict__[_SHADOWED] = callback.__dict__.get(_SHADOWED, ()) + tuple(shadowed)
+
+
+def restore_inherited(callback: Any) -> None:
+    """Remove the shadows :func:`skip_inherited` set (idempotent)."""
+    for name in callback.__dict__.pop(_SHADOWED, ()):
+        if callback.__dict__.get(name, False) is None:
+            del callback.__dict__[name]
+
+
+def agree_ranks(callback: Any, trainer: pl.Trainer, step: int, always: bool) -> bool:
+    """At a logging point (``always``: an epoch end) of a multi-process run, agree with the
+    other ranks on a deferred failure and a ``stop`` (one small ``all_reduce``, read on the
+    host), unless a collective of every batch carries them (``_carried``); whether the
+    callback is now disabled on every rank."""
+    guard = callback._hook_guard()
+    if callback._ranks == 1 or guard.failed is not None or (callback._carried() and not always):
+        return guard.failed is not None
+    failed, stopping, *extra = agree(
+        [guard.local is not None, callback._wants_stop(), *callback._agreement_flags()]
+    )
+    disabled = settle(callback, trainer, step, failed, stopping)
+    return disabled or callback._agreed(trainer, step, extra)
+
+
+def settle(callback: Any, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
+    """Act on the ranks' agreement at ``step``: stop every rank if any asked; when one failed,
+    disable the callback on every rank now (one warning on rank 0 names each failed rank, its
+    hook and its error: one ``all_gather_object``). Whether it is disabled."""
+    if stopping:
+        trainer.should_stop = True
+        callback._stop_agreed()
+    if not failed:
+        return False
+    guard = callback._hook_guard()
+    guard.settle(gather_objects(guard.local), step, warn=trainer.is_global_zero)
+    guard.take_pending()
+    callback._guard_disable()
+    return True
+
+
+def fail_everywhere(
+    callback: Any, trainer: pl.Trainer, step: int, where: str, error: Exception
+) -> bool:
+    """An error every rank met alike (computed from what the ranks exchanged): raise if strict,
+    else disable the callback on every rank now, one warning on rank 0."""
+    guard = callback._hook_guard()
+    if guard.strict:
+        raise error
+    cause = f"{where}: {type(error).__name__}: {error}"
+    guard.settle([cause] * callback._ranks, step, warn=trainer.is_global_zero)  # every rank's
+    guard.take_pending()
+    callback._guard_disable()
+    return True
+
+
+def passed_by_user(callback: Any, callbacks: list[Any]) -> bool:
+    """Whether ``callback`` came from ``LIGHTNING_HOOKS`` and ``callbacks`` hold one of its class
+    that did not (the user's: it is not added twice)."""
+    return callback._from_environment and any(
+        isinstance(other, type(callback)) and not getattr(other, "_from_environment", False)
+        for other in callbacks
+    )
