@@ -24,7 +24,6 @@ def attention_alarms(
     ``rules.attn_min_layers`` layers (every layer, in a model with fewer) collapsed at once. A
     layer without an entropy is judged on its logit.
 
-
     Example:
         >>> rules = AlarmRules()
         >>> [a.layer for a in attention_alarms({"h.0": 5e4, "h.1": 2e3, "h.2": 20.0},

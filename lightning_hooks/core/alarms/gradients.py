@@ -287,7 +287,6 @@ class GradientRules:
         global norm to ``clip``) is above ``ceiling`` (log of ``explode_factor`` x the running
         scale), on a step whose global row is too or is out of the rules (a subset's optimizer):
         one layer alone jumps in healthy runs (an embedding meeting rare tokens)."""
-
         if self.rules.explode_factor is None:
             return self._false
         if clip is not None:  # every row scales by min(1, clip / global norm)

@@ -241,7 +241,6 @@ class StallRule:
 
     def read(self, wait: bool) -> GradientAlarm | None:
         """Evaluate the posted update once its copy is read: the alarm if it fired."""
-
         got = self._box.read(wait)
         if got is None:
             return None

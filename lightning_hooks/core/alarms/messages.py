@@ -239,7 +239,6 @@ def _first_departure(
     """``(step index, layer row)`` of the first step a layer left its running scale by more
     than the spike band (or went non-finite), the largest departure of that step; else
     ``None``."""
-
     with np.errstate(divide="ignore", invalid="ignore"):
         size = np.abs(np.log(np.abs(norms / scales)))
     size[np.isnan(norms) | np.isnan(scales)] = np.nan  # not stepped, or not armed yet

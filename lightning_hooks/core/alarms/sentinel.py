@@ -183,7 +183,6 @@ class GradientAlarms:
     def spike_score(self) -> float:
         """Alarms per 1,000 evaluated optimizer steps since construction (every rule, transient
         spikes included), as OLMo-core's ``SpikeScore``."""
-
         return 1000.0 * self.total / max(self.evaluated, 1)
 
     def poll(self, wait: bool = False) -> list[GradientAlarm]:

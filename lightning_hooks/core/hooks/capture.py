@@ -104,7 +104,6 @@ def probe_mode(model: nn.Module) -> Iterator[None]:
     BatchNorm statistic, keeps no graph, is ignored by the library's forward hooks (they count
     grad-enabled forwards only) and does not shift training's random stream.
 
-
     Example:
         >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))

@@ -92,7 +92,6 @@ def gated_hook(module: nn.Module, hook: Callable[..., Any], pre: bool, **options
     """``hook`` (``pre``: a forward pre-hook) as a not yet installed :class:`Gated` of
     ``module``, with ``register_forward_(pre_)hook``'s ``options``, under an id no handle takes.
 
-
     Example:
         >>> import torch
         >>> layer = nn.Linear(2, 2)

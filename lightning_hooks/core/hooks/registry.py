@@ -329,7 +329,6 @@ class HookRegistry(HookOwner):
     def remove(self) -> None:
         """Remove every hook and drop the model (a reused owner must not keep it alive).
         Idempotent."""
-
         self._model = None
         handles, gated = self._handles, self._gated_hooks
         self._handles, self._gated_hooks = [], []

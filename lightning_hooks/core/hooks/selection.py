@@ -187,7 +187,6 @@ def select_modules(
             one (:mod:`lightning_hooks.core.hooks.activations`).
         include: glob patterns (``fnmatch``, e.g. ``"encoder.*"``) on qualified names; when given,
             keep only modules matching one. Each pattern must match some module.
-
         exclude: glob patterns; drop modules matching any. Each pattern must match some module.
         where: an extra predicate ``(name, module) -> bool``.
         arguments: how errors name ``include`` and ``exclude`` (the user's argument names).
