@@ -199,7 +199,7 @@ class LossRules:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; an older state's *diverging* starts again."""
+        """Restore :meth:`state_dict`; *diverging* starts afresh if the state lacks it."""
         self.scale.load(state["loss_scale"])
         if "diverging" in state:
             self.state[...] = as_array(state["diverging"])
@@ -279,7 +279,7 @@ class StallRule:
         return {"stall": torch.from_numpy(self.state.copy()), "peak_lr": self.peak_lr}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; an older state's level starts again."""
+        """Restore :meth:`state_dict`; the level starts afresh if the state lacks it."""
         if "stall" in state and tuple(state["stall"].shape) == self.state.shape:
             self.state[...] = as_array(state["stall"])
             self.peak_lr = float(state["peak_lr"])
