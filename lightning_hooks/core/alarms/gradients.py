@@ -32,9 +32,8 @@ def lower_median(values: np.ndarray) -> np.float32:
 
 
 class HostSegments:
-    """Which row each per-parameter gradient norm belongs to; :meth:`fold` turns the
-    ``[parameters]`` norms a quiet step copies to the host into the rows the rules read (a
-    handful of numpy calls into buffers made once, no per-layer Python).
+    """Which row each per-parameter gradient norm belongs to; :meth:`fold` turns a quiet step's
+    ``[parameters]`` norms into the rows the rules read, in buffers made once.
 
     Args:
         owner: the layer row of each parameter (``0 .. layers - 1``), in parameter order.
@@ -77,10 +76,8 @@ class HostSegments:
 
 
 class RunningScale:
-    """Per row: EMA of ``log x`` and of its variance, and the count of finite steps seen.
-
-    Views of one ``float32`` state array, updated in place.
-    """
+    """Per row: EMA of ``log x`` and of its variance, and the count of finite steps seen (views
+    of one ``float32`` state array, updated in place)."""
 
     def __init__(self, rows: int, rules: AlarmRules) -> None:
         self.state = np.zeros((3, rows), dtype=np.float32)  # mean, variance, count

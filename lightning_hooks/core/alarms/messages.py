@@ -76,12 +76,11 @@ class GradientAlarm:
         message: the whole story in one line.
         others: the other layers the rule flagged at the same step.
         history_steps: the optimizer steps in the ring buffer, oldest first, up to ``step``.
-        history: per step of ``history_steps``, the gradient norm of every row (the layers,
-            then the global norm), from the sentinel's ring buffer.
-        history_scale: the same rows' running scales before each step (NaN: not armed yet).
+        history: per step of ``history_steps``, the gradient norm of every row.
+        history_scale: the rows' running scales before each step (NaN: not armed yet).
         history_layers: the rows' names (the layers, then ``"global"``).
-        departure: which layer left its running scale first (by more than the spike band, up
-            or down), when, and by how much.
+        departure: which layer left its running scale first (beyond the spike band), when, and
+            by how much.
         departed: that layer's name (``""``: none left its scale in the ring buffer).
     """
 

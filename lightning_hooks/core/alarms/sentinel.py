@@ -1,9 +1,7 @@
 """The alarm sentinel, run at every optimizer step (no Lightning): the device posts one
-non-blocking copy of the gradient norms (and of the loss) to host memory
-(:class:`~.readback.HostMailbox`); the rules run on the host when it is read, over O(layers)
-``float32`` state, with no host sync and no kernel on a quiet step. When a rule fires, the
-diagnosis (which layer, the weights, read only then, and the last ``history`` steps' norms from
-:class:`NormRing`) runs on the host too.
+non-blocking copy of the gradient norms (and of the loss) to host memory; the rules and, when
+one fires, the diagnosis (the layer, the weights, the :class:`NormRing` history) run on the
+host when it is read: no host sync, no kernel on a quiet step.
 """
 
 from __future__ import annotations
@@ -38,18 +36,14 @@ __all__ = ["GradientAlarms", "NormRing"]
 
 
 class GradientAlarms:
-    """Evaluates :class:`AlarmRules` on each optimizer step's gradient norms, on the host.
+    """Evaluates :class:`AlarmRules` (each rule's definition and default) on the host.
 
-    Rows are the layers and a last ``"global"`` row. :meth:`update` posts the norms (one copy,
-    no host sync) for the gradient rules; :meth:`update_loss` feeds *loss_spike* and
-    *diverging*; :meth:`update_stall` and :meth:`update_attention` feed *stall* and *attention*
-    on logging steps (each rule's definition and default: :class:`AlarmRules`). *nonfinite*
-    names the first layer in forward order whose weights are non-finite, else the first in
-    backward order whose gradient is. With ``amp=True`` non-finite gradients are an
-    *amp_overflow* the scaler skips, kept out of the running scales.
-
-    :meth:`poll` returns the verdicts: at once on the CPU; on CUDA when the copy is done, at the
-    latest at the next :meth:`update` (one step late) or with ``wait=True``.
+    Rows are the layers and a last ``"global"`` row. :meth:`update` feeds the gradient rules,
+    :meth:`update_loss` *loss_spike* and *diverging*, :meth:`update_stall` and
+    :meth:`update_attention` *stall* and *attention* on logging steps. *nonfinite* names the
+    first layer in forward order whose weights are non-finite, else the first in backward order
+    whose gradient is. :meth:`poll` returns the verdicts: at once on the CPU; on CUDA when the
+    copy is done, at the latest one step late (or with ``wait=True``).
 
     Args:
         layers: row names: the layers, then ``"global"``.
@@ -109,8 +103,7 @@ class GradientAlarms:
         """Post one optimizer step's norms to the host (no host sync) for the gradient rules.
 
         Args:
-            norm: ``[len(rows)]`` gradient L2 norms, last the global one; a ``[len(rows), k]``
-                table is read in its first column.
+            norm: ``[len(rows)]`` gradient L2 norms, last the global one (of a table: column 0).
             rows: the rows ``norm`` covers (one optimizer's layers, then global; default: all),
                 best on the host (a device tensor is read once: a sync). When not every layer,
                 the global row is left out of the rules.
@@ -119,8 +112,7 @@ class GradientAlarms:
             order: layer rows in the order their output-gradient hooks fired.
             weights: the weight norms of ``rows``, called when a rule fired; ``None``:
                 *nonfinite* goes by gradients only.
-            stepped: ``[len(rows)]`` bool, false for a layer with no gradient this step: left
-                out of the rules (default: all).
+            stepped: ``[len(rows)]`` bool, false for a layer with no gradient (out of the rules).
             clip: the largest global L2 norm the optimizer will apply (``None``: not clipped):
                 *explosion* judges the gradient as clipped.
             segments: ``norm`` is ``[parameters]`` L2 norms, folded into ``rows`` on the host.

@@ -1,17 +1,13 @@
 """The guard: an error in one of our hooks disables that statistic, never the user's run.
 
-A :class:`Guard` belongs to one statistic (a callback, or a tracker in a plain loop). Its first
-caught exception marks it failed and emits one
-:class:`~lightning_hooks.errors.LightningHooksWarning` naming the statistic, the hook and the
-cause; later ones are swallowed. The owner then removes its hooks at the next safe point (a
-Lightning hook, not in the middle of autograd).
-
-In a multi-process run the guard is *deferred* (:attr:`Guard.defer`): a failure is only
-recorded (:attr:`Guard.local`) and the hooks keep running, so this rank issues every collective
-the others do; the ranks agree at a collective they all make and settle (:meth:`Guard.settle`)
-at the same step. With ``strict`` (or ``LIGHTNING_HOOKS_STRICT=1``, which the test suite sets)
-the exception propagates; :class:`~lightning_hooks.errors.LightningHooksError` (e.g.
-``on_alarm="raise"``) always does.
+A :class:`Guard` belongs to one statistic. Its first caught exception marks it failed and warns
+once (a :class:`~lightning_hooks.errors.LightningHooksWarning` naming the statistic, the hook
+and the cause); the owner removes its hooks at the next safe point (a Lightning hook, not
+mid-autograd). In a multi-process run it is *deferred* (:attr:`Guard.defer`): the failure is
+recorded and the hooks keep running, so this rank issues every collective the others do, until
+the ranks :meth:`Guard.settle` at the same step. With ``strict`` (or
+``LIGHTNING_HOOKS_STRICT=1``, set by the test suite) the exception propagates, as
+:class:`~lightning_hooks.errors.LightningHooksError` always does.
 
 Example:
     >>> import warnings

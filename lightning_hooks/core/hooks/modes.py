@@ -1,13 +1,9 @@
 """How the gated hooks of sampled steps are put on, taken off, and run.
 
-A :class:`Gated` hook is written into its module's hook dicts under an id reserved once and
-deleted from them, as ``register_forward_(pre_)hook`` and ``RemovableHandle.remove`` do, without
-making a ``RemovableHandle`` each sampled step (which costs more than the hook's call:
-``benchmarks/gated_hooks.py``).
-
-The attention capture holds a ``TorchFunctionMode`` over a sampled step's forward; the gated
-hooks' torch calls are never attention it records, so they run with that mode popped
-(:func:`outside_shelved`), sparing its Python on each of their calls.
+A :class:`Gated` hook is written into and deleted from its module's hook dicts under an id
+reserved once, without a ``RemovableHandle`` per sampled step (it costs more than the hook's
+call). The gated hooks' torch calls are never attention, so they run with the attention
+capture's ``TorchFunctionMode`` popped (:func:`outside_shelved`).
 """
 
 from __future__ import annotations

@@ -121,13 +121,10 @@ class HookOwner:
 class HookRegistry(HookOwner):
     """Registers module, parameter and optimizer hooks and removes every one of them.
 
-    Use it as a context manager, or call :meth:`remove` (idempotent) from every exit path.
-    Hooks on per-step tensors are not tracked: they die with the step's autograd graph.
-
-    Module hooks registered with ``gated=True`` run only while :attr:`sampled` is true (set it
-    before a step's forward). In eager mode they are installed and removed as it changes, so a
-    quiet step runs no Python of ours per module; under ``torch.compile`` they stay installed
-    (a changing hook set recompiles) and return after one attribute read.
+    Use it as a context manager, or call :meth:`remove` from every exit path. Module hooks
+    registered with ``gated=True`` run only while :attr:`sampled` is true (set it before a
+    step's forward): in eager mode they are installed and removed as it changes; under
+    ``torch.compile`` they stay installed (a changing hook set recompiles) and return at once.
 
     Args:
         model: the model whose modules :meth:`modules` selects from.
@@ -162,8 +159,7 @@ class HookRegistry(HookOwner):
 
     @property
     def sampled(self) -> bool:
-        """Whether the current step is measured: the gated hooks are installed (or, when
-        :attr:`fixed`, run) only while ``True``."""
+        """Whether the current step is measured: the gated hooks run only while ``True``."""
         return self._sampled
 
     @sampled.setter
@@ -241,8 +237,7 @@ class HookRegistry(HookOwner):
         )
 
     def hookable(self, module: nn.Module) -> bool:
-        """Whether ``module`` runs Python hooks; if not (``torch.jit``), one warning names
-        every such module."""
+        """Whether ``module`` runs Python hooks (not ``torch.jit``: one warning names those)."""
         if id(module) in self._unhookable:
             self._warn_unhookable(sorted(self._unhookable.values()))
             return False

@@ -1,11 +1,7 @@
-"""``torch.distributed`` for the core: the few facts of the process group it needs (every function
-a no-op in one process), and exact per-parameter statistics of sharded (``DTensor``) parameters.
-
-Under FSDP2 each rank holds a shard of every parameter and gradient (a ``DTensor``), so a norm
-of ``to_local()`` is the shard's, not the parameter's. Each rank computes shard-local *partials*
-(sums of squares, sums, maxima) and ONE collective over the shard group combines them. Under
-HSDP only the shard group is reduced, so replicas are not counted twice; an empty shard adds
-zero to sums and nothing to maxima.
+"""``torch.distributed`` for the core: the facts of the process group it needs (no-ops in one
+process), and exact per-parameter statistics of sharded (FSDP2 ``DTensor``) parameters: each
+rank computes shard-local partials (sums of squares, sums, maxima) and ONE collective over the
+shard group (not the HSDP replicas) combines them.
 """
 
 from __future__ import annotations

@@ -15,12 +15,10 @@ __all__ = ["FirstNonFinite", "HostMailbox"]
 class HostMailbox:
     """A small device tensor copied to host memory without blocking, read on a later call.
 
-    On CUDA the host buffer is pinned, the copy ``non_blocking`` and an event marks its end:
-    :meth:`read` waits only when asked. On the CPU the copy is the read. Reading is plain host
-    memory access through a numpy view made once: no torch call, no sync.
-
-    A smaller tensor than ``shape`` lands at the buffer's start and is read back in its own
-    shape; a larger one replaces the buffer (an unread value stays readable).
+    On CUDA the host buffer is pinned, the copy ``non_blocking`` and an event marks its end
+    (:meth:`read` waits only when asked); on the CPU the copy is the read. Reading is through a
+    numpy view made once: no torch call, no sync. A smaller tensor than ``shape`` is read back
+    in its own shape; a larger one replaces the buffer.
 
     Args:
         shape: the shape of the tensors posted (the largest).
