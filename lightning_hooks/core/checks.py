@@ -1,9 +1,6 @@
 """Argument checks shared by every public class: each error names the owner, the argument, the
-allowed values and the value received.
-
-Integers accept any :class:`numbers.Integral` (``numpy.int64`` too) but not ``bool``; reals
-accept any :class:`numbers.Real` but not ``bool``. Each check returns the value normalized to a
-plain Python ``int``/``float``, so callers store what they checked.
+allowed values and the value received. Integers and reals accept any :class:`numbers.Integral`
+or :class:`numbers.Real` but ``bool``, and come back as a plain ``int``/``float``.
 
 Example:
     >>> positive_int("GradFlowCallback", "every_n_steps", 4)

@@ -18,13 +18,11 @@ def attention_alarms(
     step: int,
     rules: AlarmRules,
 ) -> list[GradientAlarm]:
-    """*attention*'s alarms at a logging step: the attention layers whose largest pre-softmax
-    logit is above ``rules.attn_logit_max`` while their smallest head entropy (nats) is below
-    ``rules.attn_entropy_min``: the softmax has become one-hot and its gradient vanishes,
-    the collapse that qk-layernorm prevents. Warned when at least ``rules.attn_min_layers``
-    layers (every layer, in a model with fewer) have collapsed at this step: one one-hot layer
-    alone is routed around. A layer without an entropy (a call of another head count only) is
-    judged on its logit.
+    """*attention*'s alarms at a logging step: the layers whose largest pre-softmax logit is
+    above ``rules.attn_logit_max`` while their smallest head entropy (nats) is below
+    ``rules.attn_entropy_min`` (one-hot softmax, vanishing gradient), when at least
+    ``rules.attn_min_layers`` layers (every layer, in a model with fewer) collapsed at once. A
+    layer without an entropy is judged on its logit.
 
     Example:
         >>> rules = AlarmRules()

@@ -1,9 +1,6 @@
-"""The gradient rules on the host: one step's norms in (a quiet step's per-parameter norms folded
-into layer rows first), the flags of each rule out; and the running scale a spike is measured
+"""The gradient rules, on the host (numpy, ``float32``): one step's norms in (per-parameter norms
+folded into layer rows first), each rule's flags out; and the running scale a spike is measured
 against (per row, an EMA of the log and of its spread), which *loss_spike* uses too.
-
-The rules read values already copied to the host (numpy, in ``float32``): a quiet step launches
-no kernel for them.
 """
 
 from __future__ import annotations
@@ -35,10 +32,8 @@ def lower_median(values: np.ndarray) -> np.float32:
 
 
 class HostSegments:
-    """Which row each per-parameter gradient norm belongs to: a quiet step copies one
-    ``[parameters]`` vector of L2 norms to the host (one multi-tensor norm, one stack, one copy),
-    and :meth:`fold` makes the rows the rules read, in a handful of numpy calls into buffers made
-    once (no segment kernels on the device, no per-layer Python).
+    """Which row each per-parameter gradient norm belongs to; :meth:`fold` turns a quiet step's
+    ``[parameters]`` norms into the rows the rules read, in buffers made once.
 
     Args:
         owner: the layer row of each parameter (``0 .. layers - 1``), in parameter order.
@@ -66,9 +61,8 @@ class HostSegments:
         self._out = np.zeros(layers + 1, dtype=np.float32)
 
     def fold(self, norms: np.ndarray) -> np.ndarray:
-        """``[layers + 1]`` float32 L2 norms: each layer's parameters, then the global norm
-        (squares summed in float64; NaN and Inf propagate). The array is reused by the next
-        call."""
+        """``[layers + 1]`` float32 L2 norms: each layer's, then the global norm (squares summed
+        in float64; NaN and Inf propagate). The array is reused by the next call."""
         squares, rows = self._squares, self._rows
         np.multiply(norms, norms, out=squares, dtype=np.float64)
         if self._starts is not None:
@@ -82,10 +76,8 @@ class HostSegments:
 
 
 class RunningScale:
-    """Per row: EMA of ``log x`` and of its variance, and the count of finite steps seen.
-
-    Views of one ``float32`` state array, updated in place.
-    """
+    """Per row: EMA of ``log x`` and of its variance, and the count of finite steps seen (views
+    of one ``float32`` state array, updated in place)."""
 
     def __init__(self, rows: int, rules: AlarmRules) -> None:
         self.state = np.zeros((3, rows), dtype=np.float32)  # mean, variance, count
@@ -100,11 +92,9 @@ class RunningScale:
         self._top = np.zeros(rows, dtype=np.float32)
 
     def thresholds(self, *factors: float) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-        """Per factor of ``factors``, the ``log`` of its spike threshold per row (``inf`` until
-        armed), the spread read once; whether armed; and each factor's band, the half-width of
-        its ceiling above the mean in log, ``max(spike_sigmas * std, log(factor))`` (``inf``
-        until armed). Every factor's row is in one array: a handful of numpy calls, whatever
-        their number."""
+        """Per factor, the ``log`` of its spike threshold per row; whether each row is armed;
+        and each factor's band, ``max(spike_sigmas * std, log(factor))`` (``inf`` until
+        armed)."""
         logs = self._logs.get(factors)
         if logs is None:
             logs = self._logs[factors] = np.array([[math.log(f)] for f in factors], np.float32)
@@ -119,8 +109,8 @@ class RunningScale:
         self._steady = False
 
     def steady(self) -> bool:
-        """Every row is armed and past its first ``1 / alpha`` steps, so that the EMA's weight
-        is ``alpha`` everywhere: true from then on (counts only grow, until :meth:`load`)."""
+        """Every row is armed and past its first ``1 / alpha`` steps (the EMA's weight is
+        ``alpha`` everywhere); true from then on, until :meth:`load`."""
         if not self._steady:
             count = self.count
             armed = bool((count >= self.armed_at).all())
@@ -128,9 +118,9 @@ class RunningScale:
         return self._steady
 
     def quiet_ceiling(self, low: np.float32 | None, band: np.ndarray, first: np.float32) -> Any:
-        """Where :meth:`steady`: the lowest of the factors' ceilings, ``mean + max(spike_sigmas
-        * std, low)`` (``low``: the log of the lowest factor, ``None``: ``first``), with the
-        first factor's band written into ``band``; ``_LOG_MAX`` where every factor is off."""
+        """Where :meth:`steady`: the lowest ceiling, ``mean + max(spike_sigmas * std, low)``
+        (``None``: ``first``), the first factor's band written into ``band``; ``_LOG_MAX``
+        where every factor is off."""
         spread = np.sqrt(self.var, out=self._spread)
         spread *= self.sigmas
         np.maximum(spread, first, out=band)
@@ -141,8 +131,8 @@ class RunningScale:
 
     def update(self, log_x: np.ndarray, keep: np.ndarray, ceiling: np.ndarray) -> None:
         """Fold ``log_x`` into the rows where ``keep``. Above ``ceiling`` (a spike) only the
-        mean moves, towards the ceiling: a lasting change of level is learnt in a few dozen
-        steps, while the spread, which would otherwise grow with each spike, stays."""
+        mean moves, clamped at the ceiling: a lasting change of level is learnt in a few dozen
+        steps, and the spread does not grow with each spike."""
         self.count += keep
         weight = np.maximum(np.reciprocal(np.maximum(self.count, np.float32(1.0))), self.alpha)
         weight *= keep
@@ -153,9 +143,8 @@ class RunningScale:
         self.var *= np.float32(1.0) - spread
 
     def update_steady(self, log_x: np.ndarray) -> None:
-        """:meth:`update` where :meth:`steady`, every row kept and none above its ceiling (a
-        step on which no rule fired): the same arithmetic, the same state, in half the numpy
-        calls (the weight is ``alpha`` on every row)."""
+        """:meth:`update` where :meth:`steady`, every row kept and none above its ceiling: the
+        same state, in half the numpy calls."""
         self.count += np.float32(1.0)
         delta = np.subtract(log_x, self.mean, out=self._spread)
         self.mean += np.multiply(delta, self.alpha, out=self._top)
@@ -167,9 +156,8 @@ class RunningScale:
 
 class GradientRules:
     """*spike*, *explosion*, *absolute*, *vanishing*, *nonfinite* and *amp_overflow* on one
-    step's ``[rows]`` gradient norms (the layers, then the global norm), read on the host: a few
-    dozen numpy calls over ``rows`` floats, no kernel; the running scales and the vanishing
-    counters live here, in ``float32``.
+    step's ``[rows]`` gradient norms (the layers, then the global norm), on the host; holds the
+    running scales and the vanishing counters.
 
     Args:
         rows: the layers and the global row.
@@ -197,8 +185,8 @@ class GradientRules:
         self._low_log = None if min(logs) == logs[0] else min(logs)
 
     def host_rows(self, rows: Sequence[int] | torch.Tensor | None) -> np.ndarray | None:
-        """``rows`` as a host array, converted when they are not the last step's object (a
-        device tensor is read then: once, for a caller that passes the same rows each step)."""
+        """``rows`` as a host array, converted only when not the last step's object (so a
+        device tensor passed each step is read once)."""
         if rows is None:
             return None
         if rows is not self._rows[0]:
@@ -263,12 +251,10 @@ class GradientRules:
         return np.stack([*flags, norm, scale, bands[0], floor]).astype(np.float32, copy=False)
 
     def _quiet_report(self, norm: np.ndarray, log_norm: np.ndarray) -> np.ndarray | None:
-        """The report of a step on which no rule can fire, its state updated as
-        :meth:`evaluate` would (most steps: half of its numpy calls), else ``None``. Every row
-        is stepped and armed, with the EMA's weight at its floor (:meth:`RunningScale.steady`);
-        none fires when each norm is finite and at most every ceiling (*spike*, *explosion*:
-        clipping only lowers a norm; *absolute*), and each layer's is above the *vanishing*
-        floor (so positive: every row is learnt)."""
+        """The report of a step on which no rule can fire, the state updated as
+        :meth:`evaluate` would, in half its numpy calls; else ``None``. No rule fires when each
+        norm is finite and at most every ceiling (clipping only lowers a norm) and each layer's
+        is above the *vanishing* floor."""
         report, scale = self.quiet, self.scale
         # the lowest ceiling, mean + max(spread, log of the lowest factor): exactly the least
         # of the factors' ceilings (adding the mean rounds monotonically)
@@ -294,12 +280,10 @@ class GradientRules:
     def _explosion(
         self, log_norm: np.ndarray, clip: float | None, keep: np.ndarray, ceiling: np.ndarray
     ) -> np.ndarray:
-        """*explosion*: rows whose gradient as the optimizer applies it (scaled down as the
-        global norm is clipped to ``clip``) is above ``explode_factor`` x the running scale, on a
-        step whose global row is too (or is out of the rules: a subset's optimizer). A bad
-        batch or a numerical fault blows up the whole gradient; one layer's norm alone jumps in
-        healthy runs (an embedding meeting rare tokens), and per coordinate it is no outlier.
-        ``ceiling``: the log of ``explode_factor`` x the running scale (inf until armed)."""
+        """*explosion*: rows whose gradient as the optimizer applies it (after clipping the
+        global norm to ``clip``) is above ``ceiling`` (log of ``explode_factor`` x the running
+        scale), on a step whose global row is too or is out of the rules (a subset's optimizer):
+        one layer alone jumps in healthy runs (an embedding meeting rare tokens)."""
         if self.rules.explode_factor is None:
             return self._false
         if clip is not None:  # every row scales by min(1, clip / global norm)

@@ -1,8 +1,6 @@
-"""The rules on the loss and on the optimizer's progress: *loss_spike* and *diverging* on the
-training loss at each step, *stall* on the update at logging steps; their state and reports.
-
-The device's only work is one copy of the loss (or of the update) into host memory, posted
-without blocking; the rules run on the host, in ``float32``, when the copy is read.
+"""*loss_spike* and *diverging* on the training loss at each step, *stall* on the optimizer's
+update at logging steps. The device only copies the loss (or update) to host memory without
+blocking; the rules run on the host, in ``float32``, when the copy is read.
 """
 
 from __future__ import annotations
@@ -52,8 +50,7 @@ _PACK = struct.Struct("f")
 
 def _f32(value: float) -> float:
     """``value`` rounded to the nearest ``float32`` (overflow to a signed ``inf``), as a Python
-    float: Python-float arithmetic rounded so after each operation is ``float32`` arithmetic
-    (the same bits as numpy's ``float32`` scalars, at a tenth of their cost).
+    float: rounding after each operation gives numpy ``float32`` scalars' bits, cheaper.
 
     Example:
         >>> _f32(0.1) == float(np.float32(0.1)), _f32(1e39), _f32(-1e39)
@@ -92,11 +89,9 @@ class _Constants(NamedTuple):
 
 
 class LossRules:
-    """*loss_spike* and *diverging* on one training loss per step (a device scalar, copied to
-    the host without blocking), evaluated on the host when the copy is read.
-
-    The report's last four entries are *diverging*'s state (the loss's running mean, its mean
-    absolute deviation, the best running mean and the first loss), updated in place.
+    """*loss_spike* and *diverging* on one training loss per step, evaluated on the host when
+    its non-blocking copy is read. The report's last four entries are *diverging*'s state
+    (running mean, mean absolute deviation, best running mean, first loss), updated in place.
 
     Args:
         rules: the rules and thresholds.
@@ -161,11 +156,8 @@ class LossRules:
 
     def _diverge_step(self, x: float) -> None:
         """*diverging*'s state updated in place and its margin (``>= 0`` or NaN: it fires):
-        ``min(rise - noise_bar - (ratio - 1) |best|, rise - giveback * learnt)``.
-
-        In ``float32`` arithmetic, done as Python floats each rounded to ``float32`` (exactly
-        the same values: a double holds a ``float32`` operation's exact result, or rounds it
-        innocuously): a scalar numpy operation costs ten times as much."""
+        ``min(rise - noise_bar - (ratio - 1) |best|, rise - giveback * learnt)``, in
+        ``float32`` arithmetic done on Python floats (:func:`_f32`)."""
         rules, r, k = self.rules, self.report, self._k
         mean, dev, best, first = self.state.tolist()
         # a non-finite loss moves nothing (its deviation counts as 0) and fires through margin
@@ -178,8 +170,7 @@ class LossRules:
         early = self.adaptive and self.seen < rules.diverge_early
         ratio = _f32(rise - _f32((k.early if early else k.bar) * abs(best)))
         if self.seen >= rules.min_history:
-            # the noise bar is armed once it has ``min_history`` losses, as the spike rules
-            # are: the deviation of the first one or two is a blow-up's own first steps
+            # armed after ``min_history`` losses: the first deviations are a blow-up's own
             noise = max(_f32(dev - _f32(k.learnt * learnt)), 0.0)
             ratio = _f32(ratio - _f32(k.noise * noise))
         giveback = _f32(rise - _f32(k.giveback * learnt))
@@ -208,7 +199,7 @@ class LossRules:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; an older state's *diverging* starts again."""
+        """Restore :meth:`state_dict`; *diverging* starts afresh if the state lacks it."""
         self.scale.load(state["loss_scale"])
         if "diverging" in state:
             self.state[...] = as_array(state["diverging"])
@@ -216,9 +207,8 @@ class LossRules:
 
 
 class StallRule:
-    """*stall*'s state (its flag, the log of the update per unit of learning rate, its running
-    level before this logging step, the loss's progress since the last one, then the level after
-    this step and the loss's best) and the update's copy to the host.
+    """*stall*'s state (the ``_S_*`` rows of :mod:`~lightning_hooks.core.alarms.rules`) and the
+    update's copy to the host.
 
     Args:
         rules: the rules and thresholds.
@@ -233,9 +223,8 @@ class StallRule:
         """The largest learning rate seen so far."""
 
     def due(self, lr: float) -> bool:
-        """Whether the rule is evaluated at ``lr`` (on, and ``lr`` at least 1% of its peak so
-        far, the peak updated: a schedule decaying it to zero moves the weights less than
-        float32 resolves)."""
+        """Whether the rule is on and ``lr`` is at least 1% of its peak so far (the peak
+        updated): a schedule decaying it to zero moves the weights below float32's resolution."""
         if self.rules.stall_factor is None or not lr > 0.0:
             return False
         self.peak_lr = max(self.peak_lr, float(lr))
@@ -245,15 +234,13 @@ class StallRule:
         self, update: torch.Tensor, lr: float, step: int, loss: np.ndarray | None = None
     ) -> None:
         """Post ``update`` (a device scalar: a copy, no sync) for :meth:`read`. ``loss``:
-        *diverging*'s state ``[mean, dev, best, first]`` as of this step (copied); the rule fires
-        only when its best improved by at most ``stall_progress`` of what was learnt since the
-        last call (``None``: the update alone decides)."""
+        *diverging*'s state ``[mean, dev, best, first]`` at this step (``None``: the update
+        alone decides)."""
         snapshot = None if loss is None else loss.copy()
         self._box.post(update.detach().reshape(1).float(), (step, lr, snapshot))
 
     def read(self, wait: bool) -> GradientAlarm | None:
-        """Evaluate the posted update once its copy is read: the alarm when the rule fired,
-        else ``None``."""
+        """Evaluate the posted update once its copy is read: the alarm if it fired."""
         got = self._box.read(wait)
         if got is None:
             return None
@@ -292,7 +279,7 @@ class StallRule:
         return {"stall": torch.from_numpy(self.state.copy()), "peak_lr": self.peak_lr}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; an older state's level starts again."""
+        """Restore :meth:`state_dict`; the level starts afresh if the state lacks it."""
         if "stall" in state and tuple(state["stall"].shape) == self.state.shape:
             self.state[...] = as_array(state["stall"])
             self.peak_lr = float(state["peak_lr"])

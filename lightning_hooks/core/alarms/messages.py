@@ -1,6 +1,5 @@
-"""What an alarm says: :class:`GradientAlarm`, the layer it names, its message, the ring
-buffer's story and the advice each rule's message ends with; all on the host, once a rule
-fired."""
+"""What an alarm says, built on the host once a rule fired: :class:`GradientAlarm`, the layer it
+names, its message, the ring buffer's story and the rule's advice."""
 
 from __future__ import annotations
 
@@ -77,13 +76,11 @@ class GradientAlarm:
         message: the whole story in one line.
         others: the other layers the rule flagged at the same step.
         history_steps: the optimizer steps in the ring buffer, oldest first, up to ``step``.
-        history: per step of ``history_steps``, the gradient norm of every row (the layers,
-            then the global norm), from the sentinel's ring buffer.
-        history_scale: the same rows' running scales before each step (NaN: not armed yet).
+        history: per step of ``history_steps``, the gradient norm of every row.
+        history_scale: the rows' running scales before each step (NaN: not armed yet).
         history_layers: the rows' names (the layers, then ``"global"``).
-        departure: which layer left its running scale first (by more than the spike rule's
-            band, up or down), when, and by how much; :meth:`history_lines` gives it step by
-            step.
+        departure: which layer left its running scale first (beyond the spike band), when, and
+            by how much.
         departed: that layer's name (``""``: none left its scale in the ring buffer).
     """
 
@@ -130,7 +127,7 @@ def gradient_alarm(
     rules: AlarmRules,
 ) -> GradientAlarm:
     """The alarm of gradient rule ``index`` at the rows ``hit`` of ``report``; ``at``: the step,
-    the rows' backward order and the clip the step was posted with."""
+    the backward order and the clip."""
     step, order, clip = at
     norm = report[_NORM]
     ref = {
@@ -238,9 +235,9 @@ def with_history(
 def _first_departure(
     norms: np.ndarray, scales: np.ndarray, band: np.ndarray
 ) -> tuple[int, int] | None:
-    """``(step index, layer row)`` where a layer first left its running scale by more than the
-    spike rule's band, up or down (or went non-finite), the largest departure of that step (in
-    bands); else ``None``."""
+    """``(step index, layer row)`` of the first step a layer left its running scale by more
+    than the spike band (or went non-finite), the largest departure of that step; else
+    ``None``."""
     with np.errstate(divide="ignore", invalid="ignore"):
         size = np.abs(np.log(np.abs(norms / scales)))
     size[np.isnan(norms) | np.isnan(scales)] = np.nan  # not stepped, or not armed yet

@@ -1,5 +1,5 @@
-"""The alarm rules: their names, their thresholds and defaults (:class:`AlarmRules`), and the row
-layout of the reports the rules make on the host."""
+"""The alarm rules' names, thresholds and defaults (:class:`AlarmRules`), and the row layout of
+the reports the rules make on the host."""
 
 from __future__ import annotations
 
@@ -50,27 +50,23 @@ WeightNorms = Callable[[], torch.Tensor]
 
 @dataclass(frozen=True)
 class AlarmRules:
-    """Which gradient alarms are on, and their thresholds (the defaults come from the false-alarm
-    and detection table of ``benchmarks/alarms.py``, in the README's "Early warnings").
+    """Which alarm rules are on, and their thresholds (defaults from ``benchmarks/alarms.py``).
 
     Args:
         spike_factor: *spike*: a layer's (or the global) gradient norm exceeds this many times its
             running scale (``exp`` of the EMA of its log-norm) and ``spike_sigmas`` spreads of
             the log-norm above it. ``None`` turns it off. Must be > 1.
-        spike_sigmas: *spike*: how many running standard deviations of the log-norm the step must
-            also be above the running mean (the spread makes noisy layers need more).
-        explode_factor: *explosion*: a spike that reaches the optimizer: the gradient the
-            optimizer applies (after ``gradient_clip_val``'s clipping, when the caller gives the
-            clip), all layers together and the layer named, exceeds this many times its running
-            scale (and ``spike_sigmas`` spreads above it): big enough to wreck SGD's weights or
-            poison an adaptive optimizer's second moment (Adam's takes ``(1 - beta2) g**2``: at
-            300x its scale, 90 times its usual size, so every update for thousands of steps is
-            about 10 times too small). Warned under the default ``on_alarm="warn"`` (a smaller
-            spike is only logged). ``None`` turns it off. Must be > 1.
-        window: span, in evaluated steps, of the running scale: the EMA weight is
+        spike_sigmas: running standard deviations of the log-norm (or loss) a spike must also
+            clear above the running mean (noisy rows need more).
+        explode_factor: *explosion*: the gradient the optimizer applies (after the clip, when
+            the caller gives it), globally and for the layer named, exceeds this many times its
+            running scale (and ``spike_sigmas`` spreads): enough to wreck SGD's weights or poison
+            Adam's second moment. Warned under ``on_alarm="warn"`` (a smaller spike is only
+            logged). ``None`` turns it off. Must be > 1.
+        window: span, in evaluated steps, of the running scale: EMA weight
             ``2 / (window + 1)`` (the exact mean and variance over the first steps).
-        min_history: the spike rules are armed once a row has this many finite steps (and
-            *diverging*'s noise bar once it has this many losses).
+        min_history: finite steps a row needs before the spike rules arm (and losses before
+            *diverging*'s noise bar arms).
         max_grad_norm: *absolute*: the global gradient norm exceeds this value (off by default).
         vanish_fraction: *vanishing*: a layer's gradient norm is exactly zero, or below this
             fraction of the median norm of the layers whose gradient is not zero ... ``None``
@@ -89,55 +85,36 @@ class AlarmRules:
             (the first step's loss minus the best), so a loss near zero does not fire on noise.
         diverge_noise: ... and the rise also clears ``(diverge_ratio - 1) * |best|`` by this many
             mean absolute deviations of the loss from its running mean (an EMA over
-            ``2 * diverge_span`` steps, before this step), less a quarter of what it had learnt,
-            so a noisy loss that learns little does not fire on its own swings; 0 turns the bar
-            off. The bar is armed once ``min_history`` losses are in (before that, the only
-            deviations are a blow-up's own first steps).
+            ``2 * diverge_span`` steps, before this step), less a quarter of what it had learnt;
+            0 turns the bar off. Armed once ``min_history`` losses are in.
         diverge_span: span, in steps, of the loss's running mean for *diverging*.
         diverge_early: over the first this many losses, *diverging*'s bar is
             ``diverge_overshoot`` x the best instead of ``diverge_ratio`` x: an adaptive
-            optimizer's first updates overshoot (RMSprop's first step is ``lr / sqrt(1 - alpha)``
-            = 10x its learning rate per coordinate) and runs that recover from a 2-3x rise cannot
-            be told at step 2 from runs that are lost; a blow-up that large is warned at once,
-            a smaller rise once it outlasts these steps.
+            optimizer's first updates overshoot (RMSprop's first step is 10x its learning rate).
         diverge_overshoot: ... the bar of those first steps. Must be >= ``diverge_ratio``.
-        stall_factor: *stall*: on a logging step, the typical size of the optimizer's update
-            per unit of learning rate (the median ``|w_after - w_before| / lr`` over a sample of
-            each tensor's entries) fell this many times below its
-            running level (an EMA of its log over the last few logging steps): the optimizer no
-            longer moves the weights as the learning rate says it should (a second moment
-            poisoned by an explosion). Adaptive optimizers only (a per-coordinate second moment
-            in their state): SGD's update is the gradient, which shrinks as a run converges; and
-            only entries whose gradient is not zero (a dead unit stops by design). Not evaluated
-            while the learning rate is under 1% of its
-            peak (a schedule decaying it to zero). ``None`` turns it off. Must be > 1.
-        stall_progress: *stall*: ... and the loss has stopped learning: the best of its running
-            mean (*diverging*'s) improved since the previous logging step by at most this share
-            of what the run had learnt (its first loss minus that best). An adaptive optimizer's
-            update also shrinks in healthy runs (a transformer's early gradients fill Adam's
-            second moment), while the loss keeps falling: a run that still learns is not
-            stalled. Without the loss (``diverge_ratio=None``, or a loop that does not feed it)
-            only the update is read; 1 turns this condition off.
+        stall_factor: *stall*: on a logging step, the median ``|w_after - w_before| / lr`` over
+            a sample of each tensor's entries whose gradient is not zero fell this many times
+            below its running level (an EMA of its log over the last logging steps). Adaptive
+            optimizers only (a second moment in their state); not evaluated while the learning
+            rate is under 1% of its peak. ``None`` turns it off. Must be > 1.
+        stall_progress: *stall*: ... and the best of the loss's running mean (*diverging*'s)
+            improved since the previous logging step by at most this share of what the run had
+            learnt (its first loss minus that best). Without the loss only the update is read;
+            1 turns this condition off.
         history: steps of per-layer norms kept in the host ring buffer that an alarm reports.
         attn_logit_max: *attention* (attention collapse, Wortsman et al. 2023): on a logging
-            step, an attention layer's largest pre-softmax logit (what ``GradFlowCallback``
-            logs as ``stability/attn_logit_max``) is above this ... ``None`` turns it off.
+            step, an attention layer's largest pre-softmax logit
+            (``stability/attn_logit_max``) is above this ... ``None`` turns it off.
         attn_entropy_min: ... while its most focused head's mean attention entropy
-            (``stability/attn_entropy_min``, nats) is below this: one-hot attention whose
-            gradient vanishes.
+            (``stability/attn_entropy_min``, nats) is below this ...
         attn_min_layers: ... in at least this many attention layers at the same logging step
-            (every layer of a model with fewer). One one-hot layer is something a model can
-            route around (healthy models keep attention sinks, heads that attend to one
-            token); collapse across layers is what costs the run its loss. Must be >= 1.
+            (every layer of a model with fewer): one one-hot layer a model routes around.
+            Must be >= 1.
         quiet_read: how a quiet step reads the gradients' norms, chosen once per optimizer:
-            ``"grouped"`` (the default), small gradients of one shape and dtype stacked and
-            reduced in two ops per shape, the rest by one ``torch._foreach_norm``
-            (``core/kernels/grouped_norms.py``: the same norms, bit for bit on the CPU); or
-            ``"triton"``, two Triton kernels that find the gradients through a table of their
-            addresses (``core/kernels/pointer_norms.py``): the same norms up to float32
-            rounding. On CUDA, for contiguous gradients of one dtype among float32, bfloat16
-            and float16; elsewhere, or if Triton fails, one ``torch._foreach_norm``, with one
-            message. Opt-in while new.
+            ``"grouped"`` (default: small gradients of one shape and dtype stacked, the rest by
+            one ``torch._foreach_norm``; bit for bit on the CPU) or ``"triton"`` (opt-in: two
+            Triton kernels; CUDA, contiguous float32/bfloat16/float16 gradients of one dtype).
+            Where the read cannot run, one ``torch._foreach_norm``, after one warning.
 
     Example:
         >>> AlarmRules(spike_factor=20.0).window

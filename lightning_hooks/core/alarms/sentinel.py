@@ -1,14 +1,7 @@
-"""Early warnings on gradients, a sentinel run at every optimizer step: no Lightning.
-
-The device's part of a step is one copy: the ``[layers + 1]`` gradient L2 norms (the layers,
-then the global norm), or on a quiet step one L2 norm per parameter, are posted to host memory
-without blocking (:class:`~.readback.HostMailbox`), and so is the loss. The rules run on the host
-when the copy is read (a quiet step's norms folded into layer rows there first:
-:class:`~.gradients.HostSegments`) over O(layers) state in ``float32`` (a running scale per row:
-an EMA of the log-norm and of its spread, as ZClip and OLMo-core's SkipStep do): a quiet step
-pays no host sync and launches no kernel for them. When a rule fires, the diagnosis runs on the
-host too: which layer, the weights (read only then) and the last ``history`` steps' norms from a
-host ring buffer (:class:`NormRing`).
+"""The alarm sentinel, run at every optimizer step (no Lightning): the device posts one
+non-blocking copy of the gradient norms (and of the loss) to host memory; the rules and, when
+one fires, the diagnosis (the layer, the weights, the :class:`NormRing` history) run on the
+host when it is read: no host sync, no kernel on a quiet step.
 """
 
 from __future__ import annotations
@@ -43,34 +36,14 @@ __all__ = ["GradientAlarms", "NormRing"]
 
 
 class GradientAlarms:
-    """Evaluates :class:`AlarmRules` on each optimizer step's gradient norms, on the host.
+    """Evaluates :class:`AlarmRules` (each rule's definition and default) on the host.
 
-    Rows are layers and a last ``"global"`` row. :meth:`update` posts ``[layers + 1]`` L2 norms
-    to the host (one copy, no host sync) and the rules run there when the copy is read:
-
-    - *spike*: ``log(norm) > mean + max(spike_sigmas * std, log(spike_factor))``, with the
-      running mean and standard deviation of the row's log-norm (an EMA over about ``window``
-      steps), once the row has ``min_history`` finite steps (global row and each layer). A spike
-      is folded into the scale clamped at the threshold (as ZClip does), so a lasting change of
-      level is learnt, not alarmed at every step;
-    - *absolute*: global ``norm > max_grad_norm``;
-    - *vanishing*: a layer's norm is exactly zero, or below ``vanish_fraction`` x the median
-      norm of the layers whose norm is not zero, for ``vanish_steps`` consecutive steps (fires
-      once per such run; when every layer is zero, every layer fires);
-    - *nonfinite*: a NaN/Inf gradient norm. The alarm names the first layer in forward order
-      whose *weights* are non-finite (where a NaN entered the forward; the weights are read on
-      the host, only then), else the first layer in backward order whose gradient is (the order
-      the output-gradient hooks fired; reverse model order without them);
-    - *amp_overflow*: with ``amp=True`` (a GradScaler), non-finite gradients mean the scaler
-      skips the step: counted as an overflow, not a spike or a nonfinite alarm, and kept out of
-      the running scales;
-    - *loss_spike* (off by default): the loss against its own running scale; *stall* and
-      *attention* on logging steps (:meth:`update_stall`, :meth:`update_attention`);
-    - *diverging*: :meth:`update_loss`'s running mean loss has given back much of what it had
-      learnt, or the loss is not finite (the formula: :class:`AlarmRules`).
-
-    :meth:`poll` reads the verdicts on the host: at once on the CPU; on CUDA when the copy is
-    done, at the latest at the next :meth:`update` (one step late) or with ``wait=True``.
+    Rows are the layers and a last ``"global"`` row. :meth:`update` feeds the gradient rules,
+    :meth:`update_loss` *loss_spike* and *diverging*, :meth:`update_stall` and
+    :meth:`update_attention` *stall* and *attention* on logging steps. *nonfinite* names the
+    first layer in forward order whose weights are non-finite, else the first in backward order
+    whose gradient is. :meth:`poll` returns the verdicts: at once on the CPU; on CUDA when the
+    copy is done, at the latest one step late (or with ``wait=True``).
 
     Args:
         layers: row names: the layers, then ``"global"``.
@@ -127,24 +100,21 @@ class GradientAlarms:
         clip: float | None = None,
         segments: HostSegments | None = None,
     ) -> None:
-        """Post one optimizer step's norms to the host (one copy, no host sync); the rules run on
-        the host when it is read (at once on the CPU).
+        """Post one optimizer step's norms to the host (no host sync) for the gradient rules.
 
         Args:
-            norm: ``[len(rows)]`` gradient L2 norms, last the global one; a ``[len(rows), k]``
-                table is read in its first column.
-            rows: the rows ``norm`` covers (the layers one optimizer steps, then global; default:
-                all), best on the host (a device tensor is read once: a sync). When they are not
-                every layer, the global row is left out of the rules.
+            norm: ``[len(rows)]`` gradient L2 norms, last the global one (of a table: column 0).
+            rows: the rows ``norm`` covers (one optimizer's layers, then global; default: all),
+                best on the host (a device tensor is read once: a sync). When not every layer,
+                the global row is left out of the rules.
             step: the optimizer step, for the messages.
             amp: a GradScaler is active: non-finite gradients are an overflow it skips.
             order: layer rows in the order their output-gradient hooks fired.
-            weights: gives the weight norms of ``rows`` when a rule fired (the attribution
-                pass); ``None``: the non-finite alarm goes by gradients only.
-            stepped: ``[len(rows)]`` bool, false for a layer none of whose parameters got a
-                gradient this step (a branch not taken): left out of the rules (default: all).
-            clip: the largest global L2 norm the optimizer will apply (a bound under clipping
-                by value; ``None``: not clipped): *explosion* judges the gradient as clipped.
+            weights: the weight norms of ``rows``, called when a rule fired; ``None``:
+                *nonfinite* goes by gradients only.
+            stepped: ``[len(rows)]`` bool, false for a layer with no gradient (out of the rules).
+            clip: the largest global L2 norm the optimizer will apply (``None``: not clipped):
+                *explosion* judges the gradient as clipped.
             segments: ``norm`` is ``[parameters]`` L2 norms, folded into ``rows`` on the host.
         """
         self._drain(wait=True)  # the previous step's verdict: at most one step late
@@ -169,13 +139,9 @@ class GradientAlarms:
 
     @torch.no_grad()
     def update_loss(self, loss: torch.Tensor, *, step: int) -> None:
-        """Apply the loss rules (*loss_spike*, *diverging*) to one training loss (a device
-        scalar; no host sync: the previous step's loss verdict is read, at most one step late).
-
-        A loss that is not finite fires *diverging* and leaves its running mean, best and first
-        loss as they were; one that is not positive stays out of *loss_spike*'s (log) scale and
-        never fires it.
-        """
+        """Apply *loss_spike* and *diverging* to one training loss (a device scalar; no host
+        sync: the verdict is read at most one step late). A non-finite loss fires *diverging*
+        and leaves its state; a loss that is not positive never fires *loss_spike*."""
         if not self.rules.watches_loss:
             return
         self._drain_loss(wait=True)  # also counts the finite losses seen so far
@@ -185,14 +151,9 @@ class GradientAlarms:
 
     @torch.no_grad()
     def update_stall(self, update: torch.Tensor, lr: float, *, step: int) -> None:
-        """*stall*, on a logging step: ``update`` (the typical size of a weight's change this
-        step, a device scalar: :func:`~.grouped_norms.typical_update`) per unit of the learning rate
-        ``lr`` against its running level (one copy, no host sync: the verdict is read at the
-        next poll).
-
-        Not evaluated while ``lr`` is under 1% of its peak so far (a schedule decaying it to
-        zero moves the weights less than float32 resolves).
-        """
+        """*stall*, on a logging step: ``update`` (a weight's typical change, a device scalar:
+        :func:`~.grouped_norms.typical_update`) per unit of ``lr`` against its running level
+        (no host sync: read at the next poll). Skipped while ``lr`` is under 1% of its peak."""
         if not self._stall.due(lr):
             return
         self._drain_stall(wait=True)
@@ -212,8 +173,8 @@ class GradientAlarms:
 
     @property
     def spike_score(self) -> float:
-        """Alarms per 1,000 evaluated optimizer steps since construction (every rule; one-step
-        transient spikes included), as OLMo-core's ``SpikeScore``: compare runs at a glance."""
+        """Alarms per 1,000 evaluated optimizer steps since construction (every rule, transient
+        spikes included), as OLMo-core's ``SpikeScore``."""
         return 1000.0 * self.total / max(self.evaluated, 1)
 
     def poll(self, wait: bool = False) -> list[GradientAlarm]:

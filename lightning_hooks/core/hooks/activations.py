@@ -1,32 +1,10 @@
 """What an activation module computes, for the activation classes of Hugging Face and timm.
 
-``transformers`` and ``timm`` ship their own activation modules (``NewGELUActivation``,
-``timm.layers.GELU``, ...): ``nn.Module`` subclasses, but not of ``nn.GELU``, so ``isinstance``
-misses them. This registry names each by its defining module and class name, with the torch
-class that computes the same function or the same family (a GELU approximation is a GELU):
-``types=nn.GELU`` then selects every GELU, whoever wrote it. Nothing is imported: the libraries
-are optional, and a class is recognised from its ``__module__`` and ``__name__`` (and those of
-its bases). ``tests/test_third_party.py`` checks each entry against what the class computes.
-
-=====================================================  ========================================
-Class (``transformers.activations``)                   counts as
-=====================================================  ========================================
-``GELUActivation``, ``NewGELUActivation``,             ``nn.GELU`` (exact, tanh, sigmoid and
-``FastGELUActivation``, ``QuickGELUActivation``,       clipped approximations: each keeps the
-``GELUTanh``, ``PytorchGELUTanh``,                     sign of its input)
-``ClippedGELUActivation``, ``AccurateGELUActivation``
-``SiLUActivation``                                     ``nn.SiLU``
-``MishActivation``                                     ``nn.Mish``
-``ReLUSquaredActivation``                              ``nn.ReLU`` (``relu(x) ** 2``)
-``LaplaceActivation``                                  ``nn.Sigmoid`` (a CDF, bounded in (0, 1))
-``SqrtSoftplusActivation``                             ``nn.Softplus``
-=====================================================  ========================================
-
-timm (``timm.layers.activations`` and ``activations_me``): ``GELU``, ``GELUTanh``, ``QuickGELU``
-count as ``nn.GELU``; ``Swish``, ``SwishMe`` as ``nn.SiLU``; ``Mish``, ``MishMe``, ``HardMish``,
-``HardMishMe`` as ``nn.Mish``; ``Sigmoid`` and ``Tanh`` as theirs; ``HardSwish(Me)`` as
-``nn.Hardswish``; ``HardSigmoid(Me)`` as ``nn.Hardsigmoid``. timm's ``PReLU`` subclasses
-``nn.PReLU`` already. Identity modules (``LinearActivation``) are not activations.
+Their activation modules (``NewGELUActivation``, ``timm.layers.GELU``, ...) do not subclass
+``nn.GELU``, so ``isinstance`` misses them. :data:`KNOWN_ACTIVATIONS` maps each, by defining
+module and class name (nothing is imported), to the torch class that computes the same function
+or family (a GELU approximation is a GELU), so ``types=nn.GELU`` selects every GELU.
+``tests/test_third_party.py`` checks each entry against what the class computes.
 """
 
 from __future__ import annotations

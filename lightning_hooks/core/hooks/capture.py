@@ -55,20 +55,18 @@ def capture_outputs(
 ) -> Iterator[dict[str, Any]]:
     """Record the outputs of the named layers of ``model`` while the block runs.
 
-    Yields a dict that maps each selected module's qualified name to its output of the most
-    recent forward (overwritten at every call; a module called twice in one forward keeps its
-    last output). Every forward counts: training, ``eval`` and ``no_grad``. The forward hooks go
-    through a :class:`~lightning_hooks.core.HookRegistry` and are removed when the block exits,
-    also on an exception; the dict keeps its last contents.
+    Yields a dict mapping each selected module's qualified name to its output of the latest
+    forward (training, ``eval`` or ``no_grad``; a module called twice keeps its last). The hooks
+    are removed when the block exits, also on an exception; the dict keeps its contents.
 
     Args:
         model: the model to record from.
         layers: qualified module names or glob patterns (``"layer4"``, ``"encoder.*"``); each
             must match some module, or the error lists the closest real names.
-        detach: store ``output.detach()``: no autograd graph is kept alive. With
-            ``detach=False`` the stored outputs are part of the graph (for a feature loss).
-        clone: store a copy. A detached output shares memory with the model's activation, so an
-            in-place op after the layer (``ReLU(inplace=True)``) changes it: clone then.
+        detach: store ``output.detach()`` (``False``: outputs stay in the graph, for a feature
+            loss).
+        clone: store a copy: a detached output shares memory with the activation, which an
+            in-place op after the layer (``ReLU(inplace=True)``) changes.
 
     Raises:
         ValueError: a name or pattern matches no module of the model.
@@ -101,12 +99,10 @@ def capture_outputs(
 def probe_mode(model: nn.Module) -> Iterator[None]:
     """Put ``model`` in eval mode under ``torch.no_grad()`` and undo everything on exit.
 
-    On exit, also after an exception, every submodule gets back its own ``training`` flag (a
-    model partly in eval mode stays so) and the random number generators get back their state:
-    the torch CPU generator, and every CUDA device's generator once CUDA is initialized. So a
-    probe forward changes no BatchNorm running statistic (eval mode), keeps no autograd graph,
-    is ignored by the library's forward hooks (they count grad-enabled forwards only) and does not
-    shift the random stream that training draws from.
+    On exit, also after an exception, every submodule gets back its own ``training`` flag and
+    the CPU and (once initialized) CUDA generators their state. So a probe forward changes no
+    BatchNorm statistic, keeps no graph, is ignored by the library's forward hooks (they count
+    grad-enabled forwards only) and does not shift training's random stream.
 
     Example:
         >>> from torch import nn

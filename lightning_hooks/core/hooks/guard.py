@@ -1,21 +1,13 @@
 """The guard: an error in one of our hooks disables that statistic, never the user's run.
 
-A :class:`Guard` belongs to one statistic (a callback, or a tracker in a plain loop). Hooks
-wrapped by it run their body in ``try``/``except``, which costs nothing in CPython 3.11+ while
-nothing raises. The first exception marks the guard failed and emits one
-:class:`~lightning_hooks.errors.LightningHooksWarning` naming the statistic, the hook and the
-cause; later exceptions of the same statistic are swallowed silently. The owner then removes
-its hooks at the next safe point (a Lightning hook, not in the middle of autograd).
-
-In a multi-process run the owner makes the guard *deferred* (:attr:`Guard.defer`): a failure is
-only recorded (:attr:`Guard.local`) and the owner's hooks go on running, so this rank keeps
-issuing every collective the other ranks issue; the owner agrees with the other ranks at a
-collective they all make, and every rank then settles (:meth:`Guard.settle`) at the same
-step, with one warning on rank 0 naming each failed rank, its hook and its error. With
-``strict`` (or the environment variable ``LIGHTNING_HOOKS_STRICT=1``, which the test suite sets)
-the exception propagates unchanged. The library's own deliberate errors
-(:class:`~lightning_hooks.errors.LightningHooksError`, e.g. ``on_alarm="raise"``) always
-propagate.
+A :class:`Guard` belongs to one statistic. Its first caught exception marks it failed and warns
+once (a :class:`~lightning_hooks.errors.LightningHooksWarning` naming the statistic, the hook
+and the cause); the owner removes its hooks at the next safe point (a Lightning hook, not
+mid-autograd). In a multi-process run it is *deferred* (:attr:`Guard.defer`): the failure is
+recorded and the hooks keep running, so this rank issues every collective the others do, until
+the ranks :meth:`Guard.settle` at the same step. With ``strict`` (or
+``LIGHTNING_HOOKS_STRICT=1``, set by the test suite) the exception propagates, as
+:class:`~lightning_hooks.errors.LightningHooksError` always does.
 
 Example:
     >>> import warnings
@@ -75,10 +67,8 @@ class Guard:
     Attributes:
         failed: ``None`` while healthy, else ``"where: ErrorType: message"`` of the first error.
         pending: a failure whose hooks the owner has not removed yet (see :meth:`take_pending`).
-        defer: record a failure in :attr:`local` instead of disabling (a multi-process run,
-            whose ranks must agree on the step: see the module docstring).
-        local: with :attr:`defer`, ``"where: ErrorType: message"`` of this rank's first error
-            not yet agreed by the ranks.
+        defer: record a failure in :attr:`local` instead of disabling (multi-process runs).
+        local: with :attr:`defer`, this rank's first error not yet agreed by the ranks.
         disabled_step: the step at which the owner disabled the statistic (set by the owner).
     """
 
@@ -113,8 +103,7 @@ class Guard:
 
     def settle(self, causes: Sequence[str | None], step: int, *, warn: bool) -> None:
         """Disable at ``step`` on the ranks' agreement: ``causes[r]`` is rank ``r``'s
-        :attr:`local` (``None``: healthy); ``warn`` (rank 0): one warning naming every failed
-        rank, its hook and its error.
+        :attr:`local` (``None``: healthy); ``warn`` (rank 0): one warning naming each failure.
 
         Example:
             >>> guard = Guard("MyStat", strict=False)
@@ -141,10 +130,8 @@ class Guard:
         return pending
 
     def wrap(self, fn: F, where: str) -> F:
-        """``fn`` with its exceptions handled by :meth:`fail` (returns ``None`` after one).
-
-        Strict guards return ``fn`` itself: nothing is added to the hot path.
-        """
+        """``fn`` with its exceptions handled by :meth:`fail` (returns ``None`` after one);
+        a strict guard returns ``fn`` itself."""
         if self.strict:
             return fn
 
@@ -182,12 +169,10 @@ GUARDED_HOOKS = (
 
 
 def guard_hooks(cls: type) -> None:
-    """Wrap the :data:`GUARDED_HOOKS` that ``cls`` defines itself.
+    """Wrap the :data:`GUARDED_HOOKS` that ``cls`` defines itself: each runs under
+    ``self._hook_guard()`` (hooks registered inside it too) and, once the guard failed, calls
+    ``self._guard_disable()`` once and does nothing more."""
 
-    The wrapped hook looks up the instance's guard with ``self._hook_guard()`` and, once the
-    guard failed, removes the statistic's hooks with ``self._guard_disable()`` (once) and runs
-    nothing more. Hooks registered inside the call are wrapped by the same guard.
-    """
     for name in GUARDED_HOOKS:
         method = cls.__dict__.get(name)
         if method is not None and not getattr(method, "_lightning_hooks_guarded", False):

@@ -1,19 +1,9 @@
 """How the gated hooks of sampled steps are put on, taken off, and run.
 
-A sampled step puts several hundred hooks on a small model's modules and takes them off after
-it (:class:`~lightning_hooks.core.hooks.registry.HookRegistry`). ``register_forward_hook`` makes
-a ``RemovableHandle`` with weak references each time, which costs more than the hook's own
-call. A :class:`Gated` hook is written into its module's hook dicts under an id reserved once
-and deleted from them, as ``register_forward_(pre_)hook`` and ``RemovableHandle.remove`` do:
-all five callbacks' 349 hooks on the launch-bound stand-in are put on and taken off in about
-0.5 ms, against 2.2 ms with handles (``benchmarks/gated_hooks.py``).
-
-On a sampled step the attention capture holds a ``TorchFunctionMode`` over the whole training
-forward, so every torch call inside it goes through the mode's Python, the statistics' hooks'
-calls included (thousands per step with every callback on: a quarter of the sampled step's
-cost on a small model). Those calls are never attention the capture records (it pauses the
-running module while other hooks run), so every registry runs its gated hooks with such a mode
-taken off the top of the torch-function stack, and puts it back after.
+A :class:`Gated` hook is written into and deleted from its module's hook dicts under an id
+reserved once, without a ``RemovableHandle`` per sampled step (it costs more than the hook's
+call). The gated hooks' torch calls are never attention, so they run with the attention
+capture's ``TorchFunctionMode`` popped (:func:`outside_shelved`).
 """
 
 from __future__ import annotations
@@ -67,10 +57,7 @@ def outside_shelved(fn: Callable[..., Any], *args: Any) -> Any:
 
 class Gated(NamedTuple):
     """A module hook kept to be put on its module on each sampled step (:func:`gated_hook`).
-
-    The module's dicts are looked up at each :meth:`install`, so a module whose hook dicts were
-    replaced (``load_state_dict`` does not; ``__setstate__`` does) still gets the hook.
-    """
+    The hook dicts are looked up at each :meth:`install` (``__setstate__`` replaces them)."""
 
     module: nn.Module
     table: str  # the module's attribute holding the hooks
@@ -98,9 +85,8 @@ class Gated(NamedTuple):
 
 
 def gated_hook(module: nn.Module, hook: Callable[..., Any], pre: bool, **options: bool) -> Gated:
-    """``hook`` (``pre``: a forward pre-hook) as a :class:`Gated` of ``module`` with
-    ``register_forward_(pre_)hook``'s ``options`` (``prepend``, ``with_kwargs``,
-    ``always_call``), under an id that no handle will take. Not installed yet.
+    """``hook`` (``pre``: a forward pre-hook) as a not yet installed :class:`Gated` of
+    ``module``, with ``register_forward_(pre_)hook``'s ``options``, under an id no handle takes.
 
     Example:
         >>> import torch

@@ -49,9 +49,8 @@ def unhookable_modules(model: nn.Module) -> dict[int, str]:
 
 
 def is_compiled(model: nn.Module) -> bool:
-    """Whether ``model`` runs under ``torch.compile``: it, or one of its modules, is a
-    ``torch._dynamo`` ``OptimizedModule``, was compiled in place (``module.compile()``), or is a
-    LightningModule that Lightning unwrapped from ``torch.compile(model)``.
+    """Whether ``model`` or one of its modules is compiled (``torch.compile``, in place by
+    ``module.compile()``, or unwrapped by Lightning from ``torch.compile(model)``).
 
     Example:
         >>> from torch import nn
@@ -82,9 +81,8 @@ def _ours(hook: F) -> F:
 
 
 def plain_layers() -> Callable[[nn.Module], bool]:
-    """Whether a module is a layer of ``torch.nn`` itself with no submodule and no forward
-    (pre-)hook but a registry's (``Linear``, ``LayerNorm``, ``ReLU``, ``Softmax``...): its
-    forward calls no attention. None is while a global forward hook is registered."""
+    """Whether a module is a ``torch.nn`` leaf layer with no forward (pre-)hook but a
+    registry's (its forward calls no attention); none is while a global forward hook exists."""
     nn_module = sys.modules["torch.nn.modules.module"]
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return lambda module: False
@@ -123,16 +121,10 @@ class HookOwner:
 class HookRegistry(HookOwner):
     """Registers module, parameter and optimizer hooks and removes every one of them.
 
-    Use it as a context manager in a plain PyTorch loop, or call :meth:`remove` (idempotent) from
-    every exit path. Hooks placed on per-step tensors (activations) are not tracked: they die with
-    the step's autograd graph.
-
-    Cadence: module hooks registered with ``gated=True`` run only while :attr:`sampled` is
-    true. In eager mode they are installed on the modules when :attr:`sampled` becomes true and
-    removed when it becomes false, so a step that is not sampled runs no Python of ours per
-    module. A model under ``torch.compile`` (:func:`is_compiled`) keeps them installed, since a
-    hook set that changes recompiles: there they return after one attribute read, dispatching
-    no tensor op. Set :attr:`sampled` before a step's forward (``False``: skip the step).
+    Use it as a context manager, or call :meth:`remove` from every exit path. Module hooks
+    registered with ``gated=True`` run only while :attr:`sampled` is true (set it before a
+    step's forward): in eager mode they are installed and removed as it changes; under
+    ``torch.compile`` they stay installed (a changing hook set recompiles) and return at once.
 
     Args:
         model: the model whose modules :meth:`modules` selects from.
@@ -167,8 +159,7 @@ class HookRegistry(HookOwner):
 
     @property
     def sampled(self) -> bool:
-        """Whether the current step is measured: the gated hooks are installed (or, when
-        :attr:`fixed`, run) only while ``True``."""
+        """Whether the current step is measured: the gated hooks run only while ``True``."""
         return self._sampled
 
     @sampled.setter
@@ -192,11 +183,9 @@ class HookRegistry(HookOwner):
     def gated_hook(
         self, module: nn.Module, hook: Callable[..., Any], *, pre: bool, **options: bool
     ) -> RemovableHandle | None:
-        """A module hook (``pre``: a forward pre-hook) that runs only on sampled steps, with
-        ``register_forward_(pre_)hook``'s ``options`` (``prepend``, ``with_kwargs``,
-        ``always_call``), already wrapped as it should be (guarded, checking the flag). Returns
-        the handle while it is installed, else ``None``.
-        """
+        """A module hook (``pre``: a forward pre-hook), already guarded and gated, that runs
+        only on sampled steps, with ``register_forward_(pre_)hook``'s ``options``. Returns the
+        handle while it is installed, else ``None``."""
         gated = gated_hook(module, _ours(hook), pre, **options)
         self._gated_hooks.append(gated)
         if not (self._sampled or self.fixed):
@@ -223,12 +212,9 @@ class HookRegistry(HookOwner):
         exclude: Patterns = None,
         where: ModuleFilter | None = None,
     ) -> list[tuple[str, nn.Module]]:
-        """Select modules of the model; see :func:`~lightning_hooks.core.select_modules`.
-
-        Modules whose Python hooks never run (``torch.jit`` scripted or traced, and their
-        submodules) stay in the selection, since their parameters can still be measured, but
-        get no module hook: one :class:`~lightning_hooks.errors.LightningHooksWarning` names them.
-        """
+        """Select modules of the model (:func:`~lightning_hooks.core.select_modules`).
+        ``torch.jit`` modules stay selected (their parameters can be measured) but get no
+        module hook; one :class:`~lightning_hooks.errors.LightningHooksWarning` names them."""
         selected = select_modules(
             self.model, types=types, include=include, exclude=exclude, where=where
         )
@@ -251,8 +237,7 @@ class HookRegistry(HookOwner):
         )
 
     def hookable(self, module: nn.Module) -> bool:
-        """Whether ``module`` runs Python hooks; if not (``torch.jit``), one warning names
-        every such module."""
+        """Whether ``module`` runs Python hooks (not ``torch.jit``: one warning names those)."""
         if id(module) in self._unhookable:
             self._warn_unhookable(sorted(self._unhookable.values()))
             return False
@@ -265,10 +250,8 @@ class HookRegistry(HookOwner):
         return self.guard.name if self.guard is not None else type(self._model).__name__
 
     def guarded(self, fn: F, where: str) -> F:
-        """``fn`` wrapped by the registry's guard (itself when there is none or it is strict).
-
-        For hooks the registry does not own: those put on per-step tensors inside a hook.
-        """
+        """``fn`` wrapped by the registry's guard (itself when there is none or it is strict),
+        for hooks the registry does not own (on per-step tensors)."""
         return fn if self.guard is None else self.guard.wrap(fn, where)
 
     def add(self, handle: RemovableHandle) -> RemovableHandle:
@@ -279,11 +262,8 @@ class HookRegistry(HookOwner):
     def forward_hook(
         self, module: nn.Module, hook: ForwardHook, *, gated: bool = False
     ) -> RemovableHandle | None:
-        """``module.register_forward_hook(hook)``, owned by the registry and guarded.
-
-        With ``gated``, the hook runs only on steps where :attr:`sampled` is true. A module that
-        runs no Python hooks (``torch.jit``) gets none: ``None`` is returned.
-        """
+        """``module.register_forward_hook(hook)``, owned and guarded; ``gated``: only on sampled
+        steps. ``None`` for a module that runs no Python hooks (``torch.jit``)."""
         if not self.hookable(module):
             return None
         where = f"forward hook on {self._name(module)!r}"
@@ -320,11 +300,8 @@ class HookRegistry(HookOwner):
         gated: bool = False,
         with_kwargs: bool = False,
     ) -> RemovableHandle | None:
-        """``module.register_forward_pre_hook(hook, with_kwargs=...)``, owned and guarded.
-
-        With ``gated``, the hook runs only on steps where :attr:`sampled` is true (``None`` is
-        returned for a module that runs no Python hooks: ``torch.jit``).
-        """
+        """``module.register_forward_pre_hook(hook, with_kwargs=...)``, owned and guarded;
+        ``gated`` and ``None`` as in :meth:`forward_hook`."""
         if not self.hookable(module):
             return None
         hook = self.guarded(hook, f"forward pre-hook on {self._name(module)!r}")
@@ -345,8 +322,8 @@ class HookRegistry(HookOwner):
         return self.add(optimizer.register_step_post_hook(hook))
 
     def remove(self) -> None:
-        """Remove every hook and drop the model (a reused owner must not keep the last model
-        alive). Safe to call any number of times, also after the model is gone."""
+        """Remove every hook and drop the model (a reused owner must not keep it alive).
+        Idempotent."""
         self._model = None
         handles, gated = self._handles, self._gated_hooks
         self._handles, self._gated_hooks = [], []

@@ -66,9 +66,8 @@ def _as_types(owner: str, types: ModuleTypes) -> tuple[type[nn.Module], ...] | N
 class Selection:
     """Which modules of a model a callback watches: types, and name patterns to keep and drop.
 
-    Made with :meth:`of`, which validates every argument once, naming the argument the user
-    passed (``DeadReLUCallback(pre_activation=...)``, not ``include=``). :meth:`modules` checks
-    the patterns against the model, again naming that argument.
+    Made with :meth:`of`, which validates the arguments once; errors from it and from
+    :meth:`modules` name the argument the user passed (``DeadReLUCallback(pre_activation=...)``).
 
     Attributes:
         owner: the public class the arguments were passed to (for error messages).
@@ -179,18 +178,15 @@ def select_modules(
 ) -> list[tuple[str, nn.Module]]:
     """Return ``(qualified_name, module)`` pairs of ``model`` to instrument, in registration order.
 
-    The root module itself is never returned. A module reachable under two names (a shared
-    module) is returned once, under its first name. A submodule compiled in place
-    (``model.net = torch.compile(model.net)``) keeps its eager names: the ``_orig_mod`` segment
-    is dropped and the compiled wrapper itself is skipped.
+    The root is never returned; a shared module once, under its first name. A submodule compiled
+    in place keeps its eager names (no ``_orig_mod`` segment, the wrapper skipped).
 
     Args:
         model: the model to search.
-        types: keep only modules that are instances of these types, or known third-party
-            activations that compute as one (``types=nn.GELU`` keeps Hugging Face's
-            ``NewGELUActivation``: see :mod:`lightning_hooks.core.hooks.activations`).
+        types: keep only instances of these types, or third-party activations that compute as
+            one (:mod:`lightning_hooks.core.hooks.activations`).
         include: glob patterns (``fnmatch``, e.g. ``"encoder.*"``) on qualified names; when given,
-            keep only modules matching at least one. Each pattern must match some module.
+            keep only modules matching one. Each pattern must match some module.
         exclude: glob patterns; drop modules matching any. Each pattern must match some module.
         where: an extra predicate ``(name, module) -> bool``.
         arguments: how errors name ``include`` and ``exclude`` (the user's argument names).

@@ -1,14 +1,7 @@
-"""``torch.distributed`` for the core: the few facts of the process group it needs (every function
-a no-op in one process), and exact per-parameter statistics of sharded (``DTensor``) parameters.
-
-Under FSDP2 (``fully_shard``) every parameter and gradient is a ``DTensor`` and each rank holds a
-shard (``to_local()``): a norm computed on it is the shard's, not the parameter's (the bug of
-torchtitan#766 and Lightning#17600). Here each rank computes shard-local *partials* (sums of
-squares, sums, maxima) per parameter, and ONE collective over the shard group combines them:
-sums are summed, maxima max-ed, minima min-ed (as maxima of the negation). Under HSDP the
-parameters are replicated along the other mesh dimension: only the shard group is reduced, so
-replicas are not counted twice (VeOmni#184). An empty shard (a dimension smaller than the group)
-contributes the identity: zero to sums, nothing to maxima.
+"""``torch.distributed`` for the core: the facts of the process group it needs (no-ops in one
+process), and exact per-parameter statistics of sharded (FSDP2 ``DTensor``) parameters: each
+rank computes shard-local partials (sums of squares, sums, maxima) and ONE collective over the
+shard group (not the HSDP replicas) combines them.
 """
 
 from __future__ import annotations
@@ -66,8 +59,8 @@ def group_device() -> torch.device:
 
 
 def to_group_device(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` detached, as a new float32 tensor on :func:`group_device` (a CPU loss under
-    NCCL, a CUDA loss under gloo); the copy is ``non_blocking``: no host sync.
+    """``tensor`` detached, as a new float32 tensor on :func:`group_device`, copied
+    ``non_blocking`` (no host sync).
 
     Example:
         >>> to_group_device(torch.tensor(2.0, dtype=torch.bfloat16))
@@ -79,7 +72,7 @@ def to_group_device(tensor: torch.Tensor) -> torch.Tensor:
 
 def agree(flags: Sequence[bool]) -> list[int]:
     """How many ranks raise each flag: one small ``all_reduce`` read on the host (a host sync:
-    for logging steps and epoch ends, never a quiet step); each flag itself in one process.
+    logging steps and epoch ends only); each flag itself in one process.
 
     Example:
         >>> agree([True, False])
@@ -176,13 +169,9 @@ def combine_partials(gathered: torch.Tensor, num_sums: int) -> torch.Tensor:
 class ShardPlan:
     """The process group over which every tracked parameter is sharded, found once.
 
-    Build it with :meth:`from_params`, which returns ``None`` when no parameter is a ``DTensor``
-    (one device, DDP): the callers then skip every step of this module.
-
-    Supported layouts, checked at construction (``ValueError`` otherwise, never a wrong number):
-    every parameter a ``DTensor`` sharded (``Shard``) along exactly one mesh dimension, the same
-    for all of them (FSDP2's ``fully_shard`` on a 1-D mesh), and replicated (``Replicate``) along
-    any other (HSDP's 2-D ``(replicate, shard)`` mesh).
+    Build it with :meth:`from_params` (``None`` when no parameter is a ``DTensor``). Supported,
+    else ``ValueError``: every parameter sharded along the same one mesh dimension (FSDP2) and
+    replicated along any other (HSDP).
 
     Attributes:
         group: the shard group.
@@ -227,10 +216,9 @@ class ShardPlan:
         maxima: Sequence[torch.Tensor] = (),
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Per-parameter shard-local L2 ``norms``, ``sums`` and ``maxima`` (each ``[P]``) made
-        whole over the shard group, in ONE collective (none for a group of one rank).
+        whole over the shard group in ONE collective (none for one rank); norms combine as sums
+        of squares."""
 
-        Norms are combined as sums of squares; a minimum is the maximum of the negation.
-        """
         columns = [n.float().square() for n in norms] + [s.float() for s in sums]
         num_sums = len(columns)
         columns += [m.float() for m in maxima]

@@ -15,16 +15,10 @@ __all__ = ["FirstNonFinite", "HostMailbox"]
 class HostMailbox:
     """A small device tensor copied to host memory without blocking, read on a later call.
 
-    On CUDA the host buffer is pinned, the copy is ``non_blocking`` and an event marks its end:
-    :meth:`read` does not wait unless asked to (``wait``: at most for the copy posted one step
-    earlier). On the CPU the copy is the read. The host buffer's numpy view is made once here,
-    so reading it is plain host memory access: no torch call, no sync, on any step. Used by the
-    gradient alarms (:class:`~lightning_hooks.core.GradientAlarms`) and the first-non-finite
-    probe (:class:`~lightning_hooks.core.FirstNonFinite`).
-
-    A tensor of fewer elements than ``shape`` may be posted: it lands at the buffer's start, and
-    :meth:`read` gives it back in its own shape (its views are made once per shape). A larger
-    one replaces the buffer with one its size (once per size; an unread value stays readable).
+    On CUDA the host buffer is pinned, the copy ``non_blocking`` and an event marks its end
+    (:meth:`read` waits only when asked); on the CPU the copy is the read. Reading is through a
+    numpy view made once: no torch call, no sync. A smaller tensor than ``shape`` is read back
+    in its own shape; a larger one replaces the buffer.
 
     Args:
         shape: the shape of the tensors posted (the largest).
@@ -71,9 +65,8 @@ class HostMailbox:
         return tuple(self._host.shape)
 
     def reserve(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
-        """The host buffer's views for values of ``shape``, made on first use (a larger one
-        than any before gets a new buffer its size; an unread value is kept). Reserve a shape
-        ahead of the steps that post it and they make no view."""
+        """The host buffer's views for values of ``shape``, made on first use (a new buffer
+        when larger than any before); reserve ahead so the steps that post it make no view."""
         slot = self._slots.get(shape)
         if slot is None:
             count = math.prod(shape)
@@ -123,15 +116,9 @@ _ROW_SPACE = 1 << 24
 class FirstNonFinite:
     """Which row (a module, in execution order) first produced NaN / Inf, and at which step.
 
-    :meth:`mark`, called with an on-device "something is bad" flag (from a forward hook, or once
-    per step), keeps the first ``(step, row)`` ever marked in one on-device int64 tensor: later
-    marks never overwrite it. A few tiny kernels, no host sync.
-
-    :meth:`poll` is the cheap per-step check, through the shared
-    :class:`HostMailbox`: on CUDA it copies that tensor with
-    ``non_blocking=True`` into pinned memory and, on a later call, reads the copy only once it
-    has landed (never waiting), so the answer comes at most one step late when the GPU keeps up.
-    On a CPU device the copy is an 8-byte ``memcpy`` and the answer is immediate.
+    :meth:`mark` keeps the first ``(step, row)`` whose on-device flag is true in one on-device
+    int64 tensor (a few tiny kernels, no host sync). :meth:`poll` reads it back through a
+    :class:`HostMailbox` without waiting: on CUDA at most one step late, on the CPU at once.
 
     Args:
         device: the device the hooks run on.
@@ -152,10 +139,9 @@ class FirstNonFinite:
         self._mailbox.clear(-1)
 
     def mark(self, bad: torch.Tensor, step: int, row: int | torch.Tensor) -> None:
-        """Record ``(step, row)`` if ``bad`` (a 0-d bool on the device) and nothing was before.
+        """Record ``(step, row)`` if ``bad`` (a 0-d bool on the device) and nothing was before;
+        ``row``: an int in ``[0, 2**24)`` or a 0-d int tensor on the device."""
 
-        ``row`` is an int in ``[0, 2**24)`` or a 0-d int tensor on the device.
-        """
         hit = bad & (self.code < 0)
         if isinstance(row, int):
             self.code.masked_fill_(hit, step * _ROW_SPACE + row)
