@@ -59,11 +59,7 @@ LayerStats = LayerTable
 
 
 class LayerStatsAccumulator(LayerStat[LayerTable]):
-    """Sum, max and count of ``[layers, stats]`` values, kept on the values' device.
-
-    A :class:`~.stat.LayerStat` with fixed rows and no hooks: the caller (the gradient-flow
-    tracker) feeds it with :meth:`update`, in-place and without a host sync. Values the same on
-    every rank are passed with ``replicated=True`` so the cross-rank reduce counts them once.
+    """Sum, max and count of ``[layers, stats]`` values, fed by :meth:`update` (no hooks).
 
     Args:
         layers: the row names.
@@ -101,7 +97,7 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         *,
         replicated: bool = False,
     ) -> None:
-        """Add one observation per cell (or one per step and cell), in place.
+        """Add one observation per cell (or per step and cell), in place, without a sync.
 
         Args:
             values: ``[rows, columns]``, or ``[steps, rows, columns]`` for several observations.

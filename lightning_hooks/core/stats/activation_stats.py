@@ -77,26 +77,18 @@ class Histogram:
 class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
     """Per-layer statistics of module outputs over an epoch, with no host sync per step.
 
-    Each selected module's floating outputs (one row per tensor of a tuple, list or dict output,
-    named ``{module}.{index or key}``) are measured in training forwards; :meth:`summary` gives
-    mean, std, min, max, mean ``|x|``, zero fraction and non-finite count per row.
-
-    Optional histograms use fixed edges (``histogram_range``) or a running range: the previous
-    epoch's min and max over every rank (first epoch: the row's first output). Values outside
-    fall in the end bins; NaN / Inf count in ``nonfinite``, not in a bin.
-
-    Call :meth:`end_step` after each training step to keep the first module whose output went
-    non-finite in :attr:`first_nonfinite`.
+    Measures each floating output tensor in training forwards (row ``{module}.{index or key}``
+    for a tuple, list or dict); :meth:`summary` gives the :data:`SCALARS` per row. Histograms use
+    ``histogram_range`` or the previous epoch's range; NaN / Inf are counted, not binned. Call
+    :meth:`end_step` after each step to find the first module that went non-finite.
 
     Args:
         model: the model to instrument now (``None``: call :meth:`attach` later).
-        types: modules of these types (default: :func:`default_feature_module`).
-        include: glob patterns on module names to keep.
-        exclude: glob patterns on module names to drop.
         histogram_bins: number of histogram bins per row; ``0``: no histograms.
         histogram_range: fixed ``(low, high)`` edges; ``None``: a running range.
         fused: use ``fused_feature_stats`` (compiled: one reading pass instead of six).
         owner: the public name errors give (a callback passes its own).
+        **selection: ``types`` (default :func:`default_feature_module`), ``include``, ``exclude``.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -228,10 +220,8 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
 
     @torch.no_grad()
     def end_step(self, step: int) -> None:
-        """Record ``step`` in :attr:`first_nonfinite` if an output went non-finite, no sync.
-
-        Rows are in execution order, so the first non-finite row is the first module that broke.
-        """
+        """Record ``step`` and the first module (rows are in execution order) in
+        :attr:`first_nonfinite` if an output went non-finite; no sync."""
         self.drain()
         if not self.rows:
             return
@@ -273,8 +263,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         super().reset()
 
     def _epoch_extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[rows, 2]`` (min, max) of the epoch and which rows saw an element: the folded
-        windows' and the local window's, on the states' device."""
+        """``[rows, 2]`` (min, max) of the epoch so far and which rows saw an element."""
         sign = np.array(_SIGN)
         local = self.extremes.double().cpu().numpy()
         sums = self.sums[:, NUM_SUMS - 1].double().cpu().numpy()

@@ -1,10 +1,5 @@
-"""The attention logits of ``scaled_dot_product_attention`` and eager softmax attention.
-
-Pure kernels (:func:`sdpa_logit_chunks`, :func:`attention_head_entropy`) turn a call's inputs
-into its logits, a chunk of query rows at a time, and then into entropy sums.
-:class:`AttentionCapture` finds the calls in sampled training forwards through a
-``TorchFunctionMode``; the model is not patched and a quiet step runs no mode.
-``nn.MultiheadAttention`` is recomputed from its inputs in :mod:`.stability`.
+"""The attention logits of ``scaled_dot_product_attention`` and eager softmax attention: pure
+kernels, and :class:`AttentionCapture`, which finds the calls without patching the model.
 """
 
 from __future__ import annotations
@@ -48,11 +43,8 @@ def sdpa_logit_chunks(
     enable_gqa: bool = False,
     budget: int | None = None,
 ) -> Iterator[torch.Tensor]:
-    """The float32 logits ``[..., L, S]`` that ``scaled_dot_product_attention``'s softmax sees,
-    a chunk of query rows at a time.
-
-    Masks, ``is_causal``, ``scale`` and ``enable_gqa`` act as in sdpa. Each chunk holds at most
-    ``budget`` elements (default :data:`LOGIT_BUDGET`), or one query row when a row is larger.
+    """The float32 logits ``[..., L, S]`` that ``scaled_dot_product_attention``'s softmax sees
+    (its arguments act as in sdpa), in chunks of query rows (see :func:`logit_chunks`).
 
     Example:
         >>> q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
@@ -103,8 +95,7 @@ def row_chunks(length: int, per_row: int, budget: int | None) -> list[tuple[int,
 
 
 def query_rows(mask: torch.Tensor, start: int, stop: int, length: int) -> torch.Tensor:
-    """``mask``'s query rows ``[start, stop)`` when it has a query dimension, else ``mask``
-    (it broadcasts over the queries)."""
+    """``mask``'s query rows ``[start, stop)``, or ``mask`` when it broadcasts over queries."""
     if mask.dim() >= 2 and mask.shape[-2] == length and length != 1:
         return mask[..., start:stop, :]
     return mask
@@ -137,8 +128,7 @@ def attention_head_entropy(
 
 
 def looks_like_attention(module: nn.Module) -> bool:
-    """Whether ``module``'s class is named as attention (``...Attention``, ``...Attn``), but not
-    ``nn.MultiheadAttention``.
+    """Whether ``module``'s class is named as attention (not ``nn.MultiheadAttention``).
 
     Example:
         >>> class GPT2Attention(nn.Module): ...
@@ -201,12 +191,10 @@ class _AttentionMode(ShelvedMode):
 class AttentionCapture:
     """Sees the attention calls of the sampled training forwards of a model's modules.
 
-    The outermost module of a sampled training forward enters a ``TorchFunctionMode``; each
-    ``scaled_dot_product_attention`` call and each last-dimension softmax of a 4-D tensor in a
-    module named as attention (:func:`looks_like_attention`) gives its logits to
-    ``record(name, logits)``, ``name`` being the innermost running module (not one in ``skip``).
-    Not seen: compiled forwards, fused kernels called directly (flash-attn), calls outside
-    any module's forward.
+    A ``TorchFunctionMode``, entered by the outermost module of a sampled training forward,
+    hands each sdpa call's logits (and each 4-D softmax's input, in a module that
+    :func:`looks_like_attention`) to ``record(name, logits)``, ``name`` the innermost running
+    module not in ``skip``. Not seen: compiled forwards and fused kernels called directly.
 
     Example:
         >>> class Attend(nn.Module):
@@ -235,12 +223,8 @@ class AttentionCapture:
         into the model's forward."""
 
     def attach(self, registry: HookRegistry) -> AttentionCapture:
-        """Hook every module of ``registry``'s model but ``torch.nn``'s plain layers.
-
-        Per module, a first pre-hook pauses the caller and a last one pushes the module; a first
-        forward hook pauses it and a last one pops it (also when the forward raises), so other
-        hooks' calls are not taken for the module's.
-        """
+        """Hook every module of ``registry``'s model but ``torch.nn``'s plain layers; the first
+        and last pre- and forward hooks keep other hooks' calls from counting as the module's."""
         self.guarded_see = registry.guarded(self.see, "attention capture")
         plain = plain_layers()
         for name, module in registry.model.named_modules():

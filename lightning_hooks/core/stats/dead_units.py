@@ -1,11 +1,8 @@
-"""Dead units: which units of a layer never fired on any training sample.
+"""Dead units: which units (:func:`unit_dim`) of a layer never fired on any training sample.
 
-A unit *fires* when its output is ``> 0``. :data:`RELU_FAMILY` (ReLU, ReLU6, LeakyReLU with
-slope >= 0, ELU, GELU, SiLU) keeps the sign of its input, so this is ``x > 0`` read from the
-output, as a forward hook must (an in-place ReLU overwrote its input). A functional ``F.relu``
-cannot be hooked: watch the layer that produces its input (``pre_activation``).
-
-A *unit* is a channel (dim 1) or a feature (last dim) of an output; see :func:`unit_dim`.
+A unit *fires* when its output is ``> 0``: :data:`RELU_FAMILY` keeps its input's sign, so the
+output, which a forward hook reads, tells (an in-place ReLU overwrote its input). A functional
+``F.relu`` cannot be hooked: watch the layer that produces its input (``pre_activation``).
 """
 
 from __future__ import annotations
@@ -41,9 +38,8 @@ RELU_FAMILY: tuple[type[nn.Module], ...] = (
 def unit_dim(module: nn.Module, ndim: int) -> int:
     """The dimension of a module's ``ndim``-d output that indexes its units.
 
-    Convolutions and batch norms: dim 1. Linear layers: the last dim. Other modules: the last
-    dim up to 3-d ``[N, T, F]``, dim 1 from 4-d. For a ``Conv1d`` followed by an activation,
-    watch the convolution (``pre_activation``) to get channels.
+    Convolutions and batch norms: dim 1; linear layers: the last; others: the last up to 3-d,
+    dim 1 from 4-d (watch a ``Conv1d`` itself to get its channels).
 
     Example:
         >>> unit_dim(nn.Conv1d(2, 3, 1), 3), unit_dim(nn.ReLU(), 3), unit_dim(nn.ReLU(), 4)
@@ -65,10 +61,8 @@ _EXACT = 2**24
 
 @torch.no_grad()
 def fired_counts(y: torch.Tensor, dim: int, workspace: Workspace | None = None) -> torch.Tensor:
-    """``[units]`` integers: how many entries of each unit of ``y`` are ``> 0`` (fired).
-
-    ``y > 0`` is summed as float32 in ``workspace``: exact below 2**24 elements and faster on
-    CPU than a byte sum; a larger output sums bytes into int64.
+    """``[units]`` integers: how many entries of each unit of ``y`` are ``> 0`` (fired). Summed
+    as float32 (exact below 2**24 elements, faster than bytes on CPU), else as int64.
 
     Example:
         >>> fired_counts(torch.tensor([[1.0, 0.0, -2.0], [3.0, 0.0, 0.5]]), dim=1).tolist()
@@ -121,17 +115,14 @@ class DeadUnits:
 class DeadUnitTracker(LayerStat[DeadUnits]):
     """Per-unit "ever fired" counts of activation outputs over an epoch.
 
-    In training forwards, counts per unit the outputs that fired, and the fraction that did not.
-    A unit is dead if it never fired in the period. A module called at several widths gets a
-    row per width (``name``, then ``name-{units}``).
+    A unit is dead if it never fired in a training forward of the period; a module called at
+    several widths gets a row per width (``name``, then ``name-{units}``).
 
     Args:
         model: the model to watch now (``None``: call :meth:`attach` later).
-        types: activation module types to watch (default :data:`RELU_FAMILY`).
-        include: glob patterns on module names to keep (among ``types``).
-        exclude: glob patterns on module names to drop.
         pre_activation: glob patterns of modules (any type) whose output feeds ``F.relu``.
         owner: the public name errors give (a callback passes its own).
+        **selection: ``types`` (default :data:`RELU_FAMILY`), ``include``, ``exclude``.
 
     Example:
         >>> layer = nn.Linear(3, 4)
@@ -204,8 +195,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         self.fired[row].add_(counts.sum(), alpha=1.0 / y.numel())
 
     def _width_row(self, name: str, units: int) -> int:
-        """The row of ``name`` at this width: ``name`` for the first, ``name-{units}`` for others
-        (torchvision's ``Bottleneck`` calls one ``relu`` at 64 and 256 channels).
+        """The row of ``name`` at this width: ``name`` for the first, ``name-{units}`` after.
 
         Raises:
             ValueError: more widths than :data:`_WIDTHS` (a unit dimension that varies).

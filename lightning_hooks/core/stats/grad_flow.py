@@ -74,23 +74,12 @@ def _check_args(
 class GradFlowTracker(HookOwner):
     """Per-layer gradient flow over optimizer steps, with no host sync per step.
 
-    A layer is a module that owns trainable parameters directly. Per optimizer step it measures
-    the applied gradient (L2 norm, mean and max ``|g|``, non-finite), the weight norm, the
-    update-to-weight ratio and the L2 norm of the gradient with respect to the layer's outputs.
-    :meth:`result` gives the mean and max over steps.
-
-    Call :meth:`observe` just before ``optimizer.step()`` and before any clipping; the update
-    ratio is read in an optimizer step post-hook. With ``post_clip`` the gradient columns are
-    read there too (what the optimizer applied) and ``grad_norm_preclip`` keeps the norm
-    :meth:`observe` saw. Use it as a context manager, or call :meth:`remove`.
-
-    Under ``torch.distributed`` every rank must call :meth:`observe` and :meth:`result`; the
-    all-reduced parameter gradients are recorded by rank 0, the rank-local output gradients are
-    summed across ranks and divided by the world size (the global batch's output gradient).
-
-    Set :attr:`sampled` to ``False`` before a step's forward to skip the step. The alarms run
-    every ``AlarmRules.every_n_steps``-th step, sampled or not, on the pre-clip gradient norms
-    (:class:`~.sentinel_read.SentinelRead`).
+    A layer is a module that owns trainable parameters directly; :meth:`result` gives the mean
+    and max over steps of the :data:`GRAD_FLOW_STATS`. Call :meth:`observe` just before
+    ``optimizer.step()`` and any clipping (every rank under ``torch.distributed``); the update
+    ratio, and with ``post_clip`` the applied gradient, are read in a step post-hook. Set
+    :attr:`sampled` to ``False`` before a forward to skip the step; the alarms run on their own
+    cadence, sampled or not. Use it as a context manager, or call :meth:`remove`.
 
     Args:
         model: the model to track.
@@ -101,10 +90,8 @@ class GradFlowTracker(HookOwner):
         update_ratio: measure the update ratio (keeps one copy of the parameters).
         output_grad: measure the gradient with respect to each layer's output.
         post_clip: gradients are clipped before the step: measure them in the step post-hook.
-        clip: ``(gradient_clip_val, gradient_clip_algorithm)``: the *explosion* rule judges the
-            gradient as the optimizer applies it.
-        alarms: gradient alarm rules (:class:`~lightning_hooks.core.GradientAlarms`), read
-            back as ``tracker.alarms``.
+        clip: ``(gradient_clip_val, gradient_clip_algorithm)``, for the *explosion* rule.
+        alarms: gradient alarm rules, read back as ``tracker.alarms`` (a ``GradientAlarms``).
 
     Example:
         >>> import torch
@@ -198,8 +185,7 @@ class GradFlowTracker(HookOwner):
         Args:
             optimizer: the optimizer about to step; only the parameters it holds are measured.
             grad_scale: the AMP loss scale (a tensor) the output gradients carry, or ``None``.
-            param_grad_scale: the loss scale the parameter gradients still carry (a fused
-                optimizer unscales inside its step), or ``None``.
+            param_grad_scale: the loss scale the parameter gradients still carry, or ``None``.
             step: the optimizer step the alarms name and count (default: calls from 0).
         """
         checks.optimizer("GradFlowTracker.observe", "optimizer", optimizer)

@@ -68,21 +68,16 @@ class _CudaClock:
 class LayerTimer(LayerStat[LayerTimes]):
     """Times the forward of every selected layer on the steps the caller samples.
 
-    Forward pre- and post-hooks, installed on sampled steps only, bracket each training forward
-    with ``time.perf_counter()`` on the CPU or CUDA events on a GPU; a sampled step's events are
-    read when the next sampled step starts (its last event long recorded) or at :meth:`result`.
-    By default only leaf modules are timed, so no time counts twice. Backward time is not
-    measured (full backward hooks break in-place ops). The result is the mean over ranks and
-    steps.
+    Hooks installed on sampled steps only bracket each training forward with ``perf_counter``
+    or CUDA events, the latter read at the next sampled step (long recorded by then). Only leaf
+    modules by default, so no time counts twice; backward time is not measured.
 
     Args:
         model: the model to time now (``None``: call :meth:`attach` later).
-        types: only modules of these types.
-        include: glob patterns on qualified names to keep.
-        exclude: glob patterns on qualified names to drop.
         leaves: keep only modules without children.
         cuda: use CUDA events (``None``: when a parameter of the model is on a CUDA device).
         owner: the public name errors give (a callback passes its own).
+        **selection: ``types``, ``include``, ``exclude`` (see :class:`~.stat.SelectionArgs`).
 
     Example:
         >>> from torch import nn
@@ -182,8 +177,7 @@ class LayerTimer(LayerStat[LayerTimes]):
         return hook
 
     def start_step(self, step: int | None = None) -> None:
-        """Start timing a sampled batch; a new ``step`` (``None``: always) counts one step, so
-        the micro-batches of one optimizer step add up into it."""
+        """Start timing a sampled batch; micro-batches of one ``step`` add up into it."""
         self._fold_events()
         if step is None or step != self._last_step:
             self._step[1] += 1

@@ -134,8 +134,7 @@ class OptimizerViews:
         self._views: dict[int, OptimizerView] = {}
 
     def view(self, optimizer: torch.optim.Optimizer) -> OptimizerView:
-        """The view of ``optimizer``, built at its own step only: Lightning's
-        ``toggle_optimizer`` turns off ``requires_grad`` of the other optimizers' parameters."""
+        """The view of ``optimizer``, built at its own step, when ``requires_grad`` tells."""
         # Rebuilt when the param_groups change and at each reset (epoch): a parameter unfrozen
         # by requires_grad alone counts from there.
         view = self.current(optimizer)
@@ -216,8 +215,7 @@ class OptimizerViews:
 
 
 class ViewStats:
-    """``[rows, GRAD_STATS]`` of an :class:`OptimizerView`, every column or only the alarms'
-    norms; FSDP2 shards made whole in one collective.
+    """``[rows, GRAD_STATS]`` of an :class:`OptimizerView` (FSDP2 shards made whole).
 
     Args:
         shards: the FSDP2 plan of the tracked parameters, or ``None``.
@@ -268,8 +266,7 @@ class ViewStats:
         return segment_norm(norms, view.index, len(view.rows) - 1, view.unique)
 
     def applied(self, view: OptimizerView) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The gradient columns of what the optimizer applied (in its step post-hook), and
-        where they are valid (``None``: everywhere)."""
+        """The applied gradient's columns (in the step post-hook) and where they are valid."""
         valid = view.valid()
         grads = ParamLayout.grads(view.params)
         stats = self.full(view, grads, weights=False)[:, _GRAD]

@@ -44,8 +44,7 @@ def _note_output_grad(
 
 
 def _by_round(rows: list[torch.Tensor]) -> list[list[int]]:
-    """Positions of ``rows`` in rounds of distinct rows (the k-th round: each row's k-th
-    occurrence): a multi-tensor op must not write one row twice."""
+    """Positions of ``rows`` in rounds of distinct rows: a multi-tensor op writes a row once."""
     rounds: list[list[int]] = []
     seen: dict[int, int] = {}
     for i, row in enumerate(rows):
@@ -57,8 +56,7 @@ def _by_round(rows: list[torch.Tensor]) -> list[list[int]]:
 
 
 def _sum_noted(noted: Noted, hits: list[torch.Tensor]) -> None:
-    """Add each noted norm's square and each hit into its row, one multi-tensor op per round of
-    distinct rows; empties both."""
+    """Add each noted norm's square and each hit into its row (one op per round); empties both."""
     for picks in _by_round([row for row, _ in noted]):
         norms = [noted[i][1] for i in picks]
         torch._foreach_addcmul_([noted[i][0] for i in picks], norms, norms)
@@ -107,11 +105,8 @@ def _output_hook(
 
 class OutputGradients:
     """The L2 norm of the gradient with respect to each layer's output, summed in square over
-    the backward passes of an optimizer step, into one column of ``accumulator``.
-
-    Under DDP the rank-local squares are kept per step and summed across ranks at :meth:`drain`.
-    Under several optimizers (a GAN) each step takes back what fed another optimizer's step.
-    :attr:`order` is the layers' backward order, for the non-finite alarm.
+    the backward passes of an optimizer step, into one column of ``accumulator``. Under DDP the
+    squares are summed across ranks at :meth:`drain`; :attr:`order` is the backward order.
 
     Args:
         num_layers: rows of the layout (the global row excluded).
@@ -214,8 +209,7 @@ class OutputGradients:
         torch._foreach_zero_(self._compiled_sq)
 
     def _clear_unowned(self) -> None:
-        """Zero the sums of rows no optimizer steps (a frozen layer's output still gets a
-        gradient), so a layer unfrozen later counts from its first step."""
+        """Zero the sums of rows no optimizer steps: a layer unfrozen later counts from then."""
         owned: set[int] = set()
         for other in self.optimizers:
             owned |= self.views.layers(other)  # a param_groups change bumps the generation
@@ -228,9 +222,8 @@ class OutputGradients:
             self._hit.index_fill_(0, self._unowned, 0.0)
 
     def _drop_other_backward(self, optimizer: torch.optim.Optimizer, view: OptimizerView) -> None:
-        """Under several optimizers (a GAN), take back from this optimizer's rows what the
-        backward passes before another optimizer's last step put there, if this optimizer
-        zeroed its gradients since: those passes fed the other step."""
+        """Under several optimizers (a GAN), take back what fed another optimizer's last step,
+        if this one zeroed its gradients since."""
         if id(optimizer) not in self._markers:
             return
         marker = self._markers.pop(id(optimizer))

@@ -63,9 +63,7 @@ def saturation_mask(module: nn.Module, output: torch.Tensor, margin: float = 0.0
 
 
 def unit_saturation(mask: torch.Tensor, unit_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Saturated entries, and which units (indices along ``unit_dim``) had an unsaturated one.
-
-    A tensor with no ``unit_dim`` is one unit.
+    """Saturated entries, and which units along ``unit_dim`` (else one unit) had an unsaturated one.
 
     Returns:
         ``(count, unsaturated)``: an int64 scalar and a ``[units]`` boolean tensor.
@@ -119,19 +117,16 @@ class SaturationStats:
 
 
 class SaturationTracker(LayerStat[SaturationStats]):
-    """Counts saturated outputs of bounded activations over training forwards, no host sync.
-
-    Keeps one saturated count per layer and one "ever unsaturated" flag per unit
-    (:func:`saturation_mask`, :func:`unit_saturation`).
+    """Counts saturated outputs of bounded activations (:func:`saturation_mask`) in training
+    forwards, per layer, and units never unsaturated; no host sync.
 
     Args:
         model: the model to watch now (``None``: call :meth:`attach` later).
-        types: module types to watch, among :data:`SATURATING_TYPES` (the default).
-        include: glob patterns on qualified names to keep.
-        exclude: glob patterns on qualified names to drop.
         unit_dim: the output dimension that indexes units.
         margin: the threshold margin of the smooth activations (see :func:`saturation_mask`).
         owner: the public name errors give (a callback passes its own).
+        **selection: ``types`` (among :data:`SATURATING_TYPES`, the default), ``include``,
+            ``exclude``.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 3), nn.Tanh())

@@ -76,9 +76,8 @@ class SentinelRead:
         return True
 
     def _read(self, view: OptimizerView) -> _Read:
-        """The read of ``view``'s gradient norms, chosen once by ``AlarmRules.quiet_read``:
-        :class:`GroupedNorms` or the Triton ``PointerNorms``; one that cannot be made is said
-        once and ``torch._foreach_norm`` reads instead."""
+        """The read of ``view``'s gradient norms, chosen once by ``AlarmRules.quiet_read``; one
+        that cannot be made is said once and ``torch._foreach_norm`` reads instead."""
         kept = self._reads.get(id(view))
         if kept is not None and kept[0]() is view:
             return kept[1]

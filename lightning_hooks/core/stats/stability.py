@@ -1,7 +1,6 @@
 """Transformer instability signals: the largest attention logit, the output logits' log-partition.
 
-Both grow before a transformer diverges (the reasons for QK-norm and z-loss; Wortsman et al.
-2023). Both are measured on sampled steps only.
+Both grow before a transformer diverges (the reasons for QK-norm and z-loss).
 """
 
 from __future__ import annotations
@@ -135,20 +134,14 @@ class StabilityStats(LayerStat[Result]):
     """The largest attention logit per attention layer and the output logits' log-partition.
 
     * ``attn_logit_max/{layer}``: the largest pre-softmax logit over the period;
-    * ``attn_entropy_min/{layer}``: the smallest head's attention entropy (nats), averaged over
-      every query row of the period (:func:`~.attention.attention_head_entropy`).
+    * ``attn_entropy_min/{layer}``: the smallest head's mean attention entropy (nats);
+    * ``logit_logz/{layer}``, ``logit_logz_max/{layer}``: mean and max ``logsumexp`` of the
+      *output layer*'s output (the last parameter owner with a floating output, settled by
+      :meth:`end_step`; a head applied with ``F.linear`` is not seen).
 
-    ``nn.MultiheadAttention`` logits are recomputed from its inputs in a pre-hook
-    (:func:`mha_logit_chunks`); other modules' ``scaled_dot_product_attention`` calls and eager
-    softmaxes are seen by :class:`~.attention.AttentionCapture`.
-
-    * ``logit_logz/{layer}``, ``logit_logz_max/{layer}``: mean and max ``logsumexp`` over the last
-      dimension of the *output layer*'s output: the last parameter owner with a floating output
-      in execution order, settled by :meth:`end_step` or the next reduce. A head applied with
-      ``F.linear`` (tied weights) is not seen; the module before it is measured instead.
-
-    Modules inside a ``torch.compile`` region are not measured (Dynamo does not replay the hooks'
-    side effects in execution order). Training forwards of sampled steps only.
+    ``nn.MultiheadAttention`` logits are recomputed from its inputs (:func:`mha_logit_chunks`),
+    others seen by :class:`~.attention.AttentionCapture`. Modules inside a ``torch.compile``
+    region are not measured. Training forwards of sampled steps only.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))

@@ -1,10 +1,4 @@
-"""``LayerStat``: the base of every per-layer statistic.
-
-A statistic declares its states (:class:`~.states.RowStates`), its hooks (a forward hook calling
-:meth:`LayerStat.observe` by default), its host result (:meth:`LayerStat.summarize`) and its tags
-(:meth:`LayerStat.tags`). The base owns selection, the hooks' lifecycle, one packed collective,
-one host copy per logging step (:class:`EpochWindows`), reset and the checkpoint state.
-"""
+"""``LayerStat``, the base of every per-layer statistic, and its windows on the host."""
 
 from __future__ import annotations
 
@@ -50,9 +44,8 @@ def _combine(old: np.ndarray, new: np.ndarray, reduce: Reduce) -> np.ndarray:
 
 
 class EpochWindows:
-    """The windows a statistic posts at logging steps: one non-blocking host copy each
-    (:class:`~.readback.HostMailbox`), folded on the host into the epoch (sums added, extremes
-    kept) and kept until read.
+    """The windows a statistic posts at logging steps: copied to the host without blocking,
+    folded into the epoch (sums added, extremes kept) and kept until read.
 
     Args:
         specs: the statistic's declared states, by name (read only).
@@ -72,8 +65,7 @@ class EpochWindows:
         box.post(packed, meta=(step, shapes))
 
     def collect(self, wait: bool) -> None:
-        """Fold the posted window into the epoch once copied (``wait``: block) and keep it for
-        :meth:`pop`."""
+        """Fold the posted window into the epoch once copied (``wait``: block for it)."""
         got = None if self._mailbox is None else self._mailbox.read(wait)
         if got is not None:
             view, (step, shapes) = got
@@ -155,9 +147,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
     """Base of every per-layer statistic: states on the model's device, one collective, one copy.
 
     Subclasses declare states in ``__init__`` (:meth:`add_layer_state`, :meth:`add_unit_state`)
-    and implement :meth:`observe` (or :meth:`hook_module`), :meth:`summarize` and :meth:`tags`.
-    Rows are made by :meth:`row` in execution order; callbacks align them across ranks
-    (:meth:`align_rows`) before a reduce. :meth:`drain` moves host-side counters into the states.
+    and implement :meth:`observe` (or :meth:`hook_module`), :meth:`summarize` and :meth:`tags`;
+    the base owns the hooks' lifecycle, the cross-rank reduce, reset and checkpoint state.
 
     Args:
         selection: which modules to hook (``None``: none; rows are made by the caller).
@@ -250,16 +241,14 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
     # --- logging steps: a window of steps, folded into the epoch on the host ----------------
 
     def post_window(self, step: int) -> None:
-        """End the window at a logging step: reduce across ranks, start its host copy and a new
-        window; :meth:`read_window` returns it."""
+        """End the window at a logging step: reduce it across ranks and start its host copy."""
         self._windows.collect(wait=True)  # at most one window in flight
         packed, shapes = self._reduced()
         self._windows.post(packed, shapes, step)
         self._reset_window()
 
     def read_window(self, wait: bool) -> tuple[int, R] | None:
-        """``(step, result)`` of the window posted at ``step``, folded into the epoch; ``None``
-        when none is posted, or (``wait=False``) while its copy is still running."""
+        """``(step, result)`` of the posted window; ``None`` when none is, or while copying."""
         self._windows.collect(wait)
         ready = self._windows.pop()
         if ready is None:
@@ -295,13 +284,11 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         raise NotImplementedError
 
     def step_values(self, result: R) -> dict[str, float]:
-        """The scalars of one logging step's window, by their epoch tag (the callback adds
-        ``_step``): :meth:`tags` by default; override to leave out epoch-only ones."""
+        """The scalars of one logging step's window, by epoch tag (default: :meth:`tags`)."""
         return self.tags(result)
 
     def reset(self) -> None:
-        """Start a new epoch: every state but ``"same"`` ones back to its identity, the folded
-        windows and a window still in flight dropped; rows kept."""
+        """Start a new epoch: states (but ``"same"`` ones) and windows dropped, rows kept."""
         self.drain()
         self._reset_window()
         self._windows.clear()

@@ -1,6 +1,4 @@
-"""The states of a per-layer statistic: declared with a dtype and a reduction, grown a row per
-layer, aligned across ranks and reduced in one packed collective (:class:`RowStates`).
-"""
+"""The states of a per-layer statistic, reduced across ranks in one packed collective."""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ Kind = Literal["layer", "unit", "global"]
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One declared state: ``[rows, *width]`` per layer, a flat run of entries per unit, or one
-    ``[*width]`` tensor for the whole model (``kind="global"``)."""
+    """One declared state: ``[rows, *width]``, a run of entries per unit, or global ``[*width]``."""
 
     name: str
     reduce: Reduce
@@ -82,8 +79,7 @@ def all_pool(
     dtype: torch.dtype,
     process_group: Any = None,
 ) -> list[torch.Tensor]:
-    """Each of ``tensors`` pooled across ranks with its reduce, in one all-gather packed in
-    ``dtype``."""
+    """Each of ``tensors`` pooled across ranks with its reduce, in one packed all-gather."""
     packed = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
     gathered = all_gather_stacked(packed, process_group)
     out, offset = [], 0
@@ -106,9 +102,7 @@ def _pool(part: torch.Tensor, reduce: Reduce) -> torch.Tensor:
 
 
 class RowStates:
-    """Per-layer states: declared, grown a row at a time, moved with :meth:`to`, aligned and
-    reduced across ranks in one collective, reset to their identities. Base of
-    :class:`~.stat.LayerStat`.
+    """Per-layer states: declared, grown a row at a time, aligned and reduced across ranks.
 
     Example:
         >>> states = RowStates()
@@ -228,16 +222,14 @@ class RowStates:
         return len(self.rows) != self._aligned
 
     def new_rows(self) -> list[tuple[str, int]]:
-        """``(name, units)`` of the rows made since the last alignment, in order. Drains first:
-        held values may make a row and are kept by row number, so must land before a move."""
+        """``(name, units)`` of the rows made since the last alignment (drained first: held
+        values are kept by row number and must land before the rows move)."""
         self.drain()
         return [(name, self.units[i]) for name, i in self.rows.items() if i >= self._aligned]
 
     def align_rows(self, new: Sequence[Sequence[tuple[str, int]]]) -> None:
-        """Give this rank the rows every rank made since the last alignment (``new``: each
-        rank's :meth:`new_rows`, by rank), in one order on every rank: old rows, then new ones by
-        rank. Without it a module run on some ranks only (an expert with no tokens) would leave
-        the ranks with different states and the collective would fail or hang.
+        """Give every rank the same rows (``new``: each rank's :meth:`new_rows`), in rank order.
+        Without it a module run on some ranks only would make the collective fail or hang.
 
         Raises:
             ValueError: two ranks made the same layer's row with different numbers of units.
@@ -297,8 +289,7 @@ class RowStates:
     # --- reduce and reset ------------------------------------------------------------------
 
     def drain(self) -> None:
-        """Move what the hooks hold (counters, unmeasured copies) into the states (override;
-        called before every reduce and checkpoint)."""
+        """Move what the hooks hold into the states (override; runs before every reduce)."""
 
     def _reduced(self) -> tuple[torch.Tensor, dict[str, torch.Size]]:
         """Every state of the window reduced across ranks (one collective), packed in one."""
