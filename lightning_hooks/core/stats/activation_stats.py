@@ -163,8 +163,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         return index
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
-        """Measure every floating tensor of ``output`` into its row; small ones (at most
-        :data:`~.feature_stats.STACKED` elements) are copied and measured in :meth:`drain`."""
+        """Measure every floating tensor of ``output`` (small ones at :meth:`drain`)."""
         if type(output) is torch.Tensor:  # most modules': no walk of the output
             if output.is_floating_point():
                 self._observe_one(name, output)

@@ -1,6 +1,4 @@
-"""The attention logits of ``scaled_dot_product_attention`` and eager softmax attention: pure
-kernels, and :class:`AttentionCapture`, which finds the calls without patching the model.
-"""
+"""The logits of ``scaled_dot_product_attention`` and eager attention, and their capture."""
 
 from __future__ import annotations
 
@@ -78,8 +76,7 @@ def sdpa_logit_chunks(
 
 
 def logit_chunks(logits: torch.Tensor, budget: int | None = None) -> Iterator[torch.Tensor]:
-    """Views of ``logits [..., L, S]``, a chunk of query rows each, of at most ``budget``
-    elements (default :data:`LOGIT_BUDGET`; one row when a row is larger)."""
+    """Views of ``logits [..., L, S]``, of ``budget`` (:data:`LOGIT_BUDGET`) elements or a row."""
     if logits.dim() < 2:
         yield logits
         return
@@ -293,8 +290,7 @@ class AttentionCapture:
         ]
 
     def see(self, chunks: Callable[[], Iterable[torch.Tensor]], softmax: bool = False) -> None:
-        """Record one attention call's logits chunk by chunk for the innermost running module
-        (a ``softmax`` only when that module looks like attention)."""
+        """Record one attention call's logits, chunk by chunk, for the innermost running module."""
         if not (self._stack and self._live):
             return
         name, module, _ = self._stack[-1]

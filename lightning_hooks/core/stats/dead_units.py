@@ -175,8 +175,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         return [(n, m) for n, m in model.named_modules() if n in named]
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
-        """Count the fired entries per unit of the first floating tensor of ``output``; a small
-        one's mask is kept and counted stacked in :meth:`drain`."""
+        """Count the fired entries per unit of ``output``'s first floating tensor (or at drain)."""
         if type(output) is torch.Tensor:  # most modules': no walk of the output
             y = output if output.is_floating_point() and output.ndim >= 1 else None
         else:

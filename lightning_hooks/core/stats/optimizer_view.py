@@ -1,5 +1,4 @@
-"""What one optimizer steps of a gradient-flow layout (:class:`OptimizerView`), its gradient
-statistics per layer (:class:`ViewStats`) and its update-to-weight ratio (:class:`UpdateRatio`)."""
+"""What one optimizer steps of a gradient-flow layout, its gradient statistics and update ratio."""
 
 from __future__ import annotations
 

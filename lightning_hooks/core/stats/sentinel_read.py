@@ -1,5 +1,4 @@
-"""What the gradient alarms read from an optimizer step: the gradient norms, by a read chosen
-once on a quiet step, or from the statistics on a sampled one."""
+"""The gradient norms the alarms read at an optimizer step, quiet or sampled."""
 
 from __future__ import annotations
 

@@ -182,8 +182,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
     # --- hooks -----------------------------------------------------------------------------
 
     def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> LayerStat[R]:
-        """Forget every row and hook the selected modules of ``model``; returns ``self``, a
-        context manager that removes the hooks on exit."""
+        """Forget every row and hook ``model``; returns ``self``, a context manager."""
         check_module(type(self).__name__, "model", model)
         self.remove()
         self._windows.forget()

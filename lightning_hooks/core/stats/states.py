@@ -22,9 +22,9 @@ __all__ = [
     "unpack",
 ]
 
-Reduce = Literal["sum", "max", "min", "same"]
+Reduce = Literal["sum", "max", "min", "same"]  # "same": values every rank shares (bin edges)
 Kind = Literal["layer", "unit", "global"]
-"""How a state pools across ranks: ``"same"`` holds values every rank shares (bin edges)."""
+"""Where a state's entries live: a row per layer, a run per row's units, or one for the model."""
 
 
 @dataclass(frozen=True)
@@ -222,8 +222,7 @@ class RowStates:
         return len(self.rows) != self._aligned
 
     def new_rows(self) -> list[tuple[str, int]]:
-        """``(name, units)`` of the rows made since the last alignment (drained first: held
-        values are kept by row number and must land before the rows move)."""
+        """``(name, units)`` of the rows made since the last alignment (drains first)."""
         self.drain()
         return [(name, self.units[i]) for name, i in self.rows.items() if i >= self._aligned]
 
