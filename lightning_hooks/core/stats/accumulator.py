@@ -1,4 +1,4 @@
-"""On-device accumulation of ``[layers, stats]`` values over an epoch, read as a table."""
+"""Accumulation of ``[layers, stats]`` values over an epoch, read as a table."""
 
 from __future__ import annotations
 
@@ -55,15 +55,7 @@ class LayerTable:
 
 
 class LayerStatsAccumulator(LayerStat[LayerTable]):
-    """Sum, max and count of ``[layers, stats]`` values, kept on the device.
-
-    A :class:`~.stat.LayerStat` with fixed rows and no hooks of its own: the
-    caller (the gradient-flow tracker) feeds it with :meth:`update`, a handful of in-place
-    kernels and no host sync. Under ``torch.distributed`` :meth:`result`, :meth:`post_window`
-    and :meth:`host_state` reduce across ranks (sums and counts summed, maxima max-ed) in ONE
-    collective: the states are packed into one tensor and all-gathered, whatever the number of
-    layers. Values that are the same on every rank (gradients after DDP's all-reduce) are passed
-    with ``replicated=True`` and observed by rank 0 only, so the reduce counts them once.
+    """Sum, max and count of ``[layers, stats]`` values, fed by :meth:`update` (no hooks).
 
     Args:
         layers: the row names.
@@ -101,17 +93,14 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         *,
         replicated: bool = False,
     ) -> None:
-        """Add one observation per cell (or one per step and cell), on the device.
+        """Add one observation per cell (or per step and cell), in place, without a sync.
 
         Args:
-            values: ``[rows, columns]`` values for the selected cells, or ``[steps, rows,
-                columns]`` for several observations of each.
+            values: ``[rows, columns]``, or ``[steps, rows, columns]`` for several observations.
             columns: which statistics ``values`` holds (a slice or column indices).
             rows: layer indices of ``values``' rows (default: every layer, in order).
-            valid: optional boolean mask broadcastable to ``values``: cells where it is false are
-                not observed (a layer that did not run, a ratio with a zero denominator).
-            replicated: ``values`` are identical on every rank (e.g. all-reduced gradients):
-                only rank 0 records them, so the cross-rank reduce does not count them twice.
+            valid: boolean mask broadcastable to ``values``; false cells are not observed.
+            replicated: ``values`` are identical on every rank: only rank 0 records them.
         """
         if replicated and rank() != 0:
             return
@@ -164,7 +153,7 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         }
 
     def host_state(self) -> dict[str, Any]:
-        """The reduced states on the host, for a checkpoint (a collective, like :meth:`result`).
+        """The reduced host states, for a checkpoint (a collective, like :meth:`result`).
 
         Example:
             >>> acc = LayerStatsAccumulator(["a"], ["x"])
@@ -178,7 +167,7 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         return {**super().host_state(), "stats": list(self.stats)}
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`host_state`: rank 0 holds the reduced values, other ranks start empty.
+        """Restore :meth:`host_state` (see :meth:`LayerStat.load_host_state`).
 
         Raises:
             ValueError: the state was saved for other layers or statistics.

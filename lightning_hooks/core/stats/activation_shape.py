@@ -20,14 +20,9 @@ Shape = tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]
 
 
 class ActivationShape(LayerStat[Shape]):
-    """Per layer, over every element of its outputs in the sampled training forwards:
-
-    * ``activations/kurtosis/{layer}``: Pearson's kurtosis ``E[(x - mu)^4] / sigma^4`` with
-      population moments (3 for a Gaussian; Composer's ``ActivationMonitor`` logs it too);
-    * ``activations/outlier_ratio/{layer}``: ``max |x|`` over the root mean square of ``x``, the
-      "massive activations" of Sun et al. 2024 (arXiv 2402.17762).
-
-    The power sums are kept in float64 on the device, so they pool exactly over steps and ranks.
+    """Per layer, over its outputs in sampled training forwards, ``activations/kurtosis/{layer}``
+    (Pearson's, 3 for a Gaussian) and ``activations/outlier_ratio/{layer}`` (``max |x|`` over the
+    root mean square). Float64 power sums: they pool exactly over steps and ranks.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 4), nn.ReLU())

@@ -1,4 +1,4 @@
-"""Statistics of what each layer produces, accumulated on the device: no Lightning here."""
+"""Statistics of what each layer outputs, accumulated over an epoch without a host sync."""
 
 from __future__ import annotations
 
@@ -44,8 +44,7 @@ ACTIVATION_MODULES: tuple[type[nn.Module], ...] = (
     nn.Tanh,
     nn.Softplus,
 )
-"""Activation module types the default selection includes (and the third-party activations
-that compute as one of them: :mod:`lightning_hooks.core.hooks.activations`)."""
+"""Activation module types the default selection includes (third-party look-alikes too)."""
 
 _NONFINITE = 4  # column of the non-finite count in the sums
 _SIGN = (-1.0, 1.0)  # extremes are kept as (-min, max) so one max-reduce pools both
@@ -76,38 +75,20 @@ class Histogram:
 
 
 class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
-    """Per-layer statistics of module outputs over an epoch, on the device, no host sync per step.
+    """Per-layer statistics of module outputs over an epoch, with no host sync per step.
 
-    A forward hook on each selected module measures every floating tensor of its output (tuple,
-    list and dict outputs give one row per tensor, named ``{module}.{index or key}``) in
-    training forwards only: sum, sum of squares, sum of ``|x|``, exact zeros, NaN / Inf count,
-    element count, min and max, pooled over every element of every call. A module called twice
-    in a forward is measured twice. :meth:`summary` gives the epoch's mean, std, min, max,
-    mean ``|x|``, zero fraction and non-finite count per row.
-
-    Optional histograms bin every output on the device with fixed edges (``histogram_range``) or
-    a running range: a row's edges for an epoch span the previous epoch's min and max over every
-    rank (the first epoch: the row's first output). Values outside the edges count in the end
-    bins; NaN / Inf are not binned (they count in ``nonfinite``), as in every histogram here.
-
-    Call :meth:`end_step` after each training step: it keeps, in :attr:`first_nonfinite`, the
-    first module in execution order whose output contained NaN / Inf, and the step (a few tiny
-    kernels per step, instead of per output).
-
-    A :class:`~lightning_hooks.core.stats.stat.LayerStat`: rows are created in the order outputs
-    first appear, the states reduce in one collective, and :meth:`host_state` /
-    :meth:`load_host_state` carry them (bin edges included) through a checkpoint.
+    Measures each floating output tensor in training forwards (row ``{module}.{index or key}``
+    for a tuple, list or dict); :meth:`summary` gives the :data:`SCALARS` per row. Histograms use
+    ``histogram_range`` or the previous epoch's range; NaN / Inf are counted, not binned. Call
+    :meth:`end_step` after each step to find the first module that went non-finite.
 
     Args:
         model: the model to instrument now (``None``: call :meth:`attach` later).
-        types: modules of these types (default: :func:`default_feature_module`).
-        include: glob patterns on module names to keep.
-        exclude: glob patterns on module names to drop.
         histogram_bins: number of histogram bins per row; ``0``: no histograms.
         histogram_range: fixed ``(low, high)`` edges; ``None``: a running range.
-        fused: compute the statistics with ``fused_feature_stats`` (``torch.compile``: one
-            reading pass instead of six; compiled on the first training step).
+        fused: use ``fused_feature_stats`` (compiled: one reading pass instead of six).
         owner: the public name errors give (a callback passes its own).
+        **selection: ``types`` (default :func:`default_feature_module`), ``include``, ``exclude``.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -139,8 +120,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         self.histogram_range = histogram_range
         self.workspace = Workspace()
         self._stats = fused_feature_stats if fused else feature_stats
-        # small outputs, copied in their hooks and measured together by shape and dtype at the
-        # end of the step (no histograms, not fused): (rows, copies) by (shape, dtype, device)
+        # small outputs are copied in their hooks and measured stacked by shape at drain
         self._batched = not fused and not histogram_bins
         self._pending: Pending[tuple[torch.Size, torch.dtype, torch.device]] = Pending()
         self.add_layer_state("sums", reduce="sum", width=(NUM_SUMS,))
@@ -165,7 +145,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
     def attach(
         self, model: nn.Module, registry: HookRegistry | None = None
     ) -> ActivationStatsTracker:
-        """Hook ``model``; the device constants and the non-finite probe go to its device."""
+        """Hook ``model``; the constants and the non-finite probe go to its device."""
         super().attach(model, registry)
         device = self.device  # the model's: the base moved the states there
         # Made here, not in a hook: its host buffer is set up once, outside any training step.
@@ -183,9 +163,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         return index
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
-        """Measure every floating tensor of ``output`` into its row: a small one (at most
-        :data:`~.feature_stats.STACKED` elements) is copied, and measured with the others of its
-        shape and dtype at the end of the step (:meth:`drain`), in one batch of ops."""
+        """Measure every floating tensor of ``output`` (small ones at :meth:`drain`)."""
         if type(output) is torch.Tensor:  # most modules': no walk of the output
             if output.is_floating_point():
                 self._observe_one(name, output)
@@ -208,8 +186,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
             self._observe(row, tensor)
 
     def drain(self) -> None:
-        """Measure the small outputs copied since the last call, a batch per shape and dtype,
-        into their rows (in the order they were seen: the sums add as :meth:`_observe`'s)."""
+        """Measure the copied small outputs, a stack per shape and dtype, into their rows."""
         for _, rows, copies in self._pending.drain():
             stats = stacked_feature_stats(copies)
             index = self._pending.index(rows, stats.device)
@@ -242,12 +219,8 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
 
     @torch.no_grad()
     def end_step(self, step: int) -> None:
-        """Record ``step`` in :attr:`first_nonfinite` if an output went non-finite, no sync.
-
-        Rows are numbered in the order outputs first appear, which is execution order, and until
-        the first mark no row had a non-finite value: the first row with one now is the first
-        module in execution order whose output went non-finite in this step.
-        """
+        """Record ``step`` and the first module (rows are in execution order) in
+        :attr:`first_nonfinite` if an output went non-finite; no sync."""
         self.drain()
         if not self.rows:
             return
@@ -289,8 +262,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         super().reset()
 
     def _epoch_extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[rows, 2]`` (min, max) of the epoch and which rows saw an element, on the device:
-        the folded windows' (reduced across ranks) and the local window's."""
+        """``[rows, 2]`` (min, max) of the epoch so far and which rows saw an element."""
         sign = np.array(_SIGN)
         local = self.extremes.double().cpu().numpy()
         sums = self.sums[:, NUM_SUMS - 1].double().cpu().numpy()

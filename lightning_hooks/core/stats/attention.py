@@ -1,17 +1,4 @@
-"""The attention logits of the attention real models run: ``scaled_dot_product_attention``,
-eager softmax attention (seen through a ``TorchFunctionMode`` active only in sampled forwards)
-and ``nn.MultiheadAttention`` (recomputed from its inputs in ``stability.py``).
-
-Pure kernels (:func:`sdpa_logit_chunks`, :func:`attention_head_entropy`) turn a call's own
-``q``, ``k``, mask, causal flag and scale into the logits its softmax sees, a chunk of query
-rows at a time, then into the largest logit and the per-head entropy sums.
-:class:`AttentionCapture` finds the calls: module hooks keep the stack of running modules of a
-sampled training forward, and while it is not empty a ``TorchFunctionMode`` sees every
-``scaled_dot_product_attention`` call and every softmax over the last dimension of a 4-D tensor
-made by a module named as attention (Hugging Face's ``eager_attention_forward``), attributed to
-the innermost running module. The model is not patched; a quiet step runs no mode and no
-tensor op.
-"""
+"""The logits of ``scaled_dot_product_attention`` and eager attention, and their capture."""
 
 from __future__ import annotations
 
@@ -41,8 +28,7 @@ __all__ = [
 Record = Callable[[str, torch.Tensor], None]
 """Gets an attention module's name and a chunk of its logits (:func:`logit_chunks`)."""
 LOGIT_BUDGET = 1 << 24
-"""Elements of the largest chunk of attention logits made at once (64 MiB in float32): a long
-sequence's ``[B, H, L, S]`` logits are made and reduced a chunk of query rows at a time."""
+"""Elements of the largest chunk of attention logits made at once (64 MiB in float32)."""
 _SOFTMAX = (functional.softmax, torch.softmax, torch.Tensor.softmax)
 
 
@@ -55,16 +41,8 @@ def sdpa_logit_chunks(
     enable_gqa: bool = False,
     budget: int | None = None,
 ) -> Iterator[torch.Tensor]:
-    """The float32 logits ``[..., L, S]`` that ``scaled_dot_product_attention``'s softmax sees,
-    a chunk of query rows at a time.
-
-    ``q.k * scale`` (default scale ``1 / sqrt(E)``), ``-inf`` where ``is_causal`` (top-left
-    aligned, as sdpa) or a boolean mask (``True``: takes part) excludes a key, a float mask
-    added. With ``enable_gqa``, key heads are repeated to the query heads, as sdpa does.
-    Float32 under autocast too. Each chunk ``[..., rows, S]`` holds at most ``budget`` elements
-    (default :data:`LOGIT_BUDGET`), or one query row when a row is larger, so a long sequence
-    never makes the whole ``[..., L, S]`` (its statistics are sums and maxima over rows: the
-    chunks give them exactly).
+    """The float32 logits ``[..., L, S]`` that ``scaled_dot_product_attention``'s softmax sees
+    (its arguments act as in sdpa), in chunks of query rows (see :func:`logit_chunks`).
 
     Example:
         >>> q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
@@ -98,8 +76,7 @@ def sdpa_logit_chunks(
 
 
 def logit_chunks(logits: torch.Tensor, budget: int | None = None) -> Iterator[torch.Tensor]:
-    """Views of ``logits [..., L, S]``, a chunk of query rows each, of at most ``budget``
-    elements (default :data:`LOGIT_BUDGET`; one row when a row is larger)."""
+    """Views of ``logits [..., L, S]``, of ``budget`` (:data:`LOGIT_BUDGET`) elements or a row."""
     if logits.dim() < 2:
         yield logits
         return
@@ -115,8 +92,7 @@ def row_chunks(length: int, per_row: int, budget: int | None) -> list[tuple[int,
 
 
 def query_rows(mask: torch.Tensor, start: int, stop: int, length: int) -> torch.Tensor:
-    """``mask``'s query rows ``[start, stop)`` when it has a query dimension, else ``mask``
-    (it broadcasts over the queries)."""
+    """``mask``'s query rows ``[start, stop)``, or ``mask`` when it broadcasts over queries."""
     if mask.dim() >= 2 and mask.shape[-2] == length and length != 1:
         return mask[..., start:stop, :]
     return mask
@@ -125,13 +101,8 @@ def query_rows(mask: torch.Tensor, start: int, stop: int, length: int) -> torch.
 def attention_head_entropy(
     logits: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(largest logit, per-head entropy sum, per-head row count)`` of softmax logits
-    ``[..., H, L, S]``: the sums that pool exactly over calls, micro-batches and ranks.
-
-    The entropy ``-sum p log p`` (nats) of each query's attention row, summed per head over the
-    batch and the query rows that attend to at least one key (a row of only ``-inf`` is left
-    out, and not counted). Logits of fewer than 3 dimensions are one head. Float32 tensors
-    ``[]``, ``[H]``, ``[H]``; no host sync.
+    """``(largest logit, per-head entropy sum, per-head row count)`` of logits ``[..., H, L, S]``,
+    sums that pool exactly over calls and ranks; rows of only ``-inf`` are left out. No sync.
 
     Example:
         >>> logits = torch.tensor([[[0.0, 0.0], [5.0, -torch.inf]], [[1.0, 1.0], [1.0, 1.0]]])
@@ -154,8 +125,7 @@ def attention_head_entropy(
 
 
 def looks_like_attention(module: nn.Module) -> bool:
-    """Whether ``module``'s class is named as an attention layer (``...Attention``, ``...Attn``;
-    any case), ``nn.MultiheadAttention`` aside.
+    """Whether ``module``'s class is named as attention (not ``nn.MultiheadAttention``).
 
     Example:
         >>> class GPT2Attention(nn.Module): ...
@@ -218,19 +188,10 @@ class _AttentionMode(ShelvedMode):
 class AttentionCapture:
     """Sees the attention calls of the sampled training forwards of a model's modules.
 
-    :meth:`attach` hooks the modules so that the stack of running modules is known; the
-    outermost module of a sampled training forward enters a ``TorchFunctionMode`` and leaves it
-    when it returns (or raises); calls made in other hooks are not taken for the module's.
-    Each ``scaled_dot_product_attention`` call, and each softmax over the last dimension of a
-    4-D tensor, gives its logits (:func:`sdpa_logit_chunks`, or the softmax's input) to
-    ``record(name, logits)`` under ``torch.no_grad``, ``name`` being the qualified name of the
-    innermost running module; a softmax counts only in a module whose class is named as
-    attention (:func:`looks_like_attention`). Calls made by modules in ``skip`` (measured
-    another way: ``nn.MultiheadAttention``) are not handed over.
-
-    Not seen: forwards compiled by ``torch.compile`` (no mode is entered while compiling), fused
-    kernels called directly (``torch.ops.aten._scaled_dot_product_*``, flash-attn), calls made
-    outside any module's forward.
+    A ``TorchFunctionMode``, entered by the outermost module of a sampled training forward,
+    hands each sdpa call's logits (and each 4-D softmax's input, in a module that
+    :func:`looks_like_attention`) to ``record(name, logits)``, ``name`` the innermost running
+    module not in ``skip``. Not seen: compiled forwards and fused kernels called directly.
 
     Example:
         >>> class Attend(nn.Module):
@@ -255,18 +216,12 @@ class AttentionCapture:
         self.seen: set[str] = set()
         """Names of the modules whose attention was recorded."""
         self.guarded_see: Callable[..., None] = self.see
-        """:meth:`see` as the mode calls it: under the registry's guard once attached (an
-        error of ours inside the model's forward is reported, not raised into it)."""
+        """:meth:`see` under the registry's guard once attached: our errors are not raised
+        into the model's forward."""
 
     def attach(self, registry: HookRegistry) -> AttentionCapture:
-        """Hook every module of ``registry``'s model that runs Python hooks but ``torch.nn``'s
-        plain layers (:func:`.plain_layers`: what runs in one counts as its caller's).
-
-        Per module: a pre-hook placed first pauses the running module (the other pre-hooks are
-        not its forward), one placed last pushes the module; a forward hook placed first pauses
-        it again (the other forward hooks are not its forward either), one placed last pops it.
-        The forward hooks are called also when the forward raises.
-        """
+        """Hook every module of ``registry``'s model but ``torch.nn``'s plain layers; the first
+        and last pre- and forward hooks keep other hooks' calls from counting as the module's."""
         self.guarded_see = registry.guarded(self.see, "attention capture")
         plain = plain_layers()
         for name, module in registry.model.named_modules():
@@ -281,8 +236,7 @@ class AttentionCapture:
         return self
 
     def _enter(self, *_: Any) -> None:
-        """A module is called: its caller's state is kept until :meth:`_push` (or the other
-        pre-hooks' calls) and the caller is paused meanwhile."""
+        """A module is called: keep its caller's state for :meth:`_push` and pause it."""
         # Compiled (a region's own hooks): the mode sees nothing there, and Dynamo must not
         # read the stack, which may hold the region's ``torch.compile`` wrapper.
         if not torch.compiler.is_compiling() and self._stack:
@@ -318,9 +272,8 @@ class AttentionCapture:
                 self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
     def unseen(self, model: nn.Module) -> list[str]:
-        """Names of ``model``'s modules that look like attention (:func:`looks_like_attention`)
-        but made no call seen here (nor are in ``skip``), none of their submodules or enclosing
-        modules either (the model itself, named by its class, encloses every module)."""
+        """Modules that look like attention where neither they, a submodule nor an enclosing
+        module made a call seen here or are in ``skip`` (the model is named by its class)."""
         seen = (*self.seen, *self._skip)
 
         def related(name: str) -> bool:
@@ -337,9 +290,7 @@ class AttentionCapture:
         ]
 
     def see(self, chunks: Callable[[], Iterable[torch.Tensor]], softmax: bool = False) -> None:
-        """Record the logits of one attention call made by the innermost running module, a
-        chunk of query rows at a time (:data:`LOGIT_BUDGET`); a ``softmax`` only when that
-        module looks like attention (:func:`looks_like_attention`)."""
+        """Record one attention call's logits, chunk by chunk, for the innermost running module."""
         if not (self._stack and self._live):
             return
         name, module, _ = self._stack[-1]

@@ -1,25 +1,8 @@
-"""Dead units: which units of a layer never fired on any training sample, kept on the device.
+"""Dead units: which units (:func:`unit_dim`) of a layer never fired on any training sample.
 
-When a unit *fires*, per watched module (``y`` is the module's output, ``x`` its input):
-
-===================================  =========================  ================================
-module                               fired                      read as
-===================================  =========================  ================================
-``ReLU`` (in-place too), ``ReLU6``   ``x > 0``                  ``y > 0`` (``y == 0`` otherwise)
-``LeakyReLU`` (slope >= 0)           ``x > 0``                  ``y > 0``
-``ELU``                              ``x > 0``                  ``y > 0`` (``y`` in (-alpha, 0])
-``GELU`` (exact and tanh)            ``x > 0``                  ``y > 0`` (``x * Phi(x) > 0``)
-``SiLU``                             ``x > 0``                  ``y > 0`` (``x * sigmoid(x)``)
-a producing layer (``F.relu`` next)  pre-activation ``y > 0``   ``y > 0``
-===================================  =========================  ================================
-
-Every listed activation keeps the sign of its input, so "fired" is the same test on the output,
-which is what a forward hook can read (an in-place ReLU has overwritten its input). A functional
-``F.relu`` inside ``forward`` cannot be hooked: watch the layer that produces its input instead
-(a pre-activation ``<= 0`` never fires).
-
-A *unit* is a channel of a ``[N, C, ...]`` output (convolutions, dim 1) or a feature of a
-``[N, ..., F]`` output (linear layers, last dim); see :func:`unit_dim`.
+A unit *fires* when its output is ``> 0``: :data:`RELU_FAMILY` keeps its input's sign, so the
+output, which a forward hook reads, tells (an in-place ReLU overwrote its input). A functional
+``F.relu`` cannot be hooked: watch the layer that produces its input (``pre_activation``).
 """
 
 from __future__ import annotations
@@ -55,10 +38,8 @@ RELU_FAMILY: tuple[type[nn.Module], ...] = (
 def unit_dim(module: nn.Module, ndim: int) -> int:
     """The dimension of a module's ``ndim``-d output that indexes its units.
 
-    Convolutions and batch norms: dim 1 (channels). Linear layers: the last dim. Other modules
-    (activations) by rank: 2-d ``[N, F]`` and 3-d ``[N, T, F]`` (sequences) use the last dim,
-    4-d and 5-d ``[N, C, H, W(, D)]`` use dim 1. For a ``Conv1d`` followed by an activation, watch
-    the convolution (``pre_activation``) to get channels.
+    Convolutions and batch norms: dim 1; linear layers: the last; others: the last up to 3-d,
+    dim 1 from 4-d (watch a ``Conv1d`` itself to get its channels).
 
     Example:
         >>> unit_dim(nn.Conv1d(2, 3, 1), 3), unit_dim(nn.ReLU(), 3), unit_dim(nn.ReLU(), 4)
@@ -80,14 +61,8 @@ _EXACT = 2**24
 
 @torch.no_grad()
 def fired_counts(y: torch.Tensor, dim: int, workspace: Workspace | None = None) -> torch.Tensor:
-    """``[units]`` integers: how many entries of each unit of ``y`` are ``> 0`` (fired).
-
-    ``y > 0`` is written as 0.0 / 1.0 into ``workspace`` (float32) and summed: exact, every
-    partial sum being an integer below 2**24, and 4x faster on CPU than a byte sum into int32,
-    which converts the bytes first (measured: 0.5 ms against 2.0 ms for a ``[64, 32, 32, 32]``
-    output in cache). The dimensions after ``dim`` are summed first, as one contiguous run:
-    about a quarter faster than reducing every other dimension at once (single-op, one
-    thread). A larger output sums bytes into int64.
+    """``[units]`` integers: how many entries of each unit of ``y`` are ``> 0`` (fired). Summed
+    as float32 (exact below 2**24 elements, faster than bytes on CPU), else as int64.
 
     Example:
         >>> fired_counts(torch.tensor([[1.0, 0.0, -2.0], [3.0, 0.0, 0.5]]), dim=1).tolist()
@@ -117,8 +92,7 @@ class DeadUnits:
         layers: the layers' qualified names.
         units: number of units of each layer.
         dead: number of units that never fired.
-        zero_fraction: fraction of the outputs that did not fire, per call, averaged over calls
-            (for ``ReLU`` / ``ReLU6``: the fraction of exact zeros).
+        zero_fraction: fraction of the outputs that did not fire, averaged over calls.
         calls: number of training forwards observed.
         dead_units: the dead units' indices, per layer.
     """
@@ -139,24 +113,16 @@ class DeadUnits:
 
 
 class DeadUnitTracker(LayerStat[DeadUnits]):
-    """Per-unit "ever fired" counts of activation outputs over an epoch, on the device.
+    """Per-unit "ever fired" counts of activation outputs over an epoch.
 
-    A forward hook on each watched module counts, per unit, the outputs that fired (see the
-    module docstring) in training forwards only, and the fraction of outputs that did not fire.
-    A unit is dead if it never fired on any training sample of the period (the definition of the
-    keras-contrib ``DeadReluDetector``). A module called twice in a forward is observed twice; one
-    called at several widths gets a row per width (``name``, then ``name-{units}``).
-    A :class:`~lightning_hooks.core.stats.stat.LayerStat`: rows in execution order, one collective,
-    and the counts carried through a checkpoint.
+    A unit is dead if it never fired in a training forward of the period; a module called at
+    several widths gets a row per width (``name``, then ``name-{units}``).
 
     Args:
         model: the model to watch now (``None``: call :meth:`attach` later).
-        types: activation module types to watch (default :data:`RELU_FAMILY`).
-        include: glob patterns on module names to keep (among ``types``).
-        exclude: glob patterns on module names to drop.
-        pre_activation: glob patterns of modules whose output feeds a functional activation
-            (``F.relu`` in ``forward``); their output ``> 0`` fires. Any module type.
+        pre_activation: glob patterns of modules (any type) whose output feeds ``F.relu``.
         owner: the public name errors give (a callback passes its own).
+        **selection: ``types`` (default :data:`RELU_FAMILY`), ``include``, ``exclude``.
 
     Example:
         >>> layer = nn.Linear(3, 4)
@@ -209,10 +175,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         return [(n, m) for n, m in model.named_modules() if n in named]
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
-        """Count the fired entries of each unit of the first floating tensor of ``output``: a
-        small one's (at most :data:`~..kernels.feature_stats.STACKED` elements) fired mask is
-        kept, and counted with the others of its shape and unit dimension when the tracker
-        drains (before any read), in one batch of ops."""
+        """Count the fired entries per unit of ``output``'s first floating tensor (or at drain)."""
         if type(output) is torch.Tensor:  # most modules': no walk of the output
             y = output if output.is_floating_point() and output.ndim >= 1 else None
         else:
@@ -231,10 +194,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         self.fired[row].add_(counts.sum(), alpha=1.0 / y.numel())
 
     def _width_row(self, name: str, units: int) -> int:
-        """The row of ``name`` at this width: a module called at several widths in a forward
-        (torchvision's ``Bottleneck`` calls one ``relu`` at 64, 64 and 256 channels) gets a row
-        per width, ``name`` for the first and ``name-{units}`` for each other, up to
-        :data:`_WIDTHS`; calls at one width pool, as a module called twice is observed twice.
+        """The row of ``name`` at this width: ``name`` for the first, ``name-{units}`` after.
 
         Raises:
             ValueError: more widths than :data:`_WIDTHS` (a unit dimension that varies).
@@ -248,8 +208,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         return self.row(f"{name}-{units}", units)
 
     def drain(self) -> None:
-        """Count the fired masks kept since the last call, a batch per shape and unit dimension,
-        and move the host-side call counts into the ``calls`` state."""
+        """Count the kept fired masks, stacked by shape, and move the host call counts in."""
         for (shape, dim, device), rows, fired in self._pending.drain():
             units, numel = shape[dim], fired[0].numel()
             counts = fired.movedim(dim + 1, -1).reshape(len(rows), -1, units).sum(1)
@@ -266,8 +225,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
             self._calls = {}
 
     def remove(self) -> None:
-        """Remove the hooks, counting the fired masks kept so far first (the hooks go also
-        when that fails)."""
+        """Count the kept fired masks, then remove the hooks (also when counting fails)."""
         try:
             self.drain()
         finally:

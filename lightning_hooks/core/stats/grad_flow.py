@@ -1,4 +1,4 @@
-"""Gradient flow of a model, per layer, accumulated on the device: no Lightning here."""
+"""Gradient flow of a model, per layer, accumulated with no host sync per step."""
 
 from __future__ import annotations
 
@@ -34,9 +34,8 @@ from lightning_hooks.core.transport.distributed import ShardPlan
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
 
 GRAD_FLOW_STATS = (*GRAD_STATS, "update_ratio", "output_grad_norm", "grad_norm_preclip")
-"""Columns of the tracker's :class:`~lightning_hooks.core.LayerTable`. With ``post_clip`` the
-``grad_*`` columns are the gradient the optimizer applied (after clipping) and
-``grad_norm_preclip`` the L2 norm before clipping; without, ``grad_norm_preclip`` is empty."""
+"""Columns of the tracker's :class:`~lightning_hooks.core.LayerTable` (``grad_norm_preclip``:
+only with ``post_clip``)."""
 
 _UPDATE = GRAD_FLOW_STATS.index("update_ratio")
 _OUTPUT = GRAD_FLOW_STATS.index("output_grad_norm")
@@ -73,35 +72,14 @@ def _check_args(
 
 
 class GradFlowTracker(HookOwner):
-    """Per-layer gradient flow over optimizer steps, on the device, with no host sync per step.
+    """Per-layer gradient flow over optimizer steps, with no host sync per step.
 
-    A layer is a module that owns trainable parameters directly. Per optimizer step it measures
-    the gradient the optimizer applies (L2 norm, mean ``|g|``, max ``|g|``, any non-finite), the
-    weight norm, the update-to-weight ratio ``||w_after - w_before|| / ||w_before||`` and the L2
-    norm of the gradient with respect to the layer's outputs (summed in square over the
-    micro-batches and calls of the step). :meth:`result` gives the mean and max over steps.
-
-    Call :meth:`observe` just before ``optimizer.step()`` (and before any clipping); the update
-    ratio is taken by an optimizer step post-hook, which runs after the clipping and the update,
-    while ``p.grad`` still holds what the optimizer applied. With ``post_clip`` (gradients are
-    clipped between :meth:`observe` and the step) the gradient columns are measured in that
-    post-hook too, so they are what the optimizer applied, and ``grad_norm_preclip`` holds the
-    L2 norm :meth:`observe` saw. Use it as a context manager, or call :meth:`remove`.
-
-    Under ``torch.distributed`` (DDP) every rank must call :meth:`observe` and :meth:`result`.
-    Parameter gradients are the all-reduced ones, the same on every rank: rank 0 records them.
-    Output gradients are rank-local: their squares are kept per step and summed across ranks
-    in one collective at :meth:`result`, then divided by the world size, which gives the output
-    gradient of the rank-averaged loss that DDP's gradient averaging optimizes, i.e. what one
-    process would measure on the global batch.
-
-    Sampling: set :attr:`sampled` to ``False`` before a step's forward to skip that step; its
-    hooks then return at once and :meth:`observe` records nothing. Under ``torch.compile`` the
-    flag is guarded: each of its two values compiles once. The alarms (the sentinel) run on
-    every ``AlarmRules.every_n_steps``-th step (every step by default), sampled or not: one
-    multi-tensor L2 pass over the gradients (before clipping: clipping would hide a spike),
-    whose per-parameter norms a quiet step copies to the host and folds into layers there
-    (:class:`~.sentinel_read.SentinelRead`); a sampled step reuses its statistics' norms.
+    A layer is a module that owns trainable parameters directly; :meth:`result` gives the mean
+    and max over steps of the :data:`GRAD_FLOW_STATS`. Call :meth:`observe` just before
+    ``optimizer.step()`` and any clipping (every rank under ``torch.distributed``); the update
+    ratio, and with ``post_clip`` the applied gradient, are read in a step post-hook. Set
+    :attr:`sampled` to ``False`` before a forward to skip the step; the alarms run on their own
+    cadence, sampled or not. Use it as a context manager, or call :meth:`remove`.
 
     Args:
         model: the model to track.
@@ -111,13 +89,9 @@ class GradFlowTracker(HookOwner):
         exclude: glob patterns on module names to drop.
         update_ratio: measure the update ratio (keeps one copy of the parameters).
         output_grad: measure the gradient with respect to each layer's output.
-        post_clip: gradients are clipped before the step: measure them in the step post-hook
-            (what the optimizer applied), and the pre-clip norm in :meth:`observe`.
-        clip: ``(gradient_clip_val, gradient_clip_algorithm)`` when the gradients are clipped
-            before the step: the *explosion* rule judges the gradient as the optimizer applies
-            it. With ``update_ratio``, the alarms' *stall* reads the update on sampled steps.
-        alarms: evaluate these gradient alarm rules (see
-            :class:`~lightning_hooks.core.GradientAlarms`); read them with ``tracker.alarms``.
+        post_clip: gradients are clipped before the step: measure them in the step post-hook.
+        clip: ``(gradient_clip_val, gradient_clip_algorithm)``, for the *explosion* rule.
+        alarms: gradient alarm rules, read back as ``tracker.alarms`` (a ``GradientAlarms``).
 
     Example:
         >>> import torch
@@ -210,12 +184,9 @@ class GradFlowTracker(HookOwner):
 
         Args:
             optimizer: the optimizer about to step; only the parameters it holds are measured.
-            grad_scale: the AMP loss scale the output gradients still carry (a tensor, read on
-                the device), or ``None``.
-            param_grad_scale: the loss scale the parameter gradients still carry (a fused
-                optimizer unscales inside its step), or ``None`` when they are unscaled.
-            step: the optimizer step the alarms name, and their cadence counts (default:
-                count calls from 0).
+            grad_scale: the AMP loss scale (a tensor) the output gradients carry, or ``None``.
+            param_grad_scale: the loss scale the parameter gradients still carry, or ``None``.
+            step: the optimizer step the alarms name and count (default: calls from 0).
         """
         checks.optimizer("GradFlowTracker.observe", "optimizer", optimizer)
         step = self._calls if step is None else step
@@ -258,8 +229,7 @@ class GradFlowTracker(HookOwner):
         valid: torch.Tensor | None,
         grad_scale: torch.Tensor | None,
     ) -> None:
-        """A sampled step: its statistics into the accumulator, the weights kept for the
-        update ratio (reduced in the optimizer step's post-hook), the output gradients."""
+        """A sampled step: statistics, weights for the update ratio, output gradients."""
         if self._post_clip:  # the gradient the optimizer applies is read in the step post-hook
             cells = None if valid is None else valid[:, [0, _WEIGHT]]
             values = stats[:, [0, _WEIGHT]]
@@ -283,16 +253,12 @@ class GradFlowTracker(HookOwner):
         self._updates.record(optimizer, view, self.alarms, self._step)
 
     def result(self) -> LayerTable:
-        """Mean and max over the epoch's observed steps (reduced across ranks), on the host.
-
-        Under ``torch.distributed`` this is two collectives, whatever the number of layers.
-        """
+        """Mean and max over the epoch's observed steps, reduced across ranks (two collectives)."""
         self._outputs.drain()
         return self.accumulator.result()
 
     def post_window(self, step: int) -> None:
-        """A logging step: post the window of steps since the last one (one collective, one
-        copy, see :meth:`LayerStat.post_window`); :meth:`read_window` returns it."""
+        """Post the window of steps since the last logging step (:meth:`LayerStat.post_window`)."""
         self._outputs.drain()
         self.accumulator.post_window(step)
 

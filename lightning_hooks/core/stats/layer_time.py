@@ -25,12 +25,9 @@ class LayerTimes:
 
     Attributes:
         layers: layer names, model order.
-        forward_ms: forward time of each layer per sampled step, milliseconds (mean over steps;
-            a layer called twice in a step counts both calls).
+        forward_ms: mean forward time of each layer per sampled step, every call counted (ms).
         calls: forward calls of each layer, over all sampled steps.
-        step_ms: wall time of a sampled step, milliseconds (mean; the sum of its micro-batches'
-            brackets), or ``NaN`` when no step was bracketed by :meth:`LayerTimer.start_step` /
-            :meth:`LayerTimer.end_step`.
+        step_ms: mean wall time of a sampled step (ms), ``NaN`` when none was bracketed.
         steps: number of sampled steps.
     """
 
@@ -71,30 +68,16 @@ class _CudaClock:
 class LayerTimer(LayerStat[LayerTimes]):
     """Times the forward of every selected layer on the steps the caller samples.
 
-    Forward pre- and post-hooks bracket each layer's forward. On steps that are not sampled
-    the hooks are not installed (gated, see ``HookRegistry``; under ``torch.compile`` each
-    returns after one Python attribute check): no clock read, no allocation. On the
-    CPU a mark is a ``time.perf_counter()`` reading, added to per-layer host totals at once; on
-    a CUDA device a mark is a CUDA event recorded on the current stream, and a sampled step's
-    events are read when the next sampled step starts (after waiting for that step's last
-    event, long recorded by then) or at :meth:`result`. Memory is O(layers) whatever the number
-    of steps: one open mark per layer, one step's events, per-layer totals. Only training
-    forwards count (not ``no_grad``/eval forwards, not activation-checkpoint recomputes).
-
-    By default only *leaf* modules (no child modules) are timed, so that no time is counted twice
-    and the layers' times sum to at most the forward. Backward time per layer is not measured:
-    it would need full backward hooks, which break in-place ops and cost several times a forward
-    hook. A :class:`~lightning_hooks.core.stats.stat.LayerStat`: totals sum across ranks in one
-    collective (the result is the mean over ranks and steps) and travel through a checkpoint.
+    Hooks installed on sampled steps only bracket each training forward with ``perf_counter``
+    or CUDA events, the latter read at the next sampled step (long recorded by then). Only leaf
+    modules by default, so no time counts twice; backward time is not measured.
 
     Args:
         model: the model to time now (``None``: call :meth:`attach` later).
-        types: only modules of these types.
-        include: glob patterns on qualified names to keep.
-        exclude: glob patterns on qualified names to drop.
         leaves: keep only modules without children.
         cuda: use CUDA events (``None``: when a parameter of the model is on a CUDA device).
         owner: the public name errors give (a callback passes its own).
+        **selection: ``types``, ``include``, ``exclude`` (see :class:`~.stat.SelectionArgs`).
 
     Example:
         >>> from torch import nn
@@ -194,11 +177,7 @@ class LayerTimer(LayerStat[LayerTimes]):
         return hook
 
     def start_step(self, step: int | None = None) -> None:
-        """Start timing a sampled batch; a new ``step`` (``None``: always) counts one step.
-
-        The micro-batches of one optimizer step (``accumulate_grad_batches``) pass the same
-        ``step``: their times add up into that step's.
-        """
+        """Start timing a sampled batch; micro-batches of one ``step`` add up into it."""
         self._fold_events()
         if step is None or step != self._last_step:
             self._step[1] += 1

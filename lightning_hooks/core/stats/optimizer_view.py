@@ -1,6 +1,4 @@
-"""What one optimizer steps of a gradient-flow layout (its parameters, rows and buffers), and
-what is read of it: the gradient statistics per layer (:class:`ViewStats`) and the
-update-to-weight ratio of its step (:class:`UpdateRatio`), on the device."""
+"""What one optimizer steps of a gradient-flow layout, its gradient statistics and update ratio."""
 
 from __future__ import annotations
 
@@ -58,8 +56,8 @@ class OptimizerView:
     masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
 
     def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
-        """``[layers + 1, len(GRAD_STATS)]``: false in the gradient columns of layers none of
-        whose parameters has a gradient this step (built once per pattern, not per step)."""
+        """``[layers + 1, len(GRAD_STATS)]``: false in the gradient columns of layers with no
+        gradient this step (cached per pattern)."""
         mask = self.masks.get(missing)
         if mask is None:
             has = [False] * (len(self.rows) - 1)
@@ -71,8 +69,7 @@ class OptimizerView:
         return mask
 
     def clip_norm(self, clip: tuple[float, str] | None) -> float | None:
-        """The largest global norm the optimizer will apply under ``clip`` (by value: a bound,
-        the value times the square root of the number of entries)."""
+        """The largest global norm the optimizer applies under ``clip`` (by value: a bound)."""
         if clip is None:
             return None
         value, algorithm = clip
@@ -85,9 +82,8 @@ class OptimizerView:
 
 
 _SECOND_MOMENT = ("exp_avg_sq", "square_avg", "sum", "exp_avg_sq_row")
-"""Optimizer state keys of a per-coordinate second moment (Adam/AdamW/NAdam/RAdam, RMSprop/
-Adadelta, Adagrad, Adafactor): the optimizers whose update size per unit of learning rate does
-not follow the gradient's, and which one explosion can stall (SGD's update is the gradient)."""
+"""Optimizer state keys of a per-coordinate second moment (Adam, RMSprop, Adagrad, Adafactor):
+optimizers whose update size does not follow the gradient's, so one explosion can stall them."""
 
 
 def adaptive(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> bool:
@@ -122,10 +118,8 @@ def check_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
 
 
 class OptimizerViews:
-    """The :class:`OptimizerView` of each optimizer over ``layout``, built at its own step.
-
-    :attr:`generation` counts the views built and dropped: what depends on which layers the
-    optimizers step (the rows none steps) is recomputed when it changes.
+    """The :class:`OptimizerView` of each optimizer over ``layout``, built at its own step;
+    :attr:`generation` changes whenever a view is built or dropped.
 
     Args:
         layout: the tracked parameters and their layers.
@@ -139,11 +133,9 @@ class OptimizerViews:
         self._views: dict[int, OptimizerView] = {}
 
     def view(self, optimizer: torch.optim.Optimizer) -> OptimizerView:
-        """The view of ``optimizer``, built at its own step only: what it steps is read from
-        ``requires_grad`` then, which Lightning's ``toggle_optimizer`` turns off for every
-        other optimizer's parameters (a GAN's generator while the discriminator steps)."""
-        # Rebuilt when the param_groups change (add_param_group: BackboneFinetuning) and at
-        # each reset (epoch): a parameter unfrozen by requires_grad alone counts from there.
+        """The view of ``optimizer``, built at its own step, when ``requires_grad`` tells."""
+        # Rebuilt when the param_groups change and at each reset (epoch): a parameter unfrozen
+        # by requires_grad alone counts from there.
         view = self.current(optimizer)
         if view is None:
             view = self._views[id(optimizer)] = self._build(optimizer, _groups_key(optimizer))
@@ -204,8 +196,7 @@ class OptimizerViews:
         return view
 
     def first_param(self, optimizer: torch.optim.Optimizer) -> nn.Parameter | None:
-        """The parameter whose gradient tells whether ``optimizer`` zeroed its gradients: its
-        view's first, or before its first step the first tracked one in its param_groups."""
+        """The parameter whose gradient tells whether ``optimizer`` zeroed its gradients."""
         view = self.current(optimizer)
         if view is not None:
             return view.params[0] if view.params else None
@@ -213,8 +204,7 @@ class OptimizerViews:
         return next((p for p in self.layout.params if id(p) in held), None)
 
     def layers(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
-        """The layout rows ``optimizer`` steps: its view's, or before its first step (or after
-        a param_groups change) those with a parameter in its param_groups."""
+        """The layout rows ``optimizer`` steps (before a view: those in its param_groups)."""
         view = self.current(optimizer)  # a param_groups change bumps the generation
         if view is not None:
             return view.layer_ids
@@ -224,8 +214,7 @@ class OptimizerViews:
 
 
 class ViewStats:
-    """``[rows, GRAD_STATS]`` of an :class:`OptimizerView`: every column, or only the norms
-    the alarms need; shards made whole under FSDP2 (``shards``), in one collective.
+    """``[rows, GRAD_STATS]`` of an :class:`OptimizerView` (FSDP2 shards made whole).
 
     Args:
         shards: the FSDP2 plan of the tracked parameters, or ``None``.
@@ -255,8 +244,7 @@ class ViewStats:
     def norms(
         self, view: OptimizerView, grads: list[torch.Tensor], *, weights: bool
     ) -> torch.Tensor:
-        """The sentinel's columns, the others NaN: the gradient L2 norm (one multi-tensor pass)
-        and with ``weights`` the weight norm."""
+        """The sentinel's columns (gradient and, with ``weights``, weight L2 norms), others NaN."""
         norms = [param_norms(grads)]
         if weights:
             norms.append(param_norms([to_local(p) for p in view.params]))
@@ -277,8 +265,7 @@ class ViewStats:
         return segment_norm(norms, view.index, len(view.rows) - 1, view.unique)
 
     def applied(self, view: OptimizerView) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The gradient columns of what the optimizer applied (read in its step post-hook,
-        after clipping), and where they are valid (``None``: everywhere)."""
+        """The applied gradient's columns (in the step post-hook) and where they are valid."""
         valid = view.valid()
         grads = ParamLayout.grads(view.params)
         stats = self.full(view, grads, weights=False)[:, _GRAD]
@@ -286,9 +273,8 @@ class ViewStats:
 
 
 class UpdateRatio:
-    """``||w_after - w_before|| / ||w_before||`` per layer of an optimizer step, into one
-    column of ``accumulator``: :meth:`keep` copies the weights before the step into the view's
-    buffers, :meth:`record` (in the optimizer step's post-hook) reduces the update.
+    """``||w_after - w_before|| / ||w_before||`` per layer into one column of ``accumulator``:
+    :meth:`keep` copies the weights before the step, :meth:`record` reduces the update after.
 
     Args:
         accumulator: where the ratios go.
@@ -314,8 +300,7 @@ class UpdateRatio:
         alarms: GradientAlarms | None,
         step: int,
     ) -> None:
-        """After ``optimizer``'s step: the ratio of each layer :meth:`keep` saw, and the
-        typical update the alarms' *stall* reads (adaptive optimizers only)."""
+        """After the step: each layer's ratio, and the alarms' *stall* update (adaptive only)."""
         if view.weight_norm is None:
             return
         num_layers = len(view.rows) - 1

@@ -1,4 +1,4 @@
-"""The gradient with respect to each layer's output, per optimizer step, on the device."""
+"""The gradient with respect to each layer's output, per optimizer step."""
 
 from __future__ import annotations
 
@@ -44,8 +44,7 @@ def _note_output_grad(
 
 
 def _by_round(rows: list[torch.Tensor]) -> list[list[int]]:
-    """Positions of ``rows`` in rounds of distinct rows, the k-th round holding each row's k-th
-    occurrence: a multi-tensor op must not write one row twice."""
+    """Positions of ``rows`` in rounds of distinct rows: a multi-tensor op writes a row once."""
     rounds: list[list[int]] = []
     seen: dict[int, int] = {}
     for i, row in enumerate(rows):
@@ -57,9 +56,7 @@ def _by_round(rows: list[torch.Tensor]) -> list[list[int]]:
 
 
 def _sum_noted(noted: Noted, hits: list[torch.Tensor]) -> None:
-    """Add each noted norm's square into its row, and count each noted hit into its row: one
-    multi-tensor op per round of distinct rows (a round per backward pass of an accumulation
-    period, or per call of a module called twice), not an op per module. Both are emptied."""
+    """Add each noted norm's square and each hit into its row (one op per round); empties both."""
     for picks in _by_round([row for row, _ in noted]):
         norms = [noted[i][1] for i in picks]
         torch._foreach_addcmul_([noted[i][0] for i in picks], norms, norms)
@@ -77,9 +74,8 @@ def _output_hook(
     wrap: Any = None,
 ) -> Any:
     """A forward hook that puts a gradient hook on the module's outputs in training forwards
-    (``wrap``: the registry's guard for those tensor hooks; ``compiled_sq``: a cell holding the
-    row's own tensor, not a view of ``sq``, that a compiled region's gradient hook sums into)."""
-    # Views made once: each step then costs one op per gradient (and the record's few).
+    (``wrap``: the registry's guard; ``compiled_sq``: a cell with the row's own tensor, which a
+    compiled region's gradient hook sums into)."""
     sq, hit, noted, hits = sums
     sq_row, hit_row = sq.select(0, row), hit.select(0, row)
     eager: Any = partial(_note_output_grad, noted, sq_row, order, row)
@@ -88,13 +84,10 @@ def _output_hook(
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         if not is_grad_forward(module):
             return
-        # Dynamo cannot trace a host list mutated in backward, nor views made outside the
-        # graph: compiled, the non-finite alarm falls back to reverse model order. AOTAutograd
-        # saves a tensor the backward hook writes to, and checks its version when the region's
-        # backward starts: were it ``sq`` (or a view), the eager layers' hooks, which run first
-        # in backward, would have bumped it. Each row has its own tensor, summed in at record.
-        # Dynamo lifts the cell's tensor as a graph input, read again at each call: a region
-        # called twice a step gets a fresh one for its second call (see OutputGradients).
+        # Compiled: Dynamo cannot trace a host list mutated in backward (the non-finite alarm
+        # falls back to reverse model order), and AOTAutograd checks the version of a tensor
+        # the hook writes, which the eager hooks on ``sq`` would have bumped: each row sums into
+        # its own tensor, lifted from the cell at each call (see OutputGradients).
         add, compiled = eager, torch.compiler.is_compiling()
         if compiled:
             add = partial(_add_output_grad, compiled_sq[0])
@@ -112,12 +105,8 @@ def _output_hook(
 
 class OutputGradients:
     """The L2 norm of the gradient with respect to each layer's output, summed in square over
-    the backward passes of an optimizer step, into one column of ``accumulator``.
-
-    Output gradients are rank-local: under DDP the squares are kept per step and summed across
-    ranks in one collective at :meth:`drain`, then divided by the world size. Under several
-    optimizers (a GAN) each step takes back what fed another optimizer's step. :attr:`order`
-    is the backward order of the layers hooked (host-side, for the non-finite alarm).
+    the backward passes of an optimizer step, into one column of ``accumulator``. Under DDP the
+    squares are summed across ranks at :meth:`drain`; :attr:`order` is the backward order.
 
     Args:
         num_layers: rows of the layout (the global row excluded).
@@ -143,16 +132,15 @@ class OutputGradients:
         self._hit = torch.zeros(num_layers, device=device)
         self._noted: Noted = []  # the eager gradient hooks' norms, summed into _sq at record
         self._hits: list[torch.Tensor] = []  # the eager forward hooks' rows of _hit, counted then
-        # One tensor per row for the gradient hooks traced in compiled regions (see _output_hook),
-        # each in a cell the traced hook reads; a region called again in a step (a compiled
-        # block applied twice) puts a fresh tensor in its rows' cells: the first call's backward,
-        # which runs last, checks that its tensor was not written since its forward.
+        # One tensor per row for compiled regions' gradient hooks (see _output_hook), in a cell;
+        # a region called again in a step gets fresh ones: its first call's backward, run last,
+        # checks that its tensor was not written since its forward.
         self._compiled_sq = [torch.zeros((), device=device) for _ in range(num_layers)]
         self._cells = [[t] for t in self._compiled_sq]
         self._extra: list[tuple[int, torch.Tensor]] = []  # the fresh tensors, until record
         self._called: set[int] = set()  # the compiled regions called since the last record
-        # Several optimizers: each row's output-gradient sums as they stood at the last step of
-        # another optimizer, and the gradient each optimizer's first parameter had then.
+        # Several optimizers: the sums at another optimizer's last step, and the gradient each
+        # optimizer's first parameter had then.
         self._pending_sq = torch.zeros_like(self._sq)
         self._pending_hit = torch.zeros_like(self._hit)
         self._markers: dict[int, weakref.ref[torch.Tensor] | None] = {}
@@ -169,9 +157,8 @@ class OutputGradients:
         layers: Sequence[str],
         model: nn.Module | None = None,
     ) -> None:
-        """Hook the output of each module among ``modules`` that is one of ``layers``; each
-        compiled region in ``model`` (a ``torch.compile``'d submodule) gets a pre-hook that
-        gives its rows fresh tensors when it is called again before the next record."""
+        """Hook the output of each of ``modules`` that is one of ``layers``; each compiled region
+        of ``model`` gets a pre-hook giving its rows fresh tensors when called again."""
         by_name = dict(modules)
         for row, name in enumerate(layers):
             if name not in by_name:
@@ -186,8 +173,7 @@ class OutputGradients:
                 registry.forward_pre_hook(region, partial(self._called_again, rows), gated=True)
 
     def _called_again(self, rows: list[int], region: nn.Module, args: Any) -> None:
-        """A compiled region's call in a sampled training forward: from its second call on,
-        fresh tensors for its rows (host work and one allocation per row)."""
+        """From a compiled region's second call in a step on, fresh tensors for its rows."""
         if not is_grad_forward(region):
             return
         if id(region) not in self._called:
@@ -212,8 +198,7 @@ class OutputGradients:
         self._mark_other_optimizers(optimizer)
 
     def _merge_compiled(self) -> None:
-        """Sum what the eager gradient hooks noted and what compiled regions' added into
-        ``_sq``; a few device ops (and one per fresh tensor of a region called again)."""
+        """Sum what the eager gradient hooks noted and the compiled regions added into ``_sq``."""
         _sum_noted(self._noted, self._hits)
         for row, fresh in self._extra:
             self._compiled_sq[row].add_(fresh)
@@ -224,9 +209,7 @@ class OutputGradients:
         torch._foreach_zero_(self._compiled_sq)
 
     def _clear_unowned(self) -> None:
-        """Zero the output-gradient sums of rows no optimizer steps (a frozen layer's output
-        still gets a gradient): unfrozen later, it counts from its first step, not before.
-        An optimizer that has not stepped yet owns every layer in its param_groups."""
+        """Zero the sums of rows no optimizer steps: a layer unfrozen later counts from then."""
         owned: set[int] = set()
         for other in self.optimizers:
             owned |= self.views.layers(other)  # a param_groups change bumps the generation
@@ -239,10 +222,8 @@ class OutputGradients:
             self._hit.index_fill_(0, self._unowned, 0.0)
 
     def _drop_other_backward(self, optimizer: torch.optim.Optimizer, view: OptimizerView) -> None:
-        """Under several optimizers (a GAN), take back from this optimizer's rows what the
-        backward passes before another optimizer's last step put there, if this optimizer
-        zeroed its gradients since (its first parameter holds another gradient tensor): those
-        passes fed the other step, not this one. Two device ops; nothing with one optimizer."""
+        """Under several optimizers (a GAN), take back what fed another optimizer's last step,
+        if this one zeroed its gradients since."""
         if id(optimizer) not in self._markers:
             return
         marker = self._markers.pop(id(optimizer))

@@ -1,4 +1,4 @@
-"""Saturation of bounded activations (Sigmoid, Tanh, Hardtanh, ...), measured on the device."""
+"""Saturation of bounded activations (Sigmoid, Tanh, Hardtanh, ...)."""
 
 from __future__ import annotations
 
@@ -33,19 +33,10 @@ SATURATING_TYPES: tuple[type[nn.Module], ...] = (
 def saturation_mask(module: nn.Module, output: torch.Tensor, margin: float = 0.01) -> torch.Tensor:
     """Which entries of a bounded activation's output are saturated, as a boolean tensor.
 
-    ==================  ====================================================  ==================
-    Module              saturated when                                        default
-    ==================  ====================================================  ==================
-    ``Sigmoid``         ``out < margin`` or ``out > 1 - margin``              ``< 0.01, > 0.99``
-    ``Tanh``            ``|out| > 1 - margin``                                ``|out| > 0.99``
-    ``Softsign``        ``|out| > 1 - margin``                                ``|out| > 0.99``
-    ``Hardtanh``        ``out <= min_val`` or ``out >= max_val`` (exactly:    ``-1``, ``1``
-                        the gradient is zero there; ``ReLU6``: 0 and 6)
-    ``Hardsigmoid``     ``out <= 0`` or ``out >= 1`` (zero gradient)          ``0``, ``1``
-    ==================  ====================================================  ==================
-
-    A smooth unit with ``|tanh| > 0.99`` passes back less than 2% of the gradient
-    (``1 - 0.99**2``); a sigmoid at 0.01 or 0.99 about 4% of its peak gradient.
+    * ``Sigmoid``: ``out < margin`` or ``out > 1 - margin``;
+    * ``Tanh``, ``Softsign``: ``|out| > 1 - margin`` (under 2% of the gradient passes back);
+    * ``Hardtanh`` (``ReLU6`` too): ``out <= min_val`` or ``out >= max_val`` (zero gradient);
+    * ``Hardsigmoid``: ``out <= 0`` or ``out >= 1`` (zero gradient).
 
     Raises:
         TypeError: ``module`` is none of the types above.
@@ -72,15 +63,10 @@ def saturation_mask(module: nn.Module, output: torch.Tensor, margin: float = 0.0
 
 
 def unit_saturation(mask: torch.Tensor, unit_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Saturated entries, and which units had any unsaturated entry, on the device.
-
-    A *unit* is an index along ``unit_dim`` (a feature of a ``Linear``, a channel of a conv;
-    negative counts from the end); its entries are every sample and position. A tensor with no
-    ``unit_dim`` is one unit.
+    """Saturated entries, and which units along ``unit_dim`` (else one unit) had an unsaturated one.
 
     Returns:
-        ``(count, unsaturated)``: the number of saturated entries (an int64 scalar tensor) and a
-        ``[units]`` boolean tensor, true for each unit with at least one unsaturated entry.
+        ``(count, unsaturated)``: an int64 scalar and a ``[units]`` boolean tensor.
 
     Example:
         >>> mask = torch.tensor([[True, False], [True, True]])  # 2 samples, 2 units
@@ -95,7 +81,7 @@ def unit_saturation(mask: torch.Tensor, unit_dim: int = 1) -> tuple[torch.Tensor
     dims = tuple(d for d in range(mask.dim()) if d != unit_dim)
     if not dims:
         return count, ~mask
-    # amin over the mask's bytes is ~10x faster on the CPU than all(dim=...), and no copy
+    # amin over the mask's bytes: faster on the CPU than all(dim=...), and no copy
     return count, mask.view(torch.uint8).amin(dim=dims) == 0
 
 
@@ -131,24 +117,16 @@ class SaturationStats:
 
 
 class SaturationTracker(LayerStat[SaturationStats]):
-    """Counts saturated outputs of bounded activations over training forwards, on the device.
-
-    A forward hook on each selected module computes :func:`saturation_mask` and
-    :func:`unit_saturation` and adds them in place to device states: one saturated count per
-    layer and one "ever unsaturated" flag per unit. No host sync; the entry counts stay on the
-    host until a reduce. Only training forwards count. A
-    :class:`~.stat.LayerStat`: counts sum and flags max across ranks in one
-    collective, and travel through a checkpoint.
+    """Counts saturated outputs of bounded activations (:func:`saturation_mask`) in training
+    forwards, per layer, and units never unsaturated; no host sync.
 
     Args:
         model: the model to watch now (``None``: call :meth:`attach` later).
-        types: the module types to watch (default :data:`SATURATING_TYPES`; each must be one of
-            them or a subclass).
-        include: glob patterns on qualified names to keep.
-        exclude: glob patterns on qualified names to drop.
         unit_dim: the output dimension that indexes units.
         margin: the threshold margin of the smooth activations (see :func:`saturation_mask`).
         owner: the public name errors give (a callback passes its own).
+        **selection: ``types`` (among :data:`SATURATING_TYPES`, the default), ``include``,
+            ``exclude``.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 3), nn.Tanh())
@@ -228,8 +206,7 @@ class SaturationTracker(LayerStat[SaturationStats]):
         )
 
     def step_values(self, result: SaturationStats) -> dict[str, float]:
-        """At a logging step, the saturated fractions only (``always`` is over an epoch), and
-        nothing when no bounded layer ran."""
+        """At a logging step, the saturated fractions only (nothing when no layer ran)."""
         if not (result.entries > 0).any():
             return {}
         return {k: v for k, v in self.tags(result).items() if "always_saturated" not in k}

@@ -1,6 +1,4 @@
-"""What the gradient alarms read from one optimizer's step: on a quiet step, the norms of the
-parameters' gradients by one read chosen when it is made, copied to the host; on a sampled step,
-the norms its statistics computed."""
+"""The gradient norms the alarms read at an optimizer step, quiet or sampled."""
 
 from __future__ import annotations
 
@@ -31,7 +29,7 @@ class SentinelRead:
         stats: the tracker's gradient statistics (the weight norms an alarm's diagnosis reads).
         order: the layer rows in the order their output-gradient hooks fired, emptied per step.
         clip: ``(gradient_clip_val, gradient_clip_algorithm)``, or ``None``.
-        sharded: FSDP2: a quiet step's norms are made whole on the device, by the general path.
+        sharded: FSDP2: a quiet step's norms are made whole by the general path.
     """
 
     def __init__(
@@ -54,11 +52,8 @@ class SentinelRead:
         return alarms if alarms is not None and step % alarms.rules.every_n_steps == 0 else None
 
     def quiet(self, view: OptimizerView, sampled: bool, amp: bool, step: int) -> bool:
-        """A quiet step's read, when every gradient is a plain dense tensor (``True``: done):
-        the norms of the parameters' gradients by the read chosen for ``view`` (:meth:`_read`),
-        posted to the host, where they are folded into the layers' rows and the rules run. A
-        sampled step makes that host copy and that read ready and returns ``False``: its
-        statistics give the alarms their norms."""
+        """A quiet step's read of dense gradients' norms, posted to the alarms (``True``: done).
+        A sampled step only prepares the read and returns ``False``: its statistics serve."""
         if self.alarms is None or self._sharded:
             return False
         if sampled:  # the host copy and the read made here, not on a quiet step
@@ -80,11 +75,8 @@ class SentinelRead:
         return True
 
     def _read(self, view: OptimizerView) -> _Read:
-        """The read of ``view``'s gradient norms, chosen once, when first asked for, as
-        ``AlarmRules.quiet_read`` says: ``"grouped"``, small gradients of one shape stacked
-        (:class:`GroupedNorms`); ``"triton"``, the pointer-table kernels
-        (:class:`~lightning_hooks.core.kernels.pointer_norms.PointerNorms`). One that cannot be
-        made is said once, and the gradients are read by one ``torch._foreach_norm``."""
+        """The read of ``view``'s gradient norms, chosen once by ``AlarmRules.quiet_read``; one
+        that cannot be made is said once and ``torch._foreach_norm`` reads instead."""
         kept = self._reads.get(id(view))
         if kept is not None and kept[0]() is view:
             return kept[1]

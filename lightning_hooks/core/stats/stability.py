@@ -1,9 +1,6 @@
 """Transformer instability signals: the largest attention logit, the output logits' log-partition.
 
-Attention-logit growth precedes divergence in transformers (the reason for QK-norm: Dehghani et
-al. 2023; Wortsman et al. 2023, arXiv 2309.14322), and so does the growth of the output logits'
-log-partition ``log Z = logsumexp(logits)`` (the reason for z-loss). Both are measured on the
-sampled steps only, on the device.
+Both grow before a transformer diverges (the reasons for QK-norm and z-loss).
 """
 
 from __future__ import annotations
@@ -70,11 +67,9 @@ def mha_logit_chunks(
     attn_mask: torch.Tensor | None = None,
     budget: int | None = None,
 ) -> Iterator[torch.Tensor]:
-    """The pre-softmax logits ``[N, H, L, S']`` of ``mha`` on these inputs, as its softmax sees
-    them, a chunk of query rows at a time: ``q.k / sqrt(d_head)``, ``-inf`` for masked-out keys,
-    float masks added, ``bias_k`` and ``add_zero_attn`` keys included (an unbatched input gives
-    ``N = 1``). Each chunk holds at most ``budget`` elements (default :data:`LOGIT_BUDGET`; one
-    row when a row is larger).
+    """The pre-softmax logits ``[N, H, L, S']`` of ``mha`` on these inputs as its softmax sees
+    them (masks, ``bias_k`` and ``add_zero_attn`` included), a chunk of query rows at a time
+    (at most ``budget`` elements, default :data:`~.attention.LOGIT_BUDGET`).
 
     Example:
         >>> mha = nn.MultiheadAttention(4, 2, batch_first=True)
@@ -138,35 +133,15 @@ def _owns_parameters(module: nn.Module) -> bool:
 class StabilityStats(LayerStat[Result]):
     """The largest attention logit per attention layer and the output logits' log-partition.
 
-    ``attn_logit_max/{layer}``: the largest pre-softmax logit over batch, heads and positions,
-    the max over the period; ``attn_entropy_min/{layer}``: the attention entropy (nats) averaged
-    per head over every query row of the period (every call, micro-batch and rank: per-head
-    sums and counts, so accumulation and DDP give the value of one process on the global
-    batches), the smallest head
-    (:func:`~lightning_hooks.core.stats.attention.attention_head_entropy`). For every
-    ``nn.MultiheadAttention`` (the attention of ``nn.TransformerEncoderLayer`` / ``DecoderLayer``)
-    the logits ``q.k / sqrt(d_head)`` are recomputed from the module's inputs in a forward
-    pre-hook (:func:`mha_logit_chunks`); for any other module, from the arguments of each
-    ``scaled_dot_product_attention`` call it makes (its own scale, causal flag and mask) or the
-    input of each softmax over the last dimension of a 4-D tensor (eager attention), seen by
-    :class:`~.attention.AttentionCapture` in the sampled training forwards.
+    * ``attn_logit_max/{layer}``: the largest pre-softmax logit over the period;
+    * ``attn_entropy_min/{layer}``: the smallest head's mean attention entropy (nats);
+    * ``logit_logz/{layer}``, ``logit_logz_max/{layer}``: mean and max ``logsumexp`` of the
+      *output layer*'s output (the last parameter owner with a floating output, settled by
+      :meth:`end_step`; a head applied with ``F.linear`` is not seen).
 
-    ``logit_logz/{layer}`` and ``logit_logz_max/{layer}``: ``logsumexp`` over the last dimension
-    of the *output layer*'s output, mean and max over positions and over the period. The output
-    layer is the last module owning parameters whose output is a floating tensor, in forward
-    execution order (the classifier, the LM head), found on the first sampled training forward
-    and settled by :meth:`end_step` (``GradFlowCallback`` calls it after every batch) or at the
-    latest by the next reduce; until then every candidate's ``log Z`` is kept. A head applied with
-    ``F.linear`` (weights tied to an embedding, not a module call) is not seen; the last module
-    before it is measured instead.
-
-    Modules inside a ``torch.compile`` region are not measured: Dynamo does not replay the hooks'
-    Python side effects in execution order, which finding the output layer relies on, and a
-    state read in a hook would add graphs.
-
-    Hooks are gated by the registry's ``sampled`` flag and measure training forwards only. The
-    states reduce across ranks in the base's one collective: max for maxima, sum and count for
-    means.
+    ``nn.MultiheadAttention`` logits are recomputed from its inputs (:func:`mha_logit_chunks`),
+    others seen by :class:`~.attention.AttentionCapture`. Modules inside a ``torch.compile``
+    region are not measured. Training forwards of sampled steps only.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -288,9 +263,8 @@ class StabilityStats(LayerStat[Result]):
         self.logz_max[row] = torch.maximum(self.logz_max[row], peak)
 
     def end_step(self) -> None:
-        """After a forward: the last candidate seen is the output layer (an attribute check
-        when there is nothing to settle). Also settled before every reduce (:meth:`drain`).
-        After the first sampled step, one warning names the attention layers not seen."""
+        """After a forward: the last candidate seen is the output layer (also settled by
+        :meth:`drain`). After the first sampled step, warn once of attention not seen."""
         if (
             not self._checked
             and self._capture is not None

@@ -1,16 +1,4 @@
-"""``LayerStat``: one per-layer statistic, the one pipeline.
-
-A statistic declares its device states (dtype, reduction, one row per layer or a run of entries
-per unit), its hooks (a forward hook by default: :meth:`LayerStat.observe`), how the reduced
-states become a host result (:meth:`LayerStat.summarize`) and which tags that result gives
-(:meth:`LayerStat.tags`). The base owns the rest: module selection, attach / remove through a
-:class:`~lightning_hooks.core.hooks.registry.HookRegistry` (whose ``sampled`` flag gates the hooks),
-ONE packed collective for every state, one device-to-host copy, reset and the checkpoint state.
-The states themselves (declared, grown a row at a time, aligned and reduced across ranks) are
-those of its base :class:`~lightning_hooks.core.stats.states.RowStates` (``states.py``); the
-windows of steps it posts at logging steps are folded into the epoch on the host here
-(:class:`EpochWindows`).
-"""
+"""``LayerStat``, the base of every per-layer statistic, and its windows on the host."""
 
 from __future__ import annotations
 
@@ -56,12 +44,11 @@ def _combine(old: np.ndarray, new: np.ndarray, reduce: Reduce) -> np.ndarray:
 
 
 class EpochWindows:
-    """The windows of steps a statistic posts at logging steps: ONE copy each to the host
-    (pinned and non-blocking on CUDA, see :class:`~.readback.HostMailbox`), folded there into
-    the epoch's states (sums added, extremes kept) and kept until read.
+    """The windows a statistic posts at logging steps: copied to the host without blocking,
+    folded into the epoch (sums added, extremes kept) and kept until read.
 
     Args:
-        specs: the statistic's declared states, by name (read, never changed).
+        specs: the statistic's declared states, by name (read only).
     """
 
     def __init__(self, specs: dict[str, StateSpec]) -> None:
@@ -78,8 +65,7 @@ class EpochWindows:
         box.post(packed, meta=(step, shapes))
 
     def collect(self, wait: bool) -> None:
-        """Fold the posted window into the epoch once its copy is done (``wait``: block for it)
-        and keep it for :meth:`pop`: a reduce in between (a checkpoint) loses nothing."""
+        """Fold the posted window into the epoch once copied (``wait``: block for it)."""
         got = None if self._mailbox is None else self._mailbox.read(wait)
         if got is not None:
             view, (step, shapes) = got
@@ -137,8 +123,7 @@ class SelectionArgs(TypedDict, total=False):
 def selection_of(
     stat: str, owner: str, args: SelectionArgs, default_types: ModuleTypes = None
 ) -> Selection:
-    """The :class:`Selection` of the ``types`` / ``include`` / ``exclude`` arguments ``args``
-    given to the statistic class ``stat``; errors name ``owner`` (a callback passes its own).
+    """The :class:`Selection` of ``args`` given to statistic ``stat``; errors name ``owner``.
 
     Raises:
         TypeError: ``args`` holds another argument (a typo).
@@ -159,16 +144,11 @@ def selection_of(
 
 
 class LayerStat(RowStates, HookOwner, Generic[R]):
-    """Base of every per-layer statistic: states on the device, one collective, one copy.
+    """Base of every per-layer statistic: states on the model's device, one collective, one copy.
 
-    Subclasses declare states in ``__init__`` with :meth:`add_layer_state` /
-    :meth:`add_unit_state`, implement :meth:`observe` (or override :meth:`hook_module` for other
-    hooks), :meth:`summarize` and :meth:`tags`. Rows are created by :meth:`row` the first time a
-    layer is observed (or up front), in execution order; a layer that runs on some ranks only
-    gives the ranks different rows, which the callbacks align (:meth:`align_rows`) before the
-    states are reduced. Values a hook keeps on the host
-    (Python counters) are moved into the states by :meth:`drain`, which the base calls before
-    every reduce and checkpoint.
+    Subclasses declare states in ``__init__`` (:meth:`add_layer_state`, :meth:`add_unit_state`)
+    and implement :meth:`observe` (or :meth:`hook_module`), :meth:`summarize` and :meth:`tags`;
+    the base owns the hooks' lifecycle, the cross-rank reduce, reset and checkpoint state.
 
     Args:
         selection: which modules to hook (``None``: none; rows are made by the caller).
@@ -202,10 +182,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
     # --- hooks -----------------------------------------------------------------------------
 
     def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> LayerStat[R]:
-        """Forget every row and hook the selected modules of ``model`` (through ``registry``).
-
-        Returns ``self``, a context manager that removes the hooks on exit.
-        """
+        """Forget every row and hook ``model``; returns ``self``, a context manager."""
         check_module(type(self).__name__, "model", model)
         self.remove()
         self._windows.forget()
@@ -214,7 +191,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self.to(device)
         self.registry = HookRegistry(model) if registry is None else registry
         chosen = {name for name, _ in self.select(model)}
-        # Through the registry: it warns once about selected modules that run no Python hooks.
+        # The registry warns once about selected modules that run no Python hooks.
         selected = self.registry.modules(where=lambda name, _: name in chosen)
         self._hooked = tuple(name for name, _ in selected)
         for name, module in selected:
@@ -255,10 +232,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         raise NotImplementedError
 
     def remove(self) -> None:
-        """Remove every hook this statistic registered and drop the registry (idempotent).
-
-        Nothing of the model stays referenced: the statistic can be attached to the next one.
-        """
+        """Remove every hook and drop the registry (idempotent): no reference to the model stays."""
         if self.registry is not None:
             self.registry.remove()
             self.registry = None
@@ -266,20 +240,14 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
     # --- logging steps: a window of steps, folded into the epoch on the host ----------------
 
     def post_window(self, step: int) -> None:
-        """End the window at a logging step: reduce its states across ranks (one collective),
-        start ONE copy to the host (pinned and non-blocking on CUDA, see
-        :class:`~.readback.HostMailbox`) and start a new window on the device.
-
-        :meth:`read_window` returns it, once the copy is done, and folds it into the epoch.
-        """
+        """End the window at a logging step: reduce it across ranks and start its host copy."""
         self._windows.collect(wait=True)  # at most one window in flight
         packed, shapes = self._reduced()
         self._windows.post(packed, shapes, step)
         self._reset_window()
 
     def read_window(self, wait: bool) -> tuple[int, R] | None:
-        """``(step, result)`` of the window posted at ``step``, folded into the epoch; ``None``
-        when none is posted, or (``wait=False``) while its copy is still running."""
+        """``(step, result)`` of the posted window; ``None`` when none is, or while copying."""
         self._windows.collect(wait)
         ready = self._windows.pop()
         if ready is None:
@@ -315,13 +283,11 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         raise NotImplementedError
 
     def step_values(self, result: R) -> dict[str, float]:
-        """The scalars of one logging step's window, by their epoch tag (the callback adds
-        ``_step``): :meth:`tags` by default; override to leave out epoch-only ones."""
+        """The scalars of one logging step's window, by epoch tag (default: :meth:`tags`)."""
         return self.tags(result)
 
     def reset(self) -> None:
-        """Start a new epoch: every state but ``"same"`` ones back to its identity, the folded
-        windows and a window still in flight dropped; rows kept."""
+        """Start a new epoch: states (but ``"same"`` ones) and windows dropped, rows kept."""
         self.drain()
         self._reset_window()
         self._windows.clear()
@@ -337,8 +303,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         return saved
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`host_state` as the epoch's folded windows (reduced already, on every
-        rank); the device window starts empty.
+        """Restore :meth:`host_state` as the epoch's folded windows; the current window is empty.
 
         Raises:
             ValueError: the state names layers this statistic does not watch.

@@ -1,19 +1,4 @@
-"""The device states of a per-layer statistic, and the small outputs its hooks hold.
-
-:class:`RowStates` declares each state with a dtype and a reduction; a layer's row is made the
-first time it is seen (every state grown by one row, or by a run of entries per unit), the ranks
-align their rows before a reduce, and every state is reduced across ranks in ONE packed
-collective. What the states measure, and what becomes of them on the host, is
-:class:`~lightning_hooks.core.stats.stat.LayerStat`'s.
-
-:class:`Pending` holds small outputs from their hooks to the end of the step. A sampled forward
-calls a statistic's hook once per watched module; measuring each output where it is seen costs
-a handful of ops and some Python per module, and most outputs of a model are small enough that
-this per-call cost, not their size, is what the sampled step pays. A statistic hands each small
-output's snapshot to :class:`Pending` instead, and measures each group (same shape, dtype and
-device, and whatever else its key holds) as one stacked tensor when it drains
-(:data:`~..kernels.feature_stats.STACKED` says which outputs are small).
-"""
+"""The states of a per-layer statistic, reduced across ranks in one packed collective."""
 
 from __future__ import annotations
 
@@ -37,15 +22,14 @@ __all__ = [
     "unpack",
 ]
 
-Reduce = Literal["sum", "max", "min", "same"]
+Reduce = Literal["sum", "max", "min", "same"]  # "same": values every rank shares (bin edges)
 Kind = Literal["layer", "unit", "global"]
-"""How a state pools across ranks: ``"same"`` holds values every rank shares (bin edges)."""
+"""Where a state's entries live: a row per layer, a run per row's units, or one for the model."""
 
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One declared state: ``[rows, *width]`` per layer, a flat run of entries per unit, or one
-    ``[*width]`` tensor for the whole model (``kind="global"``)."""
+    """One declared state: ``[rows, *width]``, a run of entries per unit, or global ``[*width]``."""
 
     name: str
     reduce: Reduce
@@ -95,8 +79,7 @@ def all_pool(
     dtype: torch.dtype,
     process_group: Any = None,
 ) -> list[torch.Tensor]:
-    """Each of ``tensors`` pooled across ranks with its reduce, in ONE all-gather of them all
-    packed together in ``dtype`` (whatever their number and dtypes)."""
+    """Each of ``tensors`` pooled across ranks with its reduce, in one packed all-gather."""
     packed = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
     gathered = all_gather_stacked(packed, process_group)
     out, offset = [], 0
@@ -119,11 +102,7 @@ def _pool(part: torch.Tensor, reduce: Reduce) -> torch.Tensor:
 
 
 class RowStates:
-    """Per-layer device states: declared, grown a row at a time, moved with :meth:`to`,
-    aligned and reduced across ranks in one collective, reset to their identities.
-
-    The base of :class:`~lightning_hooks.core.stats.stat.LayerStat`, which adds the hooks that
-    feed the states and the host windows they are read into.
+    """Per-layer states: declared, grown a row at a time, aligned and reduced across ranks.
 
     Example:
         >>> states = RowStates()
@@ -243,21 +222,13 @@ class RowStates:
         return len(self.rows) != self._aligned
 
     def new_rows(self) -> list[tuple[str, int]]:
-        """``(name, units)`` of the rows made since the ranks last aligned them, in order; what
-        the hooks still hold is drained into the states first (it may make a row, and it is
-        held by row number: it must be in its row before :meth:`align_rows` moves the rows)."""
+        """``(name, units)`` of the rows made since the last alignment (drains first)."""
         self.drain()
         return [(name, self.units[i]) for name, i in self.rows.items() if i >= self._aligned]
 
     def align_rows(self, new: Sequence[Sequence[tuple[str, int]]]) -> None:
-        """Give this rank the rows every rank made since the last alignment (``new``: each
-        rank's :meth:`new_rows`, by rank), in one order on every rank: the rows aligned before,
-        then the new ones by rank and, within a rank, in the order it made them.
-
-        Rows are made when a layer is first observed: a module that runs on some ranks only
-        (an expert that got no tokens, a branch the data skips) would otherwise leave the
-        ranks with different states, and the one collective would fail or hang. This rank's
-        new rows move to their place with what they measured; the others start empty.
+        """Give every rank the same rows (``new``: each rank's :meth:`new_rows`), in rank order.
+        Without it a module run on some ranks only would make the collective fail or hang.
 
         Raises:
             ValueError: two ranks made the same layer's row with different numbers of units.
@@ -317,8 +288,7 @@ class RowStates:
     # --- reduce and reset ------------------------------------------------------------------
 
     def drain(self) -> None:
-        """Move what the hooks hold on the host (counters, copies not yet measured) into the
-        states (override; called before every reduce and checkpoint)."""
+        """Move what the hooks hold into the states (override; runs before every reduce)."""
 
     def _reduced(self) -> tuple[torch.Tensor, dict[str, torch.Size]]:
         """Every state of the window reduced across ranks (one collective), packed in one."""
@@ -334,7 +304,7 @@ class RowStates:
         return packed, shapes
 
     def _reset_window(self) -> None:
-        """Start a new window on the device: every state but ``"same"`` ones to its identity."""
+        """Start a new window: every state but ``"same"`` ones back to its identity."""
         for spec in self.specs.values():
             if spec.reduce != "same":
                 getattr(self, spec.name).fill_(spec.identity)
