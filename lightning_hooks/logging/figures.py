@@ -42,8 +42,8 @@ def _label_size(n: int) -> int:
 def _bars(
     ax: Axes, x: np.ndarray, heights: np.ndarray, floor: float, width: float, **style: Any
 ) -> None:
-    """Bars from ``floor`` to ``heights`` at ``x`` as one artist (``ax.bar`` makes a rectangle
-    artist per bar, each laid out and drawn on its own: half the chart's time at 75 layers).
+    """Bars from ``floor`` to ``heights`` at ``x`` as one artist (``ax.bar`` draws one per bar:
+    slow for a deep model).
 
     Example:
         >>> fig = Figure()
@@ -118,10 +118,9 @@ def layer_epoch_heatmap(
 ) -> Figure:
     """``values[layer, epoch]`` as a heatmap: layers top (input) to bottom, epochs left to right.
 
-    With ``log=True`` the cells show ``log10`` of the values, and zero cells are blank too.
-    Non-finite cells (a layer that did not run) are left blank (shown grey, and the axis says so).
-    Labels are 11 pt up to 16 layers, 9 pt up to 30; labels and size are capped, so a
-    1,000-layer model still gives a readable image.
+    Non-finite cells (a layer that did not run) are grey; with ``log=True`` the cells show
+    ``log10`` of the values and zeros are grey too. Labels and size are capped for deep models.
+
 
     Example:
         >>> values = np.array([[1.0, 10.0], [0.0, 100.0]])

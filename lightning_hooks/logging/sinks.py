@@ -1,9 +1,6 @@
 """The writer interface, :class:`LoggerSink`, and its adapters for CSV, MLflow and W&B loggers.
 
-Every callback writes host values (numpy arrays, CPU tensors, matplotlib figures) through one
-sink per logger; a kind of logger that cannot show something keeps the base's method, which
-writes nothing. TensorBoard's sink is in :mod:`lightning_hooks.logging.tensorboard`; which sink
-adapts which logger is decided in :mod:`lightning_hooks.logging.writer`.
+TensorBoard's sink is in :mod:`.tensorboard`; :mod:`.writer` picks the sink of each logger.
 """
 
 from __future__ import annotations
@@ -36,9 +33,8 @@ _NAMESPACES = (
 
 @functools.cache
 def lightning_types(name: str) -> tuple[type, ...]:
-    """The class ``name`` from ``pytorch_lightning.loggers``, ``lightning.pytorch.loggers`` and
-    Fabric's ``lightning_fabric.loggers`` and ``lightning.fabric.loggers``, whichever are
-    installed: an ``isinstance`` against one namespace's class silently misses the others'.
+    """The class ``name`` from every installed Lightning and Fabric loggers namespace: an
+    ``isinstance`` against one namespace's class silently misses the others'.
 
     Example:
         >>> [t.__module__ for t in lightning_types("CSVLogger")][0]
@@ -57,11 +53,10 @@ class LoggerSink:
     """One Lightning logger as the library writes to it: one subclass per kind of logger.
 
     Every method gets host values (numpy arrays, CPU tensors, matplotlib figures) and the
-    optimizer step; a kind of logger that cannot show something keeps the default, which writes
-    nothing. :meth:`scalars` and :meth:`save` default to the logger's own ``log_metrics`` and
-    ``save``, what Lightning calls for any logger. A subclass names the logger classes it adapts
-    in :meth:`accepts` and is registered with
-    :func:`~lightning_hooks.logging.writer.register_sink`.
+    optimizer step; what a logger cannot show keeps the default, which writes nothing
+    (:meth:`scalars` and :meth:`save` call the logger's own). A subclass names the loggers it
+    adapts in :meth:`accepts` and is registered with :func:`~.writer.register_sink`.
+
 
     Attributes:
         logger: the Lightning logger written to.

@@ -109,11 +109,9 @@ def _warn_failed(sink: LoggerSink, err: Exception) -> None:
 
 
 def log_scalars(loggers: Sequence[Any], metrics: Mapping[str, float], step: int) -> None:
-    """Send ``metrics`` to every logger (TensorBoard, W&B, MLflow, CSV, ...), rank 0 only.
+    """Send ``metrics`` to every logger (TensorBoard, W&B, MLflow, CSV, ...), rank 0 only; a
+    plain ``TensorBoardLogger`` gets one event (:meth:`~.tensorboard.TensorBoardSink.scalars`)."""
 
-    A plain ``TensorBoardLogger`` gets them as one event holding every value, not one event per
-    scalar as its ``log_metrics`` writes (see ``TensorBoardSink.scalars``).
-    """
     if metrics:
         each_sink(loggers, lambda sink: sink.scalars(metrics, step))
 

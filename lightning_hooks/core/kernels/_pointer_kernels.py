@@ -1,5 +1,5 @@
-"""The Triton kernels of :mod:`.pointer_norms`: a module of their own, imported only when they
-are used, since Triton ships with PyTorch's CUDA wheels and not with the CPU ones."""
+"""The Triton kernels of :mod:`.pointer_norms`, imported only when used (Triton ships with
+PyTorch's CUDA wheels only)."""
 
 import triton
 import triton.language as tl

@@ -145,8 +145,7 @@ class ParamLayout:
     @staticmethod
     def plain_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor] | None:
         """Each parameter's gradient when every one is a plain dense tensor (none missing, none
-        sparse, none a ``DTensor``), else ``None``: one Python frame, whatever the number of
-        tensors (the quiet step's read): C loops over the list, no Python frame per tensor."""
+        sparse, none a ``DTensor``), else ``None``; C loops, no Python frame per tensor."""
         plain = list(map(_GRAD, params))
         # None is NoneType's and a DTensor its own type: only dense tensors are plain Tensors
         if set(map(type, plain)) - _PLAIN or any(map(_IS_SPARSE, plain)):
@@ -235,20 +234,12 @@ def grad_stats(
 ) -> torch.Tensor:
     """``[layers + 1, len(GRAD_STATS)]`` statistics of one optimizer step's gradients.
 
-    Rows are the layers of ``numel`` and a last row for all of them together. Columns are
-    :data:`GRAD_STATS`: L2 norm, mean ``|g|``, max ``|g|``, whether any entry is non-finite (1 or
-    0: summed over steps it counts the steps with a NaN/Inf gradient), weight L2 norm. A parameter
-    whose gradient is ``None`` is passed as a zero tensor (see :meth:`ParamLayout.grads`). With
-    ``unique`` (positions of each parameter's first listing, :meth:`ParamLayout.unique`) the last
-    row counts a shared parameter once, its mean over ``total_numel`` elements. ``params=None``:
-    no weights are read, the weight column is NaN. ``workspace``: the buffer
-    :func:`~.grouped_norms.abs_sum_max` reuses (keep one per tracker).
-
-    Two reading passes over the gradients and one over the weights: ``_foreach_norm`` with
-    orders 1, inf and 0 takes a slow path on the CPU (10-30x the cost of order 2), so only the L2
-    norms use it; ``|g|`` is summed and maxed by :func:`~.grouped_norms.abs_sum_max` through a
-    cache-sized buffer, with no gradient-sized scratch. The maximum propagates NaN and Inf, so a
-    non-finite maximum is exactly a non-finite entry: no pass of its own.
+    Rows: the layers of ``numel``, then all of them (with ``unique``, :meth:`ParamLayout.unique`,
+    a shared parameter counted once, its mean over ``total_numel``). Columns: :data:`GRAD_STATS`;
+    the non-finite one is 1 or 0, so summed over steps it counts the steps with a NaN/Inf
+    gradient. ``params=None``: the weight column is NaN. Two passes over the gradients (L2 norms,
+    then :func:`~.grouped_norms.abs_sum_max`; its maximum propagates NaN, so it also gives the
+    non-finite column) and one over the weights.
 
     Example:
         >>> g = [torch.tensor([3.0, -4.0]), torch.tensor([1.0])]

@@ -1,11 +1,9 @@
-"""The one device histogram: log10 or linear edges, fixed or running, counts kept on the device.
+"""The one histogram: log10 or linear edges, fixed or running, counts kept in a tensor.
 
-No ``torch.histc`` (its automatic range syncs with the host, and it is non-deterministic on CUDA):
-:func:`bin_counts` is ``torch.bucketize`` on given edges and ``bincount``, a few kernels and no
-sync. One rule everywhere: values below the first inner edge count in the first bucket, values
-above the last in the last one, non-finite values are not counted (they are counted as
-``nonfinite`` by the statistics). Edges are fixed (:data:`LOG10_EDGES`, a user range) or running
-(:func:`linear_edges` of the previous epoch's min and max).
+:func:`bin_counts` is ``bucketize`` and ``bincount`` on given edges: no host sync, deterministic
+(unlike ``torch.histc``). Values beyond the edges count in the end buckets; non-finite values are
+not counted (the statistics count them). Edges are fixed (:data:`LOG10_EDGES`, a user range) or
+running (:func:`linear_edges` of the previous epoch's min and max).
 """
 
 from __future__ import annotations
@@ -65,8 +63,8 @@ def bin_counts(
 def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
     """``[..., bins + 1]`` edges spanning ``[low, high]`` (``unit``: ``linspace(0, 1, bins + 1)``).
 
-    A running range: the edges of an epoch from the previous one's min and max. Non-finite
-    bounds are clamped to finite ones, and an empty span gets a tiny width.
+    Non-finite bounds are clamped to finite ones; an empty span gets a tiny width.
+
 
     Example:
         >>> linear_edges(torch.tensor(-1.0), torch.tensor(1.0), torch.linspace(0, 1, 3)).tolist()
@@ -82,8 +80,7 @@ def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> t
 class LayerHistogram:
     """One layer's counts on the host: ``limits[i]`` is the right edge of bucket ``i``.
 
-    For log10 histograms the limits are in ``log10 |x|`` and the last is the last edge plus one
-    step. TensorBoard's form of it is made by ``lightning_hooks.logging`` (the writer), not here.
+    For log10 histograms the limits are in ``log10 |x|``; the last is the last edge plus one step.
     """
 
     limits: np.ndarray

@@ -1,23 +1,15 @@
 """Each gradient's L2 norm in two Triton kernels that find the tensors through a table of their
-addresses: the quiet step's read without PyTorch's per-tensor host work (issue 36).
+addresses: the quiet step's read without ``_foreach_norm``'s per-tensor host work.
 
-``torch.stack(torch._foreach_norm(grads))`` is one fused pass on a GPU, but its host side is
-per tensor: an output tensor allocated and wrapped for Python for each gradient, then a
-``stack`` of them all. With about 100 gradients that is about 300 us of host time a step
-(``benchmarks/graph_probe.py`` on an H100), as much as a small model's whole step spends
-launching a dozen layers. A CUDA graph would replay it in 10 us, but a graph reads fixed
-addresses and Lightning's ``zero_grad(set_to_none=True)`` gives the gradients new ones each step.
+A CUDA graph cannot replay that read: ``zero_grad(set_to_none=True)`` gives the gradients new
+addresses each step. So the addresses are a table written on the host each step and copied with
+the step's other work; which program reads which span of which tensor is built once. Launch one
+sums squares in float32 over spans of at most :data:`SPAN` elements; launch two adds each
+tensor's spans in order and rounds the root to the gradient's dtype (as ``_foreach_norm``), then
+widens it to float32. No atomics: the same gradients give the same bits.
 
-Here the addresses are a table written on the host each step (one ``data_ptr`` per gradient)
-and copied to the device with the step's other work; everything else is built once per
-parameter layout: which program reads which span of which tensor. Two launches: partial sums
-of squares in float32 over spans of at most :data:`SPAN` elements, then each tensor's spans
-summed in order, its square root rounded to the gradient's dtype (as ``_foreach_norm`` returns
-it) and widened to float32. No atomics: the same gradients give the same bits.
-
-Opt-in (``AlarmRules(quiet_read="triton")``), for CUDA gradients that are all float32, bfloat16
-or float16 of one dtype, and contiguous; anything else takes ``_foreach_norm``. Triton is
-imported on first use: it ships with PyTorch's CUDA wheels, not with the CPU ones.
+Opt-in (``AlarmRules(quiet_read="triton")``) for contiguous CUDA gradients of one dtype among
+float32, bfloat16 and float16; anything else takes ``_foreach_norm``. Triton is imported on use.
 """
 
 from __future__ import annotations
