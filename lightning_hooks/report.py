@@ -241,7 +241,6 @@ def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     or died), its last logging step's values (``_step`` tags, reported under the epoch names)
     and the alarms counted since.
 
-
     Raises:
         EventFileError: one of the run's event files is corrupt or truncated.
     """

@@ -109,7 +109,6 @@ def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, lis
     One category per family (``lightning_hooks: grad_flow``) and one for the alarms, at most
     :data:`MAX_CHARTS` charts, in the order the module docstring gives.
 
-
     Example:
         >>> keys = [("dead_relu", "dead_fraction"), ("grad_flow", "update_ratio"),
         ...         ("grad_flow", "alarms"), ("activations", "std"), ("grad_flow", "grad_norm")]

@@ -121,7 +121,6 @@ def layer_epoch_heatmap(
     Non-finite cells (a layer that did not run) are grey; with ``log=True`` the cells show
     ``log10`` of the values and zeros are grey too. Labels and size are capped for deep models.
 
-
     Example:
         >>> values = np.array([[1.0, 10.0], [0.0, 100.0]])
         >>> fig = layer_epoch_heatmap(["a", "b"], [0, 1], values)

@@ -57,7 +57,6 @@ class LoggerSink:
     (:meth:`scalars` and :meth:`save` call the logger's own). A subclass names the loggers it
     adapts in :meth:`accepts` and is registered with :func:`~.writer.register_sink`.
 
-
     Attributes:
         logger: the Lightning logger written to.
         shows_pictures: whether figures and images reach this logger.

@@ -71,7 +71,6 @@ class TensorBoardSink(LoggerSink):
         ``False`` (nothing written) unless the logger is a plain ``TensorBoardLogger`` (not a
         subclass, which may log otherwise) without prefix whose writer is a ``SummaryWriter``
         (not rank > 0's dummy)."""
-
         prefix: str = getattr(self.logger, "_prefix", "")
         if type(self.logger) not in lightning_types("TensorBoardLogger") or prefix:
             return False

@@ -1,8 +1,7 @@
 """Pure functions: summary statistics of one module output, and of many pooled together.
 
-One output tensor gives a float32 vector of :data:`FEATURE_STATS`. Sums over many outputs (the
-batches of an epoch) pool exactly: the epoch's mean and standard deviation come from the summed
-``sum``, ``sum_sq`` and ``numel``; ``min`` and ``max`` pool with min and max.
+One output gives a float32 vector of :data:`FEATURE_STATS`; sums over many outputs (an epoch's
+batches) pool exactly into mean and std, ``min`` and ``max`` pool with min and max.
 """
 
 from __future__ import annotations
@@ -44,12 +43,10 @@ the first find the piece in cache. Off the CPU, :data:`~.tensors.DEVICE_PIECE`."
 def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
     """``[8]`` float32 statistics of a non-empty tensor, in the order of :data:`FEATURE_STATS`.
 
-    Six vectorized reading passes, no host sync. The counts are float32 sums of 0.0 / 1.0 written
-    into one scratch buffer (exact up to 2**24 elements per piece; on the CPU far faster than
-    ``count_nonzero`` or ``isfinite().sum()``). A tensor larger than a piece (:func:`piece_size`
-    of :data:`CHUNK`) is read a piece at a time. fp16 / bf16 are summed in float32 without a
-    float32 copy. NaN propagates into every entry but ``zeros``, ``nonfinite`` and ``numel``.
-    With a :class:`Workspace` the temporaries reuse its memory.
+    Six reading passes a piece (:func:`piece_size` of :data:`CHUNK`) at a time, no host sync;
+    counts are float32 sums of 0.0 / 1.0 (exact up to 2**24 a piece; on the CPU far faster than
+    ``count_nonzero``), fp16 / bf16 summed in float32 without a copy. NaN propagates into every
+    entry but ``zeros``, ``nonfinite`` and ``numel``. Temporaries reuse ``workspace``.
 
     Example:
         >>> feature_stats(torch.tensor([-1.0, 0.0, 2.0, 0.0])).tolist()
@@ -92,15 +89,13 @@ def _piece_stats(flat: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
 
 
 STACKED = 1 << 16
-"""Elements: an output this small is copied in its hook and measured with the others of its
-shape and dtype at the end of the step (:func:`stacked_feature_stats`): copying it costs less
-than its own 17 small ops."""
+"""Elements: an output this small is copied and measured at the step's end with the others of
+its shape and dtype (:func:`stacked_feature_stats`), cheaper than its own 17 small ops."""
 
 
 SIGN_COUNTS = frozenset({"cpu"})
-"""Devices where :func:`stacked_feature_stats` counts by sums of signs and takes the minimum and
-maximum in two reductions: on the CPU a comparison's bool output, its sum and a min-max along a
-dimension take slow paths. Elsewhere the comparisons take fewer kernels."""
+"""Devices where :func:`stacked_feature_stats` counts by sums of signs and takes min and max in
+two reductions (on the CPU, comparisons and a min-max along a dimension take slow paths)."""
 
 
 @torch.no_grad()
@@ -161,10 +156,8 @@ def _compiled() -> Callable[[torch.Tensor], torch.Tensor]:
 def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
     """:func:`feature_stats` compiled with ``torch.compile`` into one reading pass.
 
-    The first call compiles (seconds, then again per new rank or dtype). A non-contiguous output
-    (a transposed attention output) takes the eager :func:`feature_stats` with ``workspace``:
-    the compiled kernel reads it slowly.
-
+    The first call compiles (seconds; again per new rank or dtype). A non-contiguous output
+    takes the eager :func:`feature_stats`, which reads it faster.
     """
     if not x.is_contiguous():
         return feature_stats(x, workspace)
@@ -178,7 +171,7 @@ class FeatureSummary:
     Attributes:
         layers: row names (a module's qualified name, with a suffix for tuple / dict outputs).
         mean: mean of the elements.
-        std: standard deviation of the elements (Bessel-corrected, as ``torch.std``).
+        std: their standard deviation (Bessel-corrected, as ``torch.std``).
         min: smallest element.
         max: largest element.
         abs_mean: mean of ``|x|``.

@@ -1,9 +1,8 @@
 """Pure functions: per-layer gradient, weight and update statistics with batched kernels.
 
-Parameters are grouped by the module that owns them directly. Every function takes lists of
-tensors and a :class:`ParamLayout`, runs a few ``torch._foreach_*`` kernels over all parameters at
-once, and reduces per layer with ``index_add_``: the number of kernels does not grow with the
-number of parameters, and nothing is read back to the host.
+Each reads every parameter's tensors in a few multi-tensor ops and reduces per layer
+(:class:`ParamLayout`) with ``index_add_``: the op count does not grow with the parameters, and
+nothing is read back to the host.
 """
 
 from __future__ import annotations
@@ -50,11 +49,9 @@ ROOT = "<root>"
 class ParamLayout:
     """Which layer each parameter belongs to.
 
-    A layer is a module that owns parameters directly: a leaf (``Linear``), a container with a
-    parameter of its own, or the model itself (row :data:`ROOT`). Every parameter is listed,
-    trainable or not: :meth:`subset` picks those an optimizer steps. A parameter held by two
-    modules (a tied embedding: ``lm_head.weight is wte.weight``) is listed once per owner, so
-    each owner's row has it; :attr:`first` marks its first listing, the one global figures count.
+    A layer is a module that owns parameters directly (a leaf, a container, or the model itself:
+    row :data:`ROOT`). Every parameter is listed, trainable or not (:meth:`subset` picks). A tied
+    parameter is listed once per owner; :attr:`first` marks the listing global figures count.
 
     Attributes:
         layers: layer (owning module) names, in model order.
@@ -122,8 +119,8 @@ class ParamLayout:
         return params, self.index[torch.tensor(picked, dtype=torch.long, device=self.index.device)]
 
     def unique(self, keep: Sequence[bool]) -> torch.Tensor:
-        """Positions, within :meth:`subset`, of the first listing of each parameter: what a
-        global figure sums over. ``keep`` must keep or drop every listing of a parameter alike.
+        """Positions within :meth:`subset` of each parameter's first listing (what global
+        figures sum); ``keep`` must treat every listing of a parameter alike.
 
         Example:
             >>> from torch import nn
@@ -154,9 +151,8 @@ class ParamLayout:
 
     @staticmethod
     def grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
-        """Each parameter's gradient in a form every statistic kernel takes: a sparse gradient
-        (``nn.Embedding(sparse=True)``) as its coalesced values, whose norms, sums and maxima
-        are those of the dense gradient with zeros for the absent rows; ``None`` as one zero.
+        """Each parameter's gradient as every kernel takes it: a sparse one as its coalesced
+        values (the same norms, sums and maxima as dense), ``None`` as one zero.
 
         Example:
             >>> from torch import nn
@@ -212,8 +208,8 @@ def _segment_sum(
 
 
 def param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[len(tensors)]`` L2 norms of each tensor, in float32: one multi-tensor pass (on the
-    CPU, small tensors of one shape in stacks: :func:`~.grouped_norms.cpu_grouping`)."""
+    """``[len(tensors)]`` float32 L2 norms in one multi-tensor pass (on the CPU in stacks,
+    :func:`~.grouped_norms.cpu_grouping`)."""
     grouping = cpu_grouping(tensors)
     if grouping is not None:
         return grouping(tensors).float()

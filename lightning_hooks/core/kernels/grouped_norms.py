@@ -1,11 +1,10 @@
-"""Reads of many tensors in a handful of ops: L2 norms (the quiet step's, :class:`GroupedNorms`),
-sums and maxima of ``|t|`` (:func:`abs_sum_max`), the typical size of an update
-(:func:`typical_update`).
+"""Reads of many tensors in a handful of ops: L2 norms (:class:`GroupedNorms`), ``|t|`` sums and
+maxima (:func:`abs_sum_max`), an update's typical size (:func:`typical_update`).
 
-``torch._foreach_norm`` does host work per tensor, the whole cost for a small model's many small
-gradients of a few repeated shapes. Here the small tensors of one shape and dtype are stacked
-(one copy) and reduced along their rows (one op); the rest take one ``_foreach_norm``. On the
-CPU the norms equal ``_foreach_norm``'s bit for bit; on CUDA, within float32 rounding.
+``_foreach_norm``'s host work per tensor is the whole cost for a model's many small gradients,
+so small tensors of one shape and dtype are stacked (one copy) and reduced along their rows; the
+rest take one ``_foreach_norm``. CPU norms equal ``_foreach_norm``'s bit for bit; CUDA's, within
+float32 rounding.
 """
 
 from __future__ import annotations
@@ -270,7 +269,6 @@ def _pick(
 ) -> torch.Tensor:
     """``|new - old|`` in float32 over about :data:`_TYPICAL_SAMPLE` strided entries of the last
     dimension; NaN where ``grad`` is zero, and everywhere when ``masked`` without a gradient."""
-
     stride = max(1, new.shape[-1] // _TYPICAL_SAMPLE)
     pick = torch.sub(new[..., ::stride], old[..., ::stride]).float().abs_()
     if grad is not None:

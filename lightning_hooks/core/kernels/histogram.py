@@ -27,17 +27,15 @@ Scale = Literal["log10", "linear"]
 """What is binned: ``log10 |x|`` or ``x`` itself."""
 
 LOG10_EDGES = torch.arange(-12.0, 4.01, 0.5)
-"""Default inner edges of ``log10 |x|``: half-decades from 1e-12 to 1e4. Values below the first
-edge (zeros included) fall in the first bucket, values above the last in the last one."""
+"""Default inner edges of ``log10 |x|``: half-decades from 1e-12 to 1e4 (zeros: first bucket)."""
 
 
 @torch.no_grad()
 def bin_counts(
     x: torch.Tensor, inner: torch.Tensor, out: torch.Tensor, scale: Scale = "linear"
 ) -> None:
-    """Add the counts of ``x``'s finite entries to ``out`` (``[len(inner) + 1]``), no host sync.
-
-    Bucket ``i`` holds values in ``[inner[i - 1], inner[i])``; the first and last are open-ended.
+    """Add the counts of ``x``'s finite entries to ``out`` (``[len(inner) + 1]``), no host sync:
+    bucket ``i`` holds ``[inner[i - 1], inner[i])``, the first and last are open-ended.
 
     Example:
         >>> out = torch.zeros(3)
@@ -65,7 +63,6 @@ def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> t
 
     Non-finite bounds are clamped to finite ones; an empty span gets a tiny width.
 
-
     Example:
         >>> linear_edges(torch.tensor(-1.0), torch.tensor(1.0), torch.linspace(0, 1, 3)).tolist()
         [-1.0, 0.0, 1.0]
@@ -78,10 +75,8 @@ def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> t
 
 @dataclass(frozen=True)
 class LayerHistogram:
-    """One layer's counts on the host: ``limits[i]`` is the right edge of bucket ``i``.
-
-    For log10 histograms the limits are in ``log10 |x|``; the last is the last edge plus one step.
-    """
+    """One layer's counts on the host; ``limits[i]``: bucket ``i``'s right edge (log10 scale:
+    in ``log10 |x|``)."""
 
     limits: np.ndarray
     counts: np.ndarray

@@ -1,15 +1,12 @@
 """Each gradient's L2 norm in two Triton kernels that find the tensors through a table of their
 addresses: the quiet step's read without ``_foreach_norm``'s per-tensor host work.
 
-A CUDA graph cannot replay that read: ``zero_grad(set_to_none=True)`` gives the gradients new
-addresses each step. So the addresses are a table written on the host each step and copied with
-the step's other work; which program reads which span of which tensor is built once. Launch one
-sums squares in float32 over spans of at most :data:`SPAN` elements; launch two adds each
-tensor's spans in order and rounds the root to the gradient's dtype (as ``_foreach_norm``), then
-widens it to float32. No atomics: the same gradients give the same bits.
-
+The address table is written on the host each step (a CUDA graph cannot replay the read:
+``zero_grad(set_to_none=True)`` moves the gradients); the spans are built once. Launch one sums
+squares in float32 over spans of :data:`SPAN`; launch two adds each tensor's spans in order and
+rounds the root as ``_foreach_norm`` does. No atomics: the same gradients give the same bits.
 Opt-in (``AlarmRules(quiet_read="triton")``) for contiguous CUDA gradients of one dtype among
-float32, bfloat16 and float16; anything else takes ``_foreach_norm``. Triton is imported on use.
+float32, bfloat16 and float16; Triton is imported on first use.
 """
 
 from __future__ import annotations

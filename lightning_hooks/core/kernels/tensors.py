@@ -149,7 +149,6 @@ def row_index(values: list[int], device: torch.device) -> torch.Tensor:
     """``values`` as a ``long`` tensor on ``device``; on CUDA copied from pinned memory without
     blocking (no host sync).
 
-
     Example:
         >>> row_index([2, 0, 1], torch.device("cpu"))
         tensor([2, 0, 1])
