@@ -209,8 +209,7 @@ def _scalar(value: Any) -> float | None:
 
 
 def find_runs(logdir: Path) -> list[Path]:
-    """Every directory under ``logdir`` (itself included) that holds TensorBoard event files or
-    a ``CSVLogger``'s ``metrics.csv``."""
+    """Every directory under ``logdir`` (itself included) with event files or a ``metrics.csv``."""
     found = [*logdir.rglob("events.out.tfevents.*"), *logdir.rglob(METRICS_FILE)]
     return sorted({p.parent for p in found if p.is_file()})
 
@@ -294,8 +293,7 @@ def _build(
     last: dict[str, tuple[int, float]],
     totals: dict[str, float],
 ) -> RunReport:
-    """``last``: each tag's last ``(step, value)``; ``totals``: each alarm tag's sum over the
-    run (an alarm of an earlier epoch still counts)."""
+    """``last``: each tag's last ``(step, value)``; ``totals``: each alarm tag's run total."""
     rows: dict[str, LayerRow] = {}
     global_values: dict[str, float] = {}
     alarms: dict[str, float] = {}

@@ -126,8 +126,7 @@ def _figure_pixels(figure: Figure) -> np.ndarray:
 
 
 def _image_pixels(image: Any) -> np.ndarray:
-    """A ``CHW`` tensor in ``[0, 1]`` as ``uint8`` pixels: ``[H, W]`` for one channel, else
-    ``[H, W, C]``.
+    """A ``CHW`` tensor in ``[0, 1]`` as ``uint8`` pixels, ``[H, W]`` or ``[H, W, C]``.
 
     Example:
         >>> import torch
@@ -158,9 +157,8 @@ def _step_file(tag: str, step: int, suffix: str) -> str:
 
 
 class CSVSink(LoggerSink):
-    """A ``CSVLogger``: ``<log_dir>/<tag>/step_<step>.png`` per figure or image (one folder per
-    tag), ``<log_dir>/<tag with dots>.md`` gathering every step's text under a heading per
-    step; no histograms or embeddings.
+    """A ``CSVLogger``: ``<log_dir>/<tag>/step_<step>.png`` per figure or image, every step's
+    text in ``<log_dir>/<tag with dots>.md``; no histograms or embeddings.
 
     Example:
         >>> from pytorch_lightning.loggers import CSVLogger
@@ -194,8 +192,7 @@ class CSVSink(LoggerSink):
         self._write_png(tag, step, _png_bytes(_image_pixels(image)))
 
     def text(self, tag: str, text: str, step: int) -> None:
-        """Append ``text`` to ``<tag with dots>.md`` (``grad_flow/alarms``:
-        ``grad_flow.alarms.md``) beside ``metrics.csv``."""
+        """Append ``text`` under a step heading to ``<tag with dots>.md`` beside ``metrics.csv``."""
         log_dir = self._log_dir()
         if log_dir is None:
             return
@@ -208,9 +205,8 @@ _UNSAFE = re.compile(r"[^a-zA-Z0-9_/. -]+")
 
 
 class MLflowSink(LoggerSink):
-    """An ``MLFlowLogger``, through the ``MlflowClient`` that its ``experiment`` is: figures as
-    ``<tag>/step_<step>.png`` artifacts, images as MLflow images under their key and step,
-    Markdown text as ``<tag>/step_<step>.md``; no histograms or embeddings (MLflow has neither).
+    """An ``MLFlowLogger`` (its ``MlflowClient``): figures and text as ``<tag>/step_<step>``
+    ``.png`` / ``.md`` artifacts, images as MLflow images; no histograms or embeddings.
 
     Example:
         >>> from pytorch_lightning.loggers import CSVLogger
@@ -245,8 +241,7 @@ _MAX_BINS = 512  # wandb.Histogram refuses more
 
 
 def _rebinned(counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``counts`` (``edges``: one more) with neighbours merged to at most 512 buckets, the most
-    ``wandb.Histogram`` takes.
+    """``counts`` and ``edges`` with neighbours merged to the 512 buckets ``wandb`` takes at most.
 
     Example:
         >>> counts, edges = _rebinned(np.ones(1000), np.arange(1001.0))
@@ -261,9 +256,8 @@ def _rebinned(counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 class WandbSink(LoggerSink):
-    """A ``WandbLogger``, each write at the optimizer step (``trainer/global_step``, as
-    Lightning's ``log_metrics``): figures and images as ``wandb.Image`` (``log_image``),
-    histograms as ``wandb.Histogram``, text as a one-row table (``log_text``); no embeddings.
+    """A ``WandbLogger``, at ``trainer/global_step`` as Lightning logs: figures and images as
+    ``wandb.Image``, histograms as ``wandb.Histogram``, text as a table row; no embeddings.
 
     Example:
         >>> from pytorch_lightning.loggers import CSVLogger
