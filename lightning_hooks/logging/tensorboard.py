@@ -67,10 +67,9 @@ class TensorBoardSink(LoggerSink):
         record_tags(self._writer, metrics)
 
     def _write_summary(self, metrics: Mapping[str, float], step: int) -> bool:
-        """``metrics`` as one event, ``simple_value`` per tag as ``add_scalar`` writes them;
-        ``False`` (nothing written) unless the logger is a plain ``TensorBoardLogger`` (not a
-        subclass, which may log otherwise) without prefix whose writer is a ``SummaryWriter``
-        (not rank > 0's dummy)."""
+        """``metrics`` as one event of ``simple_value``s; ``False`` (nothing written) unless the
+        logger is a plain ``TensorBoardLogger`` (a subclass may log otherwise) without prefix,
+        with a real ``SummaryWriter`` (not rank > 0's dummy)."""
         prefix: str = getattr(self.logger, "_prefix", "")
         if type(self.logger) not in lightning_types("TensorBoardLogger") or prefix:
             return False

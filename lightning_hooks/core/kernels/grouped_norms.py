@@ -256,8 +256,7 @@ def typical_update(
 
 
 def _stackable(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None) -> bool:
-    """Whether ``new`` is read in a stack: small (:data:`SMALL`), dense, with
-    its old copy and its gradient (if any) of its shape."""
+    """Whether ``new`` is small, dense, and of its old copy's and gradient's shape (stackable)."""
     plain = type(new) is torch.Tensor and type(old) is torch.Tensor and not new.is_sparse
     if not plain or not 0 < new.numel() <= SMALL or old.shape != new.shape:
         return False

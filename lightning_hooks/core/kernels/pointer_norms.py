@@ -82,9 +82,8 @@ class PointerNorms:
         self._out = torch.empty(len(numels), dtype=torch.float32, device=self.device)
 
     def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The norms of ``grads`` (the gradients of the parameters, in their order) as a float32
-        tensor the next call overwrites; by ``_foreach_norm`` when one is not contiguous (a
-        gradient set by hand)."""
+        """The norms of ``grads`` (in parameter order), float32, overwritten by the next call;
+        by ``_foreach_norm`` when one is not contiguous (a gradient set by hand)."""
         if not all(g.is_contiguous() for g in grads):
             return torch.stack(torch._foreach_norm(list(grads)))
         # a fresh pinned table: PyTorch's host allocator reuses it only once its copy is done
