@@ -24,8 +24,7 @@ class GradientAlarmWarning(LightningHooksWarning):
     """A gradient alarm (spike, vanishing, non-finite, ...): the message names rule, layer, step.
 
     Attributes:
-        alarm: the :class:`~lightning_hooks.core.GradientAlarm` (values, the last steps' norms
-            from the ring buffer), or ``None``.
+        alarm: the :class:`~lightning_hooks.core.GradientAlarm` (values, recent norms), or ``None``.
     """
 
     alarm: Any = None

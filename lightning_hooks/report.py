@@ -1,17 +1,11 @@
 """Reading a run back from its TensorBoard event files (or a ``CSVLogger``'s ``metrics.csv``): the
 per-layer table of the last epoch, as ``lightning-hooks report`` prints it.
 
-Tags follow ``<family>/<stat>/<layer>`` per layer, ``<family>/global/<stat>`` over all layers and
-``<family>/alarms/<rule>`` for alarm counts (per epoch; the report sums them over the run, so an
-alarm of an early epoch is not hidden by quiet later ones). The values of one logging step have
-``_step`` after the statistic (``<family>/<stat>_step/<layer>``): the report uses them for a run
-whose last logging steps came after its last epoch end (still running, or killed). A *run* is a
-directory holding event files, or a ``metrics.csv``.
-
-The event files are read record by record with their checksums (TensorBoard's own reader stops
-silently at a corrupt or truncated record): a file that cannot be read to its end raises
-:class:`EventFileError`, naming the file and the byte offset. Nothing heavy is imported here
-(no torch, no Lightning): the command answers at once.
+Tags follow the scheme of :mod:`lightning_hooks.logging.dashboard`; alarm counts are summed over
+the run. A *run* is a directory holding event files, or a ``metrics.csv``. Event files are read
+with their checksums (TensorBoard's own reader stops silently at a corrupt record): one that
+cannot be read to its end raises :class:`EventFileError`. No torch or Lightning is imported: the
+command answers at once.
 """
 
 from __future__ import annotations
@@ -112,9 +106,8 @@ METRICS_FILE = "metrics.csv"
 def csv_series(path: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar column of a ``metrics.csv`` as ``[(step, value)]`` per tag, in row order.
 
-    A blank cell (the tag was not logged in that row) is skipped; as TensorBoard does, a step
-    lower than the tag's last one (a run resumed from a checkpoint) drops the tag's values from
-    that step on.
+    Blank cells are skipped; a step lower than the tag's last one (a resumed run) drops the
+    tag's values from that step on, as TensorBoard does.
 
     Example:
         >>> import tempfile
@@ -151,8 +144,7 @@ class EventFileError(ValueError):
 def scalar_events(path: Path) -> Iterator[tuple[str, int, float]]:
     """``(tag, step, value)`` of every scalar in one event file, in file order.
 
-    Every record's framing is checked (its length and the length's checksum), and so is the
-    payload checksum of every record that holds a scalar.
+    Every record's length checksum is checked, and the payload checksum of those with a scalar.
 
     Raises:
         EventFileError: the file is corrupt or ends inside a record; the message names the file
@@ -217,8 +209,7 @@ def _scalar(value: Any) -> float | None:
 
 
 def find_runs(logdir: Path) -> list[Path]:
-    """Every directory under ``logdir`` (itself included) that holds TensorBoard event files or
-    a ``CSVLogger``'s ``metrics.csv``."""
+    """Every directory under ``logdir`` (itself included) with event files or a ``metrics.csv``."""
     found = [*logdir.rglob("events.out.tfevents.*"), *logdir.rglob(METRICS_FILE)]
     return sorted({p.parent for p in found if p.is_file()})
 
@@ -227,8 +218,8 @@ def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar tag of one run (its event files in name order, or else its ``CSVLogger``
     ``metrics.csv``) as ``[(step, value)]``.
 
-    As TensorBoard does, a step lower than the tag's last one (a run resumed from a checkpoint)
-    drops the tag's values from that step on.
+    A step lower than the tag's last one drops the tag's values from that step on (as
+    :func:`csv_series`).
     """
     if not any(run_dir.glob("events.out.tfevents.*")) and (run_dir / METRICS_FILE).is_file():
         return csv_series(run_dir / METRICS_FILE)
@@ -245,10 +236,9 @@ def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     """The report of the last logged step of one run, or ``None`` if it has no library tags.
 
-    The last epoch's aggregates; when the run logged steps after its last epoch end (a long
-    epoch still running, or a run that died), the values of its last logging step
-    (``<family>/<stat>_step/<layer>`` tags, reported under ``<family>/<stat>``) and the alarms
-    counted at its logging steps since.
+    The last epoch's aggregates; if the run logged steps after its last epoch end (still running,
+    or died), its last logging step's values (``_step`` tags, reported under the epoch names)
+    and the alarms counted since.
 
     Raises:
         EventFileError: one of the run's event files is corrupt or truncated.
@@ -303,8 +293,7 @@ def _build(
     last: dict[str, tuple[int, float]],
     totals: dict[str, float],
 ) -> RunReport:
-    """``last``: each tag's last ``(step, value)``; ``totals``: each alarm tag's sum over the
-    run (an alarm of an earlier epoch still counts)."""
+    """``last``: each tag's last ``(step, value)``; ``totals``: each alarm tag's run total."""
     rows: dict[str, LayerRow] = {}
     global_values: dict[str, float] = {}
     alarms: dict[str, float] = {}

@@ -1,24 +1,14 @@
 """The TensorBoard custom-scalars dashboard: one multiline chart per statistic, all layers in it.
 
-Every scalar tag the library logs follows ``<family>/<stat>/<layer>`` (per layer),
-``<family>/global/<stat>`` (over all layers; ``<stat>_p50`` for a percentile over layers) or
-``<family>/alarms/<rule>``. A value of one logging step (see :func:`step_tag`) has ``_step``
-after its statistic, Lightning's convention for a metric logged on step:
-``<family>/<stat>_step/<layer>``; the epoch aggregate keeps the plain name, so the two never
-share a curve. The dashboard has one chart per ``(family, stat)`` holding every layer's line and
-the global lines of that statistic (its epoch chart, then its logging steps' chart), so the
-number of panels is bounded by the number of statistics, whatever the number of layers (the
-number of lines in a chart is bounded by the callbacks' own ``max_layers_logged``), and one chart
-per family for its alarms.
+Scalar tags are ``<family>/<stat>/<layer>``, ``<family>/global/<stat>`` (``<stat>_p50``: a
+percentile over layers) or ``<family>/alarms/<rule>``; a logging step's value has ``_step``
+after its statistic (:func:`step_tag`, Lightning's convention), so it never shares a curve with
+the epoch's. One chart per ``(family, stat)`` (its layers and global lines) and one per family's
+alarms: the panels grow with the statistics, not the layers. Categories lead with gradient flow,
+then alarms, activations, dead units, the rest by name.
 
-The categories lead with the headline: gradient flow (its gradient norm first), then every
-family's alarms, activations, dead units, then the other families by name. TensorBoard shows the
-categories in the layout's order.
-
-:func:`record_tags` is called for every scalar the library logs; :func:`write_dashboard` writes
-the layout of the tags seen so far to each TensorBoard writer, once, and again only when a new
-chart appears (an alarm family that first fires in a later epoch). TensorBoard reads the last
-layout a run wrote.
+:func:`record_tags` sees every scalar logged; :func:`write_dashboard` writes a writer's layout
+again only when a new chart appears (TensorBoard reads the last one written).
 """
 
 from __future__ import annotations
@@ -116,11 +106,8 @@ def chart_key(tag: str) -> tuple[str, str] | None:
 def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout of the given charts, for ``SummaryWriter.add_custom_scalars``.
 
-    One category per family (``lightning_hooks: grad_flow``) and one for every family's alarms
-    (``lightning_hooks: alarms``), one multiline chart per statistic (its layers and its global
-    lines), at most :data:`MAX_CHARTS` charts. Categories in the order grad_flow, alarms,
-    activations, dead_relu, then the rest by name; the attention charts lead their category
-    (``stability``).
+    One category per family (``lightning_hooks: grad_flow``) and one for the alarms, at most
+    :data:`MAX_CHARTS` charts, in the order the module docstring gives.
 
     Example:
         >>> keys = [("dead_relu", "dead_fraction"), ("grad_flow", "update_ratio"),

@@ -23,8 +23,7 @@ _MAX_LABEL_CHARS = 32
 
 
 def _labels(layers: Sequence[str]) -> list[str]:
-    """Layer names as tick labels: a long one keeps its last ``_MAX_LABEL_CHARS`` characters
-    (the specific end: ``...layer.0.attention.self.query``), or its axes collapse in the figure.
+    """Layer names as tick labels, a long one cut to its last ``_MAX_LABEL_CHARS`` characters.
 
     Example:
         >>> _labels(["fc1", "bert.encoder.layer.11.attention.self.query"])
@@ -42,8 +41,8 @@ def _label_size(n: int) -> int:
 def _bars(
     ax: Axes, x: np.ndarray, heights: np.ndarray, floor: float, width: float, **style: Any
 ) -> None:
-    """Bars from ``floor`` to ``heights`` at ``x`` as one artist (``ax.bar`` makes a rectangle
-    artist per bar, each laid out and drawn on its own: half the chart's time at 75 layers).
+    """Bars from ``floor`` to ``heights`` at ``x`` as one artist (``ax.bar`` draws one per bar:
+    slow for a deep model).
 
     Example:
         >>> fig = Figure()
@@ -63,8 +62,7 @@ def grad_flow_figure(
 ) -> Figure:
     """Bars of mean and max ``|grad|`` per layer, input layer to output layer, on a log scale.
 
-    Zero and non-finite values cannot be drawn on a log axis: they are drawn at the axis floor and
-    marked with a red ``x``, which the legend names ("zero or non-finite").
+    Zero and non-finite values are drawn at the axis floor, marked with a red ``x``.
 
     Example:
         >>> fig = grad_flow_figure(["a", "b"], np.array([1e-3, 0.0]), np.array([1e-2, 1e-1]))
@@ -118,10 +116,8 @@ def layer_epoch_heatmap(
 ) -> Figure:
     """``values[layer, epoch]`` as a heatmap: layers top (input) to bottom, epochs left to right.
 
-    With ``log=True`` the cells show ``log10`` of the values, and zero cells are blank too.
-    Non-finite cells (a layer that did not run) are left blank (shown grey, and the axis says so).
-    Labels are 11 pt up to 16 layers, 9 pt up to 30; labels and size are capped, so a
-    1,000-layer model still gives a readable image.
+    Non-finite cells (a layer that did not run) are grey; with ``log=True`` the cells show
+    ``log10`` of the values and zeros are grey too. Labels and size are capped for deep models.
 
     Example:
         >>> values = np.array([[1.0, 10.0], [0.0, 100.0]])
@@ -208,9 +204,8 @@ def _tile(maps: torch.Tensor, pad: int) -> torch.Tensor:
 def feature_map_grid(output: torch.Tensor, channels: int = 16, min_size: int = 32) -> torch.Tensor:
     """A ``[1, H, W]`` image in ``[0, 1]`` (grayscale, ``CHW``) of one layer's output on a batch.
 
-    * ``[N, C, H, W]`` (``Conv2d``): the first ``channels`` channels of the first sample, each
-      scaled to its own min-max, tiled in a near-square grid; maps smaller than ``min_size``
-      pixels are enlarged by pixel repetition.
+    * ``[N, C, H, W]`` (``Conv2d``): the first sample's first ``channels`` channels, each scaled
+      to its min-max, tiled in a near-square grid, enlarged to at least ``min_size`` pixels.
     * ``[N, C, D, H, W]`` (``Conv3d``): the same, at the middle depth.
     * ``[N, C, L]`` (``Conv1d``): the first sample, one row per channel (first ``channels``).
     * ``[N, F]`` (``Linear``): the whole batch, one row per sample, one column per feature.

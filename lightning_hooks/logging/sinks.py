@@ -1,9 +1,6 @@
 """The writer interface, :class:`LoggerSink`, and its adapters for CSV, MLflow and W&B loggers.
 
-Every callback writes host values (numpy arrays, CPU tensors, matplotlib figures) through one
-sink per logger; a kind of logger that cannot show something keeps the base's method, which
-writes nothing. TensorBoard's sink is in :mod:`lightning_hooks.logging.tensorboard`; which sink
-adapts which logger is decided in :mod:`lightning_hooks.logging.writer`.
+TensorBoard's sink is in :mod:`.tensorboard`; :mod:`.writer` picks the sink of each logger.
 """
 
 from __future__ import annotations
@@ -36,9 +33,8 @@ _NAMESPACES = (
 
 @functools.cache
 def lightning_types(name: str) -> tuple[type, ...]:
-    """The class ``name`` from ``pytorch_lightning.loggers``, ``lightning.pytorch.loggers`` and
-    Fabric's ``lightning_fabric.loggers`` and ``lightning.fabric.loggers``, whichever are
-    installed: an ``isinstance`` against one namespace's class silently misses the others'.
+    """The class ``name`` from every installed Lightning and Fabric loggers namespace: an
+    ``isinstance`` against one namespace's class silently misses the others'.
 
     Example:
         >>> [t.__module__ for t in lightning_types("CSVLogger")][0]
@@ -57,11 +53,9 @@ class LoggerSink:
     """One Lightning logger as the library writes to it: one subclass per kind of logger.
 
     Every method gets host values (numpy arrays, CPU tensors, matplotlib figures) and the
-    optimizer step; a kind of logger that cannot show something keeps the default, which writes
-    nothing. :meth:`scalars` and :meth:`save` default to the logger's own ``log_metrics`` and
-    ``save``, what Lightning calls for any logger. A subclass names the logger classes it adapts
-    in :meth:`accepts` and is registered with
-    :func:`~lightning_hooks.logging.writer.register_sink`.
+    optimizer step; what a logger cannot show keeps the default, which writes nothing
+    (:meth:`scalars` and :meth:`save` call the logger's own). A subclass names the loggers it
+    adapts in :meth:`accepts` and is registered with :func:`~.writer.register_sink`.
 
     Attributes:
         logger: the Lightning logger written to.
@@ -132,8 +126,7 @@ def _figure_pixels(figure: Figure) -> np.ndarray:
 
 
 def _image_pixels(image: Any) -> np.ndarray:
-    """A ``CHW`` tensor in ``[0, 1]`` as ``uint8`` pixels: ``[H, W]`` for one channel, else
-    ``[H, W, C]``.
+    """A ``CHW`` tensor in ``[0, 1]`` as ``uint8`` pixels, ``[H, W]`` or ``[H, W, C]``.
 
     Example:
         >>> import torch
@@ -164,9 +157,8 @@ def _step_file(tag: str, step: int, suffix: str) -> str:
 
 
 class CSVSink(LoggerSink):
-    """A ``CSVLogger``: ``<log_dir>/<tag>/step_<step>.png`` per figure or image (one folder per
-    tag), ``<log_dir>/<tag with dots>.md`` gathering every step's text under a heading per
-    step; no histograms or embeddings.
+    """A ``CSVLogger``: ``<log_dir>/<tag>/step_<step>.png`` per figure or image, every step's
+    text in ``<log_dir>/<tag with dots>.md``; no histograms or embeddings.
 
     Example:
         >>> from pytorch_lightning.loggers import CSVLogger
@@ -200,8 +192,7 @@ class CSVSink(LoggerSink):
         self._write_png(tag, step, _png_bytes(_image_pixels(image)))
 
     def text(self, tag: str, text: str, step: int) -> None:
-        """Append ``text`` to ``<tag with dots>.md`` (``grad_flow/alarms``:
-        ``grad_flow.alarms.md``) beside ``metrics.csv``."""
+        """Append ``text`` under a step heading to ``<tag with dots>.md`` beside ``metrics.csv``."""
         log_dir = self._log_dir()
         if log_dir is None:
             return
@@ -214,9 +205,8 @@ _UNSAFE = re.compile(r"[^a-zA-Z0-9_/. -]+")
 
 
 class MLflowSink(LoggerSink):
-    """An ``MLFlowLogger``, through the ``MlflowClient`` that its ``experiment`` is: figures as
-    ``<tag>/step_<step>.png`` artifacts, images as MLflow images under their key and step,
-    Markdown text as ``<tag>/step_<step>.md``; no histograms or embeddings (MLflow has neither).
+    """An ``MLFlowLogger`` (its ``MlflowClient``): figures and text as ``<tag>/step_<step>``
+    ``.png`` / ``.md`` artifacts, images as MLflow images; no histograms or embeddings.
 
     Example:
         >>> from pytorch_lightning.loggers import CSVLogger
@@ -251,8 +241,7 @@ _MAX_BINS = 512  # wandb.Histogram refuses more
 
 
 def _rebinned(counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``counts`` (``edges``: one more) with neighbours merged to at most 512 buckets, the most
-    ``wandb.Histogram`` takes.
+    """``counts`` and ``edges`` with neighbours merged to the 512 buckets ``wandb`` takes at most.
 
     Example:
         >>> counts, edges = _rebinned(np.ones(1000), np.arange(1001.0))
@@ -267,9 +256,8 @@ def _rebinned(counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 class WandbSink(LoggerSink):
-    """A ``WandbLogger``, each write at the optimizer step (``trainer/global_step``, as
-    Lightning's ``log_metrics``): figures and images as ``wandb.Image`` (``log_image``),
-    histograms as ``wandb.Histogram``, text as a one-row table (``log_text``); no embeddings.
+    """A ``WandbLogger``, at ``trainer/global_step`` as Lightning logs: figures and images as
+    ``wandb.Image``, histograms as ``wandb.Histogram``, text as a table row; no embeddings.
 
     Example:
         >>> from pytorch_lightning.loggers import CSVLogger

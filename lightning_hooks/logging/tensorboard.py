@@ -1,26 +1,15 @@
 """TensorBoard: its sink (scalars as one event per logging step, every picture, the custom
-dashboard), and the two costs of its writer taken off the training thread's path.
+dashboard), and two costs of its writer taken off the training thread's path.
 
-**Checksums.** Each record of an event file carries two CRC-32C checksums. Without TensorFlow,
-TensorBoard's writer computes them in pure Python, one byte at a time
-(``tensorboard.summary.writer.record_writer.masked_crc32c``): about 0.27 us a byte, 140 ms for
-the half megabyte that a 200-step fit of the launch-bound stand-in writes with every callback.
-That runs in TensorBoard's writer thread holding the GIL the training loop needs, and on the
-training thread's path at each save: a logging step's flush waits for it. ``google_crc32c``'s C
-implementation gives the same checksums in well under a millisecond for the same bytes.
-:func:`fast_tensorboard_crc` points TensorBoard's record writer at it, once per process, when
-``google_crc32c`` is installed with its C implementation (one of our dependencies; its
-pure-Python fallback is no faster, and then nothing changes). The bytes written are the same;
-the readers (TensorBoard's own, which checks every checksum) see no difference.
+**Checksums.** Without TensorFlow, TensorBoard computes each record's CRC-32C in pure Python, a
+byte at a time, holding the GIL (and a logging step's flush waits for it).
+:func:`fast_tensorboard_crc` points its record writer at ``google_crc32c``'s C implementation
+when installed: the same checksums, the same bytes written.
 
-**Scalars.** A logging step with every callback writes a thousand scalars or more. Building a
-``Summary.Value`` for each costs about 3 us in protobuf's Python API: 3.3 ms for 1,200 scalars,
-on the training thread at every logging step. The wire format of such a value is short and
-fixed (``tag`` as field 1, ``simple_value`` as field 2, a float32), so :func:`scalar_summary`
-writes the bytes itself, each tag's part once per run, and lets protobuf parse the whole
-``Summary`` in C: 0.7 ms for the same 1,200 (one CPU thread). The message is the one
-``Summary(value=[Summary.Value(tag=..., simple_value=...)])`` gives: the same tags, in order, and
-the same float32 values (a value beyond float32's range is infinite in both).
+**Scalars.** Building a ``Summary.Value`` per scalar in protobuf's Python API is slow for the
+thousand scalars of a logging step. :func:`scalar_summary` writes the short fixed wire format
+itself (each tag's bytes once per run) and lets protobuf parse the ``Summary`` in C: the same
+message, tags in order and float32 values (beyond float32's range: infinite in both).
 """
 
 from __future__ import annotations
@@ -70,20 +59,17 @@ class TensorBoardSink(LoggerSink):
         return self.logger.experiment
 
     def scalars(self, metrics: Mapping[str, float], step: int) -> None:
-        """One event holding every value (what :meth:`_write_summary` does), not one event per
-        scalar as the logger's ``log_metrics`` writes: the same tags, steps and values in the
-        file, one queue hand-off to its writer thread instead of one per scalar (a logging step
-        writes a hundred or more)."""
+        """One event holding every value (:meth:`_write_summary`), not one per scalar as the
+        logger's ``log_metrics`` writes: the same tags, steps and values, one hand-off to the
+        writer thread."""
         if not self._write_summary(metrics, step):
             self.logger.log_metrics(dict(metrics), step=step)
         record_tags(self._writer, metrics)
 
     def _write_summary(self, metrics: Mapping[str, float], step: int) -> bool:
-        """``metrics`` as one TensorBoard event, ``simple_value`` per tag as ``add_scalar`` writes
-        them; ``False`` (nothing written) unless the logger is a TensorBoardLogger itself (not a
-        subclass, which may log otherwise) with no prefix, whose writer is torch's
-        ``SummaryWriter`` (on ranks other than 0 it is Lightning's dummy: its ``log_metrics``
-        does nothing there)."""
+        """``metrics`` as one event of ``simple_value``s; ``False`` (nothing written) unless the
+        logger is a plain ``TensorBoardLogger`` (a subclass may log otherwise) without prefix,
+        with a real ``SummaryWriter`` (not rank > 0's dummy)."""
         prefix: str = getattr(self.logger, "_prefix", "")
         if type(self.logger) not in lightning_types("TensorBoardLogger") or prefix:
             return False

@@ -38,8 +38,8 @@ _FAILED: weakref.WeakSet[LoggerSink] = weakref.WeakSet()
 
 
 def register_sink(kind: type[LoggerSink]) -> type[LoggerSink]:
-    """Adapt the loggers that ``kind.accepts`` with ``kind``, before every kind registered
-    earlier (a subclass's sink is registered after its base's). Usable as a class decorator.
+    """Adapt the loggers ``kind.accepts`` with ``kind``, ahead of every kind registered before
+    (register a subclass's sink after its base's). Usable as a class decorator.
 
     Example:
         >>> class MySink(LoggerSink):
@@ -67,8 +67,7 @@ def _sink(logger: Any) -> LoggerSink:
 
 
 def sinks_for(loggers: Sequence[Any]) -> list[LoggerSink]:
-    """One live sink per distinct logger among ``loggers`` (a logger listed twice is written
-    once); a sink whose client raised is left out.
+    """One live sink per distinct logger (a sink whose client raised is left out).
 
     Example:
         >>> from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
@@ -85,9 +84,8 @@ def sinks_for(loggers: Sequence[Any]) -> list[LoggerSink]:
 
 
 def each_sink(loggers: Sequence[Any], write: Callable[[LoggerSink], None]) -> None:
-    """``write`` to each live sink of ``loggers``. A sink whose client raises (a network error,
-    a closed run) is left out from then on, with one warning, and training goes on; with
-    ``LIGHTNING_HOOKS_STRICT=1`` the error is raised instead."""
+    """``write`` to each live sink of ``loggers``; a sink whose client raises is dropped with one
+    warning and training goes on (``LIGHTNING_HOOKS_STRICT=1``: the error is raised)."""
     for sink in sinks_for(loggers):
         try:
             write(sink)
@@ -109,18 +107,15 @@ def _warn_failed(sink: LoggerSink, err: Exception) -> None:
 
 
 def log_scalars(loggers: Sequence[Any], metrics: Mapping[str, float], step: int) -> None:
-    """Send ``metrics`` to every logger (TensorBoard, W&B, MLflow, CSV, ...), rank 0 only.
+    """Send ``metrics`` to every logger (TensorBoard, W&B, MLflow, CSV, ...), rank 0 only; a
+    plain ``TensorBoardLogger`` gets one event (:meth:`~.tensorboard.TensorBoardSink.scalars`)."""
 
-    A plain ``TensorBoardLogger`` gets them as one event holding every value, not one event per
-    scalar as its ``log_metrics`` writes (see ``TensorBoardSink.scalars``).
-    """
     if metrics:
         each_sink(loggers, lambda sink: sink.scalars(metrics, step))
 
 
 def save_loggers(loggers: Sequence[Any]) -> None:
-    """Save every logger as Lightning does after its own ``log_metrics``: the
-    ``TensorBoardLogger`` flushes its event file, so what was written survives a SIGKILL."""
+    """Save every logger as Lightning does after ``log_metrics`` (TensorBoard flushes its file)."""
     each_sink(loggers, lambda sink: sink.save())
 
 
@@ -172,7 +167,6 @@ def log_histogram(
         limits: ``[buckets]`` right edges.
         counts: ``[buckets]`` counts.
         step: the global step.
-        moments: ``(min, max, sum, sum of squares)`` of the values binned; ``None``: from the
-            bucket centres (see :func:`~lightning_hooks.logging.tensorboard.histogram_raw`).
+        moments: as :func:`~.tensorboard.histogram_raw` takes them.
     """
     each_sink(loggers, lambda sink: sink.histogram(tag, limits, counts, step, moments))

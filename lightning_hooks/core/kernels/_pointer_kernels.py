@@ -1,5 +1,5 @@
-"""The Triton kernels of :mod:`.pointer_norms`: a module of their own, imported only when they
-are used, since Triton ships with PyTorch's CUDA wheels and not with the CPU ones."""
+"""The Triton kernels of :mod:`.pointer_norms`, imported only when used (Triton ships with
+PyTorch's CUDA wheels only)."""
 
 import triton
 import triton.language as tl
@@ -34,9 +34,8 @@ def partial_sums(  # type: ignore[no-untyped-def]
 
 @triton.jit  # type: ignore[untyped-decorator]
 def norms(partial, first, out, block: tl.constexpr, kind: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``out[t]``: the square root of tensor ``t``'s partial sums ``first[t]:first[t + 1]``,
-    added in order, rounded to ``kind``'s dtype (as ``_foreach_norm`` returns it) and widened to
-    float32."""
+    """``out[t]``: the root of tensor ``t``'s partial sums ``first[t]:first[t + 1]`` added in
+    order, rounded to ``kind``'s dtype (as ``_foreach_norm`` returns it), as float32."""
     t = tl.program_id(0)
     lo = tl.load(first + t)
     hi = tl.load(first + t + 1)

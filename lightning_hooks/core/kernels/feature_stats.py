@@ -1,8 +1,7 @@
 """Pure functions: summary statistics of one module output, and of many pooled together.
 
-One output tensor gives a float32 vector of :data:`FEATURE_STATS`. Sums over many outputs (the
-batches of an epoch) pool exactly: the epoch's mean and standard deviation come from the summed
-``sum``, ``sum_sq`` and ``numel``; ``min`` and ``max`` pool with min and max.
+One output gives a float32 vector of :data:`FEATURE_STATS`; sums over many outputs (an epoch's
+batches) pool exactly into mean and std, ``min`` and ``max`` pool with min and max.
 """
 
 from __future__ import annotations
@@ -36,28 +35,18 @@ NUM_SUMS = 6
 
 
 CHUNK = 1 << 19
-"""Elements :func:`feature_stats` reads at a time on the CPU: its passes after the first find the
-piece in cache (2 MiB in float32). A ``[64, 32, 32, 32]`` output just written costs 1.9 ms this
-way against 2.1 ms in whole-tensor passes (one thread; ``benchmarks/feature_stats.py --calls 100
---rounds 5``). Off the CPU, :data:`~.tensors.DEVICE_PIECE`."""
+"""Elements :func:`feature_stats` reads at a time on the CPU (2 MiB in float32): the passes after
+the first find the piece in cache. Off the CPU, :data:`~.tensors.DEVICE_PIECE`."""
 
 
 @torch.no_grad()
 def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
     """``[8]`` float32 statistics of a non-empty tensor, in the order of :data:`FEATURE_STATS`.
 
-    Six reading passes, each a vectorized kernel, and no host sync: ``aminmax``, ``sum``, the 2-norm
-    (sum of squares), ``abs`` written and summed, then overwritten in place by ``|x| < inf`` and
-    summed (finite entries: false for NaN and Inf), and ``x == 0`` written as 0.0 / 1.0 and summed
-    (exact zeros); the counts are float32 sums of 0 and 1, exact up to 2**24 elements per piece (the
-    result is float32 anyway). On the CPU a tensor larger than :data:`CHUNK` is read a piece at a
-    time, so that only the first pass over each piece reads memory; on a GPU the pieces are
-    :data:`~.tensors.DEVICE_PIECE` large (launches are its cost). Measured on CPU these are 5 to 30
-    times faster than ``count_nonzero``, ``isfinite().sum()``, the 0- and 1-norms or a byte sum into
-    int32 (which converts the bytes first: 2.0 ms against 0.4 ms for the zeros of a 2M-element
-    output). fp16 / bf16 inputs are summed in float32 without a float32 copy. NaN propagates into
-    every entry but ``zeros``, ``nonfinite`` and ``numel``. With a :class:`Workspace` the
-    temporaries reuse its memory.
+    Six reading passes a piece (:func:`piece_size` of :data:`CHUNK`) at a time, no host sync;
+    counts are float32 sums of 0.0 / 1.0 (exact up to 2**24 a piece; on the CPU far faster than
+    ``count_nonzero``), fp16 / bf16 summed in float32 without a copy. NaN propagates into every
+    entry but ``zeros``, ``nonfinite`` and ``numel``. Temporaries reuse ``workspace``.
 
     Example:
         >>> feature_stats(torch.tensor([-1.0, 0.0, 2.0, 0.0])).tolist()
@@ -100,17 +89,13 @@ def _piece_stats(flat: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
 
 
 STACKED = 1 << 16
-"""Elements: an output this small is copied in its hook and measured with the others of its
-shape and dtype at the end of the step (:func:`stacked_feature_stats`), where each of its own
-17 small ops cost more than copying it (about 175 us for a ``[16, 64]`` output, one thread)."""
+"""Elements: an output this small is copied and measured at the step's end with the others of
+its shape and dtype (:func:`stacked_feature_stats`), cheaper than its own 17 small ops."""
 
 
 SIGN_COUNTS = frozenset({"cpu"})
-"""Devices where :func:`stacked_feature_stats` counts by sums of signs (1 where counted, 0
-elsewhere, NaN made 0 or 1) and takes the minimum and maximum in two reductions: on the CPU a
-comparison's bool output, its sum and a min-max along a dimension take slow paths. The launch
-stand-in's batch of 73 ``[16, 64]`` outputs: 1.12 ms against 1.48 ms, caches evicted before each
-call (``benchmarks/feature_stats.py``). Elsewhere the comparisons take fewer kernels."""
+"""Devices where :func:`stacked_feature_stats` counts by sums of signs and takes min and max in
+two reductions (on the CPU, comparisons and a min-max along a dimension take slow paths)."""
 
 
 @torch.no_grad()
@@ -144,7 +129,7 @@ def stacked_feature_stats(x: torch.Tensor) -> torch.Tensor:
 def _one_pass_stats(x: torch.Tensor) -> torch.Tensor:
     # Written for torch.compile: every reduction reads the same input, so they fuse into one
     # pass. The counts are float32 sums of 0.0 / 1.0 (exact up to 2**24 elements, as in
-    # feature_stats): an integer sum there vectorizes badly and took half the kernel's time.
+    # feature_stats): an integer sum there vectorizes badly.
     f = x.reshape(-1).float()
     absolute = f.abs()
     return torch.stack(
@@ -171,13 +156,8 @@ def _compiled() -> Callable[[torch.Tensor], torch.Tensor]:
 def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
     """:func:`feature_stats` compiled with ``torch.compile`` into one reading pass.
 
-    The first call compiles (about 5 s on CPU, then about 1.5 s per new rank or dtype, once per
-    process). Measured on this project's 2-core CPU with one thread, for a float32 output just
-    written: 1.0-1.1 ms against 1.9 ms eager for ``[64, 32, 32, 32]``, 0.19 against 0.22 ms for
-    ``[64, 1024]`` (``benchmarks/feature_stats.py --calls 100 --rounds 5``). A non-contiguous
-    output (a transposed attention output) takes the eager :func:`feature_stats`, with
-    ``workspace``: the compiled kernel read a transposed ``[64, 32, 128]`` in 1.7 ms against
-    0.28 ms eager. The tests check the compiled path against an independent computation.
+    The first call compiles (seconds; again per new rank or dtype). A non-contiguous output
+    takes the eager :func:`feature_stats`, which reads it faster.
     """
     if not x.is_contiguous():
         return feature_stats(x, workspace)
@@ -191,7 +171,7 @@ class FeatureSummary:
     Attributes:
         layers: row names (a module's qualified name, with a suffix for tuple / dict outputs).
         mean: mean of the elements.
-        std: standard deviation of the elements (Bessel-corrected, as ``torch.std``).
+        std: their standard deviation (Bessel-corrected, as ``torch.std``).
         min: smallest element.
         max: largest element.
         abs_mean: mean of ``|x|``.

@@ -1,9 +1,8 @@
 """Pure functions: per-layer gradient, weight and update statistics with batched kernels.
 
-Parameters are grouped by the module that owns them directly. Every function takes lists of
-tensors and a :class:`ParamLayout`, runs a few ``torch._foreach_*`` kernels over all parameters at
-once, and reduces per layer with ``index_add_``: the number of kernels does not grow with the
-number of parameters, and nothing is read back to the host.
+Each reads every parameter's tensors in a few multi-tensor ops and reduces per layer
+(:class:`ParamLayout`) with ``index_add_``: the op count does not grow with the parameters, and
+nothing is read back to the host.
 """
 
 from __future__ import annotations
@@ -50,11 +49,9 @@ ROOT = "<root>"
 class ParamLayout:
     """Which layer each parameter belongs to.
 
-    A layer is a module that owns parameters directly: a leaf (``Linear``), a container with a
-    parameter of its own, or the model itself (row :data:`ROOT`). Every parameter is listed,
-    trainable or not: :meth:`subset` picks those an optimizer steps. A parameter held by two
-    modules (a tied embedding: ``lm_head.weight is wte.weight``) is listed once per owner, so
-    each owner's row has it; :attr:`first` marks its first listing, the one global figures count.
+    A layer is a module that owns parameters directly (a leaf, a container, or the model itself:
+    row :data:`ROOT`). Every parameter is listed, trainable or not (:meth:`subset` picks). A tied
+    parameter is listed once per owner; :attr:`first` marks the listing global figures count.
 
     Attributes:
         layers: layer (owning module) names, in model order.
@@ -122,8 +119,8 @@ class ParamLayout:
         return params, self.index[torch.tensor(picked, dtype=torch.long, device=self.index.device)]
 
     def unique(self, keep: Sequence[bool]) -> torch.Tensor:
-        """Positions, within :meth:`subset`, of the first listing of each parameter: what a
-        global figure sums over. ``keep`` must keep or drop every listing of a parameter alike.
+        """Positions within :meth:`subset` of each parameter's first listing (what global
+        figures sum); ``keep`` must treat every listing of a parameter alike.
 
         Example:
             >>> from torch import nn
@@ -145,8 +142,7 @@ class ParamLayout:
     @staticmethod
     def plain_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor] | None:
         """Each parameter's gradient when every one is a plain dense tensor (none missing, none
-        sparse, none a ``DTensor``), else ``None``: one Python frame, whatever the number of
-        tensors (the quiet step's read): C loops over the list, no Python frame per tensor."""
+        sparse, none a ``DTensor``), else ``None``; C loops, no Python frame per tensor."""
         plain = list(map(_GRAD, params))
         # None is NoneType's and a DTensor its own type: only dense tensors are plain Tensors
         if set(map(type, plain)) - _PLAIN or any(map(_IS_SPARSE, plain)):
@@ -155,9 +151,8 @@ class ParamLayout:
 
     @staticmethod
     def grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
-        """Each parameter's gradient in a form every statistic kernel takes: a sparse gradient
-        (``nn.Embedding(sparse=True)``) as its coalesced values, whose norms, sums and maxima
-        are those of the dense gradient with zeros for the absent rows; ``None`` as one zero.
+        """Each parameter's gradient as every kernel takes it: a sparse one as its coalesced
+        values (the same norms, sums and maxima as dense), ``None`` as one zero.
 
         Example:
             >>> from torch import nn
@@ -213,8 +208,8 @@ def _segment_sum(
 
 
 def param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[len(tensors)]`` L2 norms of each tensor, in float32: one multi-tensor pass (on the
-    CPU, small tensors of one shape in stacks: :func:`~.grouped_norms.cpu_grouping`)."""
+    """``[len(tensors)]`` float32 L2 norms in one multi-tensor pass (on the CPU in stacks,
+    :func:`~.grouped_norms.cpu_grouping`)."""
     grouping = cpu_grouping(tensors)
     if grouping is not None:
         return grouping(tensors).float()
@@ -235,20 +230,12 @@ def grad_stats(
 ) -> torch.Tensor:
     """``[layers + 1, len(GRAD_STATS)]`` statistics of one optimizer step's gradients.
 
-    Rows are the layers of ``numel`` and a last row for all of them together. Columns are
-    :data:`GRAD_STATS`: L2 norm, mean ``|g|``, max ``|g|``, whether any entry is non-finite (1 or
-    0: summed over steps it counts the steps with a NaN/Inf gradient), weight L2 norm. A parameter
-    whose gradient is ``None`` is passed as a zero tensor (see :meth:`ParamLayout.grads`). With
-    ``unique`` (positions of each parameter's first listing, :meth:`ParamLayout.unique`) the last
-    row counts a shared parameter once, its mean over ``total_numel`` elements. ``params=None``:
-    no weights are read, the weight column is NaN. ``workspace``: the buffer
-    :func:`~.grouped_norms.abs_sum_max` reuses (keep one per tracker).
-
-    Two reading passes over the gradients and one over the weights: ``_foreach_norm`` with
-    orders 1, inf and 0 takes a slow path on the CPU (10-30x the cost of order 2), so only the L2
-    norms use it; ``|g|`` is summed and maxed by :func:`~.grouped_norms.abs_sum_max` through a
-    cache-sized buffer, with no gradient-sized scratch. The maximum propagates NaN and Inf, so a
-    non-finite maximum is exactly a non-finite entry: no pass of its own.
+    Rows: the layers of ``numel``, then all of them (with ``unique``, :meth:`ParamLayout.unique`,
+    a shared parameter counted once, its mean over ``total_numel``). Columns: :data:`GRAD_STATS`;
+    the non-finite one is 1 or 0, so summed over steps it counts the steps with a NaN/Inf
+    gradient. ``params=None``: the weight column is NaN. Two passes over the gradients (L2 norms,
+    then :func:`~.grouped_norms.abs_sum_max`; its maximum propagates NaN, so it also gives the
+    non-finite column) and one over the weights.
 
     Example:
         >>> g = [torch.tensor([3.0, -4.0]), torch.tensor([1.0])]

@@ -1,17 +1,10 @@
-"""Reads of many tensors in a handful of ops: L2 norms (the quiet step's, :class:`GroupedNorms`),
-sums and maxima of ``|t|`` (:func:`abs_sum_max`), the typical size of an update
-(:func:`typical_update`).
+"""Reads of many tensors in a handful of ops: L2 norms (:class:`GroupedNorms`), ``|t|`` sums and
+maxima (:func:`abs_sum_max`), an update's typical size (:func:`typical_update`).
 
-``torch._foreach_norm`` does its host work per tensor: on the CPU it is a loop of
-``linalg_vector_norm`` calls (about 2-6 us each), on CUDA an output allocated and wrapped for
-each tensor (about 3 us each on an H100's host). A small model's gradients are mostly small
-tensors of a few repeated shapes (biases, norm weights, the blocks' matrices), for which that
-overhead is the whole cost. Here the small gradients of one shape and dtype are stacked into one
-tensor (one copy, one op, whatever their number) and reduced along its rows (one op); the rest
-take one ``_foreach_norm``. Each row's reduction is the same as the tensor's own, so on the CPU
-the norms equal ``_foreach_norm``'s bit for bit (``tests/test_grouped_norms.py``); on CUDA,
-within float32 rounding (``tests/test_cuda.py``). A sampled step's reads on the CPU take the
-same stacks (:func:`cpu_grouping`).
+``_foreach_norm``'s host work per tensor is the whole cost for a model's many small gradients,
+so small tensors of one shape and dtype are stacked (one copy) and reduced along their rows; the
+rest take one ``_foreach_norm``. CPU norms equal ``_foreach_norm``'s bit for bit; CUDA's, within
+float32 rounding.
 """
 
 from __future__ import annotations
@@ -40,10 +33,8 @@ SMALL = 8192
 MAX_GROUPS = 6
 """Stacks at most: 2 ops each, so that a quiet step's ops stay a handful whatever the model."""
 MIN_GROUP = {"cpu": 3, "cuda": 12}
-"""Gradients a stack holds at least, per device type (others: CUDA's). A stack costs two ops
-and saves each gradient its own: on the CPU an op costs about what a gradient costs
-``_foreach_norm``; on an H100's host about 3-4 gradients' worth (``benchmarks/graph_probe.py``:
-stacks of 4 made the read slower)."""
+"""Gradients a stack holds at least, per device type (others: CUDA's): a stack costs two ops,
+worth about one gradient each on the CPU and several on a GPU's host."""
 
 
 _SumMax = tuple[torch.Tensor, torch.Tensor]
@@ -52,11 +43,9 @@ _SumMax = tuple[torch.Tensor, torch.Tensor]
 class GroupedNorms:
     """Reads the L2 norms of the gradients of fixed ``params``, in parameter order.
 
-    The groups are made once, from the parameters' shapes, dtypes and devices (a dense gradient
-    has its parameter's): the :data:`MAX_GROUPS` largest sets of non-scalar parameters of at
-    most :data:`SMALL` elements that share all three, of at least :data:`MIN_GROUP` (3 on the
-    CPU, 12 on CUDA). A call runs the same Python whatever the number of tensors or groups
-    (their gradients are picked by ``operator.itemgetter``): no frame per group, none per tensor.
+    The groups are made once: the :data:`MAX_GROUPS` largest sets of non-scalar parameters of at
+    most :data:`SMALL` elements sharing shape, dtype and device, of at least :data:`MIN_GROUP`.
+    A call runs the same Python whatever the number of tensors (``operator.itemgetter`` picks).
 
     Args:
         params: the parameters whose gradients each call reads, in order.
@@ -110,9 +99,8 @@ class GroupedNorms:
 
     def abs_sum_max(self, tensors: Sequence[torch.Tensor], ws: Workspace) -> _SumMax:
         """``[len(tensors)]`` sums and maxima of ``|t|`` in float32 (float64's summed in float64):
-        each stack's ``|t|`` taken in place and reduced along its rows (three ops; no order-1 or
-        order-inf norm, which take a slow path on the CPU), the rest as :func:`abs_sum_max`
-        reads them."""
+        each stack in three ops (no order-1 or order-inf norm: slow on the CPU), the rest as
+        :func:`abs_sum_max` reads them."""
         if self._index is None:
             return _abs_sum_max(tensors, ws)
         sums, peaks = [], []
@@ -139,11 +127,8 @@ _GROUPINGS: dict[tuple[object, ...], GroupedNorms | None] = {}
 
 def cpu_grouping(tensors: Sequence[torch.Tensor]) -> GroupedNorms | None:
     """A :class:`GroupedNorms` for tensors of these shapes and dtypes, all on the CPU, made once
-    and kept (a sampled step's reads: the weights, the gradients' ``|g|``, the updates), or
-    ``None`` when they are elsewhere or none would be stacked.
-
-    On the CPU ``_foreach_norm`` is a loop of one op per tensor, and slow for orders 1 and inf;
-    off it, the multi-tensor kernels are left as they are.
+    and kept, or ``None`` when they are elsewhere or none would be stacked (off the CPU the
+    multi-tensor kernels are left as they are).
 
     Example:
         >>> grouping = cpu_grouping([torch.ones(3), torch.ones(3), torch.ones(3), torch.ones(9)])
@@ -179,12 +164,9 @@ def abs_sum_max(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[len(tensors)]`` sums and maxima of ``|t|`` (float32; an empty tensor gives 0 and 0).
 
-    Small tensors take two multi-tensor norms (L1 and L-inf); a larger one is read in pieces of at
-    most :data:`CHUNK` elements through one buffer of ``workspace`` (pass the same one every
-    step). A fresh gradient-sized ``|g|`` would cost more than the arithmetic: large blocks go
-    back to the system when freed and page-fault again on every step (profiled on the
-    benchmark MLP, 12.6 MB of gradients: the ``abs`` op took 5.4 ms a step, 0.55 ms this way).
-    NaN propagates into both the sum and the maximum.
+    Small tensors take two multi-tensor norms (L1 and L-inf); a larger one is read in pieces of
+    :data:`CHUNK` through one buffer of ``workspace`` (pass the same one every step: a fresh
+    gradient-sized ``|g|`` page-faults on every step). NaN propagates into both results.
 
     Example:
         >>> sums, peaks = abs_sum_max([torch.tensor([3.0, -4.0]), torch.empty(0)])
@@ -244,11 +226,10 @@ def typical_update(
     after: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """The median ``|after - before|`` over a fixed strided sample of up to about 1,024 entries
-    of each tensor (a device scalar; no host sync): the size of a typical coordinate's update,
-    which an adaptive optimizer's poisoned second moment shrinks even where a few unpoisoned
-    coordinates keep the update's norm up. With ``grads`` (the gradients the step applied), only
-    entries whose gradient is not zero count: a dead unit's weights stop moving by design.
+    """The median ``|after - before|`` over a strided sample of about 1,024 entries per tensor
+    (a tensor, no host sync): a typical coordinate's update, which a poisoned second moment
+    shrinks even while a few coordinates keep the update's norm up. With ``grads`` (those the
+    step applied) only entries with a nonzero gradient count: dead units stop moving by design.
 
     Example:
         >>> typical_update([torch.zeros(3)], [torch.tensor([1.0, -2.0, 3.0])])
@@ -275,8 +256,7 @@ def typical_update(
 
 
 def _stackable(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None) -> bool:
-    """Whether ``new`` is read in a stack: small (:data:`SMALL`), dense, with
-    its old copy and its gradient (if any) of its shape."""
+    """Whether ``new`` is small, dense, and of its old copy's and gradient's shape (stackable)."""
     plain = type(new) is torch.Tensor and type(old) is torch.Tensor and not new.is_sparse
     if not plain or not 0 < new.numel() <= SMALL or old.shape != new.shape:
         return False
@@ -286,10 +266,8 @@ def _stackable(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None) 
 def _pick(
     old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None, masked: bool
 ) -> torch.Tensor:
-    """``|new - old|`` in float32 over every ``stride``-th entry along the last dimension (a
-    flattened tensor, or a stack of same-shape ones flattened from the second), the stride
-    making about :data:`_TYPICAL_SAMPLE` of them: NaN where ``grad`` is zero, and everywhere
-    when ``masked`` and there is no gradient (the tensor did not take part)."""
+    """``|new - old|`` in float32 over about :data:`_TYPICAL_SAMPLE` strided entries of the last
+    dimension; NaN where ``grad`` is zero, and everywhere when ``masked`` without a gradient."""
     stride = max(1, new.shape[-1] // _TYPICAL_SAMPLE)
     pick = torch.sub(new[..., ::stride], old[..., ::stride]).float().abs_()
     if grad is not None:

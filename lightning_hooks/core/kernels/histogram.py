@@ -1,11 +1,9 @@
-"""The one device histogram: log10 or linear edges, fixed or running, counts kept on the device.
+"""The one histogram: log10 or linear edges, fixed or running, counts kept in a tensor.
 
-No ``torch.histc`` (its automatic range syncs with the host, and it is non-deterministic on CUDA):
-:func:`bin_counts` is ``torch.bucketize`` on given edges and ``bincount``, a few kernels and no
-sync. One rule everywhere: values below the first inner edge count in the first bucket, values
-above the last in the last one, non-finite values are not counted (they are counted as
-``nonfinite`` by the statistics). Edges are fixed (:data:`LOG10_EDGES`, a user range) or running
-(:func:`linear_edges` of the previous epoch's min and max).
+:func:`bin_counts` is ``bucketize`` and ``bincount`` on given edges: no host sync, deterministic
+(unlike ``torch.histc``). Values beyond the edges count in the end buckets; non-finite values are
+not counted (the statistics count them). Edges are fixed (:data:`LOG10_EDGES`, a user range) or
+running (:func:`linear_edges` of the previous epoch's min and max).
 """
 
 from __future__ import annotations
@@ -29,17 +27,15 @@ Scale = Literal["log10", "linear"]
 """What is binned: ``log10 |x|`` or ``x`` itself."""
 
 LOG10_EDGES = torch.arange(-12.0, 4.01, 0.5)
-"""Default inner edges of ``log10 |x|``: half-decades from 1e-12 to 1e4. Values below the first
-edge (zeros included) fall in the first bucket, values above the last in the last one."""
+"""Default inner edges of ``log10 |x|``: half-decades from 1e-12 to 1e4 (zeros: first bucket)."""
 
 
 @torch.no_grad()
 def bin_counts(
     x: torch.Tensor, inner: torch.Tensor, out: torch.Tensor, scale: Scale = "linear"
 ) -> None:
-    """Add the counts of ``x``'s finite entries to ``out`` (``[len(inner) + 1]``), no host sync.
-
-    Bucket ``i`` holds values in ``[inner[i - 1], inner[i])``; the first and last are open-ended.
+    """Add the counts of ``x``'s finite entries to ``out`` (``[len(inner) + 1]``), no host sync:
+    bucket ``i`` holds ``[inner[i - 1], inner[i])``, the first and last are open-ended.
 
     Example:
         >>> out = torch.zeros(3)
@@ -65,8 +61,7 @@ def bin_counts(
 def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
     """``[..., bins + 1]`` edges spanning ``[low, high]`` (``unit``: ``linspace(0, 1, bins + 1)``).
 
-    A running range: the edges of an epoch from the previous one's min and max. Non-finite
-    bounds are clamped to finite ones, and an empty span gets a tiny width.
+    Non-finite bounds are clamped to finite ones; an empty span gets a tiny width.
 
     Example:
         >>> linear_edges(torch.tensor(-1.0), torch.tensor(1.0), torch.linspace(0, 1, 3)).tolist()
@@ -80,11 +75,8 @@ def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> t
 
 @dataclass(frozen=True)
 class LayerHistogram:
-    """One layer's counts on the host: ``limits[i]`` is the right edge of bucket ``i``.
-
-    For log10 histograms the limits are in ``log10 |x|`` and the last is the last edge plus one
-    step. TensorBoard's form of it is made by ``lightning_hooks.logging`` (the writer), not here.
-    """
+    """One layer's counts on the host; ``limits[i]``: bucket ``i``'s right edge (log10 scale:
+    in ``log10 |x|``)."""
 
     limits: np.ndarray
     counts: np.ndarray

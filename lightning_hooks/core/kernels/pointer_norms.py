@@ -1,23 +1,12 @@
 """Each gradient's L2 norm in two Triton kernels that find the tensors through a table of their
-addresses: the quiet step's read without PyTorch's per-tensor host work (issue 36).
+addresses: the quiet step's read without ``_foreach_norm``'s per-tensor host work.
 
-``torch.stack(torch._foreach_norm(grads))`` is one fused pass on a GPU, but its host side is
-per tensor: an output tensor allocated and wrapped for Python for each gradient, then a
-``stack`` of them all. With about 100 gradients that is about 300 us of host time a step
-(``benchmarks/graph_probe.py`` on an H100), as much as a small model's whole step spends
-launching a dozen layers. A CUDA graph would replay it in 10 us, but a graph reads fixed
-addresses and Lightning's ``zero_grad(set_to_none=True)`` gives the gradients new ones each step.
-
-Here the addresses are a table written on the host each step (one ``data_ptr`` per gradient)
-and copied to the device with the step's other work; everything else is built once per
-parameter layout: which program reads which span of which tensor. Two launches: partial sums
-of squares in float32 over spans of at most :data:`SPAN` elements, then each tensor's spans
-summed in order, its square root rounded to the gradient's dtype (as ``_foreach_norm`` returns
-it) and widened to float32. No atomics: the same gradients give the same bits.
-
-Opt-in (``AlarmRules(quiet_read="triton")``), for CUDA gradients that are all float32, bfloat16
-or float16 of one dtype, and contiguous; anything else takes ``_foreach_norm``. Triton is
-imported on first use: it ships with PyTorch's CUDA wheels, not with the CPU ones.
+The address table is written on the host each step (a CUDA graph cannot replay the read:
+``zero_grad(set_to_none=True)`` moves the gradients); the spans are built once. Launch one sums
+squares in float32 over spans of :data:`SPAN`; launch two adds each tensor's spans in order and
+rounds the root as ``_foreach_norm`` does. No atomics: the same gradients give the same bits.
+Opt-in (``AlarmRules(quiet_read="triton")``) for contiguous CUDA gradients of one dtype among
+float32, bfloat16 and float16; Triton is imported on first use.
 """
 
 from __future__ import annotations
@@ -93,9 +82,8 @@ class PointerNorms:
         self._out = torch.empty(len(numels), dtype=torch.float32, device=self.device)
 
     def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The norms of ``grads`` (the gradients of the parameters, in their order) as a float32
-        tensor the next call overwrites; by ``_foreach_norm`` when one is not contiguous (a
-        gradient set by hand)."""
+        """The norms of ``grads`` (in parameter order), float32, overwritten by the next call;
+        by ``_foreach_norm`` when one is not contiguous (a gradient set by hand)."""
         if not all(g.is_contiguous() for g in grads):
             return torch.stack(torch._foreach_norm(list(grads)))
         # a fresh pinned table: PyTorch's host allocator reuses it only once its copy is done

@@ -1,6 +1,5 @@
-"""Small tensor helpers shared by the hooks: what counts as a training forward, which outputs,
-reused scratch memory, how large a piece a reading pass takes, a row-wise ``logsumexp`` in
-pieces, and small outputs held to the end of a step to be measured a batch per shape."""
+"""Small tensor helpers of the hooks: which forwards count, which outputs, scratch memory, piece
+sizes, a row-wise ``logsumexp`` in pieces, and small outputs held to the step's end."""
 
 from __future__ import annotations
 
@@ -23,18 +22,13 @@ __all__ = [
 ]
 
 DEVICE_PIECE = 1 << 24
-"""Elements a reading pass takes at a time off the CPU (an accelerator): a CPU-sized piece (a
-few MiB, to stay in cache) would launch one set of kernels per piece, and a GPU's cost is the
-launches. Measured on an H200 in bf16 (``benchmarks/sampled_step_gpu.py``): with 2**19-element
-pieces, ``ActivationStatsCallback``'s sampled step on ResNet-50 at batch 64 launched about
-60,000 kernels and took 970 ms over a 30 ms step. 2**24 keeps a piece's float32 count of 0/1
-entries exact (a float32 sum is exact up to 2**24); the reused scratch of a reading pass is then
-at most 64 MiB (float32) on the device."""
+"""Elements a reading pass takes at a time off the CPU: an accelerator's cost is its launches,
+so cache-sized pieces would multiply them. 2**24 keeps a piece's float32 counts of 0/1 exact;
+a pass's scratch is then at most 64 MiB (float32)."""
 
 
 def piece_size(device: torch.device, cpu: int) -> int:
-    """Elements per piece for a chunked reading pass on ``device``: ``cpu`` on the CPU (cache
-    sized), :data:`DEVICE_PIECE` elsewhere (launch bound).
+    """Elements per piece of a reading pass: ``cpu`` on the CPU, :data:`DEVICE_PIECE` elsewhere.
 
     Example:
         >>> piece_size(torch.device("cpu"), 1 << 19), piece_size(torch.device("meta"), 1 << 19)
@@ -46,10 +40,8 @@ def piece_size(device: torch.device, cpu: int) -> int:
 class Workspace:
     """Reusable flat scratch buffers, one per dtype and device, grown to the largest request.
 
-    Writing activation- or gradient-sized temporaries into reused memory instead of fresh
-    allocations makes them about 3x faster on CPU (fresh large blocks page-fault on every step).
-    :func:`~lightning_hooks.core.kernels.feature_stats.feature_stats` and
-    :func:`~lightning_hooks.core.kernels.grouped_norms.abs_sum_max` take one.
+    Fresh large temporaries page-fault on every step; reused ones do not.
+    :func:`~.feature_stats.feature_stats` and :func:`~.grouped_norms.abs_sum_max` take one.
 
     Example:
         >>> ws = Workspace()
@@ -71,9 +63,8 @@ class Workspace:
 def is_training_forward(module: nn.Module) -> bool:
     """Whether a forward hook on ``module`` is running in a training forward that counts.
 
-    Validation and the sanity check run with grad disabled (and usually in eval mode); activation
-    checkpointing recomputes forwards *during* backward, when a graph task is running. None of
-    those count.
+    Not validation or the sanity check (grad disabled), nor an activation-checkpoint recompute
+    during backward.
 
     Example:
         >>> from torch import nn
@@ -96,11 +87,9 @@ def is_training_forward(module: nn.Module) -> bool:
 def is_grad_forward(module: nn.Module) -> bool:
     """Whether ``module``'s outputs in this forward can receive training gradients.
 
-    For hooks that put a gradient hook on the outputs. Unlike :func:`is_training_forward`, an
-    activation-checkpoint recompute counts: with ``use_reentrant=True`` the first forward runs
-    without grad and only the recompute's outputs get gradients; with ``use_reentrant=False``
-    the recompute's outputs never get any (its gradient hooks never fire). Either way each
-    output gradient is seen exactly once.
+    For hooks on output gradients. Unlike :func:`is_training_forward`, a checkpoint recompute
+    counts: whichever of the two forwards gets gradients (the recompute with
+    ``use_reentrant=True``, the first without), each output gradient is seen exactly once.
 
     Example:
         >>> from torch import nn
@@ -114,8 +103,7 @@ def is_grad_forward(module: nn.Module) -> bool:
 def iter_float_tensors(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(suffix, tensor)`` for every floating-point tensor in a (nested) module output.
 
-    Tuples and lists give ``.0``, ``.1`` suffixes, dicts ``.key``; a plain tensor gives ``""``.
-    Anything else (``None``, ints, strings) is skipped.
+    Tuples and lists give ``.0``, ``.1`` suffixes, dicts ``.key``, a tensor ``""``; others skipped.
 
     Example:
         >>> out = (torch.zeros(1), {"h": torch.ones(1), "n": 3}, None)
@@ -139,11 +127,8 @@ LOGSUMEXP_PIECE = 1 << 19
 
 @torch.no_grad()
 def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
-    """``torch.logsumexp(x.float(), dim=-1)``, row for row the same values, without a float32
-    copy of the whole of ``x``: whole rows are converted and reduced a piece of at most
-    :func:`piece_size` elements at a time (at least one row). An LM head's logits in bf16 (GPT-2
-    124M at 8 x 1024 tokens: 411M entries) would otherwise take a 1.6 GB float32 copy and
-    ``logsumexp``'s temporaries of the same size on every sampled step.
+    """``torch.logsumexp(x.float(), dim=-1)``, the same values, without a float32 copy of all of
+    ``x`` (an LM head's bf16 logits): whole rows converted a :func:`piece_size` piece at a time.
 
     Example:
         >>> x = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
@@ -162,7 +147,7 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
 
 def row_index(values: list[int], device: torch.device) -> torch.Tensor:
     """``values`` as a ``long`` tensor on ``device``; on CUDA copied from pinned memory without
-    blocking (no host sync, on whichever step it is made).
+    blocking (no host sync).
 
     Example:
         >>> row_index([2, 0, 1], torch.device("cpu"))
