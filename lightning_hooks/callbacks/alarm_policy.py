@@ -286,6 +286,7 @@ class _LossAgreement:
         self._carrier: HostMailbox | None = None
         self.reading: _LossReading = "own"  # what the loss rules read in this fit (:meth:`plan`)
         self._manual = False
+        self._watches = False  # a loss rule is on (:meth:`plan`)
         self._pending: tuple[torch.Tensor, int, list[tuple[Any, int]]] | None = None
 
     def plan(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
@@ -302,7 +303,8 @@ class _LossAgreement:
         """
         self.reading = "own"
         self._carrier = None
-        if rules is None or not rules.watches_loss or world_size() == 1:
+        self._watches = rules is not None and rules.watches_loss
+        if not self._watches or world_size() == 1:
             return
         self.reading = "mean"
         # A Fabric loop feeds its loss when it wants (fabric.py): read as manual optimization.
@@ -330,7 +332,7 @@ class _LossAgreement:
         else ``None``: every rank reads it at the same batch, and before the loss rules run,
         which may raise.
         """
-        if not alarms.rules.watches_loss or self.reading == "off":
+        if not self._watches or self.reading == "off":
             return None
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         loss = loss if isinstance(loss, torch.Tensor) else None

@@ -236,8 +236,9 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        if self._stability is not None:
-            self._stability.end_step()
+        stability = self._stability
+        if stability is not None and stability.registry is not None and stability.registry.sampled:
+            stability.end_step()
         alarms = None if self._tracker is None else self._tracker.alarms
         if alarms is not None:
             failed = self._hook_guard().local is not None

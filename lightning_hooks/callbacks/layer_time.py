@@ -113,8 +113,9 @@ class LayerTimeCallback(StatsCallback):
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        if self._timer is not None:
-            self._timer.end_step()
+        timer = self._timer
+        if timer is not None and timer.sampling:  # a quiet batch calls nothing
+            timer.end_step()
         return False
 
     @override

@@ -16,7 +16,6 @@ import torch
 from lightning_hooks.core.alarms.gradients import RunningScale, as_array
 from lightning_hooks.core.alarms.messages import (
     GradientAlarm,
-    diverging_fires,
     loss_alarms,
     stall_alarm,
 )
@@ -129,9 +128,11 @@ class LossRules:
             return None
         value, step = got
         report = self.evaluate(_F(value.reshape(-1)[0]))
-        if not (report[_L_SPIKE] > 0 or diverging_fires(report, self.rules)):
+        # diverging fires unless its margin is below 0 (NaN: a non-finite loss)
+        diverging = self.rules.diverge_ratio is not None and not report[_L_DIVERGING] < 0
+        if not (report[_L_SPIKE] > 0 or diverging):
             return None
-        return step, loss_alarms(step, report.copy(), self.rules)
+        return step, loss_alarms(step, report.copy(), self.rules, diverging=diverging)
 
     def evaluate(self, x: np.float32) -> np.ndarray:
         """Apply the rules to the loss ``x``: the report, the state updated."""

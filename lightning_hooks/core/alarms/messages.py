@@ -16,7 +16,6 @@ from lightning_hooks.core.alarms.rules import (
     _FLOOR,
     _L_BEST,
     _L_DEV,
-    _L_DIVERGING,
     _L_FIRST,
     _L_MEAN,
     _L_SCALE,
@@ -37,7 +36,6 @@ from lightning_hooks.core.alarms.rules import (
 
 __all__ = [
     "GradientAlarm",
-    "diverging_fires",
     "gradient_alarm",
     "loss_alarms",
     "stall_alarm",
@@ -255,8 +253,11 @@ def _ratio(value: float) -> str:
     return f"{value:.3g}x" if math.isfinite(value) else f"{value}"
 
 
-def loss_alarms(step: int, report: np.ndarray, rules: AlarmRules) -> list[GradientAlarm]:
-    """*loss_spike*'s and *diverging*'s alarms from the loss report of ``step``."""
+def loss_alarms(
+    step: int, report: np.ndarray, rules: AlarmRules, *, diverging: bool
+) -> list[GradientAlarm]:
+    """*loss_spike*'s and, when ``diverging`` fired, *diverging*'s alarms from the loss report
+    of ``step``."""
     value = float(report[_L_VALUE])
     alarms = []
     if report[_L_SPIKE] > 0:
@@ -267,14 +268,9 @@ def loss_alarms(step: int, report: np.ndarray, rules: AlarmRules) -> list[Gradie
             f"spike_sigmas={rules.spike_sigmas})"
         )
         alarms.append(GradientAlarm("loss_spike", "loss", step, value, ref, text))
-    if diverging_fires(report, rules):
+    if diverging:
         alarms.append(_diverging(step, value, report, rules))
     return alarms
-
-
-def diverging_fires(report: np.ndarray, rules: AlarmRules) -> bool:
-    """Whether *diverging* fired: its margin is not below 0 (NaN: a non-finite loss)."""
-    return rules.diverge_ratio is not None and not report[_L_DIVERGING] < 0
 
 
 def _diverging(step: int, value: float, report: np.ndarray, rules: AlarmRules) -> GradientAlarm:

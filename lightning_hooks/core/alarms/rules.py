@@ -150,6 +150,11 @@ class AlarmRules:
     attn_min_layers: int = 2
     quiet_read: str = "grouped"
 
+    @property
+    def watches_loss(self) -> bool:
+        """Whether a rule reads the training loss (*loss_spike* or *diverging*)."""
+        return self.loss_factor is not None or self.diverge_ratio is not None
+
     def __post_init__(self) -> None:
         owner = "AlarmRules"
         checked: dict[str, Any] = {
@@ -200,8 +205,3 @@ class AlarmRules:
                 f"AlarmRules(min_history={self.min_history}): must be at most "
                 f"window={self.window}, got {self.min_history}"
             )
-
-    @property
-    def watches_loss(self) -> bool:
-        """Whether a rule reads the training loss (*loss_spike* or *diverging*)."""
-        return self.loss_factor is not None or self.diverge_ratio is not None

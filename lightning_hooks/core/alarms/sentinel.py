@@ -68,6 +68,7 @@ class GradientAlarms:
         self.rules = rules if rules is not None else AlarmRules()
         if not isinstance(self.rules, AlarmRules):
             raise TypeError(f"GradientAlarms(rules={rules!r}): must be an AlarmRules or None")
+        self._watches_loss = self.rules.watches_loss  # read every batch; the rules are frozen
         device = torch.device(device) if device is not None else torch.device("cpu")
         n = len(self.layers)
         self._gradients = GradientRules(n, self.rules)
@@ -142,7 +143,7 @@ class GradientAlarms:
         """Apply *loss_spike* and *diverging* to one training loss (a device scalar; no host
         sync: the verdict is read at most one step late). A non-finite loss fires *diverging*
         and leaves its state; a loss that is not positive never fires *loss_spike*."""
-        if not self.rules.watches_loss:
+        if not self._watches_loss:
             return
         self._drain_loss(wait=True)  # also counts the finite losses seen so far
         self._loss.update(loss, step)

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
-from typing import cast
 
 import torch
 from torch import nn
 
-from lightning_hooks.core.kernels.grouped_norms import abs_sum_max, cpu_grouping
+from lightning_hooks.core.kernels.grouped_norms import abs_sum_max, cpu_grouping, plain_grads
 from lightning_hooks.core.kernels.tensors import Workspace
 from lightning_hooks.core.transport.distributed import ShardPlan, to_local
 
@@ -31,8 +29,6 @@ __all__ = [
     "update_norms",
 ]
 
-_GRAD, _IS_SPARSE = attrgetter("grad"), attrgetter("is_sparse")
-_PLAIN = {torch.Tensor}
 
 GRAD_STATS = ("grad_norm", "grad_abs_mean", "grad_abs_max", "grad_nonfinite", "weight_norm")
 """Columns of :func:`grad_stats`, in order."""
@@ -140,16 +136,6 @@ class ParamLayout:
         return [i for i, f in enumerate(picked) if f]
 
     @staticmethod
-    def plain_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor] | None:
-        """Each parameter's gradient when every one is a plain dense tensor (none missing, none
-        sparse, none a ``DTensor``), else ``None``; C loops, no Python frame per tensor."""
-        plain = list(map(_GRAD, params))
-        # None is NoneType's and a DTensor its own type: only dense tensors are plain Tensors
-        if set(map(type, plain)) - _PLAIN or any(map(_IS_SPARSE, plain)):
-            return None
-        return cast("list[torch.Tensor]", plain)
-
-    @staticmethod
     def grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
         """Each parameter's gradient as every kernel takes it: a sparse one as its coalesced
         values (the same norms, sums and maxima as dense), ``None`` as one zero.
@@ -161,7 +147,7 @@ class ParamLayout:
             >>> [g.shape for g in ParamLayout.grads([emb.weight, nn.Parameter(torch.ones(2))])]
             [torch.Size([2, 3]), torch.Size([1])]
         """
-        plain = ParamLayout.plain_grads(params)
+        plain = plain_grads(params)
         if plain is not None:
             return plain
         out = []

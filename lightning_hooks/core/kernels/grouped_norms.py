@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from operator import attrgetter, itemgetter
+from typing import cast
 
 import torch
 
@@ -25,6 +26,7 @@ __all__ = [
     "GroupedNorms",
     "abs_sum_max",
     "cpu_grouping",
+    "plain_grads",
     "typical_update",
 ]
 
@@ -123,6 +125,20 @@ _SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("
 _CPU = torch.device("cpu")
 _GROUPINGS: dict[tuple[object, ...], GroupedNorms | None] = {}
 """The groupings :func:`cpu_grouping` made, by the tensors' shapes and dtypes."""
+
+
+_GRAD, _IS_SPARSE = attrgetter("grad"), attrgetter("is_sparse")
+_PLAIN = {torch.Tensor}
+
+
+def plain_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor] | None:
+    """Each parameter's gradient when every one is a plain dense tensor (none missing, none
+    sparse, none a ``DTensor``), else ``None``; C loops, no Python frame per tensor."""
+    plain = list(map(_GRAD, params))
+    # None is NoneType's and a DTensor its own type: only dense tensors are plain Tensors
+    if set(map(type, plain)) - _PLAIN or any(map(_IS_SPARSE, plain)):
+        return None
+    return cast("list[torch.Tensor]", plain)
 
 
 def cpu_grouping(tensors: Sequence[torch.Tensor]) -> GroupedNorms | None:

@@ -188,7 +188,6 @@ class GradFlowTracker(HookOwner):
             param_grad_scale: the loss scale the parameter gradients still carry, or ``None``.
             step: the optimizer step the alarms name and count (default: calls from 0).
         """
-        checks.optimizer("GradFlowTracker.observe", "optimizer", optimizer)
         step = self._calls if step is None else step
         self._calls += 1
         self._step = step

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import GradientAlarms, HostSegments
 from lightning_hooks.core.kernels.grad_stats import (
     GRAD_STATS,
@@ -138,6 +139,7 @@ class OptimizerViews:
         # by requires_grad alone counts from there.
         view = self.current(optimizer)
         if view is None:
+            checks.optimizer("GradFlowTracker.observe", "optimizer", optimizer)
             view = self._views[id(optimizer)] = self._build(optimizer, _groups_key(optimizer))
         return view
 

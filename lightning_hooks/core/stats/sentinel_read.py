@@ -11,8 +11,7 @@ import torch
 
 from lightning_hooks.core.alarms import GradientAlarms
 from lightning_hooks.core.kernels import pointer_norms
-from lightning_hooks.core.kernels.grad_stats import ParamLayout
-from lightning_hooks.core.kernels.grouped_norms import GroupedNorms
+from lightning_hooks.core.kernels.grouped_norms import GroupedNorms, plain_grads
 from lightning_hooks.core.stats.optimizer_view import OptimizerView, ViewStats
 from lightning_hooks.errors import LightningHooksWarning
 
@@ -60,7 +59,7 @@ class SentinelRead:
             self.alarms.reserve(len(view.params))
             self._read(view)
             return False
-        grads = ParamLayout.plain_grads(view.params)
+        grads = plain_grads(view.params)
         if grads is None:  # a missing or sparse gradient: the general path
             return False
         try:
