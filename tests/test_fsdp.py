@@ -129,13 +129,14 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         # Per sampled step, whatever the number of layers: one all_gather of every parameter's
         # packed gradient and weight partials (which the sentinel reads too), one of the update's;
         # each is a logging step: one all_reduce (output gradients) and one all_gather each (the
-        # accumulator, the instability statistics), one all_gather each for activations, dead
-        # units and saturation; and one all_reduce of the loss (the diverging rule reads the mean
+        # accumulator, the instability statistics), one all_gather per statistic for
+        # activations (two: ActivationStatsCallback holds the activation shape too), dead units
+        # and saturation; and one all_reduce of the loss (the diverging rule reads the mean
         # over ranks) at every batch, which carries GradFlowCallback's agreement of the ranks on a
         # failure or a stop; the 3 statistics callbacks agree in one small all_reduce each.
         # At the first logging step, each statistics callback's new rows: one all_gather_object
         # (the rows' names) each, once.
-        assert fsdp["steps"] == [2 + 3 + 3 + 1 + 3 + 3] + [2 + 3 + 3 + 1 + 3] * 7
+        assert fsdp["steps"] == [2 + 3 + 4 + 1 + 3 + 3] + [2 + 3 + 4 + 1 + 3] * 7
         # The sentinel alone (off the statistics' cadence): one all_gather of the gradient
         # norms; at NAN_STEP, where it fires, one more: the weights, read only then.
         # every_n_steps=4 samples steps 0, 3, 4 and 7 (each + 3 at its logging step); + 1 each:
@@ -151,12 +152,12 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
             {"all_gather": 5 + 2 + 3 + 1 + 1 + 1, "all_reduce": 2 + 4 + 1},
         ]
         # Every callback: + the gradient histogram's counts over the shard group, and one packed
-        # all_gather each for activations, dead units and saturation (LayerStat), one for the
+        # all_gather per statistic for activations (two), dead units and saturation, one for the
         # instability statistics; the agreements: each callback's at the epoch end, the 3
         # statistics callbacks' at each logging step.
         agreements = 1 + 3 * (4 + 1)
         epoch = {
-            "all_gather": 4 * (2 + 1 + 3 + 1) + 1 + 3 + 1,
+            "all_gather": 4 * (2 + 1 + 4 + 1) + 1 + 4 + 1,
             "all_reduce": 4 + 4 + 1 + agreements,
         }
         assert [e["ours_by_name"] for e in fsdp["epochs"]] == [
@@ -169,8 +170,8 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         # HSDP (replicate=2, shard=1): a shard group of one rank makes no collective of its own;
         # the logging steps' reduce across the replicas.
         # The loss's all_reduce spans the whole world: the replicas' batches differ.
-        assert hsdp["steps"] == [2 + 3 + 1 + 1 + 3 + 3] + [2 + 3 + 1 + 1 + 3] * 7
-        epoch = {"all_gather": 4 * (1 + 3 + 1) + 1 + 3 + 1, "all_reduce": 4 + 4 + agreements}
+        assert hsdp["steps"] == [2 + 3 + 2 + 1 + 3 + 3] + [2 + 3 + 2 + 1 + 3] * 7
+        epoch = {"all_gather": 4 * (1 + 4 + 1) + 1 + 4 + 1, "all_reduce": 4 + 4 + agreements}
         assert [e["ours_by_name"] for e in hsdp["epochs"]] == [
             {**epoch, "all_gather_object": 3},
             epoch,

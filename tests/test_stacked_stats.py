@@ -11,8 +11,8 @@ from torch import nn
 
 from lightning_hooks import ActivationStatsTracker
 from lightning_hooks.core.kernels import feature_stats as feature_stats_module
+from lightning_hooks.core.kernels import tensors
 from lightning_hooks.core.kernels.feature_stats import feature_stats, stacked_feature_stats
-from lightning_hooks.core.stats import states
 
 
 @pytest.mark.parametrize("device", ["cpu", "other"], ids=["cpu-signs", "comparisons"])
@@ -91,7 +91,7 @@ def test_copies_beyond_the_cap_are_measured_early_with_the_same_result(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     want, _ = _measured(True)
-    monkeypatch.setattr(states, "_HELD", 100)  # every output or two
+    monkeypatch.setattr(tensors, "_HELD", 100)  # every output or two
     got, _ = _measured(True)
     for name in ("mean", "std", "min", "max"):
         torch.testing.assert_close(

@@ -83,16 +83,16 @@ def test_every_layer_stat_under_ddp_equals_one_process(ddp_out: Path, tmp_path: 
 def test_one_collective_and_one_agreement_per_statistic_per_logging_step(ddp_out: Path) -> None:
     for rank in (0, 1):
         report = json.loads((ddp_out / f"rank{rank}.json").read_text())
-        # one per callback (5 of them) at each of an epoch's 4 logging steps and at its end,
-        # and as many small all_reduces: the ranks' agreement on a failure (one more each at
-        # the end of the fit)
+        # one all_gather per statistic (6: ActivationStatsCallback holds two) at each of an
+        # epoch's 4 logging steps and at its end, and one small all_reduce per callback (5 of
+        # them): the ranks' agreement on a failure (one more each at the end of the fit)
         # and, when rows were made since the last logging point, one all_gather_object of the
         # new rows' names: each callback's at its first logging point (StabilityStats' output
         # layer's row, settled before its rows are gathered, with the others); none in the
         # second epoch
-        assert [e["ours"] for e in report["epochs"]] == [5 * 5 * 2 + 5, 5 * 5 * 2]
+        assert [e["ours"] for e in report["epochs"]] == [(6 + 5) * 5 + 5, (6 + 5) * 5]
         assert report["ours"] == {
-            "all_gather": 2 * 5 * 5,
+            "all_gather": 2 * 5 * 6,
             "all_reduce": 2 * 5 * 5 + 5,
             "all_gather_object": 5,
         }

@@ -293,13 +293,11 @@ class _LossAgreement:
         """Decide, at the start of a fit, what the loss rules read (:attr:`reading`).
 
         - ``"own"``: one process, or no loss rule on: the loss ``training_step`` returns;
-        - ``"mean"``: a distributed run (world size > 1): the mean of the ranks' losses, as
-          ``self.log(..., sync_dist=True)`` computes it, in one ``all_reduce`` per batch that
-          every rank makes (:meth:`observe`), so that every rank takes the same decision at
-          the same step. Under manual optimization ``training_step`` may return a loss on some
-          ranks and nothing on others: the ``all_reduce`` counts the ranks with a loss, and the
-          loss rules read the mean only when every rank returned one; the first batch where the
-          ranks disagree turns the rules off on every rank (``"off"``, one warning).
+        - ``"mean"``: a distributed run: the mean of the ranks' losses (as ``sync_dist=True``),
+          in one ``all_reduce`` per batch every rank makes (:meth:`observe`): every rank decides
+          alike at the same step. Under manual optimization, read only when every rank returned
+          a loss; the first batch where they disagree turns the rules off on every rank
+          (``"off"``, one warning).
         """
         self.reading = "own"
         self._carrier = None

@@ -49,11 +49,9 @@ _UNSAVED: weakref.WeakSet[pl.Trainer] = weakref.WeakSet()
 class HookCallback(pl.Callback, _SecondCallback):
     """Base of the library's callbacks: owns when hooks exist, subclasses own what they measure.
 
-    Hooks are attached in ``on_train_start`` (after the sanity check) and removed in
-    ``on_train_end``, ``on_exception`` and ``teardown``, each idempotently. A checkpoint's state
-    (:meth:`_save_state`: the epoch so far, reduced across ranks) is kept until the hooks are
-    attached, then handed to :meth:`_load_state`; one saved for other layers is dropped with one
-    warning. FSDP1, DeepSpeed and tensor parallelism are refused at setup; FSDP2 is supported.
+    Hooks are attached in ``on_train_start`` and removed, idempotently, in ``on_train_end``,
+    ``on_exception`` and ``teardown``. A checkpoint's state (:meth:`_save_state`) waits for the
+    hooks, then goes to :meth:`_load_state`; one saved for other layers is dropped, warned.
     """
 
     every_n_steps: int | None = None

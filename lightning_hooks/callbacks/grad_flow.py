@@ -45,12 +45,11 @@ class GradFlowCallback(HookCallback):
     (accumulated over ``accumulate_grad_batches``, all-reduced under DDP, unscaled under AMP, after
     clipping), the weights, the update the step makes, and the gradient with respect to each layer's
     output (a tensor hook on the output, which works with ``ReLU(inplace=True)``). Each sampled step
-    is a logging step: right after it, its values are reduced across ranks, copied to the host once
-    (non-blocking on CUDA) and logged at that step under ``grad_flow/{stat}_step/{layer}`` and
-    ``grad_flow/global/{stat}_step`` for every statistic of the table below but the ``*_max`` ones
-    (a logging step is one step), with ``grad_flow/alarms_step/{rule}`` and the alarms' text since
-    the last logging step. At each epoch end the mean and max over the epoch's sampled steps are
-    logged at ``trainer.global_step`` under the plain tags below.
+    is a logging step: its values are reduced across ranks, copied to the host once and logged at
+    that step under ``grad_flow/{stat}_step/{layer}`` and ``grad_flow/global/{stat}_step`` (every
+    statistic below but the ``*_max`` ones), with ``grad_flow/alarms_step/{rule}`` and the alarms'
+    text since the last logging step. At each epoch end the mean and max over the epoch's sampled
+    steps are logged at ``trainer.global_step`` under the plain tags below.
 
     Logged metrics (``{layer}`` is the module's qualified name, e.g. ``encoder.0``):
 
@@ -236,7 +235,7 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        stability = self._stability
+        stability = self._stability  # after a sampled forward only: a quiet batch calls nothing
         if stability is not None and stability.registry is not None and stability.registry.sampled:
             stability.end_step()
         alarms = None if self._tracker is None else self._tracker.alarms
