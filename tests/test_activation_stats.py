@@ -356,3 +356,24 @@ def test_arguments_are_checked_and_named(trainer_factory: Any) -> None:
     with pytest.raises(ValueError, match=r"Callback\(types=<class.*Conv2d'>\): selects no module"):
         trainer_factory(callbacks=[ActivationStatsCallback(types=nn.Conv2d)]).fit(model)
     assert hooks_left(model) == []
+
+
+def test_the_activation_shape_in_batches_is_the_one_measured_output_by_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_hooks.core.stats import activation_shape
+
+    def measured() -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).train()
+        with activation_shape.ActivationShape().attach(model) as stat:
+            for _ in range(3):
+                model(torch.randn(5, 8))
+            return stat.result()
+
+    batched = measured()
+    monkeypatch.setattr(activation_shape, "STACKED", 0)  # every output on its own
+    alone = measured()
+    assert batched[0] == alone[0] == ("0", "1", "2")
+    for got, want in zip(batched[1:], alone[1:], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-12)

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from lightning_hooks.core.kernels.tensors import iter_float_tensors
-from lightning_hooks.core.stats.activation_stats import default_feature_module
+from lightning_hooks.core.kernels.feature_stats import STACKED
+from lightning_hooks.core.kernels.tensors import Pending, iter_float_tensors
+from lightning_hooks.core.stats.activation_stats import feature_modules
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
 
 __all__ = ["ActivationShape"]
@@ -22,7 +23,7 @@ Shape = tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]
 class ActivationShape(LayerStat[Shape]):
     """Per layer, over its outputs in sampled training forwards, ``activations/kurtosis/{layer}``
     (Pearson's, 3 for a Gaussian) and ``activations/outlier_ratio/{layer}`` (``max |x|`` over the
-    root mean square). Float64 power sums: they pool exactly over steps and ranks.
+    RMS), from float64 power sums; small outputs are measured a batch per shape at the step's end.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 4), nn.ReLU())
@@ -41,27 +42,43 @@ class ActivationShape(LayerStat[Shape]):
         super().__init__(selection_of(type(self).__name__, owner, selection))
         self.add_layer_state("sums", reduce="sum", width=(5,))  # n, sums of x, x^2, x^3, x^4
         self.add_layer_state("peak", reduce="max", dtype=torch.float32)  # max |x|
+        self._pending: Pending[tuple[torch.Size, torch.dtype, torch.device]] = Pending()
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The activation statistics' modules (default: parameter owners and activations)."""
-        assert self.selection is not None
-        where = default_feature_module if self.selection.types is None else None
-        return self.selection.modules(model, where=where)
+        return feature_modules(self.selection, model)
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
         """Add the power sums and the peak of every floating tensor of ``output`` to its row."""
         for suffix, tensor in iter_float_tensors(output):
-            if tensor.numel():
-                self._observe(self.row(name + suffix), tensor.detach())
+            x, row = tensor.detach(), self.row(name + suffix)
+            if 0 < x.numel() <= STACKED and not torch.compiler.is_compiling():
+                # a copy, before an in-place op overwrites the output
+                if self._pending.add((x.shape, x.dtype, x.device), row, x.clone()):
+                    self.drain()
+            elif x.numel():
+                self._add([row], x[None])
 
-    def _observe(self, row: int, x: torch.Tensor) -> None:
-        d = x.reshape(-1).double()
+    def drain(self) -> None:
+        """Measure the small outputs copied since the last call, a batch per shape."""
+        for _, rows, copies in self._pending.drain():
+            self._add(rows, copies)
+        super().drain()
+
+    def _add(self, rows: list[int], x: torch.Tensor) -> None:
+        """Add the power sums and the peaks of the ``len(rows)`` tensors stacked in ``x``."""
+        index = self._pending.index(rows, x.device)
+        d = x.reshape(len(x), -1).double()
         square = d * d
-        n = torch.full((), d.numel(), dtype=d.dtype, device=d.device)
-        self.sums[row] += torch.stack(
-            [n, d.sum(), square.sum(), (square * d).sum(), square.square().sum()]
-        )
-        torch.maximum(self.peak[row], x.abs().amax().float(), out=self.peak[row])
+        n = torch.full((len(d),), d.shape[1], dtype=d.dtype, device=d.device)
+        sums = [n, d.sum(1), square.sum(1), (square * d).sum(1), square.square().sum(1)]
+        self.sums.index_add_(0, index, torch.stack(sums, dim=1))
+        self.peak.scatter_reduce_(0, index, d.abs().amax(1).float(), "amax")
+
+    def remove(self) -> None:
+        """Remove the hooks; copies not yet measured (a step cut short) are dropped."""
+        self._pending.clear()
+        super().remove()
 
     def summarize(self, states: dict[str, np.ndarray]) -> Shape:
         """Kurtosis and outlier ratio from the pooled power sums."""
@@ -77,8 +94,6 @@ class ActivationShape(LayerStat[Shape]):
     def tags(self, result: Shape) -> dict[str, float]:
         """``activations/kurtosis/{layer}`` and ``activations/outlier_ratio/{layer}``."""
         layers, n, kurtosis, ratio = result
+        pairs = (("kurtosis", kurtosis), ("outlier_ratio", ratio))
         seen = [i for i in range(len(layers)) if n[i] > 0]
-        return {
-            **{f"activations/kurtosis/{layers[i]}": float(kurtosis[i]) for i in seen},
-            **{f"activations/outlier_ratio/{layers[i]}": float(ratio[i]) for i in seen},
-        }
+        return {f"activations/{s}/{layers[i]}": float(v[i]) for s, v in pairs for i in seen}

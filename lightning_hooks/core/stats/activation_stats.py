@@ -12,6 +12,7 @@ from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.activations import is_kind
 from lightning_hooks.core.hooks.registry import HookRegistry
+from lightning_hooks.core.hooks.selection import Selection
 from lightning_hooks.core.kernels.feature_stats import (
     NUM_SUMS,
     STACKED,
@@ -63,6 +64,14 @@ def default_feature_module(name: str, module: nn.Module) -> bool:
     """
     owns = any(True for _ in module.parameters(recurse=False))
     return owns or is_kind(module, ACTIVATION_MODULES)
+
+
+def feature_modules(selection: Selection | None, model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules ``selection`` keeps of ``model``; without ``types``, those that
+    :func:`default_feature_module` keeps."""
+    assert selection is not None
+    where = default_feature_module if selection.types is None else None
+    return selection.modules(model, where=where)
 
 
 @dataclass(frozen=True)
@@ -138,9 +147,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The selected modules (default: parameter owners and activations)."""
-        assert self.selection is not None
-        where = default_feature_module if self.selection.types is None else None
-        return self.selection.modules(model, where=where)
+        return feature_modules(self.selection, model)
 
     def attach(
         self, model: nn.Module, registry: HookRegistry | None = None
