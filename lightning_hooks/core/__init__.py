@@ -17,10 +17,14 @@ from lightning_hooks._lazy import lazy_names
 
 if TYPE_CHECKING:
     from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, GradientAlarm, GradientAlarms
-    from lightning_hooks.core.hooks.activations import is_kind, torch_equivalent
     from lightning_hooks.core.hooks.capture import capture_outputs, probe_mode
     from lightning_hooks.core.hooks.registry import HookRegistry
-    from lightning_hooks.core.hooks.selection import Selection, select_modules
+    from lightning_hooks.core.hooks.selection import (
+        Selection,
+        is_kind,
+        select_modules,
+        torch_equivalent,
+    )
     from lightning_hooks.core.kernels.feature_stats import (
         FEATURE_STATS,
         FeatureSummary,
@@ -49,7 +53,6 @@ if TYPE_CHECKING:
 _MODULES: dict[str, tuple[str, ...]] = {
     "lightning_hooks.core.stats.accumulator": ("LayerStatsAccumulator", "LayerTable"),
     "lightning_hooks.core.stats.activation_stats": ("ActivationStatsTracker",),
-    "lightning_hooks.core.hooks.activations": ("is_kind", "torch_equivalent"),
     "lightning_hooks.core.alarms": ("ALARM_RULES", "AlarmRules", "GradientAlarm", "GradientAlarms"),
     "lightning_hooks.core.hooks.capture": ("capture_outputs", "probe_mode"),
     "lightning_hooks.core.stats.dead_units": ("DeadUnits", "DeadUnitTracker"),
@@ -70,7 +73,12 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "saturation_mask",
         "unit_saturation",
     ),
-    "lightning_hooks.core.hooks.selection": ("Selection", "select_modules"),
+    "lightning_hooks.core.hooks.selection": (
+        "Selection",
+        "is_kind",
+        "select_modules",
+        "torch_equivalent",
+    ),
     "lightning_hooks.core.stats.stability": ("StabilityStats",),
     "lightning_hooks.core.stats.stat": ("LayerStat",),
     "lightning_hooks.core.transport.readback": ("FirstNonFinite",),

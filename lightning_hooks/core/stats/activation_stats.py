@@ -10,9 +10,8 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from lightning_hooks.core.hooks.activations import is_kind
 from lightning_hooks.core.hooks.registry import HookRegistry
-from lightning_hooks.core.hooks.selection import Selection
+from lightning_hooks.core.hooks.selection import Selection, is_kind
 from lightning_hooks.core.kernels.feature_stats import (
     NUM_SUMS,
     STACKED,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from lightning_hooks.core.hooks.activations import torch_equivalent
+from lightning_hooks.core.hooks.selection import torch_equivalent
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
 
 __all__ = [
