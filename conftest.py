@@ -5,7 +5,5 @@ PyTorch's CPU wheels do not ship."""
 import importlib.util
 
 collect_ignore = (
-    []
-    if importlib.util.find_spec("triton")
-    else ["lightning_hooks/core/kernels/_pointer_kernels.py"]
+    [] if importlib.util.find_spec("triton") else ["lightning_hooks/core/ops/_pointer_kernels.py"]
 )

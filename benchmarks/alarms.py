@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from lightning_hooks.core import AlarmRules, GradFlowTracker, GradientAlarms, ParamLayout
-from lightning_hooks.core.kernels.grad_stats import param_norms, segment_norm
+from lightning_hooks.core.ops.grad_stats import param_norms, segment_norm
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 400

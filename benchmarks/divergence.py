@@ -52,8 +52,8 @@ from torch import nn
 
 from lightning_hooks.callbacks.alarm_policy import check_actions
 from lightning_hooks.core import AlarmRules, GradientAlarms, ParamLayout
-from lightning_hooks.core.kernels.grad_stats import param_norms, segment_norm
-from lightning_hooks.core.kernels.grouped_norms import typical_update
+from lightning_hooks.core.ops.grad_stats import param_norms, segment_norm
+from lightning_hooks.core.ops.grouped_norms import typical_update
 from lightning_hooks.core.stats.stability import StabilityStats
 
 ROOT = Path(__file__).resolve().parents[1]

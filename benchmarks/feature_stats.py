@@ -28,16 +28,16 @@ from functools import partial
 
 import torch
 
-from lightning_hooks.core.kernels.feature_stats import (
+from lightning_hooks.core.ops.feature_stats import (
     feature_stats,
     fused_feature_stats,
     stacked_feature_stats,
 )
-from lightning_hooks.core.kernels.tensors import Workspace
+from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.dead_units import fired_counts
 
 fs = importlib.import_module(
-    "lightning_hooks.core.kernels.feature_stats"
+    "lightning_hooks.core.ops.feature_stats"
 )  # the module, not the function
 
 SHAPES = ((64, 32, 32, 32), (64, 64, 16, 16), (64, 128, 8, 8), (32, 64, 128), (64, 1024))

@@ -38,8 +38,8 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "tes
 
 import overhead  # noqa: E402
 
-from lightning_hooks.core.kernels.grouped_norms import GroupedNorms  # noqa: E402
-from lightning_hooks.core.kernels.pointer_norms import PointerNorms  # noqa: E402
+from lightning_hooks.core.ops.grouped_norms import GroupedNorms  # noqa: E402
+from lightning_hooks.core.ops.pointer_norms import PointerNorms  # noqa: E402
 
 
 def _host_us(call: Callable[[], object], batches: int = 20, per: int = 50) -> float:

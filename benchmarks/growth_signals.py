@@ -66,7 +66,7 @@ from scipy.signal import lfilter
 from torch import nn
 
 from lightning_hooks.core import AlarmRules, ParamLayout
-from lightning_hooks.core.kernels.grad_stats import param_norms, segment_norm
+from lightning_hooks.core.ops.grad_stats import param_norms, segment_norm
 
 LEAD = 5  # the target lead, in steps
 HORIZON = 50  # a warning further ahead than this is premature: the run was still healthy

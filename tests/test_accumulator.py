@@ -12,11 +12,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_hooks.core import GradFlowTracker, LayerStatsAccumulator, ParamLayout, grad_stats
-from lightning_hooks.core.kernels import grouped_norms as kernels
-from lightning_hooks.core.kernels.feature_stats import feature_stats
-from lightning_hooks.core.kernels.grad_stats import update_norms
-from lightning_hooks.core.kernels.grouped_norms import CHUNK, abs_sum_max
-from lightning_hooks.core.kernels.tensors import DEVICE_PIECE, LOGSUMEXP_PIECE, logsumexp_rows
+from lightning_hooks.core.ops import grouped_norms as kernels
+from lightning_hooks.core.ops.feature_stats import feature_stats
+from lightning_hooks.core.ops.grad_stats import update_norms
+from lightning_hooks.core.ops.grouped_norms import CHUNK, abs_sum_max
+from lightning_hooks.core.ops.tensors import DEVICE_PIECE, LOGSUMEXP_PIECE, logsumexp_rows
 
 
 def test_accumulator_mean_peak_total_count_with_rows_columns_and_mask() -> None:
@@ -305,7 +305,7 @@ def test_the_typical_update_read_in_stacks_is_the_one_read_tensor_by_tensor(
 ) -> None:
     """Small tensors of one shape are read in a stack (their strided sample, their gradients'
     zeros): the median is the one read tensor by tensor, whatever the order of the reads."""
-    from lightning_hooks.core.kernels.grouped_norms import typical_update
+    from lightning_hooks.core.ops.grouped_norms import typical_update
 
     g = torch.Generator().manual_seed(7)
     shapes = [(64, 64), (64,), (64, 64), (64,), (3,), (9000,), (64,), (2, 5000), (64, 64), (1,)]

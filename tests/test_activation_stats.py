@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import ActivationStatsCallback, ActivationStatsTracker, LightningHooksWarning
 from lightning_hooks.core import feature_stats
-from lightning_hooks.core.kernels.feature_stats import fused_feature_stats
+from lightning_hooks.core.ops.feature_stats import fused_feature_stats
 
 from conftest import TinyMLP, dataset, hooks_left, read_histograms, read_image_tags, read_scalars
 from syncs import SyncWindow, count_syncs
@@ -242,7 +242,7 @@ def test_half_precision_outputs_are_summed_in_float32() -> None:
 
 
 def test_fused_statistics_equal_the_eager_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = importlib.import_module("lightning_hooks.core.kernels.feature_stats")
+    module = importlib.import_module("lightning_hooks.core.ops.feature_stats")
     compiled = module._compiled()
     calls: list[tuple[int, ...]] = []
 
@@ -268,7 +268,7 @@ def test_fused_statistics_equal_the_eager_ones(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_outputs_read_in_pieces_give_the_whole_tensors_statistics() -> None:
-    from lightning_hooks.core.kernels.feature_stats import CHUNK
+    from lightning_hooks.core.ops.feature_stats import CHUNK
 
     x = torch.randn(2 * CHUNK + 1000, dtype=torch.float64).relu().float()
     x[CHUNK + 5 : CHUNK + 8] = torch.tensor([torch.nan, torch.inf, -torch.inf])
@@ -318,7 +318,7 @@ def test_large_outputs_logged_statistics_equal_plain_torch(
 ) -> None:
     # At the defaults, the Trainer's included (log_every_n_steps=50), only the epoch's first
     # step is sampled.
-    from lightning_hooks.core.kernels.feature_stats import CHUNK
+    from lightning_hooks.core.ops.feature_stats import CHUNK
 
     model = WideConv()
     callback = ActivationStatsCallback(**options)

@@ -25,7 +25,7 @@ from torch import nn
 import lightning_hooks
 from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker
 from lightning_hooks.core import GradientAlarms
-from lightning_hooks.core.kernels.grouped_norms import MAX_GROUPS
+from lightning_hooks.core.ops.grouped_norms import MAX_GROUPS
 from lightning_hooks.errors import LightningHooksWarning
 
 from conftest import BoundedMLP, TinyMLP, default_callback_types, make_trainer, read_scalars

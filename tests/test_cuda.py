@@ -139,9 +139,9 @@ def test_exactness_holds_on_cuda(name: str, tmp_path: Path) -> None:
 def _counting_reads(monkeypatch: pytest.MonkeyPatch, compare: bool, read: str) -> list[Any]:
     """Each call of the pointer-table read (``read="triton"``) or of the grouped read (else);
     with ``compare``, its norms beside ``_foreach_norm``'s of the same gradients."""
-    from lightning_hooks.core.kernels import grouped_norms
-    from lightning_hooks.core.kernels.grouped_norms import GroupedNorms
-    from lightning_hooks.core.kernels.pointer_norms import PointerNorms
+    from lightning_hooks.core.ops import grouped_norms
+    from lightning_hooks.core.ops.grouped_norms import GroupedNorms
+    from lightning_hooks.core.ops.pointer_norms import PointerNorms
 
     cls: Any = PointerNorms if read == "triton" else GroupedNorms
     # stacks of DeeperMLP's 3 and 4 gradients of one shape, as on the CPU (a CUDA read stacks

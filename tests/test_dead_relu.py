@@ -153,7 +153,7 @@ class DeadChannelCNN(TinyCNN):
 def test_conv_units_are_channels(side: int, trainer_factory: Any, tmp_path: Path) -> None:
     # A small output's fired mask is counted with the others of its shape at the end of the
     # step; one over STACKED elements (8 x 8 x 96 x 96) is counted in its hook.
-    from lightning_hooks.core.kernels.feature_stats import STACKED
+    from lightning_hooks.core.ops.feature_stats import STACKED
 
     model = DeadChannelCNN(side)
     trainer_factory(callbacks=[DeadReLUCallback(include="features.2", warn_at=1.0)]).fit(model)

@@ -23,7 +23,7 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.strategies import FSDPStrategy, SingleDeviceStrategy
 
 from lightning_hooks import GradFlowCallback
-from lightning_hooks.core.kernels.grouped_norms import abs_sum_max
+from lightning_hooks.core.ops.grouped_norms import abs_sum_max
 from lightning_hooks.core.transport.distributed import ShardPlan, combine_partials
 from lightning_hooks.errors import GradientAlarmWarning
 

@@ -130,7 +130,7 @@ class WideReferenceMLP(ReferenceMLP):
 def test_large_layers_logged_values_equal_an_independent_computation_at_defaults(
     trainer_factory: Any, tmp_path: Path
 ) -> None:
-    from lightning_hooks.core.kernels.grouped_norms import CHUNK
+    from lightning_hooks.core.ops.grouped_norms import CHUNK
 
     torch.manual_seed(0)
     model = WideReferenceMLP()

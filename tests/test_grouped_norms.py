@@ -7,7 +7,7 @@ import pytest
 import torch
 from ops import OpCounter
 
-from lightning_hooks.core.kernels.grouped_norms import MAX_GROUPS, SMALL, GroupedNorms
+from lightning_hooks.core.ops.grouped_norms import MAX_GROUPS, SMALL, GroupedNorms
 
 SHAPES = [(64, 64), (64,), (64,), (10, 64), (64, 64), (64,), (3, 4, 5), (3, 4, 5), (3, 4, 5)]
 SHAPES += [(SMALL + 1,), (SMALL + 1,), (SMALL + 1,), (7,), (0,), (0,), (), (), (), (2, 3)]

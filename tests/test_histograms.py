@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 from lightning_hooks import ActivationStatsCallback, GradFlowCallback
-from lightning_hooks.core.kernels.histogram import LOG10_EDGES, LayerHistograms, bin_counts
+from lightning_hooks.core.ops.histogram import LOG10_EDGES, LayerHistograms, bin_counts
 
 from conftest import TinyMLP, make_trainer, read_histograms, read_scalars
 from syncs import SyncWindow, count_syncs

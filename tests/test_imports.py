@@ -55,7 +55,7 @@ def test_core_names_resolve_lazily() -> None:
     assert set(core.__all__) == set(core._LAZY)
     assert set(core.__all__) <= set(dir(core))
     # A function named like its module stays the function, even once the module is imported.
-    importlib.import_module("lightning_hooks.core.kernels.feature_stats")
+    importlib.import_module("lightning_hooks.core.ops.feature_stats")
     assert callable(core.feature_stats) and callable(core.grad_stats)
     with pytest.raises(
         AttributeError, match=r"'lightning_hooks\.core' has no attribute 'HookRegstry'"

@@ -21,7 +21,7 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA, or Triton's interpreter (TRITON_INTERPRET=1)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from lightning_hooks.core.kernels.pointer_norms import SPAN, PointerNorms  # noqa: E402
+from lightning_hooks.core.ops.pointer_norms import SPAN, PointerNorms  # noqa: E402
 
 SIZES = [(0,), (1,), (7, 13), (SPAN - 1,), (SPAN,), (SPAN + 1,), (3, SPAN + 5)]
 

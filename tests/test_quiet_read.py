@@ -17,7 +17,7 @@ from test_alarms import SPIKE_WARNS, DeeperMLP, Fault, LongMLP, _alarms
 
 from lightning_hooks import AlarmRules, GradFlowCallback, LightningHooksWarning
 from lightning_hooks.core.alarms.rules import QUIET_READS
-from lightning_hooks.core.kernels.grouped_norms import GroupedNorms
+from lightning_hooks.core.ops.grouped_norms import GroupedNorms
 from lightning_hooks.core.stats import sentinel_read
 
 

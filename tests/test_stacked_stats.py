@@ -10,9 +10,9 @@ from ops import OpCounter
 from torch import nn
 
 from lightning_hooks import ActivationStatsTracker
-from lightning_hooks.core.kernels import feature_stats as feature_stats_module
-from lightning_hooks.core.kernels import tensors
-from lightning_hooks.core.kernels.feature_stats import feature_stats, stacked_feature_stats
+from lightning_hooks.core.ops import feature_stats as feature_stats_module
+from lightning_hooks.core.ops import tensors
+from lightning_hooks.core.ops.feature_stats import feature_stats, stacked_feature_stats
 
 
 @pytest.mark.parametrize("device", ["cpu", "other"], ids=["cpu-signs", "comparisons"])

@@ -12,7 +12,7 @@ from typing_extensions import override
 from lightning_hooks.callbacks.stats import StatsCallback
 from lightning_hooks.core.checks import boolean, positive_int, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
-from lightning_hooks.core.kernels.feature_stats import FeatureSummary
+from lightning_hooks.core.ops.feature_stats import FeatureSummary
 from lightning_hooks.core.stats.activation_shape import ActivationShape
 from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker, Histogram
 from lightning_hooks.core.stats.stat import LayerStat

@@ -27,7 +27,7 @@ from lightning_hooks.callbacks.checks import (
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, checks, select_modules
 from lightning_hooks.core.alarms import AlarmRules
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, as_patterns
-from lightning_hooks.core.kernels.grad_stats import ParamLayout
+from lightning_hooks.core.ops.grad_stats import ParamLayout
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
 

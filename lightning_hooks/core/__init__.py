@@ -25,14 +25,14 @@ if TYPE_CHECKING:
         select_modules,
         torch_equivalent,
     )
-    from lightning_hooks.core.kernels.feature_stats import (
+    from lightning_hooks.core.ops.feature_stats import (
         FEATURE_STATS,
         FeatureSummary,
         feature_stats,
     )
-    from lightning_hooks.core.kernels.grad_stats import GRAD_STATS, ParamLayout, grad_stats
-    from lightning_hooks.core.kernels.histogram import LayerHistogram, LayerHistograms
-    from lightning_hooks.core.kernels.tensors import is_training_forward, iter_float_tensors
+    from lightning_hooks.core.ops.grad_stats import GRAD_STATS, ParamLayout, grad_stats
+    from lightning_hooks.core.ops.histogram import LayerHistogram, LayerHistograms
+    from lightning_hooks.core.ops.tensors import is_training_forward, iter_float_tensors
     from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable
     from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
     from lightning_hooks.core.stats.dead_units import DeadUnits, DeadUnitTracker
@@ -56,14 +56,14 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "lightning_hooks.core.alarms": ("ALARM_RULES", "AlarmRules", "GradientAlarm", "GradientAlarms"),
     "lightning_hooks.core.hooks.capture": ("capture_outputs", "probe_mode"),
     "lightning_hooks.core.stats.dead_units": ("DeadUnits", "DeadUnitTracker"),
-    "lightning_hooks.core.kernels.feature_stats": (
+    "lightning_hooks.core.ops.feature_stats": (
         "FEATURE_STATS",
         "FeatureSummary",
         "feature_stats",
     ),
     "lightning_hooks.core.stats.grad_flow": ("GRAD_FLOW_STATS", "GradFlowTracker"),
-    "lightning_hooks.core.kernels.grad_stats": ("GRAD_STATS", "ParamLayout", "grad_stats"),
-    "lightning_hooks.core.kernels.histogram": ("LayerHistogram", "LayerHistograms"),
+    "lightning_hooks.core.ops.grad_stats": ("GRAD_STATS", "ParamLayout", "grad_stats"),
+    "lightning_hooks.core.ops.histogram": ("LayerHistogram", "LayerHistograms"),
     "lightning_hooks.core.stats.layer_time": ("LayerTimer", "LayerTimes"),
     "lightning_hooks.core.hooks.registry": ("HookRegistry",),
     "lightning_hooks.core.stats.saturation": (
@@ -82,7 +82,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "lightning_hooks.core.stats.stability": ("StabilityStats",),
     "lightning_hooks.core.stats.stat": ("LayerStat",),
     "lightning_hooks.core.transport.readback": ("FirstNonFinite",),
-    "lightning_hooks.core.kernels.tensors": ("is_training_forward", "iter_float_tensors"),
+    "lightning_hooks.core.ops.tensors": ("is_training_forward", "iter_float_tensors"),
 }
 _LAZY: dict[str, str] = {name: module for module, names in _MODULES.items() for name in names}
 # A name that is also its module's name (``feature_stats``) is bound now: imported later, the

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from lightning_hooks.core.kernels.feature_stats import STACKED
-from lightning_hooks.core.kernels.tensors import Pending, iter_float_tensors
+from lightning_hooks.core.ops.feature_stats import STACKED
+from lightning_hooks.core.ops.tensors import Pending, iter_float_tensors
 from lightning_hooks.core.stats.activation_stats import feature_modules
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
 

@@ -12,7 +12,7 @@ from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import Selection, is_kind
-from lightning_hooks.core.kernels.feature_stats import (
+from lightning_hooks.core.ops.feature_stats import (
     NUM_SUMS,
     STACKED,
     FeatureSummary,
@@ -21,8 +21,8 @@ from lightning_hooks.core.kernels.feature_stats import (
     stacked_feature_stats,
     summarize,
 )
-from lightning_hooks.core.kernels.histogram import bin_counts, linear_edges
-from lightning_hooks.core.kernels.tensors import Pending, Workspace, iter_float_tensors
+from lightning_hooks.core.ops.histogram import bin_counts, linear_edges
+from lightning_hooks.core.ops.tensors import Pending, Workspace, iter_float_tensors
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
 from lightning_hooks.core.transport.readback import FirstNonFinite
 

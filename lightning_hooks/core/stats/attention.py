@@ -12,7 +12,7 @@ from torch.nn import functional
 
 from lightning_hooks.core.hooks.modes import ShelvedMode
 from lightning_hooks.core.hooks.registry import HookRegistry, plain_layers
-from lightning_hooks.core.kernels.tensors import is_training_forward
+from lightning_hooks.core.ops.tensors import is_training_forward
 
 __all__ = [
     "LOGIT_BUDGET",

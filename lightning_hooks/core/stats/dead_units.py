@@ -18,8 +18,8 @@ from torch.nn.modules.conv import _ConvNd
 from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.selection import Patterns, Selection
-from lightning_hooks.core.kernels.feature_stats import STACKED
-from lightning_hooks.core.kernels.tensors import Pending, Workspace, iter_float_tensors
+from lightning_hooks.core.ops.feature_stats import STACKED
+from lightning_hooks.core.ops.tensors import Pending, Workspace, iter_float_tensors
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
 
 __all__ = ["RELU_FAMILY", "DeadUnitTracker", "DeadUnits", "fired_counts", "unit_dim"]

@@ -12,12 +12,12 @@ from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
-from lightning_hooks.core.kernels.grad_stats import (
+from lightning_hooks.core.ops.grad_stats import (
     GLOBAL,
     GRAD_STATS,
     ParamLayout,
 )
-from lightning_hooks.core.kernels.tensors import Workspace
+from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable
 from lightning_hooks.core.stats.optimizer_view import (
     OptimizerView,

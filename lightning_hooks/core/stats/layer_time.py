@@ -13,7 +13,7 @@ from torch import nn
 from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.registry import HookRegistry
-from lightning_hooks.core.kernels.tensors import is_training_forward
+from lightning_hooks.core.ops.tensors import is_training_forward
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
 
 __all__ = ["LayerTimer", "LayerTimes"]

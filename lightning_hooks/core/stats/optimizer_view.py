@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import GradientAlarms, HostSegments
-from lightning_hooks.core.kernels.grad_stats import (
+from lightning_hooks.core.ops.grad_stats import (
     GRAD_STATS,
     ParamLayout,
     grad_stats,
@@ -19,8 +19,8 @@ from lightning_hooks.core.kernels.grad_stats import (
     segment_norm,
     update_norms,
 )
-from lightning_hooks.core.kernels.grouped_norms import typical_update
-from lightning_hooks.core.kernels.tensors import Workspace
+from lightning_hooks.core.ops.grouped_norms import typical_update
+from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
 from lightning_hooks.core.transport.distributed import ShardPlan, to_local
 

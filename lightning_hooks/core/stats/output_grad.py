@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import compiled_regions
-from lightning_hooks.core.kernels.tensors import is_grad_forward, iter_float_tensors
+from lightning_hooks.core.ops.tensors import is_grad_forward, iter_float_tensors
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
 from lightning_hooks.core.stats.optimizer_view import OptimizerView, OptimizerViews
 from lightning_hooks.core.transport.distributed import all_reduce_sum_, world_size

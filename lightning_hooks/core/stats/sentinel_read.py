@@ -10,8 +10,8 @@ from functools import partial
 import torch
 
 from lightning_hooks.core.alarms import GradientAlarms
-from lightning_hooks.core.kernels import pointer_norms
-from lightning_hooks.core.kernels.grouped_norms import GroupedNorms, plain_grads
+from lightning_hooks.core.ops import pointer_norms
+from lightning_hooks.core.ops.grouped_norms import GroupedNorms, plain_grads
 from lightning_hooks.core.stats.optimizer_view import OptimizerView, ViewStats
 from lightning_hooks.errors import LightningHooksWarning
 

@@ -17,7 +17,7 @@ from torch.nn import functional
 
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import select_modules
-from lightning_hooks.core.kernels.tensors import is_training_forward, logsumexp_rows
+from lightning_hooks.core.ops.tensors import is_training_forward, logsumexp_rows
 from lightning_hooks.core.stats.attention import (
     AttentionCapture,
     attention_head_entropy,

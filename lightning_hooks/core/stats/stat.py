@@ -13,7 +13,7 @@ from typing_extensions import TypedDict
 from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
-from lightning_hooks.core.kernels.tensors import is_training_forward
+from lightning_hooks.core.ops.tensors import is_training_forward
 from lightning_hooks.core.stats.states import Reduce, RowStates, StateSpec, unpack
 from lightning_hooks.core.transport.readback import HostMailbox
 

@@ -38,7 +38,7 @@ def available() -> str | None:
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
     """The two Triton kernels (:mod:`._pointer_kernels`), imported on first use."""
-    from lightning_hooks.core.kernels import _pointer_kernels
+    from lightning_hooks.core.ops import _pointer_kernels
 
     return _pointer_kernels.partial_sums, _pointer_kernels.norms
 

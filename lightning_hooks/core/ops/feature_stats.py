@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from lightning_hooks.core.kernels.tensors import Workspace, piece_size
+from lightning_hooks.core.ops.tensors import Workspace, piece_size
 
 __all__ = [
     "CHUNK",

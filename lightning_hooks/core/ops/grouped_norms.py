@@ -16,7 +16,7 @@ from typing import cast
 
 import torch
 
-from lightning_hooks.core.kernels.tensors import Workspace, piece_size, row_index
+from lightning_hooks.core.ops.tensors import Workspace, piece_size, row_index
 
 __all__ = [
     "CHUNK",

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_hooks.core.kernels.grouped_norms import abs_sum_max, cpu_grouping, plain_grads
-from lightning_hooks.core.kernels.tensors import Workspace
+from lightning_hooks.core.ops.grouped_norms import abs_sum_max, cpu_grouping, plain_grads
+from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.transport.distributed import ShardPlan, to_local
 
 __all__ = [
