@@ -44,9 +44,9 @@ DISABLED = {
     "logging": 4,  # the next batch's loss all_reduce
     "loss": 2,  # the loss rules raise after the batch's all_reduce: the next batch's
     "epoch_end": 4,  # the first batch of the next epoch
-    "stats_logging": 3,  # the logging point of the same step
-    "stats_write": 3,  # the next logging point
-    "stats_epoch_end": 4,  # the next logging point, the next epoch's first step
+    "stats_logging": 3,  # the logging step of the same step
+    "stats_write": 3,  # the next logging step
+    "stats_epoch_end": 4,  # the next logging step, the next epoch's first step
 }
 HOOK = {
     "quiet": "on_before_optimizer_step hook: RuntimeError: injected fault in update",

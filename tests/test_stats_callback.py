@@ -153,7 +153,7 @@ def test_rows_the_ranks_cannot_align_disable_the_callback_on_every_rank(
 ) -> None:
     """Two ranks, faked in one process: the other rank made ``net.1``'s row with 7 units. The
     same error on every rank (from what they exchanged) disables the callback everywhere at
-    that logging point, one warning, and training goes on (strict mode raises it instead)."""
+    that logging step, one warning, and training goes on (strict mode raises it instead)."""
     import warnings
 
     from lightning_hooks.callbacks import base, checks, stats

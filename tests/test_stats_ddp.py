@@ -86,8 +86,8 @@ def test_one_collective_and_one_agreement_per_statistic_per_logging_step(ddp_out
         # one all_gather per statistic (6: ActivationStatsCallback holds two) at each of an
         # epoch's 4 logging steps and at its end, and one small all_reduce per callback (5 of
         # them): the ranks' agreement on a failure (one more each at the end of the fit)
-        # and, when rows were made since the last logging point, one all_gather_object of the
-        # new rows' names: each callback's at its first logging point (StabilityStats' output
+        # and, when rows were made since the last logging step, one all_gather_object of the
+        # new rows' names: each callback's at its first logging step (StabilityStats' output
         # layer's row, settled before its rows are gathered, with the others); none in the
         # second epoch
         assert [e["ours"] for e in report["epochs"]] == [(6 + 5) * 5 + 5, (6 + 5) * 5]

@@ -103,7 +103,7 @@ def _series(scalars: dict[str, list[tuple[int, float]]], tag: str) -> dict[int, 
 
 
 def _check_steps(scalars: dict[str, Any], recorder: Recorder, steps: list[int]) -> None:
-    """Every ``_step`` value equals the recorder's at exactly the measured steps."""
+    """Every ``_step`` value equals the recorder's at exactly the sampled steps."""
     assert sorted(recorder.grad_norm) == steps
     for name in LAYERS:
         grad = _series(scalars, f"grad_flow/grad_norm_step/{name}")
@@ -132,7 +132,7 @@ def test_a_long_iterable_epoch_logs_every_statistic_at_each_logging_step(tmp_pat
     zero = _series(scalars, "dead_relu/zero_fraction_step/net.1")
     for step in steps:
         assert zero[step] == pytest.approx(np.mean(recorder.zero[step]["net.1"]), abs=1e-6)
-    # The epoch aggregates, apart, at the end: the mean over the same measured steps.
+    # The epoch aggregates, apart, at the end: the mean over the same sampled steps.
     for name in LAYERS:
         epoch = scalars[f"grad_flow/grad_norm/{name}"]
         assert [s for s, _ in epoch] == [300]
@@ -166,8 +166,8 @@ def test_step_values_are_exactly_the_measured_steps(
 def test_quiet_batches_read_no_window_and_a_late_copy_is_written_at_the_next_batch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copy: str
 ) -> None:
-    """A window is read only where a logging point posted one (a quiet batch's hooks look at no
-    statistic's mailbox); a copy not done when the logging point looks (CUDA's non-blocking
+    """A window is read only where a logging step posted one (a quiet batch's hooks look at no
+    statistic's mailbox); a copy not done when the logging step looks (CUDA's non-blocking
     copy) is written at the next batch's start, with the values of its own step."""
     from lightning_hooks.callbacks.base import HookCallback
     from lightning_hooks.core.stats.stat import EpochWindows
