@@ -149,7 +149,7 @@ class HookCallback(pl.Callback, _SecondCallback):
         if sampled and self._tracker is not None:
             self._measured_step = step
         gate = getattr(self._tracker, "registry", None)  # the sampled gate of the module hooks
-        if gate is not None:
+        if gate is not None and gate.sampled != sampled:  # a quiet step reads it, sets nothing
             gate.sampled = sampled
         if trainer in _UNSAVED:
             _end_round(self, trainer)

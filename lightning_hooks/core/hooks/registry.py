@@ -148,7 +148,7 @@ class HookRegistry(HookOwner):
         self._model: nn.Module | None = checks.module("HookRegistry", "model", model)
         self._handles: list[RemovableHandle] = []
         self._gated_hooks: list[Gated] = []
-        self._sampled = True
+        self.__dict__["sampled"] = True  # (see sampled)
         self.fixed = is_compiled(model)
         """Whether the gated hooks stay installed on every step (``torch.compile``)."""
         self.guard = guard if guard is not None else active_guard()
@@ -157,17 +157,21 @@ class HookRegistry(HookOwner):
         self._names = {id(module): name for name, module in model.named_modules()}
         self._warned_unhookable = False
 
-    @property
-    def sampled(self) -> bool:
-        """Whether the current step is measured: the gated hooks run only while ``True``."""
-        return self._sampled
+    sampled: bool
+    """Whether the current step is measured: the gated hooks run only while ``True``. A plain
+    attribute to read (a quiet step calls nothing of the registry); setting it puts the gated
+    hooks on their modules or takes them off."""
 
-    @sampled.setter
-    def sampled(self, value: bool) -> None:
-        value = bool(value)
-        if value == self._sampled:
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "sampled":
+            self._gate(bool(value))
+        else:
+            object.__setattr__(self, name, value)
+
+    def _gate(self, value: bool) -> None:
+        if value == self.sampled:
             return
-        self._sampled = value
+        self.__dict__["sampled"] = value
         if self.fixed:
             return
         if value:
@@ -188,7 +192,7 @@ class HookRegistry(HookOwner):
         handle while it is installed, else ``None``."""
         gated = gated_hook(module, _ours(hook), pre, **options)
         self._gated_hooks.append(gated)
-        if not (self._sampled or self.fixed):
+        if not (self.sampled or self.fixed):
             return None
         gated.install()
         return GatedHandle(gated)
@@ -277,13 +281,13 @@ class HookRegistry(HookOwner):
         if guard is None or guard.strict:
 
             def gated(module: nn.Module, args: Any, output: Any) -> Any:
-                return outside_shelved(hook, module, args, output) if self._sampled else None
+                return outside_shelved(hook, module, args, output) if self.sampled else None
 
             return gated
 
         # One closure for both: the guarded path adds no Python call per hook.
         def gated_guarded(module: nn.Module, args: Any, output: Any) -> Any:
-            if self._sampled:
+            if self.sampled:
                 try:
                     return outside_shelved(hook, module, args, output)
                 except Exception as error:
@@ -309,7 +313,7 @@ class HookRegistry(HookOwner):
             inner = hook
 
             def hook(*args: Any) -> Any:
-                return outside_shelved(inner, *args) if self._sampled else None
+                return outside_shelved(inner, *args) if self.sampled else None
 
             return self.gated_hook(module, hook, pre=True, with_kwargs=with_kwargs)
         return self.add(module.register_forward_pre_hook(_ours(hook), with_kwargs=with_kwargs))
