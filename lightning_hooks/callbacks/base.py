@@ -356,9 +356,8 @@ def flush(callback: HookCallback, trainer: pl.Trainer) -> None:
 
 
 def _end_round(callback: HookCallback, trainer: pl.Trainer) -> None:
-    """Save the loggers once per hook round in which any of ours wrote (as Lightning does
-    after ``log_metrics``, so a killed run keeps them): the last of ours not failed saves for all.
-    """
+    """Save the loggers once per hook round in which any of ours wrote (so a killed run keeps
+    them): the last of ours not failed saves for all."""
     if _last_of_ours(callback, trainer, live=True):
         _save(trainer)
 
