@@ -46,7 +46,7 @@ class DeadReLUCallback(StatsCallback):
 
     A ``LightningHooksWarning`` names the layer and "k of n units" the first epoch its dead
     fraction is ``>= warn_at`` (with a unit dead); repeats are summed in one warning at the fit's
-    end. A module called twice is alive if either call fired; each call counts as a batch.
+    end. In a module called twice a unit lives if either call fired; each call is a batch.
 
     Args:
         types: activation module types to watch (default: ``ReLU``, ``ReLU6``, ``LeakyReLU``,
