@@ -1,16 +1,9 @@
-"""Switched on without code: Lightning's ``callbacks_factory`` entry points, read from
-``LIGHTNING_HOOKS``.
+"""Callbacks switched on without code, from ``LIGHTNING_HOOKS``.
 
-The package registers :func:`callbacks` in ``pytorch_lightning.callbacks_factory``,
-``lightning.pytorch.callbacks_factory``, ``lightning_fabric.callbacks_factory`` and
-``lightning.fabric.callbacks_factory``: every ``Trainer`` and every ``Fabric`` calls it when
-it is built. It returns nothing unless ``LIGHTNING_HOOKS`` is set::
-
-    LIGHTNING_HOOKS=grad_flow python train.py
-    LIGHTNING_HOOKS=grad_flow,dead_relu litgpt pretrain ...
-    LIGHTNING_HOOKS=all python train.py
-
-A callback of a class the user passed already is not added twice (the added one stands down).
+:func:`callbacks` is registered as the ``callbacks_factory`` entry point of both Lightning and
+Fabric namespaces, so every ``Trainer`` and ``Fabric`` calls it when built; it returns nothing
+unless ``LIGHTNING_HOOKS`` is set (``grad_flow``, ``grad_flow,dead_relu``, ``all``, ...). One
+of a class the user passed already stands down.
 
 Example:
     >>> requested("grad_flow, DeadReLUCallback")
@@ -77,9 +70,8 @@ def requested(value: str) -> list[str]:
 
 
 def callbacks() -> list[Any]:
-    """The callbacks ``LIGHTNING_HOOKS`` asks for, at their defaults (none when it is unset):
-    the factory of every entry point. Each is marked as added by the environment, so that it
-    stands down when the user passed one of its class."""
+    """The callbacks ``LIGHTNING_HOOKS`` asks for, at their defaults, each marked as added by
+    the environment (it stands down beside the user's own)."""
     import lightning_hooks
 
     added = []

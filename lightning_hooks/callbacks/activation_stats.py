@@ -28,14 +28,12 @@ _HEATMAPS = ("mean", "std", "zero_fraction")
 class ActivationStatsCallback(StatsCallback):
     r"""Per-layer statistics of every selected module's output, over each epoch's training data.
 
-    A forward hook on each selected module measures, on the device and without a host sync, every
-    floating tensor of its output in training forwards (not validation, not the sanity check, not an
-    activation-checkpointing recompute) of the sampled steps (``every_n_steps``). Statistics pool
-    every element of every sampled training batch of the epoch: the logged mean and std are those of
-    all the epoch's outputs of the layer taken together, min and max over all of them. Each
-    sampled step is a logging step: right after it, every scalar below over that step's outputs
-    is logged at that step under ``activations/{stat}_step/{layer}``. At each epoch end the
-    epoch's sums are logged at ``trainer.global_step`` under the plain tags below.
+    A forward hook on each selected module measures, without a host sync, every floating tensor
+    of its output in the training forwards of the sampled steps (not validation, the sanity check
+    or a checkpointing recompute). Statistics pool every element of the epoch's sampled batches.
+    Each sampled step logs every scalar below under ``activations/{stat}_step/{layer}``; each
+    epoch end logs the epoch's at ``trainer.global_step`` under the plain tags
+    (:class:`.stats.StatsCallback`).
 
     Logged metrics (``{layer}`` is the module's qualified name; a tuple / list / dict output adds
     ``.{index}`` or ``.{key}``, e.g. ``lstm.0``):
@@ -58,18 +56,12 @@ class ActivationStatsCallback(StatsCallback):
                                             ``zero_fraction`` (every logger with pictures)
     ======================================  ===================================================
 
-    The default selection is every module owning parameters directly (``Linear``, ``Conv``,
-    ``BatchNorm``, ...) and every activation module (``ReLU``, ``GELU``, ``Tanh``, ...). A module
-    called twice in a forward is measured twice: both calls' outputs pool into its row. fp16 /
-    bf16 outputs are summed in float32. A NaN / Inf anywhere makes that layer's mean, std, min
-    and max NaN for the epoch and is counted in ``nonfinite``.
-
-    NaN / Inf: the first module in execution order whose output went non-finite, and the global
-    step, is named in one ``LightningHooksWarning`` per fit, read at the end of the step (on CUDA
-    from a non-blocking copy, at most one step late; never a blocking sync).
-
-    Histograms (opt-in) are binned on the device with ``bucketize`` + ``index_add_`` and written
-    with ``SummaryWriter.add_histogram_raw``; values outside the edges count in the end bins.
+    The default selection is every module owning parameters directly and every activation
+    module (``ReLU``, ``GELU``, ...). A module called twice pools both outputs into its row.
+    fp16 / bf16 outputs are summed in float32. A NaN / Inf makes the layer's mean, std, min and
+    max NaN for the epoch; the first module in execution order to go non-finite is named in one
+    ``LightningHooksWarning`` per fit (on CUDA at most one step late, never a blocking sync).
+    Histogram values outside the edges count in the end bins.
 
     Args:
         types: only modules of these types (default: parameter-owning and activation modules).
@@ -77,19 +69,15 @@ class ActivationStatsCallback(StatsCallback):
         exclude: glob patterns on qualified module names to drop.
         histograms: log a histogram per layer each epoch.
         histogram_bins: number of bins.
-        histogram_range: fixed ``(low, high)`` bin edges for every layer; ``None``: a running
-            range, each layer's edges spanning its min and max of the previous epoch (the first
-            epoch: of its first output).
+        histogram_range: fixed ``(low, high)`` bin edges; ``None``: each layer's min and max of
+            the previous epoch (the first epoch: of its first output).
         heatmaps: log the layer x epoch heatmap images.
         warn_nonfinite: warn when an output goes NaN / Inf.
-        fused: compile the statistics with ``torch.compile`` into one reading pass per output
-            instead of six (needs a C++ compiler on CPU; about 2x cheaper for large outputs on
-            CPU, see ``benchmarks/feature_stats.py``; the first training step compiles, about
-            5 s on CPU, then about 1.5 s per new rank or dtype).
-        every_n_steps: observe optimizer steps ``0, n, 2n, ...`` and each epoch's first step only;
-            ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set), 1: every step.
-            Statistics then pool the sampled batches' outputs. Off-sample steps run no hook of ours
-            (``torch.compile``: an attribute check per hook).
+        fused: compile the statistics with ``torch.compile`` into one pass per output instead
+            of six (needs a C++ compiler on CPU; cheaper for large outputs; the first step
+            compiles).
+        every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
+            (``None``: the Trainer's ``log_every_n_steps``; 1: every step).
 
     Example:
         >>> import pytorch_lightning as pl
@@ -164,8 +152,8 @@ class ActivationStatsCallback(StatsCallback):
         return False
 
     def _probe_nonfinite(self) -> None:
-        """Warn once about the first module whose output went non-finite (before the window of a
-        logging step is posted: the probe reads it)."""
+        """Warn once about the first module whose output went non-finite (before a logging
+        step's window is posted: the probe reads it)."""
         tracker = self._activations
         if tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
             return

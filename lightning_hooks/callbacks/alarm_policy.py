@@ -1,6 +1,5 @@
-"""What ``GradFlowCallback`` does when a gradient alarm fires (log, warn, stop, raise or skip),
-and what its loss rules read in a multi-process run: the mean loss over the ranks, carried on one
-``all_reduce`` per batch with the ranks' agreement (a deferred failure, a stop request)."""
+"""What ``GradFlowCallback`` does when an alarm fires, and what its loss rules read: under DDP
+the mean loss over ranks, on one ``all_reduce`` per batch that also carries the ranks' agreement."""
 
 from __future__ import annotations
 
@@ -40,17 +39,15 @@ _ACTIONABLE = (
 )
 # skipping steps cures none of these
 _NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")
-# A one-step spike is a fact that healthy runs show too (benchmarks/divergence.py): under the
-# default "warn" it is logged and counted (spike score, text tab), not warned about; one big
-# enough to hurt the optimizer is also an *explosion*, which warns. A *stall* likewise: on
-# held-out families it warned 3 healthy runs and found nothing explosion and loss rules missed.
+# Healthy runs show one-step spikes and stalls too (benchmarks/divergence.py): under "warn" they
+# are only logged; a spike that hurts the optimizer is also an *explosion*, which warns.
 _LOGGED = ("spike", "stall")
 _SUMMARY_LINES = 100
 
 
 def check_actions(on_alarm: Any) -> dict[str, Action]:
-    """``on_alarm`` (one action, or ``{rule: action}``) as an action per rule; others warn,
-    but *spike* and *stall* log unless they are named (or the one action is not ``"warn"``).
+    """``on_alarm`` as an action per rule: unnamed rules warn, *spike* and *stall* log unless
+    named (or the one action is not ``"warn"``); ``"skip"`` warns for the rules it cannot cure.
 
     Example:
         >>> check_actions("skip")["vanishing"]
@@ -100,18 +97,15 @@ def check_actions(on_alarm: Any) -> dict[str, Action]:
 class AlarmPolicy:
     """Applies ``on_alarm`` to the alarms read on the host, and logs the epoch's alarms.
 
-    - ``log``: counted and logged (the counts, the spike score, the text tab), no warning:
-      what a one-step *spike* gets under the default ``"warn"``;
+    - ``log``: counted and logged (counts, spike score, text tab), no warning;
     - ``warn``: a :class:`~lightning_hooks.errors.GradientAlarmWarning` on rank 0, once per
-      rule and layer per epoch (then only counted);
-    - ``stop``: warn, and ``trainer.should_stop``; in a multi-process run every rank stops at
-      the same step, agreed on a collective the callback makes anyway (:meth:`observe_loss`'s,
-      else the next logging step's): the step after the alarm was read;
-    - ``raise``: a :class:`~lightning_hooks.errors.GradientAlarmError`; under DDP on every rank at
-      the same step (the gradient rules read the all-reduced gradient, the loss rules the mean
-      loss over ranks);
-    - ``skip``: warn, and the step is not applied (every gradient of the optimizer set to
-      ``None``): needs the verdict of the current step, so :attr:`wait` is true.
+      rule and layer per epoch;
+    - ``stop``: warn, and ``trainer.should_stop``; under DDP every rank stops at the same step,
+      agreed on a collective the callback makes anyway;
+    - ``raise``: a :class:`~lightning_hooks.errors.GradientAlarmError`, under DDP on every rank
+      at the same step;
+    - ``skip``: warn, and set the optimizer's gradients to ``None`` so the step is not applied
+      (needs the current step's verdict: :attr:`wait` is true).
 
     Args:
         on_alarm: one action for every rule, or ``{rule: action}`` (others warn).
@@ -184,8 +178,7 @@ class AlarmPolicy:
             self.stop_requested = True
 
     def plan_loss(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
-        """Decide, at the start of a fit, what the loss rules read
-        (:meth:`_LossAgreement.plan`)."""
+        """At a fit's start: what the loss rules read (:meth:`_LossAgreement.plan`)."""
         self.stop_requested = False
         self._loss.plan(pl_module, rules)
 
@@ -198,9 +191,7 @@ class AlarmPolicy:
         *,
         failed: bool = False,
     ) -> list[int] | None:
-        """The loss rules on ``training_step``'s loss, with this rank's ``failed`` and
-        :attr:`stop_requested` carried in a distributed run; ``[ranks failed, ranks stopping]``
-        once read, else ``None``: :meth:`_LossAgreement.observe`."""
+        """The loss rules on ``training_step``'s loss: :meth:`_LossAgreement.observe`."""
         return self._loss.observe(
             trainer, alarms, outputs, step, failed=failed, stop=self.stop_requested
         )
@@ -223,8 +214,7 @@ class AlarmPolicy:
             rank_zero_warn(warning, category=GradientAlarmWarning)
 
     def log_step(self, trainer: pl.Trainer, alarms: GradientAlarms, step: int) -> None:
-        """At a logging step: the alarms read since the last one (no wait), their counts per
-        rule as ``grad_flow/alarms_step/{rule}`` and, when any fired, their text summary."""
+        """At a logging step: per-rule counts since the last one, and any alarms' text."""
         counts = {rule: n - self._counted.get(rule, 0) for rule, n in alarms.counts.items()}
         self._counted = dict(alarms.counts)
         log_scalars(
@@ -278,8 +268,7 @@ _Act = Callable[[pl.Trainer, torch.optim.Optimizer | None, list[GradientAlarm]],
 
 class _LossAgreement:
     """Feeds the loss rules (*diverging*, *loss_spike*) ``training_step``'s loss and carries the
-    ranks' agreement with it: :class:`AlarmPolicy`'s loss part (``act``: the policy's action).
-    """
+    ranks' agreement with it (``act``: the policy's action)."""
 
     def __init__(self, act: _Act) -> None:
         self._act = act
@@ -290,15 +279,10 @@ class _LossAgreement:
         self._pending: tuple[torch.Tensor, int, list[tuple[Any, int]]] | None = None
 
     def plan(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
-        """Decide, at the start of a fit, what the loss rules read (:attr:`reading`).
-
-        - ``"own"``: one process, or no loss rule on: the loss ``training_step`` returns;
-        - ``"mean"``: a distributed run: the mean of the ranks' losses (as ``sync_dist=True``),
-          in one ``all_reduce`` per batch every rank makes (:meth:`observe`): every rank decides
-          alike at the same step. Under manual optimization, read only when every rank returned
-          a loss; the first batch where they disagree turns the rules off on every rank
-          (``"off"``, one warning).
-        """
+        """At a fit's start, set :attr:`reading`: ``"own"`` (one process, or no loss rule) or
+        ``"mean"`` (the ranks' mean loss, one ``all_reduce`` per batch, so every rank decides
+        alike). Under manual optimization the first batch where some ranks return no loss turns
+        the rules off on every rank (``"off"``, one warning)."""
         self.reading = "own"
         self._carrier = None
         self._watches = rules is not None and rules.watches_loss
@@ -320,15 +304,12 @@ class _LossAgreement:
         failed: bool,
         stop: bool,
     ) -> list[int] | None:
-        """The loss rules (*diverging*, *loss_spike*) on ``training_step``'s loss (a device
-        tensor), when one is on; in a distributed run on the mean over ranks (:meth:`plan`).
+        """The loss rules on ``training_step``'s loss (the ranks' mean when distributed).
 
-        In a distributed run the loss's ``all_reduce`` also carries this rank's ``failed`` (a
-        guard's deferred failure) and ``stop`` (a stop this rank read); their sums over the ranks
-        come back from the host copy, read without blocking for a copy of this batch: at once on
-        the CPU, at the next batch on CUDA. Returns ``[ranks failed, ranks stopping]`` once read,
-        else ``None``: every rank reads it at the same batch, and before the loss rules run,
-        which may raise.
+        Distributed, the loss's ``all_reduce`` also carries this rank's ``failed`` and ``stop``;
+        their sums are read from the host copy without blocking on this batch's (CPU: at once,
+        CUDA: next batch). Returns ``[ranks failed, ranks stopping]`` once read, else ``None``;
+        every rank reads it at the same batch, before the rules run (which may raise).
         """
         if not self._watches or self.reading == "off":
             return None
@@ -353,9 +334,8 @@ class _LossAgreement:
         return [int(sum(s[0][2] for s in sums)), int(sum(s[0][3] for s in sums))] if sums else None
 
     def apply(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
-        """The loss rules on the batch :meth:`observe` carried (a distributed run): the
-        mean loss at once under automatic optimization; under manual optimization the mean once
-        read, when every rank returned a loss, else the rules turn off on every rank."""
+        """The loss rules on the batch :meth:`observe` carried: the mean loss at once under
+        automatic optimization, once read under manual (if every rank returned a loss)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -391,8 +371,8 @@ _CARRIED = 4  # the loss, whether this rank has one, a deferred failure, a stop 
 
 
 def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
-    """``[loss, has loss, failed, stop]`` summed over the ranks, on the group's device: the loss
-    moved there without a sync (a CPU loss under NCCL), the flags copied from the host."""
+    """``[loss, has loss, failed, stop]`` summed over the ranks on the group's device (the loss
+    moved there without a sync)."""
     flags = [0.0, float(loss is not None), float(failed), float(stop)]
     carried = torch.tensor(flags, dtype=torch.float32).to(device=group_device(), non_blocking=True)
     if loss is not None:

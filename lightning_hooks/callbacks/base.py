@@ -1,13 +1,10 @@
 """The base of every callback: when its hooks exist, which steps it measures, when it writes.
 
-:class:`HookCallback` owns the lifecycle (attach in ``on_train_start``, remove on every exit,
-checkpoints, the guard), the cadence (the sampled-step gate and the logging points) and the
-writing (logging steps, epoch ends, one save of the loggers per hook round, the dashboard).
-Subclasses own what they measure: they implement :meth:`~HookCallback._attach` and
-:meth:`~HookCallback._log_epoch`, and extend the hooks listed under "Extend" below. What a
-callback checks before it runs, the per-batch hooks hidden from Lightning's dispatch and the
-ranks' agreement are in ``checks.py``; under Fabric, the callback holds a
-:class:`~.fabric.FabricRun` (``fabric.py``).
+:class:`HookCallback` owns the lifecycle (attach, remove on every exit, checkpoints, the guard),
+the cadence (sampled steps, logging points) and the writing (one save of the loggers per hook
+round, the dashboard). Subclasses implement :meth:`~HookCallback._attach` and
+:meth:`~HookCallback._log_epoch` and extend the hooks under "Extend" below. Checks and the ranks'
+agreement live in ``checks.py``; Fabric support in ``fabric.py``.
 """
 
 from __future__ import annotations
@@ -98,8 +95,8 @@ class HookCallback(pl.Callback, _SecondCallback):
         return key
 
     def _state_key_fields(self) -> dict[str, Any]:
-        """What makes this instance's checkpoint state distinct (the module selection; one
-        added by ``LIGHTNING_HOOKS`` beside the user's, which Lightning refuses at init else)."""
+        """What makes this instance's checkpoint state distinct (the selection, and whether
+        ``LIGHTNING_HOOKS`` added it: Lightning refuses two equal keys)."""
         fields = {
             "types": repr(getattr(self, "types", None)),
             "include": getattr(self, "include", ()),
@@ -228,9 +225,8 @@ class HookCallback(pl.Callback, _SecondCallback):
             run.on_train_end()
 
     def _release(self) -> None:
-        """The run is over: remove the hooks, and let go of the LightningModule's ``log`` and
-        ``log_dict``, which Lightning binds to every callback at the start of each run and which
-        would otherwise keep the model alive after ``fit``."""
+        """The run is over: remove the hooks and drop the ``log`` / ``log_dict`` Lightning binds
+        to every callback (they would keep the model alive after ``fit``)."""
         self._detach()
         restore_inherited(self)
         for bound in ("log", "log_dict"):
@@ -319,8 +315,8 @@ def _load_pending(callback: HookCallback) -> None:
 
 
 def _logging_point(callback: HookCallback, trainer: pl.Trainer, measured: int) -> bool:
-    """After the measured step's optimizer step: write the last logging point's copy (CUDA:
-    posted a step or more ago), then post this one's; whether the callback is now disabled."""
+    """After the measured step's optimizer step: write the last logging point's copy, post
+    this one's; whether the callback is now disabled."""
     if agree_ranks(callback, trainer, measured, always=False):
         return True
     read_steps(callback, trainer, wait=True)
@@ -345,9 +341,7 @@ def _write_epoch(
 
 def read_steps(callback: HookCallback, trainer: pl.Trainer, wait: bool) -> None:
     """Write what the last logging point measured once its host copy is done (``wait``: block
-    for it); the loggers are saved at the end of the hook round (:func:`_end_round`). Without
-    ``wait``, nothing is looked at unless a logging point posted a window that is not yet
-    written (a quiet step's hooks cost no read of each statistic's mailbox)."""
+    for it); without ``wait``, nothing is read unless a posted window is still unwritten."""
     if not (wait or callback._posted):
         return
     if callback._write_steps(trainer, wait):
@@ -362,20 +356,15 @@ def flush(callback: HookCallback, trainer: pl.Trainer) -> None:
 
 
 def _end_round(callback: HookCallback, trainer: pl.Trainer) -> None:
-    """Save the loggers once per per-batch hook round in which any of ours wrote.
-
-    Lightning saves its loggers after each ``log_metrics`` (so a SIGKILL keeps them); a save
-    flushes the event file and waits for TensorBoard's writer thread. The last of ours whose
-    guard has not failed saves for all, at the end of its hook; a callback failing mid-hook
-    leaves its write to the next round's.
-    """
+    """Save the loggers once per hook round in which any of ours wrote (so a killed run keeps
+    them): the last of ours not failed saves for all."""
     if _last_of_ours(callback, trainer, live=True):
         _save(trainer)
 
 
 def _last_of_ours(callback: HookCallback, trainer: pl.Trainer, *, live: bool) -> bool:
-    """Whether ``callback`` is the last of ours in the Trainer's list (``live``: of those whose
-    guard has not failed), or none of ours is there."""
+    """Whether ``callback`` is the last of ours in the Trainer's list (``live``: not failed),
+    or none of ours is there."""
     ours = [
         cb
         for cb in trainer.callbacks  # type: ignore[attr-defined]

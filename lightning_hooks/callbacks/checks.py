@@ -1,23 +1,13 @@
 """What a callback checks and arranges before it runs, and what its ranks agree on.
 
-Its arguments, the Trainer's strategy and loggers, and the selection against the model are
-checked (each error names the culprit); Lightning's dispatch of the per-batch hooks a callback
-does not define is skipped for the fit (:func:`skip_inherited`). At the logging points of a
-multi-process run, the ranks agree on a failure of the callback and on a stop
-(:func:`agree_ranks`).
+Arguments, the Trainer's strategy and loggers, and the selection are checked (each error names
+the culprit). At the logging points of a multi-process run the ranks agree on a failure and on a
+stop (:func:`agree_ranks`).
 
-Per-batch Lightning hooks a callback of ours does not define are not dispatched at all.
-
-Lightning calls every per-batch hook of every callback (``trainer/call.py``:
-``_call_callback_hooks``), each inside its profiler's context with an action name built for the
-call, also when the hook is ``Callback``'s empty default: six such calls a training step per
-callback. On a launch-bound step of about 11 ms on the CPU, six callbacks that do nothing cost
-1.03x a bare step (``benchmarks/results/paired_launch.md``). Lightning skips an attribute that
-is not callable (``if callable(fn)``, and Fabric's ``call`` one that is ``None``): for the fit,
-each inherited per-batch hook of ours is shadowed by ``None`` on the instance, and the shadow is
-removed when the fit ends. Hooks Lightning calls directly (``on_save_checkpoint``,
-``on_load_checkpoint``) and every hook a class defines are left alone, as is an attribute
-someone else set on the instance (a timing wrapper, say).
+Lightning calls every per-batch hook of every callback inside a profiler context, even
+``Callback``'s empty defaults, but skips an attribute that is not callable. So, for the fit, each
+inherited per-batch hook is shadowed by ``None`` on the instance (:func:`skip_inherited`); hooks
+the class defines, hooks Lightning calls directly and attributes others set are left alone.
 """
 
 from __future__ import annotations
@@ -77,7 +67,7 @@ def check_types(owner: str, types: ModuleTypes) -> None:
 
 
 def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
-    """Validate a cadence argument: a positive int or ``None``, named with its owner in the error.
+    """Validate a cadence: a positive int or ``None`` (``ValueError`` naming ``owner`` else).
 
     Example:
         >>> check_every_n_steps("GradFlowCallback", 4)
@@ -96,8 +86,7 @@ def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
         ) from err
 
 
-# Strategies whose sharded statistics are not made whole: refused at setup. FSDP2 (Lightning's
-# ModelParallelStrategy with fully_shard) is supported, data parallel only: see check_strategy.
+# Sharded statistics are not made whole under these; FSDP2 (data parallel only) is supported.
 _REFUSED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 _FSDP2 = (
     "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) with fully_shard "
@@ -125,9 +114,8 @@ def check_strategy(owner: str, strategy: object) -> None:
 
 
 def second_callback() -> type:
-    """``lightning.pytorch.Callback`` when installed and not ``pytorch_lightning``'s, else
-    ``object``: each namespace's ``LightningCLI`` (jsonargparse) accepts in
-    ``trainer.callbacks`` only subclasses of its own ``Callback``, so ours derive from both."""
+    """``lightning.pytorch.Callback`` if installed and distinct, else ``object``: each
+    namespace's ``LightningCLI`` accepts only its own ``Callback``, so ours derive from both."""
     try:
         from lightning.pytorch import Callback as LightningCallback
     except ImportError:
@@ -137,8 +125,7 @@ def second_callback() -> type:
 
 
 def check_trainer(callback: Any, trainer: pl.Trainer) -> None:
-    """At ``setup``: refuse a strategy the callback cannot measure under and a Trainer without a
-    logger; warn when no logger shows the callback's pictures.
+    """At ``setup``: refuse an unsupported strategy or no logger; warn if no logger shows images.
 
     Raises:
         MisconfigurationException: an unsupported strategy, or no logger.
@@ -193,9 +180,8 @@ def check_max_layers(owner: str, max_layers_logged: int | None) -> int | None:
 
 
 def nothing_to_watch(callback: Any, what: str, hint: str = "") -> None:
-    """``callback``'s selection holds no ``what``: an explicit selection is the user's mistake
-    and raises, naming its arguments; at the defaults, one warning and this fit does nothing
-    (as Lightning's ``LearningRateMonitor`` without a scheduler).
+    """``callback``'s selection holds no ``what``: raise if the user gave a selection, else warn
+    once and do nothing this fit.
 
     Raises:
         ValueError: a selection argument was given.
@@ -218,9 +204,8 @@ def nothing_to_watch(callback: Any, what: str, hint: str = "") -> None:
 
 
 def lazy_parameters(callback: Any, pl_module: nn.Module) -> bool:
-    """Whether the model still holds uninitialized lazy parameters (``nn.LazyLinear`` before its
-    first forward), whose sizes no statistic of the parameters can be laid out by: one warning
-    naming them, and ``callback`` does nothing in this fit (training goes on)."""
+    """Whether the model holds uninitialized lazy parameters (nothing can be laid out by their
+    sizes): if so, one warning naming them, and ``callback`` does nothing this fit."""
     lazy = [n for n, p in pl_module.named_parameters() if is_lazy(p)]
     if lazy:
         rank_zero_warn(
@@ -254,8 +239,7 @@ _SHADOWED = "_lightning_hooks_shadowed"
 
 
 def _namespaces() -> tuple[tuple[type, ...], dict[str, set[Any]]]:
-    """The ``Trainer`` classes installed (two namespaces), and each hook's empty default in
-    their ``Callback`` classes."""
+    """The installed ``Trainer`` classes, and each hook's empty defaults in their ``Callback``."""
     pairs: list[tuple[type, type]] = [(pl.Trainer, pl.Callback)]
     try:
         from lightning.pytorch import Callback as LightningCallback
@@ -272,9 +256,8 @@ _TRAINERS, _DEFAULTS = _namespaces()
 
 
 def skip_inherited(callback: Any, trainer: Any) -> None:
-    """Shadow ``callback``'s inherited per-batch hooks with ``None`` until
-    :func:`restore_inherited`, when ``trainer`` is Lightning's, which then dispatches only the
-    hooks the class defines (Fabric's loop in ``fabric.py`` calls ours by name: untouched)."""
+    """Under Lightning's ``trainer``, shadow the inherited per-batch hooks with ``None`` until
+    :func:`restore_inherited` (Fabric's loop calls ours by name: untouched)."""
     if not isinstance(trainer, _TRAINERS):
         return
     shadowed = []
@@ -293,10 +276,9 @@ def restore_inherited(callback: Any) -> None:
 
 
 def agree_ranks(callback: Any, trainer: pl.Trainer, step: int, always: bool) -> bool:
-    """At a logging point (``always``: an epoch end) of a multi-process run, agree with the
-    other ranks on a deferred failure and a ``stop`` (one small ``all_reduce``, read on the
-    host), unless a collective of every batch carries them (``_carried``); whether the
-    callback is now disabled on every rank."""
+    """At a logging point (``always``: an epoch end) of a multi-process run, agree on a deferred
+    failure and a ``stop`` (one small ``all_reduce``) unless every batch's collective carries
+    them; whether the callback is now disabled on every rank."""
     guard = callback._hook_guard()
     if callback._ranks == 1 or guard.failed is not None or (callback._carried() and not always):
         return guard.failed is not None
@@ -308,9 +290,8 @@ def agree_ranks(callback: Any, trainer: pl.Trainer, step: int, always: bool) -> 
 
 
 def settle(callback: Any, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
-    """Act on the ranks' agreement at ``step``: stop every rank if any asked; when one failed,
-    disable the callback on every rank now (one warning on rank 0 names each failed rank, its
-    hook and its error: one ``all_gather_object``). Whether it is disabled."""
+    """Act on the ranks' agreement: stop if any asked; if any failed, disable the callback on
+    every rank (one warning on rank 0 names each rank's hook and error); whether disabled."""
     if stopping:
         trainer.should_stop = True
         callback._stop_agreed()
@@ -326,8 +307,7 @@ def settle(callback: Any, trainer: pl.Trainer, step: int, failed: int, stopping:
 def fail_everywhere(
     callback: Any, trainer: pl.Trainer, step: int, where: str, error: Exception
 ) -> bool:
-    """An error every rank met alike (computed from what the ranks exchanged): raise if strict,
-    else disable the callback on every rank now, one warning on rank 0."""
+    """An error every rank met alike: raise if strict, else disable the callback everywhere."""
     guard = callback._hook_guard()
     if guard.strict:
         raise error
@@ -339,8 +319,7 @@ def fail_everywhere(
 
 
 def passed_by_user(callback: Any, callbacks: list[Any]) -> bool:
-    """Whether ``callback`` came from ``LIGHTNING_HOOKS`` and ``callbacks`` hold one of its class
-    that did not (the user's: it is not added twice)."""
+    """Whether ``callback`` came from ``LIGHTNING_HOOKS`` and the user passed one of its class."""
     return callback._from_environment and any(
         isinstance(other, type(callback)) and not getattr(other, "_from_environment", False)
         for other in callbacks

@@ -24,28 +24,16 @@ _NAME = "DeadReLUCallback"
 class DeadReLUCallback(StatsCallback):
     r"""Dead units per activation layer: units that never fired on a sampled batch of an epoch.
 
-    A unit is a channel of a conv output ``[N, C, ...]`` or a feature of a linear output ``[N, ...,
-    F]``. A forward hook on each watched activation keeps, on the device, how often each unit fired
-    in the epoch's sampled training forwards (``every_n_steps``; not validation, not the sanity
-    check); a unit that never fired is dead (the keras-contrib ``DeadReluDetector`` definition). At
-    each epoch end the counts are summed across ranks, copied to the host once and logged at
-    ``trainer.global_step``.
+    A unit is a channel of a conv output ``[N, C, ...]`` or a feature of a linear output
+    ``[N, ..., F]``. A forward hook on each watched activation counts how often each unit fired
+    in the epoch's sampled training forwards; a unit that never fired is dead. A unit fires when
+    its output is ``> 0``: ``ReLU``, ``ReLU6``, ``LeakyReLU`` (slope >= 0), ``ELU``, ``GELU`` and
+    ``SiLU`` keep their input's sign (so ``ReLU(inplace=True)`` works); for ``pre_activation``
+    layers (feeding ``F.relu``) the layer's output is read.
 
-    When a unit fires, per type (all of them keep the sign of their input, so the test reads
-    the output, which also works for ``ReLU(inplace=True)``):
-
-    ==========================================  ===========================================
-    Module                                      Fired
-    ==========================================  ===========================================
-    ``ReLU``, ``ReLU6``                         output ``> 0`` (input ``> 0``)
-    ``LeakyReLU`` (slope >= 0), ``ELU``         output ``> 0`` (input ``> 0``)
-    ``GELU``, ``SiLU``                          output ``> 0`` (input ``> 0``)
-    ``pre_activation`` layers (``F.relu``)      the layer's output ``> 0``
-    ==========================================  ===========================================
-
-    Logged metrics (``{layer}`` is the watched module's qualified name), at each epoch end; at
-    each logging step (every sampled step) ``dead_relu/zero_fraction_step/{layer}`` of that step
-    only: a unit is dead over an epoch, not over one step.
+    Logged metrics (``{layer}`` is the watched module's qualified name), at each epoch end; each
+    sampled step also logs ``dead_relu/zero_fraction_step/{layer}`` (a unit is dead over an
+    epoch, not a step).
 
     ======================================  ===================================================
     Tag                                     Value, over the epoch's training forwards
@@ -56,11 +44,9 @@ class DeadReLUCallback(StatsCallback):
                                             averaged over the epoch (ReLU: exact zeros)
     ======================================  ===================================================
 
-    A ``LightningHooksWarning``, on rank 0, names the layer and "k of n units" the first epoch of
-    a fit its dead fraction is ``>= warn_at`` with at least one unit dead; later epochs of the
-    same layer are counted, and one summary warning at the end of fit gives the counts. A module
-    called twice in a forward is observed twice: a unit is alive if it fired in either call,
-    and each call counts as one batch in ``zero_fraction``.
+    A ``LightningHooksWarning`` names the layer and "k of n units" the first epoch its dead
+    fraction is ``>= warn_at`` (with a unit dead); repeats are summed in one warning at the fit's
+    end. In a module called twice a unit lives if either call fired; each call is a batch.
 
     Args:
         types: activation module types to watch (default: ``ReLU``, ``ReLU6``, ``LeakyReLU``,
@@ -71,11 +57,9 @@ class DeadReLUCallback(StatsCallback):
             (``F.relu(self.fc1(x))`` in ``forward``: ``pre_activation="fc1"``).
         warn_at: warn about a layer whose dead fraction is ``>= warn_at`` (in ``[0, 1]``; 0:
             any dead unit); ``None``: no warning.
-        every_n_steps: observe optimizer steps ``0, n, 2n, ...`` and each epoch's first step only;
-            ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set), 1: every step.
-            A unit is then dead when it fired on no sampled batch of the epoch (an upper bound on
-            the every-step count). Off-sample steps run no hook of ours (``torch.compile``:
-            an attribute check per hook).
+        every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
+            (``None``: the Trainer's ``log_every_n_steps``; 1: every step); a unit is dead if it
+            fired on no sampled batch.
 
     Example:
         >>> import pytorch_lightning as pl

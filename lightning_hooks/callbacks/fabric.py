@@ -1,10 +1,8 @@
 """Our callbacks in a Fabric loop: ``Fabric(callbacks=[GradFlowCallback()])``, nothing else.
 
-Fabric fires two hooks by itself: ``on_after_setup(fabric, module)`` from ``fabric.setup`` and
-``on_after_optimizer_step(strategy, optimizer)`` after each step of a wrapped optimizer.
-The callback answers the first by holding a :class:`FabricRun` (:func:`start_run`), which takes
-the callback's place in Fabric's callback list and drives the callback's Trainer hooks from
-Fabric's; :class:`FabricTrainer` gives the callback the Trainer's names over the ``Fabric``:
+On ``on_after_setup`` the callback holds a :class:`FabricRun` (:func:`start_run`), which takes
+its place in Fabric's callback list and drives its Trainer hooks from Fabric's, with
+:class:`FabricTrainer` standing in for the Trainer:
 
 ====================================  ===========================================================
 Fabric                                the callback
@@ -24,8 +22,7 @@ first step (or clip) of an optimizer  ``on_train_start``: the hooks attached, th
 ``fabric.call("on_train_end")``       the last window written, every hook removed
 ====================================  ===========================================================
 
-Nothing global holds the run strongly: when the Fabric and the module are released, so are the
-callback's hooks.
+Nothing global holds the run strongly: releasing the Fabric and module releases the hooks.
 """
 
 from __future__ import annotations
@@ -56,8 +53,7 @@ __all__ = [
 ]
 
 FABRIC_EVERY_N_STEPS = 50
-"""The cadence under Fabric when the callback's ``every_n_steps`` is ``None``: Fabric has no
-``log_every_n_steps``, so the Trainer's default."""
+"""The cadence under Fabric when ``every_n_steps`` is ``None`` (the Trainer's default)."""
 
 _SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 _REFUSED_STRATEGIES = (
@@ -89,9 +85,8 @@ class _StrategyView:
 class FabricTrainer:
     """The attributes of a ``pl.Trainer`` that our callbacks read, over a ``Fabric``.
 
-    ``global_step`` counts the optimizer steps of the watched module's optimizers (Fabric has no
-    step counter); ``current_epoch`` counts ``fabric.call("on_train_epoch_end")``;
-    ``should_stop`` is never read by Fabric (``on_alarm="stop"`` is refused).
+    ``global_step`` counts the watched module's optimizer steps; ``current_epoch`` counts
+    ``fabric.call("on_train_epoch_end")``; ``should_stop`` is unread (``"stop"`` is refused).
 
     Args:
         fabric: the ``Fabric`` whose loop is watched.
@@ -219,8 +214,8 @@ class FabricRun:
     def _wrap_clip(
         self, ref: weakref.ref[FabricRun], attribute: str, algorithm: str, argument: str
     ) -> None:
-        """Observe the gradients before ``fabric.clip_gradients`` clips them (the pre-clip norm,
-        the alarms); the instance attribute shadows the strategy's method until released."""
+        """Observe the gradients before ``fabric.clip_gradients`` clips them (an instance
+        attribute shadowing the strategy's method until released)."""
         strategy = self.fabric.strategy
         original = getattr(strategy, attribute)
 
@@ -297,13 +292,11 @@ class FabricRun:
         self._batch_start()
 
     def on_before_backward(self, loss: Any) -> None:
-        """``fabric.call("on_before_backward", loss)``: the loss of the coming optimizer step
-        for the loss rules (*diverging*, *loss_spike*); the last one before the step counts."""
+        """``fabric.call("on_before_backward", loss)``: the loss rules' loss (the step's last)."""
         self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
 
     def on_train_epoch_end(self) -> None:
-        """``fabric.call("on_train_epoch_end")``: log the epoch's aggregates (the charts, the
-        alarms' summary) at the current step."""
+        """``fabric.call("on_train_epoch_end")``: log the epoch's aggregates."""
         if self._attached:
             self.callback.on_train_epoch_end(self.trainer, self.module)  # type: ignore[arg-type]
         self.trainer.current_epoch += 1
@@ -333,8 +326,8 @@ class FabricRun:
 
 
 def start_run(callback: HookCallback, fabric: Any, module: nn.Module) -> None:
-    """Fabric's ``on_after_setup`` on ``callback``: start watching ``module`` with a
-    :class:`FabricRun` the callback holds, which takes its place in Fabric's callback list."""
+    """Fabric's ``on_after_setup``: watch ``module`` with a :class:`FabricRun` in the callback's
+    place in Fabric's callback list."""
     callbacks: list[Any] | None = getattr(fabric, "_callbacks", None)
     ours = [other.callback if isinstance(other, FabricRun) else other for other in callbacks or ()]
     if passed_by_user(callback, ours):
@@ -342,7 +335,6 @@ def start_run(callback: HookCallback, fabric: Any, module: nn.Module) -> None:
     run = FabricRun(callback, fabric, module)
     callback.__dict__["_fabric_run"] = run
     if callbacks is not None and callback in callbacks:
-        # Fabric calls any hook a loop names (fabric.call("on_train_batch_end", ...)) with
-        # Fabric's arguments; the run answers those, not the callback's Trainer hooks.
+        # fabric.call(...) passes Fabric's arguments: the run answers, not the Trainer hooks.
         callbacks[callbacks.index(callback)] = run
     run.start()

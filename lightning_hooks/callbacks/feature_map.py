@@ -72,23 +72,17 @@ def _spread(items: list[str], bound: int) -> list[str]:
 class FeatureMapCallback(HookCallback):
     r"""Feature-map images of a fixed probe batch each epoch, and optionally its embedding.
 
-    The probe batch is fixed once: the first ``probe_size`` samples of the first training batch
-    (the model input is the batch itself when it is a tensor, else its first element, or what
-    ``input_fn`` returns; labels are the batch's second element when it holds one per sample),
-    or the ``probe`` / ``probe_labels`` the user gives. At the end of every ``every_n_epochs``-th
-    epoch it runs through the model (the ``LightningModule`` itself, on rank 0) in eval mode under
-    ``no_grad``, its outputs recorded with :func:`~lightning_hooks.core.capture_outputs` (hooks
-    removed right after). :func:`~lightning_hooks.core.probe_mode` restores every submodule's
-    train/eval flag and the CPU and CUDA random states afterwards; BatchNorm running statistics
-    do not move (eval mode), parameters are untouched, and the other callbacks' hooks ignore the
-    forward (they count grad-enabled forwards only). No hook exists during training steps.
+    The probe is ``probe`` / ``probe_labels``, or the first ``probe_size`` samples of the first
+    training batch (input: the batch if a tensor, else its first element, or ``input_fn``'s;
+    labels: its second element if one per sample). At the end of every ``every_n_epochs``-th
+    epoch it runs through the model on rank 0, in eval mode under ``no_grad``
+    (:func:`~lightning_hooks.core.probe_mode` restores train flags and random states; other
+    callbacks' hooks ignore it). No hook exists during training steps.
 
-    Layers drawn: ``layers`` (names or glob patterns), default every ``Conv1d``/``Conv2d``/
-    ``Conv3d``, or every ``Linear`` when the model has no convolution; at most ``max_layers``,
-    evenly spaced from input to output. The image of a conv layer tiles its first ``channels``
-    channels for the first probe sample, each channel min-max scaled; the image of a dense layer
-    is the probe's ``[samples, features]`` matrix. See
-    :func:`~lightning_hooks.logging.feature_map_grid`.
+    Layers drawn: ``layers``, default every ``Conv1d``/``Conv2d``/``Conv3d`` (every ``Linear``
+    without convolutions), at most ``max_layers`` spread from input to output. A conv image tiles
+    the first ``channels`` channels of the first sample, a dense one the ``[samples, features]``
+    matrix (:func:`~lightning_hooks.logging.feature_map_grid`).
 
     Logged metrics, at ``trainer.global_step``:
 
@@ -108,18 +102,14 @@ class FeatureMapCallback(HookCallback):
         probe: a model input to use as the probe instead of the first training batch.
         probe_labels: one label per probe sample, for the projector.
         probe_size: how many samples of the first training batch form the probe.
-        input_fn: ``batch -> model input``, for batches that are not ``(input, ...)``. Without
-            a usable input (none found, ``input_fn`` raises or returns no tensor) the fit stops
-            at its first training batch with a ``TypeError``, whatever ``strict`` says.
-        forward_fn: ``(pl_module, probe) -> output``: how to run the model on the probe, for a
-            LightningModule without ``forward`` (default: ``pl_module(probe)``). Without either,
-            ``setup`` says so before the first epoch.
+        input_fn: ``batch -> model input``, for batches that are not ``(input, ...)``; without
+            a usable input the fit stops at its first batch with a ``TypeError``.
+        forward_fn: ``(pl_module, probe) -> output``, for a LightningModule without ``forward``
+            (default: ``pl_module(probe)``).
         embedding: a layer whose flattened probe outputs go to TensorBoard's projector.
         every_n_epochs: probe at the end of every n-th epoch.
-        strict: an exception in the callback's hooks propagates (``True``) or disables the
-            callback for the rest of the fit with one warning (``False``); ``None``: the
-            environment variable ``LIGHTNING_HOOKS_STRICT`` (see
-            :mod:`lightning_hooks.core.hooks.guard`).
+        strict: ``True``: a hook's exception propagates; ``False``: it disables the callback
+            with one warning; ``None``: ``LIGHTNING_HOOKS_STRICT``.
 
     Example:
         >>> callback = FeatureMapCallback(layers="features.*", embedding="head", probe_size=32)
@@ -192,14 +182,12 @@ class FeatureMapCallback(HookCallback):
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """No training-time hook (the probe's live only during the probe forward); a probe
-        taken from a batch is taken afresh for each fit (a second model has other inputs)."""
+        """No training-time hook; a probe taken from a batch is taken afresh each fit."""
         self._probe, self._labels = self._given
 
     @override
     def _detach(self) -> None:
-        """No hook to remove (:func:`capture_outputs` removes its hooks when the probe ends);
-        a probe taken from a batch is dropped, so the fit's data is not kept after it."""
+        """Drop a probe taken from a batch, so the fit's data is not kept after it."""
         self._probe, self._labels = self._given
 
     @override
@@ -211,8 +199,7 @@ class FeatureMapCallback(HookCallback):
             self._labels = default_labels(batch, self.probe_size)
 
     def _model_input(self, batch: Any) -> Any:
-        """The model input of the first training batch; a ``TypeError`` that stops the fit now
-        (not an epoch in, and not a guard warning) when there is none."""
+        """The first training batch's model input; a ``TypeError`` stopping the fit if none."""
         try:
             x = self.input_fn(batch)
         except ProbeInputError:
@@ -274,8 +261,7 @@ def _abs_means(outputs: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, f
 
 
 class ProbeInputError(LightningHooksError, TypeError):
-    """No usable model input in the first training batch: a configuration error, which the
-    guard lets through (it propagates the library's own errors) so the fit stops there."""
+    """No usable model input in the first training batch (the guard lets it through)."""
 
 
 def has_tensor(x: Any) -> bool:

@@ -35,21 +35,17 @@ __all__ = ["GradFlowCallback"]
 
 
 class GradFlowCallback(HookCallback):
-    r"""Per-layer gradient flow: the gradient the optimizer applies, weights, updates; and an
-    early-warning sentinel on every optimizer step.
+    r"""Per-layer gradient flow (the applied gradient, weights, updates) and early-warning alarms
+    on every optimizer step.
 
-    A *layer* is a module owning trainable parameters directly (a ``Linear``, a ``Conv2d``, a
-    ``BatchNorm``); its parameters are measured together. At every sampled optimizer step (every
-    ``every_n_steps``-th, by default the Trainer's ``log_every_n_steps``, and the first of each
-    epoch), on the device and without a host sync, it measures the gradient the optimizer applies
-    (accumulated over ``accumulate_grad_batches``, all-reduced under DDP, unscaled under AMP, after
-    clipping), the weights, the update the step makes, and the gradient with respect to each layer's
-    output (a tensor hook on the output, which works with ``ReLU(inplace=True)``). Each sampled step
-    is a logging step: its values are reduced across ranks, copied to the host once and logged at
-    that step under ``grad_flow/{stat}_step/{layer}`` and ``grad_flow/global/{stat}_step`` (every
-    statistic below but the ``*_max`` ones), with ``grad_flow/alarms_step/{rule}`` and the alarms'
-    text since the last logging step. At each epoch end the mean and max over the epoch's sampled
-    steps are logged at ``trainer.global_step`` under the plain tags below.
+    A *layer* is a module owning trainable parameters directly (``Linear``, ``Conv2d``,
+    ``BatchNorm``). On each sampled optimizer step (see ``every_n_steps``) it measures, without a
+    host sync, the gradient the optimizer applies (accumulated, all-reduced under DDP, unscaled
+    under AMP, after clipping), the weights, the update, and the gradient of each layer's output.
+    Each sampled step logs every statistic but the ``*_max`` ones under
+    ``grad_flow/{stat}_step/{layer}`` and ``grad_flow/global/{stat}_step``, with
+    ``grad_flow/alarms_step/{rule}``; each epoch end logs the mean and max over its sampled steps
+    at ``trainer.global_step`` under the tags below.
 
     Logged metrics (``{layer}`` is the module's qualified name, e.g. ``encoder.0``):
 
@@ -94,30 +90,20 @@ class GradFlowCallback(HookCallback):
     (histogram)                                 ``log10 |g|`` over the epoch's steps
     ==========================================  ================================================
 
-    With more than ``max_layers_logged`` layers, an epoch logs the per-layer tags of that many
-    layers only (non-finite first, then half with the largest and half with the smallest
-    gradient norm) plus the percentiles over all layers. The chart always shows every layer.
+    Beyond ``max_layers_logged`` layers, an epoch logs that many layers' tags (non-finite first,
+    then half the largest, half the smallest gradient norms) plus percentiles over all layers;
+    the chart shows every layer.
 
-    **Early warnings** (``alarms``: :class:`~lightning_hooks.core.AlarmRules`) run on *every*
-    optimizer step, whatever the statistics cadence: one multi-tensor L2 pass over the gradients
-    before clipping, whose norms are copied to the host without blocking, where the rules run
-    (same step on the CPU, the next on CUDA): *spike* (logged), *explosion* (a spike that
-    reaches the optimizer, after ``gradient_clip_val``'s clipping, big enough to hurt it),
-    *absolute*, *vanishing*, *nonfinite*, *amp_overflow* (counted) and the optional
-    *loss_spike*; *diverging* on every batch; *stall* (logged: an adaptive optimizer's update
-    collapsing while the loss stops learning) and *attention* (attention collapse across
-    layers) on the sampled steps.
-    Under DDP the loss rules read the mean loss over ranks (one ``all_reduce`` per batch, no
-    host sync), so every rank takes the same decision at the same step; the same
-    ``all_reduce`` carries the ranks' agreement on a failure of the callback and on ``stop``.
-    Under manual optimization in a distributed run they read it when every rank returned a
-    loss, and turn off on every rank, with one warning, at the first batch where they disagree
-    (:meth:`.alarm_policy.AlarmPolicy.plan_loss`). ``on_alarm``: ``"warn"``, ``"stop"``,
-    ``"raise"`` or ``"skip"`` (:class:`.alarm_policy.AlarmPolicy`). Under ``gradient_clip_val``
-    the gradient columns are the applied (clipped) gradient, read in an optimizer step
-    post-hook, and ``grad_norm_preclip`` the one before clipping. Under ``16-mixed`` the loss
-    scale is divided out on the device; under DDP the values equal one process's on the global
-    batch.
+    **Alarms** (:class:`~lightning_hooks.core.AlarmRules`) run on *every* optimizer step: one
+    multi-tensor L2 pass over the pre-clip gradients, copied to the host without blocking, where
+    the rules run (same step on CPU, the next on CUDA): *spike* (logged), *explosion* (a spike
+    surviving ``gradient_clip_val``), *absolute*, *vanishing*, *nonfinite*, *amp_overflow*
+    (counted), optional *loss_spike*; *diverging* on every batch; *stall* (logged) and
+    *attention* on the sampled steps. Under DDP the loss rules read the mean loss over ranks (one
+    ``all_reduce`` per batch, which also carries the ranks' agreement on a failure and on
+    ``stop``), so every rank decides alike; under manual optimization see
+    :meth:`.alarm_policy.AlarmPolicy.plan_loss`. Under ``16-mixed`` the loss scale is divided
+    out; under DDP the values equal one process's on the global batch.
 
     Args:
         types: only modules of these types count as layers (default: any module with parameters).
@@ -131,18 +117,16 @@ class GradFlowCallback(HookCallback):
             the gradients per sampled step).
         heatmap: log an image of the gradient norm per layer and epoch each epoch.
         alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
-        on_alarm: the action for every rule, or a mapping ``{rule: action}`` (others warn;
-            under ``"warn"``, *spike* and *stall* log unless named);
-            ``"skip"`` does not apply to ``"vanishing"``, ``"loss_spike"``, ``"diverging"``,
-            ``"stall"`` and ``"attention"``, which then warn.
-        every_n_steps: measure the statistics on optimizer steps ``0, n, 2n, ...`` only
+        on_alarm: ``"warn"``, ``"stop"``, ``"raise"`` or ``"skip"`` for every rule, or a mapping
+            ``{rule: action}`` (:class:`.alarm_policy.AlarmPolicy`); unnamed rules warn, under
+            ``"warn"`` *spike* and *stall* only log, and ``"skip"`` warns for the loss rules,
+            *vanishing*, *stall* and *attention*.
+        every_n_steps: measure on optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``); the alarms run on every step.
-        stability: log the transformer instability statistics ``stability/...``
-            (:class:`~lightning_hooks.core.stats.stability.StabilityStats`: the largest attention
-            logit and smallest attention entropy, the output logits' log-partition) on the
-            sampled steps, whatever ``types``,
-            ``include`` and ``exclude`` select. The output layer is the last module owning
-            parameters whose output is a floating tensor, in forward execution order.
+        stability: log the instability statistics ``stability/...``
+            (:class:`~lightning_hooks.core.stats.stability.StabilityStats`) on the sampled steps,
+            whatever ``types``, ``include`` and ``exclude`` select. The output layer is the last
+            module owning parameters whose output is a floating tensor, in forward order.
 
     Example:
         >>> import pytorch_lightning as pl

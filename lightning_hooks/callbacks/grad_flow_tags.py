@@ -1,7 +1,5 @@
-"""What ``GradFlowCallback`` writes: its logging steps, its epoch (scalars bounded for deep
-models: at most ``max_layers`` layers' tags plus percentiles over all layers; the chart, the
-heatmap, the per-layer gradient histograms, the instability statistics) and its checkpoint
-state."""
+"""What ``GradFlowCallback`` writes at its logging steps and epoch ends (scalars, chart, heatmap,
+histograms, instability statistics), and its checkpoint state."""
 
 from __future__ import annotations
 

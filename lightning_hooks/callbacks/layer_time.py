@@ -22,29 +22,16 @@ _NAME = "LayerTimeCallback"
 class LayerTimeCallback(StatsCallback):
     r"""Forward time of every layer on sampled training steps, as ms and as a share of the step.
 
-    The sampled optimizer steps (``every_n_steps``, as for every callback of the library: steps
-    ``0, n, 2n, ...`` and each epoch's first) are timed: a forward pre-hook and a forward hook on
-    each layer mark its start and end (``time.perf_counter`` on the CPU; CUDA events on a GPU,
-    read when the next sampled step starts, so no step waits for its own kernels), and each
-    micro-batch of the step is marked from ``on_train_batch_start`` to ``on_train_batch_end``
-    (forward, backward and optimizer step; not data loading). On the other steps the hooks
-    are not on the modules (under ``torch.compile``: each returns after one attribute check).
-    Memory stays O(layers) however many steps.
-    A *layer* is a leaf module (a module without children:
-    ``Conv2d``, ``ReLU``, ``Flatten``, ...), so no time is counted twice and the shares sum to at
-    most 1. Time spent in ``forward`` outside any module (functional ops) belongs to no layer.
+    On the sampled optimizer steps a forward pre-hook and hook on each layer mark its start and
+    end (``time.perf_counter`` on the CPU; CUDA events on a GPU, read at the next sampled step so
+    no step waits for its kernels); the step is timed from ``on_train_batch_start`` to
+    ``on_train_batch_end`` (not data loading). A *layer* is a leaf module, so no time counts twice
+    and the shares sum to at most 1; functional ops in ``forward`` belong to no layer. Backward
+    time is not measured (full backward hooks break in-place ops). Under DDP the logged times are
+    means over ranks and sampled steps.
 
-    Backward time per layer is not measured: it needs full backward hooks, which break in-place
-    ops and cost several times a forward hook. Under DDP the totals are summed across ranks in
-    one collective: the logged times are means over ranks and sampled steps. The totals of a
-    partial epoch travel in checkpoints.
-
-    Cost, measured with ``examples/overhead.py`` on a small CNN (CPU, 2 shared cores): see the
-    README. With ``every_n_steps=1`` every step pays two clock reads per leaf module.
-
-    Logged metrics, per epoch, means over the epoch's sampled steps; at each logging step (every
-    sampled step) the same tags with ``_step`` after the statistic (``layer_time/step_ms_step``),
-    of that step only:
+    Logged metrics, per epoch, means over the epoch's sampled steps; each sampled step also logs
+    the same tags with ``_step`` after the statistic (``layer_time/step_ms_step``):
 
     =================================  ========================================================
     Tag                                Value
@@ -57,8 +44,8 @@ class LayerTimeCallback(StatsCallback):
     =================================  ========================================================
 
     Args:
-        every_n_steps: time optimizer steps ``0, n, 2n, ...`` and each epoch's first step;
-            ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set).
+        every_n_steps: time optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
+            (``None``: the Trainer's ``log_every_n_steps``).
         types: only modules of these types.
         include: glob patterns on qualified module names to keep.
         exclude: glob patterns on qualified module names to drop.

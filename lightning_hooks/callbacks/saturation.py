@@ -39,24 +39,19 @@ def _check_types(types: ModuleTypes) -> None:
 class SaturationCallback(StatsCallback):
     r"""Saturated outputs of every bounded activation, and units saturated all epoch long.
 
-    A forward hook on every ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6`` included)
-    and ``Hardsigmoid`` module counts, on the device and on every sampled training forward
-    (``every_n_steps``), the outputs in the flat, near-zero-gradient region (thresholds in
-    :func:`~lightning_hooks.core.saturation_mask`: ``|tanh| > 0.99``, sigmoid ``< 0.01`` or
-    ``> 0.99``, Hardtanh exactly at ``min_val``/``max_val``, ...), and marks per *unit* (index along
-    ``unit_dim``: a feature of a ``Linear``, a channel of a conv) whether any of its outputs was
-    unsaturated. At each epoch end the counts are summed across ranks (one collective), copied to
-    the host once and logged. A functional ``torch.tanh`` inside ``forward`` cannot be hooked: use
-    the module.
+    A forward hook on every ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6``
+    included) and ``Hardsigmoid`` module counts, on the sampled training forwards, the outputs in
+    the flat region (:func:`~lightning_hooks.core.saturation_mask`: ``|tanh| > 0.99``, sigmoid
+    ``< 0.01`` or ``> 0.99``, Hardtanh at its bounds, ...), and marks per *unit* (index along
+    ``unit_dim``) whether any output was unsaturated. A functional ``torch.tanh`` cannot be
+    hooked: use the module.
 
-    Warning rule (as for dead ReLUs): on rank 0, one ``LightningHooksWarning`` per layer, the first
-    epoch of a fit its always-saturated fraction is ``>= warn_at`` with at least one such unit,
-    naming the layer and "k of n units"; later epochs of the same layer are counted, and one
-    summary warning at the end of fit gives the counts.
+    One ``LightningHooksWarning`` per layer names it and "k of n units" the first epoch its
+    always-saturated fraction is ``>= warn_at`` (with such a unit); repeats are summed in one
+    warning at the fit's end.
 
-    Logged metrics, per epoch (``{layer}``: the module's qualified name); at each logging step
-    (every sampled step) the same tags with ``_step`` after the statistic, of that step only,
-    but ``always_saturated_fraction`` (over an epoch):
+    Logged metrics, per epoch (``{layer}``: the module's qualified name); each sampled step also
+    logs the same tags with ``_step`` after the statistic, but ``always_saturated_fraction``:
 
     ================================================  ==========================================
     Tag                                               Value, over the epoch's training forwards
@@ -77,10 +72,8 @@ class SaturationCallback(StatsCallback):
         margin: threshold margin of the smooth activations (0.01: ``|tanh| > 0.99``).
         warn_at: warn about a layer when at least this fraction (in ``[0, 1]``) of its units is
             saturated on every sample of an epoch (0: any such unit); ``None``: no warning.
-        every_n_steps: observe optimizer steps ``0, n, 2n, ...`` and each epoch's first step only;
-            ``None`` (default): the Trainer's ``log_every_n_steps`` (50 unless set), 1: every step.
-            Fractions are then over the sampled batches. Off-sample steps cost one Python attribute
-            check per hook.
+        every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
+            (``None``: the Trainer's ``log_every_n_steps``; 1: every step).
 
     Example:
         >>> callback = SaturationCallback(warn_at=0.25)

@@ -81,26 +81,21 @@ class _Attached:
 class StatsCallback(HookCallback):
     """Hooks each statistic on the model, logs its tags every epoch, carries it in checkpoints.
 
-    Every statistic's hooks run on the sampled optimizer steps only (``every_n_steps``, as for
-    every callback of the library) and in training forwards only. Each sampled step is a
-    logging point: after its optimizer step every statistic's states of the steps measured since
-    the last one (the *window*) are reduced across ranks in one collective, copied to the host
-    once (pinned and non-blocking on CUDA, written once the copy is done, at the latest at the
-    next batch) and logged at that step under :meth:`LayerStat.step_values` with ``_step`` after
-    the statistic (``activations/mean_step/{layer}``); the loggers are then saved, as Lightning
-    does after its own ``log_metrics``, so a killed run keeps them. The windows are folded into
-    the epoch on the host; at each epoch end the epoch's result is logged at
-    ``trainer.global_step`` under the tags :meth:`LayerStat.tags` gives. A checkpoint holds
-    each statistic's reduced states, so a fit resumed mid-epoch logs what the uninterrupted fit
-    logs.
+    Hooks run in training forwards of the sampled steps only. After each sampled optimizer step
+    (a logging point) the states measured since the last one (the *window*) are reduced across
+    ranks in one collective, copied to the host once (non-blocking on CUDA, written at the latest
+    the next batch) and logged under :meth:`LayerStat.step_values` (``{stat}_step`` tags); the
+    loggers are then saved, so a killed run keeps them. At each epoch end the epoch's result is
+    logged at ``trainer.global_step`` under :meth:`LayerStat.tags`. Checkpoints hold the reduced
+    states, so a fit resumed mid-epoch logs what the uninterrupted one logs.
 
     Logged metrics: whatever the statistics' :meth:`~lightning_hooks.core.stats.stat.LayerStat.tags`
     return.
 
     Args:
         stats: one statistic or several; each is attached afresh at every fit.
-        every_n_steps: observe optimizer steps ``0, n, 2n, ...`` and each epoch's first step only;
-            ``None`` (default): the Trainer's ``log_every_n_steps``; 1: every step.
+        every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
+            (``None``: the Trainer's ``log_every_n_steps``; 1: every step).
 
     Example:
         >>> from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
@@ -112,8 +107,7 @@ class StatsCallback(HookCallback):
     uses_images = False
     _tracker: _Attached | None = None
     warned: OncePerLayer | None = None
-    """Set by a subclass that warns about a layer once per fit (its repeats summed up at the
-    end of fit, on rank 0)."""
+    """Set by a subclass warning once per layer per fit (repeats summed up at the fit's end)."""
 
     def __init__(
         self,
@@ -221,8 +215,7 @@ class StatsCallback(HookCallback):
         return False
 
     def _align_rows(self) -> None:
-        """Every rank's new rows, in one order on every rank (one ``all_gather_object``, only
-        at the logging points and epoch ends after some rank made a row)."""
+        """Every rank's new rows, in one order on every rank (one ``all_gather_object``)."""
         new = gather_objects([stat.new_rows() for stat in self.attached])
         for i, stat in enumerate(self.attached):
             stat.align_rows([rank[i] for rank in new])
