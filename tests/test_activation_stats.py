@@ -218,7 +218,7 @@ def test_running_range_edges_span_the_previous_epoch(trainer_factory: Any, tmp_p
     assert first[1].num == epoch0.numel()
 
 
-def test_no_host_sync_between_logging_points(
+def test_no_host_sync_between_logging_steps(
     trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     probe = SyncWindow()

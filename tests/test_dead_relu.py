@@ -252,7 +252,7 @@ def test_module_called_twice_counts_both_calls(trainer_factory: Any, tmp_path: P
     assert _logged(scalars, "zero_fraction", "act", 4) == pytest.approx(zero, rel=1e-6)
 
 
-def test_no_host_sync_between_logging_points(
+def test_no_host_sync_between_logging_steps(
     trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     probe = SyncWindow()

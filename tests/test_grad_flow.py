@@ -147,7 +147,7 @@ def test_large_layers_logged_values_equal_an_independent_computation_at_defaults
             assert math.isclose(logged, want, rel_tol=1e-5), (tag, layer)
 
 
-def test_no_host_sync_between_logging_points(
+def test_no_host_sync_between_logging_steps(
     trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     probe = SyncWindow()

@@ -55,7 +55,7 @@ def test_histograms_equal_numpy_counts_of_the_recorded_gradients(tmp_path: Path)
             assert list(hist.bucket_limit)[:-1] == pytest.approx(edges.tolist())
 
 
-def test_no_host_sync_between_logging_points_with_histograms(
+def test_no_host_sync_between_logging_steps_with_histograms(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     probe = SyncWindow()

@@ -151,7 +151,7 @@ def test_a_long_iterable_epoch_logs_every_statistic_at_each_logging_step(tmp_pat
     ],
     ids=["accumulation", "max_steps_mid_epoch", "val_check_interval"],
 )
-def test_step_values_are_exactly_the_measured_steps(
+def test_step_values_are_exactly_the_sampled_steps(
     tmp_path: Path, options: dict[str, Any], steps: list[int]
 ) -> None:
     recorder = Recorder(every=options["log_every_n_steps"])

@@ -1,7 +1,7 @@
 """The base of every callback: when its hooks exist, which steps it measures, when it writes.
 
 :class:`HookCallback` owns the lifecycle (attach, remove on every exit, checkpoints, the guard),
-the cadence (sampled steps, logging points) and the writing (one save of the loggers per hook
+the cadence (sampled steps, logging steps) and the writing (one save of the loggers per hook
 round, the dashboard). Subclasses implement :meth:`~HookCallback._attach` and
 :meth:`~HookCallback._log_epoch` and extend the hooks under "Extend" below. Checks and the ranks'
 agreement live in ``checks.py``; Fabric support in ``fabric.py``.
@@ -65,8 +65,8 @@ class HookCallback(pl.Callback, _SecondCallback):
     _default_types: Any = None
     _selection_arguments: tuple[str, ...] = ("include", "exclude")
     _epoch_start_step: int = -1
-    _measured_step: int | None = None
-    _posted = False  # a logging point's windows were posted, and may not all be written yet
+    _sampled_step: int | None = None
+    _posted = False  # a logging step's windows were posted, and may not all be written yet
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -138,13 +138,13 @@ class HookCallback(pl.Callback, _SecondCallback):
             # By batch index, not on_train_epoch_start: a run resumed mid-epoch samples the
             # same steps as the uninterrupted one. Every micro-batch of the step follows.
             self._epoch_start_step = trainer.global_step
-        if self._posted:  # on CUDA, the last logging point's copy
+        if self._posted:  # on CUDA, the last logging step's copy
             read_steps(self, trainer, wait=False)
         step = trainer.global_step
         cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
         sampled = (step + 1) % cadence == 0 or step == self._epoch_start_step
         if sampled and self._tracker is not None:
-            self._measured_step = step
+            self._sampled_step = step
         gate = getattr(self._tracker, "registry", None)  # the sampled gate of the module hooks
         if gate is not None and gate.sampled != sampled:  # a quiet step reads it, sets nothing
             gate.sampled = sampled
@@ -163,11 +163,11 @@ class HookCallback(pl.Callback, _SecondCallback):
     ) -> None:
         if self._batch_ending(trainer, outputs):
             return
-        measured = self._measured_step
-        # The measured step's optimizer step ran (its last micro-batch): a logging point.
+        measured = self._sampled_step
+        # The sampled step's optimizer step ran (its last micro-batch): a logging step.
         if measured is not None and trainer.global_step > measured:
-            self._measured_step = None
-            if _logging_point(self, trainer, measured):
+            self._sampled_step = None
+            if _logging_step(self, trainer, measured):
                 return
         if trainer in _UNSAVED:
             _end_round(self, trainer)
@@ -254,7 +254,7 @@ class HookCallback(pl.Callback, _SecondCallback):
         return False
 
     def _log_step(self, trainer: pl.Trainer, step: int) -> None:
-        """A logging point: post the window of the steps measured since the last one."""
+        """A logging step: post the window of the steps measured since the last one."""
 
     def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
         """Write the windows whose copies are done (``wait``: block for them); whether any was."""
@@ -311,11 +311,11 @@ def _load_pending(callback: HookCallback) -> None:
             )
 
 
-# The writing: logging points, epoch ends, one save of the loggers per hook round.
+# The writing: logging steps, epoch ends, one save of the loggers per hook round.
 
 
-def _logging_point(callback: HookCallback, trainer: pl.Trainer, measured: int) -> bool:
-    """After the measured step's optimizer step: write the last logging point's copy, post
+def _logging_step(callback: HookCallback, trainer: pl.Trainer, measured: int) -> bool:
+    """After the sampled step's optimizer step: write the last logging step's copy, post
     this one's; whether the callback is now disabled."""
     if agree_ranks(callback, trainer, measured, always=False):
         return True
@@ -329,9 +329,9 @@ def _logging_point(callback: HookCallback, trainer: pl.Trainer, measured: int) -
 def _write_epoch(
     callback: HookCallback, trainer: pl.Trainer, pl_module: pl.LightningModule
 ) -> None:
-    """At the epoch end: the last logging point, the epoch, the dashboard, one save."""
+    """At the epoch end: the last logging step, the epoch, the dashboard, one save."""
     read_steps(callback, trainer, wait=True)
-    callback._measured_step = None
+    callback._sampled_step = None
     callback._log_epoch(trainer, pl_module)
     if trainer.is_global_zero and _last_of_ours(callback, trainer, live=False):
         write_dashboards(trainer.loggers)  # one layout per run, by the last of ours
@@ -340,7 +340,7 @@ def _write_epoch(
 
 
 def read_steps(callback: HookCallback, trainer: pl.Trainer, wait: bool) -> None:
-    """Write what the last logging point measured once its host copy is done (``wait``: block
+    """Write what the last logging step measured once its host copy is done (``wait``: block
     for it); without ``wait``, nothing is read unless a posted window is still unwritten."""
     if not (wait or callback._posted):
         return

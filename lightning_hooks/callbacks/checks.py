@@ -1,7 +1,7 @@
 """What a callback checks and arranges before it runs, and what its ranks agree on.
 
 Arguments, the Trainer's strategy and loggers, and the selection are checked (each error names
-the culprit). At the logging points of a multi-process run the ranks agree on a failure and on a
+the culprit). At the logging steps of a multi-process run the ranks agree on a failure and on a
 stop (:func:`agree_ranks`).
 
 Lightning calls every per-batch hook of every callback inside a profiler context, even
@@ -276,7 +276,7 @@ def restore_inherited(callback: Any) -> None:
 
 
 def agree_ranks(callback: Any, trainer: pl.Trainer, step: int, always: bool) -> bool:
-    """At a logging point (``always``: an epoch end) of a multi-process run, agree on a deferred
+    """At a logging step (``always``: an epoch end) of a multi-process run, agree on a deferred
     failure and a ``stop`` (one small ``all_reduce``) unless every batch's collective carries
     them; whether the callback is now disabled on every rank."""
     guard = callback._hook_guard()

@@ -82,7 +82,7 @@ def grad_flow_scalars(
             yield from _percentiles(suffix, column[:last][counts[:last] > 0])
 
 
-# A logging step's window is one measured step: its max is its mean, logged once.
+# A logging step's window is one sampled step: its max is its mean, logged once.
 _EPOCH_ONLY = frozenset({"grad_norm_max", "update_ratio_max", "output_grad_norm_max"})
 
 
@@ -162,7 +162,7 @@ def write_histograms(
 
 
 def post_window(callback: GradFlowCallback, trainer: pl.Trainer, step: int) -> None:
-    """A logging point: post the window of the tracker and the instability statistics."""
+    """A logging step: post the window of the tracker and the instability statistics."""
     if callback._tracker is None:
         return
     callback._tracker.post_window(step)

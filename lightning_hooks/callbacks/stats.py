@@ -82,7 +82,7 @@ class StatsCallback(HookCallback):
     """Hooks each statistic on the model, logs its tags every epoch, carries it in checkpoints.
 
     Hooks run in training forwards of the sampled steps only. After each sampled optimizer step
-    (a logging point) the states measured since the last one (the *window*) are reduced across
+    (a logging step) the states measured since the last one (the *window*) are reduced across
     ranks in one collective, copied to the host once (non-blocking on CUDA, written at the latest
     the next batch) and logged under :meth:`LayerStat.step_values` (``{stat}_step`` tags); the
     loggers are then saved, so a killed run keeps them. At each epoch end the epoch's result is
@@ -222,7 +222,7 @@ class StatsCallback(HookCallback):
 
     @override
     def _save_state(self) -> dict[str, Any]:
-        if self._ranks > 1:  # a checkpoint between logging points: rows made since
+        if self._ranks > 1:  # a checkpoint between logging steps: rows made since
             self._align_rows()
         return {_key(i, s): s.host_state() for i, s in enumerate(self.attached)}
 
