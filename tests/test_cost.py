@@ -396,15 +396,18 @@ class _QuietSteps(_OpsPerStep):
         super().__init__()
         self.ops: list[dict[str, int]] = []
         self.calls: list[int] = []
+        self.modules: list[set[str]] = []  # our modules a step's calls ran in
         self._calls = 0
+        self._modules: set[str] = set()
 
     def _profile(self, frame: Any, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code.co_filename.startswith(_OURS):
             self._calls += 1
+            self._modules.add(frame.f_code.co_filename)
 
     def on_train_batch_start(self, *args: Any) -> None:
         super().on_train_batch_start(*args)
-        self._calls = 0
+        self._calls, self._modules = 0, set()
         sys.setprofile(self._profile)
 
     def _close(self) -> None:
@@ -412,6 +415,7 @@ class _QuietSteps(_OpsPerStep):
             sys.setprofile(None)
             self.ops.append(dict(self.counter.ops))
             self.calls.append(self._calls)
+            self.modules.append(self._modules)
         super()._close()
 
 
@@ -449,6 +453,16 @@ def test_a_quiet_step_runs_no_python_of_ours_per_module(
     assert deep[0] > small[0] + 200  # the sampled step hooks every module: the count can fail
     assert small[1:] == quiet_steps[100, True].calls[1:] == deep[1:], (small, deep)
     assert quiet_steps[4, False].calls == [0, 0, 0, 0]
+
+
+def test_a_quiet_step_runs_in_a_few_modules_of_ours(
+    quiet_steps: dict[tuple[int, bool], _QuietSteps],
+) -> None:
+    """Every default callback: their hooks, the sentinel's read, its rules and its mailbox, in
+    at most 16 of our modules whatever the depth."""
+    for modules in (4, 200):
+        for step in quiet_steps[modules, True].modules[1:]:
+            assert len(step) <= 16, sorted(Path(m).name for m in step)
 
 
 def test_a_quiet_step_reads_nothing_back_on_the_host(
