@@ -145,8 +145,7 @@ class FailRule:
                 [f"{report.run}: alarms={total:g} ({name})"] if test(total, self.threshold) else []
             )
         if "/alarms/" in self.metric:
-            family, _, rule = self.metric.partition("/alarms/")
-            value = report.alarms.get(f"{family}/{rule}", math.nan)
+            value = report.alarms.get(_alarm_key(self.metric), math.nan)
             return [f"{report.run}: {self.metric}={value:g}"] if test(value, self.threshold) else []
         return [
             f"{report.run}: {row.layer} {self.metric}={row.get(self.metric):.4g} ({name})"
@@ -166,12 +165,16 @@ def known_metrics() -> list[str]:
     ]
 
 
+def _alarm_key(metric: str) -> str:
+    """``family/alarms/rule`` as the report keys its alarm counts: ``family/rule``."""
+    return metric.replace("/alarms/", "/", 1)
+
+
 def _logged(report: RunReport, metric: str) -> bool:
     if metric == "alarms":
         return bool(report.alarms)
     if "/alarms/" in metric:
-        family, _, rule = metric.partition("/alarms/")
-        return f"{family}/{rule}" in report.alarms
+        return _alarm_key(metric) in report.alarms
     full = dict(COLUMNS).get(metric, metric)
     return any(full in row.values for row in report.layers)
 
@@ -251,7 +254,9 @@ def _read(logdir: Path) -> list[RunReport]:
     return [r for r in (read_run(run, logdir) for run in progress) if r is not None]
 
 
-def _report(args: argparse.Namespace) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (also the process's, via ``sys.exit``)."""
+    args = _parser().parse_args(argv)
     try:
         rules = [FailRule.parse(text) for text in args.fail_on]
     except ValueError as error:
@@ -280,12 +285,6 @@ def _report(args: argparse.Namespace) -> int:
     for line in violations:
         print(f"FAIL {line}", file=sys.stderr)
     return EXIT_FAILED if violations else EXIT_OK
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (also the process's, via ``sys.exit``)."""
-    args = _parser().parse_args(argv)
-    return _report(args)
 
 
 if __name__ == "__main__":

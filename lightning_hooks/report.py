@@ -121,13 +121,18 @@ def csv_series(path: Path) -> dict[str, list[tuple[int, float]]]:
         for row in csv.DictReader(file):
             step = int(float(row.get("step") or 0))
             for tag, cell in row.items():
-                if tag == "step" or not cell:
-                    continue
-                values = series.setdefault(tag, [])
-                if values and step < values[-1][0]:
-                    values[:] = [(s, v) for s, v in values if s < step]
-                values.append((step, _float(cell)))
+                if tag != "step" and cell:
+                    _append(series, tag, step, _float(cell))
     return series
+
+
+def _append(series: dict[str, list[tuple[int, float]]], tag: str, step: int, value: float) -> None:
+    """Add ``(step, value)`` to ``tag``'s series; a step lower than its last one (a resumed run)
+    drops its values from that step on."""
+    values = series.setdefault(tag, [])
+    if values and step < values[-1][0]:
+        values[:] = [(s, v) for s, v in values if s < step]
+    values.append((step, value))
 
 
 def _float(cell: str) -> float:
@@ -226,10 +231,7 @@ def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = {}
     for path in sorted(run_dir.glob("events.out.tfevents.*")):
         for tag, step, value in scalar_events(path):
-            values = series.setdefault(tag, [])
-            if values and step < values[-1][0]:
-                values[:] = [(s, v) for s, v in values if s < step]
-            values.append((step, value))
+            _append(series, tag, step, value)
     return series
 
 
@@ -246,26 +248,22 @@ def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     epoch: dict[str, list[tuple[int, float]]] = {}
     steps: dict[str, list[tuple[int, float]]] = {}
     for tag, events in read_series(run_dir).items():
-        if tag.endswith("/alarms/spike_score"):
-            continue  # a rate (alarms per 1,000 steps), not a count to sum
-        if tag.count("/") >= 2:
+        # spike_score: a rate (alarms per 1,000 steps), not a count to sum
+        if tag.count("/") >= 2 and not tag.endswith("/alarms/spike_score"):
             name = _epoch_name(tag)
-            if name is None:
-                epoch[tag] = events
-            else:
-                steps[name] = events
+            (epoch if name is None else steps)[name or tag] = events
     if not epoch and not steps:
         return None
     ended = max((events[-1][0] for events in epoch.values()), default=-1)
-    source = epoch
-    if max((events[-1][0] for events in steps.values()), default=-1) > ended:
-        source = steps  # the values of its last logging step, after its last epoch end
+    # the values of its last logging step when it logged after its last epoch end
+    late = max((events[-1][0] for events in steps.values()), default=-1) > ended
+    source = steps if late else epoch
     last = {tag: events[-1] for tag, events in source.items()}
     totals: dict[str, float] = {}
     for tag in last:
         if tag.split("/")[1] == "alarms":  # the run's total per rule
             counted = [v for _, v in epoch.get(tag, [])]
-            if source is steps:
+            if late:
                 counted += [v for s, v in steps[tag] if s > ended]
             totals[tag] = math.fsum(counted)
     step = max(s for s, _ in last.values())

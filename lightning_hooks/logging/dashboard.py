@@ -54,11 +54,8 @@ _PERCENTILE = re.compile(r"_p\d+$")
 _SEEN: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
 _WRITTEN: weakref.WeakKeyDictionary[Any, frozenset[tuple[str, str]]] = weakref.WeakKeyDictionary()
 
-
 STEP = "_step"
 """The suffix of a statistic's name in the tags of one logging step."""
-
-
 _TAGS = 1 << 16  # tags whose derived names are kept (each logging step writes the same ones)
 
 
@@ -123,16 +120,13 @@ def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, lis
     """
     layout: dict[str, dict[str, list[Any]]] = {}
     for family, stat in sorted(set(keys), key=_chart_rank)[:MAX_CHARTS]:
-        fam, st = re.escape(family), re.escape(stat)
-        if stat.removesuffix(STEP) == "alarms":
-            chart = family + stat.removeprefix("alarms")  # grad_flow, grad_flow_step
-            layout.setdefault(f"{_CATEGORY_PREFIX}: alarms", {})[chart] = [
-                "Multiline",
-                [f"^{fam}/{st}/.*"],
-            ]
-            continue
-        regexes = [f"^{fam}/{st}/.*", f"^{fam}/global/{st}(_p\\d+)?$"]
-        layout.setdefault(f"{_CATEGORY_PREFIX}: {family}", {})[stat] = ["Multiline", regexes]
+        regexes = [f"^{re.escape(family)}/{re.escape(stat)}/.*"]
+        if stat.removesuffix(STEP) == "alarms":  # chart grad_flow or grad_flow_step
+            category, chart = "alarms", family + stat.removeprefix("alarms")
+        else:
+            category, chart = family, stat
+            regexes.append(f"^{re.escape(family)}/global/{re.escape(stat)}(_p\\d+)?$")
+        layout.setdefault(f"{_CATEGORY_PREFIX}: {category}", {})[chart] = ["Multiline", regexes]
     return layout
 
 

@@ -120,9 +120,7 @@ def _figure_pixels(figure: Figure) -> np.ndarray:
     """
     canvas = FigureCanvasAgg(figure)
     canvas.draw()  # type: ignore[no-untyped-call]
-    rgba: np.ndarray = np.asarray(canvas.buffer_rgba())  # type: ignore[no-untyped-call]
-    pixels: np.ndarray = rgba[:, :, :3].copy()
-    return pixels
+    return np.asarray(canvas.buffer_rgba())[:, :, :3].copy()  # type: ignore[no-untyped-call,no-any-return]
 
 
 def _image_pixels(image: Any) -> np.ndarray:
@@ -135,15 +133,6 @@ def _image_pixels(image: Any) -> np.ndarray:
     """
     pixels = (image.detach().float().clamp(0, 1) * 255).round().byte().cpu().numpy()
     return pixels[0] if pixels.shape[0] == 1 else np.transpose(pixels, (1, 2, 0))
-
-
-def _png_bytes(pixels: np.ndarray) -> bytes:
-    """``uint8`` pixels encoded as PNG."""
-    from PIL import Image
-
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def _step_file(tag: str, step: int, suffix: str) -> str:
@@ -172,33 +161,37 @@ class CSVSink(LoggerSink):
     def accepts(cls, logger: Any) -> bool:
         return isinstance(logger, lightning_types("CSVLogger"))
 
-    def _log_dir(self) -> Path | None:
-        """The run's folder; ``None`` on ranks other than 0 (their experiment is a dummy)."""
+    def _file(self, name: str) -> Path | None:
+        """``name`` in the run's folder, its folder made; ``None`` on ranks other than 0 (their
+        experiment is a dummy)."""
         log_dir = getattr(self.logger.experiment, "log_dir", None)
-        return Path(log_dir) if isinstance(log_dir, str) else None
-
-    def _write_png(self, tag: str, step: int, png: bytes) -> None:
-        log_dir = self._log_dir()
-        if log_dir is None:
-            return
-        path = log_dir / _step_file(tag, step, ".png")
+        if not isinstance(log_dir, str):
+            return None
+        path = Path(log_dir) / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(png)
+        return path
+
+    def _write_png(self, tag: str, step: int, pixels: np.ndarray) -> None:
+        from PIL import Image
+
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG")
+        path = self._file(_step_file(tag, step, ".png"))
+        if path is not None:
+            path.write_bytes(buffer.getvalue())
 
     def figure(self, tag: str, figure: Figure, step: int) -> None:
-        self._write_png(tag, step, _png_bytes(_figure_pixels(figure)))
+        self._write_png(tag, step, _figure_pixels(figure))
 
     def image(self, tag: str, image: Any, step: int) -> None:
-        self._write_png(tag, step, _png_bytes(_image_pixels(image)))
+        self._write_png(tag, step, _image_pixels(image))
 
     def text(self, tag: str, text: str, step: int) -> None:
         """Append ``text`` under a step heading to ``<tag with dots>.md`` beside ``metrics.csv``."""
-        log_dir = self._log_dir()
-        if log_dir is None:
-            return
-        log_dir.mkdir(parents=True, exist_ok=True)
-        with (log_dir / (tag.replace("/", ".") + ".md")).open("a", encoding="utf-8") as file:
-            file.write(f"## {tag}, step {step}\n\n{text}\n\n")
+        path = self._file(tag.replace("/", ".") + ".md")
+        if path is not None:
+            with path.open("a", encoding="utf-8") as file:
+                file.write(f"## {tag}, step {step}\n\n{text}\n\n")
 
 
 _UNSAFE = re.compile(r"[^a-zA-Z0-9_/. -]+")
@@ -221,8 +214,8 @@ class MLflowSink(LoggerSink):
         return isinstance(logger, lightning_types("MLFlowLogger"))
 
     def figure(self, tag: str, figure: Figure, step: int) -> None:
-        client = self.logger.experiment
-        client.log_figure(self.logger.run_id, figure, _step_file(tag, step, ".png"))
+        path = _step_file(tag, step, ".png")
+        self.logger.experiment.log_figure(self.logger.run_id, figure, path)
 
     def image(self, tag: str, image: Any, step: int) -> None:
         # The key follows MLflow's metric-name rules, as Lightning's log_metrics cleans its keys.
@@ -232,8 +225,7 @@ class MLflowSink(LoggerSink):
         )
 
     def text(self, tag: str, text: str, step: int) -> None:
-        client = self.logger.experiment
-        client.log_text(self.logger.run_id, text, _step_file(tag, step, ".md"))
+        self.logger.experiment.log_text(self.logger.run_id, text, _step_file(tag, step, ".md"))
 
 
 _STEP_KEY = "trainer/global_step"

@@ -58,14 +58,6 @@ def register_sink(kind: type[LoggerSink]) -> type[LoggerSink]:
     return kind
 
 
-def _sink(logger: Any) -> LoggerSink:
-    sink = _SINKS.get(logger)
-    if sink is None:
-        kind = next((k for k in _KINDS if k.accepts(logger)), LoggerSink)
-        sink = _SINKS[logger] = kind(logger)
-    return sink
-
-
 def sinks_for(loggers: Sequence[Any]) -> list[LoggerSink]:
     """One live sink per distinct logger (a sink whose client raised is left out).
 
@@ -77,7 +69,10 @@ def sinks_for(loggers: Sequence[Any]) -> list[LoggerSink]:
     """
     sinks: list[LoggerSink] = []
     for logger in loggers:
-        sink = _sink(logger)
+        sink = _SINKS.get(logger)
+        if sink is None:
+            kind = next((k for k in _KINDS if k.accepts(logger)), LoggerSink)
+            sink = _SINKS[logger] = kind(logger)
         if sink not in sinks and sink not in _FAILED:
             sinks.append(sink)
     return sinks
@@ -93,23 +88,18 @@ def each_sink(loggers: Sequence[Any], write: Callable[[LoggerSink], None]) -> No
             if strict_default():
                 raise
             _FAILED.add(sink)
-            _warn_failed(sink, err)
+            from pytorch_lightning.utilities import rank_zero_warn
 
-
-def _warn_failed(sink: LoggerSink, err: Exception) -> None:
-    from pytorch_lightning.utilities import rank_zero_warn
-
-    rank_zero_warn(
-        f"lightning_hooks: {type(sink.logger).__name__} raised {type(err).__name__}: {err}; "
-        "nothing more of ours is written to it in this run, training goes on.",
-        category=LightningHooksWarning,
-    )
+            rank_zero_warn(
+                f"lightning_hooks: {type(sink.logger).__name__} raised {type(err).__name__}: "
+                f"{err}; nothing more of ours is written to it in this run, training goes on.",
+                category=LightningHooksWarning,
+            )
 
 
 def log_scalars(loggers: Sequence[Any], metrics: Mapping[str, float], step: int) -> None:
     """Send ``metrics`` to every logger (TensorBoard, W&B, MLflow, CSV, ...), rank 0 only; a
     plain ``TensorBoardLogger`` gets one event (:meth:`~.tensorboard.TensorBoardSink.scalars`)."""
-
     if metrics:
         each_sink(loggers, lambda sink: sink.scalars(metrics, step))
 
@@ -159,14 +149,7 @@ def log_histogram(
     step: int,
     moments: Moments | None = None,
 ) -> None:
-    """Write pre-binned counts to every logger with histograms (TensorBoard, W&B).
-
-    Args:
-        loggers: the Trainer's loggers.
-        tag: the histogram's tag.
-        limits: ``[buckets]`` right edges.
-        counts: ``[buckets]`` counts.
-        step: the global step.
-        moments: as :func:`~.tensorboard.histogram_raw` takes them.
-    """
+    """Write pre-binned ``counts`` with right edges ``limits`` (``[buckets]`` each) to every
+    logger with histograms (TensorBoard, W&B); ``moments`` as :func:`~.tensorboard.histogram_raw`
+    takes them."""
     each_sink(loggers, lambda sink: sink.histogram(tag, limits, counts, step, moments))
