@@ -1,7 +1,7 @@
 """Reading a run back from its TensorBoard event files (or a ``CSVLogger``'s ``metrics.csv``): the
 per-layer table of the last epoch, as ``lightning-hooks report`` prints it.
 
-Tags follow the scheme of :mod:`lightning_hooks.logging.dashboard`; alarm counts are summed over
+Tags follow the scheme of :mod:`lightning_hooks.logging.tensorboard`; alarm counts are summed over
 the run. A *run* is a directory holding event files, or a ``metrics.csv``. Event files are read
 with their checksums (TensorBoard's own reader stops silently at a corrupt record): one that
 cannot be read to its end raises :class:`EventFileError`. No torch or Lightning is imported: the

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.core.alarms import ALARM_RULES
-from lightning_hooks.logging.dashboard import MAX_CHARTS
+from lightning_hooks.logging.tensorboard import MAX_CHARTS
 
 from conftest import BoundedMLP, TinyMLP, default_callback_types, make_trainer, read_scalars
 from tensorboard_server import charts, read_layouts

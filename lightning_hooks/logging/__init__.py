@@ -1,6 +1,5 @@
 """Writing statistics and pictures to every Lightning logger, one sink per kind of logger."""
 
-from lightning_hooks.logging.dashboard import step_tag, step_tags
 from lightning_hooks.logging.figures import (
     feature_map_grid,
     grad_flow_figure,
@@ -8,7 +7,7 @@ from lightning_hooks.logging.figures import (
     layer_time_figure,
 )
 from lightning_hooks.logging.sinks import LoggerSink
-from lightning_hooks.logging.tensorboard import histogram_raw
+from lightning_hooks.logging.tensorboard import histogram_raw, step_tag, step_tags
 from lightning_hooks.logging.writer import (
     log_embedding,
     log_figure,

@@ -1,5 +1,13 @@
-"""TensorBoard: its sink (scalars as one event per logging step, every picture, the custom
-dashboard), and two costs of its writer taken off the training thread's path.
+"""TensorBoard: its sink, the custom-scalars dashboard, and two costs of its writer taken off the
+training thread's path.
+
+**Dashboard.** Scalar tags are ``<family>/<stat>/<layer>``, ``<family>/global/<stat>``
+(``<stat>_p50``: a percentile over layers) or ``<family>/alarms/<rule>``; a logging step's value
+has ``_step`` after its statistic (:func:`step_tag`, Lightning's convention), so it never shares a
+curve with the epoch's. One multiline chart per ``(family, stat)`` (its layers and global lines)
+and one per family's alarms: the panels grow with the statistics, not the layers. Categories lead
+with gradient flow, then alarms, activations, dead units, the rest by name. A writer's layout is
+written again only when a new chart appears (TensorBoard reads the last one written).
 
 **Checksums.** Without TensorFlow, TensorBoard computes each record's CRC-32C in pure Python, a
 byte at a time, holding the GIL (and a logging step's flush waits for it).
@@ -15,21 +23,27 @@ message, tags in order and float32 values (beyond float32's range: infinite in b
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+import re
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 from matplotlib.figure import Figure
 
-from lightning_hooks.logging.dashboard import record_tags, write_dashboard
 from lightning_hooks.logging.sinks import LoggerSink, Moments, lightning_types
 
 __all__ = [
+    "MAX_CHARTS",
     "TensorBoardSink",
+    "chart_key",
+    "dashboard_layout",
     "fast_tensorboard_crc",
     "histogram_raw",
     "masked_crc32c",
     "scalar_summary",
+    "step_tag",
+    "step_tags",
 ]
 
 
@@ -64,7 +78,9 @@ class TensorBoardSink(LoggerSink):
         writer thread."""
         if not self._write_summary(metrics, step):
             self.logger.log_metrics(dict(metrics), step=step)
-        record_tags(self._writer, metrics)
+        keys = {key for key in map(chart_key, metrics) if key is not None}
+        if keys:  # their charts go into the writer's layout
+            _SEEN.setdefault(self._writer, set()).update(keys)
 
     def _write_summary(self, metrics: Mapping[str, float], step: int) -> bool:
         """``metrics`` as one event of ``simple_value``s; ``False`` (nothing written) unless the
@@ -105,7 +121,11 @@ class TensorBoardSink(LoggerSink):
         self._writer.add_embedding(features, metadata=labels, global_step=step, tag=tag)
 
     def dashboard(self) -> None:
-        write_dashboard([self._writer])
+        """Write the writer's layout if it has charts it has not written yet."""
+        keys = frozenset(_SEEN.get(self._writer, ()))
+        if keys and not keys <= _WRITTEN.get(self._writer, frozenset()):
+            self._writer.add_custom_scalars(dashboard_layout(keys))
+            _WRITTEN[self._writer] = keys
 
 
 def histogram_raw(
@@ -144,6 +164,118 @@ def histogram_raw(
         "bucket_limits": [float(e) for e in limits],
         "bucket_counts": [float(c) for c in counts],
     }
+
+
+MAX_CHARTS = 64
+"""At most this many charts in one run's layout; the families' own tags beyond it are dropped."""
+
+_CATEGORY_PREFIX = "lightning_hooks"
+_CATEGORY_ORDER = ("grad_flow", "alarms", "activations", "dead_relu")
+# Within a category: the statistics a reader looks at first (the rest by name).
+_CHART_ORDER = (
+    "attn_logit_max",
+    "attn_entropy_min",
+    "grad_norm",
+    "output_grad_norm",
+    "update_ratio",
+    "grad_abs_mean",
+    "grad_nonfinite",
+    "dead_fraction",
+    "zero_fraction",
+    "abs_mean",
+    "std",
+    "mean",
+)
+_PERCENTILE = re.compile(r"_p\d+$")
+# Tags seen per TensorBoard writer, and the charts already written to it.
+_SEEN: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
+_WRITTEN: weakref.WeakKeyDictionary[Any, frozenset[tuple[str, str]]] = weakref.WeakKeyDictionary()
+
+STEP = "_step"
+"""The suffix of a statistic's name in the tags of one logging step."""
+_TAGS = 1 << 16  # tags whose derived names are kept (each logging step writes the same ones)
+
+
+@functools.lru_cache(maxsize=_TAGS)
+def step_tag(tag: str) -> str:
+    """The tag of ``tag``'s value at one logging step: ``_step`` after the statistic's name.
+
+    Example:
+        >>> step_tag("grad_flow/grad_norm/encoder.0"), step_tag("grad_flow/global/grad_norm_p50")
+        ('grad_flow/grad_norm_step/encoder.0', 'grad_flow/global/grad_norm_step_p50')
+        >>> step_tag("layer_time/step_ms"), step_tag("grad_flow/alarms/spike")
+        ('layer_time/step_ms_step', 'grad_flow/alarms_step/spike')
+    """
+    parts = tag.split("/")
+    at = 2 if len(parts) > 2 and parts[1] == "global" else min(1, len(parts) - 1)
+    percentile = _PERCENTILE.search(parts[at])
+    cut = percentile.start() if percentile else len(parts[at])
+    parts[at] = parts[at][:cut] + STEP + parts[at][cut:]
+    return "/".join(parts)
+
+
+def step_tags(values: Mapping[str, float]) -> dict[str, float]:
+    """``values`` under their :func:`step_tag`."""
+    return {step_tag(tag): value for tag, value in values.items()}
+
+
+@functools.lru_cache(maxsize=_TAGS)
+def chart_key(tag: str) -> tuple[str, str] | None:
+    """The ``(family, stat)`` chart a tag belongs to, or ``None`` for a tag outside the scheme.
+
+    Example:
+        >>> chart_key("grad_flow/grad_norm/encoder.0"), chart_key("grad_flow/global/grad_norm_p50")
+        (('grad_flow', 'grad_norm'), ('grad_flow', 'grad_norm'))
+        >>> chart_key("train/loss") is None
+        True
+    """
+    parts = tag.split("/")
+    if len(parts) < 3 or not all(parts):
+        return None
+    if parts[1] == "global":
+        return parts[0], _PERCENTILE.sub("", parts[2])
+    return parts[0], parts[1]
+
+
+def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, list[Any]]]:
+    """The custom-scalars layout of the given charts, for ``SummaryWriter.add_custom_scalars``.
+
+    One category per family (``lightning_hooks: grad_flow``) and one for the alarms, at most
+    :data:`MAX_CHARTS` charts, in the order the module docstring gives.
+
+    Example:
+        >>> keys = [("dead_relu", "dead_fraction"), ("grad_flow", "update_ratio"),
+        ...         ("grad_flow", "alarms"), ("activations", "std"), ("grad_flow", "grad_norm")]
+        >>> layout = dashboard_layout(keys)
+        >>> [(title.split(": ")[1], list(charts)) for title, charts in layout.items()]
+        ... # doctest: +NORMALIZE_WHITESPACE
+        [('grad_flow', ['grad_norm', 'update_ratio']), ('alarms', ['grad_flow']),
+         ('activations', ['std']), ('dead_relu', ['dead_fraction'])]
+        >>> kind, (per_layer, overall) = layout["lightning_hooks: grad_flow"]["grad_norm"]
+        >>> kind, per_layer, bool(re.match(overall, "grad_flow/global/grad_norm_p50"))
+        ('Multiline', '^grad_flow/grad_norm/.*', True)
+    """
+    layout: dict[str, dict[str, list[Any]]] = {}
+    for family, stat in sorted(set(keys), key=_chart_rank)[:MAX_CHARTS]:
+        regexes = [f"^{re.escape(family)}/{re.escape(stat)}/.*"]
+        if stat.removesuffix(STEP) == "alarms":  # chart grad_flow or grad_flow_step
+            category, chart = "alarms", family + stat.removeprefix("alarms")
+        else:
+            category, chart = family, stat
+            regexes.append(f"^{re.escape(family)}/global/{re.escape(stat)}(_p\\d+)?$")
+        layout.setdefault(f"{_CATEGORY_PREFIX}: {category}", {})[chart] = ["Multiline", regexes]
+    return layout
+
+
+def _chart_rank(key: tuple[str, str]) -> tuple[int, str, int, str]:
+    """Sort key of a chart: its category's rank, then the statistic's."""
+    family, stat = key
+    base = stat.removesuffix(STEP)
+    category = "alarms" if base == "alarms" else family
+    first = _CATEGORY_ORDER.index(category) if category in _CATEGORY_ORDER else len(_CATEGORY_ORDER)
+    within = _CHART_ORDER.index(base) if base in _CHART_ORDER else len(_CHART_ORDER)
+    # A statistic's epoch chart first, its per-step chart right after.
+    return first, category, within, f"{family}/{base}/{stat != base:d}"
 
 
 _MASK = 0xFFFFFFFF
