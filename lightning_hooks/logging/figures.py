@@ -76,12 +76,12 @@ def grad_flow_figure(
     fig = Figure(figsize=(min(_MAX_WIDTH, max(4.5, 0.35 * n + 2.0)), 4.5), layout="constrained")
     ax = fig.add_subplot()
     x = np.arange(n)
-    finite = np.concatenate([v[np.isfinite(v) & (v > 0)] for v in (mean_abs, max_abs)])
+    good_mean, good_max = (np.isfinite(v) & (v > 0) for v in (mean_abs, max_abs))
+    finite = np.concatenate([mean_abs[good_mean], max_abs[good_max]])
     floor = float(finite.min()) / 10 if finite.size else 1e-12
-    for values, label, color in ((max_abs, "max |grad|", "c"), (mean_abs, "mean |grad|", "b")):
-        shown = np.where(np.isfinite(values) & (values > 0), values, floor)
-        _bars(ax, x, shown, floor, width=0.8 if color == "c" else 0.5, color=color, label=label)
-    bad = ~(np.isfinite(mean_abs) & (mean_abs > 0)) | ~(np.isfinite(max_abs) & (max_abs > 0))
+    _bars(ax, x, np.where(good_max, max_abs, floor), floor, 0.8, color="c", label="max |grad|")
+    _bars(ax, x, np.where(good_mean, mean_abs, floor), floor, 0.5, color="b", label="mean |grad|")
+    bad = ~(good_mean & good_max)
     if bad.any():
         ax.scatter(
             x[bad],
@@ -138,8 +138,8 @@ def layer_epoch_heatmap(
     # TensorBoard scales an image down to its card (about 330 px wide): a narrow figure with
     # 11 pt labels and 0.32 inch rows keeps the layer names readable there.
     height = min(_MAX_WIDTH / 2, max(3.0, 0.32 * n + 1.5))
-    fig = Figure(figsize=(min(_MAX_WIDTH, max(4.2, 0.4 * num_epochs + 2.8)), height))
-    fig.set_layout_engine("constrained")
+    width = min(_MAX_WIDTH, max(4.2, 0.4 * num_epochs + 2.8))
+    fig = Figure(figsize=(width, height), layout="constrained")
     ax = fig.add_subplot()
     ax.set_facecolor("0.85")
     image = ax.imshow(cells, aspect="auto", interpolation="nearest", cmap="viridis")

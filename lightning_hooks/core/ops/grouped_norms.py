@@ -82,9 +82,7 @@ class GroupedNorms:
         twice = self.rest * 2 if len(self.rest) == 1 else self.rest
         self._rest = itemgetter(*twice) if twice else None
         order = [i for g in self.groups for i in g] + self.rest
-        where = [0] * len(order)
-        for position, i in enumerate(order):
-            where[i] = position
+        where = sorted(range(len(order)), key=order.__getitem__)  # each gradient's position
         self._index = row_index(where, params[0].device) if self.groups else None
 
     def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -93,7 +91,7 @@ class GroupedNorms:
         if self._index is None:  # no stack
             return torch.stack(torch._foreach_norm(list(grads)))
         parts = []
-        for pick, dims in self._stacks:
+        for pick, dims in self._stacks:  # a loop: a comprehension is a Python call of its own
             parts.append(torch.linalg.vector_norm(torch.stack(pick(grads)), dim=dims))
         if self._rest is not None:
             parts.append(torch.stack(torch._foreach_norm(self._rest(grads))))
@@ -116,9 +114,8 @@ class GroupedNorms:
             sum_rest, peak_rest = _abs_sum_max(self._rest(tensors), ws)
             sums.append(sum_rest)
             peaks.append(peak_rest)
-        return torch.cat(sums).index_select(0, self._index), torch.cat(peaks).index_select(
-            0, self._index
-        )
+        index = self._index
+        return torch.cat(sums).index_select(0, index), torch.cat(peaks).index_select(0, index)
 
 
 _SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
