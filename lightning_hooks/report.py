@@ -182,8 +182,7 @@ def _record(data: bytes, offset: int, path: Path) -> tuple[bytes, int, int]:
             f"{path}: truncated: the file ends inside the record header at byte {offset} "
             f"({size} bytes; a run still being written, or a file cut short)"
         )
-    (length,) = struct.unpack_from("<Q", data, offset)
-    (length_crc,) = struct.unpack_from("<I", data, offset + 8)
+    length, length_crc = struct.unpack_from("<QI", data, offset)
     if _masked_crc32c(data[offset : offset + 8]) != length_crc:
         raise EventFileError(f"{path}: corrupt record header at byte {offset} (checksum mismatch)")
     start, end = offset + 12, offset + 12 + length

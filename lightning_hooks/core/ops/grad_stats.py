@@ -186,13 +186,6 @@ def segment_max(values: torch.Tensor, index: torch.Tensor, num_layers: int) -> t
     return torch.cat([peak, values.max().view(1)])
 
 
-def _segment_sum(
-    values: torch.Tensor, index: torch.Tensor, num_layers: int, unique: torch.Tensor | None
-) -> torch.Tensor:
-    total = values.new_zeros(num_layers).index_add_(0, index, values)
-    return torch.cat([total, _total(values, unique)])
-
-
 def param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[len(tensors)]`` float32 L2 norms in one multi-tensor pass (on the CPU in stacks,
     :func:`~.grouped_norms.cpu_grouping`)."""
@@ -239,8 +232,8 @@ def grad_stats(
         (l2, weight), (sums,), (peak,) = shards.reduce(
             norms=[l2, weight], sums=[sums], maxima=[peak]
         )
-    peak = peak.float()
-    l1 = _segment_sum(sums.float(), index, num_layers, unique)
+    peak, sums = peak.float(), sums.float()
+    l1 = torch.cat([sums.new_zeros(num_layers).index_add_(0, index, sums), _total(sums, unique)])
     nonfinite = (~torch.isfinite(peak)).float()
     total = numel.sum().view(1) if total_numel is None else total_numel.view(1)
     return torch.stack(

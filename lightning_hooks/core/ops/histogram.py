@@ -49,9 +49,7 @@ def bin_counts(
     flat = x.detach().reshape(-1)
     if scale == "log10":
         flat = flat.abs().float()
-        values = flat.clamp_min(1e-38).log10()
-    else:
-        values = flat
+    values = flat.clamp_min(1e-38).log10() if scale == "log10" else flat
     bucket = torch.bucketize(values, inner.to(values.dtype), right=True)
     spill = out.shape[0]  # non-finite entries go to a bucket past the end, then dropped
     bucket = torch.where(torch.isfinite(flat), bucket, spill)
