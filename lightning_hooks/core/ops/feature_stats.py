@@ -214,12 +214,10 @@ def summarize(layers: tuple[str, ...], sums: np.ndarray, extremes: np.ndarray) -
     with np.errstate(divide="ignore", invalid="ignore"):
         mean = total / n
         var = (sq - total * mean) / (n - 1)
-        std = np.sqrt(np.maximum(var, 0.0))
-        std = np.where(n > 1, std, np.nan)
         return FeatureSummary(
             layers=layers,
             mean=mean,
-            std=std,
+            std=np.where(n > 1, np.sqrt(np.maximum(var, 0.0)), np.nan),
             min=extremes[:, 0].astype(np.float64),
             max=extremes[:, 1].astype(np.float64),
             abs_mean=absolute / n,
