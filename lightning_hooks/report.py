@@ -225,10 +225,11 @@ def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     A step lower than the tag's last one drops the tag's values from that step on (as
     :func:`csv_series`).
     """
-    if not any(run_dir.glob("events.out.tfevents.*")) and (run_dir / METRICS_FILE).is_file():
+    paths = sorted(run_dir.glob("events.out.tfevents.*"))
+    if not paths and (run_dir / METRICS_FILE).is_file():
         return csv_series(run_dir / METRICS_FILE)
     series: dict[str, list[tuple[int, float]]] = {}
-    for path in sorted(run_dir.glob("events.out.tfevents.*")):
+    for path in paths:
         for tag, step, value in scalar_events(path):
             _append(series, tag, step, value)
     return series

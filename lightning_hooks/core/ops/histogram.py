@@ -1,9 +1,9 @@
 """The one histogram: log10 or linear edges, fixed or running, counts kept in a tensor.
 
 :func:`bin_counts` is ``bucketize`` and ``bincount`` on given edges: no host sync, deterministic
-(unlike ``torch.histc``). Values beyond the edges count in the end buckets; non-finite values are
-not counted (the statistics count them). Edges are fixed (:data:`LOG10_EDGES`, a user range) or
-running (:func:`linear_edges` of the previous epoch's min and max).
+(unlike ``torch.histc``); non-finite values are left to the statistics. Edges are fixed
+(:data:`LOG10_EDGES`, a user range) or running (:func:`linear_edges` of the previous epoch's
+min and max).
 """
 
 from __future__ import annotations
