@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_hooks.core.alarms.attention import attention_alarms
 from lightning_hooks.core.alarms.gradients import GradientRules, HostSegments, as_array
 from lightning_hooks.core.alarms.loss import LossRules, StallRule
 from lightning_hooks.core.alarms.messages import (
     GradientAlarm,
+    attention_alarms,
     gradient_alarm,
     weight_norms,
     with_history,
