@@ -232,8 +232,9 @@ class HookRegistry(HookOwner):
         if self._warned_unhookable:
             return
         self._warned_unhookable = True
+        owner = self.guard.name if self.guard is not None else type(self._model).__name__
         warnings.warn(
-            f"{self._owner()}: {len(names)} selected module(s) are torch.jit scripted or "
+            f"{owner}: {len(names)} selected module(s) are torch.jit scripted or "
             f"traced and run no Python hooks; their forward statistics are skipped: "
             f"{', '.join(names[:10])}{' ...' if len(names) > 10 else ''}",
             LightningHooksWarning,
@@ -249,9 +250,6 @@ class HookRegistry(HookOwner):
 
     def _name(self, module: nn.Module) -> str:
         return self._names.get(id(module)) or type(module).__name__
-
-    def _owner(self) -> str:
-        return self.guard.name if self.guard is not None else type(self._model).__name__
 
     def guarded(self, fn: F, where: str) -> F:
         """``fn`` wrapped by the registry's guard (itself when there is none or it is strict),
