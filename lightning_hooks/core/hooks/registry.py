@@ -266,33 +266,7 @@ class HookRegistry(HookOwner):
     ) -> RemovableHandle | None:
         """``module.register_forward_hook(hook)``, owned and guarded; ``gated``: only on sampled
         steps. ``None`` for a module that runs no Python hooks (``torch.jit``)."""
-        if not self.hookable(module):
-            return None
-        where = f"forward hook on {self._name(module)!r}"
-        if gated:
-            return self.gated_hook(module, self._gated(hook, where), pre=False)
-        return self.add(module.register_forward_hook(_ours(self.guarded(hook, where))))
-
-    def _gated(self, hook: ForwardHook, where: str) -> ForwardHook:
-        # A gated hook runs outside the attention capture's mode (core/hooks/modes.py).
-        guard = self.guard
-        if guard is None or guard.strict:
-
-            def gated(module: nn.Module, args: Any, output: Any) -> Any:
-                return outside_shelved(hook, module, args, output) if self.sampled else None
-
-            return gated
-
-        # One closure for both: the guarded path adds no Python call per hook.
-        def gated_guarded(module: nn.Module, args: Any, output: Any) -> Any:
-            if self.sampled:
-                try:
-                    return outside_shelved(hook, module, args, output)
-                except Exception as error:
-                    guard.fail(where, error)
-            return None
-
-        return gated_guarded
+        return self._forward(module, hook, gated, pre=False) if self.hookable(module) else None
 
     def forward_pre_hook(
         self,
@@ -306,15 +280,38 @@ class HookRegistry(HookOwner):
         ``gated`` and ``None`` as in :meth:`forward_hook`."""
         if not self.hookable(module):
             return None
-        hook = self.guarded(hook, f"forward pre-hook on {self._name(module)!r}")
+        return self._forward(module, hook, gated, pre=True, with_kwargs=with_kwargs)
+
+    def _forward(
+        self, module: nn.Module, hook: Callable[..., Any], gated: bool, pre: bool, **options: bool
+    ) -> RemovableHandle | None:
+        # the caller checked hookable(): its warning's stack level counts from there
+        where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
         if gated:
-            inner = hook
+            return self.gated_hook(module, self._gated(hook, where), pre=pre, **options)
+        register = module.register_forward_pre_hook if pre else module.register_forward_hook
+        return self.add(register(_ours(self.guarded(hook, where)), **options))
 
-            def hook(*args: Any) -> Any:
-                return outside_shelved(inner, *args) if self.sampled else None
+    def _gated(self, hook: Callable[..., Any], where: str) -> Callable[..., Any]:
+        # A gated hook runs outside the attention capture's mode (core/hooks/modes.py).
+        guard = self.guard
+        if guard is None or guard.strict:
 
-            return self.gated_hook(module, hook, pre=True, with_kwargs=with_kwargs)
-        return self.add(module.register_forward_pre_hook(_ours(hook), with_kwargs=with_kwargs))
+            def gated(*args: Any) -> Any:
+                return outside_shelved(hook, *args) if self.sampled else None
+
+            return gated
+
+        # One closure for both: the guarded path adds no Python call per hook.
+        def gated_guarded(*args: Any) -> Any:
+            if self.sampled:
+                try:
+                    return outside_shelved(hook, *args)
+                except Exception as error:
+                    guard.fail(where, error)
+            return None
+
+        return gated_guarded
 
     def optimizer_step_post_hook(
         self, optimizer: torch.optim.Optimizer, hook: Callable[..., None]
