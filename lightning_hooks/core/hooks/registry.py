@@ -16,7 +16,7 @@ from typing_extensions import Self
 
 from lightning_hooks.core import checks
 from lightning_hooks.core.hooks.guard import Guard, active_guard
-from lightning_hooks.core.hooks.modes import Gated, GatedHandle, gated_hook, outside_shelved
+from lightning_hooks.core.hooks.modes import Gated, GatedHandle, outside_shelved
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 from lightning_hooks.errors import LightningHooksWarning
 
@@ -190,7 +190,13 @@ class HookRegistry(HookOwner):
         """A module hook (``pre``: a forward pre-hook), already guarded and gated, that runs
         only on sampled steps, with ``register_forward_(pre_)hook``'s ``options``. Returns the
         handle while it is installed, else ``None``."""
-        gated = gated_hook(module, _ours(hook), pre, **options)
+        key = RemovableHandle.next_id  # an id no handle takes
+        RemovableHandle.next_id += 1
+        table = "_forward_pre_hooks" if pre else "_forward_hooks"
+        flags = [f"{table}_with_kwargs"] if options.get("with_kwargs") else []
+        if options.get("always_call") and not pre:
+            flags.append("_forward_hooks_always_called")
+        gated = Gated(module, table, tuple(flags), key, _ours(hook), bool(options.get("prepend")))
         self._gated_hooks.append(gated)
         if not (self.sampled or self.fixed):
             return None
