@@ -186,10 +186,8 @@ class AlarmRules:
             "attn_logit_max": positive,
             "vanish_fraction": real(low=0.0, high=1.0, low_open=True, high_open=True),
         }
-        for name, check in required.items():
-            object.__setattr__(self, name, check(name, getattr(self, name)))
-        for name, check in optional.items():
-            if (value := getattr(self, name)) is not None:
+        for name, check in {**required, **optional}.items():
+            if (value := getattr(self, name)) is not None or name in required:
                 object.__setattr__(self, name, check(name, value))
         if self.diverge_ratio is not None and self.diverge_overshoot < self.diverge_ratio:
             raise ValueError(
