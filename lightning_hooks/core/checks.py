@@ -23,7 +23,6 @@ __all__ = [
     "boolean",
     "callable_or_none",
     "choice",
-    "fraction",
     "fraction_or_none",
     "module",
     "optimizer",
@@ -39,14 +38,6 @@ def _fail(owner: str, name: str, value: Any, expected: str, error: type[Exceptio
     return error(f"{owner}({name}={value!r}): must be {expected}, got {value!r}")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def positive_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
     """``value`` as an ``int`` >= ``minimum`` (default 1), else ``ValueError``/``TypeError``.
 
@@ -60,7 +51,7 @@ def positive_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
         TypeError: Cb(n='3'): must be a positive int, got '3'
     """
     kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-    if not _is_int(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise _fail(owner, name, value, kind, TypeError)
     if int(value) < minimum:
         raise _fail(owner, name, value, kind, ValueError)
@@ -93,7 +84,7 @@ def real(
     if high < math.inf:
         bounds.append(f"{'<' if high_open else '<='} {high}")
     kind = "a finite real" + (" " + " and ".join(bounds) if bounds else "")
-    if not _is_real(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _fail(owner, name, value, kind, TypeError)
     number = float(value)
     too_low = number <= low if low_open else number < low
@@ -115,18 +106,6 @@ def positive_real(owner: str, name: str, value: Any) -> float:
     return real(owner, name, value, low=0.0, low_open=True)
 
 
-def fraction(owner: str, name: str, value: Any) -> float:
-    """``value`` as a ``float`` in ``[0, 1]``.
-
-    Example:
-        >>> fraction("Cb", "threshold", 1.5)
-        Traceback (most recent call last):
-        ...
-        ValueError: Cb(threshold=1.5): must be a finite real >= 0.0 and <= 1.0, got 1.5
-    """
-    return real(owner, name, value, low=0.0, high=1.0)
-
-
 def fraction_or_none(owner: str, name: str, value: Any) -> float | None:
     """``value`` as a ``float`` in ``[0, 1]``, or ``None`` (a setting that is off).
 
@@ -138,7 +117,7 @@ def fraction_or_none(owner: str, name: str, value: Any) -> float | None:
         ...
         ValueError: Cb(warn_at=-0.1): must be a finite real >= 0.0 and <= 1.0, got -0.1
     """
-    return None if value is None else fraction(owner, name, value)
+    return None if value is None else real(owner, name, value, low=0.0, high=1.0)
 
 
 def boolean(owner: str, name: str, value: Any) -> bool:
@@ -184,6 +163,14 @@ def callable_or_none(owner: str, name: str, value: Any) -> Callable[..., Any] | 
     raise _fail(owner, name, value, "a callable or None", TypeError)
 
 
+def _instance(owner: str, name: str, value: Any, cls: type, expected: str) -> Any:
+    if isinstance(value, cls):
+        return value
+    raise TypeError(
+        f"{owner}({name}={reprlib.repr(value)}): must be {expected}, got {type(value).__name__}"
+    )
+
+
 def module(owner: str, name: str, value: Any) -> Any:
     """``value`` if it is a ``torch.nn.Module``, else ``TypeError`` naming the argument.
 
@@ -195,12 +182,7 @@ def module(owner: str, name: str, value: Any) -> Any:
     """
     from torch import nn  # here: the checks above serve torch-free callers too
 
-    if isinstance(value, nn.Module):
-        return value
-    raise TypeError(
-        f"{owner}({name}={reprlib.repr(value)}): must be a torch.nn.Module, "
-        f"got {type(value).__name__}"
-    )
+    return _instance(owner, name, value, nn.Module, "a torch.nn.Module")
 
 
 def optimizer(owner: str, name: str, value: Any) -> Any:
@@ -214,9 +196,4 @@ def optimizer(owner: str, name: str, value: Any) -> Any:
     """
     import torch
 
-    if isinstance(value, torch.optim.Optimizer):
-        return value
-    raise TypeError(
-        f"{owner}({name}={reprlib.repr(value)}): must be a torch.optim.Optimizer, "
-        f"got {type(value).__name__}"
-    )
+    return _instance(owner, name, value, torch.optim.Optimizer, "a torch.optim.Optimizer")

@@ -173,7 +173,7 @@ class GradientRules:
         self._is_layer = np.ones(rows, dtype=bool)
         self._is_layer[-1] = False
         self._false = np.zeros(rows, dtype=bool)
-        self._true = np.ones(rows, dtype=bool)  # every row stepped (``rows_of``'s, by identity)
+        self._true = np.ones(rows, dtype=bool)  # every row stepped (:meth:`read`'s, by identity)
         self._rows: tuple[object, np.ndarray | None] = (None, None)
         self._factors = [rules.spike_factor or math.inf]
         if rules.explode_factor is not None:
@@ -201,24 +201,16 @@ class GradientRules:
         second row when some were not (``rows``: the rows it covers; ``None``: all)."""
         norm = value[0] if value.ndim == 2 else value
         stepped = value[1] > 0 if value.ndim == 2 else None
+        active = self._true if stepped is None else stepped
+        if rows is not None and rows.size != self.rows:  # not one optimizer stepping every layer
+            subset, norm = norm, np.full(self.rows, np.nan, dtype=np.float32)
+            norm[rows] = subset
+            # The global row of a subset (a GAN's generator, say) is not comparable from step to
+            # step with another optimizer's: it stays out of the rules, its layers do not.
+            active = np.zeros(self.rows, dtype=bool)
+            active[rows[:-1]] = True if stepped is None else stepped[:-1]
         with np.errstate(all="ignore"):
-            norm, active = self.rows_of(norm, rows, stepped)
             return self.evaluate(norm, active, amp, clip)
-
-    def rows_of(
-        self, norm: np.ndarray, rows: np.ndarray | None, stepped: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Norms of every row (NaN where not stepped) and which rows were stepped."""
-        n = self.rows
-        if rows is None or rows.size == n:  # one optimizer stepping every layer
-            return norm, self._true if stepped is None else stepped
-        full = np.full(n, np.nan, dtype=np.float32)
-        full[rows] = norm
-        # The global row of a subset (a GAN's generator, say) is not comparable from step to
-        # step with another optimizer's: it stays out of the rules, its layers do not.
-        active = np.zeros(n, dtype=bool)
-        active[rows[:-1]] = True if stepped is None else stepped[:-1]
-        return full, active
 
     def evaluate(
         self, norm: np.ndarray, active: np.ndarray, amp: bool, clip: float | None

@@ -62,15 +62,9 @@ def _f32(value: float) -> float:
     return rounded
 
 
-def _lerp(start: np.float32, end: np.float32, weight: float) -> np.float32:
-    """``torch.lerp``'s formula, in ``float32``: exact at both ends for any weight."""
-    w = _F(weight)
-    out: np.float32 = start + w * (end - start) if w < 0.5 else end - (end - start) * (_F(1) - w)
-    return out
-
-
 def _lerp32(start: float, end: float, weight: float) -> float:
-    """:func:`_lerp` on Python floats, rounded to ``float32`` after each operation."""
+    """``torch.lerp``'s formula (exact at both ends for any weight) on Python floats, rounded
+    to ``float32`` after each operation."""
     w = _f32(weight)
     d = _f32(end - start)
     return _f32(start + _f32(w * d)) if w < 0.5 else _f32(end - _f32(d * _f32(1.0 - w)))
@@ -273,7 +267,7 @@ class StallRule:
         # a collapse folds in clamped (as the spike rule's scale), so it keeps firing a while
         target = np.maximum(value, low) if finite else level
         start = bool(np.isnan(level)) and finite
-        s[_S_LEVEL] = value if start else _lerp(level, target, _STALL_ALPHA)
+        s[_S_LEVEL] = value if start else _lerp32(float(level), float(target), _STALL_ALPHA)
 
     def state_dict(self) -> dict[str, Any]:
         """The state and the peak learning rate, on the host."""

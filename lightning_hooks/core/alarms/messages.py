@@ -1,10 +1,11 @@
 """What an alarm says, built on the host once a rule fired: :class:`GradientAlarm`, the layer it
-names, its message, the ring buffer's story and the rule's advice."""
+names, its message, the ring buffer's story and the rule's advice; and the *attention* rule, read
+on the host from what the attention capture measured on a logging step."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain
 
@@ -36,6 +37,7 @@ from lightning_hooks.core.alarms.rules import (
 
 __all__ = [
     "GradientAlarm",
+    "attention_alarms",
     "gradient_alarm",
     "loss_alarms",
     "stall_alarm",
@@ -181,20 +183,19 @@ def _culprit(
     if index == _NONFINITE:
         # ref: weight norms, -1 where not read (no attribution pass, or not stepped)
         broken = [i for i in range(last) if not math.isfinite(ref[i])]
-        return broken[0] if broken else _first_backward({int(i) for i in hit}, order, last)
+        if broken:
+            return broken[0]
+        # the first flagged row in backward order: hook order, then reverse model order
+        flagged = {int(i) for i in hit}
+        return next(row for row in chain(order, range(last - 1, -1, -1)) if row in flagged)
     layers = hit[hit != last]
     if layers.size == 0:
         return last
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = norm[layers] / ref[layers]
-    if index == _VANISHING:
-        return int(layers[np.nanargmin(ratio)]) if np.isfinite(ratio).any() else int(layers[0])
-    return int(layers[np.nanargmax(ratio)]) if np.isfinite(ratio).any() else int(layers[0])
-
-
-def _first_backward(flagged: set[int], order: Sequence[int], last: int) -> int:
-    """First flagged row in backward order: hook order, then reverse model order."""
-    return next(row for row in chain(order, range(last - 1, -1, -1)) if row in flagged)
+    if not np.isfinite(ratio).any():
+        return int(layers[0])
+    return int(layers[(np.nanargmin if index == _VANISHING else np.nanargmax)(ratio)])
 
 
 def with_history(
@@ -215,18 +216,15 @@ def with_history(
         departure = f"{layers[row]} left its scale first, at step {steps[at]} ({_ratio(ratio)})"
         if advice and alarm.rule != "vanishing":
             advice += f"; look at {layers[row]} first"
-    message = "; ".join(part for part in (alarm.message, departure, advice) if part)
-    return GradientAlarm(
-        **{
-            **alarm.__dict__,
-            "message": message,
-            "history_steps": tuple(steps),
-            "history_layers": layers,
-            "history": tuple(tuple(float(v) for v in row) for row in norms),
-            "history_scale": tuple(tuple(float(v) for v in row) for row in scales),
-            "departure": departure,
-            "departed": layers[first[1]] if first is not None else "",
-        }
+    return replace(
+        alarm,
+        message="; ".join(part for part in (alarm.message, departure, advice) if part),
+        history_steps=tuple(steps),
+        history_layers=layers,
+        history=tuple(map(tuple, norms.tolist())),
+        history_scale=tuple(map(tuple, scales.tolist())),
+        departure=departure,
+        departed=layers[first[1]] if first is not None else "",
     )
 
 
@@ -348,3 +346,47 @@ def _explosion_text(
         f"times the global norm's running scale {global_scale:.3g} (gradient_clip_val="
         f"{suggested}), or skip such steps with on_alarm={{'spike': 'skip'}}"
     )
+
+
+def attention_alarms(
+    logit_max: Mapping[str, float],
+    entropy_min: Mapping[str, float],
+    step: int,
+    rules: AlarmRules,
+) -> list[GradientAlarm]:
+    """*attention*'s alarms at a logging step: the layers whose largest pre-softmax logit is
+    above ``rules.attn_logit_max`` while their smallest head entropy (nats) is below
+    ``rules.attn_entropy_min`` (one-hot softmax, vanishing gradient), when at least
+    ``rules.attn_min_layers`` layers (every layer, in a model with fewer) collapsed at once. A
+    layer without an entropy is judged on its logit.
+
+    Example:
+        >>> rules = AlarmRules()
+        >>> [a.layer for a in attention_alarms({"h.0": 5e4, "h.1": 2e3, "h.2": 20.0},
+        ...                                    {"h.0": 0.01, "h.1": 0.05, "h.2": 0.01}, 99, rules)]
+        ['h.0', 'h.1']
+        >>> attention_alarms({"h.0": 5e4, "h.1": 20.0}, {"h.0": 0.01, "h.1": 2.0}, 99, rules)
+        []
+    """
+    limit, floor = rules.attn_logit_max, rules.attn_entropy_min
+    if limit is None:
+        return []
+    collapsed = [
+        (layer, peak, entropy)
+        for layer, peak in logit_max.items()
+        if (peak > limit or math.isnan(peak))
+        and not (entropy := entropy_min.get(layer, math.nan)) >= floor
+    ]
+    if len(collapsed) < min(rules.attn_min_layers, len(logit_max)):
+        return []
+    alarms = []
+    for layer, peak, entropy in collapsed:
+        text = (
+            f"attention collapse at optimizer step {step} in {layer!r}: its largest attention "
+            f"logit is {peak:.4g} (attn_logit_max={limit:g}) and its most focused head's "
+            f"entropy {entropy:.3g} nats (attn_entropy_min={floor:g}): the softmax is one-hot "
+            "and its gradient vanishes (Wortsman et al. 2023, arXiv 2309.14322). Fixes that "
+            f"work: {_ADVICE['attention']}"
+        )
+        alarms.append(GradientAlarm("attention", layer, step, peak, limit, text))
+    return alarms

@@ -156,45 +156,39 @@ class AlarmRules:
         return self.loss_factor is not None or self.diverge_ratio is not None
 
     def __post_init__(self) -> None:
-        owner = "AlarmRules"
-        checked: dict[str, Any] = {
-            "spike_sigmas": checks.positive_real(owner, "spike_sigmas", self.spike_sigmas),
-            "nonfinite": checks.boolean(owner, "nonfinite", self.nonfinite),
-            "quiet_read": checks.choice(owner, "quiet_read", self.quiet_read, QUIET_READS),
+        def real(**bounds: Any) -> Callable[[str, Any], float]:
+            return lambda name, value: checks.real("AlarmRules", name, value, **bounds)
+
+        def count(name: str, value: Any) -> int:
+            return checks.positive_int("AlarmRules", name, value)
+
+        positive, share, above_one = (
+            real(low=0.0, low_open=True),
+            real(low=0.0, high=1.0),
+            real(low=1.0, low_open=True),
+        )
+        counts = ("window", "min_history", "vanish_steps", "every_n_steps", "history")
+        required: dict[str, Callable[[str, Any], Any]] = {
+            "spike_sigmas": positive,
+            "nonfinite": lambda name, value: checks.boolean("AlarmRules", name, value),
+            "quiet_read": lambda name, value: checks.choice("AlarmRules", name, value, QUIET_READS),
+            "diverge_giveback": share,
+            "diverge_noise": real(low=0.0),
+            "attn_entropy_min": positive,
+            "diverge_overshoot": above_one,
+            "stall_progress": share,
+            **dict.fromkeys((*counts, "diverge_span", "diverge_early", "attn_min_layers"), count),
         }
-        checked["diverge_giveback"] = checks.real(
-            owner, "diverge_giveback", self.diverge_giveback, low=0.0, high=1.0
-        )
-        checked["diverge_noise"] = checks.real(owner, "diverge_noise", self.diverge_noise, low=0.0)
-        checked["attn_entropy_min"] = checks.positive_real(
-            owner, "attn_entropy_min", self.attn_entropy_min
-        )
-        checked["diverge_overshoot"] = checks.real(
-            owner, "diverge_overshoot", self.diverge_overshoot, low=1.0, low_open=True
-        )
-        checked["stall_progress"] = checks.real(
-            owner, "stall_progress", self.stall_progress, low=0.0, high=1.0
-        )
-        names = ("window", "min_history", "vanish_steps", "every_n_steps", "history")
-        for name in (*names, "diverge_span", "diverge_early", "attn_min_layers"):
-            checked[name] = checks.positive_int(owner, name, getattr(self, name))
-        optional: dict[str, Callable[[str, Any], float]] = {
-            "spike_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
-            "explode_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
-            "stall_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
-            "loss_factor": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
-            "diverge_ratio": lambda n, v: checks.real(owner, n, v, low=1.0, low_open=True),
-            "max_grad_norm": lambda n, v: checks.positive_real(owner, n, v),
-            "attn_logit_max": lambda n, v: checks.positive_real(owner, n, v),
-            "vanish_fraction": lambda n, v: checks.real(
-                owner, n, v, low=0.0, high=1.0, low_open=True, high_open=True
-            ),
+        factors = ("spike_factor", "explode_factor", "stall_factor", "loss_factor", "diverge_ratio")
+        optional = {
+            **dict.fromkeys(factors, above_one),
+            "max_grad_norm": positive,
+            "attn_logit_max": positive,
+            "vanish_fraction": real(low=0.0, high=1.0, low_open=True, high_open=True),
         }
-        for name, check in optional.items():
-            value = getattr(self, name)
-            checked[name] = None if value is None else check(name, value)
-        for name, value in checked.items():
-            object.__setattr__(self, name, value)
+        for name, check in {**required, **optional}.items():
+            if (value := getattr(self, name)) is not None or name in required:
+                object.__setattr__(self, name, check(name, value))
         if self.diverge_ratio is not None and self.diverge_overshoot < self.diverge_ratio:
             raise ValueError(
                 f"AlarmRules(diverge_overshoot={self.diverge_overshoot}): must be at least "

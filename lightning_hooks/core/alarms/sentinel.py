@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_hooks.core.alarms.attention import attention_alarms
 from lightning_hooks.core.alarms.gradients import GradientRules, HostSegments, as_array
 from lightning_hooks.core.alarms.loss import LossRules, StallRule
 from lightning_hooks.core.alarms.messages import (
     GradientAlarm,
+    attention_alarms,
     gradient_alarm,
     weight_norms,
     with_history,
@@ -208,10 +208,16 @@ class GradientAlarms:
         folded = value if segments is None else segments.fold(value)  # per parameter: a row each
         report = self._gradients.read(folded, rows, amp, clip)
         self._ring.write(step, report[_NORM : _BAND + 1])
-        if report is not self._gradients.quiet and report[:_GRAD_RULES].any():
-            at = (step, order, rows, weights, clip)
-            for alarm in _diagnose(report, at, self.layers, self.rules, self._ring):
-                self._record(alarm)
+        if report is self._gradients.quiet or not report[:_GRAD_RULES].any():
+            return
+        # a rule fired: the diagnosis, with the ring buffer's history
+        flags, at, layers = report[:_GRAD_RULES], (step, order, clip), self.layers
+        weight = weight_norms(weights, rows, len(layers)) if flags[_NONFINITE].any() else None
+        history = self._ring.read(step)
+        for index in np.flatnonzero(flags.any(axis=1)):
+            hit = np.flatnonzero(flags[index])
+            alarm = gradient_alarm(int(index), hit, report, weight, at, layers, self.rules)
+            self._record(with_history(alarm, self.layers, history))
 
     def _record(self, alarm: GradientAlarm) -> None:
         self.counts[alarm.rule] += 1 + len(alarm.others)
@@ -254,27 +260,6 @@ class GradientAlarms:
         self._gradients.low[...] = as_array(state["low"])
         self._ring.load_state_dict(state)
         self.counts = {**dict.fromkeys(ALARM_RULES, 0), **state["counts"]}
-
-
-def _diagnose(
-    report: np.ndarray,
-    at: tuple[int, tuple[int, ...], np.ndarray | None, WeightNorms | None, float | None],
-    layers: tuple[str, ...],
-    rules: AlarmRules,
-    ring: NormRing,
-) -> list[GradientAlarm]:
-    """The alarms of a gradient report in which a rule fired, with their ring-buffer history
-    (``at``: the step, the backward order, the rows, the weight norms' pass and the clip)."""
-    step, order, rows, weights, clip = at
-    flags = report[:_GRAD_RULES]
-    weight = weight_norms(weights, rows, len(layers)) if flags[_NONFINITE].any() else None
-    history = ring.read(step)
-    alarms = []
-    for index in np.flatnonzero(flags.any(axis=1)):
-        hit = np.flatnonzero(flags[index])
-        alarm = gradient_alarm(int(index), hit, report, weight, (step, order, clip), layers, rules)
-        alarms.append(with_history(alarm, layers, history))
-    return alarms
 
 
 class NormRing:

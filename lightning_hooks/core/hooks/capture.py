@@ -117,10 +117,7 @@ def probe_mode(model: nn.Module) -> Iterator[None]:
         >>> model.training, model[1].training, torch.equal(state, torch.random.get_rng_state())
         (True, False, True)
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"probe_mode(model={model!r}): must be an nn.Module, got {type(model).__name__}"
-        )
+    _check_module("probe_mode", model)
     modes = [(module, module.training) for module in model.modules()]
     cpu_state = torch.random.get_rng_state()
     initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]

@@ -93,13 +93,7 @@ class Guard:
             return
         self.failed = cause
         self.pending = True
-        warnings.warn(
-            f"{self.name} is disabled for the rest of the fit: its {where} raised "
-            f"{type(error).__name__}: {error}. Training goes on without it; set "
-            f"{STRICT_ENV}=1 (or strict=True) to raise instead.",
-            LightningHooksWarning,
-            stacklevel=3,
-        )
+        self._warn(f"for the rest of the fit: its {where} raised {type(error).__name__}: {error}")
 
     def settle(self, causes: Sequence[str | None], step: int, *, warn: bool) -> None:
         """Disable at ``step`` on the ranks' agreement: ``causes[r]`` is rank ``r``'s
@@ -116,13 +110,15 @@ class Guard:
         self.pending = True
         self.disabled_step = step
         if warn:
-            warnings.warn(
-                f"{self.name} is disabled on every rank from step {step} for the rest of the "
-                f"fit: {self.failed}. Training goes on without it; set {STRICT_ENV}=1 (or "
-                "strict=True) to raise instead.",
-                LightningHooksWarning,
-                stacklevel=3,
-            )
+            self._warn(f"on every rank from step {step} for the rest of the fit: {self.failed}")
+
+    def _warn(self, how: str) -> None:
+        warnings.warn(
+            f"{self.name} is disabled {how}. Training goes on without it; set {STRICT_ENV}=1 (or "
+            "strict=True) to raise instead.",
+            LightningHooksWarning,
+            stacklevel=4,
+        )
 
     def take_pending(self) -> bool:
         """``True`` once after a failure: the owner should now remove the statistic's hooks."""

@@ -17,7 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Gated", "GatedHandle", "ShelvedMode", "gated_hook", "outside_shelved"]
+__all__ = ["Gated", "GatedHandle", "ShelvedMode", "outside_shelved"]
 
 
 class ShelvedMode(TorchFunctionMode):
@@ -56,7 +56,8 @@ def outside_shelved(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class Gated(NamedTuple):
-    """A module hook kept to be put on its module on each sampled step (:func:`gated_hook`).
+    """A module hook kept to be put on its module on each sampled step
+    (:meth:`~lightning_hooks.core.hooks.registry.HookRegistry.gated_hook`).
     The hook dicts are looked up at each :meth:`install` (``__setstate__`` replaces them)."""
 
     module: nn.Module
@@ -82,29 +83,6 @@ class Gated(NamedTuple):
         getattr(module, self.table).pop(key, None)
         for flag in self.flags:
             getattr(module, flag).pop(key, None)
-
-
-def gated_hook(module: nn.Module, hook: Callable[..., Any], pre: bool, **options: bool) -> Gated:
-    """``hook`` (``pre``: a forward pre-hook) as a not yet installed :class:`Gated` of
-    ``module``, with ``register_forward_(pre_)hook``'s ``options``, under an id no handle takes.
-
-    Example:
-        >>> import torch
-        >>> layer = nn.Linear(2, 2)
-        >>> gated = gated_hook(layer, lambda m, args, out: print("called"), pre=False)
-        >>> gated.install()
-        >>> _ = layer(torch.zeros(1, 2))
-        called
-        >>> gated.uninstall()
-        >>> _ = layer(torch.zeros(1, 2))
-    """
-    key = RemovableHandle.next_id
-    RemovableHandle.next_id += 1
-    prefix = "_forward_pre_hooks" if pre else "_forward_hooks"
-    flags = [f"{prefix}_with_kwargs"] if options.get("with_kwargs") else []
-    if options.get("always_call") and not pre:
-        flags.append("_forward_hooks_always_called")
-    return Gated(module, prefix, tuple(flags), key, hook, bool(options.get("prepend")))
 
 
 class GatedHandle(RemovableHandle):

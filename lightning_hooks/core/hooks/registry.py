@@ -16,7 +16,7 @@ from typing_extensions import Self
 
 from lightning_hooks.core import checks
 from lightning_hooks.core.hooks.guard import Guard, active_guard
-from lightning_hooks.core.hooks.modes import Gated, GatedHandle, gated_hook, outside_shelved
+from lightning_hooks.core.hooks.modes import Gated, GatedHandle, outside_shelved
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 from lightning_hooks.errors import LightningHooksWarning
 
@@ -190,7 +190,13 @@ class HookRegistry(HookOwner):
         """A module hook (``pre``: a forward pre-hook), already guarded and gated, that runs
         only on sampled steps, with ``register_forward_(pre_)hook``'s ``options``. Returns the
         handle while it is installed, else ``None``."""
-        gated = gated_hook(module, _ours(hook), pre, **options)
+        key = RemovableHandle.next_id  # an id no handle takes
+        RemovableHandle.next_id += 1
+        table = "_forward_pre_hooks" if pre else "_forward_hooks"
+        flags = [f"{table}_with_kwargs"] if options.get("with_kwargs") else []
+        if options.get("always_call") and not pre:
+            flags.append("_forward_hooks_always_called")
+        gated = Gated(module, table, tuple(flags), key, _ours(hook), bool(options.get("prepend")))
         self._gated_hooks.append(gated)
         if not (self.sampled or self.fixed):
             return None
@@ -232,8 +238,9 @@ class HookRegistry(HookOwner):
         if self._warned_unhookable:
             return
         self._warned_unhookable = True
+        owner = self.guard.name if self.guard is not None else type(self._model).__name__
         warnings.warn(
-            f"{self._owner()}: {len(names)} selected module(s) are torch.jit scripted or "
+            f"{owner}: {len(names)} selected module(s) are torch.jit scripted or "
             f"traced and run no Python hooks; their forward statistics are skipped: "
             f"{', '.join(names[:10])}{' ...' if len(names) > 10 else ''}",
             LightningHooksWarning,
@@ -250,9 +257,6 @@ class HookRegistry(HookOwner):
     def _name(self, module: nn.Module) -> str:
         return self._names.get(id(module)) or type(module).__name__
 
-    def _owner(self) -> str:
-        return self.guard.name if self.guard is not None else type(self._model).__name__
-
     def guarded(self, fn: F, where: str) -> F:
         """``fn`` wrapped by the registry's guard (itself when there is none or it is strict),
         for hooks the registry does not own (on per-step tensors)."""
@@ -268,33 +272,7 @@ class HookRegistry(HookOwner):
     ) -> RemovableHandle | None:
         """``module.register_forward_hook(hook)``, owned and guarded; ``gated``: only on sampled
         steps. ``None`` for a module that runs no Python hooks (``torch.jit``)."""
-        if not self.hookable(module):
-            return None
-        where = f"forward hook on {self._name(module)!r}"
-        if gated:
-            return self.gated_hook(module, self._gated(hook, where), pre=False)
-        return self.add(module.register_forward_hook(_ours(self.guarded(hook, where))))
-
-    def _gated(self, hook: ForwardHook, where: str) -> ForwardHook:
-        # A gated hook runs outside the attention capture's mode (core/hooks/modes.py).
-        guard = self.guard
-        if guard is None or guard.strict:
-
-            def gated(module: nn.Module, args: Any, output: Any) -> Any:
-                return outside_shelved(hook, module, args, output) if self.sampled else None
-
-            return gated
-
-        # One closure for both: the guarded path adds no Python call per hook.
-        def gated_guarded(module: nn.Module, args: Any, output: Any) -> Any:
-            if self.sampled:
-                try:
-                    return outside_shelved(hook, module, args, output)
-                except Exception as error:
-                    guard.fail(where, error)
-            return None
-
-        return gated_guarded
+        return self._forward(module, hook, gated, pre=False) if self.hookable(module) else None
 
     def forward_pre_hook(
         self,
@@ -308,15 +286,38 @@ class HookRegistry(HookOwner):
         ``gated`` and ``None`` as in :meth:`forward_hook`."""
         if not self.hookable(module):
             return None
-        hook = self.guarded(hook, f"forward pre-hook on {self._name(module)!r}")
+        return self._forward(module, hook, gated, pre=True, with_kwargs=with_kwargs)
+
+    def _forward(
+        self, module: nn.Module, hook: Callable[..., Any], gated: bool, pre: bool, **options: bool
+    ) -> RemovableHandle | None:
+        # the caller checked hookable(): its warning's stack level counts from there
+        where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
         if gated:
-            inner = hook
+            return self.gated_hook(module, self._gated(hook, where), pre=pre, **options)
+        register = module.register_forward_pre_hook if pre else module.register_forward_hook
+        return self.add(register(_ours(self.guarded(hook, where)), **options))
 
-            def hook(*args: Any) -> Any:
-                return outside_shelved(inner, *args) if self.sampled else None
+    def _gated(self, hook: Callable[..., Any], where: str) -> Callable[..., Any]:
+        # A gated hook runs outside the attention capture's mode (core/hooks/modes.py).
+        guard = self.guard
+        if guard is None or guard.strict:
 
-            return self.gated_hook(module, hook, pre=True, with_kwargs=with_kwargs)
-        return self.add(module.register_forward_pre_hook(_ours(hook), with_kwargs=with_kwargs))
+            def gated(*args: Any) -> Any:
+                return outside_shelved(hook, *args) if self.sampled else None
+
+            return gated
+
+        # One closure for both: the guarded path adds no Python call per hook.
+        def gated_guarded(*args: Any) -> Any:
+            if self.sampled:
+                try:
+                    return outside_shelved(hook, *args)
+                except Exception as error:
+                    guard.fail(where, error)
+            return None
+
+        return gated_guarded
 
     def optimizer_step_post_hook(
         self, optimizer: torch.optim.Optimizer, hook: Callable[..., None]

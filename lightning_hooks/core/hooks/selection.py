@@ -236,15 +236,12 @@ class Selection:
         )
 
 
-def _closest(pattern: str, names: Sequence[str], n: int = 5) -> list[str]:
-    plain = pattern.replace("*", "").replace("?", "").strip(".")
-    return difflib.get_close_matches(plain, names, n=n, cutoff=0.0)
-
-
 def _check_patterns(patterns: tuple[str, ...], names: Sequence[str], argument: str) -> None:
     for pattern in patterns:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
-            close = ", ".join(repr(c) for c in _closest(pattern, names)) or "(the model has none)"
+            plain = pattern.replace("*", "").replace("?", "").strip(".")
+            closest = difflib.get_close_matches(plain, names, n=5, cutoff=0.0)
+            close = ", ".join(repr(c) for c in closest) or "(the model has none)"
             close_paren = ")" if "(" in argument else ""
             raise ValueError(
                 f"{argument}={pattern!r}{close_paren} matches no module of the model; "
@@ -313,9 +310,9 @@ def select_modules(
     inc = as_patterns(include, arguments[0])
     exc = as_patterns(exclude, arguments[1])
     named = [
-        (_plain_name(n), m)
+        (name, m)
         for n, m in model.named_modules()
-        if _plain_name(n) and not _is_compiled_wrapper(m)
+        if (name := _plain_name(n)) and not _is_compiled_wrapper(m)
     ]
     names = [n for n, _ in named]
     _check_patterns(inc, names, arguments[0])

@@ -218,15 +218,12 @@ class ShardPlan:
         """Per-parameter shard-local L2 ``norms``, ``sums`` and ``maxima`` (each ``[P]``) made
         whole over the shard group in ONE collective (none for one rank); norms combine as sums
         of squares."""
-
         columns = [n.float().square() for n in norms] + [s.float() for s in sums]
         num_sums = len(columns)
         columns += [m.float() for m in maxima]
         packed = torch.stack(columns, dim=1)
         if self.size > 1:
-            parts = [torch.empty_like(packed) for _ in self.ranks]
-            dist.all_gather(parts, packed, group=self.group)
-            packed = combine_partials(torch.stack(parts), num_sums)
+            packed = combine_partials(all_gather_stacked(packed, self.group), num_sums)
         out = list(packed.unbind(1))
         k = len(norms)
         return [n.sqrt() for n in out[:k]], out[k:num_sums], out[num_sums:]

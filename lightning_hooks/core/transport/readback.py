@@ -141,7 +141,6 @@ class FirstNonFinite:
     def mark(self, bad: torch.Tensor, step: int, row: int | torch.Tensor) -> None:
         """Record ``(step, row)`` if ``bad`` (a 0-d bool on the device) and nothing was before;
         ``row``: an int in ``[0, 2**24)`` or a 0-d int tensor on the device."""
-
         hit = bad & (self.code < 0)
         if isinstance(row, int):
             self.code.masked_fill_(hit, step * _ROW_SPACE + row)
@@ -150,17 +149,14 @@ class FirstNonFinite:
 
     def poll(self) -> tuple[int, int] | None:
         """``(step, row)`` of the first mark that has reached the host, or ``None``."""
-        got = self._mailbox.read(wait=False)
-        if got is not None:
-            code = int(got[0][0])
-            if code >= 0:
-                return divmod(code, _ROW_SPACE)
-        if not self._mailbox.pending:
-            self._mailbox.post(self.code)
-            got = None if self.device.type == "cuda" else self._mailbox.read(wait=False)
-            if got is not None and int(got[0][0]) >= 0:
-                return divmod(int(got[0][0]), _ROW_SPACE)
-        return None
+        box = self._mailbox
+        got = box.read(wait=False)
+        code = -1 if got is None else int(got[0][0])
+        if code < 0 and not box.pending:
+            box.post(self.code)  # on the CPU the copy is the read
+            got = None if self.device.type == "cuda" else box.read(wait=False)
+            code = -1 if got is None else int(got[0][0])
+        return divmod(code, _ROW_SPACE) if code >= 0 else None
 
     def reset(self) -> None:
         """Forget any mark (a new run)."""
