@@ -12,6 +12,7 @@ from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.selection import torch_equivalent
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
+from lightning_hooks.core.stats.states import add_counts
 
 __all__ = [
     "SATURATING_TYPES",
@@ -187,11 +188,7 @@ class SaturationTracker(LayerStat[SaturationStats]):
 
     def drain(self) -> None:
         """Move the host-side entry counts into the ``entries`` state."""
-        if self._entries:
-            rows = torch.tensor(list(self._entries), device=self.entries.device)
-            added = torch.tensor(list(self._entries.values()), dtype=torch.int64)
-            self.entries.index_add_(0, rows, added.to(self.entries.device))
-            self._entries = {}
+        add_counts(self.entries, self._entries)
 
     def summarize(self, states: dict[str, np.ndarray]) -> SaturationStats:
         """Saturated and always-saturated counts per row from the reduced states."""

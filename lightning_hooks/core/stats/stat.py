@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -33,14 +34,11 @@ def _pad(values: np.ndarray, shape: tuple[int, ...], spec: StateSpec) -> np.ndar
     return grown
 
 
+_COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+
+
 def _combine(old: np.ndarray, new: np.ndarray, reduce: Reduce) -> np.ndarray:
-    if reduce == "sum":
-        return np.asarray(old + new)
-    if reduce == "max":
-        return np.asarray(np.maximum(old, new))
-    if reduce == "min":
-        return np.asarray(np.minimum(old, new))
-    return new
+    return new if reduce == "same" else np.asarray(_COMBINE[reduce](old, new))
 
 
 class EpochWindows:
@@ -84,13 +82,7 @@ class EpochWindows:
 
     def _fold(self, states: dict[str, np.ndarray]) -> None:
         """Add a window's host states into the epoch's (sums added, extremes kept)."""
-        if self.epoch is None:
-            self.epoch = {k: v.copy() for k, v in states.items()}
-            return
-        for name, new in states.items():
-            spec = self.specs[name]
-            old = _pad(self.epoch[name], new.shape, spec)
-            self.epoch[name] = _combine(old, new, spec.reduce)
+        self.epoch = {k: v.copy() for k, v in self.with_epoch(states).items()}
 
     def with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The epoch's folded windows and the current ``window`` together."""
@@ -310,7 +302,12 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
             KeyError: the state lacks one of this statistic's states.
         """
         layers = tuple(state["layers"])
-        self.check_layers(layers)
+        hooked = (*self._hooked, *self.layers)  # what a saved row's name may start with
+        foreign = [n for n in layers if not any(n == h or n.startswith(h + ".") for h in hooked)]
+        if foreign:
+            raise ValueError(
+                f"{type(self).__name__}: saved for layers {foreign!r}, which it does not watch"
+            )
         units = state.get("units") or [0] * len(layers)
         for name, n in zip(layers, units, strict=True):
             self.row(name, int(n))
@@ -329,21 +326,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self._reset_window()
         self._windows.epoch = epoch
 
-    def check_layers(self, layers: tuple[str, ...]) -> None:
-        """Raise ``ValueError`` unless each saved row belongs to a hooked module."""
-        hooked = self.hooked_names()
-        foreign = [n for n in layers if not any(n == h or n.startswith(h + ".") for h in hooked)]
-        if foreign:
-            raise ValueError(
-                f"{type(self).__name__}: saved for layers {foreign!r}, which it does not watch"
-            )
-
-    def hooked_names(self) -> tuple[str, ...]:
-        """Names a saved row may start with: the hooked modules' and the rows made so far."""
-        return (*self._hooked, *self.layers)
-
 
 def _model_device(model: nn.Module) -> torch.device:
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return torch.device("cpu")
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return torch.device("cpu") if first is None else first.device

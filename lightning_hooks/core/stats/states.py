@@ -17,6 +17,7 @@ __all__ = [
     "Reduce",
     "RowStates",
     "StateSpec",
+    "add_counts",
     "all_pool",
     "pack_dtype",
     "unpack",
@@ -56,6 +57,15 @@ def _extremes(dtype: torch.dtype) -> tuple[float, float]:
         return 0.0, 1.0
     info = torch.iinfo(dtype)
     return float(info.min), float(info.max)
+
+
+def add_counts(state: torch.Tensor, counts: dict[int, int]) -> None:
+    """Add the host-side ``{row: count}`` into ``state`` (one copy to its device); empty them."""
+    if counts:
+        rows = torch.tensor(list(counts), device=state.device)
+        added = torch.tensor(list(counts.values()), dtype=state.dtype)
+        state.index_add_(0, rows, added.to(state.device))
+        counts.clear()
 
 
 def pack_dtype(device: torch.device) -> torch.dtype:
@@ -247,28 +257,21 @@ class RowStates:
             self._truncate(self._aligned)
             for name, units in order.items():
                 row = self.row(name, units)
-                if name in kept:
-                    self._set_row_values(row, kept[name])
+                for state, value in kept.get(name, {}).items():
+                    getattr(self, state)[self._span(self.specs[state], row)] = value
         self._aligned = len(self.rows)
 
     def _row_values(self, row: int) -> dict[str, torch.Tensor]:
         """Every per-row state's entries of ``row`` (copies)."""
-        out = {}
-        for spec in self.specs.values():
-            state: torch.Tensor = getattr(self, spec.name)
-            if spec.kind == "layer":
-                out[spec.name] = state[row].clone()
-            elif spec.kind == "unit":
-                out[spec.name] = state[self.unit_slice(row)].clone()
-        return out
+        return {
+            spec.name: getattr(self, spec.name)[self._span(spec, row)].clone()
+            for spec in self.specs.values()
+            if spec.kind != "global"
+        }
 
-    def _set_row_values(self, row: int, values: dict[str, torch.Tensor]) -> None:
-        for name, value in values.items():
-            state: torch.Tensor = getattr(self, name)
-            if self.specs[name].kind == "layer":
-                state[row] = value
-            else:
-                state[self.unit_slice(row)] = value
+    def _span(self, spec: StateSpec, row: int) -> int | slice:
+        """Where ``row``'s entries lie in state ``spec`` (a per-row one)."""
+        return row if spec.kind == "layer" else self.unit_slice(row)
 
     def _truncate(self, rows: int) -> None:
         """Keep the first ``rows`` rows (every per-row state cut to them)."""
