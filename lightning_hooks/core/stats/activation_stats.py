@@ -248,12 +248,8 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
     def summarize(self, states: dict[str, np.ndarray]) -> tuple[FeatureSummary, list[Histogram]]:
         """Statistics and histograms from the reduced states."""
         extremes = states["extremes"] * np.array(_SIGN)
-        layers = self.layers
-        hists = []
-        if self.bins:
-            hist, edges = states["hist"], states["edges"]
-            hists = [Histogram(layers[i], edges[i], hist[i]) for i in range(len(layers))]
-        return summarize(layers, states["sums"], extremes), hists
+        rows = zip(self.layers, states["edges"], states["hist"], strict=True) if self.bins else ()
+        return summarize(self.layers, states["sums"], extremes), [Histogram(*r) for r in rows]
 
     def tags(self, result: tuple[FeatureSummary, list[Histogram]]) -> dict[str, float]:
         """``activations/{stat}/{layer}`` for every row that saw an element."""

@@ -212,16 +212,10 @@ class SaturationTracker(LayerStat[SaturationStats]):
         """Per-layer and global saturated and always-saturated fractions, and layers that ran."""
         out: dict[str, float] = {}
         ran = result.entries > 0
-        for layer, sat, always, active in zip(
-            result.layers,
-            result.saturated_fraction,
-            result.always_saturated_fraction,
-            ran,
-            strict=True,
-        ):
-            if active:
-                out[f"saturation/saturated_fraction/{layer}"] = float(sat)
-                out[f"saturation/always_saturated_fraction/{layer}"] = float(always)
+        saturated, always = result.saturated_fraction, result.always_saturated_fraction
+        for i in np.flatnonzero(ran):
+            out[f"saturation/saturated_fraction/{result.layers[i]}"] = float(saturated[i])
+            out[f"saturation/always_saturated_fraction/{result.layers[i]}"] = float(always[i])
         if ran.any():
             entries, units = result.entries[ran].sum(), result.units[ran].sum()
             out["saturation/global/saturated_fraction"] = float(

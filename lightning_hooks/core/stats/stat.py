@@ -25,20 +25,19 @@ __all__ = ["EpochWindows", "LayerStat", "Reduce", "SelectionArgs", "StateSpec", 
 R = TypeVar("R")
 
 
-def _pad(values: np.ndarray, shape: tuple[int, ...], spec: StateSpec) -> np.ndarray:
-    """``values`` grown along its first axis to ``shape`` with fresh entries (rows only grow)."""
-    if values.shape == shape:
-        return values
-    grown = np.full(shape, spec.identity, dtype=np.float64)
-    grown[: values.shape[0]] = values
-    return grown
-
-
 _COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
-def _combine(old: np.ndarray, new: np.ndarray, reduce: Reduce) -> np.ndarray:
-    return new if reduce == "same" else np.asarray(_COMBINE[reduce](old, new))
+def _combine(old: np.ndarray, new: np.ndarray, spec: StateSpec) -> np.ndarray:
+    """``old`` and ``new`` pooled with ``spec.reduce``; ``old`` first grown to ``new``'s rows
+    (rows only grow) with fresh entries."""
+    if spec.reduce == "same":
+        return new
+    if old.shape != new.shape:
+        grown = np.full(new.shape, spec.identity, dtype=np.float64)
+        grown[: old.shape[0]] = old
+        old = grown
+    return np.asarray(_COMBINE[spec.reduce](old, new))
 
 
 class EpochWindows:
@@ -89,7 +88,7 @@ class EpochWindows:
         if self.epoch is None:
             return window
         return {
-            name: _combine(_pad(self.epoch[name], new.shape, self.specs[name]), new, spec.reduce)
+            name: _combine(self.epoch[name], new, spec)
             for (name, new), spec in zip(window.items(), self.specs.values(), strict=True)
         }
 

@@ -68,6 +68,11 @@ def add_counts(state: torch.Tensor, counts: dict[int, int]) -> None:
         counts.clear()
 
 
+def _dtype_on(spec: StateSpec, device: torch.device) -> torch.dtype:
+    """``spec``'s dtype on ``device``: float64 is float32 on MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" and spec.dtype == torch.float64 else spec.dtype
+
+
 def pack_dtype(device: torch.device) -> torch.dtype:
     """The dtype every state is packed in on ``device`` (MPS has no float64)."""
     return torch.float32 if device.type == "mps" else torch.float64
@@ -177,16 +182,13 @@ class RowStates:
         self.device = torch.device(device)
         for spec in self.specs.values():
             state: torch.Tensor = getattr(self, spec.name)
-            mps_double = self.device.type == "mps" and spec.dtype == torch.float64
-            setattr(self, spec.name, state.to(self.device, torch.float32 if mps_double else None))
+            setattr(self, spec.name, state.to(self.device, _dtype_on(spec, self.device)))
         return self
 
     @staticmethod
     def _fresh(spec: StateSpec, rows: int, device: torch.device) -> torch.Tensor:
         shape = {"layer": (rows, *spec.width), "unit": (rows,), "global": spec.width}[spec.kind]
-        mps_double = device.type == "mps" and spec.dtype == torch.float64
-        dtype = torch.float32 if mps_double else spec.dtype  # MPS has no float64
-        return torch.full(shape, spec.identity, dtype=dtype, device=device)
+        return torch.full(shape, spec.identity, dtype=_dtype_on(spec, device), device=device)
 
     # --- rows ------------------------------------------------------------------------------
 
