@@ -179,9 +179,8 @@ class StabilityStats(LayerStat[Result]):
         self._output, self._last, self._candidates = None, None, {}
         super().attach(model, registry)
         assert self.registry is not None
-        self._capture = AttentionCapture(self._add_attention, skip=self._attention)
+        self._capture = AttentionCapture(self._add_attention, self._attention).attach(self.registry)
         self._checked = False
-        self._capture.attach(self.registry)
         return self
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
