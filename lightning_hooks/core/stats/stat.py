@@ -67,7 +67,8 @@ class EpochWindows:
         if got is not None:
             view, (step, shapes) = got
             states = unpack(view, shapes)
-            self._fold(states)
+            # folded into the epoch (sums added, extremes kept); a copy: the window is kept too
+            self.epoch = {k: v.copy() for k, v in self.with_epoch(states).items()}
             self._ready.append((step, states))
 
     @property
@@ -78,10 +79,6 @@ class EpochWindows:
     def pop(self) -> tuple[int, dict[str, np.ndarray]] | None:
         """The oldest folded window not yet read, ``None`` when none is."""
         return self._ready.pop(0) if self._ready else None
-
-    def _fold(self, states: dict[str, np.ndarray]) -> None:
-        """Add a window's host states into the epoch's (sums added, extremes kept)."""
-        self.epoch = {k: v.copy() for k, v in self.with_epoch(states).items()}
 
     def with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The epoch's folded windows and the current ``window`` together."""
@@ -177,7 +174,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         check_module(type(self).__name__, "model", model)
         self.remove()
         self._windows.forget()
-        device = _model_device(model)
+        params = itertools.chain(model.parameters(), model.buffers())
+        device = next((t.device for t in params), torch.device("cpu"))
         self._drop_rows(device)
         self.to(device)
         self.registry = HookRegistry(model) if registry is None else registry
@@ -241,10 +239,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         """``(step, result)`` of the posted window; ``None`` when none is, or while copying."""
         self._windows.collect(wait)
         ready = self._windows.pop()
-        if ready is None:
-            return None
-        step, states = ready
-        return step, self.summarize(states)
+        return None if ready is None else (ready[0], self.summarize(ready[1]))
 
     @property
     def window_in_flight(self) -> bool:
@@ -288,10 +283,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
     def host_state(self) -> dict[str, Any]:
         """Rows, units and every state reduced across ranks, on the host (a collective)."""
         states = self._host_states()
-        saved: dict[str, Any] = {"layers": list(self.rows), "units": list(self.units)}
-        for name, spec in self.specs.items():
-            saved[name] = torch.from_numpy(states[name]).to(spec.dtype)
-        return saved
+        saved = {name: torch.from_numpy(states[name]).to(s.dtype) for name, s in self.specs.items()}
+        return {"layers": list(self.rows), "units": list(self.units), **saved}
 
     def load_host_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`host_state` as the epoch's folded windows; the current window is empty.
@@ -324,8 +317,3 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
             epoch[name] = saved.double().numpy().copy()
         self._reset_window()
         self._windows.epoch = epoch
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    first = next(itertools.chain(model.parameters(), model.buffers()), None)
-    return torch.device("cpu") if first is None else first.device
