@@ -273,8 +273,7 @@ class OutputGradients:
         rows = torch.arange(norm.shape[1], device=norm.device)
         valid = series[:, 1, :, None] > 0
         self.accumulator.update(norm[:, :, None], [self.column], rows, valid, replicated=True)
-        self._series.zero_()
-        self._steps = 0
+        self.reset()
 
     def reset(self) -> None:
         """Drop the steps kept for the reduction (a new accumulation period)."""
