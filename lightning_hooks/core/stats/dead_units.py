@@ -213,8 +213,8 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         for (shape, dim, device), rows, fired in self._pending.drain():
             units, numel = shape[dim], fired[0].numel()
             counts = fired.movedim(dim + 1, -1).reshape(len(rows), -1, units).sum(1)
-            spans = [self.unit_slice(row) for row in rows]
-            where = self._pending.index(rows, device, [range(s.start, s.stop) for s in spans])
+            spans = [range(s.start, s.stop) for s in map(self.unit_slice, rows)]
+            where = self._pending.index(rows, device, spans)
             self.counts.index_add_(0, where, counts.flatten().to(self.counts.dtype))
             fired_sum = counts.sum(1).to(self.fired.dtype)
             index = self._pending.index(rows, device)
