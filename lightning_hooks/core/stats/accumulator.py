@@ -39,7 +39,7 @@ class LayerTable:
     count: np.ndarray
 
     def column(self, stat: str, kind: str = "mean") -> np.ndarray:
-        """One statistic for every layer: ``kind`` is ``"mean"``, ``"peak"`` or ``"total"``.
+        """One statistic for every layer: its ``"mean"``, ``"peak"``, ``"total"`` or ``"count"``.
 
         Example:
             >>> stats = LayerTable(("a",), ("norm",), *([np.ones((1, 1))] * 4))

@@ -26,7 +26,13 @@ from lightning_hooks.core.ops.tensors import Pending, Workspace, iter_float_tens
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
 from lightning_hooks.core.transport.readback import FirstNonFinite
 
-__all__ = ["ACTIVATION_MODULES", "ActivationStatsTracker", "Histogram", "default_feature_module"]
+__all__ = [
+    "ACTIVATION_MODULES",
+    "ActivationStatsTracker",
+    "Histogram",
+    "default_feature_module",
+    "owns_parameters",
+]
 
 ACTIVATION_MODULES: tuple[type[nn.Module], ...] = (
     nn.ReLU,
@@ -61,8 +67,12 @@ def default_feature_module(name: str, module: nn.Module) -> bool:
         >>> default_feature_module("2", nn.Sequential()), default_feature_module("3", nn.Dropout())
         (False, False)
     """
-    owns = any(True for _ in module.parameters(recurse=False))
-    return owns or is_kind(module, ACTIVATION_MODULES)
+    return owns_parameters(module) or is_kind(module, ACTIVATION_MODULES)
+
+
+def owns_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` holds a parameter itself (not only through a child)."""
+    return any(True for _ in module.parameters(recurse=False))
 
 
 def feature_modules(selection: Selection | None, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -216,12 +226,9 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
             if self.histogram_range is None:
                 known = self.has_edges[row]
                 low, high = stats[NUM_SUMS], stats[NUM_SUMS + 1]
-                torch.where(known, edges, self._edges_from(low, high), out=edges)
+                torch.where(known, edges, linear_edges(low, high, self._unit), out=edges)
                 known.fill_(True)
             bin_counts(x, edges[1:-1], self.hist[row])
-
-    def _edges_from(self, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-        return linear_edges(low, high, self._unit)
 
     @torch.no_grad()
     def end_step(self, step: int) -> None:
@@ -241,12 +248,8 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
     def summarize(self, states: dict[str, np.ndarray]) -> tuple[FeatureSummary, list[Histogram]]:
         """Statistics and histograms from the reduced states."""
         extremes = states["extremes"] * np.array(_SIGN)
-        layers = self.layers
-        hists = []
-        if self.bins:
-            hist, edges = states["hist"], states["edges"]
-            hists = [Histogram(layers[i], edges[i], hist[i]) for i in range(len(layers))]
-        return summarize(layers, states["sums"], extremes), hists
+        rows = zip(self.layers, states["edges"], states["hist"], strict=True) if self.bins else ()
+        return summarize(self.layers, states["sums"], extremes), [Histogram(*r) for r in rows]
 
     def tags(self, result: tuple[FeatureSummary, list[Histogram]]) -> dict[str, float]:
         """``activations/{stat}/{layer}`` for every row that saw an element."""
@@ -263,7 +266,9 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         if self.bins and self.histogram_range is None and self.rows:
             extremes, seen = self._epoch_extremes()
             low, high = extremes[:, 0].float(), extremes[:, 1].float()
-            torch.where(seen[:, None], self._edges_from(low, high), self.edges, out=self.edges)
+            torch.where(
+                seen[:, None], linear_edges(low, high, self._unit), self.edges, out=self.edges
+            )
             self.has_edges.copy_(seen)
         super().reset()
 

@@ -111,10 +111,8 @@ def attention_head_entropy(
         (5.0, [0.6931, 1.3863], [2.0, 2.0])
     """
     logits = logits.float()
-    if logits.dim() < 3:
-        logits = (
-            logits.reshape(1, *logits.shape[-2:]) if logits.dim() == 2 else logits.view(1, 1, -1)
-        )
+    if logits.dim() < 3:  # one head
+        logits = logits.unsqueeze(0) if logits.dim() == 2 else logits.view(1, 1, -1)
     row_max = logits.amax(-1)  # [..., H, L]
     live = row_max > -torch.inf
     entropy = torch.special.entr(torch.softmax(logits, -1)).sum(-1)  # entr(0) = 0: masked keys

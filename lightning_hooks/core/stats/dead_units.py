@@ -21,6 +21,7 @@ from lightning_hooks.core.hooks.selection import Patterns, Selection
 from lightning_hooks.core.ops.feature_stats import STACKED
 from lightning_hooks.core.ops.tensors import Pending, Workspace, iter_float_tensors
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
+from lightning_hooks.core.stats.states import add_counts
 
 __all__ = ["RELU_FAMILY", "DeadUnitTracker", "DeadUnits", "fired_counts", "unit_dim"]
 
@@ -212,17 +213,13 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         for (shape, dim, device), rows, fired in self._pending.drain():
             units, numel = shape[dim], fired[0].numel()
             counts = fired.movedim(dim + 1, -1).reshape(len(rows), -1, units).sum(1)
-            spans = [self.unit_slice(row) for row in rows]
-            where = self._pending.index(rows, device, [range(s.start, s.stop) for s in spans])
+            spans = [range(s.start, s.stop) for s in map(self.unit_slice, rows)]
+            where = self._pending.index(rows, device, spans)
             self.counts.index_add_(0, where, counts.flatten().to(self.counts.dtype))
             fired_sum = counts.sum(1).to(self.fired.dtype)
             index = self._pending.index(rows, device)
             self.fired.index_add_(0, index, fired_sum, alpha=1.0 / numel)
-        if self._calls:
-            called = torch.tensor(list(self._calls), device=self.calls.device)
-            added = torch.tensor(list(self._calls.values()), dtype=self.calls.dtype)
-            self.calls.index_add_(0, called, added.to(self.calls.device))
-            self._calls = {}
+        add_counts(self.calls, self._calls)
 
     def remove(self) -> None:
         """Count the kept fired masks, then remove the hooks (also when counting fails)."""

@@ -141,20 +141,16 @@ class GradFlowTracker(HookOwner):
         self.accumulator.to(device)
         self._optimizers = list(optimizers)
         self._views = OptimizerViews(self.layout, update_ratio=update_ratio)
-        self._outputs = OutputGradients(
-            len(self.layout.layers), self.accumulator, _OUTPUT, self._optimizers, self._views
-        )
+        self._outputs = OutputGradients(self.accumulator, _OUTPUT, self._optimizers, self._views)
         self._updates = UpdateRatio(self.accumulator, _UPDATE, self.shards)
         self._output_grad = output_grad
-        self._update_ratio = update_ratio
         self._post_clip = post_clip
         self._step = 0  # the step of the last observe, which the step post-hook follows
         self._calls = 0
         self.alarms = GradientAlarms(rows, alarms, device) if alarms is not None else None
-        sharded = self.shards is not None
-        self._read = SentinelRead(self.alarms, self._stats, self._outputs.order, clip, sharded)
+        self._read = SentinelRead(self.alarms, self._stats, self._outputs.order, clip)
         if output_grad:
-            self._outputs.hook(self.registry, modules, self.layout.layers, model)
+            self._outputs.hook(self.registry, modules, model)
         for optimizer in optimizers:
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
 
@@ -235,7 +231,7 @@ class GradFlowTracker(HookOwner):
             self.accumulator.update(values, [_PRECLIP, _WEIGHT], view.rows, cells, replicated=True)
         else:
             self.accumulator.update(stats, _ALL, view.rows, valid, replicated=True)
-        if self._update_ratio:
+        if self._views.update_ratio:
             self._updates.keep(view, stats[:, _WEIGHT])
         if self._output_grad:
             self._outputs.record(optimizer, view, grad_scale)

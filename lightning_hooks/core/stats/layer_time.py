@@ -142,9 +142,9 @@ class LayerTimer(LayerStat[LayerTimes]):
     def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> LayerTimer:
         """Hook ``model``: one row per selected layer, in model order."""
         super().attach(model, registry)
-        cuda = self.use_cuda
-        if cuda is None:
-            cuda = any(p.is_cuda for p in model.parameters())
+        cuda = (
+            any(p.is_cuda for p in model.parameters()) if self.use_cuda is None else self.use_cuda
+        )
         self._clock = _CudaClock() if cuda else _CpuClock()
         self._clear_host()
         return self

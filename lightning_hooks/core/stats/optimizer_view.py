@@ -49,12 +49,15 @@ class OptimizerView:
     key: tuple[int, ...]  # the param_groups' sizes it was built for
     unique: torch.Tensor  # positions of each parameter's first listing (global figures)
     numel: torch.Tensor  # [layers + 1] elements it steps per layer, then all (shared once)
-    layer_ids: frozenset[int]  # the layout rows it steps, on the host
+    row_ids: tuple[int, ...]  # ``rows`` on the host
+    segments: HostSegments  # ``index`` and ``unique`` on the host (the sentinel's)
     weight_norm: torch.Tensor | None = None
-    distinct: bool = False  # no parameter listed twice: ``unique`` is every position, in order
-    row_ids: tuple[int, ...] = ()  # ``rows`` on the host
-    segments: HostSegments | None = None  # ``index`` and ``unique`` on the host (the sentinel's)
     masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.layer_ids = frozenset(self.row_ids[:-1])  # the layout rows it steps, on the host
+        # no parameter listed twice: ``unique`` is every position, in order
+        self.distinct = len(self.unique) == len(self.params)
 
     def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
         """``[layers + 1, len(GRAD_STATS)]``: false in the gradient columns of layers with no
@@ -163,17 +166,15 @@ class OptimizerViews:
 
     def unstepped(self, optimizers: Sequence[torch.optim.Optimizer]) -> tuple[str, ...]:
         """Layers with a trainable parameter in none of ``optimizers``: never measured."""
-        held = {id(p) for o in optimizers for g in o.param_groups for p in g["params"]}
+        held = set().union(*map(_held, optimizers))
         pairs = zip(self.layout.owner, self.layout.params, strict=True)
         rows = {o for o, p in pairs if p.requires_grad and id(p) not in held}
         return tuple(self.layout.layers[i] for i in sorted(rows))
 
     def _build(self, optimizer: torch.optim.Optimizer, key: tuple[int, ...]) -> OptimizerView:
         layout = self.layout
-        stepped = {
-            id(p) for group in optimizer.param_groups for p in group["params"] if p.requires_grad
-        }
-        keep = [id(p) in stepped for p in layout.params]
+        held = _held(optimizer)
+        keep = [id(p) in held and p.requires_grad for p in layout.params]
         params, index = layout.subset(keep)
         layers = sorted({i for i, k in zip(layout.owner, keep, strict=True) if k})
         layers.append(len(layout.layers))
@@ -189,13 +190,10 @@ class OptimizerViews:
         numel = sizes.new_zeros(len(layers) - 1).index_add_(0, index, sizes)
         numel = torch.cat([numel, sizes.index_select(0, unique).sum().view(1)])
         self.generation += 1
-        ids = frozenset(layers[:-1])
-        distinct = len(unique) == len(params)
-        view = OptimizerView(params, index, rows, before, owner, key, unique, numel, ids)
-        view.distinct = distinct
-        view.row_ids = tuple(layers)
-        view.segments = HostSegments(owner, len(layers) - 1, positions)
-        return view
+        segments = HostSegments(owner, len(layers) - 1, positions)
+        return OptimizerView(
+            params, index, rows, before, owner, key, unique, numel, tuple(layers), segments
+        )
 
     def first_param(self, optimizer: torch.optim.Optimizer) -> nn.Parameter | None:
         """The parameter whose gradient tells whether ``optimizer`` zeroed its gradients."""

@@ -71,7 +71,7 @@ def _output_hook(
     row: int,
     order: list[int],
     compiled_sq: list[torch.Tensor],
-    wrap: Any = None,
+    wrap: Any,
 ) -> Any:
     """A forward hook that puts a gradient hook on the module's outputs in training forwards
     (``wrap``: the registry's guard; ``compiled_sq``: a cell with the row's own tensor, which a
@@ -79,7 +79,7 @@ def _output_hook(
     sq, hit, noted, hits = sums
     sq_row, hit_row = sq.select(0, row), hit.select(0, row)
     eager: Any = partial(_note_output_grad, noted, sq_row, order, row)
-    eager = wrap(eager, "output gradient hook") if wrap is not None else eager  # made once
+    eager = wrap(eager, "output gradient hook")  # made once
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         if not is_grad_forward(module):
@@ -90,8 +90,7 @@ def _output_hook(
         # its own tensor, lifted from the cell at each call (see OutputGradients).
         add, compiled = eager, torch.compiler.is_compiling()
         if compiled:
-            add = partial(_add_output_grad, compiled_sq[0])
-            add = wrap(add, "output gradient hook") if wrap is not None else add
+            add = wrap(partial(_add_output_grad, compiled_sq[0]), "output gradient hook")
         for _, tensor in iter_float_tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(add)  # type: ignore[no-untyped-call]
@@ -109,7 +108,6 @@ class OutputGradients:
     squares are summed across ranks at :meth:`drain`; :attr:`order` is the backward order.
 
     Args:
-        num_layers: rows of the layout (the global row excluded).
         accumulator: where the norms go.
         column: the accumulator's column of the norms.
         optimizers: every optimizer the tracker follows.
@@ -118,13 +116,12 @@ class OutputGradients:
 
     def __init__(
         self,
-        num_layers: int,
         accumulator: LayerStatsAccumulator,
         column: int,
         optimizers: Sequence[torch.optim.Optimizer],
         views: OptimizerViews,
     ) -> None:
-        device = views.layout.index.device
+        device, num_layers = views.layout.index.device, len(views.layout.layers)
         self.accumulator, self.column = accumulator, column
         self.optimizers, self.views = list(optimizers), views
         self.order: list[int] = []
@@ -154,20 +151,18 @@ class OutputGradients:
         self,
         registry: HookRegistry,
         modules: Sequence[tuple[str, nn.Module]],
-        layers: Sequence[str],
-        model: nn.Module | None = None,
+        model: nn.Module,
     ) -> None:
-        """Hook the output of each of ``modules`` that is one of ``layers``; each compiled region
-        of ``model`` gets a pre-hook giving its rows fresh tensors when called again."""
-        by_name = dict(modules)
+        """Hook the output of each of ``modules`` that is a layer of the layout; each compiled
+        region of ``model`` gets a pre-hook giving its rows fresh tensors when called again."""
+        by_name, layers = dict(modules), self.views.layout.layers
+        sums = (self._sq, self._hit, self._noted, self._hits)
         for row, name in enumerate(layers):
             if name not in by_name:
                 continue  # the model's own row: its output is the loss's input, not a layer's
-            wrap = registry.guarded
-            sums = (self._sq, self._hit, self._noted, self._hits)
-            hook = _output_hook(sums, row, self.order, self._cells[row], wrap)
+            hook = _output_hook(sums, row, self.order, self._cells[row], registry.guarded)
             registry.forward_hook(by_name[name], hook, gated=True)
-        for name, region in compiled_regions(model) if model is not None else ():
+        for name, region in compiled_regions(model):
             rows = [i for i, n in enumerate(layers) if n == name or n.startswith(f"{name}.")]
             if rows:
                 registry.forward_pre_hook(region, partial(self._called_again, rows), gated=True)
@@ -278,8 +273,7 @@ class OutputGradients:
         rows = torch.arange(norm.shape[1], device=norm.device)
         valid = series[:, 1, :, None] > 0
         self.accumulator.update(norm[:, :, None], [self.column], rows, valid, replicated=True)
-        self._series.zero_()
-        self._steps = 0
+        self.reset()
 
     def reset(self) -> None:
         """Drop the steps kept for the reduction (a new accumulation period)."""

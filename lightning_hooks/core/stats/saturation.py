@@ -12,6 +12,7 @@ from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.selection import torch_equivalent
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
+from lightning_hooks.core.stats.states import add_counts
 
 __all__ = [
     "SATURATING_TYPES",
@@ -187,11 +188,7 @@ class SaturationTracker(LayerStat[SaturationStats]):
 
     def drain(self) -> None:
         """Move the host-side entry counts into the ``entries`` state."""
-        if self._entries:
-            rows = torch.tensor(list(self._entries), device=self.entries.device)
-            added = torch.tensor(list(self._entries.values()), dtype=torch.int64)
-            self.entries.index_add_(0, rows, added.to(self.entries.device))
-            self._entries = {}
+        add_counts(self.entries, self._entries)
 
     def summarize(self, states: dict[str, np.ndarray]) -> SaturationStats:
         """Saturated and always-saturated counts per row from the reduced states."""
@@ -215,16 +212,10 @@ class SaturationTracker(LayerStat[SaturationStats]):
         """Per-layer and global saturated and always-saturated fractions, and layers that ran."""
         out: dict[str, float] = {}
         ran = result.entries > 0
-        for layer, sat, always, active in zip(
-            result.layers,
-            result.saturated_fraction,
-            result.always_saturated_fraction,
-            ran,
-            strict=True,
-        ):
-            if active:
-                out[f"saturation/saturated_fraction/{layer}"] = float(sat)
-                out[f"saturation/always_saturated_fraction/{layer}"] = float(always)
+        saturated, always = result.saturated_fraction, result.always_saturated_fraction
+        for i in np.flatnonzero(ran):
+            out[f"saturation/saturated_fraction/{result.layers[i]}"] = float(saturated[i])
+            out[f"saturation/always_saturated_fraction/{result.layers[i]}"] = float(always[i])
         if ran.any():
             entries, units = result.entries[ran].sum(), result.units[ran].sum()
             out["saturation/global/saturated_fraction"] = float(

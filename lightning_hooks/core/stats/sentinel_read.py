@@ -28,7 +28,6 @@ class SentinelRead:
         stats: the tracker's gradient statistics (the weight norms an alarm's diagnosis reads).
         order: the layer rows in the order their output-gradient hooks fired, emptied per step.
         clip: ``(gradient_clip_val, gradient_clip_algorithm)``, or ``None``.
-        sharded: FSDP2: a quiet step's norms are made whole by the general path.
     """
 
     def __init__(
@@ -37,10 +36,9 @@ class SentinelRead:
         stats: ViewStats,
         order: list[int],
         clip: tuple[float, str] | None,
-        sharded: bool,
     ) -> None:
-        self.alarms, self._stats, self._order = alarms, stats, order
-        self._clip, self._sharded = clip, sharded
+        self.alarms, self._stats, self._order, self._clip = alarms, stats, order, clip
+        self._sharded = stats.shards is not None  # FSDP2: the general path makes norms whole
         self._triton = alarms is not None and alarms.rules.quiet_read == "triton"
         self._reads: dict[int, tuple[weakref.ref[OptimizerView], _Read]] = {}
         """The read of each live view's gradient norms, by the view's ``id``."""

@@ -18,6 +18,7 @@ from torch.nn import functional
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import select_modules
 from lightning_hooks.core.ops.tensors import is_training_forward, logsumexp_rows
+from lightning_hooks.core.stats.activation_stats import owns_parameters
 from lightning_hooks.core.stats.attention import (
     AttentionCapture,
     attention_head_entropy,
@@ -126,10 +127,6 @@ def _mha_projections(
     return q, key_t, len(extra)
 
 
-def _owns_parameters(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False))
-
-
 class StabilityStats(LayerStat[Result]):
     """The largest attention logit per attention layer and the output logits' log-partition.
 
@@ -182,14 +179,13 @@ class StabilityStats(LayerStat[Result]):
         self._output, self._last, self._candidates = None, None, {}
         super().attach(model, registry)
         assert self.registry is not None
-        self._capture = AttentionCapture(self._add_attention, skip=self._attention)
+        self._capture = AttentionCapture(self._add_attention, self._attention).attach(self.registry)
         self._checked = False
-        self._capture.attach(self.registry)
         return self
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """Every ``nn.MultiheadAttention`` and every module owning parameters directly."""
-        modules = select_modules(model, where=lambda _, m: _owns_parameters(m))
+        modules = select_modules(model, where=lambda _, m: owns_parameters(m))
         self._attention = {n for n, m in modules if isinstance(m, nn.MultiheadAttention)}
         return modules
 

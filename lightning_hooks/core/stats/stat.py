@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -24,23 +25,19 @@ __all__ = ["EpochWindows", "LayerStat", "Reduce", "SelectionArgs", "StateSpec", 
 R = TypeVar("R")
 
 
-def _pad(values: np.ndarray, shape: tuple[int, ...], spec: StateSpec) -> np.ndarray:
-    """``values`` grown along its first axis to ``shape`` with fresh entries (rows only grow)."""
-    if values.shape == shape:
-        return values
-    grown = np.full(shape, spec.identity, dtype=np.float64)
-    grown[: values.shape[0]] = values
-    return grown
+_COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
-def _combine(old: np.ndarray, new: np.ndarray, reduce: Reduce) -> np.ndarray:
-    if reduce == "sum":
-        return np.asarray(old + new)
-    if reduce == "max":
-        return np.asarray(np.maximum(old, new))
-    if reduce == "min":
-        return np.asarray(np.minimum(old, new))
-    return new
+def _combine(old: np.ndarray, new: np.ndarray, spec: StateSpec) -> np.ndarray:
+    """``old`` and ``new`` pooled with ``spec.reduce``; ``old`` first grown to ``new``'s rows
+    (rows only grow) with fresh entries."""
+    if spec.reduce == "same":
+        return new
+    if old.shape != new.shape:
+        grown = np.full(new.shape, spec.identity, dtype=np.float64)
+        grown[: old.shape[0]] = old
+        old = grown
+    return np.asarray(_COMBINE[spec.reduce](old, new))
 
 
 class EpochWindows:
@@ -70,7 +67,8 @@ class EpochWindows:
         if got is not None:
             view, (step, shapes) = got
             states = unpack(view, shapes)
-            self._fold(states)
+            # folded into the epoch (sums added, extremes kept); a copy: the window is kept too
+            self.epoch = {k: v.copy() for k, v in self.with_epoch(states).items()}
             self._ready.append((step, states))
 
     @property
@@ -82,22 +80,12 @@ class EpochWindows:
         """The oldest folded window not yet read, ``None`` when none is."""
         return self._ready.pop(0) if self._ready else None
 
-    def _fold(self, states: dict[str, np.ndarray]) -> None:
-        """Add a window's host states into the epoch's (sums added, extremes kept)."""
-        if self.epoch is None:
-            self.epoch = {k: v.copy() for k, v in states.items()}
-            return
-        for name, new in states.items():
-            spec = self.specs[name]
-            old = _pad(self.epoch[name], new.shape, spec)
-            self.epoch[name] = _combine(old, new, spec.reduce)
-
     def with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The epoch's folded windows and the current ``window`` together."""
         if self.epoch is None:
             return window
         return {
-            name: _combine(_pad(self.epoch[name], new.shape, self.specs[name]), new, spec.reduce)
+            name: _combine(self.epoch[name], new, spec)
             for (name, new), spec in zip(window.items(), self.specs.values(), strict=True)
         }
 
@@ -186,7 +174,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         check_module(type(self).__name__, "model", model)
         self.remove()
         self._windows.forget()
-        device = _model_device(model)
+        params = itertools.chain(model.parameters(), model.buffers())
+        device = next((t.device for t in params), torch.device("cpu"))
         self._drop_rows(device)
         self.to(device)
         self.registry = HookRegistry(model) if registry is None else registry
@@ -250,10 +239,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         """``(step, result)`` of the posted window; ``None`` when none is, or while copying."""
         self._windows.collect(wait)
         ready = self._windows.pop()
-        if ready is None:
-            return None
-        step, states = ready
-        return step, self.summarize(states)
+        return None if ready is None else (ready[0], self.summarize(ready[1]))
 
     @property
     def window_in_flight(self) -> bool:
@@ -297,10 +283,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
     def host_state(self) -> dict[str, Any]:
         """Rows, units and every state reduced across ranks, on the host (a collective)."""
         states = self._host_states()
-        saved: dict[str, Any] = {"layers": list(self.rows), "units": list(self.units)}
-        for name, spec in self.specs.items():
-            saved[name] = torch.from_numpy(states[name]).to(spec.dtype)
-        return saved
+        saved = {name: torch.from_numpy(states[name]).to(s.dtype) for name, s in self.specs.items()}
+        return {"layers": list(self.rows), "units": list(self.units), **saved}
 
     def load_host_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`host_state` as the epoch's folded windows; the current window is empty.
@@ -310,7 +294,12 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
             KeyError: the state lacks one of this statistic's states.
         """
         layers = tuple(state["layers"])
-        self.check_layers(layers)
+        hooked = (*self._hooked, *self.layers)  # what a saved row's name may start with
+        foreign = [n for n in layers if not any(n == h or n.startswith(h + ".") for h in hooked)]
+        if foreign:
+            raise ValueError(
+                f"{type(self).__name__}: saved for layers {foreign!r}, which it does not watch"
+            )
         units = state.get("units") or [0] * len(layers)
         for name, n in zip(layers, units, strict=True):
             self.row(name, int(n))
@@ -328,22 +317,3 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
             epoch[name] = saved.double().numpy().copy()
         self._reset_window()
         self._windows.epoch = epoch
-
-    def check_layers(self, layers: tuple[str, ...]) -> None:
-        """Raise ``ValueError`` unless each saved row belongs to a hooked module."""
-        hooked = self.hooked_names()
-        foreign = [n for n in layers if not any(n == h or n.startswith(h + ".") for h in hooked)]
-        if foreign:
-            raise ValueError(
-                f"{type(self).__name__}: saved for layers {foreign!r}, which it does not watch"
-            )
-
-    def hooked_names(self) -> tuple[str, ...]:
-        """Names a saved row may start with: the hooked modules' and the rows made so far."""
-        return (*self._hooked, *self.layers)
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return torch.device("cpu")

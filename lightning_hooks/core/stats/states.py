@@ -17,6 +17,7 @@ __all__ = [
     "Reduce",
     "RowStates",
     "StateSpec",
+    "add_counts",
     "all_pool",
     "pack_dtype",
     "unpack",
@@ -56,6 +57,20 @@ def _extremes(dtype: torch.dtype) -> tuple[float, float]:
         return 0.0, 1.0
     info = torch.iinfo(dtype)
     return float(info.min), float(info.max)
+
+
+def add_counts(state: torch.Tensor, counts: dict[int, int]) -> None:
+    """Add the host-side ``{row: count}`` into ``state`` (one copy to its device); empty them."""
+    if counts:
+        rows = torch.tensor(list(counts), device=state.device)
+        added = torch.tensor(list(counts.values()), dtype=state.dtype)
+        state.index_add_(0, rows, added.to(state.device))
+        counts.clear()
+
+
+def _dtype_on(spec: StateSpec, device: torch.device) -> torch.dtype:
+    """``spec``'s dtype on ``device``: float64 is float32 on MPS, which has no float64."""
+    return torch.float32 if device.type == "mps" and spec.dtype == torch.float64 else spec.dtype
 
 
 def pack_dtype(device: torch.device) -> torch.dtype:
@@ -167,16 +182,13 @@ class RowStates:
         self.device = torch.device(device)
         for spec in self.specs.values():
             state: torch.Tensor = getattr(self, spec.name)
-            mps_double = self.device.type == "mps" and spec.dtype == torch.float64
-            setattr(self, spec.name, state.to(self.device, torch.float32 if mps_double else None))
+            setattr(self, spec.name, state.to(self.device, _dtype_on(spec, self.device)))
         return self
 
     @staticmethod
     def _fresh(spec: StateSpec, rows: int, device: torch.device) -> torch.Tensor:
         shape = {"layer": (rows, *spec.width), "unit": (rows,), "global": spec.width}[spec.kind]
-        mps_double = device.type == "mps" and spec.dtype == torch.float64
-        dtype = torch.float32 if mps_double else spec.dtype  # MPS has no float64
-        return torch.full(shape, spec.identity, dtype=dtype, device=device)
+        return torch.full(shape, spec.identity, dtype=_dtype_on(spec, device), device=device)
 
     # --- rows ------------------------------------------------------------------------------
 
@@ -247,28 +259,21 @@ class RowStates:
             self._truncate(self._aligned)
             for name, units in order.items():
                 row = self.row(name, units)
-                if name in kept:
-                    self._set_row_values(row, kept[name])
+                for state, value in kept.get(name, {}).items():
+                    getattr(self, state)[self._span(self.specs[state], row)] = value
         self._aligned = len(self.rows)
 
     def _row_values(self, row: int) -> dict[str, torch.Tensor]:
         """Every per-row state's entries of ``row`` (copies)."""
-        out = {}
-        for spec in self.specs.values():
-            state: torch.Tensor = getattr(self, spec.name)
-            if spec.kind == "layer":
-                out[spec.name] = state[row].clone()
-            elif spec.kind == "unit":
-                out[spec.name] = state[self.unit_slice(row)].clone()
-        return out
+        return {
+            spec.name: getattr(self, spec.name)[self._span(spec, row)].clone()
+            for spec in self.specs.values()
+            if spec.kind != "global"
+        }
 
-    def _set_row_values(self, row: int, values: dict[str, torch.Tensor]) -> None:
-        for name, value in values.items():
-            state: torch.Tensor = getattr(self, name)
-            if self.specs[name].kind == "layer":
-                state[row] = value
-            else:
-                state[self.unit_slice(row)] = value
+    def _span(self, spec: StateSpec, row: int) -> int | slice:
+        """Where ``row``'s entries lie in state ``spec`` (a per-row one)."""
+        return row if spec.kind == "layer" else self.unit_slice(row)
 
     def _truncate(self, rows: int) -> None:
         """Keep the first ``rows`` rows (every per-row state cut to them)."""
