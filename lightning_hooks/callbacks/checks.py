@@ -189,10 +189,11 @@ def nothing_to_watch(callback: Any, what: str, hint: str = "") -> None:
     name = type(callback).__name__
     types = getattr(callback, "types", None)
     given = [f"types={types!r}"] if types is not None and types != callback._default_types else []
-    for argument in callback._selection_arguments:
-        value = getattr(callback, argument, None)
-        if value:
-            given.append(f"{argument}={value!r}")
+    given += [
+        f"{argument}={value!r}"
+        for argument in callback._selection_arguments
+        if (value := getattr(callback, argument, None))
+    ]
     if given:
         raise ValueError(f"{name}({', '.join(given)}): selects no {what} of the model{hint}")
     rank_zero_warn(
@@ -297,11 +298,7 @@ def settle(callback: Any, trainer: pl.Trainer, step: int, failed: int, stopping:
         callback._stop_agreed()
     if not failed:
         return False
-    guard = callback._hook_guard()
-    guard.settle(gather_objects(guard.local), step, warn=trainer.is_global_zero)
-    guard.take_pending()
-    callback._guard_disable()
-    return True
+    return _disable(callback, trainer, step, gather_objects(callback._hook_guard().local))
 
 
 def fail_everywhere(
@@ -312,7 +309,13 @@ def fail_everywhere(
     if guard.strict:
         raise error
     cause = f"{where}: {type(error).__name__}: {error}"
-    guard.settle([cause] * callback._ranks, step, warn=trainer.is_global_zero)  # every rank's
+    return _disable(callback, trainer, step, [cause] * callback._ranks)  # every rank's
+
+
+def _disable(callback: Any, trainer: pl.Trainer, step: int, causes: list[Any]) -> bool:
+    """Disable the callback on every rank, one warning on rank 0 naming each rank's cause."""
+    guard = callback._hook_guard()
+    guard.settle(causes, step, warn=trainer.is_global_zero)
     guard.take_pending()
     callback._guard_disable()
     return True

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,13 +76,6 @@ _TRAINER_ONLY: dict[str, str] = {
 """Callbacks refused under Fabric, with the reason."""
 
 
-class _StrategyView:
-    """The one attribute of a Trainer's strategy our callbacks read: its precision plugin."""
-
-    def __init__(self, fabric: Any) -> None:
-        self.precision_plugin = fabric.strategy.precision
-
-
 class FabricTrainer:
     """The attributes of a ``pl.Trainer`` that our callbacks read, over a ``Fabric``.
 
@@ -101,7 +95,8 @@ class FabricTrainer:
 
     def __init__(self, fabric: Any, callback: Any) -> None:
         self.fabric = fabric
-        self.strategy = _StrategyView(fabric)
+        # the one attribute of a Trainer's strategy our callbacks read
+        self.strategy = SimpleNamespace(precision_plugin=fabric.strategy.precision)
         self.callbacks = [callback]
         self.global_step = 0
         self.current_epoch = 0
@@ -263,10 +258,10 @@ class FabricRun:
         if id(optimizer) in self._observed:  # observed before its clip
             self._observed.discard(id(optimizer))
             return
-        if optimizer not in self.trainer.optimizers:
+        new = optimizer not in self.trainer.optimizers
+        if new:
             self.trainer.optimizers.append(optimizer)
-            self._start()
-        elif not self._attached:
+        if new or not self._attached:
             self._start()
         self.callback.on_before_optimizer_step(self.trainer, self.module, optimizer)  # type: ignore[arg-type]
 

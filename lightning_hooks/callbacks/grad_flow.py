@@ -9,7 +9,6 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
-from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks import grad_flow_tags as tags
@@ -174,14 +173,24 @@ class GradFlowCallback(HookCallback):
     def _validate(self, pl_module: pl.LightningModule) -> None:
         types, include, exclude = self.types, self.include, self.exclude
         modules = select_modules(pl_module, types=types, include=include, exclude=exclude)
-        if not lazy_parameters(self, pl_module) and not _layers(self, pl_module, modules):
+        # The model's own parameters count too, unless a selection narrows it (the tracker's rule).
+        root = pl_module if types is None and not include else None
+        if (
+            not lazy_parameters(self, pl_module)
+            and not ParamLayout.from_modules(modules, root=root).layers
+        ):
             nothing_to_watch(self, "module owning a parameter")
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._tracker = _tracker(self, trainer, pl_module)
         self._history = []
-        _warn_unstepped(self._tracker.unstepped())
+        if unstepped := self._tracker.unstepped():
+            rank_zero_warn(
+                f"GradFlowCallback: no optimizer of the Trainer steps the trainable parameters "
+                f"of {', '.join(repr(n) for n in unstepped)}; these layers are not measured.",
+                category=LightningHooksWarning,
+            )
         if self.stability:  # on the tracker's registry: one sampled gate, removed with it
             self._stability = StabilityStats().attach(pl_module, self._tracker.registry)
         if self.histograms:
@@ -270,15 +279,6 @@ class GradFlowCallback(HookCallback):
         self.policy.stop_requested = False
 
 
-def _layers(
-    callback: GradFlowCallback, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]
-) -> tuple[str, ...]:
-    """The layers of the ``modules`` ``callback`` selects in ``pl_module``."""
-    # The model's own parameters count too, unless a selection narrows it (the tracker's rule).
-    root = pl_module if callback.types is None and not callback.include else None
-    return ParamLayout.from_modules(modules, root=root).layers
-
-
 def _tracker(
     callback: GradFlowCallback, trainer: pl.Trainer, pl_module: pl.LightningModule
 ) -> GradFlowTracker:
@@ -312,13 +312,3 @@ def clip_of(trainer: pl.Trainer) -> tuple[float, str] | None:
         return None
     algorithm = trainer.gradient_clip_algorithm or "norm"
     return float(trainer.gradient_clip_val), str(getattr(algorithm, "value", algorithm))
-
-
-def _warn_unstepped(layers: tuple[str, ...]) -> None:
-    """Warn that no optimizer of the Trainer steps the trainable parameters of ``layers``."""
-    if layers:
-        rank_zero_warn(
-            f"GradFlowCallback: no optimizer of the Trainer steps the trainable parameters "
-            f"of {', '.join(repr(n) for n in layers)}; these layers are not measured.",
-            category=LightningHooksWarning,
-        )
