@@ -101,7 +101,7 @@ class GradFlowCallback(HookCallback):
     *attention* on the sampled steps. Under DDP the loss rules read the mean loss over ranks (one
     ``all_reduce`` per batch, which also carries the ranks' agreement on a failure and on
     ``stop``), so every rank decides alike; under manual optimization see
-    :meth:`.alarm_policy.AlarmPolicy.plan_loss`. Under ``16-mixed`` the loss scale is divided
+    :meth:`.alarm_policy.LossAgreement.plan`. Under ``16-mixed`` the loss scale is divided
     out; under DDP the values equal one process's on the global batch.
 
     Args:
@@ -197,7 +197,7 @@ class GradFlowCallback(HookCallback):
             layout = self._tracker.layout
             self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
         self.policy.restore(self._tracker.alarms)
-        self.policy.plan_loss(pl_module, self.alarms)
+        self.policy.loss.plan(pl_module, self.alarms)
 
     @override
     def _detach(self) -> None:
@@ -234,12 +234,12 @@ class GradFlowCallback(HookCallback):
         alarms = None if self._tracker is None else self._tracker.alarms
         if alarms is not None:
             failed = self._hook_guard().local is not None
-            agreed = self.policy.observe_loss(
+            agreed = self.policy.loss.observe(
                 trainer, alarms, outputs, self._batch_step, failed=failed
             )
             if agreed is not None and settle(self, trainer, self._batch_step, *agreed):
                 return True
-            self.policy.apply_loss(trainer, alarms)
+            self.policy.loss.apply(trainer, alarms)
         return False
 
     @override
@@ -268,7 +268,7 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _carried(self) -> bool:
-        return self._tracker is not None and self.policy.carries
+        return self._tracker is not None and self.policy.loss.carries
 
     @override
     def _wants_stop(self) -> bool:
