@@ -107,11 +107,8 @@ class ActivationStatsCallback(StatsCallback):
         self.warn_nonfinite = boolean(_NAME, "warn_nonfinite", warn_nonfinite)
         self.fused = boolean(_NAME, "fused", fused)
         super().__init__(self._stats_for(), every_n_steps=every_n_steps)
-        self.types, self.include, self.exclude = (
-            types,
-            self.selection.include,
-            self.selection.exclude,
-        )
+        self.types = types
+        self.include, self.exclude = self.selection.include, self.selection.exclude
         self.uses_images = self.heatmaps or self.histograms
         self._history: list[tuple[int, FeatureSummary]] = []
         self._warned_nonfinite = False

@@ -191,7 +191,9 @@ class AlarmPolicy:
         counts = {rule: n - self._counted.get(rule, 0) for rule, n in alarms.counts.items()}
         self._counted = dict(alarms.counts)
         log_scalars(
-            trainer.loggers, step_tags({f"grad_flow/alarms/{r}": counts[r] for r in counts}), step
+            trainer.loggers,
+            step_tags({f"grad_flow/alarms/{r}": n for r, n in counts.items()}),
+            step,
         )
         new = alarms.log[self._logged :]
         self._logged = len(alarms.log)
@@ -206,7 +208,7 @@ class AlarmPolicy:
         self._warned.clear()
         self._logged, self._counted = 0, {}
         step = trainer.global_step
-        scalars = {f"grad_flow/alarms/{r}": float(counts[r]) for r in counts}
+        scalars = {f"grad_flow/alarms/{r}": float(n) for r, n in counts.items()}
         scalars["grad_flow/alarms/spike_score"] = alarms.spike_score
         log_scalars(trainer.loggers, scalars, step)
         if trainer.is_global_zero:
