@@ -67,11 +67,9 @@ _REFUSED_STRATEGIES = (
 )
 _TRAINER_ONLY: dict[str, str] = {
     "LayerTimeCallback": "it times on the LightningModule's device (pl_module.device), which a "
-    "plain nn.Module set up by Fabric does not have. Under Fabric: GradFlowCallback, "
-    "ActivationStatsCallback, DeadReLUCallback, SaturationCallback.",
+    "plain nn.Module set up by Fabric does not have.",
     "FeatureMapCallback": "it draws its probe images from the training batch, which Fabric does "
-    "not hand to callbacks. Under Fabric: GradFlowCallback, ActivationStatsCallback, "
-    "DeadReLUCallback, SaturationCallback.",
+    "not hand to callbacks.",
 }
 """Callbacks refused under Fabric, with the reason."""
 
@@ -133,7 +131,10 @@ def check_fabric(callback: Any, fabric: Any) -> None:
     """
     name = type(callback).__name__
     if name in _TRAINER_ONLY:
-        raise MisconfigurationException(f"{name} does not work under Fabric: {_TRAINER_ONLY[name]}")
+        raise MisconfigurationException(
+            f"{name} does not work under Fabric: {_TRAINER_ONLY[name]} Under Fabric: "
+            "GradFlowCallback, ActivationStatsCallback, DeadReLUCallback, SaturationCallback."
+        )
     strategy = type(fabric.strategy)
     mro = {c.__name__ for c in strategy.__mro__}
     if mro & set(_REFUSED_STRATEGIES) or not mro & set(_SUPPORTED_STRATEGIES):
