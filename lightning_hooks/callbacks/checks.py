@@ -28,6 +28,16 @@ from lightning_hooks.core.transport.distributed import agree, gather_objects
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import shows_pictures
 
+_NAMESPACES: tuple[tuple[type, type], ...] = ((pl.Trainer, pl.Callback),)
+"""The installed Lightning namespaces, as ``(Trainer, Callback)``."""
+try:
+    from lightning.pytorch import Callback as _LightningCallback
+    from lightning.pytorch import Trainer as _LightningTrainer
+
+    _NAMESPACES += ((_LightningTrainer, _LightningCallback),)
+except ImportError:
+    pass
+
 __all__ = [
     "PER_BATCH_HOOKS",
     "agree_ranks",
@@ -116,11 +126,7 @@ def check_strategy(owner: str, strategy: object) -> None:
 def second_callback() -> type:
     """``lightning.pytorch.Callback`` if installed and distinct, else ``object``: each
     namespace's ``LightningCLI`` accepts only its own ``Callback``, so ours derive from both."""
-    try:
-        from lightning.pytorch import Callback as LightningCallback
-    except ImportError:
-        return object
-    second: type = LightningCallback
+    second = _NAMESPACES[-1][1]
     return object if second is pl.Callback else second
 
 
@@ -239,21 +245,9 @@ PER_BATCH_HOOKS = (
 _SHADOWED = "_lightning_hooks_shadowed"
 
 
-def _namespaces() -> tuple[tuple[type, ...], dict[str, set[Any]]]:
-    """The installed ``Trainer`` classes, and each hook's empty defaults in their ``Callback``."""
-    pairs: list[tuple[type, type]] = [(pl.Trainer, pl.Callback)]
-    try:
-        from lightning.pytorch import Callback as LightningCallback
-        from lightning.pytorch import Trainer as LightningTrainer
-
-        pairs.append((LightningTrainer, LightningCallback))
-    except ImportError:
-        pass
-    defaults = {name: {getattr(base, name) for _, base in pairs} for name in PER_BATCH_HOOKS}
-    return tuple(trainer for trainer, _ in pairs), defaults
-
-
-_TRAINERS, _DEFAULTS = _namespaces()
+# The installed ``Trainer`` classes, and each hook's empty defaults in their ``Callback``.
+_TRAINERS = tuple(trainer for trainer, _ in _NAMESPACES)
+_DEFAULTS = {name: {getattr(base, name) for _, base in _NAMESPACES} for name in PER_BATCH_HOOKS}
 
 
 def skip_inherited(callback: Any, trainer: Any) -> None:
