@@ -170,7 +170,10 @@ class AlarmPolicy:
             self._warn_once(alarm)
             stop = stop or action == "stop"
             if action == "skip" and optimizer is not None and alarm.step == trainer.global_step:
-                _skip_step(optimizer)
+                # the coming ``optimizer.step()`` a no-op: torch optimizers skip ``None`` gradients
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        param.grad = None
         if stop and world_size() == 1:
             trainer.should_stop = True
         elif stop:
@@ -228,13 +231,6 @@ def _summary(log: list[GradientAlarm], head: str) -> str:
     if len(log) > _SUMMARY_LINES:
         lines.append(f"- ... and {len(log) - _SUMMARY_LINES} more")
     return "\n".join([head, "", *lines])
-
-
-def _skip_step(optimizer: torch.optim.Optimizer) -> None:
-    """Make the coming ``optimizer.step()`` a no-op: torch optimizers skip ``None`` gradients."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = None
 
 
 _LossReading = Literal["own", "mean", "off"]
