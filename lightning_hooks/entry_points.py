@@ -50,7 +50,6 @@ def requested(value: str) -> list[str]:
         ...
         ValueError: LIGHTNING_HOOKS='grad_fow': 'grad_fow' is no callback; allowed ...: all, ...
     """
-    by_class = {name: name for name in SHORT_NAMES.values()}
     names: list[str] = []
     for item in (part.strip() for part in value.split(",")):
         if not item:
@@ -58,8 +57,8 @@ def requested(value: str) -> list[str]:
         if item == "all":
             names.extend(SHORT_NAMES[short] for short in _ALL)
             continue
-        name = SHORT_NAMES.get(item) or by_class.get(item)
-        if name is None:
+        name = SHORT_NAMES.get(item, item)
+        if name not in SHORT_NAMES.values():
             allowed = ", ".join(["all", *SHORT_NAMES])
             raise ValueError(
                 f"{ENV}={value!r}: {item!r} is no callback; allowed (comma-separated): {allowed}, "

@@ -263,7 +263,7 @@ def fit(root: Path, name: str, strategy: str) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "steps": counter.steps,
         "epochs": counter.epochs,
-        "loss_reading": None if policy is None else policy._loss.reading,
+        "loss_reading": None if policy is None else policy.loss.reading,
         "alarms": log[0].epochs if log else {},
         "losses": getattr(model, "losses", {}),
     }

@@ -106,18 +106,6 @@ class ActivationStatsCallback(StatsCallback):
         self.heatmaps = boolean(_NAME, "heatmaps", heatmaps)
         self.warn_nonfinite = boolean(_NAME, "warn_nonfinite", warn_nonfinite)
         self.fused = boolean(_NAME, "fused", fused)
-        super().__init__(self._stats_for(), every_n_steps=every_n_steps)
-        self.types, self.include, self.exclude = (
-            types,
-            self.selection.include,
-            self.selection.exclude,
-        )
-        self.uses_images = self.heatmaps or self.histograms
-        self._history: list[tuple[int, FeatureSummary]] = []
-        self._warned_nonfinite = False
-        self._step = 0
-
-    def _stats_for(self) -> tuple[ActivationStatsTracker, ActivationShape]:
         s = self.selection
         tracker = ActivationStatsTracker(
             types=s.types,
@@ -129,7 +117,13 @@ class ActivationStatsCallback(StatsCallback):
             owner=_NAME,
         )
         shape = ActivationShape(types=s.types, include=s.include, exclude=s.exclude, owner=_NAME)
-        return tracker, shape
+        super().__init__((tracker, shape), every_n_steps=every_n_steps)
+        self.types = types
+        self.include, self.exclude = s.include, s.exclude
+        self.uses_images = self.heatmaps or self.histograms
+        self._history: list[tuple[int, FeatureSummary]] = []
+        self._warned_nonfinite = False
+        self._step = 0
 
     @override
     def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:

@@ -3,7 +3,7 @@ the mean loss over ranks, on one ``all_reduce`` per batch that also carries the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -21,7 +21,7 @@ from lightning_hooks.core.transport.readback import HostMailbox
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
 from lightning_hooks.logging import log_scalars, log_text, step_tags
 
-__all__ = ["AlarmPolicy"]
+__all__ = ["AlarmPolicy", "LossAgreement"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
@@ -122,7 +122,8 @@ class AlarmPolicy:
         self._counted: dict[str, int] = {}
         self.saved: dict[str, Any] | None = None
         """The alarms' running state between fits, or from a checkpoint."""
-        self._loss = _LossAgreement(self.act)
+        self.loss = LossAgreement(self)
+        """What the loss rules read, and the ranks' agreement carried with it."""
 
     def keep(self, alarms: GradientAlarms | None) -> None:
         """Save ``alarms``' state (the hooks are about to be removed)."""
@@ -169,41 +170,16 @@ class AlarmPolicy:
             self._warn_once(alarm)
             stop = stop or action == "stop"
             if action == "skip" and optimizer is not None and alarm.step == trainer.global_step:
-                _skip_step(optimizer)
+                # the coming ``optimizer.step()`` a no-op: torch optimizers skip ``None`` gradients
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        param.grad = None
         if stop and world_size() == 1:
             trainer.should_stop = True
         elif stop:
             # Agreed by the ranks on a collective the callback makes anyway (``checks.settle``):
             # no collective, no host sync here.
             self.stop_requested = True
-
-    def plan_loss(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
-        """At a fit's start: what the loss rules read (:meth:`_LossAgreement.plan`)."""
-        self.stop_requested = False
-        self._loss.plan(pl_module, rules)
-
-    def observe_loss(
-        self,
-        trainer: pl.Trainer,
-        alarms: GradientAlarms,
-        outputs: Any,
-        step: int,
-        *,
-        failed: bool = False,
-    ) -> list[int] | None:
-        """The loss rules on ``training_step``'s loss: :meth:`_LossAgreement.observe`."""
-        return self._loss.observe(
-            trainer, alarms, outputs, step, failed=failed, stop=self.stop_requested
-        )
-
-    def apply_loss(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
-        """The loss rules on the batch :meth:`observe_loss` carried (a distributed run)."""
-        self._loss.apply(trainer, alarms)
-
-    @property
-    def carries(self) -> bool:
-        """Whether every batch's loss ``all_reduce`` carries the ranks' agreement."""
-        return self._loss.carries
 
     def _warn_once(self, alarm: GradientAlarm) -> None:
         key = (alarm.rule, alarm.layer)
@@ -218,7 +194,9 @@ class AlarmPolicy:
         counts = {rule: n - self._counted.get(rule, 0) for rule, n in alarms.counts.items()}
         self._counted = dict(alarms.counts)
         log_scalars(
-            trainer.loggers, step_tags({f"grad_flow/alarms/{r}": counts[r] for r in counts}), step
+            trainer.loggers,
+            step_tags({f"grad_flow/alarms/{r}": n for r, n in counts.items()}),
+            step,
         )
         new = alarms.log[self._logged :]
         self._logged = len(alarms.log)
@@ -233,7 +211,7 @@ class AlarmPolicy:
         self._warned.clear()
         self._logged, self._counted = 0, {}
         step = trainer.global_step
-        scalars = {f"grad_flow/alarms/{r}": float(counts[r]) for r in counts}
+        scalars = {f"grad_flow/alarms/{r}": float(n) for r, n in counts.items()}
         scalars["grad_flow/alarms/spike_score"] = alarms.spike_score
         log_scalars(trainer.loggers, scalars, step)
         if trainer.is_global_zero:
@@ -255,23 +233,15 @@ def _summary(log: list[GradientAlarm], head: str) -> str:
     return "\n".join([head, "", *lines])
 
 
-def _skip_step(optimizer: torch.optim.Optimizer) -> None:
-    """Make the coming ``optimizer.step()`` a no-op: torch optimizers skip ``None`` gradients."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = None
-
-
 _LossReading = Literal["own", "mean", "off"]
-_Act = Callable[[pl.Trainer, torch.optim.Optimizer | None, list[GradientAlarm]], None]
 
 
-class _LossAgreement:
+class LossAgreement:
     """Feeds the loss rules (*diverging*, *loss_spike*) ``training_step``'s loss and carries the
-    ranks' agreement with it (``act``: the policy's action)."""
+    ranks' agreement with it (``policy``: acts on the alarms, holds this rank's stop request)."""
 
-    def __init__(self, act: _Act) -> None:
-        self._act = act
+    def __init__(self, policy: AlarmPolicy) -> None:
+        self._policy = policy
         self._carrier: HostMailbox | None = None
         self.reading: _LossReading = "own"  # what the loss rules read in this fit (:meth:`plan`)
         self._manual = False
@@ -283,6 +253,7 @@ class _LossAgreement:
         ``"mean"`` (the ranks' mean loss, one ``all_reduce`` per batch, so every rank decides
         alike). Under manual optimization the first batch where some ranks return no loss turns
         the rules off on every rank (``"off"``, one warning)."""
+        self._policy.stop_requested = False
         self.reading = "own"
         self._carrier = None
         self._watches = rules is not None and rules.watches_loss
@@ -302,11 +273,10 @@ class _LossAgreement:
         step: int,
         *,
         failed: bool,
-        stop: bool,
     ) -> list[int] | None:
         """The loss rules on ``training_step``'s loss (the ranks' mean when distributed).
 
-        Distributed, the loss's ``all_reduce`` also carries this rank's ``failed`` and ``stop``;
+        Distributed, the loss's ``all_reduce`` also carries this rank's ``failed`` and stop request;
         their sums are read from the host copy without blocking on this batch's (CPU: at once,
         CUDA: next batch). Returns ``[ranks failed, ranks stopping]`` once read, else ``None``;
         every rank reads it at the same batch, before the rules run (which may raise).
@@ -318,11 +288,11 @@ class _LossAgreement:
         if self.reading == "own":
             if loss is not None:
                 alarms.update_loss(loss, step=step)
-                self._act(trainer, None, alarms.poll())
+                self._policy.act(trainer, None, alarms.poll())
             return None
         assert self._carrier is not None
         read = [self._carrier.read(wait=True)]  # CUDA: the last batch's, posted then
-        carried = _carry(loss, failed, stop)
+        carried = _carry(loss, failed, self._policy.stop_requested)
         self._carrier.post(carried, meta=step)
         if carried.device.type != "cuda":
             read.append(self._carrier.read(wait=True))
@@ -346,7 +316,7 @@ class _LossAgreement:
             for values, at in sums:
                 if values[1] == world_size():
                     alarms.update_loss(torch.tensor(float(values[0]) / world_size()), step=at)
-        self._act(trainer, None, alarms.poll())
+        self._policy.act(trainer, None, alarms.poll())
 
     def _rules_off(self, step: int, with_loss: int) -> None:
         self.reading = "off"

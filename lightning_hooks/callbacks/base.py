@@ -31,7 +31,7 @@ from lightning_hooks.core.transport.distributed import world_size
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import save_loggers, write_dashboards
 
-__all__ = ["HookCallback", "flush", "read_steps"]
+__all__ = ["HookCallback", "read_steps"]
 
 
 if TYPE_CHECKING:
@@ -196,7 +196,7 @@ class HookCallback(pl.Callback, _SecondCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         try:
-            flush(self, trainer)
+            self.flush(trainer)
         finally:
             self._release()
 
@@ -210,7 +210,8 @@ class HookCallback(pl.Callback, _SecondCallback):
 
     def flush(self, trainer: pl.Trainer) -> None:
         """Before the hooks go: write what was measured (CUDA: the last logging step's copy)."""
-        flush(self, trainer)
+        read_steps(self, trainer, wait=True)
+        _save(trainer)
 
     def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
         """Fabric's hook, when the run could not take the callback's place in its list."""
@@ -347,12 +348,6 @@ def read_steps(callback: HookCallback, trainer: pl.Trainer, wait: bool) -> None:
     if callback._write_steps(trainer, wait):
         _UNSAVED.add(trainer)
     callback._posted = not wait and callback._steps_in_flight()
-
-
-def flush(callback: HookCallback, trainer: pl.Trainer) -> None:
-    """Before the hooks go: write what was measured (CUDA: the last logging step's copy)."""
-    read_steps(callback, trainer, wait=True)
-    _save(trainer)
 
 
 def _end_round(callback: HookCallback, trainer: pl.Trainer) -> None:

@@ -28,6 +28,16 @@ from lightning_hooks.core.transport.distributed import agree, gather_objects
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import shows_pictures
 
+_NAMESPACES: tuple[tuple[type, type], ...] = ((pl.Trainer, pl.Callback),)
+"""The installed Lightning namespaces, as ``(Trainer, Callback)``."""
+try:
+    from lightning.pytorch import Callback as _LightningCallback
+    from lightning.pytorch import Trainer as _LightningTrainer
+
+    _NAMESPACES += ((_LightningTrainer, _LightningCallback),)
+except ImportError:
+    pass
+
 __all__ = [
     "PER_BATCH_HOOKS",
     "agree_ranks",
@@ -116,11 +126,7 @@ def check_strategy(owner: str, strategy: object) -> None:
 def second_callback() -> type:
     """``lightning.pytorch.Callback`` if installed and distinct, else ``object``: each
     namespace's ``LightningCLI`` accepts only its own ``Callback``, so ours derive from both."""
-    try:
-        from lightning.pytorch import Callback as LightningCallback
-    except ImportError:
-        return object
-    second: type = LightningCallback
+    second = _NAMESPACES[-1][1]
     return object if second is pl.Callback else second
 
 
@@ -189,10 +195,11 @@ def nothing_to_watch(callback: Any, what: str, hint: str = "") -> None:
     name = type(callback).__name__
     types = getattr(callback, "types", None)
     given = [f"types={types!r}"] if types is not None and types != callback._default_types else []
-    for argument in callback._selection_arguments:
-        value = getattr(callback, argument, None)
-        if value:
-            given.append(f"{argument}={value!r}")
+    given += [
+        f"{argument}={value!r}"
+        for argument in callback._selection_arguments
+        if (value := getattr(callback, argument, None))
+    ]
     if given:
         raise ValueError(f"{name}({', '.join(given)}): selects no {what} of the model{hint}")
     rank_zero_warn(
@@ -238,21 +245,9 @@ PER_BATCH_HOOKS = (
 _SHADOWED = "_lightning_hooks_shadowed"
 
 
-def _namespaces() -> tuple[tuple[type, ...], dict[str, set[Any]]]:
-    """The installed ``Trainer`` classes, and each hook's empty defaults in their ``Callback``."""
-    pairs: list[tuple[type, type]] = [(pl.Trainer, pl.Callback)]
-    try:
-        from lightning.pytorch import Callback as LightningCallback
-        from lightning.pytorch import Trainer as LightningTrainer
-
-        pairs.append((LightningTrainer, LightningCallback))
-    except ImportError:
-        pass
-    defaults = {name: {getattr(base, name) for _, base in pairs} for name in PER_BATCH_HOOKS}
-    return tuple(trainer for trainer, _ in pairs), defaults
-
-
-_TRAINERS, _DEFAULTS = _namespaces()
+# The installed ``Trainer`` classes, and each hook's empty defaults in their ``Callback``.
+_TRAINERS = tuple(trainer for trainer, _ in _NAMESPACES)
+_DEFAULTS = {name: {getattr(base, name) for _, base in _NAMESPACES} for name in PER_BATCH_HOOKS}
 
 
 def skip_inherited(callback: Any, trainer: Any) -> None:
@@ -297,11 +292,7 @@ def settle(callback: Any, trainer: pl.Trainer, step: int, failed: int, stopping:
         callback._stop_agreed()
     if not failed:
         return False
-    guard = callback._hook_guard()
-    guard.settle(gather_objects(guard.local), step, warn=trainer.is_global_zero)
-    guard.take_pending()
-    callback._guard_disable()
-    return True
+    return _disable(callback, trainer, step, gather_objects(callback._hook_guard().local))
 
 
 def fail_everywhere(
@@ -312,7 +303,13 @@ def fail_everywhere(
     if guard.strict:
         raise error
     cause = f"{where}: {type(error).__name__}: {error}"
-    guard.settle([cause] * callback._ranks, step, warn=trainer.is_global_zero)  # every rank's
+    return _disable(callback, trainer, step, [cause] * callback._ranks)  # every rank's
+
+
+def _disable(callback: Any, trainer: pl.Trainer, step: int, causes: list[Any]) -> bool:
+    """Disable the callback on every rank, one warning on rank 0 naming each rank's cause."""
+    guard = callback._hook_guard()
+    guard.settle(causes, step, warn=trainer.is_global_zero)
     guard.take_pending()
     callback._guard_disable()
     return True

@@ -107,13 +107,12 @@ class DeadReLUCallback(StatsCallback):
 
     @override
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
-        if self.warn_at is not None:
-            self._warn_dead(result, trainer.current_epoch, self.warn_at)
-
-    def _warn_dead(self, result: DeadUnits, epoch: int, warn_at: float) -> None:
-        fractions = result.dead_fraction
+        found: DeadUnits = result
+        epoch, warn_at = trainer.current_epoch, self.warn_at
+        if warn_at is None:
+            return
         for layer, dead, units, share in zip(
-            result.layers, result.dead, result.units, fractions, strict=True
+            found.layers, found.dead, found.units, found.dead_fraction, strict=True
         ):
             if dead > 0 and share >= warn_at and self.warned.first(layer):
                 rank_zero_warn(

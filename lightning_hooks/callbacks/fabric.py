@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,20 +67,11 @@ _REFUSED_STRATEGIES = (
 )
 _TRAINER_ONLY: dict[str, str] = {
     "LayerTimeCallback": "it times on the LightningModule's device (pl_module.device), which a "
-    "plain nn.Module set up by Fabric does not have. Under Fabric: GradFlowCallback, "
-    "ActivationStatsCallback, DeadReLUCallback, SaturationCallback.",
+    "plain nn.Module set up by Fabric does not have.",
     "FeatureMapCallback": "it draws its probe images from the training batch, which Fabric does "
-    "not hand to callbacks. Under Fabric: GradFlowCallback, ActivationStatsCallback, "
-    "DeadReLUCallback, SaturationCallback.",
+    "not hand to callbacks.",
 }
 """Callbacks refused under Fabric, with the reason."""
-
-
-class _StrategyView:
-    """The one attribute of a Trainer's strategy our callbacks read: its precision plugin."""
-
-    def __init__(self, fabric: Any) -> None:
-        self.precision_plugin = fabric.strategy.precision
 
 
 class FabricTrainer:
@@ -101,7 +93,8 @@ class FabricTrainer:
 
     def __init__(self, fabric: Any, callback: Any) -> None:
         self.fabric = fabric
-        self.strategy = _StrategyView(fabric)
+        # the one attribute of a Trainer's strategy our callbacks read
+        self.strategy = SimpleNamespace(precision_plugin=fabric.strategy.precision)
         self.callbacks = [callback]
         self.global_step = 0
         self.current_epoch = 0
@@ -138,7 +131,10 @@ def check_fabric(callback: Any, fabric: Any) -> None:
     """
     name = type(callback).__name__
     if name in _TRAINER_ONLY:
-        raise MisconfigurationException(f"{name} does not work under Fabric: {_TRAINER_ONLY[name]}")
+        raise MisconfigurationException(
+            f"{name} does not work under Fabric: {_TRAINER_ONLY[name]} Under Fabric: "
+            "GradFlowCallback, ActivationStatsCallback, DeadReLUCallback, SaturationCallback."
+        )
     strategy = type(fabric.strategy)
     mro = {c.__name__ for c in strategy.__mro__}
     if mro & set(_REFUSED_STRATEGIES) or not mro & set(_SUPPORTED_STRATEGIES):
@@ -263,10 +259,10 @@ class FabricRun:
         if id(optimizer) in self._observed:  # observed before its clip
             self._observed.discard(id(optimizer))
             return
-        if optimizer not in self.trainer.optimizers:
+        new = optimizer not in self.trainer.optimizers
+        if new:
             self.trainer.optimizers.append(optimizer)
-            self._start()
-        elif not self._attached:
+        if new or not self._attached:
             self._start()
         self.callback.on_before_optimizer_step(self.trainer, self.module, optimizer)  # type: ignore[arg-type]
 

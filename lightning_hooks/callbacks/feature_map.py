@@ -195,7 +195,8 @@ class FeatureMapCallback(HookCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._probe is None and not self._idle:
-            self._probe = head(self._model_input(batch), self.probe_size)
+            size = self.probe_size  # the first samples, copied
+            self._probe = map_tensors(self._model_input(batch), lambda x: x[:size].detach().clone())
             self._labels = default_labels(batch, self.probe_size)
 
     def _model_input(self, batch: Any) -> Any:
@@ -226,27 +227,23 @@ class FeatureMapCallback(HookCallback):
         if (trainer.current_epoch + 1) % self.every_n_epochs:
             return
         wanted = [*self._drawn, *([self.embedding] if self.embedding else [])]
-        probe = to_device(self._probe, pl_module.device)
+        probe = map_tensors(self._probe, lambda x: x.to(pl_module.device))
         with probe_mode(pl_module), capture_outputs(pl_module, wanted, clone=True) as outputs:
             if self.forward_fn is not None:
                 self.forward_fn(pl_module, probe)
             else:
                 pl_module(probe)
         step = trainer.global_step
-        drawn = [(name, outputs[name]) for name in self._drawn if _is_tensor(outputs.get(name))]
+        drawn = [(n, outputs[n]) for n in self._drawn if isinstance(outputs.get(n), torch.Tensor)]
         log_scalars(trainer.loggers, dict(_abs_means(drawn)), step)
         for name, output in drawn:
             if 2 <= output.dim() <= 5:
                 image = feature_map_grid(output, self.channels)
                 log_image(trainer.loggers, f"feature_map/{name}", image, step)
-        if self.embedding is not None and _is_tensor(outputs.get(self.embedding)):
+        if self.embedding is not None and isinstance(outputs.get(self.embedding), torch.Tensor):
             features = outputs[self.embedding].flatten(1).float().cpu()
             labels = None if self._labels is None else self._labels.cpu().tolist()
             log_embedding(trainer.loggers, f"feature_map/{self.embedding}", features, labels, step)
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
 
 
 def _abs_means(outputs: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, float]]:
@@ -294,23 +291,12 @@ def default_labels(batch: Any, size: int) -> torch.Tensor | None:
     return None
 
 
-def head(x: Any, size: int) -> Any:
-    """The first ``size`` samples of a tensor or a (nested) structure of tensors, copied."""
+def map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` applied to each tensor of ``x``, a tensor or a (nested) list, tuple or mapping."""
     if isinstance(x, torch.Tensor):
-        return x[:size].detach().clone()
+        return fn(x)
     if isinstance(x, list | tuple):
-        return type(x)(head(item, size) for item in x)
+        return type(x)(map_tensors(item, fn) for item in x)
     if isinstance(x, Mapping):
-        return {key: head(item, size) for key, item in x.items()}
-    return x
-
-
-def to_device(x: Any, device: torch.device) -> Any:
-    """``x`` (a tensor or a nested structure of tensors) on ``device``."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, list | tuple):
-        return type(x)(to_device(item, device) for item in x)
-    if isinstance(x, Mapping):
-        return {key: to_device(item, device) for key, item in x.items()}
+        return {key: map_tensors(item, fn) for key, item in x.items()}
     return x

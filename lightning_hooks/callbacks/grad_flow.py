@@ -9,7 +9,6 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
-from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks import grad_flow_tags as tags
@@ -102,7 +101,7 @@ class GradFlowCallback(HookCallback):
     *attention* on the sampled steps. Under DDP the loss rules read the mean loss over ranks (one
     ``all_reduce`` per batch, which also carries the ranks' agreement on a failure and on
     ``stop``), so every rank decides alike; under manual optimization see
-    :meth:`.alarm_policy.AlarmPolicy.plan_loss`. Under ``16-mixed`` the loss scale is divided
+    :meth:`.alarm_policy.LossAgreement.plan`. Under ``16-mixed`` the loss scale is divided
     out; under DDP the values equal one process's on the global batch.
 
     Args:
@@ -174,21 +173,31 @@ class GradFlowCallback(HookCallback):
     def _validate(self, pl_module: pl.LightningModule) -> None:
         types, include, exclude = self.types, self.include, self.exclude
         modules = select_modules(pl_module, types=types, include=include, exclude=exclude)
-        if not lazy_parameters(self, pl_module) and not _layers(self, pl_module, modules):
+        # The model's own parameters count too, unless a selection narrows it (the tracker's rule).
+        root = pl_module if types is None and not include else None
+        if (
+            not lazy_parameters(self, pl_module)
+            and not ParamLayout.from_modules(modules, root=root).layers
+        ):
             nothing_to_watch(self, "module owning a parameter")
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._tracker = _tracker(self, trainer, pl_module)
         self._history = []
-        _warn_unstepped(self._tracker.unstepped())
+        if unstepped := self._tracker.unstepped():
+            rank_zero_warn(
+                f"GradFlowCallback: no optimizer of the Trainer steps the trainable parameters "
+                f"of {', '.join(repr(n) for n in unstepped)}; these layers are not measured.",
+                category=LightningHooksWarning,
+            )
         if self.stability:  # on the tracker's registry: one sampled gate, removed with it
             self._stability = StabilityStats().attach(pl_module, self._tracker.registry)
         if self.histograms:
             layout = self._tracker.layout
             self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
         self.policy.restore(self._tracker.alarms)
-        self.policy.plan_loss(pl_module, self.alarms)
+        self.policy.loss.plan(pl_module, self.alarms)
 
     @override
     def _detach(self) -> None:
@@ -225,12 +234,12 @@ class GradFlowCallback(HookCallback):
         alarms = None if self._tracker is None else self._tracker.alarms
         if alarms is not None:
             failed = self._hook_guard().local is not None
-            agreed = self.policy.observe_loss(
+            agreed = self.policy.loss.observe(
                 trainer, alarms, outputs, self._batch_step, failed=failed
             )
             if agreed is not None and settle(self, trainer, self._batch_step, *agreed):
                 return True
-            self.policy.apply_loss(trainer, alarms)
+            self.policy.loss.apply(trainer, alarms)
         return False
 
     @override
@@ -259,7 +268,7 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _carried(self) -> bool:
-        return self._tracker is not None and self.policy.carries
+        return self._tracker is not None and self.policy.loss.carries
 
     @override
     def _wants_stop(self) -> bool:
@@ -268,15 +277,6 @@ class GradFlowCallback(HookCallback):
     @override
     def _stop_agreed(self) -> None:
         self.policy.stop_requested = False
-
-
-def _layers(
-    callback: GradFlowCallback, pl_module: pl.LightningModule, modules: list[tuple[str, nn.Module]]
-) -> tuple[str, ...]:
-    """The layers of the ``modules`` ``callback`` selects in ``pl_module``."""
-    # The model's own parameters count too, unless a selection narrows it (the tracker's rule).
-    root = pl_module if callback.types is None and not callback.include else None
-    return ParamLayout.from_modules(modules, root=root).layers
 
 
 def _tracker(
@@ -312,13 +312,3 @@ def clip_of(trainer: pl.Trainer) -> tuple[float, str] | None:
         return None
     algorithm = trainer.gradient_clip_algorithm or "norm"
     return float(trainer.gradient_clip_val), str(getattr(algorithm, "value", algorithm))
-
-
-def _warn_unstepped(layers: tuple[str, ...]) -> None:
-    """Warn that no optimizer of the Trainer steps the trainable parameters of ``layers``."""
-    if layers:
-        rank_zero_warn(
-            f"GradFlowCallback: no optimizer of the Trainer steps the trainable parameters "
-            f"of {', '.join(repr(n) for n in layers)}; these layers are not measured.",
-            category=LightningHooksWarning,
-        )

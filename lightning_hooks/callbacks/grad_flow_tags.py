@@ -174,10 +174,8 @@ def post_window(callback: GradFlowCallback, trainer: pl.Trainer, step: int) -> N
 
 def window_in_flight(callback: GradFlowCallback) -> bool:
     """Whether a posted window is not yet written."""
-    tracker, stat = callback._tracker, callback._stability
-    return (tracker is not None and tracker.window_in_flight) or (
-        stat is not None and stat.window_in_flight
-    )
+    watched = (callback._tracker, callback._stability)
+    return any(part is not None and part.window_in_flight for part in watched)
 
 
 def write_window(callback: GradFlowCallback, trainer: pl.Trainer, wait: bool) -> bool:

@@ -124,24 +124,23 @@ class SaturationCallback(StatsCallback):
 
     @override
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
-        if self.warn_at is not None and trainer.is_global_zero:
-            _warn(result, trainer.current_epoch, self.warn_at, self.warned)
-
-
-def _warn(stats: SaturationStats, epoch: int, warn_at: float, warned: OncePerLayer) -> None:
-    for layer, share, k, n in zip(
-        stats.layers,
-        stats.always_saturated_fraction,
-        stats.always_saturated,
-        stats.units,
-        strict=True,
-    ):
-        if k > 0 and share >= warn_at and warned.first(layer):
-            rank_zero_warn(
-                f"{_NAME}: layer {layer!r} has {k} of {n} units ({share:.0%}) "
-                f"saturated on every training sample of epoch {epoch} (warn_at="
-                f"{warn_at!r}); their gradients are near zero. Consider a smaller learning "
-                "rate or weight init, normalization before the activation, or a "
-                "non-saturating activation.",
-                category=LightningHooksWarning,
-            )
+        found: SaturationStats = result
+        epoch, warn_at = trainer.current_epoch, self.warn_at
+        if warn_at is None or not trainer.is_global_zero:
+            return
+        for layer, share, k, n in zip(
+            found.layers,
+            found.always_saturated_fraction,
+            found.always_saturated,
+            found.units,
+            strict=True,
+        ):
+            if k > 0 and share >= warn_at and self.warned.first(layer):
+                rank_zero_warn(
+                    f"{_NAME}: layer {layer!r} has {k} of {n} units ({share:.0%}) "
+                    f"saturated on every training sample of epoch {epoch} (warn_at="
+                    f"{warn_at!r}); their gradients are near zero. Consider a smaller learning "
+                    "rate or weight init, normalization before the activation, or a "
+                    "non-saturating activation.",
+                    category=LightningHooksWarning,
+                )

@@ -115,7 +115,8 @@ class StatsCallback(HookCallback):
         *,
         every_n_steps: int | None = None,
     ) -> None:
-        items = (stats,) if isinstance(stats, LayerStat) else tuple(_sequence(stats))
+        sequence = isinstance(stats, Sequence) and not isinstance(stats, str)
+        items = (stats,) if isinstance(stats, LayerStat) else tuple(stats) if sequence else ()
         if not items or not all(isinstance(s, LayerStat) for s in items):
             raise TypeError(
                 f"StatsCallback(stats={stats!r}): must be a LayerStat or a non-empty sequence "
@@ -230,10 +231,6 @@ class StatsCallback(HookCallback):
     def _load_state(self, state: dict[str, Any]) -> None:
         for i, stat in enumerate(self.attached):
             stat.load_host_state(state[_key(i, stat)])
-
-
-def _sequence(value: Any) -> Sequence[Any]:
-    return value if isinstance(value, Sequence) and not isinstance(value, str) else ()
 
 
 def _key(index: int, stat: LayerStat[Any]) -> str:
