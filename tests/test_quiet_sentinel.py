@@ -19,7 +19,7 @@ from lightning_hooks.core.alarms.gradients import GradientRules, RunningScale
 from lightning_hooks.core.alarms.loss import LossRules
 from lightning_hooks.core.alarms.rules import _L_BEST, _L_DEV, _L_DIVERGING, _L_MEAN
 from lightning_hooks.core.ops.grad_stats import ParamLayout, param_norms, segment_norm
-from lightning_hooks.core.transport.readback import HostMailbox
+from lightning_hooks.core.transport import HostMailbox
 from lightning_hooks.errors import GradientAlarmWarning
 
 FAULT = 37  # a quiet step: the Trainer logs (and the statistics sample) every 50

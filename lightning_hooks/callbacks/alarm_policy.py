@@ -11,13 +11,13 @@ import torch
 from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
-from lightning_hooks.core.transport.distributed import (
+from lightning_hooks.core.transport import (
+    HostMailbox,
     all_reduce_sum_,
     group_device,
     to_group_device,
     world_size,
 )
-from lightning_hooks.core.transport.readback import HostMailbox
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
 from lightning_hooks.logging import log_scalars, log_text, step_tags
 

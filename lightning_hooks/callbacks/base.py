@@ -27,7 +27,7 @@ from lightning_hooks.callbacks.checks import (
 )
 from lightning_hooks.callbacks.fabric import FabricRun, start_run
 from lightning_hooks.core.hooks.guard import Guard, guard_hooks
-from lightning_hooks.core.transport.distributed import world_size
+from lightning_hooks.core.transport import world_size
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import save_loggers, write_dashboards
 

@@ -24,7 +24,7 @@ from torch.nn.parameter import is_lazy
 from lightning_hooks.core.alarms import AlarmRules
 from lightning_hooks.core.checks import positive_int
 from lightning_hooks.core.hooks.selection import ModuleTypes
-from lightning_hooks.core.transport.distributed import agree, gather_objects
+from lightning_hooks.core.transport import agree, gather_objects
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import shows_pictures
 

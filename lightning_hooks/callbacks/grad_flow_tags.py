@@ -14,7 +14,7 @@ import torch
 
 from lightning_hooks.core import LayerHistograms, LayerTable, ParamLayout
 from lightning_hooks.core.stats.stability import StabilityStats
-from lightning_hooks.core.transport.distributed import ShardPlan
+from lightning_hooks.core.transport import ShardPlan
 from lightning_hooks.logging import (
     grad_flow_figure,
     layer_epoch_heatmap,

@@ -14,7 +14,7 @@ from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.checks import check_every_n_steps, fail_everywhere, nothing_to_watch
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
-from lightning_hooks.core.transport.distributed import gather_objects
+from lightning_hooks.core.transport import gather_objects
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import log_scalars, step_tags
 

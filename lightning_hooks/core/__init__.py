@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     )
     from lightning_hooks.core.stats.stability import StabilityStats
     from lightning_hooks.core.stats.stat import LayerStat
-    from lightning_hooks.core.transport.readback import FirstNonFinite
+    from lightning_hooks.core.transport import FirstNonFinite
 
 # Module -> the public names it defines, imported on first attribute access.
 _MODULES: dict[str, tuple[str, ...]] = {
@@ -81,7 +81,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ),
     "lightning_hooks.core.stats.stability": ("StabilityStats",),
     "lightning_hooks.core.stats.stat": ("LayerStat",),
-    "lightning_hooks.core.transport.readback": ("FirstNonFinite",),
+    "lightning_hooks.core.transport": ("FirstNonFinite",),
     "lightning_hooks.core.ops.tensors": ("is_training_forward", "iter_float_tensors"),
 }
 _LAZY: dict[str, str] = {name: module for module, names in _MODULES.items() for name in names}

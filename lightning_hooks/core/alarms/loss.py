@@ -36,7 +36,7 @@ from lightning_hooks.core.alarms.rules import (
     _S_VALUE,
     AlarmRules,
 )
-from lightning_hooks.core.transport.readback import HostMailbox
+from lightning_hooks.core.transport import HostMailbox
 
 __all__ = ["LossRules", "StallRule"]
 

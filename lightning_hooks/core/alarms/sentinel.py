@@ -30,7 +30,7 @@ from lightning_hooks.core.alarms.rules import (
     AlarmRules,
     WeightNorms,
 )
-from lightning_hooks.core.transport.readback import HostMailbox
+from lightning_hooks.core.transport import HostMailbox
 
 __all__ = ["GradientAlarms", "NormRing"]
 

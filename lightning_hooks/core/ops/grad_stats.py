@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_hooks.core.ops.grouped_norms import abs_sum_max, cpu_grouping, plain_grads
 from lightning_hooks.core.ops.tensors import Workspace
-from lightning_hooks.core.transport.distributed import ShardPlan, to_local
+from lightning_hooks.core.transport import ShardPlan, to_local
 
 __all__ = [
     "GLOBAL",

@@ -11,7 +11,7 @@ import torch
 
 from lightning_hooks.core.checks import choice
 from lightning_hooks.core.stats.stat import LayerStat
-from lightning_hooks.core.transport.distributed import rank
+from lightning_hooks.core.transport import rank
 
 __all__ = ["LayerStatsAccumulator", "LayerTable"]
 

@@ -24,7 +24,7 @@ from lightning_hooks.core.ops.feature_stats import (
 from lightning_hooks.core.ops.histogram import bin_counts, linear_edges
 from lightning_hooks.core.ops.tensors import Pending, Workspace, iter_float_tensors
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
-from lightning_hooks.core.transport.readback import FirstNonFinite
+from lightning_hooks.core.transport import FirstNonFinite
 
 __all__ = [
     "ACTIVATION_MODULES",

@@ -29,7 +29,7 @@ from lightning_hooks.core.stats.optimizer_view import (
 )
 from lightning_hooks.core.stats.output_grad import OutputGradients
 from lightning_hooks.core.stats.sentinel_read import SentinelRead
-from lightning_hooks.core.transport.distributed import ShardPlan
+from lightning_hooks.core.transport import ShardPlan
 
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
 

@@ -22,7 +22,7 @@ from lightning_hooks.core.ops.grad_stats import (
 from lightning_hooks.core.ops.grouped_norms import typical_update
 from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
-from lightning_hooks.core.transport.distributed import ShardPlan, to_local
+from lightning_hooks.core.transport import ShardPlan, to_local
 
 __all__ = [
     "OptimizerView",

@@ -15,7 +15,7 @@ from lightning_hooks.core.hooks.selection import compiled_regions
 from lightning_hooks.core.ops.tensors import is_grad_forward, iter_float_tensors
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
 from lightning_hooks.core.stats.optimizer_view import OptimizerView, OptimizerViews
-from lightning_hooks.core.transport.distributed import all_reduce_sum_, world_size
+from lightning_hooks.core.transport import all_reduce_sum_, world_size
 
 __all__ = ["OutputGradients"]
 

@@ -16,7 +16,7 @@ from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.ops.tensors import is_training_forward
 from lightning_hooks.core.stats.states import Reduce, RowStates, StateSpec, unpack
-from lightning_hooks.core.transport.readback import HostMailbox
+from lightning_hooks.core.transport import HostMailbox
 
 _set_grad_enabled = torch._C._set_grad_enabled
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from typing_extensions import Self
 
-from lightning_hooks.core.transport.distributed import all_gather_stacked, is_distributed
+from lightning_hooks.core.transport import all_gather_stacked, is_distributed
 
 __all__ = [
     "Kind",

@@ -1,0 +1,365 @@
+"""Off the device and across ranks: one host read-back for small device tensors
+(:class:`HostMailbox`), the first non-finite event of a run (:class:`FirstNonFinite`), the facts
+of the process group (no-ops in one process), and exact per-parameter statistics of sharded
+(FSDP2 ``DTensor``) parameters (:class:`ShardPlan`): each rank computes shard-local partials and
+ONE collective over the shard group (not the HSDP replicas) combines them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "FirstNonFinite",
+    "HostMailbox",
+    "ShardPlan",
+    "agree",
+    "all_gather_stacked",
+    "all_reduce_sum_",
+    "combine_partials",
+    "gather_objects",
+    "group_device",
+    "is_distributed",
+    "rank",
+    "to_group_device",
+    "to_local",
+    "world_size",
+]
+
+
+class HostMailbox:
+    """A small device tensor copied to host memory without blocking, read on a later call.
+
+    On CUDA the host buffer is pinned, the copy ``non_blocking`` and an event marks its end; on
+    the CPU the copy is the read. Reading is through a numpy view made once: no torch call, no
+    sync. A smaller tensor than ``shape`` is read back in its own shape; a larger one replaces
+    the buffer.
+
+    Args:
+        shape: the shape of the tensors posted (the largest).
+        device: where they live.
+        dtype: their dtype.
+
+    Example:
+        >>> box = HostMailbox((2,), torch.device("cpu"))
+        >>> box.post(torch.tensor([1.0, 2.0]), meta="step 3")
+        >>> view, meta = box.read(wait=False)
+        >>> view.tolist(), meta, box.pending
+        ([1.0, 2.0], 'step 3', False)
+    """
+
+    def __init__(
+        self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32
+    ) -> None:
+        self._cuda = device.type == "cuda"
+        self._dtype = dtype
+        self._event = torch.cuda.Event() if self._cuda else None  # type: ignore[no-untyped-call]
+        self._meta: Any = None
+        self._allocate(shape)
+        self.pending = False
+        """Whether a posted value has not been read yet."""
+
+    def _allocate(self, shape: tuple[int, ...]) -> None:
+        self._view: np.ndarray
+        if self._cuda:
+            self._host = torch.zeros(shape, dtype=self._dtype, pin_memory=True)
+            self._view = self._host.numpy()
+        else:  # host memory both ways: numpy's buffer, seen by torch
+            dtype = np.dtype(str(self._dtype).removeprefix("torch."))
+            self._view = np.zeros(shape, dtype=dtype)
+            self._host = torch.from_numpy(self._view)
+        self._slot: tuple[torch.Tensor, np.ndarray] = (self._host, self._view)
+        self._slots = {tuple(self._host.shape): self._slot}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the tensors it takes."""
+        return tuple(self._host.shape)
+
+    def reserve(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
+        """The host buffer's views for values of ``shape``, made on first use (a new buffer
+        when larger than any before); reserve ahead so the steps that post it make no view."""
+        slot = self._slots.get(shape)
+        if slot is None:
+            count = math.prod(shape)
+            if count > self._host.numel():
+                unread = self._slot  # a pending value stays in the old buffer until read
+                self._allocate((count,))
+                self._slot = unread
+            host = self._host.view(-1)[:count].view(shape)
+            view = self._view.reshape(-1)[:count].reshape(shape)
+            slot = self._slots[shape] = (host, view)
+        return slot
+
+    def post(self, value: torch.Tensor, meta: Any = None) -> None:
+        """Start copying ``value`` to the host; ``meta`` comes back with it from :meth:`read`."""
+        slot = self._slots.get(tuple(value.shape)) or self.reserve(tuple(value.shape))
+        self._slot = slot
+        slot[0].copy_(value, non_blocking=self._event is not None)
+        if self._event is not None:
+            self._event.record()
+        self._meta = meta
+        self.pending = True
+
+    def read(self, wait: bool) -> tuple[np.ndarray, Any] | None:
+        """The posted value (a numpy view, valid until the next post) and its ``meta`` once the
+        copy is done, else ``None``; ``wait``: block until it is."""
+        if not self.pending:
+            return None
+        if self._event is not None:
+            if wait:
+                self._event.synchronize()
+            elif not self._event.query():  # type: ignore[no-untyped-call]
+                return None
+        meta, self._meta = self._meta, None
+        self.pending = False
+        return self._slot[1], meta
+
+    def clear(self, fill: float = 0) -> None:
+        """Drop a pending value and fill the host buffer with ``fill``."""
+        self._meta, self.pending = None, False
+        self._view.fill(fill)
+
+
+_ROW_SPACE = 1 << 24
+
+
+class FirstNonFinite:
+    """Which row (a module, in execution order) first produced NaN / Inf, and at which step.
+
+    :meth:`mark` keeps the first ``(step, row)`` whose on-device flag is true in one int64
+    device tensor (no host sync); :meth:`poll` reads it back through a :class:`HostMailbox`
+    without waiting: on CUDA at most one step late, on the CPU at once.
+
+    Args:
+        device: the device the hooks run on.
+
+    Example:
+        >>> watch = FirstNonFinite(torch.device("cpu"))
+        >>> watch.mark(torch.tensor(False), step=3, row=0)
+        >>> watch.mark(torch.tensor(True), step=4, row=2)
+        >>> watch.mark(torch.tensor(True), step=4, row=5)
+        >>> watch.poll()
+        (4, 2)
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.code = torch.full((1,), -1, dtype=torch.int64, device=device)
+        self._mailbox = HostMailbox((1,), device, torch.int64)
+        self._mailbox.clear(-1)
+
+    def mark(self, bad: torch.Tensor, step: int, row: int | torch.Tensor) -> None:
+        """Record ``(step, row)`` if ``bad`` (a 0-d bool on the device) and nothing was before;
+        ``row``: an int in ``[0, 2**24)`` or a 0-d int tensor on the device."""
+        hit = bad & (self.code < 0)
+        if isinstance(row, int):
+            self.code.masked_fill_(hit, step * _ROW_SPACE + row)
+        else:  # a Python scalar added to a device tensor is a kernel argument, no copy
+            torch.where(hit, row + step * _ROW_SPACE, self.code, out=self.code)
+
+    def poll(self) -> tuple[int, int] | None:
+        """``(step, row)`` of the first mark that has reached the host, or ``None``."""
+        box = self._mailbox
+        got = box.read(wait=False)
+        code = -1 if got is None else int(got[0][0])
+        if code < 0 and not box.pending:
+            box.post(self.code)  # on the CPU the copy is the read
+            got = None if self.device.type == "cuda" else box.read(wait=False)
+            code = -1 if got is None else int(got[0][0])
+        return divmod(code, _ROW_SPACE) if code >= 0 else None
+
+    def reset(self) -> None:
+        """Forget any mark (a new run)."""
+        self.code.fill_(-1)
+        self._mailbox.clear(-1)
+
+
+def is_distributed() -> bool:
+    """Whether a default process group is up (Lightning's DDP creates one in ``setup``)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank in the default group, ``0`` without one."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of processes in the default group, ``1`` without one."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def group_device() -> torch.device:
+    """The device the default group's collectives take: the current CUDA device under NCCL,
+    else the CPU (gloo, or no group)."""
+    if is_distributed() and "nccl" in str(dist.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def to_group_device(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, as a new float32 tensor on :func:`group_device`, copied
+    ``non_blocking`` (no host sync)."""
+    device = group_device()
+    return tensor.detach().to(device=device, dtype=torch.float32, non_blocking=True, copy=True)
+
+
+def agree(flags: Sequence[bool]) -> list[int]:
+    """How many ranks raise each flag: one small ``all_reduce`` read on the host (a host sync:
+    logging steps and epoch ends only).
+
+    Example:
+        >>> agree([True, False])
+        [1, 0]
+    """
+    counts = torch.tensor([float(f) for f in flags], dtype=torch.float32, device=group_device())
+    if is_distributed() and dist.get_world_size() > 1:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    return [int(c) for c in counts.tolist()]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), by rank: a one-off ``all_gather_object``."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks in place (one collective); returns it."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_stacked(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """``[world_size, *tensor.shape]``: every rank's ``tensor`` (one collective; same shapes)."""
+    if not is_distributed():
+        return tensor.unsqueeze(0)
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+_DTENSOR: tuple[type, ...] = ()
+try:  # public since torch 2.4; without it no parameter is a DTensor
+    from torch.distributed.tensor import DTensor
+
+    _DTENSOR = (DTensor,)
+except ImportError:  # pragma: no cover - older torch
+    pass
+
+
+def to_local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor`` (a view, no copy, no collective); else ``tensor``."""
+    return tensor.to_local() if isinstance(tensor, _DTENSOR) else tensor  # type: ignore[attr-defined]
+
+
+def combine_partials(gathered: torch.Tensor, num_sums: int) -> torch.Tensor:
+    """Combine ``[shards, rows, columns]`` partials: the first ``num_sums`` columns are summed over
+    the shards, the others max-ed (NaN propagates through both).
+
+    Example:
+        >>> shards = torch.tensor([[[9.0, 1.0]], [[16.0, 4.0]]])  # sum of squares | max, 2 shards
+        >>> combine_partials(shards, num_sums=1)
+        tensor([[25.,  4.]])
+    """
+    return torch.cat([gathered[..., :num_sums].sum(0), gathered[..., num_sums:].amax(0)], dim=-1)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """The process group over which every tracked parameter is sharded, found once.
+
+    Build it with :meth:`from_params` (``None`` when no parameter is a ``DTensor``). Supported,
+    else ``ValueError``: every parameter sharded along the same one mesh dimension (FSDP2) and
+    replicated along any other (HSDP).
+
+    Attributes:
+        group: the shard group.
+        ranks: its global ranks.
+    """
+
+    group: Any = field(compare=False)
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def from_params(cls, params: Sequence[torch.Tensor]) -> ShardPlan | None:
+        """The plan of ``params``, ``None`` if none is a ``DTensor``."""
+        sharded = [isinstance(p, _DTENSOR) for p in params]
+        if not any(sharded):
+            return None
+        if not all(sharded):
+            i = sharded.index(False)
+            raise ValueError(
+                "ShardPlan.from_params(params): every parameter must be a DTensor when one is "
+                f"(apply fully_shard to the root module too); parameter {i} of shape "
+                f"{tuple(params[i].shape)} is a plain tensor"
+            )
+        plans = {_plan_of(p) for p in params}
+        if len(plans) > 1:
+            raise ValueError(
+                "ShardPlan.from_params(params): the parameters are sharded over different process "
+                f"groups (ranks {sorted(p.ranks for p in plans)}); supported: one fully_shard mesh "
+                "for the whole model"
+            )
+        return plans.pop()
+
+    @property
+    def size(self) -> int:
+        """Number of shards."""
+        return len(self.ranks)
+
+    def reduce(
+        self,
+        *,
+        norms: Sequence[torch.Tensor] = (),
+        sums: Sequence[torch.Tensor] = (),
+        maxima: Sequence[torch.Tensor] = (),
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Per-parameter shard-local L2 ``norms``, ``sums`` and ``maxima`` (each ``[P]``) made
+        whole over the shard group in ONE collective (none for one rank); norms combine as sums
+        of squares."""
+        columns = [n.float().square() for n in norms] + [s.float() for s in sums]
+        num_sums = len(columns)
+        columns += [m.float() for m in maxima]
+        packed = torch.stack(columns, dim=1)
+        if self.size > 1:
+            packed = combine_partials(all_gather_stacked(packed, self.group), num_sums)
+        out = list(packed.unbind(1))
+        k = len(norms)
+        return [n.sqrt() for n in out[:k]], out[k:num_sums], out[num_sums:]
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (counts of the local shard) summed over the shard group (a new tensor)."""
+        if self.size == 1:
+            return tensor
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+
+def _plan_of(param: torch.Tensor) -> ShardPlan:
+    """The shard group of one ``DTensor``: its only ``Shard`` mesh dimension."""
+    placements = tuple(param.placements)  # type: ignore[attr-defined]
+    mesh = param.device_mesh  # type: ignore[attr-defined]
+    shard_dims = [d for d, p in enumerate(placements) if p.is_shard()]
+    others = [p for p in placements if not (p.is_shard() or p.is_replicate())]
+    if len(shard_dims) != 1 or others:
+        raise ValueError(
+            f"ShardPlan.from_params(params): a parameter of shape {tuple(param.shape)} has "
+            f"placements {placements} on mesh {mesh}; supported: Shard along one mesh dimension "
+            "(FSDP2 fully_shard), Replicate along the others (HSDP)"
+        )
+    group = mesh.get_group(shard_dims[0])
+    return ShardPlan(group, tuple(dist.get_process_group_ranks(group)))

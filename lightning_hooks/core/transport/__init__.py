@@ -1,1 +1,0 @@
-"""Off the device and across ranks: the host mailbox, collectives, sharded parameters."""
