@@ -34,7 +34,7 @@ from overhead import Config  # noqa: E402
 
 from lightning_hooks import GradFlowCallback  # noqa: E402
 from lightning_hooks.core.hooks import registry  # noqa: E402
-from lightning_hooks.core.hooks.modes import outside_shelved  # noqa: E402
+from lightning_hooks.core.hooks.registry import outside_shelved  # noqa: E402
 
 PARTS = {
     "GradFlowCallback, every step": {},

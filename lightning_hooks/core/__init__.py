@@ -49,42 +49,30 @@ if TYPE_CHECKING:
     from lightning_hooks.core.stats.stat import LayerStat
     from lightning_hooks.core.transport import FirstNonFinite
 
-# Module -> the public names it defines, imported on first attribute access.
-_MODULES: dict[str, tuple[str, ...]] = {
-    "lightning_hooks.core.stats.accumulator": ("LayerStatsAccumulator", "LayerTable"),
-    "lightning_hooks.core.stats.activation_stats": ("ActivationStatsTracker",),
-    "lightning_hooks.core.alarms": ("ALARM_RULES", "AlarmRules", "GradientAlarm", "GradientAlarms"),
-    "lightning_hooks.core.hooks.capture": ("capture_outputs", "probe_mode"),
-    "lightning_hooks.core.stats.dead_units": ("DeadUnits", "DeadUnitTracker"),
-    "lightning_hooks.core.ops.feature_stats": (
-        "FEATURE_STATS",
-        "FeatureSummary",
-        "feature_stats",
-    ),
-    "lightning_hooks.core.stats.grad_flow": ("GRAD_FLOW_STATS", "GradFlowTracker"),
-    "lightning_hooks.core.ops.grad_stats": ("GRAD_STATS", "ParamLayout", "grad_stats"),
-    "lightning_hooks.core.ops.histogram": ("LayerHistogram", "LayerHistograms"),
-    "lightning_hooks.core.stats.layer_time": ("LayerTimer", "LayerTimes"),
-    "lightning_hooks.core.hooks.registry": ("HookRegistry",),
-    "lightning_hooks.core.stats.saturation": (
-        "SATURATING_TYPES",
-        "SaturationStats",
-        "SaturationTracker",
-        "saturation_mask",
-        "unit_saturation",
-    ),
-    "lightning_hooks.core.hooks.selection": (
-        "Selection",
-        "is_kind",
-        "select_modules",
-        "torch_equivalent",
-    ),
-    "lightning_hooks.core.stats.stability": ("StabilityStats",),
-    "lightning_hooks.core.stats.stat": ("LayerStat",),
-    "lightning_hooks.core.transport": ("FirstNonFinite",),
-    "lightning_hooks.core.ops.tensors": ("is_training_forward", "iter_float_tensors"),
+# Module (under lightning_hooks.core) -> the public names it defines, imported on first access.
+_MODULES = {
+    "alarms": "ALARM_RULES AlarmRules GradientAlarm GradientAlarms",
+    "hooks.capture": "capture_outputs probe_mode",
+    "hooks.registry": "HookRegistry",
+    "hooks.selection": "Selection is_kind select_modules torch_equivalent",
+    "ops.feature_stats": "FEATURE_STATS FeatureSummary feature_stats",
+    "ops.grad_stats": "GRAD_STATS ParamLayout grad_stats",
+    "ops.histogram": "LayerHistogram LayerHistograms",
+    "ops.tensors": "is_training_forward iter_float_tensors",
+    "stats.accumulator": "LayerStatsAccumulator LayerTable",
+    "stats.activation_stats": "ActivationStatsTracker",
+    "stats.dead_units": "DeadUnits DeadUnitTracker",
+    "stats.grad_flow": "GRAD_FLOW_STATS GradFlowTracker",
+    "stats.layer_time": "LayerTimer LayerTimes",
+    "stats.saturation": "SATURATING_TYPES SaturationStats SaturationTracker saturation_mask "
+    "unit_saturation",
+    "stats.stability": "StabilityStats",
+    "stats.stat": "LayerStat",
+    "transport": "FirstNonFinite",
 }
-_LAZY: dict[str, str] = {name: module for module, names in _MODULES.items() for name in names}
+_LAZY = {
+    name: f"{__name__}.{module}" for module, names in _MODULES.items() for name in names.split()
+}
 # A name that is also its module's name (``feature_stats``) is bound now: imported later, the
 # submodule would take the package attribute and hide the function. These modules are torch-only.
 _SHADOWED = [name for name, module in _LAZY.items() if module.rsplit(".", 1)[1] == name]

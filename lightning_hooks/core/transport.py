@@ -1,9 +1,5 @@
-"""Off the device and across ranks: one host read-back for small device tensors
-(:class:`HostMailbox`), the first non-finite event of a run (:class:`FirstNonFinite`), the facts
-of the process group (no-ops in one process), and exact per-parameter statistics of sharded
-(FSDP2 ``DTensor``) parameters (:class:`ShardPlan`): each rank computes shard-local partials and
-ONE collective over the shard group (not the HSDP replicas) combines them.
-"""
+"""Off the device and across ranks: the host read-back of small device tensors, the first
+non-finite event, the process group's facts (no-ops in one process), and sharded parameters."""
 
 from __future__ import annotations
 
@@ -38,21 +34,12 @@ class HostMailbox:
     """A small device tensor copied to host memory without blocking, read on a later call.
 
     On CUDA the host buffer is pinned, the copy ``non_blocking`` and an event marks its end; on
-    the CPU the copy is the read. Reading is through a numpy view made once: no torch call, no
-    sync. A smaller tensor than ``shape`` is read back in its own shape; a larger one replaces
-    the buffer.
+    the CPU the copy is the read. Reads go through a numpy view made once (no torch call).
 
     Args:
         shape: the shape of the tensors posted (the largest).
         device: where they live.
         dtype: their dtype.
-
-    Example:
-        >>> box = HostMailbox((2,), torch.device("cpu"))
-        >>> box.post(torch.tensor([1.0, 2.0]), meta="step 3")
-        >>> view, meta = box.read(wait=False)
-        >>> view.tolist(), meta, box.pending
-        ([1.0, 2.0], 'step 3', False)
     """
 
     def __init__(
@@ -63,8 +50,7 @@ class HostMailbox:
         self._event = torch.cuda.Event() if self._cuda else None  # type: ignore[no-untyped-call]
         self._meta: Any = None
         self._allocate(shape)
-        self.pending = False
-        """Whether a posted value has not been read yet."""
+        self.pending = False  # a posted value not read yet
 
     def _allocate(self, shape: tuple[int, ...]) -> None:
         self._view: np.ndarray
@@ -84,8 +70,7 @@ class HostMailbox:
         return tuple(self._host.shape)
 
     def reserve(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
-        """The host buffer's views for values of ``shape``, made on first use (a new buffer
-        when larger than any before); reserve ahead so the steps that post it make no view."""
+        """The host views for values of ``shape``, made once (reserve ahead: a post makes none)."""
         slot = self._slots.get(shape)
         if slot is None:
             count = math.prod(shape)
@@ -110,7 +95,7 @@ class HostMailbox:
 
     def read(self, wait: bool) -> tuple[np.ndarray, Any] | None:
         """The posted value (a numpy view, valid until the next post) and its ``meta`` once the
-        copy is done, else ``None``; ``wait``: block until it is."""
+        copy is done (``wait``: block until it is), else ``None``."""
         if not self.pending:
             return None
         if self._event is not None:
@@ -132,11 +117,9 @@ _ROW_SPACE = 1 << 24
 
 
 class FirstNonFinite:
-    """Which row (a module, in execution order) first produced NaN / Inf, and at which step.
-
-    :meth:`mark` keeps the first ``(step, row)`` whose on-device flag is true in one int64
-    device tensor (no host sync); :meth:`poll` reads it back through a :class:`HostMailbox`
-    without waiting: on CUDA at most one step late, on the CPU at once.
+    """Which row (a module, in execution order) first produced NaN / Inf, and at which step:
+    kept on the device (no host sync), polled through a :class:`HostMailbox` without waiting (on
+    CUDA at most one step late).
 
     Args:
         device: the device the hooks run on.
@@ -198,28 +181,21 @@ def world_size() -> int:
 
 
 def group_device() -> torch.device:
-    """The device the default group's collectives take: the current CUDA device under NCCL,
-    else the CPU (gloo, or no group)."""
+    """The device of the default group's collectives: the current CUDA device under NCCL, else
+    the CPU."""
     if is_distributed() and "nccl" in str(dist.get_backend()).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def to_group_device(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` detached, as a new float32 tensor on :func:`group_device`, copied
-    ``non_blocking`` (no host sync)."""
+    """``tensor`` detached, as a new float32 tensor on :func:`group_device` (non-blocking)."""
     device = group_device()
     return tensor.detach().to(device=device, dtype=torch.float32, non_blocking=True, copy=True)
 
 
 def agree(flags: Sequence[bool]) -> list[int]:
-    """How many ranks raise each flag: one small ``all_reduce`` read on the host (a host sync:
-    logging steps and epoch ends only).
-
-    Example:
-        >>> agree([True, False])
-        [1, 0]
-    """
+    """How many ranks raise each flag: one small ``all_reduce`` read on the host (a host sync)."""
     counts = torch.tensor([float(f) for f in flags], dtype=torch.float32, device=group_device())
     if is_distributed() and dist.get_world_size() > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
@@ -267,23 +243,17 @@ def to_local(tensor: torch.Tensor) -> torch.Tensor:
 
 def combine_partials(gathered: torch.Tensor, num_sums: int) -> torch.Tensor:
     """Combine ``[shards, rows, columns]`` partials: the first ``num_sums`` columns are summed over
-    the shards, the others max-ed (NaN propagates through both).
-
-    Example:
-        >>> shards = torch.tensor([[[9.0, 1.0]], [[16.0, 4.0]]])  # sum of squares | max, 2 shards
-        >>> combine_partials(shards, num_sums=1)
-        tensor([[25.,  4.]])
-    """
+    the shards, the others max-ed (NaN propagates through both)."""
     return torch.cat([gathered[..., :num_sums].sum(0), gathered[..., num_sums:].amax(0)], dim=-1)
 
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """The process group over which every tracked parameter is sharded, found once.
+    """The process group over which every tracked parameter is sharded (FSDP2 ``DTensor``):
+    shard-local partials made exact by ONE collective over it (not the HSDP replicas).
 
-    Build it with :meth:`from_params` (``None`` when no parameter is a ``DTensor``). Supported,
-    else ``ValueError``: every parameter sharded along the same one mesh dimension (FSDP2) and
-    replicated along any other (HSDP).
+    Build it with :meth:`from_params`. Supported, else ``ValueError``: every parameter sharded
+    along the same one mesh dimension (FSDP2) and replicated along any other (HSDP).
 
     Attributes:
         group: the shard group.
@@ -328,8 +298,7 @@ class ShardPlan:
         maxima: Sequence[torch.Tensor] = (),
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Per-parameter shard-local L2 ``norms``, ``sums`` and ``maxima`` (each ``[P]``) made
-        whole over the shard group in ONE collective (none for one rank); norms combine as sums
-        of squares."""
+        whole over the shard group in one collective (none for one rank)."""
         columns = [n.float().square() for n in norms] + [s.float() for s in sums]
         num_sums = len(columns)
         columns += [m.float() for m in maxima]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_hooks.core.checks import boolean
+from lightning_hooks.core import checks
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import Patterns, as_patterns
 
@@ -18,7 +18,6 @@ __all__ = ["capture_outputs", "probe_mode"]
 
 
 def _apply(output: Any, fn: Any) -> Any:
-    """``fn`` on every tensor of a (nested) module output, structure kept."""
     if isinstance(output, torch.Tensor):
         return fn(output)
     if isinstance(output, tuple) and hasattr(output, "_fields"):  # a namedtuple
@@ -40,13 +39,6 @@ def _keeper(name: str, store: dict[str, Any], detach: bool, clone: bool) -> Any:
         store[name] = _apply(output, keep)
 
     return hook
-
-
-def _check_module(owner: str, model: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"{owner}(model={model!r}): must be an nn.Module, got {type(model).__name__}"
-        )
 
 
 @contextmanager
@@ -82,9 +74,9 @@ def capture_outputs(
         >>> len(model[0]._forward_hooks)
         0
     """
-    _check_module("capture_outputs", model)
-    detach = boolean("capture_outputs", "detach", detach)
-    clone = boolean("capture_outputs", "clone", clone)
+    checks.module("capture_outputs", "model", model)
+    detach = checks.boolean("capture_outputs", "detach", detach)
+    clone = checks.boolean("capture_outputs", "clone", clone)
     patterns = as_patterns(layers, "capture_outputs(layers=...)")
     if not patterns:
         raise ValueError("capture_outputs(layers=...): expected at least one name, got none")
@@ -99,10 +91,9 @@ def capture_outputs(
 def probe_mode(model: nn.Module) -> Iterator[None]:
     """Put ``model`` in eval mode under ``torch.no_grad()`` and undo everything on exit.
 
-    On exit, also after an exception, every submodule gets back its own ``training`` flag and
-    the CPU and (once initialized) CUDA generators their state. So a probe forward changes no
-    BatchNorm statistic, keeps no graph, is ignored by the library's forward hooks (they count
-    grad-enabled forwards only) and does not shift training's random stream.
+    On exit, also after an exception, every submodule gets back its ``training`` flag and the
+    CPU and (once initialized) CUDA generators their state: a probe forward changes no BatchNorm
+    statistic, keeps no graph, is ignored by the library's hooks and leaves the random stream.
 
     Example:
         >>> from torch import nn
@@ -117,7 +108,7 @@ def probe_mode(model: nn.Module) -> Iterator[None]:
         >>> model.training, model[1].training, torch.equal(state, torch.random.get_rng_state())
         (True, False, True)
     """
-    _check_module("probe_mode", model)
+    checks.module("probe_mode", "model", model)
     modes = [(module, module.training) for module in model.modules()]
     cpu_state = torch.random.get_rng_state()
     initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]

@@ -3,24 +3,10 @@
 A :class:`Guard` belongs to one statistic. Its first caught exception marks it failed and warns
 once (a :class:`~lightning_hooks.errors.LightningHooksWarning` naming the statistic, the hook
 and the cause); the owner removes its hooks at the next safe point (a Lightning hook, not
-mid-autograd). In a multi-process run it is *deferred* (:attr:`Guard.defer`): the failure is
-recorded and the hooks keep running, so this rank issues every collective the others do, until
-the ranks :meth:`Guard.settle` at the same step. With ``strict`` (or
-``LIGHTNING_HOOKS_STRICT=1``, set by the test suite) the exception propagates, as
-:class:`~lightning_hooks.errors.LightningHooksError` always does.
-
-Example:
-    >>> import warnings
-    >>> guard = Guard("MyStat", strict=False)
-    >>> hook = guard.wrap(lambda x: 1 / x, "tensor hook")
-    >>> hook(2)
-    0.5
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     hook(0), hook(0)
-    (None, None)
-    >>> len(caught), guard.failed
-    (1, 'tensor hook: ZeroDivisionError: division by zero')
+mid-autograd). In a multi-process run it is *deferred* (:attr:`Guard.defer`): the hooks keep
+running, so this rank issues every collective the others do, until the ranks
+:meth:`Guard.settle` at the same step. With ``strict`` (or ``LIGHTNING_HOOKS_STRICT=1``) the
+exception propagates, as :class:`~lightning_hooks.errors.LightningHooksError` always does.
 """
 
 from __future__ import annotations
@@ -38,7 +24,6 @@ __all__ = ["STRICT_ENV", "Guard", "active_guard", "guard_hooks", "strict_default
 
 STRICT_ENV = "LIGHTNING_HOOKS_STRICT"
 """Environment variable: ``1`` makes every guard strict (re-raise) unless told otherwise."""
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 _ACTIVE: contextvars.ContextVar[Guard | None] = contextvars.ContextVar(
@@ -47,13 +32,7 @@ _ACTIVE: contextvars.ContextVar[Guard | None] = contextvars.ContextVar(
 
 
 def strict_default() -> bool:
-    """Whether ``LIGHTNING_HOOKS_STRICT`` asks for strict guards (``1``, ``true``, ``yes``, ``on``).
-
-    Example:
-        >>> import os
-        >>> isinstance(strict_default(), bool)
-        True
-    """
+    """Whether ``LIGHTNING_HOOKS_STRICT`` asks for strict guards (``1``/``true``/``yes``/``on``)."""
     return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -97,14 +76,7 @@ class Guard:
 
     def settle(self, causes: Sequence[str | None], step: int, *, warn: bool) -> None:
         """Disable at ``step`` on the ranks' agreement: ``causes[r]`` is rank ``r``'s
-        :attr:`local` (``None``: healthy); ``warn`` (rank 0): one warning naming each failure.
-
-        Example:
-            >>> guard = Guard("MyStat", strict=False)
-            >>> guard.settle([None, "tensor hook: ValueError: bad"], 7, warn=False)
-            >>> guard.failed, guard.disabled_step, guard.take_pending()
-            ('rank 1: tensor hook: ValueError: bad', 7, True)
-        """
+        :attr:`local` (``None``: healthy); ``warn`` (rank 0): one warning naming each failure."""
         failed = [f"rank {r}: {cause}" for r, cause in enumerate(causes) if cause is not None]
         self.failed = "; ".join(failed)
         self.pending = True
@@ -160,15 +132,14 @@ GUARDED_HOOKS = (
     "on_validation_epoch_start",
     "on_validation_epoch_end",
 )
-"""The Lightning callback hooks :func:`guard_hooks` wraps: every per-step and per-epoch hook.
-``setup`` (configuration errors must stop the fit) and the removal hooks are left alone."""
+"""The Lightning callback hooks :func:`guard_hooks` wraps (not ``setup``: configuration errors
+must stop the fit; nor the removal hooks)."""
 
 
 def guard_hooks(cls: type) -> None:
     """Wrap the :data:`GUARDED_HOOKS` that ``cls`` defines itself: each runs under
     ``self._hook_guard()`` (hooks registered inside it too) and, once the guard failed, calls
     ``self._guard_disable()`` once and does nothing more."""
-
     for name in GUARDED_HOOKS:
         method = cls.__dict__.get(name)
         if method is not None and not getattr(method, "_lightning_hooks_guarded", False):

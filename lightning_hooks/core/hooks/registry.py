@@ -1,4 +1,6 @@
-"""The hook registry: the one owner of every hook handle the library creates."""
+"""The hook registry: the one owner of every hook handle the library creates, and its gated
+hooks, put on their modules only for sampled steps and run outside the attention capture's
+torch-function mode (:func:`outside_shelved`)."""
 
 from __future__ import annotations
 
@@ -7,20 +9,30 @@ import warnings
 import weakref
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import Self
 
 from lightning_hooks.core import checks
 from lightning_hooks.core.hooks.guard import Guard, active_guard
-from lightning_hooks.core.hooks.modes import Gated, GatedHandle, outside_shelved
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["HookOwner", "HookRegistry", "is_compiled", "unhookable_modules"]
+__all__ = [
+    "Gated",
+    "GatedHandle",
+    "HookOwner",
+    "HookRegistry",
+    "ShelvedMode",
+    "is_compiled",
+    "outside_shelved",
+    "plain_layers",
+    "unhookable_modules",
+]
 
 ForwardHook = Callable[[nn.Module, Any, Any], Any]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -28,18 +40,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def unhookable_modules(model: nn.Module) -> dict[int, str]:
     """``id(module) -> name`` of every module whose Python hooks never run: a
-    ``torch.jit.script``/``trace`` module and everything inside it.
-
-    Example:
-        >>> import torch, warnings
-        >>> from torch import nn
-        >>> with warnings.catch_warnings():  # torch 2.10+ deprecates torch.jit.script
-        ...     warnings.simplefilter("ignore", DeprecationWarning)
-        ...     scripted = torch.jit.script(nn.Sequential(nn.ReLU()))
-        >>> net = nn.Sequential(nn.Linear(2, 2), scripted)
-        >>> sorted(unhookable_modules(net).values())
-        ['1', '1.0']
-    """
+    ``torch.jit.script``/``trace`` module and everything inside it."""
     found: dict[int, str] = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.jit.ScriptModule) and id(module) not in found:
@@ -50,17 +51,7 @@ def unhookable_modules(model: nn.Module) -> dict[int, str]:
 
 def is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` or one of its modules is compiled (``torch.compile``, in place by
-    ``module.compile()``, or unwrapped by Lightning from ``torch.compile(model)``).
-
-    Example:
-        >>> from torch import nn
-        >>> net = nn.Sequential(nn.Linear(2, 2))
-        >>> is_compiled(net)
-        False
-        >>> net.compile()
-        >>> is_compiled(net)
-        True
-    """
+    ``module.compile()``, or unwrapped by Lightning from ``torch.compile(model)``)."""
     dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
     optimized = getattr(dynamo, "OptimizedModule", ())
     return any(
@@ -69,6 +60,74 @@ def is_compiled(model: nn.Module) -> bool:
         or getattr(module, "_compiler_ctx", None) is not None
         for module in model.modules()
     )
+
+
+class ShelvedMode(TorchFunctionMode):
+    """A mode of this library that its gated hooks run outside of (:func:`outside_shelved`)."""
+
+
+def outside_shelved(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, with the innermost torch-function mode popped while it runs when that mode
+    is a :class:`ShelvedMode` (not while compiling: Dynamo traces the hook)."""
+    if torch.compiler.is_compiling():
+        return fn(*args)
+    depth = torch._C._len_torch_function_stack()
+    if not depth:
+        return fn(*args)
+    mode = torch._C._get_function_stack_at(depth - 1)
+    if not isinstance(mode, ShelvedMode):
+        return fn(*args)
+    torch._C._pop_torch_function_stack()
+    try:
+        return fn(*args)
+    finally:
+        torch._C._push_on_torch_function_stack(mode)
+
+
+class Gated(NamedTuple):
+    """A module hook put on its module for each sampled step (:meth:`HookRegistry.gated_hook`)
+    under an id reserved once: no ``RemovableHandle`` per step (it costs more than the hook's
+    call). The hook dicts are looked up at each :meth:`install` (``__setstate__`` replaces them).
+    """
+
+    module: nn.Module
+    table: str  # the module's attribute holding the hooks
+    flags: tuple[str, ...]  # its attributes where the id is marked (with_kwargs, always_call)
+    key: int
+    hook: Callable[..., Any]
+    prepend: bool
+
+    def install(self) -> None:
+        """Put the hook on its module."""
+        module, key = self.module, self.key
+        hooks = getattr(module, self.table)
+        hooks[key] = self.hook
+        for flag in self.flags:
+            getattr(module, flag)[key] = True
+        if self.prepend:
+            hooks.move_to_end(key, last=False)
+
+    def uninstall(self) -> None:
+        """Take the hook off its module (nothing if it is not on)."""
+        module, key = self.module, self.key
+        getattr(module, self.table).pop(key, None)
+        for flag in self.flags:
+            getattr(module, flag).pop(key, None)
+
+
+class GatedHandle(RemovableHandle):
+    """The handle of an installed :class:`Gated` hook: :meth:`remove` takes it off until its
+    registry installs it again on the next sampled step (unless the registry was removed)."""
+
+    def __init__(self, gated: Gated) -> None:
+        self.gated = gated
+        self.id = gated.key
+        self.hooks_dict_ref = weakref.ref(getattr(gated.module, gated.table))
+        self.extra_dict_ref = tuple(weakref.ref(getattr(gated.module, f)) for f in gated.flags)
+
+    def remove(self) -> None:
+        """Take the hook off its module."""
+        self.gated.uninstall()
 
 
 _OURS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
@@ -224,7 +283,7 @@ class HookRegistry(HookOwner):
     ) -> list[tuple[str, nn.Module]]:
         """Select modules of the model (:func:`~lightning_hooks.core.select_modules`).
         ``torch.jit`` modules stay selected (their parameters can be measured) but get no
-        module hook; one :class:`~lightning_hooks.errors.LightningHooksWarning` names them."""
+        module hook; one warning names them."""
         selected = select_modules(
             self.model, types=types, include=include, exclude=exclude, where=where
         )
@@ -234,7 +293,6 @@ class HookRegistry(HookOwner):
         return selected
 
     def _warn_unhookable(self, names: list[str]) -> None:
-        """One warning per registry naming the modules that get no module hook."""
         if self._warned_unhookable:
             return
         self._warned_unhookable = True
@@ -262,8 +320,7 @@ class HookRegistry(HookOwner):
         for hooks the registry does not own (on per-step tensors)."""
         return fn if self.guard is None else self.guard.wrap(fn, where)
 
-    def add(self, handle: RemovableHandle) -> RemovableHandle:
-        """Take ownership of a handle created elsewhere."""
+    def _add(self, handle: RemovableHandle) -> RemovableHandle:
         self._handles.append(handle)
         return handle
 
@@ -296,10 +353,9 @@ class HookRegistry(HookOwner):
         if gated:
             return self.gated_hook(module, self._gated(hook, where), pre=pre, **options)
         register = module.register_forward_pre_hook if pre else module.register_forward_hook
-        return self.add(register(_ours(self.guarded(hook, where)), **options))
+        return self._add(register(_ours(self.guarded(hook, where)), **options))
 
     def _gated(self, hook: Callable[..., Any], where: str) -> Callable[..., Any]:
-        # A gated hook runs outside the attention capture's mode (core/hooks/modes.py).
         guard = self.guard
         if guard is None or guard.strict:
 
@@ -324,11 +380,10 @@ class HookRegistry(HookOwner):
     ) -> RemovableHandle:
         """``optimizer.register_step_post_hook(hook)``, owned by the registry and guarded."""
         hook = self.guarded(hook, "optimizer step post-hook")
-        return self.add(optimizer.register_step_post_hook(hook))
+        return self._add(optimizer.register_step_post_hook(hook))
 
     def remove(self) -> None:
-        """Remove every hook and drop the model (a reused owner must not keep it alive).
-        Idempotent."""
+        """Remove every hook and drop the model (idempotent)."""
         self._model = None
         handles, gated = self._handles, self._gated_hooks
         self._handles, self._gated_hooks = [], []

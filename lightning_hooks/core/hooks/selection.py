@@ -1,10 +1,9 @@
 """Choose which modules of a model to instrument, by type and by qualified-name pattern.
 
-A type counts the activation classes of Hugging Face and timm (``NewGELUActivation``,
-``timm.layers.GELU``, ...), which do not subclass ``nn.GELU``: :data:`KNOWN_ACTIVATIONS` maps
-each, by defining module and class name (nothing is imported), to the torch class computing the
-same function or family, so ``types=nn.GELU`` selects every GELU
-(``tests/test_third_party.py`` checks each entry against what the class computes).
+A type counts the activation classes of Hugging Face and timm, which do not subclass the torch
+ones: :data:`KNOWN_ACTIVATIONS` maps each, by defining module and class name (nothing is
+imported), to the torch class computing the same function, so ``types=nn.GELU`` selects every
+GELU.
 """
 
 from __future__ import annotations
@@ -40,14 +39,9 @@ _TIMM = (
 )
 
 _HF_CLASSES: dict[str, type[nn.Module]] = {
-    "GELUActivation": nn.GELU,
-    "NewGELUActivation": nn.GELU,
-    "FastGELUActivation": nn.GELU,
-    "QuickGELUActivation": nn.GELU,
-    "GELUTanh": nn.GELU,
-    "PytorchGELUTanh": nn.GELU,
-    "ClippedGELUActivation": nn.GELU,
-    "AccurateGELUActivation": nn.GELU,
+    **dict.fromkeys(("GELUActivation", "NewGELUActivation", "FastGELUActivation"), nn.GELU),
+    **dict.fromkeys(("QuickGELUActivation", "GELUTanh", "PytorchGELUTanh"), nn.GELU),
+    **dict.fromkeys(("ClippedGELUActivation", "AccurateGELUActivation"), nn.GELU),
     "SiLUActivation": nn.SiLU,
     "MishActivation": nn.Mish,
     "ReLUSquaredActivation": nn.ReLU,
@@ -55,21 +49,13 @@ _HF_CLASSES: dict[str, type[nn.Module]] = {
     "SqrtSoftplusActivation": nn.Softplus,
 }
 _TIMM_CLASSES: dict[str, type[nn.Module]] = {
-    "GELU": nn.GELU,
-    "GELUTanh": nn.GELU,
-    "QuickGELU": nn.GELU,
-    "Swish": nn.SiLU,
-    "SwishMe": nn.SiLU,
-    "Mish": nn.Mish,
-    "MishMe": nn.Mish,
-    "HardMish": nn.Mish,
-    "HardMishMe": nn.Mish,
+    **dict.fromkeys(("GELU", "GELUTanh", "QuickGELU"), nn.GELU),
+    **dict.fromkeys(("Swish", "SwishMe"), nn.SiLU),
+    **dict.fromkeys(("Mish", "MishMe", "HardMish", "HardMishMe"), nn.Mish),
+    **dict.fromkeys(("HardSwish", "HardSwishMe"), nn.Hardswish),
+    **dict.fromkeys(("HardSigmoid", "HardSigmoidMe"), nn.Hardsigmoid),
     "Sigmoid": nn.Sigmoid,
     "Tanh": nn.Tanh,
-    "HardSwish": nn.Hardswish,
-    "HardSwishMe": nn.Hardswish,
-    "HardSigmoid": nn.Hardsigmoid,
-    "HardSigmoidMe": nn.Hardsigmoid,
 }
 
 KNOWN_ACTIVATIONS: dict[tuple[str, str], type[nn.Module]] = {
@@ -78,25 +64,14 @@ KNOWN_ACTIVATIONS: dict[tuple[str, str], type[nn.Module]] = {
 }
 """``(defining module, class name)`` of a third-party activation class -> the torch class that
 computes the same function or family."""
-
-
 _SEEN: weakref.WeakKeyDictionary[type, type[nn.Module] | None] = weakref.WeakKeyDictionary()
 
 
 def _equivalent(cls: type) -> type[nn.Module] | None:
-    # Looked up once per class: a selection runs it for every module of the model.
-    if cls in _SEEN:
-        return _SEEN[cls]
-    found = next(
-        (
-            KNOWN_ACTIVATIONS[key]
-            for key in ((base.__module__, base.__name__) for base in cls.__mro__)
-            if key in KNOWN_ACTIVATIONS
-        ),
-        None,
-    )
-    _SEEN[cls] = found
-    return found
+    if cls not in _SEEN:
+        keys = ((base.__module__, base.__name__) for base in cls.__mro__)
+        _SEEN[cls] = next((KNOWN_ACTIVATIONS[k] for k in keys if k in KNOWN_ACTIVATIONS), None)
+    return _SEEN[cls]
 
 
 def torch_equivalent(module: nn.Module) -> type[nn.Module]:
@@ -134,14 +109,7 @@ ModuleFilter = Callable[[str, nn.Module], bool]
 
 
 def as_patterns(patterns: Patterns, argument: str = "include") -> tuple[str, ...]:
-    """Normalize one pattern or a sequence of patterns to a tuple of strings.
-
-    Example:
-        >>> as_patterns("encoder.*")
-        ('encoder.*',)
-        >>> as_patterns(None)
-        ()
-    """
+    """One pattern, a sequence of patterns or ``None`` as a tuple of strings."""
     if patterns is None:
         return ()
     if isinstance(patterns, str):
@@ -149,23 +117,20 @@ def as_patterns(patterns: Patterns, argument: str = "include") -> tuple[str, ...
     expected = "a glob pattern (str), a sequence of them, or None"
     if not isinstance(patterns, Sequence):
         raise TypeError(f"{argument}: must be {expected}, got {patterns!r}")
-    out = tuple(patterns)
-    for p in out:
+    for p in patterns:
         if not isinstance(p, str):
             raise TypeError(f"{argument}: must be {expected}, got {p!r} ({type(p).__name__})")
-    return out
+    return tuple(patterns)
 
 
 def _as_types(owner: str, types: ModuleTypes) -> tuple[type[nn.Module], ...] | None:
     if types is None:
         return None
     items = types if isinstance(types, tuple) else (types,)
+    expected = "an nn.Module subclass or a tuple of them"
     for t in items:
         if not (isinstance(t, type) and issubclass(t, nn.Module)):
-            raise TypeError(
-                f"{owner}(types={types!r}): must be an nn.Module subclass or a tuple of them, "
-                f"got {t!r}"
-            )
+            raise TypeError(f"{owner}(types={types!r}): must be {expected}, got {t!r}")
     return items
 
 
@@ -173,8 +138,8 @@ def _as_types(owner: str, types: ModuleTypes) -> tuple[type[nn.Module], ...] | N
 class Selection:
     """Which modules of a model a callback watches: types, and name patterns to keep and drop.
 
-    Made with :meth:`of`, which validates the arguments once; errors from it and from
-    :meth:`modules` name the argument the user passed (``DeadReLUCallback(pre_activation=...)``).
+    Made with :meth:`of`, which validates the arguments once; its errors and those of
+    :meth:`modules` name the argument the user passed.
 
     Attributes:
         owner: the public class the arguments were passed to (for error messages).

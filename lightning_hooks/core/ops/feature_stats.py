@@ -30,23 +30,20 @@ __all__ = [
 
 FEATURE_STATS = ("sum", "sum_sq", "sum_abs", "zeros", "nonfinite", "numel", "min", "max")
 """Entries of :func:`feature_stats`: the first :data:`NUM_SUMS` pool by addition."""
-
 NUM_SUMS = 6
-
 
 CHUNK = 1 << 19
 """Elements :func:`feature_stats` reads at a time on the CPU (2 MiB in float32): the passes after
-the first find the piece in cache. Off the CPU, :data:`~.tensors.DEVICE_PIECE`."""
+the first find the piece in cache."""
 
 
 @torch.no_grad()
 def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
     """``[8]`` float32 statistics of a non-empty tensor, in the order of :data:`FEATURE_STATS`.
 
-    Six reading passes a piece (:func:`piece_size` of :data:`CHUNK`) at a time, no host sync;
-    counts are float32 sums of 0.0 / 1.0 (exact up to 2**24 a piece; on the CPU far faster than
-    ``count_nonzero``), fp16 / bf16 summed in float32 without a copy. NaN propagates into every
-    entry but ``zeros``, ``nonfinite`` and ``numel``. Temporaries reuse ``workspace``.
+    Six reading passes a piece at a time, no host sync; counts are float32 sums of 0.0 / 1.0
+    (exact up to 2**24 a piece), fp16 / bf16 summed in float32 without a copy. NaN propagates into
+    every entry but ``zeros``, ``nonfinite`` and ``numel``. Temporaries reuse ``workspace``.
 
     Example:
         >>> feature_stats(torch.tensor([-1.0, 0.0, 2.0, 0.0])).tolist()
@@ -65,7 +62,6 @@ def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.
 
 
 def _piece_stats(flat: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """:func:`feature_stats` of a flat tensor of at most ``scratch.numel()`` elements."""
     f32 = torch.float32
     low, high = torch.aminmax(flat)
     buf = scratch[: flat.numel()]
@@ -92,7 +88,6 @@ STACKED = 1 << 16
 """Elements: an output this small is copied and measured at the step's end with the others of
 its shape and dtype (:func:`stacked_feature_stats`), cheaper than its own 17 small ops."""
 
-
 SIGN_COUNTS = frozenset({"cpu"})
 """Devices where :func:`stacked_feature_stats` counts by sums of signs and takes min and max in
 two reductions (on the CPU, comparisons and a min-max along a dimension take slow paths)."""
@@ -102,11 +97,6 @@ two reductions (on the CPU, comparisons and a min-max along a dimension take slo
 def stacked_feature_stats(x: torch.Tensor) -> torch.Tensor:
     """``[k, 8]`` float32 :func:`feature_stats` of each of the ``k`` tensors stacked in ``x``
     (``[k, ...]``): the same reading passes, each over all of them at once.
-
-    Example:
-        >>> stacked_feature_stats(torch.tensor([[-1.0, 0.0, 2.0, 0.0], [1.0, 1.0, 1.0, 1.0]]))
-        tensor([[ 1.,  5.,  3.,  2.,  0.,  4., -1.,  2.],
-                [ 4.,  4.,  4.,  0.,  0.,  4.,  1.,  1.]])
     """
     f32 = torch.float32
     flat = x.detach().reshape(x.shape[0], -1)
@@ -127,9 +117,7 @@ def stacked_feature_stats(x: torch.Tensor) -> torch.Tensor:
 
 
 def _one_pass_stats(x: torch.Tensor) -> torch.Tensor:
-    # Written for torch.compile: every reduction reads the same input, so they fuse into one
-    # pass. The counts are float32 sums of 0.0 / 1.0 (exact up to 2**24 elements, as in
-    # feature_stats): an integer sum there vectorizes badly.
+    # for torch.compile: every reduction reads the same input, so they fuse into one pass
     f = x.reshape(-1).float()
     absolute = f.abs()
     return torch.stack(
@@ -196,20 +184,11 @@ class FeatureSummary:
 
     def column(self, stat: str) -> np.ndarray:
         """One statistic (an attribute name) for every row."""
-        values: np.ndarray = getattr(self, stat)
-        return values
+        return getattr(self, stat)  # type: ignore[no-any-return]
 
 
 def summarize(layers: tuple[str, ...], sums: np.ndarray, extremes: np.ndarray) -> FeatureSummary:
-    """Turn pooled ``[rows, NUM_SUMS]`` sums and ``[rows, 2]`` (min, max) into statistics.
-
-    Example:
-        >>> x = np.array([-1.0, 0.0, 2.0, 0.0])
-        >>> sums = np.array([[x.sum(), (x * x).sum(), abs(x).sum(), 2, 0, 4]])
-        >>> s = summarize(("a",), sums, np.array([[-1.0, 2.0]]))
-        >>> float(s.mean[0]), round(float(s.std[0]), 6), float(s.zero_fraction[0])
-        (0.25, 1.258306, 0.5)
-    """
+    """Turn pooled ``[rows, NUM_SUMS]`` sums and ``[rows, 2]`` (min, max) into statistics."""
     total, sq, absolute, zeros, nonfinite, n = sums.astype(np.float64).T
     with np.errstate(divide="ignore", invalid="ignore"):
         mean = total / n

@@ -1,9 +1,6 @@
-"""Pure functions: per-layer gradient, weight and update statistics with batched kernels.
-
-Each reads every parameter's tensors in a few multi-tensor ops and reduces per layer
-(:class:`ParamLayout`) with ``index_add_``: the op count does not grow with the parameters, and
-nothing is read back to the host.
-"""
+"""Pure functions: per-layer gradient, weight and update statistics. Each reads every
+parameter's tensors in a few multi-tensor ops and reduces per layer (:class:`ParamLayout`) with
+``index_add_``: the op count does not grow with the parameters, and nothing is read back."""
 
 from __future__ import annotations
 
@@ -24,7 +21,6 @@ __all__ = [
     "ParamLayout",
     "grad_stats",
     "param_norms",
-    "segment_max",
     "segment_norm",
     "update_norms",
 ]
@@ -35,7 +31,6 @@ GRAD_STATS = ("grad_norm", "grad_abs_mean", "grad_abs_max", "grad_nonfinite", "w
 
 GLOBAL = "global"
 """Name of the extra last row that aggregates every layer."""
-
 
 ROOT = "<root>"
 """Row name of the parameters the model itself owns (a LightningModule's learnable temperature)."""
@@ -114,23 +109,9 @@ class ParamLayout:
         params = tuple(self.params[i] for i in picked)
         return params, self.index[torch.tensor(picked, dtype=torch.long, device=self.index.device)]
 
-    def unique(self, keep: Sequence[bool]) -> torch.Tensor:
-        """Positions within :meth:`subset` of each parameter's first listing (what global
-        figures sum); ``keep`` must treat every listing of a parameter alike.
-
-        Example:
-            >>> from torch import nn
-            >>> a, b = nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False)
-            >>> b.weight = a.weight
-            >>> layout = ParamLayout.from_modules([("a", a), ("b", b)])
-            >>> layout.unique([True, True]).tolist()
-            [0]
-        """
-        positions = self.unique_positions(keep)
-        return torch.tensor(positions, dtype=torch.long, device=self.index.device)
-
     def unique_positions(self, keep: Sequence[bool]) -> list[int]:
-        """:meth:`unique` on the host."""
+        """Positions within :meth:`subset` of each parameter's first listing (what global
+        figures sum); ``keep`` must treat every listing of a parameter alike."""
         first = self.first or (True,) * len(self.params)
         picked = [f for f, k in zip(first, keep, strict=True) if k]
         return [i for i, f in enumerate(picked) if f]
@@ -138,15 +119,8 @@ class ParamLayout:
     @staticmethod
     def grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
         """Each parameter's gradient as every kernel takes it: a sparse one as its coalesced
-        values (the same norms, sums and maxima as dense), ``None`` as one zero.
-
-        Example:
-            >>> from torch import nn
-            >>> emb = nn.Embedding(10, 3, sparse=True)
-            >>> emb(torch.tensor([1, 1, 4])).sum().backward()
-            >>> [g.shape for g in ParamLayout.grads([emb.weight, nn.Parameter(torch.ones(2))])]
-            [torch.Size([2, 3]), torch.Size([1])]
-        """
+        values (the same norms, sums and maxima as dense), ``None`` as one zero; under FSDP2,
+        this rank's shard."""
         plain = plain_grads(params)
         if plain is not None:
             return plain
@@ -158,12 +132,11 @@ class ParamLayout:
             elif g.is_sparse:
                 g = g.coalesce().values()
                 g = g if g.numel() else p.new_zeros(1)
-            out.append(to_local(g))  # FSDP2: this rank's shard (ShardPlan makes it whole)
+            out.append(to_local(g))
         return out
 
 
 def _total(values: torch.Tensor, unique: torch.Tensor | None) -> torch.Tensor:
-    """Sum over every parameter once (``unique``: positions of first listings; ``None``: all)."""
     return (values if unique is None else values.index_select(0, unique)).sum().view(1)
 
 
@@ -209,12 +182,10 @@ def grad_stats(
 ) -> torch.Tensor:
     """``[layers + 1, len(GRAD_STATS)]`` statistics of one optimizer step's gradients.
 
-    Rows: the layers of ``numel``, then all of them (with ``unique``, :meth:`ParamLayout.unique`,
-    a shared parameter counted once, its mean over ``total_numel``). Columns: :data:`GRAD_STATS`;
-    the non-finite one is 1 or 0, so summed over steps it counts the steps with a NaN/Inf
-    gradient. ``params=None``: the weight column is NaN. Two passes over the gradients (L2 norms,
-    then :func:`~.grouped_norms.abs_sum_max`; its maximum propagates NaN, so it also gives the
-    non-finite column) and one over the weights.
+    Rows: the layers of ``numel``, then all of them (with ``unique``, positions of first
+    listings, a shared parameter counted once, its mean over ``total_numel``). Columns:
+    :data:`GRAD_STATS`; the non-finite one is 1 or 0 (summed over steps: the steps with a NaN/Inf
+    gradient). ``params=None``: the weight column is NaN.
 
     Example:
         >>> g = [torch.tensor([3.0, -4.0]), torch.tensor([1.0])]

@@ -1,10 +1,9 @@
 """Reads of many tensors in a handful of ops: L2 norms (:class:`GroupedNorms`), ``|t|`` sums and
 maxima (:func:`abs_sum_max`), an update's typical size (:func:`typical_update`).
 
-``_foreach_norm``'s host work per tensor is the whole cost for a model's many small gradients,
-so small tensors of one shape and dtype are stacked (one copy) and reduced along their rows; the
-rest take one ``_foreach_norm``. CPU norms equal ``_foreach_norm``'s bit for bit; CUDA's, within
-float32 rounding.
+Small tensors of one shape and dtype are stacked (one copy) and reduced along their rows: for a
+model's many small gradients ``_foreach_norm``'s host work per tensor is the whole cost. CPU norms
+equal ``_foreach_norm``'s bit for bit; CUDA's, within float32 rounding.
 """
 
 from __future__ import annotations
@@ -35,9 +34,7 @@ SMALL = 8192
 MAX_GROUPS = 6
 """Stacks at most: 2 ops each, so that a quiet step's ops stay a handful whatever the model."""
 MIN_GROUP = {"cpu": 3, "cuda": 12}
-"""Gradients a stack holds at least, per device type (others: CUDA's): a stack costs two ops,
-worth about one gradient each on the CPU and several on a GPU's host."""
-
+"""Gradients a stack holds at least, per device type (others: CUDA's): a stack costs two ops."""
 
 _SumMax = tuple[torch.Tensor, torch.Tensor]
 
@@ -47,19 +44,9 @@ class GroupedNorms:
 
     The groups are made once: the :data:`MAX_GROUPS` largest sets of non-scalar parameters of at
     most :data:`SMALL` elements sharing shape, dtype and device, of at least :data:`MIN_GROUP`.
-    A call runs the same Python whatever the number of tensors (``operator.itemgetter`` picks).
 
     Args:
         params: the parameters whose gradients each call reads, in order.
-
-    Example:
-        >>> params = [torch.ones(3), torch.ones(2, 2), torch.ones(3), torch.ones(5), torch.ones(3)]
-        >>> read = GroupedNorms(params)
-        >>> read.groups, read.rest
-        ([[0, 2, 4]], [1, 3])
-        >>> grads = [torch.full((3,), 2.0), torch.ones(2, 2), torch.zeros(3), torch.ones(5)]
-        >>> read([*grads, torch.ones(3)])
-        tensor([3.4641, 2.0000, 0.0000, 2.2361, 1.7321])
     """
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
@@ -77,8 +64,7 @@ class GroupedNorms:
         self._stacks = [
             (itemgetter(*g), tuple(range(1, params[g[0]].dim() + 1))) for g in self.groups
         ]
-        # a getter of one position gives the tensor, not a tuple: that one is read twice, and
-        # its second norm is left out by the index
+        # a getter of one position gives a tensor, not a tuple: read it twice, index out one
         twice = self.rest * 2 if len(self.rest) == 1 else self.rest
         self._rest = itemgetter(*twice) if twice else None
         order = [i for g in self.groups for i in g] + self.rest
@@ -98,9 +84,8 @@ class GroupedNorms:
         return torch.cat(parts).index_select(0, self._index)
 
     def abs_sum_max(self, tensors: Sequence[torch.Tensor], ws: Workspace) -> _SumMax:
-        """``[len(tensors)]`` sums and maxima of ``|t|`` in float32 (float64's summed in float64):
-        each stack in three ops (no order-1 or order-inf norm: slow on the CPU), the rest as
-        :func:`abs_sum_max` reads them."""
+        """:func:`abs_sum_max` of ``tensors``: each stack in three ops (no order-1 or order-inf
+        norm: slow on the CPU)."""
         if self._index is None:
             return _abs_sum_max(tensors, ws)
         sums, peaks = [], []
@@ -120,10 +105,7 @@ class GroupedNorms:
 
 _SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
 _CPU = torch.device("cpu")
-_GROUPINGS: dict[tuple[object, ...], GroupedNorms | None] = {}
-"""The groupings :func:`cpu_grouping` made, by the tensors' shapes and dtypes."""
-
-
+_GROUPINGS: dict[tuple[object, ...], GroupedNorms | None] = {}  # by shapes and dtypes
 _GRAD, _IS_SPARSE = attrgetter("grad"), attrgetter("is_sparse")
 _PLAIN = {torch.Tensor}
 
@@ -140,16 +122,7 @@ def plain_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor] | No
 
 def cpu_grouping(tensors: Sequence[torch.Tensor]) -> GroupedNorms | None:
     """A :class:`GroupedNorms` for tensors of these shapes and dtypes, all on the CPU, made once
-    and kept, or ``None`` when they are elsewhere or none would be stacked (off the CPU the
-    multi-tensor kernels are left as they are).
-
-    Example:
-        >>> grouping = cpu_grouping([torch.ones(3), torch.ones(3), torch.ones(3), torch.ones(9)])
-        >>> grouping.groups, grouping.rest
-        ([[0, 1, 2]], [3])
-        >>> cpu_grouping([torch.ones(3), torch.ones(9)]) is None  # nothing to stack
-        True
-    """
+    and kept, or ``None`` when they are elsewhere or none would be stacked."""
     if not tensors or set(map(_DEVICE, tensors)) != {_CPU}:
         return None
     key = (*map(_SHAPE, tensors), *map(_DTYPE, tensors))
@@ -167,7 +140,7 @@ def cpu_grouping(tensors: Sequence[torch.Tensor]) -> GroupedNorms | None:
 
 CHUNK = 1 << 20
 """Elements of ``|g|`` :func:`abs_sum_max` writes at a time on the CPU (4 MiB in float32: stays in
-cache); off the CPU, :data:`~.tensors.DEVICE_PIECE`."""
+cache)."""
 
 _MULTI_TENSOR = 1 << 14  # up to this size, one multi-tensor call: small heap allocations
 
@@ -175,20 +148,14 @@ _MULTI_TENSOR = 1 << 14  # up to this size, one multi-tensor call: small heap al
 def abs_sum_max(
     tensors: Sequence[torch.Tensor], workspace: Workspace | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[len(tensors)]`` sums and maxima of ``|t|`` (float32; an empty tensor gives 0 and 0).
-
-    Small tensors take two multi-tensor norms (L1 and L-inf); a larger one is read in pieces of
-    :data:`CHUNK` through one buffer of ``workspace`` (pass the same one every step: a fresh
-    gradient-sized ``|g|`` page-faults on every step). NaN propagates into both results.
-
-    Example:
-        >>> sums, peaks = abs_sum_max([torch.tensor([3.0, -4.0]), torch.empty(0)])
-        >>> sums.tolist(), peaks.tolist()
-        ([7.0, 0.0], [4.0, 0.0])
+    """``[len(tensors)]`` sums and maxima of ``|t|`` (float32, float64's summed in float64; an
+    empty tensor gives 0 and 0; NaN propagates). Small tensors take two multi-tensor norms (L1 and
+    L-inf); a larger one is read in pieces of :data:`CHUNK` through one buffer of ``workspace``
+    (pass the same one every step: a fresh gradient-sized ``|g|`` page-faults on every step).
     """
     ws = workspace or Workspace()
     grouping = cpu_grouping(tensors)
-    if grouping is not None:  # on the CPU: small tensors of one shape in a stack
+    if grouping is not None:
         return grouping.abs_sum_max(tensors, ws)
     return _abs_sum_max(tensors, ws)
 
@@ -215,7 +182,6 @@ def _abs_sum_max(
 
 
 def _abs_sum_max_pieces(t: torch.Tensor, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum and maximum of ``|t|``, written :data:`CHUNK` elements at a time into ``ws``."""
     if t.numel() == 0:
         zero = t.new_zeros((), dtype=torch.float32)
         return zero, zero
@@ -240,15 +206,9 @@ def typical_update(
     grads: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """The median ``|after - before|`` over a strided sample of about 1,024 entries per tensor
-    (a tensor, no host sync): a typical coordinate's update, which a poisoned second moment
-    shrinks even while a few coordinates keep the update's norm up. With ``grads`` (those the
-    step applied) only entries with a nonzero gradient count: dead units stop moving by design.
-
-    Example:
-        >>> typical_update([torch.zeros(3)], [torch.tensor([1.0, -2.0, 3.0])])
-        tensor(2.)
-        >>> typical_update([torch.zeros(3)], [torch.tensor([1.0, -2.0, 3.0])], [torch.eye(3)[0]])
-        tensor(1.)
+    (no host sync): a typical coordinate's update, which a poisoned second moment shrinks while a
+    few coordinates keep the norm up. With ``grads`` (those the step applied) only entries with a
+    nonzero gradient count: dead units stop moving by design.
     """
     picks = []
     groups: dict[tuple[object, ...], list[int]] = {}
@@ -269,7 +229,6 @@ def typical_update(
 
 
 def _stackable(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None) -> bool:
-    """Whether ``new`` is small, dense, and of its old copy's and gradient's shape (stackable)."""
     plain = type(new) is torch.Tensor and type(old) is torch.Tensor and not new.is_sparse
     if not plain or not 0 < new.numel() <= SMALL or old.shape != new.shape:
         return False

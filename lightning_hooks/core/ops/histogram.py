@@ -1,10 +1,5 @@
-"""The one histogram: log10 or linear edges, fixed or running, counts kept in a tensor.
-
-:func:`bin_counts` is ``bucketize`` and ``bincount`` on given edges: no host sync, deterministic
-(unlike ``torch.histc``); non-finite values are left to the statistics. Edges are fixed
-(:data:`LOG10_EDGES`, a user range) or running (:func:`linear_edges` of the previous epoch's
-min and max).
-"""
+"""The one histogram: log10 or linear edges, fixed or running (:func:`linear_edges` of the
+previous epoch's min and max), counts kept in a tensor."""
 
 from __future__ import annotations
 
@@ -34,17 +29,9 @@ LOG10_EDGES = torch.arange(-12.0, 4.01, 0.5)
 def bin_counts(
     x: torch.Tensor, inner: torch.Tensor, out: torch.Tensor, scale: Scale = "linear"
 ) -> None:
-    """Add the counts of ``x``'s finite entries to ``out`` (``[len(inner) + 1]``), no host sync:
-    bucket ``i`` holds ``[inner[i - 1], inner[i])``, the first and last are open-ended.
-
-    Example:
-        >>> out = torch.zeros(3)
-        >>> bin_counts(torch.tensor([-5.0, 0.2, 0.7, float("nan")]), torch.tensor([0.0, 0.5]), out)
-        >>> out.tolist()
-        [1.0, 1.0, 1.0]
-        >>> bin_counts(torch.tensor([0.05, 50.0]), torch.tensor([-1.0, 1.0]), out, "log10")
-        >>> out.tolist()
-        [2.0, 1.0, 2.0]
+    """Add the counts of ``x``'s finite entries to ``out`` (``[len(inner) + 1]``): ``bucketize``
+    and ``bincount``, no host sync, deterministic (unlike ``torch.histc``). Bucket ``i`` holds
+    ``[inner[i - 1], inner[i])``, the first and last are open-ended.
     """
     flat = x.detach().reshape(-1)
     if scale == "log10":
@@ -57,13 +44,8 @@ def bin_counts(
 
 
 def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
-    """``[..., bins + 1]`` edges spanning ``[low, high]`` (``unit``: ``linspace(0, 1, bins + 1)``).
-
-    Non-finite bounds are clamped to finite ones; an empty span gets a tiny width.
-
-    Example:
-        >>> linear_edges(torch.tensor(-1.0), torch.tensor(1.0), torch.linspace(0, 1, 3)).tolist()
-        [-1.0, 0.0, 1.0]
+    """``[..., bins + 1]`` edges spanning ``[low, high]`` (``unit``: ``linspace(0, 1, bins + 1)``);
+    non-finite bounds are clamped to finite ones, an empty span gets a tiny width.
     """
     low = torch.nan_to_num(low, nan=0.0, posinf=3e38, neginf=-3e38)
     high = torch.nan_to_num(high, nan=1.0, posinf=3e38, neginf=-3e38)
@@ -81,6 +63,7 @@ class LayerHistogram:
 
     @property
     def num(self) -> float:
+        """The values counted."""
         return float(self.counts.sum())
 
 

@@ -1,12 +1,11 @@
 """Each gradient's L2 norm in two Triton kernels that find the tensors through a table of their
 addresses: the quiet step's read without ``_foreach_norm``'s per-tensor host work.
 
-The address table is written on the host each step (a CUDA graph cannot replay the read:
-``zero_grad(set_to_none=True)`` moves the gradients); the spans are built once. Launch one sums
-squares in float32 over spans of :data:`SPAN`; launch two adds each tensor's spans in order and
-rounds the root as ``_foreach_norm`` does. No atomics: the same gradients give the same bits.
-Opt-in (``AlarmRules(quiet_read="triton")``) for contiguous CUDA gradients of one dtype among
-float32, bfloat16 and float16; Triton is imported on first use.
+The address table is written on the host each step (``zero_grad(set_to_none=True)`` moves the
+gradients); the spans are built once. Launch one sums squares in float32 over spans of
+:data:`SPAN`; launch two adds each tensor's spans in order and rounds the root as
+``_foreach_norm`` does. No atomics: the same gradients give the same bits. Opt-in
+(``AlarmRules(quiet_read="triton")``); Triton is imported on first use.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ def available() -> str | None:
 
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
-    """The two Triton kernels (:mod:`._pointer_kernels`), imported on first use."""
     from lightning_hooks.core.ops import _pointer_kernels
 
     return _pointer_kernels.partial_sums, _pointer_kernels.norms

@@ -22,32 +22,18 @@ __all__ = [
 ]
 
 DEVICE_PIECE = 1 << 24
-"""Elements a reading pass takes at a time off the CPU: an accelerator's cost is its launches,
-so cache-sized pieces would multiply them. 2**24 keeps a piece's float32 counts of 0/1 exact;
-a pass's scratch is then at most 64 MiB (float32)."""
+"""Elements a reading pass takes at a time off the CPU (an accelerator's cost is its launches);
+2**24 keeps a piece's float32 counts of 0/1 exact."""
 
 
 def piece_size(device: torch.device, cpu: int) -> int:
-    """Elements per piece of a reading pass: ``cpu`` on the CPU, :data:`DEVICE_PIECE` elsewhere.
-
-    Example:
-        >>> piece_size(torch.device("cpu"), 1 << 19), piece_size(torch.device("meta"), 1 << 19)
-        (524288, 16777216)
-    """
+    """Elements per piece of a reading pass: ``cpu`` on the CPU, :data:`DEVICE_PIECE` elsewhere."""
     return cpu if device.type == "cpu" else max(cpu, DEVICE_PIECE)
 
 
 class Workspace:
-    """Reusable flat scratch buffers, one per dtype and device, grown to the largest request.
-
-    Fresh large temporaries page-fault on every step; reused ones do not.
-    :func:`~.feature_stats.feature_stats` and :func:`~.grouped_norms.abs_sum_max` take one.
-
-    Example:
-        >>> ws = Workspace()
-        >>> ws.get(4, torch.float32, torch.device("cpu")).shape
-        torch.Size([4])
-    """
+    """Reusable flat scratch buffers, one per dtype and device, grown to the largest request
+    (fresh large temporaries page-fault on every step; reused ones do not)."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -61,10 +47,8 @@ class Workspace:
 
 
 def is_training_forward(module: nn.Module) -> bool:
-    """Whether a forward hook on ``module`` is running in a training forward that counts.
-
-    Not validation or the sanity check (grad disabled), nor an activation-checkpoint recompute
-    during backward.
+    """Whether a forward hook on ``module`` is running in a training forward that counts: not
+    validation or the sanity check (grad disabled), nor an activation-checkpoint recompute.
 
     Example:
         >>> from torch import nn
@@ -85,18 +69,9 @@ def is_training_forward(module: nn.Module) -> bool:
 
 
 def is_grad_forward(module: nn.Module) -> bool:
-    """Whether ``module``'s outputs in this forward can receive training gradients.
-
-    For hooks on output gradients. Unlike :func:`is_training_forward`, a checkpoint recompute
-    counts: whichever of the two forwards gets gradients (the recompute with
-    ``use_reentrant=True``, the first without), each output gradient is seen exactly once.
-
-    Example:
-        >>> from torch import nn
-        >>> layer = nn.Linear(2, 2)
-        >>> is_grad_forward(layer), is_grad_forward(layer.eval())
-        (True, False)
-    """
+    """Whether ``module``'s outputs in this forward can receive training gradients. Unlike
+    :func:`is_training_forward`, a checkpoint recompute counts: whichever of the two forwards gets
+    gradients, each output gradient is seen exactly once."""
     return module.training and torch.is_grad_enabled()
 
 
@@ -129,11 +104,6 @@ LOGSUMEXP_PIECE = 1 << 19
 def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
     """``torch.logsumexp(x.float(), dim=-1)``, the same values, without a float32 copy of all of
     ``x`` (an LM head's bf16 logits): whole rows converted a :func:`piece_size` piece at a time.
-
-    Example:
-        >>> x = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
-        >>> torch.equal(logsumexp_rows(x), torch.logsumexp(x, dim=-1))
-        True
     """
     width = x.shape[-1]
     rows = x.reshape(-1, width)
@@ -147,12 +117,7 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
 
 def row_index(values: list[int], device: torch.device) -> torch.Tensor:
     """``values`` as a ``long`` tensor on ``device``; on CUDA copied from pinned memory without
-    blocking (no host sync).
-
-    Example:
-        >>> row_index([2, 0, 1], torch.device("cpu"))
-        tensor([2, 0, 1])
-    """
+    blocking (no host sync)."""
     host = torch.tensor(values, dtype=torch.long)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
@@ -166,21 +131,7 @@ _INDICES = 64  # row patterns whose device index is kept
 
 
 class Pending(Generic[K]):
-    """Snapshots by group, with the rows they go to, and a cache of the rows' device indices.
-
-    Example:
-        >>> pending: Pending[tuple[str]] = Pending()
-        >>> pending.add(("a",), 3, torch.ones(2))
-        False
-        >>> pending.add(("a",), 1, torch.zeros(2))
-        False
-        >>> len(pending)
-        2
-        >>> [(key, rows, stacked.tolist()) for key, rows, stacked in pending.drain()]
-        [(('a',), [3, 1], [[1.0, 1.0], [0.0, 0.0]])]
-        >>> list(pending.drain())
-        []
-    """
+    """Snapshots by group, with the rows they go to, and a cache of the rows' device indices."""
 
     def __init__(self) -> None:
         self._groups: dict[K, tuple[list[int], list[torch.Tensor]]] = {}
@@ -215,10 +166,6 @@ class Pending(Generic[K]):
     ) -> torch.Tensor:
         """``rows`` as a device index, kept for the next step's same rows; with ``spans`` (a
         range of positions per row), every row's positions in turn.
-
-        Example:
-            >>> Pending().index([2, 0], torch.device("cpu"), spans=[range(4, 6), range(0, 2)])
-            tensor([4, 5, 0, 1])
         """
         # keyed by the device too: a tracker attached again may be on another one
         key = (device, *rows) if spans is None else (device, None, *spans)

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from lightning_hooks.core.hooks.modes import ShelvedMode
-from lightning_hooks.core.hooks.registry import HookRegistry, plain_layers
+from lightning_hooks.core.hooks.registry import HookRegistry, ShelvedMode, plain_layers
 from lightning_hooks.core.ops.tensors import is_training_forward
 
 __all__ = [
