@@ -1,12 +1,5 @@
-"""The torch-only core: hook registry, module selection, statistics and accumulators.
-
-No Lightning, no matplotlib, no TensorBoard: torch and numpy only. The public names load on
-first use (PEP 562), so ``from lightning_hooks.core import HookRegistry, select_modules``
-imports only the modules that define them.
-
-Example:
-    >>> from lightning_hooks.core import HookRegistry, select_modules
-"""
+"""The torch-only core (no Lightning, matplotlib or TensorBoard): hook registry, module
+selection, statistics and accumulators. The public names load on first use (PEP 562)."""
 
 from __future__ import annotations
 

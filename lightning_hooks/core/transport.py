@@ -39,8 +39,7 @@ class HostMailbox:
     Args:
         shape: the shape of the tensors posted (the largest).
         device: where they live.
-        dtype: their dtype.
-    """
+        dtype: their dtype."""
 
     def __init__(
         self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32
@@ -257,8 +256,7 @@ class ShardPlan:
 
     Attributes:
         group: the shard group.
-        ranks: its global ranks.
-    """
+        ranks: its global ranks."""
 
     group: Any = field(compare=False)
     ranks: tuple[int, ...]

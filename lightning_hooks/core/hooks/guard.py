@@ -6,8 +6,7 @@ and the cause); the owner removes its hooks at the next safe point (a Lightning 
 mid-autograd). In a multi-process run it is *deferred* (:attr:`Guard.defer`): the hooks keep
 running, so this rank issues every collective the others do, until the ranks
 :meth:`Guard.settle` at the same step. With ``strict`` (or ``LIGHTNING_HOOKS_STRICT=1``) the
-exception propagates, as :class:`~lightning_hooks.errors.LightningHooksError` always does.
-"""
+exception propagates, as :class:`~lightning_hooks.errors.LightningHooksError` always does."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ class Guard:
         pending: a failure whose hooks the owner has not removed yet (see :meth:`take_pending`).
         defer: record a failure in :attr:`local` instead of disabling (multi-process runs).
         local: with :attr:`defer`, this rank's first error not yet agreed by the ranks.
-        disabled_step: the step at which the owner disabled the statistic (set by the owner).
-    """
+        disabled_step: the step at which the owner disabled the statistic (set by the owner)."""
 
     def __init__(self, name: str, *, strict: bool | None = None) -> None:
         self.name = name

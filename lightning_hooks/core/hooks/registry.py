@@ -8,7 +8,6 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -87,8 +86,7 @@ def outside_shelved(fn: Callable[..., Any], *args: Any) -> Any:
 class Gated(NamedTuple):
     """A module hook put on its module for each sampled step (:meth:`HookRegistry.gated_hook`)
     under an id reserved once: no ``RemovableHandle`` per step (it costs more than the hook's
-    call). The hook dicts are looked up at each :meth:`install` (``__setstate__`` replaces them).
-    """
+    call). The hook dicts are looked up at each :meth:`install` (``__setstate__`` replaces them)."""
 
     module: nn.Module
     table: str  # the module's attribute holding the hooks
@@ -168,12 +166,7 @@ class HookOwner:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
 
@@ -267,8 +260,7 @@ class HookRegistry(HookOwner):
         """The model, until :meth:`remove`: a removed registry keeps no reference to it.
 
         Raises:
-            RuntimeError: the registry was removed.
-        """
+            RuntimeError: the registry was removed."""
         if self._model is None:
             raise RuntimeError("HookRegistry: removed; it no longer holds the model")
         return self._model

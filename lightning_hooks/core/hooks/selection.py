@@ -3,8 +3,7 @@
 A type counts the activation classes of Hugging Face and timm, which do not subclass the torch
 ones: :data:`KNOWN_ACTIVATIONS` maps each, by defining module and class name (nothing is
 imported), to the torch class computing the same function, so ``types=nn.GELU`` selects every
-GELU.
-"""
+GELU."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Pure functions: summary statistics of one module output, and of many pooled together.
 
 One output gives a float32 vector of :data:`FEATURE_STATS`; sums over many outputs (an epoch's
-batches) pool exactly into mean and std, ``min`` and ``max`` pool with min and max.
-"""
+batches) pool exactly into mean and std, ``min`` and ``max`` pool with min and max."""
 
 from __future__ import annotations
 
@@ -96,8 +95,7 @@ two reductions (on the CPU, comparisons and a min-max along a dimension take slo
 @torch.no_grad()
 def stacked_feature_stats(x: torch.Tensor) -> torch.Tensor:
     """``[k, 8]`` float32 :func:`feature_stats` of each of the ``k`` tensors stacked in ``x``
-    (``[k, ...]``): the same reading passes, each over all of them at once.
-    """
+    (``[k, ...]``): the same reading passes, each over all of them at once."""
     f32 = torch.float32
     flat = x.detach().reshape(x.shape[0], -1)
     magnitude = flat.abs()
@@ -145,8 +143,7 @@ def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> 
     """:func:`feature_stats` compiled with ``torch.compile`` into one reading pass.
 
     The first call compiles (seconds; again per new rank or dtype). A non-contiguous output
-    takes the eager :func:`feature_stats`, which reads it faster.
-    """
+    takes the eager :func:`feature_stats`, which reads it faster."""
     if not x.is_contiguous():
         return feature_stats(x, workspace)
     return _compiled()(x.detach())  # a leaf: Dynamo would read a non-leaf's .grad
@@ -167,8 +164,7 @@ class FeatureSummary:
         nonfinite: number of NaN / Inf elements.
         numel: number of elements observed.
         sum: sum of the elements.
-        sum_sq: sum of their squares.
-    """
+        sum_sq: sum of their squares."""
 
     layers: tuple[str, ...]
     mean: np.ndarray

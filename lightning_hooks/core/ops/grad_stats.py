@@ -50,8 +50,7 @@ class ParamLayout:
         owner: layer index of each listed parameter, on the host.
         index: ``owner`` as a tensor on the parameters' device.
         numel: ``[layers]`` number of parameter elements per layer (float).
-        first: whether each listing is the parameter's first (the others repeat it).
-    """
+        first: whether each listing is the parameter's first (the others repeat it)."""
 
     layers: tuple[str, ...]
     params: tuple[nn.Parameter, ...]

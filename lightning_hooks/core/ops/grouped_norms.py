@@ -3,8 +3,7 @@ maxima (:func:`abs_sum_max`), an update's typical size (:func:`typical_update`).
 
 Small tensors of one shape and dtype are stacked (one copy) and reduced along their rows: for a
 model's many small gradients ``_foreach_norm``'s host work per tensor is the whole cost. CPU norms
-equal ``_foreach_norm``'s bit for bit; CUDA's, within float32 rounding.
-"""
+equal ``_foreach_norm``'s bit for bit; CUDA's, within float32 rounding."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ class GroupedNorms:
     most :data:`SMALL` elements sharing shape, dtype and device, of at least :data:`MIN_GROUP`.
 
     Args:
-        params: the parameters whose gradients each call reads, in order.
-    """
+        params: the parameters whose gradients each call reads, in order."""
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         kinds: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = {}
@@ -151,8 +149,7 @@ def abs_sum_max(
     """``[len(tensors)]`` sums and maxima of ``|t|`` (float32, float64's summed in float64; an
     empty tensor gives 0 and 0; NaN propagates). Small tensors take two multi-tensor norms (L1 and
     L-inf); a larger one is read in pieces of :data:`CHUNK` through one buffer of ``workspace``
-    (pass the same one every step: a fresh gradient-sized ``|g|`` page-faults on every step).
-    """
+    (pass the same one every step: a fresh gradient-sized ``|g|`` page-faults on every step)."""
     ws = workspace or Workspace()
     grouping = cpu_grouping(tensors)
     if grouping is not None:
@@ -208,8 +205,7 @@ def typical_update(
     """The median ``|after - before|`` over a strided sample of about 1,024 entries per tensor
     (no host sync): a typical coordinate's update, which a poisoned second moment shrinks while a
     few coordinates keep the norm up. With ``grads`` (those the step applied) only entries with a
-    nonzero gradient count: dead units stop moving by design.
-    """
+    nonzero gradient count: dead units stop moving by design."""
     picks = []
     groups: dict[tuple[object, ...], list[int]] = {}
     for i, (old, new) in enumerate(zip(before, after, strict=True)):

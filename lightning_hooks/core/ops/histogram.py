@@ -31,8 +31,7 @@ def bin_counts(
 ) -> None:
     """Add the counts of ``x``'s finite entries to ``out`` (``[len(inner) + 1]``): ``bucketize``
     and ``bincount``, no host sync, deterministic (unlike ``torch.histc``). Bucket ``i`` holds
-    ``[inner[i - 1], inner[i])``, the first and last are open-ended.
-    """
+    ``[inner[i - 1], inner[i])``, the first and last are open-ended."""
     flat = x.detach().reshape(-1)
     if scale == "log10":
         flat = flat.abs().float()
@@ -45,8 +44,7 @@ def bin_counts(
 
 def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
     """``[..., bins + 1]`` edges spanning ``[low, high]`` (``unit``: ``linspace(0, 1, bins + 1)``);
-    non-finite bounds are clamped to finite ones, an empty span gets a tiny width.
-    """
+    non-finite bounds are clamped to finite ones, an empty span gets a tiny width."""
     low = torch.nan_to_num(low, nan=0.0, posinf=3e38, neginf=-3e38)
     high = torch.nan_to_num(high, nan=1.0, posinf=3e38, neginf=-3e38)
     span = (high - low).clamp_min(1e-12)

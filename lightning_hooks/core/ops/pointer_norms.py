@@ -5,8 +5,7 @@ The address table is written on the host each step (``zero_grad(set_to_none=True
 gradients); the spans are built once. Launch one sums squares in float32 over spans of
 :data:`SPAN`; launch two adds each tensor's spans in order and rounds the root as
 ``_foreach_norm`` does. No atomics: the same gradients give the same bits. Opt-in
-(``AlarmRules(quiet_read="triton")``); Triton is imported on first use.
-"""
+(``AlarmRules(quiet_read="triton")``); Triton is imported on first use."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ class PointerNorms:
 
     Raises:
         ValueError: the parameters are not all of one dtype among float32, bfloat16 and
-            float16, on one device, contiguous (the caller reads them with ``_foreach_norm``).
-    """
+            float16, on one device, contiguous (the caller reads them with ``_foreach_norm``)."""
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         dtypes = {p.dtype for p in params}

@@ -103,8 +103,7 @@ LOGSUMEXP_PIECE = 1 << 19
 @torch.no_grad()
 def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
     """``torch.logsumexp(x.float(), dim=-1)``, the same values, without a float32 copy of all of
-    ``x`` (an LM head's bf16 logits): whole rows converted a :func:`piece_size` piece at a time.
-    """
+    ``x`` (an LM head's bf16 logits): whole rows converted a :func:`piece_size` piece at a time."""
     width = x.shape[-1]
     rows = x.reshape(-1, width)
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
@@ -165,8 +164,7 @@ class Pending(Generic[K]):
         self, rows: list[int], device: torch.device, spans: Sequence[range] | None = None
     ) -> torch.Tensor:
         """``rows`` as a device index, kept for the next step's same rows; with ``spans`` (a
-        range of positions per row), every row's positions in turn.
-        """
+        range of positions per row), every row's positions in turn."""
         # keyed by the device too: a tracker attached again may be on another one
         key = (device, *rows) if spans is None else (device, None, *spans)
         index = self._indices.get(key)
