@@ -18,7 +18,8 @@ from lightning_hooks import (
     GradFlowCallback,
     LightningHooksWarning,
 )
-from lightning_hooks.logging import LoggerSink, log_scalars, register_sink, sinks_for, writer
+from lightning_hooks import logging as hooks_logging
+from lightning_hooks.logging import LoggerSink, log_scalars, register_sink, sinks_for
 
 from conftest import TinyMLP, make_trainer, read_scalars
 
@@ -164,4 +165,4 @@ def test_a_sink_registered_before_any_write_keeps_the_built_in_ones(tmp_path: Pa
         sinks = sinks_for([TensorBoardLogger(tmp_path), CSVLogger(tmp_path)])
         assert [type(s).__name__ for s in sinks] == ["TensorBoardSink", "CSVSink"]
     finally:
-        writer._KINDS.remove(Nothing)
+        hooks_logging._KINDS.remove(Nothing)
