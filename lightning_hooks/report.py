@@ -1,11 +1,9 @@
-"""Reading a run back from its TensorBoard event files (or a ``CSVLogger``'s ``metrics.csv``): the
-per-layer table of the last epoch, as ``lightning-hooks report`` prints it.
+"""Reading a run (a directory of TensorBoard event files, or a ``CSVLogger``'s ``metrics.csv``)
+back: the per-layer table of its last epoch, as ``lightning-hooks report`` prints it.
 
-Tags follow the scheme of :mod:`lightning_hooks.logging.tensorboard`; alarm counts are summed over
-the run. A *run* is a directory holding event files, or a ``metrics.csv``. Event files are read
-with their checksums (TensorBoard's own reader stops silently at a corrupt record): one that
-cannot be read to its end raises :class:`EventFileError`. No torch or Lightning is imported: the
-command answers at once.
+Tags follow the scheme of :mod:`lightning_hooks.logging.tensorboard`. Event files are read with
+their checksums (TensorBoard's own reader stops silently at a corrupt record). No torch or
+Lightning is imported: the command answers at once.
 """
 
 from __future__ import annotations
@@ -127,8 +125,7 @@ def csv_series(path: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def _append(series: dict[str, list[tuple[int, float]]], tag: str, step: int, value: float) -> None:
-    """Add ``(step, value)`` to ``tag``'s series; a step lower than its last one (a resumed run)
-    drops its values from that step on."""
+    """Add ``(step, value)`` to ``tag``'s series, as :func:`csv_series` says."""
     values = series.setdefault(tag, [])
     if values and step < values[-1][0]:
         values[:] = [(s, v) for s, v in values if s < step]
@@ -219,11 +216,11 @@ def find_runs(logdir: Path) -> list[Path]:
 
 
 def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar tag of one run (its event files in name order, or else its ``CSVLogger``
-    ``metrics.csv``) as ``[(step, value)]``.
+    """Every scalar tag of one run (its event files in name order, or else its ``metrics.csv``)
+    as ``[(step, value)]``; a resumed run's values as :func:`csv_series` keeps them.
 
-    A step lower than the tag's last one drops the tag's values from that step on (as
-    :func:`csv_series`).
+    Raises:
+        EventFileError: one of the run's event files is corrupt or truncated.
     """
     paths = sorted(run_dir.glob("events.out.tfevents.*"))
     if not paths and (run_dir / METRICS_FILE).is_file():
@@ -362,6 +359,6 @@ def attention_summary(report: RunReport) -> str | None:
 def _fmt(value: float) -> str:
     if math.isnan(value):
         return "-"
-    if value == int(value) and abs(value) < 1e6:
+    if abs(value) < 1e6 and value == int(value):
         return str(int(value))
     return f"{value:.3g}"
