@@ -283,10 +283,7 @@ def _epoch_name(tag: str) -> str | None:
 
 
 def _build(
-    run: str,
-    step: int,
-    last: dict[str, tuple[int, float]],
-    totals: dict[str, float],
+    run: str, step: int, last: dict[str, tuple[int, float]], totals: dict[str, float]
 ) -> RunReport:
     """``last``: each tag's last ``(step, value)``; ``totals``: each alarm tag's run total."""
     rows: dict[str, LayerRow] = {}

@@ -85,12 +85,7 @@ class LoggerSink:
         """Write a ``CHW`` CPU image tensor with values in ``[0, 1]``."""
 
     def histogram(
-        self,
-        tag: str,
-        limits: np.ndarray,
-        counts: np.ndarray,
-        step: int,
-        moments: Moments | None,
+        self, tag: str, limits: np.ndarray, counts: np.ndarray, step: int, moments: Moments | None
     ) -> None:
         """Write pre-binned ``counts`` with right edges ``limits`` (see ``histogram_raw``)."""
 
@@ -241,12 +236,7 @@ class WandbSink(LoggerSink):
         self.logger.log_image(key=tag, images=[_image_pixels(image)], step=step)
 
     def histogram(
-        self,
-        tag: str,
-        limits: np.ndarray,
-        counts: np.ndarray,
-        step: int,
-        moments: Moments | None,
+        self, tag: str, limits: np.ndarray, counts: np.ndarray, step: int, moments: Moments | None
     ) -> None:
         import wandb
 

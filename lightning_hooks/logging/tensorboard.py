@@ -82,12 +82,7 @@ class TensorBoardSink(LoggerSink):
         self._writer.add_image(tag, image, global_step=step, dataformats="CHW")
 
     def histogram(
-        self,
-        tag: str,
-        limits: np.ndarray,
-        counts: np.ndarray,
-        step: int,
-        moments: Moments | None,
+        self, tag: str, limits: np.ndarray, counts: np.ndarray, step: int, moments: Moments | None
     ) -> None:
         raw = histogram_raw(limits, counts, moments)
         self._writer.add_histogram_raw(tag, global_step=step, **raw)
