@@ -235,9 +235,9 @@ def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     """The report of the last logged step of one run, or ``None`` if it has no library tags.
 
-    The last epoch's aggregates; if the run logged steps after its last epoch end (still running,
-    or died), its last logging step's values (``_step`` tags, reported under the epoch names)
-    and the alarms counted since.
+    The last epoch's aggregates, alarm counts summed over the run; if the run logged steps after
+    its last epoch end (still running, or died), its last logging step's values (under the epoch
+    tags) and the alarms counted since.
 
     Raises:
         EventFileError: one of the run's event files is corrupt or truncated.
@@ -245,14 +245,13 @@ def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     epoch: dict[str, list[tuple[int, float]]] = {}
     steps: dict[str, list[tuple[int, float]]] = {}
     for tag, events in read_series(run_dir).items():
-        # spike_score: a rate (alarms per 1,000 steps), not a count to sum
+        # spike_score: a rate, not a count to sum
         if tag.count("/") >= 2 and not tag.endswith("/alarms/spike_score"):
             name = _epoch_name(tag)
             (epoch if name is None else steps)[name or tag] = events
     if not epoch and not steps:
         return None
     ended = max((events[-1][0] for events in epoch.values()), default=-1)
-    # the values of its last logging step when it logged after its last epoch end
     late = max((events[-1][0] for events in steps.values()), default=-1) > ended
     source = steps if late else epoch
     last = {tag: events[-1] for tag, events in source.items()}

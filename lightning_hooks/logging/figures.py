@@ -23,12 +23,7 @@ _MAX_LABEL_CHARS = 32
 
 
 def _labels(layers: Sequence[str]) -> list[str]:
-    """Layer names as tick labels, a long one cut to its last ``_MAX_LABEL_CHARS`` characters.
-
-    Example:
-        >>> _labels(["fc1", "bert.encoder.layer.11.attention.self.query"])
-        ['fc1', '…r.layer.11.attention.self.query']
-    """
+    """Layer names as tick labels, a long one cut to its last ``_MAX_LABEL_CHARS`` characters."""
     n = _MAX_LABEL_CHARS
     return [name if len(name) <= n else "…" + name[-(n - 1) :] for name in layers]
 

@@ -57,11 +57,6 @@ class LoggerSink:
     Attributes:
         logger: the Lightning logger written to.
         shows_pictures: whether figures and images reach this logger.
-
-    Example:
-        >>> sink = LoggerSink(object())
-        >>> sink.shows_pictures, LoggerSink.accepts(object())
-        (False, True)
     """
 
     shows_pictures: ClassVar[bool] = False

@@ -37,14 +37,7 @@ __all__ = [
 
 class TensorBoardSink(LoggerSink):
     """A ``TensorBoardLogger`` (either namespace, or a subclass): its ``SummaryWriter`` gets
-    figures, images, histograms, text, embeddings and the custom-scalars layout.
-
-    Example:
-        >>> from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
-        >>> TensorBoardSink.accepts(TensorBoardLogger("/tmp/x")), TensorBoardSink.accepts(
-        ...     CSVLogger("/tmp/x"))
-        (True, False)
-    """
+    figures, images, histograms, text, embeddings and the custom-scalars layout."""
 
     shows_pictures: ClassVar[bool] = True
 
