@@ -197,9 +197,10 @@ def chart_key(tag: str) -> tuple[str, str] | None:
 def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout of the given charts, for ``SummaryWriter.add_custom_scalars``.
 
-    One multiline chart per ``(family, stat)`` (its layers and global lines), in one category
-    per family (``lightning_hooks: grad_flow``, then alarms, activations, dead units, the rest by
-    name) and one for the alarms; at most :data:`MAX_CHARTS` charts.
+    One multiline chart per ``(family, stat)`` (its layers and global lines) in its family's
+    category (``lightning_hooks: grad_flow``), and one per family's alarms in ``alarms``; gradient
+    flow first, then alarms, activations, dead units, the rest by name; at most
+    :data:`MAX_CHARTS` charts.
 
     Example:
         >>> keys = [("dead_relu", "dead_fraction"), ("grad_flow", "update_ratio"),
