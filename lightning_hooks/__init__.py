@@ -76,17 +76,8 @@ __version__ = "0.1.0"
 def lazy_names(
     package: str, where: Mapping[str, str], public: Sequence[str]
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for ``package``: ``where`` maps a public name to its module.
-
-    The first access imports the module and caches the name in the package's namespace.
-
-    Example:
-        >>> getattr_, dir_ = lazy_names("lightning_hooks", {"X": "os.path"}, ["X"])
-        >>> getattr_("nothing")
-        Traceback (most recent call last):
-        ...
-        AttributeError: module 'lightning_hooks' has no attribute 'nothing'
-    """
+    """``(__getattr__, __dir__)`` for ``package``: ``where`` maps a public name to its module,
+    imported on first access; the name is then cached in the package's namespace."""
 
     def get(name: str) -> Any:
         module = where.get(name)

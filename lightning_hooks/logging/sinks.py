@@ -99,12 +99,7 @@ class LoggerSink:
 
 
 def _figure_pixels(figure: Figure) -> np.ndarray:
-    """``[H, W, 3]`` ``uint8`` RGB pixels of ``figure``, as TensorBoard renders it.
-
-    Example:
-        >>> _figure_pixels(Figure(figsize=(2, 1), dpi=50)).shape
-        (50, 100, 3)
-    """
+    """``[H, W, 3]`` ``uint8`` RGB pixels of ``figure``, as TensorBoard renders it."""
     canvas = FigureCanvasAgg(figure)
     canvas.draw()  # type: ignore[no-untyped-call]
     return np.asarray(canvas.buffer_rgba())[:, :, :3].copy()  # type: ignore[no-untyped-call,no-any-return]
