@@ -11,9 +11,11 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from lightning_hooks._lazy import lazy_names
 from lightning_hooks.errors import (
     GradientAlarmError,
     GradientAlarmWarning,
@@ -22,42 +24,27 @@ from lightning_hooks.errors import (
 )
 
 if TYPE_CHECKING:
-    from lightning_hooks.callbacks.activation_stats import ActivationStatsCallback
-    from lightning_hooks.callbacks.dead_relu import DeadReLUCallback
-    from lightning_hooks.callbacks.feature_map import FeatureMapCallback
-    from lightning_hooks.callbacks.grad_flow import GradFlowCallback
-    from lightning_hooks.callbacks.layer_time import LayerTimeCallback
-    from lightning_hooks.callbacks.saturation import SaturationCallback
-    from lightning_hooks.callbacks.stats import StatsCallback
-    from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
-    from lightning_hooks.core.hooks.capture import capture_outputs
-    from lightning_hooks.core.hooks.registry import HookRegistry
-    from lightning_hooks.core.hooks.selection import select_modules
-    from lightning_hooks.core.stats.accumulator import LayerTable
-    from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
-    from lightning_hooks.core.stats.dead_units import DeadUnitTracker
-    from lightning_hooks.core.stats.grad_flow import GradFlowTracker
-
-# Public name -> the module that defines it, imported on first attribute access.
-_LAZY: dict[str, str] = {
-    "ActivationStatsCallback": "lightning_hooks.callbacks.activation_stats",
-    "DeadReLUCallback": "lightning_hooks.callbacks.dead_relu",
-    "FeatureMapCallback": "lightning_hooks.callbacks.feature_map",
-    "GradFlowCallback": "lightning_hooks.callbacks.grad_flow",
-    "LayerTimeCallback": "lightning_hooks.callbacks.layer_time",
-    "SaturationCallback": "lightning_hooks.callbacks.saturation",
-    "StatsCallback": "lightning_hooks.callbacks.stats",
-    "LayerTable": "lightning_hooks.core.stats.accumulator",
-    "ActivationStatsTracker": "lightning_hooks.core.stats.activation_stats",
-    "AlarmRules": "lightning_hooks.core.alarms",
-    "GradientAlarm": "lightning_hooks.core.alarms",
-    "GradientAlarms": "lightning_hooks.core.alarms",
-    "capture_outputs": "lightning_hooks.core.hooks.capture",
-    "DeadUnitTracker": "lightning_hooks.core.stats.dead_units",
-    "GradFlowTracker": "lightning_hooks.core.stats.grad_flow",
-    "HookRegistry": "lightning_hooks.core.hooks.registry",
-    "select_modules": "lightning_hooks.core.hooks.selection",
-}
+    from lightning_hooks.callbacks import (
+        ActivationStatsCallback,
+        DeadReLUCallback,
+        FeatureMapCallback,
+        GradFlowCallback,
+        LayerTimeCallback,
+        SaturationCallback,
+        StatsCallback,
+    )
+    from lightning_hooks.core import (
+        ActivationStatsTracker,
+        AlarmRules,
+        DeadUnitTracker,
+        GradFlowTracker,
+        GradientAlarm,
+        GradientAlarms,
+        HookRegistry,
+        LayerTable,
+        capture_outputs,
+        select_modules,
+    )
 
 __all__ = [
     "ActivationStatsCallback",
@@ -86,4 +73,30 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+def lazy_names(
+    package: str, where: Mapping[str, str], public: Sequence[str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``(__getattr__, __dir__)`` for ``package``: ``where`` maps a public name to its module,
+    imported on first access; the name is then cached in the package's namespace."""
+
+    def get(name: str) -> Any:
+        module = where.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        vars(sys.modules[package])[name] = value
+        return value
+
+    def listing() -> list[str]:
+        return sorted({*vars(sys.modules[package]), *public})
+
+    return get, listing
+
+
+# The public names not defined above: a callback from its subpackage, the rest from the core.
+_LAZY = {
+    name: "lightning_hooks.callbacks" if name.endswith("Callback") else "lightning_hooks.core"
+    for name in __all__
+    if name not in globals()
+}
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)

@@ -1,9 +1,9 @@
 """Callbacks switched on without code, from ``LIGHTNING_HOOKS``.
 
-:func:`callbacks` is registered as the ``callbacks_factory`` entry point of both Lightning and
-Fabric namespaces, so every ``Trainer`` and ``Fabric`` calls it when built; it returns nothing
-unless ``LIGHTNING_HOOKS`` is set (``grad_flow``, ``grad_flow,dead_relu``, ``all``, ...). One
-of a class the user passed already stands down.
+:func:`callbacks` is the ``callbacks_factory`` entry point of the Lightning and Fabric
+namespaces: every ``Trainer`` and ``Fabric`` calls it when built. It returns nothing unless
+``LIGHTNING_HOOKS`` is set (``grad_flow``, ``grad_flow,dead_relu``, ``all``, ...); a callback of
+a class the user passed already stands down.
 
 Example:
     >>> requested("grad_flow, DeadReLUCallback")
@@ -51,20 +51,15 @@ def requested(value: str) -> list[str]:
         ValueError: LIGHTNING_HOOKS='grad_fow': 'grad_fow' is no callback; allowed ...: all, ...
     """
     names: list[str] = []
-    for item in (part.strip() for part in value.split(",")):
-        if not item:
-            continue
-        if item == "all":
-            names.extend(SHORT_NAMES[short] for short in _ALL)
-            continue
-        name = SHORT_NAMES.get(item, item)
-        if name not in SHORT_NAMES.values():
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        shorts = _ALL if item == "all" else (item,)
+        names.extend(SHORT_NAMES.get(short, short) for short in shorts)
+        if names[-1] not in SHORT_NAMES.values():
             allowed = ", ".join(["all", *SHORT_NAMES])
             raise ValueError(
                 f"{ENV}={value!r}: {item!r} is no callback; allowed (comma-separated): {allowed}, "
                 f"or their class names {', '.join(SHORT_NAMES.values())}"
             )
-        names.append(name)
     return list(dict.fromkeys(names))
 
 

@@ -42,14 +42,7 @@ class GradientAlarmError(LightningHooksError):
     """
 
     def __init__(
-        self,
-        message: str,
-        *,
-        rule: str,
-        layer: str,
-        step: int,
-        value: float,
-        alarm: Any = None,
+        self, message: str, *, rule: str, layer: str, step: int, value: float, alarm: Any = None
     ) -> None:
         super().__init__(message)
         self.rule = rule

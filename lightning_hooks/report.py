@@ -1,11 +1,9 @@
-"""Reading a run back from its TensorBoard event files (or a ``CSVLogger``'s ``metrics.csv``): the
-per-layer table of the last epoch, as ``lightning-hooks report`` prints it.
+"""Reading a run (a directory of TensorBoard event files, or a ``CSVLogger``'s ``metrics.csv``)
+back: the per-layer table of its last epoch, as ``lightning-hooks report`` prints it.
 
-Tags follow the scheme of :mod:`lightning_hooks.logging.tensorboard`; alarm counts are summed over
-the run. A *run* is a directory holding event files, or a ``metrics.csv``. Event files are read
-with their checksums (TensorBoard's own reader stops silently at a corrupt record): one that
-cannot be read to its end raises :class:`EventFileError`. No torch or Lightning is imported: the
-command answers at once.
+Tags follow the scheme of :mod:`lightning_hooks.logging.tensorboard`. Event files are read with
+their checksums (TensorBoard's own reader stops silently at a corrupt record). No torch or
+Lightning is imported: the command answers at once.
 """
 
 from __future__ import annotations
@@ -127,8 +125,7 @@ def csv_series(path: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def _append(series: dict[str, list[tuple[int, float]]], tag: str, step: int, value: float) -> None:
-    """Add ``(step, value)`` to ``tag``'s series; a step lower than its last one (a resumed run)
-    drops its values from that step on."""
+    """Add ``(step, value)`` to ``tag``'s series, as :func:`csv_series` says."""
     values = series.setdefault(tag, [])
     if values and step < values[-1][0]:
         values[:] = [(s, v) for s, v in values if s < step]
@@ -219,11 +216,11 @@ def find_runs(logdir: Path) -> list[Path]:
 
 
 def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar tag of one run (its event files in name order, or else its ``CSVLogger``
-    ``metrics.csv``) as ``[(step, value)]``.
+    """Every scalar tag of one run (its event files in name order, or else its ``metrics.csv``)
+    as ``[(step, value)]``; a resumed run's values as :func:`csv_series` keeps them.
 
-    A step lower than the tag's last one drops the tag's values from that step on (as
-    :func:`csv_series`).
+    Raises:
+        EventFileError: one of the run's event files is corrupt or truncated.
     """
     paths = sorted(run_dir.glob("events.out.tfevents.*"))
     if not paths and (run_dir / METRICS_FILE).is_file():
@@ -238,9 +235,9 @@ def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     """The report of the last logged step of one run, or ``None`` if it has no library tags.
 
-    The last epoch's aggregates; if the run logged steps after its last epoch end (still running,
-    or died), its last logging step's values (``_step`` tags, reported under the epoch names)
-    and the alarms counted since.
+    The last epoch's aggregates, alarm counts summed over the run; if the run logged steps after
+    its last epoch end (still running, or died), its last logging step's values (under the epoch
+    tags) and the alarms counted since.
 
     Raises:
         EventFileError: one of the run's event files is corrupt or truncated.
@@ -248,14 +245,13 @@ def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     epoch: dict[str, list[tuple[int, float]]] = {}
     steps: dict[str, list[tuple[int, float]]] = {}
     for tag, events in read_series(run_dir).items():
-        # spike_score: a rate (alarms per 1,000 steps), not a count to sum
+        # spike_score: a rate, not a count to sum
         if tag.count("/") >= 2 and not tag.endswith("/alarms/spike_score"):
             name = _epoch_name(tag)
             (epoch if name is None else steps)[name or tag] = events
     if not epoch and not steps:
         return None
     ended = max((events[-1][0] for events in epoch.values()), default=-1)
-    # the values of its last logging step when it logged after its last epoch end
     late = max((events[-1][0] for events in steps.values()), default=-1) > ended
     source = steps if late else epoch
     last = {tag: events[-1] for tag, events in source.items()}
@@ -286,10 +282,7 @@ def _epoch_name(tag: str) -> str | None:
 
 
 def _build(
-    run: str,
-    step: int,
-    last: dict[str, tuple[int, float]],
-    totals: dict[str, float],
+    run: str, step: int, last: dict[str, tuple[int, float]], totals: dict[str, float]
 ) -> RunReport:
     """``last``: each tag's last ``(step, value)``; ``totals``: each alarm tag's run total."""
     rows: dict[str, LayerRow] = {}
@@ -362,6 +355,6 @@ def attention_summary(report: RunReport) -> str | None:
 def _fmt(value: float) -> str:
     if math.isnan(value):
         return "-"
-    if value == int(value) and abs(value) < 1e6:
+    if abs(value) < 1e6 and value == int(value):
         return str(int(value))
     return f"{value:.3g}"

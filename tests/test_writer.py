@@ -16,9 +16,12 @@ from lightning_hooks import (
     ActivationStatsCallback,
     DeadReLUCallback,
     GradFlowCallback,
+    LayerTimeCallback,
     LightningHooksWarning,
 )
-from lightning_hooks.logging import LoggerSink, log_scalars, register_sink, sinks_for, writer
+from lightning_hooks import logging as hooks_logging
+from lightning_hooks.logging import LoggerSink, log_scalars, register_sink, sinks_for
+from lightning_hooks.logging.tensorboard import TensorBoardSink
 
 from conftest import TinyMLP, make_trainer, read_scalars
 
@@ -164,4 +167,26 @@ def test_a_sink_registered_before_any_write_keeps_the_built_in_ones(tmp_path: Pa
         sinks = sinks_for([TensorBoardLogger(tmp_path), CSVLogger(tmp_path)])
         assert [type(s).__name__ for s in sinks] == ["TensorBoardSink", "CSVSink"]
     finally:
-        writer._KINDS.remove(Nothing)
+        hooks_logging._KINDS.remove(Nothing)
+
+
+def test_a_logging_step_writes_each_scalar_through_each_sink_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written: list[tuple[str, str, int]] = []
+    for kind in (LoggerSink, TensorBoardSink):
+        original = kind.scalars
+
+        def counting(self: Any, metrics: Any, step: int, original: Any = original) -> None:
+            written.extend((type(self).__name__, tag, step) for tag in metrics)
+            original(self, metrics, step)
+
+        monkeypatch.setattr(kind, "scalars", counting)
+    csv = CSVLogger(str(tmp_path), name="csv", version=0)
+    tb = TensorBoardLogger(str(tmp_path), name="tb", version=0)
+    ours = [GradFlowCallback(), ActivationStatsCallback(), DeadReLUCallback(), LayerTimeCallback()]
+    make_trainer(tmp_path, logger=[tb, csv], callbacks=ours, max_epochs=2).fit(TinyMLP())
+    assert {sink for sink, _, _ in written} == {"TensorBoardSink", "CSVSink"}
+    assert len(written) == len(set(written))
+    for tag, events in read_scalars(tmp_path / "tb").items():
+        assert len({step for step, _ in events}) == len(events), tag

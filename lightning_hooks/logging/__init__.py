@@ -1,29 +1,29 @@
-"""Writing statistics and pictures to every Lightning logger, one sink per kind of logger."""
+"""Writing statistics and pictures to every Lightning logger, one sink per kind of logger:
+which sink adapts which logger, and the one guarded way to write to each."""
 
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from lightning_hooks.core.hooks.guard import strict_default
+from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging.figures import (
     feature_map_grid,
     grad_flow_figure,
     layer_epoch_heatmap,
     layer_time_figure,
 )
-from lightning_hooks.logging.sinks import LoggerSink
-from lightning_hooks.logging.tensorboard import histogram_raw, step_tag, step_tags
-from lightning_hooks.logging.writer import (
-    log_embedding,
-    log_figure,
-    log_histogram,
-    log_image,
-    log_scalars,
-    log_text,
-    register_sink,
-    save_loggers,
-    shows_pictures,
-    sinks_for,
-    write_dashboards,
-)
+from lightning_hooks.logging.sinks import CSVSink, LoggerSink, MLflowSink, Moments, WandbSink
+from lightning_hooks.logging.tensorboard import TensorBoardSink, histogram_raw, step_tag, step_tags
 
 __all__ = [
     "LoggerSink",
+    "each_sink",
     "feature_map_grid",
     "grad_flow_figure",
     "histogram_raw",
@@ -43,3 +43,135 @@ __all__ = [
     "step_tags",
     "write_dashboards",
 ]
+
+# The first kind that accepts a logger adapts it: a subclass's sink is registered after its base's.
+_KINDS: list[type[LoggerSink]] = [TensorBoardSink, WandbSink, MLflowSink, CSVSink]
+# One sink per logger for the logger's life: a sink that failed stays failed.
+_SINKS: weakref.WeakKeyDictionary[Any, LoggerSink] = weakref.WeakKeyDictionary()
+_FAILED: weakref.WeakSet[LoggerSink] = weakref.WeakSet()
+
+
+def register_sink(kind: type[LoggerSink]) -> type[LoggerSink]:
+    """Adapt the loggers ``kind.accepts`` with ``kind``, ahead of every kind registered before
+    (register a subclass's sink after its base's). Usable as a class decorator.
+
+    Args:
+        kind: a subclass of :class:`LoggerSink`.
+
+    Returns:
+        ``kind``.
+
+    Raises:
+        TypeError: ``kind`` is not a subclass of :class:`LoggerSink`.
+
+    Example:
+        >>> class MySink(LoggerSink):
+        ...     @classmethod
+        ...     def accepts(cls, logger):
+        ...         return type(logger).__name__ == "MyLogger"
+        >>> register_sink(MySink) is MySink
+        True
+        >>> _KINDS.remove(MySink)
+    """
+    if not (isinstance(kind, type) and issubclass(kind, LoggerSink)):
+        raise TypeError(
+            f"register_sink(kind={kind!r}): must be a subclass of LoggerSink, got {type(kind)}"
+        )
+    _KINDS.insert(0, kind)
+    return kind
+
+
+def sinks_for(loggers: Sequence[Any]) -> list[LoggerSink]:
+    """One live sink per distinct logger (a sink whose client raised is left out).
+
+    Example:
+        >>> from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+        >>> tb, csv = TensorBoardLogger("/tmp/x"), CSVLogger("/tmp/x")
+        >>> [type(s).__name__ for s in sinks_for([tb, csv, tb])]
+        ['TensorBoardSink', 'CSVSink']
+    """
+    sinks: list[LoggerSink] = []
+    for logger in loggers:
+        sink = _SINKS.get(logger)
+        if sink is None:
+            kind = next((k for k in _KINDS if k.accepts(logger)), LoggerSink)
+            sink = _SINKS[logger] = kind(logger)
+        if sink not in sinks and sink not in _FAILED:
+            sinks.append(sink)
+    return sinks
+
+
+def each_sink(loggers: Sequence[Any], write: Callable[[LoggerSink], None]) -> None:
+    """``write`` to each live sink of ``loggers``; a sink whose client raises is dropped with one
+    warning and training goes on (``LIGHTNING_HOOKS_STRICT=1``: the error is raised)."""
+    for sink in sinks_for(loggers):
+        try:
+            write(sink)
+        except Exception as err:
+            if strict_default():
+                raise
+            _FAILED.add(sink)
+            from pytorch_lightning.utilities import rank_zero_warn
+
+            rank_zero_warn(
+                f"lightning_hooks: {type(sink.logger).__name__} raised {type(err).__name__}: "
+                f"{err}; nothing more of ours is written to it in this run, training goes on.",
+                category=LightningHooksWarning,
+            )
+
+
+def log_scalars(loggers: Sequence[Any], metrics: Mapping[str, float], step: int) -> None:
+    """Send ``metrics`` to every logger, once each; a plain ``TensorBoardLogger`` gets them as
+    one event (:meth:`~.tensorboard.TensorBoardSink.scalars`)."""
+    if metrics:
+        each_sink(loggers, lambda sink: sink.scalars(metrics, step))
+
+
+def save_loggers(loggers: Sequence[Any]) -> None:
+    """Save every logger as Lightning does after ``log_metrics`` (TensorBoard flushes its file)."""
+    each_sink(loggers, lambda sink: sink.save())
+
+
+def write_dashboards(loggers: Sequence[Any]) -> None:
+    """Write the chart layout of the scalars logged so far, to each logger that has one."""
+    each_sink(loggers, lambda sink: sink.dashboard())
+
+
+def shows_pictures(loggers: Sequence[Any]) -> bool:
+    """Whether figures and images reach any of ``loggers``."""
+    return any(sink.shows_pictures for sink in sinks_for(loggers))
+
+
+def log_figure(loggers: Sequence[Any], tag: str, figure: Figure, step: int) -> None:
+    """Write a matplotlib figure to every logger that shows pictures."""
+    each_sink(loggers, lambda sink: sink.figure(tag, figure, step))
+
+
+def log_text(loggers: Sequence[Any], tag: str, text: str, step: int) -> None:
+    """Write Markdown ``text`` to every logger that keeps text."""
+    each_sink(loggers, lambda sink: sink.text(tag, text, step))
+
+
+def log_image(loggers: Sequence[Any], tag: str, image: Any, step: int) -> None:
+    """Write a ``CHW`` image tensor in ``[0, 1]`` to every logger that shows pictures."""
+    each_sink(loggers, lambda sink: sink.image(tag, image, step))
+
+
+def log_embedding(
+    loggers: Sequence[Any], tag: str, features: Any, labels: list[Any] | None, step: int
+) -> None:
+    """Write ``[N, D]`` features (and ``N`` labels) to every logger with a projector."""
+    each_sink(loggers, lambda sink: sink.embedding(tag, features, labels, step))
+
+
+def log_histogram(
+    loggers: Sequence[Any],
+    tag: str,
+    limits: np.ndarray,
+    counts: np.ndarray,
+    step: int,
+    moments: Moments | None = None,
+) -> None:
+    """Write pre-binned ``counts`` with right edges ``limits`` to every logger with histograms
+    (TensorBoard, W&B); the arguments as :func:`~.tensorboard.histogram_raw` takes them."""
+    each_sink(loggers, lambda sink: sink.histogram(tag, limits, counts, step, moments))

@@ -1,5 +1,5 @@
-"""The pictures the callbacks log: charts rendered with matplotlib's object API (no pyplot: no
-global state, no GUI backend), and layer outputs as images (:func:`feature_map_grid`)."""
+"""The pictures the callbacks log: charts drawn with matplotlib's object API (no pyplot: no
+global state, no GUI backend), and layer outputs as images."""
 
 from __future__ import annotations
 
@@ -23,12 +23,7 @@ _MAX_LABEL_CHARS = 32
 
 
 def _labels(layers: Sequence[str]) -> list[str]:
-    """Layer names as tick labels, a long one cut to its last ``_MAX_LABEL_CHARS`` characters.
-
-    Example:
-        >>> _labels(["fc1", "bert.encoder.layer.11.attention.self.query"])
-        ['fc1', '…r.layer.11.attention.self.query']
-    """
+    """Layer names as tick labels, a long one cut to its last ``_MAX_LABEL_CHARS`` characters."""
     n = _MAX_LABEL_CHARS
     return [name if len(name) <= n else "…" + name[-(n - 1) :] for name in layers]
 
@@ -41,8 +36,7 @@ def _label_size(n: int) -> int:
 def _bars(
     ax: Axes, x: np.ndarray, heights: np.ndarray, floor: float, width: float, **style: Any
 ) -> None:
-    """Bars from ``floor`` to ``heights`` at ``x`` as one artist (``ax.bar`` draws one per bar:
-    slow for a deep model).
+    """Bars from ``floor`` to ``heights`` at ``x`` as one artist (``ax.bar``: one per bar, slow).
 
     Example:
         >>> fig = Figure()
@@ -60,9 +54,8 @@ def _bars(
 def grad_flow_figure(
     layers: Sequence[str], mean_abs: np.ndarray, max_abs: np.ndarray, title: str = ""
 ) -> Figure:
-    """Bars of mean and max ``|grad|`` per layer, input layer to output layer, on a log scale.
-
-    Zero and non-finite values are drawn at the axis floor, marked with a red ``x``.
+    """Bars of mean and max ``|grad|`` per layer, input to output, on a log scale; zero and
+    non-finite values at the axis floor, marked with a red ``x``.
 
     Example:
         >>> fig = grad_flow_figure(["a", "b"], np.array([1e-3, 0.0]), np.array([1e-2, 1e-1]))
@@ -72,7 +65,6 @@ def grad_flow_figure(
         ['max |grad|', 'mean |grad|', 'zero or non-finite']
     """
     n = len(layers)
-    # Bounded size for deep models: at most _MAX_WIDTH inches, at most _MAX_LABELS tick labels.
     fig = Figure(figsize=(min(_MAX_WIDTH, max(4.5, 0.35 * n + 2.0)), 4.5), layout="constrained")
     ax = fig.add_subplot()
     x = np.arange(n)
@@ -116,8 +108,8 @@ def layer_epoch_heatmap(
 ) -> Figure:
     """``values[layer, epoch]`` as a heatmap: layers top (input) to bottom, epochs left to right.
 
-    Non-finite cells (a layer that did not run) are grey; with ``log=True`` the cells show
-    ``log10`` of the values and zeros are grey too. Labels and size are capped for deep models.
+    Non-finite cells (a layer that did not run) are grey; ``log=True``: ``log10`` of the values,
+    zeros grey too.
 
     Example:
         >>> values = np.array([[1.0, 10.0], [0.0, 100.0]])
@@ -135,8 +127,7 @@ def layer_epoch_heatmap(
         with np.errstate(divide="ignore", invalid="ignore"):
             values = np.log10(np.where(values > 0, values, np.nan))
     cells = np.ma.masked_invalid(values)
-    # TensorBoard scales an image down to its card (about 330 px wide): a narrow figure with
-    # 11 pt labels and 0.32 inch rows keeps the layer names readable there.
+    # TensorBoard shrinks an image to its card (about 330 px wide): 11 pt labels, 0.32 in rows.
     height = min(_MAX_WIDTH / 2, max(3.0, 0.32 * n + 1.5))
     width = min(_MAX_WIDTH, max(4.2, 0.4 * num_epochs + 2.8))
     fig = Figure(figsize=(width, height), layout="constrained")
@@ -183,7 +174,7 @@ def layer_time_figure(
 
 
 def _normalize(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """Min-max scale to ``[0, 1]`` over ``dims``; a constant slice becomes 0."""
+    """Min-max scaled to ``[0, 1]`` over ``dims``; a constant slice becomes 0."""
     low = x.amin(dim=dims, keepdim=True)
     span = x.amax(dim=dims, keepdim=True) - low
     return torch.where(span > 0, (x - low) / span.clamp_min(1e-12), torch.zeros_like(x))

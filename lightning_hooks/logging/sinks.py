@@ -1,13 +1,10 @@
-"""The writer interface, :class:`LoggerSink`, and its adapters for CSV, MLflow and W&B loggers.
-
-TensorBoard's sink is in :mod:`.tensorboard`; :mod:`.writer` picks the sink of each logger.
-"""
+"""The writer interface, :class:`LoggerSink`, and its adapters for CSV, MLflow and W&B loggers
+(TensorBoard's is in :mod:`.tensorboard`)."""
 
 from __future__ import annotations
 
 import functools
 import importlib
-import io
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -52,19 +49,14 @@ def lightning_types(name: str) -> tuple[type, ...]:
 class LoggerSink:
     """One Lightning logger as the library writes to it: one subclass per kind of logger.
 
-    Every method gets host values (numpy arrays, CPU tensors, matplotlib figures) and the
-    optimizer step; what a logger cannot show keeps the default, which writes nothing
-    (:meth:`scalars` and :meth:`save` call the logger's own). A subclass names the loggers it
-    adapts in :meth:`accepts` and is registered with :func:`~.writer.register_sink`.
+    Every method gets host values and the optimizer step; what a logger cannot show keeps the
+    default, which writes nothing (:meth:`scalars` and :meth:`save` call the logger's own). A
+    subclass names the loggers it adapts in :meth:`accepts` and is registered with
+    :func:`~lightning_hooks.logging.register_sink`.
 
     Attributes:
         logger: the Lightning logger written to.
         shows_pictures: whether figures and images reach this logger.
-
-    Example:
-        >>> sink = LoggerSink(object())
-        >>> sink.shows_pictures, LoggerSink.accepts(object())
-        (False, True)
     """
 
     shows_pictures: ClassVar[bool] = False
@@ -88,12 +80,7 @@ class LoggerSink:
         """Write a ``CHW`` CPU image tensor with values in ``[0, 1]``."""
 
     def histogram(
-        self,
-        tag: str,
-        limits: np.ndarray,
-        counts: np.ndarray,
-        step: int,
-        moments: Moments | None,
+        self, tag: str, limits: np.ndarray, counts: np.ndarray, step: int, moments: Moments | None
     ) -> None:
         """Write pre-binned ``counts`` with right edges ``limits`` (see ``histogram_raw``)."""
 
@@ -112,12 +99,7 @@ class LoggerSink:
 
 
 def _figure_pixels(figure: Figure) -> np.ndarray:
-    """``[H, W, 3]`` ``uint8`` RGB pixels of ``figure``, rendered as TensorBoard renders it.
-
-    Example:
-        >>> _figure_pixels(Figure(figsize=(2, 1), dpi=50)).shape
-        (50, 100, 3)
-    """
+    """``[H, W, 3]`` ``uint8`` RGB pixels of ``figure``, as TensorBoard renders it."""
     canvas = FigureCanvasAgg(figure)
     canvas.draw()  # type: ignore[no-untyped-call]
     return np.asarray(canvas.buffer_rgba())[:, :, :3].copy()  # type: ignore[no-untyped-call,no-any-return]
@@ -136,24 +118,13 @@ def _image_pixels(image: Any) -> np.ndarray:
 
 
 def _step_file(tag: str, step: int, suffix: str) -> str:
-    """The file of ``tag`` at ``step``: one folder per tag, the step in the name.
-
-    Example:
-        >>> _step_file("grad_flow/chart", 80, ".png")
-        'grad_flow/chart/step_000080.png'
-    """
+    """``grad_flow/chart/step_000080.png``: one folder per tag, the step in the name."""
     return f"{tag}/step_{step:06d}{suffix}"
 
 
 class CSVSink(LoggerSink):
     """A ``CSVLogger``: ``<log_dir>/<tag>/step_<step>.png`` per figure or image, every step's
-    text in ``<log_dir>/<tag with dots>.md``; no histograms or embeddings.
-
-    Example:
-        >>> from pytorch_lightning.loggers import CSVLogger
-        >>> CSVSink.accepts(CSVLogger("/tmp/x")), CSVSink.shows_pictures
-        (True, True)
-    """
+    text in ``<log_dir>/<tag with dots>.md``; no histograms or embeddings."""
 
     shows_pictures: ClassVar[bool] = True
 
@@ -162,8 +133,7 @@ class CSVSink(LoggerSink):
         return isinstance(logger, lightning_types("CSVLogger"))
 
     def _file(self, name: str) -> Path | None:
-        """``name`` in the run's folder, its folder made; ``None`` on ranks other than 0 (their
-        experiment is a dummy)."""
+        """``name`` in the run's folder, made; ``None`` on ranks > 0 (a dummy experiment)."""
         log_dir = getattr(self.logger.experiment, "log_dir", None)
         if not isinstance(log_dir, str):
             return None
@@ -174,11 +144,9 @@ class CSVSink(LoggerSink):
     def _write_png(self, tag: str, step: int, pixels: np.ndarray) -> None:
         from PIL import Image
 
-        buffer = io.BytesIO()
-        Image.fromarray(pixels).save(buffer, format="PNG")
         path = self._file(_step_file(tag, step, ".png"))
         if path is not None:
-            path.write_bytes(buffer.getvalue())
+            Image.fromarray(pixels).save(path, format="PNG")
 
     def figure(self, tag: str, figure: Figure, step: int) -> None:
         self._write_png(tag, step, _figure_pixels(figure))
@@ -199,13 +167,7 @@ _UNSAFE = re.compile(r"[^a-zA-Z0-9_/. -]+")
 
 class MLflowSink(LoggerSink):
     """An ``MLFlowLogger`` (its ``MlflowClient``): figures and text as ``<tag>/step_<step>``
-    ``.png`` / ``.md`` artifacts, images as MLflow images; no histograms or embeddings.
-
-    Example:
-        >>> from pytorch_lightning.loggers import CSVLogger
-        >>> MLflowSink.accepts(CSVLogger("/tmp/x")), MLflowSink.shows_pictures
-        (False, True)
-    """
+    ``.png`` / ``.md`` artifacts, images as MLflow images; no histograms or embeddings."""
 
     shows_pictures: ClassVar[bool] = True
 
@@ -249,13 +211,7 @@ def _rebinned(counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.nda
 
 class WandbSink(LoggerSink):
     """A ``WandbLogger``, at ``trainer/global_step`` as Lightning logs: figures and images as
-    ``wandb.Image``, histograms as ``wandb.Histogram``, text as a table row; no embeddings.
-
-    Example:
-        >>> from pytorch_lightning.loggers import CSVLogger
-        >>> WandbSink.accepts(CSVLogger("/tmp/x")), WandbSink.shows_pictures
-        (False, True)
-    """
+    ``wandb.Image``, histograms as ``wandb.Histogram``, text as a table row; no embeddings."""
 
     shows_pictures: ClassVar[bool] = True
 
@@ -270,12 +226,7 @@ class WandbSink(LoggerSink):
         self.logger.log_image(key=tag, images=[_image_pixels(image)], step=step)
 
     def histogram(
-        self,
-        tag: str,
-        limits: np.ndarray,
-        counts: np.ndarray,
-        step: int,
-        moments: Moments | None,
+        self, tag: str, limits: np.ndarray, counts: np.ndarray, step: int, moments: Moments | None
     ) -> None:
         import wandb
 

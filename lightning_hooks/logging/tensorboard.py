@@ -1,23 +1,11 @@
-"""TensorBoard: its sink, the custom-scalars dashboard, and two costs of its writer taken off the
-training thread's path.
+"""TensorBoard: its sink, the custom-scalars dashboard, and a faster writer.
 
-**Dashboard.** Scalar tags are ``<family>/<stat>/<layer>``, ``<family>/global/<stat>``
-(``<stat>_p50``: a percentile over layers) or ``<family>/alarms/<rule>``; a logging step's value
-has ``_step`` after its statistic (:func:`step_tag`, Lightning's convention), so it never shares a
-curve with the epoch's. One multiline chart per ``(family, stat)`` (its layers and global lines)
-and one per family's alarms: the panels grow with the statistics, not the layers. Categories lead
-with gradient flow, then alarms, activations, dead units, the rest by name. A writer's layout is
-written again only when a new chart appears (TensorBoard reads the last one written).
-
-**Checksums.** Without TensorFlow, TensorBoard computes each record's CRC-32C in pure Python, a
-byte at a time, holding the GIL (and a logging step's flush waits for it).
-:func:`fast_tensorboard_crc` points its record writer at ``google_crc32c``'s C implementation
-when installed: the same checksums, the same bytes written.
-
-**Scalars.** Building a ``Summary.Value`` per scalar in protobuf's Python API is slow for the
-thousand scalars of a logging step. :func:`scalar_summary` writes the short fixed wire format
-itself (each tag's bytes once per run) and lets protobuf parse the ``Summary`` in C: the same
-message, tags in order and float32 values (beyond float32's range: infinite in both).
+Scalar tags are ``<family>/<stat>/<layer>``, ``<family>/global/<stat>`` (``<stat>_p50``: a
+percentile over layers) or ``<family>/alarms/<rule>``; a logging step's value has ``_step`` after
+its statistic (:func:`step_tag`, Lightning's convention), so it never shares a curve with the
+epoch's. The event files hold the same bytes TensorBoard writes, faster: checksums in C
+(:func:`fast_tensorboard_crc`) and a logging step's scalars as one ``Summary``
+(:func:`scalar_summary`).
 """
 
 from __future__ import annotations
@@ -49,14 +37,7 @@ __all__ = [
 
 class TensorBoardSink(LoggerSink):
     """A ``TensorBoardLogger`` (either namespace, or a subclass): its ``SummaryWriter`` gets
-    figures, images, histograms, text, embeddings and the custom-scalars layout.
-
-    Example:
-        >>> from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
-        >>> TensorBoardSink.accepts(TensorBoardLogger("/tmp/x")), TensorBoardSink.accepts(
-        ...     CSVLogger("/tmp/x"))
-        (True, False)
-    """
+    figures, images, histograms, text, embeddings and the custom-scalars layout."""
 
     shows_pictures: ClassVar[bool] = True
 
@@ -73,29 +54,19 @@ class TensorBoardSink(LoggerSink):
         return self.logger.experiment
 
     def scalars(self, metrics: Mapping[str, float], step: int) -> None:
-        """One event holding every value (:meth:`_write_summary`), not one per scalar as the
-        logger's ``log_metrics`` writes: the same tags, steps and values, one hand-off to the
-        writer thread."""
-        if not self._write_summary(metrics, step):
+        """One event holding every value (:func:`scalar_summary`) for a plain
+        ``TensorBoardLogger`` without prefix on rank 0; any other (a subclass may log otherwise)
+        gets the logger's own ``log_metrics``, one event per scalar."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = self._writer if type(self.logger) in lightning_types("TensorBoardLogger") else None
+        if isinstance(writer, SummaryWriter) and not getattr(self.logger, "_prefix", ""):
+            writer._get_file_writer().add_summary(scalar_summary(metrics), step)  # type: ignore[no-untyped-call]
+        else:
             self.logger.log_metrics(dict(metrics), step=step)
         keys = {key for key in map(chart_key, metrics) if key is not None}
         if keys:  # their charts go into the writer's layout
             _SEEN.setdefault(self._writer, set()).update(keys)
-
-    def _write_summary(self, metrics: Mapping[str, float], step: int) -> bool:
-        """``metrics`` as one event of ``simple_value``s; ``False`` (nothing written) unless the
-        logger is a plain ``TensorBoardLogger`` (a subclass may log otherwise) without prefix,
-        with a real ``SummaryWriter`` (not rank > 0's dummy)."""
-        prefix: str = getattr(self.logger, "_prefix", "")
-        if type(self.logger) not in lightning_types("TensorBoardLogger") or prefix:
-            return False
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = self._writer
-        if not isinstance(writer, SummaryWriter):
-            return False
-        writer._get_file_writer().add_summary(scalar_summary(metrics), step)  # type: ignore[no-untyped-call]
-        return True
 
     def figure(self, tag: str, figure: Figure, step: int) -> None:
         self._writer.add_figure(tag, figure, global_step=step, close=False)
@@ -104,12 +75,7 @@ class TensorBoardSink(LoggerSink):
         self._writer.add_image(tag, image, global_step=step, dataformats="CHW")
 
     def histogram(
-        self,
-        tag: str,
-        limits: np.ndarray,
-        counts: np.ndarray,
-        step: int,
-        moments: Moments | None,
+        self, tag: str, limits: np.ndarray, counts: np.ndarray, step: int, moments: Moments | None
     ) -> None:
         raw = histogram_raw(limits, counts, moments)
         self._writer.add_histogram_raw(tag, global_step=step, **raw)
@@ -121,7 +87,7 @@ class TensorBoardSink(LoggerSink):
         self._writer.add_embedding(features, metadata=labels, global_step=step, tag=tag)
 
     def dashboard(self) -> None:
-        """Write the writer's layout if it has charts it has not written yet."""
+        """Write the writer's layout if it has new charts (TensorBoard reads the last one)."""
         keys = frozenset(_SEEN.get(self._writer, ()))
         if keys and not keys <= _WRITTEN.get(self._writer, frozenset()):
             self._writer.add_custom_scalars(dashboard_layout(keys))
@@ -173,18 +139,9 @@ _CATEGORY_PREFIX = "lightning_hooks"
 _CATEGORY_ORDER = ("grad_flow", "alarms", "activations", "dead_relu")
 # Within a category: the statistics a reader looks at first (the rest by name).
 _CHART_ORDER = (
-    "attn_logit_max",
-    "attn_entropy_min",
-    "grad_norm",
-    "output_grad_norm",
-    "update_ratio",
-    "grad_abs_mean",
-    "grad_nonfinite",
-    "dead_fraction",
-    "zero_fraction",
-    "abs_mean",
-    "std",
-    "mean",
+    *("attn_logit_max", "attn_entropy_min"),
+    *("grad_norm", "output_grad_norm", "update_ratio", "grad_abs_mean", "grad_nonfinite"),
+    *("dead_fraction", "zero_fraction", "abs_mean", "std", "mean"),
 )
 _PERCENTILE = re.compile(r"_p\d+$")
 # Tags seen per TensorBoard writer, and the charts already written to it.
@@ -240,8 +197,10 @@ def chart_key(tag: str) -> tuple[str, str] | None:
 def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout of the given charts, for ``SummaryWriter.add_custom_scalars``.
 
-    One category per family (``lightning_hooks: grad_flow``) and one for the alarms, at most
-    :data:`MAX_CHARTS` charts, in the order the module docstring gives.
+    One multiline chart per ``(family, stat)`` (its layers and global lines) in its family's
+    category (``lightning_hooks: grad_flow``), and one per family's alarms in ``alarms``; gradient
+    flow first, then alarms, activations, dead units, the rest by name; at most
+    :data:`MAX_CHARTS` charts.
 
     Example:
         >>> keys = [("dead_relu", "dead_fraction"), ("grad_flow", "update_ratio"),
@@ -268,13 +227,12 @@ def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, lis
 
 
 def _chart_rank(key: tuple[str, str]) -> tuple[int, str, int, str]:
-    """Sort key of a chart: its category's rank, then the statistic's."""
+    """Sort key of a chart: its category's rank, the statistic's, its logging-step chart last."""
     family, stat = key
     base = stat.removesuffix(STEP)
     category = "alarms" if base == "alarms" else family
     first = _CATEGORY_ORDER.index(category) if category in _CATEGORY_ORDER else len(_CATEGORY_ORDER)
     within = _CHART_ORDER.index(base) if base in _CHART_ORDER else len(_CHART_ORDER)
-    # A statistic's epoch chart first, its per-step chart right after.
     return first, category, within, f"{family}/{base}/{stat != base:d}"
 
 
@@ -318,12 +276,6 @@ def fast_tensorboard_crc() -> bool:
     return True
 
 
-_HEADS: dict[str, bytes] = {}
-"""Each tag's bytes before its value: ``value``'s key and length, ``tag``'s key, length and
-text, ``simple_value``'s key (every value's message has the same length for one tag)."""
-_MOST_HEADS = 1 << 16  # tags whose bytes are kept, at most (then it starts over)
-
-
 def _varint(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:
@@ -333,19 +285,18 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+@functools.lru_cache(maxsize=_TAGS)
 def _head(tag: str) -> bytes:
-    head = _HEADS.get(tag)
-    if head is None:
-        if len(_HEADS) >= _MOST_HEADS:
-            _HEADS.clear()
-        text = tag.encode("utf-8")
-        field = b"\x0a" + _varint(len(text)) + text + b"\x15"  # tag: 1, length; simple_value: 2
-        head = _HEADS[tag] = b"\x0a" + _varint(len(field) + 4) + field  # value: 1, length
-    return head
+    """A tag's bytes before its value: ``value``'s key and length, ``tag``'s key, length and
+    text, ``simple_value``'s key (a tag's value message always has the same length)."""
+    text = tag.encode("utf-8")
+    field = b"\x0a" + _varint(len(text)) + text + b"\x15"  # tag: 1, length; simple_value: 2
+    return b"\x0a" + _varint(len(field) + 4) + field  # value: 1, length
 
 
 def scalar_summary(metrics: Mapping[str, float]) -> Any:
-    """``Summary(value=[Summary.Value(tag=tag, simple_value=value), ...])`` for ``metrics``.
+    """``Summary(value=[Summary.Value(tag=tag, simple_value=value), ...])`` for ``metrics``,
+    written in protobuf's wire format and parsed in C: faster than a ``Summary.Value`` per scalar.
 
     Example:
         >>> from tensorboard.compat.proto.summary_pb2 import Summary
@@ -361,8 +312,6 @@ def scalar_summary(metrics: Mapping[str, float]) -> Any:
     with np.errstate(over="ignore"):  # beyond float32: infinite, as protobuf stores it
         values = np.fromiter(map(float, metrics.values()), np.float64, len(metrics))
         floats = values.astype("<f4").tobytes()
-    parts = []
-    for i, tag in enumerate(metrics):
-        parts.append(_head(tag))
-        parts.append(floats[4 * i : 4 * i + 4])
-    return Summary.FromString(b"".join(parts))
+    return Summary.FromString(
+        b"".join(_head(tag) + floats[4 * i : 4 * i + 4] for i, tag in enumerate(metrics))
+    )
