@@ -123,7 +123,6 @@ class ActivationStatsCallback(StatsCallback):
         self.uses_images = self.heatmaps or self.histograms
         self._history: list[tuple[int, FeatureSummary]] = []
         self._warned_nonfinite = False
-        self._step = 0
 
     @override
     def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:
@@ -137,10 +136,6 @@ class ActivationStatsCallback(StatsCallback):
         return None if attached is None else attached.stats[0]  # type: ignore[return-value]
 
     @override
-    def _batch_started(self, trainer: pl.Trainer) -> None:
-        self._step = trainer.global_step
-
-    @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
         self._probe_nonfinite()
         return False
@@ -151,9 +146,7 @@ class ActivationStatsCallback(StatsCallback):
         tracker = self._activations
         if tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
             return
-        if tracker.registry is None or not tracker.registry.sampled:
-            return
-        tracker.end_step(self._step)
+        tracker.end_step(self._batch_step)
         found = tracker.first_nonfinite.poll()
         if found is not None:
             step, row = found

@@ -10,9 +10,12 @@ agreement live in ``checks.py``; Fabric support in ``fabric.py``.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -31,7 +34,7 @@ from lightning_hooks.core.transport.distributed import world_size
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import save_loggers, write_dashboards
 
-__all__ = ["HookCallback", "read_steps"]
+__all__ = ["HookCallback", "observe_optimizer_step", "read_steps"]
 
 
 if TYPE_CHECKING:
@@ -67,6 +70,13 @@ class HookCallback(pl.Callback, _SecondCallback):
     _epoch_start_step: int = -1
     _sampled_step: int | None = None
     _posted = False  # a logging step's windows were posted, and may not all be written yet
+    _batch_step = 0  # the optimizer step the running batch feeds
+    _sampled_batch = False  # the running batch belongs to a sampled step
+    # Decided at ``_attach``: the quiet batches call no method of a subclass.
+    _every_batch = False  # ``_batch_ending`` on every batch, not only the sampled ones
+    _own_loss: Any = None  # the alarms fed this rank's loss at each batch end (by ``policy``)
+    policy: Any = None
+    _on_optimizer_step: Any = None  # more work at each ``on_before_optimizer_step``
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -83,16 +93,10 @@ class HookCallback(pl.Callback, _SecondCallback):
         """After a guarded failure: remove every hook now; the guard keeps the rest off."""
         self._detach()
 
-    @property
-    @override
+    @cached_property
     def state_key(self) -> str:
         """Unique per configuration (made once: Lightning reads it for every hook it calls)."""
-        key: str | None = self.__dict__.get("_cached_state_key")
-        if key is None:
-            key = self.__dict__["_cached_state_key"] = self._generate_state_key(
-                **self._state_key_fields()
-            )
-        return key
+        return self._generate_state_key(**self._state_key_fields())
 
     def _state_key_fields(self) -> dict[str, Any]:
         """What makes this instance's checkpoint state distinct (the selection, and whether
@@ -134,13 +138,13 @@ class HookCallback(pl.Callback, _SecondCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        step = self._batch_step = trainer.global_step
         if batch_idx == 0:
             # By batch index, not on_train_epoch_start: a run resumed mid-epoch samples the
             # same steps as the uninterrupted one. Every micro-batch of the step follows.
-            self._epoch_start_step = trainer.global_step
+            self._epoch_start_step = step
         if self._posted:  # on CUDA, the last logging step's copy
             read_steps(self, trainer, wait=False)
-        step = trainer.global_step
         cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
         sampled = (step + 1) % cadence == 0 or step == self._epoch_start_step
         if sampled and self._tracker is not None:
@@ -150,7 +154,9 @@ class HookCallback(pl.Callback, _SecondCallback):
             gate.sampled = sampled
         if trainer in _UNSAVED:
             _end_round(self, trainer)
-        self._batch_started(trainer)
+        self._sampled_batch = sampled and self._tracker is not None
+        if self._sampled_batch:
+            self._batch_started(trainer)
 
     @override
     def on_train_batch_end(
@@ -161,8 +167,14 @@ class HookCallback(pl.Callback, _SecondCallback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if self._batch_ending(trainer, outputs):
+        if (self._sampled_batch or self._every_batch) and self._batch_ending(trainer, outputs):
             return
+        if (alarms := self._own_loss) is not None:  # the loss rules on this rank's loss
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+            if isinstance(loss, torch.Tensor):
+                alarms.update_loss(loss, step=self._batch_step)
+                if found := alarms.poll():
+                    self.policy.act(trainer, None, found)
         measured = self._sampled_step
         # The sampled step's optimizer step ran (its last micro-batch): a logging step.
         if measured is not None and trainer.global_step > measured:
@@ -248,10 +260,11 @@ class HookCallback(pl.Callback, _SecondCallback):
             self._tracker = None
 
     def _batch_started(self, trainer: pl.Trainer) -> None:
-        """The last of ``on_train_batch_start``, once this step's gate is set."""
+        """The last of ``on_train_batch_start`` of a sampled step, once its gate is set."""
 
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        """The first of ``on_train_batch_end``; ``True``: the callback was disabled, stop."""
+        """The first of ``on_train_batch_end`` of a sampled step (every batch with
+        ``_every_batch``); ``True``: the callback was disabled, stop."""
         return False
 
     def _log_step(self, trainer: pl.Trainer, step: int) -> None:
@@ -296,6 +309,29 @@ class HookCallback(pl.Callback, _SecondCallback):
 
 
 guard_hooks(HookCallback)
+
+
+def observe_optimizer_step(
+    callback: Any,
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """``on_before_optimizer_step`` of a callback holding a gradient tracker: measure the
+    gradient ``optimizer`` is about to apply, and act on the alarms read."""
+    tracker = callback._tracker
+    if tracker is None:
+        return
+    scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
+    scale = getattr(scaler, "_scale", None) if scaler is not None and scaler.is_enabled() else None
+    scale = scale if isinstance(scale, torch.Tensor) else None
+    # Lightning does not unscale for optimizers that unscale inside their step (fused).
+    fused = scale is not None and getattr(optimizer, "_step_supports_amp_scaling", False)
+    tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
+    if callback._on_optimizer_step is not None:
+        callback._on_optimizer_step(optimizer)
+    if tracker.alarms is not None and (found := tracker.alarms.poll(wait=callback.policy.wait)):
+        callback.policy.act(trainer, optimizer, found)
 
 
 def _load_pending(callback: HookCallback) -> None:

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
-import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.callbacks import grad_flow_tags as tags
 from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
-from lightning_hooks.callbacks.base import HookCallback
+from lightning_hooks.callbacks.base import HookCallback, observe_optimizer_step
 from lightning_hooks.callbacks.checks import (
     check_alarms,
     check_every_n_steps,
@@ -132,6 +132,8 @@ class GradFlowCallback(HookCallback):
         >>> trainer = pl.Trainer(callbacks=[GradFlowCallback(exclude="*.bn*")])  # doctest: +SKIP
     """
 
+    policy: AlarmPolicy
+
     def __init__(
         self,
         *,
@@ -167,7 +169,6 @@ class GradFlowCallback(HookCallback):
         self._stability: StabilityStats | None = None
         self.uses_images = chart or heatmap
         self._tracker: GradFlowTracker | None = None
-        self._batch_step = 0
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
@@ -196,8 +197,13 @@ class GradFlowCallback(HookCallback):
         if self.histograms:
             layout = self._tracker.layout
             self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
+            self._on_optimizer_step = partial(tags.observe_histograms, self._hist, layout)
         self.policy.restore(self._tracker.alarms)
-        self.policy.loss.plan(pl_module, self.alarms)
+        loss = self.policy.loss
+        loss.plan(pl_module, self.alarms)
+        own = loss.reading == "own" and self.alarms is not None and self.alarms.watches_loss
+        self._own_loss = self._tracker.alarms if own else None
+        self._every_batch = loss.reading == "mean"
 
     @override
     def _detach(self) -> None:
@@ -205,34 +211,18 @@ class GradFlowCallback(HookCallback):
             self.policy.keep(self._tracker.alarms)
             self._tracker.remove()
             self._tracker = None
-        self._hist = self._stability = None
+        self._hist = self._stability = self._own_loss = self._on_optimizer_step = None
+        self._every_batch = False
 
-    @override
-    def _batch_started(self, trainer: pl.Trainer) -> None:
-        self._batch_step = trainer.global_step  # the optimizer step this batch's loss feeds
-
-    @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        if self._tracker is None:
-            return
-        scale = grad_scale(trainer)
-        # Lightning does not unscale for optimizers that unscale inside their step (fused).
-        fused = scale is not None and getattr(optimizer, "_step_supports_amp_scaling", False)
-        self._tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
-        if self._hist is not None:
-            tags.observe_histograms(self._hist, self._tracker.layout, optimizer)
-        if self._tracker.alarms is not None:
-            self.policy.act(trainer, optimizer, self._tracker.alarms.poll(wait=self.policy.wait))
+    on_before_optimizer_step = observe_optimizer_step
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        stability = self._stability  # after a sampled forward only: a quiet batch calls nothing
-        if stability is not None and stability.registry is not None and stability.registry.sampled:
+        stability = self._stability
+        if stability is not None and self._sampled_batch:
             stability.end_step()
         alarms = None if self._tracker is None else self._tracker.alarms
-        if alarms is not None:
+        if alarms is not None and self._every_batch:  # the ranks' mean loss
             failed = self._hook_guard().local is not None
             agreed = self.policy.loss.observe(
                 trainer, alarms, outputs, self._batch_step, failed=failed
@@ -295,15 +285,6 @@ def _tracker(
         alarms=callback.alarms,
         clip=clip_of(trainer),
     )
-
-
-def grad_scale(trainer: pl.Trainer) -> torch.Tensor | None:
-    """The AMP GradScaler's scale as a device tensor (no sync), or ``None`` without AMP."""
-    scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return None
-    scale = getattr(scaler, "_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else None
 
 
 def clip_of(trainer: pl.Trainer) -> tuple[float, str] | None:

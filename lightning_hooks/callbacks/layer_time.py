@@ -94,15 +94,13 @@ class LayerTimeCallback(StatsCallback):
 
     @override
     def _batch_started(self, trainer: pl.Trainer) -> None:
-        timer = self._timer
-        if timer is not None and timer.registry is not None and timer.registry.sampled:
-            timer.start_step(trainer.global_step)
+        if self._timer is not None:
+            self._timer.start_step(trainer.global_step)
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        timer = self._timer
-        if timer is not None and timer.sampling:  # a quiet batch calls nothing
-            timer.end_step()
+        if self._timer is not None:
+            self._timer.end_step()
         return False
 
     @override
