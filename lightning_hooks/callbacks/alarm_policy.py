@@ -1,5 +1,6 @@
-"""What ``GradFlowCallback`` does when an alarm fires, and what its loss rules read: under DDP
-the mean loss over ranks, on one ``all_reduce`` per batch that also carries the ranks' agreement."""
+"""What ``GradFlowCallback`` does when an alarm fires, what its loss rules read (under DDP the
+mean loss over ranks, on one ``all_reduce`` per batch that also carries the ranks' agreement),
+and what every callback's ranks agree on at its logging steps: a failure and a stop."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
 from lightning_hooks.core.transport.distributed import (
+    agree,
     all_reduce_sum_,
+    gather_objects,
     group_device,
     to_group_device,
     world_size,
@@ -21,7 +24,7 @@ from lightning_hooks.core.transport.readback import HostMailbox
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
 from lightning_hooks.logging import log_scalars, log_text, step_tags
 
-__all__ = ["AlarmPolicy", "LossAgreement"]
+__all__ = ["AlarmPolicy", "LossAgreement", "agree_ranks", "disable", "settle"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
@@ -348,3 +351,40 @@ def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
     if loss is not None:
         carried[:1].copy_(to_group_device(loss).reshape(1))
     return all_reduce_sum_(carried)
+
+
+# The ranks' agreement on a failure and a stop, for any callback of ours.
+
+
+def agree_ranks(callback: Any, trainer: pl.Trainer, step: int, always: bool) -> bool:
+    """At a logging step (``always``: an epoch end) of a multi-process run, agree on a deferred
+    failure and a ``stop`` (one small ``all_reduce``) unless every batch's loss collective
+    carries them; whether the callback is now disabled on every rank."""
+    guard, policy = callback._hook_guard(), callback.policy
+    carried = policy is not None and callback._tracker is not None and policy.loss.carries
+    if callback._ranks == 1 or guard.failed is not None or (carried and not always):
+        return guard.failed is not None
+    stop = policy is not None and policy.stop_requested
+    failed, stopping, *extra = agree([guard.local is not None, stop, *callback._agreement_flags()])
+    disabled = settle(callback, trainer, step, failed, stopping)
+    return disabled or bool(callback._agreed(trainer, step, extra))
+
+
+def settle(callback: Any, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
+    """Act on the ranks' agreement: stop if any asked; if any failed, disable the callback on
+    every rank (one warning on rank 0 names each rank's hook and error); whether disabled."""
+    if stopping:
+        trainer.should_stop = True
+        if callback.policy is not None:
+            callback.policy.stop_requested = False
+    local = callback._hook_guard().local
+    return bool(failed) and disable(callback, trainer, step, gather_objects(local))
+
+
+def disable(callback: Any, trainer: pl.Trainer, step: int, causes: list[Any]) -> bool:
+    """Disable the callback on every rank, one warning on rank 0 naming each rank's cause."""
+    guard = callback._hook_guard()
+    guard.settle(causes, step, warn=trainer.is_global_zero)
+    guard.take_pending()
+    callback._guard_disable()
+    return True

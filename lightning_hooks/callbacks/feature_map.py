@@ -12,8 +12,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import HookCallback
-from lightning_hooks.callbacks.checks import nothing_to_watch
+from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
 from lightning_hooks.core.hooks.selection import Patterns, as_patterns
 from lightning_hooks.errors import LightningHooksError

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -9,19 +10,17 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
+from torch import nn
+from torch.nn.parameter import is_lazy
 from typing_extensions import override
 
 from lightning_hooks.callbacks import grad_flow_tags as tags
-from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
-from lightning_hooks.callbacks.base import HookCallback, observe_optimizer_step
-from lightning_hooks.callbacks.checks import (
-    check_alarms,
+from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy, settle
+from lightning_hooks.callbacks.base import (
+    HookCallback,
     check_every_n_steps,
-    check_max_layers,
-    check_types,
-    lazy_parameters,
     nothing_to_watch,
-    settle,
+    observe_optimizer_step,
 )
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, checks, select_modules
 from lightning_hooks.core.alarms import AlarmRules
@@ -256,18 +255,6 @@ class GradFlowCallback(HookCallback):
     def _load_state(self, state: dict[str, Any]) -> None:
         tags.load_state(self, state)
 
-    @override
-    def _carried(self) -> bool:
-        return self._tracker is not None and self.policy.loss.carries
-
-    @override
-    def _wants_stop(self) -> bool:
-        return self.policy.stop_requested
-
-    @override
-    def _stop_agreed(self) -> None:
-        self.policy.stop_requested = False
-
 
 def _tracker(
     callback: GradFlowCallback, trainer: pl.Trainer, pl_module: pl.LightningModule
@@ -293,3 +280,62 @@ def clip_of(trainer: pl.Trainer) -> tuple[float, str] | None:
         return None
     algorithm = trainer.gradient_clip_algorithm or "norm"
     return float(trainer.gradient_clip_val), str(getattr(algorithm, "value", algorithm))
+
+
+def check_types(owner: str, types: ModuleTypes) -> None:
+    """Raise ``TypeError`` unless ``types`` is ``None``, an ``nn.Module`` subclass or a tuple.
+
+    Example:
+        >>> check_types("Cb", 3)
+        Traceback (most recent call last):
+        ...
+        TypeError: Cb(types=3): expected an nn.Module subclass or a tuple of them, got 3
+    """
+    for t in types if isinstance(types, tuple) else (types,):
+        if t is not None and not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise TypeError(
+                f"{owner}(types={types!r}): expected an nn.Module subclass or a tuple of them, "
+                f"got {t!r}"
+            )
+
+
+def check_alarms(owner: str, alarms: AlarmRules | bool) -> AlarmRules | None:
+    """The alarm rules asked for: ``True`` the defaults, ``False`` none; ``TypeError`` else.
+
+    Example:
+        >>> check_alarms("GradFlowCallback", False) is None
+        True
+    """
+    if not isinstance(alarms, AlarmRules | bool):
+        raise TypeError(
+            f"{owner}(alarms={alarms!r}): expected an AlarmRules or a bool, "
+            f"got {type(alarms).__name__}"
+        )
+    return AlarmRules() if alarms is True else alarms or None
+
+
+def check_max_layers(owner: str, max_layers_logged: int | None) -> int | None:
+    """Validate ``max_layers_logged``: a positive int or ``None`` (``ValueError`` else)."""
+    value: Any = max_layers_logged
+    wrong = isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1
+    if value is not None and wrong:
+        raise ValueError(
+            f"{owner}(max_layers_logged={value!r}): must be a positive int or None, got {value!r}"
+        )
+    return max_layers_logged
+
+
+def lazy_parameters(callback: HookCallback, pl_module: nn.Module) -> bool:
+    """Whether the model holds uninitialized lazy parameters (nothing can be laid out by their
+    sizes): if so, one warning naming them, and ``callback`` does nothing this fit."""
+    lazy = [n for n, p in pl_module.named_parameters() if is_lazy(p)]
+    if lazy:
+        rank_zero_warn(
+            f"{type(callback).__name__}: the model's lazy parameters {lazy[:3]} are not "
+            "initialized before fit; this callback does nothing in this fit. Initialize "
+            "them first: one forward of a sample batch before trainer.fit (or in the "
+            "LightningModule's setup)",
+            category=LightningHooksWarning,
+        )
+        callback._idle = True
+    return bool(lazy)

@@ -10,8 +10,8 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import HookCallback
-from lightning_hooks.callbacks.checks import check_every_n_steps, fail_everywhere, nothing_to_watch
+from lightning_hooks.callbacks.alarm_policy import disable
+from lightning_hooks.callbacks.base import HookCallback, check_every_n_steps, nothing_to_watch
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.core.transport.distributed import gather_objects
@@ -212,7 +212,10 @@ class StatsCallback(HookCallback):
             try:
                 self._align_rows()
             except ValueError as error:  # a layer's units differ between ranks: on every rank
-                return fail_everywhere(self, trainer, step, "aligning rows across ranks", error)
+                if self._hook_guard().strict:
+                    raise
+                cause = f"aligning rows across ranks: {type(error).__name__}: {error}"
+                return disable(self, trainer, step, [cause] * self._ranks)  # every rank's
         return False
 
     def _align_rows(self) -> None:
