@@ -36,14 +36,11 @@ class GradFlowCallback(HookCallback):
     r"""Per-layer gradient flow (the applied gradient, weights, updates) and early-warning alarms
     on every optimizer step.
 
-    A *layer* is a module owning trainable parameters directly (``Linear``, ``Conv2d``,
-    ``BatchNorm``). On each sampled optimizer step (see ``every_n_steps``) it measures, without a
-    host sync, the gradient the optimizer applies (accumulated, all-reduced under DDP, unscaled
-    under AMP, after clipping), the weights, the update, and the gradient of each layer's output.
-    Each sampled step logs every statistic but the ``*_max`` ones under
-    ``grad_flow/{stat}_step/{layer}`` and ``grad_flow/global/{stat}_step``, with
-    ``grad_flow/alarms_step/{rule}``; each epoch end logs the mean and max over its sampled steps
-    at ``trainer.global_step`` under the tags below.
+    A *layer* is a module owning trainable parameters directly. Each sampled optimizer step
+    measures, without a host sync, the gradient the optimizer applies (accumulated, all-reduced,
+    unscaled, clipped), the weights, the update and the gradient of each layer's output, and logs
+    all but the ``*_max`` statistics under ``grad_flow/{stat}_step/...`` and
+    ``grad_flow/alarms_step/{rule}``; each epoch end logs the tags below.
 
     Logged metrics (``{layer}`` is the module's qualified name, e.g. ``encoder.0``):
 
@@ -89,19 +86,12 @@ class GradFlowCallback(HookCallback):
     ==========================================  ================================================
 
     Beyond ``max_layers_logged`` layers, an epoch logs that many layers' tags (non-finite first,
-    then half the largest, half the smallest gradient norms) plus percentiles over all layers;
-    the chart shows every layer.
+    then half the largest, half the smallest gradient norms); the chart shows every layer.
 
-    **Alarms** (:class:`~lightning_hooks.core.AlarmRules`) run on *every* optimizer step: one
-    multi-tensor L2 pass over the pre-clip gradients, copied to the host without blocking, where
-    the rules run (same step on CPU, the next on CUDA): *spike* (logged), *explosion* (a spike
-    surviving ``gradient_clip_val``), *absolute*, *vanishing*, *nonfinite*, *amp_overflow*
-    (counted), optional *loss_spike*; *diverging* on every batch; *stall* (logged) and
-    *attention* on the sampled steps. Under DDP the loss rules read the mean loss over ranks (one
-    ``all_reduce`` per batch, which also carries the ranks' agreement on a failure and on
-    ``stop``), so every rank decides alike; under manual optimization see
-    :meth:`.alarm_policy.LossAgreement.plan`. Under ``16-mixed`` the loss scale is divided
-    out; under DDP the values equal one process's on the global batch.
+    **Alarms** (:class:`~lightning_hooks.core.AlarmRules`) run on *every* optimizer step, on the
+    host, from one non-blocking copy of the pre-clip norms (the same step on CPU, the next on
+    CUDA). Under DDP the loss rules read the mean loss over ranks, so every rank decides alike
+    (manual optimization: :meth:`.alarm_policy.LossAgreement.plan`).
 
     Args:
         types: only modules of these types count as layers (default: any module with parameters).
@@ -232,28 +222,15 @@ class GradFlowCallback(HookCallback):
         return False
 
     @override
-    def _log_step(self, trainer: pl.Trainer, step: int) -> None:
-        tags.post_window(self, trainer, step)
-
-    @override
-    def _steps_in_flight(self) -> bool:
-        return tags.window_in_flight(self)
-
-    @override
-    def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
-        return tags.write_window(self, trainer, wait)
-
-    @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         tags.write_epoch(self, trainer)
 
-    @override
-    def _save_state(self) -> dict[str, Any]:
-        return tags.save_state(self)
-
-    @override
-    def _load_state(self, state: dict[str, Any]) -> None:
-        tags.load_state(self, state)
+    # What a logging step writes, and the checkpoint state (``grad_flow_tags.py``).
+    _log_step = tags.post_window
+    _steps_in_flight = tags.window_in_flight
+    _write_steps = tags.write_window
+    _save_state = tags.save_state
+    _load_state = tags.load_state
 
 
 def _tracker(

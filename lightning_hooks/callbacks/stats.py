@@ -81,13 +81,10 @@ class _Attached:
 class StatsCallback(HookCallback):
     """Hooks each statistic on the model, logs its tags every epoch, carries it in checkpoints.
 
-    Hooks run in training forwards of the sampled steps only. After each sampled optimizer step
-    (a logging step) the states measured since the last one (the *window*) are reduced across
-    ranks in one collective, copied to the host once (non-blocking on CUDA, written at the latest
-    the next batch) and logged under :meth:`LayerStat.step_values` (``{stat}_step`` tags); the
-    loggers are then saved, so a killed run keeps them. At each epoch end the epoch's result is
-    logged at ``trainer.global_step`` under :meth:`LayerStat.tags`. Checkpoints hold the reduced
-    states, so a fit resumed mid-epoch logs what the uninterrupted one logs.
+    Hooks run in the sampled steps' training forwards. At each logging step the states measured
+    since the last one (the *window*) are reduced across ranks, copied to the host without
+    blocking and logged under :meth:`LayerStat.step_values`; each epoch end logs
+    :meth:`LayerStat.tags`. Checkpoints hold the reduced states, so a resumed fit logs alike.
 
     Logged metrics: whatever the statistics' :meth:`~lightning_hooks.core.stats.stat.LayerStat.tags`
     return.
