@@ -248,7 +248,6 @@ class LossAgreement:
         self._carrier: HostMailbox | None = None
         self.reading: _LossReading = "own"  # what the loss rules read in this fit (:meth:`plan`)
         self._manual = False
-        self._watches = False  # a loss rule is on (:meth:`plan`)
         self._pending: tuple[torch.Tensor, int, list[tuple[Any, int]]] | None = None
 
     def plan(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
@@ -259,8 +258,7 @@ class LossAgreement:
         self._policy.stop_requested = False
         self.reading = "own"
         self._carrier = None
-        self._watches = rules is not None and rules.watches_loss
-        if not self._watches or world_size() == 1:
+        if rules is None or not rules.watches_loss or world_size() == 1:
             return
         self.reading = "mean"
         # A Fabric loop feeds its loss when it wants (fabric.py): read as manual optimization.
@@ -277,22 +275,18 @@ class LossAgreement:
         *,
         failed: bool,
     ) -> list[int] | None:
-        """The loss rules on ``training_step``'s loss (the ranks' mean when distributed).
+        """Under the ``"mean"`` reading, post ``training_step``'s loss to its ``all_reduce``, which
+        also carries this rank's ``failed`` and stop request (under ``"own"`` the callback's base
+        feeds the rules this rank's loss itself).
 
-        Distributed, the loss's ``all_reduce`` also carries this rank's ``failed`` and stop request;
-        their sums are read from the host copy without blocking on this batch's (CPU: at once,
+        The sums are read from the host copy without blocking on this batch's (CPU: at once,
         CUDA: next batch). Returns ``[ranks failed, ranks stopping]`` once read, else ``None``;
         every rank reads it at the same batch, before the rules run (which may raise).
         """
-        if not self._watches or self.reading == "off":
+        if self.reading != "mean":
             return None
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         loss = loss if isinstance(loss, torch.Tensor) else None
-        if self.reading == "own":
-            if loss is not None:
-                alarms.update_loss(loss, step=step)
-                self._policy.act(trainer, None, alarms.poll())
-            return None
         assert self._carrier is not None
         read = [self._carrier.read(wait=True)]  # CUDA: the last batch's, posted then
         carried = _carry(loss, failed, self._policy.stop_requested)
