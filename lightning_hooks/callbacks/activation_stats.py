@@ -29,11 +29,8 @@ class ActivationStatsCallback(StatsCallback):
     r"""Per-layer statistics of every selected module's output, over each epoch's training data.
 
     A forward hook on each selected module measures, without a host sync, every floating tensor
-    of its output in the training forwards of the sampled steps (not validation, the sanity check
-    or a checkpointing recompute). Statistics pool every element of the epoch's sampled batches.
-    Each sampled step logs every scalar below under ``activations/{stat}_step/{layer}``; each
-    epoch end logs the epoch's at ``trainer.global_step`` under the plain tags
-    (:class:`.stats.StatsCallback`).
+    of its output in the sampled steps' training forwards, pooling every element of the epoch's
+    sampled batches. Each sampled step logs every scalar under ``activations/{stat}_step/...``.
 
     Logged metrics (``{layer}`` is the module's qualified name; a tuple / list / dict output adds
     ``.{index}`` or ``.{key}``, e.g. ``lstm.0``):
@@ -56,12 +53,9 @@ class ActivationStatsCallback(StatsCallback):
                                             ``zero_fraction`` (every logger with pictures)
     ======================================  ===================================================
 
-    The default selection is every module owning parameters directly and every activation
-    module (``ReLU``, ``GELU``, ...). A module called twice pools both outputs into its row.
-    fp16 / bf16 outputs are summed in float32. A NaN / Inf makes the layer's mean, std, min and
-    max NaN for the epoch; the first module in execution order to go non-finite is named in one
-    ``LightningHooksWarning`` per fit (on CUDA at most one step late, never a blocking sync).
-    Histogram values outside the edges count in the end bins.
+    A module called twice pools both outputs into its row; fp16 / bf16 outputs are summed in
+    float32. A NaN / Inf makes the layer's mean, std, min and max NaN for the epoch; the first
+    module to go non-finite is named in one ``LightningHooksWarning`` per fit.
 
     Args:
         types: only modules of these types (default: parameter-owning and activation modules).
@@ -123,7 +117,6 @@ class ActivationStatsCallback(StatsCallback):
         self.uses_images = self.heatmaps or self.histograms
         self._history: list[tuple[int, FeatureSummary]] = []
         self._warned_nonfinite = False
-        self._step = 0
 
     @override
     def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:
@@ -137,10 +130,6 @@ class ActivationStatsCallback(StatsCallback):
         return None if attached is None else attached.stats[0]  # type: ignore[return-value]
 
     @override
-    def _batch_started(self, trainer: pl.Trainer) -> None:
-        self._step = trainer.global_step
-
-    @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
         self._probe_nonfinite()
         return False
@@ -151,9 +140,7 @@ class ActivationStatsCallback(StatsCallback):
         tracker = self._activations
         if tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
             return
-        if tracker.registry is None or not tracker.registry.sampled:
-            return
-        tracker.end_step(self._step)
+        tracker.end_step(self._batch_step)
         found = tracker.first_nonfinite.poll()
         if found is not None:
             step, row = found

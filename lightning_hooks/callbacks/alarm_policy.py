@@ -1,5 +1,6 @@
-"""What ``GradFlowCallback`` does when an alarm fires, and what its loss rules read: under DDP
-the mean loss over ranks, on one ``all_reduce`` per batch that also carries the ranks' agreement."""
+"""What ``GradFlowCallback`` does when an alarm fires, what its loss rules read (under DDP the
+mean loss over ranks, on one ``all_reduce`` per batch that also carries the ranks' agreement),
+and what every callback's ranks agree on at its logging steps: a failure and a stop."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from pytorch_lightning.utilities import rank_zero_warn
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
 from lightning_hooks.core.transport import (
     HostMailbox,
+    agree,
     all_reduce_sum_,
+    gather_objects,
     group_device,
     to_group_device,
     world_size,
@@ -21,7 +24,7 @@ from lightning_hooks.core.transport import (
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
 from lightning_hooks.logging import log_scalars, log_text, step_tags
 
-__all__ = ["AlarmPolicy", "LossAgreement"]
+__all__ = ["AlarmPolicy", "LossAgreement", "agree_ranks", "disable", "settle"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
@@ -245,7 +248,6 @@ class LossAgreement:
         self._carrier: HostMailbox | None = None
         self.reading: _LossReading = "own"  # what the loss rules read in this fit (:meth:`plan`)
         self._manual = False
-        self._watches = False  # a loss rule is on (:meth:`plan`)
         self._pending: tuple[torch.Tensor, int, list[tuple[Any, int]]] | None = None
 
     def plan(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
@@ -256,8 +258,7 @@ class LossAgreement:
         self._policy.stop_requested = False
         self.reading = "own"
         self._carrier = None
-        self._watches = rules is not None and rules.watches_loss
-        if not self._watches or world_size() == 1:
+        if rules is None or not rules.watches_loss or world_size() == 1:
             return
         self.reading = "mean"
         # A Fabric loop feeds its loss when it wants (fabric.py): read as manual optimization.
@@ -274,22 +275,18 @@ class LossAgreement:
         *,
         failed: bool,
     ) -> list[int] | None:
-        """The loss rules on ``training_step``'s loss (the ranks' mean when distributed).
+        """Under the ``"mean"`` reading, post ``training_step``'s loss to its ``all_reduce``, which
+        also carries this rank's ``failed`` and stop request (under ``"own"`` the callback's base
+        feeds the rules this rank's loss itself).
 
-        Distributed, the loss's ``all_reduce`` also carries this rank's ``failed`` and stop request;
-        their sums are read from the host copy without blocking on this batch's (CPU: at once,
+        The sums are read from the host copy without blocking on this batch's (CPU: at once,
         CUDA: next batch). Returns ``[ranks failed, ranks stopping]`` once read, else ``None``;
         every rank reads it at the same batch, before the rules run (which may raise).
         """
-        if not self._watches or self.reading == "off":
+        if self.reading != "mean":
             return None
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         loss = loss if isinstance(loss, torch.Tensor) else None
-        if self.reading == "own":
-            if loss is not None:
-                alarms.update_loss(loss, step=step)
-                self._policy.act(trainer, None, alarms.poll())
-            return None
         assert self._carrier is not None
         read = [self._carrier.read(wait=True)]  # CUDA: the last batch's, posted then
         carried = _carry(loss, failed, self._policy.stop_requested)
@@ -348,3 +345,40 @@ def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
     if loss is not None:
         carried[:1].copy_(to_group_device(loss).reshape(1))
     return all_reduce_sum_(carried)
+
+
+# The ranks' agreement on a failure and a stop, for any callback of ours.
+
+
+def agree_ranks(callback: Any, trainer: pl.Trainer, step: int, always: bool) -> bool:
+    """At a logging step (``always``: an epoch end) of a multi-process run, agree on a deferred
+    failure and a ``stop`` (one small ``all_reduce``) unless every batch's loss collective
+    carries them; whether the callback is now disabled on every rank."""
+    guard, policy = callback._hook_guard(), callback.policy
+    carried = policy is not None and callback._tracker is not None and policy.loss.carries
+    if callback._ranks == 1 or guard.failed is not None or (carried and not always):
+        return guard.failed is not None
+    stop = policy is not None and policy.stop_requested
+    failed, stopping, *extra = agree([guard.local is not None, stop, *callback._agreement_flags()])
+    disabled = settle(callback, trainer, step, failed, stopping)
+    return disabled or bool(callback._agreed(trainer, step, extra))
+
+
+def settle(callback: Any, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
+    """Act on the ranks' agreement: stop if any asked; if any failed, disable the callback on
+    every rank (one warning on rank 0 names each rank's hook and error); whether disabled."""
+    if stopping:
+        trainer.should_stop = True
+        if callback.policy is not None:
+            callback.policy.stop_requested = False
+    local = callback._hook_guard().local
+    return bool(failed) and disable(callback, trainer, step, gather_objects(local))
+
+
+def disable(callback: Any, trainer: pl.Trainer, step: int, causes: list[Any]) -> bool:
+    """Disable the callback on every rank, one warning on rank 0 naming each rank's cause."""
+    guard = callback._hook_guard()
+    guard.settle(causes, step, warn=trainer.is_global_zero)
+    guard.take_pending()
+    callback._guard_disable()
+    return True

@@ -1,38 +1,38 @@
-"""The base of every callback: when its hooks exist, which steps it measures, when it writes.
-
-:class:`HookCallback` owns the lifecycle (attach, remove on every exit, checkpoints, the guard),
-the cadence (sampled steps, logging steps) and the writing (one save of the loggers per hook
-round, the dashboard). Subclasses implement :meth:`~HookCallback._attach` and
-:meth:`~HookCallback._log_epoch` and extend the hooks under "Extend" below. Checks and the ranks'
-agreement live in ``checks.py``; Fabric support in ``fabric.py``.
+"""The base of every callback: the lifecycle (checks, hooks attached and removed, checkpoints,
+the guard), the cadence (sampled and logging steps) and the writing (one save of the loggers per
+hook round). A quiet step runs only this module's hooks: a subclass's part is set at ``_attach``.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.checks import (
-    agree_ranks,
+from lightning_hooks.callbacks.alarm_policy import agree_ranks
+from lightning_hooks.callbacks.fabric import (
+    FabricRun,
     check_trainer,
     passed_by_user,
     restore_inherited,
     second_callback,
     skip_inherited,
+    start_run,
 )
-from lightning_hooks.callbacks.fabric import FabricRun, start_run
+from lightning_hooks.core.checks import positive_int
 from lightning_hooks.core.hooks.guard import Guard, guard_hooks
 from lightning_hooks.core.transport import world_size
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import save_loggers, write_dashboards
 
-__all__ = ["HookCallback", "read_steps"]
-
+__all__ = ["HookCallback", "check_every_n_steps", "nothing_to_watch", "observe_optimizer_step"]
 
 if TYPE_CHECKING:
     _SecondCallback = object
@@ -49,14 +49,13 @@ class HookCallback(pl.Callback, _SecondCallback):
     Hooks are attached in ``on_train_start`` and removed, idempotently, in ``on_train_end``,
     ``on_exception`` and ``teardown``. A checkpoint's state (:meth:`_save_state`) waits for the
     hooks, then goes to :meth:`_load_state`; one saved for other layers is dropped, warned.
+    Subclasses implement ``_attach`` and ``_log_epoch`` and may extend the hooks under "Extend".
     """
 
-    every_n_steps: int | None = None
-    """Measure steps ``n-1, 2n-1, ...`` and each epoch's first (``None``: ``log_every_n_steps``)."""
-    strict: bool | None = None
-    """``True``: an exception in one of the callback's hooks propagates; ``False``: it disables
-    the callback for the rest of the fit with one warning; ``None``: ``LIGHTNING_HOOKS_STRICT``."""
+    every_n_steps: int | None = None  # measure steps n-1, 2n-1, ... (None: log_every_n_steps)
+    strict: bool | None = None  # a hook's exception: raise, or disable (None: the environment)
     uses_images: bool = True
+    policy: Any = None  # what acts on the alarms (``AlarmPolicy``)
     _tracker: Any = None  # what the hooks feed; ``remove()`` takes them off
     _pending_state: dict[str, Any] | None = None
     _ranks: int = 1
@@ -67,6 +66,12 @@ class HookCallback(pl.Callback, _SecondCallback):
     _epoch_start_step: int = -1
     _sampled_step: int | None = None
     _posted = False  # a logging step's windows were posted, and may not all be written yet
+    _batch_step = 0  # the optimizer step the running batch feeds
+    _sampled_batch = False  # the running batch belongs to a sampled step
+    # Set by ``_attach``, so that a quiet batch calls no method of a subclass:
+    _every_batch = False  # ``_batch_ending`` on every batch, not only the sampled ones
+    _own_loss: Any = None  # the alarms fed this rank's loss at each batch end
+    _on_optimizer_step: Any = None  # more work at each ``on_before_optimizer_step``
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -83,25 +88,15 @@ class HookCallback(pl.Callback, _SecondCallback):
         """After a guarded failure: remove every hook now; the guard keeps the rest off."""
         self._detach()
 
-    @property
-    @override
+    @cached_property
     def state_key(self) -> str:
         """Unique per configuration (made once: Lightning reads it for every hook it calls)."""
-        key: str | None = self.__dict__.get("_cached_state_key")
-        if key is None:
-            key = self.__dict__["_cached_state_key"] = self._generate_state_key(
-                **self._state_key_fields()
-            )
-        return key
+        return self._generate_state_key(**self._state_key_fields())
 
     def _state_key_fields(self) -> dict[str, Any]:
-        """What makes this instance's checkpoint state distinct (the selection, and whether
-        ``LIGHTNING_HOOKS`` added it: Lightning refuses two equal keys)."""
-        fields = {
-            "types": repr(getattr(self, "types", None)),
-            "include": getattr(self, "include", ()),
-            "exclude": getattr(self, "exclude", ()),
-        }
+        """What makes the checkpoint state distinct (Lightning refuses two equal keys)."""
+        selection = {name: getattr(self, name, ()) for name in ("include", "exclude")}
+        fields = {"types": repr(getattr(self, "types", None)), **selection}
         return {**fields, "environment": True} if self._from_environment else fields
 
     @override
@@ -128,19 +123,28 @@ class HookCallback(pl.Callback, _SecondCallback):
         if self._idle:
             return
         self._attach(trainer, pl_module)
-        _load_pending(self)
+        pending, self._pending_state = self._pending_state, None
+        if pending:  # a checkpoint's state, to the freshly attached accumulators
+            try:
+                self._load_state(pending)
+            except (KeyError, ValueError) as err:
+                rank_zero_warn(
+                    f"{type(self).__name__}: the checkpoint's statistics do not match this "
+                    f"model and are dropped ({err})",
+                    category=LightningHooksWarning,
+                )
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        step = self._batch_step = trainer.global_step
         if batch_idx == 0:
             # By batch index, not on_train_epoch_start: a run resumed mid-epoch samples the
             # same steps as the uninterrupted one. Every micro-batch of the step follows.
-            self._epoch_start_step = trainer.global_step
+            self._epoch_start_step = step
         if self._posted:  # on CUDA, the last logging step's copy
-            read_steps(self, trainer, wait=False)
-        step = trainer.global_step
+            _read_steps(self, trainer, wait=False)
         cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
         sampled = (step + 1) % cadence == 0 or step == self._epoch_start_step
         if sampled and self._tracker is not None:
@@ -148,34 +152,47 @@ class HookCallback(pl.Callback, _SecondCallback):
         gate = getattr(self._tracker, "registry", None)  # the sampled gate of the module hooks
         if gate is not None and gate.sampled != sampled:  # a quiet step reads it, sets nothing
             gate.sampled = sampled
-        if trainer in _UNSAVED:
-            _end_round(self, trainer)
-        self._batch_started(trainer)
+        if trainer in _UNSAVED and _last_of_ours(self, trainer, live=True):
+            _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
+        self._sampled_batch = sampled and self._tracker is not None
+        if self._sampled_batch:
+            self._batch_started(trainer)
 
     @override
     def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._batch_ending(trainer, outputs):
+        if (self._sampled_batch or self._every_batch) and self._batch_ending(trainer, outputs):
             return
+        if (alarms := self._own_loss) is not None:  # the loss rules on this rank's loss
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+            if isinstance(loss, torch.Tensor):
+                alarms.update_loss(loss, step=self._batch_step)
+                if found := alarms.poll():
+                    self.policy.act(trainer, None, found)
         measured = self._sampled_step
         # The sampled step's optimizer step ran (its last micro-batch): a logging step.
         if measured is not None and trainer.global_step > measured:
             self._sampled_step = None
-            if _logging_step(self, trainer, measured):
-                return
-        if trainer in _UNSAVED:
-            _end_round(self, trainer)
+            if agree_ranks(self, trainer, measured, always=False):
+                return  # disabled
+            _read_steps(self, trainer, wait=True)  # the last logging step's, then post this one
+            self._log_step(trainer, measured)
+            self._posted = True
+            _read_steps(self, trainer, wait=False)
+        if trainer in _UNSAVED and _last_of_ours(self, trainer, live=True):
+            _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not agree_ranks(self, trainer, trainer.global_step, always=True):
-            _write_epoch(self, trainer, pl_module)
+            _read_steps(self, trainer, wait=True)
+            self._sampled_step = None
+            self._log_epoch(trainer, pl_module)
+            if trainer.is_global_zero and _last_of_ours(self, trainer, live=False):
+                write_dashboards(trainer.loggers)  # one layout per run, by the last of ours
+            save_loggers(trainer.loggers)
+            _UNSAVED.discard(trainer)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -210,7 +227,7 @@ class HookCallback(pl.Callback, _SecondCallback):
 
     def flush(self, trainer: pl.Trainer) -> None:
         """Before the hooks go: write what was measured (CUDA: the last logging step's copy)."""
-        read_steps(self, trainer, wait=True)
+        _read_steps(self, trainer, wait=True)
         _save(trainer)
 
     def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
@@ -233,114 +250,77 @@ class HookCallback(pl.Callback, _SecondCallback):
         for bound in ("log", "log_dict"):
             self.__dict__.pop(bound, None)
 
-    # Extend: what a subclass measures and writes.
-
-    def _validate(self, pl_module: pl.LightningModule) -> None:
-        """Check the configuration against the model before training starts."""
+    # Extend: ``_attach``, ``_log_epoch``; ``_validate`` (the model); ``_batch_started`` /
+    # ``_batch_ending`` (a sampled step's batch; ``True``: disabled); a logging step's window
+    # posted (``_log_step``), written (``_write_steps``: whether any was; ``wait``: block) or in
+    # flight; ``_save_state`` / ``_load_state`` (ValueError if foreign); more flags the ranks
+    # agree on (``_agreement_flags``) and the act on their counts (``_agreed``: whether disabled).
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         raise NotImplementedError
 
+    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        raise NotImplementedError
+
+    def _validate(self, pl_module: pl.LightningModule) -> None: ...
+
     def _detach(self) -> None:
-        """Remove the tracker's hooks and drop it (idempotent); override to keep state first."""
         if self._tracker is not None:
             self._tracker.remove()
             self._tracker = None
 
-    def _batch_started(self, trainer: pl.Trainer) -> None:
-        """The last of ``on_train_batch_start``, once this step's gate is set."""
+    def _batch_started(self, trainer: pl.Trainer) -> None: ...
 
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        """The first of ``on_train_batch_end``; ``True``: the callback was disabled, stop."""
         return False
 
-    def _log_step(self, trainer: pl.Trainer, step: int) -> None:
-        """A logging step: post the window of the steps measured since the last one."""
+    def _log_step(self, trainer: pl.Trainer, step: int) -> None: ...
 
     def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
-        """Write the windows whose copies are done (``wait``: block for them); whether any was."""
         return False
 
     def _steps_in_flight(self) -> bool:
-        """Whether a window :meth:`_log_step` posted is not yet written."""
         return False
 
-    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        raise NotImplementedError
-
     def _save_state(self) -> dict[str, Any]:
-        """The statistics so far, reduced across ranks, on the host (every rank calls it)."""
         return {}
 
-    def _load_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`_save_state` into freshly attached accumulators; ValueError if foreign."""
+    def _load_state(self, state: dict[str, Any]) -> None: ...
 
     def _agreement_flags(self) -> list[bool]:
-        """More flags for the ranks' agreement (:func:`agree_ranks`, each counted over ranks)."""
         return []
 
     def _agreed(self, trainer: pl.Trainer, step: int, counts: list[int]) -> bool:
-        """Act on :meth:`_agreement_flags`' counts; whether the callback is now disabled."""
         return False
-
-    def _carried(self) -> bool:
-        """Whether a collective of every batch carries the agreement."""
-        return False
-
-    def _wants_stop(self) -> bool:
-        """Whether this rank asks every rank to stop (an alarm's ``stop``, not yet agreed)."""
-        return False
-
-    def _stop_agreed(self) -> None:
-        """The ranks agreed to stop: forget this rank's request."""
 
 
 guard_hooks(HookCallback)
 
 
-def _load_pending(callback: HookCallback) -> None:
-    """Hand a checkpoint's state to the freshly attached accumulators (one warning if foreign)."""
-    pending, callback._pending_state = callback._pending_state, None
-    if pending:
-        try:
-            callback._load_state(pending)
-        except (KeyError, ValueError) as err:
-            rank_zero_warn(
-                f"{type(callback).__name__}: the checkpoint's statistics do not match this model "
-                f"and are dropped ({err})",
-                category=LightningHooksWarning,
-            )
+def observe_optimizer_step(
+    callback: Any, trainer: pl.Trainer, pl_module: Any, optimizer: Any
+) -> None:
+    """``on_before_optimizer_step`` of a callback holding a gradient tracker: measure the
+    gradient ``optimizer`` is about to apply, and act on the alarms read."""
+    tracker = callback._tracker
+    if tracker is None:
+        return
+    scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
+    scale = getattr(scaler, "_scale", None) if scaler is not None and scaler.is_enabled() else None
+    scale = scale if isinstance(scale, torch.Tensor) else None  # no sync
+    # Lightning does not unscale for optimizers that unscale inside their step (fused).
+    fused = scale is not None and getattr(optimizer, "_step_supports_amp_scaling", False)
+    tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
+    if callback._on_optimizer_step is not None:
+        callback._on_optimizer_step(optimizer)
+    if tracker.alarms is not None and (found := tracker.alarms.poll(wait=callback.policy.wait)):
+        callback.policy.act(trainer, optimizer, found)
 
 
 # The writing: logging steps, epoch ends, one save of the loggers per hook round.
 
 
-def _logging_step(callback: HookCallback, trainer: pl.Trainer, measured: int) -> bool:
-    """After the sampled step's optimizer step: write the last logging step's copy, post
-    this one's; whether the callback is now disabled."""
-    if agree_ranks(callback, trainer, measured, always=False):
-        return True
-    read_steps(callback, trainer, wait=True)
-    callback._log_step(trainer, measured)
-    callback._posted = True
-    read_steps(callback, trainer, wait=False)
-    return False
-
-
-def _write_epoch(
-    callback: HookCallback, trainer: pl.Trainer, pl_module: pl.LightningModule
-) -> None:
-    """At the epoch end: the last logging step, the epoch, the dashboard, one save."""
-    read_steps(callback, trainer, wait=True)
-    callback._sampled_step = None
-    callback._log_epoch(trainer, pl_module)
-    if trainer.is_global_zero and _last_of_ours(callback, trainer, live=False):
-        write_dashboards(trainer.loggers)  # one layout per run, by the last of ours
-    save_loggers(trainer.loggers)
-    _UNSAVED.discard(trainer)
-
-
-def read_steps(callback: HookCallback, trainer: pl.Trainer, wait: bool) -> None:
+def _read_steps(callback: HookCallback, trainer: pl.Trainer, wait: bool) -> None:
     """Write what the last logging step measured once its host copy is done (``wait``: block
     for it); without ``wait``, nothing is read unless a posted window is still unwritten."""
     if not (wait or callback._posted):
@@ -348,13 +328,6 @@ def read_steps(callback: HookCallback, trainer: pl.Trainer, wait: bool) -> None:
     if callback._write_steps(trainer, wait):
         _UNSAVED.add(trainer)
     callback._posted = not wait and callback._steps_in_flight()
-
-
-def _end_round(callback: HookCallback, trainer: pl.Trainer) -> None:
-    """Save the loggers once per hook round in which any of ours wrote (so a killed run keeps
-    them): the last of ours not failed saves for all."""
-    if _last_of_ours(callback, trainer, live=True):
-        _save(trainer)
 
 
 def _last_of_ours(callback: HookCallback, trainer: pl.Trainer, *, live: bool) -> bool:
@@ -376,3 +349,49 @@ def _save(trainer: pl.Trainer) -> None:
     if trainer.is_global_zero:
         write_dashboards(trainer.loggers)
     save_loggers(trainer.loggers)
+
+
+# The checks: each error names the culprit.
+
+
+def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
+    """Validate a cadence: a positive int or ``None`` (``ValueError`` naming ``owner`` else).
+
+    Example:
+        >>> check_every_n_steps("GradFlowCallback", 4), check_every_n_steps("Cb", None)
+        (4, None)
+    """
+    if every_n_steps is None:
+        return None
+    try:
+        return positive_int(owner, "every_n_steps", every_n_steps)
+    except TypeError as err:  # one error type for every wrong cadence
+        raise ValueError(
+            f"{owner}(every_n_steps={every_n_steps!r}): must be a positive int or None "
+            f"(the Trainer's log_every_n_steps), got {every_n_steps!r}"
+        ) from err
+
+
+def nothing_to_watch(callback: HookCallback, what: str, hint: str = "") -> None:
+    """``callback``'s selection holds no ``what``: raise if the user gave a selection, else warn
+    once and do nothing this fit.
+
+    Raises:
+        ValueError: a selection argument was given.
+    """
+    name = type(callback).__name__
+    types = getattr(callback, "types", None)
+    given = [f"types={types!r}"] if types is not None and types != callback._default_types else []
+    given += [
+        f"{argument}={value!r}"
+        for argument in callback._selection_arguments
+        if (value := getattr(callback, argument, None))
+    ]
+    if given:
+        raise ValueError(f"{name}({', '.join(given)}): selects no {what} of the model{hint}")
+    rank_zero_warn(
+        f"{name}: the model has no {what} to watch at the defaults; this callback does "
+        f"nothing in this fit{hint}",
+        category=LightningHooksWarning,
+    )
+    callback._idle = True

@@ -25,11 +25,8 @@ class DeadReLUCallback(StatsCallback):
     r"""Dead units per activation layer: units that never fired on a sampled batch of an epoch.
 
     A unit is a channel of a conv output ``[N, C, ...]`` or a feature of a linear output
-    ``[N, ..., F]``. A forward hook on each watched activation counts how often each unit fired
-    in the epoch's sampled training forwards; a unit that never fired is dead. A unit fires when
-    its output is ``> 0``: ``ReLU``, ``ReLU6``, ``LeakyReLU`` (slope >= 0), ``ELU``, ``GELU`` and
-    ``SiLU`` keep their input's sign (so ``ReLU(inplace=True)`` works); for ``pre_activation``
-    layers (feeding ``F.relu``) the layer's output is read.
+    ``[N, ..., F]``; it fires when its output is ``> 0`` (for ``pre_activation`` layers, feeding
+    ``F.relu``, the layer's output is read), and is dead if it never fired in the epoch.
 
     Logged metrics (``{layer}`` is the watched module's qualified name), at each epoch end; each
     sampled step also logs ``dead_relu/zero_fraction_step/{layer}`` (a unit is dead over an
@@ -44,9 +41,8 @@ class DeadReLUCallback(StatsCallback):
                                             averaged over the epoch (ReLU: exact zeros)
     ======================================  ===================================================
 
-    A ``LightningHooksWarning`` names the layer and "k of n units" the first epoch its dead
-    fraction is ``>= warn_at`` (with a unit dead); repeats are summed in one warning at the fit's
-    end. In a module called twice a unit lives if either call fired; each call is a batch.
+    A ``LightningHooksWarning`` names the layer the first epoch its dead fraction is
+    ``>= warn_at``; repeats are summed in one warning at the fit's end.
 
     Args:
         types: activation module types to watch (default: ``ReLU``, ``ReLU6``, ``LeakyReLU``,

@@ -1,28 +1,12 @@
-"""Our callbacks in a Fabric loop: ``Fabric(callbacks=[GradFlowCallback()])``, nothing else.
+"""How our callbacks meet the loop that runs them: Lightning's Trainer (its checks, its two
+namespaces, the per-batch hooks it need not call) and Fabric's.
 
-On ``on_after_setup`` the callback holds a :class:`FabricRun` (:func:`start_run`), which takes
-its place in Fabric's callback list and drives its Trainer hooks from Fabric's, with
-:class:`FabricTrainer` standing in for the Trainer:
-
-====================================  ===========================================================
-Fabric                                the callback
-====================================  ===========================================================
-``fabric.setup(module)``              ``setup``, ``on_fit_start`` (checks), pre-step hooks armed
-first step (or clip) of an optimizer  ``on_train_start``: the hooks attached, that optimizer
-  holding the module's parameters       watched
-``fabric.clip_gradients``             ``on_before_optimizer_step`` before the clipping (pre-clip
-                                        norm, alarms); the applied gradient in the step post-hook
-``optimizer.step()``: before          ``on_before_optimizer_step`` (when not clipped): statistics,
-                                        alarms, ``skip``
-``on_after_optimizer_step``           ``global_step += 1``; ``on_train_batch_end`` (a logging
-                                        step: written and saved), ``on_train_batch_start`` (gate)
-``fabric.call("on_before_backward",   the loss rules' loss of the coming step
-  loss)``
-``fabric.call("on_train_epoch_end")``  the epoch's aggregates, charts and alarm summary
-``fabric.call("on_train_end")``       the last window written, every hook removed
-====================================  ===========================================================
-
-Nothing global holds the run strongly: releasing the Fabric and module releases the hooks.
+Under Fabric, ``Fabric(callbacks=[GradFlowCallback()])`` is all: on ``on_after_setup`` the
+callback holds a :class:`FabricRun` (:func:`start_run`), which takes its place in Fabric's
+callback list and drives its Trainer hooks from Fabric's (``fabric.setup``, an optimizer's step
+pre-hook, ``fabric.clip_gradients``, ``on_after_optimizer_step``, ``fabric.call(...)``; the table
+in ``docs/fabric.md``), with :class:`FabricTrainer` standing in for the Trainer. Nothing global
+holds the run strongly: releasing the Fabric and module releases the hooks.
 """
 
 from __future__ import annotations
@@ -30,55 +14,141 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lightning_hooks.callbacks.checks import passed_by_user
 from lightning_hooks.errors import LightningHooksWarning
-
-if TYPE_CHECKING:
-    from lightning_hooks.callbacks.base import HookCallback
+from lightning_hooks.logging import shows_pictures
 
 __all__ = [
-    "FABRIC_EVERY_N_STEPS",
+    "PER_BATCH_HOOKS",
     "FabricRun",
     "FabricTrainer",
     "check_fabric",
-    "original_module",
-    "start_run",
+    "check_trainer",
+    "passed_by_user",
+    "skip_inherited",
 ]
 
-FABRIC_EVERY_N_STEPS = 50
-"""The cadence under Fabric when ``every_n_steps`` is ``None`` (the Trainer's default)."""
+_NAMESPACES: tuple[tuple[type, type], ...] = ((pl.Trainer, pl.Callback),)  # (Trainer, Callback)
+try:
+    from lightning.pytorch import Callback as _LightningCallback
+    from lightning.pytorch import Trainer as _LightningTrainer
+
+    _NAMESPACES += ((_LightningTrainer, _LightningCallback),)
+except ImportError:
+    pass
+
+
+def second_callback() -> type:
+    """``lightning.pytorch.Callback`` if installed and distinct, else ``object`` (each namespace's
+    ``LightningCLI`` accepts only its own ``Callback``: ours derive from both)."""
+    return object if _NAMESPACES[-1][1] is pl.Callback else _NAMESPACES[-1][1]
+
+
+_FSDP2 = (
+    "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) with fully_shard "
+    "applied in configure_model (FSDP2; HSDP on a 2-D (replicate, shard) mesh)"
+)
+
+
+def check_trainer(callback: Any, trainer: pl.Trainer) -> None:
+    """Refuse a strategy whose statistics would be a shard's, or no logger; warn if none shows
+    images.
+
+    Raises:
+        MisconfigurationException: an unsupported strategy, or no logger.
+    """
+    name, strategy = type(callback).__name__, type(trainer.strategy).__name__
+    names = {c.__name__ for c in type(trainer.strategy).__mro__}  # both namespaces, subclasses
+    if names & {"FSDPStrategy", "DeepSpeedStrategy"}:
+        raise MisconfigurationException(
+            f"{name} does not support Trainer(strategy={strategy}): parameters are sharded "
+            f"across ranks and their statistics are not made whole there. Use {_FSDP2}, "
+            "strategy='ddp' or a single device (see the README's support matrix)."
+        )
+    tensor_parallel = getattr(trainer.strategy, "_tensor_parallel_size", 1)
+    if "ModelParallelStrategy" in names and tensor_parallel != 1:
+        raise MisconfigurationException(
+            f"{name} does not support {strategy}(tensor_parallel_size={tensor_parallel!r}): "
+            "ranks of a tensor-parallel group see the same batch and shards of each activation, "
+            f"so per-layer statistics would be wrong. Supported: {_FSDP2}."
+        )
+    if not trainer.loggers:
+        raise MisconfigurationException(
+            f"{name} needs a logger, but the Trainer has none (logger=False). "
+            "Use Trainer(logger=TensorBoardLogger(...)) or leave logger at its default."
+        )
+    if callback.uses_images and not shows_pictures(trainer.loggers):
+        rank_zero_warn(
+            f"{name}: no logger that shows pictures among the Trainer's loggers; scalars go "
+            f"to {[type(lg).__name__ for lg in trainer.loggers]}, images need TensorBoard, "
+            "W&B, MLflow or CSV.",
+            category=LightningHooksWarning,
+        )
+
+
+def passed_by_user(callback: Any, callbacks: list[Any]) -> bool:
+    """Whether ``callback`` came from ``LIGHTNING_HOOKS`` and the user passed one of its class."""
+    return callback._from_environment and any(
+        isinstance(other, type(callback)) and not getattr(other, "_from_environment", False)
+        for other in callbacks
+    )
+
+
+# Lightning calls every per-batch hook of every callback in a profiler context, even the empty
+# defaults, but skips an attribute that is not callable: for the fit, each inherited per-batch hook
+# is shadowed by ``None`` on the instance (not those the class defines, nor others' attributes).
+_STAGES = ("train", "validation", "test", "predict")
+PER_BATCH_HOOKS = (
+    *(f"on_{stage}_batch_{end}" for stage in _STAGES for end in ("start", "end")),
+    *("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step"),
+)
+_SHADOWED = "_lightning_hooks_shadowed"
+_TRAINERS = tuple(trainer for trainer, _ in _NAMESPACES)
+_DEFAULTS = {name: {getattr(base, name) for _, base in _NAMESPACES} for name in PER_BATCH_HOOKS}
+
+
+def skip_inherited(callback: Any, trainer: Any) -> None:
+    """Under Lightning's ``trainer`` (not Fabric's loop), shadow the inherited per-batch hooks."""
+    if not isinstance(trainer, _TRAINERS):
+        return
+    own, cls = callback.__dict__, type(callback)
+    shadowed = tuple(n for n in PER_BATCH_HOOKS if n not in own and getattr(cls, n) in _DEFAULTS[n])
+    own.update(dict.fromkeys(shadowed))
+    own[_SHADOWED] = own.get(_SHADOWED, ()) + shadowed
+
+
+def restore_inherited(callback: Any) -> None:
+    """Remove the shadows :func:`skip_inherited` set (idempotent)."""
+    for name in callback.__dict__.pop(_SHADOWED, ()):
+        if callback.__dict__.get(name, False) is None:
+            del callback.__dict__[name]
+
+
+FABRIC_EVERY_N_STEPS = 50  # the cadence under Fabric when ``every_n_steps`` is ``None``
 
 _SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
-_REFUSED_STRATEGIES = (
-    "FSDPStrategy",
-    "DeepSpeedStrategy",
-    "ModelParallelStrategy",
-    "XLAStrategy",
-    "XLAFSDPStrategy",
-    "DataParallelStrategy",
-)
+_REFUSED_STRATEGIES = {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"}
+_REFUSED_STRATEGIES |= {"XLAStrategy", "XLAFSDPStrategy", "DataParallelStrategy"}
 _TRAINER_ONLY: dict[str, str] = {
     "LayerTimeCallback": "it times on the LightningModule's device (pl_module.device), which a "
     "plain nn.Module set up by Fabric does not have.",
     "FeatureMapCallback": "it draws its probe images from the training batch, which Fabric does "
     "not hand to callbacks.",
-}
-"""Callbacks refused under Fabric, with the reason."""
+}  # refused under Fabric, with the reason
 
 
 class FabricTrainer:
-    """The attributes of a ``pl.Trainer`` that our callbacks read, over a ``Fabric``.
-
-    ``global_step`` counts the watched module's optimizer steps; ``current_epoch`` counts
-    ``fabric.call("on_train_epoch_end")``; ``should_stop`` is unread (``"stop"`` is refused).
+    """The attributes of a ``pl.Trainer`` that our callbacks read, over a ``Fabric``:
+    ``global_step`` counts the watched module's optimizer steps, ``current_epoch`` the calls of
+    ``on_train_epoch_end``; ``should_stop`` is unread (``"stop"`` is refused).
 
     Args:
         fabric: the ``Fabric`` whose loop is watched.
@@ -96,8 +166,7 @@ class FabricTrainer:
         # the one attribute of a Trainer's strategy our callbacks read
         self.strategy = SimpleNamespace(precision_plugin=fabric.strategy.precision)
         self.callbacks = [callback]
-        self.global_step = 0
-        self.current_epoch = 0
+        self.global_step = self.current_epoch = 0
         self.should_stop = False
         self.log_every_n_steps = FABRIC_EVERY_N_STEPS
         self.optimizers: list[Any] = []
@@ -137,7 +206,7 @@ def check_fabric(callback: Any, fabric: Any) -> None:
         )
     strategy = type(fabric.strategy)
     mro = {c.__name__ for c in strategy.__mro__}
-    if mro & set(_REFUSED_STRATEGIES) or not mro & set(_SUPPORTED_STRATEGIES):
+    if mro & _REFUSED_STRATEGIES or not mro & set(_SUPPORTED_STRATEGIES):
         raise MisconfigurationException(
             f"{name} under Fabric supports strategy in ('auto' on one device, 'ddp'), got "
             f"{strategy.__name__}: under FSDP, DeepSpeed and model parallelism the parameters are "
@@ -166,7 +235,7 @@ _CLIPS = (
 
 
 class FabricRun:
-    """One callback watching one module of one Fabric loop (see the module's table).
+    """One callback watching one module of one Fabric loop (the table in ``docs/fabric.md``).
 
     Args:
         callback: the library callback driven.
@@ -174,15 +243,13 @@ class FabricRun:
         module: the module set up (Fabric's wrapper; the user's module is watched).
     """
 
-    def __init__(self, callback: HookCallback, fabric: Any, module: nn.Module) -> None:
+    def __init__(self, callback: Any, fabric: Any, module: nn.Module) -> None:
         check_fabric(callback, fabric)
-        self.callback = callback
-        self.fabric = fabric
+        self.callback, self.fabric = callback, fabric
         self.module = original_module(module)
         self.trainer = FabricTrainer(fabric, callback)
         self._params = {id(p) for p in self.module.parameters()}
-        self._owned: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]
-        self._owned = weakref.WeakKeyDictionary()
+        self._owned: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._observed: set[int] = set()  # optimizers observed before their clip, this step
         self._loss: Any = None
         self._attached = False
@@ -191,9 +258,8 @@ class FabricRun:
 
     def start(self) -> None:
         """Run the callback's set-up checks; arm the pre-step and clipping hooks."""
-        pl_module: Any = self.module
-        self.callback.setup(self.trainer, pl_module, "fit")  # type: ignore[arg-type]
-        self.callback.on_fit_start(self.trainer, pl_module)  # type: ignore[arg-type]
+        self.callback.setup(self.trainer, self.module, "fit")
+        self.callback.on_fit_start(self.trainer, self.module)
         ref = weakref.ref(self)
 
         def pre_step(optimizer: torch.optim.Optimizer, *args: Any) -> None:
@@ -207,9 +273,7 @@ class FabricRun:
         for attribute, algorithm, argument in _CLIPS:
             self._wrap_clip(ref, attribute, algorithm, argument)
 
-    def _wrap_clip(
-        self, ref: weakref.ref[FabricRun], attribute: str, algorithm: str, argument: str
-    ) -> None:
+    def _wrap_clip(self, ref: Any, attribute: str, algorithm: str, argument: str) -> None:
         """Observe the gradients before ``fabric.clip_gradients`` clips them (an instance
         attribute shadowing the strategy's method until released)."""
         strategy = self.fabric.strategy
@@ -264,18 +328,18 @@ class FabricRun:
             self.trainer.optimizers.append(optimizer)
         if new or not self._attached:
             self._start()
-        self.callback.on_before_optimizer_step(self.trainer, self.module, optimizer)  # type: ignore[arg-type]
+        self.callback.on_before_optimizer_step(self.trainer, self.module, optimizer)
 
     def _start(self) -> None:
         """Attach (again) for the optimizers known, and set the gate of the coming step."""
-        self.callback.on_train_start(self.trainer, self.module)  # type: ignore[arg-type]
+        self.callback.on_train_start(self.trainer, self.module)
         self._attached = True
         self._batch_start()
 
     def _batch_start(self) -> None:
         # A batch index other than 0: Fabric has no epochs, the cadence alone samples.
         step = self.trainer.global_step
-        self.callback.on_train_batch_start(self.trainer, self.module, None, step + 1)  # type: ignore[arg-type]
+        self.callback.on_train_batch_start(self.trainer, self.module, None, step + 1)
 
     def on_after_optimizer_step(self, strategy: Any, optimizer: torch.optim.Optimizer) -> None:
         """Fabric's hook: count the step, make it a logging step when sampled, gate the next."""
@@ -284,7 +348,7 @@ class FabricRun:
         self.trainer.global_step += 1
         loss, self._loss = self._loss, None
         step = self.trainer.global_step - 1
-        self.callback.on_train_batch_end(self.trainer, self.module, loss, None, step)  # type: ignore[arg-type]
+        self.callback.on_train_batch_end(self.trainer, self.module, loss, None, step)
         self._batch_start()
 
     def on_before_backward(self, loss: Any) -> None:
@@ -294,16 +358,16 @@ class FabricRun:
     def on_train_epoch_end(self) -> None:
         """``fabric.call("on_train_epoch_end")``: log the epoch's aggregates."""
         if self._attached:
-            self.callback.on_train_epoch_end(self.trainer, self.module)  # type: ignore[arg-type]
+            self.callback.on_train_epoch_end(self.trainer, self.module)
         self.trainer.current_epoch += 1
 
     def on_train_end(self) -> None:
         """``fabric.call("on_train_end")``: write what is pending, remove every hook."""
         callback, trainer = self.callback, self.trainer
         if self._attached:
-            callback.flush(trainer)  # type: ignore[arg-type]
-            callback.on_train_end(trainer, self.module)  # type: ignore[arg-type]
-        callback.teardown(trainer, self.module, "fit")  # type: ignore[arg-type]
+            callback.flush(trainer)
+            callback.on_train_end(trainer, self.module)
+        callback.teardown(trainer, self.module, "fit")
         self._attached = False
         for undo in reversed(self._undo):
             undo()
@@ -321,7 +385,7 @@ class FabricRun:
             )
 
 
-def start_run(callback: HookCallback, fabric: Any, module: nn.Module) -> None:
+def start_run(callback: Any, fabric: Any, module: nn.Module) -> None:
     """Fabric's ``on_after_setup``: watch ``module`` with a :class:`FabricRun` in the callback's
     place in Fabric's callback list."""
     callbacks: list[Any] | None = getattr(fabric, "_callbacks", None)

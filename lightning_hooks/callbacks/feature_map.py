@@ -12,8 +12,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import HookCallback
-from lightning_hooks.callbacks.checks import nothing_to_watch
+from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
 from lightning_hooks.core.hooks.selection import Patterns, as_patterns
 from lightning_hooks.errors import LightningHooksError
@@ -73,16 +72,10 @@ class FeatureMapCallback(HookCallback):
     r"""Feature-map images of a fixed probe batch each epoch, and optionally its embedding.
 
     The probe is ``probe`` / ``probe_labels``, or the first ``probe_size`` samples of the first
-    training batch (input: the batch if a tensor, else its first element, or ``input_fn``'s;
-    labels: its second element if one per sample). At the end of every ``every_n_epochs``-th
-    epoch it runs through the model on rank 0, in eval mode under ``no_grad``
-    (:func:`~lightning_hooks.core.probe_mode` restores train flags and random states; other
-    callbacks' hooks ignore it). No hook exists during training steps.
-
-    Layers drawn: ``layers``, default every ``Conv1d``/``Conv2d``/``Conv3d`` (every ``Linear``
-    without convolutions), at most ``max_layers`` spread from input to output. A conv image tiles
-    the first ``channels`` channels of the first sample, a dense one the ``[samples, features]``
-    matrix (:func:`~lightning_hooks.logging.feature_map_grid`).
+    training batch. At the end of every ``every_n_epochs``-th epoch it runs through the model on
+    rank 0, in eval mode under ``no_grad`` (:func:`~lightning_hooks.core.probe_mode`). Layers
+    drawn: ``layers``, default every convolution (else every ``Linear``), at most ``max_layers``
+    spread from input to output (:func:`~lightning_hooks.logging.feature_map_grid`).
 
     Logged metrics, at ``trainer.global_step``:
 

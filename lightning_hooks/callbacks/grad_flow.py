@@ -2,26 +2,25 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
-import torch
 from pytorch_lightning.utilities import rank_zero_warn
+from torch import nn
+from torch.nn.parameter import is_lazy
 from typing_extensions import override
 
 from lightning_hooks.callbacks import grad_flow_tags as tags
-from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
-from lightning_hooks.callbacks.base import HookCallback
-from lightning_hooks.callbacks.checks import (
-    check_alarms,
+from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy, settle
+from lightning_hooks.callbacks.base import (
+    HookCallback,
     check_every_n_steps,
-    check_max_layers,
-    check_types,
-    lazy_parameters,
     nothing_to_watch,
-    settle,
+    observe_optimizer_step,
 )
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, checks, select_modules
 from lightning_hooks.core.alarms import AlarmRules
@@ -37,14 +36,11 @@ class GradFlowCallback(HookCallback):
     r"""Per-layer gradient flow (the applied gradient, weights, updates) and early-warning alarms
     on every optimizer step.
 
-    A *layer* is a module owning trainable parameters directly (``Linear``, ``Conv2d``,
-    ``BatchNorm``). On each sampled optimizer step (see ``every_n_steps``) it measures, without a
-    host sync, the gradient the optimizer applies (accumulated, all-reduced under DDP, unscaled
-    under AMP, after clipping), the weights, the update, and the gradient of each layer's output.
-    Each sampled step logs every statistic but the ``*_max`` ones under
-    ``grad_flow/{stat}_step/{layer}`` and ``grad_flow/global/{stat}_step``, with
-    ``grad_flow/alarms_step/{rule}``; each epoch end logs the mean and max over its sampled steps
-    at ``trainer.global_step`` under the tags below.
+    A *layer* is a module owning trainable parameters directly. Each sampled optimizer step
+    measures, without a host sync, the gradient the optimizer applies (accumulated, all-reduced,
+    unscaled, clipped), the weights, the update and the gradient of each layer's output, and logs
+    all but the ``*_max`` statistics under ``grad_flow/{stat}_step/...`` and
+    ``grad_flow/alarms_step/{rule}``; each epoch end logs the tags below.
 
     Logged metrics (``{layer}`` is the module's qualified name, e.g. ``encoder.0``):
 
@@ -90,19 +86,12 @@ class GradFlowCallback(HookCallback):
     ==========================================  ================================================
 
     Beyond ``max_layers_logged`` layers, an epoch logs that many layers' tags (non-finite first,
-    then half the largest, half the smallest gradient norms) plus percentiles over all layers;
-    the chart shows every layer.
+    then half the largest, half the smallest gradient norms); the chart shows every layer.
 
-    **Alarms** (:class:`~lightning_hooks.core.AlarmRules`) run on *every* optimizer step: one
-    multi-tensor L2 pass over the pre-clip gradients, copied to the host without blocking, where
-    the rules run (same step on CPU, the next on CUDA): *spike* (logged), *explosion* (a spike
-    surviving ``gradient_clip_val``), *absolute*, *vanishing*, *nonfinite*, *amp_overflow*
-    (counted), optional *loss_spike*; *diverging* on every batch; *stall* (logged) and
-    *attention* on the sampled steps. Under DDP the loss rules read the mean loss over ranks (one
-    ``all_reduce`` per batch, which also carries the ranks' agreement on a failure and on
-    ``stop``), so every rank decides alike; under manual optimization see
-    :meth:`.alarm_policy.LossAgreement.plan`. Under ``16-mixed`` the loss scale is divided
-    out; under DDP the values equal one process's on the global batch.
+    **Alarms** (:class:`~lightning_hooks.core.AlarmRules`) run on *every* optimizer step, on the
+    host, from one non-blocking copy of the pre-clip norms (the same step on CPU, the next on
+    CUDA). Under DDP the loss rules read the mean loss over ranks, so every rank decides alike
+    (manual optimization: :meth:`.alarm_policy.LossAgreement.plan`).
 
     Args:
         types: only modules of these types count as layers (default: any module with parameters).
@@ -131,6 +120,8 @@ class GradFlowCallback(HookCallback):
         >>> import pytorch_lightning as pl
         >>> trainer = pl.Trainer(callbacks=[GradFlowCallback(exclude="*.bn*")])  # doctest: +SKIP
     """
+
+    policy: AlarmPolicy
 
     def __init__(
         self,
@@ -167,7 +158,6 @@ class GradFlowCallback(HookCallback):
         self._stability: StabilityStats | None = None
         self.uses_images = chart or heatmap
         self._tracker: GradFlowTracker | None = None
-        self._batch_step = 0
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
@@ -196,8 +186,13 @@ class GradFlowCallback(HookCallback):
         if self.histograms:
             layout = self._tracker.layout
             self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
+            self._on_optimizer_step = partial(tags.observe_histograms, self._hist, layout)
         self.policy.restore(self._tracker.alarms)
-        self.policy.loss.plan(pl_module, self.alarms)
+        loss = self.policy.loss
+        loss.plan(pl_module, self.alarms)
+        own = loss.reading == "own" and self.alarms is not None and self.alarms.watches_loss
+        self._own_loss = self._tracker.alarms if own else None
+        self._every_batch = loss.reading == "mean"
 
     @override
     def _detach(self) -> None:
@@ -205,34 +200,18 @@ class GradFlowCallback(HookCallback):
             self.policy.keep(self._tracker.alarms)
             self._tracker.remove()
             self._tracker = None
-        self._hist = self._stability = None
+        self._hist = self._stability = self._own_loss = self._on_optimizer_step = None
+        self._every_batch = False
 
-    @override
-    def _batch_started(self, trainer: pl.Trainer) -> None:
-        self._batch_step = trainer.global_step  # the optimizer step this batch's loss feeds
-
-    @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        if self._tracker is None:
-            return
-        scale = grad_scale(trainer)
-        # Lightning does not unscale for optimizers that unscale inside their step (fused).
-        fused = scale is not None and getattr(optimizer, "_step_supports_amp_scaling", False)
-        self._tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
-        if self._hist is not None:
-            tags.observe_histograms(self._hist, self._tracker.layout, optimizer)
-        if self._tracker.alarms is not None:
-            self.policy.act(trainer, optimizer, self._tracker.alarms.poll(wait=self.policy.wait))
+    on_before_optimizer_step = observe_optimizer_step
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        stability = self._stability  # after a sampled forward only: a quiet batch calls nothing
-        if stability is not None and stability.registry is not None and stability.registry.sampled:
+        stability = self._stability
+        if stability is not None and self._sampled_batch:
             stability.end_step()
         alarms = None if self._tracker is None else self._tracker.alarms
-        if alarms is not None:
+        if alarms is not None and self._every_batch:  # the ranks' mean loss
             failed = self._hook_guard().local is not None
             agreed = self.policy.loss.observe(
                 trainer, alarms, outputs, self._batch_step, failed=failed
@@ -243,40 +222,15 @@ class GradFlowCallback(HookCallback):
         return False
 
     @override
-    def _log_step(self, trainer: pl.Trainer, step: int) -> None:
-        tags.post_window(self, trainer, step)
-
-    @override
-    def _steps_in_flight(self) -> bool:
-        return tags.window_in_flight(self)
-
-    @override
-    def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
-        return tags.write_window(self, trainer, wait)
-
-    @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         tags.write_epoch(self, trainer)
 
-    @override
-    def _save_state(self) -> dict[str, Any]:
-        return tags.save_state(self)
-
-    @override
-    def _load_state(self, state: dict[str, Any]) -> None:
-        tags.load_state(self, state)
-
-    @override
-    def _carried(self) -> bool:
-        return self._tracker is not None and self.policy.loss.carries
-
-    @override
-    def _wants_stop(self) -> bool:
-        return self.policy.stop_requested
-
-    @override
-    def _stop_agreed(self) -> None:
-        self.policy.stop_requested = False
+    # What a logging step writes, and the checkpoint state (``grad_flow_tags.py``).
+    _log_step = tags.post_window
+    _steps_in_flight = tags.window_in_flight
+    _write_steps = tags.write_window
+    _save_state = tags.save_state
+    _load_state = tags.load_state
 
 
 def _tracker(
@@ -297,18 +251,68 @@ def _tracker(
     )
 
 
-def grad_scale(trainer: pl.Trainer) -> torch.Tensor | None:
-    """The AMP GradScaler's scale as a device tensor (no sync), or ``None`` without AMP."""
-    scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return None
-    scale = getattr(scaler, "_scale", None)
-    return scale if isinstance(scale, torch.Tensor) else None
-
-
 def clip_of(trainer: pl.Trainer) -> tuple[float, str] | None:
     """The Trainer's gradient clipping, ``(value, algorithm)``, or ``None``."""
     if not trainer.gradient_clip_val:
         return None
     algorithm = trainer.gradient_clip_algorithm or "norm"
     return float(trainer.gradient_clip_val), str(getattr(algorithm, "value", algorithm))
+
+
+def check_types(owner: str, types: ModuleTypes) -> None:
+    """Raise ``TypeError`` unless ``types`` is ``None``, an ``nn.Module`` subclass or a tuple.
+
+    Example:
+        >>> check_types("Cb", 3)
+        Traceback (most recent call last):
+        ...
+        TypeError: Cb(types=3): expected an nn.Module subclass or a tuple of them, got 3
+    """
+    for t in types if isinstance(types, tuple) else (types,):
+        if t is not None and not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise TypeError(
+                f"{owner}(types={types!r}): expected an nn.Module subclass or a tuple of them, "
+                f"got {t!r}"
+            )
+
+
+def check_alarms(owner: str, alarms: AlarmRules | bool) -> AlarmRules | None:
+    """The alarm rules asked for: ``True`` the defaults, ``False`` none; ``TypeError`` else.
+
+    Example:
+        >>> check_alarms("GradFlowCallback", False) is None
+        True
+    """
+    if not isinstance(alarms, AlarmRules | bool):
+        raise TypeError(
+            f"{owner}(alarms={alarms!r}): expected an AlarmRules or a bool, "
+            f"got {type(alarms).__name__}"
+        )
+    return AlarmRules() if alarms is True else alarms or None
+
+
+def check_max_layers(owner: str, max_layers_logged: int | None) -> int | None:
+    """Validate ``max_layers_logged``: a positive int or ``None`` (``ValueError`` else)."""
+    value: Any = max_layers_logged
+    wrong = isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1
+    if value is not None and wrong:
+        raise ValueError(
+            f"{owner}(max_layers_logged={value!r}): must be a positive int or None, got {value!r}"
+        )
+    return max_layers_logged
+
+
+def lazy_parameters(callback: HookCallback, pl_module: nn.Module) -> bool:
+    """Whether the model holds uninitialized lazy parameters (nothing can be laid out by their
+    sizes): if so, one warning naming them, and ``callback`` does nothing this fit."""
+    lazy = [n for n, p in pl_module.named_parameters() if is_lazy(p)]
+    if lazy:
+        rank_zero_warn(
+            f"{type(callback).__name__}: the model's lazy parameters {lazy[:3]} are not "
+            "initialized before fit; this callback does nothing in this fit. Initialize "
+            "them first: one forward of a sample batch before trainer.fit (or in the "
+            "LightningModule's setup)",
+            category=LightningHooksWarning,
+        )
+        callback._idle = True
+    return bool(lazy)

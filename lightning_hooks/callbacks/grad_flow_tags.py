@@ -28,16 +28,13 @@ if TYPE_CHECKING:
     from lightning_hooks.callbacks.grad_flow import GradFlowCallback
 
 __all__ = [
-    "grad_flow_scalars",
     "grad_flow_step_scalars",
     "load_state",
-    "logged_rows",
     "observe_histograms",
     "post_window",
     "save_state",
     "window_in_flight",
     "write_epoch",
-    "write_histograms",
     "write_window",
 ]
 
@@ -61,12 +58,10 @@ _PERCENTILES = (5, 50, 95)
 _PERCENTILE_SUFFIX = re.compile(r"_p\d+$")
 
 
-def grad_flow_scalars(
-    stats: LayerTable, max_layers: int | None = None
-) -> Iterator[tuple[str, float]]:
+def _epoch_scalars(stats: LayerTable, max_layers: int | None = None) -> Iterator[tuple[str, float]]:
     """``(tag, value)`` of every scalar of an epoch (see ``GradFlowCallback``'s table)."""
     last = len(stats.layers) - 1  # the global row
-    rows = logged_rows(stats, max_layers)
+    rows = _logged_rows(stats, max_layers)
     if stats.count[-1, stats.stats.index("grad_norm_preclip")] > 0:  # clipped: the applied one
         yield "grad_flow/global/grad_norm_postclip", float(stats.column("grad_norm")[-1])
     for suffix, stat, kind in _LOGGED:
@@ -88,7 +83,7 @@ _EPOCH_ONLY = frozenset({"grad_norm_max", "update_ratio_max", "output_grad_norm_
 
 def grad_flow_step_scalars(stats: LayerTable, max_layers: int | None = None) -> dict[str, float]:
     """The scalars of one logging step's window, by their epoch tag (no ``*_max`` duplicates)."""
-    return {tag: value for tag, value in grad_flow_scalars(stats, max_layers) if _per_step(tag)}
+    return {tag: value for tag, value in _epoch_scalars(stats, max_layers) if _per_step(tag)}
 
 
 @lru_cache(maxsize=1 << 16)
@@ -98,7 +93,7 @@ def _per_step(tag: str) -> bool:
     return _PERCENTILE_SUFFIX.sub("", stat) not in _EPOCH_ONLY
 
 
-def logged_rows(stats: LayerTable, max_layers: int | None) -> list[int]:
+def _logged_rows(stats: LayerTable, max_layers: int | None) -> list[int]:
     """Layer rows to log: all, or non-finite first, then the largest and smallest grad norms."""
     num_layers = len(stats.layers) - 1
     if max_layers is None or num_layers <= max_layers:
@@ -135,7 +130,7 @@ def observe_histograms(
     hist.update(grads, [row for _, row in pairs])
 
 
-def write_histograms(
+def _write_histograms(
     trainer: pl.Trainer,
     hist: LayerHistograms,
     stats: LayerTable,
@@ -152,7 +147,7 @@ def write_histograms(
     hist.reset()
     if not trainer.is_global_zero:
         return
-    for row in logged_rows(stats, max_layers):
+    for row in _logged_rows(stats, max_layers):
         if counts[row].any():
             tag = f"grad_flow/grad_log10_abs/{stats.layers[row]}"
             log_histogram(trainer.loggers, tag, limits, counts[row], trainer.global_step)
@@ -235,13 +230,13 @@ def write_epoch(callback: GradFlowCallback, trainer: pl.Trainer) -> None:
     _write_stability(trainer, callback._stability)
     if callback._hist is not None and stats.count.any():
         hist, shards = callback._hist, tracker.shards
-        write_histograms(trainer, hist, stats, callback.max_layers_logged, shards)
+        _write_histograms(trainer, hist, stats, callback.max_layers_logged, shards)
     if tracker.alarms is not None:
         callback.policy.end_epoch(trainer, tracker.alarms)
     if not stats.count.any():
         return
     step = trainer.global_step
-    scalars = dict(grad_flow_scalars(stats, callback.max_layers_logged))
+    scalars = dict(_epoch_scalars(stats, callback.max_layers_logged))
     log_scalars(trainer.loggers, scalars, step)
     if callback.chart and trainer.is_global_zero:
         figure = grad_flow_figure(

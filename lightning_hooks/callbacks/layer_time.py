@@ -22,13 +22,10 @@ _NAME = "LayerTimeCallback"
 class LayerTimeCallback(StatsCallback):
     r"""Forward time of every layer on sampled training steps, as ms and as a share of the step.
 
-    On the sampled optimizer steps a forward pre-hook and hook on each layer mark its start and
-    end (``time.perf_counter`` on the CPU; CUDA events on a GPU, read at the next sampled step so
-    no step waits for its kernels); the step is timed from ``on_train_batch_start`` to
-    ``on_train_batch_end`` (not data loading). A *layer* is a leaf module, so no time counts twice
-    and the shares sum to at most 1; functional ops in ``forward`` belong to no layer. Backward
-    time is not measured (full backward hooks break in-place ops). Under DDP the logged times are
-    means over ranks and sampled steps.
+    On the sampled steps, hooks before and after each layer's forward mark its start and end
+    (``time.perf_counter`` on the CPU; CUDA events, read at the next sampled step, on a GPU); the
+    step is timed from batch start to batch end. A *layer* is a leaf module, so the shares sum to
+    at most 1. Backward time is not measured. Under DDP the times are means over ranks.
 
     Logged metrics, per epoch, means over the epoch's sampled steps; each sampled step also logs
     the same tags with ``_step`` after the statistic (``layer_time/step_ms_step``):
@@ -94,15 +91,13 @@ class LayerTimeCallback(StatsCallback):
 
     @override
     def _batch_started(self, trainer: pl.Trainer) -> None:
-        timer = self._timer
-        if timer is not None and timer.registry is not None and timer.registry.sampled:
-            timer.start_step(trainer.global_step)
+        if self._timer is not None:
+            self._timer.start_step(trainer.global_step)
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        timer = self._timer
-        if timer is not None and timer.sampling:  # a quiet batch calls nothing
-            timer.end_step()
+        if self._timer is not None:
+            self._timer.end_step()
         return False
 
     @override

@@ -40,15 +40,10 @@ class SaturationCallback(StatsCallback):
     r"""Saturated outputs of every bounded activation, and units saturated all epoch long.
 
     A forward hook on every ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6``
-    included) and ``Hardsigmoid`` module counts, on the sampled training forwards, the outputs in
-    the flat region (:func:`~lightning_hooks.core.saturation_mask`: ``|tanh| > 0.99``, sigmoid
-    ``< 0.01`` or ``> 0.99``, Hardtanh at its bounds, ...), and marks per *unit* (index along
-    ``unit_dim``) whether any output was unsaturated. A functional ``torch.tanh`` cannot be
-    hooked: use the module.
-
-    One ``LightningHooksWarning`` per layer names it and "k of n units" the first epoch its
-    always-saturated fraction is ``>= warn_at`` (with such a unit); repeats are summed in one
-    warning at the fit's end.
+    included) and ``Hardsigmoid`` module counts the sampled outputs in the flat region
+    (:func:`~lightning_hooks.core.saturation_mask`), and marks per *unit* (index along
+    ``unit_dim``) whether any output was unsaturated. One ``LightningHooksWarning`` names a layer
+    the first epoch its always-saturated fraction is ``>= warn_at``; repeats are summed at the end.
 
     Logged metrics, per epoch (``{layer}``: the module's qualified name); each sampled step also
     logs the same tags with ``_step`` after the statistic, but ``always_saturated_fraction``:

@@ -10,8 +10,8 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import HookCallback
-from lightning_hooks.callbacks.checks import check_every_n_steps, fail_everywhere, nothing_to_watch
+from lightning_hooks.callbacks.alarm_policy import disable
+from lightning_hooks.callbacks.base import HookCallback, check_every_n_steps, nothing_to_watch
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.core.transport import gather_objects
@@ -81,13 +81,10 @@ class _Attached:
 class StatsCallback(HookCallback):
     """Hooks each statistic on the model, logs its tags every epoch, carries it in checkpoints.
 
-    Hooks run in training forwards of the sampled steps only. After each sampled optimizer step
-    (a logging step) the states measured since the last one (the *window*) are reduced across
-    ranks in one collective, copied to the host once (non-blocking on CUDA, written at the latest
-    the next batch) and logged under :meth:`LayerStat.step_values` (``{stat}_step`` tags); the
-    loggers are then saved, so a killed run keeps them. At each epoch end the epoch's result is
-    logged at ``trainer.global_step`` under :meth:`LayerStat.tags`. Checkpoints hold the reduced
-    states, so a fit resumed mid-epoch logs what the uninterrupted one logs.
+    Hooks run in the sampled steps' training forwards. At each logging step the states measured
+    since the last one (the *window*) are reduced across ranks, copied to the host without
+    blocking and logged under :meth:`LayerStat.step_values`; each epoch end logs
+    :meth:`LayerStat.tags`. Checkpoints hold the reduced states, so a resumed fit logs alike.
 
     Logged metrics: whatever the statistics' :meth:`~lightning_hooks.core.stats.stat.LayerStat.tags`
     return.
@@ -212,7 +209,10 @@ class StatsCallback(HookCallback):
             try:
                 self._align_rows()
             except ValueError as error:  # a layer's units differ between ranks: on every rank
-                return fail_everywhere(self, trainer, step, "aligning rows across ranks", error)
+                if self._hook_guard().strict:
+                    raise
+                cause = f"aligning rows across ranks: {type(error).__name__}: {error}"
+                return disable(self, trainer, step, [cause] * self._ranks)  # every rank's
         return False
 
     def _align_rows(self) -> None:
