@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -12,11 +15,9 @@ from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
-from lightning_hooks.core.ops.grad_stats import (
-    GLOBAL,
-    GRAD_STATS,
-    ParamLayout,
-)
+from lightning_hooks.core.ops import pointer_norms
+from lightning_hooks.core.ops.grad_stats import GLOBAL, GRAD_STATS, ParamLayout
+from lightning_hooks.core.ops.grouped_norms import GroupedNorms, plain_grads
 from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable
 from lightning_hooks.core.stats.optimizer_view import (
@@ -28,8 +29,8 @@ from lightning_hooks.core.stats.optimizer_view import (
     check_optimizers,
 )
 from lightning_hooks.core.stats.output_grad import OutputGradients
-from lightning_hooks.core.stats.sentinel_read import SentinelRead
 from lightning_hooks.core.transport.distributed import ShardPlan
+from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
 
@@ -148,7 +149,7 @@ class GradFlowTracker(HookOwner):
         self._step = 0  # the step of the last observe, which the step post-hook follows
         self._calls = 0
         self.alarms = GradientAlarms(rows, alarms, device) if alarms is not None else None
-        self._read = SentinelRead(self.alarms, self._stats, self._outputs.order, clip)
+        self._sentinel = _SentinelRead(self.alarms, self._stats, self._outputs.order, clip)
         if output_grad:
             self._outputs.hook(self.registry, modules, model)
         for optimizer in optimizers:
@@ -188,7 +189,9 @@ class GradFlowTracker(HookOwner):
         self._calls += 1
         self._step = step
         sampled = self.registry.sampled
-        alarms = self._read.due(step)
+        alarms = self.alarms  # when their cadence runs them at this step
+        if alarms is not None and step % alarms.rules.every_n_steps:
+            alarms = None
         if not (sampled or alarms):
             return
         view = self._views.view(optimizer)
@@ -197,24 +200,31 @@ class GradFlowTracker(HookOwner):
         if alarms is not None and alarms.evaluated < alarms.rules.diverge_early:  # from step 1
             alarms.set_adaptive(adaptive(optimizer, view.params))
         amp = grad_scale is not None
-        if alarms and param_grad_scale is None and self._read.quiet(view, sampled, amp, step):
+        if alarms and param_grad_scale is None and self._sentinel.quiet(view, sampled, amp, step):
             return
-        grads = ParamLayout.grads(view.params)
         valid = view.valid()
-        if sampled and not self._post_clip:
-            stats = self._stats.full(view, grads)
-        else:  # the sentinel's, and on a sampled step under clipping the weight norm
-            stats = self._stats.norms(view, grads, weights=self._post_clip and sampled)
-        if param_grad_scale is not None:
-            stats[:, _SCALED] /= param_grad_scale
+        stats = self._read_stats(view, sampled, param_grad_scale)
         norms = stats[:, 0]
         if sampled:
             if alarms is not None:  # the accumulator may write into ``stats`` in place
                 norms = norms.clone()
             self._record_step(optimizer, view, stats, valid, grad_scale)
         if alarms is not None:  # last: what the optimizer step's post-hook reduces is set
-            self._read.post(view, norms, None if valid is None else valid[:, 0], amp, step)
+            self._sentinel.post(view, norms, None if valid is None else valid[:, 0], amp, step)
         self._outputs.order.clear()
+
+    def _read_stats(
+        self, view: OptimizerView, sampled: bool, param_grad_scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``[rows, GRAD_STATS]`` of the step: all on a sampled step, else the sentinel's."""
+        grads = ParamLayout.grads(view.params)
+        if sampled and not self._post_clip:
+            stats = self._stats.full(view, grads)
+        else:  # the sentinel's, and on a sampled step under clipping the weight norm
+            stats = self._stats.norms(view, grads, weights=self._post_clip and sampled)
+        if param_grad_scale is not None:
+            stats[:, _SCALED] /= param_grad_scale
+        return stats
 
     def _record_step(
         self,
@@ -238,7 +248,7 @@ class GradFlowTracker(HookOwner):
 
     @torch.no_grad()
     def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
-        view = self._views.built(optimizer)
+        view = self._views.built.get(id(optimizer))
         if view is None or not view.params or not self.registry.sampled:
             return
         if self._post_clip:
@@ -280,3 +290,134 @@ class GradFlowTracker(HookOwner):
         self.accumulator.reset()
         self._views.clear()
         self._outputs.reset()
+
+
+_Read = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+
+
+class _SentinelRead:
+    """Hands :class:`GradientAlarms` their norms at each step their cadence runs them.
+
+    Args:
+        alarms: the alarms, or ``None`` (off).
+        stats: the tracker's gradient statistics (the weight norms an alarm's diagnosis reads).
+        order: the layer rows in the order their output-gradient hooks fired, emptied per step.
+        clip: ``(gradient_clip_val, gradient_clip_algorithm)``, or ``None``.
+    """
+
+    def __init__(
+        self,
+        alarms: GradientAlarms | None,
+        stats: ViewStats,
+        order: list[int],
+        clip: tuple[float, str] | None,
+    ) -> None:
+        self.alarms, self._stats, self._order, self._clip = alarms, stats, order, clip
+        self._sharded = stats.shards is not None  # FSDP2: the general path makes norms whole
+        self._triton = alarms is not None and alarms.rules.quiet_read == "triton"
+        # the read of each live view's gradient norms, by the view's ``id``
+        self._reads: dict[int, tuple[weakref.ref[OptimizerView], _Read]] = {}
+
+    def quiet(self, view: OptimizerView, sampled: bool, amp: bool, step: int) -> bool:
+        """A quiet step's read of dense gradients' norms, posted to the alarms (``True``: done).
+        A sampled step only prepares the read and returns ``False``: its statistics serve."""
+        if self.alarms is None or self._sharded:
+            return False
+        if sampled:  # the host copy and the read made here, not on a quiet step
+            self.alarms.reserve(len(view.params))
+            self._read(view)
+            return False
+        grads = plain_grads(view.params)
+        if grads is None:  # a missing or sparse gradient: the general path
+            return False
+        try:
+            kept = self._reads.get(id(view))
+            norms = (kept[1] if kept and kept[0]() is view else self._read(view))(grads)
+        except Exception as error:  # a gradient set by hand, unlike its parameter; a Triton
+            # that cannot launch the kernels: said once, then the multi-tensor read
+            self._reads[id(view)] = (weakref.ref(view), _foreach)
+            failed = "its kernels failed" if self._triton else "its stacks failed"
+            _fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
+            norms = _foreach(grads)
+        self.post(view, norms, None, amp, step, segmented=False)
+        return True
+
+    def _read(self, view: OptimizerView) -> _Read:
+        """The read of ``view``'s gradient norms, chosen once by ``AlarmRules.quiet_read``; one
+        that cannot be made is said once and ``torch._foreach_norm`` reads instead."""
+        kept = self._reads.get(id(view))
+        if kept is not None and kept[0]() is view:
+            return kept[1]
+        read: _Read = _foreach
+        try:
+            read = _pointer_norms(view) if self._triton else GroupedNorms(view.params)
+        except _RefusedError as error:
+            _fallback(self._triton, str(error))
+        except Exception as error:  # its index or tables not made (pinned memory, say)
+            failed = "its tables could not be built" if self._triton else "it could not be made"
+            _fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
+        # the views of an epoch that ended are gone, and their reads with them
+        self._reads = {k: kept for k, kept in self._reads.items() if kept[0]() is not None}
+        self._reads[id(view)] = (weakref.ref(view), read)
+        return read
+
+    def post(
+        self,
+        view: OptimizerView,
+        norms: torch.Tensor,
+        stepped: torch.Tensor | None,
+        amp: bool,
+        step: int,
+        *,
+        segmented: bool = True,
+    ) -> None:
+        """Hand ``norms`` to the alarms: ``[rows]`` per layer, then global (``segmented``), or
+        ``[parameters]``, folded on the host; ``stepped``: the rows some gradient reached."""
+        assert self.alarms is not None
+        clip = self._clip  # the largest global norm the optimizer applies (by value: a bound)
+        bound = None if clip is None else clip[0] if clip[1] == "norm" else clip[0] * view.scale
+        self.alarms.update(
+            norms,
+            view.row_ids,
+            step=step,
+            amp=amp,
+            order=self._order,
+            weights=partial(self._stats.weight_norms, view),
+            stepped=stepped,
+            clip=bound,
+            segments=None if segmented else view.segments,
+        )
+        self._order.clear()
+
+
+def _foreach(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's L2 norm by one ``torch._foreach_norm`` (the read of last resort)."""
+    return torch.stack(torch._foreach_norm(list(grads)))
+
+
+class _RefusedError(Exception):
+    """Why the pointer-table read cannot read these gradients."""
+
+
+def _pointer_norms(view: OptimizerView) -> _Read:
+    """The pointer-table read of ``view``'s gradients; :class:`_RefusedError` where it cannot be."""
+    why = pointer_norms.available()
+    if why is None and view.params[0].device.type != "cuda":
+        why = f"the gradients are on {view.params[0].device.type}, not CUDA"
+    if why is not None:
+        raise _RefusedError(why)
+    try:
+        return pointer_norms.PointerNorms(view.params)
+    except ValueError as error:  # a layout it does not read
+        raise _RefusedError(f"it reads {error}") from error
+
+
+def _fallback(triton: bool, why: str) -> None:
+    """Say once, for one optimizer, why the quiet step reads with ``_foreach_norm``."""
+    read = "triton" if triton else "grouped"
+    warnings.warn(
+        f"AlarmRules(quiet_read={read!r}): {why}; quiet steps read the gradients' norms with "
+        "torch._foreach_norm instead",
+        LightningHooksWarning,
+        stacklevel=3,
+    )

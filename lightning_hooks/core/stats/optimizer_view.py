@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -58,6 +59,8 @@ class OptimizerView:
         self.layer_ids = frozenset(self.row_ids[:-1])  # the layout rows it steps, on the host
         # no parameter listed twice: ``unique`` is every position, in order
         self.distinct = len(self.unique) == len(self.params)
+        # a bound on the global norm clipping by value lets through, over one unit value
+        self.scale = sum(p.numel() for p in self.params) ** 0.5
 
     def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
         """``[layers + 1, len(GRAD_STATS)]``: false in the gradient columns of layers with no
@@ -71,13 +74,6 @@ class OptimizerView:
             mask = torch.tensor(table, dtype=torch.bool, device=self.rows.device)
             self.masks[missing] = mask
         return mask
-
-    def clip_norm(self, clip: tuple[float, str] | None) -> float | None:
-        """The largest global norm the optimizer applies under ``clip`` (by value: a bound)."""
-        if clip is None:
-            return None
-        value, algorithm = clip
-        return value if algorithm == "norm" else value * sum(p.numel() for p in self.params) ** 0.5
 
     def valid(self) -> torch.Tensor | None:
         """:meth:`grad_mask` of this step's missing gradients, ``None`` when none is missing."""
@@ -96,9 +92,12 @@ def adaptive(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -
     return any(key in state for key in _SECOND_MOMENT)
 
 
+_PARAMS = itemgetter("params")
+
+
 def _groups_key(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     """The param_groups' sizes: a view is rebuilt when they change (``add_param_group``)."""
-    return tuple(len(group["params"]) for group in optimizer.param_groups)
+    return tuple(map(len, map(_PARAMS, optimizer.param_groups)))
 
 
 def _held(optimizer: torch.optim.Optimizer) -> set[int]:
@@ -134,34 +133,32 @@ class OptimizerViews:
         self.layout = layout
         self.update_ratio = update_ratio
         self.generation = 0
-        self._views: dict[int, OptimizerView] = {}
+        self.built: dict[int, OptimizerView] = {}  # by the optimizer's ``id``, as built
 
     def view(self, optimizer: torch.optim.Optimizer) -> OptimizerView:
         """The view of ``optimizer``, built at its own step, when ``requires_grad`` tells."""
         # Rebuilt when the param_groups change and at each reset (epoch): a parameter unfrozen
-        # by requires_grad alone counts from there.
-        view = self.current(optimizer)
-        if view is None:
-            checks.optimizer("GradFlowTracker.observe", "optimizer", optimizer)
-            view = self._views[id(optimizer)] = self._build(optimizer, _groups_key(optimizer))
+        # by requires_grad alone counts from there. The key in line: one call a quiet step.
+        view = self.built.get(id(optimizer))
+        if view is not None and view.key == tuple(map(len, map(_PARAMS, optimizer.param_groups))):
+            return view
+        self.current(optimizer)  # a stale view dropped
+        checks.optimizer("GradFlowTracker.observe", "optimizer", optimizer)
+        view = self.built[id(optimizer)] = self._build(optimizer, _groups_key(optimizer))
         return view
-
-    def built(self, optimizer: torch.optim.Optimizer) -> OptimizerView | None:
-        """The view built at ``optimizer``'s last step, as it was built."""
-        return self._views.get(id(optimizer))
 
     def current(self, optimizer: torch.optim.Optimizer) -> OptimizerView | None:
         """The view built at ``optimizer``'s last step, if its param_groups are unchanged."""
-        view = self._views.get(id(optimizer))
+        view = self.built.get(id(optimizer))
         if view is not None and view.key != _groups_key(optimizer):
-            del self._views[id(optimizer)]
+            del self.built[id(optimizer)]
             self.generation += 1
             return None
         return view
 
     def clear(self) -> None:
         """Forget every view: parameters are looked up afresh at each optimizer's next step."""
-        self._views.clear()
+        self.built.clear()
         self.generation += 1
 
     def unstepped(self, optimizers: Sequence[torch.optim.Optimizer]) -> tuple[str, ...]:
