@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -15,22 +14,24 @@ from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
-from lightning_hooks.core.ops import pointer_norms
 from lightning_hooks.core.ops.grad_stats import GLOBAL, GRAD_STATS, ParamLayout
-from lightning_hooks.core.ops.grouped_norms import GroupedNorms, plain_grads
+from lightning_hooks.core.ops.grouped_norms import plain_grads
 from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable
 from lightning_hooks.core.stats.optimizer_view import (
     OptimizerView,
     OptimizerViews,
+    Read,
     UpdateRatio,
     ViewStats,
     adaptive,
     check_optimizers,
+    foreach_norms,
+    quiet_read,
+    read_fallback,
 )
 from lightning_hooks.core.stats.output_grad import OutputGradients
 from lightning_hooks.core.transport.distributed import ShardPlan
-from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
 
@@ -95,8 +96,6 @@ class GradFlowTracker(HookOwner):
         alarms: gradient alarm rules, read back as ``tracker.alarms`` (a ``GradientAlarms``).
 
     Example:
-        >>> import torch
-        >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> with GradFlowTracker(model, [opt]) as tracker:
@@ -292,9 +291,6 @@ class GradFlowTracker(HookOwner):
         self._outputs.reset()
 
 
-_Read = Callable[[Sequence[torch.Tensor]], torch.Tensor]
-
-
 class _SentinelRead:
     """Hands :class:`GradientAlarms` their norms at each step their cadence runs them.
 
@@ -316,7 +312,7 @@ class _SentinelRead:
         self._sharded = stats.shards is not None  # FSDP2: the general path makes norms whole
         self._triton = alarms is not None and alarms.rules.quiet_read == "triton"
         # the read of each live view's gradient norms, by the view's ``id``
-        self._reads: dict[int, tuple[weakref.ref[OptimizerView], _Read]] = {}
+        self._reads: dict[int, tuple[weakref.ref[OptimizerView], Read]] = {}
 
     def quiet(self, view: OptimizerView, sampled: bool, amp: bool, step: int) -> bool:
         """A quiet step's read of dense gradients' norms, posted to the alarms (``True``: done).
@@ -335,27 +331,19 @@ class _SentinelRead:
             norms = (kept[1] if kept and kept[0]() is view else self._read(view))(grads)
         except Exception as error:  # a gradient set by hand, unlike its parameter; a Triton
             # that cannot launch the kernels: said once, then the multi-tensor read
-            self._reads[id(view)] = (weakref.ref(view), _foreach)
+            self._reads[id(view)] = (weakref.ref(view), foreach_norms)
             failed = "its kernels failed" if self._triton else "its stacks failed"
-            _fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
-            norms = _foreach(grads)
+            read_fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
+            norms = foreach_norms(grads)
         self.post(view, norms, None, amp, step, segmented=False)
         return True
 
-    def _read(self, view: OptimizerView) -> _Read:
-        """The read of ``view``'s gradient norms, chosen once by ``AlarmRules.quiet_read``; one
-        that cannot be made is said once and ``torch._foreach_norm`` reads instead."""
+    def _read(self, view: OptimizerView) -> Read:
+        """The read of ``view``'s gradient norms (:func:`quiet_read`), made once per view."""
         kept = self._reads.get(id(view))
         if kept is not None and kept[0]() is view:
             return kept[1]
-        read: _Read = _foreach
-        try:
-            read = _pointer_norms(view) if self._triton else GroupedNorms(view.params)
-        except _RefusedError as error:
-            _fallback(self._triton, str(error))
-        except Exception as error:  # its index or tables not made (pinned memory, say)
-            failed = "its tables could not be built" if self._triton else "it could not be made"
-            _fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
+        read = quiet_read(view, self._triton)
         # the views of an epoch that ended are gone, and their reads with them
         self._reads = {k: kept for k, kept in self._reads.items() if kept[0]() is not None}
         self._reads[id(view)] = (weakref.ref(view), read)
@@ -388,36 +376,3 @@ class _SentinelRead:
             segments=None if segmented else view.segments,
         )
         self._order.clear()
-
-
-def _foreach(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Each gradient's L2 norm by one ``torch._foreach_norm`` (the read of last resort)."""
-    return torch.stack(torch._foreach_norm(list(grads)))
-
-
-class _RefusedError(Exception):
-    """Why the pointer-table read cannot read these gradients."""
-
-
-def _pointer_norms(view: OptimizerView) -> _Read:
-    """The pointer-table read of ``view``'s gradients; :class:`_RefusedError` where it cannot be."""
-    why = pointer_norms.available()
-    if why is None and view.params[0].device.type != "cuda":
-        why = f"the gradients are on {view.params[0].device.type}, not CUDA"
-    if why is not None:
-        raise _RefusedError(why)
-    try:
-        return pointer_norms.PointerNorms(view.params)
-    except ValueError as error:  # a layout it does not read
-        raise _RefusedError(f"it reads {error}") from error
-
-
-def _fallback(triton: bool, why: str) -> None:
-    """Say once, for one optimizer, why the quiet step reads with ``_foreach_norm``."""
-    read = "triton" if triton else "grouped"
-    warnings.warn(
-        f"AlarmRules(quiet_read={read!r}): {why}; quiet steps read the gradients' norms with "
-        "torch._foreach_norm instead",
-        LightningHooksWarning,
-        stacklevel=3,
-    )

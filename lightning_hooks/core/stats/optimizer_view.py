@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -12,6 +13,7 @@ from torch import nn
 
 from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import GradientAlarms, HostSegments
+from lightning_hooks.core.ops import pointer_norms
 from lightning_hooks.core.ops.grad_stats import (
     GRAD_STATS,
     ParamLayout,
@@ -20,20 +22,27 @@ from lightning_hooks.core.ops.grad_stats import (
     segment_norm,
     update_norms,
 )
-from lightning_hooks.core.ops.grouped_norms import typical_update
+from lightning_hooks.core.ops.grouped_norms import GroupedNorms, typical_update
 from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
 from lightning_hooks.core.transport.distributed import ShardPlan, to_local
+from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = [
     "OptimizerView",
     "OptimizerViews",
+    "Read",
     "UpdateRatio",
     "ViewStats",
     "adaptive",
     "check_optimizers",
+    "foreach_norms",
+    "quiet_read",
+    "read_fallback",
 ]
 
+Read = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+"""A read of gradients' L2 norms, one per gradient."""
 _WEIGHT = GRAD_STATS.index("weight_norm")
 _GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 
@@ -317,3 +326,49 @@ class UpdateRatio:
         valid = (view.weight_norm > 0)[:, None]
         self.accumulator.update(ratio[:, None], [self.column], view.rows, valid, replicated=True)
         view.weight_norm = None
+
+
+def quiet_read(view: OptimizerView, triton: bool) -> Read:
+    """The read of ``view``'s gradient norms by ``AlarmRules.quiet_read`` (``triton`` or
+    ``grouped``); one that cannot be made is said once and :func:`foreach_norms` reads instead."""
+    try:
+        return _pointer_norms(view) if triton else GroupedNorms(view.params)
+    except _RefusedError as error:
+        read_fallback(triton, str(error), 4)
+    except Exception as error:  # its index or tables not made (pinned memory, say)
+        failed = "its tables could not be built" if triton else "it could not be made"
+        read_fallback(triton, f"{failed} ({type(error).__name__}: {error})", 4)
+    return foreach_norms
+
+
+def foreach_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's L2 norm by one ``torch._foreach_norm`` (the read of last resort)."""
+    return torch.stack(torch._foreach_norm(list(grads)))
+
+
+class _RefusedError(Exception):
+    """Why the pointer-table read cannot read these gradients."""
+
+
+def _pointer_norms(view: OptimizerView) -> Read:
+    """The pointer-table read of ``view``'s gradients; :class:`_RefusedError` where it cannot be."""
+    why = pointer_norms.available()
+    if why is None and view.params[0].device.type != "cuda":
+        why = f"the gradients are on {view.params[0].device.type}, not CUDA"
+    if why is not None:
+        raise _RefusedError(why)
+    try:
+        return pointer_norms.PointerNorms(view.params)
+    except ValueError as error:  # a layout it does not read
+        raise _RefusedError(f"it reads {error}") from error
+
+
+def read_fallback(triton: bool, why: str, stacklevel: int = 3) -> None:
+    """Say once, for one optimizer, why the quiet step reads with ``_foreach_norm``."""
+    read = "triton" if triton else "grouped"
+    warnings.warn(
+        f"AlarmRules(quiet_read={read!r}): {why}; quiet steps read the gradients' norms with "
+        "torch._foreach_norm instead",
+        LightningHooksWarning,
+        stacklevel=stacklevel,
+    )
