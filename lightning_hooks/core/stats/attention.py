@@ -98,9 +98,7 @@ def query_rows(mask: torch.Tensor, start: int, stop: int, length: int) -> torch.
     return mask
 
 
-def attention_head_entropy(
-    logits: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_head_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(largest logit, per-head entropy sum, per-head row count)`` of logits ``[..., H, L, S]``,
     sums that pool exactly over calls and ranks; rows of only ``-inf`` are left out. No sync.
 

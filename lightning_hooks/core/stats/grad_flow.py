@@ -5,6 +5,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable
 from functools import partial
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -45,16 +46,12 @@ _WEIGHT = GRAD_FLOW_STATS.index("weight_norm")
 _PRECLIP = GRAD_FLOW_STATS.index("grad_norm_preclip")
 _GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 _ALL = slice(0, len(GRAD_STATS))
+_PARAMS = itemgetter("params")  # the key of an OptimizerView: its param_groups' sizes
 _SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the gradient
 
 
 def _check_args(
-    model: Any,
-    optimizers: Any,
-    update_ratio: Any,
-    output_grad: Any,
-    post_clip: Any,
-    alarms: Any,
+    model: Any, optimizers: Any, update_ratio: Any, output_grad: Any, post_clip: Any, alarms: Any
 ) -> list[torch.optim.Optimizer]:
     """The constructor's checks; the optimizers as a list."""
     checks.module("GradFlowTracker", "model", model)
@@ -193,7 +190,9 @@ class GradFlowTracker(HookOwner):
             alarms = None
         if not (sampled or alarms):
             return
-        view = self._views.view(optimizer)
+        view = self._views.built.get(id(optimizer))  # in line, the view's key too: no call
+        if view is None or view.key != tuple(map(len, map(_PARAMS, optimizer.param_groups))):
+            view = self._views.view(optimizer)
         if not view.params:
             return
         if alarms is not None and alarms.evaluated < alarms.rules.diverge_early:  # from step 1
@@ -203,10 +202,9 @@ class GradFlowTracker(HookOwner):
             return
         valid = view.valid()
         stats = self._read_stats(view, sampled, param_grad_scale)
-        norms = stats[:, 0]
+        # the accumulator may write into ``stats`` in place
+        norms = stats[:, 0].clone() if sampled and alarms is not None else stats[:, 0]
         if sampled:
-            if alarms is not None:  # the accumulator may write into ``stats`` in place
-                norms = norms.clone()
             self._record_step(optimizer, view, stats, valid, grad_scale)
         if alarms is not None:  # last: what the optimizer step's post-hook reduces is set
             self._sentinel.post(view, norms, None if valid is None else valid[:, 0], amp, step)

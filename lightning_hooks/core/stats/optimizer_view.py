@@ -147,13 +147,11 @@ class OptimizerViews:
     def view(self, optimizer: torch.optim.Optimizer) -> OptimizerView:
         """The view of ``optimizer``, built at its own step, when ``requires_grad`` tells."""
         # Rebuilt when the param_groups change and at each reset (epoch): a parameter unfrozen
-        # by requires_grad alone counts from there. The key in line: one call a quiet step.
-        view = self.built.get(id(optimizer))
-        if view is not None and view.key == tuple(map(len, map(_PARAMS, optimizer.param_groups))):
-            return view
-        self.current(optimizer)  # a stale view dropped
-        checks.optimizer("GradFlowTracker.observe", "optimizer", optimizer)
-        view = self.built[id(optimizer)] = self._build(optimizer, _groups_key(optimizer))
+        # by requires_grad alone counts from there.
+        view = self.current(optimizer)
+        if view is None:
+            checks.optimizer("GradFlowTracker.observe", "optimizer", optimizer)
+            view = self.built[id(optimizer)] = self._build(optimizer, _groups_key(optimizer))
         return view
 
     def current(self, optimizer: torch.optim.Optimizer) -> OptimizerView | None:
