@@ -51,16 +51,12 @@ _SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the g
 
 
 def _check_args(
-    model: Any, optimizers: Any, update_ratio: Any, output_grad: Any, post_clip: Any, alarms: Any
+    model: Any, optimizers: Any, alarms: Any, **flags: Any
 ) -> list[torch.optim.Optimizer]:
     """The constructor's checks; the optimizers as a list."""
     checks.module("GradFlowTracker", "model", model)
     checked = check_optimizers(optimizers)
-    for name, flag in (
-        ("update_ratio", update_ratio),
-        ("output_grad", output_grad),
-        ("post_clip", post_clip),
-    ):
+    for name, flag in flags.items():
         checks.boolean("GradFlowTracker", name, flag)
     if alarms is not None and not isinstance(alarms, AlarmRules):
         raise TypeError(
@@ -120,7 +116,8 @@ class GradFlowTracker(HookOwner):
         alarms: AlarmRules | None = None,
         clip: tuple[float, str] | None = None,
     ) -> None:
-        optimizers = _check_args(model, optimizers, update_ratio, output_grad, post_clip, alarms)
+        flags = {"update_ratio": update_ratio, "output_grad": output_grad, "post_clip": post_clip}
+        optimizers = _check_args(model, optimizers, alarms, **flags)
         self.registry = HookRegistry(model)
         modules = self.registry.modules(types=types, include=include, exclude=exclude)
         # The model's own parameters (a learnable temperature) unless a selection narrows it.
