@@ -35,14 +35,18 @@ _SOFTMAX = (functional.softmax, torch.softmax, torch.Tensor.softmax)
 def sdpa_logit_chunks(
     query: torch.Tensor,
     key: torch.Tensor,
+    value: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
     budget: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """The float32 logits ``[..., L, S]`` that ``scaled_dot_product_attention``'s softmax sees
-    (its arguments act as in sdpa), in chunks of query rows (see :func:`logit_chunks`).
+    (its arguments act as in sdpa; ``value`` and ``dropout_p`` play no part), in chunks of query
+    rows (see :func:`logit_chunks`).
 
     Example:
         >>> q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
@@ -132,20 +136,6 @@ def looks_like_attention(module: nn.Module) -> bool:
     return not isinstance(module, nn.MultiheadAttention) and ("attention" in name or "attn" in name)
 
 
-def _sdpa_call(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Iterator[torch.Tensor]:
-    """Bind ``scaled_dot_product_attention``'s arguments as it does; dropout plays no part."""
-    return sdpa_logit_chunks(query, key, attn_mask, is_causal, scale, enable_gqa)
-
-
 def _softmax_logits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """The input of a softmax over the last dimension of a 4-D float tensor, else ``None``."""
     x = args[0] if args else kwargs.get("input")
@@ -173,7 +163,7 @@ class _AttentionMode(ShelvedMode):
         if torch.compiler.is_compiling():  # a compiled region inside a sampled forward
             return func(*args, **kwargs)
         if func is functional.scaled_dot_product_attention:
-            self.capture.guarded_see(lambda: _sdpa_call(*args, **kwargs))
+            self.capture.guarded_see(lambda: sdpa_logit_chunks(*args, **kwargs))
         elif func in _SOFTMAX:
             logits = _softmax_logits(args, kwargs)
             if logits is not None:
