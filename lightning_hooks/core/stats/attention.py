@@ -160,7 +160,7 @@ class _AttentionMode(ShelvedMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # a compiled region inside a sampled forward
+        if torch.compiler.is_compiling():  # a compiled region inside a forward of a logging step
             return func(*args, **kwargs)
         if func is functional.scaled_dot_product_attention:
             self.capture.guarded_see(lambda: sdpa_logit_chunks(*args, **kwargs))
@@ -172,9 +172,9 @@ class _AttentionMode(ShelvedMode):
 
 
 class AttentionCapture:
-    """Sees the attention calls of the sampled training forwards of a model's modules.
+    """Sees the attention calls of a model's modules in the training forwards of logging steps.
 
-    A ``TorchFunctionMode``, entered by the outermost module of a sampled training forward,
+    A ``TorchFunctionMode``, entered by the outermost module of a logging step's training forward,
     hands each sdpa call's logits (and each 4-D softmax's input, in a module that
     :func:`looks_like_attention`) to ``record(name, logits)``, ``name`` the innermost running
     module not in ``skip``. Not seen: compiled forwards and fused kernels called directly.
@@ -213,7 +213,7 @@ class AttentionCapture:
         for name, module in registry.model.named_modules():
             if plain(module) or not registry.hookable(module):
                 continue  # a layer that calls no attention; torch.jit: runs no Python hook
-            # Gated: installed for sampled steps only (see HookRegistry), in this order.
+            # Gated: installed for logging steps only (see HookRegistry), in this order.
             registry.forward_pre_hook(module, self._push(name), gated=True)
             registry.gated_hook(module, self._enter, pre=True, prepend=True)
             for hook, first in ((self._pause, True), (self._pop, False)):

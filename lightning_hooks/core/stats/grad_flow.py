@@ -74,7 +74,7 @@ class GradFlowTracker(HookOwner):
     ``optimizer.step()`` and any clipping (every rank under ``torch.distributed``); the update
     ratio, and with ``post_clip`` the applied gradient, are read in a step post-hook. Set
     :attr:`sampled` to ``False`` before a forward to skip the step; the alarms run on their own
-    cadence, sampled or not. Use it as a context manager, or call :meth:`remove`.
+    cadence, at logging steps or not. Use it as a context manager, or call :meth:`remove`.
 
     Args:
         model: the model to track.
@@ -210,11 +210,11 @@ class GradFlowTracker(HookOwner):
     def _read_stats(
         self, view: OptimizerView, sampled: bool, param_grad_scale: torch.Tensor | None
     ) -> torch.Tensor:
-        """``[rows, GRAD_STATS]`` of the step: all on a sampled step, else the sentinel's."""
+        """``[rows, GRAD_STATS]`` of the step: all at a logging step, else the sentinel's."""
         grads = ParamLayout.grads(view.params)
         if sampled and not self._post_clip:
             stats = self._stats.full(view, grads)
-        else:  # the sentinel's, and on a sampled step under clipping the weight norm
+        else:  # the sentinel's, and at a logging step under clipping the weight norm
             stats = self._stats.norms(view, grads, weights=self._post_clip and sampled)
         if param_grad_scale is not None:
             stats[:, _SCALED] /= param_grad_scale
@@ -228,7 +228,7 @@ class GradFlowTracker(HookOwner):
         valid: torch.Tensor | None,
         grad_scale: torch.Tensor | None,
     ) -> None:
-        """A sampled step: statistics, weights for the update ratio, output gradients."""
+        """A logging step: statistics, weights for the update ratio, output gradients."""
         if self._post_clip:  # the gradient the optimizer applies is read in the step post-hook
             cells = None if valid is None else valid[:, [0, _WEIGHT]]
             values = stats[:, [0, _WEIGHT]]
@@ -311,7 +311,7 @@ class _SentinelRead:
 
     def quiet(self, view: OptimizerView, sampled: bool, amp: bool, step: int) -> bool:
         """A quiet step's read of dense gradients' norms, posted to the alarms (``True``: done).
-        A sampled step only prepares the read and returns ``False``: its statistics serve."""
+        A logging step only prepares the read and returns ``False``: its statistics serve."""
         if self.alarms is None or self._sharded:
             return False
         if sampled:  # the host copy and the read made here, not on a quiet step

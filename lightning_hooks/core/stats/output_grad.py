@@ -179,7 +179,7 @@ class OutputGradients:
     def record(
         self, optimizer: torch.optim.Optimizer, view: OptimizerView, grad_scale: torch.Tensor | None
     ) -> None:
-        """A sampled step of ``optimizer``: its rows' output gradients into the accumulator."""
+        """A logging step of ``optimizer``: its rows' output gradients into the accumulator."""
         self._merge_compiled()
         self._drop_other_backward(optimizer, view)
         self._observe(view.rows[:-1], grad_scale)

@@ -9,7 +9,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 from torch import nn
-from typing_extensions import TypedDict
+from typing_extensions import Self, TypedDict
 
 from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
@@ -169,7 +169,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
 
     # --- hooks -----------------------------------------------------------------------------
 
-    def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> LayerStat[R]:
+    def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> Self:
         """Forget every row and hook ``model``; returns ``self``, a context manager."""
         check_module(type(self).__name__, "model", model)
         self.remove()
@@ -185,7 +185,11 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self._hooked = tuple(name for name, _ in selected)
         for name, module in selected:
             self.hook_module(self.registry, name, module)
+        self._attached(model, self.registry)
         return self
+
+    def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
+        """Set up what needs the hooked model (override: runs last in :meth:`attach`)."""
 
     def config_key(self) -> str:
         """What tells two instances' checkpoint states apart (default: the class and selection)."""
