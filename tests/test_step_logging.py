@@ -170,12 +170,12 @@ def test_quiet_batches_read_no_window_and_a_late_copy_is_written_at_the_next_bat
     statistic's mailbox); a copy not done when the logging step looks (CUDA's non-blocking
     copy) is written at the next batch's start, with the values of its own step."""
     from lightning_hooks.callbacks.base import HookCallback
-    from lightning_hooks.core.stats.stat import EpochWindows
+    from lightning_hooks.core.stats.stat import LayerStat
 
     late = copy == "done a batch later"
-    collect, seen = EpochWindows.collect, set()
+    collect, seen = LayerStat._collect, set()
 
-    def slow_collect(self: EpochWindows, wait: bool) -> None:
+    def slow_collect(self: LayerStat[Any], wait: bool) -> None:
         box = self._mailbox
         if late and not wait and box is not None and box.pending and id(box) not in seen:
             seen.add(id(box))  # its first look without waiting: still copying
@@ -193,7 +193,7 @@ def test_quiet_batches_read_no_window_and_a_late_copy_is_written_at_the_next_bat
             return bool(method(self, trainer, wait))
 
         monkeypatch.setattr(cls, "_write_steps", counted)
-    monkeypatch.setattr(EpochWindows, "collect", slow_collect)
+    monkeypatch.setattr(LayerStat, "_collect", slow_collect)
 
     class Batch(pl.Callback):
         def on_train_batch_start(self, *args: Any) -> None:

@@ -21,7 +21,7 @@ Shape = tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray]
 
 
 class ActivationShape(LayerStat[Shape]):
-    """Per layer, over its outputs in sampled training forwards, ``activations/kurtosis/{layer}``
+    """Per layer, over its outputs at logging steps, ``activations/kurtosis/{layer}``
     (Pearson's, 3 for a Gaussian) and ``activations/outlier_ratio/{layer}`` (``max |x|`` over the
     RMS), from float64 power sums; small outputs are measured a batch per shape at the step's end.
 

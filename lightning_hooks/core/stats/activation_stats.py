@@ -158,17 +158,13 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         """The selected modules (default: parameter owners and activations)."""
         return feature_modules(self.selection, model)
 
-    def attach(
-        self, model: nn.Module, registry: HookRegistry | None = None
-    ) -> ActivationStatsTracker:
-        """Hook ``model``; the constants and the non-finite probe go to its device."""
-        super().attach(model, registry)
-        device = self.device  # the model's: the base moved the states there
+    def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
+        """The constants and the non-finite probe on the model's device, as the states."""
+        device = self.device
         # Made here, not in a hook: its host buffer is set up once, outside any training step.
         self.first_nonfinite = FirstNonFinite(device)
         self._sign = torch.tensor(_SIGN, device=device)
         self._unit = torch.linspace(0.0, 1.0, self.bins + 1, device=device)
-        return self
 
     def row(self, name: str, units: int = 0) -> int:
         """The row of ``name``; a new row with fixed edges gets them."""

@@ -34,14 +34,18 @@ _SOFTMAX = (functional.softmax, torch.softmax, torch.Tensor.softmax)
 def sdpa_logit_chunks(
     query: torch.Tensor,
     key: torch.Tensor,
+    value: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
     budget: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """The float32 logits ``[..., L, S]`` that ``scaled_dot_product_attention``'s softmax sees
-    (its arguments act as in sdpa), in chunks of query rows (see :func:`logit_chunks`).
+    (its arguments act as in sdpa; ``value`` and ``dropout_p`` play no part), in chunks of query
+    rows (see :func:`logit_chunks`).
 
     Example:
         >>> q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
@@ -97,9 +101,7 @@ def query_rows(mask: torch.Tensor, start: int, stop: int, length: int) -> torch.
     return mask
 
 
-def attention_head_entropy(
-    logits: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_head_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(largest logit, per-head entropy sum, per-head row count)`` of logits ``[..., H, L, S]``,
     sums that pool exactly over calls and ranks; rows of only ``-inf`` are left out. No sync.
 
@@ -133,20 +135,6 @@ def looks_like_attention(module: nn.Module) -> bool:
     return not isinstance(module, nn.MultiheadAttention) and ("attention" in name or "attn" in name)
 
 
-def _sdpa_call(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Iterator[torch.Tensor]:
-    """Bind ``scaled_dot_product_attention``'s arguments as it does; dropout plays no part."""
-    return sdpa_logit_chunks(query, key, attn_mask, is_causal, scale, enable_gqa)
-
-
 def _softmax_logits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """The input of a softmax over the last dimension of a 4-D float tensor, else ``None``."""
     x = args[0] if args else kwargs.get("input")
@@ -171,10 +159,10 @@ class _AttentionMode(ShelvedMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # a compiled region inside a sampled forward
+        if torch.compiler.is_compiling():  # a compiled region inside a forward of a logging step
             return func(*args, **kwargs)
         if func is functional.scaled_dot_product_attention:
-            self.capture.guarded_see(lambda: _sdpa_call(*args, **kwargs))
+            self.capture.guarded_see(lambda: sdpa_logit_chunks(*args, **kwargs))
         elif func in _SOFTMAX:
             logits = _softmax_logits(args, kwargs)
             if logits is not None:
@@ -183,9 +171,9 @@ class _AttentionMode(ShelvedMode):
 
 
 class AttentionCapture:
-    """Sees the attention calls of the sampled training forwards of a model's modules.
+    """Sees the attention calls of a model's modules in the training forwards of logging steps.
 
-    A ``TorchFunctionMode``, entered by the outermost module of a sampled training forward,
+    A ``TorchFunctionMode``, entered by the outermost module of a logging step's training forward,
     hands each sdpa call's logits (and each 4-D softmax's input, in a module that
     :func:`looks_like_attention`) to ``record(name, logits)``, ``name`` the innermost running
     module not in ``skip``. Not seen: compiled forwards and fused kernels called directly.
@@ -224,7 +212,7 @@ class AttentionCapture:
         for name, module in registry.model.named_modules():
             if plain(module) or not registry.hookable(module):
                 continue  # a layer that calls no attention; torch.jit: runs no Python hook
-            # Gated: installed for sampled steps only (see HookRegistry), in this order.
+            # Gated: installed for logging steps only (see HookRegistry), in this order.
             registry.forward_pre_hook(module, self._push(name), gated=True)
             registry.gated_hook(module, self._enter, pre=True, prepend=True)
             for hook, first in ((self._pause, True), (self._pop, False)):

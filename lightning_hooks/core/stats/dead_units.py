@@ -21,7 +21,6 @@ from lightning_hooks.core.hooks.selection import Patterns, Selection
 from lightning_hooks.core.ops.feature_stats import STACKED
 from lightning_hooks.core.ops.tensors import Pending, Workspace, iter_float_tensors
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
-from lightning_hooks.core.stats.states import add_counts
 
 __all__ = ["RELU_FAMILY", "DeadUnitTracker", "DeadUnits", "fired_counts", "unit_dim"]
 
@@ -154,7 +153,6 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         self.producers = Selection.of(
             owner, include=pre_activation, arguments=("pre_activation", "exclude")
         )
-        self._calls: dict[int, int] = {}  # host-side counts, moved into ``calls`` by drain()
         # small outputs' fired masks, by (shape, unit dimension, device), counted by drain()
         self._pending: Pending[tuple[torch.Size, int, torch.device]] = Pending()
         self.add_layer_state("fired", reduce="sum")  # per row: sum over calls of fired fraction
@@ -185,7 +183,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
             return
         dim = unit_dim(module, y.ndim)
         row = self._width_row(name, y.shape[dim])
-        self._calls[row] = self._calls.get(row, 0) + 1
+        self.tally("calls", row)
         if y.numel() <= STACKED and not torch.compiler.is_compiling():
             if self._pending.add((y.shape, dim, y.device), row, torch.gt(y.detach(), 0)):
                 self.drain()
@@ -219,7 +217,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
             fired_sum = counts.sum(1).to(self.fired.dtype)
             index = self._pending.index(rows, device)
             self.fired.index_add_(0, index, fired_sum, alpha=1.0 / numel)
-        add_counts(self.calls, self._calls)
+        super().drain()
 
     def remove(self) -> None:
         """Count the kept fired masks, then remove the hooks (also when counting fails)."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
+from functools import partial
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -12,23 +15,23 @@ from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
-from lightning_hooks.core.ops.grad_stats import (
-    GLOBAL,
-    GRAD_STATS,
-    ParamLayout,
-)
+from lightning_hooks.core.ops.grad_stats import GLOBAL, GRAD_STATS, ParamLayout
+from lightning_hooks.core.ops.grouped_norms import plain_grads
 from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable
 from lightning_hooks.core.stats.optimizer_view import (
     OptimizerView,
     OptimizerViews,
+    Read,
     UpdateRatio,
     ViewStats,
     adaptive,
     check_optimizers,
+    foreach_norms,
+    quiet_read,
+    read_fallback,
 )
 from lightning_hooks.core.stats.output_grad import OutputGradients
-from lightning_hooks.core.stats.sentinel_read import SentinelRead
 from lightning_hooks.core.transport import ShardPlan
 
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
@@ -43,25 +46,17 @@ _WEIGHT = GRAD_FLOW_STATS.index("weight_norm")
 _PRECLIP = GRAD_FLOW_STATS.index("grad_norm_preclip")
 _GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 _ALL = slice(0, len(GRAD_STATS))
+_PARAMS = itemgetter("params")  # the key of an OptimizerView: its param_groups' sizes
 _SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the gradient
 
 
 def _check_args(
-    model: Any,
-    optimizers: Any,
-    update_ratio: Any,
-    output_grad: Any,
-    post_clip: Any,
-    alarms: Any,
+    model: Any, optimizers: Any, alarms: Any, **flags: Any
 ) -> list[torch.optim.Optimizer]:
     """The constructor's checks; the optimizers as a list."""
     checks.module("GradFlowTracker", "model", model)
     checked = check_optimizers(optimizers)
-    for name, flag in (
-        ("update_ratio", update_ratio),
-        ("output_grad", output_grad),
-        ("post_clip", post_clip),
-    ):
+    for name, flag in flags.items():
         checks.boolean("GradFlowTracker", name, flag)
     if alarms is not None and not isinstance(alarms, AlarmRules):
         raise TypeError(
@@ -79,7 +74,7 @@ class GradFlowTracker(HookOwner):
     ``optimizer.step()`` and any clipping (every rank under ``torch.distributed``); the update
     ratio, and with ``post_clip`` the applied gradient, are read in a step post-hook. Set
     :attr:`sampled` to ``False`` before a forward to skip the step; the alarms run on their own
-    cadence, sampled or not. Use it as a context manager, or call :meth:`remove`.
+    cadence, at logging steps or not. Use it as a context manager, or call :meth:`remove`.
 
     Args:
         model: the model to track.
@@ -94,8 +89,6 @@ class GradFlowTracker(HookOwner):
         alarms: gradient alarm rules, read back as ``tracker.alarms`` (a ``GradientAlarms``).
 
     Example:
-        >>> import torch
-        >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> with GradFlowTracker(model, [opt]) as tracker:
@@ -123,7 +116,8 @@ class GradFlowTracker(HookOwner):
         alarms: AlarmRules | None = None,
         clip: tuple[float, str] | None = None,
     ) -> None:
-        optimizers = _check_args(model, optimizers, update_ratio, output_grad, post_clip, alarms)
+        flags = {"update_ratio": update_ratio, "output_grad": output_grad, "post_clip": post_clip}
+        optimizers = _check_args(model, optimizers, alarms, **flags)
         self.registry = HookRegistry(model)
         modules = self.registry.modules(types=types, include=include, exclude=exclude)
         # The model's own parameters (a learnable temperature) unless a selection narrows it.
@@ -148,7 +142,7 @@ class GradFlowTracker(HookOwner):
         self._step = 0  # the step of the last observe, which the step post-hook follows
         self._calls = 0
         self.alarms = GradientAlarms(rows, alarms, device) if alarms is not None else None
-        self._read = SentinelRead(self.alarms, self._stats, self._outputs.order, clip)
+        self._sentinel = _SentinelRead(self.alarms, self._stats, self._outputs.order, clip)
         if output_grad:
             self._outputs.hook(self.registry, modules, model)
         for optimizer in optimizers:
@@ -188,33 +182,43 @@ class GradFlowTracker(HookOwner):
         self._calls += 1
         self._step = step
         sampled = self.registry.sampled
-        alarms = self._read.due(step)
+        alarms = self.alarms  # when their cadence runs them at this step
+        if alarms is not None and step % alarms.rules.every_n_steps:
+            alarms = None
         if not (sampled or alarms):
             return
-        view = self._views.view(optimizer)
+        view = self._views.built.get(id(optimizer))  # in line, the view's key too: no call
+        if view is None or view.key != tuple(map(len, map(_PARAMS, optimizer.param_groups))):
+            view = self._views.view(optimizer)
         if not view.params:
             return
         if alarms is not None and alarms.evaluated < alarms.rules.diverge_early:  # from step 1
             alarms.set_adaptive(adaptive(optimizer, view.params))
         amp = grad_scale is not None
-        if alarms and param_grad_scale is None and self._read.quiet(view, sampled, amp, step):
+        if alarms and param_grad_scale is None and self._sentinel.quiet(view, sampled, amp, step):
             return
-        grads = ParamLayout.grads(view.params)
         valid = view.valid()
+        stats = self._read_stats(view, sampled, param_grad_scale)
+        # the accumulator may write into ``stats`` in place
+        norms = stats[:, 0].clone() if sampled and alarms is not None else stats[:, 0]
+        if sampled:
+            self._record_step(optimizer, view, stats, valid, grad_scale)
+        if alarms is not None:  # last: what the optimizer step's post-hook reduces is set
+            self._sentinel.post(view, norms, None if valid is None else valid[:, 0], amp, step)
+        self._outputs.order.clear()
+
+    def _read_stats(
+        self, view: OptimizerView, sampled: bool, param_grad_scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``[rows, GRAD_STATS]`` of the step: all at a logging step, else the sentinel's."""
+        grads = ParamLayout.grads(view.params)
         if sampled and not self._post_clip:
             stats = self._stats.full(view, grads)
-        else:  # the sentinel's, and on a sampled step under clipping the weight norm
+        else:  # the sentinel's, and at a logging step under clipping the weight norm
             stats = self._stats.norms(view, grads, weights=self._post_clip and sampled)
         if param_grad_scale is not None:
             stats[:, _SCALED] /= param_grad_scale
-        norms = stats[:, 0]
-        if sampled:
-            if alarms is not None:  # the accumulator may write into ``stats`` in place
-                norms = norms.clone()
-            self._record_step(optimizer, view, stats, valid, grad_scale)
-        if alarms is not None:  # last: what the optimizer step's post-hook reduces is set
-            self._read.post(view, norms, None if valid is None else valid[:, 0], amp, step)
-        self._outputs.order.clear()
+        return stats
 
     def _record_step(
         self,
@@ -224,7 +228,7 @@ class GradFlowTracker(HookOwner):
         valid: torch.Tensor | None,
         grad_scale: torch.Tensor | None,
     ) -> None:
-        """A sampled step: statistics, weights for the update ratio, output gradients."""
+        """A logging step: statistics, weights for the update ratio, output gradients."""
         if self._post_clip:  # the gradient the optimizer applies is read in the step post-hook
             cells = None if valid is None else valid[:, [0, _WEIGHT]]
             values = stats[:, [0, _WEIGHT]]
@@ -238,7 +242,7 @@ class GradFlowTracker(HookOwner):
 
     @torch.no_grad()
     def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
-        view = self._views.built(optimizer)
+        view = self._views.built.get(id(optimizer))
         if view is None or not view.params or not self.registry.sampled:
             return
         if self._post_clip:
@@ -280,3 +284,90 @@ class GradFlowTracker(HookOwner):
         self.accumulator.reset()
         self._views.clear()
         self._outputs.reset()
+
+
+class _SentinelRead:
+    """Hands :class:`GradientAlarms` their norms at each step their cadence runs them.
+
+    Args:
+        alarms: the alarms, or ``None`` (off).
+        stats: the tracker's gradient statistics (the weight norms an alarm's diagnosis reads).
+        order: the layer rows in the order their output-gradient hooks fired, emptied per step.
+        clip: ``(gradient_clip_val, gradient_clip_algorithm)``, or ``None``.
+    """
+
+    def __init__(
+        self,
+        alarms: GradientAlarms | None,
+        stats: ViewStats,
+        order: list[int],
+        clip: tuple[float, str] | None,
+    ) -> None:
+        self.alarms, self._stats, self._order, self._clip = alarms, stats, order, clip
+        self._sharded = stats.shards is not None  # FSDP2: the general path makes norms whole
+        self._triton = alarms is not None and alarms.rules.quiet_read == "triton"
+        # the read of each live view's gradient norms, by the view's ``id``
+        self._reads: dict[int, tuple[weakref.ref[OptimizerView], Read]] = {}
+
+    def quiet(self, view: OptimizerView, sampled: bool, amp: bool, step: int) -> bool:
+        """A quiet step's read of dense gradients' norms, posted to the alarms (``True``: done).
+        A logging step only prepares the read and returns ``False``: its statistics serve."""
+        if self.alarms is None or self._sharded:
+            return False
+        if sampled:  # the host copy and the read made here, not on a quiet step
+            self.alarms.reserve(len(view.params))
+            self._read(view)
+            return False
+        grads = plain_grads(view.params)
+        if grads is None:  # a missing or sparse gradient: the general path
+            return False
+        try:
+            kept = self._reads.get(id(view))
+            norms = (kept[1] if kept and kept[0]() is view else self._read(view))(grads)
+        except Exception as error:  # a gradient set by hand, unlike its parameter; a Triton
+            # that cannot launch the kernels: said once, then the multi-tensor read
+            self._reads[id(view)] = (weakref.ref(view), foreach_norms)
+            failed = "its kernels failed" if self._triton else "its stacks failed"
+            read_fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
+            norms = foreach_norms(grads)
+        self.post(view, norms, None, amp, step, segmented=False)
+        return True
+
+    def _read(self, view: OptimizerView) -> Read:
+        """The read of ``view``'s gradient norms (:func:`quiet_read`), made once per view."""
+        kept = self._reads.get(id(view))
+        if kept is not None and kept[0]() is view:
+            return kept[1]
+        read = quiet_read(view, self._triton)
+        # the views of an epoch that ended are gone, and their reads with them
+        self._reads = {k: kept for k, kept in self._reads.items() if kept[0]() is not None}
+        self._reads[id(view)] = (weakref.ref(view), read)
+        return read
+
+    def post(
+        self,
+        view: OptimizerView,
+        norms: torch.Tensor,
+        stepped: torch.Tensor | None,
+        amp: bool,
+        step: int,
+        *,
+        segmented: bool = True,
+    ) -> None:
+        """Hand ``norms`` to the alarms: ``[rows]`` per layer, then global (``segmented``), or
+        ``[parameters]``, folded on the host; ``stepped``: the rows some gradient reached."""
+        assert self.alarms is not None
+        clip = self._clip  # the largest global norm the optimizer applies (by value: a bound)
+        bound = None if clip is None else clip[0] if clip[1] == "norm" else clip[0] * view.scale
+        self.alarms.update(
+            norms,
+            view.row_ids,
+            step=step,
+            amp=amp,
+            order=self._order,
+            weights=partial(self._stats.weight_norms, view),
+            stepped=stepped,
+            clip=bound,
+            segments=None if segmented else view.segments,
+        )
+        self._order.clear()

@@ -1,4 +1,4 @@
-"""Forward time per layer on sampled steps: ``perf_counter`` on the CPU, CUDA events on a GPU."""
+"""Forward time per layer at logging steps: ``perf_counter`` on the CPU, CUDA events on a GPU."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ __all__ = ["LayerTimer", "LayerTimes"]
 
 @dataclass(frozen=True)
 class LayerTimes:
-    """Host-side timings over the sampled steps since the last reset.
+    """Host-side timings over the logging steps since the last reset.
 
     Attributes:
         layers: layer names, model order.
-        forward_ms: mean forward time of each layer per sampled step, every call counted (ms).
-        calls: forward calls of each layer, over all sampled steps.
-        step_ms: mean wall time of a sampled step (ms), ``NaN`` when none was bracketed.
-        steps: number of sampled steps.
+        forward_ms: mean forward time of each layer per logging step, every call counted (ms).
+        calls: forward calls of each layer, over all logging steps.
+        step_ms: mean wall time of a logging step (ms), ``NaN`` when none was bracketed.
+        steps: number of logging steps.
     """
 
     layers: tuple[str, ...]
@@ -68,8 +68,8 @@ class _CudaClock:
 class LayerTimer(LayerStat[LayerTimes]):
     """Times the forward of every selected layer on the steps the caller samples.
 
-    Hooks installed on sampled steps only bracket each training forward with ``perf_counter``
-    or CUDA events, the latter read at the next sampled step (long recorded by then). Only leaf
+    Hooks installed at logging steps only bracket each training forward with ``perf_counter``
+    or CUDA events, the latter read at the next logging step (long recorded by then). Only leaf
     modules by default, so no time counts twice; backward time is not measured.
 
     Args:
@@ -86,7 +86,7 @@ class LayerTimer(LayerStat[LayerTimes]):
         >>> timer.start_step()
         >>> _ = model(torch.randn(4, 8))
         >>> timer.end_step()
-        >>> _ = model(torch.randn(4, 8))  # not sampled: not timed
+        >>> _ = model(torch.randn(4, 8))  # not a logging step: not timed
         >>> times = timer.result()
         >>> times.layers, times.steps, times.calls.tolist()
         (('0', '1', '2'), 1, [1, 1, 1])
@@ -128,7 +128,7 @@ class LayerTimer(LayerStat[LayerTimes]):
         self._ms = np.zeros(n)
         self._calls = np.zeros(n)
         self._step = np.zeros(2)  # milliseconds, steps
-        self._marks: list[tuple[int, Any, Any]] = []  # CUDA: this step's events only
+        self._marks: list[tuple[int, Any, Any]] = []  # this step's layer marks
         self._brackets: list[tuple[Any, Any]] = []
         self._last_step: int | None = None
         self._step_start: Any = None
@@ -139,15 +139,12 @@ class LayerTimer(LayerStat[LayerTimes]):
         where = (lambda _n, m: next(m.children(), None) is None) if self.leaves else None
         return self.selection.modules(model, where=where)
 
-    def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> LayerTimer:
-        """Hook ``model``: one row per selected layer, in model order."""
-        super().attach(model, registry)
-        cuda = (
-            any(p.is_cuda for p in model.parameters()) if self.use_cuda is None else self.use_cuda
-        )
+    def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
+        """CUDA events when asked or when ``model`` has a CUDA parameter; host totals cleared."""
+        cuda = self.use_cuda
+        cuda = any(p.is_cuda for p in model.parameters()) if cuda is None else cuda
         self._clock = _CudaClock() if cuda else _CpuClock()
         self._clear_host()
-        return self
 
     def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
         """A pre-hook and a post-hook bracketing the module's forward."""
@@ -167,17 +164,12 @@ class LayerTimer(LayerStat[LayerTimes]):
             start = self._open[index]
             if self.sampling and start is not None:
                 self._open[index] = None
-                end = self._clock.mark()
-                if isinstance(self._clock, _CpuClock):
-                    self._ms[index] += self._clock.elapsed_ms(start, end)
-                    self._calls[index] += 1
-                else:
-                    self._marks.append((index, start, end))
+                self._marks.append((index, start, self._clock.mark()))
 
         return hook
 
     def start_step(self, step: int | None = None) -> None:
-        """Start timing a sampled batch; micro-batches of one ``step`` add up into it."""
+        """Start timing a batch of a logging step; micro-batches of one ``step`` add up into it."""
         self._fold_events()
         if step is None or step != self._last_step:
             self._step[1] += 1
@@ -186,7 +178,7 @@ class LayerTimer(LayerStat[LayerTimes]):
         self._step_start = self._clock.mark()
 
     def end_step(self) -> None:
-        """End the sampled batch (a no-op when none is open)."""
+        """End the logging step's batch (a no-op when none is open)."""
         if not self.sampling:
             return
         self._brackets.append((self._step_start, self._clock.mark()))
@@ -196,10 +188,10 @@ class LayerTimer(LayerStat[LayerTimes]):
             self._fold_events()
 
     def _fold_events(self) -> None:
-        """Add the last sampled batch's marks to the host totals (CUDA: waits for its end)."""
-        if not self._brackets:
-            return
+        """Add the last logging step's marks to the host totals (CUDA: waits for its end)."""
         if isinstance(self._clock, _CudaClock):
+            if not self._brackets:
+                return
             self._brackets[-1][1].synchronize()
         for index, start, end in self._marks:
             self._ms[index] += self._clock.elapsed_ms(start, end)

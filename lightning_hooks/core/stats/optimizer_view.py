@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -11,6 +13,7 @@ from torch import nn
 
 from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import GradientAlarms, HostSegments
+from lightning_hooks.core.ops import pointer_norms
 from lightning_hooks.core.ops.grad_stats import (
     GRAD_STATS,
     ParamLayout,
@@ -19,20 +22,27 @@ from lightning_hooks.core.ops.grad_stats import (
     segment_norm,
     update_norms,
 )
-from lightning_hooks.core.ops.grouped_norms import typical_update
+from lightning_hooks.core.ops.grouped_norms import GroupedNorms, typical_update
 from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
 from lightning_hooks.core.transport import ShardPlan, to_local
+from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = [
     "OptimizerView",
     "OptimizerViews",
+    "Read",
     "UpdateRatio",
     "ViewStats",
     "adaptive",
     "check_optimizers",
+    "foreach_norms",
+    "quiet_read",
+    "read_fallback",
 ]
 
+Read = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+"""A read of gradients' L2 norms, one per gradient."""
 _WEIGHT = GRAD_STATS.index("weight_norm")
 _GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 
@@ -58,6 +68,8 @@ class OptimizerView:
         self.layer_ids = frozenset(self.row_ids[:-1])  # the layout rows it steps, on the host
         # no parameter listed twice: ``unique`` is every position, in order
         self.distinct = len(self.unique) == len(self.params)
+        # a bound on the global norm clipping by value lets through, over one unit value
+        self.scale = sum(p.numel() for p in self.params) ** 0.5
 
     def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
         """``[layers + 1, len(GRAD_STATS)]``: false in the gradient columns of layers with no
@@ -71,13 +83,6 @@ class OptimizerView:
             mask = torch.tensor(table, dtype=torch.bool, device=self.rows.device)
             self.masks[missing] = mask
         return mask
-
-    def clip_norm(self, clip: tuple[float, str] | None) -> float | None:
-        """The largest global norm the optimizer applies under ``clip`` (by value: a bound)."""
-        if clip is None:
-            return None
-        value, algorithm = clip
-        return value if algorithm == "norm" else value * sum(p.numel() for p in self.params) ** 0.5
 
     def valid(self) -> torch.Tensor | None:
         """:meth:`grad_mask` of this step's missing gradients, ``None`` when none is missing."""
@@ -96,9 +101,12 @@ def adaptive(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -
     return any(key in state for key in _SECOND_MOMENT)
 
 
+_PARAMS = itemgetter("params")
+
+
 def _groups_key(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
     """The param_groups' sizes: a view is rebuilt when they change (``add_param_group``)."""
-    return tuple(len(group["params"]) for group in optimizer.param_groups)
+    return tuple(map(len, map(_PARAMS, optimizer.param_groups)))
 
 
 def _held(optimizer: torch.optim.Optimizer) -> set[int]:
@@ -134,7 +142,7 @@ class OptimizerViews:
         self.layout = layout
         self.update_ratio = update_ratio
         self.generation = 0
-        self._views: dict[int, OptimizerView] = {}
+        self.built: dict[int, OptimizerView] = {}  # by the optimizer's ``id``, as built
 
     def view(self, optimizer: torch.optim.Optimizer) -> OptimizerView:
         """The view of ``optimizer``, built at its own step, when ``requires_grad`` tells."""
@@ -143,25 +151,21 @@ class OptimizerViews:
         view = self.current(optimizer)
         if view is None:
             checks.optimizer("GradFlowTracker.observe", "optimizer", optimizer)
-            view = self._views[id(optimizer)] = self._build(optimizer, _groups_key(optimizer))
+            view = self.built[id(optimizer)] = self._build(optimizer, _groups_key(optimizer))
         return view
-
-    def built(self, optimizer: torch.optim.Optimizer) -> OptimizerView | None:
-        """The view built at ``optimizer``'s last step, as it was built."""
-        return self._views.get(id(optimizer))
 
     def current(self, optimizer: torch.optim.Optimizer) -> OptimizerView | None:
         """The view built at ``optimizer``'s last step, if its param_groups are unchanged."""
-        view = self._views.get(id(optimizer))
+        view = self.built.get(id(optimizer))
         if view is not None and view.key != _groups_key(optimizer):
-            del self._views[id(optimizer)]
+            del self.built[id(optimizer)]
             self.generation += 1
             return None
         return view
 
     def clear(self) -> None:
         """Forget every view: parameters are looked up afresh at each optimizer's next step."""
-        self._views.clear()
+        self.built.clear()
         self.generation += 1
 
     def unstepped(self, optimizers: Sequence[torch.optim.Optimizer]) -> tuple[str, ...]:
@@ -320,3 +324,49 @@ class UpdateRatio:
         valid = (view.weight_norm > 0)[:, None]
         self.accumulator.update(ratio[:, None], [self.column], view.rows, valid, replicated=True)
         view.weight_norm = None
+
+
+def quiet_read(view: OptimizerView, triton: bool) -> Read:
+    """The read of ``view``'s gradient norms by ``AlarmRules.quiet_read`` (``triton`` or
+    ``grouped``); one that cannot be made is said once and :func:`foreach_norms` reads instead."""
+    try:
+        return _pointer_norms(view) if triton else GroupedNorms(view.params)
+    except _RefusedError as error:
+        read_fallback(triton, str(error), 4)
+    except Exception as error:  # its index or tables not made (pinned memory, say)
+        failed = "its tables could not be built" if triton else "it could not be made"
+        read_fallback(triton, f"{failed} ({type(error).__name__}: {error})", 4)
+    return foreach_norms
+
+
+def foreach_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's L2 norm by one ``torch._foreach_norm`` (the read of last resort)."""
+    return torch.stack(torch._foreach_norm(list(grads)))
+
+
+class _RefusedError(Exception):
+    """Why the pointer-table read cannot read these gradients."""
+
+
+def _pointer_norms(view: OptimizerView) -> Read:
+    """The pointer-table read of ``view``'s gradients; :class:`_RefusedError` where it cannot be."""
+    why = pointer_norms.available()
+    if why is None and view.params[0].device.type != "cuda":
+        why = f"the gradients are on {view.params[0].device.type}, not CUDA"
+    if why is not None:
+        raise _RefusedError(why)
+    try:
+        return pointer_norms.PointerNorms(view.params)
+    except ValueError as error:  # a layout it does not read
+        raise _RefusedError(f"it reads {error}") from error
+
+
+def read_fallback(triton: bool, why: str, stacklevel: int = 3) -> None:
+    """Say once, for one optimizer, why the quiet step reads with ``_foreach_norm``."""
+    read = "triton" if triton else "grouped"
+    warnings.warn(
+        f"AlarmRules(quiet_read={read!r}): {why}; quiet steps read the gradients' norms with "
+        "torch._foreach_norm instead",
+        LightningHooksWarning,
+        stacklevel=stacklevel,
+    )

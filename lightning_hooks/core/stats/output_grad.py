@@ -148,10 +148,7 @@ class OutputGradients:
         self._steps = 0
 
     def hook(
-        self,
-        registry: HookRegistry,
-        modules: Sequence[tuple[str, nn.Module]],
-        model: nn.Module,
+        self, registry: HookRegistry, modules: Sequence[tuple[str, nn.Module]], model: nn.Module
     ) -> None:
         """Hook the output of each of ``modules`` that is a layer of the layout; each compiled
         region of ``model`` gets a pre-hook giving its rows fresh tensors when called again."""
@@ -180,12 +177,9 @@ class OutputGradients:
             self._extra.append((row, fresh))
 
     def record(
-        self,
-        optimizer: torch.optim.Optimizer,
-        view: OptimizerView,
-        grad_scale: torch.Tensor | None,
+        self, optimizer: torch.optim.Optimizer, view: OptimizerView, grad_scale: torch.Tensor | None
     ) -> None:
-        """A sampled step of ``optimizer``: its rows' output gradients into the accumulator."""
+        """A logging step of ``optimizer``: its rows' output gradients into the accumulator."""
         self._merge_compiled()
         self._drop_other_backward(optimizer, view)
         self._observe(view.rows[:-1], grad_scale)

@@ -12,7 +12,6 @@ from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.selection import torch_equivalent
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
-from lightning_hooks.core.stats.states import add_counts
 
 __all__ = [
     "SATURATING_TYPES",
@@ -160,7 +159,6 @@ class SaturationTracker(LayerStat[SaturationStats]):
         self.owner = owner
         self.unit_dim = unit_dim
         self.margin = margin
-        self._entries: dict[int, int] = {}  # host-side counts, moved into ``entries`` by drain()
         self.add_layer_state("saturated", reduce="sum", dtype=torch.int64)
         self.add_layer_state("entries", reduce="sum", dtype=torch.int64)
         self.add_unit_state("unsaturated", reduce="max", dtype=torch.bool)
@@ -184,11 +182,7 @@ class SaturationTracker(LayerStat[SaturationStats]):
         row = self.row(name, unsaturated.numel())
         self.saturated[row].add_(count)
         self.unsaturated[self.unit_slice(row)].logical_or_(unsaturated)
-        self._entries[row] = self._entries.get(row, 0) + output.numel()
-
-    def drain(self) -> None:
-        """Move the host-side entry counts into the ``entries`` state."""
-        add_counts(self.entries, self._entries)
+        self.tally("entries", row, output.numel())
 
     def summarize(self, states: dict[str, np.ndarray]) -> SaturationStats:
         """Saturated and always-saturated counts per row from the reduced states."""

@@ -28,27 +28,13 @@ from lightning_hooks.core.stats.attention import (
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["STABILITY_STATS", "StabilityStats", "mha_inputs", "mha_logit_chunks"]
+__all__ = ["STABILITY_STATS", "StabilityStats", "mha_logit_chunks"]
 
 STABILITY_STATS = ("attn_logit_max", "attn_entropy_min", "logit_logz", "logit_logz_max")
 """The statistics logged as ``stability/{stat}/{layer}``."""
 
 Result = dict[str, dict[str, float]]
 _LogZ = tuple[torch.Tensor, int, torch.Tensor]  # sum of log Z, positions, max of log Z
-
-
-def mha_inputs(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_padding_mask: torch.Tensor | None = None,
-    need_weights: bool = True,
-    attn_mask: torch.Tensor | None = None,
-    *_: Any,
-    **__: Any,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Bind ``nn.MultiheadAttention.forward``'s arguments the way the module does."""
-    return query, key, key_padding_mask, attn_mask
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -64,13 +50,17 @@ def mha_logit_chunks(
     mha: nn.MultiheadAttention,
     query: torch.Tensor,
     key: torch.Tensor,
+    value: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    need_weights: bool = True,
     attn_mask: torch.Tensor | None = None,
+    *_: Any,
     budget: int | None = None,
+    **__: Any,
 ) -> Iterator[torch.Tensor]:
-    """The pre-softmax logits ``[N, H, L, S']`` of ``mha`` on these inputs as its softmax sees
-    them (masks, ``bias_k`` and ``add_zero_attn`` included), a chunk of query rows at a time
-    (at most ``budget`` elements, default :data:`~.attention.LOGIT_BUDGET`).
+    """The pre-softmax logits ``[N, H, L, S']`` that ``mha``'s softmax sees (masks, ``bias_k``
+    and ``add_zero_attn`` included) given ``mha.forward``'s own arguments, a chunk of query rows
+    at a time (at most ``budget`` elements, default :data:`~.attention.LOGIT_BUDGET`).
 
     Example:
         >>> mha = nn.MultiheadAttention(4, 2, batch_first=True)
@@ -138,7 +128,7 @@ class StabilityStats(LayerStat[Result]):
 
     ``nn.MultiheadAttention`` logits are recomputed from its inputs (:func:`mha_logit_chunks`),
     others seen by :class:`~.attention.AttentionCapture`. Modules inside a ``torch.compile``
-    region are not measured. Training forwards of sampled steps only.
+    region are not measured. Training forwards of logging steps only.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -174,14 +164,11 @@ class StabilityStats(LayerStat[Result]):
         self._checked = False  # whether unseen attention was looked for since attach
         self._mixed_heads: set[str] = set()  # modules warned of calls with other heads
 
-    def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> StabilityStats:
-        """Hook ``model``'s attention layers and parameter owners; find the output layer anew."""
+    def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
+        """Find the output layer anew; capture the attention of the modules not hooked."""
         self._output, self._last, self._candidates = None, None, {}
-        super().attach(model, registry)
-        assert self.registry is not None
-        self._capture = AttentionCapture(self._add_attention, self._attention).attach(self.registry)
+        self._capture = AttentionCapture(self._add_attention, self._attention).attach(registry)
         self._checked = False
-        return self
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """Every ``nn.MultiheadAttention`` and every module owning parameters directly."""
@@ -202,7 +189,7 @@ class StabilityStats(LayerStat[Result]):
             if is_training_forward(module) and not torch.compiler.is_compiling():
                 assert isinstance(module, nn.MultiheadAttention)
                 with torch.no_grad():
-                    for chunk in mha_logit_chunks(module, *mha_inputs(*args, **kwargs)):
+                    for chunk in mha_logit_chunks(module, *args, **kwargs):
                         self._add_attention(name, chunk)
 
         return hook
@@ -260,14 +247,10 @@ class StabilityStats(LayerStat[Result]):
 
     def end_step(self) -> None:
         """After a forward: the last candidate seen is the output layer (also settled by
-        :meth:`drain`). After the first sampled step, warn once of attention not seen."""
-        if (
-            not self._checked
-            and self._capture is not None
-            and self.registry is not None
-            and self.registry.sampled
-        ):
-            self._warn_unseen(self._capture, self.registry.model)
+        :meth:`drain`). After the first logging step, warn once of attention not seen."""
+        capture, registry = self._capture, self.registry
+        if not self._checked and capture is not None and registry is not None and registry.sampled:
+            self._warn_unseen(capture, registry.model)
         if self._last is not None:
             name, self._last, self._output = self._last, None, self._last
             for measured in self._candidates.pop(name):
@@ -290,7 +273,7 @@ class StabilityStats(LayerStat[Result]):
             )
 
     def drain(self) -> None:
-        """Settle a sampled forward that :meth:`end_step` has not seen yet."""
+        """Settle a forward of a logging step that :meth:`end_step` has not seen yet."""
         self.end_step()
 
     def summarize(self, states: dict[str, np.ndarray]) -> Result:

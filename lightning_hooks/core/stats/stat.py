@@ -9,7 +9,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 from torch import nn
-from typing_extensions import TypedDict
+from typing_extensions import Self, TypedDict
 
 from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
@@ -20,7 +20,7 @@ from lightning_hooks.core.transport import HostMailbox
 
 _set_grad_enabled = torch._C._set_grad_enabled
 
-__all__ = ["EpochWindows", "LayerStat", "Reduce", "SelectionArgs", "StateSpec", "selection_of"]
+__all__ = ["LayerStat", "Reduce", "SelectionArgs", "StateSpec", "selection_of"]
 
 R = TypeVar("R")
 
@@ -38,66 +38,6 @@ def _combine(old: np.ndarray, new: np.ndarray, spec: StateSpec) -> np.ndarray:
         grown[: old.shape[0]] = old
         old = grown
     return np.asarray(_COMBINE[spec.reduce](old, new))
-
-
-class EpochWindows:
-    """The windows a statistic posts at logging steps: copied to the host without blocking,
-    folded into the epoch (sums added, extremes kept) and kept until read.
-
-    Args:
-        specs: the statistic's declared states, by name (read only).
-    """
-
-    def __init__(self, specs: dict[str, StateSpec]) -> None:
-        self.specs = specs
-        self.epoch: dict[str, np.ndarray] | None = None  # the folded windows, reduced, on host
-        self._mailbox: HostMailbox | None = None
-        self._ready: list[tuple[int, dict[str, np.ndarray]]] = []  # folded, not yet read
-
-    def post(self, packed: torch.Tensor, shapes: dict[str, torch.Size], step: int) -> None:
-        """Start the copy of the window ``packed`` (reduced already) ended at ``step``."""
-        box = self._mailbox
-        if box is None or box.shape != tuple(packed.shape):
-            box = self._mailbox = HostMailbox(tuple(packed.shape), packed.device, packed.dtype)
-        box.post(packed, meta=(step, shapes))
-
-    def collect(self, wait: bool) -> None:
-        """Fold the posted window into the epoch once copied (``wait``: block for it)."""
-        got = None if self._mailbox is None else self._mailbox.read(wait)
-        if got is not None:
-            view, (step, shapes) = got
-            states = unpack(view, shapes)
-            # folded into the epoch (sums added, extremes kept); a copy: the window is kept too
-            self.epoch = {k: v.copy() for k, v in self.with_epoch(states).items()}
-            self._ready.append((step, states))
-
-    @property
-    def in_flight(self) -> bool:
-        """Whether a window was posted and not yet read by :meth:`pop`."""
-        return bool(self._ready) or (self._mailbox is not None and self._mailbox.pending)
-
-    def pop(self) -> tuple[int, dict[str, np.ndarray]] | None:
-        """The oldest folded window not yet read, ``None`` when none is."""
-        return self._ready.pop(0) if self._ready else None
-
-    def with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The epoch's folded windows and the current ``window`` together."""
-        if self.epoch is None:
-            return window
-        return {
-            name: _combine(self.epoch[name], new, spec)
-            for (name, new), spec in zip(window.items(), self.specs.values(), strict=True)
-        }
-
-    def clear(self) -> None:
-        """A new epoch: the folded windows and a window still in flight dropped."""
-        self.epoch, self._ready = None, []
-        if self._mailbox is not None:
-            self._mailbox.clear()
-
-    def forget(self) -> None:
-        """As new: the mailbox too (the states may change shape or device)."""
-        self.epoch, self._mailbox, self._ready = None, None, []
 
 
 class SelectionArgs(TypedDict, total=False):
@@ -165,15 +105,18 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self.selection = selection
         self.registry: HookRegistry | None = None  # type: ignore[assignment]
         self._hooked: tuple[str, ...] = ()
-        self._windows = EpochWindows(self.specs)  # the logging steps' windows, on the host
+        # the logging steps' windows: copied to the host without blocking, folded into the epoch
+        self._epoch: dict[str, np.ndarray] | None = None  # (sums added, extremes kept)
+        self._mailbox: HostMailbox | None = None
+        self._ready: list[tuple[int, dict[str, np.ndarray]]] = []  # folded, not yet read
 
     # --- hooks -----------------------------------------------------------------------------
 
-    def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> LayerStat[R]:
+    def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> Self:
         """Forget every row and hook ``model``; returns ``self``, a context manager."""
         check_module(type(self).__name__, "model", model)
         self.remove()
-        self._windows.forget()
+        self._epoch, self._mailbox, self._ready = None, None, []
         params = itertools.chain(model.parameters(), model.buffers())
         device = next((t.device for t in params), torch.device("cpu"))
         self._drop_rows(device)
@@ -185,7 +128,11 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self._hooked = tuple(name for name, _ in selected)
         for name, module in selected:
             self.hook_module(self.registry, name, module)
+        self._attached(model, self.registry)
         return self
+
+    def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
+        """Set up what needs the hooked model (override: runs last in :meth:`attach`)."""
 
     def config_key(self) -> str:
         """What tells two instances' checkpoint states apart (default: the class and selection)."""
@@ -230,31 +177,56 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
 
     def post_window(self, step: int) -> None:
         """End the window at a logging step: reduce it across ranks and start its host copy."""
-        self._windows.collect(wait=True)  # at most one window in flight
+        self._collect(wait=True)  # at most one window in flight
         packed, shapes = self._reduced()
-        self._windows.post(packed, shapes, step)
+        box = self._mailbox
+        if box is None or box.shape != tuple(packed.shape):
+            box = self._mailbox = HostMailbox(tuple(packed.shape), packed.device, packed.dtype)
+        box.post(packed, meta=(step, shapes))
         self._reset_window()
+
+    def _collect(self, wait: bool) -> None:
+        """Fold the posted window into the epoch once copied (``wait``: block for it)."""
+        got = None if self._mailbox is None else self._mailbox.read(wait)
+        if got is not None:
+            view, (step, shapes) = got
+            states = unpack(view, shapes)
+            # a copy: the window is kept too, until read
+            self._epoch = {k: v.copy() for k, v in self._with_epoch(states).items()}
+            self._ready.append((step, states))
 
     def read_window(self, wait: bool) -> tuple[int, R] | None:
         """``(step, result)`` of the posted window; ``None`` when none is, or while copying."""
-        self._windows.collect(wait)
-        ready = self._windows.pop()
-        return None if ready is None else (ready[0], self.summarize(ready[1]))
+        self._collect(wait)
+        if not self._ready:
+            return None
+        step, states = self._ready.pop(0)
+        return step, self.summarize(states)
 
     @property
     def window_in_flight(self) -> bool:
         """Whether a posted window was not yet returned by :meth:`read_window`."""
-        return self._windows.in_flight
+        return bool(self._ready) or (self._mailbox is not None and self._mailbox.pending)
 
     def epoch_states(self) -> dict[str, np.ndarray] | None:
         """The folded windows of the epoch (reduced, on the host), ``None`` before the first."""
-        return self._windows.epoch
+        return self._epoch
+
+    def _with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The epoch's folded windows and ``window`` together."""
+        if self._epoch is None:
+            return window
+        specs = self.specs.values()
+        return {
+            name: _combine(self._epoch[name], new, spec)
+            for (name, new), spec in zip(window.items(), specs, strict=True)
+        }
 
     def _host_states(self) -> dict[str, np.ndarray]:
         """The epoch so far: the folded windows and the current one (reduced, one copy)."""
-        self._windows.collect(wait=True)
+        self._collect(wait=True)
         packed, shapes = self._reduced()
-        return self._windows.with_epoch(unpack(packed.cpu().numpy(), shapes))
+        return self._with_epoch(unpack(packed.cpu().numpy(), shapes))
 
     def result(self) -> R:
         """The statistic over the epoch so far, reduced across ranks (every rank must call it)."""
@@ -276,7 +248,9 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         """Start a new epoch: states (but ``"same"`` ones) and windows dropped, rows kept."""
         self.drain()
         self._reset_window()
-        self._windows.clear()
+        self._epoch, self._ready = None, []  # and a window still in flight
+        if self._mailbox is not None:
+            self._mailbox.clear()
 
     # --- checkpoint ------------------------------------------------------------------------
 
@@ -316,4 +290,4 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
                 target.copy_(saved)
             epoch[name] = saved.double().numpy().copy()
         self._reset_window()
-        self._windows.epoch = epoch
+        self._epoch = epoch

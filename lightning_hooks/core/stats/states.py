@@ -17,7 +17,6 @@ __all__ = [
     "Reduce",
     "RowStates",
     "StateSpec",
-    "add_counts",
     "all_pool",
     "pack_dtype",
     "unpack",
@@ -57,15 +56,6 @@ def _extremes(dtype: torch.dtype) -> tuple[float, float]:
         return 0.0, 1.0
     info = torch.iinfo(dtype)
     return float(info.min), float(info.max)
-
-
-def add_counts(state: torch.Tensor, counts: dict[int, int]) -> None:
-    """Add the host-side ``{row: count}`` into ``state`` (one copy to its device); empty them."""
-    if counts:
-        rows = torch.tensor(list(counts), device=state.device)
-        added = torch.tensor(list(counts.values()), dtype=state.dtype)
-        state.index_add_(0, rows, added.to(state.device))
-        counts.clear()
 
 
 def _dtype_on(spec: StateSpec, device: torch.device) -> torch.dtype:
@@ -136,6 +126,7 @@ class RowStates:
         self.units: list[int] = []
         self._starts: list[int] = []  # where each row's entries begin in the per-unit states
         self._aligned = 0  # rows every rank has, in the same order (see align_rows)
+        self._counts: dict[str, dict[int, int]] = {}  # host-side counts by state (see tally)
 
     # --- declaring states -------------------------------------------------------------------
 
@@ -292,8 +283,21 @@ class RowStates:
 
     # --- reduce and reset ------------------------------------------------------------------
 
+    def tally(self, name: str, row: int, n: int = 1) -> None:
+        """Add ``n`` to state ``name``'s ``row`` on the host, moved in at :meth:`drain`."""
+        counts = self._counts.setdefault(name, {})
+        counts[row] = counts.get(row, 0) + n
+
     def drain(self) -> None:
-        """Move what the hooks hold into the states (override; runs before every reduce)."""
+        """Move what the hooks hold into the states (one copy per tallied state); runs before
+        every reduce. An override moves its own, then calls this."""
+        for name, counts in self._counts.items():
+            if counts:
+                state: torch.Tensor = getattr(self, name)
+                rows = torch.tensor(list(counts), device=state.device)
+                added = torch.tensor(list(counts.values()), dtype=state.dtype)
+                state.index_add_(0, rows, added.to(state.device))
+                counts.clear()
 
     def _reduced(self) -> tuple[torch.Tensor, dict[str, torch.Size]]:
         """Every state of the window reduced across ranks (one collective), packed in one."""
