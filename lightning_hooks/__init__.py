@@ -83,7 +83,7 @@ __all__ = [
     "select_modules",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY, __all__)
