@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A lent GPU's checks (issue 36), as one prepared run of at most 10 minutes (about 7.5 in session 17):
+# The GPU checks, as one prepared run of at most 10 minutes (about 7.5 on an H100):
 #   the CUDA tests (and the Triton read's), the quiet step's host time in our hooks against the
 #   floor's (quiet_step.py), what a CUDA graph, the pointer-table kernels or the grouped read
 #   save on the norm pass (graph_probe.py), the overhead table on the launch-bound stand-in and the small models
@@ -7,9 +7,9 @@
 #   benchmarks/sampled_step_gpu.py, separately.
 # Run from the repository root on the GPU machine, whose python3 holds torch, Lightning, Triton,
 # torchvision and transformers; results go to $OUT (default ./gpu_out): log.txt and the tables' .md and .json. Each part has a time
-# limit (seconds, overridable: TESTS_S ...) so that the whole fits one call of the device tool.
+# limit (seconds, overridable: TESTS_S ...) so that the whole fits 10 minutes.
 # Keep `--depths --sample-every` (empty: off) on every overhead.py call: their defaults fit
-# 1,000-layer models, which took session 16's whole limit on the GPU.
+# 1,000-layer models, which take longer than the whole run's limit.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu_out}
@@ -33,7 +33,7 @@ timeout "${SMALL_S:-110}" python3 benchmarks/overhead.py --accelerator cuda --ro
   --models launch mlp cnn transformer --depths --sample-every --only "${ONLY[@]}" \
   --save --out "$OUT/small" 2>&1 \
   | tail -n 40
-for model in resnet50 gpt2; do  # one call each: session 17's one call for both ran past 170 s
+for model in resnet50 gpt2; do  # one call each: one call for both runs past 170 s
   timeout "${LARGE_S:-150}" python3 benchmarks/overhead.py --accelerator cuda \
     --precision bf16-mixed --rounds 2 --models "$model" --depths --sample-every \
     --only =GradFlowCallback "=all, defaults" --save --out "$OUT/large_$model" \

@@ -1,4 +1,4 @@
-"""The issue-30 table: one ``Trainer.fit`` per logger (and TensorBoard + W&B together), each
+"""What each logger shows: one ``Trainer.fit`` per logger (and TensorBoard + W&B together), each
 logger's own storage read back: per-layer scalars, pictures, histograms, alarm text.
 
 The fit: ``TinyMLP`` of the test suite, 2 epochs of 4 steps, ``GradFlowCallback(histograms=True,

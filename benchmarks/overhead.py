@@ -174,7 +174,7 @@ def _deep(depth: int) -> nn.Module:
 
 
 def _launch() -> nn.Module:
-    """The launch-bound stand-in (issue 36): 24 x (Linear(64), LayerNorm, ReLU) at batch 16, a
+    """The launch-bound stand-in: 24 x (Linear(64), LayerNorm, ReLU) at batch 16, a
     step of about 3 ms on one CPU thread that is mostly per-op dispatch, as a small model's step
     on a GPU is mostly kernel launches."""
     body = [m for _ in range(24) for m in (nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU())]

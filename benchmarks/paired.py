@@ -2,8 +2,9 @@
 
 ``overhead.py`` runs one fit after another and divides each configuration's step by bare's in
 the same round. Where the host is shared, its speed changes between fits a few seconds apart:
-on the launch-bound stand-in in session 17 the rounds ranged 0.59x-2.3x, and the p10 step of bare
-alone 4.9-9.5 ms from one fit to the next. No ratio of such fits can test a 1.15x target.
+on the launch-bound stand-in, on a shared 2-core host, the rounds ranged 0.59x-2.3x, and the
+p10 step of bare alone 4.9-9.5 ms from one fit to the next.
+No ratio of such fits can test a 1.15x target.
 
 Here every configuration trains at the same time, in its own process, and the processes take
 turns: a baton (one semaphore per process, passed around a ring at ``on_train_batch_start``) lets

@@ -1,7 +1,8 @@
 """What a quiet step costs in our own hooks, against the floor's hook in the same steps.
 
 Where the host is shared, step times between fits swing by 2x (``overhead.py``'s rounds on the
-launch-bound stand-in ranged 0.5x-3.5x in session 13), and no ratio of two fits can be tabled.
+launch-bound stand-in ranged 0.5x-3.5x on a shared 2-core host), and no ratio of two fits can
+be tabled.
 This measures inside one fit instead: a timing wrapper around every Lightning hook of our
 callbacks (``perf_counter`` around the call: the hook's own time, whatever Lightning does
 around it), and around the floor's hook, ``torch._foreach_norm`` over the gradients

@@ -1,4 +1,4 @@
-"""What each callback of issue 8 costs, against a bare run, on a small CNN.
+"""What each callback costs, against a bare run, on a small CNN.
 
 A small CNN (4 x conv 3x3 + BatchNorm + Tanh, 16 channels, 16x16 inputs, batch 32) trains for 2
 epochs of 20 batches under each configuration, interleaved round by round in one process so that

@@ -70,7 +70,7 @@ __all__ = [
     "select_modules",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def lazy_names(

@@ -255,7 +255,7 @@ def fit(root: Path, name: str, strategy: str) -> dict[str, Any]:
     guard = ours._hook_guard()
     policy = getattr(ours, "policy", None)
     return {
-        "disabled_step": getattr(guard, "disabled_step", None),  # None before issue 28
+        "disabled_step": getattr(guard, "disabled_step", None),
         "failed": guard.failed,
         "warnings": [
             str(w.message) for w in caught if issubclass(w.category, LightningHooksWarning)

@@ -787,7 +787,7 @@ def test_a_softmax_counts_as_attention_only_in_a_module_named_as_attention() -> 
 
 def test_torch_nn_plain_layers_are_not_hooked_and_count_as_their_callers() -> None:
     """``torch.nn``'s own layers without submodules or hooks call no attention: the capture
-    hooks none of them (issue 36: most of a model's modules), whatever hooks our statistics put
+    hooks none of them (most of a model's modules), whatever hooks our statistics put
     there. A ``Softmax`` module's softmax then counts as its caller's, here an attention
     module's; a plain layer carrying a hook of the user's stays hooked, so an attention call
     made in that hook is still not taken; with a global forward hook every module is."""

@@ -116,7 +116,7 @@ def test_operations_per_layer_are_constant_and_few() -> None:
     per_layer = (extra[8] - extra[4]) / 4
     assert extra[12] - extra[8] == extra[8] - extra[4]  # linear in depth, exactly
     # the output-gradient norm: the hit, its square's sum and the parameters' |g| sums and
-    # maxima are multi-tensor ops over every layer (7 per layer before session 14)
+    # maxima are multi-tensor ops over every layer
     assert per_layer == 1, extra
 
 
@@ -127,8 +127,7 @@ def test_an_off_sample_step_dispatches_no_operation() -> None:
 
 def test_the_sentinel_is_the_norm_pass_and_one_copy_whatever_the_depth() -> None:
     """Off-sample steps with the alarms on: one multi-tensor norm, a segment sum, one copy of the
-    norms to the host; the rules run there (issue 36: 81 ATen ops before, the rules on the
-    device)."""
+    norms to the host; the rules run there."""
     extra = {
         d: _ops_per_step(d, True, sampled=False, alarms=AlarmRules()) - _ops_per_step(d, False)
         for d in (4, 16)
@@ -154,7 +153,7 @@ def _ops_of_each_call(
 
 def test_the_loss_rules_are_one_copy_a_step() -> None:
     """*diverging* on by default: the device copies the loss to the host, where the rules run
-    (18 ATen ops before issue 36, 35 before issue 21)."""
+    (one copy, no other op)."""
     alarms = GradientAlarms(["a", "b", "global"], AlarmRules())
     losses = [torch.tensor(1.0 - 0.1 * step) for step in range(3)]
     assert _ops_of_each_call(losses, alarms.update_loss) == [{"copy_": 1}] * 2
@@ -478,8 +477,7 @@ def test_a_quiet_step_is_a_constant_few_dozen_ops_whatever_the_depth(
 ) -> None:
     """Every default callback, loss rules included: the parameters' norm pass, one copy of the
     norms and one of the loss to the host, where the norms are folded into layers and the rules
-    run (99 ops before issue 36, whose target is 30; 16 when the norms were folded into layers on
-    the device). The norm pass is one ``_foreach_norm`` and a stack when no three gradients
+    run. The norm pass is one ``_foreach_norm`` and a stack when no three gradients
     share a shape (4 ops in all), else a stack and a norm per set of small gradients of one
     shape, at most ``MAX_GROUPS`` of them, one ``_foreach_norm`` and a stack for the rest, a cat
     and an index: on the deep chain 98 weights and 98 biases in two stacks (10 ops), on any
@@ -530,8 +528,8 @@ def test_the_attention_mode_sees_only_the_models_calls_on_a_sampled_step(
 ) -> None:
     """Every callback at its defaults through ``Trainer.fit``: on a sampled forward the
     attention capture's ``TorchFunctionMode`` sees what the model calls, not the torch calls of
-    the statistics' hooks (3,831 a sampled step on the launch-bound stand-in before session 11,
-    where the model makes 73); the attention is still captured and logged."""
+    the statistics' hooks (on the launch-bound stand-in the model makes 73); the attention is
+    still captured and logged."""
     from lightning_hooks.core.stats import attention
 
     model = _AttendFit()

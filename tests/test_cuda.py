@@ -4,7 +4,7 @@ still names the step of its fault although the rules read the device's copy a st
 the CPU suite's exactness tests pass with the fit on the device (the multi-tensor reads, the
 device-sized pieces, the output-gradient norms summed at the record).
 
-Skipped without CUDA; run on a lent GPU (issue 36).
+Skipped without CUDA; ``benchmarks/gpu_session.sh`` runs it on a GPU.
 """
 
 from __future__ import annotations

@@ -302,8 +302,8 @@ class TwoWidths(TinyMLP):
 def test_a_module_called_at_two_widths_gets_a_row_per_width(
     trainer_factory: Any, tmp_path: Path
 ) -> None:
-    # Before: the second width raised in the hook ("had 16 units, now 8") and the callback was
-    # disabled for the fit, so DeadReLUCallback() measured nothing on torchvision's ResNets.
+    # torchvision's ResNets call one ReLU module at several widths: a row per width, rather than
+    # a refusal that would leave DeadReLUCallback() measuring nothing on them.
     model = TwoWidths()
     model.lr = 0.0  # the weights stay: the dead units stay dead
     _kill(model.wide.bias, DEAD)

@@ -97,7 +97,7 @@ def test_only_rank_zero_writes_and_warns_once(ddp_run: tuple[Path, str]) -> None
     fits = ("accumulate_clip", "depth10", "manual", "raise", "warn")
     assert events == [(fit, "tb", "version_0") for fit in fits]
     assert [p.relative_to(out).parts[0] for p in out.rglob("metrics.csv")] == ["depth200"]
-    # The CSVLogger shows the chart now (one PNG per epoch end, from rank 0): no warning.
+    # The CSVLogger shows the chart (one PNG per epoch end, from rank 0): no warning.
     assert "images need" not in output
     chart = out / "depth200" / "csv" / "version_0" / "grad_flow" / "chart"
     assert len(list(chart.glob("step_*.png"))) == 2

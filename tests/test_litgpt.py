@@ -1,4 +1,4 @@
-"""LitGPT's own ``litgpt pretrain`` (issue 37), switched on without code: ``LIGHTNING_HOOKS=
+"""LitGPT's own ``litgpt pretrain``, switched on without code: ``LIGHTNING_HOOKS=
 grad_flow`` makes Fabric's entry point add ``GradFlowCallback``, which logs per-layer gradient
 statistics into LitGPT's own TensorBoard logger. A 2-layer, 16-wide config, local random tokens
 (``tests/litgpt_data.py``), 50 optimizer steps on one CPU process; LitGPT clips at 1.0.

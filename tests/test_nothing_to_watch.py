@@ -121,8 +121,8 @@ class LazyMLP(TinyMLP):
 
 
 def test_lazy_parameters_are_refused_with_one_warning_and_the_run_goes_on(tmp_path: Path) -> None:
-    # Before: ParamLayout read the uninitialized parameter's numel in on_fit_start and the
-    # user's fit died with torch's ValueError ("Attempted to use an uninitialized parameter").
+    # Reading an uninitialized parameter's numel at fit start would end the user's fit with
+    # torch's ValueError ("Attempted to use an uninitialized parameter").
     model = LazyMLP()
     trainer = make_trainer(
         tmp_path / "lazy", callbacks=[GradFlowCallback(), ActivationStatsCallback()]

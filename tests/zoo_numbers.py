@@ -1,4 +1,4 @@
-"""Issue 14's cases on the zoo, for the closing note: what GradFlowCallback logs against the
+"""The zoo's figures in ``docs/custom-stat.md``: what GradFlowCallback logs against the
 plain-torch figure each zoo model records. Run from the repository root:
 
     PYTHONPATH=$PWD:$PWD/tests .venv/bin/python tests/zoo_numbers.py
