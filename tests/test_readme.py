@@ -1,4 +1,6 @@
-"""The README and the docs pages: every table renders, every Python block runs, the site builds.
+"""The README and the docs pages: every table renders, every Python block runs, the site builds
+with every parameter of the public classes rendered, the pages speak of the product, and the
+README's cost figures are the saved benchmark runs.
 
 Tables are checked on markdown-it-py's own parse (the CommonMark + GFM-tables parser the
 rendered pages agree with): a line that starts with ``|`` outside a rendered table is a stray
@@ -7,6 +9,7 @@ row, and every row of a table has the header's number of cells.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -20,6 +23,8 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_hooks
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -180,6 +185,23 @@ def test_the_docs_site_builds_in_strict_mode(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "cli" / "index.html").is_file()
+    for name, page in REFERENCE.items():  # every parameter, rendered from the docstrings
+        html = (tmp_path / page / "index.html").read_text()
+        rendered = set(re.findall(r"<code>([a-z_0-9]+)</code>\s*</td>", html))
+        params = set(inspect.signature(getattr(lightning_hooks, name)).parameters)
+        assert params <= rendered, f"{page} does not render {sorted(params - rendered)}"
+
+
+REFERENCE = {  # public class -> its reference page
+    "GradFlowCallback": "grad-flow",
+    "ActivationStatsCallback": "activation-stats",
+    "DeadReLUCallback": "dead-relu",
+    "SaturationCallback": "saturation",
+    "LayerTimeCallback": "layer-time",
+    "FeatureMapCallback": "feature-map",
+    "StatsCallback": "stats-callback",
+    "AlarmRules": "alarm-rules",
+}
 
 
 COST_ROWS = {  # (model, device) in the README's table -> (saved result, its model key)
