@@ -274,3 +274,27 @@ def test_the_readme_first_screen_quotes_the_cost_table() -> None:
     assert f"{min(cpu):.2f}x to {max(cpu):.2f}x a bare step at the defaults on CPU" in text
     assert f"{min(large):.2f}x to {max(large):.2f}x on ResNet-50 and GPT-2 on an H100" in text
     assert f"up to {max(small):.2f}x on small GPU models" in text
+
+
+def test_the_supported_versions_are_pyprojects() -> None:
+    """README "Install and get started" and docs/install.md: the minimum versions it declares."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    minimum = {
+        re.split(r"[<>=\[]", spec, maxsplit=1)[0]: spec.split(">=")[1].split(",")[0]
+        for spec in project["dependencies"]
+        if ">=" in spec
+    }
+    python = project["requires-python"].removeprefix(">=")
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (
+        f"Python {python} or newer, torch {minimum['torch']} or newer, "
+        f"Lightning {minimum['pytorch-lightning']} or newer" in readme
+    )
+    install = (ROOT / "docs" / "install.md").read_text()
+    assert f"| Python | {python} or newer |" in install
+    assert f"| torch | {minimum['torch']} or newer |" in install
+    assert f"`pytorch-lightning` {minimum['pytorch-lightning']} or newer" in install
+    assert f"| TensorBoard | {minimum['tensorboard']} or newer |" in install
+    for extra in project["optional-dependencies"]:
+        assert f"| `{extra}` |" in install, f"docs/install.md does not name the extra {extra!r}"
