@@ -169,20 +169,22 @@ def test_stats_callback_with_a_statistic_from_its_class_path(
     assert "saturation/saturated_fraction/net.3" in read_scalars(tmp_path)
 
 
-def _readme_yaml() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## With LightningCLI", 1)[1].split("\n## ", 1)[0]
-    match = re.search(r"```yaml\n(.*?)```", section, re.DOTALL)
-    assert match, "the README's 'With LightningCLI' section has no yaml block"
+PAGE = ROOT / "docs" / "lightning-cli.md"
+
+
+def _page_yaml() -> str:
+    match = re.search(r"```yaml\n(.*?)```", PAGE.read_text(), re.DOTALL)
+    assert match, "docs/lightning-cli.md has no yaml block"
     return match.group(1)
 
 
-def test_the_readme_snippet_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_docs_snippet_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = tmp_path / "config.yaml"
-    config.write_text(_readme_yaml())
-    text = (ROOT / "README.md").read_text()
-    flags = re.search(r"`(--trainer\.callbacks\+=\S+)\s+(--trainer\.callbacks\.\S+)`", text)
-    assert flags, "the README's command-line example is missing"
+    config.write_text(_page_yaml())
+    flags = re.search(
+        r"(--trainer\.callbacks\+=\S+)\s+(--trainer\.callbacks\.\S+)", PAGE.read_text()
+    )
+    assert flags, "docs/lightning-cli.md's command-line example is missing"
     cli = _fit(tmp_path, monkeypatch, "--config", str(config), *flags.groups())
     names = [type(cb).__name__ for cb in _ours(cli)]
     assert names == ["GradFlowCallback", "DeadReLUCallback", "SaturationCallback"]
@@ -191,13 +193,13 @@ def test_the_readme_snippet_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert {"grad_flow", "dead_relu", "saturation"} <= families
 
 
-def test_the_readme_snippet_runs_in_pytorch_lightning_cli_too(
+def test_the_docs_snippet_runs_in_pytorch_lightning_cli_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from pytorch_lightning.cli import LightningCLI as PlCLI
 
     config = tmp_path / "config.yaml"
-    config.write_text(_readme_yaml())
+    config.write_text(_page_yaml())
     args = [
         a.replace("lightning.pytorch.loggers", "pytorch_lightning.loggers")
         for a in _trainer_args(tmp_path)

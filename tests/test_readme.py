@@ -1,4 +1,6 @@
-"""The README and the docs pages: every table renders, every Python block runs, the site builds.
+"""The README and the docs pages: every table renders, every Python block runs, the site builds
+with every parameter of the public classes rendered, the pages speak of the product, and the
+README's cost figures are the saved benchmark runs.
 
 Tables are checked on markdown-it-py's own parse (the CommonMark + GFM-tables parser the
 rendered pages agree with): a line that starts with ``|`` outside a rendered table is a stray
@@ -7,6 +9,7 @@ row, and every row of a table has the header's number of cells.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -20,6 +23,8 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_hooks
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -83,15 +88,24 @@ def test_every_table_renders(page: Path) -> None:
 
 def test_the_readme_is_a_five_minute_read() -> None:
     lines = (ROOT / "README.md").read_text().splitlines()
-    assert len(lines) < 250
+    assert len(lines) <= 180
     text = "\n".join(lines)
     assert "./dev demo" in text and "./dev test" in text
-    for page in sorted((ROOT / "docs").glob("*.md")):
-        if page.name != "index.md":
-            assert f"docs/{page.name}" in text, f"the README does not link {page.name}"
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
         if not target.startswith(("http://", "https://")):
             assert (ROOT / target).exists(), f"the README links {target}, which does not exist"
+
+
+def test_every_page_is_in_the_site_and_speaks_of_the_product() -> None:
+    """Every page is in the navigation, and no page or the README names a round of work, an
+    issue or a commit as a point of reference: comparisons name releases."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    history = re.compile(r"session [0-9]|issue [0-9]|\b(?=[0-9]*[a-f])[0-9a-f]{7,40}\b", re.I)
+    for page in PAGES:
+        if page.parent.name == "docs":
+            assert f" {page.name}" in nav, f"{page.name} is not in mkdocs.yml's nav"
+        found = history.findall(page.read_text())
+        assert not found, f"{page.name} speaks of history: {found}"
 
 
 class DocNet(pl.LightningModule):
@@ -171,27 +185,41 @@ def test_the_docs_site_builds_in_strict_mode(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "cli" / "index.html").is_file()
+    for name, page in REFERENCE.items():  # every parameter, rendered from the docstrings
+        html = (tmp_path / page / "index.html").read_text()
+        rendered = set(re.findall(r"<code>([a-z_0-9]+)</code>\s*</td>", html))
+        params = set(inspect.signature(getattr(lightning_hooks, name)).parameters)
+        assert params <= rendered, f"{page} does not render {sorted(params - rendered)}"
 
 
-COST_ROWS = {  # the README's row label -> the configuration in every_stat.json
-    "all callbacks, defaults": "all, defaults",
-    "floor: one gradient read": "floor: one gradient read (_foreach_norm)",
-    "every statistic, every step, every module": "all, every stat/step/leaf",
-    "the same, `ActivationStatsCallback(fused=True)`": "all, every stat/step/leaf, fused",
-    "tutorial approach (`.item()` hooks, far fewer statistics)": "tutorial (.item() hooks)",
+REFERENCE = {  # public class -> its reference page
+    "GradFlowCallback": "grad-flow",
+    "ActivationStatsCallback": "activation-stats",
+    "DeadReLUCallback": "dead-relu",
+    "SaturationCallback": "saturation",
+    "LayerTimeCallback": "layer-time",
+    "FeatureMapCallback": "feature-map",
+    "StatsCallback": "stats-callback",
+    "AlarmRules": "alarm-rules",
 }
 
 
-def _cost_table() -> dict[str, list[str]]:
-    """The rows of the table in the README's "What it costs", label -> cells, bold stripped."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## What it costs") : text.index("## Where it runs")]
-    assert table_problems(section) == []
-    cells = _tables(section)[0]
-    assert cells[0] == ["configuration", "MLP", "CNN", "transformer"], cells[0]
-    assert "`benchmarks/results/every_stat.md`" in section
-    assert "benchmarks/overhead.py" in section and "--out benchmarks/results/every_stat" in section
-    return {row[0]: row[1:] for row in cells[2:]}
+COST_ROWS = {  # (model, device) in the README's table -> (saved result, its model key)
+    ("MLP", "CPU"): ("every_stat", "mlp"),
+    ("CNN", "CPU"): ("every_stat", "cnn"),
+    ("transformer", "CPU"): ("every_stat", "transformer"),
+    ("[launch-bound stand-in](docs/glossary.md#launch-bound-stand-in)", "CPU"): (
+        "paired_launch",
+        "launch",
+    ),
+    ("launch-bound stand-in", "H100, fp32"): ("gpu_h100_small_grouped", "launch"),
+    ("MLP", "H100, fp32"): ("gpu_h100_small_grouped", "mlp"),
+    ("CNN", "H100, fp32"): ("gpu_h100_small_grouped", "cnn"),
+    ("transformer", "H100, fp32"): ("gpu_h100_small_grouped", "transformer"),
+    ("ResNet-50", "H100, bf16-mixed"): ("gpu_h100_large_grouped", "resnet50"),
+    ("GPT-2 124M", "H100, bf16-mixed"): ("gpu_h100_large_grouped", "gpt2"),
+}
+CONFIG = "all, defaults"  # every callback that builds with no argument, at its defaults
 
 
 def _tables(section: str) -> list[list[list[str]]]:
@@ -208,120 +236,65 @@ def _tables(section: str) -> list[list[list[str]]]:
     return tables
 
 
-def test_the_readme_launch_bound_figures_are_the_saved_paired_run() -> None:
-    """README "What it costs", the launch-bound table: benchmarks/results/paired_launch.json
-    (``benchmarks/paired.py``), process CPU time against bare in the same ring: mean step and
-    median (quiet) step, the median over the rounds and their range."""
+def _saved(name: str, model: str) -> tuple[float, float]:
+    """The bare step (ms) and the mean-step ratio of every callback at its defaults."""
+    saved = json.loads((ROOT / f"benchmarks/results/{name}.json").read_text())
+    if "rows" in saved:  # benchmarks/paired.py: the paired fits of one model
+        rows = saved["rows"]
+        return rows["bare"]["step_ms"], rows[CONFIG]["mean"]["median"]
+    timing = saved["timing"][model]
+    return timing["bare"]["cpu"]["step_ms"], timing[CONFIG]["cpu"]["ratio_median"]
+
+
+def test_the_readme_cost_table_is_the_saved_benchmark_runs() -> None:
+    """README "What it costs": each row is a saved benchmark result, process CPU time against
+    bare; re-running a benchmark with --save and not updating the README fails."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## What it costs") : text.index("## Where it runs")]
-    cells = _tables(section)[1]
-    assert cells[0] == ["configuration", "mean step", "quiet step"]
-    rows = json.loads((ROOT / "benchmarks/results/paired_launch.json").read_text())["rows"]
-    labels = {
-        "`GradFlowCallback()`": "GradFlowCallback",
-        "all five at their defaults": "all, defaults",
-        "floor: one `torch._foreach_norm`": "floor: one gradient read (_foreach_norm)",
-        "six callbacks that do nothing": "6 empty callbacks",
-        "tutorial (`.item()` hooks)": "tutorial (.item() hooks)",
-    }
-
-    def cell(ratio: dict[str, float]) -> str:
-        return f"{ratio['median']:.3f}x ({ratio['min']:.3f}-{ratio['max']:.3f})"
-
-    expected = {
-        label: [cell(rows[config]["mean"]), cell(rows[config]["quiet"])]
-        for label, config in labels.items()
-    }
-    assert {row[0]: row[1:] for row in cells[2:]} == expected
-    assert f"a bare step of {rows['bare']['step_ms']:.1f} ms" in " ".join(section.split())
-    assert "--out benchmarks/results/paired_launch" in section
+    assert len(section.strip().splitlines()[1:]) <= 20  # the heading aside
+    assert table_problems(section) == []
+    (cells,) = _tables(section)
+    assert cells[0] == ["model", "device", "bare step", "all six at their defaults"]
+    expected = {}
+    for (model, device), (name, key) in COST_ROWS.items():
+        step_ms, ratio = _saved(name, key)
+        expected[(model, device)] = [f"{step_ms:.1f} ms", f"{ratio:.3f}x"]
+    assert {(row[0], row[1]): row[2:] for row in cells[2:]} == expected
+    for name in {name for name, _ in COST_ROWS.values()} - {"every_stat", "paired_launch"}:
+        saved = json.loads((ROOT / f"benchmarks/results/{name}.json").read_text())
+        assert "H100" in saved["env"]["device"], name
+    assert "docs/overhead.md" in section
 
 
-def test_the_readme_before_and_after_figures_are_the_saved_comparison() -> None:
-    """README "What it costs": this package against the one before its modules were merged, in
-    the same rings, benchmarks/results/paired_vs_before.json, mean step against bare."""
+def test_the_readme_first_screen_quotes_the_cost_table() -> None:
+    cpu = [_saved("every_stat", m)[1] for m in ("mlp", "cnn", "transformer")]
+    large = [_saved("gpu_h100_large_grouped", m)[1] for m in ("resnet50", "gpt2")]
+    small = [_saved("gpu_h100_small_grouped", m)[1] for m in ("mlp", "cnn", "transformer")]
     text = " ".join((ROOT / "README.md").read_text().split())
-    rows = json.loads((ROOT / "benchmarks/results/paired_vs_before.json").read_text())["rows"]
-
-    def mean(config: str) -> str:
-        return f"{rows[config]['mean']['median']:.3f}x"
-
-    for label, config in (
-        ("all five", "all, defaults"),
-        ("`GradFlowCallback()`", "GradFlowCallback"),
-    ):
-        assert f"{label} {mean(config)} against {mean(config + ' @ base')}" in text
-    floor = "floor: one gradient read (_foreach_norm)"
-    assert f"read {mean(floor)} and {mean(floor + ' @ base')}" in text
+    assert f"{min(cpu):.2f}x to {max(cpu):.2f}x a bare step at the defaults on CPU" in text
+    assert f"{min(large):.2f}x to {max(large):.2f}x on ResNet-50 and GPT-2 on an H100" in text
+    assert f"up to {max(small):.2f}x on small GPU models" in text
 
 
-def test_the_readme_cost_figures_are_the_saved_benchmark_run() -> None:
-    # README "What it costs" is benchmarks/results/every_stat.json (CPU-time median ratios, bare
-    # step times): re-running the benchmark with --save and not updating the README fails.
-    timing = json.loads((ROOT / "benchmarks/results/every_stat.json").read_text())["timing"]
-    models = ("mlp", "cnn", "transformer")
-    expected = {
-        label: [f"{timing[m][config]['cpu']['ratio_median']:.3f}x" for m in models]
-        for label, config in COST_ROWS.items()
+def test_the_supported_versions_are_pyprojects() -> None:
+    """README "Install and get started" and docs/install.md: the minimum versions it declares."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    minimum = {
+        re.split(r"[<>=\[]", spec, maxsplit=1)[0]: spec.split(">=")[1].split(",")[0]
+        for spec in project["dependencies"]
+        if ">=" in spec
     }
-    expected["bare step"] = [f"{timing[m]['bare']['cpu']['step_ms']:.1f} ms" for m in models]
-    assert _cost_table() == expected
-    defaults = [timing[m]["all, defaults"]["cpu"]["ratio_median"] for m in models]
-    first_screen = " ".join((ROOT / "README.md").read_text().split())
-    assert f"{min(defaults):.2f}x to {max(defaults):.2f}x a bare step at the defaults" in (
-        first_screen
+    python = project["requires-python"].removeprefix(">=")
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (
+        f"Python {python} or newer, torch {minimum['torch']} or newer, "
+        f"Lightning {minimum['pytorch-lightning']} or newer" in readme
     )
-
-
-GPU_MODELS = {  # the README's column -> (saved run, model)
-    "launch": ("gpu_h100_small_grouped", "launch"),
-    "MLP": ("gpu_h100_small_grouped", "mlp"),
-    "CNN": ("gpu_h100_small_grouped", "cnn"),
-    "transformer": ("gpu_h100_small_grouped", "transformer"),
-    "ResNet-50": ("gpu_h100_large_grouped", "resnet50"),
-    "GPT-2": ("gpu_h100_large_grouped", "gpt2"),
-}
-GPU_RUNS = {
-    "gpu_h100_small_grouped": ("H100", "32-true"),
-    "gpu_h100_large_grouped": ("H100", "bf16-mixed"),
-}
-
-
-def test_the_readme_gpu_figures_are_the_saved_gpu_runs() -> None:
-    """README "What it costs", the GPU table: benchmarks/results/gpu_h100_small_grouped.json
-    (the small models) and gpu_h100_large_grouped.json (ResNet-50, GPT-2), CPU-time ratios of the
-    mean step / the median (quiet) step, by benchmarks/gpu_session.sh; "not run" where a
-    configuration was not timed on that model."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## What it costs") : text.index("## Where it runs")]
-    cells = _tables(section)[2]
-    assert cells[0] == ["configuration", *GPU_MODELS]
-    runs = {
-        name: json.loads((ROOT / f"benchmarks/results/{name}.json").read_text())
-        for name in GPU_RUNS
-    }
-    for name, (device, precision) in GPU_RUNS.items():
-        assert device in runs[name]["env"]["device"]
-        assert runs[name]["env"]["precision"] == precision
-    labels = {
-        "`GradFlowCallback()`": "GradFlowCallback",
-        "all five": "all, defaults",
-        "floor": "floor: one gradient read (_foreach_norm)",
-    }
-
-    def cell(name: str, model: str, config: str) -> str:
-        row = runs[name]["timing"][model].get(config)
-        if row is None:
-            return "not run"
-        return f"{row['cpu']['ratio_median']:.3f} / {row['cpu_median']['ratio_median']:.3f}x"
-
-    expected = {
-        label: [cell(name, model, config) for name, model in GPU_MODELS.values()]
-        for label, config in labels.items()
-    }
-    expected["bare step"] = [
-        f"{runs[name]['timing'][model]['bare']['cpu']['step_ms']:.1f} ms"
-        for name, model in GPU_MODELS.values()
-    ]
-    assert {row[0]: row[1:] for row in cells[2:]} == expected
-    assert "measured 2026-11-26" in " ".join(section.split())
+    install = (ROOT / "docs" / "install.md").read_text()
+    assert f"| Python | {python} or newer |" in install
+    assert f"| torch | {minimum['torch']} or newer |" in install
+    assert f"`pytorch-lightning` {minimum['pytorch-lightning']} or newer" in install
+    assert f"| TensorBoard | {minimum['tensorboard']} or newer |" in install
+    for extra in project["optional-dependencies"]:
+        assert f"| `{extra}` |" in install, f"docs/install.md does not name the extra {extra!r}"
