@@ -273,7 +273,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         sign = np.array(_SIGN)
         local = self.extremes.double().cpu().numpy()
         sums = self.sums[:, NUM_SUMS - 1].double().cpu().numpy()
-        epoch = self.epoch_states()
+        epoch = self._epoch
         if epoch is not None:
             rows = epoch["extremes"].shape[0]
             local[:rows] = np.maximum(local[:rows], epoch["extremes"])

@@ -208,10 +208,6 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         """Whether a posted window was not yet returned by :meth:`read_window`."""
         return bool(self._ready) or (self._mailbox is not None and self._mailbox.pending)
 
-    def epoch_states(self) -> dict[str, np.ndarray] | None:
-        """The folded windows of the epoch (reduced, on the host), ``None`` before the first."""
-        return self._epoch
-
     def _with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The epoch's folded windows and ``window`` together."""
         if self._epoch is None:

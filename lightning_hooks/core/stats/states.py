@@ -45,17 +45,12 @@ class StateSpec:
             return self.fill
         if self.reduce in ("sum", "same"):
             return 0.0
-        low, high = _extremes(self.dtype)
-        return low if self.reduce == "max" else high
-
-
-def _extremes(dtype: torch.dtype) -> tuple[float, float]:
-    if dtype.is_floating_point:
-        return -torch.inf, torch.inf
-    if dtype == torch.bool:
-        return 0.0, 1.0
-    info = torch.iinfo(dtype)
-    return float(info.min), float(info.max)
+        if self.dtype.is_floating_point:
+            return -torch.inf if self.reduce == "max" else torch.inf
+        if self.dtype == torch.bool:
+            return float(self.reduce != "max")
+        info = torch.iinfo(self.dtype)
+        return float(info.min if self.reduce == "max" else info.max)
 
 
 def _dtype_on(spec: StateSpec, device: torch.device) -> torch.dtype:
