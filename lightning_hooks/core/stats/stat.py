@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -14,7 +14,7 @@ from typing_extensions import Self, TypedDict
 from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
-from lightning_hooks.core.ops.tensors import is_training_forward
+from lightning_hooks.core.ops.tensors import Pending, is_training_forward
 from lightning_hooks.core.stats.states import Reduce, RowStates, StateSpec, unpack
 from lightning_hooks.core.transport.readback import HostMailbox
 
@@ -105,6 +105,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self.selection = selection
         self.registry: HookRegistry | None = None  # type: ignore[assignment]
         self._hooked: tuple[str, ...] = ()
+        self._pending: Pending[Any] = Pending()  # small outputs' snapshots (see _defer)
         # the logging steps' windows: copied to the host without blocking, folded into the epoch
         self._epoch: dict[str, np.ndarray] | None = None  # (sums added, extremes kept)
         self._mailbox: HostMailbox | None = None
@@ -167,8 +168,16 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         """Measure one training output of module ``name`` into the states (no host sync)."""
         raise NotImplementedError
 
+    def _defer(self, key: Hashable, row: int, snapshot: torch.Tensor) -> None:
+        """Hold a small output's ``snapshot`` for ``row``, measured at :meth:`drain` in one stack
+        with the others of ``key``."""
+        if self._pending.add(key, row, snapshot):
+            self.drain()
+
     def remove(self) -> None:
-        """Remove every hook and drop the registry (idempotent): no reference to the model stays."""
+        """Remove every hook and drop the registry (idempotent): no reference to the model stays.
+        Snapshots not yet measured (a step cut short) are dropped."""
+        self._pending.clear()
         if self.registry is not None:
             self.registry.remove()
             self.registry = None
