@@ -287,14 +287,9 @@ class GradFlowTracker(HookOwner):
 
 
 class _SentinelRead:
-    """Hands :class:`GradientAlarms` their norms at each step their cadence runs them.
-
-    Args:
-        alarms: the alarms, or ``None`` (off).
-        stats: the tracker's gradient statistics (the weight norms an alarm's diagnosis reads).
-        order: the layer rows in the order their output-gradient hooks fired, emptied per step.
-        clip: ``(gradient_clip_val, gradient_clip_algorithm)``, or ``None``.
-    """
+    """Hands :class:`GradientAlarms` (``None``: off) their norms at each step their cadence runs
+    them; ``stats`` gives the weight norms an alarm's diagnosis reads, ``order`` the layer rows as
+    their output-gradient hooks fired (emptied per step)."""
 
     def __init__(
         self,
