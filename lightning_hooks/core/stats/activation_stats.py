@@ -262,15 +262,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
 
     def _epoch_extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``[rows, 2]`` (min, max) of the epoch so far and which rows saw an element."""
-        sign = np.array(_SIGN)
-        local = self.extremes.double().cpu().numpy()
-        sums = self.sums[:, NUM_SUMS - 1].double().cpu().numpy()
-        epoch = self._epoch
-        if epoch is not None:
-            rows = epoch["extremes"].shape[0]
-            local[:rows] = np.maximum(local[:rows], epoch["extremes"])
-            sums[:rows] += epoch["sums"][:, NUM_SUMS - 1]
-        device = self.edges.device
-        return torch.as_tensor(local * sign, device=device), torch.as_tensor(
-            sums > 0, device=device
-        )
+        local = {name: getattr(self, name).double().cpu().numpy() for name in ("sums", "extremes")}
+        epoch, device = self._with_epoch(local), self.edges.device
+        extremes = torch.as_tensor(epoch["extremes"] * np.array(_SIGN), device=device)
+        return extremes, torch.as_tensor(epoch["sums"][:, NUM_SUMS - 1] > 0, device=device)

@@ -218,14 +218,11 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         return bool(self._ready) or (self._mailbox is not None and self._mailbox.pending)
 
     def _with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The epoch's folded windows and ``window`` together."""
-        if self._epoch is None:
+        """The epoch's folded windows and ``window`` (some or all of the states) together."""
+        epoch = self._epoch
+        if epoch is None:
             return window
-        specs = self.specs.values()
-        return {
-            name: _combine(self._epoch[name], new, spec)
-            for (name, new), spec in zip(window.items(), specs, strict=True)
-        }
+        return {name: _combine(epoch[name], new, self.specs[name]) for name, new in window.items()}
 
     def _host_states(self) -> dict[str, np.ndarray]:
         """The epoch so far: the folded windows and the current one (reduced, one copy)."""
