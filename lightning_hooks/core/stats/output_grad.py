@@ -210,8 +210,7 @@ class OutputGradients:
             self._hit.index_fill_(0, self._unowned, 0.0)
 
     def _drop_other_backward(self, optimizer: torch.optim.Optimizer, view: OptimizerView) -> None:
-        """Under several optimizers (a GAN), take back what fed another optimizer's last step,
-        if this one zeroed its gradients since."""
+        """Several optimizers (a GAN): drop what fed another's last step if zeroed since."""
         if id(optimizer) not in self._markers:
             return
         marker = self._markers.pop(id(optimizer))

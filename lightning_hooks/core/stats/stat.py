@@ -29,8 +29,7 @@ _COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
 def _combine(old: np.ndarray, new: np.ndarray, spec: StateSpec) -> np.ndarray:
-    """``old`` and ``new`` pooled with ``spec.reduce``; ``old`` first grown to ``new``'s rows
-    (rows only grow) with fresh entries."""
+    """``old`` (grown to ``new``'s rows with fresh entries) and ``new`` pooled by its reduce."""
     if spec.reduce == "same":
         return new
     if old.shape != new.shape:
