@@ -202,7 +202,7 @@ class RowStates:
     def _drop_rows(self, device: torch.device) -> None:
         """Forget every row: each state made anew, with no rows, on ``device``."""
         self.rows, self.units, self._starts = {}, [], []
-        self._aligned = 0
+        self._aligned, self._counts = 0, {}
         for spec in self.specs.values():
             setattr(self, spec.name, self._fresh(spec, 0, device))
 
