@@ -207,6 +207,17 @@ def test_tracker_reduces_counts_by_sum_flags_by_max_and_errors_on_changing_units
     assert hooks_left(model) == []
 
 
+def test_a_tracker_attached_to_another_model_counts_that_model_only() -> None:
+    first = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 3), nn.Tanh())
+    second = nn.Sequential(nn.Linear(2, 3), nn.Tanh())
+    tracker = SaturationTracker(first)
+    first(torch.randn(4, 2))  # counted on the host, not yet moved into the states
+    tracker.attach(second)
+    second(torch.randn(5, 2))
+    assert tracker.result().entries.tolist() == [15]
+    tracker.remove()
+
+
 def test_bad_arguments_name_the_culprit() -> None:
     with pytest.raises(
         ValueError,

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.core.stats import attention as attention_module
+from lightning_hooks.core.stats.attention import mha_logit_chunks as attention_chunks
 from lightning_hooks.core.stats.stability import StabilityStats
-from lightning_hooks.core.stats.stability import mha_logit_chunks as attention_chunks
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
 

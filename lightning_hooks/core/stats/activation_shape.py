@@ -10,7 +10,7 @@ from torch import nn
 from typing_extensions import Unpack
 
 from lightning_hooks.core.ops.feature_stats import STACKED
-from lightning_hooks.core.ops.tensors import Pending, iter_float_tensors
+from lightning_hooks.core.ops.tensors import iter_float_tensors
 from lightning_hooks.core.stats.activation_stats import feature_modules
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
 
@@ -42,7 +42,6 @@ class ActivationShape(LayerStat[Shape]):
         super().__init__(selection_of(type(self).__name__, owner, selection))
         self.add_layer_state("sums", reduce="sum", width=(5,))  # n, sums of x, x^2, x^3, x^4
         self.add_layer_state("peak", reduce="max", dtype=torch.float32)  # max |x|
-        self._pending: Pending[tuple[torch.Size, torch.dtype, torch.device]] = Pending()
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The activation statistics' modules (default: parameter owners and activations)."""
@@ -54,8 +53,7 @@ class ActivationShape(LayerStat[Shape]):
             x, row = tensor.detach(), self.row(name + suffix)
             if 0 < x.numel() <= STACKED and not torch.compiler.is_compiling():
                 # a copy, before an in-place op overwrites the output
-                if self._pending.add((x.shape, x.dtype, x.device), row, x.clone()):
-                    self.drain()
+                self._defer((x.shape, x.dtype, x.device), row, x.clone())
             elif x.numel():
                 self._add([row], x[None])
 
@@ -74,11 +72,6 @@ class ActivationShape(LayerStat[Shape]):
         sums = [n, d.sum(1), square.sum(1), (square * d).sum(1), square.square().sum(1)]
         self.sums.index_add_(0, index, torch.stack(sums, dim=1))
         self.peak.scatter_reduce_(0, index, d.abs().amax(1).float(), "amax")
-
-    def remove(self) -> None:
-        """Remove the hooks; copies not yet measured (a step cut short) are dropped."""
-        self._pending.clear()
-        super().remove()
 
     def summarize(self, states: dict[str, np.ndarray]) -> Shape:
         """Kurtosis and outlier ratio from the pooled power sums."""

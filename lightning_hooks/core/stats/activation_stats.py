@@ -22,7 +22,7 @@ from lightning_hooks.core.ops.feature_stats import (
     summarize,
 )
 from lightning_hooks.core.ops.histogram import bin_counts, linear_edges
-from lightning_hooks.core.ops.tensors import Pending, Workspace, iter_float_tensors
+from lightning_hooks.core.ops.tensors import Workspace, iter_float_tensors
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
 from lightning_hooks.core.transport import FirstNonFinite
 
@@ -140,7 +140,6 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         self._stats = fused_feature_stats if fused else feature_stats
         # small outputs are copied in their hooks and measured stacked by shape at drain
         self._batched = not fused and not histogram_bins
-        self._pending: Pending[tuple[torch.Size, torch.dtype, torch.device]] = Pending()
         self.add_layer_state("sums", reduce="sum", width=(NUM_SUMS,))
         self.add_layer_state("extremes", reduce="max", width=(2,), dtype=torch.float32)
         if self.bins:
@@ -190,10 +189,8 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         row = self.rows.get(name)
         row = self.row(name) if row is None else row
         if self._batched and n <= STACKED and not torch.compiler.is_compiling():
-            key = (tensor.shape, tensor.dtype, tensor.device)
             # a copy, before an in-place op overwrites the output
-            if self._pending.add(key, row, tensor.detach().clone()):
-                self.drain()
+            self._defer((tensor.shape, tensor.dtype, tensor.device), row, tensor.detach().clone())
         else:
             self._observe(row, tensor)
 
@@ -206,11 +203,6 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
             signed = stats[:, NUM_SUMS:] * self._sign
             self.extremes.scatter_reduce_(0, index[:, None].expand(-1, 2), signed, "amax")
         super().drain()
-
-    def remove(self) -> None:
-        """Remove the hooks; copies not yet measured (a step cut short) are dropped."""
-        self._pending.clear()
-        super().remove()
 
     def _observe(self, row: int, x: torch.Tensor) -> None:
         stats = self._stats(x, self.workspace)
@@ -270,15 +262,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
 
     def _epoch_extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``[rows, 2]`` (min, max) of the epoch so far and which rows saw an element."""
-        sign = np.array(_SIGN)
-        local = self.extremes.double().cpu().numpy()
-        sums = self.sums[:, NUM_SUMS - 1].double().cpu().numpy()
-        epoch = self.epoch_states()
-        if epoch is not None:
-            rows = epoch["extremes"].shape[0]
-            local[:rows] = np.maximum(local[:rows], epoch["extremes"])
-            sums[:rows] += epoch["sums"][:, NUM_SUMS - 1]
-        device = self.edges.device
-        return torch.as_tensor(local * sign, device=device), torch.as_tensor(
-            sums > 0, device=device
-        )
+        local = {name: getattr(self, name).double().cpu().numpy() for name in ("sums", "extremes")}
+        epoch, device = self._with_epoch(local), self.edges.device
+        extremes = torch.as_tensor(epoch["extremes"] * np.array(_SIGN), device=device)
+        return extremes, torch.as_tensor(epoch["sums"][:, NUM_SUMS - 1] > 0, device=device)

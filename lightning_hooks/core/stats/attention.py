@@ -1,4 +1,4 @@
-"""The logits of ``scaled_dot_product_attention`` and eager attention, and their capture."""
+"""The logits of sdpa, ``nn.MultiheadAttention`` and eager attention, and their capture."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ __all__ = [
     "attention_head_entropy",
     "logit_chunks",
     "looks_like_attention",
-    "query_rows",
-    "row_chunks",
+    "mha_logit_chunks",
     "sdpa_logit_chunks",
 ]
 
@@ -63,14 +62,14 @@ def sdpa_logit_chunks(
     lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])  # type: ignore[no-untyped-call]
     per_row = math.prod(lead) * keys
     key_t = k.transpose(-2, -1)
-    for start, stop in row_chunks(length, per_row, budget):
+    for start, stop in _row_chunks(length, per_row, budget):
         with torch.autocast(q.device.type, enabled=False):  # float32 under mixed precision too
             logits = torch.matmul(q[..., start:stop, :], key_t).mul_(factor)  # in place
         if is_causal:
             keep = torch.ones(stop - start, keys, dtype=torch.bool, device=logits.device)
             logits.masked_fill_(~keep.tril_(start), -torch.inf)
         if attn_mask is not None:
-            mask = query_rows(attn_mask, start, stop, length)
+            mask = _query_rows(attn_mask, start, stop, length)
             if mask.dtype == torch.bool:
                 logits = torch.where(mask, logits, -torch.inf)  # the mask may broadcast it
             else:
@@ -84,21 +83,101 @@ def logit_chunks(logits: torch.Tensor, budget: int | None = None) -> Iterator[to
         yield logits
         return
     per_row = logits[..., :1, :].numel()
-    for start, stop in row_chunks(logits.shape[-2], per_row, budget):
+    for start, stop in _row_chunks(logits.shape[-2], per_row, budget):
         yield logits[..., start:stop, :]
 
 
-def row_chunks(length: int, per_row: int, budget: int | None) -> list[tuple[int, int]]:
+def _row_chunks(length: int, per_row: int, budget: int | None) -> list[tuple[int, int]]:
     """``[start, stop)`` of query rows, ``per_row`` elements each, within ``budget``."""
     rows = max(1, (LOGIT_BUDGET if budget is None else budget) // max(per_row, 1))
     return [(i, min(i + rows, length)) for i in range(0, max(length, 1), rows)]
 
 
-def query_rows(mask: torch.Tensor, start: int, stop: int, length: int) -> torch.Tensor:
+def _query_rows(mask: torch.Tensor, start: int, stop: int, length: int) -> torch.Tensor:
     """``mask``'s query rows ``[start, stop)``, or ``mask`` when it broadcasts over queries."""
     if mask.dim() >= 2 and mask.shape[-2] == length and length != 1:
         return mask[..., start:stop, :]
     return mask
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (``True``: excluded) as ``-inf``; a float mask as it is added."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+            mask, -torch.inf
+        )
+    return mask.to(dtype)
+
+
+def mha_logit_chunks(
+    mha: nn.MultiheadAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    need_weights: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    *_: Any,
+    budget: int | None = None,
+    **__: Any,
+) -> Iterator[torch.Tensor]:
+    """The pre-softmax logits ``[N, H, L, S']`` that ``mha``'s softmax sees (masks, ``bias_k``
+    and ``add_zero_attn`` included) given ``mha.forward``'s own arguments, a chunk of query rows
+    at a time (at most ``budget`` elements, default :data:`LOGIT_BUDGET`).
+
+    Example:
+        >>> mha = nn.MultiheadAttention(4, 2, batch_first=True)
+        >>> [c.shape for c in mha_logit_chunks(mha, torch.randn(3, 5, 4), torch.randn(3, 6, 4))]
+        [torch.Size([3, 2, 5, 6])]
+    """
+    if query.dim() == 2:  # unbatched: [L, E]
+        query, key = query.unsqueeze(1), key.unsqueeze(1)
+        key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+    elif mha.batch_first:
+        query, key = query.transpose(0, 1), key.transpose(0, 1)
+    q, key_t, extra = _mha_projections(mha, query, key)
+    n, heads, pad = query.shape[1], mha.num_heads, (0, extra)
+    if attn_mask is not None:
+        mask = _additive(attn_mask, q.dtype)
+        attn_mask = functional.pad(mask if mask.dim() == 3 else mask.unsqueeze(0), pad)
+    padding = None
+    if key_padding_mask is not None:
+        mask = _additive(key_padding_mask, q.dtype)  # [N, S]
+        mask = mask.view(n, 1, 1, -1).expand(n, heads, 1, -1).reshape(n * heads, 1, -1)
+        padding = functional.pad(mask, pad)
+    length = q.shape[1]
+    for start, stop in _row_chunks(length, n * heads * key_t.shape[-1], budget):
+        logits = torch.bmm(q[:, start:stop], key_t) / math.sqrt(q.shape[-1])
+        if attn_mask is not None:
+            logits = logits + _query_rows(attn_mask, start, stop, length)
+        if padding is not None:
+            logits = logits + padding
+        yield logits.view(n, heads, *logits.shape[1:])
+
+
+def _mha_projections(
+    mha: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``q [N*H, L, d]``, ``k`` transposed ``[N*H, d, S']`` of seq-first ``[L, N, E]`` inputs,
+    with ``bias_k`` and ``add_zero_attn``'s keys (their number, the third)."""
+    e, heads = mha.embed_dim, mha.num_heads
+    if mha._qkv_same_embed_dim:
+        w_q, w_k = mha.in_proj_weight[:e], mha.in_proj_weight[e : 2 * e]
+    else:
+        w_q, w_k = mha.q_proj_weight, mha.k_proj_weight
+    bias = mha.in_proj_bias
+    q = functional.linear(query, w_q, None if bias is None else bias[:e])  # [L, N, E]
+    k = functional.linear(key, w_k, None if bias is None else bias[e : 2 * e])  # [S, N, E]
+    n = q.shape[1]
+    extra = []
+    if mha.bias_k is not None:
+        extra.append(mha.bias_k.to(k.dtype).expand(1, n, e))
+    if mha.add_zero_attn:
+        extra.append(k.new_zeros(1, n, e))
+    k = torch.cat([k, *extra]) if extra else k
+    q = q.reshape(q.shape[0], n * heads, -1).transpose(0, 1)  # [N*H, L, d]
+    key_t = k.reshape(k.shape[0], n * heads, -1).permute(1, 2, 0)  # [N*H, d, S']
+    return q, key_t, len(extra)
 
 
 def attention_head_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.selection import Patterns, Selection
 from lightning_hooks.core.ops.feature_stats import STACKED
-from lightning_hooks.core.ops.tensors import Pending, Workspace, iter_float_tensors
+from lightning_hooks.core.ops.tensors import Workspace, iter_float_tensors
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
 
 __all__ = ["RELU_FAMILY", "DeadUnitTracker", "DeadUnits", "fired_counts", "unit_dim"]
@@ -153,8 +153,6 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         self.producers = Selection.of(
             owner, include=pre_activation, arguments=("pre_activation", "exclude")
         )
-        # small outputs' fired masks, by (shape, unit dimension, device), counted by drain()
-        self._pending: Pending[tuple[torch.Size, int, torch.device]] = Pending()
         self.add_layer_state("fired", reduce="sum")  # per row: sum over calls of fired fraction
         self.add_layer_state("calls", reduce="sum")
         self.add_unit_state("counts", reduce="sum")
@@ -185,8 +183,8 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         row = self._width_row(name, y.shape[dim])
         self.tally("calls", row)
         if y.numel() <= STACKED and not torch.compiler.is_compiling():
-            if self._pending.add((y.shape, dim, y.device), row, torch.gt(y.detach(), 0)):
-                self.drain()
+            # the fired mask, by (shape, unit dimension, device)
+            self._defer((y.shape, dim, y.device), row, torch.gt(y.detach(), 0))
             return
         counts = fired_counts(y, dim, self.workspace)
         self.counts[self.unit_slice(row)].add_(counts)

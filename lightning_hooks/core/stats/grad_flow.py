@@ -26,7 +26,6 @@ from lightning_hooks.core.stats.optimizer_view import (
     UpdateRatio,
     ViewStats,
     adaptive,
-    check_optimizers,
     foreach_norms,
     quiet_read,
     read_fallback,
@@ -55,7 +54,16 @@ def _check_args(
 ) -> list[torch.optim.Optimizer]:
     """The constructor's checks; the optimizers as a list."""
     checks.module("GradFlowTracker", "model", model)
-    checked = check_optimizers(optimizers)
+    expected = "an iterable of torch.optim.Optimizer (e.g. [optimizer])"
+    if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, Iterable):
+        shown = f"{type(optimizers).__name__}(...)"  # an optimizer's repr spans many lines
+        raise TypeError(f"GradFlowTracker(optimizers={shown}): must be {expected}, got {shown}")
+    checked = list(optimizers)
+    for item in checked:
+        if not isinstance(item, torch.optim.Optimizer):
+            raise TypeError(
+                f"GradFlowTracker(optimizers=[...]): must be {expected}, got an item {item!r}"
+            )
     for name, flag in flags.items():
         checks.boolean("GradFlowTracker", name, flag)
     if alarms is not None and not isinstance(alarms, AlarmRules):
@@ -287,14 +295,9 @@ class GradFlowTracker(HookOwner):
 
 
 class _SentinelRead:
-    """Hands :class:`GradientAlarms` their norms at each step their cadence runs them.
-
-    Args:
-        alarms: the alarms, or ``None`` (off).
-        stats: the tracker's gradient statistics (the weight norms an alarm's diagnosis reads).
-        order: the layer rows in the order their output-gradient hooks fired, emptied per step.
-        clip: ``(gradient_clip_val, gradient_clip_algorithm)``, or ``None``.
-    """
+    """Hands :class:`GradientAlarms` (``None``: off) their norms at each step their cadence runs
+    them; ``stats`` gives the weight norms an alarm's diagnosis reads, ``order`` the layer rows as
+    their output-gradient hooks fired (emptied per step)."""
 
     def __init__(
         self,

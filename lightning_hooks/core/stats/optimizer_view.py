@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
-from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +34,6 @@ __all__ = [
     "UpdateRatio",
     "ViewStats",
     "adaptive",
-    "check_optimizers",
     "foreach_norms",
     "quiet_read",
     "read_fallback",
@@ -112,21 +110,6 @@ def _groups_key(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
 def _held(optimizer: torch.optim.Optimizer) -> set[int]:
     """Ids of the parameters in ``optimizer``'s param_groups."""
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
-
-
-def check_optimizers(optimizers: Any) -> list[torch.optim.Optimizer]:
-    """``optimizers`` as a list, else ``TypeError`` naming ``GradFlowTracker(optimizers=...)``."""
-    expected = "an iterable of torch.optim.Optimizer (e.g. [optimizer])"
-    if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, Iterable):
-        shown = f"{type(optimizers).__name__}(...)"  # an optimizer's repr spans many lines
-        raise TypeError(f"GradFlowTracker(optimizers={shown}): must be {expected}, got {shown}")
-    out = list(optimizers)
-    for item in out:
-        if not isinstance(item, torch.optim.Optimizer):
-            raise TypeError(
-                f"GradFlowTracker(optimizers=[...]): must be {expected}, got an item {item!r}"
-            )
-    return out
 
 
 class OptimizerViews:

@@ -143,9 +143,8 @@ class OutputGradients:
         self._markers: dict[int, weakref.ref[torch.Tensor] | None] = {}
         self._unowned: torch.Tensor | None = None  # rows no optimizer steps (frozen)
         self._unowned_at = -1  # the views' generation ``_unowned`` was made for
-        # Under DDP only: [steps, squared output-grad norm | hit, layers], reduced at drain().
-        self._series = torch.zeros(0, 2, num_layers, device=device)
-        self._steps = 0
+        # Under DDP only: each step's [squared output-grad norm | hit, layers], reduced at drain().
+        self._series: list[torch.Tensor] = []
 
     def hook(
         self, registry: HookRegistry, modules: Sequence[tuple[str, nn.Module]], model: nn.Module
@@ -211,8 +210,7 @@ class OutputGradients:
             self._hit.index_fill_(0, self._unowned, 0.0)
 
     def _drop_other_backward(self, optimizer: torch.optim.Optimizer, view: OptimizerView) -> None:
-        """Under several optimizers (a GAN), take back what fed another optimizer's last step,
-        if this one zeroed its gradients since."""
+        """Several optimizers (a GAN): drop what fed another's last step if zeroed since."""
         if id(optimizer) not in self._markers:
             return
         marker = self._markers.pop(id(optimizer))
@@ -249,20 +247,16 @@ class OutputGradients:
 
     def _keep(self, rows: torch.Tensor, sq: torch.Tensor) -> None:
         """Under DDP: keep the step's rank-local squares until the epoch's one reduction."""
-        if self._steps == self._series.shape[0]:
-            grown = self._series.new_zeros(max(16, 2 * self._steps), *self._series.shape[1:])
-            grown[: self._steps] = self._series
-            self._series = grown
-        slot = self._series[self._steps]
+        slot = self._sq.new_zeros(2, self._sq.shape[0])
         slot[0].index_copy_(0, rows, sq)
         slot[1].index_copy_(0, rows, self._hit[rows].to(slot.dtype))
-        self._steps += 1
+        self._series.append(slot)
 
     def drain(self) -> None:
         """Reduce the per-step output-gradient squares across ranks into the accumulator."""
-        if self._steps == 0:
+        if not self._series:
             return
-        series = all_reduce_sum_(self._series[: self._steps].clone())
+        series = all_reduce_sum_(torch.stack(self._series))
         norm = series[:, 0].sqrt() / world_size()
         rows = torch.arange(norm.shape[1], device=norm.device)
         valid = series[:, 1, :, None] > 0
@@ -271,5 +265,4 @@ class OutputGradients:
 
     def reset(self) -> None:
         """Drop the steps kept for the reduction (a new accumulation period)."""
-        self._series.zero_()
-        self._steps = 0
+        self._series.clear()

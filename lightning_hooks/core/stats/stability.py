@@ -5,15 +5,13 @@ Both grow before a transformer diverges (the reasons for QK-norm and z-loss).
 
 from __future__ import annotations
 
-import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import functional
 
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import select_modules
@@ -22,99 +20,18 @@ from lightning_hooks.core.stats.activation_stats import owns_parameters
 from lightning_hooks.core.stats.attention import (
     AttentionCapture,
     attention_head_entropy,
-    query_rows,
-    row_chunks,
+    mha_logit_chunks,
 )
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["STABILITY_STATS", "StabilityStats", "mha_logit_chunks"]
+__all__ = ["STABILITY_STATS", "StabilityStats"]
 
 STABILITY_STATS = ("attn_logit_max", "attn_entropy_min", "logit_logz", "logit_logz_max")
 """The statistics logged as ``stability/{stat}/{layer}``."""
 
 Result = dict[str, dict[str, float]]
 _LogZ = tuple[torch.Tensor, int, torch.Tensor]  # sum of log Z, positions, max of log Z
-
-
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (``True``: excluded) as ``-inf``; a float mask as it is added."""
-    if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-            mask, -torch.inf
-        )
-    return mask.to(dtype)
-
-
-def mha_logit_chunks(
-    mha: nn.MultiheadAttention,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor | None = None,
-    key_padding_mask: torch.Tensor | None = None,
-    need_weights: bool = True,
-    attn_mask: torch.Tensor | None = None,
-    *_: Any,
-    budget: int | None = None,
-    **__: Any,
-) -> Iterator[torch.Tensor]:
-    """The pre-softmax logits ``[N, H, L, S']`` that ``mha``'s softmax sees (masks, ``bias_k``
-    and ``add_zero_attn`` included) given ``mha.forward``'s own arguments, a chunk of query rows
-    at a time (at most ``budget`` elements, default :data:`~.attention.LOGIT_BUDGET`).
-
-    Example:
-        >>> mha = nn.MultiheadAttention(4, 2, batch_first=True)
-        >>> [c.shape for c in mha_logit_chunks(mha, torch.randn(3, 5, 4), torch.randn(3, 6, 4))]
-        [torch.Size([3, 2, 5, 6])]
-    """
-    if query.dim() == 2:  # unbatched: [L, E]
-        query, key = query.unsqueeze(1), key.unsqueeze(1)
-        key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
-    elif mha.batch_first:
-        query, key = query.transpose(0, 1), key.transpose(0, 1)
-    q, key_t, extra = _mha_projections(mha, query, key)
-    n, heads, pad = query.shape[1], mha.num_heads, (0, extra)
-    if attn_mask is not None:
-        mask = _additive(attn_mask, q.dtype)
-        attn_mask = functional.pad(mask if mask.dim() == 3 else mask.unsqueeze(0), pad)
-    padding = None
-    if key_padding_mask is not None:
-        mask = _additive(key_padding_mask, q.dtype)  # [N, S]
-        mask = mask.view(n, 1, 1, -1).expand(n, heads, 1, -1).reshape(n * heads, 1, -1)
-        padding = functional.pad(mask, pad)
-    length = q.shape[1]
-    for start, stop in row_chunks(length, n * heads * key_t.shape[-1], budget):
-        logits = torch.bmm(q[:, start:stop], key_t) / math.sqrt(q.shape[-1])
-        if attn_mask is not None:
-            logits = logits + query_rows(attn_mask, start, stop, length)
-        if padding is not None:
-            logits = logits + padding
-        yield logits.view(n, heads, *logits.shape[1:])
-
-
-def _mha_projections(
-    mha: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``q [N*H, L, d]``, ``k`` transposed ``[N*H, d, S']`` of seq-first ``[L, N, E]`` inputs,
-    with ``bias_k`` and ``add_zero_attn``'s keys (their number, the third)."""
-    e, heads = mha.embed_dim, mha.num_heads
-    if mha._qkv_same_embed_dim:
-        w_q, w_k = mha.in_proj_weight[:e], mha.in_proj_weight[e : 2 * e]
-    else:
-        w_q, w_k = mha.q_proj_weight, mha.k_proj_weight
-    bias = mha.in_proj_bias
-    q = functional.linear(query, w_q, None if bias is None else bias[:e])  # [L, N, E]
-    k = functional.linear(key, w_k, None if bias is None else bias[e : 2 * e])  # [S, N, E]
-    n = q.shape[1]
-    extra = []
-    if mha.bias_k is not None:
-        extra.append(mha.bias_k.to(k.dtype).expand(1, n, e))
-    if mha.add_zero_attn:
-        extra.append(k.new_zeros(1, n, e))
-    k = torch.cat([k, *extra]) if extra else k
-    q = q.reshape(q.shape[0], n * heads, -1).transpose(0, 1)  # [N*H, L, d]
-    key_t = k.reshape(k.shape[0], n * heads, -1).permute(1, 2, 0)  # [N*H, d, S']
-    return q, key_t, len(extra)
 
 
 class StabilityStats(LayerStat[Result]):
@@ -126,9 +43,10 @@ class StabilityStats(LayerStat[Result]):
       *output layer*'s output (the last parameter owner with a floating output, settled by
       :meth:`end_step`; a head applied with ``F.linear`` is not seen).
 
-    ``nn.MultiheadAttention`` logits are recomputed from its inputs (:func:`mha_logit_chunks`),
-    others seen by :class:`~.attention.AttentionCapture`. Modules inside a ``torch.compile``
-    region are not measured. Training forwards of logging steps only.
+    ``nn.MultiheadAttention`` logits are recomputed from its inputs
+    (:func:`~.attention.mha_logit_chunks`), others seen by :class:`~.attention.AttentionCapture`.
+    Modules inside a ``torch.compile`` region are not measured. Training forwards of logging
+    steps only.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -14,7 +14,7 @@ from typing_extensions import Self, TypedDict
 from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
-from lightning_hooks.core.ops.tensors import is_training_forward
+from lightning_hooks.core.ops.tensors import Pending, is_training_forward
 from lightning_hooks.core.stats.states import Reduce, RowStates, StateSpec, unpack
 from lightning_hooks.core.transport import HostMailbox
 
@@ -29,8 +29,7 @@ _COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
 def _combine(old: np.ndarray, new: np.ndarray, spec: StateSpec) -> np.ndarray:
-    """``old`` and ``new`` pooled with ``spec.reduce``; ``old`` first grown to ``new``'s rows
-    (rows only grow) with fresh entries."""
+    """``old`` (grown to ``new``'s rows with fresh entries) and ``new`` pooled by its reduce."""
     if spec.reduce == "same":
         return new
     if old.shape != new.shape:
@@ -105,6 +104,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self.selection = selection
         self.registry: HookRegistry | None = None  # type: ignore[assignment]
         self._hooked: tuple[str, ...] = ()
+        self._pending: Pending[Any] = Pending()  # small outputs' snapshots (see _defer)
         # the logging steps' windows: copied to the host without blocking, folded into the epoch
         self._epoch: dict[str, np.ndarray] | None = None  # (sums added, extremes kept)
         self._mailbox: HostMailbox | None = None
@@ -167,8 +167,16 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         """Measure one training output of module ``name`` into the states (no host sync)."""
         raise NotImplementedError
 
+    def _defer(self, key: Hashable, row: int, snapshot: torch.Tensor) -> None:
+        """Hold a small output's ``snapshot`` for ``row``, measured at :meth:`drain` in one stack
+        with the others of ``key``."""
+        if self._pending.add(key, row, snapshot):
+            self.drain()
+
     def remove(self) -> None:
-        """Remove every hook and drop the registry (idempotent): no reference to the model stays."""
+        """Remove every hook and drop the registry (idempotent): no reference to the model stays.
+        Snapshots not yet measured (a step cut short) are dropped."""
+        self._pending.clear()
         if self.registry is not None:
             self.registry.remove()
             self.registry = None
@@ -208,19 +216,12 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         """Whether a posted window was not yet returned by :meth:`read_window`."""
         return bool(self._ready) or (self._mailbox is not None and self._mailbox.pending)
 
-    def epoch_states(self) -> dict[str, np.ndarray] | None:
-        """The folded windows of the epoch (reduced, on the host), ``None`` before the first."""
-        return self._epoch
-
     def _with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The epoch's folded windows and ``window`` together."""
-        if self._epoch is None:
+        """The epoch's folded windows and ``window`` (some or all of the states) together."""
+        epoch = self._epoch
+        if epoch is None:
             return window
-        specs = self.specs.values()
-        return {
-            name: _combine(self._epoch[name], new, spec)
-            for (name, new), spec in zip(window.items(), specs, strict=True)
-        }
+        return {name: _combine(epoch[name], new, self.specs[name]) for name, new in window.items()}
 
     def _host_states(self) -> dict[str, np.ndarray]:
         """The epoch so far: the folded windows and the current one (reduced, one copy)."""

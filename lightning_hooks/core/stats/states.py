@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,7 +18,6 @@ __all__ = [
     "RowStates",
     "StateSpec",
     "all_pool",
-    "pack_dtype",
     "unpack",
 ]
 
@@ -45,27 +44,17 @@ class StateSpec:
             return self.fill
         if self.reduce in ("sum", "same"):
             return 0.0
-        low, high = _extremes(self.dtype)
-        return low if self.reduce == "max" else high
-
-
-def _extremes(dtype: torch.dtype) -> tuple[float, float]:
-    if dtype.is_floating_point:
-        return -torch.inf, torch.inf
-    if dtype == torch.bool:
-        return 0.0, 1.0
-    info = torch.iinfo(dtype)
-    return float(info.min), float(info.max)
+        if self.dtype.is_floating_point:
+            return -torch.inf if self.reduce == "max" else torch.inf
+        if self.dtype == torch.bool:
+            return float(self.reduce != "max")
+        info = torch.iinfo(self.dtype)
+        return float(info.min if self.reduce == "max" else info.max)
 
 
 def _dtype_on(spec: StateSpec, device: torch.device) -> torch.dtype:
     """``spec``'s dtype on ``device``: float64 is float32 on MPS, which has no float64."""
     return torch.float32 if device.type == "mps" and spec.dtype == torch.float64 else spec.dtype
-
-
-def pack_dtype(device: torch.device) -> torch.dtype:
-    """The dtype every state is packed in on ``device`` (MPS has no float64)."""
-    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def unpack(host: np.ndarray, shapes: dict[str, torch.Size]) -> dict[str, np.ndarray]:
@@ -91,19 +80,17 @@ def all_pool(
     for tensor, reduce in zip(tensors, reduces, strict=True):
         part = gathered[:, offset : offset + tensor.numel()]
         offset += tensor.numel()
-        out.append(_pool(part, reduce).to(tensor.dtype).view_as(tensor))
+        out.append(_POOL[reduce](part).to(tensor.dtype).view_as(tensor))
     return out
 
 
-def _pool(part: torch.Tensor, reduce: Reduce) -> torch.Tensor:
-    """The ranks' copies ``part`` (stacked on the first axis) pooled with ``reduce``."""
-    if reduce == "sum":
-        return part.sum(0)
-    if reduce == "max":
-        return part.amax(0)
-    if reduce == "min":
-        return part.amin(0)
-    return part[0]
+_POOL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sum": lambda ranks: ranks.sum(0),
+    "max": lambda ranks: ranks.amax(0),
+    "min": lambda ranks: ranks.amin(0),
+    "same": lambda ranks: ranks[0],
+}
+"""How the ranks' copies of a state (stacked on the first axis) pool, by its reduce."""
 
 
 class RowStates:
@@ -215,7 +202,7 @@ class RowStates:
     def _drop_rows(self, device: torch.device) -> None:
         """Forget every row: each state made anew, with no rows, on ``device``."""
         self.rows, self.units, self._starts = {}, [], []
-        self._aligned = 0
+        self._aligned, self._counts = 0, {}
         for spec in self.specs.values():
             setattr(self, spec.name, self._fresh(spec, 0, device))
 
@@ -303,7 +290,7 @@ class RowStates:
         """Every state of the window reduced across ranks (one collective), packed in one."""
         self.drain()
         names = list(self.specs)
-        dtype = pack_dtype(self.device)
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64  # MPS: no float64
         tensors = [getattr(self, n) for n in names]
         if is_distributed():
             tensors = all_pool(tensors, [self.specs[n].reduce for n in names], dtype)
