@@ -78,11 +78,11 @@ def _fit(tmp_path: Path, model: Digits) -> list[warnings.WarningMessage]:
 
 
 def _ground_truth(losses: list[float]) -> int | None:
-    """benchmarks/divergence.py's divergence step, written again (an early rise the run
-    recovers from, its last 50 losses below half its first, is not one)."""
+    """benchmarks/divergence.py's divergence step, written again (a rise the run recovers
+    from, its last 50 losses below half its first, is not one)."""
     step = _first_rise(losses)
     tail = float(np.mean(losses[-50:]))
-    if step is not None and step < 10 and math.isfinite(tail) and tail < 0.5 * losses[0]:
+    if step is not None and math.isfinite(tail) and tail < 0.5 * losses[0]:
         return None
     return step
 
