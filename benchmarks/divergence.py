@@ -243,8 +243,8 @@ class Run:
     lr: float
     # "ramp": linear from 0 to ``lr`` over the run; "cosine": 10% linear warm-up, then cosine
     # decay to 0 at the last step; "onecycle": torch's OneCycleLR (cosine, pct_start 0.3);
-    # "step": x0.1 at half the run, x0.01 at three quarters; "warmup": 5% linear warm-up, then
-    # constant; "linear": 10% linear warm-up, then linear decay to 0
+    # "step": x0.1 at half the run, x0.01 at three quarters; "linear": 10% linear warm-up, then
+    # linear decay to 0
     schedule: str = "constant"
     seed: int = 0
     clip: float | None = None  # clip_grad_norm_ before the step
@@ -280,17 +280,14 @@ class Run:
         t = step / last
         if self.schedule == "step":  # x0.1 at half the run, x0.01 at three quarters
             return self.lr * (1.0 if t < 0.5 else 0.1 if t < 0.75 else 0.01)
-        if self.schedule in ("warmup", "linear"):  # 5% (10%) warm-up; then constant (to 0)
-            warm = self.steps // (20 if self.schedule == "warmup" else 10)
-            if step < warm:
-                return self.lr * (step + 1) / warm
-            return self.lr if self.schedule == "warmup" else self.lr * (last - step) / (last - warm)
+        warm = self.steps // 10
+        if self.schedule in ("linear", "cosine") and step < warm:
+            return self.lr * (step + 1) / warm
+        if self.schedule == "linear":
+            return self.lr * (last - step) / (last - warm)
         if self.schedule == "ramp":
             return self.lr * (step + 1) / self.steps
         if self.schedule == "cosine":
-            warm = self.steps // 10
-            if step < warm:
-                return self.lr * (step + 1) / warm
             return self.lr * 0.5 * (1.0 + math.cos(math.pi * (step - warm) / (last - warm)))
         if self.schedule == "onecycle":
             start, end = self.lr / 25.0, self.lr / 25.0 / 1e4
@@ -378,7 +375,7 @@ LOGITS = [replace(run, zloss=0.0) for run in ATTENTION if run.model == "gpt-qk" 
 in :data:`ATTENTION`)."""
 ATTENTION_SEEDS = (0, 1)
 
-_H32 = {**_GPT, "schedule": "warmup", "steps": 400}
+_H32 = {**_GPT, "schedule": "constant", "steps": 400}
 TRANSIENTS = [
     *(Run("cnn-m", "sgd", lr) for lr in (0.5, 1.0, 2.0)),
     *(Run("bnmlp", "sgd", lr) for lr in (0.5, 1.0, 2.0)),
@@ -392,10 +389,10 @@ COLLAPSES = [
     Run(model, lr=lr, **_H32)  # type: ignore[arg-type]
     for base in ("gpt-h32", "gpt-h32-deep")
     for model in (base, f"{base}-qk")
-    for lr in (3e-2, 5e-2)
+    for lr in (3e-2, 4e-2, 5e-2)
 ]
-"""Attention collapse at learning rates where the logit stays in the hundreds: GPTs with heads
-of 32 after a 5% warm-up at a constant rate, each with its qk-layernorm twin."""
+"""Attention collapse at learning rates where the logit grows through the hundreds: GPTs with
+heads of 32 at a constant rate without warm-up, each with its qk-layernorm twin."""
 FINE_TUNING = [
     *(Run("wine", "sgd", lr, batch=2) for lr in (3e-3, 1e-2, 3e-2)),
     *(Run("wine", "adam", lr, batch=4) for lr in (1e-3, 3e-3, 1e-2)),
