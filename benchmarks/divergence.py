@@ -1016,13 +1016,50 @@ def shape(losses: np.ndarray, step: int) -> str:
     return "drift" if math.isfinite(mean) and mean <= losses[0] else "blow-up"
 
 
-RELEASED = AlarmRules()
-"""The defaults of lightning_hooks 0.1.0."""
+RELEASED = AlarmRules(diverge_early=3, diverge_overshoot=10.0, diverge_patience=1, attn_growth=None)
+"""The defaults of lightning_hooks 0.1.0: every rise over *diverging*'s bar warned at once, the
+first 3 losses of an adaptive optimizer held to 10x, attention collapse by the largest logit."""
 RULE_SETS: dict[str, Callable[[dict[str, Any]], list[int]]] = {
     "lightning_hooks, defaults": ours(AlarmRules()),
     "lightning_hooks 0.1.0 defaults": ours(RELEASED),
     **PEERS,
 }
+
+
+DEFAULTS, BEFORE = "lightning_hooks, defaults", "lightning_hooks 0.1.0 defaults"
+
+
+def changes(
+    new: list[dict[str, Any]], old: list[dict[str, Any]], transients: list[bool], half: str
+) -> dict[str, Any]:
+    """What the defaults changed against 0.1.0's on the runs of ``half`` (``all``: every run):
+    the lead lost on the divergent runs 0.1.0 warned in time (steps later; median and worst
+    over those still warned; and those no longer warned in time), and the healthy runs with a
+    *transient* logged (of them: warned by 0.1.0, warned now)."""
+    keep = [half == "all" or group(r["family"]) == half for r in new]
+    pairs = [(n, o, t) for n, o, t, k in zip(new, old, transients, keep, strict=True) if k]
+    timely = [
+        (n, o)
+        for n, o, _ in pairs
+        if o["diverges_at"] is not None
+        and o["first_warning"] is not None
+        and o["first_warning"] <= o["diverges_at"]
+    ]
+    later = [
+        n["first_warning"] - o["first_warning"] for n, o in timely if n["first_warning"] is not None
+    ]
+    healthy = [(n, o) for n, o, t in pairs if t and n["diverges_at"] is None and not n["damaged"]]
+    return {
+        "timely_before": len(timely),
+        "lead_lost_median": float(np.median(later)) if later else None,
+        "lead_lost_worst": max(later) if later else None,
+        "late_now": sum(
+            n["first_warning"] is None or n["first_warning"] > n["diverges_at"] for n, _ in timely
+        ),
+        "healthy_transients": len(healthy),
+        "transients_warned_before": sum(o["first_warning"] is not None for _, o in healthy),
+        "transients_warned_now": sum(n["first_warning"] is not None for n, _ in healthy),
+    }
 
 
 def _subset(result: dict[str, Any], keep: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
@@ -1117,10 +1154,16 @@ def main(argv: list[str] | None = None) -> None:
         }
         results[name] = result
         print(f"{time.perf_counter() - started:5.0f}s replayed {name}", file=sys.stderr)
+    logged = ours(AlarmRules(), ("transient",))
+    transients = [
+        bool(logged(t)) for t in traces if t["run"].get("explode_at") is None
+    ]  # in score's order
+    new, old = results[DEFAULTS]["runs"], results[BEFORE]["runs"]
     out = {
         **result_header("divergence", argv, started, recorded),
         "shapes": {f"{run}, seed {seed}": kind for (run, seed), kind in shapes.items()},
         "rule_sets": results,
+        "changes": {half: changes(new, old, transients, half) for half in (*HALVES, "all")},
     }
     target = Path(args.out)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -1179,6 +1222,25 @@ def markdown(out: dict[str, Any]) -> str:
     lines += [f"| {name} | {main_cells(r)} |" for name, r in sets.items()]
     lines += [
         "",
+        "What the defaults changed against 0.1.0's: the divergent runs 0.1.0 warned in time, "
+        "how many steps later the defaults warn them (median, worst) and how many are now late "
+        "or not warned; the healthy runs where the defaults logged a *transient*, and of them "
+        "those warned by 0.1.0 and now:",
+        "",
+        "| runs | divergent, warned in time by 0.1.0 | steps later: median | worst | now late "
+        "| healthy runs with a transient logged | warned by 0.1.0 | warned now |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for half, c in out["changes"].items():
+        lost = [c["lead_lost_median"], c["lead_lost_worst"]]
+        median, worst = ("-" if v is None else f"{v:g}" for v in lost)
+        lines.append(
+            f"| {HALVES.get(half, 'every run')} | {c['timely_before']} | {median} | {worst} | "
+            f"{c['late_now']} | {c['healthy_transients']} | {c['transients_warned_before']} | "
+            f"{c['transients_warned_now']} |"
+        )
+    lines += [
+        "",
         "The families judged against a twin (defaults): damaging output-logit drifts (a GPT "
         "without z-loss, worse than its z-loss twin) warned, and runs whose twin is no better "
         "warned:",
@@ -1211,7 +1273,7 @@ def markdown(out: dict[str, Any]) -> str:
         "| run | seed | ground truth | warned at its step | first warning |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for row in sets["lightning_hooks, defaults"]["explosions"]["runs"]:
+    for row in sets[DEFAULTS]["explosions"]["runs"]:
         truth = "damaging" if row["damaging"] else "harmless"
         first = "-" if row["first_warning"] is None else row["first_warning"]
         lines.append(
@@ -1223,7 +1285,7 @@ def markdown(out: dict[str, Any]) -> str:
         "| run | seed | family | diverges at | shape | first warning |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for row in sets["lightning_hooks, defaults"]["runs"]:
+    for row in sets[DEFAULTS]["runs"]:
         kind = out["shapes"].get(f"{row['run']}, seed {row['seed']}", "healthy")
         if row["damaged"] is not None:
             kind += f"; {'worse than' if row['damaged'] else 'no worse than'} its twin"

@@ -74,6 +74,7 @@ ALARMS: dict[str, tuple[str, ...]] = {
         "amp_overflow",
         "loss_spike",
         "diverging",
+        "transient",
         "stall",
         "attention",
     ),

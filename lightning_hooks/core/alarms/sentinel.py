@@ -86,6 +86,7 @@ class GradientAlarms:
         self.log: list[GradientAlarm] = []
         """Every alarm since :meth:`take_epoch`, one per rule and step."""
         self._new: list[GradientAlarm] = []
+        self._logits: dict[str, list[float]] = {}  # the attention logits of the last logging steps
 
     @torch.no_grad()
     def update(
@@ -168,9 +169,13 @@ class GradientAlarms:
         self, logit_max: Mapping[str, float], entropy_min: Mapping[str, float], *, step: int
     ) -> None:
         """*attention* on a logging step's attention statistics (host values, reduced across
-        ranks: every rank reads the same alarms)."""
-        for alarm in attention_alarms(logit_max, entropy_min, step, self.rules):
+        ranks: every rank reads the same alarms), against each layer's logits at the logging
+        steps before."""
+        history = self._logits
+        for alarm in attention_alarms(logit_max, entropy_min, step, self.rules, history):
             self._record(alarm)
+        for layer, peak in logit_max.items():
+            history[layer] = [*history.get(layer, [])[-1:], float(peak)]
 
     @property
     def spike_score(self) -> float:
