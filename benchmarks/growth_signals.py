@@ -1,4 +1,4 @@
-"""Growth signals for lead time (issue 21): do the weights, the updates, the layers' outputs or
+"""Growth signals for lead time: do the weights, the updates, the layers' outputs or
 the attention logits grow before a real divergence, early enough to warn 5 steps ahead?
 
 The runs, data, seeds and ground truth are ``benchmarks/divergence.py``'s (its 22 settings x 3
@@ -68,7 +68,7 @@ from torch import nn
 from lightning_hooks.core import AlarmRules, ParamLayout
 from lightning_hooks.core.ops.grad_stats import param_norms, segment_norm
 
-LEAD = 5  # the issue's target lead, in steps
+LEAD = 5  # the target lead, in steps
 HORIZON = 50  # a warning further ahead than this is premature: the run was still healthy
 LATE = ("blow-up", "drift")  # the shapes a warning can lead; early blow-ups (< 10 steps) cannot
 BIG = 700.0  # a non-finite value's log: larger than any growth, so every rule fires on it
@@ -368,7 +368,7 @@ BUDGETS: dict[str, tuple[int | None, bool]] = {
 }
 """Per choice: the false alarms on the tuning seeds that a rule may add, OR'd with the defaults,
 to the defaults' own (``None``: no bound), and whether a warning more than ``HORIZON`` steps ahead
-is premature (a false alarm, not a lead). ``strict``: none (the issue's bar is at most 1 in 20, 2
+is premature (a false alarm, not a lead). ``strict``: none (the bar is at most 1 in 20, 2
 of 45 held-out seed included, and the defaults already warn 2); ``lenient``: 2; ``any``: the most
 lead there is; ``plain``: ``divergence.py``'s definition, any warning at or before the divergence
 step is in time and its lead counts however long, and only healthy runs warned are false

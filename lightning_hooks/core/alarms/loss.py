@@ -18,7 +18,6 @@ from lightning_hooks.core.alarms.messages import (
     GradientAlarm,
     loss_alarms,
     stall_alarm,
-    transient_alarm,
 )
 from lightning_hooks.core.alarms.rules import (
     _L_BEST,
@@ -126,7 +125,7 @@ class LossRules:
         value, step = got
         report = self.evaluate(_F(value.reshape(-1)[0]))
         diverging, ended = self._judge(report, step)
-        alarms = [] if ended is None else [transient_alarm(step, ended, report, self.rules)]
+        alarms = [] if ended is None else [_transient(step, ended, report, self.rules)]
         if report[_L_SPIKE] > 0 or diverging:
             alarms += loss_alarms(step, report.copy(), self.rules, diverging=diverging)
         return (step, alarms) if alarms else None
@@ -145,7 +144,8 @@ class LossRules:
         mean = float(report[_L_MEAN])
         rise = self.rise = rise or [float(step), 0.0, mean]
         rise[2] = max(rise[2], mean)
-        lost = not mean < self.rules.diverge_lost * float(report[_L_FIRST])  # NaN: lost
+        lost = not mean < self.rules.diverge_lost * float(report[_L_FIRST])
+        lost = lost or not math.isfinite(report[_L_VALUE])
         if rise[1] >= 0 and (lost or rise[1] + 1 >= self.rules.diverge_patience):
             rise[1] = -1.0  # warned: it no longer ends as a transient
         elif rise[1] >= 0:
@@ -305,3 +305,19 @@ class StallRule:
         if "stall" in state and tuple(state["stall"].shape) == self.state.shape:
             self.state[...] = as_array(state["stall"])
             self.peak_lr = float(state["peak_lr"])
+
+
+def _transient(
+    step: int, rise: list[float], report: np.ndarray, rules: AlarmRules
+) -> GradientAlarm:
+    """*transient*'s alarm (logged, never warned): a rise of the loss that met *diverging*'s
+    bar for fewer than ``diverge_patience`` losses and fell back below it at ``step``."""
+    start, losses, peak = int(rise[0]), int(rise[1]), rise[2]
+    best, first = float(report[_L_BEST]), float(report[_L_FIRST])
+    text = (
+        f"loss transient at optimizer steps {start}-{step}: its running mean rose to {peak:.4g} "
+        f"(its best {best:.4g}, its first loss {first:.4g}) for {losses} loss(es) and fell back "
+        f"below diverging's bar: a transient the run recovers from, not a divergence "
+        f"(diverge_patience={rules.diverge_patience}, diverge_lost={rules.diverge_lost})"
+    )
+    return GradientAlarm("transient", "loss", step, peak, best, text)

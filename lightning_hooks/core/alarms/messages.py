@@ -1,13 +1,12 @@
 """What an alarm says, built on the host once a rule fired: :class:`GradientAlarm`, the layer it
-names, its message, the ring buffer's story and the rule's advice; and the *attention* rule, read
-on the host from what the attention capture measured on a logging step."""
+names, its message, the ring buffer's story and the rule's advice."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from itertools import chain, pairwise
+from itertools import chain
 
 import numpy as np
 
@@ -37,7 +36,6 @@ from lightning_hooks.core.alarms.rules import (
 
 __all__ = [
     "GradientAlarm",
-    "attention_alarms",
     "gradient_alarm",
     "loss_alarms",
     "stall_alarm",
@@ -271,22 +269,6 @@ def loss_alarms(
     return alarms
 
 
-def transient_alarm(
-    step: int, rise: list[float], report: np.ndarray, rules: AlarmRules
-) -> GradientAlarm:
-    """*transient*'s alarm (logged, never warned): a rise of the loss that met *diverging*'s
-    bar for fewer than ``diverge_patience`` losses and fell back below it at ``step``."""
-    start, losses, peak = int(rise[0]), int(rise[1]), rise[2]
-    best, first = float(report[_L_BEST]), float(report[_L_FIRST])
-    text = (
-        f"loss transient at optimizer steps {start}-{step}: its running mean rose to {peak:.4g} "
-        f"(its best {best:.4g}, its first loss {first:.4g}) for {losses} loss(es) and fell back "
-        f"below diverging's bar: a transient the run recovers from, not a divergence "
-        f"(diverge_patience={rules.diverge_patience}, diverge_lost={rules.diverge_lost})"
-    )
-    return GradientAlarm("transient", "loss", step, peak, best, text)
-
-
 def _diverging(step: int, value: float, report: np.ndarray, rules: AlarmRules) -> GradientAlarm:
     mean, best, first = (float(report[i]) for i in (_L_MEAN, _L_BEST, _L_FIRST))
     if not math.isfinite(value):
@@ -362,77 +344,3 @@ def _explosion_text(
         f"times the global norm's running scale {global_scale:.3g} (gradient_clip_val="
         f"{suggested}), or skip such steps with on_alarm={{'spike': 'skip'}}"
     )
-
-
-def attention_alarms(
-    logit_max: Mapping[str, float],
-    entropy_min: Mapping[str, float],
-    step: int,
-    rules: AlarmRules,
-    history: Mapping[str, Sequence[float]] | None = None,
-) -> list[GradientAlarm]:
-    """*attention*'s alarms at a logging step: the layers whose smallest head entropy (nats)
-    is below ``rules.attn_entropy_min`` (one-hot softmax, vanishing gradient) while their
-    largest pre-softmax logit either is above ``rules.attn_logit_max`` in at least
-    ``rules.attn_min_layers`` layers (every layer, in a model with fewer) or keeps growing:
-    ``rules.attn_growth`` x or more over each of the last two logging steps (``history``: a
-    layer's logits at the logging steps before, oldest first), from at least
-    ``rules.attn_logit_min``, while at least ``rules.attn_min_layers`` layers' logits are that
-    large. A layer without an entropy is judged on its logit.
-
-    Example:
-        >>> rules = AlarmRules()
-        >>> [a.layer for a in attention_alarms({"h.0": 5e4, "h.1": 2e3, "h.2": 20.0},
-        ...                                    {"h.0": 0.01, "h.1": 0.05, "h.2": 0.01}, 99, rules)]
-        ['h.0', 'h.1']
-        >>> attention_alarms({"h.0": 5e4, "h.1": 20.0}, {"h.0": 0.01, "h.1": 2.0}, 99, rules)
-        []
-        >>> grown = {"h.0": [150.0, 300.0], "h.1": [300.0, 400.0]}
-        >>> [a.layer for a in attention_alarms({"h.0": 500.0, "h.1": 450.0}, {"h.0": 0.02,
-        ...     "h.1": 0.5}, 149, rules, grown)]
-        ['h.0']
-        >>> attention_alarms({"h.0": 500.0, "h.1": 45.0}, {"h.0": 0.02, "h.1": 0.5}, 149, rules,
-        ...                  grown)
-        []
-    """
-    limit, floor, growth = rules.attn_logit_max, rules.attn_entropy_min, rules.attn_growth
-    focused = {
-        layer: (peak, entropy)
-        for layer, peak in logit_max.items()
-        if not (entropy := entropy_min.get(layer, math.nan)) >= floor
-    }
-    high = [
-        layer for layer, (peak, _) in focused.items() if limit is not None and not peak <= limit
-    ]
-    if len(high) < min(rules.attn_min_layers, len(logit_max)):
-        high = []
-    growing = [
-        layer
-        for layer, (peak, _) in focused.items()
-        if growth is not None
-        and len(past := [*(history or {}).get(layer, ())[-2:], peak]) == 3
-        and past[0] >= rules.attn_logit_min
-        and all(b >= growth * a for a, b in pairwise(past))
-    ]
-    large = sum(not peak < rules.attn_logit_min for peak in logit_max.values())
-    if large < min(rules.attn_min_layers, len(logit_max)):
-        growing = []
-    alarms, history = [], history or {}
-    for layer, (peak, entropy) in focused.items():
-        if layer not in high and layer not in growing:
-            continue
-        why = (
-            f"is {peak:.4g} (attn_logit_max={limit:g})"
-            if layer in high
-            else f"grew from {history[layer][-2]:.4g} to {peak:.4g} over the last two logging "
-            f"steps (attn_growth={growth:g} per logging step, from attn_logit_min="
-            f"{rules.attn_logit_min:g})"
-        )
-        text = (
-            f"attention collapse at optimizer step {step} in {layer!r}: its largest attention "
-            f"logit {why} and its most focused head's entropy is {entropy:.3g} nats "
-            f"(attn_entropy_min={floor:g}): the softmax is one-hot and its gradient vanishes "
-            f"(Wortsman et al. 2023, arXiv 2309.14322). Fixes that work: {_ADVICE['attention']}"
-        )
-        alarms.append(GradientAlarm("attention", layer, step, peak, limit or math.nan, text))
-    return alarms
