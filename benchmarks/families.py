@@ -10,7 +10,7 @@ users run them.
   2309.14322): a byte-level pre-LN GPT, no biases, ``F.scaled_dot_product_attention``, with or
   without qk-layernorm, on AdamW (0.9, 0.95) with warm-up, cosine decay, clipping at 1 and z-loss
   1e-4, each on its own stdlib module's source; ``gpt-h32``, ``gpt-h32-deep``: the same with
-  heads of 32 at a constant rate without warm-up, where the logits grow at lower rates;
+  heads of 32, also at constant rates without warm-up, where the logits grow at lower rates;
 - the output-logit family: the qk-layernorm GPT without z-loss; its twin adds z-loss 1e-4;
 - ``resmlp``: a residual MLP of pre-LN blocks; ``bnmlp``: an MLP with BatchNorm; ``wine``: a
   small tabular MLP (13 features, 3 classes) for batches of 2 or 4;
