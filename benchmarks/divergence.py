@@ -5,9 +5,10 @@ Data that ships with installed packages, nothing downloaded: scikit-learn's ``lo
 (8x8 images, 10 classes) for an MLP, a 6-layer MLP and a CNN with BatchNorm; its
 ``load_breast_cancer`` for a residual MLP; the source text of Python's own ``argparse`` module
 for a character-level LSTM and tiny pre-LN and post-LN transformers. Each run is 300 optimizer
-steps, several seeds: issue 21's sweep (SGD or Adam, a constant LR or a linear ramp past what
-the model can take) and issue 27's recipes (AdamW with warm-up and cosine decay to 0, RMSprop,
-SGD with Nesterov and one-cycle, clipping on and off).
+steps, several seeds: a sweep (SGD or Adam, a constant LR or a linear ramp past what the model
+can take), recipes (AdamW with warm-up and cosine decay to 0, RMSprop, SGD with Nesterov and
+one-cycle, clipping on and off) and the families of ``benchmarks/families.py`` (byte-level
+transformers and GPTs, recurrent models, transients, small batches and fine-tuning).
 
 Each step records what the sentinel reads (per-layer gradient L2 norms and the global one, before
 clipping and the optimizer step), the training loss, the LR and the typical update (what the
@@ -18,7 +19,8 @@ peers' re-implemented from their published sources at their defaults (see :data:
 Ground truth, from the loss alone (:func:`divergence_step`): a run diverges at the first step
 where the loss is not finite, or where the mean loss of the last 5 steps is at least twice its
 best so far *and* has given back at least half of what it had learnt (best vs the first step's
-loss). A run that never does is healthy.
+loss), unless the run ends below half its first loss (a transient it recovered from). A run that
+never does is healthy.
 
 One-step gradient explosions (:data:`EXPLOSIONS`: the gradient multiplied by 10, 1e3 or 1e6
 after the backward, at step 37 or 150) are judged against their twin, the same run without the
@@ -93,6 +95,16 @@ def _cancer() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tensor(data.target, dtype=torch.long)
 
 
+def _wine() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's ``load_wine`` (13 features, 3 classes), standardised."""
+    from sklearn.datasets import load_wine
+
+    data = load_wine()
+    x = torch.tensor(data.data, dtype=torch.float32)
+    x = (x - x.mean(0)) / x.std(0)
+    return x, torch.tensor(data.target, dtype=torch.long)
+
+
 def _text() -> torch.Tensor:
     """``argparse``'s source as printable-ASCII codes (0-95: the rest maps to 0)."""
     source = Path(argparse.__file__).read_text(encoding="utf-8")
@@ -110,30 +122,29 @@ def _mlp() -> nn.Module:
 
 
 def _mlp6() -> nn.Module:
-    """The issue's 6-layer MLP on the digits."""
+    """A 6-layer MLP on the digits."""
     layers: list[nn.Module] = []
     for _ in range(5):
         layers += [nn.Linear(64, 64), nn.ReLU()]
     return nn.Sequential(*layers, nn.Linear(64, 10))
 
 
-class _ResMLP(nn.Module):
-    """A residual MLP (pre-LN blocks) on the breast-cancer features."""
+_BASE: dict[str, torch.Tensor] = {}
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(30, 32)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
-            for _ in range(3)
-        )
-        self.head = nn.Linear(32, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.head(h)  # type: ignore[no-any-return]
+def _pretrained() -> families.GPT:
+    """The fine-tunes' base: a byte-level GPT (2 layers, d 64) trained 300 steps on
+    ``argparse``'s source (AdamW 3e-3, warm-up and cosine decay, seed 0), once per process."""
+    if not _BASE:
+        rng = torch.get_rng_state()
+        base = Run("gpt", "adamw", 3e-3, "cosine", clip=1.0)
+        for model, *_ in train(base):
+            trained = model
+        _BASE.update(trained.state_dict())
+        torch.set_rng_state(rng)
+    model = families.GPT(qk_norm=False)
+    model.load_state_dict(_BASE)
+    return model
 
 
 def _cnn() -> nn.Module:
@@ -176,12 +187,12 @@ class _Transformer(nn.Module):
 BUILD: dict[str, Callable[[], nn.Module]] = {
     "mlp": _mlp,
     "mlp6": _mlp6,
-    "resmlp": _ResMLP,
+    "resmlp": lambda: families.ResMLP(30, 2),
     "cnn": _cnn,
     "lstm": _LSTM,
     "pre-ln": lambda: _Transformer(pre_ln=True),
     "post-ln": lambda: _Transformer(pre_ln=False),
-    # issue 35's families (benchmarks/families.py)
+    # the families of benchmarks/families.py
     "byte-pre-ln": lambda: families.ByteTransformer(pre_ln=True),
     "byte-post-ln": lambda: families.ByteTransformer(pre_ln=False),
     "gru": families.ByteGRU,
@@ -193,9 +204,29 @@ BUILD: dict[str, Callable[[], nn.Module]] = {
     "gpt-deep-qk": lambda: families.GPT(qk_norm=True, layers=4),
     "gpt-6h": lambda: families.GPT(qk_norm=False, d=96, layers=3),
     "gpt-6h-qk": lambda: families.GPT(qk_norm=True, d=96, layers=3),
+    # the families of transients, collapses with logits in the hundreds and small batches
+    "cnn-m": _cnn,
+    "bnmlp": families.BNMLP,
+    "gru2": lambda: families.ByteGRU(layers=2),
+    "lstm2": families.ByteLSTM,
+    "resmlp-digits": lambda: families.ResMLP(64, 10),
+    "resmlp-wine": lambda: families.ResMLP(13, 3),
+    "gpt-h32": lambda: families.GPT(qk_norm=False, head=32),
+    "gpt-h32-qk": lambda: families.GPT(qk_norm=True, head=32),
+    "gpt-h32-deep": lambda: families.GPT(qk_norm=False, layers=3, head=32),
+    "gpt-h32-deep-qk": lambda: families.GPT(qk_norm=True, layers=3, head=32),
+    "wine": families.Tabular,
+    "ft": _pretrained,
+    "ft-lora": lambda: families.LoRA(_pretrained()),
 }
-BYTE_TEXT = {"byte-pre-ln": "argparse", "byte-post-ln": "inspect", "gru": "inspect"}
-GPT_TEXT = {"gpt": "argparse", "gpt-wide": "inspect", "gpt-deep": "typing", "gpt-6h": "tarfile"}
+BYTE_TEXT = {
+    "byte-pre-ln": "argparse", "byte-post-ln": "inspect", "gru": "inspect", "gru2": "typing",
+    "lstm2": "tarfile", "ft": "inspect", "ft-lora": "typing",
+}  # fmt: skip
+GPT_TEXT = {
+    "gpt": "argparse", "gpt-wide": "inspect", "gpt-deep": "typing", "gpt-6h": "tarfile",
+    "gpt-h32": "inspect", "gpt-h32-deep": "argparse",
+}  # fmt: skip
 """The text each byte-level model reads (a GPT's qk-layernorm twin: its own)."""
 
 
@@ -212,7 +243,9 @@ class Run:
     optimizer: str  # sgd (momentum 0.9, 0 on the LSTM), nesterov, adam, adamw, rmsprop
     lr: float
     # "ramp": linear from 0 to ``lr`` over the run; "cosine": 10% linear warm-up, then cosine
-    # decay to 0 at the last step; "onecycle": torch's OneCycleLR (cosine, pct_start 0.3)
+    # decay to 0 at the last step; "onecycle": torch's OneCycleLR (cosine, pct_start 0.3);
+    # "step": x0.1 at half the run, x0.01 at three quarters; "linear": 10% linear warm-up, then
+    # linear decay to 0
     schedule: str = "constant"
     seed: int = 0
     clip: float | None = None  # clip_grad_norm_ before the step
@@ -220,6 +253,8 @@ class Run:
     explode: float = 1.0
     steps: int = STEPS
     zloss: float = 0.0  # z-loss: this times the mean squared log-partition of the output logits
+    batch: int | None = None  # examples per micro-batch (None: 32 rows, 16 windows of text)
+    accum: int = 1  # micro-batches per optimizer step (``accumulate_grad_batches``)
 
     @property
     def name(self) -> str:
@@ -228,23 +263,32 @@ class Run:
         boom = "" if self.explode_at is None else f", x{self.explode:g} at {self.explode_at}"
         zloss = "" if not self.zloss else f", z-loss {self.zloss:g}"
         steps = "" if self.steps == STEPS else f", {self.steps} steps"
-        return f"{self.model}, {self.optimizer} {self.lr:g}{sched}{clip}{zloss}{steps}{boom}"
+        batch = "" if self.batch is None else f", batch {self.batch}"
+        accum = "" if self.accum == 1 else f" x {self.accum}"
+        return (
+            f"{self.model}, {self.optimizer} {self.lr:g}{sched}{clip}{zloss}{steps}{batch}"
+            f"{accum}{boom}"
+        )
 
     @property
     def twin(self) -> Run:
         """The same run without the explosion."""
         return replace(self, explode_at=None, explode=1.0)
 
-    def lr_at(self, step: int) -> float:
+    def lr_at(self, step: int) -> float:  # noqa: PLR0911 (one return per schedule)
         """The learning rate of optimizer step ``step``."""
         last = self.steps - 1
         t = step / last
+        if self.schedule == "step":  # x0.1 at half the run, x0.01 at three quarters
+            return self.lr * (1.0 if t < 0.5 else 0.1 if t < 0.75 else 0.01)
+        warm = self.steps // 10
+        if self.schedule in ("linear", "cosine") and step < warm:
+            return self.lr * (step + 1) / warm
+        if self.schedule == "linear":
+            return self.lr * (last - step) / (last - warm)
         if self.schedule == "ramp":
             return self.lr * (step + 1) / self.steps
         if self.schedule == "cosine":
-            warm = self.steps // 10
-            if step < warm:
-                return self.lr * (step + 1) / warm
             return self.lr * 0.5 * (1.0 + math.cos(math.pi * (step - warm) / (last - warm)))
         if self.schedule == "onecycle":
             start, end = self.lr / 25.0, self.lr / 25.0 / 1e4
@@ -267,7 +311,7 @@ SWEEP = [
     *(Run("post-ln", "adam", lr) for lr in (1e-3, 3e-2)),
     Run("post-ln", "adam", 0.3, "ramp"),
 ]
-"""The runs of issue 21: SGD and Adam, constant or a ramp, no clipping."""
+"""The sweep: SGD and Adam, constant or a ramp, no clipping."""
 
 # The twins of the explosions (healthy recipes, with and without clipping), and recipes that
 # users run beyond SGD and Adam: AdamW with warm-up and cosine decay to 0, RMSprop, SGD with
@@ -295,7 +339,7 @@ RECIPES = [
     Run("resmlp", "rmsprop", 0.1),
 ]
 EXPLODE_SIZES = (10.0, 1e3, 1e6)
-EXPLODE_AT = {0: 37, 1: 150}  # by seed: the issue's step, and one later in the run
+EXPLODE_AT = {0: 37, 1: 150}  # by seed: an early step, and one later in the run
 EXPLOSIONS = [
     replace(twin, explode_at=-1, explode=size)  # explode_at: set from the seed when recorded
     for twin in TWINS
@@ -306,7 +350,7 @@ EXPLOSIONS = [
 residual model, with and without clipping, three sizes; on seeds 0 and 1."""
 
 
-# Issue 35's runs, from outside the table the defaults were tuned on (benchmarks/families.py).
+# Families users run beyond the sweep and the recipes (benchmarks/families.py).
 _GPT = {"optimizer": "adamw95", "schedule": "cosine", "clip": 1.0, "zloss": 1e-4, "steps": 600}
 ATTENTION_LRS = (1e-2, 3e-2, 0.1, 0.3)
 UNSEEN = [
@@ -330,14 +374,55 @@ ATTENTION = [
 LOGITS = [replace(run, zloss=0.0) for run in ATTENTION if run.model == "gpt-qk" and run.lr >= 0.1]
 """The output-logit family: the qk-layernorm GPT without z-loss (its twin, with z-loss 1e-4, is
 in :data:`ATTENTION`)."""
-ATTENTION_SEEDS = (0, 1)
+ATTENTION_SEEDS = (0,)
+
+_H32 = {**_GPT, "schedule": "constant", "steps": 400}
+TRANSIENTS = [
+    *(Run("cnn-m", "sgd", lr) for lr in (0.5, 1.0, 2.0)),
+    *(Run("bnmlp", "sgd", lr) for lr in (0.5, 1.0, 2.0)),
+    *(Run(model, "rmsprop", lr, clip=5.0) for model in ("gru2", "lstm2") for lr in (1e-2, 3e-2)),
+    *(Run("resmlp", "adam", lr, "step") for lr in (1e-2, 3e-2, 0.1)),
+    *(Run("resmlp-digits", "adam", lr, "step") for lr in (1e-2, 3e-2, 0.1)),
+]
+"""Early transients under SGD with momentum (a BatchNorm CNN and MLP), RMSprop on two-layer
+recurrent models with clipping, Adam on residual MLPs with LayerNorm and a step schedule."""
+COLLAPSES = [
+    Run(model, lr=lr, **_H32)  # type: ignore[arg-type]
+    for base in ("gpt-h32", "gpt-h32-deep")
+    for model in (base, f"{base}-qk")
+    for lr in (3e-2, 4e-2, 5e-2)
+]
+"""Attention collapse at learning rates where the logit grows through the hundreds: GPTs with
+heads of 32 at a constant rate without warm-up, each with its qk-layernorm twin."""
+FINE_TUNING = [
+    *(Run("wine", "sgd", lr, batch=2) for lr in (3e-3, 1e-2, 3e-2)),
+    *(Run("wine", "adam", lr, batch=4) for lr in (1e-3, 3e-3, 1e-2)),
+    Run("ft", "adamw", 3e-3, "linear", batch=2, accum=8),
+    Run("ft", "adamw", 1e-3, "linear", batch=4),
+    Run("ft", "adamw", 3e-4, "linear", batch=1, accum=4),
+    Run("ft-lora", "adamw", 1e-2, "linear", batch=1, accum=4),
+    Run("ft-lora", "adamw", 3e-3, "linear", batch=4),
+    Run("ft-lora", "adamw", 3e-3, "linear", batch=2, accum=8),
+]
+"""Small-batch fine-tuning: a small tabular MLP with a batch of 2 on SGD with momentum or of 4
+on Adam; a pretrained byte-level GPT (:func:`_pretrained`) fine-tuned on another text whole
+or through low-rank adapters on the frozen base, micro-batches of 1-4 with and without
+accumulation."""
+NEW_SEEDS = (0, 1)
+FRESH_RUNS = [Run("resmlp-wine", "adam", lr, "step", batch=4) for lr in (1e-2, 3e-2, 0.1)]
+"""Recorded after the defaults were frozen: a residual MLP with LayerNorm on the wine set, a
+batch of 4, Adam with a step schedule (transients and small noisy batches at once)."""
 
 FAMILY = {
     "mlp": "mlp", "mlp6": "mlp6", "resmlp": "resmlp", "cnn": "cnn", "lstm": "lstm",
     "pre-ln": "pre-ln", "post-ln": "post-ln", "byte-pre-ln": "byte-pre-ln",
     "byte-post-ln": "byte-post-ln", "gru": "gru", "gpt": "gpt", "gpt-qk": "gpt",
     "gpt-wide": "gpt-wide", "gpt-wide-qk": "gpt-wide", "gpt-deep": "gpt-deep",
-    "gpt-deep-qk": "gpt-deep", "gpt-6h": "gpt-6h", "gpt-6h-qk": "gpt-6h",
+    "gpt-deep-qk": "gpt-deep", "gpt-6h": "gpt-6h", "gpt-6h-qk": "gpt-6h", "cnn-m": "cnn-m",
+    "bnmlp": "bnmlp", "gru2": "gru2", "lstm2": "lstm2", "resmlp-digits": "resmlp-digits",
+    "gpt-h32": "gpt-h32", "gpt-h32-qk": "gpt-h32", "gpt-h32-deep": "gpt-h32-deep",
+    "gpt-h32-deep-qk": "gpt-h32-deep", "ft": "ft", "ft-lora": "ft-lora",
+    "resmlp-wine": "resmlp-wine",
 }  # fmt: skip
 
 
@@ -348,22 +433,28 @@ def family(run: Run) -> str:
         return "gpt-logits"
     if run.model == "cnn" and run.steps != STEPS:
         return "cnn-long"
+    if run.model == "resmlp" and run.schedule == "step":
+        return "resmlp-step"
+    if run.model == "wine":
+        return f"wine-{run.optimizer}"
     return FAMILY[run.model]
 
 
 HELD_OUT_FAMILIES = frozenset(
     {"resmlp", "lstm", "post-ln", "byte-post-ln", "cnn-long", "gpt-wide", "gpt-logits"}
+    | {"bnmlp", "lstm2", "resmlp-digits", "gpt-h32-deep", "wine-adam", "ft-lora"}
 )
-"""Frozen before anything was tuned on issue 35's runs: the families the defaults were not
-chosen on. Each failure the issue names has a family on each side: char-level transformers on
-plain Adam (``byte-pre-ln`` tunes, ``byte-post-ln`` is held out), recurrent models on RMSprop
-with clipping (``gru``; ``lstm``), attention collapse (``gpt``; ``gpt-wide``), explosions
-(``mlp6``; ``resmlp``)."""
-FRESH_FAMILIES = frozenset({"gpt-deep", "gpt-6h"})
-"""Added in session 11, after the held-out half had been read (its attention collapses: 2 of 4
-warned) and the attention rule revised on it (``attn_min_layers``, ``attn_logit_max=1e3``): a
-family recorded only after that rule was committed, so the revised rule has a half it has not
-seen. Reported apart from both halves."""
+"""The families the defaults were not chosen on, frozen before any default was tuned on them.
+Each failure has a family on each side: char-level transformers on plain Adam (``byte-pre-ln``
+tunes, ``byte-post-ln`` is held out), recurrent models on RMSprop with clipping (``gru``,
+``gru2``; ``lstm``, ``lstm2``), attention collapse (``gpt``, ``gpt-h32``; ``gpt-wide``,
+``gpt-h32-deep``), explosions (``mlp6``; ``resmlp``), early transients under SGD with momentum
+(``cnn-m``; ``bnmlp``), Adam on a residual MLP with LayerNorm and a step schedule
+(``resmlp-step``; ``resmlp-digits``), small batches (``wine-sgd``; ``wine-adam``) and
+fine-tuning a pretrained GPT (``ft``, whole; ``ft-lora``, adapters on the frozen base)."""
+FRESH_FAMILIES = frozenset({"gpt-deep", "gpt-6h", "resmlp-wine"})
+"""Families recorded only after the defaults they are judged on were frozen: a half no
+default has seen. Reported apart from both halves."""
 
 
 def group(name: str) -> str:
@@ -384,16 +475,28 @@ def _optimizer(run: Run, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=run.lr, weight_decay=0.01)
     if run.optimizer == "rmsprop":
         return torch.optim.RMSprop(params, lr=run.lr)
+    if run.model.startswith("ft"):  # a fine-tune: the trainable parameters only
+        params = (p for p in model.parameters() if p.requires_grad)
     if run.optimizer == "adamw95":  # Wortsman et al.'s AdamW: independent weight decay 1e-4
         return torch.optim.AdamW(params, lr=run.lr, betas=(0.9, 0.95), weight_decay=1e-4 / run.lr)
     return torch.optim.Adam(params, lr=run.lr)
 
 
 def _batches(run: Run, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    if run.model in ("mlp", "mlp6", "cnn", "resmlp"):
-        x, y = _cancer() if run.model == "resmlp" else _digits()
+    if run.model in (
+        "mlp",
+        "mlp6",
+        "cnn",
+        "resmlp",
+        "cnn-m",
+        "bnmlp",
+        "resmlp-digits",
+        "wine",
+        "resmlp-wine",
+    ):
+        x, y = {"resmlp": _cancer, "wine": _wine, "resmlp-wine": _wine}.get(run.model, _digits)()
         while True:
-            idx = torch.randint(0, len(x), (32,), generator=gen)
+            idx = torch.randint(0, len(x), (run.batch or 32,), generator=gen)
             yield x[idx], y[idx]
     if run.model in ("lstm", "pre-ln", "post-ln"):
         text, seq = _text(), _SEQ
@@ -401,22 +504,28 @@ def _batches(run: Run, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, tor
         source = BYTE_TEXT.get(run.model) or GPT_TEXT[run.model.removesuffix("-qk")]
         text, seq = families.byte_text(source), families.SEQ
     while True:
-        start = torch.randint(0, len(text) - seq - 1, (16,), generator=gen)
+        start = torch.randint(0, len(text) - seq - 1, (run.batch or 16,), generator=gen)
         window = torch.stack([text[s : s + seq + 1] for s in start.tolist()])
         yield window[:, :-1], window[:, 1:]
 
 
 def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if any(True for _ in m.parameters(False))]
+    """The modules that own trainable parameters (a frozen base's are not watched)."""
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if any(p.requires_grad for p in m.parameters(False))
+    ]
 
 
 def train(
     run: Run, built: Callable[[nn.Module], object] | None = None
 ) -> Iterator[tuple[nn.Module, ParamLayout, torch.Tensor, torch.Tensor]]:
     """Train ``run`` for ``run.steps`` steps from its seed: yields the model, its layout, the output
-    and the loss after each backward, before the optimizer step, which runs when the caller asks
-    for the next step (and after the last one, when the loop ends). ``built`` sees the model
-    before its first forward (to hook it)."""
+    and the loss after each backward (with accumulation: the last micro-batch's output and every
+    micro-batch's loss), before the optimizer step, which runs when the caller asks for the next
+    step (and after the last one, when the loop ends). ``built`` sees the model before its first
+    forward (to hook it)."""
     torch.manual_seed(run.seed)
     gen = torch.Generator().manual_seed(run.seed)
     model = BUILD[run.model]()
@@ -428,14 +537,18 @@ def train(
     for step in range(run.steps):
         for group in opt.param_groups:
             group["lr"] = run.lr_at(step)
-        x, y = next(batches)
         opt.zero_grad()
-        out = model(x)
-        logits = out.reshape(-1, out.shape[-1])
-        loss = nn.functional.cross_entropy(logits, y.reshape(-1))
-        if run.zloss:
-            loss = loss + run.zloss * torch.logsumexp(logits, -1).square().mean()
-        loss.backward()
+        micro = []
+        for _ in range(run.accum):  # Lightning's accumulation: each micro-batch's loss / accum
+            x, y = next(batches)
+            out = model(x)
+            logits = out.reshape(-1, out.shape[-1])
+            loss = nn.functional.cross_entropy(logits, y.reshape(-1))
+            if run.zloss:
+                loss = loss + run.zloss * torch.logsumexp(logits, -1).square().mean()
+            (loss / run.accum).backward()
+            micro.append(loss.detach())
+        loss = loss if run.accum == 1 else torch.stack(micro)
         if step == run.explode_at:  # a bad batch, a numerical fault: the gradient blows up
             for p in model.parameters():
                 if p.grad is not None:
@@ -456,11 +569,11 @@ def grad_norms(layout: ParamLayout) -> np.ndarray:
 def record(run: Run) -> dict[str, Any]:
     """Train ``run`` and record what the sentinel reads each step: per-layer gradient norms (then
     the global one) and the loss; also the weight norms, for rules that want them."""
-    norms, weights, losses, updates = [], [], [], []
+    norms, weights, losses, updates, micro = [], [], [], [], []
     layers: list[str] = []
     last: list[torch.Tensor] | None = None
     grads: list[torch.Tensor | None] = []
-    probe = _StabilityProbe() if run.model.startswith("gpt") else None
+    probe = _StabilityProbe() if run.model.startswith(("gpt", "ft")) else None
     for step, (model, layout, _, loss) in enumerate(train(run, probe and probe.attach)):
         if probe is not None:
             probe.step(step)
@@ -474,7 +587,8 @@ def record(run: Run) -> dict[str, Any]:
                 updates.append(float(typical_update(last, now, grads)))
             last = now
             grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-        losses.append(float(loss.detach()))
+        losses.append(float(loss.detach().mean()))
+        micro.append(loss.detach().reshape(-1).double().numpy())
     updates.append(math.nan)  # the last step's update is not read
     return {
         "run": asdict(run),
@@ -485,6 +599,8 @@ def record(run: Run) -> dict[str, Any]:
         "updates": np.array(updates, dtype=np.float64),
         "lrs": np.array([run.lr_at(s) for s in range(run.steps)], dtype=np.float64),
         "stability": [] if probe is None else probe.windows,
+        # the micro-batches' losses, as the callback reads them (with accumulation)
+        **({"micro_losses": np.array(micro)} if run.accum > 1 else {}),
     }
 
 
@@ -519,14 +635,20 @@ class _StabilityProbe:
 
 
 def all_runs() -> list[Run]:
-    """The sweep, the recipes and the unseen families on every seed, the attention and logit
-    families on two, then the explosions on seeds 0 and 1."""
+    """The sweep, the recipes and the families on every seed, the attention and logit families
+    on one, the explosions on seeds 0 and 1, then the families of transients, collapses at
+    constant rates, small batches and fine-tuning on seeds 0 and 1."""
     runs = [replace(run, seed=seed) for seed in SEEDS for run in (*SWEEP, *RECIPES, *UNSEEN)]
     runs += [replace(run, seed=seed) for seed in ATTENTION_SEEDS for run in (*ATTENTION, *LOGITS)]
     runs += [
         replace(run, seed=seed, explode_at=at)
         for seed, at in EXPLODE_AT.items()
         for run in EXPLOSIONS
+    ]
+    runs += [
+        replace(run, seed=seed)
+        for seed in NEW_SEEDS
+        for run in (*TRANSIENTS, *COLLAPSES, *FINE_TUNING, *FRESH_RUNS)
     ]
     return runs
 
@@ -537,7 +659,7 @@ def record_all(
     runs: Callable[[], list[Run]] | None = None,
     again: bool = True,
 ) -> list[dict[str, Any]]:
-    """Every run of ``runs()`` (default: the sweep of issue 21 on every seed), recorded by
+    """Every run of ``runs()`` (default: the sweep on every seed), recorded by
     ``record`` and saved to ``path``; with ``again=False``, the runs already in ``path`` are
     kept and only the missing ones recorded."""
     started = time.perf_counter()
@@ -571,21 +693,18 @@ def _by_run(traces: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 # --- ground truth -----------------------------------------------------------------------------
 
 
-EARLY = 10  # a divergence before this step is an early blow-up (or an overshoot that recovers)
-RECOVERED = 0.5  # ... that recovers when the run ends below this share of its first loss
+RECOVERED = 0.5  # a run that ends below this share of its first loss is not divergent
 TAIL = 50  # the steps whose mean loss is the run's end
 
 
 def divergence_step(losses: np.ndarray) -> int | None:
     """First step where the loss is not finite, or where the mean of the last ``SMOOTH`` losses
     is >= 2x its best so far and has given back >= half of what it had learnt (best vs the first
-    step's loss); ``None``: healthy. An early rise (before step ``EARLY``) after which the run
-    recovers (its mean loss over the last ``TAIL`` steps is below ``RECOVERED`` x its first
-    loss: an adaptive optimizer's first-step overshoot, issue 35) is not a divergence."""
+    step's loss); ``None``: healthy. A run that recovers (its mean loss over the last ``TAIL``
+    steps is below ``RECOVERED`` x its first loss) is not divergent, whatever happened on the
+    way: a transient."""
     step = _first_divergence(losses)
-    if step is not None and step < EARLY and recovered(losses):
-        return None
-    return step
+    return None if step is not None and recovered(losses) else step
 
 
 def recovered(losses: np.ndarray) -> bool:
@@ -628,9 +747,12 @@ def ours(
         windows = dict(trace.get("stability", []))
         alarms.set_adaptive(adaptive)  # as GradFlowTracker.observe sets it from the optimizer
         found = []
-        for step, (norm, loss) in enumerate(zip(trace["norms"], trace["losses"], strict=True)):
+        # with accumulation, the callback reads every micro-batch's loss
+        losses = trace.get("micro_losses", trace["losses"][:, None])
+        for step, (norm, micro) in enumerate(zip(trace["norms"], losses, strict=True)):
             alarms.update(torch.from_numpy(norm).float(), step=step, clip=clip)
-            alarms.update_loss(torch.tensor(loss, dtype=torch.float32), step=step)
+            for loss in micro:
+                alarms.update_loss(torch.tensor(loss, dtype=torch.float32), step=step)
             if logging_step(step) and stall:
                 update = torch.tensor(trace["updates"][step], dtype=torch.float32)
                 alarms.update_stall(update, float(trace["lrs"][step]), step=step)
@@ -799,8 +921,8 @@ def twin_of(run: Run) -> tuple[str, Run] | None:
 def worse_than_twin(trace: dict[str, Any], twin: dict[str, Any]) -> bool:
     """Ground truth against a twin: the run's mean loss over its last ``FINAL`` steps is not
     finite, or above ``TWIN_RATIO`` x its twin's plus ``DAMAGE_MARGIN`` x the twin's first
-    loss (0.11 nats on 256 bytes: the issue's undamaged pairs end within 0.15 nats, its damaged
-    ones 0.5 to 0.8 apart)."""
+    loss (0.11 nats on 256 bytes: undamaged pairs end within 0.15 nats, damaged ones 0.5 to 0.8
+    apart)."""
     hurt, base = (float(np.mean(t["losses"][-FINAL:])) for t in (trace, twin))
     margin = DAMAGE_MARGIN * float(twin["losses"][0])
     return not math.isfinite(hurt) or hurt > TWIN_RATIO * base + margin
@@ -910,25 +1032,58 @@ def shape(losses: np.ndarray, step: int) -> str:
     return "drift" if math.isfinite(mean) and mean <= losses[0] else "blow-up"
 
 
+RELEASED = AlarmRules(diverge_early=3, diverge_overshoot=10.0, diverge_patience=1, attn_growth=None)
+"""The defaults of lightning_hooks 0.1.0: every rise over *diverging*'s bar warned at once, the
+first 3 losses of an adaptive optimizer held to 10x, attention collapse by the largest logit."""
+PATIENT = (
+    "lightning_hooks, transients not warned "
+    "(diverge_patience=5, diverge_early=20, diverge_overshoot=20)"
+)
+PATIENT_RULES = AlarmRules(diverge_early=20, diverge_overshoot=20.0, diverge_patience=5)
+"""The opt-in that waits for a rise of the loss to hold before warning: transients logged."""
 RULE_SETS: dict[str, Callable[[dict[str, Any]], list[int]]] = {
     "lightning_hooks, defaults": ours(AlarmRules()),
-    "lightning_hooks, defaults before issue 35": ours(
-        AlarmRules(stall_progress=1.0, diverge_overshoot=2.0, attn_logit_max=None),
-        (*WARNED, "stall"),
-    ),
-    "lightning_hooks, defaults of session 10 (stall warns; attention: one layer, logit 1e4)": ours(
-        AlarmRules(attn_logit_max=1e4, attn_min_layers=1), (*WARNED, "stall")
-    ),
-    "lightning_hooks, defaults without the explosion and stall rules": ours(
-        AlarmRules(explode_factor=None, stall_factor=None),
-        ("absolute", "vanishing", "nonfinite", "loss_spike", "diverging"),
-    ),
-    "lightning_hooks before issue 21 (spike warns, no loss rule)": ours(
-        AlarmRules(diverge_ratio=None, explode_factor=None, stall_factor=None),
-        ("spike", "absolute", "vanishing", "nonfinite"),
-    ),
+    "lightning_hooks 0.1.0 defaults": ours(RELEASED),
+    PATIENT: ours(PATIENT_RULES),
     **PEERS,
 }
+
+
+DEFAULTS, BEFORE = "lightning_hooks, defaults", "lightning_hooks 0.1.0 defaults"
+
+
+def changes(
+    new: list[dict[str, Any]], old: list[dict[str, Any]], transients: list[bool], half: str
+) -> dict[str, Any]:
+    """What waiting for a rise to hold (``new``) changes against the defaults (``old``) on the
+    runs of ``half`` (``all``: every run): the lead lost on the divergent runs the defaults warn
+    in time (steps later; median and worst over those still warned; and those no longer warned
+    in time), and the healthy runs with a *transient* logged (of them: warned by the defaults,
+    warned when waiting)."""
+    keep = [half == "all" or group(r["family"]) == half for r in new]
+    pairs = [(n, o, t) for n, o, t, k in zip(new, old, transients, keep, strict=True) if k]
+    timely = [
+        (n, o)
+        for n, o, _ in pairs
+        if o["diverges_at"] is not None
+        and o["first_warning"] is not None
+        and o["first_warning"] <= o["diverges_at"]
+    ]
+    later = [
+        n["first_warning"] - o["first_warning"] for n, o in timely if n["first_warning"] is not None
+    ]
+    healthy = [(n, o) for n, o, t in pairs if t and n["diverges_at"] is None and not n["damaged"]]
+    return {
+        "timely_before": len(timely),
+        "lead_lost_median": float(np.median(later)) if later else None,
+        "lead_lost_worst": max(later) if later else None,
+        "late_now": sum(
+            n["first_warning"] is None or n["first_warning"] > n["diverges_at"] for n, _ in timely
+        ),
+        "healthy_transients": len(healthy),
+        "transients_warned_before": sum(o["first_warning"] is not None for _, o in healthy),
+        "transients_warned_now": sum(n["first_warning"] is not None for n, _ in healthy),
+    }
 
 
 def _subset(result: dict[str, Any], keep: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
@@ -1023,10 +1178,16 @@ def main(argv: list[str] | None = None) -> None:
         }
         results[name] = result
         print(f"{time.perf_counter() - started:5.0f}s replayed {name}", file=sys.stderr)
+    logged = ours(PATIENT_RULES, ("transient",))
+    transients = [
+        bool(logged(t)) for t in traces if t["run"].get("explode_at") is None
+    ]  # in score's order
+    new, old = results[PATIENT]["runs"], results[DEFAULTS]["runs"]
     out = {
         **result_header("divergence", argv, started, recorded),
         "shapes": {f"{run}, seed {seed}": kind for (run, seed), kind in shapes.items()},
         "rule_sets": results,
+        "changes": {half: changes(new, old, transients, half) for half in (*HALVES, "all")},
     }
     target = Path(args.out)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -1085,6 +1246,27 @@ def markdown(out: dict[str, Any]) -> str:
     lines += [f"| {name} | {main_cells(r)} |" for name, r in sets.items()]
     lines += [
         "",
+        "What waiting for a rise of the loss to hold (diverge_patience=5, diverge_early=20, "
+        "diverge_overshoot=20) changes against the defaults: the divergent runs the defaults "
+        "warn in time, how many steps later the patient rules warn them (median, worst) and how "
+        "many are then late or not warned; the healthy runs where the patient rules log a "
+        "*transient*, and of them those warned by the defaults and by the patient rules:",
+        "",
+        "| runs | divergent, warned in time by the defaults | steps later: median | worst | "
+        "then late | healthy runs with a transient logged | warned by the defaults | "
+        "warned when waiting |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for half, c in out["changes"].items():
+        lost = [c["lead_lost_median"], c["lead_lost_worst"]]
+        median, worst = ("-" if v is None else f"{v:g}" for v in lost)
+        lines.append(
+            f"| {HALVES.get(half, 'every run')} | {c['timely_before']} | {median} | {worst} | "
+            f"{c['late_now']} | {c['healthy_transients']} | {c['transients_warned_before']} | "
+            f"{c['transients_warned_now']} |"
+        )
+    lines += [
+        "",
         "The families judged against a twin (defaults): damaging output-logit drifts (a GPT "
         "without z-loss, worse than its z-loss twin) warned, and runs whose twin is no better "
         "warned:",
@@ -1117,7 +1299,7 @@ def markdown(out: dict[str, Any]) -> str:
         "| run | seed | ground truth | warned at its step | first warning |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for row in sets["lightning_hooks, defaults"]["explosions"]["runs"]:
+    for row in sets[DEFAULTS]["explosions"]["runs"]:
         truth = "damaging" if row["damaging"] else "harmless"
         first = "-" if row["first_warning"] is None else row["first_warning"]
         lines.append(
@@ -1129,7 +1311,7 @@ def markdown(out: dict[str, Any]) -> str:
         "| run | seed | family | diverges at | shape | first warning |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    for row in sets["lightning_hooks, defaults"]["runs"]:
+    for row in sets[DEFAULTS]["runs"]:
         kind = out["shapes"].get(f"{row['run']}, seed {row['seed']}", "healthy")
         if row["damaged"] is not None:
             kind += f"; {'worse than' if row['damaged'] else 'no worse than'} its twin"

@@ -1,18 +1,21 @@
-"""The model families issue 35 added to ``benchmarks/divergence.py``: runs nobody tuned the
-warning on, as users run them.
+"""The model families of ``benchmarks/divergence.py`` beyond its sweep and recipes: runs as
+users run them.
 
 - ``byte-pre-ln``, ``byte-post-ln``: byte-level transformers (``nn.TransformerEncoderLayer``,
   vocabulary 256, d 64, 4 heads, 2 layers) on plain Adam without warm-up;
-- ``gru``: a byte-level GRU on RMSprop with clipping at 5;
-- ``gpt``, ``gpt-wide``: the attention-instability family of Wortsman et al. 2023 ("Small-scale
-  proxies for large-scale Transformer training instabilities", arXiv 2309.14322): a byte-level
-  pre-LN GPT, no biases, ``F.scaled_dot_product_attention``, with or without qk-layernorm, on
-  AdamW (0.9, 0.95) with warm-up, cosine decay, clipping at 1 and z-loss 1e-4. ``gpt`` (2
-  layers, d 64, on ``argparse``'s source) and ``gpt-wide`` (3 layers, d 80, on ``inspect``'s)
-  are two families: one tunes, one is held out. ``gpt-deep`` (4 layers, d 64, on ``typing``'s
-  source) and ``gpt-6h`` (3 layers, d 96: 6 heads, on ``tarfile``'s) were added later, with
-  the attention rule frozen before they were recorded.
-- the output-logit family: the qk-layernorm GPT without z-loss; its twin adds z-loss 1e-4.
+- ``gru``, ``gru2``, ``lstm2``: byte-level recurrent models (one or two layers) on RMSprop with
+  clipping at 5;
+- ``gpt``, ``gpt-wide``, ``gpt-deep``, ``gpt-6h``: the attention-instability family of Wortsman
+  et al. 2023 ("Small-scale proxies for large-scale Transformer training instabilities", arXiv
+  2309.14322): a byte-level pre-LN GPT, no biases, ``F.scaled_dot_product_attention``, with or
+  without qk-layernorm, on AdamW (0.9, 0.95) with warm-up, cosine decay, clipping at 1 and z-loss
+  1e-4, each on its own stdlib module's source; ``gpt-h32``, ``gpt-h32-deep``: the same with
+  heads of 32, also at constant rates without warm-up, where the logits grow at lower rates;
+- the output-logit family: the qk-layernorm GPT without z-loss; its twin adds z-loss 1e-4;
+- ``resmlp``: a residual MLP of pre-LN blocks; ``bnmlp``: an MLP with BatchNorm; ``wine``: a
+  small tabular MLP (13 features, 3 classes) for batches of 2 or 4;
+- ``ft``, ``ft-lora``: a pretrained byte-level GPT fine-tuned whole, or through low-rank
+  adapters (:func:`LoRA`) on its frozen base.
 
 Data is the source text of Python's own modules, read as bytes: nothing is downloaded.
 """
@@ -29,7 +32,18 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-__all__ = ["BYTES", "GPT", "ByteGRU", "ByteTransformer", "byte_text"]
+__all__ = [
+    "BNMLP",
+    "BYTES",
+    "GPT",
+    "ByteGRU",
+    "ByteLSTM",
+    "ByteTransformer",
+    "LoRA",
+    "ResMLP",
+    "Tabular",
+    "byte_text",
+]
 
 BYTES = 256
 SEQ = 64
@@ -66,16 +80,88 @@ class ByteTransformer(nn.Module):
 
 
 class ByteGRU(nn.Module):
-    """A byte-level GRU language model."""
+    """A byte-level GRU language model (``layers`` stacked)."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 1) -> None:
         super().__init__()
         self.embed = nn.Embedding(BYTES, 32)
-        self.gru = nn.GRU(32, 96, batch_first=True)
+        self.gru = nn.GRU(32, 96, layers, batch_first=True)
         self.head = nn.Linear(96, BYTES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.gru(self.embed(x))[0])  # type: ignore[no-any-return]
+
+
+class ByteLSTM(nn.Module):
+    """A byte-level two-layer LSTM language model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(BYTES, 32)
+        self.lstm = nn.LSTM(32, 64, 2, batch_first=True)
+        self.head = nn.Linear(64, BYTES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(self.embed(x))[0])  # type: ignore[no-any-return]
+
+
+class ResMLP(nn.Module):
+    """A residual MLP of pre-LN blocks: ``inputs`` features, ``classes`` outputs."""
+
+    def __init__(self, inputs: int, classes: int, d: int = 32, blocks: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(inputs, d)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d))
+            for _ in range(blocks)
+        )
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)  # type: ignore[no-any-return]
+
+
+def BNMLP() -> nn.Module:  # noqa: N802 (a model's name, as the classes')
+    """An MLP with BatchNorm on the 64 digit pixels, 10 classes."""
+    return nn.Sequential(
+        nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(),
+        nn.Linear(128, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10),
+    )  # fmt: skip
+
+
+def Tabular() -> nn.Module:  # noqa: N802
+    """A small tabular MLP: scikit-learn's wine set, 13 features, 3 classes."""
+    return nn.Sequential(
+        nn.Linear(13, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3)
+    )
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``base`` plus a trainable low-rank update ``B A`` (``A`` random, ``B`` zero)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: float = 8.0) -> None:
+        super().__init__()
+        self.base = base
+        self.a = nn.Parameter(torch.randn(rank, base.in_features) / base.in_features**0.5)
+        self.b = nn.Parameter(torch.zeros(base.out_features, rank))
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.scale * (x @ self.a.T @ self.b.T)  # type: ignore[no-any-return]
+
+
+def LoRA(base: GPT, rank: int = 4) -> GPT:  # noqa: N802
+    """``base`` frozen, with low-rank adapters on every attention's ``qkv`` and ``proj``."""
+    for p in base.parameters():
+        p.requires_grad_(False)
+    for block in base.blocks:
+        attn = block.attn  # type: ignore[union-attr]
+        attn.qkv = LoRALinear(attn.qkv, rank)  # type: ignore[union-attr]
+        attn.proj = LoRALinear(attn.proj, rank)  # type: ignore[union-attr]
+    return base
 
 
 class SelfAttention(nn.Module):
@@ -117,13 +203,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A byte-level pre-LN GPT: ``layers`` blocks of width ``d`` (heads of 16), no biases."""
+    """A byte-level pre-LN GPT: ``layers`` blocks of width ``d`` (heads of ``head``), no
+    biases."""
 
-    def __init__(self, qk_norm: bool, d: int = 64, layers: int = 2) -> None:
+    def __init__(self, qk_norm: bool, d: int = 64, layers: int = 2, head: int = 16) -> None:
         super().__init__()
         self.embed = nn.Embedding(BYTES, d)
         self.pos = nn.Embedding(SEQ, d)
-        self.blocks = nn.ModuleList(Block(d, d // 16, qk_norm) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, d // head, qk_norm) for _ in range(layers))
         self.ln = nn.LayerNorm(d, bias=False)
         self.head = nn.Linear(d, BYTES, bias=False)
 

@@ -87,6 +87,10 @@ def test_absolute_threshold_fires_on_the_global_norm() -> None:
         ({"history": 0}, ValueError, r"history=0\): must be a positive int"),
         ({"attn_min_layers": 0}, ValueError, r"attn_min_layers=0\): must be a positive int, got 0"),
         ({"loss_factor": 1}, ValueError, r"loss_factor=1\): must be a finite real > 1.0"),
+        ({"diverge_patience": 0}, ValueError, r"diverge_patience=0\): must be a positive int"),
+        ({"diverge_lost": -1.0}, ValueError, r"diverge_lost=-1.0\): .* > 0.0, got -1.0"),
+        ({"attn_growth": 1.0}, ValueError, r"attn_growth=1.0\): .* > 1.0, got 1.0"),
+        ({"attn_logit_min": 0}, ValueError, r"attn_logit_min=0\): .* > 0.0, got 0"),
     ],
 )
 def test_rules_are_checked_at_construction(kwargs: dict[str, Any], error: type, match: str) -> None:

@@ -1,5 +1,6 @@
-"""docs/alarms.md's tables of "How the defaults were chosen" are benchmarks/results/alarms.json:
-re-running ``benchmarks/alarms.py`` and not updating the page fails."""
+"""docs/validation.md's tables of injected faults and healthy runs are
+benchmarks/results/alarms.json: re-running ``benchmarks/alarms.py`` and not updating the page
+fails."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _detection(found: str) -> str:
 
 def test_the_alarms_page_is_the_saved_benchmark_run() -> None:
     saved = json.loads((ROOT / "benchmarks/results/alarms.json").read_text())
-    page = (ROOT / "docs/alarms.md").read_text()
+    page = (ROOT / "docs/validation.md").read_text()
     healthy = _rows(page, "| healthy run | worst norm / scale |")
     assert healthy == {
         run: [

@@ -1,5 +1,5 @@
 """The *explosion* and *stall* warnings through ``Trainer.fit`` on real data (scikit-learn's
-digits), at every default of ``GradFlowCallback()``: issue 27's case, a 6-layer MLP under Adam
+digits), at every default of ``GradFlowCallback()``: a 6-layer MLP under Adam
 whose gradient is multiplied by 1e6 at step 37, is warned at its step naming a layer, with a
 clip value in the advice; the same under ``gradient_clip_val=1.0`` is not warned; the stall that
 follows it (Adam's second moment poisoned) is warned within a logging interval of its onset,
@@ -22,11 +22,11 @@ from lightning_hooks.errors import GradientAlarmWarning
 
 from conftest import fit_alarms, read_scalars
 
-BOOM = 37  # the issue's step
+BOOM = 37  # an early step
 
 
 class Digits6(pl.LightningModule):
-    """The issue's 6-layer MLP on the digits; the gradient times ``explode`` at step ``at``."""
+    """A 6-layer MLP on the digits; the gradient times ``explode`` at step ``at``."""
 
     def __init__(
         self, optimizer: str = "adam", explode: float = 1.0, at: int = BOOM, decay: int = 0
@@ -110,14 +110,14 @@ def test_adam_explosion_is_warned_at_its_step(tmp_path: Path) -> None:
     assert 0.0 < float(clip.group(1)) < boom[0].value / 1e4
     assert "on_alarm={'spike': 'skip'}" in str(boom[0].message)
     assert _epoch_count(scalars, "explosion") >= 1.0
-    # the poisoned second moment shrinks every update, but the loss still falls (issue 35): a
+    # the poisoned second moment shrinks every update, but the loss still falls: a
     # run that learns is not stalled
     assert [w for w in found if w.alarm.rule == "stall"] == []  # type: ignore[attr-defined]
     assert _epoch_count(scalars, "stall") == 0.0
 
 
 def test_the_update_collapse_after_it_is_a_stall_without_the_loss_gate(tmp_path: Path) -> None:
-    """With ``stall_progress=1`` (the update alone decides, as before issue 35) the same run has
+    """With ``stall_progress=1`` (the update alone decides, as in 0.1.0) the same run has
     a ``stall`` at the next logging step after the explosion's own momentum has died out (about
     step 80): 99. Under the default ``on_alarm`` it is logged (counted), not warned: the
     explosion was warned at its step; ``on_alarm={"stall": "warn"}`` warns it."""

@@ -1,8 +1,11 @@
-"""Issue 35 through ``Trainer.fit``: the warning on the families it was not tuned on. A healthy
-byte-level transformer on plain Adam is not warned at its first logging step; the attention
-collapse of Wortsman et al. 2023 is warned, naming the layer, and its qk-layernorm twin is not.
-Each run is a recipe of ``benchmarks/divergence.py`` (its model, data, optimizer, schedule,
-z-loss; the clip is the Trainer's ``gradient_clip_val``), a few seconds on a CPU."""
+"""The warning through ``Trainer.fit`` on the families of ``benchmarks/divergence.py``. A healthy
+byte-level transformer on plain Adam is not warned at its first logging step; a transient the
+run recovers from is logged, not warned, under the rules that wait for a rise to hold; a lost
+run is warned before its loss leaves the chart; the attention collapse of Wortsman et al.
+2023 is warned, naming the layer, also while its logits are in the hundreds, and its
+qk-layernorm twin is not. Each run is a recipe of the
+benchmark (its model, data, optimizer, schedule, z-loss; the clip is the Trainer's
+``gradient_clip_val``), seconds on a CPU."""
 
 from __future__ import annotations
 
@@ -79,11 +82,11 @@ def _fit(
 
 
 def test_a_healthy_byte_transformer_on_plain_adam_is_not_warned(tmp_path: Path) -> None:
-    """A byte-level post-LN transformer on Adam at 0.03, no warm-up (issue 35's family): Adam's
-    update per unit of LR falls more than 100x from its first step by the first logging step
-    (the early gradients fill the second moment), while the loss keeps falling. Not a stall:
-    nothing is warned. Without the loss's progress (``stall_progress=1``), and with the stall
-    warning (``on_alarm={"stall": "warn"}``, as by default before session 11), it was."""
+    """A byte-level post-LN transformer on Adam at 0.03, no warm-up: Adam's update per unit of
+    LR falls more than 100x from its first step by the first logging step (the early gradients
+    fill the second moment), while the loss keeps falling. Not a stall: nothing is warned.
+    Without the loss's progress (``stall_progress=1``), and with the stall warning
+    (``on_alarm={"stall": "warn"}``), it was."""
     fields = {"model": "byte-post-ln", "optimizer": "adam", "lr": 0.03, "seed": 0}
     model = Recipe(60, **fields)
     assert _fit(tmp_path / "now", model) == []
@@ -152,3 +155,56 @@ def test_one_collapsed_layer_of_two_is_not_warned(tmp_path: Path) -> None:
     found = _fit(tmp_path / "one", one, AlarmRules(attn_min_layers=1), log_every_n_steps=50)
     assert [a.rule for a in found] == ["attention"] and (found[0].step + 1) % 50 == 0  # logging
     assert peaks[found[0].layer] > 1e3  # the layer that collapses alone
+
+
+def test_a_transient_the_run_recovers_from_is_logged_not_warned_when_waiting(
+    tmp_path: Path,
+) -> None:
+    """A BatchNorm CNN on SGD with momentum at LR 1: around step 80 its loss rises over
+    *diverging*'s bar for a few steps, then falls to a sixth of its start. With the rules that
+    wait for a rise to hold (``diverge_patience=5``) it is not warned, and the rise is counted
+    as a *transient*; at the defaults (every rise warned at once, which keeps the lead on the
+    divergent runs) it is warned ``diverging``."""
+    fields = {"model": "cnn-m", "optimizer": "sgd", "lr": 1.0, "seed": 0}
+    model = Recipe(150, **fields)
+    patient = load_benchmark("divergence").PATIENT_RULES
+    assert _fit(tmp_path / "patient", model, patient) == []
+    assert model.losses[-1] < 0.5 * model.losses[0]  # it recovers
+    counts = [
+        v
+        for tag, rows in read_scalars(tmp_path / "patient").items()
+        if "alarms/transient" in tag
+        for _, v in rows
+    ]
+    assert sum(counts) >= 1
+    found = _fit(tmp_path / "defaults", Recipe(150, **fields))
+    assert [a.rule for a in found][:1] == ["diverging"]
+
+
+def test_a_lost_run_is_warned_before_its_loss_leaves_the_chart(tmp_path: Path) -> None:
+    """An MLP on SGD with momentum at LR 1: its loss climbs past 10x its start and never comes
+    back. *diverging* warns before that step."""
+    model = Recipe(20, model="mlp", optimizer="sgd", lr=1.0, seed=1)
+    alarms = _fit(tmp_path, model)
+    off = next(i for i, x in enumerate(model.losses) if not x < 10 * model.losses[0])
+    assert [a.rule for a in alarms][:1] == ["diverging"] and alarms[0].step < off
+
+
+def test_a_collapse_with_logits_in_the_hundreds_is_warned(tmp_path: Path) -> None:
+    """A 3-layer GPT with heads of 32 at LR 0.03, no warm-up: by step 149 a layer's largest
+    logit has grown about 1.5x per logging step to a few hundred, its heads one-hot; the run
+    ends worse than its qk-layernorm twin. *attention* warns at step 149, naming that layer,
+    with its logit under 1e3; the twin is not warned."""
+    fields = {"lr": 0.03, "seed": 0, **_GPT, "schedule": "constant", "steps": 400}
+    alarms = _fit(
+        tmp_path / "gpt", Recipe(150, model="gpt-h32-deep", **fields), log_every_n_steps=50
+    )
+    found = [a for a in alarms if a.rule == "attention"]
+    assert found and found[0].step == 149 and found[0].value < 1e3, [
+        (a.rule, a.step) for a in alarms
+    ]
+    assert found[0].layer.endswith(".attn") and "qk-layernorm" in found[0].message
+    twin = _fit(
+        tmp_path / "qk", Recipe(150, model="gpt-h32-deep-qk", **fields), log_every_n_steps=50
+    )
+    assert twin == []

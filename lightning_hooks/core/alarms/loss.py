@@ -102,6 +102,8 @@ class LossRules:
         self.adaptive = False
         """The optimizer keeps a second moment: its first ``diverge_early`` losses are held to
         the ``diverge_overshoot`` bar (:meth:`GradientAlarms.set_adaptive`)."""
+        self.rise: list[float] = []
+        """The current rise: its first step, losses so far, peak running mean; ``[]``: none."""
         self._box = HostMailbox((1,), device)
         ratio = rules.diverge_ratio if rules.diverge_ratio is not None else math.nan
         bars = (2.0 / (rules.diverge_span + 1), ratio - 1.0, rules.diverge_overshoot - 1.0)
@@ -122,11 +124,33 @@ class LossRules:
             return None
         value, step = got
         report = self.evaluate(_F(value.reshape(-1)[0]))
-        # diverging fires unless its margin is below 0 (NaN: a non-finite loss)
-        diverging = self.rules.diverge_ratio is not None and not report[_L_DIVERGING] < 0
-        if not (report[_L_SPIKE] > 0 or diverging):
-            return None
-        return step, loss_alarms(step, report.copy(), self.rules, diverging=diverging)
+        diverging, ended = self._judge(report, step)
+        alarms = [] if ended is None else [_transient(step, ended, report, self.rules)]
+        if report[_L_SPIKE] > 0 or diverging:
+            alarms += loss_alarms(step, report.copy(), self.rules, diverging=diverging)
+        return (step, alarms) if alarms else None
+
+    def _judge(self, report: np.ndarray, step: int) -> tuple[bool, list[float] | None]:
+        """Whether *diverging* warns at ``step``, and the rise that ended as a transient. Its
+        margin fires (>= 0, or NaN: a non-finite loss, which warns at once); a rise warns once
+        it has held ``diverge_patience`` losses, or its running mean is above ``diverge_lost``
+        x the first loss; one that ends before either was a transient."""
+        if self.rules.diverge_ratio is None:
+            return False, None
+        margin, rise = report[_L_DIVERGING], self.rise
+        if margin < 0:  # quiet: a rise that never warned ends as a transient
+            self.rise = []
+            return False, (rise if rise and rise[1] > 0 else None)
+        mean = float(report[_L_MEAN])
+        rise = self.rise = rise or [float(step), 0.0, mean]
+        rise[2] = max(rise[2], mean)
+        lost = not mean < self.rules.diverge_lost * float(report[_L_FIRST])
+        lost = lost or not math.isfinite(report[_L_VALUE])
+        if rise[1] >= 0 and (lost or rise[1] + 1 >= self.rules.diverge_patience):
+            rise[1] = -1.0  # warned: it no longer ends as a transient
+        elif rise[1] >= 0:
+            rise[1] += 1
+        return rise[1] < 0, None
 
     def evaluate(self, x: np.float32) -> np.ndarray:
         """Apply the rules to the loss ``x``: the report, the state updated."""
@@ -186,11 +210,13 @@ class LossRules:
         self.scale.update(log_loss, positive, ceiling)
 
     def state_dict(self) -> dict[str, Any]:
-        """The running scale, *diverging*'s state and the finite losses seen, on the host."""
+        """The running scale, *diverging*'s state, the finite losses seen and the current rise,
+        on the host."""
         return {
             "loss_scale": torch.from_numpy(self.scale.state.copy()),
             "diverging": torch.from_numpy(self.state.copy()),
             "loss_seen": self.seen,
+            "loss_rise": list(self.rise),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -199,6 +225,7 @@ class LossRules:
         if "diverging" in state:
             self.state[...] = as_array(state["diverging"])
             self.seen = int(state["loss_seen"])
+            self.rise = list(state.get("loss_rise", []))
 
 
 class StallRule:
@@ -278,3 +305,19 @@ class StallRule:
         if "stall" in state and tuple(state["stall"].shape) == self.state.shape:
             self.state[...] = as_array(state["stall"])
             self.peak_lr = float(state["peak_lr"])
+
+
+def _transient(
+    step: int, rise: list[float], report: np.ndarray, rules: AlarmRules
+) -> GradientAlarm:
+    """*transient*'s alarm (logged, never warned): a rise of the loss that met *diverging*'s
+    bar for fewer than ``diverge_patience`` losses and fell back below it at ``step``."""
+    start, losses, peak = int(rise[0]), int(rise[1]), rise[2]
+    best, first = float(report[_L_BEST]), float(report[_L_FIRST])
+    text = (
+        f"loss transient at optimizer steps {start}-{step}: its running mean rose to {peak:.4g} "
+        f"(its best {best:.4g}, its first loss {first:.4g}) for {losses} loss(es) and fell back "
+        f"below diverging's bar: a transient the run recovers from, not a divergence "
+        f"(diverge_patience={rules.diverge_patience}, diverge_lost={rules.diverge_lost})"
+    )
+    return GradientAlarm("transient", "loss", step, peak, best, text)

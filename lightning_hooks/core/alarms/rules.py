@@ -22,6 +22,7 @@ ALARM_RULES = (
     "amp_overflow",
     "loss_spike",
     "diverging",
+    "transient",
     "stall",
     "attention",
 )
@@ -88,10 +89,19 @@ class AlarmRules:
             ``2 * diverge_span`` steps, before this step), less a quarter of what it had learnt;
             0 turns the bar off. Armed once ``min_history`` losses are in.
         diverge_span: span, in steps, of the loss's running mean for *diverging*.
-        diverge_early: over the first this many losses, *diverging*'s bar is
-            ``diverge_overshoot`` x the best instead of ``diverge_ratio`` x: an adaptive
-            optimizer's first updates overshoot (RMSprop's first step is 10x its learning rate).
+        diverge_early: over the first this many losses of an optimizer with a second moment,
+            *diverging*'s bar is ``diverge_overshoot`` x the best instead of ``diverge_ratio``
+            x: an adaptive optimizer's first updates overshoot (RMSprop's first step is 10x its
+            learning rate) and the run recovers.
         diverge_overshoot: ... the bar of those first steps. Must be >= ``diverge_ratio``.
+        diverge_patience: a rise of the loss over *diverging*'s bar warns once it has held this
+            many consecutive losses (1, the default: at once) ...
+        diverge_lost: ... or at once when its running mean is above this many times the first
+            loss (everything learnt given back), or the loss is not finite. With a patience
+            above 1, a rise that falls back before either is a *transient*: counted and logged
+            with its steps and peak, never warned. Waiting costs lead: at 5, on the held-out
+            runs of ``benchmarks/divergence.py``, 6 of 13 divergent runs are warned in time
+            instead of 12 (``docs/validation.md``). Must be > 0.
         stall_factor: *stall*: on a logging step, the median ``|w_after - w_before| / lr`` over
             a sample of each tensor's entries whose gradient is not zero fell this many times
             below its running level (an EMA of its log over the last logging steps). Adaptive
@@ -103,13 +113,21 @@ class AlarmRules:
             1 turns this condition off.
         history: steps of per-layer norms kept in the host ring buffer that an alarm reports.
         attn_logit_max: *attention* (attention collapse, Wortsman et al. 2023): on a logging
-            step, an attention layer's largest pre-softmax logit
-            (``stability/attn_logit_max``) is above this ... ``None`` turns it off.
-        attn_entropy_min: ... while its most focused head's mean attention entropy
-            (``stability/attn_entropy_min``, nats) is below this ...
+            step, an attention layer's most focused head's mean attention entropy
+            (``stability/attn_entropy_min``, nats) is below ``attn_entropy_min`` while its
+            largest pre-softmax logit (``stability/attn_logit_max``) is above this ...
+            ``None`` turns this bar off.
         attn_min_layers: ... in at least this many attention layers at the same logging step
             (every layer of a model with fewer): one one-hot layer a model routes around.
             Must be >= 1.
+        attn_growth: ... or the logit keeps growing against its own history: at least this
+            many times its value at the logging step before, at each of the last two logging
+            steps, so a collapse is warned while its logits are in the hundreds. ``None`` turns
+            this path off. Must be > 1.
+        attn_logit_min: ... from at least this logit (two logging steps before), while at
+            least ``attn_min_layers`` layers' logits are that large: a sharp head whose logits
+            are still small is not collapsing, nor one a model routes around. Must be > 0.
+        attn_entropy_min: the entropy below which a head is one-hot, for both paths.
         quiet_read: how a quiet step reads the gradients' norms, chosen once per optimizer:
             ``"grouped"`` (default: small gradients of one shape and dtype stacked, the rest by
             one ``torch._foreach_norm``; bit for bit on the CPU) or ``"triton"`` (opt-in: two
@@ -143,11 +161,15 @@ class AlarmRules:
     diverge_span: int = 4
     diverge_early: int = 3
     diverge_overshoot: float = 10.0
+    diverge_patience: int = 1
+    diverge_lost: float = 1.5
     stall_factor: float | None = 100.0
     stall_progress: float = 0.02
     attn_logit_max: float | None = 1e3
     attn_entropy_min: float = 0.1
     attn_min_layers: int = 2
+    attn_growth: float | None = 1.3
+    attn_logit_min: float = 100.0
     quiet_read: str = "grouped"
 
     @property
@@ -175,11 +197,23 @@ class AlarmRules:
             "diverge_giveback": share,
             "diverge_noise": real(low=0.0),
             "attn_entropy_min": positive,
+            "diverge_lost": positive,
+            "attn_logit_min": positive,
             "diverge_overshoot": above_one,
             "stall_progress": share,
-            **dict.fromkeys((*counts, "diverge_span", "diverge_early", "attn_min_layers"), count),
+            **dict.fromkeys(
+                (*counts, "diverge_span", "diverge_early", "diverge_patience", "attn_min_layers"),
+                count,
+            ),
         }
-        factors = ("spike_factor", "explode_factor", "stall_factor", "loss_factor", "diverge_ratio")
+        factors = (
+            "spike_factor",
+            "explode_factor",
+            "stall_factor",
+            "loss_factor",
+            "diverge_ratio",
+            "attn_growth",
+        )
         optional = {
             **dict.fromkeys(factors, above_one),
             "max_grad_norm": positive,

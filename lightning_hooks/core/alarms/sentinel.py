@@ -1,12 +1,15 @@
 """The alarm sentinel, run at every optimizer step (no Lightning): the device posts one
 non-blocking copy of the gradient norms (and of the loss) to host memory; the rules and, when
 one fires, the diagnosis (the layer, the weights, the :class:`NormRing` history) run on the
-host when it is read: no host sync, no kernel on a quiet step.
+host when it is read: no host sync, no kernel on a quiet step. The *attention* rule reads what
+the attention capture measured on a logging step, on the host.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -15,8 +18,8 @@ import torch
 from lightning_hooks.core.alarms.gradients import GradientRules, HostSegments, as_array
 from lightning_hooks.core.alarms.loss import LossRules, StallRule
 from lightning_hooks.core.alarms.messages import (
+    _ADVICE,
     GradientAlarm,
-    attention_alarms,
     gradient_alarm,
     weight_norms,
     with_history,
@@ -32,7 +35,7 @@ from lightning_hooks.core.alarms.rules import (
 )
 from lightning_hooks.core.transport import HostMailbox
 
-__all__ = ["GradientAlarms", "NormRing"]
+__all__ = ["GradientAlarms", "NormRing", "attention_alarms"]
 
 
 class GradientAlarms:
@@ -86,6 +89,7 @@ class GradientAlarms:
         self.log: list[GradientAlarm] = []
         """Every alarm since :meth:`take_epoch`, one per rule and step."""
         self._new: list[GradientAlarm] = []
+        self._logits: dict[str, list[float]] = {}  # the attention logits of the last logging steps
 
     @torch.no_grad()
     def update(
@@ -168,9 +172,13 @@ class GradientAlarms:
         self, logit_max: Mapping[str, float], entropy_min: Mapping[str, float], *, step: int
     ) -> None:
         """*attention* on a logging step's attention statistics (host values, reduced across
-        ranks: every rank reads the same alarms)."""
-        for alarm in attention_alarms(logit_max, entropy_min, step, self.rules):
+        ranks: every rank reads the same alarms), against each layer's logits at the logging
+        steps before."""
+        history = self._logits
+        for alarm in attention_alarms(logit_max, entropy_min, step, self.rules, history):
             self._record(alarm)
+        for layer, peak in logit_max.items():
+            history[layer] = [*history.get(layer, [])[-1:], float(peak)]
 
     @property
     def spike_score(self) -> float:
@@ -298,3 +306,77 @@ class NormRing:
         if tuple(state["ring"].shape) == self.ring.shape:
             self.ring[...] = as_array(state["ring"])
             self.steps = list(state["ring_steps"])
+
+
+def attention_alarms(
+    logit_max: Mapping[str, float],
+    entropy_min: Mapping[str, float],
+    step: int,
+    rules: AlarmRules,
+    history: Mapping[str, Sequence[float]] | None = None,
+) -> list[GradientAlarm]:
+    """*attention*'s alarms at a logging step: the layers whose smallest head entropy (nats)
+    is below ``rules.attn_entropy_min`` (one-hot softmax, vanishing gradient) while their
+    largest pre-softmax logit either is above ``rules.attn_logit_max`` in at least
+    ``rules.attn_min_layers`` layers (every layer, in a model with fewer) or keeps growing:
+    ``rules.attn_growth`` x or more over each of the last two logging steps (``history``: a
+    layer's logits at the logging steps before, oldest first), from at least
+    ``rules.attn_logit_min``, while at least ``rules.attn_min_layers`` layers' logits are that
+    large. A layer without an entropy is judged on its logit.
+
+    Example:
+        >>> rules = AlarmRules()
+        >>> [a.layer for a in attention_alarms({"h.0": 5e4, "h.1": 2e3, "h.2": 20.0},
+        ...                                    {"h.0": 0.01, "h.1": 0.05, "h.2": 0.01}, 99, rules)]
+        ['h.0', 'h.1']
+        >>> attention_alarms({"h.0": 5e4, "h.1": 20.0}, {"h.0": 0.01, "h.1": 2.0}, 99, rules)
+        []
+        >>> grown = {"h.0": [150.0, 300.0], "h.1": [300.0, 400.0]}
+        >>> [a.layer for a in attention_alarms({"h.0": 500.0, "h.1": 450.0}, {"h.0": 0.02,
+        ...     "h.1": 0.5}, 149, rules, grown)]
+        ['h.0']
+        >>> attention_alarms({"h.0": 500.0, "h.1": 45.0}, {"h.0": 0.02, "h.1": 0.5}, 149, rules,
+        ...                  grown)
+        []
+    """
+    limit, floor, growth = rules.attn_logit_max, rules.attn_entropy_min, rules.attn_growth
+    focused = {
+        layer: (peak, entropy)
+        for layer, peak in logit_max.items()
+        if not (entropy := entropy_min.get(layer, math.nan)) >= floor
+    }
+    high = [
+        layer for layer, (peak, _) in focused.items() if limit is not None and not peak <= limit
+    ]
+    if len(high) < min(rules.attn_min_layers, len(logit_max)):
+        high = []
+    growing = [
+        layer
+        for layer, (peak, _) in focused.items()
+        if growth is not None
+        and len(past := [*(history or {}).get(layer, ())[-2:], peak]) == 3
+        and past[0] >= rules.attn_logit_min
+        and all(b >= growth * a for a, b in pairwise(past))
+    ]
+    large = sum(not peak < rules.attn_logit_min for peak in logit_max.values())
+    if large < min(rules.attn_min_layers, len(logit_max)):
+        growing = []
+    alarms, history = [], history or {}
+    for layer, (peak, entropy) in focused.items():
+        if layer not in high and layer not in growing:
+            continue
+        why = (
+            f"is {peak:.4g} (attn_logit_max={limit:g})"
+            if layer in high
+            else f"grew from {history[layer][-2]:.4g} to {peak:.4g} over the last two logging "
+            f"steps (attn_growth={growth:g} per logging step, from attn_logit_min="
+            f"{rules.attn_logit_min:g})"
+        )
+        text = (
+            f"attention collapse at optimizer step {step} in {layer!r}: its largest attention "
+            f"logit {why} and its most focused head's entropy is {entropy:.3g} nats "
+            f"(attn_entropy_min={floor:g}): the softmax is one-hot and its gradient vanishes "
+            f"(Wortsman et al. 2023, arXiv 2309.14322). Fixes that work: {_ADVICE['attention']}"
+        )
+        alarms.append(GradientAlarm("attention", layer, step, peak, limit or math.nan, text))
+    return alarms
