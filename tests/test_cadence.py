@@ -1,4 +1,4 @@
-"""Cadence: every callback with ``every_n_steps`` logs what every step of the sampled batches gives.
+"""Cadence: every callback with ``every_n_steps`` logs, at each logging step, what that step gives.
 
 With a learning rate of 0 the weights never change, so a step's statistics depend on its batch
 only: a run sampling steps 0 and 2 of 4 must log exactly what a run measuring every step logs on

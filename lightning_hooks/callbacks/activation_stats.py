@@ -29,8 +29,9 @@ class ActivationStatsCallback(StatsCallback):
     r"""Per-layer statistics of every selected module's output, over each epoch's training data.
 
     A forward hook on each selected module measures, without a host sync, every floating tensor
-    of its output in the sampled steps' training forwards, pooling every element of the epoch's
-    sampled batches. Each sampled step logs every scalar under ``activations/{stat}_step/...``.
+    of its output in the logging steps' training forwards, pooling every element of those
+    batches in the epoch. Each logging step logs every scalar under
+    ``activations/{stat}_step/...``.
 
     Logged metrics (``{layer}`` is the module's qualified name; a tuple / list / dict output adds
     ``.{index}`` or ``.{key}``, e.g. ``lstm.0``):

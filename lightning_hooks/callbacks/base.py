@@ -1,5 +1,5 @@
 """The base of every callback: the lifecycle (checks, hooks attached and removed, checkpoints,
-the guard), the cadence (sampled and logging steps) and the writing (one save of the loggers per
+the guard), the cadence (logging steps) and the writing (one save of the loggers per
 hook round). A quiet step runs only this module's hooks: a subclass's part is set at ``_attach``.
 """
 
@@ -67,9 +67,9 @@ class HookCallback(pl.Callback, _SecondCallback):
     _sampled_step: int | None = None
     _posted = False  # a logging step's windows were posted, and may not all be written yet
     _batch_step = 0  # the optimizer step the running batch feeds
-    _sampled_batch = False  # the running batch belongs to a sampled step
+    _sampled_batch = False  # the running batch belongs to a logging step
     # Set by ``_attach``, so that a quiet batch calls no method of a subclass:
-    _every_batch = False  # ``_batch_ending`` on every batch, not only the sampled ones
+    _every_batch = False  # ``_batch_ending`` on every batch, not only the logging steps' ones
     _own_loss: Any = None  # the alarms fed this rank's loss at each batch end
     _on_optimizer_step: Any = None  # more work at each ``on_before_optimizer_step``
 
@@ -149,7 +149,7 @@ class HookCallback(pl.Callback, _SecondCallback):
         sampled = (step + 1) % cadence == 0 or step == self._epoch_start_step
         if sampled and self._tracker is not None:
             self._sampled_step = step
-        gate = getattr(self._tracker, "registry", None)  # the sampled gate of the module hooks
+        gate = getattr(self._tracker, "registry", None)  # the logging-step gate of the module hooks
         if gate is not None and gate.sampled != sampled:  # a quiet step reads it, sets nothing
             gate.sampled = sampled
         if trainer in _UNSAVED and _last_of_ours(self, trainer, live=True):
@@ -171,7 +171,7 @@ class HookCallback(pl.Callback, _SecondCallback):
                 if found := alarms.poll():
                     self.policy.act(trainer, None, found)
         measured = self._sampled_step
-        # The sampled step's optimizer step ran (its last micro-batch): a logging step.
+        # The logging step's optimizer step ran (its last micro-batch): write it.
         if measured is not None and trainer.global_step > measured:
             self._sampled_step = None
             if agree_ranks(self, trainer, measured, always=False):
@@ -251,7 +251,7 @@ class HookCallback(pl.Callback, _SecondCallback):
             self.__dict__.pop(bound, None)
 
     # Extend: ``_attach``, ``_log_epoch``; ``_validate`` (the model); ``_batch_started`` /
-    # ``_batch_ending`` (a sampled step's batch; ``True``: disabled); a logging step's window
+    # ``_batch_ending`` (a logging step's batch; ``True``: disabled); a logging step's window
     # posted (``_log_step``), written (``_write_steps``: whether any was; ``wait``: block) or in
     # flight; ``_save_state`` / ``_load_state`` (ValueError if foreign); more flags the ranks
     # agree on (``_agreement_flags``) and the act on their counts (``_agreed``: whether disabled).

@@ -22,14 +22,14 @@ _NAME = "DeadReLUCallback"
 
 
 class DeadReLUCallback(StatsCallback):
-    r"""Dead units per activation layer: units that never fired on a sampled batch of an epoch.
+    r"""Dead units per activation layer: units that never fired on a logging step in an epoch.
 
     A unit is a channel of a conv output ``[N, C, ...]`` or a feature of a linear output
     ``[N, ..., F]``; it fires when its output is ``> 0`` (for ``pre_activation`` layers, feeding
     ``F.relu``, the layer's output is read), and is dead if it never fired in the epoch.
 
     Logged metrics (``{layer}`` is the watched module's qualified name), at each epoch end; each
-    sampled step also logs ``dead_relu/zero_fraction_step/{layer}`` (a unit is dead over an
+    logging step also logs ``dead_relu/zero_fraction_step/{layer}`` (a unit is dead over an
     epoch, not a step).
 
     ======================================  ===================================================
@@ -55,7 +55,7 @@ class DeadReLUCallback(StatsCallback):
             any dead unit); ``None``: no warning.
         every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``; 1: every step); a unit is dead if it
-            fired on no sampled batch.
+            fired on no logging step's batch.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -113,7 +113,7 @@ class DeadReLUCallback(StatsCallback):
             if dead > 0 and share >= warn_at and self.warned.first(layer):
                 rank_zero_warn(
                     f"{_NAME}: layer '{layer}' has {dead} of {units} units dead in epoch {epoch} "
-                    f"(never fired on a sampled training batch; dead fraction {share:.3g} >= "
+                    f"(never fired on a logging step's batch; dead fraction {share:.3g} >= "
                     f"warn_at {warn_at:g})",
                     category=LightningHooksWarning,
                 )

@@ -36,7 +36,7 @@ class GradFlowCallback(HookCallback):
     r"""Per-layer gradient flow (the applied gradient, weights, updates) and early-warning alarms
     on every optimizer step.
 
-    A *layer* is a module owning trainable parameters directly. Each sampled optimizer step
+    A *layer* is a module owning trainable parameters directly. Each logging step
     measures, without a host sync, the gradient the optimizer applies (accumulated, all-reduced,
     unscaled, clipped), the weights, the update and the gradient of each layer's output, and logs
     all but the ``*_max`` statistics under ``grad_flow/{stat}_step/...`` and
@@ -45,7 +45,7 @@ class GradFlowCallback(HookCallback):
     Logged metrics (``{layer}`` is the module's qualified name, e.g. ``encoder.0``):
 
     ==========================================  ================================================
-    Tag                                         Value, over the epoch's sampled optimizer steps
+    Tag                                         Value, over the epoch's logging steps
     ==========================================  ================================================
     ``grad_flow/grad_norm/{layer}``             L2 norm of the gradient applied, mean
     ``grad_flow/grad_norm_max/{layer}``         the same, max
@@ -102,7 +102,7 @@ class GradFlowCallback(HookCallback):
         chart: log the gradient-flow chart image each epoch.
         max_layers_logged: per-layer tags for at most this many layers per epoch (``None``: all).
         histograms: log a histogram of ``log10 |g|`` per layer each epoch (one more pass over
-            the gradients per sampled step).
+            the gradients per logging step).
         heatmap: log an image of the gradient norm per layer and epoch each epoch.
         alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
         on_alarm: ``"warn"``, ``"stop"``, ``"raise"`` or ``"skip"`` for every rule, or a mapping
@@ -112,7 +112,7 @@ class GradFlowCallback(HookCallback):
         every_n_steps: measure on optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``); the alarms run on every step.
         stability: log the instability statistics ``stability/...``
-            (:class:`~lightning_hooks.core.stats.stability.StabilityStats`) on the sampled steps,
+            (:class:`~lightning_hooks.core.stats.stability.StabilityStats`) on the logging steps,
             whatever ``types``, ``include`` and ``exclude`` select. The output layer is the last
             module owning parameters whose output is a floating tensor, in forward order.
 
@@ -181,7 +181,7 @@ class GradFlowCallback(HookCallback):
                 f"of {', '.join(repr(n) for n in unstepped)}; these layers are not measured.",
                 category=LightningHooksWarning,
             )
-        if self.stability:  # on the tracker's registry: one sampled gate, removed with it
+        if self.stability:  # on the tracker's registry: one logging-step gate, removed with it
             self._stability = StabilityStats().attach(pl_module, self._tracker.registry)
         if self.histograms:
             layout = self._tracker.layout

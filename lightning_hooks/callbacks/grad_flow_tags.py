@@ -77,7 +77,7 @@ def _epoch_scalars(stats: LayerTable, max_layers: int | None = None) -> Iterator
             yield from _percentiles(suffix, column[:last][counts[:last] > 0])
 
 
-# A logging step's window is one sampled step: its max is its mean, logged once.
+# A logging step's window is one logging step: its max is its mean, logged once.
 _EPOCH_ONLY = frozenset({"grad_norm_max", "update_ratio_max", "output_grad_norm_max"})
 
 
@@ -251,7 +251,7 @@ def write_epoch(callback: GradFlowCallback, trainer: pl.Trainer) -> None:
 
 
 def _write_stability(trainer: pl.Trainer, stability: StabilityStats | None) -> None:
-    """Log the instability statistics of the sampled steps so far, then start afresh."""
+    """Log the instability statistics of the logging steps so far, then start afresh."""
     if stability is not None:
         result = stability.result()  # a collective: every rank calls it
         stability.reset()

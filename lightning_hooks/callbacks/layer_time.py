@@ -1,4 +1,4 @@
-"""``LayerTimeCallback``: forward time per layer on sampled steps, and its share of the step."""
+"""``LayerTimeCallback``: forward time per layer on logging steps, and its share of the step."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ _NAME = "LayerTimeCallback"
 
 
 class LayerTimeCallback(StatsCallback):
-    r"""Forward time of every layer on sampled training steps, as ms and as a share of the step.
+    r"""Forward time of every layer on logging steps, as ms and as a share of the step.
 
-    On the sampled steps, hooks before and after each layer's forward mark its start and end
-    (``time.perf_counter`` on the CPU; CUDA events, read at the next sampled step, on a GPU); the
+    On the logging steps, hooks before and after each layer's forward mark its start and end
+    (``time.perf_counter`` on the CPU; CUDA events, read at the next logging step, on a GPU); the
     step is timed from batch start to batch end. A *layer* is a leaf module, so the shares sum to
     at most 1. Backward time is not measured. Under DDP the times are means over ranks.
 
-    Logged metrics, per epoch, means over the epoch's sampled steps; each sampled step also logs
+    Logged metrics, per epoch, means over the epoch's logging steps; each logging step also logs
     the same tags with ``_step`` after the statistic (``layer_time/step_ms_step``):
 
     =================================  ========================================================

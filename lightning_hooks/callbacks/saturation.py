@@ -40,12 +40,12 @@ class SaturationCallback(StatsCallback):
     r"""Saturated outputs of every bounded activation, and units saturated all epoch long.
 
     A forward hook on every ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6``
-    included) and ``Hardsigmoid`` module counts the sampled outputs in the flat region
+    included) and ``Hardsigmoid`` module counts the logging steps' outputs in the flat region
     (:func:`~lightning_hooks.core.saturation_mask`), and marks per *unit* (index along
     ``unit_dim``) whether any output was unsaturated. One ``LightningHooksWarning`` names a layer
     the first epoch its always-saturated fraction is ``>= warn_at``; repeats are summed at the end.
 
-    Logged metrics, per epoch (``{layer}``: the module's qualified name); each sampled step also
+    Logged metrics, per epoch (``{layer}``: the module's qualified name); each logging step also
     logs the same tags with ``_step`` after the statistic, but ``always_saturated_fraction``:
 
     ================================================  ==========================================

@@ -68,7 +68,7 @@ class OncePerLayer:
 
 
 class _Attached:
-    """The statistics of one fit and the one registry (and sampled gate) they share."""
+    """The statistics of one fit and the one registry (and logging-step gate) they share."""
 
     def __init__(self, registry: HookRegistry, stats: tuple[LayerStat[Any], ...]) -> None:
         self.registry = registry
@@ -81,7 +81,7 @@ class _Attached:
 class StatsCallback(HookCallback):
     """Hooks each statistic on the model, logs its tags every epoch, carries it in checkpoints.
 
-    Hooks run in the sampled steps' training forwards. At each logging step the states measured
+    Hooks run in the logging steps' training forwards. At each logging step the states measured
     since the last one (the *window*) are reduced across ranks, copied to the host without
     blocking and logged under :meth:`LayerStat.step_values`; each epoch end logs
     :meth:`LayerStat.tags`. Checkpoints hold the reduced states, so a resumed fit logs alike.

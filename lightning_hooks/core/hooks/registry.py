@@ -1,5 +1,5 @@
 """The hook registry: the one owner of every hook handle the library creates, and its gated
-hooks, put on their modules only for sampled steps and run outside the attention capture's
+hooks, put on their modules only for logging steps and run outside the attention capture's
 torch-function mode (:func:`outside_shelved`)."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def outside_shelved(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class Gated(NamedTuple):
-    """A module hook put on its module for each sampled step (:meth:`HookRegistry.gated_hook`)
+    """A module hook put on its module for each logging step (:meth:`HookRegistry.gated_hook`)
     under an id reserved once: no ``RemovableHandle`` per step (it costs more than the hook's
     call). The hook dicts are looked up at each :meth:`install` (``__setstate__`` replaces them)."""
 
@@ -115,7 +115,7 @@ class Gated(NamedTuple):
 
 class GatedHandle(RemovableHandle):
     """The handle of an installed :class:`Gated` hook: :meth:`remove` takes it off until its
-    registry installs it again on the next sampled step (unless the registry was removed)."""
+    registry installs it again on the next logging step (unless the registry was removed)."""
 
     def __init__(self, gated: Gated) -> None:
         self.gated = gated
@@ -230,7 +230,7 @@ class HookRegistry(HookOwner):
             for gated in self._gated_hooks:
                 gated.install()
             return
-        # The first quiet step after a sampled one: inline, no frame of ours per hook.
+        # The first quiet step after a logging step: inline, no frame of ours per hook.
         for module, table, flags, key, *_ in self._gated_hooks:
             getattr(module, table).pop(key, None)
             for flag in flags:
@@ -240,7 +240,7 @@ class HookRegistry(HookOwner):
         self, module: nn.Module, hook: Callable[..., Any], *, pre: bool, **options: bool
     ) -> RemovableHandle | None:
         """A module hook (``pre``: a forward pre-hook), already guarded and gated, that runs
-        only on sampled steps, with ``register_forward_(pre_)hook``'s ``options``. Returns the
+        only on logging steps, with ``register_forward_(pre_)hook``'s ``options``. Returns the
         handle while it is installed, else ``None``."""
         key = RemovableHandle.next_id  # an id no handle takes
         RemovableHandle.next_id += 1
@@ -319,7 +319,7 @@ class HookRegistry(HookOwner):
     def forward_hook(
         self, module: nn.Module, hook: ForwardHook, *, gated: bool = False
     ) -> RemovableHandle | None:
-        """``module.register_forward_hook(hook)``, owned and guarded; ``gated``: only on sampled
+        """``module.register_forward_hook(hook)``, owned and guarded; ``gated``: only on logging
         steps. ``None`` for a module that runs no Python hooks (``torch.jit``)."""
         return self._forward(module, hook, gated, pre=False) if self.hookable(module) else None
 
