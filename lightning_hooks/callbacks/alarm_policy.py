@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 
-from lightning_hooks.core.alarms import AlarmRules, GradientAlarm, GradientAlarms
+from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, GradientAlarm, GradientAlarms
 from lightning_hooks.core.transport import (
     HostMailbox,
     agree,
@@ -28,18 +28,9 @@ __all__ = ["AlarmPolicy", "LossAgreement", "agree_ranks", "disable", "settle"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
-# amp_overflow: the GradScaler already acts, so it is counted, never acted on.
-_ACTIONABLE = (
-    "spike",
-    "explosion",
-    "absolute",
-    "vanishing",
-    "nonfinite",
-    "loss_spike",
-    "diverging",
-    "stall",
-    "attention",
-)
+# amp_overflow: the GradScaler already acts, so it is counted, never acted on; a transient is
+# only logged.
+_ACTIONABLE = tuple(rule for rule in ALARM_RULES if rule not in ("amp_overflow", "transient"))
 # skipping steps cures none of these
 _NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")
 # Healthy runs show one-step spikes and stalls too (benchmarks/divergence.py): under "warn" they
@@ -267,22 +258,12 @@ class LossAgreement:
         self._carrier = HostMailbox((_CARRIED,), group_device())
 
     def observe(
-        self,
-        trainer: pl.Trainer,
-        alarms: GradientAlarms,
-        outputs: Any,
-        step: int,
-        *,
-        failed: bool,
+        self, trainer: pl.Trainer, alarms: GradientAlarms, outputs: Any, step: int, *, failed: bool
     ) -> list[int] | None:
-        """Under the ``"mean"`` reading, post ``training_step``'s loss to its ``all_reduce``, which
-        also carries this rank's ``failed`` and stop request (under ``"own"`` the callback's base
-        feeds the rules this rank's loss itself).
-
-        The sums are read from the host copy without blocking on this batch's (CPU: at once,
-        CUDA: next batch). Returns ``[ranks failed, ranks stopping]`` once read, else ``None``;
-        every rank reads it at the same batch, before the rules run (which may raise).
-        """
+        """Under the ``"mean"`` reading, post ``training_step``'s loss to its ``all_reduce``, with
+        this rank's ``failed`` and stop request. Returns ``[ranks failed, ranks stopping]`` once
+        the host copy is read (CPU: at once, CUDA: next batch, on every rank alike), else
+        ``None``."""
         if self.reading != "mean":
             return None
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs

@@ -170,14 +170,11 @@ class GradientRules:
         self.scale = RunningScale(rows, rules)
         self.low = np.zeros(rows, dtype=np.int64)
         """Per layer, the consecutive tiny steps (*vanishing*)."""
-        self._is_layer = np.ones(rows, dtype=bool)
-        self._is_layer[-1] = False
+        self._is_layer = np.arange(rows) < rows - 1
         self._false = np.zeros(rows, dtype=bool)
         self._true = np.ones(rows, dtype=bool)  # every row stepped (:meth:`read`'s, by identity)
         self._rows: tuple[object, np.ndarray | None] = (None, None)
-        self._factors = [rules.spike_factor or math.inf]
-        if rules.explode_factor is not None:
-            self._factors.append(rules.explode_factor)
+        self._factors = [rules.spike_factor or math.inf, *filter(None, [rules.explode_factor])]
         self.quiet = np.zeros((_FLOOR + 1, rows), dtype=np.float32)  # no flag ever set in it
         """The report of a step on which no rule fired (:meth:`_quiet_report`), reused."""
         logs = [np.float32(math.log(f)) for f in self._factors]
@@ -243,10 +240,8 @@ class GradientRules:
         return np.stack([*flags, norm, scale, bands[0], floor]).astype(np.float32, copy=False)
 
     def _quiet_report(self, norm: np.ndarray, log_norm: np.ndarray) -> np.ndarray | None:
-        """The report of a step on which no rule can fire, the state updated as
-        :meth:`evaluate` would, in half its numpy calls; else ``None``. No rule fires when each
-        norm is finite and at most every ceiling (clipping only lowers a norm) and each layer's
-        is above the *vanishing* floor."""
+        """:meth:`evaluate`'s report and state, in half its numpy calls, of a step where no rule
+        can fire (clipping only lowers a norm); else ``None``."""
         report, scale = self.quiet, self.scale
         # the lowest ceiling, mean + max(spread, log of the lowest factor): exactly the least
         # of the factors' ceilings (adding the mean rounds monotonically)
@@ -272,10 +267,8 @@ class GradientRules:
     def _explosion(
         self, log_norm: np.ndarray, clip: float | None, keep: np.ndarray, ceiling: np.ndarray
     ) -> np.ndarray:
-        """*explosion*: rows whose gradient as the optimizer applies it (after clipping the
-        global norm to ``clip``) is above ``ceiling`` (log of ``explode_factor`` x the running
-        scale), on a step whose global row is too or is out of the rules (a subset's optimizer):
-        one layer alone jumps in healthy runs (an embedding meeting rare tokens)."""
+        """*explosion*: rows above ``ceiling`` once clipped, when the global row is too (or is out
+        of the rules): one layer alone jumps in healthy runs (an embedding meeting rare tokens)."""
         if self.rules.explode_factor is None:
             return self._false
         if clip is not None:  # every row scales by min(1, clip / global norm)

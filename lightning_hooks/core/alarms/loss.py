@@ -8,17 +8,13 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from lightning_hooks.core.alarms.gradients import RunningScale, as_array
-from lightning_hooks.core.alarms.messages import (
-    GradientAlarm,
-    loss_alarms,
-    stall_alarm,
-)
+from lightning_hooks.core.alarms.messages import GradientAlarm, loss_alarms, stall_alarm
 from lightning_hooks.core.alarms.rules import (
     _L_BEST,
     _L_DEV,
@@ -70,17 +66,6 @@ def _lerp32(start: float, end: float, weight: float) -> float:
     return _f32(start + _f32(w * d)) if w < 0.5 else _f32(end - _f32(d * _f32(1.0 - w)))
 
 
-class _Constants(NamedTuple):
-    """*diverging*'s constants, each rounded to ``float32`` once."""
-
-    mean: float  # the running mean's weight
-    bar: float  # diverge_ratio - 1
-    early: float  # diverge_overshoot - 1
-    learnt: float  # the share of what was learnt that the noise bar gives up
-    noise: float
-    giveback: float
-
-
 class LossRules:
     """*loss_spike* and *diverging* on one training loss per step, evaluated on the host when
     its non-blocking copy is read. The report's last four entries are *diverging*'s state
@@ -108,7 +93,7 @@ class LossRules:
         ratio = rules.diverge_ratio if rules.diverge_ratio is not None else math.nan
         bars = (2.0 / (rules.diverge_span + 1), ratio - 1.0, rules.diverge_overshoot - 1.0)
         shares = (1.0 / _LEARNT_NOISE, rules.diverge_noise, rules.diverge_giveback)
-        self._k = _Constants(*map(_f32, bars + shares))
+        self._k = tuple(map(_f32, bars + shares))  # *diverging*'s, rounded to float32 once
 
     def update(self, loss: torch.Tensor, step: int) -> None:
         """Post ``loss`` (a copy, no sync); :meth:`read` evaluates it."""
@@ -131,10 +116,7 @@ class LossRules:
         return (step, alarms) if alarms else None
 
     def _judge(self, report: np.ndarray, step: int) -> tuple[bool, list[float] | None]:
-        """Whether *diverging* warns at ``step``, and the rise that ended as a transient. Its
-        margin fires (>= 0, or NaN: a non-finite loss, which warns at once); a rise warns once
-        it has held ``diverge_patience`` losses, or its running mean is above ``diverge_lost``
-        x the first loss; one that ends before either was a transient."""
+        """Whether *diverging* warns at ``step``, and the rise that ended as a transient, if any."""
         if self.rules.diverge_ratio is None:
             return False, None
         margin, rise = report[_L_DIVERGING], self.rise
@@ -177,22 +159,25 @@ class LossRules:
         """*diverging*'s state updated in place and its margin (``>= 0`` or NaN: it fires):
         ``min(rise - noise_bar - (ratio - 1) |best|, rise - giveback * learnt)``, in
         ``float32`` arithmetic done on Python floats (:func:`_f32`)."""
-        rules, r, k = self.rules, self.report, self._k
+        rules, r = self.rules, self.report
+        # the running mean's weight, the bars (ratio - 1, overshoot - 1), the share of what was
+        # learnt that the noise bar gives up, the noise and giveback shares
+        k_mean, k_bar, k_early, k_learnt, k_noise, k_giveback = self._k
         mean, dev, best, first = self.state.tolist()
         # a non-finite loss moves nothing (its deviation counts as 0) and fires through margin
         delta = _f32(x - mean)
         delta = delta if math.isfinite(delta) else 0.0
-        mean = _f32(mean + _f32(k.mean * delta))
+        mean = _f32(mean + _f32(k_mean * delta))
         best = min(best, mean)  # both finite
         rise, learnt = _f32(mean - best), _f32(first - best)  # learnt >= 0: best never rises
         # the first losses are held to the overshoot bar
         early = self.adaptive and self.seen < rules.diverge_early
-        ratio = _f32(rise - _f32((k.early if early else k.bar) * abs(best)))
+        ratio = _f32(rise - _f32((k_early if early else k_bar) * abs(best)))
         if self.seen >= rules.min_history:
             # armed after ``min_history`` losses: the first deviations are a blow-up's own
-            noise = max(_f32(dev - _f32(k.learnt * learnt)), 0.0)
-            ratio = _f32(ratio - _f32(k.noise * noise))
-        giveback = _f32(rise - _f32(k.giveback * learnt))
+            noise = max(_f32(dev - _f32(k_learnt * learnt)), 0.0)
+            ratio = _f32(ratio - _f32(k_noise * noise))
+        giveback = _f32(rise - _f32(k_giveback * learnt))
         r[_L_DIVERGING] = min(ratio, giveback) + x * 0.0  # NaN when the loss is not finite
         # the deviation after the check: a blow-up's own step does not raise its bar
         weight = max(2.0 / (2 * rules.diverge_span + 1), 1.0 / self.seen)

@@ -10,29 +10,8 @@ from itertools import chain
 
 import numpy as np
 
-from lightning_hooks.core.alarms.rules import (
-    _ABSOLUTE,
-    _EXPLOSION,
-    _FLOOR,
-    _L_BEST,
-    _L_DEV,
-    _L_FIRST,
-    _L_MEAN,
-    _L_SCALE,
-    _L_SPIKE,
-    _L_VALUE,
-    _NONFINITE,
-    _NORM,
-    _S_BEFORE,
-    _S_PROGRESS,
-    _S_VALUE,
-    _SCALE,
-    _SPIKE,
-    _VANISHING,
-    ALARM_RULES,
-    AlarmRules,
-    WeightNorms,
-)
+from lightning_hooks.core.alarms import rules as layout
+from lightning_hooks.core.alarms.rules import ALARM_RULES, AlarmRules, WeightNorms
 
 __all__ = [
     "GradientAlarm",
@@ -127,17 +106,17 @@ def gradient_alarm(
     """The alarm of gradient rule ``index`` at the rows ``hit`` of ``report``; ``at``: the step,
     the backward order and the clip."""
     step, order, clip = at
-    norm = report[_NORM]
+    norm = report[layout._NORM]
     ref = {
-        _SPIKE: report[_SCALE],
-        _EXPLOSION: report[_SCALE],
-        _ABSOLUTE: np.full_like(norm, rules.max_grad_norm or math.nan),
-        _VANISHING: report[_FLOOR],
+        layout._SPIKE: report[layout._SCALE],
+        layout._EXPLOSION: report[layout._SCALE],
+        layout._ABSOLUTE: np.full_like(norm, rules.max_grad_norm or math.nan),
+        layout._VANISHING: report[layout._FLOOR],
     }.get(index, weight if weight is not None else np.full_like(norm, -1.0))
     row = int(_culprit(index, hit, norm, ref, order, len(layers) - 1))
     layer, value, reference = layers[row], float(norm[row]), float(ref[row])
     others = tuple(layers[i] for i in hit if i != row)
-    if index == _EXPLOSION:
+    if index == layout._EXPLOSION:
         text = _explosion_text(layer, step, value, reference, report, clip, rules)
     else:
         text = _describe(ALARM_RULES[index], layer, step, value, reference, rules)
@@ -148,7 +127,7 @@ def gradient_alarm(
 
 def stall_alarm(report: np.ndarray, step: int, rules: AlarmRules) -> GradientAlarm:
     """*stall*'s alarm from its report (the update per unit of LR and its level, as logs)."""
-    value, level = math.exp(report[_S_VALUE]), math.exp(report[_S_BEFORE])
+    value, level = math.exp(report[layout._S_VALUE]), math.exp(report[layout._S_BEFORE])
     text = (
         f"learning stalled at optimizer step {step}: the typical update per unit of "
         f"learning rate (median |w_after - w_before| / lr) is {value:.4g}, "
@@ -156,10 +135,10 @@ def stall_alarm(report: np.ndarray, step: int, rules: AlarmRules) -> GradientAla
         f"{rules.stall_factor}): the optimizer barely moves the weights while the "
         "learning rate says it should"
     )
-    if math.isfinite(report[_S_PROGRESS]) and rules.stall_progress < 1.0:
+    if math.isfinite(report[layout._S_PROGRESS]) and rules.stall_progress < 1.0:
         text += (
             f", and the loss has stopped learning (its best improved by "
-            f"{max(report[_S_PROGRESS], 0.0):.1%} of what the run had learnt since the last "
+            f"{max(report[layout._S_PROGRESS], 0.0):.1%} of what the run had learnt since the last "
             "logging step)"
         )
     return GradientAlarm("stall", "global", step, value, level, text)
@@ -178,7 +157,7 @@ def _culprit(
     index: int, hit: np.ndarray, norm: np.ndarray, ref: np.ndarray, order: Sequence[int], last: int
 ) -> int:
     """The row an alarm names among the flagged rows ``hit`` (``last`` is the global row)."""
-    if index == _NONFINITE:
+    if index == layout._NONFINITE:
         # ref: weight norms, -1 where not read (no attribution pass, or not stepped)
         broken = [i for i in range(last) if not math.isfinite(ref[i])]
         if broken:
@@ -193,7 +172,7 @@ def _culprit(
         ratio = norm[layers] / ref[layers]
     if not np.isfinite(ratio).any():
         return int(layers[0])
-    return int(layers[(np.nanargmin if index == _VANISHING else np.nanargmax)(ratio)])
+    return int(layers[(np.nanargmin if index == layout._VANISHING else np.nanargmax)(ratio)])
 
 
 def with_history(
@@ -229,9 +208,8 @@ def with_history(
 def _first_departure(
     norms: np.ndarray, scales: np.ndarray, band: np.ndarray
 ) -> tuple[int, int] | None:
-    """``(step index, layer row)`` of the first step a layer left its running scale by more
-    than the spike band (or went non-finite), the largest departure of that step; else
-    ``None``."""
+    """``(step index, layer row)`` of the largest departure beyond the spike band (or to a
+    non-finite norm) at the first step a layer left its running scale; else ``None``."""
     with np.errstate(divide="ignore", invalid="ignore"):
         size = np.abs(np.log(np.abs(norms / scales)))
     size[np.isnan(norms) | np.isnan(scales)] = np.nan  # not stepped, or not armed yet
@@ -254,10 +232,10 @@ def loss_alarms(
 ) -> list[GradientAlarm]:
     """*loss_spike*'s and, when ``diverging`` fired, *diverging*'s alarms from the loss report
     of ``step``."""
-    value = float(report[_L_VALUE])
+    value = float(report[layout._L_VALUE])
     alarms = []
-    if report[_L_SPIKE] > 0:
-        ref = float(report[_L_SCALE])
+    if report[layout._L_SPIKE] > 0:
+        ref = float(report[layout._L_SCALE])
         text = (
             f"loss spike at optimizer step {step}: loss {value:.4g} is {value / ref:.3g}x its "
             f"running scale {ref:.4g} (loss_factor={rules.loss_factor}, "
@@ -270,7 +248,7 @@ def loss_alarms(
 
 
 def _diverging(step: int, value: float, report: np.ndarray, rules: AlarmRules) -> GradientAlarm:
-    mean, best, first = (float(report[i]) for i in (_L_MEAN, _L_BEST, _L_FIRST))
+    mean, dev, best, first = report[layout._L_MEAN :].tolist()
     if not math.isfinite(value):
         text = f"loss diverging at optimizer step {step}: the loss is {value}"
         return GradientAlarm("diverging", "loss", step, value, best, text)
@@ -281,7 +259,7 @@ def _diverging(step: int, value: float, report: np.ndarray, rules: AlarmRules) -
         f"{value:.4g}) is {_ratio(mean / best) if best > 0 else f'+{mean - best:.4g} over'} "
         f"its best {best:.4g} and has given back {given} of what it had learnt since the first "
         f"step's {first:.4g}, beyond the loss's own swings (mean absolute deviation "
-        f"{float(report[_L_DEV]):.3g}) (diverge_ratio={rules.diverge_ratio}, "
+        f"{dev:.3g}) (diverge_ratio={rules.diverge_ratio}, "
         f"diverge_giveback={rules.diverge_giveback}, diverge_noise={rules.diverge_noise}, "
         f"diverge_span={rules.diverge_span})"
     )
@@ -328,7 +306,7 @@ def _explosion_text(
 ) -> str:
     """*explosion*'s message: the size, what the optimizer applies, and advice with a clip
     value read from the global row's running scale."""
-    global_norm, global_scale = float(report[_NORM, -1]), float(report[_SCALE, -1])
+    global_norm, global_scale = float(report[layout._NORM, -1]), float(report[layout._SCALE, -1])
     shrink = 1.0 if clip is None or global_norm <= clip else clip / global_norm
     applied = (
         "reaches the optimizer unclipped"

@@ -53,86 +53,71 @@ WeightNorms = Callable[[], torch.Tensor]
 class AlarmRules:
     """Which alarm rules are on, and their thresholds (defaults from ``benchmarks/alarms.py``).
 
+    A factor or bar set to ``None`` turns its rule (or path) off.
+
     Args:
         spike_factor: *spike*: a layer's (or the global) gradient norm exceeds this many times its
             running scale (``exp`` of the EMA of its log-norm) and ``spike_sigmas`` spreads of
-            the log-norm above it. ``None`` turns it off. Must be > 1.
+            the log-norm above it. Must be > 1.
         spike_sigmas: running standard deviations of the log-norm (or loss) a spike must also
-            clear above the running mean (noisy rows need more).
+            clear above the running mean.
         explode_factor: *explosion*: the gradient the optimizer applies (after the clip, when
             the caller gives it), globally and for the layer named, exceeds this many times its
-            running scale (and ``spike_sigmas`` spreads): enough to wreck SGD's weights or poison
-            Adam's second moment. Warned under ``on_alarm="warn"`` (a smaller spike is only
-            logged). ``None`` turns it off. Must be > 1.
+            running scale (and ``spike_sigmas`` spreads). Warned under ``on_alarm="warn"``,
+            where a smaller spike is only logged. Must be > 1.
         window: span, in evaluated steps, of the running scale: EMA weight
             ``2 / (window + 1)`` (the exact mean and variance over the first steps).
         min_history: finite steps a row needs before the spike rules arm (and losses before
             *diverging*'s noise bar arms).
         max_grad_norm: *absolute*: the global gradient norm exceeds this value (off by default).
-        vanish_fraction: *vanishing*: a layer's gradient norm is exactly zero, or below this
-            fraction of the median norm of the layers whose gradient is not zero ... ``None``
-            turns it off.
+        vanish_fraction: *vanishing*: a layer's gradient norm is zero, or below this fraction
+            of the median norm of the layers whose gradient is not zero ...
         vanish_steps: ... for this many consecutive evaluated steps (fires once per such run).
-        nonfinite: *nonfinite*: a NaN/Inf gradient norm (a NaN/Inf entry, or a norm beyond the
-            gradient's dtype), naming the layer where it entered.
+        nonfinite: *nonfinite*: a NaN/Inf gradient norm, naming the layer where it entered.
         every_n_steps: evaluate the rules on optimizer steps ``0, n, 2n, ...`` (1: every step).
         loss_factor: *loss_spike*: the training loss exceeds this many times its running scale
-            (and ``spike_sigmas`` spreads above it); ``None`` (default) turns it off.
+            (and ``spike_sigmas`` spreads above it); off by default.
         diverge_ratio: *diverging*: the running mean of the training loss (an EMA over
             ``diverge_span`` steps) has risen above its best so far by ``diverge_ratio - 1``
-            times the best's magnitude ... (a non-finite loss always fires); ``None`` turns it
-            off. Must be > 1.
+            times the best's magnitude ... (a non-finite loss always fires). Must be > 1.
         diverge_giveback: ... and has given back at least this fraction of what it had learnt
-            (the first step's loss minus the best), so a loss near zero does not fire on noise.
-        diverge_noise: ... and the rise also clears ``(diverge_ratio - 1) * |best|`` by this many
-            mean absolute deviations of the loss from its running mean (an EMA over
-            ``2 * diverge_span`` steps, before this step), less a quarter of what it had learnt;
-            0 turns the bar off. Armed once ``min_history`` losses are in.
+            (the first step's loss minus the best).
+        diverge_noise: ... and the rise clears that bar by this many mean absolute deviations
+            of the loss from its running mean (an EMA over ``2 * diverge_span`` steps), less a
+            quarter of what it had learnt; 0 turns the bar off. Armed after ``min_history``
+            losses.
         diverge_span: span, in steps, of the loss's running mean for *diverging*.
         diverge_early: over the first this many losses of an optimizer with a second moment,
             *diverging*'s bar is ``diverge_overshoot`` x the best instead of ``diverge_ratio``
-            x: an adaptive optimizer's first updates overshoot (RMSprop's first step is 10x its
-            learning rate) and the run recovers.
+            x (an adaptive optimizer's first updates overshoot, and the run recovers).
         diverge_overshoot: ... the bar of those first steps. Must be >= ``diverge_ratio``.
-        diverge_patience: a rise of the loss over *diverging*'s bar warns once it has held this
-            many consecutive losses (1, the default: at once) ...
+        diverge_patience: a rise over *diverging*'s bar warns once it has held this many
+            consecutive losses (1: at once) ...
         diverge_lost: ... or at once when its running mean is above this many times the first
-            loss (everything learnt given back), or the loss is not finite. With a patience
-            above 1, a rise that falls back before either is a *transient*: counted and logged
-            with its steps and peak, never warned. Waiting costs lead: at 5, on the held-out
-            runs of ``benchmarks/divergence.py``, 6 of 13 divergent runs are warned in time
-            instead of 12 (``docs/validation.md``). Must be > 0.
+            loss, or the loss is not finite. A rise that falls back before either is a
+            *transient*: counted and logged, never warned. Must be > 0.
         stall_factor: *stall*: on a logging step, the median ``|w_after - w_before| / lr`` over
-            a sample of each tensor's entries whose gradient is not zero fell this many times
-            below its running level (an EMA of its log over the last logging steps). Adaptive
-            optimizers only (a second moment in their state); not evaluated while the learning
-            rate is under 1% of its peak. ``None`` turns it off. Must be > 1.
-        stall_progress: *stall*: ... and the best of the loss's running mean (*diverging*'s)
-            improved since the previous logging step by at most this share of what the run had
-            learnt (its first loss minus that best). Without the loss only the update is read;
-            1 turns this condition off.
+            a sample of each tensor's entries with a non-zero gradient fell this many times
+            below its running level. Adaptive optimizers only; not evaluated while the learning
+            rate is under 1% of its peak. Must be > 1.
+        stall_progress: ... and the best running mean of the loss improved since the previous
+            logging step by at most this share of what the run had learnt (1: not checked).
         history: steps of per-layer norms kept in the host ring buffer that an alarm reports.
-        attn_logit_max: *attention* (attention collapse, Wortsman et al. 2023): on a logging
-            step, an attention layer's most focused head's mean attention entropy
-            (``stability/attn_entropy_min``, nats) is below ``attn_entropy_min`` while its
-            largest pre-softmax logit (``stability/attn_logit_max``) is above this ...
-            ``None`` turns this bar off.
-        attn_min_layers: ... in at least this many attention layers at the same logging step
-            (every layer of a model with fewer): one one-hot layer a model routes around.
-            Must be >= 1.
-        attn_growth: ... or the logit keeps growing against its own history: at least this
-            many times its value at the logging step before, at each of the last two logging
-            steps, so a collapse is warned while its logits are in the hundreds. ``None`` turns
-            this path off. Must be > 1.
-        attn_logit_min: ... from at least this logit (two logging steps before), while at
-            least ``attn_min_layers`` layers' logits are that large: a sharp head whose logits
-            are still small is not collapsing, nor one a model routes around. Must be > 0.
-        attn_entropy_min: the entropy below which a head is one-hot, for both paths.
-        quiet_read: how a quiet step reads the gradients' norms, chosen once per optimizer:
-            ``"grouped"`` (default: small gradients of one shape and dtype stacked, the rest by
-            one ``torch._foreach_norm``; bit for bit on the CPU) or ``"triton"`` (opt-in: two
-            Triton kernels; CUDA, contiguous float32/bfloat16/float16 gradients of one dtype).
-            Where the read cannot run, one ``torch._foreach_norm``, after one warning.
+        attn_logit_max: *attention*: on a logging step, an attention layer's most focused
+            head's mean entropy (``stability/attn_entropy_min``) is below ``attn_entropy_min``
+            while its largest pre-softmax logit (``stability/attn_logit_max``) is above this
+            ...
+        attn_min_layers: ... in at least this many attention layers (every layer of a model
+            with fewer). Must be >= 1.
+        attn_growth: ... or the logit grew at least this many times at each of the last two
+            logging steps. Must be > 1.
+        attn_logit_min: ... from at least this logit, while at least ``attn_min_layers``
+            layers' logits are that large. Must be > 0.
+        attn_entropy_min: the entropy (nats) below which a head is one-hot, for both paths.
+        quiet_read: how a quiet step reads the gradients' norms: ``"grouped"`` (stacked by
+            shape and dtype, then one ``torch._foreach_norm``) or ``"triton"`` (two Triton
+            kernels; CUDA, contiguous float32/bfloat16/float16 gradients of one dtype). Where
+            the read cannot run, one ``torch._foreach_norm``, after one warning.
 
     Example:
         >>> AlarmRules(spike_factor=20.0).window
@@ -206,16 +191,9 @@ class AlarmRules:
                 count,
             ),
         }
-        factors = (
-            "spike_factor",
-            "explode_factor",
-            "stall_factor",
-            "loss_factor",
-            "diverge_ratio",
-            "attn_growth",
-        )
+        factors = ("spike_factor", "explode_factor", "stall_factor", "loss_factor")
         optional = {
-            **dict.fromkeys(factors, above_one),
+            **dict.fromkeys((*factors, "diverge_ratio", "attn_growth"), above_one),
             "max_grad_norm": positive,
             "attn_logit_max": positive,
             "vanish_fraction": real(low=0.0, high=1.0, low_open=True, high_open=True),

@@ -1,9 +1,6 @@
-"""The alarm sentinel, run at every optimizer step (no Lightning): the device posts one
-non-blocking copy of the gradient norms (and of the loss) to host memory; the rules and, when
-one fires, the diagnosis (the layer, the weights, the :class:`NormRing` history) run on the
-host when it is read: no host sync, no kernel on a quiet step. The *attention* rule reads what
-the attention capture measured on a logging step, on the host.
-"""
+"""The alarm sentinel, run at every optimizer step (no Lightning): the device posts a
+non-blocking copy of the gradient norms (and the loss) to host memory, and the rules and any
+diagnosis run on the host when it is read: no host sync, no kernel on a quiet step."""
 
 from __future__ import annotations
 
@@ -272,12 +269,7 @@ class GradientAlarms:
 
 class NormRing:
     """The last ``size`` steps' ``[3, rows]`` (norm, running scale, half-width of the spike
-    band in log) of every row, and their steps, in host memory.
-
-    Args:
-        size: steps kept.
-        rows: the layers and the global row.
-    """
+    band in log) of every row, and their steps, in host memory."""
 
     def __init__(self, size: int, rows: int) -> None:
         self.ring = np.full((size, 3, rows), np.nan, dtype=np.float32)
@@ -298,7 +290,6 @@ class NormRing:
         return [s for s, _ in slots], ring[[i for _, i in slots]]
 
     def state_dict(self) -> dict[str, Any]:
-        """The buffer and its steps."""
         return {"ring": torch.from_numpy(self.ring.copy()), "ring_steps": list(self.steps)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -315,14 +306,9 @@ def attention_alarms(
     rules: AlarmRules,
     history: Mapping[str, Sequence[float]] | None = None,
 ) -> list[GradientAlarm]:
-    """*attention*'s alarms at a logging step: the layers whose smallest head entropy (nats)
-    is below ``rules.attn_entropy_min`` (one-hot softmax, vanishing gradient) while their
-    largest pre-softmax logit either is above ``rules.attn_logit_max`` in at least
-    ``rules.attn_min_layers`` layers (every layer, in a model with fewer) or keeps growing:
-    ``rules.attn_growth`` x or more over each of the last two logging steps (``history``: a
-    layer's logits at the logging steps before, oldest first), from at least
-    ``rules.attn_logit_min``, while at least ``rules.attn_min_layers`` layers' logits are that
-    large. A layer without an entropy is judged on its logit.
+    """*attention*'s alarms at a logging step, by the ``attn_*`` thresholds of ``rules``;
+    ``history``: each layer's logits at the logging steps before, oldest first. A layer without
+    an entropy is judged on its logit.
 
     Example:
         >>> rules = AlarmRules()
@@ -345,11 +331,11 @@ def attention_alarms(
         for layer, peak in logit_max.items()
         if not (entropy := entropy_min.get(layer, math.nan)) >= floor
     }
+    need = min(rules.attn_min_layers, len(logit_max))
     high = [
         layer for layer, (peak, _) in focused.items() if limit is not None and not peak <= limit
     ]
-    if len(high) < min(rules.attn_min_layers, len(logit_max)):
-        high = []
+    high = high if len(high) >= need else []
     growing = [
         layer
         for layer, (peak, _) in focused.items()
@@ -358,8 +344,7 @@ def attention_alarms(
         and past[0] >= rules.attn_logit_min
         and all(b >= growth * a for a, b in pairwise(past))
     ]
-    large = sum(not peak < rules.attn_logit_min for peak in logit_max.values())
-    if large < min(rules.attn_min_layers, len(logit_max)):
+    if sum(not peak < rules.attn_logit_min for peak in logit_max.values()) < need:
         growing = []
     alarms, history = [], history or {}
     for layer, (peak, entropy) in focused.items():
