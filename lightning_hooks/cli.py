@@ -1,10 +1,8 @@
-"""The ``lightning-hooks`` command: ``lightning-hooks report LOGDIR`` reads the event files back
+"""The ``lightning-hooks`` command: ``lightning-hooks report LOGDIR`` reads the runs back
 (:mod:`lightning_hooks.report`) and checks its ``--fail-on`` rules against every run.
 
-Exit codes: 0 all good, 1 a ``--fail-on`` rule was broken, 2 a rule that cannot be checked (an
-unknown metric, a run that never logged it), a corrupt or truncated event file, no events, or
-another usage error. It fails closed: a typo in a CI gate is an error, never a pass.
-"""
+Exit codes: 0 all good, 1 a ``--fail-on`` rule was broken, 2 a usage error, including a rule
+that cannot be checked, a corrupt event file or no events (a typo in a CI gate never passes)."""
 
 from __future__ import annotations
 

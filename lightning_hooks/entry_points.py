@@ -1,16 +1,5 @@
-"""Callbacks switched on without code, from ``LIGHTNING_HOOKS``.
-
-:func:`callbacks` is the ``callbacks_factory`` entry point of the Lightning and Fabric
-namespaces: every ``Trainer`` and ``Fabric`` calls it when built. It returns nothing unless
-``LIGHTNING_HOOKS`` is set (``grad_flow``, ``grad_flow,dead_relu``, ``all``, ...); a callback of
-a class the user passed already stands down.
-
-Example:
-    >>> requested("grad_flow, DeadReLUCallback")
-    ['GradFlowCallback', 'DeadReLUCallback']
-    >>> requested("")
-    []
-"""
+"""Callbacks switched on without code, from ``LIGHTNING_HOOKS``: :func:`callbacks` is the
+``callbacks_factory`` entry point every ``Trainer`` and ``Fabric`` calls when built."""
 
 from __future__ import annotations
 
@@ -45,6 +34,8 @@ def requested(value: str) -> list[str]:
     Example:
         >>> requested("all")
         ['GradFlowCallback', 'ActivationStatsCallback', 'DeadReLUCallback', 'SaturationCallback']
+        >>> requested("grad_flow, DeadReLUCallback"), requested("")
+        (['GradFlowCallback', 'DeadReLUCallback'], [])
         >>> requested("grad_fow")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...

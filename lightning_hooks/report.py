@@ -1,10 +1,6 @@
-"""Reading a run (a directory of TensorBoard event files, or a ``CSVLogger``'s ``metrics.csv``)
-back: the per-layer table of its last epoch, as ``lightning-hooks report`` prints it.
-
-Tags follow the scheme of :mod:`lightning_hooks.logging.tensorboard`. Event files are read with
-their checksums (TensorBoard's own reader stops silently at a corrupt record). No torch or
-Lightning is imported: the command answers at once.
-"""
+"""Reading a run (TensorBoard event files, or a ``CSVLogger``'s ``metrics.csv``) back: the
+per-layer table of its last epoch, as ``lightning-hooks report`` prints it. Event files are read
+with their checksums; no torch or Lightning is imported."""
 
 from __future__ import annotations
 
@@ -60,8 +56,7 @@ class LayerRow:
         the update ratio's distance from 1e-3 in decades."""
         norm = self.values.get("grad_flow/grad_norm", 1.0)
         broken = self.get("grad_nonfinite") > 0 or not math.isfinite(norm)
-        dead = self.get("dead_fraction")
-        ratio = self.get("update_ratio")
+        dead, ratio = self.get("dead_fraction"), self.get("update_ratio")
         off = abs(math.log10(ratio / _HEALTHY_UPDATE_RATIO)) if ratio > 0 else math.inf
         return (
             -float(broken),
@@ -102,10 +97,8 @@ METRICS_FILE = "metrics.csv"
 
 
 def csv_series(path: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar column of a ``metrics.csv`` as ``[(step, value)]`` per tag, in row order.
-
-    Blank cells are skipped; a step lower than the tag's last one (a resumed run) drops the
-    tag's values from that step on, as TensorBoard does.
+    """Every scalar column of a ``metrics.csv`` as ``[(step, value)]`` per tag, in row order;
+    a step lower than the tag's last one (a resumed run) drops its values from that step on.
 
     Example:
         >>> import tempfile
@@ -144,9 +137,8 @@ class EventFileError(ValueError):
 
 
 def scalar_events(path: Path) -> Iterator[tuple[str, int, float]]:
-    """``(tag, step, value)`` of every scalar in one event file, in file order.
-
-    Every record's length checksum is checked, and the payload checksum of those with a scalar.
+    """``(tag, step, value)`` of every scalar in one event file, in file order (every record's
+    length checksum checked, and the payload checksum of those with a scalar).
 
     Raises:
         EventFileError: the file is corrupt or ends inside a record; the message names the file
@@ -233,11 +225,8 @@ def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
-    """The report of the last logged step of one run, or ``None`` if it has no library tags.
-
-    The last epoch's aggregates, alarm counts summed over the run; if the run logged steps after
-    its last epoch end (still running, or died), its last logging step's values (under the epoch
-    tags) and the alarms counted since.
+    """The report of the last logged step of one run, or ``None`` if it has no library tags:
+    the last epoch's values (or a later logging step's), alarm counts summed over the run.
 
     Raises:
         EventFileError: one of the run's event files is corrupt or truncated.
@@ -317,8 +306,7 @@ def format_table(report: RunReport, limit: int | None = None) -> str:
     ]
     if limit is not None and len(report.layers) > limit:
         lines.append(f"... {len(report.layers) - limit} more layers (--top to show more)")
-    attention = attention_summary(report)
-    if attention is not None:
+    if (attention := attention_summary(report)) is not None:
         lines.append(attention)
     alarms = ", ".join(f"{k}={_fmt(v)}" for k, v in report.alarms.items() if v) or "none"
     lines.append(f"alarms: {alarms}")

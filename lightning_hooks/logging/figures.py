@@ -20,6 +20,7 @@ __all__ = ["feature_map_grid", "grad_flow_figure", "layer_epoch_heatmap", "layer
 _MAX_WIDTH = 24.0
 _MAX_LABELS = 60
 _MAX_LABEL_CHARS = 32
+_LAYER_AXIS = "layer (input to output)"
 
 
 def _labels(layers: Sequence[str]) -> list[str]:
@@ -75,25 +76,15 @@ def grad_flow_figure(
     _bars(ax, x, np.where(good_mean, mean_abs, floor), floor, 0.5, color="b", label="mean |grad|")
     bad = ~(good_mean & good_max)
     if bad.any():
-        ax.scatter(
-            x[bad],
-            np.full(int(bad.sum()), floor),
-            color="r",
-            marker="x",
-            s=60,
-            zorder=3,
-            label="zero or non-finite",
-        )
+        marks = np.full(int(bad.sum()), floor)
+        ax.scatter(x[bad], marks, color="r", marker="x", s=60, zorder=3, label="zero or non-finite")
     ax.set_yscale("log")
     ax.yaxis.set_minor_locator(NullLocator())  # a deep model's chart: fewer ticks to lay out
     ax.autoscale_view()
     ax.set_ylim(bottom=floor)
     every = -(-n // _MAX_LABELS)
     ax.set_xticks(x[::every], _labels(layers)[::every], rotation=90, fontsize=_label_size(n))
-    ax.set_xlim(-1, n)
-    ax.set_xlabel("layer (input to output)")
-    ax.set_ylabel("|gradient|")
-    ax.set_title(title or "gradient flow")
+    ax.set(xlim=(-1, n), xlabel=_LAYER_AXIS, ylabel="|gradient|", title=title or "gradient flow")
     ax.legend(loc="upper right")
     ax.grid(True, axis="y", which="major", alpha=0.3)
     return fig
@@ -106,10 +97,8 @@ def layer_epoch_heatmap(
     title: str = "",
     log: bool = False,
 ) -> Figure:
-    """``values[layer, epoch]`` as a heatmap: layers top (input) to bottom, epochs left to right.
-
-    Non-finite cells (a layer that did not run) are grey; ``log=True``: ``log10`` of the values,
-    zeros grey too.
+    """``values[layer, epoch]`` as a heatmap: layers top (input) to bottom, epochs left to right;
+    non-finite cells (a layer that did not run) grey. ``log=True``: ``log10``, zeros grey too.
 
     Example:
         >>> values = np.array([[1.0, 10.0], [0.0, 100.0]])
@@ -141,7 +130,7 @@ def layer_epoch_heatmap(
     every_epoch = -(-num_epochs // _MAX_LABELS)
     ax.set_xticks(np.arange(num_epochs)[::every_epoch], [str(e) for e in epochs][::every_epoch])
     ax.set_xlabel("epoch   (grey: zero or no value)" if log else "epoch   (grey: no value)")
-    ax.set_ylabel("layer (input to output)")
+    ax.set_ylabel(_LAYER_AXIS)
     ax.set_title(title, fontsize=10, wrap=True)
     return fig
 
@@ -165,9 +154,7 @@ def layer_time_figure(
         share = value / step_ms if step_ms > 0 else float("nan")
         ax.text(float(xi), float(value), f"{share:.0%}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(x, _labels(layers), rotation=90, fontsize=7 if n > 30 else 9)
-    ax.set_xlim(-1, n)
-    ax.set_xlabel("layer (input to output)")
-    ax.set_ylabel("forward time per step (ms)")
+    ax.set(xlim=(-1, n), xlabel=_LAYER_AXIS, ylabel="forward time per step (ms)")
     ax.set_title(title or f"forward time per layer, step {step_ms:.2f} ms")
     ax.grid(True, axis="y", alpha=0.3)
     return fig

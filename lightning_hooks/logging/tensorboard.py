@@ -1,12 +1,8 @@
-"""TensorBoard: its sink, the custom-scalars dashboard, and a faster writer.
+"""TensorBoard: its sink, the custom-scalars dashboard, and a faster writer of the same bytes.
 
 Scalar tags are ``<family>/<stat>/<layer>``, ``<family>/global/<stat>`` (``<stat>_p50``: a
-percentile over layers) or ``<family>/alarms/<rule>``; a logging step's value has ``_step`` after
-its statistic (:func:`step_tag`, Lightning's convention), so it never shares a curve with the
-epoch's. The event files hold the same bytes TensorBoard writes, faster: checksums in C
-(:func:`fast_tensorboard_crc`) and a logging step's scalars as one ``Summary``
-(:func:`scalar_summary`).
-"""
+percentile over layers) or ``<family>/alarms/<rule>``; a logging step's tag has ``_step`` after
+its statistic (:func:`step_tag`, Lightning's convention)."""
 
 from __future__ import annotations
 
@@ -49,49 +45,47 @@ class TensorBoardSink(LoggerSink):
     def accepts(cls, logger: Any) -> bool:
         return isinstance(logger, lightning_types("TensorBoardLogger"))
 
-    @property
-    def _writer(self) -> Any:
-        return self.logger.experiment
-
     def scalars(self, metrics: Mapping[str, float], step: int) -> None:
         """One event holding every value (:func:`scalar_summary`) for a plain
         ``TensorBoardLogger`` without prefix on rank 0; any other (a subclass may log otherwise)
         gets the logger's own ``log_metrics``, one event per scalar."""
         from torch.utils.tensorboard import SummaryWriter
 
-        writer = self._writer if type(self.logger) in lightning_types("TensorBoardLogger") else None
+        plain = type(self.logger) in lightning_types("TensorBoardLogger")
+        writer = self.logger.experiment if plain else None
         if isinstance(writer, SummaryWriter) and not getattr(self.logger, "_prefix", ""):
             writer._get_file_writer().add_summary(scalar_summary(metrics), step)  # type: ignore[no-untyped-call]
         else:
             self.logger.log_metrics(dict(metrics), step=step)
         keys = {key for key in map(chart_key, metrics) if key is not None}
         if keys:  # their charts go into the writer's layout
-            _SEEN.setdefault(self._writer, set()).update(keys)
+            _SEEN.setdefault(self.logger.experiment, set()).update(keys)
 
     def figure(self, tag: str, figure: Figure, step: int) -> None:
-        self._writer.add_figure(tag, figure, global_step=step, close=False)
+        self.logger.experiment.add_figure(tag, figure, global_step=step, close=False)
 
     def image(self, tag: str, image: Any, step: int) -> None:
-        self._writer.add_image(tag, image, global_step=step, dataformats="CHW")
+        self.logger.experiment.add_image(tag, image, global_step=step, dataformats="CHW")
 
     def histogram(
         self, tag: str, limits: np.ndarray, counts: np.ndarray, step: int, moments: Moments | None
     ) -> None:
         raw = histogram_raw(limits, counts, moments)
-        self._writer.add_histogram_raw(tag, global_step=step, **raw)
+        self.logger.experiment.add_histogram_raw(tag, global_step=step, **raw)
 
     def text(self, tag: str, text: str, step: int) -> None:
-        self._writer.add_text(tag, text, global_step=step)
+        self.logger.experiment.add_text(tag, text, global_step=step)
 
     def embedding(self, tag: str, features: Any, labels: list[Any] | None, step: int) -> None:
-        self._writer.add_embedding(features, metadata=labels, global_step=step, tag=tag)
+        self.logger.experiment.add_embedding(features, metadata=labels, global_step=step, tag=tag)
 
     def dashboard(self) -> None:
         """Write the writer's layout if it has new charts (TensorBoard reads the last one)."""
-        keys = frozenset(_SEEN.get(self._writer, ()))
-        if keys and not keys <= _WRITTEN.get(self._writer, frozenset()):
-            self._writer.add_custom_scalars(dashboard_layout(keys))
-            _WRITTEN[self._writer] = keys
+        writer = self.logger.experiment
+        keys = frozenset(_SEEN.get(writer, ()))
+        if keys and not keys <= _WRITTEN.get(writer, frozenset()):
+            writer.add_custom_scalars(dashboard_layout(keys))
+            _WRITTEN[writer] = keys
 
 
 def histogram_raw(
@@ -197,10 +191,8 @@ def chart_key(tag: str) -> tuple[str, str] | None:
 def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, list[Any]]]:
     """The custom-scalars layout of the given charts, for ``SummaryWriter.add_custom_scalars``.
 
-    One multiline chart per ``(family, stat)`` (its layers and global lines) in its family's
-    category (``lightning_hooks: grad_flow``), and one per family's alarms in ``alarms``; gradient
-    flow first, then alarms, activations, dead units, the rest by name; at most
-    :data:`MAX_CHARTS` charts.
+    One multiline chart per ``(family, stat)`` in its family's category, one per family's
+    alarms in ``alarms``; at most :data:`MAX_CHARTS` charts, the most read first.
 
     Example:
         >>> keys = [("dead_relu", "dead_fraction"), ("grad_flow", "update_ratio"),
@@ -287,8 +279,7 @@ def _varint(n: int) -> bytes:
 
 @functools.lru_cache(maxsize=_TAGS)
 def _head(tag: str) -> bytes:
-    """A tag's bytes before its value: ``value``'s key and length, ``tag``'s key, length and
-    text, ``simple_value``'s key (a tag's value message always has the same length)."""
+    """A tag's ``Summary.Value`` bytes before its ``simple_value`` (always of the same length)."""
     text = tag.encode("utf-8")
     field = b"\x0a" + _varint(len(text)) + text + b"\x15"  # tag: 1, length; simple_value: 2
     return b"\x0a" + _varint(len(field) + 4) + field  # value: 1, length
