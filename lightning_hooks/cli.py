@@ -115,8 +115,7 @@ class FailRule:
 
     def violations(self, report: RunReport) -> list[str]:
         """A line per layer (or alarm) of ``report`` that breaks the rule."""
-        test = _OPS[self.op]
-        name = self.text
+        test, name = _OPS[self.op], self.text
         if self.metric == "alarms":
             total = sum(report.alarms.values())
             return (

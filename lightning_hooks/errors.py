@@ -34,10 +34,10 @@ class GradientAlarmError(LightningHooksError):
     """A gradient alarm with ``on_alarm="raise"``: carries the facts of the alarm.
 
     Attributes:
-        rule: the rule that fired (``"spike"``, ``"absolute"``, ``"vanishing"``, ``"nonfinite"``).
+        rule: the rule that fired (``"explosion"``, ``"nonfinite"``, ``"diverging"``, ...).
         layer: the layer it names (``"global"`` for all layers together).
         step: the optimizer step whose gradients fired it.
-        value: the gradient norm that fired it.
+        value: the gradient norm (or loss) that fired it.
         alarm: the :class:`~lightning_hooks.core.GradientAlarm`, or ``None``.
     """
 

@@ -48,8 +48,7 @@ class LayerRow:
 
     def get(self, name: str) -> float:
         """A column by its short name (``grad_norm``) or full ``family/stat``; NaN if absent."""
-        full = dict(COLUMNS).get(name, name)
-        return self.values.get(full, math.nan)
+        return self.values.get(dict(COLUMNS).get(name, name), math.nan)
 
     def severity(self) -> tuple[float, float, float, float]:
         """Sort key, worst first: non-finite gradients, no gradient at all, dead fraction, then
