@@ -1,12 +1,4 @@
-"""The guard: an error in one of our hooks disables that statistic, never the user's run.
-
-A :class:`Guard` belongs to one statistic. Its first caught exception marks it failed and warns
-once (a :class:`~lightning_hooks.errors.LightningHooksWarning` naming the statistic, the hook
-and the cause); the owner removes its hooks at the next safe point (a Lightning hook, not
-mid-autograd). In a multi-process run it is *deferred* (:attr:`Guard.defer`): the hooks keep
-running, so this rank issues every collective the others do, until the ranks
-:meth:`Guard.settle` at the same step. With ``strict`` (or ``LIGHTNING_HOOKS_STRICT=1``) the
-exception propagates, as :class:`~lightning_hooks.errors.LightningHooksError` always does."""
+"""The guard: an error in one of our hooks disables that statistic, never the user's run."""
 
 from __future__ import annotations
 
@@ -36,7 +28,13 @@ def strict_default() -> bool:
 
 
 class Guard:
-    """Catches the exceptions of one statistic's hooks (see the module docstring).
+    """Catches the exceptions of one statistic's hooks.
+
+    The first one marks it failed and warns once; the owner removes its hooks at the next safe
+    point (a Lightning hook, not mid-autograd). With :attr:`defer` (several processes) the hooks
+    keep running, so this rank issues every collective the others do, until the ranks
+    :meth:`settle` at the same step. A strict guard re-raises, as it always does
+    :class:`~lightning_hooks.errors.LightningHooksError`.
 
     Args:
         name: the statistic, as the warning names it (``"GradFlowCallback"``).

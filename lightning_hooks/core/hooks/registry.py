@@ -1,6 +1,5 @@
 """The hook registry: the one owner of every hook handle the library creates, and its gated
-hooks, put on their modules only for logging steps and run outside the attention capture's
-torch-function mode (:func:`outside_shelved`)."""
+hooks, put on their modules only for logging steps."""
 
 from __future__ import annotations
 
@@ -21,25 +20,14 @@ from lightning_hooks.core.hooks.guard import Guard, active_guard
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = [
-    "Gated",
-    "GatedHandle",
-    "HookOwner",
-    "HookRegistry",
-    "ShelvedMode",
-    "is_compiled",
-    "outside_shelved",
-    "plain_layers",
-    "unhookable_modules",
-]
+__all__ = ["Gated", "HookOwner", "HookRegistry", "ShelvedMode", "plain_layers"]
 
 ForwardHook = Callable[[nn.Module, Any, Any], Any]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def unhookable_modules(model: nn.Module) -> dict[int, str]:
-    """``id(module) -> name`` of every module whose Python hooks never run: a
-    ``torch.jit.script``/``trace`` module and everything inside it."""
+def _unhookable_modules(model: nn.Module) -> dict[int, str]:
+    """``id(module) -> name`` of every ``torch.jit`` module and everything inside it."""
     found: dict[int, str] = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.jit.ScriptModule) and id(module) not in found:
@@ -48,7 +36,7 @@ def unhookable_modules(model: nn.Module) -> dict[int, str]:
     return found
 
 
-def is_compiled(model: nn.Module) -> bool:
+def _is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` or one of its modules is compiled (``torch.compile``, in place by
     ``module.compile()``, or unwrapped by Lightning from ``torch.compile(model)``)."""
     dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
@@ -62,18 +50,14 @@ def is_compiled(model: nn.Module) -> bool:
 
 
 class ShelvedMode(TorchFunctionMode):
-    """A mode of this library that its gated hooks run outside of (:func:`outside_shelved`)."""
+    """A mode of this library that its gated hooks run outside of."""
 
 
-def outside_shelved(fn: Callable[..., Any], *args: Any) -> Any:
+def _outside_shelved(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``, with the innermost torch-function mode popped while it runs when that mode
     is a :class:`ShelvedMode` (not while compiling: Dynamo traces the hook)."""
-    if torch.compiler.is_compiling():
-        return fn(*args)
-    depth = torch._C._len_torch_function_stack()
-    if not depth:
-        return fn(*args)
-    mode = torch._C._get_function_stack_at(depth - 1)
+    depth = 0 if torch.compiler.is_compiling() else torch._C._len_torch_function_stack()
+    mode = torch._C._get_function_stack_at(depth - 1) if depth else None
     if not isinstance(mode, ShelvedMode):
         return fn(*args)
     torch._C._pop_torch_function_stack()
@@ -113,7 +97,7 @@ class Gated(NamedTuple):
             getattr(module, flag).pop(key, None)
 
 
-class GatedHandle(RemovableHandle):
+class _GatedHandle(RemovableHandle):
     """The handle of an installed :class:`Gated` hook: :meth:`remove` takes it off until its
     registry installs it again on the next logging step (unless the registry was removed)."""
 
@@ -201,11 +185,11 @@ class HookRegistry(HookOwner):
         self._handles: list[RemovableHandle] = []
         self._gated_hooks: list[Gated] = []
         self.__dict__["sampled"] = True  # (see sampled)
-        self.fixed = is_compiled(model)
+        self.fixed = _is_compiled(model)
         """Whether the gated hooks stay installed on every step (``torch.compile``)."""
         self.guard = guard if guard is not None else active_guard()
         """Catches the hooks' exceptions (default: the guard of the running callback hook)."""
-        self._unhookable = unhookable_modules(model)
+        self._unhookable = _unhookable_modules(model)
         self._names = {id(module): name for name, module in model.named_modules()}
         self._warned_unhookable = False
 
@@ -253,7 +237,7 @@ class HookRegistry(HookOwner):
         if not (self.sampled or self.fixed):
             return None
         gated.install()
-        return GatedHandle(gated)
+        return _GatedHandle(gated)
 
     @property
     def model(self) -> nn.Module:
@@ -352,7 +336,7 @@ class HookRegistry(HookOwner):
         if guard is None or guard.strict:
 
             def gated(*args: Any) -> Any:
-                return outside_shelved(hook, *args) if self.sampled else None
+                return _outside_shelved(hook, *args) if self.sampled else None
 
             return gated
 
@@ -360,7 +344,7 @@ class HookRegistry(HookOwner):
         def gated_guarded(*args: Any) -> Any:
             if self.sampled:
                 try:
-                    return outside_shelved(hook, *args)
+                    return _outside_shelved(hook, *args)
                 except Exception as error:
                     guard.fail(where, error)
             return None

@@ -1,7 +1,5 @@
-"""Pure functions: summary statistics of one module output, and of many pooled together.
-
-One output gives a float32 vector of :data:`FEATURE_STATS`; sums over many outputs (an epoch's
-batches) pool exactly into mean and std, ``min`` and ``max`` pool with min and max."""
+"""Pure functions: a float32 vector of :data:`FEATURE_STATS` per module output, and the statistics
+of many pooled together (sums add, ``min`` and ``max`` pool with min and max)."""
 
 from __future__ import annotations
 
@@ -40,9 +38,8 @@ the first find the piece in cache."""
 def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
     """``[8]`` float32 statistics of a non-empty tensor, in the order of :data:`FEATURE_STATS`.
 
-    Six reading passes a piece at a time, no host sync; counts are float32 sums of 0.0 / 1.0
-    (exact up to 2**24 a piece), fp16 / bf16 summed in float32 without a copy. NaN propagates into
-    every entry but ``zeros``, ``nonfinite`` and ``numel``. Temporaries reuse ``workspace``.
+    Six reading passes a piece at a time, no host sync, temporaries in ``workspace``. NaN
+    propagates into every entry but ``zeros``, ``nonfinite`` and ``numel``.
 
     Example:
         >>> feature_stats(torch.tensor([-1.0, 0.0, 2.0, 0.0])).tolist()
@@ -140,10 +137,8 @@ def _compiled() -> Callable[[torch.Tensor], torch.Tensor]:
 
 @torch.no_grad()
 def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
-    """:func:`feature_stats` compiled with ``torch.compile`` into one reading pass.
-
-    The first call compiles (seconds; again per new rank or dtype). A non-contiguous output
-    takes the eager :func:`feature_stats`, which reads it faster."""
+    """:func:`feature_stats` compiled into one reading pass (the first call compiles, again per
+    new rank or dtype); a non-contiguous output takes the eager one, which reads it faster."""
     if not x.is_contiguous():
         return feature_stats(x, workspace)
     return _compiled()(x.detach())  # a leaf: Dynamo would read a non-leaf's .grad
@@ -151,20 +146,10 @@ def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> 
 
 @dataclass(frozen=True)
 class FeatureSummary:
-    """Host-side statistics of each row's outputs, pooled over every element observed.
-
-    Attributes:
-        layers: row names (a module's qualified name, with a suffix for tuple / dict outputs).
-        mean: mean of the elements.
-        std: their standard deviation (Bessel-corrected, as ``torch.std``).
-        min: smallest element.
-        max: largest element.
-        abs_mean: mean of ``|x|``.
-        zero_fraction: fraction of elements exactly zero.
-        nonfinite: number of NaN / Inf elements.
-        numel: number of elements observed.
-        sum: sum of the elements.
-        sum_sq: sum of their squares."""
+    """Host-side statistics of each row's outputs, pooled over every element observed: one array
+    per statistic, a row per name of ``layers`` (a module's qualified name, with a suffix for
+    tuple / dict outputs). ``std`` is Bessel-corrected (as ``torch.std``), ``abs_mean`` the mean
+    of ``|x|``, ``nonfinite`` the count of NaN / Inf."""
 
     layers: tuple[str, ...]
     mean: np.ndarray

@@ -66,13 +66,9 @@ class LayerHistogram:
 
 
 class LayerHistograms:
-    """``[layers, buckets]`` counts of ``log10 |x|`` (or ``x``) over the tensors of each layer.
-
-    Args:
-        num_layers: rows.
-        edges: inner bucket edges (ascending); default :data:`LOG10_EDGES`.
-        device: where the counts live.
-        scale: ``"log10"`` (default) bins ``log10 |x|``, ``"linear"`` bins ``x``.
+    """``[num_layers, buckets]`` counts of ``log10 |x|`` (``scale="linear"``: ``x``) over the
+    tensors of each layer, on ``device``, between ascending inner ``edges`` (default
+    :data:`LOG10_EDGES`).
 
     Example:
         >>> hist = LayerHistograms(2, edges=torch.tensor([-1.0, 0.0, 1.0]))

@@ -1,11 +1,6 @@
 """Each gradient's L2 norm in two Triton kernels that find the tensors through a table of their
-addresses: the quiet step's read without ``_foreach_norm``'s per-tensor host work.
-
-The address table is written on the host each step (``zero_grad(set_to_none=True)`` moves the
-gradients); the spans are built once. Launch one sums squares in float32 over spans of
-:data:`SPAN`; launch two adds each tensor's spans in order and rounds the root as
-``_foreach_norm`` does. No atomics: the same gradients give the same bits. Opt-in
-(``AlarmRules(quiet_read="triton")``); Triton is imported on first use."""
+addresses (written each step: ``zero_grad(set_to_none=True)`` moves the gradients), without
+``_foreach_norm``'s per-tensor host work. No atomics: the same gradients give the same bits."""
 
 from __future__ import annotations
 
@@ -41,11 +36,8 @@ def _kernels() -> tuple[Any, Any]:
 
 
 class PointerNorms:
-    """The L2 norms of the gradients of ``params``, as ``torch.stack(torch._foreach_norm(g))``
-    gives them (float32), in two kernel launches whatever the number of tensors.
-
-    Args:
-        params: the parameters whose gradients :meth:`__call__` reads, in that order.
+    """The float32 L2 norms of the gradients of ``params``, as ``_foreach_norm`` gives them, in
+    two launches: one sums squares over spans of :data:`SPAN`, one adds each tensor's spans.
 
     Raises:
         ValueError: the parameters are not all of one dtype among float32, bfloat16 and
