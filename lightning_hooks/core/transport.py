@@ -45,8 +45,14 @@ class HostMailbox:
         self.pending = False
 
     def _allocate(self, shape: tuple[int, ...]) -> None:
-        self._host = torch.zeros(shape, dtype=self._dtype, pin_memory=self._cuda)
-        self._view: np.ndarray = self._host.numpy()
+        self._view: np.ndarray
+        if self._cuda:
+            self._host = torch.zeros(shape, dtype=self._dtype, pin_memory=True)
+            self._view = self._host.numpy()
+        else:  # host memory both ways: numpy's buffer, seen by torch (no Tensor.numpy call)
+            dtype = np.dtype(str(self._dtype).removeprefix("torch."))
+            self._view = np.zeros(shape, dtype=dtype)
+            self._host = torch.from_numpy(self._view)
         self._slot: tuple[torch.Tensor, np.ndarray] = (self._host, self._view)
         self._slots = {tuple(self._host.shape): self._slot}
 

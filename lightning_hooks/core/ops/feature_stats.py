@@ -30,8 +30,7 @@ FEATURE_STATS = ("sum", "sum_sq", "sum_abs", "zeros", "nonfinite", "numel", "min
 NUM_SUMS = 6
 
 CHUNK = 1 << 19
-"""Elements :func:`feature_stats` reads at a time on the CPU (2 MiB in float32): the passes after
-the first find the piece in cache."""
+"""Elements :func:`feature_stats` reads at a time on the CPU (2 MiB in float32: stays in cache)."""
 
 
 @torch.no_grad()
@@ -66,27 +65,15 @@ def _piece_stats(flat: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     zeros = torch.eq(flat, 0, out=buf).sum(dtype=f32)
     square = torch.linalg.vector_norm(flat, 2, dtype=f32).square()
     numel = finite.new_full((), flat.numel())
-    return torch.stack(
-        [
-            flat.sum(dtype=f32),
-            square,
-            sum_abs,
-            zeros,
-            numel - finite,
-            numel,
-            low.to(f32),
-            high.to(f32),
-        ]
-    )
+    sums = [flat.sum(dtype=f32), square, sum_abs, zeros, numel - finite, numel]
+    return torch.stack([*sums, low.to(f32), high.to(f32)])
 
 
 STACKED = 1 << 16
-"""Elements: an output this small is copied and measured at the step's end with the others of
-its shape and dtype (:func:`stacked_feature_stats`), cheaper than its own 17 small ops."""
+"""Elements: an output this small is measured at the step's end with others (stacked)."""
 
 SIGN_COUNTS = frozenset({"cpu"})
-"""Devices where :func:`stacked_feature_stats` counts by sums of signs and takes min and max in
-two reductions (on the CPU, comparisons and a min-max along a dimension take slow paths)."""
+"""Devices where :func:`stacked_feature_stats` counts by sums of signs (comparisons are slow)."""
 
 
 @torch.no_grad()
@@ -115,18 +102,10 @@ def _one_pass_stats(x: torch.Tensor) -> torch.Tensor:
     # for torch.compile: every reduction reads the same input, so they fuse into one pass
     f = x.reshape(-1).float()
     absolute = f.abs()
-    return torch.stack(
-        [
-            f.sum(),
-            (f * f).sum(),
-            absolute.sum(),
-            (f == 0).float().sum(),
-            (~(absolute < torch.inf)).float().sum(),  # NaN and Inf
-            torch.full((), f.numel(), dtype=f.dtype, device=f.device),
-            f.amin(),
-            f.amax(),
-        ]
-    )
+    nonfinite = (~(absolute < torch.inf)).float().sum()  # NaN and Inf
+    numel = torch.full((), f.numel(), dtype=f.dtype, device=f.device)
+    sums = [f.sum(), (f * f).sum(), absolute.sum(), (f == 0).float().sum(), nonfinite, numel]
+    return torch.stack([*sums, f.amin(), f.amax()])
 
 
 @functools.cache

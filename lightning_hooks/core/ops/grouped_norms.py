@@ -132,8 +132,7 @@ def cpu_grouping(tensors: Sequence[torch.Tensor]) -> GroupedNorms | None:
 
 
 CHUNK = 1 << 20
-"""Elements of ``|g|`` :func:`abs_sum_max` writes at a time on the CPU (4 MiB in float32: stays in
-cache)."""
+"""Elements of ``|g|`` :func:`abs_sum_max` writes at a time on the CPU (stays in cache)."""
 
 _MULTI_TENSOR = 1 << 14  # up to this size, one multi-tensor call: small heap allocations
 

@@ -5,6 +5,7 @@ addresses (written each step: ``zero_grad(set_to_none=True)`` moves the gradient
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -53,20 +54,16 @@ class PointerNorms:
         self.device = next(iter(devices))
         self._kind = _DTYPES.index(next(iter(dtypes)))  # the kernels' constexpr
         numels = [p.numel() for p in params]
-        owner, begin, end, first = [], [], [], [0]
-        for t, n in enumerate(numels):
-            spans = math.ceil(n / SPAN)
-            owner += [t] * spans
-            begin += [s * SPAN for s in range(spans)]
-            end += [min(n, (s + 1) * SPAN) for s in range(spans)]
-            first.append(first[-1] + spans)
+        spans = [(t, s, min(n, s + SPAN)) for t, n in enumerate(numels) for s in range(0, n, SPAN)]
+        first = [0, *itertools.accumulate(math.ceil(n / SPAN) for n in numels)]
         self._pin = self.device.type == "cuda"
         # pinned and copied without blocking: building it makes no host sync either
-        table = torch.tensor([owner, begin, end], dtype=torch.int64, pin_memory=self._pin)
+        columns = [[span[i] for span in spans] for i in range(3)]
+        table = torch.tensor(columns, dtype=torch.int64, pin_memory=self._pin)
         self._owner, self._begin, self._end = table.to(self.device, non_blocking=True)
         first_host = torch.tensor(first, dtype=torch.int64, pin_memory=self._pin)
         self._first = first_host.to(self.device, non_blocking=True)
-        self._partial = torch.empty(len(owner), dtype=torch.float32, device=self.device)
+        self._partial = torch.empty(len(spans), dtype=torch.float32, device=self.device)
         self._out = torch.empty(len(numels), dtype=torch.float32, device=self.device)
 
     def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:

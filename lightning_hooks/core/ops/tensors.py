@@ -22,8 +22,7 @@ __all__ = [
 ]
 
 DEVICE_PIECE = 1 << 24
-"""Elements a reading pass takes at a time off the CPU (an accelerator's cost is its launches);
-2**24 keeps a piece's float32 counts of 0/1 exact."""
+"""Elements a reading pass takes at a time off the CPU (float32 counts of 0/1 stay exact)."""
 
 
 def piece_size(device: torch.device, cpu: int) -> int:
@@ -115,10 +114,8 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
 
 def row_index(values: list[int], device: torch.device) -> torch.Tensor:
     """``values`` as a ``long`` tensor on ``device``, without a host sync."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    pinned = device.type == "cuda"
+    return torch.tensor(values, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=pinned)
 
 
 K = TypeVar("K", bound=Hashable)
