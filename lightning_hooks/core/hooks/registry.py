@@ -155,7 +155,7 @@ class HookOwner:
 
 
 class HookRegistry(HookOwner):
-    """Registers module, parameter and optimizer hooks and removes every one of them.
+    """Registers module and optimizer hooks and removes every one of them.
 
     Use it as a context manager, or call :meth:`remove` from every exit path. Module hooks
     registered with ``gated=True`` run only while :attr:`sampled` is true (set it before a
@@ -194,9 +194,8 @@ class HookRegistry(HookOwner):
         self._warned_unhookable = False
 
     sampled: bool
-    """Whether the current step is measured: the gated hooks run only while ``True``. A plain
-    attribute to read (a quiet step calls nothing of the registry); setting it puts the gated
-    hooks on their modules or takes them off."""
+    """Whether the gated hooks run (a logging step); setting it puts them on their modules or
+    takes them off. A plain attribute to read: a quiet step calls nothing of the registry."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "sampled":
@@ -205,10 +204,8 @@ class HookRegistry(HookOwner):
             object.__setattr__(self, name, value)
 
     def _gate(self, value: bool) -> None:
-        if value == self.sampled:
-            return
-        self.__dict__["sampled"] = value
-        if self.fixed:
+        changed, self.__dict__["sampled"] = value != self.sampled, value
+        if not changed or self.fixed:
             return
         if value:
             for gated in self._gated_hooks:

@@ -246,8 +246,8 @@ def select_modules(
         types: keep only instances of these types, or third-party activations that compute as
             one (:data:`KNOWN_ACTIVATIONS`).
         include: glob patterns (``fnmatch``, e.g. ``"encoder.*"``) on qualified names; when given,
-            keep only modules matching one. Each pattern must match some module.
-        exclude: glob patterns; drop modules matching any. Each pattern must match some module.
+            keep only modules matching one.
+        exclude: glob patterns; drop modules matching any.
         where: an extra predicate ``(name, module) -> bool``.
         arguments: how errors name ``include`` and ``exclude`` (the user's argument names).
 

@@ -46,9 +46,8 @@ def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.
     """
     flat = x.detach().reshape(-1)
     n = flat.numel()
-    ws = workspace or Workspace()
     chunk = piece_size(x.device, CHUNK)
-    scratch = ws.get(min(n, chunk), x.dtype, x.device)
+    scratch = (workspace or Workspace()).get(min(n, chunk), x.dtype, x.device)
     if n <= chunk:
         return _piece_stats(flat, scratch)
     pieces = torch.stack([_piece_stats(flat[i : i + chunk], scratch) for i in range(0, n, chunk)])

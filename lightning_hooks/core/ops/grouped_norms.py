@@ -143,11 +143,8 @@ def abs_sum_max(
     """``[len(tensors)]`` float32 sums and maxima of ``|t|`` (float64's summed in float64; an
     empty tensor gives 0 and 0; NaN propagates). A large tensor is read in pieces of
     :data:`CHUNK` through one buffer of ``workspace`` (pass the same one every step)."""
-    ws = workspace or Workspace()
-    grouping = cpu_grouping(tensors)
-    if grouping is not None:
-        return grouping.abs_sum_max(tensors, ws)
-    return _abs_sum_max(tensors, ws)
+    ws, grouping = workspace or Workspace(), cpu_grouping(tensors)
+    return _abs_sum_max(tensors, ws) if grouping is None else grouping.abs_sum_max(tensors, ws)
 
 
 def _abs_sum_max(

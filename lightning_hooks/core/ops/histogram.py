@@ -33,8 +33,7 @@ def bin_counts(
     and ``bincount``, no host sync, deterministic (unlike ``torch.histc``). Bucket ``i`` holds
     ``[inner[i - 1], inner[i])``, the first and last are open-ended."""
     flat = x.detach().reshape(-1)
-    if scale == "log10":
-        flat = flat.abs().float()
+    flat = flat.abs().float() if scale == "log10" else flat
     values = flat.clamp_min(1e-38).log10() if scale == "log10" else flat
     bucket = torch.bucketize(values, inner.to(values.dtype), right=True)
     spill = out.shape[0]  # non-finite entries go to a bucket past the end, then dropped
@@ -86,10 +85,9 @@ class LayerHistograms:
         device: torch.device | str | None = None,
         scale: Scale = "log10",
     ) -> None:
-        edges = LOG10_EDGES if edges is None else edges
         self.scale: Scale = scale
-        self.edges = edges.to(device=device, dtype=torch.float32)
-        self.counts = torch.zeros(num_layers, len(edges) + 1, device=device)
+        self.edges = (LOG10_EDGES if edges is None else edges).to(device, torch.float32)
+        self.counts = torch.zeros(num_layers, len(self.edges) + 1, device=device)
 
     @torch.no_grad()
     def update(self, tensors: list[torch.Tensor], rows: list[int]) -> None:
