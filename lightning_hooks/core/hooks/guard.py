@@ -82,8 +82,7 @@ class Guard:
         return pending
 
     def wrap(self, fn: F, where: str) -> F:
-        """``fn`` with its exceptions handled by :meth:`fail` (returns ``None`` after one);
-        a strict guard returns ``fn`` itself."""
+        """``fn`` with its exceptions handled by :meth:`fail` (``fn`` itself when strict)."""
         if self.strict:
             return fn
 

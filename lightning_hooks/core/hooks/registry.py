@@ -54,8 +54,7 @@ class ShelvedMode(TorchFunctionMode):
 
 
 def _outside_shelved(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, with the innermost torch-function mode popped while it runs when that mode
-    is a :class:`ShelvedMode` (not while compiling: Dynamo traces the hook)."""
+    """``fn(*args)`` with an innermost :class:`ShelvedMode` popped (not while compiling)."""
     depth = 0 if torch.compiler.is_compiling() else torch._C._len_torch_function_stack()
     mode = torch._C._get_function_stack_at(depth - 1) if depth else None
     if not isinstance(mode, ShelvedMode):
@@ -98,8 +97,7 @@ class Gated(NamedTuple):
 
 
 class _GatedHandle(RemovableHandle):
-    """The handle of an installed :class:`Gated` hook: :meth:`remove` takes it off until its
-    registry installs it again on the next logging step (unless the registry was removed)."""
+    """The handle of an installed :class:`Gated` hook, until the next logging step."""
 
     def __init__(self, gated: Gated) -> None:
         self.gated = gated
@@ -138,8 +136,7 @@ def plain_layers() -> Callable[[nn.Module], bool]:
 
 
 class HookOwner:
-    """Base of the core's trackers: each owns a :class:`HookRegistry` and is a context manager
-    that removes every hook on exit, also when the loop raises."""
+    """Base of the core's trackers: a context manager that removes its registry's hooks."""
 
     registry: HookRegistry
 
@@ -220,9 +217,8 @@ class HookRegistry(HookOwner):
     def gated_hook(
         self, module: nn.Module, hook: Callable[..., Any], *, pre: bool, **options: bool
     ) -> RemovableHandle | None:
-        """A module hook (``pre``: a forward pre-hook), already guarded and gated, that runs
-        only on logging steps, with ``register_forward_(pre_)hook``'s ``options``. Returns the
-        handle while it is installed, else ``None``."""
+        """A guarded, gated module hook (``pre``: a forward pre-hook) with the ``options`` of
+        ``register_forward_(pre_)hook``; its handle while it is installed, else ``None``."""
         key = RemovableHandle.next_id  # an id no handle takes
         RemovableHandle.next_id += 1
         table = "_forward_pre_hooks" if pre else "_forward_hooks"
@@ -289,8 +285,7 @@ class HookRegistry(HookOwner):
         return self._names.get(id(module)) or type(module).__name__
 
     def guarded(self, fn: F, where: str) -> F:
-        """``fn`` wrapped by the registry's guard (itself when there is none or it is strict),
-        for hooks the registry does not own (on per-step tensors)."""
+        """``fn`` wrapped by the registry's guard, for hooks the registry does not own."""
         return fn if self.guard is None else self.guard.wrap(fn, where)
 
     def _add(self, handle: RemovableHandle) -> RemovableHandle:
@@ -330,23 +325,18 @@ class HookRegistry(HookOwner):
 
     def _gated(self, hook: Callable[..., Any], where: str) -> Callable[..., Any]:
         guard = self.guard
-        if guard is None or guard.strict:
 
-            def gated(*args: Any) -> Any:
-                return _outside_shelved(hook, *args) if self.sampled else None
-
-            return gated
-
-        # One closure for both: the guarded path adds no Python call per hook.
-        def gated_guarded(*args: Any) -> Any:
+        def gated(*args: Any) -> Any:  # the guard inline: no Python call of ours per hook
             if self.sampled:
                 try:
                     return _outside_shelved(hook, *args)
                 except Exception as error:
-                    guard.fail(where, error)
+                    if guard is None:
+                        raise
+                    guard.fail(where, error)  # a strict guard re-raises
             return None
 
-        return gated_guarded
+        return gated
 
     def optimizer_step_post_hook(
         self, optimizer: torch.optim.Optimizer, hook: Callable[..., None]

@@ -218,8 +218,7 @@ def _is_compiled_wrapper(module: nn.Module) -> bool:  # a submodule compiled in 
 
 
 def compiled_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(eager_name, wrapper)`` of each submodule of ``model`` compiled in place
-    (``model.net = torch.compile(model.net)``)."""
+    """``(eager_name, wrapper)`` of each submodule of ``model`` compiled in place."""
     return [
         (_plain_name(name), module)
         for name, module in model.named_modules()

@@ -114,8 +114,7 @@ def plain_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor] | No
 
 
 def cpu_grouping(tensors: Sequence[torch.Tensor]) -> GroupedNorms | None:
-    """A :class:`GroupedNorms` for tensors of these shapes and dtypes, all on the CPU, made once
-    and kept, or ``None`` when they are elsewhere or none would be stacked."""
+    """A cached :class:`GroupedNorms` for these CPU tensors, ``None`` if none would be stacked."""
     if not tensors or set(map(_DEVICE, tensors)) != {_CPU}:
         return None
     key = (*map(_SHAPE, tensors), *map(_DTYPE, tensors))
@@ -223,8 +222,7 @@ def _stackable(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None) 
 def _pick(
     old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None, masked: bool
 ) -> torch.Tensor:
-    """``|new - old|`` in float32 over strided entries of the last dimension; NaN where ``grad``
-    is zero, and everywhere when ``masked`` without a gradient."""
+    """Strided ``|new - old|``; NaN where ``grad`` is zero (everywhere if ``masked`` without)."""
     stride = max(1, new.shape[-1] // _TYPICAL_SAMPLE)
     pick = torch.sub(new[..., ::stride], old[..., ::stride]).float().abs_()
     if grad is not None:

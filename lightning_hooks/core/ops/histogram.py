@@ -52,8 +52,7 @@ def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> t
 
 @dataclass(frozen=True)
 class LayerHistogram:
-    """One layer's counts on the host; ``limits[i]``: bucket ``i``'s right edge (log10 scale:
-    in ``log10 |x|``)."""
+    """One layer's counts on the host; ``limits[i]``: bucket ``i``'s right edge."""
 
     limits: np.ndarray
     counts: np.ndarray

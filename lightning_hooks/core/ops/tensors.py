@@ -145,8 +145,7 @@ class Pending(Generic[K]):
         return sum(len(rows) for rows, _ in self._groups.values())
 
     def drain(self) -> Iterator[tuple[K, list[int], torch.Tensor]]:
-        """Each group as ``(key, rows, snapshots stacked)``, in the order the groups and their
-        calls were first seen; the groups are dropped as they are given."""
+        """Each group as ``(key, rows, snapshots stacked)``, in order, dropped as given."""
         groups, self._groups, self._held = self._groups, {}, 0
         for key, (rows, snapshots) in groups.items():
             yield key, rows, torch.stack(snapshots)
