@@ -86,8 +86,7 @@ def stacked_feature_stats(x: torch.Tensor) -> torch.Tensor:
     if flat.device.type in SIGN_COUNTS:
         low, high = flat.amin(1), flat.amax(1)
         finite = torch.nan_to_num(torch.sign(torch.inf - magnitude), nan=0.0).sum(1, dtype=f32)
-        nonzero = torch.sign(torch.nan_to_num(magnitude, nan=1.0)).sum(1, dtype=f32)
-        zeros = numel - nonzero
+        zeros = numel - torch.sign(torch.nan_to_num(magnitude, nan=1.0)).sum(1, dtype=f32)
     else:
         low, high = torch.aminmax(flat, dim=1)
         finite = torch.lt(magnitude, torch.inf).sum(1, dtype=f32)  # not NaN / Inf
