@@ -281,6 +281,9 @@ class HookRegistry(HookOwner):
             return False
         return True
 
+    def _name(self, module: nn.Module) -> str:
+        return self._names.get(id(module)) or type(module).__name__
+
     def guarded(self, fn: F, where: str) -> F:
         """``fn`` wrapped by the registry's guard, for hooks the registry does not own."""
         return fn if self.guard is None else self.guard.wrap(fn, where)
@@ -314,8 +317,7 @@ class HookRegistry(HookOwner):
         self, module: nn.Module, hook: Callable[..., Any], gated: bool, pre: bool, **options: bool
     ) -> RemovableHandle | None:
         # the caller checked hookable(): its warning's stack level counts from there
-        name = self._names.get(id(module)) or type(module).__name__
-        where = f"forward {'pre-hook' if pre else 'hook'} on {name!r}"
+        where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
         if gated:
             return self.gated_hook(module, self._gated(hook, where), pre=pre, **options)
         register = module.register_forward_pre_hook if pre else module.register_forward_hook
