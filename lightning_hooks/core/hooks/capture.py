@@ -52,14 +52,13 @@ def capture_outputs(
 
     Args:
         model: the model to record from.
-        layers: qualified module names or glob patterns (``"layer4"``, ``"encoder.*"``); each
-            must match some module, or the error lists the closest real names.
+        layers: qualified module names or glob patterns (``"layer4"``, ``"encoder.*"``).
         detach: store ``output.detach()`` (``False``: keep the graph, for a feature loss).
         clone: store a copy: a detached output shares memory with the activation, which an
             in-place op after the layer (``ReLU(inplace=True)``) changes.
 
     Raises:
-        ValueError: a name or pattern matches no module of the model.
+        ValueError: a name or pattern matches no module (the error lists the closest names).
 
     Example:
         >>> import torch
