@@ -56,12 +56,9 @@ def real(
     high_open: bool = False,
 ) -> float:
     """``value`` as a finite ``float`` in ``[low, high]`` (``low_open``, ``high_open``: exclude)."""
-    bounds = []
-    if low > -math.inf:
-        bounds.append(f"{'>' if low_open else '>='} {low}")
-    if high < math.inf:
-        bounds.append(f"{'<' if high_open else '<='} {high}")
-    kind = "a finite real" + (" " + " and ".join(bounds) if bounds else "")
+    bounds = [f"{'>' if low_open else '>='} {low}"] if low > -math.inf else []
+    bounds += [f"{'<' if high_open else '<='} {high}"] if high < math.inf else []
+    kind = f"a finite real {' and '.join(bounds)}".rstrip()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _fail(owner, name, value, kind, TypeError)
     number = float(value)

@@ -31,15 +31,8 @@ __all__ = [
 
 
 class HostMailbox:
-    """A small device tensor copied to host memory without blocking, read on a later call.
-
-    On CUDA the host buffer is pinned, the copy ``non_blocking`` and an event marks its end; on
-    the CPU the copy is the read. Reads go through a numpy view made once (no torch call).
-
-    Args:
-        shape: the shape of the tensors posted (the largest).
-        device: where they live.
-        dtype: their dtype."""
+    """A small device tensor copied to pinned host memory without blocking (an event marks the
+    end of the copy on CUDA), read on a later call through a numpy view made once."""
 
     def __init__(
         self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32
@@ -49,14 +42,14 @@ class HostMailbox:
         self._event = torch.cuda.Event() if self._cuda else None  # type: ignore[no-untyped-call]
         self._meta: Any = None
         self._allocate(shape)
-        self.pending = False  # a posted value not read yet
+        self.pending = False
 
     def _allocate(self, shape: tuple[int, ...]) -> None:
         self._view: np.ndarray
         if self._cuda:
             self._host = torch.zeros(shape, dtype=self._dtype, pin_memory=True)
             self._view = self._host.numpy()
-        else:  # host memory both ways: numpy's buffer, seen by torch
+        else:  # host memory both ways: numpy's buffer, seen by torch (no Tensor.numpy call)
             dtype = np.dtype(str(self._dtype).removeprefix("torch."))
             self._view = np.zeros(shape, dtype=dtype)
             self._host = torch.from_numpy(self._view)
@@ -70,17 +63,16 @@ class HostMailbox:
 
     def reserve(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
         """The host views for values of ``shape``, made once (reserve ahead: a post makes none)."""
-        slot = self._slots.get(shape)
-        if slot is None:
-            count = math.prod(shape)
-            if count > self._host.numel():
-                unread = self._slot  # a pending value stays in the old buffer until read
-                self._allocate((count,))
-                self._slot = unread
-            host = self._host.view(-1)[:count].view(shape)
-            view = self._view.reshape(-1)[:count].reshape(shape)
-            slot = self._slots[shape] = (host, view)
-        return slot
+        if shape in self._slots:
+            return self._slots[shape]
+        count = math.prod(shape)
+        if count > self._host.numel():
+            unread = self._slot  # a pending value stays in the old buffer until read
+            self._allocate((count,))
+            self._slot = unread
+        host = self._host.view(-1)[:count].view(shape)
+        self._slots[shape] = (host, self._view.reshape(-1)[:count].reshape(shape))
+        return self._slots[shape]
 
     def post(self, value: torch.Tensor, meta: Any = None) -> None:
         """Start copying ``value`` to the host; ``meta`` comes back with it from :meth:`read`."""
@@ -117,11 +109,7 @@ _ROW_SPACE = 1 << 24
 
 class FirstNonFinite:
     """Which row (a module, in execution order) first produced NaN / Inf, and at which step:
-    kept on the device (no host sync), polled through a :class:`HostMailbox` without waiting (on
-    CUDA at most one step late).
-
-    Args:
-        device: the device the hooks run on.
+    kept on ``device`` (no host sync), polled without waiting (on CUDA at most one step late).
 
     Example:
         >>> watch = FirstNonFinite(torch.device("cpu"))
@@ -248,22 +236,20 @@ def combine_partials(gathered: torch.Tensor, num_sums: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """The process group over which every tracked parameter is sharded (FSDP2 ``DTensor``):
-    shard-local partials made exact by ONE collective over it (not the HSDP replicas).
-
-    Build it with :meth:`from_params`. Supported, else ``ValueError``: every parameter sharded
-    along the same one mesh dimension (FSDP2) and replicated along any other (HSDP).
-
-    Attributes:
-        group: the shard group.
-        ranks: its global ranks."""
+    """The process group (``group``, of global ``ranks``) over which every tracked parameter is
+    sharded (FSDP2 ``DTensor``): shard-local partials made exact by one collective over it.
+    Built by :meth:`from_params`."""
 
     group: Any = field(compare=False)
     ranks: tuple[int, ...]
 
     @classmethod
     def from_params(cls, params: Sequence[torch.Tensor]) -> ShardPlan | None:
-        """The plan of ``params``, ``None`` if none is a ``DTensor``."""
+        """The plan of ``params``, ``None`` if none is a ``DTensor``.
+
+        Raises:
+            ValueError: the parameters are not all sharded along the same one mesh dimension
+                (FSDP2) and replicated along any other (HSDP)."""
         sharded = [isinstance(p, _DTENSOR) for p in params]
         if not any(sharded):
             return None
@@ -283,11 +269,6 @@ class ShardPlan:
             )
         return plans.pop()
 
-    @property
-    def size(self) -> int:
-        """Number of shards."""
-        return len(self.ranks)
-
     def reduce(
         self,
         *,
@@ -301,7 +282,7 @@ class ShardPlan:
         num_sums = len(columns)
         columns += [m.float() for m in maxima]
         packed = torch.stack(columns, dim=1)
-        if self.size > 1:
+        if len(self.ranks) > 1:
             packed = combine_partials(all_gather_stacked(packed, self.group), num_sums)
         out = list(packed.unbind(1))
         k = len(norms)
@@ -309,7 +290,7 @@ class ShardPlan:
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (counts of the local shard) summed over the shard group (a new tensor)."""
-        if self.size == 1:
+        if len(self.ranks) == 1:
             return tensor
         out = tensor.clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)

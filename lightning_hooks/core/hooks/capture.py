@@ -31,8 +31,7 @@ def _apply(output: Any, fn: Any) -> Any:
 
 def _keeper(name: str, store: dict[str, Any], detach: bool, clone: bool) -> Any:
     def keep(tensor: torch.Tensor) -> torch.Tensor:
-        if detach:
-            tensor = tensor.detach()
+        tensor = tensor.detach() if detach else tensor
         return tensor.clone() if clone else tensor
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -53,15 +52,13 @@ def capture_outputs(
 
     Args:
         model: the model to record from.
-        layers: qualified module names or glob patterns (``"layer4"``, ``"encoder.*"``); each
-            must match some module, or the error lists the closest real names.
-        detach: store ``output.detach()`` (``False``: outputs stay in the graph, for a feature
-            loss).
+        layers: qualified module names or glob patterns (``"layer4"``, ``"encoder.*"``).
+        detach: store ``output.detach()`` (``False``: keep the graph, for a feature loss).
         clone: store a copy: a detached output shares memory with the activation, which an
             in-place op after the layer (``ReLU(inplace=True)``) changes.
 
     Raises:
-        ValueError: a name or pattern matches no module of the model.
+        ValueError: a name or pattern matches no module (the error lists the closest names).
 
     Example:
         >>> import torch

@@ -1,12 +1,4 @@
-"""The guard: an error in one of our hooks disables that statistic, never the user's run.
-
-A :class:`Guard` belongs to one statistic. Its first caught exception marks it failed and warns
-once (a :class:`~lightning_hooks.errors.LightningHooksWarning` naming the statistic, the hook
-and the cause); the owner removes its hooks at the next safe point (a Lightning hook, not
-mid-autograd). In a multi-process run it is *deferred* (:attr:`Guard.defer`): the hooks keep
-running, so this rank issues every collective the others do, until the ranks
-:meth:`Guard.settle` at the same step. With ``strict`` (or ``LIGHTNING_HOOKS_STRICT=1``) the
-exception propagates, as :class:`~lightning_hooks.errors.LightningHooksError` always does."""
+"""The guard: an error in one of our hooks disables that statistic, never the user's run."""
 
 from __future__ import annotations
 
@@ -36,24 +28,18 @@ def strict_default() -> bool:
 
 
 class Guard:
-    """Catches the exceptions of one statistic's hooks (see the module docstring).
-
-    Args:
-        name: the statistic, as the warning names it (``"GradFlowCallback"``).
-        strict: re-raise instead of disabling; ``None``: :func:`strict_default`.
-
-    Attributes:
-        failed: ``None`` while healthy, else ``"where: ErrorType: message"`` of the first error.
-        pending: a failure whose hooks the owner has not removed yet (see :meth:`take_pending`).
-        defer: record a failure in :attr:`local` instead of disabling (multi-process runs).
-        local: with :attr:`defer`, this rank's first error not yet agreed by the ranks.
-        disabled_step: the step at which the owner disabled the statistic (set by the owner)."""
+    """Catches the exceptions of the hooks of statistic ``name``: the first marks it
+    :attr:`failed` and warns once; the owner removes its hooks at the next safe point (a
+    Lightning hook). With :attr:`defer` (several processes) the hooks keep running, the error
+    kept in :attr:`local`, until the ranks :meth:`settle` at one step. A ``strict`` guard
+    (``None``: :func:`strict_default`) re-raises, as it always does for
+    :class:`~lightning_hooks.errors.LightningHooksError`."""
 
     def __init__(self, name: str, *, strict: bool | None = None) -> None:
         self.name = name
         self.strict = strict_default() if strict is None else bool(strict)
-        self.failed: str | None = None
-        self.pending = False
+        self.failed: str | None = None  # "where: ErrorType: message" of the first error
+        self.pending = False  # a failure whose hooks the owner has not removed yet
         self.defer = False
         self.local: str | None = None
         self.disabled_step: int | None = None
@@ -96,8 +82,7 @@ class Guard:
         return pending
 
     def wrap(self, fn: F, where: str) -> F:
-        """``fn`` with its exceptions handled by :meth:`fail` (returns ``None`` after one);
-        a strict guard returns ``fn`` itself."""
+        """``fn`` with its exceptions handled by :meth:`fail` (``fn`` itself when strict)."""
         if self.strict:
             return fn
 

@@ -1,6 +1,5 @@
 """The hook registry: the one owner of every hook handle the library creates, and its gated
-hooks, put on their modules only for logging steps and run outside the attention capture's
-torch-function mode (:func:`outside_shelved`)."""
+hooks, put on their modules only for logging steps."""
 
 from __future__ import annotations
 
@@ -21,25 +20,14 @@ from lightning_hooks.core.hooks.guard import Guard, active_guard
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = [
-    "Gated",
-    "GatedHandle",
-    "HookOwner",
-    "HookRegistry",
-    "ShelvedMode",
-    "is_compiled",
-    "outside_shelved",
-    "plain_layers",
-    "unhookable_modules",
-]
+__all__ = ["Gated", "HookOwner", "HookRegistry", "ShelvedMode", "plain_layers"]
 
 ForwardHook = Callable[[nn.Module, Any, Any], Any]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def unhookable_modules(model: nn.Module) -> dict[int, str]:
-    """``id(module) -> name`` of every module whose Python hooks never run: a
-    ``torch.jit.script``/``trace`` module and everything inside it."""
+def _unhookable_modules(model: nn.Module) -> dict[int, str]:
+    """``id(module) -> name`` of every ``torch.jit`` module and everything inside it."""
     found: dict[int, str] = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.jit.ScriptModule) and id(module) not in found:
@@ -48,7 +36,7 @@ def unhookable_modules(model: nn.Module) -> dict[int, str]:
     return found
 
 
-def is_compiled(model: nn.Module) -> bool:
+def _is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` or one of its modules is compiled (``torch.compile``, in place by
     ``module.compile()``, or unwrapped by Lightning from ``torch.compile(model)``)."""
     dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
@@ -62,18 +50,13 @@ def is_compiled(model: nn.Module) -> bool:
 
 
 class ShelvedMode(TorchFunctionMode):
-    """A mode of this library that its gated hooks run outside of (:func:`outside_shelved`)."""
+    """A mode of this library that its gated hooks run outside of."""
 
 
-def outside_shelved(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, with the innermost torch-function mode popped while it runs when that mode
-    is a :class:`ShelvedMode` (not while compiling: Dynamo traces the hook)."""
-    if torch.compiler.is_compiling():
-        return fn(*args)
-    depth = torch._C._len_torch_function_stack()
-    if not depth:
-        return fn(*args)
-    mode = torch._C._get_function_stack_at(depth - 1)
+def _outside_shelved(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with an innermost :class:`ShelvedMode` popped (not while compiling)."""
+    depth = 0 if torch.compiler.is_compiling() else torch._C._len_torch_function_stack()
+    mode = torch._C._get_function_stack_at(depth - 1) if depth else None
     if not isinstance(mode, ShelvedMode):
         return fn(*args)
     torch._C._pop_torch_function_stack()
@@ -113,9 +96,8 @@ class Gated(NamedTuple):
             getattr(module, flag).pop(key, None)
 
 
-class GatedHandle(RemovableHandle):
-    """The handle of an installed :class:`Gated` hook: :meth:`remove` takes it off until its
-    registry installs it again on the next logging step (unless the registry was removed)."""
+class _GatedHandle(RemovableHandle):
+    """The handle of an installed :class:`Gated` hook, until the next logging step."""
 
     def __init__(self, gated: Gated) -> None:
         self.gated = gated
@@ -154,8 +136,7 @@ def plain_layers() -> Callable[[nn.Module], bool]:
 
 
 class HookOwner:
-    """Base of the core's trackers: each owns a :class:`HookRegistry` and is a context manager
-    that removes every hook on exit, also when the loop raises."""
+    """Base of the core's trackers: a context manager that removes its registry's hooks."""
 
     registry: HookRegistry
 
@@ -171,7 +152,7 @@ class HookOwner:
 
 
 class HookRegistry(HookOwner):
-    """Registers module, parameter and optimizer hooks and removes every one of them.
+    """Registers module and optimizer hooks and removes every one of them.
 
     Use it as a context manager, or call :meth:`remove` from every exit path. Module hooks
     registered with ``gated=True`` run only while :attr:`sampled` is true (set it before a
@@ -201,18 +182,17 @@ class HookRegistry(HookOwner):
         self._handles: list[RemovableHandle] = []
         self._gated_hooks: list[Gated] = []
         self.__dict__["sampled"] = True  # (see sampled)
-        self.fixed = is_compiled(model)
+        self.fixed = _is_compiled(model)
         """Whether the gated hooks stay installed on every step (``torch.compile``)."""
         self.guard = guard if guard is not None else active_guard()
         """Catches the hooks' exceptions (default: the guard of the running callback hook)."""
-        self._unhookable = unhookable_modules(model)
+        self._unhookable = _unhookable_modules(model)
         self._names = {id(module): name for name, module in model.named_modules()}
         self._warned_unhookable = False
 
     sampled: bool
-    """Whether the current step is measured: the gated hooks run only while ``True``. A plain
-    attribute to read (a quiet step calls nothing of the registry); setting it puts the gated
-    hooks on their modules or takes them off."""
+    """Whether the gated hooks run (a logging step); setting it puts them on their modules or
+    takes them off. A plain attribute to read: a quiet step calls nothing of the registry."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "sampled":
@@ -221,10 +201,8 @@ class HookRegistry(HookOwner):
             object.__setattr__(self, name, value)
 
     def _gate(self, value: bool) -> None:
-        if value == self.sampled:
-            return
-        self.__dict__["sampled"] = value
-        if self.fixed:
+        changed, self.__dict__["sampled"] = value != self.sampled, value
+        if not changed or self.fixed:
             return
         if value:
             for gated in self._gated_hooks:
@@ -239,9 +217,8 @@ class HookRegistry(HookOwner):
     def gated_hook(
         self, module: nn.Module, hook: Callable[..., Any], *, pre: bool, **options: bool
     ) -> RemovableHandle | None:
-        """A module hook (``pre``: a forward pre-hook), already guarded and gated, that runs
-        only on logging steps, with ``register_forward_(pre_)hook``'s ``options``. Returns the
-        handle while it is installed, else ``None``."""
+        """A guarded, gated module hook (``pre``: a forward pre-hook) with the ``options`` of
+        ``register_forward_(pre_)hook``; its handle while it is installed, else ``None``."""
         key = RemovableHandle.next_id  # an id no handle takes
         RemovableHandle.next_id += 1
         table = "_forward_pre_hooks" if pre else "_forward_hooks"
@@ -253,7 +230,7 @@ class HookRegistry(HookOwner):
         if not (self.sampled or self.fixed):
             return None
         gated.install()
-        return GatedHandle(gated)
+        return _GatedHandle(gated)
 
     @property
     def model(self) -> nn.Module:
@@ -308,8 +285,7 @@ class HookRegistry(HookOwner):
         return self._names.get(id(module)) or type(module).__name__
 
     def guarded(self, fn: F, where: str) -> F:
-        """``fn`` wrapped by the registry's guard (itself when there is none or it is strict),
-        for hooks the registry does not own (on per-step tensors)."""
+        """``fn`` wrapped by the registry's guard, for hooks the registry does not own."""
         return fn if self.guard is None else self.guard.wrap(fn, where)
 
     def _add(self, handle: RemovableHandle) -> RemovableHandle:
@@ -349,23 +325,18 @@ class HookRegistry(HookOwner):
 
     def _gated(self, hook: Callable[..., Any], where: str) -> Callable[..., Any]:
         guard = self.guard
-        if guard is None or guard.strict:
 
-            def gated(*args: Any) -> Any:
-                return outside_shelved(hook, *args) if self.sampled else None
-
-            return gated
-
-        # One closure for both: the guarded path adds no Python call per hook.
-        def gated_guarded(*args: Any) -> Any:
+        def gated(*args: Any) -> Any:  # the guard inline: no Python call of ours per hook
             if self.sampled:
                 try:
-                    return outside_shelved(hook, *args)
+                    return _outside_shelved(hook, *args)
                 except Exception as error:
-                    guard.fail(where, error)
+                    if guard is None:
+                        raise
+                    guard.fail(where, error)  # a strict guard re-raises
             return None
 
-        return gated_guarded
+        return gated
 
     def optimizer_step_post_hook(
         self, optimizer: torch.optim.Optimizer, hook: Callable[..., None]

@@ -1,9 +1,7 @@
 """Choose which modules of a model to instrument, by type and by qualified-name pattern.
 
-A type counts the activation classes of Hugging Face and timm, which do not subclass the torch
-ones: :data:`KNOWN_ACTIVATIONS` maps each, by defining module and class name (nothing is
-imported), to the torch class computing the same function, so ``types=nn.GELU`` selects every
-GELU."""
+A type counts the Hugging Face and timm activations that compute as it (:data:`KNOWN_ACTIVATIONS`,
+by defining module and class name, nothing imported): ``types=nn.GELU`` selects every GELU."""
 
 from __future__ import annotations
 
@@ -113,12 +111,12 @@ def as_patterns(patterns: Patterns, argument: str = "include") -> tuple[str, ...
         return ()
     if isinstance(patterns, str):
         return (patterns,)
-    expected = "a glob pattern (str), a sequence of them, or None"
+    expected = f"{argument}: must be a glob pattern (str), a sequence of them, or None, got"
     if not isinstance(patterns, Sequence):
-        raise TypeError(f"{argument}: must be {expected}, got {patterns!r}")
+        raise TypeError(f"{expected} {patterns!r}")
     for p in patterns:
         if not isinstance(p, str):
-            raise TypeError(f"{argument}: must be {expected}, got {p!r} ({type(p).__name__})")
+            raise TypeError(f"{expected} {p!r} ({type(p).__name__})")
     return tuple(patterns)
 
 
@@ -135,17 +133,11 @@ def _as_types(owner: str, types: ModuleTypes) -> tuple[type[nn.Module], ...] | N
 
 @dataclass(frozen=True)
 class Selection:
-    """Which modules of a model a callback watches: types, and name patterns to keep and drop.
+    """Which modules of a model a callback watches, as :func:`select_modules` takes them.
 
     Made with :meth:`of`, which validates the arguments once; its errors and those of
-    :meth:`modules` name the argument the user passed.
-
-    Attributes:
-        owner: the public class the arguments were passed to (for error messages).
-        types: module types to keep (``None``: any).
-        include: glob patterns on qualified names to keep (empty: every name).
-        exclude: glob patterns on qualified names to drop.
-        arguments: the user-facing names of ``include`` and ``exclude``.
+    :meth:`modules` name ``owner`` and the user's names of ``include`` and ``exclude``
+    (``arguments``).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
@@ -202,7 +194,7 @@ class Selection:
 
 def _check_patterns(patterns: tuple[str, ...], names: Sequence[str], argument: str) -> None:
     for pattern in patterns:
-        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+        if not any(_matches(name, (pattern,)) for name in names):
             plain = pattern.replace("*", "").replace("?", "").strip(".")
             closest = difflib.get_close_matches(plain, names, n=5, cutoff=0.0)
             close = ", ".join(repr(c) for c in closest) or "(the model has none)"
@@ -221,13 +213,12 @@ def _plain_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
-def _is_compiled_wrapper(module: nn.Module) -> bool:
+def _is_compiled_wrapper(module: nn.Module) -> bool:  # a submodule compiled in place
     return isinstance(getattr(module, "_orig_mod", None), nn.Module)
 
 
 def compiled_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(eager_name, wrapper)`` of each submodule of ``model`` compiled in place
-    (``model.net = torch.compile(model.net)``): its eager name, without ``_orig_mod``."""
+    """``(eager_name, wrapper)`` of each submodule of ``model`` compiled in place."""
     return [
         (_plain_name(name), module)
         for name, module in model.named_modules()
@@ -246,16 +237,16 @@ def select_modules(
 ) -> list[tuple[str, nn.Module]]:
     """Return ``(qualified_name, module)`` pairs of ``model`` to instrument, in registration order.
 
-    The root is never returned; a shared module once, under its first name. A submodule compiled
-    in place keeps its eager names (no ``_orig_mod`` segment, the wrapper skipped).
+    The root is never returned; a shared module once, under its first name; a submodule compiled
+    in place under its eager names (the wrapper skipped).
 
     Args:
         model: the model to search.
         types: keep only instances of these types, or third-party activations that compute as
             one (:data:`KNOWN_ACTIVATIONS`).
         include: glob patterns (``fnmatch``, e.g. ``"encoder.*"``) on qualified names; when given,
-            keep only modules matching one. Each pattern must match some module.
-        exclude: glob patterns; drop modules matching any. Each pattern must match some module.
+            keep only modules matching one.
+        exclude: glob patterns; drop modules matching any.
         where: an extra predicate ``(name, module) -> bool``.
         arguments: how errors name ``include`` and ``exclude`` (the user's argument names).
 

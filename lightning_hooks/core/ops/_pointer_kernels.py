@@ -1,5 +1,4 @@
-"""The Triton kernels of :mod:`.pointer_norms`, imported only when used (Triton ships with
-PyTorch's CUDA wheels only)."""
+"""The Triton kernels of :mod:`.pointer_norms`, imported only when used."""
 
 import triton
 import triton.language as tl

@@ -1,7 +1,5 @@
-"""Pure functions: summary statistics of one module output, and of many pooled together.
-
-One output gives a float32 vector of :data:`FEATURE_STATS`; sums over many outputs (an epoch's
-batches) pool exactly into mean and std, ``min`` and ``max`` pool with min and max."""
+"""Pure functions: a float32 vector of :data:`FEATURE_STATS` per module output, and the statistics
+of many pooled together (sums add, ``min`` and ``max`` pool with min and max)."""
 
 from __future__ import annotations
 
@@ -32,17 +30,15 @@ FEATURE_STATS = ("sum", "sum_sq", "sum_abs", "zeros", "nonfinite", "numel", "min
 NUM_SUMS = 6
 
 CHUNK = 1 << 19
-"""Elements :func:`feature_stats` reads at a time on the CPU (2 MiB in float32): the passes after
-the first find the piece in cache."""
+"""Elements :func:`feature_stats` reads at a time on the CPU (2 MiB in float32: stays in cache)."""
 
 
 @torch.no_grad()
 def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
     """``[8]`` float32 statistics of a non-empty tensor, in the order of :data:`FEATURE_STATS`.
 
-    Six reading passes a piece at a time, no host sync; counts are float32 sums of 0.0 / 1.0
-    (exact up to 2**24 a piece), fp16 / bf16 summed in float32 without a copy. NaN propagates into
-    every entry but ``zeros``, ``nonfinite`` and ``numel``. Temporaries reuse ``workspace``.
+    Six reading passes a piece at a time, no host sync, temporaries in ``workspace``. NaN
+    propagates into every entry but ``zeros``, ``nonfinite`` and ``numel``.
 
     Example:
         >>> feature_stats(torch.tensor([-1.0, 0.0, 2.0, 0.0])).tolist()
@@ -50,9 +46,8 @@ def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.
     """
     flat = x.detach().reshape(-1)
     n = flat.numel()
-    ws = workspace or Workspace()
     chunk = piece_size(x.device, CHUNK)
-    scratch = ws.get(min(n, chunk), x.dtype, x.device)
+    scratch = (workspace or Workspace()).get(min(n, chunk), x.dtype, x.device)
     if n <= chunk:
         return _piece_stats(flat, scratch)
     pieces = torch.stack([_piece_stats(flat[i : i + chunk], scratch) for i in range(0, n, chunk)])
@@ -69,27 +64,15 @@ def _piece_stats(flat: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     zeros = torch.eq(flat, 0, out=buf).sum(dtype=f32)
     square = torch.linalg.vector_norm(flat, 2, dtype=f32).square()
     numel = finite.new_full((), flat.numel())
-    return torch.stack(
-        [
-            flat.sum(dtype=f32),
-            square,
-            sum_abs,
-            zeros,
-            numel - finite,
-            numel,
-            low.to(f32),
-            high.to(f32),
-        ]
-    )
+    sums = [flat.sum(dtype=f32), square, sum_abs, zeros, numel - finite, numel]
+    return torch.stack([*sums, low.to(f32), high.to(f32)])
 
 
 STACKED = 1 << 16
-"""Elements: an output this small is copied and measured at the step's end with the others of
-its shape and dtype (:func:`stacked_feature_stats`), cheaper than its own 17 small ops."""
+"""Elements: an output this small is measured at the step's end with others (stacked)."""
 
 SIGN_COUNTS = frozenset({"cpu"})
-"""Devices where :func:`stacked_feature_stats` counts by sums of signs and takes min and max in
-two reductions (on the CPU, comparisons and a min-max along a dimension take slow paths)."""
+"""Devices where :func:`stacked_feature_stats` counts by sums of signs (comparisons are slow)."""
 
 
 @torch.no_grad()
@@ -103,8 +86,7 @@ def stacked_feature_stats(x: torch.Tensor) -> torch.Tensor:
     if flat.device.type in SIGN_COUNTS:
         low, high = flat.amin(1), flat.amax(1)
         finite = torch.nan_to_num(torch.sign(torch.inf - magnitude), nan=0.0).sum(1, dtype=f32)
-        nonzero = torch.sign(torch.nan_to_num(magnitude, nan=1.0)).sum(1, dtype=f32)
-        zeros = numel - nonzero
+        zeros = numel - torch.sign(torch.nan_to_num(magnitude, nan=1.0)).sum(1, dtype=f32)
     else:
         low, high = torch.aminmax(flat, dim=1)
         finite = torch.lt(magnitude, torch.inf).sum(1, dtype=f32)  # not NaN / Inf
@@ -118,18 +100,10 @@ def _one_pass_stats(x: torch.Tensor) -> torch.Tensor:
     # for torch.compile: every reduction reads the same input, so they fuse into one pass
     f = x.reshape(-1).float()
     absolute = f.abs()
-    return torch.stack(
-        [
-            f.sum(),
-            (f * f).sum(),
-            absolute.sum(),
-            (f == 0).float().sum(),
-            (~(absolute < torch.inf)).float().sum(),  # NaN and Inf
-            torch.full((), f.numel(), dtype=f.dtype, device=f.device),
-            f.amin(),
-            f.amax(),
-        ]
-    )
+    nonfinite = (~(absolute < torch.inf)).float().sum()  # NaN and Inf
+    numel = torch.full((), f.numel(), dtype=f.dtype, device=f.device)
+    sums = [f.sum(), (f * f).sum(), absolute.sum(), (f == 0).float().sum(), nonfinite, numel]
+    return torch.stack([*sums, f.amin(), f.amax()])
 
 
 @functools.cache
@@ -140,10 +114,8 @@ def _compiled() -> Callable[[torch.Tensor], torch.Tensor]:
 
 @torch.no_grad()
 def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
-    """:func:`feature_stats` compiled with ``torch.compile`` into one reading pass.
-
-    The first call compiles (seconds; again per new rank or dtype). A non-contiguous output
-    takes the eager :func:`feature_stats`, which reads it faster."""
+    """:func:`feature_stats` compiled into one reading pass (the first call compiles, again per
+    new rank or dtype); a non-contiguous output takes the eager one, which reads it faster."""
     if not x.is_contiguous():
         return feature_stats(x, workspace)
     return _compiled()(x.detach())  # a leaf: Dynamo would read a non-leaf's .grad
@@ -151,20 +123,10 @@ def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> 
 
 @dataclass(frozen=True)
 class FeatureSummary:
-    """Host-side statistics of each row's outputs, pooled over every element observed.
-
-    Attributes:
-        layers: row names (a module's qualified name, with a suffix for tuple / dict outputs).
-        mean: mean of the elements.
-        std: their standard deviation (Bessel-corrected, as ``torch.std``).
-        min: smallest element.
-        max: largest element.
-        abs_mean: mean of ``|x|``.
-        zero_fraction: fraction of elements exactly zero.
-        nonfinite: number of NaN / Inf elements.
-        numel: number of elements observed.
-        sum: sum of the elements.
-        sum_sq: sum of their squares."""
+    """Host-side statistics of each row's outputs, pooled over every element observed: one array
+    per statistic, a row per name of ``layers`` (a module's qualified name, with a suffix for
+    tuple / dict outputs). ``std`` is Bessel-corrected (as ``torch.std``), ``abs_mean`` the mean
+    of ``|x|``, ``nonfinite`` the count of NaN / Inf."""
 
     layers: tuple[str, ...]
     mean: np.ndarray

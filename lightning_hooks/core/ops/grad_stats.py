@@ -1,6 +1,5 @@
-"""Pure functions: per-layer gradient, weight and update statistics. Each reads every
-parameter's tensors in a few multi-tensor ops and reduces per layer (:class:`ParamLayout`) with
-``index_add_``: the op count does not grow with the parameters, and nothing is read back."""
+"""Pure functions: per-layer gradient, weight and update statistics, read in a few multi-tensor
+ops and reduced per layer (:class:`ParamLayout`) with ``index_add_``, nothing read back."""
 
 from __future__ import annotations
 
@@ -41,16 +40,15 @@ class ParamLayout:
     """Which layer each parameter belongs to.
 
     A layer is a module that owns parameters directly (a leaf, a container, or the model itself:
-    row :data:`ROOT`). Every parameter is listed, trainable or not (:meth:`subset` picks). A tied
-    parameter is listed once per owner; :attr:`first` marks the listing global figures count.
+    row :data:`ROOT`). Every parameter is listed, trainable or not (:meth:`subset` picks), a tied
+    one once per owner (``first``: whether a listing is the parameter's first, which global
+    figures count).
 
     Attributes:
-        layers: layer (owning module) names, in model order.
-        params: the parameters, grouped by layer (a shared one once per owner).
-        owner: layer index of each listed parameter, on the host.
-        index: ``owner`` as a tensor on the parameters' device.
-        numel: ``[layers]`` number of parameter elements per layer (float).
-        first: whether each listing is the parameter's first (the others repeat it)."""
+        layers: layer names, in model order.
+        params: the parameters, grouped by layer.
+        owner: layer index of each listed parameter; ``index``: the same on their device.
+        numel: ``[layers]`` number of parameter elements per layer (float)."""
 
     layers: tuple[str, ...]
     params: tuple[nn.Parameter, ...]
@@ -75,31 +73,20 @@ class ParamLayout:
             >>> ParamLayout.from_modules(list(net.named_children())).first
             (True, True, False, True)
         """
-        named = [(ROOT, root)] if root is not None else []
-        layers: list[str] = []
-        params: list[nn.Parameter] = []
-        index: list[int] = []
-        numel: list[int] = []
-        first: list[bool] = []
-        seen: set[int] = set()
-        for name, module in [*named, *modules]:
-            own = list(module.parameters(recurse=False))
-            if not own:
-                continue
-            index.extend([len(layers)] * len(own))
-            numel.append(sum(p.numel() for p in own))
-            first.extend(id(p) not in seen for p in own)
-            seen.update(id(p) for p in own)
-            layers.append(name)
-            params.extend(own)
+        named = [*([(ROOT, root)] if root is not None else []), *modules]
+        owned = [(n, own) for n, m in named if (own := list(m.parameters(recurse=False)))]
+        params = [p for _, own in owned for p in own]
+        index = [row for row, (_, own) in enumerate(owned) for _ in own]
+        firsts = {id(p): i for i, p in reversed(list(enumerate(params)))}
+        numel = [sum(p.numel() for p in own) for _, own in owned]
         device = params[0].device if params else torch.device("cpu")
         return cls(
-            layers=tuple(layers),
+            layers=tuple(name for name, _ in owned),
             params=tuple(params),
             owner=tuple(index),
             index=torch.tensor(index, dtype=torch.long, device=device),
             numel=torch.tensor(numel, dtype=torch.float32, device=device),
-            first=tuple(first),
+            first=tuple(firsts[id(p)] == i for i, p in enumerate(params)),
         )
 
     def subset(self, keep: Sequence[bool]) -> tuple[tuple[nn.Parameter, ...], torch.Tensor]:

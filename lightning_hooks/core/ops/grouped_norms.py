@@ -1,9 +1,7 @@
 """Reads of many tensors in a handful of ops: L2 norms (:class:`GroupedNorms`), ``|t|`` sums and
-maxima (:func:`abs_sum_max`), an update's typical size (:func:`typical_update`).
-
-Small tensors of one shape and dtype are stacked (one copy) and reduced along their rows: for a
-model's many small gradients ``_foreach_norm``'s host work per tensor is the whole cost. CPU norms
-equal ``_foreach_norm``'s bit for bit; CUDA's, within float32 rounding."""
+maxima (:func:`abs_sum_max`), an update's typical size (:func:`typical_update`). Small tensors of
+one shape and dtype are stacked and reduced along their rows: for many small gradients the host
+work per tensor of ``_foreach_norm`` is the whole cost."""
 
 from __future__ import annotations
 
@@ -39,13 +37,10 @@ _SumMax = tuple[torch.Tensor, torch.Tensor]
 
 
 class GroupedNorms:
-    """Reads the L2 norms of the gradients of fixed ``params``, in parameter order.
-
-    The groups are made once: the :data:`MAX_GROUPS` largest sets of non-scalar parameters of at
-    most :data:`SMALL` elements sharing shape, dtype and device, of at least :data:`MIN_GROUP`.
-
-    Args:
-        params: the parameters whose gradients each call reads, in order."""
+    """Reads the L2 norms of the gradients of fixed ``params``, in parameter order (on the CPU
+    bit for bit ``_foreach_norm``'s). The stacks are made once: the :data:`MAX_GROUPS` largest
+    sets, of at least :data:`MIN_GROUP`, of non-scalar parameters of at most :data:`SMALL`
+    elements sharing shape, dtype and device."""
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         kinds: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = {}
@@ -119,8 +114,7 @@ def plain_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor] | No
 
 
 def cpu_grouping(tensors: Sequence[torch.Tensor]) -> GroupedNorms | None:
-    """A :class:`GroupedNorms` for tensors of these shapes and dtypes, all on the CPU, made once
-    and kept, or ``None`` when they are elsewhere or none would be stacked."""
+    """A cached :class:`GroupedNorms` for these CPU tensors, ``None`` if none would be stacked."""
     if not tensors or set(map(_DEVICE, tensors)) != {_CPU}:
         return None
     key = (*map(_SHAPE, tensors), *map(_DTYPE, tensors))
@@ -137,8 +131,7 @@ def cpu_grouping(tensors: Sequence[torch.Tensor]) -> GroupedNorms | None:
 
 
 CHUNK = 1 << 20
-"""Elements of ``|g|`` :func:`abs_sum_max` writes at a time on the CPU (4 MiB in float32: stays in
-cache)."""
+"""Elements of ``|g|`` :func:`abs_sum_max` writes at a time on the CPU (stays in cache)."""
 
 _MULTI_TENSOR = 1 << 14  # up to this size, one multi-tensor call: small heap allocations
 
@@ -146,15 +139,11 @@ _MULTI_TENSOR = 1 << 14  # up to this size, one multi-tensor call: small heap al
 def abs_sum_max(
     tensors: Sequence[torch.Tensor], workspace: Workspace | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[len(tensors)]`` sums and maxima of ``|t|`` (float32, float64's summed in float64; an
-    empty tensor gives 0 and 0; NaN propagates). Small tensors take two multi-tensor norms (L1 and
-    L-inf); a larger one is read in pieces of :data:`CHUNK` through one buffer of ``workspace``
-    (pass the same one every step: a fresh gradient-sized ``|g|`` page-faults on every step)."""
-    ws = workspace or Workspace()
-    grouping = cpu_grouping(tensors)
-    if grouping is not None:
-        return grouping.abs_sum_max(tensors, ws)
-    return _abs_sum_max(tensors, ws)
+    """``[len(tensors)]`` float32 sums and maxima of ``|t|`` (float64's summed in float64; an
+    empty tensor gives 0 and 0; NaN propagates). A large tensor is read in pieces of
+    :data:`CHUNK` through one buffer of ``workspace`` (pass the same one every step)."""
+    ws, grouping = workspace or Workspace(), cpu_grouping(tensors)
+    return _abs_sum_max(tensors, ws) if grouping is None else grouping.abs_sum_max(tensors, ws)
 
 
 def _abs_sum_max(
@@ -203,9 +192,8 @@ def typical_update(
     grads: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """The median ``|after - before|`` over a strided sample of about 1,024 entries per tensor
-    (no host sync): a typical coordinate's update, which a poisoned second moment shrinks while a
-    few coordinates keep the norm up. With ``grads`` (those the step applied) only entries with a
-    nonzero gradient count: dead units stop moving by design."""
+    (no host sync): a typical coordinate's update. With ``grads`` (those the step applied) only
+    entries with a nonzero gradient count: dead units stop moving by design."""
     picks = []
     groups: dict[tuple[object, ...], list[int]] = {}
     for i, (old, new) in enumerate(zip(before, after, strict=True)):
@@ -234,8 +222,7 @@ def _stackable(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None) 
 def _pick(
     old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None, masked: bool
 ) -> torch.Tensor:
-    """``|new - old|`` in float32 over about :data:`_TYPICAL_SAMPLE` strided entries of the last
-    dimension; NaN where ``grad`` is zero, and everywhere when ``masked`` without a gradient."""
+    """Strided ``|new - old|``; NaN where ``grad`` is zero (everywhere if ``masked`` without)."""
     stride = max(1, new.shape[-1] // _TYPICAL_SAMPLE)
     pick = torch.sub(new[..., ::stride], old[..., ::stride]).float().abs_()
     if grad is not None:

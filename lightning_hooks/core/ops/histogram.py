@@ -33,8 +33,7 @@ def bin_counts(
     and ``bincount``, no host sync, deterministic (unlike ``torch.histc``). Bucket ``i`` holds
     ``[inner[i - 1], inner[i])``, the first and last are open-ended."""
     flat = x.detach().reshape(-1)
-    if scale == "log10":
-        flat = flat.abs().float()
+    flat = flat.abs().float() if scale == "log10" else flat
     values = flat.clamp_min(1e-38).log10() if scale == "log10" else flat
     bucket = torch.bucketize(values, inner.to(values.dtype), right=True)
     spill = out.shape[0]  # non-finite entries go to a bucket past the end, then dropped
@@ -53,8 +52,7 @@ def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> t
 
 @dataclass(frozen=True)
 class LayerHistogram:
-    """One layer's counts on the host; ``limits[i]``: bucket ``i``'s right edge (log10 scale:
-    in ``log10 |x|``)."""
+    """One layer's counts on the host; ``limits[i]``: bucket ``i``'s right edge."""
 
     limits: np.ndarray
     counts: np.ndarray
@@ -66,13 +64,9 @@ class LayerHistogram:
 
 
 class LayerHistograms:
-    """``[layers, buckets]`` counts of ``log10 |x|`` (or ``x``) over the tensors of each layer.
-
-    Args:
-        num_layers: rows.
-        edges: inner bucket edges (ascending); default :data:`LOG10_EDGES`.
-        device: where the counts live.
-        scale: ``"log10"`` (default) bins ``log10 |x|``, ``"linear"`` bins ``x``.
+    """``[num_layers, buckets]`` counts of ``log10 |x|`` (``scale="linear"``: ``x``) over the
+    tensors of each layer, on ``device``, between ascending inner ``edges`` (default
+    :data:`LOG10_EDGES`).
 
     Example:
         >>> hist = LayerHistograms(2, edges=torch.tensor([-1.0, 0.0, 1.0]))
@@ -90,10 +84,9 @@ class LayerHistograms:
         device: torch.device | str | None = None,
         scale: Scale = "log10",
     ) -> None:
-        edges = LOG10_EDGES if edges is None else edges
         self.scale: Scale = scale
-        self.edges = edges.to(device=device, dtype=torch.float32)
-        self.counts = torch.zeros(num_layers, len(edges) + 1, device=device)
+        self.edges = (LOG10_EDGES if edges is None else edges).to(device, torch.float32)
+        self.counts = torch.zeros(num_layers, len(self.edges) + 1, device=device)
 
     @torch.no_grad()
     def update(self, tensors: list[torch.Tensor], rows: list[int]) -> None:

@@ -1,15 +1,11 @@
 """Each gradient's L2 norm in two Triton kernels that find the tensors through a table of their
-addresses: the quiet step's read without ``_foreach_norm``'s per-tensor host work.
-
-The address table is written on the host each step (``zero_grad(set_to_none=True)`` moves the
-gradients); the spans are built once. Launch one sums squares in float32 over spans of
-:data:`SPAN`; launch two adds each tensor's spans in order and rounds the root as
-``_foreach_norm`` does. No atomics: the same gradients give the same bits. Opt-in
-(``AlarmRules(quiet_read="triton")``); Triton is imported on first use."""
+addresses (written each step: ``zero_grad(set_to_none=True)`` moves the gradients), without
+``_foreach_norm``'s per-tensor host work. No atomics: the same gradients give the same bits."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -41,11 +37,8 @@ def _kernels() -> tuple[Any, Any]:
 
 
 class PointerNorms:
-    """The L2 norms of the gradients of ``params``, as ``torch.stack(torch._foreach_norm(g))``
-    gives them (float32), in two kernel launches whatever the number of tensors.
-
-    Args:
-        params: the parameters whose gradients :meth:`__call__` reads, in that order.
+    """The float32 L2 norms of the gradients of ``params``, as ``_foreach_norm`` gives them, in
+    two launches: one sums squares over spans of :data:`SPAN`, one adds each tensor's spans.
 
     Raises:
         ValueError: the parameters are not all of one dtype among float32, bfloat16 and
@@ -61,20 +54,16 @@ class PointerNorms:
         self.device = next(iter(devices))
         self._kind = _DTYPES.index(next(iter(dtypes)))  # the kernels' constexpr
         numels = [p.numel() for p in params]
-        owner, begin, end, first = [], [], [], [0]
-        for t, n in enumerate(numels):
-            spans = math.ceil(n / SPAN)
-            owner += [t] * spans
-            begin += [s * SPAN for s in range(spans)]
-            end += [min(n, (s + 1) * SPAN) for s in range(spans)]
-            first.append(first[-1] + spans)
+        spans = [(t, s, min(n, s + SPAN)) for t, n in enumerate(numels) for s in range(0, n, SPAN)]
+        first = [0, *itertools.accumulate(math.ceil(n / SPAN) for n in numels)]
         self._pin = self.device.type == "cuda"
         # pinned and copied without blocking: building it makes no host sync either
-        table = torch.tensor([owner, begin, end], dtype=torch.int64, pin_memory=self._pin)
+        columns = [[span[i] for span in spans] for i in range(3)]
+        table = torch.tensor(columns, dtype=torch.int64, pin_memory=self._pin)
         self._owner, self._begin, self._end = table.to(self.device, non_blocking=True)
         first_host = torch.tensor(first, dtype=torch.int64, pin_memory=self._pin)
         self._first = first_host.to(self.device, non_blocking=True)
-        self._partial = torch.empty(len(owner), dtype=torch.float32, device=self.device)
+        self._partial = torch.empty(len(spans), dtype=torch.float32, device=self.device)
         self._out = torch.empty(len(numels), dtype=torch.float32, device=self.device)
 
     def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Small tensor helpers of the hooks: which forwards count, which outputs, scratch memory, piece
-sizes, a row-wise ``logsumexp`` in pieces, and small outputs held to the step's end."""
+"""Small tensor helpers of the hooks: which forwards and outputs count, scratch memory, pieces,
+and small outputs held to the step's end."""
 
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ __all__ = [
 ]
 
 DEVICE_PIECE = 1 << 24
-"""Elements a reading pass takes at a time off the CPU (an accelerator's cost is its launches);
-2**24 keeps a piece's float32 counts of 0/1 exact."""
+"""Elements a reading pass takes at a time off the CPU (float32 counts of 0/1 stay exact)."""
 
 
 def piece_size(device: torch.device, cpu: int) -> int:
@@ -33,7 +32,7 @@ def piece_size(device: torch.device, cpu: int) -> int:
 
 class Workspace:
     """Reusable flat scratch buffers, one per dtype and device, grown to the largest request
-    (fresh large temporaries page-fault on every step; reused ones do not)."""
+    (fresh large temporaries page-fault on every step)."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -69,9 +68,8 @@ def is_training_forward(module: nn.Module) -> bool:
 
 
 def is_grad_forward(module: nn.Module) -> bool:
-    """Whether ``module``'s outputs in this forward can receive training gradients. Unlike
-    :func:`is_training_forward`, a checkpoint recompute counts: whichever of the two forwards gets
-    gradients, each output gradient is seen exactly once."""
+    """Whether ``module``'s outputs in this forward can receive training gradients (a
+    checkpoint recompute counts, unlike in :func:`is_training_forward`)."""
     return module.training and torch.is_grad_enabled()
 
 
@@ -115,12 +113,9 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_index(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` as a ``long`` tensor on ``device``; on CUDA copied from pinned memory without
-    blocking (no host sync)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    """``values`` as a ``long`` tensor on ``device``, without a host sync."""
+    pinned = device.type == "cuda"
+    return torch.tensor(values, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=pinned)
 
 
 K = TypeVar("K", bound=Hashable)
@@ -150,8 +145,7 @@ class Pending(Generic[K]):
         return sum(len(rows) for rows, _ in self._groups.values())
 
     def drain(self) -> Iterator[tuple[K, list[int], torch.Tensor]]:
-        """Each group as ``(key, rows, snapshots stacked)``, in the order the groups and their
-        calls were first seen; the groups are dropped as they are given."""
+        """Each group as ``(key, rows, snapshots stacked)``, in order, dropped as given."""
         groups, self._groups, self._held = self._groups, {}, 0
         for key, (rows, snapshots) in groups.items():
             yield key, rows, torch.stack(snapshots)
