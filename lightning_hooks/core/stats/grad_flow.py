@@ -76,7 +76,7 @@ class GradFlowTracker(HookOwner):
 
     A layer is a module that owns trainable parameters directly. Call :meth:`observe` just
     before ``optimizer.step()`` and any clipping, on every rank; the update ratio (and with
-    ``post_clip`` the applied gradient) is read in a step post-hook. :attr:`sampled` ``False``
+    ``post_clip`` the applied gradient) is read in a step post-hook. ``registry.sampled = False``
     skips a step but for the alarms, which keep their own cadence.
 
     Args:
@@ -136,7 +136,7 @@ class GradFlowTracker(HookOwner):
         rows = (*self.layout.layers, GLOBAL)
         self.accumulator = LayerStatsAccumulator(rows, GRAD_FLOW_STATS)
         self.accumulator.to(device)
-        self._optimizers = list(optimizers)
+        self._optimizers = optimizers
         self._views = OptimizerViews(self.layout, update_ratio=update_ratio)
         self._outputs = OutputGradients(self.accumulator, _OUTPUT, self._optimizers, self._views)
         self._updates = UpdateRatio(self.accumulator, _UPDATE, self.shards)
@@ -154,15 +154,6 @@ class GradFlowTracker(HookOwner):
     def unstepped(self) -> tuple[str, ...]:
         """Layers with a trainable parameter in none of the optimizers: never measured."""
         return self._views.unstepped(self._optimizers)
-
-    @property
-    def sampled(self) -> bool:
-        """Whether the current step is measured (default ``True``)."""
-        return self.registry.sampled
-
-    @sampled.setter
-    def sampled(self, value: bool) -> None:
-        self.registry.sampled = value
 
     @torch.no_grad()
     def observe(

@@ -112,13 +112,9 @@ def _held(optimizer: torch.optim.Optimizer) -> set[int]:
 
 
 class OptimizerViews:
-    """The :class:`OptimizerView` of each optimizer, built at its step; :attr:`generation`
-    changes whenever a view is built or dropped.
-
-    Args:
-        layout: the tracked parameters and their layers.
-        update_ratio: keep a copy of the parameters for the update ratio.
-    """
+    """The :class:`OptimizerView` of each optimizer over ``layout``, built at its step (with a
+    copy of its parameters for the ``update_ratio``); :attr:`generation` changes whenever a view
+    is built or dropped."""
 
     def __init__(self, layout: ParamLayout, *, update_ratio: bool) -> None:
         self.layout = layout
@@ -198,12 +194,8 @@ class OptimizerViews:
 
 
 class ViewStats:
-    """``[rows, GRAD_STATS]`` of an :class:`OptimizerView` (FSDP2 shards made whole).
-
-    Args:
-        shards: the FSDP2 plan of the tracked parameters, or ``None``.
-        workspace: the ``|g|`` pass's buffer, reused every step.
-    """
+    """``[rows, GRAD_STATS]`` of an :class:`OptimizerView`, FSDP2 ``shards`` made whole
+    (``workspace``: the ``|g|`` pass's buffer, reused every step)."""
 
     def __init__(self, shards: ShardPlan | None, workspace: Workspace) -> None:
         self.shards, self.workspace = shards, workspace
@@ -257,13 +249,8 @@ class ViewStats:
 
 
 class UpdateRatio:
-    """``||w_after - w_before|| / ||w_before||`` per layer into one column of ``accumulator``.
-
-    Args:
-        accumulator: where the ratios go.
-        column: the accumulator's column of the ratios.
-        shards: the FSDP2 plan that makes the shards' norms whole, or ``None``.
-    """
+    """``||w_after - w_before|| / ||w_before||`` per layer into ``column`` of ``accumulator``
+    (``shards``: the FSDP2 plan that makes the norms whole, or ``None``)."""
 
     def __init__(
         self, accumulator: LayerStatsAccumulator, column: int, shards: ShardPlan | None

@@ -73,9 +73,8 @@ def _output_hook(
     compiled_sq: list[torch.Tensor],
     wrap: Any,
 ) -> Any:
-    """A forward hook that puts a gradient hook on the module's outputs in training forwards
-    (``wrap``: the registry's guard; ``compiled_sq``: a cell with the row's own tensor, which a
-    compiled region's gradient hook sums into)."""
+    """A forward hook putting a gradient hook on the outputs of training forwards (``wrap``:
+    the registry's guard; ``compiled_sq``: a cell with the tensor a compiled region sums into)."""
     sq, hit, noted, hits = sums
     sq_row, hit_row = sq.select(0, row), hit.select(0, row)
     eager: Any = partial(_note_output_grad, noted, sq_row, order, row)
@@ -104,15 +103,9 @@ def _output_hook(
 
 class OutputGradients:
     """The L2 norm of the gradient with respect to each layer's output, summed in square over
-    the backward passes of an optimizer step, into one column of ``accumulator``. Under DDP the
-    squares are summed across ranks at :meth:`drain`; :attr:`order` is the backward order.
-
-    Args:
-        accumulator: where the norms go.
-        column: the accumulator's column of the norms.
-        optimizers: every optimizer the tracker follows.
-        views: their views of the layout.
-    """
+    the backward passes of a step of one of ``optimizers`` (``views``: theirs), into ``column`` of
+    ``accumulator``; under DDP summed across ranks at :meth:`drain`. :attr:`order`: the backward
+    order."""
 
     def __init__(
         self,

@@ -113,24 +113,19 @@ class StabilityStats(LayerStat[Result]):
         if row is None:
             row = self.row(name, units=total.numel())  # a unit per head
         self.attn_max[row] = torch.maximum(self.attn_max[row], peak)
-        if self.units[row] != total.numel():  # another call of the module, other heads
-            self._warn_heads(name, self.units[row], total.numel())
-            return
-        heads = self.unit_slice(row)
-        self.attn_entropy[heads].add_(total)
-        self.attn_rows[heads].add_(count)
-
-    def _warn_heads(self, name: str, heads: int, other: int) -> None:
-        if name in self._mixed_heads:
-            return
-        self._mixed_heads.add(name)
-        warnings.warn(
-            f"StabilityStats: {name!r} made attention calls of {heads} and of {other} heads; "
-            f"stability/attn_entropy_min/{name} is over its {heads}-head calls only (the "
-            "largest logit is over all of them)",
-            LightningHooksWarning,
-            stacklevel=2,
-        )
+        heads, other = self.units[row], total.numel()
+        if heads == other:
+            self.attn_entropy[self.unit_slice(row)].add_(total)
+            self.attn_rows[self.unit_slice(row)].add_(count)
+        elif name not in self._mixed_heads:  # another call of the module, other heads: once
+            self._mixed_heads.add(name)
+            warnings.warn(
+                f"StabilityStats: {name!r} made attention calls of {heads} and of {other} heads; "
+                f"stability/attn_entropy_min/{name} is over its {heads}-head calls only (the "
+                "largest logit is over all of them)",
+                LightningHooksWarning,
+                stacklevel=1,
+            )
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
         """The output layer's ``log Z`` into its row (held for each candidate until known)."""
@@ -160,17 +155,15 @@ class StabilityStats(LayerStat[Result]):
         """After a forward: the last candidate seen is the output layer; after the first logging
         step, warn once of attention not seen."""
         capture, registry = self._capture, self.registry
-        if not self._checked and capture is not None and registry is not None and registry.sampled:
-            self._warn_unseen(capture, registry.model)
         if self._last is not None:
             name, self._last, self._output = self._last, None, self._last
             for measured in self._candidates.pop(name):
                 self._add(name, measured)
             self._candidates.clear()
-
-    def _warn_unseen(self, capture: AttentionCapture, model: nn.Module) -> None:
+        if self._checked or capture is None or registry is None or not registry.sampled:
+            return
         self._checked = True
-        unseen = capture.unseen(model)
+        unseen = capture.unseen(registry.model)
         if unseen:
             warnings.warn(
                 f"StabilityStats: {len(unseen)} module(s) look like attention but made no "
@@ -179,7 +172,7 @@ class StabilityStats(LayerStat[Result]):
                 f"way); stability/attn_* is not logged for them: {', '.join(unseen[:5])}"
                 f"{' ...' if len(unseen) > 5 else ''}",
                 LightningHooksWarning,
-                stacklevel=3,
+                stacklevel=2,
             )
 
     def drain(self) -> None:
