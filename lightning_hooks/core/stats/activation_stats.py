@@ -119,8 +119,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         **selection: Unpack[SelectionArgs],
     ) -> None:
         super().__init__(selection_of(type(self).__name__, owner, selection))
-        self.bins = histogram_bins
-        self.histogram_range = histogram_range
+        self.bins, self.histogram_range = histogram_bins, histogram_range
         self.workspace = Workspace()
         self._stats = fused_feature_stats if fused else feature_stats
         # small outputs are copied in their hooks and measured stacked by shape at drain

@@ -95,9 +95,7 @@ def _row_chunks(length: int, per_row: int, budget: int | None) -> list[tuple[int
 
 def _query_rows(mask: torch.Tensor, start: int, stop: int, length: int) -> torch.Tensor:
     """``mask``'s query rows ``[start, stop)``, or ``mask`` when it broadcasts over queries."""
-    if mask.dim() >= 2 and mask.shape[-2] == length and length != 1:
-        return mask[..., start:stop, :]
-    return mask
+    return mask[..., start:stop, :] if mask.dim() >= 2 and mask.shape[-2] == length != 1 else mask
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -216,9 +214,8 @@ def _softmax_logits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tens
     """The input of a softmax over the last dimension of a 4-D float tensor, else ``None``."""
     x = args[0] if args else kwargs.get("input")
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
-        return None
-    return x if dim in (-1, 3) else None
+    last = isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() and dim in (-1, 3)
+    return x if last else None
 
 
 class AttentionCapture(ShelvedMode):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
 
 import torch
 from torch import nn
@@ -100,11 +99,8 @@ def adaptive(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -
     return any(key in state for key in _SECOND_MOMENT)
 
 
-_PARAMS = itemgetter("params")
-
-
 def _groups_key(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
-    return tuple(map(len, map(_PARAMS, optimizer.param_groups)))
+    return tuple(len(group["params"]) for group in optimizer.param_groups)
 
 
 def _held(optimizer: torch.optim.Optimizer) -> set[int]:

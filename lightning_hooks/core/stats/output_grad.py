@@ -191,9 +191,8 @@ class OutputGradients:
 
     def _clear_unowned(self) -> None:
         """Zero the sums of rows no optimizer steps: a layer unfrozen later counts from then."""
-        owned: set[int] = set()
-        for other in self.optimizers:
-            owned |= self.views.layers(other)  # a param_groups change bumps the generation
+        # a param_groups change bumps the generation
+        owned: set[int] = set().union(*map(self.views.layers, self.optimizers))
         if self._unowned is None or self._unowned_at != self.views.generation:
             rows = [i for i in range(self._sq.shape[0]) if i not in owned]
             self._unowned = torch.tensor(rows, dtype=torch.long, device=self._sq.device)
@@ -233,17 +232,13 @@ class OutputGradients:
         if world_size() == 1:
             valid = self._hit[rows, None] > 0
             self.accumulator.update(sq.sqrt()[:, None], [self.column], rows, valid, replicated=True)
-        else:
-            self._keep(rows, sq)
+        else:  # under DDP: the step's rank-local squares, kept until the epoch's one reduction
+            slot = self._sq.new_zeros(2, self._sq.shape[0])
+            slot[0].index_copy_(0, rows, sq)
+            slot[1].index_copy_(0, rows, self._hit[rows].to(slot.dtype))
+            self._series.append(slot)
         self._sq.index_fill_(0, rows, 0.0)
         self._hit.index_fill_(0, rows, 0.0)
-
-    def _keep(self, rows: torch.Tensor, sq: torch.Tensor) -> None:
-        """Under DDP: keep the step's rank-local squares until the epoch's one reduction."""
-        slot = self._sq.new_zeros(2, self._sq.shape[0])
-        slot[0].index_copy_(0, rows, sq)
-        slot[1].index_copy_(0, rows, self._hit[rows].to(slot.dtype))
-        self._series.append(slot)
 
     def drain(self) -> None:
         """Reduce the per-step output-gradient squares across ranks into the accumulator."""

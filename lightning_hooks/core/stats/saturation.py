@@ -154,9 +154,7 @@ class SaturationTracker(LayerStat[SaturationStats]):
     ) -> None:
         types = selection.get("types") or SATURATING_TYPES
         super().__init__(selection_of(type(self).__name__, owner, {**selection, "types": types}))
-        self.owner = owner
-        self.unit_dim = unit_dim
-        self.margin = margin
+        self.owner, self.unit_dim, self.margin = owner, unit_dim, margin
         self.add_layer_state("saturated", reduce="sum", dtype=torch.int64)
         self.add_layer_state("entries", reduce="sum", dtype=torch.int64)
         self.add_unit_state("unsaturated", reduce="max", dtype=torch.bool)

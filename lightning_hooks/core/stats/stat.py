@@ -110,8 +110,6 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self._mailbox: HostMailbox | None = None
         self._ready: list[tuple[int, dict[str, np.ndarray]]] = []  # folded, not yet read
 
-    # --- hooks -----------------------------------------------------------------------------
-
     def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> Self:
         """Forget every row and hook ``model``; returns ``self``, a context manager."""
         check_module(type(self).__name__, "model", model)
@@ -178,8 +176,6 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         if self.registry is not None:
             self.registry.remove()
             self.registry = None
-
-    # --- logging steps: a window of steps, folded into the epoch on the host ----------------
 
     def post_window(self, step: int) -> None:
         """End the window at a logging step: reduce it across ranks and start its host copy."""
@@ -250,8 +246,6 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self._epoch, self._ready = None, []  # and a window still in flight
         if self._mailbox is not None:
             self._mailbox.clear()
-
-    # --- checkpoint ------------------------------------------------------------------------
 
     def host_state(self) -> dict[str, Any]:
         """Rows, units and every state reduced across ranks, on the host (a collective)."""

@@ -90,8 +90,6 @@ class RowStates:
         self._aligned = 0  # rows every rank has, in the same order (see align_rows)
         self._counts: dict[str, dict[int, int]] = {}  # host-side counts by state (see tally)
 
-    # --- declaring states -------------------------------------------------------------------
-
     def add_layer_state(
         self,
         name: str,
@@ -142,8 +140,6 @@ class RowStates:
     def _fresh(spec: StateSpec, rows: int, device: torch.device) -> torch.Tensor:
         shape = {"layer": (rows, *spec.width), "unit": (rows,), "global": spec.width}[spec.kind]
         return torch.full(shape, spec.identity, dtype=_dtype_on(spec, device), device=device)
-
-    # --- rows ------------------------------------------------------------------------------
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -235,8 +231,6 @@ class RowStates:
         """Where ``row``'s entries lie in a per-unit state."""
         start = self._starts[row]
         return slice(start, start + self.units[row])
-
-    # --- reduce and reset ------------------------------------------------------------------
 
     def tally(self, name: str, row: int, n: int = 1) -> None:
         """Add ``n`` to state ``name``'s ``row`` on the host, moved in at :meth:`drain`."""
