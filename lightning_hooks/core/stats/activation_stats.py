@@ -141,8 +141,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         return feature_modules(self.selection, model)
 
     def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
-        """The constants and the non-finite probe (its host buffer made once, here) on the
-        model's device."""
+        """The constants and the non-finite probe (its host buffer made once) on the device."""
         device = self.device
         self.first_nonfinite = FirstNonFinite(device)
         self._sign = torch.tensor(_SIGN, device=device)

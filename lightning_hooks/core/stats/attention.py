@@ -328,11 +328,8 @@ class AttentionCapture(ShelvedMode):
         seen = (*self.seen, *self._skip)
 
         def related(name: str) -> bool:
-            if not name:
-                return bool(seen)
-            return any(
-                s == name or s.startswith(f"{name}.") or name.startswith(f"{s}.") for s in seen
-            )
+            near = (s == name or s.startswith(f"{name}.") or name.startswith(f"{s}.") for s in seen)
+            return any(near) if name else bool(seen)
 
         return [
             name or type(module).__name__

@@ -114,8 +114,7 @@ class LayerTimer(LayerStat[LayerTimes]):
     def _clear_host(self) -> None:
         n = len(self.rows)
         self._open: list[Any] = [None] * n
-        self._ms = np.zeros(n)
-        self._calls = np.zeros(n)
+        self._ms, self._calls = np.zeros(n), np.zeros(n)
         self._step = np.zeros(2)  # milliseconds, steps
         self._marks: list[tuple[int, Any, Any]] = []  # this step's layer marks
         self._brackets: list[tuple[Any, Any]] = []

@@ -171,7 +171,6 @@ class RowStates:
         return index
 
     def _drop_rows(self, device: torch.device) -> None:
-        """Forget every row: each state made anew on ``device``."""
         self.rows, self.units, self._starts = {}, [], []
         self._aligned, self._counts = 0, {}
         for spec in self.specs.values():
@@ -218,7 +217,6 @@ class RowStates:
         return state[row] if spec.kind == "layer" else state[self.unit_slice(row)]
 
     def _truncate(self, rows: int) -> None:
-        """Keep the first ``rows`` rows."""
         units = sum(self.units[:rows])
         for spec in self.specs.values():
             if spec.kind != "global":
