@@ -164,29 +164,16 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         for suffix, tensor in iter_float_tensors(output):
             self._observe_one(name + suffix, tensor)
 
-    def _observe_one(self, name: str, tensor: torch.Tensor) -> None:
-        n = tensor.numel()
+    def _observe_one(self, name: str, x: torch.Tensor) -> None:
+        n = x.numel()
         if n == 0:
             return
         row = self.rows.get(name)
         row = self.row(name) if row is None else row
         if self._batched and n <= STACKED and not torch.compiler.is_compiling():
             # a copy, before an in-place op overwrites the output
-            self._defer((tensor.shape, tensor.dtype, tensor.device), row, tensor.detach().clone())
-        else:
-            self._observe(row, tensor)
-
-    def drain(self) -> None:
-        """Measure the copied small outputs, a stack per shape and dtype."""
-        for _, rows, copies in self._pending.drain():
-            stats = stacked_feature_stats(copies)
-            index = self._pending.index(rows, stats.device)
-            self.sums.index_add_(0, index, stats[:, :NUM_SUMS].to(self.sums.dtype))
-            signed = stats[:, NUM_SUMS:] * self._sign
-            self.extremes.scatter_reduce_(0, index[:, None].expand(-1, 2), signed, "amax")
-        super().drain()
-
-    def _observe(self, row: int, x: torch.Tensor) -> None:
+            self._defer((x.shape, x.dtype, x.device), row, x.detach().clone())
+            return
         stats = self._stats(x, self.workspace)
         self.sums[row].add_(stats[:NUM_SUMS])
         extremes = self.extremes[row]
@@ -199,6 +186,16 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
                 torch.where(known, edges, linear_edges(low, high, self._unit), out=edges)
                 known.fill_(True)
             bin_counts(x, edges[1:-1], self.hist[row])
+
+    def drain(self) -> None:
+        """Measure the copied small outputs, a stack per shape and dtype."""
+        for _, rows, copies in self._pending.drain():
+            stats = stacked_feature_stats(copies)
+            index = self._pending.index(rows, stats.device)
+            self.sums.index_add_(0, index, stats[:, :NUM_SUMS].to(self.sums.dtype))
+            signed = stats[:, NUM_SUMS:] * self._sign
+            self.extremes.scatter_reduce_(0, index[:, None].expand(-1, 2), signed, "amax")
+        super().drain()
 
     @torch.no_grad()
     def end_step(self, step: int) -> None:
@@ -233,17 +230,11 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
     def reset(self) -> None:
         """Start a new epoch; running-range edges span the finished one."""
         if self.bins and self.histogram_range is None and self.rows:
-            extremes, seen = self._epoch_extremes()
-            low, high = extremes[:, 0].float(), extremes[:, 1].float()
-            torch.where(
-                seen[:, None], linear_edges(low, high, self._unit), self.edges, out=self.edges
-            )
+            local = {n: getattr(self, n).double().cpu().numpy() for n in ("sums", "extremes")}
+            epoch, device = self._with_epoch(local), self.edges.device
+            extremes = torch.as_tensor(epoch["extremes"] * np.array(_SIGN), device=device)
+            seen = torch.as_tensor(epoch["sums"][:, NUM_SUMS - 1] > 0, device=device)  # rows seen
+            edges = linear_edges(extremes[:, 0].float(), extremes[:, 1].float(), self._unit)
+            torch.where(seen[:, None], edges, self.edges, out=self.edges)
             self.has_edges.copy_(seen)
         super().reset()
-
-    def _epoch_extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[rows, 2]`` (min, max) of the epoch so far, and which rows saw an element."""
-        local = {name: getattr(self, name).double().cpu().numpy() for name in ("sums", "extremes")}
-        epoch, device = self._with_epoch(local), self.edges.device
-        extremes = torch.as_tensor(epoch["extremes"] * np.array(_SIGN), device=device)
-        return extremes, torch.as_tensor(epoch["sums"][:, NUM_SUMS - 1] > 0, device=device)

@@ -239,8 +239,10 @@ class GradFlowTracker(HookOwner):
             return
         if self._post_clip:
             # After clipping and the update, p.grad still holds what the optimizer applied.
-            stats, cells = self._stats.applied(view)
-            self.accumulator.update(stats, _GRAD, view.rows, cells, replicated=True)
+            valid = view.valid()
+            stats = self._stats.full(view, ParamLayout.grads(view.params), weights=False)
+            cells = None if valid is None else valid[:, _GRAD]
+            self.accumulator.update(stats[:, _GRAD], _GRAD, view.rows, cells, replicated=True)
         self._updates.record(optimizer, view, self.alarms, self._step)
 
     def result(self) -> LayerTable:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,24 +132,19 @@ class LayerTimer(LayerStat[LayerTimes]):
 
     def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
         index = self.row(name)  # rows in model order, made as the hooks are
-        registry.forward_pre_hook(module, self._pre_hook(index), gated=True)
-        registry.forward_hook(module, self._post_hook(index), gated=True)
 
-    def _pre_hook(self, index: int) -> Callable[[nn.Module, Any], None]:
-        def hook(module: nn.Module, args: Any) -> None:
+        def pre(module: nn.Module, args: Any) -> None:
             if self.sampling and is_training_forward(module):
                 self._open[index] = self._clock.mark()
 
-        return hook
-
-    def _post_hook(self, index: int) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        def post(module: nn.Module, args: Any, output: Any) -> None:
             start = self._open[index]
             if self.sampling and start is not None:
                 self._open[index] = None
                 self._marks.append((index, start, self._clock.mark()))
 
-        return hook
+        registry.forward_pre_hook(module, pre, gated=True)
+        registry.forward_hook(module, post, gated=True)
 
     def start_step(self, step: int | None = None) -> None:
         """Start timing a batch of a logging step; micro-batches of one ``step`` add up into it."""

@@ -42,7 +42,6 @@ __all__ = [
 Read = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 """A read of gradients' L2 norms, one per gradient."""
 _WEIGHT = GRAD_STATS.index("weight_norm")
-_GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 
 
 @dataclass
@@ -235,13 +234,6 @@ class ViewStats:
         if self.shards is not None:
             norms = self.shards.reduce(norms=[norms])[0][0]
         return segment_norm(norms, view.index, len(view.rows) - 1, view.unique)
-
-    def applied(self, view: OptimizerView) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The applied gradient's columns (after the step) and where they are valid."""
-        valid = view.valid()
-        grads = ParamLayout.grads(view.params)
-        stats = self.full(view, grads, weights=False)[:, _GRAD]
-        return stats, None if valid is None else valid[:, _GRAD]
 
 
 class UpdateRatio:

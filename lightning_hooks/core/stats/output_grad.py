@@ -172,14 +172,7 @@ class OutputGradients:
         self, optimizer: torch.optim.Optimizer, view: OptimizerView, grad_scale: torch.Tensor | None
     ) -> None:
         """A logging step of ``optimizer``: its rows' output gradients into the accumulator."""
-        self._merge_compiled()
-        self._drop_other_backward(optimizer, view)
-        self._observe(view.rows[:-1], grad_scale)
-        self._clear_unowned()
-        self._mark_other_optimizers(optimizer)
-
-    def _merge_compiled(self) -> None:
-        """Sum what the eager gradient hooks noted and the compiled regions added into ``_sq``."""
+        # what the eager gradient hooks noted and the compiled regions added, into ``_sq``
         _sum_noted(self._noted, self._hits)
         for row, fresh in self._extra:
             self._compiled_sq[row].add_(fresh)
@@ -188,6 +181,18 @@ class OutputGradients:
         self._called.clear()
         self._sq.add_(torch.stack(self._compiled_sq))
         torch._foreach_zero_(self._compiled_sq)
+        self._drop_other_backward(optimizer, view)
+        self._observe(view.rows[:-1], grad_scale)
+        self._clear_unowned()
+        if len(self.optimizers) < 2:
+            return
+        self._pending_sq.copy_(self._sq)  # for the other optimizers' next steps
+        self._pending_hit.copy_(self._hit)
+        for other in self.optimizers:
+            first = self.views.first_param(other) if other is not optimizer else None
+            if first is not None:
+                grad = first.grad
+                self._markers[id(other)] = weakref.ref(grad) if grad is not None else None
 
     def _clear_unowned(self) -> None:
         """Zero the sums of rows no optimizer steps: a layer unfrozen later counts from then."""
@@ -213,17 +218,6 @@ class OutputGradients:
         sq = (self._sq[rows] - self._pending_sq[rows]).clamp_(min=0.0)
         self._sq.index_copy_(0, rows, sq)
         self._hit.index_copy_(0, rows, self._hit[rows] - self._pending_hit[rows])
-
-    def _mark_other_optimizers(self, optimizer: torch.optim.Optimizer) -> None:
-        if len(self.optimizers) < 2:
-            return
-        self._pending_sq.copy_(self._sq)
-        self._pending_hit.copy_(self._hit)
-        for other in self.optimizers:
-            first = self.views.first_param(other) if other is not optimizer else None
-            if first is not None:
-                grad = first.grad
-                self._markers[id(other)] = weakref.ref(grad) if grad is not None else None
 
     def _observe(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         sq = self._sq[rows]

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -91,21 +90,18 @@ class StabilityStats(LayerStat[Result]):
         return modules
 
     def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
-        if name in self._attention:
-            hook = self._attention_hook(name)
-            registry.forward_pre_hook(module, hook, gated=True, with_kwargs=True)
-        else:
+        if name not in self._attention:
             registry.forward_hook(module, self._forward_hook(name), gated=True)
+            return
 
-    def _attention_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        def attention(module: nn.Module, args: Any, kwargs: Any) -> None:
             if is_training_forward(module) and not torch.compiler.is_compiling():
                 assert isinstance(module, nn.MultiheadAttention)
                 with torch.no_grad():
                     for chunk in mha_logit_chunks(module, *args, **kwargs):
                         self._add_attention(name, chunk)
 
-        return hook
+        registry.forward_pre_hook(module, attention, gated=True, with_kwargs=True)
 
     def _add_attention(self, name: str, logits: torch.Tensor) -> None:
         peak, total, count = attention_head_entropy(logits)
