@@ -97,7 +97,7 @@ def _ops_per_step(
     counter = OpCounter()
     for i in range(2):
         if tracker is not None:
-            tracker.sampled = sampled
+            tracker.registry.sampled = sampled
         if i == 1:
             counter.start()
         opt.zero_grad()
