@@ -97,7 +97,7 @@ def _ops_per_step(
     counter = OpCounter()
     for i in range(2):
         if tracker is not None:
-            tracker.sampled = sampled
+            tracker.registry.sampled = sampled
         if i == 1:
             counter.start()
         opt.zero_grad()
@@ -551,13 +551,13 @@ def test_the_attention_mode_sees_only_the_models_calls_on_a_sampled_step(
     with Calls():
         model.train()(torch.randn(4, 5, 8))
     seen: list[str] = []
-    inner = attention._AttentionMode.__torch_function__
+    inner = attention.AttentionCapture.__torch_function__
 
     def counting(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         seen.append(getattr(func, "__name__", str(func)))
         return inner(self, func, types, args, kwargs)
 
-    monkeypatch.setattr(attention._AttentionMode, "__torch_function__", counting)
+    monkeypatch.setattr(attention.AttentionCapture, "__torch_function__", counting)
     callbacks = [cls() for cls in default_callback_types()]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", LightningHooksWarning)  # callbacks with nothing to watch

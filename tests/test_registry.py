@@ -211,7 +211,7 @@ def test_gated_hooks_of_every_registry_run_outside_the_attention_mode() -> None:
 
     model = nn.Sequential(nn.Linear(4, 4), Attend(), nn.ReLU())
     seen: list[str] = []
-    inner = attention._AttentionMode.__torch_function__
+    inner = attention.AttentionCapture.__torch_function__
 
     def counting(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         seen.append(getattr(func, "__name__", str(func)))
@@ -227,10 +227,10 @@ def test_gated_hooks_of_every_registry_run_outside_the_attention_mode() -> None:
         attention.AttentionCapture(lambda name, z: logits.append(name)).attach(own)
         own.forward_hook(model[0], hook, gated=True)
         other.forward_hook(model[2], hook, gated=True)
-        attention._AttentionMode.__torch_function__ = counting  # type: ignore[method-assign]
+        attention.AttentionCapture.__torch_function__ = counting  # type: ignore[method-assign]
         try:
             model(torch.randn(2, 3, 4))
         finally:
-            attention._AttentionMode.__torch_function__ = inner  # type: ignore[method-assign]
+            attention.AttentionCapture.__torch_function__ = inner  # type: ignore[method-assign]
     assert logits == ["1"] and len(measured) == 2
     assert sorted(set(seen)) == ["linear", "relu", "scaled_dot_product_attention"], seen

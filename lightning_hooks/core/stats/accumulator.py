@@ -20,7 +20,7 @@ Columns = slice | Sequence[int]
 
 @dataclass(frozen=True)
 class LayerTable:
-    """Host-side result of an epoch: ``[layers, stats]`` arrays, ``NaN`` where never updated.
+    """The result of an epoch: ``[layers, stats]`` arrays, ``NaN`` where never updated.
 
     Attributes:
         layers: layer names, one per row.
@@ -55,7 +55,7 @@ class LayerTable:
 
 
 class LayerStatsAccumulator(LayerStat[LayerTable]):
-    """Sum, max and count of ``[layers, stats]`` values, fed by :meth:`update` (no hooks).
+    """Sum, max and count of ``[layers, stats]`` values fed by :meth:`update` (no hooks).
 
     Args:
         layers: the row names.
@@ -110,22 +110,8 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
             at = (slice(None), cols)
         else:
             at = (rows, cols) if isinstance(cols, slice) else (rows[:, None], cols)
-        if values.dim() == 3:
-            self._update_steps(values, at, valid)
-            return
-        if valid is None:
-            self.total[at] += values
-            self.peak[at] = torch.maximum(self.peak[at], values)
-            self.count[at] += 1
-            return
-        valid = valid.expand_as(values)
-        self.total[at] += torch.where(valid, values, 0.0)
-        self.peak[at] = torch.where(valid, torch.maximum(self.peak[at], values), self.peak[at])
-        self.count[at] += valid
-
-    def _update_steps(
-        self, values: torch.Tensor, at: tuple[Any, ...], valid: torch.Tensor | None
-    ) -> None:
+        if values.dim() == 2:  # one step
+            values, valid = values[None], None if valid is None else valid[None]
         if values.shape[0] == 0:
             return
         mask = torch.ones_like(values, dtype=torch.bool) if valid is None else valid
@@ -136,7 +122,6 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         self.count[at] += mask.sum(0)
 
     def summarize(self, states: dict[str, np.ndarray]) -> LayerTable:
-        """Mean, peak, total and count: ``NaN`` mean and peak where a cell was never observed."""
         total, peak, count = states["total"], states["peak"], states["count"]
         with np.errstate(divide="ignore", invalid="ignore"):
             mean = np.where(count > 0, total / np.maximum(count, 1), np.nan)

@@ -35,20 +35,8 @@ __all__ = [
 ]
 
 ACTIVATION_MODULES: tuple[type[nn.Module], ...] = (
-    nn.ReLU,
-    nn.ReLU6,
-    nn.LeakyReLU,
-    nn.PReLU,
-    nn.ELU,
-    nn.SELU,
-    nn.CELU,
-    nn.GELU,
-    nn.SiLU,
-    nn.Mish,
-    nn.Hardswish,
-    nn.Sigmoid,
-    nn.Tanh,
-    nn.Softplus,
+    *(nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU),
+    *(nn.Mish, nn.Hardswish, nn.Sigmoid, nn.Tanh, nn.Softplus),
 )
 """Activation module types the default selection includes (third-party look-alikes too)."""
 
@@ -59,7 +47,7 @@ SCALARS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite"
 
 
 def default_feature_module(name: str, module: nn.Module) -> bool:
-    """The default selection: modules owning parameters directly, and activation modules.
+    """The default selection: modules owning a parameter directly, and activation modules.
 
     Example:
         >>> default_feature_module("0", nn.Linear(2, 2)), default_feature_module("1", nn.ReLU())
@@ -72,12 +60,11 @@ def default_feature_module(name: str, module: nn.Module) -> bool:
 
 def owns_parameters(module: nn.Module) -> bool:
     """Whether ``module`` holds a parameter itself (not only through a child)."""
-    return any(True for _ in module.parameters(recurse=False))
+    return next(module.parameters(recurse=False), None) is not None
 
 
 def feature_modules(selection: Selection | None, model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules ``selection`` keeps of ``model``; without ``types``, those that
-    :func:`default_feature_module` keeps."""
+    """The modules ``selection`` keeps (without ``types``: :func:`default_feature_module`'s)."""
     assert selection is not None
     where = default_feature_module if selection.types is None else None
     return selection.modules(model, where=where)
@@ -85,7 +72,7 @@ def feature_modules(selection: Selection | None, model: nn.Module) -> list[tuple
 
 @dataclass(frozen=True)
 class Histogram:
-    """Host-side histogram of one row's outputs: ``counts[i]`` in ``[edges[i], edges[i + 1])``."""
+    """One row's histogram: ``counts[i]`` in ``[edges[i], edges[i + 1])``."""
 
     layer: str
     edges: np.ndarray
@@ -93,19 +80,17 @@ class Histogram:
 
 
 class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
-    """Per-layer statistics of module outputs over an epoch, with no host sync per step.
-
-    Measures each floating output tensor in training forwards (row ``{module}.{index or key}``
-    for a tuple, list or dict); :meth:`summary` gives the :data:`SCALARS` per row. Histograms use
-    ``histogram_range`` or the previous epoch's range; NaN / Inf are counted, not binned. Call
-    :meth:`end_step` after each step to find the first module that went non-finite.
+    """Per-layer statistics (:data:`SCALARS`) of the floating outputs of training forwards
+    over an epoch, no host sync per step (row ``{module}.{index or key}`` for a tuple, list or
+    dict). Histograms span ``histogram_range`` or the previous epoch's range; NaN / Inf are
+    counted, not binned. :meth:`end_step` finds the first module that went non-finite.
 
     Args:
         model: the model to instrument now (``None``: call :meth:`attach` later).
         histogram_bins: number of histogram bins per row; ``0``: no histograms.
         histogram_range: fixed ``(low, high)`` edges; ``None``: a running range.
         fused: use ``fused_feature_stats`` (compiled: one reading pass instead of six).
-        owner: the public name errors give (a callback passes its own).
+        owner: the public name errors give.
         **selection: ``types`` (default :func:`default_feature_module`), ``include``, ``exclude``.
 
     Example:
@@ -134,8 +119,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         **selection: Unpack[SelectionArgs],
     ) -> None:
         super().__init__(selection_of(type(self).__name__, owner, selection))
-        self.bins = histogram_bins
-        self.histogram_range = histogram_range
+        self.bins, self.histogram_range = histogram_bins, histogram_range
         self.workspace = Workspace()
         self._stats = fused_feature_stats if fused else feature_stats
         # small outputs are copied in their hooks and measured stacked by shape at drain
@@ -154,19 +138,17 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
             self.attach(model)
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """The selected modules (default: parameter owners and activations)."""
         return feature_modules(self.selection, model)
 
     def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
-        """The constants and the non-finite probe on the model's device, as the states."""
+        """The constants and the non-finite probe (its host buffer made once) on the device."""
         device = self.device
-        # Made here, not in a hook: its host buffer is set up once, outside any training step.
         self.first_nonfinite = FirstNonFinite(device)
         self._sign = torch.tensor(_SIGN, device=device)
         self._unit = torch.linspace(0.0, 1.0, self.bins + 1, device=device)
 
     def row(self, name: str, units: int = 0) -> int:
-        """The row of ``name``; a new row with fixed edges gets them."""
+        """The row of ``name`` (a new one gets the fixed edges)."""
         new = name not in self.rows
         index = super().row(name, units)
         if new and self.bins and self.histogram_range is not None:
@@ -182,29 +164,16 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         for suffix, tensor in iter_float_tensors(output):
             self._observe_one(name + suffix, tensor)
 
-    def _observe_one(self, name: str, tensor: torch.Tensor) -> None:
-        n = tensor.numel()
+    def _observe_one(self, name: str, x: torch.Tensor) -> None:
+        n = x.numel()
         if n == 0:
             return
         row = self.rows.get(name)
         row = self.row(name) if row is None else row
         if self._batched and n <= STACKED and not torch.compiler.is_compiling():
             # a copy, before an in-place op overwrites the output
-            self._defer((tensor.shape, tensor.dtype, tensor.device), row, tensor.detach().clone())
-        else:
-            self._observe(row, tensor)
-
-    def drain(self) -> None:
-        """Measure the copied small outputs, a stack per shape and dtype, into their rows."""
-        for _, rows, copies in self._pending.drain():
-            stats = stacked_feature_stats(copies)
-            index = self._pending.index(rows, stats.device)
-            self.sums.index_add_(0, index, stats[:, :NUM_SUMS].to(self.sums.dtype))
-            signed = stats[:, NUM_SUMS:] * self._sign
-            self.extremes.scatter_reduce_(0, index[:, None].expand(-1, 2), signed, "amax")
-        super().drain()
-
-    def _observe(self, row: int, x: torch.Tensor) -> None:
+            self._defer((x.shape, x.dtype, x.device), row, x.detach().clone())
+            return
         stats = self._stats(x, self.workspace)
         self.sums[row].add_(stats[:NUM_SUMS])
         extremes = self.extremes[row]
@@ -218,10 +187,20 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
                 known.fill_(True)
             bin_counts(x, edges[1:-1], self.hist[row])
 
+    def drain(self) -> None:
+        """Measure the copied small outputs, a stack per shape and dtype."""
+        for _, rows, copies in self._pending.drain():
+            stats = stacked_feature_stats(copies)
+            index = self._pending.index(rows, stats.device)
+            self.sums.index_add_(0, index, stats[:, :NUM_SUMS].to(self.sums.dtype))
+            signed = stats[:, NUM_SUMS:] * self._sign
+            self.extremes.scatter_reduce_(0, index[:, None].expand(-1, 2), signed, "amax")
+        super().drain()
+
     @torch.no_grad()
     def end_step(self, step: int) -> None:
-        """Record ``step`` and the first module (rows are in execution order) in
-        :attr:`first_nonfinite` if an output went non-finite; no sync."""
+        """Mark ``step`` and the first row (in execution order) that went non-finite in
+        :attr:`first_nonfinite`; no sync."""
         self.drain()
         if not self.rows:
             return
@@ -230,11 +209,10 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         self.first_nonfinite.mark(bad.any(), step, first)
 
     def summary(self) -> FeatureSummary:
-        """The statistics so far (reduced across ranks), copied to the host once."""
+        """The statistics so far, reduced across ranks."""
         return self.result()[0]
 
     def summarize(self, states: dict[str, np.ndarray]) -> tuple[FeatureSummary, list[Histogram]]:
-        """Statistics and histograms from the reduced states."""
         extremes = states["extremes"] * np.array(_SIGN)
         rows = zip(self.layers, states["edges"], states["hist"], strict=True) if self.bins else ()
         return summarize(self.layers, states["sums"], extremes), [Histogram(*r) for r in rows]
@@ -250,19 +228,13 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         }
 
     def reset(self) -> None:
-        """Start a new epoch: zero the sums; running-range edges span the finished epoch."""
+        """Start a new epoch; running-range edges span the finished one."""
         if self.bins and self.histogram_range is None and self.rows:
-            extremes, seen = self._epoch_extremes()
-            low, high = extremes[:, 0].float(), extremes[:, 1].float()
-            torch.where(
-                seen[:, None], linear_edges(low, high, self._unit), self.edges, out=self.edges
-            )
+            local = {n: getattr(self, n).double().cpu().numpy() for n in ("sums", "extremes")}
+            epoch, device = self._with_epoch(local), self.edges.device
+            extremes = torch.as_tensor(epoch["extremes"] * np.array(_SIGN), device=device)
+            seen = torch.as_tensor(epoch["sums"][:, NUM_SUMS - 1] > 0, device=device)  # rows seen
+            edges = linear_edges(extremes[:, 0].float(), extremes[:, 1].float(), self._unit)
+            torch.where(seen[:, None], edges, self.edges, out=self.edges)
             self.has_edges.copy_(seen)
         super().reset()
-
-    def _epoch_extremes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[rows, 2]`` (min, max) of the epoch so far and which rows saw an element."""
-        local = {name: getattr(self, name).double().cpu().numpy() for name in ("sums", "extremes")}
-        epoch, device = self._with_epoch(local), self.edges.device
-        extremes = torch.as_tensor(epoch["extremes"] * np.array(_SIGN), device=device)
-        return extremes, torch.as_tensor(epoch["sums"][:, NUM_SUMS - 1] > 0, device=device)

@@ -95,17 +95,13 @@ def _row_chunks(length: int, per_row: int, budget: int | None) -> list[tuple[int
 
 def _query_rows(mask: torch.Tensor, start: int, stop: int, length: int) -> torch.Tensor:
     """``mask``'s query rows ``[start, stop)``, or ``mask`` when it broadcasts over queries."""
-    if mask.dim() >= 2 and mask.shape[-2] == length and length != 1:
-        return mask[..., start:stop, :]
-    return mask
+    return mask[..., start:stop, :] if mask.dim() >= 2 and mask.shape[-2] == length != 1 else mask
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask (``True``: excluded) as ``-inf``; a float mask as it is added."""
     if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-            mask, -torch.inf
-        )
+        return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, -torch.inf)
     return mask.to(dtype)
 
 
@@ -218,42 +214,15 @@ def _softmax_logits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tens
     """The input of a softmax over the last dimension of a 4-D float tensor, else ``None``."""
     x = args[0] if args else kwargs.get("input")
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
-        return None
-    return x if dim in (-1, 3) else None
+    last = isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() and dim in (-1, 3)
+    return x if last else None
 
 
-class _AttentionMode(ShelvedMode):
-    """Hands every attention call it sees to its capture, then runs the call unchanged."""
-
-    def __init__(self, capture: AttentionCapture) -> None:
-        super().__init__()
-        self.capture = capture
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Iterable[type],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # a compiled region inside a forward of a logging step
-            return func(*args, **kwargs)
-        if func is functional.scaled_dot_product_attention:
-            self.capture.guarded_see(lambda: sdpa_logit_chunks(*args, **kwargs))
-        elif func in _SOFTMAX:
-            logits = _softmax_logits(args, kwargs)
-            if logits is not None:
-                self.capture.guarded_see(lambda: logit_chunks(logits), softmax=True)
-        return func(*args, **kwargs)
-
-
-class AttentionCapture:
+class AttentionCapture(ShelvedMode):
     """Sees the attention calls of a model's modules in the training forwards of logging steps.
 
-    A ``TorchFunctionMode``, entered by the outermost module of a logging step's training forward,
-    hands each sdpa call's logits (and each 4-D softmax's input, in a module that
+    A ``TorchFunctionMode``, entered by the outermost module of such a forward: it hands each
+    sdpa call's logits (and each 4-D softmax's input, in a module that
     :func:`looks_like_attention`) to ``record(name, logits)``, ``name`` the innermost running
     module not in ``skip``. Not seen: compiled forwards and fused kernels called directly.
 
@@ -271,21 +240,39 @@ class AttentionCapture:
     """
 
     def __init__(self, record: Record, skip: Iterable[str] = ()) -> None:
+        super().__init__()
         self._record = record
         self._skip = set(skip)
-        self._mode = _AttentionMode(self)
         self._stack: list[tuple[str, nn.Module, bool]] = []  # and whether its caller was live
         self._live = False  # whether the innermost module's own forward is running
         self._callers: list[bool] = []  # between a call's first and last pre-hook: the caller's
         self.seen: set[str] = set()
         """Names of the modules whose attention was recorded."""
         self.guarded_see: Callable[..., None] = self.see
-        """:meth:`see` under the registry's guard once attached: our errors are not raised
-        into the model's forward."""
+        """:meth:`see` under the registry's guard once attached (no error into the forward)."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Hand an attention call to :meth:`see`, then run it unchanged."""
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # a compiled region inside a forward of a logging step
+            return func(*args, **kwargs)
+        if func is functional.scaled_dot_product_attention:
+            self.guarded_see(lambda: sdpa_logit_chunks(*args, **kwargs))
+        elif func in _SOFTMAX:
+            logits = _softmax_logits(args, kwargs)
+            if logits is not None:
+                self.guarded_see(lambda: logit_chunks(logits), softmax=True)
+        return func(*args, **kwargs)
 
     def attach(self, registry: HookRegistry) -> AttentionCapture:
-        """Hook every module of ``registry``'s model but ``torch.nn``'s plain layers; the first
-        and last pre- and forward hooks keep other hooks' calls from counting as the module's."""
+        """Hook every module of ``registry``'s model but ``torch.nn``'s plain layers (first and
+        last hooks, so that other hooks' calls do not count as the module's)."""
         self.guarded_see = registry.guarded(self.see, "attention capture")
         plain = plain_layers()
         for name, module in registry.model.named_modules():
@@ -321,7 +308,7 @@ class AttentionCapture:
                 return
             else:
                 caller = False
-                self._mode.__enter__()  # type: ignore[no-untyped-call]
+                self.__enter__()  # type: ignore[no-untyped-call]
             self._stack.append((name, module, caller))
             self._live = True
 
@@ -333,19 +320,16 @@ class AttentionCapture:
         if self._stack and self._stack[-1][1] is module:
             self._live = self._stack.pop()[2]  # a module called from a hook: still in the hook
             if not self._stack:
-                self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+                self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
     def unseen(self, model: nn.Module) -> list[str]:
-        """Modules that look like attention where neither they, a submodule nor an enclosing
-        module made a call seen here or are in ``skip`` (the model is named by its class)."""
+        """Modules that look like attention with no call seen in them, a submodule or an
+        enclosing module, nor in ``skip`` (the model is named by its class)."""
         seen = (*self.seen, *self._skip)
 
         def related(name: str) -> bool:
-            if not name:
-                return bool(seen)
-            return any(
-                s == name or s.startswith(f"{name}.") or name.startswith(f"{s}.") for s in seen
-            )
+            near = (s == name or s.startswith(f"{name}.") or name.startswith(f"{s}.") for s in seen)
+            return any(near) if name else bool(seen)
 
         return [
             name or type(module).__name__

@@ -1,9 +1,6 @@
-"""Dead units: which units (:func:`unit_dim`) of a layer never fired on any training sample.
-
-A unit *fires* when its output is ``> 0``: :data:`RELU_FAMILY` keeps its input's sign, so the
-output, which a forward hook reads, tells (an in-place ReLU overwrote its input). A functional
-``F.relu`` cannot be hooked: watch the layer that produces its input (``pre_activation``).
-"""
+"""Dead units: which units (:func:`unit_dim`) of a layer never fired (output ``> 0``) on any
+training sample. A functional ``F.relu`` cannot be hooked: watch the layer that produces its
+input (``pre_activation``)."""
 
 from __future__ import annotations
 
@@ -36,10 +33,8 @@ RELU_FAMILY: tuple[type[nn.Module], ...] = (
 
 
 def unit_dim(module: nn.Module, ndim: int) -> int:
-    """The dimension of a module's ``ndim``-d output that indexes its units.
-
-    Convolutions and batch norms: dim 1; linear layers: the last; others: the last up to 3-d,
-    dim 1 from 4-d (watch a ``Conv1d`` itself to get its channels).
+    """The dimension of a module's ``ndim``-d output that indexes its units: 1 for convolutions
+    and batch norms, the last for linear layers, else the last up to 3-d and 1 from 4-d.
 
     Example:
         >>> unit_dim(nn.Conv1d(2, 3, 1), 3), unit_dim(nn.ReLU(), 3), unit_dim(nn.ReLU(), 4)
@@ -52,17 +47,14 @@ def unit_dim(module: nn.Module, ndim: int) -> int:
     return 1
 
 
-_WIDTHS = 4
-"""Widths one module may be observed at (a row each) before its unit dimension is refused."""
+_WIDTHS = 4  # widths one module may have (a row each) before its unit dimension is refused
 
-_EXACT = 2**24
-"""float32 holds every integer up to this exactly."""
+_EXACT = 2**24  # float32 holds every integer up to this exactly
 
 
 @torch.no_grad()
 def fired_counts(y: torch.Tensor, dim: int, workspace: Workspace | None = None) -> torch.Tensor:
-    """``[units]`` integers: how many entries of each unit of ``y`` are ``> 0`` (fired). Summed
-    as float32 (exact below 2**24 elements, faster than bytes on CPU), else as int64.
+    """``[units]`` integers: how many entries of each unit of ``y`` are ``> 0`` (fired).
 
     Example:
         >>> fired_counts(torch.tensor([[1.0, 0.0, -2.0], [3.0, 0.0, 0.5]]), dim=1).tolist()
@@ -70,6 +62,7 @@ def fired_counts(y: torch.Tensor, dim: int, workspace: Workspace | None = None) 
     """
     y = y.detach()
     others = [d for d in range(y.ndim) if d != dim]
+    # summed as float32 (exact up to 2**24 elements, faster than bytes on CPU), else as int64
     if y.numel() > _EXACT:
         positive = (y > 0).view(torch.uint8)
         return positive.sum(dim=others, dtype=torch.int64) if others else positive.long()
@@ -86,7 +79,7 @@ def fired_counts(y: torch.Tensor, dim: int, workspace: Workspace | None = None) 
 
 @dataclass(frozen=True)
 class DeadUnits:
-    """Host-side result of an epoch, one entry per watched layer that ran.
+    """The result of an epoch, one entry per watched layer that ran.
 
     Attributes:
         layers: the layers' qualified names.
@@ -113,15 +106,14 @@ class DeadUnits:
 
 
 class DeadUnitTracker(LayerStat[DeadUnits]):
-    """Per-unit "ever fired" counts of activation outputs over an epoch.
-
-    A unit is dead if it never fired in a training forward of the period; a module called at
-    several widths gets a row per width (``name``, then ``name-{units}``).
+    """Per unit of activation outputs, how often it fired in the training forwards of an epoch
+    (never: dead). A module called at several widths gets a row per width (``name``, then
+    ``name-{units}``).
 
     Args:
         model: the model to watch now (``None``: call :meth:`attach` later).
         pre_activation: glob patterns of modules (any type) whose output feeds ``F.relu``.
-        owner: the public name errors give (a callback passes its own).
+        owner: the public name errors give.
         **selection: ``types`` (default :data:`RELU_FAMILY`), ``include``, ``exclude``.
 
     Example:
@@ -149,7 +141,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         **selection: Unpack[SelectionArgs],
     ) -> None:
         super().__init__(selection_of(type(self).__name__, owner, selection, RELU_FAMILY))
-        self.workspace = Workspace()  # the fired mask of the largest output, reused
+        self.workspace = Workspace()  # the largest output's fired mask, reused
         self.producers = Selection.of(
             owner, include=pre_activation, arguments=("pre_activation", "exclude")
         )
@@ -160,15 +152,13 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
             self.attach(model)
 
     def config_key(self) -> str:
-        """The selection and the ``pre_activation`` patterns."""
         return f"{super().config_key()}:{self.producers.include!r}"
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """The watched activations and the ``pre_activation`` producers, in model order."""
         assert self.selection is not None
         named = dict(self.selection.modules(model))
-        if self.producers.include:
-            named.update(self.producers.modules(model))
+        named.update(self.producers.modules(model) if self.producers.include else ())
         return [(n, m) for n, m in model.named_modules() if n in named]
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
@@ -191,11 +181,8 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         self.fired[row].add_(counts.sum(), alpha=1.0 / y.numel())
 
     def _width_row(self, name: str, units: int) -> int:
-        """The row of ``name`` at this width: ``name`` for the first, ``name-{units}`` after.
-
-        Raises:
-            ValueError: more widths than :data:`_WIDTHS` (a unit dimension that varies).
-        """
+        """The row of ``name`` at this width: ``name`` for the first, ``name-{units}`` after
+        (``ValueError`` past ``_WIDTHS`` widths)."""
         index = self.rows.get(name)
         if index is None or self.units[index] == units:
             return self.row(name, units)
@@ -225,7 +212,6 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
             super().remove()
 
     def summarize(self, states: dict[str, np.ndarray]) -> DeadUnits:
-        """Dead units per row from the reduced counts."""
         per_unit = [states["counts"][self.unit_slice(i)] for i in range(len(self.rows))]
         calls = states["calls"]
         with np.errstate(divide="ignore", invalid="ignore"):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from functools import partial
 from operator import itemgetter
@@ -36,8 +35,7 @@ from lightning_hooks.core.transport import ShardPlan
 __all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
 
 GRAD_FLOW_STATS = (*GRAD_STATS, "update_ratio", "output_grad_norm", "grad_norm_preclip")
-"""Columns of the tracker's :class:`~lightning_hooks.core.LayerTable` (``grad_norm_preclip``:
-only with ``post_clip``)."""
+"""The tracker's columns (``grad_norm_preclip``: only with ``post_clip``)."""
 
 _UPDATE = GRAD_FLOW_STATS.index("update_ratio")
 _OUTPUT = GRAD_FLOW_STATS.index("output_grad_norm")
@@ -52,7 +50,6 @@ _SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the g
 def _check_args(
     model: Any, optimizers: Any, alarms: Any, **flags: Any
 ) -> list[torch.optim.Optimizer]:
-    """The constructor's checks; the optimizers as a list."""
     checks.module("GradFlowTracker", "model", model)
     expected = "an iterable of torch.optim.Optimizer (e.g. [optimizer])"
     if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, Iterable):
@@ -75,14 +72,12 @@ def _check_args(
 
 
 class GradFlowTracker(HookOwner):
-    """Per-layer gradient flow over optimizer steps, with no host sync per step.
+    """Per-layer gradient flow (:data:`GRAD_FLOW_STATS`) over optimizer steps, no host sync.
 
-    A layer is a module that owns trainable parameters directly; :meth:`result` gives the mean
-    and max over steps of the :data:`GRAD_FLOW_STATS`. Call :meth:`observe` just before
-    ``optimizer.step()`` and any clipping (every rank under ``torch.distributed``); the update
-    ratio, and with ``post_clip`` the applied gradient, are read in a step post-hook. Set
-    :attr:`sampled` to ``False`` before a forward to skip the step; the alarms run on their own
-    cadence, at logging steps or not. Use it as a context manager, or call :meth:`remove`.
+    A layer is a module that owns trainable parameters directly. Call :meth:`observe` just
+    before ``optimizer.step()`` and any clipping, on every rank; the update ratio (and with
+    ``post_clip`` the applied gradient) is read in a step post-hook. ``registry.sampled = False``
+    skips a step but for the alarms, which keep their own cadence.
 
     Args:
         model: the model to track.
@@ -94,7 +89,7 @@ class GradFlowTracker(HookOwner):
         output_grad: measure the gradient with respect to each layer's output.
         post_clip: gradients are clipped before the step: measure them in the step post-hook.
         clip: ``(gradient_clip_val, gradient_clip_algorithm)``, for the *explosion* rule.
-        alarms: gradient alarm rules, read back as ``tracker.alarms`` (a ``GradientAlarms``).
+        alarms: gradient alarm rules (``tracker.alarms`` is then a ``GradientAlarms``).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -141,7 +136,7 @@ class GradFlowTracker(HookOwner):
         rows = (*self.layout.layers, GLOBAL)
         self.accumulator = LayerStatsAccumulator(rows, GRAD_FLOW_STATS)
         self.accumulator.to(device)
-        self._optimizers = list(optimizers)
+        self._optimizers = optimizers
         self._views = OptimizerViews(self.layout, update_ratio=update_ratio)
         self._outputs = OutputGradients(self.accumulator, _OUTPUT, self._optimizers, self._views)
         self._updates = UpdateRatio(self.accumulator, _UPDATE, self.shards)
@@ -157,17 +152,8 @@ class GradFlowTracker(HookOwner):
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
 
     def unstepped(self) -> tuple[str, ...]:
-        """Layers with a trainable parameter in none of the optimizers given: never measured."""
+        """Layers with a trainable parameter in none of the optimizers: never measured."""
         return self._views.unstepped(self._optimizers)
-
-    @property
-    def sampled(self) -> bool:
-        """Whether the current step is measured (default ``True``)."""
-        return self.registry.sampled
-
-    @sampled.setter
-    def sampled(self, value: bool) -> None:
-        self.registry.sampled = value
 
     @torch.no_grad()
     def observe(
@@ -178,11 +164,11 @@ class GradFlowTracker(HookOwner):
         *,
         step: int | None = None,
     ) -> None:
-        """Record the gradients ``optimizer`` is about to apply (call just before its step).
+        """Record the gradients ``optimizer`` (only its parameters) is about to apply.
 
         Args:
-            optimizer: the optimizer about to step; only the parameters it holds are measured.
-            grad_scale: the AMP loss scale (a tensor) the output gradients carry, or ``None``.
+            optimizer: the optimizer about to step.
+            grad_scale: the AMP loss scale the output gradients carry, or ``None``.
             param_grad_scale: the loss scale the parameter gradients still carry, or ``None``.
             step: the optimizer step the alarms name and count (default: calls from 0).
         """
@@ -218,7 +204,6 @@ class GradFlowTracker(HookOwner):
     def _read_stats(
         self, view: OptimizerView, sampled: bool, param_grad_scale: torch.Tensor | None
     ) -> torch.Tensor:
-        """``[rows, GRAD_STATS]`` of the step: all at a logging step, else the sentinel's."""
         grads = ParamLayout.grads(view.params)
         if sampled and not self._post_clip:
             stats = self._stats.full(view, grads)
@@ -236,7 +221,6 @@ class GradFlowTracker(HookOwner):
         valid: torch.Tensor | None,
         grad_scale: torch.Tensor | None,
     ) -> None:
-        """A logging step: statistics, weights for the update ratio, output gradients."""
         if self._post_clip:  # the gradient the optimizer applies is read in the step post-hook
             cells = None if valid is None else valid[:, [0, _WEIGHT]]
             values = stats[:, [0, _WEIGHT]]
@@ -255,8 +239,10 @@ class GradFlowTracker(HookOwner):
             return
         if self._post_clip:
             # After clipping and the update, p.grad still holds what the optimizer applied.
-            stats, cells = self._stats.applied(view)
-            self.accumulator.update(stats, _GRAD, view.rows, cells, replicated=True)
+            valid = view.valid()
+            stats = self._stats.full(view, ParamLayout.grads(view.params), weights=False)
+            cells = None if valid is None else valid[:, _GRAD]
+            self.accumulator.update(stats[:, _GRAD], _GRAD, view.rows, cells, replicated=True)
         self._updates.record(optimizer, view, self.alarms, self._step)
 
     def result(self) -> LayerTable:
@@ -265,17 +251,17 @@ class GradFlowTracker(HookOwner):
         return self.accumulator.result()
 
     def post_window(self, step: int) -> None:
-        """Post the window of steps since the last logging step (:meth:`LayerStat.post_window`)."""
+        """Post the window since the last logging step (:meth:`LayerStat.post_window`)."""
         self._outputs.drain()
         self.accumulator.post_window(step)
 
     def read_window(self, wait: bool) -> tuple[int, LayerTable] | None:
-        """``(step, stats)`` of the posted window once its copy is done (``wait``: block)."""
+        """See :meth:`LayerStat.read_window`."""
         return self.accumulator.read_window(wait)
 
     @property
     def window_in_flight(self) -> bool:
-        """Whether a posted window was not yet returned by :meth:`read_window`."""
+        """See :attr:`LayerStat.window_in_flight`."""
         return self.accumulator.window_in_flight
 
     def state(self) -> dict[str, Any]:
@@ -295,9 +281,8 @@ class GradFlowTracker(HookOwner):
 
 
 class _SentinelRead:
-    """Hands :class:`GradientAlarms` (``None``: off) their norms at each step their cadence runs
-    them; ``stats`` gives the weight norms an alarm's diagnosis reads, ``order`` the layer rows as
-    their output-gradient hooks fired (emptied per step)."""
+    """Hands the alarms (``None``: off) their norms at the steps their cadence runs them;
+    ``order``: the layer rows as their output-gradient hooks fired (emptied per step)."""
 
     def __init__(
         self,
@@ -309,12 +294,10 @@ class _SentinelRead:
         self.alarms, self._stats, self._order, self._clip = alarms, stats, order, clip
         self._sharded = stats.shards is not None  # FSDP2: the general path makes norms whole
         self._triton = alarms is not None and alarms.rules.quiet_read == "triton"
-        # the read of each live view's gradient norms, by the view's ``id``
-        self._reads: dict[int, tuple[weakref.ref[OptimizerView], Read]] = {}
 
     def quiet(self, view: OptimizerView, sampled: bool, amp: bool, step: int) -> bool:
-        """A quiet step's read of dense gradients' norms, posted to the alarms (``True``: done).
-        A logging step only prepares the read and returns ``False``: its statistics serve."""
+        """A quiet step's read of dense gradients' norms, posted to the alarms (``True``: done);
+        a logging step only prepares the read (its statistics serve)."""
         if self.alarms is None or self._sharded:
             return False
         if sampled:  # the host copy and the read made here, not on a quiet step
@@ -325,11 +308,10 @@ class _SentinelRead:
         if grads is None:  # a missing or sparse gradient: the general path
             return False
         try:
-            kept = self._reads.get(id(view))
-            norms = (kept[1] if kept and kept[0]() is view else self._read(view))(grads)
+            norms = (self._read(view) if view.read is None else view.read)(grads)
         except Exception as error:  # a gradient set by hand, unlike its parameter; a Triton
             # that cannot launch the kernels: said once, then the multi-tensor read
-            self._reads[id(view)] = (weakref.ref(view), foreach_norms)
+            view.read = foreach_norms
             failed = "its kernels failed" if self._triton else "its stacks failed"
             read_fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
             norms = foreach_norms(grads)
@@ -337,15 +319,10 @@ class _SentinelRead:
         return True
 
     def _read(self, view: OptimizerView) -> Read:
-        """The read of ``view``'s gradient norms (:func:`quiet_read`), made once per view."""
-        kept = self._reads.get(id(view))
-        if kept is not None and kept[0]() is view:
-            return kept[1]
-        read = quiet_read(view, self._triton)
-        # the views of an epoch that ended are gone, and their reads with them
-        self._reads = {k: kept for k, kept in self._reads.items() if kept[0]() is not None}
-        self._reads[id(view)] = (weakref.ref(view), read)
-        return read
+        """:func:`quiet_read` of ``view``, made once per view."""
+        if view.read is None:
+            view.read = quiet_read(view, self._triton)
+        return view.read
 
     def post(
         self,
@@ -357,8 +334,8 @@ class _SentinelRead:
         *,
         segmented: bool = True,
     ) -> None:
-        """Hand ``norms`` to the alarms: ``[rows]`` per layer, then global (``segmented``), or
-        ``[parameters]``, folded on the host; ``stepped``: the rows some gradient reached."""
+        """Hand ``norms`` to the alarms: per layer then global (``segmented``), else per
+        parameter; ``stepped``: the rows some gradient reached."""
         assert self.alarms is not None
         clip = self._clip  # the largest global norm the optimizer applies (by value: a bound)
         bound = None if clip is None else clip[0] if clip[1] == "norm" else clip[0] * view.scale

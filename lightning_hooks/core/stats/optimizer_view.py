@@ -1,11 +1,11 @@
-"""What one optimizer steps of a gradient-flow layout, its gradient statistics and update ratio."""
+"""What each optimizer steps of a gradient-flow layout, its gradient statistics, update ratio
+and quiet read."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
 
 import torch
 from torch import nn
@@ -42,7 +42,6 @@ __all__ = [
 Read = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 """A read of gradients' L2 norms, one per gradient."""
 _WEIGHT = GRAD_STATS.index("weight_norm")
-_GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 
 
 @dataclass
@@ -61,6 +60,7 @@ class OptimizerView:
     segments: HostSegments  # ``index`` and ``unique`` on the host (the sentinel's)
     weight_norm: torch.Tensor | None = None
     masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
+    read: Read | None = None  # the quiet step's read of its gradient norms, made once
 
     def __post_init__(self) -> None:
         self.layer_ids = frozenset(self.row_ids[:-1])  # the layout rows it steps, on the host
@@ -70,8 +70,8 @@ class OptimizerView:
         self.scale = sum(p.numel() for p in self.params) ** 0.5
 
     def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
-        """``[layers + 1, len(GRAD_STATS)]``: false in the gradient columns of layers with no
-        gradient this step (cached per pattern)."""
+        """``[layers + 1, GRAD_STATS]``: false in the gradient columns of layers with no
+        gradient (cached per pattern)."""
         mask = self.masks.get(missing)
         if mask is None:
             has = [False] * (len(self.rows) - 1)
@@ -83,14 +83,13 @@ class OptimizerView:
         return mask
 
     def valid(self) -> torch.Tensor | None:
-        """:meth:`grad_mask` of this step's missing gradients, ``None`` when none is missing."""
+        """:meth:`grad_mask` of this step (``None``: no gradient missing)."""
         missing = tuple([p.grad is None for p in self.params])  # one frame, not one per tensor
         return self.grad_mask(missing) if any(missing) else None
 
 
 _SECOND_MOMENT = ("exp_avg_sq", "square_avg", "sum", "exp_avg_sq_row")
-"""Optimizer state keys of a per-coordinate second moment (Adam, RMSprop, Adagrad, Adafactor):
-optimizers whose update size does not follow the gradient's, so one explosion can stall them."""
+"""Optimizer state keys of a per-coordinate second moment (Adam, RMSprop, Adagrad, Adafactor)."""
 
 
 def adaptive(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> bool:
@@ -99,27 +98,18 @@ def adaptive(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -
     return any(key in state for key in _SECOND_MOMENT)
 
 
-_PARAMS = itemgetter("params")
-
-
 def _groups_key(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
-    """The param_groups' sizes: a view is rebuilt when they change (``add_param_group``)."""
-    return tuple(map(len, map(_PARAMS, optimizer.param_groups)))
+    return tuple(len(group["params"]) for group in optimizer.param_groups)
 
 
 def _held(optimizer: torch.optim.Optimizer) -> set[int]:
-    """Ids of the parameters in ``optimizer``'s param_groups."""
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
 
 
 class OptimizerViews:
-    """The :class:`OptimizerView` of each optimizer over ``layout``, built at its own step;
-    :attr:`generation` changes whenever a view is built or dropped.
-
-    Args:
-        layout: the tracked parameters and their layers.
-        update_ratio: keep a copy of the parameters for the update ratio.
-    """
+    """The :class:`OptimizerView` of each optimizer over ``layout``, built at its step (with a
+    copy of its parameters for the ``update_ratio``); :attr:`generation` changes whenever a view
+    is built or dropped."""
 
     def __init__(self, layout: ParamLayout, *, update_ratio: bool) -> None:
         self.layout = layout
@@ -128,9 +118,8 @@ class OptimizerViews:
         self.built: dict[int, OptimizerView] = {}  # by the optimizer's ``id``, as built
 
     def view(self, optimizer: torch.optim.Optimizer) -> OptimizerView:
-        """The view of ``optimizer``, built at its own step, when ``requires_grad`` tells."""
-        # Rebuilt when the param_groups change and at each reset (epoch): a parameter unfrozen
-        # by requires_grad alone counts from there.
+        """The view of ``optimizer``, built anew when its param_groups change and after
+        :meth:`clear` (a parameter unfrozen by ``requires_grad`` alone counts from there)."""
         view = self.current(optimizer)
         if view is None:
             checks.optimizer("GradFlowTracker.observe", "optimizer", optimizer)
@@ -147,7 +136,7 @@ class OptimizerViews:
         return view
 
     def clear(self) -> None:
-        """Forget every view: parameters are looked up afresh at each optimizer's next step."""
+        """Forget every view (each is built again at its optimizer's next step)."""
         self.built.clear()
         self.generation += 1
 
@@ -166,8 +155,7 @@ class OptimizerViews:
         layers = sorted({i for i, k in zip(layout.owner, keep, strict=True) if k})
         layers.append(len(layout.layers))
         rows = torch.tensor(layers, dtype=torch.long, device=index.device)
-        # Re-number the subset's layers 0..k-1 so the segment reductions stay dense.
-        index = torch.searchsorted(rows, index)
+        index = torch.searchsorted(rows, index)  # the subset's layers 0..k-1: dense segments
         before = [torch.empty_like(to_local(p)) for p in params] if self.update_ratio else []
         dense = {layer: i for i, layer in enumerate(layers)}
         owner = tuple(dense[o] for o, k in zip(layout.owner, keep, strict=True) if k)
@@ -201,12 +189,8 @@ class OptimizerViews:
 
 
 class ViewStats:
-    """``[rows, GRAD_STATS]`` of an :class:`OptimizerView` (FSDP2 shards made whole).
-
-    Args:
-        shards: the FSDP2 plan of the tracked parameters, or ``None``.
-        workspace: the ``|g|`` pass's buffer, reused every step.
-    """
+    """``[rows, GRAD_STATS]`` of an :class:`OptimizerView`, FSDP2 ``shards`` made whole
+    (``workspace``: the ``|g|`` pass's buffer, reused every step)."""
 
     def __init__(self, shards: ShardPlan | None, workspace: Workspace) -> None:
         self.shards, self.workspace = shards, workspace
@@ -231,7 +215,7 @@ class ViewStats:
     def norms(
         self, view: OptimizerView, grads: list[torch.Tensor], *, weights: bool
     ) -> torch.Tensor:
-        """The sentinel's columns (gradient and, with ``weights``, weight L2 norms), others NaN."""
+        """The gradient (and with ``weights`` weight) L2 norms; other columns NaN."""
         norms = [param_norms(grads)]
         if weights:
             norms.append(param_norms([to_local(p) for p in view.params]))
@@ -245,29 +229,16 @@ class ViewStats:
         return stats
 
     def weight_norms(self, view: OptimizerView) -> torch.Tensor:
-        """``[rows]`` weight norms of ``view``: the alarms' attribution pass."""
+        """``[rows]`` weight norms of ``view`` (the alarms' diagnosis)."""
         norms = param_norms([to_local(p) for p in view.params])
         if self.shards is not None:
             norms = self.shards.reduce(norms=[norms])[0][0]
         return segment_norm(norms, view.index, len(view.rows) - 1, view.unique)
 
-    def applied(self, view: OptimizerView) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The applied gradient's columns (in the step post-hook) and where they are valid."""
-        valid = view.valid()
-        grads = ParamLayout.grads(view.params)
-        stats = self.full(view, grads, weights=False)[:, _GRAD]
-        return stats, None if valid is None else valid[:, _GRAD]
-
 
 class UpdateRatio:
-    """``||w_after - w_before|| / ||w_before||`` per layer into one column of ``accumulator``:
-    :meth:`keep` copies the weights before the step, :meth:`record` reduces the update after.
-
-    Args:
-        accumulator: where the ratios go.
-        column: the accumulator's column of the ratios.
-        shards: the FSDP2 plan that makes the shards' norms whole, or ``None``.
-    """
+    """``||w_after - w_before|| / ||w_before||`` per layer into ``column`` of ``accumulator``
+    (``shards``: the FSDP2 plan that makes the norms whole, or ``None``)."""
 
     def __init__(
         self, accumulator: LayerStatsAccumulator, column: int, shards: ShardPlan | None
@@ -287,7 +258,7 @@ class UpdateRatio:
         alarms: GradientAlarms | None,
         step: int,
     ) -> None:
-        """After the step: each layer's ratio, and the alarms' *stall* update (adaptive only)."""
+        """After the step: each layer's ratio, and the alarms' *stall* reading (adaptive only)."""
         if view.weight_norm is None:
             return
         num_layers = len(view.rows) - 1
@@ -313,13 +284,14 @@ def quiet_read(view: OptimizerView, triton: bool) -> Read:
     """The read of ``view``'s gradient norms by ``AlarmRules.quiet_read`` (``triton`` or
     ``grouped``); one that cannot be made is said once and :func:`foreach_norms` reads instead."""
     try:
-        return _pointer_norms(view) if triton else GroupedNorms(view.params)
-    except _RefusedError as error:
-        read_fallback(triton, str(error), 4)
+        read = _pointer_norms(view) if triton else GroupedNorms(view.params)
     except Exception as error:  # its index or tables not made (pinned memory, say)
         failed = "its tables could not be built" if triton else "it could not be made"
-        read_fallback(triton, f"{failed} ({type(error).__name__}: {error})", 4)
-    return foreach_norms
+        read = f"{failed} ({type(error).__name__}: {error})"
+    if isinstance(read, str):
+        read_fallback(triton, read, 4)
+        return foreach_norms
+    return read
 
 
 def foreach_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -327,21 +299,17 @@ def foreach_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(list(grads)))
 
 
-class _RefusedError(Exception):
-    """Why the pointer-table read cannot read these gradients."""
-
-
-def _pointer_norms(view: OptimizerView) -> Read:
-    """The pointer-table read of ``view``'s gradients; :class:`_RefusedError` where it cannot be."""
+def _pointer_norms(view: OptimizerView) -> Read | str:
+    """The pointer-table read of ``view``'s gradients, or why it cannot read them."""
     why = pointer_norms.available()
     if why is None and view.params[0].device.type != "cuda":
         why = f"the gradients are on {view.params[0].device.type}, not CUDA"
     if why is not None:
-        raise _RefusedError(why)
+        return why
     try:
         return pointer_norms.PointerNorms(view.params)
     except ValueError as error:  # a layout it does not read
-        raise _RefusedError(f"it reads {error}") from error
+        return f"it reads {error}"
 
 
 def read_fallback(triton: bool, why: str, stacklevel: int = 3) -> None:

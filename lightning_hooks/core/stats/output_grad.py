@@ -73,9 +73,8 @@ def _output_hook(
     compiled_sq: list[torch.Tensor],
     wrap: Any,
 ) -> Any:
-    """A forward hook that puts a gradient hook on the module's outputs in training forwards
-    (``wrap``: the registry's guard; ``compiled_sq``: a cell with the row's own tensor, which a
-    compiled region's gradient hook sums into)."""
+    """A forward hook putting a gradient hook on the outputs of training forwards (``wrap``:
+    the registry's guard; ``compiled_sq``: a cell with the tensor a compiled region sums into)."""
     sq, hit, noted, hits = sums
     sq_row, hit_row = sq.select(0, row), hit.select(0, row)
     eager: Any = partial(_note_output_grad, noted, sq_row, order, row)
@@ -104,15 +103,9 @@ def _output_hook(
 
 class OutputGradients:
     """The L2 norm of the gradient with respect to each layer's output, summed in square over
-    the backward passes of an optimizer step, into one column of ``accumulator``. Under DDP the
-    squares are summed across ranks at :meth:`drain`; :attr:`order` is the backward order.
-
-    Args:
-        accumulator: where the norms go.
-        column: the accumulator's column of the norms.
-        optimizers: every optimizer the tracker follows.
-        views: their views of the layout.
-    """
+    the backward passes of a step of one of ``optimizers`` (``views``: theirs), into ``column`` of
+    ``accumulator``; under DDP summed across ranks at :meth:`drain`. :attr:`order`: the backward
+    order."""
 
     def __init__(
         self,
@@ -179,14 +172,7 @@ class OutputGradients:
         self, optimizer: torch.optim.Optimizer, view: OptimizerView, grad_scale: torch.Tensor | None
     ) -> None:
         """A logging step of ``optimizer``: its rows' output gradients into the accumulator."""
-        self._merge_compiled()
-        self._drop_other_backward(optimizer, view)
-        self._observe(view.rows[:-1], grad_scale)
-        self._clear_unowned()
-        self._mark_other_optimizers(optimizer)
-
-    def _merge_compiled(self) -> None:
-        """Sum what the eager gradient hooks noted and the compiled regions added into ``_sq``."""
+        # what the eager gradient hooks noted and the compiled regions added, into ``_sq``
         _sum_noted(self._noted, self._hits)
         for row, fresh in self._extra:
             self._compiled_sq[row].add_(fresh)
@@ -195,12 +181,23 @@ class OutputGradients:
         self._called.clear()
         self._sq.add_(torch.stack(self._compiled_sq))
         torch._foreach_zero_(self._compiled_sq)
+        self._drop_other_backward(optimizer, view)
+        self._observe(view.rows[:-1], grad_scale)
+        self._clear_unowned()
+        if len(self.optimizers) < 2:
+            return
+        self._pending_sq.copy_(self._sq)  # for the other optimizers' next steps
+        self._pending_hit.copy_(self._hit)
+        for other in self.optimizers:
+            first = self.views.first_param(other) if other is not optimizer else None
+            if first is not None:
+                grad = first.grad
+                self._markers[id(other)] = weakref.ref(grad) if grad is not None else None
 
     def _clear_unowned(self) -> None:
         """Zero the sums of rows no optimizer steps: a layer unfrozen later counts from then."""
-        owned: set[int] = set()
-        for other in self.optimizers:
-            owned |= self.views.layers(other)  # a param_groups change bumps the generation
+        # a param_groups change bumps the generation
+        owned: set[int] = set().union(*map(self.views.layers, self.optimizers))
         if self._unowned is None or self._unowned_at != self.views.generation:
             rows = [i for i in range(self._sq.shape[0]) if i not in owned]
             self._unowned = torch.tensor(rows, dtype=torch.long, device=self._sq.device)
@@ -222,17 +219,6 @@ class OutputGradients:
         self._sq.index_copy_(0, rows, sq)
         self._hit.index_copy_(0, rows, self._hit[rows] - self._pending_hit[rows])
 
-    def _mark_other_optimizers(self, optimizer: torch.optim.Optimizer) -> None:
-        if len(self.optimizers) < 2:
-            return
-        self._pending_sq.copy_(self._sq)
-        self._pending_hit.copy_(self._hit)
-        for other in self.optimizers:
-            first = self.views.first_param(other) if other is not optimizer else None
-            if first is not None:
-                grad = first.grad
-                self._markers[id(other)] = weakref.ref(grad) if grad is not None else None
-
     def _observe(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         sq = self._sq[rows]
         if grad_scale is not None:
@@ -240,17 +226,13 @@ class OutputGradients:
         if world_size() == 1:
             valid = self._hit[rows, None] > 0
             self.accumulator.update(sq.sqrt()[:, None], [self.column], rows, valid, replicated=True)
-        else:
-            self._keep(rows, sq)
+        else:  # under DDP: the step's rank-local squares, kept until the epoch's one reduction
+            slot = self._sq.new_zeros(2, self._sq.shape[0])
+            slot[0].index_copy_(0, rows, sq)
+            slot[1].index_copy_(0, rows, self._hit[rows].to(slot.dtype))
+            self._series.append(slot)
         self._sq.index_fill_(0, rows, 0.0)
         self._hit.index_fill_(0, rows, 0.0)
-
-    def _keep(self, rows: torch.Tensor, sq: torch.Tensor) -> None:
-        """Under DDP: keep the step's rank-local squares until the epoch's one reduction."""
-        slot = self._sq.new_zeros(2, self._sq.shape[0])
-        slot[0].index_copy_(0, rows, sq)
-        slot[1].index_copy_(0, rows, self._hit[rows].to(slot.dtype))
-        self._series.append(slot)
 
     def drain(self) -> None:
         """Reduce the per-step output-gradient squares across ranks into the accumulator."""

@@ -21,11 +21,12 @@ __all__ = [
     "unit_saturation",
 ]
 
+# ReLU6 too: a Hardtanh(0, 6)
 SATURATING_TYPES: tuple[type[nn.Module], ...] = (
     nn.Sigmoid,
     nn.Tanh,
     nn.Softsign,
-    nn.Hardtanh,  # ReLU6 too: a Hardtanh(0, 6)
+    nn.Hardtanh,
     nn.Hardsigmoid,
 )
 
@@ -63,10 +64,8 @@ def saturation_mask(module: nn.Module, output: torch.Tensor, margin: float = 0.0
 
 
 def unit_saturation(mask: torch.Tensor, unit_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Saturated entries, and which units along ``unit_dim`` (else one unit) had an unsaturated one.
-
-    Returns:
-        ``(count, unsaturated)``: an int64 scalar and a ``[units]`` boolean tensor.
+    """``(count, unsaturated)``: an int64 count of saturated entries and a ``[units]`` boolean,
+    which units along ``unit_dim`` (out of range: one unit) had an unsaturated entry.
 
     Example:
         >>> mask = torch.tensor([[True, False], [True, True]])  # 2 samples, 2 units
@@ -87,7 +86,7 @@ def unit_saturation(mask: torch.Tensor, unit_dim: int = 1) -> tuple[torch.Tensor
 
 @dataclass(frozen=True)
 class SaturationStats:
-    """Host-side saturation over a period, one row per layer.
+    """Saturation over a period, one row per layer.
 
     Attributes:
         layers: layer names.
@@ -117,16 +116,15 @@ class SaturationStats:
 
 
 class SaturationTracker(LayerStat[SaturationStats]):
-    """Counts saturated outputs of bounded activations (:func:`saturation_mask`) in training
-    forwards, per layer, and units never unsaturated; no host sync.
+    """Per layer, the saturated outputs (:func:`saturation_mask`) of training forwards and the
+    units never unsaturated; no host sync.
 
     Args:
         model: the model to watch now (``None``: call :meth:`attach` later).
         unit_dim: the output dimension that indexes units.
         margin: the threshold margin of the smooth activations (see :func:`saturation_mask`).
-        owner: the public name errors give (a callback passes its own).
-        **selection: ``types`` (among :data:`SATURATING_TYPES`, the default), ``include``,
-            ``exclude``.
+        owner: the public name errors give.
+        **selection: ``types`` (default :data:`SATURATING_TYPES`), ``include``, ``exclude``.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 3), nn.Tanh())
@@ -156,9 +154,7 @@ class SaturationTracker(LayerStat[SaturationStats]):
     ) -> None:
         types = selection.get("types") or SATURATING_TYPES
         super().__init__(selection_of(type(self).__name__, owner, {**selection, "types": types}))
-        self.owner = owner
-        self.unit_dim = unit_dim
-        self.margin = margin
+        self.owner, self.unit_dim, self.margin = owner, unit_dim, margin
         self.add_layer_state("saturated", reduce="sum", dtype=torch.int64)
         self.add_layer_state("entries", reduce="sum", dtype=torch.int64)
         self.add_unit_state("unsaturated", reduce="max", dtype=torch.bool)
@@ -185,7 +181,6 @@ class SaturationTracker(LayerStat[SaturationStats]):
         self.tally("entries", row, output.numel())
 
     def summarize(self, states: dict[str, np.ndarray]) -> SaturationStats:
-        """Saturated and always-saturated counts per row from the reduced states."""
         flags = states["unsaturated"]
         always = [int((flags[self.unit_slice(i)] == 0).sum()) for i in range(len(self.rows))]
         return SaturationStats(
@@ -211,11 +206,9 @@ class SaturationTracker(LayerStat[SaturationStats]):
             out[f"saturation/saturated_fraction/{result.layers[i]}"] = float(saturated[i])
             out[f"saturation/always_saturated_fraction/{result.layers[i]}"] = float(always[i])
         if ran.any():
-            entries, units = result.entries[ran].sum(), result.units[ran].sum()
-            out["saturation/global/saturated_fraction"] = float(
-                result.saturated[ran].sum() / entries
-            )
-            always_all = np.sum(result.always_saturated[ran])
-            out["saturation/global/always_saturated_fraction"] = float(always_all / units)
+            total = result.saturated[ran].sum() / result.entries[ran].sum()
+            out["saturation/global/saturated_fraction"] = float(total)
+            always_all = result.always_saturated[ran].sum() / result.units[ran].sum()
+            out["saturation/global/always_saturated_fraction"] = float(always_all)
         out["saturation/global/layers"] = float(ran.sum())
         return out

@@ -1,12 +1,9 @@
-"""Transformer instability signals: the largest attention logit, the output logits' log-partition.
-
-Both grow before a transformer diverges (the reasons for QK-norm and z-loss).
-"""
+"""Transformer instability signals: the largest attention logit, the output logits' log-partition
+(both grow before a transformer diverges: the reasons for QK-norm and z-loss)."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,18 +32,16 @@ _LogZ = tuple[torch.Tensor, int, torch.Tensor]  # sum of log Z, positions, max o
 
 
 class StabilityStats(LayerStat[Result]):
-    """The largest attention logit per attention layer and the output logits' log-partition.
+    """In the training forwards of logging steps (not inside ``torch.compile``):
 
-    * ``attn_logit_max/{layer}``: the largest pre-softmax logit over the period;
-    * ``attn_entropy_min/{layer}``: the smallest head's mean attention entropy (nats);
+    * ``attn_logit_max/{layer}``: the largest pre-softmax logit of an attention layer;
+    * ``attn_entropy_min/{layer}``: its smallest head's mean attention entropy (nats);
     * ``logit_logz/{layer}``, ``logit_logz_max/{layer}``: mean and max ``logsumexp`` of the
-      *output layer*'s output (the last parameter owner with a floating output, settled by
-      :meth:`end_step`; a head applied with ``F.linear`` is not seen).
+      output layer's output (the last parameter owner with a floating output; a head applied
+      with ``F.linear`` is not seen).
 
-    ``nn.MultiheadAttention`` logits are recomputed from its inputs
-    (:func:`~.attention.mha_logit_chunks`), others seen by :class:`~.attention.AttentionCapture`.
-    Modules inside a ``torch.compile`` region are not measured. Training forwards of logging
-    steps only.
+    ``nn.MultiheadAttention`` logits are recomputed from its inputs, others captured
+    (:class:`~.attention.AttentionCapture`).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -83,7 +78,7 @@ class StabilityStats(LayerStat[Result]):
         self._mixed_heads: set[str] = set()  # modules warned of calls with other heads
 
     def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
-        """Find the output layer anew; capture the attention of the modules not hooked."""
+        """Find the output layer anew; capture the attention of the other modules."""
         self._output, self._last, self._candidates = None, None, {}
         self._capture = AttentionCapture(self._add_attention, self._attention).attach(registry)
         self._checked = False
@@ -95,52 +90,41 @@ class StabilityStats(LayerStat[Result]):
         return modules
 
     def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
-        """A pre-hook on an attention layer, a forward hook on any other parameter owner."""
-        if name in self._attention:
-            hook = self._attention_hook(name)
-            registry.forward_pre_hook(module, hook, gated=True, with_kwargs=True)
-        else:
+        if name not in self._attention:
             registry.forward_hook(module, self._forward_hook(name), gated=True)
+            return
 
-    def _attention_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        def attention(module: nn.Module, args: Any, kwargs: Any) -> None:
             if is_training_forward(module) and not torch.compiler.is_compiling():
                 assert isinstance(module, nn.MultiheadAttention)
                 with torch.no_grad():
                     for chunk in mha_logit_chunks(module, *args, **kwargs):
                         self._add_attention(name, chunk)
 
-        return hook
+        registry.forward_pre_hook(module, attention, gated=True, with_kwargs=True)
 
     def _add_attention(self, name: str, logits: torch.Tensor) -> None:
-        """One attention call's largest logit and smallest head entropy into ``name``'s row."""
         peak, total, count = attention_head_entropy(logits)
         row = self.rows.get(name)
         if row is None:
             row = self.row(name, units=total.numel())  # a unit per head
         self.attn_max[row] = torch.maximum(self.attn_max[row], peak)
-        if self.units[row] != total.numel():  # another call of the module, other heads
-            self._warn_heads(name, self.units[row], total.numel())
-            return
-        heads = self.unit_slice(row)
-        self.attn_entropy[heads].add_(total)
-        self.attn_rows[heads].add_(count)
-
-    def _warn_heads(self, name: str, heads: int, other: int) -> None:
-        """Once per module: a call with another number of heads is left out of its entropy."""
-        if name in self._mixed_heads:
-            return
-        self._mixed_heads.add(name)
-        warnings.warn(
-            f"StabilityStats: {name!r} made attention calls of {heads} and of {other} heads; "
-            f"stability/attn_entropy_min/{name} is over its {heads}-head calls only (the "
-            "largest logit is over all of them)",
-            LightningHooksWarning,
-            stacklevel=2,
-        )
+        heads, other = self.units[row], total.numel()
+        if heads == other:
+            self.attn_entropy[self.unit_slice(row)].add_(total)
+            self.attn_rows[self.unit_slice(row)].add_(count)
+        elif name not in self._mixed_heads:  # another call of the module, other heads: once
+            self._mixed_heads.add(name)
+            warnings.warn(
+                f"StabilityStats: {name!r} made attention calls of {heads} and of {other} heads; "
+                f"stability/attn_entropy_min/{name} is over its {heads}-head calls only (the "
+                "largest logit is over all of them)",
+                LightningHooksWarning,
+                stacklevel=1,
+            )
 
     def observe(self, name: str, module: nn.Module, output: Any) -> None:
-        """The output layer's ``log Z`` into its row; while it is not known, the candidate's."""
+        """The output layer's ``log Z`` into its row (held for each candidate until known)."""
         if torch.compiler.is_compiling() or (self._output is not None and name != self._output):
             return
         if not isinstance(output, torch.Tensor) or not output.is_floating_point():
@@ -164,21 +148,18 @@ class StabilityStats(LayerStat[Result]):
         self.logz_max[row] = torch.maximum(self.logz_max[row], peak)
 
     def end_step(self) -> None:
-        """After a forward: the last candidate seen is the output layer (also settled by
-        :meth:`drain`). After the first logging step, warn once of attention not seen."""
+        """After a forward: the last candidate seen is the output layer; after the first logging
+        step, warn once of attention not seen."""
         capture, registry = self._capture, self.registry
-        if not self._checked and capture is not None and registry is not None and registry.sampled:
-            self._warn_unseen(capture, registry.model)
         if self._last is not None:
             name, self._last, self._output = self._last, None, self._last
             for measured in self._candidates.pop(name):
                 self._add(name, measured)
             self._candidates.clear()
-
-    def _warn_unseen(self, capture: AttentionCapture, model: nn.Module) -> None:
-        """Once per attach: the modules named as attention whose statistics cannot be seen."""
+        if self._checked or capture is None or registry is None or not registry.sampled:
+            return
         self._checked = True
-        unseen = capture.unseen(model)
+        unseen = capture.unseen(registry.model)
         if unseen:
             warnings.warn(
                 f"StabilityStats: {len(unseen)} module(s) look like attention but made no "
@@ -187,15 +168,14 @@ class StabilityStats(LayerStat[Result]):
                 f"way); stability/attn_* is not logged for them: {', '.join(unseen[:5])}"
                 f"{' ...' if len(unseen) > 5 else ''}",
                 LightningHooksWarning,
-                stacklevel=3,
+                stacklevel=2,
             )
 
     def drain(self) -> None:
-        """Settle a forward of a logging step that :meth:`end_step` has not seen yet."""
+        """Settle a forward that :meth:`end_step` has not seen."""
         self.end_step()
 
     def summarize(self, states: dict[str, np.ndarray]) -> Result:
-        """Per statistic, ``{layer: value}`` for the rows that measured it."""
         out: Result = {stat: {} for stat in STABILITY_STATS}
         logz, count = states["logz"][:, 0], states["logz"][:, 1]
         for i, layer in enumerate(self.layers):

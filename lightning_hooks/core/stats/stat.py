@@ -29,7 +29,7 @@ _COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
 def _combine(old: np.ndarray, new: np.ndarray, spec: StateSpec) -> np.ndarray:
-    """``old`` (grown to ``new``'s rows with fresh entries) and ``new`` pooled by its reduce."""
+    """``old`` (grown to ``new``'s rows) and ``new`` pooled by ``spec``'s reduce."""
     if spec.reduce == "same":
         return new
     if old.shape != new.shape:
@@ -40,7 +40,7 @@ def _combine(old: np.ndarray, new: np.ndarray, spec: StateSpec) -> np.ndarray:
 
 
 class SelectionArgs(TypedDict, total=False):
-    """The keyword arguments that select a statistic's modules (see :meth:`Selection.of`)."""
+    """The keyword arguments that select a statistic's modules (:meth:`Selection.of`)."""
 
     types: ModuleTypes
     include: Patterns
@@ -64,18 +64,18 @@ def selection_of(
     unknown = sorted(set(args) - set(SelectionArgs.__annotations__))
     if unknown:
         raise TypeError(f"{stat}.__init__() got an unexpected keyword argument {unknown[0]!r}")
-    types = args.get("types", default_types)
+    include, exclude = args.get("include"), args.get("exclude")
     return Selection.of(
-        owner, types=types, include=args.get("include"), exclude=args.get("exclude")
+        owner, types=args.get("types", default_types), include=include, exclude=exclude
     )
 
 
 class LayerStat(RowStates, HookOwner, Generic[R]):
     """Base of every per-layer statistic: states on the model's device, one collective, one copy.
 
-    Subclasses declare states in ``__init__`` (:meth:`add_layer_state`, :meth:`add_unit_state`)
-    and implement :meth:`observe` (or :meth:`hook_module`), :meth:`summarize` and :meth:`tags`;
-    the base owns the hooks' lifecycle, the cross-rank reduce, reset and checkpoint state.
+    Subclasses declare states in ``__init__`` (:meth:`add_layer_state`, ...) and implement
+    :meth:`observe` (or :meth:`hook_module`), :meth:`summarize` and :meth:`tags`; the base owns
+    the hooks, the reduce across ranks, reset and the checkpoint state.
 
     Args:
         selection: which modules to hook (``None``: none; rows are made by the caller).
@@ -105,12 +105,10 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self.registry: HookRegistry | None = None  # type: ignore[assignment]
         self._hooked: tuple[str, ...] = ()
         self._pending: Pending[Any] = Pending()  # small outputs' snapshots (see _defer)
-        # the logging steps' windows: copied to the host without blocking, folded into the epoch
-        self._epoch: dict[str, np.ndarray] | None = None  # (sums added, extremes kept)
+        # the logging steps' windows, copied to the host without blocking, fold into the epoch
+        self._epoch: dict[str, np.ndarray] | None = None
         self._mailbox: HostMailbox | None = None
         self._ready: list[tuple[int, dict[str, np.ndarray]]] = []  # folded, not yet read
-
-    # --- hooks -----------------------------------------------------------------------------
 
     def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> Self:
         """Forget every row and hook ``model``; returns ``self``, a context manager."""
@@ -132,10 +130,10 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         return self
 
     def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
-        """Set up what needs the hooked model (override: runs last in :meth:`attach`)."""
+        """Set up what needs the hooked model (runs last in :meth:`attach`)."""
 
     def config_key(self) -> str:
-        """What tells two instances' checkpoint states apart (default: the class and selection)."""
+        """What tells two instances' checkpoint states apart: the class and selection."""
         return f"{type(self).__name__}:{self.selection!r}"
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -168,20 +166,16 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         raise NotImplementedError
 
     def _defer(self, key: Hashable, row: int, snapshot: torch.Tensor) -> None:
-        """Hold a small output's ``snapshot`` for ``row``, measured at :meth:`drain` in one stack
-        with the others of ``key``."""
+        """Hold a small output's ``snapshot`` for ``row``, stacked by ``key`` at :meth:`drain`."""
         if self._pending.add(key, row, snapshot):
             self.drain()
 
     def remove(self) -> None:
-        """Remove every hook and drop the registry (idempotent): no reference to the model stays.
-        Snapshots not yet measured (a step cut short) are dropped."""
+        """Remove every hook, the registry and snapshots not yet measured (idempotent)."""
         self._pending.clear()
         if self.registry is not None:
             self.registry.remove()
             self.registry = None
-
-    # --- logging steps: a window of steps, folded into the epoch on the host ----------------
 
     def post_window(self, step: int) -> None:
         """End the window at a logging step: reduce it across ranks and start its host copy."""
@@ -194,7 +188,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self._reset_window()
 
     def _collect(self, wait: bool) -> None:
-        """Fold the posted window into the epoch once copied (``wait``: block for it)."""
+        """Fold the posted window into the epoch once copied (``wait``: block)."""
         got = None if self._mailbox is None else self._mailbox.read(wait)
         if got is not None:
             view, (step, shapes) = got
@@ -217,14 +211,14 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         return bool(self._ready) or (self._mailbox is not None and self._mailbox.pending)
 
     def _with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The epoch's folded windows and ``window`` (some or all of the states) together."""
+        """The epoch's folded windows and ``window`` (some or all of the states)."""
         epoch = self._epoch
         if epoch is None:
             return window
         return {name: _combine(epoch[name], new, self.specs[name]) for name, new in window.items()}
 
     def _host_states(self) -> dict[str, np.ndarray]:
-        """The epoch so far: the folded windows and the current one (reduced, one copy)."""
+        """The epoch so far: the folded windows and the current one."""
         self._collect(wait=True)
         packed, shapes = self._reduced()
         return self._with_epoch(unpack(packed.cpu().numpy(), shapes))
@@ -253,8 +247,6 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         if self._mailbox is not None:
             self._mailbox.clear()
 
-    # --- checkpoint ------------------------------------------------------------------------
-
     def host_state(self) -> dict[str, Any]:
         """Rows, units and every state reduced across ranks, on the host (a collective)."""
         states = self._host_states()
@@ -262,7 +254,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         return {"layers": list(self.rows), "units": list(self.units), **saved}
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`host_state` as the epoch's folded windows; the current window is empty.
+        """Restore :meth:`host_state` as the epoch's folded windows (the window empty).
 
         Raises:
             ValueError: the state names layers this statistic does not watch.

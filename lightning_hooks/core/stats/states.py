@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -12,14 +12,7 @@ from typing_extensions import Self
 
 from lightning_hooks.core.transport import all_gather_stacked, is_distributed
 
-__all__ = [
-    "Kind",
-    "Reduce",
-    "RowStates",
-    "StateSpec",
-    "all_pool",
-    "unpack",
-]
+__all__ = ["Kind", "Reduce", "RowStates", "StateSpec", "unpack"]
 
 Reduce = Literal["sum", "max", "min", "same"]  # "same": values every rank shares (bin edges)
 Kind = Literal["layer", "unit", "global"]
@@ -28,7 +21,7 @@ Kind = Literal["layer", "unit", "global"]
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One declared state: ``[rows, *width]``, a run of entries per unit, or global ``[*width]``."""
+    """One declared state (see :data:`Kind`)."""
 
     name: str
     reduce: Reduce
@@ -39,7 +32,7 @@ class StateSpec:
 
     @property
     def identity(self) -> float:
-        """The value of a fresh entry (and of a reset one, unless ``reduce == "same"``)."""
+        """The value of a fresh (or reset) entry."""
         if self.fill is not None:
             return self.fill
         if self.reduce in ("sum", "same"):
@@ -67,30 +60,12 @@ def unpack(host: np.ndarray, shapes: dict[str, torch.Size]) -> dict[str, np.ndar
     return out
 
 
-def all_pool(
-    tensors: Sequence[torch.Tensor],
-    reduces: Sequence[Reduce],
-    dtype: torch.dtype,
-    process_group: Any = None,
-) -> list[torch.Tensor]:
-    """Each of ``tensors`` pooled across ranks with its reduce, in one packed all-gather."""
-    packed = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
-    gathered = all_gather_stacked(packed, process_group)
-    out, offset = [], 0
-    for tensor, reduce in zip(tensors, reduces, strict=True):
-        part = gathered[:, offset : offset + tensor.numel()]
-        offset += tensor.numel()
-        out.append(_POOL[reduce](part).to(tensor.dtype).view_as(tensor))
-    return out
-
-
-_POOL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+_POOL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # the ranks' copies, stacked
     "sum": lambda ranks: ranks.sum(0),
     "max": lambda ranks: ranks.amax(0),
     "min": lambda ranks: ranks.amin(0),
     "same": lambda ranks: ranks[0],
 }
-"""How the ranks' copies of a state (stacked on the first axis) pool, by its reduce."""
 
 
 class RowStates:
@@ -115,8 +90,6 @@ class RowStates:
         self._aligned = 0  # rows every rank has, in the same order (see align_rows)
         self._counts: dict[str, dict[int, int]] = {}  # host-side counts by state (see tally)
 
-    # --- declaring states -------------------------------------------------------------------
-
     def add_layer_state(
         self,
         name: str,
@@ -126,7 +99,7 @@ class RowStates:
         dtype: torch.dtype = torch.float64,
         fill: float | None = None,
     ) -> None:
-        """Declare a ``[rows, *width]`` state, pooled across ranks with ``reduce``."""
+        """Declare a ``[rows, *width]`` state, pooled across ranks by ``reduce``."""
         self._declare(StateSpec(name, reduce, dtype, tuple(width), "layer", fill))
 
     def add_unit_state(
@@ -148,7 +121,7 @@ class RowStates:
         width: Sequence[int] = (1,),
         dtype: torch.dtype = torch.float64,
     ) -> None:
-        """Declare one ``[*width]`` state for the whole model (a step count, a step time)."""
+        """Declare one ``[*width]`` state for the whole model (a step count)."""
         self._declare(StateSpec(name, reduce, dtype, tuple(width), "global"))
 
     def _declare(self, spec: StateSpec) -> None:
@@ -168,15 +141,13 @@ class RowStates:
         shape = {"layer": (rows, *spec.width), "unit": (rows,), "global": spec.width}[spec.kind]
         return torch.full(shape, spec.identity, dtype=_dtype_on(spec, device), device=device)
 
-    # --- rows ------------------------------------------------------------------------------
-
     @property
     def layers(self) -> tuple[str, ...]:
-        """Row names, in the order they were created."""
+        """Row names, in order."""
         return tuple(self.rows)
 
     def row(self, name: str, units: int = 0) -> int:
-        """The row of ``name``, created (every state grown) the first time, with ``units`` units.
+        """The row of ``name``, made (every state grown) the first time, with ``units`` units.
 
         Raises:
             ValueError: the row exists with another number of units.
@@ -200,7 +171,6 @@ class RowStates:
         return index
 
     def _drop_rows(self, device: torch.device) -> None:
-        """Forget every row: each state made anew, with no rows, on ``device``."""
         self.rows, self.units, self._starts = {}, [], []
         self._aligned, self._counts = 0, {}
         for spec in self.specs.values():
@@ -208,7 +178,7 @@ class RowStates:
 
     @property
     def rows_grew(self) -> bool:
-        """Whether rows were made since the ranks last aligned them (:meth:`align_rows`)."""
+        """Whether rows were made since :meth:`align_rows`."""
         return len(self.rows) != self._aligned
 
     def new_rows(self) -> list[tuple[str, int]]:
@@ -217,8 +187,8 @@ class RowStates:
         return [(name, self.units[i]) for name, i in self.rows.items() if i >= self._aligned]
 
     def align_rows(self, new: Sequence[Sequence[tuple[str, int]]]) -> None:
-        """Give every rank the same rows (``new``: each rank's :meth:`new_rows`), in rank order.
-        Without it a module run on some ranks only would make the collective fail or hang.
+        """Give every rank the same rows (``new``: each rank's :meth:`new_rows`), in rank order,
+        so that a module run on some ranks only does not hang the collective.
 
         Raises:
             ValueError: two ranks made the same layer's row with different numbers of units.
@@ -233,28 +203,20 @@ class RowStates:
                     )
         mine = self.new_rows()
         if [n for n, _ in mine] != list(order):
-            kept = {n: self._row_values(self.rows[n]) for n, _ in mine}
+            per_row = [spec for spec in self.specs.values() if spec.kind != "global"]
+            kept = {n: [self._entries(s, self.rows[n]).clone() for s in per_row] for n, _ in mine}
             self._truncate(self._aligned)
             for name, units in order.items():
                 row = self.row(name, units)
-                for state, value in kept.get(name, {}).items():
-                    getattr(self, state)[self._span(self.specs[state], row)] = value
+                for spec, value in zip(per_row, kept.get(name, ()), strict=False):
+                    self._entries(spec, row).copy_(value)
         self._aligned = len(self.rows)
 
-    def _row_values(self, row: int) -> dict[str, torch.Tensor]:
-        """Every per-row state's entries of ``row`` (copies)."""
-        return {
-            spec.name: getattr(self, spec.name)[self._span(spec, row)].clone()
-            for spec in self.specs.values()
-            if spec.kind != "global"
-        }
-
-    def _span(self, spec: StateSpec, row: int) -> int | slice:
-        """Where ``row``'s entries lie in state ``spec`` (a per-row one)."""
-        return row if spec.kind == "layer" else self.unit_slice(row)
+    def _entries(self, spec: StateSpec, row: int) -> torch.Tensor:
+        state: torch.Tensor = getattr(self, spec.name)
+        return state[row] if spec.kind == "layer" else state[self.unit_slice(row)]
 
     def _truncate(self, rows: int) -> None:
-        """Keep the first ``rows`` rows (every per-row state cut to them)."""
         units = sum(self.units[:rows])
         for spec in self.specs.values():
             if spec.kind != "global":
@@ -268,16 +230,14 @@ class RowStates:
         start = self._starts[row]
         return slice(start, start + self.units[row])
 
-    # --- reduce and reset ------------------------------------------------------------------
-
     def tally(self, name: str, row: int, n: int = 1) -> None:
         """Add ``n`` to state ``name``'s ``row`` on the host, moved in at :meth:`drain`."""
         counts = self._counts.setdefault(name, {})
         counts[row] = counts.get(row, 0) + n
 
     def drain(self) -> None:
-        """Move what the hooks hold into the states (one copy per tallied state); runs before
-        every reduce. An override moves its own, then calls this."""
+        """Move what the hooks hold into the states; runs before every reduce. An override moves
+        its own, then calls this."""
         for name, counts in self._counts.items():
             if counts:
                 state: torch.Tensor = getattr(self, name)
@@ -289,14 +249,18 @@ class RowStates:
     def _reduced(self) -> tuple[torch.Tensor, dict[str, torch.Size]]:
         """Every state of the window reduced across ranks (one collective), packed in one."""
         self.drain()
-        names = list(self.specs)
         dtype = torch.float32 if self.device.type == "mps" else torch.float64  # MPS: no float64
-        tensors = [getattr(self, n) for n in names]
-        if is_distributed():
-            tensors = all_pool(tensors, [self.specs[n].reduce for n in names], dtype)
-        shapes = {n: t.shape for n, t in zip(names, tensors, strict=True)}
+        tensors = [getattr(self, n) for n in self.specs]
+        shapes = {n: t.shape for n, t in zip(self.specs, tensors, strict=True)}
         parts = [t.reshape(-1).to(dtype) for t in tensors]
         packed = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=self.device)
+        if is_distributed():
+            ranks, offset = all_gather_stacked(packed), 0
+            for i, (tensor, spec) in enumerate(zip(tensors, self.specs.values(), strict=True)):
+                part = ranks[:, offset : offset + tensor.numel()]
+                offset += tensor.numel()
+                parts[i] = _POOL[spec.reduce](part).to(tensor.dtype).to(dtype)  # rounded as held
+            packed = torch.cat(parts)
         return packed, shapes
 
     def _reset_window(self) -> None:
