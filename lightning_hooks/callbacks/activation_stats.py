@@ -26,11 +26,8 @@ _HEATMAPS = ("mean", "std", "zero_fraction")
 
 
 class ActivationStatsCallback(StatsCallback):
-    r"""Per-layer statistics of every selected module's output, over each epoch's training data.
-
-    A forward hook on each selected module measures, without a host sync, every floating tensor
-    of its output in the logging steps' training forwards, pooling every element of those
-    batches in the epoch. Each logging step logs every scalar under
+    r"""Per-layer statistics of every selected module's output, pooled over the epoch's logging
+    steps' training forwards. Each logging step also logs them under
     ``activations/{stat}_step/...``.
 
     Logged metrics (``{layer}`` is the module's qualified name; a tuple / list / dict output adds
@@ -53,10 +50,6 @@ class ActivationStatsCallback(StatsCallback):
     ``activations/heatmap/{stat}`` (image)  layer x epoch heatmap of ``mean``, ``std`` and
                                             ``zero_fraction`` (every logger with pictures)
     ======================================  ===================================================
-
-    A module called twice pools both outputs into its row; fp16 / bf16 outputs are summed in
-    float32. A NaN / Inf makes the layer's mean, std, min and max NaN for the epoch; the first
-    module to go non-finite is named in one ``LightningHooksWarning`` per fit.
 
     Args:
         types: only modules of these types (default: parameter-owning and activation modules).
@@ -125,22 +118,14 @@ class ActivationStatsCallback(StatsCallback):
         self._warned_nonfinite = False
         return self.stats
 
-    @property
-    def _activations(self) -> ActivationStatsTracker | None:
-        attached = self._tracker  # not ``self.attached``: read on every batch
-        return None if attached is None else attached.stats[0]  # type: ignore[return-value]
-
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        self._probe_nonfinite()
-        return False
-
-    def _probe_nonfinite(self) -> None:
         """Warn once about the first module whose output went non-finite (before a logging
         step's window is posted: the probe reads it)."""
-        tracker = self._activations
-        if tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
-            return
+        attached = self._tracker  # not ``self.attached``: read on every batch
+        if attached is None or not self.warn_nonfinite or self._warned_nonfinite:
+            return False
+        tracker: ActivationStatsTracker = attached.stats[0]  # type: ignore[assignment]
         tracker.end_step(self._batch_step)
         found = tracker.first_nonfinite.poll()
         if found is not None:
@@ -152,6 +137,7 @@ class ActivationStatsCallback(StatsCallback):
                 "in the first step with a non-finite output).",
                 category=LightningHooksWarning,
             )
+        return False
 
     @override
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
@@ -184,14 +170,13 @@ class ActivationStatsCallback(StatsCallback):
 def _check_range(value: tuple[float, float] | None) -> tuple[float, float] | None:
     if value is None:
         return None
+    if isinstance(value, tuple | list) and len(value) == 2:
+        low = real(_NAME, "histogram_range[0]", value[0])
+        high = real(_NAME, "histogram_range[1]", value[1])
+        if low < high:
+            return low, high
     expected = "None or (low, high) with low < high"
-    if not isinstance(value, tuple | list) or len(value) != 2:
-        raise ValueError(f"{_NAME}(histogram_range={value!r}): must be {expected}, got {value!r}")
-    low = real(_NAME, "histogram_range[0]", value[0])
-    high = real(_NAME, "histogram_range[1]", value[1])
-    if not low < high:
-        raise ValueError(f"{_NAME}(histogram_range={value!r}): must be {expected}, got {value!r}")
-    return low, high
+    raise ValueError(f"{_NAME}(histogram_range={value!r}): must be {expected}, got {value!r}")
 
 
 def _log_histogram(

@@ -243,8 +243,7 @@ class HookCallback(pl.Callback, _SecondCallback):
             run.on_train_end()
 
     def _release(self) -> None:
-        """The run is over: remove the hooks and drop the ``log`` / ``log_dict`` Lightning binds
-        to every callback (they would keep the model alive after ``fit``)."""
+        """Remove the hooks; drop Lightning's bound ``log`` / ``log_dict`` (they keep the model)."""
         self._detach()
         restore_inherited(self)
         for bound in ("log", "log_dict"):
@@ -300,8 +299,8 @@ guard_hooks(HookCallback)
 def observe_optimizer_step(
     callback: Any, trainer: pl.Trainer, pl_module: Any, optimizer: Any
 ) -> None:
-    """``on_before_optimizer_step`` of a callback holding a gradient tracker: measure the
-    gradient ``optimizer`` is about to apply, and act on the alarms read."""
+    """``on_before_optimizer_step``: measure the gradient ``optimizer`` is about to apply, and
+    act on the alarms read."""
     tracker = callback._tracker
     if tracker is None:
         return
@@ -321,8 +320,7 @@ def observe_optimizer_step(
 
 
 def _read_steps(callback: HookCallback, trainer: pl.Trainer, wait: bool) -> None:
-    """Write what the last logging step measured once its host copy is done (``wait``: block
-    for it); without ``wait``, nothing is read unless a posted window is still unwritten."""
+    """Write the last logging step once its host copy is done (``wait``: block for it)."""
     if not (wait or callback._posted):
         return
     if callback._write_steps(trainer, wait):
@@ -331,8 +329,7 @@ def _read_steps(callback: HookCallback, trainer: pl.Trainer, wait: bool) -> None
 
 
 def _last_of_ours(callback: HookCallback, trainer: pl.Trainer, *, live: bool) -> bool:
-    """Whether ``callback`` is the last of ours in the Trainer's list (``live``: not failed),
-    or none of ours is there."""
+    """Whether ``callback`` is the last of ours (``live``: not failed) in the Trainer's list."""
     ours = [
         cb
         for cb in trainer.callbacks  # type: ignore[attr-defined]
@@ -355,12 +352,7 @@ def _save(trainer: pl.Trainer) -> None:
 
 
 def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
-    """Validate a cadence: a positive int or ``None`` (``ValueError`` naming ``owner`` else).
-
-    Example:
-        >>> check_every_n_steps("GradFlowCallback", 4), check_every_n_steps("Cb", None)
-        (4, None)
-    """
+    """A cadence: a positive int or ``None`` (``ValueError`` naming ``owner`` else)."""
     if every_n_steps is None:
         return None
     try:
@@ -373,12 +365,8 @@ def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
 
 
 def nothing_to_watch(callback: HookCallback, what: str, hint: str = "") -> None:
-    """``callback``'s selection holds no ``what``: raise if the user gave a selection, else warn
-    once and do nothing this fit.
-
-    Raises:
-        ValueError: a selection argument was given.
-    """
+    """``callback``'s selection holds no ``what``: a ``ValueError`` if the user gave a selection,
+    else one warning and nothing done this fit."""
     name = type(callback).__name__
     types = getattr(callback, "types", None)
     given = [f"types={types!r}"] if types is not None and types != callback._default_types else []

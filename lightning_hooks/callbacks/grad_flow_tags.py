@@ -3,9 +3,7 @@ histograms, instability statistics), and its checkpoint state."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -13,8 +11,6 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_hooks.core import LayerHistograms, LayerTable, ParamLayout
-from lightning_hooks.core.stats.stability import StabilityStats
-from lightning_hooks.core.transport import ShardPlan
 from lightning_hooks.logging import (
     grad_flow_figure,
     layer_epoch_heatmap,
@@ -55,16 +51,20 @@ _LOGGED: tuple[tuple[str, str, str], ...] = (
 
 
 _PERCENTILES = (5, 50, 95)
-_PERCENTILE_SUFFIX = re.compile(r"_p\d+$")
 
 
-def _epoch_scalars(stats: LayerTable, max_layers: int | None = None) -> Iterator[tuple[str, float]]:
-    """``(tag, value)`` of every scalar of an epoch (see ``GradFlowCallback``'s table)."""
+def _epoch_scalars(
+    stats: LayerTable, max_layers: int | None = None, step: bool = False
+) -> Iterator[tuple[str, float]]:
+    """``(tag, value)`` of every scalar of an epoch (see ``GradFlowCallback``'s table), or of a
+    logging step (``step``: without the ``*_max`` of a mean, the same value there)."""
     last = len(stats.layers) - 1  # the global row
     rows = _logged_rows(stats, max_layers)
     if stats.count[-1, stats.stats.index("grad_norm_preclip")] > 0:  # clipped: the applied one
         yield "grad_flow/global/grad_norm_postclip", float(stats.column("grad_norm")[-1])
     for suffix, stat, kind in _LOGGED:
+        if step and suffix != stat:
+            continue
         column = stats.column(stat, kind)
         counts = stats.count[:, stats.stats.index(stat)]
         for row in (*rows, last):
@@ -77,20 +77,9 @@ def _epoch_scalars(stats: LayerTable, max_layers: int | None = None) -> Iterator
             yield from _percentiles(suffix, column[:last][counts[:last] > 0])
 
 
-# A logging step's window is one logging step: its max is its mean, logged once.
-_EPOCH_ONLY = frozenset({"grad_norm_max", "update_ratio_max", "output_grad_norm_max"})
-
-
 def grad_flow_step_scalars(stats: LayerTable, max_layers: int | None = None) -> dict[str, float]:
-    """The scalars of one logging step's window, by their epoch tag (no ``*_max`` duplicates)."""
-    return {tag: value for tag, value in _epoch_scalars(stats, max_layers) if _per_step(tag)}
-
-
-@lru_cache(maxsize=1 << 16)
-def _per_step(tag: str) -> bool:
-    """Whether an epoch tag has a per-step value (not a ``*_max`` duplicate of one)."""
-    stat = tag.split("/")[-1 if "/global/" in tag else 1]
-    return _PERCENTILE_SUFFIX.sub("", stat) not in _EPOCH_ONLY
+    """The scalars of one logging step's window, by their epoch tag."""
+    return dict(_epoch_scalars(stats, max_layers, step=True))
 
 
 def _logged_rows(stats: LayerTable, max_layers: int | None) -> list[int]:
@@ -130,14 +119,11 @@ def observe_histograms(
     hist.update(grads, [row for _, row in pairs])
 
 
-def _write_histograms(
-    trainer: pl.Trainer,
-    hist: LayerHistograms,
-    stats: LayerTable,
-    max_layers: int | None,
-    shards: ShardPlan | None,
-) -> None:
-    """Write the epoch's histograms of the logged layers (rank 0), then reset ``hist``."""
+def _write_histograms(callback: GradFlowCallback, trainer: pl.Trainer, stats: LayerTable) -> None:
+    """Write the epoch's histograms of the logged layers (rank 0), then reset them."""
+    hist, tracker = callback._hist, callback._tracker
+    assert hist is not None and tracker is not None
+    shards = tracker.shards
     # Gradients are all-reduced before the optimizer step: rank 0's counts are every rank's.
     # FSDP2: each rank counted its shard's entries; the whole gradient is their sum.
     counts = (
@@ -147,7 +133,7 @@ def _write_histograms(
     hist.reset()
     if not trainer.is_global_zero:
         return
-    for row in _logged_rows(stats, max_layers):
+    for row in _logged_rows(stats, callback.max_layers_logged):
         if counts[row].any():
             tag = f"grad_flow/grad_log10_abs/{stats.layers[row]}"
             log_histogram(trainer.loggers, tag, limits, counts[row], trainer.global_step)
@@ -227,10 +213,12 @@ def write_epoch(callback: GradFlowCallback, trainer: pl.Trainer) -> None:
     # The collectives first: a rank whose host side fails later has made them all.
     stats = tracker.result()
     tracker.reset()
-    _write_stability(trainer, callback._stability)
+    if (stability := callback._stability) is not None:  # a collective: every rank calls it
+        result = stability.result()
+        stability.reset()
+        log_scalars(trainer.loggers, stability.tags(result), trainer.global_step)
     if callback._hist is not None and stats.count.any():
-        hist, shards = callback._hist, tracker.shards
-        _write_histograms(trainer, hist, stats, callback.max_layers_logged, shards)
+        _write_histograms(callback, trainer, stats)
     if tracker.alarms is not None:
         callback.policy.end_epoch(trainer, tracker.alarms)
     if not stats.count.any():
@@ -248,14 +236,6 @@ def write_epoch(callback: GradFlowCallback, trainer: pl.Trainer) -> None:
         log_figure(trainer.loggers, "grad_flow/chart", figure, step)
     if callback.heatmap and trainer.is_global_zero:
         _write_heatmap(trainer, callback._history, stats, step)
-
-
-def _write_stability(trainer: pl.Trainer, stability: StabilityStats | None) -> None:
-    """Log the instability statistics of the logging steps so far, then start afresh."""
-    if stability is not None:
-        result = stability.result()  # a collective: every rank calls it
-        stability.reset()
-        log_scalars(trainer.loggers, stability.tags(result), trainer.global_step)
 
 
 def _write_heatmap(

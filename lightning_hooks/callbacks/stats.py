@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pytorch_lightning as pl
@@ -67,27 +68,23 @@ class OncePerLayer:
         )
 
 
+@dataclass
 class _Attached:
     """The statistics of one fit and the one registry (and logging-step gate) they share."""
 
-    def __init__(self, registry: HookRegistry, stats: tuple[LayerStat[Any], ...]) -> None:
-        self.registry = registry
-        self.stats = stats
+    registry: HookRegistry
+    stats: tuple[LayerStat[Any], ...]
 
     def remove(self) -> None:
         self.registry.remove()
 
 
 class StatsCallback(HookCallback):
-    """Hooks each statistic on the model, logs its tags every epoch, carries it in checkpoints.
+    """Hooks each statistic on the model in the logging steps' training forwards, and carries
+    it in checkpoints.
 
-    Hooks run in the logging steps' training forwards. At each logging step the states measured
-    since the last one (the *window*) are reduced across ranks, copied to the host without
-    blocking and logged under :meth:`LayerStat.step_values`; each epoch end logs
-    :meth:`LayerStat.tags`. Checkpoints hold the reduced states, so a resumed fit logs alike.
-
-    Logged metrics: whatever the statistics' :meth:`~lightning_hooks.core.stats.stat.LayerStat.tags`
-    return.
+    Logged metrics: each statistic's ``step_values`` at each logging step, its ``tags`` at each
+    epoch end.
 
     Args:
         stats: one statistic or several; each is attached afresh at every fit.
@@ -103,8 +100,7 @@ class StatsCallback(HookCallback):
 
     uses_images = False
     _tracker: _Attached | None = None
-    warned: OncePerLayer | None = None
-    """Set by a subclass warning once per layer per fit (repeats summed up at the fit's end)."""
+    warned: OncePerLayer | None = None  # a subclass's findings, warned once per layer per fit
 
     def __init__(
         self,
@@ -123,15 +119,14 @@ class StatsCallback(HookCallback):
         self.every_n_steps = check_every_n_steps(type(self).__name__, every_n_steps)
 
     def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:
-        """The statistics to attach for this fit (subclasses build them from their settings)."""
+        """The statistics to attach for this fit."""
         return self.stats
 
     @override
     def _state_key_fields(self) -> dict[str, Any]:
         return {"stats": [s.config_key() for s in self.stats]}
 
-    _watches = "module"
-    """What the statistics watch, as the "nothing to watch" warning and error name it."""
+    _watches = "module"  # what the statistics watch, as "nothing to watch" names it
     _watch_hint = ""
 
     @override
@@ -196,7 +191,7 @@ class StatsCallback(HookCallback):
             self._log_result(trainer, stat, result)
 
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
-        """Log what is not a scalar tag (pictures, warnings): nothing here, subclasses add."""
+        """Log what is not a scalar tag (pictures, warnings)."""
 
     @override
     def _agreement_flags(self) -> list[bool]:
