@@ -24,13 +24,9 @@ _NAME = "DeadReLUCallback"
 class DeadReLUCallback(StatsCallback):
     r"""Dead units per activation layer: units that never fired on a logging step in an epoch.
 
-    A unit is a channel of a conv output ``[N, C, ...]`` or a feature of a linear output
-    ``[N, ..., F]``; it fires when its output is ``> 0`` (for ``pre_activation`` layers, feeding
-    ``F.relu``, the layer's output is read), and is dead if it never fired in the epoch.
-
-    Logged metrics (``{layer}`` is the watched module's qualified name), at each epoch end; each
-    logging step also logs ``dead_relu/zero_fraction_step/{layer}`` (a unit is dead over an
-    epoch, not a step).
+    A unit (a channel of ``[N, C, ...]``, a feature of ``[N, ..., F]``) fires when its output is
+    ``> 0``. Logged metrics (``{layer}``: the module's qualified name), at each epoch end; each
+    logging step also logs ``dead_relu/zero_fraction_step/{layer}``.
 
     ======================================  ===================================================
     Tag                                     Value, over the epoch's training forwards
@@ -41,9 +37,6 @@ class DeadReLUCallback(StatsCallback):
                                             averaged over the epoch (ReLU: exact zeros)
     ======================================  ===================================================
 
-    A ``LightningHooksWarning`` names the layer the first epoch its dead fraction is
-    ``>= warn_at``; repeats are summed in one warning at the fit's end.
-
     Args:
         types: activation module types to watch (default: ``ReLU``, ``ReLU6``, ``LeakyReLU``,
             ``ELU``, ``GELU``, ``SiLU``).
@@ -52,7 +45,7 @@ class DeadReLUCallback(StatsCallback):
         pre_activation: glob patterns of modules whose output feeds a functional activation
             (``F.relu(self.fc1(x))`` in ``forward``: ``pre_activation="fc1"``).
         warn_at: warn about a layer whose dead fraction is ``>= warn_at`` (in ``[0, 1]``; 0:
-            any dead unit); ``None``: no warning.
+            any dead unit), once per layer (repeats summed at the fit's end); ``None``: never.
         every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``; 1: every step); a unit is dead if it
             fired on no logging step's batch.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -26,14 +26,6 @@ _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _OWNER = "FeatureMapCallback"
 
 
-def _check_name(name: str, value: Any) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    raise TypeError(
-        f"{_OWNER}({name}={value!r}): must be a module name (str) or None, got {value!r}"
-    )
-
-
 def _check_patterns(name: str, value: Any) -> tuple[str, ...]:
     """One glob pattern, a sequence of them, or ``None``."""
     items = [value] if isinstance(value, str) else value
@@ -55,27 +47,11 @@ def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[st
         raise ValueError(f"{_OWNER}({argument}={patterns!r}): {err}") from None
 
 
-def _has_forward(model: nn.Module) -> bool:
-    """Whether the model defines ``forward`` (LightningModule's own only calls nn.Module's stub)."""
-    return type(model).forward not in (pl.LightningModule.forward, nn.Module.forward)
-
-
-def _spread(items: list[str], bound: int) -> list[str]:
-    """At most ``bound`` items, evenly spaced from first to last."""
-    if len(items) <= bound:
-        return items
-    picks = np.unique(np.linspace(0, len(items) - 1, bound).round().astype(int))
-    return [items[i] for i in picks]
-
-
 class FeatureMapCallback(HookCallback):
     r"""Feature-map images of a fixed probe batch each epoch, and optionally its embedding.
 
-    The probe is ``probe`` / ``probe_labels``, or the first ``probe_size`` samples of the first
-    training batch. At the end of every ``every_n_epochs``-th epoch it runs through the model on
-    rank 0, in eval mode under ``no_grad`` (:func:`~lightning_hooks.core.probe_mode`). Layers
-    drawn: ``layers``, default every convolution (else every ``Linear``), at most ``max_layers``
-    spread from input to output (:func:`~lightning_hooks.logging.feature_map_grid`).
+    The probe runs through the model on rank 0, in eval mode under ``no_grad``, at the end of
+    every ``every_n_epochs``-th epoch.
 
     Logged metrics, at ``trainer.global_step``:
 
@@ -89,10 +65,12 @@ class FeatureMapCallback(HookCallback):
     ==================================  ======================================================
 
     Args:
-        layers: which layers to draw (qualified names or glob patterns).
-        max_layers: the most layers drawn.
+        layers: which layers to draw (qualified names or glob patterns; default: every
+            convolution, else every ``Linear``).
+        max_layers: the most layers drawn, spread from input to output.
         channels: the most channels drawn per conv layer.
-        probe: a model input to use as the probe instead of the first training batch.
+        probe: a model input to use as the probe instead of the first ``probe_size`` samples of
+            the first training batch.
         probe_labels: one label per probe sample, for the projector.
         probe_size: how many samples of the first training batch form the probe.
         input_fn: ``batch -> model input``, for batches that are not ``(input, ...)``; without
@@ -134,7 +112,12 @@ class FeatureMapCallback(HookCallback):
         self.layers = _check_patterns("layers", layers)
         self.input_fn = checks.callable_or_none(_OWNER, "input_fn", input_fn) or default_input
         self.forward_fn = checks.callable_or_none(_OWNER, "forward_fn", forward_fn)
-        self.embedding = _check_name("embedding", embedding)
+        if embedding is not None and not isinstance(embedding, str):
+            raise TypeError(
+                f"{_OWNER}(embedding={embedding!r}): must be a module name (str) or None, "
+                f"got {embedding!r}"
+            )
+        self.embedding = embedding
         self.strict = None if strict is None else checks.boolean(_OWNER, "strict", strict)
         if probe_labels is not None and not isinstance(probe_labels, torch.Tensor):
             raise TypeError(
@@ -153,7 +136,9 @@ class FeatureMapCallback(HookCallback):
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
-        if self.forward_fn is None and not _has_forward(pl_module):
+        # LightningModule's own forward only calls nn.Module's stub.
+        stubs = (pl.LightningModule.forward, nn.Module.forward)
+        if self.forward_fn is None and type(pl_module).forward in stubs:
             raise MisconfigurationException(
                 f"{_OWNER}: {type(pl_module).__name__} defines no forward(), so the probe "
                 "batch cannot run through it. Define forward(), or pass "
@@ -171,7 +156,11 @@ class FeatureMapCallback(HookCallback):
         else:
             names = [name for name, _ in select_modules(model, types=_CONV)]
             names = names or [name for name, _ in select_modules(model, types=nn.Linear)]
-        return _spread(names, self.max_layers)
+        if len(names) <= self.max_layers:
+            return names
+        # evenly spaced from first to last
+        picks = np.linspace(0, len(names) - 1, self.max_layers).round().astype(int)
+        return [names[i] for i in np.unique(picks)]
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -228,7 +217,10 @@ class FeatureMapCallback(HookCallback):
                 pl_module(probe)
         step = trainer.global_step
         drawn = [(n, outputs[n]) for n in self._drawn if isinstance(outputs.get(n), torch.Tensor)]
-        log_scalars(trainer.loggers, dict(_abs_means(drawn)), step)
+        if drawn:  # one copy to the host
+            means = torch.stack([out.float().abs().mean() for _, out in drawn]).cpu().tolist()
+            tags = [f"feature_map/abs_mean/{name}" for name, _ in drawn]
+            log_scalars(trainer.loggers, dict(zip(tags, means, strict=True)), step)
         for name, output in drawn:
             if 2 <= output.dim() <= 5:
                 image = feature_map_grid(output, self.channels)
@@ -237,14 +229,6 @@ class FeatureMapCallback(HookCallback):
             features = outputs[self.embedding].flatten(1).float().cpu()
             labels = None if self._labels is None else self._labels.cpu().tolist()
             log_embedding(trainer.loggers, f"feature_map/{self.embedding}", features, labels, step)
-
-
-def _abs_means(outputs: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, float]]:
-    if not outputs:
-        return
-    values = torch.stack([out.float().abs().mean() for _, out in outputs]).cpu()
-    for (name, _), value in zip(outputs, values, strict=True):
-        yield f"feature_map/abs_mean/{name}", float(value)
 
 
 # The probe: the model input, the labels, the first samples, copied, on the model's device.

@@ -22,10 +22,8 @@ _NAME = "LayerTimeCallback"
 class LayerTimeCallback(StatsCallback):
     r"""Forward time of every layer on logging steps, as ms and as a share of the step.
 
-    On the logging steps, hooks before and after each layer's forward mark its start and end
-    (``time.perf_counter`` on the CPU; CUDA events, read at the next logging step, on a GPU); the
-    step is timed from batch start to batch end. A *layer* is a leaf module, so the shares sum to
-    at most 1. Backward time is not measured. Under DDP the times are means over ranks.
+    The step is timed from batch start to batch end; backward time per layer is not measured.
+    Under DDP the times are means over ranks.
 
     Logged metrics, per epoch, means over the epoch's logging steps; each logging step also logs
     the same tags with ``_step`` after the statistic (``layer_time/step_ms_step``):

@@ -27,8 +27,7 @@ _NAME = "SaturationCallback"
 
 
 def _check_types(types: ModuleTypes) -> None:
-    items = types if isinstance(types, tuple) else (types,)
-    for t in items:
+    for t in types if isinstance(types, tuple) else (types,):
         if t is not None and not (isinstance(t, type) and issubclass(t, SATURATING_TYPES)):
             raise TypeError(
                 f"{_NAME}(types={types!r}): must be a subclass of one of "
@@ -39,14 +38,10 @@ def _check_types(types: ModuleTypes) -> None:
 class SaturationCallback(StatsCallback):
     r"""Saturated outputs of every bounded activation, and units saturated all epoch long.
 
-    A forward hook on every ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6``
-    included) and ``Hardsigmoid`` module counts the logging steps' outputs in the flat region
-    (:func:`~lightning_hooks.core.saturation_mask`), and marks per *unit* (index along
-    ``unit_dim``) whether any output was unsaturated. One ``LightningHooksWarning`` names a layer
-    the first epoch its always-saturated fraction is ``>= warn_at``; repeats are summed at the end.
-
-    Logged metrics, per epoch (``{layer}``: the module's qualified name); each logging step also
-    logs the same tags with ``_step`` after the statistic, but ``always_saturated_fraction``:
+    Watches ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6`` included) and
+    ``Hardsigmoid`` modules. Logged metrics, per epoch (``{layer}``: the module's qualified
+    name); each logging step also logs them with ``_step`` after the statistic, but
+    ``always_saturated_fraction``:
 
     ================================================  ==========================================
     Tag                                               Value, over the epoch's training forwards
@@ -66,7 +61,8 @@ class SaturationCallback(StatsCallback):
             of ``[N, C, H, W]``; use -1 for ``[N, T, F]`` sequences).
         margin: threshold margin of the smooth activations (0.01: ``|tanh| > 0.99``).
         warn_at: warn about a layer when at least this fraction (in ``[0, 1]``) of its units is
-            saturated on every sample of an epoch (0: any such unit); ``None``: no warning.
+            saturated on every sample of an epoch (0: any such unit), once per layer (repeats
+            summed at the fit's end); ``None``: never.
         every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``; 1: every step).
 
