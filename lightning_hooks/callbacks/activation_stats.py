@@ -26,9 +26,8 @@ _HEATMAPS = ("mean", "std", "zero_fraction")
 
 
 class ActivationStatsCallback(StatsCallback):
-    r"""Per-layer statistics of every selected module's output, pooled over the epoch's logging
-    steps' training forwards. Each logging step also logs them under
-    ``activations/{stat}_step/...``.
+    r"""Per-layer statistics of every selected module's output, over the epoch's logging steps'
+    training forwards; each logging step also logs them under ``activations/{stat}_step/...``.
 
     Logged metrics (``{layer}`` is the module's qualified name; a tuple / list / dict output adds
     ``.{index}`` or ``.{key}``, e.g. ``lstm.0``):
@@ -43,12 +42,10 @@ class ActivationStatsCallback(StatsCallback):
     ``activations/abs_mean/{layer}``        mean ``|x|``
     ``activations/zero_fraction/{layer}``   fraction of elements exactly ``0``
     ``activations/nonfinite/{layer}``       number of NaN / Inf elements
-    ``activations/kurtosis/{layer}``        Pearson's kurtosis, population moments (3 for a
-                                            Gaussian, higher for heavier tails)
+    ``activations/kurtosis/{layer}``        Pearson's kurtosis, population moments
     ``activations/outlier_ratio/{layer}``   ``max |x|`` over the root mean square of ``x``
     ``activations/histogram/{layer}``       histogram (``histograms=True``; TensorBoard, W&B)
-    ``activations/heatmap/{stat}`` (image)  layer x epoch heatmap of ``mean``, ``std`` and
-                                            ``zero_fraction`` (every logger with pictures)
+    ``activations/heatmap/{stat}`` (image)  layer x epoch of ``mean``, ``std``, ``zero_fraction``
     ======================================  ===================================================
 
     Args:
@@ -62,8 +59,7 @@ class ActivationStatsCallback(StatsCallback):
         heatmaps: log the layer x epoch heatmap images.
         warn_nonfinite: warn when an output goes NaN / Inf.
         fused: compile the statistics with ``torch.compile`` into one pass per output instead
-            of six (needs a C++ compiler on CPU; cheaper for large outputs; the first step
-            compiles).
+            of six (needs a C++ compiler on CPU; cheaper for large outputs).
         every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``; 1: every step).
 

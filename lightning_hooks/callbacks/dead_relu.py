@@ -9,7 +9,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.stats import OncePerLayer, StatsCallback
+from lightning_hooks.callbacks.stats import StatsCallback
 from lightning_hooks.core.checks import fraction_or_none
 from lightning_hooks.core.hooks.selection import Patterns
 from lightning_hooks.core.stats.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
@@ -57,7 +57,7 @@ class DeadReLUCallback(StatsCallback):
     """
 
     uses_images = False
-    warned: OncePerLayer
+    _findings = (_NAME, "dead-unit findings")
     _default_types = RELU_FAMILY
     _selection_arguments = ("include", "exclude", "pre_activation")
     _watches = (
@@ -88,7 +88,6 @@ class DeadReLUCallback(StatsCallback):
         )
         self.warn_at = fraction_or_none(_NAME, "warn_at", warn_at)
         super().__init__(tracker, every_n_steps=every_n_steps)
-        self.warned = OncePerLayer(_NAME, "dead-unit findings")
         assert tracker.selection is not None
         self.types = types
         self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
@@ -103,7 +102,7 @@ class DeadReLUCallback(StatsCallback):
         for layer, dead, units, share in zip(
             found.layers, found.dead, found.units, found.dead_fraction, strict=True
         ):
-            if dead > 0 and share >= warn_at and self.warned.first(layer):
+            if dead > 0 and share >= warn_at and self._first_finding(layer):
                 rank_zero_warn(
                     f"{_NAME}: layer '{layer}' has {dead} of {units} units dead in epoch {epoch} "
                     f"(never fired on a logging step's batch; dead fraction {share:.3g} >= "

@@ -136,14 +136,7 @@ _TRAINER_ONLY: dict[str, str] = {
 class FabricTrainer:
     """The attributes of a ``pl.Trainer`` that our callbacks read, over a ``Fabric`` and for one
     callback: ``global_step`` counts the watched module's optimizer steps, ``current_epoch`` the
-    calls of ``on_train_epoch_end``; ``should_stop`` is unread (``"stop"`` is refused).
-
-    Example:
-        >>> from lightning.fabric import Fabric
-        >>> trainer = FabricTrainer(Fabric(accelerator="cpu", devices=1), callback=None)
-        >>> trainer.global_step, trainer.log_every_n_steps, trainer.is_global_zero
-        (0, 50, True)
-    """
+    calls of ``on_train_epoch_end``; ``should_stop`` is unread (``"stop"`` is refused)."""
 
     def __init__(self, fabric: Any, callback: Any) -> None:
         # the one attribute of a Trainer's strategy our callbacks read

@@ -55,32 +55,20 @@ class GradFlowCallback(HookCallback):
     ``grad_flow/update_ratio_max/{layer}``      the same, max
     ``grad_flow/output_grad_norm/{layer}``      L2 norm of d loss / d output, mean
     ``grad_flow/output_grad_norm_max/{layer}``  the same, max
-    ``grad_flow/grad_norm_preclip/{layer}``     with ``gradient_clip_val``: L2 norm of the
-                                                gradient before clipping, mean
+    ``grad_flow/grad_norm_preclip/{layer}``     with clipping: the L2 norm before it, mean
     ``grad_flow/global/{stat}``                 the above, over all layers together
-    ``grad_flow/global/grad_norm_postclip``     with ``gradient_clip_val``: the global
-                                                ``grad_norm`` (the applied gradient), mean
+    ``grad_flow/global/grad_norm_postclip``     with clipping: the global ``grad_norm``, mean
+    ``grad_flow/global/{stat}_p{q}``            beyond ``max_layers_logged`` layers: percentiles
     ``grad_flow/chart`` (image)                 mean and max ``|g|`` per layer, log scale
+    ``grad_flow/heatmap`` (image)               ``heatmap=True``: norm per layer x epoch, log scale
+    ``grad_flow/grad_log10_abs/{layer}``        ``histograms=True``: histogram of ``log10 |g|``
     ``grad_flow/alarms/{rule}``                 alarms of the epoch per rule (layer-steps)
-    ``grad_flow/alarms`` (text)                 one line per alarm: step, rule, layer, values,
-                                                the last ``history`` steps' norms
-    ``grad_flow/global/{stat}_p{q}``            beyond ``max_layers_logged`` layers only: the
-                                                5th, 50th, 95th percentile over layers
-    ``grad_flow/heatmap`` (image)               with ``heatmap=True``: gradient norm per
-                                                layer x epoch, log scale
-    ``stability/attn_logit_max/{layer}``        per attention module (``nn.MultiheadAttention``,
-                                                any module calling ``F.scaled_dot_product_
-                                                attention`` or an eager 4-D softmax): the
-                                                largest pre-softmax logit, max
-    ``stability/attn_entropy_min/{layer}``      the same modules: the attention entropy
-                                                averaged per head over the period's rows
-                                                (every rank's), the smallest head
-    ``stability/logit_logz/{layer}``            the output layer's ``logsumexp`` over its last
-                                                dimension, mean over positions and steps
+    ``grad_flow/alarms`` (text)                 one line per alarm: step, rule, layer, values
+    ``stability/attn_logit_max/{layer}``        per attention module: largest pre-softmax logit
+    ``stability/attn_entropy_min/{layer}``      the same: the smallest head's mean entropy
+    ``stability/logit_logz/{layer}``            the output layer's ``logsumexp``, mean
     ``stability/logit_logz_max/{layer}``        the same, max
     ``stability/{stat}_step/{layer}``           each of the five at each logging step
-    ``grad_flow/grad_log10_abs/{layer}``        with ``histograms=True``: histogram of
-    (histogram)                                 ``log10 |g|`` over the epoch's steps
     ==========================================  ================================================
 
     Args:

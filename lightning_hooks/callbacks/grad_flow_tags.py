@@ -161,16 +161,12 @@ def window_in_flight(callback: GradFlowCallback) -> bool:
 
 def write_window(callback: GradFlowCallback, trainer: pl.Trainer, wait: bool) -> bool:
     """Write the logging step whose copy is done (``wait``: block for it); whether one was."""
-    tracker = callback._tracker
-    got = None if tracker is None else tracker.read_window(wait)
-    if tracker is None or got is None:
+    if (tracker := callback._tracker) is None or (got := tracker.read_window(wait)) is None:
         return False
     step, stats = got
     scalars = grad_flow_step_scalars(stats, callback.max_layers_logged)
-    stat = callback._stability
     # Posted right after the tracker's window, at the same step: its copy is done too.
-    window = None if stat is None else stat.read_window(wait=True)
-    if stat is not None and window is not None:
+    if (stat := callback._stability) is not None and (window := stat.read_window(wait=True)):
         scalars.update(stat.step_values(window[1]))
         if tracker.alarms is not None:  # attention collapse: this logging step's measure
             at, found = window
@@ -235,16 +231,10 @@ def write_epoch(callback: GradFlowCallback, trainer: pl.Trainer) -> None:
         )
         log_figure(trainer.loggers, "grad_flow/chart", figure, step)
     if callback.heatmap and trainer.is_global_zero:
-        _write_heatmap(trainer, callback._history, stats, step)
-
-
-def _write_heatmap(
-    trainer: pl.Trainer, history: list[tuple[int, np.ndarray]], stats: LayerTable, step: int
-) -> None:
-    layers, epoch = stats.layers[:-1], trainer.current_epoch
-    history.append((epoch, stats.column("grad_norm")[:-1].copy()))
-    epochs = [e for e, _ in history]
-    values = np.stack([v for _, v in history], axis=1)
-    title = "gradient norm per layer and epoch (mean over steps)"
-    heatmap = layer_epoch_heatmap(layers, epochs, values, title=title, log=True)
-    log_figure(trainer.loggers, "grad_flow/heatmap", heatmap, step)
+        history = callback._history
+        history.append((trainer.current_epoch, stats.column("grad_norm")[:-1].copy()))
+        values = np.stack([v for _, v in history], axis=1)
+        title = "gradient norm per layer and epoch (mean over steps)"
+        epochs = [e for e, _ in history]
+        heatmap = layer_epoch_heatmap(stats.layers[:-1], epochs, values, title=title, log=True)
+        log_figure(trainer.loggers, "grad_flow/heatmap", heatmap, step)

@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.stats import OncePerLayer, StatsCallback
+from lightning_hooks.callbacks.stats import StatsCallback
 from lightning_hooks.core.checks import fraction_or_none, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.saturation import (
@@ -72,7 +72,7 @@ class SaturationCallback(StatsCallback):
         0.25
     """
 
-    warned: OncePerLayer
+    _findings = (_NAME, "saturation findings")
     _watches = (
         "bounded activation module (Sigmoid, Tanh, Softsign, Hardtanh, ReLU6, Hardsigmoid, or a "
         "Hugging Face or timm activation computing one)"
@@ -106,7 +106,6 @@ class SaturationCallback(StatsCallback):
         )
         self.warn_at = warn_at
         super().__init__(tracker, every_n_steps=every_n_steps)
-        self.warned = OncePerLayer(_NAME, "saturation findings")
         assert tracker.selection is not None
         self.types = types
         self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
@@ -126,7 +125,7 @@ class SaturationCallback(StatsCallback):
             found.units,
             strict=True,
         ):
-            if k > 0 and share >= warn_at and self.warned.first(layer):
+            if k > 0 and share >= warn_at and self._first_finding(layer):
                 rank_zero_warn(
                     f"{_NAME}: layer {layer!r} has {k} of {n} units ({share:.0%}) "
                     f"saturated on every training sample of epoch {epoch} (warn_at="

@@ -19,53 +19,11 @@ from lightning_hooks.core.transport import gather_objects
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import log_scalars, step_tags
 
-__all__ = ["OncePerLayer", "StatsCallback"]
+__all__ = ["StatsCallback"]
 
 # The bare class in the signature: jsonargparse (LightningCLI) resolves a ``class_path`` against
 # a class, not against the subscripted generic ``LayerStat[Any]``.
 _AnyStat = LayerStat
-
-
-class OncePerLayer:
-    """Remembers, within one fit, which layers were warned about and how often they recurred.
-
-    Example:
-        >>> once = OncePerLayer("DeadReLUCallback", "dead-unit findings")
-        >>> [once.first("net.1") for _ in range(3)] + [once.first("net.3")]
-        [True, False, False, True]
-        >>> once.summary().startswith("DeadReLUCallback: 2 more dead-unit findings held back")
-        True
-        >>> once.summary().endswith("after the first warning per layer: net.1 x2")
-        True
-        >>> once.reset()
-        >>> once.summary() is None
-        True
-    """
-
-    def __init__(self, owner: str, findings: str) -> None:
-        self.owner = owner
-        self.findings = findings
-        self._seen: Counter[str] = Counter()
-
-    def reset(self) -> None:
-        """Forget every layer: the next fit warns afresh."""
-        self._seen.clear()
-
-    def first(self, layer: str) -> bool:
-        """Count one finding on ``layer``; ``True`` when it is the first of this fit."""
-        self._seen[layer] += 1
-        return self._seen[layer] == 1
-
-    def summary(self) -> str | None:
-        """The repeats held back, per layer in the order first warned; ``None`` when none."""
-        held = {layer: n - 1 for layer, n in self._seen.items() if n > 1}
-        if not held:
-            return None
-        per_layer = ", ".join(f"{layer} x{n}" for layer, n in held.items())
-        return (
-            f"{self.owner}: {sum(held.values())} more {self.findings} held back after the "
-            f"first warning per layer: {per_layer}"
-        )
 
 
 @dataclass
@@ -100,7 +58,7 @@ class StatsCallback(HookCallback):
 
     uses_images = False
     _tracker: _Attached | None = None
-    warned: OncePerLayer | None = None  # a subclass's findings, warned once per layer per fit
+    _findings: tuple[str, str] | None = None  # (owner, findings) warned once per layer per fit
 
     def __init__(
         self,
@@ -116,6 +74,7 @@ class StatsCallback(HookCallback):
                 f"of them, got {stats!r}"
             )
         self.stats: tuple[LayerStat[Any], ...] = items
+        self._seen: Counter[str] = Counter()  # findings per layer in this fit
         self.every_n_steps = check_every_n_steps(type(self).__name__, every_n_steps)
 
     def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:
@@ -147,15 +106,25 @@ class StatsCallback(HookCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        if self.warned is not None:
-            self.warned.reset()
+        self._seen.clear()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
-        summary = None if self.warned is None else self.warned.summary()
-        if summary is not None and trainer.is_global_zero:
-            rank_zero_warn(summary, category=LightningHooksWarning)
+        held = {layer: n - 1 for layer, n in self._seen.items() if n > 1}
+        if held and self._findings and trainer.is_global_zero:
+            owner, findings = self._findings
+            per_layer = ", ".join(f"{layer} x{n}" for layer, n in held.items())
+            rank_zero_warn(
+                f"{owner}: {sum(held.values())} more {findings} held back after the first "
+                f"warning per layer: {per_layer}",
+                category=LightningHooksWarning,
+            )
+
+    def _first_finding(self, layer: str) -> bool:
+        """Count a finding on ``layer``: whether it is the first of this fit (to be warned)."""
+        self._seen[layer] += 1
+        return self._seen[layer] == 1
 
     @property
     def attached(self) -> tuple[LayerStat[Any], ...]:
