@@ -14,7 +14,7 @@ from lightning_hooks.core.checks import boolean, positive_int, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.ops.feature_stats import FeatureSummary
 from lightning_hooks.core.stats.activation_shape import ActivationShape
-from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker, Histogram
+from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import layer_epoch_heatmap, log_figure, log_histogram
@@ -55,7 +55,7 @@ class ActivationStatsCallback(StatsCallback):
         histograms: log a histogram per layer each epoch.
         histogram_bins: number of bins.
         histogram_range: fixed ``(low, high)`` bin edges; ``None``: each layer's min and max of
-            the previous epoch (the first epoch: of its first output).
+            the previous epoch (or its first output).
         heatmaps: log the layer x epoch heatmap images.
         warn_nonfinite: warn when an output goes NaN / Inf.
         fused: compile the statistics with ``torch.compile`` into one pass per output instead
@@ -107,21 +107,21 @@ class ActivationStatsCallback(StatsCallback):
         self.uses_images = self.heatmaps or self.histograms
         self._history: list[tuple[int, FeatureSummary]] = []
         self._warned_nonfinite = False
+        self._activations = tracker
 
     @override
-    def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._history = []
         self._warned_nonfinite = False
-        return self.stats
+        super()._attach(trainer, pl_module)
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
         """Warn once about the first module whose output went non-finite (before a logging
         step's window is posted: the probe reads it)."""
-        attached = self._tracker  # not ``self.attached``: read on every batch
-        if attached is None or not self.warn_nonfinite or self._warned_nonfinite:
+        if self._tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
             return False
-        tracker: ActivationStatsTracker = attached.stats[0]  # type: ignore[assignment]
+        tracker = self._activations
         tracker.end_step(self._batch_step)
         found = tracker.first_nonfinite.poll()
         if found is not None:
@@ -143,8 +143,13 @@ class ActivationStatsCallback(StatsCallback):
         if not stats.layers or not trainer.is_global_zero:
             return
         step = trainer.global_step
+        columns = (stats.min, stats.max, stats.sum, stats.sum_sq)  # the histograms' moments
         for row, hist in enumerate(hists):
-            _log_histogram(trainer, stats, row, hist, step)
+            if stats.numel[row] and np.isfinite(hist.edges).all():
+                low, high, total, squares = (float(column[row]) for column in columns)
+                moments = (low, high, total, squares)
+                tag = f"activations/histogram/{hist.layer}"
+                log_histogram(trainer.loggers, tag, hist.edges[1:], hist.counts, step, moments)
         self._history.append((trainer.current_epoch, stats))
         if self.heatmaps:
             self._log_heatmaps(trainer, step)
@@ -173,19 +178,3 @@ def _check_range(value: tuple[float, float] | None) -> tuple[float, float] | Non
             return low, high
     expected = "None or (low, high) with low < high"
     raise ValueError(f"{_NAME}(histogram_range={value!r}): must be {expected}, got {value!r}")
-
-
-def _log_histogram(
-    trainer: pl.Trainer, stats: FeatureSummary, row: int, hist: Histogram, step: int
-) -> None:
-    n = float(stats.numel[row])
-    if n == 0 or not np.isfinite(hist.edges).all():
-        return
-    moments = (
-        float(stats.min[row]),
-        float(stats.max[row]),
-        float(stats.sum[row]),
-        float(stats.sum_sq[row]),
-    )
-    tag = f"activations/histogram/{hist.layer}"
-    log_histogram(trainer.loggers, tag, hist.edges[1:], hist.counts, step, moments)

@@ -147,8 +147,6 @@ class HookCallback(pl.Callback, _SecondCallback):
             _read_steps(self, trainer, wait=False)
         cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
         sampled = (step + 1) % cadence == 0 or step == self._epoch_start_step
-        if sampled and self._tracker is not None:
-            self._sampled_step = step
         gate = getattr(self._tracker, "registry", None)  # the logging-step gate of the module hooks
         if gate is not None and gate.sampled != sampled:  # a quiet step reads it, sets nothing
             gate.sampled = sampled
@@ -156,6 +154,7 @@ class HookCallback(pl.Callback, _SecondCallback):
             _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
         self._sampled_batch = sampled and self._tracker is not None
         if self._sampled_batch:
+            self._sampled_step = step
             self._batch_started(trainer)
 
     @override

@@ -26,19 +26,6 @@ _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _OWNER = "FeatureMapCallback"
 
 
-def _check_patterns(name: str, value: Any) -> tuple[str, ...]:
-    """One glob pattern, a sequence of them, or ``None``."""
-    items = [value] if isinstance(value, str) else value
-    if value is None or (
-        isinstance(items, list | tuple) and all(isinstance(item, str) for item in items)
-    ):
-        return as_patterns(value)
-    raise TypeError(
-        f"{_OWNER}({name}={value!r}): must be a module name or glob pattern, a sequence of "
-        f"them, or None, got {value!r}"
-    )
-
-
 def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[str, nn.Module]]:
     """The modules ``patterns`` name; the error names the user's argument first."""
     try:
@@ -109,7 +96,13 @@ class FeatureMapCallback(HookCallback):
         self.channels = checks.positive_int(_OWNER, "channels", channels)
         self.probe_size = checks.positive_int(_OWNER, "probe_size", probe_size)
         self.every_n_epochs = checks.positive_int(_OWNER, "every_n_epochs", every_n_epochs)
-        self.layers = _check_patterns("layers", layers)
+        items = [layers] if isinstance(layers, str) else () if layers is None else layers
+        if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+            raise TypeError(
+                f"{_OWNER}(layers={layers!r}): must be a module name or glob pattern, a sequence "
+                f"of them, or None, got {layers!r}"
+            )
+        self.layers = as_patterns(layers)
         self.input_fn = checks.callable_or_none(_OWNER, "input_fn", input_fn) or default_input
         self.forward_fn = checks.callable_or_none(_OWNER, "forward_fn", forward_fn)
         if embedding is not None and not isinstance(embedding, str):
@@ -144,23 +137,19 @@ class FeatureMapCallback(HookCallback):
                 "batch cannot run through it. Define forward(), or pass "
                 f"{_OWNER}(forward_fn=lambda module, probe: ...) that runs the probe."
             )
-        self._drawn = self._select(pl_module)
+        if self.layers:
+            names = [name for name, _ in _named(pl_module, "layers", self.layers)]
+        else:
+            names = [name for name, _ in select_modules(pl_module, types=_CONV)]
+            names = names or [name for name, _ in select_modules(pl_module, types=nn.Linear)]
+        if len(names) > self.max_layers:  # evenly spaced from first to last
+            picks = np.linspace(0, len(names) - 1, self.max_layers).round().astype(int)
+            names = [names[i] for i in np.unique(picks)]
+        self._drawn = names
         if not self._drawn and self.embedding is None:
             nothing_to_watch(self, "convolution or Linear layer")
         if self.embedding is not None:
             _named(pl_module, "embedding", self.embedding)
-
-    def _select(self, model: nn.Module) -> list[str]:
-        if self.layers:
-            names = [name for name, _ in _named(model, "layers", self.layers)]
-        else:
-            names = [name for name, _ in select_modules(model, types=_CONV)]
-            names = names or [name for name, _ in select_modules(model, types=nn.Linear)]
-        if len(names) <= self.max_layers:
-            return names
-        # evenly spaced from first to last
-        picks = np.linspace(0, len(names) - 1, self.max_layers).round().astype(int)
-        return [names[i] for i in np.unique(picks)]
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

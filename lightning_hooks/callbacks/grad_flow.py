@@ -80,8 +80,7 @@ class GradFlowCallback(HookCallback):
         chart: log the gradient-flow chart image each epoch.
         max_layers_logged: per-layer tags for at most this many layers per epoch, non-finite
             first, then half the largest, half the smallest gradient norms (``None``: all).
-        histograms: log a histogram of ``log10 |g|`` per layer each epoch (one more pass over
-            the gradients per logging step).
+        histograms: log a histogram of ``log10 |g|`` per layer each epoch (one more pass).
         heatmap: log an image of the gradient norm per layer and epoch each epoch.
         alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
         on_alarm: ``"warn"``, ``"stop"``, ``"raise"`` or ``"skip"`` for every rule, or a mapping
@@ -90,10 +89,9 @@ class GradFlowCallback(HookCallback):
             *vanishing*, *stall* and *attention*.
         every_n_steps: measure on optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``); the alarms run on every step.
-        stability: log the instability statistics ``stability/...``
-            (:class:`~lightning_hooks.core.stats.stability.StabilityStats`) on the logging steps,
-            whatever ``types``, ``include`` and ``exclude`` select. The output layer is the last
-            module owning parameters whose output is a floating tensor, in forward order.
+        stability: log the instability statistics ``stability/...`` on the logging steps,
+            whatever the selection (the output layer: the last module owning parameters whose
+            output is a floating tensor, in forward order).
 
     Example:
         >>> import pytorch_lightning as pl
@@ -194,8 +192,7 @@ class GradFlowCallback(HookCallback):
     def _detach(self) -> None:
         if self._tracker is not None:
             self.policy.keep(self._tracker.alarms)
-            self._tracker.remove()
-            self._tracker = None
+        super()._detach()
         self._hist = self._stability = self._own_loss = self._on_optimizer_step = None
         self._every_batch = False
 
@@ -203,18 +200,15 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        stability = self._stability
-        if stability is not None and self._sampled_batch:
-            stability.end_step()
+        if self._stability is not None and self._sampled_batch:
+            self._stability.end_step()
         alarms = None if self._tracker is None else self._tracker.alarms
         if alarms is not None and self._every_batch:  # the ranks' mean loss
-            failed = self._hook_guard().local is not None
-            agreed = self.policy.loss.observe(
-                trainer, alarms, outputs, self._batch_step, failed=failed
-            )
+            loss, failed = self.policy.loss, self._hook_guard().local is not None
+            agreed = loss.observe(trainer, alarms, outputs, self._batch_step, failed=failed)
             if agreed is not None and settle(self, trainer, self._batch_step, *agreed):
                 return True
-            self.policy.loss.apply(trainer, alarms)
+            loss.apply(trainer, alarms)
         return False
 
     @override

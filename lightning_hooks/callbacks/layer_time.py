@@ -74,33 +74,27 @@ class LayerTimeCallback(StatsCallback):
         self.types = types
         self.include, self.exclude = timer.selection.include, timer.selection.exclude
         self.uses_images = self.chart
-
-    @property
-    def _timer(self) -> LayerTimer | None:
-        attached = self._tracker  # not ``self.attached``: read on every batch
-        return None if attached is None else attached.stats[0]  # type: ignore[return-value]
+        self._timer = timer
 
     @override
-    def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:
-        timer = self.stats[0]
-        assert isinstance(timer, LayerTimer)
-        timer.use_cuda = pl_module.device.type == "cuda"
-        return self.stats
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._timer.use_cuda = pl_module.device.type == "cuda"
+        super()._attach(trainer, pl_module)
 
     @override
     def _batch_started(self, trainer: pl.Trainer) -> None:
-        if self._timer is not None:
+        if self._tracker is not None:
             self._timer.start_step(trainer.global_step)
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        if self._timer is not None:
+        if self._tracker is not None:
             self._timer.end_step()
         return False
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._timer is not None:
+        if self._tracker is not None:
             self._timer.end_step()  # a step cut short by a skipped batch closes here
         super()._log_epoch(trainer, pl_module)
 

@@ -95,7 +95,7 @@ class SaturationCallback(StatsCallback):
             raise TypeError(f"{_NAME}(unit_dim={dim!r}): must be an int, got {dim!r}")
         unit_dim = int(dim)
         margin = real(_NAME, "margin", margin, low=0.0, high=0.5, low_open=True, high_open=True)
-        warn_at = fraction_or_none(_NAME, "warn_at", warn_at)  # before the selection's errors
+        self.warn_at = fraction_or_none(_NAME, "warn_at", warn_at)  # before selection errors
         tracker = SaturationTracker(
             types=types,
             include=include,
@@ -104,13 +104,11 @@ class SaturationCallback(StatsCallback):
             unit_dim=unit_dim,
             margin=margin,
         )
-        self.warn_at = warn_at
         super().__init__(tracker, every_n_steps=every_n_steps)
         assert tracker.selection is not None
         self.types = types
         self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
-        self.unit_dim = unit_dim
-        self.margin = margin
+        self.unit_dim, self.margin = unit_dim, margin
 
     @override
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:

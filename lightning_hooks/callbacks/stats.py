@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytorch_lightning as pl
@@ -24,17 +24,6 @@ __all__ = ["StatsCallback"]
 # The bare class in the signature: jsonargparse (LightningCLI) resolves a ``class_path`` against
 # a class, not against the subscripted generic ``LayerStat[Any]``.
 _AnyStat = LayerStat
-
-
-@dataclass
-class _Attached:
-    """The statistics of one fit and the one registry (and logging-step gate) they share."""
-
-    registry: HookRegistry
-    stats: tuple[LayerStat[Any], ...]
-
-    def remove(self) -> None:
-        self.registry.remove()
 
 
 class StatsCallback(HookCallback):
@@ -57,7 +46,6 @@ class StatsCallback(HookCallback):
     """
 
     uses_images = False
-    _tracker: _Attached | None = None
     _findings: tuple[str, str] | None = None  # (owner, findings) warned once per layer per fit
 
     def __init__(
@@ -77,10 +65,6 @@ class StatsCallback(HookCallback):
         self._seen: Counter[str] = Counter()  # findings per layer in this fit
         self.every_n_steps = check_every_n_steps(type(self).__name__, every_n_steps)
 
-    def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:
-        """The statistics to attach for this fit."""
-        return self.stats
-
     @override
     def _state_key_fields(self) -> dict[str, Any]:
         return {"stats": [s.config_key() for s in self.stats]}
@@ -98,10 +82,10 @@ class StatsCallback(HookCallback):
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         registry = HookRegistry(pl_module)
-        stats = self._make_stats(pl_module)
-        for stat in stats:
+        for stat in self.stats:
             stat.attach(pl_module, registry)
-        self._tracker = _Attached(registry, stats)
+        # What the base reads of a tracker: the logging-step gate, and ``remove()``.
+        self._tracker = SimpleNamespace(registry=registry, remove=registry.remove)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -129,7 +113,7 @@ class StatsCallback(HookCallback):
     @property
     def attached(self) -> tuple[LayerStat[Any], ...]:
         """The statistics of the running fit (empty outside a fit)."""
-        return () if self._tracker is None else self._tracker.stats
+        return () if self._tracker is None else self.stats
 
     @override
     def _log_step(self, trainer: pl.Trainer, step: int) -> None:
