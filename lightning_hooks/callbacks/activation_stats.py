@@ -83,14 +83,13 @@ class ActivationStatsCallback(StatsCallback):
         fused: bool = False,
         every_n_steps: int | None = None,
     ) -> None:
-        self.selection = Selection.of(_NAME, types=types, include=include, exclude=exclude)
+        s = self.selection = Selection.of(_NAME, types=types, include=include, exclude=exclude)
         self.histogram_bins = positive_int(_NAME, "histogram_bins", histogram_bins)
         self.histogram_range = _check_range(histogram_range)
         self.histograms = boolean(_NAME, "histograms", histograms)
         self.heatmaps = boolean(_NAME, "heatmaps", heatmaps)
         self.warn_nonfinite = boolean(_NAME, "warn_nonfinite", warn_nonfinite)
         self.fused = boolean(_NAME, "fused", fused)
-        s = self.selection
         tracker = ActivationStatsTracker(
             types=s.types,
             include=s.include,
@@ -155,9 +154,7 @@ class ActivationStatsCallback(StatsCallback):
             self._log_heatmaps(trainer, step)
 
     def _log_heatmaps(self, trainer: pl.Trainer, step: int) -> None:
-        layers: list[str] = []
-        for _, stats in self._history:
-            layers.extend(name for name in stats.layers if name not in layers)
+        layers = list(dict.fromkeys(name for _, stats in self._history for name in stats.layers))
         epochs = [epoch for epoch, _ in self._history]
         for stat in _HEATMAPS:
             grid = np.full((len(layers), len(epochs)), np.nan)

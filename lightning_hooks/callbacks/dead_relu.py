@@ -99,9 +99,8 @@ class DeadReLUCallback(StatsCallback):
         epoch, warn_at = trainer.current_epoch, self.warn_at
         if warn_at is None:
             return
-        for layer, dead, units, share in zip(
-            found.layers, found.dead, found.units, found.dead_fraction, strict=True
-        ):
+        rows = zip(found.layers, found.dead, found.units, found.dead_fraction, strict=True)
+        for layer, dead, units, share in rows:
             if dead > 0 and share >= warn_at and self._first_finding(layer):
                 rank_zero_warn(
                     f"{_NAME}: layer '{layer}' has {dead} of {units} units dead in epoch {epoch} "

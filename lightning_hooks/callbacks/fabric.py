@@ -40,10 +40,9 @@ except ImportError:
     pass
 
 
-def second_callback() -> type:
-    """``lightning.pytorch.Callback`` if installed and distinct, else ``object`` (each namespace's
-    ``LightningCLI`` accepts only its own ``Callback``: ours derive from both)."""
-    return object if _NAMESPACES[-1][1] is pl.Callback else _NAMESPACES[-1][1]
+# ``lightning.pytorch.Callback`` if installed and distinct, else ``object`` (each namespace's
+# ``LightningCLI`` accepts only its own ``Callback``: ours derive from both).
+SECOND_CALLBACK: type = object if _NAMESPACES[-1][1] is pl.Callback else _NAMESPACES[-1][1]
 
 
 _FSDP2 = (
@@ -338,18 +337,3 @@ class FabricRun:
                 "watched. Pass one callback per Fabric.",
                 category=LightningHooksWarning,
             )
-
-
-def start_run(callback: Any, fabric: Any, module: nn.Module) -> None:
-    """Fabric's ``on_after_setup``: watch ``module`` with a :class:`FabricRun` in the callback's
-    place in Fabric's callback list."""
-    callbacks: list[Any] | None = getattr(fabric, "_callbacks", None)
-    ours = [other.callback if isinstance(other, FabricRun) else other for other in callbacks or ()]
-    if passed_by_user(callback, ours):
-        return  # LIGHTNING_HOOKS asked for a callback the user passed already
-    run = FabricRun(callback, fabric, module)
-    callback.__dict__["_fabric_run"] = run
-    if callbacks is not None and callback in callbacks:
-        # fabric.call(...) passes Fabric's arguments: the run answers, not the Trainer hooks.
-        callbacks[callbacks.index(callback)] = run
-    run.start()

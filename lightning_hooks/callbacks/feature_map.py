@@ -37,9 +37,6 @@ def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[st
 class FeatureMapCallback(HookCallback):
     r"""Feature-map images of a fixed probe batch each epoch, and optionally its embedding.
 
-    The probe runs through the model on rank 0, in eval mode under ``no_grad``, at the end of
-    every ``every_n_epochs``-th epoch.
-
     Logged metrics, at ``trainer.global_step``:
 
     ==================================  ======================================================
@@ -65,7 +62,8 @@ class FeatureMapCallback(HookCallback):
         forward_fn: ``(pl_module, probe) -> output``, for a LightningModule without ``forward``
             (default: ``pl_module(probe)``).
         embedding: a layer whose flattened probe outputs go to TensorBoard's projector.
-        every_n_epochs: probe at the end of every n-th epoch.
+        every_n_epochs: run the probe (on rank 0, in eval mode under ``no_grad``) at the end of
+            every n-th epoch.
         strict: ``True``: a hook's exception propagates; ``False``: it disables the callback
             with one warning; ``None``: ``LIGHTNING_HOOKS_STRICT``.
 
@@ -229,11 +227,8 @@ class ProbeInputError(LightningHooksError, TypeError):
 
 def has_tensor(x: Any) -> bool:
     """Whether ``x`` is a tensor or a (nested) list, tuple or mapping holding one."""
-    if isinstance(x, torch.Tensor):
-        return True
-    if isinstance(x, list | tuple):
-        return any(has_tensor(item) for item in x)
-    return isinstance(x, Mapping) and any(has_tensor(item) for item in x.values())
+    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, list | tuple) else ()
+    return isinstance(x, torch.Tensor) or any(has_tensor(item) for item in items)
 
 
 def default_input(batch: Any) -> Any:
@@ -250,10 +245,9 @@ def default_input(batch: Any) -> Any:
 
 def default_labels(batch: Any, size: int) -> torch.Tensor | None:
     """The second element of a tuple batch when it holds one label per sample, else ``None``."""
-    if isinstance(batch, list | tuple) and len(batch) > 1:
-        labels = batch[1]
-        if isinstance(labels, torch.Tensor) and labels.dim() == 1 and len(labels) >= size:
-            return labels[:size].detach().clone()
+    labels = batch[1] if isinstance(batch, list | tuple) and len(batch) > 1 else None
+    if isinstance(labels, torch.Tensor) and labels.dim() == 1 and len(labels) >= size:
+        return labels[:size].detach().clone()
     return None
 
 

@@ -156,6 +156,7 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm or "norm"
         self._tracker = GradFlowTracker(
             pl_module,
             trainer.optimizers,
@@ -164,9 +165,9 @@ class GradFlowCallback(HookCallback):
             exclude=self.exclude,
             update_ratio=self.update_ratio,
             output_grad=self.output_grad,
-            post_clip=bool(trainer.gradient_clip_val),
+            post_clip=bool(clip),
             alarms=self.alarms,
-            clip=clip_of(trainer),
+            clip=(float(clip), str(getattr(algorithm, "value", algorithm))) if clip else None,
         )
         self._history = []
         if unstepped := self._tracker.unstepped():
@@ -221,14 +222,6 @@ class GradFlowCallback(HookCallback):
     _write_steps = tags.write_window
     _save_state = tags.save_state
     _load_state = tags.load_state
-
-
-def clip_of(trainer: pl.Trainer) -> tuple[float, str] | None:
-    """The Trainer's gradient clipping, ``(value, algorithm)``, or ``None``."""
-    if not trainer.gradient_clip_val:
-        return None
-    algorithm = trainer.gradient_clip_algorithm or "norm"
-    return float(trainer.gradient_clip_val), str(getattr(algorithm, "value", algorithm))
 
 
 def _check_types(types: ModuleTypes) -> None:

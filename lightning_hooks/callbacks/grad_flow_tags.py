@@ -73,8 +73,10 @@ def _epoch_scalars(
             layer = stats.layers[row]
             tag = f"grad_flow/global/{suffix}" if row == last else f"grad_flow/{suffix}/{layer}"
             yield tag, float(column[row])
-        if len(rows) < last:
-            yield from _percentiles(suffix, column[:last][counts[:last] > 0])
+        values = column[:last][(counts[:last] > 0) & np.isfinite(column[:last])]
+        if len(rows) < last and values.size:  # percentiles over the layers
+            for q, value in zip(_PERCENTILES, np.percentile(values, _PERCENTILES), strict=True):
+                yield f"grad_flow/global/{suffix}_p{q:02d}", float(value)
 
 
 def grad_flow_step_scalars(stats: LayerTable, max_layers: int | None = None) -> dict[str, float]:
@@ -95,14 +97,6 @@ def _logged_rows(stats: LayerTable, max_layers: int | None) -> list[int]:
     smallest = order[: max_layers - len(bad) - top]
     largest = order[len(order) - top :] if top else []
     return sorted({*bad, *smallest, *largest})
-
-
-def _percentiles(suffix: str, values: np.ndarray) -> Iterator[tuple[str, float]]:
-    values = values[np.isfinite(values)]
-    if values.size == 0:
-        return
-    for q, value in zip(_PERCENTILES, np.percentile(values, _PERCENTILES), strict=True):
-        yield f"grad_flow/global/{suffix}_p{q:02d}", float(value)
 
 
 def observe_histograms(
@@ -223,12 +217,9 @@ def write_epoch(callback: GradFlowCallback, trainer: pl.Trainer) -> None:
     scalars = dict(_epoch_scalars(stats, callback.max_layers_logged))
     log_scalars(trainer.loggers, scalars, step)
     if callback.chart and trainer.is_global_zero:
-        figure = grad_flow_figure(
-            stats.layers[:-1],
-            stats.column("grad_abs_mean")[:-1],
-            stats.column("grad_abs_max", "peak")[:-1],
-            title=f"gradient flow, epoch {trainer.current_epoch}",
-        )
+        mean, peak = stats.column("grad_abs_mean")[:-1], stats.column("grad_abs_max", "peak")[:-1]
+        title = f"gradient flow, epoch {trainer.current_epoch}"
+        figure = grad_flow_figure(stats.layers[:-1], mean, peak, title=title)
         log_figure(trainer.loggers, "grad_flow/chart", figure, step)
     if callback.heatmap and trainer.is_global_zero:
         history = callback._history

@@ -22,9 +22,6 @@ _NAME = "LayerTimeCallback"
 class LayerTimeCallback(StatsCallback):
     r"""Forward time of every layer on logging steps, as ms and as a share of the step.
 
-    The step is timed from batch start to batch end; backward time per layer is not measured.
-    Under DDP the times are means over ranks.
-
     Logged metrics, per epoch, means over the epoch's logging steps; each logging step also logs
     the same tags with ``_step`` after the statistic (``layer_time/step_ms_step``):
 
@@ -103,11 +100,7 @@ class LayerTimeCallback(StatsCallback):
         times: LayerTimes = result
         if times.steps == 0 or not trainer.is_global_zero or not self.chart:
             return
-        figure = layer_time_figure(
-            times.layers,
-            times.forward_ms,
-            times.step_ms,
-            title=f"forward time per layer, epoch {trainer.current_epoch}, "
-            f"step {times.step_ms:.2f} ms",
-        )
+        epoch, step_ms = trainer.current_epoch, times.step_ms
+        title = f"forward time per layer, epoch {epoch}, step {step_ms:.2f} ms"
+        figure = layer_time_figure(times.layers, times.forward_ms, step_ms, title=title)
         log_figure(trainer.loggers, "layer_time/chart", figure, trainer.global_step)

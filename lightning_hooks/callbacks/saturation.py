@@ -116,13 +116,8 @@ class SaturationCallback(StatsCallback):
         epoch, warn_at = trainer.current_epoch, self.warn_at
         if warn_at is None or not trainer.is_global_zero:
             return
-        for layer, share, k, n in zip(
-            found.layers,
-            found.always_saturated_fraction,
-            found.always_saturated,
-            found.units,
-            strict=True,
-        ):
+        shares, counts = found.always_saturated_fraction, found.always_saturated
+        for layer, share, k, n in zip(found.layers, shares, counts, found.units, strict=True):
             if k > 0 and share >= warn_at and self._first_finding(layer):
                 rank_zero_warn(
                     f"{_NAME}: layer {layer!r} has {k} of {n} units ({share:.0%}) "

@@ -124,10 +124,8 @@ class StatsCallback(HookCallback):
     def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
         wrote = False
         for stat in self.attached:
-            got = stat.read_window(wait)
-            if got is not None:
-                step, result = got
-                log_scalars(trainer.loggers, step_tags(stat.step_values(result)), step)
+            if (got := stat.read_window(wait)) is not None:
+                log_scalars(trainer.loggers, step_tags(stat.step_values(got[1])), got[0])
                 wrote = True
         return wrote
 
@@ -173,13 +171,9 @@ class StatsCallback(HookCallback):
     def _save_state(self) -> dict[str, Any]:
         if self._ranks > 1:  # a checkpoint between logging steps: rows made since
             self._align_rows()
-        return {_key(i, s): s.host_state() for i, s in enumerate(self.attached)}
+        return {f"{i}:{type(s).__name__}": s.host_state() for i, s in enumerate(self.attached)}
 
     @override
     def _load_state(self, state: dict[str, Any]) -> None:
         for i, stat in enumerate(self.attached):
-            stat.load_host_state(state[_key(i, stat)])
-
-
-def _key(index: int, stat: LayerStat[Any]) -> str:
-    return f"{index}:{type(stat).__name__}"
+            stat.load_host_state(state[f"{i}:{type(stat).__name__}"])
