@@ -316,9 +316,6 @@ def observe_optimizer_step(
         callback.policy.act(trainer, optimizer, found)
 
 
-# The writing: logging steps, epoch ends, one save of the loggers per hook round.
-
-
 def _read_steps(callback: HookCallback, trainer: pl.Trainer, wait: bool) -> None:
     """Write the last logging step once its host copy is done (``wait``: block for it)."""
     if not (wait or callback._posted):
@@ -346,9 +343,6 @@ def _save(trainer: pl.Trainer) -> None:
     if trainer.is_global_zero:
         write_dashboards(trainer.loggers)
     save_loggers(trainer.loggers)
-
-
-# The checks: each error names the culprit.
 
 
 def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:

@@ -218,9 +218,6 @@ class FeatureMapCallback(HookCallback):
             log_embedding(trainer.loggers, f"feature_map/{self.embedding}", features, labels, step)
 
 
-# The probe: the model input, the labels, the first samples, copied, on the model's device.
-
-
 class ProbeInputError(LightningHooksError, TypeError):
     """No usable model input in the first training batch (the guard lets it through)."""
 

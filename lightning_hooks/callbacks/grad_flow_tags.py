@@ -133,9 +133,6 @@ def _write_histograms(callback: GradFlowCallback, trainer: pl.Trainer, stats: La
             log_histogram(trainer.loggers, tag, limits, counts[row], trainer.global_step)
 
 
-# What a logging step and an epoch write, and the checkpoint state.
-
-
 def post_window(callback: GradFlowCallback, trainer: pl.Trainer, step: int) -> None:
     """A logging step: post the window of the tracker and the instability statistics."""
     if callback._tracker is None:
