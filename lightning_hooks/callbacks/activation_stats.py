@@ -14,7 +14,7 @@ from lightning_hooks.core.checks import boolean, positive_int, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.ops.feature_stats import FeatureSummary
 from lightning_hooks.core.stats.activation_shape import ActivationShape
-from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker, Histogram
+from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import layer_epoch_heatmap, log_figure, log_histogram
@@ -26,12 +26,8 @@ _HEATMAPS = ("mean", "std", "zero_fraction")
 
 
 class ActivationStatsCallback(StatsCallback):
-    r"""Per-layer statistics of every selected module's output, over each epoch's training data.
-
-    A forward hook on each selected module measures, without a host sync, every floating tensor
-    of its output in the logging steps' training forwards, pooling every element of those
-    batches in the epoch. Each logging step logs every scalar under
-    ``activations/{stat}_step/...``.
+    r"""Per-layer statistics of every selected module's output, over the epoch's logging steps'
+    training forwards; each logging step also logs them under ``activations/{stat}_step/...``.
 
     Logged metrics (``{layer}`` is the module's qualified name; a tuple / list / dict output adds
     ``.{index}`` or ``.{key}``, e.g. ``lstm.0``):
@@ -46,17 +42,11 @@ class ActivationStatsCallback(StatsCallback):
     ``activations/abs_mean/{layer}``        mean ``|x|``
     ``activations/zero_fraction/{layer}``   fraction of elements exactly ``0``
     ``activations/nonfinite/{layer}``       number of NaN / Inf elements
-    ``activations/kurtosis/{layer}``        Pearson's kurtosis, population moments (3 for a
-                                            Gaussian, higher for heavier tails)
+    ``activations/kurtosis/{layer}``        Pearson's kurtosis, population moments
     ``activations/outlier_ratio/{layer}``   ``max |x|`` over the root mean square of ``x``
     ``activations/histogram/{layer}``       histogram (``histograms=True``; TensorBoard, W&B)
-    ``activations/heatmap/{stat}`` (image)  layer x epoch heatmap of ``mean``, ``std`` and
-                                            ``zero_fraction`` (every logger with pictures)
+    ``activations/heatmap/{stat}`` (image)  layer x epoch of ``mean``, ``std``, ``zero_fraction``
     ======================================  ===================================================
-
-    A module called twice pools both outputs into its row; fp16 / bf16 outputs are summed in
-    float32. A NaN / Inf makes the layer's mean, std, min and max NaN for the epoch; the first
-    module to go non-finite is named in one ``LightningHooksWarning`` per fit.
 
     Args:
         types: only modules of these types (default: parameter-owning and activation modules).
@@ -65,12 +55,11 @@ class ActivationStatsCallback(StatsCallback):
         histograms: log a histogram per layer each epoch.
         histogram_bins: number of bins.
         histogram_range: fixed ``(low, high)`` bin edges; ``None``: each layer's min and max of
-            the previous epoch (the first epoch: of its first output).
+            the previous epoch (or its first output).
         heatmaps: log the layer x epoch heatmap images.
         warn_nonfinite: warn when an output goes NaN / Inf.
         fused: compile the statistics with ``torch.compile`` into one pass per output instead
-            of six (needs a C++ compiler on CPU; cheaper for large outputs; the first step
-            compiles).
+            of six (needs a C++ compiler on CPU; cheaper for large outputs).
         every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``; 1: every step).
 
@@ -94,14 +83,13 @@ class ActivationStatsCallback(StatsCallback):
         fused: bool = False,
         every_n_steps: int | None = None,
     ) -> None:
-        self.selection = Selection.of(_NAME, types=types, include=include, exclude=exclude)
+        s = self.selection = Selection.of(_NAME, types=types, include=include, exclude=exclude)
         self.histogram_bins = positive_int(_NAME, "histogram_bins", histogram_bins)
         self.histogram_range = _check_range(histogram_range)
         self.histograms = boolean(_NAME, "histograms", histograms)
         self.heatmaps = boolean(_NAME, "heatmaps", heatmaps)
         self.warn_nonfinite = boolean(_NAME, "warn_nonfinite", warn_nonfinite)
         self.fused = boolean(_NAME, "fused", fused)
-        s = self.selection
         tracker = ActivationStatsTracker(
             types=s.types,
             include=s.include,
@@ -118,29 +106,21 @@ class ActivationStatsCallback(StatsCallback):
         self.uses_images = self.heatmaps or self.histograms
         self._history: list[tuple[int, FeatureSummary]] = []
         self._warned_nonfinite = False
+        self._activations = tracker
 
     @override
-    def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._history = []
         self._warned_nonfinite = False
-        return self.stats
-
-    @property
-    def _activations(self) -> ActivationStatsTracker | None:
-        attached = self._tracker  # not ``self.attached``: read on every batch
-        return None if attached is None else attached.stats[0]  # type: ignore[return-value]
+        super()._attach(trainer, pl_module)
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        self._probe_nonfinite()
-        return False
-
-    def _probe_nonfinite(self) -> None:
         """Warn once about the first module whose output went non-finite (before a logging
         step's window is posted: the probe reads it)."""
+        if self._tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
+            return False
         tracker = self._activations
-        if tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
-            return
         tracker.end_step(self._batch_step)
         found = tracker.first_nonfinite.poll()
         if found is not None:
@@ -152,6 +132,7 @@ class ActivationStatsCallback(StatsCallback):
                 "in the first step with a non-finite output).",
                 category=LightningHooksWarning,
             )
+        return False
 
     @override
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
@@ -161,16 +142,19 @@ class ActivationStatsCallback(StatsCallback):
         if not stats.layers or not trainer.is_global_zero:
             return
         step = trainer.global_step
+        columns = (stats.min, stats.max, stats.sum, stats.sum_sq)  # the histograms' moments
         for row, hist in enumerate(hists):
-            _log_histogram(trainer, stats, row, hist, step)
+            if stats.numel[row] and np.isfinite(hist.edges).all():
+                low, high, total, squares = (float(column[row]) for column in columns)
+                moments = (low, high, total, squares)
+                tag = f"activations/histogram/{hist.layer}"
+                log_histogram(trainer.loggers, tag, hist.edges[1:], hist.counts, step, moments)
         self._history.append((trainer.current_epoch, stats))
         if self.heatmaps:
             self._log_heatmaps(trainer, step)
 
     def _log_heatmaps(self, trainer: pl.Trainer, step: int) -> None:
-        layers: list[str] = []
-        for _, stats in self._history:
-            layers.extend(name for name in stats.layers if name not in layers)
+        layers = list(dict.fromkeys(name for _, stats in self._history for name in stats.layers))
         epochs = [epoch for epoch, _ in self._history]
         for stat in _HEATMAPS:
             grid = np.full((len(layers), len(epochs)), np.nan)
@@ -184,27 +168,10 @@ class ActivationStatsCallback(StatsCallback):
 def _check_range(value: tuple[float, float] | None) -> tuple[float, float] | None:
     if value is None:
         return None
+    if isinstance(value, tuple | list) and len(value) == 2:
+        low = real(_NAME, "histogram_range[0]", value[0])
+        high = real(_NAME, "histogram_range[1]", value[1])
+        if low < high:
+            return low, high
     expected = "None or (low, high) with low < high"
-    if not isinstance(value, tuple | list) or len(value) != 2:
-        raise ValueError(f"{_NAME}(histogram_range={value!r}): must be {expected}, got {value!r}")
-    low = real(_NAME, "histogram_range[0]", value[0])
-    high = real(_NAME, "histogram_range[1]", value[1])
-    if not low < high:
-        raise ValueError(f"{_NAME}(histogram_range={value!r}): must be {expected}, got {value!r}")
-    return low, high
-
-
-def _log_histogram(
-    trainer: pl.Trainer, stats: FeatureSummary, row: int, hist: Histogram, step: int
-) -> None:
-    n = float(stats.numel[row])
-    if n == 0 or not np.isfinite(hist.edges).all():
-        return
-    moments = (
-        float(stats.min[row]),
-        float(stats.max[row]),
-        float(stats.sum[row]),
-        float(stats.sum_sq[row]),
-    )
-    tag = f"activations/histogram/{hist.layer}"
-    log_histogram(trainer.loggers, tag, hist.edges[1:], hist.counts, step, moments)
+    raise ValueError(f"{_NAME}(histogram_range={value!r}): must be {expected}, got {value!r}")

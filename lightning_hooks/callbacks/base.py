@@ -18,13 +18,12 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks.alarm_policy import agree_ranks
 from lightning_hooks.callbacks.fabric import (
+    SECOND_CALLBACK,
     FabricRun,
     check_trainer,
     passed_by_user,
     restore_inherited,
-    second_callback,
     skip_inherited,
-    start_run,
 )
 from lightning_hooks.core.checks import positive_int
 from lightning_hooks.core.hooks.guard import Guard, guard_hooks
@@ -37,20 +36,17 @@ __all__ = ["HookCallback", "check_every_n_steps", "nothing_to_watch", "observe_o
 if TYPE_CHECKING:
     _SecondCallback = object
 else:
-    _SecondCallback = second_callback()
+    _SecondCallback = SECOND_CALLBACK
 
+# The trainers whose loggers one of our callbacks wrote to since they were last saved.
 _UNSAVED: weakref.WeakSet[pl.Trainer] = weakref.WeakSet()
-"""The trainers whose loggers one of our callbacks wrote to since they were last saved."""
 
 
 class HookCallback(pl.Callback, _SecondCallback):
-    """Base of the library's callbacks: owns when hooks exist, subclasses own what they measure.
-
-    Hooks are attached in ``on_train_start`` and removed, idempotently, in ``on_train_end``,
-    ``on_exception`` and ``teardown``. A checkpoint's state (:meth:`_save_state`) waits for the
-    hooks, then goes to :meth:`_load_state`; one saved for other layers is dropped, warned.
-    Subclasses implement ``_attach`` and ``_log_epoch`` and may extend the hooks under "Extend".
-    """
+    """Base of the library's callbacks: owns when hooks exist (from ``on_train_start`` to
+    ``on_train_end``, ``on_exception`` or ``teardown``), subclasses own what they measure. A
+    checkpoint's state waits for the hooks, then goes to ``_load_state`` (dropped, warned, if
+    saved for other layers)."""
 
     every_n_steps: int | None = None  # measure steps n-1, 2n-1, ... (None: log_every_n_steps)
     strict: bool | None = None  # a hook's exception: raise, or disable (None: the environment)
@@ -78,14 +74,12 @@ class HookCallback(pl.Callback, _SecondCallback):
         guard_hooks(cls)
 
     def _hook_guard(self) -> Guard:
-        """This fit's guard of the callback's hooks (see ``core/hooks/guard.py``)."""
         guard: Guard | None = self.__dict__.get("_guard")
         if guard is None:
             guard = self.__dict__["_guard"] = Guard(type(self).__name__, strict=self.strict)
         return guard
 
-    def _guard_disable(self) -> None:
-        """After a guarded failure: remove every hook now; the guard keeps the rest off."""
+    def _guard_disable(self) -> None:  # after a guarded failure; the guard keeps the rest off
         self._detach()
 
     @cached_property
@@ -147,8 +141,6 @@ class HookCallback(pl.Callback, _SecondCallback):
             _read_steps(self, trainer, wait=False)
         cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
         sampled = (step + 1) % cadence == 0 or step == self._epoch_start_step
-        if sampled and self._tracker is not None:
-            self._sampled_step = step
         gate = getattr(self._tracker, "registry", None)  # the logging-step gate of the module hooks
         if gate is not None and gate.sampled != sampled:  # a quiet step reads it, sets nothing
             gate.sampled = sampled
@@ -156,6 +148,7 @@ class HookCallback(pl.Callback, _SecondCallback):
             _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
         self._sampled_batch = sampled and self._tracker is not None
         if self._sampled_batch:
+            self._sampled_step = step
             self._batch_started(trainer)
 
     @override
@@ -222,8 +215,16 @@ class HookCallback(pl.Callback, _SecondCallback):
         self._release()
 
     def on_after_setup(self, fabric: Any, module: nn.Module) -> None:
-        """Fabric's hook: start watching ``module`` (see :class:`~.fabric.FabricRun`)."""
-        start_run(self, fabric, module)
+        """Fabric's hook: watch ``module`` with a :class:`~.fabric.FabricRun` in our place."""
+        callbacks: list[Any] | None = getattr(fabric, "_callbacks", None)
+        ours = [c.callback if isinstance(c, FabricRun) else c for c in callbacks or ()]
+        if passed_by_user(self, ours):
+            return  # LIGHTNING_HOOKS asked for a callback the user passed already
+        run = self.__dict__["_fabric_run"] = FabricRun(self, fabric, module)
+        if callbacks is not None and self in callbacks:
+            # fabric.call(...) passes Fabric's arguments: the run answers, not the Trainer hooks.
+            callbacks[callbacks.index(self)] = run
+        run.start()
 
     def flush(self, trainer: pl.Trainer) -> None:
         """Before the hooks go: write what was measured (CUDA: the last logging step's copy)."""
@@ -243,18 +244,16 @@ class HookCallback(pl.Callback, _SecondCallback):
             run.on_train_end()
 
     def _release(self) -> None:
-        """The run is over: remove the hooks and drop the ``log`` / ``log_dict`` Lightning binds
-        to every callback (they would keep the model alive after ``fit``)."""
+        """Remove the hooks; drop Lightning's bound ``log`` / ``log_dict`` (they keep the model)."""
         self._detach()
         restore_inherited(self)
         for bound in ("log", "log_dict"):
             self.__dict__.pop(bound, None)
 
-    # Extend: ``_attach``, ``_log_epoch``; ``_validate`` (the model); ``_batch_started`` /
-    # ``_batch_ending`` (a logging step's batch; ``True``: disabled); a logging step's window
-    # posted (``_log_step``), written (``_write_steps``: whether any was; ``wait``: block) or in
-    # flight; ``_save_state`` / ``_load_state`` (ValueError if foreign); more flags the ranks
-    # agree on (``_agreement_flags``) and the act on their counts (``_agreed``: whether disabled).
+    # Extend: ``_attach``, ``_log_epoch``; ``_validate`` the model; a logging step's batch
+    # (``_batch_started``, ``_batch_ending``: True if disabled) and window (``_log_step`` posts,
+    # ``_write_steps`` writes, ``_steps_in_flight``); ``_save_state`` / ``_load_state`` (ValueError
+    # if foreign); flags the ranks agree on (``_agreement_flags``; ``_agreed``: True if disabled).
 
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         raise NotImplementedError
@@ -300,8 +299,8 @@ guard_hooks(HookCallback)
 def observe_optimizer_step(
     callback: Any, trainer: pl.Trainer, pl_module: Any, optimizer: Any
 ) -> None:
-    """``on_before_optimizer_step`` of a callback holding a gradient tracker: measure the
-    gradient ``optimizer`` is about to apply, and act on the alarms read."""
+    """``on_before_optimizer_step``: measure the gradient ``optimizer`` is about to apply, and
+    act on the alarms read."""
     tracker = callback._tracker
     if tracker is None:
         return
@@ -317,12 +316,8 @@ def observe_optimizer_step(
         callback.policy.act(trainer, optimizer, found)
 
 
-# The writing: logging steps, epoch ends, one save of the loggers per hook round.
-
-
 def _read_steps(callback: HookCallback, trainer: pl.Trainer, wait: bool) -> None:
-    """Write what the last logging step measured once its host copy is done (``wait``: block
-    for it); without ``wait``, nothing is read unless a posted window is still unwritten."""
+    """Write the last logging step once its host copy is done (``wait``: block for it)."""
     if not (wait or callback._posted):
         return
     if callback._write_steps(trainer, wait):
@@ -331,8 +326,7 @@ def _read_steps(callback: HookCallback, trainer: pl.Trainer, wait: bool) -> None
 
 
 def _last_of_ours(callback: HookCallback, trainer: pl.Trainer, *, live: bool) -> bool:
-    """Whether ``callback`` is the last of ours in the Trainer's list (``live``: not failed),
-    or none of ours is there."""
+    """Whether ``callback`` is the last of ours (``live``: not failed) in the Trainer's list."""
     ours = [
         cb
         for cb in trainer.callbacks  # type: ignore[attr-defined]
@@ -351,16 +345,8 @@ def _save(trainer: pl.Trainer) -> None:
     save_loggers(trainer.loggers)
 
 
-# The checks: each error names the culprit.
-
-
 def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
-    """Validate a cadence: a positive int or ``None`` (``ValueError`` naming ``owner`` else).
-
-    Example:
-        >>> check_every_n_steps("GradFlowCallback", 4), check_every_n_steps("Cb", None)
-        (4, None)
-    """
+    """A cadence: a positive int or ``None`` (``ValueError`` naming ``owner`` else)."""
     if every_n_steps is None:
         return None
     try:
@@ -373,12 +359,8 @@ def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
 
 
 def nothing_to_watch(callback: HookCallback, what: str, hint: str = "") -> None:
-    """``callback``'s selection holds no ``what``: raise if the user gave a selection, else warn
-    once and do nothing this fit.
-
-    Raises:
-        ValueError: a selection argument was given.
-    """
+    """``callback``'s selection holds no ``what``: a ``ValueError`` if the user gave a selection,
+    else one warning and nothing done this fit."""
     name = type(callback).__name__
     types = getattr(callback, "types", None)
     given = [f"types={types!r}"] if types is not None and types != callback._default_types else []

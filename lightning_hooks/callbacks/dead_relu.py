@@ -9,7 +9,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.stats import OncePerLayer, StatsCallback
+from lightning_hooks.callbacks.stats import StatsCallback
 from lightning_hooks.core.checks import fraction_or_none
 from lightning_hooks.core.hooks.selection import Patterns
 from lightning_hooks.core.stats.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
@@ -24,13 +24,9 @@ _NAME = "DeadReLUCallback"
 class DeadReLUCallback(StatsCallback):
     r"""Dead units per activation layer: units that never fired on a logging step in an epoch.
 
-    A unit is a channel of a conv output ``[N, C, ...]`` or a feature of a linear output
-    ``[N, ..., F]``; it fires when its output is ``> 0`` (for ``pre_activation`` layers, feeding
-    ``F.relu``, the layer's output is read), and is dead if it never fired in the epoch.
-
-    Logged metrics (``{layer}`` is the watched module's qualified name), at each epoch end; each
-    logging step also logs ``dead_relu/zero_fraction_step/{layer}`` (a unit is dead over an
-    epoch, not a step).
+    A unit (a channel of ``[N, C, ...]``, a feature of ``[N, ..., F]``) fires when its output is
+    ``> 0``. Logged metrics (``{layer}``: the module's qualified name), at each epoch end; each
+    logging step also logs ``dead_relu/zero_fraction_step/{layer}``.
 
     ======================================  ===================================================
     Tag                                     Value, over the epoch's training forwards
@@ -41,9 +37,6 @@ class DeadReLUCallback(StatsCallback):
                                             averaged over the epoch (ReLU: exact zeros)
     ======================================  ===================================================
 
-    A ``LightningHooksWarning`` names the layer the first epoch its dead fraction is
-    ``>= warn_at``; repeats are summed in one warning at the fit's end.
-
     Args:
         types: activation module types to watch (default: ``ReLU``, ``ReLU6``, ``LeakyReLU``,
             ``ELU``, ``GELU``, ``SiLU``).
@@ -52,7 +45,7 @@ class DeadReLUCallback(StatsCallback):
         pre_activation: glob patterns of modules whose output feeds a functional activation
             (``F.relu(self.fc1(x))`` in ``forward``: ``pre_activation="fc1"``).
         warn_at: warn about a layer whose dead fraction is ``>= warn_at`` (in ``[0, 1]``; 0:
-            any dead unit); ``None``: no warning.
+            any dead unit), once per layer (repeats summed at the fit's end); ``None``: never.
         every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``; 1: every step); a unit is dead if it
             fired on no logging step's batch.
@@ -64,7 +57,7 @@ class DeadReLUCallback(StatsCallback):
     """
 
     uses_images = False
-    warned: OncePerLayer
+    _findings = (_NAME, "dead-unit findings")
     _default_types = RELU_FAMILY
     _selection_arguments = ("include", "exclude", "pre_activation")
     _watches = (
@@ -95,7 +88,6 @@ class DeadReLUCallback(StatsCallback):
         )
         self.warn_at = fraction_or_none(_NAME, "warn_at", warn_at)
         super().__init__(tracker, every_n_steps=every_n_steps)
-        self.warned = OncePerLayer(_NAME, "dead-unit findings")
         assert tracker.selection is not None
         self.types = types
         self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
@@ -107,10 +99,9 @@ class DeadReLUCallback(StatsCallback):
         epoch, warn_at = trainer.current_epoch, self.warn_at
         if warn_at is None:
             return
-        for layer, dead, units, share in zip(
-            found.layers, found.dead, found.units, found.dead_fraction, strict=True
-        ):
-            if dead > 0 and share >= warn_at and self.warned.first(layer):
+        rows = zip(found.layers, found.dead, found.units, found.dead_fraction, strict=True)
+        for layer, dead, units, share in rows:
+            if dead > 0 and share >= warn_at and self._first_finding(layer):
                 rank_zero_warn(
                     f"{_NAME}: layer '{layer}' has {dead} of {units} units dead in epoch {epoch} "
                     f"(never fired on a logging step's batch; dead fraction {share:.3g} >= "

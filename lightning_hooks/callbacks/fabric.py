@@ -1,12 +1,6 @@
 """How our callbacks meet the loop that runs them: Lightning's Trainer (its checks, its two
-namespaces, the per-batch hooks it need not call) and Fabric's.
-
-Under Fabric, ``Fabric(callbacks=[GradFlowCallback()])`` is all: on ``on_after_setup`` the
-callback holds a :class:`FabricRun` (:func:`start_run`), which takes its place in Fabric's
-callback list and drives its Trainer hooks from Fabric's (``fabric.setup``, an optimizer's step
-pre-hook, ``fabric.clip_gradients``, ``on_after_optimizer_step``, ``fabric.call(...)``; the table
-in ``docs/fabric.md``), with :class:`FabricTrainer` standing in for the Trainer. Nothing global
-holds the run strongly: releasing the Fabric and module releases the hooks.
+namespaces, the per-batch hooks it need not call) and Fabric's, where the callback holds a
+:class:`FabricRun` driving its Trainer hooks from Fabric's (the table in ``docs/fabric.md``).
 """
 
 from __future__ import annotations
@@ -46,10 +40,9 @@ except ImportError:
     pass
 
 
-def second_callback() -> type:
-    """``lightning.pytorch.Callback`` if installed and distinct, else ``object`` (each namespace's
-    ``LightningCLI`` accepts only its own ``Callback``: ours derive from both)."""
-    return object if _NAMESPACES[-1][1] is pl.Callback else _NAMESPACES[-1][1]
+# ``lightning.pytorch.Callback`` if installed and distinct, else ``object`` (each namespace's
+# ``LightningCLI`` accepts only its own ``Callback``: ours derive from both).
+SECOND_CALLBACK: type = object if _NAMESPACES[-1][1] is pl.Callback else _NAMESPACES[-1][1]
 
 
 _FSDP2 = (
@@ -59,12 +52,8 @@ _FSDP2 = (
 
 
 def check_trainer(callback: Any, trainer: pl.Trainer) -> None:
-    """Refuse a strategy whose statistics would be a shard's, or no logger; warn if none shows
-    images.
-
-    Raises:
-        MisconfigurationException: an unsupported strategy, or no logger.
-    """
+    """Refuse (``MisconfigurationException``) a strategy whose statistics would be a shard's, or
+    no logger; warn if no logger shows images."""
     name, strategy = type(callback).__name__, type(trainer.strategy).__name__
     names = {c.__name__ for c in type(trainer.strategy).__mro__}  # both namespaces, subclasses
     if names & {"FSDPStrategy", "DeepSpeedStrategy"}:
@@ -132,8 +121,6 @@ def restore_inherited(callback: Any) -> None:
             del callback.__dict__[name]
 
 
-FABRIC_EVERY_N_STEPS = 50  # the cadence under Fabric when ``every_n_steps`` is ``None``
-
 _SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 _REFUSED_STRATEGIES = {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"}
 _REFUSED_STRATEGIES |= {"XLAStrategy", "XLAFSDPStrategy", "DataParallelStrategy"}
@@ -146,42 +133,22 @@ _TRAINER_ONLY: dict[str, str] = {
 
 
 class FabricTrainer:
-    """The attributes of a ``pl.Trainer`` that our callbacks read, over a ``Fabric``:
-    ``global_step`` counts the watched module's optimizer steps, ``current_epoch`` the calls of
-    ``on_train_epoch_end``; ``should_stop`` is unread (``"stop"`` is refused).
-
-    Args:
-        fabric: the ``Fabric`` whose loop is watched.
-        callback: the one callback written for (the logger saves of ``base.py``).
-
-    Example:
-        >>> from lightning.fabric import Fabric
-        >>> trainer = FabricTrainer(Fabric(accelerator="cpu", devices=1), callback=None)
-        >>> trainer.global_step, trainer.log_every_n_steps, trainer.is_global_zero
-        (0, 50, True)
-    """
+    """The attributes of a ``pl.Trainer`` that our callbacks read, over a ``Fabric`` and for one
+    callback: ``global_step`` counts the watched module's optimizer steps, ``current_epoch`` the
+    calls of ``on_train_epoch_end``; ``should_stop`` is unread (``"stop"`` is refused)."""
 
     def __init__(self, fabric: Any, callback: Any) -> None:
-        self.fabric = fabric
         # the one attribute of a Trainer's strategy our callbacks read
         self.strategy = SimpleNamespace(precision_plugin=fabric.strategy.precision)
         self.callbacks = [callback]
         self.global_step = self.current_epoch = 0
         self.should_stop = False
-        self.log_every_n_steps = FABRIC_EVERY_N_STEPS
+        self.log_every_n_steps = 50  # the cadence when ``every_n_steps`` is ``None``
+        self.loggers = list(fabric.loggers)
+        self.is_global_zero = bool(fabric.is_global_zero)
         self.optimizers: list[Any] = []
         self.gradient_clip_val: float | None = None
         self.gradient_clip_algorithm: str | None = None
-
-    @property
-    def loggers(self) -> list[Any]:
-        """Fabric's loggers (``Fabric(loggers=[...])``)."""
-        return list(self.fabric.loggers)
-
-    @property
-    def is_global_zero(self) -> bool:
-        """Whether this process is rank 0."""
-        return bool(self.fabric.is_global_zero)
 
 
 def original_module(module: nn.Module) -> nn.Module:
@@ -191,13 +158,9 @@ def original_module(module: nn.Module) -> nn.Module:
 
 
 def check_fabric(callback: Any, fabric: Any) -> None:
-    """Refuse what a callback cannot do under Fabric, naming why and what works.
-
-    Raises:
-        MisconfigurationException: an unsupported strategy, no logger, or a callback that needs
-            the Trainer.
-        ValueError: ``on_alarm`` asks to ``stop`` (Fabric's loop has no ``should_stop``).
-    """
+    """Refuse what a callback cannot do under Fabric, naming why and what works: an unsupported
+    strategy, no logger, a callback needing the Trainer (``MisconfigurationException``), or
+    ``on_alarm`` asking to ``stop`` (``ValueError``)."""
     name = type(callback).__name__
     if name in _TRAINER_ONLY:
         raise MisconfigurationException(
@@ -219,8 +182,7 @@ def check_fabric(callback: Any, fabric: Any) -> None:
             "Fabric(loggers=[TensorBoardLogger(...)]) (lightning.fabric.loggers)."
         )
     actions = getattr(getattr(callback, "policy", None), "actions", {})
-    if "stop" in actions.values():
-        stopping = sorted(rule for rule, action in actions.items() if action == "stop")
+    if stopping := sorted(rule for rule, action in actions.items() if action == "stop"):
         raise ValueError(
             f"{name}(on_alarm=...): 'stop' (for {stopping}) needs a Trainer; a Fabric loop has "
             "no should_stop to set. Under Fabric on_alarm must be in ('warn', 'raise', 'skip', "
@@ -235,13 +197,8 @@ _CLIPS = (
 
 
 class FabricRun:
-    """One callback watching one module of one Fabric loop (the table in ``docs/fabric.md``).
-
-    Args:
-        callback: the library callback driven.
-        fabric: the ``Fabric`` whose ``setup`` called ``on_after_setup``.
-        module: the module set up (Fabric's wrapper; the user's module is watched).
-    """
+    """``callback`` watching ``module`` (the user's, inside Fabric's wrapper) of one Fabric loop,
+    from the ``fabric.setup`` that called ``on_after_setup``."""
 
     def __init__(self, callback: Any, fabric: Any, module: nn.Module) -> None:
         check_fabric(callback, fabric)
@@ -300,8 +257,7 @@ class FabricRun:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         if not self._owns(optimizer) or value is None:
             return
-        scaler = getattr(self.fabric.strategy.precision, "scaler", None)
-        if scaler is not None:
+        if getattr(self.fabric.strategy.precision, "scaler", None) is not None:
             raise MisconfigurationException(
                 f"{type(self.callback).__name__} under Fabric: fabric.clip_gradients with a "
                 "GradScaler (precision='16-mixed') is not supported: the gradients are still "
@@ -309,8 +265,7 @@ class FabricRun:
                 "precision='bf16-mixed' or clip without the callback."
             )
         clip = (float(value), algorithm)
-        known = (self.trainer.gradient_clip_val, self.trainer.gradient_clip_algorithm)
-        if known != clip:
+        if clip != (self.trainer.gradient_clip_val, self.trainer.gradient_clip_algorithm):
             self.trainer.gradient_clip_val, self.trainer.gradient_clip_algorithm = clip
             if self._attached:  # the clipping began or changed: measured after it from now on
                 self._start()
@@ -323,8 +278,7 @@ class FabricRun:
         if id(optimizer) in self._observed:  # observed before its clip
             self._observed.discard(id(optimizer))
             return
-        new = optimizer not in self.trainer.optimizers
-        if new:
+        if new := optimizer not in self.trainer.optimizers:
             self.trainer.optimizers.append(optimizer)
         if new or not self._attached:
             self._start()
@@ -383,18 +337,3 @@ class FabricRun:
                 "watched. Pass one callback per Fabric.",
                 category=LightningHooksWarning,
             )
-
-
-def start_run(callback: Any, fabric: Any, module: nn.Module) -> None:
-    """Fabric's ``on_after_setup``: watch ``module`` with a :class:`FabricRun` in the callback's
-    place in Fabric's callback list."""
-    callbacks: list[Any] | None = getattr(fabric, "_callbacks", None)
-    ours = [other.callback if isinstance(other, FabricRun) else other for other in callbacks or ()]
-    if passed_by_user(callback, ours):
-        return  # LIGHTNING_HOOKS asked for a callback the user passed already
-    run = FabricRun(callback, fabric, module)
-    callback.__dict__["_fabric_run"] = run
-    if callbacks is not None and callback in callbacks:
-        # fabric.call(...) passes Fabric's arguments: the run answers, not the Trainer hooks.
-        callbacks[callbacks.index(callback)] = run
-    run.start()

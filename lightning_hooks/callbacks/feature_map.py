@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -26,27 +26,6 @@ _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _OWNER = "FeatureMapCallback"
 
 
-def _check_name(name: str, value: Any) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    raise TypeError(
-        f"{_OWNER}({name}={value!r}): must be a module name (str) or None, got {value!r}"
-    )
-
-
-def _check_patterns(name: str, value: Any) -> tuple[str, ...]:
-    """One glob pattern, a sequence of them, or ``None``."""
-    items = [value] if isinstance(value, str) else value
-    if value is None or (
-        isinstance(items, list | tuple) and all(isinstance(item, str) for item in items)
-    ):
-        return as_patterns(value)
-    raise TypeError(
-        f"{_OWNER}({name}={value!r}): must be a module name or glob pattern, a sequence of "
-        f"them, or None, got {value!r}"
-    )
-
-
 def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[str, nn.Module]]:
     """The modules ``patterns`` name; the error names the user's argument first."""
     try:
@@ -55,27 +34,8 @@ def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[st
         raise ValueError(f"{_OWNER}({argument}={patterns!r}): {err}") from None
 
 
-def _has_forward(model: nn.Module) -> bool:
-    """Whether the model defines ``forward`` (LightningModule's own only calls nn.Module's stub)."""
-    return type(model).forward not in (pl.LightningModule.forward, nn.Module.forward)
-
-
-def _spread(items: list[str], bound: int) -> list[str]:
-    """At most ``bound`` items, evenly spaced from first to last."""
-    if len(items) <= bound:
-        return items
-    picks = np.unique(np.linspace(0, len(items) - 1, bound).round().astype(int))
-    return [items[i] for i in picks]
-
-
 class FeatureMapCallback(HookCallback):
     r"""Feature-map images of a fixed probe batch each epoch, and optionally its embedding.
-
-    The probe is ``probe`` / ``probe_labels``, or the first ``probe_size`` samples of the first
-    training batch. At the end of every ``every_n_epochs``-th epoch it runs through the model on
-    rank 0, in eval mode under ``no_grad`` (:func:`~lightning_hooks.core.probe_mode`). Layers
-    drawn: ``layers``, default every convolution (else every ``Linear``), at most ``max_layers``
-    spread from input to output (:func:`~lightning_hooks.logging.feature_map_grid`).
 
     Logged metrics, at ``trainer.global_step``:
 
@@ -89,10 +49,12 @@ class FeatureMapCallback(HookCallback):
     ==================================  ======================================================
 
     Args:
-        layers: which layers to draw (qualified names or glob patterns).
-        max_layers: the most layers drawn.
+        layers: which layers to draw (qualified names or glob patterns; default: every
+            convolution, else every ``Linear``).
+        max_layers: the most layers drawn, spread from input to output.
         channels: the most channels drawn per conv layer.
-        probe: a model input to use as the probe instead of the first training batch.
+        probe: a model input to use as the probe instead of the first ``probe_size`` samples of
+            the first training batch.
         probe_labels: one label per probe sample, for the projector.
         probe_size: how many samples of the first training batch form the probe.
         input_fn: ``batch -> model input``, for batches that are not ``(input, ...)``; without
@@ -100,7 +62,8 @@ class FeatureMapCallback(HookCallback):
         forward_fn: ``(pl_module, probe) -> output``, for a LightningModule without ``forward``
             (default: ``pl_module(probe)``).
         embedding: a layer whose flattened probe outputs go to TensorBoard's projector.
-        every_n_epochs: probe at the end of every n-th epoch.
+        every_n_epochs: run the probe (on rank 0, in eval mode under ``no_grad``) at the end of
+            every n-th epoch.
         strict: ``True``: a hook's exception propagates; ``False``: it disables the callback
             with one warning; ``None``: ``LIGHTNING_HOOKS_STRICT``.
 
@@ -131,10 +94,21 @@ class FeatureMapCallback(HookCallback):
         self.channels = checks.positive_int(_OWNER, "channels", channels)
         self.probe_size = checks.positive_int(_OWNER, "probe_size", probe_size)
         self.every_n_epochs = checks.positive_int(_OWNER, "every_n_epochs", every_n_epochs)
-        self.layers = _check_patterns("layers", layers)
+        items = [layers] if isinstance(layers, str) else () if layers is None else layers
+        if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+            raise TypeError(
+                f"{_OWNER}(layers={layers!r}): must be a module name or glob pattern, a sequence "
+                f"of them, or None, got {layers!r}"
+            )
+        self.layers = as_patterns(layers)
         self.input_fn = checks.callable_or_none(_OWNER, "input_fn", input_fn) or default_input
         self.forward_fn = checks.callable_or_none(_OWNER, "forward_fn", forward_fn)
-        self.embedding = _check_name("embedding", embedding)
+        if embedding is not None and not isinstance(embedding, str):
+            raise TypeError(
+                f"{_OWNER}(embedding={embedding!r}): must be a module name (str) or None, "
+                f"got {embedding!r}"
+            )
+        self.embedding = embedding
         self.strict = None if strict is None else checks.boolean(_OWNER, "strict", strict)
         if probe_labels is not None and not isinstance(probe_labels, torch.Tensor):
             raise TypeError(
@@ -153,25 +127,27 @@ class FeatureMapCallback(HookCallback):
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
-        if self.forward_fn is None and not _has_forward(pl_module):
+        # LightningModule's own forward only calls nn.Module's stub.
+        stubs = (pl.LightningModule.forward, nn.Module.forward)
+        if self.forward_fn is None and type(pl_module).forward in stubs:
             raise MisconfigurationException(
                 f"{_OWNER}: {type(pl_module).__name__} defines no forward(), so the probe "
                 "batch cannot run through it. Define forward(), or pass "
                 f"{_OWNER}(forward_fn=lambda module, probe: ...) that runs the probe."
             )
-        self._drawn = self._select(pl_module)
+        if self.layers:
+            names = [name for name, _ in _named(pl_module, "layers", self.layers)]
+        else:
+            names = [name for name, _ in select_modules(pl_module, types=_CONV)]
+            names = names or [name for name, _ in select_modules(pl_module, types=nn.Linear)]
+        if len(names) > self.max_layers:  # evenly spaced from first to last
+            picks = np.linspace(0, len(names) - 1, self.max_layers).round().astype(int)
+            names = [names[i] for i in np.unique(picks)]
+        self._drawn = names
         if not self._drawn and self.embedding is None:
             nothing_to_watch(self, "convolution or Linear layer")
         if self.embedding is not None:
             _named(pl_module, "embedding", self.embedding)
-
-    def _select(self, model: nn.Module) -> list[str]:
-        if self.layers:
-            names = [name for name, _ in _named(model, "layers", self.layers)]
-        else:
-            names = [name for name, _ in select_modules(model, types=_CONV)]
-            names = names or [name for name, _ in select_modules(model, types=nn.Linear)]
-        return _spread(names, self.max_layers)
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -228,7 +204,10 @@ class FeatureMapCallback(HookCallback):
                 pl_module(probe)
         step = trainer.global_step
         drawn = [(n, outputs[n]) for n in self._drawn if isinstance(outputs.get(n), torch.Tensor)]
-        log_scalars(trainer.loggers, dict(_abs_means(drawn)), step)
+        if drawn:  # one copy to the host
+            means = torch.stack([out.float().abs().mean() for _, out in drawn]).cpu().tolist()
+            tags = [f"feature_map/abs_mean/{name}" for name, _ in drawn]
+            log_scalars(trainer.loggers, dict(zip(tags, means, strict=True)), step)
         for name, output in drawn:
             if 2 <= output.dim() <= 5:
                 image = feature_map_grid(output, self.channels)
@@ -239,28 +218,14 @@ class FeatureMapCallback(HookCallback):
             log_embedding(trainer.loggers, f"feature_map/{self.embedding}", features, labels, step)
 
 
-def _abs_means(outputs: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, float]]:
-    if not outputs:
-        return
-    values = torch.stack([out.float().abs().mean() for _, out in outputs]).cpu()
-    for (name, _), value in zip(outputs, values, strict=True):
-        yield f"feature_map/abs_mean/{name}", float(value)
-
-
-# The probe: the model input, the labels, the first samples, copied, on the model's device.
-
-
 class ProbeInputError(LightningHooksError, TypeError):
     """No usable model input in the first training batch (the guard lets it through)."""
 
 
 def has_tensor(x: Any) -> bool:
     """Whether ``x`` is a tensor or a (nested) list, tuple or mapping holding one."""
-    if isinstance(x, torch.Tensor):
-        return True
-    if isinstance(x, list | tuple):
-        return any(has_tensor(item) for item in x)
-    return isinstance(x, Mapping) and any(has_tensor(item) for item in x.values())
+    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, list | tuple) else ()
+    return isinstance(x, torch.Tensor) or any(has_tensor(item) for item in items)
 
 
 def default_input(batch: Any) -> Any:
@@ -277,10 +242,9 @@ def default_input(batch: Any) -> Any:
 
 def default_labels(batch: Any, size: int) -> torch.Tensor | None:
     """The second element of a tuple batch when it holds one label per sample, else ``None``."""
-    if isinstance(batch, list | tuple) and len(batch) > 1:
-        labels = batch[1]
-        if isinstance(labels, torch.Tensor) and labels.dim() == 1 and len(labels) >= size:
-            return labels[:size].detach().clone()
+    labels = batch[1] if isinstance(batch, list | tuple) and len(batch) > 1 else None
+    if isinstance(labels, torch.Tensor) and labels.dim() == 1 and len(labels) >= size:
+        return labels[:size].detach().clone()
     return None
 
 

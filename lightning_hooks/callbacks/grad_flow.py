@@ -33,16 +33,14 @@ __all__ = ["GradFlowCallback"]
 
 
 class GradFlowCallback(HookCallback):
-    r"""Per-layer gradient flow (the applied gradient, weights, updates) and early-warning alarms
-    on every optimizer step.
+    r"""Per-layer gradient flow (the applied gradient, weights, updates) at each logging step,
+    and early-warning alarms (:class:`~lightning_hooks.core.AlarmRules`) on every optimizer step.
 
-    A *layer* is a module owning trainable parameters directly. Each logging step
-    measures, without a host sync, the gradient the optimizer applies (accumulated, all-reduced,
-    unscaled, clipped), the weights, the update and the gradient of each layer's output, and logs
-    all but the ``*_max`` statistics under ``grad_flow/{stat}_step/...`` and
-    ``grad_flow/alarms_step/{rule}``; each epoch end logs the tags below.
+    A *layer* is a module owning trainable parameters directly. Each logging step also logs all
+    but the ``*_max`` statistics under ``grad_flow/{stat}_step/...`` and
+    ``grad_flow/alarms_step/{rule}``.
 
-    Logged metrics (``{layer}`` is the module's qualified name, e.g. ``encoder.0``):
+    Logged metrics, each epoch end (``{layer}``: the module's qualified name, e.g. ``encoder.0``):
 
     ==========================================  ================================================
     Tag                                         Value, over the epoch's logging steps
@@ -57,41 +55,21 @@ class GradFlowCallback(HookCallback):
     ``grad_flow/update_ratio_max/{layer}``      the same, max
     ``grad_flow/output_grad_norm/{layer}``      L2 norm of d loss / d output, mean
     ``grad_flow/output_grad_norm_max/{layer}``  the same, max
-    ``grad_flow/grad_norm_preclip/{layer}``     with ``gradient_clip_val``: L2 norm of the
-                                                gradient before clipping, mean
+    ``grad_flow/grad_norm_preclip/{layer}``     with clipping: the L2 norm before it, mean
     ``grad_flow/global/{stat}``                 the above, over all layers together
-    ``grad_flow/global/grad_norm_postclip``     with ``gradient_clip_val``: the global
-                                                ``grad_norm`` (the applied gradient), mean
+    ``grad_flow/global/grad_norm_postclip``     with clipping: the global ``grad_norm``, mean
+    ``grad_flow/global/{stat}_p{q}``            beyond ``max_layers_logged`` layers: percentiles
     ``grad_flow/chart`` (image)                 mean and max ``|g|`` per layer, log scale
+    ``grad_flow/heatmap`` (image)               ``heatmap=True``: norm per layer x epoch, log scale
+    ``grad_flow/grad_log10_abs/{layer}``        ``histograms=True``: histogram of ``log10 |g|``
     ``grad_flow/alarms/{rule}``                 alarms of the epoch per rule (layer-steps)
-    ``grad_flow/alarms`` (text)                 one line per alarm: step, rule, layer, values,
-                                                the last ``history`` steps' norms
-    ``grad_flow/global/{stat}_p{q}``            beyond ``max_layers_logged`` layers only: the
-                                                5th, 50th, 95th percentile over layers
-    ``grad_flow/heatmap`` (image)               with ``heatmap=True``: gradient norm per
-                                                layer x epoch, log scale
-    ``stability/attn_logit_max/{layer}``        per attention module (``nn.MultiheadAttention``,
-                                                any module calling ``F.scaled_dot_product_
-                                                attention`` or an eager 4-D softmax): the
-                                                largest pre-softmax logit, max
-    ``stability/attn_entropy_min/{layer}``      the same modules: the attention entropy
-                                                averaged per head over the period's rows
-                                                (every rank's), the smallest head
-    ``stability/logit_logz/{layer}``            the output layer's ``logsumexp`` over its last
-                                                dimension, mean over positions and steps
+    ``grad_flow/alarms`` (text)                 one line per alarm: step, rule, layer, values
+    ``stability/attn_logit_max/{layer}``        per attention module: largest pre-softmax logit
+    ``stability/attn_entropy_min/{layer}``      the same: the smallest head's mean entropy
+    ``stability/logit_logz/{layer}``            the output layer's ``logsumexp``, mean
     ``stability/logit_logz_max/{layer}``        the same, max
     ``stability/{stat}_step/{layer}``           each of the five at each logging step
-    ``grad_flow/grad_log10_abs/{layer}``        with ``histograms=True``: histogram of
-    (histogram)                                 ``log10 |g|`` over the epoch's steps
     ==========================================  ================================================
-
-    Beyond ``max_layers_logged`` layers, an epoch logs that many layers' tags (non-finite first,
-    then half the largest, half the smallest gradient norms); the chart shows every layer.
-
-    **Alarms** (:class:`~lightning_hooks.core.AlarmRules`) run on *every* optimizer step, on the
-    host, from one non-blocking copy of the pre-clip norms (the same step on CPU, the next on
-    CUDA). Under DDP the loss rules read the mean loss over ranks, so every rank decides alike
-    (manual optimization: :meth:`.alarm_policy.LossAgreement.plan`).
 
     Args:
         types: only modules of these types count as layers (default: any module with parameters).
@@ -100,9 +78,9 @@ class GradFlowCallback(HookCallback):
         update_ratio: measure the update-to-weight ratio (keeps one copy of the parameters).
         output_grad: measure the gradient with respect to each layer's output.
         chart: log the gradient-flow chart image each epoch.
-        max_layers_logged: per-layer tags for at most this many layers per epoch (``None``: all).
-        histograms: log a histogram of ``log10 |g|`` per layer each epoch (one more pass over
-            the gradients per logging step).
+        max_layers_logged: per-layer tags for at most this many layers per epoch, non-finite
+            first, then half the largest, half the smallest gradient norms (``None``: all).
+        histograms: log a histogram of ``log10 |g|`` per layer each epoch (one more pass).
         heatmap: log an image of the gradient norm per layer and epoch each epoch.
         alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
         on_alarm: ``"warn"``, ``"stop"``, ``"raise"`` or ``"skip"`` for every rule, or a mapping
@@ -111,10 +89,9 @@ class GradFlowCallback(HookCallback):
             *vanishing*, *stall* and *attention*.
         every_n_steps: measure on optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``); the alarms run on every step.
-        stability: log the instability statistics ``stability/...``
-            (:class:`~lightning_hooks.core.stats.stability.StabilityStats`) on the logging steps,
-            whatever ``types``, ``include`` and ``exclude`` select. The output layer is the last
-            module owning parameters whose output is a floating tensor, in forward order.
+        stability: log the instability statistics ``stability/...`` on the logging steps,
+            whatever the selection (the output layer: the last module owning parameters whose
+            output is a floating tensor, in forward order).
 
     Example:
         >>> import pytorch_lightning as pl
@@ -140,12 +117,12 @@ class GradFlowCallback(HookCallback):
         every_n_steps: int | None = None,
         stability: bool = True,
     ) -> None:
-        check_types("GradFlowCallback", types)
+        _check_types(types)
         self.every_n_steps = check_every_n_steps("GradFlowCallback", every_n_steps)
-        self.alarms = check_alarms("GradFlowCallback", alarms)
+        self.alarms = _alarm_rules(alarms)
         self.policy = AlarmPolicy(on_alarm)
         self.on_alarm = self.policy.actions
-        self.max_layers_logged = check_max_layers("GradFlowCallback", max_layers_logged)
+        self.max_layers_logged = _max_layers(max_layers_logged)
         for name in ("update_ratio", "output_grad", "chart", "histograms", "heatmap", "stability"):
             checks.boolean("GradFlowCallback", name, locals()[name])
         self.types, self.histograms = types, histograms
@@ -165,15 +142,33 @@ class GradFlowCallback(HookCallback):
         modules = select_modules(pl_module, types=types, include=include, exclude=exclude)
         # The model's own parameters count too, unless a selection narrows it (the tracker's rule).
         root = pl_module if types is None and not include else None
-        if (
-            not lazy_parameters(self, pl_module)
-            and not ParamLayout.from_modules(modules, root=root).layers
-        ):
+        if lazy := [n for n, p in pl_module.named_parameters() if is_lazy(p)]:
+            rank_zero_warn(
+                f"GradFlowCallback: the model's lazy parameters {lazy[:3]} are not "
+                "initialized before fit; this callback does nothing in this fit. Initialize "
+                "them first: one forward of a sample batch before trainer.fit (or in the "
+                "LightningModule's setup)",
+                category=LightningHooksWarning,
+            )
+            self._idle = True
+        elif not ParamLayout.from_modules(modules, root=root).layers:
             nothing_to_watch(self, "module owning a parameter")
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._tracker = _tracker(self, trainer, pl_module)
+        clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm or "norm"
+        self._tracker = GradFlowTracker(
+            pl_module,
+            trainer.optimizers,
+            types=self.types,
+            include=self.include,
+            exclude=self.exclude,
+            update_ratio=self.update_ratio,
+            output_grad=self.output_grad,
+            post_clip=bool(clip),
+            alarms=self.alarms,
+            clip=(float(clip), str(getattr(algorithm, "value", algorithm))) if clip else None,
+        )
         self._history = []
         if unstepped := self._tracker.unstepped():
             rank_zero_warn(
@@ -198,8 +193,7 @@ class GradFlowCallback(HookCallback):
     def _detach(self) -> None:
         if self._tracker is not None:
             self.policy.keep(self._tracker.alarms)
-            self._tracker.remove()
-            self._tracker = None
+        super()._detach()
         self._hist = self._stability = self._own_loss = self._on_optimizer_step = None
         self._every_batch = False
 
@@ -207,18 +201,15 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        stability = self._stability
-        if stability is not None and self._sampled_batch:
-            stability.end_step()
+        if self._stability is not None and self._sampled_batch:
+            self._stability.end_step()
         alarms = None if self._tracker is None else self._tracker.alarms
         if alarms is not None and self._every_batch:  # the ranks' mean loss
-            failed = self._hook_guard().local is not None
-            agreed = self.policy.loss.observe(
-                trainer, alarms, outputs, self._batch_step, failed=failed
-            )
+            loss, failed = self.policy.loss, self._hook_guard().local is not None
+            agreed = loss.observe(trainer, alarms, outputs, self._batch_step, failed=failed)
             if agreed is not None and settle(self, trainer, self._batch_step, *agreed):
                 return True
-            self.policy.loss.apply(trainer, alarms)
+            loss.apply(trainer, alarms)
         return False
 
     @override
@@ -233,86 +224,30 @@ class GradFlowCallback(HookCallback):
     _load_state = tags.load_state
 
 
-def _tracker(
-    callback: GradFlowCallback, trainer: pl.Trainer, pl_module: pl.LightningModule
-) -> GradFlowTracker:
-    """The tracker of this fit, for the Trainer's optimizers and clipping."""
-    return GradFlowTracker(
-        pl_module,
-        trainer.optimizers,
-        types=callback.types,
-        include=callback.include,
-        exclude=callback.exclude,
-        update_ratio=callback.update_ratio,
-        output_grad=callback.output_grad,
-        post_clip=bool(trainer.gradient_clip_val),
-        alarms=callback.alarms,
-        clip=clip_of(trainer),
-    )
-
-
-def clip_of(trainer: pl.Trainer) -> tuple[float, str] | None:
-    """The Trainer's gradient clipping, ``(value, algorithm)``, or ``None``."""
-    if not trainer.gradient_clip_val:
-        return None
-    algorithm = trainer.gradient_clip_algorithm or "norm"
-    return float(trainer.gradient_clip_val), str(getattr(algorithm, "value", algorithm))
-
-
-def check_types(owner: str, types: ModuleTypes) -> None:
-    """Raise ``TypeError`` unless ``types`` is ``None``, an ``nn.Module`` subclass or a tuple.
-
-    Example:
-        >>> check_types("Cb", 3)
-        Traceback (most recent call last):
-        ...
-        TypeError: Cb(types=3): expected an nn.Module subclass or a tuple of them, got 3
-    """
+def _check_types(types: ModuleTypes) -> None:
     for t in types if isinstance(types, tuple) else (types,):
         if t is not None and not (isinstance(t, type) and issubclass(t, nn.Module)):
             raise TypeError(
-                f"{owner}(types={types!r}): expected an nn.Module subclass or a tuple of them, "
-                f"got {t!r}"
+                f"GradFlowCallback(types={types!r}): expected an nn.Module subclass or a tuple of "
+                f"them, got {t!r}"
             )
 
 
-def check_alarms(owner: str, alarms: AlarmRules | bool) -> AlarmRules | None:
-    """The alarm rules asked for: ``True`` the defaults, ``False`` none; ``TypeError`` else.
-
-    Example:
-        >>> check_alarms("GradFlowCallback", False) is None
-        True
-    """
+def _alarm_rules(alarms: AlarmRules | bool) -> AlarmRules | None:
+    """``True``: the default rules; ``False``: none."""
     if not isinstance(alarms, AlarmRules | bool):
         raise TypeError(
-            f"{owner}(alarms={alarms!r}): expected an AlarmRules or a bool, "
+            f"GradFlowCallback(alarms={alarms!r}): expected an AlarmRules or a bool, "
             f"got {type(alarms).__name__}"
         )
     return AlarmRules() if alarms is True else alarms or None
 
 
-def check_max_layers(owner: str, max_layers_logged: int | None) -> int | None:
-    """Validate ``max_layers_logged``: a positive int or ``None`` (``ValueError`` else)."""
-    value: Any = max_layers_logged
+def _max_layers(value: Any) -> int | None:
     wrong = isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1
     if value is not None and wrong:
         raise ValueError(
-            f"{owner}(max_layers_logged={value!r}): must be a positive int or None, got {value!r}"
+            f"GradFlowCallback(max_layers_logged={value!r}): must be a positive int or None, "
+            f"got {value!r}"
         )
-    return max_layers_logged
-
-
-def lazy_parameters(callback: HookCallback, pl_module: nn.Module) -> bool:
-    """Whether the model holds uninitialized lazy parameters (nothing can be laid out by their
-    sizes): if so, one warning naming them, and ``callback`` does nothing this fit."""
-    lazy = [n for n, p in pl_module.named_parameters() if is_lazy(p)]
-    if lazy:
-        rank_zero_warn(
-            f"{type(callback).__name__}: the model's lazy parameters {lazy[:3]} are not "
-            "initialized before fit; this callback does nothing in this fit. Initialize "
-            "them first: one forward of a sample batch before trainer.fit (or in the "
-            "LightningModule's setup)",
-            category=LightningHooksWarning,
-        )
-        callback._idle = True
-    return bool(lazy)
+    return value  # type: ignore[no-any-return]

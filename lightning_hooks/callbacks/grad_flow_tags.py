@@ -3,9 +3,7 @@ histograms, instability statistics), and its checkpoint state."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -13,8 +11,6 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_hooks.core import LayerHistograms, LayerTable, ParamLayout
-from lightning_hooks.core.stats.stability import StabilityStats
-from lightning_hooks.core.transport import ShardPlan
 from lightning_hooks.logging import (
     grad_flow_figure,
     layer_epoch_heatmap,
@@ -55,16 +51,20 @@ _LOGGED: tuple[tuple[str, str, str], ...] = (
 
 
 _PERCENTILES = (5, 50, 95)
-_PERCENTILE_SUFFIX = re.compile(r"_p\d+$")
 
 
-def _epoch_scalars(stats: LayerTable, max_layers: int | None = None) -> Iterator[tuple[str, float]]:
-    """``(tag, value)`` of every scalar of an epoch (see ``GradFlowCallback``'s table)."""
+def _epoch_scalars(
+    stats: LayerTable, max_layers: int | None = None, step: bool = False
+) -> Iterator[tuple[str, float]]:
+    """``(tag, value)`` of every scalar of an epoch (see ``GradFlowCallback``'s table), or of a
+    logging step (``step``: without the ``*_max`` of a mean, the same value there)."""
     last = len(stats.layers) - 1  # the global row
     rows = _logged_rows(stats, max_layers)
     if stats.count[-1, stats.stats.index("grad_norm_preclip")] > 0:  # clipped: the applied one
         yield "grad_flow/global/grad_norm_postclip", float(stats.column("grad_norm")[-1])
     for suffix, stat, kind in _LOGGED:
+        if step and suffix != stat:
+            continue
         column = stats.column(stat, kind)
         counts = stats.count[:, stats.stats.index(stat)]
         for row in (*rows, last):
@@ -73,24 +73,15 @@ def _epoch_scalars(stats: LayerTable, max_layers: int | None = None) -> Iterator
             layer = stats.layers[row]
             tag = f"grad_flow/global/{suffix}" if row == last else f"grad_flow/{suffix}/{layer}"
             yield tag, float(column[row])
-        if len(rows) < last:
-            yield from _percentiles(suffix, column[:last][counts[:last] > 0])
-
-
-# A logging step's window is one logging step: its max is its mean, logged once.
-_EPOCH_ONLY = frozenset({"grad_norm_max", "update_ratio_max", "output_grad_norm_max"})
+        values = column[:last][(counts[:last] > 0) & np.isfinite(column[:last])]
+        if len(rows) < last and values.size:  # percentiles over the layers
+            for q, value in zip(_PERCENTILES, np.percentile(values, _PERCENTILES), strict=True):
+                yield f"grad_flow/global/{suffix}_p{q:02d}", float(value)
 
 
 def grad_flow_step_scalars(stats: LayerTable, max_layers: int | None = None) -> dict[str, float]:
-    """The scalars of one logging step's window, by their epoch tag (no ``*_max`` duplicates)."""
-    return {tag: value for tag, value in _epoch_scalars(stats, max_layers) if _per_step(tag)}
-
-
-@lru_cache(maxsize=1 << 16)
-def _per_step(tag: str) -> bool:
-    """Whether an epoch tag has a per-step value (not a ``*_max`` duplicate of one)."""
-    stat = tag.split("/")[-1 if "/global/" in tag else 1]
-    return _PERCENTILE_SUFFIX.sub("", stat) not in _EPOCH_ONLY
+    """The scalars of one logging step's window, by their epoch tag."""
+    return dict(_epoch_scalars(stats, max_layers, step=True))
 
 
 def _logged_rows(stats: LayerTable, max_layers: int | None) -> list[int]:
@@ -108,14 +99,6 @@ def _logged_rows(stats: LayerTable, max_layers: int | None) -> list[int]:
     return sorted({*bad, *smallest, *largest})
 
 
-def _percentiles(suffix: str, values: np.ndarray) -> Iterator[tuple[str, float]]:
-    values = values[np.isfinite(values)]
-    if values.size == 0:
-        return
-    for q, value in zip(_PERCENTILES, np.percentile(values, _PERCENTILES), strict=True):
-        yield f"grad_flow/global/{suffix}_p{q:02d}", float(value)
-
-
 def observe_histograms(
     hist: LayerHistograms, layout: ParamLayout, optimizer: torch.optim.Optimizer
 ) -> None:
@@ -130,14 +113,11 @@ def observe_histograms(
     hist.update(grads, [row for _, row in pairs])
 
 
-def _write_histograms(
-    trainer: pl.Trainer,
-    hist: LayerHistograms,
-    stats: LayerTable,
-    max_layers: int | None,
-    shards: ShardPlan | None,
-) -> None:
-    """Write the epoch's histograms of the logged layers (rank 0), then reset ``hist``."""
+def _write_histograms(callback: GradFlowCallback, trainer: pl.Trainer, stats: LayerTable) -> None:
+    """Write the epoch's histograms of the logged layers (rank 0), then reset them."""
+    hist, tracker = callback._hist, callback._tracker
+    assert hist is not None and tracker is not None
+    shards = tracker.shards
     # Gradients are all-reduced before the optimizer step: rank 0's counts are every rank's.
     # FSDP2: each rank counted its shard's entries; the whole gradient is their sum.
     counts = (
@@ -147,13 +127,10 @@ def _write_histograms(
     hist.reset()
     if not trainer.is_global_zero:
         return
-    for row in _logged_rows(stats, max_layers):
+    for row in _logged_rows(stats, callback.max_layers_logged):
         if counts[row].any():
             tag = f"grad_flow/grad_log10_abs/{stats.layers[row]}"
             log_histogram(trainer.loggers, tag, limits, counts[row], trainer.global_step)
-
-
-# What a logging step and an epoch write, and the checkpoint state.
 
 
 def post_window(callback: GradFlowCallback, trainer: pl.Trainer, step: int) -> None:
@@ -175,16 +152,12 @@ def window_in_flight(callback: GradFlowCallback) -> bool:
 
 def write_window(callback: GradFlowCallback, trainer: pl.Trainer, wait: bool) -> bool:
     """Write the logging step whose copy is done (``wait``: block for it); whether one was."""
-    tracker = callback._tracker
-    got = None if tracker is None else tracker.read_window(wait)
-    if tracker is None or got is None:
+    if (tracker := callback._tracker) is None or (got := tracker.read_window(wait)) is None:
         return False
     step, stats = got
     scalars = grad_flow_step_scalars(stats, callback.max_layers_logged)
-    stat = callback._stability
     # Posted right after the tracker's window, at the same step: its copy is done too.
-    window = None if stat is None else stat.read_window(wait=True)
-    if stat is not None and window is not None:
+    if (stat := callback._stability) is not None and (window := stat.read_window(wait=True)):
         scalars.update(stat.step_values(window[1]))
         if tracker.alarms is not None:  # attention collapse: this logging step's measure
             at, found = window
@@ -227,10 +200,12 @@ def write_epoch(callback: GradFlowCallback, trainer: pl.Trainer) -> None:
     # The collectives first: a rank whose host side fails later has made them all.
     stats = tracker.result()
     tracker.reset()
-    _write_stability(trainer, callback._stability)
+    if (stability := callback._stability) is not None:  # a collective: every rank calls it
+        result = stability.result()
+        stability.reset()
+        log_scalars(trainer.loggers, stability.tags(result), trainer.global_step)
     if callback._hist is not None and stats.count.any():
-        hist, shards = callback._hist, tracker.shards
-        _write_histograms(trainer, hist, stats, callback.max_layers_logged, shards)
+        _write_histograms(callback, trainer, stats)
     if tracker.alarms is not None:
         callback.policy.end_epoch(trainer, tracker.alarms)
     if not stats.count.any():
@@ -239,32 +214,15 @@ def write_epoch(callback: GradFlowCallback, trainer: pl.Trainer) -> None:
     scalars = dict(_epoch_scalars(stats, callback.max_layers_logged))
     log_scalars(trainer.loggers, scalars, step)
     if callback.chart and trainer.is_global_zero:
-        figure = grad_flow_figure(
-            stats.layers[:-1],
-            stats.column("grad_abs_mean")[:-1],
-            stats.column("grad_abs_max", "peak")[:-1],
-            title=f"gradient flow, epoch {trainer.current_epoch}",
-        )
+        mean, peak = stats.column("grad_abs_mean")[:-1], stats.column("grad_abs_max", "peak")[:-1]
+        title = f"gradient flow, epoch {trainer.current_epoch}"
+        figure = grad_flow_figure(stats.layers[:-1], mean, peak, title=title)
         log_figure(trainer.loggers, "grad_flow/chart", figure, step)
     if callback.heatmap and trainer.is_global_zero:
-        _write_heatmap(trainer, callback._history, stats, step)
-
-
-def _write_stability(trainer: pl.Trainer, stability: StabilityStats | None) -> None:
-    """Log the instability statistics of the logging steps so far, then start afresh."""
-    if stability is not None:
-        result = stability.result()  # a collective: every rank calls it
-        stability.reset()
-        log_scalars(trainer.loggers, stability.tags(result), trainer.global_step)
-
-
-def _write_heatmap(
-    trainer: pl.Trainer, history: list[tuple[int, np.ndarray]], stats: LayerTable, step: int
-) -> None:
-    layers, epoch = stats.layers[:-1], trainer.current_epoch
-    history.append((epoch, stats.column("grad_norm")[:-1].copy()))
-    epochs = [e for e, _ in history]
-    values = np.stack([v for _, v in history], axis=1)
-    title = "gradient norm per layer and epoch (mean over steps)"
-    heatmap = layer_epoch_heatmap(layers, epochs, values, title=title, log=True)
-    log_figure(trainer.loggers, "grad_flow/heatmap", heatmap, step)
+        history = callback._history
+        history.append((trainer.current_epoch, stats.column("grad_norm")[:-1].copy()))
+        values = np.stack([v for _, v in history], axis=1)
+        title = "gradient norm per layer and epoch (mean over steps)"
+        epochs = [e for e, _ in history]
+        heatmap = layer_epoch_heatmap(stats.layers[:-1], epochs, values, title=title, log=True)
+        log_figure(trainer.loggers, "grad_flow/heatmap", heatmap, step)

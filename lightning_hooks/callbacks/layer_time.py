@@ -22,11 +22,6 @@ _NAME = "LayerTimeCallback"
 class LayerTimeCallback(StatsCallback):
     r"""Forward time of every layer on logging steps, as ms and as a share of the step.
 
-    On the logging steps, hooks before and after each layer's forward mark its start and end
-    (``time.perf_counter`` on the CPU; CUDA events, read at the next logging step, on a GPU); the
-    step is timed from batch start to batch end. A *layer* is a leaf module, so the shares sum to
-    at most 1. Backward time is not measured. Under DDP the times are means over ranks.
-
     Logged metrics, per epoch, means over the epoch's logging steps; each logging step also logs
     the same tags with ``_step`` after the statistic (``layer_time/step_ms_step``):
 
@@ -76,33 +71,27 @@ class LayerTimeCallback(StatsCallback):
         self.types = types
         self.include, self.exclude = timer.selection.include, timer.selection.exclude
         self.uses_images = self.chart
-
-    @property
-    def _timer(self) -> LayerTimer | None:
-        attached = self._tracker  # not ``self.attached``: read on every batch
-        return None if attached is None else attached.stats[0]  # type: ignore[return-value]
+        self._timer = timer
 
     @override
-    def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:
-        timer = self.stats[0]
-        assert isinstance(timer, LayerTimer)
-        timer.use_cuda = pl_module.device.type == "cuda"
-        return self.stats
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._timer.use_cuda = pl_module.device.type == "cuda"
+        super()._attach(trainer, pl_module)
 
     @override
     def _batch_started(self, trainer: pl.Trainer) -> None:
-        if self._timer is not None:
+        if self._tracker is not None:
             self._timer.start_step(trainer.global_step)
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        if self._timer is not None:
+        if self._tracker is not None:
             self._timer.end_step()
         return False
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._timer is not None:
+        if self._tracker is not None:
             self._timer.end_step()  # a step cut short by a skipped batch closes here
         super()._log_epoch(trainer, pl_module)
 
@@ -111,11 +100,7 @@ class LayerTimeCallback(StatsCallback):
         times: LayerTimes = result
         if times.steps == 0 or not trainer.is_global_zero or not self.chart:
             return
-        figure = layer_time_figure(
-            times.layers,
-            times.forward_ms,
-            times.step_ms,
-            title=f"forward time per layer, epoch {trainer.current_epoch}, "
-            f"step {times.step_ms:.2f} ms",
-        )
+        epoch, step_ms = trainer.current_epoch, times.step_ms
+        title = f"forward time per layer, epoch {epoch}, step {step_ms:.2f} ms"
+        figure = layer_time_figure(times.layers, times.forward_ms, step_ms, title=title)
         log_figure(trainer.loggers, "layer_time/chart", figure, trainer.global_step)

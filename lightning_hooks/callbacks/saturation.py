@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.stats import OncePerLayer, StatsCallback
+from lightning_hooks.callbacks.stats import StatsCallback
 from lightning_hooks.core.checks import fraction_or_none, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.saturation import (
@@ -27,8 +27,7 @@ _NAME = "SaturationCallback"
 
 
 def _check_types(types: ModuleTypes) -> None:
-    items = types if isinstance(types, tuple) else (types,)
-    for t in items:
+    for t in types if isinstance(types, tuple) else (types,):
         if t is not None and not (isinstance(t, type) and issubclass(t, SATURATING_TYPES)):
             raise TypeError(
                 f"{_NAME}(types={types!r}): must be a subclass of one of "
@@ -39,14 +38,10 @@ def _check_types(types: ModuleTypes) -> None:
 class SaturationCallback(StatsCallback):
     r"""Saturated outputs of every bounded activation, and units saturated all epoch long.
 
-    A forward hook on every ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6``
-    included) and ``Hardsigmoid`` module counts the logging steps' outputs in the flat region
-    (:func:`~lightning_hooks.core.saturation_mask`), and marks per *unit* (index along
-    ``unit_dim``) whether any output was unsaturated. One ``LightningHooksWarning`` names a layer
-    the first epoch its always-saturated fraction is ``>= warn_at``; repeats are summed at the end.
-
-    Logged metrics, per epoch (``{layer}``: the module's qualified name); each logging step also
-    logs the same tags with ``_step`` after the statistic, but ``always_saturated_fraction``:
+    Watches ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6`` included) and
+    ``Hardsigmoid`` modules. Logged metrics, per epoch (``{layer}``: the module's qualified
+    name); each logging step also logs them with ``_step`` after the statistic, but
+    ``always_saturated_fraction``:
 
     ================================================  ==========================================
     Tag                                               Value, over the epoch's training forwards
@@ -66,7 +61,8 @@ class SaturationCallback(StatsCallback):
             of ``[N, C, H, W]``; use -1 for ``[N, T, F]`` sequences).
         margin: threshold margin of the smooth activations (0.01: ``|tanh| > 0.99``).
         warn_at: warn about a layer when at least this fraction (in ``[0, 1]``) of its units is
-            saturated on every sample of an epoch (0: any such unit); ``None``: no warning.
+            saturated on every sample of an epoch (0: any such unit), once per layer (repeats
+            summed at the fit's end); ``None``: never.
         every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``; 1: every step).
 
@@ -76,7 +72,7 @@ class SaturationCallback(StatsCallback):
         0.25
     """
 
-    warned: OncePerLayer
+    _findings = (_NAME, "saturation findings")
     _watches = (
         "bounded activation module (Sigmoid, Tanh, Softsign, Hardtanh, ReLU6, Hardsigmoid, or a "
         "Hugging Face or timm activation computing one)"
@@ -99,7 +95,7 @@ class SaturationCallback(StatsCallback):
             raise TypeError(f"{_NAME}(unit_dim={dim!r}): must be an int, got {dim!r}")
         unit_dim = int(dim)
         margin = real(_NAME, "margin", margin, low=0.0, high=0.5, low_open=True, high_open=True)
-        warn_at = fraction_or_none(_NAME, "warn_at", warn_at)  # before the selection's errors
+        self.warn_at = fraction_or_none(_NAME, "warn_at", warn_at)  # before selection errors
         tracker = SaturationTracker(
             types=types,
             include=include,
@@ -108,14 +104,11 @@ class SaturationCallback(StatsCallback):
             unit_dim=unit_dim,
             margin=margin,
         )
-        self.warn_at = warn_at
         super().__init__(tracker, every_n_steps=every_n_steps)
-        self.warned = OncePerLayer(_NAME, "saturation findings")
         assert tracker.selection is not None
         self.types = types
         self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
-        self.unit_dim = unit_dim
-        self.margin = margin
+        self.unit_dim, self.margin = unit_dim, margin
 
     @override
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
@@ -123,14 +116,9 @@ class SaturationCallback(StatsCallback):
         epoch, warn_at = trainer.current_epoch, self.warn_at
         if warn_at is None or not trainer.is_global_zero:
             return
-        for layer, share, k, n in zip(
-            found.layers,
-            found.always_saturated_fraction,
-            found.always_saturated,
-            found.units,
-            strict=True,
-        ):
-            if k > 0 and share >= warn_at and self.warned.first(layer):
+        shares, counts = found.always_saturated_fraction, found.always_saturated
+        for layer, share, k, n in zip(found.layers, shares, counts, found.units, strict=True):
+            if k > 0 and share >= warn_at and self._first_finding(layer):
                 rank_zero_warn(
                     f"{_NAME}: layer {layer!r} has {k} of {n} units ({share:.0%}) "
                     f"saturated on every training sample of epoch {epoch} (warn_at="

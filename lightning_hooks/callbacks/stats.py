@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytorch_lightning as pl
@@ -18,76 +19,19 @@ from lightning_hooks.core.transport import gather_objects
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import log_scalars, step_tags
 
-__all__ = ["OncePerLayer", "StatsCallback"]
+__all__ = ["StatsCallback"]
 
 # The bare class in the signature: jsonargparse (LightningCLI) resolves a ``class_path`` against
 # a class, not against the subscripted generic ``LayerStat[Any]``.
 _AnyStat = LayerStat
 
 
-class OncePerLayer:
-    """Remembers, within one fit, which layers were warned about and how often they recurred.
-
-    Example:
-        >>> once = OncePerLayer("DeadReLUCallback", "dead-unit findings")
-        >>> [once.first("net.1") for _ in range(3)] + [once.first("net.3")]
-        [True, False, False, True]
-        >>> once.summary().startswith("DeadReLUCallback: 2 more dead-unit findings held back")
-        True
-        >>> once.summary().endswith("after the first warning per layer: net.1 x2")
-        True
-        >>> once.reset()
-        >>> once.summary() is None
-        True
-    """
-
-    def __init__(self, owner: str, findings: str) -> None:
-        self.owner = owner
-        self.findings = findings
-        self._seen: Counter[str] = Counter()
-
-    def reset(self) -> None:
-        """Forget every layer: the next fit warns afresh."""
-        self._seen.clear()
-
-    def first(self, layer: str) -> bool:
-        """Count one finding on ``layer``; ``True`` when it is the first of this fit."""
-        self._seen[layer] += 1
-        return self._seen[layer] == 1
-
-    def summary(self) -> str | None:
-        """The repeats held back, per layer in the order first warned; ``None`` when none."""
-        held = {layer: n - 1 for layer, n in self._seen.items() if n > 1}
-        if not held:
-            return None
-        per_layer = ", ".join(f"{layer} x{n}" for layer, n in held.items())
-        return (
-            f"{self.owner}: {sum(held.values())} more {self.findings} held back after the "
-            f"first warning per layer: {per_layer}"
-        )
-
-
-class _Attached:
-    """The statistics of one fit and the one registry (and logging-step gate) they share."""
-
-    def __init__(self, registry: HookRegistry, stats: tuple[LayerStat[Any], ...]) -> None:
-        self.registry = registry
-        self.stats = stats
-
-    def remove(self) -> None:
-        self.registry.remove()
-
-
 class StatsCallback(HookCallback):
-    """Hooks each statistic on the model, logs its tags every epoch, carries it in checkpoints.
+    """Hooks each statistic on the model in the logging steps' training forwards, and carries
+    it in checkpoints.
 
-    Hooks run in the logging steps' training forwards. At each logging step the states measured
-    since the last one (the *window*) are reduced across ranks, copied to the host without
-    blocking and logged under :meth:`LayerStat.step_values`; each epoch end logs
-    :meth:`LayerStat.tags`. Checkpoints hold the reduced states, so a resumed fit logs alike.
-
-    Logged metrics: whatever the statistics' :meth:`~lightning_hooks.core.stats.stat.LayerStat.tags`
-    return.
+    Logged metrics: each statistic's ``step_values`` at each logging step, its ``tags`` at each
+    epoch end.
 
     Args:
         stats: one statistic or several; each is attached afresh at every fit.
@@ -102,9 +46,7 @@ class StatsCallback(HookCallback):
     """
 
     uses_images = False
-    _tracker: _Attached | None = None
-    warned: OncePerLayer | None = None
-    """Set by a subclass warning once per layer per fit (repeats summed up at the fit's end)."""
+    _findings: tuple[str, str] | None = None  # (owner, findings) warned once per layer per fit
 
     def __init__(
         self,
@@ -120,18 +62,14 @@ class StatsCallback(HookCallback):
                 f"of them, got {stats!r}"
             )
         self.stats: tuple[LayerStat[Any], ...] = items
+        self._seen: Counter[str] = Counter()  # findings per layer in this fit
         self.every_n_steps = check_every_n_steps(type(self).__name__, every_n_steps)
-
-    def _make_stats(self, pl_module: pl.LightningModule) -> tuple[LayerStat[Any], ...]:
-        """The statistics to attach for this fit (subclasses build them from their settings)."""
-        return self.stats
 
     @override
     def _state_key_fields(self) -> dict[str, Any]:
         return {"stats": [s.config_key() for s in self.stats]}
 
-    _watches = "module"
-    """What the statistics watch, as the "nothing to watch" warning and error name it."""
+    _watches = "module"  # what the statistics watch, as "nothing to watch" names it
     _watch_hint = ""
 
     @override
@@ -144,28 +82,38 @@ class StatsCallback(HookCallback):
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         registry = HookRegistry(pl_module)
-        stats = self._make_stats(pl_module)
-        for stat in stats:
+        for stat in self.stats:
             stat.attach(pl_module, registry)
-        self._tracker = _Attached(registry, stats)
+        # What the base reads of a tracker: the logging-step gate, and ``remove()``.
+        self._tracker = SimpleNamespace(registry=registry, remove=registry.remove)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        if self.warned is not None:
-            self.warned.reset()
+        self._seen.clear()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
-        summary = None if self.warned is None else self.warned.summary()
-        if summary is not None and trainer.is_global_zero:
-            rank_zero_warn(summary, category=LightningHooksWarning)
+        held = {layer: n - 1 for layer, n in self._seen.items() if n > 1}
+        if held and self._findings and trainer.is_global_zero:
+            owner, findings = self._findings
+            per_layer = ", ".join(f"{layer} x{n}" for layer, n in held.items())
+            rank_zero_warn(
+                f"{owner}: {sum(held.values())} more {findings} held back after the first "
+                f"warning per layer: {per_layer}",
+                category=LightningHooksWarning,
+            )
+
+    def _first_finding(self, layer: str) -> bool:
+        """Count a finding on ``layer``: whether it is the first of this fit (to be warned)."""
+        self._seen[layer] += 1
+        return self._seen[layer] == 1
 
     @property
     def attached(self) -> tuple[LayerStat[Any], ...]:
         """The statistics of the running fit (empty outside a fit)."""
-        return () if self._tracker is None else self._tracker.stats
+        return () if self._tracker is None else self.stats
 
     @override
     def _log_step(self, trainer: pl.Trainer, step: int) -> None:
@@ -176,10 +124,8 @@ class StatsCallback(HookCallback):
     def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
         wrote = False
         for stat in self.attached:
-            got = stat.read_window(wait)
-            if got is not None:
-                step, result = got
-                log_scalars(trainer.loggers, step_tags(stat.step_values(result)), step)
+            if (got := stat.read_window(wait)) is not None:
+                log_scalars(trainer.loggers, step_tags(stat.step_values(got[1])), got[0])
                 wrote = True
         return wrote
 
@@ -196,7 +142,7 @@ class StatsCallback(HookCallback):
             self._log_result(trainer, stat, result)
 
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
-        """Log what is not a scalar tag (pictures, warnings): nothing here, subclasses add."""
+        """Log what is not a scalar tag (pictures, warnings)."""
 
     @override
     def _agreement_flags(self) -> list[bool]:
@@ -225,13 +171,9 @@ class StatsCallback(HookCallback):
     def _save_state(self) -> dict[str, Any]:
         if self._ranks > 1:  # a checkpoint between logging steps: rows made since
             self._align_rows()
-        return {_key(i, s): s.host_state() for i, s in enumerate(self.attached)}
+        return {f"{i}:{type(s).__name__}": s.host_state() for i, s in enumerate(self.attached)}
 
     @override
     def _load_state(self, state: dict[str, Any]) -> None:
         for i, stat in enumerate(self.attached):
-            stat.load_host_state(state[_key(i, stat)])
-
-
-def _key(index: int, stat: LayerStat[Any]) -> str:
-    return f"{index}:{type(stat).__name__}"
+            stat.load_host_state(state[f"{i}:{type(stat).__name__}"])
