@@ -216,7 +216,7 @@ def nan_weight_live(seed: int, step: int = 20) -> list[tuple[int, str, str]]:
     with GradFlowTracker(model, [opt], alarms=AlarmRules()) as tracker:
         assert tracker.alarms is not None
         for s in range(step + 3):
-            tracker.registry.sampled = False  # the sentinel alone, as on a step that is not sampled
+            tracker.registry.logging_step = False  # the sentinel alone, as on a quiet step
             if s == step:
                 with torch.no_grad():
                     model.net[2].weight[0, 0] = math.nan

@@ -1,4 +1,4 @@
-"""What the attention statistics add to a sampled training step, and that a quiet step pays nothing.
+"""What the attention statistics add to a logging step, and that a quiet step pays nothing.
 
 The transformer of ``overhead.py`` (d=128, 4 layers, 4 heads, batch 32) at several sequence
 lengths, twice: as it is (``nn.TransformerEncoderLayer``: ``nn.MultiheadAttention``, measured by
@@ -6,7 +6,7 @@ recomputing q.k from its inputs) and with its attention computed by
 ``scaled_dot_product_attention`` in a nanoGPT-style module (measured through the
 ``TorchFunctionMode``). One training step (forward, backward) is timed with no statistic, with
 :class:`~lightning_hooks.core.stats.stability.StabilityStats` attached on a quiet step, and on a
-sampled step, alternating in every round; the median of ``--rounds`` rounds after ``--warmup``,
+logging step, alternating in every round; the median of ``--rounds`` rounds after ``--warmup``,
 on ``--threads`` CPU threads.
 
     python benchmarks/attention_cost.py --lengths 64 128 256 --out benchmarks/results
@@ -65,7 +65,7 @@ def _time(step: Callable[[], None]) -> float:
 
 def measure(kind: str, length: int, rounds: int, warmup: int) -> dict[str, float]:
     """Median step milliseconds: bare model; a copy with the statistic attached on a quiet step
-    and on a sampled step. The three alternate in every round, so that a busy machine's drift
+    and on a logging step. The three alternate in every round, so that a busy machine's drift
     falls on all three alike."""
     bare, hooked = _model(kind), _model(kind)
     x = torch.randn(BATCH, length, 32)
@@ -73,15 +73,19 @@ def measure(kind: str, length: int, rounds: int, warmup: int) -> dict[str, float
     assert stat.registry is not None
     registry = stat.registry
 
-    def run(model: nn.Module, sampled: bool) -> Callable[[], None]:
+    def run(model: nn.Module, logging_step: bool) -> Callable[[], None]:
         def step() -> None:
-            registry.sampled = sampled
+            registry.logging_step = logging_step
             model(x).square().mean().backward()
             stat.end_step()  # as GradFlowCallback does: settles the output layer
 
         return step
 
-    steps = {"bare": run(bare, False), "quiet": run(hooked, False), "sampled": run(hooked, True)}
+    steps = {
+        "bare": run(bare, False),
+        "quiet": run(hooked, False),
+        "logging_step": run(hooked, True),
+    }
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(warmup + rounds):
         for name, step in steps.items():
@@ -94,14 +98,14 @@ def measure(kind: str, length: int, rounds: int, warmup: int) -> dict[str, float
 
 def _table(rows: list[dict[str, object]]) -> str:
     lines = [
-        "| attention | length | bare ms | quiet ms | sampled ms | sampled added |",
+        "| attention | length | bare ms | quiet ms | logging step ms | logging step added |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        bare, quiet, sampled = (float(r[k]) for k in ("bare", "quiet", "sampled"))  # type: ignore[arg-type]
+        bare, quiet, logging_step = (float(r[k]) for k in ("bare", "quiet", "logging_step"))  # type: ignore[arg-type]
         lines.append(
-            f"| {r['kind']} | {r['length']} | {bare:.1f} | {quiet:.1f} | {sampled:.1f} | "
-            f"{sampled - bare:+.1f} ms ({sampled / bare:.2f}x) |"
+            f"| {r['kind']} | {r['length']} | {bare:.1f} | {quiet:.1f} | {logging_step:.1f} | "
+            f"{logging_step - bare:+.1f} ms ({logging_step / bare:.2f}x) |"
         )
     return "\n".join(lines)
 

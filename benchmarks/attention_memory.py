@@ -2,7 +2,7 @@
 ``[B, H, L, S]`` logits at once against a chunk of query rows at a time (``LOGIT_BUDGET``).
 
 One ``scaled_dot_product_attention`` layer (batch 1, 8 heads of 64, causal) under
-``StabilityStats`` on a sampled training forward, on the CPU; each budget runs in its own
+``StabilityStats`` on a training forward of a logging step, on the CPU; each budget runs in its own
 process, which reports its peak resident memory (``ru_maxrss``) over a bare forward and
 backward of the same layer in the same process.
 

@@ -65,7 +65,7 @@ SMOOTH = 5  # steps in the ground truth's mean loss
 SEEDS = (0, 1, 2)
 HELD_OUT = (2,)  # seeds not looked at while the defaults were chosen
 ADAPTIVE = ("adam", "adamw", "rmsprop", "adamw95")  # the optimizers with a second moment
-LOG_EVERY = 50  # the Trainer's log_every_n_steps: the callback's logging (sampled) steps
+LOG_EVERY = 50  # the Trainer's log_every_n_steps: the callback's logging steps
 DAMAGE_WINDOW = (50, 100)  # steps after an explosion where its loss is compared with the twin's
 # "clearly worse": this ratio, and above it by this share of the twin's first loss (the loss's
 # scale: 0.046 on the 10-class sets, whose first loss is ln 10; 0.014 on a 2-class one)
@@ -605,7 +605,7 @@ def record(run: Run) -> dict[str, Any]:
 
 
 def logging_step(step: int) -> bool:
-    """Whether ``step`` is a logging (sampled) step of the Trainer at ``log_every_n_steps=50``."""
+    """Whether ``step`` is a logging step of the Trainer at ``log_every_n_steps=50``."""
     return step == 0 or (step + 1) % LOG_EVERY == 0
 
 
@@ -631,7 +631,7 @@ class _StabilityProbe:
             got = self.stat.read_window(wait=True)
             assert got is not None
             self.windows.append(got)
-        registry.sampled = logging_step(step + 1)
+        registry.logging_step = logging_step(step + 1)
 
 
 def all_runs() -> list[Run]:

@@ -8,7 +8,7 @@ ms. ``feature_stats, whole`` is the eager statistics with :data:`CHUNK` set abov
 size: every pass over the whole tensor. ``compiled`` calls the compiled statistics directly,
 without ``fused_feature_stats``'s check for strided tensors.
 
-Last, the batch a sampled step of the launch-bound stand-in measures at its end: 73 outputs of
+Last, the batch a logging step of the launch-bound stand-in measures at its end: 73 outputs of
 ``[16, 64]`` in one :func:`stacked_feature_stats`, counting by sums of signs (the CPU's way,
 :data:`SIGN_COUNTS`) and by comparisons (the way off the CPU).
 
@@ -92,7 +92,7 @@ def main() -> None:
 
 
 def _stacked(calls: int, rounds: int, evict: torch.Tensor) -> None:
-    """The sampled step's batch of 73 ``[16, 64]`` outputs, both ways of counting."""
+    """The logging step's batch of 73 ``[16, 64]`` outputs, both ways of counting."""
     x = torch.randn(73, 16, 64)
     signs = getattr(fs, "SIGN_COUNTS")  # noqa: B009 (mypy: a module found at run time)
     rows: dict[str, list[float]] = {"sums of signs": [], "comparisons": []}

@@ -3,8 +3,8 @@
 #   the CUDA tests (and the Triton read's), the quiet step's host time in our hooks against the
 #   floor's (quiet_step.py), what a CUDA graph, the pointer-table kernels or the grouped read
 #   save on the norm pass (graph_probe.py), the overhead table on the launch-bound stand-in and the small models
-#   (fp32), and on ResNet-50 and GPT-2 124M (bf16-mixed). A sampled step against a quiet one:
-#   benchmarks/sampled_step_gpu.py, separately.
+#   (fp32), and on ResNet-50 and GPT-2 124M (bf16-mixed). A logging step against a quiet one:
+#   benchmarks/logging_step_gpu.py, separately.
 # Run from the repository root on the GPU machine, whose python3 holds torch, Lightning, Triton,
 # torchvision and transformers; results go to $OUT (default ./gpu_out): log.txt and the tables' .md and .json. Each part has a time
 # limit (seconds, overridable: TESTS_S ...) so that the whole fits 10 minutes.

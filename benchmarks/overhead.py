@@ -14,7 +14,7 @@ each one to "every statistic, every step, every leaf module"; unknown options ar
 
 Besides time it reports deterministic measures: host syncs per step between logging points, ATen
 operations dispatched per hooked layer per step (``TorchDispatchMode``), per-layer cost at 10, 100
-and 1,000 hooked layers, and the error of statistics sampled every n steps.
+and 1,000 hooked layers, and the error of statistics logged every n steps.
 
 Usage::
 
@@ -301,8 +301,8 @@ def configs(include_tutorial: bool = True) -> list[Config]:
     if fused != full:  # the compiled one-pass statistics (the first step compiles)
         out.append(Config("all, every stat/step/leaf, fused", partial(_build, found, fused), fused))
     for every in (4, 16):
-        sampled = {n: _accepted(c, {"every_n_steps": every}) for n, c in found.items()}
-        out.append(Config(f"all, every {every}th step", partial(_build, found, sampled), sampled))
+        every_n = {n: _accepted(c, {"every_n_steps": every}) for n, c in found.items()}
+        out.append(Config(f"all, every {every}th step", partial(_build, found, every_n), every_n))
     if "GradFlowCallback" in found:  # the sentinel's share: the same without alarms
         quiet = {"alarms": False}
         out.append(
@@ -528,7 +528,7 @@ def fit(
 
 CLOCKS = ("cpu", "wall", "cpu_median")
 """``cpu_median``: the median step of each fit instead of the mean. Robust to bursts from other
-tenants of the host, but blind to a sampled step (1 in ``n``): it is the off-sample step cost."""
+tenants of the host, but blind to a logging step (1 in ``n``): it is the quiet step cost."""
 
 
 def time_rounds(
@@ -547,7 +547,7 @@ def time_rounds(
                 if clock == "cpu_median":
                     step = statistics.median(timer.steps(warmup, "cpu"))
                 else:
-                    # The mean, not the median: a sampled step every n steps is part of the cost.
+                    # The mean, not the median: a logging step every n steps is part of the cost.
                     step = statistics.fmean(timer.steps(warmup, clock))
                 times[clock][cfg.name].append(step)
     rows: dict[str, Any] = {}
@@ -634,7 +634,7 @@ def sampling_error(model_name: str, every: list[int], steps: int) -> dict[str, A
         by_stat: dict[str, list[float]] = {}
         for tag, v in logged[n].items():
             ref = logged[1].get(tag)
-            if _is_sampled_mean(tag) and ref not in (None, 0.0):
+            if _is_logging_step_mean(tag) and ref not in (None, 0.0):
                 by_stat.setdefault(_stat(tag), []).append(abs(v - ref) / abs(ref))
         errs = [e for values in by_stat.values() for e in values]
         out[str(n)] = {
@@ -652,8 +652,8 @@ def _stat(tag: str) -> str:
     return f"{parts[0]}/{parts[2] if parts[1] == 'global' else parts[1]}"
 
 
-def _is_sampled_mean(tag: str) -> bool:
-    """An epoch mean over sampled steps: not a max, min, count, timing or probe value. The mean
+def _is_logging_step_mean(tag: str) -> bool:
+    """An epoch mean over logging steps: not a max, min, count, timing or probe value. The mean
     activation itself is left out: it sits near 0 for a Linear output, so its relative error
     says nothing (``abs_mean`` and ``std`` stand for it)."""
     if tag.count("/") < 2 or tag.startswith(("layer_time/", "feature_map/")):
@@ -749,7 +749,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         _table(results, "wall"),
         "",
-        "Median CPU step of each fit (robust to other tenants; a sampled step every n is not in "
+        "Median CPU step of each fit (robust to other tenants; a logging step every n is not in "
         "it: this is the off-sample cost):",
         "",
         _table(results, "cpu_median"),
@@ -796,7 +796,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--steps",
         type=int,
         default=50,
-        help="timed steps per fit (50, the default cadence: each fit holds one sampled step "
+        help="timed steps per fit (50, the default cadence: each fit holds one logging step "
         "at the defaults, the same share as a long run)",
     )
     parser.add_argument("--warmup", type=int, default=3)

@@ -16,7 +16,7 @@ What a turn changes: its first step runs after another process's steps, with col
 than any step of a fit alone, and how cold depends on which process ran before (in one ring of
 seven, six callbacks that do nothing read 0.96x bare, in a ring of five 1.05x). So the first step of
 each turn is dropped: what is kept followed a step of its own process, as in a fit alone, and
-who follows whom is drawn anew each round. A process's own steps, hooks and the sampled step
+who follows whom is drawn anew each round. A process's own steps, hooks and the logging step
 (one in ``log_every_n_steps``, 50, the last of its turn at the default ``--turn 5``) are
 measured; the fit's set-up and epoch end are not.
 
@@ -159,12 +159,12 @@ def paired_round(
 def own_steps(steps: list[float], warmup: int, turn: int) -> list[float]:
     """The steps after ``warmup`` that followed a step of the same process: the first of each
     turn ran after another process's steps, with its caches cold, which a fit alone never
-    sees (a sampled step, one in 50, ends a turn of 5 and stays in)."""
+    sees (a logging step, one in 50, ends a turn of 5 and stays in)."""
     return [s for i, s in enumerate(steps) if i >= warmup and i % turn]
 
 
 def summarize(rounds: list[dict[str, list[float]]], warmup: int, turn: int) -> dict[str, Any]:
-    """Per configuration: the mean step (sampled steps in it) and the median (quiet) step of
+    """Per configuration: the mean step (logging steps in it) and the median (quiet) step of
     :func:`own_steps`, against bare's in the same round; the median, min and max over the
     rounds."""
     rows: dict[str, Any] = {}
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         "--log-every",
         type=int,
         default=50,
-        help="the Trainer's log_every_n_steps (1: every step is a sampled step, the mean its cost)",
+        help="the Trainer's log_every_n_steps (1: every step is a logging step, the mean its cost)",
     )
     parser.add_argument("--only", nargs="*", default=DEFAULT, help="as overhead.py's --only")
     parser.add_argument(

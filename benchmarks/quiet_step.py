@@ -8,7 +8,7 @@ callbacks (``perf_counter`` around the call: the hook's own time, whatever Light
 around it), and around the floor's hook, ``torch._foreach_norm`` over the gradients
 (``overhead.GradientRead``), which runs in the same steps. Both see the same slow and fast
 moments of the host, so their ratio holds where the step time does not. Not counted: Lightning's
-dispatch of our hooks, and the gated module hooks of sampled steps (a quiet step has none).
+dispatch of our hooks, and the gated module hooks of logging steps (a quiet step has none).
 
 Per configuration, the medians over the quiet steps (not a logging step) of a 400-step fit on
 the launch-bound stand-in (``overhead._launch``), one torch thread::
@@ -47,7 +47,7 @@ _HOOKS = [name for name in dir(pl.Callback) if name.startswith("on_")]
 
 
 class _Clock(pl.Callback):
-    """Each step's start, and which steps our callbacks sampled (a logging step)."""
+    """Each step's start, and which steps were logging steps."""
 
     def __init__(self) -> None:
         self.starts: list[float] = []
@@ -81,7 +81,7 @@ def measure(
     floor: dict[int, float] = defaultdict(float)
     callbacks = [_timed(c, ours, clock) for c in make()]
     overhead.fit(model, [clock, _timed(overhead.GradientRead(), floor, clock), *callbacks], steps)
-    every = 50  # the Trainer's log_every_n_steps: steps 0, 49, 99, ... are sampled
+    every = 50  # the Trainer's log_every_n_steps: steps 0, 49, 99, ... are logging steps
     quiet = [i for i in range(3, steps - 1) if i % every not in (0, every - 1, every - 2)]
     step = [clock.starts[i] - clock.starts[i - 1] for i in quiet]
     return {

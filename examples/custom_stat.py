@@ -2,7 +2,7 @@
 
 ``OutputRMS`` declares two device states (summed across ranks), measures each training output
 in a forward hook and says which tags its result gives. ``StatsCallback`` does the rest:
-selection, the sampled steps, one collective per epoch under DDP, logging, checkpoints.
+selection, the logging steps, one collective per epoch under DDP, logging, checkpoints.
 
 Run: ``python examples/custom_stat.py``, then ``tensorboard --logdir runs``.
 """

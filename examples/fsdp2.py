@@ -10,7 +10,7 @@ Run: ``python examples/fsdp2.py``. ``python examples/fsdp2.py --time`` instead t
 step of a wider model (8 x Linear(512, 512) + head, batch 64 per rank, Adam): without callbacks,
 with ``GradFlowCallback`` at its defaults, with the sentinel on every step, and with every
 gradient statistic on every step, interleaved over 3 rounds; it prints the median step time, and
-the median time of the one collective a sampled step adds for the gradient statistics.
+the median time of the one collective a logging step adds for the gradient statistics.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def time_steps(rounds: int = 3, steps: int = 30) -> None:
             )
             model = ShardedRegressor(inputs=512, width=512, depth=8)
             trainer.fit(model, data)
-            medians[name].append(statistics.median(clock.times[5:]))  # step 0 is sampled
+            medians[name].append(statistics.median(clock.times[5:]))  # step 0 is a logging step
     reduce_us = _time_shard_reduce(list(model.parameters()))
     if torch.distributed.get_rank() == 0:
         bare = statistics.median(medians["bare"])
@@ -133,7 +133,7 @@ def time_steps(rounds: int = 3, steps: int = 30) -> None:
 
 
 def _time_shard_reduce(params: list[torch.Tensor], calls: int = 200) -> float:
-    """Median time of one ``ShardPlan.reduce`` of a sampled step's partials (4 per parameter)."""
+    """Median time of one ``ShardPlan.reduce`` of a logging step's partials (4 per parameter)."""
     from lightning_hooks.core.transport import ShardPlan
 
     plan = ShardPlan.from_params(params)

@@ -130,22 +130,22 @@ def _plain_step(model: SmallCNN, opt: torch.optim.Optimizer, x: torch.Tensor, y:
 
 
 def _plain_loop(steps: int) -> None:
-    models = {name: SmallCNN() for name in ("bare", "off", "sampled", "saturation")}
-    off, sampled = LayerTimer(models["off"]), LayerTimer(models["sampled"])
+    models = {name: SmallCNN() for name in ("bare", "off", "logging_step", "saturation")}
+    off, logging_step = LayerTimer(models["off"]), LayerTimer(models["logging_step"])
     tracker = SaturationTracker(models["saturation"])
     opts = {name: torch.optim.SGD(m.parameters(), lr=0.01) for name, m in models.items()}
     x, y = next(iter(models["bare"].train_dataloader()))
     seconds: dict[str, list[float]] = {name: [] for name in models}
     for turn in range(steps + 20):
-        sampled.start_step()
+        logging_step.start_step()
         for name, model in models.items():
             seconds[name].append(_plain_step(model, opts[name], x, y))
-        sampled.end_step()
+        logging_step.end_step()
         if turn % 50 == 0:
-            sampled.reset()
+            logging_step.reset()
     labels = {
         "off": "LayerTimer, off-sample step",
-        "sampled": "LayerTimer, sampled step",
+        "logging_step": "LayerTimer, logging step",
         "saturation": "SaturationTracker (4 Tanh)",
     }
     bare = np.array(seconds["bare"][20:])
@@ -156,7 +156,7 @@ def _plain_loop(steps: int) -> None:
         ratio = np.array(seconds[name][20:]) / bare
         low, mid, high = np.percentile(ratio, [25, 50, 75])
         print(f"| {label} | {mid:.3f}x ({low:.3f}-{high:.3f}) |")
-    for hooks in (off, sampled, tracker):
+    for hooks in (off, logging_step, tracker):
         hooks.remove()
 
 

@@ -1,5 +1,5 @@
 """A run to kill: one endless epoch, ``log_every_n_steps=10``, the default callbacks, and the
-true gradient norm of each layer at each sampled step written to a side file as it goes.
+true gradient norm of each layer at each logging step written to a side file as it goes.
 
     python tests/killed_run.py --out DIR   # TensorBoard under DIR/tb, truth in DIR/truth.jsonl
 """
@@ -28,7 +28,7 @@ LAYERS = ("net.0", "net.2", "net.4")
 
 
 class Truth(pl.Callback):
-    """Plain torch gradient norms of the sampled steps (``(s + 1) % 10 == 0`` and step 0)."""
+    """Plain torch gradient norms of the logging steps (``(s + 1) % 10 == 0`` and step 0)."""
 
     def __init__(self, path: Path) -> None:
         self.file = path.open("w")

@@ -172,7 +172,7 @@ def _ops(fn: Any, n: int, device: str) -> int:
 )
 def test_off_the_cpu_a_large_tensor_is_read_in_one_piece_not_in_cache_sized_ones(fn: Any) -> None:
     # A GPU's cost is launches: ResNet-50's 51M-element activations in 2**19-element pieces
-    # were 60,000 kernels and 970 ms on an H200's sampled step. The meta device stands in for
+    # were 60,000 kernels and 970 ms on an H200's logging step. The meta device stands in for
     # any accelerator: the same code path, no data.
     small, large = CHUNK + 1, 8 * CHUNK
     assert _ops(fn, large, "meta") == _ops(fn, small, "meta")
@@ -197,7 +197,7 @@ class _Largest(TorchDispatchMode):
 
 
 def test_the_log_partition_of_large_logits_makes_no_float32_copy_of_them() -> None:
-    # The output layer's log Z on a sampled step: an LM head's bf16 logits (GPT-2 124M: 411M
+    # The output layer's log Z on a logging step: an LM head's bf16 logits (GPT-2 124M: 411M
     # entries) were copied whole to float32, with logsumexp's temporaries as large, every time.
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(6, 40, 5000, generator=g) * 8).to(torch.bfloat16)  # 1.2M > a piece
@@ -213,7 +213,7 @@ def test_the_log_partition_of_large_logits_makes_no_float32_copy_of_them() -> No
 def test_small_tensors_take_a_constant_few_ops_whatever_their_number(
     grouped: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A sampled step's ``|g|`` sums and maxima of small gradients take the same few ATen ops
+    """A logging step's ``|g|`` sums and maxima of small gradients take the same few ATen ops
     for 10 tensors as for 200 (a GPU's cost is launches; a sum per tensor was 100 ops for 96
     tensors). On the CPU, tensors of one shape are stacked and reduced along the rows (stack,
     ``abs_``, sum, max, and a cat and an index per result); elsewhere, as on the CPU without a

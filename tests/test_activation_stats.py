@@ -309,15 +309,15 @@ class WideConv(pl.LightningModule):
 
 
 @pytest.mark.parametrize(
-    ("options", "sampled"),
+    ("options", "logging_step"),
     [({}, 1), ({"every_n_steps": 1}, 2), ({"every_n_steps": 1, "fused": True}, 2)],
     ids=["defaults", "every-step", "every-step-fused"],
 )
 def test_large_outputs_logged_statistics_equal_plain_torch(
-    options: dict[str, Any], sampled: int, trainer_factory: Any, tmp_path: Path
+    options: dict[str, Any], logging_step: int, trainer_factory: Any, tmp_path: Path
 ) -> None:
     # At the defaults, the Trainer's included (log_every_n_steps=50), only the epoch's first
-    # step is sampled.
+    # step is a logging step.
     from lightning_hooks.core.ops.feature_stats import CHUNK
 
     model = WideConv()
@@ -326,7 +326,7 @@ def test_large_outputs_logged_statistics_equal_plain_torch(
     scalars = read_scalars(tmp_path)
     for layer in ("net.0", "net.1"):
         assert len(model.outputs[layer]) == 2 and model.outputs[layer][0].numel() > CHUNK
-        want = _reference(model.outputs[layer][:sampled])
+        want = _reference(model.outputs[layer][:logging_step])
         for stat, value in want.items():
             logged = dict(scalars[f"activations/{stat}/{layer}"])[2]
             assert _close(logged, value), (stat, layer, logged, value)

@@ -50,7 +50,7 @@ def peak_and_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return peak, torch.where(count > 0, total / count.clamp(min=1), torch.inf).amin()
 
 
-STEPS, EVERY = 4, 2  # one epoch of 4 steps; steps 0 (the epoch's first), 1 and 3 are sampled
+STEPS, EVERY = 4, 2  # one epoch of 4 steps; steps 0 (the epoch's first), 1 and 3 are logging steps
 LENGTH, BATCH, VOCAB = 8, 4, 50
 
 
@@ -224,7 +224,7 @@ Capture = Callable[["Fit", str, nn.Module], None]
 
 
 class Fit(pl.LightningModule):
-    """Trains ``net`` on padded token batches; on the sampled steps ``capture`` records each
+    """Trains ``net`` on padded token batches; on the logging steps ``capture`` records each
     attention module's plain-torch reference into :attr:`expected`."""
 
     def __init__(
@@ -237,7 +237,7 @@ class Fit(pl.LightningModule):
         self.batch_idx = -1
         capture(self, "", net)
 
-    def sampled(self) -> bool:
+    def logging_step(self) -> bool:
         step = self.trainer.global_step
         return self.training and (self.batch_idx == 0 or (step + 1) % EVERY == 0)
 
@@ -263,7 +263,7 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _record(fit: Fit, name: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
-    if fit.sampled():
+    if fit.logging_step():
         keep = fit.keep[:, None, None, :]
         if causal:
             keep = keep & torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril()
@@ -397,7 +397,7 @@ def _vit_capture(fit: Fit, _: str, net: nn.Module) -> None:
         ) -> None:
             b, n, _ = out.shape
             q, k, _ = out.reshape(b, n, 3, h, -1).permute(2, 0, 3, 1, 4)
-            if fit.sampled():
+            if fit.logging_step():
                 keep = torch.ones(n, n, dtype=torch.bool)  # bidirectional, no mask
                 fit.expected[f"net.blocks.{i}.attn"].append(
                     reference_heads(q.detach(), k.detach(), keep)
@@ -479,7 +479,9 @@ def test_attention_statistics_equal_plain_torch_through_fit(
         for i, stat in enumerate(("attn_logit_max", "attn_entropy_min")):
             got = scalars[f"stability/{stat}_step/{module}"]
             assert [s for s, _ in got] == [0, 1, 3]
-            each = [pooled([e])[i] for e in expected]  # a window of one sampled forward each
+            each = [
+                pooled([e])[i] for e in expected
+            ]  # a window of one forward of a logging step each
             assert [v for _, v in got] == pytest.approx(each, rel=1e-5)
             want = pooled(expected)[i]  # the epoch: every head's rows of the three forwards
             assert scalars[f"stability/{stat}/{module}"] == [(STEPS, pytest.approx(want, rel=1e-5))]
@@ -513,15 +515,15 @@ def test_the_entropy_of_micro_batches_is_the_entropy_of_their_batch() -> None:
     assert min(_entropy_min([ids[:2]]), _entropy_min([ids[2:]])) < whole * (1 - 1e-3)
 
 
-def test_quiet_steps_run_the_same_ops_and_sampled_steps_pay() -> None:
+def test_quiet_steps_run_the_same_ops_and_logging_steps_pay() -> None:
     net = NanoGPT(2)
     ids = torch.randint(0, VOCAB, (2, LENGTH))
     bare = _ops(net, ids)
     stat = StabilityStats().attach(net)
     assert stat.registry is not None
-    stat.registry.sampled = False
+    stat.registry.logging_step = False
     assert _ops(net, ids) == bare
-    stat.registry.sampled = True
+    stat.registry.logging_step = True
     assert "aten::special_entr" in set(_ops(net, ids)) - set(bare)
     stat.remove()
     assert _ops(net, ids) == bare
@@ -737,7 +739,7 @@ def test_through_fit_a_quiet_step_runs_the_bare_ops_and_no_step_syncs(
             _unchecked_nano()
         )
     assert window.steps == STEPS and dict(counter.calls) == {}
-    # every_n_steps=2 over steps 0-3: steps 0 (the epoch's first), 1 and 3 are sampled.
+    # every_n_steps=2 over steps 0-3: steps 0 (the epoch's first), 1 and 3 are logging steps.
     assert hooked.per_step[2] == bare.per_step[2]
     assert hooked.per_step[1] > bare.per_step[1]
     assert "stability/attn_entropy_min/net.h.1" in read_scalars(tmp_path / "hooked")

@@ -96,6 +96,6 @@ def test_paired_ratios_are_to_bare_in_the_same_round_over_steps_that_followed_th
     assert paired.own_steps(rounds[0]["x"], warmup=1, turn=3) == [1.1, 1.1, 1.1, 4.0]
     rows = paired.summarize(rounds, warmup=1, turn=3)
     assert rows["x"]["rounds"]["quiet"] == pytest.approx([1.1, 1.2])  # the median steps
-    assert rows["x"]["rounds"]["mean"] == pytest.approx([7.3 / 5, 15.2 / 10])  # sampled in it
+    assert rows["x"]["rounds"]["mean"] == pytest.approx([7.3 / 5, 15.2 / 10])  # logging steps in it
     assert rows["x"]["quiet"]["median"] == pytest.approx(1.15)
     assert rows["bare"]["mean"] == {"median": 1.0, "min": 1.0, "max": 1.0}

@@ -72,17 +72,17 @@ def _logged(
     [({"every_n_steps": 3}, {}), ({}, {"log_every_n_steps": 3})],
     ids=["every_n_steps=3", "default=log_every_n_steps=3"],
 )
-def test_sampled_steps_equal_every_step_on_those_batches(
+def test_logging_steps_equal_every_step_on_those_batches(
     tmp_path: Path, options: dict[str, Any], trainer_options: dict[str, Any]
 ) -> None:
-    sampled = _logged(tmp_path / "sampled", (0, 1, 2, 3), trainer_options, **options)
+    logging_step = _logged(tmp_path / "logging_step", (0, 1, 2, 3), trainer_options, **options)
     reference = _logged(tmp_path / "ref", (0, 2), {}, every_n_steps=1)
     everything = _logged(tmp_path / "all", (0, 1, 2, 3), {}, every_n_steps=1)
     for family in FAMILIES:
         assert any(tag.startswith(family) for tag in reference), family
-    assert sampled.keys() == reference.keys()
+    assert logging_step.keys() == reference.keys()
     for tag, want in reference.items():
-        assert math.isclose(sampled[tag], want, rel_tol=1e-5, abs_tol=1e-7), tag
+        assert math.isclose(logging_step[tag], want, rel_tol=1e-5, abs_tol=1e-7), tag
     # The check can fail: every step of the four batches logs other values.
     differ = [t for t, v in reference.items() if not math.isclose(everything[t], v, rel_tol=1e-5)]
     assert any(t.startswith("activations/mean/") for t in differ)

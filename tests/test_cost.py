@@ -87,7 +87,7 @@ def _deep(depth: int) -> nn.Sequential:
 
 
 def _ops_per_step(
-    depth: int, tracked: bool, sampled: bool = True, alarms: AlarmRules | None = None
+    depth: int, tracked: bool, logging_step: bool = True, alarms: AlarmRules | None = None
 ) -> int:
     """ATen ops of one training step (after a warm-up step), with or without a tracker."""
     model = _deep(depth)
@@ -97,7 +97,7 @@ def _ops_per_step(
     counter = OpCounter()
     for i in range(2):
         if tracker is not None:
-            tracker.registry.sampled = sampled
+            tracker.registry.logging_step = logging_step
         if i == 1:
             counter.start()
         opt.zero_grad()
@@ -122,14 +122,14 @@ def test_operations_per_layer_are_constant_and_few() -> None:
 
 def test_an_off_sample_step_dispatches_no_operation() -> None:
     for depth in (4, 16):
-        assert _ops_per_step(depth, True, sampled=False) == _ops_per_step(depth, False)
+        assert _ops_per_step(depth, True, logging_step=False) == _ops_per_step(depth, False)
 
 
 def test_the_sentinel_is_the_norm_pass_and_one_copy_whatever_the_depth() -> None:
     """Off-sample steps with the alarms on: one multi-tensor norm, a segment sum, one copy of the
     norms to the host; the rules run there."""
     extra = {
-        d: _ops_per_step(d, True, sampled=False, alarms=AlarmRules()) - _ops_per_step(d, False)
+        d: _ops_per_step(d, True, logging_step=False, alarms=AlarmRules()) - _ops_per_step(d, False)
         for d in (4, 16)
     }
     assert extra[4] == extra[16] <= 14, extra
@@ -191,17 +191,17 @@ class _OpsPerStep(pl.Callback):
 
 
 def test_callback_off_sample_steps_cost_what_bare_steps_cost(trainer_factory: Any) -> None:
-    bare, sampled, alarmed = _OpsPerStep(), _OpsPerStep(), _OpsPerStep()
+    bare, logging_step, alarmed = _OpsPerStep(), _OpsPerStep(), _OpsPerStep()
     trainer_factory(callbacks=[bare]).fit(TinyMLP())
     quiet = GradFlowCallback(every_n_steps=2, alarms=False)
-    trainer_factory(callbacks=[sampled, quiet]).fit(TinyMLP())
+    trainer_factory(callbacks=[logging_step, quiet]).fit(TinyMLP())
     watched = GradFlowCallback(every_n_steps=2, alarms=AlarmRules(every_n_steps=1))
     trainer_factory(callbacks=[alarmed, watched]).fit(TinyMLP())
-    assert len(bare.per_step) == len(sampled.per_step) == len(alarmed.per_step) == 4
-    # every_n_steps=2 over steps 0-3: steps 0 (the epoch's first), 1 and 3 are sampled.
-    assert sampled.per_step[2] == bare.per_step[2]
-    assert sampled.per_step[1] > bare.per_step[1]
-    assert sampled.per_step[3] > bare.per_step[3]
+    assert len(bare.per_step) == len(logging_step.per_step) == len(alarmed.per_step) == 4
+    # every_n_steps=2 over steps 0-3: steps 0 (the epoch's first), 1 and 3 are logging steps.
+    assert logging_step.per_step[2] == bare.per_step[2]
+    assert logging_step.per_step[1] > bare.per_step[1]
+    assert logging_step.per_step[3] > bare.per_step[3]
     # Alarms on every step: off-sample steps pay the norms and the rules, not the full statistics.
     extra = [a - b for a, b in zip(alarmed.per_step, bare.per_step, strict=True)]
     assert 0 < extra[2] < min(extra[1], extra[3])
@@ -330,24 +330,24 @@ def test_no_activation_or_gradient_outlives_its_step(trainer_factory: Any, leak:
         assert probe.alive == [0, 0, 0, 0]
 
 
-# The default cadence is the Trainer's log_every_n_steps; the first step of an epoch is sampled.
+# The default cadence is the Trainer's log_every_n_steps; an epoch's first step logs.
 @pytest.mark.parametrize(
     ("options", "trainer_options"),
     [({"every_n_steps": 3}, {}), ({}, {"log_every_n_steps": 3})],
     ids=["every_n_steps=3", "log_every_n_steps=3"],
 )
-def test_every_n_steps_logs_the_mean_over_the_sampled_steps(
+def test_every_n_steps_logs_the_mean_over_the_logging_steps(
     trainer_factory: Any, tmp_path: Path, options: dict[str, Any], trainer_options: dict[str, Any]
 ) -> None:
     model = ReferenceMLP()
     callback = GradFlowCallback(**options)
     trainer_factory(callbacks=[callback], max_epochs=2, **trainer_options).fit(model)
     scalars = read_scalars(tmp_path)
-    for epoch, sampled in ((0, [0, 2]), (1, [4, 5])):
+    for epoch, steps in ((0, [0, 2]), (1, [4, 5])):
         at = 4 * (epoch + 1)
         for layer in LAYERS:
             for stat in ("grad_norm", "update_ratio", "output_grad_norm"):
-                want = float(np.mean([model.steps[s][layer][stat] for s in sampled]))
+                want = float(np.mean([model.steps[s][layer][stat] for s in steps]))
                 logged = dict(scalars[f"grad_flow/{stat}/{layer}"])[at]
                 assert math.isclose(logged, want, rel_tol=1e-5), (stat, layer, epoch)
 
@@ -419,7 +419,7 @@ class _QuietSteps(_OpsPerStep):
 
 
 def _quiet_steps(factory: Any, modules: int, callbacks: list[pl.Callback]) -> _QuietSteps:
-    """Four steps; the Trainer logs every 50, so step 0 (the epoch's first) is the one sampled."""
+    """Four steps; the Trainer logs every 50, so step 0 (the epoch's first) is the logging step."""
     probe = _QuietSteps()
     torch.manual_seed(0)  # module-scoped: the autouse seed has not run yet
     model = _Chain(modules)
@@ -449,7 +449,7 @@ def test_a_quiet_step_runs_no_python_of_ours_per_module(
     quiet_steps: dict[tuple[int, bool], _QuietSteps],
 ) -> None:
     small, deep = quiet_steps[4, True].calls, quiet_steps[200, True].calls
-    assert deep[0] > small[0] + 200  # the sampled step hooks every module: the count can fail
+    assert deep[0] > small[0] + 200  # the logging step hooks every module: the count can fail
     assert small[1:] == quiet_steps[100, True].calls[1:] == deep[1:], (small, deep)
     assert quiet_steps[4, False].calls == [0, 0, 0, 0]
 
@@ -529,10 +529,10 @@ class _AttendFit(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
 
 
-def test_the_attention_mode_sees_only_the_models_calls_on_a_sampled_step(
+def test_the_attention_mode_sees_only_the_models_calls_on_a_logging_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every callback at its defaults through ``Trainer.fit``: on a sampled forward the
+    """Every callback at its defaults through ``Trainer.fit``: on a forward of a logging step the
     attention capture's ``TorchFunctionMode`` sees what the model calls, not the torch calls of
     the statistics' hooks (on the launch-bound stand-in the model makes 73); the attention is
     still captured and logged."""
@@ -564,6 +564,6 @@ def test_the_attention_mode_sees_only_the_models_calls_on_a_sampled_step(
         make_trainer(tmp_path, max_steps=4, log_every_n_steps=2, callbacks=callbacks).fit(model)
     assert "scaled_dot_product_attention" in seen
     assert set(seen) <= set(own), set(seen) - set(own)
-    assert len(seen) <= 3 * len(own)  # three sampled forwards: steps 0, 1 and 3
+    assert len(seen) <= 3 * len(own)  # three forwards of logging steps: steps 0, 1 and 3
     scalars = read_scalars(tmp_path)
     assert any(tag.startswith("stability/attn_logit_max_step/") for tag in scalars)

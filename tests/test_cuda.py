@@ -84,7 +84,7 @@ def _count(callbacks: list[pl.Callback], steps: int, tmp_path: Any) -> dict[int,
 
 def test_a_quiet_step_makes_no_cuda_sync_beyond_bare_training(tmp_path: Any) -> None:
     """Every callback at its defaults, Trainer defaults (``log_every_n_steps=50``): steps 1-48
-    hold no logging step and no sampled step, and make exactly bare training's syncs."""
+    hold no logging step, and make exactly bare training's syncs."""
     every = [
         GradFlowCallback(),
         ActivationStatsCallback(),
@@ -116,7 +116,7 @@ EXACTNESS: dict[str, tuple[Callable[..., None], dict[str, Any]]] = {
     ),
     "activations-large-fused": (
         test_activation_stats.test_large_outputs_logged_statistics_equal_plain_torch,
-        {"options": {"every_n_steps": 1, "fused": True}, "sampled": 2},
+        {"options": {"every_n_steps": 1, "fused": True}, "logging_step": 2},
     ),
     "dead-relu": (
         test_dead_relu.test_k_of_n_dead_and_zero_fraction_equal_plain_torch,

@@ -93,7 +93,7 @@ def test_fabric_loop_logs_each_logging_step_as_plain_torch(tmp_path: Path) -> No
             assert value == pytest.approx(seen[step][layer][1], rel=1e-5)
     assert "grad_flow/output_grad_norm_step/0" in scalars
     assert "grad_flow/update_ratio_step/2" in scalars
-    # still watching: the loop may go on (module hooks are on the modules on sampled steps only)
+    # still watching: the loop may go on (module hooks are on the modules on logging steps only)
     assert callback._tracker is not None and len(callback._tracker.registry)
 
 

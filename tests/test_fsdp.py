@@ -126,7 +126,7 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
     for rank in (0, 1):
         report = _report(fsdp_out, rank)
         fsdp, hsdp, skip = report["fsdp"], report["hsdp"], report["skip"]  # batches = steps
-        # Per sampled step, whatever the number of layers: one all_gather of every parameter's
+        # Per logging step, whatever the number of layers: one all_gather of every parameter's
         # packed gradient and weight partials (which the sentinel reads too), one of the update's;
         # each is a logging step: one all_reduce (output gradients) and one all_gather each (the
         # accumulator, the instability statistics), one all_gather per statistic for

@@ -59,7 +59,7 @@ class HookCounter(pl.Callback):
 # (what fails, where the message says it failed, the callback that owns it)
 CASES = {
     "forward hook": (ActivationStatsTracker, "observe", "forward hook on 'net.", "Activation"),
-    # the small outputs' statistics, measured in a batch at the end of the sampled step
+    # the small outputs' statistics, measured in a batch at the end of the logging step
     "batched statistics": (
         activation_stats_module,
         "stacked_feature_stats",

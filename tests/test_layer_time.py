@@ -1,4 +1,4 @@
-"""LayerTimer and LayerTimeCallback: per-layer forward time on sampled steps."""
+"""LayerTimer and LayerTimeCallback: per-layer forward time on logging steps."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_heavy_layer_is_the_slowest_and_layer_times_fit_in_the_step(
     assert hooks_left(model) == []
 
 
-def test_only_sampled_training_forwards_are_timed() -> None:
+def test_only_logging_step_training_forwards_are_timed() -> None:
     model = HeavyNet()
     timer = LayerTimer(model)
     x = torch.randn(4, 8)
@@ -174,7 +174,7 @@ def test_cadence_counts_optimizer_steps_under_gradient_accumulation(
 ) -> None:
     callback = LayerTimeCallback(chart=False)  # default cadence: the Trainer's log_every_n_steps
     probe = _TimedSteps(callback)
-    # 6 batches, 2 per optimizer step: steps 0, 1, 2; sampled: 0 (the epoch's first) and 1
+    # 6 batches, 2 per optimizer step: steps 0, 1, 2; logging steps: 0 (the epoch's first) and 1
     trainer_factory(
         callbacks=[callback, probe], accumulate_grad_batches=2, log_every_n_steps=2
     ).fit(HeavyNet())

@@ -104,7 +104,7 @@ def test_the_grouped_read_gives_the_foreach_norms_alarms_without_a_word(
     the same norms, so the same alarms at the same steps."""
     calls: list[list[list[int]]] = []
 
-    class Spy(GroupedNorms):  # the quiet read's (a sampled step's CPU reads stack on their own)
+    class Spy(GroupedNorms):  # the quiet read's (a logging step's CPU reads stack on their own)
         def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
             calls.append(self.groups)
             return super().__call__(grads)

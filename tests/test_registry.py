@@ -140,7 +140,7 @@ def _hooked(module: nn.Module) -> int:
     return len(module._forward_hooks) + len(module._forward_pre_hooks)
 
 
-def test_gated_hooks_are_on_the_modules_only_on_sampled_steps() -> None:
+def test_gated_hooks_are_on_the_modules_only_on_logging_steps() -> None:
     model = _model()
     seen: list[str] = []
     with HookRegistry(model) as hooks:
@@ -149,28 +149,28 @@ def test_gated_hooks_are_on_the_modules_only_on_sampled_steps() -> None:
             hooks.forward_pre_hook(module, lambda m, a: None, gated=True)
         assert not hooks.fixed
         assert [_hooked(m) for m in (model[0][0], model[2])] == [2, 2]
-        hooks.sampled = False
+        hooks.logging_step = False
         assert hooks_left(model) == []  # a quiet step runs no hook of ours
-        assert len(hooks) == 6  # kept for the next sampled step
+        assert len(hooks) == 6  # kept for the next logging step
         model(torch.ones(1, 4))
-        hooks.sampled = True
-        hooks.sampled = True  # idempotent: installed once
+        hooks.logging_step = True
+        hooks.logging_step = True  # idempotent: installed once
         assert _hooked(model[2]) == 2
         model(torch.ones(1, 4))
         assert seen == ["0.0", "1.0", "2"]
-        hooks.sampled = False
-        hooks.sampled = True
+        hooks.logging_step = False
+        hooks.logging_step = True
     assert hooks_left(model) == []
     assert len(hooks) == 0
 
 
-def test_a_gated_hook_registered_on_a_quiet_step_waits_for_the_next_sampled_one() -> None:
+def test_a_gated_hook_registered_on_a_quiet_step_waits_for_the_next_logging_step() -> None:
     model = _model()
     with HookRegistry(model) as hooks:
-        hooks.sampled = False
+        hooks.logging_step = False
         assert hooks.forward_hook(model[2], lambda m, a, o: None, gated=True) is None
         assert _hooked(model[2]) == 0
-        hooks.sampled = True
+        hooks.logging_step = True
         assert _hooked(model[2]) == 1
 
 
@@ -185,20 +185,20 @@ def test_under_torch_compile_the_gated_hooks_stay_and_check_the_flag(how: str) -
     with HookRegistry(model) as hooks:
         assert hooks.fixed  # a changing hook set would recompile
         hooks.forward_hook(model[2], lambda m, a, o: seen.append(1), gated=True)
-        hooks.sampled = False
+        hooks.logging_step = False
         assert _hooked(model[2]) == 1
         with torch.no_grad():  # Dynamo warns of .grad reads while tracing a grad-mode forward
             model(torch.ones(1, 4))
             assert seen == [] and len(hooks) == 1
-            hooks.sampled = True
+            hooks.logging_step = True
             model(torch.ones(1, 4))
         assert seen == [1]
     assert hooks_left(model) == []
 
 
 def test_gated_hooks_of_every_registry_run_outside_the_attention_mode() -> None:
-    """The attention capture's mode sees the model's own calls on a sampled forward, not the
-    torch calls of gated hooks, its registry's or another's (each callback has its own): they
+    """The attention capture's mode sees the model's own calls on a logging step's forward, not
+    the torch calls of gated hooks, its registry's or another's (each callback has its own): they
     would cost a Python call each and are never the model's attention. The scaled dot product
     a module makes is still seen, and the hook still measures."""
     from torch.nn import functional

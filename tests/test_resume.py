@@ -87,12 +87,12 @@ def test_resume_after_epoch_one_reports_the_same_epoch_two(tmp_path: Path) -> No
 
 
 # Lightning's advice about non-resumable dataloaders: every batch here is the same data.
-# every 3rd step: steps 0 and 2 of 4 are sampled; the resumed run (from step 2) must not take
+# every 3rd step: steps 0 and 2 of 4 are logging steps; the resumed run (from step 2) must not take
 # its first batch for the start of an epoch.
 @pytest.mark.filterwarnings("ignore:.*checkpoint that ended before the epoch ended.*")
-@pytest.mark.parametrize(("every", "sampled_before"), [(1, 2), (3, 1)])
+@pytest.mark.parametrize(("every", "logged_before"), [(1, 2), (3, 1)])
 def test_resume_mid_epoch_carries_the_partial_epoch(
-    tmp_path: Path, every: int, sampled_before: int
+    tmp_path: Path, every: int, logged_before: int
 ) -> None:
     torch.manual_seed(0)
     _fit(tmp_path / "whole", RepeatedBatchMLP(), epochs=1, log_every_n_steps=every)
@@ -108,7 +108,7 @@ def test_resume_mid_epoch_carries_the_partial_epoch(
     )
     path = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
     state = torch.load(path, weights_only=False)["callbacks"][GradFlowCallback().state_key]
-    assert state["count"][:, 0].tolist() == [sampled_before] * 4  # sampled steps, reduced
+    assert state["count"][:, 0].tolist() == [logged_before] * 4  # logging steps, reduced
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     _fit(
         tmp_path / "second",

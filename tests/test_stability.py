@@ -23,10 +23,10 @@ from lightning_hooks.core.stats.stability import StabilityStats
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
 
-STEPS, EVERY = 4, 2  # one epoch of 4 steps; steps 0 (the epoch's first), 1 and 3 are sampled
+STEPS, EVERY = 4, 2  # one epoch of 4 steps; steps 0 (the epoch's first), 1 and 3 are logging steps
 
 
-def _is_sampled(step: int, batch_idx: int) -> bool:
+def _is_logging_step(step: int, batch_idx: int) -> bool:
     """The callbacks' schedule: Lightning's logging steps and each epoch's first step."""
     return batch_idx == 0 or (step + 1) % EVERY == 0
 
@@ -84,12 +84,12 @@ class TinyTransformer(pl.LightningModule):
             if isinstance(module, nn.MultiheadAttention):
                 module.register_forward_pre_hook(self._capture(name), with_kwargs=True)
 
-    def _sampled(self) -> bool:
-        return self.training and _is_sampled(self.trainer.global_step, self.batch_idx)
+    def _logging_step(self) -> bool:
+        return self.training and _is_logging_step(self.trainer.global_step, self.batch_idx)
 
     def _capture(self, name: str) -> Any:
         def hook(mha: nn.MultiheadAttention, args: Any, kwargs: dict[str, Any]) -> None:
-            if self._sampled():
+            if self._logging_step():
                 query = args[0] if self.batch_first is False else args[0].transpose(0, 1)
                 expected, entropy, sums = reference_logit_max(
                     mha, query, query, kwargs["attn_mask"], kwargs["key_padding_mask"]
@@ -113,7 +113,7 @@ class TinyTransformer(pl.LightningModule):
         x = torch.where(pad[..., None], x * 10, x)
         logits = self(x if self.batch_first else x.transpose(0, 1), pad)
         logits = logits if self.batch_first else logits.transpose(0, 1)
-        if self._sampled():
+        if self._logging_step():
             self.expected_logz.append(torch.logsumexp(logits.detach(), -1).flatten())
         return functional.cross_entropy(logits.reshape(-1, 5), y.reshape(-1))
 
@@ -153,15 +153,15 @@ def test_transformer_logs_attention_logits_and_logz_equal_to_torch(
     assert len(model.expected_logz) == 3
     assert scalars["stability/logit_logz/head"] == [(STEPS, pytest.approx(logz.mean().item()))]
     assert scalars["stability/logit_logz_max/head"] == [(STEPS, pytest.approx(logz.max().item()))]
-    # Each logging step (the sampled steps 0, 1, 3) has its own values, under ``_step`` tags.
+    # Each logging step (steps 0, 1 and 3) has its own values, under ``_step`` tags.
     for name in attention:
         got = scalars[f"stability/attn_logit_max_step/{name}"]
         assert [s for s, _ in got] == [0, 1, 3]
         assert [v for _, v in got] == pytest.approx(model.expected_attn[name], rel=1e-5)
         got = scalars[f"stability/attn_entropy_min_step/{name}"]
         assert [v for _, v in got] == pytest.approx(model.expected_entropy[name], rel=1e-5)
-        # the epoch: each head's mean over the rows of the three sampled forwards (batches of
-        # 4 sequences of 6 each), the smallest head
+        # the epoch: each head's mean over the rows of the three logging steps' forwards (batches
+        # of 4 sequences of 6 each), the smallest head
         per_position = torch.stack(model.entropy_sums[name]).sum(0)
         want = (per_position / (3 * 4)).min().item()
         assert scalars[f"stability/attn_entropy_min/{name}"] == [(STEPS, pytest.approx(want))]
@@ -175,7 +175,7 @@ def test_transformer_logs_attention_logits_and_logz_equal_to_torch(
 
 
 class ClassifierMLP(TinyMLP):
-    """TinyMLP with a 3-way head; records the sampled steps' log-partitions."""
+    """TinyMLP with a 3-way head; records the logging steps' log-partitions."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -185,7 +185,7 @@ class ClassifierMLP(TinyMLP):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         logits = self(x)
-        if _is_sampled(self.trainer.global_step, batch_idx):
+        if _is_logging_step(self.trainer.global_step, batch_idx):
             self.expected.append(torch.logsumexp(logits.detach(), -1))
         return functional.cross_entropy(logits, (y[:, 0] > 0).long())
 
@@ -262,9 +262,9 @@ def test_quiet_steps_run_no_tensor_op() -> None:
     bare = _ops(model, x)
     stat = StabilityStats().attach(model)
     assert stat.registry is not None
-    stat.registry.sampled = False
+    stat.registry.logging_step = False
     assert _ops(model, x) == bare
-    stat.registry.sampled = True
+    stat.registry.logging_step = True
     assert "aten::logsumexp" in set(_ops(model, x)) - set(bare)
     stat.reset()
     model(x)

@@ -1,4 +1,4 @@
-"""The sampled step's batched activation statistics: small outputs copied in their hooks and
+"""The logging step's batched activation statistics: small outputs copied in their hooks and
 measured together by shape and dtype (``stacked_feature_stats``), against each output measured
 in its own hook (``feature_stats``)."""
 

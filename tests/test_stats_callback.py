@@ -50,9 +50,9 @@ def test_a_user_statistic_matches_plain_torch_in_a_fit(tmp_path: Path) -> None:
     )
     stat = output_rms()
     make_trainer(tmp_path, callbacks=[StatsCallback(stat, every_n_steps=2)]).fit(model)
-    sampled = torch.cat([outputs[0], outputs[1], outputs[3]])  # steps 0, 1 and 3 of 4
+    logging_step = torch.cat([outputs[0], outputs[1], outputs[3]])  # steps 0, 1 and 3 of 4
     logged = dict(read_scalars(tmp_path)["output_rms/net.2"])[4]
-    assert np.isclose(logged, float(sampled.square().mean().sqrt()), rtol=1e-6)
+    assert np.isclose(logged, float(logging_step.square().mean().sqrt()), rtol=1e-6)
     model.net[2]._forward_hooks.clear()
     assert hooks_left(model) == []
 

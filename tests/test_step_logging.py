@@ -103,7 +103,7 @@ def _series(scalars: dict[str, list[tuple[int, float]]], tag: str) -> dict[int, 
 
 
 def _check_steps(scalars: dict[str, Any], recorder: Recorder, steps: list[int]) -> None:
-    """Every ``_step`` value equals the recorder's at exactly the sampled steps."""
+    """Every ``_step`` value equals the recorder's at exactly the logging steps."""
     assert sorted(recorder.grad_norm) == steps
     for name in LAYERS:
         grad = _series(scalars, f"grad_flow/grad_norm_step/{name}")
@@ -132,7 +132,7 @@ def test_a_long_iterable_epoch_logs_every_statistic_at_each_logging_step(tmp_pat
     zero = _series(scalars, "dead_relu/zero_fraction_step/net.1")
     for step in steps:
         assert zero[step] == pytest.approx(np.mean(recorder.zero[step]["net.1"]), abs=1e-6)
-    # The epoch aggregates, apart, at the end: the mean over the same sampled steps.
+    # The epoch aggregates, apart, at the end: the mean over the same logging steps.
     for name in LAYERS:
         epoch = scalars[f"grad_flow/grad_norm/{name}"]
         assert [s for s, _ in epoch] == [300]
@@ -151,7 +151,7 @@ def test_a_long_iterable_epoch_logs_every_statistic_at_each_logging_step(tmp_pat
     ],
     ids=["accumulation", "max_steps_mid_epoch", "val_check_interval"],
 )
-def test_step_values_are_exactly_the_sampled_steps(
+def test_step_values_are_exactly_the_logging_steps(
     tmp_path: Path, options: dict[str, Any], steps: list[int]
 ) -> None:
     recorder = Recorder(every=options["log_every_n_steps"])

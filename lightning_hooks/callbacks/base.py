@@ -60,10 +60,10 @@ class HookCallback(pl.Callback, _SecondCallback):
     _default_types: Any = None
     _selection_arguments: tuple[str, ...] = ("include", "exclude")
     _epoch_start_step: int = -1
-    _sampled_step: int | None = None
+    _logged_step: int | None = None
     _posted = False  # a logging step's windows were posted, and may not all be written yet
     _batch_step = 0  # the optimizer step the running batch feeds
-    _sampled_batch = False  # the running batch belongs to a logging step
+    _logging_batch = False  # the running batch belongs to a logging step
     # Set by ``_attach``, so that a quiet batch calls no method of a subclass:
     _every_batch = False  # ``_batch_ending`` on every batch, not only the logging steps' ones
     _own_loss: Any = None  # the alarms fed this rank's loss at each batch end
@@ -140,22 +140,24 @@ class HookCallback(pl.Callback, _SecondCallback):
         if self._posted:  # on CUDA, the last logging step's copy
             _read_steps(self, trainer, wait=False)
         cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
-        sampled = (step + 1) % cadence == 0 or step == self._epoch_start_step
+        logging_step = (step + 1) % cadence == 0 or step == self._epoch_start_step
         gate = getattr(self._tracker, "registry", None)  # the logging-step gate of the module hooks
-        if gate is not None and gate.sampled != sampled:  # a quiet step reads it, sets nothing
-            gate.sampled = sampled
+        if (
+            gate is not None and gate.logging_step != logging_step
+        ):  # a quiet step reads it, sets nothing
+            gate.logging_step = logging_step
         if trainer in _UNSAVED and _last_of_ours(self, trainer, live=True):
             _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
-        self._sampled_batch = sampled and self._tracker is not None
-        if self._sampled_batch:
-            self._sampled_step = step
+        self._logging_batch = logging_step and self._tracker is not None
+        if self._logging_batch:
+            self._logged_step = step
             self._batch_started(trainer)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if (self._sampled_batch or self._every_batch) and self._batch_ending(trainer, outputs):
+        if (self._logging_batch or self._every_batch) and self._batch_ending(trainer, outputs):
             return
         if (alarms := self._own_loss) is not None:  # the loss rules on this rank's loss
             loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
@@ -163,10 +165,10 @@ class HookCallback(pl.Callback, _SecondCallback):
                 alarms.update_loss(loss, step=self._batch_step)
                 if found := alarms.poll():
                     self.policy.act(trainer, None, found)
-        measured = self._sampled_step
+        measured = self._logged_step
         # The logging step's optimizer step ran (its last micro-batch): write it.
         if measured is not None and trainer.global_step > measured:
-            self._sampled_step = None
+            self._logged_step = None
             if agree_ranks(self, trainer, measured, always=False):
                 return  # disabled
             _read_steps(self, trainer, wait=True)  # the last logging step's, then post this one
@@ -180,7 +182,7 @@ class HookCallback(pl.Callback, _SecondCallback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not agree_ranks(self, trainer, trainer.global_step, always=True):
             _read_steps(self, trainer, wait=True)
-            self._sampled_step = None
+            self._logged_step = None
             self._log_epoch(trainer, pl_module)
             if trainer.is_global_zero and _last_of_ours(self, trainer, live=False):
                 write_dashboards(trainer.loggers)  # one layout per run, by the last of ours

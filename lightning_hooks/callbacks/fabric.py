@@ -296,7 +296,7 @@ class FabricRun:
         self.callback.on_train_batch_start(self.trainer, self.module, None, step + 1)
 
     def on_after_optimizer_step(self, strategy: Any, optimizer: torch.optim.Optimizer) -> None:
-        """Fabric's hook: count the step, make it a logging step when sampled, gate the next."""
+        """Fabric's hook: count the step, decide whether it is a logging step, gate the next."""
         if not self._attached or not self._owns(optimizer):
             return
         self.trainer.global_step += 1

@@ -201,7 +201,7 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        if self._stability is not None and self._sampled_batch:
+        if self._stability is not None and self._logging_batch:
             self._stability.end_step()
         alarms = None if self._tracker is None else self._tracker.alarms
         if alarms is not None and self._every_batch:  # the ranks' mean loss

@@ -155,7 +155,7 @@ class HookRegistry(HookOwner):
     """Registers module and optimizer hooks and removes every one of them.
 
     Use it as a context manager, or call :meth:`remove` from every exit path. Module hooks
-    registered with ``gated=True`` run only while :attr:`sampled` is true (set it before a
+    registered with ``gated=True`` run only while :attr:`logging_step` is true (set it before a
     step's forward): in eager mode they are installed and removed as it changes; under
     ``torch.compile`` they stay installed (a changing hook set recompiles) and return at once.
 
@@ -181,7 +181,7 @@ class HookRegistry(HookOwner):
         self._model: nn.Module | None = checks.module("HookRegistry", "model", model)
         self._handles: list[RemovableHandle] = []
         self._gated_hooks: list[Gated] = []
-        self.__dict__["sampled"] = True  # (see sampled)
+        self.__dict__["logging_step"] = True  # (see logging_step)
         self.fixed = _is_compiled(model)
         """Whether the gated hooks stay installed on every step (``torch.compile``)."""
         self.guard = guard if guard is not None else active_guard()
@@ -190,18 +190,18 @@ class HookRegistry(HookOwner):
         self._names = {id(module): name for name, module in model.named_modules()}
         self._warned_unhookable = False
 
-    sampled: bool
+    logging_step: bool
     """Whether the gated hooks run (a logging step); setting it puts them on their modules or
     takes them off. A plain attribute to read: a quiet step calls nothing of the registry."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "sampled":
+        if name == "logging_step":
             self._gate(bool(value))
         else:
             object.__setattr__(self, name, value)
 
     def _gate(self, value: bool) -> None:
-        changed, self.__dict__["sampled"] = value != self.sampled, value
+        changed, self.__dict__["logging_step"] = value != self.logging_step, value
         if not changed or self.fixed:
             return
         if value:
@@ -227,7 +227,7 @@ class HookRegistry(HookOwner):
             flags.append("_forward_hooks_always_called")
         gated = Gated(module, table, tuple(flags), key, _ours(hook), bool(options.get("prepend")))
         self._gated_hooks.append(gated)
-        if not (self.sampled or self.fixed):
+        if not (self.logging_step or self.fixed):
             return None
         gated.install()
         return _GatedHandle(gated)
@@ -327,7 +327,7 @@ class HookRegistry(HookOwner):
         guard = self.guard
 
         def gated(*args: Any) -> Any:  # the guard inline: no Python call of ours per hook
-            if self.sampled:
+            if self.logging_step:
                 try:
                     return _outside_shelved(hook, *args)
                 except Exception as error:

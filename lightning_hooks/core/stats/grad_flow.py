@@ -76,8 +76,8 @@ class GradFlowTracker(HookOwner):
 
     A layer is a module that owns trainable parameters directly. Call :meth:`observe` just
     before ``optimizer.step()`` and any clipping, on every rank; the update ratio (and with
-    ``post_clip`` the applied gradient) is read in a step post-hook. ``registry.sampled = False``
-    skips a step but for the alarms, which keep their own cadence.
+    ``post_clip`` the applied gradient) is read in a step post-hook.
+    ``registry.logging_step = False`` skips a step but for the alarms, which keep their own cadence.
 
     Args:
         model: the model to track.
@@ -175,11 +175,11 @@ class GradFlowTracker(HookOwner):
         step = self._calls if step is None else step
         self._calls += 1
         self._step = step
-        sampled = self.registry.sampled
+        logging_step = self.registry.logging_step
         alarms = self.alarms  # when their cadence runs them at this step
         if alarms is not None and step % alarms.rules.every_n_steps:
             alarms = None
-        if not (sampled or alarms):
+        if not (logging_step or alarms):
             return
         view = self._views.built.get(id(optimizer))  # in line, the view's key too: no call
         if view is None or view.key != tuple(map(len, map(_PARAMS, optimizer.param_groups))):
@@ -189,26 +189,30 @@ class GradFlowTracker(HookOwner):
         if alarms is not None and alarms.evaluated < alarms.rules.diverge_early:  # from step 1
             alarms.set_adaptive(adaptive(optimizer, view.params))
         amp = grad_scale is not None
-        if alarms and param_grad_scale is None and self._sentinel.quiet(view, sampled, amp, step):
+        if (
+            alarms
+            and param_grad_scale is None
+            and self._sentinel.quiet(view, logging_step, amp, step)
+        ):
             return
         valid = view.valid()
-        stats = self._read_stats(view, sampled, param_grad_scale)
+        stats = self._read_stats(view, logging_step, param_grad_scale)
         # the accumulator may write into ``stats`` in place
-        norms = stats[:, 0].clone() if sampled and alarms is not None else stats[:, 0]
-        if sampled:
+        norms = stats[:, 0].clone() if logging_step and alarms is not None else stats[:, 0]
+        if logging_step:
             self._record_step(optimizer, view, stats, valid, grad_scale)
         if alarms is not None:  # last: what the optimizer step's post-hook reduces is set
             self._sentinel.post(view, norms, None if valid is None else valid[:, 0], amp, step)
         self._outputs.order.clear()
 
     def _read_stats(
-        self, view: OptimizerView, sampled: bool, param_grad_scale: torch.Tensor | None
+        self, view: OptimizerView, logging_step: bool, param_grad_scale: torch.Tensor | None
     ) -> torch.Tensor:
         grads = ParamLayout.grads(view.params)
-        if sampled and not self._post_clip:
+        if logging_step and not self._post_clip:
             stats = self._stats.full(view, grads)
         else:  # the sentinel's, and at a logging step under clipping the weight norm
-            stats = self._stats.norms(view, grads, weights=self._post_clip and sampled)
+            stats = self._stats.norms(view, grads, weights=self._post_clip and logging_step)
         if param_grad_scale is not None:
             stats[:, _SCALED] /= param_grad_scale
         return stats
@@ -235,7 +239,7 @@ class GradFlowTracker(HookOwner):
     @torch.no_grad()
     def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
         view = self._views.built.get(id(optimizer))
-        if view is None or not view.params or not self.registry.sampled:
+        if view is None or not view.params or not self.registry.logging_step:
             return
         if self._post_clip:
             # After clipping and the update, p.grad still holds what the optimizer applied.
@@ -295,12 +299,12 @@ class _SentinelRead:
         self._sharded = stats.shards is not None  # FSDP2: the general path makes norms whole
         self._triton = alarms is not None and alarms.rules.quiet_read == "triton"
 
-    def quiet(self, view: OptimizerView, sampled: bool, amp: bool, step: int) -> bool:
+    def quiet(self, view: OptimizerView, logging_step: bool, amp: bool, step: int) -> bool:
         """A quiet step's read of dense gradients' norms, posted to the alarms (``True``: done);
         a logging step only prepares the read (its statistics serve)."""
         if self.alarms is None or self._sharded:
             return False
-        if sampled:  # the host copy and the read made here, not on a quiet step
+        if logging_step:  # the host copy and the read made here, not on a quiet step
             self.alarms.reserve(len(view.params))
             self._read(view)
             return False

@@ -156,7 +156,7 @@ class StabilityStats(LayerStat[Result]):
             for measured in self._candidates.pop(name):
                 self._add(name, measured)
             self._candidates.clear()
-        if self._checked or capture is None or registry is None or not registry.sampled:
+        if self._checked or capture is None or registry is None or not registry.logging_step:
             return
         self._checked = True
         unseen = capture.unseen(registry.model)

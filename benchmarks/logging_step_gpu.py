@@ -1,13 +1,13 @@
-"""Where a sampled step's time goes on a GPU: each callback alone, then all of them under
+"""Where a logging step's time goes on a GPU: each callback alone, then all of them under
 ``torch.profiler``, on one of ``overhead.py``'s models (``--model resnet50 --precision
 bf16-mixed`` on a lent GPU).
 
-For each configuration, one ``Trainer.fit`` of 52 steps; the wall time of step 49 (the sampled
+For each configuration, one ``Trainer.fit`` of 52 steps; the wall time of step 49 (the logging
 step at ``log_every_n_steps=50``) and the median of steps 40-48 (quiet), each step timed between
 two ``on_train_batch_start`` with the device synchronized. Then the profiler's top operators of
-the sampled step with every callback, by device and by host time::
+the logging step with every callback, by device and by host time::
 
-    PYTHONPATH=$PWD python3 benchmarks/sampled_step_gpu.py --model resnet50 --precision bf16-mixed
+    PYTHONPATH=$PWD python3 benchmarks/logging_step_gpu.py --model resnet50 --precision bf16-mixed
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "tes
 
 import overhead  # noqa: E402
 
-SAMPLED = 49
+LOGGING_STEP = 49
 
 
 class StepClock(pl.Callback):
     """Wall time of each step, the device synchronized at each step start; profiles the
-    sampled step when ``profile``."""
+    logging step when ``profile``."""
 
     def __init__(self, profile: bool = False) -> None:
         self.starts: dict[int, float] = {}
@@ -43,13 +43,13 @@ class StepClock(pl.Callback):
             torch.cuda.synchronize()
         step = trainer.global_step
         self.starts[step] = time.perf_counter()
-        if self.profile and step == SAMPLED:
+        if self.profile and step == LOGGING_STEP:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=acts)
             self.prof.__enter__()
-        if self.prof is not None and step == SAMPLED + 1:
+        if self.prof is not None and step == LOGGING_STEP + 1:
             self.prof.__exit__(None, None, None)
 
     def ms(self, step: int) -> float:
@@ -72,13 +72,16 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         clock = StepClock()
-        overhead.fit(args.model, [clock, *(c() for c in classes)], SAMPLED + 3)
-        quiet = statistics.median(clock.ms(s) for s in range(40, SAMPLED))
-        print(f"{name:28s} quiet {quiet:8.2f} ms  sampled {clock.ms(SAMPLED):8.2f} ms", flush=True)
+        overhead.fit(args.model, [clock, *(c() for c in classes)], LOGGING_STEP + 3)
+        quiet = statistics.median(clock.ms(s) for s in range(40, LOGGING_STEP))
+        print(
+            f"{name:28s} quiet {quiet:8.2f} ms  logging step {clock.ms(LOGGING_STEP):8.2f} ms",
+            flush=True,
+        )
     if args.top <= 0:
         return
     clock = StepClock(profile=True)
-    overhead.fit(args.model, [clock, *(c() for c in found.values())], SAMPLED + 3)
+    overhead.fit(args.model, [clock, *(c() for c in found.values())], LOGGING_STEP + 3)
     table = clock.prof.key_averages()
     for key in ("self_cuda_time_total", "self_cpu_time_total"):
         if key == "self_cuda_time_total" and not torch.cuda.is_available():

@@ -1,14 +1,14 @@
-"""What a sampled step costs, in quiet steps of the same fit, per callback at its defaults.
+"""What a logging step costs, in quiet steps of the same fit, per callback at its defaults.
 
 At the defaults each callback measures one step in ``log_every_n_steps`` (50): its per-module
 hooks run on that step only, and their cost reaches the mean step once in 50. Where the host is
-shared, step times swing between fits; within one fit the sampled steps and the quiet steps see
-the same host. Per configuration, the median wall time of the sampled steps (49, 99, ...) and
+shared, step times swing between fits; within one fit the logging steps and the quiet steps see
+the same host. Per configuration, the median wall time of the logging steps (49, 99, ...) and
 of the quiet steps, and their ratio, over the fits of ``--rounds`` interleaved rounds on the
 launch-bound stand-in (``overhead._launch``), one torch thread::
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/sampled_step.py
-    PYTHONPATH=/path/to/another/checkout .venv/bin/python benchmarks/sampled_step.py  # compare
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/logging_step.py
+    PYTHONPATH=/path/to/another/checkout .venv/bin/python benchmarks/logging_step.py  # compare
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ class _Clock(pl.Callback):
 
 
 def measure(callbacks: list[pl.Callback], steps: int, model: str) -> tuple[float, float]:
-    """Median sampled step and median quiet step of one fit (ms)."""
+    """Median logging step and median quiet step of one fit (ms)."""
     clock = _Clock()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         overhead.fit(model, [clock, *callbacks], steps)
     step = [(b - a) * 1e3 for a, b in zip(clock.starts, clock.starts[1:], strict=False)]
-    sampled = [step[i] for i in range(49, len(step), 50)]
+    logging_step = [step[i] for i in range(49, len(step), 50)]
     quiet = [t for i, t in enumerate(step) if i > 3 and i % 50 not in (0, 48, 49)]
-    return statistics.median(sampled), statistics.median(quiet)
+    return statistics.median(logging_step), statistics.median(quiet)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,13 +71,13 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"model {args.model}, {args.steps} steps, {args.rounds} rounds, torch {torch.__version__}"
     )
-    print("| configuration | sampled step | quiet step | sampled / quiet |")
+    print("| configuration | logging step | quiet step | logging / quiet |")
     print("| --- | --- | --- | --- |")
     for name, runs in rows.items():
-        sampled = statistics.median(s for s, _ in runs)
+        logging_step = statistics.median(s for s, _ in runs)
         quiet = statistics.median(q for _, q in runs)
         ratio = statistics.median(s / q for s, q in runs)
-        print(f"| {name} | {sampled:.1f} ms | {quiet:.2f} ms | {ratio:.1f}x |")
+        print(f"| {name} | {logging_step:.1f} ms | {quiet:.2f} ms | {ratio:.1f}x |")
 
 
 if __name__ == "__main__":
