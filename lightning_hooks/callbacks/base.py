@@ -140,15 +140,13 @@ class HookCallback(pl.Callback, _SecondCallback):
         if self._posted:  # on CUDA, the last logging step's copy
             _read_steps(self, trainer, wait=False)
         cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
-        logging_step = (step + 1) % cadence == 0 or step == self._epoch_start_step
+        logs = (step + 1) % cadence == 0 or step == self._epoch_start_step
         gate = getattr(self._tracker, "registry", None)  # the logging-step gate of the module hooks
-        if (
-            gate is not None and gate.logging_step != logging_step
-        ):  # a quiet step reads it, sets nothing
-            gate.logging_step = logging_step
+        if gate is not None and gate.logging_step != logs:  # a quiet step reads it, sets nothing
+            gate.logging_step = logs
         if trainer in _UNSAVED and _last_of_ours(self, trainer, live=True):
             _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
-        self._logging_batch = logging_step and self._tracker is not None
+        self._logging_batch = logs and self._tracker is not None
         if self._logging_batch:
             self._logged_step = step
             self._batch_started(trainer)
