@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"replayed {name}", file=sys.stderr)
     out = {**result_header("divergence_frontier", argv, started, recorded), "rule_sets": rows}
     header = "| rule set | " + " | ".join(
-        f"{half}: divergent warned in time | median lead | healthy warned" for half in HALVES
+        f"{half.replace('_', '-')}: divergent warned in time | median lead | healthy warned"
+        for half in HALVES
     )
     lines = [header + " |", "| --- " * (1 + 3 * len(HALVES)) + "|"]
     lines += [

@@ -237,3 +237,23 @@ def test_an_explosion_is_damaging_in_the_scale_of_its_loss() -> None:
     assert not damaging(trace(ten, 0.5 * 1.25 + 0.04, 37), trace(ten, 0.5, None))
     assert damaging(trace(ten, 0.5 * 1.25 + 0.05, 37), trace(ten, 0.5, None))
     assert damaging(trace(ten, math.nan, 37), trace(ten, 0.5, None))
+
+
+def test_the_docs_frontier_is_the_saved_frontier_and_agrees_with_the_main_table() -> None:
+    """``divergence_frontier.py``'s saved table is quoted whole in the validation page; its
+    defaults row is the main table's defaults recounted, and the ground truth's own test,
+    blind to the end, warns every divergent run in time."""
+    saved = ROOT / "benchmarks" / "results" / "divergence_frontier"
+    frontier = json.loads(saved.with_suffix(".json").read_text())
+    assert _saved_rules(frontier["defaults"]) == _todays_rules()
+    table = [line for line in saved.with_suffix(".md").read_text().splitlines() if "|" in line]
+    assert len(table) == 2 + len(frontier["rule_sets"])
+    assert all(line in VALIDATION for line in table)
+    rows = frontier["rule_sets"]
+    for half in ("tuning", "held_out", "fresh"):
+        main = _held_out_cells("lightning_hooks, defaults", half)
+        got = rows["defaults (diverge_patience=1, diverge_span=4)"][half]
+        assert f"{got['warned_in_time']} of {got['divergent']}" == main[0], half
+        assert f"{got['healthy_warned']} of {got['healthy']}" == main[4], half
+        truth = rows["the ground truth's test, blind to the end"][half]
+        assert truth["warned_in_time"] == truth["divergent"], half
