@@ -31,8 +31,8 @@ __all__ = [
 
 
 class HostMailbox:
-    """A small device tensor copied to pinned host memory without blocking (an event marks the
-    end of the copy on CUDA), read on a later call through a numpy view made once."""
+    """A small device tensor copied to pinned host memory without blocking, read on a later call
+    through a numpy view made once."""
 
     def __init__(
         self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32
@@ -58,7 +58,6 @@ class HostMailbox:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The shape of the tensors it takes."""
         return tuple(self._host.shape)
 
     def reserve(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
@@ -85,8 +84,8 @@ class HostMailbox:
         self.pending = True
 
     def read(self, wait: bool) -> tuple[np.ndarray, Any] | None:
-        """The posted value (a numpy view, valid until the next post) and its ``meta`` once the
-        copy is done (``wait``: block until it is), else ``None``."""
+        """The posted value (a numpy view, valid until the next post) and its ``meta`` once copied
+        (``wait``: block until then), else ``None``."""
         if not self.pending:
             return None
         if self._event is not None:
@@ -108,8 +107,8 @@ _ROW_SPACE = 1 << 24
 
 
 class FirstNonFinite:
-    """Which row (a module, in execution order) first produced NaN / Inf, and at which step:
-    kept on ``device`` (no host sync), polled without waiting (on CUDA at most one step late).
+    """The step and row (a module, in execution order) of the first NaN / Inf, kept on ``device``
+    and polled without waiting (on CUDA at most one step late).
 
     Example:
         >>> watch = FirstNonFinite(torch.device("cpu"))
@@ -127,8 +126,7 @@ class FirstNonFinite:
         self._mailbox.clear(-1)
 
     def mark(self, bad: torch.Tensor, step: int, row: int | torch.Tensor) -> None:
-        """Record ``(step, row)`` if ``bad`` (a 0-d bool on the device) and nothing was before;
-        ``row``: an int in ``[0, 2**24)`` or a 0-d int tensor on the device."""
+        """Record ``(step, row)`` (``row`` < 2**24, or a 0-d device tensor) if ``bad`` is first."""
         hit = bad & (self.code < 0)
         if isinstance(row, int):
             self.code.masked_fill_(hit, step * _ROW_SPACE + row)
@@ -168,8 +166,7 @@ def world_size() -> int:
 
 
 def group_device() -> torch.device:
-    """The device of the default group's collectives: the current CUDA device under NCCL, else
-    the CPU."""
+    """The device of the default group's collectives: the current CUDA one under NCCL, else CPU."""
     if is_distributed() and "nccl" in str(dist.get_backend()).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -229,16 +226,14 @@ def to_local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def combine_partials(gathered: torch.Tensor, num_sums: int) -> torch.Tensor:
-    """Combine ``[shards, rows, columns]`` partials: the first ``num_sums`` columns are summed over
-    the shards, the others max-ed (NaN propagates through both)."""
+    """``[shards, rows, columns]`` partials: the first ``num_sums`` columns summed, others maxed."""
     return torch.cat([gathered[..., :num_sums].sum(0), gathered[..., num_sums:].amax(0)], dim=-1)
 
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """The process group (``group``, of global ``ranks``) over which every tracked parameter is
-    sharded (FSDP2 ``DTensor``): shard-local partials made exact by one collective over it.
-    Built by :meth:`from_params`."""
+    """The process group (``group``, of global ``ranks``) sharding every tracked parameter (FSDP2
+    ``DTensor``): shard-local partials made exact by one collective over it."""
 
     group: Any = field(compare=False)
     ranks: tuple[int, ...]
@@ -276,8 +271,8 @@ class ShardPlan:
         sums: Sequence[torch.Tensor] = (),
         maxima: Sequence[torch.Tensor] = (),
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Per-parameter shard-local L2 ``norms``, ``sums`` and ``maxima`` (each ``[P]``) made
-        whole over the shard group in one collective (none for one rank)."""
+        """Shard-local per-parameter L2 ``norms``, ``sums`` and ``maxima`` made whole (one
+        collective)."""
         columns = [n.float().square() for n in norms] + [s.float() for s in sums]
         num_sums = len(columns)
         columns += [m.float() for m in maxima]
@@ -289,7 +284,7 @@ class ShardPlan:
         return [n.sqrt() for n in out[:k]], out[k:num_sums], out[num_sums:]
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` (counts of the local shard) summed over the shard group (a new tensor)."""
+        """``tensor`` summed over the shard group (a new tensor)."""
         if len(self.ranks) == 1:
             return tensor
         out = tensor.clone()
@@ -298,7 +293,6 @@ class ShardPlan:
 
 
 def _plan_of(param: torch.Tensor) -> ShardPlan:
-    """The shard group of one ``DTensor``: its only ``Shard`` mesh dimension."""
     placements = tuple(param.placements)  # type: ignore[attr-defined]
     mesh = param.device_mesh  # type: ignore[attr-defined]
     shard_dims = [d for d, p in enumerate(placements) if p.is_shard()]

@@ -46,23 +46,19 @@ def capture_outputs(
 ) -> Iterator[dict[str, Any]]:
     """Record the outputs of the named layers of ``model`` while the block runs.
 
-    Yields a dict mapping each selected module's qualified name to its output of the latest
-    forward (training, ``eval`` or ``no_grad``; a module called twice keeps its last). The hooks
-    are removed when the block exits, also on an exception; the dict keeps its contents.
+    Yields a dict: each selected module's qualified name -> its output of the latest forward
+    (any mode). The hooks are removed on exit, also on an exception; the dict stays.
 
     Args:
         model: the model to record from.
         layers: qualified module names or glob patterns (``"layer4"``, ``"encoder.*"``).
         detach: store ``output.detach()`` (``False``: keep the graph, for a feature loss).
-        clone: store a copy: a detached output shares memory with the activation, which an
-            in-place op after the layer (``ReLU(inplace=True)``) changes.
+        clone: store a copy (an in-place op after the layer changes a detached output).
 
     Raises:
         ValueError: a name or pattern matches no module (the error lists the closest names).
 
     Example:
-        >>> import torch
-        >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
         >>> with capture_outputs(model, ["0", "1"]) as features:
         ...     _ = model(torch.ones(2, 4))
@@ -86,14 +82,12 @@ def capture_outputs(
 
 @contextmanager
 def probe_mode(model: nn.Module) -> Iterator[None]:
-    """Put ``model`` in eval mode under ``torch.no_grad()`` and undo everything on exit.
-
-    On exit, also after an exception, every submodule gets back its ``training`` flag and the
-    CPU and (once initialized) CUDA generators their state: a probe forward changes no BatchNorm
-    statistic, keeps no graph, is ignored by the library's hooks and leaves the random stream.
+    """Put ``model`` in eval mode under ``torch.no_grad()``; on exit (also after an exception)
+    restore every ``training`` flag and the CPU and CUDA random states: a probe forward changes
+    no BatchNorm statistic, keeps no graph, is skipped by the library's hooks and leaves the
+    random stream.
 
     Example:
-        >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
         >>> model[1].eval()  # doctest: +ELLIPSIS
         Dropout(...)

@@ -13,8 +13,7 @@ from lightning_hooks.errors import LightningHooksError, LightningHooksWarning
 
 __all__ = ["STRICT_ENV", "Guard", "active_guard", "guard_hooks", "strict_default"]
 
-STRICT_ENV = "LIGHTNING_HOOKS_STRICT"
-"""Environment variable: ``1`` makes every guard strict (re-raise) unless told otherwise."""
+STRICT_ENV = "LIGHTNING_HOOKS_STRICT"  # ``1``: every guard strict (re-raises) unless told not
 F = TypeVar("F", bound=Callable[..., Any])
 
 _ACTIVE: contextvars.ContextVar[Guard | None] = contextvars.ContextVar(
@@ -23,7 +22,7 @@ _ACTIVE: contextvars.ContextVar[Guard | None] = contextvars.ContextVar(
 
 
 def strict_default() -> bool:
-    """Whether ``LIGHTNING_HOOKS_STRICT`` asks for strict guards (``1``/``true``/``yes``/``on``)."""
+    """Whether :data:`STRICT_ENV` is ``1``/``true``/``yes``/``on``."""
     return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -59,8 +58,8 @@ class Guard:
         self._warn(f"for the rest of the fit: its {where} raised {type(error).__name__}: {error}")
 
     def settle(self, causes: Sequence[str | None], step: int, *, warn: bool) -> None:
-        """Disable at ``step`` on the ranks' agreement: ``causes[r]`` is rank ``r``'s
-        :attr:`local` (``None``: healthy); ``warn`` (rank 0): one warning naming each failure."""
+        """Disable at ``step``: ``causes[r]`` is rank ``r``'s :attr:`local` (``None``: healthy);
+        ``warn`` (rank 0): one warning naming each failure."""
         failed = [f"rank {r}: {cause}" for r, cause in enumerate(causes) if cause is not None]
         self.failed = "; ".join(failed)
         self.pending = True
@@ -77,7 +76,7 @@ class Guard:
         )
 
     def take_pending(self) -> bool:
-        """``True`` once after a failure: the owner should now remove the statistic's hooks."""
+        """``True`` once after a failure: the owner should remove the statistic's hooks now."""
         pending, self.pending = self.pending, False
         return pending
 
@@ -98,7 +97,7 @@ class Guard:
 
 
 def active_guard() -> Guard | None:
-    """The guard of the Lightning hook now running (hooks registered now are wrapped by it)."""
+    """The guard of the Lightning hook now running."""
     return _ACTIVE.get()
 
 
@@ -115,14 +114,12 @@ GUARDED_HOOKS = (
     "on_validation_epoch_start",
     "on_validation_epoch_end",
 )
-"""The Lightning callback hooks :func:`guard_hooks` wraps (not ``setup``: configuration errors
-must stop the fit; nor the removal hooks)."""
+"""The hooks :func:`guard_hooks` wraps (not ``setup``: configuration errors must stop the fit)."""
 
 
 def guard_hooks(cls: type) -> None:
-    """Wrap the :data:`GUARDED_HOOKS` that ``cls`` defines itself: each runs under
-    ``self._hook_guard()`` (hooks registered inside it too) and, once the guard failed, calls
-    ``self._guard_disable()`` once and does nothing more."""
+    """Wrap the :data:`GUARDED_HOOKS` that ``cls`` defines: each runs under
+    ``self._hook_guard()``; once it failed, calls ``self._guard_disable()`` once, then nothing."""
     for name in GUARDED_HOOKS:
         method = cls.__dict__.get(name)
         if method is not None and not getattr(method, "_lightning_hooks_guarded", False):

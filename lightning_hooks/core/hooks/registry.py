@@ -37,8 +37,7 @@ def _unhookable_modules(model: nn.Module) -> dict[int, str]:
 
 
 def _is_compiled(model: nn.Module) -> bool:
-    """Whether ``model`` or one of its modules is compiled (``torch.compile``, in place by
-    ``module.compile()``, or unwrapped by Lightning from ``torch.compile(model)``)."""
+    """Whether a module of ``model`` is compiled (``torch.compile``, ``module.compile()``)."""
     dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
     optimized = getattr(dynamo, "OptimizedModule", ())
     return any(
@@ -67,9 +66,8 @@ def _outside_shelved(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class Gated(NamedTuple):
-    """A module hook put on its module for each logging step (:meth:`HookRegistry.gated_hook`)
-    under an id reserved once: no ``RemovableHandle`` per step (it costs more than the hook's
-    call). The hook dicts are looked up at each :meth:`install` (``__setstate__`` replaces them)."""
+    """A module hook put on its module for each logging step under an id reserved once: no
+    ``RemovableHandle`` per step (it costs more than the hook's call)."""
 
     module: nn.Module
     table: str  # the module's attribute holding the hooks
@@ -79,7 +77,6 @@ class Gated(NamedTuple):
     prepend: bool
 
     def install(self) -> None:
-        """Put the hook on its module."""
         module, key = self.module, self.key
         hooks = getattr(module, self.table)
         hooks[key] = self.hook
@@ -89,7 +86,6 @@ class Gated(NamedTuple):
             hooks.move_to_end(key, last=False)
 
     def uninstall(self) -> None:
-        """Take the hook off its module (nothing if it is not on)."""
         module, key = self.module, self.key
         getattr(module, self.table).pop(key, None)
         for flag in self.flags:
@@ -106,12 +102,10 @@ class _GatedHandle(RemovableHandle):
         self.extra_dict_ref = tuple(weakref.ref(getattr(gated.module, f)) for f in gated.flags)
 
     def remove(self) -> None:
-        """Take the hook off its module."""
         self.gated.uninstall()
 
 
-_OURS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
-"""The module hooks every registry put on a module (:func:`plain_layers` tells them apart)."""
+_OURS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()  # every registry's module hooks
 
 
 def _ours(hook: F) -> F:
@@ -120,8 +114,8 @@ def _ours(hook: F) -> F:
 
 
 def plain_layers() -> Callable[[nn.Module], bool]:
-    """Whether a module is a ``torch.nn`` leaf layer with no forward (pre-)hook but a
-    registry's (its forward calls no attention); none is while a global forward hook exists."""
+    """Whether a module is a ``torch.nn`` leaf layer with no forward (pre-)hook but a registry's
+    (none is while a global forward hook exists)."""
     nn_module = sys.modules["torch.nn.modules.module"]
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return lambda module: False
@@ -154,13 +148,13 @@ class HookOwner:
 class HookRegistry(HookOwner):
     """Registers module and optimizer hooks and removes every one of them.
 
-    Use it as a context manager, or call :meth:`remove` from every exit path. Module hooks
-    registered with ``gated=True`` run only while :attr:`logging_step` is true (set it before a
-    step's forward): in eager mode they are installed and removed as it changes; under
-    ``torch.compile`` they stay installed (a changing hook set recompiles) and return at once.
+    A context manager (or call :meth:`remove` from every exit path). Hooks registered with
+    ``gated=True`` run only while :attr:`logging_step` is true: installed and removed as it
+    changes, except under ``torch.compile`` (a changing hook set recompiles).
 
     Args:
         model: the model whose modules :meth:`modules` selects from.
+        guard: catches the hooks' exceptions (default: the running callback hook's guard).
 
     Example:
         >>> import torch
@@ -182,17 +176,15 @@ class HookRegistry(HookOwner):
         self._handles: list[RemovableHandle] = []
         self._gated_hooks: list[Gated] = []
         self.__dict__["logging_step"] = True  # (see logging_step)
-        self.fixed = _is_compiled(model)
-        """Whether the gated hooks stay installed on every step (``torch.compile``)."""
+        self.fixed = _is_compiled(model)  # the gated hooks stay installed (torch.compile)
         self.guard = guard if guard is not None else active_guard()
-        """Catches the hooks' exceptions (default: the guard of the running callback hook)."""
         self._unhookable = _unhookable_modules(model)
         self._names = {id(module): name for name, module in model.named_modules()}
         self._warned_unhookable = False
 
     logging_step: bool
-    """Whether the gated hooks run (a logging step); setting it puts them on their modules or
-    takes them off. A plain attribute to read: a quiet step calls nothing of the registry."""
+    """Whether the gated hooks run; setting it puts them on or takes them off (a plain attribute
+    to read: a quiet step calls nothing of the registry)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "logging_step":
@@ -234,10 +226,7 @@ class HookRegistry(HookOwner):
 
     @property
     def model(self) -> nn.Module:
-        """The model, until :meth:`remove`: a removed registry keeps no reference to it.
-
-        Raises:
-            RuntimeError: the registry was removed."""
+        """The model, until :meth:`remove` (then ``RuntimeError``)."""
         if self._model is None:
             raise RuntimeError("HookRegistry: removed; it no longer holds the model")
         return self._model
@@ -250,19 +239,16 @@ class HookRegistry(HookOwner):
         exclude: Patterns = None,
         where: ModuleFilter | None = None,
     ) -> list[tuple[str, nn.Module]]:
-        """Select modules of the model (:func:`~lightning_hooks.core.select_modules`).
-        ``torch.jit`` modules stay selected (their parameters can be measured) but get no
-        module hook; one warning names them."""
+        """:func:`~lightning_hooks.core.select_modules` of the model; ``torch.jit`` modules stay
+        (their parameters can be measured) but get no module hook: one warning names them."""
         selected = select_modules(
             self.model, types=types, include=include, exclude=exclude, where=where
         )
-        skipped = [name for name, module in selected if id(module) in self._unhookable]
-        if skipped:
-            self._warn_unhookable(skipped)
+        self._warn_unhookable([name for name, m in selected if id(m) in self._unhookable])
         return selected
 
     def _warn_unhookable(self, names: list[str]) -> None:
-        if self._warned_unhookable:
+        if not names or self._warned_unhookable:
             return
         self._warned_unhookable = True
         owner = self.guard.name if self.guard is not None else type(self._model).__name__
@@ -281,9 +267,6 @@ class HookRegistry(HookOwner):
             return False
         return True
 
-    def _name(self, module: nn.Module) -> str:
-        return self._names.get(id(module)) or type(module).__name__
-
     def guarded(self, fn: F, where: str) -> F:
         """``fn`` wrapped by the registry's guard, for hooks the registry does not own."""
         return fn if self.guard is None else self.guard.wrap(fn, where)
@@ -295,8 +278,8 @@ class HookRegistry(HookOwner):
     def forward_hook(
         self, module: nn.Module, hook: ForwardHook, *, gated: bool = False
     ) -> RemovableHandle | None:
-        """``module.register_forward_hook(hook)``, owned and guarded; ``gated``: only on logging
-        steps. ``None`` for a module that runs no Python hooks (``torch.jit``)."""
+        """``module.register_forward_hook(hook)``, owned and guarded (``gated``: on logging steps
+        only); ``None`` for a ``torch.jit`` module."""
         return self._forward(module, hook, gated, pre=False) if self.hookable(module) else None
 
     def forward_pre_hook(
@@ -307,8 +290,7 @@ class HookRegistry(HookOwner):
         gated: bool = False,
         with_kwargs: bool = False,
     ) -> RemovableHandle | None:
-        """``module.register_forward_pre_hook(hook, with_kwargs=...)``, owned and guarded;
-        ``gated`` and ``None`` as in :meth:`forward_hook`."""
+        """``module.register_forward_pre_hook``, as :meth:`forward_hook`."""
         if not self.hookable(module):
             return None
         return self._forward(module, hook, gated, pre=True, with_kwargs=with_kwargs)
@@ -317,7 +299,8 @@ class HookRegistry(HookOwner):
         self, module: nn.Module, hook: Callable[..., Any], gated: bool, pre: bool, **options: bool
     ) -> RemovableHandle | None:
         # the caller checked hookable(): its warning's stack level counts from there
-        where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
+        name = self._names.get(id(module)) or type(module).__name__
+        where = f"forward {'pre-hook' if pre else 'hook'} on {name!r}"
         if gated:
             return self.gated_hook(module, self._gated(hook, where), pre=pre, **options)
         register = module.register_forward_pre_hook if pre else module.register_forward_hook
@@ -341,7 +324,7 @@ class HookRegistry(HookOwner):
     def optimizer_step_post_hook(
         self, optimizer: torch.optim.Optimizer, hook: Callable[..., None]
     ) -> RemovableHandle:
-        """``optimizer.register_step_post_hook(hook)``, owned by the registry and guarded."""
+        """``optimizer.register_step_post_hook(hook)``, owned and guarded."""
         hook = self.guarded(hook, "optimizer step post-hook")
         return self._add(optimizer.register_step_post_hook(hook))
 
@@ -356,5 +339,5 @@ class HookRegistry(HookOwner):
             hook.uninstall()
 
     def __len__(self) -> int:
-        """The hooks it holds: the gated ones count whether or not installed on this step."""
+        """The hooks it holds, gated ones whether or not installed."""
         return len(self._handles) + len(self._gated_hooks)

@@ -1,7 +1,5 @@
-"""Choose which modules of a model to instrument, by type and by qualified-name pattern.
-
-A type counts the Hugging Face and timm activations that compute as it (:data:`KNOWN_ACTIVATIONS`,
-by defining module and class name, nothing imported): ``types=nn.GELU`` selects every GELU."""
+"""Choose which modules of a model to instrument, by type (Hugging Face and timm activations
+count as the torch class they compute as) and by qualified-name pattern."""
 
 from __future__ import annotations
 
@@ -59,8 +57,8 @@ KNOWN_ACTIVATIONS: dict[tuple[str, str], type[nn.Module]] = {
     **{(m, c): t for m in _HF for c, t in _HF_CLASSES.items()},
     **{(m, c): t for m in _TIMM for c, t in _TIMM_CLASSES.items()},
 }
-"""``(defining module, class name)`` of a third-party activation class -> the torch class that
-computes the same function or family."""
+"""``(defining module, class name)`` of a third-party activation -> the torch class it computes as
+(matched by name: nothing imported)."""
 _SEEN: weakref.WeakKeyDictionary[type, type[nn.Module] | None] = weakref.WeakKeyDictionary()
 
 
@@ -72,8 +70,7 @@ def _equivalent(cls: type) -> type[nn.Module] | None:
 
 
 def torch_equivalent(module: nn.Module) -> type[nn.Module]:
-    """The torch class ``module`` computes as: its own class, or the registry's for a known
-    third-party activation (a subclass of one counts as it).
+    """The torch class ``module`` computes as: its own, or that of a known third-party activation.
 
     Example:
         >>> torch_equivalent(nn.ReLU()).__name__
@@ -133,11 +130,8 @@ def _as_types(owner: str, types: ModuleTypes) -> tuple[type[nn.Module], ...] | N
 
 @dataclass(frozen=True)
 class Selection:
-    """Which modules of a model a callback watches, as :func:`select_modules` takes them.
-
-    Made with :meth:`of`, which validates the arguments once; its errors and those of
-    :meth:`modules` name ``owner`` and the user's names of ``include`` and ``exclude``
-    (``arguments``).
+    """Which modules of a model a callback watches, validated once by :meth:`of`; errors name
+    ``owner`` and the user's names of ``include`` and ``exclude`` (``arguments``).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
@@ -166,7 +160,7 @@ class Selection:
         exclude: Patterns = None,
         arguments: tuple[str, str] = ("include", "exclude"),
     ) -> Selection:
-        """Validate and normalize the arguments; errors name ``owner(argument=value)``."""
+        """Validate and normalize the arguments."""
         inc, exc = arguments
         return cls(
             owner,
@@ -179,7 +173,7 @@ class Selection:
     def modules(
         self, model: nn.Module, where: ModuleFilter | None = None
     ) -> list[tuple[str, nn.Module]]:
-        """The selected ``(name, module)`` pairs of ``model``; see :func:`select_modules`."""
+        """The selected ``(name, module)`` pairs of ``model`` (:func:`select_modules`)."""
         check_module(f"{self.owner}: Selection.modules", "model", model)
         inc, exc = (f"{self.owner}({a}" for a in self.arguments)
         return select_modules(
@@ -213,7 +207,7 @@ def _plain_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
-def _is_compiled_wrapper(module: nn.Module) -> bool:  # a submodule compiled in place
+def _is_compiled_wrapper(module: nn.Module) -> bool:
     return isinstance(getattr(module, "_orig_mod", None), nn.Module)
 
 
@@ -235,10 +229,8 @@ def select_modules(
     where: ModuleFilter | None = None,
     arguments: tuple[str, str] = ("include", "exclude"),
 ) -> list[tuple[str, nn.Module]]:
-    """Return ``(qualified_name, module)`` pairs of ``model`` to instrument, in registration order.
-
-    The root is never returned; a shared module once, under its first name; a submodule compiled
-    in place under its eager names (the wrapper skipped).
+    """``(qualified_name, module)`` pairs of ``model`` to instrument, in registration order: not
+    the root, a shared module once, a submodule compiled in place under its eager names.
 
     Args:
         model: the model to search.
@@ -254,7 +246,6 @@ def select_modules(
         ValueError: a pattern matches no module; the message lists the closest real names.
 
     Example:
-        >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
         >>> [name for name, _ in select_modules(model, types=nn.Linear)]
         ['0', '2']

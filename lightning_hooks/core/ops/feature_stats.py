@@ -1,5 +1,5 @@
-"""Pure functions: a float32 vector of :data:`FEATURE_STATS` per module output, and the statistics
-of many pooled together (sums add, ``min`` and ``max`` pool with min and max)."""
+"""A float32 vector of :data:`FEATURE_STATS` per module output, and the statistics of many pooled
+together."""
 
 from __future__ import annotations
 
@@ -35,10 +35,8 @@ CHUNK = 1 << 19
 
 @torch.no_grad()
 def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
-    """``[8]`` float32 statistics of a non-empty tensor, in the order of :data:`FEATURE_STATS`.
-
-    Six reading passes a piece at a time, no host sync, temporaries in ``workspace``. NaN
-    propagates into every entry but ``zeros``, ``nonfinite`` and ``numel``.
+    """``[8]`` float32 :data:`FEATURE_STATS` of a non-empty tensor, read a piece at a time (no host
+    sync, temporaries in ``workspace``); NaN propagates into all but the counts.
 
     Example:
         >>> feature_stats(torch.tensor([-1.0, 0.0, 2.0, 0.0])).tolist()
@@ -77,8 +75,7 @@ SIGN_COUNTS = frozenset({"cpu"})
 
 @torch.no_grad()
 def stacked_feature_stats(x: torch.Tensor) -> torch.Tensor:
-    """``[k, 8]`` float32 :func:`feature_stats` of each of the ``k`` tensors stacked in ``x``
-    (``[k, ...]``): the same reading passes, each over all of them at once."""
+    """``[k, 8]`` :func:`feature_stats` of each tensor stacked in ``x``, read all at once."""
     f32 = torch.float32
     flat = x.detach().reshape(x.shape[0], -1)
     magnitude = flat.abs()
@@ -108,14 +105,12 @@ def _one_pass_stats(x: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _compiled() -> Callable[[torch.Tensor], torch.Tensor]:
-    compiled: Callable[[torch.Tensor], torch.Tensor] = torch.compile(_one_pass_stats, dynamic=True)
-    return compiled
+    return torch.compile(_one_pass_stats, dynamic=True)
 
 
 @torch.no_grad()
 def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
-    """:func:`feature_stats` compiled into one reading pass (the first call compiles, again per
-    new rank or dtype); a non-contiguous output takes the eager one, which reads it faster."""
+    """:func:`feature_stats` compiled into one reading pass (a non-contiguous output: eager)."""
     if not x.is_contiguous():
         return feature_stats(x, workspace)
     return _compiled()(x.detach())  # a leaf: Dynamo would read a non-leaf's .grad
@@ -123,9 +118,8 @@ def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> 
 
 @dataclass(frozen=True)
 class FeatureSummary:
-    """Host-side statistics of each row's outputs, pooled over every element observed: one array
-    per statistic, a row per name of ``layers`` (a module's qualified name, with a suffix for
-    tuple / dict outputs). ``std`` is Bessel-corrected (as ``torch.std``), ``abs_mean`` the mean
+    """Host-side statistics pooled over every element observed: one array per statistic, a row
+    per name of ``layers``. ``std`` is Bessel-corrected (as ``torch.std``), ``abs_mean`` the mean
     of ``|x|``, ``nonfinite`` the count of NaN / Inf."""
 
     layers: tuple[str, ...]

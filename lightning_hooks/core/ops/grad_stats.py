@@ -1,5 +1,5 @@
-"""Pure functions: per-layer gradient, weight and update statistics, read in a few multi-tensor
-ops and reduced per layer (:class:`ParamLayout`) with ``index_add_``, nothing read back."""
+"""Per-layer gradient, weight and update statistics: a few multi-tensor reads, reduced per layer
+(:class:`ParamLayout`) on the device, nothing read back."""
 
 from __future__ import annotations
 
@@ -27,22 +27,17 @@ __all__ = [
 
 GRAD_STATS = ("grad_norm", "grad_abs_mean", "grad_abs_max", "grad_nonfinite", "weight_norm")
 """Columns of :func:`grad_stats`, in order."""
-
 GLOBAL = "global"
 """Name of the extra last row that aggregates every layer."""
-
 ROOT = "<root>"
 """Row name of the parameters the model itself owns (a LightningModule's learnable temperature)."""
 
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """Which layer each parameter belongs to.
-
-    A layer is a module that owns parameters directly (a leaf, a container, or the model itself:
-    row :data:`ROOT`). Every parameter is listed, trainable or not (:meth:`subset` picks), a tied
-    one once per owner (``first``: whether a listing is the parameter's first, which global
-    figures count).
+    """Which layer (a module owning parameters directly, or the model: :data:`ROOT`) each
+    parameter belongs to. Every parameter is listed, trainable or not, a tied one once per owner
+    (``first``: whether a listing is the parameter's first, which global figures count).
 
     Attributes:
         layers: layer names, in model order.
@@ -64,7 +59,6 @@ class ParamLayout:
         """Group the parameters owned directly by each module (and by ``root``, first).
 
         Example:
-            >>> from torch import nn
             >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
             >>> layout = ParamLayout.from_modules(list(net.named_children()))
             >>> layout.layers, layout.index.tolist(), layout.numel.tolist()
@@ -96,17 +90,16 @@ class ParamLayout:
         return params, self.index[torch.tensor(picked, dtype=torch.long, device=self.index.device)]
 
     def unique_positions(self, keep: Sequence[bool]) -> list[int]:
-        """Positions within :meth:`subset` of each parameter's first listing (what global
-        figures sum); ``keep`` must treat every listing of a parameter alike."""
+        """Positions within :meth:`subset` of each parameter's first listing (``keep`` must treat
+        every listing of a parameter alike)."""
         first = self.first or (True,) * len(self.params)
         picked = [f for f, k in zip(first, keep, strict=True) if k]
         return [i for i, f in enumerate(picked) if f]
 
     @staticmethod
     def grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
-        """Each parameter's gradient as every kernel takes it: a sparse one as its coalesced
-        values (the same norms, sums and maxima as dense), ``None`` as one zero; under FSDP2,
-        this rank's shard."""
+        """Each parameter's gradient as the reads take it: a sparse one as its coalesced values,
+        ``None`` as one zero; under FSDP2, this rank's shard."""
         plain = plain_grads(params)
         if plain is not None:
             return plain
@@ -146,8 +139,7 @@ def segment_max(values: torch.Tensor, index: torch.Tensor, num_layers: int) -> t
 
 
 def param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[len(tensors)]`` float32 L2 norms in one multi-tensor pass (on the CPU in stacks,
-    :func:`~.grouped_norms.cpu_grouping`)."""
+    """``[len(tensors)]`` float32 L2 norms in one multi-tensor pass (on the CPU in stacks)."""
     grouping = cpu_grouping(tensors)
     if grouping is not None:
         return grouping(tensors).float()
@@ -168,10 +160,9 @@ def grad_stats(
 ) -> torch.Tensor:
     """``[layers + 1, len(GRAD_STATS)]`` statistics of one optimizer step's gradients.
 
-    Rows: the layers of ``numel``, then all of them (with ``unique``, positions of first
-    listings, a shared parameter counted once, its mean over ``total_numel``). Columns:
-    :data:`GRAD_STATS`; the non-finite one is 1 or 0 (summed over steps: the steps with a NaN/Inf
-    gradient). ``params=None``: the weight column is NaN.
+    Rows: the layers of ``numel``, then all of them (with ``unique``, the first listings: a
+    shared parameter once, its mean over ``total_numel``). Columns: :data:`GRAD_STATS`, the
+    non-finite one 1 or 0. ``params=None``: the weight column is NaN.
 
     Example:
         >>> g = [torch.tensor([3.0, -4.0]), torch.tensor([1.0])]

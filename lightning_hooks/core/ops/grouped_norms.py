@@ -1,7 +1,6 @@
-"""Reads of many tensors in a handful of ops: L2 norms (:class:`GroupedNorms`), ``|t|`` sums and
-maxima (:func:`abs_sum_max`), an update's typical size (:func:`typical_update`). Small tensors of
-one shape and dtype are stacked and reduced along their rows: for many small gradients the host
-work per tensor of ``_foreach_norm`` is the whole cost."""
+"""Reads of many tensors in a handful of ops: L2 norms, ``|t|`` sums and maxima, an update's
+typical size. Small tensors of one shape are stacked: for many small gradients the host work per
+tensor of ``_foreach_norm`` is the whole cost."""
 
 from __future__ import annotations
 
@@ -37,10 +36,9 @@ _SumMax = tuple[torch.Tensor, torch.Tensor]
 
 
 class GroupedNorms:
-    """Reads the L2 norms of the gradients of fixed ``params``, in parameter order (on the CPU
-    bit for bit ``_foreach_norm``'s). The stacks are made once: the :data:`MAX_GROUPS` largest
-    sets, of at least :data:`MIN_GROUP`, of non-scalar parameters of at most :data:`SMALL`
-    elements sharing shape, dtype and device."""
+    """Reads the L2 norms of the gradients of fixed ``params`` (on the CPU bit for bit
+    ``_foreach_norm``'s), stacking the :data:`MAX_GROUPS` largest sets, of at least
+    :data:`MIN_GROUP`, of small non-scalar parameters sharing shape, dtype and device."""
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         kinds: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = {}
@@ -49,11 +47,9 @@ class GroupedNorms:
                 kinds.setdefault((p.shape, p.dtype, p.device), []).append(i)
         least = MIN_GROUP.get(params[0].device.type, MIN_GROUP["cuda"]) if len(params) else 0
         sets = sorted([g for g in kinds.values() if len(g) >= least], key=len, reverse=True)
-        self.groups: list[list[int]] = sets[:MAX_GROUPS]
-        """Positions of the gradients read in each stack (none: one ``_foreach_norm``)."""
+        self.groups: list[list[int]] = sets[:MAX_GROUPS]  # positions read in each stack
         grouped = {i for g in self.groups for i in g}
         self.rest: list[int] = [i for i in range(len(params)) if i not in grouped]
-        """Positions of the gradients read by one ``_foreach_norm``."""
         self._stacks = [
             (itemgetter(*g), tuple(range(1, params[g[0]].dim() + 1))) for g in self.groups
         ]
@@ -65,8 +61,7 @@ class GroupedNorms:
         self._index = row_index(where, params[0].device) if self.groups else None
 
     def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``[len(grads)]`` L2 norms of ``grads`` (the parameters' gradients, in order), each in
-        its gradient's dtype, promoted to a common one where they differ."""
+        """``[len(grads)]`` L2 norms of the parameters' gradients, in their (promoted) dtype."""
         if self._index is None:  # no stack
             return torch.stack(torch._foreach_norm(list(grads)))
         parts = []
@@ -77,8 +72,7 @@ class GroupedNorms:
         return torch.cat(parts).index_select(0, self._index)
 
     def abs_sum_max(self, tensors: Sequence[torch.Tensor], ws: Workspace) -> _SumMax:
-        """:func:`abs_sum_max` of ``tensors``: each stack in three ops (no order-1 or order-inf
-        norm: slow on the CPU)."""
+        """:func:`abs_sum_max` of ``tensors``, each stack in three ops (no order-1 or -inf norm)."""
         if self._index is None:
             return _abs_sum_max(tensors, ws)
         sums, peaks = [], []
@@ -104,8 +98,7 @@ _PLAIN = {torch.Tensor}
 
 
 def plain_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor] | None:
-    """Each parameter's gradient when every one is a plain dense tensor (none missing, none
-    sparse, none a ``DTensor``), else ``None``; C loops, no Python frame per tensor."""
+    """Each parameter's gradient when every one is a plain dense tensor, else ``None``."""
     plain = list(map(_GRAD, params))
     # None is NoneType's and a DTensor its own type: only dense tensors are plain Tensors
     if set(map(type, plain)) - _PLAIN or any(map(_IS_SPARSE, plain)):
@@ -139,9 +132,8 @@ _MULTI_TENSOR = 1 << 14  # up to this size, one multi-tensor call: small heap al
 def abs_sum_max(
     tensors: Sequence[torch.Tensor], workspace: Workspace | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[len(tensors)]`` float32 sums and maxima of ``|t|`` (float64's summed in float64; an
-    empty tensor gives 0 and 0; NaN propagates). A large tensor is read in pieces of
-    :data:`CHUNK` through one buffer of ``workspace`` (pass the same one every step)."""
+    """``[len(tensors)]`` float32 sums and maxima of ``|t|`` (an empty tensor gives 0 and 0; NaN
+    propagates); a large one read in pieces through ``workspace`` (the same one every step)."""
     ws, grouping = workspace or Workspace(), cpu_grouping(tensors)
     return _abs_sum_max(tensors, ws) if grouping is None else grouping.abs_sum_max(tensors, ws)
 
@@ -191,9 +183,8 @@ def typical_update(
     after: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """The median ``|after - before|`` over a strided sample of about 1,024 entries per tensor
-    (no host sync): a typical coordinate's update. With ``grads`` (those the step applied) only
-    entries with a nonzero gradient count: dead units stop moving by design."""
+    """The median ``|after - before|`` over about 1,024 strided entries per tensor (no host
+    sync). With ``grads`` (the step's), only entries with a nonzero gradient count."""
     picks = []
     groups: dict[tuple[object, ...], list[int]] = {}
     for i, (old, new) in enumerate(zip(before, after, strict=True)):

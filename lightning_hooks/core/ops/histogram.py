@@ -1,5 +1,4 @@
-"""The one histogram: log10 or linear edges, fixed or running (:func:`linear_edges` of the
-previous epoch's min and max), counts kept in a tensor."""
+"""The one histogram: log10 or linear edges, fixed or running, counts kept in a tensor."""
 
 from __future__ import annotations
 
@@ -29,9 +28,8 @@ LOG10_EDGES = torch.arange(-12.0, 4.01, 0.5)
 def bin_counts(
     x: torch.Tensor, inner: torch.Tensor, out: torch.Tensor, scale: Scale = "linear"
 ) -> None:
-    """Add the counts of ``x``'s finite entries to ``out`` (``[len(inner) + 1]``): ``bucketize``
-    and ``bincount``, no host sync, deterministic (unlike ``torch.histc``). Bucket ``i`` holds
-    ``[inner[i - 1], inner[i])``, the first and last are open-ended."""
+    """Add the counts of ``x``'s finite entries to ``out`` (``[len(inner) + 1]``, bucket ``i``:
+    ``[inner[i - 1], inner[i])``), no host sync, deterministic (unlike ``torch.histc``)."""
     flat = x.detach().reshape(-1)
     flat = flat.abs().float() if scale == "log10" else flat
     values = flat.clamp_min(1e-38).log10() if scale == "log10" else flat
@@ -42,8 +40,8 @@ def bin_counts(
 
 
 def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
-    """``[..., bins + 1]`` edges spanning ``[low, high]`` (``unit``: ``linspace(0, 1, bins + 1)``);
-    non-finite bounds are clamped to finite ones, an empty span gets a tiny width."""
+    """``[..., bins + 1]`` edges spanning ``[low, high]`` (``unit``: ``linspace(0, 1, bins + 1)``),
+    clamped to finite, an empty span given a tiny width."""
     low = torch.nan_to_num(low, nan=0.0, posinf=3e38, neginf=-3e38)
     high = torch.nan_to_num(high, nan=1.0, posinf=3e38, neginf=-3e38)
     span = (high - low).clamp_min(1e-12)
@@ -64,9 +62,8 @@ class LayerHistogram:
 
 
 class LayerHistograms:
-    """``[num_layers, buckets]`` counts of ``log10 |x|`` (``scale="linear"``: ``x``) over the
-    tensors of each layer, on ``device``, between ascending inner ``edges`` (default
-    :data:`LOG10_EDGES`).
+    """``[num_layers, buckets]`` counts of ``log10 |x|`` (``scale="linear"``: ``x``) per layer, on
+    ``device``, between ascending inner ``edges`` (default :data:`LOG10_EDGES`).
 
     Example:
         >>> hist = LayerHistograms(2, edges=torch.tensor([-1.0, 0.0, 1.0]))
@@ -90,7 +87,7 @@ class LayerHistograms:
 
     @torch.no_grad()
     def update(self, tensors: list[torch.Tensor], rows: list[int]) -> None:
-        """Count every finite entry of ``tensors[i]`` into layer ``rows[i]`` (no host sync)."""
+        """Count the finite entries of ``tensors[i]`` into layer ``rows[i]``."""
         for tensor, row in zip(tensors, rows, strict=True):
             bin_counts(tensor, self.edges, self.counts[row], self.scale)
 

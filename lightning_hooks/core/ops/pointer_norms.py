@@ -1,6 +1,6 @@
 """Each gradient's L2 norm in two Triton kernels that find the tensors through a table of their
-addresses (written each step: ``zero_grad(set_to_none=True)`` moves the gradients), without
-``_foreach_norm``'s per-tensor host work. No atomics: the same gradients give the same bits."""
+addresses written each step, without ``_foreach_norm``'s per-tensor host work (no atomics: the
+same gradients give the same bits)."""
 
 from __future__ import annotations
 
@@ -37,12 +37,9 @@ def _kernels() -> tuple[Any, Any]:
 
 
 class PointerNorms:
-    """The float32 L2 norms of the gradients of ``params``, as ``_foreach_norm`` gives them, in
-    two launches: one sums squares over spans of :data:`SPAN`, one adds each tensor's spans.
-
-    Raises:
-        ValueError: the parameters are not all of one dtype among float32, bfloat16 and
-            float16, on one device, contiguous (the caller reads them with ``_foreach_norm``)."""
+    """The float32 L2 norms of the gradients of ``params`` in two launches: one sums squares over
+    spans of :data:`SPAN`, one adds each tensor's spans. ``ValueError`` unless the parameters are
+    contiguous, on one device, of one dtype among float32, bfloat16 and float16."""
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         dtypes = {p.dtype for p in params}

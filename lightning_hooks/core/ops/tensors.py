@@ -1,5 +1,4 @@
-"""Small tensor helpers of the hooks: which forwards and outputs count, scratch memory, pieces,
-and small outputs held to the step's end."""
+"""Small tensor helpers of the hooks: which forwards count, scratch memory, pieces, held outputs."""
 
 from __future__ import annotations
 
@@ -31,8 +30,8 @@ def piece_size(device: torch.device, cpu: int) -> int:
 
 
 class Workspace:
-    """Reusable flat scratch buffers, one per dtype and device, grown to the largest request
-    (fresh large temporaries page-fault on every step)."""
+    """Flat scratch buffers, one per dtype and device, grown to the largest request (fresh large
+    temporaries page-fault on every step)."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -46,11 +45,10 @@ class Workspace:
 
 
 def is_training_forward(module: nn.Module) -> bool:
-    """Whether a forward hook on ``module`` is running in a training forward that counts: not
-    validation or the sanity check (grad disabled), nor an activation-checkpoint recompute.
+    """Whether a hook on ``module`` runs in a training forward that counts: not validation or
+    the sanity check (grad disabled), nor an activation-checkpoint recompute.
 
     Example:
-        >>> from torch import nn
         >>> layer = nn.Linear(2, 2)
         >>> is_training_forward(layer)
         True
@@ -68,15 +66,12 @@ def is_training_forward(module: nn.Module) -> bool:
 
 
 def is_grad_forward(module: nn.Module) -> bool:
-    """Whether ``module``'s outputs in this forward can receive training gradients (a
-    checkpoint recompute counts, unlike in :func:`is_training_forward`)."""
+    """Whether ``module``'s outputs can get training gradients (a checkpoint recompute too)."""
     return module.training and torch.is_grad_enabled()
 
 
 def iter_float_tensors(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(suffix, tensor)`` for every floating-point tensor in a (nested) module output.
-
-    Tuples and lists give ``.0``, ``.1`` suffixes, dicts ``.key``, a tensor ``""``; others skipped.
+    """``(suffix, tensor)`` of every float tensor in a nested output: ``.0``, ``.key`` or ``""``.
 
     Example:
         >>> out = (torch.zeros(1), {"h": torch.ones(1), "n": 3}, None)
@@ -94,14 +89,13 @@ def iter_float_tensors(output: Any, prefix: str = "") -> Iterator[tuple[str, tor
             yield from iter_float_tensors(item, f"{prefix}.{key}")
 
 
-LOGSUMEXP_PIECE = 1 << 19
-"""Elements :func:`logsumexp_rows` converts to float32 at a time on the CPU (2 MiB)."""
+LOGSUMEXP_PIECE = 1 << 19  # elements converted to float32 at a time on the CPU (2 MiB)
 
 
 @torch.no_grad()
 def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
-    """``torch.logsumexp(x.float(), dim=-1)``, the same values, without a float32 copy of all of
-    ``x`` (an LM head's bf16 logits): whole rows converted a :func:`piece_size` piece at a time."""
+    """``torch.logsumexp(x.float(), dim=-1)`` without a float32 copy of all of ``x`` (an LM
+    head's bf16 logits): whole rows converted a :func:`piece_size` piece at a time."""
     width = x.shape[-1]
     rows = x.reshape(-1, width)
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
@@ -139,10 +133,6 @@ class Pending(Generic[K]):
         snapshots.append(snapshot)
         self._held += snapshot.numel()
         return self._held > _HELD
-
-    def __len__(self) -> int:
-        """The snapshots held."""
-        return sum(len(rows) for rows, _ in self._groups.values())
 
     def drain(self) -> Iterator[tuple[K, list[int], torch.Tensor]]:
         """Each group as ``(key, rows, snapshots stacked)``, in order, dropped as given."""
