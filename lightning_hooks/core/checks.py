@@ -1,6 +1,5 @@
 """Argument checks shared by every public class: each error names the owner, the argument, the
-allowed values and the value received. Integers and reals accept any :class:`numbers.Integral`
-or :class:`numbers.Real` but ``bool``, and come back as a plain ``int``/``float``."""
+allowed values and the value received. Numbers (never ``bool``) come back as ``int``/``float``."""
 
 from __future__ import annotations
 
@@ -29,14 +28,7 @@ def _fail(owner: str, name: str, value: Any, expected: str, error: type[Exceptio
 
 
 def positive_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
-    """``value`` as an ``int`` >= ``minimum`` (default 1), else ``ValueError``/``TypeError``.
-
-    Example:
-        >>> positive_int("GradFlowCallback", "every_n_steps", 0)
-        Traceback (most recent call last):
-        ...
-        ValueError: GradFlowCallback(every_n_steps=0): must be a positive int, got 0
-    """
+    """``value`` as an ``int`` >= ``minimum``, else ``ValueError``/``TypeError``."""
     kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise _fail(owner, name, value, kind, TypeError)

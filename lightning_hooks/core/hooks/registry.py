@@ -28,12 +28,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _unhookable_modules(model: nn.Module) -> dict[int, str]:
     """``id(module) -> name`` of every ``torch.jit`` module and everything inside it."""
-    found: dict[int, str] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.jit.ScriptModule) and id(module) not in found:
-            for sub, inner in module.named_modules(prefix=name):
-                found[id(inner)] = sub
-    return found
+    jit = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+    return {id(inner): sub for name, m in jit for sub, inner in m.named_modules(prefix=name)}
 
 
 def _is_compiled(model: nn.Module) -> bool:
@@ -187,12 +183,10 @@ class HookRegistry(HookOwner):
     to read: a quiet step calls nothing of the registry)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "logging_step":
-            self._gate(bool(value))
-        else:
+        if name != "logging_step":
             object.__setattr__(self, name, value)
-
-    def _gate(self, value: bool) -> None:
+            return
+        value = bool(value)
         changed, self.__dict__["logging_step"] = value != self.logging_step, value
         if not changed or self.fixed:
             return

@@ -29,8 +29,7 @@ FEATURE_STATS = ("sum", "sum_sq", "sum_abs", "zeros", "nonfinite", "numel", "min
 """Entries of :func:`feature_stats`: the first :data:`NUM_SUMS` pool by addition."""
 NUM_SUMS = 6
 
-CHUNK = 1 << 19
-"""Elements :func:`feature_stats` reads at a time on the CPU (2 MiB in float32: stays in cache)."""
+CHUNK = 1 << 19  # elements read at a time on the CPU (2 MiB in float32: stays in cache)
 
 
 @torch.no_grad()
@@ -66,11 +65,9 @@ def _piece_stats(flat: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     return torch.stack([*sums, low.to(f32), high.to(f32)])
 
 
-STACKED = 1 << 16
-"""Elements: an output this small is measured at the step's end with others (stacked)."""
+STACKED = 1 << 16  # elements: an output this small is measured with others at the step's end
 
-SIGN_COUNTS = frozenset({"cpu"})
-"""Devices where :func:`stacked_feature_stats` counts by sums of signs (comparisons are slow)."""
+SIGN_COUNTS = frozenset({"cpu"})  # devices counting by sums of signs (comparisons are slow)
 
 
 @torch.no_grad()

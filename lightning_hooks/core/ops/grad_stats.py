@@ -27,10 +27,8 @@ __all__ = [
 
 GRAD_STATS = ("grad_norm", "grad_abs_mean", "grad_abs_max", "grad_nonfinite", "weight_norm")
 """Columns of :func:`grad_stats`, in order."""
-GLOBAL = "global"
-"""Name of the extra last row that aggregates every layer."""
-ROOT = "<root>"
-"""Row name of the parameters the model itself owns (a LightningModule's learnable temperature)."""
+GLOBAL = "global"  # name of the extra last row that aggregates every layer
+ROOT = "<root>"  # row name of the parameters the model itself owns
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,9 @@ __all__ = [
     "typical_update",
 ]
 
-SMALL = 8192
-"""Elements: a tensor this small is read in a stack (copying it costs less than its own op)."""
-MAX_GROUPS = 6
-"""Stacks at most: 2 ops each, so that a quiet step's ops stay a handful whatever the model."""
-MIN_GROUP = {"cpu": 3, "cuda": 12}
-"""Gradients a stack holds at least, per device type (others: CUDA's): a stack costs two ops."""
+SMALL = 8192  # elements: a tensor this small is read in a stack (cheaper than its own op)
+MAX_GROUPS = 6  # stacks at most, 2 ops each: a quiet step's ops stay a handful
+MIN_GROUP = {"cpu": 3, "cuda": 12}  # gradients a stack holds at least (other devices: CUDA's)
 
 _SumMax = tuple[torch.Tensor, torch.Tensor]
 
@@ -123,8 +120,7 @@ def cpu_grouping(tensors: Sequence[torch.Tensor]) -> GroupedNorms | None:
     return found if found is not None and found.groups else None
 
 
-CHUNK = 1 << 20
-"""Elements of ``|g|`` :func:`abs_sum_max` writes at a time on the CPU (stays in cache)."""
+CHUNK = 1 << 20  # elements of |g| written at a time on the CPU (stays in cache)
 
 _MULTI_TENSOR = 1 << 14  # up to this size, one multi-tensor call: small heap allocations
 

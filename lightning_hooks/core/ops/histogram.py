@@ -17,11 +17,9 @@ __all__ = [
     "linear_edges",
 ]
 
-Scale = Literal["log10", "linear"]
-"""What is binned: ``log10 |x|`` or ``x`` itself."""
+Scale = Literal["log10", "linear"]  # what is binned: log10 |x| or x itself
 
-LOG10_EDGES = torch.arange(-12.0, 4.01, 0.5)
-"""Default inner edges of ``log10 |x|``: half-decades from 1e-12 to 1e4 (zeros: first bucket)."""
+LOG10_EDGES = torch.arange(-12.0, 4.01, 0.5)  # half-decades of |x| from 1e-12 to 1e4
 
 
 @torch.no_grad()

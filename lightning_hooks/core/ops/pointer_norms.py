@@ -14,8 +14,7 @@ import torch
 
 __all__ = ["SPAN", "PointerNorms", "available"]
 
-SPAN = 1 << 16
-"""Elements one program of the first kernel sums: a tensor of n elements gets ceil(n / SPAN)."""
+SPAN = 1 << 16  # elements one program of the first kernel sums
 _BLOCK = 1024  # elements per load
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -20,8 +20,7 @@ __all__ = [
     "row_index",
 ]
 
-DEVICE_PIECE = 1 << 24
-"""Elements a reading pass takes at a time off the CPU (float32 counts of 0/1 stay exact)."""
+DEVICE_PIECE = 1 << 24  # elements read at a time off the CPU (float32 counts stay exact)
 
 
 def piece_size(device: torch.device, cpu: int) -> int:
