@@ -31,8 +31,7 @@ __all__ = [
 
 
 class HostMailbox:
-    """A small device tensor copied to pinned host memory without blocking, read on a later call
-    through a numpy view made once."""
+    """A small device tensor copied to pinned host memory without blocking, read on a later call."""
 
     def __init__(
         self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32
@@ -240,11 +239,7 @@ class ShardPlan:
 
     @classmethod
     def from_params(cls, params: Sequence[torch.Tensor]) -> ShardPlan | None:
-        """The plan of ``params``, ``None`` if none is a ``DTensor``.
-
-        Raises:
-            ValueError: the parameters are not all sharded along the same one mesh dimension
-                (FSDP2) and replicated along any other (HSDP)."""
+        """The plan of ``params``, ``None`` if none is a ``DTensor`` (``ValueError``: not FSDP2)."""
         sharded = [isinstance(p, _DTENSOR) for p in params]
         if not any(sharded):
             return None
@@ -271,8 +266,7 @@ class ShardPlan:
         sums: Sequence[torch.Tensor] = (),
         maxima: Sequence[torch.Tensor] = (),
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Shard-local per-parameter L2 ``norms``, ``sums`` and ``maxima`` made whole (one
-        collective)."""
+        """Shard-local per-parameter L2 ``norms``, ``sums`` and ``maxima`` made whole."""
         columns = [n.float().square() for n in norms] + [s.float() for s in sums]
         num_sums = len(columns)
         columns += [m.float() for m in maxima]

@@ -59,6 +59,8 @@ def capture_outputs(
         ValueError: a name or pattern matches no module (the error lists the closest names).
 
     Example:
+        >>> import torch
+        >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
         >>> with capture_outputs(model, ["0", "1"]) as features:
         ...     _ = model(torch.ones(2, 4))

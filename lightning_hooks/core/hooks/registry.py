@@ -62,8 +62,7 @@ def _outside_shelved(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class Gated(NamedTuple):
-    """A module hook put on its module for each logging step under an id reserved once: no
-    ``RemovableHandle`` per step (it costs more than the hook's call)."""
+    """A hook put on its module for each logging step under an id reserved once (no handle)."""
 
     module: nn.Module
     table: str  # the module's attribute holding the hooks
@@ -110,8 +109,7 @@ def _ours(hook: F) -> F:
 
 
 def plain_layers() -> Callable[[nn.Module], bool]:
-    """Whether a module is a ``torch.nn`` leaf layer with no forward (pre-)hook but a registry's
-    (none is while a global forward hook exists)."""
+    """Whether a module is a ``torch.nn`` leaf layer with no forward (pre-)hook but ours."""
     nn_module = sys.modules["torch.nn.modules.module"]
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         return lambda module: False
@@ -203,8 +201,7 @@ class HookRegistry(HookOwner):
     def gated_hook(
         self, module: nn.Module, hook: Callable[..., Any], *, pre: bool, **options: bool
     ) -> RemovableHandle | None:
-        """A guarded, gated module hook (``pre``: a forward pre-hook) with the ``options`` of
-        ``register_forward_(pre_)hook``; its handle while it is installed, else ``None``."""
+        """A guarded, gated forward (pre-)hook; its handle while installed, else ``None``."""
         key = RemovableHandle.next_id  # an id no handle takes
         RemovableHandle.next_id += 1
         table = "_forward_pre_hooks" if pre else "_forward_hooks"
@@ -261,6 +258,9 @@ class HookRegistry(HookOwner):
             return False
         return True
 
+    def _name(self, module: nn.Module) -> str:
+        return self._names.get(id(module)) or type(module).__name__
+
     def guarded(self, fn: F, where: str) -> F:
         """``fn`` wrapped by the registry's guard, for hooks the registry does not own."""
         return fn if self.guard is None else self.guard.wrap(fn, where)
@@ -293,8 +293,7 @@ class HookRegistry(HookOwner):
         self, module: nn.Module, hook: Callable[..., Any], gated: bool, pre: bool, **options: bool
     ) -> RemovableHandle | None:
         # the caller checked hookable(): its warning's stack level counts from there
-        name = self._names.get(id(module)) or type(module).__name__
-        where = f"forward {'pre-hook' if pre else 'hook'} on {name!r}"
+        where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
         if gated:
             return self.gated_hook(module, self._gated(hook, where), pre=pre, **options)
         register = module.register_forward_pre_hook if pre else module.register_forward_hook

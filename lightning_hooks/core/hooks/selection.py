@@ -246,6 +246,7 @@ def select_modules(
         ValueError: a pattern matches no module; the message lists the closest real names.
 
     Example:
+        >>> from torch import nn
         >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
         >>> [name for name, _ in select_modules(model, types=nn.Linear)]
         ['0', '2']

@@ -118,10 +118,7 @@ def _total(values: torch.Tensor, unique: torch.Tensor | None) -> torch.Tensor:
 
 
 def segment_norm(
-    norms: torch.Tensor,
-    index: torch.Tensor,
-    num_layers: int,
-    unique: torch.Tensor | None = None,
+    norms: torch.Tensor, index: torch.Tensor, num_layers: int, unique: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``[layers + 1]`` L2 norms of per-layer groups of per-parameter L2 ``norms``; last: all
     (over the ``unique`` listings: a shared parameter counts once)."""

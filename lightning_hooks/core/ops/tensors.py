@@ -29,8 +29,7 @@ def piece_size(device: torch.device, cpu: int) -> int:
 
 
 class Workspace:
-    """Flat scratch buffers, one per dtype and device, grown to the largest request (fresh large
-    temporaries page-fault on every step)."""
+    """Flat scratch buffers per dtype and device, grown as needed (fresh ones page-fault)."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -132,6 +131,9 @@ class Pending(Generic[K]):
         snapshots.append(snapshot)
         self._held += snapshot.numel()
         return self._held > _HELD
+
+    def __len__(self) -> int:  # the snapshots held
+        return sum(len(rows) for rows, _ in self._groups.values())
 
     def drain(self) -> Iterator[tuple[K, list[int], torch.Tensor]]:
         """Each group as ``(key, rows, snapshots stacked)``, in order, dropped as given."""
