@@ -44,7 +44,6 @@ class HostMailbox:
         self.pending = False
 
     def _allocate(self, shape: tuple[int, ...]) -> None:
-        self._view: np.ndarray
         if self._cuda:
             self._host = torch.zeros(shape, dtype=self._dtype, pin_memory=True)
             self._view = self._host.numpy()

@@ -27,11 +27,10 @@ def strict_default() -> bool:
 
 
 class Guard:
-    """Catches the exceptions of the hooks of statistic ``name``: the first marks it
-    :attr:`failed` and warns once; the owner removes its hooks at the next Lightning hook. With
-    :attr:`defer` (several processes) the error waits in :attr:`local` until the ranks
-    :meth:`settle`. A ``strict`` guard (default: :func:`strict_default`) re-raises, as every
-    guard does for the library's own errors."""
+    """Catches the exceptions of statistic ``name``'s hooks: the first marks it :attr:`failed`,
+    warns once, and the owner removes its hooks at the next Lightning hook (with :attr:`defer`,
+    once the ranks :meth:`settle`). A ``strict`` guard (default: :func:`strict_default`)
+    re-raises, as every guard does for the library's own errors."""
 
     def __init__(self, name: str, *, strict: bool | None = None) -> None:
         self.name = name

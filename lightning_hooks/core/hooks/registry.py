@@ -294,15 +294,12 @@ class HookRegistry(HookOwner):
     ) -> RemovableHandle | None:
         # the caller checked hookable(): its warning's stack level counts from there
         where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
-        if gated:
-            return self.gated_hook(module, self._gated(hook, where), pre=pre, **options)
-        register = module.register_forward_pre_hook if pre else module.register_forward_hook
-        return self._add(register(_ours(self.guarded(hook, where)), **options))
-
-    def _gated(self, hook: Callable[..., Any], where: str) -> Callable[..., Any]:
+        if not gated:
+            register = module.register_forward_pre_hook if pre else module.register_forward_hook
+            return self._add(register(_ours(self.guarded(hook, where)), **options))
         guard = self.guard
 
-        def gated(*args: Any) -> Any:  # the guard inline: no Python call of ours per hook
+        def run(*args: Any) -> Any:  # the guard inline: no Python call of ours per hook
             if self.logging_step:
                 try:
                     return _outside_shelved(hook, *args)
@@ -312,7 +309,7 @@ class HookRegistry(HookOwner):
                     guard.fail(where, error)  # a strict guard re-raises
             return None
 
-        return gated
+        return self.gated_hook(module, run, pre=pre, **options)
 
     def optimizer_step_post_hook(
         self, optimizer: torch.optim.Optimizer, hook: Callable[..., None]

@@ -115,9 +115,8 @@ def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> 
 
 @dataclass(frozen=True)
 class FeatureSummary:
-    """Host-side statistics pooled over every element observed: one array per statistic, a row
-    per name of ``layers``. ``std`` is Bessel-corrected (as ``torch.std``), ``abs_mean`` the mean
-    of ``|x|``, ``nonfinite`` the count of NaN / Inf."""
+    """Host-side statistics pooled over every element observed, an array per statistic with a row
+    per name of ``layers`` (``std`` Bessel-corrected, ``nonfinite`` the count of NaN / Inf)."""
 
     layers: tuple[str, ...]
     mean: np.ndarray
