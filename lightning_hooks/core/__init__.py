@@ -1,5 +1,4 @@
-"""The torch-only core (no Lightning, matplotlib or TensorBoard): hook registry, module
-selection, statistics and accumulators. The public names load on first use (PEP 562)."""
+"""The torch-only core (no Lightning, matplotlib or TensorBoard); its names load on first use."""
 
 from __future__ import annotations
 

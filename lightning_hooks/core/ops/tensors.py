@@ -76,9 +76,8 @@ def iter_float_tensors(output: Any, prefix: str = "") -> Iterator[tuple[str, tor
         >>> [suffix for suffix, _ in iter_float_tensors(out)]
         ['.0', '.1.h']
     """
-    if isinstance(output, torch.Tensor):
-        if output.is_floating_point():
-            yield prefix, output
+    if isinstance(output, torch.Tensor) and output.is_floating_point():
+        yield prefix, output
     elif isinstance(output, list | tuple):
         for i, item in enumerate(output):
             yield from iter_float_tensors(item, f"{prefix}.{i}")
