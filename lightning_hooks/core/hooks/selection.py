@@ -57,8 +57,7 @@ KNOWN_ACTIVATIONS: dict[tuple[str, str], type[nn.Module]] = {
     **{(m, c): t for m in _HF for c, t in _HF_CLASSES.items()},
     **{(m, c): t for m in _TIMM for c, t in _TIMM_CLASSES.items()},
 }
-"""``(defining module, class name)`` of a third-party activation -> the torch class it computes as
-(matched by name: nothing imported)."""
+"""``(defining module, class name)`` of a third-party activation -> the torch class it computes."""
 _SEEN: weakref.WeakKeyDictionary[type, type[nn.Module] | None] = weakref.WeakKeyDictionary()
 
 

@@ -33,9 +33,8 @@ _SumMax = tuple[torch.Tensor, torch.Tensor]
 
 
 class GroupedNorms:
-    """Reads the L2 norms of the gradients of fixed ``params`` (on the CPU bit for bit
-    ``_foreach_norm``'s), stacking the :data:`MAX_GROUPS` largest sets, of at least
-    :data:`MIN_GROUP`, of small non-scalar parameters sharing shape, dtype and device."""
+    """The L2 norms of the gradients of fixed ``params`` (on the CPU ``_foreach_norm``'s bits),
+    small ones of one shape, dtype and device read in at most :data:`MAX_GROUPS` stacks."""
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         kinds: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = {}
