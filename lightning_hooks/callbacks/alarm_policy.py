@@ -48,14 +48,6 @@ def check_actions(on_alarm: Any) -> dict[str, Action]:
         'warn'
         >>> check_actions("warn")["spike"], check_actions({"spike": "warn"})["spike"]
         ('log', 'warn')
-        >>> check_actions("warn")["stall"], check_actions({"stall": "warn"})["stall"]
-        ('log', 'warn')
-        >>> check_actions(None)
-        Traceback (most recent call last):
-        ...
-        TypeError: GradFlowCallback(on_alarm=None): must be one of ('warn', 'stop', 'raise', \
-'skip', 'log') or a mapping {rule: action} with rules in ('spike', 'explosion', 'absolute', \
-'vanishing', 'nonfinite', 'loss_spike', 'diverging', 'stall', 'attention'), got None
     """
     if not isinstance(on_alarm, str | Mapping):
         raise TypeError(
@@ -89,44 +81,20 @@ def check_actions(on_alarm: Any) -> dict[str, Action]:
 
 
 class AlarmPolicy:
-    """Applies ``on_alarm`` to the alarms read on the host, and logs the epoch's alarms.
-
-    - ``log``: counted and logged (counts, spike score, text tab), no warning;
-    - ``warn``: a :class:`~lightning_hooks.errors.GradientAlarmWarning` on rank 0, once per
-      rule and layer per epoch;
-    - ``stop``: warn, and ``trainer.should_stop``; under DDP every rank stops at the same step,
-      agreed on a collective the callback makes anyway;
-    - ``raise``: a :class:`~lightning_hooks.errors.GradientAlarmError`, under DDP on every rank
-      at the same step;
-    - ``skip``: warn, and set the optimizer's gradients to ``None`` so the step is not applied
-      (needs the current step's verdict: :attr:`wait` is true).
-
-    Args:
-        on_alarm: one action for every rule, or ``{rule: action}`` (others warn).
-    """
+    """Applies ``on_alarm`` (see :func:`check_actions`) to the alarms read on the host, and logs
+    the epoch's alarms. A warning comes once per rule and layer per epoch; under DDP a ``stop``
+    or a ``raise`` happens on every rank at the same step."""
 
     def __init__(self, on_alarm: Action | Mapping[str, Action]) -> None:
         self.actions = check_actions(on_alarm)
+        # ``skip`` needs the current step's verdict before the optimizer step (a CUDA sync)
         self.wait = "skip" in self.actions.values()
-        """Read the current step's verdict before the optimizer step (blocking on CUDA)."""
-        self.stop_requested = False
-        """A ``stop`` this rank read, not yet agreed by the ranks (a multi-process run)."""
+        self.stop_requested = False  # a ``stop`` this rank read, not yet agreed by the ranks
         self._warned: set[tuple[str, str]] = set()
         self._logged = 0  # alarms of the epoch's log already written at a logging step
         self._counted: dict[str, int] = {}
-        self.saved: dict[str, Any] | None = None
-        """The alarms' running state between fits, or from a checkpoint."""
+        self.saved: dict[str, Any] | None = None  # the alarms' state between fits, or loaded
         self.loss = LossAgreement(self)
-        """What the loss rules read, and the ranks' agreement carried with it."""
-
-    def keep(self, alarms: GradientAlarms | None) -> None:
-        """Save ``alarms``' state (the hooks are about to be removed)."""
-        if alarms is not None:
-            self.saved = alarms.state_dict()
-
-    def state(self, alarms: GradientAlarms | None) -> dict[str, Any] | None:
-        """The state to checkpoint: the live alarms', else the saved one."""
-        return alarms.state_dict() if alarms is not None else self.saved
 
     def restore(self, alarms: GradientAlarms | None) -> None:
         """Load the saved state into fresh ``alarms``; another model's is dropped with a warning."""
@@ -242,10 +210,9 @@ class LossAgreement:
         self._pending: tuple[torch.Tensor, int, list[tuple[Any, int]]] | None = None
 
     def plan(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
-        """At a fit's start, set :attr:`reading`: ``"own"`` (one process, or no loss rule) or
-        ``"mean"`` (the ranks' mean loss, one ``all_reduce`` per batch, so every rank decides
-        alike). Under manual optimization the first batch where some ranks return no loss turns
-        the rules off on every rank (``"off"``, one warning)."""
+        """At a fit's start, set :attr:`reading`: ``"own"`` (one process, or no loss rule), else
+        ``"mean"`` (one ``all_reduce`` per batch; ``"off"`` from a manual-optimization batch where
+        some ranks return no loss)."""
         self._policy.stop_requested = False
         self.reading = "own"
         self._carrier = None
@@ -260,10 +227,8 @@ class LossAgreement:
     def observe(
         self, trainer: pl.Trainer, alarms: GradientAlarms, outputs: Any, step: int, *, failed: bool
     ) -> list[int] | None:
-        """Under the ``"mean"`` reading, post ``training_step``'s loss to its ``all_reduce``, with
-        this rank's ``failed`` and stop request. Returns ``[ranks failed, ranks stopping]`` once
-        the host copy is read (CPU: at once, CUDA: next batch, on every rank alike), else
-        ``None``."""
+        """Post the loss, ``failed`` and the stop request to the ``all_reduce``; ``[ranks failed,
+        ranks stopping]`` once its host copy is read (CUDA: a batch later), else ``None``."""
         if self.reading != "mean":
             return None
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
@@ -282,8 +247,8 @@ class LossAgreement:
         return [int(sum(s[0][2] for s in sums)), int(sum(s[0][3] for s in sums))] if sums else None
 
     def apply(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
-        """The loss rules on the batch :meth:`observe` carried: the mean loss at once under
-        automatic optimization, once read under manual (if every rank returned a loss)."""
+        """The loss rules on the mean loss :meth:`observe` carried (manual optimization: once
+        read, if every rank returned a loss)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return

@@ -255,11 +255,9 @@ class HookCallback(pl.Callback, _SecondCallback):
     # ``_write_steps`` writes, ``_steps_in_flight``); ``_save_state`` / ``_load_state`` (ValueError
     # if foreign); flags the ranks agree on (``_agreement_flags``; ``_agreed``: True if disabled).
 
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        raise NotImplementedError
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None: ...
 
-    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        raise NotImplementedError
+    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None: ...
 
     def _validate(self, pl_module: pl.LightningModule) -> None: ...
 

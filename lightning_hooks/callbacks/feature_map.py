@@ -150,13 +150,7 @@ class FeatureMapCallback(HookCallback):
             _named(pl_module, "embedding", self.embedding)
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """No training-time hook; a probe taken from a batch is taken afresh each fit."""
-        self._probe, self._labels = self._given
-
-    @override
-    def _detach(self) -> None:
-        """Drop a probe taken from a batch, so the fit's data is not kept after it."""
+    def _detach(self) -> None:  # also before each fit: a probe from a batch is taken afresh
         self._probe, self._labels = self._given
 
     @override

@@ -191,8 +191,8 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _detach(self) -> None:
-        if self._tracker is not None:
-            self.policy.keep(self._tracker.alarms)
+        if self._tracker is not None and self._tracker.alarms is not None:
+            self.policy.saved = self._tracker.alarms.state_dict()  # the hooks are about to go
         super()._detach()
         self._hist = self._stability = self._own_loss = self._on_optimizer_step = None
         self._every_batch = False

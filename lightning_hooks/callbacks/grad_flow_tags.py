@@ -174,7 +174,8 @@ def save_state(callback: GradFlowCallback) -> dict[str, Any]:
     state = {} if tracker is None else tracker.state()
     if callback._stability is not None:
         state["stability"] = callback._stability.host_state()
-    alarm_state = callback.policy.state(tracker.alarms if tracker else None)
+    alarms = None if tracker is None else tracker.alarms
+    alarm_state = callback.policy.saved if alarms is None else alarms.state_dict()
     return state if alarm_state is None else {**state, "alarms": alarm_state}
 
 
