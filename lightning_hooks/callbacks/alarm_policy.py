@@ -274,11 +274,6 @@ class LossAgreement:
             category=LightningHooksWarning,
         )
 
-    @property
-    def carries(self) -> bool:
-        """Whether every batch's loss ``all_reduce`` carries the ranks' agreement."""
-        return self._carrier is not None
-
 
 _CARRIED = 4  # the loss, whether this rank has one, a deferred failure, a stop request
 
@@ -293,15 +288,12 @@ def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
     return all_reduce_sum_(carried)
 
 
-# The ranks' agreement on a failure and a stop, for any callback of ours.
-
-
 def agree_ranks(callback: Any, trainer: pl.Trainer, step: int, always: bool) -> bool:
     """At a logging step (``always``: an epoch end) of a multi-process run, agree on a deferred
     failure and a ``stop`` (one small ``all_reduce``) unless every batch's loss collective
     carries them; whether the callback is now disabled on every rank."""
     guard, policy = callback._hook_guard(), callback.policy
-    carried = policy is not None and callback._tracker is not None and policy.loss.carries
+    carried = policy is not None and callback._tracker is not None and policy.loss.reading == "mean"
     if callback._ranks == 1 or guard.failed is not None or (carried and not always):
         return guard.failed is not None
     stop = policy is not None and policy.stop_requested

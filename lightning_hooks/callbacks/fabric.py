@@ -1,7 +1,5 @@
-"""How our callbacks meet the loop that runs them: Lightning's Trainer (its checks, its two
-namespaces, the per-batch hooks it need not call) and Fabric's, where the callback holds a
-:class:`FabricRun` driving its Trainer hooks from Fabric's (the table in ``docs/fabric.md``).
-"""
+"""How our callbacks meet the loop that runs them: Lightning's Trainer (its checks, namespaces and
+per-batch hooks) and Fabric's, through a :class:`FabricRun` (see ``docs/fabric.md``)."""
 
 from __future__ import annotations
 
@@ -133,9 +131,8 @@ _TRAINER_ONLY: dict[str, str] = {
 
 
 class FabricTrainer:
-    """The attributes of a ``pl.Trainer`` that our callbacks read, over a ``Fabric`` and for one
-    callback: ``global_step`` counts the watched module's optimizer steps, ``current_epoch`` the
-    calls of ``on_train_epoch_end``; ``should_stop`` is unread (``"stop"`` is refused)."""
+    """The attributes of a ``pl.Trainer`` that our callbacks read, over a ``Fabric``; its steps
+    are the watched module's optimizer steps, its epochs the calls of ``on_train_epoch_end``."""
 
     def __init__(self, fabric: Any, callback: Any) -> None:
         # the one attribute of a Trainer's strategy our callbacks read
@@ -158,9 +155,7 @@ def original_module(module: nn.Module) -> nn.Module:
 
 
 def check_fabric(callback: Any, fabric: Any) -> None:
-    """Refuse what a callback cannot do under Fabric, naming why and what works: an unsupported
-    strategy, no logger, a callback needing the Trainer (``MisconfigurationException``), or
-    ``on_alarm`` asking to ``stop`` (``ValueError``)."""
+    """Refuse what a callback cannot do under Fabric, naming why and what works."""
     name = type(callback).__name__
     if name in _TRAINER_ONLY:
         raise MisconfigurationException(

@@ -117,8 +117,7 @@ class FeatureMapCallback(HookCallback):
             )
         # The user's probe is kept for every fit; one taken from a batch belongs to its fit.
         self._given = (probe, probe_labels)
-        self._probe: Any = probe
-        self._labels = probe_labels
+        self._probe, self._labels = self._given
         self._drawn: list[str] = []
 
     @override
@@ -192,10 +191,7 @@ class FeatureMapCallback(HookCallback):
         wanted = [*self._drawn, *([self.embedding] if self.embedding else [])]
         probe = map_tensors(self._probe, lambda x: x.to(pl_module.device))
         with probe_mode(pl_module), capture_outputs(pl_module, wanted, clone=True) as outputs:
-            if self.forward_fn is not None:
-                self.forward_fn(pl_module, probe)
-            else:
-                pl_module(probe)
+            (self.forward_fn or type(pl_module).__call__)(pl_module, probe)
         step = trainer.global_step
         drawn = [(n, outputs[n]) for n in self._drawn if isinstance(outputs.get(n), torch.Tensor)]
         if drawn:  # one copy to the host

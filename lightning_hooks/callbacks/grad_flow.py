@@ -220,7 +220,7 @@ class GradFlowCallback(HookCallback):
     _log_step = tags.post_window
     _steps_in_flight = tags.window_in_flight
     _write_steps = tags.write_window
-    _save_state = tags.save_state
+    state_dict = tags.save_state
     _load_state = tags.load_state
 
 
