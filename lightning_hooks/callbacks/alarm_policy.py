@@ -44,10 +44,8 @@ def check_actions(on_alarm: Any) -> dict[str, Action]:
     named (or the one action is not ``"warn"``); ``"skip"`` warns for the rules it cannot cure.
 
     Example:
-        >>> check_actions("skip")["vanishing"]
-        'warn'
-        >>> check_actions("warn")["spike"], check_actions({"spike": "warn"})["spike"]
-        ('log', 'warn')
+        >>> check_actions("skip")["vanishing"], check_actions("warn")["spike"]
+        ('warn', 'log')
     """
     if not isinstance(on_alarm, str | Mapping):
         raise TypeError(
@@ -155,11 +153,8 @@ class AlarmPolicy:
         """At a logging step: per-rule counts since the last one, and any alarms' text."""
         counts = {rule: n - self._counted.get(rule, 0) for rule, n in alarms.counts.items()}
         self._counted = dict(alarms.counts)
-        log_scalars(
-            trainer.loggers,
-            step_tags({f"grad_flow/alarms/{r}": n for r, n in counts.items()}),
-            step,
-        )
+        tags = step_tags({f"grad_flow/alarms/{r}": n for r, n in counts.items()})
+        log_scalars(trainer.loggers, tags, step)
         new = alarms.log[self._logged :]
         self._logged = len(alarms.log)
         if new and trainer.is_global_zero:
@@ -195,9 +190,6 @@ def _summary(log: list[GradientAlarm], head: str) -> str:
     return "\n".join([head, "", *lines])
 
 
-_LossReading = Literal["own", "mean", "off"]
-
-
 class LossAgreement:
     """Feeds the loss rules (*diverging*, *loss_spike*) ``training_step``'s loss and carries the
     ranks' agreement with it (``policy``: acts on the alarms, holds this rank's stop request)."""
@@ -205,7 +197,7 @@ class LossAgreement:
     def __init__(self, policy: AlarmPolicy) -> None:
         self._policy = policy
         self._carrier: HostMailbox | None = None
-        self.reading: _LossReading = "own"  # what the loss rules read in this fit (:meth:`plan`)
+        self.reading: Literal["own", "mean", "off"] = "own"  # in this fit (:meth:`plan`)
         self._manual = False
         self._pending: tuple[torch.Tensor, int, list[tuple[Any, int]]] | None = None
 
@@ -222,7 +214,7 @@ class LossAgreement:
         # A Fabric loop feeds its loss when it wants (fabric.py): read as manual optimization.
         fabric = getattr(pl_module, "_fabric", None) is not None
         self._manual = fabric or not getattr(pl_module, "automatic_optimization", False)
-        self._carrier = HostMailbox((_CARRIED,), group_device())
+        self._carrier = HostMailbox((4,), group_device())  # what :func:`_carry` sums
 
     def observe(
         self, trainer: pl.Trainer, alarms: GradientAlarms, outputs: Any, step: int, *, failed: bool
@@ -273,9 +265,6 @@ class LossAgreement:
             "without this warning.",
             category=LightningHooksWarning,
         )
-
-
-_CARRIED = 4  # the loss, whether this rank has one, a deferred failure, a stop request
 
 
 def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:

@@ -216,12 +216,46 @@ class GradFlowCallback(HookCallback):
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         tags.write_epoch(self, trainer)
 
-    # What a logging step writes, and the checkpoint state (``grad_flow_tags.py``).
-    _log_step = tags.post_window
-    _steps_in_flight = tags.window_in_flight
     _write_steps = tags.write_window
-    state_dict = tags.save_state
-    _load_state = tags.load_state
+
+    @override
+    def _log_step(self, trainer: pl.Trainer, step: int) -> None:
+        """Post the window of the tracker and the instability statistics."""
+        if self._tracker is None:
+            return
+        self._tracker.post_window(step)
+        if self._stability is not None:
+            self._stability.post_window(step)
+        if self._tracker.alarms is not None:
+            self.policy.log_step(trainer, self._tracker.alarms, step)
+
+    @override
+    def _steps_in_flight(self) -> bool:
+        watched = (self._tracker, self._stability)
+        return any(part is not None and part.window_in_flight for part in watched)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch so far (tracker, instability statistics, alarms), reduced, on the host."""
+        tracker = self._tracker
+        state = {} if tracker is None else tracker.state()
+        if self._stability is not None:
+            state["stability"] = self._stability.host_state()
+        alarms = None if tracker is None else tracker.alarms
+        alarm_state = self.policy.saved if alarms is None else alarms.state_dict()
+        return state if alarm_state is None else {**state, "alarms": alarm_state}
+
+    @override
+    def _load_state(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self.policy.saved = state.pop("alarms", self.policy.saved)
+        stability = state.pop("stability", None)
+        if self._tracker is not None:
+            self.policy.restore(self._tracker.alarms)
+            if state:
+                self._tracker.load_state(state)
+        if self._stability is not None and stability is not None:
+            self._stability.load_host_state(stability)
 
 
 def _check_types(types: ModuleTypes) -> None:
