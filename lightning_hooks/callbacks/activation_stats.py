@@ -116,14 +116,12 @@ class ActivationStatsCallback(StatsCallback):
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        """Warn once about the first module whose output went non-finite (before a logging
-        step's window is posted: the probe reads it)."""
+        """Warn once about the first module whose output went non-finite."""
         if self._tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
             return False
         tracker = self._activations
         tracker.end_step(self._batch_step)
-        found = tracker.first_nonfinite.poll()
-        if found is not None:
+        if (found := tracker.first_nonfinite.poll()) is not None:
             step, row = found
             self._warned_nonfinite = True
             rank_zero_warn(

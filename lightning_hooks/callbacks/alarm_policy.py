@@ -1,6 +1,5 @@
-"""What ``GradFlowCallback`` does when an alarm fires, what its loss rules read (under DDP the
-mean loss over ranks, on one ``all_reduce`` per batch that also carries the ranks' agreement),
-and what every callback's ranks agree on at its logging steps: a failure and a stop."""
+"""What ``GradFlowCallback`` does when an alarm fires, what its loss rules read (under DDP, the
+ranks' mean loss), and what every callback's ranks agree on: a failure and a stop."""
 
 from __future__ import annotations
 
@@ -28,11 +27,9 @@ __all__ = ["AlarmPolicy", "LossAgreement", "agree_ranks", "disable", "settle"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
-# amp_overflow: the GradScaler already acts, so it is counted, never acted on; a transient is
-# only logged.
+# amp_overflow: the GradScaler already acts (counted only); a transient is only logged.
 _ACTIONABLE = tuple(rule for rule in ALARM_RULES if rule not in ("amp_overflow", "transient"))
-# skipping steps cures none of these
-_NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")
+_NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")  # skip cures none
 # Healthy runs show one-step spikes and stalls too (benchmarks/divergence.py): under "warn" they
 # are only logged; a spike that hurts the optimizer is also an *explosion*, which warns.
 _LOGGED = ("spike", "stall")
@@ -191,8 +188,7 @@ def _summary(log: list[GradientAlarm], head: str) -> str:
 
 
 class LossAgreement:
-    """Feeds the loss rules (*diverging*, *loss_spike*) ``training_step``'s loss and carries the
-    ranks' agreement with it (``policy``: acts on the alarms, holds this rank's stop request)."""
+    """Feeds the loss rules ``training_step``'s loss, carrying the ranks' agreement with it."""
 
     def __init__(self, policy: AlarmPolicy) -> None:
         self._policy = policy
@@ -268,8 +264,7 @@ class LossAgreement:
 
 
 def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
-    """``[loss, has loss, failed, stop]`` summed over the ranks on the group's device (the loss
-    moved there without a sync)."""
+    """``[loss, has loss, failed, stop]`` summed over the ranks (the loss moved without a sync)."""
     flags = [0.0, float(loss is not None), float(failed), float(stop)]
     carried = torch.tensor(flags, dtype=torch.float32).to(device=group_device(), non_blocking=True)
     if loss is not None:
@@ -278,9 +273,8 @@ def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
 
 
 def agree_ranks(callback: Any, trainer: pl.Trainer, step: int, always: bool) -> bool:
-    """At a logging step (``always``: an epoch end) of a multi-process run, agree on a deferred
-    failure and a ``stop`` (one small ``all_reduce``) unless every batch's loss collective
-    carries them; whether the callback is now disabled on every rank."""
+    """At a logging step (``always``: an epoch end) of a multi-process run, agree on a failure and
+    a ``stop`` unless every batch's loss collective carries them; whether now disabled."""
     guard, policy = callback._hook_guard(), callback.policy
     carried = policy is not None and callback._tracker is not None and policy.loss.reading == "mean"
     if callback._ranks == 1 or guard.failed is not None or (carried and not always):
@@ -292,8 +286,7 @@ def agree_ranks(callback: Any, trainer: pl.Trainer, step: int, always: bool) -> 
 
 
 def settle(callback: Any, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
-    """Act on the ranks' agreement: stop if any asked; if any failed, disable the callback on
-    every rank (one warning on rank 0 names each rank's hook and error); whether disabled."""
+    """Stop if any rank asked; if any failed, disable the callback on every rank (one warning)."""
     if stopping:
         trainer.should_stop = True
         if callback.policy is not None:

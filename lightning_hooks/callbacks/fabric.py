@@ -3,6 +3,7 @@ per-batch hooks) and Fabric's, through a :class:`FabricRun` (see ``docs/fabric.m
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -29,13 +30,11 @@ __all__ = [
 ]
 
 _NAMESPACES: tuple[tuple[type, type], ...] = ((pl.Trainer, pl.Callback),)  # (Trainer, Callback)
-try:
+with contextlib.suppress(ImportError):
     from lightning.pytorch import Callback as _LightningCallback
     from lightning.pytorch import Trainer as _LightningTrainer
 
     _NAMESPACES += ((_LightningTrainer, _LightningCallback),)
-except ImportError:
-    pass
 
 
 # ``lightning.pytorch.Callback`` if installed and distinct, else ``object`` (each namespace's
@@ -50,8 +49,7 @@ _FSDP2 = (
 
 
 def check_trainer(callback: Any, trainer: pl.Trainer) -> None:
-    """Refuse (``MisconfigurationException``) a strategy whose statistics would be a shard's, or
-    no logger; warn if no logger shows images."""
+    """Refuse a strategy whose statistics would be a shard's, or no logger; warn if no images."""
     name, strategy = type(callback).__name__, type(trainer.strategy).__name__
     names = {c.__name__ for c in type(trainer.strategy).__mro__}  # both namespaces, subclasses
     if names & {"FSDPStrategy", "DeepSpeedStrategy"}:
@@ -192,8 +190,7 @@ _CLIPS = (
 
 
 class FabricRun:
-    """``callback`` watching ``module`` (the user's, inside Fabric's wrapper) of one Fabric loop,
-    from the ``fabric.setup`` that called ``on_after_setup``."""
+    """``callback`` watching ``module`` (the user's, inside Fabric's wrapper) of one Fabric loop."""
 
     def __init__(self, callback: Any, fabric: Any, module: nn.Module) -> None:
         check_fabric(callback, fabric)
@@ -226,8 +223,7 @@ class FabricRun:
             self._wrap_clip(ref, attribute, algorithm, argument)
 
     def _wrap_clip(self, ref: Any, attribute: str, algorithm: str, argument: str) -> None:
-        """Observe the gradients before ``fabric.clip_gradients`` clips them (an instance
-        attribute shadowing the strategy's method until released)."""
+        """Observe the gradients before ``fabric.clip_gradients`` clips them, until released."""
         strategy = self.fabric.strategy
         original = getattr(strategy, attribute)
 

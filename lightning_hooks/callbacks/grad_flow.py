@@ -36,9 +36,8 @@ class GradFlowCallback(HookCallback):
     r"""Per-layer gradient flow (the applied gradient, weights, updates) at each logging step,
     and early-warning alarms (:class:`~lightning_hooks.core.AlarmRules`) on every optimizer step.
 
-    A *layer* is a module owning trainable parameters directly. Each logging step also logs all
-    but the ``*_max`` statistics under ``grad_flow/{stat}_step/...`` and
-    ``grad_flow/alarms_step/{rule}``.
+    A *layer* is a module owning trainable parameters directly. Each logging step also logs
+    the tags but ``*_max`` as ``grad_flow/{stat}_step/...``, ``grad_flow/alarms_step/{rule}``.
 
     Logged metrics, each epoch end (``{layer}``: the module's qualified name, e.g. ``encoder.0``):
 
@@ -268,7 +267,6 @@ def _check_types(types: ModuleTypes) -> None:
 
 
 def _alarm_rules(alarms: AlarmRules | bool) -> AlarmRules | None:
-    """``True``: the default rules; ``False``: none."""
     if not isinstance(alarms, AlarmRules | bool):
         raise TypeError(
             f"GradFlowCallback(alarms={alarms!r}): expected an AlarmRules or a bool, "

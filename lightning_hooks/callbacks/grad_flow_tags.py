@@ -47,8 +47,7 @@ _PERCENTILES = (5, 50, 95)
 def _epoch_scalars(
     stats: LayerTable, max_layers: int | None = None, step: bool = False
 ) -> Iterator[tuple[str, float]]:
-    """``(tag, value)`` of every scalar of an epoch (see ``GradFlowCallback``'s table), or of a
-    logging step (``step``: without the ``*_max`` of a mean, the same value there)."""
+    """``(tag, value)`` of an epoch's scalars, or a logging step's (``step``: without ``*_max``)."""
     last = len(stats.layers) - 1  # the global row
     rows = _logged_rows(stats, max_layers)
     if stats.count[-1, stats.stats.index("grad_norm_preclip")] > 0:  # clipped: the applied one
