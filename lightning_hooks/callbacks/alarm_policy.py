@@ -76,9 +76,8 @@ def check_actions(on_alarm: Any) -> dict[str, Action]:
 
 
 class AlarmPolicy:
-    """Applies ``on_alarm`` (see :func:`check_actions`) to the alarms read on the host, and logs
-    the epoch's alarms. A warning comes once per rule and layer per epoch; under DDP a ``stop``
-    or a ``raise`` happens on every rank at the same step."""
+    """Applies ``on_alarm`` (:func:`check_actions`) to the alarms read on the host, and logs them:
+    a warning once per rule and layer per epoch; under DDP, ``stop`` and ``raise`` on every rank."""
 
     def __init__(self, on_alarm: Action | Mapping[str, Action]) -> None:
         self.actions = check_actions(on_alarm)
@@ -134,13 +133,11 @@ class AlarmPolicy:
         if stop and world_size() == 1:
             trainer.should_stop = True
         elif stop:
-            # Agreed by the ranks on a collective the callback makes anyway (``checks.settle``):
-            # no collective, no host sync here.
+            # agreed on a collective the callback makes anyway (``settle``): no host sync here
             self.stop_requested = True
 
     def _warn_once(self, alarm: GradientAlarm) -> None:
-        key = (alarm.rule, alarm.layer)
-        if key not in self._warned:
+        if (key := (alarm.rule, alarm.layer)) not in self._warned:
             self._warned.add(key)
             warning = GradientAlarmWarning(alarm.message)
             warning.alarm = alarm
@@ -155,8 +152,7 @@ class AlarmPolicy:
         new = alarms.log[self._logged :]
         self._logged = len(alarms.log)
         if new and trainer.is_global_zero:
-            head = f"{len(new)} gradient alarms up to step {step}"
-            log_text(trainer.loggers, "grad_flow/alarms", _summary(new, head), step)
+            log_text(trainer.loggers, "grad_flow/alarms", _summary(new, f"up to step {step}"), step)
 
     def end_epoch(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
         """Act on the last verdicts, then log the epoch's counts and its text summary."""
@@ -169,11 +165,11 @@ class AlarmPolicy:
         scalars["grad_flow/alarms/spike_score"] = alarms.spike_score
         log_scalars(trainer.loggers, scalars, step)
         if trainer.is_global_zero:
-            head = f"{len(log)} gradient alarms in epoch {trainer.current_epoch}"
-            log_text(trainer.loggers, "grad_flow/alarms", _summary(log, head), step)
+            where = f"in epoch {trainer.current_epoch}"
+            log_text(trainer.loggers, "grad_flow/alarms", _summary(log, where), step)
 
 
-def _summary(log: list[GradientAlarm], head: str) -> str:
+def _summary(log: list[GradientAlarm], where: str) -> str:
     lines: list[str] = []
     shown: set[int] = set()
     for alarm in log[:_SUMMARY_LINES]:
@@ -184,7 +180,7 @@ def _summary(log: list[GradientAlarm], head: str) -> str:
             lines += [f"    - {line}" for line in alarm.history_lines()]
     if len(log) > _SUMMARY_LINES:
         lines.append(f"- ... and {len(log) - _SUMMARY_LINES} more")
-    return "\n".join([head, "", *lines])
+    return "\n".join([f"{len(log)} gradient alarms {where}", "", *lines])
 
 
 class LossAgreement:
@@ -235,8 +231,7 @@ class LossAgreement:
         return [int(sum(s[0][2] for s in sums)), int(sum(s[0][3] for s in sums))] if sums else None
 
     def apply(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
-        """The loss rules on the mean loss :meth:`observe` carried (manual optimization: once
-        read, if every rank returned a loss)."""
+        """The loss rules on the ranks' mean loss (manual optimization: once every rank has one)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return

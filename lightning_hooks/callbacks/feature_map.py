@@ -49,12 +49,10 @@ class FeatureMapCallback(HookCallback):
     ==================================  ======================================================
 
     Args:
-        layers: which layers to draw (qualified names or glob patterns; default: every
-            convolution, else every ``Linear``).
+        layers: layer names or glob patterns to draw (default: every convolution, else ``Linear``).
         max_layers: the most layers drawn, spread from input to output.
         channels: the most channels drawn per conv layer.
-        probe: a model input to use as the probe instead of the first ``probe_size`` samples of
-            the first training batch.
+        probe: a model input (default: the first ``probe_size`` samples of the first batch).
         probe_labels: one label per probe sample, for the projector.
         probe_size: how many samples of the first training batch form the probe.
         input_fn: ``batch -> model input``, for batches that are not ``(input, ...)``; without
@@ -62,8 +60,7 @@ class FeatureMapCallback(HookCallback):
         forward_fn: ``(pl_module, probe) -> output``, for a LightningModule without ``forward``
             (default: ``pl_module(probe)``).
         embedding: a layer whose flattened probe outputs go to TensorBoard's projector.
-        every_n_epochs: run the probe (on rank 0, in eval mode under ``no_grad``) at the end of
-            every n-th epoch.
+        every_n_epochs: run the probe (rank 0, eval mode, ``no_grad``) at every n-th epoch's end.
         strict: ``True``: a hook's exception propagates; ``False``: it disables the callback
             with one warning; ``None``: ``LIGHTNING_HOOKS_STRICT``.
 

@@ -82,10 +82,9 @@ class GradFlowCallback(HookCallback):
         histograms: log a histogram of ``log10 |g|`` per layer each epoch (one more pass).
         heatmap: log an image of the gradient norm per layer and epoch each epoch.
         alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
-        on_alarm: ``"warn"``, ``"stop"``, ``"raise"`` or ``"skip"`` for every rule, or a mapping
-            ``{rule: action}`` (:class:`.alarm_policy.AlarmPolicy`); unnamed rules warn, under
-            ``"warn"`` *spike* and *stall* only log, and ``"skip"`` warns for the loss rules,
-            *vanishing*, *stall* and *attention*.
+        on_alarm: ``"warn"``, ``"stop"``, ``"raise"``, ``"skip"`` or ``"log"`` for every rule, or
+            ``{rule: action}``; unnamed rules warn, under ``"warn"`` *spike* and *stall* only log,
+            and ``"skip"`` warns for the loss rules, *vanishing*, *stall* and *attention*.
         every_n_steps: measure on optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``); the alarms run on every step.
         stability: log the instability statistics ``stability/...`` on the logging steps,
@@ -230,8 +229,7 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _steps_in_flight(self) -> bool:
-        watched = (self._tracker, self._stability)
-        return any(part is not None and part.window_in_flight for part in watched)
+        return any(p is not None and p.window_in_flight for p in (self._tracker, self._stability))
 
     @override
     def state_dict(self) -> dict[str, Any]:
