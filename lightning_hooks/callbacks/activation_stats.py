@@ -101,8 +101,7 @@ class ActivationStatsCallback(StatsCallback):
         )
         shape = ActivationShape(types=s.types, include=s.include, exclude=s.exclude, owner=_NAME)
         super().__init__((tracker, shape), every_n_steps=every_n_steps)
-        self.types = types
-        self.include, self.exclude = s.include, s.exclude
+        self.types, self.include, self.exclude = types, s.include, s.exclude
         self.uses_images = self.heatmaps or self.histograms
         self._history: list[tuple[int, FeatureSummary]] = []
         self._warned_nonfinite = False

@@ -195,8 +195,7 @@ class LossAgreement:
 
     def plan(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
         """At a fit's start, set :attr:`reading`: ``"own"`` (one process, or no loss rule), else
-        ``"mean"`` (one ``all_reduce`` per batch; ``"off"`` from a manual-optimization batch where
-        some ranks return no loss)."""
+        ``"mean"`` (one ``all_reduce`` per batch; ``"off"`` from a batch where a rank has none)."""
         self._policy.stop_requested = False
         self.reading = "own"
         self._carrier = None
