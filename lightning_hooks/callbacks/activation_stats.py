@@ -101,8 +101,7 @@ class ActivationStatsCallback(StatsCallback):
         )
         shape = ActivationShape(types=s.types, include=s.include, exclude=s.exclude, owner=_NAME)
         super().__init__((tracker, shape), every_n_steps=every_n_steps)
-        self.types = types
-        self.include, self.exclude = s.include, s.exclude
+        self.types, self.include, self.exclude = types, s.include, s.exclude
         self.uses_images = self.heatmaps or self.histograms
         self._history: list[tuple[int, FeatureSummary]] = []
         self._warned_nonfinite = False
@@ -116,14 +115,12 @@ class ActivationStatsCallback(StatsCallback):
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
-        """Warn once about the first module whose output went non-finite (before a logging
-        step's window is posted: the probe reads it)."""
+        """Warn once about the first module whose output went non-finite."""
         if self._tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
             return False
         tracker = self._activations
         tracker.end_step(self._batch_step)
-        found = tracker.first_nonfinite.poll()
-        if found is not None:
+        if (found := tracker.first_nonfinite.poll()) is not None:
             step, row = found
             self._warned_nonfinite = True
             rank_zero_warn(

@@ -1,6 +1,5 @@
-"""What ``GradFlowCallback`` does when an alarm fires, what its loss rules read (under DDP the
-mean loss over ranks, on one ``all_reduce`` per batch that also carries the ranks' agreement),
-and what every callback's ranks agree on at its logging steps: a failure and a stop."""
+"""What ``GradFlowCallback`` does when an alarm fires, what its loss rules read (under DDP, the
+ranks' mean loss), and what every callback's ranks agree on: a failure and a stop."""
 
 from __future__ import annotations
 
@@ -28,11 +27,9 @@ __all__ = ["AlarmPolicy", "LossAgreement", "agree_ranks", "disable", "settle"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
-# amp_overflow: the GradScaler already acts, so it is counted, never acted on; a transient is
-# only logged.
+# amp_overflow: the GradScaler already acts (counted only); a transient is only logged.
 _ACTIONABLE = tuple(rule for rule in ALARM_RULES if rule not in ("amp_overflow", "transient"))
-# skipping steps cures none of these
-_NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")
+_NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")  # skip cures none
 # Healthy runs show one-step spikes and stalls too (benchmarks/divergence.py): under "warn" they
 # are only logged; a spike that hurts the optimizer is also an *explosion*, which warns.
 _LOGGED = ("spike", "stall")
@@ -44,18 +41,8 @@ def check_actions(on_alarm: Any) -> dict[str, Action]:
     named (or the one action is not ``"warn"``); ``"skip"`` warns for the rules it cannot cure.
 
     Example:
-        >>> check_actions("skip")["vanishing"]
-        'warn'
-        >>> check_actions("warn")["spike"], check_actions({"spike": "warn"})["spike"]
-        ('log', 'warn')
-        >>> check_actions("warn")["stall"], check_actions({"stall": "warn"})["stall"]
-        ('log', 'warn')
-        >>> check_actions(None)
-        Traceback (most recent call last):
-        ...
-        TypeError: GradFlowCallback(on_alarm=None): must be one of ('warn', 'stop', 'raise', \
-'skip', 'log') or a mapping {rule: action} with rules in ('spike', 'explosion', 'absolute', \
-'vanishing', 'nonfinite', 'loss_spike', 'diverging', 'stall', 'attention'), got None
+        >>> check_actions("skip")["vanishing"], check_actions("warn")["spike"]
+        ('warn', 'log')
     """
     if not isinstance(on_alarm, str | Mapping):
         raise TypeError(
@@ -89,44 +76,19 @@ def check_actions(on_alarm: Any) -> dict[str, Action]:
 
 
 class AlarmPolicy:
-    """Applies ``on_alarm`` to the alarms read on the host, and logs the epoch's alarms.
-
-    - ``log``: counted and logged (counts, spike score, text tab), no warning;
-    - ``warn``: a :class:`~lightning_hooks.errors.GradientAlarmWarning` on rank 0, once per
-      rule and layer per epoch;
-    - ``stop``: warn, and ``trainer.should_stop``; under DDP every rank stops at the same step,
-      agreed on a collective the callback makes anyway;
-    - ``raise``: a :class:`~lightning_hooks.errors.GradientAlarmError`, under DDP on every rank
-      at the same step;
-    - ``skip``: warn, and set the optimizer's gradients to ``None`` so the step is not applied
-      (needs the current step's verdict: :attr:`wait` is true).
-
-    Args:
-        on_alarm: one action for every rule, or ``{rule: action}`` (others warn).
-    """
+    """Applies ``on_alarm`` (:func:`check_actions`) to the alarms read on the host, and logs them:
+    a warning once per rule and layer per epoch; under DDP, ``stop`` and ``raise`` on every rank."""
 
     def __init__(self, on_alarm: Action | Mapping[str, Action]) -> None:
         self.actions = check_actions(on_alarm)
+        # ``skip`` needs the current step's verdict before the optimizer step (a CUDA sync)
         self.wait = "skip" in self.actions.values()
-        """Read the current step's verdict before the optimizer step (blocking on CUDA)."""
-        self.stop_requested = False
-        """A ``stop`` this rank read, not yet agreed by the ranks (a multi-process run)."""
+        self.stop_requested = False  # a ``stop`` this rank read, not yet agreed by the ranks
         self._warned: set[tuple[str, str]] = set()
         self._logged = 0  # alarms of the epoch's log already written at a logging step
         self._counted: dict[str, int] = {}
-        self.saved: dict[str, Any] | None = None
-        """The alarms' running state between fits, or from a checkpoint."""
+        self.saved: dict[str, Any] | None = None  # the alarms' state between fits, or loaded
         self.loss = LossAgreement(self)
-        """What the loss rules read, and the ranks' agreement carried with it."""
-
-    def keep(self, alarms: GradientAlarms | None) -> None:
-        """Save ``alarms``' state (the hooks are about to be removed)."""
-        if alarms is not None:
-            self.saved = alarms.state_dict()
-
-    def state(self, alarms: GradientAlarms | None) -> dict[str, Any] | None:
-        """The state to checkpoint: the live alarms', else the saved one."""
-        return alarms.state_dict() if alarms is not None else self.saved
 
     def restore(self, alarms: GradientAlarms | None) -> None:
         """Load the saved state into fresh ``alarms``; another model's is dropped with a warning."""
@@ -171,13 +133,11 @@ class AlarmPolicy:
         if stop and world_size() == 1:
             trainer.should_stop = True
         elif stop:
-            # Agreed by the ranks on a collective the callback makes anyway (``checks.settle``):
-            # no collective, no host sync here.
+            # agreed on a collective the callback makes anyway (``settle``): no host sync here
             self.stop_requested = True
 
     def _warn_once(self, alarm: GradientAlarm) -> None:
-        key = (alarm.rule, alarm.layer)
-        if key not in self._warned:
+        if (key := (alarm.rule, alarm.layer)) not in self._warned:
             self._warned.add(key)
             warning = GradientAlarmWarning(alarm.message)
             warning.alarm = alarm
@@ -187,16 +147,12 @@ class AlarmPolicy:
         """At a logging step: per-rule counts since the last one, and any alarms' text."""
         counts = {rule: n - self._counted.get(rule, 0) for rule, n in alarms.counts.items()}
         self._counted = dict(alarms.counts)
-        log_scalars(
-            trainer.loggers,
-            step_tags({f"grad_flow/alarms/{r}": n for r, n in counts.items()}),
-            step,
-        )
+        tags = step_tags({f"grad_flow/alarms/{r}": n for r, n in counts.items()})
+        log_scalars(trainer.loggers, tags, step)
         new = alarms.log[self._logged :]
         self._logged = len(alarms.log)
         if new and trainer.is_global_zero:
-            head = f"{len(new)} gradient alarms up to step {step}"
-            log_text(trainer.loggers, "grad_flow/alarms", _summary(new, head), step)
+            log_text(trainer.loggers, "grad_flow/alarms", _summary(new, f"up to step {step}"), step)
 
     def end_epoch(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
         """Act on the last verdicts, then log the epoch's counts and its text summary."""
@@ -209,11 +165,11 @@ class AlarmPolicy:
         scalars["grad_flow/alarms/spike_score"] = alarms.spike_score
         log_scalars(trainer.loggers, scalars, step)
         if trainer.is_global_zero:
-            head = f"{len(log)} gradient alarms in epoch {trainer.current_epoch}"
-            log_text(trainer.loggers, "grad_flow/alarms", _summary(log, head), step)
+            where = f"in epoch {trainer.current_epoch}"
+            log_text(trainer.loggers, "grad_flow/alarms", _summary(log, where), step)
 
 
-def _summary(log: list[GradientAlarm], head: str) -> str:
+def _summary(log: list[GradientAlarm], where: str) -> str:
     lines: list[str] = []
     shown: set[int] = set()
     for alarm in log[:_SUMMARY_LINES]:
@@ -224,28 +180,22 @@ def _summary(log: list[GradientAlarm], head: str) -> str:
             lines += [f"    - {line}" for line in alarm.history_lines()]
     if len(log) > _SUMMARY_LINES:
         lines.append(f"- ... and {len(log) - _SUMMARY_LINES} more")
-    return "\n".join([head, "", *lines])
-
-
-_LossReading = Literal["own", "mean", "off"]
+    return "\n".join([f"{len(log)} gradient alarms {where}", "", *lines])
 
 
 class LossAgreement:
-    """Feeds the loss rules (*diverging*, *loss_spike*) ``training_step``'s loss and carries the
-    ranks' agreement with it (``policy``: acts on the alarms, holds this rank's stop request)."""
+    """Feeds the loss rules ``training_step``'s loss, carrying the ranks' agreement with it."""
 
     def __init__(self, policy: AlarmPolicy) -> None:
         self._policy = policy
         self._carrier: HostMailbox | None = None
-        self.reading: _LossReading = "own"  # what the loss rules read in this fit (:meth:`plan`)
+        self.reading: Literal["own", "mean", "off"] = "own"  # in this fit (:meth:`plan`)
         self._manual = False
         self._pending: tuple[torch.Tensor, int, list[tuple[Any, int]]] | None = None
 
     def plan(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
-        """At a fit's start, set :attr:`reading`: ``"own"`` (one process, or no loss rule) or
-        ``"mean"`` (the ranks' mean loss, one ``all_reduce`` per batch, so every rank decides
-        alike). Under manual optimization the first batch where some ranks return no loss turns
-        the rules off on every rank (``"off"``, one warning)."""
+        """At a fit's start, set :attr:`reading`: ``"own"`` (one process, or no loss rule), else
+        ``"mean"`` (one ``all_reduce`` per batch; ``"off"`` from a batch where a rank has none)."""
         self._policy.stop_requested = False
         self.reading = "own"
         self._carrier = None
@@ -255,15 +205,13 @@ class LossAgreement:
         # A Fabric loop feeds its loss when it wants (fabric.py): read as manual optimization.
         fabric = getattr(pl_module, "_fabric", None) is not None
         self._manual = fabric or not getattr(pl_module, "automatic_optimization", False)
-        self._carrier = HostMailbox((_CARRIED,), group_device())
+        self._carrier = HostMailbox((4,), group_device())  # what :func:`_carry` sums
 
     def observe(
         self, trainer: pl.Trainer, alarms: GradientAlarms, outputs: Any, step: int, *, failed: bool
     ) -> list[int] | None:
-        """Under the ``"mean"`` reading, post ``training_step``'s loss to its ``all_reduce``, with
-        this rank's ``failed`` and stop request. Returns ``[ranks failed, ranks stopping]`` once
-        the host copy is read (CPU: at once, CUDA: next batch, on every rank alike), else
-        ``None``."""
+        """Post the loss, ``failed`` and the stop request to the ``all_reduce``; ``[ranks failed,
+        ranks stopping]`` once its host copy is read (CUDA: a batch later), else ``None``."""
         if self.reading != "mean":
             return None
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
@@ -282,8 +230,7 @@ class LossAgreement:
         return [int(sum(s[0][2] for s in sums)), int(sum(s[0][3] for s in sums))] if sums else None
 
     def apply(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
-        """The loss rules on the batch :meth:`observe` carried: the mean loss at once under
-        automatic optimization, once read under manual (if every rank returned a loss)."""
+        """The loss rules on the ranks' mean loss (manual optimization: once every rank has one)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -309,18 +256,9 @@ class LossAgreement:
             category=LightningHooksWarning,
         )
 
-    @property
-    def carries(self) -> bool:
-        """Whether every batch's loss ``all_reduce`` carries the ranks' agreement."""
-        return self._carrier is not None
-
-
-_CARRIED = 4  # the loss, whether this rank has one, a deferred failure, a stop request
-
 
 def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
-    """``[loss, has loss, failed, stop]`` summed over the ranks on the group's device (the loss
-    moved there without a sync)."""
+    """``[loss, has loss, failed, stop]`` summed over the ranks (the loss moved without a sync)."""
     flags = [0.0, float(loss is not None), float(failed), float(stop)]
     carried = torch.tensor(flags, dtype=torch.float32).to(device=group_device(), non_blocking=True)
     if loss is not None:
@@ -328,15 +266,11 @@ def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
     return all_reduce_sum_(carried)
 
 
-# The ranks' agreement on a failure and a stop, for any callback of ours.
-
-
 def agree_ranks(callback: Any, trainer: pl.Trainer, step: int, always: bool) -> bool:
-    """At a logging step (``always``: an epoch end) of a multi-process run, agree on a deferred
-    failure and a ``stop`` (one small ``all_reduce``) unless every batch's loss collective
-    carries them; whether the callback is now disabled on every rank."""
+    """At a logging step (``always``: an epoch end) of a multi-process run, agree on a failure and
+    a ``stop`` unless every batch's loss collective carries them; whether now disabled."""
     guard, policy = callback._hook_guard(), callback.policy
-    carried = policy is not None and callback._tracker is not None and policy.loss.carries
+    carried = policy is not None and callback._tracker is not None and policy.loss.reading == "mean"
     if callback._ranks == 1 or guard.failed is not None or (carried and not always):
         return guard.failed is not None
     stop = policy is not None and policy.stop_requested
@@ -346,8 +280,7 @@ def agree_ranks(callback: Any, trainer: pl.Trainer, step: int, always: bool) -> 
 
 
 def settle(callback: Any, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
-    """Act on the ranks' agreement: stop if any asked; if any failed, disable the callback on
-    every rank (one warning on rank 0 names each rank's hook and error); whether disabled."""
+    """Stop if any rank asked; if any failed, disable the callback on every rank (one warning)."""
     if stopping:
         trainer.should_stop = True
         if callback.policy is not None:

@@ -1,7 +1,5 @@
-"""The base of every callback: the lifecycle (checks, hooks attached and removed, checkpoints,
-the guard), the cadence (logging steps) and the writing (one save of the loggers per
-hook round). A quiet step runs only this module's hooks: a subclass's part is set at ``_attach``.
-"""
+"""The base of every callback: its lifecycle, its logging steps and its writing. A quiet step
+runs only this module's hooks: a subclass's part is set at ``_attach``."""
 
 from __future__ import annotations
 
@@ -44,9 +42,7 @@ _UNSAVED: weakref.WeakSet[pl.Trainer] = weakref.WeakSet()
 
 class HookCallback(pl.Callback, _SecondCallback):
     """Base of the library's callbacks: owns when hooks exist (from ``on_train_start`` to
-    ``on_train_end``, ``on_exception`` or ``teardown``), subclasses own what they measure. A
-    checkpoint's state waits for the hooks, then goes to ``_load_state`` (dropped, warned, if
-    saved for other layers)."""
+    ``on_train_end``, ``on_exception`` or ``teardown``), subclasses own what they measure."""
 
     every_n_steps: int | None = None  # measure steps n-1, 2n-1, ... (None: log_every_n_steps)
     strict: bool | None = None  # a hook's exception: raise, or disable (None: the environment)
@@ -188,10 +184,6 @@ class HookCallback(pl.Callback, _SecondCallback):
             _UNSAVED.discard(trainer)
 
     @override
-    def state_dict(self) -> dict[str, Any]:
-        return self._save_state()
-
-    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending_state = dict(state_dict)
 
@@ -252,14 +244,12 @@ class HookCallback(pl.Callback, _SecondCallback):
 
     # Extend: ``_attach``, ``_log_epoch``; ``_validate`` the model; a logging step's batch
     # (``_batch_started``, ``_batch_ending``: True if disabled) and window (``_log_step`` posts,
-    # ``_write_steps`` writes, ``_steps_in_flight``); ``_save_state`` / ``_load_state`` (ValueError
+    # ``_write_steps`` writes, ``_steps_in_flight``); ``state_dict`` / ``_load_state`` (ValueError
     # if foreign); flags the ranks agree on (``_agreement_flags``; ``_agreed``: True if disabled).
 
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        raise NotImplementedError
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None: ...
 
-    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        raise NotImplementedError
+    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None: ...
 
     def _validate(self, pl_module: pl.LightningModule) -> None: ...
 
@@ -281,9 +271,6 @@ class HookCallback(pl.Callback, _SecondCallback):
     def _steps_in_flight(self) -> bool:
         return False
 
-    def _save_state(self) -> dict[str, Any]:
-        return {}
-
     def _load_state(self, state: dict[str, Any]) -> None: ...
 
     def _agreement_flags(self) -> list[bool]:
@@ -299,8 +286,7 @@ guard_hooks(HookCallback)
 def observe_optimizer_step(
     callback: Any, trainer: pl.Trainer, pl_module: Any, optimizer: Any
 ) -> None:
-    """``on_before_optimizer_step``: measure the gradient ``optimizer`` is about to apply, and
-    act on the alarms read."""
+    """Measure the gradient ``optimizer`` is about to apply, and act on the alarms read."""
     tracker = callback._tracker
     if tracker is None:
         return
@@ -359,8 +345,7 @@ def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
 
 
 def nothing_to_watch(callback: HookCallback, what: str, hint: str = "") -> None:
-    """``callback``'s selection holds no ``what``: a ``ValueError`` if the user gave a selection,
-    else one warning and nothing done this fit."""
+    """Nothing to watch: a ``ValueError`` if the user selected, else one warning and an idle fit."""
     name = type(callback).__name__
     types = getattr(callback, "types", None)
     given = [f"types={types!r}"] if types is not None and types != callback._default_types else []

@@ -1,10 +1,9 @@
-"""How our callbacks meet the loop that runs them: Lightning's Trainer (its checks, its two
-namespaces, the per-batch hooks it need not call) and Fabric's, where the callback holds a
-:class:`FabricRun` driving its Trainer hooks from Fabric's (the table in ``docs/fabric.md``).
-"""
+"""How our callbacks meet the loop that runs them: Lightning's Trainer (its checks, namespaces and
+per-batch hooks) and Fabric's, through a :class:`FabricRun` (see ``docs/fabric.md``)."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -31,13 +30,11 @@ __all__ = [
 ]
 
 _NAMESPACES: tuple[tuple[type, type], ...] = ((pl.Trainer, pl.Callback),)  # (Trainer, Callback)
-try:
+with contextlib.suppress(ImportError):
     from lightning.pytorch import Callback as _LightningCallback
     from lightning.pytorch import Trainer as _LightningTrainer
 
     _NAMESPACES += ((_LightningTrainer, _LightningCallback),)
-except ImportError:
-    pass
 
 
 # ``lightning.pytorch.Callback`` if installed and distinct, else ``object`` (each namespace's
@@ -52,8 +49,7 @@ _FSDP2 = (
 
 
 def check_trainer(callback: Any, trainer: pl.Trainer) -> None:
-    """Refuse (``MisconfigurationException``) a strategy whose statistics would be a shard's, or
-    no logger; warn if no logger shows images."""
+    """Refuse a strategy whose statistics would be a shard's, or no logger; warn if no images."""
     name, strategy = type(callback).__name__, type(trainer.strategy).__name__
     names = {c.__name__ for c in type(trainer.strategy).__mro__}  # both namespaces, subclasses
     if names & {"FSDPStrategy", "DeepSpeedStrategy"}:
@@ -133,9 +129,8 @@ _TRAINER_ONLY: dict[str, str] = {
 
 
 class FabricTrainer:
-    """The attributes of a ``pl.Trainer`` that our callbacks read, over a ``Fabric`` and for one
-    callback: ``global_step`` counts the watched module's optimizer steps, ``current_epoch`` the
-    calls of ``on_train_epoch_end``; ``should_stop`` is unread (``"stop"`` is refused)."""
+    """The attributes of a ``pl.Trainer`` that our callbacks read, over a ``Fabric``; its steps
+    are the watched module's optimizer steps, its epochs the calls of ``on_train_epoch_end``."""
 
     def __init__(self, fabric: Any, callback: Any) -> None:
         # the one attribute of a Trainer's strategy our callbacks read
@@ -158,9 +153,7 @@ def original_module(module: nn.Module) -> nn.Module:
 
 
 def check_fabric(callback: Any, fabric: Any) -> None:
-    """Refuse what a callback cannot do under Fabric, naming why and what works: an unsupported
-    strategy, no logger, a callback needing the Trainer (``MisconfigurationException``), or
-    ``on_alarm`` asking to ``stop`` (``ValueError``)."""
+    """Refuse what a callback cannot do under Fabric, naming why and what works."""
     name = type(callback).__name__
     if name in _TRAINER_ONLY:
         raise MisconfigurationException(
@@ -197,8 +190,7 @@ _CLIPS = (
 
 
 class FabricRun:
-    """``callback`` watching ``module`` (the user's, inside Fabric's wrapper) of one Fabric loop,
-    from the ``fabric.setup`` that called ``on_after_setup``."""
+    """``callback`` watching ``module`` (the user's, inside Fabric's wrapper) of one Fabric loop."""
 
     def __init__(self, callback: Any, fabric: Any, module: nn.Module) -> None:
         check_fabric(callback, fabric)
@@ -231,8 +223,7 @@ class FabricRun:
             self._wrap_clip(ref, attribute, algorithm, argument)
 
     def _wrap_clip(self, ref: Any, attribute: str, algorithm: str, argument: str) -> None:
-        """Observe the gradients before ``fabric.clip_gradients`` clips them (an instance
-        attribute shadowing the strategy's method until released)."""
+        """Observe the gradients before ``fabric.clip_gradients`` clips them, until released."""
         strategy = self.fabric.strategy
         original = getattr(strategy, attribute)
 

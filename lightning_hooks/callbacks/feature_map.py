@@ -49,12 +49,10 @@ class FeatureMapCallback(HookCallback):
     ==================================  ======================================================
 
     Args:
-        layers: which layers to draw (qualified names or glob patterns; default: every
-            convolution, else every ``Linear``).
+        layers: layer names or glob patterns to draw (default: every convolution, else ``Linear``).
         max_layers: the most layers drawn, spread from input to output.
         channels: the most channels drawn per conv layer.
-        probe: a model input to use as the probe instead of the first ``probe_size`` samples of
-            the first training batch.
+        probe: a model input (default: the first ``probe_size`` samples of the first batch).
         probe_labels: one label per probe sample, for the projector.
         probe_size: how many samples of the first training batch form the probe.
         input_fn: ``batch -> model input``, for batches that are not ``(input, ...)``; without
@@ -62,8 +60,7 @@ class FeatureMapCallback(HookCallback):
         forward_fn: ``(pl_module, probe) -> output``, for a LightningModule without ``forward``
             (default: ``pl_module(probe)``).
         embedding: a layer whose flattened probe outputs go to TensorBoard's projector.
-        every_n_epochs: run the probe (on rank 0, in eval mode under ``no_grad``) at the end of
-            every n-th epoch.
+        every_n_epochs: run the probe (rank 0, eval mode, ``no_grad``) at every n-th epoch's end.
         strict: ``True``: a hook's exception propagates; ``False``: it disables the callback
             with one warning; ``None``: ``LIGHTNING_HOOKS_STRICT``.
 
@@ -117,8 +114,7 @@ class FeatureMapCallback(HookCallback):
             )
         # The user's probe is kept for every fit; one taken from a batch belongs to its fit.
         self._given = (probe, probe_labels)
-        self._probe: Any = probe
-        self._labels = probe_labels
+        self._probe, self._labels = self._given
         self._drawn: list[str] = []
 
     @override
@@ -150,13 +146,7 @@ class FeatureMapCallback(HookCallback):
             _named(pl_module, "embedding", self.embedding)
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """No training-time hook; a probe taken from a batch is taken afresh each fit."""
-        self._probe, self._labels = self._given
-
-    @override
-    def _detach(self) -> None:
-        """Drop a probe taken from a batch, so the fit's data is not kept after it."""
+    def _detach(self) -> None:  # also before each fit: a probe from a batch is taken afresh
         self._probe, self._labels = self._given
 
     @override
@@ -198,10 +188,7 @@ class FeatureMapCallback(HookCallback):
         wanted = [*self._drawn, *([self.embedding] if self.embedding else [])]
         probe = map_tensors(self._probe, lambda x: x.to(pl_module.device))
         with probe_mode(pl_module), capture_outputs(pl_module, wanted, clone=True) as outputs:
-            if self.forward_fn is not None:
-                self.forward_fn(pl_module, probe)
-            else:
-                pl_module(probe)
+            (self.forward_fn or type(pl_module).__call__)(pl_module, probe)
         step = trainer.global_step
         drawn = [(n, outputs[n]) for n in self._drawn if isinstance(outputs.get(n), torch.Tensor)]
         if drawn:  # one copy to the host

@@ -36,9 +36,8 @@ class GradFlowCallback(HookCallback):
     r"""Per-layer gradient flow (the applied gradient, weights, updates) at each logging step,
     and early-warning alarms (:class:`~lightning_hooks.core.AlarmRules`) on every optimizer step.
 
-    A *layer* is a module owning trainable parameters directly. Each logging step also logs all
-    but the ``*_max`` statistics under ``grad_flow/{stat}_step/...`` and
-    ``grad_flow/alarms_step/{rule}``.
+    A *layer* is a module owning trainable parameters directly. Each logging step also logs
+    the tags but ``*_max`` as ``grad_flow/{stat}_step/...``, ``grad_flow/alarms_step/{rule}``.
 
     Logged metrics, each epoch end (``{layer}``: the module's qualified name, e.g. ``encoder.0``):
 
@@ -83,10 +82,9 @@ class GradFlowCallback(HookCallback):
         histograms: log a histogram of ``log10 |g|`` per layer each epoch (one more pass).
         heatmap: log an image of the gradient norm per layer and epoch each epoch.
         alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
-        on_alarm: ``"warn"``, ``"stop"``, ``"raise"`` or ``"skip"`` for every rule, or a mapping
-            ``{rule: action}`` (:class:`.alarm_policy.AlarmPolicy`); unnamed rules warn, under
-            ``"warn"`` *spike* and *stall* only log, and ``"skip"`` warns for the loss rules,
-            *vanishing*, *stall* and *attention*.
+        on_alarm: ``"warn"``, ``"stop"``, ``"raise"``, ``"skip"`` or ``"log"`` for every rule, or
+            ``{rule: action}``; unnamed rules warn, under ``"warn"`` *spike* and *stall* only log,
+            and ``"skip"`` warns for the loss rules, *vanishing*, *stall* and *attention*.
         every_n_steps: measure on optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``); the alarms run on every step.
         stability: log the instability statistics ``stability/...`` on the logging steps,
@@ -191,8 +189,8 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _detach(self) -> None:
-        if self._tracker is not None:
-            self.policy.keep(self._tracker.alarms)
+        if self._tracker is not None and self._tracker.alarms is not None:
+            self.policy.saved = self._tracker.alarms.state_dict()  # the hooks are about to go
         super()._detach()
         self._hist = self._stability = self._own_loss = self._on_optimizer_step = None
         self._every_batch = False
@@ -216,12 +214,45 @@ class GradFlowCallback(HookCallback):
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         tags.write_epoch(self, trainer)
 
-    # What a logging step writes, and the checkpoint state (``grad_flow_tags.py``).
-    _log_step = tags.post_window
-    _steps_in_flight = tags.window_in_flight
     _write_steps = tags.write_window
-    _save_state = tags.save_state
-    _load_state = tags.load_state
+
+    @override
+    def _log_step(self, trainer: pl.Trainer, step: int) -> None:
+        """Post the window of the tracker and the instability statistics."""
+        if self._tracker is None:
+            return
+        self._tracker.post_window(step)
+        if self._stability is not None:
+            self._stability.post_window(step)
+        if self._tracker.alarms is not None:
+            self.policy.log_step(trainer, self._tracker.alarms, step)
+
+    @override
+    def _steps_in_flight(self) -> bool:
+        return any(p is not None and p.window_in_flight for p in (self._tracker, self._stability))
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch so far (tracker, instability statistics, alarms), reduced, on the host."""
+        tracker = self._tracker
+        state = {} if tracker is None else tracker.state()
+        if self._stability is not None:
+            state["stability"] = self._stability.host_state()
+        alarms = None if tracker is None else tracker.alarms
+        alarm_state = self.policy.saved if alarms is None else alarms.state_dict()
+        return state if alarm_state is None else {**state, "alarms": alarm_state}
+
+    @override
+    def _load_state(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self.policy.saved = state.pop("alarms", self.policy.saved)
+        stability = state.pop("stability", None)
+        if self._tracker is not None:
+            self.policy.restore(self._tracker.alarms)
+            if state:
+                self._tracker.load_state(state)
+        if self._stability is not None and stability is not None:
+            self._stability.load_host_state(stability)
 
 
 def _check_types(types: ModuleTypes) -> None:
@@ -234,7 +265,6 @@ def _check_types(types: ModuleTypes) -> None:
 
 
 def _alarm_rules(alarms: AlarmRules | bool) -> AlarmRules | None:
-    """``True``: the default rules; ``False``: none."""
     if not isinstance(alarms, AlarmRules | bool):
         raise TypeError(
             f"GradFlowCallback(alarms={alarms!r}): expected an AlarmRules or a bool, "

@@ -1,10 +1,10 @@
 """What ``GradFlowCallback`` writes at its logging steps and epoch ends (scalars, chart, heatmap,
-histograms, instability statistics), and its checkpoint state."""
+histograms, instability statistics)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytorch_lightning as pl
@@ -23,16 +23,7 @@ from lightning_hooks.logging import (
 if TYPE_CHECKING:
     from lightning_hooks.callbacks.grad_flow import GradFlowCallback
 
-__all__ = [
-    "grad_flow_step_scalars",
-    "load_state",
-    "observe_histograms",
-    "post_window",
-    "save_state",
-    "window_in_flight",
-    "write_epoch",
-    "write_window",
-]
+__all__ = ["grad_flow_step_scalars", "observe_histograms", "write_epoch", "write_window"]
 
 # (tag suffix, statistic, reduction over the epoch's optimizer steps)
 _LOGGED: tuple[tuple[str, str, str], ...] = (
@@ -56,8 +47,7 @@ _PERCENTILES = (5, 50, 95)
 def _epoch_scalars(
     stats: LayerTable, max_layers: int | None = None, step: bool = False
 ) -> Iterator[tuple[str, float]]:
-    """``(tag, value)`` of every scalar of an epoch (see ``GradFlowCallback``'s table), or of a
-    logging step (``step``: without the ``*_max`` of a mean, the same value there)."""
+    """``(tag, value)`` of an epoch's scalars, or a logging step's (``step``: without ``*_max``)."""
     last = len(stats.layers) - 1  # the global row
     rows = _logged_rows(stats, max_layers)
     if stats.count[-1, stats.stats.index("grad_norm_preclip")] > 0:  # clipped: the applied one
@@ -133,23 +123,6 @@ def _write_histograms(callback: GradFlowCallback, trainer: pl.Trainer, stats: La
             log_histogram(trainer.loggers, tag, limits, counts[row], trainer.global_step)
 
 
-def post_window(callback: GradFlowCallback, trainer: pl.Trainer, step: int) -> None:
-    """A logging step: post the window of the tracker and the instability statistics."""
-    if callback._tracker is None:
-        return
-    callback._tracker.post_window(step)
-    if callback._stability is not None:
-        callback._stability.post_window(step)
-    if callback._tracker.alarms is not None:
-        callback.policy.log_step(trainer, callback._tracker.alarms, step)
-
-
-def window_in_flight(callback: GradFlowCallback) -> bool:
-    """Whether a posted window is not yet written."""
-    watched = (callback._tracker, callback._stability)
-    return any(part is not None and part.window_in_flight for part in watched)
-
-
 def write_window(callback: GradFlowCallback, trainer: pl.Trainer, wait: bool) -> bool:
     """Write the logging step whose copy is done (``wait``: block for it); whether one was."""
     if (tracker := callback._tracker) is None or (got := tracker.read_window(wait)) is None:
@@ -159,37 +132,11 @@ def write_window(callback: GradFlowCallback, trainer: pl.Trainer, wait: bool) ->
     # Posted right after the tracker's window, at the same step: its copy is done too.
     if (stat := callback._stability) is not None and (window := stat.read_window(wait=True)):
         scalars.update(stat.step_values(window[1]))
-        if tracker.alarms is not None:  # attention collapse: this logging step's measure
+        if (alarms := tracker.alarms) is not None:  # attention collapse: this step's measure
             at, found = window
-            tracker.alarms.update_attention(
-                found["attn_logit_max"], found["attn_entropy_min"], step=at
-            )
+            alarms.update_attention(found["attn_logit_max"], found["attn_entropy_min"], step=at)
     log_scalars(trainer.loggers, step_tags(scalars), step)
     return True
-
-
-def save_state(callback: GradFlowCallback) -> dict[str, Any]:
-    """The epoch so far (tracker, instability statistics, alarms), reduced, on the host."""
-    tracker = callback._tracker
-    state = {} if tracker is None else tracker.state()
-    if callback._stability is not None:
-        state["stability"] = callback._stability.host_state()
-    alarm_state = callback.policy.state(tracker.alarms if tracker else None)
-    return state if alarm_state is None else {**state, "alarms": alarm_state}
-
-
-def load_state(callback: GradFlowCallback, state: dict[str, Any]) -> None:
-    """Restore :func:`save_state` into the freshly attached tracker."""
-    state = dict(state)
-    policy = callback.policy
-    policy.saved = state.pop("alarms", policy.saved)
-    stability = state.pop("stability", None)
-    if callback._tracker is not None:
-        policy.restore(callback._tracker.alarms)
-        if state:
-            callback._tracker.load_state(state)
-    if callback._stability is not None and stability is not None:
-        callback._stability.load_host_state(stability)
 
 
 def write_epoch(callback: GradFlowCallback, trainer: pl.Trainer) -> None:

@@ -79,9 +79,8 @@ class LayerTimeCallback(StatsCallback):
         super()._attach(trainer, pl_module)
 
     @override
-    def _batch_started(self, trainer: pl.Trainer) -> None:
-        if self._tracker is not None:
-            self._timer.start_step(trainer.global_step)
+    def _batch_started(self, trainer: pl.Trainer) -> None:  # only with the hooks attached
+        self._timer.start_step(trainer.global_step)
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:

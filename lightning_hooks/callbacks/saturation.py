@@ -40,8 +40,7 @@ class SaturationCallback(StatsCallback):
 
     Watches ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6`` included) and
     ``Hardsigmoid`` modules. Logged metrics, per epoch (``{layer}``: the module's qualified
-    name); each logging step also logs them with ``_step`` after the statistic, but
-    ``always_saturated_fraction``:
+    name); each logging step also logs all but ``always_saturated_fraction`` as ``{stat}_step``:
 
     ================================================  ==========================================
     Tag                                               Value, over the epoch's training forwards

@@ -168,7 +168,7 @@ class StatsCallback(HookCallback):
             stat.align_rows([rank[i] for rank in new])
 
     @override
-    def _save_state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         if self._ranks > 1:  # a checkpoint between logging steps: rows made since
             self._align_rows()
         return {f"{i}:{type(s).__name__}": s.host_state() for i, s in enumerate(self.attached)}
