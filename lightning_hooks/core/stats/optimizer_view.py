@@ -69,9 +69,12 @@ class OptimizerView:
         # a bound on the global norm clipping by value lets through, over one unit value
         self.scale = sum(p.numel() for p in self.params) ** 0.5
 
-    def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
-        """``[layers + 1, GRAD_STATS]``: false in the gradient columns of layers with no
-        gradient (cached per pattern)."""
+    def valid(self) -> torch.Tensor | None:
+        """``[layers + 1, GRAD_STATS]``, false in the gradient columns of layers with no gradient
+        at this step (cached per pattern); ``None``: no gradient missing."""
+        missing = tuple([p.grad is None for p in self.params])  # one frame, not one per tensor
+        if not any(missing):
+            return None
         mask = self.masks.get(missing)
         if mask is None:
             has = [False] * (len(self.rows) - 1)
@@ -81,11 +84,6 @@ class OptimizerView:
             mask = torch.tensor(table, dtype=torch.bool, device=self.rows.device)
             self.masks[missing] = mask
         return mask
-
-    def valid(self) -> torch.Tensor | None:
-        """:meth:`grad_mask` of this step (``None``: no gradient missing)."""
-        missing = tuple([p.grad is None for p in self.params])  # one frame, not one per tensor
-        return self.grad_mask(missing) if any(missing) else None
 
 
 _SECOND_MOMENT = ("exp_avg_sq", "square_avg", "sum", "exp_avg_sq_row")
