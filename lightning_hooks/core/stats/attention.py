@@ -177,13 +177,8 @@ def attention_head_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def looks_like_attention(module: nn.Module) -> bool:
-    """Whether ``module``'s class is named as attention (not ``nn.MultiheadAttention``).
-
-    Example:
-        >>> class GPT2Attention(nn.Module): ...
-        >>> looks_like_attention(GPT2Attention()), looks_like_attention(nn.Linear(2, 2))
-        (True, False)
-    """
+    """Whether ``module``'s class is named as attention (``GPT2Attention``), but not
+    ``nn.MultiheadAttention``."""
     name = type(module).__name__.lower()
     return not isinstance(module, nn.MultiheadAttention) and ("attention" in name or "attn" in name)
 
@@ -202,20 +197,7 @@ class AttentionCapture(ShelvedMode):
     A ``TorchFunctionMode``, entered by the outermost module of such a forward: it hands each
     sdpa call's logits (and each 4-D softmax's input, in a module that
     :func:`looks_like_attention`) to ``record(name, logits)``, ``name`` the innermost running
-    module not in ``skip``. Not seen: compiled forwards and fused kernels called directly.
-
-    Example:
-        >>> class Attend(nn.Module):
-        ...     def forward(self, x):
-        ...         return functional.scaled_dot_product_attention(x, x, x, is_causal=True)
-        >>> model = nn.Sequential(nn.Linear(4, 4), Attend())
-        >>> seen = []
-        >>> with HookRegistry(model) as registry:
-        ...     _ = AttentionCapture(lambda name, z: seen.append((name, z.shape))).attach(registry)
-        ...     _ = model(torch.randn(2, 3, 4))
-        >>> seen
-        [('1', torch.Size([2, 3, 3]))]
-    """
+    module not in ``skip``. Not seen: compiled forwards and fused kernels called directly."""
 
     def __init__(self, record: Record, skip: Iterable[str] = ()) -> None:
         super().__init__()

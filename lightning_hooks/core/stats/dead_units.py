@@ -147,7 +147,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         )
         self.add_layer_state("fired", reduce="sum")  # per row: sum over calls of fired fraction
         self.add_layer_state("calls", reduce="sum")
-        self.add_unit_state("counts", reduce="sum")
+        self.add_layer_state("counts", reduce="sum", kind="unit")
         if model is not None:
             self.attach(model)
 

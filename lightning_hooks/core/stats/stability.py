@@ -65,8 +65,8 @@ class StabilityStats(LayerStat[Result]):
     def __init__(self) -> None:
         super().__init__()
         self.add_layer_state("attn_max", reduce="max")
-        self.add_unit_state("attn_entropy", reduce="sum")  # per head: the sum of row entropies
-        self.add_unit_state("attn_rows", reduce="sum")  # ... and the rows summed
+        self.add_layer_state("attn_entropy", reduce="sum", kind="unit")  # per head: entropies
+        self.add_layer_state("attn_rows", reduce="sum", kind="unit")  # ... and rows summed
         self.add_layer_state("logz", reduce="sum", width=(2,))  # sum of log Z, positions
         self.add_layer_state("logz_max", reduce="max")
         self._attention: set[str] = set()
@@ -127,9 +127,8 @@ class StabilityStats(LayerStat[Result]):
         """The output layer's ``log Z`` into its row (held for each candidate until known)."""
         if torch.compiler.is_compiling() or (self._output is not None and name != self._output):
             return
-        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
-            return
-        if output.dim() == 0 or output.numel() == 0:
+        floating = isinstance(output, torch.Tensor) and output.is_floating_point()
+        if not floating or output.dim() == 0 or output.numel() == 0:
             return
         logz = logsumexp_rows(output.detach())
         measured = (logz.sum(), logz.numel(), logz.max())

@@ -74,7 +74,7 @@ class RowStates:
     Example:
         >>> states = RowStates()
         >>> states.add_layer_state("seen", reduce="sum")
-        >>> states.add_unit_state("alive", reduce="max", dtype=torch.bool)
+        >>> states.add_layer_state("alive", reduce="max", dtype=torch.bool, kind="unit")
         >>> states.row("encoder"), states.row("head", units=3), states.layers
         (0, 1, ('encoder', 'head'))
         >>> states.seen.shape, states.alive.shape, states.unit_slice(1)
@@ -98,35 +98,13 @@ class RowStates:
         width: Sequence[int] = (),
         dtype: torch.dtype = torch.float64,
         fill: float | None = None,
+        kind: Kind = "layer",
     ) -> None:
-        """Declare a ``[rows, *width]`` state, pooled across ranks by ``reduce``."""
-        self._declare(StateSpec(name, reduce, dtype, tuple(width), "layer", fill))
-
-    def add_unit_state(
-        self,
-        name: str,
-        *,
-        reduce: Reduce,
-        dtype: torch.dtype = torch.float64,
-        fill: float | None = None,
-    ) -> None:
-        """Declare a flat state holding ``units`` entries per row (see :meth:`unit_slice`)."""
-        self._declare(StateSpec(name, reduce, dtype, (), "unit", fill))
-
-    def add_global_state(
-        self,
-        name: str,
-        *,
-        reduce: Reduce,
-        width: Sequence[int] = (1,),
-        dtype: torch.dtype = torch.float64,
-    ) -> None:
-        """Declare one ``[*width]`` state for the whole model (a step count)."""
-        self._declare(StateSpec(name, reduce, dtype, tuple(width), "global"))
-
-    def _declare(self, spec: StateSpec) -> None:
-        self.specs[spec.name] = spec
-        setattr(self, spec.name, self._fresh(spec, 0, self.device))
+        """Declare a state pooled across ranks by ``reduce``: ``[rows, *width]``; with
+        ``kind="unit"`` ``units`` entries per row (:meth:`unit_slice`), with ``"global"`` one
+        ``[*width]`` for the whole model (a step count)."""
+        spec = self.specs[name] = StateSpec(name, reduce, dtype, tuple(width), kind, fill)
+        setattr(self, name, self._fresh(spec, 0, self.device))
 
     def to(self, device: torch.device) -> Self:
         """Move every state to ``device`` (a float64 state is float32 on MPS)."""
