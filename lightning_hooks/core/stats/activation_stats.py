@@ -122,8 +122,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         self.bins, self.histogram_range = histogram_bins, histogram_range
         self.workspace = Workspace()
         self._stats = fused_feature_stats if fused else feature_stats
-        # small outputs are copied in their hooks and measured stacked by shape at drain
-        self._batched = not fused and not histogram_bins
+        self._batched = not fused and not histogram_bins  # small outputs: stacked at drain
         self.add_layer_state("sums", reduce="sum", width=(NUM_SUMS,))
         self.add_layer_state("extremes", reduce="max", width=(2,), dtype=torch.float32)
         if self.bins:

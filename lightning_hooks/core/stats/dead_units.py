@@ -60,7 +60,6 @@ def fired_counts(y: torch.Tensor, dim: int, workspace: Workspace | None = None) 
         >>> fired_counts(torch.tensor([[1.0, 0.0, -2.0], [3.0, 0.0, 0.5]]), dim=1).tolist()
         [2, 0, 1]
     """
-    y = y.detach()
     others = [d for d in range(y.ndim) if d != dim]
     # summed as float32 (exact up to 2**24 elements, faster than bytes on CPU), else as int64
     if y.numel() > _EXACT:
@@ -173,7 +172,6 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         row = self._width_row(name, y.shape[dim])
         self.tally("calls", row)
         if y.numel() <= STACKED and not torch.compiler.is_compiling():
-            # the fired mask, by (shape, unit dimension, device)
             self._defer((y.shape, dim, y.device), row, torch.gt(y.detach(), 0))
             return
         counts = fired_counts(y, dim, self.workspace)

@@ -64,8 +64,7 @@ class OptimizerView:
 
     def __post_init__(self) -> None:
         self.layer_ids = frozenset(self.row_ids[:-1])  # the layout rows it steps, on the host
-        # no parameter listed twice: ``unique`` is every position, in order
-        self.distinct = len(self.unique) == len(self.params)
+        self.distinct = len(self.unique) == len(self.params)  # no parameter listed twice
         # a bound on the global norm clipping by value lets through, over one unit value
         self.scale = sum(p.numel() for p in self.params) ** 0.5
 

@@ -106,8 +106,7 @@ class StabilityStats(LayerStat[Result]):
     def _add_attention(self, name: str, logits: torch.Tensor) -> None:
         peak, total, count = attention_head_entropy(logits)
         row = self.rows.get(name)
-        if row is None:
-            row = self.row(name, units=total.numel())  # a unit per head
+        row = self.row(name, units=total.numel()) if row is None else row  # a unit per head
         self.attn_max[row] = torch.maximum(self.attn_max[row], peak)
         heads, other = self.units[row], total.numel()
         if heads == other:

@@ -51,13 +51,10 @@ def _dtype_on(spec: StateSpec, device: torch.device) -> torch.dtype:
 
 
 def unpack(host: np.ndarray, shapes: dict[str, torch.Size]) -> dict[str, np.ndarray]:
-    """The packed states ``host`` as float64 arrays by name, in ``shapes``' order."""
-    out, offset = {}, 0
-    for name, shape in shapes.items():
-        size = int(np.prod(shape, dtype=np.int64))
-        out[name] = np.array(host[offset : offset + size], dtype=np.float64).reshape(shape)
-        offset += size
-    return out
+    """The packed states ``host`` as float64 arrays by name, in ``shapes``' order (a copy)."""
+    ends = np.cumsum([int(np.prod(shape, dtype=np.int64)) for shape in shapes.values()])
+    parts = np.split(np.array(host, dtype=np.float64), ends[:-1])
+    return {n: part.reshape(s) for (n, s), part in zip(shapes.items(), parts, strict=False)}
 
 
 _POOL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # the ranks' copies, stacked
@@ -183,7 +180,12 @@ class RowStates:
         if [n for n, _ in mine] != list(order):
             per_row = [spec for spec in self.specs.values() if spec.kind != "global"]
             kept = {n: [self._entries(s, self.rows[n]).clone() for s in per_row] for n, _ in mine}
-            self._truncate(self._aligned)
+            aligned, entries = self._aligned, sum(self.units[: self._aligned])
+            for spec in per_row:  # back to the aligned rows, then the new ones in rank order
+                end = entries if spec.kind == "unit" else aligned
+                setattr(self, spec.name, getattr(self, spec.name)[:end].clone())
+            self.rows = {n: i for n, i in self.rows.items() if i < aligned}
+            self.units, self._starts = self.units[:aligned], self._starts[:aligned]
             for name, units in order.items():
                 row = self.row(name, units)
                 for spec, value in zip(per_row, kept.get(name, ()), strict=False):
@@ -193,15 +195,6 @@ class RowStates:
     def _entries(self, spec: StateSpec, row: int) -> torch.Tensor:
         state: torch.Tensor = getattr(self, spec.name)
         return state[row] if spec.kind == "layer" else state[self.unit_slice(row)]
-
-    def _truncate(self, rows: int) -> None:
-        units = sum(self.units[:rows])
-        for spec in self.specs.values():
-            if spec.kind != "global":
-                state: torch.Tensor = getattr(self, spec.name)
-                setattr(self, spec.name, state[: units if spec.kind == "unit" else rows].clone())
-        self.rows = {n: i for n, i in self.rows.items() if i < rows}
-        self.units, self._starts = self.units[:rows], self._starts[:rows]
 
     def unit_slice(self, row: int) -> slice:
         """Where ``row``'s entries lie in a per-unit state."""
