@@ -47,14 +47,8 @@ SCALARS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite"
 
 
 def default_feature_module(name: str, module: nn.Module) -> bool:
-    """The default selection: modules owning a parameter directly, and activation modules.
-
-    Example:
-        >>> default_feature_module("0", nn.Linear(2, 2)), default_feature_module("1", nn.ReLU())
-        (True, True)
-        >>> default_feature_module("2", nn.Sequential()), default_feature_module("3", nn.Dropout())
-        (False, False)
-    """
+    """The default selection: modules owning a parameter directly (not a container through its
+    children), and activation modules (:data:`ACTIVATION_MODULES`)."""
     return owns_parameters(module) or is_kind(module, ACTIVATION_MODULES)
 
 

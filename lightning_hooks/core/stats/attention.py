@@ -201,8 +201,7 @@ class AttentionCapture(ShelvedMode):
 
     def __init__(self, record: Record, skip: Iterable[str] = ()) -> None:
         super().__init__()
-        self._record = record
-        self._skip = set(skip)
+        self._record, self._skip = record, set(skip)
         self._stack: list[tuple[str, nn.Module, bool]] = []  # and whether its caller was live
         self._live = False  # whether the innermost module's own forward is running
         self._callers: list[bool] = []  # between a call's first and last pre-hook: the caller's

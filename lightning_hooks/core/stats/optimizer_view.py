@@ -258,7 +258,6 @@ class UpdateRatio:
         """After the step: each layer's ratio, and the alarms' *stall* reading (adaptive only)."""
         if view.weight_norm is None:
             return
-        num_layers = len(view.rows) - 1
         after = [to_local(p) for p in view.params]
         if alarms is not None and adaptive(optimizer, view.params):
             # before update_norms, which overwrites view.before; a logging step only
@@ -266,8 +265,8 @@ class UpdateRatio:
             applied: list[torch.Tensor | None] = [
                 to_local(p.grad) if p.grad is not None else None for p in view.params
             ]
-            typical = typical_update(view.before, after, applied)
-            alarms.update_stall(typical, lr, step=step)
+            alarms.update_stall(typical_update(view.before, after, applied), lr, step=step)
+        num_layers = len(view.rows) - 1
         upd = update_norms(
             view.before, after, view.index, num_layers, unique=view.unique, shards=self.shards
         )

@@ -189,8 +189,7 @@ class OutputGradients:
         for other in self.optimizers:
             first = self.views.first_param(other) if other is not optimizer else None
             if first is not None:
-                grad = first.grad
-                self._markers[id(other)] = weakref.ref(grad) if grad is not None else None
+                self._markers[id(other)] = None if first.grad is None else weakref.ref(first.grad)
 
     def _clear_unowned(self) -> None:
         """Zero the sums of rows no optimizer steps: a layer unfrozen later counts from then."""

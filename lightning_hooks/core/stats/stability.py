@@ -79,9 +79,8 @@ class StabilityStats(LayerStat[Result]):
 
     def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
         """Find the output layer anew; capture the attention of the other modules."""
-        self._output, self._last, self._candidates = None, None, {}
+        self._output, self._last, self._candidates, self._checked = None, None, {}, False
         self._capture = AttentionCapture(self._add_attention, self._attention).attach(registry)
-        self._checked = False
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """Every ``nn.MultiheadAttention`` and every module owning parameters directly."""

@@ -66,17 +66,7 @@ _POOL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # the ranks' copie
 
 
 class RowStates:
-    """Per-layer states: declared, grown a row at a time, aligned and reduced across ranks.
-
-    Example:
-        >>> states = RowStates()
-        >>> states.add_layer_state("seen", reduce="sum")
-        >>> states.add_layer_state("alive", reduce="max", dtype=torch.bool, kind="unit")
-        >>> states.row("encoder"), states.row("head", units=3), states.layers
-        (0, 1, ('encoder', 'head'))
-        >>> states.seen.shape, states.alive.shape, states.unit_slice(1)
-        (torch.Size([2]), torch.Size([3]), slice(0, 3, None))
-    """
+    """Per-layer states: declared, grown a row at a time, aligned and reduced across ranks."""
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
