@@ -105,11 +105,9 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         if replicated and rank() != 0:
             return
         cols = columns if isinstance(columns, slice) else list(columns)
-        at: tuple[Any, ...]
-        if rows is None:
-            at = (slice(None), cols)
-        else:
-            at = (rows, cols) if isinstance(cols, slice) else (rows[:, None], cols)
+        if rows is not None and not isinstance(cols, slice):
+            rows = rows[:, None]  # with a list of columns: the rows' cells, not a diagonal
+        at = (slice(None) if rows is None else rows, cols)
         if values.dim() == 2:  # one step
             values, valid = values[None], None if valid is None else valid[None]
         if values.shape[0] == 0:
@@ -123,8 +121,7 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
 
     def summarize(self, states: dict[str, np.ndarray]) -> LayerTable:
         total, peak, count = states["total"], states["peak"], states["count"]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            mean = np.where(count > 0, total / np.maximum(count, 1), np.nan)
+        mean = np.where(count > 0, total / np.maximum(count, 1), np.nan)
         peak = np.where(count > 0, peak, np.nan)
         return LayerTable(self.layers, self.stats, mean, peak, total, count)
 
@@ -138,17 +135,7 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         }
 
     def host_state(self) -> dict[str, Any]:
-        """The reduced host states, for a checkpoint (a collective, like :meth:`result`).
-
-        Example:
-            >>> acc = LayerStatsAccumulator(["a"], ["x"])
-            >>> acc.update(torch.tensor([[2.0]]))
-            >>> state = acc.host_state()
-            >>> fresh = LayerStatsAccumulator(["a"], ["x"])
-            >>> fresh.load_host_state(state)
-            >>> fresh.result().total.tolist()
-            [[2.0]]
-        """
+        """The reduced host states, for a checkpoint (a collective, like :meth:`result`)."""
         return {**super().host_state(), "stats": list(self.stats)}
 
     def load_host_state(self, state: dict[str, Any]) -> None:

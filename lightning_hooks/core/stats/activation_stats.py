@@ -47,14 +47,8 @@ SCALARS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite"
 
 
 def default_feature_module(name: str, module: nn.Module) -> bool:
-    """The default selection: modules owning a parameter directly, and activation modules.
-
-    Example:
-        >>> default_feature_module("0", nn.Linear(2, 2)), default_feature_module("1", nn.ReLU())
-        (True, True)
-        >>> default_feature_module("2", nn.Sequential()), default_feature_module("3", nn.Dropout())
-        (False, False)
-    """
+    """The default selection: modules owning a parameter directly (not a container through its
+    children), and activation modules (:data:`ACTIVATION_MODULES`)."""
     return owns_parameters(module) or is_kind(module, ACTIVATION_MODULES)
 
 
@@ -122,8 +116,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
         self.bins, self.histogram_range = histogram_bins, histogram_range
         self.workspace = Workspace()
         self._stats = fused_feature_stats if fused else feature_stats
-        # small outputs are copied in their hooks and measured stacked by shape at drain
-        self._batched = not fused and not histogram_bins
+        self._batched = not fused and not histogram_bins  # small outputs: stacked at drain
         self.add_layer_state("sums", reduce="sum", width=(NUM_SUMS,))
         self.add_layer_state("extremes", reduce="max", width=(2,), dtype=torch.float32)
         if self.bins:

@@ -44,16 +44,7 @@ def sdpa_logit_chunks(
 ) -> Iterator[torch.Tensor]:
     """The float32 logits ``[..., L, S]`` that ``scaled_dot_product_attention``'s softmax sees
     (its arguments act as in sdpa; ``value`` and ``dropout_p`` play no part), in chunks of query
-    rows (see :func:`logit_chunks`).
-
-    Example:
-        >>> q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
-        >>> chunks = list(sdpa_logit_chunks(q, k, is_causal=True, budget=2 * 4 * 6 * 2))
-        >>> [c.shape[-2] for c in chunks]
-        [2, 2, 2]
-        >>> bool(chunks[0][0, 0, 0, 1] == -torch.inf)
-        True
-    """
+    rows (see :func:`logit_chunks`)."""
     q, k = query.float(), key.float()
     if enable_gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
@@ -119,13 +110,7 @@ def mha_logit_chunks(
 ) -> Iterator[torch.Tensor]:
     """The pre-softmax logits ``[N, H, L, S']`` that ``mha``'s softmax sees (masks, ``bias_k``
     and ``add_zero_attn`` included) given ``mha.forward``'s own arguments, a chunk of query rows
-    at a time (at most ``budget`` elements, default :data:`LOGIT_BUDGET`).
-
-    Example:
-        >>> mha = nn.MultiheadAttention(4, 2, batch_first=True)
-        >>> [c.shape for c in mha_logit_chunks(mha, torch.randn(3, 5, 4), torch.randn(3, 6, 4))]
-        [torch.Size([3, 2, 5, 6])]
-    """
+    at a time (at most ``budget`` elements, default :data:`LOGIT_BUDGET`)."""
     if query.dim() == 2:  # unbatched: [L, E]
         query, key = query.unsqueeze(1), key.unsqueeze(1)
         key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
@@ -178,14 +163,7 @@ def _mha_projections(
 
 def attention_head_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(largest logit, per-head entropy sum, per-head row count)`` of logits ``[..., H, L, S]``,
-    sums that pool exactly over calls and ranks; rows of only ``-inf`` are left out. No sync.
-
-    Example:
-        >>> logits = torch.tensor([[[0.0, 0.0], [5.0, -torch.inf]], [[1.0, 1.0], [1.0, 1.0]]])
-        >>> peak, total, rows = attention_head_entropy(logits)
-        >>> float(peak), [round(float(t), 4) for t in total], rows.tolist()
-        (5.0, [0.6931, 1.3863], [2.0, 2.0])
-    """
+    sums that pool exactly over calls and ranks; rows of only ``-inf`` are left out. No sync."""
     logits = logits.float()
     if logits.dim() < 3:  # one head
         logits = logits.unsqueeze(0) if logits.dim() == 2 else logits.view(1, 1, -1)
@@ -199,13 +177,8 @@ def attention_head_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def looks_like_attention(module: nn.Module) -> bool:
-    """Whether ``module``'s class is named as attention (not ``nn.MultiheadAttention``).
-
-    Example:
-        >>> class GPT2Attention(nn.Module): ...
-        >>> looks_like_attention(GPT2Attention()), looks_like_attention(nn.Linear(2, 2))
-        (True, False)
-    """
+    """Whether ``module``'s class is named as attention (``GPT2Attention``), but not
+    ``nn.MultiheadAttention``."""
     name = type(module).__name__.lower()
     return not isinstance(module, nn.MultiheadAttention) and ("attention" in name or "attn" in name)
 
@@ -224,32 +197,16 @@ class AttentionCapture(ShelvedMode):
     A ``TorchFunctionMode``, entered by the outermost module of such a forward: it hands each
     sdpa call's logits (and each 4-D softmax's input, in a module that
     :func:`looks_like_attention`) to ``record(name, logits)``, ``name`` the innermost running
-    module not in ``skip``. Not seen: compiled forwards and fused kernels called directly.
-
-    Example:
-        >>> class Attend(nn.Module):
-        ...     def forward(self, x):
-        ...         return functional.scaled_dot_product_attention(x, x, x, is_causal=True)
-        >>> model = nn.Sequential(nn.Linear(4, 4), Attend())
-        >>> seen = []
-        >>> with HookRegistry(model) as registry:
-        ...     _ = AttentionCapture(lambda name, z: seen.append((name, z.shape))).attach(registry)
-        ...     _ = model(torch.randn(2, 3, 4))
-        >>> seen
-        [('1', torch.Size([2, 3, 3]))]
-    """
+    module not in ``skip``. Not seen: compiled forwards and fused kernels called directly."""
 
     def __init__(self, record: Record, skip: Iterable[str] = ()) -> None:
         super().__init__()
-        self._record = record
-        self._skip = set(skip)
+        self._record, self._skip = record, set(skip)
         self._stack: list[tuple[str, nn.Module, bool]] = []  # and whether its caller was live
         self._live = False  # whether the innermost module's own forward is running
         self._callers: list[bool] = []  # between a call's first and last pre-hook: the caller's
-        self.seen: set[str] = set()
-        """Names of the modules whose attention was recorded."""
-        self.guarded_see: Callable[..., None] = self.see
-        """:meth:`see` under the registry's guard once attached (no error into the forward)."""
+        self.seen: set[str] = set()  # the modules whose attention was recorded
+        self.guarded_see: Callable[..., None] = self.see  # under the registry's guard once attached
 
     def __torch_function__(
         self,

@@ -34,12 +34,7 @@ RELU_FAMILY: tuple[type[nn.Module], ...] = (
 
 def unit_dim(module: nn.Module, ndim: int) -> int:
     """The dimension of a module's ``ndim``-d output that indexes its units: 1 for convolutions
-    and batch norms, the last for linear layers, else the last up to 3-d and 1 from 4-d.
-
-    Example:
-        >>> unit_dim(nn.Conv1d(2, 3, 1), 3), unit_dim(nn.ReLU(), 3), unit_dim(nn.ReLU(), 4)
-        (1, 2, 1)
-    """
+    and batch norms, the last for linear layers, else the last up to 3-d and 1 from 4-d."""
     if isinstance(module, _ConvNd | _BatchNorm) and ndim >= 2:
         return 1
     if isinstance(module, nn.Linear) or ndim <= 3:
@@ -48,19 +43,13 @@ def unit_dim(module: nn.Module, ndim: int) -> int:
 
 
 _WIDTHS = 4  # widths one module may have (a row each) before its unit dimension is refused
-
 _EXACT = 2**24  # float32 holds every integer up to this exactly
 
 
 @torch.no_grad()
 def fired_counts(y: torch.Tensor, dim: int, workspace: Workspace | None = None) -> torch.Tensor:
-    """``[units]`` integers: how many entries of each unit of ``y`` are ``> 0`` (fired).
-
-    Example:
-        >>> fired_counts(torch.tensor([[1.0, 0.0, -2.0], [3.0, 0.0, 0.5]]), dim=1).tolist()
-        [2, 0, 1]
-    """
-    y = y.detach()
+    """``[units]`` integers: how many entries of each unit (along ``dim``) of ``y`` are ``> 0``
+    (fired)."""
     others = [d for d in range(y.ndim) if d != dim]
     # summed as float32 (exact up to 2**24 elements, faster than bytes on CPU), else as int64
     if y.numel() > _EXACT:
@@ -147,7 +136,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         )
         self.add_layer_state("fired", reduce="sum")  # per row: sum over calls of fired fraction
         self.add_layer_state("calls", reduce="sum")
-        self.add_unit_state("counts", reduce="sum")
+        self.add_layer_state("counts", reduce="sum", kind="unit")
         if model is not None:
             self.attach(model)
 
@@ -173,7 +162,6 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         row = self._width_row(name, y.shape[dim])
         self.tally("calls", row)
         if y.numel() <= STACKED and not torch.compiler.is_compiling():
-            # the fired mask, by (shape, unit dimension, device)
             self._defer((y.shape, dim, y.device), row, torch.gt(y.detach(), 0))
             return
         counts = fired_counts(y, dim, self.workspace)

@@ -56,11 +56,10 @@ def _check_args(
         shown = f"{type(optimizers).__name__}(...)"  # an optimizer's repr spans many lines
         raise TypeError(f"GradFlowTracker(optimizers={shown}): must be {expected}, got {shown}")
     checked = list(optimizers)
-    for item in checked:
-        if not isinstance(item, torch.optim.Optimizer):
-            raise TypeError(
-                f"GradFlowTracker(optimizers=[...]): must be {expected}, got an item {item!r}"
-            )
+    bad = [item for item in checked if not isinstance(item, torch.optim.Optimizer)]
+    if bad:
+        got = f"got an item {bad[0]!r}"
+        raise TypeError(f"GradFlowTracker(optimizers=[...]): must be {expected}, {got}")
     for name, flag in flags.items():
         checks.boolean("GradFlowTracker", name, flag)
     if alarms is not None and not isinstance(alarms, AlarmRules):
@@ -134,16 +133,13 @@ class GradFlowTracker(HookOwner):
         self.shards = ShardPlan.from_params(self.layout.params)
         self._stats = ViewStats(self.shards, Workspace())  # the |g| pass's buffer, reused
         rows = (*self.layout.layers, GLOBAL)
-        self.accumulator = LayerStatsAccumulator(rows, GRAD_FLOW_STATS)
-        self.accumulator.to(device)
+        self.accumulator = LayerStatsAccumulator(rows, GRAD_FLOW_STATS).to(device)
         self._optimizers = optimizers
         self._views = OptimizerViews(self.layout, update_ratio=update_ratio)
         self._outputs = OutputGradients(self.accumulator, _OUTPUT, self._optimizers, self._views)
         self._updates = UpdateRatio(self.accumulator, _UPDATE, self.shards)
-        self._output_grad = output_grad
-        self._post_clip = post_clip
-        self._step = 0  # the step of the last observe, which the step post-hook follows
-        self._calls = 0
+        self._output_grad, self._post_clip = output_grad, post_clip
+        self._step = self._calls = 0  # the last observe's step (the post-hook's); its calls
         self.alarms = GradientAlarms(rows, alarms, device) if alarms is not None else None
         self._sentinel = _SentinelRead(self.alarms, self._stats, self._outputs.order, clip)
         if output_grad:
@@ -172,9 +168,8 @@ class GradFlowTracker(HookOwner):
             param_grad_scale: the loss scale the parameter gradients still carry, or ``None``.
             step: the optimizer step the alarms name and count (default: calls from 0).
         """
-        step = self._calls if step is None else step
+        self._step = step = self._calls if step is None else step
         self._calls += 1
-        self._step = step
         logging_step = self.registry.logging_step
         alarms = self.alarms  # when their cadence runs them at this step
         if alarms is not None and step % alarms.rules.every_n_steps:
@@ -189,11 +184,8 @@ class GradFlowTracker(HookOwner):
         if alarms is not None and alarms.evaluated < alarms.rules.diverge_early:  # from step 1
             alarms.set_adaptive(adaptive(optimizer, view.params))
         amp = grad_scale is not None
-        if (
-            alarms
-            and param_grad_scale is None
-            and self._sentinel.quiet(view, logging_step, amp, step)
-        ):
+        sentinel = alarms and param_grad_scale is None
+        if sentinel and self._sentinel.quiet(view, logging_step, amp, step):
             return
         valid = view.valid()
         stats = self._read_stats(view, logging_step, param_grad_scale)

@@ -42,11 +42,11 @@ class LayerTimes:
         return self.forward_ms / self.step_ms
 
 
+@dataclass(frozen=True)
 class _Clock:
     """``perf_counter`` readings, or CUDA events on the current stream (read after a sync)."""
 
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
+    cuda: bool
 
     def mark(self) -> Any:
         if not self.cuda:
@@ -104,8 +104,8 @@ class LayerTimer(LayerStat[LayerTimes]):
         self._clock = _Clock(cuda=False)
         self.add_layer_state("forward_ms", reduce="sum")
         self.add_layer_state("calls", reduce="sum")
-        self.add_global_state("step_ms", reduce="sum")
-        self.add_global_state("steps", reduce="sum")
+        self.add_layer_state("step_ms", reduce="sum", width=(1,), kind="global")
+        self.add_layer_state("steps", reduce="sum", width=(1,), kind="global")
         self._clear_host()
         if model is not None:
             self.attach(model)

@@ -64,14 +64,16 @@ class OptimizerView:
 
     def __post_init__(self) -> None:
         self.layer_ids = frozenset(self.row_ids[:-1])  # the layout rows it steps, on the host
-        # no parameter listed twice: ``unique`` is every position, in order
-        self.distinct = len(self.unique) == len(self.params)
+        self.distinct = len(self.unique) == len(self.params)  # no parameter listed twice
         # a bound on the global norm clipping by value lets through, over one unit value
         self.scale = sum(p.numel() for p in self.params) ** 0.5
 
-    def grad_mask(self, missing: tuple[bool, ...]) -> torch.Tensor:
-        """``[layers + 1, GRAD_STATS]``: false in the gradient columns of layers with no
-        gradient (cached per pattern)."""
+    def valid(self) -> torch.Tensor | None:
+        """``[layers + 1, GRAD_STATS]``, false in the gradient columns of layers with no gradient
+        at this step (cached per pattern); ``None``: no gradient missing."""
+        missing = tuple([p.grad is None for p in self.params])  # one frame, not one per tensor
+        if not any(missing):
+            return None
         mask = self.masks.get(missing)
         if mask is None:
             has = [False] * (len(self.rows) - 1)
@@ -81,11 +83,6 @@ class OptimizerView:
             mask = torch.tensor(table, dtype=torch.bool, device=self.rows.device)
             self.masks[missing] = mask
         return mask
-
-    def valid(self) -> torch.Tensor | None:
-        """:meth:`grad_mask` of this step (``None``: no gradient missing)."""
-        missing = tuple([p.grad is None for p in self.params])  # one frame, not one per tensor
-        return self.grad_mask(missing) if any(missing) else None
 
 
 _SECOND_MOMENT = ("exp_avg_sq", "square_avg", "sum", "exp_avg_sq_row")
@@ -261,7 +258,6 @@ class UpdateRatio:
         """After the step: each layer's ratio, and the alarms' *stall* reading (adaptive only)."""
         if view.weight_norm is None:
             return
-        num_layers = len(view.rows) - 1
         after = [to_local(p) for p in view.params]
         if alarms is not None and adaptive(optimizer, view.params):
             # before update_norms, which overwrites view.before; a logging step only
@@ -269,8 +265,8 @@ class UpdateRatio:
             applied: list[torch.Tensor | None] = [
                 to_local(p.grad) if p.grad is not None else None for p in view.params
             ]
-            typical = typical_update(view.before, after, applied)
-            alarms.update_stall(typical, lr, step=step)
+            alarms.update_stall(typical_update(view.before, after, applied), lr, step=step)
+        num_layers = len(view.rows) - 1
         upd = update_norms(
             view.before, after, view.index, num_layers, unique=view.unique, shards=self.shards
         )

@@ -136,8 +136,7 @@ class OutputGradients:
         self._markers: dict[int, weakref.ref[torch.Tensor] | None] = {}
         self._unowned: torch.Tensor | None = None  # rows no optimizer steps (frozen)
         self._unowned_at = -1  # the views' generation ``_unowned`` was made for
-        # Under DDP only: each step's [squared output-grad norm | hit, layers], reduced at drain().
-        self._series: list[torch.Tensor] = []
+        self._series: list[torch.Tensor] = []  # DDP: each step's [squares | hits, layers]
 
     def hook(
         self, registry: HookRegistry, modules: Sequence[tuple[str, nn.Module]], model: nn.Module
@@ -172,7 +171,6 @@ class OutputGradients:
         self, optimizer: torch.optim.Optimizer, view: OptimizerView, grad_scale: torch.Tensor | None
     ) -> None:
         """A logging step of ``optimizer``: its rows' output gradients into the accumulator."""
-        # what the eager gradient hooks noted and the compiled regions added, into ``_sq``
         _sum_noted(self._noted, self._hits)
         for row, fresh in self._extra:
             self._compiled_sq[row].add_(fresh)
@@ -191,14 +189,12 @@ class OutputGradients:
         for other in self.optimizers:
             first = self.views.first_param(other) if other is not optimizer else None
             if first is not None:
-                grad = first.grad
-                self._markers[id(other)] = weakref.ref(grad) if grad is not None else None
+                self._markers[id(other)] = None if first.grad is None else weakref.ref(first.grad)
 
     def _clear_unowned(self) -> None:
         """Zero the sums of rows no optimizer steps: a layer unfrozen later counts from then."""
-        # a param_groups change bumps the generation
         owned: set[int] = set().union(*map(self.views.layers, self.optimizers))
-        if self._unowned is None or self._unowned_at != self.views.generation:
+        if self._unowned is None or self._unowned_at != self.views.generation:  # groups changed
             rows = [i for i in range(self._sq.shape[0]) if i not in owned]
             self._unowned = torch.tensor(rows, dtype=torch.long, device=self._sq.device)
             self._unowned_at = self.views.generation

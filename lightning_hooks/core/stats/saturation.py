@@ -105,14 +105,12 @@ class SaturationStats:
     @property
     def saturated_fraction(self) -> np.ndarray:
         """Saturated entries over entries (``NaN`` for a layer that never ran)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self.entries > 0, self.saturated / self.entries, np.nan)
+        return np.where(self.entries > 0, self.saturated / np.maximum(self.entries, 1), np.nan)
 
     @property
     def always_saturated_fraction(self) -> np.ndarray:
         """Always-saturated units over units (``NaN`` for a layer that never ran)."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self.entries > 0, self.always_saturated / self.units, np.nan)
+        return np.where(self.entries > 0, self.always_saturated / np.maximum(self.units, 1), np.nan)
 
 
 class SaturationTracker(LayerStat[SaturationStats]):
@@ -157,7 +155,7 @@ class SaturationTracker(LayerStat[SaturationStats]):
         self.owner, self.unit_dim, self.margin = owner, unit_dim, margin
         self.add_layer_state("saturated", reduce="sum", dtype=torch.int64)
         self.add_layer_state("entries", reduce="sum", dtype=torch.int64)
-        self.add_unit_state("unsaturated", reduce="max", dtype=torch.bool)
+        self.add_layer_state("unsaturated", reduce="max", dtype=torch.bool, kind="unit")
         if model is not None:
             self.attach(model)
 

@@ -28,17 +28,6 @@ R = TypeVar("R")
 _COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
-def _combine(old: np.ndarray, new: np.ndarray, spec: StateSpec) -> np.ndarray:
-    """``old`` (grown to ``new``'s rows) and ``new`` pooled by ``spec``'s reduce."""
-    if spec.reduce == "same":
-        return new
-    if old.shape != new.shape:
-        grown = np.full(new.shape, spec.identity, dtype=np.float64)
-        grown[: old.shape[0]] = old
-        old = grown
-    return np.asarray(_COMBINE[spec.reduce](old, new))
-
-
 class SelectionArgs(TypedDict, total=False):
     """The keyword arguments that select a statistic's modules (:meth:`Selection.of`)."""
 
@@ -50,17 +39,8 @@ class SelectionArgs(TypedDict, total=False):
 def selection_of(
     stat: str, owner: str, args: SelectionArgs, default_types: ModuleTypes = None
 ) -> Selection:
-    """The :class:`Selection` of ``args`` given to statistic ``stat``; errors name ``owner``.
-
-    Raises:
-        TypeError: ``args`` holds another argument (a typo).
-
-    Example:
-        >>> selection_of("Peak", "Peak", {"typse": nn.Linear})
-        Traceback (most recent call last):
-        ...
-        TypeError: Peak.__init__() got an unexpected keyword argument 'typse'
-    """
+    """The :class:`Selection` of ``args`` given to statistic ``stat``; errors name ``owner``
+    (``TypeError``: ``args`` holds another argument, a typo)."""
     unknown = sorted(set(args) - set(SelectionArgs.__annotations__))
     if unknown:
         raise TypeError(f"{stat}.__init__() got an unexpected keyword argument {unknown[0]!r}")
@@ -105,7 +85,6 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self.registry: HookRegistry | None = None  # type: ignore[assignment]
         self._hooked: tuple[str, ...] = ()
         self._pending: Pending[Any] = Pending()  # small outputs' snapshots (see _defer)
-        # the logging steps' windows, copied to the host without blocking, fold into the epoch
         self._epoch: dict[str, np.ndarray] | None = None
         self._mailbox: HostMailbox | None = None
         self._ready: list[tuple[int, dict[str, np.ndarray]]] = []  # folded, not yet read
@@ -212,10 +191,16 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
 
     def _with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The epoch's folded windows and ``window`` (some or all of the states)."""
-        epoch = self._epoch
-        if epoch is None:
+        if self._epoch is None:
             return window
-        return {name: _combine(epoch[name], new, self.specs[name]) for name, new in window.items()}
+        pooled = {}
+        for name, new in window.items():
+            spec, old = self.specs[name], self._epoch[name]
+            if old.shape != new.shape:  # rows made since
+                fresh = np.full((len(new) - len(old), *old.shape[1:]), spec.identity)
+                old = np.concatenate([old, fresh])
+            pooled[name] = new if spec.reduce == "same" else _COMBINE[spec.reduce](old, new)
+        return pooled
 
     def _host_states(self) -> dict[str, np.ndarray]:
         """The epoch so far: the folded windows and the current one."""

@@ -51,13 +51,10 @@ def _dtype_on(spec: StateSpec, device: torch.device) -> torch.dtype:
 
 
 def unpack(host: np.ndarray, shapes: dict[str, torch.Size]) -> dict[str, np.ndarray]:
-    """The packed states ``host`` as float64 arrays by name, in ``shapes``' order."""
-    out, offset = {}, 0
-    for name, shape in shapes.items():
-        size = int(np.prod(shape, dtype=np.int64))
-        out[name] = np.array(host[offset : offset + size], dtype=np.float64).reshape(shape)
-        offset += size
-    return out
+    """The packed states ``host`` as float64 arrays by name, in ``shapes``' order (a copy)."""
+    ends = np.cumsum([int(np.prod(shape, dtype=np.int64)) for shape in shapes.values()])
+    parts = np.split(np.array(host, dtype=np.float64), ends[:-1])
+    return {n: part.reshape(s) for (n, s), part in zip(shapes.items(), parts, strict=False)}
 
 
 _POOL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # the ranks' copies, stacked
@@ -69,17 +66,7 @@ _POOL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # the ranks' copie
 
 
 class RowStates:
-    """Per-layer states: declared, grown a row at a time, aligned and reduced across ranks.
-
-    Example:
-        >>> states = RowStates()
-        >>> states.add_layer_state("seen", reduce="sum")
-        >>> states.add_unit_state("alive", reduce="max", dtype=torch.bool)
-        >>> states.row("encoder"), states.row("head", units=3), states.layers
-        (0, 1, ('encoder', 'head'))
-        >>> states.seen.shape, states.alive.shape, states.unit_slice(1)
-        (torch.Size([2]), torch.Size([3]), slice(0, 3, None))
-    """
+    """Per-layer states: declared, grown a row at a time, aligned and reduced across ranks."""
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -98,35 +85,13 @@ class RowStates:
         width: Sequence[int] = (),
         dtype: torch.dtype = torch.float64,
         fill: float | None = None,
+        kind: Kind = "layer",
     ) -> None:
-        """Declare a ``[rows, *width]`` state, pooled across ranks by ``reduce``."""
-        self._declare(StateSpec(name, reduce, dtype, tuple(width), "layer", fill))
-
-    def add_unit_state(
-        self,
-        name: str,
-        *,
-        reduce: Reduce,
-        dtype: torch.dtype = torch.float64,
-        fill: float | None = None,
-    ) -> None:
-        """Declare a flat state holding ``units`` entries per row (see :meth:`unit_slice`)."""
-        self._declare(StateSpec(name, reduce, dtype, (), "unit", fill))
-
-    def add_global_state(
-        self,
-        name: str,
-        *,
-        reduce: Reduce,
-        width: Sequence[int] = (1,),
-        dtype: torch.dtype = torch.float64,
-    ) -> None:
-        """Declare one ``[*width]`` state for the whole model (a step count)."""
-        self._declare(StateSpec(name, reduce, dtype, tuple(width), "global"))
-
-    def _declare(self, spec: StateSpec) -> None:
-        self.specs[spec.name] = spec
-        setattr(self, spec.name, self._fresh(spec, 0, self.device))
+        """Declare a state pooled across ranks by ``reduce``: ``[rows, *width]``; with
+        ``kind="unit"`` ``units`` entries per row (:meth:`unit_slice`), with ``"global"`` one
+        ``[*width]`` for the whole model (a step count)."""
+        spec = self.specs[name] = StateSpec(name, reduce, dtype, tuple(width), kind, fill)
+        setattr(self, name, self._fresh(spec, 0, self.device))
 
     def to(self, device: torch.device) -> Self:
         """Move every state to ``device`` (a float64 state is float32 on MPS)."""
@@ -205,7 +170,12 @@ class RowStates:
         if [n for n, _ in mine] != list(order):
             per_row = [spec for spec in self.specs.values() if spec.kind != "global"]
             kept = {n: [self._entries(s, self.rows[n]).clone() for s in per_row] for n, _ in mine}
-            self._truncate(self._aligned)
+            aligned, entries = self._aligned, sum(self.units[: self._aligned])
+            for spec in per_row:  # back to the aligned rows, then the new ones in rank order
+                end = entries if spec.kind == "unit" else aligned
+                setattr(self, spec.name, getattr(self, spec.name)[:end].clone())
+            self.rows = {n: i for n, i in self.rows.items() if i < aligned}
+            self.units, self._starts = self.units[:aligned], self._starts[:aligned]
             for name, units in order.items():
                 row = self.row(name, units)
                 for spec, value in zip(per_row, kept.get(name, ()), strict=False):
@@ -215,15 +185,6 @@ class RowStates:
     def _entries(self, spec: StateSpec, row: int) -> torch.Tensor:
         state: torch.Tensor = getattr(self, spec.name)
         return state[row] if spec.kind == "layer" else state[self.unit_slice(row)]
-
-    def _truncate(self, rows: int) -> None:
-        units = sum(self.units[:rows])
-        for spec in self.specs.values():
-            if spec.kind != "global":
-                state: torch.Tensor = getattr(self, spec.name)
-                setattr(self, spec.name, state[: units if spec.kind == "unit" else rows].clone())
-        self.rows = {n: i for n, i in self.rows.items() if i < rows}
-        self.units, self._starts = self.units[:rows], self._starts[:rows]
 
     def unit_slice(self, row: int) -> slice:
         """Where ``row``'s entries lie in a per-unit state."""
