@@ -36,15 +36,6 @@ QUIET_READS = ("grouped", "triton")
 _SPIKE, _EXPLOSION, _ABSOLUTE, _VANISHING, _NONFINITE = range(5)
 _GRAD_RULES = 6  # rows of flags (the sixth: amp_overflow); the loss has its own report
 _NORM, _SCALE, _BAND, _FLOOR = range(_GRAD_RULES, _GRAD_RULES + 4)
-# the loss report: loss_spike's flag, diverging's margin (it fires unless the margin is < 0: NaN
-# for a non-finite loss), the loss, its running scale; then diverging's state: the loss's running
-# mean, its mean absolute deviation, the best running mean, the first loss
-_L_SPIKE, _L_DIVERGING, _L_VALUE, _L_SCALE, _L_MEAN, _L_DEV, _L_BEST, _L_FIRST = range(8)
-# the stall report: its flag, the log of the update per unit of learning rate, its running level
-# before this logging step, the loss's progress since the last one (a share of what it had
-# learnt), then the state: the level after this step, the loss's best at this step
-_S_FLAG, _S_VALUE, _S_BEFORE, _S_PROGRESS, _S_LEVEL, _S_BEST = range(6)
-
 WeightNorms = Callable[[], torch.Tensor]
 """Returns ``[layers + 1]`` weight L2 norms (last: all); called on the host when a rule fired."""
 
