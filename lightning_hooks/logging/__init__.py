@@ -82,14 +82,7 @@ def register_sink(kind: type[LoggerSink]) -> type[LoggerSink]:
 
 
 def sinks_for(loggers: Sequence[Any]) -> list[LoggerSink]:
-    """One live sink per distinct logger (a sink whose client raised is left out).
-
-    Example:
-        >>> from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
-        >>> tb, csv = TensorBoardLogger("/tmp/x"), CSVLogger("/tmp/x")
-        >>> [type(s).__name__ for s in sinks_for([tb, csv, tb])]
-        ['TensorBoardSink', 'CSVSink']
-    """
+    """One live sink per distinct logger (a sink whose client raised is left out)."""
     sinks: list[LoggerSink] = []
     for logger in loggers:
         sink = _SINKS.get(logger)

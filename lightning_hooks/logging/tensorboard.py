@@ -236,13 +236,7 @@ _slow: Callable[[Any], int] | None = None
 
 def masked_crc32c(data: Any) -> int:
     """TFRecord's masked CRC-32C of ``data``, as TensorBoard's ``masked_crc32c`` computes it;
-    anything the C function does not take (or an error in it) goes to TensorBoard's own.
-
-    Example:
-        >>> from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tb
-        >>> fast_tensorboard_crc() and masked_crc32c(b"123456789") == tb(b"123456789")
-        True
-    """
+    anything the C function does not take (or an error in it) goes to TensorBoard's own."""
     assert _value is not None and _slow is not None, "call fast_tensorboard_crc() first"
     try:
         x = _value(data if type(data) is bytes else bytes(data))

@@ -52,12 +52,10 @@ class GradientAlarm:
         message: the whole story in one line.
         others: the other layers the rule flagged at the same step.
         history_steps: the optimizer steps in the ring buffer, oldest first, up to ``step``.
-        history: per step of ``history_steps``, the gradient norm of every row.
-        history_scale: the rows' running scales before each step (NaN: not armed yet).
-        history_layers: the rows' names (the layers, then ``"global"``).
+        history: per step, the gradient norm of every row (``history_layers``: the layers, then
+            ``"global"``); ``history_scale``: their running scales (NaN: not armed yet).
         departure: which layer left its running scale first (beyond the spike band), when, and
-            by how much.
-        departed: that layer's name (``""``: none left its scale in the ring buffer).
+            by how much; ``departed``: its name (``""``: none did in the ring buffer).
     """
 
     rule: str

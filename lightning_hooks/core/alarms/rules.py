@@ -3,6 +3,7 @@ the reports the rules make on the host."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -155,31 +156,21 @@ class AlarmRules:
 
     def __post_init__(self) -> None:
         def real(**bounds: Any) -> Callable[[str, Any], float]:
-            return lambda name, value: checks.real("AlarmRules", name, value, **bounds)
+            return functools.partial(checks.real, "AlarmRules", **bounds)
 
-        def count(name: str, value: Any) -> int:
-            return checks.positive_int("AlarmRules", name, value)
-
-        positive, share, above_one = (
-            real(low=0.0, low_open=True),
-            real(low=0.0, high=1.0),
-            real(low=1.0, low_open=True),
-        )
+        positive, above_one = real(low=0.0, low_open=True), real(low=1.0, low_open=True)
         counts = ("window", "min_history", "vanish_steps", "every_n_steps", "history")
+        positives = ("spike_sigmas", "attn_entropy_min", "diverge_lost", "attn_logit_min")
         required: dict[str, Callable[[str, Any], Any]] = {
-            "spike_sigmas": positive,
-            "nonfinite": lambda name, value: checks.boolean("AlarmRules", name, value),
+            "nonfinite": functools.partial(checks.boolean, "AlarmRules"),
             "quiet_read": lambda name, value: checks.choice("AlarmRules", name, value, QUIET_READS),
-            "diverge_giveback": share,
             "diverge_noise": real(low=0.0),
-            "attn_entropy_min": positive,
-            "diverge_lost": positive,
-            "attn_logit_min": positive,
             "diverge_overshoot": above_one,
-            "stall_progress": share,
+            **dict.fromkeys(positives, positive),
+            **dict.fromkeys(("diverge_giveback", "stall_progress"), real(low=0.0, high=1.0)),
             **dict.fromkeys(
                 (*counts, "diverge_span", "diverge_early", "diverge_patience", "attn_min_layers"),
-                count,
+                functools.partial(checks.positive_int, "AlarmRules"),
             ),
         }
         factors = ("spike_factor", "explode_factor", "stall_factor", "loss_factor")

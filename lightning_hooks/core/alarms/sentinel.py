@@ -36,14 +36,12 @@ __all__ = ["GradientAlarms", "NormRing", "attention_alarms"]
 
 
 class GradientAlarms:
-    """Evaluates :class:`AlarmRules` (each rule's definition and default) on the host.
+    """Evaluates :class:`AlarmRules` on the host, on rows that are the layers, then ``"global"``.
 
-    Rows are the layers and a last ``"global"`` row. :meth:`update` feeds the gradient rules,
-    :meth:`update_loss` *loss_spike* and *diverging*, :meth:`update_stall` and
-    :meth:`update_attention` *stall* and *attention* on logging steps. *nonfinite* names the
-    first layer in forward order whose weights are non-finite, else the first in backward order
-    whose gradient is. :meth:`poll` returns the verdicts: at once on the CPU; on CUDA when the
-    copy is done, at the latest one step late (or with ``wait=True``).
+    :meth:`update` feeds the gradient rules, :meth:`update_loss` the loss rules,
+    :meth:`update_stall` and :meth:`update_attention` *stall* and *attention* on logging steps.
+    :meth:`poll` returns the verdicts: at once on the CPU; on CUDA when the copy is done, at the
+    latest one step late (or with ``wait=True``).
 
     Args:
         layers: row names: the layers, then ``"global"``.
@@ -66,10 +64,8 @@ class GradientAlarms:
     ) -> None:
         self.layers = tuple(layers)
         self.rules = rules if rules is not None else AlarmRules()
-        if not isinstance(self.rules, AlarmRules):
-            raise TypeError(f"GradientAlarms(rules={rules!r}): must be an AlarmRules or None")
         self._watches_loss = self.rules.watches_loss  # read every batch; the rules are frozen
-        device = torch.device(device) if device is not None else torch.device("cpu")
+        device = torch.device(device if device is not None else "cpu")
         n = len(self.layers)
         self._gradients = GradientRules(n, self.rules)
         self._ring = NormRing(self.rules.history, n)
