@@ -1,7 +1,5 @@
-"""The gradient rules, on the host (numpy, ``float32``): one step's norms in (per-parameter norms
-folded into layer rows first), each rule's flags out; and the running scale a spike is measured
-against (per row, an EMA of the log and of its spread), which *loss_spike* uses too.
-"""
+"""The gradient rules on the host (numpy, ``float32``): one step's norms in, each rule's flags
+out; and the running scale a spike is measured against (an EMA of the log and of its spread)."""
 
 from __future__ import annotations
 
@@ -156,13 +154,7 @@ class RunningScale:
 
 class GradientRules:
     """*spike*, *explosion*, *absolute*, *vanishing*, *nonfinite* and *amp_overflow* on one
-    step's ``[rows]`` gradient norms (the layers, then the global norm), on the host; holds the
-    running scales and the vanishing counters.
-
-    Args:
-        rows: the layers and the global row.
-        rules: the rules and thresholds.
-    """
+    step's ``[rows]`` gradient norms (the layers, then the global norm), with their state."""
 
     def __init__(self, rows: int, rules: AlarmRules) -> None:
         self.rows = rows
@@ -229,9 +221,8 @@ class GradientRules:
         spike = (log_norm > ceiling) & finite & ok if rules.spike_factor is not None else no
         keep = finite & ok  # what the scale learns
         explosion = self._explosion(log_norm, clip, keep, ceilings[-1])
-        absolute = no
-        if rules.max_grad_norm is not None:
-            absolute = (norm > rules.max_grad_norm) & ok & ~self._is_layer
+        cap = rules.max_grad_norm
+        absolute = (norm > cap) & ok & ~self._is_layer if cap is not None else no
         vanishing, floor = self._vanishing(norm, ok & self._is_layer, finite)
         nonfinite = bad & self._is_layer & (not overflow) if rules.nonfinite else no
         amp_flag = ~self._is_layer & overflow

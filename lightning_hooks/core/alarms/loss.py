@@ -36,12 +36,7 @@ _S_FLAG, _S_VALUE, _S_BEFORE, _S_PROGRESS, _S_LEVEL, _S_BEST = range(6)
 
 def _f32(value: float) -> float:
     """``value`` rounded to the nearest ``float32`` (overflow to a signed ``inf``), as a Python
-    float: rounding after each operation gives numpy ``float32`` scalars' bits, cheaper.
-
-    Example:
-        >>> _f32(0.1) == float(np.float32(0.1)), _f32(1e39), _f32(-1e39)
-        (True, inf, -inf)
-    """
+    float: rounding after each operation gives numpy ``float32`` scalars' bits, cheaper."""
     try:
         rounded: float = _PACK.unpack(_PACK.pack(value))[0]
     except OverflowError:  # a Python whose pack refuses what a cast rounds to inf
@@ -59,13 +54,7 @@ def _lerp32(start: float, end: float, weight: float) -> float:
 
 class LossRules:
     """*loss_spike* and *diverging* on one training loss per step, evaluated on the host when
-    its non-blocking copy is read. The report's last four entries are *diverging*'s state
-    (running mean, mean absolute deviation, best running mean, first loss), updated in place.
-
-    Args:
-        rules: the rules and thresholds.
-        device: where the losses live.
-    """
+    its non-blocking copy is read; the report (``_L_*``) holds *diverging*'s state."""
 
     def __init__(self, rules: AlarmRules, device: torch.device) -> None:
         self.rules = rules
@@ -134,19 +123,15 @@ class LossRules:
                 self._spike(x)
         if self.rules.diverge_ratio is not None and self.seen:
             self._diverge_step(float(x))
-        elif self.rules.diverge_ratio is not None:
-            with np.errstate(all="ignore"):
-                self._diverge_start(x)
+        elif self.rules.diverge_ratio is not None:  # the first finite loss starts the state
+            if np.isfinite(x):
+                self.state[:] = x
+            self.report[_L_DEV] = 0.0
+            with np.errstate(all="ignore"):  # quiet, or NaN if not finite
+                self.report[_L_DIVERGING] = _F(-1.0) + x * _F(0.0)
         self.report[_L_VALUE] = x
         self.seen += math.isfinite(x)
         return self.report
-
-    def _diverge_start(self, x: np.float32) -> None:
-        """The first finite loss starts the state (running mean, best and first loss)."""
-        if np.isfinite(x):
-            self.state[:] = x
-        self.report[_L_DEV] = 0.0
-        self.report[_L_DIVERGING] = _F(-1.0) + x * _F(0.0)  # quiet, or NaN if not finite
 
     def _diverge_step(self, x: float) -> None:
         """*diverging*'s state updated in place and its margin (``>= 0`` or NaN: it fires):
@@ -207,12 +192,7 @@ class LossRules:
 
 
 class StallRule:
-    """*stall*'s state (the ``_S_*`` rows) and the update's copy to the host.
-
-    Args:
-        rules: the rules and thresholds.
-        device: where the update lives.
-    """
+    """*stall*'s state (the ``_S_*`` rows) and the update's copy to the host."""
 
     def __init__(self, rules: AlarmRules, device: torch.device) -> None:
         self.rules = rules
