@@ -55,8 +55,7 @@ class AlarmRules:
             clear above the running mean.
         explode_factor: *explosion*: the gradient the optimizer applies (after the clip, when
             the caller gives it), globally and for the layer named, exceeds this many times its
-            running scale (and ``spike_sigmas`` spreads). Warned under ``on_alarm="warn"``,
-            where a smaller spike is only logged. Must be > 1.
+            running scale (and ``spike_sigmas`` spreads). Must be > 1.
         window: span, in evaluated steps, of the running scale: EMA weight
             ``2 / (window + 1)`` (the exact mean and variance over the first steps).
         min_history: finite steps a row needs before the spike rules arm (and losses before
@@ -76,13 +75,11 @@ class AlarmRules:
             (the first step's loss minus the best).
         diverge_noise: ... and the rise clears that bar by this many mean absolute deviations
             of the loss from its running mean (an EMA over ``2 * diverge_span`` steps), less a
-            quarter of what it had learnt; 0 turns the bar off. Armed after ``min_history``
-            losses.
+            quarter of what it had learnt; 0 turns the bar off.
         diverge_span: span, in steps, of the loss's running mean for *diverging*.
-        diverge_early: over the first this many losses of an optimizer with a second moment,
-            *diverging*'s bar is ``diverge_overshoot`` x the best instead of ``diverge_ratio``
-            x (an adaptive optimizer's first updates overshoot, and the run recovers).
-        diverge_overshoot: ... the bar of those first steps. Must be >= ``diverge_ratio``.
+        diverge_early: the first this many losses of an adaptive optimizer (its first updates
+            overshoot) are held to the bar ``diverge_overshoot`` x the best (>= ``diverge_ratio``).
+        diverge_overshoot: see ``diverge_early``.
         diverge_patience: a rise over *diverging*'s bar warns once it has held this many
             consecutive losses (1: at once) ...
         diverge_lost: ... or at once when its running mean is above this many times the first
@@ -106,10 +103,10 @@ class AlarmRules:
         attn_logit_min: ... from at least this logit, while at least ``attn_min_layers``
             layers' logits are that large. Must be > 0.
         attn_entropy_min: the entropy (nats) below which a head is one-hot, for both paths.
-        quiet_read: how a quiet step reads the gradients' norms: ``"grouped"`` (stacked by
-            shape and dtype, then one ``torch._foreach_norm``) or ``"triton"`` (two Triton
-            kernels; CUDA, contiguous float32/bfloat16/float16 gradients of one dtype). Where
-            the read cannot run, one ``torch._foreach_norm``, after one warning.
+        quiet_read: how a quiet step reads the gradients' norms: ``"grouped"`` (one
+            ``torch._foreach_norm`` over gradients stacked by shape and dtype) or ``"triton"``
+            (CUDA, contiguous float gradients of one dtype); where it cannot run, one
+            ``torch._foreach_norm`` after one warning.
 
     Example:
         >>> AlarmRules(spike_factor=20.0).window

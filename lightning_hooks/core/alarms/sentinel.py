@@ -102,17 +102,14 @@ class GradientAlarms:
 
         Args:
             norm: ``[len(rows)]`` gradient L2 norms, last the global one (of a table: column 0).
-            rows: the rows ``norm`` covers (one optimizer's layers, then global; default: all),
-                best on the host (a device tensor is read once: a sync). When not every layer,
-                the global row is left out of the rules.
+            rows: the rows ``norm`` covers (default: all), best on the host (a device tensor is
+                read once: a sync). When not every layer, the global row is out of the rules.
             step: the optimizer step, for the messages.
             amp: a GradScaler is active: non-finite gradients are an overflow it skips.
             order: layer rows in the order their output-gradient hooks fired.
-            weights: the weight norms of ``rows``, called when a rule fired; ``None``:
-                *nonfinite* goes by gradients only.
+            weights: the weight norms of ``rows``, called when a rule fired (*nonfinite*).
             stepped: ``[len(rows)]`` bool, false for a layer with no gradient (out of the rules).
-            clip: the largest global L2 norm the optimizer will apply (``None``: not clipped):
-                *explosion* judges the gradient as clipped.
+            clip: the largest global L2 norm the optimizer will apply, for *explosion*.
             segments: ``norm`` is ``[parameters]`` L2 norms, folded into ``rows`` on the host.
         """
         self._drain(wait=True)  # the previous step's verdict: at most one step late
@@ -137,9 +134,8 @@ class GradientAlarms:
 
     @torch.no_grad()
     def update_loss(self, loss: torch.Tensor, *, step: int) -> None:
-        """Apply *loss_spike* and *diverging* to one training loss (a device scalar; no host
-        sync: the verdict is read at most one step late). A non-finite loss fires *diverging*
-        and leaves its state; a loss that is not positive never fires *loss_spike*."""
+        """Apply *loss_spike* and *diverging* to one training loss (a device scalar, no host
+        sync: the verdict is read at most one step late)."""
         if not self._watches_loss:
             return
         self._drain_loss(wait=True)  # also counts the finite losses seen so far
