@@ -19,14 +19,13 @@ from lightning_hooks.logging.figures import (
     layer_time_figure,
 )
 from lightning_hooks.logging.sinks import CSVSink, LoggerSink, MLflowSink, Moments, WandbSink
-from lightning_hooks.logging.tensorboard import TensorBoardSink, histogram_raw, step_tag, step_tags
+from lightning_hooks.logging.tensorboard import TensorBoardSink, step_tags
 
 __all__ = [
     "LoggerSink",
     "each_sink",
     "feature_map_grid",
     "grad_flow_figure",
-    "histogram_raw",
     "layer_epoch_heatmap",
     "layer_time_figure",
     "log_embedding",
@@ -39,7 +38,6 @@ __all__ = [
     "save_loggers",
     "shows_pictures",
     "sinks_for",
-    "step_tag",
     "step_tags",
     "write_dashboards",
 ]

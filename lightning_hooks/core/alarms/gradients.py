@@ -37,11 +37,6 @@ class HostSegments:
         owner: the layer row of each parameter (``0 .. layers - 1``), in parameter order.
         layers: the number of layer rows (the global row comes after them).
         unique: positions the global row sums over (a tied parameter once, in order).
-
-    Example:
-        >>> seg = HostSegments([0, 0, 1], 2, [0, 1, 2])
-        >>> seg.fold(np.array([3.0, 4.0, 12.0], dtype=np.float32)).tolist()
-        [5.0, 12.0, 13.0]
     """
 
     def __init__(self, owner: Sequence[int], layers: int, unique: Sequence[int]) -> None:
