@@ -320,16 +320,7 @@ _ATTENTION = (
 
 def attention_summary(report: RunReport) -> str | None:
     """The worst attention layer by its largest logit and by its lowest head entropy, as one
-    line (``None`` when the run logged no attention statistic).
-
-    Example:
-        >>> rows = [LayerRow("h.0", {"stability/attn_logit_max": 9.0,
-        ...                          "stability/attn_entropy_min": 0.5}),
-        ...         LayerRow("h.1", {"stability/attn_logit_max": 3.0,
-        ...                          "stability/attn_entropy_min": 0.25})]
-        >>> attention_summary(RunReport("run", 7, rows, {}, {}))
-        'attention: largest logit 9 at h.0; lowest entropy 0.25 at h.1'
-    """
+    line (``None`` when the run logged no attention statistic)."""
     parts = []
     for label, full, pick in _ATTENTION:
         rows = [r for r in report.layers if not math.isnan(r.values.get(full, math.nan))]

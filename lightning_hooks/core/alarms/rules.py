@@ -49,8 +49,7 @@ class AlarmRules:
 
     Args:
         spike_factor: *spike*: a layer's (or the global) gradient norm exceeds this many times its
-            running scale (``exp`` of the EMA of its log-norm) and ``spike_sigmas`` spreads of
-            the log-norm above it. Must be > 1.
+            running scale and ``spike_sigmas`` spreads of the log-norm above it. Must be > 1.
         spike_sigmas: running standard deviations of the log-norm (or loss) a spike must also
             clear above the running mean.
         explode_factor: *explosion*: the gradient the optimizer applies (after the clip, when
@@ -96,8 +95,7 @@ class AlarmRules:
             head's mean entropy (``stability/attn_entropy_min``) is below ``attn_entropy_min``
             while its largest pre-softmax logit (``stability/attn_logit_max``) is above this
             ...
-        attn_min_layers: ... in at least this many attention layers (every layer of a model
-            with fewer). Must be >= 1.
+        attn_min_layers: ... in at least this many attention layers (all, in a model with fewer).
         attn_growth: ... or the logit grew at least this many times at each of the last two
             logging steps. Must be > 1.
         attn_logit_min: ... from at least this logit, while at least ``attn_min_layers``

@@ -161,8 +161,7 @@ class GradientAlarms:
         self, logit_max: Mapping[str, float], entropy_min: Mapping[str, float], *, step: int
     ) -> None:
         """*attention* on a logging step's attention statistics (host values, reduced across
-        ranks: every rank reads the same alarms), against each layer's logits at the logging
-        steps before."""
+        ranks: every rank reads the same alarms)."""
         history = self._logits
         for alarm in attention_alarms(logit_max, entropy_min, step, self.rules, history):
             self._record(alarm)
