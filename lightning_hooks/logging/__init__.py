@@ -112,8 +112,7 @@ def each_sink(loggers: Sequence[Any], write: Callable[[LoggerSink], None]) -> No
 
 
 def log_scalars(loggers: Sequence[Any], metrics: Mapping[str, float], step: int) -> None:
-    """Send ``metrics`` to every logger, once each; a plain ``TensorBoardLogger`` gets them as
-    one event (:meth:`~.tensorboard.TensorBoardSink.scalars`)."""
+    """Send ``metrics`` to every logger, once each (to TensorBoard as one event)."""
     if metrics:
         each_sink(loggers, lambda sink: sink.scalars(metrics, step))
 

@@ -19,14 +19,12 @@ __all__ = ["feature_map_grid", "grad_flow_figure", "layer_epoch_heatmap", "layer
 
 _MAX_WIDTH = 24.0
 _MAX_LABELS = 60
-_MAX_LABEL_CHARS = 32
 _LAYER_AXIS = "layer (input to output)"
 
 
 def _labels(layers: Sequence[str]) -> list[str]:
-    """Layer names as tick labels, a long one cut to its last ``_MAX_LABEL_CHARS`` characters."""
-    n = _MAX_LABEL_CHARS
-    return [name if len(name) <= n else "…" + name[-(n - 1) :] for name in layers]
+    """Layer names as tick labels, a long one cut to its last 32 characters."""
+    return [name if len(name) <= 32 else "…" + name[-31:] for name in layers]
 
 
 def _label_size(n: int) -> int:

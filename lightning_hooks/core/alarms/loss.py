@@ -82,8 +82,7 @@ class LossRules:
         self._box.post(value, step)  # under no_grad: the copy records no graph
 
     def read(self, wait: bool) -> tuple[int, list[GradientAlarm]] | None:
-        """Evaluate the posted loss once its copy is read: its step and alarms when a rule
-        fired, else ``None``."""
+        """Evaluate the posted loss once its copy is read: its step and alarms, if any."""
         got = self._box.read(wait)
         if got is None:
             return None
@@ -173,8 +172,7 @@ class LossRules:
         self.scale.update(log_loss, positive, ceiling)
 
     def state_dict(self) -> dict[str, Any]:
-        """The running scale, *diverging*'s state, the finite losses seen and the current rise,
-        on the host."""
+        """The running scale, *diverging*'s state, the losses seen and the current rise."""
         return {
             "loss_scale": torch.from_numpy(self.scale.state.copy()),
             "diverging": torch.from_numpy(self.state.copy()),

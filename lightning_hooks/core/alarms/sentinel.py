@@ -145,9 +145,8 @@ class GradientAlarms:
 
     @torch.no_grad()
     def update_stall(self, update: torch.Tensor, lr: float, *, step: int) -> None:
-        """*stall*, on a logging step: ``update`` (a weight's typical change, a device scalar:
-        :func:`~.grouped_norms.typical_update`) per unit of ``lr`` against its running level
-        (no host sync: read at the next poll). Skipped while ``lr`` is under 1% of its peak."""
+        """*stall* at a logging step: ``update`` (a weight's typical change, a device scalar) per
+        unit of ``lr``, read at the next poll; skipped while ``lr`` is under 1% of its peak."""
         if not self._stall.due(lr):
             return
         self._drain_stall(wait=True)
