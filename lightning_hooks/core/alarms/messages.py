@@ -13,13 +13,7 @@ import numpy as np
 from lightning_hooks.core.alarms import rules as layout
 from lightning_hooks.core.alarms.rules import ALARM_RULES, AlarmRules, WeightNorms
 
-__all__ = [
-    "GradientAlarm",
-    "gradient_alarm",
-    "ratio_text",
-    "weight_norms",
-    "with_history",
-]
+__all__ = ["GradientAlarm", "gradient_alarm", "ratio_text", "weight_norms", "with_history"]
 
 _ADVICE = {
     "spike": "one step: a transient if the next steps come back to scale (it counts in the "

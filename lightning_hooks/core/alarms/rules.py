@@ -91,10 +91,9 @@ class AlarmRules:
         stall_progress: ... and the best running mean of the loss improved since the previous
             logging step by at most this share of what the run had learnt (1: not checked).
         history: steps of per-layer norms kept in the host ring buffer that an alarm reports.
-        attn_logit_max: *attention*: on a logging step, an attention layer's most focused
-            head's mean entropy (``stability/attn_entropy_min``) is below ``attn_entropy_min``
-            while its largest pre-softmax logit (``stability/attn_logit_max``) is above this
-            ...
+        attn_logit_max: *attention*: at a logging step, a layer's largest attention logit
+            (``stability/attn_logit_max``) is above this and its most focused head's mean entropy
+            (``stability/attn_entropy_min``) is below ``attn_entropy_min`` ...
         attn_min_layers: ... in at least this many attention layers (all, in a model with fewer).
         attn_growth: ... or the logit grew at least this many times at each of the last two
             logging steps. Must be > 1.
