@@ -2,12 +2,7 @@
 
 The public names load on first use (PEP 562): ``import lightning_hooks`` or
 ``import lightning_hooks.core`` imports neither Lightning nor matplotlib nor TensorBoard, and the
-``lightning-hooks`` command answers ``--help`` without importing torch.
-
-Example:
-    >>> from lightning_hooks import GradFlowCallback
-    >>> callback = GradFlowCallback()
-"""
+``lightning-hooks`` command answers ``--help`` without importing torch."""
 
 from __future__ import annotations
 

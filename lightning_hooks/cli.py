@@ -219,15 +219,6 @@ def _error(message: str) -> int:
     return EXIT_USAGE
 
 
-def _read(logdir: Path) -> list[RunReport]:
-    """Every run under ``logdir`` with library tags; a progress bar on stderr after 1 s."""
-    from tqdm import tqdm  # Lightning's own progress bar: already installed
-
-    runs = find_runs(logdir)
-    progress = tqdm(runs, desc="reading event files", unit="run", delay=1.0, file=sys.stderr)
-    return [r for r in (read_run(run, logdir) for run in progress) if r is not None]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (also the process's, via ``sys.exit``)."""
     args = _parser().parse_args(argv)
@@ -238,8 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logdir: Path = args.logdir
     if not logdir.is_dir():
         return _error(f"{logdir}: no such directory")
+    from tqdm import tqdm  # Lightning's own progress bar, on stderr after 1 s
+
+    runs = tqdm(find_runs(logdir), "reading event files", unit="run", delay=1.0, file=sys.stderr)
     try:
-        reports = _read(logdir)
+        reports = [r for r in (read_run(run, logdir) for run in runs) if r is not None]
     except EventFileError as error:
         return _error(str(error))
     if not reports:

@@ -19,13 +19,9 @@ __all__ = [
     "EventFileError",
     "LayerRow",
     "RunReport",
-    "attention_summary",
-    "csv_series",
     "find_runs",
     "format_table",
     "read_run",
-    "read_series",
-    "scalar_events",
 ]
 
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -95,7 +91,7 @@ METRICS_FILE = "metrics.csv"
 """The file a ``CSVLogger`` writes its scalars to, in its ``log_dir``."""
 
 
-def csv_series(path: Path) -> dict[str, list[tuple[int, float]]]:
+def _csv_series(path: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar column of a ``metrics.csv`` as ``[(step, value)]`` per tag, in row order;
     a step lower than the tag's last one (a resumed run) drops its values from that step on.
 
@@ -103,7 +99,7 @@ def csv_series(path: Path) -> dict[str, list[tuple[int, float]]]:
         >>> import tempfile
         >>> path = Path(tempfile.mkdtemp()) / "metrics.csv"
         >>> _ = path.write_text("a/b/c,step\\n1.5,0\\n,1\\n2.5,2\\n")
-        >>> csv_series(path)
+        >>> _csv_series(path)
         {'a/b/c': [(0, 1.5), (2, 2.5)]}
     """
     series: dict[str, list[tuple[int, float]]] = {}
@@ -117,7 +113,7 @@ def csv_series(path: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def _append(series: dict[str, list[tuple[int, float]]], tag: str, step: int, value: float) -> None:
-    """Add ``(step, value)`` to ``tag``'s series, as :func:`csv_series` says."""
+    """Add ``(step, value)`` to ``tag``'s series, as :func:`_csv_series` says."""
     values = series.setdefault(tag, [])
     if values and step < values[-1][0]:
         values[:] = [(s, v) for s, v in values if s < step]
@@ -135,14 +131,9 @@ class EventFileError(ValueError):
     """An event file that cannot be read to its end: a corrupt or a truncated record."""
 
 
-def scalar_events(path: Path) -> Iterator[tuple[str, int, float]]:
-    """``(tag, step, value)`` of every scalar in one event file, in file order (every record's
-    length checksum checked, and the payload checksum of those with a scalar).
-
-    Raises:
-        EventFileError: the file is corrupt or ends inside a record; the message names the file
-            and the byte offset of the record.
-    """
+def _scalar_events(path: Path) -> Iterator[tuple[str, int, float]]:
+    """``(tag, step, value)`` of every scalar in one event file, in file order; every record's
+    length checksum checked, and the payload checksum of those with a scalar."""
     from google.protobuf.message import DecodeError
     from tensorboard.compat.proto.event_pb2 import Event
 
@@ -206,19 +197,15 @@ def find_runs(logdir: Path) -> list[Path]:
     return sorted({p.parent for p in found if p.is_file()})
 
 
-def read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+def _read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar tag of one run (its event files in name order, or else its ``metrics.csv``)
-    as ``[(step, value)]``; a resumed run's values as :func:`csv_series` keeps them.
-
-    Raises:
-        EventFileError: one of the run's event files is corrupt or truncated.
-    """
+    as ``[(step, value)]``; a resumed run's values as :func:`_csv_series` keeps them."""
     paths = sorted(run_dir.glob("events.out.tfevents.*"))
     if not paths and (run_dir / METRICS_FILE).is_file():
-        return csv_series(run_dir / METRICS_FILE)
+        return _csv_series(run_dir / METRICS_FILE)
     series: dict[str, list[tuple[int, float]]] = {}
     for path in paths:
-        for tag, step, value in scalar_events(path):
+        for tag, step, value in _scalar_events(path):
             _append(series, tag, step, value)
     return series
 
@@ -232,7 +219,7 @@ def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     """
     epoch: dict[str, list[tuple[int, float]]] = {}
     steps: dict[str, list[tuple[int, float]]] = {}
-    for tag, events in read_series(run_dir).items():
+    for tag, events in _read_series(run_dir).items():
         # spike_score: a rate, not a count to sum
         if tag.count("/") >= 2 and not tag.endswith("/alarms/spike_score"):
             name = _epoch_name(tag)
@@ -305,7 +292,7 @@ def format_table(report: RunReport, limit: int | None = None) -> str:
     ]
     if limit is not None and len(report.layers) > limit:
         lines.append(f"... {len(report.layers) - limit} more layers (--top to show more)")
-    if (attention := attention_summary(report)) is not None:
+    if (attention := _attention_summary(report)) is not None:
         lines.append(attention)
     alarms = ", ".join(f"{k}={_fmt(v)}" for k, v in report.alarms.items() if v) or "none"
     lines.append(f"alarms: {alarms}")
@@ -318,18 +305,9 @@ _ATTENTION = (
 )
 
 
-def attention_summary(report: RunReport) -> str | None:
+def _attention_summary(report: RunReport) -> str | None:
     """The worst attention layer by its largest logit and by its lowest head entropy, as one
-    line (``None`` when the run logged no attention statistic).
-
-    Example:
-        >>> rows = [LayerRow("h.0", {"stability/attn_logit_max": 9.0,
-        ...                          "stability/attn_entropy_min": 0.5}),
-        ...         LayerRow("h.1", {"stability/attn_logit_max": 3.0,
-        ...                          "stability/attn_entropy_min": 0.25})]
-        >>> attention_summary(RunReport("run", 7, rows, {}, {}))
-        'attention: largest logit 9 at h.0; lowest entropy 0.25 at h.1'
-    """
+    line (``None`` when the run logged no attention statistic)."""
     parts = []
     for label, full, pick in _ATTENTION:
         rows = [r for r in report.layers if not math.isnan(r.values.get(full, math.nan))]

@@ -16,8 +16,7 @@ from torch import nn
 from lightning_hooks import AlarmRules, GradFlowCallback
 from lightning_hooks.core.alarms import HostSegments
 from lightning_hooks.core.alarms.gradients import GradientRules, RunningScale
-from lightning_hooks.core.alarms.loss import LossRules
-from lightning_hooks.core.alarms.rules import _L_BEST, _L_DEV, _L_DIVERGING, _L_MEAN
+from lightning_hooks.core.alarms.loss import _L_BEST, _L_DEV, _L_DIVERGING, _L_MEAN, LossRules
 from lightning_hooks.core.ops.grad_stats import ParamLayout, param_norms, segment_norm
 from lightning_hooks.core.transport import HostMailbox
 from lightning_hooks.errors import GradientAlarmWarning

@@ -164,7 +164,8 @@ def test_a_sink_registered_before_any_write_keeps_the_built_in_ones(tmp_path: Pa
 
     register_sink(Nothing)
     try:
-        sinks = sinks_for([TensorBoardLogger(tmp_path), CSVLogger(tmp_path)])
+        tb = TensorBoardLogger(tmp_path)
+        sinks = sinks_for([tb, CSVLogger(tmp_path), tb])  # a logger listed twice: one sink
         assert [type(s).__name__ for s in sinks] == ["TensorBoardSink", "CSVSink"]
     finally:
         hooks_logging._KINDS.remove(Nothing)

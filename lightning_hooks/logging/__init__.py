@@ -19,14 +19,13 @@ from lightning_hooks.logging.figures import (
     layer_time_figure,
 )
 from lightning_hooks.logging.sinks import CSVSink, LoggerSink, MLflowSink, Moments, WandbSink
-from lightning_hooks.logging.tensorboard import TensorBoardSink, histogram_raw, step_tag, step_tags
+from lightning_hooks.logging.tensorboard import TensorBoardSink, step_tags
 
 __all__ = [
     "LoggerSink",
     "each_sink",
     "feature_map_grid",
     "grad_flow_figure",
-    "histogram_raw",
     "layer_epoch_heatmap",
     "layer_time_figure",
     "log_embedding",
@@ -39,7 +38,6 @@ __all__ = [
     "save_loggers",
     "shows_pictures",
     "sinks_for",
-    "step_tag",
     "step_tags",
     "write_dashboards",
 ]
@@ -82,14 +80,7 @@ def register_sink(kind: type[LoggerSink]) -> type[LoggerSink]:
 
 
 def sinks_for(loggers: Sequence[Any]) -> list[LoggerSink]:
-    """One live sink per distinct logger (a sink whose client raised is left out).
-
-    Example:
-        >>> from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
-        >>> tb, csv = TensorBoardLogger("/tmp/x"), CSVLogger("/tmp/x")
-        >>> [type(s).__name__ for s in sinks_for([tb, csv, tb])]
-        ['TensorBoardSink', 'CSVSink']
-    """
+    """One live sink per distinct logger (a sink whose client raised is left out)."""
     sinks: list[LoggerSink] = []
     for logger in loggers:
         sink = _SINKS.get(logger)
@@ -121,8 +112,7 @@ def each_sink(loggers: Sequence[Any], write: Callable[[LoggerSink], None]) -> No
 
 
 def log_scalars(loggers: Sequence[Any], metrics: Mapping[str, float], step: int) -> None:
-    """Send ``metrics`` to every logger, once each; a plain ``TensorBoardLogger`` gets them as
-    one event (:meth:`~.tensorboard.TensorBoardSink.scalars`)."""
+    """Send ``metrics`` to every logger, once each (to TensorBoard as one event)."""
     if metrics:
         each_sink(loggers, lambda sink: sink.scalars(metrics, step))
 

@@ -19,14 +19,12 @@ __all__ = ["feature_map_grid", "grad_flow_figure", "layer_epoch_heatmap", "layer
 
 _MAX_WIDTH = 24.0
 _MAX_LABELS = 60
-_MAX_LABEL_CHARS = 32
 _LAYER_AXIS = "layer (input to output)"
 
 
 def _labels(layers: Sequence[str]) -> list[str]:
-    """Layer names as tick labels, a long one cut to its last ``_MAX_LABEL_CHARS`` characters."""
-    n = _MAX_LABEL_CHARS
-    return [name if len(name) <= n else "…" + name[-(n - 1) :] for name in layers]
+    """Layer names as tick labels, a long one cut to its last 32 characters."""
+    return [name if len(name) <= 32 else "…" + name[-31:] for name in layers]
 
 
 def _label_size(n: int) -> int:
@@ -124,11 +122,10 @@ def layer_epoch_heatmap(
     ax.set_facecolor("0.85")
     image = ax.imshow(cells, aspect="auto", interpolation="nearest", cmap="viridis")
     fig.colorbar(image, ax=ax, label="log10" if log else None)
-    every_layer = -(-n // _MAX_LABELS)
-    labels = _labels(layers)[::every_layer]
-    ax.set_yticks(np.arange(n)[::every_layer], labels, fontsize=_label_size(n))
-    every_epoch = -(-num_epochs // _MAX_LABELS)
-    ax.set_xticks(np.arange(num_epochs)[::every_epoch], [str(e) for e in epochs][::every_epoch])
+    every = -(-n // _MAX_LABELS)
+    ax.set_yticks(np.arange(n)[::every], _labels(layers)[::every], fontsize=_label_size(n))
+    every = -(-num_epochs // _MAX_LABELS)
+    ax.set_xticks(np.arange(num_epochs)[::every], [str(e) for e in epochs][::every])
     ax.set_xlabel("epoch   (grey: zero or no value)" if log else "epoch   (grey: no value)")
     ax.set_ylabel(_LAYER_AXIS)
     ax.set_title(title, fontsize=10, wrap=True)

@@ -181,16 +181,13 @@ class MLflowSink(LoggerSink):
 
     def image(self, tag: str, image: Any, step: int) -> None:
         # The key follows MLflow's metric-name rules, as Lightning's log_metrics cleans its keys.
-        key = _UNSAFE.sub("", tag)
-        self.logger.experiment.log_image(
-            self.logger.run_id, _image_pixels(image), key=key, step=step
-        )
+        pixels, key = _image_pixels(image), _UNSAFE.sub("", tag)
+        self.logger.experiment.log_image(self.logger.run_id, pixels, key=key, step=step)
 
     def text(self, tag: str, text: str, step: int) -> None:
         self.logger.experiment.log_text(self.logger.run_id, text, _step_file(tag, step, ".md"))
 
 
-_STEP_KEY = "trainer/global_step"
 _MAX_BINS = 512  # wandb.Histogram refuses more
 
 
@@ -233,7 +230,7 @@ class WandbSink(LoggerSink):
         width = limits[1] - limits[0] if len(limits) > 1 else 1.0
         counts, edges = _rebinned(counts, np.concatenate([[limits[0] - width], limits]))
         histogram = wandb.Histogram(np_histogram=(counts.tolist(), edges.tolist()))
-        self.logger.experiment.log({tag: histogram, _STEP_KEY: step})
+        self.logger.experiment.log({tag: histogram, "trainer/global_step": step})
 
     def text(self, tag: str, text: str, step: int) -> None:
         self.logger.log_text(key=tag, columns=["step", "text"], data=[[step, text]], step=step)

@@ -46,9 +46,8 @@ class TensorBoardSink(LoggerSink):
         return isinstance(logger, lightning_types("TensorBoardLogger"))
 
     def scalars(self, metrics: Mapping[str, float], step: int) -> None:
-        """One event holding every value (:func:`scalar_summary`) for a plain
-        ``TensorBoardLogger`` without prefix on rank 0; any other (a subclass may log otherwise)
-        gets the logger's own ``log_metrics``, one event per scalar."""
+        """One event holding every value for a plain ``TensorBoardLogger`` without prefix on
+        rank 0; any other (a subclass may log otherwise) gets the logger's own ``log_metrics``."""
         from torch.utils.tensorboard import SummaryWriter
 
         plain = type(self.logger) in lightning_types("TensorBoardLogger")
@@ -129,7 +128,6 @@ def histogram_raw(
 MAX_CHARTS = 64
 """At most this many charts in one run's layout; the families' own tags beyond it are dropped."""
 
-_CATEGORY_PREFIX = "lightning_hooks"
 _CATEGORY_ORDER = ("grad_flow", "alarms", "activations", "dead_relu")
 # Within a category: the statistics a reader looks at first (the rest by name).
 _CHART_ORDER = (
@@ -214,7 +212,7 @@ def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, lis
         else:
             category, chart = family, stat
             regexes.append(f"^{re.escape(family)}/global/{re.escape(stat)}(_p\\d+)?$")
-        layout.setdefault(f"{_CATEGORY_PREFIX}: {category}", {})[chart] = ["Multiline", regexes]
+        layout.setdefault(f"lightning_hooks: {category}", {})[chart] = ["Multiline", regexes]
     return layout
 
 
@@ -236,13 +234,7 @@ _slow: Callable[[Any], int] | None = None
 
 def masked_crc32c(data: Any) -> int:
     """TFRecord's masked CRC-32C of ``data``, as TensorBoard's ``masked_crc32c`` computes it;
-    anything the C function does not take (or an error in it) goes to TensorBoard's own.
-
-    Example:
-        >>> from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as tb
-        >>> fast_tensorboard_crc() and masked_crc32c(b"123456789") == tb(b"123456789")
-        True
-    """
+    anything the C function does not take (or an error in it) goes to TensorBoard's own."""
     assert _value is not None and _slow is not None, "call fast_tensorboard_crc() first"
     try:
         x = _value(data if type(data) is bytes else bytes(data))

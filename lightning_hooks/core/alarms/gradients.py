@@ -1,7 +1,5 @@
-"""The gradient rules, on the host (numpy, ``float32``): one step's norms in (per-parameter norms
-folded into layer rows first), each rule's flags out; and the running scale a spike is measured
-against (per row, an EMA of the log and of its spread), which *loss_spike* uses too.
-"""
+"""The gradient rules on the host (numpy, ``float32``): one step's norms in, each rule's flags
+out; and the running scale a spike is measured against (an EMA of the log and of its spread)."""
 
 from __future__ import annotations
 
@@ -39,11 +37,6 @@ class HostSegments:
         owner: the layer row of each parameter (``0 .. layers - 1``), in parameter order.
         layers: the number of layer rows (the global row comes after them).
         unique: positions the global row sums over (a tied parameter once, in order).
-
-    Example:
-        >>> seg = HostSegments([0, 0, 1], 2, [0, 1, 2])
-        >>> seg.fold(np.array([3.0, 4.0, 12.0], dtype=np.float32)).tolist()
-        [5.0, 12.0, 13.0]
     """
 
     def __init__(self, owner: Sequence[int], layers: int, unique: Sequence[int]) -> None:
@@ -156,13 +149,7 @@ class RunningScale:
 
 class GradientRules:
     """*spike*, *explosion*, *absolute*, *vanishing*, *nonfinite* and *amp_overflow* on one
-    step's ``[rows]`` gradient norms (the layers, then the global norm), on the host; holds the
-    running scales and the vanishing counters.
-
-    Args:
-        rows: the layers and the global row.
-        rules: the rules and thresholds.
-    """
+    step's ``[rows]`` gradient norms (the layers, then the global norm), with their state."""
 
     def __init__(self, rows: int, rules: AlarmRules) -> None:
         self.rows = rows
@@ -229,9 +216,8 @@ class GradientRules:
         spike = (log_norm > ceiling) & finite & ok if rules.spike_factor is not None else no
         keep = finite & ok  # what the scale learns
         explosion = self._explosion(log_norm, clip, keep, ceilings[-1])
-        absolute = no
-        if rules.max_grad_norm is not None:
-            absolute = (norm > rules.max_grad_norm) & ok & ~self._is_layer
+        cap = rules.max_grad_norm
+        absolute = (norm > cap) & ok & ~self._is_layer if cap is not None else no
         vanishing, floor = self._vanishing(norm, ok & self._is_layer, finite)
         nonfinite = bad & self._is_layer & (not overflow) if rules.nonfinite else no
         amp_flag = ~self._is_layer & overflow

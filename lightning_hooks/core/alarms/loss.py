@@ -1,7 +1,6 @@
 """*loss_spike* and *diverging* on the training loss at each step, *stall* on the optimizer's
-update at logging steps. The device only copies the loss (or update) to host memory without
-blocking; the rules run on the host, in ``float32``, when the copy is read.
-"""
+update at logging steps, and their alarms. The device only copies the loss (or update) to host
+memory without blocking; the rules run on the host, in ``float32``, when the copy is read."""
 
 from __future__ import annotations
 
@@ -14,24 +13,8 @@ import numpy as np
 import torch
 
 from lightning_hooks.core.alarms.gradients import RunningScale, as_array
-from lightning_hooks.core.alarms.messages import GradientAlarm, loss_alarms, stall_alarm
-from lightning_hooks.core.alarms.rules import (
-    _L_BEST,
-    _L_DEV,
-    _L_DIVERGING,
-    _L_FIRST,
-    _L_MEAN,
-    _L_SCALE,
-    _L_SPIKE,
-    _L_VALUE,
-    _S_BEFORE,
-    _S_BEST,
-    _S_FLAG,
-    _S_LEVEL,
-    _S_PROGRESS,
-    _S_VALUE,
-    AlarmRules,
-)
+from lightning_hooks.core.alarms.messages import GradientAlarm, ratio_text
+from lightning_hooks.core.alarms.rules import AlarmRules
 from lightning_hooks.core.transport import HostMailbox
 
 __all__ = ["LossRules", "StallRule"]
@@ -41,16 +24,19 @@ _LEARNT_NOISE = 4.0  # diverging's noise bar shrinks by 1/4 of what the run has 
 _STALL_LR_FLOOR = 0.01  # below this share of its peak, the LR is being decayed away: no stall
 _STALL_ALPHA = 0.5  # the stall's level: an EMA over the last few logging steps
 _PACK = struct.Struct("f")
+# the loss report: loss_spike's flag, diverging's margin (it fires unless the margin is < 0: NaN
+# for a non-finite loss), the loss, its running scale; then diverging's state: the loss's running
+# mean, its mean absolute deviation, the best running mean, the first loss
+_L_SPIKE, _L_DIVERGING, _L_VALUE, _L_SCALE, _L_MEAN, _L_DEV, _L_BEST, _L_FIRST = range(8)
+# the stall report: its flag, the log of the update per unit of learning rate, its running level
+# before this logging step, the loss's progress since the last one (a share of what it had
+# learnt), then the state: the level after this step, the loss's best at this step
+_S_FLAG, _S_VALUE, _S_BEFORE, _S_PROGRESS, _S_LEVEL, _S_BEST = range(6)
 
 
 def _f32(value: float) -> float:
     """``value`` rounded to the nearest ``float32`` (overflow to a signed ``inf``), as a Python
-    float: rounding after each operation gives numpy ``float32`` scalars' bits, cheaper.
-
-    Example:
-        >>> _f32(0.1) == float(np.float32(0.1)), _f32(1e39), _f32(-1e39)
-        (True, inf, -inf)
-    """
+    float: rounding after each operation gives numpy ``float32`` scalars' bits, cheaper."""
     try:
         rounded: float = _PACK.unpack(_PACK.pack(value))[0]
     except OverflowError:  # a Python whose pack refuses what a cast rounds to inf
@@ -68,13 +54,7 @@ def _lerp32(start: float, end: float, weight: float) -> float:
 
 class LossRules:
     """*loss_spike* and *diverging* on one training loss per step, evaluated on the host when
-    its non-blocking copy is read. The report's last four entries are *diverging*'s state
-    (running mean, mean absolute deviation, best running mean, first loss), updated in place.
-
-    Args:
-        rules: the rules and thresholds.
-        device: where the losses live.
-    """
+    its non-blocking copy is read; the report (``_L_*``) holds *diverging*'s state."""
 
     def __init__(self, rules: AlarmRules, device: torch.device) -> None:
         self.rules = rules
@@ -102,8 +82,7 @@ class LossRules:
         self._box.post(value, step)  # under no_grad: the copy records no graph
 
     def read(self, wait: bool) -> tuple[int, list[GradientAlarm]] | None:
-        """Evaluate the posted loss once its copy is read: its step and alarms when a rule
-        fired, else ``None``."""
+        """Evaluate the posted loss once its copy is read: its step and alarms, if any."""
         got = self._box.read(wait)
         if got is None:
             return None
@@ -111,8 +90,10 @@ class LossRules:
         report = self.evaluate(_F(value.reshape(-1)[0]))
         diverging, ended = self._judge(report, step)
         alarms = [] if ended is None else [_transient(step, ended, report, self.rules)]
-        if report[_L_SPIKE] > 0 or diverging:
-            alarms += loss_alarms(step, report.copy(), self.rules, diverging=diverging)
+        if report[_L_SPIKE] > 0:
+            alarms.append(_loss_spike(step, report, self.rules))
+        if diverging:
+            alarms.append(_diverging(step, report, self.rules))
         return (step, alarms) if alarms else None
 
     def _judge(self, report: np.ndarray, step: int) -> tuple[bool, list[float] | None]:
@@ -141,19 +122,15 @@ class LossRules:
                 self._spike(x)
         if self.rules.diverge_ratio is not None and self.seen:
             self._diverge_step(float(x))
-        elif self.rules.diverge_ratio is not None:
-            with np.errstate(all="ignore"):
-                self._diverge_start(x)
+        elif self.rules.diverge_ratio is not None:  # the first finite loss starts the state
+            if np.isfinite(x):
+                self.state[:] = x
+            self.report[_L_DEV] = 0.0
+            with np.errstate(all="ignore"):  # quiet, or NaN if not finite
+                self.report[_L_DIVERGING] = _F(-1.0) + x * _F(0.0)
         self.report[_L_VALUE] = x
         self.seen += math.isfinite(x)
         return self.report
-
-    def _diverge_start(self, x: np.float32) -> None:
-        """The first finite loss starts the state (running mean, best and first loss)."""
-        if np.isfinite(x):
-            self.state[:] = x
-        self.report[_L_DEV] = 0.0
-        self.report[_L_DIVERGING] = _F(-1.0) + x * _F(0.0)  # quiet, or NaN if not finite
 
     def _diverge_step(self, x: float) -> None:
         """*diverging*'s state updated in place and its margin (``>= 0`` or NaN: it fires):
@@ -195,8 +172,7 @@ class LossRules:
         self.scale.update(log_loss, positive, ceiling)
 
     def state_dict(self) -> dict[str, Any]:
-        """The running scale, *diverging*'s state, the finite losses seen and the current rise,
-        on the host."""
+        """The running scale, *diverging*'s state, the losses seen and the current rise."""
         return {
             "loss_scale": torch.from_numpy(self.scale.state.copy()),
             "diverging": torch.from_numpy(self.state.copy()),
@@ -214,13 +190,7 @@ class LossRules:
 
 
 class StallRule:
-    """*stall*'s state (the ``_S_*`` rows of :mod:`~lightning_hooks.core.alarms.rules`) and the
-    update's copy to the host.
-
-    Args:
-        rules: the rules and thresholds.
-        device: where the update lives.
-    """
+    """*stall*'s state (the ``_S_*`` rows) and the update's copy to the host."""
 
     def __init__(self, rules: AlarmRules, device: torch.device) -> None:
         self.rules = rules
@@ -254,7 +224,7 @@ class StallRule:
         value, (step, lr, loss) = got
         with np.errstate(all="ignore"):
             self.evaluate(_F(value[0]), lr, loss)
-        return stall_alarm(self.state.copy(), step, self.rules) if self.state[_S_FLAG] else None
+        return _stall(self.state, step, self.rules) if self.state[_S_FLAG] else None
 
     def evaluate(self, update: np.float32, lr: float, loss: np.ndarray | None) -> None:
         """Fold ``update / lr`` into the level and set the flag (the state updated)."""
@@ -306,3 +276,52 @@ def _transient(
         f"(diverge_patience={rules.diverge_patience}, diverge_lost={rules.diverge_lost})"
     )
     return GradientAlarm("transient", "loss", step, peak, best, text)
+
+
+def _stall(report: np.ndarray, step: int, rules: AlarmRules) -> GradientAlarm:
+    """*stall*'s alarm from its report (the update per unit of LR and its level, as logs)."""
+    value, level = math.exp(report[_S_VALUE]), math.exp(report[_S_BEFORE])
+    text = (
+        f"learning stalled at optimizer step {step}: the typical update per unit of "
+        f"learning rate (median |w_after - w_before| / lr) is {value:.4g}, "
+        f"{level / value:.3g}x below its running level {level:.4g} (stall_factor="
+        f"{rules.stall_factor}): the optimizer barely moves the weights while the "
+        "learning rate says it should"
+    )
+    if math.isfinite(report[_S_PROGRESS]) and rules.stall_progress < 1.0:
+        text += (
+            f", and the loss has stopped learning (its best improved by "
+            f"{max(report[_S_PROGRESS], 0.0):.1%} of what the run had learnt since the last "
+            "logging step)"
+        )
+    return GradientAlarm("stall", "global", step, value, level, text)
+
+
+def _loss_spike(step: int, report: np.ndarray, rules: AlarmRules) -> GradientAlarm:
+    value, ref = float(report[_L_VALUE]), float(report[_L_SCALE])
+    text = (
+        f"loss spike at optimizer step {step}: loss {value:.4g} is {value / ref:.3g}x its "
+        f"running scale {ref:.4g} (loss_factor={rules.loss_factor}, "
+        f"spike_sigmas={rules.spike_sigmas})"
+    )
+    return GradientAlarm("loss_spike", "loss", step, value, ref, text)
+
+
+def _diverging(step: int, report: np.ndarray, rules: AlarmRules) -> GradientAlarm:
+    value = float(report[_L_VALUE])
+    mean, dev, best, first = report[_L_MEAN:].tolist()
+    if not math.isfinite(value):
+        text = f"loss diverging at optimizer step {step}: the loss is {value}"
+        return GradientAlarm("diverging", "loss", step, value, best, text)
+    learnt = first - best
+    given = f"{(mean - best) / learnt:.0%}" if learnt > 0 else "all"
+    text = (
+        f"loss diverging at optimizer step {step}: its running mean {mean:.4g} (loss "
+        f"{value:.4g}) is {ratio_text(mean / best) if best > 0 else f'+{mean - best:.4g} over'} "
+        f"its best {best:.4g} and has given back {given} of what it had learnt since the first "
+        f"step's {first:.4g}, beyond the loss's own swings (mean absolute deviation "
+        f"{dev:.3g}) (diverge_ratio={rules.diverge_ratio}, "
+        f"diverge_giveback={rules.diverge_giveback}, diverge_noise={rules.diverge_noise}, "
+        f"diverge_span={rules.diverge_span})"
+    )
+    return GradientAlarm("diverging", "loss", step, value, best, text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
@@ -13,14 +13,7 @@ import numpy as np
 from lightning_hooks.core.alarms import rules as layout
 from lightning_hooks.core.alarms.rules import ALARM_RULES, AlarmRules, WeightNorms
 
-__all__ = [
-    "GradientAlarm",
-    "gradient_alarm",
-    "loss_alarms",
-    "stall_alarm",
-    "weight_norms",
-    "with_history",
-]
+__all__ = ["GradientAlarm", "gradient_alarm", "ratio_text", "weight_norms", "with_history"]
 
 _ADVICE = {
     "spike": "one step: a transient if the next steps come back to scale (it counts in the "
@@ -53,12 +46,10 @@ class GradientAlarm:
         message: the whole story in one line.
         others: the other layers the rule flagged at the same step.
         history_steps: the optimizer steps in the ring buffer, oldest first, up to ``step``.
-        history: per step of ``history_steps``, the gradient norm of every row.
-        history_scale: the rows' running scales before each step (NaN: not armed yet).
-        history_layers: the rows' names (the layers, then ``"global"``).
+        history: per step, the gradient norm of every row (``history_layers``: the layers, then
+            ``"global"``); ``history_scale``: their running scales (NaN: not armed yet).
         departure: which layer left its running scale first (beyond the spike band), when, and
-            by how much.
-        departed: that layer's name (``""``: none left its scale in the ring buffer).
+            by how much; ``departed``: its name (``""``: none did in the ring buffer).
     """
 
     rule: str
@@ -67,11 +58,11 @@ class GradientAlarm:
     value: float
     reference: float
     message: str
-    others: tuple[str, ...] = field(default=())
-    history_steps: tuple[int, ...] = field(default=())
-    history: tuple[tuple[float, ...], ...] = field(default=())
-    history_scale: tuple[tuple[float, ...], ...] = field(default=())
-    history_layers: tuple[str, ...] = field(default=())
+    others: tuple[str, ...] = ()
+    history_steps: tuple[int, ...] = ()
+    history: tuple[tuple[float, ...], ...] = ()
+    history_scale: tuple[tuple[float, ...], ...] = ()
+    history_layers: tuple[str, ...] = ()
     departure: str = ""
     departed: str = ""
 
@@ -80,18 +71,16 @@ class GradientAlarm:
         the global row (``"-"``: not armed yet)."""
         names = dict.fromkeys(n for n in (self.departed, self.layer, "global") if n)
         rows = [self.history_layers.index(n) for n in names if n in self.history_layers]
-        lines = []
-        for step, norm, scale in zip(
-            self.history_steps, self.history, self.history_scale, strict=True
-        ):
-            cells = [
-                f"{self.history_layers[r]} {norm[r]:.4g} ({_ratio(norm[r] / scale[r])})"
-                if math.isfinite(scale[r]) and scale[r] > 0
-                else f"{self.history_layers[r]} {norm[r]:.4g} (-)"
-                for r in rows
-            ]
-            lines.append(f"step {step}: " + ", ".join(cells))
-        return lines
+
+        def cell(row: int, norm: float, scale: float) -> str:
+            ratio = ratio_text(norm / scale) if math.isfinite(scale) and scale > 0 else "-"
+            return f"{self.history_layers[row]} {norm:.4g} ({ratio})"
+
+        history = zip(self.history_steps, self.history, self.history_scale, strict=True)
+        return [
+            f"step {step}: " + ", ".join(cell(r, norm[r], scale[r]) for r in rows)
+            for step, norm, scale in history
+        ]
 
 
 def gradient_alarm(
@@ -123,25 +112,6 @@ def gradient_alarm(
     if others:
         text += f" (also flagged: {', '.join(others)})"
     return GradientAlarm(ALARM_RULES[index], layer, step, value, reference, text, others)
-
-
-def stall_alarm(report: np.ndarray, step: int, rules: AlarmRules) -> GradientAlarm:
-    """*stall*'s alarm from its report (the update per unit of LR and its level, as logs)."""
-    value, level = math.exp(report[layout._S_VALUE]), math.exp(report[layout._S_BEFORE])
-    text = (
-        f"learning stalled at optimizer step {step}: the typical update per unit of "
-        f"learning rate (median |w_after - w_before| / lr) is {value:.4g}, "
-        f"{level / value:.3g}x below its running level {level:.4g} (stall_factor="
-        f"{rules.stall_factor}): the optimizer barely moves the weights while the "
-        "learning rate says it should"
-    )
-    if math.isfinite(report[layout._S_PROGRESS]) and rules.stall_progress < 1.0:
-        text += (
-            f", and the loss has stopped learning (its best improved by "
-            f"{max(report[layout._S_PROGRESS], 0.0):.1%} of what the run had learnt since the last "
-            "logging step)"
-        )
-    return GradientAlarm("stall", "global", step, value, level, text)
 
 
 def weight_norms(weights: WeightNorms | None, rows: np.ndarray | None, n: int) -> np.ndarray:
@@ -190,7 +160,7 @@ def with_history(
     if first is not None:
         at, row = first
         ratio = norms[at, row] / scales[at, row]
-        departure = f"{layers[row]} left its scale first, at step {steps[at]} ({_ratio(ratio)})"
+        departure = f"{layers[row]} left its scale first, at step {steps[at]} ({ratio_text(ratio)})"
         if advice and alarm.rule != "vanishing":
             advice += f"; look at {layers[row]} first"
     return replace(
@@ -223,47 +193,9 @@ def _first_departure(
     return at, int(np.nanargmax(np.where(away[at], size[at], -1.0)))
 
 
-def _ratio(value: float) -> str:
+def ratio_text(value: float) -> str:
+    """``value`` as a ratio: ``3.2x``."""
     return f"{value:.3g}x" if math.isfinite(value) else f"{value}"
-
-
-def loss_alarms(
-    step: int, report: np.ndarray, rules: AlarmRules, *, diverging: bool
-) -> list[GradientAlarm]:
-    """*loss_spike*'s and, when ``diverging`` fired, *diverging*'s alarms from the loss report
-    of ``step``."""
-    value = float(report[layout._L_VALUE])
-    alarms = []
-    if report[layout._L_SPIKE] > 0:
-        ref = float(report[layout._L_SCALE])
-        text = (
-            f"loss spike at optimizer step {step}: loss {value:.4g} is {value / ref:.3g}x its "
-            f"running scale {ref:.4g} (loss_factor={rules.loss_factor}, "
-            f"spike_sigmas={rules.spike_sigmas})"
-        )
-        alarms.append(GradientAlarm("loss_spike", "loss", step, value, ref, text))
-    if diverging:
-        alarms.append(_diverging(step, value, report, rules))
-    return alarms
-
-
-def _diverging(step: int, value: float, report: np.ndarray, rules: AlarmRules) -> GradientAlarm:
-    mean, dev, best, first = report[layout._L_MEAN :].tolist()
-    if not math.isfinite(value):
-        text = f"loss diverging at optimizer step {step}: the loss is {value}"
-        return GradientAlarm("diverging", "loss", step, value, best, text)
-    learnt = first - best
-    given = f"{(mean - best) / learnt:.0%}" if learnt > 0 else "all"
-    text = (
-        f"loss diverging at optimizer step {step}: its running mean {mean:.4g} (loss "
-        f"{value:.4g}) is {_ratio(mean / best) if best > 0 else f'+{mean - best:.4g} over'} "
-        f"its best {best:.4g} and has given back {given} of what it had learnt since the first "
-        f"step's {first:.4g}, beyond the loss's own swings (mean absolute deviation "
-        f"{dev:.3g}) (diverge_ratio={rules.diverge_ratio}, "
-        f"diverge_giveback={rules.diverge_giveback}, diverge_noise={rules.diverge_noise}, "
-        f"diverge_span={rules.diverge_span})"
-    )
-    return GradientAlarm("diverging", "loss", step, value, best, text)
 
 
 def _describe(rule: str, layer: str, step: int, value: float, ref: float, rules: AlarmRules) -> str:
@@ -283,13 +215,9 @@ def _describe(rule: str, layer: str, step: int, value: float, ref: float, rules:
             f"norm) for {rules.vanish_steps} consecutive steps"
         )
     if rule == "nonfinite":
-        if not math.isfinite(ref):
-            return (
-                f"non-finite weights at {at}: {layer} (first layer in forward order), "
-                f"grad norm {value:.4g}"
-            )
+        what, order = ("weights", "forward") if not math.isfinite(ref) else ("gradient", "backward")
         return (
-            f"non-finite gradient at {at}: {layer} (first layer in backward order), "
+            f"non-finite {what} at {at}: {layer} (first layer in {order} order), "
             f"grad norm {value:.4g}"
         )
     return f"AMP overflow at {at}, step skipped by the GradScaler (grad norm {value:.4g})"

@@ -3,6 +3,7 @@ the reports the rules make on the host."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,15 +37,6 @@ QUIET_READS = ("grouped", "triton")
 _SPIKE, _EXPLOSION, _ABSOLUTE, _VANISHING, _NONFINITE = range(5)
 _GRAD_RULES = 6  # rows of flags (the sixth: amp_overflow); the loss has its own report
 _NORM, _SCALE, _BAND, _FLOOR = range(_GRAD_RULES, _GRAD_RULES + 4)
-# the loss report: loss_spike's flag, diverging's margin (it fires unless the margin is < 0: NaN
-# for a non-finite loss), the loss, its running scale; then diverging's state: the loss's running
-# mean, its mean absolute deviation, the best running mean, the first loss
-_L_SPIKE, _L_DIVERGING, _L_VALUE, _L_SCALE, _L_MEAN, _L_DEV, _L_BEST, _L_FIRST = range(8)
-# the stall report: its flag, the log of the update per unit of learning rate, its running level
-# before this logging step, the loss's progress since the last one (a share of what it had
-# learnt), then the state: the level after this step, the loss's best at this step
-_S_FLAG, _S_VALUE, _S_BEFORE, _S_PROGRESS, _S_LEVEL, _S_BEST = range(6)
-
 WeightNorms = Callable[[], torch.Tensor]
 """Returns ``[layers + 1]`` weight L2 norms (last: all); called on the host when a rule fired."""
 
@@ -57,14 +49,12 @@ class AlarmRules:
 
     Args:
         spike_factor: *spike*: a layer's (or the global) gradient norm exceeds this many times its
-            running scale (``exp`` of the EMA of its log-norm) and ``spike_sigmas`` spreads of
-            the log-norm above it. Must be > 1.
+            running scale and ``spike_sigmas`` spreads of the log-norm above it. Must be > 1.
         spike_sigmas: running standard deviations of the log-norm (or loss) a spike must also
             clear above the running mean.
         explode_factor: *explosion*: the gradient the optimizer applies (after the clip, when
             the caller gives it), globally and for the layer named, exceeds this many times its
-            running scale (and ``spike_sigmas`` spreads). Warned under ``on_alarm="warn"``,
-            where a smaller spike is only logged. Must be > 1.
+            running scale (and ``spike_sigmas`` spreads). Must be > 1.
         window: span, in evaluated steps, of the running scale: EMA weight
             ``2 / (window + 1)`` (the exact mean and variance over the first steps).
         min_history: finite steps a row needs before the spike rules arm (and losses before
@@ -84,13 +74,11 @@ class AlarmRules:
             (the first step's loss minus the best).
         diverge_noise: ... and the rise clears that bar by this many mean absolute deviations
             of the loss from its running mean (an EMA over ``2 * diverge_span`` steps), less a
-            quarter of what it had learnt; 0 turns the bar off. Armed after ``min_history``
-            losses.
+            quarter of what it had learnt; 0 turns the bar off.
         diverge_span: span, in steps, of the loss's running mean for *diverging*.
-        diverge_early: over the first this many losses of an optimizer with a second moment,
-            *diverging*'s bar is ``diverge_overshoot`` x the best instead of ``diverge_ratio``
-            x (an adaptive optimizer's first updates overshoot, and the run recovers).
-        diverge_overshoot: ... the bar of those first steps. Must be >= ``diverge_ratio``.
+        diverge_early: the first this many losses of an adaptive optimizer (its first updates
+            overshoot) are held to the bar ``diverge_overshoot`` x the best (>= ``diverge_ratio``).
+        diverge_overshoot: see ``diverge_early``.
         diverge_patience: a rise over *diverging*'s bar warns once it has held this many
             consecutive losses (1: at once) ...
         diverge_lost: ... or at once when its running mean is above this many times the first
@@ -103,21 +91,19 @@ class AlarmRules:
         stall_progress: ... and the best running mean of the loss improved since the previous
             logging step by at most this share of what the run had learnt (1: not checked).
         history: steps of per-layer norms kept in the host ring buffer that an alarm reports.
-        attn_logit_max: *attention*: on a logging step, an attention layer's most focused
-            head's mean entropy (``stability/attn_entropy_min``) is below ``attn_entropy_min``
-            while its largest pre-softmax logit (``stability/attn_logit_max``) is above this
-            ...
-        attn_min_layers: ... in at least this many attention layers (every layer of a model
-            with fewer). Must be >= 1.
+        attn_logit_max: *attention*: at a logging step, a layer's largest attention logit
+            (``stability/attn_logit_max``) is above this and its most focused head's mean entropy
+            (``stability/attn_entropy_min``) is below ``attn_entropy_min`` ...
+        attn_min_layers: ... in at least this many attention layers (all, in a model with fewer).
         attn_growth: ... or the logit grew at least this many times at each of the last two
             logging steps. Must be > 1.
         attn_logit_min: ... from at least this logit, while at least ``attn_min_layers``
             layers' logits are that large. Must be > 0.
         attn_entropy_min: the entropy (nats) below which a head is one-hot, for both paths.
-        quiet_read: how a quiet step reads the gradients' norms: ``"grouped"`` (stacked by
-            shape and dtype, then one ``torch._foreach_norm``) or ``"triton"`` (two Triton
-            kernels; CUDA, contiguous float32/bfloat16/float16 gradients of one dtype). Where
-            the read cannot run, one ``torch._foreach_norm``, after one warning.
+        quiet_read: how a quiet step reads the gradients' norms: ``"grouped"`` (one
+            ``torch._foreach_norm`` over gradients stacked by shape and dtype) or ``"triton"``
+            (CUDA, contiguous float gradients of one dtype); where it cannot run, one
+            ``torch._foreach_norm`` after one warning.
 
     Example:
         >>> AlarmRules(spike_factor=20.0).window
@@ -164,31 +150,21 @@ class AlarmRules:
 
     def __post_init__(self) -> None:
         def real(**bounds: Any) -> Callable[[str, Any], float]:
-            return lambda name, value: checks.real("AlarmRules", name, value, **bounds)
+            return functools.partial(checks.real, "AlarmRules", **bounds)
 
-        def count(name: str, value: Any) -> int:
-            return checks.positive_int("AlarmRules", name, value)
-
-        positive, share, above_one = (
-            real(low=0.0, low_open=True),
-            real(low=0.0, high=1.0),
-            real(low=1.0, low_open=True),
-        )
+        positive, above_one = real(low=0.0, low_open=True), real(low=1.0, low_open=True)
         counts = ("window", "min_history", "vanish_steps", "every_n_steps", "history")
+        positives = ("spike_sigmas", "attn_entropy_min", "diverge_lost", "attn_logit_min")
         required: dict[str, Callable[[str, Any], Any]] = {
-            "spike_sigmas": positive,
-            "nonfinite": lambda name, value: checks.boolean("AlarmRules", name, value),
+            "nonfinite": functools.partial(checks.boolean, "AlarmRules"),
             "quiet_read": lambda name, value: checks.choice("AlarmRules", name, value, QUIET_READS),
-            "diverge_giveback": share,
             "diverge_noise": real(low=0.0),
-            "attn_entropy_min": positive,
-            "diverge_lost": positive,
-            "attn_logit_min": positive,
             "diverge_overshoot": above_one,
-            "stall_progress": share,
+            **dict.fromkeys(positives, positive),
+            **dict.fromkeys(("diverge_giveback", "stall_progress"), real(low=0.0, high=1.0)),
             **dict.fromkeys(
                 (*counts, "diverge_span", "diverge_early", "diverge_patience", "attn_min_layers"),
-                count,
+                functools.partial(checks.positive_int, "AlarmRules"),
             ),
         }
         factors = ("spike_factor", "explode_factor", "stall_factor", "loss_factor")

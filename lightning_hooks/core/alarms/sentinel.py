@@ -36,14 +36,12 @@ __all__ = ["GradientAlarms", "NormRing", "attention_alarms"]
 
 
 class GradientAlarms:
-    """Evaluates :class:`AlarmRules` (each rule's definition and default) on the host.
+    """Evaluates :class:`AlarmRules` on the host, on rows that are the layers, then ``"global"``.
 
-    Rows are the layers and a last ``"global"`` row. :meth:`update` feeds the gradient rules,
-    :meth:`update_loss` *loss_spike* and *diverging*, :meth:`update_stall` and
-    :meth:`update_attention` *stall* and *attention* on logging steps. *nonfinite* names the
-    first layer in forward order whose weights are non-finite, else the first in backward order
-    whose gradient is. :meth:`poll` returns the verdicts: at once on the CPU; on CUDA when the
-    copy is done, at the latest one step late (or with ``wait=True``).
+    :meth:`update` feeds the gradient rules, :meth:`update_loss` the loss rules,
+    :meth:`update_stall` and :meth:`update_attention` *stall* and *attention* on logging steps.
+    :meth:`poll` returns the verdicts: at once on the CPU; on CUDA when the copy is done, at the
+    latest one step late (or with ``wait=True``).
 
     Args:
         layers: row names: the layers, then ``"global"``.
@@ -66,10 +64,8 @@ class GradientAlarms:
     ) -> None:
         self.layers = tuple(layers)
         self.rules = rules if rules is not None else AlarmRules()
-        if not isinstance(self.rules, AlarmRules):
-            raise TypeError(f"GradientAlarms(rules={rules!r}): must be an AlarmRules or None")
         self._watches_loss = self.rules.watches_loss  # read every batch; the rules are frozen
-        device = torch.device(device) if device is not None else torch.device("cpu")
+        device = torch.device(device if device is not None else "cpu")
         n = len(self.layers)
         self._gradients = GradientRules(n, self.rules)
         self._ring = NormRing(self.rules.history, n)
@@ -106,17 +102,14 @@ class GradientAlarms:
 
         Args:
             norm: ``[len(rows)]`` gradient L2 norms, last the global one (of a table: column 0).
-            rows: the rows ``norm`` covers (one optimizer's layers, then global; default: all),
-                best on the host (a device tensor is read once: a sync). When not every layer,
-                the global row is left out of the rules.
+            rows: the rows ``norm`` covers (default: all), best on the host (a device tensor is
+                read once: a sync). When not every layer, the global row is out of the rules.
             step: the optimizer step, for the messages.
             amp: a GradScaler is active: non-finite gradients are an overflow it skips.
             order: layer rows in the order their output-gradient hooks fired.
-            weights: the weight norms of ``rows``, called when a rule fired; ``None``:
-                *nonfinite* goes by gradients only.
+            weights: the weight norms of ``rows``, called when a rule fired (*nonfinite*).
             stepped: ``[len(rows)]`` bool, false for a layer with no gradient (out of the rules).
-            clip: the largest global L2 norm the optimizer will apply (``None``: not clipped):
-                *explosion* judges the gradient as clipped.
+            clip: the largest global L2 norm the optimizer will apply, for *explosion*.
             segments: ``norm`` is ``[parameters]`` L2 norms, folded into ``rows`` on the host.
         """
         self._drain(wait=True)  # the previous step's verdict: at most one step late
@@ -141,9 +134,8 @@ class GradientAlarms:
 
     @torch.no_grad()
     def update_loss(self, loss: torch.Tensor, *, step: int) -> None:
-        """Apply *loss_spike* and *diverging* to one training loss (a device scalar; no host
-        sync: the verdict is read at most one step late). A non-finite loss fires *diverging*
-        and leaves its state; a loss that is not positive never fires *loss_spike*."""
+        """Apply *loss_spike* and *diverging* to one training loss (a device scalar, no host
+        sync: the verdict is read at most one step late)."""
         if not self._watches_loss:
             return
         self._drain_loss(wait=True)  # also counts the finite losses seen so far
@@ -153,9 +145,8 @@ class GradientAlarms:
 
     @torch.no_grad()
     def update_stall(self, update: torch.Tensor, lr: float, *, step: int) -> None:
-        """*stall*, on a logging step: ``update`` (a weight's typical change, a device scalar:
-        :func:`~.grouped_norms.typical_update`) per unit of ``lr`` against its running level
-        (no host sync: read at the next poll). Skipped while ``lr`` is under 1% of its peak."""
+        """*stall* at a logging step: ``update`` (a weight's typical change, a device scalar) per
+        unit of ``lr``, read at the next poll; skipped while ``lr`` is under 1% of its peak."""
         if not self._stall.due(lr):
             return
         self._drain_stall(wait=True)
@@ -169,8 +160,7 @@ class GradientAlarms:
         self, logit_max: Mapping[str, float], entropy_min: Mapping[str, float], *, step: int
     ) -> None:
         """*attention* on a logging step's attention statistics (host values, reduced across
-        ranks: every rank reads the same alarms), against each layer's logits at the logging
-        steps before."""
+        ranks: every rank reads the same alarms)."""
         history = self._logits
         for alarm in attention_alarms(logit_max, entropy_min, step, self.rules, history):
             self._record(alarm)
