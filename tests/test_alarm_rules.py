@@ -145,6 +145,8 @@ def test_tracker_checks_its_arguments() -> None:
     with pytest.raises(TypeError, match=r"GradFlowTracker\(post_clip=1\): must be True or False"):
         GradFlowTracker(model, [opt], post_clip=1)  # type: ignore[arg-type]
     assert hooks_left(model) == []
+    with pytest.raises(TypeError, match=r"GradientAlarms\(rules=True\): must be an AlarmRules"):
+        GradientAlarms(["a"], True)  # type: ignore[arg-type]
 
 
 def test_state_of_other_layers_is_refused() -> None:

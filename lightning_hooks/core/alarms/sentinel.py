@@ -64,6 +64,8 @@ class GradientAlarms:
     ) -> None:
         self.layers = tuple(layers)
         self.rules = rules if rules is not None else AlarmRules()
+        if not isinstance(self.rules, AlarmRules):
+            raise TypeError(f"GradientAlarms(rules={rules!r}): must be an AlarmRules or None")
         self._watches_loss = self.rules.watches_loss  # read every batch; the rules are frozen
         device = torch.device(device if device is not None else "cpu")
         n = len(self.layers)
