@@ -1153,15 +1153,17 @@ def result_header(
     }
 
 
+def all_traces(
+    script: str, argv: list[str] | None, doc: str | None
+) -> tuple[argparse.Namespace, list[dict[str, Any]], float, float]:
+    """:func:`parse_args` over the traces of :func:`all_runs`, recording those missing."""
+    recorder = partial(record_all, runs=all_runs)
+    missing = partial(recorder, again=False)
+    return parse_args(script, "divergence_traces", argv, doc, recorder, missing)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args, traces, started, recorded = parse_args(
-        "divergence",
-        "divergence_traces",
-        argv,
-        __doc__,
-        partial(record_all, runs=all_runs),
-        partial(record_all, runs=all_runs, again=False),
-    )
+    args, traces, started, recorded = all_traces("divergence", argv, __doc__)
     shapes = {
         (Run(**t["run"]).name, t["run"]["seed"]): shape(t["losses"], step)
         for t in traces

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +26,9 @@ from divergence import (
     _cells,
     _first_divergence,
     _subset,
-    all_runs,
+    all_traces,
     group,
     ours,
-    parse_args,
-    record_all,
     result_header,
     score,
 )
@@ -54,14 +51,7 @@ RULE_SETS: dict[str, Callable[[dict[str, Any]], list[int]]] = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    args, traces, started, recorded = parse_args(
-        "divergence_frontier",
-        "divergence_traces",
-        argv,
-        __doc__,
-        partial(record_all, runs=all_runs),
-        partial(record_all, runs=all_runs, again=False),
-    )
+    args, traces, started, recorded = all_traces("divergence_frontier", argv, __doc__)
     rows = {}
     for name, replay in RULE_SETS.items():
         result = score(traces, replay)
