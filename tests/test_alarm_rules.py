@@ -42,6 +42,24 @@ def _nan_target_alarm(output_grad: bool) -> Any:
         return tracker.alarms.poll()
 
 
+def test_every_n_steps_evaluates_the_rules_on_steps_0_n_2n() -> None:
+    """``AlarmRules(every_n_steps=3)``: a rule that fires on every gradient (*absolute* with a
+    tiny bar) fires on optimizer steps 0, 3, 6 and 9 of 11, and on no other."""
+    torch.manual_seed(0)
+    model = HeadFirst()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rules = AlarmRules(every_n_steps=3, max_grad_norm=1e-12)
+    with GradFlowTracker(model, [opt], alarms=rules) as tracker:
+        for _ in range(11):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(torch.randn(4, 8)), torch.ones(4, 1)).backward()
+            tracker.observe(opt)
+            opt.step()
+        assert tracker.alarms is not None
+        steps = [a.step for a in tracker.alarms.poll() if a.rule == "absolute"]
+    assert steps == [0, 3, 6, 9]
+
+
 def test_nonfinite_gradient_names_the_first_layer_in_backward_order() -> None:
     (alarm,) = _nan_target_alarm(output_grad=True)
     assert (alarm.rule, alarm.layer, alarm.step, alarm.others) == (
