@@ -54,6 +54,7 @@ from torch import nn
 
 from lightning_hooks.callbacks.alarm_policy import check_actions
 from lightning_hooks.core import AlarmRules, GradientAlarms, ParamLayout
+from lightning_hooks.core.alarms import ALARM_RULES
 from lightning_hooks.core.ops.grad_stats import param_norms, segment_norm
 from lightning_hooks.core.ops.grouped_norms import typical_update
 from lightning_hooks.core.stats.stability import StabilityStats
@@ -129,21 +130,22 @@ def _mlp6() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(64, 10))
 
 
-_BASE: dict[str, torch.Tensor] = {}
+_BASES: dict[str, dict[str, torch.Tensor]] = {}
 
 
-def _pretrained() -> families.GPT:
-    """The fine-tunes' base: a byte-level GPT (2 layers, d 64) trained 300 steps on
-    ``argparse``'s source (AdamW 3e-3, warm-up and cosine decay, seed 0), once per process."""
-    if not _BASE:
+def _pretrained(kind: str = "gpt") -> nn.Module:
+    """The fine-tunes' base: a byte-level GPT (2 layers, d 64; ``kind="gpt"``) or GRU
+    (``kind="gru"``) trained 300 steps on its family's text (``argparse``'s source, and
+    ``inspect``'s) on AdamW 3e-3 with warm-up, cosine decay and clipping at 1, seed 0; once per
+    process."""
+    if kind not in _BASES:
         rng = torch.get_rng_state()
-        base = Run("gpt", "adamw", 3e-3, "cosine", clip=1.0)
-        for model, *_ in train(base):
+        for model, *_ in train(Run(kind, "adamw", 3e-3, "cosine", clip=1.0)):
             trained = model
-        _BASE.update(trained.state_dict())
+        _BASES[kind] = trained.state_dict()
         torch.set_rng_state(rng)
-    model = families.GPT(qk_norm=False)
-    model.load_state_dict(_BASE)
+    model = families.GPT(qk_norm=False) if kind == "gpt" else families.ByteGRU()
+    model.load_state_dict(_BASES[kind])
     return model
 
 
@@ -217,8 +219,13 @@ BUILD: dict[str, Callable[[], nn.Module]] = {
     "gpt-h32-deep-qk": lambda: families.GPT(qk_norm=True, layers=3, head=32),
     "wine": families.Tabular,
     "ft": _pretrained,
-    "ft-lora": lambda: families.LoRA(_pretrained()),
+    "ft-lora": lambda: families.LoRA(_pretrained()),  # type: ignore[arg-type]
+    "ft-mix": _pretrained,
+    "ft-mix-lora": lambda: families.LoRA(_pretrained()),  # type: ignore[arg-type]
+    "ft-gru-mix": lambda: _pretrained("gru"),
 }
+MIXED = ("ft-mix", "ft-mix-lora", "ft-gru-mix")
+"""The fine-tunes on :data:`families.MIXED_DOCS`: each micro-batch from one document."""
 BYTE_TEXT = {
     "byte-pre-ln": "argparse", "byte-post-ln": "inspect", "gru": "inspect", "gru2": "typing",
     "lstm2": "tarfile", "ft": "inspect", "ft-lora": "typing",
@@ -408,10 +415,26 @@ FINE_TUNING = [
 on Adam; a pretrained byte-level GPT (:func:`_pretrained`) fine-tuned on another text whole
 or through low-rank adapters on the frozen base, micro-batches of 1-4 with and without
 accumulation."""
+_MIX_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
+FINE_TUNING_MIXED = [
+    *(Run("ft-mix", "adamw", lr, "linear", batch=1) for lr in _MIX_LRS),
+    *(Run("ft-mix", "adamw", lr, "linear", batch=2, accum=8) for lr in _MIX_LRS),
+    *(Run("ft-mix-lora", "adamw", lr, "linear", batch=1) for lr in (3e-3, 1e-2, 3e-2, 0.1)),
+    *(Run("ft-mix-lora", "adamw", lr, "linear", batch=2, accum=8) for lr in (3e-3, 3e-2, 0.1)),
+]
+"""Fine-tuning on documents that differ a lot in difficulty (:data:`MIXED`): the pretrained
+GPT whole at a micro-batch of 1, and of 2 with ``accumulate_grad_batches=8``, and through
+low-rank adapters on its frozen base; learning rates from gentle to past what it can take."""
 NEW_SEEDS = (0, 1)
-FRESH_RUNS = [Run("resmlp-wine", "adam", lr, "step", batch=4) for lr in (1e-2, 3e-2, 0.1)]
+FRESH_RUNS = [
+    *(Run("resmlp-wine", "adam", lr, "step", batch=4) for lr in (1e-2, 3e-2, 0.1)),
+    *(Run("ft-gru-mix", "adamw", lr, "linear", batch=1) for lr in (1e-3, 3e-3, 1e-2, 3e-2)),
+    *(Run("ft-gru-mix", "adamw", lr, "linear", batch=2, accum=8) for lr in (1e-3, 1e-2)),
+]
 """Recorded after the defaults were frozen: a residual MLP with LayerNorm on the wine set, a
-batch of 4, Adam with a step schedule (transients and small noisy batches at once)."""
+batch of 4, Adam with a step schedule (transients and small noisy batches at once); a
+pretrained byte GRU fine-tuned whole on the documents of :data:`MIXED` at a micro-batch of 1,
+and of 2 with accumulation over 8."""
 
 FAMILY = {
     "mlp": "mlp", "mlp6": "mlp6", "resmlp": "resmlp", "cnn": "cnn", "lstm": "lstm",
@@ -422,7 +445,7 @@ FAMILY = {
     "bnmlp": "bnmlp", "gru2": "gru2", "lstm2": "lstm2", "resmlp-digits": "resmlp-digits",
     "gpt-h32": "gpt-h32", "gpt-h32-qk": "gpt-h32", "gpt-h32-deep": "gpt-h32-deep",
     "gpt-h32-deep-qk": "gpt-h32-deep", "ft": "ft", "ft-lora": "ft-lora",
-    "resmlp-wine": "resmlp-wine",
+    "resmlp-wine": "resmlp-wine", "ft-mix-lora": "ft-mix-lora", "ft-gru-mix": "ft-gru-mix",
 }  # fmt: skip
 
 
@@ -437,12 +460,15 @@ def family(run: Run) -> str:
         return "resmlp-step"
     if run.model == "wine":
         return f"wine-{run.optimizer}"
+    if run.model == "ft-mix":
+        return "ft-mix-mb1" if run.accum == 1 else "ft-mix-accum"
     return FAMILY[run.model]
 
 
 HELD_OUT_FAMILIES = frozenset(
     {"resmlp", "lstm", "post-ln", "byte-post-ln", "cnn-long", "gpt-wide", "gpt-logits"}
     | {"bnmlp", "lstm2", "resmlp-digits", "gpt-h32-deep", "wine-adam", "ft-lora"}
+    | {"ft-mix-accum", "ft-mix-lora"}
 )
 """The families the defaults were not chosen on, frozen before any default was tuned on them.
 Each failure has a family on each side: char-level transformers on plain Adam (``byte-pre-ln``
@@ -450,11 +476,21 @@ tunes, ``byte-post-ln`` is held out), recurrent models on RMSprop with clipping 
 ``gru2``; ``lstm``, ``lstm2``), attention collapse (``gpt``, ``gpt-h32``; ``gpt-wide``,
 ``gpt-h32-deep``), explosions (``mlp6``; ``resmlp``), early transients under SGD with momentum
 (``cnn-m``; ``bnmlp``), Adam on a residual MLP with LayerNorm and a step schedule
-(``resmlp-step``; ``resmlp-digits``), small batches (``wine-sgd``; ``wine-adam``) and
-fine-tuning a pretrained GPT (``ft``, whole; ``ft-lora``, adapters on the frozen base)."""
-FRESH_FAMILIES = frozenset({"gpt-deep", "gpt-6h", "resmlp-wine"})
+(``resmlp-step``; ``resmlp-digits``), small batches (``wine-sgd``; ``wine-adam``),
+fine-tuning a pretrained GPT (``ft``, whole; ``ft-lora``, adapters on the frozen base) and
+fine-tuning it on documents of mixed difficulty (``ft-mix-mb1``, whole at a micro-batch of 1;
+``ft-mix-accum``, whole at 2 x 8 accumulated, and ``ft-mix-lora``, adapters)."""
+FRESH_FAMILIES = frozenset({"gpt-deep", "gpt-6h", "resmlp-wine", "ft-gru-mix"})
 """Families recorded only after the defaults they are judged on were frozen: a half no
 default has seen. Reported apart from both halves."""
+
+
+SMALL_BATCH = frozenset(
+    {"wine-sgd", "wine-adam", "resmlp-wine", "ft", "ft-lora", "ft-mix-mb1", "ft-mix-accum"}
+    | {"ft-mix-lora", "ft-gru-mix"}
+)
+"""The small-batch and fine-tuning families: micro-batches of 1-4, with or without
+accumulation, where the loss swings most from one micro-batch to the next."""
 
 
 def group(name: str) -> str:
@@ -498,6 +534,8 @@ def _batches(run: Run, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, tor
         while True:
             idx = torch.randint(0, len(x), (run.batch or 32,), generator=gen)
             yield x[idx], y[idx]
+    if run.model in MIXED:
+        yield from _mixed_batches(run.batch or 16, gen)
     if run.model in ("lstm", "pre-ln", "post-ln"):
         text, seq = _text(), _SEQ
     else:
@@ -505,6 +543,18 @@ def _batches(run: Run, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, tor
         text, seq = families.byte_text(source), families.SEQ
     while True:
         start = torch.randint(0, len(text) - seq - 1, (run.batch or 16,), generator=gen)
+        window = torch.stack([text[s : s + seq + 1] for s in start.tolist()])
+        yield window[:, :-1], window[:, 1:]
+
+
+def _mixed_batches(batch: int, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Windows of one document of :data:`families.MIXED_DOCS` a micro-batch, the document drawn
+    at random: the loss swings with the document's difficulty."""
+    docs = [families.byte_text(name) for name in families.MIXED_DOCS]
+    seq = families.SEQ
+    while True:
+        text = docs[int(torch.randint(0, len(docs), (1,), generator=gen))]
+        start = torch.randint(0, len(text) - seq - 1, (batch,), generator=gen)
         window = torch.stack([text[s : s + seq + 1] for s in start.tolist()])
         yield window[:, :-1], window[:, 1:]
 
@@ -648,7 +698,7 @@ def all_runs() -> list[Run]:
     runs += [
         replace(run, seed=seed)
         for seed in NEW_SEEDS
-        for run in (*TRANSIENTS, *COLLAPSES, *FINE_TUNING, *FRESH_RUNS)
+        for run in (*TRANSIENTS, *COLLAPSES, *FINE_TUNING, *FINE_TUNING_MIXED, *FRESH_RUNS)
     ]
     return runs
 
@@ -694,6 +744,9 @@ def _by_run(traces: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 RECOVERED = 0.5  # a run that ends below this share of its first loss is not divergent
+# a warning on confirmation is in time this many steps, or this share of the run, after the
+# divergence step (whichever is more)
+CONFIRM_STEPS, CONFIRM_SHARE = 3, 0.01
 TAIL = 50  # the steps whose mean loss is the run's end
 
 
@@ -964,10 +1017,13 @@ def _explosion_totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def score(
-    traces: list[dict[str, Any]], replay: Callable[[dict[str, Any]], list[int]]
+    traces: list[dict[str, Any]],
+    replay: Callable[[dict[str, Any]], list[int]],
+    setbacks: Callable[[dict[str, Any]], list[int]] | None = None,
 ) -> dict[str, Any]:
     """Per run without an explosion: its family, the divergence step, the damage against a twin
-    (``None``: no twin) and the first warning; totals."""
+    (``None``: no twin), the first warning and (``setbacks``: their replay) the setbacks
+    logged; totals."""
     by_key = {_key(t["run"]): t for t in traces if t["run"].get("explode_at") is None}
     rows = []
     for trace in by_key.values():
@@ -975,6 +1031,7 @@ def score(
         found = sorted(replay(trace))
         judged = twin_of(run)
         twin = None if judged is None else by_key.get(_key(asdict(judged[1])))
+        finite = np.isfinite(trace["losses"])
         rows.append(
             {
                 "run": run.name,
@@ -982,10 +1039,12 @@ def score(
                 "family": family(run),
                 "steps": run.steps,
                 "diverges_at": divergence_step(trace["losses"]),
+                "first_nonfinite": None if finite.all() else int(np.argmin(finite)),
                 "kind": None if judged is None else judged[0],
                 "damaged": None if twin is None else worse_than_twin(trace, twin),
                 "first_warning": found[0] if found else None,
                 "warnings": len(found),
+                "setbacks": None if setbacks is None else len(setbacks(trace)),
             }
         )
     return {"runs": rows, **_totals(rows)}
@@ -996,6 +1055,24 @@ def _in_half(row: dict[str, Any]) -> bool:
     return row["first_warning"] is not None and 2 * row["first_warning"] < row["steps"]
 
 
+def confirmation_allowance(steps: int) -> int:
+    """How many optimizer steps after its divergence step a warning on confirmation is still in
+    time: 3, or 1% of the run's steps, whichever is more."""
+    return max(CONFIRM_STEPS, math.ceil(CONFIRM_SHARE * steps))
+
+
+def _confirmed_in_time(row: dict[str, Any]) -> bool:
+    """Warned no later than :func:`confirmation_allowance` steps after the divergence step,
+    and before the run's first non-finite loss."""
+    first, at = row["first_warning"], row["diverges_at"]
+    if first is None or at is None:
+        return False
+    nonfinite = row.get("first_nonfinite")
+    return first <= at + confirmation_allowance(row["steps"]) and (
+        nonfinite is None or first <= nonfinite
+    )
+
+
 def _totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
     divergent = [r for r in rows if r["diverges_at"] is not None]
     healthy = [r for r in rows if r["diverges_at"] is None and not r.get("damaged")]
@@ -1004,6 +1081,7 @@ def _totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for r in divergent
         if r["first_warning"] is not None and r["first_warning"] <= r["diverges_at"]
     ]
+    lags = [r["first_warning"] - r["diverges_at"] for r in divergent if _confirmed_in_time(r)]
     collapses = [r for r in rows if r.get("kind") == "attention" and r["damaged"]]
     logits = [r for r in rows if r.get("kind") == "logits" and r["damaged"]]
     spared = [r for r in rows if r.get("damaged") is False]
@@ -1011,8 +1089,12 @@ def _totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "divergent": len(divergent),
         "warned_in_time": len(leads),
         "median_lead": float(np.median(leads)) if leads else None,
+        "warned_confirmed": len(lags),
+        "median_lag": float(np.median(lags)) if lags else None,
+        "worst_lag": max(lags) if lags else None,
         "healthy": len(healthy),
         "healthy_warned": sum(r["first_warning"] is not None for r in healthy),
+        "healthy_setbacks": sum(bool(r.get("setbacks")) for r in healthy),
         "collapses": len(collapses),
         "collapses_warned": sum(_in_half(r) for r in collapses),
         "logit_damage": len(logits),
@@ -1032,36 +1114,34 @@ def shape(losses: np.ndarray, step: int) -> str:
     return "drift" if math.isfinite(mean) and mean <= losses[0] else "blow-up"
 
 
-RELEASED = AlarmRules(diverge_early=3, diverge_overshoot=10.0, diverge_patience=1, attn_growth=None)
-"""The defaults of lightning_hooks 0.1.0: every rise over *diverging*'s bar warned at once, the
-first 3 losses of an adaptive optimizer held to 10x, attention collapse by the largest logit."""
-PATIENT = (
-    "lightning_hooks, transients not warned "
-    "(diverge_patience=5, diverge_early=20, diverge_overshoot=20)"
-)
-PATIENT_RULES = AlarmRules(diverge_early=20, diverge_overshoot=20.0, diverge_patience=5)
-"""The opt-in that waits for a rise of the loss to hold before warning: transients logged."""
+SETBACK = "setback" if "setback" in ALARM_RULES else "transient"
+"""The rule that logs a rise of the loss before it is confirmed (``transient`` in 0.2.0)."""
+AT_ONCE = "lightning_hooks, every setback warned at once (diverge_patience=1)"
+AT_ONCE_RULES = AlarmRules(diverge_patience=1)
+"""The rules that warn a rise of the loss the step it crosses the bar: the lead the defaults'
+confirmation gives up, and the healthy runs it spares."""
 RULE_SETS: dict[str, Callable[[dict[str, Any]], list[int]]] = {
     "lightning_hooks, defaults": ours(AlarmRules()),
-    "lightning_hooks 0.1.0 defaults": ours(RELEASED),
-    PATIENT: ours(PATIENT_RULES),
+    AT_ONCE: ours(AT_ONCE_RULES),
     **PEERS,
 }
+SETBACKS = {"lightning_hooks, defaults": ours(AlarmRules(), (SETBACK,))}
+"""The setbacks each of our rule sets logs, for the healthy runs' column."""
 
 
-DEFAULTS, BEFORE = "lightning_hooks, defaults", "lightning_hooks 0.1.0 defaults"
+DEFAULTS = "lightning_hooks, defaults"
 
 
 def changes(
-    new: list[dict[str, Any]], old: list[dict[str, Any]], transients: list[bool], half: str
+    new: list[dict[str, Any]], old: list[dict[str, Any]], setbacks: list[bool], half: str
 ) -> dict[str, Any]:
-    """What waiting for a rise to hold (``new``) changes against the defaults (``old``) on the
-    runs of ``half`` (``all``: every run): the lead lost on the divergent runs the defaults warn
-    in time (steps later; median and worst over those still warned; and those no longer warned
-    in time), and the healthy runs with a *transient* logged (of them: warned by the defaults,
-    warned when waiting)."""
+    """What confirming a setback before warning (``new``, the defaults) changes against warning
+    it at once (``old``) on the runs of ``half`` (``all``: every run): the lead lost on the
+    divergent runs warned at once in time (steps later; median and worst over those still
+    warned; and those no longer warned by their divergence step), and the healthy runs with a
+    setback logged (of them: warned at once, warned on confirmation)."""
     keep = [half == "all" or group(r["family"]) == half for r in new]
-    pairs = [(n, o, t) for n, o, t, k in zip(new, old, transients, keep, strict=True) if k]
+    pairs = [(n, o, t) for n, o, t, k in zip(new, old, setbacks, keep, strict=True) if k]
     timely = [
         (n, o)
         for n, o, _ in pairs
@@ -1080,9 +1160,9 @@ def changes(
         "late_now": sum(
             n["first_warning"] is None or n["first_warning"] > n["diverges_at"] for n, _ in timely
         ),
-        "healthy_transients": len(healthy),
-        "transients_warned_before": sum(o["first_warning"] is not None for _, o in healthy),
-        "transients_warned_now": sum(n["first_warning"] is not None for n, _ in healthy),
+        "healthy_setbacks": len(healthy),
+        "setbacks_warned_at_once": sum(o["first_warning"] is not None for _, o in healthy),
+        "setbacks_warned": sum(n["first_warning"] is not None for n, _ in healthy),
     }
 
 
@@ -1101,7 +1181,8 @@ def _half(result: dict[str, Any], half: str) -> dict[str, Any]:
     """Totals over the runs and explosions of the families of ``half`` (see :func:`group`)."""
     keep = lambda r: group(r["family"]) == half  # noqa: E731
     explosions = [r for r in result["explosions"]["runs"] if keep(r)]
-    return {**_subset(result, keep), "explosions": _explosion_totals(explosions)}
+    small = _subset(result, lambda r: keep(r) and r["family"] in SMALL_BATCH)
+    return {**_subset(result, keep), "explosions": _explosion_totals(explosions), "small": small}
 
 
 def parse_args(
@@ -1171,7 +1252,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     results: dict[str, Any] = {}
     for name, replay in RULE_SETS.items():
-        result = score(traces, replay)
+        result = score(traces, replay, SETBACKS.get(name))
         result["explosions"] = score_explosions(traces, replay)
         result["halves"] = {half: _half(result, half) for half in HALVES}
         result["by_shape"] = {
@@ -1180,16 +1261,13 @@ def main(argv: list[str] | None = None) -> None:
         }
         results[name] = result
         print(f"{time.perf_counter() - started:5.0f}s replayed {name}", file=sys.stderr)
-    logged = ours(PATIENT_RULES, ("transient",))
-    transients = [
-        bool(logged(t)) for t in traces if t["run"].get("explode_at") is None
-    ]  # in score's order
-    new, old = results[PATIENT]["runs"], results[DEFAULTS]["runs"]
+    new, old = results[DEFAULTS]["runs"], results[AT_ONCE]["runs"]
+    logged = [bool(r["setbacks"]) for r in new]
     out = {
         **result_header("divergence", argv, started, recorded),
         "shapes": {f"{run}, seed {seed}": kind for (run, seed), kind in shapes.items()},
         "rule_sets": results,
-        "changes": {half: changes(new, old, transients, half) for half in (*HALVES, "all")},
+        "changes": {half: changes(new, old, logged, half) for half in (*HALVES, "all")},
     }
     target = Path(args.out)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -1204,23 +1282,35 @@ def _cells(t: dict[str, Any]) -> str:
     return f"{warned} | {lead} | {t['healthy_warned']} of {t['healthy']}"
 
 
+def _lag(r: dict[str, Any]) -> str:
+    """The lag behind the divergence step of the runs warned in time on confirmation: median,
+    worst."""
+    if r["median_lag"] is None:
+        return "-"
+    return f"{r['median_lag']:g}, {r['worst_lag']}"
+
+
 def main_cells(r: dict[str, Any]) -> str:
-    """Divergent warned in time, damaging explosions warned at their step, harmless ones
-    warned, damaging attention collapses warned in the first half of the run, healthy runs
-    warned."""
+    """Divergent warned by their divergence step, warned in time on confirmation, its lag,
+    damaging explosions warned at their step, harmless ones warned, damaging attention
+    collapses warned in the first half of the run, healthy runs warned."""
     e = r["explosions"]
     return (
-        f"{r['warned_in_time']} of {r['divergent']} | {e['damaging_warned']} of "
-        f"{e['damaging']} | {e['harmless_warned']} of {e['harmless']} | "
-        f"{r['collapses_warned']} of {r['collapses']} | {r['healthy_warned']} of {r['healthy']}"
+        f"{r['warned_in_time']} of {r['divergent']} | {r['warned_confirmed']} of "
+        f"{r['divergent']} | {_lag(r)} | {e['damaging_warned']} of {e['damaging']} | "
+        f"{e['harmless_warned']} of {e['harmless']} | {r['collapses_warned']} of "
+        f"{r['collapses']} | {r['healthy_warned']} of {r['healthy']} |"
     )
 
 
 MAIN_HEADER = (
-    "| rule set | divergent runs warned in time | damaging explosions warned at their step "
+    "| rule set | divergent runs warned by their divergence step | divergent runs warned in "
+    "time on confirmation | lag behind the divergence step: median, worst "
+    "| damaging explosions warned at their step "
     "| harmless explosions warned | damaging attention collapses warned in the first half "
     "| healthy runs warned |"
 )
+MAIN_RULE = "| --- " * 8 + "|"
 
 
 def markdown(out: dict[str, Any]) -> str:
@@ -1231,7 +1321,9 @@ def markdown(out: dict[str, Any]) -> str:
         f"explosions (x{', x'.join(f'{x:g}' for x in EXPLODE_SIZES)}, at step "
         f"{' or '.join(str(a) for a in EXPLODE_AT.values())}, each against its twin run); "
         "every rule set replayed on the same traces. Divergent runs warned at or before the "
-        "step the loss diverged; damaging explosions (the loss "
+        "step the loss diverged, and warned in time on confirmation: no later than "
+        f"{CONFIRM_STEPS} steps or {CONFIRM_SHARE:.0%} of the run (whichever is more) after that "
+        "step and before the first non-finite loss; damaging explosions (the loss "
         f"{DAMAGE_WINDOW[0]}-{DAMAGE_WINDOW[1]} steps later above {DAMAGE_RATIO:g}x the twin's "
         f"+ {DAMAGE_MARGIN:g}x the twin's first loss, or not finite) warned at their step; "
         "damaging attention collapses (a GPT without qk-layernorm whose last "
@@ -1242,21 +1334,31 @@ def markdown(out: dict[str, Any]) -> str:
     for half, title in HALVES.items():
         families = sorted({r["family"] for r in first["runs"] if group(r["family"]) == half})
         lines += ["", f"**{title.capitalize()}** ({', '.join(families)}):", ""]
-        lines += [MAIN_HEADER, "| --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {name} | {main_cells(r['halves'][half])} |" for name, r in sets.items()]
-    lines += ["", "**All runs**:", "", MAIN_HEADER, "| --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {name} | {main_cells(r)} |" for name, r in sets.items()]
+        lines += [MAIN_HEADER, MAIN_RULE]
+        lines += [f"| {name} | {main_cells(r['halves'][half])}" for name, r in sets.items()]
+        ours = sets[DEFAULTS]["halves"][half]
+        small = ours["small"]
+        lines += [
+            "",
+            f"Healthy runs with a setback logged (defaults): {ours['healthy_setbacks']} of "
+            f"{ours['healthy']}. The small-batch and fine-tuning families alone (defaults): "
+            f"{small['healthy_warned']} of {small['healthy']} healthy runs warned, "
+            f"{small['warned_confirmed']} of {small['divergent']} divergent runs warned in time "
+            "on confirmation.",
+        ]
+    lines += ["", "**All runs**:", "", MAIN_HEADER, MAIN_RULE]
+    lines += [f"| {name} | {main_cells(r)}" for name, r in sets.items()]
     lines += [
         "",
-        "What waiting for a rise of the loss to hold (diverge_patience=5, diverge_early=20, "
-        "diverge_overshoot=20) changes against the defaults: the divergent runs the defaults "
-        "warn in time, how many steps later the patient rules warn them (median, worst) and how "
-        "many are then late or not warned; the healthy runs where the patient rules log a "
-        "*transient*, and of them those warned by the defaults and by the patient rules:",
+        "What confirming a setback before warning (the defaults) changes against warning it "
+        "the step it crosses the bar (diverge_patience=1): the divergent runs warned at once by "
+        "their divergence step, how many steps later the defaults warn them (median, worst) and "
+        "how many are then after their divergence step or not warned; the healthy runs where "
+        "the defaults log a *setback*, and of them those warned at once and on confirmation:",
         "",
-        "| runs | divergent, warned in time by the defaults | steps later: median | worst | "
-        "then late | healthy runs with a transient logged | warned by the defaults | "
-        "warned when waiting |",
+        "| runs | divergent, warned at once by their divergence step | steps later: median | "
+        "worst | then after it | healthy runs with a setback logged | warned at once | "
+        "warned on confirmation |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for half, c in out["changes"].items():
@@ -1264,8 +1366,8 @@ def markdown(out: dict[str, Any]) -> str:
         median, worst = ("-" if v is None else f"{v:g}" for v in lost)
         lines.append(
             f"| {HALVES.get(half, 'every run')} | {c['timely_before']} | {median} | {worst} | "
-            f"{c['late_now']} | {c['healthy_transients']} | {c['transients_warned_before']} | "
-            f"{c['transients_warned_now']} |"
+            f"{c['late_now']} | {c['healthy_setbacks']} | {c['setbacks_warned_at_once']} | "
+            f"{c['setbacks_warned']} |"
         )
     lines += [
         "",

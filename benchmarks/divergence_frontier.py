@@ -1,10 +1,10 @@
-"""What telling a transient from a divergence costs: *diverging* at several patiences and spans,
+"""What telling a setback from a divergence costs: *diverging* at several patiences and spans,
 and the ground truth's own test applied as the run goes, replayed on ``divergence.py``'s traces.
 
-A run is divergent or a transient by how it ends (``divergence.divergence_step``): the same rise
-of the loss is a divergence in a run that never recovers and a transient in one that does. The
+A run is divergent or healthy by how it ends (``divergence.divergence_step``): the same rise
+of the loss is a divergence in a run that never recovers and a setback in one that does. The
 last row applies the ground truth's test at each step without knowing the end: it warns every
-divergent run at its divergence step, and the healthy runs it warns are the transients that the
+divergent run at its divergence step, and the healthy runs it warns are the setbacks that the
 loss alone cannot tell apart in time. Each row gives, per half, the divergent runs warned in
 time, the median lead (steps) and the healthy runs warned (by any rule that warns, for ours).
 
@@ -43,8 +43,8 @@ def ground_truth_online(trace: dict[str, Any]) -> list[int]:
 
 
 RULE_SETS: dict[str, Callable[[dict[str, Any]], list[int]]] = {
-    "defaults (diverge_patience=1, diverge_span=4)": ours(AlarmRules()),
-    **{f"diverge_patience={p}": ours(AlarmRules(diverge_patience=p)) for p in (2, 3, 5)},
+    "defaults (diverge_patience=3, diverge_span=4)": ours(AlarmRules()),
+    **{f"diverge_patience={p}": ours(AlarmRules(diverge_patience=p)) for p in (1, 2, 5)},
     "diverge_span=8": ours(AlarmRules(diverge_span=8)),
     "the ground truth's test, blind to the end": ground_truth_online,
 }

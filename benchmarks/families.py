@@ -15,7 +15,11 @@ users run them.
 - ``resmlp``: a residual MLP of pre-LN blocks; ``bnmlp``: an MLP with BatchNorm; ``wine``: a
   small tabular MLP (13 features, 3 classes) for batches of 2 or 4;
 - ``ft``, ``ft-lora``: a pretrained byte-level GPT fine-tuned whole, or through low-rank
-  adapters (:func:`LoRA`) on its frozen base.
+  adapters (:func:`LoRA`) on its frozen base;
+- ``ft-mix``, ``ft-mix-lora``, ``ft-gru-mix``: the same fine-tunes (and a pretrained byte GRU's)
+  on :data:`MIXED_DOCS`, documents that differ a lot in difficulty, one document a micro-batch:
+  near-duplicate boilerplate (codec tables) beside English prose the base never saw, so one
+  micro-batch's loss can be 2-3x the next one's.
 
 Data is the source text of Python's own modules, read as bytes: nothing is downloaded.
 """
@@ -23,7 +27,11 @@ Data is the source text of Python's own modules, read as bytes: nothing is downl
 from __future__ import annotations
 
 import argparse
+import encodings.cp437
+import encodings.cp850
+import encodings.cp1252
 import inspect
+import pydoc_data.topics
 import tarfile
 import typing
 from pathlib import Path
@@ -52,7 +60,15 @@ TEXTS = {
     "inspect": inspect.__file__,
     "typing": typing.__file__,
     "tarfile": tarfile.__file__,
+    "cp1252": encodings.cp1252.__file__,
+    "cp437": encodings.cp437.__file__,
+    "cp850": encodings.cp850.__file__,
+    "topics": pydoc_data.topics.__file__,
 }
+MIXED_DOCS = ("cp1252", "cp437", "cp850", "topics")
+"""The heterogeneous fine-tuning corpus: three near-duplicate codec tables (boilerplate a model
+learns in a few steps) and the prose of Python's help topics (unseen English): a micro-batch
+drawn from one of them at random, so its loss swings with the document."""
 
 
 def byte_text(name: str) -> torch.Tensor:

@@ -52,7 +52,7 @@ LAYER_METRICS: dict[str, tuple[str, ...]] = {
 ALARMS: dict[str, tuple[str, ...]] = {
     "grad_flow": (
         *("spike", "explosion", "absolute", "vanishing", "nonfinite", "amp_overflow"),
-        *("loss_spike", "diverging", "transient", "stall", "attention"),
+        *("loss_spike", "diverging", "setback", "stall", "attention"),
     ),
 }
 """Every ``family/alarms/rule`` count the library logs (``lightning_hooks.core.ALARM_RULES``, which

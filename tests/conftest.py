@@ -22,6 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
+if "LH_TORCH_THREADS" in os.environ:  # other floating-point bits, as another CPU gives them
+    torch.set_num_threads(int(os.environ["LH_TORCH_THREADS"]))
 # Every guard raises in the suite: a bug in a hook fails its test (test_guard.py turns it off).
 os.environ["LIGHTNING_HOOKS_STRICT"] = "1"
 

@@ -132,7 +132,7 @@ def test_the_report_names_the_alarms(demo: tuple[Path, str]) -> None:
     broken = _run(demo, "broken")
     counts = {
         rule: math.fsum(_per_epoch(broken, f"grad_flow/alarms/{rule}"))
-        for rule in ("diverging", "explosion", "spike", "vanishing")
+        for rule in ("diverging", "explosion", "setback", "spike", "vanishing")
     }
     assert counts["diverging"] > 0  # the loss the broken run loses, warned
     line = "alarms: " + ", ".join(f"grad_flow/{r}={v:g}" for r, v in counts.items())

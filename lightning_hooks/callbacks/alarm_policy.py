@@ -27,8 +27,9 @@ __all__ = ["AlarmPolicy", "LossAgreement", "agree_ranks", "disable", "settle"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
-# amp_overflow: the GradScaler already acts (counted only); a transient is only logged.
-_ACTIONABLE = tuple(rule for rule in ALARM_RULES if rule not in ("amp_overflow", "transient"))
+# amp_overflow: the GradScaler already acts (counted only); a setback is only logged: telling it
+# from a divergence takes a few steps, and *diverging* acts once it is confirmed.
+_ACTIONABLE = tuple(rule for rule in ALARM_RULES if rule not in ("amp_overflow", "setback"))
 _NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")  # skip cures none
 # Healthy runs show one-step spikes and stalls too (benchmarks/divergence.py): under "warn" they
 # are only logged; a spike that hurts the optimizer is also an *explosion*, which warns.

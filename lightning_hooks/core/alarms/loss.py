@@ -1,79 +1,163 @@
-"""*loss_spike* and *diverging* on the training loss at each step, *stall* on the optimizer's
-update at logging steps, and their alarms. The device only copies the loss (or update) to host
-memory without blocking; the rules run on the host, in ``float32``, when the copy is read."""
+"""*loss_spike*, *setback* and *diverging* on the training loss at each step, and their alarms.
+The device only copies the loss to host memory without blocking; the rules run on the host
+when the copy is read."""
 
 from __future__ import annotations
 
 import math
-import struct
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import asdict, dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from lightning_hooks.core.alarms.gradients import RunningScale, as_array
-from lightning_hooks.core.alarms.messages import GradientAlarm, ratio_text
+from lightning_hooks.core.alarms.messages import _ADVICE, GradientAlarm, ratio_text
 from lightning_hooks.core.alarms.rules import AlarmRules
 from lightning_hooks.core.transport import HostMailbox
 
-__all__ = ["LossRules", "StallRule"]
+__all__ = ["LossLevels", "LossProgress", "LossRules", "Setback"]
 
 _F = np.float32
-_LEARNT_NOISE = 4.0  # diverging's noise bar shrinks by 1/4 of what the run has learnt
-_STALL_LR_FLOOR = 0.01  # below this share of its peak, the LR is being decayed away: no stall
-_STALL_ALPHA = 0.5  # the stall's level: an EMA over the last few logging steps
-_PACK = struct.Struct("f")
-# the loss report: loss_spike's flag, diverging's margin (it fires unless the margin is < 0: NaN
-# for a non-finite loss), the loss, its running scale; then diverging's state: the loss's running
-# mean, its mean absolute deviation, the best running mean, the first loss
-_L_SPIKE, _L_DIVERGING, _L_VALUE, _L_SCALE, _L_MEAN, _L_DEV, _L_BEST, _L_FIRST = range(8)
-# the stall report: its flag, the log of the update per unit of learning rate, its running level
-# before this logging step, the loss's progress since the last one (a share of what it had
-# learnt), then the state: the level after this step, the loss's best at this step
-_S_FLAG, _S_VALUE, _S_BEFORE, _S_PROGRESS, _S_LEVEL, _S_BEST = range(6)
+# E|x_t - x_(t-1)| = 2 sigma / sqrt(pi) for independent normal losses: the jitter to a spread
+_JITTER_PER_SIGMA = 2.0 / math.sqrt(math.pi)
+_JITTER_SPAN = 64  # losses in the jitter's running mean: a spread steady over a run's phases
+# the level (the best's reference) lengthens until its own spread is this share of itself
+_LEVEL_NOISE = 0.1
+_LEVEL_SPAN_MAX = 128
 
 
-def _f32(value: float) -> float:
-    """``value`` rounded to the nearest ``float32`` (overflow to a signed ``inf``), as a Python
-    float: rounding after each operation gives numpy ``float32`` scalars' bits, cheaper."""
-    try:
-        rounded: float = _PACK.unpack(_PACK.pack(value))[0]
-    except OverflowError:  # a Python whose pack refuses what a cast rounds to inf
-        return math.copysign(math.inf, value)
-    return rounded
+class LossProgress(NamedTuple):
+    """How far the loss has come: what *stall* asks of the loss rules at a logging step."""
+
+    best: float
+    """The loss's best level so far."""
+    first: float
+    """Where the run started: the mean of its first ``min_history`` losses."""
 
 
-def _lerp32(start: float, end: float, weight: float) -> float:
-    """``torch.lerp``'s formula (exact at both ends for any weight) on Python floats, rounded
-    to ``float32`` after each operation."""
-    w = _f32(weight)
-    d = _f32(end - start)
-    return _f32(start + _f32(w * d)) if w < 0.5 else _f32(end - _f32(d * _f32(1.0 - w)))
+@dataclass
+class LossLevels:
+    """*diverging*'s running state over the finite training losses seen so far.
+
+    Two running means: ``mean``, short (``diverge_span`` losses), is what rises when the run
+    goes wrong; ``level``, which lengthens with the loss's noise until its own spread is a
+    tenth of itself, is what ``best`` is the lowest of. A best taken from the short mean of a
+    noisy loss is a lucky streak, and every later loss looks like a rise from it.
+    ``jitter``, the running mean of ``|x_t - x_(t-1)|``, measures the noise from one loss to
+    the next; a trend does not inflate it, as it would a deviation from the mean.
+    """
+
+    seen: int = 0
+    """Finite losses folded in."""
+    first: float = math.nan
+    """The mean of the first ``min_history`` losses: where the run started."""
+    mean: float = math.nan
+    level: float = math.nan
+    best: float = math.nan
+    jitter: float = 0.0
+    last: float = math.nan
+    """The last finite loss."""
+
+    def spread(self, span: int) -> float:
+        """The standard deviation of a running mean over ``span`` losses, by the jitter."""
+        weight = 2.0 / (span + 1)
+        return self.jitter / _JITTER_PER_SIGMA * math.sqrt(weight / (2.0 - weight))
+
+    def level_span(self, span: int) -> float:
+        """The level's span: ``span``, lengthened until its spread is ``_LEVEL_NOISE`` of it."""
+        sigma = self.jitter / _JITTER_PER_SIGMA
+        relative = sigma / abs(self.level) if self.level else 0.0
+        return min(max(float(span), (relative / _LEVEL_NOISE) ** 2), _LEVEL_SPAN_MAX)
+
+    def rise(self, x: float, span: int) -> None:
+        """Fold the finite loss ``x`` into the short running mean (the rules then judge it)."""
+        self.seen += 1
+        n = self.seen
+        if n == 1:
+            self.first = self.mean = self.level = self.best = self.last = x
+            return
+        self.mean += (x - self.mean) * max(2.0 / (span + 1), 1.0 / n)
+
+    def settle(self, x: float, span: int, history: int) -> None:
+        """Fold the judged loss ``x`` into the jitter, the level, the best and the start; not
+        while a setback is open: a blow-up is not the run's noise, and the bar holds still."""
+        n = self.seen
+        if n == 1:
+            return
+        self.jitter += (abs(x - self.last) - self.jitter) / min(n - 1, _JITTER_SPAN)
+        self.last = x
+        self.level += (x - self.level) * max(2.0 / (self.level_span(span) + 1), 1.0 / n)
+        # over the first ``history`` losses the level is their mean: no single loss is a best
+        self.best = self.level if n <= history else min(self.best, self.level)
+        if n <= history:
+            self.first += (x - self.first) / n
+
+
+@dataclass
+class Setback:
+    """A rise of the loss's running mean over *diverging*'s bar, open until it falls back
+    (a recovery) or is confirmed (a divergence)."""
+
+    start: int
+    """The optimizer step it opened at."""
+    best: float
+    """The best level when it opened."""
+    peak: float
+    """The highest running mean so far."""
+    losses: int = 0
+    """Consecutive losses, up to the last, that are over the bar themselves."""
+    confirmed: bool = False
+    """Confirmed as a divergence: *diverging* warns while it holds."""
 
 
 class LossRules:
-    """*loss_spike* and *diverging* on one training loss per step, evaluated on the host when
-    its non-blocking copy is read; the report (``_L_*``) holds *diverging*'s state."""
+    """*loss_spike* and *diverging* on one training loss per micro-batch, evaluated on the host
+    when its non-blocking copy is read.
+
+    *diverging* works in two stages. When the short running mean crosses the bar (a rise over
+    the best by ``diverge_ratio - 1`` of it, by ``diverge_giveback`` of what the run had
+    learnt, and by ``diverge_noise`` spreads of the short mean's own noise), a *setback* opens:
+    logged, never warned. It is confirmed as *diverging*, which warns, when
+    ``diverge_patience`` of its losses are over the bar themselves (not only the running mean,
+    which remembers one bad batch for a few steps), when the running mean passes
+    ``diverge_lost`` times where the run started, or when the loss is not finite. A setback
+    that falls back first is logged as recovered.
+
+    Example:
+        >>> rules = LossRules(AlarmRules(), torch.device("cpu"))
+        >>> losses = [2.0, 1.6, 1.3, 1.1, 1.0, 1.0, 1.0, 4.0, 1.0, 1.0, 1.0, 1.0]
+        >>> [(a.rule, a.step, a.counts) for s, x in enumerate(losses) for a in rules.evaluate(x, s)]
+        [('setback', 7, True), ('setback', 8, False)]
+        >>> [a.rule for a in rules.evaluate(float("nan"), 12)]
+        ['diverging']
+    """
 
     def __init__(self, rules: AlarmRules, device: torch.device) -> None:
         self.rules = rules
         self.scale = RunningScale(1, rules)
-        self.report = np.zeros(_L_FIRST + 1, dtype=np.float32)
-        self.report[_L_SCALE] = math.nan
-        self.state = self.report[_L_MEAN:]
-        self.seen = 0
-        """Finite losses in the state."""
+        self.spike = False
+        """Whether the last loss was a *loss_spike*."""
+        self.spike_scale = math.nan
+        """*loss_spike*'s running scale of the loss before the last loss."""
+        self.levels = LossLevels()
+        self.setback: Setback | None = None
         self.adaptive = False
         """The optimizer keeps a second moment: its first ``diverge_early`` losses are held to
         the ``diverge_overshoot`` bar (:meth:`GradientAlarms.set_adaptive`)."""
-        self.rise: list[float] = []
-        """The current rise: its first step, losses so far, peak running mean; ``[]``: none."""
         self._box = HostMailbox((1,), device)
-        ratio = rules.diverge_ratio if rules.diverge_ratio is not None else math.nan
-        bars = (2.0 / (rules.diverge_span + 1), ratio - 1.0, rules.diverge_overshoot - 1.0)
-        shares = (1.0 / _LEARNT_NOISE, rules.diverge_noise, rules.diverge_giveback)
-        self._k = tuple(map(_f32, bars + shares))  # *diverging*'s, rounded to float32 once
+
+    @property
+    def seen(self) -> int:
+        """Finite losses read so far."""
+        return self.levels.seen
+
+    def progress(self) -> LossProgress | None:
+        """The best level and the start, once a loss was read (``None`` before)."""
+        if self.rules.diverge_ratio is None or not self.levels.seen:
+            return None
+        return LossProgress(self.levels.best, self.levels.first)
 
     def update(self, loss: torch.Tensor, step: int) -> None:
         """Post ``loss`` (a copy, no sync); :meth:`read` evaluates it."""
@@ -87,241 +171,193 @@ class LossRules:
         if got is None:
             return None
         value, step = got
-        report = self.evaluate(_F(value.reshape(-1)[0]))
-        diverging, ended = self._judge(report, step)
-        alarms = [] if ended is None else [_transient(step, ended, report, self.rules)]
-        if report[_L_SPIKE] > 0:
-            alarms.append(_loss_spike(step, report, self.rules))
-        if diverging:
-            alarms.append(_diverging(step, report, self.rules))
+        alarms = self.evaluate(float(value.reshape(-1)[0]), step)
         return (step, alarms) if alarms else None
 
-    def _judge(self, report: np.ndarray, step: int) -> tuple[bool, list[float] | None]:
-        """Whether *diverging* warns at ``step``, and the rise that ended as a transient, if any."""
-        if self.rules.diverge_ratio is None:
-            return False, None
-        margin, rise = report[_L_DIVERGING], self.rise
-        if margin < 0:  # quiet: a rise that never warned ends as a transient
-            self.rise = []
-            return False, (rise if rise and rise[1] > 0 else None)
-        mean = float(report[_L_MEAN])
-        rise = self.rise = rise or [float(step), 0.0, mean]
-        rise[2] = max(rise[2], mean)
-        lost = not mean < self.rules.diverge_lost * float(report[_L_FIRST])
-        lost = lost or not math.isfinite(report[_L_VALUE])
-        if rise[1] >= 0 and (lost or rise[1] + 1 >= self.rules.diverge_patience):
-            rise[1] = -1.0  # warned: it no longer ends as a transient
-        elif rise[1] >= 0:
-            rise[1] += 1
-        return rise[1] < 0, None
-
-    def evaluate(self, x: np.float32) -> np.ndarray:
-        """Apply the rules to the loss ``x``: the report, the state updated."""
+    def evaluate(self, x: float, step: int) -> list[GradientAlarm]:
+        """Apply the rules to the loss ``x`` of optimizer step ``step``: their alarms (the
+        state updated)."""
+        alarms = []
         if self.rules.loss_factor is not None:
             with np.errstate(all="ignore"):
-                self._spike(x)
-        if self.rules.diverge_ratio is not None and self.seen:
-            self._diverge_step(float(x))
-        elif self.rules.diverge_ratio is not None:  # the first finite loss starts the state
-            if np.isfinite(x):
-                self.state[:] = x
-            self.report[_L_DEV] = 0.0
-            with np.errstate(all="ignore"):  # quiet, or NaN if not finite
-                self.report[_L_DIVERGING] = _F(-1.0) + x * _F(0.0)
-        self.report[_L_VALUE] = x
-        self.seen += math.isfinite(x)
-        return self.report
+                self._spike(_F(x))
+            if self.spike:
+                alarms.append(_loss_spike(step, x, self.spike_scale, self.rules))
+        if self.rules.diverge_ratio is not None:
+            alarms += self._diverging(x, step)
+        return alarms
 
-    def _diverge_step(self, x: float) -> None:
-        """*diverging*'s state updated in place and its margin (``>= 0`` or NaN: it fires):
-        ``min(rise - noise_bar - (ratio - 1) |best|, rise - giveback * learnt)``, in
-        ``float32`` arithmetic done on Python floats (:func:`_f32`)."""
-        rules, r = self.rules, self.report
-        # the running mean's weight, the bars (ratio - 1, overshoot - 1), the share of what was
-        # learnt that the noise bar gives up, the noise and giveback shares
-        k_mean, k_bar, k_early, k_learnt, k_noise, k_giveback = self._k
-        mean, dev, best, first = self.state.tolist()
-        # a non-finite loss moves nothing (its deviation counts as 0) and fires through margin
-        delta = _f32(x - mean)
-        delta = delta if math.isfinite(delta) else 0.0
-        mean = _f32(mean + _f32(k_mean * delta))
-        best = min(best, mean)  # both finite
-        rise, learnt = _f32(mean - best), _f32(first - best)  # learnt >= 0: best never rises
-        # the first losses are held to the overshoot bar
-        early = self.adaptive and self.seen < rules.diverge_early
-        ratio = _f32(rise - _f32((k_early if early else k_bar) * abs(best)))
-        if self.seen >= rules.min_history:
-            # armed after ``min_history`` losses: the first deviations are a blow-up's own
-            noise = max(_f32(dev - _f32(k_learnt * learnt)), 0.0)
-            ratio = _f32(ratio - _f32(k_noise * noise))
-        giveback = _f32(rise - _f32(k_giveback * learnt))
-        r[_L_DIVERGING] = min(ratio, giveback) + x * 0.0  # NaN when the loss is not finite
-        # the deviation after the check: a blow-up's own step does not raise its bar
-        weight = max(2.0 / (2 * rules.diverge_span + 1), 1.0 / self.seen)
-        r[_L_MEAN], r[_L_BEST] = mean, best
-        r[_L_DEV] = _lerp32(dev, abs(delta), weight)
+    def _diverging(self, x: float, step: int) -> list[GradientAlarm]:
+        """The setback and *diverging* alarms of the loss ``x`` (the state updated)."""
+        rules, levels = self.rules, self.levels
+        if not math.isfinite(x):
+            return self._confirm(step, x, "the loss is not finite")
+        levels.rise(x, rules.diverge_span)
+        bar = self._bar()
+        # armed after ``min_history`` losses: before, a loss is not yet told from the run's noise
+        over = levels.seen > 1 and levels.mean > bar
+        alarms = self._judge(x, step, x > bar) if over else self._recover(step)
+        if self.setback is None:
+            levels.settle(x, rules.diverge_span, rules.min_history)
+        else:  # the last loss is still the run's: the next jitter is measured from it
+            levels.last = x
+        return alarms
+
+    def _judge(self, x: float, step: int, held: bool) -> list[GradientAlarm]:
+        """A running mean over the bar: a setback opened, held (``held``: the loss itself is
+        over the bar, not only the mean that remembers an earlier one), or confirmed."""
+        rules, levels, setback = self.rules, self.levels, self.setback
+        opened = []
+        if setback is None:
+            setback = self.setback = Setback(step, levels.best, levels.mean, losses=0)
+            opened = [_setback_opened(step, setback, levels, rules)]
+        setback.losses += held
+        setback.peak = max(setback.peak, levels.mean)
+        if setback.confirmed:
+            return [_diverging(step, x, levels, rules, "it holds")]
+        # the run's start is the mean of its first ``min_history`` losses: known from then on
+        started = levels.seen > rules.min_history
+        lost = started and levels.mean > rules.diverge_lost * levels.first + self._noise_bar()
+        if lost:
+            why = f"its running mean is past diverge_lost={rules.diverge_lost:g}x the run's start"
+            return opened + self._confirm(step, x, why)
+        if setback.losses >= rules.diverge_patience:
+            why = (
+                f"the loss has stayed over the bar for {setback.losses} losses "
+                f"(diverge_patience={rules.diverge_patience})"
+            )
+            return opened + self._confirm(step, x, why)
+        return opened
+
+    def _noise_bar(self) -> float:
+        """How far the short mean wanders from noise alone: ``diverge_noise`` of its spreads,
+        once ``min_history`` losses have measured the noise."""
+        if self.levels.seen < self.rules.min_history:
+            return 0.0
+        return self.rules.diverge_noise * self.levels.spread(self.rules.diverge_span)
+
+    def _bar(self) -> float:
+        """*diverging*'s bar: the level over which the short running mean is a setback."""
+        rules, levels = self.rules, self.levels
+        best = levels.best
+        learnt = max(levels.first - best, 0.0)
+        early = self.adaptive and levels.seen <= rules.diverge_early
+        assert rules.diverge_ratio is not None
+        ratio = (rules.diverge_overshoot if early else rules.diverge_ratio) - 1.0
+        return best + max(ratio * abs(best), rules.diverge_giveback * learnt) + self._noise_bar()
+
+    def _confirm(self, step: int, x: float, why: str) -> list[GradientAlarm]:
+        """*diverging* at ``step``: the open setback (if any) confirmed, ``why`` said."""
+        setback = self.setback
+        if setback is not None and setback.confirmed:
+            return [_diverging(step, x, self.levels, self.rules, "it holds")]
+        if setback is None:
+            setback = self.setback = Setback(step, self.levels.best, self.levels.mean)
+        setback.confirmed = True
+        return [_diverging(step, x, self.levels, self.rules, why, setback)]
+
+    def _recover(self, step: int) -> list[GradientAlarm]:
+        """The open setback, if any, closed at ``step``: a recovery when it was not confirmed."""
+        setback, self.setback = self.setback, None
+        if setback is None or setback.confirmed:
+            return []
+        return [_setback_recovered(step, setback, self.levels)]
 
     def _spike(self, x: np.float32) -> None:
-        """*loss_spike*'s flag and running scale into the report (the scale updated)."""
+        """*loss_spike*'s flag and running scale (the scale updated)."""
         assert self.rules.loss_factor is not None
         log_loss = np.log(np.array([x], dtype=np.float32))
         (ceiling,), _, _ = self.scale.thresholds(self.rules.loss_factor)
         positive = np.abs(log_loss) < math.inf
-        self.report[_L_SPIKE] = float((positive & (log_loss > ceiling))[0])
-        self.report[_L_SCALE] = np.exp(self.scale.mean[0])
+        self.spike = bool((positive & (log_loss > ceiling))[0])
+        self.spike_scale = float(np.exp(self.scale.mean[0]))
         self.scale.update(log_loss, positive, ceiling)
 
     def state_dict(self) -> dict[str, Any]:
-        """The running scale, *diverging*'s state, the losses seen and the current rise."""
+        """The running scale, *diverging*'s levels and the open setback."""
         return {
             "loss_scale": torch.from_numpy(self.scale.state.copy()),
-            "diverging": torch.from_numpy(self.state.copy()),
-            "loss_seen": self.seen,
-            "loss_rise": list(self.rise),
+            "loss_levels": asdict(self.levels),
+            "loss_setback": None if self.setback is None else asdict(self.setback),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; *diverging* starts afresh if the state lacks it."""
+        """Restore :meth:`state_dict`, or a 0.2.0 state (its running mean, mean absolute
+        deviation, best and first loss); *diverging* starts afresh if the state has neither."""
         self.scale.load(state["loss_scale"])
-        if "diverging" in state:
-            self.state[...] = as_array(state["diverging"])
-            self.seen = int(state["loss_seen"])
-            self.rise = list(state.get("loss_rise", []))
+        if "loss_levels" in state:
+            self.levels = LossLevels(**state["loss_levels"])
+            setback = state.get("loss_setback")
+            self.setback = None if setback is None else Setback(**setback)
+        elif "diverging" in state:
+            mean, deviation, best, first = as_array(state["diverging"]).tolist()
+            seen = int(state["loss_seen"])
+            # a deviation from the mean stands in for the jitter: both measure the noise
+            self.levels = LossLevels(seen, first, mean, mean, best, deviation, mean)
 
 
-class StallRule:
-    """*stall*'s state (the ``_S_*`` rows) and the update's copy to the host."""
-
-    def __init__(self, rules: AlarmRules, device: torch.device) -> None:
-        self.rules = rules
-        self.state = np.full(_S_BEST + 1, np.nan, dtype=np.float32)
-        self._box = HostMailbox((1,), device)
-        self.peak_lr = 0.0
-        """The largest learning rate seen so far."""
-
-    def due(self, lr: float) -> bool:
-        """Whether the rule is on and ``lr`` is at least 1% of its peak so far (the peak
-        updated): a schedule decaying it to zero moves the weights below float32's resolution."""
-        if self.rules.stall_factor is None or not lr > 0.0:
-            return False
-        self.peak_lr = max(self.peak_lr, float(lr))
-        return not lr < _STALL_LR_FLOOR * self.peak_lr
-
-    def update(
-        self, update: torch.Tensor, lr: float, step: int, loss: np.ndarray | None = None
-    ) -> None:
-        """Post ``update`` (a device scalar: a copy, no sync) for :meth:`read`. ``loss``:
-        *diverging*'s state ``[mean, dev, best, first]`` at this step (``None``: the update
-        alone decides)."""
-        snapshot = None if loss is None else loss.copy()
-        self._box.post(update.detach().reshape(1).float(), (step, lr, snapshot))
-
-    def read(self, wait: bool) -> GradientAlarm | None:
-        """Evaluate the posted update once its copy is read: the alarm if it fired."""
-        got = self._box.read(wait)
-        if got is None:
-            return None
-        value, (step, lr, loss) = got
-        with np.errstate(all="ignore"):
-            self.evaluate(_F(value[0]), lr, loss)
-        return _stall(self.state, step, self.rules) if self.state[_S_FLAG] else None
-
-    def evaluate(self, update: np.float32, lr: float, loss: np.ndarray | None) -> None:
-        """Fold ``update / lr`` into the level and set the flag (the state updated)."""
-        assert self.rules.stall_factor is not None
-        s = self.state
-        level = s[_S_LEVEL]
-        value = np.log(update / _F(lr))
-        s[_S_VALUE], s[_S_BEFORE] = value, level
-        low = level - _F(math.log(self.rules.stall_factor))
-        finite = bool(abs(value) < math.inf)
-        # False while the level is NaN (the first logging step), and on a zero update (-inf):
-        # a weight that does not move at all is a dead unit or a frozen tensor, not this rule's
-        flag = bool(value < low) and finite
-        if loss is not None:  # a run whose loss still improves is not stalled
-            now, first = loss[2], loss[3]
-            # progress since the last call; at the first call with a loss, since the first loss
-            since = first if np.isnan(s[_S_BEST]) else s[_S_BEST]
-            s[_S_PROGRESS] = (since - now) / (first - now)  # 0 / 0: NaN, quiet
-            flag = flag and bool(s[_S_PROGRESS] <= self.rules.stall_progress)
-            s[_S_BEST] = now
-        s[_S_FLAG] = flag
-        # a collapse folds in clamped (as the spike rule's scale), so it keeps firing a while
-        target = np.maximum(value, low) if finite else level
-        start = bool(np.isnan(level)) and finite
-        s[_S_LEVEL] = value if start else _lerp32(float(level), float(target), _STALL_ALPHA)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The state and the peak learning rate, on the host."""
-        return {"stall": torch.from_numpy(self.state.copy()), "peak_lr": self.peak_lr}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the level starts afresh if the state lacks it."""
-        if "stall" in state and tuple(state["stall"].shape) == self.state.shape:
-            self.state[...] = as_array(state["stall"])
-            self.peak_lr = float(state["peak_lr"])
-
-
-def _transient(
-    step: int, rise: list[float], report: np.ndarray, rules: AlarmRules
+def _setback_opened(
+    step: int, setback: Setback, levels: LossLevels, rules: AlarmRules
 ) -> GradientAlarm:
-    """*transient*'s alarm (logged, never warned): a rise of the loss that met *diverging*'s
-    bar for fewer than ``diverge_patience`` losses and fell back below it at ``step``."""
-    start, losses, peak = int(rise[0]), int(rise[1]), rise[2]
-    best, first = float(report[_L_BEST]), float(report[_L_FIRST])
+    """A setback's first line: where the loss rose to, and what is being watched."""
+    best = setback.best
+    rise = ratio_text(levels.mean / best) if best > 0 else f"+{levels.mean - best:.4g}"
     text = (
-        f"loss transient at optimizer steps {start}-{step}: its running mean rose to {peak:.4g} "
-        f"(its best {best:.4g}, its first loss {first:.4g}) for {losses} loss(es) and fell back "
-        f"below diverging's bar: a transient the run recovers from, not a divergence "
-        f"(diverge_patience={rules.diverge_patience}, diverge_lost={rules.diverge_lost})"
+        f"loss setback at optimizer step {step}: its running mean {levels.mean:.4g} rose "
+        f"{rise} over its best {setback.best:.4g}, past the loss's own step-to-step noise. Being "
+        f"watched, not warned: most setbacks recover within a few steps. It becomes a "
+        f"divergence if it holds for {rules.diverge_patience} losses (diverge_patience), passes "
+        f"{rules.diverge_lost:g}x where the run started ({levels.first:.4g}; diverge_lost), or "
+        "the loss is not finite"
     )
-    return GradientAlarm("transient", "loss", step, peak, best, text)
+    return GradientAlarm("setback", "loss", step, levels.mean, setback.best, text)
 
 
-def _stall(report: np.ndarray, step: int, rules: AlarmRules) -> GradientAlarm:
-    """*stall*'s alarm from its report (the update per unit of LR and its level, as logs)."""
-    value, level = math.exp(report[_S_VALUE]), math.exp(report[_S_BEFORE])
+def _setback_recovered(step: int, setback: Setback, levels: LossLevels) -> GradientAlarm:
+    """A setback's last line when the loss came back: a line of text, not counted again."""
     text = (
-        f"learning stalled at optimizer step {step}: the typical update per unit of "
-        f"learning rate (median |w_after - w_before| / lr) is {value:.4g}, "
-        f"{level / value:.3g}x below its running level {level:.4g} (stall_factor="
-        f"{rules.stall_factor}): the optimizer barely moves the weights while the "
-        "learning rate says it should"
+        f"loss setback of optimizer step {setback.start} recovered at step {step}: its running "
+        f"mean peaked at {setback.peak:.4g} (its best {setback.best:.4g}) and fell back below "
+        f"the bar after {setback.losses} loss(es); no action needed"
     )
-    if math.isfinite(report[_S_PROGRESS]) and rules.stall_progress < 1.0:
-        text += (
-            f", and the loss has stopped learning (its best improved by "
-            f"{max(report[_S_PROGRESS], 0.0):.1%} of what the run had learnt since the last "
-            "logging step)"
+    return GradientAlarm("setback", "loss", step, levels.mean, setback.best, text, counts=False)
+
+
+def _diverging(
+    step: int,
+    x: float,
+    levels: LossLevels,
+    rules: AlarmRules,
+    why: str,
+    setback: Setback | None = None,
+) -> GradientAlarm:
+    """*diverging*'s alarm: the rise confirmed (``why``), where the loss stands, the fixes.
+    ``setback``: the setback it confirms, named once, at its confirmation."""
+    confirms = (
+        "" if setback is None else f"the setback of optimizer step {setback.start} is confirmed: "
+    )
+    if not math.isfinite(x):
+        now = f"the loss is {x}"
+    else:
+        best = levels.best
+        over = ratio_text(levels.mean / best) if best > 0 else f"+{levels.mean - best:.4g} over"
+        now = (
+            f"its running mean {levels.mean:.4g} (loss {x:.4g}) is {over} its best {best:.4g}, "
+            f"and the run started at {levels.first:.4g}"
         )
-    return GradientAlarm("stall", "global", step, value, level, text)
-
-
-def _loss_spike(step: int, report: np.ndarray, rules: AlarmRules) -> GradientAlarm:
-    value, ref = float(report[_L_VALUE]), float(report[_L_SCALE])
     text = (
-        f"loss spike at optimizer step {step}: loss {value:.4g} is {value / ref:.3g}x its "
-        f"running scale {ref:.4g} (loss_factor={rules.loss_factor}, "
+        f"loss diverging at optimizer step {step}: {now}; {confirms}{why} (diverge_ratio="
+        f"{rules.diverge_ratio}, diverge_patience={rules.diverge_patience}, diverge_lost="
+        f"{rules.diverge_lost:g}). Fixes that work: {_ADVICE['diverging']}"
+    )
+    return GradientAlarm("diverging", "loss", step, x, levels.best, text)
+
+
+def _loss_spike(step: int, value: float, scale: float, rules: AlarmRules) -> GradientAlarm:
+    """*loss_spike*'s alarm: the loss against its running scale."""
+    text = (
+        f"loss spike at optimizer step {step}: loss {value:.4g} is {value / scale:.3g}x its "
+        f"running scale {scale:.4g} (loss_factor={rules.loss_factor}, "
         f"spike_sigmas={rules.spike_sigmas})"
     )
-    return GradientAlarm("loss_spike", "loss", step, value, ref, text)
-
-
-def _diverging(step: int, report: np.ndarray, rules: AlarmRules) -> GradientAlarm:
-    value = float(report[_L_VALUE])
-    mean, dev, best, first = report[_L_MEAN:].tolist()
-    if not math.isfinite(value):
-        text = f"loss diverging at optimizer step {step}: the loss is {value}"
-        return GradientAlarm("diverging", "loss", step, value, best, text)
-    learnt = first - best
-    given = f"{(mean - best) / learnt:.0%}" if learnt > 0 else "all"
-    text = (
-        f"loss diverging at optimizer step {step}: its running mean {mean:.4g} (loss "
-        f"{value:.4g}) is {ratio_text(mean / best) if best > 0 else f'+{mean - best:.4g} over'} "
-        f"its best {best:.4g} and has given back {given} of what it had learnt since the first "
-        f"step's {first:.4g}, beyond the loss's own swings (mean absolute deviation "
-        f"{dev:.3g}) (diverge_ratio={rules.diverge_ratio}, "
-        f"diverge_giveback={rules.diverge_giveback}, diverge_noise={rules.diverge_noise}, "
-        f"diverge_span={rules.diverge_span})"
-    )
-    return GradientAlarm("diverging", "loss", step, value, best, text)
+    return GradientAlarm("loss_spike", "loss", step, value, scale, text)

@@ -50,6 +50,8 @@ class GradientAlarm:
             ``"global"``); ``history_scale``: their running scales (NaN: not armed yet).
         departure: which layer left its running scale first (beyond the spike band), when, and
             by how much; ``departed``: its name (``""``: none did in the ring buffer).
+        counts: whether it adds to its rule's count; ``False`` for a line that only closes
+            what an earlier alarm opened (a setback that recovered).
     """
 
     rule: str
@@ -65,6 +67,7 @@ class GradientAlarm:
     history_layers: tuple[str, ...] = ()
     departure: str = ""
     departed: str = ""
+    counts: bool = True
 
     def history_lines(self) -> list[str]:
         """Step by step, norm / running scale of the layer that left first, the layer named and

@@ -23,7 +23,7 @@ ALARM_RULES = (
     "amp_overflow",
     "loss_spike",
     "diverging",
-    "transient",
+    "setback",
     "stall",
     "attention",
 )
@@ -58,7 +58,7 @@ class AlarmRules:
         window: span, in evaluated steps, of the running scale: EMA weight
             ``2 / (window + 1)`` (the exact mean and variance over the first steps).
         min_history: finite steps a row needs before the spike rules arm (and losses before
-            *diverging*'s noise bar arms).
+            *diverging*'s noise bar arms; the run's start and its first best are their mean).
         max_grad_norm: *absolute*: the global gradient norm exceeds this value (off by default).
         vanish_fraction: *vanishing*: a layer's gradient norm is zero, or below this fraction
             of the median norm of the layers whose gradient is not zero ...
@@ -67,23 +67,28 @@ class AlarmRules:
         every_n_steps: evaluate the rules on optimizer steps ``0, n, 2n, ...`` (1: every step).
         loss_factor: *loss_spike*: the training loss exceeds this many times its running scale
             (and ``spike_sigmas`` spreads above it); off by default.
-        diverge_ratio: *diverging*: the running mean of the training loss (an EMA over
-            ``diverge_span`` steps) has risen above its best so far by ``diverge_ratio - 1``
-            times the best's magnitude ... (a non-finite loss always fires). Must be > 1.
+        diverge_ratio: *setback*, then *diverging*: the short running mean of the training
+            loss (an EMA over ``diverge_span`` losses) has risen above its best level so far by
+            ``diverge_ratio - 1`` times the best's magnitude ... (a non-finite loss always
+            fires). The best is the lowest of a running level that lengthens with the loss's
+            noise, so a lucky micro-batch is not a best. Must be > 1.
         diverge_giveback: ... and has given back at least this fraction of what it had learnt
-            (the first step's loss minus the best).
-        diverge_noise: ... and the rise clears that bar by this many mean absolute deviations
-            of the loss from its running mean (an EMA over ``2 * diverge_span`` steps), less a
-            quarter of what it had learnt; 0 turns the bar off.
-        diverge_span: span, in steps, of the loss's running mean for *diverging*.
+            (the run's start, the mean of its first ``min_history`` losses, minus the best) ...
+        diverge_noise: ... and the rise clears that bar by this many standard deviations of
+            the short running mean's own noise, measured from one loss to the next (a trend
+            does not count as noise); 0 turns the noise bar off. Such a rise is a *setback*:
+            logged with its step, never warned, acted on by no ``on_alarm``.
+        diverge_span: span, in losses, of the loss's short running mean.
         diverge_early: the first this many losses of an adaptive optimizer (its first updates
             overshoot) are held to the bar ``diverge_overshoot`` x the best (>= ``diverge_ratio``).
         diverge_overshoot: see ``diverge_early``.
-        diverge_patience: a rise over *diverging*'s bar warns once it has held this many
-            consecutive losses (1: at once) ...
-        diverge_lost: ... or at once when its running mean is above this many times the first
-            loss, or the loss is not finite. A rise that falls back before either is a
-            *transient*: counted and logged, never warned. Must be > 0.
+        diverge_patience: a setback is confirmed as *diverging* (which warns, stops or raises
+            under ``on_alarm``) once this many of its losses are over the bar themselves, not
+            only the running mean that remembers an earlier one (1: at once) ...
+        diverge_lost: ... or at once when the running mean is above this many times the run's
+            start (beyond the noise bar; once ``min_history`` losses are in), or the loss is
+            not finite. A setback that falls back before either is logged as
+            recovered. Must be > 0.
         stall_factor: *stall*: on a logging step, the median ``|w_after - w_before| / lr`` over
             a sample of each tensor's entries with a non-zero gradient fell this many times
             below its running level. Adaptive optimizers only; not evaluated while the learning
@@ -132,7 +137,7 @@ class AlarmRules:
     diverge_span: int = 4
     diverge_early: int = 3
     diverge_overshoot: float = 10.0
-    diverge_patience: int = 1
+    diverge_patience: int = 3
     diverge_lost: float = 1.5
     stall_factor: float | None = 100.0
     stall_progress: float = 0.02

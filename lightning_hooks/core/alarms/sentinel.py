@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from lightning_hooks.core.alarms.gradients import GradientRules, HostSegments, as_array
-from lightning_hooks.core.alarms.loss import LossRules, StallRule
+from lightning_hooks.core.alarms.loss import LossRules
 from lightning_hooks.core.alarms.messages import (
     _ADVICE,
     GradientAlarm,
@@ -30,6 +30,7 @@ from lightning_hooks.core.alarms.rules import (
     AlarmRules,
     WeightNorms,
 )
+from lightning_hooks.core.alarms.stall import StallRule
 from lightning_hooks.core.transport import HostMailbox
 
 __all__ = ["GradientAlarms", "NormRing", "attention_alarms"]
@@ -75,6 +76,7 @@ class GradientAlarms:
         self._cuda = device.type == "cuda"
         self._loss = LossRules(self.rules, device)
         self._stall = StallRule(self.rules, device)
+        self._stall_posted = False  # a quiet step reads no stall: it is posted on logging steps
         self.evaluated = 0
         """Optimizer steps the rules were evaluated on, since construction."""
         self.total = 0
@@ -153,8 +155,8 @@ class GradientAlarms:
             return
         self._drain_stall(wait=True)
         self._drain_loss(wait=True)  # the loss's state as of this step
-        watched = self.rules.diverge_ratio is not None and self._loss.seen > 0
-        self._stall.update(update, lr, step, self._loss.state if watched else None)
+        self._stall.update(update, lr, step, self._loss.progress())
+        self._stall_posted = True
         if not self._cuda:
             self._drain_stall(wait=False)
 
@@ -191,7 +193,12 @@ class GradientAlarms:
             self._record(with_history(alarm, self.layers, history))
 
     def _drain_stall(self, wait: bool) -> None:
+        if not self._stall_posted:
+            return
         alarm = self._stall.read(wait)
+        if alarm is None and not wait:
+            return  # its copy is not read yet: it is still posted
+        self._stall_posted = False
         if alarm is not None:
             self._record(alarm)
 
@@ -217,8 +224,9 @@ class GradientAlarms:
             self._record(with_history(alarm, self.layers, history))
 
     def _record(self, alarm: GradientAlarm) -> None:
-        self.counts[alarm.rule] += 1 + len(alarm.others)
-        self.total += 1
+        if alarm.counts:
+            self.counts[alarm.rule] += 1 + len(alarm.others)
+            self.total += 1
         self.log.append(alarm)
         self._new.append(alarm)
 
@@ -256,7 +264,10 @@ class GradientAlarms:
         self._stall.load_state_dict(state)
         self._gradients.low[...] = as_array(state["low"])
         self._ring.load_state_dict(state)
-        self.counts = {**dict.fromkeys(ALARM_RULES, 0), **state["counts"]}
+        counts = dict(state["counts"])
+        if "transient" in counts:  # a 0.2.0 state: a transient is a setback that recovered
+            counts["setback"] = counts.pop("transient")
+        self.counts = {**dict.fromkeys(ALARM_RULES, 0), **counts}
 
 
 class NormRing:

@@ -1,0 +1,139 @@
+"""*stall* on the optimizer's update at logging steps, and its alarm: the update per unit of
+learning rate against its running level, while the loss has stopped learning. The device only
+copies the update to host memory without blocking; the rule runs on the host, in ``float32``,
+when the copy is read."""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_hooks.core.alarms.gradients import as_array
+from lightning_hooks.core.alarms.loss import LossProgress
+from lightning_hooks.core.alarms.messages import GradientAlarm
+from lightning_hooks.core.alarms.rules import AlarmRules
+from lightning_hooks.core.transport import HostMailbox
+
+__all__ = ["StallRule"]
+
+_F = np.float32
+_STALL_LR_FLOOR = 0.01  # below this share of its peak, the LR is being decayed away: no stall
+_STALL_ALPHA = 0.5  # the stall's level: an EMA over the last few logging steps
+_PACK = struct.Struct("f")
+# the stall report: its flag, the log of the update per unit of learning rate, its running level
+# before this logging step, the loss's progress since the last one (a share of what it had
+# learnt), then the state: the level after this step, the loss's best at this step
+_S_FLAG, _S_VALUE, _S_BEFORE, _S_PROGRESS, _S_LEVEL, _S_BEST = range(6)
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to the nearest ``float32`` (overflow to a signed ``inf``), as a Python
+    float: rounding after each operation gives numpy ``float32`` scalars' bits, cheaper."""
+    try:
+        rounded: float = _PACK.unpack(_PACK.pack(value))[0]
+    except OverflowError:  # a Python whose pack refuses what a cast rounds to inf
+        return math.copysign(math.inf, value)
+    return rounded
+
+
+def _lerp32(start: float, end: float, weight: float) -> float:
+    """``torch.lerp``'s formula (exact at both ends for any weight) on Python floats, rounded
+    to ``float32`` after each operation."""
+    w = _f32(weight)
+    d = _f32(end - start)
+    return _f32(start + _f32(w * d)) if w < 0.5 else _f32(end - _f32(d * _f32(1.0 - w)))
+
+
+class StallRule:
+    """*stall*'s state (the ``_S_*`` rows) and the update's copy to the host."""
+
+    def __init__(self, rules: AlarmRules, device: torch.device) -> None:
+        self.rules = rules
+        self.state = np.full(_S_BEST + 1, np.nan, dtype=np.float32)
+        self._box = HostMailbox((1,), device)
+        self.peak_lr = 0.0
+        """The largest learning rate seen so far."""
+
+    def due(self, lr: float) -> bool:
+        """Whether the rule is on and ``lr`` is at least 1% of its peak so far (the peak
+        updated): a schedule decaying it to zero moves the weights below float32's resolution."""
+        if self.rules.stall_factor is None or not lr > 0.0:
+            return False
+        self.peak_lr = max(self.peak_lr, float(lr))
+        return not lr < _STALL_LR_FLOOR * self.peak_lr
+
+    def update(
+        self, update: torch.Tensor, lr: float, step: int, loss: LossProgress | None = None
+    ) -> None:
+        """Post ``update`` (a device scalar: a copy, no sync) for :meth:`read`. ``loss``:
+        how far the loss has come at this step (``None``: the update alone decides)."""
+        self._box.post(update.detach().reshape(1).float(), (step, lr, loss))
+
+    def read(self, wait: bool) -> GradientAlarm | None:
+        """Evaluate the posted update once its copy is read: the alarm if it fired."""
+        got = self._box.read(wait)
+        if got is None:
+            return None
+        value, (step, lr, loss) = got
+        with np.errstate(all="ignore"):
+            self.evaluate(_F(value[0]), lr, loss)
+        return _stall(self.state, step, self.rules) if self.state[_S_FLAG] else None
+
+    def evaluate(self, update: np.float32, lr: float, loss: LossProgress | None) -> None:
+        """Fold ``update / lr`` into the level and set the flag (the state updated)."""
+        assert self.rules.stall_factor is not None
+        s = self.state
+        level = s[_S_LEVEL]
+        value = np.log(update / _F(lr))
+        s[_S_VALUE], s[_S_BEFORE] = value, level
+        low = level - _F(math.log(self.rules.stall_factor))
+        finite = bool(abs(value) < math.inf)
+        # False while the level is NaN (the first logging step), and on a zero update (-inf):
+        # a weight that does not move at all is a dead unit or a frozen tensor, not this rule's
+        flag = bool(value < low) and finite
+        if loss is not None:  # a run whose loss still improves is not stalled
+            now, first = _F(loss.best), _F(loss.first)
+            # progress since the last call; at the first call with a loss, since the first loss
+            since = first if np.isnan(s[_S_BEST]) else s[_S_BEST]
+            s[_S_PROGRESS] = (since - now) / (first - now)  # 0 / 0: NaN, quiet
+            flag = flag and bool(s[_S_PROGRESS] <= self.rules.stall_progress)
+            s[_S_BEST] = now
+        s[_S_FLAG] = flag
+        # a collapse folds in clamped (as the spike rule's scale), so it keeps firing a while
+        target = np.maximum(value, low) if finite else level
+        start = bool(np.isnan(level)) and finite
+        s[_S_LEVEL] = value if start else _lerp32(float(level), float(target), _STALL_ALPHA)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state and the peak learning rate, on the host."""
+        return {"stall": torch.from_numpy(self.state.copy()), "peak_lr": self.peak_lr}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the level starts afresh if the state lacks it."""
+        if "stall" in state and tuple(state["stall"].shape) == self.state.shape:
+            self.state[...] = as_array(state["stall"])
+            self.peak_lr = float(state["peak_lr"])
+
+
+def _stall(report: np.ndarray, step: int, rules: AlarmRules) -> GradientAlarm:
+    """*stall*'s alarm from its report (the update per unit of LR and its level, as logs)."""
+    value, level = math.exp(report[_S_VALUE]), math.exp(report[_S_BEFORE])
+    text = (
+        f"learning stalled at optimizer step {step}: the typical update per unit of "
+        f"learning rate (median |w_after - w_before| / lr) is {value:.4g}, "
+        f"{level / value:.3g}x below its running level {level:.4g} (stall_factor="
+        f"{rules.stall_factor}): the optimizer barely moves the weights while the "
+        "learning rate says it should"
+    )
+    if math.isfinite(report[_S_PROGRESS]) and rules.stall_progress < 1.0:
+        text += (
+            f", and the loss has stopped learning (its best improved by "
+            f"{max(report[_S_PROGRESS], 0.0):.1%} of what the run had learnt since the last "
+            "logging step)"
+        )
+    return GradientAlarm("stall", "global", step, value, level, text)
