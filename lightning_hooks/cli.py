@@ -11,6 +11,7 @@ import difflib
 import json
 import math
 import operator
+import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -98,14 +99,20 @@ class FailRule:
 
     def problems(self, reports: Sequence[RunReport]) -> list[str]:
         """Why the rule cannot be checked: an unknown metric (the message lists the known ones),
-        or a run that never logged what it asks for. Empty when every run has it."""
-        logged = [_logged(report, self.metric) for report in reports]
-        if not any(logged) and self.metric not in known_metrics():
+        or no run logged what it asks for. Empty when a run has it."""
+        if any(_logged(report, self.metric) for report in reports):
+            return []
+        if self.metric not in known_metrics():
             return [_unknown(self.metric, reports)]
+        return [f"no run logged {_describe(self.metric)} (rule {self.text!r})"]
+
+    def unchecked(self, reports: Sequence[RunReport]) -> list[str]:
+        """The runs the rule is not checked on: they never logged what it asks for (a folder of
+        runs where only some had the callback that logs it)."""
         return [
-            f"{report.run}: logged no {_describe(self.metric)} (rule {self.text!r})"
-            for report, found in zip(reports, logged, strict=True)
-            if not found
+            f"{report.run}: logged no {_describe(self.metric)}, not checked (rule {self.text!r})"
+            for report in reports
+            if not _logged(report, self.metric)
         ]
 
     @property
@@ -122,7 +129,7 @@ class FailRule:
                 [f"{report.run}: alarms={total:g} ({name})"] if test(total, self.threshold) else []
             )
         if "/alarms/" in self.metric:
-            value = report.alarms.get(_alarm_key(self.metric), math.nan)
+            value = report.alarms.get(self.metric, math.nan)
             return [f"{report.run}: {self.metric}={value:g}"] if test(value, self.threshold) else []
         return [
             f"{report.run}: {row.layer} {self.metric}={row.get(self.metric):.4g} ({name})"
@@ -142,17 +149,12 @@ def known_metrics() -> list[str]:
     ]
 
 
-def _alarm_key(metric: str) -> str:
-    """``family/alarms/rule`` as the report keys its alarm counts: ``family/rule``."""
-    return metric.replace("/alarms/", "/", 1)
-
-
 def _logged(report: RunReport, metric: str) -> bool:
     """Whether ``report`` holds ``metric`` (on any layer)."""
     if metric == "alarms":
         return bool(report.alarms)
     if "/alarms/" in metric:
-        return _alarm_key(metric) in report.alarms
+        return metric in report.alarms
     full = dict(COLUMNS).get(metric, metric)
     return any(full in row.values for row in report.layers)
 
@@ -190,7 +192,8 @@ def check(reports: Iterable[RunReport], rules: Sequence[FailRule]) -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lightning-hooks", description="Inspect lightning_hooks TensorBoard logs."
+        prog="lightning-hooks",
+        description="Inspect lightning_hooks logs (TensorBoard event files or CSV logs).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     report = commands.add_parser(
@@ -199,7 +202,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Per-layer table of the last logged epoch of every run under LOGDIR, worst "
         "layer first (non-finite gradients, dead fraction, update ratio far from 1e-3).",
     )
-    report.add_argument("logdir", metavar="LOGDIR", type=Path, help="a TensorBoard log directory")
+    report.add_argument(
+        "logdir",
+        metavar="LOGDIR",
+        type=Path,
+        help="a folder of runs: TensorBoard event files or Lightning's CSV logs (metrics.csv), "
+        "symbolic links followed",
+    )
     report.add_argument("--format", choices=("table", "json"), default="table")
     report.add_argument("--top", type=int, default=20, help="table rows per run (default 20)")
     report.add_argument(
@@ -208,8 +217,8 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="RULE",
         help="exit 1 if any layer or alarm matches RULE, e.g. 'grad_nonfinite>0', "
-        "'dead_fraction>=0.9', 'alarms>0' (repeatable); exit 2 if RULE names an unknown metric "
-        "or one a run never logged",
+        "'dead_fraction>=0.9', 'alarms>0' (repeatable), on the runs that logged its metric; "
+        "exit 2 if RULE names an unknown metric or one no run logged",
     )
     return parser
 
@@ -244,15 +253,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems = [line for rule in rules for line in rule.problems(reports)]
     if problems:
         return _error("\n".join(problems))
+    for line in (line for rule in rules for line in rule.unchecked(reports)):
+        print(f"lightning-hooks report: {line}", file=sys.stderr)
     violations = check(reports, rules)
     if args.format == "json":
         payload = {"runs": [r.to_json() for r in reports], "violations": violations}
-        print(json.dumps(payload, indent=2))
+        text = json.dumps(payload, indent=2)
     else:
-        print("\n\n".join(format_table(r, args.top) for r in reports))
+        text = "\n\n".join(format_table(r, args.top) for r in reports)
+    _print(text)
     for line in violations:
         print(f"FAIL {line}", file=sys.stderr)
     return EXIT_FAILED if violations else EXIT_OK
+
+
+def _print(text: str) -> None:
+    """``text`` to standard output; a reader that stops early (``| head``) ends it quietly."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python's advice: point stdout at devnull, so the flush at exit raises nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

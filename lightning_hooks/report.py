@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 import re
 import struct
 from collections.abc import Iterator
@@ -192,9 +193,18 @@ def _scalar(value: Any) -> float | None:
 
 
 def find_runs(logdir: Path) -> list[Path]:
-    """Every directory under ``logdir`` (itself included) with event files or a ``metrics.csv``."""
-    found = [*logdir.rglob("events.out.tfevents.*"), *logdir.rglob(METRICS_FILE)]
-    return sorted({p.parent for p in found if p.is_file()})
+    """Every directory under ``logdir`` (itself included) with event files or a ``metrics.csv``,
+    symbolic links to folders followed (each real folder once)."""
+    found, seen = set(), set()
+    for folder, dirs, files in os.walk(logdir, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:  # a link back up the tree, or a second link to one folder
+            dirs.clear()
+            continue
+        seen.add(real)
+        if METRICS_FILE in files or any(f.startswith("events.out.tfevents.") for f in files):
+            found.add(Path(folder))
+    return sorted(found)
 
 
 def _read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -238,7 +248,13 @@ def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
                 counted += [v for s, v in steps[tag] if s > ended]
             totals[tag] = math.fsum(counted)
     step = max(s for s, _ in last.values())
-    return _build(str(run_dir.relative_to(logdir)) or ".", step, last, totals)
+    return _build(_run_name(run_dir, logdir), step, last, totals)
+
+
+def _run_name(run_dir: Path, logdir: Path) -> str:
+    """The run's folder under ``logdir``; ``logdir`` itself by its own name (not ``.``)."""
+    relative = str(run_dir.relative_to(logdir))
+    return relative if relative != "." else run_dir.resolve().name
 
 
 _STEP_SUFFIX = re.compile(r"_step(_p\d+)?$")
@@ -265,8 +281,8 @@ def _build(
     alarms: dict[str, float] = {}
     for tag, (tag_step, value) in sorted(last.items()):
         family, stat, rest = tag.split("/", 2)
-        if stat == "alarms":
-            alarms[f"{family}/{rest}"] = totals[tag]
+        if stat == "alarms":  # keyed by its tag: the name --fail-on takes
+            alarms[tag] = totals[tag]
         elif tag_step != step:
             continue  # a layer not logged in the last epoch (max_layers_logged)
         elif stat == "global":

@@ -137,12 +137,12 @@ def test_dead_fraction_and_alarm_rules(tmp_path: Path, capsys: pytest.CaptureFix
     # GradFlowCallback's default alarms (a healthy run: all zero), read back from the event files.
     scalars = read_scalars(tmp_path)
     grad_alarms = {
-        f"grad_flow/{t.rsplit('/', 1)[1]}": v[-1][1]
+        t: v[-1][1]
         for t, v in scalars.items()
         if t.startswith("grad_flow/alarms/") and not t.endswith("/spike_score")
     }
-    assert set(grad_alarms) == {f"grad_flow/{rule}" for rule in ALARM_RULES}
-    assert run["alarms"] == {"dead_relu/dead_layer": alarms, **grad_alarms}
+    assert set(grad_alarms) == {f"grad_flow/alarms/{rule}" for rule in ALARM_RULES}
+    assert run["alarms"] == {"dead_relu/alarms/dead_layer": alarms, **grad_alarms}
     assert not set(ALARM_RULES) & {r["layer"] for r in run["layers"]}
     assert {r["layer"] for r in run["layers"]} == {"net.0", "net.1", "net.2", "net.3", "net.4"}
     assert main(["report", str(tmp_path), "--fail-on", "alarms>0"]) == int(alarms > 0)
@@ -169,16 +169,16 @@ def test_alarm_counts_are_summed_over_the_run(
     code, payload, _ = _report_json(tmp_path, "--fail-on", "alarms>=2", capsys=capsys)
     (run,) = payload["runs"]
     expected = {
-        f"{t.split('/')[0]}/{t.rsplit('/', 1)[1]}": math.fsum(v for _, v in events)
+        t: math.fsum(v for _, v in events)
         for t, events in scalars.items()
         if t.split("/")[1:2] == ["alarms"] and not t.endswith("/spike_score")
     }
-    assert run["alarms"] == expected and expected["watchdog/late"] == 2
+    assert run["alarms"] == expected and expected["watchdog/alarms/late"] == 2
     assert code == 1, "an alarm of the first epoch is not hidden by the quiet ones after it"
     assert main(["report", str(tmp_path), "--fail-on", "watchdog/alarms/late<2"]) == 0
     assert main(["report", str(tmp_path), "--fail-on", "watchdog/alarms/late>=2"]) == 1
     assert main(["report", str(tmp_path), "--fail-on", "grad_flow/alarms/spike>0"]) == 0
-    assert "alarms: watchdog/late=2" in _table(tmp_path, capsys)
+    assert "alarms: watchdog/alarms/late=2" in _table(tmp_path, capsys)
 
 
 def _table(logdir: Path, capsys: pytest.CaptureFixture[str]) -> str:
@@ -248,9 +248,9 @@ def test_a_rule_on_what_a_run_never_logged_fails_closed(
     _fit(tmp_path / "quiet", alarms=False)
     assert main(["report", str(tmp_path), "--fail-on", "dead_fraction>0.5"]) == 2
     err = capsys.readouterr().err
-    assert "quiet/tb/version_0: logged no dead_relu/dead_fraction (is DeadReLUCallback" in err
+    assert "no run logged dead_relu/dead_fraction (is DeadReLUCallback" in err
     assert main(["report", str(tmp_path), "--fail-on", "alarms>0"]) == 2
-    assert "quiet/tb/version_0: logged no alarm counts" in capsys.readouterr().err
+    assert "no run logged alarm counts" in capsys.readouterr().err
     assert main(["report", str(tmp_path), "--fail-on", "grad_flow/alarms/spike>0"]) == 2
     assert main(["report", str(tmp_path), "--fail-on", "grad_norm>1e9"]) == 0
 
@@ -364,3 +364,86 @@ def _approx(value: Any) -> Any:
     if isinstance(value, list):
         return [_approx(v) for v in value]
     return pytest.approx(value, rel=1e-6) if isinstance(value, float) else value
+
+
+def test_every_alarm_the_report_prints_is_a_name_its_gate_takes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The report's alarm line names each count as ``family/alarms/rule``: each name it prints,
+    given to ``--fail-on``, is known (exit 0 or 1, never 2) and reads the count printed."""
+    callbacks = [GradFlowCallback(), EpochAlarm()]
+    make_trainer(tmp_path, max_epochs=1, callbacks=callbacks).fit(TinyMLP())
+    assert main(["report", str(tmp_path)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("alarms: "))
+    printed = dict(item.split("=") for item in line.removeprefix("alarms: ").split(", "))
+    assert printed == {"watchdog/alarms/late": "2"}
+    for name, value in printed.items():
+        assert main(["report", str(tmp_path), "--fail-on", f"{name}>={value}"]) == 1
+        assert main(["report", str(tmp_path), "--fail-on", f"{name}>{value}"]) == 0
+
+
+def test_a_gate_over_runs_of_which_some_logged_its_metric_checks_those(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder where one run had ``DeadReLUCallback`` and one did not: ``dead_fraction`` is
+    checked on the first, the second is named as not checked, and the exit is the gate's."""
+    make_trainer(tmp_path / "with", callbacks=[DeadReLUCallback()]).fit(TinyMLP())
+    _fit(tmp_path / "without")
+    assert main(["report", str(tmp_path), "--fail-on", "dead_fraction>1"]) == 0
+    err = capsys.readouterr().err
+    assert "without/tb/version_0: logged no dead_relu/dead_fraction" in err and "not checked" in err
+    assert main(["report", str(tmp_path), "--fail-on", "dead_fraction>=0"]) == 1
+
+
+def test_runs_behind_symbolic_links_are_read_and_a_run_given_as_dot_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fit(tmp_path / "store" / "run_a")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "linked").symlink_to(tmp_path / "store" / "run_a")
+    (tmp_path / "logs" / "linked" / "loop").symlink_to(tmp_path / "logs")  # a cycle
+    code, payload, _ = _report_json(tmp_path / "logs", capsys=capsys)
+    assert code == 0 and [r["run"] for r in payload["runs"]] == ["linked/tb/version_0"]
+    monkeypatch.chdir(tmp_path / "store" / "run_a" / "tb" / "version_0")
+    assert main(["report", "."]) == 0
+    assert capsys.readouterr().out.startswith("run version_0  (step")
+
+
+class DeepMLP(TinyMLP):
+    """TinyMLP with 300 more layers: a report of many rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 4), *(nn.Linear(4, 4) for _ in range(300)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).sum(1, keepdim=True)  # type: ignore[no-any-return]
+
+
+def _installed(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """The installed ``lightning-hooks`` command (the venv's console script)."""
+    command = Path(sys.executable).with_name("lightning-hooks")
+    return subprocess.run(
+        [str(command), *args], capture_output=True, text=True, timeout=120, check=False, **kwargs
+    )
+
+
+def test_the_installed_command_says_what_it_reads_and_ends_quietly_into_head(
+    tmp_path: Path,
+) -> None:
+    assert "TensorBoard event files or Lightning's CSV logs" in " ".join(
+        _installed("report", "--help").stdout.split()
+    )
+    # a report longer than a pipe holds (64 KiB): the writer meets the closed pipe
+    make_trainer(tmp_path, callbacks=[GradFlowCallback()]).fit(DeepMLP())
+    command = Path(sys.executable).with_name("lightning-hooks")
+    result = subprocess.run(
+        f"'{command}' report '{tmp_path}' --format json | head -n 2",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.stdout.splitlines() == ["{", '  "runs": [']
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr

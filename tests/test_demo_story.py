@@ -128,14 +128,14 @@ def test_broken_vanishing_fires_in_its_last_epoch(demo: tuple[Path, str]) -> Non
 
 
 def test_the_report_names_the_alarms(demo: tuple[Path, str]) -> None:
-    _claim("the report's last line for it counts the alarms: `alarms: grad_flow/diverging=")
+    _claim("the report's last line for it counts the alarms: `alarms: grad_flow/alarms/diverging=")
     broken = _run(demo, "broken")
     counts = {
         rule: math.fsum(_per_epoch(broken, f"grad_flow/alarms/{rule}"))
         for rule in ("diverging", "explosion", "setback", "spike", "vanishing")
     }
     assert counts["diverging"] > 0  # the loss the broken run loses, warned
-    line = "alarms: " + ", ".join(f"grad_flow/{r}={v:g}" for r, v in counts.items())
+    line = "alarms: " + ", ".join(f"grad_flow/alarms/{r}={v:g}" for r, v in counts.items())
     summary = demo[1].split("== summary")[1]
     assert line in summary
     assert f"`{line}`" in " ".join(STORY.split()), "docs/demo.md quotes the counts"
