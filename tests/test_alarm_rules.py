@@ -127,6 +127,16 @@ def test_rules_accept_numpy_numbers_and_store_plain_ones() -> None:
         (
             {"on_alarm": "panic"},
             ValueError,
+            r"on_alarm='panic'\): must be one of \('warn', .*'log'\) or a mapping .*got 'panic'$",
+        ),
+        (
+            {"on_alarm": "stopp"},
+            ValueError,
+            r"on_alarm='stopp'\): must be one of .*got 'stopp' \(did you mean 'stop'\?\)",
+        ),
+        (
+            {"on_alarm": {"spike": "panic"}},
+            ValueError,
             r"action for 'spike' must be in .*'skip', 'log'\), got 'panic'",
         ),
         (
@@ -222,3 +232,17 @@ def test_rows_given_as_the_same_tensor_are_read_to_the_host_once(
     alarms.update(torch.tensor([1.0, 1.0]), torch.tensor([1, 2]), step=4)
     assert len(reads) == 2
     assert alarms.poll() == []
+
+
+def test_a_misspelt_rule_argument_is_named_with_the_closest_real_one() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"AlarmRules\(spike_facter=...\): unknown argument \(did you mean 'spike_factor'\?\)",
+    ):
+        AlarmRules(spike_facter=20)  # type: ignore[call-arg]
+    with pytest.raises(
+        TypeError,
+        match=r"AlarmRules\(zzz=...\): unknown argument; the arguments are spike_factor, ",
+    ):
+        AlarmRules(zzz=1)  # type: ignore[call-arg]
+    assert AlarmRules(spike_factor=20.0) == AlarmRules(20.0)  # positional and named alike

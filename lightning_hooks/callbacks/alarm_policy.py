@@ -3,6 +3,7 @@ ranks' mean loss), and what every callback's ranks agree on: a failure and a sto
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -49,6 +50,13 @@ def check_actions(on_alarm: Any) -> dict[str, Action]:
         raise TypeError(
             f"GradFlowCallback(on_alarm={on_alarm!r}): must be one of {_ACTIONS} or a mapping "
             f"{{rule: action}} with rules in {_ACTIONABLE}, got {on_alarm!r}"
+        )
+    if isinstance(on_alarm, str) and on_alarm not in _ACTIONS:
+        close = difflib.get_close_matches(on_alarm, _ACTIONS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"GradFlowCallback(on_alarm={on_alarm!r}): must be one of {_ACTIONS} or a mapping "
+            f"{{rule: action}}, got {on_alarm!r}{hint}"
         )
     given = dict.fromkeys(_ACTIONABLE, on_alarm) if isinstance(on_alarm, str) else on_alarm
     if on_alarm == "skip":

@@ -3,6 +3,8 @@ the reports the rules make on the host."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -147,6 +149,20 @@ class AlarmRules:
     attn_growth: float | None = 1.3
     attn_logit_min: float = 100.0
     quiet_read: str = "grouped"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> AlarmRules:
+        """Refuse a misspelt argument by name, with the closest real one (the generated
+        ``__init__`` would say only "unexpected keyword argument")."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for name in kwargs:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(
+                    f"AlarmRules({name}=...): unknown argument{hint}; the arguments are "
+                    f"{', '.join(names)}"
+                )
+        return super().__new__(cls)
 
     @property
     def watches_loss(self) -> bool:
