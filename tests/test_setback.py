@@ -193,3 +193,16 @@ def test_a_state_saved_by_0_2_0_loads() -> None:
     for step in range(3):
         loaded.update_loss(torch.tensor(9.0), step=40 + step)
     assert [a.rule for a in loaded.poll(wait=True)][:1] == ["setback"]
+
+
+def test_under_accumulation_the_losses_quoted_are_the_users_own(tmp_path: Path) -> None:
+    """Lightning hands the batch-end hooks the loss divided by ``accumulate_grad_batches``; the
+    alarm quotes the loss the user logs: the micro-batch's own, not a quarter of it."""
+    model = ScaledLoss(lambda step: 3.0 if step >= START else 1.0)
+    record = _fit(tmp_path, model, accumulate_grad_batches=4)
+    alarm = record[0].message.alarm
+    assert alarm.rule == "diverging"
+    last = START + 4 * 3  # the confirmation needs a few optimizer steps of 4 micro-batches
+    quoted = [x for x in model.losses[START:last] if math.isclose(alarm.value, x, rel_tol=1e-5)]
+    assert quoted, (alarm.value, model.losses[START:last])
+    assert f"(loss {alarm.value:.4g})" in str(alarm.message)

@@ -4,7 +4,6 @@ runs only this module's hooks: a subclass's part is set at ``_attach``."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +13,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.alarm_policy import agree_ranks
+from lightning_hooks.callbacks.alarm_policy import agree_ranks, training_loss
 from lightning_hooks.callbacks.fabric import (
     SECOND_CALLBACK,
     FabricRun,
@@ -154,8 +153,8 @@ class HookCallback(pl.Callback, _SecondCallback):
         if (self._logging_batch or self._every_batch) and self._batch_ending(trainer, outputs):
             return
         if (alarms := self._own_loss) is not None:  # the loss rules on this rank's loss
-            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-            if isinstance(loss, torch.Tensor):
+            loss = training_loss(trainer, outputs)
+            if loss is not None:
                 alarms.update_loss(loss, step=self._batch_step)
                 if found := alarms.poll():
                     self.policy.act(trainer, None, found)
