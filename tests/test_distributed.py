@@ -158,7 +158,8 @@ def test_default_actions_count_the_same_alarms_on_every_rank(
         assert math.isclose(value, (losses[0][step] + losses[1][step]) / 2, rel_tol=1e-6)
     # "warn": once per rule and epoch, on rank 0 only
     assert [
-        w.startswith(f"loss diverging at optimizer step {JUMP}:") for w in ranks[0]["warnings"]
+        w.startswith(f"GradFlowCallback [diverging]: loss diverging at optimizer step {JUMP}:")
+        for w in ranks[0]["warnings"]
     ] == [True]
     assert ranks[1]["warnings"] == []
     # rank 0's TensorBoard counts (each epoch's, at its last step) are those alarms

@@ -366,7 +366,7 @@ def test_a_non_finite_loss_is_warned_at_its_step_and_leaves_the_state(tmp_path: 
     record = _fit(tmp_path, model)
     assert len(model.losses) == 20 and all(map(math.isfinite, model.losses))  # before the NaN
     assert [str(w.message).split(";")[0] for w in record] == [
-        "loss diverging at optimizer step 6: the loss is nan"
+        "GradFlowCallback [diverging]: loss diverging at optimizer step 6: the loss is nan"
     ]
     # the steps after it are judged as if it had not been: the rule on the other losses is quiet
     assert _rule(model.losses[:6] + model.losses[7:], AlarmRules()) == []

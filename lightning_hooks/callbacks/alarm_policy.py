@@ -125,7 +125,7 @@ class AlarmPolicy:
                 continue
             if action == "raise":
                 raise GradientAlarmError(
-                    alarm.message,
+                    _speaker(alarm),
                     rule=alarm.rule,
                     layer=alarm.layer,
                     step=alarm.step,
@@ -148,7 +148,7 @@ class AlarmPolicy:
     def _warn_once(self, alarm: GradientAlarm) -> None:
         if (key := (alarm.rule, alarm.layer)) not in self._warned:
             self._warned.add(key)
-            warning = GradientAlarmWarning(alarm.message)
+            warning = GradientAlarmWarning(_speaker(alarm))
             warning.alarm = alarm
             rank_zero_warn(warning, category=GradientAlarmWarning)
 
@@ -176,6 +176,13 @@ class AlarmPolicy:
         if trainer.is_global_zero:
             where = f"in epoch {trainer.current_epoch}"
             log_text(trainer.loggers, "grad_flow/alarms", _summary(log, where), step)
+
+
+def _speaker(alarm: GradientAlarm) -> str:
+    """The alarm's message with who speaks first: the callback and the rule. Lightning's warning
+    formatter drops a warning's category under a path containing "lightning", so the words
+    themselves must say it."""
+    return f"GradFlowCallback [{alarm.rule}]: {alarm.message}"
 
 
 def _summary(log: list[GradientAlarm], where: str) -> str:

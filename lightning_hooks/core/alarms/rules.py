@@ -150,20 +150,6 @@ class AlarmRules:
     attn_logit_min: float = 100.0
     quiet_read: str = "grouped"
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> AlarmRules:
-        """Refuse a misspelt argument by name, with the closest real one (the generated
-        ``__init__`` would say only "unexpected keyword argument")."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        for name in kwargs:
-            if name not in names:
-                close = difflib.get_close_matches(name, names, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise TypeError(
-                    f"AlarmRules({name}=...): unknown argument{hint}; the arguments are "
-                    f"{', '.join(names)}"
-                )
-        return super().__new__(cls)
-
     @property
     def watches_loss(self) -> bool:
         """Whether a rule reads the training loss (*loss_spike* or *diverging*)."""
@@ -208,3 +194,27 @@ class AlarmRules:
                 f"AlarmRules(min_history={self.min_history}): must be at most "
                 f"window={self.window}, got {self.min_history}"
             )
+
+
+def _named_only(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` that first refuses a misspelt argument by name, with the closest real one (the
+    generated ``__init__`` would say only "unexpected keyword argument"); its signature stays
+    the generated one."""
+    names = [field.name for field in dataclasses.fields(AlarmRules)]
+
+    @functools.wraps(init)
+    def checked(self: AlarmRules, *args: Any, **kwargs: Any) -> None:
+        for name in kwargs:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(
+                    f"AlarmRules({name}=...): unknown argument{hint}; the arguments are "
+                    f"{', '.join(names)}"
+                )
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+AlarmRules.__init__ = _named_only(AlarmRules.__init__)  # type: ignore[method-assign]
