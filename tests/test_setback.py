@@ -208,3 +208,22 @@ def test_under_accumulation_the_losses_quoted_are_the_users_own(tmp_path: Path) 
     quoted = [x for x in model.losses[START:last] if math.isclose(alarm.value, x, rel_tol=1e-5)]
     assert quoted, (alarm.value, model.losses[START:last])
     assert f"(loss {alarm.value:.4g})" in str(alarm.message)
+
+
+def test_a_divergence_that_raises_is_in_the_event_files_and_fails_the_gate(
+    tmp_path: Path,
+) -> None:
+    """Under ``on_alarm="raise"`` the fit ends at the confirmation; its count and its text are
+    written and saved first, so ``lightning-hooks report --fail-on`` fails the run."""
+    from lightning_hooks import GradientAlarmError
+    from lightning_hooks.cli import main
+
+    model = ScaledLoss(lambda step: 3.0 if step >= START else 1.0)
+    with pytest.raises(GradientAlarmError, match=r"GradFlowCallback \[diverging\]: loss diverg"):
+        _fit(tmp_path, model, callback=GradFlowCallback(on_alarm="raise"))
+    assert len(model.losses) < STEPS
+    counts = read_scalars(tmp_path)["grad_flow/alarms_step/diverging"]
+    assert sum(v for _, v in counts) >= 1
+    assert "loss diverging at optimizer step" in "\n".join(_alarm_texts(tmp_path))
+    rule = "grad_flow/alarms/diverging>0"
+    assert main(["report", str(tmp_path), "--fail-on", rule]) == 1

@@ -22,7 +22,7 @@ from lightning_hooks.core.transport import (
     world_size,
 )
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
-from lightning_hooks.logging import log_scalars, log_text, step_tags
+from lightning_hooks.logging import log_scalars, log_text, save_loggers, step_tags
 
 __all__ = ["AlarmPolicy", "LossAgreement", "agree_ranks", "disable", "settle", "training_loss"]
 
@@ -98,9 +98,11 @@ class AlarmPolicy:
         self._counted: dict[str, int] = {}
         self.saved: dict[str, Any] | None = None  # the alarms' state between fits, or loaded
         self.loss = LossAgreement(self)
+        self._alarms: GradientAlarms | None = None  # this fit's, for an alarm that ends it
 
     def restore(self, alarms: GradientAlarms | None) -> None:
         """Load the saved state into fresh ``alarms``; another model's is dropped with a warning."""
+        self._alarms = alarms
         if alarms is None or self.saved is None:
             return
         try:
@@ -124,6 +126,7 @@ class AlarmPolicy:
             if action is None or action == "log":
                 continue
             if action == "raise":
+                self._keep_before_raising(trainer, alarm.step)
                 raise GradientAlarmError(
                     _speaker(alarm),
                     rule=alarm.rule,
@@ -144,6 +147,14 @@ class AlarmPolicy:
         elif stop:
             # agreed on a collective the callback makes anyway (``settle``): no host sync here
             self.stop_requested = True
+
+    def _keep_before_raising(self, trainer: pl.Trainer, step: int) -> None:
+        """Write the counts and text of the alarms since the last logging step, the raising one
+        included, and save the loggers: the alarm that ends the fit is in the event files, and
+        a gate on them (``lightning-hooks report --fail-on``) sees it."""
+        if self._alarms is not None:
+            self.log_step(trainer, self._alarms, step)
+        save_loggers(trainer.loggers)
 
     def _warn_once(self, alarm: GradientAlarm) -> None:
         if (key := (alarm.rule, alarm.layer)) not in self._warned:
