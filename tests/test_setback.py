@@ -137,11 +137,19 @@ def test_stop_acts_on_a_divergence_and_never_on_a_setback(tmp_path: Path) -> Non
     """Under ``on_alarm="stop"``: a setback that recovers lets the fit run to its end; one that
     holds stops it at the step it is confirmed."""
     recovered = ScaledLoss(lambda step: 7.0 if step == START else 1.0)
-    _fit(tmp_path / "setback", recovered, callback=GradFlowCallback(on_alarm="stop"))
+    assert _fit(tmp_path / "setback", recovered, callback=GradFlowCallback(on_alarm="stop")) == []
     assert len(recovered.losses) == STEPS
     held = ScaledLoss(lambda step: 3.0 if step >= START else 1.0)
     record = _fit(tmp_path / "held", held, callback=GradFlowCallback(on_alarm="stop"))
-    assert len(held.losses) == record[0].message.alarm.step + 1 < STEPS
+    at = record[0].message.alarm.step
+    assert len(held.losses) == at + 1 < STEPS
+    # and the fit's end says, once, that an alarm stopped it
+    said = [str(w.message) for w in record if "ended the fit" in str(w.message)]
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        f"GradFlowCallback [diverging]: on_alarm='stop' ended the fit at optimizer step {at + 1}, "
+        f"after the diverging alarm of step {at}"
+    )
 
 
 def _swings(seed: int) -> Callable[[int], float]:

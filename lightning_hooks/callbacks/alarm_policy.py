@@ -99,6 +99,7 @@ class AlarmPolicy:
         self.saved: dict[str, Any] | None = None  # the alarms' state between fits, or loaded
         self.loss = LossAgreement(self)
         self._alarms: GradientAlarms | None = None  # this fit's, for an alarm that ends it
+        self.stopped_by: GradientAlarm | None = None  # the first alarm whose ``stop`` acted
 
     def restore(self, alarms: GradientAlarms | None) -> None:
         """Load the saved state into fresh ``alarms``; another model's is dropped with a warning."""
@@ -136,6 +137,8 @@ class AlarmPolicy:
                     alarm=alarm,
                 )
             self._warn_once(alarm)
+            if action == "stop" and self.stopped_by is None:
+                self.stopped_by = alarm
             stop = stop or action == "stop"
             if action == "skip" and optimizer is not None and alarm.step == trainer.global_step:
                 # the coming ``optimizer.step()`` a no-op: torch optimizers skip ``None`` gradients
@@ -147,6 +150,18 @@ class AlarmPolicy:
         elif stop:
             # agreed on a collective the callback makes anyway (``settle``): no host sync here
             self.stop_requested = True
+
+    def announce_stop(self, trainer: pl.Trainer) -> None:
+        """At the fit's end: if an alarm's ``stop`` ended it, say so, once (a fit that stops
+        looks like one that finished, but for the step count)."""
+        alarm, self.stopped_by = self.stopped_by, None
+        if alarm is not None and getattr(trainer, "should_stop", False):
+            rank_zero_warn(
+                f"GradFlowCallback [{alarm.rule}]: on_alarm='stop' ended the fit at optimizer "
+                f"step {trainer.global_step}, after the {alarm.rule} alarm of step {alarm.step}: "
+                f"{alarm.message}",
+                category=GradientAlarmWarning,
+            )
 
     def _keep_before_raising(self, trainer: pl.Trainer, step: int) -> None:
         """Write the counts and text of the alarms since the last logging step, the raising one

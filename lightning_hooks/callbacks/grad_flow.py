@@ -198,6 +198,11 @@ class GradFlowCallback(HookCallback):
     on_before_optimizer_step = observe_optimizer_step
 
     @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self.policy.announce_stop(trainer)
+
+    @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
         if self._stability is not None and self._logging_batch:
             self._stability.end_step()
