@@ -192,6 +192,16 @@ def read_scalars(logdir: Path | str) -> dict[str, list[tuple[int, float]]]:
     return dict(out)
 
 
+def read_alarm_texts(logdir: Path | str) -> list[str]:
+    """Every text the alarms wrote (tags ``grad_flow/alarms...``), from the event files."""
+    out = []
+    for acc in _accumulators(logdir):
+        for tag in acc.Tags()["tensors"]:
+            if tag.startswith("grad_flow/alarms"):
+                out += [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)]
+    return out
+
+
 def read_image_tags(logdir: Path | str) -> list[str]:
     """Every image tag in the event files under ``logdir``."""
     return sorted(tag for acc in _accumulators(logdir) for tag in acc.Tags()["images"])
@@ -201,7 +211,9 @@ def _accumulators(logdir: Path | str) -> list[EventAccumulator]:
     dirs = sorted({p.parent for p in Path(logdir).rglob("events.out.tfevents.*")})
     accs = []
     for d in dirs:
-        acc = EventAccumulator(str(d), size_guidance={"scalars": 0, "images": 0, "histograms": 0})
+        acc = EventAccumulator(
+            str(d), size_guidance={"scalars": 0, "images": 0, "histograms": 0, "tensors": 0}
+        )
         acc.Reload()
         accs.append(acc)
     return accs

@@ -22,7 +22,7 @@ from lightning_hooks import GradFlowCallback
 from lightning_hooks.core import AlarmRules
 from lightning_hooks.errors import GradientAlarmWarning
 
-from conftest import fit_alarms, load_benchmark, read_scalars
+from conftest import fit_alarms, load_benchmark, read_alarm_texts, read_scalars
 
 CHANCE = math.log(10)
 IN_TIME = 3  # a warning on confirmation is in time this many steps after the divergence step
@@ -168,7 +168,7 @@ def test_an_early_blow_up_is_warned_in_time(tmp_path: Path) -> None:
     assert re.search(r"loss diverging at optimizer step \d+: its running mean", message)
     assert "advice: lower the learning rate" in message
     # the spike score: every alarm (one-step spikes included) per 1,000 steps of the fit
-    texts = _texts(tmp_path)
+    texts = read_alarm_texts(tmp_path)
     alarms = int(re.match(r"(\d+) gradient alarms", texts[-1]).group(1))  # type: ignore[union-attr]
     (score,) = [v for _, v in read_scalars(tmp_path)["grad_flow/alarms/spike_score"]]
     assert score == pytest.approx(1000.0 * alarms / len(model.losses))
@@ -370,16 +370,3 @@ def test_a_non_finite_loss_is_warned_at_its_step_and_leaves_the_state(tmp_path: 
     ]
     # the steps after it are judged as if it had not been: the rule on the other losses is quiet
     assert _rule(model.losses[:6] + model.losses[7:], AlarmRules()) == []
-
-
-def _texts(logdir: Path) -> list[str]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = []
-    for path in sorted({p.parent for p in logdir.rglob("events.out.tfevents.*")}):
-        acc = EventAccumulator(str(path), size_guidance={"tensors": 0})
-        acc.Reload()
-        for tag in acc.Tags()["tensors"]:
-            if tag.startswith("grad_flow/alarms"):
-                out += [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)]
-    return out

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import AlarmRules, GradFlowCallback
 
-from conftest import fit_alarms, read_scalars
+from conftest import fit_alarms, read_alarm_texts, read_scalars
 
 STEPS = 120
 START = 60  # the step the event starts at
@@ -76,19 +76,6 @@ def _fit(tmp_path: Path, model: ScaledLoss, **trainer: Any) -> list[Any]:
     return fit_alarms(fit, model)
 
 
-def _alarm_texts(logdir: Path) -> list[str]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = []
-    for path in sorted({p.parent for p in logdir.rglob("events.out.tfevents.*")}):
-        acc = EventAccumulator(str(path), size_guidance={"tensors": 0})
-        acc.Reload()
-        for tag in acc.Tags()["tensors"]:
-            if tag.startswith("grad_flow/alarms"):
-                out += [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)]
-    return out
-
-
 def _count(logdir: Path, rule: str) -> float:
     """The epoch's count of ``rule`` in the event files."""
     rows = read_scalars(logdir)[f"grad_flow/alarms/{rule}"]
@@ -102,7 +89,7 @@ def test_a_setback_that_recovers_is_logged_and_not_warned(tmp_path: Path) -> Non
     assert _fit(tmp_path, model) == []
     assert _count(tmp_path, "setback") == 1
     assert _count(tmp_path, "diverging") == 0
-    text = "\n".join(_alarm_texts(tmp_path))
+    text = "\n".join(read_alarm_texts(tmp_path))
     assert re.search(rf"loss setback at optimizer step {START}: its running mean [\d.]+ rose", text)
     assert "most setbacks recover" in text
     recovered = re.search(rf"setback of optimizer step {START} recovered at step (\d+)", text)
@@ -118,7 +105,7 @@ def test_a_setback_that_holds_is_warned_diverging_on_confirmation(tmp_path: Path
     record = _fit(tmp_path, model)
     patience = AlarmRules().diverge_patience
     assert [w.message.alarm.rule for w in record][:1] == ["diverging"]
-    text = "\n".join(_alarm_texts(tmp_path))
+    text = "\n".join(read_alarm_texts(tmp_path))
     opened = re.search(r"loss setback at optimizer step (\d+)", text)
     assert opened, text
     start = int(opened.group(1))
@@ -232,6 +219,6 @@ def test_a_divergence_that_raises_is_in_the_event_files_and_fails_the_gate(
     assert len(model.losses) < STEPS
     counts = read_scalars(tmp_path)["grad_flow/alarms_step/diverging"]
     assert sum(v for _, v in counts) >= 1
-    assert "loss diverging at optimizer step" in "\n".join(_alarm_texts(tmp_path))
+    assert "loss diverging at optimizer step" in "\n".join(read_alarm_texts(tmp_path))
     rule = "grad_flow/alarms/diverging>0"
     assert main(["report", str(tmp_path), "--fail-on", rule]) == 1
