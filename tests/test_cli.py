@@ -97,10 +97,10 @@ def test_fail_on_nonfinite_gradients_fails_the_broken_run_only(
     with pytest.warns(GradientAlarmWarning) as record:
         make_trainer(tmp_path / "nan", callbacks=[GradFlowCallback()]).fit(NaNAtStep())
     alarms = [str(w.message) for w in record if issubclass(w.category, GradientAlarmWarning)]
-    assert [m.split(":")[0] for m in alarms] == [
-        "non-finite gradient at optimizer step 1",
-        "loss diverging at optimizer step 1",
-        "non-finite weights at optimizer step 2",
+    assert [m.split(": ")[:2] for m in alarms] == [
+        ["GradFlowCallback [nonfinite]", "non-finite gradient at optimizer step 1"],
+        ["GradFlowCallback [diverging]", "loss diverging at optimizer step 1"],
+        ["GradFlowCallback [nonfinite]", "non-finite weights at optimizer step 2"],
     ]
     assert main(["report", str(tmp_path / "ok"), "--fail-on", "grad_nonfinite>0"]) == 0
     capsys.readouterr()

@@ -24,7 +24,7 @@ from lightning_hooks.core.transport import (
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
 from lightning_hooks.logging import log_scalars, log_text, save_loggers, step_tags
 
-__all__ = ["AlarmPolicy", "LossAgreement", "agree_ranks", "disable", "settle", "training_loss"]
+__all__ = ["AlarmPolicy", "LossAgreement", "agree_ranks", "disable", "settle"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
@@ -249,14 +249,11 @@ class LossAgreement:
         self._manual = fabric or not getattr(pl_module, "automatic_optimization", False)
         self._carrier = HostMailbox((4,), group_device())  # what :func:`_carry` sums
 
-    def observe(
-        self, trainer: pl.Trainer, alarms: GradientAlarms, outputs: Any, step: int, *, failed: bool
-    ) -> list[int] | None:
+    def observe(self, loss: torch.Tensor | None, step: int, *, failed: bool) -> list[int] | None:
         """Post the loss, ``failed`` and the stop request to the ``all_reduce``; ``[ranks failed,
         ranks stopping]`` once its host copy is read (CUDA: a batch later), else ``None``."""
         if self.reading != "mean":
             return None
-        loss = training_loss(trainer, outputs)
         assert self._carrier is not None
         read = [self._carrier.read(wait=True)]  # CUDA: the last batch's, posted then
         carried = _carry(loss, failed, self._policy.stop_requested)
@@ -296,20 +293,6 @@ class LossAgreement:
             "without this warning.",
             category=LightningHooksWarning,
         )
-
-
-def training_loss(trainer: pl.Trainer, outputs: Any) -> torch.Tensor | None:
-    """``training_step``'s loss in the user's units: under automatic optimization Lightning
-    hands the batch-end hooks the loss divided by ``accumulate_grad_batches`` (what the backward
-    saw), and the alarms quote losses as the user logs them."""
-    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-    if not isinstance(loss, torch.Tensor):
-        return None
-    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
-    module = getattr(trainer, "lightning_module", None)
-    if accumulate > 1 and getattr(module, "automatic_optimization", False):
-        return loss.detach() * accumulate
-    return loss
 
 
 def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:

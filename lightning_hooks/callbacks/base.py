@@ -4,6 +4,7 @@ runs only this module's hooks: a subclass's part is set at ``_attach``."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +14,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.alarm_policy import agree_ranks, training_loss
+from lightning_hooks.callbacks.alarm_policy import agree_ranks
 from lightning_hooks.callbacks.fabric import (
     SECOND_CALLBACK,
     FabricRun,
@@ -28,7 +29,13 @@ from lightning_hooks.core.transport import world_size
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import save_loggers, write_dashboards
 
-__all__ = ["HookCallback", "check_every_n_steps", "nothing_to_watch", "observe_optimizer_step"]
+__all__ = [
+    "HookCallback",
+    "check_every_n_steps",
+    "nothing_to_watch",
+    "observe_optimizer_step",
+    "training_loss",
+]
 
 if TYPE_CHECKING:
     _SecondCallback = object
@@ -318,6 +325,20 @@ def _last_of_ours(callback: HookCallback, trainer: pl.Trainer, *, live: bool) ->
         if isinstance(cb, HookCallback) and not (live and cb._hook_guard().failed is not None)
     ]
     return not ours or ours[-1] is callback
+
+
+def training_loss(trainer: pl.Trainer, outputs: Any) -> torch.Tensor | None:
+    """``training_step``'s loss in the user's units: under automatic optimization Lightning
+    hands the batch-end hooks the loss divided by ``accumulate_grad_batches`` (what the backward
+    saw), and the alarms quote losses as the user logs them."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    if not isinstance(loss, torch.Tensor):
+        return None
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    module = getattr(trainer, "lightning_module", None)
+    if accumulate > 1 and getattr(module, "automatic_optimization", False):
+        return loss.detach() * accumulate
+    return loss
 
 
 def _save(trainer: pl.Trainer) -> None:

@@ -21,6 +21,7 @@ from lightning_hooks.callbacks.base import (
     check_every_n_steps,
     nothing_to_watch,
     observe_optimizer_step,
+    training_loss,
 )
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, checks, select_modules
 from lightning_hooks.core.alarms import AlarmRules
@@ -209,7 +210,8 @@ class GradFlowCallback(HookCallback):
         alarms = None if self._tracker is None else self._tracker.alarms
         if alarms is not None and self._every_batch:  # the ranks' mean loss
             loss, failed = self.policy.loss, self._hook_guard().local is not None
-            agreed = loss.observe(trainer, alarms, outputs, self._batch_step, failed=failed)
+            carried = training_loss(trainer, outputs)
+            agreed = loss.observe(carried, self._batch_step, failed=failed)
             if agreed is not None and settle(self, trainer, self._batch_step, *agreed):
                 return True
             loss.apply(trainer, alarms)
