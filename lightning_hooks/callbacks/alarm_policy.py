@@ -127,8 +127,7 @@ class AlarmPolicy:
             if action is None or action == "log":
                 continue
             if action == "raise":
-                self._keep_before_raising(trainer, alarm.step)
-                raise GradientAlarmError(
+                error = GradientAlarmError(
                     _speaker(alarm),
                     rule=alarm.rule,
                     layer=alarm.layer,
@@ -136,6 +135,10 @@ class AlarmPolicy:
                     value=alarm.value,
                     alarm=alarm,
                 )
+                try:  # a logger that fails to write must not hide the alarm the user asked for
+                    self._keep_before_raising(trainer, alarm.step)
+                finally:
+                    raise error
             self._warn_once(alarm)
             if action == "stop" and self.stopped_by is None:
                 self.stopped_by = alarm
