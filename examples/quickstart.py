@@ -36,7 +36,7 @@ if __name__ == "__main__":
         max_epochs=3,
         accelerator="cpu",
         logger=TensorBoardLogger("runs", name="quickstart"),
-        callbacks=[GradFlowCallback()],  # per-layer gradient flow, logged at each epoch end
+        callbacks=[GradFlowCallback()],  # hooks on every layer, removed when fit ends
         enable_checkpointing=False,
     )
     trainer.fit(Regressor(), data)

@@ -4,8 +4,11 @@ where each name resolves from. A rename, a removal or a move that loses a name f
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import pytest
+
+import lightning_hooks
 
 PUBLIC = {
     "lightning_hooks": [
@@ -64,3 +67,30 @@ def test_a_callback_chain_holds_at_most_three_classes_of_ours(name: str) -> None
     cls = getattr(lightning_hooks.callbacks, name)
     ours = [c.__qualname__ for c in cls.__mro__ if c.__module__.split(".")[0] == "lightning_hooks"]
     assert len(ours) <= 3, ours
+
+
+CONSTRUCTED = sorted(
+    name
+    for name in PUBLIC["lightning_hooks"]
+    if inspect.isclass(cls := getattr(lightning_hooks, name))
+    and not issubclass(cls, Exception)
+    and not issubclass(cls, Warning)
+)
+
+
+@pytest.mark.parametrize("name", CONSTRUCTED)
+def test_every_public_constructor_names_the_closest_argument_to_a_misspelt_one(name: str) -> None:
+    """Each keyword of each public class, misspelt (its last letter doubled), is refused
+    before anything runs, with the keyword it was meant to be."""
+    cls = getattr(lightning_hooks, name)
+    keywords = [
+        p.name
+        for p in inspect.signature(cls).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and len(p.name) > 3
+    ]
+    assert keywords, name
+    for keyword in keywords:
+        typo = keyword + keyword[-1]
+        with pytest.raises(TypeError, match=rf"^{name}\({typo}=\.\.\.\): unknown argument") as err:
+            cls(**{typo: 1})
+        assert f"did you mean {keyword!r}?" in str(err.value), (typo, str(err.value))

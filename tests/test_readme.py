@@ -148,9 +148,12 @@ def _python_blocks() -> list[tuple[str, str]]:
 
 
 BLOCKS = _python_blocks()
+WHOLE = "docs/getting-started.md"
+"""The page whose snippets define all they use: a reader pastes them in order."""
+SNIPPETS = [(name, code) for name, code in BLOCKS if not name.startswith(WHOLE)]
 
 
-@pytest.mark.parametrize("code", [c for _, c in BLOCKS], ids=[n for n, _ in BLOCKS])
+@pytest.mark.parametrize("code", [c for _, c in SNIPPETS], ids=[n for n, _ in SNIPPETS])
 def test_every_python_block_runs(
     code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -171,6 +174,26 @@ def test_every_python_block_runs(
     }
     code = code.replace("max_epochs=10", "max_epochs=2")  # the same code, a shorter fit
     exec(compile(code, "<doc snippet>", "exec"), namespace)
+
+
+def test_getting_started_runs_as_written_and_starts_with_the_quickstart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Getting started's snippets run in order in one fresh namespace, as a reader pasting them
+    into a script would: nothing is defined beforehand. The first is ``examples/quickstart.py``."""
+    blocks = [code for name, code in BLOCKS if name.startswith(WHOLE)]
+    assert blocks[0] == (ROOT / "examples" / "quickstart.py").read_text()
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    for code in blocks:
+        exec(compile(code.replace("max_epochs=3", "max_epochs=1"), WHOLE, "exec"), namespace)
+    assert namespace["trainer"].callbacks  # the last snippet's Trainer ran its four callbacks
+    assert list((tmp_path / "runs" / "quickstart").glob("version_0/events.out.tfevents.*"))
+
+
+def test_the_readme_and_getting_started_point_to_the_quickstart() -> None:
+    for page in (ROOT / "README.md", ROOT / WHOLE):
+        assert "examples/quickstart.py" in page.read_text(), page.name
 
 
 def test_the_docs_site_builds_in_strict_mode(tmp_path: Path) -> None:
@@ -202,6 +225,21 @@ REFERENCE = {  # public class -> its reference page
     "StatsCallback": "stats-callback",
     "AlarmRules": "alarm-rules",
 }
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_each_reference_page_read_as_markdown_points_to_help(name: str) -> None:
+    """A reference page read as markdown (on GitHub, in an editor) shows the directive, not the
+    parameters: the line before it points to the site and to ``help()`` of the same class, whose
+    docstring holds every parameter under ``Args:``."""
+    text = (ROOT / "docs" / f"{REFERENCE[name]}.md").read_text()
+    before = text[: text.index(f"::: lightning_hooks.{name}")]
+    assert f"help(lightning_hooks.{name})" in before.split("## Parameters")[-1]
+    assert "mkdocs serve" in before.split("## Parameters")[-1]
+    doc = inspect.getdoc(getattr(lightning_hooks, name)) or ""
+    args = doc[doc.index("Args:") :]
+    for param in inspect.signature(getattr(lightning_hooks, name)).parameters:
+        assert re.search(rf"^\s+{param}\b", args, re.M), f"help({name}) lacks {param}"
 
 
 COST_ROWS = {  # (model, device) in the README's table -> (saved result, its model key)

@@ -10,7 +10,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.stats import StatsCallback
-from lightning_hooks.core.checks import boolean, positive_int, real
+from lightning_hooks.core.checks import boolean, named_arguments, positive_int, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.ops.feature_stats import FeatureSummary
 from lightning_hooks.core.stats.activation_shape import ActivationShape
@@ -25,6 +25,7 @@ _NAME = "ActivationStatsCallback"
 _HEATMAPS = ("mean", "std", "zero_fraction")
 
 
+@named_arguments
 class ActivationStatsCallback(StatsCallback):
     r"""Per-layer statistics of every selected module's output, over the epoch's logging steps'
     training forwards; each logging step also logs them under ``activations/{stat}_step/...``.

@@ -10,7 +10,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.stats import StatsCallback
-from lightning_hooks.core.checks import fraction_or_none
+from lightning_hooks.core.checks import fraction_or_none, named_arguments
 from lightning_hooks.core.hooks.selection import Patterns
 from lightning_hooks.core.stats.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
 from lightning_hooks.core.stats.stat import LayerStat
@@ -21,6 +21,7 @@ __all__ = ["DeadReLUCallback"]
 _NAME = "DeadReLUCallback"
 
 
+@named_arguments
 class DeadReLUCallback(StatsCallback):
     r"""Dead units per activation layer: units that never fired on a logging step in an epoch.
 

@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
+from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import Patterns, as_patterns
 from lightning_hooks.errors import LightningHooksError
 from lightning_hooks.logging import feature_map_grid, log_embedding, log_image, log_scalars
@@ -34,6 +35,7 @@ def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[st
         raise ValueError(f"{_OWNER}({argument}={patterns!r}): {err}") from None
 
 
+@named_arguments
 class FeatureMapCallback(HookCallback):
     r"""Feature-map images of a fixed probe batch each epoch, and optionally its embedding.
 

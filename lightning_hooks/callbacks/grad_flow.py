@@ -25,6 +25,7 @@ from lightning_hooks.callbacks.base import (
 )
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, checks, select_modules
 from lightning_hooks.core.alarms import AlarmRules
+from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, as_patterns
 from lightning_hooks.core.ops.grad_stats import ParamLayout
 from lightning_hooks.core.stats.stability import StabilityStats
@@ -33,6 +34,7 @@ from lightning_hooks.errors import LightningHooksWarning
 __all__ = ["GradFlowCallback"]
 
 
+@named_arguments
 class GradFlowCallback(HookCallback):
     r"""Per-layer gradient flow (the applied gradient, weights, updates) at each logging step,
     and early-warning alarms (:class:`~lightning_hooks.core.AlarmRules`) on every optimizer step.
@@ -63,7 +65,7 @@ class GradFlowCallback(HookCallback):
     ``grad_flow/heatmap`` (image)               ``heatmap=True``: norm per layer x epoch, log scale
     ``grad_flow/grad_log10_abs/{layer}``        ``histograms=True``: histogram of ``log10 |g|``
     ``grad_flow/alarms/{rule}``                 alarms of the epoch per rule (layer-steps)
-    ``grad_flow/alarms`` (text)                 one line per alarm: step, rule, layer, values
+    ``grad_flow/alarms/text_summary`` (text)    one line per alarm: step, rule, layer, values
     ``stability/attn_logit_max/{layer}``        per attention module: largest pre-softmax logit
     ``stability/attn_entropy_min/{layer}``      the same: the smallest head's mean entropy
     ``stability/logit_logz/{layer}``            the output layer's ``logsumexp``, mean

@@ -8,7 +8,7 @@ import pytorch_lightning as pl
 from typing_extensions import override
 
 from lightning_hooks.callbacks.stats import StatsCallback
-from lightning_hooks.core.checks import boolean
+from lightning_hooks.core.checks import boolean, named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
 from lightning_hooks.core.stats.stat import LayerStat
@@ -19,6 +19,7 @@ __all__ = ["LayerTimeCallback"]
 _NAME = "LayerTimeCallback"
 
 
+@named_arguments
 class LayerTimeCallback(StatsCallback):
     r"""Forward time of every layer on logging steps, as ms and as a share of the step.
 

@@ -10,7 +10,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.stats import StatsCallback
-from lightning_hooks.core.checks import fraction_or_none, real
+from lightning_hooks.core.checks import fraction_or_none, named_arguments, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.saturation import (
     SATURATING_TYPES,
@@ -35,6 +35,7 @@ def _check_types(types: ModuleTypes) -> None:
             )
 
 
+@named_arguments
 class SaturationCallback(StatsCallback):
     r"""Saturated outputs of every bounded activation, and units saturated all epoch long.
 

@@ -13,6 +13,7 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks.alarm_policy import disable
 from lightning_hooks.callbacks.base import HookCallback, check_every_n_steps, nothing_to_watch
+from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.core.transport import gather_objects
@@ -26,6 +27,7 @@ __all__ = ["StatsCallback"]
 _AnyStat = LayerStat
 
 
+@named_arguments
 class StatsCallback(HookCallback):
     """Hooks each statistic on the model in the logging steps' training forwards, and carries
     it in checkpoints.

@@ -3,9 +3,13 @@ allowed values and the value received. Numbers (never ``bool``) come back as ``i
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
 import numbers
 import reprlib
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -15,12 +19,14 @@ __all__ = [
     "choice",
     "fraction_or_none",
     "module",
+    "named_arguments",
     "optimizer",
     "positive_int",
     "real",
 ]
 
 T = TypeVar("T")
+C = TypeVar("C", bound=type)
 
 
 def _fail(owner: str, name: str, value: Any, expected: str, error: type[Exception]) -> Exception:
@@ -108,3 +114,48 @@ def optimizer(owner: str, name: str, value: Any) -> Any:
     import torch
 
     return _instance(owner, name, value, torch.optim.Optimizer, "a torch.optim.Optimizer")
+
+
+def named_arguments(cls: C) -> C:
+    """Class decorator: the constructor refuses a misspelt keyword by name, with the closest
+    valid one, before anything runs (Python's own error says only "unexpected keyword
+    argument"). The signature ``help()`` and the docs show stays the constructor's own.
+
+    Example:
+        >>> @named_arguments
+        ... class Knob:
+        ...     def __init__(self, *, level: int = 0, scale: int = 1) -> None: ...
+        >>> Knob(levle=1)
+        Traceback (most recent call last):
+        TypeError: Knob(levle=...): unknown argument (did you mean 'level'?); the arguments are ...
+    """
+    init: Callable[..., None] = vars(cls)["__init__"]  # its own, not an inherited one
+    names = _keyword_names(init)
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        for name in kwargs:
+            if name not in names:
+                raise TypeError(_unknown_argument(type(self).__name__, name, names))
+        init(self, *args, **kwargs)
+
+    setattr(cls, "__init__", checked)  # noqa: B010 (mypy refuses assigning to a method)
+    return cls
+
+
+def _keyword_names(init: Callable[..., None]) -> tuple[str, ...]:
+    """The names ``init`` takes by keyword, those of a ``**kwargs: Unpack[TypedDict]`` too."""
+    names: list[str] = []
+    for parameter in list(inspect.signature(init).parameters.values())[1:]:
+        if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
+            names.append(parameter.name)
+        elif parameter.kind is parameter.VAR_KEYWORD:
+            hint = typing.get_type_hints(init, include_extras=True)[parameter.name]
+            names.extend(typing.get_type_hints(typing.get_args(hint)[0]))
+    return tuple(names)
+
+
+def _unknown_argument(owner: str, name: str, names: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{owner}({name}=...): unknown argument{hint}; the arguments are {', '.join(names)}"

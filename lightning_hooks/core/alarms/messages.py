@@ -12,6 +12,7 @@ import numpy as np
 
 from lightning_hooks.core.alarms import rules as layout
 from lightning_hooks.core.alarms.rules import ALARM_RULES, AlarmRules, WeightNorms
+from lightning_hooks.core.checks import named_arguments
 
 __all__ = ["GradientAlarm", "gradient_alarm", "ratio_text", "weight_norms", "with_history"]
 
@@ -33,6 +34,7 @@ _ADVICE = {
 }
 
 
+@named_arguments
 @dataclass(frozen=True)
 class GradientAlarm:
     """One rule firing at one optimizer step, as read on the host.

@@ -3,8 +3,6 @@ the reports the rules make on the host."""
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,6 +11,7 @@ from typing import Any
 import torch
 
 from lightning_hooks.core import checks
+from lightning_hooks.core.checks import named_arguments
 
 __all__ = ["ALARM_RULES", "QUIET_READS", "AlarmRules", "WeightNorms"]
 
@@ -43,6 +42,7 @@ WeightNorms = Callable[[], torch.Tensor]
 """Returns ``[layers + 1]`` weight L2 norms (last: all); called on the host when a rule fired."""
 
 
+@named_arguments
 @dataclass(frozen=True)
 class AlarmRules:
     """Which alarm rules are on, and their thresholds (defaults from ``benchmarks/alarms.py``).
@@ -194,27 +194,3 @@ class AlarmRules:
                 f"AlarmRules(min_history={self.min_history}): must be at most "
                 f"window={self.window}, got {self.min_history}"
             )
-
-
-def _named_only(init: Callable[..., None]) -> Callable[..., None]:
-    """``init`` that first refuses a misspelt argument by name, with the closest real one (the
-    generated ``__init__`` would say only "unexpected keyword argument"); its signature stays
-    the generated one."""
-    names = [field.name for field in dataclasses.fields(AlarmRules)]
-
-    @functools.wraps(init)
-    def checked(self: AlarmRules, *args: Any, **kwargs: Any) -> None:
-        for name in kwargs:
-            if name not in names:
-                close = difflib.get_close_matches(name, names, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise TypeError(
-                    f"AlarmRules({name}=...): unknown argument{hint}; the arguments are "
-                    f"{', '.join(names)}"
-                )
-        init(self, *args, **kwargs)
-
-    return checked
-
-
-AlarmRules.__init__ = _named_only(AlarmRules.__init__)  # type: ignore[method-assign]

@@ -31,11 +31,13 @@ from lightning_hooks.core.alarms.rules import (
     WeightNorms,
 )
 from lightning_hooks.core.alarms.stall import StallRule
+from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.transport import HostMailbox
 
 __all__ = ["GradientAlarms", "NormRing", "attention_alarms"]
 
 
+@named_arguments
 class GradientAlarms:
     """Evaluates :class:`AlarmRules` on the host, on rows that are the layers, then ``"global"``.
 

@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import Self
 
 from lightning_hooks.core import checks
+from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import Guard, active_guard
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 from lightning_hooks.errors import LightningHooksWarning
@@ -139,6 +140,7 @@ class HookOwner:
         self.remove()
 
 
+@named_arguments
 class HookRegistry(HookOwner):
     """Registers module and optimizer hooks and removes every one of them.
 

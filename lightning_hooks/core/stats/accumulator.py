@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_hooks.core.checks import choice
+from lightning_hooks.core.checks import choice, named_arguments
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.core.transport import rank
 
@@ -18,6 +18,7 @@ __all__ = ["LayerStatsAccumulator", "LayerTable"]
 Columns = slice | Sequence[int]
 
 
+@named_arguments
 @dataclass(frozen=True)
 class LayerTable:
     """The result of an epoch: ``[layers, stats]`` arrays, ``NaN`` where never updated.

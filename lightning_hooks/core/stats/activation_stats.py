@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
+from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import Selection, is_kind
 from lightning_hooks.core.ops.feature_stats import (
@@ -73,6 +74,7 @@ class Histogram:
     counts: np.ndarray
 
 
+@named_arguments
 class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
     """Per-layer statistics (:data:`SCALARS`) of the floating outputs of training forwards
     over an epoch, no host sync per step (row ``{module}.{index or key}`` for a tuple, list or

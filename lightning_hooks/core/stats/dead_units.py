@@ -14,6 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 from typing_extensions import Unpack
 
+from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import Patterns, Selection
 from lightning_hooks.core.ops.feature_stats import STACKED
 from lightning_hooks.core.ops.tensors import Workspace, iter_float_tensors
@@ -94,6 +95,7 @@ class DeadUnits:
         return fraction
 
 
+@named_arguments
 class DeadUnitTracker(LayerStat[DeadUnits]):
     """Per unit of activation outputs, how often it fired in the training forwards of an epoch
     (never: dead). A module called at several widths gets a row per width (``name``, then

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
+from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.ops.grad_stats import GLOBAL, GRAD_STATS, ParamLayout
@@ -70,6 +71,7 @@ def _check_args(
     return checked
 
 
+@named_arguments
 class GradFlowTracker(HookOwner):
     """Per-layer gradient flow (:data:`GRAD_FLOW_STATS`) over optimizer steps, no host sync.
 
