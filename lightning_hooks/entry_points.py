@@ -58,6 +58,6 @@ def callbacks() -> list[Any]:
     added = []
     for name in requested(os.environ.get(ENV, "")):
         callback = getattr(lightning_hooks, name)()
-        callback._from_environment = True
+        callback.from_environment = True
         added.append(callback)
     return added

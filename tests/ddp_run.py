@@ -146,7 +146,7 @@ def loss_fit(root: Path, model: DeepMLP, on_alarm: Any = "warn") -> dict[str, An
     report["losses"] = getattr(model, "losses", {})
     report["steps"] = counter.steps
     report["global_step"] = trainer.global_step
-    report["loss_reading"] = grad_flow.policy.loss.reading
+    report["loss_reading"] = grad_flow.loss_agreement.reading
     return report
 
 

@@ -253,7 +253,7 @@ def fit(root: Path, name: str, strategy: str) -> dict[str, Any]:
         finally:
             counter.restore()
     guard = ours._hook_guard()
-    policy = getattr(ours, "policy", None)
+    agreement = getattr(ours, "loss_agreement", None)
     return {
         "disabled_step": getattr(guard, "disabled_step", None),
         "failed": guard.failed,
@@ -263,7 +263,7 @@ def fit(root: Path, name: str, strategy: str) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "steps": counter.steps,
         "epochs": counter.epochs,
-        "loss_reading": None if policy is None else policy.loss.reading,
+        "loss_reading": None if agreement is None else agreement.reading,
         "alarms": log[0].epochs if log else {},
         "losses": getattr(model, "losses", {}),
     }

@@ -1,4 +1,4 @@
-"""Lightning dispatches only the per-batch hooks our callbacks define (``callbacks/fabric.py``),
+"""Lightning dispatches only the per-batch hooks our callbacks define (``callbacks/trainer.py``),
 through a real ``Trainer.fit``; the shadows go with the fit, and nothing our callbacks log
 changes."""
 
@@ -13,7 +13,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.profilers import PassThroughProfiler
 
 import lightning_hooks
-from lightning_hooks.callbacks.fabric import PER_BATCH_HOOKS
+from lightning_hooks.callbacks.trainer import PER_BATCH_HOOKS
 
 from conftest import BoundedMLP, TinyMLP, default_callback_types, make_trainer, read_scalars
 

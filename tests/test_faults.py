@@ -202,7 +202,7 @@ def test_the_loss_moves_to_the_nccl_group_device_without_a_sync(
     import torch.distributed as dist
     from torch.overrides import TorchFunctionMode
 
-    from lightning_hooks.callbacks.alarm_policy import _carry
+    from lightning_hooks.callbacks.agreement import _carry
     from lightning_hooks.core import transport as distributed
 
     assert distributed.group_device() == torch.device("cpu")  # no group, as gloo's

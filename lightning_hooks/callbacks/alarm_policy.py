@@ -1,5 +1,5 @@
-"""What ``GradFlowCallback`` does when an alarm fires, what its loss rules read (under DDP, the
-ranks' mean loss), and what every callback's ranks agree on: a failure and a stop."""
+"""What ``GradFlowCallback`` does when an alarm fires: warn, stop, raise, skip or log it, and
+write it to the loggers. What its loss rules read under DDP is in :mod:`.agreement`."""
 
 from __future__ import annotations
 
@@ -11,20 +11,14 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 
-from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, GradientAlarm, GradientAlarms
+from lightning_hooks.core.alarms import ALARM_RULES, GradientAlarm, GradientAlarms
 from lightning_hooks.core.transport import (
-    HostMailbox,
-    agree,
-    all_reduce_sum_,
-    gather_objects,
-    group_device,
-    to_group_device,
     world_size,
 )
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
 from lightning_hooks.logging import log_scalars, log_text, save_loggers, step_tags
 
-__all__ = ["AlarmPolicy", "LossAgreement", "agree_ranks", "disable", "settle"]
+__all__ = ["Action", "AlarmPolicy", "check_actions"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
@@ -97,7 +91,6 @@ class AlarmPolicy:
         self._logged = 0  # alarms of the epoch's log already written at a logging step
         self._counted: dict[str, int] = {}
         self.saved: dict[str, Any] | None = None  # the alarms' state between fits, or loaded
-        self.loss = LossAgreement(self)
         self._alarms: GradientAlarms | None = None  # this fit's, for an alarm that ends it
         self.stopped_by: GradientAlarm | None = None  # the first alarm whose ``stop`` acted
 
@@ -226,114 +219,3 @@ def _summary(log: list[GradientAlarm], where: str) -> str:
     if len(log) > _SUMMARY_LINES:
         lines.append(f"- ... and {len(log) - _SUMMARY_LINES} more")
     return "\n".join([f"{len(log)} gradient alarms {where}", "", *lines])
-
-
-class LossAgreement:
-    """Feeds the loss rules ``training_step``'s loss, carrying the ranks' agreement with it."""
-
-    def __init__(self, policy: AlarmPolicy) -> None:
-        self._policy = policy
-        self._carrier: HostMailbox | None = None
-        self.reading: Literal["own", "mean", "off"] = "own"  # in this fit (:meth:`plan`)
-        self._manual = False
-        self._pending: tuple[torch.Tensor, int, list[tuple[Any, int]]] | None = None
-
-    def plan(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
-        """At a fit's start, set :attr:`reading`: ``"own"`` (one process, or no loss rule), else
-        ``"mean"`` (one ``all_reduce`` per batch; ``"off"`` from a batch where a rank has none)."""
-        self._policy.stop_requested = False
-        self.reading = "own"
-        self._carrier = None
-        if rules is None or not rules.watches_loss or world_size() == 1:
-            return
-        self.reading = "mean"
-        # A Fabric loop feeds its loss when it wants (fabric.py): read as manual optimization.
-        fabric = getattr(pl_module, "_fabric", None) is not None
-        self._manual = fabric or not getattr(pl_module, "automatic_optimization", False)
-        self._carrier = HostMailbox((4,), group_device())  # what :func:`_carry` sums
-
-    def observe(self, loss: torch.Tensor | None, step: int, *, failed: bool) -> list[int] | None:
-        """Post the loss, ``failed`` and the stop request to the ``all_reduce``; ``[ranks failed,
-        ranks stopping]`` once its host copy is read (CUDA: a batch later), else ``None``."""
-        if self.reading != "mean":
-            return None
-        assert self._carrier is not None
-        read = [self._carrier.read(wait=True)]  # CUDA: the last batch's, posted then
-        carried = _carry(loss, failed, self._policy.stop_requested)
-        self._carrier.post(carried, meta=step)
-        if carried.device.type != "cuda":
-            read.append(self._carrier.read(wait=True))
-        sums = [(got[0].copy(), got[1]) for got in read if got is not None]
-        self._pending = (carried, step, sums)
-        disagree = [(at, int(v[1])) for v, at in sums if 0 < v[1] < world_size()]
-        if self._manual and disagree:  # decided on the host, before anything that may raise
-            self._rules_off(*disagree[0])
-        return [int(sum(s[0][2] for s in sums)), int(sum(s[0][3] for s in sums))] if sums else None
-
-    def apply(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
-        """The loss rules on the ranks' mean loss (manual optimization: once every rank has one)."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        carried, step, sums = pending
-        if not self._manual:
-            alarms.update_loss(carried[0] / world_size(), step=step)
-        elif self.reading == "mean":
-            for values, at in sums:
-                if values[1] == world_size():
-                    alarms.update_loss(torch.tensor(float(values[0]) / world_size()), step=at)
-        self._policy.act(trainer, None, alarms.poll())
-
-    def _rules_off(self, step: int, with_loss: int) -> None:
-        self.reading = "off"
-        self._carrier = None
-        rank_zero_warn(
-            "GradFlowCallback: the loss rules (diverging, loss_spike) are off from step "
-            f"{step} on: under manual optimization {with_loss} of {world_size()} ranks' "
-            "training_step returned a loss there, the others none, so the mean over ranks is "
-            "unknown; the gradient rules still run. Return the loss on every rank to keep them, "
-            "or pass alarms=AlarmRules(diverge_ratio=None) (without loss_factor) to turn them off "
-            "without this warning.",
-            category=LightningHooksWarning,
-        )
-
-
-def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
-    """``[loss, has loss, failed, stop]`` summed over the ranks (the loss moved without a sync)."""
-    flags = [0.0, float(loss is not None), float(failed), float(stop)]
-    carried = torch.tensor(flags, dtype=torch.float32).to(device=group_device(), non_blocking=True)
-    if loss is not None:
-        carried[:1].copy_(to_group_device(loss).reshape(1))
-    return all_reduce_sum_(carried)
-
-
-def agree_ranks(callback: Any, trainer: pl.Trainer, step: int, always: bool) -> bool:
-    """At a logging step (``always``: an epoch end) of a multi-process run, agree on a failure and
-    a ``stop`` unless every batch's loss collective carries them; whether now disabled."""
-    guard, policy = callback._hook_guard(), callback.policy
-    carried = policy is not None and callback._tracker is not None and policy.loss.reading == "mean"
-    if callback._ranks == 1 or guard.failed is not None or (carried and not always):
-        return guard.failed is not None
-    stop = policy is not None and policy.stop_requested
-    failed, stopping, *extra = agree([guard.local is not None, stop, *callback._agreement_flags()])
-    disabled = settle(callback, trainer, step, failed, stopping)
-    return disabled or bool(callback._agreed(trainer, step, extra))
-
-
-def settle(callback: Any, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
-    """Stop if any rank asked; if any failed, disable the callback on every rank (one warning)."""
-    if stopping:
-        trainer.should_stop = True
-        if callback.policy is not None:
-            callback.policy.stop_requested = False
-    local = callback._hook_guard().local
-    return bool(failed) and disable(callback, trainer, step, gather_objects(local))
-
-
-def disable(callback: Any, trainer: pl.Trainer, step: int, causes: list[Any]) -> bool:
-    """Disable the callback on every rank, one warning on rank 0 naming each rank's cause."""
-    guard = callback._hook_guard()
-    guard.settle(causes, step, warn=trainer.is_global_zero)
-    guard.take_pending()
-    callback._guard_disable()
-    return True

@@ -4,9 +4,10 @@ runs only this module's hooks: a subclass's part is set at ``_attach``."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from abc import ABCMeta, abstractmethod
+from collections.abc import Callable, Mapping
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pytorch_lightning as pl
 import torch
@@ -14,26 +15,28 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.alarm_policy import agree_ranks
-from lightning_hooks.callbacks.fabric import (
+from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
+from lightning_hooks.callbacks.fabric import FabricRun
+from lightning_hooks.callbacks.trainer import (
     SECOND_CALLBACK,
-    FabricRun,
     check_trainer,
     passed_by_user,
     restore_inherited,
     skip_inherited,
 )
+from lightning_hooks.core.alarms import GradientAlarms
 from lightning_hooks.core.checks import positive_int
 from lightning_hooks.core.hooks.guard import Guard, guard_hooks
-from lightning_hooks.core.transport import world_size
+from lightning_hooks.core.hooks.registry import HookRegistry
+from lightning_hooks.core.stats.grad_flow import GradFlowTracker
+from lightning_hooks.core.transport import agree, gather_objects, world_size
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import save_loggers, write_dashboards
 
 __all__ = [
+    "Engine",
     "HookCallback",
     "check_every_n_steps",
-    "nothing_to_watch",
-    "observe_optimizer_step",
     "training_loss",
 ]
 
@@ -46,18 +49,31 @@ else:
 _UNSAVED: weakref.WeakSet[pl.Trainer] = weakref.WeakSet()
 
 
-class HookCallback(pl.Callback, _SecondCallback):
+class Engine(Protocol):
+    """What a callback's hooks feed, as the base sees it: the registry whose logging-step gate it
+    sets at each batch start (``None``: no module hook to gate), and ``remove()``, which takes
+    every hook off the model."""
+
+    @property
+    def registry(self) -> HookRegistry | None: ...
+
+    def remove(self) -> None: ...
+
+
+class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     """Base of the library's callbacks: owns when hooks exist (from ``on_train_start`` to
     ``on_train_end``, ``on_exception`` or ``teardown``), subclasses own what they measure."""
 
     every_n_steps: int | None = None  # measure steps n-1, 2n-1, ... (None: log_every_n_steps)
+    from_environment: bool = False
+    """Added by the ``LIGHTNING_HOOKS`` switch, not by the user: yields to one the user passed."""
     strict: bool | None = None  # a hook's exception: raise, or disable (None: the environment)
     uses_images: bool = True
-    policy: Any = None  # what acts on the alarms (``AlarmPolicy``)
-    _tracker: Any = None  # what the hooks feed; ``remove()`` takes them off
+    policy: AlarmPolicy | None = None  # what acts on the alarms (GradFlowCallback's)
+    _tracker: Engine | None = None  # what the hooks feed; ``remove()`` takes them off
+    _optimizer_steps: GradFlowTracker | None = None  # measured at each optimizer step
     _pending_state: dict[str, Any] | None = None
     _ranks: int = 1
-    _from_environment: bool = False  # added by LIGHTNING_HOOKS: yields to the user's own
     _idle: bool = False  # nothing to watch (or the user's own runs): this fit does nothing
     _default_types: Any = None
     _selection_arguments: tuple[str, ...] = ("include", "exclude")
@@ -68,8 +84,8 @@ class HookCallback(pl.Callback, _SecondCallback):
     _logging_batch = False  # the running batch belongs to a logging step
     # Set by ``_attach``, so that a quiet batch calls no method of a subclass:
     _every_batch = False  # ``_batch_ending`` on every batch, not only the logging steps' ones
-    _own_loss: Any = None  # the alarms fed this rank's loss at each batch end
-    _on_optimizer_step: Any = None  # more work at each ``on_before_optimizer_step``
+    _own_loss: GradientAlarms | None = None  # the alarms fed this rank's loss at each batch end
+    _on_optimizer_step: Callable[[torch.optim.Optimizer], None] | None = None  # more work then
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -93,14 +109,14 @@ class HookCallback(pl.Callback, _SecondCallback):
         """What makes the checkpoint state distinct (Lightning refuses two equal keys)."""
         selection = {name: getattr(self, name, ()) for name in ("include", "exclude")}
         fields = {"types": repr(getattr(self, "types", None)), **selection}
-        return {**fields, "environment": True} if self._from_environment else fields
+        return {**fields, "environment": True} if self.from_environment else fields
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or passed_by_user(self, trainer.callbacks):  # type: ignore[attr-defined]
             return
         self.__dict__.pop("_guard", None)  # each fit starts healthy
-        check_trainer(self, trainer)
+        check_trainer(type(self).__name__, trainer, uses_images=self.uses_images)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -140,13 +156,13 @@ class HookCallback(pl.Callback, _SecondCallback):
             # same steps as the uninterrupted one. Every micro-batch of the step follows.
             self._epoch_start_step = step
         if self._posted:  # on CUDA, the last logging step's copy
-            _read_steps(self, trainer, wait=False)
+            self._read_steps(trainer, wait=False)
         cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
         logs = (step + 1) % cadence == 0 or step == self._epoch_start_step
-        gate = getattr(self._tracker, "registry", None)  # the logging-step gate of the module hooks
+        gate = None if self._tracker is None else self._tracker.registry  # the module hooks' gate
         if gate is not None and gate.logging_step != logs:  # a quiet step reads it, sets nothing
             gate.logging_step = logs
-        if trainer in _UNSAVED and _last_of_ours(self, trainer, live=True):
+        if trainer in _UNSAVED and self._last_of_ours(trainer, live=True):
             _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
         self._logging_batch = logs and self._tracker is not None
         if self._logging_batch:
@@ -163,28 +179,28 @@ class HookCallback(pl.Callback, _SecondCallback):
             loss = training_loss(trainer, outputs)
             if loss is not None:
                 alarms.update_loss(loss, step=self._batch_step)
-                if found := alarms.poll():
+                if (found := alarms.poll()) and self.policy is not None:
                     self.policy.act(trainer, None, found)
         measured = self._logged_step
         # The logging step's optimizer step ran (its last micro-batch): write it.
         if measured is not None and trainer.global_step > measured:
             self._logged_step = None
-            if agree_ranks(self, trainer, measured, always=False):
+            if self._agree_ranks(trainer, measured, always=False):
                 return  # disabled
-            _read_steps(self, trainer, wait=True)  # the last logging step's, then post this one
+            self._read_steps(trainer, wait=True)  # the last logging step's, then post this one
             self._log_step(trainer, measured)
             self._posted = True
-            _read_steps(self, trainer, wait=False)
-        if trainer in _UNSAVED and _last_of_ours(self, trainer, live=True):
+            self._read_steps(trainer, wait=False)
+        if trainer in _UNSAVED and self._last_of_ours(trainer, live=True):
             _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not agree_ranks(self, trainer, trainer.global_step, always=True):
-            _read_steps(self, trainer, wait=True)
+        if not self._agree_ranks(trainer, trainer.global_step, always=True):
+            self._read_steps(trainer, wait=True)
             self._logged_step = None
             self._log_epoch(trainer, pl_module)
-            if trainer.is_global_zero and _last_of_ours(self, trainer, live=False):
+            if trainer.is_global_zero and self._last_of_ours(trainer, live=False):
                 write_dashboards(trainer.loggers)  # one layout per run, by the last of ours
             save_loggers(trainer.loggers)
             _UNSAVED.discard(trainer)
@@ -196,7 +212,7 @@ class HookCallback(pl.Callback, _SecondCallback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._hook_guard().failed is None:  # a failure after the last epoch end: agreed
-            agree_ranks(self, trainer, trainer.global_step, always=True)
+            self._agree_ranks(trainer, trainer.global_step, always=True)
         self._detach()
 
     @override
@@ -226,7 +242,7 @@ class HookCallback(pl.Callback, _SecondCallback):
 
     def flush(self, trainer: pl.Trainer) -> None:
         """Before the hooks go: write what was measured (CUDA: the last logging step's copy)."""
-        _read_steps(self, trainer, wait=True)
+        self._read_steps(trainer, wait=True)
         _save(trainer)
 
     def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
@@ -248,14 +264,110 @@ class HookCallback(pl.Callback, _SecondCallback):
         for bound in ("log", "log_dict"):
             self.__dict__.pop(bound, None)
 
+    def _read_steps(self, trainer: pl.Trainer, wait: bool) -> None:
+        """Write the last logging step once its host copy is done (``wait``: block for it)."""
+        if not (wait or self._posted):
+            return
+        if self._write_steps(trainer, wait):
+            _UNSAVED.add(trainer)
+        self._posted = not wait and self._steps_in_flight()
+
+    def _last_of_ours(self, trainer: pl.Trainer, *, live: bool) -> bool:
+        """Whether this is the last of our callbacks (``live``: not failed) in the Trainer's list:
+        the one that saves the loggers and writes the dashboard for all of ours."""
+        ours = [
+            cb
+            for cb in trainer.callbacks  # type: ignore[attr-defined]
+            if isinstance(cb, HookCallback) and not (live and cb._hook_guard().failed is not None)
+        ]
+        return not ours or ours[-1] is self
+
+    def _agree_ranks(self, trainer: pl.Trainer, step: int, *, always: bool) -> bool:
+        """At a logging step (``always``: an epoch end) of a multi-process run, agree on a failure
+        and a ``stop``, unless every batch's loss collective carries them already (see
+        :mod:`.agreement`); whether the callback is now disabled."""
+        guard = self._hook_guard()
+        if self._ranks == 1 or guard.failed is not None or (self._votes_carried() and not always):
+            return guard.failed is not None
+        stop = self.policy is not None and self.policy.stop_requested
+        failed, stopping, *extra = agree([guard.local is not None, stop, *self._agreement_flags()])
+        disabled = self._settle(trainer, step, failed, stopping)
+        return disabled or bool(self._agreed(trainer, step, extra))
+
+    def _settle(self, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
+        """Stop if any rank asked; if any failed, disable the callback on every rank (one
+        warning); whether disabled."""
+        if stopping:
+            trainer.should_stop = True
+            if self.policy is not None:
+                self.policy.stop_requested = False
+        local = self._hook_guard().local
+        return bool(failed) and self._disable(trainer, step, gather_objects(local))
+
+    def _disable(self, trainer: pl.Trainer, step: int, causes: list[Any]) -> bool:
+        """Disable the callback on every rank, one warning on rank 0 naming each rank's cause."""
+        guard = self._hook_guard()
+        guard.settle(causes, step, warn=trainer.is_global_zero)
+        guard.take_pending()
+        self._guard_disable()
+        return True
+
+    def _nothing_to_watch(self, what: str, hint: str = "") -> None:
+        """Nothing to watch: a ``ValueError`` if the user selected, else one warning and an idle
+        fit (as Lightning's ``LearningRateMonitor`` without a scheduler)."""
+        name = type(self).__name__
+        types = getattr(self, "types", None)
+        given = [f"types={types!r}"] if types is not None and types != self._default_types else []
+        given += [
+            f"{argument}={value!r}"
+            for argument in self._selection_arguments
+            if (value := getattr(self, argument, None))
+        ]
+        if given:
+            raise ValueError(f"{name}({', '.join(given)}): selects no {what} of the model{hint}")
+        rank_zero_warn(
+            f"{name}: the model has no {what} to watch at the defaults; this callback does "
+            f"nothing in this fit{hint}",
+            category=LightningHooksWarning,
+        )
+        self._idle = True
+
+    def _observe_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """``on_before_optimizer_step`` of a callback that measures every optimizer step (set by
+        that callback; defined here, so that a quiet step runs this module only): measure the
+        gradient ``optimizer`` is about to apply, and act on the alarms read."""
+        tracker = self._optimizer_steps
+        if tracker is None:
+            return
+        scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
+        enabled = scaler is not None and scaler.is_enabled()
+        scale = getattr(scaler, "_scale", None) if enabled else None
+        scale = scale if isinstance(scale, torch.Tensor) else None  # no sync
+        # Lightning does not unscale for optimizers that unscale inside their step (fused).
+        fused = scale is not None and getattr(optimizer, "_step_supports_amp_scaling", False)
+        tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
+        if self._on_optimizer_step is not None:
+            self._on_optimizer_step(optimizer)
+        alarms, policy = tracker.alarms, self.policy
+        if alarms is None or policy is None:
+            return
+        if found := alarms.poll(wait=policy.wait):
+            policy.act(trainer, optimizer, found)
+
     # Extend: ``_attach``, ``_log_epoch``; ``_validate`` the model; a logging step's batch
     # (``_batch_started``, ``_batch_ending``: True if disabled) and window (``_log_step`` posts,
     # ``_write_steps`` writes, ``_steps_in_flight``); ``state_dict`` / ``_load_state`` (ValueError
     # if foreign); flags the ranks agree on (``_agreement_flags``; ``_agreed``: True if disabled).
 
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None: ...
+    @abstractmethod
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At each fit's train start: put the hooks on ``pl_module`` and set :attr:`_tracker`."""
 
-    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None: ...
+    @abstractmethod
+    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At each epoch end: write the epoch's aggregates and pictures, then reset them."""
 
     def _validate(self, pl_module: pl.LightningModule) -> None: ...
 
@@ -282,49 +394,15 @@ class HookCallback(pl.Callback, _SecondCallback):
     def _agreement_flags(self) -> list[bool]:
         return []
 
+    def _votes_carried(self) -> bool:
+        """Whether each batch's loss collective carries the ranks' failures and stops."""
+        return False
+
     def _agreed(self, trainer: pl.Trainer, step: int, counts: list[int]) -> bool:
         return False
 
 
 guard_hooks(HookCallback)
-
-
-def observe_optimizer_step(
-    callback: Any, trainer: pl.Trainer, pl_module: Any, optimizer: Any
-) -> None:
-    """Measure the gradient ``optimizer`` is about to apply, and act on the alarms read."""
-    tracker = callback._tracker
-    if tracker is None:
-        return
-    scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
-    scale = getattr(scaler, "_scale", None) if scaler is not None and scaler.is_enabled() else None
-    scale = scale if isinstance(scale, torch.Tensor) else None  # no sync
-    # Lightning does not unscale for optimizers that unscale inside their step (fused).
-    fused = scale is not None and getattr(optimizer, "_step_supports_amp_scaling", False)
-    tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
-    if callback._on_optimizer_step is not None:
-        callback._on_optimizer_step(optimizer)
-    if tracker.alarms is not None and (found := tracker.alarms.poll(wait=callback.policy.wait)):
-        callback.policy.act(trainer, optimizer, found)
-
-
-def _read_steps(callback: HookCallback, trainer: pl.Trainer, wait: bool) -> None:
-    """Write the last logging step once its host copy is done (``wait``: block for it)."""
-    if not (wait or callback._posted):
-        return
-    if callback._write_steps(trainer, wait):
-        _UNSAVED.add(trainer)
-    callback._posted = not wait and callback._steps_in_flight()
-
-
-def _last_of_ours(callback: HookCallback, trainer: pl.Trainer, *, live: bool) -> bool:
-    """Whether ``callback`` is the last of ours (``live``: not failed) in the Trainer's list."""
-    ours = [
-        cb
-        for cb in trainer.callbacks  # type: ignore[attr-defined]
-        if isinstance(cb, HookCallback) and not (live and cb._hook_guard().failed is not None)
-    ]
-    return not ours or ours[-1] is callback
 
 
 def training_loss(trainer: pl.Trainer, outputs: Any) -> torch.Tensor | None:
@@ -362,23 +440,3 @@ def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
             f"{owner}(every_n_steps={every_n_steps!r}): must be a positive int or None "
             f"(the Trainer's log_every_n_steps), got {every_n_steps!r}"
         ) from err
-
-
-def nothing_to_watch(callback: HookCallback, what: str, hint: str = "") -> None:
-    """Nothing to watch: a ``ValueError`` if the user selected, else one warning and an idle fit."""
-    name = type(callback).__name__
-    types = getattr(callback, "types", None)
-    given = [f"types={types!r}"] if types is not None and types != callback._default_types else []
-    given += [
-        f"{argument}={value!r}"
-        for argument in callback._selection_arguments
-        if (value := getattr(callback, argument, None))
-    ]
-    if given:
-        raise ValueError(f"{name}({', '.join(given)}): selects no {what} of the model{hint}")
-    rank_zero_warn(
-        f"{name}: the model has no {what} to watch at the defaults; this callback does "
-        f"nothing in this fit{hint}",
-        category=LightningHooksWarning,
-    )
-    callback._idle = True

@@ -1,15 +1,13 @@
-"""How our callbacks meet the loop that runs them: Lightning's Trainer (its checks, namespaces and
-per-batch hooks) and Fabric's, through a :class:`FabricRun` (see ``docs/fabric.md``)."""
+"""How our callbacks meet a Fabric loop: a :class:`FabricRun` stands in for the Trainer's hooks
+(see ``docs/fabric.md``). Lightning's Trainer is met in :mod:`.trainer`."""
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
@@ -17,105 +15,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.logging import shows_pictures
 
-__all__ = [
-    "PER_BATCH_HOOKS",
-    "FabricRun",
-    "FabricTrainer",
-    "check_fabric",
-    "check_trainer",
-    "passed_by_user",
-    "skip_inherited",
-]
-
-_NAMESPACES: tuple[tuple[type, type], ...] = ((pl.Trainer, pl.Callback),)  # (Trainer, Callback)
-with contextlib.suppress(ImportError):
-    from lightning.pytorch import Callback as _LightningCallback
-    from lightning.pytorch import Trainer as _LightningTrainer
-
-    _NAMESPACES += ((_LightningTrainer, _LightningCallback),)
-
-
-# ``lightning.pytorch.Callback`` if installed and distinct, else ``object`` (each namespace's
-# ``LightningCLI`` accepts only its own ``Callback``: ours derive from both).
-SECOND_CALLBACK: type = object if _NAMESPACES[-1][1] is pl.Callback else _NAMESPACES[-1][1]
-
-
-_FSDP2 = (
-    "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) with fully_shard "
-    "applied in configure_model (FSDP2; HSDP on a 2-D (replicate, shard) mesh)"
-)
-
-
-def check_trainer(callback: Any, trainer: pl.Trainer) -> None:
-    """Refuse a strategy whose statistics would be a shard's, or no logger; warn if no images."""
-    name, strategy = type(callback).__name__, type(trainer.strategy).__name__
-    names = {c.__name__ for c in type(trainer.strategy).__mro__}  # both namespaces, subclasses
-    if names & {"FSDPStrategy", "DeepSpeedStrategy"}:
-        raise MisconfigurationException(
-            f"{name} does not support Trainer(strategy={strategy}): parameters are sharded "
-            f"across ranks and their statistics are not made whole there. Use {_FSDP2}, "
-            "strategy='ddp' or a single device (see the README's support matrix)."
-        )
-    tensor_parallel = getattr(trainer.strategy, "_tensor_parallel_size", 1)
-    if "ModelParallelStrategy" in names and tensor_parallel != 1:
-        raise MisconfigurationException(
-            f"{name} does not support {strategy}(tensor_parallel_size={tensor_parallel!r}): "
-            "ranks of a tensor-parallel group see the same batch and shards of each activation, "
-            f"so per-layer statistics would be wrong. Supported: {_FSDP2}."
-        )
-    if not trainer.loggers:
-        raise MisconfigurationException(
-            f"{name} needs a logger, but the Trainer has none (logger=False). "
-            "Use Trainer(logger=TensorBoardLogger(...)) or leave logger at its default."
-        )
-    if callback.uses_images and not shows_pictures(trainer.loggers):
-        rank_zero_warn(
-            f"{name}: no logger that shows pictures among the Trainer's loggers; scalars go "
-            f"to {[type(lg).__name__ for lg in trainer.loggers]}, images need TensorBoard, "
-            "W&B, MLflow or CSV.",
-            category=LightningHooksWarning,
-        )
-
-
-def passed_by_user(callback: Any, callbacks: list[Any]) -> bool:
-    """Whether ``callback`` came from ``LIGHTNING_HOOKS`` and the user passed one of its class."""
-    return callback._from_environment and any(
-        isinstance(other, type(callback)) and not getattr(other, "_from_environment", False)
-        for other in callbacks
-    )
-
-
-# Lightning calls every per-batch hook of every callback in a profiler context, even the empty
-# defaults, but skips an attribute that is not callable: for the fit, each inherited per-batch hook
-# is shadowed by ``None`` on the instance (not those the class defines, nor others' attributes).
-_STAGES = ("train", "validation", "test", "predict")
-PER_BATCH_HOOKS = (
-    *(f"on_{stage}_batch_{end}" for stage in _STAGES for end in ("start", "end")),
-    *("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step"),
-)
-_SHADOWED = "_lightning_hooks_shadowed"
-_TRAINERS = tuple(trainer for trainer, _ in _NAMESPACES)
-_DEFAULTS = {name: {getattr(base, name) for _, base in _NAMESPACES} for name in PER_BATCH_HOOKS}
-
-
-def skip_inherited(callback: Any, trainer: Any) -> None:
-    """Under Lightning's ``trainer`` (not Fabric's loop), shadow the inherited per-batch hooks."""
-    if not isinstance(trainer, _TRAINERS):
-        return
-    own, cls = callback.__dict__, type(callback)
-    shadowed = tuple(n for n in PER_BATCH_HOOKS if n not in own and getattr(cls, n) in _DEFAULTS[n])
-    own.update(dict.fromkeys(shadowed))
-    own[_SHADOWED] = own.get(_SHADOWED, ()) + shadowed
-
-
-def restore_inherited(callback: Any) -> None:
-    """Remove the shadows :func:`skip_inherited` set (idempotent)."""
-    for name in callback.__dict__.pop(_SHADOWED, ()):
-        if callback.__dict__.get(name, False) is None:
-            del callback.__dict__[name]
-
+__all__ = ["FabricRun", "FabricTrainer", "check_fabric"]
 
 _SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 _REFUSED_STRATEGIES = {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"}
@@ -214,7 +115,7 @@ class FabricRun:
         def pre_step(optimizer: torch.optim.Optimizer, *args: Any) -> None:
             run = ref()
             if run is not None:
-                run._before_step(optimizer)
+                run.before_step(optimizer)
 
         handle = register_optimizer_step_pre_hook(pre_step)
         self._undo.append(handle.remove)
@@ -231,7 +132,7 @@ class FabricRun:
             run = ref()
             if run is not None:
                 value = kwargs.get(argument, args[0] if args else None)
-                run._before_clip(optimizer, algorithm, value)
+                run.before_clip(optimizer, algorithm, value)
             return original(module, optimizer, *args, **kwargs)
 
         setattr(strategy, attribute, clip)
@@ -244,7 +145,7 @@ class FabricRun:
             owned = self._owned[optimizer] = any(id(p) in self._params for p in params)
         return owned
 
-    def _before_clip(self, optimizer: Any, algorithm: str, value: Any) -> None:
+    def before_clip(self, optimizer: Any, algorithm: str, value: Any) -> None:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         if not self._owns(optimizer) or value is None:
             return
@@ -260,10 +161,10 @@ class FabricRun:
             self.trainer.gradient_clip_val, self.trainer.gradient_clip_algorithm = clip
             if self._attached:  # the clipping began or changed: measured after it from now on
                 self._start()
-        self._before_step(optimizer)
+        self.before_step(optimizer)
         self._observed.add(id(optimizer))
 
-    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self._owns(optimizer):
             return
         if id(optimizer) in self._observed:  # observed before its clip

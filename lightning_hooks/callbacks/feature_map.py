@@ -12,7 +12,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
+from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import Patterns, as_patterns
@@ -143,7 +143,7 @@ class FeatureMapCallback(HookCallback):
             names = [names[i] for i in np.unique(picks)]
         self._drawn = names
         if not self._drawn and self.embedding is None:
-            nothing_to_watch(self, "convolution or Linear layer")
+            self._nothing_to_watch("convolution or Linear layer")
         if self.embedding is not None:
             _named(pl_module, "embedding", self.embedding)
 
@@ -155,6 +155,7 @@ class FeatureMapCallback(HookCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self._probe is None and not self._idle:
             size = self.probe_size  # the first samples, copied
             self._probe = map_tensors(self._model_input(batch), lambda x: x[:size].detach().clone())
@@ -180,6 +181,10 @@ class FeatureMapCallback(HookCallback):
                 "that returns the model input, or probe=..."
             )
         return x
+
+    @override
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Nothing: the feature maps are drawn at epoch ends, from the probe batch."""
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

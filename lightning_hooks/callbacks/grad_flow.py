@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-import numpy as np
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
@@ -15,12 +14,11 @@ from torch.nn.parameter import is_lazy
 from typing_extensions import override
 
 from lightning_hooks.callbacks import grad_flow_tags as tags
-from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy, settle
+from lightning_hooks.callbacks.agreement import LossAgreement
+from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
 from lightning_hooks.callbacks.base import (
     HookCallback,
     check_every_n_steps,
-    nothing_to_watch,
-    observe_optimizer_step,
     training_loss,
 )
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, checks, select_modules
@@ -121,18 +119,19 @@ class GradFlowCallback(HookCallback):
         _check_types(types)
         self.every_n_steps = check_every_n_steps("GradFlowCallback", every_n_steps)
         self.alarms = _alarm_rules(alarms)
-        self.policy = AlarmPolicy(on_alarm)
+        self.policy: AlarmPolicy = AlarmPolicy(on_alarm)
+        self.loss_agreement = LossAgreement(self.policy)
         self.on_alarm = self.policy.actions
         self.max_layers_logged = _max_layers(max_layers_logged)
         for name in ("update_ratio", "output_grad", "chart", "histograms", "heatmap", "stability"):
             checks.boolean("GradFlowCallback", name, locals()[name])
         self.types, self.histograms = types, histograms
         self._hist: LayerHistograms | None = None
-        self._history: list[tuple[int, np.ndarray]] = []
         self.include = as_patterns(include, f"GradFlowCallback(include={include!r})")
         self.exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
         self.update_ratio, self.output_grad = update_ratio, output_grad
         self.chart, self.heatmap, self.stability = chart, heatmap, stability
+        self._writer = tags.GradFlowWriter(self.max_layers_logged, chart=chart, heatmap=heatmap)
         self._stability: StabilityStats | None = None
         self.uses_images = chart or heatmap
         self._tracker: GradFlowTracker | None = None
@@ -153,7 +152,7 @@ class GradFlowCallback(HookCallback):
             )
             self._idle = True
         elif not ParamLayout.from_modules(modules, root=root).layers:
-            nothing_to_watch(self, "module owning a parameter")
+            self._nothing_to_watch("module owning a parameter")
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -170,7 +169,7 @@ class GradFlowCallback(HookCallback):
             alarms=self.alarms,
             clip=(float(clip), str(getattr(algorithm, "value", algorithm))) if clip else None,
         )
-        self._history = []
+        self._writer.history.clear()
         if unstepped := self._tracker.unstepped():
             rank_zero_warn(
                 f"GradFlowCallback: no optimizer of the Trainer steps the trainable parameters "
@@ -183,8 +182,9 @@ class GradFlowCallback(HookCallback):
             layout = self._tracker.layout
             self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
             self._on_optimizer_step = partial(tags.observe_histograms, self._hist, layout)
+        self._optimizer_steps = self._tracker
         self.policy.restore(self._tracker.alarms)
-        loss = self.policy.loss
+        loss = self.loss_agreement
         loss.plan(pl_module, self.alarms)
         own = loss.reading == "own" and self.alarms is not None and self.alarms.watches_loss
         self._own_loss = self._tracker.alarms if own else None
@@ -196,9 +196,14 @@ class GradFlowCallback(HookCallback):
             self.policy.saved = self._tracker.alarms.state_dict()  # the hooks are about to go
         super()._detach()
         self._hist = self._stability = self._own_loss = self._on_optimizer_step = None
+        self._optimizer_steps = None
         self._every_batch = False
 
-    on_before_optimizer_step = observe_optimizer_step
+    on_before_optimizer_step = HookCallback._observe_optimizer_step
+
+    @override
+    def _votes_carried(self) -> bool:
+        return self._tracker is not None and self.loss_agreement.reading == "mean"
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -211,19 +216,29 @@ class GradFlowCallback(HookCallback):
             self._stability.end_step()
         alarms = None if self._tracker is None else self._tracker.alarms
         if alarms is not None and self._every_batch:  # the ranks' mean loss
-            loss, failed = self.policy.loss, self._hook_guard().local is not None
+            loss, failed = self.loss_agreement, self._hook_guard().local is not None
             carried = training_loss(trainer, outputs)
-            agreed = loss.observe(carried, self._batch_step, failed=failed)
-            if agreed is not None and settle(self, trainer, self._batch_step, *agreed):
+            votes = loss.observe(carried, self._batch_step, failed=failed)
+            if votes is not None and self._settle(trainer, self._batch_step, *votes):
                 return True
             loss.apply(trainer, alarms)
         return False
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        tags.write_epoch(self, trainer)
+        if (measured := self._measured()) is not None:
+            self._writer.write_epoch(trainer, measured)
 
-    _write_steps = tags.write_window
+    @override
+    def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
+        measured = self._measured()
+        return measured is not None and self._writer.write_window(trainer, measured, wait=wait)
+
+    def _measured(self) -> tags.Measured | None:
+        """What this fit measures, for the writer (``None`` outside a fit)."""
+        if self._tracker is None:
+            return None
+        return tags.Measured(self._tracker, self._stability, self._hist, self.policy)
 
     @override
     def _log_step(self, trainer: pl.Trainer, step: int) -> None:

@@ -4,13 +4,16 @@ histograms, instability statistics)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
 from lightning_hooks.core import LayerHistograms, LayerTable, ParamLayout
+from lightning_hooks.core.stats.grad_flow import GradFlowTracker
+from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.logging import (
     grad_flow_figure,
     layer_epoch_heatmap,
@@ -20,10 +23,7 @@ from lightning_hooks.logging import (
     step_tags,
 )
 
-if TYPE_CHECKING:
-    from lightning_hooks.callbacks.grad_flow import GradFlowCallback
-
-__all__ = ["grad_flow_step_scalars", "observe_histograms", "write_epoch", "write_window"]
+__all__ = ["GradFlowWriter", "Measured", "grad_flow_step_scalars", "observe_histograms"]
 
 # (tag suffix, statistic, reduction over the epoch's optimizer steps)
 _LOGGED: tuple[tuple[str, str, str], ...] = (
@@ -103,73 +103,94 @@ def observe_histograms(
     hist.update(grads, [row for _, row in pairs])
 
 
-def _write_histograms(callback: GradFlowCallback, trainer: pl.Trainer, stats: LayerTable) -> None:
-    """Write the epoch's histograms of the logged layers (rank 0), then reset them."""
-    hist, tracker = callback._hist, callback._tracker
-    assert hist is not None and tracker is not None
-    shards = tracker.shards
-    # Gradients are all-reduced before the optimizer step: rank 0's counts are every rank's.
-    # FSDP2: each rank counted its shard's entries; the whole gradient is their sum.
-    counts = (
-        hist.host_counts() if shards is None else shards.sum(hist.counts).cpu().double().numpy()
-    )
-    limits = hist.limits()
-    hist.reset()
-    if not trainer.is_global_zero:
-        return
-    for row in _logged_rows(stats, callback.max_layers_logged):
-        if counts[row].any():
-            tag = f"grad_flow/grad_log10_abs/{stats.layers[row]}"
-            log_histogram(trainer.loggers, tag, limits, counts[row], trainer.global_step)
+class Measured(NamedTuple):
+    """What a ``GradFlowCallback``'s fit measures, as its writer reads it."""
+
+    tracker: GradFlowTracker
+    stability: StabilityStats | None
+    histograms: LayerHistograms | None
+    policy: AlarmPolicy
 
 
-def write_window(callback: GradFlowCallback, trainer: pl.Trainer, wait: bool) -> bool:
-    """Write the logging step whose copy is done (``wait``: block for it); whether one was."""
-    if (tracker := callback._tracker) is None or (got := tracker.read_window(wait)) is None:
-        return False
-    step, stats = got
-    scalars = grad_flow_step_scalars(stats, callback.max_layers_logged)
-    # Posted right after the tracker's window, at the same step: its copy is done too.
-    if (stat := callback._stability) is not None and (window := stat.read_window(wait=True)):
-        scalars.update(stat.step_values(window[1]))
-        if (alarms := tracker.alarms) is not None:  # attention collapse: this step's measure
-            at, found = window
-            alarms.update_attention(found["attn_logit_max"], found["attn_entropy_min"], step=at)
-    log_scalars(trainer.loggers, step_tags(scalars), step)
-    return True
+class GradFlowWriter:
+    """Writes ``GradFlowCallback``'s tags: each logging step's scalars, and each epoch's scalars,
+    chart, heatmap, histograms, instability statistics and alarms. It holds the heatmap's
+    columns, one per epoch of the fit."""
 
+    def __init__(self, max_layers_logged: int | None, *, chart: bool, heatmap: bool) -> None:
+        self.max_layers_logged = max_layers_logged
+        self.chart, self.heatmap = chart, heatmap
+        self.history: list[tuple[int, np.ndarray]] = []  # (epoch, grad_norm per layer)
 
-def write_epoch(callback: GradFlowCallback, trainer: pl.Trainer) -> None:
-    """The epoch's scalars, chart, heatmap, histograms, instability statistics and alarms."""
-    tracker = callback._tracker
-    if tracker is None:
-        return
-    # The collectives first: a rank whose host side fails later has made them all.
-    stats = tracker.result()
-    tracker.reset()
-    if (stability := callback._stability) is not None:  # a collective: every rank calls it
-        result = stability.result()
-        stability.reset()
-        log_scalars(trainer.loggers, stability.tags(result), trainer.global_step)
-    if callback._hist is not None and stats.count.any():
-        _write_histograms(callback, trainer, stats)
-    if tracker.alarms is not None:
-        callback.policy.end_epoch(trainer, tracker.alarms)
-    if not stats.count.any():
-        return
-    step = trainer.global_step
-    scalars = dict(_epoch_scalars(stats, callback.max_layers_logged))
-    log_scalars(trainer.loggers, scalars, step)
-    if callback.chart and trainer.is_global_zero:
+    def write_window(self, trainer: pl.Trainer, measured: Measured, *, wait: bool) -> bool:
+        """Write the logging step whose copy is done (``wait``: block for it); whether one was."""
+        tracker = measured.tracker
+        if (got := tracker.read_window(wait)) is None:
+            return False
+        step, stats = got
+        scalars = grad_flow_step_scalars(stats, self.max_layers_logged)
+        # Posted right after the tracker's window, at the same step: its copy is done too.
+        stat = measured.stability
+        if stat is not None and (window := stat.read_window(wait=True)):
+            scalars.update(stat.step_values(window[1]))
+            if (alarms := tracker.alarms) is not None:  # attention collapse: this step's measure
+                at, found = window
+                alarms.update_attention(found["attn_logit_max"], found["attn_entropy_min"], step=at)
+        log_scalars(trainer.loggers, step_tags(scalars), step)
+        return True
+
+    def write_epoch(self, trainer: pl.Trainer, measured: Measured) -> None:
+        """The epoch's scalars, chart, heatmap, histograms, instability statistics and alarms."""
+        tracker = measured.tracker
+        # The collectives first: a rank whose host side fails later has made them all.
+        stats = tracker.result()
+        tracker.reset()
+        if (stability := measured.stability) is not None:  # a collective: every rank calls it
+            result = stability.result()
+            stability.reset()
+            log_scalars(trainer.loggers, stability.tags(result), trainer.global_step)
+        if measured.histograms is not None and stats.count.any():
+            self._write_histograms(trainer, measured, stats)
+        if tracker.alarms is not None:
+            measured.policy.end_epoch(trainer, tracker.alarms)
+        if not stats.count.any():
+            return
+        step = trainer.global_step
+        log_scalars(trainer.loggers, dict(_epoch_scalars(stats, self.max_layers_logged)), step)
+        if self.chart and trainer.is_global_zero:
+            self._write_chart(trainer, stats)
+        if self.heatmap and trainer.is_global_zero:
+            self._write_heatmap(trainer, stats)
+
+    def _write_chart(self, trainer: pl.Trainer, stats: LayerTable) -> None:
         mean, peak = stats.column("grad_abs_mean")[:-1], stats.column("grad_abs_max", "peak")[:-1]
         title = f"gradient flow, epoch {trainer.current_epoch}"
         figure = grad_flow_figure(stats.layers[:-1], mean, peak, title=title)
-        log_figure(trainer.loggers, "grad_flow/chart", figure, step)
-    if callback.heatmap and trainer.is_global_zero:
-        history = callback._history
+        log_figure(trainer.loggers, "grad_flow/chart", figure, trainer.global_step)
+
+    def _write_heatmap(self, trainer: pl.Trainer, stats: LayerTable) -> None:
+        history = self.history
         history.append((trainer.current_epoch, stats.column("grad_norm")[:-1].copy()))
         values = np.stack([v for _, v in history], axis=1)
         title = "gradient norm per layer and epoch (mean over steps)"
         epochs = [e for e, _ in history]
         heatmap = layer_epoch_heatmap(stats.layers[:-1], epochs, values, title=title, log=True)
-        log_figure(trainer.loggers, "grad_flow/heatmap", heatmap, step)
+        log_figure(trainer.loggers, "grad_flow/heatmap", heatmap, trainer.global_step)
+
+    def _write_histograms(self, trainer: pl.Trainer, measured: Measured, stats: LayerTable) -> None:
+        """Write the epoch's histograms of the logged layers (rank 0), then reset them."""
+        hist, shards = measured.histograms, measured.tracker.shards
+        assert hist is not None
+        # Gradients are all-reduced before the optimizer step: rank 0's counts are every rank's.
+        # FSDP2: each rank counted its shard's entries; the whole gradient is their sum.
+        counts = (
+            hist.host_counts() if shards is None else shards.sum(hist.counts).cpu().double().numpy()
+        )
+        limits = hist.limits()
+        hist.reset()
+        if not trainer.is_global_zero:
+            return
+        for row in _logged_rows(stats, self.max_layers_logged):
+            if counts[row].any():
+                tag = f"grad_flow/grad_log10_abs/{stats.layers[row]}"
+                log_histogram(trainer.loggers, tag, limits, counts[row], trainer.global_step)

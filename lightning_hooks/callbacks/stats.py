@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.alarm_policy import disable
-from lightning_hooks.callbacks.base import HookCallback, check_every_n_steps, nothing_to_watch
+from lightning_hooks.callbacks.base import HookCallback, check_every_n_steps
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
@@ -25,6 +23,17 @@ __all__ = ["StatsCallback"]
 # The bare class in the signature: jsonargparse (LightningCLI) resolves a ``class_path`` against
 # a class, not against the subscripted generic ``LayerStat[Any]``.
 _AnyStat = LayerStat
+
+
+class SharedRegistry:
+    """The engine of a :class:`StatsCallback`'s fit: its statistics' hooks, on one registry whose
+    logging-step gate the base sets and whose ``remove()`` takes them all off."""
+
+    def __init__(self, registry: HookRegistry) -> None:
+        self.registry = registry
+
+    def remove(self) -> None:
+        self.registry.remove()
 
 
 @named_arguments
@@ -79,15 +88,14 @@ class StatsCallback(HookCallback):
         # A pattern matching no module name raises here, naming it.
         selected = [stat.select(pl_module) for stat in self.stats]
         if not any(selected):
-            nothing_to_watch(self, self._watches, self._watch_hint)
+            self._nothing_to_watch(self._watches, self._watch_hint)
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         registry = HookRegistry(pl_module)
         for stat in self.stats:
             stat.attach(pl_module, registry)
-        # What the base reads of a tracker: the logging-step gate, and ``remove()``.
-        self._tracker = SimpleNamespace(registry=registry, remove=registry.remove)
+        self._tracker = SharedRegistry(registry)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -160,7 +168,7 @@ class StatsCallback(HookCallback):
                 if self._hook_guard().strict:
                     raise
                 cause = f"aligning rows across ranks: {type(error).__name__}: {error}"
-                return disable(self, trainer, step, [cause] * self._ranks)  # every rank's
+                return self._disable(trainer, step, [cause] * self._ranks)  # every rank's
         return False
 
     def _align_rows(self) -> None:

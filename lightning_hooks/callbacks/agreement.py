@@ -1,0 +1,137 @@
+"""What the ranks of a multi-process run agree on, on the loss's collective: the mean loss the
+loss rules read, whether a rank's hook failed and whether a rank asked to stop. One
+``all_reduce`` of four numbers per batch carries all three, so a logging step needs no collective
+of its own for them."""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities import rank_zero_warn
+
+from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
+from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
+from lightning_hooks.core.transport import (
+    HostMailbox,
+    all_reduce_sum_,
+    group_device,
+    to_group_device,
+    world_size,
+)
+from lightning_hooks.errors import LightningHooksWarning
+
+__all__ = ["LossAgreement", "RankVotes"]
+
+
+class RankVotes(NamedTuple):
+    """How many ranks reported a failed hook, and how many asked to stop, at one batch."""
+
+    failed: int
+    stopping: int
+
+
+class _Sums(NamedTuple):
+    """One batch's collective read on the host: each of the four carried numbers summed over the
+    ranks, and the step it belongs to."""
+
+    loss: float
+    with_loss: int  # ranks whose ``training_step`` returned a loss
+    failed: int
+    stopping: int
+    step: int
+
+    @classmethod
+    def of(cls, values: np.ndarray, step: int) -> _Sums:
+        return cls(float(values[0]), int(values[1]), int(values[2]), int(values[3]), step)
+
+
+class _Pending(NamedTuple):
+    """What :meth:`LossAgreement.apply` feeds the loss rules: the batch's summed tensor (on the
+    device, not read), its step, and the collectives read on the host so far."""
+
+    carried: torch.Tensor
+    step: int
+    read: list[_Sums]
+
+
+class LossAgreement:
+    """Feeds the loss rules ``training_step``'s loss, carrying the ranks' agreement with it."""
+
+    def __init__(self, policy: AlarmPolicy) -> None:
+        self._policy = policy
+        self._carrier: HostMailbox | None = None
+        self.reading: Literal["own", "mean", "off"] = "own"  # in this fit (:meth:`plan`)
+        self._manual = False
+        self._pending: _Pending | None = None
+
+    def plan(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
+        """At a fit's start, set :attr:`reading`: ``"own"`` (one process, or no loss rule), else
+        ``"mean"`` (one ``all_reduce`` per batch; ``"off"`` from a batch where a rank has none)."""
+        self._policy.stop_requested = False
+        self.reading = "own"
+        self._carrier = None
+        if rules is None or not rules.watches_loss or world_size() == 1:
+            return
+        self.reading = "mean"
+        # A Fabric loop feeds its loss when it wants (fabric.py): read as manual optimization.
+        fabric = getattr(pl_module, "_fabric", None) is not None
+        self._manual = fabric or not getattr(pl_module, "automatic_optimization", False)
+        self._carrier = HostMailbox((4,), group_device())  # what :func:`_carry` sums
+
+    def observe(self, loss: torch.Tensor | None, step: int, *, failed: bool) -> RankVotes | None:
+        """Post the loss, ``failed`` and the stop request to the ``all_reduce``; the ranks' votes
+        once its host copy is read (CUDA: a batch later), else ``None``."""
+        if self.reading != "mean":
+            return None
+        assert self._carrier is not None
+        got = [self._carrier.read(wait=True)]  # CUDA: the last batch's, posted then
+        carried = _carry(loss, failed, self._policy.stop_requested)
+        self._carrier.post(carried, meta=step)
+        if carried.device.type != "cuda":
+            got.append(self._carrier.read(wait=True))
+        read = [_Sums.of(values, at) for values, at in (g for g in got if g is not None)]
+        self._pending = _Pending(carried, step, read)
+        disagree = [sums for sums in read if 0 < sums.with_loss < world_size()]
+        if self._manual and disagree:  # decided on the host, before anything that may raise
+            self._rules_off(disagree[0].step, disagree[0].with_loss)
+        if not read:
+            return None
+        return RankVotes(sum(s.failed for s in read), sum(s.stopping for s in read))
+
+    def apply(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
+        """The loss rules on the ranks' mean loss (manual optimization: once every rank has one)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if not self._manual:
+            alarms.update_loss(pending.carried[0] / world_size(), step=pending.step)
+        elif self.reading == "mean":
+            for sums in pending.read:
+                if sums.with_loss == world_size():
+                    alarms.update_loss(torch.tensor(sums.loss / world_size()), step=sums.step)
+        self._policy.act(trainer, None, alarms.poll())
+
+    def _rules_off(self, step: int, with_loss: int) -> None:
+        self.reading = "off"
+        self._carrier = None
+        rank_zero_warn(
+            "GradFlowCallback: the loss rules (diverging, loss_spike) are off from step "
+            f"{step} on: under manual optimization {with_loss} of {world_size()} ranks' "
+            "training_step returned a loss there, the others none, so the mean over ranks is "
+            "unknown; the gradient rules still run. Return the loss on every rank to keep them, "
+            "or pass alarms=AlarmRules(diverge_ratio=None) (without loss_factor) to turn them off "
+            "without this warning.",
+            category=LightningHooksWarning,
+        )
+
+
+def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
+    """``[loss, has loss, failed, stop]`` summed over the ranks (the loss moved without a sync)."""
+    flags = [0.0, float(loss is not None), float(failed), float(stop)]
+    carried = torch.tensor(flags, dtype=torch.float32).to(device=group_device(), non_blocking=True)
+    if loss is not None:
+        carried[:1].copy_(to_group_device(loss).reshape(1))
+    return all_reduce_sum_(carried)

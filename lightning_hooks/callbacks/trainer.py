@@ -1,0 +1,121 @@
+"""How our callbacks meet Lightning's Trainer: the checks it must pass at setup, both of
+Lightning's namespaces (``pytorch_lightning`` and ``lightning.pytorch``), a callback added by
+``LIGHTNING_HOOKS`` yielding to the user's own, and the empty per-batch hooks Lightning need not
+call. Fabric's loop is met in :mod:`~lightning_hooks.callbacks.fabric`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pytorch_lightning as pl
+from lightning_fabric.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities import rank_zero_warn
+
+from lightning_hooks.errors import LightningHooksWarning
+from lightning_hooks.logging import shows_pictures
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = [
+    "PER_BATCH_HOOKS",
+    "SECOND_CALLBACK",
+    "check_trainer",
+    "passed_by_user",
+    "restore_inherited",
+    "skip_inherited",
+]
+
+_NAMESPACES: tuple[tuple[type, type], ...] = ((pl.Trainer, pl.Callback),)  # (Trainer, Callback)
+with contextlib.suppress(ImportError):
+    from lightning.pytorch import Callback as _LightningCallback
+    from lightning.pytorch import Trainer as _LightningTrainer
+
+    _NAMESPACES += ((_LightningTrainer, _LightningCallback),)
+
+
+# ``lightning.pytorch.Callback`` if installed and distinct, else ``object`` (each namespace's
+# ``LightningCLI`` accepts only its own ``Callback``: ours derive from both).
+SECOND_CALLBACK: type = object if _NAMESPACES[-1][1] is pl.Callback else _NAMESPACES[-1][1]
+
+
+_FSDP2 = (
+    "ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) with fully_shard "
+    "applied in configure_model (FSDP2; HSDP on a 2-D (replicate, shard) mesh)"
+)
+
+
+def check_trainer(name: str, trainer: pl.Trainer, *, uses_images: bool) -> None:
+    """Refuse a strategy whose statistics would be a shard's, or no logger; warn if no logger
+    shows pictures and the callback ``name`` draws some (``uses_images``)."""
+    strategy = type(trainer.strategy).__name__
+    names = {c.__name__ for c in type(trainer.strategy).__mro__}  # both namespaces, subclasses
+    if names & {"FSDPStrategy", "DeepSpeedStrategy"}:
+        raise MisconfigurationException(
+            f"{name} does not support Trainer(strategy={strategy}): parameters are sharded "
+            f"across ranks and their statistics are not made whole there. Use {_FSDP2}, "
+            "strategy='ddp' or a single device (see the README's support matrix)."
+        )
+    tensor_parallel = getattr(trainer.strategy, "_tensor_parallel_size", 1)
+    if "ModelParallelStrategy" in names and tensor_parallel != 1:
+        raise MisconfigurationException(
+            f"{name} does not support {strategy}(tensor_parallel_size={tensor_parallel!r}): "
+            "ranks of a tensor-parallel group see the same batch and shards of each activation, "
+            f"so per-layer statistics would be wrong. Supported: {_FSDP2}."
+        )
+    if not trainer.loggers:
+        raise MisconfigurationException(
+            f"{name} needs a logger, but the Trainer has none (logger=False). "
+            "Use Trainer(logger=TensorBoardLogger(...)) or leave logger at its default."
+        )
+    if uses_images and not shows_pictures(trainer.loggers):
+        rank_zero_warn(
+            f"{name}: no logger that shows pictures among the Trainer's loggers; scalars go "
+            f"to {[type(lg).__name__ for lg in trainer.loggers]}, images need TensorBoard, "
+            "W&B, MLflow or CSV.",
+            category=LightningHooksWarning,
+        )
+
+
+def passed_by_user(callback: object, callbacks: Sequence[object]) -> bool:
+    """Whether ``callback`` came from ``LIGHTNING_HOOKS`` (its ``from_environment``) and the user
+    passed one of its class among ``callbacks``: then the user's own is the one that runs."""
+    return _from_environment(callback) and any(
+        isinstance(other, type(callback)) and not _from_environment(other) for other in callbacks
+    )
+
+
+def _from_environment(callback: object) -> bool:
+    return bool(getattr(callback, "from_environment", False))
+
+
+# Lightning calls every per-batch hook of every callback in a profiler context, even the empty
+# defaults, but skips an attribute that is not callable: for the fit, each inherited per-batch hook
+# is shadowed by ``None`` on the instance (not those the class defines, nor others' attributes).
+_STAGES = ("train", "validation", "test", "predict")
+PER_BATCH_HOOKS = (
+    *(f"on_{stage}_batch_{end}" for stage in _STAGES for end in ("start", "end")),
+    *("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step"),
+)
+_SHADOWED = "_lightning_hooks_shadowed"
+_TRAINERS = tuple(trainer for trainer, _ in _NAMESPACES)
+_DEFAULTS = {name: {getattr(base, name) for _, base in _NAMESPACES} for name in PER_BATCH_HOOKS}
+
+
+def skip_inherited(callback: pl.Callback, trainer: object) -> None:
+    """Under Lightning's ``trainer`` (not Fabric's loop), shadow the inherited per-batch hooks."""
+    if not isinstance(trainer, _TRAINERS):
+        return
+    own, cls = callback.__dict__, type(callback)
+    shadowed = tuple(n for n in PER_BATCH_HOOKS if n not in own and getattr(cls, n) in _DEFAULTS[n])
+    own.update(dict.fromkeys(shadowed))
+    own[_SHADOWED] = own.get(_SHADOWED, ()) + shadowed
+
+
+def restore_inherited(callback: pl.Callback) -> None:
+    """Remove the shadows :func:`skip_inherited` set (idempotent)."""
+    for name in callback.__dict__.pop(_SHADOWED, ()):
+        if callback.__dict__.get(name, False) is None:
+            del callback.__dict__[name]
