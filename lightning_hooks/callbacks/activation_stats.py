@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_hooks.callbacks.stats import StatsCallback
@@ -115,7 +116,7 @@ class ActivationStatsCallback(StatsCallback):
         super()._attach(trainer, pl_module)
 
     @override
-    def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
+    def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
         """Warn once about the first module whose output went non-finite."""
         if self._tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
             return False

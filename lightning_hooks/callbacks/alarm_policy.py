@@ -32,7 +32,7 @@ _LOGGED = ("spike", "stall")
 _SUMMARY_LINES = 100
 
 
-def check_actions(on_alarm: Any) -> dict[str, Action]:
+def check_actions(on_alarm: object) -> dict[str, Action]:
     """``on_alarm`` as an action per rule: unnamed rules warn, *spike* and *stall* log unless
     named (or the one action is not ``"warn"``); ``"skip"`` warns for the rules it cannot cure.
 

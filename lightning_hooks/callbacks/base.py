@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pytorch_lightning as pl
 import torch
+from lightning_fabric import Fabric
 from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
@@ -87,7 +89,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     _own_loss: GradientAlarms | None = None  # the alarms fed this rank's loss at each batch end
     _on_optimizer_step: Callable[[torch.optim.Optimizer], None] | None = None  # more work then
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         guard_hooks(cls)
 
@@ -171,7 +173,12 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
     ) -> None:
         if (self._logging_batch or self._every_batch) and self._batch_ending(trainer, outputs):
             return
@@ -228,7 +235,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()
 
-    def on_after_setup(self, fabric: Any, module: nn.Module) -> None:
+    def on_after_setup(self, fabric: Fabric, module: nn.Module) -> None:
         """Fabric's hook: watch ``module`` with a :class:`~.fabric.FabricRun` in our place."""
         callbacks: list[Any] | None = getattr(fabric, "_callbacks", None)
         ours = [c.callback if isinstance(c, FabricRun) else c for c in callbacks or ()]
@@ -245,7 +252,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self._read_steps(trainer, wait=True)
         _save(trainer)
 
-    def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
+    def on_after_optimizer_step(self, strategy: object, optimizer: torch.optim.Optimizer) -> None:
         """Fabric's hook, when the run could not take the callback's place in its list."""
         run: FabricRun | None = self.__dict__.get("_fabric_run")
         if run is not None:
@@ -378,7 +385,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     def _batch_started(self, trainer: pl.Trainer) -> None: ...
 
-    def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
+    def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
         return False
 
     def _log_step(self, trainer: pl.Trainer, step: int) -> None: ...
@@ -405,7 +412,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 guard_hooks(HookCallback)
 
 
-def training_loss(trainer: pl.Trainer, outputs: Any) -> torch.Tensor | None:
+def training_loss(trainer: pl.Trainer, outputs: STEP_OUTPUT) -> torch.Tensor | None:
     """``training_step``'s loss in the user's units: under automatic optimization Lightning
     hands the batch-end hooks the loss divided by ``accumulate_grad_batches`` (what the backward
     saw), and the alarms quote losses as the user logs them."""

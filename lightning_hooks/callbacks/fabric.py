@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from lightning_fabric import Fabric
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
@@ -33,7 +34,7 @@ class FabricTrainer:
     """The attributes of a ``pl.Trainer`` that our callbacks read, over a ``Fabric``; its steps
     are the watched module's optimizer steps, its epochs the calls of ``on_train_epoch_end``."""
 
-    def __init__(self, fabric: Any, callback: Any) -> None:
+    def __init__(self, fabric: Fabric, callback: object) -> None:
         # the one attribute of a Trainer's strategy our callbacks read
         self.strategy = SimpleNamespace(precision_plugin=fabric.strategy.precision)
         self.callbacks = [callback]
@@ -53,7 +54,7 @@ def original_module(module: nn.Module) -> nn.Module:
     return inner if type(module).__name__ == "_FabricModule" and inner is not None else module
 
 
-def check_fabric(callback: Any, fabric: Any) -> None:
+def check_fabric(callback: object, fabric: Fabric) -> None:
     """Refuse what a callback cannot do under Fabric, naming why and what works."""
     name = type(callback).__name__
     if name in _TRAINER_ONLY:
@@ -93,7 +94,7 @@ _CLIPS = (
 class FabricRun:
     """``callback`` watching ``module`` (the user's, inside Fabric's wrapper) of one Fabric loop."""
 
-    def __init__(self, callback: Any, fabric: Any, module: nn.Module) -> None:
+    def __init__(self, callback: Any, fabric: Fabric, module: nn.Module) -> None:
         check_fabric(callback, fabric)
         self.callback, self.fabric = callback, fabric
         self.module = original_module(module)
@@ -112,7 +113,7 @@ class FabricRun:
         self.callback.on_fit_start(self.trainer, self.module)
         ref = weakref.ref(self)
 
-        def pre_step(optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        def pre_step(optimizer: torch.optim.Optimizer, *args: object) -> None:
             run = ref()
             if run is not None:
                 run.before_step(optimizer)
@@ -123,7 +124,9 @@ class FabricRun:
         for attribute, algorithm, argument in _CLIPS:
             self._wrap_clip(ref, attribute, algorithm, argument)
 
-    def _wrap_clip(self, ref: Any, attribute: str, algorithm: str, argument: str) -> None:
+    def _wrap_clip(
+        self, ref: weakref.ref[FabricRun], attribute: str, algorithm: str, argument: str
+    ) -> None:
         """Observe the gradients before ``fabric.clip_gradients`` clips them, until released."""
         strategy = self.fabric.strategy
         original = getattr(strategy, attribute)
@@ -197,7 +200,7 @@ class FabricRun:
         self.callback.on_train_batch_end(self.trainer, self.module, loss, None, step)
         self._batch_start()
 
-    def on_before_backward(self, loss: Any) -> None:
+    def on_before_backward(self, loss: torch.Tensor) -> None:
         """``fabric.call("on_before_backward", loss)``: the loss rules' loss (the step's last)."""
         self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
 
@@ -219,7 +222,7 @@ class FabricRun:
             undo()
         self._undo.clear()
 
-    def on_after_setup(self, fabric: Any, module: nn.Module) -> None:
+    def on_after_setup(self, fabric: Fabric, module: nn.Module) -> None:
         """A second ``fabric.setup``: its module is not watched (one warning)."""
         if original_module(module) is not self.module and not self._warned_module:
             self._warned_module = True

@@ -161,7 +161,7 @@ class FeatureMapCallback(HookCallback):
             self._probe = map_tensors(self._model_input(batch), lambda x: x[:size].detach().clone())
             self._labels = default_labels(batch, self.probe_size)
 
-    def _model_input(self, batch: Any) -> Any:
+    def _model_input(self, batch: object) -> object:
         """The first training batch's model input; a ``TypeError`` stopping the fit if none."""
         try:
             x = self.input_fn(batch)
@@ -216,13 +216,13 @@ class ProbeInputError(LightningHooksError, TypeError):
     """No usable model input in the first training batch (the guard lets it through)."""
 
 
-def has_tensor(x: Any) -> bool:
+def has_tensor(x: object) -> bool:
     """Whether ``x`` is a tensor or a (nested) list, tuple or mapping holding one."""
     items = x.values() if isinstance(x, Mapping) else x if isinstance(x, list | tuple) else ()
     return isinstance(x, torch.Tensor) or any(has_tensor(item) for item in items)
 
 
-def default_input(batch: Any) -> Any:
+def default_input(batch: object) -> object:
     """The model input of a batch: the batch itself if a tensor, else its first element."""
     if isinstance(batch, torch.Tensor):
         return batch
@@ -234,7 +234,7 @@ def default_input(batch: Any) -> Any:
     )
 
 
-def default_labels(batch: Any, size: int) -> torch.Tensor | None:
+def default_labels(batch: object, size: int) -> torch.Tensor | None:
     """The second element of a tuple batch when it holds one label per sample, else ``None``."""
     labels = batch[1] if isinstance(batch, list | tuple) and len(batch) > 1 else None
     if isinstance(labels, torch.Tensor) and labels.dim() == 1 and len(labels) >= size:
@@ -242,7 +242,7 @@ def default_labels(batch: Any, size: int) -> torch.Tensor | None:
     return None
 
 
-def map_tensors(x: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_tensors(x: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
     """``fn`` applied to each tensor of ``x``, a tensor or a (nested) list, tuple or mapping."""
     if isinstance(x, torch.Tensor):
         return fn(x)

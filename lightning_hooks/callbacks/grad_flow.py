@@ -9,6 +9,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.nn.parameter import is_lazy
 from typing_extensions import override
@@ -211,7 +212,7 @@ class GradFlowCallback(HookCallback):
         self.policy.announce_stop(trainer)
 
     @override
-    def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
+    def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
         if self._stability is not None and self._logging_batch:
             self._stability.end_step()
         alarms = None if self._tracker is None else self._tracker.alarms
@@ -297,11 +298,12 @@ def _alarm_rules(alarms: AlarmRules | bool) -> AlarmRules | None:
     return AlarmRules() if alarms is True else alarms or None
 
 
-def _max_layers(value: Any) -> int | None:
-    wrong = isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1
-    if value is not None and wrong:
+def _max_layers(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(
             f"GradFlowCallback(max_layers_logged={value!r}): must be a positive int or None, "
             f"got {value!r}"
         )
-    return value  # type: ignore[no-any-return]
+    return int(value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytorch_lightning as pl
+from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_hooks.callbacks.stats import StatsCallback
@@ -84,7 +85,7 @@ class LayerTimeCallback(StatsCallback):
         self._timer.start_step(trainer.global_step)
 
     @override
-    def _batch_ending(self, trainer: pl.Trainer, outputs: Any) -> bool:
+    def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
         if self._tracker is not None:
             self._timer.end_step()
         return False
