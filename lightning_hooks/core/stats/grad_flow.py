@@ -49,7 +49,7 @@ _SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the g
 
 
 def _check_args(
-    model: Any, optimizers: Any, alarms: Any, **flags: Any
+    model: object, optimizers: object, alarms: object, **flags: object
 ) -> list[torch.optim.Optimizer]:
     checks.module("GradFlowTracker", "model", model)
     expected = "an iterable of torch.optim.Optimizer (e.g. [optimizer])"
@@ -231,7 +231,7 @@ class GradFlowTracker(HookOwner):
             self._outputs.record(optimizer, view, grad_scale)
 
     @torch.no_grad()
-    def _after_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+    def _after_step(self, optimizer: torch.optim.Optimizer, *args: object) -> None:
         view = self._views.built.get(id(optimizer))
         if view is None or not view.params or not self.registry.logging_step:
             return
