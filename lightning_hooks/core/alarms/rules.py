@@ -16,27 +16,15 @@ from lightning_hooks.core.checks import named_arguments
 
 __all__ = ["ALARM_RULES", "GRADIENT_RULES", "QUIET_READS", "AlarmRules", "WeightNorms"]
 
-ALARM_RULES = (
-    "spike",
-    "explosion",
-    "absolute",
-    "vanishing",
-    "nonfinite",
-    "amp_overflow",
-    "loss_spike",
-    "diverging",
-    "setback",
-    "stall",
-    "attention",
-)
+GRADIENT_RULES = ("spike", "explosion", "absolute", "vanishing", "nonfinite", "amp_overflow")
+"""The rules :class:`GradientRules` judges on the gradient norms, in the order of its report's
+flags (the loss, *stall* and *attention* have reports of their own)."""
+
+ALARM_RULES = (*GRADIENT_RULES, "loss_spike", "diverging", "setback", "stall", "attention")
 """Names of the rules, in the order of :attr:`GradientAlarms.counts`."""
 
 QUIET_READS = ("grouped", "triton")
 """The values of :attr:`AlarmRules.quiet_read`."""
-
-GRADIENT_RULES = ALARM_RULES[:6]
-"""The rules :class:`GradientRules` judges on the gradient norms, in the order of its report's
-flags (the loss, *stall* and *attention* have reports of their own)."""
 
 _EVERY_N_STEPS_DEPRECATED = (
     "AlarmRules(every_n_steps=...) is deprecated: use evaluate_every_n_steps=..., the same "
