@@ -88,7 +88,7 @@ def digits_loaders(batch_size: int = 64) -> tuple[DataLoader[Any], DataLoader[An
 def all_callbacks() -> list[pl.Callback]:
     """One of each callback the installed library has (gradient histograms and heatmap on, the
     gradient alarms on every optimizer step: a small model, so they cost nothing here)."""
-    every_step = lightning_hooks.AlarmRules(every_n_steps=1)
+    every_step = lightning_hooks.AlarmRules(evaluate_every_n_steps=1)
     callbacks: list[pl.Callback] = [
         lightning_hooks.GradFlowCallback(histograms=True, heatmap=True, alarms=every_step)
     ]

@@ -108,7 +108,7 @@ def time_steps(rounds: int = 3, steps: int = 30) -> None:
         "bare": (list, 50),
         "GradFlowCallback() at defaults": (lambda: [GradFlowCallback(chart=False)], 50),
         "+ sentinel every step": (
-            lambda: [GradFlowCallback(chart=False, alarms=AlarmRules(every_n_steps=1))],
+            lambda: [GradFlowCallback(chart=False, alarms=AlarmRules(evaluate_every_n_steps=1))],
             50,
         ),
         "every statistic every step": (lambda: [GradFlowCallback(chart=False)], 1),

@@ -114,7 +114,7 @@ def callbacks(run: str) -> list[pl.Callback]:
     if run == "skip":
         # Statistics every 4th step (0 and 4), the sentinel's norm-only pass at every other step
         # (NAN_STEP is one of those).
-        sentinel = AlarmRules(every_n_steps=1)
+        sentinel = AlarmRules(evaluate_every_n_steps=1)
         return [GradFlowCallback(on_alarm=run, chart=False, every_n_steps=4, alarms=sentinel)]
     if run == "stop":  # every statistic at every step: the NaN step is counted in grad_nonfinite
         # The gradient rules only: what is compared is the stop at the NaN's step.

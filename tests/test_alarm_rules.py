@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import pickle
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,7 +15,9 @@ from torch import nn
 
 from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker, GradientAlarms
 
-from conftest import hooks_left
+from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
+
+RENAMED = r"AlarmRules\(every_n_steps=\.\.\.\) is deprecated: use evaluate_every_n_steps="
 
 
 class HeadFirst(nn.Module):
@@ -42,13 +47,11 @@ def _nan_target_alarm(output_grad: bool) -> Any:
         return tracker.alarms.poll()
 
 
-def test_every_n_steps_evaluates_the_rules_on_steps_0_n_2n() -> None:
-    """``AlarmRules(every_n_steps=3)``: a rule that fires on every gradient (*absolute* with a
-    tiny bar) fires on optimizer steps 0, 3, 6 and 9 of 11, and on no other."""
+def _absolute_alarm_steps(rules: AlarmRules) -> list[int]:
+    """The optimizer steps of 11 where *absolute* fired under ``rules``, in a plain loop."""
     torch.manual_seed(0)
     model = HeadFirst()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    rules = AlarmRules(every_n_steps=3, max_grad_norm=1e-12)
     with GradFlowTracker(model, [opt], alarms=rules) as tracker:
         for _ in range(11):
             opt.zero_grad()
@@ -56,8 +59,75 @@ def test_every_n_steps_evaluates_the_rules_on_steps_0_n_2n() -> None:
             tracker.observe(opt)
             opt.step()
         assert tracker.alarms is not None
-        steps = [a.step for a in tracker.alarms.poll() if a.rule == "absolute"]
-    assert steps == [0, 3, 6, 9]
+        return [a.step for a in tracker.alarms.poll() if a.rule == "absolute"]
+
+
+def test_evaluate_every_n_steps_evaluates_the_rules_on_steps_0_n_2n() -> None:
+    """``AlarmRules(evaluate_every_n_steps=3)``: a rule that fires on every gradient (*absolute*
+    with a tiny bar) fires on optimizer steps 0, 3, 6 and 9 of 11, and on no other."""
+    rules = AlarmRules(evaluate_every_n_steps=3, max_grad_norm=1e-12)
+    assert _absolute_alarm_steps(rules) == [0, 3, 6, 9]
+
+
+def test_evaluate_every_n_steps_under_trainer_fit_is_steps_0_n_2n(tmp_path: Path) -> None:
+    """The same cadence through ``Trainer.fit``: of 12 optimizer steps, *absolute* is counted
+    on 0, 3, 6 and 9 (not a callback's ``every_n_steps``, whose steps would be 2, 5, 8, 11)."""
+    rules = AlarmRules(evaluate_every_n_steps=3, max_grad_norm=1e-12, diverge_ratio=None)
+    callback = GradFlowCallback(alarms=rules, chart=False, on_alarm="log")
+    make_trainer(tmp_path, max_epochs=3, callbacks=[callback]).fit(TinyMLP())  # 4 steps an epoch
+    counted = read_scalars(tmp_path / "tb" / "version_0")["grad_flow/alarms_step/absolute"]
+    assert len(counted) == 12  # every step is a logging step: the count of each is written
+    assert [step for step, count in counted if count > 0] == [0, 3, 6, 9]
+
+
+def test_every_n_steps_is_still_taken_with_a_deprecation_warning() -> None:
+    """The old name: a ``DeprecationWarning``, then rules equal to the new name's, which
+    evaluate on the same steps; the old attribute reads the new one, with the same warning."""
+    with pytest.warns(DeprecationWarning, match=RENAMED):
+        old = AlarmRules(every_n_steps=3, max_grad_norm=1e-12)
+    new = AlarmRules(evaluate_every_n_steps=3, max_grad_norm=1e-12)
+    assert old == new
+    assert repr(old) == repr(new)
+    assert "every_n_steps=3" in repr(new)
+    with pytest.warns(DeprecationWarning, match=RENAMED):
+        assert new.every_n_steps == 3
+    assert _absolute_alarm_steps(old) == [0, 3, 6, 9]
+
+
+def test_every_n_steps_and_its_new_name_together_are_refused() -> None:
+    with (
+        pytest.warns(DeprecationWarning, match=RENAMED),
+        pytest.raises(TypeError, match=r"every_n_steps=\.\.\., evaluate_every_n_steps=\.\.\."),
+    ):
+        AlarmRules(every_n_steps=3, evaluate_every_n_steps=3)
+
+
+def test_every_n_steps_under_the_old_name_is_checked_as_the_new_one() -> None:
+    with (
+        pytest.warns(DeprecationWarning, match=RENAMED),
+        pytest.raises(
+            ValueError, match=r"AlarmRules\(evaluate_every_n_steps=0\): must be a positive"
+        ),
+    ):
+        AlarmRules(every_n_steps=0)
+
+
+def test_a_misspelt_argument_is_still_answered_with_the_nearest_name() -> None:
+    with pytest.raises(TypeError, match=r"did you mean 'evaluate_every_n_steps'\?"):
+        AlarmRules(evaluate_every_n_step=2)
+
+
+def test_the_renamed_rules_replace_and_pickle_without_a_warning() -> None:
+    """``dataclasses.replace`` and a pickle round trip keep the cadence and warn nothing (the
+    test session turns warnings into errors); a pickle made under the old field name loads."""
+    rules = AlarmRules(evaluate_every_n_steps=4)
+    assert dataclasses.replace(rules, window=7).evaluate_every_n_steps == 4
+    assert pickle.loads(pickle.dumps(rules)) == rules
+    state = dict(vars(rules))
+    state["every_n_steps"] = state.pop("evaluate_every_n_steps")
+    old = AlarmRules.__new__(AlarmRules)
+    old.__setstate__(state)
+    assert old == rules
 
 
 def test_nonfinite_gradient_names_the_first_layer_in_backward_order() -> None:

@@ -195,7 +195,7 @@ def test_callback_off_sample_steps_cost_what_bare_steps_cost(trainer_factory: An
     trainer_factory(callbacks=[bare]).fit(TinyMLP())
     quiet = GradFlowCallback(every_n_steps=2, alarms=False)
     trainer_factory(callbacks=[logging_step, quiet]).fit(TinyMLP())
-    watched = GradFlowCallback(every_n_steps=2, alarms=AlarmRules(every_n_steps=1))
+    watched = GradFlowCallback(every_n_steps=2, alarms=AlarmRules(evaluate_every_n_steps=1))
     trainer_factory(callbacks=[alarmed, watched]).fit(TinyMLP())
     assert len(bare.per_step) == len(logging_step.per_step) == len(alarmed.per_step) == 4
     # every_n_steps=2 over steps 0-3: steps 0 (the epoch's first), 1 and 3 are logging steps.

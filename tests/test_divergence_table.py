@@ -95,7 +95,10 @@ def _todays_rules() -> dict[str, object]:
 
 
 def _saved_rules(saved: dict[str, object]) -> dict[str, object]:
-    return {k: v for k, v in saved.items() if k != "quiet_read"}
+    """A saved run's rules, ``every_n_steps`` (saved before it was renamed) read as
+    ``evaluate_every_n_steps``: the same field, the same steps."""
+    renamed = {"every_n_steps": "evaluate_every_n_steps"}
+    return {renamed.get(k, k): v for k, v in saved.items() if k != "quiet_read"}
 
 
 def test_the_saved_run_used_todays_defaults() -> None:

@@ -5,19 +5,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from lightning_hooks.core.alarms.rules import _BAND, _FLOOR, _NORM, _SCALE, AlarmRules
+from lightning_hooks.core.alarms.rules import GRADIENT_RULES, AlarmRules
 
-__all__ = ["GradientRules", "HostSegments", "RunningScale", "as_array", "lower_median"]
+__all__ = [
+    "GradientReport",
+    "GradientRules",
+    "HostSegments",
+    "RunningScale",
+    "Thresholds",
+    "as_array",
+    "lower_median",
+]
 
-_LOG_MAX = np.float32(np.log(np.finfo(np.float32).max))  # the log of the largest float32 norm
+# the log of the largest float32 norm
+_LOG_MAX: np.float32 = np.float32(np.log(np.finfo(np.float32).max))
 
 
-def as_array(value: Any) -> np.ndarray:
+def as_array(value: torch.Tensor | np.ndarray | Sequence[float]) -> np.ndarray:
     """A saved state entry (a tensor, or an array) as a host array."""
     return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
 
@@ -27,6 +36,68 @@ def lower_median(values: np.ndarray) -> np.float32:
     middle = (values.size - 1) // 2
     low: np.float32 = np.partition(values, middle)[middle]
     return low
+
+
+class GradientReport(NamedTuple):
+    """One step's verdicts of the gradient rules, and what they were judged against: views of
+    one ``float32`` array, ``[rows]`` each (the layers, then the global row), made once per
+    array (a quiet step's report is reused whole: :attr:`GradientRules.quiet`).
+
+    Example:
+        >>> report = GradientReport.over(np.zeros((10, 3), dtype=np.float32))
+        >>> report.flags.shape, report.norm.shape, np.shares_memory(report.norm, report.traced)
+        ((6, 3), (3,), True)
+        >>> report.flags[1, 2] = 1.0
+        >>> report.fired_rules(), report.fired("explosion").tolist()
+        (['explosion'], [0.0, 0.0, 1.0])
+    """
+
+    flags: np.ndarray
+    """``[rules, rows]``: 1 where a rule of :data:`GRADIENT_RULES` (in its order) fired."""
+    norm: np.ndarray
+    """The gradient L2 norms (NaN: a row the optimizer did not step)."""
+    scale: np.ndarray
+    """Each norm's running scale before this step (NaN: not armed yet)."""
+    band: np.ndarray
+    """The spike band's half-width, in log (``inf``: not armed yet)."""
+    floor: np.ndarray
+    """*vanishing*'s floor (NaN: the rule is off)."""
+    traced: np.ndarray
+    """``[3, rows]``: the norm, scale and band together, what :class:`NormRing` keeps."""
+
+    @classmethod
+    def over(cls, array: np.ndarray) -> GradientReport:
+        """The report whose fields are views of ``array``: ``[rules + 4, rows]``, its rows the
+        flags of each rule, then the norm, scale, band and floor."""
+        rules = len(GRADIENT_RULES)
+        norm, scale, band, floor = array[rules:]
+        return cls(array[:rules], norm, scale, band, floor, array[rules : rules + 3])
+
+    @classmethod
+    def zeros(cls, rows: int) -> GradientReport:
+        """A report of ``rows`` rows over a new array of zeros: no flag set."""
+        # the flags, then the norm, scale, band and floor
+        return cls.over(np.zeros((len(GRADIENT_RULES) + 4, rows), dtype=np.float32))
+
+    def fired(self, rule: str) -> np.ndarray:
+        """The flags of ``rule`` (one of :data:`GRADIENT_RULES`): ``[rows]``, 1 where it fired."""
+        flags: np.ndarray = self.flags[GRADIENT_RULES.index(rule)]
+        return flags
+
+    def fired_rules(self) -> list[str]:
+        """The rules that fired at some row, in the order of :data:`GRADIENT_RULES`."""
+        return [GRADIENT_RULES[index] for index in np.flatnonzero(self.flags.any(axis=1))]
+
+
+class Thresholds(NamedTuple):
+    """:meth:`RunningScale.thresholds`: per factor, the spike ceilings and bands of each row."""
+
+    ceilings: list[np.ndarray]
+    """Per factor, the ``log`` of its spike threshold per row."""
+    armed: np.ndarray
+    """Whether each row has seen ``min_history`` finite steps."""
+    bands: np.ndarray
+    """``[factors, rows]``: ``max(spike_sigmas * std, log(factor))`` (``inf`` until armed)."""
 
 
 class HostSegments:
@@ -84,7 +155,7 @@ class RunningScale:
         self._spread = np.zeros(rows, dtype=np.float32)  # work buffers of the quiet steps
         self._top = np.zeros(rows, dtype=np.float32)
 
-    def thresholds(self, *factors: float) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    def thresholds(self, *factors: float) -> Thresholds:
         """Per factor, the ``log`` of its spike threshold per row; whether each row is armed;
         and each factor's band, ``max(spike_sigmas * std, log(factor))`` (``inf`` until
         armed)."""
@@ -94,9 +165,9 @@ class RunningScale:
         armed = self.count >= self.armed_at
         bands = np.maximum(np.sqrt(self.var) * self.sigmas, logs)  # [factors, rows]
         bands[:, ~armed] = np.inf
-        return list(bands + self.mean), armed, bands
+        return Thresholds(list(bands + self.mean), armed, bands)
 
-    def load(self, state: Any) -> None:
+    def load(self, state: torch.Tensor | np.ndarray) -> None:
         """Restore a saved :attr:`state` (a tensor, or an array)."""
         self.state[...] = as_array(state)
         self._steady = False
@@ -110,7 +181,9 @@ class RunningScale:
             self._steady = armed and bool((np.reciprocal(np.maximum(count, 1)) <= self.alpha).all())
         return self._steady
 
-    def quiet_ceiling(self, low: np.float32 | None, band: np.ndarray, first: np.float32) -> Any:
+    def quiet_ceiling(
+        self, low: np.float32 | None, band: np.ndarray, first: np.float32
+    ) -> np.ndarray | np.float32:
         """Where :meth:`steady`: the lowest ceiling, ``mean + max(spike_sigmas * std, low)``
         (``None``: ``first``), the first factor's band written into ``band``; ``_LOG_MAX``
         where every factor is off."""
@@ -120,7 +193,8 @@ class RunningScale:
         bound = band if low is None else np.maximum(spread, low, out=spread)
         if bound is band and first == math.inf:  # no ceiling: only a non-finite norm stands out
             return _LOG_MAX
-        return np.add(bound, self.mean, out=self._top)
+        top: np.ndarray = np.add(bound, self.mean, out=self._top)
+        return top
 
     def update(self, log_x: np.ndarray, keep: np.ndarray, ceiling: np.ndarray) -> None:
         """Fold ``log_x`` into the rows where ``keep``. Above ``ceiling`` (a spike) only the
@@ -162,8 +236,9 @@ class GradientRules:
         self._true = np.ones(rows, dtype=bool)  # every row stepped (:meth:`read`'s, by identity)
         self._rows: tuple[object, np.ndarray | None] = (None, None)
         self._factors = [rules.spike_factor or math.inf, *filter(None, [rules.explode_factor])]
-        self.quiet = np.zeros((_FLOOR + 1, rows), dtype=np.float32)  # no flag ever set in it
-        """The report of a step on which no rule fired (:meth:`_quiet_report`), reused."""
+        self.quiet = GradientReport.zeros(rows)
+        """The report of a step on which no rule fired (:meth:`_quiet_report`), reused (no flag
+        is ever set in it)."""
         logs = [np.float32(math.log(f)) for f in self._factors]
         self._log_first = logs[0]  # the band the report gives: the spike rule's
         self._low_log = None if min(logs) == logs[0] else min(logs)
@@ -180,7 +255,7 @@ class GradientRules:
 
     def read(
         self, value: np.ndarray, rows: np.ndarray | None, amp: bool, clip: float | None
-    ) -> np.ndarray:
+    ) -> GradientReport:
         """:meth:`evaluate` on a posted copy: the norms, with the stepped rows beside them as a
         second row when some were not (``rows``: the rows it covers; ``None``: all)."""
         norm = value[0] if value.ndim == 2 else value
@@ -198,8 +273,8 @@ class GradientRules:
 
     def evaluate(
         self, norm: np.ndarray, active: np.ndarray, amp: bool, clip: float | None
-    ) -> np.ndarray:
-        """``[flags of each rule..., norm, scale, band, floor]`` x rows; the state updated."""
+    ) -> GradientReport:
+        """The rules' report on one step's ``norm``; the state updated."""
         log_norm = np.log(norm)
         if active is self._true and self.scale.steady():
             quiet = self._quiet_report(norm, log_norm)
@@ -222,16 +297,18 @@ class GradientRules:
         nonfinite = bad & self._is_layer & (not overflow) if rules.nonfinite else no
         amp_flag = ~self._is_layer & overflow
         self.scale.update(log_norm, keep, ceiling)
+        # in the order of GRADIENT_RULES
         flags = [spike, explosion, absolute, vanishing, nonfinite, amp_flag]
-        return np.stack([*flags, norm, scale, bands[0], floor]).astype(np.float32, copy=False)
+        report = np.stack([*flags, norm, scale, bands[0], floor]).astype(np.float32, copy=False)
+        return GradientReport.over(report)
 
-    def _quiet_report(self, norm: np.ndarray, log_norm: np.ndarray) -> np.ndarray | None:
+    def _quiet_report(self, norm: np.ndarray, log_norm: np.ndarray) -> GradientReport | None:
         """:meth:`evaluate`'s report and state, in half its numpy calls, of a step where no rule
         can fire (clipping only lowers a norm); else ``None``."""
         report, scale = self.quiet, self.scale
         # the lowest ceiling, mean + max(spread, log of the lowest factor): exactly the least
         # of the factors' ceilings (adding the mean rounds monotonically)
-        top = scale.quiet_ceiling(self._low_log, report[_BAND], self._log_first)
+        top = scale.quiet_ceiling(self._low_log, report.band, self._log_first)
         if not (log_norm <= top).all():  # NaN and Inf too
             return None
         cap = self.rules.max_grad_norm
@@ -243,9 +320,9 @@ class GradientRules:
         floor = lower_median(layers) * np.float32(fraction) if fraction is not None else 0
         if not (layers > floor).all():
             return None
-        report[_NORM] = norm
-        np.exp(scale.mean, out=report[_SCALE])
-        report[_FLOOR] = floor if fraction is not None else np.nan
+        report.norm[...] = norm
+        np.exp(scale.mean, out=report.scale)
+        report.floor[...] = floor if fraction is not None else np.nan
         self.low[:-1] = 0  # no layer is tiny: every run of tiny steps ends
         scale.update_steady(log_norm)  # every row kept, none above its spike ceiling
         return report

@@ -17,7 +17,7 @@ from lightning_hooks.core.alarms.messages import _ADVICE, GradientAlarm, ratio_t
 from lightning_hooks.core.alarms.rules import AlarmRules
 from lightning_hooks.core.transport import HostMailbox
 
-__all__ = ["LossLevels", "LossProgress", "LossRules", "Setback"]
+__all__ = ["LossLevels", "LossProgress", "LossRules", "LossVerdict", "Setback"]
 
 _F = np.float32
 # E|x_t - x_(t-1)| = 2 sigma / sqrt(pi) for independent normal losses: the jitter to a spread
@@ -35,6 +35,13 @@ class LossProgress(NamedTuple):
     """The loss's best level so far."""
     first: float
     """Where the run started: the mean of its first ``min_history`` losses."""
+
+
+class LossVerdict(NamedTuple):
+    """The alarms the loss rules raised on one training loss, and its optimizer step."""
+
+    step: int
+    alarms: list[GradientAlarm]
 
 
 @dataclass
@@ -165,14 +172,14 @@ class LossRules:
         value = loss if loss.dtype == torch.float32 else loss.float()
         self._box.post(value, step)  # under no_grad: the copy records no graph
 
-    def read(self, wait: bool) -> tuple[int, list[GradientAlarm]] | None:
+    def read(self, wait: bool) -> LossVerdict | None:
         """Evaluate the posted loss once its copy is read: its step and alarms, if any."""
         got = self._box.read(wait)
         if got is None:
             return None
         value, step = got
         alarms = self.evaluate(float(value.reshape(-1)[0]), step)
-        return (step, alarms) if alarms else None
+        return LossVerdict(step, alarms) if alarms else None
 
     def evaluate(self, x: float, step: int) -> list[GradientAlarm]:
         """Apply the rules to the loss ``x`` of optimizer step ``step``: their alarms (the
@@ -214,7 +221,7 @@ class LossRules:
         setback.losses += held
         setback.peak = max(setback.peak, levels.mean)
         if setback.confirmed:
-            return [_diverging(step, x, levels, rules, "it holds")]
+            return [self._diverging_alarm(step, x, "it holds")]
         # the run's start is the mean of its first ``min_history`` losses: known from then on
         started = levels.seen > rules.min_history
         lost = started and levels.mean > rules.diverge_lost * levels.first + self._noise_bar()
@@ -250,11 +257,38 @@ class LossRules:
         """*diverging* at ``step``: the open setback (if any) confirmed, ``why`` said."""
         setback = self.setback
         if setback is not None and setback.confirmed:
-            return [_diverging(step, x, self.levels, self.rules, "it holds")]
+            return [self._diverging_alarm(step, x, "it holds")]
         if setback is None:
             setback = self.setback = Setback(step, self.levels.best, self.levels.mean)
         setback.confirmed = True
-        return [_diverging(step, x, self.levels, self.rules, why, setback)]
+        return [self._diverging_alarm(step, x, why, setback)]
+
+    def _diverging_alarm(
+        self, step: int, x: float, why: str, setback: Setback | None = None
+    ) -> GradientAlarm:
+        """*diverging*'s alarm: the rise confirmed (``why``), where the loss stands, the fixes.
+        ``setback``: the setback it confirms, named once, at its confirmation."""
+        levels, rules = self.levels, self.rules
+        confirms = (
+            ""
+            if setback is None
+            else f"the setback of optimizer step {setback.start} is confirmed: "
+        )
+        if not math.isfinite(x):
+            now = f"the loss is {x}"
+        else:
+            best = levels.best
+            over = ratio_text(levels.mean / best) if best > 0 else f"+{levels.mean - best:.4g} over"
+            now = (
+                f"its running mean {levels.mean:.4g} (loss {x:.4g}) is {over} its best {best:.4g}, "
+                f"and the run started at {levels.first:.4g}"
+            )
+        text = (
+            f"loss diverging at optimizer step {step}: {now}; {confirms}{why} (diverge_ratio="
+            f"{rules.diverge_ratio}, diverge_patience={rules.diverge_patience}, diverge_lost="
+            f"{rules.diverge_lost:g}). Fixes that work: {_ADVICE['diverging']}"
+        )
+        return GradientAlarm("diverging", "loss", step, x, levels.best, text)
 
     def _recover(self, step: int) -> list[GradientAlarm]:
         """The open setback, if any, closed at ``step``: a recovery when it was not confirmed."""
@@ -267,7 +301,7 @@ class LossRules:
         """*loss_spike*'s flag and running scale (the scale updated)."""
         assert self.rules.loss_factor is not None
         log_loss = np.log(np.array([x], dtype=np.float32))
-        (ceiling,), _, _ = self.scale.thresholds(self.rules.loss_factor)
+        (ceiling,) = self.scale.thresholds(self.rules.loss_factor).ceilings
         positive = np.abs(log_loss) < math.inf
         self.spike = bool((positive & (log_loss > ceiling))[0])
         self.spike_scale = float(np.exp(self.scale.mean[0]))
@@ -293,7 +327,15 @@ class LossRules:
             mean, deviation, best, first = as_array(state["diverging"]).tolist()
             seen = int(state["loss_seen"])
             # a deviation from the mean stands in for the jitter: both measure the noise
-            self.levels = LossLevels(seen, first, mean, mean, best, deviation, mean)
+            self.levels = LossLevels(
+                seen=seen,
+                first=first,
+                mean=mean,
+                level=mean,
+                best=best,
+                jitter=deviation,
+                last=mean,
+            )
 
 
 def _setback_opened(
@@ -321,36 +363,6 @@ def _setback_recovered(step: int, setback: Setback, levels: LossLevels) -> Gradi
         f"the bar after {setback.losses} loss(es); no action needed"
     )
     return GradientAlarm("setback", "loss", step, levels.mean, setback.best, text, counts=False)
-
-
-def _diverging(
-    step: int,
-    x: float,
-    levels: LossLevels,
-    rules: AlarmRules,
-    why: str,
-    setback: Setback | None = None,
-) -> GradientAlarm:
-    """*diverging*'s alarm: the rise confirmed (``why``), where the loss stands, the fixes.
-    ``setback``: the setback it confirms, named once, at its confirmation."""
-    confirms = (
-        "" if setback is None else f"the setback of optimizer step {setback.start} is confirmed: "
-    )
-    if not math.isfinite(x):
-        now = f"the loss is {x}"
-    else:
-        best = levels.best
-        over = ratio_text(levels.mean / best) if best > 0 else f"+{levels.mean - best:.4g} over"
-        now = (
-            f"its running mean {levels.mean:.4g} (loss {x:.4g}) is {over} its best {best:.4g}, "
-            f"and the run started at {levels.first:.4g}"
-        )
-    text = (
-        f"loss diverging at optimizer step {step}: {now}; {confirms}{why} (diverge_ratio="
-        f"{rules.diverge_ratio}, diverge_patience={rules.diverge_patience}, diverge_lost="
-        f"{rules.diverge_lost:g}). Fixes that work: {_ADVICE['diverging']}"
-    )
-    return GradientAlarm("diverging", "loss", step, x, levels.best, text)
 
 
 def _loss_spike(step: int, value: float, scale: float, rules: AlarmRules) -> GradientAlarm:

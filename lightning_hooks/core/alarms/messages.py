@@ -7,14 +7,23 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 
-from lightning_hooks.core.alarms import rules as layout
-from lightning_hooks.core.alarms.rules import ALARM_RULES, AlarmRules, WeightNorms
+from lightning_hooks.core.alarms.gradients import GradientReport
+from lightning_hooks.core.alarms.rules import AlarmRules, WeightNorms
 from lightning_hooks.core.checks import named_arguments
 
-__all__ = ["GradientAlarm", "gradient_alarm", "ratio_text", "weight_norms", "with_history"]
+__all__ = [
+    "FiredStep",
+    "GradientAlarm",
+    "NormHistory",
+    "gradient_alarm",
+    "ratio_text",
+    "weight_norms",
+    "with_history",
+]
 
 _ADVICE = {
     "spike": "one step: a transient if the next steps come back to scale (it counts in the "
@@ -88,35 +97,77 @@ class GradientAlarm:
         ]
 
 
+class FiredStep(NamedTuple):
+    """The optimizer step a gradient rule fired at, as its messages tell it."""
+
+    step: int
+    """The optimizer step (0-based)."""
+    order: tuple[int, ...]
+    """Layer rows in the order their output-gradient hooks fired (empty: not known)."""
+    clip: float | None
+    """The largest global L2 norm the optimizer applies (``None``: no clip)."""
+    weight_norms: np.ndarray | None
+    """Per row, the weight norm (-1 where not read), when *nonfinite* fired; else ``None``."""
+
+
+class NormHistory(NamedTuple):
+    """The ring buffer's last steps up to an alarm's, oldest first: what an alarm reports."""
+
+    steps: list[int]
+    """The optimizer steps."""
+    traced: np.ndarray
+    """``[steps, 3, rows]``: per step, a report's norm, running scale and spike band."""
+
+    @property
+    def norms(self) -> np.ndarray:
+        """``[steps, rows]`` gradient norms."""
+        norms: np.ndarray = self.traced[:, 0]
+        return norms
+
+    @property
+    def scales(self) -> np.ndarray:
+        """``[steps, rows]`` running scales (NaN: not armed yet)."""
+        scales: np.ndarray = self.traced[:, 1]
+        return scales
+
+    @property
+    def bands(self) -> np.ndarray:
+        """``[steps, rows]`` half-widths of the spike band, in log."""
+        bands: np.ndarray = self.traced[:, 2]
+        return bands
+
+
+class _Culprit(NamedTuple):
+    """The row an alarm names: its layer, its value and what that was compared with."""
+
+    layer: str
+    value: float
+    reference: float
+
+
 def gradient_alarm(
-    index: int,
-    hit: np.ndarray,
-    report: np.ndarray,
-    weight: np.ndarray | None,
-    at: tuple[int, tuple[int, ...], float | None],
-    layers: tuple[str, ...],
-    rules: AlarmRules,
+    rule: str, report: GradientReport, at: FiredStep, layers: tuple[str, ...], rules: AlarmRules
 ) -> GradientAlarm:
-    """The alarm of gradient rule ``index`` at the rows ``hit`` of ``report``; ``at``: the step,
-    the backward order and the clip."""
-    step, order, clip = at
-    norm = report[layout._NORM]
+    """The alarm of the gradient ``rule`` (one of ``GRADIENT_RULES``) at the rows it flagged in
+    ``report`` (the rows of ``layers``), at the step ``at``."""
+    hit, norm = np.flatnonzero(report.fired(rule)), report.norm
     ref = {
-        layout._SPIKE: report[layout._SCALE],
-        layout._EXPLOSION: report[layout._SCALE],
-        layout._ABSOLUTE: np.full_like(norm, rules.max_grad_norm or math.nan),
-        layout._VANISHING: report[layout._FLOOR],
-    }.get(index, weight if weight is not None else np.full_like(norm, -1.0))
-    row = int(_culprit(index, hit, norm, ref, order, len(layers) - 1))
-    layer, value, reference = layers[row], float(norm[row]), float(ref[row])
+        "spike": report.scale,
+        "explosion": report.scale,
+        "absolute": np.full_like(norm, rules.max_grad_norm or math.nan),
+        "vanishing": report.floor,
+    }.get(rule, at.weight_norms if at.weight_norms is not None else np.full_like(norm, -1.0))
+    row = int(_culprit(rule, hit, norm, ref, at.order))
+    culprit = _Culprit(layers[row], float(norm[row]), float(ref[row]))
     others = tuple(layers[i] for i in hit if i != row)
-    if index == layout._EXPLOSION:
-        text = _explosion_text(layer, step, value, reference, report, clip, rules)
+    if rule == "explosion":
+        text = _explosion_text(culprit, report, at, rules)
     else:
-        text = _describe(ALARM_RULES[index], layer, step, value, reference, rules)
+        text = _describe(rule, culprit, at.step, rules)
     if others:
         text += f" (also flagged: {', '.join(others)})"
-    return GradientAlarm(ALARM_RULES[index], layer, step, value, reference, text, others)
+    layer, value, reference = culprit
+    return GradientAlarm(rule, layer, at.step, value, reference, text, others)
 
 
 def weight_norms(weights: WeightNorms | None, rows: np.ndarray | None, n: int) -> np.ndarray:
@@ -129,10 +180,11 @@ def weight_norms(weights: WeightNorms | None, rows: np.ndarray | None, n: int) -
 
 
 def _culprit(
-    index: int, hit: np.ndarray, norm: np.ndarray, ref: np.ndarray, order: Sequence[int], last: int
+    rule: str, hit: np.ndarray, norm: np.ndarray, ref: np.ndarray, order: Sequence[int]
 ) -> int:
-    """The row an alarm names among the flagged rows ``hit`` (``last`` is the global row)."""
-    if index == layout._NONFINITE:
+    """The row an alarm names among the flagged rows ``hit`` (the last row is the global)."""
+    last = norm.size - 1
+    if rule == "nonfinite":
         # ref: weight norms, -1 where not read (no attribution pass, or not stepped)
         broken = [i for i in range(last) if not math.isfinite(ref[i])]
         if broken:
@@ -147,23 +199,23 @@ def _culprit(
         ratio = norm[layers] / ref[layers]
     if not np.isfinite(ratio).any():
         return int(layers[0])
-    return int(layers[(np.nanargmin if index == layout._VANISHING else np.nanargmax)(ratio)])
+    return int(layers[(np.nanargmin if rule == "vanishing" else np.nanargmax)(ratio)])
 
 
 def with_history(
-    alarm: GradientAlarm, layers: tuple[str, ...], history: tuple[list[int], np.ndarray]
+    alarm: GradientAlarm, layers: tuple[str, ...], history: NormHistory
 ) -> GradientAlarm:
     """``alarm`` with the ring buffer's ``history`` (its steps, and per step the rows' norms,
     running scales and bands), the layer that left its scale first, and the rule's advice."""
-    steps, ring = history
+    steps = history.steps
     advice = f"advice: {_ADVICE[alarm.rule]}" if alarm.rule in _ADVICE else ""
     if not steps:
         return replace(alarm, message=f"{alarm.message}; {advice}") if advice else alarm
-    norms, scales = ring[:, 0], ring[:, 1]
-    first = _first_departure(norms, scales, ring[:, 2])
+    norms, scales = history.norms, history.scales
+    first = _first_departure(norms, scales, history.bands)
     departure = ""
     if first is not None:
-        at, row = first
+        at, row = first.at, first.row
         ratio = norms[at, row] / scales[at, row]
         departure = f"{layers[row]} left its scale first, at step {steps[at]} ({ratio_text(ratio)})"
         if advice and alarm.rule != "vanishing":
@@ -176,15 +228,22 @@ def with_history(
         history=tuple(map(tuple, norms.tolist())),
         history_scale=tuple(map(tuple, scales.tolist())),
         departure=departure,
-        departed=layers[first[1]] if first is not None else "",
+        departed=layers[first.row] if first is not None else "",
     )
 
 
-def _first_departure(
-    norms: np.ndarray, scales: np.ndarray, band: np.ndarray
-) -> tuple[int, int] | None:
-    """``(step index, layer row)`` of the largest departure beyond the spike band (or to a
-    non-finite norm) at the first step a layer left its running scale; else ``None``."""
+class _Departure(NamedTuple):
+    """Where a layer first left its running scale, in a :class:`NormHistory`."""
+
+    at: int
+    """The index of the step in the history."""
+    row: int
+    """The layer's row."""
+
+
+def _first_departure(norms: np.ndarray, scales: np.ndarray, band: np.ndarray) -> _Departure | None:
+    """The largest departure beyond the spike band (or to a non-finite norm) at the first step
+    a layer left its running scale; else ``None``."""
     with np.errstate(divide="ignore", invalid="ignore"):
         size = np.abs(np.log(np.abs(norms / scales)))
     size[np.isnan(norms) | np.isnan(scales)] = np.nan  # not stepped, or not armed yet
@@ -195,7 +254,7 @@ def _first_departure(
     if not away.any():
         return None
     at = int(np.flatnonzero(away.any(axis=1))[0])
-    return at, int(np.nanargmax(np.where(away[at], size[at], -1.0)))
+    return _Departure(at, int(np.nanargmax(np.where(away[at], size[at], -1.0))))
 
 
 def ratio_text(value: float) -> str:
@@ -203,7 +262,9 @@ def ratio_text(value: float) -> str:
     return f"{value:.3g}x" if math.isfinite(value) else f"{value}"
 
 
-def _describe(rule: str, layer: str, step: int, value: float, ref: float, rules: AlarmRules) -> str:
+def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> str:
+    """The message of a gradient rule other than *explosion*."""
+    layer, value, ref = culprit
     at = f"optimizer step {step}"
     if rule == "spike":
         return (
@@ -229,17 +290,13 @@ def _describe(rule: str, layer: str, step: int, value: float, ref: float, rules:
 
 
 def _explosion_text(
-    layer: str,
-    step: int,
-    value: float,
-    ref: float,
-    report: np.ndarray,
-    clip: float | None,
-    rules: AlarmRules,
+    culprit: _Culprit, report: GradientReport, at: FiredStep, rules: AlarmRules
 ) -> str:
     """*explosion*'s message: the size, what the optimizer applies, and advice with a clip
     value read from the global row's running scale."""
-    global_norm, global_scale = float(report[layout._NORM, -1]), float(report[layout._SCALE, -1])
+    layer, value, ref = culprit
+    step, clip = at.step, at.clip
+    global_norm, global_scale = float(report.norm[-1]), float(report.scale[-1])
     shrink = 1.0 if clip is None or global_norm <= clip else clip / global_norm
     applied = (
         "reaches the optimizer unclipped"

@@ -1,9 +1,10 @@
-"""The alarm rules' names, thresholds and defaults (:class:`AlarmRules`), and the row layout of
-the reports the rules make on the host."""
+"""The alarm rules' names, thresholds and defaults (:class:`AlarmRules`)."""
 
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,35 +14,50 @@ import torch
 from lightning_hooks.core import checks
 from lightning_hooks.core.checks import named_arguments
 
-__all__ = ["ALARM_RULES", "QUIET_READS", "AlarmRules", "WeightNorms"]
+__all__ = ["ALARM_RULES", "GRADIENT_RULES", "QUIET_READS", "AlarmRules", "WeightNorms"]
 
-ALARM_RULES = (
-    "spike",
-    "explosion",
-    "absolute",
-    "vanishing",
-    "nonfinite",
-    "amp_overflow",
-    "loss_spike",
-    "diverging",
-    "setback",
-    "stall",
-    "attention",
-)
+GRADIENT_RULES = ("spike", "explosion", "absolute", "vanishing", "nonfinite", "amp_overflow")
+"""The rules :class:`GradientRules` judges on the gradient norms, in the order of its report's
+flags (the loss, *stall* and *attention* have reports of their own)."""
+
+ALARM_RULES = (*GRADIENT_RULES, "loss_spike", "diverging", "setback", "stall", "attention")
 """Names of the rules, in the order of :attr:`GradientAlarms.counts`."""
 
 QUIET_READS = ("grouped", "triton")
 """The values of :attr:`AlarmRules.quiet_read`."""
 
-# the gradient report: a row of flags per gradient rule, then the norms, their running scales,
-# the spike band's half-width (in log) and the vanishing floor
-_SPIKE, _EXPLOSION, _ABSOLUTE, _VANISHING, _NONFINITE = range(5)
-_GRAD_RULES = 6  # rows of flags (the sixth: amp_overflow); the loss has its own report
-_NORM, _SCALE, _BAND, _FLOOR = range(_GRAD_RULES, _GRAD_RULES + 4)
+_EVERY_N_STEPS_DEPRECATED = (
+    "AlarmRules(every_n_steps=...) is deprecated: use evaluate_every_n_steps=..., the same "
+    "steps 0, n, 2n"
+)
+
 WeightNorms = Callable[[], torch.Tensor]
 """Returns ``[layers + 1]`` weight L2 norms (last: all); called on the host when a rule fired."""
 
 
+def _renamed_every_n_steps(cls: type[AlarmRules]) -> type[AlarmRules]:
+    """Class decorator, outside :func:`named_arguments` (whose check would refuse the old name):
+    the constructor takes ``every_n_steps=`` as ``evaluate_every_n_steps=``, with a
+    ``DeprecationWarning``. The signature ``help()`` and LightningCLI read stays the new one."""
+    checked: Callable[..., None] = vars(cls)["__init__"]
+
+    @functools.wraps(checked)
+    def init(self: AlarmRules, *args: object, **kwargs: object) -> None:
+        if "every_n_steps" in kwargs:
+            warnings.warn(_EVERY_N_STEPS_DEPRECATED, DeprecationWarning, stacklevel=2)
+            if "evaluate_every_n_steps" in kwargs:
+                raise TypeError(
+                    "AlarmRules(every_n_steps=..., evaluate_every_n_steps=...): the same "
+                    "argument twice, under its old and its new name; give evaluate_every_n_steps"
+                )
+            kwargs["evaluate_every_n_steps"] = kwargs.pop("every_n_steps")
+        checked(self, *args, **kwargs)
+
+    setattr(cls, "__init__", init)  # noqa: B010 (mypy refuses assigning to a method)
+    return cls
+
+
+@_renamed_every_n_steps
 @named_arguments
 @dataclass(frozen=True)
 class AlarmRules:
@@ -66,7 +82,9 @@ class AlarmRules:
             of the median norm of the layers whose gradient is not zero ...
         vanish_steps: ... for this many consecutive evaluated steps (fires once per such run).
         nonfinite: *nonfinite*: a NaN/Inf gradient norm, naming the layer where it entered.
-        every_n_steps: evaluate the rules on optimizer steps ``0, n, 2n, ...`` (1: every step).
+        evaluate_every_n_steps: evaluate the rules on optimizer steps ``0, n, 2n, ...`` (1: every
+            step). Not a callback's ``every_n_steps``, whose logging steps are ``n - 1, 2n - 1,
+            ...``; ``every_n_steps=`` is still taken here, with a ``DeprecationWarning``.
         loss_factor: *loss_spike*: the training loss exceeds this many times its running scale
             (and ``spike_sigmas`` spreads above it); off by default.
         diverge_ratio: *setback*, then *diverging*: the short running mean of the training
@@ -130,7 +148,7 @@ class AlarmRules:
     vanish_fraction: float | None = 1e-3
     vanish_steps: int = 20
     nonfinite: bool = True
-    every_n_steps: int = 1
+    evaluate_every_n_steps: int = 1
     loss_factor: float | None = None
     history: int = 16
     diverge_ratio: float | None = 2.0
@@ -151,16 +169,42 @@ class AlarmRules:
     quiet_read: str = "grouped"
 
     @property
+    def every_n_steps(self) -> int:
+        """Deprecated: :attr:`evaluate_every_n_steps` (the same steps ``0, n, 2n, ...``)."""
+        warnings.warn(_EVERY_N_STEPS_DEPRECATED, DeprecationWarning, stacklevel=2)
+        return self.evaluate_every_n_steps
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """Unpickle, a rules object pickled before ``every_n_steps`` was renamed included."""
+        if "every_n_steps" in state:
+            state = dict(state)
+            state["evaluate_every_n_steps"] = state.pop("every_n_steps")
+        self.__dict__.update(state)
+
+    @property
     def watches_loss(self) -> bool:
         """Whether a rule reads the training loss (*loss_spike* or *diverging*)."""
         return self.loss_factor is not None or self.diverge_ratio is not None
 
     def __post_init__(self) -> None:
-        def real(**bounds: Any) -> Callable[[str, Any], float]:
-            return functools.partial(checks.real, "AlarmRules", **bounds)
+        def real(
+            low: float = -math.inf,
+            high: float = math.inf,
+            *,
+            low_open: bool = False,
+            high_open: bool = False,
+        ) -> Callable[[str, Any], float]:
+            return functools.partial(
+                checks.real,
+                "AlarmRules",
+                low=low,
+                high=high,
+                low_open=low_open,
+                high_open=high_open,
+            )
 
         positive, above_one = real(low=0.0, low_open=True), real(low=1.0, low_open=True)
-        counts = ("window", "min_history", "vanish_steps", "every_n_steps", "history")
+        counts = ("window", "min_history", "vanish_steps", "evaluate_every_n_steps", "history")
         positives = ("spike_sigmas", "attn_entropy_min", "diverge_lost", "attn_logit_min")
         required: dict[str, Callable[[str, Any], Any]] = {
             "nonfinite": functools.partial(checks.boolean, "AlarmRules"),

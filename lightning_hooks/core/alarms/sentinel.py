@@ -7,34 +7,53 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from itertools import pairwise
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from lightning_hooks.core.alarms.gradients import GradientRules, HostSegments, as_array
+from lightning_hooks.core.alarms.gradients import (
+    GradientReport,
+    GradientRules,
+    HostSegments,
+    as_array,
+)
 from lightning_hooks.core.alarms.loss import LossRules
 from lightning_hooks.core.alarms.messages import (
     _ADVICE,
+    FiredStep,
     GradientAlarm,
+    NormHistory,
     gradient_alarm,
     weight_norms,
     with_history,
 )
-from lightning_hooks.core.alarms.rules import (
-    _BAND,
-    _GRAD_RULES,
-    _NONFINITE,
-    _NORM,
-    ALARM_RULES,
-    AlarmRules,
-    WeightNorms,
-)
+from lightning_hooks.core.alarms.rules import ALARM_RULES, AlarmRules, WeightNorms
 from lightning_hooks.core.alarms.stall import StallRule
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.transport import HostMailbox
 
-__all__ = ["GradientAlarms", "NormRing", "attention_alarms"]
+__all__ = ["GradientAlarms", "NormRing", "PostedStep", "attention_alarms"]
+
+
+class PostedStep(NamedTuple):
+    """What :meth:`GradientAlarms.update` posts beside a step's norms; it comes back with them
+    when the host reads the copy."""
+
+    step: int
+    """The optimizer step."""
+    order: tuple[int, ...]
+    """Layer rows in the order their output-gradient hooks fired, each once."""
+    rows: np.ndarray | None
+    """The rows the norms cover (``None``: all)."""
+    weights: WeightNorms | None
+    """The weight norms of ``rows``, read when *nonfinite* fired."""
+    clip: float | None
+    """The largest global L2 norm the optimizer will apply, for *explosion*."""
+    amp: bool
+    """A GradScaler is active: non-finite gradients are an overflow it skips."""
+    segments: HostSegments | None
+    """Set when the norms are per parameter: how they fold into rows on the host."""
 
 
 @named_arguments
@@ -63,7 +82,10 @@ class GradientAlarms:
     """
 
     def __init__(
-        self, layers: Sequence[str], rules: AlarmRules | None = None, device: Any = None
+        self,
+        layers: Sequence[str],
+        rules: AlarmRules | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.layers = tuple(layers)
         self.rules = rules if rules is not None else AlarmRules()
@@ -124,8 +146,8 @@ class GradientAlarms:
         host_rows = self._gradients.host_rows(rows)
         # one copy: the norms, with the stepped rows beside them only when some were not
         value = norm if stepped is None else torch.stack([norm, stepped.float()])
-        meta = (step, tuple(dict.fromkeys(order)), host_rows, weights, clip, amp, segments)
-        self._mailbox.post(value, meta)
+        once = tuple(dict.fromkeys(order))  # a layer whose hook fired twice: its first time
+        self._mailbox.post(value, PostedStep(step, once, host_rows, weights, clip, amp, segments))
         if not self._cuda:  # the copy was the read: diagnose now, while the weights are these
             self._drain(wait=False)
 
@@ -186,12 +208,11 @@ class GradientAlarms:
         return new
 
     def _drain_loss(self, wait: bool) -> None:
-        got = self._loss.read(wait)
-        if got is None:
+        verdict = self._loss.read(wait)
+        if verdict is None:
             return
-        step, alarms = got
-        history = self._ring.read(step)
-        for alarm in alarms:
+        history = self._ring.read(verdict.step)
+        for alarm in verdict.alarms:
             self._record(with_history(alarm, self.layers, history))
 
     def _drain_stall(self, wait: bool) -> None:
@@ -210,20 +231,26 @@ class GradientAlarms:
         got = self._mailbox.read(wait)
         if got is None:
             return
-        value, (step, order, rows, weights, clip, amp, segments) = got
+        value, posted = got
+        segments = posted.segments
         folded = value if segments is None else segments.fold(value)  # per parameter: a row each
-        report = self._gradients.read(folded, rows, amp, clip)
-        self._ring.write(step, report[_NORM : _BAND + 1])
-        if report is self._gradients.quiet or not report[:_GRAD_RULES].any():
+        report = self._gradients.read(folded, posted.rows, posted.amp, posted.clip)
+        self._ring.write(posted.step, report.traced)
+        if report is self._gradients.quiet or not report.flags.any():
             return
-        # a rule fired: the diagnosis, with the ring buffer's history
-        flags, at, layers = report[:_GRAD_RULES], (step, order, clip), self.layers
-        weight = weight_norms(weights, rows, len(layers)) if flags[_NONFINITE].any() else None
-        history = self._ring.read(step)
-        for index in np.flatnonzero(flags.any(axis=1)):
-            hit = np.flatnonzero(flags[index])
-            alarm = gradient_alarm(int(index), hit, report, weight, at, layers, self.rules)
-            self._record(with_history(alarm, self.layers, history))
+        self._diagnose(report, posted)
+
+    def _diagnose(self, report: GradientReport, posted: PostedStep) -> None:
+        """A rule fired: its alarms, with the ring buffer's history."""
+        layers = self.layers
+        weights = None
+        if report.fired("nonfinite").any():
+            weights = weight_norms(posted.weights, posted.rows, len(layers))
+        at = FiredStep(posted.step, posted.order, posted.clip, weights)
+        history = self._ring.read(posted.step)
+        for rule in report.fired_rules():
+            alarm = gradient_alarm(rule, report, at, layers, self.rules)
+            self._record(with_history(alarm, layers, history))
 
     def _record(self, alarm: GradientAlarm) -> None:
         if alarm.counts:
@@ -286,13 +313,13 @@ class NormRing:
         self.ring[slot] = rows
         self.steps[slot] = step
 
-    def read(self, step: int) -> tuple[list[int], np.ndarray]:
+    def read(self, step: int) -> NormHistory:
         """The buffer up to ``step``, oldest first."""
         ring = self.ring
         slots = sorted(
             (s, i) for i, s in enumerate(self.steps) if 0 <= s <= step and step - s < len(ring)
         )
-        return [s for s, _ in slots], ring[[i for _, i in slots]]
+        return NormHistory([s for s, _ in slots], ring[[i for _, i in slots]])
 
     def state_dict(self) -> dict[str, Any]:
         return {"ring": torch.from_numpy(self.ring.copy()), "ring_steps": list(self.steps)}

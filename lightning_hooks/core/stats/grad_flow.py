@@ -174,7 +174,7 @@ class GradFlowTracker(HookOwner):
         self._calls += 1
         logging_step = self.registry.logging_step
         alarms = self.alarms  # when their cadence runs them at this step
-        if alarms is not None and step % alarms.rules.every_n_steps:
+        if alarms is not None and step % alarms.rules.evaluate_every_n_steps:
             alarms = None
         if not (logging_step or alarms):
             return
