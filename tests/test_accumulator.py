@@ -53,7 +53,7 @@ def test_grad_stats_match_plain_torch() -> None:
     layout = ParamLayout.from_modules(list(model.named_children()))
     grads = [p.grad for p in layout.params]
     grads[1][2] = float("inf")  # one non-finite entry in layer "0"
-    stats = grad_stats(grads, layout.params, layout.index, layout.numel)  # type: ignore[arg-type]
+    stats = grad_stats(grads, layout.params, layout.layer_index)  # type: ignore[arg-type]
     for row, name in enumerate(layout.layers):
         module = dict(model.named_children())[name]
         g = torch.cat([p.grad.flatten() for p in module.parameters()])  # type: ignore[union-attr]
@@ -103,7 +103,7 @@ def test_update_norms_match_plain_torch() -> None:
         )
         for k in (0, 1)
     ]
-    norms = update_norms([b.clone() for b in before], after, layout.index, 2)
+    norms = update_norms([b.clone() for b in before], after, layout.layer_index)
     torch.testing.assert_close(norms[:2], torch.stack([e.norm() for e in expected]))
     torch.testing.assert_close(norms[2], torch.cat(expected).norm())
 

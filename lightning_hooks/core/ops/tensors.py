@@ -12,6 +12,7 @@ __all__ = [
     "DEVICE_PIECE",
     "Pending",
     "Workspace",
+    "foreach_norm",
     "is_grad_forward",
     "is_training_forward",
     "iter_float_tensors",
@@ -21,6 +22,10 @@ __all__ = [
 ]
 
 DEVICE_PIECE = 1 << 24  # elements read at a time off the CPU (float32 counts stay exact)
+
+foreach_norm = torch._foreach_norm  # SLF001 kept: torch's multi-tensor norm has no public name
+"""``foreach_norm(tensors, ord=2, dtype=None)``: each tensor's norm, in one multi-tensor pass
+(``torch._foreach_norm`` itself, bound once: the quiet step's reads call it directly)."""
 
 
 def piece_size(device: torch.device, cpu: int) -> int:

@@ -15,6 +15,7 @@ from lightning_hooks.core.alarms import GradientAlarms, HostSegments
 from lightning_hooks.core.ops import pointer_norms
 from lightning_hooks.core.ops.grad_stats import (
     GRAD_STATS,
+    LayerIndex,
     ParamLayout,
     grad_stats,
     param_norms,
@@ -22,7 +23,7 @@ from lightning_hooks.core.ops.grad_stats import (
     update_norms,
 )
 from lightning_hooks.core.ops.grouped_norms import GroupedNorms, typical_update
-from lightning_hooks.core.ops.tensors import Workspace
+from lightning_hooks.core.ops.tensors import Workspace, foreach_norm
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
 from lightning_hooks.core.transport import ShardPlan, to_local
 from lightning_hooks.errors import LightningHooksWarning
@@ -64,6 +65,8 @@ class OptimizerView:
 
     def __post_init__(self) -> None:
         self.layer_ids = frozenset(self.row_ids[:-1])  # the layout rows it steps, on the host
+        # views of index, numel and unique, made once: what the statistics add up by layer
+        self.layer_index = LayerIndex(self.index, self.numel[:-1], self.unique, self.numel[-1])
         self.distinct = len(self.unique) == len(self.params)  # no parameter listed twice
         # a bound on the global norm clipping by value lets through, over one unit value
         self.scale = sum(p.numel() for p in self.params) ** 0.5
@@ -164,7 +167,16 @@ class OptimizerViews:
         self.generation += 1
         segments = HostSegments(owner, len(layers) - 1, positions)
         return OptimizerView(
-            params, index, rows, before, owner, key, unique, numel, tuple(layers), segments
+            params=params,
+            index=index,
+            rows=rows,
+            before=before,
+            owner=owner,
+            key=key,
+            unique=unique,
+            numel=numel,
+            row_ids=tuple(layers),
+            segments=segments,
         )
 
     def first_param(self, optimizer: torch.optim.Optimizer) -> nn.Parameter | None:
@@ -197,16 +209,8 @@ class ViewStats:
     ) -> torch.Tensor:
         """:func:`grad_stats` of ``view`` (``weights``: also the weight norms)."""
         params = [to_local(p) for p in view.params] if weights else None
-        numel, total = view.numel[:-1], view.numel[-1]
         return grad_stats(
-            grads,
-            params,
-            view.index,
-            numel,
-            unique=view.unique,
-            total_numel=total,
-            shards=self.shards,
-            workspace=self.workspace,
+            grads, params, view.layer_index, shards=self.shards, workspace=self.workspace
         )
 
     def norms(
@@ -266,10 +270,7 @@ class UpdateRatio:
                 to_local(p.grad) if p.grad is not None else None for p in view.params
             ]
             alarms.update_stall(typical_update(view.before, after, applied), lr, step=step)
-        num_layers = len(view.rows) - 1
-        upd = update_norms(
-            view.before, after, view.index, num_layers, unique=view.unique, shards=self.shards
-        )
+        upd = update_norms(view.before, after, view.layer_index, shards=self.shards)
         ratio = upd / view.weight_norm.clamp_min(torch.finfo(upd.dtype).tiny)
         valid = (view.weight_norm > 0)[:, None]
         self.accumulator.update(ratio[:, None], [self.column], view.rows, valid, replicated=True)
@@ -292,7 +293,7 @@ def quiet_read(view: OptimizerView, triton: bool) -> Read:
 
 def foreach_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """Each gradient's L2 norm by one ``torch._foreach_norm`` (the read of last resort)."""
-    return torch.stack(torch._foreach_norm(list(grads)))
+    return torch.stack(foreach_norm(list(grads)))
 
 
 def _pointer_norms(view: OptimizerView) -> Read | str:
