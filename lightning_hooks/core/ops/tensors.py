@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 from torch import nn
+
+# torch has no public way to ask whether autograd is running a backward (a checkpoint recompute)
+from torch._C import _current_graph_task_id
 
 __all__ = [
     "DEVICE_PIECE",
@@ -65,7 +68,7 @@ def is_training_forward(module: nn.Module) -> bool:
         # Dynamo cannot trace the graph-task query (a graph break per hooked module), and a
         # compiled forward's hooks never run again in backward: recomputation is in the graph.
         return True
-    return torch._C._current_graph_task_id() == -1  # not a checkpoint recompute in backward
+    return _current_graph_task_id() == -1  # not a checkpoint recompute in backward
 
 
 def is_grad_forward(module: nn.Module) -> bool:
@@ -73,7 +76,7 @@ def is_grad_forward(module: nn.Module) -> bool:
     return module.training and torch.is_grad_enabled()
 
 
-def iter_float_tensors(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_float_tensors(output: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """``(suffix, tensor)`` of every float tensor in a nested output: ``.0``, ``.key`` or ``""``.
 
     Example:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -150,7 +149,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
             self.edges[index] = torch.linspace(*self.histogram_range, self.bins + 1)
         return index
 
-    def observe(self, name: str, module: nn.Module, output: Any) -> None:
+    def observe(self, name: str, module: nn.Module, output: object) -> None:
         """Measure every floating tensor of ``output`` (small ones at :meth:`drain`)."""
         if type(output) is torch.Tensor:  # most modules': no walk of the output
             if output.is_floating_point():

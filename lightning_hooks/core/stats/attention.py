@@ -256,7 +256,7 @@ class AttentionCapture(ShelvedMode):
             self._live = False
 
     def _push(self, name: str) -> Callable[[nn.Module, Any], None]:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if torch.compiler.is_compiling():
                 return
             if self._stack:
@@ -271,7 +271,7 @@ class AttentionCapture(ShelvedMode):
 
         return hook
 
-    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _pop(self, module: nn.Module, args: tuple[Any, ...], output: object) -> None:
         if torch.compiler.is_compiling():
             return
         if self._stack and self._stack[-1][1] is module:

@@ -133,11 +133,11 @@ class LayerTimer(LayerStat[LayerTimes]):
     def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
         index = self.row(name)  # rows in model order, made as the hooks are
 
-        def pre(module: nn.Module, args: Any) -> None:
+        def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
             if self.sampling and is_training_forward(module):
                 self._open[index] = self._clock.mark()
 
-        def post(module: nn.Module, args: Any, output: Any) -> None:
+        def post(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
             start = self._open[index]
             if self.sampling and start is not None:
                 self._open[index] = None

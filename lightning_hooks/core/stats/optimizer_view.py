@@ -43,6 +43,8 @@ __all__ = [
 Read = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 """A read of gradients' L2 norms, one per gradient."""
 _WEIGHT = GRAD_STATS.index("weight_norm")
+_OF_GRADIENT = tuple(name != "weight_norm" for name in GRAD_STATS)
+"""Per column of :data:`GRAD_STATS`: whether a layer with no gradient has no value there."""
 
 
 @dataclass
@@ -82,7 +84,10 @@ class OptimizerView:
             has = [False] * (len(self.rows) - 1)
             for owner, gone in zip(self.owner, missing, strict=True):
                 has[owner] = has[owner] or not gone
-            table = [[h, h, h, h, True] for h in [*has, any(has)]]
+            table = [
+                [has_grad or not of_gradient for of_gradient in _OF_GRADIENT]
+                for has_grad in [*has, any(has)]
+            ]
             mask = torch.tensor(table, dtype=torch.bool, device=self.rows.device)
             self.masks[missing] = mask
         return mask

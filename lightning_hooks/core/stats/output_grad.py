@@ -80,7 +80,7 @@ def _output_hook(
     eager: Any = partial(_note_output_grad, noted, sq_row, order, row)
     eager = wrap(eager, "output gradient hook")  # made once
 
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
         if not is_grad_forward(module):
             return
         # Compiled: Dynamo cannot trace a host list mutated in backward (the non-finite alarm
@@ -155,7 +155,7 @@ class OutputGradients:
             if rows:
                 registry.forward_pre_hook(region, partial(self._called_again, rows), gated=True)
 
-    def _called_again(self, rows: list[int], region: nn.Module, args: Any) -> None:
+    def _called_again(self, rows: list[int], region: nn.Module, args: tuple[Any, ...]) -> None:
         """From a compiled region's second call in a step on, fresh tensors for its rows."""
         if not is_grad_forward(region):
             return
