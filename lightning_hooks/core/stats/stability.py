@@ -16,6 +16,7 @@ from lightning_hooks.core.ops.tensors import is_training_forward, logsumexp_rows
 from lightning_hooks.core.stats.activation_stats import owns_parameters
 from lightning_hooks.core.stats.attention import (
     AttentionCapture,
+    MhaCall,
     attention_head_entropy,
     mha_logit_chunks,
 )
@@ -103,13 +104,14 @@ class StabilityStats(LayerStat[Result]):
             if is_training_forward(module) and not torch.compiler.is_compiling():
                 assert isinstance(module, nn.MultiheadAttention)
                 with torch.no_grad():
-                    for chunk in mha_logit_chunks(module, *args, **kwargs):
+                    for chunk in mha_logit_chunks(module, MhaCall.of(args, kwargs)):
                         self._add_attention(name, chunk)
 
         registry.forward_pre_hook(module, attention, gated=True, with_kwargs=True)
 
     def _add_attention(self, name: str, logits: torch.Tensor) -> None:
-        peak, total, count = attention_head_entropy(logits)
+        entropy = attention_head_entropy(logits)
+        peak, total, count = entropy.peak, entropy.total, entropy.rows
         row = self.rows[name] if name in self.rows else self.row(name, units=total.numel())
         self.attn_max[row] = torch.maximum(self.attn_max[row], peak)
         heads, other = self.units[row], total.numel()
