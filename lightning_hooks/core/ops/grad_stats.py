@@ -199,9 +199,8 @@ def grad_stats(
     sums, peak = abs_sum_max(grads, workspace)
     weight = param_norms(params) if params is not None else torch.full_like(l2, torch.nan)
     if shards is not None:  # shard-local partials made whole: one collective
-        (l2, weight), (sums,), (peak,) = shards.reduce(
-            norms=[l2, weight], sums=[sums], maxima=[peak]
-        )
+        whole = shards.reduce(norms=[l2, weight], sums=[sums], maxima=[peak])
+        (l2, weight), (sums,), (peak,) = whole.norms, whole.sums, whole.maxima
     peak, sums = peak.float(), sums.float()
     l1 = torch.cat([sums.new_zeros(num_layers).index_add_(0, index, sums), _total(sums, unique)])
     nonfinite = (~torch.isfinite(peak)).float()
@@ -233,5 +232,5 @@ def update_norms(
     torch._foreach_sub_(diffs, list(after))
     norms = param_norms(diffs)
     if shards is not None:  # shard-local norms made whole: one collective
-        norms = shards.reduce(norms=[norms])[0][0]
+        (norms,) = shards.reduce(norms=[norms]).norms
     return segment_norm(norms, layers.index, layers.num_layers, layers.unique)

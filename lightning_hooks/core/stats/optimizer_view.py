@@ -226,7 +226,7 @@ class ViewStats:
         if weights:
             norms.append(param_norms([to_local(p) for p in view.params]))
         if self.shards is not None:
-            norms = self.shards.reduce(norms=norms)[0]
+            norms = self.shards.reduce(norms=norms).norms
         num_layers = len(view.rows) - 1
         stats = norms[0].new_full((num_layers + 1, len(GRAD_STATS)), torch.nan)
         unique = None if view.distinct else view.unique  # the same sum, one gather fewer
@@ -238,7 +238,7 @@ class ViewStats:
         """``[rows]`` weight norms of ``view`` (the alarms' diagnosis)."""
         norms = param_norms([to_local(p) for p in view.params])
         if self.shards is not None:
-            norms = self.shards.reduce(norms=[norms])[0][0]
+            (norms,) = self.shards.reduce(norms=[norms]).norms
         return segment_norm(norms, view.index, len(view.rows) - 1, view.unique)
 
 
