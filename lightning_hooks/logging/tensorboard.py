@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 from matplotlib.figure import Figure
-from typing_extensions import Buffer
+from typing_extensions import Buffer, TypedDict, Unpack
 
 from lightning_hooks.logging.sinks import LightningLogger, LoggerSink, Moments, lightning_types
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_CHARTS",
+    "RawHistogram",
     "TensorBoardSink",
     "chart_key",
     "dashboard_layout",
@@ -34,6 +35,18 @@ __all__ = [
     "step_tag",
     "step_tags",
 ]
+
+
+class RawHistogram(TypedDict):
+    """The keyword arguments of ``SummaryWriter.add_histogram_raw`` (:func:`histogram_raw`)."""
+
+    min: float
+    max: float
+    num: float
+    sum: float
+    sum_squares: float
+    bucket_limits: list[float]
+    bucket_counts: list[float]
 
 
 class _SummaryWriter(Protocol):
@@ -47,7 +60,7 @@ class _SummaryWriter(Protocol):
     ) -> None:
         """Write an image."""
 
-    def add_histogram_raw(self, tag: str, global_step: int, **raw: Any) -> None:
+    def add_histogram_raw(self, tag: str, global_step: int, **raw: Unpack[RawHistogram]) -> None:
         """Write pre-binned counts (the keywords of :func:`histogram_raw`)."""
 
     def add_text(self, tag: str, text_string: str, global_step: int) -> None:
@@ -134,7 +147,7 @@ class TensorBoardSink(LoggerSink):
 
 def histogram_raw(
     limits: np.ndarray, counts: np.ndarray, moments: Moments | None = None
-) -> dict[str, Any]:
+) -> RawHistogram:
     """Keyword arguments of ``SummaryWriter.add_histogram_raw`` for pre-binned counts.
 
     Args:
@@ -159,15 +172,15 @@ def histogram_raw(
             float((centres**2 * counts).sum()),
         )
     low, high, total, sum_sq = moments
-    return {
-        "min": low,
-        "max": high,
-        "num": float(counts.sum()),
-        "sum": total,
-        "sum_squares": sum_sq,
-        "bucket_limits": [float(e) for e in limits],
-        "bucket_counts": [float(c) for c in counts],
-    }
+    return RawHistogram(
+        min=low,
+        max=high,
+        num=float(counts.sum()),
+        sum=total,
+        sum_squares=sum_sq,
+        bucket_limits=[float(e) for e in limits],
+        bucket_counts=[float(c) for c in counts],
+    )
 
 
 MAX_CHARTS = 64
