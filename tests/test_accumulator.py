@@ -259,13 +259,13 @@ def test_noted_output_gradient_norms_sum_into_their_rows_once_each() -> None:
     thrice, or three backward passes) gets all three, as one ``addcmul_`` per note would."""
     from ops import OpCounter
 
-    from lightning_hooks.core.stats.output_grad import _sum_noted
+    from lightning_hooks.core.stats.output_grad import _NotedNorm, _sum_noted
 
     sq, expected = torch.zeros(4), torch.zeros(4)
     rows = [sq.select(0, i) for i in range(4)]
     picks = [0, 2, 0, 3, 0, 2]
     norms = [torch.tensor(float(k + 1)) for k in range(len(picks))]
-    noted = [(rows[i], n) for i, n in zip(picks, norms, strict=True)]
+    noted = [_NotedNorm(rows[i], n) for i, n in zip(picks, norms, strict=True)]
     for i, n in zip(picks, norms, strict=True):
         expected[i] += n * n
     hit = torch.zeros(4)

@@ -117,6 +117,14 @@ class HostMailbox:
 _ROW_SPACE = 1 << 24
 
 
+def _code(got: tuple[np.ndarray, Any] | None) -> int:
+    """The mark a :class:`FirstNonFinite` read back (``-1``: none, or nothing read)."""
+    if got is None:
+        return -1
+    value, _ = got
+    return int(value[0])
+
+
 class FirstNonFinite:
     """The step and row (a module, in execution order) of the first NaN / Inf, kept on ``device``
     and polled without waiting (on CUDA at most one step late).
@@ -147,12 +155,10 @@ class FirstNonFinite:
     def poll(self) -> tuple[int, int] | None:
         """``(step, row)`` of the first mark that has reached the host, or ``None``."""
         box = self._mailbox
-        got = box.read(wait=False)
-        code = -1 if got is None else int(got[0][0])
+        code = _code(box.read(wait=False))
         if code < 0 and not box.pending:
             box.post(self.code)  # on the CPU the copy is the read
-            got = None if self.device.type == "cuda" else box.read(wait=False)
-            code = -1 if got is None else int(got[0][0])
+            code = -1 if self.device.type == "cuda" else _code(box.read(wait=False))
         return divmod(code, _ROW_SPACE) if code >= 0 else None
 
     def reset(self) -> None:
