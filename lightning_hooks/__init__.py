@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lightning_hooks.errors import (
     GradientAlarmError,
@@ -70,11 +70,11 @@ __version__ = "0.2.0"
 
 def lazy_names(
     package: str, where: Mapping[str, str], public: Sequence[str]
-) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``: ``where`` maps a public name to its module,
     imported on first access; the name is then cached in the package's namespace."""
 
-    def get(name: str) -> Any:
+    def get(name: str) -> object:
         module = where.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+from typing_extensions import NotRequired, TypedDict, Unpack
+
+if TYPE_CHECKING:
+    from lightning_hooks.core.alarms import GradientAlarm
 
 __all__ = [
+    "AlarmFacts",
     "GradientAlarmError",
     "GradientAlarmWarning",
     "LightningHooksError",
@@ -27,11 +33,40 @@ class GradientAlarmWarning(LightningHooksWarning):
         alarm: the :class:`~lightning_hooks.core.GradientAlarm` (values, recent norms), or ``None``.
     """
 
-    alarm: Any = None
+    alarm: GradientAlarm | None = None
+
+
+class AlarmFacts(TypedDict):
+    """The facts of an alarm a :class:`GradientAlarmError` carries, passed by keyword."""
+
+    rule: str  # the rule that fired
+    layer: str  # the layer it names
+    step: int  # the optimizer step whose gradients fired it
+    value: float  # the gradient norm (or loss) that fired it
+    alarm: NotRequired[GradientAlarm | None]  # the alarm itself (default None)
+
+
+def _check_facts(facts: AlarmFacts) -> None:
+    """Refuse a misspelt or missing fact by name, as a signature would."""
+    names = tuple(AlarmFacts.__annotations__)
+    for name in facts:
+        if name not in names:
+            raise TypeError(
+                f"GradientAlarmError({name}=...): unknown argument; the arguments are message, "
+                f"{', '.join(names)}"
+            )
+    for name in names[:-1]:
+        if name not in facts:
+            raise TypeError(f"GradientAlarmError({name}=...): missing")
 
 
 class GradientAlarmError(LightningHooksError):
     """A gradient alarm with ``on_alarm="raise"``: carries the facts of the alarm.
+
+    Args:
+        message: what the error says.
+        **facts: ``rule``, ``layer``, ``step``, ``value`` and optionally ``alarm``
+            (:class:`AlarmFacts`), kept as the attributes below.
 
     Attributes:
         rule: the rule that fired (``"explosion"``, ``"nonfinite"``, ``"diverging"``, ...).
@@ -41,12 +76,11 @@ class GradientAlarmError(LightningHooksError):
         alarm: the :class:`~lightning_hooks.core.GradientAlarm`, or ``None``.
     """
 
-    def __init__(
-        self, message: str, *, rule: str, layer: str, step: int, value: float, alarm: Any = None
-    ) -> None:
+    def __init__(self, message: str, **facts: Unpack[AlarmFacts]) -> None:
+        _check_facts(facts)
         super().__init__(message)
-        self.rule = rule
-        self.layer = layer
-        self.step = step
-        self.value = value
-        self.alarm = alarm
+        self.rule = facts["rule"]
+        self.layer = facts["layer"]
+        self.step = facts["step"]
+        self.value = facts["value"]
+        self.alarm = facts.get("alarm")

@@ -12,7 +12,10 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tensorboard.compat.proto.summary_pb2 import Summary
 
 __all__ = [
     "COLUMNS",
@@ -181,7 +184,7 @@ def _masked_crc32c(data: bytes) -> int:
     return int(masked_crc32c(data))
 
 
-def _scalar(value: Any) -> float | None:
+def _scalar(value: Summary.Value) -> float | None:
     """A summary value's scalar (``simple_value`` or a scalar-plugin tensor), else ``None``."""
     if value.HasField("simple_value"):
         return float(value.simple_value)

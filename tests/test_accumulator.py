@@ -53,7 +53,7 @@ def test_grad_stats_match_plain_torch() -> None:
     layout = ParamLayout.from_modules(list(model.named_children()))
     grads = [p.grad for p in layout.params]
     grads[1][2] = float("inf")  # one non-finite entry in layer "0"
-    stats = grad_stats(grads, layout.params, layout.index, layout.numel)  # type: ignore[arg-type]
+    stats = grad_stats(grads, layout.params, layout.layer_index)  # type: ignore[arg-type]
     for row, name in enumerate(layout.layers):
         module = dict(model.named_children())[name]
         g = torch.cat([p.grad.flatten() for p in module.parameters()])  # type: ignore[union-attr]
@@ -103,7 +103,7 @@ def test_update_norms_match_plain_torch() -> None:
         )
         for k in (0, 1)
     ]
-    norms = update_norms([b.clone() for b in before], after, layout.index, 2)
+    norms = update_norms([b.clone() for b in before], after, layout.layer_index)
     torch.testing.assert_close(norms[:2], torch.stack([e.norm() for e in expected]))
     torch.testing.assert_close(norms[2], torch.cat(expected).norm())
 
@@ -259,13 +259,13 @@ def test_noted_output_gradient_norms_sum_into_their_rows_once_each() -> None:
     thrice, or three backward passes) gets all three, as one ``addcmul_`` per note would."""
     from ops import OpCounter
 
-    from lightning_hooks.core.stats.output_grad import _sum_noted
+    from lightning_hooks.core.stats.output_grad import _NotedNorm, _sum_noted
 
     sq, expected = torch.zeros(4), torch.zeros(4)
     rows = [sq.select(0, i) for i in range(4)]
     picks = [0, 2, 0, 3, 0, 2]
     norms = [torch.tensor(float(k + 1)) for k in range(len(picks))]
-    noted = [(rows[i], n) for i, n in zip(picks, norms, strict=True)]
+    noted = [_NotedNorm(rows[i], n) for i, n in zip(picks, norms, strict=True)]
     for i, n in zip(picks, norms, strict=True):
         expected[i] += n * n
     hit = torch.zeros(4)

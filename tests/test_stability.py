@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.core.stats import attention as attention_module
+from lightning_hooks.core.stats.attention import MhaCall
 from lightning_hooks.core.stats.attention import mha_logit_chunks as attention_chunks
 from lightning_hooks.core.stats.stability import StabilityStats
 
@@ -232,7 +233,7 @@ def test_logit_max_with_separate_projections_bias_k_zero_attn_and_float_mask(
     mask = torch.randn(5, 7)  # a float mask is added to the logits
     if not batched:
         query, key = query[:, 0], key[:, 0]
-    (logits,) = attention_chunks(mha, query, key, attn_mask=mask, budget=1 << 30)
+    (logits,) = attention_chunks(mha, MhaCall(query, key, attn_mask=mask), budget=1 << 30)
     peak = logits.amax()
     # Independent: torch's projections, the extra keys appended per head by hand.
     q, k, _ = functional._in_projection(
@@ -320,10 +321,10 @@ def test_mha_logit_chunks_are_the_logits_a_row_at_a_time(mask: str) -> None:
         kwargs["attn_mask"] = torch.rand(3 * 2, 5, 5) > 0.5
     if mask == "padding":
         kwargs["key_padding_mask"] = torch.arange(5) >= torch.tensor([[5], [3], [4]])
-    (full,) = attention_chunks(mha, x, x, budget=1 << 30, **kwargs)
+    (full,) = attention_chunks(mha, MhaCall(x, x, **kwargs), budget=1 << 30)
     per_row = 3 * 2 * 7  # batch x heads x (5 keys, bias_k, zero_attn)
     for budget in (1, 2 * per_row):
-        chunks = list(attention_chunks(mha, x, x, budget=budget, **kwargs))
+        chunks = list(attention_chunks(mha, MhaCall(x, x, **kwargs), budget=budget))
         assert all(c.numel() <= max(budget, per_row) for c in chunks)
         assert len(chunks) == (5 if budget == 1 else 3)
         torch.testing.assert_close(torch.cat(chunks, -2), full, rtol=0, atol=0)

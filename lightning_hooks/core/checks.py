@@ -11,9 +11,16 @@ import numbers
 import reprlib
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict, TypeVar
+
+from typing_extensions import Unpack
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = [
+    "Bounds",
     "boolean",
     "callable_or_none",
     "choice",
@@ -29,11 +36,11 @@ T = TypeVar("T")
 C = TypeVar("C", bound=type)
 
 
-def _fail(owner: str, name: str, value: Any, expected: str, error: type[Exception]) -> Exception:
+def _fail(owner: str, name: str, value: object, expected: str, error: type[Exception]) -> Exception:
     return error(f"{owner}({name}={value!r}): must be {expected}, got {value!r}")
 
 
-def positive_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
+def positive_int(owner: str, name: str, value: object, *, minimum: int = 1) -> int:
     """``value`` as an ``int`` >= ``minimum``, else ``ValueError``/``TypeError``."""
     kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -43,43 +50,60 @@ def positive_int(owner: str, name: str, value: Any, *, minimum: int = 1) -> int:
     return int(value)
 
 
-def real(
-    owner: str,
-    name: str,
-    value: Any,
-    *,
-    low: float = -math.inf,
-    high: float = math.inf,
-    low_open: bool = False,
-    high_open: bool = False,
-) -> float:
+class Bounds(TypedDict, total=False):
+    """The keywords of :func:`real`: an interval's ends and whether each is left out."""
+
+    low: float
+    high: float
+    low_open: bool
+    high_open: bool
+
+
+class _Interval(NamedTuple):
+    """The interval :func:`real` accepts (the whole real line unless bounded)."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def describe(self) -> str:
+        """``"a finite real > 0.0 and <= 1.0"``: the expected value an error names."""
+        bounds = [f"{'>' if self.low_open else '>='} {self.low}"] if self.low > -math.inf else []
+        bounds += [f"{'<' if self.high_open else '<='} {self.high}"] if self.high < math.inf else []
+        return f"a finite real {' and '.join(bounds)}".rstrip()
+
+    def holds(self, number: float) -> bool:
+        """Whether ``number`` is finite and inside the interval."""
+        too_low = number <= self.low if self.low_open else number < self.low
+        too_high = number >= self.high if self.high_open else number > self.high
+        return math.isfinite(number) and not too_low and not too_high
+
+
+def real(owner: str, name: str, value: object, **bounds: Unpack[Bounds]) -> float:
     """``value`` as a finite ``float`` in ``[low, high]`` (``low_open``, ``high_open``: exclude)."""
-    bounds = [f"{'>' if low_open else '>='} {low}"] if low > -math.inf else []
-    bounds += [f"{'<' if high_open else '<='} {high}"] if high < math.inf else []
-    kind = f"a finite real {' and '.join(bounds)}".rstrip()
+    interval = _Interval(**bounds)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise _fail(owner, name, value, kind, TypeError)
+        raise _fail(owner, name, value, interval.describe(), TypeError)
     number = float(value)
-    too_low = number <= low if low_open else number < low
-    too_high = number >= high if high_open else number > high
-    if not math.isfinite(number) or too_low or too_high:
-        raise _fail(owner, name, value, kind, ValueError)
+    if not interval.holds(number):
+        raise _fail(owner, name, value, interval.describe(), ValueError)
     return number
 
 
-def fraction_or_none(owner: str, name: str, value: Any) -> float | None:
+def fraction_or_none(owner: str, name: str, value: object) -> float | None:
     """``value`` as a ``float`` in ``[0, 1]``, or ``None`` (a setting that is off)."""
     return None if value is None else real(owner, name, value, low=0.0, high=1.0)
 
 
-def boolean(owner: str, name: str, value: Any) -> bool:
+def boolean(owner: str, name: str, value: object) -> bool:
     """``value`` if it is a ``bool`` (``numpy.bool_`` too), else ``TypeError``."""
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         return bool(value)
     raise _fail(owner, name, value, "True or False", TypeError)
 
 
-def choice(owner: str, name: str, value: Any, allowed: Sequence[T]) -> T:
+def choice(owner: str, name: str, value: object, allowed: Sequence[T]) -> T:
     """``value`` if it is one of ``allowed``, else ``ValueError`` listing them."""
     for option in allowed:
         if type(value) is type(option) and value == option:
@@ -87,14 +111,14 @@ def choice(owner: str, name: str, value: Any, allowed: Sequence[T]) -> T:
     raise _fail(owner, name, value, f"one of {tuple(allowed)!r}", ValueError)
 
 
-def callable_or_none(owner: str, name: str, value: Any) -> Callable[..., Any] | None:
+def callable_or_none(owner: str, name: str, value: object) -> Callable[..., Any] | None:
     """``value`` if it is callable or ``None``, else ``TypeError``."""
     if value is None or callable(value):
-        return value  # type: ignore[no-any-return]
+        return value
     raise _fail(owner, name, value, "a callable or None", TypeError)
 
 
-def _instance(owner: str, name: str, value: Any, cls: type, expected: str) -> Any:
+def _instance(owner: str, name: str, value: object, cls: type[T], expected: str) -> T:
     if isinstance(value, cls):
         return value
     raise TypeError(
@@ -102,18 +126,18 @@ def _instance(owner: str, name: str, value: Any, cls: type, expected: str) -> An
     )
 
 
-def module(owner: str, name: str, value: Any) -> Any:
+def module(owner: str, name: str, value: object) -> nn.Module:
     """``value`` if it is a ``torch.nn.Module``, else ``TypeError`` naming the argument."""
     from torch import nn  # here: the checks above serve torch-free callers too
 
     return _instance(owner, name, value, nn.Module, "a torch.nn.Module")
 
 
-def optimizer(owner: str, name: str, value: Any) -> Any:
+def optimizer(owner: str, name: str, value: object) -> torch.optim.Optimizer:
     """``value`` if it is a ``torch.optim.Optimizer``, else ``TypeError`` naming the argument."""
-    import torch
+    from torch.optim import Optimizer
 
-    return _instance(owner, name, value, torch.optim.Optimizer, "a torch.optim.Optimizer")
+    return _instance(owner, name, value, Optimizer, "a torch.optim.Optimizer")
 
 
 def named_arguments(cls: C) -> C:
@@ -133,7 +157,7 @@ def named_arguments(cls: C) -> C:
     names = _keyword_names(init)
 
     @functools.wraps(init)
-    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+    def checked(self: object, *args: object, **kwargs: object) -> None:
         for name in kwargs:
             if name not in names:
                 raise TypeError(_unknown_argument(type(self).__name__, name, names))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -15,6 +15,8 @@ import torch.distributed as dist
 __all__ = [
     "FirstNonFinite",
     "HostMailbox",
+    "HostSlot",
+    "Reduced",
     "ShardPlan",
     "agree",
     "all_gather_stacked",
@@ -28,6 +30,16 @@ __all__ = [
     "to_local",
     "world_size",
 ]
+
+
+class HostSlot(NamedTuple):
+    """Host memory for one shape of posted value: a tensor and a numpy array over its bytes."""
+
+    tensor: torch.Tensor  # what the device copies into
+    array: np.ndarray  # what the host reads
+
+
+T = TypeVar("T")
 
 
 class HostMailbox:
@@ -51,14 +63,14 @@ class HostMailbox:
             dtype = np.dtype(str(self._dtype).removeprefix("torch."))
             self._view = np.zeros(shape, dtype=dtype)
             self._host = torch.from_numpy(self._view)
-        self._slot: tuple[torch.Tensor, np.ndarray] = (self._host, self._view)
+        self._slot = HostSlot(tensor=self._host, array=self._view)
         self._slots = {tuple(self._host.shape): self._slot}
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self._host.shape)
 
-    def reserve(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
+    def reserve(self, shape: tuple[int, ...]) -> HostSlot:
         """The host views for values of ``shape``, made once (reserve ahead: a post makes none)."""
         if shape in self._slots:
             return self._slots[shape]
@@ -68,14 +80,15 @@ class HostMailbox:
             self._allocate((count,))
             self._slot = unread
         host = self._host.view(-1)[:count].view(shape)
-        self._slots[shape] = (host, self._view.reshape(-1)[:count].reshape(shape))
+        array = self._view.reshape(-1)[:count].reshape(shape)
+        self._slots[shape] = HostSlot(tensor=host, array=array)
         return self._slots[shape]
 
     def post(self, value: torch.Tensor, meta: Any = None) -> None:
         """Start copying ``value`` to the host; ``meta`` comes back with it from :meth:`read`."""
         slot = self._slots.get(tuple(value.shape)) or self.reserve(tuple(value.shape))
         self._slot = slot
-        slot[0].copy_(value, non_blocking=self._event is not None)
+        slot.tensor.copy_(value, non_blocking=self._event is not None)
         if self._event is not None:
             self._event.record()
         self._meta = meta
@@ -93,7 +106,7 @@ class HostMailbox:
                 return None
         meta, self._meta = self._meta, None
         self.pending = False
-        return self._slot[1], meta
+        return self._slot.array, meta
 
     def clear(self, fill: float = 0) -> None:
         """Drop a pending value and fill the host buffer with ``fill``."""
@@ -102,6 +115,14 @@ class HostMailbox:
 
 
 _ROW_SPACE = 1 << 24
+
+
+def _code(got: tuple[np.ndarray, Any] | None) -> int:
+    """The mark a :class:`FirstNonFinite` read back (``-1``: none, or nothing read)."""
+    if got is None:
+        return -1
+    value, _ = got
+    return int(value[0])
 
 
 class FirstNonFinite:
@@ -134,12 +155,10 @@ class FirstNonFinite:
     def poll(self) -> tuple[int, int] | None:
         """``(step, row)`` of the first mark that has reached the host, or ``None``."""
         box = self._mailbox
-        got = box.read(wait=False)
-        code = -1 if got is None else int(got[0][0])
+        code = _code(box.read(wait=False))
         if code < 0 and not box.pending:
             box.post(self.code)  # on the CPU the copy is the read
-            got = None if self.device.type == "cuda" else box.read(wait=False)
-            code = -1 if got is None else int(got[0][0])
+            code = -1 if self.device.type == "cuda" else _code(box.read(wait=False))
         return divmod(code, _ROW_SPACE) if code >= 0 else None
 
     def reset(self) -> None:
@@ -184,11 +203,11 @@ def agree(flags: Sequence[bool]) -> list[int]:
     return [int(c) for c in counts.tolist()]
 
 
-def gather_objects(obj: Any) -> list[Any]:
+def gather_objects(obj: T) -> list[T]:
     """Every rank's ``obj`` (picklable), by rank: a one-off ``all_gather_object``."""
     if not is_distributed():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
+    out: list[Any] = [None] * dist.get_world_size()  # filled with each rank's
     dist.all_gather_object(out, obj)
     return out
 
@@ -200,7 +219,9 @@ def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_gather_stacked(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+def all_gather_stacked(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """``[world_size, *tensor.shape]``: every rank's ``tensor`` (one collective; same shapes)."""
     if not is_distributed():
         return tensor.unsqueeze(0)
@@ -228,12 +249,20 @@ def combine_partials(gathered: torch.Tensor, num_sums: int) -> torch.Tensor:
     return torch.cat([gathered[..., :num_sums].sum(0), gathered[..., num_sums:].amax(0)], dim=-1)
 
 
+class Reduced(NamedTuple):
+    """What :meth:`ShardPlan.reduce` made whole: each tensor it was given, in order."""
+
+    norms: list[torch.Tensor]
+    sums: list[torch.Tensor]
+    maxima: list[torch.Tensor]
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """The process group (``group``, of global ``ranks``) sharding every tracked parameter (FSDP2
     ``DTensor``): shard-local partials made exact by one collective over it."""
 
-    group: Any = field(compare=False)
+    group: dist.ProcessGroup | None = field(compare=False)
     ranks: tuple[int, ...]
 
     @classmethod
@@ -264,7 +293,7 @@ class ShardPlan:
         norms: Sequence[torch.Tensor] = (),
         sums: Sequence[torch.Tensor] = (),
         maxima: Sequence[torch.Tensor] = (),
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    ) -> Reduced:
         """Shard-local per-parameter L2 ``norms``, ``sums`` and ``maxima`` made whole."""
         columns = [n.float().square() for n in norms] + [s.float() for s in sums]
         num_sums = len(columns)
@@ -274,7 +303,9 @@ class ShardPlan:
             packed = combine_partials(all_gather_stacked(packed, self.group), num_sums)
         out = list(packed.unbind(1))
         k = len(norms)
-        return [n.sqrt() for n in out[:k]], out[k:num_sums], out[num_sums:]
+        return Reduced(
+            norms=[n.sqrt() for n in out[:k]], sums=out[k:num_sums], maxima=out[num_sums:]
+        )
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over the shard group (a new tensor)."""
@@ -297,4 +328,4 @@ def _plan_of(param: torch.Tensor) -> ShardPlan:
             "(FSDP2 fully_shard), Replicate along the others (HSDP)"
         )
     group = mesh.get_group(shard_dims[0])
-    return ShardPlan(group, tuple(dist.get_process_group_ranks(group)))
+    return ShardPlan(group=group, ranks=tuple(dist.get_process_group_ranks(group)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -18,8 +18,18 @@ from lightning_hooks.logging.figures import (
     layer_epoch_heatmap,
     layer_time_figure,
 )
-from lightning_hooks.logging.sinks import CSVSink, LoggerSink, MLflowSink, Moments, WandbSink
+from lightning_hooks.logging.sinks import (
+    CSVSink,
+    LightningLogger,
+    LoggerSink,
+    MLflowSink,
+    Moments,
+    WandbSink,
+)
 from lightning_hooks.logging.tensorboard import TensorBoardSink, step_tags
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "LoggerSink",
@@ -45,7 +55,7 @@ __all__ = [
 # The first kind that accepts a logger adapts it: a subclass's sink is registered after its base's.
 _KINDS: list[type[LoggerSink]] = [TensorBoardSink, WandbSink, MLflowSink, CSVSink]
 # One sink per logger for the logger's life: a sink that failed stays failed.
-_SINKS: weakref.WeakKeyDictionary[Any, LoggerSink] = weakref.WeakKeyDictionary()
+_SINKS: weakref.WeakKeyDictionary[LightningLogger, LoggerSink] = weakref.WeakKeyDictionary()
 _FAILED: weakref.WeakSet[LoggerSink] = weakref.WeakSet()
 
 
@@ -79,7 +89,7 @@ def register_sink(kind: type[LoggerSink]) -> type[LoggerSink]:
     return kind
 
 
-def sinks_for(loggers: Sequence[Any]) -> list[LoggerSink]:
+def sinks_for(loggers: Sequence[LightningLogger]) -> list[LoggerSink]:
     """One live sink per distinct logger (a sink whose client raised is left out)."""
     sinks: list[LoggerSink] = []
     for logger in loggers:
@@ -92,7 +102,7 @@ def sinks_for(loggers: Sequence[Any]) -> list[LoggerSink]:
     return sinks
 
 
-def each_sink(loggers: Sequence[Any], write: Callable[[LoggerSink], None]) -> None:
+def each_sink(loggers: Sequence[LightningLogger], write: Callable[[LoggerSink], None]) -> None:
     """``write`` to each live sink of ``loggers``; a sink whose client raises is dropped with one
     warning and training goes on (``LIGHTNING_HOOKS_STRICT=1``: the error is raised)."""
     for sink in sinks_for(loggers):
@@ -111,51 +121,57 @@ def each_sink(loggers: Sequence[Any], write: Callable[[LoggerSink], None]) -> No
             )
 
 
-def log_scalars(loggers: Sequence[Any], metrics: Mapping[str, float], step: int) -> None:
+def log_scalars(
+    loggers: Sequence[LightningLogger], metrics: Mapping[str, float], step: int
+) -> None:
     """Send ``metrics`` to every logger, once each (to TensorBoard as one event)."""
     if metrics:
         each_sink(loggers, lambda sink: sink.scalars(metrics, step))
 
 
-def save_loggers(loggers: Sequence[Any]) -> None:
+def save_loggers(loggers: Sequence[LightningLogger]) -> None:
     """Save every logger as Lightning does after ``log_metrics`` (TensorBoard flushes its file)."""
     each_sink(loggers, lambda sink: sink.save())
 
 
-def write_dashboards(loggers: Sequence[Any]) -> None:
+def write_dashboards(loggers: Sequence[LightningLogger]) -> None:
     """Write the chart layout of the scalars logged so far, to each logger that has one."""
     each_sink(loggers, lambda sink: sink.dashboard())
 
 
-def shows_pictures(loggers: Sequence[Any]) -> bool:
+def shows_pictures(loggers: Sequence[LightningLogger]) -> bool:
     """Whether figures and images reach any of ``loggers``."""
     return any(sink.shows_pictures for sink in sinks_for(loggers))
 
 
-def log_figure(loggers: Sequence[Any], tag: str, figure: Figure, step: int) -> None:
+def log_figure(loggers: Sequence[LightningLogger], tag: str, figure: Figure, step: int) -> None:
     """Write a matplotlib figure to every logger that shows pictures."""
     each_sink(loggers, lambda sink: sink.figure(tag, figure, step))
 
 
-def log_text(loggers: Sequence[Any], tag: str, text: str, step: int) -> None:
+def log_text(loggers: Sequence[LightningLogger], tag: str, text: str, step: int) -> None:
     """Write Markdown ``text`` to every logger that keeps text."""
     each_sink(loggers, lambda sink: sink.text(tag, text, step))
 
 
-def log_image(loggers: Sequence[Any], tag: str, image: Any, step: int) -> None:
+def log_image(loggers: Sequence[LightningLogger], tag: str, image: torch.Tensor, step: int) -> None:
     """Write a ``CHW`` image tensor in ``[0, 1]`` to every logger that shows pictures."""
     each_sink(loggers, lambda sink: sink.image(tag, image, step))
 
 
 def log_embedding(
-    loggers: Sequence[Any], tag: str, features: Any, labels: list[Any] | None, step: int
+    loggers: Sequence[LightningLogger],
+    tag: str,
+    features: torch.Tensor,
+    labels: list[Any] | None,
+    step: int,
 ) -> None:
     """Write ``[N, D]`` features (and ``N`` labels) to every logger with a projector."""
     each_sink(loggers, lambda sink: sink.embedding(tag, features, labels, step))
 
 
-def log_histogram(
-    loggers: Sequence[Any],
+def log_histogram(  # PLR0913 kept: its callers pass the histogram's parts by position
+    loggers: Sequence[LightningLogger],
     tag: str,
     limits: np.ndarray,
     counts: np.ndarray,

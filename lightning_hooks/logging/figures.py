@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -13,6 +12,7 @@ from matplotlib.axes import Axes
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
+from typing_extensions import TypedDict, Unpack
 
 __all__ = ["feature_map_grid", "grad_flow_figure", "layer_epoch_heatmap", "layer_time_figure"]
 
@@ -32,8 +32,20 @@ def _label_size(n: int) -> int:
     return 11 if n <= 16 else 9 if n <= 30 else 7
 
 
+class _BarStyle(TypedDict, total=False):
+    """How :func:`_bars` draws its bars."""
+
+    color: str
+    label: str
+
+
 def _bars(
-    ax: Axes, x: np.ndarray, heights: np.ndarray, floor: float, width: float, **style: Any
+    ax: Axes,
+    x: np.ndarray,
+    heights: np.ndarray,
+    floor: float,
+    width: float,
+    **style: Unpack[_BarStyle],
 ) -> None:
     """Bars from ``floor`` to ``heights`` at ``x`` as one artist (``ax.bar``: one per bar, slow).
 

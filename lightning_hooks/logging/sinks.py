@@ -8,13 +8,24 @@ import importlib
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-__all__ = ["CSVSink", "LoggerSink", "MLflowSink", "Moments", "WandbSink", "lightning_types"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "CSVSink",
+    "LightningLogger",
+    "LoggerSink",
+    "MLflowSink",
+    "Moments",
+    "WandbSink",
+    "lightning_types",
+]
 
 Moments = tuple[float, float, float, float]
 """``(min, max, sum, sum of squares)`` of the values a histogram binned."""
@@ -26,6 +37,72 @@ _NAMESPACES = (
     "lightning_fabric.loggers",
     "lightning.fabric.loggers",
 )
+
+
+class LightningLogger(Protocol):
+    """What a sink calls on any logger: a Lightning ``Logger`` of either namespace, or Fabric's."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Write ``metrics`` at ``step``."""
+
+    def save(self) -> None:
+        """Persist what was written."""
+
+
+class _CSVLogger(LightningLogger, Protocol):
+    """A ``CSVLogger``: its experiment has the run's ``log_dir`` (not on ranks > 0)."""
+
+    @property
+    def experiment(self) -> object:
+        """The experiment writer (a dummy one on ranks > 0)."""
+
+
+class _MlflowClient(Protocol):
+    """The calls of an ``MlflowClient`` that :class:`MLflowSink` makes."""
+
+    def log_figure(self, run_id: str, figure: Figure, artifact_file: str) -> None:
+        """Store ``figure`` as the run's artifact ``artifact_file``."""
+
+    def log_image(self, run_id: str, image: np.ndarray, *, key: str, step: int) -> None:
+        """Store an image under ``key`` at ``step``."""
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        """Store ``text`` as the run's artifact ``artifact_file``."""
+
+
+class _MlflowLogger(LightningLogger, Protocol):
+    """An ``MLFlowLogger``: its client and run."""
+
+    @property
+    def experiment(self) -> _MlflowClient:
+        """The run's ``MlflowClient``."""
+
+    @property
+    def run_id(self) -> str:
+        """The run written to."""
+
+
+class _WandbRun(Protocol):
+    """The call of a W&B run that :class:`WandbSink` makes."""
+
+    def log(self, data: dict[str, Any]) -> None:
+        """Log ``data`` (its step among its values)."""
+
+
+class _WandbLogger(LightningLogger, Protocol):
+    """A ``WandbLogger``: its own image and table writers, and its run."""
+
+    @property
+    def experiment(self) -> _WandbRun:
+        """The W&B run."""
+
+    def log_image(self, key: str, images: list[np.ndarray], step: int | None = None) -> None:
+        """Log ``images`` under ``key``."""
+
+    def log_text(
+        self, key: str, columns: list[str], data: list[list[Any]], step: int | None = None
+    ) -> None:
+        """Log a table of ``data`` under ``key``."""
 
 
 @functools.cache
@@ -61,11 +138,11 @@ class LoggerSink:
 
     shows_pictures: ClassVar[bool] = False
 
-    def __init__(self, logger: Any) -> None:
+    def __init__(self, logger: LightningLogger) -> None:
         self.logger = logger
 
     @classmethod
-    def accepts(cls, logger: Any) -> bool:
+    def accepts(cls, logger: object) -> bool:
         """Whether this sink adapts ``logger``; the base adapts any logger (scalars only)."""
         return True
 
@@ -76,7 +153,7 @@ class LoggerSink:
     def figure(self, tag: str, figure: Figure, step: int) -> None:
         """Write a matplotlib figure (the caller closes it)."""
 
-    def image(self, tag: str, image: Any, step: int) -> None:
+    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
         """Write a ``CHW`` CPU image tensor with values in ``[0, 1]``."""
 
     def histogram(
@@ -87,7 +164,9 @@ class LoggerSink:
     def text(self, tag: str, text: str, step: int) -> None:
         """Write Markdown ``text``."""
 
-    def embedding(self, tag: str, features: Any, labels: list[Any] | None, step: int) -> None:
+    def embedding(
+        self, tag: str, features: torch.Tensor, labels: list[Any] | None, step: int
+    ) -> None:
         """Write ``[N, D]`` features and their ``N`` labels for a projector."""
 
     def dashboard(self) -> None:
@@ -105,7 +184,7 @@ def _figure_pixels(figure: Figure) -> np.ndarray:
     return np.asarray(canvas.buffer_rgba())[:, :, :3].copy()  # type: ignore[no-untyped-call,no-any-return]
 
 
-def _image_pixels(image: Any) -> np.ndarray:
+def _image_pixels(image: torch.Tensor) -> np.ndarray:
     """A ``CHW`` tensor in ``[0, 1]`` as ``uint8`` pixels, ``[H, W]`` or ``[H, W, C]``.
 
     Example:
@@ -127,9 +206,10 @@ class CSVSink(LoggerSink):
     text in ``<log_dir>/<tag with dots>.md``; no histograms or embeddings."""
 
     shows_pictures: ClassVar[bool] = True
+    logger: _CSVLogger
 
     @classmethod
-    def accepts(cls, logger: Any) -> bool:
+    def accepts(cls, logger: object) -> bool:
         return isinstance(logger, lightning_types("CSVLogger"))
 
     def _file(self, name: str) -> Path | None:
@@ -151,7 +231,7 @@ class CSVSink(LoggerSink):
     def figure(self, tag: str, figure: Figure, step: int) -> None:
         self._write_png(tag, step, _figure_pixels(figure))
 
-    def image(self, tag: str, image: Any, step: int) -> None:
+    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
         self._write_png(tag, step, _image_pixels(image))
 
     def text(self, tag: str, text: str, step: int) -> None:
@@ -170,16 +250,17 @@ class MLflowSink(LoggerSink):
     ``.png`` / ``.md`` artifacts, images as MLflow images; no histograms or embeddings."""
 
     shows_pictures: ClassVar[bool] = True
+    logger: _MlflowLogger
 
     @classmethod
-    def accepts(cls, logger: Any) -> bool:
+    def accepts(cls, logger: object) -> bool:
         return isinstance(logger, lightning_types("MLFlowLogger"))
 
     def figure(self, tag: str, figure: Figure, step: int) -> None:
         path = _step_file(tag, step, ".png")
         self.logger.experiment.log_figure(self.logger.run_id, figure, path)
 
-    def image(self, tag: str, image: Any, step: int) -> None:
+    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
         # The key follows MLflow's metric-name rules, as Lightning's log_metrics cleans its keys.
         pixels, key = _image_pixels(image), _UNSAFE.sub("", tag)
         self.logger.experiment.log_image(self.logger.run_id, pixels, key=key, step=step)
@@ -211,15 +292,16 @@ class WandbSink(LoggerSink):
     ``wandb.Image``, histograms as ``wandb.Histogram``, text as a table row; no embeddings."""
 
     shows_pictures: ClassVar[bool] = True
+    logger: _WandbLogger
 
     @classmethod
-    def accepts(cls, logger: Any) -> bool:
+    def accepts(cls, logger: object) -> bool:
         return isinstance(logger, lightning_types("WandbLogger"))
 
     def figure(self, tag: str, figure: Figure, step: int) -> None:
         self.logger.log_image(key=tag, images=[_figure_pixels(figure)], step=step)
 
-    def image(self, tag: str, image: Any, step: int) -> None:
+    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
         self.logger.log_image(key=tag, images=[_image_pixels(image)], step=step)
 
     def histogram(

@@ -10,15 +10,21 @@ import functools
 import re
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 from matplotlib.figure import Figure
+from typing_extensions import Buffer, TypedDict, Unpack
 
-from lightning_hooks.logging.sinks import LoggerSink, Moments, lightning_types
+from lightning_hooks.logging.sinks import LightningLogger, LoggerSink, Moments, lightning_types
+
+if TYPE_CHECKING:
+    import torch
+    from tensorboard.compat.proto.summary_pb2 import Summary
 
 __all__ = [
     "MAX_CHARTS",
+    "RawHistogram",
     "TensorBoardSink",
     "chart_key",
     "dashboard_layout",
@@ -31,18 +37,65 @@ __all__ = [
 ]
 
 
+class RawHistogram(TypedDict):
+    """The keyword arguments of ``SummaryWriter.add_histogram_raw`` (:func:`histogram_raw`)."""
+
+    min: float
+    max: float
+    num: float
+    sum: float
+    sum_squares: float
+    bucket_limits: list[float]
+    bucket_counts: list[float]
+
+
+class _SummaryWriter(Protocol):
+    """The calls of a ``SummaryWriter`` that :class:`TensorBoardSink` makes."""
+
+    def add_figure(self, tag: str, figure: Figure, global_step: int, close: bool) -> None:
+        """Write ``figure`` as an image."""
+
+    def add_image(
+        self, tag: str, img_tensor: torch.Tensor, global_step: int, dataformats: str
+    ) -> None:
+        """Write an image."""
+
+    def add_histogram_raw(self, tag: str, global_step: int, **raw: Unpack[RawHistogram]) -> None:
+        """Write pre-binned counts (the keywords of :func:`histogram_raw`)."""
+
+    def add_text(self, tag: str, text_string: str, global_step: int) -> None:
+        """Write Markdown text."""
+
+    def add_embedding(
+        self, mat: torch.Tensor, metadata: list[Any] | None, global_step: int, tag: str
+    ) -> None:
+        """Write features for the projector."""
+
+    def add_custom_scalars(self, layout: dict[str, dict[str, list[Any]]]) -> None:
+        """Write the custom-scalars layout."""
+
+
+class _TensorBoardLogger(LightningLogger, Protocol):
+    """A ``TensorBoardLogger``: its ``SummaryWriter``."""
+
+    @property
+    def experiment(self) -> _SummaryWriter:
+        """The writer (a dummy one on ranks > 0)."""
+
+
 class TensorBoardSink(LoggerSink):
     """A ``TensorBoardLogger`` (either namespace, or a subclass): its ``SummaryWriter`` gets
     figures, images, histograms, text, embeddings and the custom-scalars layout."""
 
     shows_pictures: ClassVar[bool] = True
+    logger: _TensorBoardLogger
 
-    def __init__(self, logger: Any) -> None:
+    def __init__(self, logger: LightningLogger) -> None:
         super().__init__(logger)
         fast_tensorboard_crc()  # the event files' checksums in C, once
 
     @classmethod
-    def accepts(cls, logger: Any) -> bool:
+    def accepts(cls, logger: object) -> bool:
         return isinstance(logger, lightning_types("TensorBoardLogger"))
 
     def scalars(self, metrics: Mapping[str, float], step: int) -> None:
@@ -51,9 +104,12 @@ class TensorBoardSink(LoggerSink):
         from torch.utils.tensorboard import SummaryWriter
 
         plain = type(self.logger) in lightning_types("TensorBoardLogger")
-        writer = self.logger.experiment if plain else None
+        writer: object = self.logger.experiment if plain else None  # a real one on rank 0
         if isinstance(writer, SummaryWriter) and not getattr(self.logger, "_prefix", ""):
-            writer._get_file_writer().add_summary(scalar_summary(metrics), step)  # type: ignore[no-untyped-call]
+            # SLF001 kept: SummaryWriter writes a whole Summary only through its file writer,
+            # which _get_file_writer opens again after a close (its attribute would be None)
+            file_writer = writer._get_file_writer()  # type: ignore[no-untyped-call]
+            file_writer.add_summary(scalar_summary(metrics), step)
         else:
             self.logger.log_metrics(dict(metrics), step=step)
         keys = {key for key in map(chart_key, metrics) if key is not None}
@@ -63,7 +119,7 @@ class TensorBoardSink(LoggerSink):
     def figure(self, tag: str, figure: Figure, step: int) -> None:
         self.logger.experiment.add_figure(tag, figure, global_step=step, close=False)
 
-    def image(self, tag: str, image: Any, step: int) -> None:
+    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
         self.logger.experiment.add_image(tag, image, global_step=step, dataformats="CHW")
 
     def histogram(
@@ -75,7 +131,9 @@ class TensorBoardSink(LoggerSink):
     def text(self, tag: str, text: str, step: int) -> None:
         self.logger.experiment.add_text(tag, text, global_step=step)
 
-    def embedding(self, tag: str, features: Any, labels: list[Any] | None, step: int) -> None:
+    def embedding(
+        self, tag: str, features: torch.Tensor, labels: list[Any] | None, step: int
+    ) -> None:
         self.logger.experiment.add_embedding(features, metadata=labels, global_step=step, tag=tag)
 
     def dashboard(self) -> None:
@@ -89,7 +147,7 @@ class TensorBoardSink(LoggerSink):
 
 def histogram_raw(
     limits: np.ndarray, counts: np.ndarray, moments: Moments | None = None
-) -> dict[str, Any]:
+) -> RawHistogram:
     """Keyword arguments of ``SummaryWriter.add_histogram_raw`` for pre-binned counts.
 
     Args:
@@ -114,15 +172,15 @@ def histogram_raw(
             float((centres**2 * counts).sum()),
         )
     low, high, total, sum_sq = moments
-    return {
-        "min": low,
-        "max": high,
-        "num": float(counts.sum()),
-        "sum": total,
-        "sum_squares": sum_sq,
-        "bucket_limits": [float(e) for e in limits],
-        "bucket_counts": [float(c) for c in counts],
-    }
+    return RawHistogram(
+        min=low,
+        max=high,
+        num=float(counts.sum()),
+        sum=total,
+        sum_squares=sum_sq,
+        bucket_limits=[float(e) for e in limits],
+        bucket_counts=[float(c) for c in counts],
+    )
 
 
 MAX_CHARTS = 64
@@ -229,10 +287,10 @@ def _chart_rank(key: tuple[str, str]) -> tuple[int, str, int, str]:
 _MASK = 0xFFFFFFFF
 _DELTA = 0xA282EAD8  # TFRecord's mask: rotate right by 15 bits, add this
 _value: Callable[[bytes], int] | None = None
-_slow: Callable[[Any], int] | None = None
+_slow: Callable[[Buffer], int] | None = None
 
 
-def masked_crc32c(data: Any) -> int:
+def masked_crc32c(data: Buffer) -> int:
     """TFRecord's masked CRC-32C of ``data``, as TensorBoard's ``masked_crc32c`` computes it;
     anything the C function does not take (or an error in it) goes to TensorBoard's own."""
     assert _value is not None and _slow is not None, "call fast_tensorboard_crc() first"
@@ -277,7 +335,7 @@ def _head(tag: str) -> bytes:
     return b"\x0a" + _varint(len(field) + 4) + field  # value: 1, length
 
 
-def scalar_summary(metrics: Mapping[str, float]) -> Any:
+def scalar_summary(metrics: Mapping[str, float]) -> Summary:
     """``Summary(value=[Summary.Value(tag=tag, simple_value=value), ...])`` for ``metrics``,
     written in protobuf's wire format and parsed in C: faster than a ``Summary.Value`` per scalar.
 

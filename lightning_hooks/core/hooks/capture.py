@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,11 +17,13 @@ from lightning_hooks.core.hooks.selection import Patterns, as_patterns
 __all__ = ["capture_outputs", "probe_mode"]
 
 
-def _apply(output: Any, fn: Any) -> Any:
+def _apply(output: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
+    """``output`` with ``fn`` applied to each tensor in it (its containers rebuilt)."""
     if isinstance(output, torch.Tensor):
         return fn(output)
     if isinstance(output, tuple) and hasattr(output, "_fields"):  # a namedtuple
-        return type(output)(*(_apply(item, fn) for item in output))
+        namedtuple: Callable[..., object] = type(output)  # built from its fields, by position
+        return namedtuple(*(_apply(item, fn) for item in output))
     if isinstance(output, list | tuple):
         return type(output)(_apply(item, fn) for item in output)
     if isinstance(output, Mapping):
@@ -29,12 +31,16 @@ def _apply(output: Any, fn: Any) -> Any:
     return output
 
 
-def _keeper(name: str, store: dict[str, Any], detach: bool, clone: bool) -> Any:
+def _keeper(
+    name: str, store: dict[str, Any], detach: bool, clone: bool
+) -> Callable[[nn.Module, tuple[Any, ...], object], None]:
+    """A forward hook that stores the module's output in ``store[name]``."""
+
     def keep(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach() if detach else tensor
         return tensor.clone() if clone else tensor
 
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
         store[name] = _apply(output, keep)
 
     return hook

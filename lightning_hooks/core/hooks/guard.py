@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextvars
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from functools import wraps
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from lightning_hooks.errors import LightningHooksError, LightningHooksWarning
 
@@ -84,7 +85,7 @@ class Guard:
             return fn
 
         @wraps(fn)
-        def guarded(*args: Any, **kwargs: Any) -> Any:
+        def guarded(*args: object, **kwargs: object) -> object:
             try:
                 return fn(*args, **kwargs)
             except Exception as error:
@@ -114,20 +115,33 @@ GUARDED_HOOKS = (
 )
 """The hooks :func:`guard_hooks` wraps (not ``setup``: configuration errors must stop the fit)."""
 
+_GUARDED: weakref.WeakSet[Callable[..., object]] = weakref.WeakSet()
+"""The methods :func:`guard_hooks` made: a subclass that inherits one is not wrapped twice."""
+
+
+class _GuardedOwner(Protocol):
+    """What :func:`guard_hooks` needs of the class whose hooks it wraps (a callback)."""
+
+    def _hook_guard(self) -> Guard:
+        """The guard of the statistic whose hooks run."""
+
+    def _guard_disable(self) -> None:
+        """Remove the statistic's hooks after a guarded failure."""
+
 
 def guard_hooks(cls: type) -> None:
     """Wrap the :data:`GUARDED_HOOKS` that ``cls`` defines: each runs under
     ``self._hook_guard()``; once it failed, calls ``self._guard_disable()`` once, then nothing."""
     for name in GUARDED_HOOKS:
         method = cls.__dict__.get(name)
-        if method is not None and not getattr(method, "_lightning_hooks_guarded", False):
+        if method is not None and method not in _GUARDED:
             setattr(cls, name, _guarded_method(method, name))
 
 
-def _guarded_method(method: Callable[..., Any], name: str) -> Callable[..., Any]:
+def _guarded_method(method: Callable[..., object], name: str) -> Callable[..., object]:
     @wraps(method)
-    def hook(self: Any, *args: Any, **kwargs: Any) -> Any:
-        guard: Guard = self._hook_guard()
+    def hook(self: _GuardedOwner, *args: object, **kwargs: object) -> object:
+        guard = self._hook_guard()
         if guard.failed is None:
             token = _ACTIVE.set(guard)
             try:
@@ -140,5 +154,5 @@ def _guarded_method(method: Callable[..., Any], name: str) -> Callable[..., Any]
             self._guard_disable()
         return None
 
-    hook._lightning_hooks_guarded = True  # type: ignore[attr-defined]
+    _GUARDED.add(hook)
     return hook

@@ -6,11 +6,25 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 from torch import nn
+
+# torch keeps no public view of its torch-function mode stack (``TorchFunctionMode`` only enters
+# and exits): the gated hooks look under the innermost mode with these.
+from torch._C import (
+    _get_function_stack_at,
+    _len_torch_function_stack,
+    _pop_torch_function_stack,
+    _push_on_torch_function_stack,
+)
+
+# torch keeps no public view of the global module hooks (``register_module_forward_hook`` only
+# adds one): whether there are any is read here.
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import Self
@@ -25,6 +39,25 @@ __all__ = ["Gated", "HookOwner", "HookRegistry", "ShelvedMode", "plain_layers"]
 
 ForwardHook = Callable[[nn.Module, Any, Any], Any]
 F = TypeVar("F", bound=Callable[..., Any])
+R = TypeVar("R")
+
+HookTable = Literal[
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+]
+"""The names of a module's hook dicts: the hooks by id (``_forward_hooks``,
+``_forward_pre_hooks``) and the ids marked for a hook option (the others)."""
+
+
+def _hook_table(module: nn.Module, table: HookTable) -> OrderedDict[int, Any]:
+    """``module``'s hook dict ``table``, by hook id: the one place this library reads a module's
+    hooks. torch keeps no public view of them (a ``RemovableHandle`` only removes), and a gated
+    hook is put on and taken off by its id, without the cost of registering a handle."""
+    table_dict: OrderedDict[int, Any] = getattr(module, table)
+    return table_dict
 
 
 def _unhookable_modules(model: nn.Module) -> dict[int, str]:
@@ -49,43 +82,45 @@ class ShelvedMode(TorchFunctionMode):
     """A mode of this library that its gated hooks run outside of."""
 
 
-def _outside_shelved(fn: Callable[..., Any], *args: Any) -> Any:
+def _outside_shelved(fn: Callable[..., R], *args: object) -> R:
     """``fn(*args)`` with an innermost :class:`ShelvedMode` popped (not while compiling)."""
-    depth = 0 if torch.compiler.is_compiling() else torch._C._len_torch_function_stack()
-    mode = torch._C._get_function_stack_at(depth - 1) if depth else None
+    depth = 0 if torch.compiler.is_compiling() else _len_torch_function_stack()
+    mode = _get_function_stack_at(depth - 1) if depth else None
     if not isinstance(mode, ShelvedMode):
         return fn(*args)
-    torch._C._pop_torch_function_stack()
+    _pop_torch_function_stack()
     try:
         return fn(*args)
     finally:
-        torch._C._push_on_torch_function_stack(mode)
+        _push_on_torch_function_stack(mode)
 
 
 class Gated(NamedTuple):
     """A hook put on its module for each logging step under an id reserved once (no handle)."""
 
     module: nn.Module
-    table: str  # the module's attribute holding the hooks
-    flags: tuple[str, ...]  # its attributes where the id is marked (with_kwargs, always_call)
+    table: HookTable  # the module's dict holding the hooks
+    flags: tuple[HookTable, ...]  # its dicts where the id is marked (with_kwargs, always_call)
     key: int
     hook: Callable[..., Any]
     prepend: bool
 
     def install(self) -> None:
+        """Put the hook on its module, marked with its options."""
         module, key = self.module, self.key
-        hooks = getattr(module, self.table)
+        hooks = _hook_table(module, self.table)
         hooks[key] = self.hook
         for flag in self.flags:
-            getattr(module, flag)[key] = True
+            _hook_table(module, flag)[key] = True
         if self.prepend:
             hooks.move_to_end(key, last=False)
 
     def uninstall(self) -> None:
+        """Take the hook and its option marks off its module (idempotent)."""
         module, key = self.module, self.key
-        getattr(module, self.table).pop(key, None)
+        _hook_table(module, self.table).pop(key, None)
         for flag in self.flags:
-            getattr(module, flag).pop(key, None)
+            _hook_table(module, flag).pop(key, None)
 
 
 class _GatedHandle(RemovableHandle):
@@ -94,8 +129,8 @@ class _GatedHandle(RemovableHandle):
     def __init__(self, gated: Gated) -> None:
         self.gated = gated
         self.id = gated.key
-        self.hooks_dict_ref = weakref.ref(getattr(gated.module, gated.table))
-        self.extra_dict_ref = tuple(weakref.ref(getattr(gated.module, f)) for f in gated.flags)
+        self.hooks_dict_ref = weakref.ref(_hook_table(gated.module, gated.table))
+        self.extra_dict_ref = tuple(weakref.ref(_hook_table(gated.module, f)) for f in gated.flags)
 
     def remove(self) -> None:
         self.gated.uninstall()
@@ -111,14 +146,17 @@ def _ours(hook: F) -> F:
 
 def plain_layers() -> Callable[[nn.Module], bool]:
     """Whether a module is a ``torch.nn`` leaf layer with no forward (pre-)hook but ours."""
-    nn_module = sys.modules["torch.nn.modules.module"]
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+    if _global_forward_hooks or _global_forward_pre_hooks:
         return lambda module: False
 
     def plain(module: nn.Module) -> bool:
-        if module._modules or not type(module).__module__.startswith("torch.nn.modules."):
+        has_children = next(module.children(), None) is not None
+        if has_children or not type(module).__module__.startswith("torch.nn.modules."):
             return False
-        hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+        hooks = (
+            *_hook_table(module, "_forward_hooks").values(),
+            *_hook_table(module, "_forward_pre_hooks").values(),
+        )
         return all(hook in _OURS for hook in hooks)
 
     return plain
@@ -182,7 +220,7 @@ class HookRegistry(HookOwner):
     """Whether the gated hooks run; setting it puts them on or takes them off (a plain attribute
     to read: a quiet step calls nothing of the registry)."""
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         if name != "logging_step":
             object.__setattr__(self, name, value)
             return
@@ -194,10 +232,12 @@ class HookRegistry(HookOwner):
             for gated in self._gated_hooks:
                 gated.install()
             return
-        # The first quiet step after a logging step: inline, no frame of ours per hook.
-        for module, table, flags, key, *_ in self._gated_hooks:
-            getattr(module, table).pop(key, None)
-            for flag in flags:
+        # The first quiet step after a logging step: inline (the dicts read as _hook_table does),
+        # no frame of ours per hook.
+        for gated in self._gated_hooks:
+            module, key = gated.module, gated.key
+            getattr(module, gated.table).pop(key, None)
+            for flag in gated.flags:
                 getattr(module, flag).pop(key, None)
 
     def gated_hook(
@@ -206,11 +246,20 @@ class HookRegistry(HookOwner):
         """A guarded, gated forward (pre-)hook; its handle while installed, else ``None``."""
         key = RemovableHandle.next_id  # an id no handle takes
         RemovableHandle.next_id += 1
-        table = "_forward_pre_hooks" if pre else "_forward_hooks"
-        flags = [f"{table}_with_kwargs"] if options.get("with_kwargs") else []
+        table: HookTable = "_forward_pre_hooks" if pre else "_forward_hooks"
+        flags: list[HookTable] = []
+        if options.get("with_kwargs"):
+            flags.append("_forward_pre_hooks_with_kwargs" if pre else "_forward_hooks_with_kwargs")
         if options.get("always_call") and not pre:
             flags.append("_forward_hooks_always_called")
-        gated = Gated(module, table, tuple(flags), key, _ours(hook), bool(options.get("prepend")))
+        gated = Gated(
+            module=module,
+            table=table,
+            flags=tuple(flags),
+            key=key,
+            hook=_ours(hook),
+            prepend=bool(options.get("prepend")),
+        )
         self._gated_hooks.append(gated)
         if not (self.logging_step or self.fixed):
             return None
@@ -301,7 +350,7 @@ class HookRegistry(HookOwner):
             return self._add(register(_ours(self.guarded(hook, where)), **options))
         guard = self.guard
 
-        def run(*args: Any) -> Any:  # the guard inline: no Python call of ours per hook
+        def run(*args: object) -> object:  # the guard inline: no Python call of ours per hook
             if self.logging_step:
                 try:
                     return _outside_shelved(hook, *args)

@@ -219,7 +219,7 @@ def compiled_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def select_modules(
+def select_modules(  # PLR0913 kept: public, one keyword per way a user selects modules
     model: nn.Module,
     *,
     types: ModuleTypes = None,
@@ -253,16 +253,17 @@ def select_modules(
         ['0', '1']
     """
     check_module("select_modules", "model", model)
-    inc = as_patterns(include, arguments[0])
-    exc = as_patterns(exclude, arguments[1])
+    include_name, exclude_name = arguments
+    inc = as_patterns(include, include_name)
+    exc = as_patterns(exclude, exclude_name)
     named = [
         (name, m)
         for n, m in model.named_modules()
         if (name := _plain_name(n)) and not _is_compiled_wrapper(m)
     ]
     names = [n for n, _ in named]
-    _check_patterns(inc, names, arguments[0])
-    _check_patterns(exc, names, arguments[1])
+    _check_patterns(inc, names, include_name)
+    _check_patterns(exc, names, exclude_name)
     return [
         (name, module)
         for name, module in named

@@ -28,6 +28,7 @@ __all__ = [
 FEATURE_STATS = ("sum", "sum_sq", "sum_abs", "zeros", "nonfinite", "numel", "min", "max")
 """Entries of :func:`feature_stats`: the first :data:`NUM_SUMS` pool by addition."""
 NUM_SUMS = 6
+_MIN, _MAX = FEATURE_STATS.index("min"), FEATURE_STATS.index("max")
 
 CHUNK = 1 << 19  # elements read at a time on the CPU (2 MiB in float32: stays in cache)
 
@@ -48,7 +49,7 @@ def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.
     if n <= chunk:
         return _piece_stats(flat, scratch)
     pieces = torch.stack([_piece_stats(flat[i : i + chunk], scratch) for i in range(0, n, chunk)])
-    extremes = [pieces[:, 6].min().view(1), pieces[:, 7].max().view(1)]
+    extremes = [pieces[:, _MIN].min().view(1), pieces[:, _MAX].max().view(1)]
     return torch.cat([pieces[:, :NUM_SUMS].sum(dim=0), *extremes])
 
 

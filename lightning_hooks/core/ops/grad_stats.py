@@ -10,13 +10,14 @@ import torch
 from torch import nn
 
 from lightning_hooks.core.ops.grouped_norms import abs_sum_max, cpu_grouping, plain_grads
-from lightning_hooks.core.ops.tensors import Workspace
+from lightning_hooks.core.ops.tensors import Workspace, foreach_norm
 from lightning_hooks.core.transport import ShardPlan, to_local
 
 __all__ = [
     "GLOBAL",
     "GRAD_STATS",
     "ROOT",
+    "LayerIndex",
     "ParamLayout",
     "grad_stats",
     "param_norms",
@@ -81,6 +82,11 @@ class ParamLayout:
             first=tuple(firsts[id(p)] == i for i, p in enumerate(params)),
         )
 
+    @property
+    def layer_index(self) -> LayerIndex:
+        """How :func:`grad_stats` adds each parameter into its layer (every listing counts)."""
+        return LayerIndex(self.index, self.numel)
+
     def subset(self, keep: Sequence[bool]) -> tuple[tuple[nn.Parameter, ...], torch.Tensor]:
         """Parameters where ``keep`` is true, with their layer indices."""
         picked = [i for i, k in enumerate(keep) if k]
@@ -113,6 +119,30 @@ class ParamLayout:
         return out
 
 
+@dataclass(frozen=True)
+class LayerIndex:
+    """How per-parameter values add into layer rows, then a global row (tensors on the
+    parameters' device, made once per set of parameters: views, never copies, of its buffers).
+
+    Attributes:
+        index: the layer row of each parameter (``long``).
+        numel: ``[layers]`` number of parameter elements per layer (float).
+        unique: positions of each parameter's first listing, which the global row counts (a
+            shared parameter once); ``None``: every listing.
+        total_numel: the elements of the global row (``None``: the sum of ``numel``).
+    """
+
+    index: torch.Tensor
+    numel: torch.Tensor
+    unique: torch.Tensor | None = None
+    total_numel: torch.Tensor | None = None
+
+    @property
+    def num_layers(self) -> int:
+        """The layer rows, before the global one."""
+        return self.numel.numel()
+
+
 def _total(values: torch.Tensor, unique: torch.Tensor | None) -> torch.Tensor:
     return (values if unique is None else values.index_select(0, unique)).sum().view(1)
 
@@ -138,46 +168,43 @@ def param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     grouping = cpu_grouping(tensors)
     if grouping is not None:
         return grouping(tensors).float()
-    return torch.stack(torch._foreach_norm(list(tensors), 2.0)).float()
+    return torch.stack(foreach_norm(list(tensors), 2.0)).float()
 
 
 @torch.no_grad()
 def grad_stats(
     grads: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor] | None,
-    index: torch.Tensor,
-    numel: torch.Tensor,
+    layers: LayerIndex,
     *,
-    unique: torch.Tensor | None = None,
-    total_numel: torch.Tensor | None = None,
     shards: ShardPlan | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """``[layers + 1, len(GRAD_STATS)]`` statistics of one optimizer step's gradients.
 
-    Rows: the layers of ``numel``, then all of them (with ``unique``, the first listings: a
-    shared parameter once, its mean over ``total_numel``). Columns: :data:`GRAD_STATS`, the
-    non-finite one 1 or 0. ``params=None``: the weight column is NaN.
+    Rows: the layers of ``layers.numel``, then all of them (with ``layers.unique``, the first
+    listings: a shared parameter once, its mean over ``layers.total_numel``). Columns:
+    :data:`GRAD_STATS`, the non-finite one 1 or 0. ``params=None``: the weight column is NaN.
 
     Example:
         >>> g = [torch.tensor([3.0, -4.0]), torch.tensor([1.0])]
         >>> w = [torch.ones(2), torch.ones(1)]
-        >>> grad_stats(g, w, torch.tensor([0, 1]), torch.tensor([2.0, 1.0]))
+        >>> grad_stats(g, w, LayerIndex(torch.tensor([0, 1]), torch.tensor([2.0, 1.0])))
         tensor([[5.0000, 3.5000, 4.0000, 0.0000, 1.4142],
                 [1.0000, 1.0000, 1.0000, 0.0000, 1.0000],
                 [5.0990, 2.6667, 4.0000, 0.0000, 1.7321]])
     """
-    num_layers = numel.numel()
+    index, unique, num_layers = layers.index, layers.unique, layers.num_layers
     l2 = param_norms(grads)
     sums, peak = abs_sum_max(grads, workspace)
     weight = param_norms(params) if params is not None else torch.full_like(l2, torch.nan)
     if shards is not None:  # shard-local partials made whole: one collective
-        (l2, weight), (sums,), (peak,) = shards.reduce(
-            norms=[l2, weight], sums=[sums], maxima=[peak]
-        )
+        whole = shards.reduce(norms=[l2, weight], sums=[sums], maxima=[peak])
+        (l2, weight), (sums,), (peak,) = whole.norms, whole.sums, whole.maxima
     peak, sums = peak.float(), sums.float()
     l1 = torch.cat([sums.new_zeros(num_layers).index_add_(0, index, sums), _total(sums, unique)])
     nonfinite = (~torch.isfinite(peak)).float()
+    numel, total_numel = layers.numel, layers.total_numel
     total = numel.sum().view(1) if total_numel is None else total_numel.view(1)
     return torch.stack(
         [
@@ -195,17 +222,15 @@ def grad_stats(
 def update_norms(
     before: Sequence[torch.Tensor],
     after: Sequence[torch.Tensor],
-    index: torch.Tensor,
-    num_layers: int,
+    layers: LayerIndex,
     *,
-    unique: torch.Tensor | None = None,
     shards: ShardPlan | None = None,
 ) -> torch.Tensor:
     """``[layers + 1]`` norms of ``after - before`` per layer, last: all (a shared parameter
-    once, with ``unique``). Overwrites ``before``."""
+    once, with ``layers.unique``). Overwrites ``before``."""
     diffs = list(before)
     torch._foreach_sub_(diffs, list(after))
     norms = param_norms(diffs)
     if shards is not None:  # shard-local norms made whole: one collective
-        norms = shards.reduce(norms=[norms])[0][0]
-    return segment_norm(norms, index, num_layers, unique)
+        (norms,) = shards.reduce(norms=[norms]).norms
+    return segment_norm(norms, layers.index, layers.num_layers, layers.unique)

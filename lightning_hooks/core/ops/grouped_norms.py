@@ -11,7 +11,7 @@ from typing import cast
 
 import torch
 
-from lightning_hooks.core.ops.tensors import Workspace, piece_size, row_index
+from lightning_hooks.core.ops.tensors import Workspace, foreach_norm, piece_size, row_index
 
 __all__ = [
     "CHUNK",
@@ -59,12 +59,12 @@ class GroupedNorms:
     def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """``[len(grads)]`` L2 norms of the parameters' gradients, in their (promoted) dtype."""
         if self._index is None:  # no stack
-            return torch.stack(torch._foreach_norm(list(grads)))
+            return torch.stack(foreach_norm(list(grads)))
         parts = []
         for pick, dims in self._stacks:  # a loop: a comprehension is a Python call of its own
             parts.append(torch.linalg.vector_norm(torch.stack(pick(grads)), dim=dims))
         if self._rest is not None:
-            parts.append(torch.stack(torch._foreach_norm(self._rest(grads))))
+            parts.append(torch.stack(foreach_norm(self._rest(grads))))
         return torch.cat(parts).index_select(0, self._index)
 
     def abs_sum_max(self, tensors: Sequence[torch.Tensor], ws: Workspace) -> _SumMax:
@@ -145,8 +145,8 @@ def _abs_sum_max(
         ]
         if small:  # the L1 and L-inf norms: two multi-tensor passes, no |t|, no op per tensor
             picked, dtype = [tensors[i] for i in small], None if wide else torch.float32
-            sums = torch._foreach_norm(picked, 1, dtype=dtype)
-            peaks = torch._foreach_norm(picked, math.inf, dtype=dtype)
+            sums = foreach_norm(picked, 1, dtype=dtype)
+            peaks = foreach_norm(picked, math.inf, dtype=dtype)
             done.update(zip(small, zip(sums, peaks, strict=True), strict=True))
     pairs = [done[i] if i in done else _abs_sum_max_pieces(t, ws) for i, t in enumerate(tensors)]
     if not pairs:

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from lightning_hooks.core.ops.tensors import foreach_norm
+
 __all__ = ["SPAN", "PointerNorms", "available"]
 
 SPAN = 1 << 16  # elements one program of the first kernel sums
@@ -66,7 +68,7 @@ class PointerNorms:
         """The norms of ``grads`` (in parameter order), float32, overwritten by the next call;
         by ``_foreach_norm`` when one is not contiguous (a gradient set by hand)."""
         if not all(g.is_contiguous() for g in grads):
-            return torch.stack(torch._foreach_norm(list(grads)))
+            return torch.stack(foreach_norm(list(grads)))
         # a fresh pinned table: PyTorch's host allocator reuses it only once its copy is done
         ptrs = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64, pin_memory=self._pin)
         ptrs = ptrs.to(self.device, non_blocking=True)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 from torch import nn
+
+# torch has no public way to ask whether autograd is running a backward (a checkpoint recompute)
+from torch._C import _current_graph_task_id
 
 __all__ = [
     "DEVICE_PIECE",
     "Pending",
     "Workspace",
+    "foreach_norm",
     "is_grad_forward",
     "is_training_forward",
     "iter_float_tensors",
@@ -21,6 +25,10 @@ __all__ = [
 ]
 
 DEVICE_PIECE = 1 << 24  # elements read at a time off the CPU (float32 counts stay exact)
+
+foreach_norm = torch._foreach_norm  # SLF001 kept: torch's multi-tensor norm has no public name
+"""``foreach_norm(tensors, ord=2, dtype=None)``: each tensor's norm, in one multi-tensor pass
+(``torch._foreach_norm`` itself, bound once: the quiet step's reads call it directly)."""
 
 
 def piece_size(device: torch.device, cpu: int) -> int:
@@ -60,7 +68,7 @@ def is_training_forward(module: nn.Module) -> bool:
         # Dynamo cannot trace the graph-task query (a graph break per hooked module), and a
         # compiled forward's hooks never run again in backward: recomputation is in the graph.
         return True
-    return torch._C._current_graph_task_id() == -1  # not a checkpoint recompute in backward
+    return _current_graph_task_id() == -1  # not a checkpoint recompute in backward
 
 
 def is_grad_forward(module: nn.Module) -> bool:
@@ -68,7 +76,7 @@ def is_grad_forward(module: nn.Module) -> bool:
     return module.training and torch.is_grad_enabled()
 
 
-def iter_float_tensors(output: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_float_tensors(output: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """``(suffix, tensor)`` of every float tensor in a nested output: ``.0``, ``.key`` or ``""``.
 
     Example:

@@ -145,11 +145,11 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         Raises:
             ValueError: the state was saved for other layers or statistics.
         """
-        saved = (tuple(state["layers"]), tuple(state["stats"]))
-        if saved != (self.layers, self.stats):
+        layers, stats = tuple(state["layers"]), tuple(state["stats"])
+        if (layers, stats) != (self.layers, self.stats):
             raise ValueError(
-                f"LayerStatsAccumulator.load_host_state: saved for layers={saved[0]!r}, "
-                f"stats={saved[1]!r}; this one has layers={self.layers!r}, stats={self.stats!r}"
+                f"LayerStatsAccumulator.load_host_state: saved for layers={layers!r}, "
+                f"stats={stats!r}; this one has layers={self.layers!r}, stats={self.stats!r}"
             )
         self.reset()
         super().load_host_state(state)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 from torch import nn
@@ -47,7 +45,7 @@ class ActivationShape(LayerStat[Shape]):
         """The activation statistics' modules (default: parameter owners and activations)."""
         return feature_modules(self.selection, model)
 
-    def observe(self, name: str, module: nn.Module, output: Any) -> None:
+    def observe(self, name: str, module: nn.Module, output: object) -> None:
         """Add the power sums and the peak of every floating tensor of ``output`` to its row."""
         for suffix, tensor in iter_float_tensors(output):
             x, row = tensor.detach(), self.row(name + suffix)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -14,6 +14,7 @@ from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import Selection, is_kind
 from lightning_hooks.core.ops.feature_stats import (
+    FEATURE_STATS,
     NUM_SUMS,
     STACKED,
     FeatureSummary,
@@ -29,6 +30,7 @@ from lightning_hooks.core.transport import FirstNonFinite
 
 __all__ = [
     "ACTIVATION_MODULES",
+    "ActivationResult",
     "ActivationStatsTracker",
     "Histogram",
     "default_feature_module",
@@ -41,7 +43,7 @@ ACTIVATION_MODULES: tuple[type[nn.Module], ...] = (
 )
 """Activation module types the default selection includes (third-party look-alikes too)."""
 
-_NONFINITE = 4  # column of the non-finite count in the sums
+_NONFINITE = FEATURE_STATS.index("nonfinite")  # its column in the sums
 _SIGN = (-1.0, 1.0)  # extremes are kept as (-min, max) so one max-reduce pools both
 SCALARS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite")
 """The statistics logged as ``activations/{stat}/{layer}``."""
@@ -74,8 +76,15 @@ class Histogram:
     counts: np.ndarray
 
 
+class ActivationResult(NamedTuple):
+    """What :class:`ActivationStatsTracker` measured over a window."""
+
+    summary: FeatureSummary
+    histograms: list[Histogram]  # a row each (none without ``histogram_bins``)
+
+
 @named_arguments
-class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
+class ActivationStatsTracker(LayerStat[ActivationResult]):
     """Per-layer statistics (:data:`SCALARS`) of the floating outputs of training forwards
     over an epoch, no host sync per step (row ``{module}.{index or key}`` for a tuple, list or
     dict). Histograms span ``histogram_range`` or the previous epoch's range; NaN / Inf are
@@ -150,7 +159,7 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
             self.edges[index] = torch.linspace(*self.histogram_range, self.bins + 1)
         return index
 
-    def observe(self, name: str, module: nn.Module, output: Any) -> None:
+    def observe(self, name: str, module: nn.Module, output: object) -> None:
         """Measure every floating tensor of ``output`` (small ones at :meth:`drain`)."""
         if type(output) is torch.Tensor:  # most modules': no walk of the output
             if output.is_floating_point():
@@ -205,16 +214,17 @@ class ActivationStatsTracker(LayerStat[tuple[FeatureSummary, list[Histogram]]]):
 
     def summary(self) -> FeatureSummary:
         """The statistics so far, reduced across ranks."""
-        return self.result()[0]
+        return self.result().summary
 
-    def summarize(self, states: dict[str, np.ndarray]) -> tuple[FeatureSummary, list[Histogram]]:
+    def summarize(self, states: dict[str, np.ndarray]) -> ActivationResult:
         extremes = states["extremes"] * np.array(_SIGN)
         rows = zip(self.layers, states["edges"], states["hist"], strict=True) if self.bins else ()
-        return summarize(self.layers, states["sums"], extremes), [Histogram(*r) for r in rows]
+        histograms = [Histogram(layer=n, edges=e, counts=c) for n, e, c in rows]
+        return ActivationResult(summarize(self.layers, states["sums"], extremes), histograms)
 
-    def tags(self, result: tuple[FeatureSummary, list[Histogram]]) -> dict[str, float]:
+    def tags(self, result: ActivationResult) -> dict[str, float]:
         """``activations/{stat}/{layer}`` for every row that saw an element."""
-        stats = result[0]
+        stats = result.summary
         return {
             f"activations/{stat}/{layer}": float(value)
             for stat in SCALARS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -16,6 +16,8 @@ from lightning_hooks.core.ops.tensors import is_training_forward
 __all__ = [
     "LOGIT_BUDGET",
     "AttentionCapture",
+    "HeadEntropy",
+    "MhaCall",
     "attention_head_entropy",
     "logit_chunks",
     "looks_like_attention",
@@ -30,7 +32,7 @@ LOGIT_BUDGET = 1 << 24
 _SOFTMAX = (functional.softmax, torch.softmax, torch.Tensor.softmax)
 
 
-def sdpa_logit_chunks(
+def sdpa_logit_chunks(  # PLR0913 kept: the arguments of torch's scaled_dot_product_attention
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor | None = None,
@@ -96,28 +98,46 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.to(dtype)
 
 
+_MHA_FORWARD = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
+"""The first parameters of ``nn.MultiheadAttention.forward``, in order."""
+
+
+class MhaCall(NamedTuple):
+    """The arguments of one ``nn.MultiheadAttention`` call that its logits depend on."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    key_padding_mask: torch.Tensor | None = None
+    attn_mask: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> MhaCall:
+        """The call's, from the arguments as ``forward`` gets them (by position or keyword)."""
+        named = {**dict(zip(_MHA_FORWARD, args, strict=False)), **kwargs}
+        return cls(
+            query=named["query"],
+            key=named["key"],
+            key_padding_mask=named.get("key_padding_mask"),
+            attn_mask=named.get("attn_mask"),
+        )
+
+
 def mha_logit_chunks(
-    mha: nn.MultiheadAttention,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor | None = None,
-    key_padding_mask: torch.Tensor | None = None,
-    need_weights: bool = True,
-    attn_mask: torch.Tensor | None = None,
-    *_: Any,
-    budget: int | None = None,
-    **__: Any,
+    mha: nn.MultiheadAttention, call: MhaCall, *, budget: int | None = None
 ) -> Iterator[torch.Tensor]:
     """The pre-softmax logits ``[N, H, L, S']`` that ``mha``'s softmax sees (masks, ``bias_k``
-    and ``add_zero_attn`` included) given ``mha.forward``'s own arguments, a chunk of query rows
-    at a time (at most ``budget`` elements, default :data:`LOGIT_BUDGET`)."""
+    and ``add_zero_attn`` included) in the call ``call``, a chunk of query rows at a time (at
+    most ``budget`` elements, default :data:`LOGIT_BUDGET`)."""
+    query, key = call.query, call.key
+    key_padding_mask, attn_mask = call.key_padding_mask, call.attn_mask
     if query.dim() == 2:  # unbatched: [L, E]
         query, key = query.unsqueeze(1), key.unsqueeze(1)
         key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
     elif mha.batch_first:
         query, key = query.transpose(0, 1), key.transpose(0, 1)
-    q, key_t, extra = _mha_projections(mha, query, key)
-    n, heads, pad = query.shape[1], mha.num_heads, (0, extra)
+    projected = _mha_projections(mha, query, key)
+    q, key_t = projected.query, projected.key_t
+    n, heads, pad = query.shape[1], mha.num_heads, (0, projected.extra_keys)
     if attn_mask is not None:
         mask = _additive(attn_mask, q.dtype)
         attn_mask = functional.pad(mask if mask.dim() == 3 else mask.unsqueeze(0), pad)
@@ -136,13 +156,22 @@ def mha_logit_chunks(
         yield logits.view(n, heads, *logits.shape[1:])
 
 
+class _Projections(NamedTuple):
+    """The projected queries and keys of an ``nn.MultiheadAttention`` call, heads apart."""
+
+    query: torch.Tensor  # [N*H, L, d]
+    key_t: torch.Tensor  # the keys transposed, [N*H, d, S']
+    extra_keys: int  # the keys of bias_k and add_zero_attn at the end of S'
+
+
 def _mha_projections(
     mha: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``q [N*H, L, d]``, ``k`` transposed ``[N*H, d, S']`` of seq-first ``[L, N, E]`` inputs,
-    with ``bias_k`` and ``add_zero_attn``'s keys (their number, the third)."""
+) -> _Projections:
+    """The projections of seq-first ``[L, N, E]`` inputs, with ``bias_k`` and
+    ``add_zero_attn``'s keys."""
     e, heads = mha.embed_dim, mha.num_heads
-    if mha._qkv_same_embed_dim:
+    # torch's own test of one packed projection (its private _qkv_same_embed_dim)
+    if mha.kdim == e and mha.vdim == e:
         w_q, w_k = mha.in_proj_weight[:e], mha.in_proj_weight[e : 2 * e]
     else:
         w_q, w_k = mha.q_proj_weight, mha.k_proj_weight
@@ -158,12 +187,20 @@ def _mha_projections(
     k = torch.cat([k, *extra]) if extra else k
     q = q.reshape(q.shape[0], n * heads, -1).transpose(0, 1)  # [N*H, L, d]
     key_t = k.reshape(k.shape[0], n * heads, -1).permute(1, 2, 0)  # [N*H, d, S']
-    return q, key_t, len(extra)
+    return _Projections(query=q, key_t=key_t, extra_keys=len(extra))
 
 
-def attention_head_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(largest logit, per-head entropy sum, per-head row count)`` of logits ``[..., H, L, S]``,
-    sums that pool exactly over calls and ranks; rows of only ``-inf`` are left out. No sync."""
+class HeadEntropy(NamedTuple):
+    """The attention entropy of logits ``[..., H, L, S]``: sums that pool exactly over calls and
+    ranks."""
+
+    peak: torch.Tensor  # the largest logit
+    total: torch.Tensor  # [H] the sum of each head's row entropies (nats)
+    rows: torch.Tensor  # [H] the rows in each head's sum (float32)
+
+
+def attention_head_entropy(logits: torch.Tensor) -> HeadEntropy:
+    """The :class:`HeadEntropy` of ``logits``; rows of only ``-inf`` are left out. No sync."""
     logits = logits.float()
     if logits.dim() < 3:  # one head
         logits = logits.unsqueeze(0) if logits.dim() == 2 else logits.view(1, 1, -1)
@@ -173,7 +210,7 @@ def attention_head_entropy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     heads = entropy.shape[-2]
     total = torch.where(live, entropy, 0.0).movedim(-2, 0).reshape(heads, -1).sum(1)
     count = live.movedim(-2, 0).reshape(heads, -1).sum(1, dtype=torch.float32)
-    return row_max.amax(), total, count
+    return HeadEntropy(peak=row_max.amax(), total=total, rows=count)
 
 
 def looks_like_attention(module: nn.Module) -> bool:
@@ -191,6 +228,14 @@ def _softmax_logits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tens
     return x if last else None
 
 
+class _Running(NamedTuple):
+    """A module whose forward runs, on :class:`AttentionCapture`'s stack."""
+
+    name: str
+    module: nn.Module
+    caller_live: bool  # whether its caller's own forward was running when it was called
+
+
 class AttentionCapture(ShelvedMode):
     """Sees the attention calls of a model's modules in the training forwards of logging steps.
 
@@ -202,7 +247,7 @@ class AttentionCapture(ShelvedMode):
     def __init__(self, record: Record, skip: Iterable[str] = ()) -> None:
         super().__init__()
         self._record, self._skip = record, set(skip)
-        self._stack: list[tuple[str, nn.Module, bool]] = []  # and whether its caller was live
+        self._stack: list[_Running] = []
         self._live = False  # whether the innermost module's own forward is running
         self._callers: list[bool] = []  # between a call's first and last pre-hook: the caller's
         self.seen: set[str] = set()  # the modules whose attention was recorded
@@ -243,7 +288,7 @@ class AttentionCapture(ShelvedMode):
                 registry.gated_hook(module, guarded, pre=False, prepend=first, always_call=True)
         return self
 
-    def _enter(self, *_: Any) -> None:
+    def _enter(self, *_: object) -> None:
         """A module is called: keep its caller's state for :meth:`_push` and pause it."""
         # Compiled (a region's own hooks): the mode sees nothing there, and Dynamo must not
         # read the stack, which may hold the region's ``torch.compile`` wrapper.
@@ -251,12 +296,12 @@ class AttentionCapture(ShelvedMode):
             self._callers.append(self._live)
             self._live = False
 
-    def _pause(self, *_: Any) -> None:
+    def _pause(self, *_: object) -> None:
         if not torch.compiler.is_compiling():
             self._live = False
 
     def _push(self, name: str) -> Callable[[nn.Module, Any], None]:
-        def hook(module: nn.Module, args: Any) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if torch.compiler.is_compiling():
                 return
             if self._stack:
@@ -266,16 +311,17 @@ class AttentionCapture(ShelvedMode):
             else:
                 caller = False
                 self.__enter__()  # type: ignore[no-untyped-call]
-            self._stack.append((name, module, caller))
+            self._stack.append(_Running(name=name, module=module, caller_live=caller))
             self._live = True
 
         return hook
 
-    def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _pop(self, module: nn.Module, args: tuple[Any, ...], output: object) -> None:
         if torch.compiler.is_compiling():
             return
-        if self._stack and self._stack[-1][1] is module:
-            self._live = self._stack.pop()[2]  # a module called from a hook: still in the hook
+        if self._stack and self._stack[-1].module is module:
+            # a module called from a hook: still in the hook
+            self._live = self._stack.pop().caller_live
             if not self._stack:
                 self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
@@ -298,8 +344,9 @@ class AttentionCapture(ShelvedMode):
         """Record one attention call's logits, chunk by chunk, for the innermost running module."""
         if not (self._stack and self._live):
             return
-        name, module, _ = self._stack[-1]
-        if name in self._skip or (softmax and not looks_like_attention(module)):
+        running = self._stack[-1]
+        name = running.name
+        if name in self._skip or (softmax and not looks_like_attention(running.module)):
             return
         with torch.no_grad():
             for chunk in chunks():

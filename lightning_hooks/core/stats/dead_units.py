@@ -5,7 +5,6 @@ input (``pre_activation``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -152,7 +151,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         named.update(self.producers.modules(model) if self.producers.include else ())
         return [(n, m) for n, m in model.named_modules() if n in named]
 
-    def observe(self, name: str, module: nn.Module, output: Any) -> None:
+    def observe(self, name: str, module: nn.Module, output: object) -> None:
         """Count the fired entries per unit of ``output``'s first floating tensor (or at drain)."""
         if type(output) is torch.Tensor:  # most modules': no walk of the output
             y = output if output.is_floating_point() and output.ndim >= 1 else None

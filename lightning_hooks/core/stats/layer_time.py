@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -42,21 +42,46 @@ class LayerTimes:
         return self.forward_ms / self.step_ms
 
 
+Mark = float | torch.cuda.Event
+"""A clock reading: ``perf_counter``'s seconds, or a CUDA event recorded on the stream."""
+
+
+class _Span(NamedTuple):
+    """Two readings of the clock: a layer's forward, or a logging step's batch."""
+
+    start: Mark
+    end: Mark
+
+
+class _LayerSpan(NamedTuple):
+    """One forward call of the layer in row ``row``."""
+
+    row: int
+    span: _Span
+
+
 @dataclass(frozen=True)
 class _Clock:
     """``perf_counter`` readings, or CUDA events on the current stream (read after a sync)."""
 
     cuda: bool
 
-    def mark(self) -> Any:
+    def mark(self) -> Mark:
+        """A reading now."""
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         event.record()
         return event
 
-    def elapsed_ms(self, start: Any, end: Any) -> float:
-        return float(start.elapsed_time(end)) if self.cuda else (float(end) - float(start)) * 1e3
+    @staticmethod
+    def elapsed_ms(span: _Span) -> float:
+        """The milliseconds from ``span.start`` to ``span.end`` (CUDA: both events done)."""
+        start, end = span.start, span.end
+        if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
+            return float(start.elapsed_time(end))
+        assert isinstance(start, float) and isinstance(end, float)  # one clock marks both
+        return (end - start) * 1e3
 
 
 class LayerTimer(LayerStat[LayerTimes]):
@@ -112,13 +137,13 @@ class LayerTimer(LayerStat[LayerTimes]):
 
     def _clear_host(self) -> None:
         n = len(self.rows)
-        self._open: list[Any] = [None] * n
+        self._open: list[Mark | None] = [None] * n  # each layer's running forward's start
         self._ms, self._calls = np.zeros(n), np.zeros(n)
-        self._step = np.zeros(2)  # milliseconds, steps
-        self._marks: list[tuple[int, Any, Any]] = []  # this step's layer marks
-        self._brackets: list[tuple[Any, Any]] = []
+        self._step_ms, self._steps = np.zeros(1), np.zeros(1)
+        self._marks: list[_LayerSpan] = []  # this step's layer marks
+        self._brackets: list[_Span] = []  # this step's batches
         self._last_step: int | None = None
-        self._step_start: Any = None
+        self._step_start: Mark | None = None
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         assert self.selection is not None
@@ -133,15 +158,16 @@ class LayerTimer(LayerStat[LayerTimes]):
     def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
         index = self.row(name)  # rows in model order, made as the hooks are
 
-        def pre(module: nn.Module, args: Any) -> None:
+        def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
             if self.sampling and is_training_forward(module):
                 self._open[index] = self._clock.mark()
 
-        def post(module: nn.Module, args: Any, output: Any) -> None:
+        def post(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
             start = self._open[index]
             if self.sampling and start is not None:
                 self._open[index] = None
-                self._marks.append((index, start, self._clock.mark()))
+                span = _Span(start=start, end=self._clock.mark())
+                self._marks.append(_LayerSpan(row=index, span=span))
 
         registry.forward_pre_hook(module, pre, gated=True)
         registry.forward_hook(module, post, gated=True)
@@ -150,7 +176,7 @@ class LayerTimer(LayerStat[LayerTimes]):
         """Start timing a batch of a logging step; micro-batches of one ``step`` add up into it."""
         self._fold_events()
         if step is None or step != self._last_step:
-            self._step[1] += 1
+            self._steps += 1
         self._last_step = step
         self.sampling = True
         self._step_start = self._clock.mark()
@@ -159,7 +185,8 @@ class LayerTimer(LayerStat[LayerTimes]):
         """End the logging step's batch (a no-op when none is open)."""
         if not self.sampling:
             return
-        self._brackets.append((self._step_start, self._clock.mark()))
+        assert self._step_start is not None  # set by start_step, with sampling
+        self._brackets.append(_Span(start=self._step_start, end=self._clock.mark()))
         self.sampling = False
         self._open = [None] * len(self.rows)
         if not self._clock.cuda:
@@ -170,25 +197,27 @@ class LayerTimer(LayerStat[LayerTimes]):
         if self._clock.cuda:
             if not self._brackets:
                 return
-            self._brackets[-1][1].synchronize()
-        for index, start, end in self._marks:
-            self._ms[index] += self._clock.elapsed_ms(start, end)
-            self._calls[index] += 1
-        self._step[0] += sum(self._clock.elapsed_ms(a, b) for a, b in self._brackets)
+            last = self._brackets[-1].end
+            assert isinstance(last, torch.cuda.Event)  # the CUDA clock marks with events
+            last.synchronize()
+        for mark in self._marks:
+            self._ms[mark.row] += self._clock.elapsed_ms(mark.span)
+            self._calls[mark.row] += 1
+        self._step_ms += sum(self._clock.elapsed_ms(bracket) for bracket in self._brackets)
         self._marks, self._brackets = [], []
 
     def drain(self) -> None:
         self._fold_events()
-        if not self._step[1] and not self._calls.any():
+        if not self._steps[0] and not self._calls.any():
             return
         # One host-to-device copy of the four totals (torch.tensor would keep ~1 kB of noise).
-        host = np.concatenate([self._ms, self._calls, self._step])
+        host = np.concatenate([self._ms, self._calls, self._step_ms, self._steps])
         totals = torch.from_numpy(host).to(self.forward_ms.device)
         states = (self.forward_ms, self.calls, self.step_ms, self.steps)
         parts = torch.split(totals, [len(self._ms)] * 2 + [1, 1])
         for state, part in zip(states, parts, strict=True):
             state.add_(part)
-        self._ms[:], self._calls[:], self._step[:] = 0.0, 0.0, 0.0
+        self._ms[:], self._calls[:], self._step_ms[:], self._steps[:] = 0.0, 0.0, 0.0, 0.0
 
     def summarize(self, states: dict[str, np.ndarray]) -> LayerTimes:
         steps = int(states["steps"][0])

@@ -15,6 +15,7 @@ from lightning_hooks.core.alarms import GradientAlarms, HostSegments
 from lightning_hooks.core.ops import pointer_norms
 from lightning_hooks.core.ops.grad_stats import (
     GRAD_STATS,
+    LayerIndex,
     ParamLayout,
     grad_stats,
     param_norms,
@@ -22,7 +23,7 @@ from lightning_hooks.core.ops.grad_stats import (
     update_norms,
 )
 from lightning_hooks.core.ops.grouped_norms import GroupedNorms, typical_update
-from lightning_hooks.core.ops.tensors import Workspace
+from lightning_hooks.core.ops.tensors import Workspace, foreach_norm
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
 from lightning_hooks.core.transport import ShardPlan, to_local
 from lightning_hooks.errors import LightningHooksWarning
@@ -42,6 +43,8 @@ __all__ = [
 Read = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 """A read of gradients' L2 norms, one per gradient."""
 _WEIGHT = GRAD_STATS.index("weight_norm")
+_OF_GRADIENT = tuple(name != "weight_norm" for name in GRAD_STATS)
+"""Per column of :data:`GRAD_STATS`: whether a layer with no gradient has no value there."""
 
 
 @dataclass
@@ -64,6 +67,8 @@ class OptimizerView:
 
     def __post_init__(self) -> None:
         self.layer_ids = frozenset(self.row_ids[:-1])  # the layout rows it steps, on the host
+        # views of index, numel and unique, made once: what the statistics add up by layer
+        self.layer_index = LayerIndex(self.index, self.numel[:-1], self.unique, self.numel[-1])
         self.distinct = len(self.unique) == len(self.params)  # no parameter listed twice
         # a bound on the global norm clipping by value lets through, over one unit value
         self.scale = sum(p.numel() for p in self.params) ** 0.5
@@ -79,7 +84,10 @@ class OptimizerView:
             has = [False] * (len(self.rows) - 1)
             for owner, gone in zip(self.owner, missing, strict=True):
                 has[owner] = has[owner] or not gone
-            table = [[h, h, h, h, True] for h in [*has, any(has)]]
+            table = [
+                [has_grad or not of_gradient for of_gradient in _OF_GRADIENT]
+                for has_grad in [*has, any(has)]
+            ]
             mask = torch.tensor(table, dtype=torch.bool, device=self.rows.device)
             self.masks[missing] = mask
         return mask
@@ -164,7 +172,16 @@ class OptimizerViews:
         self.generation += 1
         segments = HostSegments(owner, len(layers) - 1, positions)
         return OptimizerView(
-            params, index, rows, before, owner, key, unique, numel, tuple(layers), segments
+            params=params,
+            index=index,
+            rows=rows,
+            before=before,
+            owner=owner,
+            key=key,
+            unique=unique,
+            numel=numel,
+            row_ids=tuple(layers),
+            segments=segments,
         )
 
     def first_param(self, optimizer: torch.optim.Optimizer) -> nn.Parameter | None:
@@ -197,16 +214,8 @@ class ViewStats:
     ) -> torch.Tensor:
         """:func:`grad_stats` of ``view`` (``weights``: also the weight norms)."""
         params = [to_local(p) for p in view.params] if weights else None
-        numel, total = view.numel[:-1], view.numel[-1]
         return grad_stats(
-            grads,
-            params,
-            view.index,
-            numel,
-            unique=view.unique,
-            total_numel=total,
-            shards=self.shards,
-            workspace=self.workspace,
+            grads, params, view.layer_index, shards=self.shards, workspace=self.workspace
         )
 
     def norms(
@@ -217,7 +226,7 @@ class ViewStats:
         if weights:
             norms.append(param_norms([to_local(p) for p in view.params]))
         if self.shards is not None:
-            norms = self.shards.reduce(norms=norms)[0]
+            norms = self.shards.reduce(norms=norms).norms
         num_layers = len(view.rows) - 1
         stats = norms[0].new_full((num_layers + 1, len(GRAD_STATS)), torch.nan)
         unique = None if view.distinct else view.unique  # the same sum, one gather fewer
@@ -229,7 +238,7 @@ class ViewStats:
         """``[rows]`` weight norms of ``view`` (the alarms' diagnosis)."""
         norms = param_norms([to_local(p) for p in view.params])
         if self.shards is not None:
-            norms = self.shards.reduce(norms=[norms])[0][0]
+            (norms,) = self.shards.reduce(norms=[norms]).norms
         return segment_norm(norms, view.index, len(view.rows) - 1, view.unique)
 
 
@@ -266,10 +275,7 @@ class UpdateRatio:
                 to_local(p.grad) if p.grad is not None else None for p in view.params
             ]
             alarms.update_stall(typical_update(view.before, after, applied), lr, step=step)
-        num_layers = len(view.rows) - 1
-        upd = update_norms(
-            view.before, after, view.index, num_layers, unique=view.unique, shards=self.shards
-        )
+        upd = update_norms(view.before, after, view.layer_index, shards=self.shards)
         ratio = upd / view.weight_norm.clamp_min(torch.finfo(upd.dtype).tiny)
         valid = (view.weight_norm > 0)[:, None]
         self.accumulator.update(ratio[:, None], [self.column], view.rows, valid, replicated=True)
@@ -292,7 +298,7 @@ def quiet_read(view: OptimizerView, triton: bool) -> Read:
 
 def foreach_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """Each gradient's L2 norm by one ``torch._foreach_norm`` (the read of last resort)."""
-    return torch.stack(torch._foreach_norm(list(grads)))
+    return torch.stack(foreach_norm(list(grads)))
 
 
 def _pointer_norms(view: OptimizerView) -> Read | str:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -20,8 +20,36 @@ from lightning_hooks.core.transport import all_reduce_sum_, world_size
 __all__ = ["OutputGradients"]
 
 
-Noted = list[tuple[torch.Tensor, torch.Tensor]]
-"""The eager gradient hooks' ``(row of the sums, output-gradient norm)``, until a record."""
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _NotedNorm(NamedTuple):
+    """An eager gradient hook's output-gradient norm, until a record sums it into its row."""
+
+    sq_row: torch.Tensor  # the row of the sums of squares
+    norm: torch.Tensor
+
+
+Noted = list[_NotedNorm]
+"""The eager gradient hooks' norms, until a record."""
+
+
+class _Sums(NamedTuple):
+    """Where the output hooks of every layer add up."""
+
+    sq: torch.Tensor  # [layers] sums of the squared norms
+    hit: torch.Tensor  # [layers] the outputs hooked (compiled regions)
+    noted: Noted  # the eager gradient hooks' norms
+    hits: list[torch.Tensor]  # the eager forward hooks' rows of ``hit``, counted at record
+
+
+class _Wrap(Protocol):
+    """The registry's guard (:meth:`HookRegistry.guarded`): ``fn`` with its errors caught."""
+
+    def __call__(self, fn: F, where: str) -> F: ...
+
+
+OutputHook = Callable[[nn.Module, tuple[Any, ...], object], None]
 
 
 def _output_norm(grad: torch.Tensor) -> torch.Tensor:
@@ -39,7 +67,7 @@ def _add_output_grad(sq_row: torch.Tensor, grad: torch.Tensor) -> None:
 def _note_output_grad(
     noted: Noted, sq_row: torch.Tensor, order: list[int], row: int, grad: torch.Tensor
 ) -> None:
-    noted.append((sq_row, _output_norm(grad)))  # summed into the row at record: one op for all
+    noted.append(_NotedNorm(sq_row, _output_norm(grad)))  # summed at record: one op for all
     order.append(row)  # host-side: the backward order the non-finite alarm names layers in
 
 
@@ -57,9 +85,9 @@ def _by_round(rows: list[torch.Tensor]) -> list[list[int]]:
 
 def _sum_noted(noted: Noted, hits: list[torch.Tensor]) -> None:
     """Add each noted norm's square and each hit into its row (one op per round); empties both."""
-    for picks in _by_round([row for row, _ in noted]):
-        norms = [noted[i][1] for i in picks]
-        torch._foreach_addcmul_([noted[i][0] for i in picks], norms, norms)
+    for picks in _by_round([noted_norm.sq_row for noted_norm in noted]):
+        norms = [noted[i].norm for i in picks]
+        torch._foreach_addcmul_([noted[i].sq_row for i in picks], norms, norms)
     for picks in _by_round(hits):
         torch._foreach_add_([hits[i] for i in picks], 1.0)
     noted.clear()
@@ -67,20 +95,16 @@ def _sum_noted(noted: Noted, hits: list[torch.Tensor]) -> None:
 
 
 def _output_hook(
-    sums: tuple[torch.Tensor, torch.Tensor, Noted, list[torch.Tensor]],
-    row: int,
-    order: list[int],
-    compiled_sq: list[torch.Tensor],
-    wrap: Any,
-) -> Any:
+    sums: _Sums, row: int, order: list[int], compiled_sq: list[torch.Tensor], wrap: _Wrap
+) -> OutputHook:
     """A forward hook putting a gradient hook on the outputs of training forwards (``wrap``:
     the registry's guard; ``compiled_sq``: a cell with the tensor a compiled region sums into)."""
-    sq, hit, noted, hits = sums
-    sq_row, hit_row = sq.select(0, row), hit.select(0, row)
-    eager: Any = partial(_note_output_grad, noted, sq_row, order, row)
+    hits = sums.hits
+    sq_row, hit_row = sums.sq.select(0, row), sums.hit.select(0, row)
+    eager = partial(_note_output_grad, sums.noted, sq_row, order, row)
     eager = wrap(eager, "output gradient hook")  # made once
 
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
         if not is_grad_forward(module):
             return
         # Compiled: Dynamo cannot trace a host list mutated in backward (the non-finite alarm
@@ -144,7 +168,7 @@ class OutputGradients:
         """Hook the output of each of ``modules`` that is a layer of the layout; each compiled
         region of ``model`` gets a pre-hook giving its rows fresh tensors when called again."""
         by_name, layers = dict(modules), self.views.layout.layers
-        sums = (self._sq, self._hit, self._noted, self._hits)
+        sums = _Sums(sq=self._sq, hit=self._hit, noted=self._noted, hits=self._hits)
         for row, name in enumerate(layers):
             if name not in by_name:
                 continue  # the model's own row: its output is the loss's input, not a layer's
@@ -155,7 +179,7 @@ class OutputGradients:
             if rows:
                 registry.forward_pre_hook(region, partial(self._called_again, rows), gated=True)
 
-    def _called_again(self, rows: list[int], region: nn.Module, args: Any) -> None:
+    def _called_again(self, rows: list[int], region: nn.Module, args: tuple[Any, ...]) -> None:
         """From a compiled region's second call in a step on, fresh tensors for its rows."""
         if not is_grad_forward(region):
             return

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -159,7 +158,7 @@ class SaturationTracker(LayerStat[SaturationStats]):
         if model is not None:
             self.attach(model)
 
-    def observe(self, name: str, module: nn.Module, output: Any) -> None:
+    def observe(self, name: str, module: nn.Module, output: object) -> None:
         """Count the saturated entries of ``output`` and mark its units ever unsaturated."""
         if not isinstance(output, torch.Tensor):
             return

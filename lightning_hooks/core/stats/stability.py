@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ from lightning_hooks.core.ops.tensors import is_training_forward, logsumexp_rows
 from lightning_hooks.core.stats.activation_stats import owns_parameters
 from lightning_hooks.core.stats.attention import (
     AttentionCapture,
+    MhaCall,
     attention_head_entropy,
     mha_logit_chunks,
 )
@@ -28,7 +29,14 @@ STABILITY_STATS = ("attn_logit_max", "attn_entropy_min", "logit_logz", "logit_lo
 """The statistics logged as ``stability/{stat}/{layer}``."""
 
 Result = dict[str, dict[str, float]]
-_LogZ = tuple[torch.Tensor, int, torch.Tensor]  # sum of log Z, positions, max of log Z
+
+
+class _LogZ(NamedTuple):
+    """What one output measured of its rows' log-partition ``log Z``."""
+
+    total: torch.Tensor  # the sum of log Z over the positions
+    positions: int  # the positions it is over
+    peak: torch.Tensor  # the largest log Z
 
 
 class StabilityStats(LayerStat[Result]):
@@ -92,17 +100,18 @@ class StabilityStats(LayerStat[Result]):
             registry.forward_hook(module, self._forward_hook(name), gated=True)
             return
 
-        def attention(module: nn.Module, args: Any, kwargs: Any) -> None:
+        def attention(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if is_training_forward(module) and not torch.compiler.is_compiling():
                 assert isinstance(module, nn.MultiheadAttention)
                 with torch.no_grad():
-                    for chunk in mha_logit_chunks(module, *args, **kwargs):
+                    for chunk in mha_logit_chunks(module, MhaCall.of(args, kwargs)):
                         self._add_attention(name, chunk)
 
         registry.forward_pre_hook(module, attention, gated=True, with_kwargs=True)
 
     def _add_attention(self, name: str, logits: torch.Tensor) -> None:
-        peak, total, count = attention_head_entropy(logits)
+        entropy = attention_head_entropy(logits)
+        peak, total, count = entropy.peak, entropy.total, entropy.rows
         row = self.rows[name] if name in self.rows else self.row(name, units=total.numel())
         self.attn_max[row] = torch.maximum(self.attn_max[row], peak)
         heads, other = self.units[row], total.numel()
@@ -119,15 +128,16 @@ class StabilityStats(LayerStat[Result]):
                 stacklevel=1,
             )
 
-    def observe(self, name: str, module: nn.Module, output: Any) -> None:
+    def observe(self, name: str, module: nn.Module, output: object) -> None:
         """The output layer's ``log Z`` into its row (held for each candidate until known)."""
         if torch.compiler.is_compiling() or (self._output is not None and name != self._output):
             return
-        floating = isinstance(output, torch.Tensor) and output.is_floating_point()
-        if not floating or output.dim() == 0 or output.numel() == 0:
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            return
+        if output.dim() == 0 or output.numel() == 0:
             return
         logz = logsumexp_rows(output.detach())
-        measured = (logz.sum(), logz.numel(), logz.max())
+        measured = _LogZ(total=logz.sum(), positions=logz.numel(), peak=logz.max())
         if self._output is None:  # the last candidate of a forward is the output layer
             self._last = name
             self._candidates.setdefault(name, []).append(measured)
@@ -135,11 +145,10 @@ class StabilityStats(LayerStat[Result]):
             self._add(name, measured)
 
     def _add(self, name: str, measured: _LogZ) -> None:
-        total, count, peak = measured
         row = self.rows[name] if name in self.rows else self.row(name)  # keeps a row's units
-        self.logz[row, 0] += total
-        self.logz[row, 1] += count  # a Python int: no copy to the device
-        self.logz_max[row] = torch.maximum(self.logz_max[row], peak)
+        self.logz[row, 0] += measured.total
+        self.logz[row, 1] += measured.positions  # a Python int: no copy to the device
+        self.logz_max[row] = torch.maximum(self.logz_max[row], measured.peak)
 
     def end_step(self) -> None:
         """After a forward: the last candidate seen is the output layer; after the first logging

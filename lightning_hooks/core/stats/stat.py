@@ -9,6 +9,9 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 from torch import nn
+
+# torch.set_grad_enabled(False) builds an object; its setter is one call (see _forward_hook)
+from torch._C import _set_grad_enabled
 from typing_extensions import Self, TypedDict
 
 from lightning_hooks.core.checks import module as check_module
@@ -17,8 +20,6 @@ from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selectio
 from lightning_hooks.core.ops.tensors import Pending, is_training_forward
 from lightning_hooks.core.stats.states import Reduce, RowStates, StateSpec, unpack
 from lightning_hooks.core.transport import HostMailbox
-
-_set_grad_enabled = torch._C._set_grad_enabled
 
 __all__ = ["LayerStat", "Reduce", "SelectionArgs", "StateSpec", "selection_of"]
 
@@ -124,7 +125,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         registry.forward_hook(module, self._forward_hook(name), gated=True)
 
     def _forward_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
             if not is_training_forward(module):  # grad is enabled past here
                 return
             if torch.compiler.is_compiling():  # what Dynamo traces
@@ -140,7 +141,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
 
         return hook
 
-    def observe(self, name: str, module: nn.Module, output: Any) -> None:
+    def observe(self, name: str, module: nn.Module, output: object) -> None:
         """Measure one training output of module ``name`` into the states (no host sync)."""
         raise NotImplementedError
 

@@ -8,11 +8,11 @@ from typing import Literal
 
 import numpy as np
 import torch
-from typing_extensions import Self
+from typing_extensions import Required, Self, TypedDict, Unpack
 
 from lightning_hooks.core.transport import all_gather_stacked, is_distributed
 
-__all__ = ["Kind", "Reduce", "RowStates", "StateSpec", "unpack"]
+__all__ = ["Kind", "Reduce", "RowStates", "StateOptions", "StateSpec", "unpack"]
 
 Reduce = Literal["sum", "max", "min", "same"]  # "same": values every rank shares (bin edges)
 Kind = Literal["layer", "unit", "global"]
@@ -45,6 +45,19 @@ class StateSpec:
         return float(info.min if self.reduce == "max" else info.max)
 
 
+class StateOptions(TypedDict, total=False):
+    """How a state is declared (:meth:`RowStates.add_layer_state`), but its name."""
+
+    reduce: Required[Reduce]  # how the ranks' copies pool
+    width: Sequence[int]  # the shape of a row's entry (``()``: a number)
+    dtype: torch.dtype  # default float64
+    fill: float | None  # a fresh entry's value (``None``: the identity of ``reduce``)
+    kind: Kind  # default ``"layer"``
+
+
+_STATE_OPTIONS = tuple(StateOptions.__annotations__)  # its keys, in order
+
+
 def _dtype_on(spec: StateSpec, device: torch.device) -> torch.dtype:
     """``spec``'s dtype on ``device``: float64 is float32 on MPS, which has no float64."""
     return torch.float32 if device.type == "mps" and spec.dtype == torch.float64 else spec.dtype
@@ -65,6 +78,18 @@ _POOL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # the ranks' copie
 }
 
 
+def _check_options(owner: str, options: StateOptions) -> None:
+    """Refuse a misspelt option by name, as a signature would, and a missing ``reduce``."""
+    for key in options:
+        if key not in _STATE_OPTIONS:
+            raise TypeError(
+                f"{owner}({key}=...): unknown argument; the arguments are name, "
+                f"{', '.join(_STATE_OPTIONS)}"
+            )
+    if "reduce" not in options:
+        raise TypeError(f"{owner}(reduce=...): missing; one of sum, max, min, same")
+
+
 class RowStates:
     """Per-layer states: declared, grown a row at a time, aligned and reduced across ranks."""
 
@@ -77,20 +102,23 @@ class RowStates:
         self._aligned = 0  # rows every rank has, in the same order (see align_rows)
         self._counts: dict[str, dict[int, int]] = {}  # host-side counts by state (see tally)
 
-    def add_layer_state(
-        self,
-        name: str,
-        *,
-        reduce: Reduce,
-        width: Sequence[int] = (),
-        dtype: torch.dtype = torch.float64,
-        fill: float | None = None,
-        kind: Kind = "layer",
-    ) -> None:
+    def add_layer_state(self, name: str, **options: Unpack[StateOptions]) -> None:
         """Declare a state pooled across ranks by ``reduce``: ``[rows, *width]``; with
         ``kind="unit"`` ``units`` entries per row (:meth:`unit_slice`), with ``"global"`` one
-        ``[*width]`` for the whole model (a step count)."""
-        spec = self.specs[name] = StateSpec(name, reduce, dtype, tuple(width), kind, fill)
+        ``[*width]`` for the whole model (a step count). See :class:`StateOptions`.
+
+        Raises:
+            TypeError: an option that is not one of :class:`StateOptions`', or no ``reduce``.
+        """
+        _check_options(f"{type(self).__name__}.add_layer_state", options)
+        spec = self.specs[name] = StateSpec(
+            name=name,
+            reduce=options["reduce"],
+            dtype=options.get("dtype", torch.float64),
+            width=tuple(options.get("width", ())),
+            kind=options.get("kind", "layer"),
+            fill=options.get("fill"),
+        )
         setattr(self, name, self._fresh(spec, 0, self.device))
 
     def to(self, device: torch.device) -> Self:
