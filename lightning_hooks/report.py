@@ -7,12 +7,13 @@ from __future__ import annotations
 import csv
 import math
 import os
-import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from lightning_hooks.tags import SPIKE_SCORE, epoch_tag
 
 if TYPE_CHECKING:
     from tensorboard.compat.proto.summary_pb2 import Summary
@@ -234,8 +235,8 @@ def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     steps: dict[str, list[tuple[int, float]]] = {}
     for tag, events in _read_series(run_dir).items():
         # spike_score: a rate, not a count to sum
-        if tag.count("/") >= 2 and not tag.endswith("/alarms/spike_score"):
-            name = _epoch_name(tag)
+        if tag.count("/") >= 2 and tag != SPIKE_SCORE:
+            name = epoch_tag(tag)
             (epoch if name is None else steps)[name or tag] = events
     if not epoch and not steps:
         return None
@@ -258,21 +259,6 @@ def _run_name(run_dir: Path, logdir: Path) -> str:
     """The run's folder under ``logdir``; ``logdir`` itself by its own name (not ``.``)."""
     relative = str(run_dir.relative_to(logdir))
     return relative if relative != "." else run_dir.resolve().name
-
-
-_STEP_SUFFIX = re.compile(r"_step(_p\d+)?$")
-
-
-def _epoch_name(tag: str) -> str | None:
-    """The epoch tag of a logging step's tag (``grad_flow/grad_norm_step/x`` ->
-    ``grad_flow/grad_norm/x``), ``None`` for an epoch tag."""
-    parts = tag.split("/")
-    at = 2 if parts[1] == "global" else 1
-    plain = _STEP_SUFFIX.sub(r"\1", parts[at])
-    if plain == parts[at]:
-        return None
-    parts[at] = plain
-    return "/".join(parts)
 
 
 def _build(

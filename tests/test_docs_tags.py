@@ -27,6 +27,7 @@ from lightning_hooks import (
     LayerTimeCallback,
     SaturationCallback,
 )
+from lightning_hooks.tags import epoch_tag, step_tag
 
 from conftest import _accumulators
 
@@ -145,3 +146,20 @@ def test_the_page_reader_expands_sets_and_skips_schemes() -> None:
     assert "grad_flow/global/grad_norm_step_p95" in tags
     assert "activations/kurtosis/{layer}" in tags
     assert not any("<" in tag or "," in tag for tag in tags)
+
+
+def test_each_logging_step_tag_is_its_epoch_tag_with_step_and_back(
+    run: tuple[Path, set[str]],
+) -> None:
+    """The tags' one home names both ways: every scalar a logging step wrote is
+    ``step_tag`` of an epoch tag the run also wrote, and ``epoch_tag`` gives that tag back;
+    an epoch tag is no logging step's."""
+    log_dir, _ = run
+    scalars = {tag for acc in _accumulators(log_dir) for tag in acc.Tags()["scalars"]}
+    steps = {tag: epoch_tag(tag) for tag in scalars}
+    epochs = {tag for tag, epoch in steps.items() if epoch is None}
+    assert epochs and len(epochs) < len(scalars)
+    for tag, epoch in steps.items():
+        if epoch is not None:
+            assert epoch in epochs, (tag, epoch)
+            assert step_tag(epoch) == tag

@@ -71,7 +71,7 @@ class ActivationStatsCallback(StatsCallback):
         >>> trainer = pl.Trainer(callbacks=[callback])  # doctest: +SKIP
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)
         self,
         *,
         types: ModuleTypes = None,

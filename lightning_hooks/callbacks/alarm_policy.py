@@ -17,6 +17,7 @@ from lightning_hooks.core.transport import (
 )
 from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
 from lightning_hooks.logging import log_scalars, log_text, save_loggers, step_tags
+from lightning_hooks.tags import ALARM_TEXT, SPIKE_SCORE, alarm_tag
 
 __all__ = ["Action", "AlarmPolicy", "check_actions"]
 
@@ -178,12 +179,12 @@ class AlarmPolicy:
         """At a logging step: per-rule counts since the last one, and any alarms' text."""
         counts = {rule: n - self._counted.get(rule, 0) for rule, n in alarms.counts.items()}
         self._counted = dict(alarms.counts)
-        tags = step_tags({f"grad_flow/alarms/{r}": n for r, n in counts.items()})
+        tags = step_tags({alarm_tag(rule): n for rule, n in counts.items()})
         log_scalars(trainer.loggers, tags, step)
         new = alarms.log[self._logged :]
         self._logged = len(alarms.log)
         if new and trainer.is_global_zero:
-            log_text(trainer.loggers, "grad_flow/alarms", _summary(new, f"up to step {step}"), step)
+            log_text(trainer.loggers, ALARM_TEXT, _summary(new, f"up to step {step}"), step)
 
     def end_epoch(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
         """Act on the last verdicts, then log the epoch's counts and its text summary."""
@@ -192,12 +193,12 @@ class AlarmPolicy:
         self._warned.clear()
         self._logged, self._counted = 0, {}
         step = trainer.global_step
-        scalars = {f"grad_flow/alarms/{r}": float(n) for r, n in counts.items()}
-        scalars["grad_flow/alarms/spike_score"] = alarms.spike_score
+        scalars = {alarm_tag(rule): float(n) for rule, n in counts.items()}
+        scalars[SPIKE_SCORE] = alarms.spike_score
         log_scalars(trainer.loggers, scalars, step)
         if trainer.is_global_zero:
             where = f"in epoch {trainer.current_epoch}"
-            log_text(trainer.loggers, "grad_flow/alarms", _summary(log, where), step)
+            log_text(trainer.loggers, ALARM_TEXT, _summary(log, where), step)
 
 
 def _speaker(alarm: GradientAlarm) -> str:

@@ -285,7 +285,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         ours = [
             cb
             for cb in trainer.callbacks  # type: ignore[attr-defined]
-            if isinstance(cb, HookCallback) and not (live and cb._hook_guard().failed is not None)
+            if isinstance(cb, HookCallback) and not (live and cb._hook_guard().failed is not None)  # noqa: SLF001 (another instance of this class)
         ]
         return not ours or ours[-1] is self
 

@@ -70,7 +70,7 @@ class DeadReLUCallback(StatsCallback):
         "its input"
     )
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)
         self,
         *,
         types: type[nn.Module] | tuple[type[nn.Module], ...] = RELU_FAMILY,

@@ -94,7 +94,7 @@ _CLIPS = (
 class FabricRun:
     """``callback`` watching ``module`` (the user's, inside Fabric's wrapper) of one Fabric loop."""
 
-    def __init__(self, callback: Any, fabric: Fabric, module: nn.Module) -> None:
+    def __init__(self, callback: Any, fabric: Fabric, module: nn.Module) -> None:  # noqa: ANN401 (a callback driven through Trainer hooks with a FabricTrainer in the Trainer's place)
         check_fabric(callback, fabric)
         self.callback, self.fabric = callback, fabric
         self.module = original_module(module)
@@ -131,7 +131,7 @@ class FabricRun:
         strategy = self.fabric.strategy
         original = getattr(strategy, attribute)
 
-        def clip(module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        def clip(module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 (stands in for the strategy's clip method, whatever it takes and returns)
             run = ref()
             if run is not None:
                 value = kwargs.get(argument, args[0] if args else None)
@@ -148,7 +148,7 @@ class FabricRun:
             owned = self._owned[optimizer] = any(id(p) in self._params for p in params)
         return owned
 
-    def before_clip(self, optimizer: Any, algorithm: str, value: Any) -> None:
+    def before_clip(self, optimizer: Any, algorithm: str, value: Any) -> None:  # noqa: ANN401 (the optimizer and the clip value as Fabric hands them on)
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         if not self._owns(optimizer) or value is None:
             return
@@ -190,7 +190,7 @@ class FabricRun:
         step = self.trainer.global_step
         self.callback.on_train_batch_start(self.trainer, self.module, None, step + 1)
 
-    def on_after_optimizer_step(self, strategy: Any, optimizer: torch.optim.Optimizer) -> None:
+    def on_after_optimizer_step(self, strategy: Any, optimizer: torch.optim.Optimizer) -> None:  # noqa: ANN401 (Fabric's hook: its strategy, unused)
         """Fabric's hook: count the step, decide whether it is a logging step, gate the next."""
         if not self._attached or not self._owns(optimizer):
             return

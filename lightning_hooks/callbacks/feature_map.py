@@ -74,13 +74,13 @@ class FeatureMapCallback(HookCallback):
 
     _selection_arguments = ("layers",)
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)
         self,
         *,
         layers: Patterns = None,
         max_layers: int = 8,
         channels: int = 16,
-        probe: Any = None,
+        probe: Any = None,  # noqa: ANN401 (the probe is the model's input, whatever it is; LightningCLI reads the type)
         probe_labels: torch.Tensor | None = None,
         probe_size: int = 64,
         input_fn: Callable[[Any], Any] | None = None,

@@ -100,7 +100,7 @@ class GradFlowCallback(HookCallback):
 
     policy: AlarmPolicy
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)
         self,
         *,
         types: ModuleTypes = None,
@@ -200,7 +200,7 @@ class GradFlowCallback(HookCallback):
         self._optimizer_steps = None
         self._every_batch = False
 
-    on_before_optimizer_step = HookCallback._observe_optimizer_step
+    on_before_optimizer_step = HookCallback._observe_optimizer_step  # noqa: SLF001 (the base's method, defined there so that a quiet step runs that module only)
 
     @override
     def _votes_carried(self) -> bool:

@@ -22,6 +22,7 @@ from lightning_hooks.logging import (
     log_scalars,
     step_tags,
 )
+from lightning_hooks.tags import GRAD_FLOW, grad_flow_tag
 
 __all__ = ["GradFlowWriter", "Measured", "grad_flow_step_scalars", "observe_histograms"]
 
@@ -51,7 +52,7 @@ def _epoch_scalars(
     last = len(stats.layers) - 1  # the global row
     rows = _logged_rows(stats, max_layers)
     if stats.count[-1, stats.stats.index("grad_norm_preclip")] > 0:  # clipped: the applied one
-        yield "grad_flow/global/grad_norm_postclip", float(stats.column("grad_norm")[-1])
+        yield grad_flow_tag("grad_norm_postclip"), float(stats.column("grad_norm")[-1])
     for suffix, stat, kind in _LOGGED:
         if step and suffix != stat:
             continue
@@ -61,12 +62,12 @@ def _epoch_scalars(
             if counts[row] == 0:
                 continue
             layer = stats.layers[row]
-            tag = f"grad_flow/global/{suffix}" if row == last else f"grad_flow/{suffix}/{layer}"
+            tag = grad_flow_tag(suffix, None if row == last else layer)
             yield tag, float(column[row])
         values = column[:last][(counts[:last] > 0) & np.isfinite(column[:last])]
         if len(rows) < last and values.size:  # percentiles over the layers
             for q, value in zip(_PERCENTILES, np.percentile(values, _PERCENTILES), strict=True):
-                yield f"grad_flow/global/{suffix}_p{q:02d}", float(value)
+                yield grad_flow_tag(f"{suffix}_p{q:02d}"), float(value)
 
 
 def grad_flow_step_scalars(stats: LayerTable, max_layers: int | None = None) -> dict[str, float]:
@@ -166,7 +167,7 @@ class GradFlowWriter:
         mean, peak = stats.column("grad_abs_mean")[:-1], stats.column("grad_abs_max", "peak")[:-1]
         title = f"gradient flow, epoch {trainer.current_epoch}"
         figure = grad_flow_figure(stats.layers[:-1], mean, peak, title=title)
-        log_figure(trainer.loggers, "grad_flow/chart", figure, trainer.global_step)
+        log_figure(trainer.loggers, f"{GRAD_FLOW}/chart", figure, trainer.global_step)
 
     def _write_heatmap(self, trainer: pl.Trainer, stats: LayerTable) -> None:
         history = self.history
@@ -175,7 +176,7 @@ class GradFlowWriter:
         title = "gradient norm per layer and epoch (mean over steps)"
         epochs = [e for e, _ in history]
         heatmap = layer_epoch_heatmap(stats.layers[:-1], epochs, values, title=title, log=True)
-        log_figure(trainer.loggers, "grad_flow/heatmap", heatmap, trainer.global_step)
+        log_figure(trainer.loggers, f"{GRAD_FLOW}/heatmap", heatmap, trainer.global_step)
 
     def _write_histograms(self, trainer: pl.Trainer, measured: Measured, stats: LayerTable) -> None:
         """Write the epoch's histograms of the logged layers (rank 0), then reset them."""
@@ -192,5 +193,5 @@ class GradFlowWriter:
             return
         for row in _logged_rows(stats, self.max_layers_logged):
             if counts[row].any():
-                tag = f"grad_flow/grad_log10_abs/{stats.layers[row]}"
+                tag = grad_flow_tag("grad_log10_abs", stats.layers[row])
                 log_histogram(trainer.loggers, tag, limits, counts[row], trainer.global_step)

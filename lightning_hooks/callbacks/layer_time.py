@@ -53,7 +53,7 @@ class LayerTimeCallback(StatsCallback):
         10
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)
         self,
         *,
         every_n_steps: int | None = None,

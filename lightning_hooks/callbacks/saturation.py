@@ -78,7 +78,7 @@ class SaturationCallback(StatsCallback):
         "Hugging Face or timm activation computing one)"
     )
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)
         self,
         *,
         types: ModuleTypes = None,

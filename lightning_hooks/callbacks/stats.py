@@ -151,7 +151,7 @@ class StatsCallback(HookCallback):
             log_scalars(trainer.loggers, stat.tags(result), trainer.global_step)
             self._log_result(trainer, stat, result)
 
-    def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
+    def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:  # noqa: ANN401 (each statistic's own result type)
         """Log what is not a scalar tag (pictures, warnings)."""
 
     @override

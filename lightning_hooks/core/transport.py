@@ -84,7 +84,7 @@ class HostMailbox:
         self._slots[shape] = HostSlot(tensor=host, array=array)
         return self._slots[shape]
 
-    def post(self, value: torch.Tensor, meta: Any = None) -> None:
+    def post(self, value: torch.Tensor, meta: Any = None) -> None:  # noqa: ANN401 (the caller's record, handed back with the value)
         """Start copying ``value`` to the host; ``meta`` comes back with it from :meth:`read`."""
         slot = self._slots.get(tuple(value.shape)) or self.reserve(tuple(value.shape))
         self._slot = slot

@@ -170,7 +170,7 @@ def log_embedding(
     each_sink(loggers, lambda sink: sink.embedding(tag, features, labels, step))
 
 
-def log_histogram(  # PLR0913 kept: its callers pass the histogram's parts by position
+def log_histogram(  # noqa: PLR0913 (its callers pass the histogram's parts by position)
     loggers: Sequence[LightningLogger],
     tag: str,
     limits: np.ndarray,

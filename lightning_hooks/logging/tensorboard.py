@@ -17,6 +17,9 @@ from matplotlib.figure import Figure
 from typing_extensions import Buffer, TypedDict, Unpack
 
 from lightning_hooks.logging.sinks import LightningLogger, LoggerSink, Moments, lightning_types
+from lightning_hooks.tags import PERCENTILE, STEP, step_tag
+
+_TAGS = 1 << 16  # tags whose derived names are kept (each logging step writes the same ones)
 
 if TYPE_CHECKING:
     import torch
@@ -106,9 +109,9 @@ class TensorBoardSink(LoggerSink):
         plain = type(self.logger) in lightning_types("TensorBoardLogger")
         writer: object = self.logger.experiment if plain else None  # a real one on rank 0
         if isinstance(writer, SummaryWriter) and not getattr(self.logger, "_prefix", ""):
-            # SLF001 kept: SummaryWriter writes a whole Summary only through its file writer,
-            # which _get_file_writer opens again after a close (its attribute would be None)
-            file_writer = writer._get_file_writer()  # type: ignore[no-untyped-call]
+            # SummaryWriter writes a whole Summary only through its file writer, which
+            # _get_file_writer opens again after a close (its attribute would be None)
+            file_writer = writer._get_file_writer()  # type: ignore[no-untyped-call]  # noqa: SLF001 (no public way)
             file_writer.add_summary(scalar_summary(metrics), step)
         else:
             self.logger.log_metrics(dict(metrics), step=step)
@@ -193,32 +196,9 @@ _CHART_ORDER = (
     *("grad_norm", "output_grad_norm", "update_ratio", "grad_abs_mean", "grad_nonfinite"),
     *("dead_fraction", "zero_fraction", "abs_mean", "std", "mean"),
 )
-_PERCENTILE = re.compile(r"_p\d+$")
 # Tags seen per TensorBoard writer, and the charts already written to it.
 _SEEN: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
 _WRITTEN: weakref.WeakKeyDictionary[Any, frozenset[tuple[str, str]]] = weakref.WeakKeyDictionary()
-
-STEP = "_step"
-"""The suffix of a statistic's name in the tags of one logging step."""
-_TAGS = 1 << 16  # tags whose derived names are kept (each logging step writes the same ones)
-
-
-@functools.lru_cache(maxsize=_TAGS)
-def step_tag(tag: str) -> str:
-    """The tag of ``tag``'s value at one logging step: ``_step`` after the statistic's name.
-
-    Example:
-        >>> step_tag("grad_flow/grad_norm/encoder.0"), step_tag("grad_flow/global/grad_norm_p50")
-        ('grad_flow/grad_norm_step/encoder.0', 'grad_flow/global/grad_norm_step_p50')
-        >>> step_tag("layer_time/step_ms"), step_tag("grad_flow/alarms/spike")
-        ('layer_time/step_ms_step', 'grad_flow/alarms_step/spike')
-    """
-    parts = tag.split("/")
-    at = 2 if len(parts) > 2 and parts[1] == "global" else min(1, len(parts) - 1)
-    percentile = _PERCENTILE.search(parts[at])
-    cut = percentile.start() if percentile else len(parts[at])
-    parts[at] = parts[at][:cut] + STEP + parts[at][cut:]
-    return "/".join(parts)
 
 
 def step_tags(values: Mapping[str, float]) -> dict[str, float]:
@@ -240,7 +220,7 @@ def chart_key(tag: str) -> tuple[str, str] | None:
     if len(parts) < 3 or not all(parts):
         return None
     if parts[1] == "global":
-        return parts[0], _PERCENTILE.sub("", parts[2])
+        return parts[0], PERCENTILE.sub("", parts[2])
     return parts[0], parts[1]
 
 

@@ -113,7 +113,7 @@ class GradientAlarms:
         self._logits: dict[str, list[float]] = {}  # the attention logits of the last logging steps
 
     @torch.no_grad()
-    def update(
+    def update(  # noqa: PLR0913 (one optimizer step's facts, on the quiet step's path: no record built per step)
         self,
         norm: torch.Tensor,
         rows: Sequence[int] | torch.Tensor | None = None,

@@ -219,7 +219,7 @@ def compiled_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def select_modules(  # PLR0913 kept: public, one keyword per way a user selects modules
+def select_modules(  # noqa: PLR0913 (public, one keyword per way a user selects modules)
     model: nn.Module,
     *,
     types: ModuleTypes = None,

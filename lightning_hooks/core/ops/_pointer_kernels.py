@@ -6,9 +6,8 @@ import triton.language as tl
 __all__ = ["norms", "partial_sums"]
 
 
-# PLR0913 kept: a Triton kernel takes each pointer and constant as an argument of its own
 @triton.jit  # type: ignore[untyped-decorator]
-def partial_sums(  # type: ignore[no-untyped-def]
+def partial_sums(  # type: ignore[no-untyped-def]  # noqa: PLR0913 (a Triton kernel takes each pointer and constant as an argument)
     ptrs, owner, begin, end, partial, block: tl.constexpr, kind: tl.constexpr
 ):
     """``partial[p]``: the float32 sum of squares of the elements ``begin[p]:end[p]`` of the

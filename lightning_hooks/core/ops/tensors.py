@@ -26,7 +26,7 @@ __all__ = [
 
 DEVICE_PIECE = 1 << 24  # elements read at a time off the CPU (float32 counts stay exact)
 
-foreach_norm = torch._foreach_norm  # SLF001 kept: torch's multi-tensor norm has no public name
+foreach_norm = torch._foreach_norm  # noqa: SLF001 (torch's multi-tensor norm has no public name)
 """``foreach_norm(tensors, ord=2, dtype=None)``: each tensor's norm, in one multi-tensor pass
 (``torch._foreach_norm`` itself, bound once: the quiet step's reads call it directly)."""
 

@@ -32,7 +32,7 @@ LOGIT_BUDGET = 1 << 24
 _SOFTMAX = (functional.softmax, torch.softmax, torch.Tensor.softmax)
 
 
-def sdpa_logit_chunks(  # PLR0913 kept: the arguments of torch's scaled_dot_product_attention
+def sdpa_logit_chunks(  # noqa: PLR0913 (the arguments of torch's scaled_dot_product_attention)
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor | None = None,
@@ -259,7 +259,7 @@ class AttentionCapture(ShelvedMode):
         types: Iterable[type],
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+    ) -> Any:  # noqa: ANN401 (torch's __torch_function__ protocol)
         """Hand an attention call to :meth:`see`, then run it unchanged."""
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # a compiled region inside a forward of a logging step

@@ -106,7 +106,7 @@ class GradFlowTracker(HookOwner):
         (('0', '2', 'global'), [3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 0.0])
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a public constructor: one keyword per option)
         self,
         model: nn.Module,
         optimizers: Iterable[torch.optim.Optimizer] = (),
@@ -322,7 +322,7 @@ class _SentinelRead:
             view.read = quiet_read(view, self._triton)
         return view.read
 
-    def post(
+    def post(  # noqa: PLR0913 (on the quiet step's path: no record built per step)
         self,
         view: OptimizerView,
         norms: torch.Tensor,
