@@ -6,9 +6,6 @@ The public names load on first use (PEP 562): ``import lightning_hooks`` or
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from lightning_hooks.errors import (
@@ -17,6 +14,7 @@ from lightning_hooks.errors import (
     LightningHooksError,
     LightningHooksWarning,
 )
+from lightning_hooks.lazy import lazy_names
 
 if TYPE_CHECKING:
     from lightning_hooks.callbacks import (
@@ -66,26 +64,6 @@ __all__ = [
 ]
 
 __version__ = "0.2.0"
-
-
-def lazy_names(
-    package: str, where: Mapping[str, str], public: Sequence[str]
-) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for ``package``: ``where`` maps a public name to its module,
-    imported on first access; the name is then cached in the package's namespace."""
-
-    def get(name: str) -> object:
-        module = where.get(name)
-        if module is None:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        vars(sys.modules[package])[name] = value
-        return value
-
-    def listing() -> list[str]:
-        return sorted({*vars(sys.modules[package]), *public})
-
-    return get, listing
 
 
 # The public names not defined above: a callback from its subpackage, the rest from the core.

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_hooks.entry_points import SHORT_NAMES
 from lightning_hooks.report import (
     COLUMNS,
     EventFileError,
@@ -27,6 +26,7 @@ from lightning_hooks.report import (
     format_table,
     read_run,
 )
+from lightning_hooks.switch import SHORT_NAMES
 
 __all__ = ["ALARMS", "LAYER_METRICS", "FailRule", "check", "known_metrics", "main"]
 

@@ -2,20 +2,39 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from typing_extensions import NotRequired, TypedDict, Unpack
 
-if TYPE_CHECKING:
-    from lightning_hooks.core.alarms import GradientAlarm
-
 __all__ = [
+    "Alarm",
     "AlarmFacts",
     "GradientAlarmError",
     "GradientAlarmWarning",
     "LightningHooksError",
     "LightningHooksWarning",
 ]
+
+
+class Alarm(Protocol):
+    """What a warning or an error says of its alarm: a
+    :class:`~lightning_hooks.core.GradientAlarm` (declared here by its fields, so that this
+    module, which every other imports, imports none of them)."""
+
+    @property
+    def rule(self) -> str: ...
+
+    @property
+    def layer(self) -> str: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def value(self) -> float: ...
+
+    @property
+    def message(self) -> str: ...
 
 
 class LightningHooksWarning(UserWarning):
@@ -33,7 +52,7 @@ class GradientAlarmWarning(LightningHooksWarning):
         alarm: the :class:`~lightning_hooks.core.GradientAlarm` (values, recent norms), or ``None``.
     """
 
-    alarm: GradientAlarm | None = None
+    alarm: Alarm | None = None
 
 
 class AlarmFacts(TypedDict):
@@ -43,7 +62,7 @@ class AlarmFacts(TypedDict):
     layer: str  # the layer it names
     step: int  # the optimizer step whose gradients fired it
     value: float  # the gradient norm (or loss) that fired it
-    alarm: NotRequired[GradientAlarm | None]  # the alarm itself (default None)
+    alarm: NotRequired[Alarm | None]  # the alarm itself (default None)
 
 
 def _check_facts(facts: AlarmFacts) -> None:

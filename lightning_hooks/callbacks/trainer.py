@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import pytorch_lightning as pl
 from lightning_fabric.utilities.exceptions import MisconfigurationException
@@ -15,9 +14,6 @@ from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import shows_pictures
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "PER_BATCH_HOOKS",

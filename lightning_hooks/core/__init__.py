@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from lightning_hooks import lazy_names
+from lightning_hooks.lazy import lazy_names
 
 if TYPE_CHECKING:
     from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, GradientAlarm, GradientAlarms

@@ -1,0 +1,48 @@
+"""The names ``LIGHTNING_HOOKS`` takes: the callbacks it can switch on without code, by short or
+class name, and ``all``. Torch-free, so that ``lightning-hooks --help`` lists them without
+importing the training code; :mod:`~lightning_hooks.entry_points` builds the callbacks."""
+
+from __future__ import annotations
+
+__all__ = ["ENV", "SHORT_NAMES", "requested"]
+
+ENV = "LIGHTNING_HOOKS"
+"""The environment variable: a comma-separated list of callbacks, by short or class name."""
+
+SHORT_NAMES: dict[str, str] = {
+    "grad_flow": "GradFlowCallback",
+    "activation_stats": "ActivationStatsCallback",
+    "dead_relu": "DeadReLUCallback",
+    "saturation": "SaturationCallback",
+    "layer_time": "LayerTimeCallback",
+    "feature_map": "FeatureMapCallback",
+}
+"""Short name -> class name of every callback that builds with no argument."""
+
+_ALL = ("grad_flow", "activation_stats", "dead_relu", "saturation")
+"""``all``: the callbacks on by default (not the timing, nor the image-heavy feature maps)."""
+
+
+def requested(value: str) -> list[str]:
+    """The class names ``value`` (``LIGHTNING_HOOKS``'s) asks for, in order, each once.
+
+    Raises:
+        ValueError: a name that is no callback, naming the allowed values.
+
+    Example:
+        >>> requested("all")
+        ['GradFlowCallback', 'ActivationStatsCallback', 'DeadReLUCallback', 'SaturationCallback']
+        >>> requested("grad_flow, DeadReLUCallback"), requested("")
+        (['GradFlowCallback', 'DeadReLUCallback'], [])
+    """
+    names: list[str] = []
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        shorts = _ALL if item == "all" else (item,)
+        names.extend(SHORT_NAMES.get(short, short) for short in shorts)
+        if names[-1] not in SHORT_NAMES.values():
+            allowed = ", ".join(["all", *SHORT_NAMES])
+            raise ValueError(
+                f"{ENV}={value!r}: {item!r} is no callback; allowed (comma-separated): {allowed}, "
+                f"or their class names {', '.join(SHORT_NAMES.values())}"
+            )
+    return list(dict.fromkeys(names))
