@@ -25,7 +25,7 @@ PUBLIC = {
         "GradFlowTracker", "GradientAlarm", "GradientAlarms", "HookRegistry", "LayerHistogram",
         "LayerHistograms", "LayerStat", "LayerStatsAccumulator", "LayerTable",
         "LayerTimer",
-        "LayerTimes", "ParamLayout", "SATURATING_TYPES", "SaturationStats", "SaturationTracker",
+        "LayerTimes", "ParamLayout", "SATURATING_TYPES", "SaturatedUnits", "SaturationTracker",
         "Selection", "StabilityStats", "capture_outputs", "feature_stats", "grad_stats",
         "is_kind", "is_training_forward", "iter_float_tensors", "probe_mode", "saturation_mask",
         "select_modules", "torch_equivalent", "unit_saturation",

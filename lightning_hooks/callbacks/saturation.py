@@ -14,7 +14,7 @@ from lightning_hooks.core.checks import fraction_or_none, named_arguments, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.saturation import (
     SATURATING_TYPES,
-    SaturationStats,
+    SaturatedUnits,
     SaturationTracker,
 )
 from lightning_hooks.core.stats.stat import LayerStat
@@ -112,7 +112,7 @@ class SaturationCallback(StatsCallback):
 
     @override
     def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
-        found: SaturationStats = result
+        found: SaturatedUnits = result
         epoch, warn_at = trainer.current_epoch, self.warn_at
         if warn_at is None or not trainer.is_global_zero:
             return

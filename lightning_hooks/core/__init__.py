@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
     from lightning_hooks.core.stats.saturation import (
         SATURATING_TYPES,
-        SaturationStats,
+        SaturatedUnits,
         SaturationTracker,
         saturation_mask,
         unit_saturation,
@@ -56,8 +56,8 @@ _MODULES = {
     "stats.dead_units": "DeadUnits DeadUnitTracker",
     "stats.grad_flow": "GRAD_FLOW_STATS GradFlowTracker",
     "stats.layer_time": "LayerTimer LayerTimes",
-    "stats.saturation": "SATURATING_TYPES SaturationStats SaturationTracker saturation_mask "
-    "unit_saturation",
+    "stats.saturation": "SATURATING_TYPES SaturatedUnits SaturationTracker saturation_mask "
+    "unit_saturation SaturationStats",  # the last: 0.2.0's name of SaturatedUnits, not listed
     "stats.stability": "StabilityStats",
     "stats.stat": "LayerStat",
     "transport": "FirstNonFinite",
@@ -94,7 +94,7 @@ __all__ = [
     "LayerTimer",
     "LayerTimes",
     "ParamLayout",
-    "SaturationStats",
+    "SaturatedUnits",
     "SaturationTracker",
     "Selection",
     "StabilityStats",

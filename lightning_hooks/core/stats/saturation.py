@@ -14,7 +14,7 @@ from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_
 
 __all__ = [
     "SATURATING_TYPES",
-    "SaturationStats",
+    "SaturatedUnits",
     "SaturationTracker",
     "saturation_mask",
     "unit_saturation",
@@ -84,8 +84,8 @@ def unit_saturation(mask: torch.Tensor, unit_dim: int = 1) -> tuple[torch.Tensor
 
 
 @dataclass(frozen=True)
-class SaturationStats:
-    """Saturation over a period, one row per layer.
+class SaturatedUnits:
+    """What :class:`SaturationTracker` found over a period (its result), one row per layer.
 
     Attributes:
         layers: layer names.
@@ -112,7 +112,7 @@ class SaturationStats:
         return np.where(self.entries > 0, self.always_saturated / np.maximum(self.units, 1), np.nan)
 
 
-class SaturationTracker(LayerStat[SaturationStats]):
+class SaturationTracker(LayerStat[SaturatedUnits]):
     """Per layer, the saturated outputs (:func:`saturation_mask`) of training forwards and the
     units never unsaturated; no host sync.
 
@@ -177,10 +177,10 @@ class SaturationTracker(LayerStat[SaturationStats]):
         self.unsaturated[self.unit_slice(row)].logical_or_(unsaturated)
         self.tally("entries", row, output.numel())
 
-    def summarize(self, states: dict[str, np.ndarray]) -> SaturationStats:
+    def summarize(self, states: dict[str, np.ndarray]) -> SaturatedUnits:
         flags = states["unsaturated"]
         always = [int((flags[self.unit_slice(i)] == 0).sum()) for i in range(len(self.rows))]
-        return SaturationStats(
+        return SaturatedUnits(
             self.layers,
             states["entries"].astype(np.int64),
             states["saturated"].astype(np.int64),
@@ -188,13 +188,13 @@ class SaturationTracker(LayerStat[SaturationStats]):
             np.array(always, dtype=np.int64),
         )
 
-    def step_values(self, result: SaturationStats) -> dict[str, float]:
+    def step_values(self, result: SaturatedUnits) -> dict[str, float]:
         """At a logging step, the saturated fractions only (nothing when no layer ran)."""
         if not (result.entries > 0).any():
             return {}
         return {k: v for k, v in self.tags(result).items() if "always_saturated" not in k}
 
-    def tags(self, result: SaturationStats) -> dict[str, float]:
+    def tags(self, result: SaturatedUnits) -> dict[str, float]:
         """Per-layer and global saturated and always-saturated fractions, and layers that ran."""
         out: dict[str, float] = {}
         ran = result.entries > 0
@@ -209,3 +209,7 @@ class SaturationTracker(LayerStat[SaturationStats]):
             out["saturation/global/always_saturated_fraction"] = float(always_all)
         out["saturation/global/layers"] = float(ran.sum())
         return out
+
+
+SaturationStats = SaturatedUnits
+"""0.2.0's name of :class:`SaturatedUnits`: a result, which the name of a statistic misread."""
