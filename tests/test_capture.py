@@ -55,7 +55,7 @@ def test_glob_patterns_select_every_matching_module() -> None:
 def test_unknown_name_lists_the_closest_names_and_leaves_no_hooks() -> None:
     model = _model()
     with (
-        pytest.raises(ValueError, match=r"include='3x' matches no module.*closest.*'3'"),
+        pytest.raises(ValueError, match=r"include='3x'\) matches no module.*closest.*'3'"),
         capture_outputs(model, ["0", "3x"]),
     ):
         pass

@@ -206,7 +206,8 @@ def test_chart_off_needs_no_tensorboard(trainer_factory: Any, tmp_path: Path) ->
 
 def test_pattern_matching_nothing_fails_at_setup(trainer_factory: Any) -> None:
     model = TinyMLP()
-    with pytest.raises(ValueError, match=r"include='net\.9' matches no module.*'net\.0'"):
+    named = r"GradFlowCallback\(include='net\.9'\) matches no module.*'net\.0'"
+    with pytest.raises(ValueError, match=named):
         trainer_factory(callbacks=[GradFlowCallback(include="net.9")]).fit(model)
     assert hooks_left(model) == []
 

@@ -33,16 +33,18 @@ def test_select_by_type_include_exclude() -> None:
 
 
 def test_pattern_matching_nothing_names_the_closest_modules() -> None:
-    with pytest.raises(ValueError, match=r"include='1\.O' matches no module.*'1\.0'"):
+    named = r"select_modules\(include='1\.O'\) matches no module.*'1\.0'"
+    with pytest.raises(ValueError, match=named):
         select_modules(_model(), include="1.O")
-    with pytest.raises(ValueError, match=r"exclude='encoder' matches no module"):
+    with pytest.raises(ValueError, match=r"select_modules\(exclude='encoder'\) matches no module"):
         select_modules(_model(), exclude="encoder")
 
 
 def test_pattern_of_wrong_type_is_refused() -> None:
     with pytest.raises(
         TypeError,
-        match=r"include: must be a glob pattern \(str\), a sequence of them, or None, got 3",
+        match=r"select_modules\(include=\[3\]\): must be a glob pattern \(str\), a sequence of "
+        r"them, or None, got 3",
     ):
         select_modules(_model(), include=[3])  # type: ignore[list-item]
 

@@ -18,7 +18,7 @@ from lightning_hooks.core.stats.activation_shape import ActivationShape
 from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.logging import layer_epoch_heatmap, log_figure, log_histogram
+from lightning_hooks.logging import Binned, layer_epoch_heatmap, log_figure, log_histogram
 
 __all__ = ["ActivationStatsCallback"]
 
@@ -145,9 +145,8 @@ class ActivationStatsCallback(StatsCallback):
         for row, hist in enumerate(hists):
             if stats.numel[row] and np.isfinite(hist.edges).all():
                 low, high, total, squares = (float(column[row]) for column in columns)
-                moments = (low, high, total, squares)
-                tag = f"activations/histogram/{hist.layer}"
-                log_histogram(trainer.loggers, tag, hist.edges[1:], hist.counts, step, moments)
+                binned = Binned(hist.edges[1:], hist.counts, (low, high, total, squares))
+                log_histogram(trainer.loggers, f"activations/histogram/{hist.layer}", binned, step)
         self._history.append((trainer.current_epoch, stats))
         if self.heatmaps:
             self._log_heatmaps(trainer, step)

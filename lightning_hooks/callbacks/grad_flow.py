@@ -22,10 +22,10 @@ from lightning_hooks.callbacks.base import (
     check_every_n_steps,
     training_loss,
 )
-from lightning_hooks.core import GradFlowTracker, LayerHistograms, checks, select_modules
+from lightning_hooks.core import GradFlowTracker, LayerHistograms, checks
 from lightning_hooks.core.alarms import AlarmRules
 from lightning_hooks.core.checks import named_arguments
-from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, as_patterns
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
 from lightning_hooks.core.ops.grad_stats import ParamLayout
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
@@ -139,10 +139,12 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
-        types, include, exclude = self.types, self.include, self.exclude
-        modules = select_modules(pl_module, types=types, include=include, exclude=exclude)
+        selection = Selection.of(
+            "GradFlowCallback", types=self.types, include=self.include, exclude=self.exclude
+        )
+        modules = selection.modules(pl_module)
         # The model's own parameters count too, unless a selection narrows it (the tracker's rule).
-        root = pl_module if types is None and not include else None
+        root = pl_module if self.types is None and not self.include else None
         if lazy := [n for n, p in pl_module.named_parameters() if is_lazy(p)]:
             rank_zero_warn(
                 f"GradFlowCallback: the model's lazy parameters {lazy[:3]} are not "

@@ -15,6 +15,7 @@ from lightning_hooks.core import LayerHistograms, LayerTable, ParamLayout
 from lightning_hooks.core.stats.grad_flow import GradFlowTracker
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.logging import (
+    Binned,
     grad_flow_figure,
     layer_epoch_heatmap,
     log_figure,
@@ -194,4 +195,5 @@ class GradFlowWriter:
         for row in _logged_rows(stats, self.max_layers_logged):
             if counts[row].any():
                 tag = grad_flow_tag("grad_log10_abs", stats.layers[row])
-                log_histogram(trainer.loggers, tag, limits, counts[row], trainer.global_step)
+                binned = Binned(limits, counts[row])
+                log_histogram(trainer.loggers, tag, binned, trainer.global_step)

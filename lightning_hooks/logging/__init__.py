@@ -7,7 +7,6 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from matplotlib.figure import Figure
 
 from lightning_hooks.core.hooks.guard import strict_default
@@ -19,11 +18,11 @@ from lightning_hooks.logging.figures import (
     layer_time_figure,
 )
 from lightning_hooks.logging.sinks import (
+    Binned,
     CSVSink,
     LightningLogger,
     LoggerSink,
     MLflowSink,
-    Moments,
     WandbSink,
 )
 from lightning_hooks.logging.tensorboard import TensorBoardSink, step_tags
@@ -32,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "Binned",
     "LoggerSink",
     "each_sink",
     "feature_map_grid",
@@ -170,14 +170,7 @@ def log_embedding(
     each_sink(loggers, lambda sink: sink.embedding(tag, features, labels, step))
 
 
-def log_histogram(  # noqa: PLR0913 (its callers pass the histogram's parts by position)
-    loggers: Sequence[LightningLogger],
-    tag: str,
-    limits: np.ndarray,
-    counts: np.ndarray,
-    step: int,
-    moments: Moments | None = None,
-) -> None:
-    """Write pre-binned ``counts`` with right edges ``limits`` to every logger with histograms
-    (TensorBoard, W&B); the arguments as :func:`~.tensorboard.histogram_raw` takes them."""
-    each_sink(loggers, lambda sink: sink.histogram(tag, limits, counts, step, moments))
+def log_histogram(loggers: Sequence[LightningLogger], tag: str, binned: Binned, step: int) -> None:
+    """Write a histogram binned on the device to every logger with histograms (TensorBoard,
+    W&B)."""
+    each_sink(loggers, lambda sink: sink.histogram(tag, binned, step))

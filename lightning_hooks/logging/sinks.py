@@ -8,7 +8,7 @@ import importlib
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "Binned",
     "CSVSink",
     "LightningLogger",
     "LoggerSink",
@@ -29,6 +30,18 @@ __all__ = [
 
 Moments = tuple[float, float, float, float]
 """``(min, max, sum, sum of squares)`` of the values a histogram binned."""
+
+
+class Binned(NamedTuple):
+    """A histogram binned on the device, as a sink writes it."""
+
+    limits: np.ndarray
+    """``[buckets]`` right edges of the buckets."""
+    counts: np.ndarray
+    """``[buckets]`` counts."""
+    moments: Moments | None = None
+    """Of the values binned; ``None``: taken from the bucket centres when a sink needs them."""
+
 
 # Fabric's loggers last: the Trainer's TensorBoardLogger and CSVLogger subclass them.
 _NAMESPACES = (
@@ -156,10 +169,8 @@ class LoggerSink:
     def image(self, tag: str, image: torch.Tensor, step: int) -> None:
         """Write a ``CHW`` CPU image tensor with values in ``[0, 1]``."""
 
-    def histogram(
-        self, tag: str, limits: np.ndarray, counts: np.ndarray, step: int, moments: Moments | None
-    ) -> None:
-        """Write pre-binned ``counts`` with right edges ``limits`` (see ``histogram_raw``)."""
+    def histogram(self, tag: str, binned: Binned, step: int) -> None:
+        """Write a histogram binned on the device (see ``histogram_raw``)."""
 
     def text(self, tag: str, text: str, step: int) -> None:
         """Write Markdown ``text``."""
@@ -304,13 +315,12 @@ class WandbSink(LoggerSink):
     def image(self, tag: str, image: torch.Tensor, step: int) -> None:
         self.logger.log_image(key=tag, images=[_image_pixels(image)], step=step)
 
-    def histogram(
-        self, tag: str, limits: np.ndarray, counts: np.ndarray, step: int, moments: Moments | None
-    ) -> None:
+    def histogram(self, tag: str, binned: Binned, step: int) -> None:
         import wandb
 
+        limits = binned.limits
         width = limits[1] - limits[0] if len(limits) > 1 else 1.0
-        counts, edges = _rebinned(counts, np.concatenate([[limits[0] - width], limits]))
+        counts, edges = _rebinned(binned.counts, np.concatenate([[limits[0] - width], limits]))
         histogram = wandb.Histogram(np_histogram=(counts.tolist(), edges.tolist()))
         self.logger.experiment.log({tag: histogram, "trainer/global_step": step})
 

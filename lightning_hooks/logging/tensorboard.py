@@ -16,7 +16,13 @@ import numpy as np
 from matplotlib.figure import Figure
 from typing_extensions import Buffer, TypedDict, Unpack
 
-from lightning_hooks.logging.sinks import LightningLogger, LoggerSink, Moments, lightning_types
+from lightning_hooks.logging.sinks import (
+    Binned,
+    LightningLogger,
+    LoggerSink,
+    Moments,
+    lightning_types,
+)
 from lightning_hooks.tags import PERCENTILE, STEP, step_tag
 
 _TAGS = 1 << 16  # tags whose derived names are kept (each logging step writes the same ones)
@@ -125,10 +131,8 @@ class TensorBoardSink(LoggerSink):
     def image(self, tag: str, image: torch.Tensor, step: int) -> None:
         self.logger.experiment.add_image(tag, image, global_step=step, dataformats="CHW")
 
-    def histogram(
-        self, tag: str, limits: np.ndarray, counts: np.ndarray, step: int, moments: Moments | None
-    ) -> None:
-        raw = histogram_raw(limits, counts, moments)
+    def histogram(self, tag: str, binned: Binned, step: int) -> None:
+        raw = histogram_raw(*binned)
         self.logger.experiment.add_histogram_raw(tag, global_step=step, **raw)
 
     def text(self, tag: str, text: str, step: int) -> None:

@@ -174,15 +174,23 @@ class Selection:
     ) -> list[tuple[str, nn.Module]]:
         """The selected ``(name, module)`` pairs of ``model`` (:func:`select_modules`)."""
         check_module(f"{self.owner}: Selection.modules", "model", model)
-        inc, exc = (f"{self.owner}({a}" for a in self.arguments)
-        return select_modules(
-            model,
-            types=self.types,
-            include=self.include,
-            exclude=self.exclude,
-            where=where,
-            arguments=(inc, exc),
-        )
+        named = [
+            (name, m)
+            for n, m in model.named_modules()
+            if (name := _plain_name(n)) and not _is_compiled_wrapper(m)
+        ]
+        names = [n for n, _ in named]
+        include_name, exclude_name = (f"{self.owner}({a}" for a in self.arguments)
+        _check_patterns(self.include, names, include_name)
+        _check_patterns(self.exclude, names, exclude_name)
+        return [
+            (name, module)
+            for name, module in named
+            if (self.types is None or is_kind(module, self.types))
+            and (not self.include or _matches(name, self.include))
+            and not _matches(name, self.exclude)
+            and (where is None or where(name, module))
+        ]
 
 
 def _check_patterns(patterns: tuple[str, ...], names: Sequence[str], argument: str) -> None:
@@ -219,14 +227,13 @@ def compiled_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def select_modules(  # noqa: PLR0913 (public, one keyword per way a user selects modules)
+def select_modules(
     model: nn.Module,
     *,
     types: ModuleTypes = None,
     include: Patterns = None,
     exclude: Patterns = None,
     where: ModuleFilter | None = None,
-    arguments: tuple[str, str] = ("include", "exclude"),
 ) -> list[tuple[str, nn.Module]]:
     """``(qualified_name, module)`` pairs of ``model`` to instrument, in registration order: not
     the root, a shared module once, a submodule compiled in place under its eager names.
@@ -239,9 +246,9 @@ def select_modules(  # noqa: PLR0913 (public, one keyword per way a user selects
             keep only modules matching one.
         exclude: glob patterns; drop modules matching any.
         where: an extra predicate ``(name, module) -> bool``.
-        arguments: how errors name ``include`` and ``exclude`` (the user's argument names).
 
     Raises:
+        TypeError: ``types`` holds something not an ``nn.Module`` subclass.
         ValueError: a pattern matches no module; the message lists the closest real names.
 
     Example:
@@ -253,22 +260,5 @@ def select_modules(  # noqa: PLR0913 (public, one keyword per way a user selects
         ['0', '1']
     """
     check_module("select_modules", "model", model)
-    include_name, exclude_name = arguments
-    inc = as_patterns(include, include_name)
-    exc = as_patterns(exclude, exclude_name)
-    named = [
-        (name, m)
-        for n, m in model.named_modules()
-        if (name := _plain_name(n)) and not _is_compiled_wrapper(m)
-    ]
-    names = [n for n, _ in named]
-    _check_patterns(inc, names, include_name)
-    _check_patterns(exc, names, exclude_name)
-    return [
-        (name, module)
-        for name, module in named
-        if (types is None or is_kind(module, types))
-        and (not inc or _matches(name, inc))
-        and not _matches(name, exc)
-        and (where is None or where(name, module))
-    ]
+    selection = Selection.of("select_modules", types=types, include=include, exclude=exclude)
+    return selection.modules(model, where)

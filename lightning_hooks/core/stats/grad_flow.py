@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from functools import partial
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -185,9 +185,9 @@ class GradFlowTracker(HookOwner):
             return
         if alarms is not None and alarms.evaluated < alarms.rules.diverge_early:  # from step 1
             alarms.set_adaptive(adaptive(optimizer, view.params))
-        amp = grad_scale is not None
+        at = AlarmStep(step, amp=grad_scale is not None)
         sentinel = alarms and param_grad_scale is None
-        if sentinel and self._sentinel.quiet(view, logging_step, amp, step):
+        if sentinel and self._sentinel.quiet(view, logging_step, at):
             return
         valid = view.valid()
         stats = self._read_stats(view, logging_step, param_grad_scale)
@@ -196,7 +196,7 @@ class GradFlowTracker(HookOwner):
         if logging_step:
             self._record_step(optimizer, view, stats, valid, grad_scale)
         if alarms is not None:  # last: what the optimizer step's post-hook reduces is set
-            self._sentinel.post(view, norms, None if valid is None else valid[:, 0], amp, step)
+            self._sentinel.post(view, norms, None if valid is None else valid[:, 0], at)
         self._outputs.order.clear()
 
     def _read_stats(
@@ -278,6 +278,16 @@ class GradFlowTracker(HookOwner):
         self._outputs.reset()
 
 
+class AlarmStep(NamedTuple):
+    """The optimizer step whose gradient norms the alarms are handed."""
+
+    index: int
+    """The step the alarms name and count."""
+    amp: bool
+    """Whether an AMP loss scaler steps it: a non-finite gradient is then *amp_overflow*, the
+    step the scaler skips, not *nonfinite*."""
+
+
 class _SentinelRead:
     """Hands the alarms (``None``: off) their norms at the steps their cadence runs them;
     ``order``: the layer rows as their output-gradient hooks fired (emptied per step)."""
@@ -293,7 +303,7 @@ class _SentinelRead:
         self._sharded = stats.shards is not None  # FSDP2: the general path makes norms whole
         self._triton = alarms is not None and alarms.rules.quiet_read == "triton"
 
-    def quiet(self, view: OptimizerView, logging_step: bool, amp: bool, step: int) -> bool:
+    def quiet(self, view: OptimizerView, logging_step: bool, at: AlarmStep) -> bool:
         """A quiet step's read of dense gradients' norms, posted to the alarms (``True``: done);
         a logging step only prepares the read (its statistics serve)."""
         if self.alarms is None or self._sharded:
@@ -313,7 +323,7 @@ class _SentinelRead:
             failed = "its kernels failed" if self._triton else "its stacks failed"
             read_fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
             norms = foreach_norms(grads)
-        self.post(view, norms, None, amp, step, segmented=False)
+        self.post(view, norms, None, at, segmented=False)
         return True
 
     def _read(self, view: OptimizerView) -> Read:
@@ -322,13 +332,12 @@ class _SentinelRead:
             view.read = quiet_read(view, self._triton)
         return view.read
 
-    def post(  # noqa: PLR0913 (on the quiet step's path: no record built per step)
+    def post(
         self,
         view: OptimizerView,
         norms: torch.Tensor,
         stepped: torch.Tensor | None,
-        amp: bool,
-        step: int,
+        at: AlarmStep,
         *,
         segmented: bool = True,
     ) -> None:
@@ -340,8 +349,8 @@ class _SentinelRead:
         self.alarms.update(
             norms,
             view.row_ids,
-            step=step,
-            amp=amp,
+            step=at.index,
+            amp=at.amp,
             order=self._order,
             weights=partial(self._stats.weight_norms, view),
             stepped=stepped,
