@@ -281,7 +281,7 @@ class GradFlowTracker(HookOwner):
 class AlarmStep(NamedTuple):
     """The optimizer step whose gradient norms the alarms are handed."""
 
-    index: int
+    number: int
     """The step the alarms name and count."""
     amp: bool
     """Whether an AMP loss scaler steps it: a non-finite gradient is then *amp_overflow*, the
@@ -349,7 +349,7 @@ class _SentinelRead:
         self.alarms.update(
             norms,
             view.row_ids,
-            step=at.index,
+            step=at.number,
             amp=at.amp,
             order=self._order,
             weights=partial(self._stats.weight_norms, view),
