@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ from lightning_hooks import (
 from lightning_hooks.callbacks.stats import StatsCallback
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
+from release_checkpoint import SAVED_AT, SameBatchesMLP, trainer
+
+RELEASE_CHECKPOINT = Path(__file__).parent / "data" / "grad_flow_0.2.0.ckpt"
 
 
 class RepeatedBatchMLP(TinyMLP):
@@ -120,6 +124,26 @@ def test_resume_mid_epoch_carries_the_partial_epoch(
         log_every_n_steps=every,
     )
     _assert_same(_grad_flow_at(tmp_path / "second", 4), _grad_flow_at(tmp_path / "whole", 4))
+
+
+def test_a_checkpoint_saved_by_release_0_2_0_resumes_with_the_same_epoch(tmp_path: Path) -> None:
+    """Release 0.2.0 saved the tracker's state at the top of the callback's; it still loads."""
+    whole = trainer(tmp_path / "whole", callbacks=[GradFlowCallback()])
+    whole.fit(SameBatchesMLP())
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=SAVED_AT, save_top_k=-1)
+    resumed = trainer(tmp_path / "resumed", callbacks=[GradFlowCallback(), every])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.fit(SameBatchesMLP(), ckpt_path=RELEASE_CHECKPOINT)
+    ours = [str(w.message) for w in caught if issubclass(w.category, LightningHooksWarning)]
+    assert ours == []  # nothing dropped
+    assert resumed.global_step == 4 and SAVED_AT < 4
+    want = _grad_flow_at(tmp_path / "whole", 4)
+    _assert_same(_grad_flow_at(tmp_path / "resumed", 4), want)
+    # the epoch's count of logging steps includes the two before the checkpoint
+    assert read_scalars(tmp_path / "resumed")["grad_flow/grad_norm/net.0"] == [
+        (4, want["grad_flow/grad_norm/net.0"])
+    ]
 
 
 def test_state_for_another_model_is_dropped_with_a_warning(tmp_path: Path) -> None:
