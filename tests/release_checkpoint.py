@@ -4,7 +4,8 @@ out at ``/tmp/v020``), the release's package first on the path (an editable inst
 checkout would otherwise win)::
 
     cd /tmp/v020 && python -c "import runpy, sys; sys.path.insert(0, '.'); \\
-        sys.argv[1:] = ['out.ckpt']; runpy.run_path('tests/release_checkpoint.py', run_name='__main__')"
+        sys.argv[1:] = ['out.ckpt']; \\
+        runpy.run_path('tests/release_checkpoint.py', run_name='__main__')"
 
 with this file copied into that checkout. The tests resume from it with this version and compare
 with a fit that was never interrupted.

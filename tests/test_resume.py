@@ -12,6 +12,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from release_checkpoint import SAVED_AT, SameBatchesMLP, trainer
 from test_contract import HookCounter
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -27,7 +28,6 @@ from lightning_hooks import (
 from lightning_hooks.callbacks.stats import StatsCallback
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
-from release_checkpoint import SAVED_AT, SameBatchesMLP, trainer
 
 RELEASE_CHECKPOINT = Path(__file__).parent / "data" / "grad_flow_0.2.0.ckpt"
 
