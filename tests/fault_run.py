@@ -164,8 +164,9 @@ def one_rank_alarm(held: Trainer) -> Callable[..., Any]:
 
 def faults(name: str, held: Trainer) -> Any:
     """The fault of fit ``name`` (a context manager)."""
-    from lightning_hooks.callbacks import StatsCallback, grad_flow_tags
+    from lightning_hooks.callbacks import StatsCallback
     from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
+    from lightning_hooks.core import GradFlowTracker
     from lightning_hooks.core.alarms import GradientAlarms
 
     def step() -> int:
@@ -178,7 +179,7 @@ def faults(name: str, held: Trainer) -> Any:
     table: dict[str, tuple[Any, str, Callable[[], bool]]] = {
         "quiet": (GradientAlarms, "update", lambda: step() >= 1),
         "quiet_no_loss": (GradientAlarms, "update", lambda: step() >= 1),
-        "logging": (grad_flow_tags, "grad_flow_step_scalars", lambda: step() == 4),
+        "logging": (GradFlowTracker, "step_values", lambda: step() == 4),
         "loss": (GradientAlarms, "update_loss", lambda: step() == 2),
         "epoch_end": (AlarmPolicy, "end_epoch", lambda: epoch() == 0),
         "stats_logging": (stat, "observe", lambda: step() == 3),

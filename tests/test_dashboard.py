@@ -137,7 +137,7 @@ def test_a_thousand_layer_mlp_stays_bounded(tmp_path: Path) -> None:
 def test_heatmap_holds_the_logged_gradient_norms_per_layer_and_epoch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import lightning_hooks.callbacks.grad_flow_tags as module
+    import lightning_hooks.callbacks.grad_flow_pictures as module
 
     drawn: list[tuple[list[str], list[int], np.ndarray]] = []
     scales: list[bool] = []

@@ -51,7 +51,7 @@ DISABLED = {
 HOOK = {
     "quiet": "on_before_optimizer_step hook: RuntimeError: injected fault in update",
     "quiet_no_loss": "on_before_optimizer_step hook: RuntimeError: injected fault in update",
-    "logging": "on_train_batch_end hook: RuntimeError: injected fault in grad_flow_step_scalars",
+    "logging": "on_train_batch_end hook: RuntimeError: injected fault in step_values",
     "loss": "on_train_batch_end hook: RuntimeError: injected fault in update_loss",
     "epoch_end": "on_train_epoch_end hook: RuntimeError: injected fault in end_epoch",
     "stats_logging": "forward hook on 'net.0': RuntimeError: injected fault in observe",

@@ -74,7 +74,7 @@ def test_resume_after_epoch_one_reports_the_same_epoch_two(tmp_path: Path) -> No
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     _fit(tmp_path / "first", TinyMLP(), 1, callbacks=[ckpt], enable_checkpointing=True)
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["callbacks"]
-    state = saved[GradFlowCallback().state_key]
+    state = saved[GradFlowCallback().state_key]["0:GradFlowTracker"]
     assert state["layers"] == ["net.0", "net.2", "net.4", "global"]
     assert not state["count"].any()  # saved after the epoch was logged and reset
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
@@ -111,7 +111,8 @@ def test_resume_mid_epoch_carries_the_partial_epoch(
         log_every_n_steps=every,
     )
     path = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
-    state = torch.load(path, weights_only=False)["callbacks"][GradFlowCallback().state_key]
+    saved = torch.load(path, weights_only=False)["callbacks"][GradFlowCallback().state_key]
+    state = saved["0:GradFlowTracker"]
     assert state["count"][:, 0].tolist() == [logged_before] * 4  # logging steps, reduced
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     _fit(

@@ -300,9 +300,8 @@ def test_resumed_mid_epoch_logs_what_the_whole_fit_logs(tmp_path: Path) -> None:
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     fit(tmp_path / "first", callbacks=[ckpt], enable_checkpointing=True, max_steps=2)
     path = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
-    assert torch.load(path, weights_only=False)["callbacks"][GradFlowCallback().state_key][
-        "stability"
-    ]["layers"]
+    saved = torch.load(path, weights_only=False)["callbacks"][GradFlowCallback().state_key]
+    assert saved["1:StabilityStats"]["layers"]
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     resumed = fit(tmp_path / "second", path, callbacks=[again], enable_checkpointing=True)
     assert len(whole) == 12  # 6 per epoch, 6 of the last logging step

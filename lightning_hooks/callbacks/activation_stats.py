@@ -10,13 +10,12 @@ from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.callbacks.stats import Statistic, StatsCallback
 from lightning_hooks.core.checks import boolean, named_arguments, positive_int, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.ops.feature_stats import FeatureSummary
 from lightning_hooks.core.stats.activation_shape import ActivationShape
 from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
-from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import Binned, layer_epoch_heatmap, log_figure, log_histogram
 
@@ -134,7 +133,7 @@ class ActivationStatsCallback(StatsCallback):
         return False
 
     @override
-    def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
+    def _log_result(self, trainer: pl.Trainer, stat: Statistic[Any], result: Any) -> None:
         if not isinstance(stat, ActivationStatsTracker):
             return  # the activation shape has scalars only
         stats, hists = result

@@ -9,11 +9,10 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.callbacks.stats import Statistic, StatsCallback
 from lightning_hooks.core.checks import fraction_or_none, named_arguments
 from lightning_hooks.core.hooks.selection import Patterns
 from lightning_hooks.core.stats.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
-from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["DeadReLUCallback"]
@@ -95,7 +94,7 @@ class DeadReLUCallback(StatsCallback):
         self.pre_activation = tracker.producers.include
 
     @override
-    def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
+    def _log_result(self, trainer: pl.Trainer, stat: Statistic[Any], result: Any) -> None:
         found: DeadUnits = result
         epoch, warn_at = trainer.current_epoch, self.warn_at
         if warn_at is None:

@@ -14,15 +14,12 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from typing_extensions import override
 
-from lightning_hooks.callbacks import grad_flow_tags as tags
 from lightning_hooks.callbacks.agreement import LossAgreement
 from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
-from lightning_hooks.callbacks.base import (
-    HookCallback,
-    check_every_n_steps,
-    training_loss,
-)
-from lightning_hooks.core import GradFlowTracker, LayerHistograms, checks
+from lightning_hooks.callbacks.base import HookCallback, training_loss
+from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
+from lightning_hooks.callbacks.stats import Statistic, StatsCallback
+from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, checks
 from lightning_hooks.core.alarms import AlarmRules
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
@@ -34,7 +31,7 @@ __all__ = ["GradFlowCallback"]
 
 
 @named_arguments
-class GradFlowCallback(HookCallback):
+class GradFlowCallback(StatsCallback):
     r"""Per-layer gradient flow (the applied gradient, weights, updates) at each logging step,
     and early-warning alarms (:class:`~lightning_hooks.core.AlarmRules`) on every optimizer step.
 
@@ -96,9 +93,15 @@ class GradFlowCallback(HookCallback):
     Example:
         >>> import pytorch_lightning as pl
         >>> trainer = pl.Trainer(callbacks=[GradFlowCallback(exclude="*.bn*")])  # doctest: +SKIP
+
+    A :class:`~.stats.StatsCallback` whose statistics are made at each fit, for the Trainer's
+    optimizers: a :class:`~lightning_hooks.core.GradFlowTracker` and, with ``stability``, the
+    instability statistics. It adds the alarms and the pictures.
     """
 
     policy: AlarmPolicy
+    aligns_rows = False  # the tracker's rows are the model's layers, the instability statistics'
+    # its attention and output modules, which every rank runs in every training forward
 
     def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)
         self,
@@ -118,7 +121,7 @@ class GradFlowCallback(HookCallback):
         stability: bool = True,
     ) -> None:
         _check_types(types)
-        self.every_n_steps = check_every_n_steps("GradFlowCallback", every_n_steps)
+        self._configure((), every_n_steps)  # its statistics are made at each fit
         self.alarms = _alarm_rules(alarms)
         self.policy: AlarmPolicy = AlarmPolicy(on_alarm)
         self.loss_agreement = LossAgreement(self.policy)
@@ -132,10 +135,15 @@ class GradFlowCallback(HookCallback):
         self.exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
         self.update_ratio, self.output_grad = update_ratio, output_grad
         self.chart, self.heatmap, self.stability = chart, heatmap, stability
-        self._writer = tags.GradFlowWriter(self.max_layers_logged, chart=chart, heatmap=heatmap)
+        self._pictures = GradFlowPictures(self.max_layers_logged, chart=chart, heatmap=heatmap)
         self._stability: StabilityStats | None = None
         self.uses_images = chart or heatmap
         self._tracker: GradFlowTracker | None = None
+
+    @override
+    def _state_key_fields(self) -> dict[str, Any]:
+        # Keyed by the selection, as release 0.2.0 saved it (a StatsCallback's by its statistics).
+        return super(StatsCallback, self)._state_key_fields()
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
@@ -171,20 +179,23 @@ class GradFlowCallback(HookCallback):
             post_clip=bool(clip),
             alarms=self.alarms,
             clip=(float(clip), str(getattr(algorithm, "value", algorithm))) if clip else None,
+            max_layers_logged=self.max_layers_logged,
         )
-        self._writer.history.clear()
+        self._pictures.start()
         if unstepped := self._tracker.unstepped():
             rank_zero_warn(
                 f"GradFlowCallback: no optimizer of the Trainer steps the trainable parameters "
                 f"of {', '.join(repr(n) for n in unstepped)}; these layers are not measured.",
                 category=LightningHooksWarning,
             )
+        self._measured = (self._tracker,)
         if self.stability:  # on the tracker's registry: one logging-step gate, removed with it
             self._stability = StabilityStats().attach(pl_module, self._tracker.registry)
+            self._measured = (self._tracker, self._stability)
         if self.histograms:
             layout = self._tracker.layout
             self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
-            self._on_optimizer_step = partial(tags.observe_histograms, self._hist, layout)
+            self._on_optimizer_step = partial(observe_histograms, self._hist, layout)
         self._optimizer_steps = self._tracker
         self.policy.restore(self._tracker.alarms)
         loss = self.loss_agreement
@@ -228,58 +239,63 @@ class GradFlowCallback(HookCallback):
         return False
 
     @override
-    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if (measured := self._measured()) is not None:
-            self._writer.write_epoch(trainer, measured)
-
-    @override
-    def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
-        measured = self._measured()
-        return measured is not None and self._writer.write_window(trainer, measured, wait=wait)
-
-    def _measured(self) -> tags.Measured | None:
-        """What this fit measures, for the writer (``None`` outside a fit)."""
-        if self._tracker is None:
-            return None
-        return tags.Measured(self._tracker, self._stability, self._hist, self.policy)
-
-    @override
     def _log_step(self, trainer: pl.Trainer, step: int) -> None:
-        """Post the window of the tracker and the instability statistics."""
-        if self._tracker is None:
-            return
-        self._tracker.post_window(step)
-        if self._stability is not None:
-            self._stability.post_window(step)
-        if self._tracker.alarms is not None:
+        """Post the windows of the tracker and the instability statistics, and log the alarms
+        since the last logging step."""
+        super()._log_step(trainer, step)
+        if self._tracker is not None and self._tracker.alarms is not None:
             self.policy.log_step(trainer, self._tracker.alarms, step)
 
     @override
-    def _steps_in_flight(self) -> bool:
-        return any(p is not None and p.window_in_flight for p in (self._tracker, self._stability))
+    def _read_window(self, stat: Statistic[Any], step: int, result: object) -> None:
+        alarms = None if self._tracker is None else self._tracker.alarms
+        if alarms is not None and stat is self._stability:  # attention collapse: this step's
+            assert isinstance(result, dict)
+            alarms.update_attention(result["attn_logit_max"], result["attn_entropy_min"], step=step)
+
+    @override
+    def _log_result(self, trainer: pl.Trainer, stat: Statistic[Any], result: Any) -> None:
+        if stat is self._tracker and isinstance(result, LayerTable):
+            self._pictures.write(trainer, result, self._hist, self._tracker.shards)
+
+    @override
+    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Every statistic's epoch, then the alarms': those to act on, the counts, the text."""
+        super()._log_epoch(trainer, pl_module)
+        if self._tracker is not None and self._tracker.alarms is not None:
+            self.policy.end_epoch(trainer, self._tracker.alarms)
 
     @override
     def state_dict(self) -> dict[str, Any]:
         """The epoch so far (tracker, instability statistics, alarms), reduced, on the host."""
-        tracker = self._tracker
-        state = {} if tracker is None else tracker.state()
-        if self._stability is not None:
-            state["stability"] = self._stability.host_state()
-        alarms = None if tracker is None else tracker.alarms
+        alarms = None if self._tracker is None else self._tracker.alarms
         alarm_state = self.policy.saved if alarms is None else alarms.state_dict()
+        state = super().state_dict()
         return state if alarm_state is None else {**state, "alarms": alarm_state}
 
     @override
     def _load_state(self, state: dict[str, Any]) -> None:
-        state = dict(state)
+        state = _saved_by_release_0_2(state)
         self.policy.saved = state.pop("alarms", self.policy.saved)
-        stability = state.pop("stability", None)
         if self._tracker is not None:
             self.policy.restore(self._tracker.alarms)
-            if state:
-                self._tracker.load_state(state)
-        if self._stability is not None and stability is not None:
-            self._stability.load_host_state(stability)
+        super()._load_state(state)
+
+
+_TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")
+"""What release 0.2.0 saved of the tracker, at the top of the callback's state."""
+
+
+def _saved_by_release_0_2(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as this version saves it: 0.2.0 saved the tracker's state at the top and the
+    instability statistics' under ``"stability"``, where each is now under its place and class."""
+    if "layers" not in state:
+        return dict(state)
+    rest = {k: v for k, v in state.items() if k not in (*_TRACKER_STATE, "stability")}
+    converted = {f"0:{GradFlowTracker.__name__}": {k: state[k] for k in _TRACKER_STATE}}
+    if "stability" in state:
+        converted[f"1:{StabilityStats.__name__}"] = state["stability"]
+    return {**converted, **rest}
 
 
 def _check_types(types: ModuleTypes) -> None:

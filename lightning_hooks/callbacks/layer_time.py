@@ -8,11 +8,10 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.callbacks.stats import Statistic, StatsCallback
 from lightning_hooks.core.checks import boolean, named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
-from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.logging import layer_time_figure, log_figure
 
 __all__ = ["LayerTimeCallback"]
@@ -97,7 +96,7 @@ class LayerTimeCallback(StatsCallback):
         super()._log_epoch(trainer, pl_module)
 
     @override
-    def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
+    def _log_result(self, trainer: pl.Trainer, stat: Statistic[Any], result: Any) -> None:
         times: LayerTimes = result
         if times.steps == 0 or not trainer.is_global_zero or not self.chart:
             return

@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.callbacks.stats import Statistic, StatsCallback
 from lightning_hooks.core.checks import fraction_or_none, named_arguments, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.saturation import (
@@ -17,7 +17,6 @@ from lightning_hooks.core.stats.saturation import (
     SaturatedUnits,
     SaturationTracker,
 )
-from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["SaturationCallback"]
@@ -111,7 +110,7 @@ class SaturationCallback(StatsCallback):
         self.unit_dim, self.margin = unit_dim, margin
 
     @override
-    def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:
+    def _log_result(self, trainer: pl.Trainer, stat: Statistic[Any], result: Any) -> None:
         found: SaturatedUnits = result
         epoch, warn_at = trainer.current_epoch, self.warn_at
         if warn_at is None or not trainer.is_global_zero:

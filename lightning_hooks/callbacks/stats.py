@@ -1,10 +1,12 @@
-"""``StatsCallback``: any :class:`~.stat.LayerStat`, logged every epoch."""
+"""``StatsCallback``: any :class:`~.stat.LayerStat`, logged at each logging step and epoch end, and
+carried in checkpoints: the one place where a callback's statistics are windowed, logged and saved.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
@@ -18,11 +20,45 @@ from lightning_hooks.core.transport import gather_objects
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import log_scalars, step_tags
 
-__all__ = ["StatsCallback"]
+__all__ = ["Statistic", "StatsCallback"]
 
 # The bare class in the signature: jsonargparse (LightningCLI) resolves a ``class_path`` against
 # a class, not against the subscripted generic ``LayerStat[Any]``.
 _AnyStat = LayerStat
+
+R = TypeVar("R")
+
+
+class Statistic(Protocol[R]):
+    """What a :class:`StatsCallback` logs and saves of each statistic of a fit: a
+    :class:`~.stat.LayerStat`'s windows, result, tags, checkpoint state and rows (a
+    :class:`~lightning_hooks.core.GradFlowTracker` has them too)."""
+
+    def post_window(self, step: int) -> None: ...
+
+    def read_window(self, wait: bool) -> tuple[int, R] | None: ...
+
+    @property
+    def window_in_flight(self) -> bool: ...
+
+    def step_values(self, result: R) -> dict[str, float]: ...
+
+    def result(self) -> R: ...
+
+    def reset(self) -> None: ...
+
+    def tags(self, result: R) -> dict[str, float]: ...
+
+    def host_state(self) -> dict[str, Any]: ...
+
+    def load_host_state(self, state: dict[str, Any]) -> None: ...
+
+    @property
+    def rows_grew(self) -> bool: ...
+
+    def new_rows(self) -> list[tuple[str, int]]: ...
+
+    def align_rows(self, new: Sequence[Sequence[tuple[str, int]]]) -> None: ...
 
 
 class SharedRegistry:
@@ -58,6 +94,10 @@ class StatsCallback(HookCallback):
 
     uses_images = False
     _findings: tuple[str, str] | None = None  # (owner, findings) warned once per layer per fit
+    aligns_rows = True
+    """Whether the ranks align the rows their statistics made (a module that runs on some ranks
+    only would otherwise hang the reduce): at each logging step where some rank made one, and
+    before a checkpoint."""
 
     def __init__(
         self,
@@ -69,12 +109,18 @@ class StatsCallback(HookCallback):
         items = (stats,) if isinstance(stats, LayerStat) else tuple(stats) if sequence else ()
         if not items or not all(isinstance(s, LayerStat) for s in items):
             raise TypeError(
-                f"StatsCallback(stats={stats!r}): must be a LayerStat or a non-empty sequence "
-                f"of them, got {stats!r}"
+                f"{type(self).__name__}(stats={stats!r}): must be a LayerStat or a non-empty "
+                f"sequence of them, got {stats!r}"
             )
-        self.stats: tuple[LayerStat[Any], ...] = items
-        self._seen: Counter[str] = Counter()  # findings per layer in this fit
+        self._configure(items, every_n_steps)
+
+    def _configure(self, stats: tuple[LayerStat[Any], ...], every_n_steps: int | None) -> None:
+        """Set what every statistics callback holds: ``stats``, attached at each fit (a subclass
+        that makes its statistics at each fit passes none), and the cadence."""
+        self.stats: tuple[LayerStat[Any], ...] = stats
         self.every_n_steps = check_every_n_steps(type(self).__name__, every_n_steps)
+        self._measured: tuple[Statistic[Any], ...] = ()  # the running fit's statistics
+        self._seen: Counter[str] = Counter()  # findings per layer in this fit
 
     @override
     def _state_key_fields(self) -> dict[str, Any]:
@@ -96,6 +142,12 @@ class StatsCallback(HookCallback):
         for stat in self.stats:
             stat.attach(pl_module, registry)
         self._tracker = SharedRegistry(registry)
+        self._measured = self.stats
+
+    @override
+    def _detach(self) -> None:
+        super()._detach()
+        self._measured = ()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -121,9 +173,9 @@ class StatsCallback(HookCallback):
         return self._seen[layer] == 1
 
     @property
-    def attached(self) -> tuple[LayerStat[Any], ...]:
+    def attached(self) -> tuple[Statistic[Any], ...]:
         """The statistics of the running fit (empty outside a fit)."""
-        return () if self._tracker is None else self.stats
+        return self._measured
 
     @override
     def _log_step(self, trainer: pl.Trainer, step: int) -> None:
@@ -135,9 +187,14 @@ class StatsCallback(HookCallback):
         wrote = False
         for stat in self.attached:
             if (got := stat.read_window(wait)) is not None:
-                log_scalars(trainer.loggers, step_tags(stat.step_values(got[1])), got[0])
+                step, result = got
+                log_scalars(trainer.loggers, step_tags(stat.step_values(result)), step)
+                self._read_window(stat, step, result)
                 wrote = True
         return wrote
+
+    def _read_window(self, stat: Statistic[Any], step: int, result: object) -> None:
+        """What a subclass reads of a logging step's window beyond its scalars (written)."""
 
     @override
     def _steps_in_flight(self) -> bool:
@@ -145,23 +202,24 @@ class StatsCallback(HookCallback):
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        for stat in self.attached:
-            result = stat.result()
+        # The collectives first, on every rank: one whose host side fails later has made them all.
+        results = [(stat, stat.result()) for stat in self.attached]
+        for stat, result in results:
             stat.reset()
             log_scalars(trainer.loggers, stat.tags(result), trainer.global_step)
             self._log_result(trainer, stat, result)
 
-    def _log_result(self, trainer: pl.Trainer, stat: LayerStat[Any], result: Any) -> None:  # noqa: ANN401 (each statistic's own result type)
+    def _log_result(self, trainer: pl.Trainer, stat: Statistic[Any], result: Any) -> None:  # noqa: ANN401 (each statistic's own result type)
         """Log what is not a scalar tag (pictures, warnings)."""
 
     @override
     def _agreement_flags(self) -> list[bool]:
         # whether this rank made rows since they were last aligned across the ranks
-        return [any(stat.rows_grew for stat in self.attached)]
+        return [any(stat.rows_grew for stat in self.attached)] if self.aligns_rows else []
 
     @override
     def _agreed(self, trainer: pl.Trainer, step: int, counts: list[int]) -> bool:
-        if counts[0]:
+        if counts and counts[0]:
             try:
                 self._align_rows()
             except ValueError as error:  # a layer's units differ between ranks: on every rank
@@ -179,11 +237,19 @@ class StatsCallback(HookCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self._ranks > 1:  # a checkpoint between logging steps: rows made since
-            self._align_rows()
-        return {f"{i}:{type(s).__name__}": s.host_state() for i, s in enumerate(self.attached)}
+        """The epoch so far of each statistic, reduced across ranks, on the host."""
+        if self._ranks > 1 and self.aligns_rows:
+            self._align_rows()  # a checkpoint between logging steps: the rows made since
+        return {_state_name(i, s): s.host_state() for i, s in enumerate(self.attached)}
 
     @override
     def _load_state(self, state: dict[str, Any]) -> None:
+        if not state:  # saved outside a fit (``trainer.save_checkpoint`` after it): no epoch
+            return
         for i, stat in enumerate(self.attached):
-            stat.load_host_state(state[f"{i}:{type(stat).__name__}"])
+            stat.load_host_state(state[_state_name(i, stat)])
+
+
+def _state_name(index: int, stat: Statistic[Any]) -> str:
+    """A statistic's key in its callback's checkpoint state: its place and its class."""
+    return f"{index}:{type(stat).__name__}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import partial
 from operator import itemgetter
 from typing import Any, NamedTuple
@@ -19,6 +19,7 @@ from lightning_hooks.core.ops.grad_stats import GLOBAL, GRAD_STATS, ParamLayout
 from lightning_hooks.core.ops.grouped_norms import plain_grads
 from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable
+from lightning_hooks.core.stats.grad_flow_tags import grad_flow_scalars
 from lightning_hooks.core.stats.optimizer_view import (
     OptimizerView,
     OptimizerViews,
@@ -80,6 +81,12 @@ class GradFlowTracker(HookOwner):
     ``post_clip`` the applied gradient) is read in a step post-hook.
     ``registry.logging_step = False`` skips a step but for the alarms, which keep their own cadence.
 
+    A statistic made of parts: its states are one :class:`~.accumulator.LayerStatsAccumulator`'s,
+    which the gradient read, the output gradients' hooks and the update ratio each fill. Its
+    windows, result, tags and checkpoint state are a :class:`~.stat.LayerStat`'s, under the same
+    names, so that a callback logs and saves it as it does every statistic. It hooks ``model``
+    when it is made.
+
     Args:
         model: the model to track.
         optimizers: optimizers whose steps give the update ratio (none: no update ratio).
@@ -91,6 +98,9 @@ class GradFlowTracker(HookOwner):
         post_clip: gradients are clipped before the step: measure them in the step post-hook.
         clip: ``(gradient_clip_val, gradient_clip_algorithm)``, for the *explosion* rule.
         alarms: gradient alarm rules (``tracker.alarms`` is then a ``GradientAlarms``).
+        max_layers_logged: :meth:`tags` for at most this many layers, non-finite first, then
+            half the largest and half the smallest gradient norms, and percentiles over all
+            (``None``: every layer).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -119,6 +129,7 @@ class GradFlowTracker(HookOwner):
         post_clip: bool = False,
         alarms: AlarmRules | None = None,
         clip: tuple[float, str] | None = None,
+        max_layers_logged: int | None = None,
     ) -> None:
         flags = {"update_ratio": update_ratio, "output_grad": output_grad, "post_clip": post_clip}
         optimizers = _check_args(model, optimizers, alarms, **flags)
@@ -131,11 +142,12 @@ class GradFlowTracker(HookOwner):
             chosen = f"types={types!r}, include={include!r}, exclude={exclude!r}"
             raise ValueError(f"GradFlowTracker: no selected module owns a parameter ({chosen})")
         device = self.layout.index.device
+        rows = (*self.layout.layers, GLOBAL)
+        self.accumulator = LayerStatsAccumulator(rows, GRAD_FLOW_STATS).to(device)
+        self.max_layers_logged = max_layers_logged
         # FSDP2: parameters are DTensors; statistics of their shards are made whole per step.
         self.shards = ShardPlan.from_params(self.layout.params)
         self._stats = ViewStats(self.shards, Workspace())  # the |g| pass's buffer, reused
-        rows = (*self.layout.layers, GLOBAL)
-        self.accumulator = LayerStatsAccumulator(rows, GRAD_FLOW_STATS).to(device)
         self._optimizers = optimizers
         self._views = OptimizerViews(self.layout, update_ratio=update_ratio)
         self._outputs = OutputGradients(self.accumulator, _OUTPUT, self._optimizers, self._views)
@@ -262,20 +274,43 @@ class GradFlowTracker(HookOwner):
         """See :attr:`LayerStat.window_in_flight`."""
         return self.accumulator.window_in_flight
 
-    def state(self) -> dict[str, Any]:
+    def host_state(self) -> dict[str, Any]:
         """The epoch so far, reduced across ranks, on the host (for a checkpoint)."""
         self._outputs.drain()
         return self.accumulator.host_state()
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        """Continue the epoch :meth:`state` saved (same layers and statistics, else ValueError)."""
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        """Continue the epoch :meth:`host_state` saved (same layers and statistics, else
+        ValueError)."""
         self.accumulator.load_host_state(state)
+
+    @property
+    def rows_grew(self) -> bool:
+        """Never: the rows are the model's layers, made with the tracker, the same on every rank
+        (see :attr:`~.states.RowStates.rows_grew`)."""
+        return False
+
+    def new_rows(self) -> list[tuple[str, int]]:
+        """None (see :attr:`rows_grew`)."""
+        return []
+
+    def align_rows(self, new: Sequence[Sequence[tuple[str, int]]]) -> None:
+        """Nothing to align (see :attr:`rows_grew`)."""
 
     def reset(self) -> None:
         """Start a new accumulation period (an epoch); parameters are looked up afresh."""
         self.accumulator.reset()
         self._views.clear()
         self._outputs.reset()
+
+    def tags(self, result: LayerTable) -> dict[str, float]:
+        """``grad_flow/{stat}/{layer}`` and ``grad_flow/global/{stat}``: the means, and the peaks
+        as ``*_max`` (at most ``max_layers_logged`` layers, and percentiles over them all)."""
+        return dict(grad_flow_scalars(result, self.max_layers_logged, step=False))
+
+    def step_values(self, result: LayerTable) -> dict[str, float]:
+        """One logging step's :meth:`tags`, but the peaks (a step's mean is its value)."""
+        return dict(grad_flow_scalars(result, self.max_layers_logged, step=True))
 
 
 class AlarmStep(NamedTuple):

@@ -1,0 +1,113 @@
+"""What ``GradFlowCallback`` draws at each epoch end beside its scalars: the gradient-flow chart,
+the heatmap of the gradient norm per layer and epoch, and the histograms of ``log10 |g|``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+
+from lightning_hooks.core import LayerHistograms, LayerTable, ParamLayout
+from lightning_hooks.core.stats.grad_flow_tags import logged_rows
+from lightning_hooks.core.transport import ShardPlan
+from lightning_hooks.logging import (
+    Binned,
+    grad_flow_figure,
+    layer_epoch_heatmap,
+    log_figure,
+    log_histogram,
+)
+from lightning_hooks.tags import GRAD_FLOW, grad_flow_tag
+
+__all__ = ["GradFlowPictures", "observe_histograms"]
+
+
+def observe_histograms(
+    hist: LayerHistograms, layout: ParamLayout, optimizer: torch.optim.Optimizer
+) -> None:
+    """Count the gradients ``optimizer`` is about to apply into ``hist``, per layer."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    pairs = [
+        (p, row)
+        for p, row in zip(layout.params, layout.owner, strict=True)
+        if p.grad is not None and id(p) in stepped
+    ]
+    grads = ParamLayout.grads([p for p, _ in pairs])  # sparse: the coalesced values
+    hist.update(grads, [row for _, row in pairs])
+
+
+class GradFlowPictures:
+    """Draws an epoch's chart and heatmap, and writes its histograms. It holds the heatmap's
+    columns, one per epoch of the fit (:meth:`start` forgets them).
+
+    Args:
+        max_layers_logged: histograms for the layers whose scalars are logged
+            (:func:`~lightning_hooks.core.stats.grad_flow_tags.logged_rows`).
+        chart: draw the chart of mean and max ``|g|`` per layer.
+        heatmap: draw the gradient norm per layer and epoch.
+    """
+
+    def __init__(self, max_layers_logged: int | None, *, chart: bool, heatmap: bool) -> None:
+        self.max_layers_logged = max_layers_logged
+        self.chart, self.heatmap = chart, heatmap
+        self.history: list[tuple[int, np.ndarray]] = []  # (epoch, grad_norm per layer)
+
+    def start(self) -> None:
+        """A new fit: a new heatmap."""
+        self.history.clear()
+
+    def write(
+        self,
+        trainer: pl.Trainer,
+        stats: LayerTable,
+        histograms: LayerHistograms | None,
+        shards: ShardPlan | None,
+    ) -> None:
+        """The epoch's histograms (their counts, a collective under FSDP2, on every rank), then
+        on rank 0 its chart and heatmap; nothing for an epoch with no logging step."""
+        if not stats.count.any():
+            return
+        if histograms is not None:
+            self._write_histograms(trainer, stats, histograms, shards)
+        if self.chart and trainer.is_global_zero:
+            self._write_chart(trainer, stats)
+        if self.heatmap and trainer.is_global_zero:
+            self._write_heatmap(trainer, stats)
+
+    def _write_chart(self, trainer: pl.Trainer, stats: LayerTable) -> None:
+        mean, peak = stats.column("grad_abs_mean")[:-1], stats.column("grad_abs_max", "peak")[:-1]
+        title = f"gradient flow, epoch {trainer.current_epoch}"
+        figure = grad_flow_figure(stats.layers[:-1], mean, peak, title=title)
+        log_figure(trainer.loggers, f"{GRAD_FLOW}/chart", figure, trainer.global_step)
+
+    def _write_heatmap(self, trainer: pl.Trainer, stats: LayerTable) -> None:
+        history = self.history
+        history.append((trainer.current_epoch, stats.column("grad_norm")[:-1].copy()))
+        values = np.stack([v for _, v in history], axis=1)
+        title = "gradient norm per layer and epoch (mean over steps)"
+        epochs = [e for e, _ in history]
+        heatmap = layer_epoch_heatmap(stats.layers[:-1], epochs, values, title=title, log=True)
+        log_figure(trainer.loggers, f"{GRAD_FLOW}/heatmap", heatmap, trainer.global_step)
+
+    def _write_histograms(
+        self,
+        trainer: pl.Trainer,
+        stats: LayerTable,
+        hist: LayerHistograms,
+        shards: ShardPlan | None,
+    ) -> None:
+        """Write the epoch's histograms of the logged layers (rank 0), then reset them."""
+        # Gradients are all-reduced before the optimizer step: rank 0's counts are every rank's.
+        # FSDP2: each rank counted its shard's entries; the whole gradient is their sum.
+        counts = (
+            hist.host_counts() if shards is None else shards.sum(hist.counts).cpu().double().numpy()
+        )
+        limits = hist.limits()
+        hist.reset()
+        if not trainer.is_global_zero:
+            return
+        for row in logged_rows(stats, self.max_layers_logged):
+            if counts[row].any():
+                tag = grad_flow_tag("grad_log10_abs", stats.layers[row])
+                binned = Binned(limits, counts[row])
+                log_histogram(trainer.loggers, tag, binned, trainer.global_step)
