@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Mapping
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import numpy as np
@@ -19,16 +20,42 @@ from lightning_hooks.core.alarms.messages import GradientAlarm
 from lightning_hooks.core.alarms.rules import AlarmRules
 from lightning_hooks.core.transport import HostMailbox
 
-__all__ = ["StallRule"]
+__all__ = ["StallRule", "StallState"]
 
 _F = np.float32
 _STALL_LR_FLOOR = 0.01  # below this share of its peak, the LR is being decayed away: no stall
 _STALL_ALPHA = 0.5  # the stall's level: an EMA over the last few logging steps
 _PACK = struct.Struct("f")
-# the stall report: its flag, the log of the update per unit of learning rate, its running level
-# before this logging step, the loss's progress since the last one (a share of what it had
-# learnt), then the state: the level after this step, the loss's best at this step
-_S_FLAG, _S_VALUE, _S_BEFORE, _S_PROGRESS, _S_LEVEL, _S_BEST = range(6)
+_NAN = _F(math.nan)
+
+
+@dataclass
+class StallState:
+    """*stall*'s report on the last logging step and what it carries to the next, in
+    ``float32`` as the rule computes it; a checkpoint holds it as one array (:meth:`array`)."""
+
+    flag: bool = False
+    """Whether the rule fired at the last logging step."""
+    value: np.float32 = _NAN
+    """The log of the update per unit of learning rate."""
+    before: np.float32 = _NAN
+    """Its running level before this logging step (a log)."""
+    progress: np.float32 = _NAN
+    """The loss's progress since the last logging step, a share of what it had learnt."""
+    level: np.float32 = _NAN
+    """The running level after this logging step (a log)."""
+    best: np.float32 = _NAN
+    """The loss's best at this logging step."""
+
+    def array(self) -> np.ndarray:
+        """The state as a checkpoint holds it: ``[flag, value, before, progress, level, best]``."""
+        return np.array(astuple(self), dtype=np.float32)
+
+    @classmethod
+    def of(cls, array: np.ndarray) -> StallState:
+        """The state a checkpoint's :meth:`array` holds."""
+        flag, *values = (_F(x) for x in array)
+        return cls(bool(flag), *values)
 
 
 def _f32(value: float) -> float:
@@ -50,11 +77,11 @@ def _lerp32(start: float, end: float, weight: float) -> float:
 
 
 class StallRule:
-    """*stall*'s state (the ``_S_*`` rows) and the update's copy to the host."""
+    """*stall*'s state and the update's copy to the host."""
 
     def __init__(self, rules: AlarmRules, device: torch.device) -> None:
         self.rules = rules
-        self.state = np.full(_S_BEST + 1, np.nan, dtype=np.float32)
+        self.state = StallState()
         self._box = HostMailbox((1,), device)
         self.peak_lr = 0.0
         """The largest learning rate seen so far."""
@@ -82,15 +109,15 @@ class StallRule:
         value, (step, lr, loss) = got
         with np.errstate(all="ignore"):
             self.evaluate(_F(value[0]), lr, loss)
-        return _stall(self.state, step, self.rules) if self.state[_S_FLAG] else None
+        return _stall(self.state, step, self.rules) if self.state.flag else None
 
     def evaluate(self, update: np.float32, lr: float, loss: LossProgress | None) -> None:
         """Fold ``update / lr`` into the level and set the flag (the state updated)."""
         assert self.rules.stall_factor is not None
         s = self.state
-        level = s[_S_LEVEL]
+        level = s.level
         value = np.log(update / _F(lr))
-        s[_S_VALUE], s[_S_BEFORE] = value, level
+        s.value, s.before = value, level
         low = level - _F(math.log(self.rules.stall_factor))
         finite = bool(abs(value) < math.inf)
         # False while the level is NaN (the first logging step), and on a zero update (-inf):
@@ -99,30 +126,30 @@ class StallRule:
         if loss is not None:  # a run whose loss still improves is not stalled
             now, first = _F(loss.best), _F(loss.first)
             # progress since the last call; at the first call with a loss, since the first loss
-            since = first if np.isnan(s[_S_BEST]) else s[_S_BEST]
-            s[_S_PROGRESS] = (since - now) / (first - now)  # 0 / 0: NaN, quiet
-            flag = flag and bool(s[_S_PROGRESS] <= self.rules.stall_progress)
-            s[_S_BEST] = now
-        s[_S_FLAG] = flag
+            since = first if np.isnan(s.best) else s.best
+            s.progress = (since - now) / (first - now)  # 0 / 0: NaN, quiet
+            flag = flag and bool(s.progress <= self.rules.stall_progress)
+            s.best = now
+        s.flag = flag
         # a collapse folds in clamped (as the spike rule's scale), so it keeps firing a while
         target = np.maximum(value, low) if finite else level
         start = bool(np.isnan(level)) and finite
-        s[_S_LEVEL] = value if start else _lerp32(float(level), float(target), _STALL_ALPHA)
+        s.level = value if start else _F(_lerp32(float(level), float(target), _STALL_ALPHA))
 
     def state_dict(self) -> dict[str, Any]:
         """The state and the peak learning rate, on the host."""
-        return {"stall": torch.from_numpy(self.state.copy()), "peak_lr": self.peak_lr}
+        return {"stall": torch.from_numpy(self.state.array()), "peak_lr": self.peak_lr}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; the level starts afresh if the state lacks it."""
-        if "stall" in state and tuple(state["stall"].shape) == self.state.shape:
-            self.state[...] = as_array(state["stall"])
+        if "stall" in state and tuple(state["stall"].shape) == self.state.array().shape:
+            self.state = StallState.of(as_array(state["stall"]))
             self.peak_lr = float(state["peak_lr"])
 
 
-def _stall(report: np.ndarray, step: int, rules: AlarmRules) -> GradientAlarm:
+def _stall(report: StallState, step: int, rules: AlarmRules) -> GradientAlarm:
     """*stall*'s alarm from its report (the update per unit of LR and its level, as logs)."""
-    value, level = math.exp(report[_S_VALUE]), math.exp(report[_S_BEFORE])
+    value, level = math.exp(report.value), math.exp(report.before)
     text = (
         f"learning stalled at optimizer step {step}: the typical update per unit of "
         f"learning rate (median |w_after - w_before| / lr) is {value:.4g}, "
@@ -130,10 +157,10 @@ def _stall(report: np.ndarray, step: int, rules: AlarmRules) -> GradientAlarm:
         f"{rules.stall_factor}): the optimizer barely moves the weights while the "
         "learning rate says it should"
     )
-    if math.isfinite(report[_S_PROGRESS]) and rules.stall_progress < 1.0:
+    if math.isfinite(report.progress) and rules.stall_progress < 1.0:
         text += (
             f", and the loss has stopped learning (its best improved by "
-            f"{max(report[_S_PROGRESS], 0.0):.1%} of what the run had learnt since the last "
+            f"{max(report.progress, 0.0):.1%} of what the run had learnt since the last "
             "logging step)"
         )
     return GradientAlarm("stall", "global", step, value, level, text)
