@@ -99,7 +99,7 @@ def test_a_setback_that_recovers_is_logged_and_not_warned(tmp_path: Path) -> Non
 
 def test_a_setback_that_holds_is_warned_diverging_on_confirmation(tmp_path: Path) -> None:
     """The loss 3x its own from one step on: once its running mean crosses the bar a setback
-    opens, and once ``diverge_patience`` losses in a row are over the bar themselves it is
+    opens, and once ``diverge_patience`` of its steps' losses are over the bar themselves it is
     confirmed and warned; the warning names the setback it confirms."""
     model = ScaledLoss(lambda step: 3.0 if step >= START else 1.0)
     record = _fit(tmp_path, model)
@@ -115,7 +115,7 @@ def test_a_setback_that_holds_is_warned_diverging_on_confirmation(tmp_path: Path
     assert str(record[0].message).startswith("GradFlowCallback [diverging]: loss diverging at")
     assert first.step == start + patience - 1
     assert f"the setback of optimizer step {start} is confirmed" in str(first.message)
-    assert f"stayed over the bar for {patience} losses" in str(first.message)
+    assert f"stayed over the bar for {patience} optimizer steps" in str(first.message)
     assert "lower the learning rate" in str(first.message)
     assert "%" not in str(first.message) and "%" not in text  # rises as ratios and losses
     assert _count(tmp_path, "setback") == 1
@@ -163,6 +163,23 @@ def test_a_noisy_micro_batch_of_one_reaches_no_setback(tmp_path: Path, seed: int
     assert _count(tmp_path / "accum", "setback") == 0
 
 
+def test_under_accumulation_spans_and_patience_count_optimizer_steps(tmp_path: Path) -> None:
+    """Under ``accumulate_grad_batches=4`` the rule reads 4 losses a step: its running mean
+    spans ``diverge_span`` steps of them, and a setback holds by steps, on each step's mean
+    loss. Three hard micro-batches of one step (each 5x) are one hard step, not a divergence
+    (counted as 3 losses over the bar, they were warned). The loss 4x from one step on is
+    warned within ``diverge_patience`` steps of its rise, as without accumulation."""
+    bad_step = ScaledLoss(lambda i: 5.0 if START <= i < START + 3 else 1.0)
+    assert _fit(tmp_path / "step", bad_step, accumulate_grad_batches=4) == []
+    assert _count(tmp_path / "step", "diverging") == 0
+    held = ScaledLoss(lambda i: 4.0 if i >= START else 1.0)
+    record = _fit(tmp_path / "held", held, accumulate_grad_batches=4)
+    first = record[0].message.alarm
+    assert first.rule == "diverging"
+    assert START // 4 < first.step <= START // 4 + AlarmRules().diverge_patience + 1
+    assert "stayed over the bar for 3 optimizer steps" in str(first.message)
+
+
 def test_a_state_saved_by_0_2_0_loads() -> None:
     """0.2.0 saved *diverging*'s state as ``[mean, deviation, best, first]``, the losses seen
     and its open rise, and counted recovered rises as ``transient``: such a state loads, its
@@ -200,9 +217,10 @@ def test_under_accumulation_the_losses_quoted_are_the_users_own(tmp_path: Path) 
     record = _fit(tmp_path, model, accumulate_grad_batches=4)
     alarm = record[0].message.alarm
     assert alarm.rule == "diverging"
-    last = START + 4 * 3  # the confirmation needs a few optimizer steps of 4 micro-batches
-    quoted = [x for x in model.losses[START:last] if math.isclose(alarm.value, x, rel_tol=1e-5)]
-    assert quoted, (alarm.value, model.losses[START:last])
+    # the micro-batches of the step it was confirmed at, 4 a step
+    losses = model.losses[4 * alarm.step : 4 * alarm.step + 4]
+    quoted = [x for x in losses if math.isclose(alarm.value, x, rel_tol=1e-5)]
+    assert quoted, (alarm.value, losses)
     assert f"(loss {alarm.value:.4g})" in str(alarm.message)
 
 

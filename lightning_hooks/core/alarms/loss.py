@@ -48,10 +48,11 @@ class LossVerdict(NamedTuple):
 class LossLevels:
     """*diverging*'s running state over the finite training losses seen so far.
 
-    Two running means: ``mean``, short (``diverge_span`` losses), is what rises when the run
-    goes wrong; ``level``, which lengthens with the loss's noise until its own spread is a
-    tenth of itself, is what ``best`` is the lowest of. A best taken from the short mean of a
-    noisy loss is a lucky streak, and every later loss looks like a rise from it.
+    Two running means: ``mean``, short (``diverge_span`` optimizer steps of losses), is what
+    rises when the run goes wrong; ``level``, which lengthens with the loss's noise until its
+    own spread is a tenth of itself, is what ``best`` is the lowest of. A best taken from the
+    short mean of a noisy loss is a lucky streak, and every later loss looks like a rise
+    from it.
     ``jitter``, the running mean of ``|x_t - x_(t-1)|``, measures the noise from one loss to
     the next; a trend does not inflate it, as it would a deviation from the mean.
     """
@@ -113,10 +114,19 @@ class Setback:
     """The best level when it opened."""
     peak: float
     """The highest running mean so far."""
-    losses: int = 0
-    """Consecutive losses, up to the last, that are over the bar themselves."""
+    steps: int = 0
+    """Its optimizer steps whose mean loss is over the bar itself (not only the running mean,
+    which remembers an earlier loss); with one loss a step, its losses over the bar."""
     confirmed: bool = False
     """Confirmed as a divergence: *diverging* warns while it holds."""
+
+
+@dataclass
+class _Group:
+    """The losses read so far of one optimizer step (its micro-batches), and their sum."""
+
+    losses: int = 0
+    total: float = 0.0
 
 
 class LossRules:
@@ -127,10 +137,15 @@ class LossRules:
     the best by ``diverge_ratio - 1`` of it, by ``diverge_giveback`` of what the run had
     learnt, and by ``diverge_noise`` spreads of the short mean's own noise), a *setback* opens:
     logged, never warned. It is confirmed as *diverging*, which warns, when
-    ``diverge_patience`` of its losses are over the bar themselves (not only the running mean,
-    which remembers one bad batch for a few steps), when the running mean passes
-    ``diverge_lost`` times where the run started, or when the loss is not finite. A setback
-    that falls back first is logged as recovered.
+    ``diverge_patience`` of its optimizer steps have a mean loss over the bar themselves (not
+    only the running mean, which remembers one bad batch for a few steps), when the running
+    mean passes ``diverge_lost`` times where the run started, or when the loss is not finite.
+    A setback that falls back first is logged as recovered.
+
+    Under gradient accumulation the callback reads every micro-batch's loss: the rule counts
+    the losses of each optimizer step (:attr:`per_step`), spans its running means over
+    ``diverge_span`` steps of them, and holds a setback by steps, so that one step's hard
+    micro-batches, read at the same weights, are one bad step and not a divergence.
 
     Example:
         >>> rules = LossRules(AlarmRules(), torch.device("cpu"))
@@ -150,6 +165,12 @@ class LossRules:
         """*loss_spike*'s running scale of the loss before the last loss."""
         self.levels = LossLevels()
         self.setback: Setback | None = None
+        self.per_step = 1
+        """Losses read per optimizer step (its micro-batches under gradient accumulation), as
+        counted on the last whole step: *diverging*'s spans are in optimizer steps, this many
+        losses each."""
+        self._step: int | None = None
+        self._group = _Group()
         self.adaptive = False
         """The optimizer keeps a second moment: its first ``diverge_early`` losses are held to
         the ``diverge_overshoot`` bar (:meth:`GradientAlarms.set_adaptive`)."""
@@ -184,6 +205,7 @@ class LossRules:
     def evaluate(self, x: float, step: int) -> list[GradientAlarm]:
         """Apply the rules to the loss ``x`` of optimizer step ``step``: their alarms (the
         state updated)."""
+        self._count_step(step)
         alarms = []
         if self.rules.loss_factor is not None:
             with np.errstate(all="ignore"):
@@ -194,31 +216,52 @@ class LossRules:
             alarms += self._diverging(x, step)
         return alarms
 
+    def _count_step(self, step: int) -> None:
+        """A loss of ``step``: the first of a new step sets :attr:`per_step` from the last."""
+        if step != self._step:
+            if self._step is not None:
+                self.per_step = self._group.losses
+            self._step, self._group = step, _Group()
+        self._group.losses += 1
+
+    def _span(self) -> int:
+        """The short mean's span in losses: ``diverge_span`` optimizer steps."""
+        return self.rules.diverge_span * self.per_step
+
     def _diverging(self, x: float, step: int) -> list[GradientAlarm]:
         """The setback and *diverging* alarms of the loss ``x`` (the state updated)."""
         rules, levels = self.rules, self.levels
         if not math.isfinite(x):
             return self._confirm(step, x, "the loss is not finite")
-        levels.rise(x, rules.diverge_span)
+        levels.rise(x, self._span())
+        self._group.total += x
         bar = self._bar()
         # armed after ``min_history`` losses: before, a loss is not yet told from the run's noise
         over = levels.seen > 1 and levels.mean > bar
-        alarms = self._judge(x, step, x > bar) if over else self._recover(step)
+        alarms = self._judge(x, step, self._step_held(bar)) if over else self._recover(step)
         if self.setback is None:
-            levels.settle(x, rules.diverge_span, rules.min_history)
+            levels.settle(x, self._span(), rules.min_history)
         else:  # the last loss is still the run's: the next jitter is measured from it
             levels.last = x
         return alarms
 
+    def _step_held(self, bar: float) -> bool:
+        """Whether the last loss completed its optimizer step and the step's mean loss is over
+        ``bar``. The micro-batches of one step share its weights: a hard one says nothing of
+        the update, so a setback holds by steps."""
+        group = self._group
+        return group.losses == self.per_step and group.total / group.losses > bar
+
     def _judge(self, x: float, step: int, held: bool) -> list[GradientAlarm]:
-        """A running mean over the bar: a setback opened, held (``held``: the loss itself is
-        over the bar, not only the mean that remembers an earlier one), or confirmed."""
+        """A running mean over the bar: a setback opened, held (``held``: the mean loss of the
+        step just completed is over the bar, not only the running mean that remembers an
+        earlier one), or confirmed."""
         rules, levels, setback = self.rules, self.levels, self.setback
         opened = []
         if setback is None:
-            setback = self.setback = Setback(step, levels.best, levels.mean, losses=0)
+            setback = self.setback = Setback(step, levels.best, levels.mean)
             opened = [_setback_opened(step, setback, levels, rules)]
-        setback.losses += held
+        setback.steps += held
         setback.peak = max(setback.peak, levels.mean)
         if setback.confirmed:
             return [self._diverging_alarm(step, x, "it holds")]
@@ -228,9 +271,9 @@ class LossRules:
         if lost:
             why = f"its running mean is past diverge_lost={rules.diverge_lost:g}x the run's start"
             return opened + self._confirm(step, x, why)
-        if setback.losses >= rules.diverge_patience:
+        if setback.steps >= rules.diverge_patience:
             why = (
-                f"the loss has stayed over the bar for {setback.losses} losses "
+                f"the loss has stayed over the bar for {setback.steps} optimizer steps "
                 f"(diverge_patience={rules.diverge_patience})"
             )
             return opened + self._confirm(step, x, why)
@@ -241,14 +284,14 @@ class LossRules:
         once ``min_history`` losses have measured the noise."""
         if self.levels.seen < self.rules.min_history:
             return 0.0
-        return self.rules.diverge_noise * self.levels.spread(self.rules.diverge_span)
+        return self.rules.diverge_noise * self.levels.spread(self._span())
 
     def _bar(self) -> float:
         """*diverging*'s bar: the level over which the short running mean is a setback."""
         rules, levels = self.rules, self.levels
         best = levels.best
         learnt = max(levels.first - best, 0.0)
-        early = self.adaptive and levels.seen <= rules.diverge_early
+        early = self.adaptive and levels.seen <= rules.diverge_early * self.per_step
         assert rules.diverge_ratio is not None
         ratio = (rules.diverge_overshoot if early else rules.diverge_ratio) - 1.0
         return best + max(ratio * abs(best), rules.diverge_giveback * learnt) + self._noise_bar()
@@ -348,9 +391,9 @@ def _setback_opened(
         f"loss setback at optimizer step {step}: its running mean {levels.mean:.4g} rose "
         f"{rise} over its best {setback.best:.4g}, past the loss's own step-to-step noise. Being "
         f"watched, not warned: most setbacks recover within a few steps. It becomes a "
-        f"divergence if it holds for {rules.diverge_patience} losses (diverge_patience), passes "
-        f"{rules.diverge_lost:g}x where the run started ({levels.first:.4g}; diverge_lost), or "
-        "the loss is not finite"
+        f"divergence if it holds for {rules.diverge_patience} optimizer steps "
+        f"(diverge_patience), passes {rules.diverge_lost:g}x where the run started "
+        f"({levels.first:.4g}; diverge_lost), or the loss is not finite"
     )
     return GradientAlarm("setback", "loss", step, levels.mean, setback.best, text)
 
@@ -360,7 +403,7 @@ def _setback_recovered(step: int, setback: Setback, levels: LossLevels) -> Gradi
     text = (
         f"loss setback of optimizer step {setback.start} recovered at step {step}: its running "
         f"mean peaked at {setback.peak:.4g} (its best {setback.best:.4g}) and fell back below "
-        f"the bar after {setback.losses} loss(es); no action needed"
+        f"the bar after {setback.steps} step(s) over it; no action needed"
     )
     return GradientAlarm("setback", "loss", step, levels.mean, setback.best, text, counts=False)
 

@@ -88,23 +88,27 @@ class AlarmRules:
         loss_factor: *loss_spike*: the training loss exceeds this many times its running scale
             (and ``spike_sigmas`` spreads above it); off by default.
         diverge_ratio: *setback*, then *diverging*: the short running mean of the training
-            loss (an EMA over ``diverge_span`` losses) has risen above its best level so far by
-            ``diverge_ratio - 1`` times the best's magnitude ... (a non-finite loss always
-            fires). The best is the lowest of a running level that lengthens with the loss's
-            noise, so a lucky micro-batch is not a best. Must be > 1.
+            loss (an EMA over ``diverge_span`` optimizer steps' losses) has risen above its
+            best level so far by ``diverge_ratio - 1`` times the best's magnitude ... (a
+            non-finite loss always fires). The best is the lowest of a running level that
+            lengthens with the loss's noise, so a lucky micro-batch is not a best. Must be > 1.
         diverge_giveback: ... and has given back at least this fraction of what it had learnt
             (the run's start, the mean of its first ``min_history`` losses, minus the best) ...
         diverge_noise: ... and the rise clears that bar by this many standard deviations of
             the short running mean's own noise, measured from one loss to the next (a trend
             does not count as noise); 0 turns the noise bar off. Such a rise is a *setback*:
             logged with its step, never warned, acted on by no ``on_alarm``.
-        diverge_span: span, in losses, of the loss's short running mean.
-        diverge_early: the first this many losses of an adaptive optimizer (its first updates
-            overshoot) are held to the bar ``diverge_overshoot`` x the best (>= ``diverge_ratio``).
+        diverge_span: span, in optimizer steps, of the loss's short running mean. Under
+            gradient accumulation the callback reads every micro-batch's loss: the span is this
+            many steps of them.
+        diverge_early: the first this many optimizer steps of an adaptive optimizer (its first
+            updates overshoot) are held to the bar ``diverge_overshoot`` x the best
+            (>= ``diverge_ratio``).
         diverge_overshoot: see ``diverge_early``.
         diverge_patience: a setback is confirmed as *diverging* (which warns, stops or raises
-            under ``on_alarm``) once this many of its losses are over the bar themselves, not
-            only the running mean that remembers an earlier one (1: at once) ...
+            under ``on_alarm``) once this many of its optimizer steps have a mean loss over the
+            bar themselves, not only the running mean that remembers an earlier one (1: at
+            once); one step's micro-batches, read at the same weights, count once ...
         diverge_lost: ... or at once when the running mean is above this many times the run's
             start (beyond the noise bar; once ``min_history`` losses are in), or the loss is
             not finite. A setback that falls back before either is logged as
