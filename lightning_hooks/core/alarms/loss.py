@@ -15,6 +15,7 @@ import torch
 from lightning_hooks.core.alarms.gradients import RunningScale, as_array
 from lightning_hooks.core.alarms.messages import _ADVICE, GradientAlarm, ratio_text
 from lightning_hooks.core.alarms.rules import AlarmRules
+from lightning_hooks.core.alarms.setback import Setback, setback_opened, setback_recovered
 from lightning_hooks.core.transport import HostMailbox
 
 __all__ = ["LossLevels", "LossProgress", "LossRules", "LossVerdict", "Setback"]
@@ -101,24 +102,6 @@ class LossLevels:
         self.best = self.level if n <= history else min(self.best, self.level)
         if n <= history:
             self.first += (x - self.first) / n
-
-
-@dataclass
-class Setback:
-    """A rise of the loss's running mean over *diverging*'s bar, open until it falls back
-    (a recovery) or is confirmed (a divergence)."""
-
-    start: int
-    """The optimizer step it opened at."""
-    best: float
-    """The best level when it opened."""
-    peak: float
-    """The highest running mean so far."""
-    steps: int = 0
-    """Its optimizer steps whose mean loss is over the bar itself (not only the running mean,
-    which remembers an earlier loss); with one loss a step, its losses over the bar."""
-    confirmed: bool = False
-    """Confirmed as a divergence: *diverging* warns while it holds."""
 
 
 @dataclass
@@ -260,7 +243,7 @@ class LossRules:
         opened = []
         if setback is None:
             setback = self.setback = Setback(step, levels.best, levels.mean)
-            opened = [_setback_opened(step, setback, levels, rules)]
+            opened = [setback_opened(step, setback, levels.mean, levels.first, rules)]
         setback.steps += held
         setback.peak = max(setback.peak, levels.mean)
         if setback.confirmed:
@@ -338,7 +321,7 @@ class LossRules:
         setback, self.setback = self.setback, None
         if setback is None or setback.confirmed:
             return []
-        return [_setback_recovered(step, setback, self.levels)]
+        return [setback_recovered(step, setback, self.levels.mean)]
 
     def _spike(self, x: np.float32) -> None:
         """*loss_spike*'s flag and running scale (the scale updated)."""
@@ -379,33 +362,6 @@ class LossRules:
                 jitter=deviation,
                 last=mean,
             )
-
-
-def _setback_opened(
-    step: int, setback: Setback, levels: LossLevels, rules: AlarmRules
-) -> GradientAlarm:
-    """A setback's first line: where the loss rose to, and what is being watched."""
-    best = setback.best
-    rise = ratio_text(levels.mean / best) if best > 0 else f"+{levels.mean - best:.4g}"
-    text = (
-        f"loss setback at optimizer step {step}: its running mean {levels.mean:.4g} rose "
-        f"{rise} over its best {setback.best:.4g}, past the loss's own step-to-step noise. Being "
-        f"watched, not warned: most setbacks recover within a few steps. It becomes a "
-        f"divergence if it holds for {rules.diverge_patience} optimizer steps "
-        f"(diverge_patience), passes {rules.diverge_lost:g}x where the run started "
-        f"({levels.first:.4g}; diverge_lost), or the loss is not finite"
-    )
-    return GradientAlarm("setback", "loss", step, levels.mean, setback.best, text)
-
-
-def _setback_recovered(step: int, setback: Setback, levels: LossLevels) -> GradientAlarm:
-    """A setback's last line when the loss came back: a line of text, not counted again."""
-    text = (
-        f"loss setback of optimizer step {setback.start} recovered at step {step}: its running "
-        f"mean peaked at {setback.peak:.4g} (its best {setback.best:.4g}) and fell back below "
-        f"the bar after {setback.steps} step(s) over it; no action needed"
-    )
-    return GradientAlarm("setback", "loss", step, levels.mean, setback.best, text, counts=False)
 
 
 def _loss_spike(step: int, value: float, scale: float, rules: AlarmRules) -> GradientAlarm:

@@ -1,0 +1,58 @@
+"""A *setback* of the loss: a rise over *diverging*'s bar, held open until the loss comes back or
+the rise is confirmed as a divergence; its record and the lines it writes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_hooks.core.alarms.messages import GradientAlarm, ratio_text
+from lightning_hooks.core.alarms.rules import AlarmRules
+
+__all__ = ["Setback", "setback_opened", "setback_recovered"]
+
+
+@dataclass
+class Setback:
+    """A rise of the loss's running mean over *diverging*'s bar, open until it falls back
+    (a recovery) or is confirmed (a divergence)."""
+
+    start: int
+    """The optimizer step it opened at."""
+    best: float
+    """The best level when it opened."""
+    peak: float
+    """The highest running mean so far."""
+    steps: int = 0
+    """Its optimizer steps whose mean loss is over the bar itself (not only the running mean,
+    which remembers an earlier loss); with one loss a step, its losses over the bar."""
+    confirmed: bool = False
+    """Confirmed as a divergence: *diverging* warns while it holds."""
+
+
+def setback_opened(
+    step: int, setback: Setback, mean: float, first: float, rules: AlarmRules
+) -> GradientAlarm:
+    """A setback's first line: where the loss's running ``mean`` rose to from its best, and what
+    is being watched (``first``: where the run started)."""
+    best = setback.best
+    rise = ratio_text(mean / best) if best > 0 else f"+{mean - best:.4g}"
+    text = (
+        f"loss setback at optimizer step {step}: its running mean {mean:.4g} rose "
+        f"{rise} over its best {setback.best:.4g}, past the loss's own step-to-step noise. Being "
+        f"watched, not warned: most setbacks recover within a few steps. It becomes a "
+        f"divergence if it holds for {rules.diverge_patience} optimizer steps "
+        f"(diverge_patience), passes {rules.diverge_lost:g}x where the run started "
+        f"({first:.4g}; diverge_lost), or the loss is not finite"
+    )
+    return GradientAlarm("setback", "loss", step, mean, setback.best, text)
+
+
+def setback_recovered(step: int, setback: Setback, mean: float) -> GradientAlarm:
+    """A setback's last line when the loss's running ``mean`` came back: a line of text, not
+    counted again."""
+    text = (
+        f"loss setback of optimizer step {setback.start} recovered at step {step}: its running "
+        f"mean peaked at {setback.peak:.4g} (its best {setback.best:.4g}) and fell back below "
+        f"the bar after {setback.steps} step(s) over it; no action needed"
+    )
+    return GradientAlarm("setback", "loss", step, mean, setback.best, text, counts=False)
