@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -149,6 +149,20 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         """Hold a small output's ``snapshot`` for ``row``, stacked by ``key`` at :meth:`drain`."""
         if self._pending.add(key, row, snapshot):
             self.drain()
+
+    def _snapshot(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of an output to :meth:`_defer`, before an in-place op overwrites it; one for
+        every statistic on the registry (:class:`~.registry.Snapshots`)."""
+        if self.registry is None:
+            return tensor.detach().clone()
+        return self.registry.snapshots.copy(tensor)
+
+    def _drain_pending(self) -> Iterator[tuple[Any, list[int], torch.Tensor]]:
+        """The held snapshots, a stack per key (:meth:`Pending.drain`); the registry lets go of
+        its copies (each holder keeps its own)."""
+        if self.registry is not None:
+            self.registry.snapshots.clear()
+        return self._pending.drain()
 
     def remove(self) -> None:
         """Remove every hook, the registry and snapshots not yet measured (idempotent)."""
