@@ -35,7 +35,7 @@ from lightning_hooks.core.hooks.guard import Guard, active_guard
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["Gated", "HookOwner", "HookRegistry", "ShelvedMode", "Snapshots", "plain_layers"]
+__all__ = ["Gated", "HookOwner", "HookRegistry", "ShelvedMode", "plain_layers"]
 
 ForwardHook = Callable[[nn.Module, Any, Any], Any]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -96,50 +96,6 @@ def _outside_shelved(fn: Callable[..., R], *args: object) -> R:
         return fn(*args)
     finally:
         _push_on_torch_function_stack(mode)
-
-
-class _Held(NamedTuple):
-    """A tensor as a hook saw it, and a copy of it then."""
-
-    tensor: torch.Tensor
-    version: int  # its version counter when copied: an in-place op since bumps it
-    copy: torch.Tensor
-
-
-class Snapshots:
-    """Copies of hooked outputs, one per tensor and version, for every hook that asks.
-
-    Two statistics watching one module (the activation statistics and their shape) each hold a
-    copy of its small output for the step's end: the second gets the first's while the tensor is
-    unchanged (a copy is an op and an allocation per module and logging step).
-
-    Example:
-        >>> snapshots, x = Snapshots(), torch.ones(2)
-        >>> first = snapshots.copy(x)
-        >>> snapshots.copy(x) is first
-        True
-        >>> _ = x.add_(1)  # changed in place: a new copy
-        >>> snapshots.copy(x) is first, snapshots.copy(x).tolist()
-        (False, [2.0, 2.0])
-    """
-
-    def __init__(self) -> None:
-        self._held: dict[int, _Held] = {}
-
-    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of ``tensor`` as it is now, out of autograd, made once for every caller."""
-        version = tensor._version  # noqa: SLF001 (torch's version counter has no public name)
-        held = self._held.get(id(tensor))
-        if held is not None and held.tensor is tensor and held.version == version:
-            return held.copy
-        # a statistic's hook runs with grad disabled: its copy needs no detach (an op of its own)
-        copy = tensor.detach().clone() if torch.is_grad_enabled() else tensor.clone()
-        self._held[id(tensor)] = _Held(tensor=tensor, version=version, copy=copy)
-        return copy
-
-    def clear(self) -> None:
-        """Drop every copy and its tensor (whoever took a copy keeps it)."""
-        self._held = {}
 
 
 class Gated(NamedTuple):
@@ -262,11 +218,6 @@ class HookRegistry(HookOwner):
         self._unhookable = _unhookable_modules(model)
         self._names = {id(module): name for name, module in model.named_modules()}
         self._warned_unhookable = False
-        self.snapshots = Snapshots()  # outputs copied once for every hook of this registry
-
-    snapshots: Snapshots
-    """The copies of small outputs the gated hooks hold for a logging step's end: one per tensor
-    and version, shared by the statistics on this registry (see :meth:`Snapshots.copy`)."""
 
     logging_step: bool
     """Whether the gated hooks run; setting it puts them on or takes them off (a plain attribute
@@ -431,7 +382,6 @@ class HookRegistry(HookOwner):
     def remove(self) -> None:
         """Remove every hook and drop the model (idempotent)."""
         self._model = None
-        self.snapshots.clear()
         handles, gated = self._handles, self._gated_hooks
         self._handles, self._gated_hooks = [], []
         for handle in handles:
