@@ -84,8 +84,11 @@ class ShelvedMode(TorchFunctionMode):
 
 def _outside_shelved(fn: Callable[..., R], *args: object) -> R:
     """``fn(*args)`` with an innermost :class:`ShelvedMode` popped (not while compiling)."""
-    depth = 0 if torch.compiler.is_compiling() else _len_torch_function_stack()
-    mode = _get_function_stack_at(depth - 1) if depth else None
+    # The stack's depth first: one C call, and mostly zero (Dynamo reads it too).
+    depth = _len_torch_function_stack()
+    if not depth or torch.compiler.is_compiling():
+        return fn(*args)
+    mode = _get_function_stack_at(depth - 1)
     if not isinstance(mode, ShelvedMode):
         return fn(*args)
     _pop_torch_function_stack()
@@ -228,12 +231,17 @@ class HookRegistry(HookOwner):
         changed, self.__dict__["logging_step"] = value != self.logging_step, value
         if not changed or self.fixed:
             return
+        # Inline, both ways (the dicts read as _hook_table does): no frame of ours per hook.
         if value:
             for gated in self._gated_hooks:
-                gated.install()
+                module, key = gated.module, gated.key
+                hooks = getattr(module, gated.table)
+                hooks[key] = gated.hook
+                for flag in gated.flags:
+                    getattr(module, flag)[key] = True
+                if gated.prepend:
+                    hooks.move_to_end(key, last=False)
             return
-        # The first quiet step after a logging step: inline (the dicts read as _hook_table does),
-        # no frame of ours per hook.
         for gated in self._gated_hooks:
             module, key = gated.module, gated.key
             getattr(module, gated.table).pop(key, None)
@@ -353,6 +361,8 @@ class HookRegistry(HookOwner):
         def run(*args: object) -> object:  # the guard inline: no Python call of ours per hook
             if self.logging_step:
                 try:
+                    if not _len_torch_function_stack():  # no mode to step out of (most calls)
+                        return hook(*args)
                     return _outside_shelved(hook, *args)
                 except Exception as error:
                     if guard is None:

@@ -175,8 +175,7 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
         row = self.rows.get(name)
         row = self.row(name) if row is None else row
         if self._batched and n <= STACKED and not torch.compiler.is_compiling():
-            # a copy, before an in-place op overwrites the output
-            self._defer((x.shape, x.dtype, x.device), row, x.detach().clone())
+            self._defer((x.shape, x.dtype, x.device), row, self._snapshot(x))
             return
         stats = self._stats(x, self.workspace)
         self.sums[row].add_(stats[:NUM_SUMS])
@@ -193,7 +192,7 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
 
     def drain(self) -> None:
         """Measure the copied small outputs, a stack per shape and dtype."""
-        for _, rows, copies in self._pending.drain():
+        for _, rows, copies in self._drain_pending():
             stats = stacked_feature_stats(copies)
             index = self._pending.index(rows, stats.device)
             self.sums.index_add_(0, index, stats[:, :NUM_SUMS].to(self.sums.dtype))

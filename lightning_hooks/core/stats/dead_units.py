@@ -163,7 +163,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         row = self._width_row(name, y.shape[dim])
         self.tally("calls", row)
         if y.numel() <= STACKED and not torch.compiler.is_compiling():
-            self._defer((y.shape, dim, y.device), row, torch.gt(y.detach(), 0))
+            self._defer((y.shape, dim, y.device), row, torch.gt(y, 0))  # not differentiable
             return
         counts = fired_counts(y, dim, self.workspace)
         self.counts[self.unit_slice(row)].add_(counts)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable
+import weakref
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -17,7 +18,7 @@ from typing_extensions import Self, TypedDict
 from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
-from lightning_hooks.core.ops.tensors import Pending, is_training_forward
+from lightning_hooks.core.ops.tensors import Pending, Snapshots, is_training_forward
 from lightning_hooks.core.stats.states import Reduce, RowStates, StateSpec, unpack
 from lightning_hooks.core.transport import HostMailbox
 
@@ -27,6 +28,8 @@ R = TypeVar("R")
 
 
 _COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+_SHARED: weakref.WeakKeyDictionary[HookRegistry, Snapshots] = weakref.WeakKeyDictionary()
+"""The copies of small outputs of each registry's statistics, shared (see :meth:`_snapshot`)."""
 
 
 class SelectionArgs(TypedDict, total=False):
@@ -86,6 +89,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self.registry: HookRegistry | None = None  # type: ignore[assignment]
         self._hooked: tuple[str, ...] = ()
         self._pending: Pending[Any] = Pending()  # small outputs' snapshots (see _defer)
+        self._snapshots: Snapshots | None = None  # shared with the registry's other statistics
         self._epoch: dict[str, np.ndarray] | None = None
         self._mailbox: HostMailbox | None = None
         self._ready: list[tuple[int, dict[str, np.ndarray]]] = []  # folded, not yet read
@@ -100,6 +104,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self._drop_rows(device)
         self.to(device)
         self.registry = HookRegistry(model) if registry is None else registry
+        self._snapshots = _SHARED.setdefault(self.registry, Snapshots())
         chosen = {name for name, _ in self.select(model)}
         # The registry warns once about selected modules that run no Python hooks.
         selected = self.registry.modules(where=lambda name, _: name in chosen)
@@ -150,9 +155,26 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         if self._pending.add(key, row, snapshot):
             self.drain()
 
+    def _snapshot(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of an output to :meth:`_defer`, before an in-place op overwrites it; one for
+        every statistic on the registry (:class:`~.tensors.Snapshots`)."""
+        if self._snapshots is None:
+            return tensor.detach().clone()
+        return self._snapshots.copy(tensor)
+
+    def _drain_pending(self) -> Iterator[tuple[Any, list[int], torch.Tensor]]:
+        """The held snapshots, a stack per key (:meth:`Pending.drain`); the shared copies are let
+        go (each holder keeps its own)."""
+        if self._snapshots is not None:
+            self._snapshots.clear()
+        return self._pending.drain()
+
     def remove(self) -> None:
         """Remove every hook, the registry and snapshots not yet measured (idempotent)."""
         self._pending.clear()
+        if self._snapshots is not None:
+            self._snapshots.clear()
+            self._snapshots = None
         if self.registry is not None:
             self.registry.remove()
             self.registry = None
