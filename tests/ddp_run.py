@@ -207,5 +207,17 @@ def main() -> None:
     (args.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
 
 
+def end_process_group() -> None:
+    """Destroy the process group before the interpreter exits.
+
+    Lightning leaves it alive after ``fit``. Gloo's worker threads still alive at interpreter
+    finalization can abort a process whose fits all succeeded (SIGABRT, "terminate called
+    without an active exception"), more often on a loaded machine.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     main()
+    end_process_group()
