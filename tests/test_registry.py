@@ -200,15 +200,17 @@ def test_under_torch_compile_the_gated_hooks_stay_and_check_the_flag(how: str) -
 
 def test_gated_hooks_of_every_registry_run_outside_the_attention_mode() -> None:
     """The attention capture's mode sees the model's own calls on a logging step's forward, not
-    the torch calls of gated hooks, its registry's or another's (each callback has its own): they
-    would cost a Python call each and are never the model's attention. The scaled dot product
-    a module makes is still seen, and the hook still measures."""
+    the torch calls of gated hooks, its registry's or another's (each callback has its own), nor
+    those of ``torch.nn``'s plain layers, which run outside it: they would cost a Python call
+    each and are never the model's attention. The calls a module of the user's makes are still
+    seen, its scaled dot product recorded, and the hooks still measure."""
     from torch.nn import functional
 
     from lightning_hooks.core.stats import attention
 
     class Attend(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = torch.tanh(x)
             return functional.scaled_dot_product_attention(x, x, x)
 
     model = nn.Sequential(nn.Linear(4, 4), Attend(), nn.ReLU())
@@ -228,11 +230,12 @@ def test_gated_hooks_of_every_registry_run_outside_the_attention_mode() -> None:
     with HookRegistry(model) as own, HookRegistry(model) as other:
         attention.AttentionCapture(lambda name, z: logits.append(name)).attach(own)
         own.forward_hook(model[0], hook, gated=True)
+        other.forward_hook(model[1], hook, gated=True)  # in the mode's reach: the user's module
         other.forward_hook(model[2], hook, gated=True)
         attention.AttentionCapture.__torch_function__ = counting  # type: ignore[method-assign]
         try:
             model(torch.randn(2, 3, 4))
         finally:
             attention.AttentionCapture.__torch_function__ = inner  # type: ignore[method-assign]
-    assert logits == ["1"] and len(measured) == 2
-    assert sorted(set(seen)) == ["linear", "relu", "scaled_dot_product_attention"], seen
+    assert logits == ["1"] and len(measured) == 3
+    assert seen == ["tanh", "scaled_dot_product_attention"], seen

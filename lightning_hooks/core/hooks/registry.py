@@ -13,19 +13,9 @@ from typing import Any, Literal, NamedTuple, TypeVar
 import torch
 from torch import nn
 
-# torch keeps no public view of its torch-function mode stack (``TorchFunctionMode`` only enters
-# and exits): the gated hooks look under the innermost mode with these.
-from torch._C import (
-    _get_function_stack_at,
-    _len_torch_function_stack,
-    _pop_torch_function_stack,
-    _push_on_torch_function_stack,
-)
-
 # torch keeps no public view of the global module hooks (``register_module_forward_hook`` only
 # adds one): whether there are any is read here.
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
-from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import Self
 
@@ -33,13 +23,13 @@ from lightning_hooks.core import checks
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import Guard, active_guard
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
+from lightning_hooks.core.hooks.shelved import function_modes, outside_shelved
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["Gated", "HookOwner", "HookRegistry", "ShelvedMode", "plain_layers"]
+__all__ = ["Gated", "HookOwner", "HookRegistry", "plain_layers"]
 
 ForwardHook = Callable[[nn.Module, Any, Any], Any]
 F = TypeVar("F", bound=Callable[..., Any])
-R = TypeVar("R")
 
 HookTable = Literal[
     "_forward_hooks",
@@ -76,26 +66,6 @@ def _is_compiled(model: nn.Module) -> bool:
         or getattr(module, "_compiler_ctx", None) is not None
         for module in model.modules()
     )
-
-
-class ShelvedMode(TorchFunctionMode):
-    """A mode of this library that its gated hooks run outside of."""
-
-
-def _outside_shelved(fn: Callable[..., R], *args: object) -> R:
-    """``fn(*args)`` with an innermost :class:`ShelvedMode` popped (not while compiling)."""
-    # The stack's depth first: one C call, and mostly zero (Dynamo reads it too).
-    depth = _len_torch_function_stack()
-    if not depth or torch.compiler.is_compiling():
-        return fn(*args)
-    mode = _get_function_stack_at(depth - 1)
-    if not isinstance(mode, ShelvedMode):
-        return fn(*args)
-    _pop_torch_function_stack()
-    try:
-        return fn(*args)
-    finally:
-        _push_on_torch_function_stack(mode)
 
 
 class Gated(NamedTuple):
@@ -361,9 +331,9 @@ class HookRegistry(HookOwner):
         def run(*args: object) -> object:  # the guard inline: no Python call of ours per hook
             if self.logging_step:
                 try:
-                    if not _len_torch_function_stack():  # no mode to step out of (most calls)
+                    if not function_modes():  # no mode to step out of (most calls)
                         return hook(*args)
-                    return _outside_shelved(hook, *args)
+                    return outside_shelved(hook, *args)
                 except Exception as error:
                     if guard is None:
                         raise

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from lightning_hooks.core.hooks.registry import HookRegistry, ShelvedMode, plain_layers
+from lightning_hooks.core.hooks.registry import HookRegistry, plain_layers
+from lightning_hooks.core.hooks.shelved import ShelvedMode
 from lightning_hooks.core.ops.tensors import is_training_forward
 
 __all__ = [
@@ -30,6 +31,7 @@ Record = Callable[[str, torch.Tensor], None]
 LOGIT_BUDGET = 1 << 24
 """Elements of the largest chunk of attention logits made at once (64 MiB in float32)."""
 _SOFTMAX = (functional.softmax, torch.softmax, torch.Tensor.softmax)
+_SOFTMAX_LAYERS = (nn.Softmax, nn.Softmax2d)  # the ``torch.nn`` layers that call one of them
 
 
 def sdpa_logit_chunks(  # noqa: PLR0913 (the arguments of torch's scaled_dot_product_attention)
@@ -278,8 +280,12 @@ class AttentionCapture(ShelvedMode):
         self.guarded_see = registry.guarded(self.see, "attention capture")
         plain = plain_layers()
         for name, module in registry.model.named_modules():
-            if plain(module) or not registry.hookable(module):
-                continue  # a layer that calls no attention; torch.jit: runs no Python hook
+            if not registry.hookable(module):
+                continue  # torch.jit: runs no Python hook
+            if plain(module):  # a layer that calls no attention (a softmax layer may be its part)
+                if not isinstance(module, _SOFTMAX_LAYERS):
+                    self._run_outside(registry, module)
+                continue
             # Gated: installed for logging steps only (see HookRegistry), in this order.
             registry.forward_pre_hook(module, self._push(name), gated=True)
             registry.gated_hook(module, self._enter, pre=True, prepend=True)
@@ -287,6 +293,13 @@ class AttentionCapture(ShelvedMode):
                 guarded = registry.guarded(hook, f"forward hook on {name!r}")
                 registry.gated_hook(module, guarded, pre=False, prepend=first, always_call=True)
         return self
+
+    def _run_outside(self, registry: HookRegistry, module: nn.Module) -> None:
+        """Run ``module``'s logging-step calls outside the mode: a layer that calls no attention
+        then costs no Python call of the mode per op, nor the hooks on it a pop and push of the
+        mode each (first and last hooks: the other hooks on it run outside too)."""
+        registry.gated_hook(module, self.shelve, pre=True, prepend=True)
+        registry.gated_hook(module, self.unshelve, pre=False, always_call=True)
 
     def _enter(self, *_: object) -> None:
         """A module is called: keep its caller's state for :meth:`_push` and pause it."""

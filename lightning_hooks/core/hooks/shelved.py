@@ -1,0 +1,78 @@
+"""The torch-function modes of this library, and running outside them.
+
+A mode of ours (the attention capture's) sees every torch call made while it is on torch's mode
+stack. The calls of our own hooks and of ``torch.nn``'s plain layers are never what it looks
+for, and each would cost a Python call of the mode: they run with the mode taken off the stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+# torch keeps no public view of its torch-function mode stack (``TorchFunctionMode`` only enters
+# and exits): the hooks look under the innermost mode with these.
+from torch._C import (
+    _get_function_stack_at,
+    _len_torch_function_stack,
+    _pop_torch_function_stack,
+    _push_on_torch_function_stack,
+)
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["ShelvedMode", "function_modes", "outside_shelved"]
+
+R = TypeVar("R")
+
+
+def function_modes() -> int:
+    """How many torch-function modes are on torch's stack: one C call, mostly 0."""
+    return _len_torch_function_stack()
+
+
+class ShelvedMode(TorchFunctionMode):
+    """A mode of this library that its gated hooks run outside of.
+
+    It can also be taken off for a whole module call: :meth:`shelve` as the module's first
+    pre-hook and :meth:`unshelve` as its last hook (called always, on an exception too). The
+    module's forward and every hook on it then run outside the mode.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._shelved: list[bool] = []  # per module call open: whether the mode was taken off
+
+    def shelve(self, *_: object) -> None:
+        """Forward pre-hook: take the mode off the stack, when it is the innermost."""
+        if torch.compiler.is_compiling():  # a compiled region: the mode's stack is not touched
+            return
+        depth = _len_torch_function_stack()
+        innermost = depth > 0 and _get_function_stack_at(depth - 1) is self
+        if innermost:
+            _pop_torch_function_stack()
+        self._shelved.append(innermost)
+
+    def unshelve(self, *_: object) -> None:
+        """Forward hook: put the mode back where :meth:`shelve` took it off."""
+        if torch.compiler.is_compiling() or not self._shelved:
+            return
+        if self._shelved.pop():
+            _push_on_torch_function_stack(self)
+
+
+def outside_shelved(fn: Callable[..., R], *args: object) -> R:
+    """``fn(*args)`` with an innermost :class:`ShelvedMode` popped (not while compiling)."""
+    # The stack's depth first: one C call, and mostly zero (Dynamo reads it too).
+    depth = _len_torch_function_stack()
+    if not depth or torch.compiler.is_compiling():
+        return fn(*args)
+    mode = _get_function_stack_at(depth - 1)
+    if not isinstance(mode, ShelvedMode):
+        return fn(*args)
+    _pop_torch_function_stack()
+    try:
+        return fn(*args)
+    finally:
+        _push_on_torch_function_stack(mode)
