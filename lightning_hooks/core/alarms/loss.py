@@ -61,7 +61,8 @@ class LossLevels:
     seen: int = 0
     """Finite losses folded in."""
     first: float = math.nan
-    """The mean of the first ``min_history`` losses: where the run started."""
+    """Where the run started: the mean of the first ``min_history`` losses, but those a setback
+    held (a setback open among them keeps its losses out, as it keeps them out of the level)."""
     mean: float = math.nan
     level: float = math.nan
     best: float = math.nan
@@ -248,7 +249,7 @@ class LossRules:
         setback.peak = max(setback.peak, levels.mean)
         if setback.confirmed:
             return [self._diverging_alarm(step, x, "it holds")]
-        # the run's start is the mean of its first ``min_history`` losses: known from then on
+        # the run's start (:attr:`LossLevels.first`) is known once ``min_history`` losses are in
         started = levels.seen > rules.min_history
         lost = started and levels.mean > rules.diverge_lost * levels.first + self._noise_bar()
         if lost:
