@@ -1,8 +1,8 @@
 """Kurtosis and the outlier ratio through a real ``Trainer.fit``, against float64 references of
 the very outputs, read back from the TensorBoard events: ordinary activations, a layer whose
 mean is about 90 of its standard deviations from 0, massive activations (a few entries 1e3-1e4
-times the RMS of the others), one output at a time and a batch per shape, in float32 and under
-bf16 autocast."""
+times the RMS of the others), one output at a time, a batch per shape and an output in pieces,
+in float32 and under bf16 autocast."""
 
 from __future__ import annotations
 
@@ -97,16 +97,18 @@ def worst_relative_error(model: Recording, scalars: dict[str, list[tuple[int, fl
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-@pytest.mark.parametrize("batched", [True, False], ids=["a batch per shape", "one at a time"])
+@pytest.mark.parametrize("measured", ["a batch per shape", "one at a time", "in pieces"])
 def test_kurtosis_and_outlier_ratio_equal_float64_references(
     precision: str,
-    batched: bool,
+    measured: str,
     trainer_factory: Any,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if not batched:
+    if measured != "a batch per shape":
         monkeypatch.setattr(activation_shape, "STACKED", 0)
+    if measured == "in pieces":  # a large output's way: 10 pieces of 100 entries, and one of 24
+        monkeypatch.setattr(activation_shape, "CHUNK", 100)
     model = Recording()
     trainer_factory(callbacks=[ActivationStatsCallback(heatmaps=False)], precision=precision).fit(
         model

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from lightning_hooks.core.ops.feature_stats import STACKED
-from lightning_hooks.core.ops.tensors import iter_float_tensors
+from lightning_hooks.core.ops.feature_stats import CHUNK, STACKED
+from lightning_hooks.core.ops.tensors import iter_float_tensors, piece_size
 from lightning_hooks.core.stats.activation_stats import feature_modules
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
 
@@ -52,7 +52,8 @@ def power_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.maximum(high - mean, mean - low).clamp_(min=torch.finfo(f.dtype).tiny)
     y = (f - mean).div_(scale)
     square = y * y
-    sums = [y.sum(1), square.sum(1), (square * y).sum(1), (square * square).sum(1)]
+    # the odd powers and the fourth are made in place: two temporaries of x's size, not four
+    sums = [y.sum(1), square.sum(1), y.mul_(square).sum(1), square.mul_(square).sum(1)]
     central = torch.stack([torch.ones_like(sums[0]), *sums], dim=1).double()  # about m, / s^j
     exponents = _EXPONENTS.to(x.device)
     central *= scale.double() ** exponents
@@ -67,7 +68,7 @@ class ActivationShape(LayerStat[Shape]):
     """Per layer, over its outputs at logging steps, ``activations/kurtosis/{layer}``
     (Pearson's, 3 for a Gaussian) and ``activations/outlier_ratio/{layer}`` (``max |x|`` over the
     RMS), from power sums (:func:`power_sums`); small outputs are measured a batch per shape at
-    the step's end.
+    the step's end, large ones a piece at a time.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 4), nn.ReLU())
@@ -106,8 +107,13 @@ class ActivationShape(LayerStat[Shape]):
         n = x.numel()
         if 0 < n <= STACKED and not torch.compiler.is_compiling():
             self._defer((x.shape, x.dtype, x.device), row, self._snapshot(x))
-        elif n:
-            self._add([row], x.detach()[None])
+            return
+        # A large output a piece at a time, each about its own mean and scale: the temporaries
+        # stay in cache on the CPU, and the pieces pool exactly as the calls of a layer do.
+        flat = x.detach().reshape(-1)
+        chunk = piece_size(flat.device, CHUNK)
+        for start in range(0, n, chunk):
+            self._add([row], flat[start : start + chunk][None])
 
     def drain(self) -> None:
         """Measure the small outputs copied since the last call, a batch per shape."""
