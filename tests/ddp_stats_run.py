@@ -19,7 +19,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from collectives import CollectiveCounter
-from ddp_run import SAMPLES, DeepMLP, end_process_group, trainer_options
+from ddp_run import SAMPLES, DeepMLP, exit_cleanly, trainer_options
 from torch import nn
 from torch.nn import functional
 
@@ -123,4 +123,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    end_process_group()
+    exit_cleanly()

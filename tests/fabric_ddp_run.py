@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from ddp_run import end_process_group
+from ddp_run import exit_cleanly
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import TensorBoardLogger
 from torch import nn
@@ -62,4 +62,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    end_process_group()
+    exit_cleanly()

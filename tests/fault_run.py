@@ -46,7 +46,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from collectives import CollectiveCounter
-from ddp_run import AlarmLog, DeepMLP, ManualSkip, end_process_group, trainer_options
+from ddp_run import AlarmLog, DeepMLP, ManualSkip, exit_cleanly, trainer_options
 from fsdp_run import ShardedMLP
 from pytorch_lightning.strategies import ModelParallelStrategy
 from torch import nn
@@ -318,4 +318,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    end_process_group()
+    exit_cleanly()

@@ -34,7 +34,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from collectives import CollectiveCounter
-from ddp_run import end_process_group, regression_loader
+from ddp_run import exit_cleanly, regression_loader
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.strategies import ModelParallelStrategy
@@ -250,4 +250,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    end_process_group()
+    exit_cleanly()
