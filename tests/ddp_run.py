@@ -217,8 +217,8 @@ def exit_cleanly() -> None:
     Lightning leaves the process group alive after ``fit``. Gloo's threads, and torch's C++
     objects that outlive the group (its store), can abort a process at finalization whose fits
     all succeeded (SIGABRT, "terminate called without an active exception"), more often on a
-    loaded machine; destroying the group first made it rarer, not impossible. Everything the
-    tests read is written by then, and the exit handlers (the loggers' writers) run here.
+    loaded machine, even with the group destroyed first. Everything the tests read is written
+    by then, and the exit handlers (the loggers' writers) run here.
     A script whose ``main()`` raises never gets here: it still exits non-zero.
     """
     if dist.is_initialized():
