@@ -830,6 +830,41 @@ def test_torch_nn_plain_layers_are_not_hooked_and_count_as_their_callers() -> No
     assert len(everything) == len(list(model.modules()))
 
 
+def test_a_sequential_of_plain_layers_runs_outside_the_mode_as_one_call() -> None:
+    """An ``nn.Sequential`` whose modules are all plain layers (or such stacks) calls no
+    attention: the capture takes its mode off for the whole stack (two hooks on the stack, none
+    on its layers), while a stack holding an attention module, a ``Sequential`` subclass and a
+    stack carrying a hook of the user's are tracked as before."""
+
+    class Attend(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return functional.scaled_dot_product_attention(x, x, x)
+
+    class Custom(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return functional.scaled_dot_product_attention(x, x, x) + super().forward(x)
+
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), nn.Linear(4, 4)))
+    hooked = nn.Sequential(nn.Linear(4, 4))
+    hooked.register_forward_hook(lambda *_: None)
+    model = nn.Sequential(plain, nn.Sequential(nn.Tanh(), Attend()), Custom(nn.Tanh()), hooked)
+    x = torch.randn(2, 3, 4)
+    seen: list[tuple[str, torch.Tensor]] = []
+    with HookRegistry(model) as stats, HookRegistry(model) as registry:
+        inner = []  # another statistic's hook on a layer of the stack: runs outside the mode
+        stats.forward_hook(plain[1][1], lambda *_: inner.append(torch.softmax(x[None], -1)))
+        AttentionCapture(lambda name, logits: seen.append((name, logits))).attach(registry)
+        named = [(registry._name(g.module), g.hook.__name__) for g in registry._gated_hooks]
+        model(x)
+    shelved = {module for module, hook in named if hook in {"shelve", "unshelve"}}
+    tracked = {module for module, hook in named if hook not in {"shelve", "unshelve"}}
+    assert shelved == {"0", "1.0", "2.0", "3.0"}  # the plain stack whole; the others' layers
+    assert tracked == {"Sequential", "1", "1.1", "2", "3"}
+    assert [name for name, _ in seen] == ["1.1", "2"] and len(inner) == 1
+    y = torch.tanh(plain(x))
+    torch.testing.assert_close(seen[0][1].reshape(2, 3, 3), y @ y.transpose(1, 2) / 2)
+
+
 def test_logits_are_float32_under_autocast() -> None:
     q, k = (
         torch.randn(2, 2, 5, 8, dtype=torch.bfloat16),

@@ -208,6 +208,36 @@ def test_mlp_has_no_attention_tags_and_logs_its_heads_logz(tmp_path: Path) -> No
     assert hooks_left(model) == []
 
 
+class _HooksSeen(pl.Callback):
+    """The forward hooks on each module during the forward of each logging step."""
+
+    def __init__(self) -> None:
+        self.per_step: list[dict[str, int]] = []
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any
+    ) -> None:
+        if _is_logging_step(trainer.global_step, trainer.fit_loop.batch_idx):
+            modules = pl_module.named_modules()
+            self.per_step.append({n: len(m._forward_hooks) for n, m in modules if n})
+
+
+def test_once_the_output_layer_is_known_only_its_log_partition_hook_runs(tmp_path: Path) -> None:
+    """The other parameter owners have no log-partition to measure after the first logging
+    step: their hooks are off, and the output layer's values stay those of plain torch."""
+    model, seen = ClassifierMLP(), _HooksSeen()
+    make_trainer(tmp_path, callbacks=[GradFlowCallback(), seen], log_every_n_steps=EVERY).fit(model)
+    first, *later = seen.per_step
+    assert len(later) == 2
+    for hooks in later:
+        assert hooks["net.4"] == first["net.4"]  # the output layer's: output gradient, log Z
+        assert hooks["net.0"] == first["net.0"] - 1  # its log Z hook is off
+    scalars = read_scalars(tmp_path)
+    want = [z.mean().item() for z in model.expected]
+    got = scalars["stability/logit_logz_step/net.4"]
+    assert [v for _, v in got] == pytest.approx(want)
+
+
 def test_stability_off_logs_no_stability_tag(tmp_path: Path) -> None:
     model = ClassifierMLP()
     make_trainer(tmp_path, callbacks=[GradFlowCallback(stability=False)]).fit(model)

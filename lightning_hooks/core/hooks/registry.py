@@ -7,7 +7,7 @@ import sys
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
@@ -26,7 +26,7 @@ from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patt
 from lightning_hooks.core.hooks.shelved import function_modes, outside_shelved
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["Gated", "HookOwner", "HookRegistry", "plain_layers"]
+__all__ = ["Gated", "HookOwner", "HookRegistry", "only_our_hooks", "plain_layers"]
 
 ForwardHook = Callable[[nn.Module, Any, Any], Any]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -77,6 +77,8 @@ class Gated(NamedTuple):
     key: int
     hook: Callable[..., Any]
     prepend: bool
+    source: Callable[..., Any] | None = None
+    """The hook as its owner gave it (:meth:`HookRegistry.drop` finds it by this)."""
 
     def install(self) -> None:
         """Put the hook on its module, marked with its options."""
@@ -126,13 +128,18 @@ def plain_layers() -> Callable[[nn.Module], bool]:
         has_children = next(module.children(), None) is not None
         if has_children or not type(module).__module__.startswith("torch.nn.modules."):
             return False
-        hooks = (
-            *_hook_table(module, "_forward_hooks").values(),
-            *_hook_table(module, "_forward_pre_hooks").values(),
-        )
-        return all(hook in _OURS for hook in hooks)
+        return only_our_hooks(module)
 
     return plain
+
+
+def only_our_hooks(module: nn.Module) -> bool:
+    """Whether every forward (pre-)hook on ``module`` is one of this library's."""
+    hooks = (
+        *_hook_table(module, "_forward_hooks").values(),
+        *_hook_table(module, "_forward_pre_hooks").values(),
+    )
+    return all(hook in _OURS for hook in hooks)
 
 
 class HookOwner:
@@ -219,9 +226,16 @@ class HookRegistry(HookOwner):
                 getattr(module, flag).pop(key, None)
 
     def gated_hook(
-        self, module: nn.Module, hook: Callable[..., Any], *, pre: bool, **options: bool
+        self,
+        module: nn.Module,
+        hook: Callable[..., Any],
+        *,
+        pre: bool,
+        source: Callable[..., Any] | None = None,
+        **options: bool,
     ) -> RemovableHandle | None:
-        """A guarded, gated forward (pre-)hook; its handle while installed, else ``None``."""
+        """A guarded, gated forward (pre-)hook; its handle while installed, else ``None``
+        (``source``: the hook as its owner gave it, for :meth:`drop`)."""
         key = RemovableHandle.next_id  # an id no handle takes
         RemovableHandle.next_id += 1
         table: HookTable = "_forward_pre_hooks" if pre else "_forward_hooks"
@@ -237,6 +251,7 @@ class HookRegistry(HookOwner):
             key=key,
             hook=_ours(hook),
             prepend=bool(options.get("prepend")),
+            source=source,
         )
         self._gated_hooks.append(gated)
         if not (self.logging_step or self.fixed):
@@ -340,7 +355,22 @@ class HookRegistry(HookOwner):
                     guard.fail(where, error)  # a strict guard re-raises
             return None
 
-        return self.gated_hook(module, run, pre=pre, **options)
+        return self.gated_hook(module, run, pre=pre, source=hook, **options)
+
+    def drop(self, hooks: Collection[Callable[..., Any]]) -> None:
+        """Take the gated ``hooks`` (as given to :meth:`forward_hook` or
+        :meth:`forward_pre_hook`) off their modules for good: a hook that has nothing left to
+        measure costs a logging step nothing. Under ``torch.compile`` they stay (a changed hook
+        set recompiles)."""
+        if self.fixed or not hooks:
+            return
+        kept = []
+        for gated in self._gated_hooks:
+            if gated.source is not None and gated.source in hooks:
+                gated.uninstall()
+            else:
+                kept.append(gated)
+        self._gated_hooks = kept
 
     def optimizer_step_post_hook(
         self, optimizer: torch.optim.Optimizer, hook: Callable[..., None]

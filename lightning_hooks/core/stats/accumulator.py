@@ -89,7 +89,7 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         self,
         values: torch.Tensor,
         columns: Columns = slice(None),
-        rows: torch.Tensor | None = None,
+        rows: torch.Tensor | slice | None = None,
         valid: torch.Tensor | None = None,
         *,
         replicated: bool = False,
@@ -99,18 +99,20 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         Args:
             values: ``[rows, columns]``, or ``[steps, rows, columns]`` for several observations.
             columns: which statistics ``values`` holds (a slice or column indices).
-            rows: layer indices of ``values``' rows (default: every layer, in order).
+            rows: layer indices of ``values``' rows, or a slice of them (default: every layer,
+                in order); a slice adds into views of the states, with no gather and scatter.
             valid: boolean mask broadcastable to ``values``; false cells are not observed.
             replicated: ``values`` are identical on every rank: only rank 0 records them.
         """
         if replicated and rank() != 0:
             return
         cols = columns if isinstance(columns, slice) else list(columns)
-        if rows is not None and not isinstance(cols, slice):
+        if isinstance(rows, torch.Tensor) and not isinstance(cols, slice):
             rows = rows[:, None]  # with a list of columns: the rows' cells, not a diagonal
         at = (slice(None) if rows is None else rows, cols)
-        if values.dim() == 2:  # one step
-            values, valid = values[None], None if valid is None else valid[None]
+        if values.dim() == 2:
+            self._add_step(values, at, valid)
+            return
         if values.shape[0] == 0:
             return
         mask = torch.ones_like(values, dtype=torch.bool) if valid is None else valid
@@ -119,6 +121,21 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         step_peak = torch.where(mask, values, -torch.inf).amax(0)
         self.peak[at] = torch.maximum(self.peak[at], step_peak)
         self.count[at] += mask.sum(0)
+
+    def _add_step(
+        self, values: torch.Tensor, at: tuple[Any, Any], valid: torch.Tensor | None
+    ) -> None:
+        """One observation per cell of ``at``: three in-place ops when every cell is valid (a
+        logging step's usual case), a masked value and a count by the mask otherwise."""
+        if valid is None:
+            self.total[at] += values
+            self.peak[at] = torch.maximum(self.peak[at], values)
+            self.count[at] += 1.0
+            return
+        valid = valid.expand_as(values)
+        self.total[at] += torch.where(valid, values, 0.0)
+        self.peak[at] = torch.maximum(self.peak[at], torch.where(valid, values, -torch.inf))
+        self.count[at] += valid
 
     def summarize(self, states: dict[str, np.ndarray]) -> LayerTable:
         total, peak, count = states["total"], states["peak"], states["count"]

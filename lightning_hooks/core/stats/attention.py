@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from lightning_hooks.core.hooks.registry import HookRegistry, plain_layers
+from lightning_hooks.core.hooks.registry import HookRegistry, only_our_hooks, plain_layers
 from lightning_hooks.core.hooks.shelved import ShelvedMode
 from lightning_hooks.core.ops.tensors import is_training_forward
 
@@ -19,6 +19,7 @@ __all__ = [
     "AttentionCapture",
     "HeadEntropy",
     "MhaCall",
+    "attention_free",
     "attention_head_entropy",
     "logit_chunks",
     "looks_like_attention",
@@ -238,6 +239,27 @@ class _Running(NamedTuple):
     caller_live: bool  # whether its caller's own forward was running when it was called
 
 
+def attention_free(model: nn.Module, plain: Callable[[nn.Module], bool]) -> set[int]:
+    """The ids of ``model``'s modules that call no attention, whole: ``torch.nn``'s ``plain``
+    leaf layers but the softmax ones, and each ``nn.Sequential`` (whose forward only calls its
+    children, in order) of such modules with no forward hook but ours. Such a module runs outside
+    the capture as one call: the layers of a stack of them cost two hooks, not two each."""
+    free: set[int] = set()
+
+    def visit(module: nn.Module) -> bool:
+        children = [visit(child) for child in module.children()]  # every one is visited
+        if type(module) is nn.Sequential:
+            whole = bool(children) and all(children) and only_our_hooks(module)
+        else:
+            whole = plain(module) and not isinstance(module, _SOFTMAX_LAYERS)
+        if whole:
+            free.add(id(module))
+        return whole
+
+    visit(model)
+    return free
+
+
 class AttentionCapture(ShelvedMode):
     """Sees the attention calls of a model's modules in the training forwards of logging steps.
 
@@ -279,12 +301,16 @@ class AttentionCapture(ShelvedMode):
         last hooks, so that other hooks' calls do not count as the module's)."""
         self.guarded_see = registry.guarded(self.see, "attention capture")
         plain = plain_layers()
+        free = attention_free(registry.model, plain)
+        within: set[int] = set()  # inside a module run outside as a whole: no hook needed
         for name, module in registry.model.named_modules():
-            if not registry.hookable(module):
+            if id(module) in within or not registry.hookable(module):
                 continue  # torch.jit: runs no Python hook
-            if plain(module):  # a layer that calls no attention (a softmax layer may be its part)
-                if not isinstance(module, _SOFTMAX_LAYERS):
-                    self._run_outside(registry, module)
+            if id(module) in free:
+                self._run_outside(registry, module)
+                within.update(id(m) for m in module.modules() if m is not module)
+                continue
+            if plain(module):  # a softmax layer: the attention of the module calling it
                 continue
             # Gated: installed for logging steps only (see HookRegistry), in this order.
             registry.forward_pre_hook(module, self._push(name), gated=True)

@@ -234,9 +234,9 @@ class GradFlowTracker(HookOwner):
         if self._post_clip:  # the gradient the optimizer applies is read in the step post-hook
             cells = None if valid is None else valid[:, [0, _WEIGHT]]
             values = stats[:, [0, _WEIGHT]]
-            self.accumulator.update(values, [_PRECLIP, _WEIGHT], view.rows, cells, replicated=True)
+            self.accumulator.update(values, [_PRECLIP, _WEIGHT], view.cells, cells, replicated=True)
         else:
-            self.accumulator.update(stats, _ALL, view.rows, valid, replicated=True)
+            self.accumulator.update(stats, _ALL, view.cells, valid, replicated=True)
         if self._views.update_ratio:
             self._updates.keep(view, stats[:, _WEIGHT])
         if self._output_grad:
@@ -252,7 +252,7 @@ class GradFlowTracker(HookOwner):
             valid = view.valid()
             stats = self._stats.full(view, ParamLayout.grads(view.params), weights=False)
             cells = None if valid is None else valid[:, _GRAD]
-            self.accumulator.update(stats[:, _GRAD], _GRAD, view.rows, cells, replicated=True)
+            self.accumulator.update(stats[:, _GRAD], _GRAD, view.cells, cells, replicated=True)
         self._updates.record(optimizer, view, self.alarms, self._step)
 
     def result(self) -> LayerTable:

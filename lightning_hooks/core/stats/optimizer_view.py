@@ -64,6 +64,7 @@ class OptimizerView:
     weight_norm: torch.Tensor | None = None
     masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
     read: Read | None = None  # the quiet step's read of its gradient norms, made once
+    every_row: bool = False  # it steps every layer of the layout (one optimizer's usual case)
 
     def __post_init__(self) -> None:
         self.layer_ids = frozenset(self.row_ids[:-1])  # the layout rows it steps, on the host
@@ -72,6 +73,17 @@ class OptimizerView:
         self.distinct = len(self.unique) == len(self.params)  # no parameter listed twice
         # a bound on the global norm clipping by value lets through, over one unit value
         self.scale = sum(p.numel() for p in self.params) ** 0.5
+
+    @property
+    def cells(self) -> torch.Tensor | slice:
+        """:attr:`rows` as the accumulator takes them: every row, in order, as a slice (views of
+        its states: no gather and scatter)."""
+        return slice(None) if self.every_row else self.rows
+
+    @property
+    def layer_cells(self) -> torch.Tensor | slice:
+        """:attr:`cells` but the global row: the layers it steps."""
+        return slice(0, len(self.row_ids) - 1) if self.every_row else self.rows[:-1]
 
     def valid(self) -> torch.Tensor | None:
         """``[layers + 1, GRAD_STATS]``, false in the gradient columns of layers with no gradient
@@ -182,6 +194,7 @@ class OptimizerViews:
             numel=numel,
             row_ids=tuple(layers),
             segments=segments,
+            every_row=layers == list(range(len(layout.layers) + 1)),
         )
 
     def first_param(self, optimizer: torch.optim.Optimizer) -> nn.Parameter | None:
@@ -278,7 +291,7 @@ class UpdateRatio:
         upd = update_norms(view.before, after, view.layer_index, shards=self.shards)
         ratio = upd / view.weight_norm.clamp_min(torch.finfo(upd.dtype).tiny)
         valid = (view.weight_norm > 0)[:, None]
-        self.accumulator.update(ratio[:, None], [self.column], view.rows, valid, replicated=True)
+        self.accumulator.update(ratio[:, None], [self.column], view.cells, valid, replicated=True)
         view.weight_norm = None
 
 

@@ -204,7 +204,7 @@ class OutputGradients:
         self._sq.add_(torch.stack(self._compiled_sq))
         torch._foreach_zero_(self._compiled_sq)
         self._drop_other_backward(optimizer, view)
-        self._observe(view.rows[:-1], grad_scale)
+        self._observe(view, grad_scale)
         self._clear_unowned()
         if len(self.optimizers) < 2:
             return
@@ -239,20 +239,24 @@ class OutputGradients:
         self._sq.index_copy_(0, rows, sq)
         self._hit.index_copy_(0, rows, self._hit[rows] - self._pending_hit[rows])
 
-    def _observe(self, rows: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
-        sq = self._sq[rows]
+    def _observe(self, view: OptimizerView, grad_scale: torch.Tensor | None) -> None:
+        cells = view.layer_cells  # the rows ``view`` steps (a slice: views, no gather)
+        sq = self._sq[cells]
         if grad_scale is not None:
             sq = sq / grad_scale.square()
         if world_size() == 1:
-            valid = self._hit[rows, None] > 0
-            self.accumulator.update(sq.sqrt()[:, None], [self.column], rows, valid, replicated=True)
+            valid = self._hit[cells, None] > 0
+            self.accumulator.update(
+                sq.sqrt()[:, None], [self.column], cells, valid, replicated=True
+            )
         else:  # under DDP: the step's rank-local squares, kept until the epoch's one reduction
+            rows = view.rows[:-1]
             slot = self._sq.new_zeros(2, self._sq.shape[0])
             slot[0].index_copy_(0, rows, sq)
             slot[1].index_copy_(0, rows, self._hit[rows].to(slot.dtype))
             self._series.append(slot)
-        self._sq.index_fill_(0, rows, 0.0)
-        self._hit.index_fill_(0, rows, 0.0)
+        self._sq[cells] = 0.0
+        self._hit[cells] = 0.0
 
     def drain(self) -> None:
         """Reduce the per-step output-gradient squares across ranks into the accumulator."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -83,6 +84,7 @@ class StabilityStats(LayerStat[Result]):
         self._capture: AttentionCapture | None = None
         self._checked = False  # whether unseen attention was looked for since attach
         self._mixed_heads: set[str] = set()  # modules warned of calls with other heads
+        self._logz_hooks: dict[str, Callable[..., None]] = {}  # the candidates' forward hooks
 
     def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
         """Find the output layer anew; capture the attention of the other modules."""
@@ -93,11 +95,13 @@ class StabilityStats(LayerStat[Result]):
         """Every ``nn.MultiheadAttention`` and every module owning parameters directly."""
         modules = select_modules(model, where=lambda _, m: owns_parameters(m))
         self._attention = {n for n, m in modules if isinstance(m, nn.MultiheadAttention)}
+        self._logz_hooks = {}  # hooked afresh
         return modules
 
     def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
         if name not in self._attention:
-            registry.forward_hook(module, self._forward_hook(name), gated=True)
+            hook = self._logz_hooks[name] = self._forward_hook(name)
+            registry.forward_hook(module, hook, gated=True)
             return
 
         def attention(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -159,6 +163,7 @@ class StabilityStats(LayerStat[Result]):
             for measured in self._candidates.pop(name):
                 self._add(name, measured)
             self._candidates.clear()
+            self._drop_other_candidates(name)
         if self._checked or capture is None or registry is None or not registry.logging_step:
             return
         self._checked = True
@@ -172,6 +177,14 @@ class StabilityStats(LayerStat[Result]):
                 LightningHooksWarning,
                 stacklevel=2,
             )
+
+    def _drop_other_candidates(self, output: str) -> None:
+        """Once the output layer is known the other candidates have nothing to measure: their
+        hooks come off, so that a logging step does not run one per parameter owner."""
+        others = [hook for name, hook in self._logz_hooks.items() if name != output]
+        self._logz_hooks = {output: self._logz_hooks[output]} if output in self._logz_hooks else {}
+        if self.registry is not None:
+            self.registry.drop(others)
 
     def drain(self) -> None:
         """Settle a forward that :meth:`end_step` has not seen."""
