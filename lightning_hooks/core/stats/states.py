@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -65,9 +66,12 @@ def _dtype_on(spec: StateSpec, device: torch.device) -> torch.dtype:
 
 def unpack(host: np.ndarray, shapes: dict[str, torch.Size]) -> dict[str, np.ndarray]:
     """The packed states ``host`` as float64 arrays by name, in ``shapes``' order (a copy)."""
-    ends = np.cumsum([int(np.prod(shape, dtype=np.int64)) for shape in shapes.values()])
-    parts = np.split(np.array(host, dtype=np.float64), ends[:-1])
-    return {n: part.reshape(s) for (n, s), part in zip(shapes.items(), parts, strict=False)}
+    flat, out, start = np.array(host, dtype=np.float64), {}, 0
+    for name, shape in shapes.items():  # math.prod of a torch.Size: no array made per state
+        end = start + math.prod(shape)
+        out[name] = flat[start:end].reshape(shape)
+        start = end
+    return out
 
 
 _POOL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # the ranks' copies, stacked
