@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from ops import OpCounter
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hooks import DeadReLUCallback, LightningHooksWarning
+from lightning_hooks import ActivationStatsCallback, DeadReLUCallback, LightningHooksWarning
 
 from conftest import TinyCNN, TinyMLP, dataset, hooks_left, make_trainer, read_scalars
 from syncs import SyncWindow, count_syncs
@@ -64,6 +65,65 @@ def _reference(outputs: list[torch.Tensor], dim: int) -> tuple[int, int, float]:
 
 def _logged(scalars: dict[str, list[tuple[int, float]]], stat: str, layer: str, at: int) -> float:
     return dict(scalars[f"dead_relu/{stat}/{layer}"])[at]
+
+
+class _Ops(pl.Callback):
+    """The ATen ops of each training step (batch start to the next batch start)."""
+
+    def __init__(self) -> None:
+        self.counter, self.per_step = OpCounter(), list[int]()
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._close()
+        self.counter.start()
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.counter.running:
+            self.counter.stop()
+            self.per_step.append(self.counter.total)
+            self.counter.ops.clear()
+
+
+class ReluStack(TinyMLP):
+    """``depth`` x (Linear(16), ReLU) after TinyMLP's first layer."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        layers = [nn.Linear(8, 16), nn.ReLU()]
+        layers += [m for _ in range(depth - 1) for m in (nn.Linear(16, 16), nn.ReLU())]
+        self.net = nn.Sequential(*layers, nn.Linear(16, 1))
+
+
+def test_beside_the_activation_statistics_a_relu_output_costs_no_op_of_its_own(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    """The dead units are counted from the copy of each small ReLU output that the activation
+    statistics take anyway, compared a stack at a time: what ``DeadReLUCallback`` adds to a
+    logging step does not grow with the number of ReLUs; the counts stay plain torch's."""
+    added = []
+    for depth in (2, 5):
+        alone, both = _Ops(), _Ops()
+        activations = ActivationStatsCallback(every_n_steps=1)
+        trainer_factory(callbacks=[alone, activations]).fit(ReluStack(depth))
+        activations = ActivationStatsCallback(every_n_steps=1)
+        dead = DeadReLUCallback(every_n_steps=1, warn_at=1.0)
+        trainer_factory(callbacks=[both, activations, dead]).fit(ReluStack(depth))
+        added.append([b - a for a, b in zip(alone.per_step, both.per_step, strict=True)][1:3])
+    assert added[0] == added[1]  # steps 1 and 2: logging steps past the first
+    model = RecordingMLP(inplace=True)
+    callbacks = [
+        ActivationStatsCallback(every_n_steps=1),
+        DeadReLUCallback(every_n_steps=1, warn_at=1.0),
+    ]
+    make_trainer(tmp_path / "recorded", callbacks=callbacks).fit(model)
+    scalars = read_scalars(tmp_path / "recorded")
+    for layer in ("net.1", "net.3"):
+        dead_units, _, zero = _reference(model.outputs[layer], dim=1)
+        assert _logged(scalars, "dead_count", layer, 4) == dead_units
+        assert _logged(scalars, "zero_fraction", layer, 4) == pytest.approx(zero, rel=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -163,7 +163,8 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         row = self._width_row(name, y.shape[dim])
         self.tally("calls", row)
         if y.numel() <= STACKED and not torch.compiler.is_compiling():
-            self._defer((y.shape, dim, y.device), row, torch.gt(y, 0))  # not differentiable
+            # the copy the activation statistics of this model take too: compared at drain
+            self._defer((y.shape, dim, y.device, y.dtype), row, self._snapshot(y))
             return
         counts = fired_counts(y, dim, self.workspace)
         self.counts[self.unit_slice(row)].add_(counts)
@@ -181,8 +182,10 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         return self.row(f"{name}-{units}", units)
 
     def drain(self) -> None:
-        """Count the kept fired masks, stacked by shape, and move the host call counts in."""
-        for (shape, dim, device), rows, fired in self._pending.drain():
+        """Count the fired entries of the kept outputs, stacked by shape, and move the host call
+        counts in."""
+        for (shape, dim, device, _), rows, outputs in self._drain_pending():
+            fired = torch.gt(outputs, 0)
             units, numel = shape[dim], fired[0].numel()
             counts = fired.movedim(dim + 1, -1).reshape(len(rows), -1, units).sum(1)
             spans = [range(s.start, s.stop) for s in map(self.unit_slice, rows)]
@@ -194,7 +197,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         super().drain()
 
     def remove(self) -> None:
-        """Count the kept fired masks, then remove the hooks (also when counting fails)."""
+        """Count the kept outputs, then remove the hooks (also when counting fails)."""
         try:
             self.drain()
         finally:

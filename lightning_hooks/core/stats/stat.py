@@ -28,8 +28,9 @@ R = TypeVar("R")
 
 
 _COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
-_SHARED: weakref.WeakKeyDictionary[HookRegistry, Snapshots] = weakref.WeakKeyDictionary()
-"""The copies of small outputs of each registry's statistics, shared (see :meth:`_snapshot`)."""
+_SHARED: weakref.WeakKeyDictionary[nn.Module, Snapshots] = weakref.WeakKeyDictionary()
+"""The copies of small outputs of each model's statistics, shared by every callback's (see
+:meth:`_snapshot`)."""
 
 
 class SelectionArgs(TypedDict, total=False):
@@ -104,7 +105,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self._drop_rows(device)
         self.to(device)
         self.registry = HookRegistry(model) if registry is None else registry
-        self._snapshots = _SHARED.setdefault(self.registry, Snapshots())
+        self._snapshots = _SHARED.setdefault(model, Snapshots())
         chosen = {name for name, _ in self.select(model)}
         # The registry warns once about selected modules that run no Python hooks.
         selected = self.registry.modules(where=lambda name, _: name in chosen)
@@ -157,7 +158,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
 
     def _snapshot(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of an output to :meth:`_defer`, before an in-place op overwrites it; one for
-        every statistic on the registry (:class:`~.tensors.Snapshots`)."""
+        every statistic on the model, whichever callback holds it (:class:`~.tensors.Snapshots`)."""
         if self._snapshots is None:
             return tensor.detach().clone()
         return self._snapshots.copy(tensor)
