@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from ops import OpCounter
+from test_cost import _OpsPerStep
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -67,26 +67,6 @@ def _logged(scalars: dict[str, list[tuple[int, float]]], stat: str, layer: str, 
     return dict(scalars[f"dead_relu/{stat}/{layer}"])[at]
 
 
-class _Ops(pl.Callback):
-    """The ATen ops of each training step (batch start to the next batch start)."""
-
-    def __init__(self) -> None:
-        self.counter, self.per_step = OpCounter(), list[int]()
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._close()
-        self.counter.start()
-
-    def on_train_epoch_end(self, *args: Any) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self.counter.running:
-            self.counter.stop()
-            self.per_step.append(self.counter.total)
-            self.counter.ops.clear()
-
-
 class ReluStack(TinyMLP):
     """``depth`` x (Linear(16), ReLU) after TinyMLP's first layer."""
 
@@ -105,7 +85,7 @@ def test_beside_the_activation_statistics_a_relu_output_costs_no_op_of_its_own(
     logging step does not grow with the number of ReLUs; the counts stay plain torch's."""
     added = []
     for depth in (2, 5):
-        alone, both = _Ops(), _Ops()
+        alone, both = _OpsPerStep(), _OpsPerStep()
         activations = ActivationStatsCallback(every_n_steps=1)
         trainer_factory(callbacks=[alone, activations]).fit(ReluStack(depth))
         activations = ActivationStatsCallback(every_n_steps=1)
