@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import pytorch_lightning as pl
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -39,3 +40,24 @@ class OpCounter(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.ops.values())
+
+
+class OpsPerStep(pl.Callback):
+    """Counts the ATen ops of every training step (batch start to the next batch start)."""
+
+    def __init__(self) -> None:
+        self.counter = OpCounter()
+        self.per_step: list[int] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._close()
+        self.counter.start()
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.counter.running:
+            self.counter.stop()
+            self.per_step.append(self.counter.total)
+            self.counter.ops.clear()

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from test_cost import _OpsPerStep, _StepWindow
+from ops import OpsPerStep
+from test_cost import _StepWindow
 from timm_shim import import_timm
 from torch import nn
 from torch.distributions import Categorical
@@ -726,7 +727,7 @@ def _unchecked_nano() -> Fit:
 def test_through_fit_a_quiet_step_runs_the_bare_ops_and_no_step_syncs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    bare, hooked = _OpsPerStep(), _OpsPerStep()
+    bare, hooked = OpsPerStep(), OpsPerStep()
     make_trainer(tmp_path / "bare", callbacks=[bare], max_steps=STEPS).fit(_unchecked_nano())
     with count_syncs(monkeypatch) as counter:
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
-from ops import OpCounter
+from ops import OpCounter, OpsPerStep
 from test_grad_flow import LAYERS, ReferenceMLP
 from torch import nn
 
@@ -169,29 +169,8 @@ def test_the_gradient_rules_launch_no_kernel() -> None:
     assert [(a.rule, a.layer, a.step) for a in alarms.poll()] == [("spike", "b", 3)]
 
 
-class _OpsPerStep(pl.Callback):
-    """Counts the ATen ops of every training step (batch start to the next batch start)."""
-
-    def __init__(self) -> None:
-        self.counter = OpCounter()
-        self.per_step: list[int] = []
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._close()
-        self.counter.start()
-
-    def on_train_epoch_end(self, *args: Any) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self.counter.running:
-            self.counter.stop()
-            self.per_step.append(self.counter.total)
-            self.counter.ops.clear()
-
-
 def test_callback_off_sample_steps_cost_what_bare_steps_cost(trainer_factory: Any) -> None:
-    bare, logging_step, alarmed = _OpsPerStep(), _OpsPerStep(), _OpsPerStep()
+    bare, logging_step, alarmed = OpsPerStep(), OpsPerStep(), OpsPerStep()
     trainer_factory(callbacks=[bare]).fit(TinyMLP())
     quiet = GradFlowCallback(every_n_steps=2, alarms=False)
     trainer_factory(callbacks=[logging_step, quiet]).fit(TinyMLP())
@@ -388,7 +367,7 @@ class _Chain(TinyMLP):
         return x
 
 
-class _QuietSteps(_OpsPerStep):
+class _QuietSteps(OpsPerStep):
     """Per step: ATen ops by name, and calls of the library's Python functions."""
 
     def __init__(self) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from test_cost import _OpsPerStep
+from ops import OpsPerStep
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -85,7 +85,7 @@ def test_beside_the_activation_statistics_a_relu_output_costs_no_op_of_its_own(
     logging step does not grow with the number of ReLUs; the counts stay plain torch's."""
     added = []
     for depth in (2, 5):
-        alone, both = _OpsPerStep(), _OpsPerStep()
+        alone, both = OpsPerStep(), OpsPerStep()
         activations = ActivationStatsCallback(every_n_steps=1)
         trainer_factory(callbacks=[alone, activations]).fit(ReluStack(depth))
         activations = ActivationStatsCallback(every_n_steps=1)
