@@ -129,9 +129,10 @@ class _Held(NamedTuple):
 class Snapshots:
     """Copies of hooked outputs, one per tensor and version, for every hook that asks.
 
-    Two statistics watching one module (the activation statistics and their shape) each hold a
-    copy of its small output for the step's end: the second gets the first's while the tensor is
-    unchanged (a copy is an op and an allocation per module and logging step).
+    The statistics watching one module (the activation statistics, their shape, the dead units,
+    whichever callbacks hold them) each keep a copy of its small output for the step's end: every
+    one after the first gets the first's while the tensor is unchanged (a copy is an op and an
+    allocation per module and logging step).
 
     Example:
         >>> snapshots, x = Snapshots(), torch.ones(2)
