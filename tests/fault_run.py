@@ -21,6 +21,8 @@ Fits (``GradFlowCallback`` with its default alarms unless said):
 - ``logging``: the write of logging step 3's values (after its collectives);
 - ``loss``: the loss rules at step 2;
 - ``epoch_end``: the alarms' epoch end of epoch 0 (after the epoch's collectives);
+- ``output_grad``: the output-gradient tensor hook, in the backward of logging step 3;
+- ``optimizer_hook``: the optimizer's step post-hook at logging step 3;
 - ``stop`` / ``stop_no_loss``: ``on_alarm="stop"`` with an alarm only rank 1 reads, at step 2;
 - ``stats_logging``, ``stats_write``, ``stats_epoch_end``: a ``StatsCallback`` with a statistic
   of the test's own (a packed collective per logging step and per epoch end), its forward hook
@@ -168,6 +170,7 @@ def faults(name: str, held: Trainer) -> Any:
     from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
     from lightning_hooks.core import GradFlowTracker
     from lightning_hooks.core.alarms import GradientAlarms
+    from lightning_hooks.core.stats import output_grad
 
     def step() -> int:
         return int(held["trainer"].global_step)
@@ -182,6 +185,8 @@ def faults(name: str, held: Trainer) -> Any:
         "logging": (GradFlowTracker, "step_values", lambda: step() == 4),
         "loss": (GradientAlarms, "update_loss", lambda: step() == 2),
         "epoch_end": (AlarmPolicy, "end_epoch", lambda: epoch() == 0),
+        "output_grad": (output_grad, "_output_norm", lambda: step() == 3),
+        "optimizer_hook": (GradFlowTracker, "_after_step", lambda: step() == 3),
         "stats_logging": (stat, "observe", lambda: step() == 3),
         "stats_write": (stat, "summarize", lambda: step() == 1),
         "stats_epoch_end": (StatsCallback, "_log_result", lambda: epoch() == 0),
@@ -280,6 +285,8 @@ FITS = {
         "logging",
         "loss",
         "epoch_end",
+        "output_grad",
+        "optimizer_hook",
         "stop",
         "stop_no_loss",
         "stats_logging",

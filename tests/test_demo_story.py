@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import re
 import runpy
 from pathlib import Path
 
@@ -138,7 +139,13 @@ def test_the_report_names_the_alarms(demo: tuple[Path, str]) -> None:
     line = "alarms: " + ", ".join(f"grad_flow/alarms/{r}={v:g}" for r, v in counts.items())
     summary = demo[1].split("== summary")[1]
     assert line in summary
-    assert f"`{line}`" in " ".join(STORY.split()), "docs/demo.md quotes the counts"
+    # docs/demo.md quotes the line of one run: the same rules, each counted or not as here (the
+    # broken run is chaotic, and another CPU's floating-point bits count other numbers)
+    quoted = re.search(r"`(alarms: [^`]*)`", " ".join(STORY.split()))
+    assert quoted is not None, "docs/demo.md quotes the report's alarm line"
+    documented = dict(re.findall(r"grad_flow/alarms/(\w+)=([\d.]+)", quoted.group(1)))
+    assert documented.keys() == counts.keys()
+    assert {r for r, v in documented.items() if float(v) > 0} == {r for r, v in counts.items() if v}
 
 
 def test_the_dashboard_shows_per_step_curves_and_alarms_before_the_epoch_ends(

@@ -16,6 +16,8 @@ Every fit trains 8 optimizer steps, logging steps 0, 3, 4 and 7. The disable ste
 | logging | the write of logging step 3 (after its collectives) | 4 | 4 |
 | loss | the loss rules at step 2 | 2 | 2 |
 | epoch_end | the alarms' end of epoch 0 | 4 | 4 |
+| output_grad | the output-gradient tensor hook in the backward of step 3 | 3 | - |
+| optimizer_hook | the optimizer's step post-hook at step 3 | 3 | - |
 | stats_logging | a ``StatsCallback`` statistic's forward hook at step 3 | 3 | 3 |
 | stats_write | its host summary of logging step 0 | 3 | - |
 | stats_epoch_end | its epoch end's host part, epoch 0 | 4 | 4 |
@@ -44,6 +46,8 @@ DISABLED = {
     "logging": 4,  # the next batch's loss all_reduce
     "loss": 2,  # the loss rules raise after the batch's all_reduce: the next batch's
     "epoch_end": 4,  # the first batch of the next epoch
+    "output_grad": 3,  # carried on the same batch's loss all_reduce, after the backward
+    "optimizer_hook": 3,  # the same, after the optimizer step
     "stats_logging": 3,  # the logging step of the same step
     "stats_write": 3,  # the next logging step
     "stats_epoch_end": 4,  # the next logging step, the next epoch's first step
@@ -54,6 +58,8 @@ HOOK = {
     "logging": "on_train_batch_end hook: RuntimeError: injected fault in step_values",
     "loss": "on_train_batch_end hook: RuntimeError: injected fault in update_loss",
     "epoch_end": "on_train_epoch_end hook: RuntimeError: injected fault in end_epoch",
+    "output_grad": "output gradient hook: RuntimeError: injected fault in _output_norm",
+    "optimizer_hook": "optimizer step post-hook: RuntimeError: injected fault in _after_step",
     "stats_logging": "forward hook on 'net.0': RuntimeError: injected fault in observe",
     "stats_write": "on_train_batch_end hook: RuntimeError: injected fault in summarize",
     "stats_epoch_end": "on_train_epoch_end hook: RuntimeError: injected fault in _log_result",

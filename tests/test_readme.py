@@ -336,3 +336,28 @@ def test_the_supported_versions_are_pyprojects() -> None:
     assert f"| TensorBoard | {minimum['tensorboard']} or newer |" in install
     for extra in project["optional-dependencies"]:
         assert f"| `{extra}` |" in install, f"docs/install.md does not name the extra {extra!r}"
+
+
+def test_the_oldest_pair_tested_is_the_floor_declared_and_checked_at_import() -> None:
+    """The range we claim is the range we test: ``./dev``'s oldest pair is pyproject's minimum
+    torch and Lightning, the one the library checks at import, and the README names both pairs."""
+    from lightning_hooks import internals
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    minimum = dict(spec.split(">=") for spec in project["dependencies"] if ">=" in spec)
+    dev = (ROOT / "dev").read_text()
+    pairs = {
+        name: dict(re.findall(r"([a-z-]+)==([\d.]+)", spec))
+        for name, spec in re.findall(r'^(OLDEST|NEWEST)_PAIR="([^"]+)"', dev, re.MULTILINE)
+    }
+    oldest = pairs["OLDEST"]
+    assert oldest["torch"].rsplit(".", 1)[0] == minimum["torch"]
+    assert oldest["pytorch-lightning"].rsplit(".", 1)[0] == minimum["pytorch-lightning"]
+    assert oldest["lightning"] == oldest["pytorch-lightning"]
+    floor = ".".join(str(part) for part in internals.OLDEST_TORCH)
+    assert floor == minimum["torch"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    for name, pair in pairs.items():
+        named = f"torch {pair['torch']}, Lightning {pair['pytorch-lightning']}"
+        assert named in readme, (name, named)

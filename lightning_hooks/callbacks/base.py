@@ -218,9 +218,11 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._hook_guard().failed is None:  # a failure after the last epoch end: agreed
-            self._agree_ranks(trainer, trainer.global_step, always=True)
-        self._detach()
+        try:
+            if self._hook_guard().failed is None:  # a failure after the last epoch end: agreed
+                self._agree_ranks(trainer, trainer.global_step, always=True)
+        finally:
+            self._detach()
 
     @override
     def on_exception(

@@ -118,7 +118,8 @@ class FabricRun:
             if run is not None:
                 run.before_step(optimizer)
 
-        handle = register_optimizer_step_pre_hook(pre_step)
+        guard = self.callback._hook_guard()  # noqa: SLF001 (the callback's guard for this fit, set by its setup)
+        handle = register_optimizer_step_pre_hook(guard.wrap(pre_step, "optimizer step pre-hook"))
         self._undo.append(handle.remove)
         weakref.finalize(self, handle.remove)  # a run garbage-collected leaves no global hook
         for attribute, algorithm, argument in _CLIPS:
@@ -131,11 +132,19 @@ class FabricRun:
         strategy = self.fabric.strategy
         original = getattr(strategy, attribute)
 
-        def clip(module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 (stands in for the strategy's clip method, whatever it takes and returns)
+        def observe(optimizer: Any, value: Any) -> None:  # noqa: ANN401 (as Fabric hands them on)
             run = ref()
             if run is not None:
-                value = kwargs.get(argument, args[0] if args else None)
                 run.before_clip(optimizer, algorithm, value)
+
+        guarded = self.callback._hook_guard().wrap(observe, "gradient clipping hook")  # noqa: SLF001 (as in start)
+
+        def clip(module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 (stands in for the strategy's clip method, whatever it takes and returns)
+            value = kwargs.get(argument, args[0] if args else None)
+            run = ref()
+            if run is not None:
+                run.check_clip(optimizer, value)  # a refused setup raises, outside the guard
+            guarded(optimizer, value)
             return original(module, optimizer, *args, **kwargs)
 
         setattr(strategy, attribute, clip)
@@ -148,7 +157,8 @@ class FabricRun:
             owned = self._owned[optimizer] = any(id(p) in self._params for p in params)
         return owned
 
-    def before_clip(self, optimizer: Any, algorithm: str, value: Any) -> None:  # noqa: ANN401 (the optimizer and the clip value as Fabric hands them on)
+    def check_clip(self, optimizer: Any, value: Any) -> None:  # noqa: ANN401 (the optimizer and the clip value as Fabric hands them on)
+        """Refuse ``fabric.clip_gradients`` with a GradScaler: the pre-clip norm cannot be read."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         if not self._owns(optimizer) or value is None:
             return
@@ -159,6 +169,12 @@ class FabricRun:
                 "scaled before the clip, so the pre-clip norm cannot be read there. Use "
                 "precision='bf16-mixed' or clip without the callback."
             )
+
+    def before_clip(self, optimizer: Any, algorithm: str, value: Any) -> None:  # noqa: ANN401 (as check_clip)
+        """Observe the gradients ``fabric.clip_gradients`` is about to clip."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if not self._owns(optimizer) or value is None:
+            return
         clip = (float(value), algorithm)
         if clip != (self.trainer.gradient_clip_val, self.trainer.gradient_clip_algorithm):
             self.trainer.gradient_clip_val, self.trainer.gradient_clip_algorithm = clip

@@ -12,7 +12,15 @@ from typing import Any, Protocol, TypeVar
 
 from lightning_hooks.errors import LightningHooksError, LightningHooksWarning
 
-__all__ = ["STRICT_ENV", "Guard", "active_guard", "guard_hooks", "strict_default"]
+__all__ = [
+    "GUARDED_HOOKS",
+    "RELEASE_HOOKS",
+    "STRICT_ENV",
+    "Guard",
+    "active_guard",
+    "guard_hooks",
+    "strict_default",
+]
 
 STRICT_ENV = "LIGHTNING_HOOKS_STRICT"  # ``1``: every guard strict (re-raises) unless told not
 F = TypeVar("F", bound=Callable[..., Any])
@@ -101,6 +109,7 @@ def active_guard() -> Guard | None:
 
 
 GUARDED_HOOKS = (
+    "state_dict",
     "on_train_start",
     "on_train_epoch_start",
     "on_train_batch_start",
@@ -113,7 +122,16 @@ GUARDED_HOOKS = (
     "on_validation_epoch_start",
     "on_validation_epoch_end",
 )
-"""The hooks :func:`guard_hooks` wraps (not ``setup``: configuration errors must stop the fit)."""
+"""The hooks :func:`guard_hooks` wraps, skipped once the statistic failed (not ``setup`` nor
+``on_fit_start``: configuration errors must stop the fit). A failed ``state_dict`` returns
+``None``: the checkpoint is saved without the callback's state, and a fit resumed from it starts
+the callback's epoch afresh."""
+
+RELEASE_HOOKS = ("on_train_end", "on_exception", "teardown")
+"""The hooks that take the statistic's hooks off: :func:`guard_hooks` wraps them too, but they
+run after a failure as well, so that every hook is removed whatever failed before. A failure in
+one of them is reported like any other (in ``on_exception`` the user's exception goes on, not
+ours)."""
 
 _GUARDED: weakref.WeakSet[Callable[..., object]] = weakref.WeakSet()
 """The methods :func:`guard_hooks` made: a subclass that inherits one is not wrapped twice."""
@@ -130,19 +148,22 @@ class _GuardedOwner(Protocol):
 
 
 def guard_hooks(cls: type) -> None:
-    """Wrap the :data:`GUARDED_HOOKS` that ``cls`` defines: each runs under
-    ``self._hook_guard()``; once it failed, calls ``self._guard_disable()`` once, then nothing."""
-    for name in GUARDED_HOOKS:
+    """Wrap the :data:`GUARDED_HOOKS` and :data:`RELEASE_HOOKS` that ``cls`` defines: each runs
+    under ``self._hook_guard()``; once it failed, calls ``self._guard_disable()`` once, and the
+    guarded hooks do nothing more."""
+    for name in (*GUARDED_HOOKS, *RELEASE_HOOKS):
         method = cls.__dict__.get(name)
         if method is not None and method not in _GUARDED:
-            setattr(cls, name, _guarded_method(method, name))
+            setattr(cls, name, _guarded_method(method, name, always=name in RELEASE_HOOKS))
 
 
-def _guarded_method(method: Callable[..., object], name: str) -> Callable[..., object]:
+def _guarded_method(
+    method: Callable[..., object], name: str, *, always: bool
+) -> Callable[..., object]:
     @wraps(method)
     def hook(self: _GuardedOwner, *args: object, **kwargs: object) -> object:
         guard = self._hook_guard()
-        if guard.failed is None:
+        if always or guard.failed is None:
             token = _ACTIVE.set(guard)
             try:
                 return method(self, *args, **kwargs)

@@ -234,8 +234,14 @@ class HookRegistry(HookOwner):
         source: Callable[..., Any] | None = None,
         **options: bool,
     ) -> RemovableHandle | None:
-        """A guarded, gated forward (pre-)hook; its handle while installed, else ``None``
-        (``source``: the hook as its owner gave it, for :meth:`drop`)."""
+        """A gated forward (pre-)hook under the registry's guard; its handle while installed,
+        else ``None`` (``source``: the hook as its owner gave it, for :meth:`drop`).
+
+        The hook runs as it is, inside any torch-function mode of the forward: a hook that
+        measures goes through :meth:`forward_hook` or :meth:`forward_pre_hook`, which run it
+        outside the library's own modes."""
+        where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
+        hook = self.guarded(hook, where)
         key = RemovableHandle.next_id  # an id no handle takes
         RemovableHandle.next_id += 1
         table: HookTable = "_forward_pre_hooks" if pre else "_forward_hooks"
@@ -337,23 +343,17 @@ class HookRegistry(HookOwner):
         self, module: nn.Module, hook: Callable[..., Any], gated: bool, pre: bool, **options: bool
     ) -> RemovableHandle | None:
         # the caller checked hookable(): its warning's stack level counts from there
-        where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
         if not gated:
+            where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
             register = module.register_forward_pre_hook if pre else module.register_forward_hook
             return self._add(register(_ours(self.guarded(hook, where)), **options))
-        guard = self.guard
 
-        def run(*args: object) -> object:  # the guard inline: no Python call of ours per hook
-            if self.logging_step:
-                try:
-                    if not function_modes():  # no mode to step out of (most calls)
-                        return hook(*args)
-                    return outside_shelved(hook, *args)
-                except Exception as error:
-                    if guard is None:
-                        raise
-                    guard.fail(where, error)  # a strict guard re-raises
-            return None
+        def run(*args: object) -> object:
+            if not self.logging_step:  # installed for good under torch.compile
+                return None
+            if not function_modes():  # no mode to step out of (most calls)
+                return hook(*args)
+            return outside_shelved(hook, *args)
 
         return self.gated_hook(module, run, pre=pre, source=hook, **options)
 

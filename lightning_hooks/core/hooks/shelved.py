@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-import torch
-
 # torch keeps no public view of its torch-function mode stack (``TorchFunctionMode`` only enters
 # and exits): the hooks look under the innermost mode with these.
 from torch._C import (
@@ -21,6 +19,8 @@ from torch._C import (
     _push_on_torch_function_stack,
 )
 from torch.overrides import TorchFunctionMode
+
+from lightning_hooks import internals
 
 __all__ = ["ShelvedMode", "function_modes", "outside_shelved"]
 
@@ -46,7 +46,7 @@ class ShelvedMode(TorchFunctionMode):
 
     def shelve(self, *_: object) -> None:
         """Forward pre-hook: take the mode off the stack, when it is the innermost."""
-        if torch.compiler.is_compiling():  # a compiled region: the mode's stack is not touched
+        if internals.is_compiling():  # a compiled region: the mode's stack is not touched
             return
         depth = _len_torch_function_stack()
         innermost = depth > 0 and _get_function_stack_at(depth - 1) is self
@@ -55,10 +55,23 @@ class ShelvedMode(TorchFunctionMode):
         self._shelved.append(innermost)
 
     def unshelve(self, *_: object) -> None:
-        """Forward hook: put the mode back where :meth:`shelve` took it off."""
-        if torch.compiler.is_compiling() or not self._shelved:
-            return
-        if self._shelved.pop():
+        """Forward hook: put the mode back where :meth:`shelve` took it off.
+
+        Raises:
+            Exception: whatever failed in this library's own check; the mode is put back first,
+                so that the stack is as it was before the module's call whatever the guard does.
+        """
+        try:
+            compiling = internals.is_compiling()
+        except Exception:
+            self._put_back()
+            raise
+        if not compiling:
+            self._put_back()
+
+    def _put_back(self) -> None:
+        """Push the mode again if the innermost open :meth:`shelve` took it off."""
+        if self._shelved and self._shelved.pop():
             _push_on_torch_function_stack(self)
 
 
@@ -66,7 +79,7 @@ def outside_shelved(fn: Callable[..., R], *args: object) -> R:
     """``fn(*args)`` with an innermost :class:`ShelvedMode` popped (not while compiling)."""
     # The stack's depth first: one C call, and mostly zero (Dynamo reads it too).
     depth = _len_torch_function_stack()
-    if not depth or torch.compiler.is_compiling():
+    if not depth or internals.is_compiling():
         return fn(*args)
     mode = _get_function_stack_at(depth - 1)
     if not isinstance(mode, ShelvedMode):

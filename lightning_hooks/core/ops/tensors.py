@@ -11,6 +11,8 @@ from torch import nn
 # torch has no public way to ask whether autograd is running a backward (a checkpoint recompute)
 from torch._C import _current_graph_task_id
 
+from lightning_hooks import internals
+
 __all__ = [
     "DEVICE_PIECE",
     "Pending",
@@ -65,7 +67,7 @@ def is_training_forward(module: nn.Module) -> bool:
     """
     if not (module.training and torch.is_grad_enabled()):
         return False
-    if torch.compiler.is_compiling():
+    if internals.is_compiling():
         # Dynamo cannot trace the graph-task query (a graph break per hooked module), and a
         # compiled forward's hooks never run again in backward: recomputation is in the graph.
         return True

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
+from lightning_hooks import internals
 from lightning_hooks.core.ops.feature_stats import CHUNK, STACKED
 from lightning_hooks.core.ops.tensors import iter_float_tensors, piece_size
 from lightning_hooks.core.stats.activation_stats import feature_modules
@@ -105,7 +106,7 @@ class ActivationShape(LayerStat[Shape]):
         row = self.rows.get(name)
         row = self.row(name) if row is None else row  # an empty output's row too
         n = x.numel()
-        if 0 < n <= STACKED and not torch.compiler.is_compiling():
+        if 0 < n <= STACKED and not internals.is_compiling():
             self._defer((x.shape, x.dtype, x.device), row, self._snapshot(x))
             return
         # A large output a piece at a time, each about its own mean and scale: the temporaries

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
+from lightning_hooks import internals
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import Selection, is_kind
@@ -174,7 +175,7 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
             return
         row = self.rows.get(name)
         row = self.row(name) if row is None else row
-        if self._batched and n <= STACKED and not torch.compiler.is_compiling():
+        if self._batched and n <= STACKED and not internals.is_compiling():
             self._defer((x.shape, x.dtype, x.device), row, self._snapshot(x))
             return
         stats = self._stats(x, self.workspace)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from lightning_hooks import internals
 from lightning_hooks.core.hooks.registry import HookRegistry, only_our_hooks, plain_layers
 from lightning_hooks.core.hooks.shelved import ShelvedMode
 from lightning_hooks.core.ops.tensors import is_training_forward
@@ -275,7 +276,9 @@ class AttentionCapture(ShelvedMode):
         self._live = False  # whether the innermost module's own forward is running
         self._callers: list[bool] = []  # between a call's first and last pre-hook: the caller's
         self.seen: set[str] = set()  # the modules whose attention was recorded
-        self.guarded_see: Callable[..., None] = self.see  # under the registry's guard once attached
+        self.guarded_look: Callable[..., None] = (
+            self.look
+        )  # under the registry's guard once attached
 
     def __torch_function__(
         self,
@@ -284,22 +287,29 @@ class AttentionCapture(ShelvedMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:  # noqa: ANN401 (torch's __torch_function__ protocol)
-        """Hand an attention call to :meth:`see`, then run it unchanged."""
+        """Hand an attention call to :meth:`look`, then run it unchanged.
+
+        Only this library's part runs under the registry's guard: an error of the call itself
+        reaches its caller as it is."""
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # a compiled region inside a forward of a logging step
-            return func(*args, **kwargs)
+        self.guarded_look(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def look(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Record the logits of an sdpa call, or of a softmax of an attention module."""
+        if internals.is_compiling():  # a compiled region inside a forward of a logging step
+            return
         if func is functional.scaled_dot_product_attention:
-            self.guarded_see(lambda: sdpa_logit_chunks(*args, **kwargs))
+            self.see(lambda: sdpa_logit_chunks(*args, **kwargs))
         elif func in _SOFTMAX:
             logits = _softmax_logits(args, kwargs)
             if logits is not None:
-                self.guarded_see(lambda: logit_chunks(logits), softmax=True)
-        return func(*args, **kwargs)
+                self.see(lambda: logit_chunks(logits), softmax=True)
 
     def attach(self, registry: HookRegistry) -> AttentionCapture:
         """Hook every module of ``registry``'s model but ``torch.nn``'s plain layers (first and
         last hooks, so that other hooks' calls do not count as the module's)."""
-        self.guarded_see = registry.guarded(self.see, "attention capture")
+        self.guarded_look = registry.guarded(self.look, "attention capture")
         plain = plain_layers()
         free = attention_free(registry.model, plain)
         within: set[int] = set()  # inside a module run outside as a whole: no hook needed
@@ -315,9 +325,8 @@ class AttentionCapture(ShelvedMode):
             # Gated: installed for logging steps only (see HookRegistry), in this order.
             registry.forward_pre_hook(module, self._push(name), gated=True)
             registry.gated_hook(module, self._enter, pre=True, prepend=True)
-            for hook, first in ((self._pause, True), (self._pop, False)):
-                guarded = registry.guarded(hook, f"forward hook on {name!r}")
-                registry.gated_hook(module, guarded, pre=False, prepend=first, always_call=True)
+            registry.gated_hook(module, self._pause, pre=False, prepend=True, always_call=True)
+            registry.gated_hook(module, self._pop, pre=False, always_call=True)
         return self
 
     def _run_outside(self, registry: HookRegistry, module: nn.Module) -> None:
@@ -331,17 +340,17 @@ class AttentionCapture(ShelvedMode):
         """A module is called: keep its caller's state for :meth:`_push` and pause it."""
         # Compiled (a region's own hooks): the mode sees nothing there, and Dynamo must not
         # read the stack, which may hold the region's ``torch.compile`` wrapper.
-        if not torch.compiler.is_compiling() and self._stack:
+        if not internals.is_compiling() and self._stack:
             self._callers.append(self._live)
             self._live = False
 
     def _pause(self, *_: object) -> None:
-        if not torch.compiler.is_compiling():
+        if not internals.is_compiling():
             self._live = False
 
     def _push(self, name: str) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if torch.compiler.is_compiling():
+            if internals.is_compiling():
                 return
             if self._stack:
                 caller = self._callers.pop()
@@ -356,8 +365,22 @@ class AttentionCapture(ShelvedMode):
         return hook
 
     def _pop(self, module: nn.Module, args: tuple[Any, ...], output: object) -> None:
-        if torch.compiler.is_compiling():
-            return
+        """Forward hook (called always): ``module``'s call ends.
+
+        Raises:
+            Exception: whatever failed in this library's own check; ``module`` is left first, so
+                that the outermost module takes the mode off the stack whatever the guard does.
+        """
+        try:
+            compiling = internals.is_compiling()
+        except Exception:
+            self._leave(module)
+            raise
+        if not compiling:
+            self._leave(module)
+
+    def _leave(self, module: nn.Module) -> None:
+        """Close ``module``'s call: the outermost one exits the mode."""
         if self._stack and self._stack[-1].module is module:
             # a module called from a hook: still in the hook
             self._live = self._stack.pop().caller_live

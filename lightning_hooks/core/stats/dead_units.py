@@ -13,6 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 from typing_extensions import Unpack
 
+from lightning_hooks import internals
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import Patterns, Selection
 from lightning_hooks.core.ops.feature_stats import STACKED
@@ -162,7 +163,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         dim = unit_dim(module, y.ndim)
         row = self._width_row(name, y.shape[dim])
         self.tally("calls", row)
-        if y.numel() <= STACKED and not torch.compiler.is_compiling():
+        if y.numel() <= STACKED and not internals.is_compiling():
             # the copy the activation statistics of this model take too: compared at drain
             self._defer((y.shape, dim, y.device, y.dtype), row, self._snapshot(y))
             return

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import torch
 from torch import nn
 
+from lightning_hooks import internals
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import compiled_regions
 from lightning_hooks.core.ops.tensors import is_grad_forward, iter_float_tensors
@@ -111,7 +112,7 @@ def _output_hook(
         # falls back to reverse model order), and AOTAutograd checks the version of a tensor
         # the hook writes, which the eager hooks on ``sq`` would have bumped: each row sums into
         # its own tensor, lifted from the cell at each call (see OutputGradients).
-        add, compiled = eager, torch.compiler.is_compiling()
+        add, compiled = eager, internals.is_compiling()
         if compiled:
             add = wrap(partial(_add_output_grad, compiled_sq[0]), "output gradient hook")
         for _, tensor in iter_float_tensors(output):

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_hooks import internals
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import select_modules
 from lightning_hooks.core.ops.tensors import is_training_forward, logsumexp_rows
@@ -105,7 +106,7 @@ class StabilityStats(LayerStat[Result]):
             return
 
         def attention(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if is_training_forward(module) and not torch.compiler.is_compiling():
+            if is_training_forward(module) and not internals.is_compiling():
                 assert isinstance(module, nn.MultiheadAttention)
                 with torch.no_grad():
                     for chunk in mha_logit_chunks(module, MhaCall.of(args, kwargs)):
@@ -134,7 +135,7 @@ class StabilityStats(LayerStat[Result]):
 
     def observe(self, name: str, module: nn.Module, output: object) -> None:
         """The output layer's ``log Z`` into its row (held for each candidate until known)."""
-        if torch.compiler.is_compiling() or (self._output is not None and name != self._output):
+        if internals.is_compiling() or (self._output is not None and name != self._output):
             return
         if not isinstance(output, torch.Tensor) or not output.is_floating_point():
             return

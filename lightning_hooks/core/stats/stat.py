@@ -15,6 +15,7 @@ from torch import nn
 from torch._C import _set_grad_enabled
 from typing_extensions import Self, TypedDict
 
+from lightning_hooks import internals
 from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
@@ -134,7 +135,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         def hook(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
             if not is_training_forward(module):  # grad is enabled past here
                 return
-            if torch.compiler.is_compiling():  # what Dynamo traces
+            if internals.is_compiling():  # what Dynamo traces
                 with torch.no_grad():
                     self.observe(name, module, output)
                 return
