@@ -1,19 +1,43 @@
-"""The torch releases this library supports, and what it needs of torch that is checked there.
+"""The torch releases this library supports, and every private name of torch it uses.
 
 The oldest supported torch is :data:`OLDEST_TORCH` (see ``docs/install.md`` for the pairs of
 torch and Lightning the test suite runs on). The check is made here, once, when the library is
 imported: an older torch fails at import with a message that names both releases, never inside a
 hook an epoch in. A check of torch's behaviour that a hook needs is made here too, so that hooks
 never ask which torch they run on.
+
+The private names of torch that the library needs, because torch has no public way to do what
+they do, are read here and nowhere else: each is named for what it does and says what would
+break without it. A new torch release that moves one breaks this module alone.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["OLDEST_TORCH", "TORCH_VERSION", "is_compiling", "torch_version"]
+__all__ = [
+    "CHANNEL_FIRST_LAYERS",
+    "OLDEST_TORCH",
+    "TORCH_VERSION",
+    "current_graph_task_id",
+    "foreach_add_",
+    "foreach_addcmul_",
+    "foreach_copy_",
+    "foreach_norm",
+    "foreach_sub_",
+    "foreach_zero_",
+    "function_mode_at",
+    "function_mode_depth",
+    "global_forward_hooks_installed",
+    "is_compiled",
+    "is_compiling",
+    "pop_function_mode",
+    "push_function_mode",
+    "torch_version",
+]
 
 OLDEST_TORCH = (2, 4)
 """The oldest torch release the library supports. torch 2.3 and older lack what a logging step
@@ -56,3 +80,96 @@ Example:
     >>> is_compiling()
     False
 """
+
+
+# --- Internals with no public path -------------------------------------------------------------
+# Each is named for what it does, and says what would break without it. They are read here and
+# nowhere else in the library (tests/test_internals.py checks that no other module names a
+# private attribute of torch).
+
+
+current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+"""The id of the backward autograd is running, ``-1`` outside one
+(``torch._C._current_graph_task_id``). Without it, the forward that an activation checkpoint
+recomputes during backward would be measured as a second training forward of the step."""
+
+
+foreach_norm = torch._foreach_norm
+"""``foreach_norm(tensors, ord=2, dtype=None)``: each tensor's norm in one multi-tensor pass
+(``torch._foreach_norm``, bound once: the quiet step calls it directly). Without it, a norm is a
+kernel per tensor, and the quiet step's few kernels become one per layer."""
+
+foreach_add_ = torch._foreach_add_
+"""``foreach_add_(tensors, other)``: in place, in one multi-tensor pass."""
+
+foreach_addcmul_ = torch._foreach_addcmul_
+"""``foreach_addcmul_(tensors, a, b)``: ``tensors[i] += a[i] * b[i]`` in one multi-tensor pass."""
+
+foreach_copy_ = torch._foreach_copy_
+"""``foreach_copy_(tensors, sources)``: in one multi-tensor pass (as :data:`foreach_norm`)."""
+
+foreach_sub_ = torch._foreach_sub_
+"""``foreach_sub_(tensors, others)``: in place, in one multi-tensor pass."""
+
+foreach_zero_ = torch._foreach_zero_
+"""``foreach_zero_(tensors)``: in one multi-tensor pass."""
+
+
+# torch keeps no public view of its torch-function mode stack (``TorchFunctionMode`` only enters
+# and exits). Without these four, the attention capture could not take its mode off for the
+# library's own hooks and for ``torch.nn``'s plain layers, and each of their torch calls would
+# cost a Python call of the mode on a logging step.
+
+function_mode_depth: Callable[[], int] = torch._C._len_torch_function_stack
+"""How many torch-function modes are on torch's stack: one C call, mostly 0."""
+
+function_mode_at: Callable[[int], object] = torch._C._get_function_stack_at
+"""The torch-function mode at an index of torch's stack (0: the outermost)."""
+
+pop_function_mode: Callable[[], object] = torch._C._pop_torch_function_stack
+"""Take the innermost torch-function mode off torch's stack, and return it."""
+
+push_function_mode: Callable[[object], None] = torch._C._push_on_torch_function_stack
+"""Put a mode on torch's torch-function mode stack, innermost."""
+
+
+CHANNEL_FIRST_LAYERS: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.modules.conv._ConvNd,
+    torch.nn.modules.batchnorm._BatchNorm,
+)
+"""The base classes of torch's convolutions and batch norms, whose outputs index their channels
+by dimension 1. torch's public classes are one per dimension (``Conv1d`` to ``ConvTranspose3d``,
+``BatchNorm1d`` to ``SyncBatchNorm``); without the bases, a subclass of the base that a library
+defines would have its units counted along the wrong dimension."""
+
+
+def global_forward_hooks_installed() -> bool:
+    """Whether any global module forward hook or pre-hook is registered
+    (``register_module_forward_hook``), read from torch's own dicts of them.
+
+    torch keeps no public view of them. Without it, a ``torch.nn`` layer that a global hook
+    watches could be run outside the attention capture's mode, and a user's global hook would
+    see its calls outside the mode they expect.
+    """
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """Whether a module of ``model`` is compiled (``torch.compile``, ``module.compile()``).
+
+    torch keeps no public test of it: ``torch._dynamo``'s ``OptimizedModule`` wraps a compiled
+    module, and ``module.compile()`` sets a private attribute. It is read only when
+    ``torch._dynamo`` was imported already (nothing is compiled before), so that this check
+    imports nothing. Without it, the library would put hooks on and off a compiled module at
+    each logging step, and each change recompiles it.
+    """
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(dynamo, "OptimizedModule", ())
+    return any(
+        isinstance(module, optimized)
+        or getattr(module, "_compiled_call_impl", None) is not None
+        or getattr(module, "_compiler_ctx", None) is not None
+        for module in model.modules()
+    )

@@ -236,16 +236,3 @@ def test_an_exception_hook_that_fails_does_not_replace_the_users_exception(
     with warned, pytest.raises(ValueError, match="the user's own error"):
         make_trainer(tmp_path, callbacks=_callbacks()).fit(model)
     assert hooks_left(model) == []
-
-
-def test_a_torch_older_than_the_floor_fails_at_import_with_both_releases(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import importlib
-
-    monkeypatch.setattr(torch, "__version__", "2.3.1+cpu")
-    with pytest.raises(ImportError, match=r"needs torch 2\.4 or newer; this is torch 2\.3\.1\+cpu"):
-        importlib.reload(internals)
-    monkeypatch.undo()
-    importlib.reload(internals)
-    assert internals.TORCH_VERSION >= internals.OLDEST_TORCH

@@ -3,7 +3,6 @@ hooks, put on their modules only for logging steps."""
 
 from __future__ import annotations
 
-import sys
 import warnings
 import weakref
 from collections import OrderedDict
@@ -12,18 +11,15 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 import torch
 from torch import nn
-
-# torch keeps no public view of the global module hooks (``register_module_forward_hook`` only
-# adds one): whether there are any is read here.
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import Self
 
+from lightning_hooks import internals
 from lightning_hooks.core import checks
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import Guard, active_guard
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
-from lightning_hooks.core.hooks.shelved import function_modes, outside_shelved
+from lightning_hooks.core.hooks.shelved import outside_shelved
 from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["Gated", "HookOwner", "HookRegistry", "only_our_hooks", "plain_layers"]
@@ -54,18 +50,6 @@ def _unhookable_modules(model: nn.Module) -> dict[int, str]:
     """``id(module) -> name`` of every ``torch.jit`` module and everything inside it."""
     jit = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
     return {id(inner): sub for name, m in jit for sub, inner in m.named_modules(prefix=name)}
-
-
-def _is_compiled(model: nn.Module) -> bool:
-    """Whether a module of ``model`` is compiled (``torch.compile``, ``module.compile()``)."""
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing is compiled
-    optimized = getattr(dynamo, "OptimizedModule", ())
-    return any(
-        isinstance(module, optimized)
-        or getattr(module, "_compiled_call_impl", None) is not None
-        or getattr(module, "_compiler_ctx", None) is not None
-        for module in model.modules()
-    )
 
 
 class Gated(NamedTuple):
@@ -121,7 +105,7 @@ def _ours(hook: F) -> F:
 
 def plain_layers() -> Callable[[nn.Module], bool]:
     """Whether a module is a ``torch.nn`` leaf layer with no forward (pre-)hook but ours."""
-    if _global_forward_hooks or _global_forward_pre_hooks:
+    if internals.global_forward_hooks_installed():
         return lambda module: False
 
     def plain(module: nn.Module) -> bool:
@@ -190,7 +174,7 @@ class HookRegistry(HookOwner):
         self._handles: list[RemovableHandle] = []
         self._gated_hooks: list[Gated] = []
         self.__dict__["logging_step"] = True  # (see logging_step)
-        self.fixed = _is_compiled(model)  # the gated hooks stay installed (torch.compile)
+        self.fixed = internals.is_compiled(model)  # the gated hooks stay installed (torch.compile)
         self.guard = guard if guard is not None else active_guard()
         self._unhookable = _unhookable_modules(model)
         self._names = {id(module): name for name, module in model.named_modules()}
@@ -351,7 +335,7 @@ class HookRegistry(HookOwner):
         def run(*args: object) -> object:
             if not self.logging_step:  # installed for good under torch.compile
                 return None
-            if not function_modes():  # no mode to step out of (most calls)
+            if not internals.function_mode_depth():  # no mode to step out of (most calls)
                 return hook(*args)
             return outside_shelved(hook, *args)
 

@@ -10,26 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-# torch keeps no public view of its torch-function mode stack (``TorchFunctionMode`` only enters
-# and exits): the hooks look under the innermost mode with these.
-from torch._C import (
-    _get_function_stack_at,
-    _len_torch_function_stack,
-    _pop_torch_function_stack,
-    _push_on_torch_function_stack,
-)
 from torch.overrides import TorchFunctionMode
 
 from lightning_hooks import internals
 
-__all__ = ["ShelvedMode", "function_modes", "outside_shelved"]
+__all__ = ["ShelvedMode", "outside_shelved"]
 
 R = TypeVar("R")
-
-
-def function_modes() -> int:
-    """How many torch-function modes are on torch's stack: one C call, mostly 0."""
-    return _len_torch_function_stack()
 
 
 class ShelvedMode(TorchFunctionMode):
@@ -48,10 +35,10 @@ class ShelvedMode(TorchFunctionMode):
         """Forward pre-hook: take the mode off the stack, when it is the innermost."""
         if internals.is_compiling():  # a compiled region: the mode's stack is not touched
             return
-        depth = _len_torch_function_stack()
-        innermost = depth > 0 and _get_function_stack_at(depth - 1) is self
+        depth = internals.function_mode_depth()
+        innermost = depth > 0 and internals.function_mode_at(depth - 1) is self
         if innermost:
-            _pop_torch_function_stack()
+            internals.pop_function_mode()
         self._shelved.append(innermost)
 
     def unshelve(self, *_: object) -> None:
@@ -72,20 +59,20 @@ class ShelvedMode(TorchFunctionMode):
     def _put_back(self) -> None:
         """Push the mode again if the innermost open :meth:`shelve` took it off."""
         if self._shelved and self._shelved.pop():
-            _push_on_torch_function_stack(self)
+            internals.push_function_mode(self)
 
 
 def outside_shelved(fn: Callable[..., R], *args: object) -> R:
     """``fn(*args)`` with an innermost :class:`ShelvedMode` popped (not while compiling)."""
     # The stack's depth first: one C call, and mostly zero (Dynamo reads it too).
-    depth = _len_torch_function_stack()
+    depth = internals.function_mode_depth()
     if not depth or internals.is_compiling():
         return fn(*args)
-    mode = _get_function_stack_at(depth - 1)
+    mode = internals.function_mode_at(depth - 1)
     if not isinstance(mode, ShelvedMode):
         return fn(*args)
-    _pop_torch_function_stack()
+    internals.pop_function_mode()
     try:
         return fn(*args)
     finally:
-        _push_on_torch_function_stack(mode)
+        internals.push_function_mode(mode)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_hooks import internals
 from lightning_hooks.core.ops.grouped_norms import abs_sum_max, cpu_grouping, plain_grads
 from lightning_hooks.core.ops.tensors import Workspace, foreach_norm
 from lightning_hooks.core.transport import ShardPlan, to_local
@@ -229,7 +230,7 @@ def update_norms(
     """``[layers + 1]`` norms of ``after - before`` per layer, last: all (a shared parameter
     once, with ``layers.unique``). Overwrites ``before``."""
     diffs = list(before)
-    torch._foreach_sub_(diffs, list(after))
+    internals.foreach_sub_(diffs, list(after))
     norms = param_norms(diffs)
     if shards is not None:  # shard-local norms made whole: one collective
         (norms,) = shards.reduce(norms=[norms]).norms

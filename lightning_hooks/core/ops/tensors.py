@@ -8,9 +8,6 @@ from typing import Generic, NamedTuple, TypeVar
 import torch
 from torch import nn
 
-# torch has no public way to ask whether autograd is running a backward (a checkpoint recompute)
-from torch._C import _current_graph_task_id
-
 from lightning_hooks import internals
 
 __all__ = [
@@ -29,9 +26,9 @@ __all__ = [
 
 DEVICE_PIECE = 1 << 24  # elements read at a time off the CPU (float32 counts stay exact)
 
-foreach_norm = torch._foreach_norm  # noqa: SLF001 (torch's multi-tensor norm has no public name)
+foreach_norm = internals.foreach_norm
 """``foreach_norm(tensors, ord=2, dtype=None)``: each tensor's norm, in one multi-tensor pass
-(``torch._foreach_norm`` itself, bound once: the quiet step's reads call it directly)."""
+(:data:`lightning_hooks.internals.foreach_norm`)."""
 
 
 def piece_size(device: torch.device, cpu: int) -> int:
@@ -71,7 +68,7 @@ def is_training_forward(module: nn.Module) -> bool:
         # Dynamo cannot trace the graph-task query (a graph break per hooked module), and a
         # compiled forward's hooks never run again in backward: recomputation is in the graph.
         return True
-    return _current_graph_task_id() == -1  # not a checkpoint recompute in backward
+    return internals.current_graph_task_id() == -1  # not a checkpoint recompute in backward
 
 
 def is_grad_forward(module: nn.Module) -> bool:

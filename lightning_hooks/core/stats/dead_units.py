@@ -9,8 +9,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.conv import _ConvNd
 from typing_extensions import Unpack
 
 from lightning_hooks import internals
@@ -36,7 +34,7 @@ RELU_FAMILY: tuple[type[nn.Module], ...] = (
 def unit_dim(module: nn.Module, ndim: int) -> int:
     """The dimension of a module's ``ndim``-d output that indexes its units: 1 for convolutions
     and batch norms, the last for linear layers, else the last up to 3-d and 1 from 4-d."""
-    if isinstance(module, _ConvNd | _BatchNorm) and ndim >= 2:
+    if isinstance(module, internals.CHANNEL_FIRST_LAYERS) and ndim >= 2:
         return 1
     if isinstance(module, nn.Linear) or ndim <= 3:
         return ndim - 1

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_hooks import internals
 from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import GradientAlarms, HostSegments
 from lightning_hooks.core.ops import pointer_norms
@@ -267,7 +268,7 @@ class UpdateRatio:
     @staticmethod
     def keep(view: OptimizerView, weight_norm: torch.Tensor) -> None:
         """Copy the weights ``view`` steps, and their norms, before the step."""
-        torch._foreach_copy_(view.before, [to_local(p) for p in view.params])
+        internals.foreach_copy_(view.before, [to_local(p) for p in view.params])
         view.weight_norm = weight_norm
 
     def record(

@@ -88,9 +88,9 @@ def _sum_noted(noted: Noted, hits: list[torch.Tensor]) -> None:
     """Add each noted norm's square and each hit into its row (one op per round); empties both."""
     for picks in _by_round([noted_norm.sq_row for noted_norm in noted]):
         norms = [noted[i].norm for i in picks]
-        torch._foreach_addcmul_([noted[i].sq_row for i in picks], norms, norms)
+        internals.foreach_addcmul_([noted[i].sq_row for i in picks], norms, norms)
     for picks in _by_round(hits):
-        torch._foreach_add_([hits[i] for i in picks], 1.0)
+        internals.foreach_add_([hits[i] for i in picks], 1.0)
     noted.clear()
     hits.clear()
 
@@ -203,7 +203,7 @@ class OutputGradients:
         self._extra.clear()
         self._called.clear()
         self._sq.add_(torch.stack(self._compiled_sq))
-        torch._foreach_zero_(self._compiled_sq)
+        internals.foreach_zero_(self._compiled_sq)
         self._drop_other_backward(optimizer, view)
         self._observe(view, grad_scale)
         self._clear_unowned()

@@ -12,10 +12,8 @@ import torch
 from torch import nn
 
 # torch.set_grad_enabled(False) builds an object; its setter is one call (see _forward_hook)
-from torch._C import _set_grad_enabled
 from typing_extensions import Self, TypedDict
 
-from lightning_hooks import internals
 from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
@@ -135,16 +133,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         def hook(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
             if not is_training_forward(module):  # grad is enabled past here
                 return
-            if internals.is_compiling():  # what Dynamo traces
-                with torch.no_grad():
-                    self.observe(name, module, output)
-                return
-            # torch.no_grad() as a context costs four Python calls: one per module and step
-            _set_grad_enabled(False)
-            try:
+            with torch.no_grad():
                 self.observe(name, module, output)
-            finally:
-                _set_grad_enabled(True)
 
         return hook
 

@@ -1,0 +1,80 @@
+"""Every private name of torch the library uses is read in ``lightning_hooks/internals.py`` and
+nowhere else, and the torch floor is checked there at import."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_hooks import internals
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_hooks"
+INTERNALS = PACKAGE / "internals.py"
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """``a.b.c`` of an attribute chain rooted at a name, else ``None``."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _private_torch_names(source: str) -> list[str]:
+    """The private names of torch that ``source`` imports or reads."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            module = node.module or ""
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            if "._" in f".{module}" or private:
+                found.append(f"from {module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("torch") and "._" in a.name]
+        elif isinstance(node, ast.Attribute):
+            dotted = _dotted(node)
+            if dotted and dotted.startswith("torch.") and "._" in dotted:
+                found.append(dotted)
+    return found
+
+
+def test_the_scan_finds_each_form_of_a_private_name() -> None:
+    source = (
+        "import torch\nimport torch._dynamo\nfrom torch._C import _x\n"
+        "from torch.nn.modules.module import _global_forward_hooks\n"
+        "y = torch._foreach_norm\nz = torch.nn.functional.relu\n"
+    )
+    assert _private_torch_names(source) == [
+        "torch._dynamo",
+        "from torch._C import _x",
+        "from torch.nn.modules.module import _global_forward_hooks",
+        "torch._foreach_norm",
+    ]
+
+
+def test_no_module_but_internals_names_a_private_name_of_torch() -> None:
+    offenders = {
+        path.relative_to(PACKAGE.parent).as_posix(): names
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != INTERNALS and (names := _private_torch_names(path.read_text()))
+    }
+    assert offenders == {}
+    assert _private_torch_names(INTERNALS.read_text())  # where they are read
+
+
+def test_a_torch_older_than_the_floor_fails_at_import_with_both_releases(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch, "__version__", "2.3.1+cpu")
+    with pytest.raises(ImportError, match=r"needs torch 2\.4 or newer; this is torch 2\.3\.1\+cpu"):
+        importlib.reload(internals)
+    monkeypatch.undo()
+    importlib.reload(internals)
+    assert internals.TORCH_VERSION >= internals.OLDEST_TORCH
