@@ -27,7 +27,7 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "tes
 import overhead  # noqa: E402
 
 import lightning_hooks.callbacks.base as writing  # noqa: E402
-from lightning_hooks.logging import tensorboard as _crc  # noqa: E402
+from lightning_hooks.internals import tensorboard as _crc  # noqa: E402
 
 
 def measure(
@@ -68,13 +68,14 @@ def measure(
 
 def main() -> None:
     torch.set_num_threads(1)
-    assert _crc.fast_tensorboard_crc(), "google_crc32c with its C implementation is needed"
+    assert _crc.fast_checksums(), "google_crc32c with its C implementation is needed"
+    fast = record_writer.masked_crc32c
     found = overhead.discovered()
     configs = {
         "GradFlowCallback()": lambda: [found["GradFlowCallback"]()],
         "all five at their defaults": lambda: [cls() for cls in found.values()],
     }
-    crcs = {"TensorBoard's (pure Python)": pure, "C (google_crc32c)": _crc.masked_crc32c}
+    crcs = {"TensorBoard's (pure Python)": pure, "C (google_crc32c)": fast}
     print(
         "| configuration | checksum | bytes | records | checksum CPU | save: median | save: max |"
     )
@@ -87,7 +88,7 @@ def main() -> None:
                 f"| {r['cpu'] * 1e3:.1f} ms | {r['save_median_ms']:.2f} ms "
                 f"| {r['save_max_ms']:.2f} ms |"
             )
-    record_writer.masked_crc32c = _crc.masked_crc32c
+    record_writer.masked_crc32c = fast
 
 
 if __name__ == "__main__":

@@ -30,7 +30,9 @@ from lightning_hooks.switch import SHORT_NAMES
 
 __all__ = ["ALARMS", "LAYER_METRICS", "FailRule", "check", "known_metrics", "main"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
 
 LAYER_METRICS: dict[str, tuple[str, ...]] = {
     "grad_flow": (
@@ -122,7 +124,8 @@ class FailRule:
 
     def violations(self, report: RunReport) -> list[str]:
         """A line per layer (or alarm) of ``report`` that breaks the rule."""
-        test, name = _OPS[self.op], self.text
+        test = _OPS[self.op]
+        name = self.text
         if self.metric == "alarms":
             total = sum(report.alarms.values())
             return (

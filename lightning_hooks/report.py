@@ -56,7 +56,8 @@ class LayerRow:
         the update ratio's distance from 1e-3 in decades."""
         norm = self.values.get("grad_flow/grad_norm", 1.0)
         broken = self.get("grad_nonfinite") > 0 or not math.isfinite(norm)
-        dead, ratio = self.get("dead_fraction"), self.get("update_ratio")
+        dead = self.get("dead_fraction")
+        ratio = self.get("update_ratio")
         off = abs(math.log10(ratio / _HEALTHY_UPDATE_RATIO)) if ratio > 0 else math.inf
         return (
             -float(broken),
@@ -150,7 +151,11 @@ def _scalar_events(path: Path) -> Iterator[tuple[str, int, float]]:
             event = Event.FromString(payload)
         except DecodeError as error:
             raise EventFileError(f"{path}: corrupt record at byte {offset} ({error})") from None
-        scalars = [(v.tag, x) for v in event.summary.value if (x := _scalar(v)) is not None]
+        scalars = []
+        for v in event.summary.value:
+            x = _scalar(v)
+            if x is not None:
+                scalars.append((v.tag, x))
         if scalars and _masked_crc32c(payload) != payload_crc:
             raise EventFileError(f"{path}: corrupt record at byte {offset} (checksum mismatch)")
         for tag, value in scalars:
@@ -169,7 +174,8 @@ def _record(data: bytes, offset: int, path: Path) -> tuple[bytes, int, int]:
     length, length_crc = struct.unpack_from("<QI", data, offset)
     if _masked_crc32c(data[offset : offset + 8]) != length_crc:
         raise EventFileError(f"{path}: corrupt record header at byte {offset} (checksum mismatch)")
-    start, end = offset + 12, offset + 12 + length
+    start = offset + 12
+    end = offset + 12 + length
     if end + 4 > size:
         raise EventFileError(
             f"{path}: truncated: the record at byte {offset} needs {length + 16} bytes, the file "
@@ -199,7 +205,8 @@ def _scalar(value: Summary.Value) -> float | None:
 def find_runs(logdir: Path) -> list[Path]:
     """Every directory under ``logdir`` (itself included) with event files or a ``metrics.csv``,
     symbolic links to folders followed (each real folder once)."""
-    found, seen = set(), set()
+    found = set()
+    seen = set()
     for folder, dirs, files in os.walk(logdir, followlinks=True):
         real = os.path.realpath(folder)
         if real in seen:  # a link back up the tree, or a second link to one folder
@@ -297,7 +304,8 @@ def format_table(report: RunReport, limit: int | None = None) -> str:
     ]
     if limit is not None and len(report.layers) > limit:
         lines.append(f"... {len(report.layers) - limit} more layers (--top to show more)")
-    if (attention := _attention_summary(report)) is not None:
+    attention = _attention_summary(report)
+    if attention is not None:
         lines.append(attention)
     alarms = ", ".join(f"{k}={_fmt(v)}" for k, v in report.alarms.items() if v) or "none"
     lines.append(f"alarms: {alarms}")

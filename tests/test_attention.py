@@ -522,9 +522,9 @@ def test_quiet_steps_run_the_same_ops_and_logging_steps_pay() -> None:
     bare = _ops(net, ids)
     stat = StabilityStats().attach(net)
     assert stat.registry is not None
-    stat.registry.logging_step = False
+    stat.registry.set_logging_step(False)
     assert _ops(net, ids) == bare
-    stat.registry.logging_step = True
+    stat.registry.set_logging_step(True)
     assert "aten::special_entr" in set(_ops(net, ids)) - set(bare)
     stat.remove()
     assert _ops(net, ids) == bare

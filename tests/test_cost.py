@@ -97,7 +97,7 @@ def _ops_per_step(
     counter = OpCounter()
     for i in range(2):
         if tracker is not None:
-            tracker.registry.logging_step = logging_step
+            tracker.registry.set_logging_step(logging_step)
         if i == 1:
             counter.start()
         opt.zero_grad()

@@ -6,6 +6,7 @@ that holds too much is split along a seam a reader can see."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
@@ -51,3 +52,26 @@ def test_the_contracts_in_types_stay_within_their_bounds() -> None:
     noqa = re.compile(r"# noqa: (SLF001|ANN401|PLR0913)(?! \()")
     bare = [str(p) for p in _modules() if noqa.search(p.read_text())]
     assert not bare, f"a noqa without its reason in {bare}"
+
+
+def _assignments() -> Counter[str]:
+    """The package's chained assignments, tuple-to-tuple assignments and assignment expressions."""
+    found: Counter[str] = Counter()
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and len(node.targets) > 1:
+                found["chained"] += 1
+            elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+                found["tuple"] += isinstance(node.targets[0], ast.Tuple)
+            elif isinstance(node, ast.NamedExpr):
+                found["walrus"] += 1
+    return found
+
+
+def test_one_statement_a_line() -> None:
+    """No chained assignment; a tuple assignment only for a swap (at most 10); at most 5
+    assignment expressions: the code reads one statement a line, as the anchors do."""
+    found = _assignments()
+    assert found["chained"] == 0, found
+    assert found["tuple"] <= 10, found
+    assert found["walrus"] <= 5, found

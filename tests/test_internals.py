@@ -13,7 +13,7 @@ import torch
 from lightning_hooks import internals
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_hooks"
-INTERNALS = PACKAGE / "internals.py"
+INTERNALS = PACKAGE / "internals"
 
 
 def _dotted(node: ast.expr) -> str | None:
@@ -63,10 +63,10 @@ def test_no_module_but_internals_names_a_private_name_of_torch() -> None:
     offenders = {
         path.relative_to(PACKAGE.parent).as_posix(): names
         for path in sorted(PACKAGE.rglob("*.py"))
-        if path != INTERNALS and (names := _private_torch_names(path.read_text()))
+        if INTERNALS not in path.parents and (names := _private_torch_names(path.read_text()))
     }
     assert offenders == {}
-    assert _private_torch_names(INTERNALS.read_text())  # where they are read
+    assert _private_torch_names((INTERNALS / "__init__.py").read_text())  # where they are read
 
 
 def test_a_torch_older_than_the_floor_fails_at_import_with_both_releases(
@@ -78,3 +78,68 @@ def test_a_torch_older_than_the_floor_fails_at_import_with_both_releases(
     monkeypatch.undo()
     importlib.reload(internals)
     assert internals.TORCH_VERSION >= internals.OLDEST_TORCH
+
+
+_SWITCHED_FIT = """
+import json, sys
+import pytorch_lightning as pl
+from pytorch_lightning.loggers import TensorBoardLogger
+from tensorboard.summary.writer import record_writer
+import lightning_hooks
+from lightning_hooks.internals import tensorboard
+
+sys.path.insert(0, "tests")
+from conftest import TinyMLP
+
+seen = {}
+
+
+class Probe(pl.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        own = vars(trainer.callbacks[0]).items()
+        seen["shadowed"] = sorted(k for k, v in own if v is None and k.startswith("on_"))
+
+
+pl.seed_everything(0, verbose=False)
+trainer = pl.Trainer(
+    max_epochs=2, accelerator="cpu", logger=TensorBoardLogger(sys.argv[1], name="tb", version=0),
+    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    log_every_n_steps=2, callbacks=[lightning_hooks.GradFlowCallback(), Probe()],
+)
+trainer.fit(TinyMLP())
+installed = getattr(record_writer.masked_crc32c, "__self__", None)
+seen["patched"] = isinstance(installed, tensorboard.Checksums)
+print(json.dumps(seen))
+"""
+
+
+def _switched_fit(root: Path, speedups: str) -> tuple[dict[str, object], dict[str, object]]:
+    """A fit in a fresh process with ``LIGHTNING_HOOKS_SPEEDUPS=speedups``: what it saw, and
+    its scalars read back from its event files."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import read_scalars
+
+    env = {**os.environ, internals.SPEEDUPS_ENV: speedups, "PYTHONPATH": str(PACKAGE.parent)}
+    done = subprocess.run(
+        [sys.executable, "-c", _SWITCHED_FIT, str(root)],
+        cwd=PACKAGE.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    return json.loads(done.stdout.splitlines()[-1]), dict(read_scalars(root))
+
+
+def test_with_the_speedups_off_the_public_paths_log_the_same_values(tmp_path: Path) -> None:
+    on_seen, on = _switched_fit(tmp_path / "on", "1")
+    off_seen, off = _switched_fit(tmp_path / "off", "0")
+    assert on_seen["patched"] is True and off_seen["patched"] is False  # TensorBoard's checksums
+    assert on_seen["shadowed"] and off_seen["shadowed"] == []  # Lightning calls the empty hooks
+    assert len(on) > 20
+    assert on == off  # every scalar, step and value, bit for bit

@@ -151,17 +151,17 @@ def test_gated_hooks_are_on_the_modules_only_on_logging_steps() -> None:
             hooks.forward_pre_hook(module, lambda m, a: None, gated=True)
         assert not hooks.fixed
         assert [_hooked(m) for m in (model[0][0], model[2])] == [2, 2]
-        hooks.logging_step = False
+        hooks.set_logging_step(False)
         assert hooks_left(model) == []  # a quiet step runs no hook of ours
         assert len(hooks) == 6  # kept for the next logging step
         model(torch.ones(1, 4))
-        hooks.logging_step = True
-        hooks.logging_step = True  # idempotent: installed once
+        hooks.set_logging_step(True)
+        hooks.set_logging_step(True)  # idempotent: installed once
         assert _hooked(model[2]) == 2
         model(torch.ones(1, 4))
         assert seen == ["0.0", "1.0", "2"]
-        hooks.logging_step = False
-        hooks.logging_step = True
+        hooks.set_logging_step(False)
+        hooks.set_logging_step(True)
     assert hooks_left(model) == []
     assert len(hooks) == 0
 
@@ -169,10 +169,10 @@ def test_gated_hooks_are_on_the_modules_only_on_logging_steps() -> None:
 def test_a_gated_hook_registered_on_a_quiet_step_waits_for_the_next_logging_step() -> None:
     model = _model()
     with HookRegistry(model) as hooks:
-        hooks.logging_step = False
+        hooks.set_logging_step(False)
         assert hooks.forward_hook(model[2], lambda m, a, o: None, gated=True) is None
         assert _hooked(model[2]) == 0
-        hooks.logging_step = True
+        hooks.set_logging_step(True)
         assert _hooked(model[2]) == 1
 
 
@@ -187,12 +187,12 @@ def test_under_torch_compile_the_gated_hooks_stay_and_check_the_flag(how: str) -
     with HookRegistry(model) as hooks:
         assert hooks.fixed  # a changing hook set would recompile
         hooks.forward_hook(model[2], lambda m, a, o: seen.append(1), gated=True)
-        hooks.logging_step = False
+        hooks.set_logging_step(False)
         assert _hooked(model[2]) == 1
         with torch.no_grad():  # Dynamo warns of .grad reads while tracing a grad-mode forward
             model(torch.ones(1, 4))
             assert seen == [] and len(hooks) == 1
-            hooks.logging_step = True
+            hooks.set_logging_step(True)
             model(torch.ones(1, 4))
         assert seen == [1]
     assert hooks_left(model) == []

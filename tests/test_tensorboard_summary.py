@@ -8,7 +8,7 @@ import struct
 import numpy as np
 from tensorboard.compat.proto.summary_pb2 import Summary
 
-from lightning_hooks.logging.tensorboard import scalar_summary
+from lightning_hooks.internals.tensorboard import scalar_summary
 
 
 def _protobufs(metrics: dict[str, float]) -> bytes:

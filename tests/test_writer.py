@@ -18,6 +18,7 @@ from lightning_hooks import (
     GradFlowCallback,
     LayerTimeCallback,
     LightningHooksWarning,
+    internals,
 )
 from lightning_hooks import logging as hooks_logging
 from lightning_hooks.logging import LoggerSink, log_scalars, register_sink, sinks_for
@@ -44,6 +45,7 @@ class _Counting(TensorBoardLogger):
         super().log_metrics(metrics, step)
 
 
+@pytest.mark.skipif(not internals.speedups(), reason="the speed-up it tests is off")
 def test_a_tensorboard_logger_gets_one_event_holding_every_value(tmp_path: Path) -> None:
     logger = TensorBoardLogger(str(tmp_path), name="tb", version=0)
     log_scalars([logger], METRICS, step=7)

@@ -84,7 +84,8 @@ class ActivationStatsCallback(StatsCallback):
         fused: bool = False,
         every_n_steps: int | None = None,
     ) -> None:
-        s = self.selection = Selection.of(_NAME, types=types, include=include, exclude=exclude)
+        self.selection = Selection.of(_NAME, types=types, include=include, exclude=exclude)
+        s = self.selection
         self.histogram_bins = positive_int(_NAME, "histogram_bins", histogram_bins)
         self.histogram_range = _check_range(histogram_range)
         self.histograms = boolean(_NAME, "histograms", histograms)
@@ -102,7 +103,9 @@ class ActivationStatsCallback(StatsCallback):
         )
         shape = ActivationShape(types=s.types, include=s.include, exclude=s.exclude, owner=_NAME)
         super().__init__((tracker, shape), every_n_steps=every_n_steps)
-        self.types, self.include, self.exclude = types, s.include, s.exclude
+        self.types = types
+        self.include = s.include
+        self.exclude = s.exclude
         self.uses_images = self.heatmaps or self.histograms
         self._history: list[tuple[int, FeatureSummary]] = []
         self._warned_nonfinite = False
@@ -121,7 +124,8 @@ class ActivationStatsCallback(StatsCallback):
             return False
         tracker = self._activations
         tracker.end_step(self._batch_step)
-        if (found := tracker.first_nonfinite.poll()) is not None:
+        found = tracker.first_nonfinite.poll()
+        if found is not None:
             step, row = found
             self._warned_nonfinite = True
             rank_zero_warn(

@@ -22,6 +22,7 @@ from lightning_hooks.core.transport import (
     world_size,
 )
 from lightning_hooks.errors import LightningHooksWarning
+from lightning_hooks.internals.lightning import is_set_up_by_fabric
 
 __all__ = ["LossAgreement", "RankVotes"]
 
@@ -77,7 +78,7 @@ class LossAgreement:
             return
         self.reading = "mean"
         # A Fabric loop feeds its loss when it wants (fabric.py): read as manual optimization.
-        fabric = getattr(pl_module, "_fabric", None) is not None
+        fabric = is_set_up_by_fabric(pl_module)
         self._manual = fabric or not getattr(pl_module, "automatic_optimization", False)
         self._carrier = HostMailbox((4,), group_device())  # what :func:`_carry` sums
 
@@ -103,7 +104,8 @@ class LossAgreement:
 
     def apply(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
         """The loss rules on the ranks' mean loss (manual optimization: once every rank has one)."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
+        self._pending = None
         if pending is None:
             return
         if not self._manual:

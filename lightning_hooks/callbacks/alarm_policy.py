@@ -151,7 +151,8 @@ class AlarmPolicy:
     def announce_stop(self, trainer: pl.Trainer) -> None:
         """At the fit's end: if an alarm's ``stop`` ended it, say so, once (a fit that stops
         looks like one that finished, but for the step count)."""
-        alarm, self.stopped_by = self.stopped_by, None
+        alarm = self.stopped_by
+        self.stopped_by = None
         if alarm is not None and getattr(trainer, "should_stop", False):
             rank_zero_warn(
                 f"GradFlowCallback [{alarm.rule}]: on_alarm='stop' ended the fit at optimizer "
@@ -169,7 +170,8 @@ class AlarmPolicy:
         save_loggers(trainer.loggers)
 
     def _warn_once(self, alarm: GradientAlarm) -> None:
-        if (key := (alarm.rule, alarm.layer)) not in self._warned:
+        key = (alarm.rule, alarm.layer)
+        if key not in self._warned:
             self._warned.add(key)
             warning = GradientAlarmWarning(_speaker(alarm))
             warning.alarm = alarm
@@ -191,7 +193,8 @@ class AlarmPolicy:
         self.act(trainer, None, alarms.poll(wait=True))
         counts, log = alarms.take_epoch()
         self._warned.clear()
-        self._logged, self._counted = 0, {}
+        self._logged = 0
+        self._counted = {}
         step = trainer.global_step
         scalars = {alarm_tag(rule): float(n) for rule, n in counts.items()}
         scalars[SPIKE_SCORE] = alarms.spike_score

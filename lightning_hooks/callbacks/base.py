@@ -17,6 +17,7 @@ from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
+from lightning_hooks import internals
 from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
 from lightning_hooks.callbacks.fabric import FabricRun
 from lightning_hooks.callbacks.trainer import (
@@ -33,6 +34,7 @@ from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.grad_flow import GradFlowTracker
 from lightning_hooks.core.transport import agree, gather_objects, world_size
 from lightning_hooks.errors import LightningHooksWarning
+from lightning_hooks.internals.lightning import fabric_callbacks
 from lightning_hooks.logging import save_loggers, write_dashboards
 
 __all__ = [
@@ -47,8 +49,9 @@ if TYPE_CHECKING:
 else:
     _SecondCallback = SECOND_CALLBACK
 
-# The trainers whose loggers one of our callbacks wrote to since they were last saved.
 _UNSAVED: weakref.WeakSet[pl.Trainer] = weakref.WeakSet()
+"""The trainers whose loggers one of our callbacks wrote to since they were last saved: it spans
+callbacks, since the last of ours in the Trainer's list saves for all (one save per batch)."""
 
 
 class Engine(Protocol):
@@ -96,7 +99,8 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def _hook_guard(self) -> Guard:
         guard: Guard | None = self.__dict__.get("_guard")
         if guard is None:
-            guard = self.__dict__["_guard"] = Guard(type(self).__name__, strict=self.strict)
+            guard = Guard(type(self).__name__, strict=self.strict)
+            self.__dict__["_guard"] = guard
         return guard
 
     def _guard_disable(self) -> None:  # after a guarded failure; the guard keeps the rest off
@@ -137,7 +141,8 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         if self._idle:
             return
         self._attach(trainer, pl_module)
-        pending, self._pending_state = self._pending_state, None
+        pending = self._pending_state
+        self._pending_state = None
         if pending:  # a checkpoint's state, to the freshly attached accumulators
             try:
                 self._load_state(pending)
@@ -152,18 +157,16 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        step = self._batch_step = trainer.global_step
+        self._batch_step = trainer.global_step
+        step = self._batch_step
         if batch_idx == 0:
             # By batch index, not on_train_epoch_start: a run resumed mid-epoch samples the
             # same steps as the uninterrupted one. Every micro-batch of the step follows.
             self._epoch_start_step = step
         if self._posted:  # on CUDA, the last logging step's copy
             self._read_steps(trainer, wait=False)
-        cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
-        logs = (step + 1) % cadence == 0 or step == self._epoch_start_step
-        gate = None if self._tracker is None else self._tracker.registry  # the module hooks' gate
-        if gate is not None and gate.logging_step != logs:  # a quiet step reads it, sets nothing
-            gate.logging_step = logs
+        logs = self._cadence_logs(trainer, step) or step == self._epoch_start_step
+        self._set_gate(logs)
         if trainer in _UNSAVED and self._last_of_ours(trainer, live=True):
             _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
         self._logging_batch = logs and self._tracker is not None
@@ -182,11 +185,13 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     ) -> None:
         if (self._logging_batch or self._every_batch) and self._batch_ending(trainer, outputs):
             return
-        if (alarms := self._own_loss) is not None:  # the loss rules on this rank's loss
+        alarms = self._own_loss
+        if alarms is not None:  # the loss rules on this rank's loss
             loss = training_loss(trainer, outputs)
             if loss is not None:
                 alarms.update_loss(loss, step=self._batch_step)
-                if (found := alarms.poll()) and self.policy is not None:
+                found = alarms.poll()
+                if found and self.policy is not None:
                     self.policy.act(trainer, None, found)
         measured = self._logged_step
         # The logging step's optimizer step ran (its last micro-batch): write it.
@@ -198,8 +203,23 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             self._log_step(trainer, measured)
             self._posted = True
             self._read_steps(trainer, wait=False)
+            # the module hooks come off now, unless the next step logs too: a quiet step after
+            # a logging step takes no hook off (an epoch's first step puts them on again)
+            self._set_gate(self._cadence_logs(trainer, trainer.global_step))
         if trainer in _UNSAVED and self._last_of_ours(trainer, live=True):
             _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
+
+    def _cadence_logs(self, trainer: pl.Trainer, step: int) -> bool:
+        """Whether optimizer step ``step`` is a logging step by the cadence (steps n-1, 2n-1, ...
+        of ``every_n_steps``, else of the Trainer's ``log_every_n_steps``)."""
+        cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
+        return (step + 1) % cadence == 0
+
+    def _set_gate(self, logging_step: bool) -> None:
+        """Open or close the gate of the module hooks (a quiet step reads it, sets nothing)."""
+        gate = None if self._tracker is None else self._tracker.registry
+        if gate is not None and gate.logging_step != logging_step:
+            gate.set_logging_step(logging_step)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -239,11 +259,12 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     def on_after_setup(self, fabric: Fabric, module: nn.Module) -> None:
         """Fabric's hook: watch ``module`` with a :class:`~.fabric.FabricRun` in our place."""
-        callbacks: list[Any] | None = getattr(fabric, "_callbacks", None)
+        callbacks = fabric_callbacks(fabric)
         ours = [c.callback if isinstance(c, FabricRun) else c for c in callbacks or ()]
         if passed_by_user(self, ours):
             return  # LIGHTNING_HOOKS asked for a callback the user passed already
-        run = self.__dict__["_fabric_run"] = FabricRun(self, fabric, module)
+        run = FabricRun(self, fabric, module)
+        self.__dict__["_fabric_run"] = run
         if callbacks is not None and self in callbacks:
             # fabric.call(...) passes Fabric's arguments: the run answers, not the Trainer hooks.
             callbacks[callbacks.index(self)] = run
@@ -327,11 +348,10 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         name = type(self).__name__
         types = getattr(self, "types", None)
         given = [f"types={types!r}"] if types is not None and types != self._default_types else []
-        given += [
-            f"{argument}={value!r}"
-            for argument in self._selection_arguments
-            if (value := getattr(self, argument, None))
-        ]
+        for argument in self._selection_arguments:
+            value = getattr(self, argument, None)
+            if value:
+                given.append(f"{argument}={value!r}")
         if given:
             raise ValueError(f"{name}({', '.join(given)}): selects no {what} of the model{hint}")
         rank_zero_warn(
@@ -352,17 +372,18 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             return
         scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
         enabled = scaler is not None and scaler.is_enabled()
-        scale = getattr(scaler, "_scale", None) if enabled else None
-        scale = scale if isinstance(scale, torch.Tensor) else None  # no sync
+        scale = internals.grad_scaler_scale(scaler) if enabled else None  # no sync
         # Lightning does not unscale for optimizers that unscale inside their step (fused).
-        fused = scale is not None and getattr(optimizer, "_step_supports_amp_scaling", False)
+        fused = scale is not None and internals.steps_unscale_themselves(optimizer)
         tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
         if self._on_optimizer_step is not None:
             self._on_optimizer_step(optimizer)
-        alarms, policy = tracker.alarms, self.policy
+        alarms = tracker.alarms
+        policy = self.policy
         if alarms is None or policy is None:
             return
-        if found := alarms.poll(wait=policy.wait):
+        found = alarms.poll(wait=policy.wait)
+        if found:
             policy.act(trainer, optimizer, found)
 
     # Extend: ``_attach``, ``_log_epoch``; ``_validate`` the model; a logging step's batch

@@ -90,13 +90,15 @@ class DeadReLUCallback(StatsCallback):
         super().__init__(tracker, every_n_steps=every_n_steps)
         assert tracker.selection is not None
         self.types = types
-        self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
+        self.include = tracker.selection.include
+        self.exclude = tracker.selection.exclude
         self.pre_activation = tracker.producers.include
 
     @override
     def _log_result(self, trainer: pl.Trainer, stat: Statistic[Any], result: Any) -> None:
         found: DeadUnits = result
-        epoch, warn_at = trainer.current_epoch, self.warn_at
+        epoch = trainer.current_epoch
+        warn_at = self.warn_at
         if warn_at is None:
             return
         rows = zip(found.layers, found.dead, found.units, found.dead_fraction, strict=True)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_hooks.errors import LightningHooksWarning
+from lightning_hooks.internals.lightning import unwrapped_optimizer
 
 __all__ = ["FabricRun", "FabricTrainer", "check_fabric"]
 
@@ -38,7 +39,8 @@ class FabricTrainer:
         # the one attribute of a Trainer's strategy our callbacks read
         self.strategy = SimpleNamespace(precision_plugin=fabric.strategy.precision)
         self.callbacks = [callback]
-        self.global_step = self.current_epoch = 0
+        self.global_step = 0
+        self.current_epoch = 0
         self.should_stop = False
         self.log_every_n_steps = 50  # the cadence when ``every_n_steps`` is ``None``
         self.loggers = list(fabric.loggers)
@@ -77,7 +79,8 @@ def check_fabric(callback: object, fabric: Fabric) -> None:
             "Fabric(loggers=[TensorBoardLogger(...)]) (lightning.fabric.loggers)."
         )
     actions = getattr(getattr(callback, "policy", None), "actions", {})
-    if stopping := sorted(rule for rule, action in actions.items() if action == "stop"):
+    stopping = sorted(rule for rule, action in actions.items() if action == "stop")
+    if stopping:
         raise ValueError(
             f"{name}(on_alarm=...): 'stop' (for {stopping}) needs a Trainer; a Fabric loop has "
             "no should_stop to set. Under Fabric on_alarm must be in ('warn', 'raise', 'skip', "
@@ -96,7 +99,8 @@ class FabricRun:
 
     def __init__(self, callback: Any, fabric: Fabric, module: nn.Module) -> None:  # noqa: ANN401 (a callback driven through Trainer hooks with a FabricTrainer in the Trainer's place)
         check_fabric(callback, fabric)
-        self.callback, self.fabric = callback, fabric
+        self.callback = callback
+        self.fabric = fabric
         self.module = original_module(module)
         self.trainer = FabricTrainer(fabric, callback)
         self._params = {id(p) for p in self.module.parameters()}
@@ -154,12 +158,13 @@ class FabricRun:
         owned = self._owned.get(optimizer)
         if owned is None:
             params = (p for group in optimizer.param_groups for p in group["params"])
-            owned = self._owned[optimizer] = any(id(p) in self._params for p in params)
+            owned = any(id(p) in self._params for p in params)
+            self._owned[optimizer] = owned
         return owned
 
     def check_clip(self, optimizer: Any, value: Any) -> None:  # noqa: ANN401 (the optimizer and the clip value as Fabric hands them on)
         """Refuse ``fabric.clip_gradients`` with a GradScaler: the pre-clip norm cannot be read."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = unwrapped_optimizer(optimizer)
         if not self._owns(optimizer) or value is None:
             return
         if getattr(self.fabric.strategy.precision, "scaler", None) is not None:
@@ -172,7 +177,7 @@ class FabricRun:
 
     def before_clip(self, optimizer: Any, algorithm: str, value: Any) -> None:  # noqa: ANN401 (as check_clip)
         """Observe the gradients ``fabric.clip_gradients`` is about to clip."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = unwrapped_optimizer(optimizer)
         if not self._owns(optimizer) or value is None:
             return
         clip = (float(value), algorithm)
@@ -189,7 +194,8 @@ class FabricRun:
         if id(optimizer) in self._observed:  # observed before its clip
             self._observed.discard(id(optimizer))
             return
-        if new := optimizer not in self.trainer.optimizers:
+        new = optimizer not in self.trainer.optimizers
+        if new:
             self.trainer.optimizers.append(optimizer)
         if new or not self._attached:
             self._start()
@@ -211,7 +217,8 @@ class FabricRun:
         if not self._attached or not self._owns(optimizer):
             return
         self.trainer.global_step += 1
-        loss, self._loss = self._loss, None
+        loss = self._loss
+        self._loss = None
         step = self.trainer.global_step - 1
         self.callback.on_train_batch_end(self.trainer, self.module, loss, None, step)
         self._batch_start()
@@ -228,7 +235,8 @@ class FabricRun:
 
     def on_train_end(self) -> None:
         """``fabric.call("on_train_end")``: write what is pending, remove every hook."""
-        callback, trainer = self.callback, self.trainer
+        callback = self.callback
+        trainer = self.trainer
         if self._attached:
             callback.flush(trainer)
             callback.on_train_end(trainer, self.module)

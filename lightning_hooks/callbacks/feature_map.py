@@ -18,6 +18,7 @@ from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import Patterns, as_patterns
 from lightning_hooks.errors import LightningHooksError
 from lightning_hooks.logging import feature_map_grid, log_embedding, log_image, log_scalars
+from lightning_hooks.tags import layer_tag
 
 __all__ = ["FeatureMapCallback", "ProbeInputError"]
 
@@ -200,7 +201,7 @@ class FeatureMapCallback(HookCallback):
         drawn = [(n, outputs[n]) for n in self._drawn if isinstance(outputs.get(n), torch.Tensor)]
         if drawn:  # one copy to the host
             means = torch.stack([out.float().abs().mean() for _, out in drawn]).cpu().tolist()
-            tags = [f"feature_map/abs_mean/{name}" for name, _ in drawn]
+            tags = [layer_tag("feature_map", "abs_mean", name) for name, _ in drawn]
             log_scalars(trainer.loggers, dict(zip(tags, means, strict=True)), step)
         for name, output in drawn:
             if 2 <= output.dim() <= 5:

@@ -129,12 +129,16 @@ class GradFlowCallback(StatsCallback):
         self.max_layers_logged = _max_layers(max_layers_logged)
         for name in ("update_ratio", "output_grad", "chart", "histograms", "heatmap", "stability"):
             checks.boolean("GradFlowCallback", name, locals()[name])
-        self.types, self.histograms = types, histograms
+        self.types = types
+        self.histograms = histograms
         self._hist: LayerHistograms | None = None
         self.include = as_patterns(include, f"GradFlowCallback(include={include!r})")
         self.exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
-        self.update_ratio, self.output_grad = update_ratio, output_grad
-        self.chart, self.heatmap, self.stability = chart, heatmap, stability
+        self.update_ratio = update_ratio
+        self.output_grad = output_grad
+        self.chart = chart
+        self.heatmap = heatmap
+        self.stability = stability
         self._pictures = GradFlowPictures(self.max_layers_logged, chart=chart, heatmap=heatmap)
         self._stability: StabilityStats | None = None
         self.uses_images = chart or heatmap
@@ -153,7 +157,8 @@ class GradFlowCallback(StatsCallback):
         modules = selection.modules(pl_module)
         # The model's own parameters count too, unless a selection narrows it (the tracker's rule).
         root = pl_module if self.types is None and not self.include else None
-        if lazy := [n for n, p in pl_module.named_parameters() if is_lazy(p)]:
+        lazy = [n for n, p in pl_module.named_parameters() if is_lazy(p)]
+        if lazy:
             rank_zero_warn(
                 f"GradFlowCallback: the model's lazy parameters {lazy[:3]} are not "
                 "initialized before fit; this callback does nothing in this fit. Initialize "
@@ -167,7 +172,8 @@ class GradFlowCallback(StatsCallback):
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm or "norm"
+        clip = trainer.gradient_clip_val
+        algorithm = trainer.gradient_clip_algorithm or "norm"
         self._tracker = GradFlowTracker(
             pl_module,
             trainer.optimizers,
@@ -180,9 +186,11 @@ class GradFlowCallback(StatsCallback):
             alarms=self.alarms,
             clip=(float(clip), str(getattr(algorithm, "value", algorithm))) if clip else None,
             max_layers_logged=self.max_layers_logged,
+            guard=self._hook_guard(),
         )
         self._pictures.start()
-        if unstepped := self._tracker.unstepped():
+        unstepped = self._tracker.unstepped()
+        if unstepped:
             rank_zero_warn(
                 f"GradFlowCallback: no optimizer of the Trainer steps the trainable parameters "
                 f"of {', '.join(repr(n) for n in unstepped)}; these layers are not measured.",
@@ -209,7 +217,10 @@ class GradFlowCallback(StatsCallback):
         if self._tracker is not None and self._tracker.alarms is not None:
             self.policy.saved = self._tracker.alarms.state_dict()  # the hooks are about to go
         super()._detach()
-        self._hist = self._stability = self._own_loss = self._on_optimizer_step = None
+        self._hist = None
+        self._stability = None
+        self._own_loss = None
+        self._on_optimizer_step = None
         self._optimizer_steps = None
         self._every_batch = False
 
@@ -230,7 +241,8 @@ class GradFlowCallback(StatsCallback):
             self._stability.end_step()
         alarms = None if self._tracker is None else self._tracker.alarms
         if alarms is not None and self._every_batch:  # the ranks' mean loss
-            loss, failed = self.loss_agreement, self._hook_guard().local is not None
+            loss = self.loss_agreement
+            failed = self._hook_guard().local is not None
             carried = training_loss(trainer, outputs)
             votes = loss.observe(carried, self._batch_step, failed=failed)
             if votes is not None and self._settle(trainer, self._batch_step, *votes):

@@ -49,7 +49,8 @@ class GradFlowPictures:
 
     def __init__(self, max_layers_logged: int | None, *, chart: bool, heatmap: bool) -> None:
         self.max_layers_logged = max_layers_logged
-        self.chart, self.heatmap = chart, heatmap
+        self.chart = chart
+        self.heatmap = heatmap
         self.history: list[tuple[int, np.ndarray]] = []  # (epoch, grad_norm per layer)
 
     def start(self) -> None:
@@ -75,7 +76,8 @@ class GradFlowPictures:
             self._write_heatmap(trainer, stats)
 
     def _write_chart(self, trainer: pl.Trainer, stats: LayerTable) -> None:
-        mean, peak = stats.column("grad_abs_mean")[:-1], stats.column("grad_abs_max", "peak")[:-1]
+        mean = stats.column("grad_abs_mean")[:-1]
+        peak = stats.column("grad_abs_max", "peak")[:-1]
         title = f"gradient flow, epoch {trainer.current_epoch}"
         figure = grad_flow_figure(stats.layers[:-1], mean, peak, title=title)
         log_figure(trainer.loggers, f"{GRAD_FLOW}/chart", figure, trainer.global_step)

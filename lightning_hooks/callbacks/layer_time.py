@@ -70,7 +70,8 @@ class LayerTimeCallback(StatsCallback):
         super().__init__(timer, every_n_steps=every_n_steps)
         assert timer.selection is not None
         self.types = types
-        self.include, self.exclude = timer.selection.include, timer.selection.exclude
+        self.include = timer.selection.include
+        self.exclude = timer.selection.exclude
         self.uses_images = self.chart
         self._timer = timer
 
@@ -100,7 +101,8 @@ class LayerTimeCallback(StatsCallback):
         times: LayerTimes = result
         if times.steps == 0 or not trainer.is_global_zero or not self.chart:
             return
-        epoch, step_ms = trainer.current_epoch, times.step_ms
+        epoch = trainer.current_epoch
+        step_ms = times.step_ms
         title = f"forward time per layer, epoch {epoch}, step {step_ms:.2f} ms"
         figure = layer_time_figure(times.layers, times.forward_ms, step_ms, title=title)
         log_figure(trainer.loggers, "layer_time/chart", figure, trainer.global_step)

@@ -106,16 +106,20 @@ class SaturationCallback(StatsCallback):
         super().__init__(tracker, every_n_steps=every_n_steps)
         assert tracker.selection is not None
         self.types = types
-        self.include, self.exclude = tracker.selection.include, tracker.selection.exclude
-        self.unit_dim, self.margin = unit_dim, margin
+        self.include = tracker.selection.include
+        self.exclude = tracker.selection.exclude
+        self.unit_dim = unit_dim
+        self.margin = margin
 
     @override
     def _log_result(self, trainer: pl.Trainer, stat: Statistic[Any], result: Any) -> None:
         found: SaturatedUnits = result
-        epoch, warn_at = trainer.current_epoch, self.warn_at
+        epoch = trainer.current_epoch
+        warn_at = self.warn_at
         if warn_at is None or not trainer.is_global_zero:
             return
-        shares, counts = found.always_saturated_fraction, found.always_saturated
+        shares = found.always_saturated_fraction
+        counts = found.always_saturated
         for layer, share, k, n in zip(found.layers, shares, counts, found.units, strict=True):
             if k > 0 and share >= warn_at and self._first_finding(layer):
                 rank_zero_warn(

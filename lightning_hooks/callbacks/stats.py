@@ -138,7 +138,7 @@ class StatsCallback(HookCallback):
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        registry = HookRegistry(pl_module)
+        registry = HookRegistry(pl_module, guard=self._hook_guard())
         for stat in self.stats:
             stat.attach(pl_module, registry)
         self._tracker = SharedRegistry(registry)
@@ -186,7 +186,8 @@ class StatsCallback(HookCallback):
     def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
         wrote = False
         for stat in self.attached:
-            if (got := stat.read_window(wait)) is not None:
+            got = stat.read_window(wait)
+            if got is not None:
                 step, result = got
                 log_scalars(trainer.loggers, step_tags(stat.step_values(result)), step)
                 self._read_window(stat, step, result)

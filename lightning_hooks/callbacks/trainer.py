@@ -13,6 +13,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_hooks.errors import LightningHooksWarning
+from lightning_hooks.internals.lightning import shadow_hooks, tensor_parallel_size, unshadow_hooks
 from lightning_hooks.logging import shows_pictures
 
 __all__ = [
@@ -54,7 +55,7 @@ def check_trainer(name: str, trainer: pl.Trainer, *, uses_images: bool) -> None:
             f"across ranks and their statistics are not made whole there. Use {_FSDP2}, "
             "strategy='ddp' or a single device (see the README's support matrix)."
         )
-    tensor_parallel = getattr(trainer.strategy, "_tensor_parallel_size", 1)
+    tensor_parallel = tensor_parallel_size(trainer.strategy)
     if "ModelParallelStrategy" in names and tensor_parallel != 1:
         raise MisconfigurationException(
             f"{name} does not support {strategy}(tensor_parallel_size={tensor_parallel!r}): "
@@ -87,31 +88,27 @@ def _from_environment(callback: object) -> bool:
     return bool(getattr(callback, "from_environment", False))
 
 
-# Lightning calls every per-batch hook of every callback in a profiler context, even the empty
-# defaults, but skips an attribute that is not callable: for the fit, each inherited per-batch hook
-# is shadowed by ``None`` on the instance (not those the class defines, nor others' attributes).
+# Lightning calls every per-batch hook of every callback, even the empty defaults: for the fit,
+# the internals' speed-up shadows those a callback inherits (not those its class defines).
 _STAGES = ("train", "validation", "test", "predict")
 PER_BATCH_HOOKS = (
     *(f"on_{stage}_batch_{end}" for stage in _STAGES for end in ("start", "end")),
     *("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step"),
 )
-_SHADOWED = "_lightning_hooks_shadowed"
 _TRAINERS = tuple(trainer for trainer, _ in _NAMESPACES)
 _DEFAULTS = {name: {getattr(base, name) for _, base in _NAMESPACES} for name in PER_BATCH_HOOKS}
 
 
 def skip_inherited(callback: pl.Callback, trainer: object) -> None:
-    """Under Lightning's ``trainer`` (not Fabric's loop), shadow the inherited per-batch hooks."""
+    """Under Lightning's ``trainer`` (not Fabric's loop), let Lightning skip the empty per-batch
+    hooks ``callback`` inherits (:func:`~lightning_hooks.internals.lightning.shadow_hooks`)."""
     if not isinstance(trainer, _TRAINERS):
         return
-    own, cls = callback.__dict__, type(callback)
-    shadowed = tuple(n for n in PER_BATCH_HOOKS if n not in own and getattr(cls, n) in _DEFAULTS[n])
-    own.update(dict.fromkeys(shadowed))
-    own[_SHADOWED] = own.get(_SHADOWED, ()) + shadowed
+    cls = type(callback)
+    inherited = [n for n in PER_BATCH_HOOKS if getattr(cls, n) in _DEFAULTS[n]]
+    shadow_hooks(callback, inherited)
 
 
 def restore_inherited(callback: pl.Callback) -> None:
-    """Remove the shadows :func:`skip_inherited` set (idempotent)."""
-    for name in callback.__dict__.pop(_SHADOWED, ()):
-        if callback.__dict__.get(name, False) is None:
-            del callback.__dict__[name]
+    """Let Lightning call the inherited hooks again (idempotent)."""
+    unshadow_hooks(callback)

@@ -104,13 +104,15 @@ class HostMailbox:
                 self._event.synchronize()
             elif not self._event.query():  # type: ignore[no-untyped-call]
                 return None
-        meta, self._meta = self._meta, None
+        meta = self._meta
+        self._meta = None
         self.pending = False
         return self._slot.array, meta
 
     def clear(self, fill: float = 0) -> None:
         """Drop a pending value and fill the host buffer with ``fill``."""
-        self._meta, self.pending = None, False
+        self._meta = None
+        self.pending = False
         self._view.fill(fill)
 
 

@@ -54,9 +54,9 @@ __all__ = [
 
 # The first kind that accepts a logger adapts it: a subclass's sink is registered after its base's.
 _KINDS: list[type[LoggerSink]] = [TensorBoardSink, WandbSink, MLflowSink, CSVSink]
-# One sink per logger for the logger's life: a sink that failed stays failed.
 _SINKS: weakref.WeakKeyDictionary[LightningLogger, LoggerSink] = weakref.WeakKeyDictionary()
-_FAILED: weakref.WeakSet[LoggerSink] = weakref.WeakSet()
+"""One sink per logger for the logger's life, shared by every callback that writes to it (a sink
+that failed stays failed, and a TensorBoard sink keeps the charts of its dashboard)."""
 
 
 def register_sink(kind: type[LoggerSink]) -> type[LoggerSink]:
@@ -96,8 +96,9 @@ def sinks_for(loggers: Sequence[LightningLogger]) -> list[LoggerSink]:
         sink = _SINKS.get(logger)
         if sink is None:
             kind = next((k for k in _KINDS if k.accepts(logger)), LoggerSink)
-            sink = _SINKS[logger] = kind(logger)
-        if sink not in sinks and sink not in _FAILED:
+            sink = kind(logger)
+            _SINKS[logger] = sink
+        if sink not in sinks and not sink.failed:
             sinks.append(sink)
     return sinks
 
@@ -111,7 +112,7 @@ def each_sink(loggers: Sequence[LightningLogger], write: Callable[[LoggerSink], 
         except Exception as err:
             if strict_default():
                 raise
-            _FAILED.add(sink)
+            sink.failed = True
             from pytorch_lightning.utilities import rank_zero_warn
 
             rank_zero_warn(

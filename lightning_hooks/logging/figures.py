@@ -56,7 +56,9 @@ def _bars(
         >>> ax.collections[0].get_paths()[1].vertices[:4].tolist()
         [[0.75, 0.0], [0.75, 3.0], [1.25, 3.0], [1.25, 0.0]]
     """
-    left, right, low = x - width / 2, x + width / 2, np.full(len(x), floor)
+    left = x - width / 2
+    right = x + width / 2
+    low = np.full(len(x), floor)
     corners = [(left, low), (left, heights), (right, heights), (right, low)]
     verts = np.stack([np.stack(corner, axis=1) for corner in corners], axis=1)
     ax.add_collection(PolyCollection(list(verts), alpha=0.6, **style))

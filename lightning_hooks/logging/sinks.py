@@ -146,6 +146,7 @@ class LoggerSink:
 
     Attributes:
         logger: the Lightning logger written to.
+        failed: whether the logger's client raised: nothing more is written to it.
         shows_pictures: whether figures and images reach this logger.
     """
 
@@ -153,6 +154,7 @@ class LoggerSink:
 
     def __init__(self, logger: LightningLogger) -> None:
         self.logger = logger
+        self.failed = False
 
     @classmethod
     def accepts(cls, logger: object) -> bool:
@@ -273,7 +275,8 @@ class MLflowSink(LoggerSink):
 
     def image(self, tag: str, image: torch.Tensor, step: int) -> None:
         # The key follows MLflow's metric-name rules, as Lightning's log_metrics cleans its keys.
-        pixels, key = _image_pixels(image), _UNSAFE.sub("", tag)
+        pixels = _image_pixels(image)
+        key = _UNSAFE.sub("", tag)
         self.logger.experiment.log_image(self.logger.run_id, pixels, key=key, step=step)
 
     def text(self, tag: str, text: str, step: int) -> None:

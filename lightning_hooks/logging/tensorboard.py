@@ -1,4 +1,4 @@
-"""TensorBoard: its sink, the custom-scalars dashboard, and a faster writer of the same bytes.
+"""TensorBoard: its sink and the custom-scalars dashboard.
 
 Scalar tags are ``<family>/<stat>/<layer>``, ``<family>/global/<stat>`` (``<stat>_p50``: a
 percentile over layers) or ``<family>/alarms/<rule>``; a logging step's tag has ``_step`` after
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import functools
 import re
-import weakref
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 from matplotlib.figure import Figure
-from typing_extensions import Buffer, TypedDict, Unpack
+from typing_extensions import TypedDict, Unpack
 
+from lightning_hooks.internals.tensorboard import fast_checksums, one_event_writer
 from lightning_hooks.logging.sinks import (
     Binned,
     LightningLogger,
@@ -29,7 +29,6 @@ _TAGS = 1 << 16  # tags whose derived names are kept (each logging step writes t
 
 if TYPE_CHECKING:
     import torch
-    from tensorboard.compat.proto.summary_pb2 import Summary
 
 __all__ = [
     "MAX_CHARTS",
@@ -37,10 +36,7 @@ __all__ = [
     "TensorBoardSink",
     "chart_key",
     "dashboard_layout",
-    "fast_tensorboard_crc",
     "histogram_raw",
-    "masked_crc32c",
-    "scalar_summary",
     "step_tag",
     "step_tags",
 ]
@@ -101,29 +97,27 @@ class TensorBoardSink(LoggerSink):
 
     def __init__(self, logger: LightningLogger) -> None:
         super().__init__(logger)
-        fast_tensorboard_crc()  # the event files' checksums in C, once
+        self.charts: set[tuple[str, str]] = set()
+        """The ``(family, stat)`` charts of the scalars written so far (:func:`chart_key`)."""
+        self.charts_written: frozenset[tuple[str, str]] = frozenset()
+        """The charts of the last layout written."""
+        fast_checksums()  # a speed-up: the event files' checksums in C, once
 
     @classmethod
     def accepts(cls, logger: object) -> bool:
         return isinstance(logger, lightning_types("TensorBoardLogger"))
 
     def scalars(self, metrics: Mapping[str, float], step: int) -> None:
-        """One event holding every value for a plain ``TensorBoardLogger`` without prefix on
-        rank 0; any other (a subclass may log otherwise) gets the logger's own ``log_metrics``."""
-        from torch.utils.tensorboard import SummaryWriter
-
+        """A plain ``TensorBoardLogger`` gets the values as one event where the speed-up applies
+        (:func:`~lightning_hooks.internals.tensorboard.one_event_writer`); any other (a subclass
+        may log otherwise) gets the logger's own ``log_metrics``."""
         plain = type(self.logger) in lightning_types("TensorBoardLogger")
-        writer: object = self.logger.experiment if plain else None  # a real one on rank 0
-        if isinstance(writer, SummaryWriter) and not getattr(self.logger, "_prefix", ""):
-            # SummaryWriter writes a whole Summary only through its file writer, which
-            # _get_file_writer opens again after a close (its attribute would be None)
-            file_writer = writer._get_file_writer()  # type: ignore[no-untyped-call]  # noqa: SLF001 (no public way)
-            file_writer.add_summary(scalar_summary(metrics), step)
-        else:
+        write = one_event_writer(self.logger) if plain else None
+        if write is None:
             self.logger.log_metrics(dict(metrics), step=step)
-        keys = _layout(tuple(metrics)).charts
-        if keys:  # their charts go into the writer's layout
-            _SEEN.setdefault(self.logger.experiment, set()).update(keys)
+        else:
+            write(metrics, step)
+        self.charts.update(_charts(tuple(metrics)))  # their charts go into the writer's layout
 
     def figure(self, tag: str, figure: Figure, step: int) -> None:
         self.logger.experiment.add_figure(tag, figure, global_step=step, close=False)
@@ -146,10 +140,10 @@ class TensorBoardSink(LoggerSink):
     def dashboard(self) -> None:
         """Write the writer's layout if it has new charts (TensorBoard reads the last one)."""
         writer = self.logger.experiment
-        keys = frozenset(_SEEN.get(writer, ()))
-        if keys and not keys <= _WRITTEN.get(writer, frozenset()):
+        keys = frozenset(self.charts)
+        if keys and not keys <= self.charts_written:
             writer.add_custom_scalars(dashboard_layout(keys))
-            _WRITTEN[writer] = keys
+            self.charts_written = keys
 
 
 def histogram_raw(
@@ -200,9 +194,12 @@ _CHART_ORDER = (
     *("grad_norm", "output_grad_norm", "update_ratio", "grad_abs_mean", "grad_nonfinite"),
     *("dead_fraction", "zero_fraction", "abs_mean", "std", "mean"),
 )
-# Tags seen per TensorBoard writer, and the charts already written to it.
-_SEEN: weakref.WeakKeyDictionary[Any, set[tuple[str, str]]] = weakref.WeakKeyDictionary()
-_WRITTEN: weakref.WeakKeyDictionary[Any, frozenset[tuple[str, str]]] = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=64)
+def _charts(tags: tuple[str, ...]) -> frozenset[tuple[str, str]]:
+    """The charts of a sequence of tags (:func:`chart_key`; a logging step writes the same)."""
+    return frozenset(key for key in map(chart_key, tags) if key is not None)
 
 
 def step_tags(values: Mapping[str, float]) -> dict[str, float]:
@@ -250,9 +247,11 @@ def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, lis
     for family, stat in sorted(set(keys), key=_chart_rank)[:MAX_CHARTS]:
         regexes = [f"^{re.escape(family)}/{re.escape(stat)}/.*"]
         if stat.removesuffix(STEP) == "alarms":  # chart grad_flow or grad_flow_step
-            category, chart = "alarms", family + stat.removeprefix("alarms")
+            category = "alarms"
+            chart = family + stat.removeprefix("alarms")
         else:
-            category, chart = family, stat
+            category = family
+            chart = stat
             regexes.append(f"^{re.escape(family)}/global/{re.escape(stat)}(_p\\d+)?$")
         layout.setdefault(f"lightning_hooks: {category}", {})[chart] = ["Multiline", regexes]
     return layout
@@ -266,96 +265,3 @@ def _chart_rank(key: tuple[str, str]) -> tuple[int, str, int, str]:
     first = _CATEGORY_ORDER.index(category) if category in _CATEGORY_ORDER else len(_CATEGORY_ORDER)
     within = _CHART_ORDER.index(base) if base in _CHART_ORDER else len(_CHART_ORDER)
     return first, category, within, f"{family}/{base}/{stat != base:d}"
-
-
-_MASK = 0xFFFFFFFF
-_DELTA = 0xA282EAD8  # TFRecord's mask: rotate right by 15 bits, add this
-_value: Callable[[bytes], int] | None = None
-_slow: Callable[[Buffer], int] | None = None
-
-
-def masked_crc32c(data: Buffer) -> int:
-    """TFRecord's masked CRC-32C of ``data``, as TensorBoard's ``masked_crc32c`` computes it;
-    anything the C function does not take (or an error in it) goes to TensorBoard's own."""
-    assert _value is not None and _slow is not None, "call fast_tensorboard_crc() first"
-    try:
-        x = _value(data if type(data) is bytes else bytes(data))
-    except Exception:
-        return _slow(data)
-    return (((x >> 15) | ((x << 17) & _MASK)) + _DELTA) & _MASK
-
-
-@functools.cache
-def fast_tensorboard_crc() -> bool:
-    """Have TensorBoard's record writer use :func:`masked_crc32c`; whether it does (once)."""
-    global _value, _slow
-    try:
-        import google_crc32c
-        from tensorboard.summary.writer import record_writer
-    except ImportError:
-        return False
-    slow = getattr(record_writer, "masked_crc32c", None)
-    if google_crc32c.implementation != "c" or not callable(slow):
-        return False
-    _value, _slow = google_crc32c.value, slow
-    record_writer.masked_crc32c = masked_crc32c
-    return True
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-@functools.lru_cache(maxsize=_TAGS)
-def _head(tag: str) -> bytes:
-    """A tag's ``Summary.Value`` bytes before its ``simple_value`` (always of the same length)."""
-    text = tag.encode("utf-8")
-    field = b"\x0a" + _varint(len(text)) + text + b"\x15"  # tag: 1, length; simple_value: 2
-    return b"\x0a" + _varint(len(field) + 4) + field  # value: 1, length
-
-
-class _Layout(NamedTuple):
-    """What every event of one sequence of tags shares (a logging step writes the same ones)."""
-
-    template: np.ndarray  # uint8: the tags' Summary.Value bytes in turn, each value's 4 zero
-    slots: np.ndarray  # [tags, 4]: where each value's float32 bytes go in the template
-    charts: frozenset[tuple[str, str]]  # the charts of the tags (:func:`chart_key`)
-
-
-@functools.lru_cache(maxsize=64)
-def _layout(tags: tuple[str, ...]) -> _Layout:
-    heads = [_head(tag) for tag in tags]
-    ends = np.cumsum([len(head) + 4 for head in heads], dtype=np.int64)
-    template = np.frombuffer(b"".join(head + bytes(4) for head in heads), dtype=np.uint8)
-    charts = frozenset(key for key in map(chart_key, tags) if key is not None)
-    return _Layout(template=template, slots=ends[:, None] - np.arange(4, 0, -1), charts=charts)
-
-
-def scalar_summary(metrics: Mapping[str, float]) -> Summary:
-    """``Summary(value=[Summary.Value(tag=tag, simple_value=value), ...])`` for ``metrics``,
-    written in protobuf's wire format and parsed in C: faster than a ``Summary.Value`` per scalar,
-    and the bytes of a sequence of tags seen before are laid out once.
-
-    Example:
-        >>> from tensorboard.compat.proto.summary_pb2 import Summary
-        >>> metrics = {"a/b": 0.1, "é" * 70: -1e40, "n": float("nan")}
-        >>> want = Summary(
-        ...     value=[Summary.Value(tag=t, simple_value=v) for t, v in metrics.items()]
-        ... )
-        >>> scalar_summary(metrics).SerializeToString() == want.SerializeToString()
-        True
-    """
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    layout = _layout(tuple(metrics))
-    with np.errstate(over="ignore"):  # beyond float32: infinite, as protobuf stores it
-        values = np.fromiter(map(float, metrics.values()), np.float64, len(metrics))
-        floats = values.astype("<f4").view(np.uint8).reshape(-1, 4)
-    event = layout.template.copy()
-    event[layout.slots] = floats
-    return Summary.FromString(event.tobytes())

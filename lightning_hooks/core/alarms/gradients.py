@@ -127,7 +127,8 @@ class HostSegments:
     def fold(self, norms: np.ndarray) -> np.ndarray:
         """``[layers + 1]`` float32 L2 norms: each layer's, then the global norm (squares summed
         in float64; NaN and Inf propagate). The array is reused by the next call."""
-        squares, rows = self._squares, self._rows
+        squares = self._squares
+        rows = self._rows
         np.multiply(norms, norms, out=squares, dtype=np.float64)
         if self._starts is not None:
             np.add.reduceat(squares, self._starts, out=rows[:-1])
@@ -161,7 +162,8 @@ class RunningScale:
         armed)."""
         logs = self._logs.get(factors)
         if logs is None:
-            logs = self._logs[factors] = np.array([[math.log(f)] for f in factors], np.float32)
+            logs = np.array([[math.log(f)] for f in factors], np.float32)
+            self._logs[factors] = logs
         armed = self.count >= self.armed_at
         bands = np.maximum(np.sqrt(self.var) * self.sigmas, logs)  # [factors, rows]
         bands[:, ~armed] = np.inf
@@ -262,7 +264,8 @@ class GradientRules:
         stepped = value[1] > 0 if value.ndim == 2 else None
         active = self._true if stepped is None else stepped
         if rows is not None and rows.size != self.rows:  # not one optimizer stepping every layer
-            subset, norm = norm, np.full(self.rows, np.nan, dtype=np.float32)
+            subset = norm
+            norm = np.full(self.rows, np.nan, dtype=np.float32)
             norm[rows] = subset
             # The global row of a subset (a GAN's generator, say) is not comparable from step to
             # step with another optimizer's: it stays out of the rules, its layers do not.
@@ -280,7 +283,8 @@ class GradientRules:
             quiet = self._quiet_report(norm, log_norm)
             if quiet is not None:
                 return quiet
-        rules, no = self.rules, self._false
+        rules = self.rules
+        no = self._false
         ceilings, armed, bands = self.scale.thresholds(*self._factors)
         ceiling = ceilings[0]
         scale = np.where(armed, np.exp(self.scale.mean), np.float32(np.nan))
@@ -305,7 +309,8 @@ class GradientRules:
     def _quiet_report(self, norm: np.ndarray, log_norm: np.ndarray) -> GradientReport | None:
         """:meth:`evaluate`'s report and state, in half its numpy calls, of a step where no rule
         can fire (clipping only lowers a norm); else ``None``."""
-        report, scale = self.quiet, self.scale
+        report = self.quiet
+        scale = self.scale
         # the lowest ceiling, mean + max(spread, log of the lowest factor): exactly the least
         # of the factors' ceilings (adding the mean rounds monotonically)
         top = scale.quiet_ceiling(self._low_log, report.band, self._log_first)

@@ -86,7 +86,11 @@ class LossLevels:
         self.seen += 1
         n = self.seen
         if n == 1:
-            self.first = self.mean = self.level = self.best = self.last = x
+            self.first = x
+            self.mean = x
+            self.level = x
+            self.best = x
+            self.last = x
             return
         self.mean += (x - self.mean) * max(2.0 / (span + 1), 1.0 / n)
 
@@ -205,7 +209,8 @@ class LossRules:
         if step != self._step:
             if self._step is not None:
                 self.per_step = self._group.losses
-            self._step, self._group = step, _Group()
+            self._step = step
+            self._group = _Group()
         self._group.losses += 1
 
     def _span(self) -> int:
@@ -214,7 +219,8 @@ class LossRules:
 
     def _diverging(self, x: float, step: int) -> list[GradientAlarm]:
         """The setback and *diverging* alarms of the loss ``x`` (the state updated)."""
-        rules, levels = self.rules, self.levels
+        rules = self.rules
+        levels = self.levels
         if not math.isfinite(x):
             return self._confirm(step, x, "the loss is not finite")
         levels.rise(x, self._span())
@@ -240,10 +246,13 @@ class LossRules:
         """A running mean over the bar: a setback opened, held (``held``: the mean loss of the
         step just completed is over the bar, not only the running mean that remembers an
         earlier one), or confirmed."""
-        rules, levels, setback = self.rules, self.levels, self.setback
+        rules = self.rules
+        levels = self.levels
+        setback = self.setback
         opened = []
         if setback is None:
-            setback = self.setback = Setback(step, levels.best, levels.mean)
+            setback = Setback(step, levels.best, levels.mean)
+            self.setback = setback
             opened = [setback_opened(step, setback, levels.mean, levels.first, rules)]
         setback.steps += held
         setback.peak = max(setback.peak, levels.mean)
@@ -272,7 +281,8 @@ class LossRules:
 
     def _bar(self) -> float:
         """*diverging*'s bar: the level over which the short running mean is a setback."""
-        rules, levels = self.rules, self.levels
+        rules = self.rules
+        levels = self.levels
         best = levels.best
         learnt = max(levels.first - best, 0.0)
         early = self.adaptive and levels.seen <= rules.diverge_early * self.per_step
@@ -286,7 +296,8 @@ class LossRules:
         if setback is not None and setback.confirmed:
             return [self._diverging_alarm(step, x, "it holds")]
         if setback is None:
-            setback = self.setback = Setback(step, self.levels.best, self.levels.mean)
+            setback = Setback(step, self.levels.best, self.levels.mean)
+            self.setback = setback
         setback.confirmed = True
         return [self._diverging_alarm(step, x, why, setback)]
 
@@ -295,7 +306,8 @@ class LossRules:
     ) -> GradientAlarm:
         """*diverging*'s alarm: the rise confirmed (``why``), where the loss stands, the fixes.
         ``setback``: the setback it confirms, named once, at its confirmation."""
-        levels, rules = self.levels, self.rules
+        levels = self.levels
+        rules = self.rules
         confirms = (
             ""
             if setback is None
@@ -319,7 +331,8 @@ class LossRules:
 
     def _recover(self, step: int) -> list[GradientAlarm]:
         """The open setback, if any, closed at ``step``: a recovery when it was not confirmed."""
-        setback, self.setback = self.setback, None
+        setback = self.setback
+        self.setback = None
         if setback is None or setback.confirmed:
             return []
         return [setback_recovered(step, setback, self.levels.mean)]

@@ -150,7 +150,8 @@ def gradient_alarm(
 ) -> GradientAlarm:
     """The alarm of the gradient ``rule`` (one of ``GRADIENT_RULES``) at the rows it flagged in
     ``report`` (the rows of ``layers``), at the step ``at``."""
-    hit, norm = np.flatnonzero(report.fired(rule)), report.norm
+    hit = np.flatnonzero(report.fired(rule))
+    norm = report.norm
     ref = {
         "spike": report.scale,
         "explosion": report.scale,
@@ -211,11 +212,13 @@ def with_history(
     advice = f"advice: {_ADVICE[alarm.rule]}" if alarm.rule in _ADVICE else ""
     if not steps:
         return replace(alarm, message=f"{alarm.message}; {advice}") if advice else alarm
-    norms, scales = history.norms, history.scales
+    norms = history.norms
+    scales = history.scales
     first = _first_departure(norms, scales, history.bands)
     departure = ""
     if first is not None:
-        at, row = first.at, first.row
+        at = first.at
+        row = first.row
         ratio = norms[at, row] / scales[at, row]
         departure = f"{layers[row]} left its scale first, at step {steps[at]} ({ratio_text(ratio)})"
         if advice and alarm.rule != "vanishing":
@@ -295,8 +298,10 @@ def _explosion_text(
     """*explosion*'s message: the size, what the optimizer applies, and advice with a clip
     value read from the global row's running scale."""
     layer, value, ref = culprit
-    step, clip = at.step, at.clip
-    global_norm, global_scale = float(report.norm[-1]), float(report.scale[-1])
+    step = at.step
+    clip = at.clip
+    global_norm = float(report.norm[-1])
+    global_scale = float(report.scale[-1])
     shrink = 1.0 if clip is None or global_norm <= clip else clip / global_norm
     applied = (
         "reaches the optimizer unclipped"

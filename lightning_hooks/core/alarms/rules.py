@@ -207,7 +207,8 @@ class AlarmRules:
                 high_open=high_open,
             )
 
-        positive, above_one = real(low=0.0, low_open=True), real(low=1.0, low_open=True)
+        positive = real(low=0.0, low_open=True)
+        above_one = real(low=1.0, low_open=True)
         counts = ("window", "min_history", "vanish_steps", "evaluate_every_n_steps", "history")
         positives = ("spike_sigmas", "attn_entropy_min", "diverge_lost", "attn_logit_min")
         required: dict[str, Callable[[str, Any], Any]] = {
@@ -230,7 +231,8 @@ class AlarmRules:
             "vanish_fraction": real(low=0.0, high=1.0, low_open=True, high_open=True),
         }
         for name, check in {**required, **optional}.items():
-            if (value := getattr(self, name)) is not None or name in required:
+            value = getattr(self, name)
+            if value is not None or name in required:
                 object.__setattr__(self, name, check(name, value))
         if self.diverge_ratio is not None and self.diverge_overshoot < self.diverge_ratio:
             raise ValueError(

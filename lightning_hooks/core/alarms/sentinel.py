@@ -204,7 +204,8 @@ class GradientAlarms:
     def poll(self, wait: bool = False) -> list[GradientAlarm]:
         """Alarms read on the host since the last poll (``wait``: include the latest step)."""
         self._drain(wait)
-        new, self._new = self._new, []
+        new = self._new
+        self._new = []
         return new
 
     def _drain_loss(self, wait: bool) -> None:
@@ -262,8 +263,10 @@ class GradientAlarms:
     def take_epoch(self) -> tuple[dict[str, int], list[GradientAlarm]]:
         """Counts and alarms since the last call (waits for the latest step), then resets."""
         self._drain(wait=True)
-        counts, log = self.counts, self.log
-        self.counts, self.log = dict.fromkeys(ALARM_RULES, 0), []
+        counts = self.counts
+        log = self.log
+        self.counts = dict.fromkeys(ALARM_RULES, 0)
+        self.log = []
         return counts, log
 
     def state_dict(self) -> dict[str, Any]:
@@ -357,28 +360,33 @@ def attention_alarms(
         ...                  grown)
         []
     """
-    limit, floor, growth = rules.attn_logit_max, rules.attn_entropy_min, rules.attn_growth
-    focused = {
-        layer: (peak, entropy)
-        for layer, peak in logit_max.items()
-        if not (entropy := entropy_min.get(layer, math.nan)) >= floor
-    }
+    limit = rules.attn_logit_max
+    floor = rules.attn_entropy_min
+    growth = rules.attn_growth
+    focused = {}
+    for layer, peak in logit_max.items():
+        entropy = entropy_min.get(layer, math.nan)
+        if not entropy >= floor:
+            focused[layer] = (peak, entropy)
     need = min(rules.attn_min_layers, len(logit_max))
     high = [
         layer for layer, (peak, _) in focused.items() if limit is not None and not peak <= limit
     ]
     high = high if len(high) >= need else []
-    growing = [
-        layer
-        for layer, (peak, _) in focused.items()
-        if growth is not None
-        and len(past := [*(history or {}).get(layer, ())[-2:], peak]) == 3
-        and past[0] >= rules.attn_logit_min
-        and all(b >= growth * a for a, b in pairwise(past))
-    ]
+    growing = []
+    if growth is not None:
+        for layer, (peak, _) in focused.items():
+            past = [*(history or {}).get(layer, ())[-2:], peak]
+            if (
+                len(past) == 3
+                and past[0] >= rules.attn_logit_min
+                and all(b >= growth * a for a, b in pairwise(past))
+            ):
+                growing.append(layer)
     if sum(not peak < rules.attn_logit_min for peak in logit_max.values()) < need:
         growing = []
-    alarms, history = [], history or {}
+    alarms = []
+    history = history or {}
     for layer, (peak, entropy) in focused.items():
         if layer not in high and layer not in growing:
             continue

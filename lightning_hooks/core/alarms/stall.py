@@ -117,14 +117,16 @@ class StallRule:
         s = self.state
         level = s.level
         value = np.log(update / _F(lr))
-        s.value, s.before = value, level
+        s.value = value
+        s.before = level
         low = level - _F(math.log(self.rules.stall_factor))
         finite = bool(abs(value) < math.inf)
         # False while the level is NaN (the first logging step), and on a zero update (-inf):
         # a weight that does not move at all is a dead unit or a frozen tensor, not this rule's
         flag = bool(value < low) and finite
         if loss is not None:  # a run whose loss still improves is not stalled
-            now, first = _F(loss.best), _F(loss.first)
+            now = _F(loss.best)
+            first = _F(loss.first)
             # progress since the last call; at the first call with a loss, since the first loss
             since = first if np.isnan(s.best) else s.best
             s.progress = (since - now) / (first - now)  # 0 / 0: NaN, quiet
@@ -149,7 +151,8 @@ class StallRule:
 
 def _stall(report: StallState, step: int, rules: AlarmRules) -> GradientAlarm:
     """*stall*'s alarm from its report (the update per unit of LR and its level, as logs)."""
-    value, level = math.exp(report.value), math.exp(report.before)
+    value = math.exp(report.value)
+    level = math.exp(report.before)
     text = (
         f"learning stalled at optimizer step {step}: the typical update per unit of "
         f"learning rate (median |w_after - w_before| / lr) is {value:.4g}, "

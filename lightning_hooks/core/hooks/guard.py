@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 import os
 import warnings
 import weakref
@@ -17,17 +16,12 @@ __all__ = [
     "RELEASE_HOOKS",
     "STRICT_ENV",
     "Guard",
-    "active_guard",
     "guard_hooks",
     "strict_default",
 ]
 
 STRICT_ENV = "LIGHTNING_HOOKS_STRICT"  # ``1``: every guard strict (re-raises) unless told not
 F = TypeVar("F", bound=Callable[..., Any])
-
-_ACTIVE: contextvars.ContextVar[Guard | None] = contextvars.ContextVar(
-    "lightning_hooks_guard", default=None
-)
 
 
 def strict_default() -> bool:
@@ -84,7 +78,8 @@ class Guard:
 
     def take_pending(self) -> bool:
         """``True`` once after a failure: the owner should remove the statistic's hooks now."""
-        pending, self.pending = self.pending, False
+        pending = self.pending
+        self.pending = False
         return pending
 
     def wrap(self, fn: F, where: str) -> F:
@@ -101,11 +96,6 @@ class Guard:
                 return None
 
         return guarded  # type: ignore[return-value]
-
-
-def active_guard() -> Guard | None:
-    """The guard of the Lightning hook now running."""
-    return _ACTIVE.get()
 
 
 GUARDED_HOOKS = (
@@ -164,13 +154,10 @@ def _guarded_method(
     def hook(self: _GuardedOwner, *args: object, **kwargs: object) -> object:
         guard = self._hook_guard()
         if always or guard.failed is None:
-            token = _ACTIVE.set(guard)
             try:
                 return method(self, *args, **kwargs)
             except Exception as error:
                 guard.fail(f"{name} hook", error)
-            finally:
-                _ACTIVE.reset(token)
         if guard.take_pending():
             self._guard_disable()
         return None

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Collection
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -17,7 +16,7 @@ from typing_extensions import Self
 from lightning_hooks import internals
 from lightning_hooks.core import checks
 from lightning_hooks.core.checks import named_arguments
-from lightning_hooks.core.hooks.guard import Guard, active_guard
+from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
 from lightning_hooks.core.hooks.shelved import outside_shelved
 from lightning_hooks.errors import LightningHooksWarning
@@ -27,24 +26,6 @@ __all__ = ["Gated", "HookOwner", "HookRegistry", "only_our_hooks", "plain_layers
 ForwardHook = Callable[[nn.Module, Any, Any], Any]
 F = TypeVar("F", bound=Callable[..., Any])
 
-HookTable = Literal[
-    "_forward_hooks",
-    "_forward_pre_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-]
-"""The names of a module's hook dicts: the hooks by id (``_forward_hooks``,
-``_forward_pre_hooks``) and the ids marked for a hook option (the others)."""
-
-
-def _hook_table(module: nn.Module, table: HookTable) -> OrderedDict[int, Any]:
-    """``module``'s hook dict ``table``, by hook id: the one place this library reads a module's
-    hooks. torch keeps no public view of them (a ``RemovableHandle`` only removes), and a gated
-    hook is put on and taken off by its id, without the cost of registering a handle."""
-    table_dict: OrderedDict[int, Any] = getattr(module, table)
-    return table_dict
-
 
 def _unhookable_modules(model: nn.Module) -> dict[int, str]:
     """``id(module) -> name`` of every ``torch.jit`` module and everything inside it."""
@@ -52,50 +33,55 @@ def _unhookable_modules(model: nn.Module) -> dict[int, str]:
     return {id(inner): sub for name, m in jit for sub, inner in m.named_modules(prefix=name)}
 
 
-class Gated(NamedTuple):
-    """A hook put on its module for each logging step under an id reserved once (no handle)."""
+class Gated:
+    """A forward (pre-)hook put on its module for each logging step, with
+    ``register_forward_hook`` (or ``register_forward_pre_hook``), and taken off after it with
+    its handle.
 
-    module: nn.Module
-    table: HookTable  # the module's dict holding the hooks
-    flags: tuple[HookTable, ...]  # its dicts where the id is marked (with_kwargs, always_call)
-    key: int
-    hook: Callable[..., Any]
-    prepend: bool
-    source: Callable[..., Any] | None = None
-    """The hook as its owner gave it (:meth:`HookRegistry.drop` finds it by this)."""
+    Args:
+        module: the module it hooks.
+        hook: the hook, under the registry's guard.
+        pre: a forward pre-hook (``True``) or a forward hook.
+        options: ``prepend``, ``with_kwargs`` and, for a forward hook, ``always_call``: as
+            torch's ``register_forward_hook`` takes them.
+        source: the hook as its owner gave it (:meth:`HookRegistry.drop` finds it by this).
+    """
 
-    def install(self) -> None:
-        """Put the hook on its module, marked with its options."""
-        module, key = self.module, self.key
-        hooks = _hook_table(module, self.table)
-        hooks[key] = self.hook
-        for flag in self.flags:
-            _hook_table(module, flag)[key] = True
-        if self.prepend:
-            hooks.move_to_end(key, last=False)
+    def __init__(
+        self,
+        module: nn.Module,
+        hook: Callable[..., Any],
+        *,
+        pre: bool,
+        options: dict[str, bool],
+        source: Callable[..., Any] | None,
+    ) -> None:
+        self.module = module
+        self.hook = hook
+        self.pre = pre
+        self.options = options
+        self.source = source
+        self.handle: RemovableHandle | None = None
+
+    def install(self) -> RemovableHandle:
+        """Put the hook on its module (once); its handle."""
+        if self.handle is None:
+            if self.pre:
+                self.handle = self.module.register_forward_pre_hook(self.hook, **self.options)
+            else:
+                self.handle = self.module.register_forward_hook(self.hook, **self.options)
+        return self.handle
 
     def uninstall(self) -> None:
-        """Take the hook and its option marks off its module (idempotent)."""
-        module, key = self.module, self.key
-        _hook_table(module, self.table).pop(key, None)
-        for flag in self.flags:
-            _hook_table(module, flag).pop(key, None)
+        """Take the hook off its module (idempotent)."""
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
 
 
-class _GatedHandle(RemovableHandle):
-    """The handle of an installed :class:`Gated` hook, until the next logging step."""
-
-    def __init__(self, gated: Gated) -> None:
-        self.gated = gated
-        self.id = gated.key
-        self.hooks_dict_ref = weakref.ref(_hook_table(gated.module, gated.table))
-        self.extra_dict_ref = tuple(weakref.ref(_hook_table(gated.module, f)) for f in gated.flags)
-
-    def remove(self) -> None:
-        self.gated.uninstall()
-
-
-_OURS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()  # every registry's module hooks
+_OURS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+"""Every hook a registry put on a module, whichever callback's: it spans callbacks, so that the
+attention capture can tell a layer only the library hooks from one with a hook of the user's."""
 
 
 def _ours(hook: F) -> F:
@@ -119,11 +105,7 @@ def plain_layers() -> Callable[[nn.Module], bool]:
 
 def only_our_hooks(module: nn.Module) -> bool:
     """Whether every forward (pre-)hook on ``module`` is one of this library's."""
-    hooks = (
-        *_hook_table(module, "_forward_hooks").values(),
-        *_hook_table(module, "_forward_pre_hooks").values(),
-    )
-    return all(hook in _OURS for hook in hooks)
+    return all(hook in _OURS for hook in internals.forward_hooks(module))
 
 
 class HookOwner:
@@ -152,7 +134,7 @@ class HookRegistry(HookOwner):
 
     Args:
         model: the model whose modules :meth:`modules` selects from.
-        guard: catches the hooks' exceptions (default: the running callback hook's guard).
+        guard: catches the hooks' exceptions (``None``: they propagate).
 
     Example:
         >>> import torch
@@ -173,41 +155,28 @@ class HookRegistry(HookOwner):
         self._model: nn.Module | None = checks.module("HookRegistry", "model", model)
         self._handles: list[RemovableHandle] = []
         self._gated_hooks: list[Gated] = []
-        self.__dict__["logging_step"] = True  # (see logging_step)
+        self.logging_step = True
+        """Whether the gated hooks run: set by :meth:`set_logging_step` (a plain attribute to
+        read, so that a quiet step calls nothing of the registry)."""
         self.fixed = internals.is_compiled(model)  # the gated hooks stay installed (torch.compile)
-        self.guard = guard if guard is not None else active_guard()
+        self.guard = guard
         self._unhookable = _unhookable_modules(model)
         self._names = {id(module): name for name, module in model.named_modules()}
         self._warned_unhookable = False
 
-    logging_step: bool
-    """Whether the gated hooks run; setting it puts them on or takes them off (a plain attribute
-    to read: a quiet step calls nothing of the registry)."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name != "logging_step":
-            object.__setattr__(self, name, value)
-            return
-        value = bool(value)
-        changed, self.__dict__["logging_step"] = value != self.logging_step, value
+    def set_logging_step(self, logging_step: bool) -> None:
+        """Put the gated hooks on for a logging step, or take them off after it (under
+        ``torch.compile`` they stay on: a changing hook set recompiles, and each checks
+        :attr:`logging_step` itself)."""
+        changed = logging_step != self.logging_step
+        self.logging_step = logging_step
         if not changed or self.fixed:
             return
-        # Inline, both ways (the dicts read as _hook_table does): no frame of ours per hook.
-        if value:
-            for gated in self._gated_hooks:
-                module, key = gated.module, gated.key
-                hooks = getattr(module, gated.table)
-                hooks[key] = gated.hook
-                for flag in gated.flags:
-                    getattr(module, flag)[key] = True
-                if gated.prepend:
-                    hooks.move_to_end(key, last=False)
-            return
         for gated in self._gated_hooks:
-            module, key = gated.module, gated.key
-            getattr(module, gated.table).pop(key, None)
-            for flag in gated.flags:
-                getattr(module, flag).pop(key, None)
+            if logging_step:
+                gated.install()
+            else:
+                gated.uninstall()
 
     def gated_hook(
         self,
@@ -225,29 +194,12 @@ class HookRegistry(HookOwner):
         measures goes through :meth:`forward_hook` or :meth:`forward_pre_hook`, which run it
         outside the library's own modes."""
         where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
-        hook = self.guarded(hook, where)
-        key = RemovableHandle.next_id  # an id no handle takes
-        RemovableHandle.next_id += 1
-        table: HookTable = "_forward_pre_hooks" if pre else "_forward_hooks"
-        flags: list[HookTable] = []
-        if options.get("with_kwargs"):
-            flags.append("_forward_pre_hooks_with_kwargs" if pre else "_forward_hooks_with_kwargs")
-        if options.get("always_call") and not pre:
-            flags.append("_forward_hooks_always_called")
-        gated = Gated(
-            module=module,
-            table=table,
-            flags=tuple(flags),
-            key=key,
-            hook=_ours(hook),
-            prepend=bool(options.get("prepend")),
-            source=source,
-        )
+        guarded = _ours(self.guarded(hook, where))
+        gated = Gated(module, guarded, pre=pre, options=options, source=source)
         self._gated_hooks.append(gated)
         if not (self.logging_step or self.fixed):
             return None
-        gated.install()
-        return _GatedHandle(gated)
+        return gated.install()
 
     @property
     def model(self) -> nn.Module:
@@ -366,8 +318,10 @@ class HookRegistry(HookOwner):
     def remove(self) -> None:
         """Remove every hook and drop the model (idempotent)."""
         self._model = None
-        handles, gated = self._handles, self._gated_hooks
-        self._handles, self._gated_hooks = [], []
+        handles = self._handles
+        gated = self._gated_hooks
+        self._handles = []
+        self._gated_hooks = []
         for handle in handles:
             handle.remove()
         for hook in gated:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_hooks import internals
 from lightning_hooks.core.checks import module as check_module
 
 __all__ = [
@@ -59,6 +60,8 @@ KNOWN_ACTIVATIONS: dict[tuple[str, str], type[nn.Module]] = {
 }
 """``(defining module, class name)`` of a third-party activation -> the torch class it computes."""
 _SEEN: weakref.WeakKeyDictionary[type, type[nn.Module] | None] = weakref.WeakKeyDictionary()
+"""A cache keyed by class: the torch class each module class computes as (its MRO walked once;
+a saturation hook asks at every logging step)."""
 
 
 def _equivalent(cls: type) -> type[nn.Module] | None:
@@ -174,11 +177,11 @@ class Selection:
     ) -> list[tuple[str, nn.Module]]:
         """The selected ``(name, module)`` pairs of ``model`` (:func:`select_modules`)."""
         check_module(f"{self.owner}: Selection.modules", "model", model)
-        named = [
-            (name, m)
-            for n, m in model.named_modules()
-            if (name := _plain_name(n)) and not _is_compiled_wrapper(m)
-        ]
+        named = []
+        for n, m in model.named_modules():
+            name = _plain_name(n)
+            if name and not _is_compiled_wrapper(m):
+                named.append((name, m))
         names = [n for n, _ in named]
         include_name, exclude_name = (f"{self.owner}({a}" for a in self.arguments)
         _check_patterns(self.include, names, include_name)
@@ -215,7 +218,7 @@ def _plain_name(name: str) -> str:
 
 
 def _is_compiled_wrapper(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "_orig_mod", None), nn.Module)
+    return internals.compiled_original(module) is not None
 
 
 def compiled_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -28,7 +28,8 @@ __all__ = [
 FEATURE_STATS = ("sum", "sum_sq", "sum_abs", "zeros", "nonfinite", "numel", "min", "max")
 """Entries of :func:`feature_stats`: the first :data:`NUM_SUMS` pool by addition."""
 NUM_SUMS = 6
-_MIN, _MAX = FEATURE_STATS.index("min"), FEATURE_STATS.index("max")
+_MIN = FEATURE_STATS.index("min")
+_MAX = FEATURE_STATS.index("max")
 
 CHUNK = 1 << 19  # elements read at a time on the CPU (2 MiB in float32: stays in cache)
 
@@ -79,7 +80,8 @@ def stacked_feature_stats(x: torch.Tensor) -> torch.Tensor:
     magnitude = flat.abs()
     numel = torch.full((flat.shape[0],), flat.shape[1], dtype=f32, device=flat.device)
     if flat.device.type in SIGN_COUNTS:
-        low, high = flat.amin(1), flat.amax(1)
+        low = flat.amin(1)
+        high = flat.amax(1)
         finite = torch.nan_to_num(torch.sign(torch.inf - magnitude), nan=0.0).sum(1, dtype=f32)
         zeros = numel - torch.sign(torch.nan_to_num(magnitude, nan=1.0)).sum(1, dtype=f32)
     else:

@@ -68,7 +68,11 @@ class ParamLayout:
             (True, True, False, True)
         """
         named = [*([(ROOT, root)] if root is not None else []), *modules]
-        owned = [(n, own) for n, m in named if (own := list(m.parameters(recurse=False)))]
+        owned = []
+        for n, m in named:
+            own = list(m.parameters(recurse=False))
+            if own:
+                owned.append((n, own))
         params = [p for _, own in owned for p in own]
         index = [row for row, (_, own) in enumerate(owned) for _ in own]
         firsts = {id(p): i for i, p in reversed(list(enumerate(params)))}
@@ -195,17 +199,23 @@ def grad_stats(
                 [1.0000, 1.0000, 1.0000, 0.0000, 1.0000],
                 [5.0990, 2.6667, 4.0000, 0.0000, 1.7321]])
     """
-    index, unique, num_layers = layers.index, layers.unique, layers.num_layers
+    index = layers.index
+    unique = layers.unique
+    num_layers = layers.num_layers
     l2 = param_norms(grads)
     sums, peak = abs_sum_max(grads, workspace)
     weight = param_norms(params) if params is not None else torch.full_like(l2, torch.nan)
     if shards is not None:  # shard-local partials made whole: one collective
         whole = shards.reduce(norms=[l2, weight], sums=[sums], maxima=[peak])
-        (l2, weight), (sums,), (peak,) = whole.norms, whole.sums, whole.maxima
-    peak, sums = peak.float(), sums.float()
+        l2, weight = whole.norms
+        (sums,) = whole.sums
+        (peak,) = whole.maxima
+    peak = peak.float()
+    sums = sums.float()
     l1 = torch.cat([sums.new_zeros(num_layers).index_add_(0, index, sums), _total(sums, unique)])
     nonfinite = (~torch.isfinite(peak)).float()
-    numel, total_numel = layers.numel, layers.total_numel
+    numel = layers.numel
+    total_numel = layers.total_numel
     total = numel.sum().view(1) if total_numel is None else total_numel.view(1)
     return torch.stack(
         [

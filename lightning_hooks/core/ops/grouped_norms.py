@@ -71,7 +71,8 @@ class GroupedNorms:
         """:func:`abs_sum_max` of ``tensors``, each stack in three ops (no order-1 or -inf norm)."""
         if self._index is None:
             return _abs_sum_max(tensors, ws)
-        sums, peaks = [], []
+        sums = []
+        peaks = []
         for pick, _ in self._stacks:
             stack = torch.stack(pick(tensors))
             flat = stack.abs_().view(len(stack), -1)
@@ -86,10 +87,15 @@ class GroupedNorms:
         return torch.cat(sums).index_select(0, index), torch.cat(peaks).index_select(0, index)
 
 
-_SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
+_SHAPE = attrgetter("shape")
+_DTYPE = attrgetter("dtype")
+_DEVICE = attrgetter("device")
 _CPU = torch.device("cpu")
-_GROUPINGS: dict[tuple[object, ...], GroupedNorms | None] = {}  # by shapes and dtypes
-_GRAD, _IS_SPARSE = attrgetter("grad"), attrgetter("is_sparse")
+_GROUPINGS: dict[tuple[object, ...], GroupedNorms | None] = {}
+"""A cache keyed by the gradients' shapes and dtypes: the stacks of a grouped read, made once and
+kept across fits of the same model (at most 16, for a model whose shapes keep changing)."""
+_GRAD = attrgetter("grad")
+_IS_SPARSE = attrgetter("is_sparse")
 _PLAIN = {torch.Tensor}
 
 
@@ -129,7 +135,8 @@ def abs_sum_max(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[len(tensors)]`` float32 sums and maxima of ``|t|`` (an empty tensor gives 0 and 0; NaN
     propagates); a large one read in pieces through ``workspace`` (the same one every step)."""
-    ws, grouping = workspace or Workspace(), cpu_grouping(tensors)
+    ws = workspace or Workspace()
+    grouping = cpu_grouping(tensors)
     return _abs_sum_max(tensors, ws) if grouping is None else grouping.abs_sum_max(tensors, ws)
 
 
@@ -144,7 +151,8 @@ def _abs_sum_max(
             if 0 < t.numel() <= _MULTI_TENSOR and (t.dtype == torch.float64) == wide
         ]
         if small:  # the L1 and L-inf norms: two multi-tensor passes, no |t|, no op per tensor
-            picked, dtype = [tensors[i] for i in small], None if wide else torch.float32
+            picked = [tensors[i] for i in small]
+            dtype = None if wide else torch.float32
             sums = foreach_norm(picked, 1, dtype=dtype)
             peaks = foreach_norm(picked, math.inf, dtype=dtype)
             done.update(zip(small, zip(sums, peaks, strict=True), strict=True))

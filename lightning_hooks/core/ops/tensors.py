@@ -46,7 +46,8 @@ class Workspace:
         """A flat tensor of ``numel`` entries (its contents are garbage)."""
         buffer = self._buffers.get((dtype, device))
         if buffer is None or buffer.numel() < numel:
-            buffer = self._buffers[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[(dtype, device)] = buffer
         return buffer[:numel]
 
 
@@ -148,7 +149,7 @@ class Snapshots:
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of ``tensor`` as it is now, out of autograd, made once for every caller."""
-        version = tensor._version  # noqa: SLF001 (torch's version counter has no public name)
+        version = internals.tensor_version(tensor)
         held = self._held.get(id(tensor))
         if held is not None and held.tensor is tensor and held.version == version:
             return held.copy
@@ -189,13 +190,16 @@ class Pending(Generic[K]):
 
     def drain(self) -> Iterator[tuple[K, list[int], torch.Tensor]]:
         """Each group as ``(key, rows, snapshots stacked)``, in order, dropped as given."""
-        groups, self._groups, self._held = self._groups, {}, 0
+        groups = self._groups
+        self._groups = {}
+        self._held = 0
         for key, (rows, snapshots) in groups.items():
             yield key, rows, torch.stack(snapshots)
 
     def clear(self) -> None:
         """Drop what is held (a step cut short)."""
-        self._groups, self._held = {}, 0
+        self._groups = {}
+        self._held = 0
 
     def index(
         self, rows: list[int], device: torch.device, spans: Sequence[range] | None = None
@@ -209,5 +213,6 @@ class Pending(Generic[K]):
             if len(self._indices) >= _INDICES:  # a forward whose calls vary: start over
                 self._indices.clear()
             values = rows if spans is None else [i for span in spans for i in span]
-            index = self._indices[key] = row_index(values, device)
+            index = row_index(values, device)
+            self._indices[key] = index
         return index

@@ -138,7 +138,9 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         self.count[at] += valid
 
     def summarize(self, states: dict[str, np.ndarray]) -> LayerTable:
-        total, peak, count = states["total"], states["peak"], states["count"]
+        total = states["total"]
+        peak = states["peak"]
+        count = states["count"]
         mean = np.where(count > 0, total / np.maximum(count, 1), np.nan)
         peak = np.where(count > 0, peak, np.nan)
         return LayerTable(self.layers, self.stats, mean, peak, total, count)
@@ -162,7 +164,8 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         Raises:
             ValueError: the state was saved for other layers or statistics.
         """
-        layers, stats = tuple(state["layers"]), tuple(state["stats"])
+        layers = tuple(state["layers"])
+        stats = tuple(state["stats"])
         if (layers, stats) != (self.layers, self.stats):
             raise ValueError(
                 f"LayerStatsAccumulator.load_host_state: saved for layers={layers!r}, "

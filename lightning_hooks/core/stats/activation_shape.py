@@ -14,6 +14,7 @@ from lightning_hooks.core.ops.feature_stats import CHUNK, STACKED
 from lightning_hooks.core.ops.tensors import iter_float_tensors, piece_size
 from lightning_hooks.core.stats.activation_stats import feature_modules
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
+from lightning_hooks.tags import layer_tag
 
 __all__ = ["ActivationShape", "power_sums"]
 
@@ -48,7 +49,9 @@ def power_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ([[2.0, 3.0, 5.0, 9.0, 17.0], [2.0, -1.0, 1.0, -1.0, 1.0]], [2.0, 1.0])
     """
     f = x.to(torch.promote_types(x.dtype, torch.float32))
-    low, high = f.amin(1, keepdim=True), f.amax(1, keepdim=True)  # aminmax: slower on the CPU
+    # aminmax: slower on the CPU
+    low = f.amin(1, keepdim=True)
+    high = f.amax(1, keepdim=True)
     mean = f.mean(1, keepdim=True)
     scale = torch.maximum(high - mean, mean - low).clamp_(min=torch.finfo(f.dtype).tiny)
     y = (f - mean).div_(scale)
@@ -133,7 +136,10 @@ class ActivationShape(LayerStat[Shape]):
         """Kurtosis and outlier ratio from the pooled power sums."""
         n, s1, s2, s3, s4 = states["sums"].T
         with np.errstate(divide="ignore", invalid="ignore"):
-            mu, m2, m3, m4 = s1 / n, s2 / n, s3 / n, s4 / n
+            mu = s1 / n
+            m2 = s2 / n
+            m3 = s3 / n
+            m4 = s4 / n
             variance = m2 - mu * mu
             central4 = m4 - 4 * mu * m3 + 6 * mu * mu * m2 - 3 * mu**4
             kurtosis = central4 / variance**2
@@ -145,4 +151,4 @@ class ActivationShape(LayerStat[Shape]):
         layers, n, kurtosis, ratio = result
         pairs = (("kurtosis", kurtosis), ("outlier_ratio", ratio))
         seen = [i for i in range(len(layers)) if n[i] > 0]
-        return {f"activations/{s}/{layers[i]}": float(v[i]) for s, v in pairs for i in seen}
+        return {layer_tag("activations", s, layers[i]): float(v[i]) for s, v in pairs for i in seen}

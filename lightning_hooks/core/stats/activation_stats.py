@@ -28,6 +28,7 @@ from lightning_hooks.core.ops.histogram import bin_counts, linear_edges
 from lightning_hooks.core.ops.tensors import Workspace, iter_float_tensors
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
 from lightning_hooks.core.transport import FirstNonFinite
+from lightning_hooks.tags import layer_tag
 
 __all__ = [
     "ACTIVATION_MODULES",
@@ -125,7 +126,8 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
         **selection: Unpack[SelectionArgs],
     ) -> None:
         super().__init__(selection_of(type(self).__name__, owner, selection))
-        self.bins, self.histogram_range = histogram_bins, histogram_range
+        self.bins = histogram_bins
+        self.histogram_range = histogram_range
         self.workspace = Workspace()
         self._stats = fused_feature_stats if fused else feature_stats
         self._batched = not fused and not histogram_bins  # small outputs: stacked at drain
@@ -186,7 +188,8 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
             edges = self.edges[row]
             if self.histogram_range is None:
                 known = self.has_edges[row]
-                low, high = stats[NUM_SUMS], stats[NUM_SUMS + 1]
+                low = stats[NUM_SUMS]
+                high = stats[NUM_SUMS + 1]
                 torch.where(known, edges, linear_edges(low, high, self._unit), out=edges)
                 known.fill_(True)
             bin_counts(x, edges[1:-1], self.hist[row])
@@ -226,7 +229,7 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
         """``activations/{stat}/{layer}`` for every row that saw an element."""
         stats = result.summary
         return {
-            f"activations/{stat}/{layer}": float(value)
+            layer_tag("activations", stat, layer): float(value)
             for stat in SCALARS
             for layer, value, n in zip(stats.layers, stats.column(stat), stats.numel, strict=True)
             if n > 0
@@ -236,7 +239,8 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
         """Start a new epoch; running-range edges span the finished one."""
         if self.bins and self.histogram_range is None and self.rows:
             local = {n: getattr(self, n).double().cpu().numpy() for n in ("sums", "extremes")}
-            epoch, device = self._with_epoch(local), self.edges.device
+            epoch = self._with_epoch(local)
+            device = self.edges.device
             extremes = torch.as_tensor(epoch["extremes"] * np.array(_SIGN), device=device)
             seen = torch.as_tensor(epoch["sums"][:, NUM_SUMS - 1] > 0, device=device)  # rows seen
             edges = linear_edges(extremes[:, 0].float(), extremes[:, 1].float(), self._unit)

@@ -51,11 +51,13 @@ def sdpa_logit_chunks(  # noqa: PLR0913 (the arguments of torch's scaled_dot_pro
     """The float32 logits ``[..., L, S]`` that ``scaled_dot_product_attention``'s softmax sees
     (its arguments act as in sdpa; ``value`` and ``dropout_p`` play no part), in chunks of query
     rows (see :func:`logit_chunks`)."""
-    q, k = query.float(), key.float()
+    q = query.float()
+    k = key.float()
     if enable_gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     factor = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    length, keys = q.shape[-2], k.shape[-2]
+    length = q.shape[-2]
+    keys = k.shape[-2]
     lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])  # type: ignore[no-untyped-call]
     per_row = math.prod(lead) * keys
     key_t = k.transpose(-2, -1)
@@ -132,16 +134,23 @@ def mha_logit_chunks(
     """The pre-softmax logits ``[N, H, L, S']`` that ``mha``'s softmax sees (masks, ``bias_k``
     and ``add_zero_attn`` included) in the call ``call``, a chunk of query rows at a time (at
     most ``budget`` elements, default :data:`LOGIT_BUDGET`)."""
-    query, key = call.query, call.key
-    key_padding_mask, attn_mask = call.key_padding_mask, call.attn_mask
+    query = call.query
+    key = call.key
+    key_padding_mask = call.key_padding_mask
+    attn_mask = call.attn_mask
     if query.dim() == 2:  # unbatched: [L, E]
-        query, key = query.unsqueeze(1), key.unsqueeze(1)
+        query = query.unsqueeze(1)
+        key = key.unsqueeze(1)
         key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
     elif mha.batch_first:
-        query, key = query.transpose(0, 1), key.transpose(0, 1)
+        query = query.transpose(0, 1)
+        key = key.transpose(0, 1)
     projected = _mha_projections(mha, query, key)
-    q, key_t = projected.query, projected.key_t
-    n, heads, pad = query.shape[1], mha.num_heads, (0, projected.extra_keys)
+    q = projected.query
+    key_t = projected.key_t
+    n = query.shape[1]
+    heads = mha.num_heads
+    pad = (0, projected.extra_keys)
     if attn_mask is not None:
         mask = _additive(attn_mask, q.dtype)
         attn_mask = functional.pad(mask if mask.dim() == 3 else mask.unsqueeze(0), pad)
@@ -173,12 +182,15 @@ def _mha_projections(
 ) -> _Projections:
     """The projections of seq-first ``[L, N, E]`` inputs, with ``bias_k`` and
     ``add_zero_attn``'s keys."""
-    e, heads = mha.embed_dim, mha.num_heads
+    e = mha.embed_dim
+    heads = mha.num_heads
     # torch's own test of one packed projection (its private _qkv_same_embed_dim)
     if mha.kdim == e and mha.vdim == e:
-        w_q, w_k = mha.in_proj_weight[:e], mha.in_proj_weight[e : 2 * e]
+        w_q = mha.in_proj_weight[:e]
+        w_k = mha.in_proj_weight[e : 2 * e]
     else:
-        w_q, w_k = mha.q_proj_weight, mha.k_proj_weight
+        w_q = mha.q_proj_weight
+        w_k = mha.k_proj_weight
     bias = mha.in_proj_bias
     q = functional.linear(query, w_q, None if bias is None else bias[:e])  # [L, N, E]
     k = functional.linear(key, w_k, None if bias is None else bias[e : 2 * e])  # [S, N, E]
@@ -271,7 +283,8 @@ class AttentionCapture(ShelvedMode):
 
     def __init__(self, record: Record, skip: Iterable[str] = ()) -> None:
         super().__init__()
-        self._record, self._skip = record, set(skip)
+        self._record = record
+        self._skip = set(skip)
         self._stack: list[_Running] = []
         self._live = False  # whether the innermost module's own forward is running
         self._callers: list[bool] = []  # between a call's first and last pre-hook: the caller's

@@ -17,6 +17,7 @@ from lightning_hooks.core.hooks.selection import Patterns, Selection
 from lightning_hooks.core.ops.feature_stats import STACKED
 from lightning_hooks.core.ops.tensors import Workspace, iter_float_tensors
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
+from lightning_hooks.tags import layer_tag
 
 __all__ = ["RELU_FAMILY", "DeadUnitTracker", "DeadUnits", "fired_counts", "unit_dim"]
 
@@ -185,7 +186,8 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         counts in."""
         for (shape, dim, device, _), rows, outputs in self._drain_pending():
             fired = torch.gt(outputs, 0)
-            units, numel = shape[dim], fired[0].numel()
+            units = shape[dim]
+            numel = fired[0].numel()
             counts = fired.movedim(dim + 1, -1).reshape(len(rows), -1, units).sum(1)
             spans = [range(s.start, s.stop) for s in map(self.unit_slice, rows)]
             where = self._pending.index(rows, device, spans)
@@ -225,7 +227,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
     def step_values(self, result: DeadUnits) -> dict[str, float]:
         """At a logging step, ``zero_fraction`` only: a unit is dead over an epoch, not a step."""
         return {
-            f"dead_relu/zero_fraction/{layer}": float(result.zero_fraction[i])
+            layer_tag("dead_relu", "zero_fraction", layer): float(result.zero_fraction[i])
             for i, layer in enumerate(result.layers)
             if result.calls[i] > 0
         }
@@ -235,7 +237,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         out: dict[str, float] = {}
         fractions = result.dead_fraction
         for i, layer in enumerate(result.layers):
-            out[f"dead_relu/dead_fraction/{layer}"] = float(fractions[i])
-            out[f"dead_relu/dead_count/{layer}"] = float(result.dead[i])
-            out[f"dead_relu/zero_fraction/{layer}"] = float(result.zero_fraction[i])
+            out[layer_tag("dead_relu", "dead_fraction", layer)] = float(fractions[i])
+            out[layer_tag("dead_relu", "dead_count", layer)] = float(result.dead[i])
+            out[layer_tag("dead_relu", "zero_fraction", layer)] = float(result.zero_fraction[i])
         return out

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from functools import partial
-from operator import itemgetter
 from typing import Any, NamedTuple
 
 import torch
@@ -13,6 +12,7 @@ from torch import nn
 from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
 from lightning_hooks.core.checks import named_arguments
+from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.ops.grad_stats import GLOBAL, GRAD_STATS, ParamLayout
@@ -45,7 +45,6 @@ _WEIGHT = GRAD_FLOW_STATS.index("weight_norm")
 _PRECLIP = GRAD_FLOW_STATS.index("grad_norm_preclip")
 _GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 _ALL = slice(0, len(GRAD_STATS))
-_PARAMS = itemgetter("params")  # the key of an OptimizerView: its param_groups' sizes
 _SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the gradient
 
 
@@ -101,6 +100,7 @@ class GradFlowTracker(HookOwner):
         max_layers_logged: :meth:`tags` for at most this many layers, non-finite first, then
             half the largest and half the smallest gradient norms, and percentiles over all
             (``None``: every layer).
+        guard: catches the exceptions of the tracker's hooks (``None``: they propagate).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -130,10 +130,11 @@ class GradFlowTracker(HookOwner):
         alarms: AlarmRules | None = None,
         clip: tuple[float, str] | None = None,
         max_layers_logged: int | None = None,
+        guard: Guard | None = None,
     ) -> None:
         flags = {"update_ratio": update_ratio, "output_grad": output_grad, "post_clip": post_clip}
         optimizers = _check_args(model, optimizers, alarms, **flags)
-        self.registry = HookRegistry(model)
+        self.registry = HookRegistry(model, guard=guard)
         modules = self.registry.modules(types=types, include=include, exclude=exclude)
         # The model's own parameters (a learnable temperature) unless a selection narrows it.
         root = model if types is None and not include else None
@@ -152,8 +153,10 @@ class GradFlowTracker(HookOwner):
         self._views = OptimizerViews(self.layout, update_ratio=update_ratio)
         self._outputs = OutputGradients(self.accumulator, _OUTPUT, self._optimizers, self._views)
         self._updates = UpdateRatio(self.accumulator, _UPDATE, self.shards)
-        self._output_grad, self._post_clip = output_grad, post_clip
-        self._step = self._calls = 0  # the last observe's step (the post-hook's); its calls
+        self._output_grad = output_grad
+        self._post_clip = post_clip
+        self._step = 0  # the last observe's step (the post-hook's)
+        self._calls = 0  # its calls
         self.alarms = GradientAlarms(rows, alarms, device) if alarms is not None else None
         self._sentinel = _SentinelRead(self.alarms, self._stats, self._outputs.order, clip)
         if output_grad:
@@ -182,7 +185,8 @@ class GradFlowTracker(HookOwner):
             param_grad_scale: the loss scale the parameter gradients still carry, or ``None``.
             step: the optimizer step the alarms name and count (default: calls from 0).
         """
-        self._step = step = self._calls if step is None else step
+        step = self._calls if step is None else step
+        self._step = step
         self._calls += 1
         logging_step = self.registry.logging_step
         alarms = self.alarms  # when their cadence runs them at this step
@@ -190,9 +194,7 @@ class GradFlowTracker(HookOwner):
             alarms = None
         if not (logging_step or alarms):
             return
-        view = self._views.built.get(id(optimizer))  # in line, the view's key too: no call
-        if view is None or view.key != tuple(map(len, map(_PARAMS, optimizer.param_groups))):
-            view = self._views.view(optimizer)
+        view = self._views.view(optimizer)
         if not view.params:
             return
         if alarms is not None and alarms.evaluated < alarms.rules.diverge_early:  # from step 1
@@ -334,7 +336,10 @@ class _SentinelRead:
         order: list[int],
         clip: tuple[float, str] | None,
     ) -> None:
-        self.alarms, self._stats, self._order, self._clip = alarms, stats, order, clip
+        self.alarms = alarms
+        self._stats = stats
+        self._order = order
+        self._clip = clip
         self._sharded = stats.shards is not None  # FSDP2: the general path makes norms whole
         self._triton = alarms is not None and alarms.rules.quiet_read == "triton"
 

@@ -14,6 +14,7 @@ from typing_extensions import Unpack
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.ops.tensors import is_training_forward
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
+from lightning_hooks.tags import layer_tag
 
 __all__ = ["LayerTimer", "LayerTimes"]
 
@@ -77,7 +78,8 @@ class _Clock:
     @staticmethod
     def elapsed_ms(span: _Span) -> float:
         """The milliseconds from ``span.start`` to ``span.end`` (CUDA: both events done)."""
-        start, end = span.start, span.end
+        start = span.start
+        end = span.end
         if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
             return float(start.elapsed_time(end))
         assert isinstance(start, float) and isinstance(end, float)  # one clock marks both
@@ -125,7 +127,9 @@ class LayerTimer(LayerStat[LayerTimes]):
         **selection: Unpack[SelectionArgs],
     ) -> None:
         super().__init__(selection_of(type(self).__name__, owner, selection))
-        self.leaves, self.use_cuda, self.sampling = leaves, cuda, False
+        self.leaves = leaves
+        self.use_cuda = cuda
+        self.sampling = False
         self._clock = _Clock(cuda=False)
         self.add_layer_state("forward_ms", reduce="sum")
         self.add_layer_state("calls", reduce="sum")
@@ -138,8 +142,10 @@ class LayerTimer(LayerStat[LayerTimes]):
     def _clear_host(self) -> None:
         n = len(self.rows)
         self._open: list[Mark | None] = [None] * n  # each layer's running forward's start
-        self._ms, self._calls = np.zeros(n), np.zeros(n)
-        self._step_ms, self._steps = np.zeros(1), np.zeros(1)
+        self._ms = np.zeros(n)
+        self._calls = np.zeros(n)
+        self._step_ms = np.zeros(1)
+        self._steps = np.zeros(1)
         self._marks: list[_LayerSpan] = []  # this step's layer marks
         self._brackets: list[_Span] = []  # this step's batches
         self._last_step: int | None = None
@@ -204,7 +210,8 @@ class LayerTimer(LayerStat[LayerTimes]):
             self._ms[mark.row] += self._clock.elapsed_ms(mark.span)
             self._calls[mark.row] += 1
         self._step_ms += sum(self._clock.elapsed_ms(bracket) for bracket in self._brackets)
-        self._marks, self._brackets = [], []
+        self._marks = []
+        self._brackets = []
 
     def drain(self) -> None:
         self._fold_events()
@@ -217,7 +224,10 @@ class LayerTimer(LayerStat[LayerTimes]):
         parts = torch.split(totals, [len(self._ms)] * 2 + [1, 1])
         for state, part in zip(states, parts, strict=True):
             state.add_(part)
-        self._ms[:], self._calls[:], self._step_ms[:], self._steps[:] = 0.0, 0.0, 0.0, 0.0
+        self._ms[:] = 0.0
+        self._calls[:] = 0.0
+        self._step_ms[:] = 0.0
+        self._steps[:] = 0.0
 
     def summarize(self, states: dict[str, np.ndarray]) -> LayerTimes:
         steps = int(states["steps"][0])
@@ -233,10 +243,12 @@ class LayerTimer(LayerStat[LayerTimes]):
         """``layer_time/{forward_ms,share}/{layer}``, ``step_ms`` and ``forward_share``."""
         if result.steps == 0:
             return {}
-        share, out = result.share, dict[str, float]()
+        share = result.share
+        out = dict[str, float]()
         for i in np.flatnonzero(result.calls):
-            out[f"layer_time/forward_ms/{result.layers[i]}"] = float(result.forward_ms[i])
-            out[f"layer_time/share/{result.layers[i]}"] = float(share[i])
+            layer = result.layers[i]
+            out[layer_tag("layer_time", "forward_ms", layer)] = float(result.forward_ms[i])
+            out[layer_tag("layer_time", "share", layer)] = float(share[i])
         out["layer_time/step_ms"] = result.step_ms
         out["layer_time/forward_share"] = float(share.sum())
         return out

@@ -141,7 +141,8 @@ class OptimizerViews:
         view = self.current(optimizer)
         if view is None:
             checks.optimizer("GradFlowTracker.observe", "optimizer", optimizer)
-            view = self.built[id(optimizer)] = self._build(optimizer, _groups_key(optimizer))
+            view = self._build(optimizer, _groups_key(optimizer))
+            self.built[id(optimizer)] = view
         return view
 
     def current(self, optimizer: torch.optim.Optimizer) -> OptimizerView | None:
@@ -221,7 +222,8 @@ class ViewStats:
     (``workspace``: the ``|g|`` pass's buffer, reused every step)."""
 
     def __init__(self, shards: ShardPlan | None, workspace: Workspace) -> None:
-        self.shards, self.workspace = shards, workspace
+        self.shards = shards
+        self.workspace = workspace
 
     def full(
         self, view: OptimizerView, grads: list[torch.Tensor], *, weights: bool = True
@@ -263,7 +265,9 @@ class UpdateRatio:
     def __init__(
         self, accumulator: LayerStatsAccumulator, column: int, shards: ShardPlan | None
     ) -> None:
-        self.accumulator, self.column, self.shards = accumulator, column, shards
+        self.accumulator = accumulator
+        self.column = column
+        self.shards = shards
 
     @staticmethod
     def keep(view: OptimizerView, weight_norm: torch.Tensor) -> None:

@@ -77,7 +77,8 @@ def _by_round(rows: list[torch.Tensor]) -> list[list[int]]:
     rounds: list[list[int]] = []
     seen: dict[int, int] = {}
     for i, row in enumerate(rows):
-        k = seen[id(row)] = seen.get(id(row), -1) + 1
+        k = seen.get(id(row), -1) + 1
+        seen[id(row)] = k
         if k == len(rounds):
             rounds.append([])
         rounds[k].append(i)
@@ -101,7 +102,8 @@ def _output_hook(
     """A forward hook putting a gradient hook on the outputs of training forwards (``wrap``:
     the registry's guard; ``compiled_sq``: a cell with the tensor a compiled region sums into)."""
     hits = sums.hits
-    sq_row, hit_row = sums.sq.select(0, row), sums.hit.select(0, row)
+    sq_row = sums.sq.select(0, row)
+    hit_row = sums.hit.select(0, row)
     eager = partial(_note_output_grad, sums.noted, sq_row, order, row)
     eager = wrap(eager, "output gradient hook")  # made once
 
@@ -112,7 +114,8 @@ def _output_hook(
         # falls back to reverse model order), and AOTAutograd checks the version of a tensor
         # the hook writes, which the eager hooks on ``sq`` would have bumped: each row sums into
         # its own tensor, lifted from the cell at each call (see OutputGradients).
-        add, compiled = eager, internals.is_compiling()
+        add = eager
+        compiled = internals.is_compiling()
         if compiled:
             add = wrap(partial(_add_output_grad, compiled_sq[0]), "output gradient hook")
         for _, tensor in iter_float_tensors(output):
@@ -139,9 +142,12 @@ class OutputGradients:
         optimizers: Sequence[torch.optim.Optimizer],
         views: OptimizerViews,
     ) -> None:
-        device, num_layers = views.layout.index.device, len(views.layout.layers)
-        self.accumulator, self.column = accumulator, column
-        self.optimizers, self.views = list(optimizers), views
+        device = views.layout.index.device
+        num_layers = len(views.layout.layers)
+        self.accumulator = accumulator
+        self.column = column
+        self.optimizers = list(optimizers)
+        self.views = views
         self.order: list[int] = []
         self._sq = torch.zeros(num_layers, device=device)
         self._hit = torch.zeros(num_layers, device=device)
@@ -168,7 +174,8 @@ class OutputGradients:
     ) -> None:
         """Hook the output of each of ``modules`` that is a layer of the layout; each compiled
         region of ``model`` gets a pre-hook giving its rows fresh tensors when called again."""
-        by_name, layers = dict(modules), self.views.layout.layers
+        by_name = dict(modules)
+        layers = self.views.layout.layers
         sums = _Sums(sq=self._sq, hit=self._hit, noted=self._noted, hits=self._hits)
         for row, name in enumerate(layers):
             if name not in by_name:

@@ -11,6 +11,7 @@ from typing_extensions import Unpack
 
 from lightning_hooks.core.hooks.selection import torch_equivalent
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
+from lightning_hooks.tags import layer_tag
 
 __all__ = [
     "SATURATING_TYPES",
@@ -151,7 +152,9 @@ class SaturationTracker(LayerStat[SaturatedUnits]):
     ) -> None:
         types = selection.get("types") or SATURATING_TYPES
         super().__init__(selection_of(type(self).__name__, owner, {**selection, "types": types}))
-        self.owner, self.unit_dim, self.margin = owner, unit_dim, margin
+        self.owner = owner
+        self.unit_dim = unit_dim
+        self.margin = margin
         self.add_layer_state("saturated", reduce="sum", dtype=torch.int64)
         self.add_layer_state("entries", reduce="sum", dtype=torch.int64)
         self.add_layer_state("unsaturated", reduce="max", dtype=torch.bool, kind="unit")
@@ -198,10 +201,12 @@ class SaturationTracker(LayerStat[SaturatedUnits]):
         """Per-layer and global saturated and always-saturated fractions, and layers that ran."""
         out: dict[str, float] = {}
         ran = result.entries > 0
-        saturated, always = result.saturated_fraction, result.always_saturated_fraction
+        saturated = result.saturated_fraction
+        always = result.always_saturated_fraction
         for i in np.flatnonzero(ran):
-            out[f"saturation/saturated_fraction/{result.layers[i]}"] = float(saturated[i])
-            out[f"saturation/always_saturated_fraction/{result.layers[i]}"] = float(always[i])
+            layer = result.layers[i]
+            out[layer_tag("saturation", "saturated_fraction", layer)] = float(saturated[i])
+            out[layer_tag("saturation", "always_saturated_fraction", layer)] = float(always[i])
         if ran.any():
             total = result.saturated[ran].sum() / result.entries[ran].sum()
             out["saturation/global/saturated_fraction"] = float(total)

@@ -24,6 +24,7 @@ from lightning_hooks.core.stats.attention import (
 )
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
+from lightning_hooks.tags import layer_tag
 
 __all__ = ["STABILITY_STATS", "StabilityStats"]
 
@@ -89,7 +90,10 @@ class StabilityStats(LayerStat[Result]):
 
     def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
         """Find the output layer anew; capture the attention of the other modules."""
-        self._output, self._last, self._candidates, self._checked = None, None, {}, False
+        self._output = None
+        self._last = None
+        self._candidates = {}
+        self._checked = False
         self._capture = AttentionCapture(self._add_attention, self._attention).attach(registry)
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -101,7 +105,8 @@ class StabilityStats(LayerStat[Result]):
 
     def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
         if name not in self._attention:
-            hook = self._logz_hooks[name] = self._forward_hook(name)
+            hook = self._forward_hook(name)
+            self._logz_hooks[name] = hook
             registry.forward_hook(module, hook, gated=True)
             return
 
@@ -116,10 +121,13 @@ class StabilityStats(LayerStat[Result]):
 
     def _add_attention(self, name: str, logits: torch.Tensor) -> None:
         entropy = attention_head_entropy(logits)
-        peak, total, count = entropy.peak, entropy.total, entropy.rows
+        peak = entropy.peak
+        total = entropy.total
+        count = entropy.rows
         row = self.rows[name] if name in self.rows else self.row(name, units=total.numel())
         self.attn_max[row] = torch.maximum(self.attn_max[row], peak)
-        heads, other = self.units[row], total.numel()
+        heads = self.units[row]
+        other = total.numel()
         if heads == other:
             self.attn_entropy[self.unit_slice(row)].add_(total)
             self.attn_rows[self.unit_slice(row)].add_(count)
@@ -158,9 +166,12 @@ class StabilityStats(LayerStat[Result]):
     def end_step(self) -> None:
         """After a forward: the last candidate seen is the output layer; after the first logging
         step, warn once of attention not seen."""
-        capture, registry = self._capture, self.registry
+        capture = self._capture
+        registry = self.registry
         if self._last is not None:
-            name, self._last, self._output = self._last, None, self._last
+            name = self._last
+            self._last = None
+            self._output = name
             for measured in self._candidates.pop(name):
                 self._add(name, measured)
             self._candidates.clear()
@@ -168,7 +179,8 @@ class StabilityStats(LayerStat[Result]):
         if self._checked or capture is None or registry is None or not registry.logging_step:
             return
         self._checked = True
-        if unseen := capture.unseen(registry.model):
+        unseen = capture.unseen(registry.model)
+        if unseen:
             warnings.warn(
                 f"StabilityStats: {len(unseen)} module(s) look like attention but made no "
                 "scaled_dot_product_attention call nor 4-D softmax that could be seen (inside "
@@ -193,12 +205,14 @@ class StabilityStats(LayerStat[Result]):
 
     def summarize(self, states: dict[str, np.ndarray]) -> Result:
         out: Result = {stat: {} for stat in STABILITY_STATS}
-        logz, count = states["logz"][:, 0], states["logz"][:, 1]
+        logz = states["logz"][:, 0]
+        count = states["logz"][:, 1]
         for i, layer in enumerate(self.layers):
             if states["attn_max"][i] != -np.inf:
                 out["attn_logit_max"][layer] = float(states["attn_max"][i])
             heads = self.unit_slice(i)
-            total, rows = states["attn_entropy"][heads], states["attn_rows"][heads]
+            total = states["attn_entropy"][heads]
+            rows = states["attn_rows"][heads]
             if (rows > 0).any():
                 out["attn_entropy_min"][layer] = float((total[rows > 0] / rows[rows > 0]).min())
             if count[i] > 0:
@@ -209,7 +223,7 @@ class StabilityStats(LayerStat[Result]):
     def tags(self, result: Result) -> dict[str, float]:
         """``stability/{stat}/{layer}``."""
         return {
-            f"stability/{stat}/{layer}": value
+            layer_tag("stability", stat, layer): value
             for stat, values in result.items()
             for layer, value in values.items()
         }

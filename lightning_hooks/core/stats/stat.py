@@ -48,7 +48,8 @@ def selection_of(
     unknown = sorted(set(args) - set(SelectionArgs.__annotations__))
     if unknown:
         raise TypeError(f"{stat}.__init__() got an unexpected keyword argument {unknown[0]!r}")
-    include, exclude = args.get("include"), args.get("exclude")
+    include = args.get("include")
+    exclude = args.get("exclude")
     return Selection.of(
         owner, types=args.get("types", default_types), include=include, exclude=exclude
     )
@@ -98,7 +99,9 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         """Forget every row and hook ``model``; returns ``self``, a context manager."""
         check_module(type(self).__name__, "model", model)
         self.remove()
-        self._epoch, self._mailbox, self._ready = None, None, []
+        self._epoch = None
+        self._mailbox = None
+        self._ready = []
         params = itertools.chain(model.parameters(), model.buffers())
         device = next((t.device for t in params), torch.device("cpu"))
         self._drop_rows(device)
@@ -177,7 +180,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         packed, shapes = self._reduced()
         box = self._mailbox
         if box is None or box.shape != tuple(packed.shape):
-            box = self._mailbox = HostMailbox(tuple(packed.shape), packed.device, packed.dtype)
+            box = HostMailbox(tuple(packed.shape), packed.device, packed.dtype)
+            self._mailbox = box
         box.post(packed, meta=(step, shapes))
         self._reset_window()
 
@@ -210,7 +214,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
             return window
         pooled = {}
         for name, new in window.items():
-            spec, old = self.specs[name], self._epoch[name]
+            spec = self.specs[name]
+            old = self._epoch[name]
             if old.shape != new.shape:  # rows made since
                 fresh = np.full((len(new) - len(old), *old.shape[1:]), spec.identity)
                 old = np.concatenate([old, fresh])
@@ -243,7 +248,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         """Start a new epoch: states (but ``"same"`` ones) and windows dropped, rows kept."""
         self.drain()
         self._reset_window()
-        self._epoch, self._ready = None, []  # and a window still in flight
+        self._epoch = None
+        self._ready = []  # and a window still in flight
         if self._mailbox is not None:
             self._mailbox.clear()
 

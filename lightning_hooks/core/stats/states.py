@@ -66,7 +66,9 @@ def _dtype_on(spec: StateSpec, device: torch.device) -> torch.dtype:
 
 def unpack(host: np.ndarray, shapes: dict[str, torch.Size]) -> dict[str, np.ndarray]:
     """The packed states ``host`` as float64 arrays by name, in ``shapes``' order (a copy)."""
-    flat, out, start = np.array(host, dtype=np.float64), {}, 0
+    flat = np.array(host, dtype=np.float64)
+    out = {}
+    start = 0
     for name, shape in shapes.items():  # math.prod of a torch.Size: no array made per state
         end = start + math.prod(shape)
         out[name] = flat[start:end].reshape(shape)
@@ -115,7 +117,7 @@ class RowStates:
             TypeError: an option that is not one of :class:`StateOptions`', or no ``reduce``.
         """
         _check_options(f"{type(self).__name__}.add_layer_state", options)
-        spec = self.specs[name] = StateSpec(
+        spec = StateSpec(
             name=name,
             reduce=options["reduce"],
             dtype=options.get("dtype", torch.float64),
@@ -123,6 +125,7 @@ class RowStates:
             kind=options.get("kind", "layer"),
             fill=options.get("fill"),
         )
+        self.specs[name] = spec
         setattr(self, name, self._fresh(spec, 0, self.device))
 
     def to(self, device: torch.device) -> Self:
@@ -157,7 +160,8 @@ class RowStates:
                     f"now {units}; pass the unit dimension whose size does not change"
                 )
             return index
-        index = self.rows[name] = len(self.rows)
+        index = len(self.rows)
+        self.rows[name] = index
         self._starts.append(sum(self.units))
         self.units.append(units)
         for spec in self.specs.values():
@@ -168,8 +172,11 @@ class RowStates:
         return index
 
     def _drop_rows(self, device: torch.device) -> None:
-        self.rows, self.units, self._starts = {}, [], []
-        self._aligned, self._counts = 0, {}
+        self.rows = {}
+        self.units = []
+        self._starts = []
+        self._aligned = 0
+        self._counts = {}
         for spec in self.specs.values():
             setattr(self, spec.name, self._fresh(spec, 0, device))
 
@@ -202,12 +209,14 @@ class RowStates:
         if [n for n, _ in mine] != list(order):
             per_row = [spec for spec in self.specs.values() if spec.kind != "global"]
             kept = {n: [self._entries(s, self.rows[n]).clone() for s in per_row] for n, _ in mine}
-            aligned, entries = self._aligned, sum(self.units[: self._aligned])
+            aligned = self._aligned
+            entries = sum(self.units[: self._aligned])
             for spec in per_row:  # back to the aligned rows, then the new ones in rank order
                 end = entries if spec.kind == "unit" else aligned
                 setattr(self, spec.name, getattr(self, spec.name)[:end].clone())
             self.rows = {n: i for n, i in self.rows.items() if i < aligned}
-            self.units, self._starts = self.units[:aligned], self._starts[:aligned]
+            self.units = self.units[:aligned]
+            self._starts = self._starts[:aligned]
             for name, units in order.items():
                 row = self.row(name, units)
                 for spec, value in zip(per_row, kept.get(name, ()), strict=False):
@@ -248,7 +257,8 @@ class RowStates:
         parts = [t.reshape(-1).to(dtype) for t in tensors]
         packed = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=self.device)
         if is_distributed():
-            ranks, offset = all_gather_stacked(packed), 0
+            ranks = all_gather_stacked(packed)
+            offset = 0
             for i, (tensor, spec) in enumerate(zip(tensors, self.specs.values(), strict=True)):
                 part = ranks[:, offset : offset + tensor.numel()]
                 offset += tensor.numel()

@@ -1,27 +1,43 @@
-"""The torch releases this library supports, and every private name of torch it uses.
+"""Every private attribute of torch, Lightning and TensorBoard the library touches, and the
+releases it supports.
+
+This package is the one place where the library goes beyond the public APIs of the libraries it
+builds on. Its entries are of two kinds:
+
+- **Internals with no public path**, needed for correctness or to keep the quiet step free of
+  host syncs and per-layer kernels. Each is named for what it does and says what would break
+  without it. This module holds torch's; :mod:`.lightning` holds Lightning's.
+- **Speed-ups with a public twin**: each says what it buys, measured with
+  ``benchmarks/speedups.py``, and its public twin sits beside it. One switch turns them all
+  off: ``LIGHTNING_HOOKS_SPEEDUPS=0`` (:func:`speedups`). :mod:`.lightning` holds the skipped
+  empty hooks, :mod:`.tensorboard` the event files' checksums in C and a logging step's scalars
+  in one event.
 
 The oldest supported torch is :data:`OLDEST_TORCH` (see ``docs/install.md`` for the pairs of
-torch and Lightning the test suite runs on). The check is made here, once, when the library is
+torch and Lightning the test suite runs on). It is checked here, once, when the library is
 imported: an older torch fails at import with a message that names both releases, never inside a
-hook an epoch in. A check of torch's behaviour that a hook needs is made here too, so that hooks
-never ask which torch they run on.
+hook an epoch in. A new release that moves one of these names breaks this package alone.
 
-The private names of torch that the library needs, because torch has no public way to do what
-they do, are read here and nowhere else: each is named for what it does and says what would
-break without it. A new torch release that moves one breaks this module alone.
+This module imports torch only: the core, which knows nothing of Lightning or TensorBoard,
+imports it. :mod:`.lightning` and :mod:`.tensorboard` are imported by the callbacks and the
+logging layer.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 __all__ = [
     "CHANNEL_FIRST_LAYERS",
     "OLDEST_TORCH",
+    "SPEEDUPS_ENV",
     "TORCH_VERSION",
+    "compiled_original",
     "current_graph_task_id",
     "foreach_add_",
     "foreach_addcmul_",
@@ -29,15 +45,33 @@ __all__ = [
     "foreach_norm",
     "foreach_sub_",
     "foreach_zero_",
+    "forward_hooks",
     "function_mode_at",
     "function_mode_depth",
     "global_forward_hooks_installed",
+    "grad_scaler_scale",
     "is_compiled",
     "is_compiling",
     "pop_function_mode",
     "push_function_mode",
+    "speedups",
+    "steps_unscale_themselves",
+    "tensor_version",
     "torch_version",
 ]
+
+SPEEDUPS_ENV = "LIGHTNING_HOOKS_SPEEDUPS"
+"""``0`` (or ``false``, ``no``, ``off``): every speed-up over a private attribute is off, and
+the library takes each one's public twin."""
+
+
+def speedups() -> bool:
+    """Whether the speed-ups over private attributes are on (the default): read where each is
+    set up, at a fit's start or a logger's first write, never per step.
+
+    """
+    return os.environ.get(SPEEDUPS_ENV, "").strip().lower() not in ("0", "false", "no", "off")
+
 
 OLDEST_TORCH = (2, 4)
 """The oldest torch release the library supports. torch 2.3 and older lack what a logging step
@@ -143,6 +177,16 @@ by dimension 1. torch's public classes are one per dimension (``Conv1d`` to ``Co
 defines would have its units counted along the wrong dimension."""
 
 
+def forward_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
+    """The forward hooks and pre-hooks on ``module``, read from its own dicts of them.
+
+    torch keeps no public view of them (a ``RemovableHandle`` only removes its hook). Without
+    it, the attention capture could not tell a ``torch.nn`` layer that only the library hooks
+    (run outside its mode as a whole) from one with a hook of the user's.
+    """
+    return [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+
+
 def global_forward_hooks_installed() -> bool:
     """Whether any global module forward hook or pre-hook is registered
     (``register_module_forward_hook``), read from torch's own dicts of them.
@@ -173,3 +217,41 @@ def is_compiled(model: torch.nn.Module) -> bool:
         or getattr(module, "_compiler_ctx", None) is not None
         for module in model.modules()
     )
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """How many times ``tensor`` was written in place (``tensor._version``). torch has no public
+    name for its version counter. Without it, a copy of a layer's output that several statistics
+    share could not tell an output changed in place (an in-place ReLU) from the one it copied."""
+    version: int = tensor._version
+    return version
+
+
+def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a ``torch.compile`` wrapper holds (its ``_orig_mod``), else ``None``.
+
+    torch keeps no public name for it. Without it, a compiled submodule's layers would be named
+    with ``_orig_mod`` in their tags, and a rename by compiling would break the tags' history.
+    """
+    original = getattr(module, "_orig_mod", None)
+    return original if isinstance(original, torch.nn.Module) else None
+
+
+def grad_scaler_scale(scaler: object) -> torch.Tensor | None:
+    """The AMP ``GradScaler``'s scale as the device tensor it keeps (``scaler._scale``), or
+    ``None`` before its first step.
+
+    The public ``get_scale()`` returns a Python float: a host sync at every fp16 step. Without
+    this, the gradient statistics of a fused optimizer (whose gradients stay scaled) and the
+    output gradients could not be divided by the scale without that sync.
+    """
+    scale = getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
+def steps_unscale_themselves(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` unscales AMP's gradients inside its own step (a fused optimizer's
+    ``_step_supports_amp_scaling``): its gradients are still scaled before the step. torch keeps
+    no public name for it. Without it, a fused Adam's gradient norms under fp16 would be logged
+    multiplied by the scale."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
