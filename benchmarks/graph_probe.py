@@ -2,7 +2,7 @@
 
 On a quiet step the sentinel's device work is the norm pass: ``torch._foreach_norm`` over the
 gradients, its ``stack``, and one non-blocking copy of the norms into pinned host memory
-(``HostMailbox.post``), then an event. Could it run as one CUDA graph? A graph reads
+(``HostCopy.post``), then an event. Could it run as one CUDA graph? A graph reads
 fixed addresses, so it also needs the gradients where they were when it was captured: under
 Lightning's default ``zero_grad(set_to_none=True)`` each backward allocates them anew.
 

@@ -53,9 +53,9 @@ def count_syncs(monkeypatch: pytest.MonkeyPatch, root: str = PACKAGE_DIR) -> Ite
         original = getattr(torch.Tensor, name)
 
         def wrapper(self: torch.Tensor, *args: Any, _o: Any = original, _n: str = name) -> Any:
-            # Pinned host memory is a mailbox: its numpy view is made once, when the mailbox is,
+            # Pinned host memory is a host copy: its numpy view is made once, when the copy is,
             # and read once the copy has landed; no device is waited for (on an H100 these were
-            # the 5 "syncs" of 4 steps at the defaults, all HostMailbox.__init__).
+            # the 5 "syncs" of 4 steps at the defaults, all HostCopy.__init__).
             if not (self.device.type == "cpu" and self.is_pinned()):
                 counter.record(_n)
             return _o(self, *args)

@@ -1,4 +1,4 @@
-"""The alarm rules in plain torch: backward order, validation, state, the CUDA mailbox."""
+"""The alarm rules in plain torch: backward order, validation, state, the CUDA host copy."""
 
 from __future__ import annotations
 

@@ -811,13 +811,13 @@ def test_torch_nn_plain_layers_are_not_hooked_and_count_as_their_callers() -> No
     with HookRegistry(model) as stats, HookRegistry(model) as registry:
         stats.forward_hook(model[0], lambda *_: None)  # another statistic's: not foreign
         AttentionCapture(lambda name, logits: seen.append((name, logits))).attach(registry)
-        outside = {"shelve", "unshelve"}  # the hooks that take the mode off for a call
+        outside = {"suspend", "resume"}  # the hooks that take the mode off for a call
         named = [(registry._name(g.module), g.hook.__name__) for g in registry._gated_hooks]
         tracked = {module for module, hook in named if hook not in outside}
-        shelved = {module for module, hook in named if hook in outside}
+        suspended = {module for module, hook in named if hook in outside}
         model(x)
     assert tracked == {"Sequential", "2", "3"}  # the root, the attention, the layer with a hook
-    assert shelved == {"0", "1", "2.proj"}  # outside the mode: the plain layers but the softmax
+    assert suspended == {"0", "1", "2.proj"}  # outside the mode: the plain layers but the softmax
     assert [name for name, _ in seen] == ["2"]
     torch.testing.assert_close(seen[0][1], model[2].proj(model[1](model[0](x))))
     # a global forward hook runs in every layer: then every module is hooked
@@ -857,9 +857,9 @@ def test_a_sequential_of_plain_layers_runs_outside_the_mode_as_one_call() -> Non
         AttentionCapture(lambda name, logits: seen.append((name, logits))).attach(registry)
         named = [(registry._name(g.module), g.hook.__name__) for g in registry._gated_hooks]
         model(x)
-    shelved = {module for module, hook in named if hook in {"shelve", "unshelve"}}
-    tracked = {module for module, hook in named if hook not in {"shelve", "unshelve"}}
-    assert shelved == {"0", "1.0", "2.0", "3.0"}  # the plain stack whole; the others' layers
+    suspended = {module for module, hook in named if hook in {"suspend", "resume"}}
+    tracked = {module for module, hook in named if hook not in {"suspend", "resume"}}
+    assert suspended == {"0", "1.0", "2.0", "3.0"}  # the plain stack whole; the others' layers
     assert tracked == {"Sequential", "1", "1.1", "2", "3"}
     assert [name for name, _ in seen] == ["1.1", "2"] and len(inner) == 1
     y = torch.tanh(plain(x))

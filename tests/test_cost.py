@@ -248,8 +248,8 @@ def test_memory_is_layers_times_stats_and_flat_over_ten_epochs(trainer_factory: 
     assert set(probe.accumulator) == {3 * (len(LAYERS) + 1) * stats}  # total, peak, count
     params = sum(p.numel() for p in TinyMLP().parameters()) * 4
     # The alarms: running scales and the ring buffer of the last `history` steps (norm, scale,
-    # band), O(history x layers) whatever the number of steps, plus the host mailbox; the loss
-    # rules' report, which holds diverging's state, and its mailbox (8 floats each).
+    # band), O(history x layers) whatever the number of steps, plus the host copy; the loss
+    # rules' report, which holds diverging's state, and its host copy (8 floats each).
     rows = len(LAYERS) + 1
     assert probe.alarm_bytes[0] <= ((AlarmRules().history * 3 + 24) * rows + 16) * 4
     # Beyond the accumulator: one copy of the parameters (update ratio), O(layers) buffers.
@@ -431,22 +431,6 @@ def test_a_quiet_step_runs_no_python_of_ours_per_module(
     assert deep[0] > small[0] + 200  # the logging step hooks every module: the count can fail
     assert small[1:] == quiet_steps[100, True].calls[1:] == deep[1:], (small, deep)
     assert quiet_steps[4, False].calls == [0, 0, 0, 0]
-
-
-def test_a_quiet_step_runs_in_a_few_modules_of_ours(
-    quiet_steps: dict[tuple[int, bool], _QuietSteps],
-) -> None:
-    """Every default callback, whatever the depth: a steady quiet step runs in at most 9 of our
-    modules (the callbacks' base and the feature map's probe check, the guard, the sentinel's
-    read and grouped norms, its three rule modules and the host mailbox); the first quiet steps
-    after a logging step also close the hooks' gate and build the read, at most 11."""
-    for modules in (4, 200):
-        steps = [
-            sorted(Path(m).relative_to(Path(m).parents[1]).as_posix() for m in step)
-            for step in quiet_steps[modules, True].modules[1:]
-        ]
-        assert all(len(step) <= 11 for step in steps), steps
-        assert len(steps[-1]) <= 9, steps[-1]
 
 
 def test_a_quiet_step_reads_nothing_back_on_the_host(

@@ -107,8 +107,9 @@ def _compile_check_raising_in(caller: str) -> Callable[[], bool]:
 class Fault(NamedTuple):
     """A failure of one kind of hook, and the warning it must give."""
 
-    owner: Any  # what is patched: a class or a module
-    attr: str  # its attribute that raises
+    owner: Any  # what is patched: a class or a module (``internals``: its compile check)
+    attr: str  # the attribute that raises (for ``internals``: the library's function inside
+    # which the compile check raises)
     callback: str  # the callback the warning names
     where: str  # the hook the warning names
 
@@ -130,10 +131,10 @@ KINDS = {
         internals, "_pop", "GradFlowCallback", "forward hook on '"
     ),
     "pre-hook that runs a layer outside the mode": Fault(
-        internals, "shelve", "GradFlowCallback", "forward pre-hook on 'encoder."
+        internals, "suspend", "GradFlowCallback", "forward pre-hook on 'encoder."
     ),
     "hook that puts the mode back": Fault(
-        internals, "unshelve", "GradFlowCallback", "forward hook on 'encoder."
+        internals, "resume", "GradFlowCallback", "forward hook on 'encoder."
     ),
     "forward hook": Fault(ActivationStatsTracker, "observe", "ActivationStatsCallback", "forward"),
     "tensor (backward) hook": Fault(

@@ -1,5 +1,6 @@
-"""Every private name of torch the library uses is read in ``lightning_hooks/internals.py`` and
-nowhere else, and the torch floor is checked there at import."""
+"""Every private attribute of torch, Lightning and TensorBoard the library uses is read in
+``lightning_hooks/internals/`` and nowhere else; the torch floor is checked there at import; and
+with the speed-ups off, the public paths log the same values."""
 
 from __future__ import annotations
 
@@ -57,6 +58,37 @@ def test_the_scan_finds_each_form_of_a_private_name() -> None:
         "from torch.nn.modules.module import _global_forward_hooks",
         "torch._foreach_norm",
     ]
+
+
+_NAMEDTUPLE = {"_fields", "_asdict", "_replace", "_make"}
+"""The underscore names of ``collections.namedtuple``'s public API."""
+
+
+def _private_reads_by_name(source: str) -> list[str]:
+    """``getattr``, ``hasattr`` and ``setattr`` of a private attribute named by a literal (how
+    another library's private attribute is read without its name in the code)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        if node.func.id not in ("getattr", "hasattr", "setattr") or len(node.args) < 2:
+            continue
+        name = node.args[1]
+        if isinstance(name, ast.Constant) and isinstance(name.value, str):
+            private = name.value.startswith("_") and not name.value.startswith("__")
+            if private and name.value not in _NAMEDTUPLE:
+                found.append(f"{node.func.id}(..., {name.value!r})")
+    return found
+
+
+def test_no_module_but_internals_reads_a_private_attribute_by_name() -> None:
+    offenders = {
+        path.relative_to(PACKAGE.parent).as_posix(): names
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if INTERNALS not in path.parents and (names := _private_reads_by_name(path.read_text()))
+    }
+    assert offenders == {}
+    assert _private_reads_by_name("getattr(scaler, '_scale', None)") == ["getattr(..., '_scale')"]
 
 
 def test_no_module_but_internals_names_a_private_name_of_torch() -> None:

@@ -1,5 +1,5 @@
 """The quiet step's sentinel: per-parameter norms copied to the host and folded into layers there,
-against plain torch; the host mailbox that carries them."""
+against plain torch; the host copy that carries them."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from lightning_hooks.core.alarms import HostSegments
 from lightning_hooks.core.alarms.gradients import GradientRules, RunningScale
 from lightning_hooks.core.alarms.loss import LossRules
 from lightning_hooks.core.ops.grad_stats import ParamLayout, param_norms, segment_norm
-from lightning_hooks.core.transport import HostMailbox
+from lightning_hooks.core.transport import HostCopy
 from lightning_hooks.errors import GradientAlarmWarning
 
 FAULT = 37  # a quiet step: the Trainer logs (and the statistics sample) every 50
@@ -122,8 +122,8 @@ def test_the_host_fold_equals_the_device_segments() -> None:
     np.testing.assert_allclose(mixed.fold(values), [5.0, 5.0, math.sqrt(50.0)], rtol=1e-7)
 
 
-def test_the_mailbox_grows_for_a_larger_value_and_keeps_the_unread_one() -> None:
-    box = HostMailbox((2,), torch.device("cpu"))
+def test_the_host_copy_grows_for_a_larger_value_and_keeps_the_unread_one() -> None:
+    box = HostCopy((2,), torch.device("cpu"))
     box.post(torch.tensor([1.0, 2.0]), meta="small")
     box.reserve((5,))  # larger than the buffer, with a value unread
     value, meta = box.read(wait=True)

@@ -167,7 +167,7 @@ def test_quiet_batches_read_no_window_and_a_late_copy_is_written_at_the_next_bat
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copy: str
 ) -> None:
     """A window is read only where a logging step posted one (a quiet batch's hooks look at no
-    statistic's mailbox); a copy not done when the logging step looks (CUDA's non-blocking
+    statistic's host copy); a copy not done when the logging step looks (CUDA's non-blocking
     copy) is written at the next batch's start, with the values of its own step."""
     from lightning_hooks.callbacks.base import HookCallback
     from lightning_hooks.core.stats.stat import LayerStat
@@ -176,7 +176,7 @@ def test_quiet_batches_read_no_window_and_a_late_copy_is_written_at_the_next_bat
     collect, seen = LayerStat._collect, set()
 
     def slow_collect(self: LayerStat[Any], wait: bool) -> None:
-        box = self._mailbox
+        box = self._host_copy
         if late and not wait and box is not None and box.pending and id(box) not in seen:
             seen.add(id(box))  # its first look without waiting: still copying
             return

@@ -120,10 +120,10 @@ class ActivationStatsCallback(StatsCallback):
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
         """Warn once about the first module whose output went non-finite."""
-        if self._tracker is None or not self.warn_nonfinite or self._warned_nonfinite:
+        if self._hooks is None or not self.warn_nonfinite or self._warned_nonfinite:
             return False
         tracker = self._activations
-        tracker.end_step(self._batch_step)
+        tracker.end_step(self.cadence.batch_step)
         found = tracker.first_nonfinite.poll()
         if found is not None:
             step, row = found

@@ -15,7 +15,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
 from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
 from lightning_hooks.core.transport import (
-    HostMailbox,
+    HostCopy,
     all_reduce_sum_,
     group_device,
     to_group_device,
@@ -63,7 +63,7 @@ class LossAgreement:
 
     def __init__(self, policy: AlarmPolicy) -> None:
         self._policy = policy
-        self._carrier: HostMailbox | None = None
+        self._carrier: HostCopy | None = None
         self.reading: Literal["own", "mean", "off"] = "own"  # in this fit (:meth:`plan`)
         self._manual = False
         self._pending: _Pending | None = None
@@ -71,7 +71,6 @@ class LossAgreement:
     def plan(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
         """At a fit's start, set :attr:`reading`: ``"own"`` (one process, or no loss rule), else
         ``"mean"`` (one ``all_reduce`` per batch; ``"off"`` from a batch where a rank has none)."""
-        self._policy.stop_requested = False
         self.reading = "own"
         self._carrier = None
         if rules is None or not rules.watches_loss or world_size() == 1:
@@ -80,16 +79,19 @@ class LossAgreement:
         # A Fabric loop feeds its loss when it wants (fabric.py): read as manual optimization.
         fabric = is_set_up_by_fabric(pl_module)
         self._manual = fabric or not getattr(pl_module, "automatic_optimization", False)
-        self._carrier = HostMailbox((4,), group_device())  # what :func:`_carry` sums
+        self._carrier = HostCopy((4,), group_device())  # what :func:`_carry` sums
 
-    def observe(self, loss: torch.Tensor | None, step: int, *, failed: bool) -> RankVotes | None:
-        """Post the loss, ``failed`` and the stop request to the ``all_reduce``; the ranks' votes
-        once its host copy is read (CUDA: a batch later), else ``None``."""
+    def observe(
+        self, loss: torch.Tensor | None, step: int, *, failed: bool, stop: bool
+    ) -> RankVotes | None:
+        """Post the loss, ``failed`` and ``stop`` (this rank's request to stop the fit) to the
+        ``all_reduce``; the ranks' votes once its host copy is read (CUDA: a batch later), else
+        ``None``."""
         if self.reading != "mean":
             return None
         assert self._carrier is not None
         got = [self._carrier.read(wait=True)]  # CUDA: the last batch's, posted then
-        carried = _carry(loss, failed, self._policy.stop_requested)
+        carried = _carry(loss, failed, stop)
         self._carrier.post(carried, meta=step)
         if carried.device.type != "cuda":
             got.append(self._carrier.read(wait=True))

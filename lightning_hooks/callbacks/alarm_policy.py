@@ -4,7 +4,7 @@ write it to the loggers. What its loss rules read under DDP is in :mod:`.agreeme
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -83,11 +83,13 @@ class AlarmPolicy:
     """Applies ``on_alarm`` (:func:`check_actions`) to the alarms read on the host, and logs them:
     a warning once per rule and layer per epoch; under DDP, ``stop`` and ``raise`` on every rank."""
 
-    def __init__(self, on_alarm: Action | Mapping[str, Action]) -> None:
+    def __init__(
+        self, on_alarm: Action | Mapping[str, Action], request_stop: Callable[[], None]
+    ) -> None:
         self.actions = check_actions(on_alarm)
         # ``skip`` needs the current step's verdict before the optimizer step (a CUDA sync)
         self.wait = "skip" in self.actions.values()
-        self.stop_requested = False  # a ``stop`` this rank read, not yet agreed by the ranks
+        self._request_stop = request_stop  # under DDP: a ``stop`` for the ranks to agree on
         self._warned: set[tuple[str, str]] = set()
         self._logged = 0  # alarms of the epoch's log already written at a logging step
         self._counted: dict[str, int] = {}
@@ -145,8 +147,8 @@ class AlarmPolicy:
         if stop and world_size() == 1:
             trainer.should_stop = True
         elif stop:
-            # agreed on a collective the callback makes anyway (``settle``): no host sync here
-            self.stop_requested = True
+            # agreed on a collective the callback makes anyway: no host sync here
+            self._request_stop()
 
     def announce_stop(self, trainer: pl.Trainer) -> None:
         """At the fit's end: if an alarm's ``stop`` ended it, say so, once (a fit that stops

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import weakref
 from abc import ABCMeta, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -17,8 +17,7 @@ from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks import internals
-from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
+from lightning_hooks.callbacks.cadence import LoggingCadence, check_every_n_steps
 from lightning_hooks.callbacks.fabric import FabricRun
 from lightning_hooks.callbacks.trainer import (
     SECOND_CALLBACK,
@@ -27,20 +26,17 @@ from lightning_hooks.callbacks.trainer import (
     restore_inherited,
     skip_inherited,
 )
-from lightning_hooks.core.alarms import GradientAlarms
-from lightning_hooks.core.checks import positive_int
 from lightning_hooks.core.hooks.guard import Guard, guard_hooks
 from lightning_hooks.core.hooks.registry import HookRegistry
-from lightning_hooks.core.stats.grad_flow import GradFlowTracker
 from lightning_hooks.core.transport import agree, gather_objects, world_size
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import fabric_callbacks
 from lightning_hooks.logging import save_loggers, write_dashboards
 
 __all__ = [
-    "Engine",
+    "AttachedHooks",
     "HookCallback",
-    "check_every_n_steps",
+    "selection_state_key",
     "training_loss",
 ]
 
@@ -54,7 +50,7 @@ _UNSAVED: weakref.WeakSet[pl.Trainer] = weakref.WeakSet()
 callbacks, since the last of ours in the Trainer's list saves for all (one save per batch)."""
 
 
-class Engine(Protocol):
+class AttachedHooks(Protocol):
     """What a callback's hooks feed, as the base sees it: the registry whose logging-step gate it
     sets at each batch start (``None``: no module hook to gate), and ``remove()``, which takes
     every hook off the model."""
@@ -66,42 +62,88 @@ class Engine(Protocol):
 
 
 class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
-    """Base of the library's callbacks: owns when hooks exist (from ``on_train_start`` to
-    ``on_train_end``, ``on_exception`` or ``teardown``), subclasses own what they measure."""
+    """Base of the library's callbacks: it owns when hooks exist (from ``on_train_start`` to
+    ``on_train_end``, ``on_exception`` or ``teardown``), the guard of every hook, the logging
+    steps' cadence and the ranks' agreement; a subclass owns what it measures.
 
-    every_n_steps: int | None = None  # measure steps n-1, 2n-1, ... (None: log_every_n_steps)
-    from_environment: bool = False
-    """Added by the ``LIGHTNING_HOOKS`` switch, not by the user: yields to one the user passed."""
-    strict: bool | None = None  # a hook's exception: raise, or disable (None: the environment)
-    uses_images: bool = True
-    policy: AlarmPolicy | None = None  # what acts on the alarms (GradFlowCallback's)
-    _tracker: Engine | None = None  # what the hooks feed; ``remove()`` takes them off
-    _optimizer_steps: GradFlowTracker | None = None  # measured at each optimizer step
-    _pending_state: dict[str, Any] | None = None
-    _ranks: int = 1
-    _idle: bool = False  # nothing to watch (or the user's own runs): this fit does nothing
+    Every Lightning hook of the base runs under the callback's guard (see
+    :mod:`lightning_hooks.core.hooks.guard`). A subclass extends it at these points, each called
+    by the base's own Lightning hooks:
+
+    ======================  ============================  ======================================
+    extension               called                        the subclass
+    ======================  ============================  ======================================
+    ``_validate``           ``on_fit_start``              checks the model (a refused
+                                                          configuration raises here)
+    ``_attach``             ``on_train_start``            puts its hooks on, sets ``_hooks``
+    ``_detach``             the hooks go, every exit      drops what the fit made (chains up)
+    ``_batch_started``      a logging step's first batch  opens what the step measures
+    ``_batch_ending``       each such batch's end         closes it; ``True``: disabled
+    ``_log_step``           after its optimizer step      posts the step's windows
+    ``_write_steps``        when a window is read back    writes it; whether it wrote
+    ``_steps_in_flight``    after a write                 whether windows are still in flight
+    ``_log_epoch``          ``on_train_epoch_end``        writes the epoch and resets it
+    ``_load_state``         the first ``on_train_start``  restores a checkpoint's state
+    ``_agreement_flags``    each agreement of the ranks   the flags to sum across ranks
+    ``_agreed``             after it                      acts on the sums; ``True``: disabled
+    ``_votes_carried``      each agreement                whether a collective of its own
+                                                          carries the agreement
+    ======================  ============================  ======================================
+    """
+
     _default_types: Any = None
+    """The module types the callback watches when the user gives none (named in its errors)."""
     _selection_arguments: tuple[str, ...] = ("include", "exclude")
-    _epoch_start_step: int = -1
-    _logged_step: int | None = None
-    _posted = False  # a logging step's windows were posted, and may not all be written yet
-    _batch_step = 0  # the optimizer step the running batch feeds
-    _logging_batch = False  # the running batch belongs to a logging step
-    # Set by ``_attach``, so that a quiet batch calls no method of a subclass:
-    _every_batch = False  # ``_batch_ending`` on every batch, not only the logging steps' ones
-    _own_loss: GradientAlarms | None = None  # the alarms fed this rank's loss at each batch end
-    _on_optimizer_step: Callable[[torch.optim.Optimizer], None] | None = None  # more work then
+    """The constructor arguments that select modules (named in its errors)."""
+
+    def __init__(self, *, every_n_steps: int | None = None, strict: bool | None = None) -> None:
+        """Set the cadence and the guard's strictness, and the state every fit starts from.
+
+        Args:
+            every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
+                (``None``: the Trainer's ``log_every_n_steps``).
+            strict: a hook's exception raises (``True``) or disables the callback for the rest
+                of the fit (``False``); ``None``: ``LIGHTNING_HOOKS_STRICT`` decides.
+
+        Raises:
+            ValueError: ``every_n_steps`` is not a positive int or ``None``.
+        """
+        super().__init__()
+        self.cadence = LoggingCadence(check_every_n_steps(type(self).__name__, every_n_steps))
+        """Which optimizer steps are logging steps, and where the running one is."""
+        self.strict = strict
+        self.from_environment = False
+        """Added by the ``LIGHTNING_HOOKS`` switch, not by the user: yields to one the user
+        passed."""
+        self.uses_images = True
+        """Whether the callback draws pictures (a logger that shows none is warned of)."""
+        self._guard: Guard | None = None  # made at the first hook of each fit
+        self._fabric_run: FabricRun | None = None  # under Fabric: what drives the hooks
+        self._hooks: AttachedHooks | None = None  # what the hooks feed; ``remove()`` takes them off
+        self._pending_state: dict[str, Any] | None = None  # a checkpoint's, until attached
+        self._ranks = 1
+        self._idle = False  # nothing to watch (or the user's own runs): this fit does nothing
+        self._posted = False  # a logging step's windows were posted, not all written yet
+        self._logging_batch = False  # the running batch belongs to a logging step
+        self._every_batch = False  # ``_batch_ending`` on every batch (set by ``_attach``)
+        self.stop_requested = False
+        """This rank's request to stop the fit: the ranks agree on it at their next agreement,
+        then every rank stops after the same step."""
+
+    @property
+    def every_n_steps(self) -> int | None:
+        """Measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first (``None``: the
+        Trainer's ``log_every_n_steps``)."""
+        return self.cadence.every_n_steps
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         guard_hooks(cls)
 
     def _hook_guard(self) -> Guard:
-        guard: Guard | None = self.__dict__.get("_guard")
-        if guard is None:
-            guard = Guard(type(self).__name__, strict=self.strict)
-            self.__dict__["_guard"] = guard
-        return guard
+        if self._guard is None:
+            self._guard = Guard(type(self).__name__, strict=self.strict)
+        return self._guard
 
     def _guard_disable(self) -> None:  # after a guarded failure; the guard keeps the rest off
         self._detach()
@@ -112,16 +154,20 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         return self._generate_state_key(**self._state_key_fields())
 
     def _state_key_fields(self) -> dict[str, Any]:
-        """What makes the checkpoint state distinct (Lightning refuses two equal keys)."""
-        selection = {name: getattr(self, name, ()) for name in ("include", "exclude")}
-        fields = {"types": repr(getattr(self, "types", None)), **selection}
-        return {**fields, "environment": True} if self.from_environment else fields
+        """What makes the checkpoint state distinct (Lightning refuses two equal keys): the
+        selection, where the callback has one."""
+        return selection_state_key(
+            getattr(self, "types", None),
+            getattr(self, "include", ()),
+            getattr(self, "exclude", ()),
+            from_environment=self.from_environment,
+        )
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or passed_by_user(self, trainer.callbacks):  # type: ignore[attr-defined]
             return
-        self.__dict__.pop("_guard", None)  # each fit starts healthy
+        self._guard = None  # each fit starts healthy
         check_trainer(type(self).__name__, trainer, uses_images=self.uses_images)
 
     @override
@@ -134,6 +180,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._detach()
+        self.stop_requested = False
         guard = self._hook_guard()
         self._ranks = world_size()
         # Ranks agree on a failure before any disables (see lightning_hooks.core.hooks.guard).
@@ -157,21 +204,15 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._batch_step = trainer.global_step
-        step = self._batch_step
-        if batch_idx == 0:
-            # By batch index, not on_train_epoch_start: a run resumed mid-epoch samples the
-            # same steps as the uninterrupted one. Every micro-batch of the step follows.
-            self._epoch_start_step = step
+        logs = self.cadence.start_batch(trainer, batch_idx)
         if self._posted:  # on CUDA, the last logging step's copy
-            self._read_steps(trainer, wait=False)
-        logs = self._cadence_logs(trainer, step) or step == self._epoch_start_step
+            self._write_ready_steps(trainer, wait=False)
         self._set_gate(logs)
         if trainer in _UNSAVED and self._last_of_ours(trainer, live=True):
             _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
-        self._logging_batch = logs and self._tracker is not None
+        self._logging_batch = logs and self._hooks is not None
         if self._logging_batch:
-            self._logged_step = step
+            self.cadence.measure()
             self._batch_started(trainer)
 
     @override
@@ -185,47 +226,33 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     ) -> None:
         if (self._logging_batch or self._every_batch) and self._batch_ending(trainer, outputs):
             return
-        alarms = self._own_loss
-        if alarms is not None:  # the loss rules on this rank's loss
-            loss = training_loss(trainer, outputs)
-            if loss is not None:
-                alarms.update_loss(loss, step=self._batch_step)
-                found = alarms.poll()
-                if found and self.policy is not None:
-                    self.policy.act(trainer, None, found)
-        measured = self._logged_step
         # The logging step's optimizer step ran (its last micro-batch): write it.
-        if measured is not None and trainer.global_step > measured:
-            self._logged_step = None
+        measured = self.cadence.take_done(trainer)
+        if measured is not None:
             if self._agree_ranks(trainer, measured, always=False):
                 return  # disabled
-            self._read_steps(trainer, wait=True)  # the last logging step's, then post this one
+            # the last logging step's, then post this one
+            self._write_ready_steps(trainer, wait=True)
             self._log_step(trainer, measured)
             self._posted = True
-            self._read_steps(trainer, wait=False)
+            self._write_ready_steps(trainer, wait=False)
             # the module hooks come off now, unless the next step logs too: a quiet step after
             # a logging step takes no hook off (an epoch's first step puts them on again)
-            self._set_gate(self._cadence_logs(trainer, trainer.global_step))
+            self._set_gate(self.cadence.logs(trainer, trainer.global_step))
         if trainer in _UNSAVED and self._last_of_ours(trainer, live=True):
             _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
 
-    def _cadence_logs(self, trainer: pl.Trainer, step: int) -> bool:
-        """Whether optimizer step ``step`` is a logging step by the cadence (steps n-1, 2n-1, ...
-        of ``every_n_steps``, else of the Trainer's ``log_every_n_steps``)."""
-        cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
-        return (step + 1) % cadence == 0
-
     def _set_gate(self, logging_step: bool) -> None:
         """Open or close the gate of the module hooks (a quiet step reads it, sets nothing)."""
-        gate = None if self._tracker is None else self._tracker.registry
+        gate = None if self._hooks is None else self._hooks.registry
         if gate is not None and gate.logging_step != logging_step:
             gate.set_logging_step(logging_step)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._agree_ranks(trainer, trainer.global_step, always=True):
-            self._read_steps(trainer, wait=True)
-            self._logged_step = None
+            self._write_ready_steps(trainer, wait=True)
+            self.cadence.measuring = None
             self._log_epoch(trainer, pl_module)
             if trainer.is_global_zero and self._last_of_ours(trainer, live=False):
                 write_dashboards(trainer.loggers)  # one layout per run, by the last of ours
@@ -264,7 +291,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         if passed_by_user(self, ours):
             return  # LIGHTNING_HOOKS asked for a callback the user passed already
         run = FabricRun(self, fabric, module)
-        self.__dict__["_fabric_run"] = run
+        self._fabric_run = run
         if callbacks is not None and self in callbacks:
             # fabric.call(...) passes Fabric's arguments: the run answers, not the Trainer hooks.
             callbacks[callbacks.index(self)] = run
@@ -272,18 +299,19 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     def flush(self, trainer: pl.Trainer) -> None:
         """Before the hooks go: write what was measured (CUDA: the last logging step's copy)."""
-        self._read_steps(trainer, wait=True)
+        self._write_ready_steps(trainer, wait=True)
         _save(trainer)
 
     def on_after_optimizer_step(self, strategy: object, optimizer: torch.optim.Optimizer) -> None:
         """Fabric's hook, when the run could not take the callback's place in its list."""
-        run: FabricRun | None = self.__dict__.get("_fabric_run")
+        run = self._fabric_run
         if run is not None:
             run.on_after_optimizer_step(strategy, optimizer)
 
     def release(self) -> None:
         """Under Fabric: write what is pending and remove every hook now."""
-        run: FabricRun | None = self.__dict__.pop("_fabric_run", None)
+        run = self._fabric_run
+        self._fabric_run = None
         if run is not None:
             run.on_train_end()
 
@@ -294,7 +322,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         for bound in ("log", "log_dict"):
             self.__dict__.pop(bound, None)
 
-    def _read_steps(self, trainer: pl.Trainer, wait: bool) -> None:
+    def _write_ready_steps(self, trainer: pl.Trainer, wait: bool) -> None:
         """Write the last logging step once its host copy is done (``wait``: block for it)."""
         if not (wait or self._posted):
             return
@@ -319,18 +347,17 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         guard = self._hook_guard()
         if self._ranks == 1 or guard.failed is not None or (self._votes_carried() and not always):
             return guard.failed is not None
-        stop = self.policy is not None and self.policy.stop_requested
+        stop = self.stop_requested
         failed, stopping, *extra = agree([guard.local is not None, stop, *self._agreement_flags()])
-        disabled = self._settle(trainer, step, failed, stopping)
+        disabled = self._apply_agreement(trainer, step, failed, stopping)
         return disabled or bool(self._agreed(trainer, step, extra))
 
-    def _settle(self, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
+    def _apply_agreement(self, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
         """Stop if any rank asked; if any failed, disable the callback on every rank (one
         warning); whether disabled."""
         if stopping:
             trainer.should_stop = True
-            if self.policy is not None:
-                self.policy.stop_requested = False
+            self.stop_requested = False
         local = self._hook_guard().local
         return bool(failed) and self._disable(trainer, step, gather_objects(local))
 
@@ -361,67 +388,52 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         )
         self._idle = True
 
-    def _observe_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        """``on_before_optimizer_step`` of a callback that measures every optimizer step (set by
-        that callback; defined here, so that a quiet step runs this module only): measure the
-        gradient ``optimizer`` is about to apply, and act on the alarms read."""
-        tracker = self._optimizer_steps
-        if tracker is None:
-            return
-        scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
-        enabled = scaler is not None and scaler.is_enabled()
-        scale = internals.grad_scaler_scale(scaler) if enabled else None  # no sync
-        # Lightning does not unscale for optimizers that unscale inside their step (fused).
-        fused = scale is not None and internals.steps_unscale_themselves(optimizer)
-        tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
-        if self._on_optimizer_step is not None:
-            self._on_optimizer_step(optimizer)
-        alarms = tracker.alarms
-        policy = self.policy
-        if alarms is None or policy is None:
-            return
-        found = alarms.poll(wait=policy.wait)
-        if found:
-            policy.act(trainer, optimizer, found)
-
-    # Extend: ``_attach``, ``_log_epoch``; ``_validate`` the model; a logging step's batch
-    # (``_batch_started``, ``_batch_ending``: True if disabled) and window (``_log_step`` posts,
-    # ``_write_steps`` writes, ``_steps_in_flight``); ``state_dict`` / ``_load_state`` (ValueError
-    # if foreign); flags the ranks agree on (``_agreement_flags``; ``_agreed``: True if disabled).
-
     @abstractmethod
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """At each fit's train start: put the hooks on ``pl_module`` and set :attr:`_tracker`."""
+        """At each fit's train start: put the hooks on ``pl_module`` and set :attr:`_hooks`."""
 
     @abstractmethod
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """At each epoch end: write the epoch's aggregates and pictures, then reset them."""
 
-    def _validate(self, pl_module: pl.LightningModule) -> None: ...
+    def _validate(self, pl_module: pl.LightningModule) -> None:
+        """At ``on_fit_start``: check the model; a configuration it cannot watch raises."""
 
     def _detach(self) -> None:
-        if self._tracker is not None:
-            self._tracker.remove()
-            self._tracker = None
+        """Take every hook off (idempotent); a subclass drops what its fit made, then chains."""
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
 
-    def _batch_started(self, trainer: pl.Trainer) -> None: ...
+    def _batch_started(self, trainer: pl.Trainer) -> None:
+        """At the first batch of a logging step, with its hooks on."""
 
     def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
+        """At the end of a logging step's batch (of every batch with ``_every_batch``); whether
+        the callback is now disabled."""
         return False
 
-    def _log_step(self, trainer: pl.Trainer, step: int) -> None: ...
+    def _log_step(self, trainer: pl.Trainer, step: int) -> None:
+        """After a logging step's optimizer step: post what it measured, to be written."""
 
     def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
+        """Write the logging steps read back (``wait``: block for them); whether any was."""
         return False
 
     def _steps_in_flight(self) -> bool:
+        """Whether a logging step's values are still on their way to the host."""
         return False
 
-    def _load_state(self, state: dict[str, Any]) -> None: ...
+    def _load_state(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint's ``state`` into the attached statistics.
+
+        Raises:
+            KeyError: the state is of another model (one warning, the state is dropped).
+            ValueError: the same.
+        """
 
     def _agreement_flags(self) -> list[bool]:
+        """This rank's flags, summed across the ranks at each agreement."""
         return []
 
     def _votes_carried(self) -> bool:
@@ -429,10 +441,26 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         return False
 
     def _agreed(self, trainer: pl.Trainer, step: int, counts: list[int]) -> bool:
+        """Act on the sums of :meth:`_agreement_flags`; whether the callback is now disabled."""
         return False
 
 
 guard_hooks(HookCallback)
+
+
+def selection_state_key(
+    types: object, include: object, exclude: object, *, from_environment: bool
+) -> dict[str, Any]:
+    """The fields of a callback's checkpoint key made from its module selection (the key release
+    0.2.0 saved under: a checkpoint's state is found by it), marked if the ``LIGHTNING_HOOKS``
+    switch added the callback.
+
+    Example:
+        >>> selection_state_key(None, (), ("*.bn*",), from_environment=False)
+        {'types': 'None', 'include': (), 'exclude': ('*.bn*',)}
+    """
+    fields = {"types": repr(types), "include": include, "exclude": exclude}
+    return {**fields, "environment": True} if from_environment else fields
 
 
 def training_loss(trainer: pl.Trainer, outputs: STEP_OUTPUT) -> torch.Tensor | None:
@@ -457,16 +485,3 @@ def _save(trainer: pl.Trainer) -> None:
     if trainer.is_global_zero:
         write_dashboards(trainer.loggers)
     save_loggers(trainer.loggers)
-
-
-def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
-    """A cadence: a positive int or ``None`` (``ValueError`` naming ``owner`` else)."""
-    if every_n_steps is None:
-        return None
-    try:
-        return positive_int(owner, "every_n_steps", every_n_steps)
-    except TypeError as err:  # one error type for every wrong cadence
-        raise ValueError(
-            f"{owner}(every_n_steps={every_n_steps!r}): must be a positive int or None "
-            f"(the Trainer's log_every_n_steps), got {every_n_steps!r}"
-        ) from err

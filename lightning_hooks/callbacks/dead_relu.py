@@ -56,7 +56,6 @@ class DeadReLUCallback(StatsCallback):
         >>> trainer = pl.Trainer(callbacks=[callback])  # doctest: +SKIP
     """
 
-    uses_images = False
     _findings = (_NAME, "dead-unit findings")
     _default_types = RELU_FAMILY
     _selection_arguments = ("include", "exclude", "pre_activation")

@@ -109,7 +109,9 @@ class FeatureMapCallback(HookCallback):
                 f"got {embedding!r}"
             )
         self.embedding = embedding
-        self.strict = None if strict is None else checks.boolean(_OWNER, "strict", strict)
+        super().__init__(
+            strict=None if strict is None else checks.boolean(_OWNER, "strict", strict)
+        )
         if probe_labels is not None and not isinstance(probe_labels, torch.Tensor):
             raise TypeError(
                 f"{_OWNER}(probe_labels={probe_labels!r}): must be a tensor of one label per "

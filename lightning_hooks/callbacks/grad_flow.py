@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
-from functools import partial
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.nn.parameter import is_lazy
 from typing_extensions import override
 
+from lightning_hooks import internals
 from lightning_hooks.callbacks.agreement import LossAgreement
 from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
-from lightning_hooks.callbacks.base import HookCallback, training_loss
+from lightning_hooks.callbacks.base import selection_state_key, training_loss
 from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
 from lightning_hooks.callbacks.stats import Statistic, StatsCallback
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, checks
-from lightning_hooks.core.alarms import AlarmRules
+from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
 from lightning_hooks.core.ops.grad_stats import ParamLayout
@@ -99,7 +100,7 @@ class GradFlowCallback(StatsCallback):
     instability statistics. It adds the alarms and the pictures.
     """
 
-    policy: AlarmPolicy
+    stats_made_at_fit = True  # for the Trainer's optimizers: a GradFlowTracker and StabilityStats
     aligns_rows = False  # the tracker's rows are the model's layers, the instability statistics'
     # its attention and output modules, which every rank runs in every training forward
 
@@ -121,9 +122,9 @@ class GradFlowCallback(StatsCallback):
         stability: bool = True,
     ) -> None:
         _check_types(types)
-        self._configure((), every_n_steps)  # its statistics are made at each fit
+        super().__init__((), every_n_steps=every_n_steps)  # its statistics are made at each fit
         self.alarms = _alarm_rules(alarms)
-        self.policy: AlarmPolicy = AlarmPolicy(on_alarm)
+        self.policy = AlarmPolicy(on_alarm, request_stop=self._request_stop)
         self.loss_agreement = LossAgreement(self.policy)
         self.on_alarm = self.policy.actions
         self.max_layers_logged = _max_layers(max_layers_logged)
@@ -132,6 +133,7 @@ class GradFlowCallback(StatsCallback):
         self.types = types
         self.histograms = histograms
         self._hist: LayerHistograms | None = None
+        self._own_loss: GradientAlarms | None = None  # the alarms fed this rank's loss (one rank)
         self.include = as_patterns(include, f"GradFlowCallback(include={include!r})")
         self.exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
         self.update_ratio = update_ratio
@@ -147,7 +149,9 @@ class GradFlowCallback(StatsCallback):
     @override
     def _state_key_fields(self) -> dict[str, Any]:
         # Keyed by the selection, as release 0.2.0 saved it (a StatsCallback's by its statistics).
-        return super(StatsCallback, self)._state_key_fields()
+        return selection_state_key(
+            self.types, self.include, self.exclude, from_environment=self.from_environment
+        )
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
@@ -196,6 +200,7 @@ class GradFlowCallback(StatsCallback):
                 f"of {', '.join(repr(n) for n in unstepped)}; these layers are not measured.",
                 category=LightningHooksWarning,
             )
+        self._hooks = self._tracker  # the base takes its hooks off
         self._measured = (self._tracker,)
         if self.stability:  # on the tracker's registry: one logging-step gate, removed with it
             self._stability = StabilityStats().attach(pl_module, self._tracker.registry)
@@ -203,28 +208,51 @@ class GradFlowCallback(StatsCallback):
         if self.histograms:
             layout = self._tracker.layout
             self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
-            self._on_optimizer_step = partial(observe_histograms, self._hist, layout)
-        self._optimizer_steps = self._tracker
         self.policy.restore(self._tracker.alarms)
         loss = self.loss_agreement
         loss.plan(pl_module, self.alarms)
         own = loss.reading == "own" and self.alarms is not None and self.alarms.watches_loss
         self._own_loss = self._tracker.alarms if own else None
-        self._every_batch = loss.reading == "mean"
+        # the loss rules read every batch's loss: the ranks' mean, or this rank's own
+        self._every_batch = loss.reading == "mean" or self._own_loss is not None
 
     @override
     def _detach(self) -> None:
         if self._tracker is not None and self._tracker.alarms is not None:
             self.policy.saved = self._tracker.alarms.state_dict()  # the hooks are about to go
         super()._detach()
+        self._tracker = None
         self._hist = None
         self._stability = None
         self._own_loss = None
-        self._on_optimizer_step = None
-        self._optimizer_steps = None
         self._every_batch = False
 
-    on_before_optimizer_step = HookCallback._observe_optimizer_step  # noqa: SLF001 (the base's method, defined there so that a quiet step runs that module only)
+    def _request_stop(self) -> None:
+        """An alarm's ``stop`` under DDP: the ranks agree on it at the next agreement."""
+        self.stop_requested = True
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Measure the gradient ``optimizer`` is about to apply, and act on the alarms read."""
+        tracker = self._tracker
+        if tracker is None:
+            return
+        scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
+        enabled = scaler is not None and scaler.is_enabled()
+        scale = internals.grad_scaler_scale(scaler) if enabled else None  # no sync
+        # Lightning does not unscale for optimizers that unscale inside their step (fused).
+        fused = scale is not None and internals.steps_unscale_themselves(optimizer)
+        tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
+        if self._hist is not None:
+            observe_histograms(self._hist, tracker.layout, optimizer)
+        alarms = tracker.alarms
+        if alarms is None:
+            return
+        found = alarms.poll(wait=self.policy.wait)
+        if found:
+            self.policy.act(trainer, optimizer, found)
 
     @override
     def _votes_carried(self) -> bool:
@@ -240,15 +268,33 @@ class GradFlowCallback(StatsCallback):
         if self._stability is not None and self._logging_batch:
             self._stability.end_step()
         alarms = None if self._tracker is None else self._tracker.alarms
-        if alarms is not None and self._every_batch:  # the ranks' mean loss
-            loss = self.loss_agreement
-            failed = self._hook_guard().local is not None
-            carried = training_loss(trainer, outputs)
-            votes = loss.observe(carried, self._batch_step, failed=failed)
-            if votes is not None and self._settle(trainer, self._batch_step, *votes):
-                return True
-            loss.apply(trainer, alarms)
+        if alarms is None or not self._every_batch:
+            return False
+        if self._own_loss is not None:  # the loss rules on this rank's loss
+            self._watch_own_loss(trainer, outputs, self._own_loss)
+            return False
+        loss = self.loss_agreement  # the ranks' mean loss
+        failed = self._hook_guard().local is not None
+        carried = training_loss(trainer, outputs)
+        votes = loss.observe(
+            carried, self.cadence.batch_step, failed=failed, stop=self.stop_requested
+        )
+        if votes is not None and self._apply_agreement(trainer, self.cadence.batch_step, *votes):
+            return True
+        loss.apply(trainer, alarms)
         return False
+
+    def _watch_own_loss(
+        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, alarms: GradientAlarms
+    ) -> None:
+        """Feed this rank's loss to the loss rules, and act on the alarms read."""
+        loss = training_loss(trainer, outputs)
+        if loss is None:
+            return
+        alarms.update_loss(loss, step=self.cadence.batch_step)
+        found = alarms.poll()
+        if found:
+            self.policy.act(trainer, None, found)
 
     @override
     def _log_step(self, trainer: pl.Trainer, step: int) -> None:

@@ -86,13 +86,13 @@ class LayerTimeCallback(StatsCallback):
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
-        if self._tracker is not None:
+        if self._hooks is not None:
             self._timer.end_step()
         return False
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._tracker is not None:
+        if self._hooks is not None:
             self._timer.end_step()  # a step cut short by a skipped batch closes here
         super()._log_epoch(trainer, pl_module)
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.base import HookCallback, check_every_n_steps
+from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
@@ -29,40 +29,57 @@ _AnyStat = LayerStat
 R = TypeVar("R")
 
 
-class Statistic(Protocol[R]):
+class Windowed(Protocol[R]):
+    """A statistic measured at logging steps: each step's window is posted after its optimizer
+    step and read back on the host when its copy is done."""
+
+    def post_window(self, step: int) -> None:
+        """Start the host copy of the window since the last logging step."""
+
+    def read_window(self, wait: bool) -> tuple[int, R] | None:
+        """The posted window's step and result once on the host (``wait``: block), else
+        ``None``."""
+
+    @property
+    def window_in_flight(self) -> bool:
+        """Whether a posted window is still on its way to the host."""
+
+    def step_values(self, result: R) -> dict[str, float]:
+        """A window's values under their epoch tags (each step tag is made from one)."""
+
+
+class EpochResult(Protocol[R]):
+    """A statistic aggregated over an epoch's logging steps."""
+
+    def result(self) -> R:
+        """The epoch's result, reduced across ranks."""
+
+    def reset(self) -> None:
+        """Start the next epoch."""
+
+    def tags(self, result: R) -> dict[str, float]:
+        """The epoch's values, under their tags."""
+
+
+class Checkpointed(Protocol):
+    """A statistic whose epoch so far is saved in checkpoints."""
+
+    def host_state(self) -> dict[str, Any]:
+        """The epoch so far, reduced across ranks, on the host."""
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        """Continue the epoch :meth:`host_state` saved."""
+
+
+class Statistic(Windowed[R], EpochResult[R], Checkpointed, Protocol[R]):
     """What a :class:`StatsCallback` logs and saves of each statistic of a fit: a
-    :class:`~.stat.LayerStat`'s windows, result, tags, checkpoint state and rows (a
-    :class:`~lightning_hooks.core.GradFlowTracker` has them too)."""
-
-    def post_window(self, step: int) -> None: ...
-
-    def read_window(self, wait: bool) -> tuple[int, R] | None: ...
-
-    @property
-    def window_in_flight(self) -> bool: ...
-
-    def step_values(self, result: R) -> dict[str, float]: ...
-
-    def result(self) -> R: ...
-
-    def reset(self) -> None: ...
-
-    def tags(self, result: R) -> dict[str, float]: ...
-
-    def host_state(self) -> dict[str, Any]: ...
-
-    def load_host_state(self, state: dict[str, Any]) -> None: ...
-
-    @property
-    def rows_grew(self) -> bool: ...
-
-    def new_rows(self) -> list[tuple[str, int]]: ...
-
-    def align_rows(self, new: Sequence[Sequence[tuple[str, int]]]) -> None: ...
+    :class:`~.stat.LayerStat` is one, and so is a :class:`~lightning_hooks.core.GradFlowTracker`.
+    The rows a :class:`~.stat.LayerStat` makes as modules run are aligned across ranks by the
+    callback itself (:meth:`StatsCallback._align_rows`)."""
 
 
 class SharedRegistry:
-    """The engine of a :class:`StatsCallback`'s fit: its statistics' hooks, on one registry whose
+    """The hooks of a :class:`StatsCallback`'s fit: its statistics' hooks, on one registry whose
     logging-step gate the base sets and whose ``remove()`` takes them all off."""
 
     def __init__(self, registry: HookRegistry) -> None:
@@ -92,8 +109,9 @@ class StatsCallback(HookCallback):
         1
     """
 
-    uses_images = False
     _findings: tuple[str, str] | None = None  # (owner, findings) warned once per layer per fit
+    stats_made_at_fit: ClassVar[bool] = False
+    """Whether the callback makes its statistics at each fit (then it is given none)."""
     aligns_rows = True
     """Whether the ranks align the rows their statistics made (a module that runs on some ranks
     only would otherwise hang the reduce): at each logging step where some rank made one, and
@@ -107,18 +125,16 @@ class StatsCallback(HookCallback):
     ) -> None:
         sequence = isinstance(stats, Sequence) and not isinstance(stats, str)
         items = (stats,) if isinstance(stats, LayerStat) else tuple(stats) if sequence else ()
-        if not items or not all(isinstance(s, LayerStat) for s in items):
+        given = bool(items) or (self.stats_made_at_fit and sequence)
+        if not given or not all(isinstance(s, LayerStat) for s in items):
             raise TypeError(
                 f"{type(self).__name__}(stats={stats!r}): must be a LayerStat or a non-empty "
                 f"sequence of them, got {stats!r}"
             )
-        self._configure(items, every_n_steps)
-
-    def _configure(self, stats: tuple[LayerStat[Any], ...], every_n_steps: int | None) -> None:
-        """Set what every statistics callback holds: ``stats``, attached at each fit (a subclass
-        that makes its statistics at each fit passes none), and the cadence."""
-        self.stats: tuple[LayerStat[Any], ...] = stats
-        self.every_n_steps = check_every_n_steps(type(self).__name__, every_n_steps)
+        super().__init__(every_n_steps=every_n_steps)
+        self.uses_images = False
+        self.stats: tuple[LayerStat[Any], ...] = items
+        """The statistics, attached afresh at each fit (none where they are made at each fit)."""
         self._measured: tuple[Statistic[Any], ...] = ()  # the running fit's statistics
         self._seen: Counter[str] = Counter()  # findings per layer in this fit
 
@@ -141,7 +157,7 @@ class StatsCallback(HookCallback):
         registry = HookRegistry(pl_module, guard=self._hook_guard())
         for stat in self.stats:
             stat.attach(pl_module, registry)
-        self._tracker = SharedRegistry(registry)
+        self._hooks = SharedRegistry(registry)
         self._measured = self.stats
 
     @override
@@ -216,7 +232,7 @@ class StatsCallback(HookCallback):
     @override
     def _agreement_flags(self) -> list[bool]:
         # whether this rank made rows since they were last aligned across the ranks
-        return [any(stat.rows_grew for stat in self.attached)] if self.aligns_rows else []
+        return [any(stat.rows_grew for stat in self._aligned())] if self.aligns_rows else []
 
     @override
     def _agreed(self, trainer: pl.Trainer, step: int, counts: list[int]) -> bool:
@@ -232,9 +248,14 @@ class StatsCallback(HookCallback):
 
     def _align_rows(self) -> None:
         """Every rank's new rows, in one order on every rank (one ``all_gather_object``)."""
-        new = gather_objects([stat.new_rows() for stat in self.attached])
-        for i, stat in enumerate(self.attached):
+        aligned = self._aligned()
+        new = gather_objects([stat.new_rows() for stat in aligned])
+        for i, stat in enumerate(aligned):
             stat.align_rows([rank[i] for rank in new])
+
+    def _aligned(self) -> tuple[LayerStat[Any], ...]:
+        """The statistics whose rows the ranks align: the given ones, while attached."""
+        return self.stats if self.attached else ()
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 __all__ = [
     "FirstNonFinite",
-    "HostMailbox",
+    "HostCopy",
     "HostSlot",
     "Reduced",
     "ShardPlan",
@@ -42,7 +42,7 @@ class HostSlot(NamedTuple):
 T = TypeVar("T")
 
 
-class HostMailbox:
+class HostCopy:
     """A small device tensor copied to pinned host memory without blocking, read on a later call."""
 
     def __init__(
@@ -143,8 +143,8 @@ class FirstNonFinite:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.code = torch.full((1,), -1, dtype=torch.int64, device=device)
-        self._mailbox = HostMailbox((1,), device, torch.int64)
-        self._mailbox.clear(-1)
+        self._host_copy = HostCopy((1,), device, torch.int64)
+        self._host_copy.clear(-1)
 
     def mark(self, bad: torch.Tensor, step: int, row: int | torch.Tensor) -> None:
         """Record ``(step, row)`` (``row`` < 2**24, or a 0-d device tensor) if ``bad`` is first."""
@@ -156,7 +156,7 @@ class FirstNonFinite:
 
     def poll(self) -> tuple[int, int] | None:
         """``(step, row)`` of the first mark that has reached the host, or ``None``."""
-        box = self._mailbox
+        box = self._host_copy
         code = _code(box.read(wait=False))
         if code < 0 and not box.pending:
             box.post(self.code)  # on the CPU the copy is the read
@@ -166,7 +166,7 @@ class FirstNonFinite:
     def reset(self) -> None:
         """Forget any mark (a new run)."""
         self.code.fill_(-1)
-        self._mailbox.clear(-1)
+        self._host_copy.clear(-1)
 
 
 def is_distributed() -> bool:

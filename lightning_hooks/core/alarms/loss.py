@@ -16,7 +16,7 @@ from lightning_hooks.core.alarms.gradients import RunningScale, as_array
 from lightning_hooks.core.alarms.messages import _ADVICE, GradientAlarm, ratio_text
 from lightning_hooks.core.alarms.rules import AlarmRules
 from lightning_hooks.core.alarms.setback import Setback, setback_opened, setback_recovered
-from lightning_hooks.core.transport import HostMailbox
+from lightning_hooks.core.transport import HostCopy
 
 __all__ = ["LossLevels", "LossProgress", "LossRules", "LossVerdict", "Setback"]
 
@@ -162,7 +162,7 @@ class LossRules:
         self.adaptive = False
         """The optimizer keeps a second moment: its first ``diverge_early`` losses are held to
         the ``diverge_overshoot`` bar (:meth:`GradientAlarms.set_adaptive`)."""
-        self._box = HostMailbox((1,), device)
+        self._box = HostCopy((1,), device)
 
     @property
     def seen(self) -> int:

@@ -31,7 +31,7 @@ from lightning_hooks.core.alarms.messages import (
 from lightning_hooks.core.alarms.rules import ALARM_RULES, AlarmRules, WeightNorms
 from lightning_hooks.core.alarms.stall import StallRule
 from lightning_hooks.core.checks import named_arguments
-from lightning_hooks.core.transport import HostMailbox
+from lightning_hooks.core.transport import HostCopy
 
 __all__ = ["GradientAlarms", "NormRing", "PostedStep", "attention_alarms"]
 
@@ -96,7 +96,7 @@ class GradientAlarms:
         n = len(self.layers)
         self._gradients = GradientRules(n, self.rules)
         self._ring = NormRing(self.rules.history, n)
-        self._mailbox = HostMailbox((2, n), device)
+        self._host_copy = HostCopy((2, n), device)
         self._cuda = device.type == "cuda"
         self._loss = LossRules(self.rules, device)
         self._stall = StallRule(self.rules, device)
@@ -147,13 +147,13 @@ class GradientAlarms:
         # one copy: the norms, with the stepped rows beside them only when some were not
         value = norm if stepped is None else torch.stack([norm, stepped.float()])
         once = tuple(dict.fromkeys(order))  # a layer whose hook fired twice: its first time
-        self._mailbox.post(value, PostedStep(step, once, host_rows, weights, clip, amp, segments))
+        self._host_copy.post(value, PostedStep(step, once, host_rows, weights, clip, amp, segments))
         if not self._cuda:  # the copy was the read: diagnose now, while the weights are these
             self._drain(wait=False)
 
     def reserve(self, parameters: int) -> None:
         """Make the host copy of ``parameters`` norms ready for :meth:`update`'s ``segments``."""
-        self._mailbox.reserve((parameters,))
+        self._host_copy.reserve((parameters,))
 
     def set_adaptive(self, value: bool) -> None:
         """The optimizer keeps a second moment (Adam, RMSprop, ...): *diverging* holds its first
@@ -229,7 +229,7 @@ class GradientAlarms:
     def _drain(self, wait: bool) -> None:
         self._drain_loss(wait)
         self._drain_stall(wait)
-        got = self._mailbox.read(wait)
+        got = self._host_copy.read(wait)
         if got is None:
             return
         value, posted = got

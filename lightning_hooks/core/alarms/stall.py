@@ -18,7 +18,7 @@ from lightning_hooks.core.alarms.gradients import as_array
 from lightning_hooks.core.alarms.loss import LossProgress
 from lightning_hooks.core.alarms.messages import GradientAlarm
 from lightning_hooks.core.alarms.rules import AlarmRules
-from lightning_hooks.core.transport import HostMailbox
+from lightning_hooks.core.transport import HostCopy
 
 __all__ = ["StallRule", "StallState"]
 
@@ -82,7 +82,7 @@ class StallRule:
     def __init__(self, rules: AlarmRules, device: torch.device) -> None:
         self.rules = rules
         self.state = StallState()
-        self._box = HostMailbox((1,), device)
+        self._box = HostCopy((1,), device)
         self.peak_lr = 0.0
         """The largest learning rate seen so far."""
 

@@ -18,7 +18,7 @@ from lightning_hooks.core import checks
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
-from lightning_hooks.core.hooks.shelved import outside_shelved
+from lightning_hooks.core.hooks.suspended import outside_suspended
 from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["Gated", "HookOwner", "HookRegistry", "only_our_hooks", "plain_layers"]
@@ -289,7 +289,7 @@ class HookRegistry(HookOwner):
                 return None
             if not internals.function_mode_depth():  # no mode to step out of (most calls)
                 return hook(*args)
-            return outside_shelved(hook, *args)
+            return outside_suspended(hook, *args)
 
         return self.gated_hook(module, run, pre=pre, source=hook, **options)
 

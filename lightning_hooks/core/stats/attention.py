@@ -12,7 +12,7 @@ from torch.nn import functional
 
 from lightning_hooks import internals
 from lightning_hooks.core.hooks.registry import HookRegistry, only_our_hooks, plain_layers
-from lightning_hooks.core.hooks.shelved import ShelvedMode
+from lightning_hooks.core.hooks.suspended import SuspendableMode
 from lightning_hooks.core.ops.tensors import is_training_forward
 
 __all__ = [
@@ -273,7 +273,7 @@ def attention_free(model: nn.Module, plain: Callable[[nn.Module], bool]) -> set[
     return free
 
 
-class AttentionCapture(ShelvedMode):
+class AttentionCapture(SuspendableMode):
     """Sees the attention calls of a model's modules in the training forwards of logging steps.
 
     A ``TorchFunctionMode``, entered by the outermost module of such a forward: it hands each
@@ -346,8 +346,8 @@ class AttentionCapture(ShelvedMode):
         """Run ``module``'s logging-step calls outside the mode: a layer that calls no attention
         then costs no Python call of the mode per op, nor the hooks on it a pop and push of the
         mode each (first and last hooks: the other hooks on it run outside too)."""
-        registry.gated_hook(module, self.shelve, pre=True, prepend=True)
-        registry.gated_hook(module, self.unshelve, pre=False, always_call=True)
+        registry.gated_hook(module, self.suspend, pre=True, prepend=True)
+        registry.gated_hook(module, self.resume, pre=False, always_call=True)
 
     def _enter(self, *_: object) -> None:
         """A module is called: keep its caller's state for :meth:`_push` and pause it."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -285,19 +285,6 @@ class GradFlowTracker(HookOwner):
         """Continue the epoch :meth:`host_state` saved (same layers and statistics, else
         ValueError)."""
         self.accumulator.load_host_state(state)
-
-    @property
-    def rows_grew(self) -> bool:
-        """Never: the rows are the model's layers, made with the tracker, the same on every rank
-        (see :attr:`~.states.RowStates.rows_grew`)."""
-        return False
-
-    def new_rows(self) -> list[tuple[str, int]]:
-        """None (see :attr:`rows_grew`)."""
-        return []
-
-    def align_rows(self, new: Sequence[Sequence[tuple[str, int]]]) -> None:
-        """Nothing to align (see :attr:`rows_grew`)."""
 
     def reset(self) -> None:
         """Start a new accumulation period (an epoch); parameters are looked up afresh."""

@@ -19,7 +19,7 @@ from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.ops.tensors import Pending, Snapshots, is_training_forward
 from lightning_hooks.core.stats.states import Reduce, RowStates, StateSpec, unpack
-from lightning_hooks.core.transport import HostMailbox
+from lightning_hooks.core.transport import HostCopy
 
 __all__ = ["LayerStat", "Reduce", "SelectionArgs", "StateSpec", "selection_of"]
 
@@ -92,7 +92,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self._pending: Pending[Any] = Pending()  # small outputs' snapshots (see _defer)
         self._snapshots: Snapshots | None = None  # shared with the registry's other statistics
         self._epoch: dict[str, np.ndarray] | None = None
-        self._mailbox: HostMailbox | None = None
+        self._host_copy: HostCopy | None = None
         self._ready: list[tuple[int, dict[str, np.ndarray]]] = []  # folded, not yet read
 
     def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> Self:
@@ -100,7 +100,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         check_module(type(self).__name__, "model", model)
         self.remove()
         self._epoch = None
-        self._mailbox = None
+        self._host_copy = None
         self._ready = []
         params = itertools.chain(model.parameters(), model.buffers())
         device = next((t.device for t in params), torch.device("cpu"))
@@ -178,16 +178,16 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         """End the window at a logging step: reduce it across ranks and start its host copy."""
         self._collect(wait=True)  # at most one window in flight
         packed, shapes = self._reduced()
-        box = self._mailbox
+        box = self._host_copy
         if box is None or box.shape != tuple(packed.shape):
-            box = HostMailbox(tuple(packed.shape), packed.device, packed.dtype)
-            self._mailbox = box
+            box = HostCopy(tuple(packed.shape), packed.device, packed.dtype)
+            self._host_copy = box
         box.post(packed, meta=(step, shapes))
         self._reset_window()
 
     def _collect(self, wait: bool) -> None:
         """Fold the posted window into the epoch once copied (``wait``: block)."""
-        got = None if self._mailbox is None else self._mailbox.read(wait)
+        got = None if self._host_copy is None else self._host_copy.read(wait)
         if got is not None:
             view, (step, shapes) = got
             states = unpack(view, shapes)
@@ -206,7 +206,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
     @property
     def window_in_flight(self) -> bool:
         """Whether a posted window was not yet returned by :meth:`read_window`."""
-        return bool(self._ready) or (self._mailbox is not None and self._mailbox.pending)
+        return bool(self._ready) or (self._host_copy is not None and self._host_copy.pending)
 
     def _with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The epoch's folded windows and ``window`` (some or all of the states)."""
@@ -250,8 +250,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self._reset_window()
         self._epoch = None
         self._ready = []  # and a window still in flight
-        if self._mailbox is not None:
-            self._mailbox.clear()
+        if self._host_copy is not None:
+            self._host_copy.clear()
 
     def host_state(self) -> dict[str, Any]:
         """Rows, units and every state reduced across ranks, on the host (a collective)."""

@@ -14,24 +14,24 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_hooks import internals
 
-__all__ = ["ShelvedMode", "outside_shelved"]
+__all__ = ["SuspendableMode", "outside_suspended"]
 
 R = TypeVar("R")
 
 
-class ShelvedMode(TorchFunctionMode):
+class SuspendableMode(TorchFunctionMode):
     """A mode of this library that its gated hooks run outside of.
 
-    It can also be taken off for a whole module call: :meth:`shelve` as the module's first
-    pre-hook and :meth:`unshelve` as its last hook (called always, on an exception too). The
+    It can also be taken off for a whole module call: :meth:`suspend` as the module's first
+    pre-hook and :meth:`resume` as its last hook (called always, on an exception too). The
     module's forward and every hook on it then run outside the mode.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self._shelved: list[bool] = []  # per module call open: whether the mode was taken off
+        self._suspended: list[bool] = []  # per module call open: whether the mode was taken off
 
-    def shelve(self, *_: object) -> None:
+    def suspend(self, *_: object) -> None:
         """Forward pre-hook: take the mode off the stack, when it is the innermost."""
         if internals.is_compiling():  # a compiled region: the mode's stack is not touched
             return
@@ -39,10 +39,10 @@ class ShelvedMode(TorchFunctionMode):
         innermost = depth > 0 and internals.function_mode_at(depth - 1) is self
         if innermost:
             internals.pop_function_mode()
-        self._shelved.append(innermost)
+        self._suspended.append(innermost)
 
-    def unshelve(self, *_: object) -> None:
-        """Forward hook: put the mode back where :meth:`shelve` took it off.
+    def resume(self, *_: object) -> None:
+        """Forward hook: put the mode back where :meth:`suspend` took it off.
 
         Raises:
             Exception: whatever failed in this library's own check; the mode is put back first,
@@ -57,19 +57,19 @@ class ShelvedMode(TorchFunctionMode):
             self._put_back()
 
     def _put_back(self) -> None:
-        """Push the mode again if the innermost open :meth:`shelve` took it off."""
-        if self._shelved and self._shelved.pop():
+        """Push the mode again if the innermost open :meth:`suspend` took it off."""
+        if self._suspended and self._suspended.pop():
             internals.push_function_mode(self)
 
 
-def outside_shelved(fn: Callable[..., R], *args: object) -> R:
-    """``fn(*args)`` with an innermost :class:`ShelvedMode` popped (not while compiling)."""
+def outside_suspended(fn: Callable[..., R], *args: object) -> R:
+    """``fn(*args)`` with an innermost :class:`SuspendableMode` popped (not while compiling)."""
     # The stack's depth first: one C call, and mostly zero (Dynamo reads it too).
     depth = internals.function_mode_depth()
     if not depth or internals.is_compiling():
         return fn(*args)
     mode = internals.function_mode_at(depth - 1)
-    if not isinstance(mode, ShelvedMode):
+    if not isinstance(mode, SuspendableMode):
         return fn(*args)
     internals.pop_function_mode()
     try:

@@ -1,0 +1,104 @@
+"""``LoggingCadence``: which optimizer steps a callback measures, and where the running one is."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from lightning_hooks.core.checks import positive_int
+
+__all__ = ["LoggingCadence", "check_every_n_steps"]
+
+
+class _Trainer(Protocol):
+    """What the cadence reads of a Trainer (Lightning's, or the one that stands in under Fabric)."""
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken."""
+
+
+def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
+    """A cadence: a positive int or ``None``.
+
+    Args:
+        owner: the callback named in the error.
+        every_n_steps: the value given.
+
+    Returns:
+        ``every_n_steps``.
+
+    Raises:
+        ValueError: ``every_n_steps`` is neither a positive int nor ``None``.
+
+    Example:
+        >>> check_every_n_steps("GradFlowCallback", 10)
+        10
+    """
+    if every_n_steps is None:
+        return None
+    try:
+        return positive_int(owner, "every_n_steps", every_n_steps)
+    except TypeError as err:  # one error type for every wrong cadence
+        raise ValueError(
+            f"{owner}(every_n_steps={every_n_steps!r}): must be a positive int or None "
+            f"(the Trainer's log_every_n_steps), got {every_n_steps!r}"
+        ) from err
+
+
+class LoggingCadence:
+    """The logging steps of a callback: every ``every_n_steps``-th optimizer step (steps
+    ``n-1, 2n-1, ...``; ``None``: the Trainer's ``log_every_n_steps``) and each epoch's first.
+
+    Every micro-batch of a logging step belongs to it, and its values are written once its
+    optimizer step has run. An epoch's first step is found by the batch index, not at
+    ``on_train_epoch_start``, so that a run resumed mid-epoch measures the steps the
+    uninterrupted one measures.
+
+    Args:
+        every_n_steps: the cadence, or ``None`` for the Trainer's.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> cadence = LoggingCadence(every_n_steps=3)
+        >>> trainer = SimpleNamespace(global_step=0, log_every_n_steps=50)
+        >>> logs = []
+        >>> for step in range(4):  # one batch a step: the epoch's first, then steps 2, 5, ...
+        ...     trainer.global_step = step
+        ...     logs.append(cadence.start_batch(trainer, batch_idx=step))
+        >>> logs
+        [True, False, True, False]
+    """
+
+    def __init__(self, every_n_steps: int | None) -> None:
+        self.every_n_steps = every_n_steps
+        self.batch_step = 0
+        """The optimizer step the running batch feeds."""
+        self.epoch_start_step = -1
+        """The optimizer step of the running epoch's first batch."""
+        self.measuring: int | None = None
+        """The logging step being measured, until its values are taken to be written."""
+
+    def logs(self, trainer: _Trainer, step: int) -> bool:
+        """Whether optimizer step ``step`` is a logging step by the cadence alone."""
+        cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
+        return (step + 1) % cadence == 0
+
+    def start_batch(self, trainer: _Trainer, batch_idx: int) -> bool:
+        """At a batch's start: whether it belongs to a logging step."""
+        self.batch_step = trainer.global_step
+        if batch_idx == 0:
+            self.epoch_start_step = self.batch_step
+        return self.logs(trainer, self.batch_step) or self.batch_step == self.epoch_start_step
+
+    def measure(self) -> None:
+        """The running batch's logging step is measured."""
+        self.measuring = self.batch_step
+
+    def take_done(self, trainer: _Trainer) -> int | None:
+        """At a batch's end: the logging step whose optimizer step has just run, once; else
+        ``None`` (a micro-batch before its step's last)."""
+        measured = self.measuring
+        if measured is None or trainer.global_step <= measured:
+            return None
+        self.measuring = None
+        return measured
