@@ -677,8 +677,8 @@ class _StabilityProbe:
         assert registry is not None
         if logging_step(step):
             self.stat.end_step()
-            self.stat.post_window(step)
-            got = self.stat.read_window(wait=True)
+            self.stat.start_copy(step)
+            got = self.stat.take_copy(wait=True)
             assert got is not None
             self.windows.append(got)
         registry.logging_step = logging_step(step + 1)

@@ -330,13 +330,13 @@ def test_a_window_read_by_a_checkpoint_is_still_written_and_counted_once() -> No
 
     acc = LayerStatsAccumulator(["a"], ["x"])
     acc.update(torch.tensor([[2.0]]))
-    acc.post_window(step=3)
+    acc.start_copy(step=3)
     acc.update(torch.tensor([[4.0]]))
     saved = acc.host_state()
     assert saved["total"].tolist() == [[6.0]] and saved["count"].tolist() == [[2.0]]
-    got = acc.read_window(wait=False)
+    got = acc.take_copy(wait=False)
     assert got is not None and got[0] == 3 and got[1].total.tolist() == [[2.0]]
-    assert acc.read_window(wait=False) is None
+    assert acc.take_copy(wait=False) is None
     epoch = acc.result()
     assert epoch.total.tolist() == [[6.0]] and epoch.count.tolist() == [[2.0]]
 

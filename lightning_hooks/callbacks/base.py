@@ -79,7 +79,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     ``_detach``             the hooks go, every exit      drops what the fit made (chains up)
     ``_batch_started``      a logging step's first batch  opens what the step measures
     ``_batch_ending``       each such batch's end         closes it; ``True``: disabled
-    ``_log_step``           after its optimizer step      posts the step's windows
+    ``_log_step``           after its optimizer step      starts the step's copies
     ``_write_steps``        when a window is read back    writes it; whether it wrote
     ``_steps_in_flight``    after a write                 whether windows are still in flight
     ``_log_epoch``          ``on_train_epoch_end``        writes the epoch and resets it

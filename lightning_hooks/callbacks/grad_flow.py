@@ -298,7 +298,7 @@ class GradFlowCallback(StatsCallback):
 
     @override
     def _log_step(self, trainer: pl.Trainer, step: int) -> None:
-        """Post the windows of the tracker and the instability statistics, and log the alarms
+        """Start the copies of the tracker and the instability statistics, and log the alarms
         since the last logging step."""
         super()._log_step(trainer, step)
         if self._tracker is not None and self._tracker.alarms is not None:

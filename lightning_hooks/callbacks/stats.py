@@ -30,19 +30,19 @@ R = TypeVar("R")
 
 
 class Windowed(Protocol[R]):
-    """A statistic measured at logging steps: each step's window is posted after its optimizer
-    step and read back on the host when its copy is done."""
+    """A statistic measured at logging steps: each step's values are copied to the host after
+    its optimizer step, and read back when the copy is done."""
 
-    def post_window(self, step: int) -> None:
-        """Start the host copy of the window since the last logging step."""
+    def start_copy(self, step: int) -> None:
+        """Start the host copy of the values since the last logging step."""
 
-    def read_window(self, wait: bool) -> tuple[int, R] | None:
-        """The posted window's step and result once on the host (``wait``: block), else
+    def take_copy(self, wait: bool) -> tuple[int, R] | None:
+        """The copied step and its result once on the host (``wait``: block), else
         ``None``."""
 
     @property
-    def window_in_flight(self) -> bool:
-        """Whether a posted window is still on its way to the host."""
+    def copy_in_flight(self) -> bool:
+        """Whether a copy is still on its way to the host."""
 
     def step_values(self, result: R) -> dict[str, float]:
         """A window's values under their epoch tags (each step tag is made from one)."""
@@ -196,13 +196,13 @@ class StatsCallback(HookCallback):
     @override
     def _log_step(self, trainer: pl.Trainer, step: int) -> None:
         for stat in self.attached:
-            stat.post_window(step)
+            stat.start_copy(step)
 
     @override
     def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
         wrote = False
         for stat in self.attached:
-            got = stat.read_window(wait)
+            got = stat.take_copy(wait)
             if got is not None:
                 step, result = got
                 log_scalars(trainer.loggers, step_tags(stat.step_values(result)), step)
@@ -215,7 +215,7 @@ class StatsCallback(HookCallback):
 
     @override
     def _steps_in_flight(self) -> bool:
-        return any(stat.window_in_flight for stat in self.attached)
+        return any(stat.copy_in_flight for stat in self.attached)
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -262,19 +262,20 @@ class GradFlowTracker(HookOwner):
         self._outputs.drain()
         return self.accumulator.result()
 
-    def post_window(self, step: int) -> None:
-        """Post the window since the last logging step (:meth:`LayerStat.post_window`)."""
+    def start_copy(self, step: int) -> None:
+        """Start the copy of the values since the last logging step (as
+        :meth:`LayerStat.start_copy`)."""
         self._outputs.drain()
-        self.accumulator.post_window(step)
+        self.accumulator.start_copy(step)
 
-    def read_window(self, wait: bool) -> tuple[int, LayerTable] | None:
-        """See :meth:`LayerStat.read_window`."""
-        return self.accumulator.read_window(wait)
+    def take_copy(self, wait: bool) -> tuple[int, LayerTable] | None:
+        """See :meth:`LayerStat.take_copy`."""
+        return self.accumulator.take_copy(wait)
 
     @property
-    def window_in_flight(self) -> bool:
-        """See :attr:`LayerStat.window_in_flight`."""
-        return self.accumulator.window_in_flight
+    def copy_in_flight(self) -> bool:
+        """See :attr:`LayerStat.copy_in_flight`."""
+        return self.accumulator.copy_in_flight
 
     def host_state(self) -> dict[str, Any]:
         """The epoch so far, reduced across ranks, on the host (for a checkpoint)."""

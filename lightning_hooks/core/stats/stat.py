@@ -174,7 +174,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
             self.registry.remove()
             self.registry = None
 
-    def post_window(self, step: int) -> None:
+    def start_copy(self, step: int) -> None:
         """End the window at a logging step: reduce it across ranks and start its host copy."""
         self._collect(wait=True)  # at most one window in flight
         packed, shapes = self._reduced()
@@ -186,7 +186,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self._reset_window()
 
     def _collect(self, wait: bool) -> None:
-        """Fold the posted window into the epoch once copied (``wait``: block)."""
+        """Fold the started copy into the epoch once done (``wait``: block)."""
         got = None if self._host_copy is None else self._host_copy.read(wait)
         if got is not None:
             view, (step, shapes) = got
@@ -195,8 +195,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
             self._epoch = {k: v.copy() for k, v in self._with_epoch(states).items()}
             self._ready.append((step, states))
 
-    def read_window(self, wait: bool) -> tuple[int, R] | None:
-        """``(step, result)`` of the posted window; ``None`` when none is, or while copying."""
+    def take_copy(self, wait: bool) -> tuple[int, R] | None:
+        """``(step, result)`` of the started copy; ``None`` when none is, or while copying."""
         self._collect(wait)
         if not self._ready:
             return None
@@ -204,8 +204,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         return step, self.summarize(states)
 
     @property
-    def window_in_flight(self) -> bool:
-        """Whether a posted window was not yet returned by :meth:`read_window`."""
+    def copy_in_flight(self) -> bool:
+        """Whether a started copy was not yet returned by :meth:`take_copy`."""
         return bool(self._ready) or (self._host_copy is not None and self._host_copy.pending)
 
     def _with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
