@@ -2,7 +2,7 @@
 
 Every run is a small model trained in a plain loop on the CPU (seconds each). Each step's
 per-layer gradient L2 norms (before the optimizer step, the sentinel's input) and the loss are
-recorded, then replayed through :class:`~lightning_hooks.core.GradientAlarms` under each
+recorded, then replayed through :class:`~lightning_hooks.core.TrainingAlarms` under each
 candidate rule setting: the rules are exactly the library's, and one trace serves every setting.
 Faults that need the weights (a NaN written into a weight) run live through a
 :class:`~lightning_hooks.core.GradFlowTracker` at the defaults.
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_hooks.core import AlarmRules, GradFlowTracker, GradientAlarms, ParamLayout
+from lightning_hooks.core import AlarmRules, GradFlowTracker, ParamLayout, TrainingAlarms
 from lightning_hooks.core.ops.grad_stats import param_norms, segment_norm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,7 +195,7 @@ def record(run: Run) -> Trace:
 
 def replay(trace: Trace, rules: AlarmRules) -> list[tuple[int, str, str]]:
     """``(step, rule, layer)`` of every alarm the rules raise on ``trace``."""
-    alarms = GradientAlarms(trace.layers, rules)
+    alarms = TrainingAlarms(trace.layers, rules)
     found = []
     for step, (norm, loss) in enumerate(zip(trace.norms, trace.losses, strict=True)):
         alarms.update(torch.from_numpy(norm), step=step)
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
 def _worst_ratio(trace: Trace) -> float:
     """Largest ``norm / running scale`` of a healthy trace, after the rules arm (defaults)."""
     rules = AlarmRules()
-    alarms = GradientAlarms(trace.layers, rules)
+    alarms = TrainingAlarms(trace.layers, rules)
     worst = 0.0
     for step, norm in enumerate(trace.norms):
         scale = np.exp(alarms._gradients.scale.state[0])

@@ -13,7 +13,7 @@ transformers and GPTs, recurrent models, transients, small batches and fine-tuni
 Each step records what the sentinel reads (per-layer gradient L2 norms and the global one, before
 clipping and the optimizer step), the training loss, the LR and the typical update (what the
 *stall* rule reads on logging steps), into one trace file (``--traces``); the rules are then
-replayed on the traces: ours through the real :class:`~lightning_hooks.core.GradientAlarms`, the
+replayed on the traces: ours through the real :class:`~lightning_hooks.core.TrainingAlarms`, the
 peers' re-implemented from their published sources at their defaults (see :data:`PEERS`).
 
 Ground truth, from the loss alone (:func:`divergence_step`): a run diverges at the first step
@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from lightning_hooks.callbacks.alarm_policy import check_actions
-from lightning_hooks.core import AlarmRules, GradientAlarms, ParamLayout
+from lightning_hooks.core import AlarmRules, ParamLayout, TrainingAlarms
 from lightning_hooks.core.alarms import ALARM_RULES
 from lightning_hooks.core.ops.grad_stats import param_norms, segment_norm
 from lightning_hooks.core.ops.grouped_norms import typical_update
@@ -778,7 +778,7 @@ def _first_divergence(losses: np.ndarray) -> int | None:
     return None
 
 
-# --- the rule sets: ours (the real GradientAlarms) and the peers' (from their sources) --------
+# --- the rule sets: ours (the real TrainingAlarms) and the peers' (from their sources) --------
 
 
 def ours(
@@ -791,7 +791,7 @@ def ours(
     statistics ``StabilityStats`` measured."""
 
     def replay(trace: dict[str, Any]) -> list[int]:
-        alarms = GradientAlarms(trace["layers"], rules)
+        alarms = TrainingAlarms(trace["layers"], rules)
         clip = trace["run"].get("clip")
         # the callback reads the stall on optimizers with a second moment (traces recorded
         # before the updates were carry none)

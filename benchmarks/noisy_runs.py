@@ -6,7 +6,7 @@ learn little in their first steps, over many seeds, with and without the rule's 
   seeded with ``torch.manual_seed(seed)``: the warnings it raised, and the rule replayed on the
   losses it saw without the noise bar (``diverge_noise=0``, the rule before it);
 - the same in a plain PyTorch loop over more seeds, and the test suite's ``TinyMLP`` (SGD with
-  momentum on 4 fixed batches of 8, 12 steps): the real ``GradientAlarms`` replayed on the losses.
+  momentum on 4 fixed batches of 8, 12 steps): the real ``TrainingAlarms`` replayed on the losses.
 
 Usage::
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_hooks.core import AlarmRules, GradientAlarms
+from lightning_hooks.core import AlarmRules, TrainingAlarms
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = {"with the noise bar (defaults)": AlarmRules(), "without (diverge_noise=0)": AlarmRules(
@@ -83,7 +83,7 @@ def tiny_losses(seed: int) -> list[float]:
 
 def fired(losses: list[float], rules: AlarmRules) -> list[int]:
     """Steps of the real sentinel's *diverging* alarms on ``losses``."""
-    alarms = GradientAlarms(["global"], rules)
+    alarms = TrainingAlarms(["global"], rules)
     steps = []
     for step, loss in enumerate(losses):
         alarms.update_loss(torch.tensor(loss), step=step)
@@ -98,7 +98,7 @@ def quickstart_fit(seed: int) -> tuple[list[float], list[int]]:
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_hooks import GradFlowCallback
-    from lightning_hooks.errors import GradientAlarmWarning
+    from lightning_hooks.errors import TrainingAlarmWarning
 
     sys.path.insert(0, str(ROOT / "examples"))
     from quickstart import Regressor
@@ -133,7 +133,7 @@ def quickstart_fit(seed: int) -> tuple[list[float], list[int]]:
     warned = [
         w.message.alarm.step  # type: ignore[union-attr]
         for w in record
-        if issubclass(w.category, GradientAlarmWarning) and "diverging" in str(w.message)
+        if issubclass(w.category, TrainingAlarmWarning) and "diverging" in str(w.message)
     ]
     return model.losses, warned
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lightning_hooks.errors import (
-    GradientAlarmError,
-    GradientAlarmWarning,
     LightningHooksError,
     LightningHooksWarning,
+    TrainingAlarmError,
+    TrainingAlarmWarning,
 )
 from lightning_hooks.lazy import lazy_names
 
@@ -31,10 +31,10 @@ if TYPE_CHECKING:
         AlarmRules,
         DeadUnitTracker,
         GradFlowTracker,
-        GradientAlarm,
-        GradientAlarms,
         HookRegistry,
         LayerTable,
+        TrainingAlarm,
+        TrainingAlarms,
         capture_outputs,
         select_modules,
     )
@@ -48,10 +48,6 @@ __all__ = [
     "FeatureMapCallback",
     "GradFlowCallback",
     "GradFlowTracker",
-    "GradientAlarm",
-    "GradientAlarmError",
-    "GradientAlarmWarning",
-    "GradientAlarms",
     "HookRegistry",
     "LayerTable",
     "LayerTimeCallback",
@@ -59,6 +55,10 @@ __all__ = [
     "LightningHooksWarning",
     "SaturationCallback",
     "StatsCallback",
+    "TrainingAlarm",
+    "TrainingAlarmError",
+    "TrainingAlarmWarning",
+    "TrainingAlarms",
     "capture_outputs",
     "select_modules",
 ]

@@ -6,19 +6,21 @@ from typing import Protocol
 
 from typing_extensions import NotRequired, TypedDict, Unpack
 
+from lightning_hooks.lazy import lazy_names
+
 __all__ = [
     "Alarm",
     "AlarmFacts",
-    "GradientAlarmError",
-    "GradientAlarmWarning",
     "LightningHooksError",
     "LightningHooksWarning",
+    "TrainingAlarmError",
+    "TrainingAlarmWarning",
 ]
 
 
 class Alarm(Protocol):
     """What a warning or an error says of its alarm: a
-    :class:`~lightning_hooks.core.GradientAlarm` (declared here by its fields, so that this
+    :class:`~lightning_hooks.core.TrainingAlarm` (declared here by its fields, so that this
     module, which every other imports, imports none of them)."""
 
     @property
@@ -45,18 +47,18 @@ class LightningHooksError(RuntimeError):
     """Raised by the library when training must not go on."""
 
 
-class GradientAlarmWarning(LightningHooksWarning):
+class TrainingAlarmWarning(LightningHooksWarning):
     """A gradient alarm (spike, vanishing, non-finite, ...): the message names rule, layer, step.
 
     Attributes:
-        alarm: the :class:`~lightning_hooks.core.GradientAlarm` (values, recent norms), or ``None``.
+        alarm: the :class:`~lightning_hooks.core.TrainingAlarm` (values, recent norms), or ``None``.
     """
 
     alarm: Alarm | None = None
 
 
 class AlarmFacts(TypedDict):
-    """The facts of an alarm a :class:`GradientAlarmError` carries, passed by keyword."""
+    """The facts of an alarm a :class:`TrainingAlarmError` carries, passed by keyword."""
 
     rule: str  # the rule that fired
     layer: str  # the layer it names
@@ -71,15 +73,15 @@ def _check_facts(facts: AlarmFacts) -> None:
     for name in facts:
         if name not in names:
             raise TypeError(
-                f"GradientAlarmError({name}=...): unknown argument; the arguments are message, "
+                f"TrainingAlarmError({name}=...): unknown argument; the arguments are message, "
                 f"{', '.join(names)}"
             )
     for name in names[:-1]:
         if name not in facts:
-            raise TypeError(f"GradientAlarmError({name}=...): missing")
+            raise TypeError(f"TrainingAlarmError({name}=...): missing")
 
 
-class GradientAlarmError(LightningHooksError):
+class TrainingAlarmError(LightningHooksError):
     """A gradient alarm with ``on_alarm="raise"``: carries the facts of the alarm.
 
     Args:
@@ -92,7 +94,7 @@ class GradientAlarmError(LightningHooksError):
         layer: the layer it names (``"global"`` for all layers together).
         step: the optimizer step whose gradients fired it.
         value: the gradient norm (or loss) that fired it.
-        alarm: the :class:`~lightning_hooks.core.GradientAlarm`, or ``None``.
+        alarm: the :class:`~lightning_hooks.core.TrainingAlarm`, or ``None``.
     """
 
     def __init__(self, message: str, **facts: Unpack[AlarmFacts]) -> None:
@@ -103,3 +105,7 @@ class GradientAlarmError(LightningHooksError):
         self.step = facts["step"]
         self.value = facts["value"]
         self.alarm = facts.get("alarm")
+
+
+__getattr__, __dir__ = lazy_names(__name__, {}, __all__)
+"""Release 0.2.0's names of the alarms' error and warning, with a ``DeprecationWarning``."""

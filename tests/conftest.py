@@ -299,10 +299,10 @@ def load_benchmark(name: str) -> Any:
 
 
 def fit_alarms(trainer: pl.Trainer, model: pl.LightningModule) -> list[warnings.WarningMessage]:
-    """``trainer.fit(model)``, and the ``GradientAlarmWarning``s it raised (every one)."""
-    from lightning_hooks.errors import GradientAlarmWarning
+    """``trainer.fit(model)``, and the ``TrainingAlarmWarning``s it raised (every one)."""
+    from lightning_hooks.errors import TrainingAlarmWarning
 
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer.fit(model)
-    return [w for w in record if issubclass(w.category, GradientAlarmWarning)]
+    return [w for w in record if issubclass(w.category, TrainingAlarmWarning)]

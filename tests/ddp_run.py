@@ -123,7 +123,7 @@ def loss_fit(root: Path, model: DeepMLP, on_alarm: Any = "warn") -> dict[str, An
     """A 2-process fit of ``model`` with ``GradFlowCallback(on_alarm=on_alarm)``: each epoch's
     alarms, the losses, the collectives per batch, the warnings and the error on this rank."""
     from lightning_hooks import GradFlowCallback
-    from lightning_hooks.errors import GradientAlarmError, LightningHooksWarning
+    from lightning_hooks.errors import LightningHooksWarning, TrainingAlarmError
 
     grad_flow = GradFlowCallback(on_alarm=on_alarm, chart=False)
     log, counter = AlarmLog(grad_flow), CollectiveCounter()
@@ -138,7 +138,7 @@ def loss_fit(root: Path, model: DeepMLP, on_alarm: Any = "warn") -> dict[str, An
         warnings.simplefilter("always")
         try:
             trainer.fit(model)
-        except GradientAlarmError as err:
+        except TrainingAlarmError as err:
             report["error"] = {"rule": err.rule, "step": err.step, "value": err.value}
         finally:
             counter.restore()

@@ -150,15 +150,15 @@ def fault(target: Any, name: str, when: Callable[[], bool]) -> Iterator[None]:
 
 
 def one_rank_alarm(held: Trainer) -> Callable[..., Any]:
-    """``GradientAlarms.poll`` that also reads a *nonfinite* alarm at step 2 on rank 1 only."""
-    from lightning_hooks.core.alarms import GradientAlarm, GradientAlarms
+    """``TrainingAlarms.poll`` that also reads a *nonfinite* alarm at step 2 on rank 1 only."""
+    from lightning_hooks.core.alarms import TrainingAlarm, TrainingAlarms
 
-    original = GradientAlarms.poll
+    original = TrainingAlarms.poll
 
     def poll(self: Any, wait: bool = False) -> list[Any]:
         alarms = list(original(self, wait))
         if dist.get_rank() == 1 and held["trainer"].global_step == 2 and not wait:
-            alarms.append(GradientAlarm("nonfinite", "global", 2, float("nan"), 0.0, "injected"))
+            alarms.append(TrainingAlarm("nonfinite", "global", 2, float("nan"), 0.0, "injected"))
         return alarms
 
     return poll
@@ -169,7 +169,7 @@ def faults(name: str, held: Trainer) -> Any:
     from lightning_hooks.callbacks import StatsCallback
     from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
     from lightning_hooks.core import GradFlowTracker
-    from lightning_hooks.core.alarms import GradientAlarms
+    from lightning_hooks.core.alarms import TrainingAlarms
     from lightning_hooks.core.stats import output_grad
 
     def step() -> int:
@@ -180,10 +180,10 @@ def faults(name: str, held: Trainer) -> Any:
 
     stat = type(held["stat"]) if held.get("stat") is not None else None
     table: dict[str, tuple[Any, str, Callable[[], bool]]] = {
-        "quiet": (GradientAlarms, "update", lambda: step() >= 1),
-        "quiet_no_loss": (GradientAlarms, "update", lambda: step() >= 1),
+        "quiet": (TrainingAlarms, "update", lambda: step() >= 1),
+        "quiet_no_loss": (TrainingAlarms, "update", lambda: step() >= 1),
         "logging": (GradFlowTracker, "step_values", lambda: step() == 4),
-        "loss": (GradientAlarms, "update_loss", lambda: step() == 2),
+        "loss": (TrainingAlarms, "update_loss", lambda: step() == 2),
         "epoch_end": (AlarmPolicy, "end_epoch", lambda: epoch() == 0),
         "output_grad": (output_grad, "_output_norm", lambda: step() == 3),
         "optimizer_hook": (GradFlowTracker, "_after_step", lambda: step() == 3),
@@ -192,7 +192,7 @@ def faults(name: str, held: Trainer) -> Any:
         "stats_epoch_end": (StatsCallback, "_log_result", lambda: epoch() == 0),
     }
     if name in ("stop", "stop_no_loss"):
-        return _patched(GradientAlarms, "poll", one_rank_alarm(held))
+        return _patched(TrainingAlarms, "poll", one_rank_alarm(held))
     if name not in table:
         return _patched(None, "", None)
     return fault(*table[name])
@@ -258,7 +258,7 @@ def fit(root: Path, name: str, strategy: str) -> dict[str, Any]:
             trainer.fit(model)
         finally:
             counter.restore()
-    guard = ours._hook_guard()
+    guard = ours.hook_guard()
     agreement = getattr(ours, "loss_agreement", None)
     return {
         "disabled_step": getattr(guard, "disabled_step", None),

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker, GradientAlarms
+from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker, TrainingAlarms
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
 
@@ -147,7 +147,7 @@ def test_without_output_hooks_backward_order_is_reverse_registration_order() -> 
 
 
 def test_absolute_threshold_fires_on_the_global_norm() -> None:
-    alarms = GradientAlarms(["a", "global"], AlarmRules(max_grad_norm=1.0))
+    alarms = TrainingAlarms(["a", "global"], AlarmRules(max_grad_norm=1.0))
     for step, norm in enumerate([0.5, 2.0]):
         stats = torch.zeros(2, 5)
         stats[:, 0] = norm
@@ -243,14 +243,14 @@ def test_tracker_checks_its_arguments() -> None:
     with pytest.raises(TypeError, match=r"GradFlowTracker\(post_clip=1\): must be True or False"):
         GradFlowTracker(model, [opt], post_clip=1)  # type: ignore[arg-type]
     assert hooks_left(model) == []
-    with pytest.raises(TypeError, match=r"GradientAlarms\(rules=True\): must be an AlarmRules"):
-        GradientAlarms(["a"], True)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"TrainingAlarms\(rules=True\): must be an AlarmRules"):
+        TrainingAlarms(["a"], True)  # type: ignore[arg-type]
 
 
 def test_state_of_other_layers_is_refused() -> None:
-    state = GradientAlarms(["a", "global"]).state_dict()
+    state = TrainingAlarms(["a", "global"]).state_dict()
     with pytest.raises(ValueError, match=r"saved layers \('a', 'global'\) differ"):
-        GradientAlarms(["a", "b", "global"]).load_state_dict(state)
+        TrainingAlarms(["a", "b", "global"]).load_state_dict(state)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -258,7 +258,7 @@ def test_cuda_verdict_is_read_without_a_sync_at_most_one_step_late() -> None:
     """Updates and polls never sync, the one that finds the alarm included (the rules and the
     ring buffer are on the host); the spike of step 3 is read by step 4's poll
     at the latest."""
-    alarms = GradientAlarms(["a", "global"], AlarmRules(min_history=2, window=4), "cuda")
+    alarms = TrainingAlarms(["a", "global"], AlarmRules(min_history=2, window=4), "cuda")
     found: list[Any] = []
     for step, norm in enumerate([1.0, 1.0, 1.0, 100.0, 1.0]):
         torch.cuda.set_sync_debug_mode("error")
@@ -275,7 +275,7 @@ def test_cuda_verdict_is_read_without_a_sync_at_most_one_step_late() -> None:
 
 def test_two_optimizers_on_different_scales_raise_no_global_spike() -> None:
     """A GAN-like alternation: each optimizer's global norm differs by 100x from the other's."""
-    alarms = GradientAlarms(["g", "d", "global"], AlarmRules(min_history=2, window=8))
+    alarms = TrainingAlarms(["g", "d", "global"], AlarmRules(min_history=2, window=8))
     for step in range(20):
         row, norm = (0, 0.1) if step % 2 else (1, 10.0)
         stats = torch.full((2, 5), norm)
@@ -295,7 +295,7 @@ def test_rows_given_as_the_same_tensor_are_read_to_the_host_once(
     reads: list[int] = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
-    alarms = GradientAlarms(["g", "d", "global"], AlarmRules())
+    alarms = TrainingAlarms(["g", "d", "global"], AlarmRules())
     rows = torch.tensor([0, 2])
     for step in range(4):
         alarms.update(torch.tensor([1.0, 1.0]), rows, step=step)

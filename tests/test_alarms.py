@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hooks import (
     AlarmRules,
     GradFlowCallback,
-    GradientAlarmError,
-    GradientAlarmWarning,
     LightningHooksWarning,
+    TrainingAlarmError,
+    TrainingAlarmWarning,
 )
 from lightning_hooks.core import ALARM_RULES
 
@@ -123,10 +123,10 @@ def _fit(
 
 
 def _alarms(record: Iterator[warnings.WarningMessage]) -> list[tuple[int, str, str]]:
-    """``(step, layer, message)`` of each GradientAlarmWarning, in the order emitted."""
+    """``(step, layer, message)`` of each TrainingAlarmWarning, in the order emitted."""
     out = []
     for w in record:
-        if issubclass(w.category, GradientAlarmWarning):
+        if issubclass(w.category, TrainingAlarmWarning):
             step, layer = ALARM.search(str(w.message)).groups()  # type: ignore[union-attr]
             out.append((int(step), layer, str(w.message)))
     return out
@@ -178,7 +178,7 @@ def test_spike_at_a_step_that_is_not_a_statistics_step_is_named_at_defaults(
 ) -> None:
     assert at % 50 != 0  # log_every_n_steps=50: the statistics do not sample this step
     probe = NormProbe()
-    with pytest.warns(GradientAlarmWarning) as record:
+    with pytest.warns(TrainingAlarmWarning) as record:
         default_fit(
             tmp_path,
             LongMLP(batches=at + 3),
@@ -212,7 +212,7 @@ def test_spike_at_a_step_that_is_not_a_statistics_step_is_named_at_defaults(
 
 
 def test_nan_weight_is_named_at_its_layer_and_step_at_defaults(tmp_path: Path) -> None:
-    with pytest.warns(GradientAlarmWarning) as record:
+    with pytest.warns(TrainingAlarmWarning) as record:
         default_fit(
             tmp_path, LongMLP(), Fault("nan_weight", step=20), GradFlowCallback(alarms=GRAD_RULES)
         )
@@ -242,7 +242,7 @@ class Dead(pl.Callback):
 def test_dead_layers_are_named_after_vanish_steps_at_defaults(tmp_path: Path) -> None:
     """Two of three layers at exactly zero: the median layer is zero, and still they fire."""
     probe = NormProbe()
-    with pytest.warns(GradientAlarmWarning) as record:
+    with pytest.warns(TrainingAlarmWarning) as record:
         default_fit(
             tmp_path,
             LongMLP(batches=80),
@@ -259,7 +259,7 @@ def test_dead_layers_are_named_after_vanish_steps_at_defaults(tmp_path: Path) ->
 
 
 def test_a_shrunk_layer_is_named_after_vanish_steps(trainer_factory: Any) -> None:
-    with pytest.warns(GradientAlarmWarning) as record:
+    with pytest.warns(TrainingAlarmWarning) as record:
         callback = GradFlowCallback(alarms=GRAD_RULES)
         _fit(trainer_factory, LongMLP(), Fault("shrink", "net.0", step=3), callback)
     assert [a[:2] for a in _alarms(record)] == [(3 + 20 - 1, "net.0")]
@@ -301,7 +301,7 @@ def test_healthy_runs_of_300_steps_raise_no_alarm_at_defaults(
 def test_clipping_hides_no_spike_from_the_alarms(trainer_factory: Any) -> None:
     """The alarms watch the gradient before clipping: a spike clipped away still fires."""
     probe = NormProbe()
-    with pytest.warns(GradientAlarmWarning, match=rf"spike at optimizer step {K}: net\.2") as rec:
+    with pytest.warns(TrainingAlarmWarning, match=rf"spike at optimizer step {K}: net\.2") as rec:
         _fit(
             trainer_factory,
             LongMLP(),
@@ -338,7 +338,7 @@ class BadBatch(pl.Callback):
 def test_loss_rule_names_the_step_of_a_bad_batch(trainer_factory: Any) -> None:
     bad = BadBatch(K)
     callback = GradFlowCallback(alarms=AlarmRules(loss_factor=3.0))
-    with pytest.warns(GradientAlarmWarning) as record:
+    with pytest.warns(TrainingAlarmWarning) as record:
         _fit(trainer_factory, LongMLP(), bad, callback, max_steps=K + 2)
     loss = next(w.message.alarm for w in record if "loss spike" in str(w.message))  # type: ignore[union-attr]
     assert (loss.rule, loss.layer, loss.step) == ("loss_spike", "loss", K)
@@ -348,7 +348,7 @@ def test_loss_rule_names_the_step_of_a_bad_batch(trainer_factory: Any) -> None:
 
 
 def test_loss_rule_is_off_by_default(trainer_factory: Any) -> None:
-    with pytest.warns(GradientAlarmWarning) as record:
+    with pytest.warns(TrainingAlarmWarning) as record:
         _fit(trainer_factory, LongMLP(), BadBatch(K), GradFlowCallback(), max_steps=K + 2)
     assert not [w for w in record if "loss spike" in str(w.message)]
 
@@ -356,7 +356,7 @@ def test_loss_rule_is_off_by_default(trainer_factory: Any) -> None:
 def test_stop_ends_training_after_the_alarm_step(trainer_factory: Any) -> None:
     # the 1e6x fault is a spike and an explosion: both warn here
     explode = rf"(spike|explosion) at optimizer step {K}: net\.2"
-    with pytest.warns(GradientAlarmWarning, match=explode):
+    with pytest.warns(TrainingAlarmWarning, match=explode):
         trainer = _fit(
             trainer_factory,
             LongMLP(),
@@ -374,7 +374,7 @@ def test_raise_raises_the_library_error_and_removes_hooks(trainer_factory: Any) 
         callbacks=[Fault("multiply"), GradFlowCallback(on_alarm={"spike": "raise"})],
         max_steps=K + 5,
     )
-    with pytest.raises(GradientAlarmError, match=rf"spike at optimizer step {K}: net\.2") as info:
+    with pytest.raises(TrainingAlarmError, match=rf"spike at optimizer step {K}: net\.2") as info:
         trainer.fit(model)
     assert (info.value.rule, info.value.layer, info.value.step) == ("spike", "net.2", K)
     assert info.value.value > 1e3
@@ -386,7 +386,7 @@ def test_skip_leaves_weights_and_momentum_unchanged_for_that_step(trainer_factor
     probe = NormProbe()
     # the 1e6x fault is a spike and an explosion: both warn here
     explode = rf"(spike|explosion) at optimizer step {K}: net\.2"
-    with pytest.warns(GradientAlarmWarning, match=explode):
+    with pytest.warns(TrainingAlarmWarning, match=explode):
         trainer = _fit(
             trainer_factory,
             LongMLP(),
@@ -482,7 +482,7 @@ def test_no_host_sync_on_a_quiet_step_nor_on_the_step_a_spike_fires(
     from syncs import count_syncs
 
     probe = StepSyncs()
-    with count_syncs(monkeypatch) as counter, pytest.warns(GradientAlarmWarning, match="spike"):
+    with count_syncs(monkeypatch) as counter, pytest.warns(TrainingAlarmWarning, match="spike"):
         probe.counter = counter
         _fit(
             trainer_factory,
@@ -524,6 +524,6 @@ def test_stop_makes_no_per_step_decision_collective(
         trainer.strategy, "reduce_boolean_decision", lambda *a, **k: calls.append(1) or False
     )
     # The 1e6x gradient reaches the optimizer unclipped: a spike and an explosion.
-    with pytest.warns(GradientAlarmWarning, match=rf"(spike|explosion) at optimizer step {K}"):
+    with pytest.warns(TrainingAlarmWarning, match=rf"(spike|explosion) at optimizer step {K}"):
         trainer.fit(LongMLP())
     assert trainer.global_step == K + 1 and calls == []

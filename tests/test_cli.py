@@ -17,7 +17,7 @@ import torch
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 
-from lightning_hooks import DeadReLUCallback, GradFlowCallback, GradientAlarmWarning
+from lightning_hooks import DeadReLUCallback, GradFlowCallback, TrainingAlarmWarning
 from lightning_hooks.cli import main
 from lightning_hooks.core.alarms import ALARM_RULES
 
@@ -94,9 +94,9 @@ def test_fail_on_nonfinite_gradients_fails_the_broken_run_only(
     make_trainer(tmp_path / "ok", callbacks=[GradFlowCallback()]).fit(TinyMLP())
     # GradFlowCallback's default alarms warn as it happens: the NaN gradient and loss at step 1,
     # then the weights it poisoned from step 2 on (once per cause per epoch, not once per step).
-    with pytest.warns(GradientAlarmWarning) as record:
+    with pytest.warns(TrainingAlarmWarning) as record:
         make_trainer(tmp_path / "nan", callbacks=[GradFlowCallback()]).fit(NaNAtStep())
-    alarms = [str(w.message) for w in record if issubclass(w.category, GradientAlarmWarning)]
+    alarms = [str(w.message) for w in record if issubclass(w.category, TrainingAlarmWarning)]
     assert [m.split(": ")[:2] for m in alarms] == [
         ["GradFlowCallback [nonfinite]", "non-finite gradient at optimizer step 1"],
         ["GradFlowCallback [diverging]", "loss diverging at optimizer step 1"],

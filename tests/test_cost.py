@@ -24,7 +24,7 @@ from torch import nn
 
 import lightning_hooks
 from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker
-from lightning_hooks.core import GradientAlarms
+from lightning_hooks.core import TrainingAlarms
 from lightning_hooks.core.ops.grouped_norms import MAX_GROUPS
 from lightning_hooks.errors import LightningHooksWarning
 
@@ -154,15 +154,15 @@ def _ops_of_each_call(
 def test_the_loss_rules_are_one_copy_a_step() -> None:
     """*diverging* on by default: the device copies the loss to the host, where the rules run
     (one copy, no other op)."""
-    alarms = GradientAlarms(["a", "b", "global"], AlarmRules())
+    alarms = TrainingAlarms(["a", "b", "global"], AlarmRules())
     losses = [torch.tensor(1.0 - 0.1 * step) for step in range(3)]
     assert _ops_of_each_call(losses, alarms.update_loss) == [{"copy_": 1}] * 2
     assert alarms.poll() == []
 
 
 def test_the_gradient_rules_launch_no_kernel() -> None:
-    """:meth:`GradientAlarms.update` is one copy of the norms, whatever fires."""
-    alarms = GradientAlarms(["a", "b", "global"], AlarmRules(min_history=3))
+    """:meth:`TrainingAlarms.update` is one copy of the norms, whatever fires."""
+    alarms = TrainingAlarms(["a", "b", "global"], AlarmRules(min_history=3))
     norms = [[1.0, 2.0, 2.2], [1.1, 2.1, 2.4], [0.9, 1.9, 2.1], [1.0, 200.0, 200.0]]
     values = [torch.tensor(norm) for norm in norms]
     assert _ops_of_each_call(values, alarms.update) == [{"copy_": 1}] * 3

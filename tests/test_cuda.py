@@ -28,9 +28,9 @@ from lightning_hooks import (
     AlarmRules,
     DeadReLUCallback,
     GradFlowCallback,
-    GradientAlarmWarning,
     LayerTimeCallback,
     SaturationCallback,
+    TrainingAlarmWarning,
 )
 
 from conftest import make_trainer
@@ -185,7 +185,7 @@ def test_a_spike_on_cuda_is_named_at_its_own_step(
     of the same gradients up to float32 rounding (the reductions' order differs on CUDA)."""
     calls = _counting_reads(monkeypatch, compare=True, read=read)
     rules = AlarmRules(diverge_ratio=None, quiet_read=read)
-    with pytest.warns(GradientAlarmWarning) as record:
+    with pytest.warns(TrainingAlarmWarning) as record:
         pl.Trainer(
             default_root_dir=tmp_path,
             accelerator="cuda",

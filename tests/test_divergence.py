@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.core import AlarmRules
-from lightning_hooks.errors import GradientAlarmWarning
+from lightning_hooks.errors import TrainingAlarmWarning
 
 from conftest import fit_alarms, load_benchmark, read_alarm_texts, read_scalars
 
@@ -343,7 +343,7 @@ def test_a_small_noisy_run_is_not_warned(tmp_path: Path, seed: int) -> None:
     # steps: that loss is low by chance)
     assert len(model.losses) == 48, model.losses
     assert np.mean(model.losses[-16:]) < np.mean(model.losses[:16]), model.losses
-    assert [w for w in record if issubclass(w.category, GradientAlarmWarning)] == []
+    assert [w for w in record if issubclass(w.category, TrainingAlarmWarning)] == []
     assert _rule(model.losses, AlarmRules()) == []
 
 

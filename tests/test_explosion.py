@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import AlarmRules, GradFlowCallback
-from lightning_hooks.errors import GradientAlarmWarning
+from lightning_hooks.errors import TrainingAlarmWarning
 
 from conftest import fit_alarms, read_scalars
 
@@ -78,7 +78,7 @@ def _fit(
     rules: AlarmRules | None = None,
     on_alarm: Any = "warn",
     **kwargs: Any,
-) -> tuple[list[GradientAlarmWarning], dict[str, list[tuple[int, float]]]]:
+) -> tuple[list[TrainingAlarmWarning], dict[str, list[tuple[int, float]]]]:
     torch.manual_seed(0)
     callback = GradFlowCallback(alarms=AlarmRules() if rules is None else rules, on_alarm=on_alarm)
     trainer = pl.Trainer(

@@ -21,7 +21,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.callbacks.fabric import check_fabric
-from lightning_hooks.errors import GradientAlarmWarning
+from lightning_hooks.errors import TrainingAlarmWarning
 
 from conftest import hooks_left, read_scalars
 
@@ -101,7 +101,7 @@ def test_fabric_default_cadence_is_50_and_the_spike_warns(tmp_path: Path) -> Non
     """The issue's case: 120 steps, a 1e6x gradient at step 37: warned at step 37, logging
     steps at 49 and 99 (Fabric has no log_every_n_steps: 50)."""
     fabric = _fabric(tmp_path, GradFlowCallback())
-    with pytest.warns(GradientAlarmWarning) as record:
+    with pytest.warns(TrainingAlarmWarning) as record:
         _train(fabric, _model(), 120, spike_at=37)
     alarms = [w.message.alarm for w in record if hasattr(w.message, "alarm")]  # type: ignore[union-attr]
     assert alarms[0].step == 37  # nothing before the spike; what it wrecked after
@@ -129,13 +129,13 @@ def test_fabric_clip_gradients_preclip_norm_is_exact(tmp_path: Path) -> None:
 def test_fabric_loss_rules_read_the_fed_loss(tmp_path: Path) -> None:
     """``fabric.call("on_before_backward", loss)`` feeds the loss rules: the loss spike at step
     37 is named diverging; without the line only the gradient rules speak."""
-    with pytest.warns(GradientAlarmWarning) as record:
+    with pytest.warns(TrainingAlarmWarning) as record:
         _train(
             _fabric(tmp_path / "a", GradFlowCallback()), _model(), 40, spike_at=37, feed_loss=True
         )
     rules = {w.message.alarm.rule for w in record if hasattr(w.message, "alarm")}
     assert "diverging" in rules or "loss_spike" in rules
-    with pytest.warns(GradientAlarmWarning) as record:
+    with pytest.warns(TrainingAlarmWarning) as record:
         _train(_fabric(tmp_path / "b", GradFlowCallback()), _model(), 40, spike_at=37)
     rules = {w.message.alarm.rule for w in record if hasattr(w.message, "alarm")}
     assert not rules & {"diverging", "loss_spike"}

@@ -25,7 +25,7 @@ from pytorch_lightning.strategies import FSDPStrategy, SingleDeviceStrategy
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.core.ops.grouped_norms import abs_sum_max
 from lightning_hooks.core.transport import ShardPlan, combine_partials
-from lightning_hooks.errors import GradientAlarmWarning
+from lightning_hooks.errors import TrainingAlarmWarning
 
 from conftest import read_histograms, read_scalars, run_script
 
@@ -45,7 +45,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, An
     out = tmp_path_factory.mktemp("single")
     runs = {name: run(out, name, devices=1) for name in ("fsdp", "clip")}
     for action in ("skip", "stop"):
-        with pytest.warns(GradientAlarmWarning, match="non-finite"):
+        with pytest.warns(TrainingAlarmWarning, match="non-finite"):
             runs[action] = run(out, action, devices=1)
     return out, runs
 

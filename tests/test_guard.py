@@ -144,15 +144,15 @@ def test_strict_false_on_the_callback_wins_over_the_environment(
 
 
 def test_library_errors_are_never_swallowed() -> None:
-    from lightning_hooks import GradientAlarmError
+    from lightning_hooks import TrainingAlarmError
 
     guard = Guard("GradFlowCallback", strict=False)
-    error = GradientAlarmError("spike", rule="spike", layer="global", step=3, value=9.0)
+    error = TrainingAlarmError("spike", rule="spike", layer="global", step=3, value=9.0)
 
     def raise_alarm() -> None:
         raise error
 
-    with pytest.raises(GradientAlarmError, match="spike"):
+    with pytest.raises(TrainingAlarmError, match="spike"):
         guard.wrap(raise_alarm, "on_before_optimizer_step hook")()
     assert guard.failed is None
 

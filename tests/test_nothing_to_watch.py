@@ -18,10 +18,10 @@ from lightning_hooks import (
     DeadReLUCallback,
     FeatureMapCallback,
     GradFlowCallback,
-    GradientAlarmWarning,
     LayerTimeCallback,
     LightningHooksWarning,
     SaturationCallback,
+    TrainingAlarmWarning,
 )
 
 from conftest import TinyMLP, dataset, hooks_left, make_trainer, read_scalars
@@ -72,7 +72,7 @@ def test_defaults_with_nothing_to_watch_warn_once_and_train(
             str(w.message)
             for w in caught
             if issubclass(w.category, LightningHooksWarning)
-            and not issubclass(w.category, GradientAlarmWarning)
+            and not issubclass(w.category, TrainingAlarmWarning)
         ]
         assert len(ours) == 1, ours
         name = type(callback).__name__

@@ -14,7 +14,7 @@ PUBLIC = {
     "lightning_hooks": [
         "ActivationStatsCallback", "ActivationStatsTracker", "AlarmRules", "DeadReLUCallback",
         "DeadUnitTracker", "FeatureMapCallback", "GradFlowCallback", "GradFlowTracker",
-        "GradientAlarm", "GradientAlarmError", "GradientAlarmWarning", "GradientAlarms",
+        "TrainingAlarm", "TrainingAlarmError", "TrainingAlarmWarning", "TrainingAlarms",
         "HookRegistry", "LayerTable", "LayerTimeCallback", "LightningHooksError",
         "LightningHooksWarning", "SaturationCallback", "StatsCallback", "capture_outputs",
         "select_modules",
@@ -22,7 +22,7 @@ PUBLIC = {
     "lightning_hooks.core": [
         "ALARM_RULES", "ActivationStatsTracker", "AlarmRules", "DeadUnitTracker", "DeadUnits",
         "FEATURE_STATS", "FeatureSummary", "FirstNonFinite", "GRAD_FLOW_STATS", "GRAD_STATS",
-        "GradFlowTracker", "GradientAlarm", "GradientAlarms", "HookRegistry", "LayerHistogram",
+        "GradFlowTracker", "TrainingAlarm", "TrainingAlarms", "HookRegistry", "LayerHistogram",
         "LayerHistograms", "LayerStat", "LayerStatsAccumulator", "LayerTable",
         "LayerTimer",
         "LayerTimes", "ParamLayout", "SATURATING_TYPES", "SaturatedUnits", "SaturationTracker",
@@ -94,3 +94,26 @@ def test_every_public_constructor_names_the_closest_argument_to_a_misspelt_one(n
         with pytest.raises(TypeError, match=rf"^{name}\({typo}=\.\.\.\): unknown argument") as err:
             cls(**{typo: 1})
         assert f"did you mean {keyword!r}?" in str(err.value), (typo, str(err.value))
+
+
+@pytest.mark.parametrize(
+    ("module", "old", "new"),
+    [
+        ("lightning_hooks", "GradientAlarm", "TrainingAlarm"),
+        ("lightning_hooks", "GradientAlarms", "TrainingAlarms"),
+        ("lightning_hooks", "GradientAlarmError", "TrainingAlarmError"),
+        ("lightning_hooks", "GradientAlarmWarning", "TrainingAlarmWarning"),
+        ("lightning_hooks.core", "GradientAlarms", "TrainingAlarms"),
+        ("lightning_hooks.errors", "GradientAlarmError", "TrainingAlarmError"),
+    ],
+)
+def test_a_renamed_public_name_still_imports_with_a_deprecation_warning(
+    module: str, old: str, new: str
+) -> None:
+    import importlib
+
+    package = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=rf"{module}\.{old} is renamed {new}"):
+        value = getattr(package, old)
+    assert value is getattr(package, new)
+    assert old not in package.__all__

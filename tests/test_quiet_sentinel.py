@@ -20,7 +20,7 @@ from lightning_hooks.core.alarms.gradients import GradientRules, RunningScale
 from lightning_hooks.core.alarms.loss import LossRules
 from lightning_hooks.core.ops.grad_stats import ParamLayout, param_norms, segment_norm
 from lightning_hooks.core.transport import HostCopy
-from lightning_hooks.errors import GradientAlarmWarning
+from lightning_hooks.errors import TrainingAlarmWarning
 
 FAULT = 37  # a quiet step: the Trainer logs (and the statistics sample) every 50
 
@@ -86,9 +86,9 @@ def test_a_quiet_step_names_the_spike_with_the_norms_plain_torch_gives_tied_weig
         enable_progress_bar=False,
         callbacks=[probe, callback],
     )
-    with pytest.warns(GradientAlarmWarning) as record:
+    with pytest.warns(TrainingAlarmWarning) as record:
         trainer.fit(TiedAutoencoder())
-    alarms = [w.message.alarm for w in record if isinstance(w.message, GradientAlarmWarning)]
+    alarms = [w.message.alarm for w in record if isinstance(w.message, TrainingAlarmWarning)]
     spike = next(a for a in alarms if a.rule == "spike")
     assert (spike.step, spike.layer) == (FAULT, "mid")
     assert "global" in spike.others and "enc" not in spike.others

@@ -62,7 +62,7 @@ class ScaledLoss(pl.LightningModule):
 
 def _fit(tmp_path: Path, model: ScaledLoss, **trainer: Any) -> list[Any]:
     """Fit at every default of ``GradFlowCallback`` and the ``Trainer`` (but the arguments
-    given): the ``GradientAlarmWarning``s."""
+    given): the ``TrainingAlarmWarning``s."""
     callback = trainer.pop("callback", GradFlowCallback())
     fit = pl.Trainer(
         default_root_dir=tmp_path,
@@ -184,9 +184,9 @@ def test_a_state_saved_by_0_2_0_loads() -> None:
     """0.2.0 saved *diverging*'s state as ``[mean, deviation, best, first]``, the losses seen
     and its open rise, and counted recovered rises as ``transient``: such a state loads, its
     levels in place and its count under ``setback``."""
-    from lightning_hooks.core import GradientAlarms
+    from lightning_hooks.core import TrainingAlarms
 
-    alarms = GradientAlarms(["net", "global"])
+    alarms = TrainingAlarms(["net", "global"])
     state = alarms.state_dict()
     for key in ("loss_levels", "loss_setback"):
         del state[key]
@@ -197,7 +197,7 @@ def test_a_state_saved_by_0_2_0_loads() -> None:
         loss_rise=[],
         counts={**counts, "transient": 2},
     )
-    loaded = GradientAlarms(["net", "global"])
+    loaded = TrainingAlarms(["net", "global"])
     loaded.load_state_dict(state)
     levels = loaded.state_dict()["loss_levels"]
     assert levels["seen"] == 40
@@ -229,11 +229,11 @@ def test_a_divergence_that_raises_is_in_the_event_files_and_fails_the_gate(
 ) -> None:
     """Under ``on_alarm="raise"`` the fit ends at the confirmation; its count and its text are
     written and saved first, so ``lightning-hooks report --fail-on`` fails the run."""
-    from lightning_hooks import GradientAlarmError
+    from lightning_hooks import TrainingAlarmError
     from lightning_hooks.cli import main
 
     model = ScaledLoss(lambda step: 3.0 if step >= START else 1.0)
-    with pytest.raises(GradientAlarmError, match=r"GradFlowCallback \[diverging\]: loss diverg"):
+    with pytest.raises(TrainingAlarmError, match=r"GradFlowCallback \[diverging\]: loss diverg"):
         _fit(tmp_path, model, callback=GradFlowCallback(on_alarm="raise"))
     assert len(model.losses) < STEPS
     counts = read_scalars(tmp_path)["grad_flow/alarms_step/diverging"]

@@ -13,7 +13,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
-from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
+from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
 from lightning_hooks.core.transport import (
     HostCopy,
     all_reduce_sum_,
@@ -104,7 +104,7 @@ class LossAgreement:
             return None
         return RankVotes(sum(s.failed for s in read), sum(s.stopping for s in read))
 
-    def apply(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
+    def apply(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
         """The loss rules on the ranks' mean loss (manual optimization: once every rank has one)."""
         pending = self._pending
         self._pending = None

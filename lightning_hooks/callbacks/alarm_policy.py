@@ -11,11 +11,11 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 
-from lightning_hooks.core.alarms import ALARM_RULES, GradientAlarm, GradientAlarms
+from lightning_hooks.core.alarms import ALARM_RULES, TrainingAlarm, TrainingAlarms
 from lightning_hooks.core.transport import (
     world_size,
 )
-from lightning_hooks.errors import GradientAlarmError, GradientAlarmWarning, LightningHooksWarning
+from lightning_hooks.errors import LightningHooksWarning, TrainingAlarmError, TrainingAlarmWarning
 from lightning_hooks.logging import log_scalars, log_text, save_loggers, step_tags
 from lightning_hooks.tags import ALARM_TEXT, SPIKE_SCORE, alarm_tag
 
@@ -94,10 +94,10 @@ class AlarmPolicy:
         self._logged = 0  # alarms of the epoch's log already written at a logging step
         self._counted: dict[str, int] = {}
         self.saved: dict[str, Any] | None = None  # the alarms' state between fits, or loaded
-        self._alarms: GradientAlarms | None = None  # this fit's, for an alarm that ends it
-        self.stopped_by: GradientAlarm | None = None  # the first alarm whose ``stop`` acted
+        self._alarms: TrainingAlarms | None = None  # this fit's, for an alarm that ends it
+        self.stopped_by: TrainingAlarm | None = None  # the first alarm whose ``stop`` acted
 
-    def restore(self, alarms: GradientAlarms | None) -> None:
+    def restore(self, alarms: TrainingAlarms | None) -> None:
         """Load the saved state into fresh ``alarms``; another model's is dropped with a warning."""
         self._alarms = alarms
         if alarms is None or self.saved is None:
@@ -114,7 +114,7 @@ class AlarmPolicy:
         self,
         trainer: pl.Trainer,
         optimizer: torch.optim.Optimizer | None,
-        alarms: list[GradientAlarm],
+        alarms: list[TrainingAlarm],
     ) -> None:
         """Warn, stop, raise or skip for each alarm (``optimizer``: the one about to step)."""
         stop = False
@@ -123,7 +123,7 @@ class AlarmPolicy:
             if action is None or action == "log":
                 continue
             if action == "raise":
-                error = GradientAlarmError(
+                error = TrainingAlarmError(
                     _speaker(alarm),
                     rule=alarm.rule,
                     layer=alarm.layer,
@@ -160,7 +160,7 @@ class AlarmPolicy:
                 f"GradFlowCallback [{alarm.rule}]: on_alarm='stop' ended the fit at optimizer "
                 f"step {trainer.global_step}, after the {alarm.rule} alarm of step {alarm.step}: "
                 f"{alarm.message}",
-                category=GradientAlarmWarning,
+                category=TrainingAlarmWarning,
             )
 
     def _keep_before_raising(self, trainer: pl.Trainer, step: int) -> None:
@@ -171,15 +171,15 @@ class AlarmPolicy:
             self.log_step(trainer, self._alarms, step)
         save_loggers(trainer.loggers)
 
-    def _warn_once(self, alarm: GradientAlarm) -> None:
+    def _warn_once(self, alarm: TrainingAlarm) -> None:
         key = (alarm.rule, alarm.layer)
         if key not in self._warned:
             self._warned.add(key)
-            warning = GradientAlarmWarning(_speaker(alarm))
+            warning = TrainingAlarmWarning(_speaker(alarm))
             warning.alarm = alarm
-            rank_zero_warn(warning, category=GradientAlarmWarning)
+            rank_zero_warn(warning, category=TrainingAlarmWarning)
 
-    def log_step(self, trainer: pl.Trainer, alarms: GradientAlarms, step: int) -> None:
+    def log_step(self, trainer: pl.Trainer, alarms: TrainingAlarms, step: int) -> None:
         """At a logging step: per-rule counts since the last one, and any alarms' text."""
         counts = {rule: n - self._counted.get(rule, 0) for rule, n in alarms.counts.items()}
         self._counted = dict(alarms.counts)
@@ -190,7 +190,7 @@ class AlarmPolicy:
         if new and trainer.is_global_zero:
             log_text(trainer.loggers, ALARM_TEXT, _summary(new, f"up to step {step}"), step)
 
-    def end_epoch(self, trainer: pl.Trainer, alarms: GradientAlarms) -> None:
+    def end_epoch(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
         """Act on the last verdicts, then log the epoch's counts and its text summary."""
         self.act(trainer, None, alarms.poll(wait=True))
         counts, log = alarms.take_epoch()
@@ -206,14 +206,14 @@ class AlarmPolicy:
             log_text(trainer.loggers, ALARM_TEXT, _summary(log, where), step)
 
 
-def _speaker(alarm: GradientAlarm) -> str:
+def _speaker(alarm: TrainingAlarm) -> str:
     """The alarm's message with who speaks first: the callback and the rule. Lightning's warning
     formatter drops a warning's category under a path containing "lightning", so the words
     themselves must say it."""
     return f"GradFlowCallback [{alarm.rule}]: {alarm.message}"
 
 
-def _summary(log: list[GradientAlarm], where: str) -> str:
+def _summary(log: list[TrainingAlarm], where: str) -> str:
     lines: list[str] = []
     shown: set[int] = set()
     for alarm in log[:_SUMMARY_LINES]:

@@ -140,7 +140,12 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         super().__init_subclass__(**kwargs)
         guard_hooks(cls)
 
-    def _hook_guard(self) -> Guard:
+    def hook_guard(self) -> Guard:
+        """The guard of this fit's hooks, made at the first hook of each fit.
+
+        Returns:
+            The guard: its ``failed`` says whether the callback is disabled, and why.
+        """
         if self._guard is None:
             self._guard = Guard(type(self).__name__, strict=self.strict)
         return self._guard
@@ -181,7 +186,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._detach()
         self.stop_requested = False
-        guard = self._hook_guard()
+        guard = self.hook_guard()
         self._ranks = world_size()
         # Ranks agree on a failure before any disables (see lightning_hooks.core.hooks.guard).
         guard.defer = not guard.strict and self._ranks > 1
@@ -266,7 +271,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
-            if self._hook_guard().failed is None:  # a failure after the last epoch end: agreed
+            if self.hook_guard().failed is None:  # a failure after the last epoch end: agreed
                 self._agree_ranks(trainer, trainer.global_step, always=True)
         finally:
             self._detach()
@@ -336,7 +341,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         ours = [
             cb
             for cb in trainer.callbacks  # type: ignore[attr-defined]
-            if isinstance(cb, HookCallback) and not (live and cb._hook_guard().failed is not None)  # noqa: SLF001 (another instance of this class)
+            if isinstance(cb, HookCallback) and not (live and cb.hook_guard().failed is not None)
         ]
         return not ours or ours[-1] is self
 
@@ -344,7 +349,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         """At a logging step (``always``: an epoch end) of a multi-process run, agree on a failure
         and a ``stop``, unless every batch's loss collective carries them already (see
         :mod:`.agreement`); whether the callback is now disabled."""
-        guard = self._hook_guard()
+        guard = self.hook_guard()
         if self._ranks == 1 or guard.failed is not None or (self._votes_carried() and not always):
             return guard.failed is not None
         stop = self.stop_requested
@@ -358,12 +363,12 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         if stopping:
             trainer.should_stop = True
             self.stop_requested = False
-        local = self._hook_guard().local
+        local = self.hook_guard().local
         return bool(failed) and self._disable(trainer, step, gather_objects(local))
 
     def _disable(self, trainer: pl.Trainer, step: int, causes: list[Any]) -> bool:
         """Disable the callback on every rank, one warning on rank 0 naming each rank's cause."""
-        guard = self._hook_guard()
+        guard = self.hook_guard()
         guard.settle(causes, step, warn=trainer.is_global_zero)
         guard.take_pending()
         self._guard_disable()

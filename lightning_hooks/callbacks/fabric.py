@@ -122,7 +122,7 @@ class FabricRun:
             if run is not None:
                 run.before_step(optimizer)
 
-        guard = self.callback._hook_guard()  # noqa: SLF001 (the callback's guard for this fit, set by its setup)
+        guard = self.callback.hook_guard()  # the guard of this fit, made anew by its setup
         handle = register_optimizer_step_pre_hook(guard.wrap(pre_step, "optimizer step pre-hook"))
         self._undo.append(handle.remove)
         weakref.finalize(self, handle.remove)  # a run garbage-collected leaves no global hook
@@ -141,7 +141,7 @@ class FabricRun:
             if run is not None:
                 run.before_clip(optimizer, algorithm, value)
 
-        guarded = self.callback._hook_guard().wrap(observe, "gradient clipping hook")  # noqa: SLF001 (as in start)
+        guarded = self.callback.hook_guard().wrap(observe, "gradient clipping hook")
 
         def clip(module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 (stands in for the strategy's clip method, whatever it takes and returns)
             value = kwargs.get(argument, args[0] if args else None)

@@ -21,7 +21,7 @@ from lightning_hooks.callbacks.base import selection_state_key, training_loss
 from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
 from lightning_hooks.callbacks.stats import Statistic, StatsCallback
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, checks
-from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
+from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
 from lightning_hooks.core.ops.grad_stats import ParamLayout
@@ -133,7 +133,7 @@ class GradFlowCallback(StatsCallback):
         self.types = types
         self.histograms = histograms
         self._hist: LayerHistograms | None = None
-        self._own_loss: GradientAlarms | None = None  # the alarms fed this rank's loss (one rank)
+        self._own_loss: TrainingAlarms | None = None  # the alarms fed this rank's loss (one rank)
         self.include = as_patterns(include, f"GradFlowCallback(include={include!r})")
         self.exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
         self.update_ratio = update_ratio
@@ -190,7 +190,7 @@ class GradFlowCallback(StatsCallback):
             alarms=self.alarms,
             clip=(float(clip), str(getattr(algorithm, "value", algorithm))) if clip else None,
             max_layers_logged=self.max_layers_logged,
-            guard=self._hook_guard(),
+            guard=self.hook_guard(),
         )
         self._pictures.start()
         unstepped = self._tracker.unstepped()
@@ -274,7 +274,7 @@ class GradFlowCallback(StatsCallback):
             self._watch_own_loss(trainer, outputs, self._own_loss)
             return False
         loss = self.loss_agreement  # the ranks' mean loss
-        failed = self._hook_guard().local is not None
+        failed = self.hook_guard().local is not None
         carried = training_loss(trainer, outputs)
         votes = loss.observe(
             carried, self.cadence.batch_step, failed=failed, stop=self.stop_requested
@@ -285,7 +285,7 @@ class GradFlowCallback(StatsCallback):
         return False
 
     def _watch_own_loss(
-        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, alarms: GradientAlarms
+        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, alarms: TrainingAlarms
     ) -> None:
         """Feed this rank's loss to the loss rules, and act on the alarms read."""
         loss = training_loss(trainer, outputs)

@@ -154,7 +154,7 @@ class StatsCallback(HookCallback):
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        registry = HookRegistry(pl_module, guard=self._hook_guard())
+        registry = HookRegistry(pl_module, guard=self.hook_guard())
         for stat in self.stats:
             stat.attach(pl_module, registry)
         self._hooks = SharedRegistry(registry)
@@ -240,7 +240,7 @@ class StatsCallback(HookCallback):
             try:
                 self._align_rows()
             except ValueError as error:  # a layer's units differ between ranks: on every rank
-                if self._hook_guard().strict:
+                if self.hook_guard().strict:
                     raise
                 cause = f"aligning rows across ranks: {type(error).__name__}: {error}"
                 return self._disable(trainer, step, [cause] * self._ranks)  # every rank's

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from lightning_hooks.lazy import lazy_names
 
 if TYPE_CHECKING:
-    from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, GradientAlarm, GradientAlarms
+    from lightning_hooks.core.alarms import ALARM_RULES, AlarmRules, TrainingAlarm, TrainingAlarms
     from lightning_hooks.core.hooks.capture import capture_outputs, probe_mode
     from lightning_hooks.core.hooks.registry import HookRegistry
     from lightning_hooks.core.hooks.selection import (
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 # Module (under lightning_hooks.core) -> the public names it defines, imported on first access.
 _MODULES = {
-    "alarms": "ALARM_RULES AlarmRules GradientAlarm GradientAlarms",
+    "alarms": "ALARM_RULES AlarmRules TrainingAlarm TrainingAlarms",
     "hooks.capture": "capture_outputs probe_mode",
     "hooks.registry": "HookRegistry",
     "hooks.selection": "Selection is_kind select_modules torch_equivalent",
@@ -83,8 +83,6 @@ __all__ = [
     "FeatureSummary",
     "FirstNonFinite",
     "GradFlowTracker",
-    "GradientAlarm",
-    "GradientAlarms",
     "HookRegistry",
     "LayerHistogram",
     "LayerHistograms",
@@ -98,6 +96,8 @@ __all__ = [
     "SaturationTracker",
     "Selection",
     "StabilityStats",
+    "TrainingAlarm",
+    "TrainingAlarms",
     "capture_outputs",
     "feature_stats",
     "grad_stats",

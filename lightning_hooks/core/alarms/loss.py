@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from lightning_hooks.core.alarms.gradients import RunningScale, as_array
-from lightning_hooks.core.alarms.messages import _ADVICE, GradientAlarm, ratio_text
+from lightning_hooks.core.alarms.messages import _ADVICE, TrainingAlarm, ratio_text
 from lightning_hooks.core.alarms.rules import AlarmRules
 from lightning_hooks.core.alarms.setback import Setback, setback_opened, setback_recovered
 from lightning_hooks.core.transport import HostCopy
@@ -42,7 +42,7 @@ class LossVerdict(NamedTuple):
     """The alarms the loss rules raised on one training loss, and its optimizer step."""
 
     step: int
-    alarms: list[GradientAlarm]
+    alarms: list[TrainingAlarm]
 
 
 @dataclass
@@ -161,7 +161,7 @@ class LossRules:
         self._group = _Group()
         self.adaptive = False
         """The optimizer keeps a second moment: its first ``diverge_early`` losses are held to
-        the ``diverge_overshoot`` bar (:meth:`GradientAlarms.set_adaptive`)."""
+        the ``diverge_overshoot`` bar (:meth:`TrainingAlarms.set_adaptive`)."""
         self._box = HostCopy((1,), device)
 
     @property
@@ -190,7 +190,7 @@ class LossRules:
         alarms = self.evaluate(float(value.reshape(-1)[0]), step)
         return LossVerdict(step, alarms) if alarms else None
 
-    def evaluate(self, x: float, step: int) -> list[GradientAlarm]:
+    def evaluate(self, x: float, step: int) -> list[TrainingAlarm]:
         """Apply the rules to the loss ``x`` of optimizer step ``step``: their alarms (the
         state updated)."""
         self._count_step(step)
@@ -217,7 +217,7 @@ class LossRules:
         """The short mean's span in losses: ``diverge_span`` optimizer steps."""
         return self.rules.diverge_span * self.per_step
 
-    def _diverging(self, x: float, step: int) -> list[GradientAlarm]:
+    def _diverging(self, x: float, step: int) -> list[TrainingAlarm]:
         """The setback and *diverging* alarms of the loss ``x`` (the state updated)."""
         rules = self.rules
         levels = self.levels
@@ -242,7 +242,7 @@ class LossRules:
         group = self._group
         return group.losses == self.per_step and group.total / group.losses > bar
 
-    def _judge(self, x: float, step: int, held: bool) -> list[GradientAlarm]:
+    def _judge(self, x: float, step: int, held: bool) -> list[TrainingAlarm]:
         """A running mean over the bar: a setback opened, held (``held``: the mean loss of the
         step just completed is over the bar, not only the running mean that remembers an
         earlier one), or confirmed."""
@@ -290,7 +290,7 @@ class LossRules:
         ratio = (rules.diverge_overshoot if early else rules.diverge_ratio) - 1.0
         return best + max(ratio * abs(best), rules.diverge_giveback * learnt) + self._noise_bar()
 
-    def _confirm(self, step: int, x: float, why: str) -> list[GradientAlarm]:
+    def _confirm(self, step: int, x: float, why: str) -> list[TrainingAlarm]:
         """*diverging* at ``step``: the open setback (if any) confirmed, ``why`` said."""
         setback = self.setback
         if setback is not None and setback.confirmed:
@@ -303,7 +303,7 @@ class LossRules:
 
     def _diverging_alarm(
         self, step: int, x: float, why: str, setback: Setback | None = None
-    ) -> GradientAlarm:
+    ) -> TrainingAlarm:
         """*diverging*'s alarm: the rise confirmed (``why``), where the loss stands, the fixes.
         ``setback``: the setback it confirms, named once, at its confirmation."""
         levels = self.levels
@@ -327,9 +327,9 @@ class LossRules:
             f"{rules.diverge_ratio}, diverge_patience={rules.diverge_patience}, diverge_lost="
             f"{rules.diverge_lost:g}). Fixes that work: {_ADVICE['diverging']}"
         )
-        return GradientAlarm("diverging", "loss", step, x, levels.best, text)
+        return TrainingAlarm("diverging", "loss", step, x, levels.best, text)
 
-    def _recover(self, step: int) -> list[GradientAlarm]:
+    def _recover(self, step: int) -> list[TrainingAlarm]:
         """The open setback, if any, closed at ``step``: a recovery when it was not confirmed."""
         setback = self.setback
         self.setback = None
@@ -378,11 +378,11 @@ class LossRules:
             )
 
 
-def _loss_spike(step: int, value: float, scale: float, rules: AlarmRules) -> GradientAlarm:
+def _loss_spike(step: int, value: float, scale: float, rules: AlarmRules) -> TrainingAlarm:
     """*loss_spike*'s alarm: the loss against its running scale."""
     text = (
         f"loss spike at optimizer step {step}: loss {value:.4g} is {value / scale:.3g}x its "
         f"running scale {scale:.4g} (loss_factor={rules.loss_factor}, "
         f"spike_sigmas={rules.spike_sigmas})"
     )
-    return GradientAlarm("loss_spike", "loss", step, value, scale, text)
+    return TrainingAlarm("loss_spike", "loss", step, value, scale, text)

@@ -1,4 +1,4 @@
-"""What an alarm says, built on the host once a rule fired: :class:`GradientAlarm`, the layer it
+"""What an alarm says, built on the host once a rule fired: :class:`TrainingAlarm`, the layer it
 names, its message, the ring buffer's story and the rule's advice."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from lightning_hooks.core.checks import named_arguments
 
 __all__ = [
     "FiredStep",
-    "GradientAlarm",
     "NormHistory",
+    "TrainingAlarm",
     "gradient_alarm",
     "ratio_text",
     "weight_norms",
@@ -45,7 +45,7 @@ _ADVICE = {
 
 @named_arguments
 @dataclass(frozen=True)
-class GradientAlarm:
+class TrainingAlarm:
     """One rule firing at one optimizer step, as read on the host.
 
     Attributes:
@@ -147,7 +147,7 @@ class _Culprit(NamedTuple):
 
 def gradient_alarm(
     rule: str, report: GradientReport, at: FiredStep, layers: tuple[str, ...], rules: AlarmRules
-) -> GradientAlarm:
+) -> TrainingAlarm:
     """The alarm of the gradient ``rule`` (one of ``GRADIENT_RULES``) at the rows it flagged in
     ``report`` (the rows of ``layers``), at the step ``at``."""
     hit = np.flatnonzero(report.fired(rule))
@@ -168,7 +168,7 @@ def gradient_alarm(
     if others:
         text += f" (also flagged: {', '.join(others)})"
     layer, value, reference = culprit
-    return GradientAlarm(rule, layer, at.step, value, reference, text, others)
+    return TrainingAlarm(rule, layer, at.step, value, reference, text, others)
 
 
 def weight_norms(weights: WeightNorms | None, rows: np.ndarray | None, n: int) -> np.ndarray:
@@ -204,8 +204,8 @@ def _culprit(
 
 
 def with_history(
-    alarm: GradientAlarm, layers: tuple[str, ...], history: NormHistory
-) -> GradientAlarm:
+    alarm: TrainingAlarm, layers: tuple[str, ...], history: NormHistory
+) -> TrainingAlarm:
     """``alarm`` with the ring buffer's ``history`` (its steps, and per step the rows' norms,
     running scales and bands), the layer that left its scale first, and the rule's advice."""
     steps = history.steps

@@ -21,7 +21,7 @@ GRADIENT_RULES = ("spike", "explosion", "absolute", "vanishing", "nonfinite", "a
 flags (the loss, *stall* and *attention* have reports of their own)."""
 
 ALARM_RULES = (*GRADIENT_RULES, "loss_spike", "diverging", "setback", "stall", "attention")
-"""Names of the rules, in the order of :attr:`GradientAlarms.counts`."""
+"""Names of the rules, in the order of :attr:`TrainingAlarms.counts`."""
 
 QUIET_READS = ("grouped", "triton")
 """The values of :attr:`AlarmRules.quiet_read`."""

@@ -22,8 +22,8 @@ from lightning_hooks.core.alarms.loss import LossRules
 from lightning_hooks.core.alarms.messages import (
     _ADVICE,
     FiredStep,
-    GradientAlarm,
     NormHistory,
+    TrainingAlarm,
     gradient_alarm,
     weight_norms,
     with_history,
@@ -33,11 +33,11 @@ from lightning_hooks.core.alarms.stall import StallRule
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.transport import HostCopy
 
-__all__ = ["GradientAlarms", "NormRing", "PostedStep", "attention_alarms"]
+__all__ = ["NormRing", "PostedStep", "TrainingAlarms", "attention_alarms"]
 
 
 class PostedStep(NamedTuple):
-    """What :meth:`GradientAlarms.update` posts beside a step's norms; it comes back with them
+    """What :meth:`TrainingAlarms.update` posts beside a step's norms; it comes back with them
     when the host reads the copy."""
 
     step: int
@@ -57,7 +57,7 @@ class PostedStep(NamedTuple):
 
 
 @named_arguments
-class GradientAlarms:
+class TrainingAlarms:
     """Evaluates :class:`AlarmRules` on the host, on rows that are the layers, then ``"global"``.
 
     :meth:`update` feeds the gradient rules, :meth:`update_loss` the loss rules,
@@ -71,7 +71,7 @@ class GradientAlarms:
         device: where the statistics live.
 
     Example:
-        >>> alarms = GradientAlarms(["a", "b", "global"], AlarmRules(min_history=3))
+        >>> alarms = TrainingAlarms(["a", "b", "global"], AlarmRules(min_history=3))
         >>> norms = [[1.0, 2.0, 2.2], [1.1, 2.1, 2.4], [0.9, 1.9, 2.1], [1.0, 200.0, 200.0]]
         >>> for step, norm in enumerate(norms):
         ...     alarms.update(torch.tensor(norm), step=step)
@@ -90,7 +90,7 @@ class GradientAlarms:
         self.layers = tuple(layers)
         self.rules = rules if rules is not None else AlarmRules()
         if not isinstance(self.rules, AlarmRules):
-            raise TypeError(f"GradientAlarms(rules={rules!r}): must be an AlarmRules or None")
+            raise TypeError(f"TrainingAlarms(rules={rules!r}): must be an AlarmRules or None")
         self._watches_loss = self.rules.watches_loss  # read every batch; the rules are frozen
         device = torch.device(device if device is not None else "cpu")
         n = len(self.layers)
@@ -107,9 +107,9 @@ class GradientAlarms:
         """Alarms since construction (every rule, transient spikes included)."""
         self.counts: dict[str, int] = dict.fromkeys(ALARM_RULES, 0)
         """Flagged (layer, step) pairs per rule since :meth:`take_epoch`, on the host."""
-        self.log: list[GradientAlarm] = []
+        self.log: list[TrainingAlarm] = []
         """Every alarm since :meth:`take_epoch`, one per rule and step."""
-        self._new: list[GradientAlarm] = []
+        self._new: list[TrainingAlarm] = []
         self._logits: dict[str, list[float]] = {}  # the attention logits of the last logging steps
 
     @torch.no_grad()
@@ -201,7 +201,7 @@ class GradientAlarms:
         spikes included), as OLMo-core's ``SpikeScore``."""
         return 1000.0 * self.total / max(self.evaluated, 1)
 
-    def poll(self, wait: bool = False) -> list[GradientAlarm]:
+    def poll(self, wait: bool = False) -> list[TrainingAlarm]:
         """Alarms read on the host since the last poll (``wait``: include the latest step)."""
         self._drain(wait)
         new = self._new
@@ -253,14 +253,14 @@ class GradientAlarms:
             alarm = gradient_alarm(rule, report, at, layers, self.rules)
             self._record(with_history(alarm, layers, history))
 
-    def _record(self, alarm: GradientAlarm) -> None:
+    def _record(self, alarm: TrainingAlarm) -> None:
         if alarm.counts:
             self.counts[alarm.rule] += 1 + len(alarm.others)
             self.total += 1
         self.log.append(alarm)
         self._new.append(alarm)
 
-    def take_epoch(self) -> tuple[dict[str, int], list[GradientAlarm]]:
+    def take_epoch(self) -> tuple[dict[str, int], list[TrainingAlarm]]:
         """Counts and alarms since the last call (waits for the latest step), then resets."""
         self._drain(wait=True)
         counts = self.counts
@@ -286,11 +286,11 @@ class GradientAlarms:
         """Restore :meth:`state_dict`; the layers must match this instance's."""
         if tuple(state["layers"]) != self.layers:
             raise ValueError(
-                f"GradientAlarms.load_state_dict: saved layers {tuple(state['layers'])!r} differ "
+                f"TrainingAlarms.load_state_dict: saved layers {tuple(state['layers'])!r} differ "
                 f"from this model's {self.layers!r}"
             )
         if "scale" not in state:
-            raise ValueError("GradientAlarms.load_state_dict: a state of an older version")
+            raise ValueError("TrainingAlarms.load_state_dict: a state of an older version")
         self._gradients.scale.load(state["scale"])
         self._loss.load_state_dict(state)
         self._stall.load_state_dict(state)
@@ -340,7 +340,7 @@ def attention_alarms(
     step: int,
     rules: AlarmRules,
     history: Mapping[str, Sequence[float]] | None = None,
-) -> list[GradientAlarm]:
+) -> list[TrainingAlarm]:
     """*attention*'s alarms at a logging step, by the ``attn_*`` thresholds of ``rules``;
     ``history``: each layer's logits at the logging steps before, oldest first. A layer without
     an entropy is judged on its logit.
@@ -403,5 +403,5 @@ def attention_alarms(
             f"(attn_entropy_min={floor:g}): the softmax is one-hot and its gradient vanishes "
             f"(Wortsman et al. 2023, arXiv 2309.14322). Fixes that work: {_ADVICE['attention']}"
         )
-        alarms.append(GradientAlarm("attention", layer, step, peak, limit or math.nan, text))
+        alarms.append(TrainingAlarm("attention", layer, step, peak, limit or math.nan, text))
     return alarms

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_hooks.core.alarms.messages import GradientAlarm, ratio_text
+from lightning_hooks.core.alarms.messages import TrainingAlarm, ratio_text
 from lightning_hooks.core.alarms.rules import AlarmRules
 
 __all__ = ["Setback", "setback_opened", "setback_recovered"]
@@ -31,7 +31,7 @@ class Setback:
 
 def setback_opened(
     step: int, setback: Setback, mean: float, first: float, rules: AlarmRules
-) -> GradientAlarm:
+) -> TrainingAlarm:
     """A setback's first line: where the loss's running ``mean`` rose to from its best, and what
     is being watched (``first``: where the run started)."""
     best = setback.best
@@ -44,10 +44,10 @@ def setback_opened(
         f"(diverge_patience), passes {rules.diverge_lost:g}x where the run started "
         f"({first:.4g}; diverge_lost), or the loss is not finite"
     )
-    return GradientAlarm("setback", "loss", step, mean, setback.best, text)
+    return TrainingAlarm("setback", "loss", step, mean, setback.best, text)
 
 
-def setback_recovered(step: int, setback: Setback, mean: float) -> GradientAlarm:
+def setback_recovered(step: int, setback: Setback, mean: float) -> TrainingAlarm:
     """A setback's last line when the loss's running ``mean`` came back: a line of text, not
     counted again."""
     text = (
@@ -55,4 +55,4 @@ def setback_recovered(step: int, setback: Setback, mean: float) -> GradientAlarm
         f"mean peaked at {setback.peak:.4g} (its best {setback.best:.4g}) and fell back below "
         f"the bar after {setback.steps} step(s) over it; no action needed"
     )
-    return GradientAlarm("setback", "loss", step, mean, setback.best, text, counts=False)
+    return TrainingAlarm("setback", "loss", step, mean, setback.best, text, counts=False)

@@ -16,7 +16,7 @@ import torch
 
 from lightning_hooks.core.alarms.gradients import as_array
 from lightning_hooks.core.alarms.loss import LossProgress
-from lightning_hooks.core.alarms.messages import GradientAlarm
+from lightning_hooks.core.alarms.messages import TrainingAlarm
 from lightning_hooks.core.alarms.rules import AlarmRules
 from lightning_hooks.core.transport import HostCopy
 
@@ -101,7 +101,7 @@ class StallRule:
         how far the loss has come at this step (``None``: the update alone decides)."""
         self._box.post(update.detach().reshape(1).float(), (step, lr, loss))
 
-    def read(self, wait: bool) -> GradientAlarm | None:
+    def read(self, wait: bool) -> TrainingAlarm | None:
         """Evaluate the posted update once its copy is read: the alarm if it fired."""
         got = self._box.read(wait)
         if got is None:
@@ -149,7 +149,7 @@ class StallRule:
             self.peak_lr = float(state["peak_lr"])
 
 
-def _stall(report: StallState, step: int, rules: AlarmRules) -> GradientAlarm:
+def _stall(report: StallState, step: int, rules: AlarmRules) -> TrainingAlarm:
     """*stall*'s alarm from its report (the update per unit of LR and its level, as logs)."""
     value = math.exp(report.value)
     level = math.exp(report.before)
@@ -166,4 +166,4 @@ def _stall(report: StallState, step: int, rules: AlarmRules) -> GradientAlarm:
             f"{max(report.progress, 0.0):.1%} of what the run had learnt since the last "
             "logging step)"
         )
-    return GradientAlarm("stall", "global", step, value, level, text)
+    return TrainingAlarm("stall", "global", step, value, level, text)

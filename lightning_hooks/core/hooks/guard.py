@@ -130,7 +130,7 @@ _GUARDED: weakref.WeakSet[Callable[..., object]] = weakref.WeakSet()
 class _GuardedOwner(Protocol):
     """What :func:`guard_hooks` needs of the class whose hooks it wraps (a callback)."""
 
-    def _hook_guard(self) -> Guard:
+    def hook_guard(self) -> Guard:
         """The guard of the statistic whose hooks run."""
 
     def _guard_disable(self) -> None:
@@ -139,7 +139,7 @@ class _GuardedOwner(Protocol):
 
 def guard_hooks(cls: type) -> None:
     """Wrap the :data:`GUARDED_HOOKS` and :data:`RELEASE_HOOKS` that ``cls`` defines: each runs
-    under ``self._hook_guard()``; once it failed, calls ``self._guard_disable()`` once, and the
+    under ``self.hook_guard()``; once it failed, calls ``self._guard_disable()`` once, and the
     guarded hooks do nothing more."""
     for name in (*GUARDED_HOOKS, *RELEASE_HOOKS):
         method = cls.__dict__.get(name)
@@ -152,7 +152,7 @@ def _guarded_method(
 ) -> Callable[..., object]:
     @wraps(method)
     def hook(self: _GuardedOwner, *args: object, **kwargs: object) -> object:
-        guard = self._hook_guard()
+        guard = self.hook_guard()
         if always or guard.failed is None:
             try:
                 return method(self, *args, **kwargs)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_hooks.core import checks
-from lightning_hooks.core.alarms import AlarmRules, GradientAlarms
+from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
@@ -96,7 +96,7 @@ class GradFlowTracker(HookOwner):
         output_grad: measure the gradient with respect to each layer's output.
         post_clip: gradients are clipped before the step: measure them in the step post-hook.
         clip: ``(gradient_clip_val, gradient_clip_algorithm)``, for the *explosion* rule.
-        alarms: gradient alarm rules (``tracker.alarms`` is then a ``GradientAlarms``).
+        alarms: gradient alarm rules (``tracker.alarms`` is then a ``TrainingAlarms``).
         max_layers_logged: :meth:`tags` for at most this many layers, non-finite first, then
             half the largest and half the smallest gradient norms, and percentiles over all
             (``None``: every layer).
@@ -157,7 +157,7 @@ class GradFlowTracker(HookOwner):
         self._post_clip = post_clip
         self._step = 0  # the last observe's step (the post-hook's)
         self._calls = 0  # its calls
-        self.alarms = GradientAlarms(rows, alarms, device) if alarms is not None else None
+        self.alarms = TrainingAlarms(rows, alarms, device) if alarms is not None else None
         self._sentinel = _SentinelRead(self.alarms, self._stats, self._outputs.order, clip)
         if output_grad:
             self._outputs.hook(self.registry, modules, model)
@@ -319,7 +319,7 @@ class _SentinelRead:
 
     def __init__(
         self,
-        alarms: GradientAlarms | None,
+        alarms: TrainingAlarms | None,
         stats: ViewStats,
         order: list[int],
         clip: tuple[float, str] | None,

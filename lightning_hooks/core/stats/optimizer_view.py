@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_hooks import internals
 from lightning_hooks.core import checks
-from lightning_hooks.core.alarms import GradientAlarms, HostSegments
+from lightning_hooks.core.alarms import HostSegments, TrainingAlarms
 from lightning_hooks.core.ops import pointer_norms
 from lightning_hooks.core.ops.grad_stats import (
     GRAD_STATS,
@@ -279,7 +279,7 @@ class UpdateRatio:
         self,
         optimizer: torch.optim.Optimizer,
         view: OptimizerView,
-        alarms: GradientAlarms | None,
+        alarms: TrainingAlarms | None,
         step: int,
     ) -> None:
         """After the step: each layer's ratio, and the alarms' *stall* reading (adaptive only)."""
