@@ -30,7 +30,7 @@ from lightning_hooks.core.hooks.guard import Guard, guard_hooks
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.transport import agree, gather_objects, world_size
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.internals.lightning import fabric_callbacks
+from lightning_hooks.internals.lightning import drop_model_logging, fabric_callbacks
 from lightning_hooks.logging import save_loggers, write_dashboards
 
 __all__ = [
@@ -321,11 +321,10 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             run.on_train_end()
 
     def _release(self) -> None:
-        """Remove the hooks; drop Lightning's bound ``log`` / ``log_dict`` (they keep the model)."""
+        """Remove the hooks, and whatever of the fit would keep the model alive."""
         self._detach()
         restore_inherited(self)
-        for bound in ("log", "log_dict"):
-            self.__dict__.pop(bound, None)
+        drop_model_logging(self)
 
     def _write_ready_steps(self, trainer: pl.Trainer, wait: bool) -> None:
         """Write the last logging step once its host copy is done (``wait``: block for it)."""

@@ -1,8 +1,9 @@
 """Every private attribute of Lightning the library touches (see :mod:`lightning_hooks.internals`).
 
 Internals with no public path: a strategy's tensor-parallel size, the callbacks of a ``Fabric``,
-the ``Fabric`` of a module it set up, the optimizer inside Lightning's wrappers and a logger's
-prefix. One speed-up with a public twin: the empty per-batch hooks a callback inherits, skipped.
+the ``Fabric`` of a module it set up, the optimizer inside Lightning's wrappers, a logger's
+prefix, and the model's logging functions Lightning binds onto each callback. One speed-up with
+a public twin: the empty per-batch hooks a callback inherits, skipped.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from lightning_hooks.internals import speedups
 
 __all__ = [
+    "drop_model_logging",
     "fabric_callbacks",
     "is_set_up_by_fabric",
     "logger_prefix",
@@ -53,6 +55,14 @@ def unshadow_hooks(callback: object) -> None:
     for name in own.pop(_SHADOWED, ()):
         if own.get(name, False) is None:
             del own[name]
+
+
+def drop_model_logging(callback: object) -> None:
+    """Drop the model's ``log`` and ``log_dict`` that Lightning's callback connector binds onto
+    every callback at a fit's start (an instance attribute each). Lightning never takes them off.
+    Without this, a callback would keep the model alive after the fit, through them."""
+    for bound in ("log", "log_dict"):
+        callback.__dict__.pop(bound, None)
 
 
 def tensor_parallel_size(strategy: object) -> int:

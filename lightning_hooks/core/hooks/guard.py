@@ -41,8 +41,12 @@ class Guard:
         self.failed: str | None = None  # "where: ErrorType: message" of the first error
         self.pending = False  # a failure whose hooks the owner has not removed yet
         self.defer = False
+        """Multi-process: a failure is kept in :attr:`local` until the ranks agree on it, so
+        that every rank disables at the same step (:meth:`settle`)."""
         self.local: str | None = None
+        """This rank's failure, deferred until the ranks agree."""
         self.disabled_step: int | None = None
+        """The step at which the ranks disabled the statistic, once agreed."""
 
     def fail(self, where: str, error: Exception) -> None:
         """Record ``error`` raised in ``where``: re-raise if strict or ours, else warn once."""

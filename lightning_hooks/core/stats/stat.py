@@ -10,8 +10,6 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 from torch import nn
-
-# torch.set_grad_enabled(False) builds an object; its setter is one call (see _forward_hook)
 from typing_extensions import Self, TypedDict
 
 from lightning_hooks.core.checks import module as check_module
