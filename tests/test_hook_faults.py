@@ -22,12 +22,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import (
-    ActivationStatsCallback,
-    DeadReLUCallback,
+    FeatureMapCallback,
     GradFlowCallback,
-    LayerTimeCallback,
     LightningHooksWarning,
-    SaturationCallback,
     internals,
 )
 from lightning_hooks.callbacks.base import HookCallback
@@ -36,7 +33,7 @@ from lightning_hooks.core.stats import output_grad
 from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
 from lightning_hooks.core.stats.grad_flow import GradFlowTracker
 
-from conftest import hooks_left, make_trainer
+from conftest import default_callback_types, hooks_left, make_trainer
 
 STEPS = 6
 
@@ -73,14 +70,9 @@ class Encoder(pl.LightningModule):
         return DataLoader(TensorDataset(x, y), batch_size=4)
 
 
-def _callbacks() -> list[HookCallback]:
-    return [
-        GradFlowCallback(),
-        ActivationStatsCallback(),
-        DeadReLUCallback(),
-        SaturationCallback(),
-        LayerTimeCallback(),
-    ]
+def _callbacks() -> list[pl.Callback]:
+    """Every callback at its defaults but the feature maps (drawn at epoch ends only)."""
+    return [cls() for cls in default_callback_types() if cls is not FeatureMapCallback]
 
 
 def _raising(original: Callable[..., Any]) -> Callable[..., Any]:

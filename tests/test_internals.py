@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -81,23 +82,23 @@ def _private_reads_by_name(source: str) -> list[str]:
     return found
 
 
+def _outside_internals(scan: Callable[[str], list[str]]) -> dict[str, list[str]]:
+    """What ``scan`` finds in each module of the package outside ``internals/``."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        names = [] if INTERNALS in path.parents else scan(path.read_text())
+        if names:
+            found[path.relative_to(PACKAGE.parent).as_posix()] = names
+    return found
+
+
 def test_no_module_but_internals_reads_a_private_attribute_by_name() -> None:
-    offenders = {
-        path.relative_to(PACKAGE.parent).as_posix(): names
-        for path in sorted(PACKAGE.rglob("*.py"))
-        if INTERNALS not in path.parents and (names := _private_reads_by_name(path.read_text()))
-    }
-    assert offenders == {}
+    assert _outside_internals(_private_reads_by_name) == {}
     assert _private_reads_by_name("getattr(scaler, '_scale', None)") == ["getattr(..., '_scale')"]
 
 
 def test_no_module_but_internals_names_a_private_name_of_torch() -> None:
-    offenders = {
-        path.relative_to(PACKAGE.parent).as_posix(): names
-        for path in sorted(PACKAGE.rglob("*.py"))
-        if INTERNALS not in path.parents and (names := _private_torch_names(path.read_text()))
-    }
-    assert offenders == {}
+    assert _outside_internals(_private_torch_names) == {}
     assert _private_torch_names((INTERNALS / "__init__.py").read_text())  # where they are read
 
 
