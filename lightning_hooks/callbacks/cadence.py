@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+import pytorch_lightning as pl
 
 from lightning_hooks.core.checks import positive_int
 
 __all__ = ["LoggingCadence", "check_every_n_steps"]
-
-
-class _Trainer(Protocol):
-    """What the cadence reads of a Trainer (Lightning's, or the one that stands in under Fabric)."""
-
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps taken."""
 
 
 def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
@@ -78,12 +70,12 @@ class LoggingCadence:
         self.measuring: int | None = None
         """The logging step being measured, until its values are taken to be written."""
 
-    def logs(self, trainer: _Trainer, step: int) -> bool:
+    def logs(self, trainer: pl.Trainer, step: int) -> bool:
         """Whether optimizer step ``step`` is a logging step by the cadence alone."""
         cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
         return (step + 1) % cadence == 0
 
-    def start_batch(self, trainer: _Trainer, batch_idx: int) -> bool:
+    def start_batch(self, trainer: pl.Trainer, batch_idx: int) -> bool:
         """At a batch's start: whether it belongs to a logging step."""
         self.batch_step = trainer.global_step
         if batch_idx == 0:
@@ -94,7 +86,7 @@ class LoggingCadence:
         """The running batch's logging step is measured."""
         self.measuring = self.batch_step
 
-    def take_done(self, trainer: _Trainer) -> int | None:
+    def take_done(self, trainer: pl.Trainer) -> int | None:
         """At a batch's end: the logging step whose optimizer step has just run, once; else
         ``None`` (a micro-batch before its step's last)."""
         measured = self.measuring
