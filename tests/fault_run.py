@@ -166,8 +166,8 @@ def one_rank_alarm(held: Trainer) -> Callable[..., Any]:
 
 def faults(name: str, held: Trainer) -> Any:
     """The fault of fit ``name`` (a context manager)."""
-    from lightning_hooks.callbacks import StatsCallback
     from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
+    from lightning_hooks.callbacks.attached import Logged
     from lightning_hooks.core import GradFlowTracker
     from lightning_hooks.core.alarms import TrainingAlarms
     from lightning_hooks.core.stats import output_grad
@@ -189,7 +189,7 @@ def faults(name: str, held: Trainer) -> Any:
         "optimizer_hook": (GradFlowTracker, "_after_step", lambda: step() == 3),
         "stats_logging": (stat, "observe", lambda: step() == 3),
         "stats_write": (stat, "summarize", lambda: step() == 1),
-        "stats_epoch_end": (StatsCallback, "_log_result", lambda: epoch() == 0),
+        "stats_epoch_end": (Logged, "write_epoch", lambda: epoch() == 0),
     }
     if name in ("stop", "stop_no_loss"):
         return _patched(TrainingAlarms, "poll", one_rank_alarm(held))

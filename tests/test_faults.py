@@ -62,7 +62,7 @@ HOOK = {
     "optimizer_hook": "optimizer step post-hook: RuntimeError: injected fault in _after_step",
     "stats_logging": "forward hook on 'net.0': RuntimeError: injected fault in observe",
     "stats_write": "on_train_batch_end hook: RuntimeError: injected fault in summarize",
-    "stats_epoch_end": "on_train_epoch_end hook: RuntimeError: injected fault in _log_result",
+    "stats_epoch_end": "on_train_epoch_end hook: RuntimeError: injected fault in write_epoch",
 }
 FSDP_FITS = ("quiet", "quiet_no_loss", "logging", "loss", "epoch_end", "stats_logging")
 

@@ -175,7 +175,7 @@ class _ResultProbe(pl.Callback):
         self.results: list[Any] = []
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.results.append(self.watched.attached[0].result())
+        self.results.append(self.watched.stats[0].result())
 
 
 _PER_STEP = {

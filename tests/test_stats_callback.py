@@ -156,14 +156,14 @@ def test_rows_the_ranks_cannot_align_disable_the_callback_on_every_rank(
     that logging step, one warning, and training goes on (strict mode raises it instead)."""
     import warnings
 
-    from lightning_hooks.callbacks import base, stats
+    from lightning_hooks.callbacks import attached, base
     from lightning_hooks.core.hooks.guard import STRICT_ENV
     from lightning_hooks.errors import LightningHooksWarning
 
     monkeypatch.setenv(STRICT_ENV, "0")
     monkeypatch.setattr(base, "world_size", lambda: 2)
     monkeypatch.setattr(base, "agree", lambda flags: [int(f) for f in flags])
-    monkeypatch.setattr(stats, "gather_objects", lambda mine: [mine, [[("net.1", 7)]]])
+    monkeypatch.setattr(attached, "gather_objects", lambda mine: [mine, [[("net.1", 7)]]])
     model = TinyMLP()
     callback = DeadReLUCallback(every_n_steps=1, warn_at=None)
     with warnings.catch_warnings(record=True) as caught:

@@ -169,7 +169,7 @@ def test_quiet_batches_read_no_window_and_a_late_copy_is_written_at_the_next_bat
     """A window is read only where a logging step posted one (a quiet batch's hooks look at no
     statistic's host copy); a copy not done when the logging step looks (CUDA's non-blocking
     copy) is written at the next batch's start, with the values of its own step."""
-    from lightning_hooks.callbacks.base import HookCallback
+    from lightning_hooks.callbacks.attached import Attached
     from lightning_hooks.core.stats.stat import LayerStat
 
     late = copy == "done a batch later"
@@ -185,14 +185,13 @@ def test_quiet_batches_read_no_window_and_a_late_copy_is_written_at_the_next_bat
         collect(self, wait)
 
     batch, reads = [-1], defaultdict(int)
-    write_steps = {cls: cls.__dict__["_write_steps"] for cls in _writers(HookCallback)}
-    for cls, method in write_steps.items():
+    write_steps = Attached.write_steps
 
-        def counted(self: Any, trainer: Any, wait: bool, method: Any = method) -> bool:
-            reads[batch[0]] += 1
-            return bool(method(self, trainer, wait))
+    def counted(self: Attached, trainer: Any, wait: bool) -> bool:
+        reads[batch[0]] += 1
+        return write_steps(self, trainer, wait)
 
-        monkeypatch.setattr(cls, "_write_steps", counted)
+    monkeypatch.setattr(Attached, "write_steps", counted)
     monkeypatch.setattr(LayerStat, "_collect", slow_collect)
 
     class Batch(pl.Callback):
@@ -209,17 +208,6 @@ def test_quiet_batches_read_no_window_and_a_late_copy_is_written_at_the_next_bat
     assert logging <= read <= logging | ({1, 4, 8} if late else set()), reads
     if late:  # the late copies were read, and written, at the next batch's start
         assert read == logging | {1, 4, 8}
-
-
-def _writers(base: type) -> list[type]:
-    """``base`` and its subclasses that define their own ``_write_steps``."""
-    found, todo = [], [base]
-    while todo:
-        cls = todo.pop()
-        todo.extend(cls.__subclasses__())
-        if "_write_steps" in cls.__dict__:
-            found.append(cls)
-    return found
 
 
 class _Model(TinyMLP):

@@ -10,12 +10,13 @@ from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_hooks.callbacks.stats import Statistic, StatsCallback
+from lightning_hooks.callbacks.attached import Attached, Logged
+from lightning_hooks.callbacks.stats import StatsCallback
 from lightning_hooks.core.checks import boolean, named_arguments, positive_int, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.ops.feature_stats import FeatureSummary
 from lightning_hooks.core.stats.activation_shape import ActivationShape
-from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
+from lightning_hooks.core.stats.activation_stats import ActivationResult, ActivationStatsTracker
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import Binned, layer_epoch_heatmap, log_figure, log_histogram
 
@@ -110,17 +111,22 @@ class ActivationStatsCallback(StatsCallback):
         self._history: list[tuple[int, FeatureSummary]] = []
         self._warned_nonfinite = False
         self._activations = tracker
+        self._shape = shape
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
         self._history = []
         self._warned_nonfinite = False
-        super()._attach(trainer, pl_module)
+        return super()._attach(trainer, pl_module)
+
+    @override
+    def _logged(self) -> list[Logged[Any]]:
+        return [Logged(self._activations, on_epoch=self._draw), Logged(self._shape)]
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
         """Warn once about the first module whose output went non-finite."""
-        if self._hooks is None or not self.warn_nonfinite or self._warned_nonfinite:
+        if self._attached is None or not self.warn_nonfinite or self._warned_nonfinite:
             return False
         tracker = self._activations
         tracker.end_step(self.cadence.batch_step)
@@ -136,11 +142,10 @@ class ActivationStatsCallback(StatsCallback):
             )
         return False
 
-    @override
-    def _log_result(self, trainer: pl.Trainer, stat: Statistic[Any], result: Any) -> None:
-        if not isinstance(stat, ActivationStatsTracker):
-            return  # the activation shape has scalars only
-        stats, hists = result
+    def _draw(self, trainer: pl.Trainer, result: ActivationResult) -> None:
+        """Log the epoch's histograms and heatmaps (rank 0)."""
+        stats = result.summary
+        hists = result.histograms
         if not stats.layers or not trainer.is_global_zero:
             return
         step = trainer.global_step

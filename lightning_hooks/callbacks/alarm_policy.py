@@ -97,6 +97,24 @@ class AlarmPolicy:
         self._alarms: TrainingAlarms | None = None  # this fit's, for an alarm that ends it
         self.stopped_by: TrainingAlarm | None = None  # the first alarm whose ``stop`` acted
 
+    def host_state(self) -> dict[str, Any]:
+        """The alarms' running scales, saved in checkpoints: this fit's, or those kept from the
+        last fit or loaded (empty: none)."""
+        if self._alarms is not None:
+            return self._alarms.state_dict()
+        return dict(self.saved or {})
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's running scales, in this fit's alarms if attached."""
+        self.saved = dict(state) or None
+        self.restore(self._alarms)
+
+    def keep(self) -> None:
+        """The fit's hooks are about to go: keep its alarms' state for the next fit."""
+        if self._alarms is not None:
+            self.saved = self._alarms.state_dict()
+        self._alarms = None
+
     def restore(self, alarms: TrainingAlarms | None) -> None:
         """Load the saved state into fresh ``alarms``; another model's is dropped with a warning."""
         self._alarms = alarms

@@ -1,5 +1,5 @@
-"""The base of every callback: its lifecycle, its logging steps and its writing. A quiet step
-runs only this module's hooks: a subclass's part is set at ``_attach``."""
+"""The base of every callback: its lifecycle, its logging steps and its writing. What one fit
+measures is an :class:`~.attached.Attached` that the callback builds in ``_attach``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import weakref
 from abc import ABCMeta, abstractmethod
 from collections.abc import Mapping
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch
@@ -17,6 +17,7 @@ from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
+from lightning_hooks.callbacks.attached import Attached, Checkpointed
 from lightning_hooks.callbacks.cadence import LoggingCadence, check_every_n_steps
 from lightning_hooks.callbacks.fabric import FabricRun
 from lightning_hooks.callbacks.trainer import (
@@ -27,14 +28,12 @@ from lightning_hooks.callbacks.trainer import (
     skip_inherited,
 )
 from lightning_hooks.core.hooks.guard import Guard, guard_hooks
-from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.transport import agree, gather_objects, world_size
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import drop_model_logging, fabric_callbacks
 from lightning_hooks.logging import save_loggers, write_dashboards
 
 __all__ = [
-    "AttachedHooks",
     "HookCallback",
     "selection_state_key",
     "training_loss",
@@ -50,45 +49,31 @@ _UNSAVED: weakref.WeakSet[pl.Trainer] = weakref.WeakSet()
 callbacks, since the last of ours in the Trainer's list saves for all (one save per batch)."""
 
 
-class AttachedHooks(Protocol):
-    """What a callback's hooks feed, as the base sees it: the registry whose logging-step gate it
-    sets at each batch start (``None``: no module hook to gate), and ``remove()``, which takes
-    every hook off the model."""
-
-    @property
-    def registry(self) -> HookRegistry | None: ...
-
-    def remove(self) -> None: ...
-
-
 class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     """Base of the library's callbacks: it owns when hooks exist (from ``on_train_start`` to
     ``on_train_end``, ``on_exception`` or ``teardown``), the guard of every hook, the logging
     steps' cadence and the ranks' agreement; a subclass owns what it measures.
 
     Every Lightning hook of the base runs under the callback's guard (see
-    :mod:`lightning_hooks.core.hooks.guard`). A subclass extends it at these points, each called
-    by the base's own Lightning hooks:
+    :mod:`lightning_hooks.core.hooks.guard`). What one fit measures is the
+    :class:`~.attached.Attached` the subclass returns from ``_attach``: its hooks, its statistics
+    and what it reads of them. The base copies the statistics to the host after each logging
+    step, writes them, saves them in checkpoints and takes the hooks off. A subclass extends the
+    base at five points, each called by the base's own Lightning hooks:
 
-    ======================  ============================  ======================================
-    extension               called                        the subclass
-    ======================  ============================  ======================================
-    ``_validate``           ``on_fit_start``              checks the model (a refused
-                                                          configuration raises here)
-    ``_attach``             ``on_train_start``            puts its hooks on, sets ``_hooks``
-    ``_detach``             the hooks go, every exit      drops what the fit made (chains up)
-    ``_batch_started``      a logging step's first batch  opens what the step measures
-    ``_batch_ending``       each such batch's end         closes it; ``True``: disabled
-    ``_log_step``           after its optimizer step      starts the step's copies
-    ``_write_steps``        when a window is read back    writes it; whether it wrote
-    ``_steps_in_flight``    after a write                 whether windows are still in flight
-    ``_log_epoch``          ``on_train_epoch_end``        writes the epoch and resets it
-    ``_load_state``         the first ``on_train_start``  restores a checkpoint's state
-    ``_agreement_flags``    each agreement of the ranks   the flags to sum across ranks
-    ``_agreed``             after it                      acts on the sums; ``True``: disabled
-    ``_votes_carried``      each agreement                whether a collective of its own
-                                                          carries the agreement
-    ======================  ============================  ======================================
+    ==================  ==============================  ========================================
+    extension           called                          the subclass
+    ==================  ==============================  ========================================
+    ``_validate``       ``on_fit_start``                checks the model (a refused
+                                                        configuration raises here)
+    ``_attach``         ``on_train_start``              puts its hooks on; returns what it
+                                                        attached
+    ``_batch_started``  a logging step's first batch    opens what the step measures
+    ``_batch_ending``   each such batch's end (every    closes it; ``True``: disabled
+                        batch's with ``every_batch``)
+    ``_log_epoch``      ``on_train_epoch_end``          writes the epoch (by default each
+                                                        statistic's)
+    ==================  ==============================  ========================================
     """
 
     _default_types: Any = None
@@ -117,15 +102,16 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         passed."""
         self.uses_images = True
         """Whether the callback draws pictures (a logger that shows none is warned of)."""
+        self.kept: dict[str, Checkpointed] = {}
+        """Collaborators that outlive a fit and are saved in checkpoints, by key."""
         self._guard: Guard | None = None  # made at the first hook of each fit
         self._fabric_run: FabricRun | None = None  # under Fabric: what drives the hooks
-        self._hooks: AttachedHooks | None = None  # what the hooks feed; ``remove()`` takes them off
+        self._attached: Attached | None = None  # what this fit put on the model
         self._pending_state: dict[str, Any] | None = None  # a checkpoint's, until attached
         self._ranks = 1
         self._idle = False  # nothing to watch (or the user's own runs): this fit does nothing
-        self._posted = False  # a logging step's windows were posted, not all written yet
+        self._copying = False  # a logging step's values are on their way, not all written yet
         self._logging_batch = False  # the running batch belongs to a logging step
-        self._every_batch = False  # ``_batch_ending`` on every batch (set by ``_attach``)
         self.stop_requested = False
         """This rank's request to stop the fit: the ranks agree on it at their next agreement,
         then every rank stops after the same step."""
@@ -192,12 +178,16 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         guard.defer = not guard.strict and self._ranks > 1
         if self._idle:
             return
-        self._attach(trainer, pl_module)
+        attached = self._attach(trainer, pl_module)
+        self._attached = attached
         pending = self._pending_state
         self._pending_state = None
-        if pending:  # a checkpoint's state, to the freshly attached accumulators
+        if pending:  # a checkpoint's state, to the freshly attached statistics
             try:
-                self._load_state(pending)
+                attached.load_state_dict({k: v for k, v in pending.items() if k not in self.kept})
+                for key, kept in self.kept.items():
+                    if key in pending:
+                        kept.load_host_state(pending[key])
             except (KeyError, ValueError) as err:
                 rank_zero_warn(
                     f"{type(self).__name__}: the checkpoint's statistics do not match this "
@@ -210,15 +200,15 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         logs = self.cadence.start_batch(trainer, batch_idx)
-        if self._posted:  # on CUDA, the last logging step's copy
+        if self._copying:  # on CUDA, the last logging step's copy
             self._write_ready_steps(trainer, wait=False)
         self._set_gate(logs)
         if trainer in _UNSAVED and self._last_of_ours(trainer, live=True):
             _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
-        self._logging_batch = logs and self._hooks is not None
+        self._logging_batch = logs and self._attached is not None
         if self._logging_batch:
             self.cadence.measure()
-            self._batch_started(trainer)
+            self._batch_started(trainer, batch)
 
     @override
     def on_train_batch_end(
@@ -229,17 +219,19 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if (self._logging_batch or self._every_batch) and self._batch_ending(trainer, outputs):
+        every_batch = self._attached is not None and self._attached.every_batch
+        if (self._logging_batch or every_batch) and self._batch_ending(trainer, outputs):
             return
         # The logging step's optimizer step ran (its last micro-batch): write it.
         measured = self.cadence.take_done(trainer)
-        if measured is not None:
+        attached = self._attached
+        if measured is not None and attached is not None:
             if self._agree_ranks(trainer, measured, always=False):
                 return  # disabled
-            # the last logging step's, then post this one
+            # the last logging step's, then start this one's copies
             self._write_ready_steps(trainer, wait=True)
-            self._log_step(trainer, measured)
-            self._posted = True
+            attached.start_copies(measured)
+            self._copying = True
             self._write_ready_steps(trainer, wait=False)
             # the module hooks come off now, unless the next step logs too: a quiet step after
             # a logging step takes no hook off (an epoch's first step puts them on again)
@@ -249,7 +241,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     def _set_gate(self, logging_step: bool) -> None:
         """Open or close the gate of the module hooks (a quiet step reads it, sets nothing)."""
-        gate = None if self._hooks is None else self._hooks.registry
+        gate = None if self._attached is None else self._attached.registry
         if gate is not None and gate.logging_step != logging_step:
             gate.set_logging_step(logging_step)
 
@@ -265,7 +257,22 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             _UNSAVED.discard(trainer)
 
     @override
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch so far of each statistic, reduced across ranks, on the host, and the state
+        of what :attr:`kept` holds."""
+        attached = self._attached
+        state: dict[str, Any] = {}
+        if attached is not None:
+            if self._ranks > 1 and attached.aligned:
+                attached.align_rows()  # a checkpoint between logging steps: the rows made since
+            state = attached.state_dict()
+        for key, kept in self.kept.items():
+            state[key] = kept.host_state()
+        return state
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep a checkpoint's state until the next fit attaches its statistics."""
         self._pending_state = dict(state_dict)
 
     @override
@@ -328,11 +335,12 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     def _write_ready_steps(self, trainer: pl.Trainer, wait: bool) -> None:
         """Write the last logging step once its host copy is done (``wait``: block for it)."""
-        if not (wait or self._posted):
+        attached = self._attached
+        if attached is None or not (wait or self._copying):
             return
-        if self._write_steps(trainer, wait):
+        if attached.write_steps(trainer, wait):
             _UNSAVED.add(trainer)
-        self._posted = not wait and self._steps_in_flight()
+        self._copying = not wait and attached.copies_in_flight
 
     def _last_of_ours(self, trainer: pl.Trainer, *, live: bool) -> bool:
         """Whether this is the last of our callbacks (``live``: not failed) in the Trainer's list:
@@ -349,12 +357,29 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         and a ``stop``, unless every batch's loss collective carries them already (see
         :mod:`.agreement`); whether the callback is now disabled."""
         guard = self.hook_guard()
-        if self._ranks == 1 or guard.failed is not None or (self._votes_carried() and not always):
+        attached = self._attached
+        carried = attached is not None and attached.votes_are_carried()
+        if self._ranks == 1 or guard.failed is not None or (carried and not always):
             return guard.failed is not None
-        stop = self.stop_requested
-        failed, stopping, *extra = agree([guard.local is not None, stop, *self._agreement_flags()])
-        disabled = self._apply_agreement(trainer, step, failed, stopping)
-        return disabled or bool(self._agreed(trainer, step, extra))
+        rows_grew = attached is not None and attached.rows_grew()
+        failed, stopping, grew = agree([guard.local is not None, self.stop_requested, rows_grew])
+        if self._apply_agreement(trainer, step, failed, stopping):
+            return True
+        if grew and attached is not None:
+            return self._align_rows(trainer, step, attached)
+        return False
+
+    def _align_rows(self, trainer: pl.Trainer, step: int, attached: Attached) -> bool:
+        """Align the ranks' rows; whether the callback is now disabled (a layer's units differ
+        between ranks: on every rank)."""
+        try:
+            attached.align_rows()
+        except ValueError as error:
+            if self.hook_guard().strict:
+                raise
+            cause = f"aligning rows across ranks: {type(error).__name__}: {error}"
+            return self._disable(trainer, step, [cause] * self._ranks)  # every rank's
+        return False
 
     def _apply_agreement(self, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
         """Stop if any rank asked; if any failed, disable the callback on every rank (one
@@ -392,61 +417,42 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         )
         self._idle = True
 
-    @abstractmethod
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """At each fit's train start: put the hooks on ``pl_module`` and set :attr:`_hooks`."""
-
-    @abstractmethod
-    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """At each epoch end: write the epoch's aggregates and pictures, then reset them."""
+    def _detach(self) -> None:
+        """Take every hook off (idempotent): what the fit attached is removed."""
+        attached = self._attached
+        self._attached = None
+        self._copying = False
+        if attached is not None:
+            attached.remove()
 
     def _validate(self, pl_module: pl.LightningModule) -> None:
         """At ``on_fit_start``: check the model; a configuration it cannot watch raises."""
 
-    def _detach(self) -> None:
-        """Take every hook off (idempotent); a subclass drops what its fit made, then chains."""
-        if self._hooks is not None:
-            self._hooks.remove()
-            self._hooks = None
+    @abstractmethod
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
+        """At each fit's train start: put the hooks on ``pl_module``.
 
-    def _batch_started(self, trainer: pl.Trainer) -> None:
+        Returns:
+            What the fit attached: its hooks' registry, its statistics and what the callback
+            reads of them.
+        """
+
+    def _batch_started(self, trainer: pl.Trainer, batch: Any) -> None:  # noqa: ANN401 (the user's batch)
         """At the first batch of a logging step, with its hooks on."""
 
     def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
-        """At the end of a logging step's batch (of every batch with ``_every_batch``); whether
-        the callback is now disabled."""
-        return False
+        """At the end of a logging step's batch (of every batch, where the fit attached with
+        ``every_batch``).
 
-    def _log_step(self, trainer: pl.Trainer, step: int) -> None:
-        """After a logging step's optimizer step: post what it measured, to be written."""
-
-    def _write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
-        """Write the logging steps read back (``wait``: block for them); whether any was."""
-        return False
-
-    def _steps_in_flight(self) -> bool:
-        """Whether a logging step's values are still on their way to the host."""
-        return False
-
-    def _load_state(self, state: dict[str, Any]) -> None:
-        """Restore a checkpoint's ``state`` into the attached statistics.
-
-        Raises:
-            KeyError: the state is of another model (one warning, the state is dropped).
-            ValueError: the same.
+        Returns:
+            Whether the callback is now disabled.
         """
-
-    def _agreement_flags(self) -> list[bool]:
-        """This rank's flags, summed across the ranks at each agreement."""
-        return []
-
-    def _votes_carried(self) -> bool:
-        """Whether each batch's loss collective carries the ranks' failures and stops."""
         return False
 
-    def _agreed(self, trainer: pl.Trainer, step: int, counts: list[int]) -> bool:
-        """Act on the sums of :meth:`_agreement_flags`; whether the callback is now disabled."""
-        return False
+    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """At each epoch end: write each statistic's epoch, then reset it."""
+        if self._attached is not None:
+            self._attached.write_epoch(trainer)
 
 
 guard_hooks(HookCallback)

@@ -9,7 +9,8 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.stats import Statistic, StatsCallback
+from lightning_hooks.callbacks.attached import Logged
+from lightning_hooks.callbacks.stats import Findings, StatsCallback
 from lightning_hooks.core.checks import fraction_or_none, named_arguments
 from lightning_hooks.core.hooks.selection import Patterns
 from lightning_hooks.core.stats.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
@@ -56,7 +57,6 @@ class DeadReLUCallback(StatsCallback):
         >>> trainer = pl.Trainer(callbacks=[callback])  # doctest: +SKIP
     """
 
-    _findings = (_NAME, "dead-unit findings")
     _default_types = RELU_FAMILY
     _selection_arguments = ("include", "exclude", "pre_activation")
     _watches = (
@@ -87,6 +87,8 @@ class DeadReLUCallback(StatsCallback):
         )
         self.warn_at = fraction_or_none(_NAME, "warn_at", warn_at)
         super().__init__(tracker, every_n_steps=every_n_steps)
+        self.tracker = tracker
+        self.findings = Findings(_NAME, "dead-unit findings")
         assert tracker.selection is not None
         self.types = types
         self.include = tracker.selection.include
@@ -94,15 +96,18 @@ class DeadReLUCallback(StatsCallback):
         self.pre_activation = tracker.producers.include
 
     @override
-    def _log_result(self, trainer: pl.Trainer, stat: Statistic[Any], result: Any) -> None:
-        found: DeadUnits = result
+    def _logged(self) -> list[Logged[Any]]:
+        return [Logged(self.tracker, on_epoch=self._warn)]
+
+    def _warn(self, trainer: pl.Trainer, found: DeadUnits) -> None:
+        """Warn of each layer at or past ``warn_at``, once per layer per fit."""
         epoch = trainer.current_epoch
         warn_at = self.warn_at
         if warn_at is None:
             return
         rows = zip(found.layers, found.dead, found.units, found.dead_fraction, strict=True)
         for layer, dead, units, share in rows:
-            if dead > 0 and share >= warn_at and self._first_finding(layer):
+            if dead > 0 and share >= warn_at and self.findings.first(layer):
                 rank_zero_warn(
                     f"{_NAME}: layer '{layer}' has {dead} of {units} units dead in epoch {epoch} "
                     f"(never fired on a logging step's batch; dead fraction {share:.3g} >= "

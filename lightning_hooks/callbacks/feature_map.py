@@ -12,6 +12,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 from typing_extensions import override
 
+from lightning_hooks.callbacks.attached import Attached
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
 from lightning_hooks.core.checks import named_arguments
@@ -150,16 +151,14 @@ class FeatureMapCallback(HookCallback):
         if self.embedding is not None:
             _named(pl_module, "embedding", self.embedding)
 
-    @override
-    def _detach(self) -> None:  # also before each fit: a probe from a batch is taken afresh
+    def _forget_probe(self) -> None:
+        """Drop a probe taken from a batch: the next fit takes its own (the user's is kept)."""
         self._probe, self._labels = self._given
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self._probe is None and not self._idle:
+    def _batch_started(self, trainer: pl.Trainer, batch: Any) -> None:
+        """Take the probe from the fit's first batch, unless the user gave one."""
+        if self._probe is None:
             size = self.probe_size  # the first samples, copied
             self._probe = map_tensors(self._model_input(batch), lambda x: x[:size].detach().clone())
             self._labels = default_labels(batch, self.probe_size)
@@ -186,8 +185,10 @@ class FeatureMapCallback(HookCallback):
         return x
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Nothing: the feature maps are drawn at epoch ends, from the probe batch."""
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
+        """No hook: the feature maps are drawn at epoch ends, from the probe batch."""
+        self._forget_probe()
+        return Attached(None, on_remove=self._forget_probe)
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

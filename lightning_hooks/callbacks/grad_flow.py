@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -17,14 +18,15 @@ from typing_extensions import override
 from lightning_hooks import internals
 from lightning_hooks.callbacks.agreement import LossAgreement
 from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
-from lightning_hooks.callbacks.base import selection_state_key, training_loss
+from lightning_hooks.callbacks.attached import Attached, Logged
+from lightning_hooks.callbacks.base import HookCallback, training_loss
 from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
-from lightning_hooks.callbacks.stats import Statistic, StatsCallback
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, checks
 from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
 from lightning_hooks.core.ops.grad_stats import ParamLayout
+from lightning_hooks.core.stats.stability import Result as StabilityResult
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
 
@@ -32,7 +34,7 @@ __all__ = ["GradFlowCallback"]
 
 
 @named_arguments
-class GradFlowCallback(StatsCallback):
+class GradFlowCallback(HookCallback):
     r"""Per-layer gradient flow (the applied gradient, weights, updates) at each logging step,
     and early-warning alarms (:class:`~lightning_hooks.core.AlarmRules`) on every optimizer step.
 
@@ -95,14 +97,12 @@ class GradFlowCallback(StatsCallback):
         >>> import pytorch_lightning as pl
         >>> trainer = pl.Trainer(callbacks=[GradFlowCallback(exclude="*.bn*")])  # doctest: +SKIP
 
-    A :class:`~.stats.StatsCallback` whose statistics are made at each fit, for the Trainer's
-    optimizers: a :class:`~lightning_hooks.core.GradFlowTracker` and, with ``stability``, the
-    instability statistics. It adds the alarms and the pictures.
+    Each fit attaches a :class:`~lightning_hooks.core.GradFlowTracker` for the Trainer's
+    optimizers and, with ``stability``, the instability statistics; the callback adds the alarms
+    and the pictures. The ranks need not align their rows: the tracker's are the model's layers,
+    the instability statistics' its attention and output modules, which every rank runs in every
+    training forward.
     """
-
-    stats_made_at_fit = True  # for the Trainer's optimizers: a GradFlowTracker and StabilityStats
-    aligns_rows = False  # the tracker's rows are the model's layers, the instability statistics'
-    # its attention and output modules, which every rank runs in every training forward
 
     def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)
         self,
@@ -122,9 +122,10 @@ class GradFlowCallback(StatsCallback):
         stability: bool = True,
     ) -> None:
         _check_types(types)
-        super().__init__((), every_n_steps=every_n_steps)  # its statistics are made at each fit
+        super().__init__(every_n_steps=every_n_steps)
         self.alarms = _alarm_rules(alarms)
         self.policy = AlarmPolicy(on_alarm, request_stop=self._request_stop)
+        self.kept["alarms"] = self.policy  # the running scales, from one fit to the next
         self.loss_agreement = LossAgreement(self.policy)
         self.on_alarm = self.policy.actions
         self.max_layers_logged = _max_layers(max_layers_logged)
@@ -145,13 +146,6 @@ class GradFlowCallback(StatsCallback):
         self._stability: StabilityStats | None = None
         self.uses_images = chart or heatmap
         self._tracker: GradFlowTracker | None = None
-
-    @override
-    def _state_key_fields(self) -> dict[str, Any]:
-        # Keyed by the selection, as release 0.2.0 saved it (a StatsCallback's by its statistics).
-        return selection_state_key(
-            self.types, self.include, self.exclude, from_environment=self.from_environment
-        )
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> None:
@@ -175,10 +169,10 @@ class GradFlowCallback(StatsCallback):
             self._nothing_to_watch("module owning a parameter")
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
         clip = trainer.gradient_clip_val
         algorithm = trainer.gradient_clip_algorithm or "norm"
-        self._tracker = GradFlowTracker(
+        tracker = GradFlowTracker(
             pl_module,
             trainer.optimizers,
             types=self.types,
@@ -192,40 +186,52 @@ class GradFlowCallback(StatsCallback):
             max_layers_logged=self.max_layers_logged,
             guard=self.hook_guard(),
         )
+        self._tracker = tracker
         self._pictures.start()
-        unstepped = self._tracker.unstepped()
+        unstepped = tracker.unstepped()
         if unstepped:
             rank_zero_warn(
                 f"GradFlowCallback: no optimizer of the Trainer steps the trainable parameters "
                 f"of {', '.join(repr(n) for n in unstepped)}; these layers are not measured.",
                 category=LightningHooksWarning,
             )
-        self._hooks = self._tracker  # the base takes its hooks off
-        self._measured = (self._tracker,)
+        logged: list[Logged[Any]] = [
+            Logged(tracker, on_step=self._log_alarms, on_epoch=self._draw_pictures)
+        ]
         if self.stability:  # on the tracker's registry: one logging-step gate, removed with it
-            self._stability = StabilityStats().attach(pl_module, self._tracker.registry)
-            self._measured = (self._tracker, self._stability)
+            self._stability = StabilityStats().attach(pl_module, tracker.registry)
+            logged.append(Logged(self._stability, on_step=self._watch_attention))
         if self.histograms:
-            layout = self._tracker.layout
+            layout = tracker.layout
             self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
-        self.policy.restore(self._tracker.alarms)
+        self.policy.restore(tracker.alarms)
         loss = self.loss_agreement
         loss.plan(pl_module, self.alarms)
         own = loss.reading == "own" and self.alarms is not None and self.alarms.watches_loss
-        self._own_loss = self._tracker.alarms if own else None
-        # the loss rules read every batch's loss: the ranks' mean, or this rank's own
-        self._every_batch = loss.reading == "mean" or self._own_loss is not None
+        self._own_loss = tracker.alarms if own else None
+        return Attached(
+            tracker.registry,
+            logged,
+            # the loss rules read every batch's loss: the ranks' mean, or this rank's own
+            every_batch=loss.reading == "mean" or self._own_loss is not None,
+            votes_carried=self._votes_carried,
+            on_remove=functools.partial(self._end_fit, trainer),
+        )
 
-    @override
-    def _detach(self) -> None:
-        if self._tracker is not None and self._tracker.alarms is not None:
-            self.policy.saved = self._tracker.alarms.state_dict()  # the hooks are about to go
-        super()._detach()
+    def _end_fit(self, trainer: pl.Trainer) -> None:
+        """The hooks came off: keep the alarms' state for the next fit, drop what this fit made,
+        and say whether an alarm's ``stop`` ended it."""
+        self.policy.keep()
         self._tracker = None
         self._hist = None
         self._stability = None
         self._own_loss = None
-        self._every_batch = False
+        self.policy.announce_stop(trainer)
+
+    def _votes_carried(self) -> bool:
+        """Whether each batch's loss collective carries the ranks' agreement (manual
+        optimization turns it off where a rank returns no loss)."""
+        return self.loss_agreement.reading == "mean"
 
     def _request_stop(self) -> None:
         """An alarm's ``stop`` under DDP: the ranks agree on it at the next agreement."""
@@ -255,23 +261,16 @@ class GradFlowCallback(StatsCallback):
             self.policy.act(trainer, optimizer, found)
 
     @override
-    def _votes_carried(self) -> bool:
-        return self._tracker is not None and self.loss_agreement.reading == "mean"
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_end(trainer, pl_module)
-        self.policy.announce_stop(trainer)
-
-    @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
         if self._stability is not None and self._logging_batch:
             self._stability.end_step()
         alarms = None if self._tracker is None else self._tracker.alarms
-        if alarms is None or not self._every_batch:
+        if alarms is None:
             return False
         if self._own_loss is not None:  # the loss rules on this rank's loss
             self._watch_own_loss(trainer, outputs, self._own_loss)
+            return False
+        if self.loss_agreement.reading != "mean":
             return False
         loss = self.loss_agreement  # the ranks' mean loss
         failed = self.hook_guard().local is not None
@@ -296,25 +295,21 @@ class GradFlowCallback(StatsCallback):
         if found:
             self.policy.act(trainer, None, found)
 
-    @override
-    def _log_step(self, trainer: pl.Trainer, step: int) -> None:
-        """Start the copies of the tracker and the instability statistics, and log the alarms
-        since the last logging step."""
-        super()._log_step(trainer, step)
+    def _log_alarms(self, trainer: pl.Trainer, step: int, table: LayerTable) -> None:
+        """With a logging step's values: the alarms' counts and text since the last one."""
         if self._tracker is not None and self._tracker.alarms is not None:
             self.policy.log_step(trainer, self._tracker.alarms, step)
 
-    @override
-    def _read_window(self, stat: Statistic[Any], step: int, result: object) -> None:
+    def _watch_attention(self, trainer: pl.Trainer, step: int, result: StabilityResult) -> None:
+        """Hand a logging step's attention logits and entropies to the attention rule."""
         alarms = None if self._tracker is None else self._tracker.alarms
-        if alarms is not None and stat is self._stability:  # attention collapse: this step's
-            assert isinstance(result, dict)
+        if alarms is not None:
             alarms.update_attention(result["attn_logit_max"], result["attn_entropy_min"], step=step)
 
-    @override
-    def _log_result(self, trainer: pl.Trainer, stat: Statistic[Any], result: Any) -> None:
-        if stat is self._tracker and isinstance(result, LayerTable):
-            self._pictures.write(trainer, result, self._hist, self._tracker.shards)
+    def _draw_pictures(self, trainer: pl.Trainer, table: LayerTable) -> None:
+        """Draw the epoch's chart, heatmap and histograms."""
+        if self._tracker is not None:
+            self._pictures.write(trainer, table, self._hist, self._tracker.shards)
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -324,20 +319,10 @@ class GradFlowCallback(StatsCallback):
             self.policy.end_epoch(trainer, self._tracker.alarms)
 
     @override
-    def state_dict(self) -> dict[str, Any]:
-        """The epoch so far (tracker, instability statistics, alarms), reduced, on the host."""
-        alarms = None if self._tracker is None else self._tracker.alarms
-        alarm_state = self.policy.saved if alarms is None else alarms.state_dict()
-        state = super().state_dict()
-        return state if alarm_state is None else {**state, "alarms": alarm_state}
-
-    @override
-    def _load_state(self, state: dict[str, Any]) -> None:
-        state = _saved_by_release_0_2(state)
-        self.policy.saved = state.pop("alarms", self.policy.saved)
-        if self._tracker is not None:
-            self.policy.restore(self._tracker.alarms)
-        super()._load_state(state)
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep a checkpoint's state until the next fit attaches, also in the layout release
+        0.2.0 saved."""
+        super().load_state_dict(_saved_by_release_0_2(state_dict))
 
 
 _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")
@@ -347,7 +332,7 @@ _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")
 def _saved_by_release_0_2(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` as this version saves it: 0.2.0 saved the tracker's state at the top and the
     instability statistics' under ``"stability"``, where each is now under its place and class."""
-    if "layers" not in state:
+    if not all(key in state for key in _TRACKER_STATE):  # this version's, or another model's
         return dict(state)
     rest = {k: v for k, v in state.items() if k not in (*_TRACKER_STATE, "stability")}
     converted = {f"0:{GradFlowTracker.__name__}": {k: state[k] for k in _TRACKER_STATE}}

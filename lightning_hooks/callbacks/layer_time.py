@@ -8,7 +8,8 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_hooks.callbacks.stats import Statistic, StatsCallback
+from lightning_hooks.callbacks.attached import Attached, Logged
+from lightning_hooks.callbacks.stats import StatsCallback
 from lightning_hooks.core.checks import boolean, named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
@@ -76,29 +77,31 @@ class LayerTimeCallback(StatsCallback):
         self._timer = timer
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
         self._timer.use_cuda = pl_module.device.type == "cuda"
-        super()._attach(trainer, pl_module)
+        return super()._attach(trainer, pl_module)
 
     @override
-    def _batch_started(self, trainer: pl.Trainer) -> None:  # only with the hooks attached
+    def _logged(self) -> list[Logged[Any]]:
+        return [Logged(self._timer, on_epoch=self._draw_chart)]
+
+    @override
+    def _batch_started(self, trainer: pl.Trainer, batch: Any) -> None:
         self._timer.start_step(trainer.global_step)
 
     @override
     def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
-        if self._hooks is not None:
-            self._timer.end_step()
+        self._timer.end_step()
         return False
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._hooks is not None:
+        if self._attached is not None:
             self._timer.end_step()  # a step cut short by a skipped batch closes here
         super()._log_epoch(trainer, pl_module)
 
-    @override
-    def _log_result(self, trainer: pl.Trainer, stat: Statistic[Any], result: Any) -> None:
-        times: LayerTimes = result
+    def _draw_chart(self, trainer: pl.Trainer, times: LayerTimes) -> None:
+        """Draw the epoch's forward time per layer (rank 0, with ``chart``)."""
         if times.steps == 0 or not trainer.is_global_zero or not self.chart:
             return
         epoch = trainer.current_epoch

@@ -9,7 +9,8 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.stats import Statistic, StatsCallback
+from lightning_hooks.callbacks.attached import Logged
+from lightning_hooks.callbacks.stats import Findings, StatsCallback
 from lightning_hooks.core.checks import fraction_or_none, named_arguments, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.saturation import (
@@ -71,7 +72,6 @@ class SaturationCallback(StatsCallback):
         0.25
     """
 
-    _findings = (_NAME, "saturation findings")
     _watches = (
         "bounded activation module (Sigmoid, Tanh, Softsign, Hardtanh, ReLU6, Hardsigmoid, or a "
         "Hugging Face or timm activation computing one)"
@@ -104,6 +104,8 @@ class SaturationCallback(StatsCallback):
             margin=margin,
         )
         super().__init__(tracker, every_n_steps=every_n_steps)
+        self.tracker = tracker
+        self.findings = Findings(_NAME, "saturation findings")
         assert tracker.selection is not None
         self.types = types
         self.include = tracker.selection.include
@@ -112,8 +114,11 @@ class SaturationCallback(StatsCallback):
         self.margin = margin
 
     @override
-    def _log_result(self, trainer: pl.Trainer, stat: Statistic[Any], result: Any) -> None:
-        found: SaturatedUnits = result
+    def _logged(self) -> list[Logged[Any]]:
+        return [Logged(self.tracker, on_epoch=self._warn)]
+
+    def _warn(self, trainer: pl.Trainer, found: SaturatedUnits) -> None:
+        """Warn of each layer at or past ``warn_at``, once per layer per fit."""
         epoch = trainer.current_epoch
         warn_at = self.warn_at
         if warn_at is None or not trainer.is_global_zero:
@@ -121,7 +126,7 @@ class SaturationCallback(StatsCallback):
         shares = found.always_saturated_fraction
         counts = found.always_saturated
         for layer, share, k, n in zip(found.layers, shares, counts, found.units, strict=True):
-            if k > 0 and share >= warn_at and self._first_finding(layer):
+            if k > 0 and share >= warn_at and self.findings.first(layer):
                 rank_zero_warn(
                     f"{_NAME}: layer {layer!r} has {k} of {n} units ({share:.0%}) "
                     f"saturated on every training sample of epoch {epoch} (warn_at="

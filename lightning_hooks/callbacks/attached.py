@@ -1,0 +1,245 @@
+"""What one fit of a callback attaches to the model: the registry of its hooks, the statistics
+those hooks feed, and what the callback reads of their results. A callback builds it in its
+``_attach``; :class:`~.base.HookCallback` drives it through the fit and removes it at the end."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+import pytorch_lightning as pl
+
+from lightning_hooks.core.hooks.registry import HookRegistry
+from lightning_hooks.core.stats.stat import LayerStat
+from lightning_hooks.core.transport import gather_objects
+from lightning_hooks.logging import log_scalars, step_tags
+
+__all__ = ["Attached", "Checkpointed", "EpochResult", "Logged", "Statistic", "Windowed"]
+
+R = TypeVar("R")
+
+
+class Windowed(Protocol[R]):
+    """A statistic measured at logging steps: each step's values are copied to the host after
+    its optimizer step, and read back when the copy is done."""
+
+    def start_copy(self, step: int) -> None:
+        """Start the host copy of the values measured since the last logging step."""
+
+    def take_copy(self, wait: bool) -> tuple[int, R] | None:
+        """Return the copied step and its result once on the host, else ``None``.
+
+        Args:
+            wait: block until the copy is done.
+        """
+
+    @property
+    def copy_in_flight(self) -> bool:
+        """Whether a copy is still on its way to the host."""
+
+    def step_values(self, result: R) -> dict[str, float]:
+        """Return a logging step's values under their epoch tags (each step tag is made from
+        one)."""
+
+
+class EpochResult(Protocol[R]):
+    """A statistic aggregated over an epoch's logging steps."""
+
+    def result(self) -> R:
+        """Return the epoch's result, reduced across ranks."""
+
+    def reset(self) -> None:
+        """Start the next epoch."""
+
+    def tags(self, result: R) -> dict[str, float]:
+        """Return the epoch's values under their tags."""
+
+
+class Checkpointed(Protocol):
+    """What a callback saves in checkpoints, of a statistic or of a collaborator."""
+
+    def host_state(self) -> dict[str, Any]:
+        """Return the state to save, reduced across ranks, on the host."""
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        """Continue from a state :meth:`host_state` saved."""
+
+
+class Statistic(Windowed[R], EpochResult[R], Checkpointed, Protocol[R]):
+    """What a callback logs and saves of each statistic of a fit: a
+    :class:`~lightning_hooks.core.stats.stat.LayerStat` is one, and so is a
+    :class:`~lightning_hooks.core.GradFlowTracker`."""
+
+
+class Logged(Generic[R]):
+    """A statistic of one fit, with what its callback reads of its results beyond the scalar
+    tags it logs (a picture, an alarm, a warning), each typed by the statistic's result.
+
+    Args:
+        stat: the statistic.
+        on_step: called with the trainer, the step and the result of each logging step read back.
+        on_epoch: called with the trainer and the result of each epoch, after its tags are logged.
+    """
+
+    def __init__(
+        self,
+        stat: Statistic[R],
+        *,
+        on_step: Callable[[pl.Trainer, int, R], None] | None = None,
+        on_epoch: Callable[[pl.Trainer, R], None] | None = None,
+    ) -> None:
+        self.stat = stat
+        self.on_step = on_step
+        self.on_epoch = on_epoch
+
+    def write_step(self, trainer: pl.Trainer, wait: bool) -> bool:
+        """Write the last logging step's values once on the host.
+
+        Args:
+            trainer: the trainer whose loggers are written to.
+            wait: block until the copy is done.
+
+        Returns:
+            Whether a step was written.
+        """
+        copied = self.stat.take_copy(wait)
+        if copied is None:
+            return False
+        step, result = copied
+        log_scalars(trainer.loggers, step_tags(self.stat.step_values(result)), step)
+        if self.on_step is not None:
+            self.on_step(trainer, step, result)
+        return True
+
+    def write_epoch(self, trainer: pl.Trainer, result: R) -> None:
+        """Write the epoch's ``result``: its tags, then what the callback reads of it."""
+        log_scalars(trainer.loggers, self.stat.tags(result), trainer.global_step)
+        if self.on_epoch is not None:
+            self.on_epoch(trainer, result)
+
+
+class Attached:
+    """What one fit of a callback put on the model.
+
+    Args:
+        registry: the registry of the fit's module hooks, whose logging-step gate the base sets
+            at each batch (``None``: no module hook).
+        logged: the statistics the hooks feed, logged at each logging step and epoch end.
+        aligned: the statistics whose rows (the modules that ran) the ranks align before they
+            reduce: a module that runs on some ranks only would otherwise hang the reduce.
+        saved: what is saved in checkpoints, by key (each statistic is saved by its place and
+            class).
+        every_batch: the callback's ``_batch_ending`` runs at every batch, not only at a logging
+            step's.
+        votes_carried: whether each batch's loss collective carries the ranks' failures and stops
+            (see :mod:`.agreement`), so that a logging step needs no agreement of its own; asked
+            at each logging step (``None``: never).
+        on_remove: called once when the hooks come off (the fit ended, failed, or was torn down).
+    """
+
+    def __init__(  # noqa: PLR0913 (what one fit holds: one keyword each)
+        self,
+        registry: HookRegistry | None,
+        logged: Sequence[Logged[Any]] = (),
+        *,
+        aligned: Sequence[LayerStat[Any]] = (),
+        saved: dict[str, Checkpointed] | None = None,
+        every_batch: bool = False,
+        votes_carried: Callable[[], bool] | None = None,
+        on_remove: Callable[[], None] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.logged = tuple(logged)
+        self.aligned = tuple(aligned)
+        self.saved = dict(saved or {})
+        self.every_batch = every_batch
+        self._votes_carried = votes_carried
+        self._on_remove = on_remove
+
+    def votes_are_carried(self) -> bool:
+        """Whether each batch's loss collective carries the ranks' agreement now."""
+        return self._votes_carried is not None and self._votes_carried()
+
+    def start_copies(self, step: int) -> None:
+        """After a logging step's optimizer step: start the host copies of its values."""
+        for logged in self.logged:
+            logged.stat.start_copy(step)
+
+    def write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
+        """Write every logging step whose values are on the host.
+
+        Args:
+            trainer: the trainer whose loggers are written to.
+            wait: block until each copy is done.
+
+        Returns:
+            Whether any step was written.
+        """
+        written = [logged.write_step(trainer, wait) for logged in self.logged]
+        return any(written)
+
+    def write_epoch(self, trainer: pl.Trainer) -> None:
+        """Write each statistic's epoch and start the next one.
+
+        Every statistic's collective runs first, on every rank: a rank whose host side fails
+        later has made them all.
+        """
+        results = [(logged, logged.stat.result()) for logged in self.logged]
+        for logged, result in results:
+            logged.stat.reset()
+            logged.write_epoch(trainer, result)
+
+    @property
+    def copies_in_flight(self) -> bool:
+        """Whether a logging step's values are still on their way to the host."""
+        return any(logged.stat.copy_in_flight for logged in self.logged)
+
+    def rows_grew(self) -> bool:
+        """Whether this rank made rows since they were last aligned across the ranks."""
+        return any(stat.rows_grew for stat in self.aligned)
+
+    def align_rows(self) -> None:
+        """Put every rank's new rows in one order on every rank (one ``all_gather_object``)."""
+        new = gather_objects([stat.new_rows() for stat in self.aligned])
+        for i, stat in enumerate(self.aligned):
+            stat.align_rows([rank[i] for rank in new])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the checkpoint state: each statistic's epoch so far, then what ``saved`` holds.
+
+        Returns:
+            The states by key, reduced across ranks, on the host.
+        """
+        state = {_state_name(i, s.stat): s.stat.host_state() for i, s in enumerate(self.logged)}
+        for key, saved in self.saved.items():
+            state[key] = saved.host_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's ``state`` (empty: saved outside a fit, nothing to load).
+
+        Raises:
+            KeyError: the state is of another model.
+            ValueError: the same.
+        """
+        if not state:
+            return
+        for i, logged in enumerate(self.logged):
+            logged.stat.load_host_state(state[_state_name(i, logged.stat)])
+        for key, saved in self.saved.items():
+            if key in state:
+                saved.load_host_state(state[key])
+
+    def remove(self) -> None:
+        """Take every hook off the model, then call ``on_remove`` (once)."""
+        if self.registry is not None:
+            self.registry.remove()
+        on_remove = self._on_remove
+        self._on_remove = None
+        if on_remove is not None:
+            on_remove()
+
+
+def _state_name(index: int, stat: Statistic[Any]) -> str:
+    """A statistic's key in its callback's checkpoint state: its place and its class."""
+    return f"{index}:{type(stat).__name__}"
