@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
+from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
@@ -25,7 +26,7 @@ from lightning_hooks import (
     SaturationCallback,
 )
 
-from conftest import TinyMLP, dataset, make_trainer, read_scalars
+from conftest import TinyMLP, dataset, hooks_left, make_trainer, read_scalars
 
 CADENCED = (ActivationStatsCallback, DeadReLUCallback, SaturationCallback, GradFlowCallback)
 FAMILIES = ("activations/", "dead_relu/", "saturation/", "grad_flow/")
@@ -96,3 +97,34 @@ def test_logging_steps_equal_every_step_on_those_batches(
 def test_every_n_steps_is_validated(cls: type[pl.Callback], bad: Any) -> None:
     with pytest.raises(ValueError, match=rf"{cls.__name__}\(every_n_steps={bad!r}\): must be a"):
         cls(every_n_steps=bad)
+
+
+@pytest.mark.parametrize("cls", [GradFlowCallback, ActivationStatsCallback])
+def test_no_step_logging_in_the_trainer_is_refused_at_setup(
+    tmp_path: Path, cls: type[pl.Callback]
+) -> None:
+    """``Trainer(log_every_n_steps=0)`` leaves a callback that takes the Trainer's cadence no
+    logging step: the fit stops at setup, before any step is measured."""
+    model = TinyMLP()
+    trainer = make_trainer(tmp_path, callbacks=[cls()], log_every_n_steps=0)
+    with pytest.raises(
+        MisconfigurationException,
+        match=rf"{cls.__name__}\(every_n_steps=None\).*Trainer\(log_every_n_steps=0\).*"
+        rf"{cls.__name__}\(every_n_steps=N\)",
+    ):
+        trainer.fit(model)
+    assert trainer.global_step == 0
+    assert hooks_left(model) == []
+
+
+def test_a_cadence_of_its_own_measures_without_the_trainers_logging_steps(
+    tmp_path: Path,
+) -> None:
+    """With ``every_n_steps=5`` the callback keeps its cadence under ``log_every_n_steps=0``:
+    steps 4, 9, ... and each epoch's first (0, 4 and 8: three epochs of 4 steps)."""
+    callback = GradFlowCallback(every_n_steps=5, chart=False)
+    make_trainer(tmp_path, max_epochs=3, callbacks=[callback], log_every_n_steps=0).fit(TinyMLP())
+    scalars = read_scalars(tmp_path)
+    assert [step for step, _ in scalars["grad_flow/grad_norm_step/net.0"]] == [0, 4, 8, 9]
+    # the epoch aggregates, over those logging steps, at each epoch end
+    assert [step for step, _ in scalars["grad_flow/grad_norm/net.0"]] == [4, 8, 12]

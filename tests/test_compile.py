@@ -68,8 +68,9 @@ def _check_against_eager(mode: str, backend: str, tmp_path: Path) -> None:
     assert hooked.graphs[0] == hooked.graphs[1]  # nothing compiled after the first epoch
     eager = read_scalars(tmp_path / "eager")
     compiled = read_scalars(tmp_path / "compiled")
-    # Modules in a compiled region get no instability statistics (core/stats/stability.py says why).
-    assert "stability/logit_logz/net.4" in eager
+    # Modules in a compiled region get no instability statistics (core/stats/stability.py says
+    # why); TinyMLP, a regressor with one output, has no log-partition in eager either.
+    assert not [t for t in eager if t.startswith("stability/")]
     assert not [t for t in compiled if t.startswith("stability/")]
     tags = {t for t in eager if t.startswith("grad_flow/")}
     epoch = {t for t in tags if "_step" not in t}

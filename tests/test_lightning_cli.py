@@ -209,3 +209,36 @@ def test_the_docs_snippet_runs_in_pytorch_lightning_cli_too(
     assert [type(cb).__name__ for cb in _ours(cli)] == ["GradFlowCallback", "DeadReLUCallback"]
     families = {t.split("/", 1)[0] for t in read_scalars(tmp_path)}
     assert {"grad_flow", "dead_relu"} <= families
+
+
+def _typo_section() -> str:
+    text = PAGE.read_text()
+    return text[text.index("## A typo in a key") :]
+
+
+def test_the_docs_short_form_of_a_typo_is_what_the_cli_prints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    block = re.search(r"```text\n(.*?)```", _typo_section(), re.DOTALL)
+    assert block, "docs/lightning-cli.md shows no error under its typo section"
+    typo = {"class_path": "lightning_hooks.DeadReLUCallback", "init_args": {"warn_att": 0.5}}
+    with pytest.raises(SystemExit):
+        _fit(tmp_path, monkeypatch, "--config", str(_write(tmp_path / "c.yaml", [typo])))
+    printed = capsys.readouterr().err
+    lines = [line.strip() for line in block.group(1).splitlines() if line.strip() != "..."]
+    assert all(line in printed for line in lines), printed[-1500:]
+    positions = [printed.index(line) for line in lines]
+    assert positions == sorted(positions), "the page's lines are in the order printed"
+    assert len(printed.splitlines()) > 40, "the page says the usage comes first"
+
+
+def test_the_docs_value_error_is_quoted_by_the_cli(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    quoted = re.search(r"`(AlarmRules\(quiet_read=[^`]+)`", _typo_section())
+    assert quoted, "docs/lightning-cli.md quotes no value error"
+    rules = {"class_path": "lightning_hooks.AlarmRules", "init_args": {"quiet_read": "groupd"}}
+    callback = {"class_path": "lightning_hooks.GradFlowCallback", "init_args": {"alarms": rules}}
+    config = _write(tmp_path / "c.yaml", [callback])
+    with pytest.raises(ValueError, match=re.escape(quoted.group(1))):
+        _fit(tmp_path, monkeypatch, "--config", str(config))

@@ -27,6 +27,11 @@ def test_an_unknown_read_is_named_with_the_allowed_ones() -> None:
         AlarmRules(quiet_read="cuda-graph")
 
 
+def test_a_misspelt_read_is_answered_with_the_closest_allowed_one() -> None:
+    with pytest.raises(ValueError, match=r"quiet_read='groupd'.*\(did you mean 'grouped'\?\)"):
+        AlarmRules(quiet_read="groupd")
+
+
 class _Foreach(GroupedNorms):
     """The reference read: one ``_foreach_norm`` of every gradient."""
 

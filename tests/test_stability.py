@@ -208,6 +208,15 @@ def test_mlp_has_no_attention_tags_and_logs_its_heads_logz(tmp_path: Path) -> No
     assert hooks_left(model) == []
 
 
+def test_a_regressor_with_one_output_logs_no_log_partition(tmp_path: Path) -> None:
+    """The log-partition of a single output is the output itself: the regressor's output layer
+    logs none, and no layer before it stands in (a classifier's head logs it, above)."""
+    make_trainer(tmp_path, callbacks=[GradFlowCallback()], log_every_n_steps=EVERY).fit(TinyMLP())
+    scalars = read_scalars(tmp_path)
+    assert "grad_flow/grad_norm/net.4" in scalars
+    assert [t for t in scalars if t.startswith("stability/")] == []
+
+
 class _HooksSeen(pl.Callback):
     """The forward hooks on each module during the forward of each logging step."""
 

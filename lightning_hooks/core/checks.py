@@ -104,11 +104,24 @@ def boolean(owner: str, name: str, value: object) -> bool:
 
 
 def choice(owner: str, name: str, value: object, allowed: Sequence[T]) -> T:
-    """``value`` if it is one of ``allowed``, else ``ValueError`` listing them."""
+    """``value`` if it is one of ``allowed``, else ``ValueError`` listing them (and naming the
+    closest, for a string).
+
+    Example:
+        >>> try:
+        ...     choice("AlarmRules", "quiet_read", "groupd", ("grouped", "triton"))
+        ... except ValueError as err:
+        ...     print(str(err).split(": ")[1])
+        must be one of ('grouped', 'triton'), got 'groupd' (did you mean 'grouped'?)
+    """
     for option in allowed:
         if type(value) is type(option) and value == option:
             return option
-    raise _fail(owner, name, value, f"one of {tuple(allowed)!r}", ValueError)
+    names = [option for option in allowed if isinstance(option, str)]
+    hint = _did_you_mean(value, names) if isinstance(value, str) else ""
+    raise ValueError(
+        f"{owner}({name}={value!r}): must be one of {tuple(allowed)!r}, got {value!r}{hint}"
+    )
 
 
 def callable_or_none(owner: str, name: str, value: object) -> Callable[..., Any] | None:
@@ -180,6 +193,11 @@ def _keyword_names(init: Callable[..., None]) -> tuple[str, ...]:
 
 
 def _unknown_argument(owner: str, name: str, names: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, names, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    hint = _did_you_mean(name, names)
     return f"{owner}({name}=...): unknown argument{hint}; the arguments are {', '.join(names)}"
+
+
+def _did_you_mean(given: str, names: Sequence[str]) -> str:
+    """`` (did you mean 'name'?)`` with the name closest to ``given``, or ``""`` if none is."""
+    close = difflib.get_close_matches(given, names, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

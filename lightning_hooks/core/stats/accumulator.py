@@ -44,10 +44,10 @@ class LayerTable:
 
         Example:
             >>> stats = LayerTable(("a",), ("norm",), *([np.ones((1, 1))] * 4))
-            >>> stats.column("nrom")
+            >>> stats.column("nrom")  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
-            ValueError: LayerTable.column(stat='nrom'): must be one of ('norm',), got 'nrom'
+            ValueError: LayerTable.column(stat='nrom'): must be one of ('norm',), got 'nrom'...
         """
         choice("LayerTable.column", "stat", stat, self.stats)
         choice("LayerTable.column", "kind", kind, ("mean", "peak", "total", "count"))

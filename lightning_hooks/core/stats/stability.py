@@ -42,6 +42,12 @@ class _LogZ(NamedTuple):
     peak: torch.Tensor  # the largest log Z
 
 
+def _measure_logz(output: torch.Tensor) -> _LogZ:
+    """The log-partition of each row of ``output`` (its last dimension): summed, counted, peak."""
+    logz = logsumexp_rows(output.detach())
+    return _LogZ(total=logz.sum(), positions=logz.numel(), peak=logz.max())
+
+
 class StabilityStats(LayerStat[Result]):
     """In the training forwards of logging steps (not inside ``torch.compile``):
 
@@ -49,7 +55,8 @@ class StabilityStats(LayerStat[Result]):
     * ``attn_entropy_min/{layer}``: its smallest head's mean attention entropy (nats);
     * ``logit_logz/{layer}``, ``logit_logz_max/{layer}``: mean and max ``logsumexp`` of the
       output layer's output (the last parameter owner with a floating output; a head applied
-      with ``F.linear`` is not seen).
+      with ``F.linear`` is not seen); not logged for an output layer with one output (a
+      regressor's), whose ``logsumexp`` is the output itself.
 
     ``nn.MultiheadAttention`` logits are recomputed from its inputs, others captured
     (:class:`~.attention.AttentionCapture`).
@@ -149,12 +156,15 @@ class StabilityStats(LayerStat[Result]):
             return
         if output.dim() == 0 or output.numel() == 0:
             return
-        logz = logsumexp_rows(output.detach())
-        measured = _LogZ(total=logz.sum(), positions=logz.numel(), peak=logz.max())
+        # One output (a regressor's): its log Z is the output itself, so it is not measured,
+        # but the layer is still the output layer and no earlier one stands in for it.
+        measured = _measure_logz(output) if output.shape[-1] > 1 else None
         if self._output is None:  # the last candidate of a forward is the output layer
             self._last = name
-            self._candidates.setdefault(name, []).append(measured)
-        else:
+            held = self._candidates.setdefault(name, [])
+            if measured is not None:
+                held.append(measured)
+        elif measured is not None:
             self._add(name, measured)
 
     def _add(self, name: str, measured: _LogZ) -> None:
