@@ -114,7 +114,7 @@ def test_a_guarded_registry_turns_hook_errors_into_one_warning() -> None:
     ):
         out = model(torch.ones(3, 2))
     assert out.shape == (3, 2)  # the forward went on, output untouched
-    assert guard.failed is not None and guard.take_pending() and not guard.take_pending()
+    assert guard.failed is not None and guard.removal_due() and not guard.removal_due()
     model(torch.ones(3, 2))  # later failures are silent (warnings are errors in this suite)
     registry.remove()
     assert not model[0]._forward_hooks and not model[1]._forward_hooks

@@ -187,9 +187,9 @@ def test_quiet_batches_read_no_window_and_a_late_copy_is_written_at_the_next_bat
     batch, reads = [-1], defaultdict(int)
     write_steps = Attached.write_steps
 
-    def counted(self: Attached, trainer: Any, wait: bool) -> bool:
+    def counted(self: Attached, trainer: Any, wait: bool) -> None:
         reads[batch[0]] += 1
-        return write_steps(self, trainer, wait)
+        write_steps(self, trainer, wait)
 
     monkeypatch.setattr(Attached, "write_steps", counted)
     monkeypatch.setattr(LayerStat, "_collect", slow_collect)

@@ -24,10 +24,10 @@ from lightning_hooks.core.transport import (
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import is_set_up_by_fabric
 
-__all__ = ["LossAgreement", "RankVotes"]
+__all__ = ["LossAgreement", "RankFlags"]
 
 
-class RankVotes(NamedTuple):
+class RankFlags(NamedTuple):
     """How many ranks reported a failed hook, and how many asked to stop, at one batch."""
 
     failed: int
@@ -83,9 +83,9 @@ class LossAgreement:
 
     def observe(
         self, loss: torch.Tensor | None, step: int, *, failed: bool, stop: bool
-    ) -> RankVotes | None:
+    ) -> RankFlags | None:
         """Post the loss, ``failed`` and ``stop`` (this rank's request to stop the fit) to the
-        ``all_reduce``; the ranks' votes once its host copy is read (CUDA: a batch later), else
+        ``all_reduce``; the ranks' flags once its host copy is read (CUDA: a batch later), else
         ``None``."""
         if self.reading != "mean":
             return None
@@ -102,7 +102,7 @@ class LossAgreement:
             self._rules_off(disagree[0].step, disagree[0].with_loss)
         if not read:
             return None
-        return RankVotes(sum(s.failed for s in read), sum(s.stopping for s in read))
+        return RankFlags(sum(s.failed for s in read), sum(s.stopping for s in read))
 
     def apply(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
         """The loss rules on the ranks' mean loss (manual optimization: once every rank has one)."""

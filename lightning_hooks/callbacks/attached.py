@@ -92,24 +92,20 @@ class Logged(Generic[R]):
         self.on_step = on_step
         self.on_epoch = on_epoch
 
-    def write_step(self, trainer: pl.Trainer, wait: bool) -> bool:
-        """Write the last logging step's values once on the host.
+    def write_step(self, trainer: pl.Trainer, wait: bool) -> None:
+        """Write the last logging step's values once they are on the host.
 
         Args:
             trainer: the trainer whose loggers are written to.
             wait: block until the copy is done.
-
-        Returns:
-            Whether a step was written.
         """
         copied = self.stat.take_copy(wait)
         if copied is None:
-            return False
+            return
         step, result = copied
         log_scalars(trainer.loggers, step_tags(self.stat.step_values(result)), step)
         if self.on_step is not None:
             self.on_step(trainer, step, result)
-        return True
 
     def write_epoch(self, trainer: pl.Trainer, result: R) -> None:
         """Write the epoch's ``result``: its tags, then what the callback reads of it."""
@@ -131,9 +127,9 @@ class Attached:
             class).
         every_batch: the callback's ``_batch_ending`` runs at every batch, not only at a logging
             step's.
-        votes_carried: whether each batch's loss collective carries the ranks' failures and stops
-            (see :mod:`.agreement`), so that a logging step needs no agreement of its own; asked
-            at each logging step (``None``: never).
+        agreement_carried: whether each batch's loss collective carries the ranks' failures
+            and stops (see :mod:`.agreement`), so that a logging step needs no agreement of its
+            own; asked at each logging step (``None``: never).
         on_remove: called once when the hooks come off (the fit ended, failed, or was torn down).
     """
 
@@ -145,7 +141,7 @@ class Attached:
         aligned: Sequence[LayerStat[Any]] = (),
         saved: dict[str, Checkpointed] | None = None,
         every_batch: bool = False,
-        votes_carried: Callable[[], bool] | None = None,
+        agreement_carried: Callable[[], bool] | None = None,
         on_remove: Callable[[], None] | None = None,
     ) -> None:
         self.registry = registry
@@ -153,30 +149,27 @@ class Attached:
         self.aligned = tuple(aligned)
         self.saved = dict(saved or {})
         self.every_batch = every_batch
-        self._votes_carried = votes_carried
+        self._agreement_carried = agreement_carried
         self._on_remove = on_remove
 
-    def votes_are_carried(self) -> bool:
+    def agreement_is_carried(self) -> bool:
         """Whether each batch's loss collective carries the ranks' agreement now."""
-        return self._votes_carried is not None and self._votes_carried()
+        return self._agreement_carried is not None and self._agreement_carried()
 
     def start_copies(self, step: int) -> None:
         """After a logging step's optimizer step: start the host copies of its values."""
         for logged in self.logged:
             logged.stat.start_copy(step)
 
-    def write_steps(self, trainer: pl.Trainer, wait: bool) -> bool:
+    def write_steps(self, trainer: pl.Trainer, wait: bool) -> None:
         """Write every logging step whose values are on the host.
 
         Args:
             trainer: the trainer whose loggers are written to.
             wait: block until each copy is done.
-
-        Returns:
-            Whether any step was written.
         """
-        written = [logged.write_step(trainer, wait) for logged in self.logged]
-        return any(written)
+        for logged in self.logged:
+            logged.write_step(trainer, wait)
 
     def write_epoch(self, trainer: pl.Trainer) -> None:
         """Write each statistic's epoch and start the next one.

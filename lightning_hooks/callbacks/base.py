@@ -3,7 +3,6 @@ measures is an :class:`~.attached.Attached` that the callback builds in ``_attac
 
 from __future__ import annotations
 
-import weakref
 from abc import ABCMeta, abstractmethod
 from collections.abc import Mapping
 from functools import cached_property
@@ -31,7 +30,7 @@ from lightning_hooks.core.hooks.guard import Guard, guard_hooks
 from lightning_hooks.core.transport import agree, gather_objects, world_size
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import drop_model_logging, fabric_callbacks
-from lightning_hooks.logging import save_loggers, write_dashboards
+from lightning_hooks.logging import save_loggers
 
 __all__ = [
     "HookCallback",
@@ -43,10 +42,6 @@ if TYPE_CHECKING:
     _SecondCallback = object
 else:
     _SecondCallback = SECOND_CALLBACK
-
-_UNSAVED: weakref.WeakSet[pl.Trainer] = weakref.WeakSet()
-"""The trainers whose loggers one of our callbacks wrote to since they were last saved: it spans
-callbacks, since the last of ours in the Trainer's list saves for all (one save per batch)."""
 
 
 class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
@@ -159,7 +154,12 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         if stage != "fit" or passed_by_user(self, trainer.callbacks):  # type: ignore[attr-defined]
             return
         self._guard = None  # each fit starts healthy
-        check_trainer(type(self).__name__, trainer, uses_images=self.uses_images)
+        check_trainer(
+            type(self).__name__,
+            trainer,
+            uses_images=self.uses_images,
+            every_n_steps=self.every_n_steps,
+        )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -203,8 +203,9 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         if self._copying:  # on CUDA, the last logging step's copy
             self._write_ready_steps(trainer, wait=False)
         self._set_gate(logs)
-        if trainer in _UNSAVED and self._last_of_ours(trainer, live=True):
-            _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
+        # What any of ours wrote since the last save (the last batch's end): the first of ours
+        # saves it, once per batch, and a run killed in this batch keeps it.
+        save_loggers(trainer.loggers, layout=trainer.is_global_zero)
         self._logging_batch = logs and self._attached is not None
         if self._logging_batch:
             self.cadence.measure()
@@ -223,7 +224,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         if (self._logging_batch or every_batch) and self._batch_ending(trainer, outputs):
             return
         # The logging step's optimizer step ran (its last micro-batch): write it.
-        measured = self.cadence.take_done(trainer)
+        measured = self.cadence.finished_step(trainer)
         attached = self._attached
         if measured is not None and attached is not None:
             if self._agree_ranks(trainer, measured, always=False):
@@ -236,8 +237,6 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             # the module hooks come off now, unless the next step logs too: a quiet step after
             # a logging step takes no hook off (an epoch's first step puts them on again)
             self._set_gate(self.cadence.logs(trainer, trainer.global_step))
-        if trainer in _UNSAVED and self._last_of_ours(trainer, live=True):
-            _save(trainer)  # once per hook round in which any of ours wrote: a killed run keeps it
 
     def _set_gate(self, logging_step: bool) -> None:
         """Open or close the gate of the module hooks (a quiet step reads it, sets nothing)."""
@@ -251,10 +250,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             self._write_ready_steps(trainer, wait=True)
             self.cadence.measuring = None
             self._log_epoch(trainer, pl_module)
-            if trainer.is_global_zero and self._last_of_ours(trainer, live=False):
-                write_dashboards(trainer.loggers)  # one layout per run, by the last of ours
-            save_loggers(trainer.loggers)
-            _UNSAVED.discard(trainer)
+            save_loggers(trainer.loggers)  # the chart layout waits for the next batch's save
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -280,6 +276,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         try:
             if self.hook_guard().failed is None:  # a failure after the last epoch end: agreed
                 self._agree_ranks(trainer, trainer.global_step, always=True)
+            save_loggers(trainer.loggers, layout=trainer.is_global_zero)
         finally:
             self._detach()
 
@@ -312,7 +309,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def flush(self, trainer: pl.Trainer) -> None:
         """Before the hooks go: write what was measured (CUDA: the last logging step's copy)."""
         self._write_ready_steps(trainer, wait=True)
-        _save(trainer)
+        save_loggers(trainer.loggers, layout=trainer.is_global_zero)
 
     def on_after_optimizer_step(self, strategy: object, optimizer: torch.optim.Optimizer) -> None:
         """Fabric's hook, when the run could not take the callback's place in its list."""
@@ -338,19 +335,8 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         attached = self._attached
         if attached is None or not (wait or self._copying):
             return
-        if attached.write_steps(trainer, wait):
-            _UNSAVED.add(trainer)
+        attached.write_steps(trainer, wait)
         self._copying = not wait and attached.copies_in_flight
-
-    def _last_of_ours(self, trainer: pl.Trainer, *, live: bool) -> bool:
-        """Whether this is the last of our callbacks (``live``: not failed) in the Trainer's list:
-        the one that saves the loggers and writes the dashboard for all of ours."""
-        ours = [
-            cb
-            for cb in trainer.callbacks  # type: ignore[attr-defined]
-            if isinstance(cb, HookCallback) and not (live and cb.hook_guard().failed is not None)
-        ]
-        return not ours or ours[-1] is self
 
     def _agree_ranks(self, trainer: pl.Trainer, step: int, *, always: bool) -> bool:
         """At a logging step (``always``: an epoch end) of a multi-process run, agree on a failure
@@ -358,7 +344,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         :mod:`.agreement`); whether the callback is now disabled."""
         guard = self.hook_guard()
         attached = self._attached
-        carried = attached is not None and attached.votes_are_carried()
+        carried = attached is not None and attached.agreement_is_carried()
         if self._ranks == 1 or guard.failed is not None or (carried and not always):
             return guard.failed is not None
         rows_grew = attached is not None and attached.rows_grew()
@@ -393,8 +379,8 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def _disable(self, trainer: pl.Trainer, step: int, causes: list[Any]) -> bool:
         """Disable the callback on every rank, one warning on rank 0 naming each rank's cause."""
         guard = self.hook_guard()
-        guard.settle(causes, step, warn=trainer.is_global_zero)
-        guard.take_pending()
+        guard.disable_on_every_rank(causes, step, warn=trainer.is_global_zero)
+        guard.removal_due()
         self._guard_disable()
         return True
 
@@ -485,13 +471,3 @@ def training_loss(trainer: pl.Trainer, outputs: STEP_OUTPUT) -> torch.Tensor | N
     if accumulate > 1 and getattr(module, "automatic_optimization", False):
         return loss.detach() * accumulate
     return loss
-
-
-def _save(trainer: pl.Trainer) -> None:
-    """Write the dashboard (rank 0) and save the loggers if any of ours wrote since."""
-    if trainer not in _UNSAVED:
-        return
-    _UNSAVED.discard(trainer)
-    if trainer.is_global_zero:
-        write_dashboards(trainer.loggers)
-    save_loggers(trainer.loggers)

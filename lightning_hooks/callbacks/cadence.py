@@ -86,7 +86,7 @@ class LoggingCadence:
         """The running batch's logging step is measured."""
         self.measuring = self.batch_step
 
-    def take_done(self, trainer: pl.Trainer) -> int | None:
+    def finished_step(self, trainer: pl.Trainer) -> int | None:
         """At a batch's end: the logging step whose optimizer step has just run, once; else
         ``None`` (a micro-batch before its step's last)."""
         measured = self.measuring

@@ -214,7 +214,7 @@ class GradFlowCallback(HookCallback):
             logged,
             # the loss rules read every batch's loss: the ranks' mean, or this rank's own
             every_batch=loss.reading == "mean" or self._own_loss is not None,
-            votes_carried=self._votes_carried,
+            agreement_carried=self._agreement_carried,
             on_remove=functools.partial(self._end_fit, trainer),
         )
 
@@ -228,7 +228,7 @@ class GradFlowCallback(HookCallback):
         self._own_loss = None
         self.policy.announce_stop(trainer)
 
-    def _votes_carried(self) -> bool:
+    def _agreement_carried(self) -> bool:
         """Whether each batch's loss collective carries the ranks' agreement (manual
         optimization turns it off where a rank returns no loss)."""
         return self.loss_agreement.reading == "mean"
@@ -275,10 +275,10 @@ class GradFlowCallback(HookCallback):
         loss = self.loss_agreement  # the ranks' mean loss
         failed = self.hook_guard().local is not None
         carried = training_loss(trainer, outputs)
-        votes = loss.observe(
+        flags = loss.observe(
             carried, self.cadence.batch_step, failed=failed, stop=self.stop_requested
         )
-        if votes is not None and self._apply_agreement(trainer, self.cadence.batch_step, *votes):
+        if flags is not None and self._apply_agreement(trainer, self.cadence.batch_step, *flags):
             return True
         loss.apply(trainer, alarms)
         return False

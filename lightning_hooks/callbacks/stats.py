@@ -1,5 +1,5 @@
 """``StatsCallback``: any :class:`~.stat.LayerStat`, logged at each logging step and epoch end, and
-carried in checkpoints: the one place where a callback's statistics are windowed, logged and saved.
+carried in checkpoints.
 """
 
 from __future__ import annotations

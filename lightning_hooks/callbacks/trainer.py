@@ -44,11 +44,14 @@ _FSDP2 = (
 )
 
 
-def check_trainer(name: str, trainer: pl.Trainer, *, uses_images: bool) -> None:
+def check_trainer(
+    name: str, trainer: pl.Trainer, *, uses_images: bool, every_n_steps: int | None
+) -> None:
     """Refuse a strategy whose statistics would be a shard's, no logger, or no logging steps for
-    a callback ``name`` that takes the Trainer's; warn if no logger shows pictures and the
-    callback draws some (``uses_images``)."""
-    _check_cadence(name, trainer)
+    a callback ``name`` that takes the Trainer's (``every_n_steps=None``); warn if no logger shows
+    pictures and the callback draws some (``uses_images``)."""
+    if every_n_steps is None:
+        _check_cadence(name, trainer)
     strategy = type(trainer.strategy).__name__
     names = {c.__name__ for c in type(trainer.strategy).__mro__}  # both namespaces, subclasses
     if names & {"FSDPStrategy", "DeepSpeedStrategy"}:
@@ -79,21 +82,11 @@ def check_trainer(name: str, trainer: pl.Trainer, *, uses_images: bool) -> None:
 
 
 def _check_cadence(name: str, trainer: pl.Trainer) -> None:
-    """Refuse ``Trainer(log_every_n_steps=0)`` while a callback ``name`` of the Trainer's takes
-    its logging steps from the Trainer (``every_n_steps=None``). Lightning reads 0 as no step
-    logging; a callback has nothing without logging steps (its epoch aggregates are over them),
-    and read as a cadence, 0 would measure every step, the most expensive setting."""
-    if getattr(trainer, "log_every_n_steps", None) != 0:  # set by Lightning, not typed
-        return
-    callbacks = trainer.callbacks  # type: ignore[attr-defined]
-    takes_the_trainers = [
-        callback
-        for callback in callbacks
-        if type(callback).__name__ == name
-        and not passed_by_user(callback, callbacks)  # it yields to the user's own: idle
-        and getattr(callback, "every_n_steps", None) is None
-    ]
-    if takes_the_trainers:
+    """Refuse ``Trainer(log_every_n_steps=0)`` for a callback ``name`` that takes its logging
+    steps from the Trainer. Lightning reads 0 as no step logging; a callback has nothing without
+    logging steps (its epoch aggregates are over them), and read as a cadence, 0 would measure
+    every step, the most expensive setting."""
+    if getattr(trainer, "log_every_n_steps", None) == 0:  # set by Lightning, not typed
         raise MisconfigurationException(
             f"{name}(every_n_steps=None) measures at the Trainer's logging steps, but "
             "Trainer(log_every_n_steps=0) has none: its epoch aggregates are over logging "

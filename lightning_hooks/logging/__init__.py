@@ -49,7 +49,6 @@ __all__ = [
     "shows_pictures",
     "sinks_for",
     "step_tags",
-    "write_dashboards",
 ]
 
 # The first kind that accepts a logger adapts it: a subclass's sink is registered after its base's.
@@ -107,19 +106,26 @@ def each_sink(loggers: Sequence[LightningLogger], write: Callable[[LoggerSink], 
     """``write`` to each live sink of ``loggers``; a sink whose client raises is dropped with one
     warning and training goes on (``LIGHTNING_HOOKS_STRICT=1``: the error is raised)."""
     for sink in sinks_for(loggers):
-        try:
-            write(sink)
-        except Exception as err:
-            if strict_default():
-                raise
-            sink.failed = True
-            from pytorch_lightning.utilities import rank_zero_warn
+        _write(sink, write)
 
-            rank_zero_warn(
-                f"lightning_hooks: {type(sink.logger).__name__} raised {type(err).__name__}: "
-                f"{err}; nothing more of ours is written to it in this run, training goes on.",
-                category=LightningHooksWarning,
-            )
+
+def _write(sink: LoggerSink, write: Callable[[LoggerSink], None]) -> None:
+    """``write`` to ``sink``, marked unsaved; a client that raises is dropped (see
+    :func:`each_sink`)."""
+    try:
+        write(sink)
+        sink.unsaved = True
+    except Exception as err:
+        if strict_default():
+            raise
+        sink.failed = True
+        from pytorch_lightning.utilities import rank_zero_warn
+
+        rank_zero_warn(
+            f"lightning_hooks: {type(sink.logger).__name__} raised {type(err).__name__}: "
+            f"{err}; nothing more of ours is written to it in this run, training goes on.",
+            category=LightningHooksWarning,
+        )
 
 
 def log_scalars(
@@ -130,14 +136,25 @@ def log_scalars(
         each_sink(loggers, lambda sink: sink.scalars(metrics, step))
 
 
-def save_loggers(loggers: Sequence[LightningLogger]) -> None:
-    """Save every logger as Lightning does after ``log_metrics`` (TensorBoard flushes its file)."""
-    each_sink(loggers, lambda sink: sink.save())
+def save_loggers(loggers: Sequence[LightningLogger], *, layout: bool = False) -> None:
+    """Save each logger written to since its last save, as Lightning does after
+    ``log_metrics`` (TensorBoard flushes its file). Any of the library's callbacks may call it:
+    the first call after a write saves, the others find nothing to save.
 
-
-def write_dashboards(loggers: Sequence[LightningLogger]) -> None:
-    """Write the chart layout of the scalars logged so far, to each logger that has one."""
-    each_sink(loggers, lambda sink: sink.dashboard())
+    Args:
+        loggers: the Trainer's loggers.
+        layout: also write the chart layout of the scalars written so far, where it has new
+            charts (TensorBoard's custom scalars; rank 0 only).
+    """
+    for logger in loggers:
+        sink = _SINKS.get(logger)
+        if sink is None or sink.failed:
+            continue
+        if layout and sink.has_new_charts():
+            _write(sink, lambda s: s.dashboard())
+        if sink.unsaved:
+            _write(sink, lambda s: s.save())
+            sink.unsaved = False
 
 
 def shows_pictures(loggers: Sequence[LightningLogger]) -> bool:

@@ -147,6 +147,7 @@ class LoggerSink:
     Attributes:
         logger: the Lightning logger written to.
         failed: whether the logger's client raised: nothing more is written to it.
+        unsaved: whether something was written since the logger was last saved.
         shows_pictures: whether figures and images reach this logger.
     """
 
@@ -155,6 +156,7 @@ class LoggerSink:
     def __init__(self, logger: LightningLogger) -> None:
         self.logger = logger
         self.failed = False
+        self.unsaved = False
 
     @classmethod
     def accepts(cls, logger: object) -> bool:
@@ -181,6 +183,10 @@ class LoggerSink:
         self, tag: str, features: torch.Tensor, labels: list[Any] | None, step: int
     ) -> None:
         """Write ``[N, D]`` features and their ``N`` labels for a projector."""
+
+    def has_new_charts(self) -> bool:
+        """Whether scalars were written under charts the last layout lacks (none without one)."""
+        return False
 
     def dashboard(self) -> None:
         """Write the layout of the charts of the scalars written so far, where one exists."""

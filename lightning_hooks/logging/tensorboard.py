@@ -137,13 +137,15 @@ class TensorBoardSink(LoggerSink):
     ) -> None:
         self.logger.experiment.add_embedding(features, metadata=labels, global_step=step, tag=tag)
 
+    def has_new_charts(self) -> bool:
+        """Whether scalars were written under charts the last layout lacks (charts only grow)."""
+        return len(self.charts) > len(self.charts_written)
+
     def dashboard(self) -> None:
-        """Write the writer's layout if it has new charts (TensorBoard reads the last one)."""
-        writer = self.logger.experiment
+        """Write the writer's layout of every chart so far (TensorBoard reads the last one)."""
         keys = frozenset(self.charts)
-        if keys and not keys <= self.charts_written:
-            writer.add_custom_scalars(dashboard_layout(keys))
-            self.charts_written = keys
+        self.logger.experiment.add_custom_scalars(dashboard_layout(keys))
+        self.charts_written = keys
 
 
 def histogram_raw(

@@ -32,8 +32,8 @@ def strict_default() -> bool:
 class Guard:
     """Catches the exceptions of statistic ``name``'s hooks: the first marks it :attr:`failed`,
     warns once, and the owner removes its hooks at the next Lightning hook (with :attr:`defer`,
-    once the ranks :meth:`settle`). A ``strict`` guard (default: :func:`strict_default`)
-    re-raises, as every guard does for the library's own errors."""
+    once the ranks agree: :meth:`disable_on_every_rank`). A ``strict`` guard (default:
+    :func:`strict_default`) re-raises, as every guard does for the library's own errors."""
 
     def __init__(self, name: str, *, strict: bool | None = None) -> None:
         self.name = name
@@ -42,7 +42,7 @@ class Guard:
         self.pending = False  # a failure whose hooks the owner has not removed yet
         self.defer = False
         """Multi-process: a failure is kept in :attr:`local` until the ranks agree on it, so
-        that every rank disables at the same step (:meth:`settle`)."""
+        that every rank disables at the same step (:meth:`disable_on_every_rank`)."""
         self.local: str | None = None
         """This rank's failure, deferred until the ranks agree."""
         self.disabled_step: int | None = None
@@ -62,7 +62,7 @@ class Guard:
         self.pending = True
         self._warn(f"for the rest of the fit: its {where} raised {type(error).__name__}: {error}")
 
-    def settle(self, causes: Sequence[str | None], step: int, *, warn: bool) -> None:
+    def disable_on_every_rank(self, causes: Sequence[str | None], step: int, *, warn: bool) -> None:
         """Disable at ``step``: ``causes[r]`` is rank ``r``'s :attr:`local` (``None``: healthy);
         ``warn`` (rank 0): one warning naming each failure."""
         failed = [f"rank {r}: {cause}" for r, cause in enumerate(causes) if cause is not None]
@@ -80,7 +80,7 @@ class Guard:
             stacklevel=4,
         )
 
-    def take_pending(self) -> bool:
+    def removal_due(self) -> bool:
         """``True`` once after a failure: the owner should remove the statistic's hooks now."""
         pending = self.pending
         self.pending = False
@@ -162,7 +162,7 @@ def _guarded_method(
                 return method(self, *args, **kwargs)
             except Exception as error:
                 guard.fail(f"{name} hook", error)
-        if guard.take_pending():
+        if guard.removal_due():
             self._guard_disable()
         return None
 

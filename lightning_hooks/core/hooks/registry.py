@@ -4,7 +4,6 @@ hooks, put on their modules only for logging steps."""
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
@@ -18,10 +17,11 @@ from lightning_hooks.core import checks
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.hooks.selection import ModuleFilter, ModuleTypes, Patterns, select_modules
+from lightning_hooks.core.hooks.shared import shared_by
 from lightning_hooks.core.hooks.suspended import outside_suspended
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["Gated", "HookOwner", "HookRegistry", "only_our_hooks", "plain_layers"]
+__all__ = ["Gated", "HookOwner", "HookRegistry"]
 
 ForwardHook = Callable[[nn.Module, Any, Any], Any]
 F = TypeVar("F", bound=Callable[..., Any])
@@ -79,35 +79,6 @@ class Gated:
             self.handle = None
 
 
-_OURS: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
-"""Every hook a registry put on a module, whichever callback's: it spans callbacks, so that the
-attention capture can tell a layer only the library hooks from one with a hook of the user's."""
-
-
-def _ours(hook: F) -> F:
-    _OURS.add(hook)
-    return hook
-
-
-def plain_layers() -> Callable[[nn.Module], bool]:
-    """Whether a module is a ``torch.nn`` leaf layer with no forward (pre-)hook but ours."""
-    if internals.global_forward_hooks_installed():
-        return lambda module: False
-
-    def plain(module: nn.Module) -> bool:
-        has_children = next(module.children(), None) is not None
-        if has_children or not type(module).__module__.startswith("torch.nn.modules."):
-            return False
-        return only_our_hooks(module)
-
-    return plain
-
-
-def only_our_hooks(module: nn.Module) -> bool:
-    """Whether every forward (pre-)hook on ``module`` is one of this library's."""
-    return all(hook in _OURS for hook in internals.forward_hooks(module))
-
-
 class HookOwner:
     """Base of the core's trackers: a context manager that removes its registry's hooks."""
 
@@ -160,6 +131,8 @@ class HookRegistry(HookOwner):
         read, so that a quiet step calls nothing of the registry)."""
         self.fixed = internals.is_compiled(model)  # the gated hooks stay installed (torch.compile)
         self.guard = guard
+        self.shared = shared_by(model)
+        """What every registry on the model shares, whichever callback holds it."""
         self._unhookable = _unhookable_modules(model)
         self._names = {id(module): name for name, module in model.named_modules()}
         self._warned_unhookable = False
@@ -194,7 +167,7 @@ class HookRegistry(HookOwner):
         measures goes through :meth:`forward_hook` or :meth:`forward_pre_hook`, which run it
         outside the library's own modes."""
         where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
-        guarded = _ours(self.guarded(hook, where))
+        guarded = self._ours(self.guarded(hook, where))
         gated = Gated(module, guarded, pre=pre, options=options, source=source)
         self._gated_hooks.append(gated)
         if not (self.logging_step or self.fixed):
@@ -251,6 +224,35 @@ class HookRegistry(HookOwner):
         """``fn`` wrapped by the registry's guard, for hooks the registry does not own."""
         return fn if self.guard is None else self.guard.wrap(fn, where)
 
+    def _ours(self, hook: F) -> F:
+        """Count ``hook`` among the library's hooks on the model (see :attr:`shared`)."""
+        self.shared.hooks.add(hook)
+        return hook
+
+    def only_our_hooks(self, module: nn.Module) -> bool:
+        """Whether every forward (pre-)hook on ``module`` of the model is one of the library's,
+        whichever callback put it there."""
+        ours = self.shared.hooks
+        return all(hook in ours for hook in internals.forward_hooks(module))
+
+    def plain_layers(self) -> Callable[[nn.Module], bool]:
+        """Whether a module of the model is a ``torch.nn`` leaf layer with no forward (pre-)hook
+        but the library's.
+
+        Returns:
+            The test, for one module (always ``False`` under a global forward hook).
+        """
+        if internals.global_forward_hooks_installed():
+            return lambda module: False
+
+        def plain(module: nn.Module) -> bool:
+            has_children = next(module.children(), None) is not None
+            if has_children or not type(module).__module__.startswith("torch.nn.modules."):
+                return False
+            return self.only_our_hooks(module)
+
+        return plain
+
     def _add(self, handle: RemovableHandle) -> RemovableHandle:
         self._handles.append(handle)
         return handle
@@ -282,7 +284,7 @@ class HookRegistry(HookOwner):
         if not gated:
             where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
             register = module.register_forward_pre_hook if pre else module.register_forward_hook
-            return self._add(register(_ours(self.guarded(hook, where)), **options))
+            return self._add(register(self._ours(self.guarded(hook, where)), **options))
 
         def run(*args: object) -> object:
             if not self.logging_step:  # installed for good under torch.compile

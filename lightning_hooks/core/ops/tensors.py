@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from typing import Generic, NamedTuple, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 from torch import nn
@@ -13,7 +13,6 @@ from lightning_hooks import internals
 __all__ = [
     "DEVICE_PIECE",
     "Pending",
-    "Snapshots",
     "Workspace",
     "foreach_norm",
     "is_grad_forward",
@@ -116,51 +115,6 @@ def row_index(values: list[int], device: torch.device) -> torch.Tensor:
     """``values`` as a ``long`` tensor on ``device``, without a host sync."""
     pinned = device.type == "cuda"
     return torch.tensor(values, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=pinned)
-
-
-class _Held(NamedTuple):
-    """A tensor as a hook saw it, and a copy of it then."""
-
-    tensor: torch.Tensor
-    version: int  # its version counter when copied: an in-place op since bumps it
-    copy: torch.Tensor
-
-
-class Snapshots:
-    """Copies of hooked outputs, one per tensor and version, for every hook that asks.
-
-    The statistics watching one module (the activation statistics, their shape, the dead units,
-    whichever callbacks hold them) each keep a copy of its small output for the step's end: every
-    one after the first gets the first's while the tensor is unchanged (a copy is an op and an
-    allocation per module and logging step).
-
-    Example:
-        >>> snapshots, x = Snapshots(), torch.ones(2)
-        >>> first = snapshots.copy(x)
-        >>> snapshots.copy(x) is first
-        True
-        >>> _ = x.add_(1)  # changed in place: a new copy
-        >>> snapshots.copy(x) is first, snapshots.copy(x).tolist()
-        (False, [2.0, 2.0])
-    """
-
-    def __init__(self) -> None:
-        self._held: dict[int, _Held] = {}
-
-    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of ``tensor`` as it is now, out of autograd, made once for every caller."""
-        version = internals.tensor_version(tensor)
-        held = self._held.get(id(tensor))
-        if held is not None and held.tensor is tensor and held.version == version:
-            return held.copy
-        # a statistic's hook runs with grad disabled: its copy needs no detach (an op of its own)
-        copy = tensor.detach().clone() if torch.is_grad_enabled() else tensor.clone()
-        self._held[id(tensor)] = _Held(tensor=tensor, version=version, copy=copy)
-        return copy
-
-    def clear(self) -> None:
-        """Drop every copy and its tensor (whoever took a copy keeps it)."""
-        self._held = {}
 
 
 K = TypeVar("K", bound=Hashable)

@@ -79,7 +79,7 @@ class Histogram:
 
 
 class ActivationResult(NamedTuple):
-    """What :class:`ActivationStatsTracker` measured over a window."""
+    """What :class:`ActivationStatsTracker` measured over logging steps."""
 
     summary: FeatureSummary
     histograms: list[Histogram]  # a row each (none without ``histogram_bins``)

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional
 
 from lightning_hooks import internals
-from lightning_hooks.core.hooks.registry import HookRegistry, only_our_hooks, plain_layers
+from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.suspended import SuspendableMode
 from lightning_hooks.core.ops.tensors import is_training_forward
 
@@ -252,24 +252,26 @@ class _Running(NamedTuple):
     caller_live: bool  # whether its caller's own forward was running when it was called
 
 
-def attention_free(model: nn.Module, plain: Callable[[nn.Module], bool]) -> set[int]:
-    """The ids of ``model``'s modules that call no attention, whole: ``torch.nn``'s ``plain``
-    leaf layers but the softmax ones, and each ``nn.Sequential`` (whose forward only calls its
-    children, in order) of such modules with no forward hook but ours. Such a module runs outside
-    the capture as one call: the layers of a stack of them cost two hooks, not two each."""
+def attention_free(registry: HookRegistry) -> set[int]:
+    """The ids of the modules of ``registry``'s model that call no attention, whole: ``torch.nn``'s
+    plain leaf layers (:meth:`~.registry.HookRegistry.plain_layers`) but the softmax ones, and
+    each ``nn.Sequential`` (whose forward only calls its children, in order) of such modules with
+    no forward hook but ours. Such a module runs outside the capture as one call: the layers of a
+    stack of them cost two hooks, not two each."""
     free: set[int] = set()
+    plain = registry.plain_layers()
 
     def visit(module: nn.Module) -> bool:
         children = [visit(child) for child in module.children()]  # every one is visited
         if type(module) is nn.Sequential:
-            whole = bool(children) and all(children) and only_our_hooks(module)
+            whole = bool(children) and all(children) and registry.only_our_hooks(module)
         else:
             whole = plain(module) and not isinstance(module, _SOFTMAX_LAYERS)
         if whole:
             free.add(id(module))
         return whole
 
-    visit(model)
+    visit(registry.model)
     return free
 
 
@@ -323,8 +325,8 @@ class AttentionCapture(SuspendableMode):
         """Hook every module of ``registry``'s model but ``torch.nn``'s plain layers (first and
         last hooks, so that other hooks' calls do not count as the module's)."""
         self.guarded_look = registry.guarded(self.look, "attention capture")
-        plain = plain_layers()
-        free = attention_free(registry.model, plain)
+        plain = registry.plain_layers()
+        free = attention_free(registry)
         within: set[int] = set()  # inside a module run outside as a whole: no hook needed
         for name, module in registry.model.named_modules():
             if id(module) in within or not registry.hookable(module):

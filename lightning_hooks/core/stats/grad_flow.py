@@ -82,9 +82,9 @@ class GradFlowTracker(HookOwner):
 
     A statistic made of parts: its states are one :class:`~.accumulator.LayerStatsAccumulator`'s,
     which the gradient read, the output gradients' hooks and the update ratio each fill. Its
-    windows, result, tags and checkpoint state are a :class:`~.stat.LayerStat`'s, under the same
-    names, so that a callback logs and saves it as it does every statistic. It hooks ``model``
-    when it is made.
+    logging steps' copies, result, tags and checkpoint state are a :class:`~.stat.LayerStat`'s,
+    under the same names, so that a callback logs and saves it as it does every statistic. It
+    hooks ``model`` when it is made.
 
     Args:
         model: the model to track.

@@ -1,9 +1,9 @@
-"""``LayerStat``, the base of every per-layer statistic, and its windows on the host."""
+"""``LayerStat``, the base of every per-layer statistic: its states on the model's device, and
+each logging step's values copied to the host."""
 
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -15,7 +15,8 @@ from typing_extensions import Self, TypedDict
 from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
-from lightning_hooks.core.ops.tensors import Pending, Snapshots, is_training_forward
+from lightning_hooks.core.hooks.shared import Snapshots
+from lightning_hooks.core.ops.tensors import Pending, is_training_forward
 from lightning_hooks.core.stats.states import Reduce, RowStates, StateSpec, unpack
 from lightning_hooks.core.transport import HostCopy
 
@@ -25,9 +26,6 @@ R = TypeVar("R")
 
 
 _COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
-_SHARED: weakref.WeakKeyDictionary[nn.Module, Snapshots] = weakref.WeakKeyDictionary()
-"""The copies of small outputs of each model's statistics, shared by every callback's (see
-:meth:`_snapshot`)."""
 
 
 class SelectionArgs(TypedDict, total=False):
@@ -105,7 +103,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self._drop_rows(device)
         self.to(device)
         self.registry = HookRegistry(model) if registry is None else registry
-        self._snapshots = _SHARED.setdefault(model, Snapshots())
+        self._snapshots = self.registry.shared.snapshots
         chosen = {name for name, _ in self.select(model)}
         # The registry warns once about selected modules that run no Python hooks.
         selected = self.registry.modules(where=lambda name, _: name in chosen)
@@ -173,8 +171,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
             self.registry = None
 
     def start_copy(self, step: int) -> None:
-        """End the window at a logging step: reduce it across ranks and start its host copy."""
-        self._collect(wait=True)  # at most one window in flight
+        """End a logging step: reduce its values across ranks and start their host copy."""
+        self._collect(wait=True)  # at most one logging step's copy in flight
         packed, shapes = self._reduced()
         box = self._host_copy
         if box is None or box.shape != tuple(packed.shape):
@@ -189,7 +187,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         if got is not None:
             view, (step, shapes) = got
             states = unpack(view, shapes)
-            # a copy: the window is kept too, until read
+            # a copy: the step's values are kept too, until read
             self._epoch = {k: v.copy() for k, v in self._with_epoch(states).items()}
             self._ready.append((step, states))
 
@@ -207,7 +205,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         return bool(self._ready) or (self._host_copy is not None and self._host_copy.pending)
 
     def _with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The epoch's folded windows and ``window`` (some or all of the states)."""
+        """The epoch's logging steps so far, folded, and one more: ``window`` (some or all of
+        the states)."""
         if self._epoch is None:
             return window
         pooled = {}
@@ -221,7 +220,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         return pooled
 
     def _host_states(self) -> dict[str, np.ndarray]:
-        """The epoch so far: the folded windows and the current one."""
+        """The epoch so far: its logging steps folded, and the running one."""
         self._collect(wait=True)
         packed, shapes = self._reduced()
         return self._with_epoch(unpack(packed.cpu().numpy(), shapes))
@@ -239,15 +238,16 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         raise NotImplementedError
 
     def step_values(self, result: R) -> dict[str, float]:
-        """The scalars of one logging step's window, by epoch tag (default: :meth:`tags`)."""
+        """The scalars of one logging step, by epoch tag (default: :meth:`tags`)."""
         return self.tags(result)
 
     def reset(self) -> None:
-        """Start a new epoch: states (but ``"same"`` ones) and windows dropped, rows kept."""
+        """Start a new epoch: states (but ``"same"`` ones) and logging steps dropped, rows
+        kept."""
         self.drain()
         self._reset_window()
         self._epoch = None
-        self._ready = []  # and a window still in flight
+        self._ready = []  # and a logging step's copy still in flight
         if self._host_copy is not None:
             self._host_copy.clear()
 
@@ -258,7 +258,8 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         return {"layers": list(self.rows), "units": list(self.units), **saved}
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`host_state` as the epoch's folded windows (the window empty).
+        """Restore :meth:`host_state` as the epoch's folded logging steps (the running one
+        empty).
 
         Raises:
             ValueError: the state names layers this statistic does not watch.

@@ -249,7 +249,8 @@ class RowStates:
                 counts.clear()
 
     def _reduced(self) -> tuple[torch.Tensor, dict[str, torch.Size]]:
-        """Every state of the window reduced across ranks (one collective), packed in one."""
+        """Every state since the last logging step, reduced across ranks (one collective),
+        packed in one."""
         self.drain()
         dtype = torch.float32 if self.device.type == "mps" else torch.float64  # MPS: no float64
         tensors = [getattr(self, n) for n in self.specs]
@@ -267,7 +268,7 @@ class RowStates:
         return packed, shapes
 
     def _reset_window(self) -> None:
-        """Start a new window: every state but ``"same"`` ones back to its identity."""
+        """Start the next logging step: every state but ``"same"`` ones back to its identity."""
         for spec in self.specs.values():
             if spec.reduce != "same":
                 getattr(self, spec.name).fill_(spec.identity)
