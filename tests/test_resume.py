@@ -207,7 +207,8 @@ def test_every_per_step_callback_resumes_mid_epoch_with_the_same_values(
     _fit_with(tmp_path / "first", make, callbacks=[ckpt], enable_checkpointing=True)
     path = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
     saved = torch.load(path, weights_only=False)["callbacks"][make().state_key]
-    assert saved and all(state["layers"] for state in saved.values())
+    statistics = {key: state for key, state in saved.items() if key != "heatmaps"}
+    assert statistics and all(state["layers"] for state in statistics.values())
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     resumed = _fit_with(
         tmp_path / "second", make, callbacks=[again], enable_checkpointing=True, ckpt_path=path
@@ -225,3 +226,51 @@ def test_every_per_step_callback_resumes_mid_epoch_with_the_same_values(
 
 def _at(root: Path, step: int) -> dict[str, float]:
     return {t: dict(v)[step] for t, v in read_scalars(root).items() if step in dict(v)}
+
+
+def _last_images(root: Path, prefix: tuple[str, ...]) -> dict[str, tuple[int, bytes]]:
+    """The last image of each tag under ``prefix``, with its step, from the event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    images: dict[str, tuple[int, bytes]] = {}
+    for events in sorted(root.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events.parent), size_guidance={"images": 0})
+        acc.Reload()
+        for tag in acc.Tags()["images"]:
+            if tag.startswith(prefix):
+                last = acc.Images(tag)[-1]
+                images[tag] = (last.step, last.encoded_image_string)
+    return images
+
+
+def test_a_resumed_fit_draws_the_heatmaps_of_the_epochs_before_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Fit 4 epochs at once, or 2 then resume from the last checkpoint for 2 more: the last
+    heatmaps (gradient norm, and the activations') are the same pictures, every epoch in them."""
+
+    def callbacks() -> list[pl.Callback]:
+        return [GradFlowCallback(heatmap=True), ActivationStatsCallback()]
+
+    def fit(root: Path, epochs: int, *extra: pl.Callback, ckpt_path: Path | None = None) -> None:
+        torch.manual_seed(0)
+        trainer = make_trainer(
+            root,
+            max_epochs=epochs,
+            callbacks=[*callbacks(), *extra],
+            enable_checkpointing=bool(extra),
+        )
+        trainer.fit(RepeatedBatchMLP(), ckpt_path=ckpt_path)
+
+    fit(tmp_path / "whole", 4)
+    fit(tmp_path / "first", 2, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True))
+    last = tmp_path / "ckpt" / "last.ckpt"
+    fit(tmp_path / "second", 4, ModelCheckpoint(dirpath=tmp_path / "ckpt"), ckpt_path=last)
+    prefix = ("grad_flow/heatmap", "activations/heatmap/")
+    whole = _last_images(tmp_path / "whole", prefix)
+    resumed = _last_images(tmp_path / "second", prefix)
+    assert len(whole) == 4  # the gradient norm's, and the activations' mean, std, zero_fraction
+    assert resumed.keys() == whole.keys()
+    for tag, (step, image) in whole.items():
+        assert resumed[tag][0] == step, tag
+        assert resumed[tag][1] == image, tag  # the same pixels: epochs 0 to 3 in both

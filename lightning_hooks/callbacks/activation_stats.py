@@ -11,10 +11,10 @@ from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Logged
+from lightning_hooks.callbacks.epoch_columns import EpochColumns
 from lightning_hooks.callbacks.stats import StatsCallback
 from lightning_hooks.core.checks import boolean, named_arguments, positive_int, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
-from lightning_hooks.core.ops.feature_stats import FeatureSummary
 from lightning_hooks.core.stats.activation_shape import ActivationShape
 from lightning_hooks.core.stats.activation_stats import ActivationResult, ActivationStatsTracker
 from lightning_hooks.errors import LightningHooksWarning
@@ -108,14 +108,15 @@ class ActivationStatsCallback(StatsCallback):
         self.include = s.include
         self.exclude = s.exclude
         self.uses_images = self.heatmaps or self.histograms
-        self._history: list[tuple[int, FeatureSummary]] = []
+        self._history = EpochColumns()  # the heatmaps' columns, one per epoch of the fit
+        self.kept["heatmaps"] = self._history  # a resumed fit draws the earlier epochs
         self._warned_nonfinite = False
         self._activations = tracker
         self._shape = shape
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
-        self._history = []
+        self._history.clear()
         self._warned_nonfinite = False
         return super()._attach(trainer, pl_module)
 
@@ -155,18 +156,14 @@ class ActivationStatsCallback(StatsCallback):
                 low, high, total, squares = (float(column[row]) for column in columns)
                 binned = Binned(hist.edges[1:], hist.counts, (low, high, total, squares))
                 log_histogram(trainer.loggers, f"activations/histogram/{hist.layer}", binned, step)
-        self._history.append((trainer.current_epoch, stats))
+        heatmaps = {stat: stats.column(stat) for stat in _HEATMAPS}
+        self._history.add(trainer.current_epoch, stats.layers, heatmaps)
         if self.heatmaps:
             self._log_heatmaps(trainer, step)
 
     def _log_heatmaps(self, trainer: pl.Trainer, step: int) -> None:
-        layers = list(dict.fromkeys(name for _, stats in self._history for name in stats.layers))
-        epochs = [epoch for epoch, _ in self._history]
         for stat in _HEATMAPS:
-            grid = np.full((len(layers), len(epochs)), np.nan)
-            for col, (_, stats) in enumerate(self._history):
-                rows = [layers.index(name) for name in stats.layers]
-                grid[rows, col] = stats.column(stat)
+            layers, epochs, grid = self._history.grid(stat)
             figure = layer_epoch_heatmap(layers, epochs, grid, title=f"activations: {stat}")
             log_figure(trainer.loggers, f"activations/heatmap/{stat}", figure, step)
 

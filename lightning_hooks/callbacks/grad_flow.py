@@ -143,6 +143,7 @@ class GradFlowCallback(HookCallback):
         self.heatmap = heatmap
         self.stability = stability
         self._pictures = GradFlowPictures(self.max_layers_logged, chart=chart, heatmap=heatmap)
+        self.kept["heatmap"] = self._pictures.history  # a resumed fit draws the earlier epochs
         self._stability: StabilityStats | None = None
         self.uses_images = chart or heatmap
         self._tracker: GradFlowTracker | None = None

@@ -3,10 +3,10 @@ the heatmap of the gradient norm per layer and epoch, and the histograms of ``lo
 
 from __future__ import annotations
 
-import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from lightning_hooks.callbacks.epoch_columns import EpochColumns
 from lightning_hooks.core import LayerHistograms, LayerTable, ParamLayout
 from lightning_hooks.core.stats.grad_flow_tags import logged_rows
 from lightning_hooks.core.transport import ShardPlan
@@ -38,7 +38,7 @@ def observe_histograms(
 
 class GradFlowPictures:
     """Draws an epoch's chart and heatmap, and writes its histograms. It holds the heatmap's
-    columns, one per epoch of the fit (:meth:`start` forgets them).
+    columns, one per epoch of the fit (:meth:`start` forgets them), saved in checkpoints.
 
     Args:
         max_layers_logged: histograms for the layers whose scalars are logged
@@ -51,7 +51,8 @@ class GradFlowPictures:
         self.max_layers_logged = max_layers_logged
         self.chart = chart
         self.heatmap = heatmap
-        self.history: list[tuple[int, np.ndarray]] = []  # (epoch, grad_norm per layer)
+        self.history = EpochColumns()
+        """The gradient norm per layer of each epoch of the fit, the heatmap's columns."""
 
     def start(self) -> None:
         """A new fit: a new heatmap."""
@@ -83,12 +84,11 @@ class GradFlowPictures:
         log_figure(trainer.loggers, f"{GRAD_FLOW}/chart", figure, trainer.global_step)
 
     def _write_heatmap(self, trainer: pl.Trainer, stats: LayerTable) -> None:
-        history = self.history
-        history.append((trainer.current_epoch, stats.column("grad_norm")[:-1].copy()))
-        values = np.stack([v for _, v in history], axis=1)
+        norms = {"grad_norm": stats.column("grad_norm")[:-1]}
+        self.history.add(trainer.current_epoch, stats.layers[:-1], norms)
+        layers, epochs, values = self.history.grid("grad_norm")
         title = "gradient norm per layer and epoch (mean over steps)"
-        epochs = [e for e, _ in history]
-        heatmap = layer_epoch_heatmap(stats.layers[:-1], epochs, values, title=title, log=True)
+        heatmap = layer_epoch_heatmap(layers, epochs, values, title=title, log=True)
         log_figure(trainer.loggers, f"{GRAD_FLOW}/heatmap", heatmap, trainer.global_step)
 
     def _write_histograms(
