@@ -147,7 +147,11 @@ def _texts(logdir: Path) -> dict[int, str]:
 
 def _counts(logdir: Path, step: int) -> dict[str, float]:
     scalars = read_scalars(logdir)
-    return {rule: dict(scalars[f"grad_flow/alarms/{rule}"])[step] for rule in RULES}
+    counts = {}
+    for rule in RULES:  # each rule under alarms/ or, a notice, under notices/
+        (tag,) = {f"grad_flow/{kind}/{rule}" for kind in ("alarms", "notices")} & scalars.keys()
+        counts[rule] = dict(scalars[tag])[step]
+    return counts
 
 
 def default_fit(

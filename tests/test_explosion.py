@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import AlarmRules, GradFlowCallback
 from lightning_hooks.errors import TrainingAlarmWarning
+from lightning_hooks.tags import NOTICES
 
 from conftest import fit_alarms, read_scalars
 
@@ -95,7 +96,9 @@ def _fit(
 
 
 def _epoch_count(scalars: dict[str, list[tuple[int, float]]], rule: str) -> float:
-    return scalars[f"grad_flow/alarms/{rule}"][-1][1]
+    """The last epoch's count of ``rule``: a notice's (spike, stall) at the default on_alarm."""
+    kind = "notices" if rule in NOTICES else "alarms"
+    return scalars[f"grad_flow/{kind}/{rule}"][-1][1]
 
 
 def test_adam_explosion_is_warned_at_its_step(tmp_path: Path) -> None:

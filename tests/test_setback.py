@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import AlarmRules, GradFlowCallback
+from lightning_hooks.tags import NOTICES
 
 from conftest import fit_alarms, read_alarm_texts, read_scalars
 
@@ -77,8 +78,10 @@ def _fit(tmp_path: Path, model: ScaledLoss, **trainer: Any) -> list[Any]:
 
 
 def _count(logdir: Path, rule: str) -> float:
-    """The epoch's count of ``rule`` in the event files."""
-    rows = read_scalars(logdir)[f"grad_flow/alarms/{rule}"]
+    """The epoch's count of ``rule`` in the event files: under ``notices`` for a notice (the
+    setback), under ``alarms`` for a rule that warns."""
+    kind = "notices" if rule in NOTICES else "alarms"
+    rows = read_scalars(logdir)[f"grad_flow/{kind}/{rule}"]
     return sum(v for _, v in rows)
 
 

@@ -17,19 +17,19 @@ from lightning_hooks.core.transport import (
 )
 from lightning_hooks.errors import LightningHooksWarning, TrainingAlarmError, TrainingAlarmWarning
 from lightning_hooks.logging import log_scalars, log_text, save_loggers, step_tags
-from lightning_hooks.tags import ALARM_TEXT, SPIKE_SCORE, alarm_tag
+from lightning_hooks.tags import ALARM_TEXT, NOTICES, SPIKE_SCORE, alarm_tag, notice_tag
 
 __all__ = ["Action", "AlarmPolicy", "check_actions"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
-# amp_overflow: the GradScaler already acts (counted only); a setback is only logged: telling it
-# from a divergence takes a few steps, and *diverging* acts once it is confirmed.
-_ACTIONABLE = tuple(rule for rule in ALARM_RULES if rule not in ("amp_overflow", "setback"))
+# The notices no action applies to (amp_overflow: the GradScaler already acts; a setback: telling
+# it from a divergence takes a few steps, and *diverging* acts once it is confirmed).
+_ACTIONABLE = tuple(rule for rule in ALARM_RULES if rule not in NOTICES or NOTICES[rule].acts)
 _NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")  # skip cures none
 # Healthy runs show one-step spikes and stalls too (benchmarks/divergence.py): under "warn" they
-# are only logged; a spike that hurts the optimizer is also an *explosion*, which warns.
-_LOGGED = ("spike", "stall")
+# are notices, only logged; a spike that hurts the optimizer is also an *explosion*, which warns.
+_LOGGED = tuple(rule for rule in _ACTIONABLE if rule in NOTICES)
 _SUMMARY_LINES = 100
 
 
@@ -87,6 +87,11 @@ class AlarmPolicy:
         self, on_alarm: Action | Mapping[str, Action], request_stop: Callable[[], None]
     ) -> None:
         self.actions = check_actions(on_alarm)
+        # each rule's count: under alarm_tag when it acts, else under notice_tag
+        self.tags = {
+            rule: notice_tag(rule) if self.actions.get(rule, "log") == "log" else alarm_tag(rule)
+            for rule in ALARM_RULES
+        }
         # ``skip`` needs the current step's verdict before the optimizer step (a CUDA sync)
         self.wait = "skip" in self.actions.values()
         self._request_stop = request_stop  # under DDP: a ``stop`` for the ranks to agree on
@@ -183,7 +188,7 @@ class AlarmPolicy:
         """At a logging step: per-rule counts since the last one, and any alarms' text."""
         counts = {rule: n - self._counted.get(rule, 0) for rule, n in alarms.counts.items()}
         self._counted = dict(alarms.counts)
-        tags = step_tags({alarm_tag(rule): n for rule, n in counts.items()})
+        tags = step_tags({self.tags[rule]: n for rule, n in counts.items()})
         log_scalars(trainer.loggers, tags, step)
         new = alarms.log[self._logged :]
         self._logged = len(alarms.log)
@@ -198,7 +203,7 @@ class AlarmPolicy:
         self._logged = 0
         self._counted = {}
         step = trainer.global_step
-        scalars = {alarm_tag(rule): float(n) for rule, n in counts.items()}
+        scalars = {self.tags[rule]: float(n) for rule, n in counts.items()}
         scalars[SPIKE_SCORE] = alarms.spike_score
         log_scalars(trainer.loggers, scalars, step)
         if trainer.is_global_zero:
