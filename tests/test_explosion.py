@@ -111,7 +111,7 @@ def test_adam_explosion_is_warned_at_its_step(tmp_path: Path) -> None:
     assert clip is not None
     # the advised clip is a few times the global norm's scale: the explosion would be harmless
     assert 0.0 < float(clip.group(1)) < boom[0].value / 1e4
-    assert "on_alarm={'spike': 'skip'}" in str(boom[0].message)
+    assert "on_alarm={'explosion': 'skip'}" in str(boom[0].message)
     assert _epoch_count(scalars, "explosion") >= 1.0
     # the poisoned second moment shrinks every update, but the loss still falls: a
     # run that learns is not stalled

@@ -88,8 +88,9 @@ class AlarmPolicy:
     ) -> None:
         self.actions = check_actions(on_alarm)
         # each rule's count: under alarm_tag when it acts, else under notice_tag
+        self._noticed = {rule for rule in ALARM_RULES if self.actions.get(rule, "log") == "log"}
         self.tags = {
-            rule: notice_tag(rule) if self.actions.get(rule, "log") == "log" else alarm_tag(rule)
+            rule: notice_tag(rule) if rule in self._noticed else alarm_tag(rule)
             for rule in ALARM_RULES
         }
         # ``skip`` needs the current step's verdict before the optimizer step (a CUDA sync)
@@ -163,7 +164,7 @@ class AlarmPolicy:
         if alarm is not None and getattr(trainer, "should_stop", False):
             rank_zero_warn(
                 f"GradFlowCallback [{alarm.rule}]: on_alarm='stop' ended the fit at optimizer "
-                f"step {trainer.global_step}, after the {alarm.rule} alarm of step {alarm.step}: "
+                f"step {trainer.global_step}, after the {alarm.rule} alarm of step {alarm.step}:\n"
                 f"{alarm.message}",
                 category=TrainingAlarmWarning,
             )
@@ -193,7 +194,8 @@ class AlarmPolicy:
         new = alarms.log[self._logged :]
         self._logged = len(alarms.log)
         if new and trainer.is_global_zero:
-            log_text(trainer.loggers, ALARM_TEXT, _summary(new, f"up to step {step}"), step)
+            summary = _summary(new, f"up to step {step}", self._noticed)
+            log_text(trainer.loggers, ALARM_TEXT, summary, step)
 
     def end_epoch(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
         """Act on the last verdicts, then log the epoch's counts and its text summary."""
@@ -208,7 +210,7 @@ class AlarmPolicy:
         log_scalars(trainer.loggers, scalars, step)
         if trainer.is_global_zero:
             where = f"in epoch {trainer.current_epoch}"
-            log_text(trainer.loggers, ALARM_TEXT, _summary(log, where), step)
+            log_text(trainer.loggers, ALARM_TEXT, _summary(log, where, self._noticed), step)
 
 
 def _speaker(alarm: TrainingAlarm) -> str:
@@ -218,15 +220,22 @@ def _speaker(alarm: TrainingAlarm) -> str:
     return f"GradFlowCallback [{alarm.rule}]: {alarm.message}"
 
 
-def _summary(log: list[TrainingAlarm], where: str) -> str:
+def _summary(log: list[TrainingAlarm], where: str, noticed: set[str]) -> str:
+    """The alarms' text: a line per alarm (its warning's first line; a notice marked so), its
+    details under it, and the ring buffer's lines once per step."""
     lines: list[str] = []
     shown: set[int] = set()
     for alarm in log[:_SUMMARY_LINES]:
-        lines.append(f"- step {alarm.step}, {alarm.rule}, {alarm.layer}: {alarm.message}")
+        first, *details = alarm.message.split("\n")
+        kind = " (notice)" if alarm.rule in noticed else ""
+        lines.append(f"- step {alarm.step}, {alarm.rule}{kind}, {alarm.layer}: {first}")
+        lines += [f"    - {line}" for line in details]
         if alarm.history_steps and alarm.step not in shown:
             # the ring buffer once per step: norm (norm / running scale) of the rows involved
             shown.add(alarm.step)
             lines += [f"    - {line}" for line in alarm.history_lines()]
     if len(log) > _SUMMARY_LINES:
         lines.append(f"- ... and {len(log) - _SUMMARY_LINES} more")
-    return "\n".join([f"{len(log)} gradient alarms {where}", "", *lines])
+    notices = sum(alarm.rule in noticed for alarm in log)
+    header = f"{len(log) - notices} warnings and {notices} notices {where}"
+    return "\n".join([header, "", *lines])
