@@ -189,6 +189,12 @@ def test_alarm_counts_are_summed_over_the_run(
     assert main(["report", str(tmp_path), "--fail-on", "watchdog/alarms/late>=2"]) == 1
     assert main(["report", str(tmp_path), "--fail-on", "grad_flow/alarms/explosion>0"]) == 0
     assert main(["report", str(tmp_path), "--fail-on", "grad_flow/notices/spike>0"]) == 0
+    capsys.readouterr()
+    # spike is a notice at the default on_alarm: a rule on its warnings says where it is
+    assert main(["report", str(tmp_path), "--fail-on", "grad_flow/alarms/spike>0"]) == 2
+    assert "spike was a notice, logged and never warned, as grad_flow/notices/spike" in (
+        capsys.readouterr().err
+    )
     assert "warnings: watchdog/alarms/late=2" in _table(tmp_path, capsys)
 
 
