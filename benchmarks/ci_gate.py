@@ -10,7 +10,8 @@ step whose loss reads 10x; the broken runs: one NaN loss, and AdamW at a learnin
 too high.
 
 Each run logs under its own folder, and the gate is run on each folder alone; the exit code
-per run is printed, with the first line of every alarm warning the fit raised.
+per run is printed as JSON, with the text of every alarm warning the fit raised (the gate's
+``FAIL`` lines go to standard error).
 
 Usage::
 
@@ -21,6 +22,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import sys
@@ -114,7 +117,7 @@ RUNS: dict[str, tuple[str, float, int, Callable[[int], float]]] = {
 
 
 def fit(name: str, out: Path) -> list[str]:
-    """Fit one run of :data:`RUNS` under ``out/name``: the first line of each alarm warning."""
+    """Fit one run of :data:`RUNS` under ``out/name``: its alarm warnings' text."""
     data, lr, seed, factor = RUNS[name]
     pl.seed_everything(seed, verbose=False)
     trainer = pl.Trainer(
@@ -131,11 +134,7 @@ def fit(name: str, out: Path) -> list[str]:
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer.fit(Classifier(_data(data), lr, seed, factor))
-    return [
-        str(w.message).splitlines()[0]
-        for w in record
-        if issubclass(w.category, TrainingAlarmWarning)
-    ]
+    return [str(w.message) for w in record if issubclass(w.category, TrainingAlarmWarning)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -150,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.runs:
         warned = [] if args.skip_fit else fit(name, args.out)
         rules = [arg for rule in args.gate for arg in ("--fail-on", rule)]
-        code = report(["report", str(args.out / name), *rules])
+        with contextlib.redirect_stdout(io.StringIO()):  # the tables: stdout holds the JSON only
+            code = report(["report", str(args.out / name), *rules])
         rows.append({"run": name, "exit": code, "warnings": warned})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     print(json.dumps(rows, indent=2))
