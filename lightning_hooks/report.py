@@ -254,7 +254,7 @@ def _read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
-Series = dict[str, list[tuple[int, float]]]
+_Series = dict[str, list[tuple[int, float]]]
 """Each tag's ``[(step, value)]``, in the order logged."""
 
 
@@ -266,8 +266,8 @@ def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     Raises:
         EventFileError: one of the run's event files is corrupt or truncated.
     """
-    epoch: Series = {}
-    steps: Series = {}
+    epoch: _Series = {}
+    steps: _Series = {}
     for tag, events in _read_series(run_dir).items():
         # spike_score: a rate, not a count to sum
         if tag.count("/") >= 2 and tag != SPIKE_SCORE:
@@ -303,7 +303,7 @@ def _kind(tag: str) -> str | None:
     return stat if stat in (ALARMS, NOTICE_COUNTS) else None
 
 
-def _last_step(series: Series, counts: bool) -> int:
+def _last_step(series: _Series, counts: bool) -> int:
     """The last step logged by the count tags (``counts``) or by the others; -1 if none."""
     return max(
         (events[-1][0] for tag, events in series.items() if (_kind(tag) is not None) == counts),
@@ -311,7 +311,7 @@ def _last_step(series: Series, counts: bool) -> int:
     )
 
 
-def _notices_0_2_0(series: Series) -> Series:
+def _notices_0_2_0(series: _Series) -> _Series:
     """A run written by 0.2.0 (no notices): its counts of the rules it only logged or counted
     under its default ``on_alarm`` (:data:`NOTICES_0_2_0`) read as the notices they are today."""
     return {_tag_0_2_0(tag): events for tag, events in series.items()}
@@ -325,7 +325,7 @@ def _tag_0_2_0(tag: str) -> str:
     return tag
 
 
-def _ending(report: RunReport, steps: Series) -> None:
+def _ending(report: RunReport, steps: _Series) -> None:
     """Set ``report``'s :attr:`~RunReport.ended_by`: the warnings logged at a logging step after
     its last layers, the record an alarm writes before it raises."""
     after = {
