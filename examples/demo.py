@@ -133,7 +133,7 @@ def print_warnings(messages: list[str], per_kind: int = 1) -> None:
         kinds.setdefault(message.split(":")[0].split(" at ")[0], []).append(message)
     for kind, same in kinds.items():
         for message in same[:per_kind]:
-            print(f"  warning: {message}")
+            print("  warning: " + message.replace("\n", "\n    "))
         if len(same) > per_kind:
             print(f"  ... and {len(same) - per_kind} more {kind!r} warning(s) (see TensorBoard)")
 

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from lightning_hooks.report import (
@@ -27,8 +27,9 @@ from lightning_hooks.report import (
     read_run,
 )
 from lightning_hooks.switch import SHORT_NAMES
+from lightning_hooks.tags import GRAD_FLOW, NOTICES, Notice
 
-__all__ = ["ALARMS", "LAYER_METRICS", "FailRule", "check", "known_metrics", "main"]
+__all__ = ["LAYER_METRICS", "RULES", "FailRule", "check", "known_metrics", "main"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -52,14 +53,18 @@ LAYER_METRICS: dict[str, tuple[str, ...]] = {
 }
 """Every per-layer ``family/stat`` the library's callbacks log (a test holds it to a real fit)."""
 
-ALARMS: dict[str, tuple[str, ...]] = {
+RULES: dict[str, tuple[str, ...]] = {
     "grad_flow": (
         *("spike", "explosion", "absolute", "vanishing", "nonfinite", "amp_overflow"),
         *("loss_spike", "diverging", "setback", "stall", "attention"),
     ),
 }
-"""Every ``family/alarms/rule`` count the library logs (``lightning_hooks.core.ALARM_RULES``, which
-the CLI cannot import without torch: a test holds the two equal)."""
+"""Every alarm rule the library counts (``lightning_hooks.core.ALARM_RULES``, which the CLI
+cannot import without torch: a test holds the two equal). A rule that acts is counted under
+``family/alarms/rule``; one that is only logged, under ``family/notices/rule``."""
+
+_OLD_NAMES = {"alarms": "warnings"}
+"""Metrics renamed since 0.2.0, by their old name: ``alarms`` summed the notices too."""
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge,
@@ -73,11 +78,14 @@ _RULE = re.compile(r"^\s*([A-Za-z0-9_./-]+)\s*(>=|<=|==|>|<)\s*([-+0-9.eE]+|inf|
 
 @dataclass(frozen=True)
 class FailRule:
-    """``<metric><op><number>``, e.g. ``grad_nonfinite>0``, ``dead_fraction>=0.9``, ``alarms>0``.
+    """``<metric><op><number>``, e.g. ``grad_nonfinite>0``, ``dead_fraction>=0.9``,
+    ``warnings>0``.
 
     ``metric`` is a column (``dead_fraction``, ``grad_norm``, ``update_ratio``,
     ``grad_nonfinite``), any ``family/stat`` (``grad_flow/grad_abs_max``) checked on every layer,
-    ``alarms`` (the sum of every alarm count) or one alarm ``family/alarms/rule``.
+    ``warnings`` (the sum of every alarm that warned, ``family/alarms/rule``), one alarm
+    ``family/alarms/rule``, ``notices`` (the sum of the notices a rule may name), or one notice
+    by its tag ``family/notices/name`` or its column (``setbacks``) where its ``gate`` allows.
 
     Example:
         >>> FailRule.parse("dead_fraction>=0.9")
@@ -97,22 +105,40 @@ class FailRule:
                 f"--fail-on {text!r}: expected <metric><op><number> with op one of "
                 f"{', '.join(_OPS)}, e.g. 'grad_nonfinite>0' or 'dead_fraction>=0.9'"
             )
-        return cls(match[1], match[2], float(match[3]))
+        return cls(_NOTICE_COLUMNS.get(match[1], match[1]), match[2], float(match[3]))
 
     def problems(self, reports: Sequence[RunReport]) -> list[str]:
-        """Why the rule cannot be checked: an unknown metric (the message lists the known ones),
-        or no run logged what it asks for. Empty when a run has it."""
+        """Why the rule cannot be checked: a notice no gate may name, an unknown metric (the
+        message lists the known ones), or no run logged what it asks for. Empty when a run has
+        it."""
+        notice = _notice(self.metric)
+        if notice is not None and not notice.gate:
+            return [
+                f"--fail-on {self.text!r}: {notice.column} ({notice.tag}) is a notice no gate "
+                f"may name: {notice.about}"
+            ]
         if any(_logged(report, self.metric) for report in reports):
             return []
         if self.metric not in known_metrics():
             return [_unknown(self.metric, reports)]
-        return [f"no run logged {_describe(self.metric)} (rule {self.text!r})"]
+        return [f"no run logged {_describe(self.metric, reports)} (rule {self.text!r})"]
+
+    def renamed(self) -> str | None:
+        """A note when the rule names a metric by its 0.2.0 name; else ``None``."""
+        new = _OLD_NAMES.get(self.metric)
+        if new is None:
+            return None
+        return (
+            f"--fail-on {self.text!r}: {self.metric!r} is now {new!r}: it counts the alarms that "
+            f"warned, not the notices (write '{new}{self.op}{self.threshold:g}')"
+        )
 
     def unchecked(self, reports: Sequence[RunReport]) -> list[str]:
         """The runs the rule is not checked on: they never logged what it asks for (a folder of
         runs where only some had the callback that logs it)."""
         return [
-            f"{report.run}: logged no {_describe(self.metric)}, not checked (rule {self.text!r})"
+            f"{report.run}: logged no {_describe(self.metric, [report])}, not checked "
+            f"(rule {self.text!r})"
             for report in reports
             if not _logged(report, self.metric)
         ]
@@ -126,14 +152,14 @@ class FailRule:
         """A line per layer (or alarm) of ``report`` that breaks the rule."""
         test = _OPS[self.op]
         name = self.text
-        if self.metric == "alarms":
-            total = sum(report.alarms.values())
+        counts = _counts(report, self.metric)
+        if counts is not None:
+            total = math.fsum(counts.values())
             return (
-                [f"{report.run}: alarms={total:g} ({name})"] if test(total, self.threshold) else []
+                [f"{report.run}: {self.metric}={total:g} ({name})"]
+                if test(total, self.threshold)
+                else []
             )
-        if "/alarms/" in self.metric:
-            value = report.alarms.get(self.metric, math.nan)
-            return [f"{report.run}: {self.metric}={value:g}"] if test(value, self.threshold) else []
         return [
             f"{report.run}: {row.layer} {self.metric}={row.get(self.metric):.4g} ({name})"
             for row in report.layers
@@ -141,23 +167,72 @@ class FailRule:
         ]
 
 
+_NOTICE_COLUMNS = {notice.column: notice.tag for notice in NOTICES.values()}
+"""A notice's column, in a ``--fail-on`` rule, stands for its tag."""
+
+
+def _notice(metric: str) -> Notice | None:
+    """The notice of :data:`NOTICES` that ``metric`` (its tag) names, if any."""
+    family, _, name = metric.partition("/notices/")
+    notice = NOTICES.get(name)
+    return notice if family == GRAD_FLOW and notice is not None else None
+
+
 def known_metrics() -> list[str]:
-    """Every metric a ``--fail-on`` rule may name: the columns, ``alarms``, each ``family/stat``,
-    each alarm rule (the order a user who misspelt one reads them in)."""
+    """Every metric a ``--fail-on`` rule may name: the columns, ``warnings``, ``notices``, each
+    ``family/stat``, each alarm rule's warnings and notices, each notice's column (the order a
+    user who misspelt one reads them in)."""
+    never = {notice.name for notice in NOTICES.values() if not notice.acts}
+    closed = {notice.name for notice in NOTICES.values() if not notice.gate}
     return [
         *(name for name, _ in COLUMNS),
-        "alarms",
+        "warnings",
+        "notices",
         *(f"{family}/{stat}" for family, stats in LAYER_METRICS.items() for stat in stats),
-        *(f"{family}/alarms/{rule}" for family, rules in ALARMS.items() for rule in rules),
+        *(
+            f"{f}/alarms/{rule}"
+            for f, rules in RULES.items()
+            for rule in rules
+            if rule not in never
+        ),
+        *(
+            f"{f}/notices/{rule}"
+            for f, rules in RULES.items()
+            for rule in rules
+            if rule not in closed
+        ),
+        *(notice.column for notice in NOTICES.values() if notice.gate),
     ]
 
 
-def _logged(report: RunReport, metric: str) -> bool:
-    """Whether ``report`` holds ``metric`` (on any layer)."""
-    if metric == "alarms":
-        return bool(report.alarms)
+def _counts(report: RunReport, metric: str) -> dict[str, float] | None:
+    """The counts ``metric`` sums in ``report``: all its warnings, the notices a gate may
+    name, or one count by its tag (empty when not logged); ``None`` for a per-layer metric."""
+    if metric == "warnings":
+        return report.warnings
+    if metric == "notices":
+        return {tag: n for tag, n in report.notices.items() if _gated(tag)}
     if "/alarms/" in metric:
-        return metric in report.alarms
+        return {metric: report.warnings[metric]} if metric in report.warnings else {}
+    if "/notices/" in metric:
+        return {metric: report.notices[metric]} if metric in report.notices else {}
+    return None
+
+
+def _gated(tag: str) -> bool:
+    """Whether a gate counts the notice ``tag`` in ``notices``."""
+    notice = _notice(tag)
+    return notice is None or notice.gate
+
+
+def _logged(report: RunReport, metric: str) -> bool:
+    """Whether ``report`` holds ``metric`` (on any layer). A run that counted any alarm or
+    notice holds ``warnings`` and ``notices``, zero included."""
+    if metric in ("warnings", "notices"):
+        return bool(report.warnings or report.notices)
+    counts = _counts(report, metric)
+    if counts is not None:
+        return bool(counts)
     full = dict(COLUMNS).get(metric, metric)
     return any(full in row.values for row in report.layers)
 
@@ -169,10 +244,17 @@ _CALLBACK = {
 }
 
 
-def _describe(metric: str) -> str:
+def _describe(metric: str, reports: Sequence[RunReport]) -> str:
     """What a run that lacks ``metric`` lacks, and which callback would log it."""
-    if metric == "alarms":
-        return "alarm counts <family>/alarms/<rule> (GradFlowCallback(alarms=False)?)"
+    if metric in ("warnings", "notices"):
+        return (
+            "alarm counts <family>/alarms/<rule> or <family>/notices/<name> "
+            "(GradFlowCallback(alarms=False)?)"
+        )
+    family, _, rule = metric.partition("/alarms/")
+    noticed = f"{family}/notices/{rule}"
+    if rule and any(noticed in report.notices for report in reports):
+        return f"{metric}: {rule} was a notice, logged and never warned, as {noticed}"
     full = dict(COLUMNS).get(metric, metric)
     callback = _CALLBACK.get(full.split("/")[0])
     return f"{full} (is {callback} in the Trainer?)" if callback else full
@@ -219,9 +301,10 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="RULE",
-        help="exit 1 if any layer or alarm matches RULE, e.g. 'grad_nonfinite>0', "
-        "'dead_fraction>=0.9', 'alarms>0' (repeatable), on the runs that logged its metric; "
-        "exit 2 if RULE names an unknown metric or one no run logged",
+        help="exit 1 if any layer or count matches RULE, e.g. 'grad_nonfinite>0', "
+        "'dead_fraction>=0.9', 'warnings>0' (the alarms that warned; never the notices), "
+        "repeatable, on the runs that logged its metric; exit 2 if RULE names an unknown "
+        "metric or one no run logged",
     )
     return parser
 
@@ -231,11 +314,21 @@ def _error(message: str) -> int:
     return EXIT_USAGE
 
 
+def _rules(texts: Sequence[str]) -> list[FailRule]:
+    """The ``--fail-on`` rules; one that names a metric by its 0.2.0 name reads the metric's
+    new name, with a note on standard error."""
+    rules = [FailRule.parse(text) for text in texts]
+    for note in (rule.renamed() for rule in rules):
+        if note is not None:
+            print(f"lightning-hooks report: {note}", file=sys.stderr)
+    return [replace(rule, metric=_OLD_NAMES.get(rule.metric, rule.metric)) for rule in rules]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (also the process's, via ``sys.exit``)."""
     args = _parser().parse_args(argv)
     try:
-        rules = [FailRule.parse(text) for text in args.fail_on]
+        rules = _rules(args.fail_on)
     except ValueError as error:
         return _error(str(error))
     logdir: Path = args.logdir

@@ -1,6 +1,6 @@
 """Reading a run (TensorBoard event files, or a ``CSVLogger``'s ``metrics.csv``) back: the
-per-layer table of its last epoch, as ``lightning-hooks report`` prints it. Event files are read
-with their checksums; no torch or Lightning is imported."""
+per-layer table of its last epoch, its warnings and its notices, as ``lightning-hooks report``
+prints them. Event files are read with their checksums; no torch or Lightning is imported."""
 
 from __future__ import annotations
 
@@ -13,7 +13,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_hooks.tags import SPIKE_SCORE, epoch_tag
+from lightning_hooks.tags import (
+    ALARMS,
+    GLOBAL,
+    GRAD_FLOW,
+    NOTICE_COUNTS,
+    NOTICES,
+    NOTICES_0_2_0,
+    SPIKE_SCORE,
+    epoch_tag,
+    notice_tag,
+)
 
 if TYPE_CHECKING:
     from tensorboard.compat.proto.summary_pb2 import Summary
@@ -69,14 +79,23 @@ class LayerRow:
 
 @dataclass
 class RunReport:
-    """The last step of one run: its layers worst first, its global values, and its alarm
-    counts per ``family/rule`` summed over the whole run."""
+    """The last step of one run that logged layers: its layers worst first, its global values,
+    its warnings and notices per tag summed over the whole run, and the warnings logged after
+    that step, when an alarm ended the run there (``on_alarm="raise"``)."""
 
     run: str
     step: int
     layers: list[LayerRow]
     global_values: dict[str, float]
-    alarms: dict[str, float]
+    warnings: dict[str, float]
+    """Per ``<family>/alarms/<rule>``: how often the rule warned (or stopped, raised, skipped)."""
+    notices: dict[str, float]
+    """Per ``<family>/notices/<name>``: how often it was only noticed (:data:`NOTICES`)."""
+    ended_by: dict[str, float] = field(default_factory=dict)
+    """The warnings logged at :attr:`ended_at`, after :attr:`step`: the alarm that ended the
+    run, its last record."""
+    ended_at: int | None = None
+    """The step of :attr:`ended_by` (``None``: no alarm ended the run after its last layers)."""
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (NaN becomes ``None``)."""
@@ -87,7 +106,11 @@ class RunReport:
         return {
             "run": self.run,
             "step": self.step,
-            "alarms": clean(self.alarms),
+            "warnings": clean(self.warnings),
+            "notices": clean(self.notices),
+            "ended": None
+            if self.ended_at is None
+            else {"step": self.ended_at, "by": clean(self.ended_by)},
             "global": clean(self.global_values),
             "layers": [{"layer": r.layer, **clean(r.values)} for r in self.layers],
         }
@@ -231,15 +254,20 @@ def _read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return series
 
 
+_Series = dict[str, list[tuple[int, float]]]
+"""Each tag's ``[(step, value)]``, in the order logged."""
+
+
 def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
-    """The report of the last logged step of one run, or ``None`` if it has no library tags:
-    the last epoch's values (or a later logging step's), alarm counts summed over the run.
+    """The report of the last step of one run that logged layers, or ``None`` if it has no
+    library tags: the last epoch's values (or a later logging step's), warnings and notices
+    summed over the run, and the warnings an alarm that ended the run logged after that step.
 
     Raises:
         EventFileError: one of the run's event files is corrupt or truncated.
     """
-    epoch: dict[str, list[tuple[int, float]]] = {}
-    steps: dict[str, list[tuple[int, float]]] = {}
+    epoch: _Series = {}
+    steps: _Series = {}
     for tag, events in _read_series(run_dir).items():
         # spike_score: a rate, not a count to sum
         if tag.count("/") >= 2 and tag != SPIKE_SCORE:
@@ -247,19 +275,70 @@ def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
             (epoch if name is None else steps)[name or tag] = events
     if not epoch and not steps:
         return None
-    ended = max((events[-1][0] for events in epoch.values()), default=-1)
-    late = max((events[-1][0] for events in steps.values()), default=-1) > ended
+    if not any(_kind(tag) == NOTICE_COUNTS for tag in [*epoch, *steps]):
+        epoch = _notices_0_2_0(epoch)
+        steps = _notices_0_2_0(steps)
+    # the step is the last that logged layers: an alarm's counts may come after it
+    layered = max(_last_step(epoch, counts=False), _last_step(steps, counts=False))
+    late = _last_step(steps, counts=False) > _last_step(epoch, counts=False)
     source = steps if late else epoch
-    last = {tag: events[-1] for tag, events in source.items()}
-    totals: dict[str, float] = {}
-    for tag in last:
-        if tag.split("/")[1] == "alarms":  # the run's total per rule
-            counted = [v for _, v in epoch.get(tag, [])]
-            if late:
-                counted += [v for s, v in steps[tag] if s > ended]
-            totals[tag] = math.fsum(counted)
-    step = max(s for s, _ in last.values())
-    return _build(_run_name(run_dir, logdir), step, last, totals)
+    last = {tag: events[-1] for tag, events in source.items() if _kind(tag) is None}
+    ended = _last_step(epoch, counts=True)
+    totals = {
+        tag: math.fsum(
+            [v for _, v in epoch.get(tag, [])] + [v for s, v in steps.get(tag, []) if s > ended]
+        )
+        for tag in {*epoch, *steps}
+        if _kind(tag) is not None
+    }
+    step = layered if layered >= 0 else max(_last_step(epoch, True), _last_step(steps, True))
+    report = _build(_run_name(run_dir, logdir), step, last, totals)
+    _ending(report, steps)
+    return report
+
+
+def _kind(tag: str) -> str | None:
+    """``alarms`` for a warnings' count tag, ``notices`` for a notices', ``None`` for the rest."""
+    stat = tag.split("/")[1]
+    return stat if stat in (ALARMS, NOTICE_COUNTS) else None
+
+
+def _last_step(series: _Series, counts: bool) -> int:
+    """The last step logged by the count tags (``counts``) or by the others; -1 if none."""
+    return max(
+        (events[-1][0] for tag, events in series.items() if (_kind(tag) is not None) == counts),
+        default=-1,
+    )
+
+
+def _notices_0_2_0(series: _Series) -> _Series:
+    """A run written by 0.2.0 (no notices): its counts of the rules it only logged or counted
+    under its default ``on_alarm`` (:data:`NOTICES_0_2_0`) read as the notices they are today."""
+    return {_tag_0_2_0(tag): events for tag, events in series.items()}
+
+
+def _tag_0_2_0(tag: str) -> str:
+    """The tag today of a 0.2.0 run's ``tag``: a notice's, for a rule it only logged."""
+    family, stat, rule = tag.split("/", 2)
+    if family == GRAD_FLOW and stat == ALARMS and rule in NOTICES_0_2_0:
+        return notice_tag(NOTICES_0_2_0[rule])
+    return tag
+
+
+def _ending(report: RunReport, steps: _Series) -> None:
+    """Set ``report``'s :attr:`~RunReport.ended_by`: the warnings logged at a logging step after
+    its last layers, the record an alarm writes before it raises."""
+    after = {
+        tag: (s, v)
+        for tag, events in steps.items()
+        if _kind(tag) == ALARMS
+        for s, v in events[-1:]
+        if s > report.step and v > 0
+    }
+    if after:
+        at = max(s for s, _ in after.values())
+        report.ended_at = at
+        report.ended_by = {tag: v for tag, (s, v) in sorted(after.items()) if s == at}
 
 
 def _run_name(run_dir: Path, logdir: Path) -> str:
@@ -271,22 +350,23 @@ def _run_name(run_dir: Path, logdir: Path) -> str:
 def _build(
     run: str, step: int, last: dict[str, tuple[int, float]], totals: dict[str, float]
 ) -> RunReport:
-    """``last``: each tag's last ``(step, value)``; ``totals``: each alarm tag's run total."""
+    """``last``: each layer's or global tag's last ``(step, value)``; ``totals``: each count
+    tag's run total."""
     rows: dict[str, LayerRow] = {}
     global_values: dict[str, float] = {}
-    alarms: dict[str, float] = {}
     for tag, (tag_step, value) in sorted(last.items()):
         family, stat, rest = tag.split("/", 2)
-        if stat == "alarms":  # keyed by its tag: the name --fail-on takes
-            alarms[tag] = totals[tag]
-        elif tag_step != step:
+        if tag_step != step:
             continue  # a layer not logged in the last epoch (max_layers_logged)
-        elif stat == "global":
+        if stat == GLOBAL:
             global_values[f"{family}/{rest}"] = value
         else:
             rows.setdefault(rest, LayerRow(rest)).values[f"{family}/{stat}"] = value
     ordered = sorted(rows.values(), key=lambda r: (r.severity(), r.layer))
-    return RunReport(run, step, ordered, global_values, alarms)
+    # keyed by its tag: the name --fail-on takes
+    warnings = {tag: n for tag, n in sorted(totals.items()) if _kind(tag) == ALARMS}
+    notices = {tag: n for tag, n in sorted(totals.items()) if _kind(tag) == NOTICE_COUNTS}
+    return RunReport(run, step, ordered, global_values, warnings, notices)
 
 
 def format_table(report: RunReport, limit: int | None = None) -> str:
@@ -307,9 +387,21 @@ def format_table(report: RunReport, limit: int | None = None) -> str:
     attention = _attention_summary(report)
     if attention is not None:
         lines.append(attention)
-    alarms = ", ".join(f"{k}={_fmt(v)}" for k, v in report.alarms.items() if v) or "none"
-    lines.append(f"alarms: {alarms}")
+    if report.ended_at is not None:
+        by = ", ".join(f"{k}={_fmt(v)}" for k, v in report.ended_by.items())
+        lines.append(f"ended: at step {report.ended_at}, after the layers above, by {by}")
+    warnings = ", ".join(f"{k}={_fmt(v)}" for k, v in report.warnings.items() if v) or "none"
+    lines.append(f"warnings: {warnings}")
+    notices = ", ".join(f"{_notice_name(k)}={_fmt(v)}" for k, v in report.notices.items() if v)
+    lines.append(f"notices: {notices or 'none'}")
     return "\n".join(lines)
+
+
+def _notice_name(tag: str) -> str:
+    """A notice's name in the report: its column (:data:`NOTICES`), else its tag."""
+    family, _, name = tag.split("/", 2)
+    notice = NOTICES.get(name)
+    return notice.column if family == GRAD_FLOW and notice is not None else tag
 
 
 _ATTENTION = (

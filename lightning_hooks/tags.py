@@ -3,13 +3,15 @@ logging step's tag is told from an epoch's, and the few fixed tags. The callback
 these, the alarms count under them, and ``lightning-hooks report`` reads them back.
 
 A scalar tag is ``<family>/<stat>/<layer>`` (one curve per layer), ``<family>/global/<stat>``
-(over all layers; ``<stat>_p05`` for a percentile over the layers) or ``<family>/alarms/<rule>``.
+(over all layers; ``<stat>_p05`` for a percentile over the layers), ``<family>/alarms/<rule>``
+(what warned) or ``<family>/notices/<name>`` (what was only noticed: :data:`NOTICES`).
 A logging step's value has ``_step`` after its statistic's name (Lightning's convention for a
 value logged on step), so that it never shares a curve with the epoch's aggregate:
 
     ``grad_flow/grad_norm/{layer}``          ``grad_flow/grad_norm_step/{layer}``
     ``grad_flow/global/grad_norm_p50``       ``grad_flow/global/grad_norm_step_p50``
     ``grad_flow/alarms/diverging``           ``grad_flow/alarms_step/diverging``
+    ``grad_flow/notices/setback``            ``grad_flow/notices_step/setback``
     ``layer_time/step_ms``                   ``layer_time/step_ms_step``
 
 No import of torch or Lightning: the report command reads tags without the training code.
@@ -19,18 +21,25 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
 
 __all__ = [
+    "ALARMS",
     "ALARM_TEXT",
     "GLOBAL",
     "GRAD_FLOW",
+    "NOTICES",
+    "NOTICES_0_2_0",
+    "NOTICE_COUNTS",
     "PERCENTILE",
     "SPIKE_SCORE",
     "STEP",
+    "Notice",
     "alarm_tag",
     "epoch_tag",
     "grad_flow_tag",
     "layer_tag",
+    "notice_tag",
     "step_tag",
 ]
 
@@ -69,19 +78,126 @@ def grad_flow_tag(stat: str, layer: str | None = None) -> str:
     return layer_tag(GRAD_FLOW, stat, layer)
 
 
+ALARMS = "alarms"
+"""The place of a statistic's name in the tags of the alarms that warned (or stopped, raised,
+skipped): ``<family>/alarms/<rule>``. ``lightning-hooks report`` sums them as ``warnings``."""
+NOTICE_COUNTS = "notices"
+"""The place of a statistic's name in the tags of what was only noticed:
+``<family>/notices/<name>``. ``lightning-hooks report`` lists them apart from the warnings."""
+
+
 def alarm_tag(rule: str) -> str:
-    """The count of one alarm rule: ``grad_flow/alarms/<rule>``, the name the report and its
-    gate (``--fail-on``) use too.
+    """The count of one alarm rule's warnings: ``grad_flow/alarms/<rule>``, the name the report
+    and its gate (``--fail-on``) use too.
 
     Example:
         >>> alarm_tag("diverging")
         'grad_flow/alarms/diverging'
     """
-    return f"{ALARM_TEXT}/{rule}"
+    return f"{GRAD_FLOW}/{ALARMS}/{rule}"
+
+
+def notice_tag(name: str) -> str:
+    """The count of one notice: ``grad_flow/notices/<name>``.
+
+    Example:
+        >>> notice_tag("setback")
+        'grad_flow/notices/setback'
+    """
+    return f"{GRAD_FLOW}/{NOTICE_COUNTS}/{name}"
+
+
+@dataclass(frozen=True)
+class Notice:
+    """A fact the library notices and logs, and never warns of: healthy runs show it too, so a
+    warning, or a CI gate that counted it, would cry wolf.
+
+    A notice is counted under its :attr:`tag` at each logging step and epoch end and listed in
+    the alarms' text; ``lightning-hooks report`` shows it on its ``notices`` line under its
+    :attr:`column`, never among the warnings, and the recommended gate (``--fail-on
+    'warnings>0'``) never counts it. An alarm rule given the ``"log"`` action
+    (``on_alarm={"diverging": "log"}``) is a notice for that fit, counted under
+    ``notice_tag(rule)``.
+
+    Example:
+        >>> setback = NOTICES["setback"]
+        >>> setback.tag, setback.column, setback.gate, setback.acts
+        ('grad_flow/notices/setback', 'setbacks', True, False)
+    """
+
+    name: str
+    """Its name: its alarm rule's, where it has one."""
+    column: str
+    """Its name in the report's ``notices`` line, and in a ``--fail-on`` rule."""
+    gate: bool
+    """Whether a ``--fail-on`` rule may name it (``'setbacks>3'``): ``False`` for a fact every
+    healthy run of some kind shows, which no threshold tells from a fault."""
+    acts: bool
+    """Whether ``on_alarm`` may make it act (``{"spike": "warn"}``): then it warns, counted
+    under ``alarm_tag(name)``, and is no notice for that fit."""
+    about: str
+    """What it says of the run, in one sentence."""
+
+    @property
+    def tag(self) -> str:
+        """Its count's tag: ``grad_flow/notices/<name>``."""
+        return notice_tag(self.name)
+
+
+NOTICES: dict[str, Notice] = {
+    notice.name: notice
+    for notice in (
+        Notice(
+            "spike",
+            "spikes",
+            gate=True,
+            acts=True,
+            about="One step's gradient 10x to 25x its running scale: healthy runs show such "
+            "steps and recover; one that reaches the optimizer at 300x is an explosion, which "
+            "warns.",
+        ),
+        Notice(
+            "stall",
+            "stalls",
+            gate=True,
+            acts=True,
+            about="An adaptive optimizer's updates shrank 100x while the loss stopped improving: "
+            "a schedule's end looks the same.",
+        ),
+        Notice(
+            "setback",
+            "setbacks",
+            gate=True,
+            acts=False,
+            about="The loss's running mean rose over diverging's bar; most setbacks recover, "
+            "and one that holds is confirmed as diverging, which warns.",
+        ),
+        Notice(
+            "amp_overflow",
+            "amp_overflows",
+            gate=False,
+            acts=False,
+            about="A GradScaler skipped a step whose gradient overflowed: it does so by design "
+            "while it finds its scale, in every healthy float16 run.",
+        ),
+    )
+}
+"""Every notice, by name: the facts logged and never warned under the default
+``on_alarm="warn"``. The alarm policy, the tags, the report and its gate read them here."""
+
+NOTICES_0_2_0: dict[str, str] = {
+    "spike": "spike",
+    "stall": "stall",
+    "transient": "setback",
+    "amp_overflow": "amp_overflow",
+}
+"""The rules 0.2.0 only logged or counted under its default ``on_alarm``, by the name it
+counted them under (``grad_flow/alarms/<rule>``: it wrote no notices), and their notice's name
+today."""
 
 
 SPIKE_SCORE = alarm_tag("spike_score")
-"""The counted alarms per 1,000 optimizer steps of the fit: a rate, not a count."""
+"""Every counted alarm and notice per 1,000 optimizer steps of the fit: a rate, not a count."""
 
 
 @functools.lru_cache(maxsize=_TAGS)

@@ -16,10 +16,12 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import DeadReLUCallback, GradFlowCallback, TrainingAlarmWarning
 from lightning_hooks.cli import main
 from lightning_hooks.core.alarms import ALARM_RULES
+from lightning_hooks.tags import NOTICES
 
 from conftest import TinyMLP, default_callback_types, make_trainer, read_scalars
 
@@ -133,19 +135,27 @@ def test_dead_fraction_and_alarm_rules(tmp_path: Path, capsys: pytest.CaptureFix
     assert run["layers"][0]["layer"] == worst, "dead fraction ranks right after non-finite"
     assert code == 1 and len(payload["violations"]) == 2
     alarms = sum(v >= 0.5 for v in dead.fraction.values())
-    # Alarm counts are per rule, per run, never layer rows: the logger's rule and every rule of
-    # GradFlowCallback's default alarms (a healthy run: all zero), read back from the event files.
+    # Counts are per rule, per run, never layer rows: the logger's rule and every rule of
+    # GradFlowCallback's default alarms (a healthy run: all zero), read back from the event
+    # files: the rules that warn under alarms/, those only logged (the notices) under notices/.
     scalars = read_scalars(tmp_path)
-    grad_alarms = {
+    grad_counts = {
         t: v[-1][1]
         for t, v in scalars.items()
-        if t.startswith("grad_flow/alarms/") and not t.endswith("/spike_score")
+        if t.startswith(("grad_flow/alarms/", "grad_flow/notices/"))
+        and not t.endswith("/spike_score")
     }
-    assert set(grad_alarms) == {f"grad_flow/alarms/{rule}" for rule in ALARM_RULES}
-    assert run["alarms"] == {"dead_relu/alarms/dead_layer": alarms, **grad_alarms}
+    noticed = {f"grad_flow/notices/{rule}" for rule in NOTICES}
+    warned = {f"grad_flow/alarms/{rule}" for rule in ALARM_RULES if rule not in NOTICES}
+    assert set(grad_counts) == warned | noticed
+    assert run["warnings"] == {
+        "dead_relu/alarms/dead_layer": alarms,
+        **{t: grad_counts[t] for t in warned},
+    }
+    assert run["notices"] == {t: grad_counts[t] for t in noticed}
     assert not set(ALARM_RULES) & {r["layer"] for r in run["layers"]}
     assert {r["layer"] for r in run["layers"]} == {"net.0", "net.1", "net.2", "net.3", "net.4"}
-    assert main(["report", str(tmp_path), "--fail-on", "alarms>0"]) == int(alarms > 0)
+    assert main(["report", str(tmp_path), "--fail-on", "warnings>0"]) == int(alarms > 0)
     assert main(["report", str(tmp_path), "--fail-on", "dead_fraction>1"]) == 0
 
 
@@ -166,19 +176,26 @@ def test_alarm_counts_are_summed_over_the_run(
     make_trainer(tmp_path, max_epochs=3, callbacks=callbacks).fit(TinyMLP())
     scalars = read_scalars(tmp_path)
     assert [v for _, v in scalars["watchdog/alarms/late"]] == [2.0, 0.0, 0.0]
-    code, payload, _ = _report_json(tmp_path, "--fail-on", "alarms>=2", capsys=capsys)
+    code, payload, _ = _report_json(tmp_path, "--fail-on", "warnings>=2", capsys=capsys)
     (run,) = payload["runs"]
     expected = {
         t: math.fsum(v for _, v in events)
         for t, events in scalars.items()
         if t.split("/")[1:2] == ["alarms"] and not t.endswith("/spike_score")
     }
-    assert run["alarms"] == expected and expected["watchdog/alarms/late"] == 2
+    assert run["warnings"] == expected and expected["watchdog/alarms/late"] == 2
     assert code == 1, "an alarm of the first epoch is not hidden by the quiet ones after it"
     assert main(["report", str(tmp_path), "--fail-on", "watchdog/alarms/late<2"]) == 0
     assert main(["report", str(tmp_path), "--fail-on", "watchdog/alarms/late>=2"]) == 1
-    assert main(["report", str(tmp_path), "--fail-on", "grad_flow/alarms/spike>0"]) == 0
-    assert "alarms: watchdog/alarms/late=2" in _table(tmp_path, capsys)
+    assert main(["report", str(tmp_path), "--fail-on", "grad_flow/alarms/explosion>0"]) == 0
+    assert main(["report", str(tmp_path), "--fail-on", "grad_flow/notices/spike>0"]) == 0
+    capsys.readouterr()
+    # spike is a notice at the default on_alarm: a rule on its warnings says where it is
+    assert main(["report", str(tmp_path), "--fail-on", "grad_flow/alarms/spike>0"]) == 2
+    assert "spike was a notice, logged and never warned, as grad_flow/notices/spike" in (
+        capsys.readouterr().err
+    )
+    assert "warnings: watchdog/alarms/late=2" in _table(tmp_path, capsys)
 
 
 def _table(logdir: Path, capsys: pytest.CaptureFixture[str]) -> str:
@@ -203,7 +220,7 @@ def test_table_through_the_installed_module(tmp_path: Path) -> None:
     assert lines[0].startswith("run tb/version_0  (step 4, 3 layers, worst first)")
     assert lines[1].split() == ["layer", "grad_norm", "update_ratio", "grad_nonfinite"]
     assert sorted(line.split()[0] for line in lines[2:5]) == ["net.0", "net.2", "net.4"]
-    assert lines[-1] == "alarms: none"
+    assert lines[-2:] == ["warnings: none", "notices: none"]
 
 
 def test_no_events_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -233,9 +250,12 @@ def test_an_unknown_metric_fails_closed_and_lists_the_known_ones(
     assert main(["report", str(tmp_path), "--fail-on", "dead_fractoin>0.5"]) == 2
     err = capsys.readouterr().err
     assert "unknown metric 'dead_fractoin' (did you mean 'dead_fraction'" in err
-    known = err.split("known: ")[1].split(", ")
-    assert known[:5] == ["dead_fraction", "grad_norm", "update_ratio", "grad_nonfinite", "alarms"]
-    assert {"grad_flow/grad_abs_max", "grad_flow/alarms/vanishing"} <= set(known)
+    known = err.split("known: ")[1].strip().split(", ")
+    assert known[:6] == [
+        *("dead_fraction", "grad_norm", "update_ratio", "grad_nonfinite", "warnings", "notices")
+    ]
+    assert {"grad_flow/grad_abs_max", "grad_flow/alarms/vanishing", "setbacks"} <= set(known)
+    assert "grad_flow/notices/amp_overflow" not in known, "a notice no gate may name"
     assert main(["report", str(tmp_path), "--fail-on", "grad_flwo/grad_norm>0"]) == 2
     assert "unknown metric 'grad_flwo/grad_norm' (did you mean 'grad_flow/grad_norm'" in (
         capsys.readouterr().err
@@ -249,9 +269,9 @@ def test_a_rule_on_what_a_run_never_logged_fails_closed(
     assert main(["report", str(tmp_path), "--fail-on", "dead_fraction>0.5"]) == 2
     err = capsys.readouterr().err
     assert "no run logged dead_relu/dead_fraction (is DeadReLUCallback" in err
-    assert main(["report", str(tmp_path), "--fail-on", "alarms>0"]) == 2
+    assert main(["report", str(tmp_path), "--fail-on", "warnings>0"]) == 2
     assert "no run logged alarm counts" in capsys.readouterr().err
-    assert main(["report", str(tmp_path), "--fail-on", "grad_flow/alarms/spike>0"]) == 2
+    assert main(["report", str(tmp_path), "--fail-on", "grad_flow/alarms/explosion>0"]) == 2
     assert main(["report", str(tmp_path), "--fail-on", "grad_norm>1e9"]) == 0
 
 
@@ -314,7 +334,7 @@ def test_progress_on_stderr_only_when_reading_takes_over_a_second(
 
 def test_the_known_metrics_are_what_every_callback_logs(tmp_path: Path) -> None:
     import lightning_hooks
-    from lightning_hooks.cli import ALARMS, LAYER_METRICS
+    from lightning_hooks.cli import LAYER_METRICS, RULES
 
     model = TinyMLP()
     model.net[3] = nn.Tanh()  # SaturationCallback watches bounded activations
@@ -328,19 +348,21 @@ def test_the_known_metrics_are_what_every_callback_logs(tmp_path: Path) -> None:
     stepped = {
         (t[0], t[1].removesuffix("_step")) for t in every if len(t) == 3 and t[1].endswith("_step")
     }
-    assert stepped - {(f, "alarms") for f in ALARMS} <= logged  # each one an epoch statistic
+    counted = {(f, kind) for f in RULES for kind in ("alarms", "notices")}
+    assert stepped - counted <= logged  # each one an epoch statistic
     known = {(f, s) for f, stats in LAYER_METRICS.items() for s in stats}
     # No attention in an MLP: test_stability.py and test_attention.py hold the attention
     # statistics to transformers' fits. A regressor's one output has no log-partition:
     # test_stability.py holds logit_logz to a classifier's.
+    logged -= {("grad_flow", "notices")}
     unseen = {("stability", s) for s in ("attn_logit_max", "attn_entropy_min", "logit_logz")}
     unseen.add(("stability", "logit_logz_max"))
     assert logged == known - unseen
-    alarms = {(t[0], t[2]) for t in tags if len(t) == 3 and t[1] == "alarms"} - {
+    counts = {(t[0], t[2]) for t in tags if len(t) == 3 and t[1] in ("alarms", "notices")} - {
         ("grad_flow", "spike_score")
     }
-    assert alarms == {(f, r) for f, rules in ALARMS.items() for r in rules}
-    assert ALARMS == {"grad_flow": ALARM_RULES}
+    assert counts == {(f, r) for f, rules in RULES.items() for r in rules}
+    assert RULES == {"grad_flow": ALARM_RULES}
 
 
 def test_a_csv_logger_run_reports_as_its_tensorboard_twin(
@@ -352,7 +374,7 @@ def test_a_csv_logger_run_reports_as_its_tensorboard_twin(
     make_trainer(tmp_path, logger=[tb, csv_logger], max_epochs=2, callbacks=callbacks).fit(
         TinyMLP()
     )
-    code, payload, _ = _report_json(tmp_path, "--fail-on", "alarms>=0", capsys=capsys)
+    code, payload, _ = _report_json(tmp_path, "--fail-on", "warnings>=0", capsys=capsys)
     assert code == 1
     csv_run, tb_run = payload["runs"]
     assert (csv_run["run"], tb_run["run"]) == ("csv/version_0", "tb/version_0")
@@ -372,13 +394,14 @@ def _approx(value: Any) -> Any:
 def test_every_alarm_the_report_prints_is_a_name_its_gate_takes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The report's alarm line names each count as ``family/alarms/rule``: each name it prints,
-    given to ``--fail-on``, is known (exit 0 or 1, never 2) and reads the count printed."""
+    """The report's warnings line names each count as ``family/alarms/rule``: each name it
+    prints, given to ``--fail-on``, is known (exit 0 or 1, never 2) and reads the count
+    printed."""
     callbacks = [GradFlowCallback(), EpochAlarm()]
     make_trainer(tmp_path, max_epochs=1, callbacks=callbacks).fit(TinyMLP())
     assert main(["report", str(tmp_path)]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("alarms: "))
-    printed = dict(item.split("=") for item in line.removeprefix("alarms: ").split(", "))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("warnings: "))
+    printed = dict(item.split("=") for item in line.removeprefix("warnings: ").split(", "))
     assert printed == {"watchdog/alarms/late": "2"}
     for name, value in printed.items():
         assert main(["report", str(tmp_path), "--fail-on", f"{name}>={value}"]) == 1
@@ -450,3 +473,160 @@ def test_the_installed_command_says_what_it_reads_and_ends_quietly_into_head(
     )
     assert result.stdout.splitlines() == ["{", '  "runs": [']
     assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr
+
+
+RECOMMENDED = ("grad_nonfinite>0", "dead_fraction>=0.9", "warnings>0")
+"""The gate the README and docs/cli.md recommend."""
+
+
+def _gate(logdir: Path, *rules: str) -> int:
+    return main(["report", str(logdir), *(a for rule in rules for a in ("--fail-on", rule))])
+
+
+class OneBadBatch(pl.LightningModule):
+    """A small ReLU regression on fixed noisy data that learns in a few dozen steps and then sits
+    at its noise floor. The loss it returns at batch ``bad`` is ``factor`` times its own, the
+    difference a constant: the gradient, and so the run's path, are the true loss's, and the
+    event is exactly where the test puts it."""
+
+    def __init__(self, bad: int, factor: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.bad = bad
+        self.factor = factor
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        scale = self.factor if batch_idx == self.bad else 1.0
+        return loss + (scale - 1.0) * loss.detach()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(120 * 32, 8, generator=gen)
+        y = (
+            x @ torch.linspace(-1, 1, 8).unsqueeze(1)
+            + 3.0
+            + 2.5 * torch.randn(len(x), 1, generator=gen)
+        )
+        return DataLoader(TensorDataset(x, y), batch_size=32)
+
+
+def test_the_recommended_gate_passes_a_run_with_notices_and_fails_a_broken_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One batch whose loss reads 5x in a healthy run opens a setback: logged as a notice,
+    never warned, so the recommended gate passes; a NaN loss is warned, and the gate fails on
+    it. The report shows the warnings and the notices on lines of their own."""
+    callbacks = [GradFlowCallback(), DeadReLUCallback()]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        make_trainer(tmp_path / "bad_batch", callbacks=callbacks, log_every_n_steps=50).fit(
+            OneBadBatch(bad=60, factor=5.0)
+        )
+    assert not [w for w in record if issubclass(w.category, TrainingAlarmWarning)]
+    scalars = read_scalars(tmp_path / "bad_batch")
+    assert sum(v for _, v in scalars["grad_flow/notices/setback"]) >= 1
+    assert _gate(tmp_path / "bad_batch", *RECOMMENDED) == 0
+    table = _table(tmp_path / "bad_batch", capsys).splitlines()
+    assert table[-2] == "warnings: none"
+    assert table[-1].startswith("notices: setbacks=")
+    assert _gate(tmp_path / "bad_batch", "setbacks>0") == 1, "a notice a gate may still name"
+    with pytest.warns(TrainingAlarmWarning):
+        make_trainer(tmp_path / "nan", callbacks=[GradFlowCallback(), DeadReLUCallback()]).fit(
+            NaNAtStep()
+        )
+    capsys.readouterr()
+    assert _gate(tmp_path / "nan", *RECOMMENDED) == 1
+    err = capsys.readouterr().err
+    assert "FAIL tb/version_0: warnings=" in err and "(warnings>0)" in err
+
+
+def test_alarms_in_a_rule_reads_as_warnings_with_a_note(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``alarms``, 0.2.0's name, summed the notices too; a rule naming it now counts the
+    warnings, and says so."""
+    make_trainer(tmp_path, callbacks=[GradFlowCallback()], log_every_n_steps=50).fit(
+        OneBadBatch(bad=60, factor=5.0)
+    )
+    capsys.readouterr()
+    assert _gate(tmp_path, "alarms>0") == 0
+    assert "'alarms' is now 'warnings'" in capsys.readouterr().err
+
+
+def test_an_amp_overflow_is_a_notice_no_gate_may_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fit(tmp_path)
+    for rule in ("amp_overflows>0", "grad_flow/notices/amp_overflow>0"):
+        assert _gate(tmp_path, rule) == 2
+        assert "is a notice no gate may name" in capsys.readouterr().err
+
+
+class As020Logger(TensorBoardLogger):
+    """Writes the counts as 0.2.0 did: every rule under ``grad_flow/alarms/``, the setback as
+    ``transient``; no notices."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        old = {
+            "notices/setback": "alarms/transient",
+            "notices_step/setback": "alarms_step/transient",
+        }
+        renamed = dict(metrics)
+        for new, was in (*old.items(), ("notices_step/", "alarms_step/"), ("notices/", "alarms/")):
+            renamed = {tag.replace(new, was): value for tag, value in renamed.items()}
+        super().log_metrics(renamed, step)
+
+
+def test_a_run_written_by_0_2_0_reads_its_logged_rules_as_notices(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0.2.0 wrote every count under ``grad_flow/alarms/``: the rules it only logged (spike,
+    stall, transient, amp_overflow) read back as today's notices, and the gate passes."""
+    logger = As020Logger(str(tmp_path), name="tb", version=0)
+    make_trainer(tmp_path, logger=logger, callbacks=[GradFlowCallback()]).fit(
+        OneBadBatch(bad=60, factor=5.0)
+    )
+    scalars = read_scalars(tmp_path)
+    assert not [t for t in scalars if "/notices" in t]
+    assert sum(v for _, v in scalars["grad_flow/alarms/transient"]) >= 1
+    code, payload, _ = _report_json(tmp_path, "--fail-on", "warnings>0", capsys=capsys)
+    assert code == 0
+    (run,) = payload["runs"]
+    assert run["notices"]["grad_flow/notices/setback"] >= 1
+    assert "grad_flow/alarms/transient" not in run["warnings"]
+    assert set(run["notices"]) == {f"grad_flow/notices/{n}" for n in NOTICES}
+
+
+def test_a_raised_run_reports_its_last_layers_and_the_alarm_that_ended_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under ``on_alarm="raise"`` the fit ends at the NaN step, its count written there: the
+    report shows the last step that logged layers, with its layers, and the alarm after it;
+    every rule checks that step, and the gate fails on the warning."""
+    from lightning_hooks import TrainingAlarmError
+
+    with pytest.raises(TrainingAlarmError, match=r"\[nonfinite\]"):
+        make_trainer(tmp_path, callbacks=[GradFlowCallback(on_alarm="raise")]).fit(NaNAtStep())
+    scalars = read_scalars(tmp_path)
+    layered = scalars["grad_flow/grad_norm_step/net.0"][-1][0]
+    # the NaN step's count: every layer's gradient non-finite
+    assert layered == 0 and scalars["grad_flow/alarms_step/nonfinite"][-1] == (1, 3.0)
+    code, payload, _ = _report_json(tmp_path, capsys=capsys)
+    (run,) = payload["runs"]
+    assert code == 0 and run["step"] == layered
+    assert {row["layer"] for row in run["layers"]} == {"net.0", "net.2", "net.4"}
+    assert run["ended"] == {"step": 1, "by": {"grad_flow/alarms/nonfinite": 3.0}}
+    table = _table(tmp_path, capsys).splitlines()
+    assert table[0].startswith("run tb/version_0  (step 0, 3 layers, worst first)")
+    assert "ended: at step 1, after the layers above, by grad_flow/alarms/nonfinite=3" in table
+    assert _gate(tmp_path, "grad_nonfinite>0") == 0, "step 0's gradients were finite"
+    assert _gate(tmp_path, "grad_norm>1e9") == 0
+    capsys.readouterr()
+    assert _gate(tmp_path, *RECOMMENDED[::2]) == 1
+    assert "FAIL tb/version_0: warnings=3 (warnings>0)" in capsys.readouterr().err

@@ -17,9 +17,16 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.core.alarms import ALARM_RULES
 from lightning_hooks.logging.tensorboard import MAX_CHARTS
+from lightning_hooks.tags import NOTICES
 
 from conftest import BoundedMLP, TinyMLP, default_callback_types, make_trainer, read_scalars
 from tensorboard_server import charts, read_layouts
+
+_KINDS = {
+    "alarms": tuple(rule for rule in ALARM_RULES if rule not in NOTICES),
+    "notices": tuple(NOTICES),
+}
+"""The rules counted under each kind of count tag at the default ``on_alarm``."""
 
 
 def test_one_layout_per_run_one_chart_per_statistic_matching_every_layer(tmp_path: Path) -> None:
@@ -31,18 +38,20 @@ def test_one_layout_per_run_one_chart_per_statistic_matching_every_layer(tmp_pat
     found = charts(layouts[-1])
     scalar_tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
     stats = {tag.split("/")[1] for tag in scalar_tags} - {"global"}
-    assert {"alarms", "alarms_step"} <= stats, "the default alarms log a count per rule"
+    counted = {"alarms", "alarms_step", "notices", "notices_step"}
+    assert counted <= stats, "the default alarms log a count per rule, as a warning or a notice"
     # TinyMLP is a regressor with one output: no log-partition, no stability chart
-    assert set(found) == {
-        f"lightning_hooks: grad_flow/{s}" for s in stats - {"alarms", "alarms_step"}
-    } | {"lightning_hooks: alarms/grad_flow", "lightning_hooks: alarms/grad_flow_step"}
+    assert set(found) == {f"lightning_hooks: grad_flow/{s}" for s in stats - counted} | {
+        f"lightning_hooks: {kind}/grad_flow{when}" for kind in _KINDS for when in ("", "_step")
+    }
     for title, regexes in found.items():
         stat = title.rsplit("/", 1)[1]
         matched = {t for t in scalar_tags if any(re.match(r, t) for r in regexes)}
-        if title.startswith("lightning_hooks: alarms/"):  # one line per rule, never a layer
-            kind = "alarms_step" if title.endswith("_step") else "alarms"
-            rules = (*ALARM_RULES, "spike_score") if kind == "alarms" else ALARM_RULES
-            assert matched == {f"grad_flow/{kind}/{rule}" for rule in rules}
+        kind = title.removeprefix("lightning_hooks: ").split("/")[0]
+        if kind in _KINDS:  # one line per rule, never a layer
+            stat = kind + ("_step" if title.endswith("_step") else "")
+            rules = set(_KINDS[kind]) | ({"spike_score"} if stat == "alarms" else set())
+            assert matched == {f"grad_flow/{stat}/{rule}" for rule in rules}
             continue
         layers = {f"grad_flow/{stat}/net.{i}" for i in (0, 2, 4)}
         overall = {f"grad_flow/global/{stat}"} & set(scalar_tags)
@@ -104,9 +113,13 @@ class DeepMLP(pl.LightningModule):
 def test_a_thousand_layer_mlp_stays_bounded(tmp_path: Path) -> None:
     make_trainer(tmp_path, callbacks=[GradFlowCallback(heatmap=True)]).fit(DeepMLP())
     tags = [t for t in read_scalars(tmp_path) if t.startswith("grad_flow/")]
-    alarms = [t for t in tags if t.startswith("grad_flow/alarms/")]
-    assert sorted(alarms) == sorted(f"grad_flow/alarms/{r}" for r in (*ALARM_RULES, "spike_score"))
+    counts = {t for t in tags if t.startswith(("grad_flow/alarms/", "grad_flow/notices/"))}
+    assert counts == {
+        *(f"grad_flow/{kind}/{rule}" for kind, rules in _KINDS.items() for rule in rules),
+        "grad_flow/alarms/spike_score",
+    }
     per_layer = [t for t in tags if not t.startswith(("grad_flow/global/", "grad_flow/alarms"))]
+    per_layer = [t for t in per_layer if not t.startswith("grad_flow/notices")]
     layers = {t.rsplit("/", 1)[1] for t in per_layer}
     assert len(layers) == 100, "max_layers_logged=100 by default"
     # 10 statistics per epoch, 7 per logging step (no *_max: one step)
@@ -114,9 +127,9 @@ def test_a_thousand_layer_mlp_stays_bounded(tmp_path: Path) -> None:
     # per layer, global, percentiles, one count per alarm rule; per epoch and per logging step
     assert len(tags) <= (10 + 7) * (100 + 1 + 3) + 2 + 2 * len(ALARM_RULES) + 1
     layout = read_layouts(tmp_path)[-1]  # the last one written is the one TensorBoard shows
-    # one chart per statistic and one for the alarms, per epoch and per step, and two for the
-    # output layer's log Z, per epoch and per step, whatever the depth
-    assert len(charts(layout)) == 10 + 7 + 2 + 2 * 2 <= MAX_CHARTS
+    # one chart per statistic, one for the alarms and one for the notices, per epoch and per
+    # step, and two for the output layer's log Z, per epoch and per step, whatever the depth
+    assert len(charts(layout)) == 10 + 7 + 2 * 2 + 2 * 2 <= MAX_CHARTS
     acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"images": 0})
     acc.Reload()
     (image,) = acc.Images("grad_flow/chart")
@@ -157,14 +170,14 @@ def test_heatmap_holds_the_logged_gradient_norms_per_layer_and_epoch(
     assert [e.step for e in acc.Images("grad_flow/heatmap")] == [4, 8, 12]
 
 
-def test_the_dashboard_leads_with_gradient_flow_then_alarms(tmp_path: Path) -> None:
+def test_the_dashboard_leads_with_gradient_flow_then_alarms_and_notices(tmp_path: Path) -> None:
     callbacks = [cls() for cls in default_callback_types()]
     make_trainer(tmp_path, callbacks=callbacks).fit(BoundedMLP())
     layout = read_layouts(tmp_path)[-1]  # the last one written is the one TensorBoard shows
     titles = [c.title.split(": ")[1] for c in layout.category]
     families = {t.split("/")[0] for t in read_scalars(tmp_path) if t.count("/") >= 2}
     rest = sorted(families - {"grad_flow", "activations", "dead_relu"})
-    assert titles == ["grad_flow", "alarms", "activations", "dead_relu", *rest]
+    assert titles == ["grad_flow", "alarms", "notices", "activations", "dead_relu", *rest]
     assert [c.title for c in layout.category[0].chart][:4] == [
         "grad_norm",
         "grad_norm_step",

@@ -72,8 +72,8 @@ def test_healthy_learns_with_gradient_in_every_layer(demo: tuple[Path, str]) -> 
     for layer in LAYERS:
         norms = _per_epoch(healthy, f"grad_flow/grad_norm/{layer}")
         assert len(norms) == 3 and all(n > 0 for n in norms), layer
-    alarms = [v for t, e in healthy.items() if "/alarms/" in t for _, v in e]
-    assert alarms and sum(alarms) == 0
+    counts = [v for t, e in healthy.items() if "/alarms/" in t or "/notices/" in t for _, v in e]
+    assert counts and sum(counts) == 0
 
 
 def test_broken_explodes_at_single_steps_of_its_first_epoch(demo: tuple[Path, str]) -> None:
@@ -86,7 +86,7 @@ def test_broken_explodes_at_single_steps_of_its_first_epoch(demo: tuple[Path, st
     ends = [s for s, _ in broken["grad_flow/global/grad_norm"]]  # each epoch's last step
     exploded = [s for s, v in steps if v > 100 * median]
     assert exploded and all(s < ends[0] for s in exploded), exploded
-    spikes = _per_epoch(broken, "grad_flow/alarms/spike")
+    spikes = _per_epoch(broken, "grad_flow/notices/spike")
     assert spikes[0] > sum(spikes) / 2 and spikes[1] > 0 and spikes[2] == 0, spikes
 
 
@@ -120,30 +120,41 @@ def test_broken_vanishing_fires_in_its_last_epoch(demo: tuple[Path, str]) -> Non
     assert len(zero) == 7, zero
     assert _per_epoch(broken, "grad_flow/alarms/vanishing") == [0.0, 0.0, 7.0]
     assert AlarmRules().vanish_steps == 20  # the rule's default, which the demo keeps
-    warned = [line for line in demo[1].splitlines() if "vanishing gradient at" in line]
-    assert warned and "at optimizer step 55:" in warned[0], warned
-    assert f"{zero[0]} grad norm 0 " in warned[0], warned  # the layers the event files show
-    assert f"(also flagged: {', '.join(zero[1:])})" in warned[0], warned
+    printed = demo[1].splitlines()
+    at = next(i for i, line in enumerate(printed) if "vanishing gradient at" in line)
+    assert "at optimizer step 55:" in printed[at], printed[at]
+    assert f"{zero[0]} grad norm 0 " in printed[at], printed[at]  # the layers the event files show
+    assert f"    also flagged: {', '.join(zero[1:])}" in printed[at + 1 : at + 4], printed[at:]
     healthy = _run(demo, "healthy")
     assert sum(_per_epoch(healthy, "grad_flow/alarms/vanishing")) == 0
 
 
-def test_the_report_names_the_alarms(demo: tuple[Path, str]) -> None:
-    _claim("the report's last line for it counts the alarms: `alarms: grad_flow/alarms/diverging=")
+def test_the_report_names_the_warnings_and_the_notices(demo: tuple[Path, str]) -> None:
+    _claim("the report's last two lines for it count the warnings and the notices:")
     broken = _run(demo, "broken")
-    counts = {
+    warned = {
         rule: math.fsum(_per_epoch(broken, f"grad_flow/alarms/{rule}"))
-        for rule in ("diverging", "explosion", "setback", "spike", "vanishing")
+        for rule in ("diverging", "explosion", "vanishing")
     }
-    assert counts["diverging"] > 0  # the loss the broken run loses, warned
-    line = "alarms: " + ", ".join(f"grad_flow/alarms/{r}={v:g}" for r, v in counts.items())
+    noticed = {
+        column: math.fsum(_per_epoch(broken, f"grad_flow/notices/{rule}"))
+        for rule, column in (("setback", "setbacks"), ("spike", "spikes"))
+    }
+    assert warned["diverging"] > 0  # the loss the broken run loses, warned
+    lines = (
+        "warnings: " + ", ".join(f"grad_flow/alarms/{r}={v:g}" for r, v in warned.items()),
+        "notices: " + ", ".join(f"{c}={v:g}" for c, v in noticed.items()),
+    )
     summary = demo[1].split("== summary")[1]
-    assert line in summary
-    # docs/demo.md quotes the line of one run: the same rules, each counted or not as here (the
+    assert all(line in summary for line in lines), lines
+    # docs/demo.md quotes the lines of one run: the same rules, each counted or not as here (the
     # broken run is chaotic, and another CPU's floating-point bits count other numbers)
-    quoted = re.search(r"`(alarms: [^`]*)`", " ".join(STORY.split()))
-    assert quoted is not None, "docs/demo.md quotes the report's alarm line"
+    story = " ".join(STORY.split())
+    quoted = re.search(r"`(warnings: [^`]*)` and `(notices: [^`]*)`", story)
+    assert quoted is not None, "docs/demo.md quotes the report's warnings and notices lines"
     documented = dict(re.findall(r"grad_flow/alarms/(\w+)=([\d.]+)", quoted.group(1)))
+    documented.update(re.findall(r"(\w+)=([\d.]+)", quoted.group(2)))
+    counts = {**warned, **noticed}
     assert documented.keys() == counts.keys()
     assert {r for r, v in documented.items() if float(v) > 0} == {r for r, v in counts.items() if v}
 

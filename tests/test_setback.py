@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import AlarmRules, GradFlowCallback
+from lightning_hooks.tags import NOTICES
 
 from conftest import fit_alarms, read_alarm_texts, read_scalars
 
@@ -77,8 +78,10 @@ def _fit(tmp_path: Path, model: ScaledLoss, **trainer: Any) -> list[Any]:
 
 
 def _count(logdir: Path, rule: str) -> float:
-    """The epoch's count of ``rule`` in the event files."""
-    rows = read_scalars(logdir)[f"grad_flow/alarms/{rule}"]
+    """The epoch's count of ``rule`` in the event files: under ``notices`` for a notice (the
+    setback), under ``alarms`` for a rule that warns."""
+    kind = "notices" if rule in NOTICES else "alarms"
+    rows = read_scalars(logdir)[f"grad_flow/{kind}/{rule}"]
     return sum(v for _, v in rows)
 
 
@@ -221,7 +224,7 @@ def test_under_accumulation_the_losses_quoted_are_the_users_own(tmp_path: Path) 
     losses = model.losses[4 * alarm.step : 4 * alarm.step + 4]
     quoted = [x for x in losses if math.isclose(alarm.value, x, rel_tol=1e-5)]
     assert quoted, (alarm.value, losses)
-    assert f"(loss {alarm.value:.4g})" in str(alarm.message)
+    assert f"this step's loss {alarm.value:.4g}" in str(alarm.message)
 
 
 def test_a_divergence_that_raises_is_in_the_event_files_and_fails_the_gate(

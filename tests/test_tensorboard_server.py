@@ -67,16 +67,18 @@ def test_tensorboard_serves_our_run_as_intended(tmp_path: Path) -> None:
         }
         assert ("lightning_hooks: grad_flow", "grad_norm") in charts
         # One layout for every callback's family (written once, by the last of ours) ...
-        # Alarms of every family in one category, right after gradient flow: in this order.
+        # Alarms of every family in one category, right after gradient flow, then the notices:
+        # in this order.
         families = {t.split("/")[0] for t in written if t.count("/") >= 2 and "/alarms/" not in t}
         titles = [category["title"] for category in layout["category"]]
-        assert titles[:2] == ["lightning_hooks: grad_flow", "lightning_hooks: alarms"]
-        assert set(titles) == {f"lightning_hooks: {f}" for f in families | {"alarms"}}
+        assert titles[:3] == [f"lightning_hooks: {c}" for c in ("grad_flow", "alarms", "notices")]
+        assert set(titles) == {f"lightning_hooks: {f}" for f in families | {"alarms", "notices"}}
         # ... written at the first logging step, rewritten at the first epoch end (its epoch
         # charts) and when the alarm family appeared in epoch 2: TensorBoard serves the last one.
         assert len(read_layouts(logdir)) == 3
         assert charts[("lightning_hooks: alarms", "watchdog")] == ["^watchdog/alarms/.*"]
-        assert charts[("lightning_hooks: alarms", "grad_flow")] == ["^grad_flow/alarms/.*"]
+        for kind in ("alarms", "notices"):
+            assert charts[(f"lightning_hooks: {kind}", "grad_flow")] == [f"^grad_flow/{kind}/.*"]
         assert ("lightning_hooks: alarms", "watchdog") not in {
             (c.title, chart.title) for c in read_layouts(logdir)[1].category for chart in c.chart
         }

@@ -116,7 +116,7 @@ def test_an_attention_collapse_is_warned_naming_the_layer(tmp_path: Path) -> Non
     first = found[0]
     assert first.layer.startswith("net.blocks.") and first.layer.endswith(".attn")
     assert first.step < 150 and (first.step + 1) % 25 == 0
-    for fix in ("qk-layernorm", "lower learning rate", "cap on the attention logits"):
+    for fix in ("qk-layernorm", "lower the learning rate", "cap the attention logits"):
         assert fix in first.message
     logged = dict(scalars[f"stability/attn_logit_max_step/{first.layer}"])
     assert math.isclose(logged[first.step], first.value, rel_tol=1e-6)

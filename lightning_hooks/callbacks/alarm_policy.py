@@ -17,19 +17,19 @@ from lightning_hooks.core.transport import (
 )
 from lightning_hooks.errors import LightningHooksWarning, TrainingAlarmError, TrainingAlarmWarning
 from lightning_hooks.logging import log_scalars, log_text, save_loggers, step_tags
-from lightning_hooks.tags import ALARM_TEXT, SPIKE_SCORE, alarm_tag
+from lightning_hooks.tags import ALARM_TEXT, NOTICES, SPIKE_SCORE, alarm_tag, notice_tag
 
 __all__ = ["Action", "AlarmPolicy", "check_actions"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
-# amp_overflow: the GradScaler already acts (counted only); a setback is only logged: telling it
-# from a divergence takes a few steps, and *diverging* acts once it is confirmed.
-_ACTIONABLE = tuple(rule for rule in ALARM_RULES if rule not in ("amp_overflow", "setback"))
+# The notices no action applies to (amp_overflow: the GradScaler already acts; a setback: telling
+# it from a divergence takes a few steps, and *diverging* acts once it is confirmed).
+_ACTIONABLE = tuple(rule for rule in ALARM_RULES if rule not in NOTICES or NOTICES[rule].acts)
 _NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")  # skip cures none
 # Healthy runs show one-step spikes and stalls too (benchmarks/divergence.py): under "warn" they
-# are only logged; a spike that hurts the optimizer is also an *explosion*, which warns.
-_LOGGED = ("spike", "stall")
+# are notices, only logged; a spike that hurts the optimizer is also an *explosion*, which warns.
+_LOGGED = tuple(rule for rule in _ACTIONABLE if rule in NOTICES)
 _SUMMARY_LINES = 100
 
 
@@ -87,6 +87,12 @@ class AlarmPolicy:
         self, on_alarm: Action | Mapping[str, Action], request_stop: Callable[[], None]
     ) -> None:
         self.actions = check_actions(on_alarm)
+        # each rule's count: under alarm_tag when it acts, else under notice_tag
+        self._noticed = {rule for rule in ALARM_RULES if self.actions.get(rule, "log") == "log"}
+        self.tags = {
+            rule: notice_tag(rule) if rule in self._noticed else alarm_tag(rule)
+            for rule in ALARM_RULES
+        }
         # ``skip`` needs the current step's verdict before the optimizer step (a CUDA sync)
         self.wait = "skip" in self.actions.values()
         self._request_stop = request_stop  # under DDP: a ``stop`` for the ranks to agree on
@@ -176,7 +182,7 @@ class AlarmPolicy:
         if alarm is not None and getattr(trainer, "should_stop", False):
             rank_zero_warn(
                 f"GradFlowCallback [{alarm.rule}]: on_alarm='stop' ended the fit at optimizer "
-                f"step {trainer.global_step}, after the {alarm.rule} alarm of step {alarm.step}: "
+                f"step {trainer.global_step}, after the {alarm.rule} alarm of step {alarm.step}:\n"
                 f"{alarm.message}",
                 category=TrainingAlarmWarning,
             )
@@ -201,12 +207,13 @@ class AlarmPolicy:
         """At a logging step: per-rule counts since the last one, and any alarms' text."""
         counts = {rule: n - self._counted.get(rule, 0) for rule, n in alarms.counts.items()}
         self._counted = dict(alarms.counts)
-        tags = step_tags({alarm_tag(rule): n for rule, n in counts.items()})
+        tags = step_tags({self.tags[rule]: n for rule, n in counts.items()})
         log_scalars(trainer.loggers, tags, step)
         new = alarms.log[self._logged :]
         self._logged = len(alarms.log)
         if new and trainer.is_global_zero:
-            log_text(trainer.loggers, ALARM_TEXT, _summary(new, f"up to step {step}"), step)
+            summary = _summary(new, f"up to step {step}", self._noticed)
+            log_text(trainer.loggers, ALARM_TEXT, summary, step)
 
     def end_epoch(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
         """Act on the last verdicts, then log the epoch's counts and its text summary."""
@@ -216,12 +223,12 @@ class AlarmPolicy:
         self._logged = 0
         self._counted = {}
         step = trainer.global_step
-        scalars = {alarm_tag(rule): float(n) for rule, n in counts.items()}
+        scalars = {self.tags[rule]: float(n) for rule, n in counts.items()}
         scalars[SPIKE_SCORE] = alarms.spike_score
         log_scalars(trainer.loggers, scalars, step)
         if trainer.is_global_zero:
             where = f"in epoch {trainer.current_epoch}"
-            log_text(trainer.loggers, ALARM_TEXT, _summary(log, where), step)
+            log_text(trainer.loggers, ALARM_TEXT, _summary(log, where, self._noticed), step)
 
 
 def _speaker(alarm: TrainingAlarm) -> str:
@@ -231,15 +238,22 @@ def _speaker(alarm: TrainingAlarm) -> str:
     return f"GradFlowCallback [{alarm.rule}]: {alarm.message}"
 
 
-def _summary(log: list[TrainingAlarm], where: str) -> str:
+def _summary(log: list[TrainingAlarm], where: str, noticed: set[str]) -> str:
+    """The alarms' text: a line per alarm (its warning's first line; a notice marked so), its
+    details under it, and the ring buffer's lines once per step."""
     lines: list[str] = []
     shown: set[int] = set()
     for alarm in log[:_SUMMARY_LINES]:
-        lines.append(f"- step {alarm.step}, {alarm.rule}, {alarm.layer}: {alarm.message}")
+        first, *details = alarm.message.split("\n")
+        kind = " (notice)" if alarm.rule in noticed else ""
+        lines.append(f"- step {alarm.step}, {alarm.rule}{kind}, {alarm.layer}: {first}")
+        lines += [f"    - {line}" for line in details]
         if alarm.history_steps and alarm.step not in shown:
             # the ring buffer once per step: norm (norm / running scale) of the rows involved
             shown.add(alarm.step)
             lines += [f"    - {line}" for line in alarm.history_lines()]
     if len(log) > _SUMMARY_LINES:
         lines.append(f"- ... and {len(log) - _SUMMARY_LINES} more")
-    return "\n".join([f"{len(log)} gradient alarms {where}", "", *lines])
+    notices = sum(alarm.rule in noticed for alarm in log)
+    header = f"{len(log) - notices} warnings and {notices} notices {where}"
+    return "\n".join([header, "", *lines])

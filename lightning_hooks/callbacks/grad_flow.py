@@ -39,7 +39,8 @@ class GradFlowCallback(HookCallback):
     and early-warning alarms (:class:`~lightning_hooks.core.AlarmRules`) on every optimizer step.
 
     A *layer* is a module owning trainable parameters directly. Each logging step also logs
-    the tags but ``*_max`` as ``grad_flow/{stat}_step/...``, ``grad_flow/alarms_step/{rule}``.
+    the tags but ``*_max`` as ``grad_flow/{stat}_step/...``, ``grad_flow/alarms_step/{rule}``,
+    ``grad_flow/notices_step/{name}``.
 
     Logged metrics, each epoch end (``{layer}``: the module's qualified name, e.g. ``encoder.0``):
 
@@ -63,7 +64,8 @@ class GradFlowCallback(HookCallback):
     ``grad_flow/chart`` (image)                 mean and max ``|g|`` per layer, log scale
     ``grad_flow/heatmap`` (image)               ``heatmap=True``: norm per layer x epoch, log scale
     ``grad_flow/grad_log10_abs/{layer}``        ``histograms=True``: histogram of ``log10 |g|``
-    ``grad_flow/alarms/{rule}``                 alarms of the epoch per rule (layer-steps)
+    ``grad_flow/alarms/{rule}``                 alarms of the epoch that warned, per rule
+    ``grad_flow/notices/{name}``                notices of the epoch (logged, never warned)
     ``grad_flow/alarms/text_summary`` (text)    one line per alarm: step, rule, layer, values
     ``stability/attn_logit_max/{layer}``        per attention module: largest pre-softmax logit
     ``stability/attn_entropy_min/{layer}``      the same: the smallest head's mean entropy

@@ -1,8 +1,8 @@
 """TensorBoard: its sink and the custom-scalars dashboard.
 
 Scalar tags are ``<family>/<stat>/<layer>``, ``<family>/global/<stat>`` (``<stat>_p50``: a
-percentile over layers) or ``<family>/alarms/<rule>``; a logging step's tag has ``_step`` after
-its statistic (:func:`step_tag`, Lightning's convention)."""
+percentile over layers), ``<family>/alarms/<rule>`` or ``<family>/notices/<name>``; a logging
+step's tag has ``_step`` after its statistic (:func:`step_tag`, Lightning's convention)."""
 
 from __future__ import annotations
 
@@ -189,7 +189,8 @@ def histogram_raw(
 MAX_CHARTS = 64
 """At most this many charts in one run's layout; the families' own tags beyond it are dropped."""
 
-_CATEGORY_ORDER = ("grad_flow", "alarms", "activations", "dead_relu")
+_CATEGORY_ORDER = ("grad_flow", "alarms", "notices", "activations", "dead_relu")
+_COUNTS = ("alarms", "notices")  # a chart per family, never per layer: one line per rule
 # Within a category: the statistics a reader looks at first (the rest by name).
 _CHART_ORDER = (
     *("attn_logit_max", "attn_entropy_min"),
@@ -231,7 +232,8 @@ def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, lis
     """The custom-scalars layout of the given charts, for ``SummaryWriter.add_custom_scalars``.
 
     One multiline chart per ``(family, stat)`` in its family's category, one per family's
-    alarms in ``alarms``; at most :data:`MAX_CHARTS` charts, the most read first.
+    alarms in ``alarms`` and per family's notices in ``notices``; at most :data:`MAX_CHARTS`
+    charts, the most read first.
 
     Example:
         >>> keys = [("dead_relu", "dead_fraction"), ("grad_flow", "update_ratio"),
@@ -248,9 +250,10 @@ def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, lis
     layout: dict[str, dict[str, list[Any]]] = {}
     for family, stat in sorted(set(keys), key=_chart_rank)[:MAX_CHARTS]:
         regexes = [f"^{re.escape(family)}/{re.escape(stat)}/.*"]
-        if stat.removesuffix(STEP) == "alarms":  # chart grad_flow or grad_flow_step
-            category = "alarms"
-            chart = family + stat.removeprefix("alarms")
+        base = stat.removesuffix(STEP)
+        if base in _COUNTS:  # chart grad_flow or grad_flow_step
+            category = base
+            chart = family + stat.removeprefix(base)
         else:
             category = family
             chart = stat
@@ -263,7 +266,7 @@ def _chart_rank(key: tuple[str, str]) -> tuple[int, str, int, str]:
     """Sort key of a chart: its category's rank, the statistic's, its logging-step chart last."""
     family, stat = key
     base = stat.removesuffix(STEP)
-    category = "alarms" if base == "alarms" else family
+    category = base if base in _COUNTS else family
     first = _CATEGORY_ORDER.index(category) if category in _CATEGORY_ORDER else len(_CATEGORY_ORDER)
     within = _CHART_ORDER.index(base) if base in _CHART_ORDER else len(_CHART_ORDER)
     return first, category, within, f"{family}/{base}/{stat != base:d}"

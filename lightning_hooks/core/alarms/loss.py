@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from lightning_hooks.core.alarms.gradients import RunningScale, as_array
-from lightning_hooks.core.alarms.messages import _ADVICE, TrainingAlarm, ratio_text
+from lightning_hooks.core.alarms.messages import TrainingAlarm, ratio_text
 from lightning_hooks.core.alarms.rules import AlarmRules
 from lightning_hooks.core.alarms.setback import Setback, setback_opened, setback_recovered
 from lightning_hooks.core.transport import HostCopy
@@ -109,6 +109,15 @@ class LossLevels:
             self.first += (x - self.first) / n
 
 
+class _Said(NamedTuple):
+    """What a loss alarm says before its thresholds and fixes."""
+
+    first: str
+    """What happened, at which step, in one clause."""
+    details: tuple[str, ...]
+    """The evidence, one a line."""
+
+
 @dataclass
 class _Group:
     """The losses read so far of one optimizer step (its micro-batches), and their sum."""
@@ -168,6 +177,12 @@ class LossRules:
     def seen(self) -> int:
         """Finite losses read so far."""
         return self.levels.seen
+
+    @property
+    def diverged(self) -> bool:
+        """Whether the loss is over *diverging*'s bar now: a setback open or confirmed (a loss
+        that is not finite confirms one)."""
+        return self.setback is not None
 
     def progress(self) -> LossProgress | None:
         """The best level and the start, once a loss was read (``None`` before)."""
@@ -304,30 +319,49 @@ class LossRules:
     def _diverging_alarm(
         self, step: int, x: float, why: str, setback: Setback | None = None
     ) -> TrainingAlarm:
-        """*diverging*'s alarm: the rise confirmed (``why``), where the loss stands, the fixes.
-        ``setback``: the setback it confirms, named once, at its confirmation."""
-        levels = self.levels
+        """*diverging*'s alarm: the rise confirmed (``why``) and where the loss stands.
+        ``setback``: the setback it confirms, named at its confirmation; without it, the
+        divergence holds."""
         rules = self.rules
-        confirms = (
-            ""
-            if setback is None
-            else f"the setback of optimizer step {setback.start} is confirmed: "
+        said = (
+            self._holds(step, x, why) if setback is None else self._confirms(step, x, why, setback)
         )
-        if not math.isfinite(x):
-            now = f"the loss is {x}"
-        else:
-            best = levels.best
-            over = ratio_text(levels.mean / best) if best > 0 else f"+{levels.mean - best:.4g} over"
-            now = (
-                f"its running mean {levels.mean:.4g} (loss {x:.4g}) is {over} its best {best:.4g}, "
-                f"and the run started at {levels.first:.4g}"
+        thresholds = (
+            f"diverge_ratio={rules.diverge_ratio}, diverge_patience={rules.diverge_patience}, "
+            f"diverge_lost={rules.diverge_lost:g}"
+        )
+        details = (*said.details, thresholds)
+        best = self.levels.best
+        return TrainingAlarm("diverging", "loss", step, x, best, said.first, details=details)
+
+    def _confirms(self, step: int, x: float, why: str, setback: Setback) -> _Said:
+        """What *diverging* says when it confirms ``setback``: its running mean against its
+        best, and why it is confirmed."""
+        levels = self.levels
+        first = f"loss diverging at optimizer step {step}: the loss is {x}"
+        if math.isfinite(x):
+            first = (
+                f"loss diverging at optimizer step {step}: its running mean {levels.mean:.4g} is "
+                f"{_over(levels.mean, levels.best)} its best {levels.best:.4g}"
             )
-        text = (
-            f"loss diverging at optimizer step {step}: {now}; {confirms}{why} (diverge_ratio="
-            f"{rules.diverge_ratio}, diverge_patience={rules.diverge_patience}, diverge_lost="
-            f"{rules.diverge_lost:g}). Fixes that work: {_ADVICE['diverging']}"
-        )
-        return TrainingAlarm("diverging", "loss", step, x, levels.best, text)
+        confirmed = f"the setback of optimizer step {setback.start} is confirmed: {why}"
+        where = f"this step's loss {x:.4g}; the run started at {levels.first:.4g}"
+        return _Said(first, (confirmed, where))
+
+    def _holds(self, step: int, x: float, why: str) -> _Said:
+        """What *diverging* says at a later step while the divergence holds: this step's loss
+        against the best, and since when, not the running mean, which may still remember a
+        blow-up long past."""
+        levels = self.levels
+        since = "" if self.setback is None else f", diverging since step {self.setback.start}"
+        first = f"loss diverging at optimizer step {step}: the loss is {x}{since}"
+        if math.isfinite(x):
+            first = (
+                f"loss diverging at optimizer step {step}: loss {x:.4g} is "
+                f"{_over(x, levels.best)} its best {levels.best:.4g}{since}"
+            )
+        held = f"{why}: its running mean {levels.mean:.4g} is still over diverging's bar"
+        return _Said(first, (held,))
 
     def _recover(self, step: int) -> list[TrainingAlarm]:
         """The open setback, if any, closed at ``step``: a recovery when it was not confirmed."""
@@ -382,7 +416,13 @@ def _loss_spike(step: int, value: float, scale: float, rules: AlarmRules) -> Tra
     """*loss_spike*'s alarm: the loss against its running scale."""
     text = (
         f"loss spike at optimizer step {step}: loss {value:.4g} is {value / scale:.3g}x its "
-        f"running scale {scale:.4g} (loss_factor={rules.loss_factor}, "
-        f"spike_sigmas={rules.spike_sigmas})"
+        f"running scale {scale:.4g}"
     )
-    return TrainingAlarm("loss_spike", "loss", step, value, scale, text)
+    details = (f"loss_factor={rules.loss_factor}, spike_sigmas={rules.spike_sigmas}",)
+    return TrainingAlarm("loss_spike", "loss", step, value, scale, text, details=details)
+
+
+def _over(value: float, best: float) -> str:
+    """How far ``value`` is over ``best``: a ratio (``3.2x``), or the difference when the best
+    is not positive."""
+    return ratio_text(value / best) if best > 0 else f"+{value - best:.4g} over"

@@ -1,5 +1,6 @@
 """What an alarm says, built on the host once a rule fired: :class:`TrainingAlarm`, the layer it
-names, its message, the ring buffer's story and the rule's advice."""
+names, its message (a first line a person reads at a glance, then the details one a line), the
+ring buffer's story, and the fixes :mod:`.advice` gives it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from lightning_hooks.core.alarms.advice import Advice
 from lightning_hooks.core.alarms.gradients import GradientReport
 from lightning_hooks.core.alarms.rules import AlarmRules, WeightNorms
 from lightning_hooks.core.checks import named_arguments
@@ -22,25 +24,9 @@ __all__ = [
     "gradient_alarm",
     "ratio_text",
     "weight_norms",
+    "with_fixes",
     "with_history",
 ]
-
-_ADVICE = {
-    "spike": "one step: a transient if the next steps come back to scale (it counts in the "
-    "spike score); if it repeats, clip gradients (gradient_clip_val) or lower the learning rate",
-    "absolute": "clip gradients (gradient_clip_val) or lower the learning rate",
-    "vanishing": "check that the layer is used and trainable, its initialisation and the "
-    "activations that feed it",
-    "nonfinite": "lower the learning rate, clip gradients, or train in bf16 / with a GradScaler",
-    "loss_spike": "look at this step's batch; if it repeats, lower the learning rate",
-    "diverging": "lower the learning rate, add warm-up, or clip gradients (gradient_clip_val)",
-    "stall": "an adaptive optimizer's second moment poisoned by an explosion recovers only "
-    "slowly: reset the optimizer's state (or resume from a checkpoint before it) and clip "
-    "gradients (gradient_clip_val); check that the learning rate is what you meant",
-    "attention": "qk-layernorm (a LayerNorm on each head's queries and keys before their dot "
-    "product), a lower learning rate, or a cap on the attention logits (cap * tanh(logit / "
-    "cap), as Gemma 2 does)",
-}
 
 
 @named_arguments
@@ -54,7 +40,8 @@ class TrainingAlarm:
         step: the optimizer step (0-based) whose gradients fired it.
         value: the gradient norm (or loss) that fired it.
         reference: what it was compared with (running scale, threshold, floor, weight norm).
-        message: the whole story in one line.
+        message: the whole text: a first line a person reads at a glance (what happened, at
+            which step, and the fix most likely to work), then :attr:`details`, one a line.
         others: the other layers the rule flagged at the same step.
         history_steps: the optimizer steps in the ring buffer, oldest first, up to ``step``.
         history: per step, the gradient norm of every row (``history_layers``: the layers, then
@@ -63,6 +50,8 @@ class TrainingAlarm:
             by how much; ``departed``: its name (``""``: none did in the ring buffer).
         counts: whether it adds to its rule's count; ``False`` for a line that only closes
             what an earlier alarm opened (a setback that recovered).
+        details: the lines after the first: the thresholds, the evidence, the other layers,
+            the layer that left its scale first, the other fixes.
     """
 
     rule: str
@@ -79,6 +68,7 @@ class TrainingAlarm:
     departure: str = ""
     departed: str = ""
     counts: bool = True
+    details: tuple[str, ...] = ()
 
     def history_lines(self) -> list[str]:
         """Step by step, norm / running scale of the layer that left first, the layer named and
@@ -162,13 +152,16 @@ def gradient_alarm(
     culprit = _Culprit(layers[row], float(norm[row]), float(ref[row]))
     others = tuple(layers[i] for i in hit if i != row)
     if rule == "explosion":
-        text = _explosion_text(culprit, report, at, rules)
+        said = _explosion_text(culprit, report, at, rules)
     else:
-        text = _describe(rule, culprit, at.step, rules)
+        said = _describe(rule, culprit, at.step, rules)
+    details = list(said.details)
     if others:
-        text += f" (also flagged: {', '.join(others)})"
+        details.append(f"also flagged: {', '.join(others)}")
     layer, value, reference = culprit
-    return TrainingAlarm(rule, layer, at.step, value, reference, text, others)
+    return TrainingAlarm(
+        rule, layer, at.step, value, reference, said.first, others, details=tuple(details)
+    )
 
 
 def weight_norms(weights: WeightNorms | None, rows: np.ndarray | None, n: int) -> np.ndarray:
@@ -207,11 +200,11 @@ def with_history(
     alarm: TrainingAlarm, layers: tuple[str, ...], history: NormHistory
 ) -> TrainingAlarm:
     """``alarm`` with the ring buffer's ``history`` (its steps, and per step the rows' norms,
-    running scales and bands), the layer that left its scale first, and the rule's advice."""
+    running scales and bands), and the layer that left its scale first as a line of its
+    details."""
     steps = history.steps
-    advice = f"advice: {_ADVICE[alarm.rule]}" if alarm.rule in _ADVICE else ""
     if not steps:
-        return replace(alarm, message=f"{alarm.message}; {advice}") if advice else alarm
+        return alarm
     norms = history.norms
     scales = history.scales
     first = _first_departure(norms, scales, history.bands)
@@ -221,11 +214,11 @@ def with_history(
         row = first.row
         ratio = norms[at, row] / scales[at, row]
         departure = f"{layers[row]} left its scale first, at step {steps[at]} ({ratio_text(ratio)})"
-        if advice and alarm.rule != "vanishing":
-            advice += f"; look at {layers[row]} first"
+        if alarm.rule != "vanishing":
+            departure += ": look at it first"
     return replace(
         alarm,
-        message="; ".join(part for part in (alarm.message, departure, advice) if part),
+        details=(*alarm.details, departure) if departure else alarm.details,
         history_steps=tuple(steps),
         history_layers=layers,
         history=tuple(map(tuple, norms.tolist())),
@@ -233,6 +226,28 @@ def with_history(
         departure=departure,
         departed=layers[first.row] if first is not None else "",
     )
+
+
+def with_fixes(alarm: TrainingAlarm, advice: Advice) -> TrainingAlarm:
+    """``alarm``'s whole text: its first line with the first of the ``advice``'s fixes (the one
+    most likely to work, :func:`~lightning_hooks.core.alarms.advice.advise`), then its details,
+    why that fix leads (when the evidence put it first) and the other fixes, one a line.
+
+    Example:
+        >>> alarm = TrainingAlarm("absolute", "net.0", 3, 9.0, 5.0, "grad norm 9 > 5",
+        ...                       details=("max_grad_norm=5.0",))
+        >>> advice = Advice(("clip gradients", "lower the learning rate"))
+        >>> print(with_fixes(alarm, advice).message)
+        grad norm 9 > 5; fix: clip gradients
+        max_grad_norm=5.0
+        other fixes: lower the learning rate
+    """
+    fixes = advice.fixes
+    first = alarm.message if not fixes else f"{alarm.message}; fix: {fixes[0]}"
+    why = (advice.why,) if advice.why else ()
+    rest = (f"other fixes: {'; '.join(fixes[1:])}",) if len(fixes) > 1 else ()
+    details = (*alarm.details, *why, *rest)
+    return replace(alarm, message="\n".join([first, *details]), details=details)
 
 
 class _Departure(NamedTuple):
@@ -265,55 +280,76 @@ def ratio_text(value: float) -> str:
     return f"{value:.3g}x" if math.isfinite(value) else f"{value}"
 
 
-def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> str:
-    """The message of a gradient rule other than *explosion*."""
+class _Said(NamedTuple):
+    """What an alarm says before its fixes: its first line and its details."""
+
+    first: str
+    """What happened, at which step, in one clause."""
+    details: tuple[str, ...] = ()
+    """The thresholds and the evidence, one a line."""
+
+
+def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
+    """What a gradient rule other than *explosion* says."""
     layer, value, ref = culprit
     at = f"optimizer step {step}"
     if rule == "spike":
-        return (
+        return _Said(
             f"gradient spike at {at}: {layer} grad norm {value:.4g} is {value / ref:.3g}x its "
-            f"running scale {ref:.4g} (spike_factor={rules.spike_factor}, "
-            f"spike_sigmas={rules.spike_sigmas})"
+            "running scale",
+            (
+                f"running scale {ref:.4g} (spike_factor={rules.spike_factor}, "
+                f"spike_sigmas={rules.spike_sigmas})",
+                "one step: a transient if the next steps come back to scale (it counts in the "
+                "spike score)",
+            ),
         )
     if rule == "absolute":
-        return f"gradient norm above max_grad_norm at {at}: {layer} {value:.4g} > {ref:.4g}"
+        return _Said(f"gradient norm above max_grad_norm at {at}: {layer} {value:.4g} > {ref:.4g}")
     if rule == "vanishing":
-        return (
-            f"vanishing gradient at {at}: {layer} grad norm {value:.4g} is zero or below "
-            f"{ref:.4g} (vanish_fraction={rules.vanish_fraction} of the median non-zero layer "
-            f"norm) for {rules.vanish_steps} consecutive steps"
+        return _Said(
+            f"vanishing gradient at {at}: {layer} grad norm {value:.3g} under {ref:.3g} for "
+            f"{rules.vanish_steps} steps",
+            (
+                f"vanish_fraction={rules.vanish_fraction} of the median non-zero layer norm, "
+                f"vanish_steps={rules.vanish_steps} consecutive steps",
+            ),
         )
     if rule == "nonfinite":
         what, order = ("weights", "forward") if not math.isfinite(ref) else ("gradient", "backward")
-        return (
-            f"non-finite {what} at {at}: {layer} (first layer in {order} order), "
-            f"grad norm {value:.4g}"
+        return _Said(
+            f"non-finite {what} at {at}: {layer} (first layer in {order} order)",
+            (f"{layer} grad norm {value:.4g}",),
         )
-    return f"AMP overflow at {at}, step skipped by the GradScaler (grad norm {value:.4g})"
+    return _Said(
+        f"AMP overflow at {at}: the GradScaler skipped the step",
+        (f"grad norm {value:.4g}",),
+    )
 
 
 def _explosion_text(
     culprit: _Culprit, report: GradientReport, at: FiredStep, rules: AlarmRules
-) -> str:
-    """*explosion*'s message: the size, what the optimizer applies, and advice with a clip
-    value read from the global row's running scale."""
+) -> _Said:
+    """*explosion*'s message: the size and what the optimizer applies; the global norm's running
+    scale, which its advice reads, in its details."""
     layer, value, ref = culprit
-    step = at.step
     clip = at.clip
     global_norm = float(report.norm[-1])
-    global_scale = float(report.scale[-1])
     shrink = 1.0 if clip is None or global_norm <= clip else clip / global_norm
     applied = (
-        "reaches the optimizer unclipped"
+        "unclipped"
         if shrink == 1.0
-        else f"is still {value * shrink / ref:.3g}x its scale after clipping to {clip:.4g}"
+        else f"{value * shrink / ref:.3g}x after clipping to {clip:.4g}"
     )
-    suggested = f"{5.0 * global_scale:.2g}" if math.isfinite(global_scale) else "a few times it"
-    return (
-        f"gradient explosion at optimizer step {step}: {layer} grad norm {value:.4g} is "
-        f"{value / ref:.3g}x its running scale {ref:.4g} and {applied} (explode_factor="
-        f"{rules.explode_factor}): one such step wrecks SGD's weights or poisons an adaptive "
-        f"optimizer's second moment for thousands of steps; advice: clip gradients at a few "
-        f"times the global norm's running scale {global_scale:.3g} (gradient_clip_val="
-        f"{suggested}), or skip such steps with on_alarm={{'spike': 'skip'}}"
+    return _Said(
+        f"gradient explosion at optimizer step {at.step}: {layer} {value / ref:.3g}x its scale, "
+        f"{applied}",
+        (
+            f"{layer} grad norm {value:.4g}, its running scale {ref:.4g} (explode_factor="
+            f"{rules.explode_factor})",
+            f"the global norm's running scale is {float(report.scale[-1]):.3g}: a clip a few "
+            "times it holds such a step",
+            "one such step wrecks SGD's weights or poisons an adaptive optimizer's second "
+            "moment for thousands of steps",
+        ),
     )

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from lightning_hooks.core.alarms.advice import Evidence, advise
 from lightning_hooks.core.alarms.gradients import (
     GradientReport,
     GradientRules,
@@ -20,12 +21,12 @@ from lightning_hooks.core.alarms.gradients import (
 )
 from lightning_hooks.core.alarms.loss import LossRules
 from lightning_hooks.core.alarms.messages import (
-    _ADVICE,
     FiredStep,
     NormHistory,
     TrainingAlarm,
     gradient_alarm,
     weight_norms,
+    with_fixes,
     with_history,
 )
 from lightning_hooks.core.alarms.rules import ALARM_RULES, AlarmRules, WeightNorms
@@ -249,11 +250,16 @@ class TrainingAlarms:
             weights = weight_norms(posted.weights, posted.rows, len(layers))
         at = FiredStep(posted.step, posted.order, posted.clip, weights)
         history = self._ring.read(posted.step)
+        scale = float(report.scale[-1])
         for rule in report.fired_rules():
             alarm = gradient_alarm(rule, report, at, layers, self.rules)
-            self._record(with_history(alarm, layers, history))
+            self._record(with_history(alarm, layers, history), scale)
 
-    def _record(self, alarm: TrainingAlarm) -> None:
+    def _record(self, alarm: TrainingAlarm, global_scale: float = math.nan) -> None:
+        """Count ``alarm`` and keep it, its text completed with its fixes, in the order the
+        run's evidence says (``global_scale``: the global norm's running scale, for a clip)."""
+        evidence = Evidence(self._loss.diverged, global_scale)
+        alarm = with_fixes(alarm, advise(alarm.rule, evidence))
         if alarm.counts:
             self.counts[alarm.rule] += 1 + len(alarm.others)
             self.total += 1
@@ -398,10 +404,16 @@ def attention_alarms(
             f"{rules.attn_logit_min:g})"
         )
         text = (
-            f"attention collapse at optimizer step {step} in {layer!r}: its largest attention "
-            f"logit {why} and its most focused head's entropy is {entropy:.3g} nats "
-            f"(attn_entropy_min={floor:g}): the softmax is one-hot and its gradient vanishes "
-            f"(Wortsman et al. 2023, arXiv 2309.14322). Fixes that work: {_ADVICE['attention']}"
+            f"attention collapse at optimizer step {step} in {layer!r}: largest logit "
+            f"{peak:.4g}, most focused head's entropy {entropy:.3g} nats"
         )
-        alarms.append(TrainingAlarm("attention", layer, step, peak, limit or math.nan, text))
+        details = (
+            f"its largest attention logit {why}; its most focused head's entropy "
+            f"{entropy:.3g} nats (attn_entropy_min={floor:g})",
+            "the softmax is one-hot and its gradient vanishes (Wortsman et al. 2023, arXiv "
+            "2309.14322)",
+        )
+        alarms.append(
+            TrainingAlarm("attention", layer, step, peak, limit or math.nan, text, details=details)
+        )
     return alarms

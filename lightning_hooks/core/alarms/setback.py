@@ -37,14 +37,16 @@ def setback_opened(
     best = setback.best
     rise = ratio_text(mean / best) if best > 0 else f"+{mean - best:.4g}"
     text = (
-        f"loss setback at optimizer step {step}: its running mean {mean:.4g} rose "
-        f"{rise} over its best {setback.best:.4g}, past the loss's own step-to-step noise. Being "
-        f"watched, not warned: most setbacks recover within a few steps. It becomes a "
-        f"divergence if it holds for {rules.diverge_patience} optimizer steps "
-        f"(diverge_patience), passes {rules.diverge_lost:g}x where the run started "
-        f"({first:.4g}; diverge_lost), or the loss is not finite"
+        f"loss setback at optimizer step {step}: its running mean {mean:.4g} rose {rise} over "
+        f"its best {setback.best:.4g}; watched, not warned: most setbacks recover"
     )
-    return TrainingAlarm("setback", "loss", step, mean, setback.best, text)
+    details = (
+        "the rise is past the loss's own step-to-step noise",
+        f"it becomes a divergence if it holds for {rules.diverge_patience} optimizer steps "
+        f"(diverge_patience), passes {rules.diverge_lost:g}x where the run started "
+        f"({first:.4g}; diverge_lost), or the loss is not finite",
+    )
+    return TrainingAlarm("setback", "loss", step, mean, setback.best, text, details=details)
 
 
 def setback_recovered(step: int, setback: Setback, mean: float) -> TrainingAlarm:
@@ -52,7 +54,12 @@ def setback_recovered(step: int, setback: Setback, mean: float) -> TrainingAlarm
     counted again."""
     text = (
         f"loss setback of optimizer step {setback.start} recovered at step {step}: its running "
-        f"mean peaked at {setback.peak:.4g} (its best {setback.best:.4g}) and fell back below "
-        f"the bar after {setback.steps} step(s) over it; no action needed"
+        "mean fell back below the bar; no action needed"
     )
-    return TrainingAlarm("setback", "loss", step, mean, setback.best, text, counts=False)
+    details = (
+        f"it peaked at {setback.peak:.4g} (its best {setback.best:.4g}), {setback.steps} "
+        "step(s) over the bar",
+    )
+    return TrainingAlarm(
+        "setback", "loss", step, mean, setback.best, text, counts=False, details=details
+    )

@@ -154,16 +154,18 @@ def _stall(report: StallState, step: int, rules: AlarmRules) -> TrainingAlarm:
     value = math.exp(report.value)
     level = math.exp(report.before)
     text = (
-        f"learning stalled at optimizer step {step}: the typical update per unit of "
-        f"learning rate (median |w_after - w_before| / lr) is {value:.4g}, "
-        f"{level / value:.3g}x below its running level {level:.4g} (stall_factor="
-        f"{rules.stall_factor}): the optimizer barely moves the weights while the "
-        "learning rate says it should"
+        f"learning stalled at optimizer step {step}: updates per unit of learning rate "
+        f"{level / value:.3g}x below their running level"
     )
+    details = [
+        f"the typical update per unit of learning rate (median |w_after - w_before| / lr) is "
+        f"{value:.4g}, its running level {level:.4g} (stall_factor={rules.stall_factor}): the "
+        "optimizer barely moves the weights while the learning rate says it should"
+    ]
     if math.isfinite(report.progress) and rules.stall_progress < 1.0:
-        text += (
-            f", and the loss has stopped learning (its best improved by "
+        details.append(
+            f"the loss has stopped learning: its best improved by "
             f"{max(report.progress, 0.0):.1%} of what the run had learnt since the last "
-            "logging step)"
+            "logging step"
         )
-    return TrainingAlarm("stall", "global", step, value, level, text)
+    return TrainingAlarm("stall", "global", step, value, level, text, details=tuple(details))
