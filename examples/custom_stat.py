@@ -1,8 +1,10 @@
-"""A statistic of your own in a few lines: the RMS of each layer's output, logged per epoch.
+"""Statistics of your own in a few lines: the RMS of each layer's output, and the largest
+absolute weight of each layer, logged per epoch.
 
 ``OutputRMS`` declares two device states (summed across ranks), measures each training output
-in a forward hook and says which tags its result gives. ``StatsCallback`` does the rest:
-selection, the logging steps, one collective per epoch under DDP, logging, checkpoints.
+in a forward hook and says which tags its result gives; ``WeightPeak`` reads the layer's
+weight instead of its output. ``StatsCallback`` does the rest: selection, the logging steps,
+one collective per epoch under DDP, logging, checkpoints.
 
 Run: ``python examples/custom_stat.py``, then ``tensorboard --logdir runs``.
 """
@@ -15,8 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_hooks.core.hooks.selection import Selection
-from lightning_hooks.core.stats.stat import LayerStat
+from lightning_hooks import LayerStat, Selection
 
 
 class OutputRMS(LayerStat[dict[str, float]]):
@@ -41,6 +42,27 @@ class OutputRMS(LayerStat[dict[str, float]]):
 
     def tags(self, result: dict[str, float]) -> dict[str, float]:
         return {f"output_rms/{layer}": value for layer, value in result.items()}
+
+
+class WeightPeak(LayerStat[dict[str, float]]):
+    """The largest |w| of every selected layer's weight, over the epoch's logging steps."""
+
+    peak: torch.Tensor
+
+    def __init__(self, types: type[nn.Module] | tuple[type[nn.Module], ...] = nn.Linear) -> None:
+        super().__init__(Selection.of("WeightPeak", types=types))
+        self.add_layer_state("peak", reduce="max", fill=0.0)
+
+    def observe(self, name: str, module: nn.Module, output: Any) -> None:
+        row = self.row(name)
+        peak = module.weight.detach().abs().max()
+        self.peak[row] = torch.maximum(self.peak[row], peak)
+
+    def summarize(self, states: dict[str, np.ndarray]) -> dict[str, float]:
+        return dict(zip(self.layers, states["peak"].tolist(), strict=True))
+
+    def tags(self, result: dict[str, float]) -> dict[str, float]:
+        return {f"weights/peak/{layer}": value for layer, value in result.items()}
 
 
 def main() -> None:
@@ -69,7 +91,7 @@ def main() -> None:
     trainer = pl.Trainer(
         max_epochs=3,
         logger=TensorBoardLogger("runs", name="custom_stat"),
-        callbacks=[StatsCallback([OutputRMS()], every_n_steps=1)],
+        callbacks=[StatsCallback([OutputRMS(), WeightPeak()], every_n_steps=1)],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,

@@ -17,6 +17,7 @@ from lightning_hooks.tags import (
     ALARMS,
     GLOBAL,
     GRAD_FLOW,
+    LIBRARY_FAMILIES,
     NOTICE_COUNTS,
     NOTICES,
     NOTICES_0_2_0,
@@ -370,8 +371,16 @@ def _build(
 
 
 def format_table(report: RunReport, limit: int | None = None) -> str:
-    """The report as a fixed-width text table, worst layer first."""
+    """The report as a fixed-width text table, worst layer first: the library's columns that
+    the run logged, then one per statistic of the user's own (``family/stat``)."""
     present = [(n, full) for n, full in COLUMNS if any(full in r.values for r in report.layers)]
+    custom = {
+        full
+        for row in report.layers
+        for full in row.values
+        if full.split("/")[0] not in LIBRARY_FAMILIES
+    }
+    present += [(full, full) for full in sorted(custom)]
     header = ["layer", *(n for n, _ in present)]
     body = [
         [row.layer, *(_fmt(row.values.get(full, math.nan)) for _, full in present)]

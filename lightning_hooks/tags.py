@@ -28,6 +28,7 @@ __all__ = [
     "ALARM_TEXT",
     "GLOBAL",
     "GRAD_FLOW",
+    "LIBRARY_FAMILIES",
     "NOTICES",
     "NOTICES_0_2_0",
     "NOTICE_COUNTS",
@@ -56,6 +57,18 @@ PERCENTILE = re.compile(r"_p\d+$")
 """A percentile over the layers at the end of a statistic's name (``grad_norm_p50``)."""
 _STEP_SUFFIX = re.compile(r"_step(_p\d+)?$")
 _TAGS = 1 << 16  # tags whose derived names are kept (each logging step writes the same ones)
+
+LIBRARY_FAMILIES = (
+    GRAD_FLOW,
+    "activations",
+    "dead_relu",
+    "saturation",
+    "layer_time",
+    "stability",
+    "feature_map",
+)
+"""The families of the library's own tags; a tag of any other family is a user's statistic
+(:class:`~lightning_hooks.StatsCallback`), a column of its own in ``lightning-hooks report``."""
 
 
 def layer_tag(family: str, stat: str, layer: str | None = None) -> str:

@@ -15,9 +15,9 @@ PUBLIC = {
         "ActivationStatsCallback", "ActivationStatsTracker", "AlarmRules", "DeadReLUCallback",
         "DeadUnitTracker", "FeatureMapCallback", "GradFlowCallback", "GradFlowTracker",
         "TrainingAlarm", "TrainingAlarmError", "TrainingAlarmWarning", "TrainingAlarms",
-        "HookRegistry", "LayerTable", "LayerTimeCallback", "LightningHooksError",
-        "LightningHooksWarning", "SaturationCallback", "StatsCallback", "capture_outputs",
-        "select_modules",
+        "HookRegistry", "LayerStat", "LayerTable", "LayerTimeCallback", "LightningHooksError",
+        "LightningHooksWarning", "SaturationCallback", "Selection", "StatsCallback",
+        "capture_outputs", "select_modules",
     ],
     "lightning_hooks.core": [
         "ALARM_RULES", "ActivationStatsTracker", "AlarmRules", "DeadUnitTracker", "DeadUnits",

@@ -15,6 +15,7 @@ from torch import nn
 from lightning_hooks import (
     ActivationStatsCallback,
     DeadReLUCallback,
+    GradFlowCallback,
     LayerTimeCallback,
     SaturationCallback,
 )
@@ -39,6 +40,23 @@ def test_the_example_logs_its_statistic_every_epoch(
         "output_rms/net.2_step",
     ]
     assert [s for s, _ in scalars["output_rms/net.0"]] == [8, 16, 24]
+    assert [s for s, _ in scalars["weights/peak/net.2"]] == [8, 16, 24]
+
+
+def test_a_parameter_statistic_from_public_names_matches_plain_torch(tmp_path: Path) -> None:
+    """``WeightPeak`` (imports only ``lightning_hooks``) logs each epoch's largest |w| over the
+    logging steps' forwards: the weights as each of those forwards saw them."""
+    weight_peak: Any = runpy.run_path(str(EXAMPLE))["WeightPeak"]
+    seen: list[float] = []
+    model = TinyMLP()
+    model.net[2].register_forward_pre_hook(
+        lambda m, args: seen.append(float(m.weight.detach().abs().max())) if m.training else None
+    )
+    make_trainer(tmp_path, callbacks=[StatsCallback(weight_peak(), every_n_steps=2)]).fit(model)
+    logged = dict(read_scalars(tmp_path)["weights/peak/net.2"])[4]
+    assert logged == pytest.approx(max(seen[0], seen[1], seen[3]), rel=1e-6)  # steps 0, 1, 3
+    model.net[2]._forward_pre_hooks.clear()
+    assert hooks_left(model) == []
 
 
 def test_a_user_statistic_matches_plain_torch_in_a_fit(tmp_path: Path) -> None:
@@ -176,3 +194,23 @@ def test_rows_the_ranks_cannot_align_disable_the_callback_on_every_rank(
         "aligning rows across ranks: ValueError: DeadUnitTracker: layer 'net.1' has 16" in ours[0]
     )
     assert model.trainer.global_step == 8 and hooks_left(model) == []
+
+
+def test_the_report_shows_a_user_statistic_as_a_column_of_its_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A statistic of the user's (tags ``family/stat/layer``) is a column of the report's table,
+    beside the library's, with the value its last epoch logged."""
+    from lightning_hooks.cli import main
+
+    weight_peak: Any = runpy.run_path(str(EXAMPLE))["WeightPeak"]
+    callbacks = [GradFlowCallback(), StatsCallback(weight_peak(), every_n_steps=2)]
+    make_trainer(tmp_path, callbacks=callbacks).fit(TinyMLP())
+    capsys.readouterr()
+    assert main(["report", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[1].split()
+    assert header[:2] == ["layer", "grad_norm"] and header[-1] == "weights/peak"
+    logged = dict(read_scalars(tmp_path)["weights/peak/net.2"])
+    row = next(line.split() for line in lines[2:] if line.startswith("net.2 "))
+    assert float(row[-1]) == pytest.approx(logged[max(logged)], rel=1e-2)  # shown to 3 digits

@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_hooks import internals
 from lightning_hooks.core.checks import module as check_module
+from lightning_hooks.core.checks import named_arguments
 
 __all__ = [
     "KNOWN_ACTIVATIONS",
@@ -130,6 +131,7 @@ def _as_types(owner: str, types: ModuleTypes) -> tuple[type[nn.Module], ...] | N
     return items
 
 
+@named_arguments
 @dataclass(frozen=True)
 class Selection:
     """Which modules of a model a callback watches, validated once by :meth:`of`; errors name

@@ -13,6 +13,7 @@ from torch import nn
 from typing_extensions import Self, TypedDict
 
 from lightning_hooks.core.checks import module as check_module
+from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.hooks.shared import Snapshots
@@ -51,6 +52,7 @@ def selection_of(
     )
 
 
+@named_arguments
 class LayerStat(RowStates, HookOwner, Generic[R]):
     """Base of every per-layer statistic: states on the model's device, one collective, one copy.
 
