@@ -86,7 +86,8 @@ def peak_stat() -> Any:
 class GAN(pl.LightningModule):
     """Lightning's GAN recipe, tiny: manual optimization, one optimizer per network, each
     backward and step between ``toggle_optimizer`` and ``untoggle_optimizer``. Returns the
-    discriminator's loss plus the generator's, ``OFFSET`` more on rank 1 from batch ``JUMP``."""
+    discriminator's loss plus the generator's, ``OFFSET`` more on rank 1 from the fit's batch
+    ``JUMP`` on."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -117,7 +118,7 @@ class GAN(pl.LightningModule):
         opt_d.zero_grad()
         self.untoggle_optimizer(opt_d)
         loss = g_loss.detach() + d_loss.detach()
-        if dist.get_rank() == 1 and batch_idx >= JUMP:
+        if dist.get_rank() == 1 and step >= 2 * JUMP:  # from the fit's batch JUMP on
             loss = loss + OFFSET
         self.losses[step] = loss.item()
         return loss

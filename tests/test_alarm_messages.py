@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hooks import GradFlowCallback, TrainingAlarmWarning
+from lightning_hooks import AlarmRules, GradFlowCallback, TrainingAlarmWarning
 
 from conftest import fit_alarms, read_alarm_texts
 
@@ -136,17 +136,19 @@ def test_an_explosion_leads_with_clipping_and_a_diverged_loss_with_the_learning_
 
 
 def test_a_divergence_repeated_in_a_later_epoch_quotes_its_own_step(tmp_path: Path) -> None:
-    """A blow-up (the loss reads 1e6x) confirms a divergence at once; the loss then reads 3x,
-    still over the bar, for the rest of the run. The warning repeated in the next epoch quotes
-    that step's loss against its best and says since when the run diverges, not the running
-    mean, which still remembers the blow-up."""
+    """A blow-up (the loss reads 1e6x), then the loss reads 3x, still over the bar, for the
+    rest of the run: confirmed once it holds, ``diverge_patience`` steps from the blow-up (one
+    step alone is not a divergence). The warning repeated in the next epoch quotes that step's
+    loss against its best and says since when the run diverges, not the running mean, which
+    still remembers the blow-up."""
     blow_up = 20
+    confirmed = blow_up + AlarmRules().diverge_patience - 1
     model = Scaled(lambda i: 1e6 if i == blow_up else 3.0 if i > blow_up else 1.0)
     record = _warnings(tmp_path, model, max_epochs=2)
     diverging = [w for w in record if w.alarm.rule == "diverging"]
-    assert [w.alarm.step for w in diverging] == [blow_up, STEPS]
+    assert [w.alarm.step for w in diverging] == [confirmed, STEPS]
     first = str(diverging[0]).splitlines()[0]
-    assert f"loss diverging at optimizer step {blow_up}: its running mean" in first
+    assert f"loss diverging at optimizer step {confirmed}: its running mean" in first
     again = str(diverging[1]).splitlines()
     loss = model.losses[STEPS]
     assert re.search(

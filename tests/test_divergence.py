@@ -108,8 +108,9 @@ def _rule(losses: list[float], rules: AlarmRules, adaptive: bool = False) -> lis
     was learnt since the start, the mean of the first ``min_history`` losses), plus the noise
     bar (``diverge_noise`` spreads of the short mean, from the mean step-to-step jump, armed
     from ``min_history`` losses). It is confirmed, and warns while it is open, once
-    ``diverge_patience`` of its losses are over the bar themselves, or once its mean passes
-    ``diverge_lost`` x the start (known once ``min_history`` losses are in). Over the first
+    ``diverge_patience`` of its losses are over the bar themselves, or once the median of its
+    last ``2 * diverge_patience - 1`` losses passes ``diverge_lost`` x the start (known once
+    ``min_history`` losses are in). Over the first
     ``min_history`` losses the best is the level, their mean. The jitter and the level hold
     still while a setback is open."""
     assert rules.diverge_ratio is not None
@@ -119,9 +120,11 @@ def _rule(losses: list[float], rules: AlarmRules, adaptive: bool = False) -> lis
     jitter = 0.0
     fired: list[int] = []
     held, confirmed, opened = 0, False, False
+    recent = 2 * rules.diverge_patience - 1
     for n, loss in enumerate(losses[1:], start=2):  # n: losses seen, this one included
         step = n - 1
         mean += max(alpha, 1.0 / n) * (loss - mean)
+        median = float(np.median(losses[max(0, n - recent) : n]))
         sigma = jitter / (2.0 / math.sqrt(math.pi))
         spread = sigma * math.sqrt(alpha / (2.0 - alpha))
         noise = rules.diverge_noise * spread if n >= rules.min_history else 0.0
@@ -131,7 +134,7 @@ def _rule(losses: list[float], rules: AlarmRules, adaptive: bool = False) -> lis
         bar += noise
         if mean > bar:
             held += loss > bar
-            lost = n > rules.min_history and mean > rules.diverge_lost * first + noise
+            lost = n > rules.min_history and median > rules.diverge_lost * first + noise
             confirmed = confirmed or lost or held >= rules.diverge_patience
             if confirmed:
                 fired.append(step)
@@ -249,8 +252,8 @@ def _fit_recipe(
 def test_a_blow_up_in_the_first_steps_is_not_hidden_by_its_own_swing(tmp_path: Path) -> None:
     """The benchmark's LSTM on SGD at 30 (seed 0), unclipped: its loss more than doubles by
     step 2. The noise is measured from one loss to the next before that step, so the blow-up's
-    own swing is not the bar: warned in time, its running mean past ``diverge_lost`` x the
-    start, without waiting for ``diverge_patience``."""
+    own swing is not the bar: warned in time, the median of its last steps' losses past
+    ``diverge_lost`` x the start, without waiting for ``diverge_patience``."""
     model = BenchmarkRecipe("lstm", "sgd", 30.0, seed=0, steps=12)
     record = _fit_recipe(tmp_path, model, clip=None)
     diverged = _ground_truth(model.losses)
@@ -278,8 +281,8 @@ def test_an_rmsprop_overshoot_that_recovers_is_not_warned(tmp_path: Path) -> Non
 def test_an_rmsprop_blow_up_that_is_lost_is_warned_in_time(tmp_path: Path) -> None:
     """The benchmark's 6-layer MLP on RMSprop at 0.03 (seed 0): a thousandfold loss at step 1
     that the run never recovers from clears the overshoot bar. It is warned at step 3, once the
-    run's start (the mean of its first ``min_history`` losses) is known and the running mean is
-    past ``diverge_lost`` times it: in time."""
+    run's start (the mean of its first ``min_history`` losses) is known and the median of its
+    last steps' losses is past ``diverge_lost`` times it: in time."""
     model = BenchmarkRecipe("mlp6", "rmsprop", 0.03, seed=0, steps=6)
     record = _fit_recipe(tmp_path, model)
     assert _first_rise(model.losses) == 1, model.losses

@@ -100,6 +100,38 @@ def test_a_setback_that_recovers_is_logged_and_not_warned(tmp_path: Path) -> Non
     assert START < int(recovered.group(1)) <= START + 5  # the running mean falls back
 
 
+@pytest.mark.parametrize(
+    ("factor", "bad_steps", "accumulate"),
+    [(30.0, 1, 1), (10.0, 2, 1), (30.0, 2, 1), (10.0, 1, 4), (30.0, 2, 4)],
+    ids=["one-step-30x", "two-steps-10x", "two-steps-30x", "accumulated-10x", "accumulated-30x"],
+)
+def test_one_or_two_outlier_steps_are_a_notice_never_a_divergence_or_a_stop(
+    tmp_path: Path, factor: float, bad_steps: int, accumulate: int
+) -> None:
+    """A healthy run meets an outlier: one step's batches, or two steps' in a row (a corrupted
+    row, a batch of wrong labels), read ``factor`` times their loss, then the run goes on as
+    before. Under ``on_alarm="stop"`` it is a setback, logged, and never *diverging* nor a stop:
+    the median of the last steps' losses, which one or two steps cannot move, is what is held
+    to ``diverge_lost`` x the run's start, where the running mean remembers the outlier."""
+    step = START // accumulate  # the event's optimizer step, half-way through the fit
+    first = step * accumulate  # its first micro-batch
+
+    def outlier(batch: int) -> float:
+        return factor if first <= batch < first + bad_steps * accumulate else 1.0
+
+    model = ScaledLoss(outlier)
+    callback = GradFlowCallback(on_alarm="stop")
+    trainer_args = {"accumulate_grad_batches": accumulate, "callback": callback}
+    assert _fit(tmp_path, model, **trainer_args) == []
+    assert _count(tmp_path, "diverging") == 0
+    steps = [s for s, _ in read_scalars(tmp_path)["grad_flow/grad_norm/net"]]
+    assert steps == [STEPS // accumulate]  # the fit ran to its end: nothing stopped it
+    if factor * bad_steps >= 20:  # a rise the running mean shows: noticed, logged, reported
+        assert _count(tmp_path, "setback") == 1
+        texts = "\n".join(read_alarm_texts(tmp_path))
+        assert f"loss setback at optimizer step {step}" in texts
+
+
 def test_a_setback_that_holds_is_warned_diverging_on_confirmation(tmp_path: Path) -> None:
     """The loss 3x its own from one step on: once its running mean crosses the bar a setback
     opens, and once ``diverge_patience`` of its steps' losses are over the bar themselves it is

@@ -69,6 +69,9 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     ``_log_epoch``      ``on_train_epoch_end``          writes the epoch (by default each
                                                         statistic's)
     ==================  ==============================  ========================================
+
+    Its checkpoint key is made from ``_state_key_fields`` (by default its module selection;
+    a callback configured otherwise names its own fields).
     """
 
     _default_types: Any = None

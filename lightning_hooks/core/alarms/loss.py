@@ -5,6 +5,7 @@ when the copy is read."""
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
@@ -135,9 +136,11 @@ class LossRules:
     learnt, and by ``diverge_noise`` spreads of the short mean's own noise), a *setback* opens:
     logged, never warned. It is confirmed as *diverging*, which warns, when
     ``diverge_patience`` of its optimizer steps have a mean loss over the bar themselves (not
-    only the running mean, which remembers one bad batch for a few steps), when the running
-    mean passes ``diverge_lost`` times where the run started, or when the loss is not finite.
-    A setback that falls back first is logged as recovered.
+    only the running mean, which remembers one bad batch for a few steps), when the median of
+    the last ``2 * diverge_patience - 1`` optimizer steps' mean losses passes ``diverge_lost``
+    times where the run started (a median that fewer than ``diverge_patience`` outlier steps
+    cannot move: one bad batch, or two, is a setback and not a divergence), or when the loss is
+    not finite. A setback that falls back first is logged as recovered.
 
     Under gradient accumulation the callback reads every micro-batch's loss: the rule counts
     the losses of each optimizer step (:attr:`per_step`), spans its running means over
@@ -168,6 +171,9 @@ class LossRules:
         losses each."""
         self._step: int | None = None
         self._group = _Group()
+        self._recent: deque[float] = deque(maxlen=2 * rules.diverge_patience - 1)
+        """The mean losses of the last optimizer steps, whose median *diverging* holds to
+        ``diverge_lost``."""
         self.adaptive = False
         """The optimizer keeps a second moment: its first ``diverge_early`` losses are held to
         the ``diverge_overshoot`` bar (:meth:`TrainingAlarms.set_adaptive`)."""
@@ -240,6 +246,8 @@ class LossRules:
             return self._confirm(step, x, "the loss is not finite")
         levels.rise(x, self._span())
         self._group.total += x
+        if self._group.losses == self.per_step:  # the step's last loss: its mean is known
+            self._recent.append(self._group.total / self._group.losses)
         bar = self._bar()
         # armed after ``min_history`` losses: before, a loss is not yet told from the run's noise
         over = levels.seen > 1 and levels.mean > bar
@@ -273,16 +281,20 @@ class LossRules:
         setback.peak = max(setback.peak, levels.mean)
         if setback.confirmed:
             return [self._diverging_alarm(step, x, "it holds")]
-        # the run's start (:attr:`LossLevels.first`) is known once ``min_history`` losses are in
-        started = levels.seen > rules.min_history
-        lost = started and levels.mean > rules.diverge_lost * levels.first + self._noise_bar()
-        if lost:
-            why = f"its running mean is past diverge_lost={rules.diverge_lost:g}x the run's start"
-            return opened + self._confirm(step, x, why)
         if setback.steps >= rules.diverge_patience:
             why = (
                 f"the loss has stayed over the bar for {setback.steps} optimizer steps "
                 f"(diverge_patience={rules.diverge_patience})"
+            )
+            return opened + self._confirm(step, x, why)
+        # the run's start (:attr:`LossLevels.first`) is known once ``min_history`` losses are in
+        started = levels.seen > rules.min_history
+        typical = float(np.median(self._recent)) if self._recent else levels.mean
+        lost = started and typical > rules.diverge_lost * levels.first + self._noise_bar()
+        if lost:
+            why = (
+                f"the median loss of its last {len(self._recent)} optimizer steps is past "
+                f"diverge_lost={rules.diverge_lost:g}x the run's start"
             )
             return opened + self._confirm(step, x, why)
         return opened
@@ -387,6 +399,7 @@ class LossRules:
             "loss_scale": torch.from_numpy(self.scale.state.copy()),
             "loss_levels": asdict(self.levels),
             "loss_setback": None if self.setback is None else asdict(self.setback),
+            "loss_recent": list(self._recent),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -397,6 +410,8 @@ class LossRules:
             self.levels = LossLevels(**state["loss_levels"])
             setback = state.get("loss_setback")
             self.setback = None if setback is None else Setback(**setback)
+            self._recent.clear()
+            self._recent.extend(state.get("loss_recent", ()))
         elif "diverging" in state:
             mean, deviation, best, first = as_array(state["diverging"]).tolist()
             seen = int(state["loss_seen"])

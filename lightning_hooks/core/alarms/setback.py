@@ -43,8 +43,8 @@ def setback_opened(
     details = (
         "the rise is past the loss's own step-to-step noise",
         f"it becomes a divergence if it holds for {rules.diverge_patience} optimizer steps "
-        f"(diverge_patience), passes {rules.diverge_lost:g}x where the run started "
-        f"({first:.4g}; diverge_lost), or the loss is not finite",
+        f"(diverge_patience), its last steps' median loss passes {rules.diverge_lost:g}x where "
+        f"the run started ({first:.4g}; diverge_lost), or the loss is not finite",
     )
     return TrainingAlarm("setback", "loss", step, mean, setback.best, text, details=details)
 
