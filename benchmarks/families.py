@@ -19,9 +19,14 @@ users run them.
 - ``ft-mix``, ``ft-mix-lora``, ``ft-gru-mix``: the same fine-tunes (and a pretrained byte GRU's)
   on :data:`MIXED_DOCS`, documents that differ a lot in difficulty, one document a micro-batch:
   near-duplicate boilerplate (codec tables) beside English prose the base never saw, so one
-  micro-batch's loss can be 2-3x the next one's.
+  micro-batch's loss can be 2-3x the next one's;
+- ``ReluMLP``, ``ReluCNN2d``, ``ReluCNN1d``: small ReLU networks without normalisation, where a
+  too-high learning rate kills a layer whole;
+- ``FrozenBackbone``, ``TwoBranch``, ``MixtureOfExperts``: healthy models whose layers get no
+  gradient (or a gradient of exactly 0) for a while (:data:`IDLE`).
 
-Data is the source text of Python's own modules, read as bytes: nothing is downloaded.
+Data is the source text of Python's own modules, read as bytes, or scikit-learn's own sets:
+nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import encodings.cp437
 import encodings.cp850
 import encodings.cp1252
 import inspect
+import math
 import pydoc_data.topics
 import tarfile
 import typing
@@ -44,12 +50,19 @@ __all__ = [
     "BNMLP",
     "BYTES",
     "GPT",
+    "IDLE",
     "ByteGRU",
     "ByteLSTM",
     "ByteTransformer",
+    "FrozenBackbone",
     "LoRA",
+    "MixtureOfExperts",
+    "ReluCNN1d",
+    "ReluCNN2d",
+    "ReluMLP",
     "ResMLP",
     "Tabular",
+    "TwoBranch",
     "byte_text",
 ]
 
@@ -235,3 +248,121 @@ class GPT(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(self.ln(h))  # type: ignore[no-any-return]
+
+
+# --- networks a too-high learning rate kills, and healthy runs whose layers idle ---------------
+
+
+def ReluMLP(inputs: int, classes: int, width: int = 64) -> nn.Module:  # noqa: N802
+    """Two ReLU layers of ``width`` units, no normalisation: ``inputs`` features, ``classes``
+    outputs."""
+    return nn.Sequential(
+        nn.Linear(inputs, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+        nn.Linear(width, classes),
+    )  # fmt: skip
+
+
+def ReluCNN2d() -> nn.Module:  # noqa: N802
+    """Two 3x3 convolutions with ReLU on the 8x8 digits, no normalisation, a linear head."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(16 * 64, 10),
+    )  # fmt: skip
+
+
+def ReluCNN1d(inputs: int = 30, classes: int = 2) -> nn.Module:  # noqa: N802
+    """Two width-3 1-d convolutions with ReLU along the ``inputs`` standardised features (the
+    breast-cancer set's 30), no normalisation, a linear head."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, inputs)),
+        nn.Conv1d(1, 8, 3, padding=1), nn.ReLU(),
+        nn.Conv1d(8, 16, 3, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(16 * inputs, classes),
+    )  # fmt: skip
+
+
+IDLE = (100, 200)
+"""The optimizer steps ``[start, end)`` over which the healthy idling models leave a part out:
+the frozen backbone (frozen from the start until ``end``), the mixture's idle experts."""
+
+
+class FrozenBackbone(nn.Module):
+    """A ReLU MLP whose two-layer backbone is frozen (its output detached: its layers get no
+    gradient) for the first :data:`IDLE`\\ [1] steps while the head trains, then fine-tuned
+    whole: the usual linear probe, then unfreeze."""
+
+    def __init__(self, inputs: int, classes: int, width: int = 64) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Linear(inputs, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU()
+        )
+        self.head = nn.Linear(width, classes)
+        self.frozen = True
+
+    def at_step(self, step: int) -> None:
+        """Unfreeze the backbone at :data:`IDLE`\\ [1]."""
+        self.frozen = step < IDLE[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.backbone(x)
+        return self.head(h.detach() if self.frozen else h)  # type: ignore[no-any-return]
+
+
+class TwoBranch(nn.Module):
+    """A ReLU MLP with a second branch (Linear, ReLU, Linear) added to its features for the first
+    :data:`IDLE`\\ [0] steps, then unused to the end of the run (its layers get no gradient):
+    an auxiliary path switched off, left in the module."""
+
+    def __init__(self, inputs: int, classes: int, width: int = 64) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(inputs, width), nn.ReLU())
+        self.main = nn.Sequential(nn.Linear(width, width), nn.ReLU())
+        self.branch = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+        self.head = nn.Linear(width, classes)
+        self.use_branch = True
+
+    def at_step(self, step: int) -> None:
+        """Drop the branch from :data:`IDLE`\\ [0] on."""
+        self.use_branch = step < IDLE[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.trunk(x)
+        out = self.main(h)
+        if self.use_branch:
+            out = out + self.branch(h)
+        return self.head(out)  # type: ignore[no-any-return]
+
+
+class MixtureOfExperts(nn.Module):
+    """A ReLU trunk, then 4 experts (Linear, ReLU, Linear) mixed by a learned top-1 router,
+    computed densely (every expert on every row, weighted by its gate, 0 unless chosen): an
+    expert chosen by no row of a batch gets a gradient of exactly 0. Over :data:`IDLE` the
+    router may not choose experts 2 and 3 (as a capacity limit drops them): they idle."""
+
+    def __init__(self, inputs: int, classes: int, width: int = 32, experts: int = 4) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(inputs, width), nn.ReLU())
+        self.router = nn.Linear(width, experts)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+            for _ in range(experts)
+        )
+        self.head = nn.Linear(width, classes)
+        self.register_buffer("allowed", torch.ones(experts, dtype=torch.bool))
+
+    def at_step(self, step: int) -> None:
+        """Only experts 0 and 1 over :data:`IDLE`."""
+        self.allowed.fill_(True)
+        if IDLE[0] <= step < IDLE[1]:
+            self.allowed[2:] = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.trunk(x)
+        logits = self.router(h).masked_fill(~self.allowed, -math.inf)
+        probs = logits.softmax(-1)
+        chosen = probs.argmax(-1, keepdim=True)
+        gates = torch.zeros_like(probs).scatter(-1, chosen, probs.gather(-1, chosen))
+        out = sum(gates[:, k : k + 1] * expert(h) for k, expert in enumerate(self.experts))
+        return self.head(h + out)  # type: ignore[no-any-return]
