@@ -28,10 +28,38 @@ event (:func:`damaging`): damaging when the loss 50 to 100 steps later is clearl
 twin's (1.25x it plus 2% of the twin's first loss, a margin in the loss's own scale), else
 harmless.
 
+A second label, from how a run ends (:func:`harmed`): a run is *harmed* when the mean of its
+last 50 training losses is above ``max(1.10 x best, best + 0.05)``, ``best`` the lowest such mean
+of its family (:func:`recipe`: the same model, so the same data, optimizer, schedule, clipping,
+z-loss, length, batch and accumulation, at any learning rate or seed, without an injected event).
+A warning on a run neither harmed nor divergent is false by it. Both labels are reported, with
+the precision of every rule set (of its warned runs, the share harmed or divergent) per half
+(:func:`label_halves`), and the warned runs the old label calls healthy.
+
+Three families more, replayed in tables of their own (:func:`new_families`, the defaults'
+alarms as ``GradFlowCallback`` acts on them: notices, warnings, and the stops of
+``on_alarm="stop"``): networks a too-high learning rate kills (:data:`DEAD`: small ReLU MLPs
+and CNNs on the digits and the breast-cancer set, Adam 0.03-1 and SGD with momentum 0.5-10,
+with healthy twins), the step of death taken from the recorded activations (:func:`death`: a
+ReLU layer none of whose units fires again); healthy runs whose layers idle (:data:`IDLING`: a
+frozen backbone, an unused branch, a mixture of experts); healthy runs with one outlier batch
+(:data:`OUTLIERS`: a step's loss x10 or x30, or one or two steps of labels shifted by one
+class), each with its twin. Their held-out half (:data:`NEW_HELD_OUT`) was frozen when they were
+recorded, before any rule was tuned on them.
+
+The traces are saved in ``benchmarks/results/divergence_traces.pt`` (``--traces``; not in git).
+Recording every run takes about 50 minutes of one CPU core, most of it the byte-level models,
+GPTs and fine-tunes; ``--quick`` records only the runs of :data:`QUICK` (the digits, tabular
+and character-level models and the new families: about 7 minutes) and replays the traces there
+are. Replaying every rule set takes about a minute on the quick runs. When some run of the
+main replay has no trace, its tables are kept from the saved result and only the sections of
+:func:`new_markdown` are written again.
+
 Usage::
 
     PYTHONPATH=$PWD python benchmarks/divergence.py            # record (if needed) and replay
     PYTHONPATH=$PWD python benchmarks/divergence.py --record   # record the traces again
+    PYTHONPATH=$PWD python benchmarks/divergence.py --quick    # the quick runs only
 """
 
 from __future__ import annotations
@@ -39,6 +67,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -54,7 +83,7 @@ from torch import nn
 
 from lightning_hooks.callbacks.alarm_policy import check_actions
 from lightning_hooks.core import AlarmRules, ParamLayout, TrainingAlarms
-from lightning_hooks.core.alarms import ALARM_RULES
+from lightning_hooks.core.alarms import ALARM_RULES, TrainingAlarm
 from lightning_hooks.core.ops.grad_stats import param_norms, segment_norm
 from lightning_hooks.core.ops.grouped_norms import typical_update
 from lightning_hooks.core.stats.stability import StabilityStats
@@ -223,6 +252,23 @@ BUILD: dict[str, Callable[[], nn.Module]] = {
     "ft-mix": _pretrained,
     "ft-mix-lora": lambda: families.LoRA(_pretrained()),  # type: ignore[arg-type]
     "ft-gru-mix": lambda: _pretrained("gru"),
+    # networks a too-high learning rate kills, and their healthy twins (:data:`DEAD`)
+    "relu-mlp-digits": lambda: families.ReluMLP(64, 10),
+    "relu-cnn-digits": families.ReluCNN2d,
+    "relu-mlp-cancer": lambda: families.ReluMLP(30, 2),
+    "relu-cnn-cancer": families.ReluCNN1d,
+    # healthy runs whose layers idle a while (:data:`IDLING`)
+    "frozen-digits": lambda: families.FrozenBackbone(64, 10),
+    "frozen-cancer": lambda: families.FrozenBackbone(30, 2),
+    "branch-digits": lambda: families.TwoBranch(64, 10),
+    "branch-cancer": lambda: families.TwoBranch(30, 2),
+    "moe-digits": lambda: families.MixtureOfExperts(64, 10),
+    "moe-cancer": lambda: families.MixtureOfExperts(30, 2),
+    # healthy runs with one outlier batch (:data:`OUTLIERS`)
+    "outlier-mlp-cancer": lambda: families.ReluMLP(30, 2),
+    "outlier-mlp-digits": _mlp,
+    "outlier-wine": families.Tabular,
+    "outlier-cnn-digits": _cnn,
 }
 MIXED = ("ft-mix", "ft-mix-lora", "ft-gru-mix")
 """The fine-tunes on :data:`families.MIXED_DOCS`: each micro-batch from one document."""
@@ -262,6 +308,9 @@ class Run:
     zloss: float = 0.0  # z-loss: this times the mean squared log-partition of the output logits
     batch: int | None = None  # examples per micro-batch (None: 32 rows, 16 windows of text)
     accum: int = 1  # micro-batches per optimizer step (``accumulate_grad_batches``)
+    outlier_at: int | None = None  # the optimizer step of an injected outlier batch
+    outlier: float = 1.0  # that step's loss times this (its gradient is the scaled loss's)
+    shifted: int = 0  # steps from ``outlier_at`` whose labels are shifted by one class
 
     @property
     def name(self) -> str:
@@ -272,15 +321,30 @@ class Run:
         steps = "" if self.steps == STEPS else f", {self.steps} steps"
         batch = "" if self.batch is None else f", batch {self.batch}"
         accum = "" if self.accum == 1 else f" x {self.accum}"
+        odd = ""
+        if self.outlier_at is not None:
+            scaled = [f"loss x{self.outlier:g}"] if self.outlier != 1.0 else []
+            wrong = [f"labels+1 x{self.shifted}"] if self.shifted else []
+            odd = f", {' and '.join([*scaled, *wrong])} at {self.outlier_at}"
         return (
             f"{self.model}, {self.optimizer} {self.lr:g}{sched}{clip}{zloss}{steps}{batch}"
-            f"{accum}{boom}"
+            f"{accum}{boom}{odd}"
         )
 
     @property
     def twin(self) -> Run:
         """The same run without the explosion."""
         return replace(self, explode_at=None, explode=1.0)
+
+    @property
+    def clean(self) -> Run:
+        """The same run without the outlier batch."""
+        return replace(self, outlier_at=None, outlier=1.0, shifted=0)
+
+    def outlier_step(self, step: int) -> bool:
+        """Whether optimizer step ``step`` reads an injected outlier batch."""
+        at = self.outlier_at
+        return at is not None and at <= step < at + max(self.shifted, 1)
 
     def lr_at(self, step: int) -> float:  # noqa: PLR0911 (one return per schedule)
         """The learning rate of optimizer step ``step``."""
@@ -436,6 +500,61 @@ batch of 4, Adam with a step schedule (transients and small noisy batches at onc
 pretrained byte GRU fine-tuned whole on the documents of :data:`MIXED` at a micro-batch of 1,
 and of 2 with accumulation over 8."""
 
+# Networks a too-high learning rate kills, healthy runs whose layers idle, healthy runs with an
+# outlier batch: recorded, their held-out half frozen (NEW_HELD_OUT), before any rule was tuned
+# on them.
+DEAD_MODELS = ("relu-mlp-digits", "relu-cnn-digits", "relu-mlp-cancer", "relu-cnn-cancer")
+DEAD_ADAM_LRS = (0.03, 0.1, 0.3, 1.0)
+DEAD_SGD_LRS = (0.5, 1.0, 2.0, 5.0, 10.0)
+DEAD_TWINS = (("adam", 1e-3), ("sgd", 0.05))
+DEAD = [
+    *(
+        Run(model, opt, lr)
+        for model in DEAD_MODELS
+        for opt, lrs in (("adam", DEAD_ADAM_LRS), ("sgd", DEAD_SGD_LRS))
+        for lr in lrs
+    ),
+    *(Run(model, opt, lr) for model in DEAD_MODELS for opt, lr in DEAD_TWINS),
+]
+"""Small ReLU networks without normalisation (an MLP and a CNN on the digits and on the
+breast-cancer set, batch 32): Adam at 0.03-1 and SGD with momentum 0.9 at 0.5-10, where a ReLU
+layer can die whole and the loss sit at chance; their healthy twins at Adam 1e-3 and SGD 0.05.
+Ground truth: :func:`death`, from the recorded activations."""
+IDLE_MODELS = (
+    "frozen-digits", "frozen-cancer", "branch-digits", "branch-cancer", "moe-digits",
+    "moe-cancer",
+)  # fmt: skip
+IDLING = [Run(model, opt, lr) for model in IDLE_MODELS for opt, lr in DEAD_TWINS]
+"""Healthy runs where layers get no gradient for a while (:data:`families.IDLE`): a backbone
+frozen for the first 200 steps (no gradient reaches it), a branch unused from step 100 (no
+gradient), a mixture of experts whose experts 2 and 3 are not chosen over steps 100-200 (a
+gradient of exactly 0: the experts run densely); Adam 1e-3 and SGD 0.05, batch 32."""
+OUTLIER_AT = 120
+OUTLIER_KINDS = ({"outlier": 10.0}, {"outlier": 30.0}, {"shifted": 1}, {"shifted": 2})
+_OUTLIER_TWINS = [
+    Run("outlier-mlp-cancer", "adamw", 3e-4, batch=2, accum=4),
+    Run("outlier-mlp-digits", "adam", 1e-3),
+    Run("outlier-wine", "adam", 1e-3, batch=4, accum=2),
+    Run("outlier-cnn-digits", "sgd", 0.05),
+]
+OUTLIERS = [
+    *_OUTLIER_TWINS,
+    *(
+        replace(twin, outlier_at=OUTLIER_AT, **kind)  # type: ignore[arg-type]
+        for twin in _OUTLIER_TWINS
+        for kind in OUTLIER_KINDS
+    ),
+]
+"""Healthy runs with one outlier at step :data:`OUTLIER_AT`: every micro-batch of that step
+reads 10x or 30x its loss (and back-propagates the scaled loss), or the labels of one or two
+consecutive steps' batches are shifted by one class (``(y + 1) mod C``: a real loss and
+gradient); each with its twin without the outlier. A breast-cancer MLP at a batch of 2 x 4
+accumulated on AdamW 3e-4, a digits MLP at a batch of 32 on Adam 1e-3, the wine set's small
+MLP at 4 x 2 on Adam 1e-3, the digits CNN with BatchNorm at 32 on SGD 0.05 with momentum."""
+NEW_MODELS = frozenset({*DEAD_MODELS, *IDLE_MODELS, *(r.model for r in _OUTLIER_TWINS)})
+"""The models of the dead-network, idling and outlier families: replayed in their own tables
+(:func:`main`), not in the main replay's."""
+
 FAMILY = {
     "mlp": "mlp", "mlp6": "mlp6", "resmlp": "resmlp", "cnn": "cnn", "lstm": "lstm",
     "pre-ln": "pre-ln", "post-ln": "post-ln", "byte-pre-ln": "byte-pre-ln",
@@ -449,7 +568,7 @@ FAMILY = {
 }  # fmt: skip
 
 
-def family(run: Run) -> str:
+def family(run: Run) -> str:  # noqa: PLR0911 (one return per kind of family)
     """The run's family: its model (a GPT with its qk-layernorm twin), the long CNN recipe and
     the output-logit runs apart."""
     if run.model.startswith("gpt") and not run.zloss:
@@ -462,6 +581,10 @@ def family(run: Run) -> str:
         return f"wine-{run.optimizer}"
     if run.model == "ft-mix":
         return "ft-mix-mb1" if run.accum == 1 else "ft-mix-accum"
+    if run.model in DEAD_MODELS:
+        return f"{run.model}-{run.optimizer}"
+    if run.model in NEW_MODELS:
+        return run.model
     return FAMILY[run.model]
 
 
@@ -480,6 +603,15 @@ tunes, ``byte-post-ln`` is held out), recurrent models on RMSprop with clipping 
 fine-tuning a pretrained GPT (``ft``, whole; ``ft-lora``, adapters on the frozen base) and
 fine-tuning it on documents of mixed difficulty (``ft-mix-mb1``, whole at a micro-batch of 1;
 ``ft-mix-accum``, whole at 2 x 8 accumulated, and ``ft-mix-lora``, adapters)."""
+NEW_HELD_OUT = frozenset(
+    {"relu-mlp-digits-adam", "relu-cnn-digits-sgd", "relu-mlp-cancer-sgd", "relu-cnn-cancer-adam"}
+    | {"frozen-cancer", "branch-digits", "moe-cancer", "outlier-wine", "outlier-cnn-digits"}
+)
+"""The held-out half of the dead-network, idling and outlier families, frozen when they were
+recorded, before any rule was tuned on them, by family of model, data and recipe (never by
+seed): of the dead networks, one optimizer per model and data set, so that each half has both
+models, both data sets and both optimizers; one data set of each idling model; the two outlier
+families beyond the two that showed the false alarms (the wine set's MLP and the digits CNN)."""
 FRESH_FAMILIES = frozenset({"gpt-deep", "gpt-6h", "resmlp-wine", "ft-gru-mix"})
 """Families recorded only after the defaults they are judged on were frozen: a half no
 default has seen. Reported apart from both halves."""
@@ -495,9 +627,9 @@ accumulation, where the loss swings most from one micro-batch to the next."""
 
 def group(name: str) -> str:
     """The half a family is reported in: ``tuning``, ``held_out`` or ``fresh``."""
-    return (
-        "fresh" if name in FRESH_FAMILIES else "held_out" if name in HELD_OUT_FAMILIES else "tuning"
-    )
+    if name in FRESH_FAMILIES:
+        return "fresh"
+    return "held_out" if name in HELD_OUT_FAMILIES | NEW_HELD_OUT else "tuning"
 
 
 def _optimizer(run: Run, model: nn.Module) -> torch.optim.Optimizer:
@@ -518,19 +650,21 @@ def _optimizer(run: Run, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=run.lr)
 
 
+def _tabular(model: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | None:
+    """The data set of a model on scikit-learn's sets; ``None`` for a text model."""
+    if model in ("resmlp", "wine", "resmlp-wine", "outlier-wine") or model.endswith("-cancer"):
+        return {"resmlp": _cancer, "wine": _wine, "resmlp-wine": _wine}.get(
+            model, _wine if "wine" in model else _cancer
+        )
+    if model in ("mlp", "mlp6", "cnn", "cnn-m", "bnmlp", "resmlp-digits"):
+        return _digits
+    return _digits if model.endswith("-digits") else None
+
+
 def _batches(run: Run, gen: torch.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    if run.model in (
-        "mlp",
-        "mlp6",
-        "cnn",
-        "resmlp",
-        "cnn-m",
-        "bnmlp",
-        "resmlp-digits",
-        "wine",
-        "resmlp-wine",
-    ):
-        x, y = {"resmlp": _cancer, "wine": _wine, "resmlp-wine": _wine}.get(run.model, _digits)()
+    data = _tabular(run.model)
+    if data is not None:
+        x, y = data()
         while True:
             idx = torch.randint(0, len(x), (run.batch or 32,), generator=gen)
             yield x[idx], y[idx]
@@ -584,18 +718,18 @@ def train(
     opt = _optimizer(run, model)
     layout = ParamLayout.from_modules(_layers(model))
     batches = _batches(run, gen)
+    at_step = getattr(model, "at_step", None)  # a model that idles a part over some steps
     for step in range(run.steps):
         for group in opt.param_groups:
             group["lr"] = run.lr_at(step)
+        if at_step is not None:
+            at_step(step)
         opt.zero_grad()
         micro = []
+        odd = run.outlier_step(step)
         for _ in range(run.accum):  # Lightning's accumulation: each micro-batch's loss / accum
             x, y = next(batches)
-            out = model(x)
-            logits = out.reshape(-1, out.shape[-1])
-            loss = nn.functional.cross_entropy(logits, y.reshape(-1))
-            if run.zloss:
-                loss = loss + run.zloss * torch.logsumexp(logits, -1).square().mean()
+            out, loss = _forward(run, model, x, y, odd)
             (loss / run.accum).backward()
             micro.append(loss.detach())
         loss = loss if run.accum == 1 else torch.stack(micro)
@@ -609,6 +743,23 @@ def train(
         opt.step()
 
 
+def _forward(
+    run: Run, model: nn.Module, x: torch.Tensor, y: torch.Tensor, odd: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's output and loss (cross-entropy, plus the z-loss); on an outlier step
+    (``odd``), with its labels shifted by one class, or its loss (and so its gradient) scaled."""
+    out = model(x)
+    logits = out.reshape(-1, out.shape[-1])
+    if odd and run.shifted:  # wrong labels: each shifted by one class
+        y = (y + 1) % logits.shape[-1]
+    loss = nn.functional.cross_entropy(logits, y.reshape(-1))
+    if run.zloss:
+        loss = loss + run.zloss * torch.logsumexp(logits, -1).square().mean()
+    if odd:  # an outlier batch: its loss, and so its gradient, scaled
+        loss = loss * run.outlier
+    return out, loss
+
+
 def grad_norms(layout: ParamLayout) -> np.ndarray:
     """Per-layer gradient L2 norms, then the global one (a parameter without a gradient: 0)."""
     grads = [p.grad if p.grad is not None else p.new_zeros(1) for p in layout.params]
@@ -619,16 +770,21 @@ def grad_norms(layout: ParamLayout) -> np.ndarray:
 def record(run: Run) -> dict[str, Any]:
     """Train ``run`` and record what the sentinel reads each step: per-layer gradient norms (then
     the global one) and the loss; also the weight norms, for rules that want them."""
-    norms, weights, losses, updates, micro = [], [], [], [], []
+    norms, weights, losses, updates, micro, stepped = [], [], [], [], [], []
     layers: list[str] = []
     last: list[torch.Tensor] | None = None
     grads: list[torch.Tensor | None] = []
     probe = _StabilityProbe() if run.model.startswith(("gpt", "ft")) else None
-    for step, (model, layout, _, loss) in enumerate(train(run, probe and probe.attach)):
+    relus = _ReluProbe() if run.model in NEW_MODELS else None
+    hook = probe.attach if probe is not None else relus.attach if relus is not None else None
+    for step, (model, layout, _, loss) in enumerate(train(run, hook)):
         if probe is not None:
             probe.step(step)
+        if relus is not None:
+            relus.take()
         layers = layout.layers
         norms.append(grad_norms(layout))
+        stepped.append(_stepped(layout))
         with torch.no_grad():
             n = len(layout.layers)
             weights.append(segment_norm(param_norms(layout.params), layout.index, n).numpy().copy())
@@ -651,7 +807,61 @@ def record(run: Run) -> dict[str, Any]:
         "stability": [] if probe is None else probe.windows,
         # the micro-batches' losses, as the callback reads them (with accumulation)
         **({"micro_losses": np.array(micro)} if run.accum > 1 else {}),
+        # the rows some gradient reached, when a layer had none on some step
+        **({} if all(map(all, stepped)) else {"stepped": np.array(stepped, dtype=bool)}),
+        **({} if relus is None else relus.arrays()),
     }
+
+
+def _stepped(layout: ParamLayout) -> list[bool]:
+    """Per layer, whether a gradient reached any of its parameters (the callback leaves a layer
+    with none out of the rules), then the global row: any."""
+    rows = [False] * len(layout.layers)
+    for owner, p in zip(layout.owner, layout.params, strict=True):
+        rows[owner] = rows[owner] or p.grad is not None
+    return [*rows, any(rows)]
+
+
+class _ReluProbe:
+    """Per ``nn.ReLU`` module, on each optimizer step's batches (every micro-batch): whether it
+    ran (on a non-empty input), and whether any of its units fired (an output above 0); the
+    ground truth of a dead network (:func:`death`)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.fired: list[list[bool]] = []
+        self.ran: list[list[bool]] = []
+        self._fired: list[bool] = []
+        self._ran: list[bool] = []
+
+    def attach(self, model: nn.Module) -> None:
+        """Hook every ``nn.ReLU`` of ``model``."""
+        relus = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ReLU)]
+        self.names = [n for n, _ in relus]
+        self._fired = [False] * len(relus)
+        self._ran = [False] * len(relus)
+        for index, (_, module) in enumerate(relus):
+            module.register_forward_hook(partial(self._seen, index))
+
+    def _seen(self, index: int, module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if out.numel():
+            self._ran[index] = True
+            self._fired[index] = self._fired[index] or bool((out > 0).any())
+
+    def take(self) -> None:
+        """Close the step: keep its record, start the next."""
+        self.fired.append(self._fired)
+        self.ran.append(self._ran)
+        self._fired = [False] * len(self.names)
+        self._ran = [False] * len(self.names)
+
+    def arrays(self) -> dict[str, Any]:
+        """What the trace keeps: ``relus`` (names), ``fired`` and ``ran`` (``[steps, relus]``)."""
+        return {
+            "relus": self.names,
+            "fired": np.array(self.fired, dtype=bool).reshape(-1, len(self.names)),
+            "ran": np.array(self.ran, dtype=bool).reshape(-1, len(self.names)),
+        }
 
 
 def logging_step(step: int) -> bool:
@@ -700,7 +910,27 @@ def all_runs() -> list[Run]:
         for seed in NEW_SEEDS
         for run in (*TRANSIENTS, *COLLAPSES, *FINE_TUNING, *FINE_TUNING_MIXED, *FRESH_RUNS)
     ]
-    return runs
+    return runs + new_runs()
+
+
+def new_runs() -> list[Run]:
+    """The dead-network, idling and outlier families, on seeds 0 and 1."""
+    return [replace(run, seed=seed) for seed in NEW_SEEDS for run in (*DEAD, *IDLING, *OUTLIERS)]
+
+
+QUICK = frozenset(
+    {"mlp", "mlp6", "cnn", "resmlp", "cnn-m", "bnmlp", "resmlp-digits", "wine", "resmlp-wine"}
+    | {"lstm", "pre-ln", "post-ln"}
+    | NEW_MODELS
+)
+"""The models quick to record on a CPU (a second or two a run): the digits, tabular and
+character-level ones. The byte-level transformers and recurrent models, the GPTs and the
+fine-tunes take about 40 minutes of one core more."""
+
+
+def quick_runs() -> list[Run]:
+    """The runs of :func:`all_runs` on :data:`QUICK` models."""
+    return [r for r in all_runs() if r.model in QUICK]
 
 
 def record_all(
@@ -711,10 +941,12 @@ def record_all(
 ) -> list[dict[str, Any]]:
     """Every run of ``runs()`` (default: the sweep on every seed), recorded by
     ``record`` and saved to ``path``; with ``again=False``, the runs already in ``path`` are
-    kept and only the missing ones recorded."""
+    kept (those not in ``runs()`` too, after them) and only the missing ones recorded."""
     started = time.perf_counter()
     todo = runs() if runs is not None else [replace(r, seed=s) for s in SEEDS for r in SWEEP]
     kept = {} if again or not path.exists() else _by_run(torch.load(path, weights_only=False))
+    wanted = {_run_key(asdict(run)) for run in todo}
+    others = [t for key, t in kept.items() if key not in wanted]
     traces = []
     for run in todo:
         t = kept.get(_run_key(asdict(run)))
@@ -727,6 +959,7 @@ def record_all(
                 file=sys.stderr,
             )
         traces.append(t)
+    traces += others
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(traces, path)
     return traces
@@ -791,31 +1024,45 @@ def ours(
     statistics ``StabilityStats`` measured."""
 
     def replay(trace: dict[str, Any]) -> list[int]:
-        alarms = TrainingAlarms(trace["layers"], rules)
-        clip = trace["run"].get("clip")
-        # the callback reads the stall on optimizers with a second moment (traces recorded
-        # before the updates were carry none)
-        adaptive = trace["run"]["optimizer"] in ADAPTIVE
-        stall = adaptive and "updates" in trace
-        windows = dict(trace.get("stability", []))
-        alarms.set_adaptive(adaptive)  # as GradFlowTracker.observe sets it from the optimizer
-        found = []
-        # with accumulation, the callback reads every micro-batch's loss
-        losses = trace.get("micro_losses", trace["losses"][:, None])
-        for step, (norm, micro) in enumerate(zip(trace["norms"], losses, strict=True)):
-            alarms.update(torch.from_numpy(norm).float(), step=step, clip=clip)
-            for loss in micro:
-                alarms.update_loss(torch.tensor(loss, dtype=torch.float32), step=step)
-            if logging_step(step) and stall:
-                update = torch.tensor(trace["updates"][step], dtype=torch.float32)
-                alarms.update_stall(update, float(trace["lrs"][step]), step=step)
-            if step in windows:
-                attn = windows[step]
-                alarms.update_attention(attn["attn_logit_max"], attn["attn_entropy_min"], step=step)
-            found += [a.step for a in alarms.poll() if a.rule in warn]
-        return found
+        return [a.step for a in replay_alarms(trace, rules) if a.rule in warn]
 
     return replay
+
+
+def replay_alarms(trace: dict[str, Any], rules: AlarmRules) -> list[TrainingAlarm]:
+    """Every alarm of this library's sentinel at ``rules`` on ``trace``, in order, fed as the
+    callback feeds it (see :func:`ours`); a layer no gradient reached on a step (``stepped``)
+    is out of the rules that step, as the callback leaves it."""
+    alarms = TrainingAlarms(trace["layers"], rules)
+    clip = trace["run"].get("clip")
+    stepped = trace.get("stepped")
+    # the callback reads the stall on optimizers with a second moment (traces recorded
+    # before the updates were carry none)
+    adaptive = trace["run"]["optimizer"] in ADAPTIVE
+    stall = adaptive and "updates" in trace
+    windows = dict(trace.get("stability", []))
+    alarms.set_adaptive(adaptive)  # as GradFlowTracker.observe sets it from the optimizer
+    found: list[TrainingAlarm] = []
+    # with accumulation, the callback reads every micro-batch's loss
+    losses = trace.get("micro_losses", trace["losses"][:, None])
+    for step, (norm, micro) in enumerate(zip(trace["norms"], losses, strict=True)):
+        rows = None if stepped is None or stepped[step].all() else stepped[step]
+        alarms.update(
+            torch.from_numpy(norm).float(),
+            step=step,
+            clip=clip,
+            stepped=None if rows is None else torch.from_numpy(rows),
+        )
+        for loss in micro:
+            alarms.update_loss(torch.tensor(loss, dtype=torch.float32), step=step)
+        if logging_step(step) and stall:
+            update = torch.tensor(trace["updates"][step], dtype=torch.float32)
+            alarms.update_stall(update, float(trace["lrs"][step]), step=step)
+        if step in windows:
+            attn = windows[step]
+            alarms.update_attention(attn["attn_logit_max"], attn["attn_entropy_min"], step=step)
+        found += alarms.poll()
+    return found
 
 
 def olmo_skip_step(trace: dict[str, Any]) -> list[int]:
@@ -1020,11 +1267,18 @@ def score(
     traces: list[dict[str, Any]],
     replay: Callable[[dict[str, Any]], list[int]],
     setbacks: Callable[[dict[str, Any]], list[int]] | None = None,
+    every: bool = False,
 ) -> dict[str, Any]:
-    """Per run without an explosion: its family, the divergence step, the damage against a twin
-    (``None``: no twin), the first warning and (``setbacks``: their replay) the setbacks
-    logged; totals."""
-    by_key = {_key(t["run"]): t for t in traces if t["run"].get("explode_at") is None}
+    """Per run without an explosion (``every``: also those of :data:`NEW_MODELS`, else only the
+    main replay's): its family, the divergence step, the damage against a twin (``None``: no
+    twin), whether it is harmed (:func:`harmed`), the first warning and (``setbacks``: their
+    replay) the setbacks logged; totals."""
+    by_key = {
+        _key(t["run"]): t
+        for t in traces
+        if t["run"].get("explode_at") is None and (every or t["run"]["model"] not in NEW_MODELS)
+    }
+    best = family_bests(list(by_key.values()))
     rows = []
     for trace in by_key.values():
         run = Run(**trace["run"])
@@ -1045,9 +1299,279 @@ def score(
                 "first_warning": found[0] if found else None,
                 "warnings": len(found),
                 "setbacks": None if setbacks is None else len(setbacks(trace)),
+                "end": end_loss(trace["losses"]),
+                "harmed": harmed(trace["losses"], best[recipe(run)]),
             }
         )
     return {"runs": rows, **_totals(rows)}
+
+
+# --- the second label: ends as well as the best run of its family -----------------------------
+
+HARM_RATIO, HARM_MARGIN = 1.10, 0.05
+"""A run ends as well as its family's best when its :func:`end_loss` is at most
+``max(HARM_RATIO x best, best + HARM_MARGIN)``; else it is harmed."""
+
+
+def recipe(run: Run) -> str:
+    """The family a run's end is judged in (:func:`harmed`): the same model (and so the same
+    data and architecture), optimizer, schedule, clipping, z-loss, length, batch and
+    accumulation; any learning rate, any seed, and without an injected event (an explosion or
+    an outlier batch: such a run is judged against the runs without it)."""
+    bare = replace(run.clean.twin, lr=0.0, seed=0)
+    return json.dumps(asdict(bare), sort_keys=True)
+
+
+def end_loss(losses: np.ndarray) -> float:
+    """The mean of the last :data:`TAIL` (50) training losses (``inf``: not finite)."""
+    tail = float(np.mean(losses[-TAIL:]))
+    return tail if math.isfinite(tail) else math.inf
+
+
+def family_bests(traces: list[dict[str, Any]]) -> dict[str, float]:
+    """Per :func:`recipe`, the best (lowest) :func:`end_loss` of its runs in ``traces``."""
+    best: dict[str, float] = {}
+    for trace in traces:
+        key = recipe(Run(**trace["run"]))
+        best[key] = min(best.get(key, math.inf), end_loss(trace["losses"]))
+    return best
+
+
+def harmed(losses: np.ndarray, best: float) -> bool:
+    """The run ends worse than the best run of its family (:func:`recipe`): its
+    :func:`end_loss` is not finite, or above ``max(1.10 x best, best + 0.05)``. A warning on a
+    run that is not harmed (and not divergent) is a false alarm by this label."""
+    end = end_loss(losses)
+    if not math.isfinite(end):
+        return True
+    return end > max(HARM_RATIO * best, best + HARM_MARGIN)
+
+
+def _label_totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Both labels over ``rows``: runs, divergent (the loss's ground truth), harmed (the end
+    against the family's best), harmed or divergent, warned; of the warned, those harmed or
+    divergent and the precision (their share), those the old label calls healthy (not
+    divergent nor worse than a twin) and those the new one calls unharmed (neither harmed nor
+    divergent: its false alarms); the harmed or divergent runs warned."""
+    bad = [r for r in rows if r["harmed"] or r["diverges_at"] is not None]
+    warned = [r for r in rows if r["first_warning"] is not None]
+    true = [r for r in warned if r["harmed"] or r["diverges_at"] is not None]
+    return {
+        "runs": len(rows),
+        "divergent": sum(r["diverges_at"] is not None for r in rows),
+        "harmed": sum(bool(r["harmed"]) for r in rows),
+        "bad": len(bad),
+        "warned": len(warned),
+        "warned_bad": len(true),
+        "precision": len(true) / len(warned) if warned else None,
+        "warned_old_healthy": sum(
+            r["diverges_at"] is None and not r.get("damaged") for r in warned
+        ),
+        "warned_unharmed": len(warned) - len(true),
+        "bad_warned": sum(r["first_warning"] is not None for r in bad),
+    }
+
+
+def label_halves(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`_label_totals` per half (:data:`HALVES`) and over every run (``all``)."""
+    halves = {h: _label_totals([r for r in rows if group(r["family"]) == h]) for h in HALVES}
+    return {**halves, "all": _label_totals(rows)}
+
+
+# --- dead networks, idling layers, outlier batches: the defaults' alarms -----------------------
+
+DEATH_SILENT = 10
+"""A ReLU layer silent (no unit firing on any of a step's batches) on at least this many steps
+with an input, to the end of the run, is dead."""
+WITHIN = 10
+"""A dead network is warned in time when warned no later than this many optimizer steps after
+its death."""
+NOTICED = ("setback", *(r for r, a in check_actions("warn").items() if a == "log"))
+"""The rules only logged under the default ``on_alarm="warn"``: notices."""
+STOPS = tuple(r for r, a in check_actions("stop").items() if a == "stop")
+"""The rules whose alarm stops the run under ``on_alarm="stop"``."""
+
+
+def death(trace: dict[str, Any]) -> tuple[int, str] | None:
+    """The ground truth of a dead network, from the recorded activations: the first step after
+    which some ReLU layer never fires again (no unit above 0 on any batch it ran on) to the end
+    of the run, silent on at least :data:`DEATH_SILENT` steps with an input, and that layer
+    (the whole layer dead); ``None``: none died (or no activations were recorded). A layer that
+    gets no input (an unused branch) is not dead."""
+    if "fired" not in trace:
+        return None
+    found: tuple[int, str] | None = None
+    for column, name in enumerate(trace["relus"]):
+        lit = np.flatnonzero(trace["fired"][:, column])
+        start = int(lit[-1]) + 1 if lit.size else 0
+        silent = int(trace["ran"][start:, column].sum())
+        if silent >= DEATH_SILENT and (found is None or start < found[0]):
+            found = (start, name)
+    return found
+
+
+def quotes_lr(message: str, lr: float) -> bool:
+    """Whether ``message`` names the learning rate ``lr``: "learning rate" or "lr", then within
+    a few words its value (as ``:g``, or in scientific notation), not part of a longer number.
+
+    Example:
+        >>> quotes_lr("at learning rate 0.3 the layer died", 0.3), quotes_lr("step 1", 1.0)
+        (True, False)
+    """
+    values = "|".join(re.escape(v) for v in sorted({f"{lr:g}", f"{lr:.0e}", f"{lr:.1e}"}))
+    pattern = rf"(learning rate|\blr\b)[^;.]{{0,24}}?(?<![\d.])({values})(?![\d])"
+    return re.search(pattern, message) is not None
+
+
+def _alarm_row(alarm: TrainingAlarm | None, lr: float) -> dict[str, Any]:
+    """An alarm's step, rule and layer, and whether its message says "learning rate" (advice
+    included) and names the run's learning rate (:func:`quotes_lr`)."""
+    if alarm is None:
+        return {"step": None, "rule": None, "layer": None, "says_lr": False, "quotes_lr": False}
+    return {
+        "step": alarm.step,
+        "rule": alarm.rule,
+        "layer": alarm.layer,
+        "says_lr": "learning rate" in alarm.message.lower(),
+        "quotes_lr": quotes_lr(alarm.message, lr),
+        "message": alarm.message,
+    }
+
+
+def alarm_summary(trace: dict[str, Any], alarms: list[TrainingAlarm]) -> dict[str, Any]:
+    """One run's defaults' alarms, as ``GradFlowCallback`` acts on them: notices (rules only
+    logged under ``on_alarm="warn"``: *setback*, *spike*, *stall*), warnings (the rules that warn
+    under it), the first warning and whether it is a *diverging*; the step and rule that would
+    stop the run under ``on_alarm="stop"`` (the first alarm of a rule whose action is
+    ``stop``); the loss's ground truth and the end against the family's best are the caller's."""
+    run = Run(**trace["run"])
+    notices = [a for a in alarms if a.rule in NOTICED]
+    warnings = [a for a in alarms if a.rule in WARNED]
+    stop = next((a for a in alarms if a.rule in STOPS), None)
+    return {
+        "run": run.name,
+        "seed": run.seed,
+        "family": family(run),
+        "half": group(family(run)),
+        "optimizer": run.optimizer,
+        "lr": run.lr,
+        "outlier": run.outlier_at is not None,
+        "notices": len(notices),
+        "notice_rules": sorted({a.rule for a in notices}),
+        "warnings": len(warnings),
+        "warning_rules": sorted({a.rule for a in warnings}),
+        "first_warning": _alarm_row(warnings[0] if warnings else None, run.lr),
+        "diverging": next((a.step for a in warnings if a.rule == "diverging"), None),
+        "stop": _alarm_row(stop, run.lr),
+    }
+
+
+def new_families(traces: list[dict[str, Any]], rules: AlarmRules) -> dict[str, Any]:
+    """The dead-network, idling and outlier families under ``rules`` (the defaults): per run,
+    :func:`alarm_summary`, both labels, and for a network that died the step and layer of its
+    death and the first warning from ``WITHIN`` steps before it on; totals per half."""
+    kept = [t for t in traces if t["run"]["model"] in NEW_MODELS]
+    best = family_bests(kept)
+    dead, idle, outliers = [], [], []
+    for trace in kept:
+        run = Run(**trace["run"])
+        alarms = replay_alarms(trace, rules)
+        row = alarm_summary(trace, alarms)
+        finite = np.isfinite(trace["losses"])
+        row |= {
+            "diverges_at": divergence_step(trace["losses"]),
+            "first_nonfinite": None if finite.all() else int(np.argmin(finite)),
+            "end": end_loss(trace["losses"]),
+            "best": best[recipe(run)],
+            "harmed": harmed(trace["losses"], best[recipe(run)]),
+        }
+        died = death(trace)
+        row["death"] = None if died is None else died[0]
+        row["dead_layer"] = None if died is None else died[1]
+        if died is not None:
+            after = [a for a in alarms if a.rule in WARNED and a.step >= died[0] - WITHIN]
+            near = _alarm_row(after[0] if after else None, run.lr)
+            row["death_warning"] = near
+            row["warned_within"] = near["step"] is not None and near["step"] <= died[0] + WITHIN
+        if run.model in DEAD_MODELS:
+            dead.append(row)
+        elif run.model in IDLE_MODELS:
+            idle.append(row)
+        else:
+            outliers.append(row)
+    return {
+        "dead": {"runs": dead, **_dead_totals(dead)},
+        "idle": {"runs": idle, **_healthy_totals(idle)},
+        "outliers": {"runs": outliers, **_outlier_totals(outliers)},
+    }
+
+
+def _twins(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The healthy twins among the dead-network runs: Adam 1e-3 and SGD 0.05."""
+    return [r for r in rows if (r["optimizer"], r["lr"]) in DEAD_TWINS]
+
+
+def _dead_totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per half and over all: runs whose network died (with a finite loss to the end),
+    warned within :data:`WITHIN` steps of death, and of those naming the learning rate; the
+    runs with a non-finite loss; the healthy twins, died and warned."""
+    out = {}
+    for half in (*HALVES, "all"):
+        kept = [r for r in rows if half in ("all", r["half"])]
+        died = [r for r in kept if r["death"] is not None and r["first_nonfinite"] is None]
+        within = [r for r in died if r["warned_within"]]
+        twins = _twins(kept)
+        out[half] = {
+            "runs": len(kept),
+            "died": len(died),
+            "warned_within": len(within),
+            "says_lr": sum(r["death_warning"]["says_lr"] for r in within),
+            "quotes_lr": sum(r["death_warning"]["quotes_lr"] for r in within),
+            "nonfinite": sum(r["first_nonfinite"] is not None for r in kept),
+            "nonfinite_warned": sum(
+                r["first_nonfinite"] is not None and r["warnings"] > 0 for r in kept
+            ),
+            "alive_killers": sum(r["death"] is None and r["first_nonfinite"] is None for r in kept)
+            - sum(r["death"] is None and r["first_nonfinite"] is None for r in twins),
+            "twins": len(twins),
+            "twins_died": sum(r["death"] is not None for r in twins),
+            "twins_warned": sum(r["warnings"] > 0 for r in twins),
+        }
+    return out
+
+
+def _healthy_totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per half and over all: runs, warned, stopped (under ``on_alarm="stop"``), harmed."""
+    out = {}
+    for half in (*HALVES, "all"):
+        kept = [r for r in rows if half in ("all", r["half"])]
+        out[half] = {
+            "runs": len(kept),
+            "warned": sum(r["warnings"] > 0 for r in kept),
+            "stopped": sum(r["stop"]["step"] is not None for r in kept),
+            "harmed": sum(r["harmed"] for r in kept),
+        }
+    return out
+
+
+def _outlier_totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per half and over all, the runs with an outlier and their twins apart: runs, with a
+    notice, warned, warned *diverging*, stopped (under ``on_alarm="stop"``), harmed, divergent
+    by the loss."""
+    out = {}
+    for half in (*HALVES, "all"):
+        for kind, odd in (("outlier", True), ("twin", False)):
+            kept = [r for r in rows if half in ("all", r["half"]) and r["outlier"] == odd]
+            out[f"{half}_{kind}"] = {
+                "runs": len(kept),
+                "noticed": sum(r["notices"] > 0 for r in kept),
+                "warned": sum(r["warnings"] > 0 for r in kept),
+                "diverging": sum(r["diverging"] is not None for r in kept),
+                "stopped": sum(r["stop"]["step"] is not None for r in kept),
+                "harmed": sum(r["harmed"] for r in kept),
+                "divergent": sum(r["diverges_at"] is not None for r in kept),
+            }
+    return out
 
 
 def _in_half(row: dict[str, Any]) -> bool:
@@ -1202,11 +1726,20 @@ def parse_args(
     parser.add_argument("--record", action="store_true", help="record the traces again")
     parser.add_argument("--traces", default=str(RESULTS / f"{traces}.pt"))
     parser.add_argument("--out", default=str(RESULTS / script))
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="record only the missing runs quick on a CPU (QUICK: the digits, tabular and "
+        "character-level models, and the dead-network, idling and outlier families); replay "
+        "the traces there are",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
     path = Path(args.traces)
-    if args.record or not path.exists():
+    if args.quick:  # the quick runs missing recorded, every other trace kept as it is
+        loaded = record_all(path, runs=quick_runs, again=False)
+    elif args.record or not path.exists():
         loaded = record(path)
     elif missing is not None:
         loaded = missing(path)
@@ -1244,36 +1777,89 @@ def all_traces(
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Replay every rule set on the traces; write the results (``--out``: .json and .md).
+
+    The main replay's tables (the runs of :func:`all_runs` but those of :data:`NEW_MODELS`)
+    are written again only when every one of its runs is in the traces; else (``--quick`` on a
+    machine without the costly traces) they are kept from the saved result, and only the
+    sections of :func:`new_markdown` are replaced.
+    """
     args, traces, started, recorded = all_traces("divergence", argv, __doc__)
-    shapes = {
-        (Run(**t["run"]).name, t["run"]["seed"]): shape(t["losses"], step)
-        for t in traces
-        if (step := divergence_step(t["losses"])) is not None
-    }
+    wanted = {_run_key(asdict(run)) for run in all_runs()}
+    traces = [t for t in traces if _run_key(t["run"]) in wanted]
+    present = {_run_key(t["run"]) for t in traces}
+    missing = [r for r in all_runs() if _run_key(asdict(r)) not in present]
+    complete = not [r for r in missing if r.model not in NEW_MODELS]
+    fresh = {family(r) for r in new_runs()}
+    shaped = shapes(traces)
     results: dict[str, Any] = {}
+    labels: dict[str, Any] = {}
     for name, replay in RULE_SETS.items():
-        result = score(traces, replay, SETBACKS.get(name))
-        result["explosions"] = score_explosions(traces, replay)
-        result["halves"] = {half: _half(result, half) for half in HALVES}
-        result["by_shape"] = {
-            kind: _subset(result, lambda r, k=kind: shapes.get((r["run"], r["seed"])) == k)
-            for kind in ("early", "blow-up", "drift")
+        scored = score(traces, replay, SETBACKS.get(name), every=True)
+        rows = scored["runs"]
+        main_rows = [r for r in rows if r["family"] not in fresh]
+        labels[name] = {
+            "halves": label_halves(rows),
+            "main": label_halves(main_rows),
+            "new": label_halves([r for r in rows if r["family"] in fresh]),
+            "runs": [{k: r[k] for k in _LABEL_KEYS} for r in rows],
         }
-        results[name] = result
+        if complete:
+            result = {"runs": main_rows, **_totals(main_rows)}
+            result["explosions"] = score_explosions(traces, replay)
+            result["halves"] = {half: _half(result, half) for half in HALVES}
+            result["by_shape"] = {
+                kind: _subset(result, lambda r, k=kind: shaped.get((r["run"], r["seed"])) == k)
+                for kind in ("early", "blow-up", "drift")
+            }
+            results[name] = result
         print(f"{time.perf_counter() - started:5.0f}s replayed {name}", file=sys.stderr)
-    new, old = results[DEFAULTS]["runs"], results[AT_ONCE]["runs"]
-    logged = [bool(r["setbacks"]) for r in new]
-    out = {
-        **result_header("divergence", argv, started, recorded),
-        "shapes": {f"{run}, seed {seed}": kind for (run, seed), kind in shapes.items()},
-        "rule_sets": results,
-        "changes": {half: changes(new, old, logged, half) for half in (*HALVES, "all")},
-    }
     target = Path(args.out)
+    header = result_header("divergence", argv, started, recorded)
+    news = {
+        "labels": labels,
+        "new_families": new_families(traces, AlarmRules()),
+        "new_held_out_families": sorted(NEW_HELD_OUT),
+        "labelled": {
+            "command": header["command"],
+            "runs": len(traces),
+            "missing_runs": len(missing),
+            "missing_families": sorted({family(r) for r in missing}),
+            "wall_s": time.perf_counter() - started,
+        },
+    }
+    if complete:
+        new, old = results[DEFAULTS]["runs"], results[AT_ONCE]["runs"]
+        logged = [bool(r["setbacks"]) for r in new]
+        out = {
+            **header,
+            "shapes": {f"{run}, seed {seed}": kind for (run, seed), kind in shaped.items()},
+            "rule_sets": results,
+            "changes": {half: changes(new, old, logged, half) for half in (*HALVES, "all")},
+        }
+        text = markdown(out)
+    else:  # the main replay's tables as saved
+        out = json.loads(target.with_suffix(".json").read_text())
+        text = target.with_suffix(".md").read_text().split(NEW_SECTIONS)[0].rstrip("\n") + "\n"
+    out |= news
+    text += new_markdown(out)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.with_suffix(".json").write_text(json.dumps(out, indent=2) + "\n")
-    target.with_suffix(".md").write_text(markdown(out))
-    print(markdown(out))
+    target.with_suffix(".md").write_text(text)
+    print(new_markdown(out))
+
+
+_LABEL_KEYS = ("run", "seed", "family", "diverges_at", "damaged", "end", "harmed", "first_warning")
+
+
+def shapes(traces: list[dict[str, Any]]) -> dict[tuple[str, int], str]:
+    """The shape (:func:`shape`) of each divergent run of ``traces``, by name and seed."""
+    found = {}
+    for t in traces:
+        step = divergence_step(t["losses"])
+        if step is not None and t["run"]["model"] not in NEW_MODELS:
+            found[(Run(**t["run"]).name, t["run"]["seed"])] = shape(t["losses"], step)
+    return found
 
 
 def _cells(t: dict[str, Any]) -> str:
@@ -1426,6 +2012,227 @@ def markdown(out: dict[str, Any]) -> str:
             f"| {row['run']} | {row['seed']} | {row['family']} ({held}) | {at} | {kind} | {first} |"
         )
     return "\n".join(lines) + "\n"
+
+
+# --- the tables of both labels, dead networks, idling layers and outlier batches --------------
+
+NEW_SECTIONS = "## Judged by how the run ends"
+"""The heading the sections of :func:`new_markdown` start at (the saved ``.md`` is cut there
+when the main replay's tables are kept)."""
+
+
+def _precision(t: dict[str, Any]) -> str:
+    return "-" if t["precision"] is None else f"{t['precision']:.0%}"
+
+
+def _label_cells(t: dict[str, Any]) -> str:
+    """Warned; of them harmed or divergent (precision); warned that the old label calls healthy;
+    warned that the new one calls unharmed; harmed or divergent runs warned."""
+    return (
+        f"{t['warned']} | {t['warned_bad']} ({_precision(t)}) | {t['warned_old_healthy']} | "
+        f"{t['warned_unharmed']} | {t['bad_warned']} of {t['bad']} |"
+    )
+
+
+def _yes(value: bool) -> str:
+    return "yes" if value else "no"
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def new_markdown(out: dict[str, Any]) -> str:
+    """The sections on both labels (precision per half, every rule set), the dead networks, the
+    healthy runs whose layers idle and the outlier batches (the defaults)."""
+    labels = out["labels"]
+    done = out["labelled"]
+    missing = ", ".join(done["missing_families"]) or "none"
+    lines = [
+        "",
+        NEW_SECTIONS,
+        "",
+        f"Replayed: {done['runs']} runs (explosions included), every rule set on the same "
+        f"traces; runs of `all_runs()` not in the traces: {done['missing_runs']} (families: "
+        f"{missing}). Command: `{done['command']}`.",
+        "",
+        "Two labels. The old one, from the loss alone: a run is divergent at "
+        "`divergence_step`, else healthy (a GPT worse than its twin is neither). The new one, "
+        "from how the run ends: a run is *harmed* when the mean of its last "
+        f"{TAIL} training losses is above max({HARM_RATIO:g} x its family's best such mean, "
+        f"the best + {HARM_MARGIN:g}) (or not finite). Its family (`recipe`): the same model "
+        "(so the same data), optimizer, schedule, clipping, z-loss, length, batch and "
+        "accumulation, at any learning rate or seed, without the injected event (an outlier "
+        "batch's run is judged against its family without it). A warning is false by the new "
+        "label when the run is neither harmed nor divergent. Precision: of the warned runs, "
+        "the share harmed or divergent.",
+        "",
+        "The held-out half of the new families (frozen before any rule was tuned on them): "
+        + ", ".join(f"`{f}`" for f in out["new_held_out_families"])
+        + ".",
+    ]
+    head = (
+        "| rule set | runs warned | of them harmed or divergent (precision) | warned, healthy "
+        "by the old label | warned, unharmed by the new label (false) | harmed or divergent "
+        "runs warned |"
+    )
+    first = next(iter(labels.values()))["halves"]
+    for half in (*HALVES, "all"):
+        t = first[half]
+        title = HALVES.get(half, "every run replayed")
+        lines += [
+            "",
+            f"**Both labels, {title}** ({t['runs']} runs: {t['divergent']} divergent, "
+            f"{t['harmed']} harmed, {t['bad']} harmed or divergent):",
+            "",
+            head,
+            "| --- " * 6 + "|",
+        ]
+        lines += [f"| {name} | {_label_cells(r['halves'][half])}" for name, r in labels.items()]
+    lines += [
+        "",
+        "The defaults by part (main replay's families replayed here; the new families):",
+        "",
+        "| part | half | runs | harmed or divergent | " + head.split("| ", 2)[2],
+        "| --- " * 9 + "|",
+    ]
+    ours = labels[DEFAULTS]
+    for part in ("main", "new"):
+        for half in (*HALVES, "all"):
+            t = ours[part][half]
+            if t["runs"]:
+                lines.append(f"| {part} | {half} | {t['runs']} | {t['bad']} | {_label_cells(t)}")
+    lines += _dead_lines(out["new_families"]["dead"])
+    lines += _idle_lines(out["new_families"]["idle"])
+    lines += _outlier_lines(out["new_families"]["outliers"])
+    return "\n".join(lines) + "\n"
+
+
+def _dead_lines(dead: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        "### Dead networks (the defaults)",
+        "",
+        "Death, from the recorded activations (`death`): the first step after which a ReLU "
+        f"layer never fires again (no unit above 0 on any batch, at least {DEATH_SILENT} "
+        "steps with an input to the end): the whole layer dead. Warned in time: a warning "
+        f'(a rule that warns under `on_alarm="warn"`) no later than {WITHIN} optimizer '
+        f"steps after the death (the first from {WITHIN} steps before it). Its message says "
+        '"learning rate" (the advice "lower the learning rate" counts), and names the run\'s '
+        'learning rate ("learning rate" or "lr", then its value). Runs whose loss turned '
+        "non-finite are apart.",
+        "",
+        "| half | runs | died (finite loss) | warned within 10 steps | of them saying "
+        '"learning rate" (advice included) | naming the run\'s learning rate | non-finite '
+        "loss | of them warned | killer runs alive | healthy twins | twins died | twins warned |",
+        "| --- " * 12 + "|",
+    ]
+    for half in (*HALVES, "all"):
+        t = dead[half]
+        if t["runs"]:
+            lines.append(
+                f"| {half} | {t['runs']} | {t['died']} | {t['warned_within']} | {t['says_lr']} "
+                f"| {t['quotes_lr']} | {t['nonfinite']} | {t['nonfinite_warned']} | "
+                f"{t['alive_killers']} | {t['twins']} | {t['twins_died']} | {t['twins_warned']} |"
+            )
+    lines += [
+        "",
+        "| run | seed | family (half) | death: step, layer | non-finite from | first warning "
+        'from death - 10: step, rule | within 10 | says "learning rate" | names the lr | '
+        "warnings (rules) | harmed | divergent at |",
+        "| --- " * 12 + "|",
+    ]
+    for r in dead["runs"]:
+        died = "-" if r["death"] is None else f"{r['death']}, {r['dead_layer']}"
+        near = r.get("death_warning")
+        first = "-" if near is None or near["step"] is None else f"{near['step']}, {near['rule']}"
+        within = "-" if near is None else _yes(r["warned_within"])
+        says = "-" if near is None or near["step"] is None else _yes(near["says_lr"])
+        quotes = "-" if near is None or near["step"] is None else _yes(near["quotes_lr"])
+        rules = ", ".join(r["warning_rules"]) or "-"
+        lines.append(
+            f"| {r['run']} | {r['seed']} | {r['family']} ({r['half']}) | {died} | "
+            f"{_dash(r['first_nonfinite'])} | {first} | {within} | {says} | {quotes} | "
+            f"{r['warnings']} ({rules}) | {_yes(r['harmed'])} | {_dash(r['diverges_at'])} |"
+        )
+    return lines
+
+
+def _idle_lines(idle: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        "### Healthy runs whose layers idle (the defaults)",
+        "",
+        "A backbone frozen for the first 200 steps, a branch unused from step 100, a mixture "
+        "of experts whose experts idle (steps 100-200 forced; others by the router). Any "
+        'warning is false; a stop is under `on_alarm="stop"`.',
+        "",
+        "| half | runs | warned | stopped | harmed |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for half in (*HALVES, "all"):
+        t = idle[half]
+        if t["runs"]:
+            lines.append(
+                f"| {half} | {t['runs']} | {t['warned']} | {t['stopped']} | {t['harmed']} |"
+            )
+    lines += [
+        "",
+        "| run | seed | family (half) | warnings (rules), first | stop: step, rule | death | "
+        "harmed |",
+        "| --- " * 7 + "|",
+    ]
+    for r in idle["runs"]:
+        first = r["first_warning"]
+        warned = f"{r['warnings']} ({', '.join(r['warning_rules']) or '-'}), {_dash(first['step'])}"
+        stop = "-" if r["stop"]["step"] is None else f"{r['stop']['step']}, {r['stop']['rule']}"
+        lines.append(
+            f"| {r['run']} | {r['seed']} | {r['family']} ({r['half']}) | {warned} | {stop} | "
+            f"{_dash(r['death'])} | {_yes(r['harmed'])} |"
+        )
+    return lines
+
+
+def _outlier_lines(outliers: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        "### Outlier batches (the defaults)",
+        "",
+        f"At step {OUTLIER_AT}: the step's loss x10 or x30 (its gradient too), or its labels "
+        "(one step, or two consecutive) shifted by one class; each run with its twin without "
+        'it. Notices: rules only logged under the default `on_alarm="warn"` '
+        f"({', '.join(NOTICED)}); warnings: the rules that warn ({', '.join(WARNED)}); stops: "
+        f'the first alarm of a rule that stops under `on_alarm="stop"` '
+        f"({', '.join(STOPS)}). A healthy run: any *diverging* or stop is a false alarm.",
+        "",
+        "| half | runs | with a notice | warned | warned *diverging* | stopped | harmed | "
+        "divergent by the loss |",
+        "| --- " * 8 + "|",
+    ]
+    for key, t in outliers.items():
+        if isinstance(t, dict) and t["runs"]:
+            lines.append(
+                f"| {key.replace('_outlier', ', outlier').replace('_twin', ', twin')} | "
+                f"{t['runs']} | {t['noticed']} | {t['warned']} | {t['diverging']} | "
+                f"{t['stopped']} | {t['harmed']} | {t['divergent']} |"
+            )
+    lines += [
+        "",
+        "| run | seed | family (half) | notices (rules) | warnings (rules), first | diverging "
+        "at | stop: step, rule | harmed (end vs best) | divergent at |",
+        "| --- " * 9 + "|",
+    ]
+    for r in outliers["runs"]:
+        first = r["first_warning"]
+        notices = f"{r['notices']} ({', '.join(r['notice_rules']) or '-'})"
+        warned = f"{r['warnings']} ({', '.join(r['warning_rules']) or '-'}), {_dash(first['step'])}"
+        stop = "-" if r["stop"]["step"] is None else f"{r['stop']['step']}, {r['stop']['rule']}"
+        lines.append(
+            f"| {r['run']} | {r['seed']} | {r['family']} ({r['half']}) | {notices} | {warned} | "
+            f"{_dash(r['diverging'])} | {stop} | {_yes(r['harmed'])} ({r['end']:.3g} vs "
+            f"{r['best']:.3g}) | {_dash(r['diverges_at'])} |"
+        )
+    return lines
 
 
 if __name__ == "__main__":
