@@ -1790,19 +1790,21 @@ def main(argv: list[str] | None = None) -> None:
     present = {_run_key(t["run"]) for t in traces}
     missing = [r for r in all_runs() if _run_key(asdict(r)) not in present]
     complete = not [r for r in missing if r.model not in NEW_MODELS]
-    fresh = {family(r) for r in new_runs()}
+    added = {family(r) for r in new_runs()}
     shaped = shapes(traces)
     results: dict[str, Any] = {}
     labels: dict[str, Any] = {}
+    labelled: list[dict[str, Any]] = []
     for name, replay in RULE_SETS.items():
         scored = score(traces, replay, SETBACKS.get(name), every=True)
         rows = scored["runs"]
-        main_rows = [r for r in rows if r["family"] not in fresh]
+        main_rows = [r for r in rows if r["family"] not in added]
+        labelled = [{k: r[k] for k in _LABEL_KEYS} for r in rows]  # the same for every set
         labels[name] = {
             "halves": label_halves(rows),
             "main": label_halves(main_rows),
-            "new": label_halves([r for r in rows if r["family"] in fresh]),
-            "runs": [{k: r[k] for k in _LABEL_KEYS} for r in rows],
+            "new": label_halves([r for r in rows if r["family"] in added]),
+            "first_warning": [r["first_warning"] for r in rows],  # in the order of label_runs
         }
         if complete:
             result = {"runs": main_rows, **_totals(main_rows)}
@@ -1820,11 +1822,14 @@ def main(argv: list[str] | None = None) -> None:
         "labels": labels,
         "new_families": new_families(traces, AlarmRules()),
         "new_held_out_families": sorted(NEW_HELD_OUT),
+        "label_runs": labelled,
         "labelled": {
             "command": header["command"],
+            "torch": torch.__version__,
             "runs": len(traces),
             "missing_runs": len(missing),
             "missing_families": sorted({family(r) for r in missing}),
+            "complete": complete,
             "wall_s": time.perf_counter() - started,
         },
     }
@@ -1841,6 +1846,8 @@ def main(argv: list[str] | None = None) -> None:
     else:  # the main replay's tables as saved
         out = json.loads(target.with_suffix(".json").read_text())
         text = target.with_suffix(".md").read_text().split(NEW_SECTIONS)[0].rstrip("\n") + "\n"
+        saved = out["rule_sets"][DEFAULTS]["runs"]
+        news["labelled"]["differ_from_saved"] = differ(saved, labelled, labels[DEFAULTS])
     out |= news
     text += new_markdown(out)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -1849,7 +1856,32 @@ def main(argv: list[str] | None = None) -> None:
     print(new_markdown(out))
 
 
-_LABEL_KEYS = ("run", "seed", "family", "diverges_at", "damaged", "end", "harmed", "first_warning")
+_LABEL_KEYS = ("run", "seed", "family", "diverges_at", "damaged", "end", "harmed")
+
+
+def differ(
+    saved: list[dict[str, Any]], rows: list[dict[str, Any]], ours: dict[str, Any]
+) -> dict[str, Any]:
+    """The runs of the saved main replay (``saved``: the defaults' rows) that are in ``rows``
+    (with ``ours``: the defaults' first warnings), and those whose divergence step or first
+    warning differs: traces recorded elsewhere differ in the last bits, and a run at
+    the edge of stability takes another path."""
+    kept = {(r["run"], r["seed"]): r for r in saved}
+    common = [
+        (r, first)
+        for r, first in zip(rows, ours["first_warning"], strict=True)
+        if (r["run"], r["seed"]) in kept
+    ]
+    other = [
+        f"{r['run']}, seed {r['seed']}"
+        for r, first in common
+        if (
+            kept[(r["run"], r["seed"])]["first_warning"],
+            kept[(r["run"], r["seed"])]["diverges_at"],
+        )
+        != (first, r["diverges_at"])
+    ]
+    return {"common": len(common), "runs": other}
 
 
 def shapes(traces: list[dict[str, Any]]) -> dict[tuple[str, int], str]:
@@ -2021,6 +2053,22 @@ NEW_SECTIONS = "## Judged by how the run ends"
 when the main replay's tables are kept)."""
 
 
+def _provenance(done: dict[str, Any]) -> list[str]:
+    """When the main replay's tables above were kept from the saved result: say so, and how
+    far the traces replayed here agree with the saved runs."""
+    if done.get("complete", True):
+        return []
+    other = done["differ_from_saved"]
+    return [
+        "",
+        "The main replay's tables above are the saved result (their traces, recorded "
+        "elsewhere, are not here); the sections below replay the traces recorded here. "
+        f"Of the {other['common']} runs in both, {len(other['runs'])} differ in the defaults' "
+        "first warning or the divergence step (runs at the edge of stability, which take "
+        f"another path from the last bits): {'; '.join(other['runs']) or 'none'}.",
+    ]
+
+
 def _precision(t: dict[str, Any]) -> str:
     return "-" if t["precision"] is None else f"{t['precision']:.0%}"
 
@@ -2055,6 +2103,7 @@ def new_markdown(out: dict[str, Any]) -> str:
         f"Replayed: {done['runs']} runs (explosions included), every rule set on the same "
         f"traces; runs of `all_runs()` not in the traces: {done['missing_runs']} (families: "
         f"{missing}). Command: `{done['command']}`.",
+        *_provenance(done),
         "",
         "Two labels. The old one, from the loss alone: a run is divergent at "
         "`divergence_step`, else healthy (a GPT worse than its twin is neither). The new one, "
