@@ -1308,9 +1308,11 @@ def score(
 
 # --- the second label: ends as well as the best run of its family -----------------------------
 
-HARM_RATIO, HARM_MARGIN = 1.10, 0.05
+HARM_RATIO = 1.10
 """A run ends as well as its family's best when its :func:`end_loss` is at most
 ``max(HARM_RATIO x best, best + HARM_MARGIN)``; else it is harmed."""
+HARM_MARGIN = 0.05
+"""See :data:`HARM_RATIO`: the margin in the loss's units, for a best near 0."""
 
 
 def recipe(run: Run) -> str:
@@ -1834,7 +1836,8 @@ def main(argv: list[str] | None = None) -> None:
         },
     }
     if complete:
-        new, old = results[DEFAULTS]["runs"], results[AT_ONCE]["runs"]
+        new = results[DEFAULTS]["runs"]
+        old = results[AT_ONCE]["runs"]
         logged = [bool(r["setbacks"]) for r in new]
         out = {
             **header,
