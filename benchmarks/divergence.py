@@ -48,12 +48,12 @@ class), each with its twin. Their held-out half (:data:`NEW_HELD_OUT`) was froze
 recorded, before any rule was tuned on them.
 
 The traces are saved in ``benchmarks/results/divergence_traces.pt`` (``--traces``; not in git).
-Recording every run takes about 50 minutes of one CPU core, most of it the byte-level models,
-GPTs and fine-tunes; ``--quick`` records only the runs of :data:`QUICK` (the digits, tabular
-and character-level models and the new families: about 7 minutes) and replays the traces there
-are. Replaying every rule set takes about a minute on the quick runs. When some run of the
-main replay has no trace, its tables are kept from the saved result and only the sections of
-:func:`new_markdown` are written again.
+Recording every run takes roughly an hour of one CPU core (estimated from a few steps of each),
+most of it the byte-level models, GPTs and fine-tunes; ``--quick`` records only the missing
+runs of :data:`QUICK` (the digits, tabular and character-level models and the new families:
+about 8 minutes of one core) and replays the traces there are. Replaying every rule set on the
+quick runs takes under a minute. When some run of the main replay has no trace, its tables are
+kept from the saved result and only the sections of :func:`new_markdown` are written again.
 
 Usage::
 
@@ -925,7 +925,7 @@ QUICK = frozenset(
 )
 """The models quick to record on a CPU (a second or two a run): the digits, tabular and
 character-level ones. The byte-level transformers and recurrent models, the GPTs and the
-fine-tunes take about 40 minutes of one core more."""
+fine-tunes take roughly 50 minutes of one core more (estimated)."""
 
 
 def quick_runs() -> list[Run]:
