@@ -86,8 +86,7 @@ def peak_stat() -> Any:
 class GAN(pl.LightningModule):
     """Lightning's GAN recipe, tiny: manual optimization, one optimizer per network, each
     backward and step between ``toggle_optimizer`` and ``untoggle_optimizer``. Returns the
-    discriminator's loss plus the generator's, ``OFFSET`` more on rank 1 from the fit's batch
-    ``JUMP`` on."""
+    discriminator's loss plus the generator's, ``OFFSET`` more on rank 1 from batch ``JUMP``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,7 +117,7 @@ class GAN(pl.LightningModule):
         opt_d.zero_grad()
         self.untoggle_optimizer(opt_d)
         loss = g_loss.detach() + d_loss.detach()
-        if dist.get_rank() == 1 and step >= 2 * JUMP:  # from the fit's batch JUMP on
+        if dist.get_rank() == 1 and batch_idx >= JUMP:
             loss = loss + OFFSET
         self.losses[step] = loss.item()
         return loss

@@ -80,6 +80,8 @@ class Fault(pl.Callback):
             assert p.grad is not None
             if self.kind == "multiply" and hit:
                 p.grad.mul_(1e6)
+            if self.kind == "scale50" and hit:
+                p.grad.mul_(50.0)
             if self.kind == "shrink" and trainer.global_step >= self.step:
                 p.grad.mul_(1e-6)
 
@@ -536,3 +538,25 @@ def test_stop_makes_no_per_step_decision_collective(
     with pytest.warns(TrainingAlarmWarning, match=rf"(spike|explosion) at optimizer step {K}"):
         trainer.fit(LongMLP())
     assert trainer.global_step == K + 1 and calls == []
+
+
+@pytest.mark.parametrize(("on_alarm", "stopped"), [("stop", False), ({"spike": "stop"}, True)])
+def test_stop_never_ends_a_run_on_a_spike_unless_named(
+    trainer_factory: Any, on_alarm: Any, stopped: bool
+) -> None:
+    """One step's gradient 50x its usual size, once: a spike, which healthy runs show too, so
+    a notice. ``on_alarm="stop"`` lets the run go on (the spike counted under notices); a
+    mapping that names the spike stops the run after its step."""
+    trainer = trainer_factory(
+        callbacks=[Fault("scale50"), GradFlowCallback(alarms=GRAD_RULES, on_alarm=on_alarm)],
+        max_steps=K + 5,
+    )
+    if stopped:
+        with pytest.warns(TrainingAlarmWarning, match=rf"spike at optimizer step {K}"):
+            trainer.fit(LongMLP())
+    else:
+        trainer.fit(LongMLP())
+    assert trainer.global_step == (K + 1 if stopped else K + 5)
+    kind = "alarms" if stopped else "notices"
+    counts = read_scalars(trainer.logger.log_dir)[f"grad_flow/{kind}_step/spike"]
+    assert sum(v for _, v in counts) >= 1

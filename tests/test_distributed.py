@@ -21,7 +21,7 @@ from pytorch_lightning import Trainer
 from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.strategies import FSDPStrategy
 
-from lightning_hooks import AlarmRules, GradFlowCallback
+from lightning_hooks import GradFlowCallback
 from lightning_hooks.core import ALARM_RULES
 
 from conftest import hooks_left, read_scalars, run_script
@@ -131,19 +131,17 @@ def test_loss_rules_read_the_mean_loss_and_raise_on_every_rank(
     ddp_run: tuple[Path, str],
 ) -> None:
     # Rank 1's loss jumps by OFFSET from step JUMP on, rank 0's does not: the diverging rule reads
-    # the mean over ranks, so both ranks raise once the jump has held diverge_patience steps (a
-    # rank that did not would leave the other waiting in the next collective: the launch's
-    # timeout would fail the fixture).
+    # the mean over ranks, so both ranks raise at JUMP (a rank that did not would leave the other
+    # waiting in the next collective: the launch's timeout would fail the fixture).
     out, _ = ddp_run
-    confirmed = JUMP + AlarmRules().diverge_patience - 1
     ranks = [_report(out, r)["raise"] for r in (0, 1)]
     losses = [{int(s): v for s, v in r["losses"].items()} for r in ranks]
     assert max(losses[0].values()) < OFFSET / 4 < losses[1][JUMP]  # only rank 1's jumps
     for report in ranks:
         assert report["loss_reading"] == "mean"
-        assert report["error"]["rule"] == "diverging" and report["error"]["step"] == confirmed
-        assert report["global_step"] == confirmed + 1
-        want = (losses[0][confirmed] + losses[1][confirmed]) / 2  # the mean of what each returned
+        assert report["error"]["rule"] == "diverging" and report["error"]["step"] == JUMP
+        assert report["global_step"] == JUMP + 1
+        want = (losses[0][JUMP] + losses[1][JUMP]) / 2  # the mean of what each rank returned
         assert math.isclose(report["error"]["value"], want, rel_tol=1e-6), (report, want)
 
 
@@ -155,13 +153,14 @@ def test_default_actions_count_the_same_alarms_on_every_rank(
     assert ranks[0]["alarms"] == ranks[1]["alarms"]  # rule, step and value of every alarm
     losses = [{int(s): v for s, v in r["losses"].items()} for r in ranks]
     diverging = [a for a in ranks[0]["alarms"]["1"] if a[0] == "diverging"]
-    confirmed = JUMP + AlarmRules().diverge_patience - 1  # the jump held diverge_patience steps
-    assert [step for _, step, _ in diverging] == list(range(confirmed, 8))
+    assert [step for _, step, _ in diverging] == list(range(JUMP, 8))  # from the jump on
     for _, step, value in diverging:
         assert math.isclose(value, (losses[0][step] + losses[1][step]) / 2, rel_tol=1e-6)
     # "warn": once per rule and epoch, on rank 0 only
-    warned = f"GradFlowCallback [diverging]: loss diverging at optimizer step {confirmed}:"
-    assert [w.startswith(warned) for w in ranks[0]["warnings"]] == [True]
+    assert [
+        w.startswith(f"GradFlowCallback [diverging]: loss diverging at optimizer step {JUMP}:")
+        for w in ranks[0]["warnings"]
+    ] == [True]
     assert ranks[1]["warnings"] == []
     # rank 0's TensorBoard counts (each epoch's, at its last step) are those alarms
     logged = read_scalars(out / "warn" / "tb")["grad_flow/alarms/diverging"]

@@ -36,8 +36,6 @@ from typing import Any
 import pytest
 from fault_run import JUMP, OFFSET
 
-from lightning_hooks import AlarmRules
-
 from conftest import _LAUNCHER_ENV
 
 LIMIT_S = 150  # a launch takes about 20 s; a hang ends here
@@ -166,25 +164,23 @@ def test_healthy_fits_make_one_agreement_per_epoch_end_and_none_per_quiet_step(
 
 def test_gan_on_two_processes_keeps_the_loss_rules(ddp: list[dict[str, Any]]) -> None:
     # Lightning's GAN recipe returns its loss on every rank: the rules read the mean loss over
-    # ranks and fire on both, at the same step, with the same value, once the jump has held
-    # for diverge_patience batches.
+    # ranks and fire on both, at the same step, with the same value.
     ranks = [r["gan"] for r in ddp]
     losses = [{int(s): v for s, v in r["losses"].items()} for r in ranks]
-    jump = 2 * (JUMP + AlarmRules().diverge_patience - 1)  # two optimizer steps per batch
-    assert losses[1][2 * JUMP] > OFFSET > losses[0][2 * JUMP]
+    jump = 2 * JUMP  # two optimizer steps per batch
+    assert losses[1][jump] > OFFSET > losses[0][jump]
     for report in ranks:
         assert report["loss_reading"] == "mean" and report["global_step"] == 16
     assert ranks[0]["alarms"] == ranks[1]["alarms"]
-    alarms = [a for epoch in ranks[0]["alarms"].values() for a in epoch]
-    assert alarms[0][:2] == ["setback", 2 * JUMP]  # noticed at the jump
-    diverging = [a for a in alarms if a[0] == "diverging"]
+    diverging = [a for a in ranks[0]["alarms"]["0"] if a[0] == "diverging"]
     assert diverging and diverging[0][1] == jump
     assert diverging[0][2] == pytest.approx((losses[0][jump] + losses[1][jump]) / 2, rel=1e-5)
-    # one warning per epoch: confirmed in the second epoch, where the loss stays up
+    # one warning per epoch (the loss stays up): at the jump, then again in the second epoch
     speaker = "GradFlowCallback [diverging]: "
     assert all(w.startswith(speaker) for w in ranks[0]["warnings"])
     found = [w.removeprefix(speaker).split(":")[0] for w in ranks[0]["warnings"]]
-    assert found == [f"loss diverging at optimizer step {jump}"], found
+    assert found[0] == f"loss diverging at optimizer step {jump}", found
+    assert all(w.startswith("loss diverging at optimizer step ") for w in found) and len(found) == 2
 
 
 def test_manual_optimization_where_ranks_disagree_turns_the_loss_rules_off_on_all(

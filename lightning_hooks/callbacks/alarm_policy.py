@@ -34,12 +34,18 @@ _SUMMARY_LINES = 100
 
 
 def check_actions(on_alarm: object) -> dict[str, Action]:
-    """``on_alarm`` as an action per rule: unnamed rules warn, *spike* and *stall* log unless
-    named (or the one action is not ``"warn"``); ``"skip"`` warns for the rules it cannot cure.
+    """``on_alarm`` as an action per rule: unnamed rules warn; the notices *spike* and *stall*
+    log unless named, or unless the one action is ``"skip"`` (skipping a spike's step is what
+    it is for): one ``"stop"`` or ``"raise"`` never ends a run on a notice, which healthy runs
+    show too; ``"skip"`` warns for the rules it cannot cure.
 
     Example:
         >>> check_actions("skip")["vanishing"], check_actions("warn")["spike"]
         ('warn', 'log')
+        >>> check_actions("stop")["diverging"], check_actions("stop")["spike"]
+        ('stop', 'log')
+        >>> check_actions({"spike": "stop"})["spike"]
+        'stop'
     """
     if not isinstance(on_alarm, str | Mapping):
         raise TypeError(
@@ -56,7 +62,7 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
     given = dict.fromkeys(_ACTIONABLE, on_alarm) if isinstance(on_alarm, str) else on_alarm
     if on_alarm == "skip":
         given = {**given, **dict.fromkeys(_NOT_SKIPPABLE, "warn")}
-    if on_alarm == "warn":
+    if on_alarm in ("warn", "stop", "raise"):
         given = {**given, **dict.fromkeys(_LOGGED, "log")}
     actions: dict[str, Action] = {
         **dict.fromkeys(_ACTIONABLE, "warn"),

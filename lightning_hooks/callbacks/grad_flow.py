@@ -87,8 +87,9 @@ class GradFlowCallback(HookCallback):
         heatmap: log an image of the gradient norm per layer and epoch each epoch.
         alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
         on_alarm: ``"warn"``, ``"stop"``, ``"raise"``, ``"skip"`` or ``"log"`` for every rule, or
-            ``{rule: action}``; unnamed rules warn, under ``"warn"`` *spike* and *stall* only log,
-            and ``"skip"`` warns for the loss rules, *vanishing*, *stall* and *attention*.
+            ``{rule: action}``; unnamed rules warn; the notices *spike* and *stall* only log
+            unless named, or under ``"skip"``, which warns for the loss rules, *vanishing*,
+            *stall* and *attention* (it cures none of them).
         every_n_steps: measure on optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``); the alarms run on every step.
         stability: log the instability statistics ``stability/...`` on the logging steps,

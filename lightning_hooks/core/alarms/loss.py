@@ -28,6 +28,10 @@ _JITTER_SPAN = 64  # losses in the jitter's running mean: a spread steady over a
 # the level (the best's reference) lengthens until its own spread is this share of itself
 _LEVEL_NOISE = 0.1
 _LEVEL_SPAN_MAX = 128
+_LEARNT = 0.5
+"""A run whose best loss is under this share of its start has learnt: *diverging*'s
+``diverge_lost`` bar then holds the median loss of its last steps, which an outlier batch cannot
+move, not the running mean, which one bad batch moves."""
 
 
 class LossProgress(NamedTuple):
@@ -136,11 +140,12 @@ class LossRules:
     learnt, and by ``diverge_noise`` spreads of the short mean's own noise), a *setback* opens:
     logged, never warned. It is confirmed as *diverging*, which warns, when
     ``diverge_patience`` of its optimizer steps have a mean loss over the bar themselves (not
-    only the running mean, which remembers one bad batch for a few steps), when the median of
-    the last ``2 * diverge_patience - 1`` optimizer steps' mean losses passes ``diverge_lost``
-    times where the run started (a median that fewer than ``diverge_patience`` outlier steps
-    cannot move: one bad batch, or two, is a setback and not a divergence), or when the loss is
-    not finite. A setback that falls back first is logged as recovered.
+    only the running mean, which remembers one bad batch for a few steps), when the loss passes
+    ``diverge_lost`` times where the run started (the running mean; once the run has learnt,
+    the median of the last ``2 * diverge_patience - 1`` optimizer steps' mean losses, which
+    fewer than ``diverge_patience`` outlier steps cannot move: one bad batch, or two, is a
+    setback and not a divergence), or when the loss is not finite. A setback that falls back
+    first is logged as recovered.
 
     Under gradient accumulation the callback reads every micro-batch's loss: the rule counts
     the losses of each optimizer step (:attr:`per_step`), spans its running means over
@@ -289,15 +294,27 @@ class LossRules:
             return opened + self._confirm(step, x, why)
         # the run's start (:attr:`LossLevels.first`) is known once ``min_history`` losses are in
         started = levels.seen > rules.min_history
-        typical = float(np.median(self._recent)) if self._recent else levels.mean
-        lost = started and typical > rules.diverge_lost * levels.first + self._noise_bar()
-        if lost:
-            why = (
-                f"the median loss of its last {len(self._recent)} optimizer steps is past "
-                f"diverge_lost={rules.diverge_lost:g}x the run's start"
-            )
+        lost_bar = rules.diverge_lost * levels.first + self._noise_bar()
+        if started and self._learnt() and self._recent:
+            median = float(np.median(self._recent))
+            if median > lost_bar:
+                why = (
+                    f"the median loss of its last {len(self._recent)} optimizer steps is past "
+                    f"diverge_lost={rules.diverge_lost:g}x the run's start"
+                )
+                return opened + self._confirm(step, x, why)
+        elif started and levels.mean > lost_bar:
+            why = f"its running mean is past diverge_lost={rules.diverge_lost:g}x the run's start"
             return opened + self._confirm(step, x, why)
         return opened
+
+    def _learnt(self) -> bool:
+        """Whether the run has learnt: its best is under :data:`_LEARNT` of its start. Such a run
+        meets an outlier batch now and then, and one or two cannot move the median its
+        ``diverge_lost`` bar holds; a run that has not learnt yet has nothing to lose to one
+        batch, and a jump there is the first sign of a learning rate too high."""
+        levels = self.levels
+        return levels.best < _LEARNT * levels.first if levels.first > 0 else False
 
     def _noise_bar(self) -> float:
         """How far the short mean wanders from noise alone: ``diverge_noise`` of its spreads,

@@ -109,10 +109,11 @@ class AlarmRules:
             under ``on_alarm``) once this many of its optimizer steps have a mean loss over the
             bar themselves, not only the running mean that remembers an earlier one (1: at
             once); one step's micro-batches, read at the same weights, count once ...
-        diverge_lost: ... or when the median loss of the last ``2 * diverge_patience - 1``
-            optimizer steps is above this many times the run's start (beyond the noise bar;
-            once ``min_history`` losses are in: one or two outlier batches cannot move the
-            median, where the running mean remembers them), or the loss is not finite. A
+        diverge_lost: ... or when the loss is above this many times the run's start (beyond
+            the noise bar; once ``min_history`` losses are in): its running mean, or, once the
+            run's best is under half its start, the median loss of the last
+            ``2 * diverge_patience - 1`` optimizer steps (one or two outlier batches cannot
+            move it, where the running mean remembers them); or the loss is not finite. A
             setback that falls back before either is logged as recovered. Must be > 0.
         stall_factor: *stall*: on a logging step, the median ``|w_after - w_before| / lr`` over
             a sample of each tensor's entries with a non-zero gradient fell this many times
