@@ -38,6 +38,7 @@ __all__ = [
     "Notice",
     "alarm_tag",
     "epoch_tag",
+    "family_tag",
     "grad_flow_tag",
     "layer_tag",
     "notice_tag",
@@ -69,6 +70,18 @@ LIBRARY_FAMILIES = (
 )
 """The families of the library's own tags; a tag of any other family is a user's statistic
 (:class:`~lightning_hooks.StatsCallback`), a column of its own in ``lightning-hooks report``."""
+
+
+def family_tag(family: str, name: str, part: str | None = None) -> str:
+    """A tag of a family's own that is not a layer's statistic: a picture (a chart, a heatmap, a
+    histogram, an image), or a value of the whole step: ``<family>/<name>``, or
+    ``<family>/<name>/<part>`` (the layer or statistic it is of).
+
+    Example:
+        >>> family_tag("grad_flow", "chart"), family_tag("activations", "histogram", "net.0")
+        ('grad_flow/chart', 'activations/histogram/net.0')
+    """
+    return f"{family}/{name}" if part is None else f"{family}/{name}/{part}"
 
 
 def layer_tag(family: str, stat: str, layer: str | None = None) -> str:

@@ -220,5 +220,7 @@ def test_include_and_types_select_layers(trainer_factory: Any, tmp_path: Path) -
 
 
 def test_bad_types_argument_is_named() -> None:
-    with pytest.raises(TypeError, match=r"GradFlowCallback\(types=3\): expected an nn.Module"):
+    with pytest.raises(
+        TypeError, match=r"GradFlowCallback\(types=3\): must be a subclass of one of \['Module'\]"
+    ):
         GradFlowCallback(types=3)  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from lightning_hooks.core.stats.activation_shape import ActivationShape
 from lightning_hooks.core.stats.activation_stats import ActivationResult, ActivationStatsTracker
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import Binned, layer_epoch_heatmap, log_figure, log_histogram
+from lightning_hooks.tags import family_tag
 
 __all__ = ["ActivationStatsCallback"]
 
@@ -155,7 +156,8 @@ class ActivationStatsCallback(StatsCallback):
             if stats.numel[row] and np.isfinite(hist.edges).all():
                 low, high, total, squares = (float(column[row]) for column in columns)
                 binned = Binned(hist.edges[1:], hist.counts, (low, high, total, squares))
-                log_histogram(trainer.loggers, f"activations/histogram/{hist.layer}", binned, step)
+                tag = family_tag("activations", "histogram", hist.layer)
+                log_histogram(trainer.loggers, tag, binned, step)
         heatmaps = {stat: stats.column(stat) for stat in _HEATMAPS}
         self._history.add(trainer.current_epoch, stats.layers, heatmaps)
         if self.heatmaps:
@@ -165,7 +167,7 @@ class ActivationStatsCallback(StatsCallback):
         for stat in _HEATMAPS:
             layers, epochs, grid = self._history.grid(stat)
             figure = layer_epoch_heatmap(layers, epochs, grid, title=f"activations: {stat}")
-            log_figure(trainer.loggers, f"activations/heatmap/{stat}", figure, step)
+            log_figure(trainer.loggers, family_tag("activations", "heatmap", stat), figure, step)
 
 
 def _check_range(value: tuple[float, float] | None) -> tuple[float, float] | None:

@@ -19,7 +19,7 @@ from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import Patterns, as_patterns
 from lightning_hooks.errors import LightningHooksError
 from lightning_hooks.logging import feature_map_grid, log_embedding, log_image, log_scalars
-from lightning_hooks.tags import layer_tag
+from lightning_hooks.tags import family_tag, layer_tag
 
 __all__ = ["FeatureMapCallback", "ProbeInputError"]
 
@@ -209,11 +209,12 @@ class FeatureMapCallback(HookCallback):
         for name, output in drawn:
             if 2 <= output.dim() <= 5:
                 image = feature_map_grid(output, self.channels)
-                log_image(trainer.loggers, f"feature_map/{name}", image, step)
+                log_image(trainer.loggers, family_tag("feature_map", name), image, step)
         if self.embedding is not None and isinstance(outputs.get(self.embedding), torch.Tensor):
             features = outputs[self.embedding].flatten(1).float().cpu()
             labels = None if self._labels is None else self._labels.cpu().tolist()
-            log_embedding(trainer.loggers, f"feature_map/{self.embedding}", features, labels, step)
+            tag = family_tag("feature_map", self.embedding)
+            log_embedding(trainer.loggers, tag, features, labels, step)
 
 
 class ProbeInputError(LightningHooksError, TypeError):

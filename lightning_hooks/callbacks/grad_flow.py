@@ -124,7 +124,7 @@ class GradFlowCallback(HookCallback):
         every_n_steps: int | None = None,
         stability: bool = True,
     ) -> None:
-        _check_types(types)
+        checks.module_types("GradFlowCallback", types, (nn.Module,))
         super().__init__(every_n_steps=every_n_steps)
         self.alarms = _alarm_rules(alarms)
         self.policy = AlarmPolicy(on_alarm, request_stop=self._request_stop)
@@ -343,15 +343,6 @@ def _saved_by_release_0_2(state: dict[str, Any]) -> dict[str, Any]:
     if "stability" in state:
         converted[f"1:{StabilityStats.__name__}"] = state["stability"]
     return {**converted, **rest}
-
-
-def _check_types(types: ModuleTypes) -> None:
-    for t in types if isinstance(types, tuple) else (types,):
-        if t is not None and not (isinstance(t, type) and issubclass(t, nn.Module)):
-            raise TypeError(
-                f"GradFlowCallback(types={types!r}): expected an nn.Module subclass or a tuple of "
-                f"them, got {t!r}"
-            )
 
 
 def _alarm_rules(alarms: AlarmRules | bool) -> AlarmRules | None:

@@ -17,7 +17,7 @@ from lightning_hooks.logging import (
     log_figure,
     log_histogram,
 )
-from lightning_hooks.tags import GRAD_FLOW, grad_flow_tag
+from lightning_hooks.tags import GRAD_FLOW, family_tag, grad_flow_tag
 
 __all__ = ["GradFlowPictures", "observe_histograms"]
 
@@ -81,7 +81,7 @@ class GradFlowPictures:
         peak = stats.column("grad_abs_max", "peak")[:-1]
         title = f"gradient flow, epoch {trainer.current_epoch}"
         figure = grad_flow_figure(stats.layers[:-1], mean, peak, title=title)
-        log_figure(trainer.loggers, f"{GRAD_FLOW}/chart", figure, trainer.global_step)
+        log_figure(trainer.loggers, family_tag(GRAD_FLOW, "chart"), figure, trainer.global_step)
 
     def _write_heatmap(self, trainer: pl.Trainer, stats: LayerTable) -> None:
         norms = {"grad_norm": stats.column("grad_norm")[:-1]}
@@ -89,7 +89,7 @@ class GradFlowPictures:
         layers, epochs, values = self.history.grid("grad_norm")
         title = "gradient norm per layer and epoch (mean over steps)"
         heatmap = layer_epoch_heatmap(layers, epochs, values, title=title, log=True)
-        log_figure(trainer.loggers, f"{GRAD_FLOW}/heatmap", heatmap, trainer.global_step)
+        log_figure(trainer.loggers, family_tag(GRAD_FLOW, "heatmap"), heatmap, trainer.global_step)
 
     def _write_histograms(
         self,

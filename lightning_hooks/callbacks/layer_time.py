@@ -14,6 +14,7 @@ from lightning_hooks.core.checks import boolean, named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
 from lightning_hooks.logging import layer_time_figure, log_figure
+from lightning_hooks.tags import family_tag
 
 __all__ = ["LayerTimeCallback"]
 
@@ -108,4 +109,4 @@ class LayerTimeCallback(StatsCallback):
         step_ms = times.step_ms
         title = f"forward time per layer, epoch {epoch}, step {step_ms:.2f} ms"
         figure = layer_time_figure(times.layers, times.forward_ms, step_ms, title=title)
-        log_figure(trainer.loggers, "layer_time/chart", figure, trainer.global_step)
+        log_figure(trainer.loggers, family_tag("layer_time", "chart"), figure, trainer.global_step)

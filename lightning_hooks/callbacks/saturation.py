@@ -11,7 +11,7 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Logged
 from lightning_hooks.callbacks.stats import Findings, StatsCallback
-from lightning_hooks.core.checks import fraction_or_none, named_arguments, real
+from lightning_hooks.core.checks import fraction_or_none, module_types, named_arguments, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.saturation import (
     SATURATING_TYPES,
@@ -24,15 +24,6 @@ __all__ = ["SaturationCallback"]
 
 
 _NAME = "SaturationCallback"
-
-
-def _check_types(types: ModuleTypes) -> None:
-    for t in types if isinstance(types, tuple) else (types,):
-        if t is not None and not (isinstance(t, type) and issubclass(t, SATURATING_TYPES)):
-            raise TypeError(
-                f"{_NAME}(types={types!r}): must be a subclass of one of "
-                f"{[s.__name__ for s in SATURATING_TYPES]}, got {t!r}"
-            )
 
 
 @named_arguments
@@ -88,7 +79,7 @@ class SaturationCallback(StatsCallback):
         warn_at: float | None = 0.5,
         every_n_steps: int | None = None,
     ) -> None:
-        _check_types(types)
+        module_types(_NAME, types, SATURATING_TYPES)
         dim: Any = unit_dim
         if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
             raise TypeError(f"{_NAME}(unit_dim={dim!r}): must be an int, got {dim!r}")

@@ -124,6 +124,27 @@ def choice(owner: str, name: str, value: object, allowed: Sequence[T]) -> T:
     )
 
 
+def module_types(owner: str, types: object, bases: tuple[type, ...]) -> None:
+    """Refuse ``types`` (one class, a tuple of them, or ``None``) unless each is a subclass of
+    one of ``bases``, naming them.
+
+    Raises:
+        TypeError: a type is not a subclass of one of ``bases``.
+
+    Example:
+        >>> module_types("GradFlowCallback", int, (object,))
+        >>> module_types("Owner", "Linear", (type,))
+        Traceback (most recent call last):
+        TypeError: Owner(types='Linear'): must be a subclass of one of ['type'], got 'Linear'
+    """
+    for t in types if isinstance(types, tuple) else (types,):
+        if t is not None and not (isinstance(t, type) and issubclass(t, bases)):
+            raise TypeError(
+                f"{owner}(types={types!r}): must be a subclass of one of "
+                f"{[b.__name__ for b in bases]}, got {t!r}"
+            )
+
+
 def callable_or_none(owner: str, name: str, value: object) -> Callable[..., Any] | None:
     """``value`` if it is callable or ``None``, else ``TypeError``."""
     if value is None or callable(value):

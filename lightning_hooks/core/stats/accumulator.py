@@ -12,6 +12,7 @@ import torch
 from lightning_hooks.core.checks import choice, named_arguments
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.core.transport import rank
+from lightning_hooks.tags import family_tag
 
 __all__ = ["LayerStatsAccumulator", "LayerTable"]
 
@@ -148,7 +149,7 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
     def tags(self, result: LayerTable) -> dict[str, float]:
         """``{stat}/{layer}``: the mean of every observed cell."""
         return {
-            f"{stat}/{layer}": float(result.mean[i, j])
+            family_tag(stat, layer): float(result.mean[i, j])
             for i, layer in enumerate(result.layers)
             for j, stat in enumerate(result.stats)
             if result.count[i, j] > 0

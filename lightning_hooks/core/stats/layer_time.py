@@ -14,7 +14,7 @@ from typing_extensions import Unpack
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.ops.tensors import is_training_forward
 from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
-from lightning_hooks.tags import layer_tag
+from lightning_hooks.tags import family_tag, layer_tag
 
 __all__ = ["LayerTimer", "LayerTimes"]
 
@@ -249,8 +249,8 @@ class LayerTimer(LayerStat[LayerTimes]):
             layer = result.layers[i]
             out[layer_tag("layer_time", "forward_ms", layer)] = float(result.forward_ms[i])
             out[layer_tag("layer_time", "share", layer)] = float(share[i])
-        out["layer_time/step_ms"] = result.step_ms
-        out["layer_time/forward_share"] = float(share.sum())
+        out[family_tag("layer_time", "step_ms")] = result.step_ms
+        out[family_tag("layer_time", "forward_share")] = float(share.sum())
         return out
 
     def reset(self) -> None:
