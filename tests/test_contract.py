@@ -356,3 +356,12 @@ def test_reused_for_another_model_it_measures_that_model_as_a_fresh_one_does(
         if not tag.startswith("layer_time/"):  # wall-clock times differ from run to run
             assert [s for s, _ in runs["reused"][tag]] == [s for s, _ in points], tag
             assert [v for _, v in runs["reused"][tag]] == pytest.approx([v for _, v in points])
+
+
+def test_every_exported_callback_is_held_to_the_contract() -> None:
+    """Each callback ``lightning_hooks.callbacks`` exports is in :data:`CALLBACKS`, but
+    ``StatsCallback``, which needs the user's statistics (``tests/test_stats_callback.py``)."""
+    import lightning_hooks.callbacks
+
+    exported = set(lightning_hooks.callbacks.__all__) - {"StatsCallback"}
+    assert {cls.__name__ for cls in CALLBACKS} == exported  # type: ignore[attr-defined]

@@ -209,10 +209,10 @@ class SaturationTracker(LayerStat[SaturatedUnits]):
             out[layer_tag("saturation", "always_saturated_fraction", layer)] = float(always[i])
         if ran.any():
             total = result.saturated[ran].sum() / result.entries[ran].sum()
-            out["saturation/global/saturated_fraction"] = float(total)
+            out[layer_tag("saturation", "saturated_fraction")] = float(total)
             always_all = result.always_saturated[ran].sum() / result.units[ran].sum()
-            out["saturation/global/always_saturated_fraction"] = float(always_all)
-        out["saturation/global/layers"] = float(ran.sum())
+            out[layer_tag("saturation", "always_saturated_fraction")] = float(always_all)
+        out[layer_tag("saturation", "layers")] = float(ran.sum())
         return out
 
 
