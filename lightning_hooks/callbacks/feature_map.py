@@ -95,7 +95,11 @@ class FeatureMapCallback(HookCallback):
         self.channels = checks.positive_int(_OWNER, "channels", channels)
         self.probe_size = checks.positive_int(_OWNER, "probe_size", probe_size)
         self.every_n_epochs = checks.positive_int(_OWNER, "every_n_epochs", every_n_epochs)
-        items = [layers] if isinstance(layers, str) else () if layers is None else layers
+        items: object = layers
+        if isinstance(layers, str):
+            items = [layers]
+        elif layers is None:
+            items = ()
         if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
             raise TypeError(
                 f"{_OWNER}(layers={layers!r}): must be a module name or glob pattern, a sequence "
@@ -223,8 +227,13 @@ class ProbeInputError(LightningHooksError, TypeError):
 
 def has_tensor(x: object) -> bool:
     """Whether ``x`` is a tensor or a (nested) list, tuple or mapping holding one."""
-    items = x.values() if isinstance(x, Mapping) else x if isinstance(x, list | tuple) else ()
-    return isinstance(x, torch.Tensor) or any(has_tensor(item) for item in items)
+    if isinstance(x, torch.Tensor):
+        return True
+    if isinstance(x, Mapping):
+        return any(has_tensor(item) for item in x.values())
+    if isinstance(x, list | tuple):
+        return any(has_tensor(item) for item in x)
+    return False
 
 
 def default_input(batch: object) -> object:

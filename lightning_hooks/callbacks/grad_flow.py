@@ -132,8 +132,16 @@ class GradFlowCallback(HookCallback):
         self.loss_agreement = LossAgreement(self.policy)
         self.on_alarm = self.policy.actions
         self.max_layers_logged = _max_layers(max_layers_logged)
-        for name in ("update_ratio", "output_grad", "chart", "histograms", "heatmap", "stability"):
-            checks.boolean("GradFlowCallback", name, locals()[name])
+        switches = {
+            "update_ratio": update_ratio,
+            "output_grad": output_grad,
+            "chart": chart,
+            "histograms": histograms,
+            "heatmap": heatmap,
+            "stability": stability,
+        }
+        for name, value in switches.items():
+            checks.boolean("GradFlowCallback", name, value)
         self.types = types
         self.histograms = histograms
         self._hist: LayerHistograms | None = None

@@ -88,8 +88,11 @@ class StatsCallback(HookCallback):
         *,
         every_n_steps: int | None = None,
     ) -> None:
-        sequence = isinstance(stats, Sequence) and not isinstance(stats, str)
-        items = (stats,) if isinstance(stats, LayerStat) else tuple(stats) if sequence else ()
+        items: tuple[object, ...] = ()
+        if isinstance(stats, LayerStat):
+            items = (stats,)
+        elif isinstance(stats, Sequence):  # a string's characters are refused below
+            items = tuple(stats)
         if not items or not all(isinstance(s, LayerStat) for s in items):
             raise TypeError(
                 f"{type(self).__name__}(stats={stats!r}): must be a LayerStat or a non-empty "
@@ -97,7 +100,7 @@ class StatsCallback(HookCallback):
             )
         super().__init__(every_n_steps=every_n_steps)
         self.uses_images = False
-        self.stats: tuple[LayerStat[Any], ...] = items
+        self.stats: tuple[LayerStat[Any], ...] = tuple(s for s in items if isinstance(s, LayerStat))
         """The statistics, attached afresh at each fit."""
         self.findings = Findings(type(self).__name__, "findings")
         """The findings per layer that a subclass warns of, once per layer per fit."""

@@ -373,7 +373,9 @@ class _SentinelRead:
         parameter; ``stepped``: the rows some gradient reached."""
         assert self.alarms is not None
         clip = self._clip  # the largest global norm the optimizer applies (by value: a bound)
-        bound = None if clip is None else clip[0] if clip[1] == "norm" else clip[0] * view.scale
+        bound = None
+        if clip is not None:
+            bound = clip[0] if clip[1] == "norm" else clip[0] * view.scale
         self.alarms.update(
             norms,
             view.row_ids,
