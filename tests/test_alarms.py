@@ -73,6 +73,9 @@ class Fault(pl.Callback):
         if self.kind == "nan_weight" and trainer.global_step == self.step:
             with torch.no_grad():
                 self._params(pl_module)[0][0, 0] = math.nan
+        if self.kind == "kill" and trainer.global_step == self.step:
+            with torch.no_grad():  # the ReLU after the layer never fires again: a dead layer
+                self._params(pl_module)[1].fill_(-1e3)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         hit = trainer.global_step == self.step
@@ -245,8 +248,11 @@ class Dead(pl.Callback):
                     p.grad.zero_()
 
 
-def test_dead_layers_are_named_after_vanish_steps_at_defaults(tmp_path: Path) -> None:
-    """Two of three layers at exactly zero: the median layer is zero, and still they fire."""
+def test_a_dead_network_is_named_at_its_deepest_layer_at_defaults(tmp_path: Path) -> None:
+    """The first two of three layers at exactly zero from step 10 (the median layer is zero):
+    a dead network, named once, at its deepest layer, ``DEAD_STEPS`` steps after."""
+    from lightning_hooks.core.alarms.gradients import DEAD_STEPS
+
     probe = NormProbe()
     with pytest.warns(TrainingAlarmWarning) as record:
         default_fit(
@@ -259,9 +265,9 @@ def test_dead_layers_are_named_after_vanish_steps_at_defaults(tmp_path: Path) ->
     norms = np.array(probe.norms)
     assert (norms[10:, :2] == 0).all() and (norms[10:, 2] > 0).all()
     alarms = _alarms(record)
-    assert [a[:2] for a in alarms] == [(10 + 20 - 1, "net.0")]  # once per run of steps
-    assert "also flagged: net.2" in alarms[0][2]
-    assert _counts(tmp_path / "lightning_logs", 80)["vanishing"] == 2
+    assert [a[:2] for a in alarms] == [(10 + DEAD_STEPS - 1, "net.2")]  # once per run of steps
+    assert "dead network" in alarms[0][2] and "net.2 and every layer before it" in alarms[0][2]
+    assert _counts(tmp_path / "lightning_logs", 80)["vanishing"] == 1
 
 
 def test_a_shrunk_layer_is_named_after_vanish_steps(trainer_factory: Any) -> None:
@@ -560,3 +566,30 @@ def test_stop_never_ends_a_run_on_a_spike_unless_named(
     kind = "alarms" if stopped else "notices"
     counts = read_scalars(trainer.logger.log_dir)[f"grad_flow/{kind}_step/spike"]
     assert sum(v for _, v in counts) >= 1
+
+
+def test_a_network_cut_by_a_dead_layer_is_named_at_once_with_the_learning_rate(
+    trainer_factory: Any,
+) -> None:
+    """At step K every unit after ``net.2`` stops firing for good (its bias -1e3): ``net.2`` and
+    every layer before it get exactly zero gradient, the output layer still some. *vanishing*
+    names the deepest cut layer :data:`DEAD_STEPS` steps later (not after ``vanish_steps``), with
+    a lower learning rate as the fix; the same run without the event is not warned of it."""
+    from lightning_hooks.core.alarms.gradients import DEAD_STEPS
+
+    trainer = trainer_factory(callbacks=[Fault("kill"), GradFlowCallback()], max_steps=K + 12)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(LongMLP())
+    dead = [w.message for w in record if "dead network" in str(w.message)]
+    assert len(dead) == 1, [str(w.message) for w in record]
+    alarm = dead[0].alarm  # type: ignore[union-attr]
+    assert (alarm.rule, alarm.layer, alarm.step) == ("vanishing", "net.2", K + DEAD_STEPS - 1)
+    first = str(dead[0]).splitlines()[0]
+    assert f"no gradient since step {K}" in first
+    assert first.endswith("fix: lower the learning rate (10x)")
+    twin = trainer_factory(callbacks=[GradFlowCallback()], max_steps=K + 12)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        twin.fit(LongMLP())
+    assert not [w for w in record if issubclass(w.category, TrainingAlarmWarning)]

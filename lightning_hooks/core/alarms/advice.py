@@ -57,6 +57,9 @@ class Evidence(NamedTuple):
     loss is not finite: a learning rate too high, which clipping alone does not hold."""
     global_scale: float = math.nan
     """The global gradient norm's running scale, for the clip value *explosion* suggests."""
+    network_cut: bool = False
+    """A layer and every layer before it get exactly zero gradient: a learning rate too high
+    killed a layer's units, and only a lower one avoids it."""
 
 
 class Advice(NamedTuple):
@@ -79,8 +82,16 @@ def advise(rule: str, evidence: Evidence | None = None) -> Advice:
         ('lower the learning rate', 'clip gradients at gradient_clip_val=1.5')
         >>> advise("setback")
         Advice(fixes=(), why='')
+        >>> advise("vanishing", Evidence(network_cut=True)).fixes[0]
+        'lower the learning rate (10x)'
     """
     seen = evidence if evidence is not None else Evidence()
+    if rule == "vanishing" and seen.network_cut:
+        why = (
+            "a whole layer that stopped firing is what a learning rate too high leaves: restart "
+            "from before it (a lower learning rate; 10x is the usual first step)"
+        )
+        return Advice((f"{_LOWER_LR} (10x)", *_FIXES["vanishing"]), why)
     scale = seen.global_scale
     value = f"{5.0 * scale:.2g}" if math.isfinite(scale) and scale > 0 else "a few times it"
     clip = f"clip gradients at gradient_clip_val={value}"

@@ -13,6 +13,7 @@ import torch
 from lightning_hooks.core.alarms.rules import GRADIENT_RULES, AlarmRules
 
 __all__ = [
+    "DEAD_STEPS",
     "GradientReport",
     "GradientRules",
     "HostSegments",
@@ -223,6 +224,13 @@ class RunningScale:
         self.var *= self._keep
 
 
+DEAD_STEPS = 5
+"""*vanishing* names a dead network after this many optimizer steps: a layer, and every layer
+before it, get exactly zero gradient while a later layer still gets some. A whole ReLU layer
+that stopped firing passes no gradient back, and it never fires again: waiting the
+``vanish_steps`` of a merely small gradient only delays the warning."""
+
+
 class GradientRules:
     """*spike*, *explosion*, *absolute*, *vanishing*, *nonfinite* and *amp_overflow* on one
     step's ``[rows]`` gradient norms (the layers, then the global norm), with their state."""
@@ -233,6 +241,10 @@ class GradientRules:
         self.scale = RunningScale(rows, rules)
         self.low = np.zeros(rows, dtype=np.int64)
         """Per layer, the consecutive tiny steps (*vanishing*)."""
+        self.cut = -1
+        """The deepest layer of a dead network at the last step (-1: none)."""
+        self.cut_steps = 0
+        """The consecutive steps with that layer the deepest of a dead network."""
         self._is_layer = np.arange(rows) < rows - 1
         self._false = np.zeros(rows, dtype=bool)
         self._true = np.ones(rows, dtype=bool)  # every row stepped (:meth:`read`'s, by identity)
@@ -329,6 +341,8 @@ class GradientRules:
         np.exp(scale.mean, out=report.scale)
         report.floor[...] = floor if fraction is not None else np.nan
         self.low[:-1] = 0  # no layer is tiny: every run of tiny steps ends
+        self.cut_steps = 0  # and no layer is dead
+        self.cut = -1
         scale.update_steady(log_norm)  # every row kept, none above its spike ceiling
         return report
 
@@ -359,4 +373,25 @@ class GradientRules:
         self.low *= tiny | ~layers  # a layer not stepped keeps its count
         self.low += tiny
         fired = (self.low == self.rules.vanish_steps) & tiny
+        dead = self._dead_network(norm, layers)
+        if dead is not None:
+            self.low[dead] = self.rules.vanish_steps + 1  # named as one network, not layer by layer
+            if self.cut_steps == DEAD_STEPS:
+                fired[dead[-1]] = True  # the deepest: every layer before it is cut off too
         return fired, np.full_like(norm, floor)
+
+    def _dead_network(self, norm: np.ndarray, layers: np.ndarray) -> np.ndarray | None:
+        """The rows of a dead network once it has held :data:`DEAD_STEPS` steps, else ``None``:
+        the stepped layers whose gradient is exactly zero are the first ones, in the model's
+        order, and a later layer still gets a gradient (a mixture of experts' idle expert,
+        between live layers, is not one). It is named once per run of such steps, however deep
+        the cut grows."""
+        stepped = np.flatnonzero(layers)
+        zero = norm[stepped] == 0
+        first_live = int(np.argmin(zero)) if not zero.all() else zero.size
+        cut = first_live > 0 and first_live < zero.size and not zero[first_live:].any()
+        self.cut_steps = self.cut_steps + 1 if cut else 0
+        self.cut = int(stepped[first_live - 1]) if cut else -1
+        if self.cut_steps < DEAD_STEPS:
+            return None
+        return stepped[:first_live]

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from lightning_hooks.core.alarms.advice import Advice
-from lightning_hooks.core.alarms.gradients import GradientReport
+from lightning_hooks.core.alarms.gradients import DEAD_STEPS, GradientReport
 from lightning_hooks.core.alarms.rules import AlarmRules, WeightNorms
 from lightning_hooks.core.checks import named_arguments
 
@@ -50,6 +50,8 @@ class TrainingAlarm:
             by how much; ``departed``: its name (``""``: none did in the ring buffer).
         counts: whether it adds to its rule's count; ``False`` for a line that only closes
             what an earlier alarm opened (a setback that recovered).
+        network_cut: a *vanishing* of a dead network: the layer and every layer before it get
+            exactly zero gradient (:data:`~.gradients.DEAD_STEPS`).
         details: the lines after the first: the thresholds, the evidence, the other layers,
             the layer that left its scale first, the other fixes.
     """
@@ -69,6 +71,7 @@ class TrainingAlarm:
     departed: str = ""
     counts: bool = True
     details: tuple[str, ...] = ()
+    network_cut: bool = False
 
     def history_lines(self) -> list[str]:
         """Step by step, norm / running scale of the layer that left first, the layer named and
@@ -151,8 +154,13 @@ def gradient_alarm(
     row = int(_culprit(rule, hit, norm, ref, at.order))
     culprit = _Culprit(layers[row], float(norm[row]), float(ref[row]))
     others = tuple(layers[i] for i in hit if i != row)
+    # a dead network: this layer and every stepped one before it get exactly zero gradient
+    before = norm[:row][~np.isnan(norm[:row])]
+    cut = rule == "vanishing" and culprit.value == 0 and not before.any()
     if rule == "explosion":
         said = _explosion_text(culprit, report, at, rules)
+    elif cut:
+        said = _dead_network_text(culprit, at.step)
     else:
         said = _describe(rule, culprit, at.step, rules)
     details = list(said.details)
@@ -160,7 +168,15 @@ def gradient_alarm(
         details.append(f"also flagged: {', '.join(others)}")
     layer, value, reference = culprit
     return TrainingAlarm(
-        rule, layer, at.step, value, reference, said.first, others, details=tuple(details)
+        rule,
+        layer,
+        at.step,
+        value,
+        reference,
+        said.first,
+        others,
+        details=tuple(details),
+        network_cut=cut,
     )
 
 
@@ -287,6 +303,20 @@ class _Said(NamedTuple):
     """What happened, at which step, in one clause."""
     details: tuple[str, ...] = ()
     """The thresholds and the evidence, one a line."""
+
+
+def _dead_network_text(culprit: _Culprit, step: int) -> _Said:
+    """What *vanishing* says of a dead network (:data:`~.gradients.DEAD_STEPS`)."""
+    since = step - DEAD_STEPS + 1
+    return _Said(
+        f"dead network at optimizer step {step}: {culprit.layer} and every layer before it get "
+        f"no gradient since step {since}",
+        (
+            f"their gradients are exactly zero for {DEAD_STEPS} optimizer steps, while a later "
+            "layer still gets one: the units after this layer stopped firing (a dead ReLU "
+            "layer passes no gradient back, and does not fire again)",
+        ),
+    )
 
 
 def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:

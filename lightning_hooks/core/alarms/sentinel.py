@@ -258,7 +258,7 @@ class TrainingAlarms:
     def _record(self, alarm: TrainingAlarm, global_scale: float = math.nan) -> None:
         """Count ``alarm`` and keep it, its text completed with its fixes, in the order the
         run's evidence says (``global_scale``: the global norm's running scale, for a clip)."""
-        evidence = Evidence(self._loss.diverged, global_scale)
+        evidence = Evidence(self._loss.diverged, global_scale, network_cut=alarm.network_cut)
         alarm = with_fixes(alarm, advise(alarm.rule, evidence))
         if alarm.counts:
             self.counts[alarm.rule] += 1 + len(alarm.others)
@@ -284,6 +284,7 @@ class TrainingAlarms:
             **self._loss.state_dict(),
             **self._stall.state_dict(),
             "low": torch.from_numpy(self._gradients.low.copy()),
+            "dead": (self._gradients.cut, self._gradients.cut_steps),
             **self._ring.state_dict(),
             "counts": dict(self.counts),
         }
@@ -301,6 +302,9 @@ class TrainingAlarms:
         self._loss.load_state_dict(state)
         self._stall.load_state_dict(state)
         self._gradients.low[...] = as_array(state["low"])
+        cut, cut_steps = state.get("dead", (-1, 0))  # a state saved before it: none
+        self._gradients.cut = int(cut)
+        self._gradients.cut_steps = int(cut_steps)
         self._ring.load_state_dict(state)
         counts = dict(state["counts"])
         if "transient" in counts:  # a 0.2.0 state: a transient is a setback that recovered
