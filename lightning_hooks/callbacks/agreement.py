@@ -5,12 +5,14 @@ of its own for them."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities.types import STEP_OUTPUT
 
 from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
 from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
@@ -24,7 +26,7 @@ from lightning_hooks.core.transport import (
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import is_set_up_by_fabric
 
-__all__ = ["LossAgreement", "RankFlags"]
+__all__ = ["LossAgreement", "RankFlags", "training_loss"]
 
 
 class RankFlags(NamedTuple):
@@ -139,3 +141,17 @@ def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
     if loss is not None:
         carried[:1].copy_(to_group_device(loss).reshape(1))
     return all_reduce_sum_(carried)
+
+
+def training_loss(trainer: pl.Trainer, outputs: STEP_OUTPUT) -> torch.Tensor | None:
+    """``training_step``'s loss in the user's units: under automatic optimization Lightning
+    hands the batch-end hooks the loss divided by ``accumulate_grad_batches`` (what the backward
+    saw), and the alarms quote losses as the user logs them."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    if not isinstance(loss, torch.Tensor):
+        return None
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    module = getattr(trainer, "lightning_module", None)
+    if accumulate > 1 and getattr(module, "automatic_optimization", False):
+        return loss.detach() * accumulate
+    return loss

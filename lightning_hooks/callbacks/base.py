@@ -4,7 +4,6 @@ measures is an :class:`~.attached.Attached` that the callback builds in ``_attac
 from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
-from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +34,6 @@ from lightning_hooks.logging import save_loggers
 __all__ = [
     "HookCallback",
     "selection_state_key",
-    "training_loss",
 ]
 
 if TYPE_CHECKING:
@@ -460,17 +458,3 @@ def selection_state_key(
     """
     fields = {"types": repr(types), "include": include, "exclude": exclude}
     return {**fields, "environment": True} if from_environment else fields
-
-
-def training_loss(trainer: pl.Trainer, outputs: STEP_OUTPUT) -> torch.Tensor | None:
-    """``training_step``'s loss in the user's units: under automatic optimization Lightning
-    hands the batch-end hooks the loss divided by ``accumulate_grad_batches`` (what the backward
-    saw), and the alarms quote losses as the user logs them."""
-    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-    if not isinstance(loss, torch.Tensor):
-        return None
-    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
-    module = getattr(trainer, "lightning_module", None)
-    if accumulate > 1 and getattr(module, "automatic_optimization", False):
-        return loss.detach() * accumulate
-    return loss

@@ -16,10 +16,10 @@ from torch.nn.parameter import is_lazy
 from typing_extensions import override
 
 from lightning_hooks import internals
-from lightning_hooks.callbacks.agreement import LossAgreement
+from lightning_hooks.callbacks.agreement import LossAgreement, training_loss
 from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
 from lightning_hooks.callbacks.attached import Attached, Logged
-from lightning_hooks.callbacks.base import HookCallback, training_loss
+from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, checks
 from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
