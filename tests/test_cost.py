@@ -224,7 +224,7 @@ class _MemoryProbe(pl.Callback):
         held = _held_tensors(self.watched).values()
         params = {id(p) for p in args[1].parameters()}
         self.bytes.append(_storage_bytes(t for t in held if id(t) not in params))
-        tracker = self.watched._tracker  # type: ignore[attr-defined]
+        tracker = self.watched._fit.tracker  # type: ignore[attr-defined]
         states = tracker.accumulator
         self.accumulator.append(sum(getattr(states, n).numel() for n in states.specs))
         self.alarm_bytes.append(_storage_bytes(_held_tensors(tracker.alarms).values()))

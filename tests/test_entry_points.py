@@ -14,7 +14,7 @@ import pytest
 import pytorch_lightning as pl
 
 from lightning_hooks import DeadReLUCallback, GradFlowCallback
-from lightning_hooks.entry_points import callbacks, requested
+from lightning_hooks.entry_points import SHORT_NAMES, callbacks, requested
 
 _GROUPS = [
     f"{namespace}.callbacks_factory"
@@ -104,6 +104,30 @@ def test_trainer_does_not_add_a_callback_twice(
     trainer.fit(TinyMLP())
     assert attached == [mine, added[1]]
     assert isinstance(added[1], DeadReLUCallback)
+
+
+@pytest.mark.parametrize("short", sorted(SHORT_NAMES))
+def test_the_users_own_callback_beside_the_one_the_switch_adds(
+    short: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Lightning refuses two callbacks with one checkpoint key: each callback the switch adds has
+    a key of its own, so the Trainer builds, and only the user's watches the fit."""
+    from conftest import BoundedMLP, make_trainer
+
+    import lightning_hooks
+
+    monkeypatch.setenv("LIGHTNING_HOOKS", short)
+    (added,) = callbacks()
+    monkeypatch.delenv("LIGHTNING_HOOKS")
+    mine = getattr(lightning_hooks, SHORT_NAMES[short])()
+    assert added.state_key != mine.state_key
+    trainer = make_trainer(tmp_path, callbacks=[mine, added], max_steps=2)
+    attached: list[pl.Callback] = []
+    for cb in (mine, added):
+        original = cb._attach
+        cb._attach = lambda *a, _cb=cb, _orig=original: (attached.append(_cb), _orig(*a))[1]  # type: ignore[method-assign]
+    trainer.fit(BoundedMLP())
+    assert attached == [mine]
 
 
 def test_fabric_does_not_add_a_callback_twice(

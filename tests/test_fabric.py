@@ -94,7 +94,7 @@ def test_fabric_loop_logs_each_logging_step_as_plain_torch(tmp_path: Path) -> No
     assert "grad_flow/output_grad_norm_step/0" in scalars
     assert "grad_flow/update_ratio_step/2" in scalars
     # still watching: the loop may go on (module hooks are on the modules on logging steps only)
-    assert callback._tracker is not None and len(callback._tracker.registry)
+    assert callback._fit is not None and len(callback._fit.tracker.registry)
 
 
 def test_fabric_default_cadence_is_50_and_the_spike_warns(tmp_path: Path) -> None:

@@ -160,13 +160,13 @@ class _TimedSteps(pl.Callback):
         self.steps: list[int] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        timer = self.watched.stats[0]
+        timer = self.watched._timer
         assert isinstance(timer, LayerTimer)
         if timer.sampling:
             self.timed.append(trainer.global_step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.steps.append(self.watched.stats[0].result().steps)
+        self.steps.append(self.watched._timer.result().steps)
 
 
 def test_cadence_counts_optimizer_steps_under_gradient_accumulation(

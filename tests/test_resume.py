@@ -25,7 +25,7 @@ from lightning_hooks import (
     LightningHooksWarning,
     SaturationCallback,
 )
-from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.callbacks.base import HookCallback
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
 
@@ -170,12 +170,14 @@ class MixedMLP(RepeatedBatchMLP):
 class _ResultProbe(pl.Callback):
     """Placed before the watched callback: its statistic's result at each epoch end."""
 
-    def __init__(self, watched: StatsCallback) -> None:
+    def __init__(self, watched: HookCallback) -> None:
         self.watched = watched
         self.results: list[Any] = []
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.results.append(self.watched.stats[0].result())
+        attached = self.watched._attached
+        assert attached is not None
+        self.results.append(attached.logged[0].stat.result())
 
 
 _PER_STEP = {
@@ -186,7 +188,7 @@ _PER_STEP = {
 }
 
 
-def _fit_with(root: Path, make: Callable[[], StatsCallback], **kwargs: Any) -> _ResultProbe:
+def _fit_with(root: Path, make: Callable[[], HookCallback], **kwargs: Any) -> _ResultProbe:
     torch.manual_seed(0)
     callback = make()
     probe = _ResultProbe(callback)

@@ -11,8 +11,9 @@ from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Logged
+from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
 from lightning_hooks.callbacks.epoch_columns import EpochColumns
-from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.callbacks.stats import attach_stats, select_stats
 from lightning_hooks.core.checks import boolean, named_arguments, positive_int, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.stats.activation_shape import ActivationShape
@@ -28,7 +29,7 @@ _HEATMAPS = ("mean", "std", "zero_fraction")
 
 
 @named_arguments
-class ActivationStatsCallback(StatsCallback):
+class ActivationStatsCallback(HookCallback):
     r"""Per-layer statistics of every selected module's output, over the epoch's logging steps'
     training forwards; each logging step also logs them under ``activations/{stat}_step/...``.
 
@@ -104,7 +105,10 @@ class ActivationStatsCallback(StatsCallback):
             owner=_NAME,
         )
         shape = ActivationShape(types=s.types, include=s.include, exclude=s.exclude, owner=_NAME)
-        super().__init__((tracker, shape), every_n_steps=every_n_steps)
+        super().__init__(
+            state_key={"stats": [tracker.config_key(), shape.config_key()]},
+            every_n_steps=every_n_steps,
+        )
         self.types = types
         self.include = s.include
         self.exclude = s.exclude
@@ -116,19 +120,28 @@ class ActivationStatsCallback(StatsCallback):
         self._shape = shape
 
     @override
+    def _validate(self, pl_module: pl.LightningModule) -> bool:
+        if select_stats(pl_module, [self._activations, self._shape]):
+            return True
+        selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
+        return nothing_to_watch(_NAME, "module", selected=selected)
+
+    @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
         self._history.clear()
         self._warned_nonfinite = False
-        return super()._attach(trainer, pl_module)
+        logged: list[Logged[Any]] = [
+            Logged(self._activations, on_epoch=self._draw),
+            Logged(self._shape),
+        ]
+        return attach_stats(pl_module, self.hook_guard(), logged)
 
     @override
-    def _logged(self) -> list[Logged[Any]]:
-        return [Logged(self._activations, on_epoch=self._draw), Logged(self._shape)]
-
-    @override
-    def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
+    def _batch_ending(
+        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
+    ) -> bool:
         """Warn once about the first module whose output went non-finite."""
-        if self._attached is None or not self.warn_nonfinite or self._warned_nonfinite:
+        if not self.warn_nonfinite or self._warned_nonfinite:
             return False
         tracker = self._activations
         tracker.end_step(self.cadence.batch_step)

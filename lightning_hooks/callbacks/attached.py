@@ -131,6 +131,8 @@ class Attached:
             and stops (see :mod:`.agreement`), so that a logging step needs no agreement of its
             own; asked at each logging step (``None``: never).
         on_remove: called once when the hooks come off (the fit ended, failed, or was torn down).
+        earlier_layout: reads a checkpoint's state saved by an earlier release into this
+            release's layout (``None``: every release saved this one).
     """
 
     def __init__(  # noqa: PLR0913 (what one fit holds: one keyword each)
@@ -143,6 +145,7 @@ class Attached:
         every_batch: bool = False,
         agreement_carried: Callable[[], bool] | None = None,
         on_remove: Callable[[], None] | None = None,
+        earlier_layout: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self.registry = registry
         self.logged = tuple(logged)
@@ -151,6 +154,7 @@ class Attached:
         self.every_batch = every_batch
         self._agreement_carried = agreement_carried
         self._on_remove = on_remove
+        self._earlier_layout = earlier_layout
 
     def agreement_is_carried(self) -> bool:
         """Whether each batch's loss collective carries the ranks' agreement now."""
@@ -207,6 +211,19 @@ class Attached:
         for key, saved in self.saved.items():
             state[key] = saved.host_state()
         return state
+
+    def in_this_layout(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Return a checkpoint's ``state`` in this release's layout, whichever release saved it.
+
+        Args:
+            state: the callback's state as the checkpoint holds it.
+
+        Returns:
+            The same state, under the keys :meth:`state_dict` saves.
+        """
+        if self._earlier_layout is None:
+            return dict(state)
+        return self._earlier_layout(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's ``state`` (empty: saved outside a fit, nothing to load).

@@ -4,6 +4,7 @@ measures is an :class:`~.attached.Attached` that the callback builds in ``_attac
 from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
+from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from lightning_hooks.logging import save_loggers
 
 __all__ = [
     "HookCallback",
+    "nothing_to_watch",
     "selection_state_key",
 ]
 
@@ -58,29 +60,35 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     extension           called                          the subclass
     ==================  ==============================  ========================================
     ``_validate``       ``on_fit_start``                checks the model (a refused
-                                                        configuration raises here)
+                                                        configuration raises here); ``False``:
+                                                        nothing to watch
     ``_attach``         ``on_train_start``              puts its hooks on; returns what it
                                                         attached
     ``_batch_started``  a logging step's first batch    opens what the step measures
     ``_batch_ending``   each such batch's end (every    closes it; ``True``: disabled
                         batch's with ``every_batch``)
-    ``_log_epoch``      ``on_train_epoch_end``          writes the epoch (by default each
-                                                        statistic's)
+    ``_log_epoch``      ``on_train_epoch_end``, after   logs what else it reads of the epoch
+                        each statistic's epoch
     ==================  ==============================  ========================================
 
-    Its checkpoint key is made from ``_state_key_fields`` (by default its module selection;
-    a callback configured otherwise names its own fields).
+    Each has a documented default but ``_attach``; none chains to the base's.
+
+    Its checkpoint key is made from the ``state_key`` fields its constructor passes (what tells
+    two configurations apart), marked when the ``LIGHTNING_HOOKS`` switch added the callback.
     """
 
-    _default_types: Any = None
-    """The module types the callback watches when the user gives none (named in its errors)."""
-    _selection_arguments: tuple[str, ...] = ("include", "exclude")
-    """The constructor arguments that select modules (named in its errors)."""
-
-    def __init__(self, *, every_n_steps: int | None = None, strict: bool | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        state_key: Mapping[str, Any],
+        every_n_steps: int | None = None,
+        strict: bool | None = None,
+    ) -> None:
         """Set the cadence and the guard's strictness, and the state every fit starts from.
 
         Args:
+            state_key: the fields that tell this configuration's checkpoint state apart from
+                another's (Lightning refuses two callbacks with one key).
             every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
                 (``None``: the Trainer's ``log_every_n_steps``).
             strict: a hook's exception raises (``True``) or disables the callback for the rest
@@ -90,6 +98,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             ValueError: ``every_n_steps`` is not a positive int or ``None``.
         """
         super().__init__()
+        self._state_key_fields = dict(state_key)
         self.cadence = LoggingCadence(check_every_n_steps(type(self).__name__, every_n_steps))
         """Which optimizer steps are logging steps, and where the running one is."""
         self.strict = strict
@@ -137,18 +146,12 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     @cached_property
     def state_key(self) -> str:
-        """Unique per configuration (made once: Lightning reads it for every hook it calls)."""
-        return self._generate_state_key(**self._state_key_fields())
-
-    def _state_key_fields(self) -> dict[str, Any]:
-        """What makes the checkpoint state distinct (Lightning refuses two equal keys): the
-        selection, where the callback has one."""
-        return selection_state_key(
-            getattr(self, "types", None),
-            getattr(self, "include", ()),
-            getattr(self, "exclude", ()),
-            from_environment=self.from_environment,
-        )
+        """Unique per configuration, and apart from the same configuration the ``LIGHTNING_HOOKS``
+        switch added (made once: Lightning reads it for every hook it calls)."""
+        fields = dict(self._state_key_fields)
+        if self.from_environment:
+            fields["environment"] = True
+        return self._generate_state_key(**fields)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -166,7 +169,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._idle = passed_by_user(self, trainer.callbacks)  # type: ignore[attr-defined]
         if not self._idle:  # after ``configure_model``: the layers built there exist
-            self._validate(pl_module)
+            self._idle = not self._validate(pl_module)
         skip_inherited(self, trainer)  # for the fit: Lightning calls only the hooks we define
 
     @override
@@ -184,6 +187,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         pending = self._pending_state
         self._pending_state = None
         if pending:  # a checkpoint's state, to the freshly attached statistics
+            pending = attached.in_this_layout(pending)
             try:
                 attached.load_state_dict({k: v for k, v in pending.items() if k not in self.kept})
                 for key, kept in self.kept.items():
@@ -221,12 +225,13 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        every_batch = self._attached is not None and self._attached.every_batch
-        if (self._logging_batch or every_batch) and self._batch_ending(trainer, outputs):
-            return
+        attached = self._attached
+        ending = attached is not None and (self._logging_batch or attached.every_batch)
+        if ending and self._batch_ending(trainer, outputs, logging_step=self._logging_batch):
+            return  # disabled
         # The logging step's optimizer step ran (its last micro-batch): write it.
         measured = self.cadence.finished_step(trainer)
-        attached = self._attached
+        attached = self._attached  # a failure in the batch's hooks may have taken it off
         if measured is not None and attached is not None:
             if self._agree_ranks(trainer, measured, always=False):
                 return  # disabled
@@ -250,7 +255,10 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         if not self._agree_ranks(trainer, trainer.global_step, always=True):
             self._write_ready_steps(trainer, wait=True)
             self.cadence.measuring = None
-            self._log_epoch(trainer, pl_module)
+            attached = self._attached
+            if attached is not None:
+                attached.write_epoch(trainer)  # each statistic's epoch, then the next one starts
+                self._log_epoch(trainer, pl_module)
             save_loggers(trainer.loggers)  # the chart layout waits for the next batch's save
 
     @override
@@ -385,25 +393,6 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self._guard_disable()
         return True
 
-    def _nothing_to_watch(self, what: str, hint: str = "") -> None:
-        """Nothing to watch: a ``ValueError`` if the user selected, else one warning and an idle
-        fit (as Lightning's ``LearningRateMonitor`` without a scheduler)."""
-        name = type(self).__name__
-        types = getattr(self, "types", None)
-        given = [f"types={types!r}"] if types is not None and types != self._default_types else []
-        for argument in self._selection_arguments:
-            value = getattr(self, argument, None)
-            if value:
-                given.append(f"{argument}={value!r}")
-        if given:
-            raise ValueError(f"{name}({', '.join(given)}): selects no {what} of the model{hint}")
-        rank_zero_warn(
-            f"{name}: the model has no {what} to watch at the defaults; this callback does "
-            f"nothing in this fit{hint}",
-            category=LightningHooksWarning,
-        )
-        self._idle = True
-
     def _detach(self) -> None:
         """Take every hook off (idempotent): what the fit attached is removed."""
         attached = self._attached
@@ -412,8 +401,13 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         if attached is not None:
             attached.remove()
 
-    def _validate(self, pl_module: pl.LightningModule) -> None:
-        """At ``on_fit_start``: check the model; a configuration it cannot watch raises."""
+    def _validate(self, pl_module: pl.LightningModule) -> bool:
+        """At ``on_fit_start``: check the model; a configuration it cannot watch raises.
+
+        Returns:
+            Whether the fit has anything to watch (``False``: the callback does nothing in it).
+        """
+        return True
 
     @abstractmethod
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
@@ -427,9 +421,16 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def _batch_started(self, trainer: pl.Trainer, batch: Any) -> None:  # noqa: ANN401 (the user's batch)
         """At the first batch of a logging step, with its hooks on."""
 
-    def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
+    def _batch_ending(
+        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
+    ) -> bool:
         """At the end of a logging step's batch (of every batch, where the fit attached with
-        ``every_batch``).
+        ``every_batch``), while the fit's hooks are on.
+
+        Args:
+            trainer: the trainer.
+            outputs: what the batch's ``training_step`` returned.
+            logging_step: whether the batch belongs to a logging step.
 
         Returns:
             Whether the callback is now disabled.
@@ -437,24 +438,57 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         return False
 
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """At each epoch end: write each statistic's epoch, then reset it."""
-        if self._attached is not None:
-            self._attached.write_epoch(trainer)
+        """At each epoch end, after each statistic's epoch is written: what else the callback
+        logs of the epoch (by default nothing)."""
 
 
 guard_hooks(HookCallback)
 
 
-def selection_state_key(
-    types: object, include: object, exclude: object, *, from_environment: bool
-) -> dict[str, Any]:
+def selection_state_key(types: object, include: object, exclude: object) -> dict[str, Any]:
     """The fields of a callback's checkpoint key made from its module selection (the key release
-    0.2.0 saved under: a checkpoint's state is found by it), marked if the ``LIGHTNING_HOOKS``
-    switch added the callback.
+    0.2.0 saved under: a checkpoint's state is found by it).
+
+    Args:
+        types: the module types selected (``None``: any).
+        include: the glob patterns kept.
+        exclude: the glob patterns dropped.
+
+    Returns:
+        The fields, by name.
 
     Example:
-        >>> selection_state_key(None, (), ("*.bn*",), from_environment=False)
+        >>> selection_state_key(None, (), ("*.bn*",))
         {'types': 'None', 'include': (), 'exclude': ('*.bn*',)}
     """
-    fields = {"types": repr(types), "include": include, "exclude": exclude}
-    return {**fields, "environment": True} if from_environment else fields
+    return {"types": repr(types), "include": include, "exclude": exclude}
+
+
+def nothing_to_watch(
+    owner: str, what: str, *, selected: Mapping[str, object], hint: str = ""
+) -> bool:
+    """A model with nothing to watch: a ``ValueError`` if the user selected, else one warning
+    and an idle fit (as Lightning's ``LearningRateMonitor`` without a scheduler).
+
+    Args:
+        owner: the callback's name, which the message begins with.
+        what: what the callback watches (``"module owning a parameter"``).
+        selected: the constructor arguments that select modules, with the values the user gave
+            (``None`` or empty where left at the default).
+        hint: a clause the message ends with.
+
+    Returns:
+        ``False``: the fit has nothing to watch (what ``_validate`` returns).
+
+    Raises:
+        ValueError: the user's selection selects nothing, naming the arguments given.
+    """
+    given = [f"{argument}={value!r}" for argument, value in selected.items() if value]
+    if given:
+        raise ValueError(f"{owner}({', '.join(given)}): selects no {what} of the model{hint}")
+    rank_zero_warn(
+        f"{owner}: the model has no {what} to watch at the defaults; this callback does "
+        f"nothing in this fit{hint}",
+        category=LightningHooksWarning,
+    )
+    return False

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.attached import Logged
-from lightning_hooks.callbacks.stats import Findings, StatsCallback
+from lightning_hooks.callbacks.attached import Attached, Logged
+from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
+from lightning_hooks.callbacks.stats import Findings, attach_stats, select_stats
 from lightning_hooks.core.checks import fraction_or_none, named_arguments
 from lightning_hooks.core.hooks.selection import Patterns
 from lightning_hooks.core.stats.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
@@ -19,10 +18,17 @@ from lightning_hooks.errors import LightningHooksWarning
 __all__ = ["DeadReLUCallback"]
 
 _NAME = "DeadReLUCallback"
+_WATCHES = (
+    "ReLU-family activation module (ReLU, ReLU6, LeakyReLU, ELU, GELU, SiLU, or a Hugging Face or "
+    "timm activation computing one)"
+)
+_FUNCTIONAL_HINT = (
+    "; for a functional F.relu in forward, pass pre_activation= the layer that produces its input"
+)
 
 
 @named_arguments
-class DeadReLUCallback(StatsCallback):
+class DeadReLUCallback(HookCallback):
     r"""Dead units per activation layer: units that never fired on a logging step in an epoch.
 
     A unit (a channel of ``[N, C, ...]``, a feature of ``[N, ..., F]``) fires when its output is
@@ -57,17 +63,6 @@ class DeadReLUCallback(StatsCallback):
         >>> trainer = pl.Trainer(callbacks=[callback])  # doctest: +SKIP
     """
 
-    _default_types = RELU_FAMILY
-    _selection_arguments = ("include", "exclude", "pre_activation")
-    _watches = (
-        "ReLU-family activation module (ReLU, ReLU6, LeakyReLU, ELU, GELU, SiLU, or a Hugging "
-        "Face or timm activation computing one)"
-    )
-    _watch_hint = (
-        "; for a functional F.relu in forward, pass pre_activation= the layer that produces "
-        "its input"
-    )
-
     def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)
         self,
         *,
@@ -86,9 +81,12 @@ class DeadReLUCallback(StatsCallback):
             pre_activation=pre_activation,
         )
         self.warn_at = fraction_or_none(_NAME, "warn_at", warn_at)
-        super().__init__(tracker, every_n_steps=every_n_steps)
+        super().__init__(state_key={"stats": [tracker.config_key()]}, every_n_steps=every_n_steps)
+        self.uses_images = False
         self.tracker = tracker
+        """The dead units of each watched layer, attached afresh at each fit."""
         self.findings = Findings(_NAME, "dead-unit findings")
+        """The layers warned of in this fit (repeats are summed up at its end)."""
         assert tracker.selection is not None
         self.types = types
         self.include = tracker.selection.include
@@ -96,8 +94,23 @@ class DeadReLUCallback(StatsCallback):
         self.pre_activation = tracker.producers.include
 
     @override
-    def _logged(self) -> list[Logged[Any]]:
-        return [Logged(self.tracker, on_epoch=self._warn)]
+    def _validate(self, pl_module: pl.LightningModule) -> bool:
+        if select_stats(pl_module, [self.tracker]):
+            return True
+        selected = {
+            "types": None if self.types == RELU_FAMILY else self.types,
+            "include": self.include,
+            "exclude": self.exclude,
+            "pre_activation": self.pre_activation,
+        }
+        return nothing_to_watch(_NAME, _WATCHES, selected=selected, hint=_FUNCTIONAL_HINT)
+
+    @override
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
+        logged = [Logged(self.tracker, on_epoch=self._warn)]
+        return attach_stats(
+            pl_module, self.hook_guard(), logged, on_remove=self.findings.warn_held_back
+        )
 
     def _warn(self, trainer: pl.Trainer, found: DeadUnits) -> None:
         """Warn of each layer at or past ``warn_at``, once per layer per fit."""

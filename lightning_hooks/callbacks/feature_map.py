@@ -13,7 +13,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached
-from lightning_hooks.callbacks.base import HookCallback
+from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import Patterns, as_patterns
@@ -74,8 +74,6 @@ class FeatureMapCallback(HookCallback):
         32
     """
 
-    _selection_arguments = ("layers",)
-
     def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)
         self,
         *,
@@ -115,7 +113,8 @@ class FeatureMapCallback(HookCallback):
             )
         self.embedding = embedding
         super().__init__(
-            strict=None if strict is None else checks.boolean(_OWNER, "strict", strict)
+            state_key={"layers": self.layers, "embedding": self.embedding},
+            strict=None if strict is None else checks.boolean(_OWNER, "strict", strict),
         )
         if probe_labels is not None and not isinstance(probe_labels, torch.Tensor):
             raise TypeError(
@@ -128,11 +127,7 @@ class FeatureMapCallback(HookCallback):
         self._drawn: list[str] = []
 
     @override
-    def _state_key_fields(self) -> dict[str, Any]:
-        return {"layers": self.layers, "embedding": self.embedding}
-
-    @override
-    def _validate(self, pl_module: pl.LightningModule) -> None:
+    def _validate(self, pl_module: pl.LightningModule) -> bool:
         # LightningModule's own forward only calls nn.Module's stub.
         stubs = (pl.LightningModule.forward, nn.Module.forward)
         if self.forward_fn is None and type(pl_module).forward in stubs:
@@ -150,10 +145,12 @@ class FeatureMapCallback(HookCallback):
             picks = np.linspace(0, len(names) - 1, self.max_layers).round().astype(int)
             names = [names[i] for i in np.unique(picks)]
         self._drawn = names
-        if not self._drawn and self.embedding is None:
-            self._nothing_to_watch("convolution or Linear layer")
         if self.embedding is not None:
             _named(pl_module, "embedding", self.embedding)
+        elif not self._drawn:
+            selected = {"layers": self.layers}
+            return nothing_to_watch(_OWNER, "convolution or Linear layer", selected=selected)
+        return True
 
     def _forget_probe(self) -> None:
         """Drop a probe taken from a batch: the next fit takes its own (the user's is kept)."""

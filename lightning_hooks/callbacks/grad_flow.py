@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import numbers
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pytorch_lightning as pl
@@ -19,7 +20,7 @@ from lightning_hooks import internals
 from lightning_hooks.callbacks.agreement import LossAgreement, training_loss
 from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
 from lightning_hooks.callbacks.attached import Attached, Logged
-from lightning_hooks.callbacks.base import HookCallback
+from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch, selection_state_key
 from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, checks
 from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
@@ -125,7 +126,13 @@ class GradFlowCallback(HookCallback):
         stability: bool = True,
     ) -> None:
         checks.module_types("GradFlowCallback", types, (nn.Module,))
-        super().__init__(every_n_steps=every_n_steps)
+        self.types = types
+        self.include = as_patterns(include, f"GradFlowCallback(include={include!r})")
+        self.exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
+        super().__init__(
+            state_key=selection_state_key(types, self.include, self.exclude),
+            every_n_steps=every_n_steps,
+        )
         self.alarms = _alarm_rules(alarms)
         self.policy = AlarmPolicy(on_alarm, request_stop=self._request_stop)
         self.kept["alarms"] = self.policy  # the running scales, from one fit to the next
@@ -142,12 +149,7 @@ class GradFlowCallback(HookCallback):
         }
         for name, value in switches.items():
             checks.boolean("GradFlowCallback", name, value)
-        self.types = types
         self.histograms = histograms
-        self._hist: LayerHistograms | None = None
-        self._own_loss: TrainingAlarms | None = None  # the alarms fed this rank's loss (one rank)
-        self.include = as_patterns(include, f"GradFlowCallback(include={include!r})")
-        self.exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
         self.update_ratio = update_ratio
         self.output_grad = output_grad
         self.chart = chart
@@ -155,12 +157,11 @@ class GradFlowCallback(HookCallback):
         self.stability = stability
         self._pictures = GradFlowPictures(self.max_layers_logged, chart=chart, heatmap=heatmap)
         self.kept["heatmap"] = self._pictures.history  # a resumed fit draws the earlier epochs
-        self._stability: StabilityStats | None = None
         self.uses_images = chart or heatmap
-        self._tracker: GradFlowTracker | None = None
+        self._fit: _Fit | None = None  # what the running fit measures
 
     @override
-    def _validate(self, pl_module: pl.LightningModule) -> None:
+    def _validate(self, pl_module: pl.LightningModule) -> bool:
         selection = Selection.of(
             "GradFlowCallback", types=self.types, include=self.include, exclude=self.exclude
         )
@@ -176,9 +177,13 @@ class GradFlowCallback(HookCallback):
                 "LightningModule's setup)",
                 category=LightningHooksWarning,
             )
-            self._idle = True
-        elif not ParamLayout.from_modules(modules, root=root).layers:
-            self._nothing_to_watch("module owning a parameter")
+            return False
+        if not ParamLayout.from_modules(modules, root=root).layers:
+            selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
+            return nothing_to_watch(
+                "GradFlowCallback", "module owning a parameter", selected=selected
+            )
+        return True
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
@@ -198,7 +203,6 @@ class GradFlowCallback(HookCallback):
             max_layers_logged=self.max_layers_logged,
             guard=self.hook_guard(),
         )
-        self._tracker = tracker
         self._pictures.start()
         unstepped = tracker.unstepped()
         if unstepped:
@@ -210,34 +214,40 @@ class GradFlowCallback(HookCallback):
         logged: list[Logged[Any]] = [
             Logged(tracker, on_step=self._log_alarms, on_epoch=self._draw_pictures)
         ]
+        stability = None
         if self.stability:  # on the tracker's registry: one logging-step gate, removed with it
-            self._stability = StabilityStats().attach(pl_module, tracker.registry)
-            logged.append(Logged(self._stability, on_step=self._watch_attention))
+            stability = StabilityStats().attach(pl_module, tracker.registry)
+            logged.append(Logged(stability, on_step=self._watch_attention))
+        histograms = None
         if self.histograms:
             layout = tracker.layout
-            self._hist = LayerHistograms(len(layout.layers), device=layout.index.device)
+            histograms = LayerHistograms(len(layout.layers), device=layout.index.device)
         self.policy.restore(tracker.alarms)
         loss = self.loss_agreement
         loss.plan(pl_module, self.alarms)
         own = loss.reading == "own" and self.alarms is not None and self.alarms.watches_loss
-        self._own_loss = tracker.alarms if own else None
+        self._fit = _Fit(
+            tracker=tracker,
+            alarms=tracker.alarms,
+            stability=stability,
+            histograms=histograms,
+            own_loss=tracker.alarms if own else None,
+        )
         return Attached(
             tracker.registry,
             logged,
             # the loss rules read every batch's loss: the ranks' mean, or this rank's own
-            every_batch=loss.reading == "mean" or self._own_loss is not None,
+            every_batch=loss.reading == "mean" or own,
             agreement_carried=self._agreement_carried,
             on_remove=functools.partial(self._end_fit, trainer),
+            earlier_layout=_saved_by_release_0_2,
         )
 
     def _end_fit(self, trainer: pl.Trainer) -> None:
         """The hooks came off: keep the alarms' state for the next fit, drop what this fit made,
         and say whether an alarm's ``stop`` ended it."""
         self.policy.keep()
-        self._tracker = None
-        self._hist = None
-        self._stability = None
-        self._own_loss = None
+        self._fit = None
         self.policy.announce_stop(trainer)
 
     def _agreement_carried(self) -> bool:
@@ -254,33 +264,39 @@ class GradFlowCallback(HookCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """Measure the gradient ``optimizer`` is about to apply, and act on the alarms read."""
-        tracker = self._tracker
-        if tracker is None:
+        fit = self._fit
+        if fit is None:
             return
         scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
         enabled = scaler is not None and scaler.is_enabled()
         scale = internals.grad_scaler_scale(scaler) if enabled else None  # no sync
         # Lightning does not unscale for optimizers that unscale inside their step (fused).
         fused = scale is not None and internals.steps_unscale_themselves(optimizer)
-        tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
-        if self._hist is not None:
-            observe_histograms(self._hist, tracker.layout, optimizer)
-        alarms = tracker.alarms
-        if alarms is None:
+        fit.tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
+        if fit.histograms is not None:
+            observe_histograms(fit.histograms, fit.tracker.layout, optimizer)
+        if fit.alarms is None:
             return
-        found = alarms.poll(wait=self.policy.wait)
+        found = fit.alarms.poll(wait=self.policy.wait)
         if found:
             self.policy.act(trainer, optimizer, found)
 
     @override
-    def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
-        if self._stability is not None and self._logging_batch:
-            self._stability.end_step()
-        alarms = None if self._tracker is None else self._tracker.alarms
-        if alarms is None:
+    def _batch_ending(
+        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
+    ) -> bool:
+        """Close the logging step's attention statistics, and feed the batch's loss to the loss
+        rules: this rank's own, or the ranks' mean (whose collective also carries the ranks'
+        failures and stops)."""
+        fit = self._fit
+        if fit is None:
             return False
-        if self._own_loss is not None:  # the loss rules on this rank's loss
-            self._watch_own_loss(trainer, outputs, self._own_loss)
+        if fit.stability is not None and logging_step:
+            fit.stability.end_step()
+        if fit.alarms is None:
+            return False
+        if fit.own_loss is not None:  # the loss rules on this rank's loss
+            self._watch_own_loss(trainer, outputs, fit.own_loss)
             return False
         if self.loss_agreement.reading != "mean":
             return False
@@ -292,7 +308,7 @@ class GradFlowCallback(HookCallback):
         )
         if flags is not None and self._apply_agreement(trainer, self.cadence.batch_step, *flags):
             return True
-        loss.apply(trainer, alarms)
+        loss.apply(trainer, fit.alarms)
         return False
 
     def _watch_own_loss(
@@ -309,32 +325,43 @@ class GradFlowCallback(HookCallback):
 
     def _log_alarms(self, trainer: pl.Trainer, step: int, table: LayerTable) -> None:
         """With a logging step's values: the alarms' counts and text since the last one."""
-        if self._tracker is not None and self._tracker.alarms is not None:
-            self.policy.log_step(trainer, self._tracker.alarms, step)
+        if self._fit is not None and self._fit.alarms is not None:
+            self.policy.log_step(trainer, self._fit.alarms, step)
 
     def _watch_attention(self, trainer: pl.Trainer, step: int, result: StabilityResult) -> None:
         """Hand a logging step's attention logits and entropies to the attention rule."""
-        alarms = None if self._tracker is None else self._tracker.alarms
-        if alarms is not None:
+        if self._fit is not None and self._fit.alarms is not None:
+            alarms = self._fit.alarms
             alarms.update_attention(result["attn_logit_max"], result["attn_entropy_min"], step=step)
 
     def _draw_pictures(self, trainer: pl.Trainer, table: LayerTable) -> None:
         """Draw the epoch's chart, heatmap and histograms."""
-        if self._tracker is not None:
-            self._pictures.write(trainer, table, self._hist, self._tracker.shards)
+        if self._fit is not None:
+            fit = self._fit
+            self._pictures.write(trainer, table, fit.histograms, fit.tracker.shards)
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Every statistic's epoch, then the alarms': those to act on, the counts, the text."""
-        super()._log_epoch(trainer, pl_module)
-        if self._tracker is not None and self._tracker.alarms is not None:
-            self.policy.end_epoch(trainer, self._tracker.alarms)
+        """The alarms' epoch: those to act on, the counts, the text."""
+        if self._fit is not None and self._fit.alarms is not None:
+            self.policy.end_epoch(trainer, self._fit.alarms)
 
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Keep a checkpoint's state until the next fit attaches, also in the layout release
-        0.2.0 saved."""
-        super().load_state_dict(_saved_by_release_0_2(state_dict))
+
+@dataclass
+class _Fit:
+    """What one fit of :class:`GradFlowCallback` measures: made at its train start, dropped when
+    its hooks come off."""
+
+    tracker: GradFlowTracker
+    """The gradient flow of every layer, for the Trainer's optimizers."""
+    alarms: TrainingAlarms | None
+    """The alarm rules the tracker feeds (``None``: ``alarms=False``)."""
+    stability: StabilityStats | None
+    """The attention and output-logit statistics (``None``: ``stability=False``)."""
+    histograms: LayerHistograms | None
+    """The histograms of ``log10 |g|`` per layer (``None``: ``histograms=False``)."""
+    own_loss: TrainingAlarms | None
+    """The alarms fed this rank's own loss (one rank, or manual optimization), else ``None``."""
 
 
 _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")

@@ -9,7 +9,8 @@ from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Logged
-from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
+from lightning_hooks.callbacks.stats import attach_stats, select_stats
 from lightning_hooks.core.checks import boolean, named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
@@ -22,7 +23,7 @@ _NAME = "LayerTimeCallback"
 
 
 @named_arguments
-class LayerTimeCallback(StatsCallback):
+class LayerTimeCallback(HookCallback):
     r"""Forward time of every layer on logging steps, as ms and as a share of the step.
 
     Logged metrics, per epoch, means over the epoch's logging steps; each logging step also logs
@@ -69,7 +70,7 @@ class LayerTimeCallback(StatsCallback):
         timer = LayerTimer(
             types=types, include=include, exclude=exclude, leaves=self.leaves, owner=_NAME
         )
-        super().__init__(timer, every_n_steps=every_n_steps)
+        super().__init__(state_key={"stats": [timer.config_key()]}, every_n_steps=every_n_steps)
         assert timer.selection is not None
         self.types = types
         self.include = timer.selection.include
@@ -78,28 +79,28 @@ class LayerTimeCallback(StatsCallback):
         self._timer = timer
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
-        self._timer.use_cuda = pl_module.device.type == "cuda"
-        return super()._attach(trainer, pl_module)
+    def _validate(self, pl_module: pl.LightningModule) -> bool:
+        if select_stats(pl_module, [self._timer]):
+            return True
+        selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
+        return nothing_to_watch(_NAME, "module", selected=selected)
 
     @override
-    def _logged(self) -> list[Logged[Any]]:
-        return [Logged(self._timer, on_epoch=self._draw_chart)]
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
+        self._timer.use_cuda = pl_module.device.type == "cuda"
+        logged = [Logged(self._timer, on_epoch=self._draw_chart)]
+        return attach_stats(pl_module, self.hook_guard(), logged)
 
     @override
     def _batch_started(self, trainer: pl.Trainer, batch: Any) -> None:
         self._timer.start_step(trainer.global_step)
 
     @override
-    def _batch_ending(self, trainer: pl.Trainer, outputs: STEP_OUTPUT) -> bool:
+    def _batch_ending(
+        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
+    ) -> bool:
         self._timer.end_step()
         return False
-
-    @override
-    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._attached is not None:
-            self._timer.end_step()  # a step cut short by a skipped batch closes here
-        super()._log_epoch(trainer, pl_module)
 
     def _draw_chart(self, trainer: pl.Trainer, times: LayerTimes) -> None:
         """Draw the epoch's forward time per layer (rank 0, with ``chart``)."""

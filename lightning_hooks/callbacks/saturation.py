@@ -9,8 +9,9 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.attached import Logged
-from lightning_hooks.callbacks.stats import Findings, StatsCallback
+from lightning_hooks.callbacks.attached import Attached, Logged
+from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
+from lightning_hooks.callbacks.stats import Findings, attach_stats, select_stats
 from lightning_hooks.core.checks import fraction_or_none, module_types, named_arguments, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.saturation import (
@@ -24,10 +25,14 @@ __all__ = ["SaturationCallback"]
 
 
 _NAME = "SaturationCallback"
+_WATCHES = (
+    "bounded activation module (Sigmoid, Tanh, Softsign, Hardtanh, ReLU6, Hardsigmoid, or a "
+    "Hugging Face or timm activation computing one)"
+)
 
 
 @named_arguments
-class SaturationCallback(StatsCallback):
+class SaturationCallback(HookCallback):
     r"""Saturated outputs of every bounded activation, and units saturated all epoch long.
 
     Watches ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6`` included) and
@@ -63,11 +68,6 @@ class SaturationCallback(StatsCallback):
         0.25
     """
 
-    _watches = (
-        "bounded activation module (Sigmoid, Tanh, Softsign, Hardtanh, ReLU6, Hardsigmoid, or a "
-        "Hugging Face or timm activation computing one)"
-    )
-
     def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)
         self,
         *,
@@ -94,9 +94,12 @@ class SaturationCallback(StatsCallback):
             unit_dim=unit_dim,
             margin=margin,
         )
-        super().__init__(tracker, every_n_steps=every_n_steps)
+        super().__init__(state_key={"stats": [tracker.config_key()]}, every_n_steps=every_n_steps)
+        self.uses_images = False
         self.tracker = tracker
+        """The saturation of each watched layer, attached afresh at each fit."""
         self.findings = Findings(_NAME, "saturation findings")
+        """The layers warned of in this fit (repeats are summed up at its end)."""
         assert tracker.selection is not None
         self.types = types
         self.include = tracker.selection.include
@@ -105,8 +108,18 @@ class SaturationCallback(StatsCallback):
         self.margin = margin
 
     @override
-    def _logged(self) -> list[Logged[Any]]:
-        return [Logged(self.tracker, on_epoch=self._warn)]
+    def _validate(self, pl_module: pl.LightningModule) -> bool:
+        if select_stats(pl_module, [self.tracker]):
+            return True
+        selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
+        return nothing_to_watch(_NAME, _WATCHES, selected=selected)
+
+    @override
+    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
+        logged = [Logged(self.tracker, on_epoch=self._warn)]
+        return attach_stats(
+            pl_module, self.hook_guard(), logged, on_remove=self.findings.warn_held_back
+        )
 
     def _warn(self, trainer: pl.Trainer, found: SaturatedUnits) -> None:
         """Warn of each layer at or past ``warn_at``, once per layer per fit."""

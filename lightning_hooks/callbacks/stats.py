@@ -5,21 +5,23 @@ carried in checkpoints.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
+from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Logged
-from lightning_hooks.callbacks.base import HookCallback
+from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
 from lightning_hooks.core.checks import named_arguments
+from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["Findings", "StatsCallback"]
+__all__ = ["Findings", "StatsCallback", "attach_stats", "select_stats"]
 
 # The bare class in the signature: jsonargparse (LightningCLI) resolves a ``class_path`` against
 # a class, not against the subscripted generic ``LayerStat[Any]``.
@@ -62,6 +64,57 @@ class Findings:
             )
 
 
+def select_stats(model: nn.Module, stats: Sequence[LayerStat[Any]]) -> bool:
+    """Check each statistic's selection on ``model``.
+
+    Args:
+        model: the model to watch.
+        stats: the statistics.
+
+    Returns:
+        Whether any statistic selects a module of ``model``.
+
+    Raises:
+        ValueError: a pattern matches no module name, naming it.
+    """
+    selected = [stat.select(model) for stat in stats]
+    return any(selected)
+
+
+def attach_stats(
+    model: nn.Module,
+    guard: Guard,
+    logged: Sequence[Logged[Any]],
+    *,
+    on_remove: Callable[[], None] | None = None,
+) -> Attached:
+    """Hook each statistic on ``model``, on one registry whose gate opens at logging steps.
+
+    Args:
+        model: the model to watch.
+        guard: the guard of the callback's hooks.
+        logged: each statistic (a :class:`~.stat.LayerStat`) with what the callback reads of its
+            results.
+        on_remove: called once when the hooks come off.
+
+    Returns:
+        What the fit attached; the ranks align the statistics' rows (a module that runs on some
+        ranks only).
+    """
+    registry = HookRegistry(model, guard=guard)
+    stats = [_layer_stat(item) for item in logged]
+    for stat in stats:
+        stat.attach(model, registry)
+    return Attached(registry, logged, aligned=stats, on_remove=on_remove)
+
+
+def _layer_stat(logged: Logged[Any]) -> LayerStat[Any]:
+    stat = logged.stat
+    if not isinstance(stat, LayerStat):
+        raise TypeError(f"attach_stats: {type(stat).__name__} is not a LayerStat")
+    return stat
+
+
 @named_arguments
 class StatsCallback(HookCallback):
     """Hooks each statistic on the model in the logging steps' training forwards, and carries
@@ -74,6 +127,9 @@ class StatsCallback(HookCallback):
         stats: one statistic or several; each is attached afresh at every fit.
         every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``; 1: every step).
+
+    Raises:
+        TypeError: ``stats`` is not a statistic or a non-empty sequence of them.
 
     Example:
         >>> from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
@@ -98,41 +154,21 @@ class StatsCallback(HookCallback):
                 f"{type(self).__name__}(stats={stats!r}): must be a LayerStat or a non-empty "
                 f"sequence of them, got {stats!r}"
             )
-        super().__init__(every_n_steps=every_n_steps)
+        chosen = tuple(s for s in items if isinstance(s, LayerStat))
+        super().__init__(
+            state_key={"stats": [s.config_key() for s in chosen]}, every_n_steps=every_n_steps
+        )
         self.uses_images = False
-        self.stats: tuple[LayerStat[Any], ...] = tuple(s for s in items if isinstance(s, LayerStat))
+        self.stats: tuple[LayerStat[Any], ...] = chosen
         """The statistics, attached afresh at each fit."""
-        self.findings = Findings(type(self).__name__, "findings")
-        """The findings per layer that a subclass warns of, once per layer per fit."""
 
     @override
-    def _state_key_fields(self) -> dict[str, Any]:
-        return {"stats": [s.config_key() for s in self.stats]}
-
-    _watches = "module"  # what the statistics watch, as "nothing to watch" names it
-    _watch_hint = ""
-
-    @override
-    def _validate(self, pl_module: pl.LightningModule) -> None:
-        # A pattern matching no module name raises here, naming it.
-        selected = [stat.select(pl_module) for stat in self.stats]
-        if not any(selected):
-            self._nothing_to_watch(self._watches, self._watch_hint)
+    def _validate(self, pl_module: pl.LightningModule) -> bool:
+        if select_stats(pl_module, self.stats):
+            return True
+        return nothing_to_watch(type(self).__name__, "module", selected={})
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
-        registry = HookRegistry(pl_module, guard=self.hook_guard())
-        for stat in self.stats:
-            stat.attach(pl_module, registry)
-        return Attached(
-            registry, self._logged(), aligned=self.stats, on_remove=self.findings.warn_held_back
-        )
-
-    def _logged(self) -> list[Logged[Any]]:
-        """The statistics, each with what this callback reads of its results: by default,
-        nothing beyond the scalar tags each logs.
-
-        Returns:
-            One :class:`~.attached.Logged` per statistic, in the order of :attr:`stats`.
-        """
-        return [Logged(stat) for stat in self.stats]
+        logged = [Logged(stat) for stat in self.stats]
+        return attach_stats(pl_module, self.hook_guard(), logged)

@@ -214,6 +214,8 @@ class LayerTimer(LayerStat[LayerTimes]):
         self._brackets = []
 
     def drain(self) -> None:
+        """Fold the host totals into the states; a step cut short (a skipped batch's) ends here."""
+        self.end_step()
         self._fold_events()
         if not self._steps[0] and not self._calls.any():
             return
