@@ -16,7 +16,11 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.internals.lightning import unwrapped_optimizer
+from lightning_hooks.internals.lightning import (
+    before_fabric_clips,
+    fabric_wrapped_module,
+    unwrapped_optimizer,
+)
 
 __all__ = ["FabricRun", "FabricTrainer", "check_fabric"]
 
@@ -48,12 +52,6 @@ class FabricTrainer:
         self.optimizers: list[Any] = []
         self.gradient_clip_val: float | None = None
         self.gradient_clip_algorithm: str | None = None
-
-
-def original_module(module: nn.Module) -> nn.Module:
-    """The user's module inside Fabric's wrapper (``_FabricModule.module``), else ``module``."""
-    inner = getattr(module, "module", None)
-    return inner if type(module).__name__ == "_FabricModule" and inner is not None else module
 
 
 def check_fabric(callback: object, fabric: Fabric) -> None:
@@ -101,7 +99,7 @@ class FabricRun:
         check_fabric(callback, fabric)
         self.callback = callback
         self.fabric = fabric
-        self.module = original_module(module)
+        self.module: nn.Module = fabric_wrapped_module(module)
         self.trainer = FabricTrainer(fabric, callback)
         self._params = {id(p) for p in self.module.parameters()}
         self._owned: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
@@ -130,11 +128,9 @@ class FabricRun:
             self._wrap_clip(ref, attribute, algorithm, argument)
 
     def _wrap_clip(
-        self, ref: weakref.ref[FabricRun], attribute: str, algorithm: str, argument: str
+        self, ref: weakref.ref[FabricRun], method: str, algorithm: str, argument: str
     ) -> None:
         """Observe the gradients before ``fabric.clip_gradients`` clips them, until released."""
-        strategy = self.fabric.strategy
-        original = getattr(strategy, attribute)
 
         def observe(optimizer: Any, value: Any) -> None:  # noqa: ANN401 (as Fabric hands them on)
             run = ref()
@@ -143,16 +139,13 @@ class FabricRun:
 
         guarded = self.callback.hook_guard().wrap(observe, "gradient clipping hook")
 
-        def clip(module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 (stands in for the strategy's clip method, whatever it takes and returns)
-            value = kwargs.get(argument, args[0] if args else None)
+        def before(optimizer: Any, value: Any) -> None:  # noqa: ANN401 (as Fabric hands them on)
             run = ref()
             if run is not None:
                 run.check_clip(optimizer, value)  # a refused setup raises, outside the guard
             guarded(optimizer, value)
-            return original(module, optimizer, *args, **kwargs)
 
-        setattr(strategy, attribute, clip)
-        self._undo.append(lambda: strategy.__dict__.pop(attribute, None))
+        self._undo.append(before_fabric_clips(self.fabric.strategy, method, argument, before))
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
         owned = self._owned.get(optimizer)
@@ -248,11 +241,12 @@ class FabricRun:
 
     def on_after_setup(self, fabric: Fabric, module: nn.Module) -> None:
         """A second ``fabric.setup``: its module is not watched (one warning)."""
-        if original_module(module) is not self.module and not self._warned_module:
+        inner = fabric_wrapped_module(module)
+        if inner is not self.module and not self._warned_module:
             self._warned_module = True
             rank_zero_warn(
                 f"{type(self.callback).__name__} under Fabric watches the first module set up "
-                f"({type(self.module).__name__}); {type(original_module(module)).__name__} is not "
+                f"({type(self.module).__name__}); {type(inner).__name__} is not "
                 "watched. Pass one callback per Fabric.",
                 category=LightningHooksWarning,
             )

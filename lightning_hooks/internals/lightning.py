@@ -1,21 +1,24 @@
 """Every private attribute of Lightning the library touches (see :mod:`lightning_hooks.internals`).
 
 Internals with no public path: a strategy's tensor-parallel size, the callbacks of a ``Fabric``,
-the ``Fabric`` of a module it set up, the optimizer inside Lightning's wrappers, a logger's
-prefix, and the model's logging functions Lightning binds onto each callback. One speed-up with
-a public twin: the empty per-batch hooks a callback inherits, skipped.
+the ``Fabric`` of a module it set up, the module and the optimizer inside Lightning's and
+Fabric's wrappers, Fabric's gradient clipping observed before it clips, a logger's prefix, and
+the model's logging functions Lightning binds onto each callback. One speed-up with a public
+twin: the empty per-batch hooks a callback inherits, skipped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from lightning_hooks.internals import speedups
 
 __all__ = [
+    "before_fabric_clips",
     "drop_model_logging",
     "fabric_callbacks",
+    "fabric_wrapped_module",
     "is_set_up_by_fabric",
     "logger_prefix",
     "shadow_hooks",
@@ -86,6 +89,43 @@ def is_set_up_by_fabric(module: object) -> bool:
     Lightning keeps no public test of it. Without it, the loss of a Fabric loop, fed when the
     loop wants, would be read as an automatic optimization's."""
     return getattr(module, "_fabric", None) is not None
+
+
+def fabric_wrapped_module(module: Any) -> Any:  # noqa: ANN401 (any module, wrapped or not)
+    """The user's module inside Fabric's wrapper (a ``_FabricModule``'s ``module``), else
+    ``module``. Fabric keeps no public way to unwrap one. Without it, the callback would hook the
+    wrapper, whose forward is not the user's, and name its layers ``_forward_module.*``."""
+    inner = getattr(module, "module", None)
+    return inner if type(module).__name__ == "_FabricModule" and inner is not None else module
+
+
+def before_fabric_clips(
+    strategy: object, method: str, argument: str, before: Callable[[Any, Any], None]
+) -> Callable[[], None]:
+    """Call ``before(optimizer, value)`` each time ``strategy.<method>`` (a Fabric strategy's
+    ``clip_gradients_norm`` or ``clip_gradients_value``) is about to clip, where ``value`` is its
+    ``argument`` (the bound); the strategy's method is shadowed on the instance. Fabric has no
+    hook before it clips. Without it, the gradient measured under ``fabric.clip_gradients`` would
+    be the clipped one, not the one the model produced.
+
+    Args:
+        strategy: the Fabric's strategy.
+        method: the name of its clipping method.
+        argument: the name of that method's bound argument.
+        before: called with the optimizer and the bound before each clip; it may raise (a
+            refused set-up).
+
+    Returns:
+        A function that takes the shadow off.
+    """
+    original = getattr(strategy, method)
+
+    def clip(module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 (stands in for the strategy's clip method, whatever it takes and returns)
+        before(optimizer, kwargs.get(argument, args[0] if args else None))
+        return original(module, optimizer, *args, **kwargs)
+
+    setattr(strategy, method, clip)
+    return lambda: strategy.__dict__.pop(method, None)
 
 
 def unwrapped_optimizer(optimizer: Any) -> Any:  # noqa: ANN401 (any optimizer, wrapped or not)
