@@ -140,7 +140,11 @@ class ActivationStatsCallback(HookCallback):
     def _batch_ending(
         self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
     ) -> bool:
-        """Warn once about the first module whose output went non-finite."""
+        """Warn once about the first module whose output went non-finite.
+
+        Returns:
+            ``False``: a warning never disables the callback.
+        """
         if not self.warn_nonfinite or self._warned_nonfinite:
             return False
         tracker = self._activations

@@ -86,9 +86,18 @@ class LossAgreement:
     def observe(
         self, loss: torch.Tensor | None, step: int, *, failed: bool, stop: bool
     ) -> RankFlags | None:
-        """Post the loss, ``failed`` and ``stop`` (this rank's request to stop the fit) to the
-        ``all_reduce``; the ranks' flags once its host copy is read (CUDA: a batch later), else
-        ``None``."""
+        """Post the loss, ``failed`` and ``stop`` to the batch's ``all_reduce``.
+
+        Args:
+            loss: this rank's loss (``None``: none was returned).
+            step: the optimizer step the batch belongs to.
+            failed: whether one of this rank's hooks failed.
+            stop: this rank's request to stop the fit.
+
+        Returns:
+            The ranks' flags once the collective's host copy is read (CUDA: a batch later),
+            else ``None``.
+        """
         if self.reading != "mean":
             return None
         assert self._carrier is not None
@@ -135,7 +144,17 @@ class LossAgreement:
 
 
 def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
-    """``[loss, has loss, failed, stop]`` summed over the ranks (the loss moved without a sync)."""
+    """Sum this rank's loss and flags over the ranks, in one ``all_reduce``.
+
+    Args:
+        loss: this rank's loss (``None``: its ``training_step`` returned none).
+        failed: whether one of this rank's hooks failed.
+        stop: whether this rank asks to stop the fit.
+
+    Returns:
+        ``[loss, ranks with a loss, ranks failed, ranks stopping]``, on the group's device (the
+        loss is moved there without a host sync).
+    """
     flags = [0.0, float(loss is not None), float(failed), float(stop)]
     carried = torch.tensor(flags, dtype=torch.float32).to(device=group_device(), non_blocking=True)
     if loss is not None:
@@ -144,9 +163,20 @@ def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
 
 
 def training_loss(trainer: pl.Trainer, outputs: STEP_OUTPUT) -> torch.Tensor | None:
-    """``training_step``'s loss in the user's units: under automatic optimization Lightning
-    hands the batch-end hooks the loss divided by ``accumulate_grad_batches`` (what the backward
-    saw), and the alarms quote losses as the user logs them."""
+    """Read ``training_step``'s loss in the user's units.
+
+    Under automatic optimization Lightning hands the batch-end hooks the loss divided by
+    ``accumulate_grad_batches`` (what the backward saw); the alarms quote losses as the user
+    logs them, so the division is undone.
+
+    Args:
+        trainer: the trainer.
+        outputs: what ``training_step`` returned, as the batch-end hook gets it.
+
+    Returns:
+        The loss, detached where it is scaled back, or ``None`` where ``training_step``
+        returned no tensor loss.
+    """
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
     if not isinstance(loss, torch.Tensor):
         return None

@@ -34,10 +34,22 @@ _SUMMARY_LINES = 100
 
 
 def check_actions(on_alarm: object) -> dict[str, Action]:
-    """``on_alarm`` as an action per rule: unnamed rules warn; the notices *spike* and *stall*
-    log unless named, or unless the one action is ``"skip"`` (skipping a spike's step is what
-    it is for): one ``"stop"`` or ``"raise"`` never ends a run on a notice, which healthy runs
-    show too; ``"skip"`` warns for the rules it cannot cure.
+    """Read ``on_alarm`` as an action per rule.
+
+    Unnamed rules warn. The notices *spike* and *stall* log unless named, or unless the one
+    action is ``"skip"`` (skipping a spike's step is what it is for): one ``"stop"`` or
+    ``"raise"`` never ends a run on a notice, which healthy runs show too. ``"skip"`` warns for
+    the rules it cannot cure.
+
+    Args:
+        on_alarm: one action for every rule, or a mapping of rule to action.
+
+    Returns:
+        The action of every rule, by rule.
+
+    Raises:
+        ValueError: an unknown rule or action, naming the allowed values.
+        TypeError: ``on_alarm`` is neither a string nor a mapping.
 
     Example:
         >>> check_actions("skip")["vanishing"], check_actions("warn")["spike"]
@@ -110,8 +122,12 @@ class AlarmPolicy:
         self.stopped_by: TrainingAlarm | None = None  # the first alarm whose ``stop`` acted
 
     def host_state(self) -> dict[str, Any]:
-        """The alarms' running scales, saved in checkpoints: this fit's, or those kept from the
-        last fit or loaded (empty: none)."""
+        """Return the alarms' running scales, saved in checkpoints.
+
+        Returns:
+            This fit's scales, or those kept from the last fit or loaded; empty where there
+            are none.
+        """
         if self._alarms is not None:
             return self._alarms.state_dict()
         return dict(self.saved or {})
@@ -238,15 +254,32 @@ class AlarmPolicy:
 
 
 def _speaker(alarm: TrainingAlarm) -> str:
-    """The alarm's message with who speaks first: the callback and the rule. Lightning's warning
-    formatter drops a warning's category under a path containing "lightning", so the words
-    themselves must say it."""
+    """Put who speaks before the alarm's message: the callback and the rule.
+
+    Lightning's warning formatter drops a warning's category under a path containing
+    "lightning", so the words themselves must say it.
+
+    Args:
+        alarm: the alarm.
+
+    Returns:
+        The message, beginning with ``GradFlowCallback [rule]``.
+    """
     return f"GradFlowCallback [{alarm.rule}]: {alarm.message}"
 
 
 def _summary(log: list[TrainingAlarm], where: str, noticed: set[str]) -> str:
-    """The alarms' text: a line per alarm (its warning's first line; a notice marked so), its
-    details under it, and the ring buffer's lines once per step."""
+    """Write the alarms' text for the event files.
+
+    Args:
+        log: the alarms, in the order they were raised.
+        where: the clause saying where the text stands (a logging step or the epoch).
+        noticed: the rules that only log (their lines are marked as notices).
+
+    Returns:
+        A line per alarm (its warning's first line; a notice marked so), its details under it,
+        and the ring buffer's lines once per step.
+    """
     lines: list[str] = []
     shown: set[int] = set()
     for alarm in log[:_SUMMARY_LINES]:

@@ -157,7 +157,11 @@ class Attached:
         self._earlier_layout = earlier_layout
 
     def agreement_is_carried(self) -> bool:
-        """Whether each batch's loss collective carries the ranks' agreement now."""
+        """Tell whether each batch's loss collective carries the ranks' agreement now.
+
+        Returns:
+            ``True`` where it does: a logging step then needs no agreement of its own.
+        """
         return self._agreement_carried is not None and self._agreement_carried()
 
     def start_copies(self, step: int) -> None:
@@ -192,7 +196,11 @@ class Attached:
         return any(logged.stat.copy_in_flight for logged in self.logged)
 
     def rows_grew(self) -> bool:
-        """Whether this rank made rows since they were last aligned across the ranks."""
+        """Tell whether this rank made rows since they were last aligned across the ranks.
+
+        Returns:
+            ``True`` where a statistic of :attr:`aligned` has new rows.
+        """
         return any(stat.rows_grew for stat in self.aligned)
 
     def align_rows(self) -> None:
@@ -251,5 +259,13 @@ class Attached:
 
 
 def _state_name(index: int, stat: Statistic[Any]) -> str:
-    """A statistic's key in its callback's checkpoint state: its place and its class."""
+    """Name a statistic in its callback's checkpoint state.
+
+    Args:
+        index: the statistic's place among the fit's.
+        stat: the statistic.
+
+    Returns:
+        ``"<place>:<class>"``, for example ``"0:GradFlowTracker"``.
+    """
     return f"{index}:{type(stat).__name__}"

@@ -263,8 +263,12 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The epoch so far of each statistic, reduced across ranks, on the host, and the state
-        of what :attr:`kept` holds."""
+        """Return what a checkpoint saves of the callback.
+
+        Returns:
+            The epoch so far of each statistic, reduced across ranks, on the host, and the
+            state of what :attr:`kept` holds, by key.
+        """
         attached = self._attached
         state: dict[str, Any] = {}
         if attached is not None:
@@ -348,9 +352,18 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self._copying = not wait and attached.copies_in_flight
 
     def _agree_ranks(self, trainer: pl.Trainer, step: int, *, always: bool) -> bool:
-        """At a logging step (``always``: an epoch end) of a multi-process run, agree on a failure
-        and a ``stop``, unless every batch's loss collective carries them already (see
-        :mod:`.agreement`); whether the callback is now disabled."""
+        """Agree across the ranks on a failure and a ``stop``, at a logging step of a
+        multi-process run, unless every batch's loss collective carries them already (see
+        :mod:`.agreement`).
+
+        Args:
+            trainer: the trainer.
+            step: the step agreed at.
+            always: agree even where the loss collective carries the agreement (an epoch end).
+
+        Returns:
+            Whether the callback is now disabled.
+        """
         guard = self.hook_guard()
         attached = self._attached
         carried = attached is not None and attached.agreement_is_carried()
@@ -365,8 +378,17 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         return False
 
     def _align_rows(self, trainer: pl.Trainer, step: int, attached: Attached) -> bool:
-        """Align the ranks' rows; whether the callback is now disabled (a layer's units differ
-        between ranks: on every rank)."""
+        """Align the ranks' rows.
+
+        Args:
+            trainer: the trainer.
+            step: the step aligned at.
+            attached: what the fit attached.
+
+        Returns:
+            Whether the callback is now disabled: a layer's units differ between ranks, which
+            disables it on every rank.
+        """
         try:
             attached.align_rows()
         except ValueError as error:
@@ -377,8 +399,18 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         return False
 
     def _apply_agreement(self, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
-        """Stop if any rank asked; if any failed, disable the callback on every rank (one
-        warning); whether disabled."""
+        """Act on what the ranks agreed: stop if any rank asked; if any failed, disable the
+        callback on every rank, with one warning.
+
+        Args:
+            trainer: the trainer.
+            step: the step agreed at.
+            failed: how many ranks failed.
+            stopping: how many ranks asked to stop.
+
+        Returns:
+            Whether the callback is now disabled.
+        """
         if stopping:
             trainer.should_stop = True
             self.stop_requested = False
@@ -386,7 +418,17 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         return bool(failed) and self._disable(trainer, step, gather_objects(local))
 
     def _disable(self, trainer: pl.Trainer, step: int, causes: list[Any]) -> bool:
-        """Disable the callback on every rank, one warning on rank 0 naming each rank's cause."""
+        """Disable the callback on every rank, with one warning on rank 0 naming each rank's
+        cause.
+
+        Args:
+            trainer: the trainer.
+            step: the step it is disabled at.
+            causes: each rank's cause (``None`` for a rank that did not fail).
+
+        Returns:
+            ``True``: the callback is disabled.
+        """
         guard = self.hook_guard()
         guard.disable_on_every_rank(causes, step, warn=trainer.is_global_zero)
         guard.removal_due()

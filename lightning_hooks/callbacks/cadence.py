@@ -71,12 +71,28 @@ class LoggingCadence:
         """The logging step being measured, until its values are taken to be written."""
 
     def logs(self, trainer: pl.Trainer, step: int) -> bool:
-        """Whether optimizer step ``step`` is a logging step by the cadence alone."""
+        """Tell whether an optimizer step is a logging step by the cadence alone.
+
+        Args:
+            trainer: the trainer, whose ``log_every_n_steps`` is the cadence where none is set.
+            step: the optimizer step.
+
+        Returns:
+            Whether ``step`` is a logging step.
+        """
         cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
         return (step + 1) % cadence == 0
 
     def start_batch(self, trainer: pl.Trainer, batch_idx: int) -> bool:
-        """At a batch's start: whether it belongs to a logging step."""
+        """Note a batch's start.
+
+        Args:
+            trainer: the trainer.
+            batch_idx: the batch's index in its epoch.
+
+        Returns:
+            Whether the batch belongs to a logging step.
+        """
         self.batch_step = trainer.global_step
         if batch_idx == 0:
             self.epoch_start_step = self.batch_step
@@ -87,8 +103,15 @@ class LoggingCadence:
         self.measuring = self.batch_step
 
     def finished_step(self, trainer: pl.Trainer) -> int | None:
-        """At a batch's end: the logging step whose optimizer step has just run, once; else
-        ``None`` (a micro-batch before its step's last)."""
+        """Note a batch's end.
+
+        Args:
+            trainer: the trainer.
+
+        Returns:
+            The logging step whose optimizer step has just run, once; else ``None`` (a quiet
+            step, or a micro-batch before its step's last).
+        """
         measured = self.measuring
         if measured is None or trainer.global_step <= measured:
             return None

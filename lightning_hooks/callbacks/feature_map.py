@@ -30,7 +30,19 @@ _OWNER = "FeatureMapCallback"
 
 
 def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[str, nn.Module]]:
-    """The modules ``patterns`` name; the error names the user's argument first."""
+    """Find the modules that ``patterns`` name.
+
+    Args:
+        model: the model.
+        argument: the constructor argument the patterns came from (the error names it first).
+        patterns: glob patterns on qualified module names.
+
+    Returns:
+        ``(name, module)`` of each module named, in the model's order.
+
+    Raises:
+        ValueError: a pattern names no module.
+    """
     try:
         return select_modules(model, include=patterns)
     except ValueError as err:
@@ -165,7 +177,18 @@ class FeatureMapCallback(HookCallback):
             self._labels = default_labels(batch, self.probe_size)
 
     def _model_input(self, batch: object) -> object:
-        """The first training batch's model input; a ``TypeError`` stopping the fit if none."""
+        """Take the model input of the first training batch.
+
+        Args:
+            batch: the batch.
+
+        Returns:
+            What ``input_fn`` returns of it.
+
+        Raises:
+            ProbeInputError: ``input_fn`` raised, or returned no tensor (a ``TypeError`` that
+                stops the fit, naming ``input_fn``).
+        """
         try:
             x = self.input_fn(batch)
         except ProbeInputError:
@@ -187,7 +210,11 @@ class FeatureMapCallback(HookCallback):
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
-        """No hook: the feature maps are drawn at epoch ends, from the probe batch."""
+        """Attach no hook: the feature maps are drawn at epoch ends, from the probe batch.
+
+        Returns:
+            A fit with no registry, which forgets a probe taken from a batch when it ends.
+        """
         self._forget_probe()
         return Attached(None, on_remove=self._forget_probe)
 
@@ -223,7 +250,14 @@ class ProbeInputError(LightningHooksError, TypeError):
 
 
 def has_tensor(x: object) -> bool:
-    """Whether ``x`` is a tensor or a (nested) list, tuple or mapping holding one."""
+    """Tell whether ``x`` holds a tensor.
+
+    Args:
+        x: a tensor, or a (nested) list, tuple or mapping.
+
+    Returns:
+        Whether ``x`` is a tensor or holds one.
+    """
     if isinstance(x, torch.Tensor):
         return True
     if isinstance(x, Mapping):
@@ -234,7 +268,17 @@ def has_tensor(x: object) -> bool:
 
 
 def default_input(batch: object) -> object:
-    """The model input of a batch: the batch itself if a tensor, else its first element."""
+    """Take the model input of a batch.
+
+    Args:
+        batch: the training batch.
+
+    Returns:
+        The batch itself if a tensor, else its first element.
+
+    Raises:
+        ProbeInputError: the batch is neither a tensor nor a non-empty list or tuple.
+    """
     if isinstance(batch, torch.Tensor):
         return batch
     if isinstance(batch, list | tuple) and batch:
@@ -246,7 +290,16 @@ def default_input(batch: object) -> object:
 
 
 def default_labels(batch: object, size: int) -> torch.Tensor | None:
-    """The second element of a tuple batch when it holds one label per sample, else ``None``."""
+    """Take the labels of a batch, for the embedding.
+
+    Args:
+        batch: the training batch.
+        size: how many samples the probe keeps.
+
+    Returns:
+        The second element of a tuple batch when it holds one label per sample (its first
+        ``size``), else ``None``.
+    """
     labels = batch[1] if isinstance(batch, list | tuple) and len(batch) > 1 else None
     if isinstance(labels, torch.Tensor) and labels.dim() == 1 and len(labels) >= size:
         return labels[:size].detach().clone()
@@ -254,7 +307,15 @@ def default_labels(batch: object, size: int) -> torch.Tensor | None:
 
 
 def map_tensors(x: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
-    """``fn`` applied to each tensor of ``x``, a tensor or a (nested) list, tuple or mapping."""
+    """Apply ``fn`` to each tensor of ``x``.
+
+    Args:
+        x: a tensor, or a (nested) list, tuple or mapping.
+        fn: what to apply.
+
+    Returns:
+        ``x`` with each tensor replaced by ``fn`` of it, in the same structure.
+    """
     if isinstance(x, torch.Tensor):
         return fn(x)
     if isinstance(x, list | tuple):

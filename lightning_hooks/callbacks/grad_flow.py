@@ -251,8 +251,12 @@ class GradFlowCallback(HookCallback):
         self.policy.announce_stop(trainer)
 
     def _agreement_carried(self) -> bool:
-        """Whether each batch's loss collective carries the ranks' agreement (manual
-        optimization turns it off where a rank returns no loss)."""
+        """Tell whether each batch's loss collective carries the ranks' agreement.
+
+        Returns:
+            Whether it does now: manual optimization turns it off where a rank returns no
+            loss.
+        """
         return self.loss_agreement.reading == "mean"
 
     def _request_stop(self) -> None:
@@ -287,7 +291,11 @@ class GradFlowCallback(HookCallback):
     ) -> bool:
         """Close the logging step's attention statistics, and feed the batch's loss to the loss
         rules: this rank's own, or the ranks' mean (whose collective also carries the ranks'
-        failures and stops)."""
+        failures and stops).
+
+        Returns:
+            Whether the callback is now disabled (a rank failed).
+        """
         fit = self._fit
         if fit is None:
             return False
@@ -369,8 +377,17 @@ _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")
 
 
 def _saved_by_release_0_2(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` as this version saves it: 0.2.0 saved the tracker's state at the top and the
-    instability statistics' under ``"stability"``, where each is now under its place and class."""
+    """Read a checkpoint's state in this release's layout.
+
+    Release 0.2.0 saved the tracker's state at the top and the instability statistics' under
+    ``"stability"``; each is now under its place and class.
+
+    Args:
+        state: the callback's state as the checkpoint holds it.
+
+    Returns:
+        The state under the keys this release saves (unchanged where it is this release's).
+    """
     if not all(key in state for key in _TRACKER_STATE):  # this version's, or another model's
         return dict(state)
     rest = {k: v for k, v in state.items() if k not in (*_TRACKER_STATE, "stability")}

@@ -97,8 +97,17 @@ def _check_cadence(name: str, trainer: pl.Trainer) -> None:
 
 
 def passed_by_user(callback: object, callbacks: Sequence[object]) -> bool:
-    """Whether ``callback`` came from ``LIGHTNING_HOOKS`` (its ``from_environment``) and the user
-    passed one of its class among ``callbacks``: then the user's own is the one that runs."""
+    """Tell whether ``callback`` stands down for the user's own.
+
+    Args:
+        callback: one of the library's callbacks.
+        callbacks: every callback of the Trainer or Fabric.
+
+    Returns:
+        Whether ``callback`` came from ``LIGHTNING_HOOKS`` (its ``from_environment``) and the
+        user passed one of its class among ``callbacks``: then the user's own is the one that
+        runs.
+    """
     return _from_environment(callback) and any(
         isinstance(other, type(callback)) and not _from_environment(other) for other in callbacks
     )
