@@ -112,9 +112,9 @@ def test_the_users_own_callback_beside_the_one_the_switch_adds(
 ) -> None:
     """Lightning refuses two callbacks with one checkpoint key: each callback the switch adds has
     a key of its own, so the Trainer builds, and only the user's watches the fit."""
-    from conftest import BoundedMLP, make_trainer
-
     import lightning_hooks
+
+    from conftest import BoundedMLP, make_trainer
 
     monkeypatch.setenv("LIGHTNING_HOOKS", short)
     (added,) = callbacks()

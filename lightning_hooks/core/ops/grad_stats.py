@@ -168,9 +168,20 @@ def segment_max(values: torch.Tensor, index: torch.Tensor, num_layers: int) -> t
     return torch.cat([peak, values.max().view(1)])
 
 
-def param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[len(tensors)]`` float32 L2 norms in one multi-tensor pass (on the CPU in stacks)."""
-    grouping = cpu_grouping(tensors)
+def param_norms(
+    tensors: Sequence[torch.Tensor], workspace: Workspace | None = None
+) -> torch.Tensor:
+    """Read the L2 norm of each tensor in one multi-tensor pass (on the CPU in stacks).
+
+    Args:
+        tensors: the tensors.
+        workspace: the reader's workspace, which keeps the CPU's stacks from one step to the
+            next (``None``: no stack, the same numbers).
+
+    Returns:
+        ``[len(tensors)]`` float32 norms.
+    """
+    grouping = cpu_grouping(tensors, workspace)
     if grouping is not None:
         return grouping(tensors).float()
     return torch.stack(foreach_norm(list(tensors), 2.0)).float()
@@ -202,9 +213,9 @@ def grad_stats(
     index = layers.index
     unique = layers.unique
     num_layers = layers.num_layers
-    l2 = param_norms(grads)
+    l2 = param_norms(grads, workspace)
     sums, peak = abs_sum_max(grads, workspace)
-    weight = param_norms(params) if params is not None else torch.full_like(l2, torch.nan)
+    weight = torch.full_like(l2, torch.nan) if params is None else param_norms(params, workspace)
     if shards is not None:  # shard-local partials made whole: one collective
         whole = shards.reduce(norms=[l2, weight], sums=[sums], maxima=[peak])
         l2, weight = whole.norms
@@ -236,12 +247,13 @@ def update_norms(
     layers: LayerIndex,
     *,
     shards: ShardPlan | None = None,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """``[layers + 1]`` norms of ``after - before`` per layer, last: all (a shared parameter
-    once, with ``layers.unique``). Overwrites ``before``."""
+    once, with ``layers.unique``). Overwrites ``before``; ``workspace`` keeps the CPU's stacks."""
     diffs = list(before)
     internals.foreach_sub_(diffs, list(after))
-    norms = param_norms(diffs)
+    norms = param_norms(diffs, workspace)
     if shards is not None:  # shard-local norms made whole: one collective
         (norms,) = shards.reduce(norms=[norms]).norms
     return segment_norm(norms, layers.index, layers.num_layers, layers.unique)

@@ -91,9 +91,6 @@ _SHAPE = attrgetter("shape")
 _DTYPE = attrgetter("dtype")
 _DEVICE = attrgetter("device")
 _CPU = torch.device("cpu")
-_GROUPINGS: dict[tuple[object, ...], GroupedNorms | None] = {}
-"""A cache keyed by the gradients' shapes and dtypes: the stacks of a grouped read, made once and
-kept across fits of the same model (at most 16, for a model whose shapes keep changing)."""
 _GRAD = attrgetter("grad")
 _IS_SPARSE = attrgetter("is_sparse")
 _PLAIN = {torch.Tensor}
@@ -108,20 +105,32 @@ def plain_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor] | No
     return cast("list[torch.Tensor]", plain)
 
 
-def cpu_grouping(tensors: Sequence[torch.Tensor]) -> GroupedNorms | None:
-    """A cached :class:`GroupedNorms` for these CPU tensors, ``None`` if none would be stacked."""
-    if not tensors or set(map(_DEVICE, tensors)) != {_CPU}:
+def cpu_grouping(
+    tensors: Sequence[torch.Tensor], workspace: Workspace | None
+) -> GroupedNorms | None:
+    """Find the stacks of a grouped read of these CPU tensors, made once per ``workspace``.
+
+    Args:
+        tensors: the tensors read together, every step in the same shapes and dtypes.
+        workspace: the reader's workspace, which keeps the stacks from one step to the next
+            (``None``: no stack; the multi-tensor read gives the same numbers).
+
+    Returns:
+        The stacks, or ``None`` where none would be stacked (off the CPU, or too few alike).
+    """
+    if workspace is None or not tensors or set(map(_DEVICE, tensors)) != {_CPU}:
         return None
+    groupings = workspace.groupings
     key = (*map(_SHAPE, tensors), *map(_DTYPE, tensors))
-    found = _GROUPINGS.get(key)
-    if found is None:
-        if len(_GROUPINGS) >= 16:  # a model whose shapes keep changing: keep a few
-            _GROUPINGS.clear()
+    found = groupings.get(key, False)
+    if found is False:
+        if len(groupings) >= 16:  # a model whose shapes keep changing: keep a few
+            groupings.clear()
         try:
             found = GroupedNorms(tensors)
         except Exception:  # the multi-tensor read gives the same numbers: nothing to say
             found = None
-        _GROUPINGS[key] = found
+        groupings[key] = found
     return found if found is not None and found.groups else None
 
 
@@ -135,8 +144,8 @@ def abs_sum_max(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[len(tensors)]`` float32 sums and maxima of ``|t|`` (an empty tensor gives 0 and 0; NaN
     propagates); a large one read in pieces through ``workspace`` (the same one every step)."""
+    grouping = cpu_grouping(tensors, workspace)
     ws = workspace or Workspace()
-    grouping = cpu_grouping(tensors)
     return _abs_sum_max(tensors, ws) if grouping is None else grouping.abs_sum_max(tensors, ws)
 
 

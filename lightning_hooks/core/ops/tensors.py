@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -36,10 +36,14 @@ def piece_size(device: torch.device, cpu: int) -> int:
 
 
 class Workspace:
-    """Flat scratch buffers per dtype and device, grown as needed (fresh ones page-fault)."""
+    """What a reader of tensors keeps from one step to the next: flat scratch buffers per dtype
+    and device, grown as needed (fresh ones page-fault), and the stacks of its grouped reads."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self.groupings: dict[tuple[object, ...], Any] = {}
+        """The stacks of a grouped read (:func:`~.grouped_norms.cpu_grouping`), by the shapes and
+        dtypes of its tensors: made once per reader, at most 16 kept."""
 
     def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat tensor of ``numel`` entries (its contents are garbage)."""

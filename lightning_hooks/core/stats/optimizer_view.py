@@ -238,9 +238,9 @@ class ViewStats:
         self, view: OptimizerView, grads: list[torch.Tensor], *, weights: bool
     ) -> torch.Tensor:
         """The gradient (and with ``weights`` weight) L2 norms; other columns NaN."""
-        norms = [param_norms(grads)]
+        norms = [param_norms(grads, self.workspace)]
         if weights:
-            norms.append(param_norms([to_local(p) for p in view.params]))
+            norms.append(param_norms([to_local(p) for p in view.params], self.workspace))
         if self.shards is not None:
             norms = self.shards.reduce(norms=norms).norms
         num_layers = len(view.rows) - 1
@@ -252,7 +252,7 @@ class ViewStats:
 
     def weight_norms(self, view: OptimizerView) -> torch.Tensor:
         """``[rows]`` weight norms of ``view`` (the alarms' diagnosis)."""
-        norms = param_norms([to_local(p) for p in view.params])
+        norms = param_norms([to_local(p) for p in view.params], self.workspace)
         if self.shards is not None:
             (norms,) = self.shards.reduce(norms=[norms]).norms
         return segment_norm(norms, view.index, len(view.rows) - 1, view.unique)
@@ -268,6 +268,7 @@ class UpdateRatio:
         self.accumulator = accumulator
         self.column = column
         self.shards = shards
+        self.workspace = Workspace()  # the stacks of the updates' read, kept for the fit
 
     @staticmethod
     def keep(view: OptimizerView, weight_norm: torch.Tensor) -> None:
@@ -293,7 +294,9 @@ class UpdateRatio:
                 to_local(p.grad) if p.grad is not None else None for p in view.params
             ]
             alarms.update_stall(typical_update(view.before, after, applied), lr, step=step)
-        upd = update_norms(view.before, after, view.layer_index, shards=self.shards)
+        upd = update_norms(
+            view.before, after, view.layer_index, shards=self.shards, workspace=self.workspace
+        )
         ratio = upd / view.weight_norm.clamp_min(torch.finfo(upd.dtype).tiny)
         valid = (view.weight_norm > 0)[:, None]
         self.accumulator.update(ratio[:, None], [self.column], view.cells, valid, replicated=True)
