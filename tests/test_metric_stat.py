@@ -15,7 +15,7 @@ from test_resume import RepeatedBatchMLP
 from torch import nn
 from torchmetrics import CatMetric, MaxMetric, MeanMetric, Metric
 
-from lightning_hooks import MetricStat, StatsCallback
+from lightning_hooks import LightningHooksWarning, MetricStat, StatsCallback
 
 from conftest import TinyMLP, make_trainer, read_scalars
 
@@ -186,3 +186,33 @@ def test_a_compute_that_is_not_one_number_is_named() -> None:
         model(torch.ones(4, 2))
         with pytest.raises(TypeError, match=r"PerUnit\.compute\(\) returned \(3,\); one number"):
             stat.result()
+
+
+def test_a_failing_compute_in_a_fit_disables_the_callback_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIGHTNING_HOOKS_STRICT", "0")  # the suite's guards raise; a user's warn
+
+    class PerUnit(MeanMetric):
+        def compute(self) -> torch.Tensor:
+            return torch.ones(3)
+
+    callback = StatsCallback(MetricStat(PerUnit(), include="net.0"))
+    trainer = make_trainer(tmp_path, max_epochs=2, callbacks=[callback])
+    with pytest.warns(LightningHooksWarning, match=r"PerUnit\.compute\(\) returned \(3,\)") as got:
+        trainer.fit(TinyMLP())
+    assert len([w for w in got if issubclass(w.category, LightningHooksWarning)]) == 1
+    assert trainer.global_step == 8  # the fit went on
+    assert not [t for t in read_scalars(tmp_path) if t.startswith("metrics/")]
+
+
+def test_a_state_saved_by_another_number_of_processes_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(2, 3))
+    with MetricStat(MeanMetric()).attach(model.train()) as stat:
+        model(torch.ones(4, 2))
+        state = stat.host_state()
+    state["metric_states"] = {k: v.repeat(2, 1) for k, v in state["metric_states"].items()}
+    with MetricStat(MeanMetric()).attach(model) as fresh:
+        with pytest.raises(ValueError, match="saved by 2 processes, resumed on 1"):
+            fresh.load_host_state(state)
+        assert fresh.layers == ()  # nothing of it was restored

@@ -271,16 +271,14 @@ class MetricStat(LayerStat[dict[str, float]]):
                 this statistic does not watch.
             KeyError: the state lacks one of the metric's states.
         """
-        super().load_host_state(state)
         saved: dict[str, Tensor] = state["metric_states"]
-        if not self.layers:
-            return
-        for name in self.template.metric_state:
-            ranks = saved[name].shape[0]
-            if ranks != world_size():
-                raise ValueError(
-                    f"{type(self).__name__}: saved by {ranks} processes, resumed on {world_size()}"
-                )
+        saved_by = {len(value) for value in saved.values()}  # the ranks saved, if any row
+        if saved_by and saved_by != {world_size()}:
+            raise ValueError(
+                f"{type(self).__name__}: saved by {sorted(saved_by)[0]} processes, resumed on "
+                f"{world_size()}; the metric's epoch so far is dropped"
+            )
+        super().load_host_state(state)
         for i, layer in enumerate(self.layers):
             clone = self.metrics[layer]
             for name, default in _states(self.template).items():
