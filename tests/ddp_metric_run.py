@@ -3,7 +3,9 @@ script by test_metric_stat_ddp.py. The model's "expert" layer runs on rank 0 onl
 ranks never meet). Two fits in one launch, of 5 and of 22 Linear layers: each rank writes the
 outputs of its layers' training forwards (recorded by hooks of the script's own) into
 ``outputs{depth}_rank{r}.pt``, and the collectives made per epoch into ``rank{r}.json``, with
-what torchmetrics' own sync of the same clones costs.
+what torchmetrics' own sync of the same clones costs. Then, on batches that are all the same
+(:class:`SameBatches`), a fit uninterrupted (``--out/whole``), one checkpointed at optimizer step
+6 of 8 (``--out/ckpt``), and one resumed from that checkpoint (``--out/resumed``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 import torch.distributed as dist
 from collectives import CollectiveCounter
 from ddp_run import SAMPLES, DeepMLP, exit_cleanly, trainer_options
+from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchmetrics import MeanMetric
 
 DEPTHS = (3, 20)
@@ -36,6 +40,21 @@ class OneRankExpert(DeepMLP):
         if self.global_rank == 0:
             x = x + self.expert(x)
         return self.net(x)  # type: ignore[no-any-return]
+
+
+class SameBatches(OneRankExpert):
+    """``OneRankExpert(3)`` whose global batches all hold the same 8 samples, 4 on each rank: a
+    batch replayed after a mid-epoch resume is the same data."""
+
+    def __init__(self) -> None:
+        super().__init__(DEPTHS[0], batch_size=SAMPLES // 4 // 2)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(8, 8, generator=g).repeat(SAMPLES // 8, 1)
+        data = TensorDataset(x, x[:, :1])
+        sampler = DistributedSampler(data, shuffle=False)  # rank r: samples r, r + 2, ...
+        return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
 
 
 class Recorder:
@@ -74,6 +93,21 @@ def fit(root: Path, depth: int) -> tuple[CollectiveCounter, Recorder]:
     return counter, recorder
 
 
+def same_batches_fit(root: Path, *extra: pl.Callback, ckpt_path: Path | None = None) -> None:
+    """One 2-process fit of :class:`SameBatches`; logs under ``root``."""
+    from lightning_hooks import MetricStat, StatsCallback
+
+    stat = MetricStat(MeanMetric(), name="output_mean", types=nn.Linear)
+    options = {**trainer_options(root, "tensorboard"), "enable_checkpointing": bool(extra)}
+    trainer = pl.Trainer(
+        devices=2,
+        strategy="ddp_find_unused_parameters_true",
+        callbacks=[StatsCallback(stat), *extra],
+        **options,
+    )
+    trainer.fit(SameBatches(), ckpt_path=ckpt_path)
+
+
 def torchmetrics_own_sync(layers: int) -> dict[str, int]:
     """The collectives of ``compute`` on ``layers`` updated ``MeanMetric`` clones, each synced
     by torchmetrics itself."""
@@ -103,6 +137,13 @@ def main() -> None:
             "torchmetrics": torchmetrics_own_sync(depth + 2),
         }
     (args.out / f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
+    same_batches_fit(args.out / "whole")
+    saving = ModelCheckpoint(args.out / "ckpt", every_n_train_steps=6, save_top_k=-1)
+    same_batches_fit(args.out / "first", saving)
+    again = ModelCheckpoint(args.out / "ckpt", every_n_train_steps=6, save_top_k=-1)
+    same_batches_fit(
+        args.out / "resumed", again, ckpt_path=args.out / "ckpt" / "epoch=1-step=6.ckpt"
+    )
 
 
 if __name__ == "__main__":

@@ -81,3 +81,24 @@ def test_one_all_gather_per_metric_state_at_an_epoch_end_whatever_the_layers(
                 {"all_reduce": STEPS + 1, "all_gather": 1 + 2},
             ]
             assert run["torchmetrics"] == {"barrier": 2 * layers, "all_gather": 2 * layers}
+
+
+def test_a_mid_epoch_resume_under_ddp_logs_what_the_uninterrupted_fit_logs(
+    ddp_out: Path,
+) -> None:
+    """Each rank saves its own states into the checkpoint (rank 0 writes them all) and takes
+    its own back: rank 1's row of the expert, which it never ran, stays empty."""
+    saved = torch.load(ddp_out / "ckpt" / "epoch=1-step=6.ckpt", weights_only=False)["callbacks"]
+    (state,) = [v["0:MetricStat"] for k, v in saved.items() if k.startswith("StatsCallback")]
+    expert = state["layers"].index("expert")
+    weights = state["metric_states"]["weight"]
+    assert weights.shape == (2, 5)  # ranks, layers
+    assert weights[0, expert] == 2 * 4 * 8 and weights[1, expert] == 0  # steps 4, 5 on rank 0
+    whole = read_scalars(ddp_out / "whole" / "tb")
+    resumed = read_scalars(ddp_out / "resumed" / "tb")
+    tags = {t for t in whole if t.startswith("metrics/")}
+    assert len(tags) == 5 and {t for t in resumed if t.startswith("metrics/")} == tags
+    for tag in sorted(tags):
+        ((step, got),) = resumed[tag]  # the resumed fit logs its epoch 1 only
+        assert step == 2 * STEPS
+        assert math.isclose(got, dict(whole[tag])[step], rel_tol=1e-6), tag
