@@ -67,6 +67,11 @@ class _Gathered:
     already with the other layers' (one all-gather per state), handed to torchmetrics' own sync,
     which reduces them by the state's ``dist_reduce_fx``.
 
+    ``dist_sync_fn`` is torchmetrics' public way to replace its gather; it is called with each
+    state tensor itself, so the values are found by the tensor's identity. Were a release to pass
+    a copy, the fallback gathers as torchmetrics does: the same values on every rank, at
+    torchmetrics' cost (``tests/test_metric_stat_ddp.py`` counts the collectives).
+
     Args:
         by_state: each state tensor of the clone (by identity) -> its value on every rank.
     """
@@ -221,10 +226,9 @@ class MetricStat(LayerStat[dict[str, float]]):
 
     def _all_ranks(self, clones: list[Metric]) -> dict[str, Tensor]:
         """Each state of ``clones``, stacked and gathered: ``[world_size, len(clones), ...]``."""
-        names = list(self.template.metric_state)
         return {
             name: all_gather_stacked(torch.stack([_states(c)[name] for c in clones]))
-            for name in names
+            for name in _states(self.template)
         }
 
     def _compute(self, clone: Metric, gathered: _Gathered | None) -> float:
