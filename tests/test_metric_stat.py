@@ -216,3 +216,35 @@ def test_a_state_saved_by_another_number_of_processes_is_refused() -> None:
         with pytest.raises(ValueError, match="saved by 2 processes, resumed on 1"):
             fresh.load_host_state(state)
         assert fresh.layers == ()  # nothing of it was restored
+
+
+def test_a_nan_output_a_metric_refuses_warns_once_and_the_fit_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LIGHTNING_HOOKS_STRICT", "0")  # the suite's guards raise; a user's warn
+
+    class NanAtStep2(TinyMLP):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.trainer.global_step == 2:
+                x = x * float("nan")
+            return self.net(x)
+
+    stats = [MetricStat(MeanMetric(nan_strategy="error"), include="net.0")]
+    trainer = make_trainer(tmp_path, max_epochs=1, callbacks=[StatsCallback(stats)])
+    with pytest.warns(LightningHooksWarning, match=r"StatsCallback is disabled.*nan") as got:
+        trainer.fit(NanAtStep2())
+    assert len([w for w in got if issubclass(w.category, LightningHooksWarning)]) == 1
+    assert trainer.global_step == 4
+
+
+def test_nan_strategy_disable_feeds_the_nan_through(tmp_path: Path) -> None:
+    class NanAtStep2(TinyMLP):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.trainer.global_step == 2:
+                x = x * float("nan")
+            return self.net(x)
+
+    stat = MetricStat(MeanMetric(nan_strategy="disable"), include="net.0")
+    make_trainer(tmp_path, max_epochs=1, callbacks=[StatsCallback(stat)]).fit(NanAtStep2())
+    ((_, value),) = read_scalars(tmp_path)["metrics/mean/net.0"]
+    assert math.isnan(value)
