@@ -16,7 +16,7 @@ PUBLIC = {
         "DeadUnitTracker", "FeatureMapCallback", "GradFlowCallback", "GradFlowTracker",
         "TrainingAlarm", "TrainingAlarmError", "TrainingAlarmWarning", "TrainingAlarms",
         "HookRegistry", "LayerStat", "LayerTable", "LayerTimeCallback", "LightningHooksError",
-        "LightningHooksWarning", "SaturationCallback", "Selection", "StatsCallback",
+        "LightningHooksWarning", "MetricStat", "SaturationCallback", "Selection", "StatsCallback",
         "capture_outputs", "select_modules",
     ],
     "lightning_hooks.core": [
@@ -25,7 +25,8 @@ PUBLIC = {
         "GradFlowTracker", "TrainingAlarm", "TrainingAlarms", "HookRegistry", "LayerHistogram",
         "LayerHistograms", "LayerStat", "LayerStatsAccumulator", "LayerTable",
         "LayerTimer",
-        "LayerTimes", "ParamLayout", "SATURATING_TYPES", "SaturatedUnits", "SaturationTracker",
+        "LayerTimes", "MetricStat", "ParamLayout", "SATURATING_TYPES", "SaturatedUnits",
+        "SaturationTracker",
         "Selection", "StabilityStats", "capture_outputs", "feature_stats", "grad_stats",
         "is_kind", "is_training_forward", "iter_float_tensors", "probe_mode", "saturation_mask",
         "select_modules", "torch_equivalent", "unit_saturation",

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from lightning_hooks.core.stats.dead_units import DeadUnits, DeadUnitTracker
     from lightning_hooks.core.stats.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
     from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
+    from lightning_hooks.core.stats.metric_stat import MetricStat
     from lightning_hooks.core.stats.saturation import (
         SATURATING_TYPES,
         SaturatedUnits,
@@ -56,6 +57,7 @@ _MODULES = {
     "stats.dead_units": "DeadUnits DeadUnitTracker",
     "stats.grad_flow": "GRAD_FLOW_STATS GradFlowTracker",
     "stats.layer_time": "LayerTimer LayerTimes",
+    "stats.metric_stat": "MetricStat",
     "stats.saturation": "SATURATING_TYPES SaturatedUnits SaturationTracker saturation_mask "
     "unit_saturation SaturationStats",  # the last: 0.2.0's name of SaturatedUnits, not listed
     "stats.stability": "StabilityStats",
@@ -91,6 +93,7 @@ __all__ = [
     "LayerTable",
     "LayerTimer",
     "LayerTimes",
+    "MetricStat",
     "ParamLayout",
     "SaturatedUnits",
     "SaturationTracker",
