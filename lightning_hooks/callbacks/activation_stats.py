@@ -11,13 +11,14 @@ from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Logged
-from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
+from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.epoch_columns import EpochColumns
-from lightning_hooks.callbacks.stats import attach_stats, select_stats
+from lightning_hooks.callbacks.stats import attach_stats, watches_selection
 from lightning_hooks.core.checks import boolean, named_arguments, positive_int, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.stats.activation_shape import ActivationShape
 from lightning_hooks.core.stats.activation_stats import ActivationResult, ActivationStatsTracker
+from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import Binned, layer_epoch_heatmap, log_figure, log_histogram
 from lightning_hooks.tags import family_tag
@@ -108,11 +109,11 @@ class ActivationStatsCallback(HookCallback):
         super().__init__(
             state_key={"stats": [tracker.config_key(), shape.config_key()]},
             every_n_steps=every_n_steps,
+            uses_images=self.heatmaps or self.histograms,
         )
         self.types = types
         self.include = s.include
         self.exclude = s.exclude
-        self.uses_images = self.heatmaps or self.histograms
         self._history = EpochColumns()  # the heatmaps' columns, one per epoch of the fit
         self.kept["heatmaps"] = self._history  # a resumed fit draws the earlier epochs
         self._warned_nonfinite = False
@@ -121,10 +122,9 @@ class ActivationStatsCallback(HookCallback):
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> bool:
-        if select_stats(pl_module, [self._activations, self._shape]):
-            return True
+        stats: list[LayerStat[Any]] = [self._activations, self._shape]
         selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
-        return nothing_to_watch(_NAME, "module", selected=selected)
+        return watches_selection(_NAME, pl_module, stats, what="module", selected=selected)
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
@@ -139,14 +139,10 @@ class ActivationStatsCallback(HookCallback):
     @override
     def _batch_ending(
         self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
-    ) -> bool:
-        """Warn once about the first module whose output went non-finite.
-
-        Returns:
-            ``False``: a warning never disables the callback.
-        """
+    ) -> None:
+        """Warn once about the first module whose output went non-finite."""
         if not self.warn_nonfinite or self._warned_nonfinite:
-            return False
+            return
         tracker = self._activations
         tracker.end_step(self.cadence.batch_step)
         found = tracker.first_nonfinite.poll()
@@ -159,7 +155,6 @@ class ActivationStatsCallback(HookCallback):
                 "in the first step with a non-finite output).",
                 category=LightningHooksWarning,
             )
-        return False
 
     def _draw(self, trainer: pl.Trainer, result: ActivationResult) -> None:
         """Log the epoch's histograms and heatmaps (rank 0)."""

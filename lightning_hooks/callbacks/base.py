@@ -4,7 +4,7 @@ measures is an :class:`~.attached.Attached` that the callback builds in ``_attac
 from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +22,9 @@ from lightning_hooks.callbacks.fabric import FabricRun
 from lightning_hooks.callbacks.trainer import (
     SECOND_CALLBACK,
     check_trainer,
-    passed_by_user,
     restore_inherited,
     skip_inherited,
+    stands_down_for_users_own,
 )
 from lightning_hooks.core.hooks.guard import Guard, guard_hooks
 from lightning_hooks.core.transport import agree, gather_objects, world_size
@@ -65,7 +65,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     ``_attach``         ``on_train_start``              puts its hooks on; returns what it
                                                         attached
     ``_batch_started``  a logging step's first batch    opens what the step measures
-    ``_batch_ending``   each such batch's end (every    closes it; ``True``: disabled
+    ``_batch_ending``   each such batch's end (every    closes it
                         batch's with ``every_batch``)
     ``_log_epoch``      ``on_train_epoch_end``, after   logs what else it reads of the epoch
                         each statistic's epoch
@@ -83,6 +83,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         state_key: Mapping[str, Any],
         every_n_steps: int | None = None,
         strict: bool | None = None,
+        uses_images: bool = False,
     ) -> None:
         """Set the cadence and the guard's strictness, and the state every fit starts from.
 
@@ -93,6 +94,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
                 (``None``: the Trainer's ``log_every_n_steps``).
             strict: a hook's exception raises (``True``) or disables the callback for the rest
                 of the fit (``False``); ``None``: ``LIGHTNING_HOOKS_STRICT`` decides.
+            uses_images: the callback draws pictures (a logger that shows none is warned of).
 
         Raises:
             ValueError: ``every_n_steps`` is not a positive int or ``None``.
@@ -105,7 +107,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self.from_environment = False
         """Added by the ``LIGHTNING_HOOKS`` switch, not by the user: yields to one the user
         passed."""
-        self.uses_images = True
+        self.uses_images = uses_images
         """Whether the callback draws pictures (a logger that shows none is warned of)."""
         self.kept: dict[str, Checkpointed] = {}
         """Collaborators that outlive a fit and are saved in checkpoints, by key."""
@@ -155,7 +157,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or passed_by_user(self, trainer.callbacks):  # type: ignore[attr-defined]
+        if stage != "fit" or stands_down_for_users_own(self, trainer.callbacks):  # type: ignore[attr-defined]
             return
         self._guard = None  # each fit starts healthy
         check_trainer(
@@ -167,7 +169,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._idle = passed_by_user(self, trainer.callbacks)  # type: ignore[attr-defined]
+        self._idle = stands_down_for_users_own(self, trainer.callbacks)  # type: ignore[attr-defined]
         if not self._idle:  # after ``configure_model``: the layers built there exist
             self._idle = not self._validate(pl_module)
         skip_inherited(self, trainer)  # for the fit: Lightning calls only the hooks we define
@@ -226,23 +228,24 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         batch_idx: int,
     ) -> None:
         attached = self._attached
-        ending = attached is not None and (self._logging_batch or attached.every_batch)
-        if ending and self._batch_ending(trainer, outputs, logging_step=self._logging_batch):
-            return  # disabled
+        if attached is not None and (self._logging_batch or attached.every_batch):
+            self._batch_ending(trainer, outputs, logging_step=self._logging_batch)
         # The logging step's optimizer step ran (its last micro-batch): write it.
         measured = self.cadence.finished_step(trainer)
         attached = self._attached  # a failure in the batch's hooks may have taken it off
-        if measured is not None and attached is not None:
-            if self._agree_ranks(trainer, measured, always=False):
-                return  # disabled
-            # the last logging step's, then start this one's copies
-            self._write_ready_steps(trainer, wait=True)
-            attached.start_copies(measured)
-            self._copying = True
-            self._write_ready_steps(trainer, wait=False)
-            # the module hooks come off now, unless the next step logs too: a quiet step after
-            # a logging step takes no hook off (an epoch's first step puts them on again)
-            self._set_gate(self.cadence.logs(trainer, trainer.global_step))
+        if measured is None or attached is None:
+            return
+        self._agree_ranks(trainer, measured, always=False)
+        if self.hook_guard().failed is not None:
+            return  # the ranks agreed on a failure: the hooks are off on every rank
+        # the last logging step's, then start this one's copies
+        self._write_ready_steps(trainer, wait=True)
+        attached.start_copies(measured)
+        self._copying = True
+        self._write_ready_steps(trainer, wait=False)
+        # the module hooks come off now, unless the next step logs too: a quiet step after a
+        # logging step takes no hook off (an epoch's first step puts them on again)
+        self._set_gate(self.cadence.logs(trainer, trainer.global_step))
 
     def _set_gate(self, logging_step: bool) -> None:
         """Open or close the gate of the module hooks (a quiet step reads it, sets nothing)."""
@@ -252,14 +255,14 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._agree_ranks(trainer, trainer.global_step, always=True):
+        self._agree_ranks(trainer, trainer.global_step, always=True)
+        self.cadence.measuring = None
+        attached = self._attached  # a failure the ranks agreed on takes it off, on every rank
+        if attached is not None:
             self._write_ready_steps(trainer, wait=True)
-            self.cadence.measuring = None
-            attached = self._attached
-            if attached is not None:
-                attached.write_epoch(trainer)  # each statistic's epoch, then the next one starts
-                self._log_epoch(trainer, pl_module)
-            save_loggers(trainer.loggers)  # the chart layout waits for the next batch's save
+            attached.write_epoch(trainer)  # each statistic's epoch, then the next one starts
+            self._log_epoch(trainer, pl_module)
+        save_loggers(trainer.loggers)  # the chart layout waits for the next batch's save
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -310,7 +313,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         """Fabric's hook: watch ``module`` with a :class:`~.fabric.FabricRun` in our place."""
         callbacks = fabric_callbacks(fabric)
         ours = [c.callback if isinstance(c, FabricRun) else c for c in callbacks or ()]
-        if passed_by_user(self, ours):
+        if stands_down_for_users_own(self, ours):
             return  # LIGHTNING_HOOKS asked for a callback the user passed already
         run = FabricRun(self, fabric, module)
         self._fabric_run = run
@@ -351,43 +354,36 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         attached.write_steps(trainer, wait)
         self._copying = not wait and attached.copies_in_flight
 
-    def _agree_ranks(self, trainer: pl.Trainer, step: int, *, always: bool) -> bool:
+    def _agree_ranks(self, trainer: pl.Trainer, step: int, *, always: bool) -> None:
         """Agree across the ranks on a failure and a ``stop``, at a logging step of a
         multi-process run, unless every batch's loss collective carries them already (see
-        :mod:`.agreement`).
+        :mod:`.agreement`). A failure agreed on takes the hooks off on every rank.
 
         Args:
             trainer: the trainer.
             step: the step agreed at.
             always: agree even where the loss collective carries the agreement (an epoch end).
-
-        Returns:
-            Whether the callback is now disabled.
         """
         guard = self.hook_guard()
         attached = self._attached
         carried = attached is not None and attached.agreement_is_carried()
         if self._ranks == 1 or guard.failed is not None or (carried and not always):
-            return guard.failed is not None
+            return
         rows_grew = attached is not None and attached.rows_grew()
         failed, stopping, grew = agree([guard.local is not None, self.stop_requested, rows_grew])
-        if self._apply_agreement(trainer, step, failed, stopping):
-            return True
+        self.apply_rank_flags(trainer, step, failed=failed, stopping=stopping)
+        attached = self._attached
         if grew and attached is not None:
-            return self._align_rows(trainer, step, attached)
-        return False
+            self._align_rows(trainer, step, attached)
 
-    def _align_rows(self, trainer: pl.Trainer, step: int, attached: Attached) -> bool:
-        """Align the ranks' rows.
+    def _align_rows(self, trainer: pl.Trainer, step: int, attached: Attached) -> None:
+        """Align the ranks' rows; where a layer's units differ between ranks, the callback is
+        disabled on every rank.
 
         Args:
             trainer: the trainer.
             step: the step aligned at.
             attached: what the fit attached.
-
-        Returns:
-            Whether the callback is now disabled: a layer's units differ between ranks, which
-            disables it on every rank.
         """
         try:
             attached.align_rows()
@@ -395,29 +391,28 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             if self.hook_guard().strict:
                 raise
             cause = f"aligning rows across ranks: {type(error).__name__}: {error}"
-            return self._disable(trainer, step, [cause] * self._ranks)  # every rank's
-        return False
+            self._disable(trainer, step, [cause] * self._ranks)  # every rank's
 
-    def _apply_agreement(self, trainer: pl.Trainer, step: int, failed: int, stopping: int) -> bool:
-        """Act on what the ranks agreed: stop if any rank asked; if any failed, disable the
-        callback on every rank, with one warning.
+    def apply_rank_flags(
+        self, trainer: pl.Trainer, step: int, *, failed: int, stopping: int
+    ) -> None:
+        """Act on the flags the ranks summed: stop if any rank asked; if any failed, disable
+        the callback on every rank, with one warning. The base calls it after its own agreement;
+        a callback whose own collective carries the flags (see :mod:`.agreement`) calls it too.
 
         Args:
             trainer: the trainer.
             step: the step agreed at.
             failed: how many ranks failed.
             stopping: how many ranks asked to stop.
-
-        Returns:
-            Whether the callback is now disabled.
         """
         if stopping:
             trainer.should_stop = True
             self.stop_requested = False
-        local = self.hook_guard().local
-        return bool(failed) and self._disable(trainer, step, gather_objects(local))
+        if failed:
+            self._disable(trainer, step, gather_objects(self.hook_guard().local))
 
-    def _disable(self, trainer: pl.Trainer, step: int, causes: list[Any]) -> bool:
+    def _disable(self, trainer: pl.Trainer, step: int, causes: Sequence[str | None]) -> None:
         """Disable the callback on every rank, with one warning on rank 0 naming each rank's
         cause.
 
@@ -425,15 +420,11 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             trainer: the trainer.
             step: the step it is disabled at.
             causes: each rank's cause (``None`` for a rank that did not fail).
-
-        Returns:
-            ``True``: the callback is disabled.
         """
         guard = self.hook_guard()
         guard.disable_on_every_rank(causes, step, warn=trainer.is_global_zero)
         guard.removal_due()
         self._guard_disable()
-        return True
 
     def _detach(self) -> None:
         """Take every hook off (idempotent): what the fit attached is removed."""
@@ -465,7 +456,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     def _batch_ending(
         self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
-    ) -> bool:
+    ) -> None:
         """At the end of a logging step's batch (of every batch, where the fit attached with
         ``every_batch``), while the fit's hooks are on.
 
@@ -473,11 +464,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             trainer: the trainer.
             outputs: what the batch's ``training_step`` returned.
             logging_step: whether the batch belongs to a logging step.
-
-        Returns:
-            Whether the callback is now disabled.
         """
-        return False
 
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """At each epoch end, after each statistic's epoch is written: what else the callback

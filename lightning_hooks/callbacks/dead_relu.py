@@ -8,8 +8,8 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Logged
-from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
-from lightning_hooks.callbacks.stats import Findings, attach_stats, select_stats
+from lightning_hooks.callbacks.base import HookCallback
+from lightning_hooks.callbacks.stats import Findings, attach_stats, watches_selection
 from lightning_hooks.core.checks import fraction_or_none, named_arguments
 from lightning_hooks.core.hooks.selection import Patterns
 from lightning_hooks.core.stats.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
@@ -82,7 +82,6 @@ class DeadReLUCallback(HookCallback):
         )
         self.warn_at = fraction_or_none(_NAME, "warn_at", warn_at)
         super().__init__(state_key={"stats": [tracker.config_key()]}, every_n_steps=every_n_steps)
-        self.uses_images = False
         self.tracker = tracker
         """The dead units of each watched layer, attached afresh at each fit."""
         self.findings = Findings(_NAME, "dead-unit findings")
@@ -95,15 +94,20 @@ class DeadReLUCallback(HookCallback):
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> bool:
-        if select_stats(pl_module, [self.tracker]):
-            return True
         selected = {
             "types": None if self.types == RELU_FAMILY else self.types,
             "include": self.include,
             "exclude": self.exclude,
             "pre_activation": self.pre_activation,
         }
-        return nothing_to_watch(_NAME, _WATCHES, selected=selected, hint=_FUNCTIONAL_HINT)
+        return watches_selection(
+            _NAME,
+            pl_module,
+            [self.tracker],
+            what=_WATCHES,
+            selected=selected,
+            hint=_FUNCTIONAL_HINT,
+        )
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:

@@ -126,6 +126,7 @@ class FeatureMapCallback(HookCallback):
         self.embedding = embedding
         super().__init__(
             state_key={"layers": self.layers, "embedding": self.embedding},
+            uses_images=True,
             strict=None if strict is None else checks.boolean(_OWNER, "strict", strict),
         )
         if probe_labels is not None and not isinstance(probe_labels, torch.Tensor):

@@ -26,7 +26,7 @@ from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, c
 from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
-from lightning_hooks.core.ops.grad_stats import ParamLayout
+from lightning_hooks.core.stats.grad_flow import layers_of
 from lightning_hooks.core.stats.stability import Result as StabilityResult
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
@@ -132,6 +132,7 @@ class GradFlowCallback(HookCallback):
         super().__init__(
             state_key=selection_state_key(types, self.include, self.exclude),
             every_n_steps=every_n_steps,
+            uses_images=chart or heatmap,
         )
         self.alarms = _alarm_rules(alarms)
         self.policy = AlarmPolicy(on_alarm, request_stop=self._request_stop)
@@ -157,7 +158,6 @@ class GradFlowCallback(HookCallback):
         self.stability = stability
         self._pictures = GradFlowPictures(self.max_layers_logged, chart=chart, heatmap=heatmap)
         self.kept["heatmap"] = self._pictures.history  # a resumed fit draws the earlier epochs
-        self.uses_images = chart or heatmap
         self._fit: _Fit | None = None  # what the running fit measures
 
     @override
@@ -166,8 +166,6 @@ class GradFlowCallback(HookCallback):
             "GradFlowCallback", types=self.types, include=self.include, exclude=self.exclude
         )
         modules = selection.modules(pl_module)
-        # The model's own parameters count too, unless a selection narrows it (the tracker's rule).
-        root = pl_module if self.types is None and not self.include else None
         lazy = [n for n, p in pl_module.named_parameters() if is_lazy(p)]
         if lazy:
             rank_zero_warn(
@@ -178,7 +176,7 @@ class GradFlowCallback(HookCallback):
                 category=LightningHooksWarning,
             )
             return False
-        if not ParamLayout.from_modules(modules, root=root).layers:
+        if not layers_of(pl_module, modules, types=self.types, include=self.include).layers:
             selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
             return nothing_to_watch(
                 "GradFlowCallback", "module owning a parameter", selected=selected
@@ -211,13 +209,9 @@ class GradFlowCallback(HookCallback):
                 f"of {', '.join(repr(n) for n in unstepped)}; these layers are not measured.",
                 category=LightningHooksWarning,
             )
-        logged: list[Logged[Any]] = [
-            Logged(tracker, on_step=self._log_alarms, on_epoch=self._draw_pictures)
-        ]
         stability = None
         if self.stability:  # on the tracker's registry: one logging-step gate, removed with it
             stability = StabilityStats().attach(pl_module, tracker.registry)
-            logged.append(Logged(stability, on_step=self._watch_attention))
         histograms = None
         if self.histograms:
             layout = tracker.layout
@@ -226,13 +220,23 @@ class GradFlowCallback(HookCallback):
         loss = self.loss_agreement
         loss.plan(pl_module, self.alarms)
         own = loss.reading == "own" and self.alarms is not None and self.alarms.watches_loss
-        self._fit = _Fit(
+        fit = _Fit(
             tracker=tracker,
             alarms=tracker.alarms,
             stability=stability,
             histograms=histograms,
             own_loss=tracker.alarms if own else None,
         )
+        self._fit = fit
+        logged: list[Logged[Any]] = [
+            Logged(
+                tracker,
+                on_step=functools.partial(self._log_alarms, fit),
+                on_epoch=functools.partial(self._draw_pictures, fit),
+            )
+        ]
+        if stability is not None:
+            logged.append(Logged(stability, on_step=functools.partial(self._watch_attention, fit)))
         return Attached(
             tracker.registry,
             logged,
@@ -288,36 +292,33 @@ class GradFlowCallback(HookCallback):
     @override
     def _batch_ending(
         self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
-    ) -> bool:
+    ) -> None:
         """Close the logging step's attention statistics, and feed the batch's loss to the loss
         rules: this rank's own, or the ranks' mean (whose collective also carries the ranks'
-        failures and stops).
-
-        Returns:
-            Whether the callback is now disabled (a rank failed).
-        """
+        failures and stops)."""
         fit = self._fit
         if fit is None:
-            return False
+            return
         if fit.stability is not None and logging_step:
             fit.stability.end_step()
         if fit.alarms is None:
-            return False
+            return
         if fit.own_loss is not None:  # the loss rules on this rank's loss
             self._watch_own_loss(trainer, outputs, fit.own_loss)
-            return False
+            return
         if self.loss_agreement.reading != "mean":
-            return False
+            return
         loss = self.loss_agreement  # the ranks' mean loss
+        step = self.cadence.batch_step
         failed = self.hook_guard().local is not None
-        carried = training_loss(trainer, outputs)
         flags = loss.observe(
-            carried, self.cadence.batch_step, failed=failed, stop=self.stop_requested
+            training_loss(trainer, outputs), step, failed=failed, stop=self.stop_requested
         )
-        if flags is not None and self._apply_agreement(trainer, self.cadence.batch_step, *flags):
-            return True
+        if flags is not None:
+            self.apply_rank_flags(trainer, step, failed=flags.failed, stopping=flags.stopping)
+            if self._fit is None:
+                return  # a rank failed: the callback is disabled on every rank
         loss.apply(trainer, fit.alarms)
-        return False
 
     def _watch_own_loss(
         self, trainer: pl.Trainer, outputs: STEP_OUTPUT, alarms: TrainingAlarms
@@ -331,22 +332,22 @@ class GradFlowCallback(HookCallback):
         if found:
             self.policy.act(trainer, None, found)
 
-    def _log_alarms(self, trainer: pl.Trainer, step: int, table: LayerTable) -> None:
+    def _log_alarms(self, fit: _Fit, trainer: pl.Trainer, step: int, table: LayerTable) -> None:
         """With a logging step's values: the alarms' counts and text since the last one."""
-        if self._fit is not None and self._fit.alarms is not None:
-            self.policy.log_step(trainer, self._fit.alarms, step)
+        if fit.alarms is not None:
+            self.policy.log_step(trainer, fit.alarms, step)
 
-    def _watch_attention(self, trainer: pl.Trainer, step: int, result: StabilityResult) -> None:
+    def _watch_attention(
+        self, fit: _Fit, trainer: pl.Trainer, step: int, result: StabilityResult
+    ) -> None:
         """Hand a logging step's attention logits and entropies to the attention rule."""
-        if self._fit is not None and self._fit.alarms is not None:
-            alarms = self._fit.alarms
-            alarms.update_attention(result["attn_logit_max"], result["attn_entropy_min"], step=step)
+        if fit.alarms is not None:
+            logits = result["attn_logit_max"]
+            fit.alarms.update_attention(logits, result["attn_entropy_min"], step=step)
 
-    def _draw_pictures(self, trainer: pl.Trainer, table: LayerTable) -> None:
+    def _draw_pictures(self, fit: _Fit, trainer: pl.Trainer, table: LayerTable) -> None:
         """Draw the epoch's chart, heatmap and histograms."""
-        if self._fit is not None:
-            fit = self._fit
-            self._pictures.write(trainer, table, fit.histograms, fit.tracker.shards)
+        self._pictures.write(trainer, table, fit.histograms, fit.tracker.shards)
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -9,8 +9,8 @@ from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Logged
-from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
-from lightning_hooks.callbacks.stats import attach_stats, select_stats
+from lightning_hooks.callbacks.base import HookCallback
+from lightning_hooks.callbacks.stats import attach_stats, watches_selection
 from lightning_hooks.core.checks import boolean, named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
@@ -70,20 +70,21 @@ class LayerTimeCallback(HookCallback):
         timer = LayerTimer(
             types=types, include=include, exclude=exclude, leaves=self.leaves, owner=_NAME
         )
-        super().__init__(state_key={"stats": [timer.config_key()]}, every_n_steps=every_n_steps)
+        super().__init__(
+            state_key={"stats": [timer.config_key()]},
+            every_n_steps=every_n_steps,
+            uses_images=self.chart,
+        )
         assert timer.selection is not None
         self.types = types
         self.include = timer.selection.include
         self.exclude = timer.selection.exclude
-        self.uses_images = self.chart
         self._timer = timer
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> bool:
-        if select_stats(pl_module, [self._timer]):
-            return True
         selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
-        return nothing_to_watch(_NAME, "module", selected=selected)
+        return watches_selection(_NAME, pl_module, [self._timer], what="module", selected=selected)
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
@@ -98,9 +99,8 @@ class LayerTimeCallback(HookCallback):
     @override
     def _batch_ending(
         self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
-    ) -> bool:
+    ) -> None:
         self._timer.end_step()
-        return False
 
     def _draw_chart(self, trainer: pl.Trainer, times: LayerTimes) -> None:
         """Draw the epoch's forward time per layer (rank 0, with ``chart``)."""

@@ -10,8 +10,8 @@ from pytorch_lightning.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Logged
-from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
-from lightning_hooks.callbacks.stats import Findings, attach_stats, select_stats
+from lightning_hooks.callbacks.base import HookCallback
+from lightning_hooks.callbacks.stats import Findings, attach_stats, watches_selection
 from lightning_hooks.core.checks import fraction_or_none, module_types, named_arguments, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.saturation import (
@@ -95,7 +95,6 @@ class SaturationCallback(HookCallback):
             margin=margin,
         )
         super().__init__(state_key={"stats": [tracker.config_key()]}, every_n_steps=every_n_steps)
-        self.uses_images = False
         self.tracker = tracker
         """The saturation of each watched layer, attached afresh at each fit."""
         self.findings = Findings(_NAME, "saturation findings")
@@ -109,10 +108,8 @@ class SaturationCallback(HookCallback):
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> bool:
-        if select_stats(pl_module, [self.tracker]):
-            return True
         selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
-        return nothing_to_watch(_NAME, _WATCHES, selected=selected)
+        return watches_selection(_NAME, pl_module, [self.tracker], what=_WATCHES, selected=selected)
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:

@@ -5,7 +5,7 @@ carried in checkpoints.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
@@ -21,7 +21,7 @@ from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["Findings", "StatsCallback", "attach_stats", "select_stats"]
+__all__ = ["Findings", "StatsCallback", "attach_stats", "watches_selection"]
 
 # The bare class in the signature: jsonargparse (LightningCLI) resolves a ``class_path`` against
 # a class, not against the subscripted generic ``LayerStat[Any]``.
@@ -64,21 +64,37 @@ class Findings:
             )
 
 
-def select_stats(model: nn.Module, stats: Sequence[LayerStat[Any]]) -> bool:
-    """Check each statistic's selection on ``model``.
+def watches_selection(  # noqa: PLR0913 (a callback's selection: one keyword each)
+    owner: str,
+    model: nn.Module,
+    stats: Sequence[LayerStat[Any]],
+    *,
+    what: str,
+    selected: Mapping[str, object],
+    hint: str = "",
+) -> bool:
+    """Check each statistic's selection on ``model``, the check of a callback's ``_validate``.
 
     Args:
+        owner: the callback's name, which its messages begin with.
         model: the model to watch.
-        stats: the statistics.
+        stats: the callback's statistics.
+        what: what the statistics watch (``"module"``), as the messages name it.
+        selected: the constructor arguments that select modules, with the values the user gave
+            (``None`` or empty where left at the default).
+        hint: a clause the message ends with where nothing is selected.
 
     Returns:
-        Whether any statistic selects a module of ``model``.
+        Whether any statistic selects a module of ``model``; where none does at the defaults,
+        ``False`` after one warning (see :func:`~.base.nothing_to_watch`).
 
     Raises:
-        ValueError: a pattern matches no module name, naming it.
+        ValueError: a pattern matches no module name, or the user's selection selects nothing.
     """
-    selected = [stat.select(model) for stat in stats]
-    return any(selected)
+    chosen = [stat.select(model) for stat in stats]
+    if any(chosen):
+        return True
+    return nothing_to_watch(owner, what, selected=selected, hint=hint)
 
 
 def attach_stats(
@@ -158,15 +174,13 @@ class StatsCallback(HookCallback):
         super().__init__(
             state_key={"stats": [s.config_key() for s in chosen]}, every_n_steps=every_n_steps
         )
-        self.uses_images = False
         self.stats: tuple[LayerStat[Any], ...] = chosen
         """The statistics, attached afresh at each fit."""
 
     @override
     def _validate(self, pl_module: pl.LightningModule) -> bool:
-        if select_stats(pl_module, self.stats):
-            return True
-        return nothing_to_watch(type(self).__name__, "module", selected={})
+        name = type(self).__name__
+        return watches_selection(name, pl_module, self.stats, what="module", selected={})
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:

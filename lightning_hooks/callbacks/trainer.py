@@ -20,9 +20,9 @@ __all__ = [
     "PER_BATCH_HOOKS",
     "SECOND_CALLBACK",
     "check_trainer",
-    "passed_by_user",
     "restore_inherited",
     "skip_inherited",
+    "stands_down_for_users_own",
 ]
 
 _NAMESPACES: tuple[tuple[type, type], ...] = ((pl.Trainer, pl.Callback),)  # (Trainer, Callback)
@@ -96,7 +96,7 @@ def _check_cadence(name: str, trainer: pl.Trainer) -> None:
         )
 
 
-def passed_by_user(callback: object, callbacks: Sequence[object]) -> bool:
+def stands_down_for_users_own(callback: object, callbacks: Sequence[object]) -> bool:
     """Tell whether ``callback`` stands down for the user's own.
 
     Args:

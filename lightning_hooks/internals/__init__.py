@@ -34,9 +34,11 @@ import torch
 
 __all__ = [
     "CHANNEL_FIRST_LAYERS",
+    "COMPILED_ORIGINAL",
     "OLDEST_TORCH",
     "SPEEDUPS_ENV",
     "TORCH_VERSION",
+    "compiled_name",
     "compiled_original",
     "current_graph_task_id",
     "foreach_add_",
@@ -233,8 +235,29 @@ def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
     torch keeps no public name for it. Without it, a compiled submodule's layers would be named
     with ``_orig_mod`` in their tags, and a rename by compiling would break the tags' history.
     """
-    original = getattr(module, "_orig_mod", None)
+    original = getattr(module, COMPILED_ORIGINAL, None)
     return original if isinstance(original, torch.nn.Module) else None
+
+
+COMPILED_ORIGINAL = "_orig_mod"
+"""The name a ``torch.compile`` wrapper gives the module it holds, also a part of the qualified
+names of the modules under it (see :func:`compiled_original`)."""
+
+
+def compiled_name(name: str) -> str:
+    """A qualified module name without the parts a ``torch.compile`` wrapper adds.
+
+    Args:
+        name: a name of ``model.named_modules()``, maybe with ``_orig_mod`` parts.
+
+    Returns:
+        The name the module has in the eager model.
+
+    Example:
+        >>> compiled_name("encoder._orig_mod.0")
+        'encoder.0'
+    """
+    return ".".join(part for part in name.split(".") if part != COMPILED_ORIGINAL)
 
 
 def grad_scaler_scale(scaler: object) -> torch.Tensor | None:

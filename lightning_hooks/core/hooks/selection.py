@@ -181,7 +181,7 @@ class Selection:
         check_module(f"{self.owner}: Selection.modules", "model", model)
         named = []
         for n, m in model.named_modules():
-            name = _plain_name(n)
+            name = internals.compiled_name(n)
             if name and not _is_compiled_wrapper(m):
                 named.append((name, m))
         names = [n for n, _ in named]
@@ -215,10 +215,6 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def _plain_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
-
-
 def _is_compiled_wrapper(module: nn.Module) -> bool:
     return internals.compiled_original(module) is not None
 
@@ -226,7 +222,7 @@ def _is_compiled_wrapper(module: nn.Module) -> bool:
 def compiled_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(eager_name, wrapper)`` of each submodule of ``model`` compiled in place."""
     return [
-        (_plain_name(name), module)
+        (internals.compiled_name(name), module)
         for name, module in model.named_modules()
         if name and _is_compiled_wrapper(module)
     ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -34,7 +34,7 @@ from lightning_hooks.core.stats.optimizer_view import (
 from lightning_hooks.core.stats.output_grad import OutputGradients
 from lightning_hooks.core.transport import ShardPlan
 
-__all__ = ["GRAD_FLOW_STATS", "GradFlowTracker"]
+__all__ = ["GRAD_FLOW_STATS", "GradFlowTracker", "layers_of"]
 
 GRAD_FLOW_STATS = (*GRAD_STATS, "update_ratio", "output_grad_norm", "grad_norm_preclip")
 """The tracker's columns (``grad_norm_preclip``: only with ``post_clip``)."""
@@ -46,6 +46,25 @@ _PRECLIP = GRAD_FLOW_STATS.index("grad_norm_preclip")
 _GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 _ALL = slice(0, len(GRAD_STATS))
 _SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the gradient
+
+
+def layers_of(
+    model: nn.Module, modules: Sequence[tuple[str, nn.Module]], *, types: object, include: object
+) -> ParamLayout:
+    """Lay out the parameters of the layers the tracker measures.
+
+    Args:
+        model: the model.
+        modules: the modules selected, ``(name, module)``.
+        types: the module types selected (``None``: any).
+        include: the glob patterns kept (empty: every module).
+
+    Returns:
+        The layout of the selected modules' own parameters; the model's own parameters (a
+        learnable temperature) count too, unless ``types`` or ``include`` narrows the selection.
+    """
+    root = model if types is None and not include else None
+    return ParamLayout.from_modules(modules, root=root)
 
 
 def _check_args(
@@ -136,9 +155,7 @@ class GradFlowTracker(HookOwner):
         optimizers = _check_args(model, optimizers, alarms, **flags)
         self.registry = HookRegistry(model, guard=guard)
         modules = self.registry.modules(types=types, include=include, exclude=exclude)
-        # The model's own parameters (a learnable temperature) unless a selection narrows it.
-        root = model if types is None and not include else None
-        self.layout = ParamLayout.from_modules(modules, root=root)
+        self.layout = layers_of(model, modules, types=types, include=include)
         if not self.layout.layers:
             chosen = f"types={types!r}, include={include!r}, exclude={exclude!r}"
             raise ValueError(f"GradFlowTracker: no selected module owns a parameter ({chosen})")
