@@ -895,7 +895,7 @@ def _key(key: object) -> str:
     return repr(key) if isinstance(key, str | int) else "..."
 
 
-def _tree(root: Any, depth: int = 2) -> list[str]:
+def _tree(root: Any, depth: int = 3) -> list[str]:
     """``root`` and the library's objects it holds, ``depth`` levels down, one line each: the
     attribute, the class and its file. An object is drawn where it is met nearest the root (an
     attribute before an item); elsewhere it is named."""
