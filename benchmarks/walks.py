@@ -800,6 +800,9 @@ class GradientWalk(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.tracer.stop()
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.tracer.stop()  # the profile and the mode off before the error reaches the caller
+
 
 class DivergingWalk(pl.Callback):
     """First in the list: marks the loss of every batch from step ``JUMP`` on, before the
@@ -828,6 +831,9 @@ class DivergingWalk(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.tracer.stop()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.tracer.stop()  # the profile and the mode off before the error reaches the caller
 
 
 def _unshown(*args: Any, **kwargs: Any) -> None:
