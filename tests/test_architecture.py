@@ -60,3 +60,89 @@ def test_no_callback_skips_a_parent_with_super_of_a_grandparent() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "super":
                 assert not node.args, f"{path.name}:{node.lineno}: super() with arguments"
+
+
+EXTENSION_POINTS = {"_validate", "_attach", "_batch_started", "_batch_ending", "_log_epoch"}
+"""The points at which a callback extends the base, each named in its docstring's table."""
+
+
+def test_a_callback_extends_the_base_at_its_five_points_and_never_chains_to_it() -> None:
+    """What a subclass overrides of the base is one of its five extension points, and no method
+    of a callback calls the base's with ``super()`` but its constructor: the template cannot
+    move into Lightning's hooks."""
+    import inspect
+    import textwrap
+
+    from lightning_hooks.callbacks.base import HookCallback
+
+    base = {name for name in vars(HookCallback) if not name.startswith(("__", "_abc_"))}
+    for cls in _callback_classes():
+        if cls is HookCallback:
+            continue
+        own = {name for name in vars(cls) if not name.startswith(("__", "_abc_"))}
+        assert own & base <= EXTENSION_POINTS, (cls.__name__, sorted(own & base - EXTENSION_POINTS))
+        source = textwrap.dedent(inspect.getsource(cls))
+        for node in ast.walk(ast.parse(source)):
+            called = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            if called and isinstance(node.func.value, ast.Call):
+                chained = getattr(node.func.value.func, "id", "") == "super"
+                assert not chained or node.func.attr == "__init__", (cls.__name__, node.func.attr)
+
+
+_MUTATORS = {"append", "add", "update", "clear", "setdefault", "pop", "insert", "remove"}
+
+REGISTRIES = {
+    "core/hooks/guard.py": {"_GUARDED"},
+    "core/hooks/selection.py": {"_SEEN"},
+    "core/hooks/shared.py": {"_MODELS"},
+    "logging/__init__.py": {"_KINDS", "_SINKS"},
+}
+"""The module-level state the package keeps, each because it outlives a fit or spans the
+callbacks: the methods the guard wrapped, a cache keyed by class, one share of each model's hooks,
+and the loggers' sinks with the kinds that make them."""
+
+
+def _mutated_module_names(path: Path) -> set[str]:
+    """The module-level names of ``path`` that its code mutates (an item set or a mutator
+    called)."""
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        names.update(t.id for t in targets if isinstance(t, ast.Name))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if node.func.attr in _MUTATORS and isinstance(owner, ast.Name) and owner.id in names:
+                found.add(owner.id)
+        if isinstance(node, ast.Assign | ast.Delete):
+            for target in node.targets:
+                item = isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name)
+                if item and target.value.id in names:  # type: ignore[union-attr]
+                    found.add(target.value.id)  # type: ignore[union-attr]
+    return found
+
+
+def test_module_level_state_is_the_few_registries_that_outlive_a_fit() -> None:
+    """State of one fit belongs to an object the fit owns: the package mutates only the
+    module-level registries listed, and each says why it is one in its docstring."""
+    package = CORE.parent
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        names = _mutated_module_names(path)
+        if names:
+            found[path.relative_to(package).as_posix()] = names
+    assert found == REGISTRIES
+    for module, names in REGISTRIES.items():
+        tree = ast.parse((package / module).read_text())
+        for i, node in enumerate(tree.body):
+            target = getattr(node, "target", None)
+            if isinstance(target, ast.Name) and target.id in names:
+                following = tree.body[i + 1]
+                documented = isinstance(following, ast.Expr) and isinstance(
+                    following.value, ast.Constant
+                )
+                assert documented, f"{module}: {target.id} has no docstring"

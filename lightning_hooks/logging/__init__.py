@@ -51,8 +51,10 @@ __all__ = [
     "step_tags",
 ]
 
-# The first kind that accepts a logger adapts it: a subclass's sink is registered after its base's.
 _KINDS: list[type[LoggerSink]] = [TensorBoardSink, WandbSink, MLflowSink, CSVSink]
+"""The kinds of sink, for the process's life: the first that accepts a logger adapts it.
+:func:`register_sink` puts the user's first, so a subclass's sink is registered after its
+base's."""
 _SINKS: weakref.WeakKeyDictionary[LightningLogger, LoggerSink] = weakref.WeakKeyDictionary()
 """One sink per logger for the logger's life, shared by every callback that writes to it (a sink
 that failed stays failed, and a TensorBoard sink keeps the charts of its dashboard)."""
