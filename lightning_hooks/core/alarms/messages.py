@@ -230,7 +230,7 @@ def with_history(
         row = first.row
         ratio = norms[at, row] / scales[at, row]
         departure = f"{layers[row]} left its scale first, at step {steps[at]} ({ratio_text(ratio)})"
-        if alarm.rule != "vanishing":
+        if alarm.rule not in ("vanishing", "no_gradient"):
             departure += ": look at it first"
     return replace(
         alarm,
@@ -319,6 +319,21 @@ def _dead_network_text(culprit: _Culprit, step: int) -> _Said:
     )
 
 
+def _no_gradient_text(layer: str, step: int, steps: int) -> _Said:
+    """What the notice *no_gradient* says of a trainable layer that got no gradient."""
+    return _Said(
+        f"{layer} got no gradient in {steps} optimizer steps (to step {step}): is it used in "
+        "forward?",
+        (
+            f"the optimizer holds its trainable parameters, but no gradient reached them (none, "
+            f"or exactly 0) for {steps} consecutive optimizer steps (vanish_steps)",
+            "a notice, not a warning: an unused branch, or a mixture of experts' idle expert, "
+            "harms nothing while the rest trains; a frozen layer (requires_grad=False) is not "
+            "watched",
+        ),
+    )
+
+
 def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
     """What a gradient rule other than *explosion* says."""
     layer, value, ref = culprit
@@ -345,6 +360,8 @@ def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Sa
                 f"vanish_steps={rules.vanish_steps} consecutive steps",
             ),
         )
+    if rule == "no_gradient":
+        return _no_gradient_text(layer, step, rules.vanish_steps)
     if rule == "nonfinite":
         what, order = ("weights", "forward") if not math.isfinite(ref) else ("gradient", "backward")
         return _Said(
