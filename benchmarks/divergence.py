@@ -72,7 +72,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +83,7 @@ from torch import nn
 
 from lightning_hooks.callbacks.alarm_policy import check_actions
 from lightning_hooks.core import AlarmRules, ParamLayout, TrainingAlarms
-from lightning_hooks.core.alarms import ALARM_RULES, TrainingAlarm
+from lightning_hooks.core.alarms import ALARM_RULES, RunFacts, TrainingAlarm
 from lightning_hooks.core.ops.grad_stats import param_norms, segment_norm
 from lightning_hooks.core.ops.grouped_norms import typical_update
 from lightning_hooks.core.stats.stability import StabilityStats
@@ -1035,6 +1035,9 @@ def replay_alarms(trace: dict[str, Any], rules: AlarmRules) -> list[TrainingAlar
     callback feeds it (see :func:`ours`); a layer no gradient reached on a step (``stepped``)
     is out of the rules that step, as the callback leaves it."""
     alarms = TrainingAlarms(trace["layers"], rules)
+    now = [0]  # the step being replayed: the learning rate the callback would read at it
+    lrs = trace["lrs"]
+    alarms.know(RunFacts(lambda: float(lrs[now[0]]), output_units(trace["run"]["model"])))
     clip = trace["run"].get("clip")
     stepped = trace.get("stepped")
     # the callback reads the stall on optimizers with a second moment (traces recorded
@@ -1047,6 +1050,7 @@ def replay_alarms(trace: dict[str, Any], rules: AlarmRules) -> list[TrainingAlar
     # with accumulation, the callback reads every micro-batch's loss
     losses = trace.get("micro_losses", trace["losses"][:, None])
     for step, (norm, micro) in enumerate(zip(trace["norms"], losses, strict=True)):
+        now[0] = step
         rows = None if stepped is None or stepped[step].all() else stepped[step]
         alarms.update(
             torch.from_numpy(norm).float(),
@@ -1064,6 +1068,16 @@ def replay_alarms(trace: dict[str, Any], rules: AlarmRules) -> list[TrainingAlar
             alarms.update_attention(attn["attn_logit_max"], attn["attn_entropy_min"], step=step)
         found += alarms.poll()
     return found
+
+
+@cache
+def output_units(model: str) -> int | None:
+    """The output layer's units of ``model`` as ``RunFacts.of`` finds them (its last
+    ``nn.Linear``), for the models quick to build (:data:`QUICK`; a fine-tune's base would be
+    trained first): what ``GradFlowCallback`` hands the alarms."""
+    if model not in QUICK:
+        return None
+    return RunFacts.of(BUILD[model](), []).classes
 
 
 def olmo_skip_step(trace: dict[str, Any]) -> list[int]:

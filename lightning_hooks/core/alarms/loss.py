@@ -19,7 +19,7 @@ from lightning_hooks.core.alarms.rules import AlarmRules
 from lightning_hooks.core.alarms.setback import Setback, setback_opened, setback_recovered
 from lightning_hooks.core.transport import HostCopy
 
-__all__ = ["LossLevels", "LossProgress", "LossRules", "LossVerdict", "Setback"]
+__all__ = ["LossLevels", "LossProgress", "LossRules", "LossStory", "LossVerdict", "Setback"]
 
 _F = np.float32
 # E|x_t - x_(t-1)| = 2 sigma / sqrt(pi) for independent normal losses: the jitter to a spread
@@ -41,6 +41,24 @@ class LossProgress(NamedTuple):
     """The loss's best level so far."""
     first: float
     """Where the run started: the mean of its first ``min_history`` losses."""
+
+
+class LossStory(NamedTuple):
+    """What the loss did, as an alarm of the gradients tells it (a dead network): where the run
+    started, its highest step, and its last steps."""
+
+    start: float
+    """The mean loss of the run's first optimizer step."""
+    peak_step: int
+    """The optimizer step of the highest mean loss so far."""
+    peak: float
+    """That step's mean loss."""
+    trail: tuple[tuple[int, float], ...]
+    """The last ``history`` optimizer steps' mean losses, oldest first: ``(step, loss)``."""
+
+    def since(self, step: int) -> list[float]:
+        """The mean losses of the steps from ``step`` on, in the trail."""
+        return [loss for at, loss in self.trail if at >= step]
 
 
 class LossVerdict(NamedTuple):
@@ -179,6 +197,9 @@ class LossRules:
         self._recent: deque[float] = deque(maxlen=2 * rules.diverge_patience - 1)
         """The mean losses of the last optimizer steps, whose median *diverging* holds to
         ``diverge_lost``."""
+        self._trail: deque[tuple[int, float]] = deque(maxlen=rules.history)
+        self._peak = (-1, -math.inf)  # the step of the highest mean loss, and that loss
+        self._start = math.nan  # the first optimizer step's mean loss
         self.adaptive = False
         """The optimizer keeps a second moment: its first ``diverge_early`` losses are held to
         the ``diverge_overshoot`` bar (:meth:`TrainingAlarms.set_adaptive`)."""
@@ -252,7 +273,7 @@ class LossRules:
         levels.rise(x, self._span())
         self._group.total += x
         if self._group.losses == self.per_step:  # the step's last loss: its mean is known
-            self._recent.append(self._group.total / self._group.losses)
+            self._close_step(step, self._group.total / self._group.losses)
         bar = self._bar()
         # armed after ``min_history`` losses: before, a loss is not yet told from the run's noise
         over = levels.seen > 1 and levels.mean > bar
@@ -262,6 +283,23 @@ class LossRules:
         else:  # the last loss is still the run's: the next jitter is measured from it
             levels.last = x
         return alarms
+
+    def _close_step(self, step: int, mean: float) -> None:
+        """Keep the mean loss of ``step``, whose last loss was just read."""
+        self._recent.append(mean)
+        self._trail.append((step, mean))
+        if math.isnan(self._start):
+            self._start = mean
+        if mean > self._peak[1]:
+            self._peak = (step, mean)
+
+    def story(self) -> LossStory | None:
+        """Where the run started, its highest step and its last steps (``None`` before the
+        run's start is known, or with *diverging* off)."""
+        if self.rules.diverge_ratio is None or self.levels.seen < self.rules.min_history:
+            return None
+        peak_step, peak = self._peak
+        return LossStory(self._start, peak_step, peak, tuple(self._trail))
 
     def _step_held(self, bar: float) -> bool:
         """Whether the last loss completed its optimizer step and the step's mean loss is over

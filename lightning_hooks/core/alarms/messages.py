@@ -24,6 +24,7 @@ __all__ = [
     "gradient_alarm",
     "ratio_text",
     "weight_norms",
+    "with_dead_network_story",
     "with_fixes",
     "with_history",
 ]
@@ -244,10 +245,54 @@ def with_history(
     )
 
 
+def with_dead_network_story(
+    alarm: TrainingAlarm, losses: Sequence[float], jump: str, chance: tuple[int, float] | None
+) -> TrainingAlarm:
+    """A dead network's alarm (:attr:`TrainingAlarm.network_cut`) with what the loss did, as
+    lines of its details: its mean losses since the death began (``losses``), against ``ln C``
+    where the output layer's ``C`` units are known (``chance``: ``(C, ln C)``), and the jump
+    before it (``jump``: its line, ``""`` for none).
+
+    Args:
+        alarm: the dead network's *vanishing* alarm.
+        losses: the mean loss of each optimizer step since the death began (empty: not known).
+        jump: the line that tells the loss's jump before the death, or ``""``.
+        chance: the output layer's units and the loss of a uniform guess over them, or
+            ``None`` where the model's output layer is not known.
+
+    Returns:
+        The alarm with those lines after its own details.
+
+    Example:
+        >>> alarm = TrainingAlarm("vanishing", "net.2", 14, 0.0, 0.0, "dead network",
+        ...                       network_cut=True)
+        >>> said = with_dead_network_story(alarm, [2.31, 2.30, 2.30], "", (10, math.log(10)))
+        >>> said.details[0].split(", a uniform guess")[0]
+        'the loss since step 10: 2.3 to 2.31, at ln 10 = 2.303'
+    """
+    lines = []
+    if losses:
+        low = min(losses)
+        high = max(losses)
+        line = f"the loss since step {alarm.step - DEAD_STEPS + 1}: {low:.3g} to {high:.3g}"
+        if chance is not None:
+            units, loss = chance
+            guess = (
+                f"ln {units} = {loss:.4g}, a uniform guess over the output layer's {units} units"
+            )
+            near = abs(low - loss) <= 0.05 * loss and abs(high - loss) <= 0.05 * loss
+            line += f", at {guess}: the network has stopped learning" if near else f" ({guess})"
+        lines.append(line)
+    if jump:
+        lines.append(jump)
+    return replace(alarm, details=(*alarm.details, *lines))
+
+
 def with_fixes(alarm: TrainingAlarm, advice: Advice) -> TrainingAlarm:
     """``alarm``'s whole text: its first line with the first of the ``advice``'s fixes (the one
-    most likely to work, :func:`~lightning_hooks.core.alarms.advice.advise`), then its details,
-    why that fix leads (when the evidence put it first) and the other fixes, one a line.
+    most likely to work, :func:`~lightning_hooks.core.alarms.advice.advise`), then the run's
+    learning rate (when a fix is to lower it), its details, why that fix leads (when the
+    evidence put it first) and the other fixes, one a line.
 
     Example:
         >>> alarm = TrainingAlarm("absolute", "net.0", 3, 9.0, 5.0, "grad norm 9 > 5",
@@ -260,9 +305,11 @@ def with_fixes(alarm: TrainingAlarm, advice: Advice) -> TrainingAlarm:
     """
     fixes = advice.fixes
     first = alarm.message if not fixes else f"{alarm.message}; fix: {fixes[0]}"
+    # the run's learning rate next to the fix, on the first of the lines after it
+    rate = (advice.rate,) if advice.rate else ()
     why = (advice.why,) if advice.why else ()
     rest = (f"other fixes: {'; '.join(fixes[1:])}",) if len(fixes) > 1 else ()
-    details = (*alarm.details, *why, *rest)
+    details = (*rate, *alarm.details, *why, *rest)
     return replace(alarm, message="\n".join([first, *details]), details=details)
 
 
