@@ -108,6 +108,66 @@ def test_a_layer_the_optimizer_does_not_hold_is_never_named() -> None:
     assert frozen.log == []
 
 
-def test_a_small_but_not_zero_gradient_still_warns_vanishing() -> None:
-    small = _replay([1.0, 1e-6, 1.5, 2.0, 2.3], 30)
-    assert [(a.rule, a.layer, a.step) for a in small.log] == [("vanishing", "b", 19)]
+def test_a_small_gradient_warns_vanishing_where_it_starves_the_first_layers() -> None:
+    """A tiny gradient on the first layers, a later one live: the gradient vanishes before it
+    reaches the bottom of the network, and *vanishing* warns. A tiny layer with a live one
+    before it: the gradient goes around it (a residual block, a branch), a notice."""
+    first = _replay([1e-6, 1.0, 1.5, 2.0, 2.3], 30)
+    assert [(a.rule, a.layer, a.step) for a in first.log] == [("vanishing", "a", 19)]
+    middle = _replay([1.0, 1e-6, 1.5, 2.0, 2.3], 30)
+    assert [(a.rule, a.layer, a.step) for a in middle.log] == [("no_gradient", "b", 19)]
+    assert middle.log[0].message.startswith(
+        "b got next to no gradient in 20 optimizer steps (to step 19), while a layer before it "
+        "gets one: is it bypassed?"
+    )
+
+
+class Residual(LongMLP):
+    """``inp``, a residual ``block`` added to its output, then ``head``."""
+
+    def __init__(self) -> None:
+        super().__init__(batches=40)
+        del self.net
+        self.inp = nn.Linear(8, 16)
+        self.block = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        return self.head(h + self.block(h))  # type: ignore[no-any-return]
+
+
+class Shrink(pl.Callback):
+    """Scales ``block``'s gradients by 1e-6 after every backward: next to none reaches it."""
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for p in pl_module.block.parameters():
+            assert p.grad is not None
+            p.grad.mul_(1e-6)
+
+
+def test_a_layer_the_gradient_flows_around_is_a_notice(tmp_path: Path) -> None:
+    """A residual block whose gradient is a millionth of its neighbours', ``inp`` before it
+    still getting its own: bypassed, one notice; no *vanishing* warning."""
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        callbacks=[Shrink(), GradFlowCallback()],
+        max_steps=30,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=30,
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(Residual())
+    said = [str(w.message) for w in record if "GradFlowCallback" in str(w.message)]
+    assert said == []
+    texts = read_alarm_texts(tmp_path / "lightning_logs" / "version_0")
+    notice = (
+        "block got next to no gradient in 20 optimizer steps (to step 19), while a layer "
+        "before it gets one: is it bypassed?"
+    )
+    assert [text.count(notice) for text in texts] == [1, 1]  # the logging step's, the epoch's
+    scalars = read_scalars(tmp_path / "lightning_logs" / "version_0")
+    assert dict(scalars[NOTICES["no_gradient"].tag]) == {30: 1.0}
+    assert sum(v for _, v in scalars["grad_flow/alarms/vanishing"]) == 0

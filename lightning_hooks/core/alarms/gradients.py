@@ -338,10 +338,10 @@ class GradientRules:
         cap = rules.max_grad_norm
         absolute = (norm > cap) & ok & ~self._is_layer if cap is not None else no
         empty = self._count_empty(norm, active, held & self._is_layer, overflow)
-        vanishing, floor = self._vanishing(norm, ok & self._is_layer, finite)
+        vanishing, floor, around = self._vanishing(norm, ok & self._is_layer, finite)
         nonfinite = bad & self._is_layer & (not overflow) if rules.nonfinite else no
         amp_flag = ~self._is_layer & overflow
-        no_gradient = self._no_gradient(empty)
+        no_gradient = self._no_gradient(empty, around)
         self.scale.update(log_norm, keep, ceiling)
         # in the order of GRADIENT_RULES
         flags = [spike, explosion, absolute, vanishing, nonfinite, amp_flag, no_gradient]
@@ -392,27 +392,37 @@ class GradientRules:
 
     def _vanishing(
         self, norm: np.ndarray, layers: np.ndarray, finite: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Which layers finished a run of ``vanish_steps`` tiny steps, and the floor."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Which layers finished a run of ``vanish_steps`` tiny steps that *vanishing* warns of,
+        the floor, and the layers that finished one the gradient flows around (a notice).
+
+        A vanishing gradient starves what lies before it: it warns where every stepped layer
+        before the tiny one is tiny too, so that the gradient does not reach the network's
+        first layers. Where a layer before it still gets a gradient, the gradient goes around
+        the tiny layer (a residual block whose units are mostly dead, an idle branch or
+        expert), the rest trains, and it is the notice *no_gradient*. A run of exact zeros is
+        *no_gradient*'s too (:meth:`_no_gradient`); only a dead network warns of one."""
         fraction = self.rules.vanish_fraction
         if fraction is None:
-            return self._false, np.full_like(norm, np.nan)
+            return self._false, np.full_like(norm, np.nan), self._false
         live = norm[finite & layers]
         # 0 when every layer is zero: a zero norm is always tiny
         floor = lower_median(live) * np.float32(fraction) if live.size else np.float32(0.0)
         tiny = (norm <= floor) & layers
         self.low *= tiny | ~layers  # a layer not stepped keeps its count
         self.low += tiny
-        # a run of exact zeros is no gradient at all, a notice (:meth:`_no_gradient`); only a
-        # dead network, below, warns of it
-        fired = (self.low == self.rules.vanish_steps) & tiny & (self.empty < self.low)
+        done = (self.low == self.rules.vanish_steps) & tiny & (self.empty < self.low)
+        # a layer a gradient reaches before this one: ``tiny`` is false there (not stepped: it
+        # stands aside, neither way)
+        around = ~np.logical_and.accumulate(tiny | ~layers)
+        fired = done & ~around
         dead = self._dead_network(norm, layers)
         if dead is not None:
             self.low[dead] = self.rules.vanish_steps + 1  # named as one network, not layer by layer
             self.named[dead] = True
             if self.cut_steps == DEAD_STEPS:
                 fired[dead[-1]] = True  # the deepest: every layer before it is cut off too
-        return fired, np.full_like(norm, floor)
+        return fired, np.full_like(norm, floor), done & around
 
     def _count_empty(
         self, norm: np.ndarray, active: np.ndarray, held: np.ndarray, overflow: bool
@@ -425,14 +435,16 @@ class GradientRules:
         self.empty += empty
         return empty
 
-    def _no_gradient(self, empty: np.ndarray) -> np.ndarray:
-        """*no_gradient*, a notice: the layers whose run of steps with no gradient reached
-        ``vanish_steps`` at this step, each once per fit (a layer of a dead network is
+    def _no_gradient(self, empty: np.ndarray, around: np.ndarray) -> np.ndarray:
+        """*no_gradient*, a notice: the layers whose run of steps with no gradient (``empty``
+        now) reached ``vanish_steps`` at this step, and those whose run of tiny steps the
+        gradient flows ``around``; each once per fit (a layer of a dead network is
         *vanishing*'s, which warns). An idle expert, an unused branch or a dead unit's residual
         block gets no gradient while the network trains around it: a fact, not a harm."""
         if self.rules.vanish_fraction is None:
             return self._false
-        fired: np.ndarray = (self.empty >= self.rules.vanish_steps) & empty & ~self.named
+        ran_out = (self.empty >= self.rules.vanish_steps) & empty
+        fired: np.ndarray = (ran_out | around) & ~self.named
         self.named |= fired
         return fired
 

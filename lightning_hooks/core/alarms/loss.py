@@ -157,8 +157,9 @@ class LossRules:
     the best by ``diverge_ratio - 1`` of it, by ``diverge_giveback`` of what the run had
     learnt, and by ``diverge_noise`` spreads of the short mean's own noise), a *setback* opens:
     logged, never warned. It is confirmed as *diverging*, which warns, when
-    ``diverge_patience`` of its optimizer steps have a mean loss over the bar themselves (not
-    only the running mean, which remembers one bad batch for a few steps), when the loss passes
+    ``diverge_patience`` of its optimizer steps in a row have a mean loss over the bar
+    themselves (not only the running mean, which remembers one bad batch for a few steps; a
+    step back under the bar starts the count again), when the loss passes
     ``diverge_lost`` times where the run started (the running mean; once the run has learnt,
     the median of the last ``2 * diverge_patience - 1`` optimizer steps' mean losses, which
     fewer than ``diverge_patience`` outlier steps cannot move: one bad batch, or two, is a
@@ -301,17 +302,21 @@ class LossRules:
         peak_step, peak = self._peak
         return LossStory(self._start, peak_step, peak, tuple(self._trail))
 
-    def _step_held(self, bar: float) -> bool:
-        """Whether the last loss completed its optimizer step and the step's mean loss is over
-        ``bar``. The micro-batches of one step share its weights: a hard one says nothing of
-        the update, so a setback holds by steps."""
+    def _step_held(self, bar: float) -> bool | None:
+        """Whether the step's mean loss is over ``bar``, once the last loss completed its
+        optimizer step (``None`` before). The micro-batches of one step share its weights: a
+        hard one says nothing of the update, so a setback holds by steps."""
         group = self._group
-        return group.losses == self.per_step and group.total / group.losses > bar
+        if group.losses != self.per_step:
+            return None
+        return group.total / group.losses > bar
 
-    def _judge(self, x: float, step: int, held: bool) -> list[TrainingAlarm]:
+    def _judge(self, x: float, step: int, held: bool | None) -> list[TrainingAlarm]:
         """A running mean over the bar: a setback opened, held (``held``: the mean loss of the
         step just completed is over the bar, not only the running mean that remembers an
-        earlier one), or confirmed."""
+        earlier one; ``None``: the step is not complete), or confirmed. A completed step under
+        the bar starts the count again: the run came back, and what the running mean still
+        remembers is the bad steps before, one or two outlier batches."""
         rules = self.rules
         levels = self.levels
         setback = self.setback
@@ -320,7 +325,8 @@ class LossRules:
             setback = Setback(step, levels.best, levels.mean)
             self.setback = setback
             opened = [setback_opened(step, setback, levels.mean, levels.first, rules)]
-        setback.steps += held
+        if held is not None:
+            setback.steps = setback.steps + 1 if held else 0
         setback.peak = max(setback.peak, levels.mean)
         if setback.confirmed:
             return [self._diverging_alarm(step, x, "it holds")]

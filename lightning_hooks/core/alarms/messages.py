@@ -151,6 +151,7 @@ def gradient_alarm(
         "explosion": report.scale,
         "absolute": np.full_like(norm, rules.max_grad_norm or math.nan),
         "vanishing": report.floor,
+        "no_gradient": report.floor,
     }.get(rule, at.weight_norms if at.weight_norms is not None else np.full_like(norm, -1.0))
     row = int(_culprit(rule, hit, norm, ref, at.order))
     culprit = _Culprit(layers[row], float(norm[row]), float(ref[row]))
@@ -366,8 +367,13 @@ def _dead_network_text(culprit: _Culprit, step: int) -> _Said:
     )
 
 
-def _no_gradient_text(layer: str, step: int, steps: int) -> _Said:
-    """What the notice *no_gradient* says of a trainable layer that got no gradient."""
+def _no_gradient_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
+    """What the notice *no_gradient* says of a trainable layer that got no gradient (or next to
+    none, while a layer before it gets one: :func:`_bypassed_text`)."""
+    if culprit.value > 0:
+        return _bypassed_text(culprit, step, rules)
+    layer = culprit.layer
+    steps = rules.vanish_steps
     return _Said(
         f"{layer} got no gradient in {steps} optimizer steps (to step {step}): is it used in "
         "forward?",
@@ -377,6 +383,23 @@ def _no_gradient_text(layer: str, step: int, steps: int) -> _Said:
             "a notice, not a warning: an unused branch, or a mixture of experts' idle expert, "
             "harms nothing while the rest trains; a frozen layer (requires_grad=False) is not "
             "watched",
+        ),
+    )
+
+
+def _bypassed_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
+    """What the notice *no_gradient* says of a layer whose gradient stayed tiny while a layer
+    before it got one: the gradient flows around it."""
+    layer, value, ref = culprit
+    steps = rules.vanish_steps
+    return _Said(
+        f"{layer} got next to no gradient in {steps} optimizer steps (to step {step}), while a "
+        "layer before it gets one: is it bypassed?",
+        (
+            f"its grad norm {value:.3g} under {ref:.3g} (vanish_fraction={rules.vanish_fraction} "
+            f"of the median non-zero layer norm) for {steps} consecutive steps",
+            "a notice, not a warning: the gradient reaches the layers before it around this one "
+            "(a residual block whose units are mostly dead, an idle branch), and they train",
         ),
     )
 
@@ -408,7 +431,7 @@ def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Sa
             ),
         )
     if rule == "no_gradient":
-        return _no_gradient_text(layer, step, rules.vanish_steps)
+        return _no_gradient_text(culprit, step, rules)
     if rule == "nonfinite":
         what, order = ("weights", "forward") if not math.isfinite(ref) else ("gradient", "backward")
         return _Said(

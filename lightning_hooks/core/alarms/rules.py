@@ -118,9 +118,10 @@ class AlarmRules:
             (>= ``diverge_ratio``).
         diverge_overshoot: see ``diverge_early``.
         diverge_patience: a setback is confirmed as *diverging* (which warns, stops or raises
-            under ``on_alarm``) once this many of its optimizer steps have a mean loss over the
-            bar themselves, not only the running mean that remembers an earlier one (1: at
-            once); one step's micro-batches, read at the same weights, count once ...
+            under ``on_alarm``) once this many of its optimizer steps in a row have a mean loss
+            over the bar themselves, not only the running mean that remembers an earlier one (1:
+            at once; a step back under the bar starts the count again); one step's
+            micro-batches, read at the same weights, count once ...
         diverge_lost: ... or when the loss is above this many times the run's start (beyond
             the noise bar; once ``min_history`` losses are in): its running mean, or, once the
             run's best is under half its start, the median loss of the last
