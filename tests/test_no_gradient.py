@@ -13,6 +13,7 @@ from test_alarms import LongMLP
 from torch import nn
 
 from lightning_hooks import GradFlowCallback
+from lightning_hooks.cli import main
 from lightning_hooks.core import AlarmRules, TrainingAlarms
 from lightning_hooks.core.alarms.gradients import DEAD_STEPS
 from lightning_hooks.report import format_table, read_run
@@ -71,6 +72,9 @@ def test_a_layer_never_called_in_forward_is_one_notice_and_a_marked_row(tmp_path
     assert row.split()[:5] == ["aux_head", "(no", "gradient)", "-", "-"]  # no update ratio of 0
     assert "notices: no_gradient_layers=1" in table
     assert report.to_json()["layers"][0] == {**report.to_json()["layers"][0], "no_gradient": True}
+    # the recommended gate passes; a gate on the notice, which a user may ask for, fails
+    assert main(["report", str(logdir), "--fail-on", "warnings>0"]) == 0
+    assert main(["report", str(logdir), "--fail-on", "no_gradient_layers>0"]) == 1
 
 
 def _replay(

@@ -294,10 +294,10 @@ class TrainingAlarms:
             return with_dead_network_story(alarm, [], "", chance)
         since = alarm.step - DEAD_STEPS + 1
         jump = ""
-        if story.peak_step < since and story.peak > 2.0 * story.start > 0:
+        if story.peak_step < since and story.start > 0 and story.peak > 2.0 * story.start:
             jump = (
                 f"before it, the loss jumped to {story.peak:.4g} at step {story.peak_step} (the "
-                f"run started at {story.start:.4g}): the step that killed the layer"
+                f"run started at {story.start:.4g}): a step too large for the learning rate"
             )
         return with_dead_network_story(alarm, story.since(since), jump, chance)
 
