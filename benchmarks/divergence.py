@@ -72,7 +72,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -83,10 +83,11 @@ from torch import nn
 
 from lightning_hooks.callbacks.alarm_policy import check_actions
 from lightning_hooks.core import AlarmRules, ParamLayout, TrainingAlarms
-from lightning_hooks.core.alarms import ALARM_RULES, TrainingAlarm
+from lightning_hooks.core.alarms import ALARM_RULES, RunFacts, TrainingAlarm
 from lightning_hooks.core.ops.grad_stats import param_norms, segment_norm
 from lightning_hooks.core.ops.grouped_norms import typical_update
 from lightning_hooks.core.stats.stability import StabilityStats
+from lightning_hooks.tags import NOTICES
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -1034,6 +1035,9 @@ def replay_alarms(trace: dict[str, Any], rules: AlarmRules) -> list[TrainingAlar
     callback feeds it (see :func:`ours`); a layer no gradient reached on a step (``stepped``)
     is out of the rules that step, as the callback leaves it."""
     alarms = TrainingAlarms(trace["layers"], rules)
+    now = [0]  # the step being replayed: the learning rate the callback would read at it
+    lrs = trace["lrs"]
+    alarms.know(RunFacts(lambda: float(lrs[now[0]]), output_units(trace["run"]["model"])))
     clip = trace["run"].get("clip")
     stepped = trace.get("stepped")
     # the callback reads the stall on optimizers with a second moment (traces recorded
@@ -1046,6 +1050,7 @@ def replay_alarms(trace: dict[str, Any], rules: AlarmRules) -> list[TrainingAlar
     # with accumulation, the callback reads every micro-batch's loss
     losses = trace.get("micro_losses", trace["losses"][:, None])
     for step, (norm, micro) in enumerate(zip(trace["norms"], losses, strict=True)):
+        now[0] = step
         rows = None if stepped is None or stepped[step].all() else stepped[step]
         alarms.update(
             torch.from_numpy(norm).float(),
@@ -1063,6 +1068,16 @@ def replay_alarms(trace: dict[str, Any], rules: AlarmRules) -> list[TrainingAlar
             alarms.update_attention(attn["attn_logit_max"], attn["attn_entropy_min"], step=step)
         found += alarms.poll()
     return found
+
+
+@cache
+def output_units(model: str) -> int | None:
+    """The output layer's units of ``model`` as ``RunFacts.of`` finds them (its last
+    ``nn.Linear``), for the models quick to build (:data:`QUICK`; a fine-tune's base would be
+    trained first): what ``GradFlowCallback`` hands the alarms."""
+    if model not in QUICK:
+        return None
+    return RunFacts.of(BUILD[model](), []).classes
 
 
 def olmo_skip_step(trace: dict[str, Any]) -> list[int]:
@@ -1388,7 +1403,10 @@ with an input, to the end of the run, is dead."""
 WITHIN = 10
 """A dead network is warned in time when warned no later than this many optimizer steps after
 its death."""
-NOTICED = ("setback", *(r for r, a in check_actions("warn").items() if a == "log"))
+NOTICED = (
+    *(rule for rule, notice in NOTICES.items() if not notice.acts and rule in ALARM_RULES),
+    *(r for r, a in check_actions("warn").items() if a == "log"),
+)
 """The rules only logged under the default ``on_alarm="warn"``: notices."""
 STOPS = tuple(r for r, a in check_actions("stop").items() if a == "stop")
 """The rules whose alarm stops the run under ``on_alarm="stop"``."""
@@ -1543,12 +1561,14 @@ def _dead_totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _healthy_totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per half and over all: runs, warned, stopped (under ``on_alarm="stop"``), harmed."""
+    """Per half and over all: runs, with a notice, warned, stopped (under
+    ``on_alarm="stop"``), harmed."""
     out = {}
     for half in (*HALVES, "all"):
         kept = [r for r in rows if half in ("all", r["half"])]
         out[half] = {
             "runs": len(kept),
+            "noticed": sum(r["notices"] > 0 for r in kept),
             "warned": sum(r["warnings"] > 0 for r in kept),
             "stopped": sum(r["stop"]["step"] is not None for r in kept),
             "harmed": sum(r["harmed"] for r in kept),
@@ -2217,30 +2237,33 @@ def _idle_lines(idle: dict[str, Any]) -> list[str]:
         "",
         "A backbone frozen for the first 200 steps, a branch unused from step 100, a mixture "
         "of experts whose experts idle (steps 100-200 forced; others by the router). Any "
-        'warning is false; a stop is under `on_alarm="stop"`.',
+        'warning is false; a stop is under `on_alarm="stop"`. A layer that got no gradient '
+        "is the notice `no_gradient`.",
         "",
-        "| half | runs | warned | stopped | harmed |",
-        "| --- | --- | --- | --- | --- |",
+        "| half | runs | with a notice | warned | stopped | harmed |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for half in (*HALVES, "all"):
         t = idle[half]
         if t["runs"]:
             lines.append(
-                f"| {half} | {t['runs']} | {t['warned']} | {t['stopped']} | {t['harmed']} |"
+                f"| {half} | {t['runs']} | {t.get('noticed', '-')} | {t['warned']} | "
+                f"{t['stopped']} | {t['harmed']} |"
             )
     lines += [
         "",
-        "| run | seed | family (half) | warnings (rules), first | stop: step, rule | death | "
-        "harmed |",
-        "| --- " * 7 + "|",
+        "| run | seed | family (half) | notices (rules) | warnings (rules), first | "
+        "stop: step, rule | death | harmed |",
+        "| --- " * 8 + "|",
     ]
     for r in idle["runs"]:
         first = r["first_warning"]
+        noticed = f"{r['notices']} ({', '.join(r['notice_rules']) or '-'})"
         warned = f"{r['warnings']} ({', '.join(r['warning_rules']) or '-'}), {_dash(first['step'])}"
         stop = "-" if r["stop"]["step"] is None else f"{r['stop']['step']}, {r['stop']['rule']}"
         lines.append(
-            f"| {r['run']} | {r['seed']} | {r['family']} ({r['half']}) | {warned} | {stop} | "
-            f"{_dash(r['death'])} | {_yes(r['harmed'])} |"
+            f"| {r['run']} | {r['seed']} | {r['family']} ({r['half']}) | {noticed} | {warned} | "
+            f"{stop} | {_dash(r['death'])} | {_yes(r['harmed'])} |"
         )
     return lines
 

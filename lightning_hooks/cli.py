@@ -56,6 +56,7 @@ LAYER_METRICS: dict[str, tuple[str, ...]] = {
 RULES: dict[str, tuple[str, ...]] = {
     "grad_flow": (
         *("spike", "explosion", "absolute", "vanishing", "nonfinite", "amp_overflow"),
+        "no_gradient",
         *("loss_spike", "diverging", "setback", "stall", "attention"),
     ),
 }

@@ -62,6 +62,22 @@ class LayerRow:
         """A column by its short name (``grad_norm``) or full ``family/stat``; NaN if absent."""
         return self.values.get(dict(COLUMNS).get(name, name), math.nan)
 
+    @property
+    def no_gradient(self) -> bool:
+        """Whether the layer got no gradient: its gradient-flow row was logged (its weight norm,
+        its update ratio of 0) without a gradient norm, or with one of exactly 0. Its update
+        ratio is then no measurement of a step size: no step was taken.
+
+        Example:
+            >>> LayerRow("aux_head", {"grad_flow/update_ratio": 0.0}).no_gradient
+            True
+            >>> LayerRow("net.0", {"grad_flow/grad_norm": 0.2}).no_gradient
+            False
+        """
+        flows = any(full.startswith(f"{GRAD_FLOW}/") for full in self.values)
+        norm = self.values.get("grad_flow/grad_norm", math.nan)
+        return flows and (norm == 0 or math.isnan(norm)) and not self.get("grad_nonfinite") > 0
+
     def severity(self) -> tuple[float, float, float, float]:
         """Sort key, worst first: non-finite gradients, no gradient at all, dead fraction, then
         the update ratio's distance from 1e-3 in decades."""
@@ -113,7 +129,14 @@ class RunReport:
             if self.ended_at is None
             else {"step": self.ended_at, "by": clean(self.ended_by)},
             "global": clean(self.global_values),
-            "layers": [{"layer": r.layer, **clean(r.values)} for r in self.layers],
+            "layers": [
+                {
+                    "layer": r.layer,
+                    **clean(r.values),
+                    **({"no_gradient": True} if r.no_gradient else {}),
+                }
+                for r in self.layers
+            ],
         }
 
 
@@ -382,10 +405,7 @@ def format_table(report: RunReport, limit: int | None = None) -> str:
     }
     present += [(full, full) for full in sorted(custom)]
     header = ["layer", *(n for n, _ in present)]
-    body = [
-        [row.layer, *(_fmt(row.values.get(full, math.nan)) for _, full in present)]
-        for row in report.layers[:limit]
-    ]
+    body = [[_layer_cell(row), *_cells(row, present)] for row in report.layers[:limit]]
     widths = [max(len(str(c)) for c in col) for col in zip(header, *body, strict=True)]
     lines = [f"run {report.run}  (step {report.step}, {len(report.layers)} layers, worst first)"]
     lines += [
@@ -404,6 +424,24 @@ def format_table(report: RunReport, limit: int | None = None) -> str:
     notices = ", ".join(f"{_notice_name(k)}={_fmt(v)}" for k, v in report.notices.items() if v)
     lines.append(f"notices: {notices or 'none'}")
     return "\n".join(lines)
+
+
+_NO_GRADIENT = "(no gradient)"
+"""The mark of a layer that got no gradient (:attr:`LayerRow.no_gradient`), after its name."""
+
+
+def _layer_cell(row: LayerRow) -> str:
+    """The layer's name, marked when it got no gradient."""
+    return f"{row.layer} {_NO_GRADIENT}" if row.no_gradient else row.layer
+
+
+def _cells(row: LayerRow, present: list[tuple[str, str]]) -> list[str]:
+    """The row's cells of the ``present`` columns; a layer that got no gradient shows no update
+    ratio (``-``): a ratio of 0 there measures no step."""
+    return [
+        "-" if name == "update_ratio" and row.no_gradient else _fmt(row.values.get(full, math.nan))
+        for name, full in present
+    ]
 
 
 def _notice_name(tag: str) -> str:

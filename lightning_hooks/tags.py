@@ -206,6 +206,15 @@ NOTICES: dict[str, Notice] = {
             about="A GradScaler skipped a step whose gradient overflowed: it does so by design "
             "while it finds its scale, in every healthy float16 run.",
         ),
+        Notice(
+            "no_gradient",
+            "no_gradient_layers",
+            gate=True,
+            acts=False,
+            about="A trainable layer got no gradient (none, or exactly 0) for vanish_steps "
+            "optimizer steps, once per fit: an unused branch or an idle expert harms nothing; "
+            "a network whose first layers died whole is vanishing, which warns.",
+        ),
     )
 }
 """Every notice, by name: the facts logged and never warned under the default

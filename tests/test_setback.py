@@ -132,6 +132,19 @@ def test_one_or_two_outlier_steps_are_a_notice_never_a_divergence_or_a_stop(
         assert f"loss setback at optimizer step {step}" in texts
 
 
+def test_outlier_steps_and_a_hard_batch_after_the_run_came_back_are_no_divergence(
+    tmp_path: Path,
+) -> None:
+    """Two outlier steps (10x), a step back under the bar, then one hard batch (3x): the
+    running mean still remembers the outliers, but no ``diverge_patience`` steps in a row were
+    over the bar. A setback, logged; never *diverging*, nor a stop."""
+    hard = {START: 10.0, START + 1: 10.0, START + 3: 3.0}
+    model = ScaledLoss(lambda step: hard.get(step, 1.0))
+    assert _fit(tmp_path, model, callback=GradFlowCallback(on_alarm="stop")) == []
+    assert _count(tmp_path, "diverging") == 0
+    assert _count(tmp_path, "setback") == 1
+
+
 def test_a_setback_that_holds_is_warned_diverging_on_confirmation(tmp_path: Path) -> None:
     """The loss 3x its own from one step on: once its running mean crosses the bar a setback
     opens, and once ``diverge_patience`` of its steps' losses are over the bar themselves it is

@@ -23,7 +23,7 @@ from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch, selection_state_key
 from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, checks
-from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
+from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
 from lightning_hooks.core.stats.grad_flow import layers_of
@@ -201,6 +201,8 @@ class GradFlowCallback(HookCallback):
             max_layers_logged=self.max_layers_logged,
             guard=self.hook_guard(),
         )
+        if tracker.alarms is not None:  # the learning rate and the output units, to quote
+            tracker.alarms.know(RunFacts.of(pl_module, trainer.optimizers))
         self._pictures.start()
         unstepped = tracker.unstepped()
         if unstepped:

@@ -10,6 +10,7 @@ __all__ = ["Advice", "Evidence", "advise"]
 
 _LOWER_LR = "lower the learning rate"
 _CLIP = "clip gradients (gradient_clip_val)"
+_TENFOLD = f"{_LOWER_LR} (10x)"
 
 _FIXES: dict[str, tuple[str, ...]] = {
     "spike": ("if it repeats, clip gradients", f"if it repeats, {_CLIP} or {_LOWER_LR}"),
@@ -60,6 +61,9 @@ class Evidence(NamedTuple):
     network_cut: bool = False
     """A layer and every layer before it get exactly zero gradient: a learning rate too high
     killed a layer's units, and only a lower one avoids it."""
+    learning_rate: float = math.nan
+    """The optimizer's learning rate when the alarm was written (NaN: not known), quoted where
+    the advice is to lower it."""
 
 
 class Advice(NamedTuple):
@@ -69,6 +73,8 @@ class Advice(NamedTuple):
     """The fixes, the one most likely to work first (empty: none needed)."""
     why: str = ""
     """Why the first one leads, when the evidence put it there (``""``: the rule's own order)."""
+    rate: str = ""
+    """The run's learning rate, where a fix is to lower it and the rate is known (``""``: not)."""
 
 
 def advise(rule: str, evidence: Evidence | None = None) -> Advice:
@@ -81,17 +87,29 @@ def advise(rule: str, evidence: Evidence | None = None) -> Advice:
         >>> advise("explosion", Evidence(loss_diverged=True, global_scale=0.3)).fixes[:2]
         ('lower the learning rate', 'clip gradients at gradient_clip_val=1.5')
         >>> advise("setback")
-        Advice(fixes=(), why='')
+        Advice(fixes=(), why='', rate='')
         >>> advise("vanishing", Evidence(network_cut=True)).fixes[0]
         'lower the learning rate (10x)'
+        >>> advise("diverging", Evidence(learning_rate=0.3)).rate
+        'the learning rate is 0.3; 0.03, 10x lower, is the usual first step'
     """
     seen = evidence if evidence is not None else Evidence()
+    advice = _advise(rule, seen)
+    lr = seen.learning_rate
+    if not math.isfinite(lr) or not any(fix.startswith(_LOWER_LR) for fix in advice.fixes):
+        return advice
+    rate = f"the learning rate is {lr:.3g}; {lr / 10:.3g}, 10x lower, is the usual first step"
+    return Advice(advice.fixes, advice.why, rate)
+
+
+def _advise(rule: str, seen: Evidence) -> Advice:
+    """:func:`advise`, the learning rate not yet quoted."""
     if rule == "vanishing" and seen.network_cut:
         why = (
             "a whole layer that stopped firing is what a learning rate too high leaves: restart "
             "from before it (a lower learning rate; 10x is the usual first step)"
         )
-        return Advice((f"{_LOWER_LR} (10x)", *_FIXES["vanishing"]), why)
+        return Advice((_TENFOLD, *_FIXES["vanishing"]), why)
     scale = seen.global_scale
     value = f"{5.0 * scale:.2g}" if math.isfinite(scale) and scale > 0 else "a few times it"
     clip = f"clip gradients at gradient_clip_val={value}"

@@ -45,9 +45,9 @@ class GradientReport(NamedTuple):
     array (a quiet step's report is reused whole: :attr:`GradientRules.quiet`).
 
     Example:
-        >>> report = GradientReport.over(np.zeros((10, 3), dtype=np.float32))
+        >>> report = GradientReport.over(np.zeros((11, 3), dtype=np.float32))
         >>> report.flags.shape, report.norm.shape, np.shares_memory(report.norm, report.traced)
-        ((6, 3), (3,), True)
+        ((7, 3), (3,), True)
         >>> report.flags[1, 2] = 1.0
         >>> report.fired_rules(), report.fired("explosion").tolist()
         (['explosion'], [0.0, 0.0, 1.0])
@@ -232,8 +232,9 @@ that stopped firing passes no gradient back, and it never fires again: waiting t
 
 
 class GradientRules:
-    """*spike*, *explosion*, *absolute*, *vanishing*, *nonfinite* and *amp_overflow* on one
-    step's ``[rows]`` gradient norms (the layers, then the global norm), with their state."""
+    """*spike*, *explosion*, *absolute*, *vanishing*, *nonfinite*, *amp_overflow* and the notice
+    *no_gradient* on one step's ``[rows]`` gradient norms (the layers, then the global norm),
+    with their state."""
 
     def __init__(self, rows: int, rules: AlarmRules) -> None:
         self.rows = rows
@@ -241,6 +242,12 @@ class GradientRules:
         self.scale = RunningScale(rows, rules)
         self.low = np.zeros(rows, dtype=np.int64)
         """Per layer, the consecutive tiny steps (*vanishing*)."""
+        self.empty = np.zeros(rows, dtype=np.int64)
+        """Per layer, the consecutive steps it got no gradient: none, or exactly 0
+        (*no_gradient*)."""
+        self.named = np.zeros(rows, dtype=bool)
+        """The layers already named as getting no gradient: by *no_gradient*, or as part of a
+        dead network (*vanishing*); each is named once per fit."""
         self.cut = -1
         """The deepest layer of a dead network at the last step (-1: none)."""
         self.cut_steps = 0
@@ -275,6 +282,7 @@ class GradientRules:
         norm = value[0] if value.ndim == 2 else value
         stepped = value[1] > 0 if value.ndim == 2 else None
         active = self._true if stepped is None else stepped
+        held = self._true
         if rows is not None and rows.size != self.rows:  # not one optimizer stepping every layer
             subset = norm
             norm = np.full(self.rows, np.nan, dtype=np.float32)
@@ -283,13 +291,33 @@ class GradientRules:
             # step with another optimizer's: it stays out of the rules, its layers do not.
             active = np.zeros(self.rows, dtype=bool)
             active[rows[:-1]] = True if stepped is None else stepped[:-1]
+            held = np.zeros(self.rows, dtype=bool)
+            held[rows[:-1]] = True
         with np.errstate(all="ignore"):
-            return self.evaluate(norm, active, amp, clip)
+            return self.evaluate(norm, active, amp, clip, held)
 
     def evaluate(
-        self, norm: np.ndarray, active: np.ndarray, amp: bool, clip: float | None
+        self,
+        norm: np.ndarray,
+        active: np.ndarray,
+        amp: bool,
+        clip: float | None,
+        held: np.ndarray | None = None,
     ) -> GradientReport:
-        """The rules' report on one step's ``norm``; the state updated."""
+        """The rules' report on one step's ``norm``; the state updated.
+
+        Args:
+            norm: ``[rows]`` gradient L2 norms, the global one last.
+            active: ``[rows]``, false for a row no gradient reached at this step.
+            amp: a GradScaler is active: a non-finite norm is an overflow it skips.
+            clip: the largest global L2 norm the optimizer applies, for *explosion*.
+            held: ``[rows]``, the rows whose trainable parameters the optimizer stepping holds
+                (``None``: every row); a layer out of it (frozen) is never *no_gradient*.
+
+        Returns:
+            The report of this step's verdicts.
+        """
+        held = self._true if held is None else held
         log_norm = np.log(norm)
         if active is self._true and self.scale.steady():
             quiet = self._quiet_report(norm, log_norm)
@@ -309,12 +337,14 @@ class GradientRules:
         explosion = self._explosion(log_norm, clip, keep, ceilings[-1])
         cap = rules.max_grad_norm
         absolute = (norm > cap) & ok & ~self._is_layer if cap is not None else no
-        vanishing, floor = self._vanishing(norm, ok & self._is_layer, finite)
+        empty = self._count_empty(norm, active, held & self._is_layer, overflow)
+        vanishing, floor, around = self._vanishing(norm, ok & self._is_layer, finite)
         nonfinite = bad & self._is_layer & (not overflow) if rules.nonfinite else no
         amp_flag = ~self._is_layer & overflow
+        no_gradient = self._no_gradient(empty, around)
         self.scale.update(log_norm, keep, ceiling)
         # in the order of GRADIENT_RULES
-        flags = [spike, explosion, absolute, vanishing, nonfinite, amp_flag]
+        flags = [spike, explosion, absolute, vanishing, nonfinite, amp_flag, no_gradient]
         report = np.stack([*flags, norm, scale, bands[0], floor]).astype(np.float32, copy=False)
         return GradientReport.over(report)
 
@@ -341,6 +371,7 @@ class GradientRules:
         np.exp(scale.mean, out=report.scale)
         report.floor[...] = floor if fraction is not None else np.nan
         self.low[:-1] = 0  # no layer is tiny: every run of tiny steps ends
+        self.empty[:-1] = 0  # and every layer got a gradient
         self.cut_steps = 0  # and no layer is dead
         self.cut = -1
         scale.update_steady(log_norm)  # every row kept, none above its spike ceiling
@@ -361,24 +392,61 @@ class GradientRules:
 
     def _vanishing(
         self, norm: np.ndarray, layers: np.ndarray, finite: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Which layers finished a run of ``vanish_steps`` tiny steps, and the floor."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Which layers finished a run of ``vanish_steps`` tiny steps that *vanishing* warns of,
+        the floor, and the layers that finished one the gradient flows around (a notice).
+
+        A vanishing gradient starves what lies before it: it warns where every stepped layer
+        before the tiny one is tiny too, so that the gradient does not reach the network's
+        first layers. Where a layer before it still gets a gradient, the gradient goes around
+        the tiny layer (a residual block whose units are mostly dead, an idle branch or
+        expert), the rest trains, and it is the notice *no_gradient*. A run of exact zeros is
+        *no_gradient*'s too (:meth:`_no_gradient`); only a dead network warns of one."""
         fraction = self.rules.vanish_fraction
         if fraction is None:
-            return self._false, np.full_like(norm, np.nan)
+            return self._false, np.full_like(norm, np.nan), self._false
         live = norm[finite & layers]
         # 0 when every layer is zero: a zero norm is always tiny
         floor = lower_median(live) * np.float32(fraction) if live.size else np.float32(0.0)
         tiny = (norm <= floor) & layers
         self.low *= tiny | ~layers  # a layer not stepped keeps its count
         self.low += tiny
-        fired = (self.low == self.rules.vanish_steps) & tiny
+        done = (self.low == self.rules.vanish_steps) & tiny & (self.empty < self.low)
+        # a layer a gradient reaches before this one: ``tiny`` is false there (not stepped: it
+        # stands aside, neither way)
+        around = ~np.logical_and.accumulate(tiny | ~layers)
+        fired = done & ~around
         dead = self._dead_network(norm, layers)
         if dead is not None:
             self.low[dead] = self.rules.vanish_steps + 1  # named as one network, not layer by layer
+            self.named[dead] = True
             if self.cut_steps == DEAD_STEPS:
                 fired[dead[-1]] = True  # the deepest: every layer before it is cut off too
-        return fired, np.full_like(norm, floor)
+        return fired, np.full_like(norm, floor), done & around
+
+    def _count_empty(
+        self, norm: np.ndarray, active: np.ndarray, held: np.ndarray, overflow: bool
+    ) -> np.ndarray:
+        """Count the consecutive steps each ``held`` layer got no gradient (none reached it, or
+        its norm is exactly 0); a layer not held keeps its count, and an overflowed step counts
+        for none. Returns the layers that got none at this step."""
+        empty: np.ndarray = held & (~active | (norm == 0)) & (not overflow)
+        self.empty *= empty | ~held
+        self.empty += empty
+        return empty
+
+    def _no_gradient(self, empty: np.ndarray, around: np.ndarray) -> np.ndarray:
+        """*no_gradient*, a notice: the layers whose run of steps with no gradient (``empty``
+        now) reached ``vanish_steps`` at this step, and those whose run of tiny steps the
+        gradient flows ``around``; each once per fit (a layer of a dead network is
+        *vanishing*'s, which warns). An idle expert, an unused branch or a dead unit's residual
+        block gets no gradient while the network trains around it: a fact, not a harm."""
+        if self.rules.vanish_fraction is None:
+            return self._false
+        ran_out = (self.empty >= self.rules.vanish_steps) & empty
+        fired: np.ndarray = (ran_out | around) & ~self.named
+        self.named |= fired
+        return fired
 
     def _dead_network(self, norm: np.ndarray, layers: np.ndarray) -> np.ndarray | None:
         """The rows of a dead network once it has held :data:`DEAD_STEPS` steps, else ``None``:

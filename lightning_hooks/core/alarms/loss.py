@@ -19,7 +19,7 @@ from lightning_hooks.core.alarms.rules import AlarmRules
 from lightning_hooks.core.alarms.setback import Setback, setback_opened, setback_recovered
 from lightning_hooks.core.transport import HostCopy
 
-__all__ = ["LossLevels", "LossProgress", "LossRules", "LossVerdict", "Setback"]
+__all__ = ["LossLevels", "LossProgress", "LossRules", "LossStory", "LossVerdict", "Setback"]
 
 _F = np.float32
 # E|x_t - x_(t-1)| = 2 sigma / sqrt(pi) for independent normal losses: the jitter to a spread
@@ -41,6 +41,24 @@ class LossProgress(NamedTuple):
     """The loss's best level so far."""
     first: float
     """Where the run started: the mean of its first ``min_history`` losses."""
+
+
+class LossStory(NamedTuple):
+    """What the loss did, as an alarm of the gradients tells it (a dead network): where the run
+    started, its highest step, and its last steps."""
+
+    start: float
+    """The mean loss of the run's first optimizer step."""
+    peak_step: int
+    """The optimizer step of the highest mean loss so far."""
+    peak: float
+    """That step's mean loss."""
+    trail: tuple[tuple[int, float], ...]
+    """The last ``history`` optimizer steps' mean losses, oldest first: ``(step, loss)``."""
+
+    def since(self, step: int) -> list[float]:
+        """The mean losses of the steps from ``step`` on, in the trail."""
+        return [loss for at, loss in self.trail if at >= step]
 
 
 class LossVerdict(NamedTuple):
@@ -139,8 +157,9 @@ class LossRules:
     the best by ``diverge_ratio - 1`` of it, by ``diverge_giveback`` of what the run had
     learnt, and by ``diverge_noise`` spreads of the short mean's own noise), a *setback* opens:
     logged, never warned. It is confirmed as *diverging*, which warns, when
-    ``diverge_patience`` of its optimizer steps have a mean loss over the bar themselves (not
-    only the running mean, which remembers one bad batch for a few steps), when the loss passes
+    ``diverge_patience`` of its optimizer steps in a row have a mean loss over the bar
+    themselves (not only the running mean, which remembers one bad batch for a few steps; a
+    step back under the bar starts the count again), when the loss passes
     ``diverge_lost`` times where the run started (the running mean; once the run has learnt,
     the median of the last ``2 * diverge_patience - 1`` optimizer steps' mean losses, which
     fewer than ``diverge_patience`` outlier steps cannot move: one bad batch, or two, is a
@@ -179,6 +198,9 @@ class LossRules:
         self._recent: deque[float] = deque(maxlen=2 * rules.diverge_patience - 1)
         """The mean losses of the last optimizer steps, whose median *diverging* holds to
         ``diverge_lost``."""
+        self._trail: deque[tuple[int, float]] = deque(maxlen=rules.history)
+        self._peak = (-1, -math.inf)  # the step of the highest mean loss, and that loss
+        self._start = math.nan  # the first optimizer step's mean loss
         self.adaptive = False
         """The optimizer keeps a second moment: its first ``diverge_early`` losses are held to
         the ``diverge_overshoot`` bar (:meth:`TrainingAlarms.set_adaptive`)."""
@@ -252,7 +274,7 @@ class LossRules:
         levels.rise(x, self._span())
         self._group.total += x
         if self._group.losses == self.per_step:  # the step's last loss: its mean is known
-            self._recent.append(self._group.total / self._group.losses)
+            self._close_step(step, self._group.total / self._group.losses)
         bar = self._bar()
         # armed after ``min_history`` losses: before, a loss is not yet told from the run's noise
         over = levels.seen > 1 and levels.mean > bar
@@ -263,17 +285,38 @@ class LossRules:
             levels.last = x
         return alarms
 
-    def _step_held(self, bar: float) -> bool:
-        """Whether the last loss completed its optimizer step and the step's mean loss is over
-        ``bar``. The micro-batches of one step share its weights: a hard one says nothing of
-        the update, so a setback holds by steps."""
-        group = self._group
-        return group.losses == self.per_step and group.total / group.losses > bar
+    def _close_step(self, step: int, mean: float) -> None:
+        """Keep the mean loss of ``step``, whose last loss was just read."""
+        self._recent.append(mean)
+        self._trail.append((step, mean))
+        if math.isnan(self._start):
+            self._start = mean
+        if mean > self._peak[1]:
+            self._peak = (step, mean)
 
-    def _judge(self, x: float, step: int, held: bool) -> list[TrainingAlarm]:
+    def story(self) -> LossStory | None:
+        """Where the run started, its highest step and its last steps (``None`` before the
+        run's start is known, or with *diverging* off)."""
+        if self.rules.diverge_ratio is None or self.levels.seen < self.rules.min_history:
+            return None
+        peak_step, peak = self._peak
+        return LossStory(self._start, peak_step, peak, tuple(self._trail))
+
+    def _step_held(self, bar: float) -> bool | None:
+        """Whether the step's mean loss is over ``bar``, once the last loss completed its
+        optimizer step (``None`` before). The micro-batches of one step share its weights: a
+        hard one says nothing of the update, so a setback holds by steps."""
+        group = self._group
+        if group.losses != self.per_step:
+            return None
+        return group.total / group.losses > bar
+
+    def _judge(self, x: float, step: int, held: bool | None) -> list[TrainingAlarm]:
         """A running mean over the bar: a setback opened, held (``held``: the mean loss of the
         step just completed is over the bar, not only the running mean that remembers an
-        earlier one), or confirmed."""
+        earlier one; ``None``: the step is not complete), or confirmed. A completed step under
+        the bar starts the count again: the run came back, and what the running mean still
+        remembers is the bad steps before, one or two outlier batches."""
         rules = self.rules
         levels = self.levels
         setback = self.setback
@@ -282,7 +325,8 @@ class LossRules:
             setback = Setback(step, levels.best, levels.mean)
             self.setback = setback
             opened = [setback_opened(step, setback, levels.mean, levels.first, rules)]
-        setback.steps += held
+        if held is not None:
+            setback.steps = setback.steps + 1 if held else 0
         setback.peak = max(setback.peak, levels.mean)
         if setback.confirmed:
             return [self._diverging_alarm(step, x, "it holds")]

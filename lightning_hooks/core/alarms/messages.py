@@ -24,6 +24,7 @@ __all__ = [
     "gradient_alarm",
     "ratio_text",
     "weight_norms",
+    "with_dead_network_story",
     "with_fixes",
     "with_history",
 ]
@@ -150,6 +151,7 @@ def gradient_alarm(
         "explosion": report.scale,
         "absolute": np.full_like(norm, rules.max_grad_norm or math.nan),
         "vanishing": report.floor,
+        "no_gradient": report.floor,
     }.get(rule, at.weight_norms if at.weight_norms is not None else np.full_like(norm, -1.0))
     row = int(_culprit(rule, hit, norm, ref, at.order))
     culprit = _Culprit(layers[row], float(norm[row]), float(ref[row]))
@@ -230,7 +232,7 @@ def with_history(
         row = first.row
         ratio = norms[at, row] / scales[at, row]
         departure = f"{layers[row]} left its scale first, at step {steps[at]} ({ratio_text(ratio)})"
-        if alarm.rule != "vanishing":
+        if alarm.rule not in ("vanishing", "no_gradient"):
             departure += ": look at it first"
     return replace(
         alarm,
@@ -244,10 +246,54 @@ def with_history(
     )
 
 
+def with_dead_network_story(
+    alarm: TrainingAlarm, losses: Sequence[float], jump: str, chance: tuple[int, float] | None
+) -> TrainingAlarm:
+    """A dead network's alarm (:attr:`TrainingAlarm.network_cut`) with what the loss did, as
+    lines of its details: its mean losses since the death began (``losses``), against ``ln C``
+    where the output layer's ``C`` units are known (``chance``: ``(C, ln C)``), and the jump
+    before it (``jump``: its line, ``""`` for none).
+
+    Args:
+        alarm: the dead network's *vanishing* alarm.
+        losses: the mean loss of each optimizer step since the death began (empty: not known).
+        jump: the line that tells the loss's jump before the death, or ``""``.
+        chance: the output layer's units and the loss of a uniform guess over them, or
+            ``None`` where the model's output layer is not known.
+
+    Returns:
+        The alarm with those lines after its own details.
+
+    Example:
+        >>> alarm = TrainingAlarm("vanishing", "net.2", 14, 0.0, 0.0, "dead network",
+        ...                       network_cut=True)
+        >>> said = with_dead_network_story(alarm, [2.31, 2.30, 2.30], "", (10, math.log(10)))
+        >>> said.details[0].split(", a uniform guess")[0]
+        'the loss since step 10: 2.3 to 2.31, at ln 10 = 2.303'
+    """
+    lines = []
+    if losses:
+        low = min(losses)
+        high = max(losses)
+        line = f"the loss since step {alarm.step - DEAD_STEPS + 1}: {low:.3g} to {high:.3g}"
+        if chance is not None:
+            units, loss = chance
+            guess = (
+                f"ln {units} = {loss:.4g}, a uniform guess over the output layer's {units} units"
+            )
+            near = abs(low - loss) <= 0.05 * loss and abs(high - loss) <= 0.05 * loss
+            line += f", at {guess}: the network has stopped learning" if near else f" ({guess})"
+        lines.append(line)
+    if jump:
+        lines.append(jump)
+    return replace(alarm, details=(*alarm.details, *lines))
+
+
 def with_fixes(alarm: TrainingAlarm, advice: Advice) -> TrainingAlarm:
     """``alarm``'s whole text: its first line with the first of the ``advice``'s fixes (the one
-    most likely to work, :func:`~lightning_hooks.core.alarms.advice.advise`), then its details,
-    why that fix leads (when the evidence put it first) and the other fixes, one a line.
+    most likely to work, :func:`~lightning_hooks.core.alarms.advice.advise`), then the run's
+    learning rate (when a fix is to lower it), its details, why that fix leads (when the
+    evidence put it first) and the other fixes, one a line.
 
     Example:
         >>> alarm = TrainingAlarm("absolute", "net.0", 3, 9.0, 5.0, "grad norm 9 > 5",
@@ -260,9 +306,11 @@ def with_fixes(alarm: TrainingAlarm, advice: Advice) -> TrainingAlarm:
     """
     fixes = advice.fixes
     first = alarm.message if not fixes else f"{alarm.message}; fix: {fixes[0]}"
+    # the run's learning rate next to the fix, on the first of the lines after it
+    rate = (advice.rate,) if advice.rate else ()
     why = (advice.why,) if advice.why else ()
     rest = (f"other fixes: {'; '.join(fixes[1:])}",) if len(fixes) > 1 else ()
-    details = (*alarm.details, *why, *rest)
+    details = (*rate, *alarm.details, *why, *rest)
     return replace(alarm, message="\n".join([first, *details]), details=details)
 
 
@@ -319,6 +367,43 @@ def _dead_network_text(culprit: _Culprit, step: int) -> _Said:
     )
 
 
+def _no_gradient_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
+    """What the notice *no_gradient* says of a trainable layer that got no gradient (or next to
+    none, while a layer before it gets one: :func:`_bypassed_text`)."""
+    if culprit.value > 0:
+        return _bypassed_text(culprit, step, rules)
+    layer = culprit.layer
+    steps = rules.vanish_steps
+    return _Said(
+        f"{layer} got no gradient in {steps} optimizer steps (to step {step}): is it used in "
+        "forward?",
+        (
+            f"the optimizer holds its trainable parameters, but no gradient reached them (none, "
+            f"or exactly 0) for {steps} consecutive optimizer steps (vanish_steps)",
+            "a notice, not a warning: an unused branch, or a mixture of experts' idle expert, "
+            "harms nothing while the rest trains; a frozen layer (requires_grad=False) is not "
+            "watched",
+        ),
+    )
+
+
+def _bypassed_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
+    """What the notice *no_gradient* says of a layer whose gradient stayed tiny while a layer
+    before it got one: the gradient flows around it."""
+    layer, value, ref = culprit
+    steps = rules.vanish_steps
+    return _Said(
+        f"{layer} got next to no gradient in {steps} optimizer steps (to step {step}), while a "
+        "layer before it gets one: is it bypassed?",
+        (
+            f"its grad norm {value:.3g} under {ref:.3g} (vanish_fraction={rules.vanish_fraction} "
+            f"of the median non-zero layer norm) for {steps} consecutive steps",
+            "a notice, not a warning: the gradient reaches the layers before it around this one "
+            "(a residual block whose units are mostly dead, an idle branch), and they train",
+        ),
+    )
+
+
 def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
     """What a gradient rule other than *explosion* says."""
     layer, value, ref = culprit
@@ -345,6 +430,8 @@ def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Sa
                 f"vanish_steps={rules.vanish_steps} consecutive steps",
             ),
         )
+    if rule == "no_gradient":
+        return _no_gradient_text(culprit, step, rules)
     if rule == "nonfinite":
         what, order = ("weights", "forward") if not math.isfinite(ref) else ("gradient", "backward")
         return _Said(

@@ -16,7 +16,15 @@ from lightning_hooks.core.checks import named_arguments
 
 __all__ = ["ALARM_RULES", "GRADIENT_RULES", "QUIET_READS", "AlarmRules", "WeightNorms"]
 
-GRADIENT_RULES = ("spike", "explosion", "absolute", "vanishing", "nonfinite", "amp_overflow")
+GRADIENT_RULES = (
+    "spike",
+    "explosion",
+    "absolute",
+    "vanishing",
+    "nonfinite",
+    "amp_overflow",
+    "no_gradient",
+)
 """The rules :class:`GradientRules` judges on the gradient norms, in the order of its report's
 flags (the loss, *stall* and *attention* have reports of their own)."""
 
@@ -81,6 +89,10 @@ class AlarmRules:
         vanish_fraction: *vanishing*: a layer's gradient norm is zero, or below this fraction
             of the median norm of the layers whose gradient is not zero ...
         vanish_steps: ... for this many consecutive evaluated steps (fires once per such run).
+            A trainable layer that got no gradient at all (none, or exactly 0) for this many
+            steps is the notice *no_gradient*, once per fit: an unused branch, an idle expert.
+            Only a dead network (that layer and every layer before it get none, while a later
+            one still gets some) is a *vanishing* warning.
         nonfinite: *nonfinite*: a NaN/Inf gradient norm, naming the layer where it entered.
         evaluate_every_n_steps: evaluate the rules on optimizer steps ``0, n, 2n, ...`` (1: every
             step). Not a callback's ``every_n_steps``, whose logging steps are ``n - 1, 2n - 1,
@@ -106,9 +118,10 @@ class AlarmRules:
             (>= ``diverge_ratio``).
         diverge_overshoot: see ``diverge_early``.
         diverge_patience: a setback is confirmed as *diverging* (which warns, stops or raises
-            under ``on_alarm``) once this many of its optimizer steps have a mean loss over the
-            bar themselves, not only the running mean that remembers an earlier one (1: at
-            once); one step's micro-batches, read at the same weights, count once ...
+            under ``on_alarm``) once this many of its optimizer steps in a row have a mean loss
+            over the bar themselves, not only the running mean that remembers an earlier one (1:
+            at once; a step back under the bar starts the count again); one step's
+            micro-batches, read at the same weights, count once ...
         diverge_lost: ... or when the loss is above this many times the run's start (beyond
             the noise bar; once ``min_history`` losses are in): its running mean, or, once the
             run's best is under half its start, the median loss of the last

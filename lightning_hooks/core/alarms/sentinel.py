@@ -14,6 +14,7 @@ import torch
 
 from lightning_hooks.core.alarms.advice import Evidence, advise
 from lightning_hooks.core.alarms.gradients import (
+    DEAD_STEPS,
     GradientReport,
     GradientRules,
     HostSegments,
@@ -26,10 +27,12 @@ from lightning_hooks.core.alarms.messages import (
     TrainingAlarm,
     gradient_alarm,
     weight_norms,
+    with_dead_network_story,
     with_fixes,
     with_history,
 )
 from lightning_hooks.core.alarms.rules import ALARM_RULES, AlarmRules, WeightNorms
+from lightning_hooks.core.alarms.run_facts import RunFacts
 from lightning_hooks.core.alarms.stall import StallRule
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.transport import HostCopy
@@ -112,6 +115,14 @@ class TrainingAlarms:
         """Every alarm since :meth:`take_epoch`, one per rule and step."""
         self._new: list[TrainingAlarm] = []
         self._logits: dict[str, list[float]] = {}  # the attention logits of the last logging steps
+        self.facts = RunFacts()
+        """What the alarms may quote of the run: the learning rate, the output layer's units
+        (:meth:`know`)."""
+
+    def know(self, facts: RunFacts) -> None:
+        """Quote ``facts`` in the alarms: the learning rate where the fix is to lower it, and
+        ``ln C`` beside the loss of a dead network (``RunFacts.of(model, optimizers)``)."""
+        self.facts = facts
 
     @torch.no_grad()
     def update(  # noqa: PLR0913 (one optimizer step's facts, on the quiet step's path: no record built per step)
@@ -258,13 +269,37 @@ class TrainingAlarms:
     def _record(self, alarm: TrainingAlarm, global_scale: float = math.nan) -> None:
         """Count ``alarm`` and keep it, its text completed with its fixes, in the order the
         run's evidence says (``global_scale``: the global norm's running scale, for a clip)."""
-        evidence = Evidence(self._loss.diverged, global_scale, network_cut=alarm.network_cut)
+        if alarm.network_cut:
+            alarm = self._dead_network_story(alarm)
+        evidence = Evidence(
+            self._loss.diverged,
+            global_scale,
+            network_cut=alarm.network_cut,
+            learning_rate=self.facts.learning_rate(),
+        )
         alarm = with_fixes(alarm, advise(alarm.rule, evidence))
         if alarm.counts:
             self.counts[alarm.rule] += 1 + len(alarm.others)
             self.total += 1
         self.log.append(alarm)
         self._new.append(alarm)
+
+    def _dead_network_story(self, alarm: TrainingAlarm) -> TrainingAlarm:
+        """A dead network's alarm with what the loss did since the death began, against the
+        loss of a uniform guess where the output layer is known, and its jump before."""
+        facts = self.facts
+        chance = None if facts.classes is None else (facts.classes, facts.chance_loss)
+        story = self._loss.story()
+        if story is None:
+            return with_dead_network_story(alarm, [], "", chance)
+        since = alarm.step - DEAD_STEPS + 1
+        jump = ""
+        if story.peak_step < since and story.start > 0 and story.peak > 2.0 * story.start:
+            jump = (
+                f"before it, the loss jumped to {story.peak:.4g} at step {story.peak_step} (the "
+                f"run started at {story.start:.4g}): a step too large for the learning rate"
+            )
+        return with_dead_network_story(alarm, story.since(since), jump, chance)
 
     def take_epoch(self) -> tuple[dict[str, int], list[TrainingAlarm]]:
         """Counts and alarms since the last call (waits for the latest step), then resets."""
