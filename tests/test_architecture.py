@@ -92,14 +92,13 @@ def test_a_callback_extends_the_base_at_its_five_points_and_never_chains_to_it()
 _MUTATORS = {"append", "add", "update", "clear", "setdefault", "pop", "insert", "remove"}
 
 REGISTRIES = {
-    "core/hooks/guard.py": {"_GUARDED"},
     "core/hooks/selection.py": {"_SEEN"},
     "core/hooks/shared.py": {"_MODELS"},
     "logging/__init__.py": {"_KINDS", "_SINKS"},
 }
 """The module-level state the package keeps, each because it outlives a fit or spans the
-callbacks: the methods the guard wrapped, a cache keyed by class, one share of each model's hooks,
-and the loggers' sinks with the kinds that make them."""
+callbacks: a cache keyed by class, one share of each model's hooks, and the loggers' sinks with
+the kinds that make them."""
 
 
 def _mutated_module_names(path: Path) -> set[str]:
@@ -146,3 +145,15 @@ def test_module_level_state_is_the_few_registries_that_outlive_a_fit() -> None:
                     following.value, ast.Constant
                 )
                 assert documented, f"{module}: {target.id} has no docstring"
+
+
+def test_every_lightning_hook_a_callback_defines_runs_under_its_guard() -> None:
+    """Our failure is never the user's: each Lightning hook of a callback is decorated with
+    ``guarded``, visibly, where it is defined."""
+    from lightning_hooks.core.hooks.guard import GUARDED_HOOKS, RELEASE_HOOKS
+
+    for cls in _callback_classes():
+        for name in (*GUARDED_HOOKS, *RELEASE_HOOKS):
+            method = vars(cls).get(name)
+            if method is not None:
+                assert getattr(method, "lightning_hooks_guarded", False), (cls.__name__, name)

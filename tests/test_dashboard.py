@@ -87,7 +87,9 @@ def test_max_layers_logged_keeps_the_extremes_and_logs_percentiles(tmp_path: Pat
 
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])
 def test_max_layers_logged_is_validated(bad: Any) -> None:
-    with pytest.raises(ValueError, match=r"max_layers_logged=.*positive int or None, got"):
+    with pytest.raises(
+        ValueError, match=r"max_layers_logged=.*positive int or None \(every layer\), got"
+    ):
         GradFlowCallback(max_layers_logged=bad)
 
 

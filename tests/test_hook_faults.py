@@ -9,6 +9,7 @@ path; the five callbacks that measure during the step run at their defaults.
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from lightning_hooks import (
     internals,
 )
 from lightning_hooks.callbacks.base import HookCallback
-from lightning_hooks.core.hooks.guard import STRICT_ENV, guard_hooks
+from lightning_hooks.core.hooks.guard import STRICT_ENV, guarded
 from lightning_hooks.core.stats import output_grad
 from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
 from lightning_hooks.core.stats.grad_flow import GradFlowTracker
@@ -76,6 +77,7 @@ def _callbacks() -> list[pl.Callback]:
 
 
 def _raising(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
     def patched(*args: Any, **kwargs: Any) -> Any:
         raise BoomError(f"injected in {original.__name__}")
 
@@ -109,9 +111,10 @@ class Fault(NamedTuple):
         if self.owner is internals:  # the compile check, raising in the hook named by ``attr``
             monkeypatch.setattr(internals, "is_compiling", _compile_check_raising_in(self.attr))
             return
-        monkeypatch.setattr(self.owner, self.attr, _raising(getattr(self.owner, self.attr)))
+        patched = _raising(getattr(self.owner, self.attr))
         if isinstance(self.owner, type) and issubclass(self.owner, HookCallback):
-            guard_hooks(self.owner)  # a Lightning hook patched on the class is guarded as before
+            patched = guarded(patched)  # a Lightning hook patched on the class, guarded as ours
+        monkeypatch.setattr(self.owner, self.attr, patched)
 
 
 KINDS = {

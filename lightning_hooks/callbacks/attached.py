@@ -155,6 +155,8 @@ class Attached:
         self._agreement_carried = agreement_carried
         self._on_remove = on_remove
         self._earlier_layout = earlier_layout
+        self.copying = False
+        """A logging step's values are on their way to the host, not all written yet."""
 
     def agreement_is_carried(self) -> bool:
         """Tell whether each batch's loss collective carries the ranks' agreement now.
@@ -164,20 +166,34 @@ class Attached:
         """
         return self._agreement_carried is not None and self._agreement_carried()
 
-    def start_copies(self, step: int) -> None:
-        """After a logging step's optimizer step: start the host copies of its values."""
+    def end_logging_step(self, trainer: pl.Trainer, step: int) -> None:
+        """After a logging step's optimizer step: write the last logging step's values, then
+        start the host copies of this one's, written once on the host (on the CPU at once; on
+        CUDA at a later batch, see :meth:`write_steps`).
+
+        Args:
+            trainer: the trainer whose loggers are written to.
+            step: the logging step.
+        """
+        self.write_steps(trainer, wait=True)
         for logged in self.logged:
             logged.stat.start_copy(step)
+        self.copying = True
+        self.write_steps(trainer, wait=False)
 
     def write_steps(self, trainer: pl.Trainer, wait: bool) -> None:
         """Write every logging step whose values are on the host.
 
         Args:
             trainer: the trainer whose loggers are written to.
-            wait: block until each copy is done.
+            wait: block until each copy is done (else write what has arrived, if any is on its
+                way).
         """
+        if not (wait or self.copying):
+            return
         for logged in self.logged:
             logged.write_step(trainer, wait)
+        self.copying = not wait and self.copies_in_flight
 
     def write_epoch(self, trainer: pl.Trainer) -> None:
         """Write each statistic's epoch and start the next one.

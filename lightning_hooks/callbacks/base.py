@@ -26,7 +26,7 @@ from lightning_hooks.callbacks.trainer import (
     skip_inherited,
     stands_down_for_users_own,
 )
-from lightning_hooks.core.hooks.guard import Guard, guard_hooks
+from lightning_hooks.core.hooks.guard import Guard, guarded
 from lightning_hooks.core.transport import agree, gather_objects, world_size
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import drop_model_logging, fabric_callbacks
@@ -49,8 +49,9 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     ``on_train_end``, ``on_exception`` or ``teardown``), the guard of every hook, the logging
     steps' cadence and the ranks' agreement; a subclass owns what it measures.
 
-    Every Lightning hook of the base runs under the callback's guard (see
-    :mod:`lightning_hooks.core.hooks.guard`). What one fit measures is the
+    Every Lightning hook of the base runs under the callback's guard: each is decorated with
+    :func:`~lightning_hooks.core.hooks.guard.guarded`, as is any Lightning hook a subclass adds.
+    What one fit measures is the
     :class:`~.attached.Attached` the subclass returns from ``_attach``: its hooks, its statistics
     and what it reads of them. The base copies the statistics to the host after each logging
     step, writes them, saves them in checkpoints and takes the hooks off. A subclass extends the
@@ -71,10 +72,28 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
                         each statistic's epoch
     ==================  ==============================  ========================================
 
-    Each has a documented default but ``_attach``; none chains to the base's.
+    Each has a documented default but ``_attach``; none chains to the base's. Beyond them, a
+    subclass gives the base configuration, not code: the ``state_key`` fields its constructor
+    passes (what tells two configurations apart; marked when the ``LIGHTNING_HOOKS`` switch added
+    the callback), whether it ``uses_images``, and what it keeps from one fit to the next
+    (:attr:`kept`, saved in checkpoints). A callback whose own collective carries the ranks'
+    flags hands them to :meth:`apply_rank_flags`, and one that asks to stop the fit sets
+    :attr:`stop_requested`.
 
-    Its checkpoint key is made from the ``state_key`` fields its constructor passes (what tells
-    two configurations apart), marked when the ``LIGHTNING_HOOKS`` switch added the callback.
+    Example:
+        >>> import pytorch_lightning as pl
+        >>> from lightning_hooks.callbacks.attached import Logged
+        >>> from lightning_hooks.callbacks.stats import attach_stats
+        >>> from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
+        >>> class Activations(HookCallback):
+        ...     def __init__(self):
+        ...         self.tracker = ActivationStatsTracker(owner="Activations")
+        ...         super().__init__(state_key={"stats": [self.tracker.config_key()]})
+        ...     def _attach(self, trainer, pl_module):
+        ...         return attach_stats(pl_module, self.hook_guard(), [Logged(self.tracker)])
+        >>> Activations().every_n_steps is None  # the Trainer's log_every_n_steps
+        True
+        >>> trainer = pl.Trainer(callbacks=[Activations()])  # doctest: +SKIP
     """
 
     def __init__(
@@ -117,7 +136,6 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self._pending_state: dict[str, Any] | None = None  # a checkpoint's, until attached
         self._ranks = 1
         self._idle = False  # nothing to watch (or the user's own runs): this fit does nothing
-        self._copying = False  # a logging step's values are on their way, not all written yet
         self._logging_batch = False  # the running batch belongs to a logging step
         self.stop_requested = False
         """This rank's request to stop the fit: the ranks agree on it at their next agreement,
@@ -129,10 +147,6 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         Trainer's ``log_every_n_steps``)."""
         return self.cadence.every_n_steps
 
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        guard_hooks(cls)
-
     def hook_guard(self) -> Guard:
         """The guard of this fit's hooks, made at the first hook of each fit.
 
@@ -142,9 +156,6 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         if self._guard is None:
             self._guard = Guard(type(self).__name__, strict=self.strict)
         return self._guard
-
-    def _guard_disable(self) -> None:  # after a guarded failure; the guard keeps the rest off
-        self._detach()
 
     @cached_property
     def state_key(self) -> str:
@@ -175,8 +186,9 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         skip_inherited(self, trainer)  # for the fit: Lightning calls only the hooks we define
 
     @override
+    @guarded
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._detach()
+        self.remove_hooks()
         self.stop_requested = False
         guard = self.hook_guard()
         self._ranks = world_size()
@@ -203,12 +215,14 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
                 )
 
     @override
+    @guarded
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         logs = self.cadence.start_batch(trainer, batch_idx)
-        if self._copying:  # on CUDA, the last logging step's copy
-            self._write_ready_steps(trainer, wait=False)
+        attached = self._attached
+        if attached is not None and attached.copying:  # on CUDA, the last logging step's copy
+            attached.write_steps(trainer, wait=False)
         self._set_gate(logs)
         # What any of ours wrote since the last save (the last batch's end): the first of ours
         # saves it, once per batch, and a run killed in this batch keeps it.
@@ -219,6 +233,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             self._batch_started(trainer, batch)
 
     @override
+    @guarded
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,
@@ -238,11 +253,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self._agree_ranks(trainer, measured, always=False)
         if self.hook_guard().failed is not None:
             return  # the ranks agreed on a failure: the hooks are off on every rank
-        # the last logging step's, then start this one's copies
-        self._write_ready_steps(trainer, wait=True)
-        attached.start_copies(measured)
-        self._copying = True
-        self._write_ready_steps(trainer, wait=False)
+        attached.end_logging_step(trainer, measured)
         # the module hooks come off now, unless the next step logs too: a quiet step after a
         # logging step takes no hook off (an epoch's first step puts them on again)
         self._set_gate(self.cadence.logs(trainer, trainer.global_step))
@@ -254,17 +265,19 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             gate.set_logging_step(logging_step)
 
     @override
+    @guarded
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._agree_ranks(trainer, trainer.global_step, always=True)
         self.cadence.measuring = None
         attached = self._attached  # a failure the ranks agreed on takes it off, on every rank
         if attached is not None:
-            self._write_ready_steps(trainer, wait=True)
+            attached.write_steps(trainer, wait=True)
             attached.write_epoch(trainer)  # each statistic's epoch, then the next one starts
             self._log_epoch(trainer, pl_module)
         save_loggers(trainer.loggers)  # the chart layout waits for the next batch's save
 
     @override
+    @guarded
     def state_dict(self) -> dict[str, Any]:
         """Return what a checkpoint saves of the callback.
 
@@ -288,15 +301,17 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self._pending_state = dict(state_dict)
 
     @override
+    @guarded
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
             if self.hook_guard().failed is None:  # a failure after the last epoch end: agreed
                 self._agree_ranks(trainer, trainer.global_step, always=True)
             save_loggers(trainer.loggers, layout=trainer.is_global_zero)
         finally:
-            self._detach()
+            self.remove_hooks()
 
     @override
+    @guarded
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
@@ -306,6 +321,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             self._release()
 
     @override
+    @guarded
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._release()
 
@@ -324,7 +340,8 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     def flush(self, trainer: pl.Trainer) -> None:
         """Before the hooks go: write what was measured (CUDA: the last logging step's copy)."""
-        self._write_ready_steps(trainer, wait=True)
+        if self._attached is not None:
+            self._attached.write_steps(trainer, wait=True)
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
 
     def on_after_optimizer_step(self, strategy: object, optimizer: torch.optim.Optimizer) -> None:
@@ -342,17 +359,9 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     def _release(self) -> None:
         """Remove the hooks, and whatever of the fit would keep the model alive."""
-        self._detach()
+        self.remove_hooks()
         restore_inherited(self)
         drop_model_logging(self)
-
-    def _write_ready_steps(self, trainer: pl.Trainer, wait: bool) -> None:
-        """Write the last logging step once its host copy is done (``wait``: block for it)."""
-        attached = self._attached
-        if attached is None or not (wait or self._copying):
-            return
-        attached.write_steps(trainer, wait)
-        self._copying = not wait and attached.copies_in_flight
 
     def _agree_ranks(self, trainer: pl.Trainer, step: int, *, always: bool) -> None:
         """Agree across the ranks on a failure and a ``stop``, at a logging step of a
@@ -424,13 +433,13 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         guard = self.hook_guard()
         guard.disable_on_every_rank(causes, step, warn=trainer.is_global_zero)
         guard.removal_due()
-        self._guard_disable()
+        self.remove_hooks()
 
-    def _detach(self) -> None:
-        """Take every hook off (idempotent): what the fit attached is removed."""
+    def remove_hooks(self) -> None:
+        """Take every hook of the running fit off the model (idempotent): what the fit attached
+        is removed, and the fit's statistics with it; the guard calls it after a failure."""
         attached = self._attached
         self._attached = None
-        self._copying = False
         if attached is not None:
             attached.remove()
 
@@ -469,9 +478,6 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """At each epoch end, after each statistic's epoch is written: what else the callback
         logs of the epoch (by default nothing)."""
-
-
-guard_hooks(HookCallback)
 
 
 def selection_state_key(types: object, include: object, exclude: object) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytorch_lightning as pl
 
-from lightning_hooks.core.checks import positive_int
+from lightning_hooks.core.checks import positive_int_or_none
 
 __all__ = ["LoggingCadence", "check_every_n_steps"]
 
@@ -26,15 +26,8 @@ def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
         >>> check_every_n_steps("GradFlowCallback", 10)
         10
     """
-    if every_n_steps is None:
-        return None
-    try:
-        return positive_int(owner, "every_n_steps", every_n_steps)
-    except TypeError as err:  # one error type for every wrong cadence
-        raise ValueError(
-            f"{owner}(every_n_steps={every_n_steps!r}): must be a positive int or None "
-            f"(the Trainer's log_every_n_steps), got {every_n_steps!r}"
-        ) from err
+    meaning = "the Trainer's log_every_n_steps"
+    return positive_int_or_none(owner, "every_n_steps", every_n_steps, none_means=meaning)
 
 
 class LoggingCadence:

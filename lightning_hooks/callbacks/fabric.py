@@ -173,9 +173,11 @@ class FabricRun:
         optimizer = unwrapped_optimizer(optimizer)
         if not self._owns(optimizer) or value is None:
             return
-        clip = (float(value), algorithm)
-        if clip != (self.trainer.gradient_clip_val, self.trainer.gradient_clip_algorithm):
-            self.trainer.gradient_clip_val, self.trainer.gradient_clip_algorithm = clip
+        bound = float(value)
+        trainer = self.trainer
+        if (bound, algorithm) != (trainer.gradient_clip_val, trainer.gradient_clip_algorithm):
+            trainer.gradient_clip_val = bound
+            trainer.gradient_clip_algorithm = algorithm
             if self._attached:  # the clipping began or changed: measured after it from now on
                 self._start()
         self.before_step(optimizer)

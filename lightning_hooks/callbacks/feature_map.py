@@ -135,8 +135,10 @@ class FeatureMapCallback(HookCallback):
                 f"probe sample or None, got {type(probe_labels).__name__}"
             )
         # The user's probe is kept for every fit; one taken from a batch belongs to its fit.
-        self._given = (probe, probe_labels)
-        self._probe, self._labels = self._given
+        self._given_probe = probe
+        self._given_labels = probe_labels
+        self._probe = probe
+        self._labels = probe_labels
         self._drawn: list[str] = []
 
     @override
@@ -167,7 +169,8 @@ class FeatureMapCallback(HookCallback):
 
     def _forget_probe(self) -> None:
         """Drop a probe taken from a batch: the next fit takes its own (the user's is kept)."""
-        self._probe, self._labels = self._given
+        self._probe = self._given_probe
+        self._labels = self._given_labels
 
     @override
     def _batch_started(self, trainer: pl.Trainer, batch: Any) -> None:

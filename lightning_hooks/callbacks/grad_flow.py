@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, obser
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, checks
 from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
+from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
 from lightning_hooks.core.stats.grad_flow import layers_of
 from lightning_hooks.core.stats.stability import Result as StabilityResult
@@ -139,7 +139,9 @@ class GradFlowCallback(HookCallback):
         self.kept["alarms"] = self.policy  # the running scales, from one fit to the next
         self.loss_agreement = LossAgreement(self.policy)
         self.on_alarm = self.policy.actions
-        self.max_layers_logged = _max_layers(max_layers_logged)
+        self.max_layers_logged = checks.positive_int_or_none(
+            "GradFlowCallback", "max_layers_logged", max_layers_logged, none_means="every layer"
+        )
         switches = {
             "update_ratio": update_ratio,
             "output_grad": output_grad,
@@ -185,6 +187,59 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
+        """Measure the fit: the tracker on the Trainer's optimizers, the optional statistics
+        on its registry, the alarms restored from the last fit, and the loss read each batch.
+
+        Returns:
+            What the fit attached: the tracker's registry, the tracker and the instability
+            statistics, each with what the callback reads of it.
+        """
+        tracker = self._make_tracker(trainer, pl_module)
+        self._pictures.start()
+        self.policy.restore(tracker.alarms)
+        loss = self.loss_agreement
+        loss.plan(pl_module, self.alarms)
+        own = loss.reading == "own" and self.alarms is not None and self.alarms.watches_loss
+        fit = _Fit(
+            tracker=tracker,
+            alarms=tracker.alarms,
+            stability=StabilityStats() if self.stability else None,
+            histograms=_histograms(tracker) if self.histograms else None,
+            reads_own_loss=own,
+        )
+        self._fit = fit
+        logged: list[Logged[Any]] = [
+            Logged(
+                tracker,
+                on_step=functools.partial(self._log_alarms, fit),
+                on_epoch=functools.partial(self._draw_pictures, fit),
+            )
+        ]
+        if fit.stability is not None:  # on the tracker's registry: one gate, removed with it
+            fit.stability.attach(pl_module, tracker.registry)
+            on_step = functools.partial(self._watch_attention, fit)
+            logged.append(Logged(fit.stability, on_step=on_step))
+        return Attached(
+            tracker.registry,
+            logged,
+            # the loss rules read every batch's loss: the ranks' mean, or this rank's own
+            every_batch=loss.reading == "mean" or own,
+            agreement_carried=self._agreement_carried,
+            on_remove=functools.partial(self._end_fit, trainer),
+            earlier_layout=_saved_by_release_0_2,
+        )
+
+    def _make_tracker(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> GradFlowTracker:
+        """Build the fit's tracker for the Trainer's optimizers and its gradient clipping.
+
+        Args:
+            trainer: the trainer, whose optimizers and clipping the tracker reads.
+            pl_module: the model.
+
+        Returns:
+            The tracker, with the run's facts its alarms quote; a layer no optimizer steps is
+            warned of once.
+        """
         clip = trainer.gradient_clip_val
         algorithm = trainer.gradient_clip_algorithm or "norm"
         tracker = GradFlowTracker(
@@ -203,7 +258,6 @@ class GradFlowCallback(HookCallback):
         )
         if tracker.alarms is not None:  # the learning rate and the output units, to quote
             tracker.alarms.know(RunFacts.of(pl_module, trainer.optimizers))
-        self._pictures.start()
         unstepped = tracker.unstepped()
         if unstepped:
             rank_zero_warn(
@@ -211,43 +265,7 @@ class GradFlowCallback(HookCallback):
                 f"of {', '.join(repr(n) for n in unstepped)}; these layers are not measured.",
                 category=LightningHooksWarning,
             )
-        stability = None
-        if self.stability:  # on the tracker's registry: one logging-step gate, removed with it
-            stability = StabilityStats().attach(pl_module, tracker.registry)
-        histograms = None
-        if self.histograms:
-            layout = tracker.layout
-            histograms = LayerHistograms(len(layout.layers), device=layout.index.device)
-        self.policy.restore(tracker.alarms)
-        loss = self.loss_agreement
-        loss.plan(pl_module, self.alarms)
-        own = loss.reading == "own" and self.alarms is not None and self.alarms.watches_loss
-        fit = _Fit(
-            tracker=tracker,
-            alarms=tracker.alarms,
-            stability=stability,
-            histograms=histograms,
-            own_loss=tracker.alarms if own else None,
-        )
-        self._fit = fit
-        logged: list[Logged[Any]] = [
-            Logged(
-                tracker,
-                on_step=functools.partial(self._log_alarms, fit),
-                on_epoch=functools.partial(self._draw_pictures, fit),
-            )
-        ]
-        if stability is not None:
-            logged.append(Logged(stability, on_step=functools.partial(self._watch_attention, fit)))
-        return Attached(
-            tracker.registry,
-            logged,
-            # the loss rules read every batch's loss: the ranks' mean, or this rank's own
-            every_batch=loss.reading == "mean" or own,
-            agreement_carried=self._agreement_carried,
-            on_remove=functools.partial(self._end_fit, trainer),
-            earlier_layout=_saved_by_release_0_2,
-        )
+        return tracker
 
     def _end_fit(self, trainer: pl.Trainer) -> None:
         """The hooks came off: keep the alarms' state for the next fit, drop what this fit made,
@@ -270,6 +288,7 @@ class GradFlowCallback(HookCallback):
         self.stop_requested = True
 
     @override
+    @guarded
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
@@ -305,8 +324,8 @@ class GradFlowCallback(HookCallback):
             fit.stability.end_step()
         if fit.alarms is None:
             return
-        if fit.own_loss is not None:  # the loss rules on this rank's loss
-            self._watch_own_loss(trainer, outputs, fit.own_loss)
+        if fit.reads_own_loss:  # the loss rules on this rank's loss
+            self._watch_own_loss(trainer, outputs, fit.alarms)
             return
         if self.loss_agreement.reading != "mean":
             return
@@ -335,20 +354,40 @@ class GradFlowCallback(HookCallback):
             self.policy.act(trainer, None, found)
 
     def _log_alarms(self, fit: _Fit, trainer: pl.Trainer, step: int, table: LayerTable) -> None:
-        """With a logging step's values: the alarms' counts and text since the last one."""
+        """Log the alarms' counts and text since the last logging step, with its values.
+
+        Args:
+            fit: the fit whose alarms are logged.
+            trainer: the trainer whose loggers are written to.
+            step: the logging step.
+            table: the step's values per layer (the alarms need only its step).
+        """
         if fit.alarms is not None:
             self.policy.log_step(trainer, fit.alarms, step)
 
     def _watch_attention(
         self, fit: _Fit, trainer: pl.Trainer, step: int, result: StabilityResult
     ) -> None:
-        """Hand a logging step's attention logits and entropies to the attention rule."""
+        """Hand a logging step's attention logits and entropies to the attention rule.
+
+        Args:
+            fit: the fit whose alarms read them.
+            trainer: the trainer.
+            step: the logging step.
+            result: the step's instability statistics.
+        """
         if fit.alarms is not None:
             logits = result["attn_logit_max"]
             fit.alarms.update_attention(logits, result["attn_entropy_min"], step=step)
 
     def _draw_pictures(self, fit: _Fit, trainer: pl.Trainer, table: LayerTable) -> None:
-        """Draw the epoch's chart, heatmap and histograms."""
+        """Draw the epoch's chart, heatmap and histograms.
+
+        Args:
+            fit: the fit whose histograms and shards are drawn.
+            trainer: the trainer whose loggers are written to.
+            table: the epoch's values per layer.
+        """
         self._pictures.write(trainer, table, fit.histograms, fit.tracker.shards)
 
     @override
@@ -371,8 +410,9 @@ class _Fit:
     """The attention and output-logit statistics (``None``: ``stability=False``)."""
     histograms: LayerHistograms | None
     """The histograms of ``log10 |g|`` per layer (``None``: ``histograms=False``)."""
-    own_loss: TrainingAlarms | None
-    """The alarms fed this rank's own loss (one rank, or manual optimization), else ``None``."""
+    reads_own_loss: bool
+    """Whether the loss rules read this rank's own loss at each batch (one process, or no loss
+    collective), not the ranks' mean."""
 
 
 _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")
@@ -400,21 +440,34 @@ def _saved_by_release_0_2(state: dict[str, Any]) -> dict[str, Any]:
     return {**converted, **rest}
 
 
+def _histograms(tracker: GradFlowTracker) -> LayerHistograms:
+    """Make the histograms of ``log10 |g|``, one per layer the tracker measures.
+
+    Args:
+        tracker: the fit's tracker.
+
+    Returns:
+        Empty histograms on the layers' device.
+    """
+    layout = tracker.layout
+    return LayerHistograms(len(layout.layers), device=layout.index.device)
+
+
 def _alarm_rules(alarms: AlarmRules | bool) -> AlarmRules | None:
+    """Read ``alarms`` as the alarm rules.
+
+    Args:
+        alarms: the rules, ``True`` for the defaults, or ``False`` for none.
+
+    Returns:
+        The rules, or ``None`` for none.
+
+    Raises:
+        TypeError: ``alarms`` is neither rules nor a bool.
+    """
     if not isinstance(alarms, AlarmRules | bool):
         raise TypeError(
             f"GradFlowCallback(alarms={alarms!r}): expected an AlarmRules or a bool, "
             f"got {type(alarms).__name__}"
         )
     return AlarmRules() if alarms is True else alarms or None
-
-
-def _max_layers(value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(
-            f"GradFlowCallback(max_layers_logged={value!r}): must be a positive int or None, "
-            f"got {value!r}"
-        )
-    return int(value)

@@ -29,6 +29,7 @@ __all__ = [
     "named_arguments",
     "optimizer",
     "positive_int",
+    "positive_int_or_none",
     "real",
 ]
 
@@ -47,6 +48,36 @@ def positive_int(owner: str, name: str, value: object, *, minimum: int = 1) -> i
         raise _fail(owner, name, value, kind, TypeError)
     if int(value) < minimum:
         raise _fail(owner, name, value, kind, ValueError)
+    return int(value)
+
+
+def positive_int_or_none(owner: str, name: str, value: object, *, none_means: str) -> int | None:
+    """Read ``value`` as a positive int, or ``None``.
+
+    Args:
+        owner: the class named in the error.
+        name: the argument named in the error.
+        value: the value given.
+        none_means: what ``None`` stands for, as the error says it.
+
+    Returns:
+        ``value`` as an ``int``, or ``None``.
+
+    Raises:
+        ValueError: ``value`` is neither a positive int nor ``None`` (one error type for every
+            wrong value).
+
+    Example:
+        >>> positive_int_or_none("Cb", "every_n_steps", 10, none_means="the Trainer's")
+        10
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+        raise ValueError(
+            f"{owner}({name}={value!r}): must be a positive int or None ({none_means}), "
+            f"got {value!r}"
+        )
     return int(value)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from functools import wraps
 from typing import Any, Protocol, TypeVar
@@ -16,7 +15,7 @@ __all__ = [
     "RELEASE_HOOKS",
     "STRICT_ENV",
     "Guard",
-    "guard_hooks",
+    "guarded",
     "strict_default",
 ]
 
@@ -116,44 +115,56 @@ GUARDED_HOOKS = (
     "on_validation_epoch_start",
     "on_validation_epoch_end",
 )
-"""The hooks :func:`guard_hooks` wraps, skipped once the statistic failed (not ``setup`` nor
-``on_fit_start``: configuration errors must stop the fit). A failed ``state_dict`` returns
-``None``: the checkpoint is saved without the callback's state, and a fit resumed from it starts
-the callback's epoch afresh."""
+"""The hooks :func:`guarded` runs under the guard, skipped once the statistic failed (not
+``setup`` nor ``on_fit_start``: configuration errors must stop the fit). A failed ``state_dict``
+returns ``None``: the checkpoint is saved without the callback's state, and a fit resumed from it
+starts the callback's epoch afresh."""
 
 RELEASE_HOOKS = ("on_train_end", "on_exception", "teardown")
-"""The hooks that take the statistic's hooks off: :func:`guard_hooks` wraps them too, but they
-run after a failure as well, so that every hook is removed whatever failed before. A failure in
-one of them is reported like any other (in ``on_exception`` the user's exception goes on, not
-ours)."""
-
-_GUARDED: weakref.WeakSet[Callable[..., object]] = weakref.WeakSet()
-"""The methods :func:`guard_hooks` made: a subclass that inherits one is not wrapped twice."""
+"""The hooks that take the statistic's hooks off: :func:`guarded` runs them under the guard
+too, but they run after a failure as well, so that every hook is removed whatever failed before.
+A failure in one of them is reported like any other (in ``on_exception`` the user's exception
+goes on, not ours)."""
 
 
 class _GuardedOwner(Protocol):
-    """What :func:`guard_hooks` needs of the class whose hooks it wraps (a callback)."""
+    """What :func:`guarded` needs of the object whose hook it runs (a callback)."""
 
     def hook_guard(self) -> Guard:
-        """The guard of the statistic whose hooks run."""
+        """Return the guard of the callback's hooks."""
 
-    def _guard_disable(self) -> None:
-        """Remove the statistic's hooks after a guarded failure."""
-
-
-def guard_hooks(cls: type) -> None:
-    """Wrap the :data:`GUARDED_HOOKS` and :data:`RELEASE_HOOKS` that ``cls`` defines: each runs
-    under ``self.hook_guard()``; once it failed, calls ``self._guard_disable()`` once, and the
-    guarded hooks do nothing more."""
-    for name in (*GUARDED_HOOKS, *RELEASE_HOOKS):
-        method = cls.__dict__.get(name)
-        if method is not None and method not in _GUARDED:
-            setattr(cls, name, _guarded_method(method, name, always=name in RELEASE_HOOKS))
+    def remove_hooks(self) -> None:
+        """Take the callback's hooks off the model."""
 
 
-def _guarded_method(
-    method: Callable[..., object], name: str, *, always: bool
-) -> Callable[..., object]:
+def guarded(method: F) -> F:
+    """Run a callback's Lightning hook under its guard: an exception is the guard's to handle
+    (:meth:`Guard.fail`), and once the callback failed, its hooks come off (``remove_hooks``)
+    and its hooks of :data:`GUARDED_HOOKS` do nothing more; those of :data:`RELEASE_HOOKS` still
+    run.
+
+    Args:
+        method: the hook, named as Lightning calls it.
+
+    Returns:
+        The hook under the guard.
+
+    Example:
+        >>> class Watcher:
+        ...     guard = Guard("Watcher", strict=False)
+        ...     def hook_guard(self): return self.guard
+        ...     def remove_hooks(self): print("hooks off")
+        ...     @guarded
+        ...     def on_train_start(self): raise RuntimeError("ours")
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     Watcher().on_train_start()
+        hooks off
+    """
+    name = method.__name__
+    always = name in RELEASE_HOOKS
+
     @wraps(method)
     def hook(self: _GuardedOwner, *args: object, **kwargs: object) -> object:
         guard = self.hook_guard()
@@ -163,8 +174,8 @@ def _guarded_method(
             except Exception as error:
                 guard.fail(f"{name} hook", error)
         if guard.removal_due():
-            self._guard_disable()
+            self.remove_hooks()
         return None
 
-    _GUARDED.add(hook)
-    return hook
+    hook.lightning_hooks_guarded = True  # type: ignore[attr-defined]
+    return hook  # type: ignore[return-value]

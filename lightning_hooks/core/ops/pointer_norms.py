@@ -58,7 +58,10 @@ class PointerNorms:
         # pinned and copied without blocking: building it makes no host sync either
         columns = [[span[i] for span in spans] for i in range(3)]
         table = torch.tensor(columns, dtype=torch.int64, pin_memory=self._pin)
-        self._owner, self._begin, self._end = table.to(self.device, non_blocking=True)
+        on_device = table.to(self.device, non_blocking=True)
+        self._owner = on_device[0]  # which output each span sums into
+        self._begin = on_device[1]  # where each span begins in its tensor
+        self._end = on_device[2]  # and where it ends
         first_host = torch.tensor(first, dtype=torch.int64, pin_memory=self._pin)
         self._first = first_host.to(self.device, non_blocking=True)
         self._partial = torch.empty(len(spans), dtype=torch.float32, device=self.device)
