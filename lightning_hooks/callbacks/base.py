@@ -38,6 +38,9 @@ __all__ = [
     "selection_state_key",
 ]
 
+# Lightning ships under two names, ``pytorch_lightning`` and ``lightning.pytorch``, and each
+# namespace's LightningCLI accepts only its own ``Callback``: the base derives from both where
+# both are installed (``lightning.pytorch.Callback`` is ``object`` to the type checker).
 if TYPE_CHECKING:
     _SecondCallback = object
 else:
