@@ -123,8 +123,6 @@ class Attached:
         logged: the statistics the hooks feed, logged at each logging step and epoch end.
         aligned: the statistics whose rows (the modules that ran) the ranks align before they
             reduce: a module that runs on some ranks only would otherwise hang the reduce.
-        saved: what is saved in checkpoints, by key (each statistic is saved by its place and
-            class).
         every_batch: the callback's ``_batch_ending`` runs at every batch, not only at a logging
             step's.
         agreement_carried: whether each batch's loss collective carries the ranks' failures
@@ -141,7 +139,6 @@ class Attached:
         logged: Sequence[Logged[Any]] = (),
         *,
         aligned: Sequence[LayerStat[Any]] = (),
-        saved: dict[str, Checkpointed] | None = None,
         every_batch: bool = False,
         agreement_carried: Callable[[], bool] | None = None,
         on_remove: Callable[[], None] | None = None,
@@ -150,7 +147,6 @@ class Attached:
         self.registry = registry
         self.logged = tuple(logged)
         self.aligned = tuple(aligned)
-        self.saved = dict(saved or {})
         self.every_batch = every_batch
         self._agreement_carried = agreement_carried
         self._on_remove = on_remove
@@ -226,15 +222,12 @@ class Attached:
             stat.align_rows([rank[i] for rank in new])
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the checkpoint state: each statistic's epoch so far, then what ``saved`` holds.
+        """Return the checkpoint state: each statistic's epoch so far.
 
         Returns:
             The states by key, reduced across ranks, on the host.
         """
-        state = {_state_name(i, s.stat): s.stat.host_state() for i, s in enumerate(self.logged)}
-        for key, saved in self.saved.items():
-            state[key] = saved.host_state()
-        return state
+        return {_state_name(i, s.stat): s.stat.host_state() for i, s in enumerate(self.logged)}
 
     def in_this_layout(self, state: dict[str, Any]) -> dict[str, Any]:
         """Return a checkpoint's ``state`` in this release's layout, whichever release saved it.
@@ -260,9 +253,6 @@ class Attached:
             return
         for i, logged in enumerate(self.logged):
             logged.stat.load_host_state(state[_state_name(i, logged.stat)])
-        for key, saved in self.saved.items():
-            if key in state:
-                saved.load_host_state(state[key])
 
     def remove(self) -> None:
         """Take every hook off the model, then call ``on_remove`` (once)."""

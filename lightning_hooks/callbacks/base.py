@@ -171,19 +171,20 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or stands_down_for_users_own(self, trainer.callbacks):  # type: ignore[attr-defined]
+        if stage != "fit":
             return
         self._guard = None  # each fit starts healthy
-        check_trainer(
-            type(self).__name__,
-            trainer,
-            uses_images=self.uses_images,
-            every_n_steps=self.every_n_steps,
-        )
+        self._idle = stands_down_for_users_own(self, trainer.callbacks)  # type: ignore[attr-defined]
+        if not self._idle:
+            check_trainer(
+                type(self).__name__,
+                trainer,
+                uses_images=self.uses_images,
+                every_n_steps=self.every_n_steps,
+            )
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._idle = stands_down_for_users_own(self, trainer.callbacks)  # type: ignore[attr-defined]
         if not self._idle:  # after ``configure_model``: the layers built there exist
             self._idle = not self._validate(pl_module)
         skip_inherited(self, trainer)  # for the fit: Lightning calls only the hooks we define
@@ -271,7 +272,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     @guarded
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._agree_ranks(trainer, trainer.global_step, always=True)
-        self.cadence.measuring = None
+        self.cadence.end_epoch()
         attached = self._attached  # a failure the ranks agreed on takes it off, on every rank
         if attached is not None:
             attached.write_steps(trainer, wait=True)

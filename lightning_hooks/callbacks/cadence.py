@@ -95,6 +95,11 @@ class LoggingCadence:
         """The running batch's logging step is measured."""
         self.measuring = self.batch_step
 
+    def end_epoch(self) -> None:
+        """At an epoch's end: no logging step is measured any more (a step cut short by a
+        skipped batch is dropped)."""
+        self.measuring = None
+
     def finished_step(self, trainer: pl.Trainer) -> int | None:
         """Note a batch's end.
 
