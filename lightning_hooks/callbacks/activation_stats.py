@@ -1,4 +1,4 @@
-"""``ActivationStatsCallback``: what every layer produces, logged at each epoch end."""
+"""Provide ``ActivationStatsCallback``, which logs what every layer produces at each epoch end."""
 
 from __future__ import annotations
 
@@ -31,8 +31,10 @@ _HEATMAPS = ("mean", "std", "zero_fraction")
 
 @named_arguments
 class ActivationStatsCallback(HookCallback):
-    r"""Per-layer statistics of every selected module's output, over the epoch's logging steps'
-    training forwards; each logging step also logs them under ``activations/{stat}_step/...``.
+    r"""Log per-layer statistics of every selected module's output at each epoch end.
+
+    The statistics are over the epoch's logging steps' training forwards; each logging step
+    also logs them under ``activations/{stat}_step/...``.
 
     Logged metrics (``{layer}`` is the module's qualified name; a tuple / list / dict output adds
     ``.{index}`` or ``.{key}``, e.g. ``lstm.0``):
@@ -58,7 +60,7 @@ class ActivationStatsCallback(HookCallback):
         include: glob patterns on qualified module names (``"encoder.*"``) to keep.
         exclude: glob patterns on qualified module names to drop.
         histograms: log a histogram per layer each epoch.
-        histogram_bins: number of bins.
+        histogram_bins: number of bins of each layer's histogram.
         histogram_range: fixed ``(low, high)`` bin edges; ``None``: each layer's min and max of
             the previous epoch (or its first output).
         heatmaps: log the layer x epoch heatmap images.
@@ -140,7 +142,13 @@ class ActivationStatsCallback(HookCallback):
     def _batch_ending(
         self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
     ) -> None:
-        """Warn once about the first module whose output went non-finite."""
+        """Warn once of the first module whose output went non-finite.
+
+        Args:
+            trainer: the trainer running the batch, unread (the warning names the step measured).
+            outputs: what the batch's ``training_step`` returned, unread.
+            logging_step: whether the batch belongs to a logging step, unread.
+        """
         if not self.warn_nonfinite or self._warned_nonfinite:
             return
         tracker = self._activations
@@ -157,7 +165,15 @@ class ActivationStatsCallback(HookCallback):
             )
 
     def _draw(self, trainer: pl.Trainer, result: ActivationResult) -> None:
-        """Log the epoch's histograms and heatmaps (rank 0)."""
+        """Log the epoch's histograms and heatmaps, on rank 0.
+
+        The heatmaps' columns are kept whether or not ``heatmaps`` draws them.
+
+        Args:
+            trainer: the trainer whose loggers are written to, at its ``global_step``; its epoch
+                names the heatmaps' new column.
+            result: the epoch's statistics per layer and their histograms.
+        """
         stats = result.summary
         hists = result.histograms
         if not stats.layers or not trainer.is_global_zero:
@@ -176,6 +192,12 @@ class ActivationStatsCallback(HookCallback):
             self._log_heatmaps(trainer, step)
 
     def _log_heatmaps(self, trainer: pl.Trainer, step: int) -> None:
+        """Draw the layer by epoch heatmap of each statistic in the kept columns.
+
+        Args:
+            trainer: the trainer whose loggers get the figures.
+            step: the step the figures are logged at.
+        """
         for stat in _HEATMAPS:
             layers, epochs, grid = self._history.grid(stat)
             figure = layer_epoch_heatmap(layers, epochs, grid, title=f"activations: {stat}")
@@ -183,6 +205,17 @@ class ActivationStatsCallback(HookCallback):
 
 
 def _check_range(value: tuple[float, float] | None) -> tuple[float, float] | None:
+    """Check ``histogram_range``: ``None`` or a ``(low, high)`` pair with ``low < high``.
+
+    Args:
+        value: the range the user gave.
+
+    Returns:
+        The range as two floats, or ``None``.
+
+    Raises:
+        ValueError: ``value`` is neither ``None`` nor such a pair.
+    """
     if value is None:
         return None
     if isinstance(value, tuple | list) and len(value) == 2:

@@ -1,7 +1,9 @@
-"""What the ranks of a multi-process run agree on, on the loss's collective: the mean loss the
-loss rules read, whether a rank's hook failed and whether a rank asked to stop. One
-``all_reduce`` of four numbers per batch carries all three, so a logging step needs no collective
-of its own for them."""
+"""Agree across the ranks of a multi-process run on the loss's collective.
+
+The ranks agree on the mean loss the loss rules read, on whether a rank's hook failed and on
+whether a rank asked to stop. One ``all_reduce`` of four numbers per batch carries all three,
+so a logging step needs no collective of its own for them.
+"""
 
 from __future__ import annotations
 
@@ -30,15 +32,18 @@ __all__ = ["LossAgreement", "RankFlags", "training_loss"]
 
 
 class RankFlags(NamedTuple):
-    """How many ranks reported a failed hook, and how many asked to stop, at one batch."""
+    """Count the ranks that reported a failed hook, and those that asked to stop, at one batch."""
 
     failed: int
     stopping: int
 
 
 class _Sums(NamedTuple):
-    """One batch's collective read on the host: each of the four carried numbers summed over the
-    ranks, and the step it belongs to."""
+    """Hold one batch's collective as read on the host.
+
+    Each of the four carried numbers is summed over the ranks, and kept with the step it belongs
+    to.
+    """
 
     loss: float
     with_loss: int  # ranks whose ``training_step`` returned a loss
@@ -48,12 +53,25 @@ class _Sums(NamedTuple):
 
     @classmethod
     def of(cls, values: np.ndarray, step: int) -> _Sums:
+        """Read the collective's host copy.
+
+        Args:
+            values: the four sums as copied to the host: loss, ranks with a loss, ranks failed,
+                ranks stopping.
+            step: the optimizer step whose batch posted the collective.
+
+        Returns:
+            The sums, named, with their step.
+        """
         return cls(float(values[0]), int(values[1]), int(values[2]), int(values[3]), step)
 
 
 class _Pending(NamedTuple):
-    """What :meth:`LossAgreement.apply` feeds the loss rules: the batch's summed tensor (on the
-    device, not read), its step, and the collectives read on the host so far."""
+    """Hold what :meth:`LossAgreement.apply` feeds the loss rules.
+
+    That is the batch's summed tensor (on the device, not read), its step, and the collectives
+    read on the host so far.
+    """
 
     carried: torch.Tensor
     step: int
@@ -61,7 +79,11 @@ class _Pending(NamedTuple):
 
 
 class LossAgreement:
-    """Feeds the loss rules ``training_step``'s loss, carrying the ranks' agreement with it."""
+    """Feed the loss rules ``training_step``'s loss, carrying the ranks' agreement with it.
+
+    Args:
+        policy: the alarm policy that acts on the alarms the loss rules raise.
+    """
 
     def __init__(self, policy: AlarmPolicy) -> None:
         self._policy = policy
@@ -71,8 +93,17 @@ class LossAgreement:
         self._pending: _Pending | None = None
 
     def plan(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
-        """At a fit's start, set :attr:`reading`: ``"own"`` (one process, or no loss rule), else
-        ``"mean"`` (one ``all_reduce`` per batch; ``"off"`` from a batch where a rank has none)."""
+        """Set :attr:`reading` at a fit's start.
+
+        The reading is ``"own"`` for one process or where no loss rule runs, else ``"mean"`` (one
+        ``all_reduce`` per batch); it turns ``"off"`` from a batch where some rank has no loss under
+        manual optimization.
+
+        Args:
+            pl_module: the model of the fit, read for whether Fabric set it up and whether it
+                optimizes automatically.
+            rules: the fit's alarm rules (``None``: no alarms, so no loss is read).
+        """
         self.reading = "own"
         self._carrier = None
         if rules is None or not rules.watches_loss or world_size() == 1:
@@ -116,7 +147,14 @@ class LossAgreement:
         return RankFlags(sum(s.failed for s in read), sum(s.stopping for s in read))
 
     def apply(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
-        """The loss rules on the ranks' mean loss (manual optimization: once every rank has one)."""
+        """Run the loss rules on the ranks' mean loss, and act on the alarms they raise.
+
+        Under manual optimization a batch's mean is read only once every rank has a loss.
+
+        Args:
+            trainer: the trainer the alarm policy acts on (a warning, a stop or a raise).
+            alarms: the fit's alarms, fed the mean loss.
+        """
         pending = self._pending
         self._pending = None
         if pending is None:
@@ -130,6 +168,12 @@ class LossAgreement:
         self._policy.act(trainer, None, alarms.poll())
 
     def _rules_off(self, step: int, with_loss: int) -> None:
+        """Turn the loss rules off for the rest of the fit, with one warning.
+
+        Args:
+            step: the optimizer step from which the rules are off, named in the warning.
+            with_loss: how many ranks returned a loss at that step, named in the warning.
+        """
         self.reading = "off"
         self._carrier = None
         rank_zero_warn(
@@ -170,7 +214,8 @@ def training_loss(trainer: pl.Trainer, outputs: STEP_OUTPUT) -> torch.Tensor | N
     logs them, so the division is undone.
 
     Args:
-        trainer: the trainer.
+        trainer: the trainer whose ``accumulate_grad_batches`` and module's optimization mode
+            decide whether the loss is scaled back.
         outputs: what ``training_step`` returned, as the batch-end hook gets it.
 
     Returns:

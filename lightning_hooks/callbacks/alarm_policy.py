@@ -1,5 +1,8 @@
-"""What ``GradFlowCallback`` does when an alarm fires: warn, stop, raise, skip or log it, and
-write it to the loggers. What its loss rules read under DDP is in :mod:`.agreement`."""
+"""Decide what ``GradFlowCallback`` does when an alarm fires, and write the alarms.
+
+An alarm is warned of, stops the fit, raises, skips its step or is only logged, and it is
+written to the loggers. What its loss rules read under DDP is in :mod:`.agreement`.
+"""
 
 from __future__ import annotations
 
@@ -98,8 +101,20 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
 
 
 class AlarmPolicy:
-    """Applies ``on_alarm`` (:func:`check_actions`) to the alarms read on the host, and logs them:
-    a warning once per rule and layer per epoch; under DDP, ``stop`` and ``raise`` on every rank."""
+    """Apply ``on_alarm`` (:func:`check_actions`) to the alarms read on the host, and log them.
+
+    A warning is given once per rule and layer per epoch; under DDP, ``stop`` and ``raise`` act
+    on every rank.
+
+    Args:
+        on_alarm: one action for every rule, or a mapping of rule to action.
+        request_stop: called for a ``stop`` under DDP, for the ranks to agree on at their next
+            agreement.
+
+    Raises:
+        ValueError: an unknown rule or action in ``on_alarm``.
+        TypeError: ``on_alarm`` is neither a string nor a mapping.
+    """
 
     def __init__(
         self, on_alarm: Action | Mapping[str, Action], request_stop: Callable[[], None]
@@ -133,18 +148,26 @@ class AlarmPolicy:
         return dict(self.saved or {})
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's running scales, in this fit's alarms if attached."""
+        """Continue from a checkpoint's running scales, in this fit's alarms if attached.
+
+        Args:
+            state: the scales :meth:`host_state` saved (empty: none).
+        """
         self.saved = dict(state) or None
         self.restore(self._alarms)
 
     def keep(self) -> None:
-        """The fit's hooks are about to go: keep its alarms' state for the next fit."""
+        """Keep the fit's alarm state for the next fit, before the fit's hooks go."""
         if self._alarms is not None:
             self.saved = self._alarms.state_dict()
         self._alarms = None
 
     def restore(self, alarms: TrainingAlarms | None) -> None:
-        """Load the saved state into fresh ``alarms``; another model's is dropped with a warning."""
+        """Load the saved state into fresh ``alarms``; another model's is dropped with a warning.
+
+        Args:
+            alarms: the fit's alarms, kept for the fit (``None``: the fit has none).
+        """
         self._alarms = alarms
         if alarms is None or self.saved is None:
             return
@@ -162,7 +185,17 @@ class AlarmPolicy:
         optimizer: torch.optim.Optimizer | None,
         alarms: list[TrainingAlarm],
     ) -> None:
-        """Warn, stop, raise or skip for each alarm (``optimizer``: the one about to step)."""
+        """Warn, stop, raise or skip for each alarm, as its rule's action says.
+
+        Args:
+            trainer: the trainer that is stopped, and whose step a ``skip`` must match.
+            optimizer: the optimizer about to step, whose gradients a ``skip`` drops (``None``:
+                outside an optimizer step, nothing to skip).
+            alarms: the alarms read, in the order they were raised.
+
+        Raises:
+            TrainingAlarmError: an alarm's rule has the action ``"raise"``.
+        """
         stop = False
         for alarm in alarms:
             action = self.actions.get(alarm.rule)
@@ -197,8 +230,13 @@ class AlarmPolicy:
             self._request_stop()
 
     def announce_stop(self, trainer: pl.Trainer) -> None:
-        """At the fit's end: if an alarm's ``stop`` ended it, say so, once (a fit that stops
-        looks like one that finished, but for the step count)."""
+        """Say once, at the fit's end, whether an alarm's ``stop`` ended it.
+
+        A fit that stops looks like one that finished, but for the step count.
+
+        Args:
+            trainer: the trainer whose ``should_stop`` and ``global_step`` the warning reads.
+        """
         alarm = self.stopped_by
         self.stopped_by = None
         if alarm is not None and getattr(trainer, "should_stop", False):
@@ -210,14 +248,25 @@ class AlarmPolicy:
             )
 
     def _keep_before_raising(self, trainer: pl.Trainer, step: int) -> None:
-        """Write the counts and text of the alarms since the last logging step, the raising one
-        included, and save the loggers: the alarm that ends the fit is in the event files, and
-        a gate on them (``lightning-hooks report --fail-on``) sees it."""
+        """Write the alarms since the last logging step, and save the loggers, before a raise.
+
+        The raising alarm is included: the alarm that ends the fit is then in the event files,
+        and a gate on them (``lightning-hooks report --fail-on``) sees it.
+
+        Args:
+            trainer: the trainer whose loggers are written to and saved.
+            step: the raising alarm's step, which the counts and text are written at.
+        """
         if self._alarms is not None:
             self.log_step(trainer, self._alarms, step)
         save_loggers(trainer.loggers)
 
     def _warn_once(self, alarm: TrainingAlarm) -> None:
+        """Warn of an alarm, once per rule and layer in an epoch.
+
+        Args:
+            alarm: the alarm, attached to the warning it raises.
+        """
         key = (alarm.rule, alarm.layer)
         if key not in self._warned:
             self._warned.add(key)
@@ -226,7 +275,13 @@ class AlarmPolicy:
             rank_zero_warn(warning, category=TrainingAlarmWarning)
 
     def log_step(self, trainer: pl.Trainer, alarms: TrainingAlarms, step: int) -> None:
-        """At a logging step: per-rule counts since the last one, and any alarms' text."""
+        """Log the per-rule counts since the last logging step, and any alarms' text.
+
+        Args:
+            trainer: the trainer whose loggers are written to; only rank 0 writes the text.
+            alarms: the fit's alarms, whose counts and log are read.
+            step: the logging step the values are written at.
+        """
         counts = {rule: n - self._counted.get(rule, 0) for rule, n in alarms.counts.items()}
         self._counted = dict(alarms.counts)
         tags = step_tags({self.tags[rule]: n for rule, n in counts.items()})
@@ -238,7 +293,15 @@ class AlarmPolicy:
             log_text(trainer.loggers, ALARM_TEXT, summary, step)
 
     def end_epoch(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
-        """Act on the last verdicts, then log the epoch's counts and its text summary."""
+        """Act on the last verdicts, then log the epoch's counts and its text summary.
+
+        Args:
+            trainer: the trainer the alarms act on and whose loggers are written to.
+            alarms: the fit's alarms, whose epoch is taken and started afresh.
+
+        Raises:
+            TrainingAlarmError: a last verdict's rule has the action ``"raise"``.
+        """
         self.act(trainer, None, alarms.poll(wait=True))
         counts, log = alarms.take_epoch()
         self._warned.clear()
@@ -260,7 +323,7 @@ def _speaker(alarm: TrainingAlarm) -> str:
     "lightning", so the words themselves must say it.
 
     Args:
-        alarm: the alarm.
+        alarm: the alarm, whose rule and message are read.
 
     Returns:
         The message, beginning with ``GradFlowCallback [rule]``.

@@ -1,6 +1,9 @@
-"""What one fit of a callback attaches to the model: the registry of its hooks, the statistics
-those hooks feed, and what the callback reads of their results. A callback builds it in its
-``_attach``; :class:`~.base.HookCallback` drives it through the fit and removes it at the end."""
+"""Define what one fit of a callback attaches to the model.
+
+That is the registry of its hooks, the statistics those hooks feed, and what the callback
+reads of their results. A callback builds it in its ``_attach``;
+:class:`~.base.HookCallback` drives it through the fit and removes it at the end.
+"""
 
 from __future__ import annotations
 
@@ -20,30 +23,42 @@ R = TypeVar("R")
 
 
 class Windowed(Protocol[R]):
-    """A statistic measured at logging steps: each step's values are copied to the host after
-    its optimizer step, and read back when the copy is done."""
+    """Describe a statistic measured at logging steps and copied to the host after each.
+
+    Each logging step's values are copied to the host after its optimizer step, and read back
+    when the copy is done.
+    """
 
     def start_copy(self, step: int) -> None:
-        """Start the host copy of the values measured since the last logging step."""
+        """Start the host copy of the values measured since the last logging step.
+
+        Args:
+            step: the logging step the values belong to, returned with them by :meth:`take_copy`.
+        """
 
     def take_copy(self, wait: bool) -> tuple[int, R] | None:
         """Return the copied step and its result once on the host, else ``None``.
 
         Args:
-            wait: block until the copy is done.
+            wait: block until the copy is done (else return ``None`` while it is on its way).
         """
 
     @property
     def copy_in_flight(self) -> bool:
-        """Whether a copy is still on its way to the host."""
+        """Tell whether a copy is still on its way to the host."""
 
     def step_values(self, result: R) -> dict[str, float]:
-        """Return a logging step's values under their epoch tags (each step tag is made from
-        one)."""
+        """Return a logging step's values under their epoch tags.
+
+        Each step tag is made from one of these tags.
+
+        Args:
+            result: the logging step's result, as :meth:`take_copy` returned it.
+        """
 
 
 class EpochResult(Protocol[R]):
-    """A statistic aggregated over an epoch's logging steps."""
+    """Describe a statistic aggregated over an epoch's logging steps."""
 
     def result(self) -> R:
         """Return the epoch's result, reduced across ranks."""
@@ -52,31 +67,43 @@ class EpochResult(Protocol[R]):
         """Start the next epoch."""
 
     def tags(self, result: R) -> dict[str, float]:
-        """Return the epoch's values under their tags."""
+        """Return the epoch's values under their tags.
+
+        Args:
+            result: the epoch's result, as :meth:`result` returned it.
+        """
 
 
 class Checkpointed(Protocol):
-    """What a callback saves in checkpoints, of a statistic or of a collaborator."""
+    """Describe what a callback saves in checkpoints, of a statistic or of a collaborator."""
 
     def host_state(self) -> dict[str, Any]:
         """Return the state to save, reduced across ranks, on the host."""
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        """Continue from a state :meth:`host_state` saved."""
+        """Continue from a state :meth:`host_state` saved.
+
+        Args:
+            state: the saved state, as read from a checkpoint (on the host).
+        """
 
 
 class Statistic(Windowed[R], EpochResult[R], Checkpointed, Protocol[R]):
-    """What a callback logs and saves of each statistic of a fit: a
-    :class:`~lightning_hooks.core.stats.stat.LayerStat` is one, and so is a
-    :class:`~lightning_hooks.core.GradFlowTracker`."""
+    """Describe what a callback logs and saves of each statistic of a fit.
+
+    A :class:`~lightning_hooks.core.stats.stat.LayerStat` is one, and so is a
+    :class:`~lightning_hooks.core.GradFlowTracker`.
+    """
 
 
 class Logged(Generic[R]):
-    """A statistic of one fit, with what its callback reads of its results beyond the scalar
-    tags it logs (a picture, an alarm, a warning), each typed by the statistic's result.
+    """Pair a statistic of one fit with what its callback reads of its results.
+
+    Beyond the scalar tags the statistic logs, a callback may read a picture, an alarm or a
+    warning from its results; each reader is typed by the statistic's result.
 
     Args:
-        stat: the statistic.
+        stat: the statistic, whose step values and epoch tags are logged.
         on_step: called with the trainer, the step and the result of each logging step read back.
         on_epoch: called with the trainer and the result of each epoch, after its tags are logged.
     """
@@ -108,14 +135,19 @@ class Logged(Generic[R]):
             self.on_step(trainer, step, result)
 
     def write_epoch(self, trainer: pl.Trainer, result: R) -> None:
-        """Write the epoch's ``result``: its tags, then what the callback reads of it."""
+        """Write the epoch's ``result``: its tags, then what the callback reads of it.
+
+        Args:
+            trainer: the trainer whose loggers are written to, at its ``global_step``.
+            result: the epoch's result, reduced across ranks.
+        """
         log_scalars(trainer.loggers, self.stat.tags(result), trainer.global_step)
         if self.on_epoch is not None:
             self.on_epoch(trainer, result)
 
 
 class Attached:
-    """What one fit of a callback put on the model.
+    """Hold what one fit of a callback put on the model.
 
     Args:
         registry: the registry of the fit's module hooks, whose logging-step gate the base sets
@@ -163,13 +195,14 @@ class Attached:
         return self._agreement_carried is not None and self._agreement_carried()
 
     def end_logging_step(self, trainer: pl.Trainer, step: int) -> None:
-        """After a logging step's optimizer step: write the last logging step's values, then
-        start the host copies of this one's, written once on the host (on the CPU at once; on
-        CUDA at a later batch, see :meth:`write_steps`).
+        """Write the last logging step's values, then start the host copies of this one's.
+
+        Called after a logging step's optimizer step. The new copies are written once on the host:
+        on the CPU at once, on CUDA at a later batch (see :meth:`write_steps`).
 
         Args:
             trainer: the trainer whose loggers are written to.
-            step: the logging step.
+            step: the logging step whose values are copied.
         """
         self.write_steps(trainer, wait=True)
         for logged in self.logged:
@@ -196,6 +229,9 @@ class Attached:
 
         Every statistic's collective runs first, on every rank: a rank whose host side fails
         later has made them all.
+
+        Args:
+            trainer: the trainer whose loggers are written to, at its ``global_step``.
         """
         results = [(logged, logged.stat.result()) for logged in self.logged]
         for logged, result in results:
@@ -204,7 +240,7 @@ class Attached:
 
     @property
     def copies_in_flight(self) -> bool:
-        """Whether a logging step's values are still on their way to the host."""
+        """Tell whether a logging step's values are still on their way to the host."""
         return any(logged.stat.copy_in_flight for logged in self.logged)
 
     def rows_grew(self) -> bool:
@@ -243,11 +279,15 @@ class Attached:
         return self._earlier_layout(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's ``state`` (empty: saved outside a fit, nothing to load).
+        """Continue from a checkpoint's ``state``.
+
+        Args:
+            state: the callback's state, in this release's layout (see :meth:`in_this_layout`);
+                empty where it was saved outside a fit, and nothing is loaded.
 
         Raises:
-            KeyError: the state is of another model.
-            ValueError: the same.
+            KeyError: the state is of another model (a statistic's entry is missing).
+            ValueError: the state is of another model (its values do not fit the statistics).
         """
         if not state:
             return
@@ -269,7 +309,7 @@ def _state_name(index: int, stat: Statistic[Any]) -> str:
 
     Args:
         index: the statistic's place among the fit's.
-        stat: the statistic.
+        stat: the statistic, whose class names it.
 
     Returns:
         ``"<place>:<class>"``, for example ``"0:GradFlowTracker"``.

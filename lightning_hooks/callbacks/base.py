@@ -1,5 +1,8 @@
-"""The base of every callback: its lifecycle, its logging steps and its writing. What one fit
-measures is an :class:`~.attached.Attached` that the callback builds in ``_attach``."""
+"""Provide the base of every callback: its lifecycle, its logging steps and its writing.
+
+What one fit measures is an :class:`~.attached.Attached` that the callback builds in
+``_attach``.
+"""
 
 from __future__ import annotations
 
@@ -48,9 +51,11 @@ else:
 
 
 class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
-    """Base of the library's callbacks: it owns when hooks exist (from ``on_train_start`` to
-    ``on_train_end``, ``on_exception`` or ``teardown``), the guard of every hook, the logging
-    steps' cadence and the ranks' agreement; a subclass owns what it measures.
+    """Own when a callback's hooks exist, guard them, and write what they measure.
+
+    The base owns when hooks exist (from ``on_train_start`` to ``on_train_end``, ``on_exception``
+    or ``teardown``), the guard of every hook, the logging steps' cadence and the ranks'
+    agreement; a subclass owns what it measures.
 
     Every Lightning hook of the base runs under the callback's guard: each is decorated with
     :func:`~lightning_hooks.core.hooks.guard.guarded`, as is any Lightning hook a subclass adds.
@@ -146,12 +151,15 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     @property
     def every_n_steps(self) -> int | None:
-        """Measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first (``None``: the
-        Trainer's ``log_every_n_steps``)."""
+        """Return the cadence of the logging steps.
+
+        Optimizer steps ``n-1, 2n-1, ...`` and each epoch's first are measured; ``None`` stands
+        for the Trainer's ``log_every_n_steps``.
+        """
         return self.cadence.every_n_steps
 
     def hook_guard(self) -> Guard:
-        """The guard of this fit's hooks, made at the first hook of each fit.
+        """Return the guard of this fit's hooks, made at the first hook of each fit.
 
         Returns:
             The guard: its ``failed`` says whether the callback is disabled, and why.
@@ -162,8 +170,11 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     @cached_property
     def state_key(self) -> str:
-        """Unique per configuration, and apart from the same configuration the ``LIGHTNING_HOOKS``
-        switch added (made once: Lightning reads it for every hook it calls)."""
+        """Return the key of the callback's checkpoint state, unique per configuration.
+
+        The same configuration added by the ``LIGHTNING_HOOKS`` switch gets a key of its own. The
+        key is made once: Lightning reads it for every hook it calls.
+        """
         fields = dict(self._state_key_fields)
         if self.from_environment:
             fields["environment"] = True
@@ -263,7 +274,13 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self._set_gate(self.cadence.logs(trainer, trainer.global_step))
 
     def _set_gate(self, logging_step: bool) -> None:
-        """Open or close the gate of the module hooks (a quiet step reads it, sets nothing)."""
+        """Open or close the gate of the module hooks.
+
+        A quiet step reads the gate and sets nothing, so the gate changes only where it differs.
+
+        Args:
+            logging_step: whether the coming batch belongs to a logging step (the gate is open).
+        """
         gate = None if self._attached is None else self._attached.registry
         if gate is not None and gate.logging_step != logging_step:
             gate.set_logging_step(logging_step)
@@ -301,7 +318,12 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Keep a checkpoint's state until the next fit attaches its statistics."""
+        """Keep a checkpoint's state until the next fit attaches its statistics.
+
+        Args:
+            state_dict: the callback's state as the checkpoint holds it; loaded into the statistics
+                and into :attr:`kept` at the next ``on_train_start``.
+        """
         self._pending_state = dict(state_dict)
 
     @override
@@ -330,7 +352,15 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self._release()
 
     def on_after_setup(self, fabric: Fabric, module: nn.Module) -> None:
-        """Fabric's hook: watch ``module`` with a :class:`~.fabric.FabricRun` in our place."""
+        """Watch ``module`` under Fabric, with a :class:`~.fabric.FabricRun` in its place.
+
+        Fabric calls this hook after ``fabric.setup``. A callback added by ``LIGHTNING_HOOKS`` that
+        the user passed already stands down.
+
+        Args:
+            fabric: the Fabric whose callback list the run takes the callback's place in.
+            module: the module Fabric set up, which the run hooks.
+        """
         callbacks = fabric_callbacks(fabric)
         ours = [c.callback if isinstance(c, FabricRun) else c for c in callbacks or ()]
         if stands_down_for_users_own(self, ours):
@@ -343,19 +373,34 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         run.start()
 
     def flush(self, trainer: pl.Trainer) -> None:
-        """Before the hooks go: write what was measured (CUDA: the last logging step's copy)."""
+        """Write what was measured before the hooks go.
+
+        On CUDA this includes the last logging step's copy, which is waited for; the loggers are
+        then saved.
+
+        Args:
+            trainer: the trainer whose loggers are written to and saved.
+        """
         if self._attached is not None:
             self._attached.write_steps(trainer, wait=True)
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
 
     def on_after_optimizer_step(self, strategy: object, optimizer: torch.optim.Optimizer) -> None:
-        """Fabric's hook, when the run could not take the callback's place in its list."""
+        """Forward Fabric's hook to the run, when the run could not take the callback's place.
+
+        Args:
+            strategy: Fabric's strategy, passed on unread.
+            optimizer: the optimizer that has just stepped.
+        """
         run = self._fabric_run
         if run is not None:
             run.on_after_optimizer_step(strategy, optimizer)
 
     def release(self) -> None:
-        """Under Fabric: write what is pending and remove every hook now."""
+        """Write what is pending and remove every hook now, under Fabric.
+
+        Under the Trainer the base's own hooks do this; a Fabric loop calls it at its end.
+        """
         run = self._fabric_run
         self._fabric_run = None
         if run is not None:
@@ -368,13 +413,16 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         drop_model_logging(self)
 
     def _agree_ranks(self, trainer: pl.Trainer, step: int, *, always: bool) -> None:
-        """Agree across the ranks on a failure and a ``stop``, at a logging step of a
-        multi-process run, unless every batch's loss collective carries them already (see
-        :mod:`.agreement`). A failure agreed on takes the hooks off on every rank.
+        """Agree across the ranks on a failure and a ``stop`` at a logging step.
+
+        Only a multi-process run agrees, and it skips the agreement where every batch's loss
+        collective carries it already (see :mod:`.agreement`). A failure agreed on takes the hooks
+        off on every rank.
 
         Args:
-            trainer: the trainer.
-            step: the step agreed at.
+            trainer: the trainer that is stopped where a rank asked, and whose rank 0 warns of a
+                failure.
+            step: the optimizer step the ranks agree at, named in the failure's warning.
             always: agree even where the loss collective carries the agreement (an epoch end).
         """
         guard = self.hook_guard()
@@ -390,13 +438,18 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             self._align_rows(trainer, step, attached)
 
     def _align_rows(self, trainer: pl.Trainer, step: int, attached: Attached) -> None:
-        """Align the ranks' rows; where a layer's units differ between ranks, the callback is
-        disabled on every rank.
+        """Align the ranks' rows of the fit's statistics.
+
+        Where a layer's units differ between ranks, the callback is disabled on every rank (in
+        strict mode the error is raised instead).
 
         Args:
-            trainer: the trainer.
-            step: the step aligned at.
-            attached: what the fit attached.
+            trainer: the trainer whose rank 0 warns where the callback is disabled.
+            step: the optimizer step aligned at, named in the warning.
+            attached: what the fit attached, whose statistics' rows are aligned.
+
+        Raises:
+            ValueError: a layer's units differ between ranks and the guard is strict.
         """
         try:
             attached.align_rows()
@@ -409,15 +462,17 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def apply_rank_flags(
         self, trainer: pl.Trainer, step: int, *, failed: int, stopping: int
     ) -> None:
-        """Act on the flags the ranks summed: stop if any rank asked; if any failed, disable
-        the callback on every rank, with one warning. The base calls it after its own agreement;
-        a callback whose own collective carries the flags (see :mod:`.agreement`) calls it too.
+        """Act on the flags the ranks summed: stop if any rank asked, disable if any failed.
+
+        A failure disables the callback on every rank, with one warning. The base calls it after its
+        own agreement; a callback whose own collective carries the flags (see :mod:`.agreement`)
+        calls it too.
 
         Args:
-            trainer: the trainer.
-            step: the step agreed at.
-            failed: how many ranks failed.
-            stopping: how many ranks asked to stop.
+            trainer: the trainer whose ``should_stop`` is set where a rank asked to stop.
+            step: the optimizer step agreed at, named in a failure's warning.
+            failed: how many ranks failed (0: none).
+            stopping: how many ranks asked to stop (0: none).
         """
         if stopping:
             trainer.should_stop = True
@@ -426,13 +481,12 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             self._disable(trainer, step, gather_objects(self.hook_guard().local))
 
     def _disable(self, trainer: pl.Trainer, step: int, causes: Sequence[str | None]) -> None:
-        """Disable the callback on every rank, with one warning on rank 0 naming each rank's
-        cause.
+        """Disable the callback on every rank, with one warning on rank 0 naming each rank's cause.
 
         Args:
-            trainer: the trainer.
-            step: the step it is disabled at.
-            causes: each rank's cause (``None`` for a rank that did not fail).
+            trainer: the trainer whose rank 0 writes the warning.
+            step: the optimizer step it is disabled at, named in the warning.
+            causes: each rank's cause, by rank (``None`` for a rank that did not fail).
         """
         guard = self.hook_guard()
         guard.disable_on_every_rank(causes, step, warn=trainer.is_global_zero)
@@ -440,15 +494,25 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self.remove_hooks()
 
     def remove_hooks(self) -> None:
-        """Take every hook of the running fit off the model (idempotent): what the fit attached
-        is removed, and the fit's statistics with it; the guard calls it after a failure."""
+        """Take every hook of the running fit off the model.
+
+        What the fit attached is removed, and the fit's statistics with it. Calling it again does
+        nothing; the guard calls it after a failure.
+        """
         attached = self._attached
         self._attached = None
         if attached is not None:
             attached.remove()
 
     def _validate(self, pl_module: pl.LightningModule) -> bool:
-        """At ``on_fit_start``: check the model; a configuration it cannot watch raises.
+        """Check the model at ``on_fit_start``, and say whether the fit has anything to watch.
+
+        A configuration the callback cannot watch raises here, before training starts. The default
+        accepts every model.
+
+        Args:
+            pl_module: the model the fit trains, after ``configure_model`` (the layers built there
+                exist).
 
         Returns:
             Whether the fit has anything to watch (``False``: the callback does nothing in it).
@@ -457,7 +521,12 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     @abstractmethod
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
-        """At each fit's train start: put the hooks on ``pl_module``.
+        """Put the fit's hooks on ``pl_module`` at each fit's train start.
+
+        Args:
+            trainer: the trainer of the fit, whose optimizers, strategy or loggers the callback may
+                read to decide what to attach.
+            pl_module: the model the hooks are put on.
 
         Returns:
             What the fit attached: its hooks' registry, its statistics and what the callback
@@ -465,33 +534,51 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         """
 
     def _batch_started(self, trainer: pl.Trainer, batch: Any) -> None:  # noqa: ANN401 (the user's batch)
-        """At the first batch of a logging step, with its hooks on."""
+        """Open what a logging step measures, at the step's first batch, with its hooks on.
+
+        The default does nothing.
+
+        Args:
+            trainer: the trainer running the batch (its ``global_step`` is the logging step).
+            batch: the batch as the dataloader gave it, before ``training_step``.
+        """
 
     def _batch_ending(
         self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
     ) -> None:
-        """At the end of a logging step's batch (of every batch, where the fit attached with
-        ``every_batch``), while the fit's hooks are on.
+        """Close what a logging step's batch measured, at its end, while the hooks are on.
+
+        Where the fit attached with ``every_batch``, it runs at the end of every batch. The default
+        does nothing.
 
         Args:
-            trainer: the trainer.
-            outputs: what the batch's ``training_step`` returned.
-            logging_step: whether the batch belongs to a logging step.
+            trainer: the trainer running the batch, whose step and loggers a subclass may
+                read.
+            outputs: what the batch's ``training_step`` returned (where its loss is read).
+            logging_step: whether the batch belongs to a logging step (``False`` only where the fit
+                attached with ``every_batch``).
         """
 
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """At each epoch end, after each statistic's epoch is written: what else the callback
-        logs of the epoch (by default nothing)."""
+        """Log what else the callback reads of the epoch, after each statistic's epoch is written.
+
+        The default logs nothing.
+
+        Args:
+            trainer: the trainer whose loggers are written to, at its ``global_step``.
+            pl_module: the model trained, for a callback that reads it at the epoch's end.
+        """
 
 
 def selection_state_key(types: object, include: object, exclude: object) -> dict[str, Any]:
-    """The fields of a callback's checkpoint key made from its module selection (the key release
-    0.2.0 saved under: a checkpoint's state is found by it).
+    """Make the fields of a callback's checkpoint key from its module selection.
+
+    The key is the one release 0.2.0 saved under: a checkpoint's state is found by it.
 
     Args:
         types: the module types selected (``None``: any).
-        include: the glob patterns kept.
-        exclude: the glob patterns dropped.
+        include: the glob patterns on qualified module names that are kept.
+        exclude: the glob patterns on qualified module names that are dropped.
 
     Returns:
         The fields, by name.
@@ -506,7 +593,9 @@ def selection_state_key(types: object, include: object, exclude: object) -> dict
 def nothing_to_watch(
     owner: str, what: str, *, selected: Mapping[str, object], hint: str = ""
 ) -> bool:
-    """A model with nothing to watch: a ``ValueError`` if the user selected, else one warning
+    """Refuse or idle a fit whose model has nothing to watch.
+
+    Where the user selected modules, this is a ``ValueError``; at the defaults it is one warning
     and an idle fit (as Lightning's ``LearningRateMonitor`` without a scheduler).
 
     Args:

@@ -1,4 +1,4 @@
-"""``LoggingCadence``: which optimizer steps a callback measures, and where the running one is."""
+"""Decide which optimizer steps a callback measures, and keep where the running one is."""
 
 from __future__ import annotations
 
@@ -10,14 +10,15 @@ __all__ = ["LoggingCadence", "check_every_n_steps"]
 
 
 def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
-    """A cadence: a positive int or ``None``.
+    """Check that a cadence is a positive int or ``None``.
 
     Args:
-        owner: the callback named in the error.
-        every_n_steps: the value given.
+        owner: the callback's name, which the error begins with.
+        every_n_steps: the cadence the user gave (``None``: the Trainer's
+            ``log_every_n_steps``).
 
     Returns:
-        ``every_n_steps``.
+        ``every_n_steps``, unchanged.
 
     Raises:
         ValueError: ``every_n_steps`` is neither a positive int nor ``None``.
@@ -31,9 +32,10 @@ def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
 
 
 class LoggingCadence:
-    """The logging steps of a callback: every ``every_n_steps``-th optimizer step (steps
-    ``n-1, 2n-1, ...``; ``None``: the Trainer's ``log_every_n_steps``) and each epoch's first.
+    """Decide a callback's logging steps from its cadence and the epochs' first steps.
 
+    The logging steps are every ``every_n_steps``-th optimizer step (steps ``n-1, 2n-1, ...``;
+    ``None``: the Trainer's ``log_every_n_steps``) and each epoch's first.
     Every micro-batch of a logging step belongs to it, and its values are written once its
     optimizer step has run. An epoch's first step is found by the batch index, not at
     ``on_train_epoch_start``, so that a run resumed mid-epoch measures the steps the
@@ -68,7 +70,7 @@ class LoggingCadence:
 
         Args:
             trainer: the trainer, whose ``log_every_n_steps`` is the cadence where none is set.
-            step: the optimizer step.
+            step: the optimizer step asked about.
 
         Returns:
             Whether ``step`` is a logging step.
@@ -77,11 +79,11 @@ class LoggingCadence:
         return (step + 1) % cadence == 0
 
     def start_batch(self, trainer: pl.Trainer, batch_idx: int) -> bool:
-        """Note a batch's start.
+        """Note a batch's start, and tell whether it belongs to a logging step.
 
         Args:
-            trainer: the trainer.
-            batch_idx: the batch's index in its epoch.
+            trainer: the trainer, whose ``global_step`` is the step the batch feeds.
+            batch_idx: the batch's index in its epoch (0 marks the epoch's first step).
 
         Returns:
             Whether the batch belongs to a logging step.
@@ -92,19 +94,22 @@ class LoggingCadence:
         return self.logs(trainer, self.batch_step) or self.batch_step == self.epoch_start_step
 
     def measure(self) -> None:
-        """The running batch's logging step is measured."""
+        """Mark the running batch's logging step as measured."""
         self.measuring = self.batch_step
 
     def end_epoch(self) -> None:
-        """At an epoch's end: no logging step is measured any more (a step cut short by a
-        skipped batch is dropped)."""
+        """Stop measuring any logging step at an epoch's end.
+
+        A step cut short by a skipped batch is dropped.
+        """
         self.measuring = None
 
     def finished_step(self, trainer: pl.Trainer) -> int | None:
-        """Note a batch's end.
+        """Note a batch's end, and return the logging step whose optimizer step has just run.
 
         Args:
-            trainer: the trainer.
+            trainer: the trainer, whose ``global_step`` has moved past the measured step once its
+                optimizer step ran.
 
         Returns:
             The logging step whose optimizer step has just run, once; else ``None`` (a quiet

@@ -1,4 +1,4 @@
-"""``DeadReLUCallback``: units that never fired in an epoch, per activation layer."""
+"""Provide ``DeadReLUCallback``, which counts the units that never fired in an epoch, per layer."""
 
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ _FUNCTIONAL_HINT = (
 
 @named_arguments
 class DeadReLUCallback(HookCallback):
-    r"""Dead units per activation layer: units that never fired on a logging step in an epoch.
+    r"""Count the dead units of each activation layer: those that never fired in an epoch.
+
+    A dead unit fired on no logging step's batch of the epoch.
 
     A unit (a channel of ``[N, C, ...]``, a feature of ``[N, ..., F]``) fires when its output is
     ``> 0``. Logged metrics (``{layer}``: the module's qualified name), at each epoch end; each
@@ -117,7 +119,12 @@ class DeadReLUCallback(HookCallback):
         )
 
     def _warn(self, trainer: pl.Trainer, found: DeadUnits) -> None:
-        """Warn of each layer at or past ``warn_at``, once per layer per fit."""
+        """Warn of each layer at or past ``warn_at``, once per layer per fit.
+
+        Args:
+            trainer: the trainer whose epoch the warning names.
+            found: the epoch's dead units per layer.
+        """
         epoch = trainer.current_epoch
         warn_at = self.warn_at
         if warn_at is None:

@@ -1,5 +1,7 @@
-"""How our callbacks meet a Fabric loop: a :class:`FabricRun` stands in for the Trainer's hooks
-(see ``docs/fabric.md``). Lightning's Trainer is met in :mod:`.trainer`."""
+"""Connect the callbacks to a Fabric loop, where a :class:`FabricRun` stands in for the Trainer.
+
+See ``docs/fabric.md``. Lightning's Trainer is met in :mod:`.trainer`.
+"""
 
 from __future__ import annotations
 
@@ -36,8 +38,15 @@ _TRAINER_ONLY: dict[str, str] = {
 
 
 class FabricTrainer:
-    """The attributes of a ``pl.Trainer`` that our callbacks read, over a ``Fabric``; its steps
-    are the watched module's optimizer steps, its epochs the calls of ``on_train_epoch_end``."""
+    """Offer the attributes of a ``pl.Trainer`` that the callbacks read, over a ``Fabric``.
+
+    Its steps are the watched module's optimizer steps, its epochs the calls of
+    ``on_train_epoch_end``.
+
+    Args:
+        fabric: the Fabric whose precision, loggers and rank the trainer reports.
+        callback: the one callback in the trainer's ``callbacks``.
+    """
 
     def __init__(self, fabric: Fabric, callback: object) -> None:
         # the one attribute of a Trainer's strategy our callbacks read
@@ -55,7 +64,18 @@ class FabricTrainer:
 
 
 def check_fabric(callback: object, fabric: Fabric) -> None:
-    """Refuse what a callback cannot do under Fabric, naming why and what works."""
+    """Refuse what a callback cannot do under Fabric, naming why and what works.
+
+    Args:
+        callback: the callback to run under Fabric; its class and its ``on_alarm`` actions are
+            checked.
+        fabric: the Fabric whose strategy and loggers are checked.
+
+    Raises:
+        MisconfigurationException: the callback needs a Trainer, the strategy is not supported,
+            or the Fabric has no logger.
+        ValueError: an alarm's action is ``"stop"``, which a Fabric loop cannot carry out.
+    """
     name = type(callback).__name__
     if name in _TRAINER_ONLY:
         raise MisconfigurationException(
@@ -93,7 +113,18 @@ _CLIPS = (
 
 
 class FabricRun:
-    """``callback`` watching ``module`` (the user's, inside Fabric's wrapper) of one Fabric loop."""
+    """Run a callback watching a module of one Fabric loop, in place of the Trainer's hooks.
+
+    Args:
+        callback: the callback, driven through its Trainer hooks with a :class:`FabricTrainer`
+            in the Trainer's place.
+        fabric: the Fabric whose strategy, precision and loggers the run reads.
+        module: the module Fabric set up (the user's is taken from inside Fabric's wrapper).
+
+    Raises:
+        MisconfigurationException: :func:`check_fabric` refuses the callback under ``fabric``.
+        ValueError: the same, for an alarm's ``"stop"``.
+    """
 
     def __init__(self, callback: Any, fabric: Fabric, module: nn.Module) -> None:  # noqa: ANN401 (a callback driven through Trainer hooks with a FabricTrainer in the Trainer's place)
         check_fabric(callback, fabric)
@@ -110,12 +141,23 @@ class FabricRun:
         self._warned_module = False
 
     def start(self) -> None:
-        """Run the callback's set-up checks; arm the pre-step and clipping hooks."""
+        """Run the callback's set-up checks, and arm the pre-step and clipping hooks.
+
+        The hooks stay armed until :meth:`on_train_end`; a run garbage-collected first leaves no
+        global hook behind.
+        """
         self.callback.setup(self.trainer, self.module, "fit")
         self.callback.on_fit_start(self.trainer, self.module)
         ref = weakref.ref(self)
 
         def pre_step(optimizer: torch.optim.Optimizer, *args: object) -> None:
+            """Hand an optimizer about to step to the run, while it lives.
+
+            Args:
+                optimizer: the optimizer about to step (torch's global pre-step hook sees every
+                    one).
+                *args: torch's further hook arguments, unread.
+            """
             run = ref()
             if run is not None:
                 run.before_step(optimizer)
@@ -130,9 +172,22 @@ class FabricRun:
     def _wrap_clip(
         self, ref: weakref.ref[FabricRun], method: str, algorithm: str, argument: str
     ) -> None:
-        """Observe the gradients before ``fabric.clip_gradients`` clips them, until released."""
+        """Observe the gradients before ``fabric.clip_gradients`` clips them, until released.
+
+        Args:
+            ref: a weak reference to the run, so that the wrapper keeps no run alive.
+            method: the strategy's clipping method wrapped (``"clip_gradients_norm"``).
+            algorithm: the clipping algorithm the method applies (``"norm"`` or ``"value"``).
+            argument: the name of the method's bound argument (``"max_norm"``).
+        """
 
         def observe(optimizer: Any, value: Any) -> None:  # noqa: ANN401 (as Fabric hands them on)
+            """Observe the gradients about to be clipped, while the run lives.
+
+            Args:
+                optimizer: the optimizer whose gradients are clipped, as Fabric hands it on.
+                value: the clip bound, as Fabric hands it on.
+            """
             run = ref()
             if run is not None:
                 run.before_clip(optimizer, algorithm, value)
@@ -140,6 +195,12 @@ class FabricRun:
         guarded = self.callback.hook_guard().wrap(observe, "gradient clipping hook")
 
         def before(optimizer: Any, value: Any) -> None:  # noqa: ANN401 (as Fabric hands them on)
+            """Check the clipping, then observe it under the callback's guard.
+
+            Args:
+                optimizer: the optimizer whose gradients are clipped, as Fabric hands it on.
+                value: the clip bound, as Fabric hands it on.
+            """
             run = ref()
             if run is not None:
                 run.check_clip(optimizer, value)  # a refused setup raises, outside the guard
@@ -148,6 +209,16 @@ class FabricRun:
         self._undo.append(before_fabric_clips(self.fabric.strategy, method, argument, before))
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Tell whether ``optimizer`` steps a parameter of the watched module.
+
+        The answer is cached per optimizer.
+
+        Args:
+            optimizer: the optimizer, unwrapped from Fabric's.
+
+        Returns:
+            Whether any of its parameters belongs to the watched module.
+        """
         owned = self._owned.get(optimizer)
         if owned is None:
             params = (p for group in optimizer.param_groups for p in group["params"])
@@ -156,7 +227,19 @@ class FabricRun:
         return owned
 
     def check_clip(self, optimizer: Any, value: Any) -> None:  # noqa: ANN401 (the optimizer and the clip value as Fabric hands them on)
-        """Refuse ``fabric.clip_gradients`` with a GradScaler: the pre-clip norm cannot be read."""
+        """Refuse ``fabric.clip_gradients`` with a GradScaler.
+
+        Under a GradScaler the gradients are still scaled before the clip, so the pre-clip norm
+        cannot be read there.
+
+        Args:
+            optimizer: the optimizer whose gradients are clipped, as Fabric hands it on.
+            value: the clip bound (``None``: no clipping, nothing to refuse).
+
+        Raises:
+            MisconfigurationException: the watched module's gradients are clipped under a
+                GradScaler.
+        """
         optimizer = unwrapped_optimizer(optimizer)
         if not self._owns(optimizer) or value is None:
             return
@@ -169,7 +252,16 @@ class FabricRun:
             )
 
     def before_clip(self, optimizer: Any, algorithm: str, value: Any) -> None:  # noqa: ANN401 (as check_clip)
-        """Observe the gradients ``fabric.clip_gradients`` is about to clip."""
+        """Observe the gradients ``fabric.clip_gradients`` is about to clip.
+
+        A new bound or algorithm is recorded as the trainer's clipping, and the fit attaches again
+        to measure after it.
+
+        Args:
+            optimizer: the optimizer whose gradients are clipped, as Fabric hands it on.
+            algorithm: the clipping algorithm (``"norm"`` or ``"value"``).
+            value: the clip bound (``None``: no clipping, nothing observed).
+        """
         optimizer = unwrapped_optimizer(optimizer)
         if not self._owns(optimizer) or value is None:
             return
@@ -184,6 +276,14 @@ class FabricRun:
         self._observed.add(id(optimizer))
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Observe the gradients an optimizer of the watched module is about to apply.
+
+        An optimizer seen for the first time joins the trainer's optimizers and the fit attaches
+        again; one observed before its clip this step is not observed twice.
+
+        Args:
+            optimizer: the optimizer about to step.
+        """
         if not self._owns(optimizer):
             return
         if id(optimizer) in self._observed:  # observed before its clip
@@ -203,12 +303,20 @@ class FabricRun:
         self._batch_start()
 
     def _batch_start(self) -> None:
+        """Start the coming step's batch, so that the cadence gates it."""
         # A batch index other than 0: Fabric has no epochs, the cadence alone samples.
         step = self.trainer.global_step
         self.callback.on_train_batch_start(self.trainer, self.module, None, step + 1)
 
     def on_after_optimizer_step(self, strategy: Any, optimizer: torch.optim.Optimizer) -> None:  # noqa: ANN401 (Fabric's hook: its strategy, unused)
-        """Fabric's hook: count the step, decide whether it is a logging step, gate the next."""
+        """Count an optimizer step, end its batch, and gate the next one.
+
+        Fabric calls this hook after each optimizer step.
+
+        Args:
+            strategy: Fabric's strategy, unread.
+            optimizer: the optimizer that stepped; one of another module is ignored.
+        """
         if not self._attached or not self._owns(optimizer):
             return
         self.trainer.global_step += 1
@@ -219,17 +327,23 @@ class FabricRun:
         self._batch_start()
 
     def on_before_backward(self, loss: torch.Tensor) -> None:
-        """``fabric.call("on_before_backward", loss)``: the loss rules' loss (the step's last)."""
+        """Keep the loss of ``fabric.call("on_before_backward", loss)`` for the loss rules.
+
+        The step's last loss is the one read, at the optimizer step.
+
+        Args:
+            loss: the loss about to be backpropagated (detached where it is a tensor).
+        """
         self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
 
     def on_train_epoch_end(self) -> None:
-        """``fabric.call("on_train_epoch_end")``: log the epoch's aggregates."""
+        """Log the epoch's aggregates at ``fabric.call("on_train_epoch_end")``."""
         if self._attached:
             self.callback.on_train_epoch_end(self.trainer, self.module)
         self.trainer.current_epoch += 1
 
     def on_train_end(self) -> None:
-        """``fabric.call("on_train_end")``: write what is pending, remove every hook."""
+        """Write what is pending and remove every hook at ``fabric.call("on_train_end")``."""
         callback = self.callback
         trainer = self.trainer
         if self._attached:
@@ -242,7 +356,12 @@ class FabricRun:
         self._undo.clear()
 
     def on_after_setup(self, fabric: Fabric, module: nn.Module) -> None:
-        """A second ``fabric.setup``: its module is not watched (one warning)."""
+        """Warn once that the module of a second ``fabric.setup`` is not watched.
+
+        Args:
+            fabric: the Fabric that set the module up, unread.
+            module: the module set up; the first module set up is the one watched.
+        """
         inner = fabric_wrapped_module(module)
         if inner is not self.module and not self._warned_module:
             self._warned_module = True

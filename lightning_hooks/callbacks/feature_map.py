@@ -1,4 +1,4 @@
-"""``FeatureMapCallback``: what the layers respond to, drawn from a fixed probe batch each epoch."""
+"""Provide ``FeatureMapCallback``, which draws what the layers respond to in a fixed probe batch."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[st
     """Find the modules that ``patterns`` name.
 
     Args:
-        model: the model.
+        model: the model whose qualified module names the patterns are matched against.
         argument: the constructor argument the patterns came from (the error names it first).
         patterns: glob patterns on qualified module names.
 
@@ -51,7 +51,7 @@ def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[st
 
 @named_arguments
 class FeatureMapCallback(HookCallback):
-    r"""Feature-map images of a fixed probe batch each epoch, and optionally its embedding.
+    r"""Draw the feature maps of a fixed probe batch each epoch, and optionally its embedding.
 
     Logged metrics, at ``trainer.global_step``:
 
@@ -168,13 +168,25 @@ class FeatureMapCallback(HookCallback):
         return True
 
     def _forget_probe(self) -> None:
-        """Drop a probe taken from a batch: the next fit takes its own (the user's is kept)."""
+        """Drop a probe taken from a batch, so that the next fit takes its own.
+
+        A probe the user gave is kept for every fit.
+        """
         self._probe = self._given_probe
         self._labels = self._given_labels
 
     @override
     def _batch_started(self, trainer: pl.Trainer, batch: Any) -> None:
-        """Take the probe from the fit's first batch, unless the user gave one."""
+        """Take the probe from the fit's first logging batch, unless the user gave one.
+
+        Args:
+            trainer: the trainer running the batch, unread.
+            batch: the training batch whose first ``probe_size`` samples (and labels, where it has
+                them) become the probe.
+
+        Raises:
+            ProbeInputError: ``input_fn`` finds no model input in ``batch``.
+        """
         if self._probe is None:
             size = self.probe_size  # the first samples, copied
             self._probe = map_tensors(self._model_input(batch), lambda x: x[:size].detach().clone())
@@ -184,7 +196,7 @@ class FeatureMapCallback(HookCallback):
         """Take the model input of the first training batch.
 
         Args:
-            batch: the batch.
+            batch: the training batch, as the dataloader gave it, handed to ``input_fn``.
 
         Returns:
             What ``input_fn`` returns of it.
@@ -215,6 +227,10 @@ class FeatureMapCallback(HookCallback):
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
         """Attach no hook: the feature maps are drawn at epoch ends, from the probe batch.
+
+        Args:
+            trainer: the trainer of the fit, unread.
+            pl_module: the model, unread (the probe runs through it at each drawn epoch's end).
 
         Returns:
             A fit with no registry, which forgets a probe taken from a batch when it ends.
@@ -250,7 +266,10 @@ class FeatureMapCallback(HookCallback):
 
 
 class ProbeInputError(LightningHooksError, TypeError):
-    """No usable model input in the first training batch (the guard lets it through)."""
+    """Signal that the first training batch holds no usable model input.
+
+    The guard lets it through, so the fit stops at its first batch.
+    """
 
 
 def has_tensor(x: object) -> bool:
@@ -275,7 +294,7 @@ def default_input(batch: object) -> object:
     """Take the model input of a batch.
 
     Args:
-        batch: the training batch.
+        batch: the training batch, as the dataloader gave it.
 
     Returns:
         The batch itself if a tensor, else its first element.
@@ -297,7 +316,7 @@ def default_labels(batch: object, size: int) -> torch.Tensor | None:
     """Take the labels of a batch, for the embedding.
 
     Args:
-        batch: the training batch.
+        batch: the training batch, whose second element may hold the labels.
         size: how many samples the probe keeps.
 
     Returns:
@@ -315,7 +334,7 @@ def map_tensors(x: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object
 
     Args:
         x: a tensor, or a (nested) list, tuple or mapping.
-        fn: what to apply.
+        fn: the function each tensor is replaced by the result of (a slice, a copy, a move).
 
     Returns:
         ``x`` with each tensor replaced by ``fn`` of it, in the same structure.

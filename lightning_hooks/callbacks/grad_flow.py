@@ -1,4 +1,4 @@
-"""``GradFlowCallback``: how gradients flow through every layer, logged at each epoch end."""
+"""Provide ``GradFlowCallback``, which logs how gradients flow through every layer."""
 
 from __future__ import annotations
 
@@ -36,8 +36,10 @@ __all__ = ["GradFlowCallback"]
 
 @named_arguments
 class GradFlowCallback(HookCallback):
-    r"""Per-layer gradient flow (the applied gradient, weights, updates) at each logging step,
-    and early-warning alarms (:class:`~lightning_hooks.core.AlarmRules`) on every optimizer step.
+    r"""Log per-layer gradient flow at logging steps, and raise early-warning alarms at every step.
+
+    The gradient flow is the applied gradient, the weights and the updates of each layer; the
+    alarms are :class:`~lightning_hooks.core.AlarmRules`, run on every optimizer step.
 
     A *layer* is a module owning trainable parameters directly. Each logging step also logs
     the tags but ``*_max`` as ``grad_flow/{stat}_step/...``, ``grad_flow/alarms_step/{rule}``,
@@ -187,8 +189,16 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
-        """Measure the fit: the tracker on the Trainer's optimizers, the optional statistics
-        on its registry, the alarms restored from the last fit, and the loss read each batch.
+        """Measure the fit: the tracker, the optional statistics, the restored alarms and the loss.
+
+        The tracker is put on the Trainer's optimizers and the optional statistics on its registry;
+        the alarms are restored from the last fit, and the loss is read each batch.
+
+        Args:
+            trainer: the trainer whose optimizers and gradient clipping the tracker reads, and
+                whose ``should_stop`` tells, when the hooks come off, whether an alarm ended
+                the fit.
+            pl_module: the model the hooks are put on and whose loss the loss rules read.
 
         Returns:
             What the fit attached: the tracker's registry, the tracker and the instability
@@ -234,7 +244,8 @@ class GradFlowCallback(HookCallback):
 
         Args:
             trainer: the trainer, whose optimizers and clipping the tracker reads.
-            pl_module: the model.
+            pl_module: the model whose layers the tracker measures, and whose learning rate and
+                output units the alarms quote.
 
         Returns:
             The tracker, with the run's facts its alarms quote; a layer no optimizer steps is
@@ -268,8 +279,13 @@ class GradFlowCallback(HookCallback):
         return tracker
 
     def _end_fit(self, trainer: pl.Trainer) -> None:
-        """The hooks came off: keep the alarms' state for the next fit, drop what this fit made,
-        and say whether an alarm's ``stop`` ended it."""
+        """Close a fit whose hooks came off: keep the alarms' state and drop what the fit made.
+
+        It also says whether an alarm's ``stop`` ended the fit.
+
+        Args:
+            trainer: the trainer whose ``should_stop`` tells whether a ``stop`` ended the fit.
+        """
         self.policy.keep()
         self._fit = None
         self.policy.announce_stop(trainer)
@@ -284,7 +300,7 @@ class GradFlowCallback(HookCallback):
         return self.loss_agreement.reading == "mean"
 
     def _request_stop(self) -> None:
-        """An alarm's ``stop`` under DDP: the ranks agree on it at the next agreement."""
+        """Ask to stop for an alarm's ``stop`` under DDP; the ranks agree at the next agreement."""
         self.stop_requested = True
 
     @override
@@ -292,7 +308,15 @@ class GradFlowCallback(HookCallback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Measure the gradient ``optimizer`` is about to apply, and act on the alarms read."""
+        """Measure the gradient ``optimizer`` is about to apply, and act on the alarms read.
+
+        Args:
+            trainer: the trainer whose GradScaler unscales the gradients read, and whose step the
+                measurement belongs to.
+            pl_module: the model trained, unread.
+            optimizer: the optimizer about to step, whose gradients are measured (and, under
+                ``"skip"``, dropped).
+        """
         fit = self._fit
         if fit is None:
             return
@@ -314,9 +338,17 @@ class GradFlowCallback(HookCallback):
     def _batch_ending(
         self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
     ) -> None:
-        """Close the logging step's attention statistics, and feed the batch's loss to the loss
-        rules: this rank's own, or the ranks' mean (whose collective also carries the ranks'
-        failures and stops)."""
+        """Close a logging step's attention statistics, and feed the batch's loss to the rules.
+
+        The loss rules read this rank's own, or the ranks' mean (whose collective also carries
+        the ranks' failures and stops).
+
+        Args:
+            trainer: the trainer the alarms act on, and that a rank's failure or stop is applied to.
+            outputs: what the batch's ``training_step`` returned, where the loss is read.
+            logging_step: whether the batch belongs to a logging step (the attention statistics
+                close only then).
+        """
         fit = self._fit
         if fit is None:
             return
@@ -344,7 +376,13 @@ class GradFlowCallback(HookCallback):
     def _watch_own_loss(
         self, trainer: pl.Trainer, outputs: STEP_OUTPUT, alarms: TrainingAlarms
     ) -> None:
-        """Feed this rank's loss to the loss rules, and act on the alarms read."""
+        """Feed this rank's loss to the loss rules, and act on the alarms read.
+
+        Args:
+            trainer: the trainer the alarms act on.
+            outputs: what the batch's ``training_step`` returned, where the loss is read.
+            alarms: the fit's alarms, fed the loss at the running batch's step.
+        """
         loss = training_loss(trainer, outputs)
         if loss is None:
             return
@@ -359,7 +397,7 @@ class GradFlowCallback(HookCallback):
         Args:
             fit: the fit whose alarms are logged.
             trainer: the trainer whose loggers are written to.
-            step: the logging step.
+            step: the logging step, which the counts and text are written at.
             table: the step's values per layer (the alarms need only its step).
         """
         if fit.alarms is not None:
@@ -372,8 +410,8 @@ class GradFlowCallback(HookCallback):
 
         Args:
             fit: the fit whose alarms read them.
-            trainer: the trainer.
-            step: the logging step.
+            trainer: the trainer, unread (the signature every step reader has).
+            step: the logging step the values belong to.
             result: the step's instability statistics.
         """
         if fit.alarms is not None:
@@ -392,15 +430,22 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The alarms' epoch: those to act on, the counts, the text."""
+        """Close the alarms' epoch: act on the last verdicts, then log the counts and the text.
+
+        Args:
+            trainer: the trainer the alarms act on and whose loggers are written to.
+            pl_module: the model trained, unread.
+        """
         if self._fit is not None and self._fit.alarms is not None:
             self.policy.end_epoch(trainer, self._fit.alarms)
 
 
 @dataclass
 class _Fit:
-    """What one fit of :class:`GradFlowCallback` measures: made at its train start, dropped when
-    its hooks come off."""
+    """Hold what one fit of :class:`GradFlowCallback` measures.
+
+    It is made at the fit's train start and dropped when its hooks come off.
+    """
 
     tracker: GradFlowTracker
     """The gradient flow of every layer, for the Trainer's optimizers."""
@@ -444,7 +489,7 @@ def _histograms(tracker: GradFlowTracker) -> LayerHistograms:
     """Make the histograms of ``log10 |g|``, one per layer the tracker measures.
 
     Args:
-        tracker: the fit's tracker.
+        tracker: the fit's tracker, whose layers and device the histograms take.
 
     Returns:
         Empty histograms on the layers' device.

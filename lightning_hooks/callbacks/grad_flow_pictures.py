@@ -1,5 +1,8 @@
-"""What ``GradFlowCallback`` draws at each epoch end beside its scalars: the gradient-flow chart,
-the heatmap of the gradient norm per layer and epoch, and the histograms of ``log10 |g|``."""
+"""Draw what ``GradFlowCallback`` shows at each epoch end beside its scalars.
+
+That is the gradient-flow chart, the heatmap of the gradient norm per layer and epoch, and
+the histograms of ``log10 |g|``.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +28,13 @@ __all__ = ["GradFlowPictures", "observe_histograms"]
 def observe_histograms(
     hist: LayerHistograms, layout: ParamLayout, optimizer: torch.optim.Optimizer
 ) -> None:
-    """Count the gradients ``optimizer`` is about to apply into ``hist``, per layer."""
+    """Count the gradients ``optimizer`` is about to apply into ``hist``, per layer.
+
+    Args:
+        hist: the histograms of ``log10 |g|``, one per layer, that the counts are added to.
+        layout: the parameters' layout, which tells each parameter's layer.
+        optimizer: the optimizer about to step; only the parameters it steps are counted.
+    """
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     pairs = [
         (p, row)
@@ -37,8 +46,10 @@ def observe_histograms(
 
 
 class GradFlowPictures:
-    """Draws an epoch's chart and heatmap, and writes its histograms. It holds the heatmap's
-    columns, one per epoch of the fit (:meth:`start` forgets them), saved in checkpoints.
+    """Draw an epoch's chart and heatmap, and write its histograms.
+
+    It holds the heatmap's columns, one per epoch of the fit (:meth:`start` forgets them), saved
+    in checkpoints.
 
     Args:
         max_layers_logged: histograms for the layers whose scalars are logged
@@ -55,7 +66,7 @@ class GradFlowPictures:
         """The gradient norm per layer of each epoch of the fit, the heatmap's columns."""
 
     def start(self) -> None:
-        """A new fit: a new heatmap."""
+        """Start a new fit's heatmap, forgetting the last fit's epochs."""
         self.history.clear()
 
     def write(
@@ -65,8 +76,18 @@ class GradFlowPictures:
         histograms: LayerHistograms | None,
         shards: ShardPlan | None,
     ) -> None:
-        """The epoch's histograms (their counts, a collective under FSDP2, on every rank), then
-        on rank 0 its chart and heatmap; nothing for an epoch with no logging step."""
+        """Write the epoch's histograms, then on rank 0 its chart and heatmap.
+
+        The histograms' counts are a collective under FSDP2, on every rank. An epoch with no logging
+        step writes nothing.
+
+        Args:
+            trainer: the trainer whose loggers are written to, at its ``global_step``.
+            stats: the epoch's values per layer.
+            histograms: the epoch's histograms of ``log10 |g|`` (``None``: none are written).
+            shards: how the gradients are sharded across ranks under FSDP2 (``None``: whole on
+                every rank).
+        """
         if not stats.count.any():
             return
         if histograms is not None:
@@ -77,6 +98,12 @@ class GradFlowPictures:
             self._write_heatmap(trainer, stats)
 
     def _write_chart(self, trainer: pl.Trainer, stats: LayerTable) -> None:
+        """Draw the chart of mean and max ``|g|`` per layer.
+
+        Args:
+            trainer: the trainer whose loggers get the figure, titled with its epoch.
+            stats: the epoch's values per layer (the global row, last, is left out).
+        """
         mean = stats.column("grad_abs_mean")[:-1]
         peak = stats.column("grad_abs_max", "peak")[:-1]
         title = f"gradient flow, epoch {trainer.current_epoch}"
@@ -84,6 +111,12 @@ class GradFlowPictures:
         log_figure(trainer.loggers, family_tag(GRAD_FLOW, "chart"), figure, trainer.global_step)
 
     def _write_heatmap(self, trainer: pl.Trainer, stats: LayerTable) -> None:
+        """Add the epoch's gradient norms to the heatmap's columns, and draw the heatmap.
+
+        Args:
+            trainer: the trainer whose loggers get the figure; its epoch names the new column.
+            stats: the epoch's values per layer (the global row, last, is left out).
+        """
         norms = {"grad_norm": stats.column("grad_norm")[:-1]}
         self.history.add(trainer.current_epoch, stats.layers[:-1], norms)
         layers, epochs, values = self.history.grid("grad_norm")
@@ -98,7 +131,15 @@ class GradFlowPictures:
         hist: LayerHistograms,
         shards: ShardPlan | None,
     ) -> None:
-        """Write the epoch's histograms of the logged layers (rank 0), then reset them."""
+        """Write the epoch's histograms of the logged layers on rank 0, then reset them.
+
+        Args:
+            trainer: the trainer whose loggers are written to; only rank 0 writes.
+            stats: the epoch's values per layer, which choose the layers logged.
+            hist: the epoch's histograms, reset once their counts are read.
+            shards: how the gradients are sharded under FSDP2, whose counts are summed across
+                ranks (``None``: rank 0's counts are every rank's).
+        """
         # Gradients are all-reduced before the optimizer step: rank 0's counts are every rank's.
         # FSDP2: each rank counted its shard's entries; the whole gradient is their sum.
         counts = (

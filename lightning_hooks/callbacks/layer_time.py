@@ -1,4 +1,4 @@
-"""``LayerTimeCallback``: forward time per layer on logging steps, and its share of the step."""
+"""Provide ``LayerTimeCallback``, which times each layer's forward on logging steps."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ _NAME = "LayerTimeCallback"
 
 @named_arguments
 class LayerTimeCallback(HookCallback):
-    r"""Forward time of every layer on logging steps, as ms and as a share of the step.
+    r"""Time every layer's forward on logging steps, in ms and as a share of the step.
 
     Logged metrics, per epoch, means over the epoch's logging steps; each logging step also logs
     the same tags with ``_step`` after the statistic (``layer_time/step_ms_step``):
@@ -103,7 +103,12 @@ class LayerTimeCallback(HookCallback):
         self._timer.end_step()
 
     def _draw_chart(self, trainer: pl.Trainer, times: LayerTimes) -> None:
-        """Draw the epoch's forward time per layer (rank 0, with ``chart``)."""
+        """Draw the epoch's forward time per layer, on rank 0, with ``chart``.
+
+        Args:
+            trainer: the trainer whose loggers get the chart; its epoch is in the title.
+            times: the epoch's mean forward time per layer and step time.
+        """
         if times.steps == 0 or not trainer.is_global_zero or not self.chart:
             return
         epoch = trainer.current_epoch

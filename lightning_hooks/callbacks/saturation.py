@@ -1,4 +1,4 @@
-"""``SaturationCallback``: how saturated the bounded activations (Sigmoid, Tanh, ...) are."""
+"""Provide ``SaturationCallback``, which measures how saturated the bounded activations are."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ _WATCHES = (
 
 @named_arguments
 class SaturationCallback(HookCallback):
-    r"""Saturated outputs of every bounded activation, and units saturated all epoch long.
+    r"""Measure the saturated outputs of every bounded activation, and units saturated all epoch.
 
     Watches ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6`` included) and
     ``Hardsigmoid`` modules. Logged metrics, per epoch (``{layer}``: the module's qualified
@@ -119,7 +119,12 @@ class SaturationCallback(HookCallback):
         )
 
     def _warn(self, trainer: pl.Trainer, found: SaturatedUnits) -> None:
-        """Warn of each layer at or past ``warn_at``, once per layer per fit."""
+        """Warn of each layer at or past ``warn_at``, once per layer per fit, on rank 0.
+
+        Args:
+            trainer: the trainer whose epoch the warning names (only rank 0 warns).
+            found: the epoch's units saturated on every sample, per layer.
+        """
         epoch = trainer.current_epoch
         warn_at = self.warn_at
         if warn_at is None or not trainer.is_global_zero:

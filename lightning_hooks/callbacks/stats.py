@@ -1,5 +1,6 @@
-"""``StatsCallback``: any :class:`~.stat.LayerStat`, logged at each logging step and epoch end, and
-carried in checkpoints.
+"""Provide ``StatsCallback``, which logs any :class:`~.stat.LayerStat` and keeps it in checkpoints.
+
+Each statistic is logged at each logging step and epoch end.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ _AnyStat = LayerStat
 
 
 class Findings:
-    """A callback's findings per layer in one fit: the first on each layer is warned, the rest
-    are counted and summed up in one warning when the fit's hooks come off.
+    """Count a callback's findings per layer in one fit, warning of the first on each layer.
+
+    The rest are counted and summed up in one warning when the fit's hooks come off.
 
     Args:
         owner: the callback's name, which the summary begins with.
@@ -44,6 +46,9 @@ class Findings:
 
     def first(self, layer: str) -> bool:
         """Count a finding on ``layer``.
+
+        Args:
+            layer: the qualified name of the module the finding is on.
 
         Returns:
             Whether it is the first on that layer in this fit (to be warned).
@@ -77,8 +82,8 @@ def watches_selection(  # noqa: PLR0913 (a callback's selection: one keyword eac
 
     Args:
         owner: the callback's name, which its messages begin with.
-        model: the model to watch.
-        stats: the callback's statistics.
+        model: the model whose modules the statistics select from.
+        stats: the callback's statistics, each selecting its modules.
         what: what the statistics watch (``"module"``), as the messages name it.
         selected: the constructor arguments that select modules, with the values the user gave
             (``None`` or empty where left at the default).
@@ -107,8 +112,8 @@ def attach_stats(
     """Hook each statistic on ``model``, on one registry whose gate opens at logging steps.
 
     Args:
-        model: the model to watch.
-        guard: the guard of the callback's hooks.
+        model: the model the statistics' hooks are put on.
+        guard: the guard of the callback's hooks, which the registry runs every hook under.
         logged: each statistic (a :class:`~.stat.LayerStat`) with what the callback reads of its
             results.
         on_remove: called once when the hooks come off.
@@ -116,6 +121,9 @@ def attach_stats(
     Returns:
         What the fit attached; the ranks align the statistics' rows (a module that runs on some
         ranks only).
+
+    Raises:
+        TypeError: a statistic of ``logged`` is not a :class:`~.stat.LayerStat`.
     """
     registry = HookRegistry(model, guard=guard)
     stats = [_layer_stat(item) for item in logged]
@@ -125,6 +133,17 @@ def attach_stats(
 
 
 def _layer_stat(logged: Logged[Any]) -> LayerStat[Any]:
+    """Return the statistic of ``logged``, checked to be a layer statistic.
+
+    Args:
+        logged: a statistic with what its callback reads of it.
+
+    Returns:
+        The statistic, typed as a :class:`~.stat.LayerStat`.
+
+    Raises:
+        TypeError: the statistic is not a :class:`~.stat.LayerStat`.
+    """
     stat = logged.stat
     if not isinstance(stat, LayerStat):
         raise TypeError(f"attach_stats: {type(stat).__name__} is not a LayerStat")
@@ -133,8 +152,9 @@ def _layer_stat(logged: Logged[Any]) -> LayerStat[Any]:
 
 @named_arguments
 class StatsCallback(HookCallback):
-    """Hooks each statistic on the model in the logging steps' training forwards, and carries
-    it in checkpoints.
+    """Hook each statistic on the model in the logging steps' training forwards.
+
+    Each statistic is carried in checkpoints too.
 
     Logged metrics: each statistic's ``step_values`` at each logging step, its ``tags`` at each
     epoch end.

@@ -1,7 +1,10 @@
-"""How our callbacks meet Lightning's Trainer: the checks it must pass at setup, both of
-Lightning's namespaces (``pytorch_lightning`` and ``lightning.pytorch``), a callback added by
-``LIGHTNING_HOOKS`` yielding to the user's own, and the empty per-batch hooks Lightning need not
-call. Fabric's loop is met in :mod:`~lightning_hooks.callbacks.fabric`."""
+"""Connect the callbacks to Lightning's Trainer.
+
+This covers the checks the Trainer must pass at setup, both of Lightning's namespaces
+(``pytorch_lightning`` and ``lightning.pytorch``), a callback added by ``LIGHTNING_HOOKS``
+yielding to the user's own, and the empty per-batch hooks Lightning need not call. Fabric's
+loop is met in :mod:`~lightning_hooks.callbacks.fabric`.
+"""
 
 from __future__ import annotations
 
@@ -47,9 +50,22 @@ _FSDP2 = (
 def check_trainer(
     name: str, trainer: pl.Trainer, *, uses_images: bool, every_n_steps: int | None
 ) -> None:
-    """Refuse a strategy whose statistics would be a shard's, no logger, or no logging steps for
-    a callback ``name`` that takes the Trainer's (``every_n_steps=None``); warn if no logger shows
-    pictures and the callback draws some (``uses_images``)."""
+    """Refuse a Trainer the callback cannot work under, and warn where its pictures are not shown.
+
+    A strategy whose statistics would be a shard's is refused, as is a Trainer with no logger, or
+    with no logging steps for a callback that takes the Trainer's (``every_n_steps=None``).
+
+    Args:
+        name: the callback's name, which the messages begin with.
+        trainer: the trainer whose strategy, loggers and ``log_every_n_steps`` are checked.
+        uses_images: the callback draws pictures: warn if no logger of the Trainer shows them.
+        every_n_steps: the callback's cadence (``None``: the Trainer's, which is then checked).
+
+    Raises:
+        MisconfigurationException: the strategy is FSDP, DeepSpeed or tensor-parallel, the
+            Trainer has no logger, or it has no logging steps for a callback that takes the
+            Trainer's.
+    """
     if every_n_steps is None:
         _check_cadence(name, trainer)
     strategy = type(trainer.strategy).__name__
@@ -82,10 +98,19 @@ def check_trainer(
 
 
 def _check_cadence(name: str, trainer: pl.Trainer) -> None:
-    """Refuse ``Trainer(log_every_n_steps=0)`` for a callback ``name`` that takes its logging
-    steps from the Trainer. Lightning reads 0 as no step logging; a callback has nothing without
-    logging steps (its epoch aggregates are over them), and read as a cadence, 0 would measure
-    every step, the most expensive setting."""
+    """Refuse ``Trainer(log_every_n_steps=0)`` for a callback that takes its logging steps from it.
+
+    Lightning reads 0 as no step logging; a callback has nothing without logging steps (its epoch
+    aggregates are over them), and read as a cadence, 0 would measure every step, the most
+    expensive setting.
+
+    Args:
+        name: the callback's name, which the message begins with.
+        trainer: the trainer whose ``log_every_n_steps`` is checked.
+
+    Raises:
+        MisconfigurationException: the Trainer's ``log_every_n_steps`` is 0.
+    """
     if getattr(trainer, "log_every_n_steps", None) == 0:  # set by Lightning, not typed
         raise MisconfigurationException(
             f"{name}(every_n_steps=None) measures at the Trainer's logging steps, but "
@@ -101,7 +126,8 @@ def stands_down_for_users_own(callback: object, callbacks: Sequence[object]) -> 
 
     Args:
         callback: one of the library's callbacks.
-        callbacks: every callback of the Trainer or Fabric.
+        callbacks: every callback of the Trainer or Fabric, searched for one of its class the
+            user passed.
 
     Returns:
         Whether ``callback`` came from ``LIGHTNING_HOOKS`` (its ``from_environment``) and the
@@ -114,6 +140,14 @@ def stands_down_for_users_own(callback: object, callbacks: Sequence[object]) -> 
 
 
 def _from_environment(callback: object) -> bool:
+    """Tell whether the ``LIGHTNING_HOOKS`` switch added ``callback``.
+
+    Args:
+        callback: any callback; one without ``from_environment`` is the user's.
+
+    Returns:
+        The callback's ``from_environment``, ``False`` where it has none.
+    """
     return bool(getattr(callback, "from_environment", False))
 
 
@@ -129,8 +163,16 @@ _DEFAULTS = {name: {getattr(base, name) for _, base in _NAMESPACES} for name in 
 
 
 def skip_inherited(callback: pl.Callback, trainer: object) -> None:
-    """Under Lightning's ``trainer`` (not Fabric's loop), let Lightning skip the empty per-batch
-    hooks ``callback`` inherits (:func:`~lightning_hooks.internals.lightning.shadow_hooks`)."""
+    """Let Lightning skip the empty per-batch hooks a callback inherits, under Lightning's Trainer.
+
+    A Fabric loop is left alone. See
+    :func:`~lightning_hooks.internals.lightning.shadow_hooks`.
+
+    Args:
+        callback: the callback whose inherited, empty per-batch hooks are shadowed for the fit.
+        trainer: the trainer of the fit; only a Trainer of either Lightning namespace is acted
+            on.
+    """
     if not isinstance(trainer, _TRAINERS):
         return
     cls = type(callback)
@@ -139,5 +181,9 @@ def skip_inherited(callback: pl.Callback, trainer: object) -> None:
 
 
 def restore_inherited(callback: pl.Callback) -> None:
-    """Let Lightning call the inherited hooks again (idempotent)."""
+    """Let Lightning call a callback's inherited hooks again; calling it twice does no harm.
+
+    Args:
+        callback: the callback whose hooks :func:`skip_inherited` shadowed.
+    """
     unshadow_hooks(callback)
