@@ -174,13 +174,13 @@ def test_rows_the_ranks_cannot_align_disable_the_callback_on_every_rank(
     that logging step, one warning, and training goes on (strict mode raises it instead)."""
     import warnings
 
-    from lightning_hooks.callbacks import attached, base
+    from lightning_hooks.callbacks import attached, ranks
     from lightning_hooks.core.hooks.guard import STRICT_ENV
     from lightning_hooks.errors import LightningHooksWarning
 
     monkeypatch.setenv(STRICT_ENV, "0")
-    monkeypatch.setattr(base, "world_size", lambda: 2)
-    monkeypatch.setattr(base, "agree", lambda flags: [int(f) for f in flags])
+    monkeypatch.setattr(ranks, "world_size", lambda: 2)
+    monkeypatch.setattr(ranks, "agree", lambda flags: [int(f) for f in flags])
     monkeypatch.setattr(attached, "gather_objects", lambda mine: [mine, [[("net.1", 7)]]])
     model = TinyMLP()
     callback = DeadReLUCallback(every_n_steps=1, warn_at=None)

@@ -157,9 +157,6 @@ class Attached:
             reduce: a module that runs on some ranks only would otherwise hang the reduce.
         every_batch: the callback's ``_batch_ending`` runs at every batch, not only at a logging
             step's.
-        agreement_carried: whether each batch's loss collective carries the ranks' failures
-            and stops (see :mod:`.agreement`), so that a logging step needs no agreement of its
-            own; asked at each logging step (``None``: never).
         on_remove: called once when the hooks come off (the fit ended, failed, or was torn down).
         earlier_layout: reads a checkpoint's state saved by an earlier release into this
             release's layout (``None``: every release saved this one).
@@ -172,7 +169,6 @@ class Attached:
         *,
         aligned: Sequence[LayerStat[Any]] = (),
         every_batch: bool = False,
-        agreement_carried: Callable[[], bool] | None = None,
         on_remove: Callable[[], None] | None = None,
         earlier_layout: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
@@ -180,19 +176,10 @@ class Attached:
         self.logged = tuple(logged)
         self.aligned = tuple(aligned)
         self.every_batch = every_batch
-        self._agreement_carried = agreement_carried
         self._on_remove = on_remove
         self._earlier_layout = earlier_layout
         self.copying = False
         """A logging step's values are on their way to the host, not all written yet."""
-
-    def agreement_is_carried(self) -> bool:
-        """Tell whether each batch's loss collective carries the ranks' agreement now.
-
-        Returns:
-            ``True`` where it does: a logging step then needs no agreement of its own.
-        """
-        return self._agreement_carried is not None and self._agreement_carried()
 
     def end_logging_step(self, trainer: pl.Trainer, step: int) -> None:
         """Write the last logging step's values, then start the host copies of this one's.

@@ -7,7 +7,7 @@ What one fit measures is an :class:`~.attached.Attached` that the callback build
 from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_hooks.callbacks.attached import Attached, Checkpointed
 from lightning_hooks.callbacks.cadence import LoggingCadence, check_every_n_steps
 from lightning_hooks.callbacks.fabric import FabricRun
+from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import (
     SECOND_CALLBACK,
     check_trainer,
@@ -30,7 +31,6 @@ from lightning_hooks.callbacks.trainer import (
     stands_down_for_users_own,
 )
 from lightning_hooks.core.hooks.guard import Guard, guarded
-from lightning_hooks.core.transport import agree, gather_objects, world_size
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import drop_model_logging, fabric_callbacks
 from lightning_hooks.logging import save_loggers
@@ -84,9 +84,9 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     subclass gives the base configuration, not code: the ``state_key`` fields its constructor
     passes (what tells two configurations apart; marked when the ``LIGHTNING_HOOKS`` switch added
     the callback), whether it ``uses_images``, and what it keeps from one fit to the next
-    (:attr:`kept`, saved in checkpoints). A callback whose own collective carries the ranks'
-    flags hands them to :meth:`apply_rank_flags`, and one that asks to stop the fit sets
-    :attr:`stop_requested`.
+    (:attr:`kept`, saved in checkpoints). What the ranks of a multi-process fit agree on is a
+    collaborator, :attr:`ranks` (a :class:`~.ranks.RankAgreement`): a callback that asks to stop
+    the fit, or whose own collective carries the ranks' flags, calls it by name.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -142,12 +142,10 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self._fabric_run: FabricRun | None = None  # under Fabric: what drives the hooks
         self._attached: Attached | None = None  # what this fit put on the model
         self._pending_state: dict[str, Any] | None = None  # a checkpoint's, until attached
-        self._ranks = 1
         self._idle = False  # nothing to watch (or the user's own runs): this fit does nothing
         self._logging_batch = False  # the running batch belongs to a logging step
-        self.stop_requested = False
-        """This rank's request to stop the fit: the ranks agree on it at their next agreement,
-        then every rank stops after the same step."""
+        self.ranks = RankAgreement(self.hook_guard, remove_hooks=self.remove_hooks)
+        """What the ranks of a multi-process fit agree on: a failure, a stop, new rows."""
 
     @property
     def every_n_steps(self) -> int | None:
@@ -204,11 +202,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     @guarded
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.remove_hooks()
-        self.stop_requested = False
-        guard = self.hook_guard()
-        self._ranks = world_size()
-        # Ranks agree on a failure before any disables (see lightning_hooks.core.hooks.guard).
-        guard.defer = not guard.strict and self._ranks > 1
+        self.ranks.start()
         if self._idle:
             return
         attached = self._attach(trainer, pl_module)
@@ -265,7 +259,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         attached = self._attached  # a failure in the batch's hooks may have taken it off
         if measured is None or attached is None:
             return
-        self._agree_ranks(trainer, measured, always=False)
+        self.ranks.agree(trainer, measured, attached, always=False)
         if self.hook_guard().failed is not None:
             return  # the ranks agreed on a failure: the hooks are off on every rank
         attached.end_logging_step(trainer, measured)
@@ -288,7 +282,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     @override
     @guarded
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._agree_ranks(trainer, trainer.global_step, always=True)
+        self.ranks.agree(trainer, trainer.global_step, self._attached, always=True)
         self.cadence.end_epoch()
         attached = self._attached  # a failure the ranks agreed on takes it off, on every rank
         if attached is not None:
@@ -309,7 +303,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         attached = self._attached
         state: dict[str, Any] = {}
         if attached is not None:
-            if self._ranks > 1 and attached.aligned:
+            if self.ranks.size > 1 and attached.aligned:
                 attached.align_rows()  # a checkpoint between logging steps: the rows made since
             state = attached.state_dict()
         for key, kept in self.kept.items():
@@ -331,7 +325,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
             if self.hook_guard().failed is None:  # a failure after the last epoch end: agreed
-                self._agree_ranks(trainer, trainer.global_step, always=True)
+                self.ranks.agree(trainer, trainer.global_step, self._attached, always=True)
             save_loggers(trainer.loggers, layout=trainer.is_global_zero)
         finally:
             self.remove_hooks()
@@ -411,87 +405,6 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self.remove_hooks()
         restore_inherited(self)
         drop_model_logging(self)
-
-    def _agree_ranks(self, trainer: pl.Trainer, step: int, *, always: bool) -> None:
-        """Agree across the ranks on a failure and a ``stop`` at a logging step.
-
-        Only a multi-process run agrees, and it skips the agreement where every batch's loss
-        collective carries it already (see :mod:`.agreement`). A failure agreed on takes the hooks
-        off on every rank.
-
-        Args:
-            trainer: the trainer that is stopped where a rank asked, and whose rank 0 warns of a
-                failure.
-            step: the optimizer step the ranks agree at, named in the failure's warning.
-            always: agree even where the loss collective carries the agreement (an epoch end).
-        """
-        guard = self.hook_guard()
-        attached = self._attached
-        carried = attached is not None and attached.agreement_is_carried()
-        if self._ranks == 1 or guard.failed is not None or (carried and not always):
-            return
-        rows_grew = attached is not None and attached.rows_grew()
-        failed, stopping, grew = agree([guard.local is not None, self.stop_requested, rows_grew])
-        self.apply_rank_flags(trainer, step, failed=failed, stopping=stopping)
-        attached = self._attached
-        if grew and attached is not None:
-            self._align_rows(trainer, step, attached)
-
-    def _align_rows(self, trainer: pl.Trainer, step: int, attached: Attached) -> None:
-        """Align the ranks' rows of the fit's statistics.
-
-        Where a layer's units differ between ranks, the callback is disabled on every rank (in
-        strict mode the error is raised instead).
-
-        Args:
-            trainer: the trainer whose rank 0 warns where the callback is disabled.
-            step: the optimizer step aligned at, named in the warning.
-            attached: what the fit attached, whose statistics' rows are aligned.
-
-        Raises:
-            ValueError: a layer's units differ between ranks and the guard is strict.
-        """
-        try:
-            attached.align_rows()
-        except ValueError as error:
-            if self.hook_guard().strict:
-                raise
-            cause = f"aligning rows across ranks: {type(error).__name__}: {error}"
-            self._disable(trainer, step, [cause] * self._ranks)  # every rank's
-
-    def apply_rank_flags(
-        self, trainer: pl.Trainer, step: int, *, failed: int, stopping: int
-    ) -> None:
-        """Act on the flags the ranks summed: stop if any rank asked, disable if any failed.
-
-        A failure disables the callback on every rank, with one warning. The base calls it after its
-        own agreement; a callback whose own collective carries the flags (see :mod:`.agreement`)
-        calls it too.
-
-        Args:
-            trainer: the trainer whose ``should_stop`` is set where a rank asked to stop.
-            step: the optimizer step agreed at, named in a failure's warning.
-            failed: how many ranks failed (0: none).
-            stopping: how many ranks asked to stop (0: none).
-        """
-        if stopping:
-            trainer.should_stop = True
-            self.stop_requested = False
-        if failed:
-            self._disable(trainer, step, gather_objects(self.hook_guard().local))
-
-    def _disable(self, trainer: pl.Trainer, step: int, causes: Sequence[str | None]) -> None:
-        """Disable the callback on every rank, with one warning on rank 0 naming each rank's cause.
-
-        Args:
-            trainer: the trainer whose rank 0 writes the warning.
-            step: the optimizer step it is disabled at, named in the warning.
-            causes: each rank's cause, by rank (``None`` for a rank that did not fail).
-        """
-        guard = self.hook_guard()
-        guard.disable_on_every_rank(causes, step, warn=trainer.is_global_zero)
-        guard.removal_due()
-        self.remove_hooks()
 
     def remove_hooks(self) -> None:
         """Take every hook of the running fit off the model.

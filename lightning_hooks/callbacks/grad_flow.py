@@ -137,7 +137,7 @@ class GradFlowCallback(HookCallback):
             uses_images=chart or heatmap,
         )
         self.alarms = _alarm_rules(alarms)
-        self.policy = AlarmPolicy(on_alarm, request_stop=self._request_stop)
+        self.policy = AlarmPolicy(on_alarm, request_stop=self.ranks.request_stop)
         self.kept["alarms"] = self.policy  # the running scales, from one fit to the next
         self.loss_agreement = LossAgreement(self.policy)
         self.on_alarm = self.policy.actions
@@ -229,12 +229,12 @@ class GradFlowCallback(HookCallback):
             fit.stability.attach(pl_module, tracker.registry)
             on_step = functools.partial(self._watch_attention, fit)
             logged.append(Logged(fit.stability, on_step=on_step))
+        self.ranks.carried = self._agreement_carried  # the loss's collective, every batch
         return Attached(
             tracker.registry,
             logged,
             # the loss rules read every batch's loss: the ranks' mean, or this rank's own
             every_batch=loss.reading == "mean" or own,
-            agreement_carried=self._agreement_carried,
             on_remove=functools.partial(self._end_fit, trainer),
             earlier_layout=_saved_by_release_0_2,
         )
@@ -299,10 +299,6 @@ class GradFlowCallback(HookCallback):
         """
         return self.loss_agreement.reading == "mean"
 
-    def _request_stop(self) -> None:
-        """Ask to stop for an alarm's ``stop`` under DDP; the ranks agree at the next agreement."""
-        self.stop_requested = True
-
     @override
     @guarded
     def on_before_optimizer_step(
@@ -365,10 +361,10 @@ class GradFlowCallback(HookCallback):
         step = self.cadence.batch_step
         failed = self.hook_guard().local is not None
         flags = loss.observe(
-            training_loss(trainer, outputs), step, failed=failed, stop=self.stop_requested
+            training_loss(trainer, outputs), step, failed=failed, stop=self.ranks.stop_requested
         )
         if flags is not None:
-            self.apply_rank_flags(trainer, step, failed=flags.failed, stopping=flags.stopping)
+            self.ranks.apply(trainer, step, failed=flags.failed, stopping=flags.stopping)
             if self._fit is None:
                 return  # a rank failed: the callback is disabled on every rank
         loss.apply(trainer, fit.alarms)
@@ -415,8 +411,7 @@ class GradFlowCallback(HookCallback):
             result: the step's instability statistics.
         """
         if fit.alarms is not None:
-            logits = result["attn_logit_max"]
-            fit.alarms.update_attention(logits, result["attn_entropy_min"], step=step)
+            fit.alarms.update_attention(result.attn_logit_max, result.attn_entropy_min, step=step)
 
     def _draw_pictures(self, fit: _Fit, trainer: pl.Trainer, table: LayerTable) -> None:
         """Draw the epoch's chart, heatmap and histograms.

@@ -31,7 +31,22 @@ __all__ = ["STABILITY_STATS", "StabilityStats"]
 STABILITY_STATS = ("attn_logit_max", "attn_entropy_min", "logit_logz", "logit_logz_max")
 """The statistics logged as ``stability/{stat}/{layer}``."""
 
-Result = dict[str, dict[str, float]]
+
+class Result(NamedTuple):
+    """What the instability statistics read over a logging step or an epoch, per module.
+
+    Each field maps a module's qualified name to its value; a module the statistic did not see
+    (no attention softmax, no floating output) is left out.
+    """
+
+    attn_logit_max: dict[str, float]
+    """Per attention module: its largest pre-softmax logit."""
+    attn_entropy_min: dict[str, float]
+    """Per attention module: the smallest mean entropy of one of its heads."""
+    logit_logz: dict[str, float]
+    """Per output layer: the mean of its rows' ``logsumexp``."""
+    logit_logz_max: dict[str, float]
+    """Per output layer: the largest of its rows' ``logsumexp``."""
 
 
 class _LogZ(NamedTuple):
@@ -214,26 +229,34 @@ class StabilityStats(LayerStat[Result]):
         self.end_step()
 
     def summarize(self, states: dict[str, np.ndarray]) -> Result:
-        out: Result = {stat: {} for stat in STABILITY_STATS}
+        """Read the reduced states as each module's statistics.
+
+        Args:
+            states: the states reduced across ranks, on the host.
+
+        Returns:
+            The statistics per module, each where the module was seen.
+        """
+        out = Result({}, {}, {}, {})
         logz = states["logz"][:, 0]
         count = states["logz"][:, 1]
         for i, layer in enumerate(self.layers):
             if states["attn_max"][i] != -np.inf:
-                out["attn_logit_max"][layer] = float(states["attn_max"][i])
+                out.attn_logit_max[layer] = float(states["attn_max"][i])
             heads = self.unit_slice(i)
             total = states["attn_entropy"][heads]
             rows = states["attn_rows"][heads]
             if (rows > 0).any():
-                out["attn_entropy_min"][layer] = float((total[rows > 0] / rows[rows > 0]).min())
+                out.attn_entropy_min[layer] = float((total[rows > 0] / rows[rows > 0]).min())
             if count[i] > 0:
-                out["logit_logz"][layer] = float(logz[i] / count[i])
-                out["logit_logz_max"][layer] = float(states["logz_max"][i])
+                out.logit_logz[layer] = float(logz[i] / count[i])
+                out.logit_logz_max[layer] = float(states["logz_max"][i])
         return out
 
     def tags(self, result: Result) -> dict[str, float]:
         """``stability/{stat}/{layer}``."""
         return {
             layer_tag("stability", stat, layer): value
-            for stat, values in result.items()
+            for stat, values in result._asdict().items()
             for layer, value in values.items()
         }

@@ -1,0 +1,141 @@
+"""What the ranks of a multi-process fit agree on, so that every rank acts alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytorch_lightning as pl
+
+from lightning_hooks.callbacks.attached import Attached
+from lightning_hooks.core.hooks.guard import Guard
+from lightning_hooks.core.transport import agree, gather_objects, world_size
+
+__all__ = ["RankAgreement"]
+
+
+class RankAgreement:
+    """Agree across the ranks on a callback's failure, a request to stop and new rows.
+
+    A failure of the callback's hooks is kept by its guard until the ranks agree on it; a
+    request to stop the fit (an alarm's ``stop``) waits for the same agreement; and the rows a
+    fit's statistics made (a module that runs on some ranks only) are aligned before they are
+    reduced. The ranks agree at each logging step and epoch end, in one small collective, unless
+    a collective the callback makes at every batch carries the first two (:attr:`carried`, see
+    :mod:`.agreement`). A failure agreed on disables the callback on every rank, with one
+    warning; a stop agreed on stops every rank after the same step. One process agrees with
+    itself: nothing is exchanged.
+
+    Args:
+        guard: returns the guard of the callback's hooks in the running fit.
+        remove_hooks: takes the callback's hooks off the model, once it is disabled.
+
+    Example:
+        >>> ranks = RankAgreement(lambda: Guard("Cb", strict=False), remove_hooks=lambda: None)
+        >>> ranks.request_stop()
+        >>> ranks.stop_requested
+        True
+    """
+
+    def __init__(self, guard: Callable[[], Guard], remove_hooks: Callable[[], None]) -> None:
+        self._guard = guard
+        self._remove_hooks = remove_hooks
+        self.size = 1
+        """How many processes the fit runs on (counted at its train start)."""
+        self.stop_requested = False
+        """This rank's request to stop the fit, until the ranks agree on it."""
+        self.carried: Callable[[], bool] | None = None
+        """Returns whether a collective the callback makes at every batch carries the failures
+        and the stops now (``None``: none does); set by the callback at each fit."""
+
+    def start(self) -> None:
+        """Count the ranks at a fit's train start, and forget the last fit's requests.
+
+        Where several ranks run, the guard keeps a failure until they agree on it (unless it is
+        strict, and raises at once on every rank that fails).
+        """
+        self.size = world_size()
+        self.stop_requested = False
+        self.carried = None
+        guard = self._guard()
+        guard.defer = not guard.strict and self.size > 1
+
+    def request_stop(self) -> None:
+        """Ask to stop the fit: every rank stops once the ranks agree on it."""
+        self.stop_requested = True
+
+    def agree(
+        self, trainer: pl.Trainer, step: int, attached: Attached | None, *, always: bool
+    ) -> None:
+        """Agree on a failure, a stop and new rows, at a logging step or an epoch end.
+
+        Args:
+            trainer: the trainer that is stopped where a rank asked, and whose rank 0 warns of a
+                failure.
+            step: the optimizer step the ranks agree at, named in a failure's warning.
+            attached: what the running fit attached, whose statistics' rows are aligned
+                (``None``: nothing, or the callback is disabled).
+            always: agree even where a per-batch collective carries the failures and stops (an
+                epoch end, where the rows are aligned too).
+        """
+        guard = self._guard()
+        carried = self.carried is not None and self.carried()
+        if self.size == 1 or guard.failed is not None or (carried and not always):
+            return
+        rows_grew = attached is not None and attached.rows_grew()
+        failed, stopping, grew = agree([guard.local is not None, self.stop_requested, rows_grew])
+        self.apply(trainer, step, failed=failed, stopping=stopping)
+        if grew and attached is not None and guard.failed is None:
+            self._align_rows(trainer, step, attached)
+
+    def apply(self, trainer: pl.Trainer, step: int, *, failed: int, stopping: int) -> None:
+        """Act on the flags the ranks summed: stop if any rank asked, disable if any failed.
+
+        :meth:`agree` calls it; a callback whose own per-batch collective carries the flags
+        calls it with what that collective summed.
+
+        Args:
+            trainer: the trainer whose ``should_stop`` is set where a rank asked to stop.
+            step: the optimizer step agreed at, named in a failure's warning.
+            failed: how many ranks failed (0: none).
+            stopping: how many ranks asked to stop (0: none).
+        """
+        if stopping:
+            trainer.should_stop = True
+            self.stop_requested = False
+        if failed:
+            self._disable(trainer, step, gather_objects(self._guard().local))
+
+    def _align_rows(self, trainer: pl.Trainer, step: int, attached: Attached) -> None:
+        """Align the ranks' rows of the fit's statistics.
+
+        Where a layer's units differ between ranks, the callback is disabled on every rank (a
+        strict guard raises instead).
+
+        Args:
+            trainer: the trainer whose rank 0 warns where the callback is disabled.
+            step: the optimizer step aligned at, named in the warning.
+            attached: what the fit attached, whose statistics' rows are aligned.
+
+        Raises:
+            ValueError: a layer's units differ between ranks and the guard is strict.
+        """
+        try:
+            attached.align_rows()
+        except ValueError as error:
+            if self._guard().strict:
+                raise
+            cause = f"aligning rows across ranks: {type(error).__name__}: {error}"
+            self._disable(trainer, step, [cause] * self.size)  # every rank's
+
+    def _disable(self, trainer: pl.Trainer, step: int, causes: Sequence[str | None]) -> None:
+        """Disable the callback on every rank, with one warning on rank 0 naming each cause.
+
+        Args:
+            trainer: the trainer whose rank 0 writes the warning.
+            step: the optimizer step it is disabled at, named in the warning.
+            causes: each rank's cause, by rank (``None`` for a rank that did not fail).
+        """
+        guard = self._guard()
+        guard.disable_on_every_rank(causes, step, warn=trainer.is_global_zero)
+        guard.removal_due()
+        self._remove_hooks()
