@@ -510,4 +510,8 @@ def _alarm_rules(alarms: AlarmRules | bool) -> AlarmRules | None:
             f"GradFlowCallback(alarms={alarms!r}): expected an AlarmRules or a bool, "
             f"got {type(alarms).__name__}"
         )
-    return AlarmRules() if alarms is True else alarms or None
+    if alarms is True:
+        return AlarmRules()
+    if alarms is False:
+        return None
+    return alarms
