@@ -2,7 +2,8 @@
 
 The public names load on first use (PEP 562): ``import lightning_hooks`` or
 ``import lightning_hooks.core`` imports neither Lightning nor matplotlib nor TensorBoard, and the
-``lightning-hooks`` command answers ``--help`` without importing torch."""
+``lightning-hooks`` command answers ``--help`` without importing torch.
+"""
 
 from __future__ import annotations
 

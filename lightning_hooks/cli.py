@@ -1,8 +1,11 @@
-"""The ``lightning-hooks`` command: ``lightning-hooks report LOGDIR`` reads the runs back
-(:mod:`lightning_hooks.report`) and checks its ``--fail-on`` rules against every run.
+"""The ``lightning-hooks`` command, which reads runs back and gates on them.
+
+``lightning-hooks report LOGDIR`` reads the runs back (:mod:`lightning_hooks.report`) and checks
+its ``--fail-on`` rules against every run.
 
 Exit codes: 0 all good, 1 a ``--fail-on`` rule was broken, 2 a usage error, including a rule
-that cannot be checked, a corrupt event file or no events (a typo in a CI gate never passes)."""
+that cannot be checked, a corrupt event file or no events (a typo in a CI gate never passes).
+"""
 
 from __future__ import annotations
 
@@ -79,14 +82,21 @@ _RULE = re.compile(r"^\s*([A-Za-z0-9_./-]+)\s*(>=|<=|==|>|<)\s*([-+0-9.eE]+|inf|
 
 @dataclass(frozen=True)
 class FailRule:
-    """``<metric><op><number>``, e.g. ``grad_nonfinite>0``, ``dead_fraction>=0.9``,
-    ``warnings>0``.
+    """A ``--fail-on`` rule: ``<metric><op><number>``.
+
+    For example ``grad_nonfinite>0``, ``dead_fraction>=0.9`` or ``warnings>0``.
 
     ``metric`` is a column (``dead_fraction``, ``grad_norm``, ``update_ratio``,
     ``grad_nonfinite``), any ``family/stat`` (``grad_flow/grad_abs_max``) checked on every layer,
     ``warnings`` (the sum of every alarm that warned, ``family/alarms/rule``), one alarm
     ``family/alarms/rule``, ``notices`` (the sum of the notices a rule may name), or one notice
     by its tag ``family/notices/name`` or its column (``setbacks``) where its ``gate`` allows.
+
+    Attributes:
+        metric: what the rule checks: a column, a ``family/stat``, or a count (a notice named by
+            its column stands for its tag).
+        op: the comparison, one of ``>=``, ``<=``, ``==``, ``>`` and ``<``.
+        threshold: the number the metric is compared with.
 
     Example:
         >>> FailRule.parse("dead_fraction>=0.9")
@@ -99,7 +109,18 @@ class FailRule:
 
     @classmethod
     def parse(cls, text: str) -> FailRule:
-        """Parse ``text``; a ``ValueError`` names the expected form and what was received."""
+        """Parse a rule as the user wrote it.
+
+        Args:
+            text: the rule, ``<metric><op><number>`` (spaces around the parts allowed).
+
+        Returns:
+            The rule; a notice named by its column stands for its tag.
+
+        Raises:
+            ValueError: ``text`` is not of that form; the message names the expected form and
+                what was received.
+        """
         match = _RULE.match(text)
         if match is None:
             raise ValueError(
@@ -109,9 +130,17 @@ class FailRule:
         return cls(_NOTICE_COLUMNS.get(match[1], match[1]), match[2], float(match[3]))
 
     def problems(self, reports: Sequence[RunReport]) -> list[str]:
-        """Why the rule cannot be checked: a notice no gate may name, an unknown metric (the
-        message lists the known ones), or no run logged what it asks for. Empty when a run has
-        it."""
+        """Return why the rule cannot be checked.
+
+        The reasons are a notice no gate may name, an unknown metric (the message lists the
+        known ones), or no run logged what it asks for.
+
+        Args:
+            reports: every run read.
+
+        Returns:
+            One message per reason; empty when a run has the metric.
+        """
         notice = _notice(self.metric)
         if notice is not None and not notice.gate:
             return [
@@ -125,7 +154,7 @@ class FailRule:
         return [f"no run logged {_describe(self.metric, reports)} (rule {self.text!r})"]
 
     def renamed(self) -> str | None:
-        """A note when the rule names a metric by its 0.2.0 name; else ``None``."""
+        """Return a note when the rule names a metric by its 0.2.0 name; else ``None``."""
         new = _OLD_NAMES.get(self.metric)
         if new is None:
             return None
@@ -135,8 +164,16 @@ class FailRule:
         )
 
     def unchecked(self, reports: Sequence[RunReport]) -> list[str]:
-        """The runs the rule is not checked on: they never logged what it asks for (a folder of
-        runs where only some had the callback that logs it)."""
+        """Return the runs the rule is not checked on: they never logged what it asks for.
+
+        Such is a folder of runs where only some had the callback that logs it.
+
+        Args:
+            reports: every run read.
+
+        Returns:
+            One line per run not checked, naming what it did not log.
+        """
         return [
             f"{report.run}: logged no {_describe(self.metric, [report])}, not checked "
             f"(rule {self.text!r})"
@@ -150,7 +187,17 @@ class FailRule:
         return f"{self.metric}{self.op}{self.threshold:g}"
 
     def violations(self, report: RunReport) -> list[str]:
-        """A line per layer (or alarm) of ``report`` that breaks the rule."""
+        """Return a line per layer (or alarm) of ``report`` that breaks the rule.
+
+        A count (``warnings``, an alarm, ``notices``, a notice) is summed and checked once.
+
+        Args:
+            report: one run's report.
+
+        Returns:
+            One line per violation, each naming the run, the layer or count, its value and the
+            rule; empty when the run passes.
+        """
         test = _OPS[self.op]
         name = self.text
         counts = _counts(report, self.metric)
@@ -173,16 +220,19 @@ _NOTICE_COLUMNS = {notice.column: notice.tag for notice in NOTICES.values()}
 
 
 def _notice(metric: str) -> Notice | None:
-    """The notice of :data:`NOTICES` that ``metric`` (its tag) names, if any."""
+    """Return the notice of :data:`NOTICES` that ``metric`` (its tag) names, if any."""
     family, _, name = metric.partition("/notices/")
     notice = NOTICES.get(name)
     return notice if family == GRAD_FLOW and notice is not None else None
 
 
 def known_metrics() -> list[str]:
-    """Every metric a ``--fail-on`` rule may name: the columns, ``warnings``, ``notices``, each
-    ``family/stat``, each alarm rule's warnings and notices, each notice's column (the order a
-    user who misspelt one reads them in)."""
+    """Return every metric a ``--fail-on`` rule may name.
+
+    Returns:
+        The columns, ``warnings``, ``notices``, each ``family/stat``, each alarm rule's warnings
+        and notices, each notice's column (the order a user who misspelt one reads them in).
+    """
     never = {notice.name for notice in NOTICES.values() if not notice.acts}
     closed = {notice.name for notice in NOTICES.values() if not notice.gate}
     return [
@@ -207,8 +257,11 @@ def known_metrics() -> list[str]:
 
 
 def _counts(report: RunReport, metric: str) -> dict[str, float] | None:
-    """The counts ``metric`` sums in ``report``: all its warnings, the notices a gate may
-    name, or one count by its tag (empty when not logged); ``None`` for a per-layer metric."""
+    """Return the counts ``metric`` sums in ``report``.
+
+    They are all its warnings, the notices a gate may name, or one count by its tag (empty when
+    not logged); ``None`` for a per-layer metric.
+    """
     if metric == "warnings":
         return report.warnings
     if metric == "notices":
@@ -221,14 +274,16 @@ def _counts(report: RunReport, metric: str) -> dict[str, float] | None:
 
 
 def _gated(tag: str) -> bool:
-    """Whether a gate counts the notice ``tag`` in ``notices``."""
+    """Return whether a gate counts the notice ``tag`` in ``notices``."""
     notice = _notice(tag)
     return notice is None or notice.gate
 
 
 def _logged(report: RunReport, metric: str) -> bool:
-    """Whether ``report`` holds ``metric`` (on any layer). A run that counted any alarm or
-    notice holds ``warnings`` and ``notices``, zero included."""
+    """Return whether ``report`` holds ``metric`` (on any layer).
+
+    A run that counted any alarm or notice holds ``warnings`` and ``notices``, zero included.
+    """
     if metric in ("warnings", "notices"):
         return bool(report.warnings or report.notices)
     counts = _counts(report, metric)
@@ -246,7 +301,7 @@ _CALLBACK = {
 
 
 def _describe(metric: str, reports: Sequence[RunReport]) -> str:
-    """What a run that lacks ``metric`` lacks, and which callback would log it."""
+    """Say what a run that lacks ``metric`` lacks, and which callback would log it."""
     if metric in ("warnings", "notices"):
         return (
             "alarm counts <family>/alarms/<rule> or <family>/notices/<name> "
@@ -262,7 +317,7 @@ def _describe(metric: str, reports: Sequence[RunReport]) -> str:
 
 
 def _unknown(metric: str, reports: Sequence[RunReport]) -> str:
-    """An unknown metric's message: the closest names, then every known one."""
+    """Return an unknown metric's message: the closest names, then every known one."""
     known = known_metrics()
     seen = {f for r in reports for row in r.layers for f in row.values if f not in known}
     names = [*known, *sorted(seen)]
@@ -272,11 +327,20 @@ def _unknown(metric: str, reports: Sequence[RunReport]) -> str:
 
 
 def check(reports: Iterable[RunReport], rules: Sequence[FailRule]) -> list[str]:
-    """Every violation of every rule in every report."""
+    """Return every violation of every rule in every report.
+
+    Args:
+        reports: the runs read.
+        rules: the ``--fail-on`` rules.
+
+    Returns:
+        One line per violation (see :meth:`FailRule.violations`), by report, then by rule.
+    """
     return [line for report in reports for rule in rules for line in rule.violations(report)]
 
 
 def _parser() -> argparse.ArgumentParser:
+    """Build the command line's parser: the ``report`` command and its options."""
     parser = argparse.ArgumentParser(
         prog="lightning-hooks",
         description="Inspect lightning_hooks logs (TensorBoard event files or CSV logs).",
@@ -311,13 +375,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _error(message: str) -> int:
+    """Print a usage error on standard error, and return its exit code."""
     print(f"lightning-hooks report: {message}", file=sys.stderr)
     return EXIT_USAGE
 
 
 def _rules(texts: Sequence[str]) -> list[FailRule]:
-    """The ``--fail-on`` rules; one that names a metric by its 0.2.0 name reads the metric's
-    new name, with a note on standard error."""
+    """Parse the ``--fail-on`` rules.
+
+    One that names a metric by its 0.2.0 name reads the metric's new name, with a note on
+    standard error.
+    """
     rules = [FailRule.parse(text) for text in texts]
     for note in (rule.renamed() for rule in rules):
         if note is not None:
@@ -326,7 +394,15 @@ def _rules(texts: Sequence[str]) -> list[FailRule]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (also the process's, via ``sys.exit``)."""
+    """Run the command line.
+
+    Args:
+        argv: the arguments after the program's name (``None``: ``sys.argv``'s).
+
+    Returns:
+        The exit code (also the process's, via ``sys.exit``): 0 all good, 1 a ``--fail-on`` rule
+        was broken, 2 a usage error.
+    """
     args = _parser().parse_args(argv)
     try:
         rules = _rules(args.fail_on)
@@ -365,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _print(text: str) -> None:
-    """``text`` to standard output; a reader that stops early (``| head``) ends it quietly."""
+    """Print ``text`` to standard output; a reader that stops early (``| head``) ends it quietly."""
     try:
         print(text, flush=True)
     except BrokenPipeError:

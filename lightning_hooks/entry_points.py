@@ -1,5 +1,8 @@
-"""Callbacks switched on without code, from ``LIGHTNING_HOOKS``: :func:`callbacks` is the
-``callbacks_factory`` entry point every ``Trainer`` and ``Fabric`` calls when built."""
+"""Callbacks switched on without code, from ``LIGHTNING_HOOKS``.
+
+:func:`callbacks` is the ``callbacks_factory`` entry point every ``Trainer`` and ``Fabric`` calls
+when built.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +15,17 @@ __all__ = ["ENV", "SHORT_NAMES", "callbacks", "requested"]
 
 
 def callbacks() -> list[Any]:
-    """The callbacks ``LIGHTNING_HOOKS`` asks for, at their defaults, each marked as added by
-    the environment (it stands down beside the user's own)."""
+    """Build the callbacks ``LIGHTNING_HOOKS`` asks for, at their defaults.
+
+    Each is marked as added by the environment, so that it stands down beside the user's own.
+
+    Returns:
+        The callbacks, in the order ``LIGHTNING_HOOKS`` names them (empty where it is unset).
+
+    Raises:
+        ValueError: ``LIGHTNING_HOOKS`` names something that is no callback (see
+            :func:`~lightning_hooks.switch.requested`).
+    """
     from lightning_hooks import callbacks as classes
 
     added = []

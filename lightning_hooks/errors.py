@@ -19,24 +19,36 @@ __all__ = [
 
 
 class Alarm(Protocol):
-    """What a warning or an error says of its alarm: a
-    :class:`~lightning_hooks.core.TrainingAlarm` (declared here by its fields, so that this
-    module, which every other imports, imports none of them)."""
+    """What a warning or an error says of its alarm.
+
+    The alarm is a :class:`~lightning_hooks.core.TrainingAlarm`, declared here by its fields, so
+    that this module, which every other imports, imports none of them.
+    """
 
     @property
-    def rule(self) -> str: ...
+    def rule(self) -> str:
+        """The rule that fired."""
+        ...
 
     @property
-    def layer(self) -> str: ...
+    def layer(self) -> str:
+        """The layer the alarm names."""
+        ...
 
     @property
-    def step(self) -> int: ...
+    def step(self) -> int:
+        """The optimizer step whose gradients fired the alarm."""
+        ...
 
     @property
-    def value(self) -> float: ...
+    def value(self) -> float:
+        """The gradient norm (or loss) that fired the alarm."""
+        ...
 
     @property
-    def message(self) -> str: ...
+    def message(self) -> str:
+        """The alarm's whole text: a first line read at a glance, then the details."""
+        ...
 
 
 class LightningHooksWarning(UserWarning):
@@ -68,7 +80,14 @@ class AlarmFacts(TypedDict):
 
 
 def _check_facts(facts: AlarmFacts) -> None:
-    """Refuse a misspelt or missing fact by name, as a signature would."""
+    """Refuse a misspelt or missing fact by name, as a signature would.
+
+    Args:
+        facts: the keyword arguments given to :class:`TrainingAlarmError` besides its message.
+
+    Raises:
+        TypeError: a fact is not one of :class:`AlarmFacts`, or one that is required is missing.
+    """
     names = tuple(AlarmFacts.__annotations__)
     for name in facts:
         if name not in names:
@@ -95,6 +114,10 @@ class TrainingAlarmError(LightningHooksError):
         step: the optimizer step whose gradients fired it.
         value: the gradient norm (or loss) that fired it.
         alarm: the :class:`~lightning_hooks.core.TrainingAlarm`, or ``None``.
+
+    Raises:
+        TypeError: a fact is misspelt, or one of ``rule``, ``layer``, ``step`` and ``value`` is
+            missing.
     """
 
     def __init__(self, message: str, **facts: Unpack[AlarmFacts]) -> None:

@@ -1,7 +1,9 @@
-"""Names a package loads on first use (PEP 562), so that importing it stays cheap: the
-package ``lightning_hooks`` and its core load Lightning, matplotlib and TensorBoard only when a
-name that needs them is used. A public name that was renamed stays importable under its old
-name, with a ``DeprecationWarning``."""
+"""Names a package loads on first use (PEP 562), so that importing it stays cheap.
+
+The package ``lightning_hooks`` and its core load Lightning, matplotlib and TensorBoard only when
+a name that needs them is used. A public name that was renamed stays importable under its old
+name, with a ``DeprecationWarning``.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def lazy_names(
     public: Sequence[str],
     renamed: Mapping[str, str] | None = None,
 ) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for ``package``.
+    """Build the module-level ``__getattr__`` and ``__dir__`` for ``package``.
 
     Args:
         package: the package's ``__name__``.
@@ -39,7 +41,8 @@ def lazy_names(
             names among them that ``public`` holds): the old one warns and gives the new.
 
     Returns:
-        The module's ``__getattr__`` and ``__dir__``.
+        The module's ``__getattr__`` and ``__dir__``. ``__getattr__`` raises ``AttributeError``
+        for a name that is neither public nor renamed.
     """
     if renamed is None:
         renamed = {old: new for old, new in RENAMED.items() if new in public}

@@ -1,6 +1,9 @@
-"""Reading a run (TensorBoard event files, or a ``CSVLogger``'s ``metrics.csv``) back: the
-per-layer table of its last epoch, its warnings and its notices, as ``lightning-hooks report``
-prints them. Event files are read with their checksums; no torch or Lightning is imported."""
+"""Read a run back, as ``lightning-hooks report`` prints it.
+
+A run is TensorBoard event files, or a ``CSVLogger``'s ``metrics.csv``; what is read back is the
+per-layer table of its last epoch, its warnings and its notices. Event files are read with their
+checksums; no torch or Lightning is imported.
+"""
 
 from __future__ import annotations
 
@@ -59,14 +62,23 @@ class LayerRow:
     values: dict[str, float] = field(default_factory=dict)
 
     def get(self, name: str) -> float:
-        """A column by its short name (``grad_norm``) or full ``family/stat``; NaN if absent."""
+        """Return a column's value by its short name (``grad_norm``) or full ``family/stat``.
+
+        Args:
+            name: a column's short name (:data:`COLUMNS`) or a full ``family/stat``.
+
+        Returns:
+            The layer's value, NaN if absent.
+        """
         return self.values.get(dict(COLUMNS).get(name, name), math.nan)
 
     @property
     def no_gradient(self) -> bool:
-        """Whether the layer got no gradient: its gradient-flow row was logged (its weight norm,
-        its update ratio of 0) without a gradient norm, or with one of exactly 0. Its update
-        ratio is then no measurement of a step size: no step was taken.
+        """Whether the layer got no gradient.
+
+        Its gradient-flow row was logged (its weight norm, its update ratio of 0) without a
+        gradient norm, or with one of exactly 0. Its update ratio is then no measurement of a
+        step size: no step was taken.
 
         Example:
             >>> LayerRow("aux_head", {"grad_flow/update_ratio": 0.0}).no_gradient
@@ -79,8 +91,12 @@ class LayerRow:
         return flows and (norm == 0 or math.isnan(norm)) and not self.get("grad_nonfinite") > 0
 
     def severity(self) -> tuple[float, float, float, float]:
-        """Sort key, worst first: non-finite gradients, no gradient at all, dead fraction, then
-        the update ratio's distance from 1e-3 in decades."""
+        """Return the layer's sort key, worst first.
+
+        Returns:
+            Its keys in turn: non-finite gradients, no gradient at all, dead fraction, then the
+            update ratio's distance from 1e-3 in decades (each negated: the worst sorts first).
+        """
         norm = self.values.get("grad_flow/grad_norm", 1.0)
         broken = self.get("grad_nonfinite") > 0 or not math.isfinite(norm)
         dead = self.get("dead_fraction")
@@ -96,9 +112,12 @@ class LayerRow:
 
 @dataclass
 class RunReport:
-    """The last step of one run that logged layers: its layers worst first, its global values,
-    its warnings and notices per tag summed over the whole run, and the warnings logged after
-    that step, when an alarm ended the run there (``on_alarm="raise"``)."""
+    """The last step of one run that logged layers.
+
+    It holds the step's layers worst first, its global values, the run's warnings and notices per
+    tag summed over the whole run, and the warnings logged after that step, when an alarm ended
+    the run there (``on_alarm="raise"``).
+    """
 
     run: str
     step: int
@@ -115,7 +134,12 @@ class RunReport:
     """The step of :attr:`ended_by` (``None``: no alarm ended the run after its last layers)."""
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (NaN becomes ``None``)."""
+        """Return the report as a JSON-ready dict (NaN becomes ``None``).
+
+        Returns:
+            The run, step, warnings, notices, how the run ended (``None``: no alarm ended it),
+            global values and layers, worst first (a layer that got no gradient marked so).
+        """
 
         def clean(values: dict[str, float]) -> dict[str, float | None]:
             return {k: (None if math.isnan(v) else v) for k, v in values.items()}
@@ -145,13 +169,20 @@ METRICS_FILE = "metrics.csv"
 
 
 def _csv_series(path: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar column of a ``metrics.csv`` as ``[(step, value)]`` per tag, in row order;
-    a step lower than the tag's last one (a resumed run) drops its values from that step on.
+    r"""Read every scalar column of a ``metrics.csv`` as ``[(step, value)]`` per tag, in order.
+
+    A step lower than the tag's last one (a resumed run) drops its values from that step on.
+
+    Args:
+        path: the ``metrics.csv`` file.
+
+    Returns:
+        Each tag's series; an empty cell is no value, and one that is no number is NaN.
 
     Example:
         >>> import tempfile
         >>> path = Path(tempfile.mkdtemp()) / "metrics.csv"
-        >>> _ = path.write_text("a/b/c,step\\n1.5,0\\n,1\\n2.5,2\\n")
+        >>> _ = path.write_text("a/b/c,step\n1.5,0\n,1\n2.5,2\n")
         >>> _csv_series(path)
         {'a/b/c': [(0, 1.5), (2, 2.5)]}
     """
@@ -166,7 +197,10 @@ def _csv_series(path: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def _append(series: dict[str, list[tuple[int, float]]], tag: str, step: int, value: float) -> None:
-    """Add ``(step, value)`` to ``tag``'s series, as :func:`_csv_series` says."""
+    """Add ``(step, value)`` to ``tag``'s series, as :func:`_csv_series` says.
+
+    A step lower than the series' last drops its values from that step on.
+    """
     values = series.setdefault(tag, [])
     if values and step < values[-1][0]:
         values[:] = [(s, v) for s, v in values if s < step]
@@ -174,6 +208,7 @@ def _append(series: dict[str, list[tuple[int, float]]], tag: str, step: int, val
 
 
 def _float(cell: str) -> float:
+    """Return a cell's number, NaN for one that is no number."""
     try:
         return float(cell)
     except ValueError:
@@ -185,8 +220,19 @@ class EventFileError(ValueError):
 
 
 def _scalar_events(path: Path) -> Iterator[tuple[str, int, float]]:
-    """``(tag, step, value)`` of every scalar in one event file, in file order; every record's
-    length checksum checked, and the payload checksum of those with a scalar."""
+    """Yield ``(tag, step, value)`` of every scalar in one event file, in file order.
+
+    Every record's length checksum is checked, and the payload checksum of those with a scalar.
+
+    Args:
+        path: the event file.
+
+    Yields:
+        Each scalar's tag, step and value.
+
+    Raises:
+        EventFileError: a record is corrupt (bad checksum or undecodable) or truncated.
+    """
     from google.protobuf.message import DecodeError
     from tensorboard.compat.proto.event_pb2 import Event
 
@@ -211,7 +257,19 @@ def _scalar_events(path: Path) -> Iterator[tuple[str, int, float]]:
 
 
 def _record(data: bytes, offset: int, path: Path) -> tuple[bytes, int, int]:
-    """The TFRecord at ``offset``: ``(payload, payload checksum, offset of the next record)``."""
+    """Read the TFRecord at ``offset``, its length's checksum checked.
+
+    Args:
+        data: the whole event file.
+        offset: where the record begins.
+        path: the file, named in an error.
+
+    Returns:
+        ``(payload, payload checksum, offset of the next record)``.
+
+    Raises:
+        EventFileError: the header's checksum does not match, or the file ends inside the record.
+    """
     size = len(data)
     if offset + 12 > size:
         raise EventFileError(
@@ -233,13 +291,18 @@ def _record(data: bytes, offset: int, path: Path) -> tuple[bytes, int, int]:
 
 
 def _masked_crc32c(data: bytes) -> int:
+    """Return TFRecord's masked CRC-32C of ``data``, as TensorBoard computes it."""
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
     return int(masked_crc32c(data))
 
 
 def _scalar(value: Summary.Value) -> float | None:
-    """A summary value's scalar (``simple_value`` or a scalar-plugin tensor), else ``None``."""
+    """Return a summary value's scalar: a ``simple_value`` or a scalar-plugin tensor.
+
+    Returns:
+        The scalar, else ``None``.
+    """
     if value.HasField("simple_value"):
         return float(value.simple_value)
     if value.HasField("tensor") and value.metadata.plugin_data.plugin_name == "scalars":
@@ -250,8 +313,16 @@ def _scalar(value: Summary.Value) -> float | None:
 
 
 def find_runs(logdir: Path) -> list[Path]:
-    """Every directory under ``logdir`` (itself included) with event files or a ``metrics.csv``,
-    symbolic links to folders followed (each real folder once)."""
+    """Find every folder under ``logdir`` (itself included) with event files or a ``metrics.csv``.
+
+    Symbolic links to folders are followed, each real folder once.
+
+    Args:
+        logdir: the folder searched.
+
+    Returns:
+        The run folders, sorted.
+    """
     found = set()
     seen = set()
     for folder, dirs, files in os.walk(logdir, followlinks=True):
@@ -266,8 +337,11 @@ def find_runs(logdir: Path) -> list[Path]:
 
 
 def _read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar tag of one run (its event files in name order, or else its ``metrics.csv``)
-    as ``[(step, value)]``; a resumed run's values as :func:`_csv_series` keeps them."""
+    """Read every scalar tag of one run as ``[(step, value)]``.
+
+    A run is its event files in name order, or else its ``metrics.csv``; a resumed run's values
+    are kept as :func:`_csv_series` keeps them.
+    """
     paths = sorted(run_dir.glob("events.out.tfevents.*"))
     if not paths and (run_dir / METRICS_FILE).is_file():
         return _csv_series(run_dir / METRICS_FILE)
@@ -283,9 +357,17 @@ _Series = dict[str, list[tuple[int, float]]]
 
 
 def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
-    """The report of the last step of one run that logged layers, or ``None`` if it has no
-    library tags: the last epoch's values (or a later logging step's), warnings and notices
+    """Read the report of the last step of one run that logged layers.
+
+    The report holds the last epoch's values (or a later logging step's), warnings and notices
     summed over the run, and the warnings an alarm that ended the run logged after that step.
+
+    Args:
+        run_dir: the run's folder (see :func:`find_runs`).
+        logdir: the folder searched, which the run's name is relative to.
+
+    Returns:
+        The report, or ``None`` if the run has no library tags.
 
     Raises:
         EventFileError: one of the run's event files is corrupt or truncated.
@@ -322,13 +404,13 @@ def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
 
 
 def _kind(tag: str) -> str | None:
-    """``alarms`` for a warnings' count tag, ``notices`` for a notices', ``None`` for the rest."""
+    """Return ``alarms`` for a warnings' count tag, ``notices`` for a notices', else ``None``."""
     stat = tag.split("/")[1]
     return stat if stat in (ALARMS, NOTICE_COUNTS) else None
 
 
 def _last_step(series: _Series, counts: bool) -> int:
-    """The last step logged by the count tags (``counts``) or by the others; -1 if none."""
+    """Return the last step logged by the count tags (``counts``) or by the others; -1 if none."""
     return max(
         (events[-1][0] for tag, events in series.items() if (_kind(tag) is not None) == counts),
         default=-1,
@@ -336,13 +418,16 @@ def _last_step(series: _Series, counts: bool) -> int:
 
 
 def _notices_0_2_0(series: _Series) -> _Series:
-    """A run written by 0.2.0 (no notices): its counts of the rules it only logged or counted
-    under its default ``on_alarm`` (:data:`NOTICES_0_2_0`) read as the notices they are today."""
+    """Read a run written by 0.2.0 (no notices) with today's notices.
+
+    Its counts of the rules it only logged or counted under its default ``on_alarm``
+    (:data:`NOTICES_0_2_0`) are read as the notices they are today.
+    """
     return {_tag_0_2_0(tag): events for tag, events in series.items()}
 
 
 def _tag_0_2_0(tag: str) -> str:
-    """The tag today of a 0.2.0 run's ``tag``: a notice's, for a rule it only logged."""
+    """Return the tag today of a 0.2.0 run's ``tag``: a notice's, for a rule it only logged."""
     family, stat, rule = tag.split("/", 2)
     if family == GRAD_FLOW and stat == ALARMS and rule in NOTICES_0_2_0:
         return notice_tag(NOTICES_0_2_0[rule])
@@ -350,8 +435,11 @@ def _tag_0_2_0(tag: str) -> str:
 
 
 def _ending(report: RunReport, steps: _Series) -> None:
-    """Set ``report``'s :attr:`~RunReport.ended_by`: the warnings logged at a logging step after
-    its last layers, the record an alarm writes before it raises."""
+    """Set ``report``'s :attr:`~RunReport.ended_by` and :attr:`~RunReport.ended_at`.
+
+    They are the warnings logged at a logging step after its last layers: the record an alarm
+    writes before it raises.
+    """
     after = {
         tag: (s, v)
         for tag, events in steps.items()
@@ -366,7 +454,7 @@ def _ending(report: RunReport, steps: _Series) -> None:
 
 
 def _run_name(run_dir: Path, logdir: Path) -> str:
-    """The run's folder under ``logdir``; ``logdir`` itself by its own name (not ``.``)."""
+    """Return the run's folder under ``logdir``; ``logdir`` itself by its own name (not ``.``)."""
     relative = str(run_dir.relative_to(logdir))
     return relative if relative != "." else run_dir.resolve().name
 
@@ -374,8 +462,14 @@ def _run_name(run_dir: Path, logdir: Path) -> str:
 def _build(
     run: str, step: int, last: dict[str, tuple[int, float]], totals: dict[str, float]
 ) -> RunReport:
-    """``last``: each layer's or global tag's last ``(step, value)``; ``totals``: each count
-    tag's run total."""
+    """Build the report of ``step`` from the run's last values and its totals.
+
+    Args:
+        run: the run's name.
+        step: the last step that logged layers; a layer not logged at it is left out.
+        last: each layer's or global tag's last ``(step, value)``.
+        totals: each count tag's run total.
+    """
     rows: dict[str, LayerRow] = {}
     global_values: dict[str, float] = {}
     for tag, (tag_step, value) in sorted(last.items()):
@@ -394,8 +488,19 @@ def _build(
 
 
 def format_table(report: RunReport, limit: int | None = None) -> str:
-    """The report as a fixed-width text table, worst layer first: the library's columns that
-    the run logged, then one per statistic of the user's own (``family/stat``)."""
+    """Format the report as a fixed-width text table, worst layer first.
+
+    The columns are the library's that the run logged, then one per statistic of the user's own
+    (``family/stat``). Lines for the attention layers, the alarm that ended the run, the warnings
+    and the notices follow.
+
+    Args:
+        report: the run's report.
+        limit: how many layers to show (``None``: all).
+
+    Returns:
+        The table, one line per layer.
+    """
     present = [(n, full) for n, full in COLUMNS if any(full in r.values for r in report.layers)]
     custom = {
         full
@@ -431,13 +536,16 @@ _NO_GRADIENT = "(no gradient)"
 
 
 def _layer_cell(row: LayerRow) -> str:
-    """The layer's name, marked when it got no gradient."""
+    """Return the layer's name, marked when it got no gradient."""
     return f"{row.layer} {_NO_GRADIENT}" if row.no_gradient else row.layer
 
 
 def _cells(row: LayerRow, present: list[tuple[str, str]]) -> list[str]:
-    """The row's cells of the ``present`` columns; a layer that got no gradient shows no update
-    ratio (``-``): a ratio of 0 there measures no step."""
+    """Return the row's cells of the ``present`` columns.
+
+    A layer that got no gradient shows no update ratio (``-``): a ratio of 0 there measures no
+    step.
+    """
     return [
         "-" if name == "update_ratio" and row.no_gradient else _fmt(row.values.get(full, math.nan))
         for name, full in present
@@ -445,7 +553,7 @@ def _cells(row: LayerRow, present: list[tuple[str, str]]) -> list[str]:
 
 
 def _notice_name(tag: str) -> str:
-    """A notice's name in the report: its column (:data:`NOTICES`), else its tag."""
+    """Return a notice's name in the report: its column (:data:`NOTICES`), else its tag."""
     family, _, name = tag.split("/", 2)
     notice = NOTICES.get(name)
     return notice.column if family == GRAD_FLOW and notice is not None else tag
@@ -458,8 +566,10 @@ _ATTENTION = (
 
 
 def _attention_summary(report: RunReport) -> str | None:
-    """The worst attention layer by its largest logit and by its lowest head entropy, as one
-    line (``None`` when the run logged no attention statistic)."""
+    """Return the worst attention layer by its largest logit and by its lowest head entropy.
+
+    It is one line, ``None`` when the run logged no attention statistic.
+    """
     parts = []
     for label, full, pick in _ATTENTION:
         rows = [r for r in report.layers if not math.isnan(r.values.get(full, math.nan))]
@@ -470,6 +580,7 @@ def _attention_summary(report: RunReport) -> str | None:
 
 
 def _fmt(value: float) -> str:
+    """Format a value for the table: ``-`` for NaN, a whole number as such, else 3 digits."""
     if math.isnan(value):
         return "-"
     if abs(value) < 1e6 and value == int(value):

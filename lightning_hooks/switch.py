@@ -1,6 +1,9 @@
-"""The names ``LIGHTNING_HOOKS`` takes: the callbacks it can switch on without code, by short or
-class name, and ``all``. Torch-free, so that ``lightning-hooks --help`` lists them without
-importing the training code; :mod:`~lightning_hooks.entry_points` builds the callbacks."""
+"""The names ``LIGHTNING_HOOKS`` takes, and the callbacks they switch on.
+
+These are the callbacks it can switch on without code, by short or class name, and ``all``.
+Torch-free, so that ``lightning-hooks --help`` lists them without importing the training code;
+:mod:`~lightning_hooks.entry_points` builds the callbacks.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +27,14 @@ _ALL = ("grad_flow", "activation_stats", "dead_relu", "saturation")
 
 
 def requested(value: str) -> list[str]:
-    """The class names ``value`` (``LIGHTNING_HOOKS``'s) asks for, in order, each once.
+    """Return the class names ``value`` (``LIGHTNING_HOOKS``'s) asks for, in order, each once.
+
+    Args:
+        value: the variable's text: a comma-separated list of short names, class names or
+            ``all`` (blank items are skipped; ``all`` is the callbacks on by default).
+
+    Returns:
+        The callbacks' class names, in the order first asked for, without repeats.
 
     Raises:
         ValueError: a name that is no callback, naming the allowed values.

@@ -1,6 +1,8 @@
-"""Every tag's name, in one place: how a family, a statistic and a layer make a tag, how a
-logging step's tag is told from an epoch's, and the few fixed tags. The callbacks write with
-these, the alarms count under them, and ``lightning-hooks report`` reads them back.
+"""Every tag's name, in one place.
+
+How a family, a statistic and a layer make a tag, how a logging step's tag is told from an
+epoch's, and the few fixed tags. The callbacks write with these, the alarms count under them, and
+``lightning-hooks report`` reads them back.
 
 A scalar tag is ``<family>/<stat>/<layer>`` (one curve per layer), ``<family>/global/<stat>``
 (over all layers; ``<stat>_p05`` for a percentile over the layers), ``<family>/alarms/<rule>``
@@ -73,9 +75,18 @@ LIBRARY_FAMILIES = (
 
 
 def family_tag(family: str, name: str, part: str | None = None) -> str:
-    """A tag of a family's own that is not a layer's statistic: a picture (a chart, a heatmap, a
-    histogram, an image), or a value of the whole step: ``<family>/<name>``, or
-    ``<family>/<name>/<part>`` (the layer or statistic it is of).
+    """Return a tag of a family's own that is not a layer's statistic.
+
+    Such a tag is a picture's (a chart, a heatmap, a histogram, an image), or a value's of the
+    whole step.
+
+    Args:
+        family: the family the tag is filed under (``"grad_flow"``).
+        name: what the tag holds (``"chart"``).
+        part: the layer or statistic it is of, or ``None`` for the whole family.
+
+    Returns:
+        ``<family>/<name>``, or ``<family>/<name>/<part>``.
 
     Example:
         >>> family_tag("grad_flow", "chart"), family_tag("activations", "histogram", "net.0")
@@ -85,7 +96,15 @@ def family_tag(family: str, name: str, part: str | None = None) -> str:
 
 
 def layer_tag(family: str, stat: str, layer: str | None = None) -> str:
-    """``<family>/<stat>/<layer>``, or ``<family>/global/<stat>`` over all layers (``None``).
+    """Return a layer's statistic's tag, or the tag of a statistic over all layers.
+
+    Args:
+        family: the family the tag is filed under (``"activations"``).
+        stat: the statistic's name (``"kurtosis"``).
+        layer: the layer's qualified name, or ``None`` for a value over all layers.
+
+    Returns:
+        ``<family>/<stat>/<layer>``, or ``<family>/global/<stat>`` over all layers (``None``).
 
     Example:
         >>> layer_tag("activations", "kurtosis", "net.0"), layer_tag("saturation", "layers")
@@ -95,7 +114,14 @@ def layer_tag(family: str, stat: str, layer: str | None = None) -> str:
 
 
 def grad_flow_tag(stat: str, layer: str | None = None) -> str:
-    """A gradient-flow tag: ``grad_flow/<stat>/<layer>``, or ``grad_flow/global/<stat>``.
+    """Return a gradient-flow tag, of one layer or over all layers.
+
+    Args:
+        stat: the statistic's name (``"grad_norm"``).
+        layer: the layer's qualified name, or ``None`` for a value over all layers.
+
+    Returns:
+        ``grad_flow/<stat>/<layer>``, or ``grad_flow/global/<stat>``.
 
     Example:
         >>> grad_flow_tag("grad_norm", "encoder.0"), grad_flow_tag("grad_norm_p50")
@@ -113,8 +139,15 @@ NOTICE_COUNTS = "notices"
 
 
 def alarm_tag(rule: str) -> str:
-    """The count of one alarm rule's warnings: ``grad_flow/alarms/<rule>``, the name the report
-    and its gate (``--fail-on``) use too.
+    """Return the tag of the count of one alarm rule's warnings.
+
+    The report and its gate (``--fail-on``) use the same name.
+
+    Args:
+        rule: the alarm rule whose warnings are counted (``"diverging"``).
+
+    Returns:
+        ``grad_flow/alarms/<rule>``.
 
     Example:
         >>> alarm_tag("diverging")
@@ -124,7 +157,13 @@ def alarm_tag(rule: str) -> str:
 
 
 def notice_tag(name: str) -> str:
-    """The count of one notice: ``grad_flow/notices/<name>``.
+    """Return the tag of the count of one notice.
+
+    Args:
+        name: the notice's name (``"setback"``, see :data:`NOTICES`).
+
+    Returns:
+        ``grad_flow/notices/<name>``.
 
     Example:
         >>> notice_tag("setback")
@@ -135,8 +174,9 @@ def notice_tag(name: str) -> str:
 
 @dataclass(frozen=True)
 class Notice:
-    """A fact the library notices and logs, and never warns of: healthy runs show it too, so a
-    warning, or a CI gate that counted it, would cry wolf.
+    """A fact the library notices and logs, and never warns of.
+
+    Healthy runs show it too, so a warning, or a CI gate that counted it, would cry wolf.
 
     A notice is counted under its :attr:`tag` at each logging step and epoch end and listed in
     the alarms' text; ``lightning-hooks report`` shows it on its ``notices`` line under its
@@ -237,7 +277,13 @@ SPIKE_SCORE = alarm_tag("spike_score")
 
 @functools.lru_cache(maxsize=_TAGS)
 def step_tag(tag: str) -> str:
-    """The tag of ``tag``'s value at one logging step: ``_step`` after the statistic's name.
+    """Return the tag of ``tag``'s value at one logging step.
+
+    Args:
+        tag: an epoch's tag (or a fixed tag such as ``layer_time/step_ms``).
+
+    Returns:
+        ``tag`` with ``_step`` after the statistic's name (before a percentile's ``_p50``).
 
     Example:
         >>> step_tag("grad_flow/grad_norm/encoder.0"), step_tag("grad_flow/global/grad_norm_p50")
@@ -254,8 +300,13 @@ def step_tag(tag: str) -> str:
 
 
 def epoch_tag(tag: str) -> str | None:
-    """The epoch's tag of a logging step's ``tag`` (:func:`step_tag` undone), ``None`` for a
-    tag that is not a logging step's.
+    """Return the epoch's tag of a logging step's ``tag``: :func:`step_tag` undone.
+
+    Args:
+        tag: a tag read back from a run, a logging step's or an epoch's.
+
+    Returns:
+        The epoch's tag, or ``None`` for a tag that is not a logging step's.
 
     Example:
         >>> epoch_tag("grad_flow/grad_norm_step/x")

@@ -1,5 +1,6 @@
-"""Every private attribute of torch, Lightning and TensorBoard the library touches, and the
-releases it supports.
+"""Every private attribute of torch, Lightning and TensorBoard the library touches.
+
+It also names the releases the library supports.
 
 This package is the one place where the library goes beyond the public APIs of the libraries it
 builds on. Its entries are of two kinds:
@@ -68,9 +69,13 @@ the library takes each one's public twin."""
 
 
 def speedups() -> bool:
-    """Whether the speed-ups over private attributes are on (the default): read where each is
-    set up, at a fit's start or a logger's first write, never per step.
+    """Return whether the speed-ups over private attributes are on (the default).
 
+    It is read where each speed-up is set up, at a fit's start or a logger's first write, never
+    per step.
+
+    Returns:
+        ``False`` where :data:`SPEEDUPS_ENV` is ``0``, ``false``, ``no`` or ``off``, else ``True``.
     """
     return os.environ.get(SPEEDUPS_ENV, "").strip().lower() not in ("0", "false", "no", "off")
 
@@ -82,7 +87,7 @@ summed in float32 without a copy) from 2.4, and ``torch.compiler.is_compiling`` 
 
 
 def torch_version(version: str) -> tuple[int, int]:
-    """The ``(major, minor)`` release of a torch version string.
+    """Return the ``(major, minor)`` release of a torch version string.
 
     Args:
         version: a version as ``torch.__version__`` gives it, local part and all.
@@ -180,22 +185,31 @@ defines would have its units counted along the wrong dimension."""
 
 
 def forward_hooks(module: torch.nn.Module) -> list[Callable[..., Any]]:
-    """The forward hooks and pre-hooks on ``module``, read from its own dicts of them.
+    """Return the forward hooks and pre-hooks on ``module``, read from its own dicts of them.
 
     torch keeps no public view of them (a ``RemovableHandle`` only removes its hook). Without
     it, the attention capture could not tell a ``torch.nn`` layer that only the library hooks
     (run outside its mode as a whole) from one with a hook of the user's.
+
+    Args:
+        module: the layer whose hooks are read.
+
+    Returns:
+        Its forward hooks, then its forward pre-hooks.
     """
     return [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
 
 
 def global_forward_hooks_installed() -> bool:
-    """Whether any global module forward hook or pre-hook is registered
-    (``register_module_forward_hook``), read from torch's own dicts of them.
+    """Return whether any global module forward hook or pre-hook is registered.
 
-    torch keeps no public view of them. Without it, a ``torch.nn`` layer that a global hook
-    watches could be run outside the attention capture's mode, and a user's global hook would
-    see its calls outside the mode they expect.
+    Global hooks are those of ``register_module_forward_hook`` and its pre-hook twin; they are
+    read from torch's own dicts of them. torch keeps no public view of them. Without it, a
+    ``torch.nn`` layer that a global hook watches could be run outside the attention capture's
+    mode, and a user's global hook would see its calls outside the mode they expect.
+
+    Returns:
+        Whether any such hook is registered.
     """
     from torch.nn.modules import module
 
@@ -203,13 +217,21 @@ def global_forward_hooks_installed() -> bool:
 
 
 def is_compiled(model: torch.nn.Module) -> bool:
-    """Whether a module of ``model`` is compiled (``torch.compile``, ``module.compile()``).
+    """Return whether a module of ``model`` is compiled.
+
+    Compiled means by ``torch.compile`` or by ``module.compile()``.
 
     torch keeps no public test of it: ``torch._dynamo``'s ``OptimizedModule`` wraps a compiled
     module, and ``module.compile()`` sets a private attribute. It is read only when
     ``torch._dynamo`` was imported already (nothing is compiled before), so that this check
     imports nothing. Without it, the library would put hooks on and off a compiled module at
     each logging step, and each change recompiles it.
+
+    Args:
+        model: the model whose modules (itself included) are checked.
+
+    Returns:
+        Whether ``model`` or any module under it is compiled.
     """
     dynamo = sys.modules.get("torch._dynamo.eval_frame")
     optimized = getattr(dynamo, "OptimizedModule", ())
@@ -222,18 +244,33 @@ def is_compiled(model: torch.nn.Module) -> bool:
 
 
 def tensor_version(tensor: torch.Tensor) -> int:
-    """How many times ``tensor`` was written in place (``tensor._version``). torch has no public
-    name for its version counter. Without it, a copy of a layer's output that several statistics
-    share could not tell an output changed in place (an in-place ReLU) from the one it copied."""
+    """Return how many times ``tensor`` was written in place (``tensor._version``).
+
+    torch has no public name for its version counter. Without it, a copy of a layer's output that
+    several statistics share could not tell an output changed in place (an in-place ReLU) from
+    the one it copied.
+
+    Args:
+        tensor: the tensor whose version counter is read (a layer's output).
+
+    Returns:
+        Its version counter.
+    """
     version: int = tensor._version
     return version
 
 
 def compiled_original(module: torch.nn.Module) -> torch.nn.Module | None:
-    """The module a ``torch.compile`` wrapper holds (its ``_orig_mod``), else ``None``.
+    """Return the module a ``torch.compile`` wrapper holds (its ``_orig_mod``).
 
     torch keeps no public name for it. Without it, a compiled submodule's layers would be named
     with ``_orig_mod`` in their tags, and a rename by compiling would break the tags' history.
+
+    Args:
+        module: a module that may be a ``torch.compile`` wrapper.
+
+    Returns:
+        The module it wraps, or ``None`` where ``module`` is no wrapper.
     """
     original = getattr(module, COMPILED_ORIGINAL, None)
     return original if isinstance(original, torch.nn.Module) else None
@@ -245,7 +282,7 @@ names of the modules under it (see :func:`compiled_original`)."""
 
 
 def compiled_name(name: str) -> str:
-    """A qualified module name without the parts a ``torch.compile`` wrapper adds.
+    """Return a qualified module name without the parts a ``torch.compile`` wrapper adds.
 
     Args:
         name: a name of ``model.named_modules()``, maybe with ``_orig_mod`` parts.
@@ -261,20 +298,33 @@ def compiled_name(name: str) -> str:
 
 
 def grad_scaler_scale(scaler: object) -> torch.Tensor | None:
-    """The AMP ``GradScaler``'s scale as the device tensor it keeps (``scaler._scale``), or
-    ``None`` before its first step.
+    """Return the AMP ``GradScaler``'s scale as the device tensor it keeps (``scaler._scale``).
 
     The public ``get_scale()`` returns a Python float: a host sync at every fp16 step. Without
     this, the gradient statistics of a fused optimizer (whose gradients stay scaled) and the
     output gradients could not be divided by the scale without that sync.
+
+    Args:
+        scaler: the fit's ``GradScaler`` (any object: one without a tensor scale gives ``None``).
+
+    Returns:
+        The scale, or ``None`` before the scaler's first step.
     """
     scale = getattr(scaler, "_scale", None)
     return scale if isinstance(scale, torch.Tensor) else None
 
 
 def steps_unscale_themselves(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` unscales AMP's gradients inside its own step (a fused optimizer's
-    ``_step_supports_amp_scaling``): its gradients are still scaled before the step. torch keeps
-    no public name for it. Without it, a fused Adam's gradient norms under fp16 would be logged
-    multiplied by the scale."""
+    """Return whether ``optimizer`` unscales AMP's gradients inside its own step.
+
+    A fused optimizer says so with ``_step_supports_amp_scaling``: its gradients are still scaled
+    before the step. torch keeps no public name for it. Without it, a fused Adam's gradient norms
+    under fp16 would be logged multiplied by the scale.
+
+    Args:
+        optimizer: the optimizer whose step is checked.
+
+    Returns:
+        Whether its gradients are still scaled before its step.
+    """
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))

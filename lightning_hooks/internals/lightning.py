@@ -32,9 +32,10 @@ _SHADOWED = "_lightning_hooks_shadowed"
 
 
 def shadow_hooks(callback: object, names: Iterable[str]) -> None:
-    """Speed-up: shadow the empty per-batch hooks ``names`` a callback inherits with ``None`` on
-    the instance, for one fit, so that Lightning does not call them; :func:`unshadow_hooks`
-    takes the shadows off.
+    """Speed-up: shadow the empty per-batch hooks a callback inherits, so Lightning skips them.
+
+    Each of ``names`` is set to ``None`` on the instance, for one fit, so that Lightning does not
+    call it; :func:`unshadow_hooks` takes the shadows off.
 
     Lightning calls every per-batch hook of every callback inside a profiler context, the empty
     defaults too, but skips an attribute that is not callable. On the launch-bound stand-in with
@@ -43,6 +44,10 @@ def shadow_hooks(callback: object, names: Iterable[str]) -> None:
 
     The public twin, with the speed-ups off (:func:`~lightning_hooks.internals.speedups`):
     nothing is shadowed, and Lightning calls the empty hooks.
+
+    Args:
+        callback: the callback whose inherited hooks are shadowed on its instance.
+        names: the per-batch hooks it leaves empty; a hook the instance defines itself is kept.
     """
     if not speedups():
         return
@@ -53,7 +58,11 @@ def shadow_hooks(callback: object, names: Iterable[str]) -> None:
 
 
 def unshadow_hooks(callback: object) -> None:
-    """Take off the shadows :func:`shadow_hooks` set (idempotent)."""
+    """Take off the shadows :func:`shadow_hooks` set (idempotent).
+
+    Args:
+        callback: the callback whose shadowed hooks are restored to the ones it inherits.
+    """
     own = callback.__dict__
     for name in own.pop(_SHADOWED, ()):
         if own.get(name, False) is None:
@@ -61,40 +70,79 @@ def unshadow_hooks(callback: object) -> None:
 
 
 def drop_model_logging(callback: object) -> None:
-    """Drop the model's ``log`` and ``log_dict`` that Lightning's callback connector binds onto
-    every callback at a fit's start (an instance attribute each). Lightning never takes them off.
-    Without this, a callback would keep the model alive after the fit, through them."""
+    """Drop the model's ``log`` and ``log_dict`` that Lightning binds onto a callback.
+
+    Lightning's callback connector binds them onto every callback at a fit's start (an instance
+    attribute each), and never takes them off. Without this, a callback would keep the model
+    alive after the fit, through them.
+
+    Args:
+        callback: the callback whose bound ``log`` and ``log_dict`` are dropped.
+    """
     for bound in ("log", "log_dict"):
         callback.__dict__.pop(bound, None)
 
 
 def tensor_parallel_size(strategy: object) -> int:
-    """A ``ModelParallelStrategy``'s tensor-parallel size (its ``_tensor_parallel_size``), 1 for
-    another strategy. Lightning keeps no public name for it. Without it, a tensor-parallel run,
-    whose ranks see the same batch and shards of each activation, could not be refused: its
-    per-layer statistics would be wrong."""
+    """Return a ``ModelParallelStrategy``'s tensor-parallel size (its ``_tensor_parallel_size``).
+
+    Lightning keeps no public name for it. Without it, a tensor-parallel run, whose ranks see the
+    same batch and shards of each activation, could not be refused: its per-layer statistics
+    would be wrong.
+
+    Args:
+        strategy: the trainer's strategy.
+
+    Returns:
+        The tensor-parallel size, 1 for another strategy.
+    """
     return int(getattr(strategy, "_tensor_parallel_size", 1))
 
 
 def fabric_callbacks(fabric: object) -> list[Any] | None:
-    """The list of callbacks a ``Fabric`` calls (its ``_callbacks``), or ``None``. Fabric keeps
-    no public name for it. Without it, a callback could not put the object that drives it under
-    Fabric in its own place, and ``fabric.call`` would hand it Fabric's arguments."""
+    """Return the list of callbacks a ``Fabric`` calls (its ``_callbacks``).
+
+    Fabric keeps no public name for it. Without it, a callback could not put the object that
+    drives it under Fabric in its own place, and ``fabric.call`` would hand it Fabric's
+    arguments.
+
+    Args:
+        fabric: the ``Fabric`` whose callbacks are read.
+
+    Returns:
+        The list itself (changing it changes what Fabric calls), or ``None``.
+    """
     callbacks: list[Any] | None = getattr(fabric, "_callbacks", None)
     return callbacks
 
 
 def is_set_up_by_fabric(module: object) -> bool:
-    """Whether ``module`` is a ``LightningModule`` that a ``Fabric`` set up (its ``_fabric``).
-    Lightning keeps no public test of it. Without it, the loss of a Fabric loop, fed when the
-    loop wants, would be read as an automatic optimization's."""
+    """Return whether ``module`` is a ``LightningModule`` that a ``Fabric`` set up.
+
+    It reads the module's ``_fabric``. Lightning keeps no public test of it. Without it, the loss
+    of a Fabric loop, fed when the loop wants, would be read as an automatic optimization's.
+
+    Args:
+        module: the module the callback watches.
+
+    Returns:
+        Whether a ``Fabric`` set it up.
+    """
     return getattr(module, "_fabric", None) is not None
 
 
 def fabric_wrapped_module(module: Any) -> Any:  # noqa: ANN401 (any module, wrapped or not)
-    """The user's module inside Fabric's wrapper (a ``_FabricModule``'s ``module``), else
-    ``module``. Fabric keeps no public way to unwrap one. Without it, the callback would hook the
-    wrapper, whose forward is not the user's, and name its layers ``_forward_module.*``."""
+    """Return the user's module inside Fabric's wrapper (a ``_FabricModule``'s ``module``).
+
+    Fabric keeps no public way to unwrap one. Without it, the callback would hook the wrapper,
+    whose forward is not the user's, and name its layers ``_forward_module.*``.
+
+    Args:
+        module: a module, maybe wrapped by Fabric.
+
+    Returns:
+        The module inside the wrapper, else ``module`` itself.
+    """
     inner = getattr(module, "module", None)
     return inner if type(module).__name__ == "_FabricModule" and inner is not None else module
 
@@ -102,11 +150,13 @@ def fabric_wrapped_module(module: Any) -> Any:  # noqa: ANN401 (any module, wrap
 def before_fabric_clips(
     strategy: object, method: str, argument: str, before: Callable[[Any, Any], None]
 ) -> Callable[[], None]:
-    """Call ``before(optimizer, value)`` each time ``strategy.<method>`` (a Fabric strategy's
-    ``clip_gradients_norm`` or ``clip_gradients_value``) is about to clip, where ``value`` is its
-    ``argument`` (the bound); the strategy's method is shadowed on the instance. Fabric has no
-    hook before it clips. Without it, the gradient measured under ``fabric.clip_gradients`` would
-    be the clipped one, not the one the model produced.
+    """Call ``before(optimizer, value)`` each time a Fabric strategy is about to clip.
+
+    The method is ``strategy.<method>`` (a Fabric strategy's ``clip_gradients_norm`` or
+    ``clip_gradients_value``), and ``value`` is its ``argument`` (the bound); the strategy's
+    method is shadowed on the instance. Fabric has no hook before it clips. Without it, the
+    gradient measured under ``fabric.clip_gradients`` would be the clipped one, not the one the
+    model produced.
 
     Args:
         strategy: the Fabric's strategy.
@@ -129,14 +179,30 @@ def before_fabric_clips(
 
 
 def unwrapped_optimizer(optimizer: Any) -> Any:  # noqa: ANN401 (any optimizer, wrapped or not)
-    """The torch optimizer inside Fabric's or Lightning's wrapper (its ``_optimizer``), or
-    ``optimizer`` itself. Without it, an optimizer that Fabric hands to its clipping would not
-    be recognized as the one the callback watches."""
+    """Return the torch optimizer inside Fabric's or Lightning's wrapper (its ``_optimizer``).
+
+    Without it, an optimizer that Fabric hands to its clipping would not be recognized as the one
+    the callback watches.
+
+    Args:
+        optimizer: an optimizer, maybe wrapped by Fabric or Lightning.
+
+    Returns:
+        The optimizer inside the wrapper, or ``optimizer`` itself.
+    """
     return getattr(optimizer, "_optimizer", optimizer)
 
 
 def logger_prefix(logger: object) -> str:
-    """A Lightning logger's prefix (its ``_prefix``), ``""`` if none. Lightning keeps no public
-    name for it. Without it, a logging step's scalars could be written without the prefix the
-    logger's own ``log_metrics`` puts before each tag."""
+    """Return a Lightning logger's prefix (its ``_prefix``).
+
+    Lightning keeps no public name for it. Without it, a logging step's scalars could be written
+    without the prefix the logger's own ``log_metrics`` puts before each tag.
+
+    Args:
+        logger: the logger a logging step's scalars are written to.
+
+    Returns:
+        The prefix, ``""`` if none.
+    """
     return str(getattr(logger, "_prefix", "") or "")

@@ -1,5 +1,6 @@
-"""The speed-ups over TensorBoard's private attributes (see :mod:`lightning_hooks.internals`):
-the event files' checksums in C, and a logging step's scalars written as one event.
+"""The speed-ups over TensorBoard's private attributes (see :mod:`lightning_hooks.internals`).
+
+They are the event files' checksums in C, and a logging step's scalars written as one event.
 
 Each has a public twin, taken when the speed-ups are off
 (:func:`~lightning_hooks.internals.speedups`): TensorBoard's own checksums, and the logger's own
@@ -35,8 +36,16 @@ class Checksums(NamedTuple):
     fallback: Callable[[Buffer], int]
 
     def masked_crc32c(self, data: Buffer) -> int:
-        """TFRecord's masked CRC-32C of ``data``, as TensorBoard's ``masked_crc32c`` computes
-        it; anything the C function does not take (or an error in it) goes to the fallback."""
+        """Return TFRecord's masked CRC-32C of ``data``, as TensorBoard's ``masked_crc32c`` does.
+
+        Anything the C function does not take (or an error in it) goes to the fallback.
+
+        Args:
+            data: the bytes of a record's length or of its payload.
+
+        Returns:
+            The masked checksum.
+        """
         try:
             x = self.value(data if type(data) is bytes else bytes(data))
         except Exception:
@@ -46,9 +55,10 @@ class Checksums(NamedTuple):
 
 @functools.cache
 def fast_checksums() -> bool:
-    """Speed-up: TensorBoard's record writer computes the event files' checksums with
-    :meth:`Checksums.masked_crc32c` (``google_crc32c``, in C) in place of its own in pure
-    Python; whether it does (once per process).
+    """Speed-up: TensorBoard's record writer computes the event files' checksums in C.
+
+    It uses :meth:`Checksums.masked_crc32c` (``google_crc32c``, in C) in place of its own in pure
+    Python, set up once per process.
 
     Without TensorFlow, TensorBoard computes each record's CRC-32C in Python, in its writer
     thread, holding the GIL. On a 200-step fit of the stand-in with all six callbacks: 138.2 ms
@@ -57,6 +67,10 @@ def fast_checksums() -> bool:
     process: the same checksums, for every writer.
 
     The public twin, with the speed-ups off: TensorBoard's own checksums, nothing patched.
+
+    Returns:
+        Whether the record writer computes the checksums in C (``False`` where the speed-ups are
+        off, or ``google_crc32c`` or its C implementation is missing).
     """
     if not speedups():
         return False
@@ -74,10 +88,10 @@ def fast_checksums() -> bool:
 
 
 def one_event_writer(logger: object) -> Callable[[Mapping[str, float], int], None] | None:
-    """Speed-up: a writer of a logging step's scalars as one event, through the
-    ``SummaryWriter``'s file writer (its ``_get_file_writer()``), for a plain
-    ``TensorBoardLogger`` on rank 0 with no prefix; ``None`` where it does not apply or the
-    speed-ups are off.
+    """Speed-up: return a writer of a logging step's scalars as one event.
+
+    It writes through the ``SummaryWriter``'s file writer (its ``_get_file_writer()``), for a
+    plain ``TensorBoardLogger`` on rank 0 with no prefix.
 
     The logger's own ``log_metrics`` writes one event per scalar, each with its checksums. On the
     stand-in with the six callbacks at their defaults, writing a logging step's and an epoch
@@ -85,6 +99,13 @@ def one_event_writer(logger: object) -> Callable[[Mapping[str, float], int], Non
     ``log_every_n_steps=50``, 72% of a bare step (``benchmarks/speedups.py``).
 
     The public twin, with the speed-ups off (``None``): the logger's ``log_metrics``.
+
+    Args:
+        logger: the Lightning logger the scalars go to.
+
+    Returns:
+        The writer, called with the scalars by tag and the step; ``None`` where it does not apply
+        or the speed-ups are off.
     """
     from torch.utils.tensorboard import SummaryWriter
 
@@ -103,6 +124,7 @@ def one_event_writer(logger: object) -> Callable[[Mapping[str, float], int], Non
 
 
 def _varint(n: int) -> bytes:
+    """Return ``n`` (not negative) as protobuf's base-128 varint."""
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -128,6 +150,7 @@ class _Layout(NamedTuple):
 
 @functools.lru_cache(maxsize=64)
 def _layout(tags: tuple[str, ...]) -> _Layout:
+    """Lay out the bytes of an event of ``tags``, once per sequence of tags."""
     heads = [_head(tag) for tag in tags]
     ends = np.cumsum([len(head) + 4 for head in heads], dtype=np.int64)
     template = np.frombuffer(b"".join(head + bytes(4) for head in heads), dtype=np.uint8)
@@ -135,9 +158,16 @@ def _layout(tags: tuple[str, ...]) -> _Layout:
 
 
 def scalar_summary(metrics: Mapping[str, float]) -> Summary:
-    """``Summary(value=[Summary.Value(tag=tag, simple_value=value), ...])`` for ``metrics``,
-    written in protobuf's wire format and parsed in C: faster than a ``Summary.Value`` per scalar,
-    and the bytes of a sequence of tags seen before are laid out once.
+    """Return ``Summary(value=[Summary.Value(tag=tag, simple_value=value), ...])`` for ``metrics``.
+
+    It is written in protobuf's wire format and parsed in C: faster than a ``Summary.Value`` per
+    scalar, and the bytes of a sequence of tags seen before are laid out once.
+
+    Args:
+        metrics: the scalars by tag; each value is stored as a float32.
+
+    Returns:
+        The summary, one value per tag, in order.
 
     Example:
         >>> from tensorboard.compat.proto.summary_pb2 import Summary

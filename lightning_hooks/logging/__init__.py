@@ -1,5 +1,8 @@
-"""Writing statistics and pictures to every Lightning logger, one sink per kind of logger:
-which sink adapts which logger, and the one guarded way to write to each."""
+"""Write statistics and pictures to every Lightning logger, through one sink per kind of logger.
+
+This module decides which sink adapts which logger, and holds the one guarded way to write to
+each.
+"""
 
 from __future__ import annotations
 
@@ -61,11 +64,13 @@ that failed stays failed, and a TensorBoard sink keeps the charts of its dashboa
 
 
 def register_sink(kind: type[LoggerSink]) -> type[LoggerSink]:
-    """Adapt the loggers ``kind.accepts`` with ``kind``, ahead of every kind registered before
-    (register a subclass's sink after its base's). Usable as a class decorator.
+    """Adapt the loggers ``kind.accepts`` with ``kind``, ahead of every kind registered before.
+
+    Register a subclass's sink after its base's. Usable as a class decorator.
 
     Args:
-        kind: a subclass of :class:`LoggerSink`.
+        kind: a subclass of :class:`LoggerSink`, which adapts every logger it accepts from now
+            on, for the process's life.
 
     Returns:
         ``kind``.
@@ -91,7 +96,16 @@ def register_sink(kind: type[LoggerSink]) -> type[LoggerSink]:
 
 
 def sinks_for(loggers: Sequence[LightningLogger]) -> list[LoggerSink]:
-    """One live sink per distinct logger (a sink whose client raised is left out)."""
+    """Return one live sink per distinct logger.
+
+    A logger's sink is made on first use and kept for the logger's life.
+
+    Args:
+        loggers: the Trainer's loggers.
+
+    Returns:
+        Their sinks, in order, each once; a sink whose client raised is left out.
+    """
     sinks: list[LoggerSink] = []
     for logger in loggers:
         sink = _SINKS.get(logger)
@@ -105,15 +119,26 @@ def sinks_for(loggers: Sequence[LightningLogger]) -> list[LoggerSink]:
 
 
 def each_sink(loggers: Sequence[LightningLogger], write: Callable[[LoggerSink], None]) -> None:
-    """``write`` to each live sink of ``loggers``; a sink whose client raises is dropped with one
-    warning and training goes on (``LIGHTNING_HOOKS_STRICT=1``: the error is raised)."""
+    """Call ``write`` on each live sink of ``loggers``.
+
+    A sink whose client raises is dropped with one warning and training goes on.
+
+    Args:
+        loggers: the Trainer's loggers.
+        write: writes to one sink.
+
+    Raises:
+        Exception: what a sink's client raised, where ``LIGHTNING_HOOKS_STRICT=1``.
+    """
     for sink in sinks_for(loggers):
         _write(sink, write)
 
 
 def _write(sink: LoggerSink, write: Callable[[LoggerSink], None]) -> None:
-    """``write`` to ``sink``, marked unsaved; a client that raises is dropped (see
-    :func:`each_sink`)."""
+    """Call ``write`` on ``sink`` and mark it unsaved; a client that raises is dropped.
+
+    See :func:`each_sink`.
+    """
     try:
         write(sink)
         sink.unsaved = True
@@ -133,15 +158,22 @@ def _write(sink: LoggerSink, write: Callable[[LoggerSink], None]) -> None:
 def log_scalars(
     loggers: Sequence[LightningLogger], metrics: Mapping[str, float], step: int
 ) -> None:
-    """Send ``metrics`` to every logger, once each (to TensorBoard as one event)."""
+    """Send ``metrics`` to every logger, once each (to TensorBoard as one event).
+
+    Args:
+        loggers: the Trainer's loggers.
+        metrics: the scalars by tag (nothing is written where it is empty).
+        step: the step they are logged at.
+    """
     if metrics:
         each_sink(loggers, lambda sink: sink.scalars(metrics, step))
 
 
 def save_loggers(loggers: Sequence[LightningLogger], *, layout: bool = False) -> None:
-    """Save each logger written to since its last save, as Lightning does after
-    ``log_metrics`` (TensorBoard flushes its file). Any of the library's callbacks may call it:
-    the first call after a write saves, the others find nothing to save.
+    """Save each logger written to since its last save, as Lightning does after ``log_metrics``.
+
+    TensorBoard flushes its file. Any of the library's callbacks may call it: the first call
+    after a write saves, the others find nothing to save.
 
     Args:
         loggers: the Trainer's loggers.
@@ -160,22 +192,50 @@ def save_loggers(loggers: Sequence[LightningLogger], *, layout: bool = False) ->
 
 
 def shows_pictures(loggers: Sequence[LightningLogger]) -> bool:
-    """Whether figures and images reach any of ``loggers``."""
+    """Return whether figures and images reach any of ``loggers``.
+
+    Args:
+        loggers: the Trainer's loggers.
+
+    Returns:
+        Whether any live sink of theirs shows pictures.
+    """
     return any(sink.shows_pictures for sink in sinks_for(loggers))
 
 
 def log_figure(loggers: Sequence[LightningLogger], tag: str, figure: Figure, step: int) -> None:
-    """Write a matplotlib figure to every logger that shows pictures."""
+    """Write a matplotlib figure to every logger that shows pictures.
+
+    Args:
+        loggers: the Trainer's loggers.
+        tag: the figure's tag.
+        figure: the figure to write.
+        step: the step it is logged at.
+    """
     each_sink(loggers, lambda sink: sink.figure(tag, figure, step))
 
 
 def log_text(loggers: Sequence[LightningLogger], tag: str, text: str, step: int) -> None:
-    """Write Markdown ``text`` to every logger that keeps text."""
+    """Write Markdown ``text`` to every logger that keeps text.
+
+    Args:
+        loggers: the Trainer's loggers.
+        tag: the text's tag.
+        text: the Markdown to write.
+        step: the step it is logged at.
+    """
     each_sink(loggers, lambda sink: sink.text(tag, text, step))
 
 
 def log_image(loggers: Sequence[LightningLogger], tag: str, image: torch.Tensor, step: int) -> None:
-    """Write a ``CHW`` image tensor in ``[0, 1]`` to every logger that shows pictures."""
+    """Write a ``CHW`` image tensor in ``[0, 1]`` to every logger that shows pictures.
+
+    Args:
+        loggers: the Trainer's loggers.
+        tag: the image's tag.
+        image: the image, channels first, with values in ``[0, 1]``.
+        step: the step it is logged at.
+    """
     each_sink(loggers, lambda sink: sink.image(tag, image, step))
 
 
@@ -186,11 +246,27 @@ def log_embedding(
     labels: list[Any] | None,
     step: int,
 ) -> None:
-    """Write ``[N, D]`` features (and ``N`` labels) to every logger with a projector."""
+    """Write ``[N, D]`` features (and ``N`` labels) to every logger with a projector.
+
+    Args:
+        loggers: the Trainer's loggers.
+        tag: the embedding's tag.
+        features: ``N`` points of ``D`` features each.
+        labels: one label per point, or ``None``.
+        step: the step it is logged at.
+    """
     each_sink(loggers, lambda sink: sink.embedding(tag, features, labels, step))
 
 
 def log_histogram(loggers: Sequence[LightningLogger], tag: str, binned: Binned, step: int) -> None:
-    """Write a histogram binned on the device to every logger with histograms (TensorBoard,
-    W&B)."""
+    """Write a histogram binned on the device to every logger with histograms.
+
+    The loggers with histograms are TensorBoard and W&B.
+
+    Args:
+        loggers: the Trainer's loggers.
+        tag: the histogram's tag.
+        binned: the histogram, binned on the device.
+        step: the step it is logged at.
+    """
     each_sink(loggers, lambda sink: sink.histogram(tag, binned, step))

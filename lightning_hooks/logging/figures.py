@@ -1,5 +1,7 @@
-"""The pictures the callbacks log: charts drawn with matplotlib's object API (no pyplot: no
-global state, no GUI backend), and layer outputs as images."""
+"""The pictures the callbacks log: charts, and layer outputs as images.
+
+The charts are drawn with matplotlib's object API (no pyplot: no global state, no GUI backend).
+"""
 
 from __future__ import annotations
 
@@ -23,12 +25,12 @@ _LAYER_AXIS = "layer (input to output)"
 
 
 def _labels(layers: Sequence[str]) -> list[str]:
-    """Layer names as tick labels, a long one cut to its last 32 characters."""
+    """Return layer names as tick labels, a long one cut to its last 32 characters."""
     return [name if len(name) <= 32 else "…" + name[-31:] for name in layers]
 
 
 def _label_size(n: int) -> int:
-    """Layer-label font size: large enough for TensorBoard's card when there are few layers."""
+    """Return the layer labels' font size: large enough for TensorBoard's card for few layers."""
     return 11 if n <= 16 else 9 if n <= 30 else 7
 
 
@@ -47,7 +49,17 @@ def _bars(
     width: float,
     **style: Unpack[_BarStyle],
 ) -> None:
-    """Bars from ``floor`` to ``heights`` at ``x`` as one artist (``ax.bar``: one per bar, slow).
+    """Draw bars from ``floor`` to ``heights`` at ``x`` as one artist.
+
+    ``ax.bar`` would make one artist per bar, which is slow.
+
+    Args:
+        ax: the axes the bars are drawn on.
+        x: each bar's centre.
+        heights: each bar's top.
+        floor: where every bar starts (the axis floor of a log scale).
+        width: each bar's width.
+        **style: the bars' colour and legend label.
 
     Example:
         >>> fig = Figure()
@@ -67,8 +79,18 @@ def _bars(
 def grad_flow_figure(
     layers: Sequence[str], mean_abs: np.ndarray, max_abs: np.ndarray, title: str = ""
 ) -> Figure:
-    """Bars of mean and max ``|grad|`` per layer, input to output, on a log scale; zero and
-    non-finite values at the axis floor, marked with a red ``x``.
+    """Draw bars of mean and max ``|grad|`` per layer, input to output, on a log scale.
+
+    Zero and non-finite values are drawn at the axis floor, marked with a red ``x``.
+
+    Args:
+        layers: the layers' names, input to output.
+        mean_abs: each layer's mean ``|grad|``.
+        max_abs: each layer's max ``|grad|``.
+        title: the chart's title (default: ``"gradient flow"``).
+
+    Returns:
+        The figure.
 
     Example:
         >>> fig = grad_flow_figure(["a", "b"], np.array([1e-3, 0.0]), np.array([1e-2, 1e-1]))
@@ -109,8 +131,20 @@ def layer_epoch_heatmap(
     title: str = "",
     log: bool = False,
 ) -> Figure:
-    """``values[layer, epoch]`` as a heatmap: layers top (input) to bottom, epochs left to right;
-    non-finite cells (a layer that did not run) grey. ``log=True``: ``log10``, zeros grey too.
+    """Draw ``values[layer, epoch]`` as a heatmap.
+
+    Layers run top (input) to bottom, epochs left to right; non-finite cells (a layer that did
+    not run) are grey.
+
+    Args:
+        layers: the layers' names, input to output: the rows.
+        epochs: the epochs' numbers: the columns.
+        values: ``[layers, epochs]``, the value of each cell.
+        title: the chart's title.
+        log: draw ``log10`` of the values, zeros grey too.
+
+    Returns:
+        The figure.
 
     Example:
         >>> values = np.array([[1.0, 10.0], [0.0, 100.0]])
@@ -149,7 +183,16 @@ def layer_epoch_heatmap(
 def layer_time_figure(
     layers: Sequence[str], forward_ms: np.ndarray, step_ms: float, title: str = ""
 ) -> Figure:
-    """Bars of each layer's forward time per step, input to output, labelled with its share.
+    """Draw bars of each layer's forward time per step, input to output, labelled with its share.
+
+    Args:
+        layers: the layers' names, input to output.
+        forward_ms: each layer's forward time per step, in milliseconds.
+        step_ms: the whole step's time, in milliseconds, that each share is of.
+        title: the chart's title (default: names the step's time).
+
+    Returns:
+        The figure.
 
     Example:
         >>> fig = layer_time_figure(["conv", "fc"], np.array([3.0, 1.0]), 10.0)
@@ -172,14 +215,14 @@ def layer_time_figure(
 
 
 def _normalize(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """Min-max scaled to ``[0, 1]`` over ``dims``; a constant slice becomes 0."""
+    """Scale ``x`` to ``[0, 1]`` by its min and max over ``dims``; a constant slice becomes 0."""
     low = x.amin(dim=dims, keepdim=True)
     span = x.amax(dim=dims, keepdim=True) - low
     return torch.where(span > 0, (x - low) / span.clamp_min(1e-12), torch.zeros_like(x))
 
 
 def _tile(maps: torch.Tensor, pad: int) -> torch.Tensor:
-    """``[n, h, w]`` maps to one ``[H, W]`` grid, near square, separated by ``pad`` white pixels."""
+    """Tile ``[n, h, w]`` maps into one ``[H, W]`` grid, near square, ``pad`` white pixels apart."""
     n, h, w = maps.shape
     cols = math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
@@ -191,7 +234,7 @@ def _tile(maps: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 def feature_map_grid(output: torch.Tensor, channels: int = 16, min_size: int = 32) -> torch.Tensor:
-    """A ``[1, H, W]`` image in ``[0, 1]`` (grayscale, ``CHW``) of one layer's output on a batch.
+    """Return a ``[1, H, W]`` image in ``[0, 1]`` (grayscale, ``CHW``) of a layer's batch output.
 
     * ``[N, C, H, W]`` (``Conv2d``): the first sample's first ``channels`` channels, each scaled
       to its min-max, tiled in a near-square grid, enlarged to at least ``min_size`` pixels.
@@ -203,6 +246,9 @@ def feature_map_grid(output: torch.Tensor, channels: int = 16, min_size: int = 3
         output: the layer's output for a batch.
         channels: how many channels to draw.
         min_size: smallest side, in pixels, of a drawn map.
+
+    Returns:
+        The image.
 
     Raises:
         ValueError: the output has fewer than 2 or more than 5 dimensions.

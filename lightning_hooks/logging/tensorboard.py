@@ -2,7 +2,8 @@
 
 Scalar tags are ``<family>/<stat>/<layer>``, ``<family>/global/<stat>`` (``<stat>_p50``: a
 percentile over layers), ``<family>/alarms/<rule>`` or ``<family>/notices/<name>``; a logging
-step's tag has ``_step`` after its statistic (:func:`step_tag`, Lightning's convention)."""
+step's tag has ``_step`` after its statistic (:func:`step_tag`, Lightning's convention).
+"""
 
 from __future__ import annotations
 
@@ -58,26 +59,63 @@ class _SummaryWriter(Protocol):
     """The calls of a ``SummaryWriter`` that :class:`TensorBoardSink` makes."""
 
     def add_figure(self, tag: str, figure: Figure, global_step: int, close: bool) -> None:
-        """Write ``figure`` as an image."""
+        """Write ``figure`` as an image.
+
+        Args:
+            tag: the image's tag.
+            figure: the figure to draw.
+            global_step: the step it is logged at.
+            close: whether the writer closes the figure.
+        """
 
     def add_image(
         self, tag: str, img_tensor: torch.Tensor, global_step: int, dataformats: str
     ) -> None:
-        """Write an image."""
+        """Write an image.
+
+        Args:
+            tag: the image's tag.
+            img_tensor: the image's pixels.
+            global_step: the step it is logged at.
+            dataformats: the order of the image's dimensions (``"CHW"``).
+        """
 
     def add_histogram_raw(self, tag: str, global_step: int, **raw: Unpack[RawHistogram]) -> None:
-        """Write pre-binned counts (the keywords of :func:`histogram_raw`)."""
+        """Write pre-binned counts.
+
+        Args:
+            tag: the histogram's tag.
+            global_step: the step it is logged at.
+            **raw: the buckets and moments (the keywords of :func:`histogram_raw`).
+        """
 
     def add_text(self, tag: str, text_string: str, global_step: int) -> None:
-        """Write Markdown text."""
+        """Write Markdown text.
+
+        Args:
+            tag: the text's tag.
+            text_string: the Markdown to write.
+            global_step: the step it is logged at.
+        """
 
     def add_embedding(
         self, mat: torch.Tensor, metadata: list[Any] | None, global_step: int, tag: str
     ) -> None:
-        """Write features for the projector."""
+        """Write features for the projector.
+
+        Args:
+            mat: the points' features, one row per point.
+            metadata: one label per point, or ``None``.
+            global_step: the step it is logged at.
+            tag: the embedding's tag.
+        """
 
     def add_custom_scalars(self, layout: dict[str, dict[str, list[Any]]]) -> None:
-        """Write the custom-scalars layout."""
+        """Write the custom-scalars layout.
+
+        Args:
+            layout: the charts by category and title (see :func:`dashboard_layout`).
+        """
 
 
 class _TensorBoardLogger(LightningLogger, Protocol):
@@ -89,8 +127,14 @@ class _TensorBoardLogger(LightningLogger, Protocol):
 
 
 class TensorBoardSink(LoggerSink):
-    """A ``TensorBoardLogger`` (either namespace, or a subclass): its ``SummaryWriter`` gets
-    figures, images, histograms, text, embeddings and the custom-scalars layout."""
+    """Write to a ``TensorBoardLogger`` (either namespace, or a subclass).
+
+    Its ``SummaryWriter`` gets figures, images, histograms, text, embeddings and the
+    custom-scalars layout.
+
+    Args:
+        logger: the ``TensorBoardLogger`` written to.
+    """
 
     shows_pictures: ClassVar[bool] = True
     logger: _TensorBoardLogger
@@ -105,12 +149,28 @@ class TensorBoardSink(LoggerSink):
 
     @classmethod
     def accepts(cls, logger: object) -> bool:
+        """Return whether ``logger`` is a ``TensorBoardLogger`` (either namespace, or a subclass).
+
+        Args:
+            logger: one of the Trainer's loggers.
+
+        Returns:
+            Whether this sink adapts it.
+        """
         return isinstance(logger, lightning_types("TensorBoardLogger"))
 
     def scalars(self, metrics: Mapping[str, float], step: int) -> None:
-        """A plain ``TensorBoardLogger`` gets the values as one event where the speed-up applies
+        """Write ``metrics`` at ``step``, as one event where the speed-up applies.
+
+        A plain ``TensorBoardLogger`` gets the values as one event where the speed-up applies
         (:func:`~lightning_hooks.internals.tensorboard.one_event_writer`); any other (a subclass
-        may log otherwise) gets the logger's own ``log_metrics``."""
+        may log otherwise) gets the logger's own ``log_metrics``. Their charts go into the
+        writer's layout.
+
+        Args:
+            metrics: the scalars by tag.
+            step: the optimizer step they are logged at.
+        """
         plain = type(self.logger) in lightning_types("TensorBoardLogger")
         write = one_event_writer(self.logger) if plain else None
         if write is None:
@@ -120,25 +180,65 @@ class TensorBoardSink(LoggerSink):
         self.charts.update(_charts(tuple(metrics)))  # their charts go into the writer's layout
 
     def figure(self, tag: str, figure: Figure, step: int) -> None:
+        """Write the figure as an image (left open: the caller closes it).
+
+        Args:
+            tag: the image's tag.
+            figure: the figure to draw.
+            step: the optimizer step it is logged at.
+        """
         self.logger.experiment.add_figure(tag, figure, global_step=step, close=False)
 
     def image(self, tag: str, image: torch.Tensor, step: int) -> None:
+        """Write a ``CHW`` image.
+
+        Args:
+            tag: the image's tag.
+            image: the image, channels first, with values in ``[0, 1]``.
+            step: the optimizer step it is logged at.
+        """
         self.logger.experiment.add_image(tag, image, global_step=step, dataformats="CHW")
 
     def histogram(self, tag: str, binned: Binned, step: int) -> None:
+        """Write a histogram binned on the device, as ``add_histogram_raw``'s pre-binned counts.
+
+        Args:
+            tag: the histogram's tag.
+            binned: the buckets' right edges and counts, and the values' moments.
+            step: the optimizer step it is logged at.
+        """
         raw = histogram_raw(*binned)
         self.logger.experiment.add_histogram_raw(tag, global_step=step, **raw)
 
     def text(self, tag: str, text: str, step: int) -> None:
+        """Write Markdown text (TensorBoard files it under ``<tag>/text_summary``).
+
+        Args:
+            tag: the text's tag.
+            text: the Markdown to write.
+            step: the optimizer step it is logged at.
+        """
         self.logger.experiment.add_text(tag, text, global_step=step)
 
     def embedding(
         self, tag: str, features: torch.Tensor, labels: list[Any] | None, step: int
     ) -> None:
+        """Write features and their labels for TensorBoard's projector.
+
+        Args:
+            tag: the embedding's tag.
+            features: ``N`` points of ``D`` features each.
+            labels: one label per point, or ``None``.
+            step: the optimizer step it is logged at.
+        """
         self.logger.experiment.add_embedding(features, metadata=labels, global_step=step, tag=tag)
 
     def has_new_charts(self) -> bool:
-        """Whether scalars were written under charts the last layout lacks (charts only grow)."""
+        """Return whether scalars were written under charts the last layout lacks.
+
+        Returns:
+            Whether a new layout is due (the charts only grow).
+        """
         return len(self.charts) > len(self.charts_written)
 
     def dashboard(self) -> None:
@@ -151,13 +251,16 @@ class TensorBoardSink(LoggerSink):
 def histogram_raw(
     limits: np.ndarray, counts: np.ndarray, moments: Moments | None = None
 ) -> RawHistogram:
-    """Keyword arguments of ``SummaryWriter.add_histogram_raw`` for pre-binned counts.
+    """Return the keyword arguments of ``SummaryWriter.add_histogram_raw`` for pre-binned counts.
 
     Args:
         limits: ``[buckets]`` right edges of the buckets.
         counts: ``[buckets]`` counts.
         moments: ``(min, max, sum, sum of squares)`` of the values binned; ``None``: from the
             bucket centres (the first bucket as wide as the second), the filled buckets' span.
+
+    Returns:
+        The bucket limits and counts, the values' count, and the moments.
 
     Example:
         >>> raw = histogram_raw(np.array([0.0, 1.0, 2.0]), np.array([0.0, 2.0, 1.0]))
@@ -201,18 +304,35 @@ _CHART_ORDER = (
 
 @functools.lru_cache(maxsize=64)
 def _charts(tags: tuple[str, ...]) -> frozenset[tuple[str, str]]:
-    """The charts of a sequence of tags (:func:`chart_key`; a logging step writes the same)."""
+    """Return the charts of a sequence of tags (:func:`chart_key`).
+
+    Cached: a logging step writes the same tags.
+    """
     return frozenset(key for key in map(chart_key, tags) if key is not None)
 
 
 def step_tags(values: Mapping[str, float]) -> dict[str, float]:
-    """``values`` under their :func:`step_tag`."""
+    """Return ``values`` under their logging step's tags.
+
+    Args:
+        values: the values by epoch tag.
+
+    Returns:
+        The same values, each under its :func:`step_tag`.
+    """
     return {step_tag(tag): value for tag, value in values.items()}
 
 
 @functools.lru_cache(maxsize=_TAGS)
 def chart_key(tag: str) -> tuple[str, str] | None:
-    """The ``(family, stat)`` chart a tag belongs to, or ``None`` for a tag outside the scheme.
+    """Return the ``(family, stat)`` chart a tag belongs to.
+
+    Args:
+        tag: a scalar's tag.
+
+    Returns:
+        The chart's family and statistic (a percentile's ``_p50`` dropped), or ``None`` for a
+        tag outside the scheme.
 
     Example:
         >>> chart_key("grad_flow/grad_norm/encoder.0"), chart_key("grad_flow/global/grad_norm_p50")
@@ -229,11 +349,18 @@ def chart_key(tag: str) -> tuple[str, str] | None:
 
 
 def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, list[Any]]]:
-    """The custom-scalars layout of the given charts, for ``SummaryWriter.add_custom_scalars``.
+    """Return the custom-scalars layout of the given charts, for ``add_custom_scalars``.
 
-    One multiline chart per ``(family, stat)`` in its family's category, one per family's
-    alarms in ``alarms`` and per family's notices in ``notices``; at most :data:`MAX_CHARTS`
-    charts, the most read first.
+    The layout is for ``SummaryWriter.add_custom_scalars``: one multiline chart per
+    ``(family, stat)`` in its family's category, one per family's alarms in ``alarms`` and per
+    family's notices in ``notices``; at most :data:`MAX_CHARTS` charts, the most read first.
+
+    Args:
+        keys: the charts, as :func:`chart_key` gives them (repeats are ignored).
+
+    Returns:
+        The charts by category title (``"lightning_hooks: <category>"``) and chart title, each
+        ``["Multiline", regexes]``.
 
     Example:
         >>> keys = [("dead_relu", "dead_fraction"), ("grad_flow", "update_ratio"),
@@ -263,7 +390,7 @@ def dashboard_layout(keys: Iterable[tuple[str, str]]) -> dict[str, dict[str, lis
 
 
 def _chart_rank(key: tuple[str, str]) -> tuple[int, str, int, str]:
-    """Sort key of a chart: its category's rank, the statistic's, its logging-step chart last."""
+    """Return the sort key of a chart: its category's rank, the statistic's, its step chart last."""
     family, stat = key
     base = stat.removesuffix(STEP)
     category = base if base in _COUNTS else family
