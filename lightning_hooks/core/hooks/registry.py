@@ -292,7 +292,7 @@ class HookRegistry(HookOwner):
     def only_our_hooks(self, module: nn.Module) -> bool:
         """Return whether every forward (pre-)hook on ``module`` is one of the library's.
 
-        Whichever callback put it there.
+        A hook of the library's counts whichever callback put it there.
 
         Args:
             module: a module of the model.
