@@ -203,7 +203,11 @@ class FirstNonFinite:
             torch.where(hit, row + step * _ROW_SPACE, self.code, out=self.code)
 
     def poll(self) -> tuple[int, int] | None:
-        """Return the ``(step, row)`` of the first mark that has reached the host, or ``None``."""
+        """Poll the first mark without waiting.
+
+        Returns:
+            The ``(step, row)`` of the first mark that has reached the host, or ``None``.
+        """
         box = self._host_copy
         code = _code(box.read(wait=False))
         if code < 0 and not box.pending:
@@ -218,17 +222,29 @@ class FirstNonFinite:
 
 
 def is_distributed() -> bool:
-    """Return whether a default process group is up (Lightning's DDP creates one in ``setup``)."""
+    """Return whether a default process group is up.
+
+    Returns:
+        ``True`` once one is (Lightning's DDP creates one in ``setup``).
+    """
     return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
-    """Return this process's rank in the default group, ``0`` without one."""
+    """Return this process's rank in the default group.
+
+    Returns:
+        The rank, ``0`` without a group.
+    """
     return dist.get_rank() if is_distributed() else 0
 
 
 def world_size() -> int:
-    """Return the number of processes in the default group, ``1`` without one."""
+    """Return the number of processes in the default group.
+
+    Returns:
+        The world size, ``1`` without a group.
+    """
     return dist.get_world_size() if is_distributed() else 1
 
 

@@ -127,7 +127,11 @@ class GradientReport(NamedTuple):
         return flags
 
     def fired_rules(self) -> list[str]:
-        """Return the rules that fired at some row, in the order of :data:`GRADIENT_RULES`."""
+        """Return the rules that fired at some row.
+
+        Returns:
+            Their names, in the order of :data:`GRADIENT_RULES`.
+        """
         return [GRADIENT_RULES[index] for index in np.flatnonzero(self.flags.any(axis=1))]
 
 
@@ -247,7 +251,10 @@ class RunningScale:
     def steady(self) -> bool:
         """Return whether every row is armed and past its first ``1 / alpha`` steps.
 
-        Then the EMA's weight is ``alpha`` everywhere; true from then on, until :meth:`load`.
+        Then the EMA's weight is ``alpha`` everywhere.
+
+        Returns:
+            Whether the scale is steady; true from then on, until :meth:`load`.
         """
         if not self._steady:
             count = self.count

@@ -262,7 +262,12 @@ class LossRules:
         return self.setback is not None
 
     def progress(self) -> LossProgress | None:
-        """Return the best level and the start, once a loss was read (``None`` before)."""
+        """Return how far the loss has come, for *stall*.
+
+        Returns:
+            The best level and the start, once a loss was read; ``None`` before, or with
+            *diverging* off.
+        """
         if self.rules.diverge_ratio is None or not self.levels.seen:
             return None
         return LossProgress(self.levels.best, self.levels.first)
@@ -543,7 +548,12 @@ class LossRules:
         self.scale.update(log_loss, positive, ceiling)
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the running scale, *diverging*'s levels and the open setback, for a checkpoint."""
+        """Return the loss rules' state, for a checkpoint.
+
+        Returns:
+            The running scale, *diverging*'s levels, the open setback and the last steps' mean
+            losses, by name.
+        """
         return {
             "loss_scale": torch.from_numpy(self.scale.state.copy()),
             "loss_levels": asdict(self.levels),

@@ -62,7 +62,12 @@ class RunFacts:
         )
 
     def learning_rate(self) -> float:
-        """Return the learning rate now (NaN: not known, or not a positive number)."""
+        """Return the learning rate now.
+
+        Returns:
+            The first parameter group's ``lr`` as a float; NaN where it is not known, or not
+            a positive number.
+        """
         if self.read_learning_rate is None:
             return math.nan
         value = self.read_learning_rate()

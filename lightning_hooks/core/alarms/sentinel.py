@@ -377,7 +377,12 @@ class TrainingAlarms:
         return counts, log
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the running scales, vanishing counters, ring buffer and counts, on the host."""
+        """Return the state a checkpoint holds, on the host.
+
+        Returns:
+            The running scales, vanishing counters, ring buffer and counts, by name, with the
+            layers they are of.
+        """
         self._drain(wait=True)
         return {
             "layers": self.layers,
@@ -462,7 +467,11 @@ class NormRing:
         return NormHistory([s for s, _ in slots], ring[[i for _, i in slots]])
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the ring and its steps, for a checkpoint."""
+        """Return the ring and its steps, for a checkpoint.
+
+        Returns:
+            ``{"ring": ..., "ring_steps": ...}``, on the host.
+        """
         return {"ring": torch.from_numpy(self.ring.copy()), "ring_steps": list(self.steps)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

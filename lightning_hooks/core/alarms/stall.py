@@ -191,7 +191,11 @@ class StallRule:
         s.level = value if start else _F(_lerp32(float(level), float(target), _STALL_ALPHA))
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the state and the peak learning rate, on the host, for a checkpoint."""
+        """Return the state and the peak learning rate, for a checkpoint.
+
+        Returns:
+            ``{"stall": ..., "peak_lr": ...}``, on the host.
+        """
         return {"stall": torch.from_numpy(self.state.array()), "peak_lr": self.peak_lr}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

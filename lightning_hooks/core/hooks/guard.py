@@ -24,7 +24,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def strict_default() -> bool:
-    """Return whether :data:`STRICT_ENV` is ``1``/``true``/``yes``/``on``."""
+    """Return whether guards are strict unless told otherwise.
+
+    Returns:
+        Whether :data:`STRICT_ENV` is ``1``/``true``/``yes``/``on``.
+    """
     return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -165,7 +169,11 @@ class _GuardedOwner(Protocol):
     """What :func:`guarded` needs of the object whose hook it runs (a callback)."""
 
     def hook_guard(self) -> Guard:
-        """Return the guard of the callback's hooks."""
+        """Return the guard of the callback's hooks.
+
+        Returns:
+            The guard of the running fit.
+        """
 
     def remove_hooks(self) -> None:
         """Take the callback's hooks off the model."""
