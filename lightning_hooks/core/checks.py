@@ -1,5 +1,8 @@
-"""Argument checks shared by every public class: each error names the owner, the argument, the
-allowed values and the value received. Numbers (never ``bool``) come back as ``int``/``float``."""
+"""Argument checks shared by every public class.
+
+Each error names the owner, the argument, the allowed values and the value received. Numbers
+(never ``bool``) come back as ``int``/``float``.
+"""
 
 from __future__ import annotations
 
@@ -38,11 +41,26 @@ C = TypeVar("C", bound=type)
 
 
 def _fail(owner: str, name: str, value: object, expected: str, error: type[Exception]) -> Exception:
+    """Build the ``error`` naming ``owner``, the argument ``name``, ``expected`` and ``value``."""
     return error(f"{owner}({name}={value!r}): must be {expected}, got {value!r}")
 
 
 def positive_int(owner: str, name: str, value: object, *, minimum: int = 1) -> int:
-    """``value`` as an ``int`` >= ``minimum``, else ``ValueError``/``TypeError``."""
+    """Read ``value`` as an ``int`` >= ``minimum``.
+
+    Args:
+        owner: the class named in the error.
+        name: the argument named in the error.
+        value: the value given.
+        minimum: the smallest value accepted.
+
+    Returns:
+        ``value`` as an ``int``.
+
+    Raises:
+        TypeError: ``value`` is not an integer (a ``bool`` is not one).
+        ValueError: ``value`` is an integer below ``minimum``.
+    """
     kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise _fail(owner, name, value, kind, TypeError)
@@ -99,20 +117,46 @@ class _Interval(NamedTuple):
     high_open: bool = False
 
     def describe(self) -> str:
-        """``"a finite real > 0.0 and <= 1.0"``: the expected value an error names."""
+        """Describe the expected value an error names, e.g. ``"a finite real > 0.0 and <= 1.0"``.
+
+        Returns:
+            The description, in the words of an error message.
+        """
         bounds = [f"{'>' if self.low_open else '>='} {self.low}"] if self.low > -math.inf else []
         bounds += [f"{'<' if self.high_open else '<='} {self.high}"] if self.high < math.inf else []
         return f"a finite real {' and '.join(bounds)}".rstrip()
 
     def holds(self, number: float) -> bool:
-        """Whether ``number`` is finite and inside the interval."""
+        """Return whether ``number`` is finite and inside the interval.
+
+        Args:
+            number: the value to test against the interval's ends.
+
+        Returns:
+            ``True`` if ``number`` is finite and inside the interval.
+        """
         too_low = number <= self.low if self.low_open else number < self.low
         too_high = number >= self.high if self.high_open else number > self.high
         return math.isfinite(number) and not too_low and not too_high
 
 
 def real(owner: str, name: str, value: object, **bounds: Unpack[Bounds]) -> float:
-    """``value`` as a finite ``float`` in ``[low, high]`` (``low_open``, ``high_open``: exclude)."""
+    """Read ``value`` as a finite ``float`` in ``[low, high]``.
+
+    Args:
+        owner: the class named in the error.
+        name: the argument named in the error.
+        value: the value given.
+        **bounds: the interval's ends, ``low`` and ``high`` (unbounded where left out), and
+            ``low_open``/``high_open`` to exclude an end.
+
+    Returns:
+        ``value`` as a ``float``.
+
+    Raises:
+        TypeError: ``value`` is not a real number (a ``bool`` is not one).
+        ValueError: ``value`` is not finite or lies outside the interval.
+    """
     interval = _Interval(**bounds)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _fail(owner, name, value, interval.describe(), TypeError)
@@ -123,20 +167,57 @@ def real(owner: str, name: str, value: object, **bounds: Unpack[Bounds]) -> floa
 
 
 def fraction_or_none(owner: str, name: str, value: object) -> float | None:
-    """``value`` as a ``float`` in ``[0, 1]``, or ``None`` (a setting that is off)."""
+    """Read ``value`` as a ``float`` in ``[0, 1]``, or ``None`` (a setting that is off).
+
+    Args:
+        owner: the class named in the error.
+        name: the argument named in the error.
+        value: the value given.
+
+    Returns:
+        ``value`` as a ``float``, or ``None``.
+
+    Raises:
+        TypeError: ``value`` is neither a real number nor ``None``.
+        ValueError: ``value`` is outside ``[0, 1]`` or not finite.
+    """
     return None if value is None else real(owner, name, value, low=0.0, high=1.0)
 
 
 def boolean(owner: str, name: str, value: object) -> bool:
-    """``value`` if it is a ``bool`` (``numpy.bool_`` too), else ``TypeError``."""
+    """Read ``value`` as a ``bool`` (a ``numpy.bool_`` too).
+
+    Args:
+        owner: the class named in the error.
+        name: the argument named in the error.
+        value: the value given.
+
+    Returns:
+        ``value`` as a ``bool``.
+
+    Raises:
+        TypeError: ``value`` is not a ``bool``.
+    """
     if isinstance(value, bool) or type(value).__name__ == "bool_":
         return bool(value)
     raise _fail(owner, name, value, "True or False", TypeError)
 
 
 def choice(owner: str, name: str, value: object, allowed: Sequence[T]) -> T:
-    """``value`` if it is one of ``allowed``, else ``ValueError`` listing them (and naming the
-    closest, for a string).
+    """Return ``value`` if it is one of ``allowed``.
+
+    Args:
+        owner: the class named in the error.
+        name: the argument named in the error.
+        value: the value given.
+        allowed: the values accepted, listed by the error.
+
+    Returns:
+        The option of ``allowed`` that equals ``value`` (and is of its type).
+
+    Raises:
+        ValueError: ``value`` is not one of ``allowed``; the error lists them (and names the
+            closest, for a string).
 
     Example:
         >>> try:
@@ -156,8 +237,12 @@ def choice(owner: str, name: str, value: object, allowed: Sequence[T]) -> T:
 
 
 def module_types(owner: str, types: object, bases: tuple[type, ...]) -> None:
-    """Refuse ``types`` (one class, a tuple of them, or ``None``) unless each is a subclass of
-    one of ``bases``, naming them.
+    """Refuse ``types`` unless each is a subclass of one of ``bases``, naming them.
+
+    Args:
+        owner: the class named in the error.
+        types: one class, a tuple of them, or ``None``.
+        bases: the classes each type must derive from.
 
     Raises:
         TypeError: a type is not a subclass of one of ``bases``.
@@ -177,13 +262,26 @@ def module_types(owner: str, types: object, bases: tuple[type, ...]) -> None:
 
 
 def callable_or_none(owner: str, name: str, value: object) -> Callable[..., Any] | None:
-    """``value`` if it is callable or ``None``, else ``TypeError``."""
+    """Return ``value`` if it is callable or ``None``.
+
+    Args:
+        owner: the class named in the error.
+        name: the argument named in the error.
+        value: the value given.
+
+    Returns:
+        ``value``, unchanged.
+
+    Raises:
+        TypeError: ``value`` is neither callable nor ``None``.
+    """
     if value is None or callable(value):
         return value
     raise _fail(owner, name, value, "a callable or None", TypeError)
 
 
 def _instance(owner: str, name: str, value: object, cls: type[T], expected: str) -> T:
+    """Return ``value`` if it is a ``cls``, else raise a ``TypeError`` that names ``expected``."""
     if isinstance(value, cls):
         return value
     raise TypeError(
@@ -192,23 +290,56 @@ def _instance(owner: str, name: str, value: object, cls: type[T], expected: str)
 
 
 def module(owner: str, name: str, value: object) -> nn.Module:
-    """``value`` if it is a ``torch.nn.Module``, else ``TypeError`` naming the argument."""
+    """Return ``value`` if it is a ``torch.nn.Module``.
+
+    Args:
+        owner: the class named in the error.
+        name: the argument named in the error.
+        value: the value given.
+
+    Returns:
+        ``value``, unchanged.
+
+    Raises:
+        TypeError: ``value`` is not a ``torch.nn.Module``; the error names the argument.
+    """
     from torch import nn  # here: the checks above serve torch-free callers too
 
     return _instance(owner, name, value, nn.Module, "a torch.nn.Module")
 
 
 def optimizer(owner: str, name: str, value: object) -> torch.optim.Optimizer:
-    """``value`` if it is a ``torch.optim.Optimizer``, else ``TypeError`` naming the argument."""
+    """Return ``value`` if it is a ``torch.optim.Optimizer``.
+
+    Args:
+        owner: the class named in the error.
+        name: the argument named in the error.
+        value: the value given.
+
+    Returns:
+        ``value``, unchanged.
+
+    Raises:
+        TypeError: ``value`` is not a ``torch.optim.Optimizer``; the error names the argument.
+    """
     from torch.optim import Optimizer
 
     return _instance(owner, name, value, Optimizer, "a torch.optim.Optimizer")
 
 
 def named_arguments(cls: C) -> C:
-    """Class decorator: the constructor refuses a misspelt keyword by name, with the closest
-    valid one, before anything runs (Python's own error says only "unexpected keyword
-    argument"). The signature ``help()`` and the docs show stays the constructor's own.
+    """Make a class's constructor refuse a misspelt keyword by name, with the closest valid one.
+
+    A class decorator. The check runs before anything else in the constructor (Python's own
+    error says only "unexpected keyword argument"). The signature ``help()`` and the docs show
+    stays the constructor's own.
+
+    Args:
+        cls: the class whose own ``__init__`` is wrapped.
+
+    Returns:
+        ``cls``, its constructor wrapped; the wrapper raises ``TypeError`` for an unknown
+        keyword.
 
     Example:
         >>> @named_arguments
@@ -233,7 +364,7 @@ def named_arguments(cls: C) -> C:
 
 
 def _keyword_names(init: Callable[..., None]) -> tuple[str, ...]:
-    """The names ``init`` takes by keyword, those of a ``**kwargs: Unpack[TypedDict]`` too."""
+    """Return the names ``init`` takes by keyword, a ``**kwargs: Unpack[TypedDict]``'s too."""
     names: list[str] = []
     for parameter in list(inspect.signature(init).parameters.values())[1:]:
         if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
@@ -245,11 +376,12 @@ def _keyword_names(init: Callable[..., None]) -> tuple[str, ...]:
 
 
 def _unknown_argument(owner: str, name: str, names: Sequence[str]) -> str:
+    """Return the message for an unknown keyword ``name``: the closest and all valid ``names``."""
     hint = _did_you_mean(name, names)
     return f"{owner}({name}=...): unknown argument{hint}; the arguments are {', '.join(names)}"
 
 
 def _did_you_mean(given: str, names: Sequence[str]) -> str:
-    """`` (did you mean 'name'?)`` with the name closest to ``given``, or ``""`` if none is."""
+    """Return `` (did you mean 'name'?)`` naming the closest to ``given``, or ``""`` if none is."""
     close = difflib.get_close_matches(given, names, n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""

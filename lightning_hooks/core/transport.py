@@ -1,5 +1,8 @@
-"""Off the device and across ranks: the host read-back of small device tensors, the first
-non-finite event, the process group's facts (no-ops in one process), and sharded parameters."""
+"""Move values off the device and across ranks.
+
+The host read-back of small device tensors, the first non-finite event, the process group's
+facts (no-ops in one process), and sharded parameters.
+"""
 
 from __future__ import annotations
 
@@ -43,7 +46,14 @@ T = TypeVar("T")
 
 
 class HostCopy:
-    """A small device tensor copied to pinned host memory without blocking, read on a later call."""
+    """A small device tensor copied to pinned host memory without blocking, read on a later call.
+
+    Args:
+        shape: the shape of the host buffer made at once (:meth:`reserve` adds others).
+        device: the device the posted values live on; on CUDA the host memory is pinned and the
+            copy is awaited with an event.
+        dtype: the dtype of the host buffer and of the values posted.
+    """
 
     def __init__(
         self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32
@@ -56,6 +66,7 @@ class HostCopy:
         self.pending = False
 
     def _allocate(self, shape: tuple[int, ...]) -> None:
+        """Make a host buffer of ``shape``, the torch and numpy views over it, and its slot."""
         if self._cuda:
             self._host = torch.zeros(shape, dtype=self._dtype, pin_memory=True)
             self._view = self._host.numpy()
@@ -68,10 +79,20 @@ class HostCopy:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shape of the host buffer."""
         return tuple(self._host.shape)
 
     def reserve(self, shape: tuple[int, ...]) -> HostSlot:
-        """The host views for values of ``shape``, made once (reserve ahead: a post makes none)."""
+        """Return the host views for values of ``shape``, made once.
+
+        Reserve ahead: a post makes none.
+
+        Args:
+            shape: the shape of the values to be posted.
+
+        Returns:
+            The slot whose tensor the device copies into and whose array the host reads.
+        """
         if shape in self._slots:
             return self._slots[shape]
         count = math.prod(shape)
@@ -85,7 +106,12 @@ class HostCopy:
         return self._slots[shape]
 
     def post(self, value: torch.Tensor, meta: Any = None) -> None:  # noqa: ANN401 (the caller's record, handed back with the value)
-        """Start copying ``value`` to the host; ``meta`` comes back with it from :meth:`read`."""
+        """Start copying ``value`` to the host.
+
+        Args:
+            value: the device tensor to copy.
+            meta: the caller's record, which comes back with the value from :meth:`read`.
+        """
         slot = self._slots.get(tuple(value.shape)) or self.reserve(tuple(value.shape))
         self._slot = slot
         slot.tensor.copy_(value, non_blocking=self._event is not None)
@@ -95,8 +121,15 @@ class HostCopy:
         self.pending = True
 
     def read(self, wait: bool) -> tuple[np.ndarray, Any] | None:
-        """The posted value (a numpy view, valid until the next post) and its ``meta`` once copied
-        (``wait``: block until then), else ``None``."""
+        """Return the posted value and its ``meta`` once copied.
+
+        Args:
+            wait: block until the copy is done, rather than return ``None`` while it is not.
+
+        Returns:
+            The posted value (a numpy view, valid until the next post) and its ``meta``, or
+            ``None`` if nothing is posted or the copy is not done.
+        """
         if not self.pending:
             return None
         if self._event is not None:
@@ -110,7 +143,11 @@ class HostCopy:
         return self._slot.array, meta
 
     def clear(self, fill: float = 0) -> None:
-        """Drop a pending value and fill the host buffer with ``fill``."""
+        """Drop a pending value and fill the host buffer.
+
+        Args:
+            fill: the value the host buffer is filled with.
+        """
         self._meta = None
         self.pending = False
         self._view.fill(fill)
@@ -120,7 +157,7 @@ _ROW_SPACE = 1 << 24
 
 
 def _code(got: tuple[np.ndarray, Any] | None) -> int:
-    """The mark a :class:`FirstNonFinite` read back (``-1``: none, or nothing read)."""
+    """Return the mark a :class:`FirstNonFinite` read back (``-1``: none, or nothing read)."""
     if got is None:
         return -1
     value, _ = got
@@ -128,8 +165,12 @@ def _code(got: tuple[np.ndarray, Any] | None) -> int:
 
 
 class FirstNonFinite:
-    """The step and row (a module, in execution order) of the first NaN / Inf, kept on ``device``
-    and polled without waiting (on CUDA at most one step late).
+    """The step and row (a module, in execution order) of the first NaN / Inf.
+
+    Kept on ``device`` and polled without waiting (on CUDA at most one step late).
+
+    Args:
+        device: the device the mark is kept on (that of the tensors checked).
 
     Example:
         >>> watch = FirstNonFinite(torch.device("cpu"))
@@ -147,7 +188,14 @@ class FirstNonFinite:
         self._host_copy.clear(-1)
 
     def mark(self, bad: torch.Tensor, step: int, row: int | torch.Tensor) -> None:
-        """Record ``(step, row)`` (``row`` < 2**24, or a 0-d device tensor) if ``bad`` is first."""
+        """Record ``(step, row)`` if ``bad`` is the first non-finite event.
+
+        Args:
+            bad: a 0-d bool tensor, true where a NaN / Inf was found.
+            step: the step recorded.
+            row: the row recorded (a module, in execution order): an int < 2**24, or a 0-d
+                device tensor.
+        """
         hit = bad & (self.code < 0)
         if isinstance(row, int):
             self.code.masked_fill_(hit, step * _ROW_SPACE + row)
@@ -155,7 +203,11 @@ class FirstNonFinite:
             torch.where(hit, row + step * _ROW_SPACE, self.code, out=self.code)
 
     def poll(self) -> tuple[int, int] | None:
-        """``(step, row)`` of the first mark that has reached the host, or ``None``."""
+        """Poll the first mark without waiting.
+
+        Returns:
+            The ``(step, row)`` of the first mark that has reached the host, or ``None``.
+        """
         box = self._host_copy
         code = _code(box.read(wait=False))
         if code < 0 and not box.pending:
@@ -170,35 +222,67 @@ class FirstNonFinite:
 
 
 def is_distributed() -> bool:
-    """Whether a default process group is up (Lightning's DDP creates one in ``setup``)."""
+    """Return whether a default process group is up.
+
+    Returns:
+        ``True`` once one is (Lightning's DDP creates one in ``setup``).
+    """
     return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
-    """This process's rank in the default group, ``0`` without one."""
+    """Return this process's rank in the default group.
+
+    Returns:
+        The rank, ``0`` without a group.
+    """
     return dist.get_rank() if is_distributed() else 0
 
 
 def world_size() -> int:
-    """The number of processes in the default group, ``1`` without one."""
+    """Return the number of processes in the default group.
+
+    Returns:
+        The world size, ``1`` without a group.
+    """
     return dist.get_world_size() if is_distributed() else 1
 
 
 def group_device() -> torch.device:
-    """The device of the default group's collectives: the current CUDA one under NCCL, else CPU."""
+    """Return the device of the default group's collectives.
+
+    Returns:
+        The current CUDA device under NCCL, else the CPU.
+    """
     if is_distributed() and "nccl" in str(dist.get_backend()).lower():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def to_group_device(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` detached, as a new float32 tensor on :func:`group_device` (non-blocking)."""
+    """Copy ``tensor`` to the collectives' device.
+
+    Args:
+        tensor: the tensor to copy.
+
+    Returns:
+        ``tensor`` detached, as a new float32 tensor on :func:`group_device` (non-blocking).
+    """
     device = group_device()
     return tensor.detach().to(device=device, dtype=torch.float32, non_blocking=True, copy=True)
 
 
 def agree(flags: Sequence[bool]) -> list[int]:
-    """How many ranks raise each flag: one small ``all_reduce`` read on the host (a host sync)."""
+    """Count how many ranks raise each flag.
+
+    One small ``all_reduce`` read on the host (a host sync).
+
+    Args:
+        flags: this rank's flags, in the same order on every rank.
+
+    Returns:
+        For each flag, how many ranks raise it.
+    """
     counts = torch.tensor([float(f) for f in flags], dtype=torch.float32, device=group_device())
     if is_distributed() and dist.get_world_size() > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
@@ -206,7 +290,14 @@ def agree(flags: Sequence[bool]) -> list[int]:
 
 
 def gather_objects(obj: T) -> list[T]:
-    """Every rank's ``obj`` (picklable), by rank: a one-off ``all_gather_object``."""
+    """Gather every rank's ``obj``, by rank: a one-off ``all_gather_object``.
+
+    Args:
+        obj: this rank's object (picklable).
+
+    Returns:
+        Each rank's object, by rank (``[obj]`` in one process).
+    """
     if not is_distributed():
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()  # filled with each rank's
@@ -215,7 +306,14 @@ def gather_objects(obj: T) -> list[T]:
 
 
 def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over the ranks in place (one collective); returns it."""
+    """Sum ``tensor`` over the ranks in place (one collective).
+
+    Args:
+        tensor: the tensor summed in place.
+
+    Returns:
+        ``tensor``.
+    """
     if is_distributed():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
@@ -224,7 +322,15 @@ def all_reduce_sum_(tensor: torch.Tensor) -> torch.Tensor:
 def all_gather_stacked(
     tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
-    """``[world_size, *tensor.shape]``: every rank's ``tensor`` (one collective; same shapes)."""
+    """Gather every rank's ``tensor`` into one stacked tensor (one collective).
+
+    Args:
+        tensor: this rank's tensor, of the same shape on every rank.
+        group: the process group gathered over (``None``: the default group).
+
+    Returns:
+        A ``[world_size, *tensor.shape]`` tensor: every rank's ``tensor``, by rank.
+    """
     if not is_distributed():
         return tensor.unsqueeze(0)
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
@@ -242,12 +348,27 @@ except ImportError:  # pragma: no cover - older torch
 
 
 def to_local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a ``DTensor`` (a view, no copy, no collective); else ``tensor``."""
+    """Return this rank's shard of a ``DTensor`` (a view, no copy, no collective).
+
+    Args:
+        tensor: a ``DTensor`` or a plain tensor.
+
+    Returns:
+        The local shard of a ``DTensor``, else ``tensor`` itself.
+    """
     return tensor.to_local() if isinstance(tensor, _DTENSOR) else tensor  # type: ignore[attr-defined]
 
 
 def combine_partials(gathered: torch.Tensor, num_sums: int) -> torch.Tensor:
-    """``[shards, rows, columns]`` partials: the first ``num_sums`` columns summed, others maxed."""
+    """Combine shard-local partials into whole values.
+
+    Args:
+        gathered: ``[shards, rows, columns]`` partials.
+        num_sums: how many leading columns are summed; the others are maxed.
+
+    Returns:
+        A ``[rows, columns]`` tensor.
+    """
     return torch.cat([gathered[..., :num_sums].sum(0), gathered[..., num_sums:].amax(0)], dim=-1)
 
 
@@ -261,15 +382,32 @@ class Reduced(NamedTuple):
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """The process group (``group``, of global ``ranks``) sharding every tracked parameter (FSDP2
-    ``DTensor``): shard-local partials made exact by one collective over it."""
+    """The process group sharding every tracked parameter (FSDP2 ``DTensor``).
+
+    Shard-local partials are made exact by one collective over it.
+
+    Args:
+        group: the process group.
+        ranks: the group's global ranks.
+    """
 
     group: dist.ProcessGroup | None = field(compare=False)
     ranks: tuple[int, ...]
 
     @classmethod
     def from_params(cls, params: Sequence[torch.Tensor]) -> ShardPlan | None:
-        """The plan of ``params``, ``None`` if none is a ``DTensor`` (``ValueError``: not FSDP2)."""
+        """Return the plan of ``params``.
+
+        Args:
+            params: the tracked parameters.
+
+        Returns:
+            Their plan, or ``None`` if none is a ``DTensor``.
+
+        Raises:
+            ValueError: the parameters are not sharded by FSDP2 over one process group (some are
+                plain tensors, they use different groups, or their placements are not supported).
+        """
         sharded = [isinstance(p, _DTENSOR) for p in params]
         if not any(sharded):
             return None
@@ -296,7 +434,16 @@ class ShardPlan:
         sums: Sequence[torch.Tensor] = (),
         maxima: Sequence[torch.Tensor] = (),
     ) -> Reduced:
-        """Shard-local per-parameter L2 ``norms``, ``sums`` and ``maxima`` made whole."""
+        """Make shard-local per-parameter values whole, in one collective.
+
+        Args:
+            norms: shard-local per-parameter L2 norms.
+            sums: shard-local per-parameter sums.
+            maxima: shard-local per-parameter maxima.
+
+        Returns:
+            Each tensor given, made whole, in order.
+        """
         columns = [n.float().square() for n in norms] + [s.float() for s in sums]
         num_sums = len(columns)
         columns += [m.float() for m in maxima]
@@ -310,7 +457,14 @@ class ShardPlan:
         )
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` summed over the shard group (a new tensor)."""
+        """Sum ``tensor`` over the shard group.
+
+        Args:
+            tensor: the shard-local tensor.
+
+        Returns:
+            The sum, a new tensor (``tensor`` itself where the group has one rank).
+        """
         if len(self.ranks) == 1:
             return tensor
         out = tensor.clone()
@@ -319,6 +473,7 @@ class ShardPlan:
 
 
 def _plan_of(param: torch.Tensor) -> ShardPlan:
+    """Return the plan of one ``DTensor`` parameter, or raise ``ValueError`` (not FSDP2 / HSDP)."""
     placements = tuple(param.placements)  # type: ignore[attr-defined]
     mesh = param.device_mesh  # type: ignore[attr-defined]
     shard_dims = [d for d, p in enumerate(placements) if p.is_shard()]

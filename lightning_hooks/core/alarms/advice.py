@@ -1,5 +1,8 @@
-"""What to try when an alarm fires: each rule's fixes, the one most likely to work first, in the
-order the evidence of the run says. Every alarm's advice comes from here, once."""
+"""What to try when an alarm fires: each rule's fixes, the one most likely to work first.
+
+The fixes come in the order the evidence of the run says. Every alarm's advice comes from here,
+once.
+"""
 
 from __future__ import annotations
 
@@ -78,8 +81,18 @@ class Advice(NamedTuple):
 
 
 def advise(rule: str, evidence: Evidence | None = None) -> Advice:
-    """``rule``'s fixes, the one most likely to work first: when the loss diverged too, a lower
-    learning rate comes before clipping and skipping.
+    """Return ``rule``'s fixes, the one most likely to work first.
+
+    When the loss diverged too, a lower learning rate comes before clipping and skipping.
+
+    Args:
+        rule: the alarm rule that fired (``"explosion"``, ``"stall"``, ...).
+        evidence: what the run shows beside the alarm, which orders the fixes and gives the
+            clip value and the learning rate quoted (``None``: nothing known).
+
+    Returns:
+        The fixes (empty for a rule without advice), why the first leads where the evidence
+        moved it there, and the learning rate where a fix is to lower it.
 
     Example:
         >>> advise("explosion", Evidence(global_scale=0.3)).fixes[0]
@@ -103,7 +116,7 @@ def advise(rule: str, evidence: Evidence | None = None) -> Advice:
 
 
 def _advise(rule: str, seen: Evidence) -> Advice:
-    """:func:`advise`, the learning rate not yet quoted."""
+    """Return :func:`advise`'s fixes and why, the learning rate not yet quoted."""
     if rule == "vanishing" and seen.network_cut:
         why = (
             "a whole layer that stopped firing is what a learning rate too high leaves: restart "

@@ -1,5 +1,7 @@
-"""The gradient rules on the host (numpy, ``float32``): one step's norms in, each rule's flags
-out; and the running scale a spike is measured against (an EMA of the log and of its spread)."""
+"""The gradient rules on the host (numpy, ``float32``): one step's norms in, each rule's flags out.
+
+And the running scale a spike is measured against (an EMA of the log and of its spread).
+"""
 
 from __future__ import annotations
 
@@ -28,21 +30,39 @@ _LOG_MAX: np.float32 = np.float32(np.log(np.finfo(np.float32).max))
 
 
 def as_array(value: torch.Tensor | np.ndarray | Sequence[float]) -> np.ndarray:
-    """A saved state entry (a tensor, or an array) as a host array."""
+    """Read a saved state entry as a host array.
+
+    Args:
+        value: the entry: a tensor, an array or a sequence of floats.
+
+    Returns:
+        The entry as a numpy array on the host.
+    """
     return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
 
 
 def lower_median(values: np.ndarray) -> np.float32:
-    """The lower of the two middle values for an even count (``torch.median``'s choice)."""
+    """Return the median, the lower of the two middle values for an even count.
+
+    That is ``torch.median``'s choice.
+
+    Args:
+        values: a 1-d array, not empty.
+
+    Returns:
+        The median.
+    """
     middle = (values.size - 1) // 2
     low: np.float32 = np.partition(values, middle)[middle]
     return low
 
 
 class GradientReport(NamedTuple):
-    """One step's verdicts of the gradient rules, and what they were judged against: views of
-    one ``float32`` array, ``[rows]`` each (the layers, then the global row), made once per
-    array (a quiet step's report is reused whole: :attr:`GradientRules.quiet`).
+    """One step's verdicts of the gradient rules, and what they were judged against.
+
+    The fields are views of one ``float32`` array, ``[rows]`` each (the layers, then the global
+    row), made once per array (a quiet step's report is reused whole:
+    :attr:`GradientRules.quiet`).
 
     Example:
         >>> report = GradientReport.over(np.zeros((11, 3), dtype=np.float32))
@@ -68,30 +88,55 @@ class GradientReport(NamedTuple):
 
     @classmethod
     def over(cls, array: np.ndarray) -> GradientReport:
-        """The report whose fields are views of ``array``: ``[rules + 4, rows]``, its rows the
-        flags of each rule, then the norm, scale, band and floor."""
+        """Return the report whose fields are views of ``array``.
+
+        Args:
+            array: ``[rules + 4, rows]``, its rows the flags of each rule, then the norm,
+                scale, band and floor.
+
+        Returns:
+            The report over ``array``.
+        """
         rules = len(GRADIENT_RULES)
         norm, scale, band, floor = array[rules:]
         return cls(array[:rules], norm, scale, band, floor, array[rules : rules + 3])
 
     @classmethod
     def zeros(cls, rows: int) -> GradientReport:
-        """A report of ``rows`` rows over a new array of zeros: no flag set."""
+        """Return a report over a new array of zeros: no flag set.
+
+        Args:
+            rows: the number of rows (the layers, then the global row).
+
+        Returns:
+            The report.
+        """
         # the flags, then the norm, scale, band and floor
         return cls.over(np.zeros((len(GRADIENT_RULES) + 4, rows), dtype=np.float32))
 
     def fired(self, rule: str) -> np.ndarray:
-        """The flags of ``rule`` (one of :data:`GRADIENT_RULES`): ``[rows]``, 1 where it fired."""
+        """Return the flags of ``rule``.
+
+        Args:
+            rule: one of :data:`GRADIENT_RULES`.
+
+        Returns:
+            ``[rows]``, 1 where it fired.
+        """
         flags: np.ndarray = self.flags[GRADIENT_RULES.index(rule)]
         return flags
 
     def fired_rules(self) -> list[str]:
-        """The rules that fired at some row, in the order of :data:`GRADIENT_RULES`."""
+        """Return the rules that fired at some row.
+
+        Returns:
+            Their names, in the order of :data:`GRADIENT_RULES`.
+        """
         return [GRADIENT_RULES[index] for index in np.flatnonzero(self.flags.any(axis=1))]
 
 
 class Thresholds(NamedTuple):
-    """:meth:`RunningScale.thresholds`: per factor, the spike ceilings and bands of each row."""
+    """What :meth:`RunningScale.thresholds` returns: per factor, each row's ceilings and bands."""
 
     ceilings: list[np.ndarray]
     """Per factor, the ``log`` of its spike threshold per row."""
@@ -102,8 +147,10 @@ class Thresholds(NamedTuple):
 
 
 class HostSegments:
-    """Which row each per-parameter gradient norm belongs to; :meth:`fold` turns a quiet step's
-    ``[parameters]`` norms into the rows the rules read, in buffers made once.
+    """Which row each per-parameter gradient norm belongs to.
+
+    :meth:`fold` turns a quiet step's ``[parameters]`` norms into the rows the rules read, in
+    buffers made once.
 
     Args:
         owner: the layer row of each parameter (``0 .. layers - 1``), in parameter order.
@@ -126,8 +173,17 @@ class HostSegments:
         self._out = np.zeros(layers + 1, dtype=np.float32)
 
     def fold(self, norms: np.ndarray) -> np.ndarray:
-        """``[layers + 1]`` float32 L2 norms: each layer's, then the global norm (squares summed
-        in float64; NaN and Inf propagate). The array is reused by the next call."""
+        """Fold per-parameter norms into the rows' norms.
+
+        Squares are summed in float64; NaN and Inf propagate.
+
+        Args:
+            norms: ``[parameters]`` L2 norms, in parameter order.
+
+        Returns:
+            ``[layers + 1]`` float32 L2 norms: each layer's, then the global norm. The array is
+            reused by the next call.
+        """
         squares = self._squares
         rows = self._rows
         np.multiply(norms, norms, out=squares, dtype=np.float64)
@@ -142,8 +198,14 @@ class HostSegments:
 
 
 class RunningScale:
-    """Per row: EMA of ``log x`` and of its variance, and the count of finite steps seen (views
-    of one ``float32`` state array, updated in place)."""
+    """Per row: EMA of ``log x`` and of its variance, and the count of finite steps seen.
+
+    Views of one ``float32`` state array, updated in place.
+
+    Args:
+        rows: the number of rows.
+        rules: the alarm rules (``window``, ``min_history``, ``spike_sigmas``).
+    """
 
     def __init__(self, rows: int, rules: AlarmRules) -> None:
         self.state = np.zeros((3, rows), dtype=np.float32)  # mean, variance, count
@@ -158,9 +220,16 @@ class RunningScale:
         self._top = np.zeros(rows, dtype=np.float32)
 
     def thresholds(self, *factors: float) -> Thresholds:
-        """Per factor, the ``log`` of its spike threshold per row; whether each row is armed;
-        and each factor's band, ``max(spike_sigmas * std, log(factor))`` (``inf`` until
-        armed)."""
+        """Return each factor's spike thresholds and bands.
+
+        Args:
+            *factors: the spike factors (``inf``: off).
+
+        Returns:
+            Per factor, the ``log`` of its spike threshold per row; whether each row is armed;
+            and each factor's band, ``max(spike_sigmas * std, log(factor))`` (``inf`` until
+            armed).
+        """
         logs = self._logs.get(factors)
         if logs is None:
             logs = np.array([[math.log(f)] for f in factors], np.float32)
@@ -171,13 +240,22 @@ class RunningScale:
         return Thresholds(list(bands + self.mean), armed, bands)
 
     def load(self, state: torch.Tensor | np.ndarray) -> None:
-        """Restore a saved :attr:`state` (a tensor, or an array)."""
+        """Restore a saved :attr:`state`.
+
+        Args:
+            state: the saved state (a tensor, or an array).
+        """
         self.state[...] = as_array(state)
         self._steady = False
 
     def steady(self) -> bool:
-        """Every row is armed and past its first ``1 / alpha`` steps (the EMA's weight is
-        ``alpha`` everywhere); true from then on, until :meth:`load`."""
+        """Return whether every row is armed and past its first ``1 / alpha`` steps.
+
+        Then the EMA's weight is ``alpha`` everywhere.
+
+        Returns:
+            Whether the scale is steady; true from then on, until :meth:`load`.
+        """
         if not self._steady:
             count = self.count
             armed = bool((count >= self.armed_at).all())
@@ -187,9 +265,16 @@ class RunningScale:
     def quiet_ceiling(
         self, low: np.float32 | None, band: np.ndarray, first: np.float32
     ) -> np.ndarray | np.float32:
-        """Where :meth:`steady`: the lowest ceiling, ``mean + max(spike_sigmas * std, low)``
-        (``None``: ``first``), the first factor's band written into ``band``; ``_LOG_MAX``
-        where every factor is off."""
+        """Return the lowest ceiling, where :meth:`steady`.
+
+        Args:
+            low: the log of the lowest factor (``None``: ``first`` is the lowest).
+            band: written with the first factor's band.
+            first: the log of the first factor (``inf``: off).
+
+        Returns:
+            ``mean + max(spike_sigmas * std, low)``; ``_LOG_MAX`` where every factor is off.
+        """
         spread = np.sqrt(self.var, out=self._spread)
         spread *= self.sigmas
         np.maximum(spread, first, out=band)
@@ -200,9 +285,17 @@ class RunningScale:
         return top
 
     def update(self, log_x: np.ndarray, keep: np.ndarray, ceiling: np.ndarray) -> None:
-        """Fold ``log_x`` into the rows where ``keep``. Above ``ceiling`` (a spike) only the
-        mean moves, clamped at the ceiling: a lasting change of level is learnt in a few dozen
-        steps, and the spread does not grow with each spike."""
+        """Fold ``log_x`` into the rows where ``keep``.
+
+        Above ``ceiling`` (a spike) only the mean moves, clamped at the ceiling: a lasting
+        change of level is learnt in a few dozen steps, and the spread does not grow with each
+        spike.
+
+        Args:
+            log_x: ``[rows]`` logs of this step's norms.
+            keep: ``[rows]``, true for the rows the scale learns from.
+            ceiling: ``[rows]`` spike ceilings, in log.
+        """
         self.count += keep
         weight = np.maximum(np.reciprocal(np.maximum(self.count, np.float32(1.0))), self.alpha)
         weight *= keep
@@ -213,8 +306,13 @@ class RunningScale:
         self.var *= np.float32(1.0) - spread
 
     def update_steady(self, log_x: np.ndarray) -> None:
-        """:meth:`update` where :meth:`steady`, every row kept and none above its ceiling: the
-        same state, in half the numpy calls."""
+        """Do :meth:`update` where :meth:`steady`, every row kept and none above its ceiling.
+
+        The same state, in half the numpy calls.
+
+        Args:
+            log_x: ``[rows]`` logs of this step's norms.
+        """
         self.count += np.float32(1.0)
         delta = np.subtract(log_x, self.mean, out=self._spread)
         self.mean += np.multiply(delta, self.alpha, out=self._top)
@@ -232,9 +330,15 @@ that stopped firing passes no gradient back, and it never fires again: waiting t
 
 
 class GradientRules:
-    """*spike*, *explosion*, *absolute*, *vanishing*, *nonfinite*, *amp_overflow* and the notice
-    *no_gradient* on one step's ``[rows]`` gradient norms (the layers, then the global norm),
-    with their state."""
+    """The gradient rules on one step's ``[rows]`` gradient norms, with their state.
+
+    *spike*, *explosion*, *absolute*, *vanishing*, *nonfinite*, *amp_overflow* and the notice
+    *no_gradient*; the rows are the layers, then the global norm.
+
+    Args:
+        rows: the number of rows.
+        rules: the alarm rules and their thresholds.
+    """
 
     def __init__(self, rows: int, rules: AlarmRules) -> None:
         self.rows = rows
@@ -265,8 +369,17 @@ class GradientRules:
         self._low_log = None if min(logs) == logs[0] else min(logs)
 
     def host_rows(self, rows: Sequence[int] | torch.Tensor | None) -> np.ndarray | None:
-        """``rows`` as a host array, converted only when not the last step's object (so a
-        device tensor passed each step is read once)."""
+        """Return ``rows`` as a host array.
+
+        Converted only when not the last step's object, so a device tensor passed each step is
+        read once.
+
+        Args:
+            rows: the rows an optimizer's norms cover (``None``: all).
+
+        Returns:
+            The rows as an int64 array, or ``None``.
+        """
         if rows is None:
             return None
         if rows is not self._rows[0]:
@@ -277,8 +390,18 @@ class GradientRules:
     def read(
         self, value: np.ndarray, rows: np.ndarray | None, amp: bool, clip: float | None
     ) -> GradientReport:
-        """:meth:`evaluate` on a posted copy: the norms, with the stepped rows beside them as a
-        second row when some were not (``rows``: the rows it covers; ``None``: all)."""
+        """Run :meth:`evaluate` on a posted copy.
+
+        Args:
+            value: the norms, with the stepped rows beside them as a second row when some were
+                not.
+            rows: the rows it covers (``None``: all).
+            amp: a GradScaler is active: a non-finite norm is an overflow it skips.
+            clip: the largest global L2 norm the optimizer applies, for *explosion*.
+
+        Returns:
+            The report of this step's verdicts.
+        """
         norm = value[0] if value.ndim == 2 else value
         stepped = value[1] > 0 if value.ndim == 2 else None
         active = self._true if stepped is None else stepped
@@ -304,7 +427,7 @@ class GradientRules:
         clip: float | None,
         held: np.ndarray | None = None,
     ) -> GradientReport:
-        """The rules' report on one step's ``norm``; the state updated.
+        """Return the rules' report on one step's ``norm``; the state updated.
 
         Args:
             norm: ``[rows]`` gradient L2 norms, the global one last.
@@ -349,8 +472,10 @@ class GradientRules:
         return GradientReport.over(report)
 
     def _quiet_report(self, norm: np.ndarray, log_norm: np.ndarray) -> GradientReport | None:
-        """:meth:`evaluate`'s report and state, in half its numpy calls, of a step where no rule
-        can fire (clipping only lowers a norm); else ``None``."""
+        """Make :meth:`evaluate`'s report and state in half its numpy calls, where no rule fires.
+
+        For a step where no rule can fire (clipping only lowers a norm); else ``None``.
+        """
         report = self.quiet
         scale = self.scale
         # the lowest ceiling, mean + max(spread, log of the lowest factor): exactly the least
@@ -380,8 +505,11 @@ class GradientRules:
     def _explosion(
         self, log_norm: np.ndarray, clip: float | None, keep: np.ndarray, ceiling: np.ndarray
     ) -> np.ndarray:
-        """*explosion*: rows above ``ceiling`` once clipped, when the global row is too (or is out
-        of the rules): one layer alone jumps in healthy runs (an embedding meeting rare tokens)."""
+        """Return *explosion*'s flags: rows above ``ceiling`` once clipped.
+
+        Only when the global row is too (or is out of the rules): one layer alone jumps in
+        healthy runs (an embedding meeting rare tokens).
+        """
         if self.rules.explode_factor is None:
             return self._false
         if clip is not None:  # every row scales by min(1, clip / global norm)
@@ -393,15 +521,19 @@ class GradientRules:
     def _vanishing(
         self, norm: np.ndarray, layers: np.ndarray, finite: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Which layers finished a run of ``vanish_steps`` tiny steps that *vanishing* warns of,
-        the floor, and the layers that finished one the gradient flows around (a notice).
+        """Return the layers *vanishing* warns of, the floor, and the layers gradient flows around.
+
+        The first are the layers that finished a run of ``vanish_steps`` tiny steps that
+        *vanishing* warns of; the last, those that finished one the gradient flows around (a
+        notice).
 
         A vanishing gradient starves what lies before it: it warns where every stepped layer
         before the tiny one is tiny too, so that the gradient does not reach the network's
         first layers. Where a layer before it still gets a gradient, the gradient goes around
         the tiny layer (a residual block whose units are mostly dead, an idle branch or
         expert), the rest trains, and it is the notice *no_gradient*. A run of exact zeros is
-        *no_gradient*'s too (:meth:`_no_gradient`); only a dead network warns of one."""
+        *no_gradient*'s too (:meth:`_no_gradient`); only a dead network warns of one.
+        """
         fraction = self.rules.vanish_fraction
         if fraction is None:
             return self._false, np.full_like(norm, np.nan), self._false
@@ -427,20 +559,28 @@ class GradientRules:
     def _count_empty(
         self, norm: np.ndarray, active: np.ndarray, held: np.ndarray, overflow: bool
     ) -> np.ndarray:
-        """Count the consecutive steps each ``held`` layer got no gradient (none reached it, or
-        its norm is exactly 0); a layer not held keeps its count, and an overflowed step counts
-        for none. Returns the layers that got none at this step."""
+        """Count the consecutive steps each ``held`` layer got no gradient.
+
+        No gradient: none reached it, or its norm is exactly 0. A layer not held keeps its
+        count, and an overflowed step counts for none.
+
+        Returns:
+            The layers that got none at this step.
+        """
         empty: np.ndarray = held & (~active | (norm == 0)) & (not overflow)
         self.empty *= empty | ~held
         self.empty += empty
         return empty
 
     def _no_gradient(self, empty: np.ndarray, around: np.ndarray) -> np.ndarray:
-        """*no_gradient*, a notice: the layers whose run of steps with no gradient (``empty``
-        now) reached ``vanish_steps`` at this step, and those whose run of tiny steps the
-        gradient flows ``around``; each once per fit (a layer of a dead network is
-        *vanishing*'s, which warns). An idle expert, an unused branch or a dead unit's residual
-        block gets no gradient while the network trains around it: a fact, not a harm."""
+        """Return the flags of *no_gradient*, a notice.
+
+        The layers whose run of steps with no gradient (``empty`` now) reached ``vanish_steps``
+        at this step, and those whose run of tiny steps the gradient flows ``around``; each
+        once per fit (a layer of a dead network is *vanishing*'s, which warns). An idle expert,
+        an unused branch or a dead unit's residual block gets no gradient while the network
+        trains around it: a fact, not a harm.
+        """
         if self.rules.vanish_fraction is None:
             return self._false
         ran_out = (self.empty >= self.rules.vanish_steps) & empty
@@ -449,11 +589,13 @@ class GradientRules:
         return fired
 
     def _dead_network(self, norm: np.ndarray, layers: np.ndarray) -> np.ndarray | None:
-        """The rows of a dead network once it has held :data:`DEAD_STEPS` steps, else ``None``:
-        the stepped layers whose gradient is exactly zero are the first ones, in the model's
-        order, and a later layer still gets a gradient (a mixture of experts' idle expert,
-        between live layers, is not one). It is named once per run of such steps, however deep
-        the cut grows."""
+        """Return the rows of a dead network once it has held :data:`DEAD_STEPS` steps.
+
+        Else ``None``. In a dead network the stepped layers whose gradient is exactly zero are
+        the first ones, in the model's order, and a later layer still gets a gradient (a
+        mixture of experts' idle expert, between live layers, is not one). It is named once per
+        run of such steps, however deep the cut grows.
+        """
         stepped = np.flatnonzero(layers)
         zero = norm[stepped] == 0
         first_live = int(np.argmin(zero)) if not zero.all() else zero.size

@@ -1,6 +1,8 @@
 """*loss_spike*, *setback* and *diverging* on the training loss at each step, and their alarms.
+
 The device only copies the loss to host memory without blocking; the rules run on the host
-when the copy is read."""
+when the copy is read.
+"""
 
 from __future__ import annotations
 
@@ -44,8 +46,10 @@ class LossProgress(NamedTuple):
 
 
 class LossStory(NamedTuple):
-    """What the loss did, as an alarm of the gradients tells it (a dead network): where the run
-    started, its highest step, and its last steps."""
+    """What the loss did, as an alarm of the gradients tells it (a dead network).
+
+    Where the run started, its highest step, and its last steps.
+    """
 
     start: float
     """The mean loss of the run's first optimizer step."""
@@ -57,7 +61,14 @@ class LossStory(NamedTuple):
     """The last ``history`` optimizer steps' mean losses, oldest first: ``(step, loss)``."""
 
     def since(self, step: int) -> list[float]:
-        """The mean losses of the steps from ``step`` on, in the trail."""
+        """Return the mean losses of the steps from ``step`` on, in the trail.
+
+        Args:
+            step: the first optimizer step whose mean loss is returned.
+
+        Returns:
+            The mean losses, oldest first.
+        """
         return [loss for at, loss in self.trail if at >= step]
 
 
@@ -94,18 +105,37 @@ class LossLevels:
     """The last finite loss."""
 
     def spread(self, span: int) -> float:
-        """The standard deviation of a running mean over ``span`` losses, by the jitter."""
+        """Return the standard deviation of a running mean over ``span`` losses, by the jitter.
+
+        Args:
+            span: the running mean's span, in losses.
+
+        Returns:
+            The standard deviation.
+        """
         weight = 2.0 / (span + 1)
         return self.jitter / _JITTER_PER_SIGMA * math.sqrt(weight / (2.0 - weight))
 
     def level_span(self, span: int) -> float:
-        """The level's span: ``span``, lengthened until its spread is ``_LEVEL_NOISE`` of it."""
+        """Return the level's span: ``span``, lengthened until its spread is ``_LEVEL_NOISE`` of it.
+
+        Args:
+            span: the short running mean's span, in losses.
+
+        Returns:
+            The level's span, in losses (at most ``_LEVEL_SPAN_MAX``).
+        """
         sigma = self.jitter / _JITTER_PER_SIGMA
         relative = sigma / abs(self.level) if self.level else 0.0
         return min(max(float(span), (relative / _LEVEL_NOISE) ** 2), _LEVEL_SPAN_MAX)
 
     def rise(self, x: float, span: int) -> None:
-        """Fold the finite loss ``x`` into the short running mean (the rules then judge it)."""
+        """Fold the finite loss ``x`` into the short running mean (the rules then judge it).
+
+        Args:
+            x: the loss.
+            span: the short running mean's span, in losses.
+        """
         self.seen += 1
         n = self.seen
         if n == 1:
@@ -118,8 +148,15 @@ class LossLevels:
         self.mean += (x - self.mean) * max(2.0 / (span + 1), 1.0 / n)
 
     def settle(self, x: float, span: int, history: int) -> None:
-        """Fold the judged loss ``x`` into the jitter, the level, the best and the start; not
-        while a setback is open: a blow-up is not the run's noise, and the bar holds still."""
+        """Fold the judged loss ``x`` into the jitter, the level, the best and the start.
+
+        Not while a setback is open: a blow-up is not the run's noise, and the bar holds still.
+
+        Args:
+            x: the loss.
+            span: the short running mean's span, in losses (the level's shortest).
+            history: over this many first losses the level is their mean, and the start too.
+        """
         n = self.seen
         if n == 1:
             return
@@ -150,8 +187,9 @@ class _Group:
 
 
 class LossRules:
-    """*loss_spike* and *diverging* on one training loss per micro-batch, evaluated on the host
-    when its non-blocking copy is read.
+    """*loss_spike* and *diverging* on one training loss per micro-batch.
+
+    They are evaluated on the host when its non-blocking copy is read.
 
     *diverging* works in two stages. When the short running mean crosses the bar (a rise over
     the best by ``diverge_ratio - 1`` of it, by ``diverge_giveback`` of what the run had
@@ -170,6 +208,10 @@ class LossRules:
     the losses of each optimizer step (:attr:`per_step`), spans its running means over
     ``diverge_span`` steps of them, and holds a setback by steps, so that one step's hard
     micro-batches, read at the same weights, are one bad step and not a divergence.
+
+    Args:
+        rules: the alarm rules and their thresholds.
+        device: the device the loss lives on, copied from.
 
     Example:
         >>> rules = LossRules(AlarmRules(), torch.device("cpu"))
@@ -213,24 +255,43 @@ class LossRules:
 
     @property
     def diverged(self) -> bool:
-        """Whether the loss is over *diverging*'s bar now: a setback open or confirmed (a loss
-        that is not finite confirms one)."""
+        """Whether the loss is over *diverging*'s bar now: a setback open or confirmed.
+
+        A loss that is not finite confirms one.
+        """
         return self.setback is not None
 
     def progress(self) -> LossProgress | None:
-        """The best level and the start, once a loss was read (``None`` before)."""
+        """Return how far the loss has come, for *stall*.
+
+        Returns:
+            The best level and the start, once a loss was read; ``None`` before, or with
+            *diverging* off.
+        """
         if self.rules.diverge_ratio is None or not self.levels.seen:
             return None
         return LossProgress(self.levels.best, self.levels.first)
 
     def update(self, loss: torch.Tensor, step: int) -> None:
-        """Post ``loss`` (a copy, no sync); :meth:`read` evaluates it."""
+        """Post ``loss`` (a copy, no sync); :meth:`read` evaluates it.
+
+        Args:
+            loss: the training loss, a device scalar.
+            step: its optimizer step, handed back with it.
+        """
         # float32 on the device first: a non-blocking copy to the host does not convert
         value = loss if loss.dtype == torch.float32 else loss.float()
         self._box.post(value, step)  # under no_grad: the copy records no graph
 
     def read(self, wait: bool) -> LossVerdict | None:
-        """Evaluate the posted loss once its copy is read: its step and alarms, if any."""
+        """Evaluate the posted loss once its copy is read.
+
+        Args:
+            wait: block until the copy is read.
+
+        Returns:
+            Its step and alarms, if any; else ``None`` (also while the copy is not read).
+        """
         got = self._box.read(wait)
         if got is None:
             return None
@@ -239,8 +300,15 @@ class LossRules:
         return LossVerdict(step, alarms) if alarms else None
 
     def evaluate(self, x: float, step: int) -> list[TrainingAlarm]:
-        """Apply the rules to the loss ``x`` of optimizer step ``step``: their alarms (the
-        state updated)."""
+        """Apply the rules to the loss ``x`` of optimizer step ``step`` (the state updated).
+
+        Args:
+            x: the training loss.
+            step: its optimizer step.
+
+        Returns:
+            The rules' alarms.
+        """
         self._count_step(step)
         alarms = []
         if self.rules.loss_factor is not None:
@@ -253,7 +321,7 @@ class LossRules:
         return alarms
 
     def _count_step(self, step: int) -> None:
-        """A loss of ``step``: the first of a new step sets :attr:`per_step` from the last."""
+        """Count a loss of ``step``: the first of a new step sets :attr:`per_step` from the last."""
         if step != self._step:
             if self._step is not None:
                 self.per_step = self._group.losses
@@ -262,11 +330,11 @@ class LossRules:
         self._group.losses += 1
 
     def _span(self) -> int:
-        """The short mean's span in losses: ``diverge_span`` optimizer steps."""
+        """Return the short mean's span in losses: ``diverge_span`` optimizer steps."""
         return self.rules.diverge_span * self.per_step
 
     def _diverging(self, x: float, step: int) -> list[TrainingAlarm]:
-        """The setback and *diverging* alarms of the loss ``x`` (the state updated)."""
+        """Return the setback and *diverging* alarms of the loss ``x`` (the state updated)."""
         rules = self.rules
         levels = self.levels
         if not math.isfinite(x):
@@ -295,28 +363,43 @@ class LossRules:
             self._peak = (step, mean)
 
     def story(self) -> LossStory | None:
-        """Where the run started, its highest step and its last steps (``None`` before the
-        run's start is known, or with *diverging* off)."""
+        """Return where the run started, its highest step and its last steps.
+
+        Returns:
+            The story, or ``None`` before the run's start is known, or with *diverging* off.
+        """
         if self.rules.diverge_ratio is None or self.levels.seen < self.rules.min_history:
             return None
         peak_step, peak = self._peak
         return LossStory(self._start, peak_step, peak, tuple(self._trail))
 
     def _step_held(self, bar: float) -> bool | None:
-        """Whether the step's mean loss is over ``bar``, once the last loss completed its
-        optimizer step (``None`` before). The micro-batches of one step share its weights: a
-        hard one says nothing of the update, so a setback holds by steps."""
+        """Return whether the step's mean loss is over ``bar``, once its last loss is read.
+
+        ``None`` before the last loss completed its optimizer step. The micro-batches of one
+        step share its weights: a hard one says nothing of the update, so a setback holds by
+        steps.
+        """
         group = self._group
         if group.losses != self.per_step:
             return None
         return group.total / group.losses > bar
 
     def _judge(self, x: float, step: int, held: bool | None) -> list[TrainingAlarm]:
-        """A running mean over the bar: a setback opened, held (``held``: the mean loss of the
-        step just completed is over the bar, not only the running mean that remembers an
-        earlier one; ``None``: the step is not complete), or confirmed. A completed step under
-        the bar starts the count again: the run came back, and what the running mean still
-        remembers is the bad steps before, one or two outlier batches."""
+        """Judge a running mean over the bar: a setback opened, held, or confirmed.
+
+        A completed step under the bar starts the count again: the run came back, and what the
+        running mean still remembers is the bad steps before, one or two outlier batches.
+
+        Args:
+            x: the loss.
+            step: its optimizer step.
+            held: the mean loss of the step just completed is over the bar, not only the
+                running mean that remembers an earlier one (``None``: the step is not complete).
+
+        Returns:
+            The alarms: the setback opened, and *diverging* where it is confirmed or holds.
+        """
         rules = self.rules
         levels = self.levels
         setback = self.setback
@@ -353,22 +436,26 @@ class LossRules:
         return opened
 
     def _learnt(self) -> bool:
-        """Whether the run has learnt: its best is under :data:`_LEARNT` of its start. Such a run
-        meets an outlier batch now and then, and one or two cannot move the median its
-        ``diverge_lost`` bar holds; a run that has not learnt yet has nothing to lose to one
-        batch, and a jump there is the first sign of a learning rate too high."""
+        """Return whether the run has learnt: its best is under :data:`_LEARNT` of its start.
+
+        Such a run meets an outlier batch now and then, and one or two cannot move the median
+        its ``diverge_lost`` bar holds; a run that has not learnt yet has nothing to lose to one
+        batch, and a jump there is the first sign of a learning rate too high.
+        """
         levels = self.levels
         return levels.best < _LEARNT * levels.first if levels.first > 0 else False
 
     def _noise_bar(self) -> float:
-        """How far the short mean wanders from noise alone: ``diverge_noise`` of its spreads,
-        once ``min_history`` losses have measured the noise."""
+        """Return how far the short mean wanders from noise alone.
+
+        ``diverge_noise`` of its spreads, once ``min_history`` losses have measured the noise.
+        """
         if self.levels.seen < self.rules.min_history:
             return 0.0
         return self.rules.diverge_noise * self.levels.spread(self._span())
 
     def _bar(self) -> float:
-        """*diverging*'s bar: the level over which the short running mean is a setback."""
+        """Return *diverging*'s bar: the level over which the short running mean is a setback."""
         rules = self.rules
         levels = self.levels
         best = levels.best
@@ -379,7 +466,7 @@ class LossRules:
         return best + max(ratio * abs(best), rules.diverge_giveback * learnt) + self._noise_bar()
 
     def _confirm(self, step: int, x: float, why: str) -> list[TrainingAlarm]:
-        """*diverging* at ``step``: the open setback (if any) confirmed, ``why`` said."""
+        """Confirm *diverging* at ``step``: the open setback (if any) confirmed, ``why`` said."""
         setback = self.setback
         if setback is not None and setback.confirmed:
             return [self._diverging_alarm(step, x, "it holds")]
@@ -392,9 +479,11 @@ class LossRules:
     def _diverging_alarm(
         self, step: int, x: float, why: str, setback: Setback | None = None
     ) -> TrainingAlarm:
-        """*diverging*'s alarm: the rise confirmed (``why``) and where the loss stands.
+        """Write *diverging*'s alarm: the rise confirmed (``why``) and where the loss stands.
+
         ``setback``: the setback it confirms, named at its confirmation; without it, the
-        divergence holds."""
+        divergence holds.
+        """
         rules = self.rules
         said = (
             self._holds(step, x, why) if setback is None else self._confirms(step, x, why, setback)
@@ -408,8 +497,10 @@ class LossRules:
         return TrainingAlarm("diverging", "loss", step, x, best, said.first, details=details)
 
     def _confirms(self, step: int, x: float, why: str, setback: Setback) -> _Said:
-        """What *diverging* says when it confirms ``setback``: its running mean against its
-        best, and why it is confirmed."""
+        """Say what *diverging* says when it confirms ``setback``.
+
+        Its running mean against its best, and why it is confirmed.
+        """
         levels = self.levels
         first = f"loss diverging at optimizer step {step}: the loss is {x}"
         if math.isfinite(x):
@@ -422,9 +513,11 @@ class LossRules:
         return _Said(first, (confirmed, where))
 
     def _holds(self, step: int, x: float, why: str) -> _Said:
-        """What *diverging* says at a later step while the divergence holds: this step's loss
-        against the best, and since when, not the running mean, which may still remember a
-        blow-up long past."""
+        """Say what *diverging* says at a later step while the divergence holds.
+
+        This step's loss against the best, and since when; not the running mean, which may
+        still remember a blow-up long past.
+        """
         levels = self.levels
         since = "" if self.setback is None else f", diverging since step {self.setback.start}"
         first = f"loss diverging at optimizer step {step}: the loss is {x}{since}"
@@ -437,7 +530,7 @@ class LossRules:
         return _Said(first, (held,))
 
     def _recover(self, step: int) -> list[TrainingAlarm]:
-        """The open setback, if any, closed at ``step``: a recovery when it was not confirmed."""
+        """Close the open setback, if any, at ``step``: a recovery when it was not confirmed."""
         setback = self.setback
         self.setback = None
         if setback is None or setback.confirmed:
@@ -445,7 +538,7 @@ class LossRules:
         return [setback_recovered(step, setback, self.levels.mean)]
 
     def _spike(self, x: np.float32) -> None:
-        """*loss_spike*'s flag and running scale (the scale updated)."""
+        """Set *loss_spike*'s flag and running scale (the scale updated)."""
         assert self.rules.loss_factor is not None
         log_loss = np.log(np.array([x], dtype=np.float32))
         (ceiling,) = self.scale.thresholds(self.rules.loss_factor).ceilings
@@ -455,7 +548,12 @@ class LossRules:
         self.scale.update(log_loss, positive, ceiling)
 
     def state_dict(self) -> dict[str, Any]:
-        """The running scale, *diverging*'s levels and the open setback."""
+        """Return the loss rules' state, for a checkpoint.
+
+        Returns:
+            The running scale, *diverging*'s levels, the open setback and the last steps' mean
+            losses, by name.
+        """
         return {
             "loss_scale": torch.from_numpy(self.scale.state.copy()),
             "loss_levels": asdict(self.levels),
@@ -464,8 +562,14 @@ class LossRules:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`, or a 0.2.0 state (its running mean, mean absolute
-        deviation, best and first loss); *diverging* starts afresh if the state has neither."""
+        """Restore :meth:`state_dict`, or a 0.2.0 state.
+
+        A 0.2.0 state holds its running mean, mean absolute deviation, best and first loss;
+        *diverging* starts afresh if the state has neither.
+
+        Args:
+            state: what :meth:`state_dict` returned (or 0.2.0's).
+        """
         self.scale.load(state["loss_scale"])
         if "loss_levels" in state:
             self.levels = LossLevels(**state["loss_levels"])
@@ -489,7 +593,7 @@ class LossRules:
 
 
 def _loss_spike(step: int, value: float, scale: float, rules: AlarmRules) -> TrainingAlarm:
-    """*loss_spike*'s alarm: the loss against its running scale."""
+    """Write *loss_spike*'s alarm: the loss against its running scale."""
     text = (
         f"loss spike at optimizer step {step}: loss {value:.4g} is {value / scale:.3g}x its "
         f"running scale {scale:.4g}"
@@ -499,6 +603,8 @@ def _loss_spike(step: int, value: float, scale: float, rules: AlarmRules) -> Tra
 
 
 def _over(value: float, best: float) -> str:
-    """How far ``value`` is over ``best``: a ratio (``3.2x``), or the difference when the best
-    is not positive."""
+    """Say how far ``value`` is over ``best``.
+
+    A ratio (``3.2x``), or the difference when the best is not positive.
+    """
     return ratio_text(value / best) if best > 0 else f"+{value - best:.4g} over"

@@ -1,6 +1,9 @@
-"""What an alarm says, built on the host once a rule fired: :class:`TrainingAlarm`, the layer it
-names, its message (a first line a person reads at a glance, then the details one a line), the
-ring buffer's story, and the fixes :mod:`.advice` gives it."""
+"""What an alarm says, built on the host once a rule fired.
+
+:class:`TrainingAlarm`, the layer it names, its message (a first line a person reads at a
+glance, then the details one a line), the ring buffer's story, and the fixes :mod:`.advice`
+gives it.
+"""
 
 from __future__ import annotations
 
@@ -75,8 +78,12 @@ class TrainingAlarm:
     network_cut: bool = False
 
     def history_lines(self) -> list[str]:
-        """Step by step, norm / running scale of the layer that left first, the layer named and
-        the global row (``"-"``: not armed yet)."""
+        """Tell the ring buffer's story, step by step.
+
+        Returns:
+            One line a step: the norm / running scale of the layer that left first, the layer
+            named and the global row (``"-"``: not armed yet).
+        """
         names = dict.fromkeys(n for n in (self.departed, self.layer, "global") if n)
         rows = [self.history_layers.index(n) for n in names if n in self.history_layers]
 
@@ -142,8 +149,19 @@ class _Culprit(NamedTuple):
 def gradient_alarm(
     rule: str, report: GradientReport, at: FiredStep, layers: tuple[str, ...], rules: AlarmRules
 ) -> TrainingAlarm:
-    """The alarm of the gradient ``rule`` (one of ``GRADIENT_RULES``) at the rows it flagged in
-    ``report`` (the rows of ``layers``), at the step ``at``."""
+    """Write the alarm of a gradient rule at the rows it flagged.
+
+    Args:
+        rule: the rule that fired, one of ``GRADIENT_RULES``.
+        report: the gradient report whose rows the rule flagged, with their norms and
+            references.
+        at: the optimizer step it fired at, as the messages tell it.
+        layers: the name of each row of ``report``.
+        rules: the alarm rules, whose thresholds the message quotes.
+
+    Returns:
+        The alarm, naming the row most out of line (its first line and its details).
+    """
     hit = np.flatnonzero(report.fired(rule))
     norm = report.norm
     ref = {
@@ -183,7 +201,16 @@ def gradient_alarm(
 
 
 def weight_norms(weights: WeightNorms | None, rows: np.ndarray | None, n: int) -> np.ndarray:
-    """The attribution pass: per-row weight norms on the host (-1 where not read)."""
+    """Read per-row weight norms on the host: the attribution pass.
+
+    Args:
+        weights: returns the weight norms on the device (``None``: none are read).
+        rows: the rows the norms are of (``None``: every row, in order).
+        n: the number of rows.
+
+    Returns:
+        ``[n]`` weight norms, -1 where not read.
+    """
     out = np.full(n, -1.0)
     if weights is not None:
         values = weights().detach().float().cpu().numpy()
@@ -194,7 +221,7 @@ def weight_norms(weights: WeightNorms | None, rows: np.ndarray | None, n: int) -
 def _culprit(
     rule: str, hit: np.ndarray, norm: np.ndarray, ref: np.ndarray, order: Sequence[int]
 ) -> int:
-    """The row an alarm names among the flagged rows ``hit`` (the last row is the global)."""
+    """Return the row an alarm names among the flagged rows ``hit`` (the last is the global)."""
     last = norm.size - 1
     if rule == "nonfinite":
         # ref: weight norms, -1 where not read (no attribution pass, or not stepped)
@@ -217,9 +244,18 @@ def _culprit(
 def with_history(
     alarm: TrainingAlarm, layers: tuple[str, ...], history: NormHistory
 ) -> TrainingAlarm:
-    """``alarm`` with the ring buffer's ``history`` (its steps, and per step the rows' norms,
-    running scales and bands), and the layer that left its scale first as a line of its
-    details."""
+    """Add the ring buffer's history to ``alarm``.
+
+    Args:
+        alarm: the alarm to tell the story of.
+        layers: the name of each row of the history.
+        history: the ring buffer's steps, and per step the rows' norms, running scales and
+            bands.
+
+    Returns:
+        The alarm with the history, and the layer that left its scale first as a line of its
+        details (``alarm`` itself where the history is empty).
+    """
     steps = history.steps
     if not steps:
         return alarm
@@ -249,10 +285,12 @@ def with_history(
 def with_dead_network_story(
     alarm: TrainingAlarm, losses: Sequence[float], jump: str, chance: tuple[int, float] | None
 ) -> TrainingAlarm:
-    """A dead network's alarm (:attr:`TrainingAlarm.network_cut`) with what the loss did, as
-    lines of its details: its mean losses since the death began (``losses``), against ``ln C``
-    where the output layer's ``C`` units are known (``chance``: ``(C, ln C)``), and the jump
-    before it (``jump``: its line, ``""`` for none).
+    """Add what the loss did to a dead network's alarm, as lines of its details.
+
+    The alarm is one of :attr:`TrainingAlarm.network_cut`. The lines tell its mean losses since
+    the death began (``losses``), against ``ln C`` where the output layer's ``C`` units are
+    known (``chance``: ``(C, ln C)``), and the jump before it (``jump``: its line, ``""`` for
+    none).
 
     Args:
         alarm: the dead network's *vanishing* alarm.
@@ -290,10 +328,19 @@ def with_dead_network_story(
 
 
 def with_fixes(alarm: TrainingAlarm, advice: Advice) -> TrainingAlarm:
-    """``alarm``'s whole text: its first line with the first of the ``advice``'s fixes (the one
-    most likely to work, :func:`~lightning_hooks.core.alarms.advice.advise`), then the run's
-    learning rate (when a fix is to lower it), its details, why that fix leads (when the
-    evidence put it first) and the other fixes, one a line.
+    """Write ``alarm``'s whole text, with the ``advice``'s fixes.
+
+    Its first line with the first of the fixes (the one most likely to work,
+    :func:`~lightning_hooks.core.alarms.advice.advise`), then the run's learning rate (when a
+    fix is to lower it), its details, why that fix leads (when the evidence put it first) and
+    the other fixes, one a line.
+
+    Args:
+        alarm: the alarm, its first line and details written.
+        advice: the fixes for its rule, why the first leads and the run's learning rate.
+
+    Returns:
+        The alarm with its whole message, and the added lines among its details.
 
     Example:
         >>> alarm = TrainingAlarm("absolute", "net.0", 3, 9.0, 5.0, "grad norm 9 > 5",
@@ -324,8 +371,17 @@ class _Departure(NamedTuple):
 
 
 def _first_departure(norms: np.ndarray, scales: np.ndarray, band: np.ndarray) -> _Departure | None:
-    """The largest departure beyond the spike band (or to a non-finite norm) at the first step
-    a layer left its running scale; else ``None``."""
+    """Find where a layer first left its running scale.
+
+    Args:
+        norms: ``[steps, rows]`` gradient norms.
+        scales: ``[steps, rows]`` running scales (NaN: not armed yet).
+        band: ``[steps, rows]`` half-widths of the spike band, in log.
+
+    Returns:
+        The largest departure beyond the spike band (or to a non-finite norm) at the first step
+        a layer left its running scale; else ``None``.
+    """
     with np.errstate(divide="ignore", invalid="ignore"):
         size = np.abs(np.log(np.abs(norms / scales)))
     size[np.isnan(norms) | np.isnan(scales)] = np.nan  # not stepped, or not armed yet
@@ -340,7 +396,14 @@ def _first_departure(norms: np.ndarray, scales: np.ndarray, band: np.ndarray) ->
 
 
 def ratio_text(value: float) -> str:
-    """``value`` as a ratio: ``3.2x``."""
+    """Write ``value`` as a ratio: ``3.2x``.
+
+    Args:
+        value: the ratio.
+
+    Returns:
+        The text, three significant digits (a non-finite value as Python writes it).
+    """
     return f"{value:.3g}x" if math.isfinite(value) else f"{value}"
 
 
@@ -354,7 +417,7 @@ class _Said(NamedTuple):
 
 
 def _dead_network_text(culprit: _Culprit, step: int) -> _Said:
-    """What *vanishing* says of a dead network (:data:`~.gradients.DEAD_STEPS`)."""
+    """Say what *vanishing* says of a dead network (:data:`~.gradients.DEAD_STEPS`)."""
     since = step - DEAD_STEPS + 1
     return _Said(
         f"dead network at optimizer step {step}: {culprit.layer} and every layer before it get "
@@ -368,8 +431,10 @@ def _dead_network_text(culprit: _Culprit, step: int) -> _Said:
 
 
 def _no_gradient_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
-    """What the notice *no_gradient* says of a trainable layer that got no gradient (or next to
-    none, while a layer before it gets one: :func:`_bypassed_text`)."""
+    """Say what the notice *no_gradient* says of a trainable layer that got no gradient.
+
+    Or next to none, while a layer before it gets one: :func:`_bypassed_text`.
+    """
     if culprit.value > 0:
         return _bypassed_text(culprit, step, rules)
     layer = culprit.layer
@@ -388,8 +453,10 @@ def _no_gradient_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
 
 
 def _bypassed_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
-    """What the notice *no_gradient* says of a layer whose gradient stayed tiny while a layer
-    before it got one: the gradient flows around it."""
+    """Say what the notice *no_gradient* says of a layer the gradient flows around.
+
+    Its gradient stayed tiny while a layer before it got one.
+    """
     layer, value, ref = culprit
     steps = rules.vanish_steps
     return _Said(
@@ -405,7 +472,7 @@ def _bypassed_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
 
 
 def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
-    """What a gradient rule other than *explosion* says."""
+    """Say what a gradient rule other than *explosion* says."""
     layer, value, ref = culprit
     at = f"optimizer step {step}"
     if rule == "spike":
@@ -447,8 +514,10 @@ def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Sa
 def _explosion_text(
     culprit: _Culprit, report: GradientReport, at: FiredStep, rules: AlarmRules
 ) -> _Said:
-    """*explosion*'s message: the size and what the optimizer applies; the global norm's running
-    scale, which its advice reads, in its details."""
+    """Say *explosion*'s message: the size and what the optimizer applies.
+
+    The global norm's running scale, which its advice reads, is in its details.
+    """
     layer, value, ref = culprit
     clip = at.clip
     global_norm = float(report.norm[-1])

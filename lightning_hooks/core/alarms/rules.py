@@ -44,9 +44,19 @@ WeightNorms = Callable[[], torch.Tensor]
 
 
 def _renamed_every_n_steps(cls: type[AlarmRules]) -> type[AlarmRules]:
-    """Class decorator, outside :func:`named_arguments` (whose check would refuse the old name):
-    the constructor takes ``every_n_steps=`` as ``evaluate_every_n_steps=``, with a
-    ``DeprecationWarning``. The signature ``help()`` and LightningCLI read stays the new one."""
+    """Make the constructor take ``every_n_steps=`` as ``evaluate_every_n_steps=``.
+
+    A class decorator, outside :func:`named_arguments` (whose check would refuse the old name).
+    The old name is taken with a ``DeprecationWarning``. The signature ``help()`` and
+    LightningCLI read stays the new one.
+
+    Args:
+        cls: the class whose own ``__init__`` is wrapped.
+
+    Returns:
+        ``cls``, its constructor wrapped; the wrapper raises ``TypeError`` where both names are
+        given.
+    """
     checked: Callable[..., None] = vars(cls)["__init__"]
 
     @functools.wraps(checked)
@@ -149,6 +159,12 @@ class AlarmRules:
             (CUDA, contiguous float gradients of one dtype); where it cannot run, one
             ``torch._foreach_norm`` after one warning.
 
+    Raises:
+        ValueError: a threshold is out of its range (the error names it), or
+            ``diverge_overshoot`` < ``diverge_ratio``, or ``min_history`` > ``window``.
+        TypeError: a threshold is of the wrong type, or ``every_n_steps`` and
+            ``evaluate_every_n_steps`` are both given.
+
     Example:
         >>> AlarmRules(spike_factor=20.0).window
         50
@@ -206,6 +222,13 @@ class AlarmRules:
         return self.loss_factor is not None or self.diverge_ratio is not None
 
     def __post_init__(self) -> None:
+        """Check every threshold, and that the thresholds agree with one another.
+
+        Raises:
+            ValueError: a threshold is out of its range, or two disagree.
+            TypeError: a threshold is of the wrong type.
+        """
+
         def real(
             low: float = -math.inf,
             high: float = math.inf,

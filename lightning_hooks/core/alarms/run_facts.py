@@ -1,6 +1,8 @@
-"""What the alarms may know of the run beside its gradients and losses: the learning rate, read
-only when an alarm is written (never on the quiet step), and the output layer's units, whose
-uniform guess scores ``ln C``."""
+"""What the alarms may know of the run beside its gradients and losses.
+
+The learning rate, read only when an alarm is written (never on the quiet step), and the output
+layer's units, whose uniform guess scores ``ln C``.
+"""
 
 from __future__ import annotations
 
@@ -36,8 +38,10 @@ class RunFacts:
 
     @classmethod
     def of(cls, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> RunFacts:
-        """The facts of ``model`` trained by ``optimizers``: the first optimizer's learning
-        rate, and the out features of the model's last ``nn.Linear`` (in module order).
+        """Return the facts of ``model`` trained by ``optimizers``.
+
+        The first optimizer's learning rate, and the out features of the model's last
+        ``nn.Linear`` (in module order).
 
         Args:
             model: the model trained.
@@ -58,7 +62,12 @@ class RunFacts:
         )
 
     def learning_rate(self) -> float:
-        """The learning rate now (NaN: not known, or not a positive number)."""
+        """Return the learning rate now.
+
+        Returns:
+            The first parameter group's ``lr`` as a float; NaN where it is not known, or not
+            a positive number.
+        """
         if self.read_learning_rate is None:
             return math.nan
         value = self.read_learning_rate()
@@ -70,6 +79,8 @@ class RunFacts:
 
     @property
     def chance_loss(self) -> float:
-        """``ln C``: the cross-entropy of a uniform guess over the ``C`` output units (NaN when
-        ``C`` is not known)."""
+        """``ln C``: the cross-entropy of a uniform guess over the ``C`` output units.
+
+        NaN when ``C`` is not known.
+        """
         return math.log(self.classes) if self.classes is not None else math.nan

@@ -1,6 +1,9 @@
-"""The alarm sentinel, run at every optimizer step (no Lightning): the device posts a
-non-blocking copy of the gradient norms (and the loss) to host memory, and the rules and any
-diagnosis run on the host when it is read: no host sync, no kernel on a quiet step."""
+"""The alarm sentinel, run at every optimizer step (no Lightning).
+
+The device posts a non-blocking copy of the gradient norms (and the loss) to host memory, and
+the rules and any diagnosis run on the host when it is read: no host sync, no kernel on a quiet
+step.
+"""
 
 from __future__ import annotations
 
@@ -41,8 +44,10 @@ __all__ = ["NormRing", "PostedStep", "TrainingAlarms", "attention_alarms"]
 
 
 class PostedStep(NamedTuple):
-    """What :meth:`TrainingAlarms.update` posts beside a step's norms; it comes back with them
-    when the host reads the copy."""
+    """What :meth:`TrainingAlarms.update` posts beside a step's norms.
+
+    It comes back with them when the host reads the copy.
+    """
 
     step: int
     """The optimizer step."""
@@ -73,6 +78,9 @@ class TrainingAlarms:
         layers: row names: the layers, then ``"global"``.
         rules: the rules and thresholds.
         device: where the statistics live.
+
+    Raises:
+        TypeError: ``rules`` is neither an :class:`AlarmRules` nor ``None``.
 
     Example:
         >>> alarms = TrainingAlarms(["a", "b", "global"], AlarmRules(min_history=3))
@@ -120,8 +128,14 @@ class TrainingAlarms:
         (:meth:`know`)."""
 
     def know(self, facts: RunFacts) -> None:
-        """Quote ``facts`` in the alarms: the learning rate where the fix is to lower it, and
-        ``ln C`` beside the loss of a dead network (``RunFacts.of(model, optimizers)``)."""
+        """Quote ``facts`` in the alarms.
+
+        The learning rate where the fix is to lower it, and ``ln C`` beside the loss of a dead
+        network.
+
+        Args:
+            facts: what the alarms may quote of the run (``RunFacts.of(model, optimizers)``).
+        """
         self.facts = facts
 
     @torch.no_grad()
@@ -164,18 +178,34 @@ class TrainingAlarms:
             self._drain(wait=False)
 
     def reserve(self, parameters: int) -> None:
-        """Make the host copy of ``parameters`` norms ready for :meth:`update`'s ``segments``."""
+        """Make the host copy of ``parameters`` norms ready for :meth:`update`'s ``segments``.
+
+        Args:
+            parameters: the number of per-parameter norms :meth:`update` will post.
+        """
         self._host_copy.reserve((parameters,))
 
     def set_adaptive(self, value: bool) -> None:
-        """The optimizer keeps a second moment (Adam, RMSprop, ...): *diverging* holds its first
-        ``diverge_early`` losses to ``diverge_overshoot`` (``GradFlowTracker`` sets it)."""
+        """Say whether the optimizer keeps a second moment (Adam, RMSprop, ...).
+
+        If it does, *diverging* holds its first ``diverge_early`` losses to
+        ``diverge_overshoot`` (``GradFlowTracker`` sets it).
+
+        Args:
+            value: whether the optimizer is adaptive.
+        """
         self._loss.adaptive = bool(value)
 
     @torch.no_grad()
     def update_loss(self, loss: torch.Tensor, *, step: int) -> None:
-        """Apply *loss_spike* and *diverging* to one training loss (a device scalar, no host
-        sync: the verdict is read at most one step late)."""
+        """Apply *loss_spike* and *diverging* to one training loss.
+
+        No host sync: the verdict is read at most one step late.
+
+        Args:
+            loss: the training loss, a device scalar.
+            step: its optimizer step.
+        """
         if not self._watches_loss:
             return
         self._drain_loss(wait=True)  # also counts the finite losses seen so far
@@ -185,8 +215,15 @@ class TrainingAlarms:
 
     @torch.no_grad()
     def update_stall(self, update: torch.Tensor, lr: float, *, step: int) -> None:
-        """*stall* at a logging step: ``update`` (a weight's typical change, a device scalar) per
-        unit of ``lr``, read at the next poll; skipped while ``lr`` is under 1% of its peak."""
+        """Apply *stall* at a logging step, read at the next poll.
+
+        Skipped while ``lr`` is under 1% of its peak.
+
+        Args:
+            update: a weight's typical change, a device scalar, judged per unit of ``lr``.
+            lr: the learning rate of this step.
+            step: the optimizer step.
+        """
         if not self._stall.due(lr):
             return
         self._drain_stall(wait=True)
@@ -199,8 +236,15 @@ class TrainingAlarms:
     def update_attention(
         self, logit_max: Mapping[str, float], entropy_min: Mapping[str, float], *, step: int
     ) -> None:
-        """*attention* on a logging step's attention statistics (host values, reduced across
-        ranks: every rank reads the same alarms)."""
+        """Apply *attention* to a logging step's attention statistics.
+
+        Host values, reduced across ranks: every rank reads the same alarms.
+
+        Args:
+            logit_max: each attention layer's largest attention logit.
+            entropy_min: each attention layer's most focused head's mean entropy, in nats.
+            step: the optimizer step.
+        """
         history = self._logits
         for alarm in attention_alarms(logit_max, entropy_min, step, self.rules, history):
             self._record(alarm)
@@ -209,18 +253,28 @@ class TrainingAlarms:
 
     @property
     def spike_score(self) -> float:
-        """Alarms per 1,000 evaluated optimizer steps since construction (every rule, transient
-        spikes included), as OLMo-core's ``SpikeScore``."""
+        """Alarms per 1,000 evaluated optimizer steps since construction.
+
+        Every rule, transient spikes included, as OLMo-core's ``SpikeScore``.
+        """
         return 1000.0 * self.total / max(self.evaluated, 1)
 
     def poll(self, wait: bool = False) -> list[TrainingAlarm]:
-        """Alarms read on the host since the last poll (``wait``: include the latest step)."""
+        """Return the alarms read on the host since the last poll.
+
+        Args:
+            wait: block until the latest step's copy is read, to include it.
+
+        Returns:
+            The new alarms, in the order they were read.
+        """
         self._drain(wait)
         new = self._new
         self._new = []
         return new
 
     def _drain_loss(self, wait: bool) -> None:
+        """Record the loss rules' alarms once the posted loss is read (``wait``: block)."""
         verdict = self._loss.read(wait)
         if verdict is None:
             return
@@ -229,6 +283,7 @@ class TrainingAlarms:
             self._record(with_history(alarm, self.layers, history))
 
     def _drain_stall(self, wait: bool) -> None:
+        """Record *stall*'s alarm once the posted update is read (``wait``: block)."""
         if not self._stall_posted:
             return
         alarm = self._stall.read(wait)
@@ -239,6 +294,7 @@ class TrainingAlarms:
             self._record(alarm)
 
     def _drain(self, wait: bool) -> None:
+        """Read every posted copy and run its rules (``wait``: block until each is read)."""
         self._drain_loss(wait)
         self._drain_stall(wait)
         got = self._host_copy.read(wait)
@@ -254,7 +310,7 @@ class TrainingAlarms:
         self._diagnose(report, posted)
 
     def _diagnose(self, report: GradientReport, posted: PostedStep) -> None:
-        """A rule fired: its alarms, with the ring buffer's history."""
+        """Record the alarms of the rules that fired, with the ring buffer's history."""
         layers = self.layers
         weights = None
         if report.fired("nonfinite").any():
@@ -267,8 +323,11 @@ class TrainingAlarms:
             self._record(with_history(alarm, layers, history), scale)
 
     def _record(self, alarm: TrainingAlarm, global_scale: float = math.nan) -> None:
-        """Count ``alarm`` and keep it, its text completed with its fixes, in the order the
-        run's evidence says (``global_scale``: the global norm's running scale, for a clip)."""
+        """Count ``alarm`` and keep it, its text completed with its fixes.
+
+        The fixes come in the order the run's evidence says (``global_scale``: the global norm's
+        running scale, for a clip).
+        """
         if alarm.network_cut:
             alarm = self._dead_network_story(alarm)
         evidence = Evidence(
@@ -285,8 +344,11 @@ class TrainingAlarms:
         self._new.append(alarm)
 
     def _dead_network_story(self, alarm: TrainingAlarm) -> TrainingAlarm:
-        """A dead network's alarm with what the loss did since the death began, against the
-        loss of a uniform guess where the output layer is known, and its jump before."""
+        """Add to a dead network's alarm what the loss did since the death began.
+
+        Against the loss of a uniform guess where the output layer is known, and its jump
+        before.
+        """
         facts = self.facts
         chance = None if facts.classes is None else (facts.classes, facts.chance_loss)
         story = self._loss.story()
@@ -302,7 +364,11 @@ class TrainingAlarms:
         return with_dead_network_story(alarm, story.since(since), jump, chance)
 
     def take_epoch(self) -> tuple[dict[str, int], list[TrainingAlarm]]:
-        """Counts and alarms since the last call (waits for the latest step), then resets."""
+        """Return the counts and alarms since the last call (waits for the latest step), then reset.
+
+        Returns:
+            The flagged (layer, step) pairs per rule, and every alarm, since the last call.
+        """
         self._drain(wait=True)
         counts = self.counts
         log = self.log
@@ -311,7 +377,12 @@ class TrainingAlarms:
         return counts, log
 
     def state_dict(self) -> dict[str, Any]:
-        """Running scales, vanishing counters, ring buffer and counts, on the host."""
+        """Return the state a checkpoint holds, on the host.
+
+        Returns:
+            The running scales, vanishing counters, ring buffer and counts, by name, with the
+            layers they are of.
+        """
         self._drain(wait=True)
         return {
             "layers": self.layers,
@@ -325,7 +396,15 @@ class TrainingAlarms:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the layers must match this instance's."""
+        """Restore :meth:`state_dict`; the layers must match this instance's.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: the saved layers differ from this instance's, or the state is of an
+                older version.
+        """
         if tuple(state["layers"]) != self.layers:
             raise ValueError(
                 f"TrainingAlarms.load_state_dict: saved layers {tuple(state['layers'])!r} differ "
@@ -348,21 +427,39 @@ class TrainingAlarms:
 
 
 class NormRing:
-    """The last ``size`` steps' ``[3, rows]`` (norm, running scale, half-width of the spike
-    band in log) of every row, and their steps, in host memory."""
+    """The last ``size`` steps' ``[3, rows]`` of every row, and their steps, in host memory.
+
+    Each step keeps the norm, the running scale and the half-width of the spike band in log.
+
+    Args:
+        size: how many steps the ring keeps.
+        rows: the number of rows (the layers, then the global row).
+    """
 
     def __init__(self, size: int, rows: int) -> None:
         self.ring = np.full((size, 3, rows), np.nan, dtype=np.float32)
         self.steps = [-1] * size
 
     def write(self, step: int, rows: np.ndarray) -> None:
-        """Keep ``rows`` (``[3, rows]``) as ``step``'s."""
+        """Keep ``rows`` as ``step``'s.
+
+        Args:
+            step: the optimizer step.
+            rows: ``[3, rows]``: the norm, running scale and band of every row.
+        """
         slot = step % len(self.steps)
         self.ring[slot] = rows
         self.steps[slot] = step
 
     def read(self, step: int) -> NormHistory:
-        """The buffer up to ``step``, oldest first."""
+        """Return the buffer up to ``step``, oldest first.
+
+        Args:
+            step: the last optimizer step returned.
+
+        Returns:
+            The steps kept up to ``step``, and their rows.
+        """
         ring = self.ring
         slots = sorted(
             (s, i) for i, s in enumerate(self.steps) if 0 <= s <= step and step - s < len(ring)
@@ -370,10 +467,19 @@ class NormRing:
         return NormHistory([s for s, _ in slots], ring[[i for _, i in slots]])
 
     def state_dict(self) -> dict[str, Any]:
+        """Return the ring and its steps, for a checkpoint.
+
+        Returns:
+            ``{"ring": ..., "ring_steps": ...}``, on the host.
+        """
         return {"ring": torch.from_numpy(self.ring.copy()), "ring_steps": list(self.steps)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` when its size is this buffer's (else it starts empty)."""
+        """Restore :meth:`state_dict` when its size is this buffer's (else it starts empty).
+
+        Args:
+            state: what :meth:`state_dict` returned.
+        """
         if tuple(state["ring"].shape) == self.ring.shape:
             self.ring[...] = as_array(state["ring"])
             self.steps = list(state["ring_steps"])
@@ -386,9 +492,19 @@ def attention_alarms(
     rules: AlarmRules,
     history: Mapping[str, Sequence[float]] | None = None,
 ) -> list[TrainingAlarm]:
-    """*attention*'s alarms at a logging step, by the ``attn_*`` thresholds of ``rules``;
-    ``history``: each layer's logits at the logging steps before, oldest first. A layer without
-    an entropy is judged on its logit.
+    """Return *attention*'s alarms at a logging step, by the ``attn_*`` thresholds of ``rules``.
+
+    A layer without an entropy is judged on its logit.
+
+    Args:
+        logit_max: each attention layer's largest attention logit.
+        entropy_min: each attention layer's most focused head's mean entropy, in nats.
+        step: the optimizer step, quoted by the alarms.
+        rules: the alarm rules, whose ``attn_*`` thresholds apply.
+        history: each layer's logits at the logging steps before, oldest first.
+
+    Returns:
+        One alarm per collapsing layer.
 
     Example:
         >>> rules = AlarmRules()

@@ -1,5 +1,8 @@
-"""A *setback* of the loss: a rise over *diverging*'s bar, held open until the loss comes back or
-the rise is confirmed as a divergence; its record and the lines it writes."""
+"""A *setback* of the loss: its record and the lines it writes.
+
+A setback is a rise over *diverging*'s bar, held open until the loss comes back or the rise is
+confirmed as a divergence.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +16,10 @@ __all__ = ["Setback", "setback_opened", "setback_recovered"]
 
 @dataclass
 class Setback:
-    """A rise of the loss's running mean over *diverging*'s bar, open until it falls back
-    (a recovery) or is confirmed (a divergence)."""
+    """A rise of the loss's running mean over *diverging*'s bar.
+
+    Open until it falls back (a recovery) or is confirmed (a divergence).
+    """
 
     start: int
     """The optimizer step it opened at."""
@@ -32,8 +37,18 @@ class Setback:
 def setback_opened(
     step: int, setback: Setback, mean: float, first: float, rules: AlarmRules
 ) -> TrainingAlarm:
-    """A setback's first line: where the loss's running ``mean`` rose to from its best, and what
-    is being watched (``first``: where the run started)."""
+    """Write a setback's first line: where the loss rose to from its best, and what is watched.
+
+    Args:
+        step: the optimizer step it opened at.
+        setback: the setback opened, whose best the line quotes.
+        mean: the loss's running mean now.
+        first: where the run started, the base of *diverging*'s ``diverge_lost``.
+        rules: the alarm rules, whose thresholds the line quotes.
+
+    Returns:
+        The line, a *setback* alarm.
+    """
     best = setback.best
     rise = ratio_text(mean / best) if best > 0 else f"+{mean - best:.4g}"
     text = (
@@ -50,8 +65,18 @@ def setback_opened(
 
 
 def setback_recovered(step: int, setback: Setback, mean: float) -> TrainingAlarm:
-    """A setback's last line when the loss's running ``mean`` came back: a line of text, not
-    counted again."""
+    """Write a setback's last line when the loss's running mean came back.
+
+    A line of text, not counted again.
+
+    Args:
+        step: the optimizer step it recovered at.
+        setback: the setback closed, whose start, peak, best and steps the line quotes.
+        mean: the loss's running mean now.
+
+    Returns:
+        The line, a *setback* alarm that does not count.
+    """
     text = (
         f"loss setback of optimizer step {setback.start} recovered at step {step}: its running "
         "mean fell back below the bar; no action needed"

@@ -1,7 +1,9 @@
-"""*stall* on the optimizer's update at logging steps, and its alarm: the update per unit of
-learning rate against its running level, while the loss has stopped learning. The device only
-copies the update to host memory without blocking; the rule runs on the host, in ``float32``,
-when the copy is read."""
+"""*stall* on the optimizer's update at logging steps, and its alarm.
+
+The rule compares the update per unit of learning rate against its running level, while the
+loss has stopped learning. The device only copies the update to host memory without blocking;
+the rule runs on the host, in ``float32``, when the copy is read.
+"""
 
 from __future__ import annotations
 
@@ -31,8 +33,10 @@ _NAN = _F(math.nan)
 
 @dataclass
 class StallState:
-    """*stall*'s report on the last logging step and what it carries to the next, in
-    ``float32`` as the rule computes it; a checkpoint holds it as one array (:meth:`array`)."""
+    """*stall*'s report on the last logging step and what it carries to the next.
+
+    In ``float32`` as the rule computes it; a checkpoint holds it as one array (:meth:`array`).
+    """
 
     flag: bool = False
     """Whether the rule fired at the last logging step."""
@@ -48,19 +52,32 @@ class StallState:
     """The loss's best at this logging step."""
 
     def array(self) -> np.ndarray:
-        """The state as a checkpoint holds it: ``[flag, value, before, progress, level, best]``."""
+        """Return the state as a checkpoint holds it.
+
+        Returns:
+            ``[flag, value, before, progress, level, best]``, in ``float32``.
+        """
         return np.array(astuple(self), dtype=np.float32)
 
     @classmethod
     def of(cls, array: np.ndarray) -> StallState:
-        """The state a checkpoint's :meth:`array` holds."""
+        """Return the state a checkpoint's :meth:`array` holds.
+
+        Args:
+            array: the array :meth:`array` made.
+
+        Returns:
+            The state.
+        """
         flag, *values = (_F(x) for x in array)
         return cls(bool(flag), *values)
 
 
 def _f32(value: float) -> float:
-    """``value`` rounded to the nearest ``float32`` (overflow to a signed ``inf``), as a Python
-    float: rounding after each operation gives numpy ``float32`` scalars' bits, cheaper."""
+    """Round ``value`` to the nearest ``float32`` (overflow to a signed ``inf``), as a Python float.
+
+    Rounding after each operation gives numpy ``float32`` scalars' bits, cheaper.
+    """
     try:
         rounded: float = _PACK.unpack(_PACK.pack(value))[0]
     except OverflowError:  # a Python whose pack refuses what a cast rounds to inf
@@ -69,15 +86,22 @@ def _f32(value: float) -> float:
 
 
 def _lerp32(start: float, end: float, weight: float) -> float:
-    """``torch.lerp``'s formula (exact at both ends for any weight) on Python floats, rounded
-    to ``float32`` after each operation."""
+    """Compute ``torch.lerp``'s formula (exact at both ends for any weight) on Python floats.
+
+    Rounded to ``float32`` after each operation.
+    """
     w = _f32(weight)
     d = _f32(end - start)
     return _f32(start + _f32(w * d)) if w < 0.5 else _f32(end - _f32(d * _f32(1.0 - w)))
 
 
 class StallRule:
-    """*stall*'s state and the update's copy to the host."""
+    """*stall*'s state and the update's copy to the host.
+
+    Args:
+        rules: the alarm rules (``stall_factor``, ``stall_progress``).
+        device: the device the update lives on, copied from.
+    """
 
     def __init__(self, rules: AlarmRules, device: torch.device) -> None:
         self.rules = rules
@@ -87,8 +111,17 @@ class StallRule:
         """The largest learning rate seen so far."""
 
     def due(self, lr: float) -> bool:
-        """Whether the rule is on and ``lr`` is at least 1% of its peak so far (the peak
-        updated): a schedule decaying it to zero moves the weights below float32's resolution."""
+        """Return whether the rule is on and ``lr`` is at least 1% of its peak so far.
+
+        The peak is updated. A schedule decaying the learning rate to zero moves the weights
+        below float32's resolution.
+
+        Args:
+            lr: the learning rate of this step.
+
+        Returns:
+            Whether the rule should evaluate this step's update.
+        """
         if self.rules.stall_factor is None or not lr > 0.0:
             return False
         self.peak_lr = max(self.peak_lr, float(lr))
@@ -97,12 +130,25 @@ class StallRule:
     def update(
         self, update: torch.Tensor, lr: float, step: int, loss: LossProgress | None = None
     ) -> None:
-        """Post ``update`` (a device scalar: a copy, no sync) for :meth:`read`. ``loss``:
-        how far the loss has come at this step (``None``: the update alone decides)."""
+        """Post ``update`` for :meth:`read` (a copy, no sync).
+
+        Args:
+            update: the update per unit of learning rate, a device scalar.
+            lr: the learning rate of this step.
+            step: the optimizer step, quoted by the alarm.
+            loss: how far the loss has come at this step (``None``: the update alone decides).
+        """
         self._box.post(update.detach().reshape(1).float(), (step, lr, loss))
 
     def read(self, wait: bool) -> TrainingAlarm | None:
-        """Evaluate the posted update once its copy is read: the alarm if it fired."""
+        """Evaluate the posted update once its copy is read.
+
+        Args:
+            wait: block until the copy is read.
+
+        Returns:
+            The alarm if the rule fired, else ``None`` (also while the copy is not read).
+        """
         got = self._box.read(wait)
         if got is None:
             return None
@@ -112,7 +158,13 @@ class StallRule:
         return _stall(self.state, step, self.rules) if self.state.flag else None
 
     def evaluate(self, update: np.float32, lr: float, loss: LossProgress | None) -> None:
-        """Fold ``update / lr`` into the level and set the flag (the state updated)."""
+        """Fold ``update / lr`` into the level and set the flag (the state updated).
+
+        Args:
+            update: the update read on the host.
+            lr: the learning rate it was made with.
+            loss: how far the loss has come (``None``: the update alone decides).
+        """
         assert self.rules.stall_factor is not None
         s = self.state
         level = s.level
@@ -139,18 +191,26 @@ class StallRule:
         s.level = value if start else _F(_lerp32(float(level), float(target), _STALL_ALPHA))
 
     def state_dict(self) -> dict[str, Any]:
-        """The state and the peak learning rate, on the host."""
+        """Return the state and the peak learning rate, for a checkpoint.
+
+        Returns:
+            ``{"stall": ..., "peak_lr": ...}``, on the host.
+        """
         return {"stall": torch.from_numpy(self.state.array()), "peak_lr": self.peak_lr}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the level starts afresh if the state lacks it."""
+        """Restore :meth:`state_dict`; the level starts afresh if the state lacks it.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+        """
         if "stall" in state and tuple(state["stall"].shape) == self.state.array().shape:
             self.state = StallState.of(as_array(state["stall"]))
             self.peak_lr = float(state["peak_lr"])
 
 
 def _stall(report: StallState, step: int, rules: AlarmRules) -> TrainingAlarm:
-    """*stall*'s alarm from its report (the update per unit of LR and its level, as logs)."""
+    """Write *stall*'s alarm from its report (the update per unit of LR and its level, as logs)."""
     value = math.exp(report.value)
     level = math.exp(report.before)
     text = (

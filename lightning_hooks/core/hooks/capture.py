@@ -1,5 +1,8 @@
-"""Plain PyTorch loops over a hooked model: record the outputs of named layers
-(:func:`capture_outputs`), run a probe batch without leaving a trace (:func:`probe_mode`)."""
+"""Tools for plain PyTorch loops over a hooked model.
+
+Record the outputs of named layers (:func:`capture_outputs`), and run a probe batch without
+leaving a trace (:func:`probe_mode`).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ __all__ = ["capture_outputs", "probe_mode"]
 
 
 def _apply(output: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
-    """``output`` with ``fn`` applied to each tensor in it (its containers rebuilt)."""
+    """Return ``output`` with ``fn`` applied to each tensor in it (its containers rebuilt)."""
     if isinstance(output, torch.Tensor):
         return fn(output)
     if isinstance(output, tuple) and hasattr(output, "_fields"):  # a namedtuple
@@ -34,7 +37,17 @@ def _apply(output: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object
 def _keeper(
     name: str, store: dict[str, Any], detach: bool, clone: bool
 ) -> Callable[[nn.Module, tuple[Any, ...], object], None]:
-    """A forward hook that stores the module's output in ``store[name]``."""
+    """Make a forward hook that stores the module's output in ``store[name]``.
+
+    Args:
+        name: the module's qualified name, the key in ``store``.
+        store: the dict the outputs are recorded in.
+        detach: store each tensor detached from the graph.
+        clone: store a copy of each tensor.
+
+    Returns:
+        The forward hook.
+    """
 
     def keep(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach() if detach else tensor
@@ -52,8 +65,7 @@ def capture_outputs(
 ) -> Iterator[dict[str, Any]]:
     """Record the outputs of the named layers of ``model`` while the block runs.
 
-    Yields a dict: each selected module's qualified name -> its output of the latest forward
-    (any mode). The hooks are removed on exit, also on an exception; the dict stays.
+    The hooks are removed on exit, also on an exception; the dict stays.
 
     Args:
         model: the model to record from.
@@ -61,8 +73,14 @@ def capture_outputs(
         detach: store ``output.detach()`` (``False``: keep the graph, for a feature loss).
         clone: store a copy (an in-place op after the layer changes a detached output).
 
+    Yields:
+        A dict: each selected module's qualified name -> its output of the latest forward (any
+        mode).
+
     Raises:
-        ValueError: a name or pattern matches no module (the error lists the closest names).
+        ValueError: a name or pattern matches no module (the error lists the closest names), or
+            ``layers`` names none.
+        TypeError: ``model`` is not a ``torch.nn.Module``, or ``detach``/``clone`` is not a bool.
 
     Example:
         >>> import torch
@@ -90,10 +108,20 @@ def capture_outputs(
 
 @contextmanager
 def probe_mode(model: nn.Module) -> Iterator[None]:
-    """Put ``model`` in eval mode under ``torch.no_grad()``; on exit (also after an exception)
-    restore every ``training`` flag and the CPU and CUDA random states: a probe forward changes
-    no BatchNorm statistic, keeps no graph, is skipped by the library's hooks and leaves the
-    random stream.
+    """Put ``model`` in eval mode under ``torch.no_grad()`` while the block runs.
+
+    On exit (also after an exception) restore every ``training`` flag and the CPU and CUDA
+    random states: a probe forward changes no BatchNorm statistic, keeps no graph, is skipped by
+    the library's hooks and leaves the random stream.
+
+    Args:
+        model: the model the probe batch runs through.
+
+    Yields:
+        Nothing; the probe runs inside the block.
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))

@@ -24,15 +24,26 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def strict_default() -> bool:
-    """Whether :data:`STRICT_ENV` is ``1``/``true``/``yes``/``on``."""
+    """Return whether guards are strict unless told otherwise.
+
+    Returns:
+        Whether :data:`STRICT_ENV` is ``1``/``true``/``yes``/``on``.
+    """
     return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class Guard:
-    """Catches the exceptions of statistic ``name``'s hooks: the first marks it :attr:`failed`,
-    warns once, and the owner removes its hooks at the next Lightning hook (with :attr:`defer`,
-    once the ranks agree: :meth:`disable_on_every_rank`). A ``strict`` guard (default:
-    :func:`strict_default`) re-raises, as every guard does for the library's own errors."""
+    """Catches the exceptions of statistic ``name``'s hooks.
+
+    The first exception marks it :attr:`failed`, warns once, and the owner removes its hooks at
+    the next Lightning hook (with :attr:`defer`, once the ranks agree:
+    :meth:`disable_on_every_rank`). A ``strict`` guard re-raises, as every guard does for the
+    library's own errors.
+
+    Args:
+        name: the statistic (or callback) the warning names.
+        strict: re-raise every exception (default: :func:`strict_default`).
+    """
 
     def __init__(self, name: str, *, strict: bool | None = None) -> None:
         self.name = name
@@ -48,7 +59,16 @@ class Guard:
         """The step at which the ranks disabled the statistic, once agreed."""
 
     def fail(self, where: str, error: Exception) -> None:
-        """Record ``error`` raised in ``where``: re-raise if strict or ours, else warn once."""
+        """Record ``error`` raised in ``where``: re-raise if strict or ours, else warn once.
+
+        Args:
+            where: the hook that raised, named in the warning.
+            error: the exception raised.
+
+        Raises:
+            Exception: ``error`` itself, if the guard is strict or the error is the library's
+                own (:class:`LightningHooksError`).
+        """
         if self.strict or isinstance(error, LightningHooksError):
             raise error
         if self.failed is not None or self.local is not None:
@@ -62,8 +82,13 @@ class Guard:
         self._warn(f"for the rest of the fit: its {where} raised {type(error).__name__}: {error}")
 
     def disable_on_every_rank(self, causes: Sequence[str | None], step: int, *, warn: bool) -> None:
-        """Disable at ``step``: ``causes[r]`` is rank ``r``'s :attr:`local` (``None``: healthy);
-        ``warn`` (rank 0): one warning naming each failure."""
+        """Disable the statistic at ``step`` on every rank, once the ranks agreed.
+
+        Args:
+            causes: ``causes[r]`` is rank ``r``'s :attr:`local` (``None``: healthy).
+            step: the step the statistic is disabled at, named in the warning.
+            warn: write one warning naming each failure (rank 0).
+        """
         failed = [f"rank {r}: {cause}" for r, cause in enumerate(causes) if cause is not None]
         self.failed = "; ".join(failed)
         self.pending = True
@@ -72,6 +97,7 @@ class Guard:
             self._warn(f"on every rank from step {step} for the rest of the fit: {self.failed}")
 
     def _warn(self, how: str) -> None:
+        """Warn that the statistic is disabled ``how`` (when, and why), and how to raise instead."""
         warnings.warn(
             f"{self.name} is disabled {how}. Training goes on without it; set {STRICT_ENV}=1 (or "
             "strict=True) to raise instead.",
@@ -80,13 +106,25 @@ class Guard:
         )
 
     def removal_due(self) -> bool:
-        """``True`` once after a failure: the owner should remove the statistic's hooks now."""
+        """Return whether the owner should remove the statistic's hooks now.
+
+        Returns:
+            ``True`` once after a failure, then ``False``.
+        """
         pending = self.pending
         self.pending = False
         return pending
 
     def wrap(self, fn: F, where: str) -> F:
-        """``fn`` with its exceptions handled by :meth:`fail` (``fn`` itself when strict)."""
+        """Wrap ``fn`` so that its exceptions are handled by :meth:`fail`.
+
+        Args:
+            fn: the function to run under the guard.
+            where: the name of ``fn`` the warning gives.
+
+        Returns:
+            ``fn`` wrapped (it returns ``None`` after a failure), or ``fn`` itself when strict.
+        """
         if self.strict:
             return fn
 
@@ -131,17 +169,22 @@ class _GuardedOwner(Protocol):
     """What :func:`guarded` needs of the object whose hook it runs (a callback)."""
 
     def hook_guard(self) -> Guard:
-        """Return the guard of the callback's hooks."""
+        """Return the guard of the callback's hooks.
+
+        Returns:
+            The guard of the running fit.
+        """
 
     def remove_hooks(self) -> None:
         """Take the callback's hooks off the model."""
 
 
 def guarded(method: F) -> F:
-    """Run a callback's Lightning hook under its guard: an exception is the guard's to handle
-    (:meth:`Guard.fail`), and once the callback failed, its hooks come off (``remove_hooks``)
-    and its hooks of :data:`GUARDED_HOOKS` do nothing more; those of :data:`RELEASE_HOOKS` still
-    run.
+    """Run a callback's Lightning hook under its guard.
+
+    An exception is the guard's to handle (:meth:`Guard.fail`), and once the callback failed,
+    its hooks come off (``remove_hooks``) and its hooks of :data:`GUARDED_HOOKS` do nothing
+    more; those of :data:`RELEASE_HOOKS` still run.
 
     Args:
         method: the hook, named as Lightning calls it.

@@ -1,5 +1,7 @@
-"""The hook registry: the one owner of every hook handle the library creates, and its gated
-hooks, put on their modules only for logging steps."""
+"""The hook registry: the one owner of every hook handle the library creates.
+
+It holds the gated hooks too, put on their modules only for logging steps.
+"""
 
 from __future__ import annotations
 
@@ -28,15 +30,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _unhookable_modules(model: nn.Module) -> dict[int, str]:
-    """``id(module) -> name`` of every ``torch.jit`` module and everything inside it."""
+    """Map ``id(module) -> name`` for every ``torch.jit`` module of ``model`` and what it holds."""
     jit = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
     return {id(inner): sub for name, m in jit for sub, inner in m.named_modules(prefix=name)}
 
 
 class Gated:
-    """A forward (pre-)hook put on its module for each logging step, with
-    ``register_forward_hook`` (or ``register_forward_pre_hook``), and taken off after it with
-    its handle.
+    """A forward (pre-)hook put on its module for each logging step, and taken off after it.
+
+    It is put on with ``register_forward_hook`` (or ``register_forward_pre_hook``), and taken
+    off with its handle.
 
     Args:
         module: the module it hooks.
@@ -64,7 +67,11 @@ class Gated:
         self.handle: RemovableHandle | None = None
 
     def install(self) -> RemovableHandle:
-        """Put the hook on its module (once); its handle."""
+        """Put the hook on its module (once).
+
+        Returns:
+            The handle of the installed hook.
+        """
         if self.handle is None:
             if self.pre:
                 self.handle = self.module.register_forward_pre_hook(self.hook, **self.options)
@@ -89,9 +96,11 @@ class HookOwner:
         self.registry.remove()
 
     def __enter__(self) -> Self:
+        """Enter the block: the hooks stay until it exits."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Remove every hook as the block exits, also on an exception."""
         self.remove()
 
 
@@ -138,9 +147,14 @@ class HookRegistry(HookOwner):
         self._warned_unhookable = False
 
     def set_logging_step(self, logging_step: bool) -> None:
-        """Put the gated hooks on for a logging step, or take them off after it (under
-        ``torch.compile`` they stay on: a changing hook set recompiles, and each checks
-        :attr:`logging_step` itself)."""
+        """Put the gated hooks on for a logging step, or take them off after it.
+
+        Under ``torch.compile`` they stay on: a changing hook set recompiles, and each checks
+        :attr:`logging_step` itself.
+
+        Args:
+            logging_step: whether the coming step is a logging step.
+        """
         changed = logging_step != self.logging_step
         self.logging_step = logging_step
         if not changed or self.fixed:
@@ -160,12 +174,23 @@ class HookRegistry(HookOwner):
         source: Callable[..., Any] | None = None,
         **options: bool,
     ) -> RemovableHandle | None:
-        """A gated forward (pre-)hook under the registry's guard; its handle while installed,
-        else ``None`` (``source``: the hook as its owner gave it, for :meth:`drop`).
+        """Register a gated forward (pre-)hook under the registry's guard.
 
         The hook runs as it is, inside any torch-function mode of the forward: a hook that
         measures goes through :meth:`forward_hook` or :meth:`forward_pre_hook`, which run it
-        outside the library's own modes."""
+        outside the library's own modes.
+
+        Args:
+            module: the module hooked.
+            hook: the hook, wrapped by the registry's guard.
+            pre: a forward pre-hook (``True``) or a forward hook.
+            source: the hook as its owner gave it, for :meth:`drop`.
+            **options: ``prepend``, ``with_kwargs`` and, for a forward hook, ``always_call``,
+                as torch's ``register_forward_hook`` takes them.
+
+        Returns:
+            Its handle while installed, else ``None``.
+        """
         where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
         guarded = self._ours(self.guarded(hook, where))
         gated = Gated(module, guarded, pre=pre, options=options, source=source)
@@ -176,7 +201,11 @@ class HookRegistry(HookOwner):
 
     @property
     def model(self) -> nn.Module:
-        """The model, until :meth:`remove` (then ``RuntimeError``)."""
+        """The model, until :meth:`remove`.
+
+        Raises:
+            RuntimeError: the registry was removed.
+        """
         if self._model is None:
             raise RuntimeError("HookRegistry: removed; it no longer holds the model")
         return self._model
@@ -189,8 +218,20 @@ class HookRegistry(HookOwner):
         exclude: Patterns = None,
         where: ModuleFilter | None = None,
     ) -> list[tuple[str, nn.Module]]:
-        """:func:`~lightning_hooks.core.select_modules` of the model; ``torch.jit`` modules stay
-        (their parameters can be measured) but get no module hook: one warning names them."""
+        """Select modules of the model, as :func:`~lightning_hooks.core.select_modules` does.
+
+        ``torch.jit`` modules stay (their parameters can be measured) but get no module hook:
+        one warning names them.
+
+        Args:
+            types: keep modules of these classes (``None``: any).
+            include: qualified names or glob patterns to keep (``None``: all).
+            exclude: qualified names or glob patterns to leave out.
+            where: a test each kept module must pass.
+
+        Returns:
+            The selected ``(qualified name, module)`` pairs.
+        """
         selected = select_modules(
             self.model, types=types, include=include, exclude=exclude, where=where
         )
@@ -198,6 +239,7 @@ class HookRegistry(HookOwner):
         return selected
 
     def _warn_unhookable(self, names: list[str]) -> None:
+        """Warn once that the ``torch.jit`` modules ``names`` run no Python hooks."""
         if not names or self._warned_unhookable:
             return
         self._warned_unhookable = True
@@ -211,17 +253,35 @@ class HookRegistry(HookOwner):
         )
 
     def hookable(self, module: nn.Module) -> bool:
-        """Whether ``module`` runs Python hooks (not ``torch.jit``: one warning names those)."""
+        """Return whether ``module`` runs Python hooks.
+
+        A ``torch.jit`` module runs none: one warning names those.
+
+        Args:
+            module: the module to be hooked.
+
+        Returns:
+            ``False`` for a ``torch.jit`` module (or one inside it), else ``True``.
+        """
         if id(module) in self._unhookable:
             self._warn_unhookable(sorted(self._unhookable.values()))
             return False
         return True
 
     def _name(self, module: nn.Module) -> str:
+        """Return ``module``'s qualified name in the model, else its class name."""
         return self._names.get(id(module)) or type(module).__name__
 
     def guarded(self, fn: F, where: str) -> F:
-        """``fn`` wrapped by the registry's guard, for hooks the registry does not own."""
+        """Wrap ``fn`` by the registry's guard, for hooks the registry does not own.
+
+        Args:
+            fn: the function to run under the guard.
+            where: where ``fn`` runs, named in the guard's warning.
+
+        Returns:
+            ``fn`` wrapped, or ``fn`` itself without a guard.
+        """
         return fn if self.guard is None else self.guard.wrap(fn, where)
 
     def _ours(self, hook: F) -> F:
@@ -230,14 +290,23 @@ class HookRegistry(HookOwner):
         return hook
 
     def only_our_hooks(self, module: nn.Module) -> bool:
-        """Whether every forward (pre-)hook on ``module`` of the model is one of the library's,
-        whichever callback put it there."""
+        """Return whether every forward (pre-)hook on ``module`` is one of the library's.
+
+        A hook of the library's counts whichever callback put it there.
+
+        Args:
+            module: a module of the model.
+
+        Returns:
+            ``True`` if no other forward (pre-)hook is on ``module``.
+        """
         ours = self.shared.hooks
         return all(hook in ours for hook in internals.forward_hooks(module))
 
     def plain_layers(self) -> Callable[[nn.Module], bool]:
-        """Whether a module of the model is a ``torch.nn`` leaf layer with no forward (pre-)hook
-        but the library's.
+        """Make the test of whether a module is a plain layer.
+
+        A plain layer is a ``torch.nn`` leaf layer with no forward (pre-)hook but the library's.
 
         Returns:
             The test, for one module (always ``False`` under a global forward hook).
@@ -254,14 +323,23 @@ class HookRegistry(HookOwner):
         return plain
 
     def _add(self, handle: RemovableHandle) -> RemovableHandle:
+        """Own ``handle``: :meth:`remove` removes it. Return it."""
         self._handles.append(handle)
         return handle
 
     def forward_hook(
         self, module: nn.Module, hook: ForwardHook, *, gated: bool = False
     ) -> RemovableHandle | None:
-        """``module.register_forward_hook(hook)``, owned and guarded (``gated``: on logging steps
-        only); ``None`` for a ``torch.jit`` module."""
+        """Register ``module.register_forward_hook(hook)``, owned and guarded.
+
+        Args:
+            module: the module hooked.
+            hook: the forward hook.
+            gated: run the hook on logging steps only.
+
+        Returns:
+            Its handle (``None`` while a gated hook is off, and for a ``torch.jit`` module).
+        """
         return self._forward(module, hook, gated, pre=False) if self.hookable(module) else None
 
     def forward_pre_hook(
@@ -272,7 +350,17 @@ class HookRegistry(HookOwner):
         gated: bool = False,
         with_kwargs: bool = False,
     ) -> RemovableHandle | None:
-        """``module.register_forward_pre_hook``, as :meth:`forward_hook`."""
+        """Register ``module.register_forward_pre_hook(hook)``, as :meth:`forward_hook`.
+
+        Args:
+            module: the module hooked.
+            hook: the forward pre-hook.
+            gated: run the hook on logging steps only.
+            with_kwargs: pass the forward's keyword arguments to the hook, as torch does.
+
+        Returns:
+            Its handle (``None`` while a gated hook is off, and for a ``torch.jit`` module).
+        """
         if not self.hookable(module):
             return None
         return self._forward(module, hook, gated, pre=True, with_kwargs=with_kwargs)
@@ -280,6 +368,7 @@ class HookRegistry(HookOwner):
     def _forward(
         self, module: nn.Module, hook: Callable[..., Any], gated: bool, pre: bool, **options: bool
     ) -> RemovableHandle | None:
+        """Register a forward (pre-)hook, gated or not, owned and guarded."""
         # the caller checked hookable(): its warning's stack level counts from there
         if not gated:
             where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
@@ -296,10 +385,14 @@ class HookRegistry(HookOwner):
         return self.gated_hook(module, run, pre=pre, source=hook, **options)
 
     def drop(self, hooks: Collection[Callable[..., Any]]) -> None:
-        """Take the gated ``hooks`` (as given to :meth:`forward_hook` or
-        :meth:`forward_pre_hook`) off their modules for good: a hook that has nothing left to
-        measure costs a logging step nothing. Under ``torch.compile`` they stay (a changed hook
-        set recompiles)."""
+        """Take gated hooks off their modules for good.
+
+        A hook that has nothing left to measure costs a logging step nothing. Under
+        ``torch.compile`` they stay (a changed hook set recompiles).
+
+        Args:
+            hooks: the hooks, as given to :meth:`forward_hook` or :meth:`forward_pre_hook`.
+        """
         if self.fixed or not hooks:
             return
         kept = []
@@ -313,7 +406,15 @@ class HookRegistry(HookOwner):
     def optimizer_step_post_hook(
         self, optimizer: torch.optim.Optimizer, hook: Callable[..., None]
     ) -> RemovableHandle:
-        """``optimizer.register_step_post_hook(hook)``, owned and guarded."""
+        """Register ``optimizer.register_step_post_hook(hook)``, owned and guarded.
+
+        Args:
+            optimizer: the optimizer hooked.
+            hook: the step post-hook.
+
+        Returns:
+            Its handle.
+        """
         hook = self.guarded(hook, "optimizer step post-hook")
         return self._add(optimizer.register_step_post_hook(hook))
 
@@ -330,5 +431,5 @@ class HookRegistry(HookOwner):
             hook.uninstall()
 
     def __len__(self) -> int:
-        """The hooks it holds, gated ones whether or not installed."""
+        """Count the hooks it holds, gated ones whether or not installed."""
         return len(self._handles) + len(self._gated_hooks)

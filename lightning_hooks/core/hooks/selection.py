@@ -1,5 +1,7 @@
-"""Choose which modules of a model to instrument, by type (Hugging Face and timm activations
-count as the torch class they compute as) and by qualified-name pattern."""
+"""Choose which modules of a model to instrument, by type and by qualified-name pattern.
+
+Hugging Face and timm activations count as the torch class they compute as.
+"""
 
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ a saturation hook asks at every logging step)."""
 
 
 def _equivalent(cls: type) -> type[nn.Module] | None:
+    """Return the torch class a known third-party activation ``cls`` computes as, else ``None``."""
     if cls not in _SEEN:
         keys = ((base.__module__, base.__name__) for base in cls.__mro__)
         _SEEN[cls] = next((KNOWN_ACTIVATIONS[k] for k in keys if k in KNOWN_ACTIVATIONS), None)
@@ -73,7 +76,13 @@ def _equivalent(cls: type) -> type[nn.Module] | None:
 
 
 def torch_equivalent(module: nn.Module) -> type[nn.Module]:
-    """The torch class ``module`` computes as: its own, or that of a known third-party activation.
+    """Return the torch class ``module`` computes as.
+
+    Args:
+        module: the module whose class is looked up.
+
+    Returns:
+        Its own class, or the torch class of a known third-party activation.
 
     Example:
         >>> torch_equivalent(nn.ReLU()).__name__
@@ -87,7 +96,15 @@ def torch_equivalent(module: nn.Module) -> type[nn.Module]:
 
 
 def is_kind(module: nn.Module, types: type[nn.Module] | tuple[type[nn.Module], ...]) -> bool:
-    """``isinstance(module, types)``, or a known third-party activation of one of ``types``.
+    """Return whether ``module`` is of one of ``types``.
+
+    Args:
+        module: the module tested.
+        types: one torch module class or a tuple of them.
+
+    Returns:
+        ``isinstance(module, types)``, or ``True`` for a known third-party activation of one of
+        ``types``.
 
     Example:
         >>> GELU = type("GELU", (nn.Module,), {"__module__": "timm.layers.activations"})
@@ -106,7 +123,18 @@ ModuleFilter = Callable[[str, nn.Module], bool]
 
 
 def as_patterns(patterns: Patterns, argument: str = "include") -> tuple[str, ...]:
-    """One pattern, a sequence of patterns or ``None`` as a tuple of strings."""
+    """Read one pattern, a sequence of patterns or ``None`` as a tuple of strings.
+
+    Args:
+        patterns: the patterns given.
+        argument: the argument named in the error.
+
+    Returns:
+        The patterns as a tuple (empty for ``None``).
+
+    Raises:
+        TypeError: ``patterns`` is not a string, a sequence of strings or ``None``.
+    """
     if patterns is None:
         return ()
     if isinstance(patterns, str):
@@ -121,6 +149,7 @@ def as_patterns(patterns: Patterns, argument: str = "include") -> tuple[str, ...
 
 
 def _as_types(owner: str, types: ModuleTypes) -> tuple[type[nn.Module], ...] | None:
+    """Read ``types`` as a tuple of ``nn.Module`` subclasses (``None`` stays), else raise."""
     if types is None:
         return None
     items = types if isinstance(types, tuple) else (types,)
@@ -134,8 +163,16 @@ def _as_types(owner: str, types: ModuleTypes) -> tuple[type[nn.Module], ...] | N
 @named_arguments
 @dataclass(frozen=True)
 class Selection:
-    """Which modules of a model a callback watches, validated once by :meth:`of`; errors name
-    ``owner`` and the user's names of ``include`` and ``exclude`` (``arguments``).
+    """Which modules of a model a callback watches, validated once by :meth:`of`.
+
+    Errors name ``owner`` and the user's names of ``include`` and ``exclude`` (``arguments``).
+
+    Args:
+        owner: the class named in the errors.
+        types: keep only modules of these types (``None``: any).
+        include: glob patterns on qualified names; when given, keep only modules matching one.
+        exclude: glob patterns; drop modules matching any.
+        arguments: the user's names of ``include`` and ``exclude``, named in the errors.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
@@ -164,7 +201,23 @@ class Selection:
         exclude: Patterns = None,
         arguments: tuple[str, str] = ("include", "exclude"),
     ) -> Selection:
-        """Validate and normalize the arguments."""
+        """Validate and normalize the arguments.
+
+        Args:
+            owner: the class named in the errors.
+            types: keep only modules of these types (``None``: any).
+            include: glob patterns on qualified names; when given, keep only modules matching
+                one.
+            exclude: glob patterns; drop modules matching any.
+            arguments: the user's names of ``include`` and ``exclude``, named in the errors.
+
+        Returns:
+            The selection.
+
+        Raises:
+            TypeError: ``types`` holds something not an ``nn.Module`` subclass, or a pattern is
+                not a string.
+        """
         inc, exc = arguments
         return cls(
             owner,
@@ -177,7 +230,19 @@ class Selection:
     def modules(
         self, model: nn.Module, where: ModuleFilter | None = None
     ) -> list[tuple[str, nn.Module]]:
-        """The selected ``(name, module)`` pairs of ``model`` (:func:`select_modules`)."""
+        """Return the selected ``(name, module)`` pairs of ``model`` (:func:`select_modules`).
+
+        Args:
+            model: the model to search.
+            where: an extra predicate ``(name, module) -> bool``.
+
+        Returns:
+            The selected pairs, in registration order.
+
+        Raises:
+            TypeError: ``model`` is not a ``torch.nn.Module``.
+            ValueError: a pattern matches no module; the message lists the closest real names.
+        """
         check_module(f"{self.owner}: Selection.modules", "model", model)
         named = []
         for n, m in model.named_modules():
@@ -199,6 +264,7 @@ class Selection:
 
 
 def _check_patterns(patterns: tuple[str, ...], names: Sequence[str], argument: str) -> None:
+    """Raise ``ValueError`` for a pattern that matches none of ``names``, naming the closest."""
     for pattern in patterns:
         if not any(_matches(name, (pattern,)) for name in names):
             plain = pattern.replace("*", "").replace("?", "").strip(".")
@@ -212,15 +278,24 @@ def _check_patterns(patterns: tuple[str, ...], names: Sequence[str], argument: s
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    """Return whether ``name`` matches one of the glob ``patterns``."""
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def _is_compiled_wrapper(module: nn.Module) -> bool:
+    """Return whether ``module`` is the wrapper ``torch.compile`` puts around a module in place."""
     return internals.compiled_original(module) is not None
 
 
 def compiled_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(eager_name, wrapper)`` of each submodule of ``model`` compiled in place."""
+    """Return the submodules of ``model`` compiled in place.
+
+    Args:
+        model: the model to search.
+
+    Returns:
+        ``(eager_name, wrapper)`` of each submodule compiled in place.
+    """
     return [
         (internals.compiled_name(name), module)
         for name, module in model.named_modules()
@@ -236,8 +311,10 @@ def select_modules(
     exclude: Patterns = None,
     where: ModuleFilter | None = None,
 ) -> list[tuple[str, nn.Module]]:
-    """``(qualified_name, module)`` pairs of ``model`` to instrument, in registration order: not
-    the root, a shared module once, a submodule compiled in place under its eager names.
+    """Return the ``(qualified_name, module)`` pairs of ``model`` to instrument.
+
+    In registration order: not the root, a shared module once, a submodule compiled in place
+    under its eager names.
 
     Args:
         model: the model to search.
@@ -247,6 +324,9 @@ def select_modules(
             keep only modules matching one.
         exclude: glob patterns; drop modules matching any.
         where: an extra predicate ``(name, module) -> bool``.
+
+    Returns:
+        The selected pairs.
 
     Raises:
         TypeError: ``types`` holds something not an ``nn.Module`` subclass.

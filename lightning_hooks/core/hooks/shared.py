@@ -1,7 +1,9 @@
-"""What the library's hooks on one model share, whichever callback put them there: which forward
-hooks on its modules are the library's, and the copies of small outputs its statistics take.
-Every :class:`~.registry.HookRegistry` on a model finds the model's one :class:`ModelShare`
-through :func:`shared_by`."""
+"""What the library's hooks on one model share, whichever callback put them there.
+
+Which forward hooks on its modules are the library's, and the copies of small outputs its
+statistics take. Every :class:`~.registry.HookRegistry` on a model finds the model's one
+:class:`ModelShare` through :func:`shared_by`.
+"""
 
 from __future__ import annotations
 
@@ -47,7 +49,14 @@ class Snapshots:
         self._held: dict[int, _Held] = {}
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of ``tensor`` as it is now, out of autograd, made once for every caller."""
+        """Return a copy of ``tensor`` as it is now, out of autograd, made once for every caller.
+
+        Args:
+            tensor: a hooked output.
+
+        Returns:
+            The copy, shared with every caller while ``tensor`` is unchanged.
+        """
         version = internals.tensor_version(tensor)
         held = self._held.get(id(tensor))
         if held is not None and held.tensor is tensor and held.version == version:
@@ -84,7 +93,7 @@ the model (a module-level registry for that reason)."""
 
 
 def shared_by(model: nn.Module) -> ModelShare:
-    """The share of ``model``, made at its first registry.
+    """Return the share of ``model``, made at its first registry.
 
     Args:
         model: the root module a registry hooks.

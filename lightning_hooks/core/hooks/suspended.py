@@ -63,7 +63,15 @@ class SuspendableMode(TorchFunctionMode):
 
 
 def outside_suspended(fn: Callable[..., R], *args: object) -> R:
-    """``fn(*args)`` with an innermost :class:`SuspendableMode` popped (not while compiling)."""
+    """Call ``fn(*args)`` with an innermost :class:`SuspendableMode` popped (not while compiling).
+
+    Args:
+        fn: the function to call, a hook.
+        *args: its arguments.
+
+    Returns:
+        What ``fn`` returns.
+    """
     # The stack's depth first: one C call, and mostly zero (Dynamo reads it too).
     depth = internals.function_mode_depth()
     if not depth or internals.is_compiling():
