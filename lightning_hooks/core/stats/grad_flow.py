@@ -409,7 +409,11 @@ class AlarmStep(NamedTuple):
 class _SentinelRead:
     """Hand the alarms (``None``: off) their norms at the steps their cadence runs them.
 
-    ``order``: the layer rows as their output-gradient hooks fired (emptied per step).
+    Args:
+        alarms: the alarms handed the norms (``None``: off).
+        stats: reads the statistics of an optimizer's view.
+        order: the layer rows as their output-gradient hooks fired (emptied per step).
+        clip: ``(gradient_clip_val, gradient_clip_algorithm)``, for the *explosion* rule.
     """
 
     def __init__(

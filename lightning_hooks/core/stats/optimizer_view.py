@@ -92,10 +92,11 @@ class OptimizerView:
         return slice(0, len(self.row_ids) - 1) if self.every_row else self.rows[:-1]
 
     def valid(self) -> torch.Tensor | None:
-        """Which cells have a value at this step, ``[layers + 1, GRAD_STATS]``.
+        """Return which cells have a value at this step.
 
-        False in the gradient columns of layers with no gradient at this step (cached per pattern);
-        ``None``: no gradient missing.
+        Returns:
+            ``[layers + 1, GRAD_STATS]``, false in the gradient columns of layers with no
+            gradient at this step (cached per pattern); ``None``: no gradient missing.
         """
         missing = tuple([p.grad is None for p in self.params])  # one frame, not one per tensor
         if not any(missing):

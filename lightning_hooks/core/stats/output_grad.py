@@ -48,7 +48,15 @@ class _Wrap(Protocol):
     """Type the registry's guard (:meth:`HookRegistry.guarded`): ``fn`` with its errors caught."""
 
     def __call__(self, fn: F, where: str) -> F:
-        """Return ``fn`` with its errors caught, ``where`` naming it in the report."""
+        """Return ``fn`` with its errors caught.
+
+        Args:
+            fn: the hook to guard.
+            where: what the hook is, as the report of its error names it.
+
+        Returns:
+            The guarded hook.
+        """
         ...
 
 
