@@ -10,9 +10,21 @@ __all__ = ["norms", "partial_sums"]
 def partial_sums(  # type: ignore[no-untyped-def]  # noqa: PLR0913 (a Triton kernel takes each pointer and constant as an argument)
     ptrs, owner, begin, end, partial, block: tl.constexpr, kind: tl.constexpr
 ):
-    """``partial[p]``: the float32 sum of squares of the elements ``begin[p]:end[p]`` of the
-    tensor ``owner[p]``, whose address is ``ptrs[owner[p]]`` and whose dtype is ``kind``'s
-    (0: float32, 1: bfloat16, 2: float16)."""
+    """Sum the squares of one span of one tensor per program, in float32.
+
+    ``partial[p]`` is the float32 sum of squares of the elements ``begin[p]:end[p]`` of the tensor
+    ``owner[p]``, whose address is ``ptrs[owner[p]]`` and whose dtype is ``kind``'s (0: float32,
+    1: bfloat16, 2: float16).
+
+    Args:
+        ptrs: the address of each tensor, written each step.
+        owner: the tensor each span belongs to.
+        begin: where each span begins in its tensor.
+        end: where each span ends in its tensor.
+        partial: the output, one float32 sum per span.
+        block: the elements per load.
+        kind: the tensors' dtype, as an index (0: float32, 1: bfloat16, 2: float16).
+    """
     pid = tl.program_id(0)
     address = tl.load(ptrs + tl.load(owner + pid))
     if kind == 0:
@@ -33,8 +45,18 @@ def partial_sums(  # type: ignore[no-untyped-def]  # noqa: PLR0913 (a Triton ker
 
 @triton.jit  # type: ignore[untyped-decorator]
 def norms(partial, first, out, block: tl.constexpr, kind: tl.constexpr):  # type: ignore[no-untyped-def]
-    """``out[t]``: the root of tensor ``t``'s partial sums ``first[t]:first[t + 1]`` added in
-    order, rounded to ``kind``'s dtype (as ``_foreach_norm`` returns it), as float32."""
+    """Add each tensor's partial sums in order and write the root, one tensor per program.
+
+    ``out[t]`` is the root of tensor ``t``'s partial sums ``first[t]:first[t + 1]`` added in order,
+    rounded to ``kind``'s dtype (as ``_foreach_norm`` returns it), as float32.
+
+    Args:
+        partial: the float32 sums of squares of every span, from :func:`partial_sums`.
+        first: where each tensor's spans begin in ``partial``, with one entry past the last.
+        out: the output, one float32 norm per tensor.
+        block: the partial sums per load.
+        kind: the tensors' dtype, as an index (0: float32, 1: bfloat16, 2: float16).
+    """
     t = tl.program_id(0)
     lo = tl.load(first + t)
     hi = tl.load(first + t + 1)

@@ -1,5 +1,7 @@
-"""A float32 vector of :data:`FEATURE_STATS` per module output, and the statistics of many pooled
-together."""
+"""Compute a float32 vector of :data:`FEATURE_STATS` per module output.
+
+Also the statistics of many such vectors pooled together.
+"""
 
 from __future__ import annotations
 
@@ -36,8 +38,16 @@ CHUNK = 1 << 19  # elements read at a time on the CPU (2 MiB in float32: stays i
 
 @torch.no_grad()
 def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
-    """``[8]`` float32 :data:`FEATURE_STATS` of a non-empty tensor, read a piece at a time (no host
-    sync, temporaries in ``workspace``); NaN propagates into all but the counts.
+    """Return the ``[8]`` float32 :data:`FEATURE_STATS` of a non-empty tensor.
+
+    The tensor is read a piece at a time (no host sync); NaN propagates into all but the counts.
+
+    Args:
+        x: the non-empty tensor read.
+        workspace: where the temporaries are kept (``None``: a fresh one).
+
+    Returns:
+        The ``[8]`` float32 statistics.
 
     Example:
         >>> feature_stats(torch.tensor([-1.0, 0.0, 2.0, 0.0])).tolist()
@@ -55,6 +65,7 @@ def feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.
 
 
 def _piece_stats(flat: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """Return the ``[8]`` float32 statistics of one flat piece, temporaries in ``scratch``."""
     f32 = torch.float32
     low, high = torch.aminmax(flat)
     buf = scratch[: flat.numel()]
@@ -74,7 +85,14 @@ SIGN_COUNTS = frozenset({"cpu"})  # devices counting by sums of signs (compariso
 
 @torch.no_grad()
 def stacked_feature_stats(x: torch.Tensor) -> torch.Tensor:
-    """``[k, 8]`` :func:`feature_stats` of each tensor stacked in ``x``, read all at once."""
+    """Return the :func:`feature_stats` of each tensor stacked in ``x``, read all at once.
+
+    Args:
+        x: ``k`` tensors of one shape, stacked on the first dimension.
+
+    Returns:
+        ``[k, 8]`` float32 statistics.
+    """
     f32 = torch.float32
     flat = x.detach().reshape(x.shape[0], -1)
     magnitude = flat.abs()
@@ -95,6 +113,7 @@ def stacked_feature_stats(x: torch.Tensor) -> torch.Tensor:
 
 def _one_pass_stats(x: torch.Tensor) -> torch.Tensor:
     # for torch.compile: every reduction reads the same input, so they fuse into one pass
+    """Return the ``[8]`` statistics of ``x`` in reductions that ``torch.compile`` fuses."""
     f = x.reshape(-1).float()
     absolute = f.abs()
     nonfinite = (~(absolute < torch.inf)).float().sum()  # NaN and Inf
@@ -105,12 +124,21 @@ def _one_pass_stats(x: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _compiled() -> Callable[[torch.Tensor], torch.Tensor]:
+    """Return :func:`_one_pass_stats` compiled, made once."""
     return torch.compile(_one_pass_stats, dynamic=True)
 
 
 @torch.no_grad()
 def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
-    """:func:`feature_stats` compiled into one reading pass (a non-contiguous output: eager)."""
+    """Return :func:`feature_stats` compiled into one reading pass.
+
+    Args:
+        x: the non-empty tensor read; a non-contiguous one is read eagerly.
+        workspace: where the eager read keeps its temporaries.
+
+    Returns:
+        The ``[8]`` float32 statistics.
+    """
     if not x.is_contiguous():
         return feature_stats(x, workspace)
     return _compiled()(x.detach())  # a leaf: Dynamo would read a non-leaf's .grad
@@ -118,8 +146,11 @@ def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> 
 
 @dataclass(frozen=True)
 class FeatureSummary:
-    """Host-side statistics pooled over every element observed, an array per statistic with a row
-    per name of ``layers`` (``std`` Bessel-corrected, ``nonfinite`` the count of NaN / Inf)."""
+    """Hold host-side statistics pooled over every element observed.
+
+    Each statistic is an array with a row per name of ``layers`` (``std`` Bessel-corrected,
+    ``nonfinite`` the count of NaN / Inf).
+    """
 
     layers: tuple[str, ...]
     mean: np.ndarray
@@ -134,12 +165,28 @@ class FeatureSummary:
     sum_sq: np.ndarray
 
     def column(self, stat: str) -> np.ndarray:
-        """One statistic (an attribute name) for every row."""
+        """Return one statistic for every row.
+
+        Args:
+            stat: the statistic's attribute name.
+
+        Returns:
+            The statistic's array.
+        """
         return getattr(self, stat)  # type: ignore[no-any-return]
 
 
 def summarize(layers: tuple[str, ...], sums: np.ndarray, extremes: np.ndarray) -> FeatureSummary:
-    """Turn pooled ``[rows, NUM_SUMS]`` sums and ``[rows, 2]`` (min, max) into statistics."""
+    """Turn pooled sums and extremes into statistics.
+
+    Args:
+        layers: the name of each row.
+        sums: the pooled ``[rows, NUM_SUMS]`` sums.
+        extremes: the pooled ``[rows, 2]`` (min, max).
+
+    Returns:
+        The statistics of each row.
+    """
     total, sq, absolute, zeros, nonfinite, n = sums.astype(np.float64).T
     with np.errstate(divide="ignore", invalid="ignore"):
         mean = total / n

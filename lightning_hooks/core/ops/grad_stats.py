@@ -1,5 +1,8 @@
-"""Per-layer gradient, weight and update statistics: a few multi-tensor reads, reduced per layer
-(:class:`ParamLayout`) on the device, nothing read back."""
+"""Compute per-layer gradient, weight and update statistics.
+
+A few multi-tensor reads, reduced per layer (:class:`ParamLayout`) on the device, nothing read
+back.
+"""
 
 from __future__ import annotations
 
@@ -35,15 +38,18 @@ ROOT = "<root>"  # row name of the parameters the model itself owns
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """Which layer (a module owning parameters directly, or the model: :data:`ROOT`) each
-    parameter belongs to. Every parameter is listed, trainable or not, a tied one once per owner
-    (``first``: whether a listing is the parameter's first, which global figures count).
+    """Say which layer each parameter belongs to.
+
+    A layer is a module owning parameters directly, or the model: :data:`ROOT`. Every parameter is
+    listed, trainable or not, a tied one once per owner (``first``: whether a listing is the
+    parameter's first, which global figures count).
 
     Attributes:
         layers: layer names, in model order.
         params: the parameters, grouped by layer.
         owner: layer index of each listed parameter; ``index``: the same on their device.
-        numel: ``[layers]`` number of parameter elements per layer (float)."""
+        numel: ``[layers]`` number of parameter elements per layer (float).
+    """
 
     layers: tuple[str, ...]
     params: tuple[nn.Parameter, ...]
@@ -57,6 +63,13 @@ class ParamLayout:
         cls, modules: Sequence[tuple[str, nn.Module]], *, root: nn.Module | None = None
     ) -> ParamLayout:
         """Group the parameters owned directly by each module (and by ``root``, first).
+
+        Args:
+            modules: ``(name, module)`` of each layer, in model order.
+            root: the model, whose own parameters form the layer :data:`ROOT`.
+
+        Returns:
+            The layout.
 
         Example:
             >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
@@ -89,26 +102,53 @@ class ParamLayout:
 
     @property
     def layer_index(self) -> LayerIndex:
-        """How :func:`grad_stats` adds each parameter into its layer (every listing counts)."""
+        """Return how :func:`grad_stats` adds each parameter into its layer (every listing counts).
+
+        Returns:
+            The layer index of every listing.
+        """
         return LayerIndex(self.index, self.numel)
 
     def subset(self, keep: Sequence[bool]) -> tuple[tuple[nn.Parameter, ...], torch.Tensor]:
-        """Parameters where ``keep`` is true, with their layer indices."""
+        """Return the parameters where ``keep`` is true, with their layer indices.
+
+        Args:
+            keep: whether each listed parameter is kept.
+
+        Returns:
+            The kept parameters and their layer indices.
+        """
         picked = [i for i, k in enumerate(keep) if k]
         params = tuple(self.params[i] for i in picked)
         return params, self.index[torch.tensor(picked, dtype=torch.long, device=self.index.device)]
 
     def unique_positions(self, keep: Sequence[bool]) -> list[int]:
-        """Positions within :meth:`subset` of each parameter's first listing (``keep`` must treat
-        every listing of a parameter alike)."""
+        """Return the positions within :meth:`subset` of each parameter's first listing.
+
+        Args:
+            keep: whether each listed parameter is kept; it must treat every listing of a parameter
+                alike.
+
+        Returns:
+            The positions.
+        """
         first = self.first or (True,) * len(self.params)
         picked = [f for f, k in zip(first, keep, strict=True) if k]
         return [i for i, f in enumerate(picked) if f]
 
     @staticmethod
     def grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
-        """Each parameter's gradient as the reads take it: a sparse one as its coalesced values,
-        ``None`` as one zero; under FSDP2, this rank's shard."""
+        """Return each parameter's gradient as the reads take it.
+
+        A sparse gradient is taken as its coalesced values, ``None`` as one zero; under FSDP2, this
+        rank's shard.
+
+        Args:
+            params: the parameters.
+
+        Returns:
+            The gradients, in parameter order.
+        """
         plain = plain_grads(params)
         if plain is not None:
             return plain
@@ -126,8 +166,10 @@ class ParamLayout:
 
 @dataclass(frozen=True)
 class LayerIndex:
-    """How per-parameter values add into layer rows, then a global row (tensors on the
-    parameters' device, made once per set of parameters: views, never copies, of its buffers).
+    """Say how per-parameter values add into layer rows, then a global row.
+
+    The tensors are on the parameters' device, made once per set of parameters: views, never
+    copies, of its buffers.
 
     Attributes:
         index: the layer row of each parameter (``long``).
@@ -149,21 +191,40 @@ class LayerIndex:
 
 
 def _total(values: torch.Tensor, unique: torch.Tensor | None) -> torch.Tensor:
+    """Return the sum of ``values`` over the ``unique`` positions (``None``: all), as ``[1]``."""
     return (values if unique is None else values.index_select(0, unique)).sum().view(1)
 
 
 def segment_norm(
     norms: torch.Tensor, index: torch.Tensor, num_layers: int, unique: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``[layers + 1]`` L2 norms of per-layer groups of per-parameter L2 ``norms``; last: all
-    (over the ``unique`` listings: a shared parameter counts once)."""
+    """Return the L2 norms of per-layer groups of per-parameter L2 ``norms``.
+
+    Args:
+        norms: the L2 norm of each parameter.
+        index: the layer row of each parameter.
+        num_layers: the layer rows.
+        unique: the positions the last row counts (a shared parameter once; ``None``: all).
+
+    Returns:
+        ``[layers + 1]`` norms; the last is over all (the ``unique`` listings).
+    """
     squares = norms.square()
     sq = norms.new_zeros(num_layers).index_add_(0, index, squares)
     return torch.cat([sq, _total(squares, unique)]).sqrt()
 
 
 def segment_max(values: torch.Tensor, index: torch.Tensor, num_layers: int) -> torch.Tensor:
-    """``[layers + 1]`` per-layer maxima of ``values`` (NaN propagates); last: all."""
+    """Return the per-layer maxima of ``values`` (NaN propagates).
+
+    Args:
+        values: one value per parameter.
+        index: the layer row of each parameter.
+        num_layers: the layer rows.
+
+    Returns:
+        ``[layers + 1]`` maxima; the last is over all.
+    """
     peak = values.new_zeros(num_layers).scatter_reduce(0, index, values, "amax", include_self=False)
     return torch.cat([peak, values.max().view(1)])
 
@@ -174,7 +235,7 @@ def param_norms(
     """Read the L2 norm of each tensor in one multi-tensor pass (on the CPU in stacks).
 
     Args:
-        tensors: the tensors.
+        tensors: the tensors whose norms are read.
         workspace: the reader's workspace, which keeps the CPU's stacks from one step to the
             next (``None``: no stack, the same numbers).
 
@@ -196,11 +257,22 @@ def grad_stats(
     shards: ShardPlan | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """``[layers + 1, len(GRAD_STATS)]`` statistics of one optimizer step's gradients.
+    """Return the statistics of one optimizer step's gradients, per layer and over all.
 
     Rows: the layers of ``layers.numel``, then all of them (with ``layers.unique``, the first
     listings: a shared parameter once, its mean over ``layers.total_numel``). Columns:
     :data:`GRAD_STATS`, the non-finite one 1 or 0. ``params=None``: the weight column is NaN.
+
+    Args:
+        grads: the gradients, one per parameter listing.
+        params: the parameters, for the weight column (``None``: NaN).
+        layers: how each parameter adds into its layer row and the global row.
+        shards: the plan that makes shard-local figures whole in one collective (``None``: the
+            parameters are not sharded).
+        workspace: the reader's workspace, which keeps the CPU's stacks from one step to the next.
+
+    Returns:
+        ``[layers + 1, len(GRAD_STATS)]`` statistics.
 
     Example:
         >>> g = [torch.tensor([3.0, -4.0]), torch.tensor([1.0])]
@@ -249,8 +321,20 @@ def update_norms(
     shards: ShardPlan | None = None,
     workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """``[layers + 1]`` norms of ``after - before`` per layer, last: all (a shared parameter
-    once, with ``layers.unique``). Overwrites ``before``; ``workspace`` keeps the CPU's stacks."""
+    """Return the norms of ``after - before`` per layer and over all.
+
+    Args:
+        before: the parameters before the step; overwritten.
+        after: the parameters after the step.
+        layers: how each parameter adds into its layer row and the global row (with
+            ``layers.unique``, a shared parameter once).
+        shards: the plan that makes shard-local figures whole in one collective (``None``: the
+            parameters are not sharded).
+        workspace: the reader's workspace, which keeps the CPU's stacks.
+
+    Returns:
+        ``[layers + 1]`` norms; the last is over all.
+    """
     diffs = list(before)
     internals.foreach_sub_(diffs, list(after))
     norms = param_norms(diffs, workspace)

@@ -1,6 +1,10 @@
-"""Reads of many tensors in a handful of ops: L2 norms, ``|t|`` sums and maxima, an update's
-typical size. Small tensors of one shape are stacked: for many small gradients the host work per
-tensor of ``_foreach_norm`` is the whole cost."""
+"""Read many tensors in a handful of ops.
+
+The reads: L2 norms, ``|t|`` sums and maxima, an update's typical size.
+
+Small tensors of one shape are stacked: for many small gradients the host work per tensor of
+``_foreach_norm`` is the whole cost.
+"""
 
 from __future__ import annotations
 
@@ -33,8 +37,15 @@ _SumMax = tuple[torch.Tensor, torch.Tensor]
 
 
 class GroupedNorms:
-    """The L2 norms of the gradients of fixed ``params`` (on the CPU ``_foreach_norm``'s bits),
-    small ones of one shape, dtype and device read in at most :data:`MAX_GROUPS` stacks."""
+    """Compute the L2 norms of the gradients of fixed ``params``.
+
+    On the CPU they are ``_foreach_norm``'s bits.
+
+    Small ones of one shape, dtype and device are read in at most :data:`MAX_GROUPS` stacks.
+
+    Args:
+        params: the parameters, whose shapes, dtypes and devices fix the stacks.
+    """
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         kinds: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = {}
@@ -57,7 +68,14 @@ class GroupedNorms:
         self._index = row_index(where, params[0].device) if self.groups else None
 
     def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``[len(grads)]`` L2 norms of the parameters' gradients, in their (promoted) dtype."""
+        """Return the L2 norms of the parameters' gradients.
+
+        Args:
+            grads: the gradients, in parameter order.
+
+        Returns:
+            ``[len(grads)]`` norms, in the gradients' (promoted) dtype.
+        """
         if self._index is None:  # no stack
             return torch.stack(foreach_norm(list(grads)))
         parts = []
@@ -68,7 +86,17 @@ class GroupedNorms:
         return torch.cat(parts).index_select(0, self._index)
 
     def abs_sum_max(self, tensors: Sequence[torch.Tensor], ws: Workspace) -> _SumMax:
-        """:func:`abs_sum_max` of ``tensors``, each stack in three ops (no order-1 or -inf norm)."""
+        """Return :func:`abs_sum_max` of ``tensors``, each stack in three ops.
+
+        No order-1 or -inf norm is taken.
+
+        Args:
+            tensors: the tensors, in parameter order.
+            ws: the reader's workspace, through which a large tensor is read in pieces.
+
+        Returns:
+            ``[len(tensors)]`` float32 sums and maxima of ``|t|``.
+        """
         if self._index is None:
             return _abs_sum_max(tensors, ws)
         sums = []
@@ -97,7 +125,14 @@ _PLAIN = {torch.Tensor}
 
 
 def plain_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor] | None:
-    """Each parameter's gradient when every one is a plain dense tensor, else ``None``."""
+    """Return each parameter's gradient when every one is a plain dense tensor.
+
+    Args:
+        params: the parameters.
+
+    Returns:
+        The gradients, or ``None`` where one is not a plain dense tensor.
+    """
     plain = list(map(_GRAD, params))
     # None is NoneType's and a DTensor its own type: only dense tensors are plain Tensors
     if set(map(type, plain)) - _PLAIN or any(map(_IS_SPARSE, plain)):
@@ -142,8 +177,18 @@ _MULTI_TENSOR = 1 << 14  # up to this size, one multi-tensor call: small heap al
 def abs_sum_max(
     tensors: Sequence[torch.Tensor], workspace: Workspace | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[len(tensors)]`` float32 sums and maxima of ``|t|`` (an empty tensor gives 0 and 0; NaN
-    propagates); a large one read in pieces through ``workspace`` (the same one every step)."""
+    """Return the float32 sums and maxima of ``|t|`` of each tensor.
+
+    An empty tensor gives 0 and 0; NaN propagates.
+
+    Args:
+        tensors: the tensors read.
+        workspace: the reader's workspace (the same one every step), through which a large tensor
+            is read in pieces.
+
+    Returns:
+        ``[len(tensors)]`` sums and ``[len(tensors)]`` maxima.
+    """
     grouping = cpu_grouping(tensors, workspace)
     ws = workspace or Workspace()
     return _abs_sum_max(tensors, ws) if grouping is None else grouping.abs_sum_max(tensors, ws)
@@ -152,6 +197,7 @@ def abs_sum_max(
 def _abs_sum_max(
     tensors: Sequence[torch.Tensor], ws: Workspace
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the sums and maxima of ``|t|``, small tensors in multi-tensor passes."""
     done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for wide in (False, True):  # float64 in float64 (then float32), the others in float32
         small = [
@@ -172,6 +218,7 @@ def _abs_sum_max(
 
 
 def _abs_sum_max_pieces(t: torch.Tensor, ws: Workspace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the sum and maximum of ``|t|`` of one tensor, read in pieces through ``ws``."""
     if t.numel() == 0:
         zero = t.new_zeros((), dtype=torch.float32)
         return zero, zero
@@ -195,8 +242,18 @@ def typical_update(
     after: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
-    """The median ``|after - before|`` over about 1,024 strided entries per tensor (no host
-    sync). With ``grads`` (the step's), only entries with a nonzero gradient count."""
+    """Return the median ``|after - before|`` over about 1,024 strided entries per tensor.
+
+    No host sync.
+
+    Args:
+        before: the parameters before the step.
+        after: the parameters after the step.
+        grads: the step's gradients; when given, only entries with a nonzero gradient count.
+
+    Returns:
+        The median, a tensor.
+    """
     picks = []
     groups: dict[tuple[object, ...], list[int]] = {}
     for i, (old, new) in enumerate(zip(before, after, strict=True)):
@@ -216,6 +273,7 @@ def typical_update(
 
 
 def _stackable(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None) -> bool:
+    """Say whether a parameter's before, after and gradient can be stacked with others."""
     plain = type(new) is torch.Tensor and type(old) is torch.Tensor and not new.is_sparse
     if not plain or not 0 < new.numel() <= SMALL or old.shape != new.shape:
         return False
@@ -225,7 +283,10 @@ def _stackable(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None) 
 def _pick(
     old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None, masked: bool
 ) -> torch.Tensor:
-    """Strided ``|new - old|``; NaN where ``grad`` is zero (everywhere if ``masked`` without)."""
+    """Return strided ``|new - old|``.
+
+    NaN where ``grad`` is zero (everywhere if ``masked`` without a ``grad``).
+    """
     stride = max(1, new.shape[-1] // _TYPICAL_SAMPLE)
     pick = torch.sub(new[..., ::stride], old[..., ::stride]).float().abs_()
     if grad is not None:

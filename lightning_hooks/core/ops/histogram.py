@@ -1,4 +1,4 @@
-"""The one histogram: log10 or linear edges, fixed or running, counts kept in a tensor."""
+"""Provide the one histogram: log10 or linear edges, fixed or running, counts kept in a tensor."""
 
 from __future__ import annotations
 
@@ -26,8 +26,16 @@ LOG10_EDGES = torch.arange(-12.0, 4.01, 0.5)  # half-decades of |x| from 1e-12 t
 def bin_counts(
     x: torch.Tensor, inner: torch.Tensor, out: torch.Tensor, scale: Scale = "linear"
 ) -> None:
-    """Add the counts of ``x``'s finite entries to ``out`` (``[len(inner) + 1]``, bucket ``i``:
-    ``[inner[i - 1], inner[i])``), no host sync, deterministic (unlike ``torch.histc``)."""
+    """Add the counts of ``x``'s finite entries to ``out``, with no host sync.
+
+    Deterministic, unlike ``torch.histc``.
+
+    Args:
+        x: the tensor whose finite entries are counted.
+        inner: the ascending inner edges; bucket ``i`` is ``[inner[i - 1], inner[i])``.
+        out: the counts added to, ``[len(inner) + 1]``.
+        scale: what is binned: ``"log10"`` bins ``log10 |x|``, ``"linear"`` bins ``x`` itself.
+    """
     flat = x.detach().reshape(-1)
     flat = flat.abs().float() if scale == "log10" else flat
     values = flat.clamp_min(1e-38).log10() if scale == "log10" else flat
@@ -38,8 +46,16 @@ def bin_counts(
 
 
 def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
-    """``[..., bins + 1]`` edges spanning ``[low, high]`` (``unit``: ``linspace(0, 1, bins + 1)``),
-    clamped to finite, an empty span given a tiny width."""
+    """Return edges spanning ``[low, high]``, clamped to finite, an empty span given a tiny width.
+
+    Args:
+        low: the lower end of each span.
+        high: the upper end of each span.
+        unit: ``linspace(0, 1, bins + 1)``, the edges of the unit span.
+
+    Returns:
+        ``[..., bins + 1]`` edges.
+    """
     low = torch.nan_to_num(low, nan=0.0, posinf=3e38, neginf=-3e38)
     high = torch.nan_to_num(high, nan=1.0, posinf=3e38, neginf=-3e38)
     span = (high - low).clamp_min(1e-12)
@@ -48,7 +64,12 @@ def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> t
 
 @dataclass(frozen=True)
 class LayerHistogram:
-    """One layer's counts on the host; ``limits[i]``: bucket ``i``'s right edge."""
+    """Hold one layer's counts on the host.
+
+    Attributes:
+        limits: ``limits[i]`` is bucket ``i``'s right edge.
+        counts: the count of each bucket.
+    """
 
     limits: np.ndarray
     counts: np.ndarray
@@ -60,8 +81,13 @@ class LayerHistogram:
 
 
 class LayerHistograms:
-    """``[num_layers, buckets]`` counts of ``log10 |x|`` (``scale="linear"``: ``x``) per layer, on
-    ``device``, between ascending inner ``edges`` (default :data:`LOG10_EDGES`).
+    """Count ``log10 |x|`` (``scale="linear"``: ``x``) per layer, as ``[num_layers, buckets]``.
+
+    Args:
+        num_layers: the layers, one row of counts each.
+        edges: the ascending inner edges (default :data:`LOG10_EDGES`).
+        device: where the counts are kept.
+        scale: what is binned: ``"log10"`` bins ``log10 |x|``, ``"linear"`` bins ``x`` itself.
 
     Example:
         >>> hist = LayerHistograms(2, edges=torch.tensor([-1.0, 0.0, 1.0]))
@@ -85,7 +111,12 @@ class LayerHistograms:
 
     @torch.no_grad()
     def update(self, tensors: list[torch.Tensor], rows: list[int]) -> None:
-        """Count the finite entries of ``tensors[i]`` into layer ``rows[i]``."""
+        """Count the finite entries of ``tensors[i]`` into layer ``rows[i]``.
+
+        Args:
+            tensors: the tensors to count.
+            rows: the layer row of each tensor.
+        """
         for tensor, row in zip(tensors, rows, strict=True):
             bin_counts(tensor, self.edges, self.counts[row], self.scale)
 
@@ -94,14 +125,29 @@ class LayerHistograms:
         self.counts.zero_()
 
     def host_counts(self) -> np.ndarray:
-        """All counts, copied to the host once."""
+        """Return all counts, copied to the host once.
+
+        Returns:
+            ``[num_layers, buckets]`` counts as float64.
+        """
         return self.counts.cpu().double().numpy()
 
     def limits(self) -> np.ndarray:
-        """Right edges of the buckets; the last bucket ends one step after the last edge."""
+        """Return the right edges of the buckets.
+
+        Returns:
+            The right edge of each bucket; the last bucket ends one step after the last edge.
+        """
         edges = self.edges.cpu().double().numpy()
         return np.concatenate([edges, [edges[-1] + (edges[-1] - edges[-2])]])
 
     def result(self, row: int) -> LayerHistogram:
-        """One layer's histogram, on the host."""
+        """Return one layer's histogram, on the host.
+
+        Args:
+            row: the layer's row.
+
+        Returns:
+            The layer's bucket limits and counts.
+        """
         return LayerHistogram(self.limits(), self.host_counts()[row])

@@ -1,6 +1,8 @@
-"""Each gradient's L2 norm in two Triton kernels that find the tensors through a table of their
-addresses written each step, without ``_foreach_norm``'s per-tensor host work (no atomics: the
-same gradients give the same bits)."""
+"""Compute each gradient's L2 norm in two Triton kernels.
+
+The kernels find the tensors through a table of their addresses written each step, without
+``_foreach_norm``'s per-tensor host work (no atomics: the same gradients give the same bits).
+"""
 
 from __future__ import annotations
 
@@ -22,7 +24,11 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def available() -> str | None:
-    """``None`` when Triton can be imported, else why not (for the caller's one message)."""
+    """Say whether Triton can be imported.
+
+    Returns:
+        ``None`` when Triton can be imported, else why not (for the caller's one message).
+    """
     try:
         import triton  # noqa: F401
     except ImportError as error:
@@ -32,15 +38,25 @@ def available() -> str | None:
 
 @functools.cache
 def _kernels() -> tuple[Any, Any]:
+    """Import the two Triton kernels once, on first use."""
     from lightning_hooks.core.ops import _pointer_kernels
 
     return _pointer_kernels.partial_sums, _pointer_kernels.norms
 
 
 class PointerNorms:
-    """The float32 L2 norms of the gradients of ``params`` in two launches: one sums squares over
-    spans of :data:`SPAN`, one adds each tensor's spans. ``ValueError`` unless the parameters are
-    contiguous, on one device, of one dtype among float32, bfloat16 and float16."""
+    """Compute the float32 L2 norms of the gradients of ``params`` in two launches.
+
+    One launch sums squares over spans of :data:`SPAN`, one adds each tensor's spans.
+
+    Args:
+        params: the parameters whose gradients are read; their dtype, device and layout fix the
+            kernels' tables.
+
+    Raises:
+        ValueError: the parameters are not contiguous, on one device, of one dtype among float32,
+            bfloat16 and float16.
+    """
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         dtypes = {p.dtype for p in params}
@@ -68,8 +84,15 @@ class PointerNorms:
         self._out = torch.empty(len(numels), dtype=torch.float32, device=self.device)
 
     def __call__(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The norms of ``grads`` (in parameter order), float32, overwritten by the next call;
-        by ``_foreach_norm`` when one is not contiguous (a gradient set by hand)."""
+        """Return the L2 norms of ``grads``.
+
+        Args:
+            grads: the parameters' gradients, in parameter order.
+
+        Returns:
+            The float32 norms, overwritten by the next call; computed by ``_foreach_norm`` when one
+            gradient is not contiguous (a gradient set by hand).
+        """
         if not all(g.is_contiguous() for g in grads):
             return torch.stack(foreach_norm(list(grads)))
         # a fresh pinned table: PyTorch's host allocator reuses it only once its copy is done

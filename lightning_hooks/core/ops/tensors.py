@@ -1,4 +1,7 @@
-"""Small tensor helpers of the hooks: which forwards count, scratch memory, pieces, held outputs."""
+"""Provide small tensor helpers of the hooks.
+
+They cover which forwards count, scratch memory, pieces and held outputs.
+"""
 
 from __future__ import annotations
 
@@ -31,13 +34,24 @@ foreach_norm = internals.foreach_norm
 
 
 def piece_size(device: torch.device, cpu: int) -> int:
-    """Elements per piece of a reading pass: ``cpu`` on the CPU, :data:`DEVICE_PIECE` elsewhere."""
+    """Return the elements per piece of a reading pass.
+
+    Args:
+        device: the device the pass reads on.
+        cpu: the piece size on the CPU.
+
+    Returns:
+        ``cpu`` on the CPU, :data:`DEVICE_PIECE` elsewhere.
+    """
     return cpu if device.type == "cpu" else max(cpu, DEVICE_PIECE)
 
 
 class Workspace:
-    """What a reader of tensors keeps from one step to the next: flat scratch buffers per dtype
-    and device, grown as needed (fresh ones page-fault), and the stacks of its grouped reads."""
+    """Keep what a reader of tensors reuses from one step to the next.
+
+    It holds flat scratch buffers per dtype and device, grown as needed (fresh ones page-fault), and
+    the stacks of its grouped reads.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -46,7 +60,16 @@ class Workspace:
         dtypes of its tensors: made once per reader, at most 16 kept."""
 
     def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat tensor of ``numel`` entries (its contents are garbage)."""
+        """Return a flat scratch tensor of ``numel`` entries (its contents are garbage).
+
+        Args:
+            numel: the entries needed.
+            dtype: the scratch tensor's dtype; each dtype has its own buffer.
+            device: the device the scratch tensor is on; each device has its own buffer.
+
+        Returns:
+            A view of ``numel`` entries of the buffer for ``dtype`` and ``device``.
+        """
         buffer = self._buffers.get((dtype, device))
         if buffer is None or buffer.numel() < numel:
             buffer = torch.empty(numel, dtype=dtype, device=device)
@@ -55,8 +78,16 @@ class Workspace:
 
 
 def is_training_forward(module: nn.Module) -> bool:
-    """Whether a hook on ``module`` runs in a training forward that counts: not validation or
-    the sanity check (grad disabled), nor an activation-checkpoint recompute.
+    """Say whether a hook on ``module`` runs in a training forward that counts.
+
+    A forward counts unless it is validation or the sanity check (grad disabled), or an
+    activation-checkpoint recompute.
+
+    Args:
+        module: the module whose hook asks.
+
+    Returns:
+        Whether the forward is one that counts.
 
     Example:
         >>> layer = nn.Linear(2, 2)
@@ -76,12 +107,26 @@ def is_training_forward(module: nn.Module) -> bool:
 
 
 def is_grad_forward(module: nn.Module) -> bool:
-    """Whether ``module``'s outputs can get training gradients (a checkpoint recompute too)."""
+    """Say whether ``module``'s outputs can get training gradients (a checkpoint recompute too).
+
+    Args:
+        module: the module whose hook asks.
+
+    Returns:
+        Whether the module is training with grad enabled.
+    """
     return module.training and torch.is_grad_enabled()
 
 
 def iter_float_tensors(output: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """``(suffix, tensor)`` of every float tensor in a nested output: ``.0``, ``.key`` or ``""``.
+    """Yield every float tensor in a nested output with its suffix.
+
+    Args:
+        output: a module's output: a tensor, or tuples, lists and dicts of them.
+        prefix: the suffix of ``output`` itself, which its items' suffixes extend.
+
+    Yields:
+        ``(suffix, tensor)`` of every float tensor: ``.0``, ``.key`` or ``""``.
 
     Example:
         >>> out = (torch.zeros(1), {"h": torch.ones(1), "n": 3}, None)
@@ -103,8 +148,16 @@ LOGSUMEXP_PIECE = 1 << 19  # elements converted to float32 at a time on the CPU 
 
 @torch.no_grad()
 def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
-    """``torch.logsumexp(x.float(), dim=-1)`` without a float32 copy of all of ``x`` (an LM
-    head's bf16 logits): whole rows converted a :func:`piece_size` piece at a time."""
+    """Return ``torch.logsumexp(x.float(), dim=-1)`` without a float32 copy of all of ``x``.
+
+    Whole rows are converted a :func:`piece_size` piece at a time (an LM head's bf16 logits).
+
+    Args:
+        x: the rows, reduced over the last dimension.
+
+    Returns:
+        The float32 log-sum-exp of each row.
+    """
     width = x.shape[-1]
     rows = x.reshape(-1, width)
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
@@ -116,7 +169,15 @@ def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_index(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` as a ``long`` tensor on ``device``, without a host sync."""
+    """Return ``values`` as a ``long`` tensor on ``device``, without a host sync.
+
+    Args:
+        values: the row numbers.
+        device: the device the index is used on.
+
+    Returns:
+        The index tensor.
+    """
     pinned = device.type == "cuda"
     return torch.tensor(values, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=pinned)
 
@@ -128,7 +189,7 @@ _INDICES = 64  # row patterns whose device index is kept
 
 
 class Pending(Generic[K]):
-    """Snapshots by group, with the rows they go to, and a cache of the rows' device indices."""
+    """Hold snapshots by group, with the rows they go to and a cache of their device indices."""
 
     def __init__(self) -> None:
         self._groups: dict[K, tuple[list[int], list[torch.Tensor]]] = {}
@@ -136,7 +197,16 @@ class Pending(Generic[K]):
         self._indices: dict[tuple[object, ...], torch.Tensor] = {}
 
     def add(self, key: K, row: int, snapshot: torch.Tensor) -> bool:
-        """Hold ``snapshot`` for ``row`` in ``key``'s group; ``True`` when a drain is due."""
+        """Hold ``snapshot`` for ``row`` in ``key``'s group.
+
+        Args:
+            key: the group the snapshot is stacked with.
+            row: the row the snapshot goes to.
+            snapshot: the tensor held until the next drain.
+
+        Returns:
+            ``True`` when a drain is due.
+        """
         rows, snapshots = self._groups.setdefault(key, ([], []))
         rows.append(row)
         snapshots.append(snapshot)
@@ -144,10 +214,15 @@ class Pending(Generic[K]):
         return self._held > _HELD
 
     def __len__(self) -> int:  # the snapshots held
+        """Return the number of snapshots held."""
         return sum(len(rows) for rows, _ in self._groups.values())
 
     def drain(self) -> Iterator[tuple[K, list[int], torch.Tensor]]:
-        """Each group as ``(key, rows, snapshots stacked)``, in order, dropped as given."""
+        """Yield each group and drop what is held.
+
+        Yields:
+            Each group as ``(key, rows, snapshots stacked)``, in order, dropped as given.
+        """
         groups = self._groups
         self._groups = {}
         self._held = 0
@@ -162,8 +237,17 @@ class Pending(Generic[K]):
     def index(
         self, rows: list[int], device: torch.device, spans: Sequence[range] | None = None
     ) -> torch.Tensor:
-        """``rows`` as a device index, kept for the next step's same rows; with ``spans`` (a
-        range of positions per row), every row's positions in turn."""
+        """Return ``rows`` as a device index, kept for the next step's same rows.
+
+        Args:
+            rows: the row numbers.
+            device: the device the index is used on.
+            spans: a range of positions per row; when given, the index lists every row's
+                positions in turn.
+
+        Returns:
+            The ``long`` index on ``device``.
+        """
         # keyed by the device too: a tracker attached again may be on another one
         key = (device, *rows) if spans is None else (device, None, *spans)
         index = self._indices.get(key)

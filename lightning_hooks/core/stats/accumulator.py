@@ -1,4 +1,4 @@
-"""Accumulation of ``[layers, stats]`` values over an epoch, read as a table."""
+"""Accumulate ``[layers, stats]`` values over an epoch, read as a table."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ Columns = slice | Sequence[int]
 @named_arguments
 @dataclass(frozen=True)
 class LayerTable:
-    """The result of an epoch: ``[layers, stats]`` arrays, ``NaN`` where never updated.
+    """Hold the result of an epoch: ``[layers, stats]`` arrays, ``NaN`` where never updated.
 
     Attributes:
         layers: layer names, one per row.
@@ -41,7 +41,17 @@ class LayerTable:
     count: np.ndarray
 
     def column(self, stat: str, kind: str = "mean") -> np.ndarray:
-        """One statistic for every layer: its ``"mean"``, ``"peak"``, ``"total"`` or ``"count"``.
+        """Return one statistic for every layer.
+
+        Args:
+            stat: the statistic's name, one of :attr:`stats`.
+            kind: which reduction of it: ``"mean"``, ``"peak"``, ``"total"`` or ``"count"``.
+
+        Returns:
+            The statistic's column, one entry per layer.
+
+        Raises:
+            ValueError: ``stat`` or ``kind`` is not one of the allowed values.
 
         Example:
             >>> stats = LayerTable(("a",), ("norm",), *([np.ones((1, 1))] * 4))
@@ -57,7 +67,9 @@ class LayerTable:
 
 
 class LayerStatsAccumulator(LayerStat[LayerTable]):
-    """Sum, max and count of ``[layers, stats]`` values fed by :meth:`update` (no hooks).
+    """Accumulate the sum, max and count of ``[layers, stats]`` values fed by :meth:`update`.
+
+    No hooks: the caller feeds every value.
 
     Args:
         layers: the row names.
@@ -126,8 +138,11 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
     def _add_step(
         self, values: torch.Tensor, at: tuple[Any, Any], valid: torch.Tensor | None
     ) -> None:
-        """One observation per cell of ``at``: three in-place ops when every cell is valid (a
-        logging step's usual case), a masked value and a count by the mask otherwise."""
+        """Add one observation per cell of ``at``.
+
+        Three in-place ops when every cell is valid (a logging step's usual case), a masked value
+        and a count by the mask otherwise.
+        """
         if valid is None:
             self.total[at] += values
             self.peak[at] = torch.maximum(self.peak[at], values)
@@ -139,6 +154,14 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         self.count[at] += valid
 
     def summarize(self, states: dict[str, np.ndarray]) -> LayerTable:
+        """Turn the reduced host states into the epoch's table.
+
+        Args:
+            states: the ``total``, ``peak`` and ``count`` states, reduced across ranks.
+
+        Returns:
+            The table; a cell never updated is ``NaN`` in ``mean`` and ``peak``.
+        """
         total = states["total"]
         peak = states["peak"]
         count = states["count"]
@@ -147,7 +170,14 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         return LayerTable(self.layers, self.stats, mean, peak, total, count)
 
     def tags(self, result: LayerTable) -> dict[str, float]:
-        """``{stat}/{layer}``: the mean of every observed cell."""
+        """Return the mean of every observed cell, by tag.
+
+        Args:
+            result: the table :meth:`result` returned.
+
+        Returns:
+            The means, tagged ``{stat}/{layer}``.
+        """
         return {
             family_tag(stat, layer): float(result.mean[i, j])
             for i, layer in enumerate(result.layers)
@@ -156,11 +186,18 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         }
 
     def host_state(self) -> dict[str, Any]:
-        """The reduced host states, for a checkpoint (a collective, like :meth:`result`)."""
+        """Return the reduced host states, for a checkpoint (a collective, like :meth:`result`).
+
+        Returns:
+            The states with the rows and the statistic names.
+        """
         return {**super().host_state(), "stats": list(self.stats)}
 
     def load_host_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`host_state` (see :meth:`LayerStat.load_host_state`).
+
+        Args:
+            state: what :meth:`host_state` returned, from a checkpoint.
 
         Raises:
             ValueError: the state was saved for other layers or statistics.

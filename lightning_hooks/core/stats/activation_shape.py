@@ -1,4 +1,4 @@
-"""How heavy the tails of each layer's output are: its kurtosis and its outlier ratio."""
+"""Measure how heavy the tails of each layer's output are: its kurtosis and its outlier ratio."""
 
 from __future__ import annotations
 
@@ -30,8 +30,7 @@ _EXPONENTS = torch.arange(5, dtype=torch.float64)
 
 
 def power_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Of each row of a ``[k, n]`` tensor: ``[k, 5]`` float64 ``n`` and the sums of ``x``,
-    ``x^2``, ``x^3`` and ``x^4``, and ``[k]`` float32 ``max |x|``.
+    """Return the power sums and the peak of each row of a ``[k, n]`` tensor.
 
     Why float32 is exact here: the powers summed are of ``y = (x - m) / s``, ``m`` the row's
     mean and ``s`` its largest ``|x - m|``. Every term lies in ``[-1, 1]``: nothing overflows, and
@@ -42,6 +41,13 @@ def power_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sums about 0 are rebuilt from these in float64 (binomially, about ``m``), and lose to
     cancellation what float64 sums of ``x^k`` would. Float32 halves the bytes read and written
     against float64, and no copy of the output is made in float64.
+
+    Args:
+        x: the ``[k, n]`` tensor, one output per row.
+
+    Returns:
+        ``[k, 5]`` float64 ``n`` and the sums of ``x``, ``x^2``, ``x^3`` and ``x^4``, and ``[k]``
+        float32 ``max |x|``.
 
     Example:
         >>> sums, peak = power_sums(torch.tensor([[1.0, 2.0], [-1.0, 0.0]]))
@@ -69,10 +75,17 @@ def power_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class ActivationShape(LayerStat[Shape]):
-    """Per layer, over its outputs at logging steps, ``activations/kurtosis/{layer}``
-    (Pearson's, 3 for a Gaussian) and ``activations/outlier_ratio/{layer}`` (``max |x|`` over the
-    RMS), from power sums (:func:`power_sums`); small outputs are measured a batch per shape at
-    the step's end, large ones a piece at a time.
+    """Measure per layer, over its outputs at logging steps, the kurtosis and the outlier ratio.
+
+    It logs ``activations/kurtosis/{layer}`` (Pearson's, 3 for a Gaussian) and
+    ``activations/outlier_ratio/{layer}`` (``max |x|`` over the RMS), from power sums
+    (:func:`power_sums`); small outputs are measured a batch per shape at the step's end, large
+    ones a piece at a time.
+
+    Args:
+        owner: the name the selection's errors begin with.
+        **selection: the modules measured: ``types``, ``include`` and ``exclude`` (see
+            :class:`~.stat.SelectionArgs`).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 4), nn.ReLU())
@@ -93,11 +106,24 @@ class ActivationShape(LayerStat[Shape]):
         self.add_layer_state("peak", reduce="max", dtype=torch.float32)  # max |x|
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """The activation statistics' modules (default: parameter owners and activations)."""
+        """Return the activation statistics' modules (default: parameter owners and activations).
+
+        Args:
+            model: the model the modules are selected from.
+
+        Returns:
+            ``(name, module)`` of each module to hook.
+        """
         return feature_modules(self.selection, model)
 
     def observe(self, name: str, module: nn.Module, output: object) -> None:
-        """Add the power sums and the peak of every floating tensor of ``output`` to its row."""
+        """Add the power sums and the peak of every floating tensor of ``output`` to its row.
+
+        Args:
+            name: the module's qualified name, which a tensor's suffix extends into its row's name.
+            module: the module that ran.
+            output: what the module returned.
+        """
         if type(output) is torch.Tensor:  # most modules': no walk of the output
             if output.is_floating_point():
                 self._observe_one(name, output)
@@ -106,6 +132,7 @@ class ActivationShape(LayerStat[Shape]):
             self._observe_one(name + suffix, tensor)
 
     def _observe_one(self, name: str, x: torch.Tensor) -> None:
+        """Add one tensor's power sums and peak to row ``name``, a small one at :meth:`drain`."""
         row = self.rows.get(name)
         row = self.row(name) if row is None else row  # an empty output's row too
         n = x.numel()
@@ -133,7 +160,14 @@ class ActivationShape(LayerStat[Shape]):
         self.peak.scatter_reduce_(0, index, peak, "amax")
 
     def summarize(self, states: dict[str, np.ndarray]) -> Shape:
-        """Kurtosis and outlier ratio from the pooled power sums."""
+        """Compute the kurtosis and the outlier ratio from the pooled power sums.
+
+        Args:
+            states: the ``sums`` and ``peak`` states, reduced across ranks.
+
+        Returns:
+            The kurtosis and the outlier ratio of each layer.
+        """
         n, s1, s2, s3, s4 = states["sums"].T
         with np.errstate(divide="ignore", invalid="ignore"):
             mu = s1 / n
@@ -147,7 +181,14 @@ class ActivationShape(LayerStat[Shape]):
         return self.layers, n, kurtosis, ratio
 
     def tags(self, result: Shape) -> dict[str, float]:
-        """``activations/kurtosis/{layer}`` and ``activations/outlier_ratio/{layer}``."""
+        """Return ``activations/kurtosis/{layer}`` and ``activations/outlier_ratio/{layer}``.
+
+        Args:
+            result: what :meth:`summarize` returned.
+
+        Returns:
+            The scalars, by tag.
+        """
         layers, n, kurtosis, ratio = result
         pairs = (("kurtosis", kurtosis), ("outlier_ratio", ratio))
         seen = [i for i in range(len(layers)) if n[i] > 0]

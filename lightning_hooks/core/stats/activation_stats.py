@@ -1,4 +1,4 @@
-"""Statistics of what each layer outputs, accumulated over an epoch without a host sync."""
+"""Measure statistics of what each layer outputs, accumulated over an epoch without a host sync."""
 
 from __future__ import annotations
 
@@ -52,18 +52,43 @@ SCALARS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite"
 
 
 def default_feature_module(name: str, module: nn.Module) -> bool:
-    """The default selection: modules owning a parameter directly (not a container through its
-    children), and activation modules (:data:`ACTIVATION_MODULES`)."""
+    """Say whether a module is in the default selection.
+
+    The default selection is modules owning a parameter directly (not a container through its
+    children), and activation modules (:data:`ACTIVATION_MODULES`).
+
+    Args:
+        name: the module's qualified name (unused: the selection goes by the module).
+        module: the module.
+
+    Returns:
+        Whether the module is selected.
+    """
     return owns_parameters(module) or is_kind(module, ACTIVATION_MODULES)
 
 
 def owns_parameters(module: nn.Module) -> bool:
-    """Whether ``module`` holds a parameter itself (not only through a child)."""
+    """Say whether ``module`` holds a parameter itself (not only through a child).
+
+    Args:
+        module: the module.
+
+    Returns:
+        Whether it holds a parameter directly.
+    """
     return next(module.parameters(recurse=False), None) is not None
 
 
 def feature_modules(selection: Selection | None, model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules ``selection`` keeps (without ``types``: :func:`default_feature_module`'s)."""
+    """Return the modules ``selection`` keeps (without ``types``: :func:`default_feature_module`'s).
+
+    Args:
+        selection: the user's selection (``None``: the default one).
+        model: the model the modules are selected from.
+
+    Returns:
+        ``(name, module)`` of each kept module.
+    """
     assert selection is not None
     where = default_feature_module if selection.types is None else None
     return selection.modules(model, where=where)
@@ -71,7 +96,7 @@ def feature_modules(selection: Selection | None, model: nn.Module) -> list[tuple
 
 @dataclass(frozen=True)
 class Histogram:
-    """One row's histogram: ``counts[i]`` in ``[edges[i], edges[i + 1])``."""
+    """Hold one row's histogram: ``counts[i]`` in ``[edges[i], edges[i + 1])``."""
 
     layer: str
     edges: np.ndarray
@@ -79,7 +104,7 @@ class Histogram:
 
 
 class ActivationResult(NamedTuple):
-    """What :class:`ActivationStatsTracker` measured over logging steps."""
+    """Hold what :class:`ActivationStatsTracker` measured over logging steps."""
 
     summary: FeatureSummary
     histograms: list[Histogram]  # a row each (none without ``histogram_bins``)
@@ -87,10 +112,12 @@ class ActivationResult(NamedTuple):
 
 @named_arguments
 class ActivationStatsTracker(LayerStat[ActivationResult]):
-    """Per-layer statistics (:data:`SCALARS`) of the floating outputs of training forwards
-    over an epoch, no host sync per step (row ``{module}.{index or key}`` for a tuple, list or
-    dict). Histograms span ``histogram_range`` or the previous epoch's range; NaN / Inf are
-    counted, not binned. :meth:`end_step` finds the first module that went non-finite.
+    """Measure per-layer statistics (:data:`SCALARS`) of the floating outputs of training forwards.
+
+    They are accumulated over an epoch, no host sync per step (row ``{module}.{index or key}`` for
+    a tuple, list or dict). Histograms span ``histogram_range`` or the previous epoch's range;
+    NaN / Inf are counted, not binned. :meth:`end_step` finds the first module that went
+    non-finite.
 
     Args:
         model: the model to instrument now (``None``: call :meth:`attach` later).
@@ -145,17 +172,33 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
             self.attach(model)
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """Return the modules to hook (see :func:`feature_modules`).
+
+        Args:
+            model: the model the modules are selected from.
+
+        Returns:
+            ``(name, module)`` of each module to hook.
+        """
         return feature_modules(self.selection, model)
 
     def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
-        """The constants and the non-finite probe (its host buffer made once) on the device."""
+        """Put the constants and the non-finite probe (its host buffer made once) on the device."""
         device = self.device
         self.first_nonfinite = FirstNonFinite(device)
         self._sign = torch.tensor(_SIGN, device=device)
         self._unit = torch.linspace(0.0, 1.0, self.bins + 1, device=device)
 
     def row(self, name: str, units: int = 0) -> int:
-        """The row of ``name`` (a new one gets the fixed edges)."""
+        """Return the row of ``name`` (a new one gets the fixed edges).
+
+        Args:
+            name: the row's name.
+            units: the row's entries in a per-unit state.
+
+        Returns:
+            The row's index.
+        """
         new = name not in self.rows
         index = super().row(name, units)
         if new and self.bins and self.histogram_range is not None:
@@ -163,7 +206,13 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
         return index
 
     def observe(self, name: str, module: nn.Module, output: object) -> None:
-        """Measure every floating tensor of ``output`` (small ones at :meth:`drain`)."""
+        """Measure every floating tensor of ``output`` (small ones at :meth:`drain`).
+
+        Args:
+            name: the module's qualified name, which a tensor's suffix extends into its row's name.
+            module: the module that ran.
+            output: what the module returned.
+        """
         if type(output) is torch.Tensor:  # most modules': no walk of the output
             if output.is_floating_point():
                 self._observe_one(name, output)
@@ -172,6 +221,7 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
             self._observe_one(name + suffix, tensor)
 
     def _observe_one(self, name: str, x: torch.Tensor) -> None:
+        """Measure one non-empty tensor into row ``name``, a small one deferred to :meth:`drain`."""
         n = x.numel()
         if n == 0:
             return
@@ -206,8 +256,13 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
 
     @torch.no_grad()
     def end_step(self, step: int) -> None:
-        """Mark ``step`` and the first row (in execution order) that went non-finite in
-        :attr:`first_nonfinite`; no sync."""
+        """Mark ``step`` and the first row that went non-finite in :attr:`first_nonfinite`; no sync.
+
+        Rows are in execution order.
+
+        Args:
+            step: the step that just ran, recorded with the row.
+        """
         self.drain()
         if not self.rows:
             return
@@ -216,17 +271,36 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
         self.first_nonfinite.mark(bad.any(), step, first)
 
     def summary(self) -> FeatureSummary:
-        """The statistics so far, reduced across ranks."""
+        """Return the statistics so far, reduced across ranks.
+
+        Returns:
+            The pooled statistics of every row.
+        """
         return self.result().summary
 
     def summarize(self, states: dict[str, np.ndarray]) -> ActivationResult:
+        """Turn the reduced host states into the statistics and histograms.
+
+        Args:
+            states: the sums, extremes and histogram states, reduced across ranks.
+
+        Returns:
+            The statistics, and a histogram per row when ``histogram_bins`` is set.
+        """
         extremes = states["extremes"] * np.array(_SIGN)
         rows = zip(self.layers, states["edges"], states["hist"], strict=True) if self.bins else ()
         histograms = [Histogram(layer=n, edges=e, counts=c) for n, e, c in rows]
         return ActivationResult(summarize(self.layers, states["sums"], extremes), histograms)
 
     def tags(self, result: ActivationResult) -> dict[str, float]:
-        """``activations/{stat}/{layer}`` for every row that saw an element."""
+        """Return ``activations/{stat}/{layer}`` for every row that saw an element.
+
+        Args:
+            result: what :meth:`summarize` returned.
+
+        Returns:
+            The scalars, by tag.
+        """
         stats = result.summary
         return {
             layer_tag("activations", stat, layer): float(value)

@@ -1,4 +1,4 @@
-"""The logits of sdpa, ``nn.MultiheadAttention`` and eager attention, and their capture."""
+"""Compute the logits of sdpa, ``nn.MultiheadAttention`` and eager attention, and capture them."""
 
 from __future__ import annotations
 
@@ -48,9 +48,26 @@ def sdpa_logit_chunks(  # noqa: PLR0913 (the arguments of torch's scaled_dot_pro
     *,
     budget: int | None = None,
 ) -> Iterator[torch.Tensor]:
-    """The float32 logits ``[..., L, S]`` that ``scaled_dot_product_attention``'s softmax sees
-    (its arguments act as in sdpa; ``value`` and ``dropout_p`` play no part), in chunks of query
-    rows (see :func:`logit_chunks`)."""
+    """Yield the float32 logits ``[..., L, S]`` that the softmax of sdpa sees.
+
+    sdpa is ``scaled_dot_product_attention``; its arguments act as they do there.
+
+    They come in chunks of query rows (see :func:`logit_chunks`).
+
+    Args:
+        query: sdpa's ``query``.
+        key: sdpa's ``key``.
+        value: sdpa's ``value``; it plays no part.
+        attn_mask: sdpa's ``attn_mask``.
+        dropout_p: sdpa's ``dropout_p``; it plays no part.
+        is_causal: sdpa's ``is_causal``.
+        scale: sdpa's ``scale`` (``None``: one over the root of the head size).
+        enable_gqa: sdpa's ``enable_gqa``: key heads shared by groups of query heads.
+        budget: the most elements per chunk (default :data:`LOGIT_BUDGET`).
+
+    Yields:
+        The logits of consecutive chunks of query rows.
+    """
     q = query.float()
     k = key.float()
     if enable_gqa and k.dim() >= 3 and k.shape[-3] != q.shape[-3]:
@@ -77,7 +94,15 @@ def sdpa_logit_chunks(  # noqa: PLR0913 (the arguments of torch's scaled_dot_pro
 
 
 def logit_chunks(logits: torch.Tensor, budget: int | None = None) -> Iterator[torch.Tensor]:
-    """Views of ``logits [..., L, S]``, of ``budget`` (:data:`LOGIT_BUDGET`) elements or a row."""
+    """Yield views of ``logits [..., L, S]``, of ``budget`` elements or a row.
+
+    Args:
+        logits: the logits.
+        budget: the most elements per view (default :data:`LOGIT_BUDGET`); a row at least.
+
+    Yields:
+        Views of consecutive chunks of query rows.
+    """
     if logits.dim() < 2:
         yield logits
         return
@@ -87,18 +112,18 @@ def logit_chunks(logits: torch.Tensor, budget: int | None = None) -> Iterator[to
 
 
 def _row_chunks(length: int, per_row: int, budget: int | None) -> list[tuple[int, int]]:
-    """``[start, stop)`` of query rows, ``per_row`` elements each, within ``budget``."""
+    """Return ``[start, stop)`` of query rows, ``per_row`` elements each, within ``budget``."""
     rows = max(1, (LOGIT_BUDGET if budget is None else budget) // max(per_row, 1))
     return [(i, min(i + rows, length)) for i in range(0, max(length, 1), rows)]
 
 
 def _query_rows(mask: torch.Tensor, start: int, stop: int, length: int) -> torch.Tensor:
-    """``mask``'s query rows ``[start, stop)``, or ``mask`` when it broadcasts over queries."""
+    """Return ``mask``'s query rows ``[start, stop)``, or ``mask`` if it broadcasts over queries."""
     return mask[..., start:stop, :] if mask.dim() >= 2 and mask.shape[-2] == length != 1 else mask
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (``True``: excluded) as ``-inf``; a float mask as it is added."""
+    """Return a boolean mask (``True``: excluded) as ``-inf``; a float mask as it is added."""
     if mask.dtype == torch.bool:
         return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, -torch.inf)
     return mask.to(dtype)
@@ -109,7 +134,7 @@ _MHA_FORWARD = ("query", "key", "value", "key_padding_mask", "need_weights", "at
 
 
 class MhaCall(NamedTuple):
-    """The arguments of one ``nn.MultiheadAttention`` call that its logits depend on."""
+    """Hold the arguments of one ``nn.MultiheadAttention`` call that its logits depend on."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -118,7 +143,15 @@ class MhaCall(NamedTuple):
 
     @classmethod
     def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> MhaCall:
-        """The call's, from the arguments as ``forward`` gets them (by position or keyword)."""
+        """Return the call's arguments, from the arguments as ``forward`` gets them.
+
+        Args:
+            args: the positional arguments of the call.
+            kwargs: the keyword arguments of the call.
+
+        Returns:
+            The arguments the logits depend on, by position or keyword.
+        """
         named = {**dict(zip(_MHA_FORWARD, args, strict=False)), **kwargs}
         return cls(
             query=named["query"],
@@ -131,9 +164,18 @@ class MhaCall(NamedTuple):
 def mha_logit_chunks(
     mha: nn.MultiheadAttention, call: MhaCall, *, budget: int | None = None
 ) -> Iterator[torch.Tensor]:
-    """The pre-softmax logits ``[N, H, L, S']`` that ``mha``'s softmax sees (masks, ``bias_k``
-    and ``add_zero_attn`` included) in the call ``call``, a chunk of query rows at a time (at
-    most ``budget`` elements, default :data:`LOGIT_BUDGET`)."""
+    """Yield the pre-softmax logits ``[N, H, L, S']`` that ``mha``'s softmax sees in ``call``.
+
+    Masks, ``bias_k`` and ``add_zero_attn`` are included.
+
+    Args:
+        mha: the attention module, whose projections and options are read.
+        call: the arguments of its call.
+        budget: the most elements per chunk (default :data:`LOGIT_BUDGET`).
+
+    Yields:
+        The logits a chunk of query rows at a time.
+    """
     query = call.query
     key = call.key
     key_padding_mask = call.key_padding_mask
@@ -170,7 +212,7 @@ def mha_logit_chunks(
 
 
 class _Projections(NamedTuple):
-    """The projected queries and keys of an ``nn.MultiheadAttention`` call, heads apart."""
+    """Hold the projected queries and keys of an ``nn.MultiheadAttention`` call, heads apart."""
 
     query: torch.Tensor  # [N*H, L, d]
     key_t: torch.Tensor  # the keys transposed, [N*H, d, S']
@@ -180,8 +222,10 @@ class _Projections(NamedTuple):
 def _mha_projections(
     mha: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor
 ) -> _Projections:
-    """The projections of seq-first ``[L, N, E]`` inputs, with ``bias_k`` and
-    ``add_zero_attn``'s keys."""
+    """Return the projections of seq-first ``[L, N, E]`` inputs.
+
+    The keys of ``bias_k`` and ``add_zero_attn`` are included.
+    """
     e = mha.embed_dim
     heads = mha.num_heads
     # torch's own test of one packed projection (its private _qkv_same_embed_dim)
@@ -207,8 +251,10 @@ def _mha_projections(
 
 
 class HeadEntropy(NamedTuple):
-    """The attention entropy of logits ``[..., H, L, S]``: sums that pool exactly over calls and
-    ranks."""
+    """Hold the attention entropy of logits ``[..., H, L, S]``.
+
+    Sums that pool exactly over calls and ranks.
+    """
 
     peak: torch.Tensor  # the largest logit
     total: torch.Tensor  # [H] the sum of each head's row entropies (nats)
@@ -216,7 +262,14 @@ class HeadEntropy(NamedTuple):
 
 
 def attention_head_entropy(logits: torch.Tensor) -> HeadEntropy:
-    """The :class:`HeadEntropy` of ``logits``; rows of only ``-inf`` are left out. No sync."""
+    """Return the :class:`HeadEntropy` of ``logits``; rows of only ``-inf`` are left out. No sync.
+
+    Args:
+        logits: the pre-softmax logits ``[..., H, L, S]``.
+
+    Returns:
+        The largest logit, and each head's sum of row entropies with its row count.
+    """
     logits = logits.float()
     if logits.dim() < 3:  # one head
         logits = logits.unsqueeze(0) if logits.dim() == 2 else logits.view(1, 1, -1)
@@ -230,14 +283,22 @@ def attention_head_entropy(logits: torch.Tensor) -> HeadEntropy:
 
 
 def looks_like_attention(module: nn.Module) -> bool:
-    """Whether ``module``'s class is named as attention (``GPT2Attention``), but not
-    ``nn.MultiheadAttention``."""
+    """Say whether ``module``'s class is named as attention (``GPT2Attention``).
+
+    ``nn.MultiheadAttention`` does not count.
+
+    Args:
+        module: the module.
+
+    Returns:
+        Whether its class name says attention.
+    """
     name = type(module).__name__.lower()
     return not isinstance(module, nn.MultiheadAttention) and ("attention" in name or "attn" in name)
 
 
 def _softmax_logits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """The input of a softmax over the last dimension of a 4-D float tensor, else ``None``."""
+    """Return the input of a softmax over the last dimension of a 4-D float tensor, or ``None``."""
     x = args[0] if args else kwargs.get("input")
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     last = isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() and dim in (-1, 3)
@@ -245,7 +306,7 @@ def _softmax_logits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tens
 
 
 class _Running(NamedTuple):
-    """A module whose forward runs, on :class:`AttentionCapture`'s stack."""
+    """Hold a module whose forward runs, on :class:`AttentionCapture`'s stack."""
 
     name: str
     module: nn.Module
@@ -253,11 +314,19 @@ class _Running(NamedTuple):
 
 
 def attention_free(registry: HookRegistry) -> set[int]:
-    """The ids of the modules of ``registry``'s model that call no attention, whole: ``torch.nn``'s
-    plain leaf layers (:meth:`~.registry.HookRegistry.plain_layers`) but the softmax ones, and
-    each ``nn.Sequential`` (whose forward only calls its children, in order) of such modules with
-    no forward hook but ours. Such a module runs outside the capture as one call: the layers of a
-    stack of them cost two hooks, not two each."""
+    """Return the ids of the modules of ``registry``'s model that call no attention, whole.
+
+    These are ``torch.nn``'s plain leaf layers (:meth:`~.registry.HookRegistry.plain_layers`) but
+    the softmax ones, and each ``nn.Sequential`` (whose forward only calls its children, in order)
+    of such modules with no forward hook but ours. Such a module runs outside the capture as one
+    call: the layers of a stack of them cost two hooks, not two each.
+
+    Args:
+        registry: the registry of the model, which tells plain layers and foreign hooks.
+
+    Returns:
+        The ids of those modules.
+    """
     free: set[int] = set()
     plain = registry.plain_layers()
 
@@ -276,12 +345,17 @@ def attention_free(registry: HookRegistry) -> set[int]:
 
 
 class AttentionCapture(SuspendableMode):
-    """Sees the attention calls of a model's modules in the training forwards of logging steps.
+    """See the attention calls of a model's modules in the training forwards of logging steps.
 
     A ``TorchFunctionMode``, entered by the outermost module of such a forward: it hands each
     sdpa call's logits (and each 4-D softmax's input, in a module that
     :func:`looks_like_attention`) to ``record(name, logits)``, ``name`` the innermost running
-    module not in ``skip``. Not seen: compiled forwards and fused kernels called directly."""
+    module not in ``skip``. Not seen: compiled forwards and fused kernels called directly.
+
+    Args:
+        record: called with each module's name and a chunk of its logits.
+        skip: the names of modules whose calls are not recorded.
+    """
 
     def __init__(self, record: Record, skip: Iterable[str] = ()) -> None:
         super().__init__()
@@ -305,13 +379,29 @@ class AttentionCapture(SuspendableMode):
         """Hand an attention call to :meth:`look`, then run it unchanged.
 
         Only this library's part runs under the registry's guard: an error of the call itself
-        reaches its caller as it is."""
+        reaches its caller as it is.
+
+        Args:
+            func: the torch function called.
+            types: the types of the call's tensor arguments.
+            args: the call's positional arguments.
+            kwargs: the call's keyword arguments.
+
+        Returns:
+            What ``func`` returns.
+        """
         kwargs = kwargs or {}
         self.guarded_look(func, args, kwargs)
         return func(*args, **kwargs)
 
     def look(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Record the logits of an sdpa call, or of a softmax of an attention module."""
+        """Record the logits of an sdpa call, or of a softmax of an attention module.
+
+        Args:
+            func: the torch function called.
+            args: the call's positional arguments.
+            kwargs: the call's keyword arguments.
+        """
         if internals.is_compiling():  # a compiled region inside a forward of a logging step
             return
         if func is functional.scaled_dot_product_attention:
@@ -322,8 +412,16 @@ class AttentionCapture(SuspendableMode):
                 self.see(lambda: logit_chunks(logits), softmax=True)
 
     def attach(self, registry: HookRegistry) -> AttentionCapture:
-        """Hook every module of ``registry``'s model but ``torch.nn``'s plain layers (first and
-        last hooks, so that other hooks' calls do not count as the module's)."""
+        """Hook every module of ``registry``'s model but ``torch.nn``'s plain layers.
+
+        First and last hooks, so that other hooks' calls do not count as the module's.
+
+        Args:
+            registry: the registry the hooks go on; its guard wraps :meth:`look`.
+
+        Returns:
+            ``self``.
+        """
         self.guarded_look = registry.guarded(self.look, "attention capture")
         plain = registry.plain_layers()
         free = attention_free(registry)
@@ -345,14 +443,17 @@ class AttentionCapture(SuspendableMode):
         return self
 
     def _run_outside(self, registry: HookRegistry, module: nn.Module) -> None:
-        """Run ``module``'s logging-step calls outside the mode: a layer that calls no attention
-        then costs no Python call of the mode per op, nor the hooks on it a pop and push of the
-        mode each (first and last hooks: the other hooks on it run outside too)."""
+        """Run ``module``'s logging-step calls outside the mode.
+
+        A layer that calls no attention then costs no Python call of the mode per op, nor the hooks
+        on it a pop and push of the mode each (first and last hooks: the other hooks on it run
+        outside too).
+        """
         registry.gated_hook(module, self.suspend, pre=True, prepend=True)
         registry.gated_hook(module, self.resume, pre=False, always_call=True)
 
     def _enter(self, *_: object) -> None:
-        """A module is called: keep its caller's state for :meth:`_push` and pause it."""
+        """Keep a called module's caller's state for :meth:`_push` and pause it."""
         # Compiled (a region's own hooks): the mode sees nothing there, and Dynamo must not
         # read the stack, which may hold the region's ``torch.compile`` wrapper.
         if not internals.is_compiling() and self._stack:
@@ -360,10 +461,16 @@ class AttentionCapture(SuspendableMode):
             self._live = False
 
     def _pause(self, *_: object) -> None:
+        """Mark the innermost module's own forward as not running (its forward hooks run)."""
         if not internals.is_compiling():
             self._live = False
 
     def _push(self, name: str) -> Callable[[nn.Module, Any], None]:
+        """Return the pre-hook that puts module ``name`` on the stack.
+
+        The outermost module enters the mode.
+        """
+
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
             if internals.is_compiling():
                 return
@@ -380,7 +487,7 @@ class AttentionCapture(SuspendableMode):
         return hook
 
     def _pop(self, module: nn.Module, args: tuple[Any, ...], output: object) -> None:
-        """Forward hook (called always): ``module``'s call ends.
+        """End ``module``'s call, as a forward hook called always.
 
         Raises:
             Exception: whatever failed in this library's own check; ``module`` is left first, so
@@ -403,8 +510,17 @@ class AttentionCapture(SuspendableMode):
                 self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
     def unseen(self, model: nn.Module) -> list[str]:
-        """Modules that look like attention with no call seen in them, a submodule or an
-        enclosing module, nor in ``skip`` (the model is named by its class)."""
+        """Return the modules that look like attention with no call seen.
+
+        A call seen in the module, a submodule or an enclosing module counts, and so does being in
+        ``skip``.
+
+        Args:
+            model: the model whose modules are looked through.
+
+        Returns:
+            The names of those modules (the model is named by its class).
+        """
         seen = (*self.seen, *self._skip)
 
         def related(name: str) -> bool:
@@ -418,7 +534,12 @@ class AttentionCapture(SuspendableMode):
         ]
 
     def see(self, chunks: Callable[[], Iterable[torch.Tensor]], softmax: bool = False) -> None:
-        """Record one attention call's logits, chunk by chunk, for the innermost running module."""
+        """Record one attention call's logits, chunk by chunk, for the innermost running module.
+
+        Args:
+            chunks: makes the logits' chunks, called only when the call is recorded.
+            softmax: the call is a softmax, recorded only in a module that looks like attention.
+        """
         if not (self._stack and self._live):
             return
         running = self._stack[-1]

@@ -1,6 +1,8 @@
-"""Dead units: which units (:func:`unit_dim`) of a layer never fired (output ``> 0``) on any
-training sample. A functional ``F.relu`` cannot be hooked: watch the layer that produces its
-input (``pre_activation``)."""
+"""Find dead units: which units (:func:`unit_dim`) of a layer never fired on any training sample.
+
+A unit fires where its output is ``> 0``. A functional ``F.relu`` cannot be hooked: watch the
+layer that produces its input (``pre_activation``).
+"""
 
 from __future__ import annotations
 
@@ -33,8 +35,16 @@ RELU_FAMILY: tuple[type[nn.Module], ...] = (
 
 
 def unit_dim(module: nn.Module, ndim: int) -> int:
-    """The dimension of a module's ``ndim``-d output that indexes its units: 1 for convolutions
-    and batch norms, the last for linear layers, else the last up to 3-d and 1 from 4-d."""
+    """Return the dimension of a module's ``ndim``-d output that indexes its units.
+
+    Args:
+        module: the module, whose type decides.
+        ndim: the output's number of dimensions.
+
+    Returns:
+        1 for convolutions and batch norms, the last for linear layers, else the last up to 3-d
+        and 1 from 4-d.
+    """
     if isinstance(module, internals.CHANNEL_FIRST_LAYERS) and ndim >= 2:
         return 1
     if isinstance(module, nn.Linear) or ndim <= 3:
@@ -48,8 +58,16 @@ _EXACT = 2**24  # float32 holds every integer up to this exactly
 
 @torch.no_grad()
 def fired_counts(y: torch.Tensor, dim: int, workspace: Workspace | None = None) -> torch.Tensor:
-    """``[units]`` integers: how many entries of each unit (along ``dim``) of ``y`` are ``> 0``
-    (fired)."""
+    """Count how many entries of each unit (along ``dim``) of ``y`` are ``> 0`` (fired).
+
+    Args:
+        y: the output.
+        dim: the dimension that indexes units.
+        workspace: where the fired mask is kept from one call to the next.
+
+    Returns:
+        ``[units]`` integers.
+    """
     others = [d for d in range(y.ndim) if d != dim]
     # summed as float32 (exact up to 2**24 elements, faster than bytes on CPU), else as int64
     if y.numel() > _EXACT:
@@ -68,7 +86,7 @@ def fired_counts(y: torch.Tensor, dim: int, workspace: Workspace | None = None) 
 
 @dataclass(frozen=True)
 class DeadUnits:
-    """The result of an epoch, one entry per watched layer that ran.
+    """Hold the result of an epoch, one entry per watched layer that ran.
 
     Attributes:
         layers: the layers' qualified names.
@@ -96,9 +114,10 @@ class DeadUnits:
 
 @named_arguments
 class DeadUnitTracker(LayerStat[DeadUnits]):
-    """Per unit of activation outputs, how often it fired in the training forwards of an epoch
-    (never: dead). A module called at several widths gets a row per width (``name``, then
-    ``name-{units}``).
+    """Count per unit of activation outputs how often it fired in the training forwards of an epoch.
+
+    A unit that never fired is dead. A module called at several widths gets a row per width
+    (``name``, then ``name-{units}``).
 
     Args:
         model: the model to watch now (``None``: call :meth:`attach` later).
@@ -142,17 +161,35 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
             self.attach(model)
 
     def config_key(self) -> str:
+        """Return what tells two instances' checkpoint states apart.
+
+        Returns:
+            The base's key with the ``pre_activation`` patterns.
+        """
         return f"{super().config_key()}:{self.producers.include!r}"
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """The watched activations and the ``pre_activation`` producers, in model order."""
+        """Return the watched activations and the ``pre_activation`` producers, in model order.
+
+        Args:
+            model: the model the modules are selected from.
+
+        Returns:
+            ``(name, module)`` of each module to hook.
+        """
         assert self.selection is not None
         named = dict(self.selection.modules(model))
         named.update(self.producers.modules(model) if self.producers.include else ())
         return [(n, m) for n, m in model.named_modules() if n in named]
 
     def observe(self, name: str, module: nn.Module, output: object) -> None:
-        """Count the fired entries per unit of ``output``'s first floating tensor (or at drain)."""
+        """Count the fired entries per unit of ``output``'s first floating tensor (or at drain).
+
+        Args:
+            name: the module's qualified name, its row's name.
+            module: the module that ran, whose type gives the unit dimension.
+            output: what the module returned.
+        """
         if type(output) is torch.Tensor:  # most modules': no walk of the output
             y = output if output.is_floating_point() and output.ndim >= 1 else None
         else:
@@ -171,8 +208,11 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         self.fired[row].add_(counts.sum(), alpha=1.0 / y.numel())
 
     def _width_row(self, name: str, units: int) -> int:
-        """The row of ``name`` at this width: ``name`` for the first, ``name-{units}`` after
-        (``ValueError`` past ``_WIDTHS`` widths)."""
+        """Return the row of ``name`` at this width: ``name`` for the first, ``name-{units}`` after.
+
+        Raises:
+            ValueError: the module ran at more than ``_WIDTHS`` widths.
+        """
         index = self.rows.get(name)
         if index is None or self.units[index] == units:
             return self.row(name, units)
@@ -182,8 +222,10 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         return self.row(f"{name}-{units}", units)
 
     def drain(self) -> None:
-        """Count the fired entries of the kept outputs, stacked by shape, and move the host call
-        counts in."""
+        """Count the fired entries of the kept outputs, stacked by shape.
+
+        Then move the host call counts in.
+        """
         for (shape, dim, device, _), rows, outputs in self._drain_pending():
             fired = torch.gt(outputs, 0)
             units = shape[dim]
@@ -205,6 +247,14 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
             super().remove()
 
     def summarize(self, states: dict[str, np.ndarray]) -> DeadUnits:
+        """Turn the reduced host states into the epoch's result.
+
+        Args:
+            states: the fired, call and per-unit count states, reduced across ranks.
+
+        Returns:
+            The dead units of each layer that ran.
+        """
         units = np.array(self.units[: len(self.rows)], dtype=np.int64)
         ends = np.cumsum(units)  # each row's units lie in [end - units, end) of the flat state
         never = states["counts"][: int(ends[-1]) if len(ends) else 0] == 0
@@ -225,7 +275,16 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         )
 
     def step_values(self, result: DeadUnits) -> dict[str, float]:
-        """At a logging step, ``zero_fraction`` only: a unit is dead over an epoch, not a step."""
+        """Return ``zero_fraction`` only, at a logging step.
+
+        A unit is dead over an epoch, not a step.
+
+        Args:
+            result: the logging step's result.
+
+        Returns:
+            The scalars, by tag.
+        """
         return {
             layer_tag("dead_relu", "zero_fraction", layer): float(result.zero_fraction[i])
             for i, layer in enumerate(result.layers)
@@ -233,7 +292,14 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         }
 
     def tags(self, result: DeadUnits) -> dict[str, float]:
-        """``dead_relu/{dead_fraction,dead_count,zero_fraction}/{layer}``."""
+        """Return ``dead_relu/{dead_fraction,dead_count,zero_fraction}/{layer}``.
+
+        Args:
+            result: the epoch's result.
+
+        Returns:
+            The scalars, by tag.
+        """
         out: dict[str, float] = {}
         fractions = result.dead_fraction
         for i, layer in enumerate(result.layers):

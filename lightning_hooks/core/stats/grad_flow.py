@@ -1,4 +1,4 @@
-"""Gradient flow of a model, per layer, accumulated with no host sync per step."""
+"""Measure the gradient flow of a model, per layer, accumulated with no host sync per step."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def layers_of(
     """Lay out the parameters of the layers the tracker measures.
 
     Args:
-        model: the model.
+        model: the model, whose own parameters may form a layer.
         modules: the modules selected, ``(name, module)``.
         types: the module types selected (``None``: any).
         include: the glob patterns kept (empty: every module).
@@ -70,6 +70,20 @@ def layers_of(
 def _check_args(
     model: object, optimizers: object, alarms: object, **flags: object
 ) -> list[torch.optim.Optimizer]:
+    """Check the tracker's model, optimizers, alarm rules and flags, naming the culprit.
+
+    Args:
+        model: the ``model`` argument, which must be a module.
+        optimizers: the ``optimizers`` argument, which must be an iterable of optimizers.
+        alarms: the ``alarms`` argument, which must be an ``AlarmRules`` or ``None``.
+        **flags: the boolean arguments, by name.
+
+    Returns:
+        The optimizers, as a list.
+
+    Raises:
+        TypeError: an argument is not of its type.
+    """
     checks.module("GradFlowTracker", "model", model)
     expected = "an iterable of torch.optim.Optimizer (e.g. [optimizer])"
     if isinstance(optimizers, torch.optim.Optimizer) or not isinstance(optimizers, Iterable):
@@ -92,7 +106,7 @@ def _check_args(
 
 @named_arguments
 class GradFlowTracker(HookOwner):
-    """Per-layer gradient flow (:data:`GRAD_FLOW_STATS`) over optimizer steps, no host sync.
+    """Track per-layer gradient flow (:data:`GRAD_FLOW_STATS`) over optimizer steps, no host sync.
 
     A layer is a module that owns trainable parameters directly. Call :meth:`observe` just
     before ``optimizer.step()`` and any clipping, on every rank; the update ratio (and with
@@ -120,6 +134,10 @@ class GradFlowTracker(HookOwner):
             half the largest and half the smallest gradient norms, and percentiles over all
             (``None``: every layer).
         guard: catches the exceptions of the tracker's hooks (``None``: they propagate).
+
+    Raises:
+        TypeError: ``model``, ``optimizers``, ``alarms`` or a flag is not of its type.
+        ValueError: no selected module owns a parameter.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -182,7 +200,11 @@ class GradFlowTracker(HookOwner):
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
 
     def unstepped(self) -> tuple[str, ...]:
-        """Layers with a trainable parameter in none of the optimizers: never measured."""
+        """Return the layers with a trainable parameter in none of the optimizers: never measured.
+
+        Returns:
+            The names of those layers.
+        """
         return self._views.unstepped(self._optimizers)
 
     @torch.no_grad()
@@ -233,6 +255,7 @@ class GradFlowTracker(HookOwner):
     def _read_stats(
         self, view: OptimizerView, logging_step: bool, param_grad_scale: torch.Tensor | None
     ) -> torch.Tensor:
+        """Read ``view``'s gradient statistics: all at a logging step, else the alarms' norms."""
         grads = ParamLayout.grads(view.params)
         if logging_step and not self._post_clip:
             stats = self._stats.full(view, grads)
@@ -250,6 +273,10 @@ class GradFlowTracker(HookOwner):
         valid: torch.Tensor | None,
         grad_scale: torch.Tensor | None,
     ) -> None:
+        """Add one step's statistics of ``view`` into the accumulator.
+
+        The weights are kept for the update ratio.
+        """
         if self._post_clip:  # the gradient the optimizer applies is read in the step post-hook
             cells = None if valid is None else valid[:, [0, _WEIGHT]]
             values = stats[:, [0, _WEIGHT]]
@@ -263,6 +290,7 @@ class GradFlowTracker(HookOwner):
 
     @torch.no_grad()
     def _after_step(self, optimizer: torch.optim.Optimizer, *args: object) -> None:
+        """Read the applied gradient (``post_clip``) and the update ratio after the step."""
         view = self._views.built.get(id(optimizer))
         if view is None or not view.params or not self.registry.logging_step:
             return
@@ -275,33 +303,65 @@ class GradFlowTracker(HookOwner):
         self._updates.record(optimizer, view, self.alarms, self._step)
 
     def result(self) -> LayerTable:
-        """Mean and max over the epoch's observed steps, reduced across ranks (two collectives)."""
+        """Return the mean and max over the epoch's observed steps, reduced across ranks.
+
+        Two collectives.
+
+        Returns:
+            The epoch's table.
+        """
         self._outputs.drain()
         return self.accumulator.result()
 
     def start_copy(self, step: int) -> None:
-        """Start the copy of the values since the last logging step (as
-        :meth:`LayerStat.start_copy`)."""
+        """Start the copy of the values since the last logging step.
+
+        As :meth:`LayerStat.start_copy` does.
+
+        Args:
+            step: the logging step, returned with the copy by :meth:`take_copy`.
+        """
         self._outputs.drain()
         self.accumulator.start_copy(step)
 
     def take_copy(self, wait: bool) -> tuple[int, LayerTable] | None:
-        """See :meth:`LayerStat.take_copy`."""
+        """Return the started copy's step and table (see :meth:`LayerStat.take_copy`).
+
+        Args:
+            wait: block until the copy is done.
+
+        Returns:
+            ``(step, table)`` of the started copy; ``None`` when none is, or while copying.
+        """
         return self.accumulator.take_copy(wait)
 
     @property
     def copy_in_flight(self) -> bool:
-        """See :attr:`LayerStat.copy_in_flight`."""
+        """Say whether a started copy was not yet returned (see :attr:`LayerStat.copy_in_flight`).
+
+        Returns:
+            Whether a copy is in flight.
+        """
         return self.accumulator.copy_in_flight
 
     def host_state(self) -> dict[str, Any]:
-        """The epoch so far, reduced across ranks, on the host (for a checkpoint)."""
+        """Return the epoch so far, reduced across ranks, on the host (for a checkpoint).
+
+        Returns:
+            The checkpoint state, by name.
+        """
         self._outputs.drain()
         return self.accumulator.host_state()
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        """Continue the epoch :meth:`host_state` saved (same layers and statistics, else
-        ValueError)."""
+        """Continue the epoch :meth:`host_state` saved.
+
+        Args:
+            state: what :meth:`host_state` returned, from a checkpoint.
+
+        Raises:
+            ValueError: the state was saved for other layers or statistics.
+        """
         self.accumulator.load_host_state(state)
 
     def reset(self) -> None:
@@ -311,17 +371,33 @@ class GradFlowTracker(HookOwner):
         self._outputs.reset()
 
     def tags(self, result: LayerTable) -> dict[str, float]:
-        """``grad_flow/{stat}/{layer}`` and ``grad_flow/global/{stat}``: the means, and the peaks
-        as ``*_max`` (at most ``max_layers_logged`` layers, and percentiles over them all)."""
+        """Return ``grad_flow/{stat}/{layer}`` and ``grad_flow/global/{stat}``.
+
+        They are the means, and the peaks as ``*_max`` (at most ``max_layers_logged`` layers, and
+        percentiles over them all).
+
+        Args:
+            result: the epoch's table.
+
+        Returns:
+            The scalars, by tag.
+        """
         return dict(grad_flow_scalars(result, self.max_layers_logged, step=False))
 
     def step_values(self, result: LayerTable) -> dict[str, float]:
-        """One logging step's :meth:`tags`, but the peaks (a step's mean is its value)."""
+        """Return one logging step's :meth:`tags`, but the peaks (a step's mean is its value).
+
+        Args:
+            result: the logging step's table.
+
+        Returns:
+            The scalars, by tag.
+        """
         return dict(grad_flow_scalars(result, self.max_layers_logged, step=True))
 
 
 class AlarmStep(NamedTuple):
-    """The optimizer step whose gradient norms the alarms are handed."""
+    """Name the optimizer step whose gradient norms the alarms are handed."""
 
     number: int
     """The step the alarms name and count."""
@@ -331,8 +407,14 @@ class AlarmStep(NamedTuple):
 
 
 class _SentinelRead:
-    """Hands the alarms (``None``: off) their norms at the steps their cadence runs them;
-    ``order``: the layer rows as their output-gradient hooks fired (emptied per step)."""
+    """Hand the alarms (``None``: off) their norms at the steps their cadence runs them.
+
+    Args:
+        alarms: the alarms handed the norms (``None``: off).
+        stats: reads the statistics of an optimizer's view.
+        order: the layer rows as their output-gradient hooks fired (emptied per step).
+        clip: ``(gradient_clip_val, gradient_clip_algorithm)``, for the *explosion* rule.
+    """
 
     def __init__(
         self,
@@ -349,8 +431,18 @@ class _SentinelRead:
         self._triton = alarms is not None and alarms.rules.quiet_read == "triton"
 
     def quiet(self, view: OptimizerView, logging_step: bool, at: AlarmStep) -> bool:
-        """A quiet step's read of dense gradients' norms, posted to the alarms (``True``: done);
-        a logging step only prepares the read (its statistics serve)."""
+        """Read a quiet step's dense gradients' norms and post them to the alarms.
+
+        A logging step only prepares the read (its statistics serve).
+
+        Args:
+            view: the optimizer's view.
+            logging_step: whether this step is a logging step.
+            at: the optimizer step the alarms are handed.
+
+        Returns:
+            ``True`` when the read was done.
+        """
         if self.alarms is None or self._sharded:
             return False
         if logging_step:  # the host copy and the read made here, not on a quiet step
@@ -386,8 +478,15 @@ class _SentinelRead:
         *,
         segmented: bool = True,
     ) -> None:
-        """Hand ``norms`` to the alarms: per layer then global (``segmented``), else per
-        parameter; ``stepped``: the rows some gradient reached."""
+        """Hand ``norms`` to the alarms.
+
+        Args:
+            view: the optimizer's view.
+            norms: per layer then global (``segmented``), else per parameter.
+            stepped: the rows some gradient reached.
+            at: the optimizer step the alarms are handed.
+            segmented: ``norms`` are per layer then global; else per parameter.
+        """
         assert self.alarms is not None
         clip = self._clip  # the largest global norm the optimizer applies (by value: a bound)
         bound = None

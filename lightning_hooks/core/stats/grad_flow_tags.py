@@ -1,5 +1,7 @@
-"""The tags of a gradient-flow table: which layers are logged and under which names
-(``grad_flow/{stat}/{layer}``, ``grad_flow/global/{stat}``, their percentiles)."""
+"""Name the tags of a gradient-flow table: which layers are logged and under which names.
+
+The names are ``grad_flow/{stat}/{layer}``, ``grad_flow/global/{stat}`` and their percentiles.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ __all__ = ["grad_flow_scalars", "logged_rows"]
 
 
 class Logged(NamedTuple):
-    """One tag per layer: its suffix, the table's statistic and its reduction over the steps."""
+    """Name one tag per layer: its suffix, the table's statistic and its reduction over steps."""
 
     suffix: str
     stat: str
@@ -45,9 +47,19 @@ _PERCENTILES = (5, 50, 95)
 def grad_flow_scalars(
     stats: LayerTable, max_layers: int | None, *, step: bool
 ) -> Iterator[tuple[str, float]]:
-    """``(tag, value)`` of a gradient-flow table (the global row last) for an epoch, or for a
-    logging step (``step``: without the peaks, ``*_max``): the means per layer and over the
-    model, the peaks and totals, and beyond ``max_layers`` layers percentiles over them all."""
+    """Yield the tagged scalars of a gradient-flow table, for an epoch or a logging step.
+
+    They are the means per layer and over the model, the peaks and totals, and beyond
+    ``max_layers`` layers percentiles over them all.
+
+    Args:
+        stats: the gradient-flow table, the global row last.
+        max_layers: the most layers logged one by one (``None``: all).
+        step: a logging step's scalars, without the peaks (``*_max``); else an epoch's.
+
+    Yields:
+        ``(tag, value)`` of each scalar.
+    """
     last = len(stats.layers) - 1  # the global row
     rows = logged_rows(stats, max_layers)
     if stats.count[-1, stats.stats.index("grad_norm_preclip")] > 0:  # clipped: the applied one
@@ -70,8 +82,16 @@ def grad_flow_scalars(
 
 
 def logged_rows(stats: LayerTable, max_layers: int | None) -> list[int]:
-    """The layer rows of ``stats`` (a gradient-flow table, the global row last) to log: all, or
-    the non-finite first, then half the largest and half the smallest gradient norms."""
+    """Return the layer rows of ``stats`` to log.
+
+    Args:
+        stats: a gradient-flow table, the global row last.
+        max_layers: the most rows returned (``None``: all).
+
+    Returns:
+        All the layer rows, or the non-finite first, then half the largest and half the smallest
+        gradient norms.
+    """
     num_layers = len(stats.layers) - 1
     if max_layers is None or num_layers <= max_layers:
         return list(range(num_layers))

@@ -1,4 +1,7 @@
-"""Forward time per layer at logging steps: ``perf_counter`` on the CPU, CUDA events on a GPU."""
+"""Time the forward of each layer at logging steps.
+
+The clock is ``perf_counter`` on the CPU, CUDA events on a GPU.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ __all__ = ["LayerTimer", "LayerTimes"]
 
 @dataclass(frozen=True)
 class LayerTimes:
-    """Timings over the logging steps since the last reset.
+    """Hold the timings over the logging steps since the last reset.
 
     Attributes:
         layers: layer names, model order.
@@ -48,14 +51,14 @@ Mark = float | torch.cuda.Event
 
 
 class _Span(NamedTuple):
-    """Two readings of the clock: a layer's forward, or a logging step's batch."""
+    """Hold two readings of the clock: a layer's forward, or a logging step's batch."""
 
     start: Mark
     end: Mark
 
 
 class _LayerSpan(NamedTuple):
-    """One forward call of the layer in row ``row``."""
+    """Hold one forward call of the layer in row ``row``."""
 
     row: int
     span: _Span
@@ -63,12 +66,16 @@ class _LayerSpan(NamedTuple):
 
 @dataclass(frozen=True)
 class _Clock:
-    """``perf_counter`` readings, or CUDA events on the current stream (read after a sync)."""
+    """Read ``perf_counter``, or record CUDA events on the current stream (read after a sync)."""
 
     cuda: bool
 
     def mark(self) -> Mark:
-        """A reading now."""
+        """Return a reading now.
+
+        Returns:
+            A ``perf_counter`` reading, or a recorded CUDA event.
+        """
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -77,7 +84,14 @@ class _Clock:
 
     @staticmethod
     def elapsed_ms(span: _Span) -> float:
-        """The milliseconds from ``span.start`` to ``span.end`` (CUDA: both events done)."""
+        """Return the milliseconds from ``span.start`` to ``span.end`` (CUDA: both events done).
+
+        Args:
+            span: the two readings.
+
+        Returns:
+            The milliseconds between them.
+        """
         start = span.start
         end = span.end
         if isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
@@ -87,7 +101,7 @@ class _Clock:
 
 
 class LayerTimer(LayerStat[LayerTimes]):
-    """Times the forward of every selected layer at logging steps (not the backward).
+    """Time the forward of every selected layer at logging steps (not the backward).
 
     CUDA events are read at the next logging step. Only leaf modules by default, so no time
     counts twice.
@@ -140,6 +154,7 @@ class LayerTimer(LayerStat[LayerTimes]):
             self.attach(model)
 
     def _clear_host(self) -> None:
+        """Forget the host totals and this step's marks, sized to the rows."""
         n = len(self.rows)
         self._open: list[Mark | None] = [None] * n  # each layer's running forward's start
         self._ms = np.zeros(n)
@@ -152,16 +167,32 @@ class LayerTimer(LayerStat[LayerTimes]):
         self._step_start: Mark | None = None
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """Return the selected modules to time: only leaves unless ``leaves`` is false.
+
+        Args:
+            model: the model the modules are selected from.
+
+        Returns:
+            ``(name, module)`` of each module to time.
+        """
         assert self.selection is not None
         where = (lambda _n, m: next(m.children(), None) is None) if self.leaves else None
         return self.selection.modules(model, where=where)
 
     def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
+        """Choose the clock for the hooked model and clear the host totals."""
         cuda = self.use_cuda
         self._clock = _Clock(any(p.is_cuda for p in model.parameters()) if cuda is None else cuda)
         self._clear_host()
 
     def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
+        """Register the pre- and post-forward hooks that time one module while sampling.
+
+        Args:
+            registry: the registry the hooks go on.
+            name: the module's qualified name, its row's name.
+            module: the module timed.
+        """
         index = self.row(name)  # rows in model order, made as the hooks are
 
         def pre(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -179,7 +210,11 @@ class LayerTimer(LayerStat[LayerTimes]):
         registry.forward_hook(module, post, gated=True)
 
     def start_step(self, step: int | None = None) -> None:
-        """Start timing a batch of a logging step; micro-batches of one ``step`` add up into it."""
+        """Start timing a batch of a logging step.
+
+        Args:
+            step: the logging step; micro-batches of one ``step`` add up into it.
+        """
         self._fold_events()
         if step is None or step != self._last_step:
             self._steps += 1
@@ -214,7 +249,10 @@ class LayerTimer(LayerStat[LayerTimes]):
         self._brackets = []
 
     def drain(self) -> None:
-        """Fold the host totals into the states; a step cut short (a skipped batch's) ends here."""
+        """Fold the host totals into the states.
+
+        A step cut short (a skipped batch's) ends here.
+        """
         self.end_step()
         self._fold_events()
         if not self._steps[0] and not self._calls.any():
@@ -232,6 +270,14 @@ class LayerTimer(LayerStat[LayerTimes]):
         self._steps[:] = 0.0
 
     def summarize(self, states: dict[str, np.ndarray]) -> LayerTimes:
+        """Turn the reduced host states into the timings.
+
+        Args:
+            states: the time and call states, reduced across ranks.
+
+        Returns:
+            The timings since the last reset.
+        """
         steps = int(states["steps"][0])
         return LayerTimes(
             layers=self.layers,
@@ -242,7 +288,14 @@ class LayerTimer(LayerStat[LayerTimes]):
         )
 
     def tags(self, result: LayerTimes) -> dict[str, float]:
-        """``layer_time/{forward_ms,share}/{layer}``, ``step_ms`` and ``forward_share``."""
+        """Return ``layer_time/{forward_ms,share}/{layer}``, ``step_ms`` and ``forward_share``.
+
+        Args:
+            result: the timings.
+
+        Returns:
+            The scalars, by tag.
+        """
         if result.steps == 0:
             return {}
         share = result.share

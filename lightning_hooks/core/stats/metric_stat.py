@@ -1,6 +1,8 @@
-"""A ``torchmetrics.Metric`` of the user's as a per-layer statistic: a clone per layer, fed the
-layer's training outputs at logging steps and computed at each epoch end; across ranks, one
-all-gather per metric state for all the layers together."""
+"""Run a ``torchmetrics.Metric`` of the user's as a per-layer statistic.
+
+A clone per layer is fed the layer's training outputs at logging steps and computed at each
+epoch end; across ranks, one all-gather per metric state for all the layers together.
+"""
 
 from __future__ import annotations
 
@@ -34,13 +36,16 @@ on another rank (or before a resume), whose states the sync brings in."""
 
 
 def _default_name(metric: Metric) -> str:
-    """``MeanMetric`` -> ``mean``, ``OutputEntropy`` -> ``output_entropy``."""
+    """Return the default tag name of ``metric``.
+
+    ``MeanMetric`` -> ``mean``, ``OutputEntropy`` -> ``output_entropy``.
+    """
     stem = type(metric).__name__.removesuffix("Metric") or type(metric).__name__
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", stem).lower()
 
 
 def _check_metric(metric: object) -> Metric:
-    """``metric``, a ``torchmetrics.Metric`` instance whose states are all tensors.
+    """Return ``metric``, checked to be a ``torchmetrics.Metric`` whose states are all tensors.
 
     Raises:
         TypeError: not a ``Metric`` instance (a class, a ``MetricCollection``, ...).
@@ -63,9 +68,11 @@ def _check_metric(metric: object) -> Metric:
 
 
 class _Gathered:
-    """A clone's ``dist_sync_fn`` for one compute: every rank's value of each state, gathered
-    already with the other layers' (one all-gather per state), handed to torchmetrics' own sync,
-    which reduces them by the state's ``dist_reduce_fx``.
+    """Serve as a clone's ``dist_sync_fn`` for one compute.
+
+    It hands every rank's value of each state, gathered already with the other layers' (one
+    all-gather per state), to torchmetrics' own sync, which reduces them by the state's
+    ``dist_reduce_fx``.
 
     ``dist_sync_fn`` is torchmetrics' public way to replace its gather; it is called with each
     state tensor itself, so the values are found by the tensor's identity. Were a release to pass
@@ -80,21 +87,31 @@ class _Gathered:
         self.by_state = by_state
 
     def __call__(self, tensor: Tensor, group: object = None) -> list[Tensor]:
-        """Every rank's ``tensor``; one torchmetrics did not pass us before is gathered now."""
+        """Return every rank's ``tensor``; one torchmetrics did not pass us before is gathered now.
+
+        Args:
+            tensor: a state tensor of the clone.
+            group: the process group, for the fallback gather.
+
+        Returns:
+            The state's value on every rank.
+        """
         gathered = self.by_state.get(id(tensor))
         return gather_all_tensors(tensor, group) if gathered is None else gathered
 
 
 def _states(metric: Metric) -> dict[str, Tensor]:
-    """``metric``'s states, every one a tensor (:func:`_check_metric` refused list states)."""
+    """Return ``metric``'s states, every one a tensor (:func:`_check_metric` refused lists)."""
     return {name: value for name, value in metric.metric_state.items() if isinstance(value, Tensor)}
 
 
 @named_arguments
 class MetricStat(LayerStat[dict[str, float]]):
-    """A ``torchmetrics.Metric`` of yours, per layer: a clone of ``metric`` for each selected
-    layer, whose ``update`` gets the layer's training output at each logging step, and whose
-    ``compute`` over the epoch is logged at each epoch end as ``metrics/<name>/<layer>``.
+    """Run a ``torchmetrics.Metric`` of yours per layer: a clone of ``metric`` for each one.
+
+    A clone is made for each selected layer. Each clone's ``update`` gets the layer's training
+    output at each logging step, and its ``compute`` over the epoch is logged at each epoch end
+    as ``metrics/<name>/<layer>``.
 
     The clones are made at each fit's start (reset: ``metric``'s own states are not used). Each
     gets the layer's output tensor, detached, as it is (for a tuple or dict output, its first
@@ -152,16 +169,28 @@ class MetricStat(LayerStat[dict[str, float]]):
         self.add_layer_state("updates", reduce="sum")  # which layers ran, on any rank
 
     def config_key(self) -> str:
-        """The class, the metric's class, the name and the selection."""
+        """Return what tells two instances' checkpoint states apart.
+
+        Returns:
+            A key made of the class, the metric's class, the name and the selection.
+        """
         return f"{super().config_key()}:{type(self.template).__name__}:{self.name}"
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """The modules to watch (without ``types``: the modules that own parameters, and
-        activations)."""
+        """Return the modules to watch.
+
+        Without ``types``: the modules that own parameters, and activations.
+
+        Args:
+            model: the model the modules are selected from.
+
+        Returns:
+            ``(name, module)`` of each module to watch.
+        """
         return feature_modules(self.selection, model)
 
     def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
-        """A fresh clone of the metric for every hooked layer, on the model's device."""
+        """Make a fresh clone of the metric for every hooked layer, on the model's device."""
         self.metrics = {}
         for layer in self._hooked:
             clone = self.template.clone()
@@ -169,7 +198,16 @@ class MetricStat(LayerStat[dict[str, float]]):
             self.metrics[layer] = clone.to(self.device)
 
     def observe(self, name: str, module: nn.Module, output: object) -> None:
-        """Update ``name``'s clone with the output (its first floating tensor)."""
+        """Update ``name``'s clone with the output (its first floating tensor).
+
+        Args:
+            name: the module's qualified name, whose clone is updated.
+            module: the module that ran.
+            output: what the module returned.
+
+        Raises:
+            ValueError: ``update`` changed the shape of a state.
+        """
         tensor = next((t for _, t in iter_float_tensors(output)), None)
         if tensor is None:
             return
@@ -179,8 +217,10 @@ class MetricStat(LayerStat[dict[str, float]]):
         self.tally("updates", self.row(name))
 
     def _check_shapes(self, clone: Metric) -> None:
-        """Refuse a state whose shape ``update`` changed: the layers' states are stacked and
-        gathered by shape. Raised in the hook, so the ranks agree on it before any gather.
+        """Refuse a state whose shape ``update`` changed.
+
+        The layers' states are stacked and gathered by shape. Raised in the hook, so the ranks
+        agree on it before any gather.
 
         Raises:
             ValueError: a state's shape is not its default's.
@@ -196,12 +236,25 @@ class MetricStat(LayerStat[dict[str, float]]):
                 )
 
     def start_copy(self, step: int) -> None:
-        """Nothing at a logging step: the clones keep their states on the device until the
-        epoch ends (no value is logged per logging step, and no collective made)."""
+        """Do nothing at a logging step.
+
+        The clones keep their states on the device until the epoch ends. No value is logged per
+        logging step, and no collective made.
+
+        Args:
+            step: the logging step (unused).
+        """
 
     def summarize(self, states: dict[str, np.ndarray]) -> dict[str, float]:
-        """Each layer that ran this epoch (on any rank): its clone's ``compute``, synced across
-        ranks (a collective per state: every rank calls it).
+        """Compute each layer that ran this epoch (on any rank) by its clone's ``compute``.
+
+        Each is synced across ranks. A collective per state: every rank calls it.
+
+        Args:
+            states: the reduced host states (the rows' update counts).
+
+        Returns:
+            Each layer's value, by layer.
 
         Raises:
             TypeError: ``compute`` returned something else than one number.
@@ -214,8 +267,11 @@ class MetricStat(LayerStat[dict[str, float]]):
         }
 
     def _gather(self, clones: list[Metric]) -> list[_Gathered | None]:
-        """Every rank's states of ``clones`` (in the aligned rows' order, the same on every rank):
-        one all-gather per state for all of them, ready for each clone's sync."""
+        """Gather every rank's states of ``clones``, ready for each clone's sync.
+
+        The clones are in the aligned rows' order, the same on every rank: one all-gather per state
+        for all of them.
+        """
         if not clones or not is_distributed():
             return [None] * len(clones)
         by_clone: list[dict[int, list[Tensor]]] = [{} for _ in clones]
@@ -225,14 +281,20 @@ class MetricStat(LayerStat[dict[str, float]]):
         return [_Gathered(by_state) for by_state in by_clone]
 
     def _all_ranks(self, clones: list[Metric]) -> dict[str, Tensor]:
-        """Each state of ``clones``, stacked and gathered: ``[world_size, len(clones), ...]``."""
+        """Return each state of ``clones``, stacked and gathered.
+
+        Each is ``[world_size, len(clones), ...]``.
+        """
         return {
             name: all_gather_stacked(torch.stack([_states(c)[name] for c in clones]))
             for name in _states(self.template)
         }
 
     def _compute(self, clone: Metric, gathered: _Gathered | None) -> float:
-        """``clone.compute()`` with the ranks' states ``gathered`` (``None``: one process)."""
+        """Return ``clone.compute()`` with the ranks' states ``gathered``.
+
+        ``None``: one process.
+        """
         original = clone.dist_sync_fn
         if gathered is not None:
             clone.dist_sync_fn = gathered
@@ -246,7 +308,14 @@ class MetricStat(LayerStat[dict[str, float]]):
         return _as_float(self.template, value)
 
     def tags(self, result: dict[str, float]) -> dict[str, float]:
-        """``metrics/<name>/<layer>``: each layer's value."""
+        """Return ``metrics/<name>/<layer>``: each layer's value.
+
+        Args:
+            result: each layer's value, from :meth:`summarize`.
+
+        Returns:
+            The scalars, by tag.
+        """
         return {layer_tag(FAMILY, self.name, layer): value for layer, value in result.items()}
 
     def reset(self) -> None:
@@ -256,8 +325,13 @@ class MetricStat(LayerStat[dict[str, float]]):
             clone.reset()
 
     def host_state(self) -> dict[str, Any]:
-        """The rows and their updates, and every rank's states of each row's clone (a collective
-        per state): ``metric_states[state]`` is ``[world_size, rows, ...]``."""
+        """Return the rows and their updates, and every rank's states of each row's clone.
+
+        A collective per state: ``metric_states[state]`` is ``[world_size, rows, ...]``.
+
+        Returns:
+            The checkpoint state, by name.
+        """
         state = super().host_state()
         clones = [self.metrics[layer] for layer in self.layers]
         if clones:
@@ -269,6 +343,9 @@ class MetricStat(LayerStat[dict[str, float]]):
 
     def load_host_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`host_state`: each rank takes its own states back.
+
+        Args:
+            state: what :meth:`host_state` returned, from a checkpoint.
 
         Raises:
             ValueError: the state was saved by another number of processes, or names layers
@@ -291,7 +368,14 @@ class MetricStat(LayerStat[dict[str, float]]):
 
 
 def _as_float(metric: Metric, value: object) -> float:
-    """``compute``'s ``value`` as a float.
+    """Return ``compute``'s ``value`` as a float.
+
+    Args:
+        metric: the metric whose ``compute`` returned it, named in the error.
+        value: what ``compute`` returned.
+
+    Returns:
+        The value as a float.
 
     Raises:
         TypeError: ``value`` is not one number.

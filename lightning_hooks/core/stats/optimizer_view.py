@@ -1,5 +1,7 @@
-"""What each optimizer steps of a gradient-flow layout, its gradient statistics, update ratio
-and quiet read."""
+"""Say what each optimizer steps of a gradient-flow layout.
+
+Also its gradient statistics, update ratio and quiet read.
+"""
 
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ _OF_GRADIENT = tuple(name != "weight_norm" for name in GRAD_STATS)
 
 @dataclass
 class OptimizerView:
-    """The tracked parameters one optimizer steps, and the buffers of its update ratio."""
+    """Hold the tracked parameters one optimizer steps, and the buffers of its update ratio."""
 
     params: tuple[nn.Parameter, ...]
     index: torch.Tensor
@@ -68,6 +70,7 @@ class OptimizerView:
     every_row: bool = False  # it steps every layer of the layout (one optimizer's usual case)
 
     def __post_init__(self) -> None:
+        """Make the host-side rows and the layer index once, from the fields."""
         self.layer_ids = frozenset(self.row_ids[:-1])  # the layout rows it steps, on the host
         # views of index, numel and unique, made once: what the statistics add up by layer
         self.layer_index = LayerIndex(self.index, self.numel[:-1], self.unique, self.numel[-1])
@@ -77,8 +80,10 @@ class OptimizerView:
 
     @property
     def cells(self) -> torch.Tensor | slice:
-        """:attr:`rows` as the accumulator takes them: every row, in order, as a slice (views of
-        its states: no gather and scatter)."""
+        """:attr:`rows` as the accumulator takes them.
+
+        Every row, in order, as a slice (views of its states: no gather and scatter).
+        """
         return slice(None) if self.every_row else self.rows
 
     @property
@@ -87,8 +92,12 @@ class OptimizerView:
         return slice(0, len(self.row_ids) - 1) if self.every_row else self.rows[:-1]
 
     def valid(self) -> torch.Tensor | None:
-        """``[layers + 1, GRAD_STATS]``, false in the gradient columns of layers with no gradient
-        at this step (cached per pattern); ``None``: no gradient missing."""
+        """Return which cells have a value at this step.
+
+        Returns:
+            ``[layers + 1, GRAD_STATS]``, false in the gradient columns of layers with no
+            gradient at this step (cached per pattern); ``None``: no gradient missing.
+        """
         missing = tuple([p.grad is None for p in self.params])  # one frame, not one per tensor
         if not any(missing):
             return None
@@ -111,23 +120,39 @@ _SECOND_MOMENT = ("exp_avg_sq", "square_avg", "sum", "exp_avg_sq_row")
 
 
 def adaptive(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> bool:
-    """Whether ``optimizer`` keeps a second moment for the first of ``params``."""
+    """Say whether ``optimizer`` keeps a second moment for the first of ``params``.
+
+    Args:
+        optimizer: the optimizer.
+        params: the parameters it steps.
+
+    Returns:
+        Whether the optimizer is adaptive.
+    """
     state = optimizer.state.get(params[0], {}) if params else {}
     return any(key in state for key in _SECOND_MOMENT)
 
 
 def _groups_key(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+    """Return the sizes of ``optimizer``'s param_groups, which a view is built for."""
     return tuple(len(group["params"]) for group in optimizer.param_groups)
 
 
 def _held(optimizer: torch.optim.Optimizer) -> set[int]:
+    """Return the ids of the parameters in ``optimizer``'s param_groups."""
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
 
 
 class OptimizerViews:
-    """The :class:`OptimizerView` of each optimizer over ``layout``, built at its step (with a
-    copy of its parameters for the ``update_ratio``); :attr:`generation` changes whenever a view
-    is built or dropped."""
+    """Build and keep the :class:`OptimizerView` of each optimizer over ``layout``, at its step.
+
+    A view holds a copy of its parameters for the ``update_ratio``; :attr:`generation` changes
+    whenever a view is built or dropped.
+
+    Args:
+        layout: the gradient-flow layout the views select from.
+        update_ratio: whether views keep a copy of their parameters for the update ratio.
+    """
 
     def __init__(self, layout: ParamLayout, *, update_ratio: bool) -> None:
         self.layout = layout
@@ -136,8 +161,17 @@ class OptimizerViews:
         self.built: dict[int, OptimizerView] = {}  # by the optimizer's ``id``, as built
 
     def view(self, optimizer: torch.optim.Optimizer) -> OptimizerView:
-        """The view of ``optimizer``, built anew when its param_groups change and after
-        :meth:`clear` (a parameter unfrozen by ``requires_grad`` alone counts from there)."""
+        """Return the view of ``optimizer``.
+
+        It is built anew when its param_groups change and after :meth:`clear` (a parameter
+        unfrozen by ``requires_grad`` alone counts from there).
+
+        Args:
+            optimizer: the optimizer about to step.
+
+        Returns:
+            Its view.
+        """
         view = self.current(optimizer)
         if view is None:
             checks.optimizer("GradFlowTracker.observe", "optimizer", optimizer)
@@ -146,7 +180,14 @@ class OptimizerViews:
         return view
 
     def current(self, optimizer: torch.optim.Optimizer) -> OptimizerView | None:
-        """The view built at ``optimizer``'s last step, if its param_groups are unchanged."""
+        """Return the view built at ``optimizer``'s last step, if its param_groups are unchanged.
+
+        Args:
+            optimizer: the optimizer.
+
+        Returns:
+            Its view, or ``None``.
+        """
         view = self.built.get(id(optimizer))
         if view is not None and view.key != _groups_key(optimizer):
             del self.built[id(optimizer)]
@@ -160,13 +201,21 @@ class OptimizerViews:
         self.generation += 1
 
     def unstepped(self, optimizers: Sequence[torch.optim.Optimizer]) -> tuple[str, ...]:
-        """Layers with a trainable parameter in none of ``optimizers``: never measured."""
+        """Return the layers with a trainable parameter in none of ``optimizers``: never measured.
+
+        Args:
+            optimizers: every optimizer of the fit.
+
+        Returns:
+            The names of those layers.
+        """
         held = set().union(*map(_held, optimizers))
         pairs = zip(self.layout.owner, self.layout.params, strict=True)
         rows = {o for o, p in pairs if p.requires_grad and id(p) not in held}
         return tuple(self.layout.layers[i] for i in sorted(rows))
 
     def _build(self, optimizer: torch.optim.Optimizer, key: tuple[int, ...]) -> OptimizerView:
+        """Build the view of ``optimizer`` for the param_groups' sizes ``key``."""
         layout = self.layout
         held = _held(optimizer)
         keep = [id(p) in held and p.requires_grad for p in layout.params]
@@ -200,7 +249,14 @@ class OptimizerViews:
         )
 
     def first_param(self, optimizer: torch.optim.Optimizer) -> nn.Parameter | None:
-        """The parameter whose gradient tells whether ``optimizer`` zeroed its gradients."""
+        """Return the parameter whose gradient tells whether ``optimizer`` zeroed its gradients.
+
+        Args:
+            optimizer: the optimizer.
+
+        Returns:
+            Its first tracked parameter, or ``None`` where it steps none.
+        """
         view = self.current(optimizer)
         if view is not None:
             return view.params[0] if view.params else None
@@ -208,7 +264,14 @@ class OptimizerViews:
         return next((p for p in self.layout.params if id(p) in held), None)
 
     def layers(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
-        """The layout rows ``optimizer`` steps (before a view: those in its param_groups)."""
+        """Return the layout rows ``optimizer`` steps (before a view: those in its param_groups).
+
+        Args:
+            optimizer: the optimizer.
+
+        Returns:
+            The rows.
+        """
         view = self.current(optimizer)  # a param_groups change bumps the generation
         if view is not None:
             return view.layer_ids
@@ -218,8 +281,12 @@ class OptimizerViews:
 
 
 class ViewStats:
-    """``[rows, GRAD_STATS]`` of an :class:`OptimizerView`, FSDP2 ``shards`` made whole
-    (``workspace``: the ``|g|`` pass's buffer, reused every step)."""
+    """Compute ``[rows, GRAD_STATS]`` of an :class:`OptimizerView`, FSDP2 shards made whole.
+
+    Args:
+        shards: the FSDP2 plan that makes the statistics whole (``None``: not sharded).
+        workspace: the ``|g|`` pass's buffer, reused every step.
+    """
 
     def __init__(self, shards: ShardPlan | None, workspace: Workspace) -> None:
         self.shards = shards
@@ -228,7 +295,16 @@ class ViewStats:
     def full(
         self, view: OptimizerView, grads: list[torch.Tensor], *, weights: bool = True
     ) -> torch.Tensor:
-        """:func:`grad_stats` of ``view`` (``weights``: also the weight norms)."""
+        """Return :func:`grad_stats` of ``view``.
+
+        Args:
+            view: the optimizer's view.
+            grads: the gradients of its parameters.
+            weights: also the weight norms.
+
+        Returns:
+            ``[rows, GRAD_STATS]`` statistics.
+        """
         params = [to_local(p) for p in view.params] if weights else None
         return grad_stats(
             grads, params, view.layer_index, shards=self.shards, workspace=self.workspace
@@ -237,7 +313,16 @@ class ViewStats:
     def norms(
         self, view: OptimizerView, grads: list[torch.Tensor], *, weights: bool
     ) -> torch.Tensor:
-        """The gradient (and with ``weights`` weight) L2 norms; other columns NaN."""
+        """Return the gradient (and with ``weights`` weight) L2 norms; other columns NaN.
+
+        Args:
+            view: the optimizer's view.
+            grads: the gradients of its parameters.
+            weights: also the weight norms.
+
+        Returns:
+            ``[rows, GRAD_STATS]`` statistics.
+        """
         norms = [param_norms(grads, self.workspace)]
         if weights:
             norms.append(param_norms([to_local(p) for p in view.params], self.workspace))
@@ -251,7 +336,14 @@ class ViewStats:
         return stats
 
     def weight_norms(self, view: OptimizerView) -> torch.Tensor:
-        """``[rows]`` weight norms of ``view`` (the alarms' diagnosis)."""
+        """Return the weight norms of ``view`` (the alarms' diagnosis).
+
+        Args:
+            view: the optimizer's view.
+
+        Returns:
+            ``[rows]`` weight norms.
+        """
         norms = param_norms([to_local(p) for p in view.params], self.workspace)
         if self.shards is not None:
             (norms,) = self.shards.reduce(norms=[norms]).norms
@@ -259,8 +351,13 @@ class ViewStats:
 
 
 class UpdateRatio:
-    """``||w_after - w_before|| / ||w_before||`` per layer into ``column`` of ``accumulator``
-    (``shards``: the FSDP2 plan that makes the norms whole, or ``None``)."""
+    """Add ``||w_after - w_before|| / ||w_before||`` per layer into ``column`` of ``accumulator``.
+
+    Args:
+        accumulator: the accumulator the ratios go into.
+        column: the accumulator's column of the ratios.
+        shards: the FSDP2 plan that makes the norms whole, or ``None``.
+    """
 
     def __init__(
         self, accumulator: LayerStatsAccumulator, column: int, shards: ShardPlan | None
@@ -272,7 +369,12 @@ class UpdateRatio:
 
     @staticmethod
     def keep(view: OptimizerView, weight_norm: torch.Tensor) -> None:
-        """Copy the weights ``view`` steps, and their norms, before the step."""
+        """Copy the weights ``view`` steps, and their norms, before the step.
+
+        Args:
+            view: the optimizer's view, which keeps the copy.
+            weight_norm: the weights' norms per row.
+        """
         internals.foreach_copy_(view.before, [to_local(p) for p in view.params])
         view.weight_norm = weight_norm
 
@@ -283,7 +385,16 @@ class UpdateRatio:
         alarms: TrainingAlarms | None,
         step: int,
     ) -> None:
-        """After the step: each layer's ratio, and the alarms' *stall* reading (adaptive only)."""
+        """Record each layer's ratio after the step, and the alarms' *stall* reading.
+
+        The stall reading is taken for an adaptive optimizer only.
+
+        Args:
+            optimizer: the optimizer that stepped.
+            view: its view, with the weights kept before the step.
+            alarms: the alarms given the stall reading (``None``: none).
+            step: the step, which the stall reading is recorded at.
+        """
         if view.weight_norm is None:
             return
         after = [to_local(p) for p in view.params]
@@ -304,8 +415,17 @@ class UpdateRatio:
 
 
 def quiet_read(view: OptimizerView, triton: bool) -> Read:
-    """The read of ``view``'s gradient norms by ``AlarmRules.quiet_read`` (``triton`` or
-    ``grouped``); one that cannot be made is said once and :func:`foreach_norms` reads instead."""
+    """Return the read of ``view``'s gradient norms by ``AlarmRules.quiet_read``.
+
+    One that cannot be made is said once and :func:`foreach_norms` reads instead.
+
+    Args:
+        view: the optimizer's view.
+        triton: the ``"triton"`` read; else the ``"grouped"`` one.
+
+    Returns:
+        The read.
+    """
     try:
         read = _pointer_norms(view) if triton else GroupedNorms(view.params)
     except Exception as error:  # its index or tables not made (pinned memory, say)
@@ -318,12 +438,19 @@ def quiet_read(view: OptimizerView, triton: bool) -> Read:
 
 
 def foreach_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Each gradient's L2 norm by one ``torch._foreach_norm`` (the read of last resort)."""
+    """Return each gradient's L2 norm by one ``torch._foreach_norm`` (the read of last resort).
+
+    Args:
+        grads: the gradients.
+
+    Returns:
+        The norms, stacked.
+    """
     return torch.stack(foreach_norm(list(grads)))
 
 
 def _pointer_norms(view: OptimizerView) -> Read | str:
-    """The pointer-table read of ``view``'s gradients, or why it cannot read them."""
+    """Return the pointer-table read of ``view``'s gradients, or why it cannot read them."""
     why = pointer_norms.available()
     if why is None and view.params[0].device.type != "cuda":
         why = f"the gradients are on {view.params[0].device.type}, not CUDA"
@@ -336,7 +463,13 @@ def _pointer_norms(view: OptimizerView) -> Read | str:
 
 
 def read_fallback(triton: bool, why: str, stacklevel: int = 3) -> None:
-    """Say once, for one optimizer, why the quiet step reads with ``_foreach_norm``."""
+    """Say once, for one optimizer, why the quiet step reads with ``_foreach_norm``.
+
+    Args:
+        triton: the read that failed was ``"triton"``; else ``"grouped"``.
+        why: why it failed, as the warning says it.
+        stacklevel: the warning's stack level.
+    """
     read = "triton" if triton else "grouped"
     warnings.warn(
         f"AlarmRules(quiet_read={read!r}): {why}; quiet steps read the gradients' norms with "

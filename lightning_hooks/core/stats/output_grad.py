@@ -1,4 +1,4 @@
-"""The gradient with respect to each layer's output, per optimizer step."""
+"""Measure the gradient with respect to each layer's output, per optimizer step."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _NotedNorm(NamedTuple):
-    """An eager gradient hook's output-gradient norm, until a record sums it into its row."""
+    """Hold an eager gradient hook's output-gradient norm, until a record sums it into its row."""
 
     sq_row: torch.Tensor  # the row of the sums of squares
     norm: torch.Tensor
@@ -36,7 +36,7 @@ Noted = list[_NotedNorm]
 
 
 class _Sums(NamedTuple):
-    """Where the output hooks of every layer add up."""
+    """Hold where the output hooks of every layer add up."""
 
     sq: torch.Tensor  # [layers] sums of the squared norms
     hit: torch.Tensor  # [layers] the outputs hooked (compiled regions)
@@ -45,9 +45,19 @@ class _Sums(NamedTuple):
 
 
 class _Wrap(Protocol):
-    """The registry's guard (:meth:`HookRegistry.guarded`): ``fn`` with its errors caught."""
+    """Type the registry's guard (:meth:`HookRegistry.guarded`): ``fn`` with its errors caught."""
 
-    def __call__(self, fn: F, where: str) -> F: ...
+    def __call__(self, fn: F, where: str) -> F:
+        """Return ``fn`` with its errors caught.
+
+        Args:
+            fn: the hook to guard.
+            where: what the hook is, as the report of its error names it.
+
+        Returns:
+            The guarded hook.
+        """
+        ...
 
 
 OutputHook = Callable[[nn.Module, tuple[Any, ...], object], None]
@@ -55,12 +65,14 @@ OutputHook = Callable[[nn.Module, tuple[Any, ...], object], None]
 
 def _output_norm(grad: torch.Tensor) -> torch.Tensor:
     # fp16/bf16 are summed in float32; float64 (precision="64-true") stays float64.
+    """Return the L2 norm of ``grad``, fp16 and bf16 summed in float32, float64 kept."""
     dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
     norm: torch.Tensor = torch.linalg.vector_norm(grad, dtype=dtype)
     return norm
 
 
 def _add_output_grad(sq_row: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add the square of ``grad``'s norm into ``sq_row`` (a compiled region's hook)."""
     norm = _output_norm(grad)
     sq_row.addcmul_(norm, norm)
 
@@ -68,12 +80,16 @@ def _add_output_grad(sq_row: torch.Tensor, grad: torch.Tensor) -> None:
 def _note_output_grad(
     noted: Noted, sq_row: torch.Tensor, order: list[int], row: int, grad: torch.Tensor
 ) -> None:
+    """Note ``grad``'s norm for ``sq_row``, summed at record, and ``row`` in the backward order."""
     noted.append(_NotedNorm(sq_row, _output_norm(grad)))  # summed at record: one op for all
     order.append(row)  # host-side: the backward order the non-finite alarm names layers in
 
 
 def _by_round(rows: list[torch.Tensor]) -> list[list[int]]:
-    """Positions of ``rows`` in rounds of distinct rows: a multi-tensor op writes a row once."""
+    """Return the positions of ``rows`` in rounds of distinct rows.
+
+    A multi-tensor op writes a row once.
+    """
     rounds: list[list[int]] = []
     seen: dict[int, int] = {}
     for i, row in enumerate(rows):
@@ -99,8 +115,18 @@ def _sum_noted(noted: Noted, hits: list[torch.Tensor]) -> None:
 def _output_hook(
     sums: _Sums, row: int, order: list[int], compiled_sq: list[torch.Tensor], wrap: _Wrap
 ) -> OutputHook:
-    """A forward hook putting a gradient hook on the outputs of training forwards (``wrap``:
-    the registry's guard; ``compiled_sq``: a cell with the tensor a compiled region sums into)."""
+    """Return a forward hook putting a gradient hook on the outputs of training forwards.
+
+    Args:
+        sums: where the hooks of every layer add up.
+        row: the layer's row.
+        order: the backward order of the rows, which the eager gradient hooks append to.
+        compiled_sq: a cell with the tensor a compiled region sums into.
+        wrap: the registry's guard, which catches the hooks' errors.
+
+    Returns:
+        The forward hook.
+    """
     hits = sums.hits
     sq_row = sums.sq.select(0, row)
     hit_row = sums.hit.select(0, row)
@@ -130,10 +156,18 @@ def _output_hook(
 
 
 class OutputGradients:
-    """The L2 norm of the gradient with respect to each layer's output, summed in square over
-    the backward passes of a step of one of ``optimizers`` (``views``: theirs), into ``column`` of
-    ``accumulator``; under DDP summed across ranks at :meth:`drain`. :attr:`order`: the backward
-    order."""
+    """Measure the L2 norm of the gradient with respect to each layer's output.
+
+    It is summed in square over the backward passes of a step of one of ``optimizers``, into
+    ``column`` of ``accumulator``; under DDP summed across ranks at :meth:`drain`. :attr:`order`:
+    the backward order.
+
+    Args:
+        accumulator: the accumulator the norms go into.
+        column: the accumulator's column of the norms.
+        optimizers: the optimizers whose steps are measured.
+        views: the optimizers' views over the layout, which give each step's rows.
+    """
 
     def __init__(
         self,
@@ -172,8 +206,16 @@ class OutputGradients:
     def hook(
         self, registry: HookRegistry, modules: Sequence[tuple[str, nn.Module]], model: nn.Module
     ) -> None:
-        """Hook the output of each of ``modules`` that is a layer of the layout; each compiled
-        region of ``model`` gets a pre-hook giving its rows fresh tensors when called again."""
+        """Hook the output of each of ``modules`` that is a layer of the layout.
+
+        Each compiled region of ``model`` gets a pre-hook giving its rows fresh tensors when called
+        again.
+
+        Args:
+            registry: the registry the hooks go on.
+            modules: ``(name, module)`` of the candidate modules.
+            model: the model, whose compiled regions are found.
+        """
         by_name = dict(modules)
         layers = self.views.layout.layers
         sums = _Sums(sq=self._sq, hit=self._hit, noted=self._noted, hits=self._hits)
@@ -188,7 +230,7 @@ class OutputGradients:
                 registry.forward_pre_hook(region, partial(self._called_again, rows), gated=True)
 
     def _called_again(self, rows: list[int], region: nn.Module, args: tuple[Any, ...]) -> None:
-        """From a compiled region's second call in a step on, fresh tensors for its rows."""
+        """Give a compiled region's rows fresh tensors, from its second call in a step on."""
         if not is_grad_forward(region):
             return
         if id(region) not in self._called:
@@ -202,7 +244,13 @@ class OutputGradients:
     def record(
         self, optimizer: torch.optim.Optimizer, view: OptimizerView, grad_scale: torch.Tensor | None
     ) -> None:
-        """A logging step of ``optimizer``: its rows' output gradients into the accumulator."""
+        """Add the output gradients of ``optimizer``'s rows into the accumulator, at a logging step.
+
+        Args:
+            optimizer: the optimizer that just stepped.
+            view: the optimizer's view, which gives the rows it steps.
+            grad_scale: the AMP loss scale the gradients carry (``None``: none).
+        """
         _sum_noted(self._noted, self._hits)
         for row, fresh in self._extra:
             self._compiled_sq[row].add_(fresh)
@@ -235,7 +283,7 @@ class OutputGradients:
             self._hit.index_fill_(0, self._unowned, 0.0)
 
     def _drop_other_backward(self, optimizer: torch.optim.Optimizer, view: OptimizerView) -> None:
-        """Several optimizers (a GAN): drop what fed another's last step if zeroed since."""
+        """Drop what fed another optimizer's last step if zeroed since (several optimizers: GAN)."""
         if id(optimizer) not in self._markers:
             return
         marker = self._markers.pop(id(optimizer))
@@ -248,6 +296,10 @@ class OutputGradients:
         self._hit.index_copy_(0, rows, self._hit[rows] - self._pending_hit[rows])
 
     def _observe(self, view: OptimizerView, grad_scale: torch.Tensor | None) -> None:
+        """Add the step's unscaled norms of ``view``'s rows into the accumulator.
+
+        Under DDP they are kept for the epoch's one reduction.
+        """
         cells = view.layer_cells  # the rows ``view`` steps (a slice: views, no gather)
         sq = self._sq[cells]
         if grad_scale is not None:

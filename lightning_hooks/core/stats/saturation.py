@@ -1,4 +1,4 @@
-"""Saturation of bounded activations (Sigmoid, Tanh, Hardtanh, ...)."""
+"""Measure the saturation of bounded activations (Sigmoid, Tanh, Hardtanh, ...)."""
 
 from __future__ import annotations
 
@@ -32,12 +32,20 @@ SATURATING_TYPES: tuple[type[nn.Module], ...] = (
 
 
 def saturation_mask(module: nn.Module, output: torch.Tensor, margin: float = 0.01) -> torch.Tensor:
-    """Which entries of a bounded activation's output are saturated, as a boolean tensor.
+    """Return which entries of a bounded activation's output are saturated, as a boolean tensor.
 
     * ``Sigmoid``: ``out < margin`` or ``out > 1 - margin``;
     * ``Tanh``, ``Softsign``: ``|out| > 1 - margin`` (under 2% of the gradient passes back);
     * ``Hardtanh`` (``ReLU6`` too): ``out <= min_val`` or ``out >= max_val`` (zero gradient);
     * ``Hardsigmoid``: ``out <= 0`` or ``out >= 1`` (zero gradient).
+
+    Args:
+        module: the activation, whose type and bounds set the test.
+        output: the activation's output.
+        margin: the threshold margin of the smooth activations.
+
+    Returns:
+        The boolean mask, ``output``'s shape.
 
     Raises:
         TypeError: ``module`` is none of the types above.
@@ -64,8 +72,15 @@ def saturation_mask(module: nn.Module, output: torch.Tensor, margin: float = 0.0
 
 
 def unit_saturation(mask: torch.Tensor, unit_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(count, unsaturated)``: an int64 count of saturated entries and a ``[units]`` boolean,
-    which units along ``unit_dim`` (out of range: one unit) had an unsaturated entry.
+    """Count the saturated entries of ``mask`` and find the units with an unsaturated one.
+
+    Args:
+        mask: which entries are saturated (:func:`saturation_mask`).
+        unit_dim: the dimension that indexes units (out of range: one unit).
+
+    Returns:
+        ``(count, unsaturated)``: an int64 count of saturated entries and a ``[units]`` boolean,
+        which units had an unsaturated entry.
 
     Example:
         >>> mask = torch.tensor([[True, False], [True, True]])  # 2 samples, 2 units
@@ -86,7 +101,7 @@ def unit_saturation(mask: torch.Tensor, unit_dim: int = 1) -> tuple[torch.Tensor
 
 @dataclass(frozen=True)
 class SaturatedUnits:
-    """What :class:`SaturationTracker` found over a period (its result), one row per layer.
+    """Hold what :class:`SaturationTracker` found over a period (its result), one row per layer.
 
     Attributes:
         layers: layer names.
@@ -114,8 +129,9 @@ class SaturatedUnits:
 
 
 class SaturationTracker(LayerStat[SaturatedUnits]):
-    """Per layer, the saturated outputs (:func:`saturation_mask`) of training forwards and the
-    units never unsaturated; no host sync.
+    """Count per layer the saturated outputs of training forwards and the units never unsaturated.
+
+    Saturation is :func:`saturation_mask`'s; no host sync.
 
     Args:
         model: the model to watch now (``None``: call :meth:`attach` later).
@@ -162,7 +178,16 @@ class SaturationTracker(LayerStat[SaturatedUnits]):
             self.attach(model)
 
     def observe(self, name: str, module: nn.Module, output: object) -> None:
-        """Count the saturated entries of ``output`` and mark its units ever unsaturated."""
+        """Count the saturated entries of ``output`` and mark its units ever unsaturated.
+
+        Args:
+            name: the activation's qualified name, its row's name.
+            module: the activation, whose type and bounds set the test.
+            output: what the activation returned; anything but a tensor is skipped.
+
+        Raises:
+            ValueError: the layer's number of units along ``unit_dim`` changed.
+        """
         if not isinstance(output, torch.Tensor):
             return
         count, unsaturated = unit_saturation(
@@ -181,6 +206,15 @@ class SaturationTracker(LayerStat[SaturatedUnits]):
         self.tally("entries", row, output.numel())
 
     def summarize(self, states: dict[str, np.ndarray]) -> SaturatedUnits:
+        """Turn the reduced host states into the period's result.
+
+        Args:
+            states: the ``saturated``, ``entries`` and ``unsaturated`` states, reduced across
+                ranks.
+
+        Returns:
+            The saturated entries and always-saturated units of each layer.
+        """
         flags = states["unsaturated"]
         always = [int((flags[self.unit_slice(i)] == 0).sum()) for i in range(len(self.rows))]
         return SaturatedUnits(
@@ -192,13 +226,29 @@ class SaturationTracker(LayerStat[SaturatedUnits]):
         )
 
     def step_values(self, result: SaturatedUnits) -> dict[str, float]:
-        """At a logging step, the saturated fractions only (nothing when no layer ran)."""
+        """Return the saturated fractions only, at a logging step.
+
+        Args:
+            result: the logging step's result.
+
+        Returns:
+            The scalars by tag; nothing when no layer ran.
+        """
         if not (result.entries > 0).any():
             return {}
         return {k: v for k, v in self.tags(result).items() if "always_saturated" not in k}
 
     def tags(self, result: SaturatedUnits) -> dict[str, float]:
-        """Per-layer and global saturated and always-saturated fractions, and layers that ran."""
+        """Return the saturated and always-saturated fractions and the layers that ran.
+
+        The fractions are per layer and global.
+
+        Args:
+            result: the period's result.
+
+        Returns:
+            The scalars, by tag.
+        """
         out: dict[str, float] = {}
         ran = result.entries > 0
         saturated = result.saturated_fraction

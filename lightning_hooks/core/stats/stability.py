@@ -1,5 +1,7 @@
-"""Transformer instability signals: the largest attention logit, the output logits' log-partition
-(both grow before a transformer diverges: the reasons for QK-norm and z-loss)."""
+"""Measure transformer instability signals: the largest attention logit, the logits' log-partition.
+
+Both grow before a transformer diverges: the reasons for QK-norm and z-loss.
+"""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ STABILITY_STATS = ("attn_logit_max", "attn_entropy_min", "logit_logz", "logit_lo
 
 
 class Result(NamedTuple):
-    """What the instability statistics read over a logging step or an epoch, per module.
+    """Hold what the instability statistics read over a logging step or an epoch, per module.
 
     Each field maps a module's qualified name to its value; a module the statistic did not see
     (no attention softmax, no floating output) is left out.
@@ -50,7 +52,7 @@ class Result(NamedTuple):
 
 
 class _LogZ(NamedTuple):
-    """What one output measured of its rows' log-partition ``log Z``."""
+    """Hold what one output measured of its rows' log-partition ``log Z``."""
 
     total: torch.Tensor  # the sum of log Z over the positions
     positions: int  # the positions it is over
@@ -58,13 +60,18 @@ class _LogZ(NamedTuple):
 
 
 def _measure_logz(output: torch.Tensor) -> _LogZ:
-    """The log-partition of each row of ``output`` (its last dimension): summed, counted, peak."""
+    """Return the log-partition of each row of ``output``: summed, counted, peak.
+
+    A row is along the last dimension.
+    """
     logz = logsumexp_rows(output.detach())
     return _LogZ(total=logz.sum(), positions=logz.numel(), peak=logz.max())
 
 
 class StabilityStats(LayerStat[Result]):
-    """In the training forwards of logging steps (not inside ``torch.compile``):
+    """Measure the attention logits and the output logits' log-partition, signs of instability.
+
+    In the training forwards of logging steps (not inside ``torch.compile``):
 
     * ``attn_logit_max/{layer}``: the largest pre-softmax logit of an attention layer;
     * ``attn_entropy_min/{layer}``: its smallest head's mean attention entropy (nats);
@@ -119,13 +126,29 @@ class StabilityStats(LayerStat[Result]):
         self._capture = AttentionCapture(self._add_attention, self._attention).attach(registry)
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """Every ``nn.MultiheadAttention`` and every module owning parameters directly."""
+        """Return every ``nn.MultiheadAttention`` and every module owning parameters directly.
+
+        Args:
+            model: the model the modules are selected from.
+
+        Returns:
+            ``(name, module)`` of each module to hook.
+        """
         modules = select_modules(model, where=lambda _, m: owns_parameters(m))
         self._attention = {n for n, m in modules if isinstance(m, nn.MultiheadAttention)}
         self._logz_hooks = {}  # hooked afresh
         return modules
 
     def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
+        """Hook one module: a forward hook for an output-layer candidate, a pre-hook for attention.
+
+        The pre-hook of an ``nn.MultiheadAttention`` recomputes its logits from its inputs.
+
+        Args:
+            registry: the registry the hooks go on.
+            name: the module's qualified name, its row's name.
+            module: the module hooked.
+        """
         if name not in self._attention:
             hook = self._forward_hook(name)
             self._logz_hooks[name] = hook
@@ -142,6 +165,7 @@ class StabilityStats(LayerStat[Result]):
         registry.forward_pre_hook(module, attention, gated=True, with_kwargs=True)
 
     def _add_attention(self, name: str, logits: torch.Tensor) -> None:
+        """Add the peak logit and the per-head entropies of ``logits`` to row ``name``."""
         entropy = attention_head_entropy(logits)
         peak = entropy.peak
         total = entropy.total
@@ -164,7 +188,13 @@ class StabilityStats(LayerStat[Result]):
             )
 
     def observe(self, name: str, module: nn.Module, output: object) -> None:
-        """The output layer's ``log Z`` into its row (held for each candidate until known)."""
+        """Add the output layer's ``log Z`` into its row (held for each candidate until known).
+
+        Args:
+            name: the module's qualified name.
+            module: the module that ran.
+            output: what the module returned.
+        """
         if internals.is_compiling() or (self._output is not None and name != self._output):
             return
         if not isinstance(output, torch.Tensor) or not output.is_floating_point():
@@ -183,14 +213,17 @@ class StabilityStats(LayerStat[Result]):
             self._add(name, measured)
 
     def _add(self, name: str, measured: _LogZ) -> None:
+        """Add one output's ``log Z`` measurement into row ``name``."""
         row = self.rows[name] if name in self.rows else self.row(name)  # keeps a row's units
         self.logz[row, 0] += measured.total
         self.logz[row, 1] += measured.positions  # a Python int: no copy to the device
         self.logz_max[row] = torch.maximum(self.logz_max[row], measured.peak)
 
     def end_step(self) -> None:
-        """After a forward: the last candidate seen is the output layer; after the first logging
-        step, warn once of attention not seen."""
+        """Settle a forward: the last candidate seen is the output layer.
+
+        After the first logging step, warn once of attention not seen.
+        """
         capture = self._capture
         registry = self.registry
         if self._last is not None:
@@ -217,8 +250,10 @@ class StabilityStats(LayerStat[Result]):
             )
 
     def _drop_other_candidates(self, output: str) -> None:
-        """Once the output layer is known the other candidates have nothing to measure: their
-        hooks come off, so that a logging step does not run one per parameter owner."""
+        """Take the hooks off the candidates other than the ``output`` layer, once it is known.
+
+        They have nothing to measure, so a logging step does not run one per parameter owner.
+        """
         others = [hook for name, hook in self._logz_hooks.items() if name != output]
         self._logz_hooks = {output: self._logz_hooks[output]} if output in self._logz_hooks else {}
         if self.registry is not None:
@@ -254,7 +289,14 @@ class StabilityStats(LayerStat[Result]):
         return out
 
     def tags(self, result: Result) -> dict[str, float]:
-        """``stability/{stat}/{layer}``."""
+        """Return ``stability/{stat}/{layer}``.
+
+        Args:
+            result: what :meth:`summarize` returned.
+
+        Returns:
+            The scalars, by tag.
+        """
         return {
             layer_tag("stability", stat, layer): value
             for stat, values in result._asdict().items()

@@ -1,5 +1,7 @@
-"""``LayerStat``, the base of every per-layer statistic: its states on the model's device, and
-each logging step's values copied to the host."""
+"""Provide ``LayerStat``, the base of every per-layer statistic.
+
+Its states are on the model's device, and each logging step's values are copied to the host.
+"""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ _COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
 class SelectionArgs(TypedDict, total=False):
-    """The keyword arguments that select a statistic's modules (:meth:`Selection.of`)."""
+    """Name the keyword arguments that select a statistic's modules (:meth:`Selection.of`)."""
 
     types: ModuleTypes
     include: Patterns
@@ -40,8 +42,20 @@ class SelectionArgs(TypedDict, total=False):
 def selection_of(
     stat: str, owner: str, args: SelectionArgs, default_types: ModuleTypes = None
 ) -> Selection:
-    """The :class:`Selection` of ``args`` given to statistic ``stat``; errors name ``owner``
-    (``TypeError``: ``args`` holds another argument, a typo)."""
+    """Return the :class:`Selection` of ``args`` given to statistic ``stat``.
+
+    Args:
+        stat: the statistic's name, which the message of a misspelt argument names.
+        owner: the name the selection's errors begin with.
+        args: the selecting keyword arguments the user gave.
+        default_types: the module types selected where ``args`` gives no ``types``.
+
+    Returns:
+        The selection.
+
+    Raises:
+        TypeError: ``args`` holds another argument (a typo).
+    """
     unknown = sorted(set(args) - set(SelectionArgs.__annotations__))
     if unknown:
         raise TypeError(f"{stat}.__init__() got an unexpected keyword argument {unknown[0]!r}")
@@ -94,7 +108,15 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         self._ready: list[tuple[int, dict[str, np.ndarray]]] = []  # folded, not yet read
 
     def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> Self:
-        """Forget every row and hook ``model``; returns ``self``, a context manager."""
+        """Forget every row and hook ``model``.
+
+        Args:
+            model: the model whose selected modules are hooked; its device is the states'.
+            registry: the registry the hooks go on (``None``: a new one on ``model``).
+
+        Returns:
+            ``self``, a context manager.
+        """
         check_module(type(self).__name__, "model", model)
         self.remove()
         self._epoch = None
@@ -119,18 +141,37 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         """Set up what needs the hooked model (runs last in :meth:`attach`)."""
 
     def config_key(self) -> str:
-        """What tells two instances' checkpoint states apart: the class and selection."""
+        """Return what tells two instances' checkpoint states apart.
+
+        Returns:
+            A key made of the class and the selection.
+        """
         return f"{type(self).__name__}:{self.selection!r}"
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """The modules to hook: :attr:`selection`'s (override to add others)."""
+        """Return the modules to hook: :attr:`selection`'s (override to add others).
+
+        Args:
+            model: the model the modules are selected from.
+
+        Returns:
+            ``(name, module)`` of each module to hook.
+        """
         return [] if self.selection is None else self.selection.modules(model)
 
     def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
-        """Register the hooks of one selected module: a gated forward hook by default."""
+        """Register the hooks of one selected module: a gated forward hook by default.
+
+        Args:
+            registry: the registry the hooks go on.
+            name: the module's qualified name, its row's name.
+            module: the module hooked.
+        """
         registry.forward_hook(module, self._forward_hook(name), gated=True)
 
     def _forward_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+        """Return the forward hook of module ``name``, which observes its training outputs."""
+
         def hook(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
             if not is_training_forward(module):  # grad is enabled past here
                 return
@@ -140,7 +181,17 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         return hook
 
     def observe(self, name: str, module: nn.Module, output: object) -> None:
-        """Measure one training output of module ``name`` into the states (no host sync)."""
+        """Measure one training output of module ``name`` into the states (no host sync).
+
+        Args:
+            name: the module's qualified name, its row's name.
+            module: the module that ran.
+            output: what the module returned.
+
+        Raises:
+            NotImplementedError: a subclass hooks with the default forward hook but does not
+                implement it.
+        """
         raise NotImplementedError
 
     def _defer(self, key: Hashable, row: int, snapshot: torch.Tensor) -> None:
@@ -149,15 +200,20 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
             self.drain()
 
     def _snapshot(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of an output to :meth:`_defer`, before an in-place op overwrites it; one for
-        every statistic on the model, whichever callback holds it (:class:`~.tensors.Snapshots`)."""
+        """Return a copy of an output to :meth:`_defer`, before an in-place op overwrites it.
+
+        There is one copy for every statistic on the model, whichever callback holds it
+        (:class:`~.tensors.Snapshots`).
+        """
         if self._snapshots is None:
             return tensor.detach().clone()
         return self._snapshots.copy(tensor)
 
     def _drain_pending(self) -> Iterator[tuple[Any, list[int], torch.Tensor]]:
-        """The held snapshots, a stack per key (:meth:`Pending.drain`); the shared copies are let
-        go (each holder keeps its own)."""
+        """Yield the held snapshots, a stack per key (:meth:`Pending.drain`).
+
+        The shared copies are let go (each holder keeps its own).
+        """
         if self._snapshots is not None:
             self._snapshots.clear()
         return self._pending.drain()
@@ -173,7 +229,11 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
             self.registry = None
 
     def start_copy(self, step: int) -> None:
-        """End a logging step: reduce its values across ranks and start their host copy."""
+        """End a logging step: reduce its values across ranks and start their host copy.
+
+        Args:
+            step: the logging step, returned with the copy by :meth:`take_copy`.
+        """
         self._collect(wait=True)  # at most one logging step's copy in flight
         packed, shapes = self._reduced()
         box = self._host_copy
@@ -194,7 +254,14 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
             self._ready.append((step, states))
 
     def take_copy(self, wait: bool) -> tuple[int, R] | None:
-        """``(step, result)`` of the started copy; ``None`` when none is, or while copying."""
+        """Return the started copy's step and result.
+
+        Args:
+            wait: block until the copy is done.
+
+        Returns:
+            ``(step, result)`` of the started copy; ``None`` when none is, or while copying.
+        """
         self._collect(wait)
         if not self._ready:
             return None
@@ -203,12 +270,18 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
 
     @property
     def copy_in_flight(self) -> bool:
-        """Whether a started copy was not yet returned by :meth:`take_copy`."""
+        """Say whether a started copy was not yet returned by :meth:`take_copy`.
+
+        Returns:
+            Whether a copy is in flight.
+        """
         return bool(self._ready) or (self._host_copy is not None and self._host_copy.pending)
 
     def _with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The epoch's logging steps so far, folded, and one more: ``window`` (some or all of
-        the states)."""
+        """Return the epoch's logging steps so far, folded, and one more.
+
+        The one more is ``window`` (some or all of the states).
+        """
         if self._epoch is None:
             return window
         pooled = {}
@@ -222,30 +295,65 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         return pooled
 
     def _host_states(self) -> dict[str, np.ndarray]:
-        """The epoch so far: its logging steps folded, and the running one."""
+        """Return the epoch so far: its logging steps folded, and the running one."""
         self._collect(wait=True)
         packed, shapes = self._reduced()
         return self._with_epoch(unpack(packed.cpu().numpy(), shapes))
 
     def result(self) -> R:
-        """The statistic over the epoch so far, reduced across ranks (every rank must call it)."""
+        """Return the statistic over the epoch so far, reduced across ranks.
+
+        Every rank must call it.
+
+        Returns:
+            What :meth:`summarize` makes of the reduced states.
+        """
         return self.summarize(self._host_states())
 
     def summarize(self, states: dict[str, np.ndarray]) -> R:
-        """Turn the reduced host states (float64 arrays) into the result."""
+        """Turn the reduced host states (float64 arrays) into the result.
+
+        Args:
+            states: each state by name, reduced across ranks, on the host.
+
+        Returns:
+            The result.
+
+        Raises:
+            NotImplementedError: a subclass does not implement it.
+        """
         raise NotImplementedError
 
     def tags(self, result: R) -> dict[str, float]:
-        """The scalars ``result`` gives, by tag."""
+        """Return the scalars ``result`` gives, by tag.
+
+        Args:
+            result: what :meth:`result` returned.
+
+        Returns:
+            The scalars, by tag.
+
+        Raises:
+            NotImplementedError: a subclass does not implement it.
+        """
         raise NotImplementedError
 
     def step_values(self, result: R) -> dict[str, float]:
-        """The scalars of one logging step, by epoch tag (default: :meth:`tags`)."""
+        """Return the scalars of one logging step, by epoch tag (default: :meth:`tags`).
+
+        Args:
+            result: the logging step's result.
+
+        Returns:
+            The scalars, by epoch tag.
+        """
         return self.tags(result)
 
     def reset(self) -> None:
-        """Start a new epoch: states (but ``"same"`` ones) and logging steps dropped, rows
-        kept."""
+        """Start a new epoch.
+
+        States (but ``"same"`` ones) and logging steps are dropped, rows kept.
+        """
         self.drain()
         self._reset_window()
         self._epoch = None
@@ -254,17 +362,24 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
             self._host_copy.clear()
 
     def host_state(self) -> dict[str, Any]:
-        """Rows, units and every state reduced across ranks, on the host (a collective)."""
+        """Return rows, units and every state reduced across ranks, on the host (a collective).
+
+        Returns:
+            The checkpoint state, by name.
+        """
         states = self._host_states()
         saved = {name: torch.from_numpy(states[name]).to(s.dtype) for name, s in self.specs.items()}
         return {"layers": list(self.rows), "units": list(self.units), **saved}
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`host_state` as the epoch's folded logging steps (the running one
-        empty).
+        """Restore :meth:`host_state` as the epoch's folded logging steps (the running one empty).
+
+        Args:
+            state: what :meth:`host_state` returned, from a checkpoint.
 
         Raises:
-            ValueError: the state names layers this statistic does not watch.
+            ValueError: the state names layers this statistic does not watch, or a state's saved
+                shape differs from its shape now.
             KeyError: the state lacks one of this statistic's states.
         """
         layers = tuple(state["layers"])

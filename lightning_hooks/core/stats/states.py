@@ -1,4 +1,4 @@
-"""The states of a per-layer statistic, reduced across ranks in one packed collective."""
+"""Hold the states of a per-layer statistic, reduced across ranks in one packed collective."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ Kind = Literal["layer", "unit", "global"]
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One declared state (see :data:`Kind`)."""
+    """Describe one declared state (see :data:`Kind`)."""
 
     name: str
     reduce: Reduce
@@ -47,7 +47,7 @@ class StateSpec:
 
 
 class StateOptions(TypedDict, total=False):
-    """How a state is declared (:meth:`RowStates.add_layer_state`), but its name."""
+    """Name how a state is declared (:meth:`RowStates.add_layer_state`), but its name."""
 
     reduce: Required[Reduce]  # how the ranks' copies pool
     width: Sequence[int]  # the shape of a row's entry (``()``: a number)
@@ -60,12 +60,20 @@ _STATE_OPTIONS = tuple(StateOptions.__annotations__)  # its keys, in order
 
 
 def _dtype_on(spec: StateSpec, device: torch.device) -> torch.dtype:
-    """``spec``'s dtype on ``device``: float64 is float32 on MPS, which has no float64."""
+    """Return ``spec``'s dtype on ``device``: float64 is float32 on MPS, which has no float64."""
     return torch.float32 if device.type == "mps" and spec.dtype == torch.float64 else spec.dtype
 
 
 def unpack(host: np.ndarray, shapes: dict[str, torch.Size]) -> dict[str, np.ndarray]:
-    """The packed states ``host`` as float64 arrays by name, in ``shapes``' order (a copy)."""
+    """Unpack the packed states ``host`` into float64 arrays by name (a copy).
+
+    Args:
+        host: the packed states, on the host.
+        shapes: each state's shape by name, in packing order.
+
+    Returns:
+        Each state as a float64 array, in ``shapes``' order.
+    """
     flat = np.array(host, dtype=np.float64)
     out = {}
     start = 0
@@ -97,7 +105,7 @@ def _check_options(owner: str, options: StateOptions) -> None:
 
 
 class RowStates:
-    """Per-layer states: declared, grown a row at a time, aligned and reduced across ranks."""
+    """Hold per-layer states: declared, grown a row at a time, aligned and reduced across ranks."""
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -109,9 +117,14 @@ class RowStates:
         self._counts: dict[str, dict[int, int]] = {}  # host-side counts by state (see tally)
 
     def add_layer_state(self, name: str, **options: Unpack[StateOptions]) -> None:
-        """Declare a state pooled across ranks by ``reduce``: ``[rows, *width]``; with
-        ``kind="unit"`` ``units`` entries per row (:meth:`unit_slice`), with ``"global"`` one
-        ``[*width]`` for the whole model (a step count). See :class:`StateOptions`.
+        """Declare a state pooled across ranks by ``reduce``, ``[rows, *width]``.
+
+        With ``kind="unit"`` there are ``units`` entries per row (:meth:`unit_slice`), with
+        ``"global"`` one ``[*width]`` for the whole model (a step count).
+
+        Args:
+            name: the state's name, the attribute it is kept under.
+            **options: how the state is declared; see :class:`StateOptions`.
 
         Raises:
             TypeError: an option that is not one of :class:`StateOptions`', or no ``reduce``.
@@ -129,7 +142,14 @@ class RowStates:
         setattr(self, name, self._fresh(spec, 0, self.device))
 
     def to(self, device: torch.device) -> Self:
-        """Move every state to ``device`` (a float64 state is float32 on MPS)."""
+        """Move every state to ``device`` (a float64 state is float32 on MPS).
+
+        Args:
+            device: the device the states move to.
+
+        Returns:
+            ``self``.
+        """
         self.device = torch.device(device)
         for spec in self.specs.values():
             state: torch.Tensor = getattr(self, spec.name)
@@ -138,6 +158,7 @@ class RowStates:
 
     @staticmethod
     def _fresh(spec: StateSpec, rows: int, device: torch.device) -> torch.Tensor:
+        """Return a state of ``rows`` rows on ``device``, every entry its identity."""
         shape = {"layer": (rows, *spec.width), "unit": (rows,), "global": spec.width}[spec.kind]
         return torch.full(shape, spec.identity, dtype=_dtype_on(spec, device), device=device)
 
@@ -147,7 +168,14 @@ class RowStates:
         return tuple(self.rows)
 
     def row(self, name: str, units: int = 0) -> int:
-        """The row of ``name``, made (every state grown) the first time, with ``units`` units.
+        """Return the row of ``name``, made (every state grown) the first time.
+
+        Args:
+            name: the row's name, a module's qualified name.
+            units: the row's entries in a per-unit state, fixed when the row is made.
+
+        Returns:
+            The row's index.
 
         Raises:
             ValueError: the row exists with another number of units.
@@ -172,6 +200,7 @@ class RowStates:
         return index
 
     def _drop_rows(self, device: torch.device) -> None:
+        """Forget every row, the states emptied on ``device``."""
         self.rows = {}
         self.units = []
         self._starts = []
@@ -182,17 +211,29 @@ class RowStates:
 
     @property
     def rows_grew(self) -> bool:
-        """Whether rows were made since :meth:`align_rows`."""
+        """Say whether rows were made since :meth:`align_rows`.
+
+        Returns:
+            Whether rows were made.
+        """
         return len(self.rows) != self._aligned
 
     def new_rows(self) -> list[tuple[str, int]]:
-        """``(name, units)`` of the rows made since the last alignment (drains first)."""
+        """Return the rows made since the last alignment (drains first).
+
+        Returns:
+            ``(name, units)`` of each new row.
+        """
         self.drain()
         return [(name, self.units[i]) for name, i in self.rows.items() if i >= self._aligned]
 
     def align_rows(self, new: Sequence[Sequence[tuple[str, int]]]) -> None:
-        """Give every rank the same rows (``new``: each rank's :meth:`new_rows`), in rank order,
-        so that a module run on some ranks only does not hang the collective.
+        """Give every rank the same rows, in rank order.
+
+        Thus a module run on some ranks only does not hang the collective.
+
+        Args:
+            new: each rank's :meth:`new_rows`, in rank order.
 
         Raises:
             ValueError: two ranks made the same layer's row with different numbers of units.
@@ -224,22 +265,38 @@ class RowStates:
         self._aligned = len(self.rows)
 
     def _entries(self, spec: StateSpec, row: int) -> torch.Tensor:
+        """Return ``row``'s entries of state ``spec``: its row, or its slice of a per-unit state."""
         state: torch.Tensor = getattr(self, spec.name)
         return state[row] if spec.kind == "layer" else state[self.unit_slice(row)]
 
     def unit_slice(self, row: int) -> slice:
-        """Where ``row``'s entries lie in a per-unit state."""
+        """Return where ``row``'s entries lie in a per-unit state.
+
+        Args:
+            row: the row's index.
+
+        Returns:
+            The slice of the row's entries.
+        """
         start = self._starts[row]
         return slice(start, start + self.units[row])
 
     def tally(self, name: str, row: int, n: int = 1) -> None:
-        """Add ``n`` to state ``name``'s ``row`` on the host, moved in at :meth:`drain`."""
+        """Add ``n`` to state ``name``'s ``row`` on the host, moved in at :meth:`drain`.
+
+        Args:
+            name: the state counted into.
+            row: the row counted into.
+            n: the count added.
+        """
         counts = self._counts.setdefault(name, {})
         counts[row] = counts.get(row, 0) + n
 
     def drain(self) -> None:
-        """Move what the hooks hold into the states; runs before every reduce. An override moves
-        its own, then calls this."""
+        """Move what the hooks hold into the states; runs before every reduce.
+
+        An override moves its own, then calls this.
+        """
         for name, counts in self._counts.items():
             if counts:
                 state: torch.Tensor = getattr(self, name)
@@ -249,8 +306,10 @@ class RowStates:
                 counts.clear()
 
     def _reduced(self) -> tuple[torch.Tensor, dict[str, torch.Size]]:
-        """Every state since the last logging step, reduced across ranks (one collective),
-        packed in one."""
+        """Return every state since the last logging step, reduced across ranks, packed in one.
+
+        The reduce is one collective.
+        """
         self.drain()
         dtype = torch.float32 if self.device.type == "mps" else torch.float64  # MPS: no float64
         tensors = [getattr(self, n) for n in self.specs]
