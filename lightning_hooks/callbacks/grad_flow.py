@@ -334,13 +334,12 @@ class GradFlowCallback(HookCallback):
     def _batch_ending(
         self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
     ) -> None:
-        """Close a logging step's attention statistics, and feed the batch's loss to the rules.
+        """Close a logging step's attention statistics, then feed the batch's loss to the rules.
 
-        The loss rules read this rank's own, or the ranks' mean (whose collective also carries
-        the ranks' failures and stops).
+        The loss rules read this rank's own loss (one process), or the ranks' mean.
 
         Args:
-            trainer: the trainer the alarms act on, and that a rank's failure or stop is applied to.
+            trainer: the trainer the alarms act on.
             outputs: what the batch's ``training_step`` returned, where the loss is read.
             logging_step: whether the batch belongs to a logging step (the attention statistics
                 close only then).
@@ -352,22 +351,36 @@ class GradFlowCallback(HookCallback):
             fit.stability.end_step()
         if fit.alarms is None:
             return
-        if fit.reads_own_loss:  # the loss rules on this rank's loss
+        if fit.reads_own_loss:
             self._watch_own_loss(trainer, outputs, fit.alarms)
-            return
-        if self.loss_agreement.reading != "mean":
-            return
-        loss = self.loss_agreement  # the ranks' mean loss
+        elif self.loss_agreement.reading == "mean":
+            self._watch_mean_loss(trainer, outputs, fit.alarms)
+
+    def _watch_mean_loss(
+        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, alarms: TrainingAlarms
+    ) -> None:
+        """Feed the ranks' mean loss to the loss rules, and act on the alarms read.
+
+        The mean comes from one ``all_reduce`` per batch, which also carries each rank's failure
+        and request to stop: a failure the ranks share disables the callback on every rank, and
+        the loss is then not read.
+
+        Args:
+            trainer: the trainer the alarms act on, and that a rank's failure or stop is applied to.
+            outputs: what this rank's ``training_step`` returned, where its loss is read.
+            alarms: the fit's alarms, fed the mean at the running batch's step.
+        """
         step = self.cadence.batch_step
+        loss = self.loss_agreement
         failed = self.hook_guard().local is not None
         flags = loss.observe(
             training_loss(trainer, outputs), step, failed=failed, stop=self.ranks.stop_requested
         )
         if flags is not None:
-            self.ranks.apply(trainer, step, failed=flags.failed, stopping=flags.stopping)
-            if self._fit is None:
-                return  # a rank failed: the callback is disabled on every rank
-        loss.apply(trainer, fit.alarms)
+            disabled = self.ranks.apply(trainer, step, failed=flags.failed, stopping=flags.stopping)
+            if disabled:
+                return
+        loss.apply(trainer, alarms)
 
     def _watch_own_loss(
         self, trainer: pl.Trainer, outputs: STEP_OUTPUT, alarms: TrainingAlarms

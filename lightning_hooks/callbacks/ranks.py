@@ -83,11 +83,11 @@ class RankAgreement:
             return
         rows_grew = attached is not None and attached.rows_grew()
         failed, stopping, grew = agree([guard.local is not None, self.stop_requested, rows_grew])
-        self.apply(trainer, step, failed=failed, stopping=stopping)
-        if grew and attached is not None and guard.failed is None:
+        disabled = self.apply(trainer, step, failed=failed, stopping=stopping)
+        if grew and attached is not None and not disabled:
             self._align_rows(trainer, step, attached)
 
-    def apply(self, trainer: pl.Trainer, step: int, *, failed: int, stopping: int) -> None:
+    def apply(self, trainer: pl.Trainer, step: int, *, failed: int, stopping: int) -> bool:
         """Act on the flags the ranks summed: stop if any rank asked, disable if any failed.
 
         :meth:`agree` calls it; a callback whose own per-batch collective carries the flags
@@ -98,12 +98,16 @@ class RankAgreement:
             step: the optimizer step agreed at, named in a failure's warning.
             failed: how many ranks failed (0: none).
             stopping: how many ranks asked to stop (0: none).
+
+        Returns:
+            Whether a failure disabled the callback (its hooks are then off on every rank).
         """
         if stopping:
             trainer.should_stop = True
             self.stop_requested = False
         if failed:
             self._disable(trainer, step, gather_objects(self._guard().local))
+        return bool(failed)
 
     def _align_rows(self, trainer: pl.Trainer, step: int, attached: Attached) -> None:
         """Align the ranks' rows of the fit's statistics.
