@@ -83,6 +83,12 @@ class LossAgreement:
 
     Args:
         policy: the alarm policy that acts on the alarms the loss rules raise.
+
+    Example:
+        >>> from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
+        >>> agreement = LossAgreement(AlarmPolicy("warn", request_stop=lambda: None))
+        >>> agreement.reading  # one process: this rank's own loss, no collective
+        'own'
     """
 
     def __init__(self, policy: AlarmPolicy) -> None:

@@ -114,6 +114,11 @@ class AlarmPolicy:
     Raises:
         ValueError: an unknown rule or action in ``on_alarm``.
         TypeError: ``on_alarm`` is neither a string nor a mapping.
+
+    Example:
+        >>> policy = AlarmPolicy({"diverging": "stop"}, request_stop=lambda: None)
+        >>> policy.actions["diverging"], policy.actions["vanishing"], policy.actions["spike"]
+        ('stop', 'warn', 'log')
     """
 
     def __init__(

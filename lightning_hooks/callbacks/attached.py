@@ -106,6 +106,14 @@ class Logged(Generic[R]):
         stat: the statistic, whose step values and epoch tags are logged.
         on_step: called with the trainer, the step and the result of each logging step read back.
         on_epoch: called with the trainer and the result of each epoch, after its tags are logged.
+
+    Example:
+        >>> from lightning_hooks.core.stats.dead_units import DeadUnits, DeadUnitTracker
+        >>> def warn_dead(trainer, found: DeadUnits) -> None:
+        ...     print(found.layers)
+        >>> logged = Logged(DeadUnitTracker(), on_epoch=warn_dead)
+        >>> logged.on_step is None  # nothing read at a logging step beyond the scalars
+        True
     """
 
     def __init__(
@@ -160,6 +168,23 @@ class Attached:
         on_remove: called once when the hooks come off (the fit ended, failed, or was torn down).
         earlier_layout: reads a checkpoint's state saved by an earlier release into this
             release's layout (``None``: every release saved this one).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from lightning_hooks.core.hooks.registry import HookRegistry
+        >>> from lightning_hooks.core.stats.dead_units import DeadUnitTracker
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        >>> registry = HookRegistry(model)
+        >>> tracker = DeadUnitTracker().attach(model, registry)
+        >>> fit = Attached(registry, [Logged(tracker)], aligned=[tracker])
+        >>> registry.set_logging_step(True)  # a logging step: the gate opens
+        >>> output = model(torch.randn(3, 4, requires_grad=True))
+        >>> tracker.layers  # the ReLU ran in a training forward: its row exists
+        ('1',)
+        >>> fit.remove()  # the fit ends: every hook comes off
+        >>> len(registry)
+        0
     """
 
     def __init__(  # noqa: PLR0913 (what one fit holds: one keyword each)
