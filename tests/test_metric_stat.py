@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from ddp_metric_run import Recorder
 from pytorch_lightning.callbacks import ModelCheckpoint
 from test_resume import RepeatedBatchMLP
 from torch import nn
@@ -39,24 +40,6 @@ class PeakAbs(Metric):
 
     def compute(self) -> torch.Tensor:
         return self.peak / self.calls
-
-
-class Recorder:
-    """Every training output of the model's Linear layers, kept by plain hooks of the test's
-    own, in call order."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.outputs: dict[str, list[torch.Tensor]] = {}
-        for name, module in model.named_modules():
-            if isinstance(module, nn.Linear):
-                module.register_forward_hook(self._hook(name))
-
-    def _hook(self, name: str) -> Any:
-        def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-            if module.training and torch.is_grad_enabled():
-                self.outputs.setdefault(name, []).append(output.detach().clone())
-
-        return hook
 
 
 def _by_hand(metric: Metric, outputs: list[torch.Tensor]) -> float:
