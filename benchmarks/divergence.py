@@ -2257,15 +2257,30 @@ def _idle_lines(idle: dict[str, Any]) -> list[str]:
         "| --- " * 8 + "|",
     ]
     for r in idle["runs"]:
-        first = r["first_warning"]
-        noticed = f"{r['notices']} ({', '.join(r['notice_rules']) or '-'})"
-        warned = f"{r['warnings']} ({', '.join(r['warning_rules']) or '-'}), {_dash(first['step'])}"
-        stop = "-" if r["stop"]["step"] is None else f"{r['stop']['step']}, {r['stop']['rule']}"
+        noticed, warned, stop = _alarm_cells(r)
         lines.append(
             f"| {r['run']} | {r['seed']} | {r['family']} ({r['half']}) | {noticed} | {warned} | "
             f"{stop} | {_dash(r['death'])} | {_yes(r['harmed'])} |"
         )
     return lines
+
+
+def _alarm_cells(run: dict[str, Any]) -> tuple[str, str, str]:
+    """Write a run's notices, warnings and stop as the cells of a table row.
+
+    Args:
+        run: one run's record of the replay.
+
+    Returns:
+        The notices with their rules, the warnings with their rules and first step, and the
+        stop's step and rule (``-`` where none).
+    """
+    noticed = f"{run['notices']} ({', '.join(run['notice_rules']) or '-'})"
+    rules = ", ".join(run["warning_rules"]) or "-"
+    warned = f"{run['warnings']} ({rules}), {_dash(run['first_warning']['step'])}"
+    stop = run["stop"]
+    stopped = "-" if stop["step"] is None else f"{stop['step']}, {stop['rule']}"
+    return noticed, warned, stopped
 
 
 def _outlier_lines(outliers: dict[str, Any]) -> list[str]:
@@ -2298,10 +2313,7 @@ def _outlier_lines(outliers: dict[str, Any]) -> list[str]:
         "| --- " * 9 + "|",
     ]
     for r in outliers["runs"]:
-        first = r["first_warning"]
-        notices = f"{r['notices']} ({', '.join(r['notice_rules']) or '-'})"
-        warned = f"{r['warnings']} ({', '.join(r['warning_rules']) or '-'}), {_dash(first['step'])}"
-        stop = "-" if r["stop"]["step"] is None else f"{r['stop']['step']}, {r['stop']['rule']}"
+        notices, warned, stop = _alarm_cells(r)
         lines.append(
             f"| {r['run']} | {r['seed']} | {r['family']} ({r['half']}) | {notices} | {warned} | "
             f"{_dash(r['diverging'])} | {stop} | {_yes(r['harmed'])} ({r['end']:.3g} vs "
