@@ -194,8 +194,9 @@ def test_manual_optimization_where_ranks_disagree_turns_the_loss_rules_off_on_al
         "the loss rules (diverging, loss_spike) are off from step 0 on"
     ]
     assert ranks[1]["warnings"] == []
-    # the loss all_reduce at step 0 only, then one agreement per logging step
-    assert ranks[0]["steps"] == [1 + 1 + 3, 0, 0, 1 + 3, 1 + 3, 0, 0, 1 + 3]
+    # the loss all_reduce at step 0 only (it carries the agreement there too), then one
+    # agreement per logging step
+    assert ranks[0]["steps"] == [1 + 3, 0, 0, 1 + 3, 1 + 3, 0, 0, 1 + 3]
 
 
 def test_the_loss_moves_to_the_nccl_group_device_without_a_sync(

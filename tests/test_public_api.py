@@ -84,6 +84,9 @@ def test_every_public_constructor_names_the_closest_argument_to_a_misspelt_one(n
     """Each keyword of each public class, misspelt (its last letter doubled), is refused
     before anything runs, with the keyword it was meant to be."""
     cls = getattr(lightning_hooks, name)
+    if inspect.isabstract(cls):  # a base to subclass (LayerStat): its constructor, concrete
+        stubs = {method: lambda *args: None for method in cls.__abstractmethods__}
+        cls = type(name, (cls,), stubs)
     keywords = [
         p.name
         for p in inspect.signature(cls).parameters.values()

@@ -16,6 +16,7 @@ from lightning_hooks import (
     ActivationStatsCallback,
     DeadReLUCallback,
     GradFlowCallback,
+    LayerStat,
     LayerTimeCallback,
     SaturationCallback,
 )
@@ -80,6 +81,15 @@ def test_stats_callback_refuses_what_is_not_a_layer_stat() -> None:
         StatsCallback([])
     with pytest.raises(TypeError, match=r"StatsCallback\(stats=3\): must be a LayerStat"):
         StatsCallback(3)  # type: ignore[arg-type]
+
+
+def test_a_statistic_without_summarize_or_tags_is_refused_when_made() -> None:
+    class Half(LayerStat[float]):
+        def summarize(self, states: dict[str, np.ndarray]) -> float:
+            return 0.0
+
+    with pytest.raises(TypeError, match=r"abstract class Half .*tags"):
+        Half()
 
 
 @pytest.mark.parametrize(

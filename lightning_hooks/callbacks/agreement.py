@@ -1,8 +1,8 @@
-"""Agree across the ranks of a multi-process run on the loss's collective.
+"""Feed the loss rules each batch's loss: this rank's own, or the ranks' mean.
 
-The ranks agree on the mean loss the loss rules read, on whether a rank's hook failed and on
-whether a rank asked to stop. One ``all_reduce`` of four numbers per batch carries all three,
-so a logging step needs no collective of its own for them.
+Under several processes the ranks agree on the mean loss the loss rules read, on whether a
+rank's hook failed and on whether a rank asked to stop. One ``all_reduce`` of four numbers per
+batch carries all three, so a logging step needs no collective of its own for them.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
+from torch import nn
 
 from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
+from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
 from lightning_hooks.core.transport import (
     HostCopy,
@@ -81,38 +83,51 @@ class _Pending(NamedTuple):
 class LossAgreement:
     """Feed the loss rules ``training_step``'s loss, carrying the ranks' agreement with it.
 
+    Where one process runs, the rules read its own loss. Where several do, they read the ranks'
+    mean, from one ``all_reduce`` per batch that also carries each rank's failure and request to
+    stop to the callback's :class:`~.ranks.RankAgreement`.
+
     Args:
         policy: the alarm policy that acts on the alarms the loss rules raise.
+        ranks: the callback's agreement across ranks, which acts on the failures and stops the
+            collective carries.
 
     Example:
         >>> from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
-        >>> agreement = LossAgreement(AlarmPolicy("warn", request_stop=lambda: None))
+        >>> from lightning_hooks.core.hooks.guard import Guard
+        >>> ranks = RankAgreement(lambda: Guard("Cb", strict=False), remove_hooks=lambda: None)
+        >>> agreement = LossAgreement(AlarmPolicy("warn", request_stop=ranks.request_stop), ranks)
+        >>> agreement.plan(torch.nn.Linear(1, 1), AlarmRules())
         >>> agreement.reading  # one process: this rank's own loss, no collective
         'own'
     """
 
-    def __init__(self, policy: AlarmPolicy) -> None:
+    def __init__(self, policy: AlarmPolicy, ranks: RankAgreement) -> None:
         self._policy = policy
+        self._ranks = ranks
         self._carrier: HostCopy | None = None
-        self.reading: Literal["own", "mean", "off"] = "own"  # in this fit (:meth:`plan`)
+        self.reading: Literal["own", "mean", "off"] = "off"  # in this fit (:meth:`plan`)
         self._manual = False
         self._pending: _Pending | None = None
 
-    def plan(self, pl_module: pl.LightningModule, rules: AlarmRules | None) -> None:
+    def plan(self, pl_module: nn.Module, rules: AlarmRules | None) -> None:
         """Set :attr:`reading` at a fit's start.
 
-        The reading is ``"own"`` for one process or where no loss rule runs, else ``"mean"`` (one
-        ``all_reduce`` per batch); it turns ``"off"`` from a batch where some rank has no loss under
-        manual optimization.
+        The reading is ``"off"`` where no loss rule runs, ``"own"`` for one process, else
+        ``"mean"`` (one ``all_reduce`` per batch); it turns ``"off"`` from a batch where some rank
+        has no loss under manual optimization.
 
         Args:
             pl_module: the model of the fit, read for whether Fabric set it up and whether it
                 optimizes automatically.
             rules: the fit's alarm rules (``None``: no alarms, so no loss is read).
         """
-        self.reading = "own"
         self._carrier = None
-        if rules is None or not rules.watches_loss or world_size() == 1:
+        if rules is None or not rules.watches_loss:
+            self.reading = "off"
+            return
+        if world_size() == 1:
+            self.reading = "own"
             return
         self.reading = "mean"
         # A Fabric loop feeds its loss when it wants (fabric.py): read as manual optimization.
@@ -120,7 +135,34 @@ class LossAgreement:
         self._manual = fabric or not getattr(pl_module, "automatic_optimization", False)
         self._carrier = HostCopy((4,), group_device())  # what :func:`_carry` sums
 
-    def observe(
+    def feed(
+        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, step: int, alarms: TrainingAlarms
+    ) -> None:
+        """Feed one batch's loss to the loss rules, and act on the alarms they raise.
+
+        Args:
+            trainer: the trainer the alarm policy acts on, and that a rank's failure or stop is
+                applied to.
+            outputs: what this rank's ``training_step`` returned, where its loss is read.
+            step: the optimizer step the batch feeds.
+            alarms: the fit's alarms, fed the loss at ``step``.
+        """
+        if self.reading == "own":
+            loss = training_loss(trainer, outputs)
+            if loss is not None:
+                alarms.update_loss(loss, step=step)
+                self._policy.act(trainer, None, alarms.poll())
+        elif self.reading == "mean":
+            ranks = self._ranks
+            loss = training_loss(trainer, outputs)
+            flags = self._post(loss, step, failed=ranks.failed_here, stop=ranks.stop_requested)
+            if flags is not None:
+                disabled = ranks.apply(trainer, step, failed=flags.failed, stopping=flags.stopping)
+                if disabled:  # the hooks are off on every rank: the loss is not read
+                    return
+            self._feed_mean(trainer, alarms)
+
+    def _post(
         self, loss: torch.Tensor | None, step: int, *, failed: bool, stop: bool
     ) -> RankFlags | None:
         """Post the loss, ``failed`` and ``stop`` to the batch's ``all_reduce``.
@@ -152,7 +194,7 @@ class LossAgreement:
             return None
         return RankFlags(sum(s.failed for s in read), sum(s.stopping for s in read))
 
-    def apply(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
+    def _feed_mean(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
         """Run the loss rules on the ranks' mean loss, and act on the alarms they raise.
 
         Under manual optimization a batch's mean is read only once every rank has a loss.

@@ -51,19 +51,25 @@ else:
 
 
 class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
-    """Own when a callback's hooks exist, guard them, and write what they measure.
+    """Run a callback's hooks for one fit at a time, guarded, and write what they measure.
 
-    The base owns when hooks exist (from ``on_train_start`` to ``on_train_end``, ``on_exception``
-    or ``teardown``), the guard of every hook, the logging steps' cadence and the ranks'
-    agreement; a subclass owns what it measures.
+    The base drives every fit the same way:
 
-    Every Lightning hook of the base runs under the callback's guard: each is decorated with
-    :func:`~lightning_hooks.core.hooks.guard.guarded`, as is any Lightning hook a subclass adds.
-    What one fit measures is the
-    :class:`~.attached.Attached` the subclass returns from ``_attach``: its hooks, its statistics
-    and what it reads of them. The base copies the statistics to the host after each logging
-    step, writes them, saves them in checkpoints and takes the hooks off. A subclass extends the
-    base at five points, each called by the base's own Lightning hooks:
+    1. ``on_fit_start`` asks the subclass whether the model has anything to watch
+       (``_validate``).
+    2. ``on_train_start`` asks the subclass to put its hooks on the model (``_attach``). It
+       returns an :class:`~.attached.Attached`: the hooks, the statistics and the functions that
+       read each statistic's values.
+    3. At a logging step the base opens the hooks, and the subclass may start and end the step
+       (``_batch_started``, ``_batch_ending``). The base then copies the statistics to the host
+       and writes them.
+    4. At an epoch end the base writes every statistic's epoch, then calls ``_log_epoch``.
+    5. ``on_train_end``, ``on_exception`` and ``teardown`` take every hook off.
+
+    Every Lightning hook runs under the callback's guard
+    (:func:`~lightning_hooks.core.hooks.guard.guarded`): an error in the library's own code
+    disables the callback for the rest of the fit, with one warning, and never ends the user's
+    run.
 
     ==================  ==============================  ========================================
     extension           called                          the subclass
@@ -80,13 +86,12 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
                         each statistic's epoch
     ==================  ==============================  ========================================
 
-    Each has a documented default but ``_attach``; none chains to the base's. Beyond them, a
-    subclass gives the base configuration, not code: the ``state_key`` fields its constructor
-    passes (what tells two configurations apart; marked when the ``LIGHTNING_HOOKS`` switch added
-    the callback), whether it ``uses_images``, and what it keeps from one fit to the next
-    (:attr:`kept`, saved in checkpoints). What the ranks of a multi-process fit agree on is a
-    collaborator, :attr:`ranks` (a :class:`~.ranks.RankAgreement`): a callback that asks to stop
-    the fit, or whose own collective carries the ranks' flags, calls it by name.
+    These five are the only methods a subclass overrides. ``_attach`` is required; the others do
+    nothing by default, and none calls the base's. Everything else a subclass hands to the
+    constructor: ``state_key`` (what tells two configurations' checkpoints apart) and
+    ``uses_images``. What outlives a fit and is saved in checkpoints goes in :attr:`kept`. Under
+    several processes, :attr:`ranks` (a :class:`~.ranks.RankAgreement`) makes every rank act
+    alike: a failure disables the callback on all of them, and a stop stops them all.
 
     Example:
         >>> import pytorch_lightning as pl

@@ -16,7 +16,7 @@ from torch.nn.parameter import is_lazy
 from typing_extensions import override
 
 from lightning_hooks import internals
-from lightning_hooks.callbacks.agreement import LossAgreement, training_loss
+from lightning_hooks.callbacks.agreement import LossAgreement
 from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch, selection_state_key
@@ -89,10 +89,12 @@ class GradFlowCallback(HookCallback):
         histograms: log a histogram of ``log10 |g|`` per layer each epoch (one more pass).
         heatmap: log an image of the gradient norm per layer and epoch each epoch.
         alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
-        on_alarm: ``"warn"``, ``"stop"``, ``"raise"``, ``"skip"`` or ``"log"`` for every rule, or
-            ``{rule: action}``; unnamed rules warn; the notices *spike* and *stall* only log
-            unless named, or under ``"skip"``, which warns for the loss rules, *vanishing*,
-            *stall* and *attention* (it cures none of them).
+        on_alarm: what a rule does when it fires: ``"warn"``, ``"stop"`` the fit, ``"raise"``
+            an error, ``"skip"`` the optimizer step, or ``"log"`` only. Give one action for
+            every rule, or ``{rule: action}``, where a rule not named warns. The notices
+            *spike* and *stall* are only logged, unless named or under ``"skip"``. A skipped
+            step cannot cure the loss rules, *vanishing*, *stall* or *attention*, so for them
+            ``"skip"`` warns.
         every_n_steps: measure on optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``); the alarms run on every step.
         stability: log the instability statistics ``stability/...`` on the logging steps,
@@ -139,7 +141,7 @@ class GradFlowCallback(HookCallback):
         self.alarms = _alarm_rules(alarms)
         self.policy = AlarmPolicy(on_alarm, request_stop=self.ranks.request_stop)
         self.kept["alarms"] = self.policy  # the running scales, from one fit to the next
-        self.loss_agreement = LossAgreement(self.policy)
+        self.loss_agreement = LossAgreement(self.policy, self.ranks)
         self.on_alarm = self.policy.actions
         self.max_layers_logged = checks.positive_int_or_none(
             "GradFlowCallback", "max_layers_logged", max_layers_logged, none_means="every layer"
@@ -207,15 +209,12 @@ class GradFlowCallback(HookCallback):
         tracker = self._make_tracker(trainer, pl_module)
         self._pictures.start()
         self.policy.restore(tracker.alarms)
-        loss = self.loss_agreement
-        loss.plan(pl_module, self.alarms)
-        own = loss.reading == "own" and self.alarms is not None and self.alarms.watches_loss
+        self.loss_agreement.plan(pl_module, self.alarms)
         fit = _Fit(
             tracker=tracker,
             alarms=tracker.alarms,
             stability=StabilityStats() if self.stability else None,
             histograms=_histograms(tracker) if self.histograms else None,
-            reads_own_loss=own,
         )
         self._fit = fit
         logged: list[Logged[Any]] = [
@@ -229,12 +228,11 @@ class GradFlowCallback(HookCallback):
             fit.stability.attach(pl_module, tracker.registry)
             on_step = functools.partial(self._watch_attention, fit)
             logged.append(Logged(fit.stability, on_step=on_step))
-        self.ranks.carried = self._agreement_carried  # the loss's collective, every batch
         return Attached(
             tracker.registry,
             logged,
             # the loss rules read every batch's loss: the ranks' mean, or this rank's own
-            every_batch=loss.reading == "mean" or own,
+            every_batch=self.loss_agreement.reading != "off",
             on_remove=functools.partial(self._end_fit, trainer),
             earlier_layout=_saved_by_release_0_2,
         )
@@ -290,15 +288,6 @@ class GradFlowCallback(HookCallback):
         self._fit = None
         self.policy.announce_stop(trainer)
 
-    def _agreement_carried(self) -> bool:
-        """Tell whether each batch's loss collective carries the ranks' agreement.
-
-        Returns:
-            Whether it does now: manual optimization turns it off where a rank returns no
-            loss.
-        """
-        return self.loss_agreement.reading == "mean"
-
     @override
     @guarded
     def on_before_optimizer_step(
@@ -336,8 +325,6 @@ class GradFlowCallback(HookCallback):
     ) -> None:
         """Close a logging step's attention statistics, then feed the batch's loss to the rules.
 
-        The loss rules read this rank's own loss (one process), or the ranks' mean.
-
         Args:
             trainer: the trainer the alarms act on.
             outputs: what the batch's ``training_step`` returned, where the loss is read.
@@ -349,56 +336,8 @@ class GradFlowCallback(HookCallback):
             return
         if fit.stability is not None and logging_step:
             fit.stability.end_step()
-        if fit.alarms is None:
-            return
-        if fit.reads_own_loss:
-            self._watch_own_loss(trainer, outputs, fit.alarms)
-        elif self.loss_agreement.reading == "mean":
-            self._watch_mean_loss(trainer, outputs, fit.alarms)
-
-    def _watch_mean_loss(
-        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, alarms: TrainingAlarms
-    ) -> None:
-        """Feed the ranks' mean loss to the loss rules, and act on the alarms read.
-
-        The mean comes from one ``all_reduce`` per batch, which also carries each rank's failure
-        and request to stop: a failure the ranks share disables the callback on every rank, and
-        the loss is then not read.
-
-        Args:
-            trainer: the trainer the alarms act on, and that a rank's failure or stop is applied to.
-            outputs: what this rank's ``training_step`` returned, where its loss is read.
-            alarms: the fit's alarms, fed the mean at the running batch's step.
-        """
-        step = self.cadence.batch_step
-        loss = self.loss_agreement
-        failed = self.hook_guard().local is not None
-        flags = loss.observe(
-            training_loss(trainer, outputs), step, failed=failed, stop=self.ranks.stop_requested
-        )
-        if flags is not None:
-            disabled = self.ranks.apply(trainer, step, failed=flags.failed, stopping=flags.stopping)
-            if disabled:
-                return
-        loss.apply(trainer, alarms)
-
-    def _watch_own_loss(
-        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, alarms: TrainingAlarms
-    ) -> None:
-        """Feed this rank's loss to the loss rules, and act on the alarms read.
-
-        Args:
-            trainer: the trainer the alarms act on.
-            outputs: what the batch's ``training_step`` returned, where the loss is read.
-            alarms: the fit's alarms, fed the loss at the running batch's step.
-        """
-        loss = training_loss(trainer, outputs)
-        if loss is None:
-            return
-        alarms.update_loss(loss, step=self.cadence.batch_step)
-        found = alarms.poll()
-        if found:
-            self.policy.act(trainer, None, found)
+        if fit.alarms is not None:
+            self.loss_agreement.feed(trainer, outputs, self.cadence.batch_step, fit.alarms)
 
     def _log_alarms(self, fit: _Fit, trainer: pl.Trainer, step: int, table: LayerTable) -> None:
         """Log the alarms' counts and text since the last logging step, with its values.
@@ -463,9 +402,6 @@ class _Fit:
     """The attention and output-logit statistics (``None``: ``stability=False``)."""
     histograms: LayerHistograms | None
     """The histograms of ``log10 |g|`` per layer (``None``: ``histograms=False``)."""
-    reads_own_loss: bool
-    """Whether the loss rules read this rank's own loss at each batch (one process, or no loss
-    collective), not the ranks' mean."""
 
 
 _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")

@@ -19,11 +19,12 @@ class RankAgreement:
     A failure of the callback's hooks is kept by its guard until the ranks agree on it; a
     request to stop the fit (an alarm's ``stop``) waits for the same agreement; and the rows a
     fit's statistics made (a module that runs on some ranks only) are aligned before they are
-    reduced. The ranks agree at each logging step and epoch end, in one small collective, unless
-    a collective the callback makes at every batch carries the first two (:attr:`carried`, see
-    :mod:`.agreement`). A failure agreed on disables the callback on every rank, with one
-    warning; a stop agreed on stops every rank after the same step. One process agrees with
-    itself: nothing is exchanged.
+    reduced. The ranks agree at each logging step and epoch end, in one small collective. A
+    callback whose own collective at every batch carries the failures and stops (the loss's, see
+    :mod:`.agreement`) hands what it summed to :meth:`apply`; a logging step already agreed at
+    that way makes no collective of its own. A failure agreed on disables the callback on every
+    rank, with one warning; a stop agreed on stops every rank after the same step. One process
+    agrees with itself: nothing is exchanged.
 
     Args:
         guard: returns the guard of the callback's hooks in the running fit.
@@ -43,9 +44,7 @@ class RankAgreement:
         """How many processes the fit runs on (counted at its train start)."""
         self.stop_requested = False
         """This rank's request to stop the fit, until the ranks agree on it."""
-        self.carried: Callable[[], bool] | None = None
-        """Returns whether a collective the callback makes at every batch carries the failures
-        and the stops now (``None``: none does); set by the callback at each fit."""
+        self._agreed_at: int | None = None  # the last step :meth:`apply` was handed flags at
 
     def start(self) -> None:
         """Count the ranks at a fit's train start, and forget the last fit's requests.
@@ -55,13 +54,18 @@ class RankAgreement:
         """
         self.size = world_size()
         self.stop_requested = False
-        self.carried = None
+        self._agreed_at = None
         guard = self._guard()
         guard.defer = not guard.strict and self.size > 1
 
     def request_stop(self) -> None:
         """Ask to stop the fit: every rank stops once the ranks agree on it."""
         self.stop_requested = True
+
+    @property
+    def failed_here(self) -> bool:
+        """Tell whether a hook failed on this rank, where the ranks have not yet agreed on it."""
+        return self._guard().local is not None
 
     def agree(
         self, trainer: pl.Trainer, step: int, attached: Attached | None, *, always: bool
@@ -74,24 +78,38 @@ class RankAgreement:
             step: the optimizer step the ranks agree at, named in a failure's warning.
             attached: what the running fit attached, whose statistics' rows are aligned
                 (``None``: nothing, or the callback is disabled).
-            always: agree even where a per-batch collective carries the failures and stops (an
-                epoch end, where the rows are aligned too).
+            always: agree even where the ranks already agreed at ``step`` through :meth:`apply`
+                (an epoch end, where the rows are aligned too).
         """
         guard = self._guard()
-        carried = self.carried is not None and self.carried()
-        if self.size == 1 or guard.failed is not None or (carried and not always):
+        agreed = self._agreed_at == step and not always
+        if self.size == 1 or guard.failed is not None or agreed:
             return
         rows_grew = attached is not None and attached.rows_grew()
-        failed, stopping, grew = agree([guard.local is not None, self.stop_requested, rows_grew])
-        disabled = self.apply(trainer, step, failed=failed, stopping=stopping)
+        failed, stopping, grew = agree([self.failed_here, self.stop_requested, rows_grew])
+        disabled = self._act(trainer, step, failed=failed, stopping=stopping)
         if grew and attached is not None and not disabled:
             self._align_rows(trainer, step, attached)
 
     def apply(self, trainer: pl.Trainer, step: int, *, failed: int, stopping: int) -> bool:
-        """Act on the flags the ranks summed: stop if any rank asked, disable if any failed.
+        """Act on the flags a callback's own per-batch collective summed over the ranks.
 
-        :meth:`agree` calls it; a callback whose own per-batch collective carries the flags
-        calls it with what that collective summed.
+        The ranks have then agreed at ``step``: :meth:`agree` makes no collective there.
+
+        Args:
+            trainer: the trainer whose ``should_stop`` is set where a rank asked to stop.
+            step: the optimizer step of the batch whose collective carried the flags.
+            failed: how many ranks failed (0: none).
+            stopping: how many ranks asked to stop (0: none).
+
+        Returns:
+            Whether a failure disabled the callback (its hooks are then off on every rank).
+        """
+        self._agreed_at = step
+        return self._act(trainer, step, failed=failed, stopping=stopping)
+
+    def _act(self, trainer: pl.Trainer, step: int, *, failed: int, stopping: int) -> bool:
+        """Stop if any rank asked, and disable the callback on every rank if any failed.
 
         Args:
             trainer: the trainer whose ``should_stop`` is set where a rank asked to stop.
@@ -100,7 +118,7 @@ class RankAgreement:
             stopping: how many ranks asked to stop (0: none).
 
         Returns:
-            Whether a failure disabled the callback (its hooks are then off on every rank).
+            Whether a failure disabled the callback.
         """
         if stopping:
             trainer.should_stop = True

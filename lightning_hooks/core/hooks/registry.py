@@ -89,11 +89,13 @@ class Gated:
 class HookOwner:
     """Base of the core's trackers: a context manager that removes its registry's hooks."""
 
-    registry: HookRegistry
+    registry: HookRegistry | None
+    """The registry the hooks are on (``None``: none yet, or removed)."""
 
     def remove(self) -> None:
         """Remove every hook (idempotent)."""
-        self.registry.remove()
+        if self.registry is not None:
+            self.registry.remove()
 
     def __enter__(self) -> Self:
         """Enter the block: the hooks stay until it exits."""

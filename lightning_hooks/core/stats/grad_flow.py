@@ -171,7 +171,7 @@ class GradFlowTracker(HookOwner):
     ) -> None:
         flags = {"update_ratio": update_ratio, "output_grad": output_grad, "post_clip": post_clip}
         optimizers = _check_args(model, optimizers, alarms, **flags)
-        self.registry = HookRegistry(model, guard=guard)
+        self.registry: HookRegistry = HookRegistry(model, guard=guard)
         modules = self.registry.modules(types=types, include=include, exclude=exclude)
         self.layout = layers_of(model, modules, types=types, include=include)
         if not self.layout.layers:

@@ -6,6 +6,7 @@ Its states are on the model's device, and each logging step's values are copied 
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -67,12 +68,18 @@ def selection_of(
 
 
 @named_arguments
-class LayerStat(RowStates, HookOwner, Generic[R]):
+class LayerStat(RowStates, HookOwner, ABC, Generic[R]):
     """Base of every per-layer statistic: states on the model's device, one collective, one copy.
 
     Subclasses declare states in ``__init__`` (:meth:`add_layer_state`, ...) and implement
     :meth:`observe` (or :meth:`hook_module`), :meth:`summarize` and :meth:`tags`; the base owns
     the hooks, the reduce across ranks, reset and the checkpoint state.
+
+    In the words of torchmetrics' ``Metric``: :meth:`observe` is ``update``, called for each
+    layer's output; :meth:`summarize` is ``compute``, given the states already reduced across
+    ranks (``sync``); :meth:`reset` is ``reset``. What ``Metric`` does not have: a logging step's
+    states are copied to the host without waiting (:meth:`start_copy`, then :meth:`take_copy`),
+    and the epoch so far is saved in checkpoints (:meth:`host_state`).
 
     Args:
         selection: which modules to hook (``None``: none; rows are made by the caller).
@@ -99,7 +106,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
     def __init__(self, selection: Selection | None = None) -> None:
         super().__init__()
         self.selection = selection
-        self.registry: HookRegistry | None = None  # type: ignore[assignment]
+        self.registry: HookRegistry | None = None
         self._hooked: tuple[str, ...] = ()
         self._pending: Pending[Any] = Pending()  # small outputs' snapshots (see _defer)
         self._snapshots: Snapshots | None = None  # shared with the registry's other statistics
@@ -310,6 +317,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
         """
         return self.summarize(self._host_states())
 
+    @abstractmethod
     def summarize(self, states: dict[str, np.ndarray]) -> R:
         """Turn the reduced host states (float64 arrays) into the result.
 
@@ -318,12 +326,9 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
 
         Returns:
             The result.
-
-        Raises:
-            NotImplementedError: a subclass does not implement it.
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def tags(self, result: R) -> dict[str, float]:
         """Return the scalars ``result`` gives, by tag.
 
@@ -332,11 +337,7 @@ class LayerStat(RowStates, HookOwner, Generic[R]):
 
         Returns:
             The scalars, by tag.
-
-        Raises:
-            NotImplementedError: a subclass does not implement it.
         """
-        raise NotImplementedError
 
     def step_values(self, result: R) -> dict[str, float]:
         """Return the scalars of one logging step, by epoch tag (default: :meth:`tags`).
