@@ -88,10 +88,11 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     These five are the only methods a subclass overrides. ``_attach`` is required; the others do
     nothing by default, and none calls the base's. Everything else a subclass hands to the
-    constructor: ``state_key`` (what tells two configurations' checkpoints apart) and
-    ``uses_images``. What outlives a fit and is saved in checkpoints goes in :attr:`kept`. Under
-    several processes, :attr:`ranks` (a :class:`~.ranks.RankAgreement`) makes every rank act
-    alike: a failure disables the callback on all of them, and a stop stops them all.
+    constructor: ``state_key`` (what tells two configurations' checkpoints apart),
+    ``uses_images`` and ``fabric_refusal``. What outlives a fit and is saved in checkpoints goes
+    in :attr:`kept`. Under several processes, :attr:`ranks` (a :class:`~.ranks.RankAgreement`)
+    makes every rank act alike: a failure disables the callback on all of them, and a stop
+    stops them all.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -116,6 +117,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         every_n_steps: int | None = None,
         strict: bool | None = None,
         uses_images: bool = False,
+        fabric_refusal: str | None = None,
     ) -> None:
         """Set the cadence and the guard's strictness, and the state every fit starts from.
 
@@ -127,6 +129,8 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             strict: a hook's exception raises (``True``) or disables the callback for the rest
                 of the fit (``False``); ``None``: ``LIGHTNING_HOOKS_STRICT`` decides.
             uses_images: the callback draws pictures (a logger that shows none is warned of).
+            fabric_refusal: why this configuration cannot run in a Fabric loop (``None``: it
+                can); a Fabric loop refuses it with this reason at ``fabric.setup``.
 
         Raises:
             ValueError: ``every_n_steps`` is not a positive int or ``None``.
@@ -141,6 +145,8 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         passed."""
         self.uses_images = uses_images
         """Whether the callback draws pictures (a logger that shows none is warned of)."""
+        self.fabric_refusal = fabric_refusal
+        """Why this configuration cannot run in a Fabric loop (``None``: it can)."""
         self.kept: dict[str, Checkpointed] = {}
         """Collaborators that outlive a fit and are saved in checkpoints, by key."""
         self._guard: Guard | None = None  # made at the first hook of each fit

@@ -8,7 +8,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from lightning_fabric import Fabric
@@ -24,17 +24,23 @@ from lightning_hooks.internals.lightning import (
     unwrapped_optimizer,
 )
 
-__all__ = ["FabricRun", "FabricTrainer", "check_fabric"]
+__all__ = ["UNDER_FABRIC", "FabricChecked", "FabricRun", "FabricTrainer", "check_fabric"]
 
 _SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 _REFUSED_STRATEGIES = {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"}
 _REFUSED_STRATEGIES |= {"XLAStrategy", "XLAFSDPStrategy", "DataParallelStrategy"}
-_TRAINER_ONLY: dict[str, str] = {
-    "LayerTimeCallback": "it times on the LightningModule's device (pl_module.device), which a "
-    "plain nn.Module set up by Fabric does not have.",
-    "FeatureMapCallback": "it draws its probe images from the training batch, which Fabric does "
-    "not hand to callbacks.",
-}  # refused under Fabric, with the reason
+UNDER_FABRIC = (
+    "GradFlowCallback, ActivationStatsCallback, DeadReLUCallback and SaturationCallback run under "
+    "Fabric."
+)
+"""What a refusal of a callback that needs a Trainer says works instead."""
+
+
+class FabricChecked(Protocol):
+    """What :func:`check_fabric` reads of a callback: why its configuration cannot run there."""
+
+    fabric_refusal: str | None
+    """Why the callback's configuration cannot run in a Fabric loop (``None``: it can)."""
 
 
 class FabricTrainer:
@@ -63,24 +69,21 @@ class FabricTrainer:
         self.gradient_clip_algorithm: str | None = None
 
 
-def check_fabric(callback: object, fabric: Fabric) -> None:
+def check_fabric(callback: FabricChecked, fabric: Fabric) -> None:
     """Refuse what a callback cannot do under Fabric, naming why and what works.
 
     Args:
-        callback: the callback to run under Fabric; its class and its ``on_alarm`` actions are
-            checked.
+        callback: the callback to run under Fabric; its ``fabric_refusal`` is checked.
         fabric: the Fabric whose strategy and loggers are checked.
 
     Raises:
-        MisconfigurationException: the callback needs a Trainer, the strategy is not supported,
-            or the Fabric has no logger.
-        ValueError: an alarm's action is ``"stop"``, which a Fabric loop cannot carry out.
+        MisconfigurationException: the callback's configuration cannot run under Fabric, the
+            strategy is not supported, or the Fabric has no logger.
     """
     name = type(callback).__name__
-    if name in _TRAINER_ONLY:
+    if callback.fabric_refusal is not None:
         raise MisconfigurationException(
-            f"{name} does not work under Fabric: {_TRAINER_ONLY[name]} Under Fabric: "
-            "GradFlowCallback, ActivationStatsCallback, DeadReLUCallback, SaturationCallback."
+            f"{name} does not work under Fabric: {callback.fabric_refusal}"
         )
     strategy = type(fabric.strategy)
     mro = {c.__name__ for c in strategy.__mro__}
@@ -95,14 +98,6 @@ def check_fabric(callback: object, fabric: Fabric) -> None:
         raise MisconfigurationException(
             f"{name} needs a logger, but the Fabric has none. Use "
             "Fabric(loggers=[TensorBoardLogger(...)]) (lightning.fabric.loggers)."
-        )
-    actions = getattr(getattr(callback, "policy", None), "actions", {})
-    stopping = sorted(rule for rule, action in actions.items() if action == "stop")
-    if stopping:
-        raise ValueError(
-            f"{name}(on_alarm=...): 'stop' (for {stopping}) needs a Trainer; a Fabric loop has "
-            "no should_stop to set. Under Fabric on_alarm must be in ('warn', 'raise', 'skip', "
-            f"'log'), got 'stop'."
         )
 
 
@@ -123,7 +118,6 @@ class FabricRun:
 
     Raises:
         MisconfigurationException: :func:`check_fabric` refuses the callback under ``fabric``.
-        ValueError: the same, for an alarm's ``"stop"``.
     """
 
     def __init__(self, callback: Any, fabric: Fabric, module: nn.Module) -> None:  # noqa: ANN401 (a callback driven through Trainer hooks with a FabricTrainer in the Trainer's place)

@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached
 from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
+from lightning_hooks.callbacks.fabric import UNDER_FABRIC
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import Patterns, as_patterns
@@ -128,6 +129,8 @@ class FeatureMapCallback(HookCallback):
             state_key={"layers": self.layers, "embedding": self.embedding},
             uses_images=True,
             strict=None if strict is None else checks.boolean(_OWNER, "strict", strict),
+            fabric_refusal="it draws its probe images from the training batch, which Fabric "
+            f"does not hand to callbacks. {UNDER_FABRIC}",
         )
         if probe_labels is not None and not isinstance(probe_labels, torch.Tensor):
             raise TypeError(

@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_hooks import internals
 from lightning_hooks.callbacks.agreement import LossAgreement
-from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
+from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy, check_actions
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch, selection_state_key
 from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
@@ -137,6 +137,7 @@ class GradFlowCallback(HookCallback):
             state_key=selection_state_key(types, self.include, self.exclude),
             every_n_steps=every_n_steps,
             uses_images=chart or heatmap,
+            fabric_refusal=_refusal_under_fabric(on_alarm),
         )
         self.alarms = _alarm_rules(alarms)
         self.policy = AlarmPolicy(on_alarm, request_stop=self.ranks.request_stop)
@@ -385,6 +386,25 @@ class GradFlowCallback(HookCallback):
         """
         if self._fit is not None and self._fit.alarms is not None:
             self.policy.end_epoch(trainer, self._fit.alarms)
+
+
+def _refusal_under_fabric(on_alarm: object) -> str | None:
+    """Say why ``on_alarm`` cannot run in a Fabric loop: a ``"stop"`` needs a Trainer.
+
+    Args:
+        on_alarm: the callback's ``on_alarm``.
+
+    Returns:
+        The reason, or ``None`` where no rule stops the fit.
+    """
+    actions = check_actions(on_alarm)
+    stopping = sorted(rule for rule, action in actions.items() if action == "stop")
+    if not stopping:
+        return None
+    return (
+        f"on_alarm='stop' (for {stopping}) needs a Trainer: a Fabric loop has no should_stop to "
+        "set. Under Fabric on_alarm must be in ('warn', 'raise', 'skip', 'log'), got 'stop'."
+    )
 
 
 @dataclass

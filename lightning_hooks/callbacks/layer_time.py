@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
+from lightning_hooks.callbacks.fabric import UNDER_FABRIC
 from lightning_hooks.callbacks.stats import attach_stats, watches_selection
 from lightning_hooks.core.checks import boolean, named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
@@ -74,6 +75,8 @@ class LayerTimeCallback(HookCallback):
             state_key={"stats": [timer.config_key()]},
             every_n_steps=every_n_steps,
             uses_images=self.chart,
+            fabric_refusal="it times on the LightningModule's device (pl_module.device), which a "
+            f"plain nn.Module set up by Fabric does not have. {UNDER_FABRIC}",
         )
         assert timer.selection is not None
         self.types = types
