@@ -52,11 +52,25 @@ class Alarm(Protocol):
 
 
 class LightningHooksWarning(UserWarning):
-    """Every warning the library emits: filter them with this one category."""
+    """Every warning the library emits: filter them with this one category.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("ignore", LightningHooksWarning)
+        ...     warnings.warn("GradFlowCallback: ...", TrainingAlarmWarning)
+        >>> caught  # an alarm's warning is a LightningHooksWarning too
+        []
+    """
 
 
 class LightningHooksError(RuntimeError):
-    """Raised by the library when training must not go on."""
+    """Raised by the library when training must not go on.
+
+    Example:
+        >>> issubclass(TrainingAlarmError, LightningHooksError)  # on_alarm="raise"
+        True
+    """
 
 
 class TrainingAlarmWarning(LightningHooksWarning):
@@ -64,6 +78,14 @@ class TrainingAlarmWarning(LightningHooksWarning):
 
     Attributes:
         alarm: the :class:`~lightning_hooks.core.TrainingAlarm` (values, recent norms), or ``None``.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warnings.warn(TrainingAlarmWarning("GradFlowCallback [nonfinite]: ..."))
+        >>> caught[0].category.__name__, caught[0].message.alarm is None
+        ('TrainingAlarmWarning', True)
     """
 
     alarm: Alarm | None = None
@@ -118,6 +140,12 @@ class TrainingAlarmError(LightningHooksError):
     Raises:
         TypeError: a fact is misspelt, or one of ``rule``, ``layer``, ``step`` and ``value`` is
             missing.
+
+    Example:
+        >>> error = TrainingAlarmError("nonfinite at step 3", rule="nonfinite", layer="net.0",
+        ...                            step=3, value=float("nan"))
+        >>> error.rule, error.layer, error.step
+        ('nonfinite', 'net.0', 3)
     """
 
     def __init__(self, message: str, **facts: Unpack[AlarmFacts]) -> None:

@@ -31,6 +31,22 @@ class LayerTable:
         peak: maximum over the updates of each cell.
         total: sum over the updates of each cell.
         count: number of updates of each cell.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from lightning_hooks import GradFlowTracker
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with GradFlowTracker(model, [opt]) as tracker:
+        ...     model(torch.randn(16, 4)).pow(2).mean().backward()
+        ...     tracker.observe(opt)
+        ...     opt.step()
+        ...     table = tracker.result()
+        >>> table.layers
+        ('0', '2', 'global')
+        >>> table.column("grad_norm").shape, table.column("grad_norm", "count").tolist()
+        ((3,), [1.0, 1.0, 1.0])
     """
 
     layers: tuple[str, ...]
