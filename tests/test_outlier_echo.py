@@ -136,3 +136,41 @@ def test_a_real_divergence_on_the_same_run_is_warned_in_time(tmp_path: Path) -> 
     assert at <= diverged + 3
     assert len(model.losses) == at + 1  # stopped at the step it was confirmed
     assert _count(scalars, "grad_flow/alarms/diverging") == 1
+
+
+def _losses(echo: float, outlier: float = 5.0) -> list[float]:
+    """A run that learns (2.0 down to 0.1 in 30 steps, then 0.1 and 0.11 by turns), an outlier
+    of ``outlier`` at step 60, back at step 61, then a rise to ``echo`` over steps 62-67, then
+    back again."""
+    learn = [2.0 - 1.9 * step / 30 for step in range(30)]
+    floor = [0.1 if step % 2 else 0.11 for step in range(30)]
+    after = [0.1, *[echo] * 6, *[0.1 if step % 2 else 0.11 for step in range(20)]]
+    return [*learn, *floor, outlier, *after]
+
+
+def _rules_alarms(losses: list[float], resume_at: int | None = None) -> list[tuple[int, str]]:
+    """The loss rules' alarms on ``losses`` (one a step); with ``resume_at``, their state saved
+    before that step and loaded into new rules, as a resumed fit does."""
+    from lightning_hooks import AlarmRules
+    from lightning_hooks.core.alarms.loss import LossRules
+
+    rules = LossRules(AlarmRules(), torch.device("cpu"))
+    found = []
+    for step, x in enumerate(losses):
+        if step == resume_at:
+            state = rules.state_dict()
+            rules = LossRules(AlarmRules(), torch.device("cpu"))
+            rules.load_state_dict(state)
+        found += [(a.step, a.rule) for a in rules.evaluate(x, step) if a.counts]
+    return found
+
+
+@pytest.mark.parametrize("resume_at", [None, 64], ids=["straight", "resumed-mid-echo"])
+def test_the_echo_of_an_outlier_is_held_and_a_rise_past_the_outlier_is_not(
+    resume_at: int | None,
+) -> None:
+    """Six steps at 1.5 (15x the run's floor, over the bar) after an outlier of 5.0 the run
+    came back from: a setback, never *diverging*, also across a checkpoint; the same rise to
+    6.0, past the outlier's own loss, is confirmed."""
+    assert [r for _, r in _rules_alarms(_losses(1.5), resume_at)] == ["setback"]
+    assert ("diverging", 64) in {(r, s) for s, r in _rules_alarms(_losses(6.0), resume_at)}
