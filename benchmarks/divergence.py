@@ -45,7 +45,9 @@ ReLU layer none of whose units fires again); healthy runs whose layers idle (:da
 frozen backbone, an unused branch, a mixture of experts); healthy runs with one outlier batch
 (:data:`OUTLIERS`: a step's loss x10 or x30, or one or two steps of labels shifted by one
 class), each with its twin. Their held-out half (:data:`NEW_HELD_OUT`) was frozen when they were
-recorded, before any rule was tuned on them.
+recorded, before any rule was tuned on them. Two outlier families on SGD with momentum tune the
+rule for an outlier's echo; quick fresh families of new models, data and recipes
+(:data:`FRESH_LRS`, :data:`NEW_FRESH`) were frozen and recorded before it was judged on them.
 
 The traces are saved in ``benchmarks/results/divergence_traces.pt`` (``--traces``; not in git).
 Recording every run takes roughly an hour of one CPU core (estimated from a few steps of each),
