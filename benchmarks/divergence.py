@@ -45,7 +45,9 @@ ReLU layer none of whose units fires again); healthy runs whose layers idle (:da
 frozen backbone, an unused branch, a mixture of experts); healthy runs with one outlier batch
 (:data:`OUTLIERS`: a step's loss x10 or x30, or one or two steps of labels shifted by one
 class), each with its twin. Their held-out half (:data:`NEW_HELD_OUT`) was frozen when they were
-recorded, before any rule was tuned on them.
+recorded, before any rule was tuned on them. Two outlier families on SGD with momentum tune the
+rule for an outlier's echo; quick fresh families of new models, data and recipes
+(:data:`FRESH_LRS`, :data:`NEW_FRESH`) were frozen and recorded before it was judged on them.
 
 The traces are saved in ``benchmarks/results/divergence_traces.pt`` (``--traces``; not in git).
 Recording every run takes roughly an hour of one CPU core (estimated from a few steps of each),
@@ -270,6 +272,15 @@ BUILD: dict[str, Callable[[], nn.Module]] = {
     "outlier-mlp-digits": _mlp,
     "outlier-wine": families.Tabular,
     "outlier-cnn-digits": _cnn,
+    "outlier-bnmlp-cancer": lambda: families.BNMLP(30, 2),
+    "outlier-bncnn-cancer": families.BNCNN1d,
+    # fresh families, recorded after the defaults were frozen (:data:`FRESH_MODELS`)
+    "fresh-mlp6-wine": lambda: families.DeepMLP(13, 3),
+    "fresh-tanh-digits": lambda: families.DeepMLP(64, 10, layers=3, activation=nn.Tanh),
+    "fresh-gelu-cancer": lambda: families.DeepMLP(30, 2, layers=4, activation=nn.GELU),
+    "fresh-wide-digits": lambda: families.DeepMLP(64, 10, layers=3, width=256),
+    "fresh-pool-cnn-digits": families.PoolCNN2d,
+    "fresh-bnmlp-wine": lambda: families.BNMLP(13, 3),
 }
 MIXED = ("ft-mix", "ft-mix-lora", "ft-gru-mix")
 """The fine-tunes on :data:`families.MIXED_DOCS`: each micro-batch from one document."""
@@ -496,10 +507,32 @@ FRESH_RUNS = [
     *(Run("ft-gru-mix", "adamw", lr, "linear", batch=1) for lr in (1e-3, 3e-3, 1e-2, 3e-2)),
     *(Run("ft-gru-mix", "adamw", lr, "linear", batch=2, accum=8) for lr in (1e-3, 1e-2)),
 ]
+FRESH_LRS = {
+    "fresh-mlp6-wine": ("adam", "constant", 16, (1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)),
+    "fresh-tanh-digits": ("rmsprop", "constant", 64, (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3)),
+    "fresh-gelu-cancer": ("adamw", "cosine", None, (1e-3, 1e-2, 0.1, 0.3, 1.0, 3.0)),
+    "fresh-wide-digits": ("nesterov", "onecycle", None, (0.03, 0.3, 1.0, 3.0, 10.0, 30.0)),
+    "fresh-pool-cnn-digits": ("adam", "step", None, (1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)),
+    "fresh-bnmlp-wine": ("sgd", "constant", 16, (0.01, 0.1, 0.5, 1.0, 3.0, 10.0)),
+}  # fmt: skip
+"""The fresh families of quick models: per model, its optimizer, schedule, batch (``None``:
+32) and learning rates, from a usual one to past what the model can take."""
+FRESH_MODELS = frozenset(FRESH_LRS)
+FRESH_RUNS += [
+    Run(model, optimizer, lr, schedule, batch=batch)
+    for model, (optimizer, schedule, batch, lrs) in FRESH_LRS.items()
+    for lr in lrs
+]
 """Recorded after the defaults were frozen: a residual MLP with LayerNorm on the wine set, a
 batch of 4, Adam with a step schedule (transients and small noisy batches at once); a
 pretrained byte GRU fine-tuned whole on the documents of :data:`MIXED` at a micro-batch of 1,
-and of 2 with accumulation over 8."""
+and of 2 with accumulation over 8. Then the quick families of :data:`FRESH_LRS`, new models,
+data and recipes, frozen with the rule's change for outlier batches under SGD with momentum
+and recorded before it was judged on them: a 6-layer ReLU MLP on the wine set at a batch of 16
+on Adam; a 3-layer tanh MLP on the digits at 64 on RMSprop; a 4-layer GELU MLP on the
+breast-cancer set on AdamW with warm-up and cosine decay; a wide (256) ReLU MLP on the digits on
+SGD with Nesterov and one-cycle; a CNN with max pooling on the digits on Adam with a step
+schedule; an MLP with BatchNorm on the wine set at 16 on SGD with momentum 0.9."""
 
 # Networks a too-high learning rate kills, healthy runs whose layers idle, healthy runs with an
 # outlier batch: recorded, their held-out half frozen (NEW_HELD_OUT), before any rule was tuned
@@ -537,6 +570,8 @@ _OUTLIER_TWINS = [
     Run("outlier-mlp-digits", "adam", 1e-3),
     Run("outlier-wine", "adam", 1e-3, batch=4, accum=2),
     Run("outlier-cnn-digits", "sgd", 0.05),
+    Run("outlier-bnmlp-cancer", "sgd", 0.05),
+    Run("outlier-bncnn-cancer", "sgd", 0.05),
 ]
 OUTLIERS = [
     *_OUTLIER_TWINS,
@@ -551,7 +586,10 @@ reads 10x or 30x its loss (and back-propagates the scaled loss), or the labels o
 consecutive steps' batches are shifted by one class (``(y + 1) mod C``: a real loss and
 gradient); each with its twin without the outlier. A breast-cancer MLP at a batch of 2 x 4
 accumulated on AdamW 3e-4, a digits MLP at a batch of 32 on Adam 1e-3, the wine set's small
-MLP at 4 x 2 on Adam 1e-3, the digits CNN with BatchNorm at 32 on SGD 0.05 with momentum."""
+MLP at 4 x 2 on Adam 1e-3, the digits CNN with BatchNorm at 32 on SGD 0.05 with momentum; then
+(added to the tuning half, so that a rule for SGD with momentum is tuned without the held-out
+CNN) an MLP with BatchNorm and a 1-d CNN with BatchNorm on the breast-cancer set at 32 on SGD
+0.05 with momentum 0.9."""
 NEW_MODELS = frozenset({*DEAD_MODELS, *IDLE_MODELS, *(r.model for r in _OUTLIER_TWINS)})
 """The models of the dead-network, idling and outlier families: replayed in their own tables
 (:func:`main`), not in the main replay's."""
@@ -584,7 +622,7 @@ def family(run: Run) -> str:  # noqa: PLR0911 (one return per kind of family)
         return "ft-mix-mb1" if run.accum == 1 else "ft-mix-accum"
     if run.model in DEAD_MODELS:
         return f"{run.model}-{run.optimizer}"
-    if run.model in NEW_MODELS:
+    if run.model in NEW_MODELS or run.model in FRESH_MODELS:
         return run.model
     return FAMILY[run.model]
 
@@ -616,6 +654,9 @@ families beyond the two that showed the false alarms (the wine set's MLP and the
 FRESH_FAMILIES = frozenset({"gpt-deep", "gpt-6h", "resmlp-wine", "ft-gru-mix"})
 """Families recorded only after the defaults they are judged on were frozen: a half no
 default has seen. Reported apart from both halves."""
+NEW_FRESH = FRESH_MODELS
+"""The fresh families of :data:`FRESH_LRS`, frozen with the rule for outlier batches under SGD
+with momentum before it was judged on them: the fresh half with :data:`FRESH_FAMILIES`."""
 
 
 SMALL_BATCH = frozenset(
@@ -628,7 +669,7 @@ accumulation, where the loss swings most from one micro-batch to the next."""
 
 def group(name: str) -> str:
     """The half a family is reported in: ``tuning``, ``held_out`` or ``fresh``."""
-    if name in FRESH_FAMILIES:
+    if name in FRESH_FAMILIES | NEW_FRESH:
         return "fresh"
     return "held_out" if name in HELD_OUT_FAMILIES | NEW_HELD_OUT else "tuning"
 
@@ -653,6 +694,8 @@ def _optimizer(run: Run, model: nn.Module) -> torch.optim.Optimizer:
 
 def _tabular(model: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | None:
     """The data set of a model on scikit-learn's sets; ``None`` for a text model."""
+    if model in FRESH_MODELS:  # named by its data set, last
+        return {"wine": _wine, "digits": _digits, "cancer": _cancer}[model.rsplit("-", 1)[1]]
     if model in ("resmlp", "wine", "resmlp-wine", "outlier-wine") or model.endswith("-cancer"):
         return {"resmlp": _cancer, "wine": _wine, "resmlp-wine": _wine}.get(
             model, _wine if "wine" in model else _cancer
@@ -923,6 +966,7 @@ QUICK = frozenset(
     {"mlp", "mlp6", "cnn", "resmlp", "cnn-m", "bnmlp", "resmlp-digits", "wine", "resmlp-wine"}
     | {"lstm", "pre-ln", "post-ln"}
     | NEW_MODELS
+    | FRESH_MODELS
 )
 """The models quick to record on a CPU (a second or two a run): the digits, tabular and
 character-level ones. The byte-level transformers and recurrent models, the GPTs and the
@@ -1844,6 +1888,7 @@ def main(argv: list[str] | None = None) -> None:
         "labels": labels,
         "new_families": new_families(traces, AlarmRules()),
         "new_held_out_families": sorted(NEW_HELD_OUT),
+        "new_fresh_families": sorted(NEW_FRESH),
         "label_runs": labelled,
         "labelled": {
             "command": header["command"],
@@ -2141,7 +2186,12 @@ def new_markdown(out: dict[str, Any]) -> str:
         "",
         "The held-out half of the new families (frozen before any rule was tuned on them): "
         + ", ".join(f"`{f}`" for f in out["new_held_out_families"])
-        + ".",
+        + ". The fresh half adds quick families of new models, data and recipes, frozen and "
+        "recorded before the rule for outlier batches under SGD with momentum was judged on "
+        "them, replayed with the main families: "
+        + ", ".join(f"`{f}`" for f in out.get("new_fresh_families", []))
+        + ". The tuning half adds two outlier families on SGD with momentum: "
+        "`outlier-bnmlp-cancer`, `outlier-bncnn-cancer`.",
     ]
     head = (
         "| rule set | runs warned | of them harmed or divergent (precision) | warned, healthy "

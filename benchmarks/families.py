@@ -14,6 +14,9 @@ users run them.
 - the output-logit family: the qk-layernorm GPT without z-loss; its twin adds z-loss 1e-4;
 - ``resmlp``: a residual MLP of pre-LN blocks; ``bnmlp``: an MLP with BatchNorm; ``wine``: a
   small tabular MLP (13 features, 3 classes) for batches of 2 or 4;
+- ``BNCNN1d``: a 1-d CNN with BatchNorm along a tabular set's features; ``DeepMLP``: an MLP of
+  any depth, width and activation, no normalisation; ``PoolCNN2d``: a CNN with max pooling on
+  the digits, no normalisation;
 - ``ft``, ``ft-lora``: a pretrained byte-level GPT fine-tuned whole, or through low-rank
   adapters (:func:`LoRA`) on its frozen base;
 - ``ft-mix``, ``ft-mix-lora``, ``ft-gru-mix``: the same fine-tunes (and a pretrained byte GRU's)
@@ -51,12 +54,15 @@ __all__ = [
     "BYTES",
     "GPT",
     "IDLE",
+    "BNCNN1d",
     "ByteGRU",
     "ByteLSTM",
     "ByteTransformer",
+    "DeepMLP",
     "FrozenBackbone",
     "LoRA",
     "MixtureOfExperts",
+    "PoolCNN2d",
     "ReluCNN1d",
     "ReluCNN2d",
     "ReluMLP",
@@ -153,11 +159,48 @@ class ResMLP(nn.Module):
         return self.head(h)  # type: ignore[no-any-return]
 
 
-def BNMLP() -> nn.Module:  # noqa: N802 (a model's name, as the classes')
-    """An MLP with BatchNorm on the 64 digit pixels, 10 classes."""
+def BNMLP(inputs: int = 64, classes: int = 10) -> nn.Module:  # noqa: N802 (a model's name, as the classes')
+    """An MLP with BatchNorm: ``inputs`` features (the 64 digit pixels), ``classes`` outputs."""
     return nn.Sequential(
-        nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(),
-        nn.Linear(128, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10),
+        nn.Linear(inputs, 128), nn.BatchNorm1d(128), nn.ReLU(),
+        nn.Linear(128, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, classes),
+    )  # fmt: skip
+
+
+def BNCNN1d(inputs: int = 30, classes: int = 2) -> nn.Module:  # noqa: N802
+    """Two width-3 1-d convolutions with BatchNorm and ReLU along the ``inputs`` standardised
+    features, averaged over them, then a linear head of ``classes`` outputs."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, inputs)),
+        nn.Conv1d(1, 8, 3, padding=1), nn.BatchNorm1d(8), nn.ReLU(),
+        nn.Conv1d(8, 16, 3, padding=1), nn.BatchNorm1d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(16, classes),
+    )  # fmt: skip
+
+
+def DeepMLP(  # noqa: N802
+    inputs: int,
+    classes: int,
+    layers: int = 6,
+    width: int = 64,
+    activation: type[nn.Module] = nn.ReLU,
+) -> nn.Module:
+    """An MLP of ``layers`` linear layers of ``width`` units, ``activation`` between them, no
+    normalisation: ``inputs`` features, ``classes`` outputs."""
+    body: list[nn.Module] = []
+    for index in range(layers - 1):
+        body += [nn.Linear(inputs if index == 0 else width, width), activation()]
+    return nn.Sequential(*body, nn.Linear(width, classes))
+
+
+def PoolCNN2d() -> nn.Module:  # noqa: N802
+    """Two 3x3 convolutions with ReLU, each followed by 2x2 max pooling, on the 8x8 digits, no
+    normalisation, a linear head of 10 outputs."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 4, 10),
     )  # fmt: skip
 
 

@@ -202,7 +202,11 @@ class LossRules:
     the median of the last ``2 * diverge_patience - 1`` optimizer steps' mean losses, which
     fewer than ``diverge_patience`` outlier steps cannot move: one bad batch, or two, is a
     setback and not a divergence), or when the loss is not finite. A setback that falls back
-    first is logged as recovered.
+    first is logged as recovered. Once the run has learnt, a step back under the bar after one
+    or two steps over it marks an outlier batch the run came back from: for
+    ``diverge_patience * diverge_span`` optimizer steps, the rise that follows (the outlier's
+    echo, which an optimizer with momentum carries on for a while) confirms nothing, unless a
+    step's mean loss passes the outlier steps' own or the loss is not finite.
 
     Under gradient accumulation the callback reads every micro-batch's loss: the rule counts
     the losses of each optimizer step (:attr:`per_step`), spans its running means over
@@ -241,6 +245,9 @@ class LossRules:
         """The mean losses of the last optimizer steps, whose median *diverging* holds to
         ``diverge_lost``."""
         self._trail: deque[tuple[int, float]] = deque(maxlen=rules.history)
+        self._echo: tuple[int, float] | None = None
+        """The echo of an outlier batch held (:meth:`_count`): its last optimizer step, and the
+        outlier steps' highest mean loss."""
         self._peak = (-1, -math.inf)  # the step of the highest mean loss, and that loss
         self._start = math.nan  # the first optimizer step's mean loss
         self.adaptive = False
@@ -346,7 +353,7 @@ class LossRules:
         bar = self._bar()
         # armed after ``min_history`` losses: before, a loss is not yet told from the run's noise
         over = levels.seen > 1 and levels.mean > bar
-        alarms = self._judge(x, step, self._step_held(bar)) if over else self._recover(step)
+        alarms = self._judge(x, step, bar, self._step_mean()) if over else self._recover(step)
         if self.setback is None:
             levels.settle(x, self._span(), rules.min_history)
         else:  # the last loss is still the run's: the next jitter is measured from it
@@ -373,8 +380,8 @@ class LossRules:
         peak_step, peak = self._peak
         return LossStory(self._start, peak_step, peak, tuple(self._trail))
 
-    def _step_held(self, bar: float) -> bool | None:
-        """Return whether the step's mean loss is over ``bar``, once its last loss is read.
+    def _step_mean(self) -> float | None:
+        """Return the step's mean loss, once its last loss is read.
 
         ``None`` before the last loss completed its optimizer step. The micro-batches of one
         step share its weights: a hard one says nothing of the update, so a setback holds by
@@ -383,19 +390,22 @@ class LossRules:
         group = self._group
         if group.losses != self.per_step:
             return None
-        return group.total / group.losses > bar
+        return group.total / group.losses
 
-    def _judge(self, x: float, step: int, held: bool | None) -> list[TrainingAlarm]:
+    def _judge(self, x: float, step: int, bar: float, mean: float | None) -> list[TrainingAlarm]:
         """Judge a running mean over the bar: a setback opened, held, or confirmed.
 
         A completed step under the bar starts the count again: the run came back, and what the
-        running mean still remembers is the bad steps before, one or two outlier batches.
+        running mean still remembers is the bad steps before, one or two outlier batches. Once
+        the run has learnt, the outlier's echo is then held (:meth:`_count`).
 
         Args:
             x: the loss.
             step: its optimizer step.
-            held: the mean loss of the step just completed is over the bar, not only the
-                running mean that remembers an earlier one (``None``: the step is not complete).
+            bar: *diverging*'s bar now.
+            mean: the mean loss of the step just completed, judged against the bar itself, not
+                only the running mean that remembers an earlier one (``None``: the step is not
+                complete).
 
         Returns:
             The alarms: the setback opened, and *diverging* where it is confirmed or holds.
@@ -408,11 +418,12 @@ class LossRules:
             setback = Setback(step, levels.best, levels.mean)
             self.setback = setback
             opened = [setback_opened(step, setback, levels.mean, levels.first, rules)]
-        if held is not None:
-            setback.steps = setback.steps + 1 if held else 0
+        echo = self._count(setback, step, bar, mean)
         setback.peak = max(setback.peak, levels.mean)
         if setback.confirmed:
             return [self._diverging_alarm(step, x, "it holds")]
+        if echo:
+            return opened
         if setback.steps >= rules.diverge_patience:
             why = (
                 f"the loss has stayed over the bar for {setback.steps} optimizer steps "
@@ -434,6 +445,55 @@ class LossRules:
             why = f"its running mean is past diverge_lost={rules.diverge_lost:g}x the run's start"
             return opened + self._confirm(step, x, why)
         return opened
+
+    def _count(self, setback: Setback, step: int, bar: float, mean: float | None) -> bool:
+        """Count the step just completed toward the setback; return whether an echo holds.
+
+        A step over the bar counts, one under it starts the count again. A run that has learnt
+        and comes back under the bar after fewer than ``diverge_patience`` steps over it met
+        one or two outlier batches: for ``diverge_patience * diverge_span`` optimizer steps
+        after it came back (:meth:`_echo_steps`), the rise
+        that follows (an optimizer with momentum carries the outlier's update on for a while)
+        counts toward nothing, unless a step's mean loss passes the outlier steps' own, which
+        an echo does not.
+
+        Args:
+            setback: the open setback.
+            step: the optimizer step of the loss just read.
+            bar: *diverging*'s bar now.
+            mean: the mean loss of the step just completed (``None``: the step is not complete).
+
+        Returns:
+            Whether the echo of an outlier batch holds at ``step``: nothing confirms the
+            setback but a loss that is not finite.
+        """
+        echo = self._echo
+        if echo is not None and (step > echo[0] or (mean is not None and mean > echo[1])):
+            echo = None  # over, or a step worse than the outlier itself: no echo
+            self._echo = None
+        if mean is None:
+            return echo is not None
+        if echo is not None:  # the echo's steps count toward nothing
+            setback.steps = 0
+            return True
+        if mean > bar:
+            setback.steps += 1
+            setback.jump = max(setback.jump, mean)
+            return False
+        if setback.steps and self._learnt():
+            self._echo = (step + self._echo_steps(), setback.jump)
+            setback.steps = 0
+            return True
+        setback.steps = 0
+        return False
+
+    def _echo_steps(self) -> int:
+        """Return the optimizer steps an outlier batch's echo is held after the run came back.
+
+        ``diverge_patience`` spans of the short running mean (``diverge_span`` steps each): 12
+        at the defaults, past the 10 steps over which momentum 0.9 carries an update on.
+        """
+        return self.rules.diverge_patience * self.rules.diverge_span
 
     def _learnt(self) -> bool:
         """Return whether the run has learnt: its best is under :data:`_LEARNT` of its start.
@@ -559,6 +619,7 @@ class LossRules:
             "loss_levels": asdict(self.levels),
             "loss_setback": None if self.setback is None else asdict(self.setback),
             "loss_recent": list(self._recent),
+            "loss_echo": None if self._echo is None else list(self._echo),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -577,6 +638,8 @@ class LossRules:
             self.setback = None if setback is None else Setback(**setback)
             self._recent.clear()
             self._recent.extend(state.get("loss_recent", ()))
+            echo = state.get("loss_echo")
+            self._echo = None if echo is None else (int(echo[0]), float(echo[1]))
         elif "diverging" in state:
             mean, deviation, best, first = as_array(state["diverging"]).tolist()
             seen = int(state["loss_seen"])

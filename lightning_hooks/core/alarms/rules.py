@@ -138,6 +138,12 @@ class AlarmRules:
             ``2 * diverge_patience - 1`` optimizer steps (one or two outlier batches cannot
             move it, where the running mean remembers them); or the loss is not finite. A
             setback that falls back before either is logged as recovered. Must be > 0.
+            Once the run has learnt, a setback whose step loss comes back under the bar after
+            fewer than ``diverge_patience`` steps over it (one or two outlier batches) is held
+            for ``diverge_patience * diverge_span`` optimizer steps after it came back: the
+            rise that follows, which an optimizer with momentum carries on for a while, is
+            the outlier's echo and confirms nothing (neither by patience nor by the median)
+            unless a step's mean loss passes the outlier steps' own or the loss is not finite.
         stall_factor: *stall*: on a logging step, the median ``|w_after - w_before| / lr`` over
             a sample of each tensor's entries with a non-zero gradient fell this many times
             below its running level. Adaptive optimizers only; not evaluated while the learning

@@ -6,6 +6,7 @@ confirmed as a divergence.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lightning_hooks.core.alarms.messages import TrainingAlarm, ratio_text
@@ -32,6 +33,9 @@ class Setback:
     which remembers an earlier loss); with one loss a step, its losses over the bar."""
     confirmed: bool = False
     """Confirmed as a divergence: *diverging* warns while it holds."""
+    jump: float = -math.inf
+    """The highest mean loss of its steps over the bar counted so far: an outlier batch's own,
+    which the echo that follows it does not pass."""
 
 
 def setback_opened(
