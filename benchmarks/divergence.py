@@ -934,7 +934,8 @@ class _StabilityProbe:
             self.stat.start_copy(step)
             got = self.stat.take_copy(wait=True)
             assert got is not None
-            self.windows.append(got)
+            at, result = got
+            self.windows.append((at, result._asdict()))  # by statistic, as the replay reads it
         registry.logging_step = logging_step(step + 1)
 
 
