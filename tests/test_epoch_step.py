@@ -6,7 +6,8 @@ library is at exactly the steps Lightning wrote its two metrics at: under gradie
 at a cadence whose last logging step is not the epoch's last step, and under a manual
 optimization of two optimizer steps a batch, where ``trainer.global_step`` counts two a batch
 and Lightning's step one. The alarms' texts of a logging step and of an epoch never share a tag
-and a step.
+and a step, nor do two epochs' summaries where an epoch in which no batch stepped repeats the
+step of the epoch before it.
 """
 
 from __future__ import annotations
@@ -218,3 +219,32 @@ def test_an_epochs_summary_and_its_last_logging_steps_text_never_share_a_tag_and
     assert epoch_texts == lightning
     assert set(lightning) <= step_texts  # each epoch's last step logged its alarms' text too
     assert step_texts == set(range(BATCHES * EPOCHS))
+
+
+class SkipsEpochOne(Logs):
+    """Skips every batch of its second epoch (``on_train_batch_start`` returns -1): no batch of
+    that epoch steps."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if self.current_epoch == 1 else None
+
+
+def test_an_epoch_in_which_no_batch_stepped_writes_no_second_summary_at_its_step(
+    tmp_path: Path,
+) -> None:
+    """Its step is the epoch before it's, as Lightning's (which writes its ``epoch`` there twice):
+    the statistics, with nothing measured, write nothing, and the alarms' summary of the epoch
+    before it keeps its place."""
+    callback = GradFlowCallback(alarms=AlarmRules(max_grad_norm=1e-9), chart=False)
+    trainer = make_trainer(tmp_path, callbacks=[callback], max_epochs=3, limit_val_batches=2)
+    with pytest.warns(Warning):  # the alarm's warning, once per layer and epoch
+        trainer.fit(SkipsEpochOne())
+    lightning = _lightning_steps(tmp_path)
+    assert lightning == [BATCHES - 1, 2 * BATCHES - 1]  # the second epoch logged nothing
+    events = _events(tmp_path)
+    assert sorted(step for tag, step, _ in events if tag == "epoch") == sorted(2 * lightning)
+    library = _library_epoch_steps(tmp_path)
+    assert library["grad_flow/grad_norm/net.0 (scalars)"] == lightning
+    assert library[f"{ALARM_TEXT}/text_summary (text)"] == lightning
+    texts = [(tag, step) for tag, step, plugin in events if plugin == "text"]
+    assert not [key for key, n in Counter(texts).items() if n > 1]

@@ -171,8 +171,7 @@ class ActivationStatsCallback(HookCallback):
 
         Args:
             trainer: the trainer whose loggers are written to, at the epoch's step
-                (:func:`~.attached.epoch_step`); its epoch
-                names the heatmaps' new column.
+                (:func:`~.attached.epoch_step`); its epoch names the heatmaps' new column.
             result: the epoch's statistics per layer and their histograms.
         """
         stats = result.summary

@@ -41,10 +41,10 @@ class FabricTrainer:
     """Offer the attributes of a ``pl.Trainer`` that the callbacks read, over a ``Fabric``.
 
     Its steps are the watched module's optimizer steps, its epochs the calls of
-    ``on_train_epoch_end``. It has no fit loop, so an epoch's values are written at the epoch's
-    last optimizer step, ``global_step - 1`` (:func:`~.attached.epoch_step`): where the Trainer
-    puts them, the step of the epoch's last batch that stepped, for a loop that steps once a
-    batch, and the step the epoch's last logging step, if it is that step, is written at.
+    ``on_train_epoch_end``. It has no fit loop: an epoch's values are written at the epoch's last
+    optimizer step, ``global_step - 1`` (:func:`~.attached.epoch_step`). That is where the Trainer
+    puts them for a loop that steps once a batch, and where the epoch's last logging step, if it
+    is that step, is written too.
 
     Args:
         fabric: the Fabric whose precision, loggers and rank the trainer reports.

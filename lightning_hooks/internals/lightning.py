@@ -2,8 +2,8 @@
 
 Internals with no public path: a strategy's tensor-parallel size, the callbacks of a ``Fabric``,
 the ``Fabric`` of a module it set up, the module and the optimizer inside Lightning's and
-Fabric's wrappers, Fabric's gradient clipping observed before it clips, a logger's prefix, and
-the model's logging functions Lightning binds onto each callback, and the step Lightning logs an
+Fabric's wrappers, Fabric's gradient clipping observed before it clips, a logger's prefix, the
+model's logging functions Lightning binds onto each callback, and the step Lightning logs an
 epoch's metrics at. One speed-up with a public twin: the empty per-batch hooks a callback
 inherits, skipped.
 """
@@ -223,10 +223,11 @@ def lightning_epoch_step(trainer: object) -> int | None:
     optimization once per batch. An epoch in which no batch stepped has the step of the epoch
     before it (-1 in the first), as Lightning's own.
 
-    Lightning keeps no public name for it. Without it, epoch values would be written at
-    ``trainer.global_step - 1``, which is Lightning's step only where each batch that steps makes
-    exactly one optimizer step: a manual optimization with two optimizers (a GAN) or none in a
-    batch, or a batch the dataloader yields as ``None``, would put them apart.
+    Lightning keeps no public name for it; every supported release has it (since 1.6.5), and
+    Lightning's own ``LearningRateMonitor`` reads the same count. Without it, epoch values would
+    be written at ``trainer.global_step - 1``, which is Lightning's step only where each batch
+    that steps makes exactly one optimizer step: a manual optimization with two optimizers (a
+    GAN) or none in a batch, or a batch the dataloader yields as ``None``, would put them apart.
 
     Args:
         trainer: the trainer whose epoch is ending.
