@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "ALARMS",
+    "ALARM_STEP_TEXT",
     "ALARM_TEXT",
     "GLOBAL",
     "GRAD_FLOW",
@@ -54,8 +55,8 @@ GLOBAL = "global"
 GRAD_FLOW = "grad_flow"
 """``GradFlowCallback``'s family."""
 ALARM_TEXT = f"{GRAD_FLOW}/alarms"
-"""The alarms' text: each logging step's new alarms, each epoch's summary. TensorBoard files a
-text under ``<tag>/text_summary``."""
+"""The alarms' text of each epoch: its summary. TensorBoard files a text under
+``<tag>/text_summary``; a logging step's text is under :data:`ALARM_STEP_TEXT`."""
 PERCENTILE = re.compile(r"_p\d+$")
 """A percentile over the layers at the end of a statistic's name (``grad_norm_p50``)."""
 _STEP_SUFFIX = re.compile(r"_step(_p\d+)?$")
@@ -297,6 +298,13 @@ def step_tag(tag: str) -> str:
     cut = percentile.start() if percentile else len(parts[at])
     parts[at] = parts[at][:cut] + STEP + parts[at][cut:]
     return "/".join(parts)
+
+
+ALARM_STEP_TEXT = step_tag(ALARM_TEXT)
+"""The alarms' text of each logging step: the alarms read since the last one
+(``grad_flow/alarms_step``). An epoch's last step may be a logging step, and the epoch's summary
+(:data:`ALARM_TEXT`) is written at that step: two texts under one tag at one step, TensorBoard
+would show one."""
 
 
 def epoch_tag(tag: str) -> str | None:

@@ -21,6 +21,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_hooks.tags import ALARM_STEP_TEXT
+
 os.environ.setdefault("PL_DISABLE_FORK", "1")
 if "LH_TORCH_THREADS" in os.environ:  # other floating-point bits, as another CPU gives them
     torch.set_num_threads(int(os.environ["LH_TORCH_THREADS"]))
@@ -183,6 +185,16 @@ class MetricsOnlyLogger(Logger):
         self.logged.append((dict(metrics), step))
 
 
+def epoch_end_step(stepped: int) -> int:
+    """The step Lightning logs an epoch's metrics at, and the library the epoch's values.
+
+    ``stepped`` batches have stepped since the fit began (``trainer.global_step`` where each makes
+    one optimizer step): Lightning logs at its count of them, and its fit loop lowers the count by
+    one around the epoch's metrics, the step of the epoch's last batch that stepped.
+    """
+    return stepped - 1
+
+
 def read_scalars(logdir: Path | str) -> dict[str, list[tuple[int, float]]]:
     """Every scalar in the event files under ``logdir``: ``tag -> [(step, value), ...]``."""
     out: dict[str, list[tuple[int, float]]] = defaultdict(list)
@@ -193,13 +205,20 @@ def read_scalars(logdir: Path | str) -> dict[str, list[tuple[int, float]]]:
 
 
 def read_alarm_texts(logdir: Path | str) -> list[str]:
-    """Every text the alarms wrote (tags ``grad_flow/alarms...``), from the event files."""
+    """Every text the alarms wrote (tags ``grad_flow/alarms...``), from the event files.
+
+    They are in the order written: by step, a logging step's text before the epoch's summary at
+    the same step.
+    """
     out = []
     for acc in _accumulators(logdir):
         for tag in acc.Tags()["tensors"]:
             if tag.startswith("grad_flow/alarms"):
-                out += [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)]
-    return out
+                epoch = not tag.startswith(ALARM_STEP_TEXT)
+                out += [
+                    (e.step, epoch, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag)
+                ]
+    return [text for _, _, text in sorted(out)]
 
 
 def read_image_tags(logdir: Path | str) -> list[str]:

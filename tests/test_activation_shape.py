@@ -20,7 +20,7 @@ from lightning_hooks import ActivationStatsCallback
 from lightning_hooks.core.stats import activation_shape
 from lightning_hooks.core.stats.activation_shape import power_sums
 
-from conftest import dataset, read_scalars
+from conftest import dataset, epoch_end_step, read_scalars
 
 WIDTH, BATCH = 64, 16
 RTOL = 1e-3
@@ -88,7 +88,7 @@ def worst_relative_error(model: Recording, scalars: dict[str, list[tuple[int, fl
     worst = 0.0
     for layer, outputs in model.outputs.items():
         windows = [("{stat}_step", step, outputs[step : step + 1]) for step in range(4)]
-        windows.append(("{stat}", 4, outputs))
+        windows.append(("{stat}", epoch_end_step(4), outputs))
         for name, step, window in windows:
             for stat, want in _reference(window).items():
                 logged = dict(scalars[f"activations/{name.format(stat=stat)}/{layer}"])[step]

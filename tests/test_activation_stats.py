@@ -19,7 +19,15 @@ from lightning_hooks import ActivationStatsCallback, ActivationStatsTracker, Lig
 from lightning_hooks.core import feature_stats
 from lightning_hooks.core.ops.feature_stats import fused_feature_stats
 
-from conftest import TinyMLP, dataset, hooks_left, read_histograms, read_image_tags, read_scalars
+from conftest import (
+    TinyMLP,
+    dataset,
+    epoch_end_step,
+    hooks_left,
+    read_histograms,
+    read_image_tags,
+    read_scalars,
+)
 from syncs import SyncWindow, count_syncs
 
 
@@ -83,7 +91,7 @@ def test_logged_statistics_equal_plain_torch_over_each_epoch(
         layers
     )
     for epoch in range(2):
-        at = 4 * (epoch + 1)
+        at = epoch_end_step(4 * (epoch + 1))
         for layer in layers:
             want = _reference(model.outputs[layer][4 * epoch : 4 * (epoch + 1)])
             for stat, value in want.items():
@@ -95,7 +103,7 @@ def test_logged_statistics_equal_plain_torch_over_each_epoch(
             for stat in ("kurtosis", "outlier_ratio"):
                 logged = dict(scalars[f"activations/{stat}_step/{layer}"])[step]
                 assert _close(logged, want[stat]), (stat, layer, step, logged, want[stat])
-    assert 0 < dict(scalars["activations/zero_fraction/net.1"])[4] < 1
+    assert 0 < dict(scalars["activations/zero_fraction/net.1"])[epoch_end_step(4)] < 1
     assert read_image_tags(tmp_path) == [
         "activations/heatmap/mean",
         "activations/heatmap/std",
@@ -139,12 +147,17 @@ def test_module_called_twice_pools_both_calls_and_tuple_outputs_get_suffixes(
     trainer_factory(callbacks=[callback]).fit(model)
     scalars = read_scalars(tmp_path)
     want = _reference(model.seen)  # both calls of every training forward
-    assert _close(dict(scalars["activations/mean/shared"])[4], want["mean"])
-    assert _close(dict(scalars["activations/std/shared"])[4], want["std"])
+    assert _close(dict(scalars["activations/mean/shared"])[epoch_end_step(4)], want["mean"])
+    assert _close(dict(scalars["activations/std/shared"])[epoch_end_step(4)], want["std"])
     outputs = model.seen[1::2]
-    assert _close(dict(scalars["activations/mean/split.0"])[4], _reference(outputs)["mean"])
+    assert _close(
+        dict(scalars["activations/mean/split.0"])[epoch_end_step(4)], _reference(outputs)["mean"]
+    )
     doubled = [2 * o for o in outputs]
-    assert _close(dict(scalars["activations/max/split.1.double"])[4], _reference(doubled)["max"])
+    assert _close(
+        dict(scalars["activations/max/split.1.double"])[epoch_end_step(4)],
+        _reference(doubled)["max"],
+    )
     assert not [t for t in scalars if "count" in t]
 
 
@@ -174,10 +187,10 @@ def test_first_nonfinite_module_and_step_are_named(trainer_factory: Any, tmp_pat
     # The NaN step's update spreads NaN into the weights: net.0 goes non-finite in step 3 only.
     for layer in ("net.0", "net.2"):
         want = sum(int((~torch.isfinite(o)).sum()) for o in model.outputs[layer][:4])
-        assert dict(scalars[f"activations/nonfinite/{layer}"])[4] == want
+        assert dict(scalars[f"activations/nonfinite/{layer}"])[epoch_end_step(4)] == want
     assert not torch.isfinite(model.outputs["net.2"][2]).any()
     assert torch.isfinite(model.outputs["net.0"][2]).all()
-    assert math.isnan(dict(scalars["activations/mean/net.2"])[4])
+    assert math.isnan(dict(scalars["activations/mean/net.2"])[epoch_end_step(4)])
 
 
 def _np_counts(values: torch.Tensor, edges: np.ndarray) -> np.ndarray:
@@ -195,7 +208,7 @@ def test_histograms_fixed_and_running_range(trainer_factory: Any, tmp_path: Path
     ((step, hist), _) = read_histograms(tmp_path)["activations/histogram/net.0"]
     edges = torch.linspace(-1.0, 1.0, 9).double().numpy()
     values = torch.cat([o.flatten() for o in model.outputs["net.0"][:4]])
-    assert step == 4
+    assert step == epoch_end_step(4)
     np.testing.assert_allclose(hist.bucket_limit, edges[1:], rtol=1e-6)
     np.testing.assert_array_equal(hist.bucket, _np_counts(values, edges))
     assert hist.num == values.numel()
@@ -328,9 +341,9 @@ def test_large_outputs_logged_statistics_equal_plain_torch(
         assert len(model.outputs[layer]) == 2 and model.outputs[layer][0].numel() > CHUNK
         want = _reference(model.outputs[layer][:logging_step])
         for stat, value in want.items():
-            logged = dict(scalars[f"activations/{stat}/{layer}"])[2]
+            logged = dict(scalars[f"activations/{stat}/{layer}"])[epoch_end_step(2)]
             assert _close(logged, value), (stat, layer, logged, value)
-    assert 0.3 < dict(scalars["activations/zero_fraction/net.1"])[2] < 0.7
+    assert 0.3 < dict(scalars["activations/zero_fraction/net.1"])[epoch_end_step(2)] < 0.7
 
 
 def test_checkpoint_recompute_is_not_counted() -> None:

@@ -26,8 +26,9 @@ from lightning_hooks import (
     TrainingAlarmWarning,
 )
 from lightning_hooks.core import ALARM_RULES
+from lightning_hooks.tags import ALARM_TEXT
 
-from conftest import TinyMLP, dataset, hooks_left, read_scalars
+from conftest import TinyMLP, dataset, epoch_end_step, hooks_left, read_scalars
 
 LAYERS = ("net.0", "net.2", "net.4")
 RULES = ALARM_RULES  # every rule, in the order of its counts
@@ -138,19 +139,21 @@ def _alarms(record: Iterator[warnings.WarningMessage]) -> list[tuple[int, str, s
 
 
 def _texts(logdir: Path) -> dict[int, str]:
-    """The ``grad_flow/alarms`` text summaries in the event files: ``step -> text``."""
+    """The epochs' ``grad_flow/alarms`` text summaries in the event files: ``step -> text``."""
     out = {}
     for path in {p.parent for p in logdir.rglob("events.out.tfevents.*")}:
         acc = EventAccumulator(str(path), size_guidance={"tensors": 0})
         acc.Reload()
         for tag in acc.Tags()["tensors"]:
-            if tag.startswith("grad_flow/alarms"):
+            if tag == f"{ALARM_TEXT}/text_summary":
                 for event in acc.Tensors(tag):
                     out[event.step] = event.tensor_proto.string_val[0].decode()
     return out
 
 
-def _counts(logdir: Path, step: int) -> dict[str, float]:
+def _counts(logdir: Path, stepped: int) -> dict[str, float]:
+    """Each rule's count of the epoch that ends once ``stepped`` batches have stepped."""
+    step = epoch_end_step(stepped)
     scalars = read_scalars(logdir)
     counts = {}
     for rule in RULES:  # each rule under alarms/ or, a notice, under notices/
@@ -215,7 +218,7 @@ def test_spike_at_a_step_that_is_not_a_statistics_step_is_named_at_defaults(
     logdir = tmp_path / "lightning_logs"
     # net.2 and the global norm at the fault; with momentum the next steps' gradients follow
     assert _counts(logdir, at + 3)["spike"] >= 2
-    text = _texts(logdir)[at + 3]
+    text = _texts(logdir)[epoch_end_step(at + 3)]
     assert f"- step {at}, spike, net.2:" in text
     assert f"    - step {at}: net.2 {norms[at]:.4g} (" in text
 
@@ -307,7 +310,7 @@ def test_healthy_runs_of_300_steps_raise_no_alarm_at_defaults(
     assert trainer.global_step == 300
     assert _alarms(record) == []
     assert _counts(tmp_path / "lightning_logs", 300) == dict.fromkeys(RULES, 0.0)
-    assert _texts(tmp_path / "lightning_logs")[300].startswith(
+    assert _texts(tmp_path / "lightning_logs")[epoch_end_step(300)].startswith(
         "0 warnings and 0 notices in epoch 0"
     )
 
@@ -447,7 +450,8 @@ def test_amp_overflow_is_counted_never_an_explosion(trainer_factory: Any, tmp_pa
     counts = _counts(tmp_path, 40)
     assert counts == {**dict.fromkeys(RULES, 0.0), "amp_overflow": float(skipped)}
     assert (
-        "AMP overflow at optimizer step 0: the GradScaler skipped the step" in _texts(tmp_path)[40]
+        "AMP overflow at optimizer step 0: the GradScaler skipped the step"
+        in _texts(tmp_path)[epoch_end_step(40)]
     )
 
 

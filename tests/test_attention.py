@@ -34,7 +34,7 @@ from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.report import _fmt
 
-from conftest import make_trainer, read_scalars
+from conftest import epoch_end_step, make_trainer, read_scalars
 from syncs import count_syncs
 from tensorboard_server import charts, read_layouts
 
@@ -485,7 +485,8 @@ def test_attention_statistics_equal_plain_torch_through_fit(
             ]  # a window of one forward of a logging step each
             assert [v for _, v in got] == pytest.approx(each, rel=1e-5)
             want = pooled(expected)[i]  # the epoch: every head's rows of the three forwards
-            assert scalars[f"stability/{stat}/{module}"] == [(STEPS, pytest.approx(want, rel=1e-5))]
+            epoch = (epoch_end_step(STEPS), pytest.approx(want, rel=1e-5))
+            assert scalars[f"stability/{stat}/{module}"] == [epoch]
 
 
 def _ops(model: nn.Module, ids: torch.Tensor) -> dict[str, int]:

@@ -23,7 +23,7 @@ from lightning_hooks.cli import main
 from lightning_hooks.core.alarms import ALARM_RULES
 from lightning_hooks.tags import NOTICES, NOTICES_0_2_0
 
-from conftest import TinyMLP, default_callback_types, make_trainer, read_scalars
+from conftest import TinyMLP, default_callback_types, epoch_end_step, make_trainer, read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,8 @@ class NaNAtStep(TinyMLP):
 
 class DeadFractionLogger(pl.Callback):
     """Logs, per ReLU, the fraction of zero outputs in the last training batch, plain torch,
-    under the documented tag scheme ``dead_relu/dead_fraction/{layer}``, and an alarm count."""
+    under the documented tag scheme ``dead_relu/dead_fraction/{layer}``, and an alarm count, as
+    the epoch's metrics (at Lightning's epoch step, as the library's epoch values)."""
 
     def __init__(self) -> None:
         self.fraction: dict[str, float] = {}
@@ -57,7 +58,7 @@ class DeadFractionLogger(pl.Callback):
         metrics["dead_relu/alarms/dead_layer"] = float(
             sum(v >= 0.5 for v in self.fraction.values())
         )
-        trainer.logger.log_metrics(metrics, step=trainer.global_step)  # type: ignore[union-attr]
+        pl_module.log_dict(metrics)
 
 
 def _report_json(logdir: Path, *extra: str, capsys: pytest.CaptureFixture[str]) -> Any:
@@ -160,13 +161,10 @@ def test_dead_fraction_and_alarm_rules(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 class EpochAlarm(pl.Callback):
-    """Logs ``watchdog/alarms/late`` = 2 in the first epoch and 0 afterwards."""
+    """Logs ``watchdog/alarms/late`` = 2 in the first epoch and 0 afterwards, as an epoch metric."""
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        count = 2.0 if trainer.current_epoch == 0 else 0.0
-        trainer.logger.log_metrics(  # type: ignore[union-attr]
-            {"watchdog/alarms/late": count}, step=trainer.global_step
-        )
+        pl_module.log("watchdog/alarms/late", 2.0 if trainer.current_epoch == 0 else 0.0)
 
 
 def test_alarm_counts_are_summed_over_the_run(
@@ -217,7 +215,8 @@ def test_table_through_the_installed_module(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("run tb/version_0  (step 4, 3 layers, worst first)")
+    step = epoch_end_step(4)  # one epoch of 4 steps
+    assert lines[0].startswith(f"run tb/version_0  (step {step}, 3 layers, worst first)")
     assert lines[1].split() == ["layer", "grad_norm", "update_ratio", "grad_nonfinite"]
     assert sorted(line.split()[0] for line in lines[2:5]) == ["net.0", "net.2", "net.4"]
     assert lines[-2:] == ["warnings: none", "notices: none"]
@@ -378,7 +377,7 @@ def test_a_csv_logger_run_reports_as_its_tensorboard_twin(
     assert code == 1
     csv_run, tb_run = payload["runs"]
     assert (csv_run["run"], tb_run["run"]) == ("csv/version_0", "tb/version_0")
-    assert csv_run["layers"] and csv_run["step"] == tb_run["step"] == 8
+    assert csv_run["layers"] and csv_run["step"] == tb_run["step"] == epoch_end_step(8)
     # TensorBoard keeps float32, metrics.csv the float64 logged: the same report otherwise.
     assert _approx({**csv_run, "run": ""}) == {**tb_run, "run": ""}
 
@@ -632,3 +631,66 @@ def test_a_raised_run_reports_its_last_layers_and_the_alarm_that_ended_it(
     capsys.readouterr()
     assert _gate(tmp_path, *RECOMMENDED[::2]) == 1
     assert "FAIL tb/version_0: warnings=3 (warnings>0)" in capsys.readouterr().err
+
+
+def test_an_epoch_at_its_last_logging_steps_step_reports_the_epoch_counted_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every step a logging step, an ``absolute`` alarm on every step: each epoch's values and its
+    last logging step's are written at one step. The report shows that step with the epoch's
+    values, and sums each epoch's count once (its last logging step's is in it)."""
+    from lightning_hooks import AlarmRules
+
+    callback = GradFlowCallback(alarms=AlarmRules(max_grad_norm=1e-9), chart=False)
+    trainer = make_trainer(tmp_path, max_epochs=2, callbacks=[callback])
+    with pytest.warns(TrainingAlarmWarning):
+        trainer.fit(TinyMLP())
+    scalars = read_scalars(tmp_path)
+    last = epoch_end_step(trainer.global_step)
+    assert scalars["grad_flow/grad_norm_step/net.0"][-1][0] == last  # the last logging step
+    assert scalars["grad_flow/grad_norm/net.0"][-1][0] == last  # and the epoch's values
+    epoch_value = scalars["grad_flow/grad_norm/net.0"][-1][1]
+    assert epoch_value != scalars["grad_flow/grad_norm_step/net.0"][-1][1]
+    code, payload, _ = _report_json(tmp_path, capsys=capsys)
+    (run,) = payload["runs"]
+    assert code == 0 and run["step"] == last
+    (net0,) = [row for row in run["layers"] if row["layer"] == "net.0"]
+    assert net0["grad_flow/grad_norm"] == pytest.approx(epoch_value, rel=1e-6)
+    epochs = sum(v for _, v in scalars["grad_flow/alarms/absolute"])
+    assert epochs == sum(v for _, v in scalars["grad_flow/alarms_step/absolute"]) > 0
+    assert run["warnings"]["grad_flow/alarms/absolute"] == epochs
+
+
+class FailsInEpochOne(TinyMLP):
+    """TinyMLP whose second batch of its second epoch raises: the run dies after that epoch's
+    first logging step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.current_epoch == 1 and batch_idx == 1:
+            raise RuntimeError("killed")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_logging_step_after_the_last_epoch_is_reported_with_its_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run that dies in its second epoch: its first logging step, one step after the first
+    epoch's values, is the last that logged layers; its count adds to the first epoch's."""
+    from lightning_hooks import AlarmRules
+
+    callback = GradFlowCallback(alarms=AlarmRules(max_grad_norm=1e-9), chart=False)
+    trainer = make_trainer(tmp_path, max_epochs=2, callbacks=[callback])
+    with pytest.warns(TrainingAlarmWarning), pytest.raises(RuntimeError, match="killed"):
+        trainer.fit(FailsInEpochOne())
+    scalars = read_scalars(tmp_path)
+    ((epoch_step, _),) = scalars["grad_flow/grad_norm/net.0"]
+    step, value = scalars["grad_flow/grad_norm_step/net.0"][-1]
+    assert step == epoch_step + 1 == trainer.global_step - 1  # the second epoch's first step
+    code, payload, _ = _report_json(tmp_path, capsys=capsys)
+    (run,) = payload["runs"]
+    assert code == 0 and run["step"] == step
+    (net0,) = [row for row in run["layers"] if row["layer"] == "net.0"]
+    assert net0["grad_flow/grad_norm"] == pytest.approx(value, rel=1e-6)
+    ((_, epoch_count),) = scalars["grad_flow/alarms/absolute"]
+    after = [v for s, v in scalars["grad_flow/alarms_step/absolute"] if s > epoch_step]
+    assert after and run["warnings"]["grad_flow/alarms/absolute"] == epoch_count + sum(after)

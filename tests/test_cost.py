@@ -28,7 +28,14 @@ from lightning_hooks.core import TrainingAlarms
 from lightning_hooks.core.ops.grouped_norms import MAX_GROUPS
 from lightning_hooks.errors import LightningHooksWarning
 
-from conftest import BoundedMLP, TinyMLP, default_callback_types, make_trainer, read_scalars
+from conftest import (
+    BoundedMLP,
+    TinyMLP,
+    default_callback_types,
+    epoch_end_step,
+    make_trainer,
+    read_scalars,
+)
 from syncs import count_syncs
 
 CALLBACKS = default_callback_types()
@@ -323,7 +330,7 @@ def test_every_n_steps_logs_the_mean_over_the_logging_steps(
     trainer_factory(callbacks=[callback], max_epochs=2, **trainer_options).fit(model)
     scalars = read_scalars(tmp_path)
     for epoch, steps in ((0, [0, 2]), (1, [4, 5])):
-        at = 4 * (epoch + 1)
+        at = epoch_end_step(4 * (epoch + 1))
         for layer in LAYERS:
             for stat in ("grad_norm", "update_ratio", "output_grad_norm"):
                 want = float(np.mean([model.steps[s][layer][stat] for s in steps]))

@@ -15,7 +15,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import ActivationStatsCallback, DeadReLUCallback, LightningHooksWarning
 
-from conftest import TinyCNN, TinyMLP, dataset, hooks_left, make_trainer, read_scalars
+from conftest import (
+    TinyCNN,
+    TinyMLP,
+    dataset,
+    epoch_end_step,
+    hooks_left,
+    make_trainer,
+    read_scalars,
+)
 from syncs import SyncWindow, count_syncs
 
 DEAD = [1, 4, 6, 9, 13]  # units of net.0 whose bias keeps them negative for every input
@@ -63,8 +71,11 @@ def _reference(outputs: list[torch.Tensor], dim: int) -> tuple[int, int, float]:
     return dead, stacked.shape[1], zero
 
 
-def _logged(scalars: dict[str, list[tuple[int, float]]], stat: str, layer: str, at: int) -> float:
-    return dict(scalars[f"dead_relu/{stat}/{layer}"])[at]
+def _logged(
+    scalars: dict[str, list[tuple[int, float]]], stat: str, layer: str, stepped: int
+) -> float:
+    """The epoch value of ``stat`` at the epoch's end, once ``stepped`` batches have stepped."""
+    return dict(scalars[f"dead_relu/{stat}/{layer}"])[epoch_end_step(stepped)]
 
 
 class ReluStack(TinyMLP):

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from lightning_hooks.tags import ALARM_STEP_TEXT, ALARM_TEXT
+
 from conftest import read_image_tags, read_scalars
 from tensorboard_server import charts, read_layouts
 
@@ -170,10 +172,12 @@ def test_the_dashboard_shows_per_step_curves_and_alarms_before_the_epoch_ends(
     at = titles.index("lightning_hooks: grad_flow/grad_norm")
     assert titles[at + 1] == "lightning_hooks: grad_flow/grad_norm_step"
     first_end = _run(demo, "broken")["grad_flow/global/grad_norm"][0][0]
-    texts = []
+    texts: dict[str, list[int]] = {ALARM_STEP_TEXT: [], ALARM_TEXT: []}
     for path in {p.parent for p in broken.rglob("events.out.tfevents.*")}:
         acc = EventAccumulator(str(path), size_guidance={"tensors": 0})
         acc.Reload()
-        texts += [e.step for e in acc.Tensors("grad_flow/alarms/text_summary")]
-    assert any(step < first_end for step in texts), texts  # before the first epoch ended
-    assert first_end in texts  # and the epoch's summary at its end
+        for tag, steps in texts.items():
+            steps += [e.step for e in acc.Tensors(f"{tag}/text_summary")]
+    # a logging step's text before the first epoch ended, and the epoch's summary at its end
+    assert any(step < first_end for step in texts[ALARM_STEP_TEXT]), texts
+    assert first_end in texts[ALARM_TEXT]

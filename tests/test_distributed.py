@@ -24,7 +24,7 @@ from pytorch_lightning.strategies import FSDPStrategy
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.core import ALARM_RULES
 
-from conftest import hooks_left, read_scalars, run_script
+from conftest import epoch_end_step, hooks_left, read_scalars, run_script
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +75,10 @@ def test_ddp_statistics_equal_one_process_on_the_global_batch(
     assert len(tags) == tag_count
     assert stepped and {t.replace("_step", "") for t in stepped} <= tags
     assert {t for t in ddp if t.startswith("grad_flow/")} == every
+    epochs = [epoch_end_step(stepped) for stepped in steps]  # steps: stepped by each epoch's end
     for tag in sorted(every):
         at = [s for s, _ in single[tag]]
-        assert [s for s, _ in ddp[tag]] == at and (tag in stepped or at == steps), tag
+        assert [s for s, _ in ddp[tag]] == at and (tag in stepped or at == epochs), tag
         for (_, got), (_, want) in zip(ddp[tag], single[tag], strict=True):
             assert math.isclose(got, want, rel_tol=_tolerance(tag, want), abs_tol=1e-12), (
                 tag,
@@ -165,7 +166,7 @@ def test_default_actions_count_the_same_alarms_on_every_rank(
     assert ranks[1]["warnings"] == []
     # rank 0's TensorBoard counts (each epoch's, at its last step) are those alarms
     logged = read_scalars(out / "warn" / "tb")["grad_flow/alarms/diverging"]
-    assert logged == [(4, 0.0), (8, float(len(diverging)))]
+    assert logged == [(epoch_end_step(4), 0.0), (epoch_end_step(8), float(len(diverging)))]
 
 
 def test_manual_optimization_without_a_loss_on_one_rank_turns_the_loss_rules_off(

@@ -1,7 +1,8 @@
 """``docs/concepts.md`` names every tag a run writes, and a run writes every tag it names.
 
 One fit turns every option on (every callback, the heatmap, the histograms, a projector,
-clipping, more layers than ``max_layers_logged``, attention and an output layer), then the tags
+clipping, more layers than ``max_layers_logged``, attention and an output layer, and a layer
+that gets no gradient, whose notice a logging step's alarm text names), then the tags
 of its event files (and its projector) are compared with the tags the page's "Tags" section
 names, both ways.
 """
@@ -21,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import (
     ActivationStatsCallback,
+    AlarmRules,
     DeadReLUCallback,
     FeatureMapCallback,
     GradFlowCallback,
@@ -37,7 +39,8 @@ LAYOUT = "custom_scalars__config__"
 
 
 class Everything(pl.LightningModule):
-    """A convolution with a ReLU, an attention module, a tanh and an output layer."""
+    """A convolution with a ReLU, an attention module, a tanh, an output layer, and a spare layer
+    that forward never runs (it gets no gradient)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,6 +48,7 @@ class Everything(pl.LightningModule):
         self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
         self.squash = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
         self.head = nn.Linear(16, 3)
+        self.spare = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = self.conv(x).reshape(x.shape[0], -1, 16)
@@ -106,7 +110,12 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, set[str]]:
     y = torch.randint(0, 3, (32,), generator=generator)
     model = Everything()
     callbacks = [
-        GradFlowCallback(heatmap=True, histograms=True, max_layers_logged=2),
+        GradFlowCallback(
+            heatmap=True,
+            histograms=True,
+            max_layers_logged=2,
+            alarms=AlarmRules(vanish_steps=3),  # the spare layer's notice in an epoch of 4 steps
+        ),
         ActivationStatsCallback(histograms=True),
         DeadReLUCallback(),
         SaturationCallback(),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_image_tags, read_scalars
+from conftest import epoch_end_step, read_image_tags, read_scalars
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -27,7 +27,8 @@ def test_quickstart_logs_the_dashboard(
     run = tmp_path / "runs" / "quickstart"
     scalars = read_scalars(run)
     assert {f"grad_flow/grad_norm/net.{i}" for i in (0, 2, 4)} <= set(scalars)
-    assert [step for step, _ in scalars["grad_flow/global/grad_norm"]] == [16, 32, 48]
+    epochs = [epoch_end_step(16 * epoch) for epoch in (1, 2, 3)]  # 3 epochs of 16 steps
+    assert [step for step, _ in scalars["grad_flow/global/grad_norm"]] == epochs
     assert read_image_tags(run) == ["grad_flow/chart"]
 
 
@@ -52,7 +53,7 @@ def test_long_epoch_writes_at_each_logging_step(
     assert [s for s, _ in scalars["loss"]] == [49, 99, 149, 199, 249, 299]
     for tag in ("grad_flow/grad_norm_step/net.0", "activations/mean_step/net.2"):
         assert [s for s, _ in scalars[tag]] == [0, 49, 99, 149, 199, 249, 299]
-    assert [s for s, _ in scalars["dead_relu/dead_fraction/net.1"]] == [300]
+    assert [s for s, _ in scalars["dead_relu/dead_fraction/net.1"]] == [epoch_end_step(300)]
     assert read_image_tags(tmp_path / "runs" / "long_epoch") == [
         "activations/heatmap/mean",
         "activations/heatmap/std",
@@ -74,7 +75,8 @@ def test_wandb_offline_example_writes_the_pictures(
     media = run / "files" / "media"
     assert len(list((media / "images" / "grad_flow").glob("chart_*.png"))) == 3
     assert len(list((media / "images" / "grad_flow").glob("heatmap_*.png"))) == 3
-    assert len(list((media / "table" / "grad_flow").glob("alarms_*.table.json"))) == 3
+    # the epochs' summaries (a logging step's text is under alarms_step)
+    assert len(list((media / "table" / "grad_flow").glob("alarms_[0-9]*.table.json"))) == 3
 
 
 def test_mlflow_example_logs_figures_and_text(
@@ -85,9 +87,7 @@ def test_mlflow_example_logs_figures_and_text(
     run_id = capsys.readouterr().out.split("MLflow run ")[1].split(";")[0]
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     charts = [a.path for a in client.list_artifacts(run_id, "grad_flow/chart")]
-    assert charts == [f"grad_flow/chart/step_{s:06d}.png" for s in (16, 32, 48)]
-    assert [m.step for m in client.get_metric_history(run_id, "grad_flow/global/grad_norm")] == [
-        16,
-        32,
-        48,
-    ]
+    epochs = [epoch_end_step(16 * epoch) for epoch in (1, 2, 3)]  # 3 epochs of 16 steps
+    assert charts == [f"grad_flow/chart/step_{s:06d}.png" for s in epochs]
+    history = client.get_metric_history(run_id, "grad_flow/global/grad_norm")
+    assert [m.step for m in history] == epochs

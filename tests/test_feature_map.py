@@ -15,7 +15,7 @@ from lightning_hooks import FeatureMapCallback, LayerTimeCallback
 from lightning_hooks.core import LayerTimer, probe_mode
 from lightning_hooks.logging import feature_map_grid
 
-from conftest import TinyCNN, dataset, hooks_left, read_image_tags, read_scalars
+from conftest import TinyCNN, dataset, epoch_end_step, hooks_left, read_image_tags, read_scalars
 
 
 class NoisyCNN(TinyCNN):
@@ -60,10 +60,12 @@ def test_images_scalars_and_projector_files_after_fit(trainer_factory: Any, tmp_
     scalars = read_scalars(tmp_path)
     for name, reference in (("features.0", conv0), ("features.3", conv1)):
         (_, _), (step, last) = scalars[f"feature_map/abs_mean/{name}"]
-        assert step == 6 and last == pytest.approx(float(reference.abs().mean()), rel=1e-5)
+        assert step == epoch_end_step(6) and last == pytest.approx(
+            float(reference.abs().mean()), rel=1e-5
+        )
     logdir = tmp_path / "tb" / "version_0"
     assert (logdir / "projector_config.pbtxt").is_file()
-    (embedding_dir,) = (logdir / "00006").iterdir()
+    (embedding_dir,) = (logdir / f"{epoch_end_step(6):05d}").iterdir()
     rows = (embedding_dir / "tensors.tsv").read_text().strip().splitlines()
     assert len(rows) == 6 and len(rows[0].split("\t")) == flat.shape[1]
     logged = torch.tensor([[float(v) for v in row.split("\t")] for row in rows])

@@ -27,7 +27,7 @@ from lightning_hooks.core.ops.grouped_norms import abs_sum_max
 from lightning_hooks.core.transport import ShardPlan, combine_partials
 from lightning_hooks.errors import TrainingAlarmWarning
 
-from conftest import read_histograms, read_scalars, run_script
+from conftest import epoch_end_step, read_histograms, read_scalars, run_script
 
 STEPS = [4, 8]  # two epochs of four optimizer steps, logged at each epoch end
 
@@ -75,11 +75,13 @@ def _assert_same_scalars(
     want: dict[str, list[tuple[int, float]]],
     steps: list[int] = STEPS,
 ) -> None:
+    """``steps``: the optimizer steps made by each epoch's end."""
+    epochs = [epoch_end_step(stepped) for stepped in steps]
     assert set(got) == set(want)
     assert any("_step" in tag for tag in want)  # each logging step's values are compared too
     for tag in sorted(want):
         at = [s for s, _ in want[tag]]
-        assert [s for s, _ in got[tag]] == at and ("_step" in tag or at == steps), tag
+        assert [s for s, _ in got[tag]] == at and ("_step" in tag or at == epochs), tag
         for (_, value), (_, reference) in zip(got[tag], want[tag], strict=True):
             same = math.isclose(value, reference, rel_tol=1e-4, abs_tol=1e-7)
             assert same or (math.isnan(value) and math.isnan(reference)), (tag, value, reference)
@@ -199,7 +201,7 @@ def test_alarm_actions_agree_across_ranks_and_with_one_process(
         assert want["grad_flow/grad_nonfinite/net.0"][-1][1] == 1  # the NaN step, counted
     else:
         assert all(np.isfinite(np.asarray(v)).all() for v in reference["weights"].values())
-    # Every tag: the same value as in one process (stop: the second epoch ends at step 6).
+    # Every tag: the same value as in one process (stop: the second epoch ends after step 5).
     _assert_same_scalars(got_tags, want, [4, 6] if action == "stop" else STEPS)
 
 
@@ -209,7 +211,8 @@ def test_example_trains_sharded_and_logs_whole_model_statistics(fsdp_out: Path) 
     assert {f"grad_flow/grad_norm/{layer}" for layer in layers} <= set(scalars)
     assert {f"activations/mean/{layer}" for layer in layers} <= set(scalars)
     # 256 samples, 32 a batch, half of them per rank: 4 steps an epoch, logged at each end.
-    assert [s for s, _ in scalars["grad_flow/global/grad_norm"]] == [4, 8]
+    epochs = [epoch_end_step(4), epoch_end_step(8)]
+    assert [s for s, _ in scalars["grad_flow/global/grad_norm"]] == epochs
 
 
 def test_tensor_parallel_is_refused_naming_what_is_supported(fsdp_out: Path) -> None:

@@ -13,7 +13,14 @@ from pytorch_lightning.loggers import CSVLogger
 
 from lightning_hooks import GradFlowCallback, LightningHooksWarning
 
-from conftest import MetricsOnlyLogger, TinyMLP, hooks_left, read_image_tags, read_scalars
+from conftest import (
+    MetricsOnlyLogger,
+    TinyMLP,
+    epoch_end_step,
+    hooks_left,
+    read_image_tags,
+    read_scalars,
+)
 from syncs import SyncWindow, count_syncs
 
 LAYERS = ("net.0", "net.2", "net.4")
@@ -88,7 +95,7 @@ def test_logged_values_equal_an_independent_computation(
     assert len(model.steps) == 2 * steps_per_epoch
     for epoch in range(2):
         steps = model.steps[epoch * steps_per_epoch : (epoch + 1) * steps_per_epoch]
-        at = (epoch + 1) * steps_per_epoch  # logged at trainer.global_step
+        at = epoch_end_step((epoch + 1) * steps_per_epoch)  # the epoch's last step
         for layer in LAYERS:
             for stat, mean_tag, max_tag in (
                 ("grad_norm", "grad_norm", "grad_norm_max"),
@@ -138,7 +145,7 @@ def test_large_layers_logged_values_equal_an_independent_computation_at_defaults
     trainer = trainer_factory(callbacks=[GradFlowCallback()], max_epochs=1)
     trainer.fit(model)
     scalars = read_scalars(tmp_path)
-    at = len(model.steps)
+    at = epoch_end_step(len(model.steps))
     for layer in LAYERS:
         for stat, tag in (("grad_abs_mean", "grad_abs_mean"), ("grad_abs_max", "grad_abs_max")):
             mean, peak = _expected(model.steps, layer, stat)
@@ -186,7 +193,8 @@ def test_csv_logger_gets_scalars_and_the_chart(trainer_factory: Any, tmp_path: P
     run = tmp_path / "csv" / "version_0"
     header = (run / "metrics.csv").read_text().splitlines()[0]
     assert "grad_flow/grad_norm/net.0" in header.split(",")
-    assert [p.name for p in (run / "grad_flow" / "chart").iterdir()] == ["step_000004.png"]
+    chart = f"step_{epoch_end_step(4):06d}.png"  # one epoch of 4 steps
+    assert [p.name for p in (run / "grad_flow" / "chart").iterdir()] == [chart]
 
 
 def test_scalars_only_logger_gets_scalars_and_one_warning(

@@ -25,7 +25,7 @@ from lightning_hooks.core.stats import output_grad as output_grad_module
 from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
 from lightning_hooks.core.stats.grad_flow import GradFlowTracker
 
-from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
+from conftest import TinyMLP, epoch_end_step, hooks_left, make_trainer, read_scalars
 
 
 class BoomError(RuntimeError):
@@ -103,9 +103,10 @@ def test_a_failing_hook_disables_its_callback_and_training_goes_on(
     assert model.trainer.global_step == 8  # training went on: 2 epochs x 4 batches
     scalars = read_scalars(tmp_path)
     # The healthy callback logged both epochs; the failed one nothing after its failure.
-    assert [s for s, _ in scalars["dead_relu/dead_fraction/net.1"]] == [4, 8]
+    epochs = [epoch_end_step(4), epoch_end_step(8)]
+    assert [s for s, _ in scalars["dead_relu/dead_fraction/net.1"]] == epochs
     prefix = "grad_flow/" if failing == "Grad" else "activations/"
-    assert all(s <= 4 for tag, v in scalars.items() if tag.startswith(prefix) for s, _ in v)
+    assert all(s <= epochs[0] for tag, v in scalars.items() if tag.startswith(prefix) for s, _ in v)
     # Its hooks went at the first Lightning hook after the failure, the others' stayed.
     assert counter.forward_hooks[0] > counter.forward_hooks[-1] > 0
     assert hooks_left(model) == []
@@ -168,5 +169,8 @@ def test_a_failing_probe_disables_feature_maps_for_the_fit(tmp_path: Path) -> No
     scalars = read_scalars(tmp_path)
     assert model.trainer.global_step == 8
     assert not [t for t in scalars if t.startswith("feature_map/")]
-    assert [s for s, _ in scalars["grad_flow/global/grad_norm"]] == [4, 8]
+    assert [s for s, _ in scalars["grad_flow/global/grad_norm"]] == [
+        epoch_end_step(4),
+        epoch_end_step(8),
+    ]
     assert hooks_left(model) == []

@@ -15,7 +15,7 @@ from torch import nn
 from lightning_hooks import ActivationStatsCallback, GradFlowCallback
 from lightning_hooks.core.ops.histogram import LOG10_EDGES, LayerHistograms, bin_counts
 
-from conftest import TinyMLP, make_trainer, read_histograms, read_scalars
+from conftest import TinyMLP, epoch_end_step, make_trainer, read_histograms, read_scalars
 from syncs import SyncWindow, count_syncs
 
 LAYERS = ("net.0", "net.2", "net.4")
@@ -43,7 +43,7 @@ def test_histograms_equal_numpy_counts_of_the_recorded_gradients(tmp_path: Path)
     edges = LOG10_EDGES.double().numpy()
     for layer in LAYERS:
         events = acc.Histograms(f"grad_flow/grad_log10_abs/{layer}")
-        assert [e.step for e in events] == [4, 8]
+        assert [e.step for e in events] == [epoch_end_step(4), epoch_end_step(8)]
         for epoch, event in enumerate(events):
             grads = np.concatenate(recorder.grads[layer][4 * epoch : 4 * epoch + 4])
             with np.errstate(divide="ignore"):
@@ -98,5 +98,5 @@ def test_activation_histograms_count_finite_values_only(tmp_path: Path) -> None:
     ((_, hist),) = read_histograms(tmp_path)["activations/histogram/net.0"]
     scalars = read_scalars(tmp_path)
     numel = 32 * 16
-    nonfinite = dict(scalars["activations/nonfinite/net.0"])[4]
+    nonfinite = dict(scalars["activations/nonfinite/net.0"])[epoch_end_step(4)]
     assert nonfinite > 0 and hist.num == sum(hist.bucket) == numel - nonfinite

@@ -18,7 +18,7 @@ from torchmetrics import CatMetric, MaxMetric, MeanMetric, Metric
 
 from lightning_hooks import LightningHooksWarning, MetricStat, StatsCallback
 
-from conftest import TinyMLP, make_trainer, read_scalars
+from conftest import TinyMLP, epoch_end_step, make_trainer, read_scalars
 
 LINEARS = ("net.0", "net.2", "net.4")
 
@@ -62,11 +62,12 @@ def test_each_layers_metric_equals_the_same_metric_updated_by_hand(tmp_path: Pat
     make_trainer(tmp_path, max_epochs=2, callbacks=[StatsCallback([mean, peak])]).fit(model)
     logged = _epoch_values(tmp_path, "metrics/")
     assert set(logged) == {f"metrics/output_mean/{n}" for n in LINEARS} | {"metrics/peak_abs/net.4"}
-    for epoch, step in enumerate((4, 8)):  # 4 batches an epoch, each a logging step
+    epochs = [epoch_end_step(4), epoch_end_step(8)]  # 4 batches an epoch, each a logging step
+    for epoch, step in enumerate(epochs):
         for name, outputs in recorder.outputs.items():
             seen = outputs[4 * epoch : 4 * epoch + 4]
             got = logged[f"metrics/output_mean/{name}"]
-            assert list(got) == [4, 8]
+            assert list(got) == epochs
             want = _by_hand(MeanMetric(), seen)
             assert math.isclose(got[step], want, rel_tol=1e-6), (name, epoch)
             plain = float(torch.cat([o.flatten() for o in seen]).double().mean())
@@ -86,7 +87,8 @@ def test_only_the_logging_steps_outputs_are_fed(tmp_path: Path) -> None:
     make_trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(model)
     outputs = recorder.outputs["net.2"]
     want = max(float(outputs[i].max()) for i in (0, 1, 3))
-    assert read_scalars(tmp_path)["metrics/max/net.2"] == [(4, pytest.approx(want, rel=1e-6))]
+    epoch = (epoch_end_step(4), pytest.approx(want, rel=1e-6))
+    assert read_scalars(tmp_path)["metrics/max/net.2"] == [epoch]
 
 
 @pytest.mark.filterwarnings("ignore:.*checkpoint that ended before the epoch ended.*")
@@ -118,9 +120,10 @@ def test_a_mid_epoch_resume_logs_what_the_uninterrupted_fit_logs(tmp_path: Path)
     whole = _epoch_values(tmp_path / "whole", "metrics/")
     second = _epoch_values(tmp_path / "second", "metrics/")
     assert len(whole) == 5 and set(second) == set(whole)  # 3 Linear and 2 ReLU layers
+    last = epoch_end_step(8)
     for tag, values in whole.items():
-        assert list(second[tag]) == [8], tag  # the resumed fit logs its epoch 1 only
-        assert math.isclose(second[tag][8], values[8], rel_tol=1e-6), tag
+        assert list(second[tag]) == [last], tag  # the resumed fit logs its epoch 1 only
+        assert math.isclose(second[tag][last], values[last], rel_tol=1e-6), tag
 
 
 def test_refused_at_construction_with_the_argument_named() -> None:

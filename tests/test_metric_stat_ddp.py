@@ -13,7 +13,7 @@ import torch
 from ddp_metric_run import DEPTHS
 from torchmetrics import MeanMetric
 
-from conftest import read_scalars, run_script
+from conftest import epoch_end_step, read_scalars, run_script
 
 STEPS = 4  # optimizer steps an epoch, each a logging step
 
@@ -39,7 +39,7 @@ def test_each_layer_equals_the_metric_updated_by_hand_on_both_ranks_outputs(
     assert {t for t in logged if t.startswith("metrics/")} == {
         f"metrics/output_mean/{layer}" for layer in layers
     }
-    for epoch, step in enumerate((STEPS, 2 * STEPS)):
+    for epoch, step in enumerate((epoch_end_step(STEPS), epoch_end_step(2 * STEPS))):
         for layer in sorted(layers):
             metric = MeanMetric()
             for outputs in ranks:
@@ -54,7 +54,7 @@ def test_a_layer_one_rank_alone_runs_is_computed_from_that_rank(ddp_out: Path) -
     rank0, rank1 = _outputs(ddp_out, DEPTHS[0])
     assert "expert" in rank0 and "expert" not in rank1
     logged = dict(read_scalars(ddp_out / f"depth{DEPTHS[0]}" / "tb")["metrics/output_mean/expert"])
-    for epoch, step in enumerate((STEPS, 2 * STEPS)):
+    for epoch, step in enumerate((epoch_end_step(STEPS), epoch_end_step(2 * STEPS))):
         seen = torch.cat(
             [o.flatten() for o in rank0["expert"][STEPS * epoch : STEPS * (epoch + 1)]]
         )
@@ -100,5 +100,5 @@ def test_a_mid_epoch_resume_under_ddp_logs_what_the_uninterrupted_fit_logs(
     assert len(tags) == 5 and {t for t in resumed if t.startswith("metrics/")} == tags
     for tag in sorted(tags):
         ((step, got),) = resumed[tag]  # the resumed fit logs its epoch 1 only
-        assert step == 2 * STEPS
+        assert step == epoch_end_step(2 * STEPS)
         assert math.isclose(got, dict(whole[tag])[step], rel_tol=1e-6), tag

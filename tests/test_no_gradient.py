@@ -19,7 +19,7 @@ from lightning_hooks.core.alarms.gradients import DEAD_STEPS
 from lightning_hooks.report import format_table, read_run
 from lightning_hooks.tags import NOTICES, SPIKE_SCORE
 
-from conftest import read_alarm_texts, read_scalars
+from conftest import epoch_end_step, read_alarm_texts, read_scalars
 
 NOTICE = "aux_head got no gradient in 20 optimizer steps (to step 19): is it used in forward?"
 
@@ -59,7 +59,8 @@ def test_a_layer_never_called_in_forward_is_one_notice_and_a_marked_row(tmp_path
     assert "- step 19, no_gradient (notice), aux_head:" in texts[0]
     assert not any(", frozen:" in text for text in texts)  # no alarm names it
     scalars = read_scalars(logdir)
-    assert dict(scalars[NOTICES["no_gradient"].tag]) == {40: 1.0, 45: 0.0}
+    epochs = {epoch_end_step(40): 1.0, epoch_end_step(45): 0.0}  # epochs of 40 and 5 steps
+    assert dict(scalars[NOTICES["no_gradient"].tag]) == epochs
     assert sum(v for _, v in scalars["grad_flow/notices_step/no_gradient"]) == 1.0
     warned = [t for t in scalars if t.startswith("grad_flow/alarms/") and t != SPIKE_SCORE]
     assert not [tag for tag in warned if any(v for _, v in scalars[tag])]
@@ -173,5 +174,5 @@ def test_a_layer_the_gradient_flows_around_is_a_notice(tmp_path: Path) -> None:
     )
     assert [text.count(notice) for text in texts] == [1, 1]  # the logging step's, the epoch's
     scalars = read_scalars(tmp_path / "lightning_logs" / "version_0")
-    assert dict(scalars[NOTICES["no_gradient"].tag]) == {30: 1.0}
+    assert dict(scalars[NOTICES["no_gradient"].tag]) == {epoch_end_step(30): 1.0}
     assert sum(v for _, v in scalars["grad_flow/alarms/vanishing"]) == 0

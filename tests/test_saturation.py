@@ -17,7 +17,7 @@ from lightning_hooks import FeatureMapCallback, LightningHooksWarning, Saturatio
 from lightning_hooks.core import SaturationTracker, saturation_mask, unit_saturation
 from lightning_hooks.core.stats import states as states_module
 
-from conftest import TinyMLP, hooks_left, read_scalars
+from conftest import TinyMLP, epoch_end_step, hooks_left, read_scalars
 from syncs import count_syncs
 
 WATCHED = {"net.1": "tanh", "net.3": "sigmoid"}
@@ -90,7 +90,7 @@ def test_saturated_layers_match_plain_torch_and_warn(trainer_factory: Any, tmp_p
     scalars = read_scalars(tmp_path)
     expected_warnings: list[str] = []
     repeats: dict[str, int] = {}
-    for epoch, step in enumerate((4, 8)):
+    for epoch, step in enumerate((epoch_end_step(4), epoch_end_step(8))):
         seen = model.seen[4 * epoch : 4 * epoch + 4]
         for layer in WATCHED:
             fraction, always, k = _reference(seen, layer)
@@ -132,7 +132,11 @@ def test_healthy_layers_match_plain_torch_and_do_not_warn(
     for layer in WATCHED:
         fraction, always, _ = _reference(model.seen[4:], layer)
         ((_, _), (step, logged)) = scalars[f"saturation/saturated_fraction/{layer}"]
-        assert step == 8 and logged == pytest.approx(fraction, abs=1e-6) and logged < 0.5
+        assert (
+            step == epoch_end_step(8)
+            and logged == pytest.approx(fraction, abs=1e-6)
+            and logged < 0.5
+        )
         assert scalars[f"saturation/always_saturated_fraction/{layer}"][-1][1] == always == 0
     ((_, _), (_, layers)) = scalars["saturation/global/layers"]
     assert layers == 2

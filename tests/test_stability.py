@@ -22,7 +22,7 @@ from lightning_hooks.core.stats.attention import MhaCall
 from lightning_hooks.core.stats.attention import mha_logit_chunks as attention_chunks
 from lightning_hooks.core.stats.stability import StabilityStats
 
-from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
+from conftest import TinyMLP, epoch_end_step, hooks_left, make_trainer, read_scalars
 
 STEPS, EVERY = 4, 2  # one epoch of 4 steps; steps 0 (the epoch's first), 1 and 3 are logging steps
 
@@ -148,12 +148,13 @@ def test_transformer_logs_attention_logits_and_logz_equal_to_torch(
     for name in attention:
         assert len(model.expected_attn[name]) == 3  # steps 0, 1 and 3 only
         [(step, value)] = scalars[f"stability/attn_logit_max/{name}"]
-        assert step == STEPS
+        assert step == epoch_end_step(STEPS)
         assert value == pytest.approx(max(model.expected_attn[name]), rel=1e-5)
     logz = torch.cat(model.expected_logz)
     assert len(model.expected_logz) == 3
-    assert scalars["stability/logit_logz/head"] == [(STEPS, pytest.approx(logz.mean().item()))]
-    assert scalars["stability/logit_logz_max/head"] == [(STEPS, pytest.approx(logz.max().item()))]
+    end = epoch_end_step(STEPS)
+    assert scalars["stability/logit_logz/head"] == [(end, pytest.approx(logz.mean().item()))]
+    assert scalars["stability/logit_logz_max/head"] == [(end, pytest.approx(logz.max().item()))]
     # Each logging step (steps 0, 1 and 3) has its own values, under ``_step`` tags.
     for name in attention:
         got = scalars[f"stability/attn_logit_max_step/{name}"]
@@ -165,7 +166,8 @@ def test_transformer_logs_attention_logits_and_logz_equal_to_torch(
         # of 4 sequences of 6 each), the smallest head
         per_position = torch.stack(model.entropy_sums[name]).sum(0)
         want = (per_position / (3 * 4)).min().item()
-        assert scalars[f"stability/attn_entropy_min/{name}"] == [(STEPS, pytest.approx(want))]
+        epoch = (epoch_end_step(STEPS), pytest.approx(want))
+        assert scalars[f"stability/attn_entropy_min/{name}"] == [epoch]
     for tag, reduce in (("logit_logz_step", torch.mean), ("logit_logz_max_step", torch.amax)):
         got = scalars[f"stability/{tag}/head"]
         want = [reduce(z).item() for z in model.expected_logz]

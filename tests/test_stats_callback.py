@@ -23,7 +23,7 @@ from lightning_hooks import (
 from lightning_hooks.callbacks.stats import StatsCallback
 from lightning_hooks.core.hooks.selection import Selection
 
-from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
+from conftest import TinyMLP, epoch_end_step, hooks_left, make_trainer, read_scalars
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_stat.py"
 
@@ -40,8 +40,9 @@ def test_the_example_logs_its_statistic_every_epoch(
         "output_rms/net.2",
         "output_rms/net.2_step",
     ]
-    assert [s for s, _ in scalars["output_rms/net.0"]] == [8, 16, 24]
-    assert [s for s, _ in scalars["weights/peak/net.2"]] == [8, 16, 24]
+    epochs = [epoch_end_step(8 * epoch) for epoch in (1, 2, 3)]  # 3 epochs of 8 steps
+    assert [s for s, _ in scalars["output_rms/net.0"]] == epochs
+    assert [s for s, _ in scalars["weights/peak/net.2"]] == epochs
 
 
 def test_a_parameter_statistic_from_public_names_matches_plain_torch(tmp_path: Path) -> None:
@@ -54,7 +55,7 @@ def test_a_parameter_statistic_from_public_names_matches_plain_torch(tmp_path: P
         lambda m, args: seen.append(float(m.weight.detach().abs().max())) if m.training else None
     )
     make_trainer(tmp_path, callbacks=[StatsCallback(weight_peak(), every_n_steps=2)]).fit(model)
-    logged = dict(read_scalars(tmp_path)["weights/peak/net.2"])[4]
+    logged = dict(read_scalars(tmp_path)["weights/peak/net.2"])[epoch_end_step(4)]
     assert logged == pytest.approx(max(seen[0], seen[1], seen[3]), rel=1e-6)  # steps 0, 1, 3
     model.net[2]._forward_pre_hooks.clear()
     assert hooks_left(model) == []
@@ -70,7 +71,7 @@ def test_a_user_statistic_matches_plain_torch_in_a_fit(tmp_path: Path) -> None:
     stat = output_rms()
     make_trainer(tmp_path, callbacks=[StatsCallback(stat, every_n_steps=2)]).fit(model)
     logging_step = torch.cat([outputs[0], outputs[1], outputs[3]])  # steps 0, 1 and 3 of 4
-    logged = dict(read_scalars(tmp_path)["output_rms/net.2"])[4]
+    logged = dict(read_scalars(tmp_path)["output_rms/net.2"])[epoch_end_step(4)]
     assert np.isclose(logged, float(logging_step.square().mean().sqrt()), rtol=1e-6)
     model.net[2]._forward_hooks.clear()
     assert hooks_left(model) == []

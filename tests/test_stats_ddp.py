@@ -13,7 +13,7 @@ import torch
 from ddp_run import SAMPLES
 from ddp_stats_run import AttentionMLP, fit, routed_fit
 
-from conftest import read_scalars, run_script
+from conftest import epoch_end_step, read_scalars, run_script
 
 PREFIXES = ("output_rms/", "activations/", "dead_relu/", "saturation/", "stability/")
 
@@ -49,7 +49,7 @@ def test_output_rms_under_ddp_equals_plain_torch_on_the_global_batches(ddp_out: 
     loader = model.train_dataloader()
     optimizer = model.configure_optimizers()
     ddp = read_scalars(ddp_out / "tb")
-    for epoch, step in enumerate((4, 8)):
+    for epoch, step in enumerate((epoch_end_step(4), epoch_end_step(8))):
         for x, y in loader:  # the same plain SGD steps the fit took
             optimizer.zero_grad()
             model.training_step((x, y), 0).backward()
@@ -74,7 +74,7 @@ def test_every_layer_stat_under_ddp_equals_one_process(ddp_out: Path, tmp_path: 
     stepped = {t for t in tags if "_step" in t}  # each logging step's values (every step)
     assert {t.split("/")[0] + "/" for t in stepped} == set(PREFIXES)
     for tag in sorted(tags):
-        steps = list(range(8)) if tag in stepped else [4, 8]
+        steps = list(range(8)) if tag in stepped else [epoch_end_step(4), epoch_end_step(8)]
         assert [s for s, _ in ddp[tag]] == [s for s, _ in single[tag]] == steps, tag
         for (_, got), (_, want) in zip(ddp[tag], single[tag], strict=True):
             assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-9), (tag, got, want)

@@ -24,8 +24,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import ActivationStatsCallback, DeadReLUCallback, GradFlowCallback
 from lightning_hooks.report import read_run
+from lightning_hooks.tags import ALARM_STEP_TEXT, ALARM_TEXT
 
-from conftest import TinyMLP, dataset, make_trainer, read_scalars
+from conftest import TinyMLP, dataset, epoch_end_step, make_trainer, read_scalars
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from long_epoch import Regressor, Stream
@@ -136,10 +137,10 @@ def test_a_long_iterable_epoch_logs_every_statistic_at_each_logging_step(tmp_pat
     # The epoch aggregates, apart, at the end: the mean over the same logging steps.
     for name in LAYERS:
         epoch = scalars[f"grad_flow/grad_norm/{name}"]
-        assert [s for s, _ in epoch] == [300]
+        assert [s for s, _ in epoch] == [epoch_end_step(300)]
         expected = np.mean([recorder.grad_norm[s][name] for s in steps])
         assert epoch[0][1] == pytest.approx(expected, rel=1e-5)
-    assert [s for s, _ in scalars["dead_relu/dead_fraction/net.1"]] == [300]
+    assert [s for s, _ in scalars["dead_relu/dead_fraction/net.1"]] == [epoch_end_step(300)]
     assert not any(t.startswith("dead_relu/dead_fraction_step") for t in scalars)
 
 
@@ -346,13 +347,17 @@ def test_alarms_reach_the_text_tab_at_the_next_logging_step(tmp_path: Path) -> N
     counts = dict(scalars["grad_flow/alarms_step/absolute"])
     assert sorted(counts) == [0, 3, 7, 11]
     assert all(n > 0 for n in counts.values())  # the steps polled since the last logging step
-    epoch = dict(scalars["grad_flow/alarms/absolute"])[12]
+    end = epoch_end_step(12)  # the epoch's last step, also its last logging step
+    epoch = dict(scalars["grad_flow/alarms/absolute"])[end]
     assert sum(counts.values()) <= epoch
-    texts: dict[int, str] = {}
     acc = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"tensors": 0})
     acc.Reload()
-    for event in acc.Tensors("grad_flow/alarms/text_summary"):
-        texts[event.step] = event.tensor_proto.string_val[0].decode()
-    assert sorted(texts) == [0, 3, 7, 11, 12]
-    assert re.match(r"\d+ warnings and 0 notices up to step 7", texts[7]), texts[7]
-    assert "absolute" in texts[7] and "in epoch 0" in texts[12]
+    texts = {
+        tag: {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(tag)}
+        for tag in (f"{ALARM_STEP_TEXT}/text_summary", f"{ALARM_TEXT}/text_summary")
+    }
+    steps, epochs = texts.values()
+    assert sorted(steps) == [0, 3, 7, 11] and sorted(epochs) == [end]
+    assert re.match(r"\d+ warnings and 0 notices up to step 7", steps[7]), steps[7]
+    assert "absolute" in steps[7] and "in epoch 0" in epochs[end]
+    assert re.match(r"\d+ warnings and 0 notices up to step 11", steps[end]), steps[end]

@@ -10,7 +10,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_hooks.callbacks.attached import Attached, Logged
+from lightning_hooks.callbacks.attached import Attached, Logged, epoch_step
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.epoch_columns import EpochColumns
 from lightning_hooks.callbacks.stats import attach_stats, watches_selection
@@ -170,15 +170,15 @@ class ActivationStatsCallback(HookCallback):
         The heatmaps' columns are kept whether or not ``heatmaps`` draws them.
 
         Args:
-            trainer: the trainer whose loggers are written to, at its ``global_step``; its epoch
-                names the heatmaps' new column.
+            trainer: the trainer whose loggers are written to, at the epoch's step
+                (:func:`~.attached.epoch_step`); its epoch names the heatmaps' new column.
             result: the epoch's statistics per layer and their histograms.
         """
         stats = result.summary
         hists = result.histograms
         if not stats.layers or not trainer.is_global_zero:
             return
-        step = trainer.global_step
+        step = epoch_step(trainer)
         columns = (stats.min, stats.max, stats.sum, stats.sum_sq)  # the histograms' moments
         for row, hist in enumerate(hists):
             if stats.numel[row] and np.isfinite(hist.edges).all():

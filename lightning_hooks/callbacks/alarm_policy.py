@@ -14,13 +14,21 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 
+from lightning_hooks.callbacks.attached import epoch_step
 from lightning_hooks.core.alarms import ALARM_RULES, TrainingAlarm, TrainingAlarms
 from lightning_hooks.core.transport import (
     world_size,
 )
 from lightning_hooks.errors import LightningHooksWarning, TrainingAlarmError, TrainingAlarmWarning
 from lightning_hooks.logging import log_scalars, log_text, save_loggers, step_tags
-from lightning_hooks.tags import ALARM_TEXT, NOTICES, SPIKE_SCORE, alarm_tag, notice_tag
+from lightning_hooks.tags import (
+    ALARM_STEP_TEXT,
+    ALARM_TEXT,
+    NOTICES,
+    SPIKE_SCORE,
+    alarm_tag,
+    notice_tag,
+)
 
 __all__ = ["Action", "AlarmPolicy", "check_actions"]
 
@@ -140,6 +148,7 @@ class AlarmPolicy:
         self.saved: dict[str, Any] | None = None  # the alarms' state between fits, or loaded
         self._alarms: TrainingAlarms | None = None  # this fit's, for an alarm that ends it
         self.stopped_by: TrainingAlarm | None = None  # the first alarm whose ``stop`` acted
+        self._summary_step: int | None = None  # the step of this fit's last epoch summary
 
     def host_state(self) -> dict[str, Any]:
         """Return the alarms' running scales, saved in checkpoints.
@@ -174,6 +183,7 @@ class AlarmPolicy:
             alarms: the fit's alarms, kept for the fit (``None``: the fit has none).
         """
         self._alarms = alarms
+        self._summary_step = None
         if alarms is None or self.saved is None:
             return
         try:
@@ -295,10 +305,15 @@ class AlarmPolicy:
         self._logged = len(alarms.log)
         if new and trainer.is_global_zero:
             summary = _summary(new, f"up to step {step}", self._noticed)
-            log_text(trainer.loggers, ALARM_TEXT, summary, step)
+            log_text(trainer.loggers, ALARM_STEP_TEXT, summary, step)
 
     def end_epoch(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
         """Act on the last verdicts, then log the epoch's counts and its text summary.
+
+        They are written at the epoch's step (:func:`~.attached.epoch_step`), the summary under
+        its own tag (:data:`~lightning_hooks.tags.ALARM_TEXT`), apart from the logging steps'
+        text. An epoch in which no batch stepped has the step of the epoch before it, and ran no
+        training step: its summary, which would take the place of that epoch's, is not written.
 
         Args:
             trainer: the trainer the alarms act on and whose loggers are written to.
@@ -312,11 +327,13 @@ class AlarmPolicy:
         self._warned.clear()
         self._logged = 0
         self._counted = {}
-        step = trainer.global_step
+        step = epoch_step(trainer)
         scalars = {self.tags[rule]: float(n) for rule, n in counts.items()}
         scalars[SPIKE_SCORE] = alarms.spike_score
         log_scalars(trainer.loggers, scalars, step)
-        if trainer.is_global_zero:
+        repeated = step == self._summary_step
+        self._summary_step = step
+        if trainer.is_global_zero and not repeated:
             where = f"in epoch {trainer.current_epoch}"
             log_text(trainer.loggers, ALARM_TEXT, _summary(log, where, self._noticed), step)
 

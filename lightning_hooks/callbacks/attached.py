@@ -15,9 +15,18 @@ import pytorch_lightning as pl
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.core.transport import gather_objects
+from lightning_hooks.internals.lightning import lightning_epoch_step
 from lightning_hooks.logging import log_scalars, step_tags
 
-__all__ = ["Attached", "Checkpointed", "EpochResult", "Logged", "Statistic", "Windowed"]
+__all__ = [
+    "Attached",
+    "Checkpointed",
+    "EpochResult",
+    "Logged",
+    "Statistic",
+    "Windowed",
+    "epoch_step",
+]
 
 R = TypeVar("R")
 
@@ -146,10 +155,11 @@ class Logged(Generic[R]):
         """Write the epoch's ``result``: its tags, then what the callback reads of it.
 
         Args:
-            trainer: the trainer whose loggers are written to, at its ``global_step``.
+            trainer: the trainer whose loggers are written to, at the epoch's step
+                (:func:`epoch_step`).
             result: the epoch's result, reduced across ranks.
         """
-        log_scalars(trainer.loggers, self.stat.tags(result), trainer.global_step)
+        log_scalars(trainer.loggers, self.stat.tags(result), epoch_step(trainer))
         if self.on_epoch is not None:
             self.on_epoch(trainer, result)
 
@@ -243,7 +253,8 @@ class Attached:
         later has made them all.
 
         Args:
-            trainer: the trainer whose loggers are written to, at its ``global_step``.
+            trainer: the trainer whose loggers are written to, at the epoch's step
+                (:func:`epoch_step`).
         """
         results = [(logged, logged.stat.result()) for logged in self.logged]
         for logged, result in results:
@@ -314,6 +325,33 @@ class Attached:
         self._on_remove = None
         if on_remove is not None:
             on_remove()
+
+
+def epoch_step(trainer: pl.Trainer) -> int:
+    """Return the step every value of the ending epoch is written at.
+
+    It is the step Lightning logs the epoch's own metrics at (a ``self.log(..., on_epoch=True)``,
+    a validation metric of the epoch's end): the step of the epoch's last batch that stepped,
+    ``trainer.global_step - 1`` where each such batch makes one optimizer step, read exactly as
+    :func:`~lightning_hooks.internals.lightning.lightning_epoch_step` says. The epoch's last
+    logging step, when it is the epoch's last step, shares it: its values are under the ``_step``
+    tags. Under Fabric, where a :class:`~.fabric.FabricTrainer` stands in for the Trainer, it is
+    the epoch's last optimizer step of the watched module, ``global_step - 1``, the step that
+    logging step's values are written at.
+
+    Args:
+        trainer: the trainer whose epoch is ending, in ``on_train_epoch_end``.
+
+    Returns:
+        The step (-1 for a first epoch in which no batch stepped, as Lightning's).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> epoch_step(SimpleNamespace(global_step=44))  # a FabricTrainer: no fit loop
+        43
+    """
+    step = lightning_epoch_step(trainer)
+    return trainer.global_step - 1 if step is None else step
 
 
 def _state_name(index: int, stat: Statistic[Any]) -> str:

@@ -489,7 +489,8 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         The default logs nothing.
 
         Args:
-            trainer: the trainer whose loggers are written to, at its ``global_step``.
+            trainer: the trainer whose loggers are written to, at the epoch's step
+                (:func:`~.attached.epoch_step`).
             pl_module: the model trained, for a callback that reads it at the epoch's end.
         """
 

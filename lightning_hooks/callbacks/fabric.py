@@ -47,7 +47,10 @@ class FabricTrainer:
     """Offer the attributes of a ``pl.Trainer`` that the callbacks read, over a ``Fabric``.
 
     Its steps are the watched module's optimizer steps, its epochs the calls of
-    ``on_train_epoch_end``.
+    ``on_train_epoch_end``. It has no fit loop: an epoch's values are written at the epoch's last
+    optimizer step, ``global_step - 1`` (:func:`~.attached.epoch_step`). That is where the Trainer
+    puts them for a loop that steps once a batch, and where the epoch's last logging step, if it
+    is that step, is written too.
 
     Args:
         fabric: the Fabric whose precision, loggers and rank the trainer reports.
@@ -331,7 +334,10 @@ class FabricRun:
         self._loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
 
     def on_train_epoch_end(self) -> None:
-        """Log the epoch's aggregates at ``fabric.call("on_train_epoch_end")``."""
+        """Log the epoch's aggregates at ``fabric.call("on_train_epoch_end")``.
+
+        They are written at the epoch's last optimizer step (see :class:`FabricTrainer`).
+        """
         if self._attached:
             self.callback.on_train_epoch_end(self.trainer, self.module)
         self.trainer.current_epoch += 1

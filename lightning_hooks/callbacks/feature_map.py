@@ -12,7 +12,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.attached import Attached
+from lightning_hooks.callbacks.attached import Attached, epoch_step
 from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
 from lightning_hooks.callbacks.fabric import UNDER_FABRIC
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
@@ -54,7 +54,7 @@ def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[st
 class FeatureMapCallback(HookCallback):
     r"""Draw the feature maps of a fixed probe batch each epoch, and optionally its embedding.
 
-    Logged metrics, at ``trainer.global_step``:
+    Logged metrics, at the epoch's step (:func:`~.attached.epoch_step`):
 
     ==================================  ======================================================
     Tag                                 Value
@@ -251,7 +251,7 @@ class FeatureMapCallback(HookCallback):
         probe = map_tensors(self._probe, lambda x: x.to(pl_module.device))
         with probe_mode(pl_module), capture_outputs(pl_module, wanted, clone=True) as outputs:
             (self.forward_fn or type(pl_module).__call__)(pl_module, probe)
-        step = trainer.global_step
+        step = epoch_step(trainer)
         drawn = [(n, outputs[n]) for n in self._drawn if isinstance(outputs.get(n), torch.Tensor)]
         if drawn:  # one copy to the host
             means = torch.stack([out.float().abs().mean() for _, out in drawn]).cpu().tolist()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytorch_lightning as pl
 import torch
 
+from lightning_hooks.callbacks.attached import epoch_step
 from lightning_hooks.callbacks.epoch_columns import EpochColumns
 from lightning_hooks.core import LayerHistograms, LayerTable, ParamLayout
 from lightning_hooks.core.stats.grad_flow_tags import logged_rows
@@ -82,7 +83,8 @@ class GradFlowPictures:
         step writes nothing.
 
         Args:
-            trainer: the trainer whose loggers are written to, at its ``global_step``.
+            trainer: the trainer whose loggers are written to, at the epoch's step
+                (:func:`~.attached.epoch_step`).
             stats: the epoch's values per layer.
             histograms: the epoch's histograms of ``log10 |g|`` (``None``: none are written).
             shards: how the gradients are sharded across ranks under FSDP2 (``None``: whole on
@@ -108,7 +110,7 @@ class GradFlowPictures:
         peak = stats.column("grad_abs_max", "peak")[:-1]
         title = f"gradient flow, epoch {trainer.current_epoch}"
         figure = grad_flow_figure(stats.layers[:-1], mean, peak, title=title)
-        log_figure(trainer.loggers, family_tag(GRAD_FLOW, "chart"), figure, trainer.global_step)
+        log_figure(trainer.loggers, family_tag(GRAD_FLOW, "chart"), figure, epoch_step(trainer))
 
     def _write_heatmap(self, trainer: pl.Trainer, stats: LayerTable) -> None:
         """Add the epoch's gradient norms to the heatmap's columns, and draw the heatmap.
@@ -122,7 +124,7 @@ class GradFlowPictures:
         layers, epochs, values = self.history.grid("grad_norm")
         title = "gradient norm per layer and epoch (mean over steps)"
         heatmap = layer_epoch_heatmap(layers, epochs, values, title=title, log=True)
-        log_figure(trainer.loggers, family_tag(GRAD_FLOW, "heatmap"), heatmap, trainer.global_step)
+        log_figure(trainer.loggers, family_tag(GRAD_FLOW, "heatmap"), heatmap, epoch_step(trainer))
 
     def _write_histograms(
         self,
@@ -149,8 +151,9 @@ class GradFlowPictures:
         hist.reset()
         if not trainer.is_global_zero:
             return
+        step = epoch_step(trainer)
         for row in logged_rows(stats, self.max_layers_logged):
             if counts[row].any():
                 tag = grad_flow_tag("grad_log10_abs", stats.layers[row])
                 binned = Binned(limits, counts[row])
-                log_histogram(trainer.loggers, tag, binned, trainer.global_step)
+                log_histogram(trainer.loggers, tag, binned, step)

@@ -8,7 +8,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_hooks.callbacks.attached import Attached, Logged
+from lightning_hooks.callbacks.attached import Attached, Logged, epoch_step
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.fabric import UNDER_FABRIC
 from lightning_hooks.callbacks.stats import attach_stats, watches_selection
@@ -118,4 +118,5 @@ class LayerTimeCallback(HookCallback):
         step_ms = times.step_ms
         title = f"forward time per layer, epoch {epoch}, step {step_ms:.2f} ms"
         figure = layer_time_figure(times.layers, times.forward_ms, step_ms, title=title)
-        log_figure(trainer.loggers, family_tag("layer_time", "chart"), figure, trainer.global_step)
+        step = epoch_step(trainer)
+        log_figure(trainer.loggers, family_tag("layer_time", "chart"), figure, step)

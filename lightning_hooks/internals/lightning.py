@@ -2,9 +2,10 @@
 
 Internals with no public path: a strategy's tensor-parallel size, the callbacks of a ``Fabric``,
 the ``Fabric`` of a module it set up, the module and the optimizer inside Lightning's and
-Fabric's wrappers, Fabric's gradient clipping observed before it clips, a logger's prefix, and
-the model's logging functions Lightning binds onto each callback. One speed-up with a public
-twin: the empty per-batch hooks a callback inherits, skipped.
+Fabric's wrappers, Fabric's gradient clipping observed before it clips, a logger's prefix, the
+model's logging functions Lightning binds onto each callback, and the step Lightning logs an
+epoch's metrics at. One speed-up with a public twin: the empty per-batch hooks a callback
+inherits, skipped.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = [
     "fabric_callbacks",
     "fabric_wrapped_module",
     "is_set_up_by_fabric",
+    "lightning_epoch_step",
     "logger_prefix",
     "shadow_hooks",
     "tensor_parallel_size",
@@ -206,3 +208,34 @@ def logger_prefix(logger: object) -> str:
         The prefix, ``""`` if none.
     """
     return str(getattr(logger, "_prefix", "") or "")
+
+
+def lightning_epoch_step(trainer: object) -> int | None:
+    """Return the step at which Lightning logs the metrics of the epoch that is ending.
+
+    It is the Trainer's count of batches that stepped (``fit_loop.epoch_loop``'s
+    ``_batches_that_stepped``), less one: read in ``on_train_epoch_end``, the step of the epoch's
+    last batch that stepped. Lightning logs every metric at that count (``log_metrics``), and its
+    fit loop lowers it by one around the epoch's metrics (``_FitLoop.on_advance_end``), so the
+    epoch's ``self.log(..., on_epoch=True)`` and the validation run at the epoch's end land at
+    this step. The count moves once per batch whose optimizer step ran, whatever
+    ``log_every_n_steps``: under gradient accumulation once per accumulated step, under manual
+    optimization once per batch. An epoch in which no batch stepped has the step of the epoch
+    before it (-1 in the first), as Lightning's own.
+
+    Lightning keeps no public name for it; every supported release has it (since 1.6.5), and
+    Lightning's own ``LearningRateMonitor`` reads the same count. Without it, epoch values would
+    be written at ``trainer.global_step - 1``, which is Lightning's step only where each batch
+    that steps makes exactly one optimizer step: a manual optimization with two optimizers (a
+    GAN) or none in a batch, or a batch the dataloader yields as ``None``, would put them apart.
+
+    Args:
+        trainer: the trainer whose epoch is ending.
+
+    Returns:
+        The step, or ``None`` for a trainer with no Lightning fit loop (the stand-in of a Fabric
+        loop).
+    """
+    epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    stepped = getattr(epoch_loop, "_batches_that_stepped", None)
+    return None if stepped is None else int(stepped) - 1
