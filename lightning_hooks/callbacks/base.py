@@ -349,12 +349,12 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         try:
             self.flush(trainer)
         finally:
-            self._release()
+            self._detach()
 
     @override
     @guarded
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._release()
+        self._detach()
 
     def on_after_setup(self, fabric: Fabric, module: nn.Module) -> None:
         """Watch ``module`` under Fabric, with a :class:`~.fabric.FabricRun` in its place.
@@ -411,8 +411,8 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         if run is not None:
             run.on_train_end()
 
-    def _release(self) -> None:
-        """Remove the hooks, and whatever of the fit would keep the model alive."""
+    def _detach(self) -> None:
+        """Take the fit off the model: its hooks, and whatever of it would keep the model alive."""
         self.remove_hooks()
         restore_inherited(self)
         drop_model_logging(self)
