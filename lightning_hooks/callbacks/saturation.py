@@ -113,19 +113,7 @@ class SaturationCallback(HookCallback):
 
     @override
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
-        """Hook the watched layers for this fit; each epoch's saturated units go to :meth:`_warn`.
-
-        The base writes the tracker's values at each logging step and its tags at each epoch
-        end, then hands the epoch's result to :meth:`_warn`. When the hooks come off, the layers
-        warned of again are summed up in one warning.
-
-        Args:
-            trainer: the trainer of the fit, unread.
-            pl_module: the model whose layers are hooked.
-
-        Returns:
-            What the fit attached: the tracker, read by :meth:`_warn` at each epoch end.
-        """
+        """Hook the watched activations; each epoch's saturated units go to :meth:`_warn`."""
         logged = [Logged(self.tracker, on_epoch=self._warn)]
         return attach_stats(
             pl_module, self.hook_guard(), logged, on_remove=self.findings.warn_held_back
