@@ -217,18 +217,7 @@ class AlarmPolicy:
             if action is None or action == "log":
                 continue
             if action == "raise":
-                error = TrainingAlarmError(
-                    _speaker(alarm),
-                    rule=alarm.rule,
-                    layer=alarm.layer,
-                    step=alarm.step,
-                    value=alarm.value,
-                    alarm=alarm,
-                )
-                try:  # a logger that fails to write must not hide the alarm the user asked for
-                    self._keep_before_raising(trainer, alarm.step)
-                finally:
-                    raise error
+                self._raise(trainer, alarm)
             self._warn_once(alarm)
             if action == "stop" and self.stopped_by is None:
                 self.stopped_by = alarm
@@ -261,6 +250,31 @@ class AlarmPolicy:
                 f"{alarm.message}",
                 category=TrainingAlarmWarning,
             )
+
+    def _raise(self, trainer: pl.Trainer, alarm: TrainingAlarm) -> None:
+        """Raise an alarm as a :class:`TrainingAlarmError`, once it is in the event files.
+
+        Args:
+            trainer: the trainer whose loggers get the alarm before it is raised.
+            alarm: the alarm whose rule's action is ``"raise"``.
+
+        Raises:
+            TrainingAlarmError: always; a logger that fails to write is its cause, and does not
+                hide it.
+        """
+        error = TrainingAlarmError(
+            _speaker(alarm),
+            rule=alarm.rule,
+            layer=alarm.layer,
+            step=alarm.step,
+            value=alarm.value,
+            alarm=alarm,
+        )
+        try:
+            self._keep_before_raising(trainer, alarm.step)
+        except Exception as failure:
+            raise error from failure
+        raise error
 
     def _keep_before_raising(self, trainer: pl.Trainer, step: int) -> None:
         """Write the alarms since the last logging step, and save the loggers, before a raise.

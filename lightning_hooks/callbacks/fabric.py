@@ -17,6 +17,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from lightning_hooks.callbacks.trainer import SHARDED_STRATEGIES
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import (
     before_fabric_clips,
@@ -27,8 +28,11 @@ from lightning_hooks.internals.lightning import (
 __all__ = ["UNDER_FABRIC", "FabricChecked", "FabricRun", "FabricTrainer", "check_fabric"]
 
 _SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
-_REFUSED_STRATEGIES = {"FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"}
-_REFUSED_STRATEGIES |= {"XLAStrategy", "XLAFSDPStrategy", "DataParallelStrategy"}
+_REFUSED_STRATEGIES = SHARDED_STRATEGIES | {"ModelParallelStrategy", "DataParallelStrategy"}
+_REFUSED_STRATEGIES |= {
+    "XLAStrategy",
+    "XLAFSDPStrategy",
+}  # Fabric's strategies beyond the Trainer's
 UNDER_FABRIC = (
     "GradFlowCallback, ActivationStatsCallback, DeadReLUCallback and SaturationCallback run under "
     "Fabric."

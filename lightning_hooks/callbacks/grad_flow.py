@@ -26,7 +26,7 @@ from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
-from lightning_hooks.core.stats.grad_flow import layers_of
+from lightning_hooks.core.stats.grad_flow import Clip, layers_of
 from lightning_hooks.core.stats.stability import Result as StabilityResult
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
@@ -144,6 +144,7 @@ class GradFlowCallback(HookCallback):
         self.kept["alarms"] = self.policy  # the running scales, from one fit to the next
         self.loss_agreement = LossAgreement(self.policy, self.ranks)
         self.on_alarm = self.policy.actions
+        """The action of each rule, as ``on_alarm`` asked (a rule it did not name: its default)."""
         self.max_layers_logged = checks.positive_int_or_none(
             "GradFlowCallback", "max_layers_logged", max_layers_logged, none_means="every layer"
         )
@@ -262,7 +263,7 @@ class GradFlowCallback(HookCallback):
             output_grad=self.output_grad,
             post_clip=bool(clip),
             alarms=self.alarms,
-            clip=(float(clip), str(getattr(algorithm, "value", algorithm))) if clip else None,
+            clip=Clip(float(clip), str(getattr(algorithm, "value", algorithm))) if clip else None,
             max_layers_logged=self.max_layers_logged,
             guard=self.hook_guard(),
         )
@@ -311,7 +312,12 @@ class GradFlowCallback(HookCallback):
         scale = internals.grad_scaler_scale(scaler) if enabled else None  # no sync
         # Lightning does not unscale for optimizers that unscale inside their step (fused).
         fused = scale is not None and internals.steps_unscale_themselves(optimizer)
-        fit.tracker.observe(optimizer, scale, scale if fused else None, step=trainer.global_step)
+        fit.tracker.observe(
+            optimizer,
+            grad_scale=scale,
+            param_grad_scale=scale if fused else None,
+            step=trainer.global_step,
+        )
         if fit.histograms is not None:
             observe_histograms(fit.histograms, fit.tracker.layout, optimizer)
         if fit.alarms is None:

@@ -22,11 +22,16 @@ from lightning_hooks.logging import shows_pictures
 __all__ = [
     "PER_BATCH_HOOKS",
     "SECOND_CALLBACK",
+    "SHARDED_STRATEGIES",
     "check_trainer",
     "restore_inherited",
     "skip_inherited",
     "stands_down_for_users_own",
 ]
+
+SHARDED_STRATEGIES = frozenset({"FSDPStrategy", "DeepSpeedStrategy"})
+"""The strategies, by class name, that shard parameters without making their statistics whole
+(Lightning's FSDP and DeepSpeed): refused by the Trainer and by Fabric alike."""
 
 _NAMESPACES: tuple[tuple[type, type], ...] = ((pl.Trainer, pl.Callback),)  # (Trainer, Callback)
 with contextlib.suppress(ImportError):
@@ -70,7 +75,7 @@ def check_trainer(
         _check_cadence(name, trainer)
     strategy = type(trainer.strategy).__name__
     names = {c.__name__ for c in type(trainer.strategy).__mro__}  # both namespaces, subclasses
-    if names & {"FSDPStrategy", "DeepSpeedStrategy"}:
+    if names & SHARDED_STRATEGIES:
         raise MisconfigurationException(
             f"{name} does not support Trainer(strategy={strategy}): parameters are sharded "
             f"across ranks and their statistics are not made whole there. Use {_FSDP2}, "

@@ -34,7 +34,7 @@ from lightning_hooks.core.stats.optimizer_view import (
 from lightning_hooks.core.stats.output_grad import OutputGradients
 from lightning_hooks.core.transport import ShardPlan
 
-__all__ = ["GRAD_FLOW_STATS", "GradFlowTracker", "layers_of"]
+__all__ = ["GRAD_FLOW_STATS", "Clip", "GradFlowTracker", "layers_of"]
 
 GRAD_FLOW_STATS = (*GRAD_STATS, "update_ratio", "output_grad_norm", "grad_norm_preclip")
 """The tracker's columns (``grad_norm_preclip``: only with ``post_clip``)."""
@@ -46,6 +46,15 @@ _PRECLIP = GRAD_FLOW_STATS.index("grad_norm_preclip")
 _GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 _ALL = slice(0, len(GRAD_STATS))
 _SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the gradient
+
+
+class Clip(NamedTuple):
+    """Name the gradient clipping a run applies: the Trainer's two clipping settings."""
+
+    bound: float
+    """``gradient_clip_val``: the largest norm, or the largest value of an entry."""
+    algorithm: str
+    """``gradient_clip_algorithm``: ``"norm"`` or ``"value"``."""
 
 
 def layers_of(
@@ -128,7 +137,8 @@ class GradFlowTracker(HookOwner):
         update_ratio: measure the update ratio (keeps one copy of the parameters).
         output_grad: measure the gradient with respect to each layer's output.
         post_clip: gradients are clipped before the step: measure them in the step post-hook.
-        clip: ``(gradient_clip_val, gradient_clip_algorithm)``, for the *explosion* rule.
+        clip: the Trainer's gradient clipping (a :class:`Clip`, or ``(gradient_clip_val,
+            gradient_clip_algorithm)``), for the *explosion* rule.
         alarms: gradient alarm rules (``tracker.alarms`` is then a ``TrainingAlarms``).
         max_layers_logged: :meth:`tags` for at most this many layers, non-finite first, then
             half the largest and half the smallest gradient norms, and percentiles over all
@@ -165,7 +175,7 @@ class GradFlowTracker(HookOwner):
         output_grad: bool = True,
         post_clip: bool = False,
         alarms: AlarmRules | None = None,
-        clip: tuple[float, str] | None = None,
+        clip: Clip | tuple[float, str] | None = None,
         max_layers_logged: int | None = None,
         guard: Guard | None = None,
     ) -> None:
@@ -193,7 +203,8 @@ class GradFlowTracker(HookOwner):
         self._step = 0  # the last observe's step (the post-hook's)
         self._calls = 0  # its calls
         self.alarms = TrainingAlarms(rows, alarms, device) if alarms is not None else None
-        self._sentinel = _SentinelRead(self.alarms, self._stats, self._outputs.order, clip)
+        clipping = None if clip is None else Clip(*clip)
+        self._sentinel = _SentinelRead(self.alarms, self._stats, self._outputs.order, clipping)
         if output_grad:
             self._outputs.hook(self.registry, modules, model)
         for optimizer in optimizers:
@@ -211,9 +222,9 @@ class GradFlowTracker(HookOwner):
     def observe(
         self,
         optimizer: torch.optim.Optimizer,
+        *,
         grad_scale: torch.Tensor | None = None,
         param_grad_scale: torch.Tensor | None = None,
-        *,
         step: int | None = None,
     ) -> None:
         """Record the gradients ``optimizer`` (only its parameters) is about to apply.
@@ -413,7 +424,7 @@ class _SentinelRead:
         alarms: the alarms handed the norms (``None``: off).
         stats: reads the statistics of an optimizer's view.
         order: the layer rows as their output-gradient hooks fired (emptied per step).
-        clip: ``(gradient_clip_val, gradient_clip_algorithm)``, for the *explosion* rule.
+        clip: the Trainer's gradient clipping, for the *explosion* rule (``None``: none).
     """
 
     def __init__(
@@ -421,7 +432,7 @@ class _SentinelRead:
         alarms: TrainingAlarms | None,
         stats: ViewStats,
         order: list[int],
-        clip: tuple[float, str] | None,
+        clip: Clip | None,
     ) -> None:
         self.alarms = alarms
         self._stats = stats
@@ -490,8 +501,10 @@ class _SentinelRead:
         assert self.alarms is not None
         clip = self._clip  # the largest global norm the optimizer applies (by value: a bound)
         bound = None
-        if clip is not None:
-            bound = clip[0] if clip[1] == "norm" else clip[0] * view.scale
+        if clip is not None and clip.algorithm == "norm":
+            bound = clip.bound
+        elif clip is not None:
+            bound = clip.bound * view.scale
         self.alarms.update(
             norms,
             view.row_ids,
