@@ -179,13 +179,13 @@ class LossAgreement:
         """
         if self.reading != "mean":
             return None
-        assert self._carrier is not None
-        got = [self._carrier.read(wait=True)]  # CUDA: the last batch's, posted then
+        carrier = self._carrier
+        assert carrier is not None
+        read = _read_sums(carrier)  # CUDA: the last batch's, posted then
         carried = _carry(loss, failed, stop)
-        self._carrier.post(carried, meta=step)
+        carrier.post(carried, meta=step)
         if carried.device.type != "cuda":
-            got.append(self._carrier.read(wait=True))
-        read = [_Sums.of(values, at) for values, at in (g for g in got if g is not None)]
+            read += _read_sums(carrier)  # elsewhere the collective is done: this batch's
         self._pending = _Pending(carried, step, read)
         disagree = [sums for sums in read if 0 < sums.with_loss < world_size()]
         if self._manual and disagree:  # decided on the host, before anything that may raise
@@ -233,6 +233,22 @@ class LossAgreement:
             "without this warning.",
             category=LightningHooksWarning,
         )
+
+
+def _read_sums(carrier: HostCopy) -> list[_Sums]:
+    """Read the last collective posted to ``carrier`` on the host, waiting for it.
+
+    Args:
+        carrier: the host copy of the batches' collectives.
+
+    Returns:
+        Its sums with their step, or nothing where none was posted since the last read.
+    """
+    got = carrier.read(wait=True)
+    if got is None:
+        return []
+    values, step = got
+    return [_Sums.of(values, step)]
 
 
 def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:

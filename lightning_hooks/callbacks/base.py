@@ -218,21 +218,33 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             return
         attached = self._attach(trainer, pl_module)
         self._attached = attached
+        self._restore_checkpoint(attached)
+
+    def _restore_checkpoint(self, attached: Attached) -> None:
+        """Load the checkpoint's state that :meth:`load_state_dict` kept, if any.
+
+        The statistics' state goes to what the fit attached, the rest to :attr:`kept`. A state
+        that does not match this model is dropped, with one warning.
+
+        Args:
+            attached: what this fit attached, freshly made.
+        """
         pending = self._pending_state
         self._pending_state = None
-        if pending:  # a checkpoint's state, to the freshly attached statistics
-            pending = attached.in_this_layout(pending)
-            try:
-                attached.load_state_dict({k: v for k, v in pending.items() if k not in self.kept})
-                for key, kept in self.kept.items():
-                    if key in pending:
-                        kept.load_host_state(pending[key])
-            except (KeyError, ValueError) as err:
-                rank_zero_warn(
-                    f"{type(self).__name__}: the checkpoint's statistics do not match this "
-                    f"model and are dropped ({err})",
-                    category=LightningHooksWarning,
-                )
+        if not pending:
+            return
+        pending = attached.in_this_layout(pending)
+        try:
+            attached.load_state_dict({k: v for k, v in pending.items() if k not in self.kept})
+            for key, kept in self.kept.items():
+                if key in pending:
+                    kept.load_host_state(pending[key])
+        except (KeyError, ValueError) as err:
+            rank_zero_warn(
+                f"{type(self).__name__}: the checkpoint's statistics do not match this "
+                f"model and are dropped ({err})",
+                category=LightningHooksWarning,
+            )
 
     @override
     @guarded
@@ -265,17 +277,27 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         attached = self._attached
         if attached is not None and (self._logging_batch or attached.every_batch):
             self._batch_ending(trainer, outputs, logging_step=self._logging_batch)
-        # The logging step's optimizer step ran (its last micro-batch): write it.
         measured = self.cadence.finished_step(trainer)
         attached = self._attached  # a failure in the batch's hooks may have taken it off
-        if measured is None or attached is None:
-            return
-        self.ranks.agree(trainer, measured, attached, always=False)
+        if measured is not None and attached is not None:
+            self._end_logging_step(trainer, measured, attached)
+
+    def _end_logging_step(self, trainer: pl.Trainer, step: int, attached: Attached) -> None:
+        """Write a logging step whose optimizer step has run (its last micro-batch ended).
+
+        The ranks agree first; a failure they agree on has taken the hooks off on every rank,
+        and nothing is written. The module hooks then close, unless the next step logs too: a
+        quiet step after a logging step takes no hook off.
+
+        Args:
+            trainer: the trainer whose loggers are written to.
+            step: the logging step.
+            attached: what the fit attached, whose statistics are written.
+        """
+        self.ranks.agree(trainer, step, attached, always=False)
         if self.hook_guard().failed is not None:
-            return  # the ranks agreed on a failure: the hooks are off on every rank
-        attached.end_logging_step(trainer, measured)
-        # the module hooks come off now, unless the next step logs too: a quiet step after a
-        # logging step takes no hook off (an epoch's first step puts them on again)
+            return
+        attached.end_logging_step(trainer, step)
         self._set_gate(self.cadence.logs(trainer, trainer.global_step))
 
     def _set_gate(self, logging_step: bool) -> None:
