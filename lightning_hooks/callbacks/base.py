@@ -32,7 +32,7 @@ from lightning_hooks.callbacks.trainer import (
 )
 from lightning_hooks.core.hooks.guard import Guard, guarded
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.internals.lightning import drop_model_logging, fabric_callbacks
+from lightning_hooks.internals.lightning import drop_model_logging
 from lightning_hooks.logging import save_loggers
 
 __all__ = [
@@ -379,25 +379,15 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self._detach()
 
     def on_after_setup(self, fabric: Fabric, module: nn.Module) -> None:
-        """Watch ``module`` under Fabric, with a :class:`~.fabric.FabricRun` in its place.
+        """Watch ``module`` under Fabric: a :class:`~.fabric.FabricRun` drives this callback.
 
-        Fabric calls this hook after ``fabric.setup``. A callback added by ``LIGHTNING_HOOKS`` that
-        the user passed already stands down.
+        Fabric calls this hook after ``fabric.setup``; see :meth:`.fabric.FabricRun.take_over`.
 
         Args:
             fabric: the Fabric whose callback list the run takes the callback's place in.
             module: the module Fabric set up, which the run hooks.
         """
-        callbacks = fabric_callbacks(fabric)
-        ours = [c.callback if isinstance(c, FabricRun) else c for c in callbacks or ()]
-        if stands_down_for_users_own(self, ours):
-            return  # LIGHTNING_HOOKS asked for a callback the user passed already
-        run = FabricRun(self, fabric, module)
-        self._fabric_run = run
-        if callbacks is not None and self in callbacks:
-            # fabric.call(...) passes Fabric's arguments: the run answers, not the Trainer hooks.
-            callbacks[callbacks.index(self)] = run
-        run.start()
+        self._fabric_run = FabricRun.take_over(self, fabric, module)
 
     def flush(self, trainer: pl.Trainer) -> None:
         """Write what was measured before the hooks go.

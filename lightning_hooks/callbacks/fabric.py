@@ -17,10 +17,11 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lightning_hooks.callbacks.trainer import SHARDED_STRATEGIES
+from lightning_hooks.callbacks.trainer import SHARDED_STRATEGIES, stands_down_for_users_own
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import (
     before_fabric_clips,
+    fabric_callbacks,
     fabric_wrapped_module,
     unwrapped_optimizer,
 )
@@ -140,6 +141,32 @@ class FabricRun:
         self._attached = False
         self._undo: list[Callable[[], None]] = []
         self._warned_module = False
+
+    @classmethod
+    def take_over(cls, callback: Any, fabric: Fabric, module: nn.Module) -> FabricRun | None:  # noqa: ANN401 (as the constructor's)
+        """Drive ``callback`` in a Fabric loop, in its place among Fabric's callbacks.
+
+        ``fabric.call(...)`` then reaches the run, which answers with Fabric's arguments and
+        drives the callback's Trainer hooks. A callback added by ``LIGHTNING_HOOKS`` that the
+        user passed already stands down.
+
+        Args:
+            callback: the callback ``fabric.setup`` called.
+            fabric: the Fabric whose callback list the run takes the callback's place in.
+            module: the module Fabric set up, which the run hooks.
+
+        Returns:
+            The run, started; ``None`` where the callback stands down.
+        """
+        callbacks = fabric_callbacks(fabric)
+        ours = [c.callback if isinstance(c, FabricRun) else c for c in callbacks or ()]
+        if stands_down_for_users_own(callback, ours):
+            return None
+        run = cls(callback, fabric, module)
+        if callbacks is not None and callback in callbacks:
+            callbacks[callbacks.index(callback)] = run
+        run.start()
+        return run
 
     def start(self) -> None:
         """Run the callback's set-up checks, and arm the pre-step and clipping hooks.
