@@ -869,7 +869,7 @@ class Composition(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if not self.tree:
             callback = next(c for c in trainer.callbacks if type(c).__name__ == "GradFlowCallback")
-            self.tree = "\n".join(_tree(callback))
+            self.tree = "\n".join(_tree(callback, depth=4))
 
 
 def _ours(value: Any) -> bool:
@@ -898,6 +898,8 @@ def _held_objects(value: Any) -> list[tuple[str, Any]]:
 
 def _key(key: object) -> str:
     """A key as the tree shows it: a name or a place (any other key, an id, a shape: ``...``)."""
+    if isinstance(key, int) and key >= 1 << 20:  # an object's id: another every run
+        return "..."
     return repr(key) if isinstance(key, str | int) else "..."
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABCMeta, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from lightning_hooks.internals.lightning import drop_model_logging
 from lightning_hooks.logging import save_loggers
 
 __all__ = [
+    "FitState",
     "HookCallback",
     "nothing_to_watch",
     "selection_state_key",
@@ -48,6 +50,26 @@ if TYPE_CHECKING:
     _SecondCallback = object
 else:
     _SecondCallback = SECOND_CALLBACK
+
+
+@dataclass
+class FitState:
+    """Hold what one fit of a callback holds, from its ``setup`` to the next fit's.
+
+    Each fit's ``setup`` makes a new one: a fit starts healthy, whatever the last one met.
+    """
+
+    guard: Guard
+    """The guard of the fit's hooks: a failure disables the callback for the rest of the fit."""
+    idle: bool = False
+    """Nothing to watch, or a callback the user passed already watches: the fit does nothing."""
+    checkpoint: dict[str, Any] | None = None
+    """A checkpoint's state of the callback, kept from ``load_state_dict`` until the fit
+    attaches."""
+    attached: Attached | None = None
+    """What the fit put on the model, from its train start until its hooks come off."""
+    logging_batch: bool = False
+    """Whether the running batch belongs to a logging step."""
 
 
 class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
@@ -149,12 +171,9 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         """Why this configuration cannot run in a Fabric loop (``None``: it can)."""
         self.kept: dict[str, Checkpointed] = {}
         """Collaborators that outlive a fit and are saved in checkpoints, by key."""
-        self._guard: Guard | None = None  # made at the first hook of each fit
+        self._fit_state = FitState(self._new_guard())
+        """What the running fit holds; each fit's ``setup`` starts a new one."""
         self._fabric_run: FabricRun | None = None  # under Fabric: what drives the hooks
-        self._attached: Attached | None = None  # what this fit put on the model
-        self._pending_state: dict[str, Any] | None = None  # a checkpoint's, until attached
-        self._idle = False  # nothing to watch (or the user's own runs): this fit does nothing
-        self._logging_batch = False  # the running batch belongs to a logging step
         self.ranks = RankAgreement(self.hook_guard, remove_hooks=self.remove_hooks)
         """What the ranks of a multi-process fit agree on: a failure, a stop, new rows."""
 
@@ -168,14 +187,20 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         return self.cadence.every_n_steps
 
     def hook_guard(self) -> Guard:
-        """Return the guard of this fit's hooks, made at the first hook of each fit.
+        """Return the guard of this fit's hooks.
 
         Returns:
             The guard: its ``failed`` says whether the callback is disabled, and why.
         """
-        if self._guard is None:
-            self._guard = Guard(type(self).__name__, strict=self.strict)
-        return self._guard
+        return self._fit_state.guard
+
+    def _new_guard(self) -> Guard:
+        """Make a guard for a fit that starts healthy.
+
+        Returns:
+            A guard with no failure, strict as :attr:`strict` says.
+        """
+        return Guard(type(self).__name__, strict=self.strict)
 
     @cached_property
     def state_key(self) -> str:
@@ -193,9 +218,13 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._guard = None  # each fit starts healthy
-        self._idle = stands_down_for_users_own(self, trainer.callbacks)  # type: ignore[attr-defined]
-        if not self._idle:
+        # each fit starts healthy; a checkpoint loaded before it is kept for it
+        self._fit_state = FitState(
+            self._new_guard(),
+            idle=stands_down_for_users_own(self, trainer.callbacks),  # type: ignore[attr-defined]
+            checkpoint=self._fit_state.checkpoint,
+        )
+        if not self._fit_state.idle:
             check_trainer(
                 type(self).__name__,
                 trainer,
@@ -205,8 +234,9 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._idle:  # after ``configure_model``: the layers built there exist
-            self._idle = not self._validate(pl_module)
+        fit = self._fit_state
+        if not fit.idle:  # after ``configure_model``: the layers built there exist
+            fit.idle = not self._validate(pl_module)
         skip_inherited(self, trainer)  # for the fit: Lightning calls only the hooks we define
 
     @override
@@ -214,24 +244,25 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.remove_hooks()
         self.ranks.start()
-        if self._idle:
+        fit = self._fit_state
+        if fit.idle:
             return
-        attached = self._attach(trainer, pl_module)
-        self._attached = attached
-        self._restore_checkpoint(attached)
+        fit.attached = self._attach(trainer, pl_module)
+        self._restore_checkpoint(fit)
 
-    def _restore_checkpoint(self, attached: Attached) -> None:
+    def _restore_checkpoint(self, fit: FitState) -> None:
         """Load the checkpoint's state that :meth:`load_state_dict` kept, if any.
 
         The statistics' state goes to what the fit attached, the rest to :attr:`kept`. A state
         that does not match this model is dropped, with one warning.
 
         Args:
-            attached: what this fit attached, freshly made.
+            fit: the running fit, which has just attached.
         """
-        pending = self._pending_state
-        self._pending_state = None
-        if not pending:
+        pending = fit.checkpoint
+        fit.checkpoint = None
+        attached = fit.attached
+        if not pending or attached is None:
             return
         pending = attached.in_this_layout(pending)
         try:
@@ -252,15 +283,15 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         logs = self.cadence.start_batch(trainer, batch_idx)
-        attached = self._attached
-        if attached is not None and attached.copying:  # on CUDA, the last logging step's copy
-            attached.write_steps(trainer, wait=False)
+        fit = self._fit_state
+        if fit.attached is not None and fit.attached.copying:  # on CUDA, the last step's copy
+            fit.attached.write_steps(trainer, wait=False)
         self._set_gate(logs)
         # What any of ours wrote since the last save (the last batch's end): the first of ours
         # saves it, once per batch, and a run killed in this batch keeps it.
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
-        self._logging_batch = logs and self._attached is not None
-        if self._logging_batch:
+        fit.logging_batch = logs and fit.attached is not None
+        if fit.logging_batch:
             self.cadence.measure()
             self._batch_started(trainer, batch)
 
@@ -274,11 +305,11 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        attached = self._attached
-        if attached is not None and (self._logging_batch or attached.every_batch):
-            self._batch_ending(trainer, outputs, logging_step=self._logging_batch)
+        fit = self._fit_state
+        if fit.attached is not None and (fit.logging_batch or fit.attached.every_batch):
+            self._batch_ending(trainer, outputs, logging_step=fit.logging_batch)
         measured = self.cadence.finished_step(trainer)
-        attached = self._attached  # a failure in the batch's hooks may have taken it off
+        attached = fit.attached  # a failure in the batch's hooks may have taken it off
         if measured is not None and attached is not None:
             self._end_logging_step(trainer, measured, attached)
 
@@ -308,16 +339,17 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         Args:
             logging_step: whether the coming batch belongs to a logging step (the gate is open).
         """
-        gate = None if self._attached is None else self._attached.registry
+        attached = self._fit_state.attached
+        gate = None if attached is None else attached.registry
         if gate is not None and gate.logging_step != logging_step:
             gate.set_logging_step(logging_step)
 
     @override
     @guarded
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.ranks.agree(trainer, trainer.global_step, self._attached, always=True)
+        self.ranks.agree(trainer, trainer.global_step, self._fit_state.attached, always=True)
         self.cadence.end_epoch()
-        attached = self._attached  # a failure the ranks agreed on takes it off, on every rank
+        attached = self._fit_state.attached  # a failure the ranks agreed on takes it off
         if attached is not None:
             attached.write_steps(trainer, wait=True)
             attached.write_epoch(trainer)  # each statistic's epoch, then the next one starts
@@ -333,7 +365,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             The epoch so far of each statistic, reduced across ranks, on the host, and the
             state of what :attr:`kept` holds, by key.
         """
-        attached = self._attached
+        attached = self._fit_state.attached
         state: dict[str, Any] = {}
         if attached is not None:
             if self.ranks.size > 1 and attached.aligned:
@@ -351,14 +383,15 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
             state_dict: the callback's state as the checkpoint holds it; loaded into the statistics
                 and into :attr:`kept` at the next ``on_train_start``.
         """
-        self._pending_state = dict(state_dict)
+        self._fit_state.checkpoint = dict(state_dict)
 
     @override
     @guarded
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
             if self.hook_guard().failed is None:  # a failure after the last epoch end: agreed
-                self.ranks.agree(trainer, trainer.global_step, self._attached, always=True)
+                attached = self._fit_state.attached
+                self.ranks.agree(trainer, trainer.global_step, attached, always=True)
             save_loggers(trainer.loggers, layout=trainer.is_global_zero)
         finally:
             self.remove_hooks()
@@ -398,8 +431,9 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         Args:
             trainer: the trainer whose loggers are written to and saved.
         """
-        if self._attached is not None:
-            self._attached.write_steps(trainer, wait=True)
+        attached = self._fit_state.attached
+        if attached is not None:
+            attached.write_steps(trainer, wait=True)
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
 
     def on_after_optimizer_step(self, strategy: object, optimizer: torch.optim.Optimizer) -> None:
@@ -435,8 +469,8 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         What the fit attached is removed, and the fit's statistics with it. Calling it again does
         nothing; the guard calls it after a failure.
         """
-        attached = self._attached
-        self._attached = None
+        attached = self._fit_state.attached
+        self._fit_state.attached = None
         if attached is not None:
             attached.remove()
 
