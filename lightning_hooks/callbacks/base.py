@@ -174,7 +174,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         self._fit_state = FitState(self._new_guard())
         """What the running fit holds; each fit's ``setup`` starts a new one."""
         self._fabric_run: FabricRun | None = None  # under Fabric: what drives the hooks
-        self.ranks = RankAgreement(self.hook_guard, remove_hooks=self.remove_hooks)
+        self.ranks = RankAgreement(self.hook_guard(), remove_hooks=self.remove_hooks)
         """What the ranks of a multi-process fit agree on: a failure, a stop, new rows."""
 
     @property
@@ -243,7 +243,7 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     @guarded
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.remove_hooks()
-        self.ranks.start()
+        self.ranks.start(self.hook_guard())
         fit = self._fit_state
         if fit.idle:
             return
