@@ -242,7 +242,7 @@ class GradFlowTracker(HookOwner):
         alarms = self.alarms  # when their cadence runs them at this step
         if alarms is not None and step % alarms.rules.evaluate_every_n_steps:
             alarms = None
-        if not (logging_step or alarms):
+        if not logging_step and alarms is None:
             return
         view = self._views.view(optimizer)
         if not view.params:
@@ -250,7 +250,7 @@ class GradFlowTracker(HookOwner):
         if alarms is not None and alarms.evaluated < alarms.rules.diverge_early:  # from step 1
             alarms.set_adaptive(adaptive(optimizer, view.params))
         at = AlarmStep(step, amp=grad_scale is not None)
-        sentinel = alarms and param_grad_scale is None
+        sentinel = alarms is not None and param_grad_scale is None
         if sentinel and self._sentinel.quiet(view, logging_step, at):
             return
         valid = view.valid()
