@@ -289,8 +289,8 @@ def training_loss(trainer: pl.Trainer, outputs: STEP_OUTPUT) -> torch.Tensor | N
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
     if not isinstance(loss, torch.Tensor):
         return None
-    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
-    module = getattr(trainer, "lightning_module", None)
+    accumulate = trainer.accumulate_grad_batches
+    module = trainer.lightning_module
     if accumulate > 1 and getattr(module, "automatic_optimization", False):
         return loss.detach() * accumulate
     return loss

@@ -243,7 +243,7 @@ class AlarmPolicy:
         """
         alarm = self.stopped_by
         self.stopped_by = None
-        if alarm is not None and getattr(trainer, "should_stop", False):
+        if alarm is not None and trainer.should_stop:
             rank_zero_warn(
                 f"GradFlowCallback [{alarm.rule}]: on_alarm='stop' ended the fit at optimizer "
                 f"step {trainer.global_step}, after the {alarm.rule} alarm of step {alarm.step}:\n"

@@ -75,7 +75,8 @@ class LoggingCadence:
         Returns:
             Whether ``step`` is a logging step.
         """
-        cadence = self.every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
+        every = getattr(trainer, "log_every_n_steps", 50)  # set by Lightning, not typed
+        cadence = self.every_n_steps or max(1, int(every))
         return (step + 1) % cadence == 0
 
     def start_batch(self, trainer: pl.Trainer, batch_idx: int) -> bool:

@@ -60,9 +60,11 @@ class FabricTrainer:
     Args:
         fabric: the Fabric whose precision, loggers and rank the trainer reports.
         callback: the one callback in the trainer's ``callbacks``.
+        module: the module Fabric set up, the trainer's ``lightning_module`` (a plain module
+            optimizes as the loop says: no ``automatic_optimization``).
     """
 
-    def __init__(self, fabric: Fabric, callback: object) -> None:
+    def __init__(self, fabric: Fabric, callback: object, module: nn.Module) -> None:
         # the one attribute of a Trainer's strategy our callbacks read
         self.strategy = SimpleNamespace(precision_plugin=fabric.strategy.precision)
         self.callbacks = [callback]
@@ -75,6 +77,8 @@ class FabricTrainer:
         self.optimizers: list[Any] = []
         self.gradient_clip_val: float | None = None
         self.gradient_clip_algorithm: str | None = None
+        self.accumulate_grad_batches = 1  # a Fabric loop steps when it wants: its loss is as given
+        self.lightning_module = module
 
 
 def check_fabric(callback: FabricChecked, fabric: Fabric) -> None:
@@ -133,7 +137,7 @@ class FabricRun:
         self.callback = callback
         self.fabric = fabric
         self.module: nn.Module = fabric_wrapped_module(module)
-        self.trainer = FabricTrainer(fabric, callback)
+        self.trainer = FabricTrainer(fabric, callback, self.module)
         self._params = {id(p) for p in self.module.parameters()}
         self._owned: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._observed: set[int] = set()  # optimizers observed before their clip, this step
