@@ -316,9 +316,10 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def _end_logging_step(self, trainer: pl.Trainer, step: int, attached: Attached) -> None:
         """Write a logging step whose optimizer step has run (its last micro-batch ended).
 
-        The ranks agree first; a failure they agree on has taken the hooks off on every rank,
-        and nothing is written. The module hooks then close, unless the next step logs too: a
-        quiet step after a logging step takes no hook off.
+        The ranks agree first. If they agree on a failure, the callback is disabled on every
+        rank and nothing is written. Otherwise the step's values are written, and the module
+        hooks close unless the next step is a logging step too (a step that is not a logging
+        step then runs no hook of ours).
 
         Args:
             trainer: the trainer whose loggers are written to.
@@ -334,7 +335,8 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def _set_gate(self, logging_step: bool) -> None:
         """Open or close the gate of the module hooks.
 
-        A quiet step reads the gate and sets nothing, so the gate changes only where it differs.
+        The gate changes only where it differs: a step that is not a logging step reads it and
+        sets nothing.
 
         Args:
             logging_step: whether the coming batch belongs to a logging step (the gate is open).

@@ -14,17 +14,23 @@ __all__ = ["RankAgreement"]
 
 
 class RankAgreement:
-    """Agree across the ranks on a callback's failure, a request to stop and new rows.
+    """Make every rank of a multi-process fit act alike on a callback's failure, stop and rows.
 
-    A failure of the callback's hooks is kept by its guard until the ranks agree on it; a
-    request to stop the fit (an alarm's ``stop``) waits for the same agreement; and the rows a
-    fit's statistics made (a module that runs on some ranks only) are aligned before they are
-    reduced. The ranks agree at each logging step and epoch end, in one small collective. A
-    callback whose own collective at every batch carries the failures and stops (the loss's, see
-    :mod:`.agreement`) hands what it summed to :meth:`apply`; a logging step already agreed at
-    that way makes no collective of its own. A failure agreed on disables the callback on every
-    rank, with one warning; a stop agreed on stops every rank after the same step. One process
-    agrees with itself: nothing is exchanged.
+    Three things must be the same on every rank, or one rank would wait forever in a collective
+    that the others skip:
+
+    - **A failure.** When a hook of the callback fails on one rank, its guard keeps the failure
+      until the ranks agree. Then the callback is disabled on every rank, with one warning.
+    - **A stop.** An alarm's ``stop`` on one rank waits for the same agreement. Then every rank
+      stops after the same step.
+    - **New rows.** A module that runs on some ranks only makes rows of a statistic there. The
+      rows are put in one order on every rank before they are reduced.
+
+    The ranks agree at each logging step and each epoch end, in one small collective. A callback
+    may already make a collective at every batch (the loss's, see :mod:`.agreement`). It then
+    carries the failure and stop flags too, and the callback hands their sums to :meth:`apply`.
+    A logging step where that happened makes no collective of its own. One process agrees with
+    itself: nothing is exchanged.
 
     Args:
         guard: the guard of the callback's hooks until the first fit starts (:meth:`start` is
