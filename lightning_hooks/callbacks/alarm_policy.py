@@ -1,7 +1,8 @@
 """Decide what ``GradFlowCallback`` does when an alarm fires, and write the alarms.
 
-An alarm is warned of, stops the fit, raises, skips its step or is only logged, and it is
-written to the loggers. What its loss rules read under DDP is in :mod:`.agreement`.
+An alarm is warned of, stops the fit, raises, skips its step or is only logged
+(:class:`AlarmPolicy`), and it is written to the loggers (:class:`AlarmLog`). What its loss
+rules read under DDP is in :mod:`.agreement`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from lightning_hooks.tags import (
     notice_tag,
 )
 
-__all__ = ["Action", "AlarmPolicy", "check_actions"]
+__all__ = ["Action", "AlarmLog", "AlarmPolicy", "check_actions"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
@@ -109,10 +110,11 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
 
 
 class AlarmPolicy:
-    """Apply ``on_alarm`` (:func:`check_actions`) to the alarms read on the host, and log them.
+    """Apply ``on_alarm`` (:func:`check_actions`) to the alarms read on the host.
 
     A warning is given once per rule and layer per epoch; under DDP, ``stop`` and ``raise`` act
-    on every rank.
+    on every rank. Its :attr:`log` writes the alarms to the loggers. Between fits it keeps the
+    alarms' running scales, which checkpoints save.
 
     Args:
         on_alarm: one action for every rule, or a mapping of rule to action.
@@ -133,22 +135,15 @@ class AlarmPolicy:
         self, on_alarm: Action | Mapping[str, Action], request_stop: Callable[[], None]
     ) -> None:
         self.actions = check_actions(on_alarm)
-        # each rule's count: under alarm_tag when it acts, else under notice_tag
-        self._noticed = {rule for rule in ALARM_RULES if self.actions.get(rule, "log") == "log"}
-        self.tags = {
-            rule: notice_tag(rule) if rule in self._noticed else alarm_tag(rule)
-            for rule in ALARM_RULES
-        }
+        self.log = AlarmLog(self.actions)
+        """What is written of the alarms to the loggers, at each logging step and epoch end."""
         # ``skip`` needs the current step's verdict before the optimizer step (a CUDA sync)
         self.wait = "skip" in self.actions.values()
         self._request_stop = request_stop  # under DDP: a ``stop`` for the ranks to agree on
         self._warned: set[tuple[str, str]] = set()
-        self._logged = 0  # alarms of the epoch's log already written at a logging step
-        self._counted: dict[str, int] = {}
         self.saved: dict[str, Any] | None = None  # the alarms' state between fits, or loaded
         self._alarms: TrainingAlarms | None = None  # this fit's, for an alarm that ends it
         self.stopped_by: TrainingAlarm | None = None  # the first alarm whose ``stop`` acted
-        self._summary_step: int | None = None  # the step of this fit's last epoch summary
 
     def host_state(self) -> dict[str, Any]:
         """Return the alarms' running scales, saved in checkpoints.
@@ -183,7 +178,7 @@ class AlarmPolicy:
             alarms: the fit's alarms, kept for the fit (``None``: the fit has none).
         """
         self._alarms = alarms
-        self._summary_step = None
+        self.log.start()
         if alarms is None or self.saved is None:
             return
         try:
@@ -287,7 +282,7 @@ class AlarmPolicy:
             step: the raising alarm's step, which the counts and text are written at.
         """
         if self._alarms is not None:
-            self.log_step(trainer, self._alarms, step)
+            self.log.log_step(trainer, self._alarms, step)
         save_loggers(trainer.loggers)
 
     def _warn_once(self, alarm: TrainingAlarm) -> None:
@@ -302,6 +297,52 @@ class AlarmPolicy:
             warning = TrainingAlarmWarning(_speaker(alarm))
             warning.alarm = alarm
             rank_zero_warn(warning, category=TrainingAlarmWarning)
+
+    def end_epoch(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
+        """Act on the epoch's last verdicts, then write its alarms and start the next epoch.
+
+        Args:
+            trainer: the trainer the alarms act on and whose loggers are written to.
+            alarms: the fit's alarms, whose epoch is taken and started afresh.
+
+        Raises:
+            TrainingAlarmError: a last verdict's rule has the action ``"raise"``.
+        """
+        self.act(trainer, None, alarms.poll(wait=True))
+        self._warned.clear()  # each epoch warns of a rule and layer once again
+        self.log.end_epoch(trainer, alarms)
+
+
+class AlarmLog:
+    """Write the alarms to the loggers: their counts per rule, and their text.
+
+    A rule that acts is counted under ``grad_flow/alarms/<rule>``, a rule only logged (a notice)
+    under ``grad_flow/notices/<rule>``. Each logging step writes what came since the last one;
+    each epoch end writes the epoch's counts and a summary.
+
+    Args:
+        actions: each rule's action (:func:`check_actions`): which rules are only notices.
+
+    Example:
+        >>> log = AlarmLog(check_actions("warn"))
+        >>> log.tags["diverging"], log.tags["spike"]
+        ('grad_flow/alarms/diverging', 'grad_flow/notices/spike')
+    """
+
+    def __init__(self, actions: Mapping[str, Action]) -> None:
+        self._noticed = {rule for rule in ALARM_RULES if actions.get(rule, "log") == "log"}
+        self.tags = {
+            rule: notice_tag(rule) if rule in self._noticed else alarm_tag(rule)
+            for rule in ALARM_RULES
+        }
+        """Each rule's tag: under ``alarms`` when it acts, else under ``notices``."""
+        self._logged = 0  # alarms of the epoch's log already written at a logging step
+        self._counted: dict[str, int] = {}
+        self._summary_step: int | None = None  # the step of this fit's last epoch summary
+
+    def start(self) -> None:
+        """Start a fit: no epoch summary written yet."""
+        self._summary_step = None
 
     def log_step(self, trainer: pl.Trainer, alarms: TrainingAlarms, step: int) -> None:
         """Log the per-rule counts since the last logging step, and any alarms' text.
@@ -322,7 +363,7 @@ class AlarmPolicy:
             log_text(trainer.loggers, ALARM_STEP_TEXT, summary, step)
 
     def end_epoch(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
-        """Act on the last verdicts, then log the epoch's counts and its text summary.
+        """Take the epoch's alarms, and log its counts and its text summary.
 
         They are written at the epoch's step (:func:`~.attached.epoch_step`), the summary under
         its own tag (:data:`~lightning_hooks.tags.ALARM_TEXT`), apart from the logging steps'
@@ -330,15 +371,10 @@ class AlarmPolicy:
         training step: its summary, which would take the place of that epoch's, is not written.
 
         Args:
-            trainer: the trainer the alarms act on and whose loggers are written to.
+            trainer: the trainer whose loggers are written to; only rank 0 writes the text.
             alarms: the fit's alarms, whose epoch is taken and started afresh.
-
-        Raises:
-            TrainingAlarmError: a last verdict's rule has the action ``"raise"``.
         """
-        self.act(trainer, None, alarms.poll(wait=True))
         counts, log = alarms.take_epoch()
-        self._warned.clear()
         self._logged = 0
         self._counted = {}
         step = epoch_step(trainer)

@@ -356,7 +356,7 @@ class GradFlowCallback(HookCallback):
             table: the step's values per layer (the alarms need only its step).
         """
         if fit.alarms is not None:
-            self.policy.log_step(trainer, fit.alarms, step)
+            self.policy.log.log_step(trainer, fit.alarms, step)
 
     def _watch_attention(
         self, fit: _Fit, trainer: pl.Trainer, step: int, result: StabilityResult
