@@ -274,6 +274,10 @@ BUILD: dict[str, Callable[[], nn.Module]] = {
     "outlier-cnn-digits": _cnn,
     "outlier-bnmlp-cancer": lambda: families.BNMLP(30, 2),
     "outlier-bncnn-cancer": families.BNCNN1d,
+    "outlier-pool-cnn-digits": families.PoolCNN2d,
+    "outlier-bnmlp-wine": lambda: families.BNMLP(13, 3),
+    "outlier-tanh-digits": lambda: families.DeepMLP(64, 10, layers=3, activation=nn.Tanh),
+    "outlier-gelu-cancer": lambda: families.DeepMLP(30, 2, layers=4, activation=nn.GELU),
     # fresh families, recorded after the defaults were frozen (:data:`FRESH_MODELS`)
     "fresh-mlp6-wine": lambda: families.DeepMLP(13, 3),
     "fresh-tanh-digits": lambda: families.DeepMLP(64, 10, layers=3, activation=nn.Tanh),
@@ -572,6 +576,15 @@ _OUTLIER_TWINS = [
     Run("outlier-cnn-digits", "sgd", 0.05),
     Run("outlier-bnmlp-cancer", "sgd", 0.05),
     Run("outlier-bncnn-cancer", "sgd", 0.05),
+    *(
+        Run(model, optimizer, lr, batch=batch, accum=accum)
+        for model, (optimizer, lr, batch, accum) in {
+            "outlier-pool-cnn-digits": ("sgd", 0.05, None, 1),
+            "outlier-bnmlp-wine": ("sgd", 0.05, 16, 1),
+            "outlier-tanh-digits": ("adam", 1e-3, 64, 1),
+            "outlier-gelu-cancer": ("adamw", 3e-4, 2, 4),
+        }.items()
+    ),
 ]
 OUTLIERS = [
     *_OUTLIER_TWINS,
@@ -589,7 +602,15 @@ accumulated on AdamW 3e-4, a digits MLP at a batch of 32 on Adam 1e-3, the wine 
 MLP at 4 x 2 on Adam 1e-3, the digits CNN with BatchNorm at 32 on SGD 0.05 with momentum; then
 (added to the tuning half, so that a rule for SGD with momentum is tuned without the held-out
 CNN) an MLP with BatchNorm and a 1-d CNN with BatchNorm on the breast-cancer set at 32 on SGD
-0.05 with momentum 0.9."""
+0.05 with momentum 0.9; then four fresh families (:data:`FRESH_OUTLIER_MODELS`), recorded
+before the rule for an outlier that the loss falls back from was judged on them: the digits CNN
+with max pooling at 32 on SGD 0.05 with momentum, the wine set's MLP with BatchNorm at 16 on SGD
+0.05 with momentum, a 3-layer tanh MLP on the digits at 64 on Adam 1e-3, and a 4-layer GELU MLP
+on the breast-cancer set at 2 x 4 accumulated on AdamW 3e-4."""
+FRESH_OUTLIER_MODELS = frozenset(
+    {"outlier-pool-cnn-digits", "outlier-bnmlp-wine", "outlier-tanh-digits", "outlier-gelu-cancer"}
+)
+"""The outlier families of the fresh half: new models, data and recipes."""
 NEW_MODELS = frozenset({*DEAD_MODELS, *IDLE_MODELS, *(r.model for r in _OUTLIER_TWINS)})
 """The models of the dead-network, idling and outlier families: replayed in their own tables
 (:func:`main`), not in the main replay's."""
@@ -654,9 +675,10 @@ families beyond the two that showed the false alarms (the wine set's MLP and the
 FRESH_FAMILIES = frozenset({"gpt-deep", "gpt-6h", "resmlp-wine", "ft-gru-mix"})
 """Families recorded only after the defaults they are judged on were frozen: a half no
 default has seen. Reported apart from both halves."""
-NEW_FRESH = FRESH_MODELS
+NEW_FRESH = FRESH_MODELS | FRESH_OUTLIER_MODELS
 """The fresh families of :data:`FRESH_LRS`, frozen with the rule for outlier batches under SGD
-with momentum before it was judged on them: the fresh half with :data:`FRESH_FAMILIES`."""
+with momentum before it was judged on them, and the fresh outlier families
+(:data:`FRESH_OUTLIER_MODELS`): the fresh half with :data:`FRESH_FAMILIES`."""
 
 
 SMALL_BATCH = frozenset(
@@ -696,7 +718,7 @@ def _tabular(model: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | No
     """The data set of a model on scikit-learn's sets; ``None`` for a text model."""
     if model in FRESH_MODELS:  # named by its data set, last
         return {"wine": _wine, "digits": _digits, "cancer": _cancer}[model.rsplit("-", 1)[1]]
-    if model in ("resmlp", "wine", "resmlp-wine", "outlier-wine") or model.endswith("-cancer"):
+    if model in ("resmlp", "wine", "resmlp-wine") or model.endswith(("-wine", "-cancer")):
         return {"resmlp": _cancer, "wine": _wine, "resmlp-wine": _wine}.get(
             model, _wine if "wine" in model else _cancer
         )
@@ -901,10 +923,11 @@ class _ReluProbe:
 
     def arrays(self) -> dict[str, Any]:
         """What the trace keeps: ``relus`` (names), ``fired`` and ``ran`` (``[steps, relus]``)."""
+        shape = (len(self.fired), len(self.names))  # a model without a ReLU: no columns
         return {
             "relus": self.names,
-            "fired": np.array(self.fired, dtype=bool).reshape(-1, len(self.names)),
-            "ran": np.array(self.ran, dtype=bool).reshape(-1, len(self.names)),
+            "fired": np.array(self.fired, dtype=bool).reshape(shape),
+            "ran": np.array(self.ran, dtype=bool).reshape(shape),
         }
 
 
