@@ -2212,7 +2212,8 @@ def new_markdown(out: dict[str, Any]) -> str:
         + ", ".join(f"`{f}`" for f in out["new_held_out_families"])
         + ". The fresh half adds quick families of new models, data and recipes, frozen and "
         "recorded before the rule for outlier batches under SGD with momentum was judged on "
-        "them, replayed with the main families: "
+        "them, replayed with the main families, and four outlier families recorded before the "
+        "rule for an outlier the loss falls back from was judged on them: "
         + ", ".join(f"`{f}`" for f in out.get("new_fresh_families", []))
         + ". The tuning half adds two outlier families on SGD with momentum: "
         "`outlier-bnmlp-cancer`, `outlier-bncnn-cancer`.",

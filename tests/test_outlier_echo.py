@@ -48,7 +48,13 @@ class Momentum(pl.LightningModule):
     the loss, ``shifted`` steps of labels shifted by one class, or the learning rate times
     ``lr_factor`` from then on."""
 
-    def __init__(self, scale: float = 1.0, shifted: int = 0, lr_factor: float = 1.0) -> None:
+    def __init__(
+        self,
+        scale: float = 1.0,
+        shifted: int = 0,
+        lr_factor: float = 1.0,
+        read: dict[int, float] | None = None,
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(
@@ -58,6 +64,8 @@ class Momentum(pl.LightningModule):
         self.scale = scale
         self.shifted = shifted
         self.lr_factor = lr_factor
+        self.read = read or {}
+        """Per step, the loss the step reads (its gradient is the batch's own)."""
         self.losses: list[float] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -70,6 +78,8 @@ class Momentum(pl.LightningModule):
         loss = nn.functional.cross_entropy(self.net(x), y)
         if batch_idx == AT:
             loss = loss * self.scale
+        if batch_idx in self.read:
+            loss = loss + (self.read[batch_idx] - loss.detach())
         self.losses.append(float(loss))
         return loss
 
@@ -174,3 +184,60 @@ def test_the_echo_of_an_outlier_is_held_and_a_rise_past_the_outlier_is_not(
     6.0, past the outlier's own loss, is confirmed."""
     assert [r for _, r in _rules_alarms(_losses(1.5), resume_at)] == ["setback"]
     assert ("diverging", 64) in {(r, s) for s, r in _rules_alarms(_losses(6.0), resume_at)}
+
+
+def _falls_back(level: float) -> dict[int, float]:
+    """Two outlier steps at 3.0, then six steps at ``level``: the loss each step reads."""
+    return {AT: 3.0, AT + 1: 3.0, **{step: level for step in range(AT + 2, AT + 8)}}
+
+
+def test_an_outlier_the_loss_falls_back_from_is_a_notice_while_still_over_the_bar(
+    tmp_path: Path,
+) -> None:
+    """Two steps read 3.0, then six read 0.55: over the bar (twice the run's best and more),
+    but under half the outliers' loss and under where the run started. The outlier's damage
+    that the run is recovering from: a setback, logged, and the fit runs to its end."""
+    model = Momentum(read=_falls_back(0.55))
+    record, scalars = _fit(tmp_path, model)
+    start = float(np.mean(model.losses[:3]))
+    best = min(model.losses[:AT])
+    assert 4 * best < 0.55 < start  # the steps after: over the bar, under the run's start
+    assert [str(w.message) for w in record] == []
+    assert len(model.losses) == STEPS
+    assert _count(scalars, "grad_flow/alarms/diverging") == 0
+    assert _count(scalars, "grad_flow/notices/setback") >= 1
+
+
+def test_a_loss_that_falls_back_to_over_the_run_start_is_confirmed(tmp_path: Path) -> None:
+    """The same outliers, then six steps at 0.9, over where the run started: all it had learnt
+    lost. Confirmed as *diverging* at the third step over the bar, and the fit stops there."""
+    model = Momentum(read=_falls_back(0.9))
+    record, scalars = _fit(tmp_path, model)
+    assert float(np.mean(model.losses[:3])) < 0.9
+    alarms = [w.message.alarm for w in record if getattr(w.message, "alarm", None) is not None]
+    assert [(a.rule, a.step) for a in alarms] == [("diverging", AT + 2)]
+    assert len(model.losses) == AT + 3
+    assert _count(scalars, "grad_flow/alarms/diverging") == 1
+
+
+def _falling_back(*after: float) -> list[float]:
+    """The run of :func:`_losses`, with two outlier steps of 5.0 at 60-61, then the steps
+    ``after``, then the floor again."""
+    learn = [2.0 - 1.9 * step / 30 for step in range(30)]
+    floor = [0.1 if step % 2 else 0.11 for step in range(30)]
+    return [*learn, *floor, 5.0, 5.0, *after, *floor[:20]]
+
+
+@pytest.mark.parametrize("resume_at", [None, 64], ids=["straight", "resumed-mid-echo"])
+def test_a_fall_back_from_outliers_is_held_unless_it_lost_the_run_or_passes_them(
+    resume_at: int | None,
+) -> None:
+    """Six steps at 1.6 after two at 5.0: over the bar, under half the outliers' loss and under
+    the run's start of 2.0: held as their echo, a setback. At 2.2, over the start, the third
+    step over the bar confirms; so does a climb past the outliers' loss after the fall back."""
+    held = _rules_alarms(_falling_back(*[1.6] * 6), resume_at)
+    assert [r for _, r in held] == ["setback"]
+    lost = _rules_alarms(_falling_back(*[2.2] * 6), resume_at)
+    assert ("diverging", 62) in {(r, s) for s, r in lost}
+    past = _rules_alarms(_falling_back(1.6, 1.6, 6.0, 6.0, 6.0), resume_at)
+    assert ("diverging", 66) in {(r, s) for s, r in past}

@@ -30,6 +30,9 @@ _JITTER_SPAN = 64  # losses in the jitter's running mean: a spread steady over a
 # the level (the best's reference) lengthens until its own spread is this share of itself
 _LEVEL_NOISE = 0.1
 _LEVEL_SPAN_MAX = 128
+_FALLS_BACK = 0.5
+"""A step whose mean loss is under this share of the outlier steps' before it fell back from
+them (:meth:`LossRules._falls_back`)."""
 _LEARNT = 0.5
 """A run whose best loss is under this share of its start has learnt: *diverging*'s
 ``diverge_lost`` bar then holds the median loss of its last steps, which an outlier batch cannot
@@ -203,7 +206,9 @@ class LossRules:
     fewer than ``diverge_patience`` outlier steps cannot move: one bad batch, or two, is a
     setback and not a divergence), or when the loss is not finite. A setback that falls back
     first is logged as recovered. Once the run has learnt, a step back under the bar after one
-    or two steps over it marks an outlier batch the run came back from: for
+    or two steps over it marks an outlier batch the run came back from; so does a step still
+    over the bar that fell back under half the outlier steps' mean loss and under the run's
+    start (the outlier's damage, which the run recovers from). For
     ``diverge_patience * diverge_span`` optimizer steps, the rise that follows (the outlier's
     echo, which an optimizer with momentum carries on for a while) confirms nothing, unless a
     step's mean loss passes the outlier steps' own or the loss is not finite.
@@ -450,12 +455,12 @@ class LossRules:
         """Count the step just completed toward the setback; return whether an echo holds.
 
         A step over the bar counts, one under it starts the count again. A run that has learnt
-        and comes back under the bar after fewer than ``diverge_patience`` steps over it met
-        one or two outlier batches: for ``diverge_patience * diverge_span`` optimizer steps
-        after it came back (:meth:`_echo_steps`), the rise
-        that follows (an optimizer with momentum carries the outlier's update on for a while)
-        counts toward nothing, unless a step's mean loss passes the outlier steps' own, which
-        an echo does not.
+        and comes back under the bar after fewer than ``diverge_patience`` steps over it, or
+        falls back from them (:meth:`_falls_back`), met one or two outlier batches: for
+        ``diverge_patience * diverge_span`` optimizer steps after it came back
+        (:meth:`_echo_steps`), the rise that follows (an optimizer with momentum carries the
+        outlier's update on for a while) counts toward nothing, unless a step's mean loss passes
+        the outlier steps' own, which an echo does not.
 
         Args:
             setback: the open setback.
@@ -476,7 +481,7 @@ class LossRules:
         if echo is not None:  # the echo's steps count toward nothing
             setback.steps = 0
             return True
-        if mean > bar:
+        if mean > bar and not self._falls_back(setback, mean):
             setback.steps += 1
             setback.jump = max(setback.jump, mean)
             return False
@@ -486,6 +491,27 @@ class LossRules:
             return True
         setback.steps = 0
         return False
+
+    def _falls_back(self, setback: Setback, mean: float) -> bool:
+        """Return whether a step over the bar falls back from the outlier steps before it.
+
+        Once the run has learnt, after one or two steps over the bar, a step whose mean loss is
+        under :data:`_FALLS_BACK` of theirs, and under where the run started, came back from
+        them, even where the outlier's damage (a batch of wrong labels, say) keeps it over the
+        bar a while: it starts the outlier's echo as a step back under the bar does. A
+        divergence climbs, holds its level, or loses all the run had learnt.
+
+        Args:
+            setback: the open setback, whose ``steps`` and ``jump`` are the steps over the bar
+                so far and their highest mean loss.
+            mean: the mean loss of the step just completed, over the bar.
+
+        Returns:
+            Whether the step falls back from the outlier steps before it.
+        """
+        outlier_steps = 0 < setback.steps < self.rules.diverge_patience
+        kept = mean < self.levels.first  # not all it had learnt lost
+        return outlier_steps and kept and mean < _FALLS_BACK * setback.jump and self._learnt()
 
     def _echo_steps(self) -> int:
         """Return the optimizer steps an outlier batch's echo is held after the run came back.
