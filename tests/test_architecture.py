@@ -66,6 +66,15 @@ EXTENSION_POINTS = {"_validate", "_attach", "_batch_started", "_batch_ending", "
 """The points at which a callback extends the base, each named in its docstring's table."""
 
 
+def _members_of_the_base() -> set[str]:
+    """What the base offers its callbacks: its own members and those of the classes of ours it
+    derives from (Fabric's entry points, ``FabricHooks``)."""
+    from lightning_hooks.callbacks.base import HookCallback
+
+    ours = [c for c in HookCallback.__mro__ if c.__module__.startswith("lightning_hooks.")]
+    return {name for c in ours for name in vars(c) if not name.startswith(("__", "_abc_"))}
+
+
 def test_a_callback_extends_the_base_at_its_five_points_and_never_chains_to_it() -> None:
     """What a subclass overrides of the base is one of its five extension points, and no method
     of a callback calls the base's with ``super()`` but its constructor: the template cannot
@@ -75,7 +84,7 @@ def test_a_callback_extends_the_base_at_its_five_points_and_never_chains_to_it()
 
     from lightning_hooks.callbacks.base import HookCallback
 
-    base = {name for name in vars(HookCallback) if not name.startswith(("__", "_abc_"))}
+    base = _members_of_the_base()
     for cls in _callback_classes():
         if cls is HookCallback:
             continue
@@ -87,6 +96,19 @@ def test_a_callback_extends_the_base_at_its_five_points_and_never_chains_to_it()
             if called and isinstance(node.func.value, ast.Call):
                 chained = getattr(node.func.value.func, "id", "") == "super"
                 assert not chained or node.func.attr == "__init__", (cls.__name__, node.func.attr)
+
+
+def test_the_base_holds_the_lifecycle_and_fabric_holds_its_entry_points() -> None:
+    """The base defines no method Fabric calls by name: those, and the run they start, are
+    ``FabricHooks``' (``callbacks/fabric.py``), which the base derives from, so every callback
+    still answers Fabric."""
+    from lightning_hooks.callbacks.base import HookCallback
+    from lightning_hooks.callbacks.fabric import FabricHooks
+
+    fabric_entry_points = {"on_after_setup", "on_after_optimizer_step", "release"}
+    assert not fabric_entry_points & set(vars(HookCallback))
+    assert fabric_entry_points <= set(vars(FabricHooks))
+    assert issubclass(HookCallback, FabricHooks)
 
 
 _MUTATORS = {"append", "add", "update", "clear", "setdefault", "pop", "insert", "remove"}

@@ -1,7 +1,8 @@
 """Provide the base of every callback: its lifecycle, its logging steps and its writing.
 
 What one fit measures is an :class:`~.attached.Attached` that the callback builds in
-``_attach``.
+``_attach``. What a Fabric loop calls on a callback is in :class:`~.fabric.FabricHooks`, which
+the base derives from.
 """
 
 from __future__ import annotations
@@ -13,16 +14,13 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
-import torch
-from lightning_fabric import Fabric
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
-from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Checkpointed
 from lightning_hooks.callbacks.cadence import LoggingCadence, check_every_n_steps
-from lightning_hooks.callbacks.fabric import FabricRun
+from lightning_hooks.callbacks.fabric import FabricHooks
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import (
     SECOND_CALLBACK,
@@ -72,7 +70,7 @@ class FitState:
     """Whether the running batch belongs to a logging step."""
 
 
-class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
+class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta):
     """Run a callback's hooks for one fit at a time, guarded, and write what they measure.
 
     The base drives every fit the same way:
@@ -116,6 +114,9 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     makes every rank act alike: a failure disables the callback on all of them, and a stop
     stops them all.
 
+    In a Fabric loop the same hooks run, driven by the run that the entry points of
+    :class:`~.fabric.FabricHooks` start; the base knows nothing of it.
+
     Example:
         >>> import pytorch_lightning as pl
         >>> from lightning_hooks.callbacks.attached import Logged
@@ -152,12 +153,13 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
                 of the fit (``False``); ``None``: ``LIGHTNING_HOOKS_STRICT`` decides.
             uses_images: the callback draws pictures (a logger that shows none is warned of).
             fabric_refusal: why this configuration cannot run in a Fabric loop (``None``: it
-                can); a Fabric loop refuses it with this reason at ``fabric.setup``.
+                can); handed to :class:`~.fabric.FabricHooks`, whose run refuses it with this
+                reason at ``fabric.setup``.
 
         Raises:
             ValueError: ``every_n_steps`` is not a positive int or ``None``.
         """
-        super().__init__()
+        super().__init__(fabric_refusal=fabric_refusal)
         self._state_key_fields = dict(state_key)
         self.cadence = LoggingCadence(check_every_n_steps(type(self).__name__, every_n_steps))
         """Which optimizer steps are logging steps, and where the running one is."""
@@ -167,13 +169,10 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         passed."""
         self.uses_images = uses_images
         """Whether the callback draws pictures (a logger that shows none is warned of)."""
-        self.fabric_refusal = fabric_refusal
-        """Why this configuration cannot run in a Fabric loop (``None``: it can)."""
         self.kept: dict[str, Checkpointed] = {}
         """Collaborators that outlive a fit and are saved in checkpoints, by key."""
         self._fit_state = FitState(self._new_guard())
         """What the running fit holds; each fit's ``setup`` starts a new one."""
-        self._fabric_run: FabricRun | None = None  # under Fabric: what drives the hooks
         self.ranks = RankAgreement(self.hook_guard(), remove_hooks=self.remove_hooks)
         """What the ranks of a multi-process fit agree on: a failure, a stop, new rows."""
 
@@ -413,22 +412,12 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._detach()
 
-    def on_after_setup(self, fabric: Fabric, module: nn.Module) -> None:
-        """Watch ``module`` under Fabric: a :class:`~.fabric.FabricRun` drives this callback.
-
-        Fabric calls this hook after ``fabric.setup``; see :meth:`.fabric.FabricRun.take_over`.
-
-        Args:
-            fabric: the Fabric whose callback list the run takes the callback's place in.
-            module: the module Fabric set up, which the run hooks.
-        """
-        self._fabric_run = FabricRun.take_over(self, fabric, module)
-
     def flush(self, trainer: pl.Trainer) -> None:
         """Write what was measured before the hooks go.
 
         On CUDA this includes the last logging step's copy, which is waited for; the loggers are
-        then saved.
+        then saved. ``on_exception`` calls it, and so does the end of a Fabric loop, which no
+        epoch end need precede.
 
         Args:
             trainer: the trainer whose loggers are written to and saved.
@@ -437,27 +426,6 @@ class HookCallback(pl.Callback, _SecondCallback, metaclass=ABCMeta):
         if attached is not None:
             attached.write_steps(trainer, wait=True)
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
-
-    def on_after_optimizer_step(self, strategy: object, optimizer: torch.optim.Optimizer) -> None:
-        """Forward Fabric's hook to the run, when the run could not take the callback's place.
-
-        Args:
-            strategy: Fabric's strategy, passed on unread.
-            optimizer: the optimizer that has just stepped.
-        """
-        run = self._fabric_run
-        if run is not None:
-            run.on_after_optimizer_step(strategy, optimizer)
-
-    def release(self) -> None:
-        """Write what is pending and remove every hook now, under Fabric.
-
-        Under the Trainer the base's own hooks do this; a Fabric loop calls it at its end.
-        """
-        run = self._fabric_run
-        self._fabric_run = None
-        if run is not None:
-            run.on_train_end()
 
     def _detach(self) -> None:
         """Take the fit off the model: its hooks, and whatever of it would keep the model alive."""

@@ -1,6 +1,10 @@
 """Connect the callbacks to a Fabric loop, where a :class:`FabricRun` stands in for the Trainer.
 
-See ``docs/fabric.md``. Lightning's Trainer is met in :mod:`.trainer`.
+Every callback is a :class:`FabricHooks`: Fabric finds a callback's hooks by name, and the ones it
+calls (``on_after_setup``, ``on_after_optimizer_step``) and ``release`` are here, with the run
+they start. The run drives the callback's Trainer hooks, which :class:`FabricDriven` names, with
+a :class:`FabricTrainer` in the Trainer's place. See ``docs/fabric.md``. Lightning's Trainer is
+met in :mod:`.trainer`.
 """
 
 from __future__ import annotations
@@ -8,16 +12,19 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
+import pytorch_lightning as pl
 import torch
 from lightning_fabric import Fabric
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_hooks.callbacks.trainer import SHARDED_STRATEGIES, stands_down_for_users_own
+from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import (
     before_fabric_clips,
@@ -26,7 +33,15 @@ from lightning_hooks.internals.lightning import (
     unwrapped_optimizer,
 )
 
-__all__ = ["UNDER_FABRIC", "FabricChecked", "FabricRun", "FabricTrainer", "check_fabric"]
+__all__ = [
+    "UNDER_FABRIC",
+    "FabricChecked",
+    "FabricDriven",
+    "FabricHooks",
+    "FabricRun",
+    "FabricTrainer",
+    "check_fabric",
+]
 
 _SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 _REFUSED_STRATEGIES = SHARDED_STRATEGIES | {"ModelParallelStrategy", "DataParallelStrategy"}
@@ -48,6 +63,182 @@ class FabricChecked(Protocol):
     """Why the callback's configuration cannot run in a Fabric loop (``None``: it can)."""
 
 
+class FabricDriven(FabricChecked, Protocol):
+    """Describe what a :class:`FabricRun` calls on the callback it drives.
+
+    These are the callback's guard, its ``flush`` and its Trainer hooks. The run hands each hook
+    its :class:`FabricTrainer` in the Trainer's place and the watched module in the
+    LightningModule's; the hooks read only what these two offer.
+    """
+
+    def hook_guard(self) -> Guard:
+        """Return the guard of the running fit, which the run's own hooks run under."""
+
+    def flush(self, trainer: pl.Trainer) -> None:
+        """Write what was measured and save the loggers, before the hooks go.
+
+        Args:
+            trainer: the trainer whose loggers are written to and saved.
+        """
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Start a fit: its checks and its new state.
+
+        Args:
+            trainer: the trainer of the fit.
+            pl_module: the module watched.
+            stage: the stage set up (the run sets up ``"fit"``).
+        """
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Check the watched module, which may leave the fit nothing to watch.
+
+        Args:
+            trainer: the trainer of the fit.
+            pl_module: the module watched.
+        """
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Put the fit's hooks on the module, for the optimizers the trainer knows.
+
+        Args:
+            trainer: the trainer of the fit, whose optimizers and clipping are read.
+            pl_module: the module the hooks are put on.
+        """
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
+    ) -> None:
+        """Start a batch: the cadence decides whether it belongs to a logging step.
+
+        Args:
+            trainer: the trainer of the fit.
+            pl_module: the module watched.
+            batch: the batch, which a Fabric loop does not hand over (``None``).
+            batch_idx: the batch's index.
+        """
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Observe the gradients an optimizer is about to apply.
+
+        Args:
+            trainer: the trainer of the fit.
+            pl_module: the module watched.
+            optimizer: the optimizer about to step.
+        """
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: object,
+        batch_idx: int,
+    ) -> None:
+        """End a batch whose optimizer step has run, and write a logging step's values.
+
+        Args:
+            trainer: the trainer of the fit.
+            pl_module: the module watched.
+            outputs: the loss fed before the step (``None`` where none was).
+            batch: the batch, which a Fabric loop does not hand over (``None``).
+            batch_idx: the batch's index.
+        """
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the epoch's aggregates.
+
+        Args:
+            trainer: the trainer whose loggers are written to.
+            pl_module: the module watched.
+        """
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """End the fit and take its hooks off.
+
+        Args:
+            trainer: the trainer whose loggers are saved.
+            pl_module: the module watched.
+        """
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Take the fit off the module, whatever happened before.
+
+        Args:
+            trainer: the trainer of the fit.
+            pl_module: the module watched.
+            stage: the stage torn down (the run tears down ``"fit"``).
+        """
+
+
+class _RunHolder(FabricDriven, Protocol):
+    """Describe a :class:`FabricHooks` whose class has the hooks the run drives."""
+
+    fabric_run: FabricRun | None
+
+
+class FabricHooks:
+    """Answer Fabric's calls on a callback: its entry points in a Fabric loop, and the run.
+
+    Fabric finds a callback's hooks by name (``Fabric.call``, and its optimizer's
+    ``on_after_optimizer_step``), so these are methods of the callback itself. The first,
+    ``on_after_setup``, starts a :class:`FabricRun` that takes the callback's place among
+    Fabric's callbacks and drives its Trainer hooks from then on.
+
+    The class under it provides those hooks (:class:`FabricDriven`): the methods here are typed
+    by what they need of it, so a class that lacks one fails the type check at its
+    ``super().__init__()``.
+
+    Args:
+        fabric_refusal: why the callback's configuration cannot run in a Fabric loop (``None``:
+            it can); the run refuses it with this reason at ``fabric.setup``.
+    """
+
+    fabric_refusal: str | None
+    """Why the callback's configuration cannot run in a Fabric loop (``None``: it can)."""
+    fabric_run: FabricRun | None
+    """The run that drives the callback in a Fabric loop, from ``fabric.setup`` to its release."""
+
+    def __init__(self: _RunHolder, *, fabric_refusal: str | None) -> None:
+        super().__init__()
+        self.fabric_refusal = fabric_refusal
+        self.fabric_run = None
+
+    def on_after_setup(self: _RunHolder, fabric: Fabric, module: nn.Module) -> None:
+        """Watch ``module`` under Fabric: a :class:`FabricRun` drives this callback.
+
+        Fabric calls this hook after ``fabric.setup``; see :meth:`FabricRun.take_over`.
+
+        Args:
+            fabric: the Fabric whose callback list the run takes the callback's place in.
+            module: the module Fabric set up, which the run hooks.
+        """
+        self.fabric_run = FabricRun.take_over(self, fabric, module)
+
+    def on_after_optimizer_step(self, strategy: object, optimizer: torch.optim.Optimizer) -> None:
+        """Forward Fabric's hook to the run, when the run could not take the callback's place.
+
+        Args:
+            strategy: Fabric's strategy, passed on unread.
+            optimizer: the optimizer that has just stepped.
+        """
+        run = self.fabric_run
+        if run is not None:
+            run.on_after_optimizer_step(strategy, optimizer)
+
+    def release(self) -> None:
+        """Write what is pending and remove every hook now, under Fabric.
+
+        Under the Trainer the callback's own hooks do this; a Fabric loop calls it at its end.
+        """
+        run = self.fabric_run
+        self.fabric_run = None
+        if run is not None:
+            run.on_train_end()
+
+
 class FabricTrainer:
     """Offer the attributes of a ``pl.Trainer`` that the callbacks read, over a ``Fabric``.
 
@@ -64,7 +255,7 @@ class FabricTrainer:
             optimizes as the loop says: no ``automatic_optimization``).
     """
 
-    def __init__(self, fabric: Fabric, callback: object, module: nn.Module) -> None:
+    def __init__(self, fabric: Fabric, callback: FabricDriven, module: nn.Module) -> None:
         # the one attribute of a Trainer's strategy our callbacks read
         self.strategy = SimpleNamespace(precision_plugin=fabric.strategy.precision)
         self.callbacks = [callback]
@@ -132,12 +323,16 @@ class FabricRun:
         MisconfigurationException: :func:`check_fabric` refuses the callback under ``fabric``.
     """
 
-    def __init__(self, callback: Any, fabric: Fabric, module: nn.Module) -> None:  # noqa: ANN401 (a callback driven through Trainer hooks with a FabricTrainer in the Trainer's place)
+    def __init__(self, callback: FabricDriven, fabric: Fabric, module: nn.Module) -> None:
         check_fabric(callback, fabric)
         self.callback = callback
         self.fabric = fabric
         self.module: nn.Module = fabric_wrapped_module(module)
         self.trainer = FabricTrainer(fabric, callback, self.module)
+        # The callback's hooks are typed for Lightning's Trainer and LightningModule; they read
+        # only what the FabricTrainer and the plain module offer, handed in their places.
+        self._as_trainer = cast("pl.Trainer", self.trainer)
+        self._as_pl_module = cast("pl.LightningModule", self.module)
         self._params = {id(p) for p in self.module.parameters()}
         self._owned: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._observed: set[int] = set()  # optimizers observed before their clip, this step
@@ -147,7 +342,9 @@ class FabricRun:
         self._warned_module = False
 
     @classmethod
-    def take_over(cls, callback: Any, fabric: Fabric, module: nn.Module) -> FabricRun | None:  # noqa: ANN401 (as the constructor's)
+    def take_over(
+        cls, callback: FabricDriven, fabric: Fabric, module: nn.Module
+    ) -> FabricRun | None:
         """Drive ``callback`` in a Fabric loop, in its place among Fabric's callbacks.
 
         ``fabric.call(...)`` then reaches the run, which answers with Fabric's arguments and
@@ -178,8 +375,8 @@ class FabricRun:
         The hooks stay armed until :meth:`on_train_end`; a run garbage-collected first leaves no
         global hook behind.
         """
-        self.callback.setup(self.trainer, self.module, "fit")
-        self.callback.on_fit_start(self.trainer, self.module)
+        self.callback.setup(self._as_trainer, self._as_pl_module, "fit")
+        self.callback.on_fit_start(self._as_trainer, self._as_pl_module)
         ref = weakref.ref(self)
 
         def pre_step(optimizer: torch.optim.Optimizer, *args: object) -> None:
@@ -326,11 +523,11 @@ class FabricRun:
             self.trainer.optimizers.append(optimizer)
         if new or not self._attached:
             self._start()
-        self.callback.on_before_optimizer_step(self.trainer, self.module, optimizer)
+        self.callback.on_before_optimizer_step(self._as_trainer, self._as_pl_module, optimizer)
 
     def _start(self) -> None:
         """Attach (again) for the optimizers known, and set the gate of the coming step."""
-        self.callback.on_train_start(self.trainer, self.module)
+        self.callback.on_train_start(self._as_trainer, self._as_pl_module)
         self._attached = True
         self._batch_start()
 
@@ -338,9 +535,9 @@ class FabricRun:
         """Start the coming step's batch, so that the cadence gates it."""
         # A batch index other than 0: Fabric has no epochs, the cadence alone samples.
         step = self.trainer.global_step
-        self.callback.on_train_batch_start(self.trainer, self.module, None, step + 1)
+        self.callback.on_train_batch_start(self._as_trainer, self._as_pl_module, None, step + 1)
 
-    def on_after_optimizer_step(self, strategy: Any, optimizer: torch.optim.Optimizer) -> None:  # noqa: ANN401 (Fabric's hook: its strategy, unused)
+    def on_after_optimizer_step(self, strategy: object, optimizer: torch.optim.Optimizer) -> None:
         """Count an optimizer step, end its batch, and gate the next one.
 
         Fabric calls this hook after each optimizer step.
@@ -355,7 +552,7 @@ class FabricRun:
         loss = self._loss
         self._loss = None
         step = self.trainer.global_step - 1
-        self.callback.on_train_batch_end(self.trainer, self.module, loss, None, step)
+        self.callback.on_train_batch_end(self._as_trainer, self._as_pl_module, loss, None, step)
         self._batch_start()
 
     def on_before_backward(self, loss: torch.Tensor) -> None:
@@ -374,17 +571,17 @@ class FabricRun:
         They are written at the epoch's last optimizer step (see :class:`FabricTrainer`).
         """
         if self._attached:
-            self.callback.on_train_epoch_end(self.trainer, self.module)
+            self.callback.on_train_epoch_end(self._as_trainer, self._as_pl_module)
         self.trainer.current_epoch += 1
 
     def on_train_end(self) -> None:
         """Write what is pending and remove every hook at ``fabric.call("on_train_end")``."""
         callback = self.callback
-        trainer = self.trainer
+        trainer = self._as_trainer
         if self._attached:
             callback.flush(trainer)
-            callback.on_train_end(trainer, self.module)
-        callback.teardown(trainer, self.module, "fit")
+            callback.on_train_end(trainer, self._as_pl_module)
+        callback.teardown(trainer, self._as_pl_module, "fit")
         self._attached = False
         for undo in reversed(self._undo):
             undo()
