@@ -31,6 +31,6 @@ def callbacks() -> list[Any]:
     added = []
     for name in requested(os.environ.get(ENV, "")):
         callback = getattr(classes, name)()
-        callback.from_environment = True
+        callback.mark_from_environment()
         added.append(callback)
     return added

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "layer_tag",
     "notice_tag",
     "step_tag",
+    "step_tags",
 ]
 
 STEP = "_step"
@@ -298,6 +300,22 @@ def step_tag(tag: str) -> str:
     cut = percentile.start() if percentile else len(parts[at])
     parts[at] = parts[at][:cut] + STEP + parts[at][cut:]
     return "/".join(parts)
+
+
+def step_tags(values: Mapping[str, float]) -> dict[str, float]:
+    """Return ``values`` under their logging step's tags.
+
+    Args:
+        values: the values by epoch tag.
+
+    Returns:
+        The same values, each under its :func:`step_tag`.
+
+    Example:
+        >>> step_tags({"grad_flow/grad_norm/encoder.0": 0.5})
+        {'grad_flow/grad_norm_step/encoder.0': 0.5}
+    """
+    return {step_tag(tag): value for tag, value in values.items()}
 
 
 ALARM_STEP_TEXT = step_tag(ALARM_TEXT)

@@ -106,6 +106,19 @@ def test_trainer_does_not_add_a_callback_twice(
     assert isinstance(added[1], DeadReLUCallback)
 
 
+def test_a_key_read_before_the_switch_marks_the_callback_is_not_kept() -> None:
+    """The checkpoint key follows the mark, whenever it was read: a key read first (a logger's
+    hyperparameters, a profiler) does not stay the user's callback's key."""
+    added = GradFlowCallback()
+    users_key = added.state_key
+    added.mark_from_environment()
+    assert added.from_environment
+    assert added.state_key != users_key
+    assert added.state_key == GradFlowCallback()._generate_state_key(
+        types="None", include=(), exclude=(), environment=True
+    )
+
+
 @pytest.mark.parametrize("short", sorted(SHORT_NAMES))
 def test_the_users_own_callback_beside_the_one_the_switch_adds(
     short: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path

@@ -178,6 +178,8 @@ def test_fabric_csv_logger_gets_the_scalars(tmp_path: Path) -> None:
 def test_fabric_refusals(tmp_path: Path) -> None:
     with pytest.raises(MisconfigurationException, match=r"on_alarm=.*'stop'.*must be in \('warn'"):
         _train(_fabric(tmp_path, GradFlowCallback(on_alarm="stop")), _model(), 1)
+    # without alarms, no rule can stop the fit: on_alarm="stop" is not refused
+    _train(_fabric(tmp_path, GradFlowCallback(alarms=False, on_alarm="stop")), _model(), 1)
     fabric = Fabric(accelerator="cpu", devices=1, callbacks=[GradFlowCallback()])
     with pytest.raises(MisconfigurationException, match=r"needs a logger.*Fabric has none"):
         _train(fabric, _model(), 1)

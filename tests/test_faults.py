@@ -239,3 +239,17 @@ def test_the_loss_moves_to_the_nccl_group_device_without_a_sync(
     assert moves == [("cuda:3", True), ("cuda:3", True)]
     assert carried.tolist() == [2.5, 1.0, 1.0, 0.0] and carried.dtype == torch.float32
     assert len(reduced) == 1  # the one all_reduce of the batch
+
+
+def test_the_carried_loss_keeps_no_graph_alive() -> None:
+    """Under manual optimization the loss the ranks agree on still has its graph: the copy
+    that carries it is out of autograd, so the batch's graph is freed with the batch."""
+    import torch
+
+    from lightning_hooks.callbacks.agreement import _carry
+
+    weight = torch.ones(3, requires_grad=True)
+    loss = (weight * 2.0).sum()
+    carried = _carry(loss, failed=False, stop=False)
+    assert carried.grad_fn is None and not carried.requires_grad
+    assert carried.tolist() == [6.0, 1.0, 0.0, 0.0]

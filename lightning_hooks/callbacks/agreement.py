@@ -95,7 +95,8 @@ class LossAgreement:
     Example:
         >>> from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
         >>> from lightning_hooks.core.hooks.guard import Guard
-        >>> ranks = RankAgreement(Guard("Cb", strict=False), remove_hooks=lambda: None)
+        >>> guard = Guard("Cb", strict=False)
+        >>> ranks = RankAgreement(lambda: guard, remove_hooks=lambda: None)
         >>> agreement = LossAgreement(AlarmPolicy("warn", request_stop=ranks.request_stop), ranks)
         >>> agreement.plan(torch.nn.Linear(1, 1), AlarmRules())
         >>> agreement.reading  # one process: this rank's own loss, no collective

@@ -21,7 +21,7 @@ from lightning_hooks.core.transport import (
     world_size,
 )
 from lightning_hooks.errors import LightningHooksWarning, TrainingAlarmError, TrainingAlarmWarning
-from lightning_hooks.logging import log_scalars, log_text, save_loggers, step_tags
+from lightning_hooks.logging import log_scalars, log_text, save_loggers
 from lightning_hooks.tags import (
     ALARM_STEP_TEXT,
     ALARM_TEXT,
@@ -29,6 +29,7 @@ from lightning_hooks.tags import (
     SPIKE_SCORE,
     alarm_tag,
     notice_tag,
+    step_tags,
 )
 
 __all__ = ["Action", "AlarmLog", "AlarmPolicy", "check_actions"]

@@ -16,7 +16,8 @@ from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.core.transport import gather_objects
 from lightning_hooks.internals.lightning import lightning_epoch_step
-from lightning_hooks.logging import log_scalars, step_tags
+from lightning_hooks.logging import log_scalars
+from lightning_hooks.tags import step_tags
 
 __all__ = [
     "Attached",

@@ -10,7 +10,6 @@ from __future__ import annotations
 from abc import ABCMeta, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
@@ -34,12 +33,7 @@ from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import drop_model_logging
 from lightning_hooks.logging import save_loggers
 
-__all__ = [
-    "FitState",
-    "HookCallback",
-    "nothing_to_watch",
-    "selection_state_key",
-]
+__all__ = ["FitState", "HookCallback"]
 
 # Lightning ships under two names, ``pytorch_lightning`` and ``lightning.pytorch``, and each
 # namespace's LightningCLI accepts only its own ``Callback``: the base derives from both where
@@ -106,16 +100,20 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
                         each statistic's epoch
     ==================  ==============================  ========================================
 
-    These five are the only methods a subclass overrides. ``_attach`` is required; the others do
-    nothing by default, and none calls the base's. Everything else a subclass hands to the
-    constructor: ``state_key`` (what tells two configurations' checkpoints apart),
-    ``uses_images`` and ``fabric_refusal``. What outlives a fit and is saved in checkpoints goes
-    in :attr:`kept`. Under several processes, :attr:`ranks` (a :class:`~.ranks.RankAgreement`)
-    makes every rank act alike: a failure disables the callback on all of them, and a stop
-    stops them all.
+    Of the base's methods, these five are the only ones a subclass overrides. ``_attach`` is
+    required; the others do nothing by default, and none calls the base's. A subclass may also
+    define a Lightning hook the base does not (``GradFlowCallback`` reads each optimizer step in
+    ``on_before_optimizer_step``), decorated with ``@guarded`` as the base's are.
 
-    In a Fabric loop the same hooks run, driven by the run that the entry points of
-    :class:`~.fabric.FabricHooks` start; the base knows nothing of it.
+    Everything else a subclass hands to the constructor: ``state_key`` (what tells two
+    configurations' checkpoints apart), ``uses_images`` and ``fabric_refusal``. What outlives a
+    fit and is saved in checkpoints goes in :attr:`kept`. Under several processes,
+    :attr:`ranks` (a :class:`~.ranks.RankAgreement`) makes every rank act alike: a failure
+    disables the callback on all of them, and a stop stops them all.
+
+    In a Fabric loop, :class:`~.fabric.FabricHooks`, which the base derives from, answers
+    Fabric's calls, and a :class:`~.fabric.FabricRun` drives these same hooks with a stand-in for
+    the Trainer. The base itself imports nothing of Fabric (an import-linter contract).
 
     Example:
         >>> import pytorch_lightning as pl
@@ -164,16 +162,15 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         self.cadence = LoggingCadence(check_every_n_steps(type(self).__name__, every_n_steps))
         """Which optimizer steps are logging steps, and where the running one is."""
         self.strict = strict
-        self.from_environment = False
-        """Added by the ``LIGHTNING_HOOKS`` switch, not by the user: yields to one the user
-        passed."""
+        self._from_environment = False
+        self._state_key = self._generate_state_key(**self._state_key_fields)
         self.uses_images = uses_images
         """Whether the callback draws pictures (a logger that shows none is warned of)."""
         self.kept: dict[str, Checkpointed] = {}
         """Collaborators that outlive a fit and are saved in checkpoints, by key."""
         self._fit_state = FitState(self._new_guard())
         """What the running fit holds; each fit's ``setup`` starts a new one."""
-        self.ranks = RankAgreement(self.hook_guard(), remove_hooks=self.remove_hooks)
+        self.ranks = RankAgreement(self.hook_guard, remove_hooks=self.remove_hooks)
         """What the ranks of a multi-process fit agree on: a failure, a stop, new rows."""
 
     @property
@@ -201,17 +198,32 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         """
         return Guard(type(self).__name__, strict=self.strict)
 
-    @cached_property
+    @property
     def state_key(self) -> str:
         """Return the key of the callback's checkpoint state, unique per configuration.
 
-        The same configuration added by the ``LIGHTNING_HOOKS`` switch gets a key of its own. The
-        key is made once: Lightning reads it for every hook it calls.
+        The same configuration added by the ``LIGHTNING_HOOKS`` switch gets a key of its own
+        (:meth:`mark_from_environment`). The key is made when it changes, not when it is read:
+        Lightning reads it for every hook it calls.
         """
-        fields = dict(self._state_key_fields)
-        if self.from_environment:
-            fields["environment"] = True
-        return self._generate_state_key(**fields)
+        return self._state_key
+
+    @property
+    def from_environment(self) -> bool:
+        """Return whether the ``LIGHTNING_HOOKS`` switch added the callback, not the user.
+
+        Such a callback yields to one of its class that the user passed.
+        """
+        return self._from_environment
+
+    def mark_from_environment(self) -> None:
+        """Mark the callback as added by the ``LIGHTNING_HOOKS`` switch.
+
+        Its checkpoint key gets a field of its own, so that its state and that of a callback
+        of the same configuration the user passed never share a key.
+        """
+        self._from_environment = True
+        self._state_key = self._generate_state_key(**self._state_key_fields, environment=True)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -242,7 +254,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     @guarded
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.remove_hooks()
-        self.ranks.start(self.hook_guard())
+        self.ranks.start()
         fit = self._fit_state
         if fit.idle:
             return
@@ -509,55 +521,3 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
                 (:func:`~.attached.epoch_step`).
             pl_module: the model trained, for a callback that reads it at the epoch's end.
         """
-
-
-def selection_state_key(types: object, include: object, exclude: object) -> dict[str, Any]:
-    """Make the fields of a callback's checkpoint key from its module selection.
-
-    The key is the one release 0.2.0 saved under: a checkpoint's state is found by it.
-
-    Args:
-        types: the module types selected (``None``: any).
-        include: the glob patterns on qualified module names that are kept.
-        exclude: the glob patterns on qualified module names that are dropped.
-
-    Returns:
-        The fields, by name.
-
-    Example:
-        >>> selection_state_key(None, (), ("*.bn*",))
-        {'types': 'None', 'include': (), 'exclude': ('*.bn*',)}
-    """
-    return {"types": repr(types), "include": include, "exclude": exclude}
-
-
-def nothing_to_watch(
-    owner: str, what: str, *, selected: Mapping[str, object], hint: str = ""
-) -> bool:
-    """Refuse or idle a fit whose model has nothing to watch.
-
-    Where the user selected modules, this is a ``ValueError``; at the defaults it is one warning
-    and an idle fit (as Lightning's ``LearningRateMonitor`` without a scheduler).
-
-    Args:
-        owner: the callback's name, which the message begins with.
-        what: what the callback watches (``"module owning a parameter"``).
-        selected: the constructor arguments that select modules, with the values the user gave
-            (``None`` or empty where left at the default).
-        hint: a clause the message ends with.
-
-    Returns:
-        ``False``: the fit has nothing to watch (what ``_validate`` returns).
-
-    Raises:
-        ValueError: the user's selection selects nothing, naming the arguments given.
-    """
-    given = [f"{argument}={value!r}" for argument, value in selected.items() if value]
-    if given:
-        raise ValueError(f"{owner}({', '.join(given)}): selects no {what} of the model{hint}")
-    rank_zero_warn(
-        f"{owner}: the model has no {what} to watch at the defaults; this callback does "
-        f"nothing in this fit{hint}",
-        category=LightningHooksWarning,
-    )
-    return False

@@ -13,8 +13,9 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, epoch_step
-from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
+from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.fabric import UNDER_FABRIC
+from lightning_hooks.callbacks.stats import nothing_to_watch
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import Patterns, as_patterns

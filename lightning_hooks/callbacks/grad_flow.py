@@ -19,8 +19,9 @@ from lightning_hooks import internals
 from lightning_hooks.callbacks.agreement import LossAgreement
 from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy, check_actions
 from lightning_hooks.callbacks.attached import Attached, Logged
-from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch, selection_state_key
+from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
+from lightning_hooks.callbacks.stats import nothing_to_watch, selection_state_key
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, checks
 from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
@@ -133,14 +134,16 @@ class GradFlowCallback(HookCallback):
         self.types = types
         self.include = as_patterns(include, f"GradFlowCallback(include={include!r})")
         self.exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
+        rules = _alarm_rules(alarms)
+        actions = check_actions(on_alarm)
         super().__init__(
             state_key=selection_state_key(types, self.include, self.exclude),
             every_n_steps=every_n_steps,
             uses_images=chart or heatmap,
-            fabric_refusal=_refusal_under_fabric(on_alarm),
+            fabric_refusal=_refusal_under_fabric(actions, rules),
         )
-        self.alarms = _alarm_rules(alarms)
-        self.policy = AlarmPolicy(on_alarm, request_stop=self.ranks.request_stop)
+        self.alarms = rules
+        self.policy = AlarmPolicy(actions, request_stop=self.ranks.request_stop)
         self.kept["alarms"] = self.policy  # the running scales, from one fit to the next
         self.loss_agreement = LossAgreement(self.policy, self.ranks)
         self.on_alarm = self.policy.actions
@@ -394,18 +397,18 @@ class GradFlowCallback(HookCallback):
             self.policy.end_epoch(trainer, self._fit.alarms)
 
 
-def _refusal_under_fabric(on_alarm: object) -> str | None:
-    """Say why ``on_alarm`` cannot run in a Fabric loop: a ``"stop"`` needs a Trainer.
+def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | None) -> str | None:
+    """Say why the alarms' actions cannot run in a Fabric loop: a ``"stop"`` needs a Trainer.
 
     Args:
-        on_alarm: the callback's ``on_alarm``.
+        actions: the action of each rule, as ``on_alarm`` asked.
+        rules: the alarm rules (``None``: no alarm fires, so none stops the fit).
 
     Returns:
         The reason, or ``None`` where no rule stops the fit.
     """
-    actions = check_actions(on_alarm)
     stopping = sorted(rule for rule, action in actions.items() if action == "stop")
-    if not stopping:
+    if rules is None or not stopping:
         return None
     return (
         f"on_alarm='stop' (for {stopping}) needs a Trainer: a Fabric loop has no should_stop to "

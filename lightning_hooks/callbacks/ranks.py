@@ -33,20 +33,20 @@ class RankAgreement:
     itself: nothing is exchanged.
 
     Args:
-        guard: the guard of the callback's hooks until the first fit starts (:meth:`start` is
-            handed each fit's).
+        guard: returns the guard of the running fit's hooks (each fit has its own).
         remove_hooks: takes the callback's hooks off the model, once it is disabled.
 
     Example:
-        >>> ranks = RankAgreement(Guard("Cb", strict=False), remove_hooks=lambda: None)
-        >>> ranks.start(Guard("Cb", strict=False))  # at a fit's train start
+        >>> guard = Guard("Cb", strict=False)
+        >>> ranks = RankAgreement(lambda: guard, remove_hooks=lambda: None)
+        >>> ranks.start()  # at a fit's train start
         >>> ranks.request_stop()
         >>> ranks.stop_requested
         True
     """
 
-    def __init__(self, guard: Guard, remove_hooks: Callable[[], None]) -> None:
-        self._guard = guard
+    def __init__(self, guard: Callable[[], Guard], remove_hooks: Callable[[], None]) -> None:
+        self._fit_guard = guard
         self._remove_hooks = remove_hooks
         self.size = 1
         """How many processes the fit runs on (counted at its train start)."""
@@ -54,16 +54,13 @@ class RankAgreement:
         """This rank's request to stop the fit, until the ranks agree on it."""
         self._agreed_at: int | None = None  # the last step :meth:`apply` was handed flags at
 
-    def start(self, guard: Guard) -> None:
+    def start(self) -> None:
         """Count the ranks at a fit's train start, and forget the last fit's requests.
 
-        Where several ranks run, the guard keeps a failure until they agree on it (unless it is
-        strict, and raises at once on every rank that fails).
-
-        Args:
-            guard: the guard of the callback's hooks in this fit.
+        Where several ranks run, the fit's guard keeps a failure until they agree on it (unless
+        it is strict, and raises at once on every rank that fails).
         """
-        self._guard = guard
+        guard = self._fit_guard()
         self.size = world_size()
         self.stop_requested = False
         self._agreed_at = None
@@ -76,7 +73,7 @@ class RankAgreement:
     @property
     def failed_here(self) -> bool:
         """Tell whether a hook failed on this rank, where the ranks have not yet agreed on it."""
-        return self._guard.local is not None
+        return self._fit_guard().local is not None
 
     def agree(
         self, trainer: pl.Trainer, step: int, attached: Attached | None, *, always: bool
@@ -92,7 +89,7 @@ class RankAgreement:
             always: agree even where the ranks already agreed at ``step`` through :meth:`apply`
                 (an epoch end, where the rows are aligned too).
         """
-        guard = self._guard
+        guard = self._fit_guard()
         agreed = self._agreed_at == step and not always
         if self.size == 1 or guard.failed is not None or agreed:
             return
@@ -135,7 +132,7 @@ class RankAgreement:
             trainer.should_stop = True
             self.stop_requested = False
         if failed:
-            self._disable(trainer, step, gather_objects(self._guard.local))
+            self._disable(trainer, step, gather_objects(self._fit_guard().local))
         return bool(failed)
 
     def _align_rows(self, trainer: pl.Trainer, step: int, attached: Attached) -> None:
@@ -155,7 +152,7 @@ class RankAgreement:
         try:
             attached.align_rows()
         except ValueError as error:
-            if self._guard.strict:
+            if self._fit_guard().strict:
                 raise
             cause = f"aligning rows across ranks: {type(error).__name__}: {error}"
             self._disable(trainer, step, [cause] * self.size)  # every rank's
@@ -168,7 +165,7 @@ class RankAgreement:
             step: the optimizer step it is disabled at, named in the warning.
             causes: each rank's cause, by rank (``None`` for a rank that did not fail).
         """
-        guard = self._guard
+        guard = self._fit_guard()
         guard.disable_on_every_rank(causes, step, warn=trainer.is_global_zero)
         guard.removal_due()
         self._remove_hooks()

@@ -1,6 +1,8 @@
 """Provide ``StatsCallback``, which logs any :class:`~.stat.LayerStat` and keeps it in checkpoints.
 
-Each statistic is logged at each logging step and epoch end.
+Each statistic is logged at each logging step and epoch end. The module also holds what every
+callback that watches a selection of modules shares: its checkpoint key, the check that the
+selection watches something, and the attaching of its statistics.
 """
 
 from __future__ import annotations
@@ -15,14 +17,21 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Logged
-from lightning_hooks.callbacks.base import HookCallback, nothing_to_watch
+from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["Findings", "StatsCallback", "attach_stats", "watches_selection"]
+__all__ = [
+    "Findings",
+    "StatsCallback",
+    "attach_stats",
+    "nothing_to_watch",
+    "selection_state_key",
+    "watches_selection",
+]
 
 # The bare class in the signature: jsonargparse (LightningCLI) resolves a ``class_path`` against
 # a class, not against the subscripted generic ``LayerStat[Any]``.
@@ -91,7 +100,7 @@ def watches_selection(  # noqa: PLR0913 (a callback's selection: one keyword eac
 
     Returns:
         Whether any statistic selects a module of ``model``; where none does at the defaults,
-        ``False`` after one warning (see :func:`~.base.nothing_to_watch`).
+        ``False`` after one warning (see :func:`nothing_to_watch`).
 
     Raises:
         ValueError: a pattern matches no module name, or the user's selection selects nothing.
@@ -206,3 +215,55 @@ class StatsCallback(HookCallback):
     def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
         logged = [Logged(stat) for stat in self.stats]
         return attach_stats(pl_module, self.hook_guard(), logged)
+
+
+def selection_state_key(types: object, include: object, exclude: object) -> dict[str, Any]:
+    """Make the fields of a callback's checkpoint key from its module selection.
+
+    The key is the one release 0.2.0 saved under: a checkpoint's state is found by it.
+
+    Args:
+        types: the module types selected (``None``: any).
+        include: the glob patterns on qualified module names that are kept.
+        exclude: the glob patterns on qualified module names that are dropped.
+
+    Returns:
+        The fields, by name.
+
+    Example:
+        >>> selection_state_key(None, (), ("*.bn*",))
+        {'types': 'None', 'include': (), 'exclude': ('*.bn*',)}
+    """
+    return {"types": repr(types), "include": include, "exclude": exclude}
+
+
+def nothing_to_watch(
+    owner: str, what: str, *, selected: Mapping[str, object], hint: str = ""
+) -> bool:
+    """Refuse or idle a fit whose model has nothing to watch.
+
+    Where the user selected modules, this is a ``ValueError``; at the defaults it is one warning
+    and an idle fit (as Lightning's ``LearningRateMonitor`` without a scheduler).
+
+    Args:
+        owner: the callback's name, which the message begins with.
+        what: what the callback watches (``"module owning a parameter"``).
+        selected: the constructor arguments that select modules, with the values the user gave
+            (``None`` or empty where left at the default).
+        hint: a clause the message ends with.
+
+    Returns:
+        ``False``: the fit has nothing to watch (what ``_validate`` returns).
+
+    Raises:
+        ValueError: the user's selection selects nothing, naming the arguments given.
+    """
+    given = [f"{argument}={value!r}" for argument, value in selected.items() if value]
+    if given:
+        raise ValueError(f"{owner}({', '.join(given)}): selects no {what} of the model{hint}")
+    rank_zero_warn(
+        f"{owner}: the model has no {what} to watch at the defaults; this callback does "
+        f"nothing in this fit{hint}",
+        category=LightningHooksWarning,
+    )
+    return False

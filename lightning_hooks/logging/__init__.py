@@ -28,7 +28,7 @@ from lightning_hooks.logging.sinks import (
     MLflowSink,
     WandbSink,
 )
-from lightning_hooks.logging.tensorboard import TensorBoardSink, step_tags
+from lightning_hooks.logging.tensorboard import TensorBoardSink
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +51,6 @@ __all__ = [
     "save_loggers",
     "shows_pictures",
     "sinks_for",
-    "step_tags",
 ]
 
 _KINDS: list[type[LoggerSink]] = [TensorBoardSink, WandbSink, MLflowSink, CSVSink]

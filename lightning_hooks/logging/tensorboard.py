@@ -39,7 +39,6 @@ __all__ = [
     "dashboard_layout",
     "histogram_raw",
     "step_tag",
-    "step_tags",
 ]
 
 
@@ -309,18 +308,6 @@ def _charts(tags: tuple[str, ...]) -> frozenset[tuple[str, str]]:
     Cached: a logging step writes the same tags.
     """
     return frozenset(key for key in map(chart_key, tags) if key is not None)
-
-
-def step_tags(values: Mapping[str, float]) -> dict[str, float]:
-    """Return ``values`` under their logging step's tags.
-
-    Args:
-        values: the values by epoch tag.
-
-    Returns:
-        The same values, each under its :func:`step_tag`.
-    """
-    return {step_tag(tag): value for tag, value in values.items()}
 
 
 @functools.lru_cache(maxsize=_TAGS)
