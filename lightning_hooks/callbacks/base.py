@@ -298,8 +298,9 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         if fit.attached is not None and fit.attached.copying:  # on CUDA, the last step's copy
             fit.attached.write_steps(trainer, wait=False)
         self._set_gate(logs)
-        # What any of ours wrote since the last save (the last batch's end): the first of ours
-        # saves it, once per batch, and a run killed in this batch keeps it.
+        # Save what the library's callbacks wrote since the last batch's end, so that a run
+        # killed in this batch keeps it. Where several of them run, the first to get here saves
+        # for all of them, once per batch.
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
         fit.logging_batch = logs and fit.attached is not None
         if fit.logging_batch:

@@ -1,6 +1,7 @@
-"""The house keeps its contracts in types: the suppressed checks stay within their bounds.
+"""The package's code rules: its contracts are kept in types, and the suppressed checks stay
+within their bounds.
 
-A room is bounded by what its functions do, not by its lines: ruff's complexity rules (C901 at
+A module is bounded by what its functions do, not by its lines: ruff's complexity rules (C901 at
 ``max-complexity = 10`` and PLR0915, in ``pyproject.toml``) bound each function, and a module
 that holds too much is split along a seam a reader can see."""
 
