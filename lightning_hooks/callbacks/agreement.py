@@ -152,7 +152,7 @@ class LossAgreement:
             loss = training_loss(trainer, outputs)
             if loss is not None:
                 alarms.update_loss(loss, step=step)
-                self._policy.act(trainer, None, alarms.poll())
+                self._policy.act(trainer, None, alarms, alarms.poll())
         elif self.reading == "mean":
             ranks = self._ranks
             loss = training_loss(trainer, outputs)
@@ -214,7 +214,7 @@ class LossAgreement:
             for sums in pending.read:
                 if sums.with_loss == world_size():
                     alarms.update_loss(torch.tensor(sums.loss / world_size()), step=sums.step)
-        self._policy.act(trainer, None, alarms.poll())
+        self._policy.act(trainer, None, alarms, alarms.poll())
 
     def _rules_off(self, step: int, with_loss: int) -> None:
         """Turn the loss rules off for the rest of the fit, with one warning.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Literal
 
 import pytorch_lightning as pl
 import torch
@@ -20,7 +20,7 @@ from lightning_hooks.core.alarms import ALARM_RULES, TrainingAlarm, TrainingAlar
 from lightning_hooks.core.transport import (
     world_size,
 )
-from lightning_hooks.errors import LightningHooksWarning, TrainingAlarmError, TrainingAlarmWarning
+from lightning_hooks.errors import TrainingAlarmError, TrainingAlarmWarning
 from lightning_hooks.logging import log_scalars, log_text, save_loggers
 from lightning_hooks.tags import (
     ALARM_STEP_TEXT,
@@ -114,8 +114,8 @@ class AlarmPolicy:
     """Apply ``on_alarm`` (:func:`check_actions`) to the alarms read on the host.
 
     A warning is given once per rule and layer per epoch; under DDP, ``stop`` and ``raise`` act
-    on every rank. Its :attr:`log` writes the alarms to the loggers. Between fits it keeps the
-    alarms' running scales, which checkpoints save.
+    on every rank. Its :attr:`log` writes the alarms to the loggers. It holds no alarms: each
+    call is handed the fit's.
 
     Args:
         on_alarm: one action for every rule, or a mapping of rule to action.
@@ -142,78 +142,35 @@ class AlarmPolicy:
         self.wait = "skip" in self.actions.values()
         self._request_stop = request_stop  # under DDP: a ``stop`` for the ranks to agree on
         self._warned: set[tuple[str, str]] = set()
-        self.saved: dict[str, Any] | None = None  # the alarms' state between fits, or loaded
-        self._alarms: TrainingAlarms | None = None  # this fit's, for an alarm that ends it
         self.stopped_by: TrainingAlarm | None = None  # the first alarm whose ``stop`` acted
-
-    def host_state(self) -> dict[str, Any]:
-        """Return the alarms' running scales, saved in checkpoints.
-
-        Returns:
-            This fit's scales, or those kept from the last fit or loaded; empty where there
-            are none.
-        """
-        if self._alarms is not None:
-            return self._alarms.state_dict()
-        return dict(self.saved or {})
-
-    def load_host_state(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's running scales, in this fit's alarms if attached.
-
-        Args:
-            state: the scales :meth:`host_state` saved (empty: none).
-        """
-        self.saved = dict(state) or None
-        self.restore(self._alarms)
-
-    def keep(self) -> None:
-        """Keep the fit's alarm state for the next fit, before the fit's hooks go."""
-        if self._alarms is not None:
-            self.saved = self._alarms.state_dict()
-        self._alarms = None
-
-    def restore(self, alarms: TrainingAlarms | None) -> None:
-        """Load the saved state into fresh ``alarms``; another model's is dropped with a warning.
-
-        Args:
-            alarms: the fit's alarms, kept for the fit (``None``: the fit has none).
-        """
-        self._alarms = alarms
-        self.log.start()
-        if alarms is None or self.saved is None:
-            return
-        try:
-            alarms.load_state_dict(self.saved)
-        except ValueError as err:
-            rank_zero_warn(
-                f"GradFlowCallback: {err}; running scales start afresh.",
-                category=LightningHooksWarning,
-            )
 
     def act(
         self,
         trainer: pl.Trainer,
         optimizer: torch.optim.Optimizer | None,
-        alarms: list[TrainingAlarm],
+        alarms: TrainingAlarms,
+        found: list[TrainingAlarm],
     ) -> None:
-        """Warn, stop, raise or skip for each alarm, as its rule's action says.
+        """Warn, stop, raise or skip for each alarm found, as its rule's action says.
 
         Args:
             trainer: the trainer that is stopped, and whose step a ``skip`` must match.
             optimizer: the optimizer about to step, whose gradients a ``skip`` drops (``None``:
                 outside an optimizer step, nothing to skip).
-            alarms: the alarms read, in the order they were raised.
+            alarms: the fit's alarms, whose alarms since the last logging step are written
+                before a ``raise``.
+            found: the alarms read from them, in the order they were raised.
 
         Raises:
             TrainingAlarmError: an alarm's rule has the action ``"raise"``.
         """
         stop = False
-        for alarm in alarms:
+        for alarm in found:
             action = self.actions.get(alarm.rule)
             if action is None or action == "log":
                 continue
             if action == "raise":
-                self._raise(trainer, alarm)
+                self._raise(trainer, alarms, alarm)
             self._warn_once(alarm)
             if action == "stop" and self.stopped_by is None:
                 self.stopped_by = alarm
@@ -247,11 +204,12 @@ class AlarmPolicy:
                 category=TrainingAlarmWarning,
             )
 
-    def _raise(self, trainer: pl.Trainer, alarm: TrainingAlarm) -> None:
+    def _raise(self, trainer: pl.Trainer, alarms: TrainingAlarms, alarm: TrainingAlarm) -> None:
         """Raise an alarm as a :class:`TrainingAlarmError`, once it is in the event files.
 
         Args:
             trainer: the trainer whose loggers get the alarm before it is raised.
+            alarms: the fit's alarms, whose alarms since the last logging step are written first.
             alarm: the alarm whose rule's action is ``"raise"``.
 
         Raises:
@@ -267,12 +225,12 @@ class AlarmPolicy:
             alarm=alarm,
         )
         try:
-            self._keep_before_raising(trainer, alarm.step)
+            self._keep_before_raising(trainer, alarms, alarm.step)
         except Exception as failure:
             raise error from failure
         raise error
 
-    def _keep_before_raising(self, trainer: pl.Trainer, step: int) -> None:
+    def _keep_before_raising(self, trainer: pl.Trainer, alarms: TrainingAlarms, step: int) -> None:
         """Write the alarms since the last logging step, and save the loggers, before a raise.
 
         The raising alarm is included: the alarm that ends the fit is then in the event files,
@@ -280,10 +238,10 @@ class AlarmPolicy:
 
         Args:
             trainer: the trainer whose loggers are written to and saved.
+            alarms: the fit's alarms, whose counts and log are written.
             step: the raising alarm's step, which the counts and text are written at.
         """
-        if self._alarms is not None:
-            self.log.log_step(trainer, self._alarms, step)
+        self.log.log_step(trainer, alarms, step)
         save_loggers(trainer.loggers)
 
     def _warn_once(self, alarm: TrainingAlarm) -> None:
@@ -309,7 +267,7 @@ class AlarmPolicy:
         Raises:
             TrainingAlarmError: a last verdict's rule has the action ``"raise"``.
         """
-        self.act(trainer, None, alarms.poll(wait=True))
+        self.act(trainer, None, alarms, alarms.poll(wait=True))
         self._warned.clear()  # each epoch warns of a rule and layer once again
         self.log.end_epoch(trainer, alarms)
 

@@ -144,7 +144,8 @@ class GradFlowCallback(HookCallback):
         )
         self.alarms = rules
         self.policy = AlarmPolicy(actions, request_stop=self.ranks.request_stop)
-        self.kept["alarms"] = self.policy  # the running scales, from one fit to the next
+        self._carried = _CarriedAlarms()
+        self.kept["alarms"] = self._carried  # the running scales, from one fit to the next
         self.loss_agreement = LossAgreement(self.policy, self.ranks)
         self.on_alarm = self.policy.actions
         """The action of each rule, as ``on_alarm`` asked (a rule it did not name: its default)."""
@@ -213,11 +214,12 @@ class GradFlowCallback(HookCallback):
         """
         tracker = self._make_tracker(trainer, pl_module)
         self._pictures.start()
-        self.policy.restore(tracker.alarms)
+        self._carried.start_fit(tracker.alarms)
+        self.policy.log.start()
         self.loss_agreement.plan(pl_module, self.alarms)
         fit = _Fit(
+            trainer=trainer,
             tracker=tracker,
-            alarms=tracker.alarms,
             stability=StabilityStats() if self.stability else None,
             histograms=_histograms(tracker) if self.histograms else None,
         )
@@ -238,7 +240,7 @@ class GradFlowCallback(HookCallback):
             logged,
             # the loss rules read every batch's loss: the ranks' mean, or this rank's own
             every_batch=self.loss_agreement.reading != "off",
-            on_remove=functools.partial(self._end_fit, trainer),
+            on_remove=self._end_fit,
             earlier_layout=_saved_by_release_0_2,
         )
 
@@ -281,17 +283,17 @@ class GradFlowCallback(HookCallback):
             )
         return tracker
 
-    def _end_fit(self, trainer: pl.Trainer) -> None:
-        """Close a fit whose hooks came off: keep the alarms' state and drop what the fit made.
+    def _end_fit(self) -> None:
+        """Close the fit whose hooks came off, and drop what it made.
 
-        It also says whether an alarm's ``stop`` ended the fit.
-
-        Args:
-            trainer: the trainer whose ``should_stop`` tells whether a ``stop`` ended the fit.
+        Its alarms' state is carried to the next fit, and the fit's trainer tells whether an
+        alarm's ``stop`` ended it.
         """
-        self.policy.keep()
+        fit = self._fit
+        self._carried.end_fit()
         self._fit = None
-        self.policy.announce_stop(trainer)
+        if fit is not None:
+            self.policy.announce_stop(fit.trainer)
 
     @override
     @guarded
@@ -323,11 +325,12 @@ class GradFlowCallback(HookCallback):
         )
         if fit.histograms is not None:
             observe_histograms(fit.histograms, fit.tracker.layout, optimizer)
-        if fit.alarms is None:
+        alarms = fit.tracker.alarms
+        if alarms is None:
             return
-        found = fit.alarms.poll(wait=self.policy.wait)
+        found = alarms.poll(wait=self.policy.wait)
         if found:
-            self.policy.act(trainer, optimizer, found)
+            self.policy.act(trainer, optimizer, alarms, found)
 
     @override
     def _batch_ending(
@@ -346,8 +349,9 @@ class GradFlowCallback(HookCallback):
             return
         if fit.stability is not None and logging_step:
             fit.stability.end_step()
-        if fit.alarms is not None:
-            self.loss_agreement.feed(trainer, outputs, self.cadence.batch_step, fit.alarms)
+        alarms = fit.tracker.alarms
+        if alarms is not None:
+            self.loss_agreement.feed(trainer, outputs, self.cadence.batch_step, alarms)
 
     def _log_alarms(self, fit: _Fit, trainer: pl.Trainer, step: int, table: LayerTable) -> None:
         """Log the alarms' counts and text since the last logging step, with its values.
@@ -358,8 +362,9 @@ class GradFlowCallback(HookCallback):
             step: the logging step, which the counts and text are written at.
             table: the step's values per layer (the alarms need only its step).
         """
-        if fit.alarms is not None:
-            self.policy.log.log_step(trainer, fit.alarms, step)
+        alarms = fit.tracker.alarms
+        if alarms is not None:
+            self.policy.log.log_step(trainer, alarms, step)
 
     def _watch_attention(
         self, fit: _Fit, trainer: pl.Trainer, step: int, result: StabilityResult
@@ -372,8 +377,9 @@ class GradFlowCallback(HookCallback):
             step: the logging step the values belong to.
             result: the step's instability statistics.
         """
-        if fit.alarms is not None:
-            fit.alarms.update_attention(result.attn_logit_max, result.attn_entropy_min, step=step)
+        alarms = fit.tracker.alarms
+        if alarms is not None:
+            alarms.update_attention(result.attn_logit_max, result.attn_entropy_min, step=step)
 
     def _draw_pictures(self, fit: _Fit, trainer: pl.Trainer, table: LayerTable) -> None:
         """Draw the epoch's chart, heatmap and histograms.
@@ -393,8 +399,9 @@ class GradFlowCallback(HookCallback):
             trainer: the trainer the alarms act on and whose loggers are written to.
             pl_module: the model trained, unread.
         """
-        if self._fit is not None and self._fit.alarms is not None:
-            self.policy.end_epoch(trainer, self._fit.alarms)
+        alarms = None if self._fit is None else self._fit.tracker.alarms
+        if alarms is not None:
+            self.policy.end_epoch(trainer, alarms)
 
 
 def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | None) -> str | None:
@@ -423,14 +430,88 @@ class _Fit:
     It is made at the fit's train start and dropped when its hooks come off.
     """
 
+    trainer: pl.Trainer
+    """The trainer running the fit, whose ``should_stop`` tells, when the hooks come off,
+    whether an alarm's ``stop`` ended it."""
     tracker: GradFlowTracker
-    """The gradient flow of every layer, for the Trainer's optimizers."""
-    alarms: TrainingAlarms | None
-    """The alarm rules the tracker feeds (``None``: ``alarms=False``)."""
+    """The gradient flow of every layer, for the Trainer's optimizers; its ``alarms`` (``None``:
+    ``alarms=False``) are the fit's alarms."""
     stability: StabilityStats | None
     """The attention and output-logit statistics (``None``: ``stability=False``)."""
     histograms: LayerHistograms | None
     """The histograms of ``log10 |g|`` per layer (``None``: ``histograms=False``)."""
+
+
+class _CarriedAlarms:
+    """Carry the alarms' running scales from one fit to the next, and through checkpoints.
+
+    Between fits they are the state the last fit's alarms left, or a checkpoint's. A fit's
+    alarms start from it (:meth:`start_fit`) and, when its hooks come off, leave theirs
+    (:meth:`end_fit`); while a fit runs, a checkpoint saves the fit's alarms. What is carried is
+    the alarms' :meth:`~lightning_hooks.core.alarms.TrainingAlarms.state_dict`: the running
+    scales, the ring buffer and the counts.
+
+    Example:
+        >>> carried = _CarriedAlarms()
+        >>> carried.host_state()  # no fit ran yet, and no checkpoint was loaded
+        {}
+    """
+
+    def __init__(self) -> None:
+        self._state: dict[str, Any] | None = None
+        """The state between fits: the last fit's alarms', or a checkpoint's (``None``: none)."""
+        self._alarms: TrainingAlarms | None = None
+        """The running fit's alarms (``None``: between fits, or ``alarms=False``)."""
+
+    def start_fit(self, alarms: TrainingAlarms | None) -> None:
+        """Start a fit's fresh ``alarms`` from the state carried, if any.
+
+        Args:
+            alarms: the fit's alarms, until :meth:`end_fit` (``None``: the fit has none).
+        """
+        self._alarms = alarms
+        self._load()
+
+    def end_fit(self) -> None:
+        """Carry the running fit's alarms' state to the next fit, and let them go."""
+        if self._alarms is not None:
+            self._state = self._alarms.state_dict()
+        self._alarms = None
+
+    def host_state(self) -> dict[str, Any]:
+        """Return the alarms' running scales, saved in checkpoints.
+
+        Returns:
+            The running fit's, or else the state carried; empty where there is none.
+        """
+        if self._alarms is not None:
+            return self._alarms.state_dict()
+        return dict(self._state or {})
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's running scales, in the running fit's alarms if any.
+
+        Args:
+            state: the scales :meth:`host_state` saved (empty: none).
+        """
+        self._state = dict(state) or None
+        self._load()
+
+    def _load(self) -> None:
+        """Load the state carried into the running fit's alarms.
+
+        A state of another model's layers is dropped, with a warning: the running scales start
+        afresh.
+        """
+        if self._alarms is None or self._state is None:
+            return
+        try:
+            self._alarms.load_state_dict(self._state)
+        except ValueError as err:
+            rank_zero_warn(
+                f"GradFlowCallback: {err}; running scales start afresh.",
+                category=LightningHooksWarning,
+            )
 
 
 _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")
