@@ -159,6 +159,25 @@ def test_state_for_another_model_is_dropped_with_a_warning(tmp_path: Path) -> No
     assert "grad_flow/grad_norm/net.0" in read_scalars(tmp_path)
 
 
+def test_a_checkpoint_with_one_statistic_of_another_model_keeps_none_of_them(
+    tmp_path: Path,
+) -> None:
+    """The tracker's state fits, the instability statistics' does not: the checkpoint's
+    statistics are dropped whole, with one warning, and the epoch is a fresh fit's."""
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=SAVED_AT, save_top_k=-1)
+    trainer(tmp_path / "first", callbacks=[GradFlowCallback(), every]).fit(SameBatchesMLP())
+    (path,) = sorted((tmp_path / "ckpt").glob("*.ckpt"))[:1]
+    callback = GradFlowCallback()
+    state = dict(torch.load(path, weights_only=False)["callbacks"][callback.state_key])
+    assert state["0:GradFlowTracker"]["count"] is not None  # the tracker's epoch so far
+    state["1:StabilityStats"] = {**state["1:StabilityStats"], "layers": ["elsewhere"]}
+    callback.load_state_dict(state)
+    with pytest.warns(LightningHooksWarning, match="do not match this model"):
+        trainer(tmp_path / "dropped", callbacks=[callback]).fit(SameBatchesMLP())
+    trainer(tmp_path / "fresh", callbacks=[GradFlowCallback()]).fit(SameBatchesMLP())
+    _assert_same(_grad_flow_at(tmp_path / "dropped", 4), _grad_flow_at(tmp_path / "fresh", 4))
+
+
 class MixedMLP(RepeatedBatchMLP):
     """Tanh and ReLU layers, so that every per-step callback has something to watch."""
 

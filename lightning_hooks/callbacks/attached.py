@@ -312,11 +312,18 @@ class Attached:
         Raises:
             KeyError: the state is of another model (a statistic's entry is missing).
             ValueError: the state is of another model (its values do not fit the statistics).
+                Nothing of the state is then kept: the statistics loaded before the one that
+                did not fit start their epoch afresh too.
         """
         if not state:
             return
-        for i, logged in enumerate(self.logged):
-            logged.stat.load_host_state(state[_state_name(i, logged.stat)])
+        try:
+            for i, logged in enumerate(self.logged):
+                logged.stat.load_host_state(state[_state_name(i, logged.stat)])
+        except (KeyError, ValueError):
+            for logged in self.logged:
+                logged.stat.reset()
+            raise
 
     def remove(self) -> None:
         """Take every hook off the model, then call ``on_remove`` (once)."""
