@@ -21,6 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.tags import ALARM_STEP_TEXT
 
 os.environ.setdefault("PL_DISABLE_FORK", "1")
@@ -255,6 +256,12 @@ def hooks_left(model: nn.Module) -> list[str]:
             if getattr(param, attr, None):
                 left.append(f"{name}.{attr}")
     return left
+
+
+def trainer_view_members() -> set[str]:
+    """Names of every member of ``TrainerView``: its attributes and its properties."""
+    properties = {name for name in vars(TrainerView) if not name.startswith("_")}
+    return set(TrainerView.__annotations__) | properties
 
 
 def read_histograms(logdir: Path | str) -> dict[str, list[tuple[int, Any]]]:

@@ -20,10 +20,10 @@ from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
 from lightning_hooks import GradFlowCallback
-from lightning_hooks.callbacks.fabric import check_fabric
+from lightning_hooks.callbacks.fabric import FabricTrainer, check_fabric
 from lightning_hooks.errors import TrainingAlarmWarning
 
-from conftest import epoch_end_step, hooks_left, read_scalars
+from conftest import epoch_end_step, hooks_left, read_scalars, trainer_view_members
 
 
 def _fabric(root: Path, callback: Any, **kwargs: Any) -> Fabric:
@@ -173,6 +173,13 @@ def test_fabric_csv_logger_gets_the_scalars(tmp_path: Path) -> None:
     fabric.call("on_train_end")
     text = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text()
     assert "grad_flow/grad_norm_step/0" in text
+
+
+def test_fabric_trainer_offers_what_the_callbacks_read(tmp_path: Path) -> None:
+    fabric = _fabric(tmp_path, GradFlowCallback())
+    trainer = FabricTrainer(fabric, GradFlowCallback(), _model())
+    assert sorted(n for n in trainer_view_members() if not hasattr(trainer, n)) == []
+    assert hasattr(trainer.strategy, "precision_plugin")
 
 
 def test_fabric_refusals(tmp_path: Path) -> None:

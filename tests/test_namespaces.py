@@ -15,8 +15,9 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_hooks import GradFlowCallback
+from lightning_hooks.callbacks.trainer import lightning_module_of
 
-from conftest import TinyMLP, hooks_left, read_image_tags, read_scalars
+from conftest import TinyMLP, hooks_left, read_image_tags, read_scalars, trainer_view_members
 from tensorboard_server import read_layouts
 
 L = pytest.importorskip("lightning.pytorch")
@@ -81,3 +82,21 @@ def test_either_trainer_with_either_tensorboard_logger(
         assert got[tag][-1][1] == pytest.approx(reference[tag][-1][1], rel=1e-5, nan_ok=True)
     assert read_image_tags(tmp_path / "run") == ["grad_flow/chart"]
     assert len(read_layouts(tmp_path / "run")) == 2  # at the first logging step, at the epoch end
+
+
+@pytest.mark.parametrize("trainer_ns", ["pl", "L"])
+def test_either_trainer_offers_what_the_callbacks_read(trainer_ns: str) -> None:
+    trainer_cls = {"pl": pl.Trainer, "L": L.Trainer}[trainer_ns]
+    trainer = trainer_cls(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_checkpointing=False
+    )
+    assert sorted(n for n in trainer_view_members() if not hasattr(trainer, n)) == []
+    assert hasattr(trainer.strategy, "precision_plugin")
+
+
+def test_a_trainer_only_callback_reads_either_namespaces_lightning_module() -> None:
+    for namespace in ("pl", "L"):
+        module = _module(namespace)
+        assert lightning_module_of("LayerTimeCallback", module) is module
+    with pytest.raises(TypeError, match=r"LayerTimeCallback runs under .*Trainer only.*got Linear"):
+        lightning_module_of("LayerTimeCallback", torch.nn.Linear(2, 2))

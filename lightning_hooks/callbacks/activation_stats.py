@@ -5,15 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
+from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Logged, epoch_step
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.epoch_columns import EpochColumns
 from lightning_hooks.callbacks.stats import attach_stats, watches_selection
+from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.checks import boolean, named_arguments, positive_int, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.stats.activation_shape import ActivationShape
@@ -123,13 +124,13 @@ class ActivationStatsCallback(HookCallback):
         self._shape = shape
 
     @override
-    def _validate(self, pl_module: pl.LightningModule) -> bool:
+    def _validate(self, pl_module: nn.Module) -> bool:
         stats: list[LayerStat[Any]] = [self._activations, self._shape]
         selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
         return watches_selection(_NAME, pl_module, stats, what="module", selected=selected)
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
+    def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
         self._history.clear()
         self._warned_nonfinite = False
         logged: list[Logged[Any]] = [
@@ -140,7 +141,7 @@ class ActivationStatsCallback(HookCallback):
 
     @override
     def _batch_ending(
-        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
+        self, trainer: TrainerView, outputs: STEP_OUTPUT, *, logging_step: bool
     ) -> None:
         """Warn once of the first module whose output went non-finite.
 
@@ -164,7 +165,7 @@ class ActivationStatsCallback(HookCallback):
                 category=LightningHooksWarning,
             )
 
-    def _draw(self, trainer: pl.Trainer, result: ActivationResult) -> None:
+    def _draw(self, trainer: TrainerView, result: ActivationResult) -> None:
         """Log the epoch's histograms and heatmaps, on rank 0.
 
         The heatmaps' columns are kept whether or not ``heatmaps`` draws them.
@@ -191,7 +192,7 @@ class ActivationStatsCallback(HookCallback):
         if self.heatmaps:
             self._log_heatmaps(trainer, step)
 
-    def _log_heatmaps(self, trainer: pl.Trainer, step: int) -> None:
+    def _log_heatmaps(self, trainer: TrainerView, step: int) -> None:
         """Draw the layer by epoch heatmap of each statistic in the kept columns.
 
         Args:

@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
@@ -19,6 +18,7 @@ from torch import nn
 
 from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
 from lightning_hooks.callbacks.ranks import RankAgreement
+from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
 from lightning_hooks.core.transport import (
     HostCopy,
@@ -137,7 +137,7 @@ class LossAgreement:
         self._carrier = HostCopy((4,), group_device())  # what :func:`_carry` sums
 
     def feed(
-        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, step: int, alarms: TrainingAlarms
+        self, trainer: TrainerView, outputs: STEP_OUTPUT, step: int, alarms: TrainingAlarms
     ) -> None:
         """Feed one batch's loss to the loss rules, and act on the alarms they raise.
 
@@ -195,7 +195,7 @@ class LossAgreement:
             return None
         return RankFlags(sum(s.failed for s in read), sum(s.stopping for s in read))
 
-    def _feed_mean(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
+    def _feed_mean(self, trainer: TrainerView, alarms: TrainingAlarms) -> None:
         """Run the loss rules on the ranks' mean loss, and act on the alarms they raise.
 
         Under manual optimization a batch's mean is read only once every rank has a loss.
@@ -271,7 +271,7 @@ def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
     return all_reduce_sum_(carried)
 
 
-def training_loss(trainer: pl.Trainer, outputs: STEP_OUTPUT) -> torch.Tensor | None:
+def training_loss(trainer: TrainerView, outputs: STEP_OUTPUT) -> torch.Tensor | None:
     """Read ``training_step``'s loss in the user's units.
 
     Under automatic optimization Lightning hands the batch-end hooks the loss divided by

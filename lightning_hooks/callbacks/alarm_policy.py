@@ -11,11 +11,11 @@ import difflib
 from collections.abc import Callable, Mapping
 from typing import Literal
 
-import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_hooks.callbacks.attached import epoch_step
+from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.alarms import ALARM_RULES, TrainingAlarm, TrainingAlarms
 from lightning_hooks.core.transport import (
     world_size,
@@ -146,7 +146,7 @@ class AlarmPolicy:
 
     def act(
         self,
-        trainer: pl.Trainer,
+        trainer: TrainerView,
         optimizer: torch.optim.Optimizer | None,
         alarms: TrainingAlarms,
         found: list[TrainingAlarm],
@@ -186,7 +186,7 @@ class AlarmPolicy:
             # agreed on a collective the callback makes anyway: no host sync here
             self._request_stop()
 
-    def announce_stop(self, trainer: pl.Trainer) -> None:
+    def announce_stop(self, trainer: TrainerView) -> None:
         """Say once, at the fit's end, whether an alarm's ``stop`` ended it.
 
         A fit that stops looks like one that finished, but for the step count.
@@ -204,7 +204,7 @@ class AlarmPolicy:
                 category=TrainingAlarmWarning,
             )
 
-    def _raise(self, trainer: pl.Trainer, alarms: TrainingAlarms, alarm: TrainingAlarm) -> None:
+    def _raise(self, trainer: TrainerView, alarms: TrainingAlarms, alarm: TrainingAlarm) -> None:
         """Raise an alarm as a :class:`TrainingAlarmError`, once it is in the event files.
 
         Args:
@@ -230,7 +230,7 @@ class AlarmPolicy:
             raise error from failure
         raise error
 
-    def _keep_before_raising(self, trainer: pl.Trainer, alarms: TrainingAlarms, step: int) -> None:
+    def _keep_before_raising(self, trainer: TrainerView, alarms: TrainingAlarms, step: int) -> None:
         """Write the alarms since the last logging step, and save the loggers, before a raise.
 
         The raising alarm is included: the alarm that ends the fit is then in the event files,
@@ -257,7 +257,7 @@ class AlarmPolicy:
             warning.alarm = alarm
             rank_zero_warn(warning, category=TrainingAlarmWarning)
 
-    def end_epoch(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
+    def end_epoch(self, trainer: TrainerView, alarms: TrainingAlarms) -> None:
         """Act on the epoch's last verdicts, then write its alarms and start the next epoch.
 
         Args:
@@ -303,7 +303,7 @@ class AlarmLog:
         """Start a fit: no epoch summary written yet."""
         self._summary_step = None
 
-    def log_step(self, trainer: pl.Trainer, alarms: TrainingAlarms, step: int) -> None:
+    def log_step(self, trainer: TrainerView, alarms: TrainingAlarms, step: int) -> None:
         """Log the per-rule counts since the last logging step, and any alarms' text.
 
         Args:
@@ -321,7 +321,7 @@ class AlarmLog:
             summary = _summary(new, f"up to step {step}", self._noticed)
             log_text(trainer.loggers, ALARM_STEP_TEXT, summary, step)
 
-    def end_epoch(self, trainer: pl.Trainer, alarms: TrainingAlarms) -> None:
+    def end_epoch(self, trainer: TrainerView, alarms: TrainingAlarms) -> None:
         """Take the epoch's alarms, and log its counts and its text summary.
 
         They are written at the epoch's step (:func:`~.attached.epoch_step`), the summary under

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
-import pytorch_lightning as pl
-
+from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.core.transport import gather_objects
@@ -130,14 +129,14 @@ class Logged(Generic[R]):
         self,
         stat: Statistic[R],
         *,
-        on_step: Callable[[pl.Trainer, int, R], None] | None = None,
-        on_epoch: Callable[[pl.Trainer, R], None] | None = None,
+        on_step: Callable[[TrainerView, int, R], None] | None = None,
+        on_epoch: Callable[[TrainerView, R], None] | None = None,
     ) -> None:
         self.stat = stat
         self.on_step = on_step
         self.on_epoch = on_epoch
 
-    def write_step(self, trainer: pl.Trainer, wait: bool) -> None:
+    def write_step(self, trainer: TrainerView, wait: bool) -> None:
         """Write the last logging step's values once they are on the host.
 
         Args:
@@ -152,7 +151,7 @@ class Logged(Generic[R]):
         if self.on_step is not None:
             self.on_step(trainer, step, result)
 
-    def write_epoch(self, trainer: pl.Trainer, result: R) -> None:
+    def write_epoch(self, trainer: TrainerView, result: R) -> None:
         """Write the epoch's ``result``: its tags, then what the callback reads of it.
 
         Args:
@@ -217,7 +216,7 @@ class Attached:
         self.copying = False
         """A logging step's values are on their way to the host, not all written yet."""
 
-    def end_logging_step(self, trainer: pl.Trainer, step: int) -> None:
+    def end_logging_step(self, trainer: TrainerView, step: int) -> None:
         """Write the last logging step's values, then start the host copies of this one's.
 
         Called after a logging step's optimizer step. The new copies are written once on the host:
@@ -233,7 +232,7 @@ class Attached:
         self.copying = True
         self.write_steps(trainer, wait=False)
 
-    def write_steps(self, trainer: pl.Trainer, wait: bool) -> None:
+    def write_steps(self, trainer: TrainerView, wait: bool) -> None:
         """Write every logging step whose values are on the host.
 
         Args:
@@ -247,7 +246,7 @@ class Attached:
             logged.write_step(trainer, wait)
         self.copying = not wait and self.copies_in_flight
 
-    def write_epoch(self, trainer: pl.Trainer) -> None:
+    def write_epoch(self, trainer: TrainerView) -> None:
         """Write each statistic's epoch and start the next one.
 
         Every statistic's collective runs first, on every rank: a rank whose host side fails
@@ -335,7 +334,7 @@ class Attached:
             on_remove()
 
 
-def epoch_step(trainer: pl.Trainer) -> int:
+def epoch_step(trainer: TrainerView) -> int:
     """Return the step every value of the ending epoch is written at.
 
     It is the step Lightning logs the epoch's own metrics at (a ``self.log(..., on_epoch=True)``,

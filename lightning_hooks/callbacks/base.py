@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
+from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Checkpointed
@@ -23,6 +25,7 @@ from lightning_hooks.callbacks.fabric import FabricHooks
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import (
     SECOND_CALLBACK,
+    TrainerView,
     check_trainer,
     restore_inherited,
     skip_inherited,
@@ -226,7 +229,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         self._state_key = self._generate_state_key(**self._state_key_fields, environment=True)
 
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def setup(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
         if stage != "fit":
             return
         # each fit starts healthy; a checkpoint loaded before it is kept for it
@@ -244,7 +247,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
             )
 
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         fit = self._fit_state
         if not fit.idle:  # after ``configure_model``: the layers built there exist
             fit.idle = not self._validate(pl_module)
@@ -252,7 +255,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
 
     @override
     @guarded
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         self.remove_hooks()
         self.ranks.start()
         fit = self._fit_state
@@ -291,7 +294,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     @override
     @guarded
     def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+        self, trainer: TrainerView, pl_module: nn.Module, batch: Any, batch_idx: int
     ) -> None:
         logs = self.cadence.start_batch(trainer, batch_idx)
         fit = self._fit_state
@@ -311,8 +314,8 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     @guarded
     def on_train_batch_end(
         self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
+        trainer: TrainerView,
+        pl_module: nn.Module,
         outputs: STEP_OUTPUT,
         batch: Any,
         batch_idx: int,
@@ -325,7 +328,22 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         if measured is not None and attached is not None:
             self._end_logging_step(trainer, measured, attached)
 
-    def _end_logging_step(self, trainer: pl.Trainer, step: int, attached: Attached) -> None:
+    if TYPE_CHECKING:
+        # Lightning's empty default is inherited, not defined here, so that Lightning skips it
+        # (skip_inherited); it reads nothing, so it takes what a Fabric loop hands the hooks,
+        # as FabricDriven asks.
+        def on_before_optimizer_step(
+            self, trainer: TrainerView, pl_module: nn.Module, optimizer: torch.optim.Optimizer
+        ) -> None:
+            """Observe the gradients an optimizer is about to apply; the default does nothing.
+
+            Args:
+                trainer: the trainer of the fit.
+                pl_module: the module watched.
+                optimizer: the optimizer about to step.
+            """
+
+    def _end_logging_step(self, trainer: TrainerView, step: int, attached: Attached) -> None:
         """Write a logging step whose optimizer step has run (its last micro-batch ended).
 
         The ranks agree first. If they agree on a failure, the callback is disabled on every
@@ -360,7 +378,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
 
     @override
     @guarded
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         self.ranks.agree(trainer, trainer.global_step, self._fit_state.attached, always=True)
         self.cadence.end_epoch()
         attached = self._fit_state.attached  # a failure the ranks agreed on takes it off
@@ -401,7 +419,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
 
     @override
     @guarded
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         try:
             if self.hook_guard().failed is None:  # a failure after the last epoch end: agreed
                 attached = self._fit_state.attached
@@ -413,7 +431,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     @override
     @guarded
     def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+        self, trainer: TrainerView, pl_module: nn.Module, exception: BaseException
     ) -> None:
         try:
             self.flush(trainer)
@@ -422,10 +440,10 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
 
     @override
     @guarded
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def teardown(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
         self._detach()
 
-    def flush(self, trainer: pl.Trainer) -> None:
+    def flush(self, trainer: TrainerView) -> None:
         """Write what was measured before the hooks go.
 
         On CUDA this includes the last logging step's copy, which is waited for; the loggers are
@@ -457,7 +475,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         if attached is not None:
             attached.remove()
 
-    def _validate(self, pl_module: pl.LightningModule) -> bool:
+    def _validate(self, pl_module: nn.Module) -> bool:
         """Check the model at ``on_fit_start``, and say whether the fit has anything to watch.
 
         A configuration the callback cannot watch raises here, before training starts. The default
@@ -473,7 +491,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         return True
 
     @abstractmethod
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
+    def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
         """Put the fit's hooks on ``pl_module`` at each fit's train start.
 
         Args:
@@ -486,7 +504,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
             reads of them.
         """
 
-    def _batch_started(self, trainer: pl.Trainer, batch: Any) -> None:  # noqa: ANN401 (the user's batch)
+    def _batch_started(self, trainer: TrainerView, batch: Any) -> None:  # noqa: ANN401 (the user's batch)
         """Open what a logging step measures, at the step's first batch, with its hooks on.
 
         The default does nothing.
@@ -497,7 +515,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         """
 
     def _batch_ending(
-        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
+        self, trainer: TrainerView, outputs: STEP_OUTPUT, *, logging_step: bool
     ) -> None:
         """Close what a logging step's batch measured, at its end, while the hooks are on.
 
@@ -512,7 +530,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
                 attached with ``every_batch``).
         """
 
-    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _log_epoch(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Log what else the callback reads of the epoch, after each statistic's epoch is written.
 
         The default logs nothing.

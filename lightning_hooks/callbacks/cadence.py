@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import pytorch_lightning as pl
-
+from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.checks import positive_int_or_none
 
 __all__ = ["LoggingCadence", "check_every_n_steps"]
@@ -65,7 +64,7 @@ class LoggingCadence:
         self.measuring: int | None = None
         """The logging step being measured, until its values are taken to be written."""
 
-    def logs(self, trainer: pl.Trainer, step: int) -> bool:
+    def logs(self, trainer: TrainerView, step: int) -> bool:
         """Tell whether an optimizer step is a logging step by the cadence alone.
 
         Args:
@@ -79,7 +78,7 @@ class LoggingCadence:
         cadence = self.every_n_steps or max(1, int(every))
         return (step + 1) % cadence == 0
 
-    def start_batch(self, trainer: pl.Trainer, batch_idx: int) -> bool:
+    def start_batch(self, trainer: TrainerView, batch_idx: int) -> bool:
         """Note a batch's start, and tell whether it belongs to a logging step.
 
         Args:
@@ -105,7 +104,7 @@ class LoggingCadence:
         """
         self.measuring = None
 
-    def finished_step(self, trainer: pl.Trainer) -> int | None:
+    def finished_step(self, trainer: TrainerView) -> int | None:
         """Note a batch's end, and return the logging step whose optimizer step has just run.
 
         Args:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
@@ -10,6 +9,7 @@ from typing_extensions import override
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.stats import Findings, attach_stats, watches_selection
+from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.checks import fraction_or_none, named_arguments
 from lightning_hooks.core.hooks.selection import Patterns
 from lightning_hooks.core.stats.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
@@ -95,7 +95,7 @@ class DeadReLUCallback(HookCallback):
         self.pre_activation = tracker.producers.include
 
     @override
-    def _validate(self, pl_module: pl.LightningModule) -> bool:
+    def _validate(self, pl_module: nn.Module) -> bool:
         selected = {
             "types": None if self.types == RELU_FAMILY else self.types,
             "include": self.include,
@@ -112,14 +112,14 @@ class DeadReLUCallback(HookCallback):
         )
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
+    def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
         """Hook the watched activations; the base hands each epoch's dead units to :meth:`_warn`."""
         logged = [Logged(self.tracker, on_epoch=self._warn)]
         return attach_stats(
             pl_module, self.hook_guard(), logged, on_remove=self.findings.warn_held_back
         )
 
-    def _warn(self, trainer: pl.Trainer, found: DeadUnits) -> None:
+    def _warn(self, trainer: TrainerView, found: DeadUnits) -> None:
         """Warn of each layer at or past ``warn_at``, once per layer per fit.
 
         Args:

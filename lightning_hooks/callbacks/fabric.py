@@ -12,9 +12,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
-import pytorch_lightning as pl
 import torch
 from lightning_fabric import Fabric
 from lightning_fabric.utilities.exceptions import MisconfigurationException
@@ -23,7 +22,11 @@ from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lightning_hooks.callbacks.trainer import SHARDED_STRATEGIES, stands_down_for_users_own
+from lightning_hooks.callbacks.trainer import (
+    SHARDED_STRATEGIES,
+    TrainerView,
+    stands_down_for_users_own,
+)
 from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import (
@@ -68,20 +71,21 @@ class FabricDriven(FabricChecked, Protocol):
 
     These are the callback's guard, its ``flush`` and its Trainer hooks. The run hands each hook
     its :class:`FabricTrainer` in the Trainer's place and the watched module in the
-    LightningModule's; the hooks read only what these two offer.
+    LightningModule's; the hooks are typed by what they read of these, a
+    :class:`~.trainer.TrainerView` and a plain ``nn.Module``.
     """
 
     def hook_guard(self) -> Guard:
         """Return the guard of the running fit, which the run's own hooks run under."""
 
-    def flush(self, trainer: pl.Trainer) -> None:
+    def flush(self, trainer: TrainerView) -> None:
         """Write what was measured and save the loggers, before the hooks go.
 
         Args:
             trainer: the trainer whose loggers are written to and saved.
         """
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def setup(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
         """Start a fit: its checks and its new state.
 
         Args:
@@ -90,7 +94,7 @@ class FabricDriven(FabricChecked, Protocol):
             stage: the stage set up (the run sets up ``"fit"``).
         """
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Check the watched module, which may leave the fit nothing to watch.
 
         Args:
@@ -98,7 +102,7 @@ class FabricDriven(FabricChecked, Protocol):
             pl_module: the module watched.
         """
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Put the fit's hooks on the module, for the optimizers the trainer knows.
 
         Args:
@@ -107,7 +111,7 @@ class FabricDriven(FabricChecked, Protocol):
         """
 
     def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
+        self, trainer: TrainerView, pl_module: nn.Module, batch: object, batch_idx: int
     ) -> None:
         """Start a batch: the cadence decides whether it belongs to a logging step.
 
@@ -119,7 +123,7 @@ class FabricDriven(FabricChecked, Protocol):
         """
 
     def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+        self, trainer: TrainerView, pl_module: nn.Module, optimizer: torch.optim.Optimizer
     ) -> None:
         """Observe the gradients an optimizer is about to apply.
 
@@ -131,8 +135,8 @@ class FabricDriven(FabricChecked, Protocol):
 
     def on_train_batch_end(
         self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
+        trainer: TrainerView,
+        pl_module: nn.Module,
         outputs: STEP_OUTPUT,
         batch: object,
         batch_idx: int,
@@ -147,7 +151,7 @@ class FabricDriven(FabricChecked, Protocol):
             batch_idx: the batch's index.
         """
 
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Write the epoch's aggregates.
 
         Args:
@@ -155,7 +159,7 @@ class FabricDriven(FabricChecked, Protocol):
             pl_module: the module watched.
         """
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """End the fit and take its hooks off.
 
         Args:
@@ -163,7 +167,7 @@ class FabricDriven(FabricChecked, Protocol):
             pl_module: the module watched.
         """
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def teardown(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
         """Take the fit off the module, whatever happened before.
 
         Args:
@@ -240,7 +244,10 @@ class FabricHooks:
 
 
 class FabricTrainer:
-    """Offer the attributes of a ``pl.Trainer`` that the callbacks read, over a ``Fabric``.
+    """Stand in for the Trainer in a Fabric loop, offering what the callbacks read of one.
+
+    It satisfies :class:`~.trainer.TrainerView`, the type of every hook's ``trainer``, and reads
+    its precision, loggers and rank from a ``Fabric``.
 
     Its steps are the watched module's optimizer steps, its epochs the calls of
     ``on_train_epoch_end``. It has no fit loop: an epoch's values are written at the epoch's last
@@ -265,7 +272,7 @@ class FabricTrainer:
         self.log_every_n_steps = 50  # the cadence when ``every_n_steps`` is ``None``
         self.loggers = list(fabric.loggers)
         self.is_global_zero = bool(fabric.is_global_zero)
-        self.optimizers: list[Any] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
         self.gradient_clip_val: float | None = None
         self.gradient_clip_algorithm: str | None = None
         self.accumulate_grad_batches = 1  # a Fabric loop steps when it wants: its loss is as given
@@ -329,10 +336,6 @@ class FabricRun:
         self.fabric = fabric
         self.module: nn.Module = fabric_wrapped_module(module)
         self.trainer = FabricTrainer(fabric, callback, self.module)
-        # The callback's hooks are typed for Lightning's Trainer and LightningModule; they read
-        # only what the FabricTrainer and the plain module offer, handed in their places.
-        self._as_trainer = cast("pl.Trainer", self.trainer)
-        self._as_pl_module = cast("pl.LightningModule", self.module)
         self._params = {id(p) for p in self.module.parameters()}
         self._owned: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self._observed: set[int] = set()  # optimizers observed before their clip, this step
@@ -375,8 +378,8 @@ class FabricRun:
         The hooks stay armed until :meth:`on_train_end`; a run garbage-collected first leaves no
         global hook behind.
         """
-        self.callback.setup(self._as_trainer, self._as_pl_module, "fit")
-        self.callback.on_fit_start(self._as_trainer, self._as_pl_module)
+        self.callback.setup(self.trainer, self.module, "fit")
+        self.callback.on_fit_start(self.trainer, self.module)
         ref = weakref.ref(self)
 
         def pre_step(optimizer: torch.optim.Optimizer, *args: object) -> None:
@@ -523,11 +526,11 @@ class FabricRun:
             self.trainer.optimizers.append(optimizer)
         if new or not self._attached:
             self._start()
-        self.callback.on_before_optimizer_step(self._as_trainer, self._as_pl_module, optimizer)
+        self.callback.on_before_optimizer_step(self.trainer, self.module, optimizer)
 
     def _start(self) -> None:
         """Attach (again) for the optimizers known, and set the gate of the coming step."""
-        self.callback.on_train_start(self._as_trainer, self._as_pl_module)
+        self.callback.on_train_start(self.trainer, self.module)
         self._attached = True
         self._batch_start()
 
@@ -535,7 +538,7 @@ class FabricRun:
         """Start the coming step's batch, so that the cadence gates it."""
         # A batch index other than 0: Fabric has no epochs, the cadence alone samples.
         step = self.trainer.global_step
-        self.callback.on_train_batch_start(self._as_trainer, self._as_pl_module, None, step + 1)
+        self.callback.on_train_batch_start(self.trainer, self.module, None, step + 1)
 
     def on_after_optimizer_step(self, strategy: object, optimizer: torch.optim.Optimizer) -> None:
         """Count an optimizer step, end its batch, and gate the next one.
@@ -552,7 +555,7 @@ class FabricRun:
         loss = self._loss
         self._loss = None
         step = self.trainer.global_step - 1
-        self.callback.on_train_batch_end(self._as_trainer, self._as_pl_module, loss, None, step)
+        self.callback.on_train_batch_end(self.trainer, self.module, loss, None, step)
         self._batch_start()
 
     def on_before_backward(self, loss: torch.Tensor) -> None:
@@ -571,17 +574,17 @@ class FabricRun:
         They are written at the epoch's last optimizer step (see :class:`FabricTrainer`).
         """
         if self._attached:
-            self.callback.on_train_epoch_end(self._as_trainer, self._as_pl_module)
+            self.callback.on_train_epoch_end(self.trainer, self.module)
         self.trainer.current_epoch += 1
 
     def on_train_end(self) -> None:
         """Write what is pending and remove every hook at ``fabric.call("on_train_end")``."""
         callback = self.callback
-        trainer = self._as_trainer
+        trainer = self.trainer
         if self._attached:
             callback.flush(trainer)
-            callback.on_train_end(trainer, self._as_pl_module)
-        callback.teardown(trainer, self._as_pl_module, "fit")
+            callback.on_train_end(trainer, self.module)
+        callback.teardown(trainer, self.module, "fit")
         self._attached = False
         for undo in reversed(self._undo):
             undo()

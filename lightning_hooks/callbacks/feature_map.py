@@ -16,6 +16,7 @@ from lightning_hooks.callbacks.attached import Attached, epoch_step
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.fabric import UNDER_FABRIC
 from lightning_hooks.callbacks.stats import nothing_to_watch
+from lightning_hooks.callbacks.trainer import TrainerView, lightning_module_of
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import Patterns, as_patterns
@@ -146,7 +147,7 @@ class FeatureMapCallback(HookCallback):
         self._drawn: list[str] = []
 
     @override
-    def _validate(self, pl_module: pl.LightningModule) -> bool:
+    def _validate(self, pl_module: nn.Module) -> bool:
         # LightningModule's own forward only calls nn.Module's stub.
         stubs = (pl.LightningModule.forward, nn.Module.forward)
         if self.forward_fn is None and type(pl_module).forward in stubs:
@@ -180,7 +181,7 @@ class FeatureMapCallback(HookCallback):
         self._labels = self._given_labels
 
     @override
-    def _batch_started(self, trainer: pl.Trainer, batch: Any) -> None:
+    def _batch_started(self, trainer: TrainerView, batch: Any) -> None:
         """Take the probe from the fit's first logging batch, unless the user gave one.
 
         Args:
@@ -229,7 +230,7 @@ class FeatureMapCallback(HookCallback):
         return x
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
+    def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
         """Attach no hook: the feature maps are drawn at epoch ends, from the probe batch.
 
         Args:
@@ -243,15 +244,16 @@ class FeatureMapCallback(HookCallback):
         return Attached(None, on_remove=self._forget_probe)
 
     @override
-    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _log_epoch(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         if self._probe is None or not trainer.is_global_zero:
             return
         if (trainer.current_epoch + 1) % self.every_n_epochs:
             return
         wanted = [*self._drawn, *([self.embedding] if self.embedding else [])]
-        probe = map_tensors(self._probe, lambda x: x.to(pl_module.device))
-        with probe_mode(pl_module), capture_outputs(pl_module, wanted, clone=True) as outputs:
-            (self.forward_fn or type(pl_module).__call__)(pl_module, probe)
+        module = lightning_module_of(_OWNER, pl_module)  # Fabric refuses the callback
+        probe = map_tensors(self._probe, lambda x: x.to(module.device))
+        with probe_mode(module), capture_outputs(module, wanted, clone=True) as outputs:
+            (self.forward_fn or type(module).__call__)(module, probe)
         step = epoch_step(trainer)
         drawn = [(n, outputs[n]) for n in self._drawn if isinstance(outputs.get(n), torch.Tensor)]
         if drawn:  # one copy to the host

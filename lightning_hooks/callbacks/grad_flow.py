@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
@@ -22,6 +21,7 @@ from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
 from lightning_hooks.callbacks.stats import nothing_to_watch, selection_state_key
+from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, checks
 from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
@@ -173,7 +173,7 @@ class GradFlowCallback(HookCallback):
         self._fit: _Fit | None = None  # what the running fit measures
 
     @override
-    def _validate(self, pl_module: pl.LightningModule) -> bool:
+    def _validate(self, pl_module: nn.Module) -> bool:
         selection = Selection.of(
             "GradFlowCallback", types=self.types, include=self.include, exclude=self.exclude
         )
@@ -196,7 +196,7 @@ class GradFlowCallback(HookCallback):
         return True
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
+    def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
         """Measure the fit: the tracker, the optional statistics, the restored alarms and the loss.
 
         The tracker is put on the Trainer's optimizers and the optional statistics on its registry;
@@ -244,7 +244,7 @@ class GradFlowCallback(HookCallback):
             earlier_layout=_saved_by_release_0_2,
         )
 
-    def _make_tracker(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> GradFlowTracker:
+    def _make_tracker(self, trainer: TrainerView, pl_module: nn.Module) -> GradFlowTracker:
         """Build the fit's tracker for the Trainer's optimizers and its gradient clipping.
 
         Args:
@@ -298,7 +298,7 @@ class GradFlowCallback(HookCallback):
     @override
     @guarded
     def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+        self, trainer: TrainerView, pl_module: nn.Module, optimizer: torch.optim.Optimizer
     ) -> None:
         """Measure the gradient ``optimizer`` is about to apply, and act on the alarms read.
 
@@ -334,7 +334,7 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _batch_ending(
-        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
+        self, trainer: TrainerView, outputs: STEP_OUTPUT, *, logging_step: bool
     ) -> None:
         """Close a logging step's attention statistics, then feed the batch's loss to the rules.
 
@@ -353,7 +353,7 @@ class GradFlowCallback(HookCallback):
         if alarms is not None:
             self.loss_agreement.feed(trainer, outputs, self.cadence.batch_step, alarms)
 
-    def _log_alarms(self, fit: _Fit, trainer: pl.Trainer, step: int, table: LayerTable) -> None:
+    def _log_alarms(self, fit: _Fit, trainer: TrainerView, step: int, table: LayerTable) -> None:
         """Log the alarms' counts and text since the last logging step, with its values.
 
         Args:
@@ -367,7 +367,7 @@ class GradFlowCallback(HookCallback):
             self.policy.log.log_step(trainer, alarms, step)
 
     def _watch_attention(
-        self, fit: _Fit, trainer: pl.Trainer, step: int, result: StabilityResult
+        self, fit: _Fit, trainer: TrainerView, step: int, result: StabilityResult
     ) -> None:
         """Hand a logging step's attention logits and entropies to the attention rule.
 
@@ -381,7 +381,7 @@ class GradFlowCallback(HookCallback):
         if alarms is not None:
             alarms.update_attention(result.attn_logit_max, result.attn_entropy_min, step=step)
 
-    def _draw_pictures(self, fit: _Fit, trainer: pl.Trainer, table: LayerTable) -> None:
+    def _draw_pictures(self, fit: _Fit, trainer: TrainerView, table: LayerTable) -> None:
         """Draw the epoch's chart, heatmap and histograms.
 
         Args:
@@ -392,7 +392,7 @@ class GradFlowCallback(HookCallback):
         self._pictures.write(trainer, table, fit.histograms, fit.tracker.shards)
 
     @override
-    def _log_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _log_epoch(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Close the alarms' epoch: act on the last verdicts, then log the counts and the text.
 
         Args:
@@ -430,7 +430,7 @@ class _Fit:
     It is made at the fit's train start and dropped when its hooks come off.
     """
 
-    trainer: pl.Trainer
+    trainer: TrainerView
     """The trainer running the fit, whose ``should_stop`` tells, when the hooks come off,
     whether an alarm's ``stop`` ended it."""
     tracker: GradFlowTracker

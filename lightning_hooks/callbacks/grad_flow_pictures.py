@@ -6,11 +6,11 @@ the histograms of ``log10 |g|``.
 
 from __future__ import annotations
 
-import pytorch_lightning as pl
 import torch
 
 from lightning_hooks.callbacks.attached import epoch_step
 from lightning_hooks.callbacks.epoch_columns import EpochColumns
+from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core import LayerHistograms, LayerTable, ParamLayout
 from lightning_hooks.core.stats.grad_flow_tags import logged_rows
 from lightning_hooks.core.transport import ShardPlan
@@ -72,7 +72,7 @@ class GradFlowPictures:
 
     def write(
         self,
-        trainer: pl.Trainer,
+        trainer: TrainerView,
         stats: LayerTable,
         histograms: LayerHistograms | None,
         shards: ShardPlan | None,
@@ -99,7 +99,7 @@ class GradFlowPictures:
         if self.heatmap and trainer.is_global_zero:
             self._write_heatmap(trainer, stats)
 
-    def _write_chart(self, trainer: pl.Trainer, stats: LayerTable) -> None:
+    def _write_chart(self, trainer: TrainerView, stats: LayerTable) -> None:
         """Draw the chart of mean and max ``|g|`` per layer.
 
         Args:
@@ -112,7 +112,7 @@ class GradFlowPictures:
         figure = grad_flow_figure(stats.layers[:-1], mean, peak, title=title)
         log_figure(trainer.loggers, family_tag(GRAD_FLOW, "chart"), figure, epoch_step(trainer))
 
-    def _write_heatmap(self, trainer: pl.Trainer, stats: LayerTable) -> None:
+    def _write_heatmap(self, trainer: TrainerView, stats: LayerTable) -> None:
         """Add the epoch's gradient norms to the heatmap's columns, and draw the heatmap.
 
         Args:
@@ -128,7 +128,7 @@ class GradFlowPictures:
 
     def _write_histograms(
         self,
-        trainer: pl.Trainer,
+        trainer: TrainerView,
         stats: LayerTable,
         hist: LayerHistograms,
         shards: ShardPlan | None,

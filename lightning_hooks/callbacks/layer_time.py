@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytorch_lightning as pl
 from pytorch_lightning.utilities.types import STEP_OUTPUT
+from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Logged, epoch_step
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.fabric import UNDER_FABRIC
 from lightning_hooks.callbacks.stats import attach_stats, watches_selection
+from lightning_hooks.callbacks.trainer import TrainerView, lightning_module_of
 from lightning_hooks.core.checks import boolean, named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
@@ -85,27 +86,28 @@ class LayerTimeCallback(HookCallback):
         self._timer = timer
 
     @override
-    def _validate(self, pl_module: pl.LightningModule) -> bool:
+    def _validate(self, pl_module: nn.Module) -> bool:
         selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
         return watches_selection(_NAME, pl_module, [self._timer], what="module", selected=selected)
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
-        self._timer.use_cuda = pl_module.device.type == "cuda"
+    def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
+        device = lightning_module_of(_NAME, pl_module).device  # Fabric refuses the callback
+        self._timer.use_cuda = device.type == "cuda"
         logged = [Logged(self._timer, on_epoch=self._draw_chart)]
         return attach_stats(pl_module, self.hook_guard(), logged)
 
     @override
-    def _batch_started(self, trainer: pl.Trainer, batch: Any) -> None:
+    def _batch_started(self, trainer: TrainerView, batch: Any) -> None:
         self._timer.start_step(trainer.global_step)
 
     @override
     def _batch_ending(
-        self, trainer: pl.Trainer, outputs: STEP_OUTPUT, *, logging_step: bool
+        self, trainer: TrainerView, outputs: STEP_OUTPUT, *, logging_step: bool
     ) -> None:
         self._timer.end_step()
 
-    def _draw_chart(self, trainer: pl.Trainer, times: LayerTimes) -> None:
+    def _draw_chart(self, trainer: TrainerView, times: LayerTimes) -> None:
         """Draw the epoch's forward time per layer, on rank 0, with ``chart``.
 
         Args:

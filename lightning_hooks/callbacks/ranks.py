@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import pytorch_lightning as pl
-
 from lightning_hooks.callbacks.attached import Attached
+from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.transport import agree, gather_objects, world_size
 
@@ -76,7 +75,7 @@ class RankAgreement:
         return self._fit_guard().local is not None
 
     def agree(
-        self, trainer: pl.Trainer, step: int, attached: Attached | None, *, always: bool
+        self, trainer: TrainerView, step: int, attached: Attached | None, *, always: bool
     ) -> None:
         """Agree on a failure, a stop and new rows, at a logging step or an epoch end.
 
@@ -99,7 +98,7 @@ class RankAgreement:
         if grew and attached is not None and not disabled:
             self._align_rows(trainer, step, attached)
 
-    def apply(self, trainer: pl.Trainer, step: int, *, failed: int, stopping: int) -> bool:
+    def apply(self, trainer: TrainerView, step: int, *, failed: int, stopping: int) -> bool:
         """Act on the flags a callback's own per-batch collective summed over the ranks.
 
         The ranks have then agreed at ``step``: :meth:`agree` makes no collective there.
@@ -116,7 +115,7 @@ class RankAgreement:
         self._agreed_at = step
         return self._act(trainer, step, failed=failed, stopping=stopping)
 
-    def _act(self, trainer: pl.Trainer, step: int, *, failed: int, stopping: int) -> bool:
+    def _act(self, trainer: TrainerView, step: int, *, failed: int, stopping: int) -> bool:
         """Stop if any rank asked, and disable the callback on every rank if any failed.
 
         Args:
@@ -135,7 +134,7 @@ class RankAgreement:
             self._disable(trainer, step, gather_objects(self._fit_guard().local))
         return bool(failed)
 
-    def _align_rows(self, trainer: pl.Trainer, step: int, attached: Attached) -> None:
+    def _align_rows(self, trainer: TrainerView, step: int, attached: Attached) -> None:
         """Align the ranks' rows of the fit's statistics.
 
         Where a layer's units differ between ranks, the callback is disabled on every rank (a
@@ -157,7 +156,7 @@ class RankAgreement:
             cause = f"aligning rows across ranks: {type(error).__name__}: {error}"
             self._disable(trainer, step, [cause] * self.size)  # every rank's
 
-    def _disable(self, trainer: pl.Trainer, step: int, causes: Sequence[str | None]) -> None:
+    def _disable(self, trainer: TrainerView, step: int, causes: Sequence[str | None]) -> None:
         """Disable the callback on every rank, with one warning on rank 0 naming each cause.
 
         Args:

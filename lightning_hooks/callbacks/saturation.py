@@ -5,13 +5,14 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
+from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.stats import Findings, attach_stats, watches_selection
+from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.checks import fraction_or_none, module_types, named_arguments, real
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.saturation import (
@@ -107,19 +108,19 @@ class SaturationCallback(HookCallback):
         self.margin = margin
 
     @override
-    def _validate(self, pl_module: pl.LightningModule) -> bool:
+    def _validate(self, pl_module: nn.Module) -> bool:
         selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
         return watches_selection(_NAME, pl_module, [self.tracker], what=_WATCHES, selected=selected)
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
+    def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
         """Hook the watched activations; each epoch's saturated units go to :meth:`_warn`."""
         logged = [Logged(self.tracker, on_epoch=self._warn)]
         return attach_stats(
             pl_module, self.hook_guard(), logged, on_remove=self.findings.warn_held_back
         )
 
-    def _warn(self, trainer: pl.Trainer, found: SaturatedUnits) -> None:
+    def _warn(self, trainer: TrainerView, found: SaturatedUnits) -> None:
         """Warn of each layer at or past ``warn_at``, once per layer per fit, on rank 0.
 
         Args:

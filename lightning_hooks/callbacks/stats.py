@@ -11,13 +11,13 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
+from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.hooks.registry import HookRegistry
@@ -207,12 +207,12 @@ class StatsCallback(HookCallback):
         """The statistics, attached afresh at each fit."""
 
     @override
-    def _validate(self, pl_module: pl.LightningModule) -> bool:
+    def _validate(self, pl_module: nn.Module) -> bool:
         name = type(self).__name__
         return watches_selection(name, pl_module, self.stats, what="module", selected={})
 
     @override
-    def _attach(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Attached:
+    def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
         logged = [Logged(stat) for stat in self.stats]
         return attach_stats(pl_module, self.hook_guard(), logged)
 

@@ -1,29 +1,36 @@
 """Connect the callbacks to Lightning's Trainer.
 
-This covers the checks the Trainer must pass at setup, both of Lightning's namespaces
-(``pytorch_lightning`` and ``lightning.pytorch``), a callback added by ``LIGHTNING_HOOKS``
-yielding to the user's own, and the empty per-batch hooks Lightning need not call. Fabric's
-loop is met in :mod:`~lightning_hooks.callbacks.fabric`.
+This covers what the callbacks read of a Trainer (:class:`TrainerView`), the checks the Trainer
+must pass at setup, both of Lightning's namespaces (``pytorch_lightning`` and
+``lightning.pytorch``), a callback added by ``LIGHTNING_HOOKS`` yielding to the user's own, and
+the empty per-batch hooks Lightning need not call. Fabric's loop is met in
+:mod:`~lightning_hooks.callbacks.fabric`.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import Protocol, TypeGuard
 
 import pytorch_lightning as pl
+import torch
 from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
+from torch import nn
 
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import shadow_hooks, tensor_parallel_size, unshadow_hooks
 from lightning_hooks.logging import shows_pictures
+from lightning_hooks.logging.sinks import LightningLogger
 
 __all__ = [
     "PER_BATCH_HOOKS",
     "SECOND_CALLBACK",
     "SHARDED_STRATEGIES",
+    "TrainerView",
     "check_trainer",
+    "lightning_module_of",
     "restore_inherited",
     "skip_inherited",
     "stands_down_for_users_own",
@@ -34,16 +41,95 @@ SHARDED_STRATEGIES = frozenset({"FSDPStrategy", "DeepSpeedStrategy"})
 (Lightning's FSDP and DeepSpeed): refused by the Trainer and by Fabric alike."""
 
 _NAMESPACES: tuple[tuple[type, type], ...] = ((pl.Trainer, pl.Callback),)  # (Trainer, Callback)
+_LIGHTNING_MODULES: tuple[type, ...] = (pl.LightningModule,)
 with contextlib.suppress(ImportError):
     from lightning.pytorch import Callback as _LightningCallback
+    from lightning.pytorch import LightningModule as _LightningModule
     from lightning.pytorch import Trainer as _LightningTrainer
 
     _NAMESPACES += ((_LightningTrainer, _LightningCallback),)
+    _LIGHTNING_MODULES += (_LightningModule,)
 
 
 # ``lightning.pytorch.Callback`` if installed and distinct, else ``object`` (each namespace's
 # ``LightningCLI`` accepts only its own ``Callback``: ours derive from both).
 SECOND_CALLBACK: type = object if _NAMESPACES[-1][1] is pl.Callback else _NAMESPACES[-1][1]
+
+
+class _StrategyView(Protocol):
+    """Describe what the callbacks read of a Trainer's strategy: its precision plugin."""
+
+    @property
+    def precision_plugin(self) -> object:
+        """Return the precision plugin, whose ``scaler`` (a GradScaler, or none) is read."""
+
+
+class TrainerView(Protocol):
+    """Describe what the callbacks read of the Trainer their hooks are handed.
+
+    The same hooks run under Lightning's Trainer and in a Fabric loop, where a
+    :class:`~lightning_hooks.callbacks.fabric.FabricTrainer` stands in for the Trainer. The
+    hooks, and the collaborators they hand the trainer to, are typed by this view rather than by
+    ``pl.Trainer``, so that the stand-in takes the Trainer's place as it is: the Trainers of both
+    of Lightning's namespaces and the stand-in each satisfy it. A member is read-only where
+    Lightning's Trainer makes it a property; ``should_stop`` alone is written.
+
+    Two more attributes are read and are not members: Lightning sets ``log_every_n_steps`` and
+    ``callbacks`` on its Trainer outside the class, so a type checker does not find them on
+    ``pl.Trainer``, and as members they would make a ``pl.Trainer`` fail the type check where a
+    hook is called with one. ``log_every_n_steps``, read with ``getattr``, is the cadence of a
+    callback that takes the Trainer's (:class:`~.cadence.LoggingCadence`, :func:`check_trainer`);
+    ``callbacks`` tells a callback added by ``LIGHTNING_HOOKS`` at its ``setup`` whether the user
+    passed their own.
+    """
+
+    should_stop: bool
+    """Whether the fit stops at the end of this step; an alarm's ``stop`` and the ranks'
+    agreement on a stop set it."""
+
+    @property
+    def global_step(self) -> int:
+        """Return how many optimizer steps the fit has taken: the step the running batch feeds."""
+
+    @property
+    def current_epoch(self) -> int:
+        """Return the running epoch, counted from 0."""
+
+    @property
+    def loggers(self) -> Sequence[LightningLogger]:
+        """Return the loggers every value is written to."""
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Return whether this is rank 0, the one that draws pictures and writes text."""
+
+    @property
+    def optimizers(self) -> Sequence[torch.optim.Optimizer]:
+        """Return the optimizers whose steps the gradient flow reads."""
+
+    @property
+    def strategy(self) -> _StrategyView:
+        """Return the strategy, whose precision plugin may hold a GradScaler.
+
+        :func:`check_trainer` also reads its class and its tensor-parallel size, to refuse a
+        strategy whose statistics would be a shard's.
+        """
+
+    @property
+    def gradient_clip_val(self) -> float | None:
+        """Return the gradient clipping bound (``None``: no clipping)."""
+
+    @property
+    def gradient_clip_algorithm(self) -> str | None:
+        """Return the gradient clipping algorithm, ``"norm"`` or ``"value"`` (``None``: norm)."""
+
+    @property
+    def accumulate_grad_batches(self) -> int:
+        """Return how many batches make one optimizer step, which a batch's loss is divided by."""
+
+    @property
+    def lightning_module(self) -> nn.Module:
+        """Return the module trained, whose ``automatic_optimization`` is read where it has one."""
 
 
 _FSDP2 = (
@@ -53,7 +139,7 @@ _FSDP2 = (
 
 
 def check_trainer(
-    name: str, trainer: pl.Trainer, *, uses_images: bool, every_n_steps: int | None
+    name: str, trainer: TrainerView, *, uses_images: bool, every_n_steps: int | None
 ) -> None:
     """Refuse a Trainer the callback cannot work under, and warn where its pictures are not shown.
 
@@ -102,7 +188,7 @@ def check_trainer(
         )
 
 
-def _check_cadence(name: str, trainer: pl.Trainer) -> None:
+def _check_cadence(name: str, trainer: TrainerView) -> None:
     """Refuse ``Trainer(log_every_n_steps=0)`` for a callback that takes its logging steps from it.
 
     Lightning reads 0 as no step logging; a callback has nothing without logging steps (its epoch
@@ -124,6 +210,46 @@ def _check_cadence(name: str, trainer: pl.Trainer) -> None:
             f"own, {name}(every_n_steps=N) with N a positive int, or set "
             "Trainer(log_every_n_steps=N) with N > 0 (Lightning's default is 50)."
         )
+
+
+def lightning_module_of(owner: str, module: nn.Module) -> pl.LightningModule:
+    """Return the module a Trainer-only callback is handed, as the LightningModule it is.
+
+    The hooks take a plain ``nn.Module``, as a Fabric loop hands them its module. A callback that
+    Fabric refuses (its ``fabric_refusal``) runs under Lightning's Trainer only, whose module is a
+    LightningModule of either namespace, and reads what only a LightningModule has: its
+    ``device``, and the user's ``forward_fn`` that takes one.
+
+    Args:
+        owner: the callback's name, which the error begins with.
+        module: the module the callback's hook was handed.
+
+    Returns:
+        ``module``, typed as the LightningModule it is.
+
+    Raises:
+        TypeError: ``module`` is no LightningModule, which a Fabric loop's refusal of the callback
+            keeps from happening.
+    """
+    if _is_lightning_module(module):
+        return module
+    raise TypeError(
+        f"{owner} runs under Lightning's Trainer only and reads its LightningModule, got "
+        f"{type(module).__name__}"
+    )
+
+
+def _is_lightning_module(module: nn.Module) -> TypeGuard[pl.LightningModule]:
+    """Tell whether ``module`` is a LightningModule of either of Lightning's namespaces.
+
+    Args:
+        module: the module asked about.
+
+    Returns:
+        Whether it is one (``lightning.pytorch``'s is typed as ``pytorch_lightning``'s, whose
+        members it shares).
+    """
+    return isinstance(module, _LIGHTNING_MODULES)
 
 
 def stands_down_for_users_own(callback: object, callbacks: Sequence[object]) -> bool:
