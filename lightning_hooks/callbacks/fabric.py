@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any, Protocol
 
 import torch
@@ -243,6 +242,17 @@ class FabricHooks:
             run.on_train_end()
 
 
+class _FabricStrategy:
+    """Offer the one attribute of a Trainer's strategy the callbacks read, over Fabric's.
+
+    Args:
+        precision_plugin: Fabric's precision, whose ``scaler`` (a GradScaler, or none) is read.
+    """
+
+    def __init__(self, precision_plugin: object) -> None:
+        self.precision_plugin = precision_plugin
+
+
 class FabricTrainer:
     """Stand in for the Trainer in a Fabric loop, offering what the callbacks read of one.
 
@@ -263,8 +273,7 @@ class FabricTrainer:
     """
 
     def __init__(self, fabric: Fabric, callback: FabricDriven, module: nn.Module) -> None:
-        # the one attribute of a Trainer's strategy our callbacks read
-        self.strategy = SimpleNamespace(precision_plugin=fabric.strategy.precision)
+        self.strategy = _FabricStrategy(fabric.strategy.precision)
         self.callbacks = [callback]
         self.global_step = 0
         self.current_epoch = 0
