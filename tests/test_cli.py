@@ -633,6 +633,32 @@ def test_a_raised_run_reports_its_last_layers_and_the_alarm_that_ended_it(
     assert "FAIL tb/version_0: warnings=3 (warnings>0)" in capsys.readouterr().err
 
 
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before")
+def test_a_fit_after_a_raised_one_writes_its_own_counts_from_a_checkpoint(tmp_path: Path) -> None:
+    """The callback's first fit ends at the NaN step under ``on_alarm="raise"``, its count
+    written there. Its next fit resumes a healthy model from the checkpoint saved before the
+    NaN: each logging step writes the alarms counted since the last, never a negative count."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from lightning_hooks import TrainingAlarmError
+
+    callback = GradFlowCallback(on_alarm="raise")
+    saved = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    first = make_trainer(tmp_path / "first", callbacks=[callback, saved], enable_checkpointing=True)
+    with pytest.raises(TrainingAlarmError, match=r"\[nonfinite\]"):
+        first.fit(NaNAtStep())
+    assert read_scalars(tmp_path / "first")["grad_flow/alarms_step/nonfinite"][-1] == (1, 3.0)
+    (before_nan,) = (tmp_path / "ckpt").glob("*step=1.ckpt")
+    again = make_trainer(tmp_path / "again", callbacks=[callback, saved], enable_checkpointing=True)
+    again.fit(TinyMLP(), ckpt_path=before_nan)
+    counts = {
+        tag: values
+        for tag, values in read_scalars(tmp_path / "again").items()
+        if tag.startswith("grad_flow/alarms_step/")
+    }
+    assert counts and all(value == 0 for values in counts.values() for _, value in values)
+
+
 def test_an_epoch_at_its_last_logging_steps_step_reports_the_epoch_counted_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

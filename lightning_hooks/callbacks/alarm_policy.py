@@ -144,6 +144,11 @@ class AlarmPolicy:
         self._warned: set[tuple[str, str]] = set()
         self.stopped_by: TrainingAlarm | None = None  # the first alarm whose ``stop`` acted
 
+    def start(self) -> None:
+        """Start a fit: it warns of each rule and layer once again, and nothing stopped it yet."""
+        self._warned.clear()
+        self.stopped_by = None
+
     def act(
         self,
         trainer: TrainerView,
@@ -299,9 +304,18 @@ class AlarmLog:
         self._counted: dict[str, int] = {}
         self._summary_step: int | None = None  # the step of this fit's last epoch summary
 
-    def start(self) -> None:
-        """Start a fit: no epoch summary written yet."""
+    def start(self, alarms: TrainingAlarms | None) -> None:
+        """Start a fit from its alarms as they stand: what they already count is not new.
+
+        The fit's alarms may continue a checkpoint's counts, or the last fit's; a logging step
+        writes only what they count beyond those.
+
+        Args:
+            alarms: the fit's alarms, once their carried state is loaded (``None``: none).
+        """
         self._summary_step = None
+        self._counted = {} if alarms is None else dict(alarms.counts)
+        self._logged = 0 if alarms is None else len(alarms.log)
 
     def log_step(self, trainer: TrainerView, alarms: TrainingAlarms, step: int) -> None:
         """Log the per-rule counts since the last logging step, and any alarms' text.

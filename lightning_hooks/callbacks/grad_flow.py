@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from lightning_hooks import internals
 from lightning_hooks.callbacks.agreement import LossAgreement
-from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy, check_actions
+from lightning_hooks.callbacks.alarm_policy import Action, AlarmLog, AlarmPolicy, check_actions
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
@@ -144,7 +144,7 @@ class GradFlowCallback(HookCallback):
         )
         self.alarms = rules
         self.policy = AlarmPolicy(actions, request_stop=self.ranks.request_stop)
-        self._carried = _CarriedAlarms()
+        self._carried = _CarriedAlarms(self.policy.log)
         self.kept["alarms"] = self._carried  # the running scales, from one fit to the next
         self.loss_agreement = LossAgreement(self.policy, self.ranks)
         self.on_alarm = self.policy.actions
@@ -215,7 +215,7 @@ class GradFlowCallback(HookCallback):
         tracker = self._make_tracker(trainer, pl_module)
         self._pictures.start()
         self._carried.start_fit(tracker.alarms)
-        self.policy.log.start()
+        self.policy.start()
         self.loss_agreement.plan(pl_module, self.alarms)
         fit = _Fit(
             trainer=trainer,
@@ -449,15 +449,21 @@ class _CarriedAlarms:
     alarms start from it (:meth:`start_fit`) and, when its hooks come off, leave theirs
     (:meth:`end_fit`); while a fit runs, a checkpoint saves the fit's alarms. What is carried is
     the alarms' :meth:`~lightning_hooks.core.alarms.TrainingAlarms.state_dict`: the running
-    scales, the ring buffer and the counts.
+    scales, the ring buffer and the counts. What the alarms count once it is loaded, the log
+    has already written (:meth:`~.alarm_policy.AlarmLog.start`).
+
+    Args:
+        log: what writes the alarms, which starts each fit from the counts loaded.
 
     Example:
-        >>> carried = _CarriedAlarms()
+        >>> from lightning_hooks.callbacks.alarm_policy import AlarmLog, check_actions
+        >>> carried = _CarriedAlarms(AlarmLog(check_actions("warn")))
         >>> carried.host_state()  # no fit ran yet, and no checkpoint was loaded
         {}
     """
 
-    def __init__(self) -> None:
+    def __init__(self, log: AlarmLog) -> None:
+        self._log = log
         self._state: dict[str, Any] | None = None
         """The state between fits: the last fit's alarms', or a checkpoint's (``None``: none)."""
         self._alarms: TrainingAlarms | None = None
@@ -498,20 +504,22 @@ class _CarriedAlarms:
         self._load()
 
     def _load(self) -> None:
-        """Load the state carried into the running fit's alarms.
+        """Load the state carried into the running fit's alarms, and start the log from them.
 
         A state of another model's layers is dropped, with a warning: the running scales start
         afresh.
         """
-        if self._alarms is None or self._state is None:
-            return
-        try:
-            self._alarms.load_state_dict(self._state)
-        except ValueError as err:
-            rank_zero_warn(
-                f"GradFlowCallback: {err}; running scales start afresh.",
-                category=LightningHooksWarning,
-            )
+        alarms = self._alarms
+        if alarms is not None and self._state is not None:
+            try:
+                alarms.load_state_dict(self._state)
+            except ValueError as err:
+                self._state = None  # another model's: dropped once, not at every later fit
+                rank_zero_warn(
+                    f"GradFlowCallback: {err}; running scales start afresh.",
+                    category=LightningHooksWarning,
+                )
+        self._log.start(alarms)
 
 
 _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")
