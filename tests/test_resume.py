@@ -159,6 +159,27 @@ def test_state_for_another_model_is_dropped_with_a_warning(tmp_path: Path) -> No
     assert "grad_flow/grad_norm/net.0" in read_scalars(tmp_path)
 
 
+@pytest.mark.filterwarnings("ignore:.*checkpoint that ended before the epoch ended.*")
+def test_a_statistic_the_checkpoint_did_not_measure_starts_afresh_and_the_rest_resume(
+    tmp_path: Path,
+) -> None:
+    """Saved with ``stability=False``, resumed at the defaults: the tracker's epoch continues
+    (the same values as an uninterrupted fit's), and the instability statistics, which the
+    checkpoint holds nothing of, start afresh with one warning naming them."""
+    trainer(tmp_path / "whole", callbacks=[GradFlowCallback()]).fit(SameBatchesMLP())
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=SAVED_AT, save_top_k=-1)
+    first = trainer(tmp_path / "first", callbacks=[GradFlowCallback(stability=False), every])
+    first.fit(SameBatchesMLP())
+    path = next((tmp_path / "ckpt").glob(f"*step={SAVED_AT}.ckpt"))
+    resumed = trainer(tmp_path / "resumed", callbacks=[GradFlowCallback(), every])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.fit(SameBatchesMLP(), ckpt_path=path)
+    ours = [str(w.message) for w in caught if issubclass(w.category, LightningHooksWarning)]
+    assert len(ours) == 1 and "holds no state of StabilityStats" in ours[0]
+    _assert_same(_grad_flow_at(tmp_path / "resumed", 4), _grad_flow_at(tmp_path / "whole", 4))
+
+
 def test_a_checkpoint_with_one_statistic_of_another_model_keeps_none_of_them(
     tmp_path: Path,
 ) -> None:

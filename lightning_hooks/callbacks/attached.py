@@ -301,28 +301,43 @@ class Attached:
             return dict(state)
         return self._earlier_layout(state)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
         """Continue from a checkpoint's ``state``.
+
+        A statistic the checkpoint holds no entry of (one that the configuration saved with did
+        not measure) starts its epoch afresh; the others continue.
 
         Args:
             state: the callback's state, in this release's layout (see :meth:`in_this_layout`);
                 empty where it was saved outside a fit, and nothing is loaded.
 
+        Returns:
+            The statistics that start afresh for want of an entry, by class name.
+
         Raises:
-            KeyError: the state is of another model (a statistic's entry is missing).
+            KeyError: the state is of another model (it holds no statistic's entry, or an entry
+                lacks one of its statistic's states).
             ValueError: the state is of another model (its values do not fit the statistics).
                 Nothing of the state is then kept: the statistics loaded before the one that
                 did not fit start their epoch afresh too.
         """
         if not state:
-            return
+            return []
+        names = [_state_name(i, logged.stat) for i, logged in enumerate(self.logged)]
+        if not any(name in state for name in names):
+            raise KeyError(f"the checkpoint holds none of {names}")
+        afresh = []
         try:
-            for i, logged in enumerate(self.logged):
-                logged.stat.load_host_state(state[_state_name(i, logged.stat)])
+            for name, logged in zip(names, self.logged, strict=True):
+                if name in state:
+                    logged.stat.load_host_state(state[name])
+                else:
+                    afresh.append(type(logged.stat).__name__)
         except (KeyError, ValueError):
             for logged in self.logged:
                 logged.stat.reset()
             raise
+        return afresh
 
     def remove(self) -> None:
         """Take every hook off the model, then call ``on_remove`` (once)."""

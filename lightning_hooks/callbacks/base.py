@@ -280,7 +280,9 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
             return
         pending = attached.in_this_layout(pending)
         try:
-            attached.load_state_dict({k: v for k, v in pending.items() if k not in self.kept})
+            afresh = attached.load_state_dict(
+                {k: v for k, v in pending.items() if k not in self.kept}
+            )
             for key, kept in self.kept.items():
                 if key in pending:
                     kept.load_host_state(pending[key])
@@ -288,6 +290,13 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
             rank_zero_warn(
                 f"{type(self).__name__}: the checkpoint's statistics do not match this "
                 f"model and are dropped ({err})",
+                category=LightningHooksWarning,
+            )
+            return
+        if afresh:
+            rank_zero_warn(
+                f"{type(self).__name__}: the checkpoint holds no state of {', '.join(afresh)} "
+                "(saved under another configuration); this epoch's values of it start afresh",
                 category=LightningHooksWarning,
             )
 
