@@ -108,9 +108,12 @@ class GradFlowCallback(HookCallback):
 
     Each fit attaches a :class:`~lightning_hooks.core.GradFlowTracker` for the Trainer's
     optimizers and, with ``stability``, the instability statistics; the callback adds the alarms
-    and the pictures. The ranks need not align their rows: the tracker's are the model's layers,
-    the instability statistics' its attention and output modules, which every rank runs in every
-    training forward.
+    and the pictures.
+
+    Under several processes, every rank measures the same layers: the tracker's rows are the
+    model's layers, and the instability statistics' are its attention and output modules, which
+    every rank runs in every training forward. So the ranks never need to agree on new rows,
+    as a callback watching modules that only some ranks run must.
     """
 
     def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)

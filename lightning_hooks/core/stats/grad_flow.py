@@ -118,15 +118,19 @@ class GradFlowTracker(HookOwner):
     """Track per-layer gradient flow (:data:`GRAD_FLOW_STATS`) over optimizer steps, no host sync.
 
     A layer is a module that owns trainable parameters directly. Call :meth:`observe` just
-    before ``optimizer.step()`` and any clipping, on every rank; the update ratio (and with
-    ``post_clip`` the applied gradient) is read in a step post-hook.
-    ``registry.logging_step = False`` skips a step but for the alarms, which keep their own cadence.
+    before ``optimizer.step()`` and any clipping, on every rank. The update ratio (and, with
+    ``post_clip``, the gradient the optimizer applied) is read afterwards, in a hook that runs
+    after the optimizer step.
 
-    A statistic made of parts: its states are one :class:`~.accumulator.LayerStatsAccumulator`'s,
-    which the gradient read, the output gradients' hooks and the update ratio each fill. Its
-    logging steps' copies, result, tags and checkpoint state are a :class:`~.stat.LayerStat`'s,
-    under the same names, so that a callback logs and saves it as it does every statistic. It
-    hooks ``model`` when it is made.
+    On a step that is not a logging step (``registry.logging_step = False``) nothing is
+    measured, except what the alarms read: they run at their own cadence.
+
+    The tracker is a statistic built from parts. Its states belong to one
+    :class:`~.accumulator.LayerStatsAccumulator`, which three readers fill: the gradient read,
+    the output gradients' hooks and the update ratio. Its logging steps' copies, its result,
+    its tags and its checkpoint state are those of a :class:`~.stat.LayerStat`, under the same
+    names, so a callback logs and saves it as it does every other statistic. It hooks
+    ``model`` when it is made.
 
     Args:
         model: the model to track.
@@ -239,27 +243,32 @@ class GradFlowTracker(HookOwner):
         self._step = step
         self._calls += 1
         logging_step = self.registry.logging_step
-        alarms = self.alarms  # when their cadence runs them at this step
+        # The alarms read this step only where their own cadence says so.
+        alarms = self.alarms
         if alarms is not None and step % alarms.rules.evaluate_every_n_steps:
             alarms = None
         if not logging_step and alarms is None:
-            return
+            return  # nothing reads this step
         view = self._views.view(optimizer)
         if not view.params:
             return
         if alarms is not None and alarms.evaluated < alarms.rules.diverge_early:  # from step 1
             alarms.set_adaptive(adaptive(optimizer, view.params))
         at = AlarmStep(step, amp=grad_scale is not None)
+        # A quiet step (the alarms read it, nothing else does): one read of the dense
+        # gradients' norms, and done. A sparse or missing gradient takes the general path.
         sentinel = alarms is not None and param_grad_scale is None
         if sentinel and self._sentinel.quiet(view, logging_step, at):
             return
         valid = view.valid()
         stats = self._read_stats(view, logging_step, param_grad_scale)
-        # the accumulator may write into ``stats`` in place
+        # Recording the step may add into ``stats`` in place, so the alarms get their own copy
+        # of the norms first.
         norms = stats[:, 0].clone() if logging_step and alarms is not None else stats[:, 0]
         if logging_step:
             self._record_step(optimizer, view, stats, valid, grad_scale)
-        if alarms is not None:  # last: what the optimizer step's post-hook reduces is set
+        if alarms is not None:
+            # Last, once the logging step has set what the hook after the optimizer step reads.
             self._sentinel.post(view, norms, None if valid is None else valid[:, 0], at)
         self._outputs.order.clear()
 
