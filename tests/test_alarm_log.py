@@ -73,7 +73,7 @@ def test_a_fit_counts_from_the_alarms_it_loads_never_below_them() -> None:
 def test_each_fit_warns_of_a_rule_and_layer_once() -> None:
     alarms, found = _alarms(nan_at=(1, 2))
     assert [a.step for a in found] == [1, 2]
-    policy = AlarmPolicy("warn", request_stop=lambda: None)
+    policy = AlarmPolicy(check_actions("warn"), request_stop=lambda: None)
     trainer = SimpleNamespace(should_stop=False, global_step=3)
     for fit in range(2):
         policy.start()

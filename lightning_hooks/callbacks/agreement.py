@@ -93,11 +93,12 @@ class LossAgreement:
             collective carries.
 
     Example:
-        >>> from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
+        >>> from lightning_hooks.callbacks.alarm_policy import AlarmPolicy, check_actions
         >>> from lightning_hooks.core.hooks.guard import Guard
         >>> guard = Guard("Cb", strict=False)
         >>> ranks = RankAgreement(lambda: guard, remove_hooks=lambda: None)
-        >>> agreement = LossAgreement(AlarmPolicy("warn", request_stop=ranks.request_stop), ranks)
+        >>> policy = AlarmPolicy(check_actions("warn"), request_stop=ranks.request_stop)
+        >>> agreement = LossAgreement(policy, ranks)
         >>> agreement.plan(torch.nn.Linear(1, 1), AlarmRules())
         >>> agreement.reading  # one process: this rank's own loss, no collective
         'own'

@@ -111,31 +111,25 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
 
 
 class AlarmPolicy:
-    """Apply ``on_alarm`` (:func:`check_actions`) to the alarms read on the host.
+    """Apply each rule's action (``on_alarm``, read by :func:`check_actions`) to the alarms.
 
     A warning is given once per rule and layer per epoch; under DDP, ``stop`` and ``raise`` act
     on every rank. Its :attr:`log` writes the alarms to the loggers. It holds no alarms: each
     call is handed the fit's.
 
     Args:
-        on_alarm: one action for every rule, or a mapping of rule to action.
+        actions: the action of every rule, as :func:`check_actions` reads ``on_alarm``.
         request_stop: called for a ``stop`` under DDP, for the ranks to agree on at their next
             agreement.
 
-    Raises:
-        ValueError: an unknown rule or action in ``on_alarm``.
-        TypeError: ``on_alarm`` is neither a string nor a mapping.
-
     Example:
-        >>> policy = AlarmPolicy({"diverging": "stop"}, request_stop=lambda: None)
+        >>> policy = AlarmPolicy(check_actions({"diverging": "stop"}), request_stop=lambda: None)
         >>> policy.actions["diverging"], policy.actions["vanishing"], policy.actions["spike"]
         ('stop', 'warn', 'log')
     """
 
-    def __init__(
-        self, on_alarm: Action | Mapping[str, Action], request_stop: Callable[[], None]
-    ) -> None:
-        self.actions = check_actions(on_alarm)
+    def __init__(self, actions: Mapping[str, Action], request_stop: Callable[[], None]) -> None:
+        self.actions = dict(actions)
         self.log = AlarmLog(self.actions)
         """What is written of the alarms to the loggers, at each logging step and epoch end."""
         # ``skip`` needs the current step's verdict before the optimizer step (a CUDA sync)
