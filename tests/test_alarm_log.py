@@ -70,13 +70,15 @@ def test_a_fit_counts_from_the_alarms_it_loads_never_below_them() -> None:
     assert _written(trainer, NONFINITE) == [(6, 0), (7, 1)]
 
 
-def test_each_fit_warns_of_a_rule_and_layer_once() -> None:
+def test_a_policy_warns_of_a_rule_and_layer_once() -> None:
+    """Four alarms of one rule and layer: one warning. Each fit makes its own policy, which
+    warns of them again."""
     alarms, found = _alarms(nan_at=(1, 2))
     assert [a.step for a in found] == [1, 2]
-    policy = AlarmPolicy(check_actions("warn"), request_stop=lambda: None)
     trainer = SimpleNamespace(should_stop=False, global_step=3)
     for fit in range(2):
-        policy.start()
+        policy = AlarmPolicy(check_actions("warn"), request_stop=lambda: None)
         with pytest.warns(LightningHooksWarning) as caught:
             policy.act(trainer, None, alarms, found)
-        assert len(caught) == 1, fit  # two alarms of one rule and layer: one warning
+            policy.act(trainer, None, alarms, found)
+        assert len(caught) == 1, fit

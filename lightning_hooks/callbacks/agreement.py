@@ -88,24 +88,19 @@ class LossAgreement:
     stop to the callback's :class:`~.ranks.RankAgreement`.
 
     Args:
-        policy: the alarm policy that acts on the alarms the loss rules raise.
         ranks: the callback's agreement across ranks, which acts on the failures and stops the
             collective carries.
 
     Example:
-        >>> from lightning_hooks.callbacks.alarm_policy import AlarmPolicy, check_actions
         >>> from lightning_hooks.core.hooks.guard import Guard
         >>> guard = Guard("Cb", strict=False)
-        >>> ranks = RankAgreement(lambda: guard, remove_hooks=lambda: None)
-        >>> policy = AlarmPolicy(check_actions("warn"), request_stop=ranks.request_stop)
-        >>> agreement = LossAgreement(policy, ranks)
+        >>> agreement = LossAgreement(RankAgreement(lambda: guard, remove_hooks=lambda: None))
         >>> agreement.plan(torch.nn.Linear(1, 1), AlarmRules())
         >>> agreement.reading  # one process: this rank's own loss, no collective
         'own'
     """
 
-    def __init__(self, policy: AlarmPolicy, ranks: RankAgreement) -> None:
-        self._policy = policy
+    def __init__(self, ranks: RankAgreement) -> None:
         self._ranks = ranks
         self._carrier: HostCopy | None = None
         self.reading: Literal["own", "mean", "off"] = "off"  # in this fit (:meth:`plan`)
@@ -138,7 +133,12 @@ class LossAgreement:
         self._carrier = HostCopy((4,), group_device())  # what :func:`_carry` sums
 
     def feed(
-        self, trainer: TrainerView, outputs: STEP_OUTPUT, step: int, alarms: TrainingAlarms
+        self,
+        trainer: TrainerView,
+        outputs: STEP_OUTPUT,
+        step: int,
+        alarms: TrainingAlarms,
+        policy: AlarmPolicy,
     ) -> None:
         """Feed one batch's loss to the loss rules, and act on the alarms they raise.
 
@@ -148,12 +148,13 @@ class LossAgreement:
             outputs: what this rank's ``training_step`` returned, where its loss is read.
             step: the optimizer step the batch feeds.
             alarms: the fit's alarms, fed the loss at ``step``.
+            policy: the fit's alarm policy, which acts on the alarms the loss rules raise.
         """
         if self.reading == "own":
             loss = training_loss(trainer, outputs)
             if loss is not None:
                 alarms.update_loss(loss, step=step)
-                self._policy.act(trainer, None, alarms, alarms.poll())
+                policy.act(trainer, None, alarms, alarms.poll())
         elif self.reading == "mean":
             ranks = self._ranks
             loss = training_loss(trainer, outputs)
@@ -162,7 +163,7 @@ class LossAgreement:
                 disabled = ranks.apply(trainer, step, failed=flags.failed, stopping=flags.stopping)
                 if disabled:  # the hooks are off on every rank: the loss is not read
                     return
-            self._feed_mean(trainer, alarms)
+            self._feed_mean(trainer, alarms, policy)
 
     def _post(
         self, loss: torch.Tensor | None, step: int, *, failed: bool, stop: bool
@@ -196,7 +197,7 @@ class LossAgreement:
             return None
         return RankFlags(sum(s.failed for s in read), sum(s.stopping for s in read))
 
-    def _feed_mean(self, trainer: TrainerView, alarms: TrainingAlarms) -> None:
+    def _feed_mean(self, trainer: TrainerView, alarms: TrainingAlarms, policy: AlarmPolicy) -> None:
         """Run the loss rules on the ranks' mean loss, and act on the alarms they raise.
 
         Under manual optimization a batch's mean is read only once every rank has a loss.
@@ -204,6 +205,7 @@ class LossAgreement:
         Args:
             trainer: the trainer the alarm policy acts on (a warning, a stop or a raise).
             alarms: the fit's alarms, fed the mean loss.
+            policy: the fit's alarm policy, which acts on them.
         """
         pending = self._pending
         self._pending = None
@@ -215,7 +217,7 @@ class LossAgreement:
             for sums in pending.read:
                 if sums.with_loss == world_size():
                     alarms.update_loss(torch.tensor(sums.loss / world_size()), step=sums.step)
-        self._policy.act(trainer, None, alarms, alarms.poll())
+        policy.act(trainer, None, alarms, alarms.poll())
 
     def _rules_off(self, step: int, with_loss: int) -> None:
         """Turn the loss rules off for the rest of the fit, with one warning.

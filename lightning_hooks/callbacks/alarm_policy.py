@@ -113,9 +113,10 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
 class AlarmPolicy:
     """Apply each rule's action (``on_alarm``, read by :func:`check_actions`) to the alarms.
 
-    A warning is given once per rule and layer per epoch; under DDP, ``stop`` and ``raise`` act
-    on every rank. Its :attr:`log` writes the alarms to the loggers. It holds no alarms: each
-    call is handed the fit's.
+    A callback makes one for each fit, so that its warnings, its stop and its counts belong to
+    that fit alone. A warning is given once per rule and layer per epoch; under DDP, ``stop``
+    and ``raise`` act on every rank. Its :attr:`log` writes the alarms to the loggers. It holds
+    no alarms: each call is handed the fit's.
 
     Args:
         actions: the action of every rule, as :func:`check_actions` reads ``on_alarm``.
@@ -137,11 +138,6 @@ class AlarmPolicy:
         self._request_stop = request_stop  # under DDP: a ``stop`` for the ranks to agree on
         self._warned: set[tuple[str, str]] = set()
         self.stopped_by: TrainingAlarm | None = None  # the first alarm whose ``stop`` acted
-
-    def start(self) -> None:
-        """Start a fit: it warns of each rule and layer once again, and nothing stopped it yet."""
-        self._warned.clear()
-        self.stopped_by = None
 
     def act(
         self,

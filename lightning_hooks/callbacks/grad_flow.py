@@ -146,12 +146,11 @@ class GradFlowCallback(HookCallback):
             fabric_refusal=_refusal_under_fabric(actions, rules),
         )
         self.alarms = rules
-        self.policy = AlarmPolicy(actions, request_stop=self.ranks.request_stop)
-        self._carried = _CarriedAlarms(self.policy.log)
-        self.kept["alarms"] = self._carried  # the running scales, from one fit to the next
-        self.loss_agreement = LossAgreement(self.policy, self.ranks)
-        self.on_alarm = self.policy.actions
+        self.on_alarm = actions
         """The action of each rule, as ``on_alarm`` asked (a rule it did not name: its default)."""
+        self._carried = _CarriedAlarms()
+        self.kept["alarms"] = self._carried  # the running scales, from one fit to the next
+        self.loss_agreement = LossAgreement(self.ranks)
         self.max_layers_logged = checks.positive_int_or_none(
             "GradFlowCallback", "max_layers_logged", max_layers_logged, none_means="every layer"
         )
@@ -217,12 +216,13 @@ class GradFlowCallback(HookCallback):
         """
         tracker = self._make_tracker(trainer, pl_module)
         self._pictures.start()
-        self._carried.start_fit(tracker.alarms)
-        self.policy.start()
+        policy = AlarmPolicy(self.on_alarm, request_stop=self.ranks.request_stop)
+        self._carried.start_fit(tracker.alarms, policy.log)
         self.loss_agreement.plan(pl_module, self.alarms)
         fit = _Fit(
             trainer=trainer,
             tracker=tracker,
+            policy=policy,
             stability=StabilityStats() if self.stability else None,
             histograms=_histograms(tracker) if self.histograms else None,
         )
@@ -296,7 +296,7 @@ class GradFlowCallback(HookCallback):
         self._carried.end_fit()
         self._fit = None
         if fit is not None:
-            self.policy.announce_stop(fit.trainer)
+            fit.policy.announce_stop(fit.trainer)
 
     @override
     @guarded
@@ -331,9 +331,9 @@ class GradFlowCallback(HookCallback):
         alarms = fit.tracker.alarms
         if alarms is None:
             return
-        found = alarms.poll(wait=self.policy.wait)
+        found = alarms.poll(wait=fit.policy.wait)
         if found:
-            self.policy.act(trainer, optimizer, alarms, found)
+            fit.policy.act(trainer, optimizer, alarms, found)
 
     @override
     def _batch_ending(
@@ -354,7 +354,7 @@ class GradFlowCallback(HookCallback):
             fit.stability.end_step()
         alarms = fit.tracker.alarms
         if alarms is not None:
-            self.loss_agreement.feed(trainer, outputs, self.cadence.batch_step, alarms)
+            self.loss_agreement.feed(trainer, outputs, self.cadence.batch_step, alarms, fit.policy)
 
     def _log_alarms(self, fit: _Fit, trainer: TrainerView, step: int, table: LayerTable) -> None:
         """Log the alarms' counts and text since the last logging step, with its values.
@@ -367,7 +367,7 @@ class GradFlowCallback(HookCallback):
         """
         alarms = fit.tracker.alarms
         if alarms is not None:
-            self.policy.log.log_step(trainer, alarms, step)
+            fit.policy.log.log_step(trainer, alarms, step)
 
     def _watch_attention(
         self, fit: _Fit, trainer: TrainerView, step: int, result: StabilityResult
@@ -402,9 +402,10 @@ class GradFlowCallback(HookCallback):
             trainer: the trainer the alarms act on and whose loggers are written to.
             pl_module: the model trained, unread.
         """
-        alarms = None if self._fit is None else self._fit.tracker.alarms
-        if alarms is not None:
-            self.policy.end_epoch(trainer, alarms)
+        fit = self._fit
+        alarms = None if fit is None else fit.tracker.alarms
+        if fit is not None and alarms is not None:
+            fit.policy.end_epoch(trainer, alarms)
 
 
 def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | None) -> str | None:
@@ -439,6 +440,9 @@ class _Fit:
     tracker: GradFlowTracker
     """The gradient flow of every layer, for the Trainer's optimizers; its ``alarms`` (``None``:
     ``alarms=False``) are the fit's alarms."""
+    policy: AlarmPolicy
+    """What the fit's alarms do (``on_alarm``), and what is written of them: its warnings, its
+    stop and its counts belong to this fit alone."""
     stability: StabilityStats | None
     """The attention and output-logit statistics (``None``: ``stability=False``)."""
     histograms: LayerHistograms | None
@@ -452,33 +456,32 @@ class _CarriedAlarms:
     alarms start from it (:meth:`start_fit`) and, when its hooks come off, leave theirs
     (:meth:`end_fit`); while a fit runs, a checkpoint saves the fit's alarms. What is carried is
     the alarms' :meth:`~lightning_hooks.core.alarms.TrainingAlarms.state_dict`: the running
-    scales, the ring buffer and the counts. What the alarms count once it is loaded, the log
-    has already written (:meth:`~.alarm_policy.AlarmLog.start`).
-
-    Args:
-        log: what writes the alarms, which starts each fit from the counts loaded.
+    scales, the ring buffer and the counts. What the alarms count once it is loaded, the fit's
+    log has already written (:meth:`~.alarm_policy.AlarmLog.start`).
 
     Example:
-        >>> from lightning_hooks.callbacks.alarm_policy import AlarmLog, check_actions
-        >>> carried = _CarriedAlarms(AlarmLog(check_actions("warn")))
+        >>> carried = _CarriedAlarms()
         >>> carried.host_state()  # no fit ran yet, and no checkpoint was loaded
         {}
     """
 
-    def __init__(self, log: AlarmLog) -> None:
-        self._log = log
+    def __init__(self) -> None:
         self._state: dict[str, Any] | None = None
         """The state between fits: the last fit's alarms', or a checkpoint's (``None``: none)."""
         self._alarms: TrainingAlarms | None = None
         """The running fit's alarms (``None``: between fits, or ``alarms=False``)."""
+        self._log: AlarmLog | None = None
+        """The running fit's log, which starts from the counts its alarms are loaded with."""
 
-    def start_fit(self, alarms: TrainingAlarms | None) -> None:
+    def start_fit(self, alarms: TrainingAlarms | None, log: AlarmLog) -> None:
         """Start a fit's fresh ``alarms`` from the state carried, if any.
 
         Args:
             alarms: the fit's alarms, until :meth:`end_fit` (``None``: the fit has none).
+            log: the fit's log of the alarms, started from what they count once loaded.
         """
         self._alarms = alarms
+        self._log = log
         self._load()
 
     def end_fit(self) -> None:
@@ -486,6 +489,7 @@ class _CarriedAlarms:
         if self._alarms is not None:
             self._state = self._alarms.state_dict()
         self._alarms = None
+        self._log = None
 
     def host_state(self) -> dict[str, Any]:
         """Return the alarms' running scales, saved in checkpoints.
@@ -522,7 +526,8 @@ class _CarriedAlarms:
                     f"GradFlowCallback: {err}; running scales start afresh.",
                     category=LightningHooksWarning,
                 )
-        self._log.start(alarms)
+        if self._log is not None:
+            self._log.start(alarms)
 
 
 _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")
