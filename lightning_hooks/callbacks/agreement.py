@@ -1,8 +1,9 @@
-"""Feed the loss rules each batch's loss: this rank's own, or the ranks' mean.
+"""Feed each batch's loss to the loss rules, either this rank's loss or the mean over ranks.
 
-Under several processes the ranks agree on the mean loss the loss rules read, on whether a
-rank's hook failed and on whether a rank asked to stop. One ``all_reduce`` of four numbers per
-batch carries all three, so a logging step needs no collective of its own for them.
+When several processes run, the ranks must agree on three things: the mean loss that the loss
+rules read, whether a hook failed on any rank, and whether any rank asked to stop. One
+``all_reduce`` of four numbers per batch carries all three. A logging step therefore needs no
+collective of its own for them.
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ class RankFlags(NamedTuple):
 
 
 class _Sums(NamedTuple):
-    """Hold one batch's collective as read on the host.
+    """Hold the result of one batch's collective, as read on the host.
 
-    Each of the four carried numbers is summed over the ranks, and kept with the step it belongs
-    to.
+    Each of the four numbers is a sum over the ranks. The optimizer step of the batch is kept
+    with them.
     """
 
     loss: float
@@ -69,10 +70,10 @@ class _Sums(NamedTuple):
 
 
 class _Pending(NamedTuple):
-    """Hold what :meth:`LossAgreement.apply` feeds the loss rules.
+    """Hold what :meth:`LossAgreement._feed_mean` feeds the loss rules.
 
-    That is the batch's summed tensor (on the device, not read), its step, and the collectives
-    read on the host so far.
+    This is the batch's summed tensor, which stays on the device unread, the batch's optimizer
+    step, and the collectives read on the host so far.
     """
 
     carried: torch.Tensor
@@ -81,15 +82,15 @@ class _Pending(NamedTuple):
 
 
 class LossAgreement:
-    """Feed the loss rules ``training_step``'s loss, carrying the ranks' agreement with it.
+    """Feed the loss from ``training_step`` to the loss rules, and carry the ranks' flags with it.
 
-    Where one process runs, the rules read its own loss. Where several do, they read the ranks'
-    mean, from one ``all_reduce`` per batch that also carries each rank's failure and request to
-    stop to the callback's :class:`~.ranks.RankAgreement`.
+    With one process, the rules read that process's loss. With several, they read the mean loss
+    over the ranks. One ``all_reduce`` per batch computes that mean. The same collective carries
+    each rank's failure flag and stop request to the callback's :class:`~.ranks.RankAgreement`.
 
     Args:
-        ranks: the callback's agreement across ranks, which acts on the failures and stops the
-            collective carries.
+        ranks: the callback's agreement across ranks. It acts on the failures and the stop
+            requests that the collective carries.
 
     Example:
         >>> from lightning_hooks.core.hooks.guard import Guard
@@ -103,20 +104,23 @@ class LossAgreement:
     def __init__(self, ranks: RankAgreement) -> None:
         self._ranks = ranks
         self._carrier: HostCopy | None = None
-        self.reading: Literal["own", "mean", "off"] = "off"  # in this fit (:meth:`plan`)
+        self.reading: Literal["own", "mean", "off"] = (
+            "off"  # how this fit reads the loss; set by :meth:`plan`
+        )
         self._manual = False
         self._pending: _Pending | None = None
 
     def plan(self, pl_module: nn.Module, rules: AlarmRules | None) -> None:
         """Set :attr:`reading` at a fit's start.
 
-        The reading is ``"off"`` where no loss rule runs, ``"own"`` for one process, else
-        ``"mean"`` (one ``all_reduce`` per batch); it turns ``"off"`` from a batch where some rank
-        has no loss under manual optimization.
+        The reading is ``"off"`` when no loss rule runs. It is ``"own"`` when one process runs.
+        Otherwise it is ``"mean"``, which costs one ``all_reduce`` per batch. Under manual
+        optimization, the reading turns ``"off"`` at the first batch where some ranks return a
+        loss and others do not.
 
         Args:
-            pl_module: the model of the fit, read for whether Fabric set it up and whether it
-                optimizes automatically.
+            pl_module: the model of the fit. This method reads whether Fabric set it up and
+                whether it uses automatic optimization.
             rules: the fit's alarm rules (``None``: no alarms, so no loss is read).
         """
         self._carrier = None
@@ -127,10 +131,13 @@ class LossAgreement:
             self.reading = "own"
             return
         self.reading = "mean"
-        # A Fabric loop feeds its loss when it wants (fabric.py): read as manual optimization.
+        # A Fabric loop hands over its loss whenever it chooses (see fabric.py), so it is
+        # treated like manual optimization.
         fabric = is_set_up_by_fabric(pl_module)
         self._manual = fabric or not getattr(pl_module, "automatic_optimization", False)
-        self._carrier = HostCopy((4,), group_device())  # what :func:`_carry` sums
+        self._carrier = HostCopy(
+            (4,), group_device()
+        )  # the host copy of the four sums of :func:`_carry`
 
     def feed(
         self,
@@ -143,8 +150,8 @@ class LossAgreement:
         """Feed one batch's loss to the loss rules, and act on the alarms they raise.
 
         Args:
-            trainer: the trainer the alarm policy acts on, and that a rank's failure or stop is
-                applied to.
+            trainer: the trainer. The alarm policy acts on it, and a rank's failure or stop
+                request is applied to it.
             outputs: what this rank's ``training_step`` returned, where its loss is read.
             step: the optimizer step the batch feeds.
             alarms: the fit's alarms, fed the loss at ``step``.
@@ -161,14 +168,14 @@ class LossAgreement:
             flags = self._post(loss, step, failed=ranks.failed_here, stop=ranks.stop_requested)
             if flags is not None:
                 disabled = ranks.apply(trainer, step, failed=flags.failed, stopping=flags.stopping)
-                if disabled:  # the hooks are off on every rank: the loss is not read
+                if disabled:  # the hooks are off on every rank, so skip the loss
                     return
             self._feed_mean(trainer, alarms, policy)
 
     def _post(
         self, loss: torch.Tensor | None, step: int, *, failed: bool, stop: bool
     ) -> RankFlags | None:
-        """Post the loss, ``failed`` and ``stop`` to the batch's ``all_reduce``.
+        """Send the loss and the two flags to the batch's ``all_reduce``.
 
         Args:
             loss: this rank's loss (``None``: none was returned).
@@ -177,21 +184,21 @@ class LossAgreement:
             stop: this rank's request to stop the fit.
 
         Returns:
-            The ranks' flags once the collective's host copy is read (CUDA: a batch later),
-            else ``None``.
+            The ranks' summed flags, once the collective's result has been copied to the host
+            and read. On CUDA this happens one batch later. Otherwise ``None``.
         """
         if self.reading != "mean":
             return None
         carrier = self._carrier
         assert carrier is not None
-        read = _read_sums(carrier)  # CUDA: the last batch's, posted then
+        read = _read_sums(carrier)  # on CUDA, the previous batch's collective
         carried = _carry(loss, failed, stop)
         carrier.post(carried, meta=step)
         if carried.device.type != "cuda":
-            read += _read_sums(carrier)  # elsewhere the collective is done: this batch's
+            read += _read_sums(carrier)  # off CUDA it has finished, so read this batch's
         self._pending = _Pending(carried, step, read)
         disagree = [sums for sums in read if 0 < sums.with_loss < world_size()]
-        if self._manual and disagree:  # decided on the host, before anything that may raise
+        if self._manual and disagree:  # decide on the host, before anything that may raise
             self._rules_off(disagree[0].step, disagree[0].with_loss)
         if not read:
             return None
@@ -200,7 +207,7 @@ class LossAgreement:
     def _feed_mean(self, trainer: TrainerView, alarms: TrainingAlarms, policy: AlarmPolicy) -> None:
         """Run the loss rules on the ranks' mean loss, and act on the alarms they raise.
 
-        Under manual optimization a batch's mean is read only once every rank has a loss.
+        Under manual optimization, a batch's mean is used only if every rank returned a loss.
 
         Args:
             trainer: the trainer the alarm policy acts on (a warning, a stop or a raise).
@@ -277,13 +284,13 @@ def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
 def training_loss(trainer: TrainerView, outputs: STEP_OUTPUT) -> torch.Tensor | None:
     """Read ``training_step``'s loss in the user's units.
 
-    Under automatic optimization Lightning hands the batch-end hooks the loss divided by
-    ``accumulate_grad_batches`` (what the backward saw); the alarms quote losses as the user
-    logs them, so the division is undone.
+    Under automatic optimization, Lightning passes the batch-end hooks the loss divided by
+    ``accumulate_grad_batches``. That is the value the backward pass saw. The alarms quote
+    losses as the user logs them, so this function undoes the division.
 
     Args:
-        trainer: the trainer whose ``accumulate_grad_batches`` and module's optimization mode
-            decide whether the loss is scaled back.
+        trainer: the trainer. Its ``accumulate_grad_batches`` and its module's optimization
+            mode decide whether the loss is scaled back.
         outputs: what ``training_step`` returned, as the batch-end hook gets it.
 
     Returns:

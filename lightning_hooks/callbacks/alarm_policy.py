@@ -1,8 +1,8 @@
 """Decide what ``GradFlowCallback`` does when an alarm fires, and write the alarms.
 
-An alarm is warned of, stops the fit, raises, skips its step or is only logged
-(:class:`AlarmPolicy`), and it is written to the loggers (:class:`AlarmLog`). What its loss
-rules read under DDP is in :mod:`.agreement`.
+When an alarm fires, :class:`AlarmPolicy` takes its rule's action. The action warns, stops
+the fit, raises, skips the optimizer step, or only logs the alarm. :class:`AlarmLog` writes the
+alarms to the loggers. :mod:`.agreement` describes which loss the loss rules read under DDP.
 """
 
 from __future__ import annotations
@@ -36,12 +36,16 @@ __all__ = ["Action", "AlarmLog", "AlarmPolicy", "check_actions"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
-# The notices no action applies to (amp_overflow: the GradScaler already acts; a setback: telling
-# it from a divergence takes a few steps, and *diverging* acts once it is confirmed).
+# The rules an action can apply to. A notice is a rule whose alarms are only logged (see
+# docs/glossary.md). Some notices take no action at all. amp_overflow takes none because the
+# GradScaler already acts on it. A setback takes none because telling it from a divergence
+# takes a few steps, and the *diverging* rule acts once the divergence is confirmed.
 _ACTIONABLE = tuple(rule for rule in ALARM_RULES if rule not in NOTICES or NOTICES[rule].acts)
-_NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")  # skip cures none
-# Healthy runs show one-step spikes and stalls too (benchmarks/divergence.py): under "warn" they
-# are notices, only logged; a spike that hurts the optimizer is also an *explosion*, which warns.
+# Skipping an optimizer step does not cure what these rules find.
+_NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")
+# Healthy runs also show one-step spikes and stalls (see benchmarks/divergence.py). So under
+# "warn" these rules are notices, which are only logged. A spike that harms the optimizer also
+# raises an *explosion* alarm, and that alarm warns.
 _LOGGED = tuple(rule for rule in _ACTIONABLE if rule in NOTICES)
 _SUMMARY_LINES = 100
 
@@ -49,10 +53,12 @@ _SUMMARY_LINES = 100
 def check_actions(on_alarm: object) -> dict[str, Action]:
     """Read ``on_alarm`` as an action per rule.
 
-    Unnamed rules warn. The notices *spike* and *stall* log unless named, or unless the one
-    action is ``"skip"`` (skipping a spike's step is what it is for): one ``"stop"`` or
-    ``"raise"`` never ends a run on a notice, which healthy runs show too. ``"skip"`` warns for
-    the rules it cannot cure.
+    A notice is a rule whose alarms are only logged by default (see docs/glossary.md). The
+    notices *spike* and *stall* are only logged unless ``on_alarm`` names them, or unless it is
+    the single action ``"skip"``. Skipping a spike's step is what ``"skip"`` is for. A single
+    ``"stop"`` or ``"raise"`` therefore never ends a run on a notice, because healthy runs show
+    notices too. Any other rule that a mapping does not name warns. A single ``"skip"`` warns
+    for the rules that skipping cannot cure.
 
     Args:
         on_alarm: one action for every rule, or a mapping of rule to action.
@@ -61,7 +67,7 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
         The action of every rule, by rule.
 
     Raises:
-        ValueError: an unknown rule or action, naming the allowed values.
+        ValueError: a rule or an action is unknown. The message names the allowed values.
         TypeError: ``on_alarm`` is neither a string nor a mapping.
 
     Example:
@@ -111,17 +117,18 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
 
 
 class AlarmPolicy:
-    """Apply each rule's action (``on_alarm``, read by :func:`check_actions`) to the alarms.
+    """Apply each rule's action to the alarms, as :func:`check_actions` reads ``on_alarm``.
 
-    A callback makes one for each fit, so that its warnings, its stop and its counts belong to
-    that fit alone. A warning is given once per rule and layer per epoch; under DDP, ``stop``
-    and ``raise`` act on every rank. Its :attr:`log` writes the alarms to the loggers. It holds
-    no alarms: each call is handed the fit's.
+    A callback makes a new policy for each fit, so that the warnings, the stop and the counts
+    belong to that fit alone. A warning is given once per rule and layer in each epoch. Under
+    DDP, ``stop`` and ``raise`` act on every rank. The :attr:`log` attribute writes the alarms
+    to the loggers. The policy does not store the alarms. Each method that needs them is
+    passed the fit's alarms.
 
     Args:
         actions: the action of every rule, as :func:`check_actions` reads ``on_alarm``.
-        request_stop: called for a ``stop`` under DDP, for the ranks to agree on at their next
-            agreement.
+        request_stop: called for a ``stop`` under DDP. The ranks agree on the stop at their
+            next agreement.
 
     Example:
         >>> policy = AlarmPolicy(check_actions({"diverging": "stop"}), request_stop=lambda: None)
@@ -132,10 +139,11 @@ class AlarmPolicy:
     def __init__(self, actions: Mapping[str, Action], request_stop: Callable[[], None]) -> None:
         self.actions = dict(actions)
         self.log = AlarmLog(self.actions)
-        """What is written of the alarms to the loggers, at each logging step and epoch end."""
-        # ``skip`` needs the current step's verdict before the optimizer step (a CUDA sync)
+        """Writes the alarms to the loggers at each logging step and at each epoch end."""
+        # ``skip`` must know the current step's verdict before the optimizer step runs, and
+        # that costs a CUDA sync.
         self.wait = "skip" in self.actions.values()
-        self._request_stop = request_stop  # under DDP: a ``stop`` for the ranks to agree on
+        self._request_stop = request_stop  # under DDP, asks the ranks to agree on a stop
         self._warned: set[tuple[str, str]] = set()
         self.stopped_by: TrainingAlarm | None = None  # the first alarm whose ``stop`` acted
 
@@ -149,11 +157,12 @@ class AlarmPolicy:
         """Warn, stop, raise or skip for each alarm found, as its rule's action says.
 
         Args:
-            trainer: the trainer that is stopped, and whose step a ``skip`` must match.
-            optimizer: the optimizer about to step, whose gradients a ``skip`` drops (``None``:
-                outside an optimizer step, nothing to skip).
-            alarms: the fit's alarms, whose alarms since the last logging step are written
-                before a ``raise``.
+            trainer: the trainer. A ``stop`` stops it, and a ``skip`` applies only to an alarm
+                of its current step.
+            optimizer: the optimizer about to step. A ``skip`` drops its gradients. ``None``
+                outside an optimizer step, where there is nothing to skip.
+            alarms: the fit's alarms. Before a ``raise``, those since the last logging step
+                are written.
             found: the alarms read from them, in the order they were raised.
 
         Raises:
@@ -171,20 +180,23 @@ class AlarmPolicy:
                 self.stopped_by = alarm
             stop = stop or action == "stop"
             if action == "skip" and optimizer is not None and alarm.step == trainer.global_step:
-                # the coming ``optimizer.step()`` a no-op: torch optimizers skip ``None`` gradients
+                # Torch optimizers skip parameters whose gradient is ``None``, so clearing the
+                # gradients makes the coming ``optimizer.step()`` do nothing.
                 for group in optimizer.param_groups:
                     for param in group["params"]:
                         param.grad = None
         if stop and world_size() == 1:
             trainer.should_stop = True
         elif stop:
-            # agreed on a collective the callback makes anyway: no host sync here
+            # The ranks agree on the stop in a collective the callback makes anyway, so no
+            # host sync is needed here.
             self._request_stop()
 
     def announce_stop(self, trainer: TrainerView) -> None:
         """Say once, at the fit's end, whether an alarm's ``stop`` ended it.
 
-        A fit that stops looks like one that finished, but for the step count.
+        Without this warning, a fit that an alarm stopped looks like one that finished, except
+        for its step count.
 
         Args:
             trainer: the trainer whose ``should_stop`` and ``global_step`` the warning reads.
@@ -200,7 +212,7 @@ class AlarmPolicy:
             )
 
     def _raise(self, trainer: TrainerView, alarms: TrainingAlarms, alarm: TrainingAlarm) -> None:
-        """Raise an alarm as a :class:`TrainingAlarmError`, once it is in the event files.
+        """Write an alarm to the event files, then raise it as a :class:`TrainingAlarmError`.
 
         Args:
             trainer: the trainer whose loggers get the alarm before it is raised.
@@ -208,8 +220,8 @@ class AlarmPolicy:
             alarm: the alarm whose rule's action is ``"raise"``.
 
         Raises:
-            TrainingAlarmError: always; a logger that fails to write is its cause, and does not
-                hide it.
+            TrainingAlarmError: always. If a logger fails to write, that failure becomes the
+                error's cause instead of hiding it.
         """
         error = TrainingAlarmError(
             _speaker(alarm),
@@ -228,8 +240,8 @@ class AlarmPolicy:
     def _keep_before_raising(self, trainer: TrainerView, alarms: TrainingAlarms, step: int) -> None:
         """Write the alarms since the last logging step, and save the loggers, before a raise.
 
-        The raising alarm is included: the alarm that ends the fit is then in the event files,
-        and a gate on them (``lightning-hooks report --fail-on``) sees it.
+        The raising alarm is included. The alarm that ends the fit is then in the event files,
+        where a check such as ``lightning-hooks report --fail-on`` can find it.
 
         Args:
             trainer: the trainer whose loggers are written to and saved.
@@ -243,7 +255,7 @@ class AlarmPolicy:
         """Warn of an alarm, once per rule and layer in an epoch.
 
         Args:
-            alarm: the alarm, attached to the warning it raises.
+            alarm: the alarm. It is attached to the warning as ``warning.alarm``.
         """
         key = (alarm.rule, alarm.layer)
         if key not in self._warned:
@@ -263,19 +275,21 @@ class AlarmPolicy:
             TrainingAlarmError: a last verdict's rule has the action ``"raise"``.
         """
         self.act(trainer, None, alarms, alarms.poll(wait=True))
-        self._warned.clear()  # each epoch warns of a rule and layer once again
+        self._warned.clear()  # in the next epoch, each rule and layer may warn once
         self.log.end_epoch(trainer, alarms)
 
 
 class AlarmLog:
     """Write the alarms to the loggers: their counts per rule, and their text.
 
-    A rule that acts is counted under ``grad_flow/alarms/<rule>``, a rule only logged (a notice)
-    under ``grad_flow/notices/<rule>``. Each logging step writes what came since the last one;
-    each epoch end writes the epoch's counts and a summary.
+    A rule that takes an action is counted under ``grad_flow/alarms/<rule>``. A rule that is
+    only logged, called a notice, is counted under ``grad_flow/notices/<rule>``. Each logging
+    step writes what came since the previous one. Each epoch end writes the epoch's counts and a
+    summary.
 
     Args:
-        actions: each rule's action (:func:`check_actions`): which rules are only notices.
+        actions: each rule's action, as :func:`check_actions` returns it. A rule whose action
+            is ``"log"`` is a notice.
 
     Example:
         >>> log = AlarmLog(check_actions("warn"))
@@ -290,18 +304,19 @@ class AlarmLog:
             for rule in ALARM_RULES
         }
         """Each rule's tag: under ``alarms`` when it acts, else under ``notices``."""
-        self._logged = 0  # alarms of the epoch's log already written at a logging step
+        self._logged = 0  # how many alarms of the epoch's log are written
         self._counted: dict[str, int] = {}
         self._summary_step: int | None = None  # the step of this fit's last epoch summary
 
     def start(self, alarms: TrainingAlarms | None) -> None:
-        """Start a fit from its alarms as they stand: what they already count is not new.
+        """Start a fit from the current counts of its alarms, which are not new.
 
-        The fit's alarms may continue a checkpoint's counts, or the last fit's; a logging step
-        writes only what they count beyond those.
+        The fit's alarms may continue the counts of a checkpoint or of the previous fit. A
+        logging step writes only what they count beyond those.
 
         Args:
-            alarms: the fit's alarms, once their carried state is loaded (``None``: none).
+            alarms: the fit's alarms, after any saved state is loaded into them. ``None`` if
+                the fit has no alarms.
         """
         self._summary_step = None
         self._counted = {} if alarms is None else dict(alarms.counts)
@@ -328,10 +343,11 @@ class AlarmLog:
     def end_epoch(self, trainer: TrainerView, alarms: TrainingAlarms) -> None:
         """Take the epoch's alarms, and log its counts and its text summary.
 
-        They are written at the epoch's step (:func:`~.attached.epoch_step`), the summary under
-        its own tag (:data:`~lightning_hooks.tags.ALARM_TEXT`), apart from the logging steps'
-        text. An epoch in which no batch stepped has the step of the epoch before it, and ran no
-        training step: its summary, which would take the place of that epoch's, is not written.
+        The counts and the summary are written at the epoch step
+        (:func:`~.attached.epoch_step`). The summary goes under its own tag
+        (:data:`~lightning_hooks.tags.ALARM_TEXT`), apart from the text of the logging steps. An
+        epoch in which no batch made an optimizer step has the same epoch step as the epoch
+        before it. Its summary would replace that epoch's summary, so it is not written.
 
         Args:
             trainer: the trainer whose loggers are written to; only rank 0 writes the text.
@@ -352,10 +368,10 @@ class AlarmLog:
 
 
 def _speaker(alarm: TrainingAlarm) -> str:
-    """Put who speaks before the alarm's message: the callback and the rule.
+    """Begin the alarm's message with the callback's name and the rule.
 
-    Lightning's warning formatter drops a warning's category under a path containing
-    "lightning", so the words themselves must say it.
+    Lightning's warning formatter drops a warning's category when the warning comes from a path
+    that contains "lightning". The message itself must therefore say where it comes from.
 
     Args:
         alarm: the alarm, whose rule and message are read.
@@ -371,12 +387,13 @@ def _summary(log: list[TrainingAlarm], where: str, noticed: set[str]) -> str:
 
     Args:
         log: the alarms, in the order they were raised.
-        where: the clause saying where the text stands (a logging step or the epoch).
+        where: words that say what the text covers, such as a logging step or the epoch.
         noticed: the rules that only log (their lines are marked as notices).
 
     Returns:
-        A line per alarm (its warning's first line; a notice marked so), its details under it,
-        and the ring buffer's lines once per step.
+        One line per alarm, made of its warning's first line, with notices marked as such.
+        The alarm's details follow on indented lines. The ring buffer's lines (see
+        docs/glossary.md) are added once per step.
     """
     lines: list[str] = []
     shown: set[int] = set()
@@ -386,7 +403,8 @@ def _summary(log: list[TrainingAlarm], where: str, noticed: set[str]) -> str:
         lines.append(f"- step {alarm.step}, {alarm.rule}{kind}, {alarm.layer}: {first}")
         lines += [f"    - {line}" for line in details]
         if alarm.history_steps and alarm.step not in shown:
-            # the ring buffer once per step: norm (norm / running scale) of the rows involved
+            # Show the ring buffer once per step. For each row involved it gives the norm, and
+            # in brackets the norm divided by the running scale.
             shown.add(alarm.step)
             lines += [f"    - {line}" for line in alarm.history_lines()]
     if len(log) > _SUMMARY_LINES:

@@ -1,8 +1,8 @@
 """Define what one fit of a callback attaches to the model.
 
-That is the registry of its hooks, the statistics those hooks feed, and what the callback
-reads of their results. A callback builds it in its ``_attach``;
-:class:`~.base.HookCallback` drives it through the fit and removes it at the end.
+This is the registry of the fit's hooks, the statistics those hooks feed, and the functions
+that read the statistics' results. A callback builds it in its ``_attach`` method.
+:class:`~.base.HookCallback` then drives it through the fit and removes it at the end.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ R = TypeVar("R")
 
 
 class Windowed(Protocol[R]):
-    """Describe a statistic measured at logging steps and copied to the host after each.
+    """Describe a statistic that is measured at logging steps and copied to the host.
 
-    Each logging step's values are copied to the host after its optimizer step, and read back
-    when the copy is done.
+    A logging step is an optimizer step that the callback measures (see docs/glossary.md).
+    After its optimizer step, the step's values are copied to the host. They are read once the
+    copy is done.
     """
 
     def start_copy(self, step: int) -> None:
@@ -46,10 +47,11 @@ class Windowed(Protocol[R]):
         """
 
     def take_copy(self, wait: bool) -> tuple[int, R] | None:
-        """Return the copied step and its result once on the host, else ``None``.
+        """Return the copied step and its result, or ``None`` if the copy has not arrived.
 
         Args:
-            wait: block until the copy is done (else return ``None`` while it is on its way).
+            wait: block until the copy is done. If ``False``, return ``None`` while the copy is
+                on its way.
         """
 
     @property
@@ -57,9 +59,9 @@ class Windowed(Protocol[R]):
         """Tell whether a copy is still on its way to the host."""
 
     def step_values(self, result: R) -> dict[str, float]:
-        """Return a logging step's values under their epoch tags.
+        """Return a logging step's values, keyed by their epoch tags.
 
-        Each step tag is made from one of these tags.
+        The caller turns each epoch tag into the matching step tag.
 
         Args:
             result: the logging step's result, as :meth:`take_copy` returned it.
@@ -84,7 +86,7 @@ class EpochResult(Protocol[R]):
 
 
 class Checkpointed(Protocol):
-    """Describe what a callback saves in checkpoints, of a statistic or of a collaborator."""
+    """Describe a statistic or collaborator whose state a callback saves in checkpoints."""
 
     def host_state(self) -> dict[str, Any]:
         """Return the state to save, reduced across ranks, on the host."""
@@ -106,14 +108,16 @@ class Statistic(Windowed[R], EpochResult[R], Checkpointed, Protocol[R]):
 
 
 class Logged(Generic[R]):
-    """Pair a statistic of one fit with what its callback reads of its results.
+    """Pair a statistic of one fit with the functions that read its results.
 
-    Beyond the scalar tags the statistic logs, a callback may read a picture, an alarm or a
-    warning from its results; each reader is typed by the statistic's result.
+    The statistic logs its own scalar values. Beyond those, a callback may draw a picture,
+    raise an alarm or give a warning from the results. Each reading function takes the
+    statistic's result type.
 
     Args:
         stat: the statistic, whose step values and epoch tags are logged.
-        on_step: called with the trainer, the step and the result of each logging step read back.
+        on_step: called with the trainer, the step and the result of each logging step, once
+            its values are back on the host.
         on_epoch: called with the trainer and the result of each epoch, after its tags are logged.
 
     Example:
@@ -152,7 +156,7 @@ class Logged(Generic[R]):
             self.on_step(trainer, step, result)
 
     def write_epoch(self, trainer: TrainerView, result: R) -> None:
-        """Write the epoch's ``result``: its tags, then what the callback reads of it.
+        """Write the tags of the epoch's ``result``, then call ``on_epoch`` with it.
 
         Args:
             trainer: the trainer whose loggers are written to, at the epoch's step
@@ -168,16 +172,18 @@ class Attached:
     """Hold what one fit of a callback put on the model.
 
     Args:
-        registry: the registry of the fit's module hooks, whose logging-step gate the base sets
-            at each batch (``None``: no module hook).
+        registry: the registry of the fit's module hooks. At each batch the base class sets
+            its gate, the switch that puts the module hooks on for a logging step only (see
+            docs/glossary.md). ``None`` if the fit has no module hook.
         logged: the statistics the hooks feed, logged at each logging step and epoch end.
-        aligned: the statistics whose rows (the modules that ran) the ranks align before they
-            reduce: a module that runs on some ranks only would otherwise hang the reduce.
-        every_batch: the callback's ``_batch_ending`` runs at every batch, not only at a logging
-            step's.
+        aligned: the statistics whose rows the ranks align before they reduce them. A row is
+            a statistic's entry for one module that ran. Without the alignment, a module that
+            runs on only some ranks would make the reduce hang.
+        every_batch: if ``True``, the callback's ``_batch_ending`` runs at every batch, not only
+            at logging steps.
         on_remove: called once when the hooks come off (the fit ended, failed, or was torn down).
-        earlier_layout: reads a checkpoint's state saved by an earlier release into this
-            release's layout (``None``: every release saved this one).
+        earlier_layout: converts checkpoint state saved by an earlier release into this
+            release's layout. ``None`` if every release saved this layout.
 
     Example:
         >>> import torch
@@ -214,13 +220,14 @@ class Attached:
         self._on_remove = on_remove
         self._earlier_layout = earlier_layout
         self.copying = False
-        """A logging step's values are on their way to the host, not all written yet."""
+        """Whether a logging step's values are on their way to the host and not all written."""
 
     def end_logging_step(self, trainer: TrainerView, step: int) -> None:
         """Write the last logging step's values, then start the host copies of this one's.
 
-        Called after a logging step's optimizer step. The new copies are written once on the host:
-        on the CPU at once, on CUDA at a later batch (see :meth:`write_steps`).
+        The base calls this after a logging step's optimizer step. The new copies are written
+        once they reach the host. On the CPU that is at once. On CUDA it is at a later batch
+        (see :meth:`write_steps`).
 
         Args:
             trainer: the trainer whose loggers are written to.
@@ -237,8 +244,8 @@ class Attached:
 
         Args:
             trainer: the trainer whose loggers are written to.
-            wait: block until each copy is done (else write what has arrived, if any is on its
-                way).
+            wait: block until each copy is done. If ``False``, write only the copies that have
+                arrived.
         """
         if not (wait or self.copying):
             return
@@ -249,8 +256,8 @@ class Attached:
     def write_epoch(self, trainer: TrainerView) -> None:
         """Write each statistic's epoch and start the next one.
 
-        Every statistic's collective runs first, on every rank: a rank whose host side fails
-        later has made them all.
+        The collectives of all statistics run first, on every rank. So a rank that fails
+        later, while it writes on the host, has still taken part in every collective.
 
         Args:
             trainer: the trainer whose loggers are written to, at the epoch's step
@@ -267,7 +274,7 @@ class Attached:
         return any(logged.stat.copy_in_flight for logged in self.logged)
 
     def rows_grew(self) -> bool:
-        """Tell whether this rank made rows since they were last aligned across the ranks.
+        """Tell whether this rank made new rows since the rows were last aligned across ranks.
 
         Returns:
             ``True`` where a statistic of :attr:`aligned` has new rows.
@@ -281,7 +288,7 @@ class Attached:
             stat.align_rows([rank[i] for rank in new])
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the checkpoint state: each statistic's epoch so far.
+        """Return the checkpoint state, which holds each statistic's epoch so far.
 
         Returns:
             The states by key, reduced across ranks, on the host.
@@ -304,22 +311,23 @@ class Attached:
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
         """Continue from a checkpoint's ``state``.
 
-        A statistic the checkpoint holds no entry of (one that the configuration saved with did
-        not measure) starts its epoch afresh; the others continue.
+        A statistic with no entry in the checkpoint starts its epoch afresh. This happens when
+        the configuration that saved the checkpoint did not measure it. The other statistics
+        continue.
 
         Args:
-            state: the callback's state, in this release's layout (see :meth:`in_this_layout`);
-                empty where it was saved outside a fit, and nothing is loaded.
+            state: the callback's state, in this release's layout (see :meth:`in_this_layout`).
+                It is empty if it was saved outside a fit, and then nothing is loaded.
 
         Returns:
             The statistics that start afresh for want of an entry, by class name.
 
         Raises:
-            KeyError: the state is of another model (it holds no statistic's entry, or an entry
-                lacks one of its statistic's states).
-            ValueError: the state is of another model (its values do not fit the statistics).
-                Nothing of the state is then kept: the statistics loaded before the one that
-                did not fit start their epoch afresh too.
+            KeyError: the state belongs to another model. Either it holds no entry for any
+                statistic, or an entry lacks part of its statistic's state.
+            ValueError: the state belongs to another model, because its values do not fit the
+                statistics. No part of the state is then kept. The statistics loaded before the
+                one that did not fit also start their epoch afresh.
         """
         if not state:
             return []
@@ -352,14 +360,18 @@ class Attached:
 def epoch_step(trainer: TrainerView) -> int:
     """Return the step every value of the ending epoch is written at.
 
-    It is the step Lightning logs the epoch's own metrics at (a ``self.log(..., on_epoch=True)``,
-    a validation metric of the epoch's end): the step of the epoch's last batch that stepped,
-    ``trainer.global_step - 1`` where each such batch makes one optimizer step, read exactly as
-    :func:`~lightning_hooks.internals.lightning.lightning_epoch_step` says. The epoch's last
-    logging step, when it is the epoch's last step, shares it: its values are under the ``_step``
-    tags. Under Fabric, where a :class:`~.fabric.FabricTrainer` stands in for the Trainer, it is
-    the epoch's last optimizer step of the watched module, ``global_step - 1``, the step that
-    logging step's values are written at.
+    This is the step at which Lightning logs the epoch's own metrics, such as a
+    ``self.log(..., on_epoch=True)`` or a validation metric at the epoch's end. It is the step of
+    the epoch's last batch that made an optimizer step. Where each such batch makes one
+    optimizer step, it is ``trainer.global_step - 1``.
+    :func:`~lightning_hooks.internals.lightning.lightning_epoch_step` reads it exactly.
+
+    If the epoch's last step is also a logging step, that logging step shares this step. Its
+    values stay apart because they are written under the ``_step`` tags.
+
+    Under Fabric, a :class:`~.fabric.FabricTrainer` stands in for the Trainer. There the epoch
+    step is the watched module's last optimizer step of the epoch, ``global_step - 1``. That is
+    also the step at which that logging step's values are written.
 
     Args:
         trainer: the trainer whose epoch is ending, in ``on_train_epoch_end``.

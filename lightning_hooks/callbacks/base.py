@@ -1,4 +1,4 @@
-"""Provide the base of every callback: its lifecycle, its logging steps and its writing.
+"""Provide the base class of every callback, which runs its lifecycle, logging and writing.
 
 What one fit measures is an :class:`~.attached.Attached` that the callback builds in
 ``_attach``. What a Fabric loop calls on a callback is in :class:`~.fabric.FabricHooks`, which
@@ -38,9 +38,9 @@ from lightning_hooks.logging import save_loggers
 
 __all__ = ["FitState", "HookCallback"]
 
-# Lightning ships under two names, ``pytorch_lightning`` and ``lightning.pytorch``, and each
-# namespace's LightningCLI accepts only its own ``Callback``: the base derives from both where
-# both are installed (``lightning.pytorch.Callback`` is ``object`` to the type checker).
+# Lightning ships under two names, ``pytorch_lightning`` and ``lightning.pytorch``. Each
+# namespace's LightningCLI accepts only its own ``Callback``, so the base derives from both
+# where both are installed. To the type checker, ``lightning.pytorch.Callback`` is ``object``.
 if TYPE_CHECKING:
     _SecondCallback = object
 else:
@@ -49,17 +49,20 @@ else:
 
 @dataclass
 class FitState:
-    """Hold what one fit of a callback holds, from its ``setup`` to the next fit's.
+    """Hold the state of one fit of a callback, from its ``setup`` to the next fit's ``setup``.
 
-    Each fit's ``setup`` makes a new one: a fit starts healthy, whatever the last one met.
+    Each fit's ``setup`` makes a new one, so a fit starts healthy whatever happened in the
+    previous fit.
     """
 
     guard: Guard
-    """The guard of the fit's hooks: a failure disables the callback for the rest of the fit."""
+    """The guard of the fit's hooks (see docs/glossary.md). A failure disables the callback for
+    the rest of the fit."""
     idle: bool = False
-    """Nothing to watch, or a callback the user passed already watches: the fit does nothing."""
+    """Whether the callback does nothing in this fit. This happens when the model has nothing to
+    watch, or when a callback the user passed already watches it."""
     checkpoint: dict[str, Any] | None = None
-    """A checkpoint's state of the callback, kept from ``load_state_dict`` until the fit
+    """The callback's state from a checkpoint, kept from ``load_state_dict`` until the fit
     attaches."""
     attached: Attached | None = None
     """What the fit put on the model, from its train start until its hooks come off."""
@@ -68,7 +71,7 @@ class FitState:
 
 
 class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta):
-    """Run a callback's hooks for one fit at a time, guarded, and write what they measure.
+    """Run a callback's hooks for one fit at a time under a guard, and write what they measure.
 
     The base drives every fit the same way:
 
@@ -77,23 +80,23 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     2. ``on_train_start`` asks the subclass to put its hooks on the model (``_attach``). It
        returns an :class:`~.attached.Attached`: the hooks, the statistics and the functions that
        read each statistic's values.
-    3. At a logging step the base opens the hooks, and the subclass may start and end the step
-       (``_batch_started``, ``_batch_ending``). The base then copies the statistics to the host
-       and writes them.
+    3. At a logging step, an optimizer step the callback measures (see docs/glossary.md), the
+       base opens the hooks. The subclass may start and end the step (``_batch_started``,
+       ``_batch_ending``). The base then copies the statistics to the host and writes them.
     4. At an epoch end the base writes every statistic's epoch, then calls ``_log_epoch``.
     5. ``on_train_end``, ``on_exception`` and ``teardown`` take every hook off.
 
     Every Lightning hook runs under the callback's guard
-    (:func:`~lightning_hooks.core.hooks.guard.guarded`): an error in the library's own code
-    disables the callback for the rest of the fit, with one warning, and never ends the user's
+    (:func:`~lightning_hooks.core.hooks.guard.guarded`). An error in the library's own code
+    disables the callback for the rest of the fit, with one warning. It never ends the user's
     run.
 
     ==================  ==============================  ========================================
     extension           called                          the subclass
     ==================  ==============================  ========================================
-    ``_validate``       ``on_fit_start``                checks the model (a refused
-                                                        configuration raises here); ``False``:
-                                                        nothing to watch
+    ``_validate``       ``on_fit_start``                checks the model; a refused
+                                                        configuration raises here. Returns
+                                                        ``False`` if there is nothing to watch
     ``_attach``         ``on_train_start``              puts its hooks on; returns what it
                                                         attached
     ``_batch_started``  a logging step's first batch    opens what the step measures
@@ -103,14 +106,15 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
                         each statistic's epoch
     ==================  ==============================  ========================================
 
-    Of the base's methods, these five are the only ones a subclass overrides. ``_attach`` is
-    required; the others do nothing by default, and none calls the base's. A subclass may also
-    define a Lightning hook the base does not (``GradFlowCallback`` reads each optimizer step in
-    ``on_before_optimizer_step``), decorated with ``@guarded`` as the base's are.
+    A subclass overrides only these five methods of the base. ``_attach`` is required. The
+    others do nothing by default, and an override does not call the base's version. A subclass
+    may also define a Lightning hook the base does not define, decorated with ``@guarded`` as
+    the base's hooks are. For example, ``GradFlowCallback`` reads each optimizer step in
+    ``on_before_optimizer_step``.
 
-    Everything else a subclass hands to the constructor: ``state_key`` (what tells two
-    configurations' checkpoints apart), ``uses_images`` and ``fabric_refusal``. What outlives a
-    fit and is saved in checkpoints goes in :attr:`kept`. Under several processes,
+    A subclass passes everything else to the constructor: ``state_key``, which tells the
+    checkpoints of two configurations apart, ``uses_images`` and ``fabric_refusal``. State that
+    outlives a fit and is saved in checkpoints goes in :attr:`kept`. Under several processes,
     :attr:`ranks` (a :class:`~.ranks.RankAgreement`) makes every rank act alike: a failure
     disables the callback on all of them, and a stop stops them all.
 
@@ -150,12 +154,14 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
                 another's (Lightning refuses two callbacks with one key).
             every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
                 (``None``: the Trainer's ``log_every_n_steps``).
-            strict: a hook's exception raises (``True``) or disables the callback for the rest
-                of the fit (``False``); ``None``: ``LIGHTNING_HOOKS_STRICT`` decides.
-            uses_images: the callback draws pictures (a logger that shows none is warned of).
-            fabric_refusal: why this configuration cannot run in a Fabric loop (``None``: it
-                can); handed to :class:`~.fabric.FabricHooks`, whose run refuses it with this
-                reason at ``fabric.setup``.
+            strict: if ``True``, a hook's exception is raised. If ``False``, it disables the
+                callback for the rest of the fit. If ``None``, the ``LIGHTNING_HOOKS_STRICT``
+                environment variable decides.
+            uses_images: whether the callback draws pictures. A logger that cannot show them
+                is warned of.
+            fabric_refusal: why this configuration cannot run in a Fabric loop, or ``None`` if
+                it can. It is passed to :class:`~.fabric.FabricHooks`, and a Fabric run refuses
+                the callback with this reason at ``fabric.setup``.
 
         Raises:
             ValueError: ``every_n_steps`` is not a positive int or ``None``.
@@ -168,20 +174,20 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         self._from_environment = False
         self._state_key = self._generate_state_key(**self._state_key_fields)
         self.uses_images = uses_images
-        """Whether the callback draws pictures (a logger that shows none is warned of)."""
+        """Whether the callback draws pictures. A logger that cannot show them is warned of."""
         self.kept: dict[str, Checkpointed] = {}
         """Collaborators that outlive a fit and are saved in checkpoints, by key."""
         self._fit_state = FitState(self._new_guard())
         """What the running fit holds; each fit's ``setup`` starts a new one."""
         self.ranks = RankAgreement(self.hook_guard, remove_hooks=self.remove_hooks)
-        """What the ranks of a multi-process fit agree on: a failure, a stop, new rows."""
+        """Makes the ranks of a multi-process fit agree on failures, stops and new rows."""
 
     @property
     def every_n_steps(self) -> int | None:
         """Return the cadence of the logging steps.
 
-        Optimizer steps ``n-1, 2n-1, ...`` and each epoch's first are measured; ``None`` stands
-        for the Trainer's ``log_every_n_steps``.
+        Optimizer steps ``n-1, 2n-1, ...`` and the first step of each epoch are measured.
+        ``None`` stands for the Trainer's ``log_every_n_steps``.
         """
         return self.cadence.every_n_steps
 
@@ -206,8 +212,8 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         """Return the key of the callback's checkpoint state, unique per configuration.
 
         The same configuration added by the ``LIGHTNING_HOOKS`` switch gets a key of its own
-        (:meth:`mark_from_environment`). The key is made when it changes, not when it is read:
-        Lightning reads it for every hook it calls.
+        (:meth:`mark_from_environment`). The key is built when it changes, not when it is
+        read, because Lightning reads it for every hook it calls.
         """
         return self._state_key
 
@@ -215,7 +221,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     def from_environment(self) -> bool:
         """Return whether the ``LIGHTNING_HOOKS`` switch added the callback, not the user.
 
-        Such a callback yields to one of its class that the user passed.
+        Such a callback stands aside when the user passed a callback of the same class.
         """
         return self._from_environment
 
@@ -232,7 +238,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     def setup(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
         if stage != "fit":
             return
-        # each fit starts healthy; a checkpoint loaded before it is kept for it
+        # Each fit starts healthy. A checkpoint loaded before the fit is kept for it.
         self._fit_state = FitState(
             self._new_guard(),
             idle=stands_down_for_users_own(self, trainer.callbacks),  # type: ignore[attr-defined]
@@ -249,9 +255,9 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     @override
     def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         fit = self._fit_state
-        if not fit.idle:  # after ``configure_model``: the layers built there exist
+        if not fit.idle:  # runs after ``configure_model``, so its layers exist
             fit.idle = not self._validate(pl_module)
-        skip_inherited(self, trainer)  # for the fit: Lightning calls only the hooks we define
+        skip_inherited(self, trainer)  # Lightning then calls only the hooks defined here
 
     @override
     @guarded
@@ -339,8 +345,8 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
 
     if TYPE_CHECKING:
         # Lightning's empty default is inherited, not defined here, so that Lightning skips it
-        # (skip_inherited); it reads nothing, so it takes what a Fabric loop hands the hooks,
-        # as FabricDriven asks.
+        # (see skip_inherited). It reads none of its arguments, so it accepts what a Fabric loop
+        # passes the hooks, as FabricDriven requires.
         def on_before_optimizer_step(
             self, trainer: TrainerView, pl_module: nn.Module, optimizer: torch.optim.Optimizer
         ) -> None:
@@ -356,9 +362,9 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         """Write a logging step whose optimizer step has run (its last micro-batch ended).
 
         The ranks agree first. If they agree on a failure, the callback is disabled on every
-        rank and nothing is written. Otherwise the step's values are written, and the module
-        hooks close unless the next step is a logging step too (a step that is not a logging
-        step then runs no hook of ours).
+        rank and nothing is written. Otherwise the step's values are written. The module hooks
+        then close unless the next step is a logging step too. A step that is not a logging
+        step therefore runs none of the library's hooks.
 
         Args:
             trainer: the trainer whose loggers are written to.
@@ -374,11 +380,13 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     def _set_gate(self, logging_step: bool) -> None:
         """Open or close the gate of the module hooks.
 
-        The gate changes only where it differs: a step that is not a logging step reads it and
-        sets nothing.
+        The gate is the switch that puts the module hooks on the model for a logging step and
+        takes them off after it (see docs/glossary.md). It is set only when its value changes,
+        so a step that is not a logging step only reads it.
 
         Args:
-            logging_step: whether the coming batch belongs to a logging step (the gate is open).
+            logging_step: whether the coming batch belongs to a logging step. If so, the gate
+                opens.
         """
         attached = self._fit_state.attached
         gate = None if attached is None else attached.registry
@@ -410,7 +418,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         state: dict[str, Any] = {}
         if attached is not None:
             if self.ranks.size > 1 and attached.aligned:
-                attached.align_rows()  # a checkpoint between logging steps: the rows made since
+                attached.align_rows()  # include the rows made since the last logging step
             state = attached.state_dict()
         for key, kept in self.kept.items():
             state[key] = kept.host_state()
@@ -430,7 +438,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     @guarded
     def on_train_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         try:
-            if self.hook_guard().failed is None:  # a failure after the last epoch end: agreed
+            if self.hook_guard().failed is None:  # agree on a failure after the last epoch end
                 attached = self._fit_state.attached
                 self.ranks.agree(trainer, trainer.global_step, attached, always=True)
             save_loggers(trainer.loggers, layout=trainer.is_global_zero)
@@ -455,9 +463,9 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     def flush(self, trainer: TrainerView) -> None:
         """Write what was measured before the hooks go.
 
-        On CUDA this includes the last logging step's copy, which is waited for; the loggers are
-        then saved. ``on_exception`` calls it, and so does the end of a Fabric loop, which no
-        epoch end need precede.
+        On CUDA this waits for the last logging step's copy and writes it. The loggers are then
+        saved. ``on_exception`` calls this method. So does the end of a Fabric loop, which may
+        come without an epoch end before it.
 
         Args:
             trainer: the trainer whose loggers are written to and saved.

@@ -13,8 +13,8 @@ def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
 
     Args:
         owner: the callback's name, which the error begins with.
-        every_n_steps: the cadence the user gave (``None``: the Trainer's
-            ``log_every_n_steps``).
+        every_n_steps: how often the callback measures, in optimizer steps, as the user gave
+            it. ``None`` means the Trainer's ``log_every_n_steps``.
 
     Returns:
         ``every_n_steps``, unchanged.
@@ -31,17 +31,21 @@ def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
 
 
 class LoggingCadence:
-    """Decide a callback's logging steps from its cadence and the epochs' first steps.
+    """Decide which optimizer steps a callback measures.
 
-    The logging steps are every ``every_n_steps``-th optimizer step (steps ``n-1, 2n-1, ...``;
-    ``None``: the Trainer's ``log_every_n_steps``) and each epoch's first.
-    Every micro-batch of a logging step belongs to it, and its values are written once its
-    optimizer step has run. An epoch's first step is found by the batch index, not at
-    ``on_train_epoch_start``, so that a run resumed mid-epoch measures the steps the
-    uninterrupted one measures.
+    A logging step is an optimizer step that the callback measures and writes to the loggers
+    (see docs/glossary.md). The logging steps are every ``every_n_steps``-th optimizer step,
+    that is steps ``n-1, 2n-1, ...``, plus the first step of each epoch. When ``every_n_steps``
+    is ``None``, the Trainer's ``log_every_n_steps`` sets the cadence.
+
+    Under gradient accumulation, every micro-batch of a logging step belongs to that step. The
+    step's values are written once its optimizer step has run. The first step of an epoch is
+    found from the batch index, not in ``on_train_epoch_start``. This way, a run resumed in the
+    middle of an epoch measures the same steps as a run that was never interrupted.
 
     Args:
-        every_n_steps: the cadence, or ``None`` for the Trainer's.
+        every_n_steps: measure every n-th optimizer step. ``None`` uses the Trainer's
+            ``log_every_n_steps``.
 
     Example:
         >>> from types import SimpleNamespace
@@ -62,19 +66,22 @@ class LoggingCadence:
         self.epoch_start_step = -1
         """The optimizer step of the running epoch's first batch."""
         self.measuring: int | None = None
-        """The logging step being measured, until its values are taken to be written."""
+        """The logging step being measured. It is reset to ``None`` once its values are handed
+        over to be written."""
 
     def logs(self, trainer: TrainerView, step: int) -> bool:
         """Tell whether an optimizer step is a logging step by the cadence alone.
 
         Args:
-            trainer: the trainer, whose ``log_every_n_steps`` is the cadence where none is set.
+            trainer: the trainer. Its ``log_every_n_steps`` is used when no cadence is set.
             step: the optimizer step asked about.
 
         Returns:
             Whether ``step`` is a logging step.
         """
-        every = getattr(trainer, "log_every_n_steps", 50)  # set by Lightning, not typed
+        every = getattr(
+            trainer, "log_every_n_steps", 50
+        )  # Lightning sets it; TrainerView does not declare it
         cadence = self.every_n_steps or max(1, int(every))
         return (step + 1) % cadence == 0
 
@@ -83,7 +90,7 @@ class LoggingCadence:
 
         Args:
             trainer: the trainer, whose ``global_step`` is the step the batch feeds.
-            batch_idx: the batch's index in its epoch (0 marks the epoch's first step).
+            batch_idx: the batch's index in its epoch. Index 0 marks the epoch's first step.
 
         Returns:
             Whether the batch belongs to a logging step.
@@ -98,9 +105,9 @@ class LoggingCadence:
         self.measuring = self.batch_step
 
     def end_epoch(self) -> None:
-        """Stop measuring any logging step at an epoch's end.
+        """Stop measuring any logging step at the end of an epoch.
 
-        A step cut short by a skipped batch is dropped.
+        If a skipped batch cut a logging step short, that step is not written.
         """
         self.measuring = None
 
@@ -108,12 +115,13 @@ class LoggingCadence:
         """Note a batch's end, and return the logging step whose optimizer step has just run.
 
         Args:
-            trainer: the trainer, whose ``global_step`` has moved past the measured step once its
-                optimizer step ran.
+            trainer: the trainer. Its ``global_step`` moves past the measured step once that
+                step's optimizer step has run.
 
         Returns:
-            The logging step whose optimizer step has just run, once; else ``None`` (a quiet
-            step, or a micro-batch before its step's last).
+            The logging step whose optimizer step has just run. Each step is returned only
+            once. Otherwise ``None``: for a quiet step (one that is not measured), and for each
+            micro-batch before the last one of a step.
         """
         measured = self.measuring
         if measured is None or trainer.global_step <= measured:

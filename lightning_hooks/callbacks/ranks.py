@@ -18,22 +18,28 @@ class RankAgreement:
     Three things must be the same on every rank, or one rank would wait forever in a collective
     that the others skip:
 
-    - **A failure.** When a hook of the callback fails on one rank, its guard keeps the failure
-      until the ranks agree. Then the callback is disabled on every rank, with one warning.
+    - **A failure.** When a hook of the callback fails on one rank, its guard holds the failure
+      until the ranks agree. The guard is the wrapper that catches errors in the library's own
+      code (see docs/glossary.md). Once the ranks agree, the callback is disabled on every
+      rank, with one warning.
     - **A stop.** An alarm's ``stop`` on one rank waits for the same agreement. Then every rank
       stops after the same step.
-    - **New rows.** A module that runs on some ranks only makes rows of a statistic there. The
-      rows are put in one order on every rank before they are reduced.
+    - **New rows.** A row is a statistic's entry for one layer or module. A module that runs
+      on only some ranks makes its rows on those ranks alone. The rows are put in one order on
+      every rank before they are reduced.
 
-    The ranks agree at each logging step and each epoch end, in one small collective. A callback
-    may already make a collective at every batch (the loss's, see :mod:`.agreement`). It then
-    carries the failure and stop flags too, and the callback hands their sums to :meth:`apply`.
-    A logging step where that happened makes no collective of its own. One process agrees with
-    itself: nothing is exchanged.
+    The ranks agree at each logging step and each epoch end, in one small collective. A
+    logging step is an optimizer step the callback measures (see docs/glossary.md). A callback
+    may already run a collective at every batch, such as the one that averages the loss (see
+    :mod:`.agreement`). That collective then carries the failure and stop flags as well, and
+    the callback passes their sums to :meth:`apply`. A logging step where this happened needs
+    no collective of its own. With one process there is nothing to exchange.
 
     Args:
-        guard: returns the guard of the running fit's hooks (each fit has its own).
-        remove_hooks: takes the callback's hooks off the model, once it is disabled.
+        guard: a function that returns the guard of the running fit. Each fit has its own
+            guard.
+        remove_hooks: a function that takes the callback's hooks off the model once the
+            callback is disabled.
 
     Example:
         >>> guard = Guard("Cb", strict=False)
@@ -51,13 +57,13 @@ class RankAgreement:
         """How many processes the fit runs on (counted at its train start)."""
         self.stop_requested = False
         """This rank's request to stop the fit, until the ranks agree on it."""
-        self._agreed_at: int | None = None  # the last step :meth:`apply` was handed flags at
+        self._agreed_at: int | None = None  # the last step at which :meth:`apply` got flags
 
     def start(self) -> None:
         """Count the ranks at a fit's train start, and forget the last fit's requests.
 
-        Where several ranks run, the fit's guard keeps a failure until they agree on it (unless
-        it is strict, and raises at once on every rank that fails).
+        When several ranks run, the fit's guard holds a failure until the ranks agree on it. A
+        strict guard is the exception: it raises at once on each rank that fails.
         """
         guard = self._fit_guard()
         self.size = world_size()
@@ -66,12 +72,12 @@ class RankAgreement:
         guard.defer = not guard.strict and self.size > 1
 
     def request_stop(self) -> None:
-        """Ask to stop the fit: every rank stops once the ranks agree on it."""
+        """Ask to stop the fit. Every rank stops once the ranks agree on the request."""
         self.stop_requested = True
 
     @property
     def failed_here(self) -> bool:
-        """Tell whether a hook failed on this rank, where the ranks have not yet agreed on it."""
+        """Tell whether this rank has a hook failure that the ranks have not yet agreed on."""
         return self._fit_guard().local is not None
 
     def agree(
@@ -80,13 +86,13 @@ class RankAgreement:
         """Agree on a failure, a stop and new rows, at a logging step or an epoch end.
 
         Args:
-            trainer: the trainer that is stopped where a rank asked, and whose rank 0 warns of a
-                failure.
+            trainer: the trainer. It is stopped if a rank asked to stop, and its rank 0 warns
+                of a failure.
             step: the optimizer step the ranks agree at, named in a failure's warning.
-            attached: what the running fit attached, whose statistics' rows are aligned
-                (``None``: nothing, or the callback is disabled).
-            always: agree even where the ranks already agreed at ``step`` through :meth:`apply`
-                (an epoch end, where the rows are aligned too).
+            attached: what the running fit attached. The rows of its statistics are aligned
+                across the ranks. ``None`` if nothing is attached or the callback is disabled.
+            always: agree even if the ranks already agreed at ``step`` through :meth:`apply`.
+                An epoch end passes ``True``, so that the rows are aligned there too.
         """
         guard = self._fit_guard()
         agreed = self._agreed_at == step and not always
@@ -101,7 +107,8 @@ class RankAgreement:
     def apply(self, trainer: TrainerView, step: int, *, failed: int, stopping: int) -> bool:
         """Act on the flags a callback's own per-batch collective summed over the ranks.
 
-        The ranks have then agreed at ``step``: :meth:`agree` makes no collective there.
+        After this call the ranks count as agreed at ``step``, so :meth:`agree` makes no
+        collective there.
 
         Args:
             trainer: the trainer whose ``should_stop`` is set where a rank asked to stop.
@@ -137,8 +144,8 @@ class RankAgreement:
     def _align_rows(self, trainer: TrainerView, step: int, attached: Attached) -> None:
         """Align the ranks' rows of the fit's statistics.
 
-        Where a layer's units differ between ranks, the callback is disabled on every rank (a
-        strict guard raises instead).
+        If a layer's units differ between ranks, the callback is disabled on every rank. A
+        strict guard raises the error instead.
 
         Args:
             trainer: the trainer whose rank 0 warns where the callback is disabled.
@@ -154,7 +161,7 @@ class RankAgreement:
             if self._fit_guard().strict:
                 raise
             cause = f"aligning rows across ranks: {type(error).__name__}: {error}"
-            self._disable(trainer, step, [cause] * self.size)  # every rank's
+            self._disable(trainer, step, [cause] * self.size)  # the same cause for every rank
 
     def _disable(self, trainer: TrainerView, step: int, causes: Sequence[str | None]) -> None:
         """Disable the callback on every rank, with one warning on rank 0 naming each cause.
