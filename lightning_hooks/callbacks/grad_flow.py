@@ -39,14 +39,18 @@ __all__ = ["GradFlowCallback"]
 class GradFlowCallback(HookCallback):
     r"""Log per-layer gradient flow at logging steps, and raise early-warning alarms at every step.
 
-    The gradient flow is the applied gradient, the weights and the updates of each layer; the
-    alarms are :class:`~lightning_hooks.core.AlarmRules`, run on every optimizer step.
+    The gradient flow of a layer is the gradient applied to it, its weights and its updates.
+    A *layer* is a module that owns trainable parameters directly. A *logging step* is an
+    optimizer step on which the callback measures and writes its values (see
+    docs/glossary.md). The alarms are the checks of :class:`~lightning_hooks.core.AlarmRules`,
+    and they run on every optimizer step, not only on logging steps.
 
-    A *layer* is a module owning trainable parameters directly. Each logging step also logs
-    the tags but ``*_max`` as ``grad_flow/{stat}_step/...``, ``grad_flow/alarms_step/{rule}``,
-    ``grad_flow/notices_step/{name}``.
+    Each logging step logs every tag below except the ``*_max`` ones, under
+    ``grad_flow/{stat}_step/...``. It also logs ``grad_flow/alarms_step/{rule}`` and
+    ``grad_flow/notices_step/{name}``. A *notice* is a fact that is logged but never warned of.
 
-    Logged metrics, each epoch end (``{layer}``: the module's qualified name, e.g. ``encoder.0``):
+    At each epoch end the callback logs the metrics below. In them, ``{layer}`` is the
+    module's qualified name, for example ``encoder.0``.
 
     ==========================================  ================================================
     Tag                                         Value, over the epoch's logging steps
@@ -79,41 +83,47 @@ class GradFlowCallback(HookCallback):
     ==========================================  ================================================
 
     Args:
-        types: only modules of these types count as layers (default: any module with parameters).
+        types: only modules of these types count as layers. By default any module with
+            parameters counts.
         include: glob patterns on qualified module names (``"encoder.*"``) to keep.
         exclude: glob patterns on qualified module names to drop.
-        update_ratio: measure the update-to-weight ratio (keeps one copy of the parameters).
+        update_ratio: measure the update-to-weight ratio. This keeps one copy of the parameters.
         output_grad: measure the gradient with respect to each layer's output.
         chart: log the gradient-flow chart image each epoch.
-        max_layers_logged: per-layer tags for at most this many layers per epoch, non-finite
-            first, then half the largest, half the smallest gradient norms (``None``: all).
-        histograms: log a histogram of ``log10 |g|`` per layer each epoch (one more pass).
-        heatmap: log an image of the gradient norm per layer and epoch each epoch.
-        alarms: the alarm rules (``True``: the defaults of :class:`AlarmRules`; ``False``: off).
+        max_layers_logged: the most layers whose per-layer tags are logged each epoch. Layers
+            with a non-finite gradient come first. Then half the places go to the largest
+            gradient norms and half to the smallest. ``None`` logs every layer.
+        histograms: log a histogram of ``log10 |g|`` per layer each epoch. This costs one more
+            pass over the gradients.
+        heatmap: log, each epoch, an image of the gradient norm per layer and epoch.
+        alarms: the alarm rules. ``True`` uses the defaults of :class:`AlarmRules`, and
+            ``False`` turns the alarms off.
         on_alarm: what a rule does when it fires: ``"warn"``, ``"stop"`` the fit, ``"raise"``
             an error, ``"skip"`` the optimizer step, or ``"log"`` only. Give one action for
             every rule, or ``{rule: action}``, where a rule not named warns. The notices
             *spike* and *stall* are only logged, unless named or under ``"skip"``. A skipped
             step cannot cure the loss rules, *vanishing*, *stall* or *attention*, so for them
             ``"skip"`` warns.
-        every_n_steps: measure on optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
-            (``None``: the Trainer's ``log_every_n_steps``); the alarms run on every step.
-        stability: log the instability statistics ``stability/...`` on the logging steps,
-            whatever the selection (the output layer: the last module owning parameters whose
-            output is a floating tensor, in forward order).
+        every_n_steps: measure on optimizer steps ``n-1, 2n-1, ...`` and on the first step of
+            each epoch. ``None`` uses the Trainer's ``log_every_n_steps``. The alarms run on
+            every step whatever this is.
+        stability: log the instability statistics ``stability/...`` on the logging steps. They
+            ignore ``types``, ``include`` and ``exclude``. The output layer they read is the
+            last module, in forward order, that owns parameters and returns a floating tensor.
 
     Example:
         >>> import pytorch_lightning as pl
         >>> trainer = pl.Trainer(callbacks=[GradFlowCallback(exclude="*.bn*")])  # doctest: +SKIP
 
     Each fit attaches a :class:`~lightning_hooks.core.GradFlowTracker` for the Trainer's
-    optimizers and, with ``stability``, the instability statistics; the callback adds the alarms
-    and the pictures.
+    optimizers. With ``stability``, it also attaches the instability statistics. The callback
+    itself adds the alarms and the pictures.
 
-    Under several processes, every rank measures the same layers: the tracker's rows are the
-    model's layers, and the instability statistics' are its attention and output modules, which
-    every rank runs in every training forward. So the ranks never need to agree on new rows,
-    as a callback watching modules that only some ranks run must.
+    Under several processes, every rank measures the same layers. A *row* is a statistic's entry
+    for one layer or module. The tracker has one row per layer of the model. The instability
+    statistics have one row per attention module and output module, and every rank runs these in
+    every training forward. So the ranks never need to agree on new rows. A callback that
+    watches modules only some ranks run would need to.
     """
 
     def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)
@@ -149,7 +159,7 @@ class GradFlowCallback(HookCallback):
         self.on_alarm = actions
         """The action of each rule, as ``on_alarm`` asked (a rule it did not name: its default)."""
         self._carried = _CarriedAlarms()
-        self.kept["alarms"] = self._carried  # the running scales, from one fit to the next
+        self.kept["alarms"] = self._carried  # carries the running scales to the next fit
         self.loss_agreement = LossAgreement(self.ranks)
         self.max_layers_logged = checks.positive_int_or_none(
             "GradFlowCallback", "max_layers_logged", max_layers_logged, none_means="every layer"
@@ -171,8 +181,8 @@ class GradFlowCallback(HookCallback):
         self.heatmap = heatmap
         self.stability = stability
         self._pictures = GradFlowPictures(self.max_layers_logged, chart=chart, heatmap=heatmap)
-        self.kept["heatmap"] = self._pictures.history  # a resumed fit draws the earlier epochs
-        self._fit: _Fit | None = None  # what the running fit measures
+        self.kept["heatmap"] = self._pictures.history  # so a resumed fit draws earlier epochs
+        self._fit: _Fit | None = None  # what the running fit measures; None between fits
 
     @override
     def _validate(self, pl_module: nn.Module) -> bool:
@@ -199,20 +209,20 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
-        """Measure the fit: the tracker, the optional statistics, the restored alarms and the loss.
+        """Set up what the fit measures: the tracker, the optional statistics and the alarms.
 
-        The tracker is put on the Trainer's optimizers and the optional statistics on its registry;
-        the alarms are restored from the last fit, and the loss is read each batch.
+        The tracker is built for the Trainer's optimizers. The optional statistics are hooked
+        on the tracker's registry. The alarms start from the state the last fit left, and the
+        loss is read at each batch.
 
         Args:
-            trainer: the trainer whose optimizers and gradient clipping the tracker reads, and
-                whose ``should_stop`` tells, when the hooks come off, whether an alarm ended
-                the fit.
-            pl_module: the model the hooks are put on and whose loss the loss rules read.
+            trainer: the trainer. The tracker reads its optimizers and gradient clipping. When
+                the hooks come off, its ``should_stop`` tells whether an alarm ended the fit.
+            pl_module: the model. The hooks are put on it, and the loss rules read its loss.
 
         Returns:
-            What the fit attached: the tracker's registry, the tracker and the instability
-            statistics, each with what the callback reads of it.
+            What the fit attached. This is the tracker's registry, the tracker and the
+            instability statistics, each with the callbacks that read its results.
         """
         tracker = self._make_tracker(trainer, pl_module)
         self._pictures.start()
@@ -234,30 +244,33 @@ class GradFlowCallback(HookCallback):
                 on_epoch=functools.partial(self._draw_pictures, fit),
             )
         ]
-        if fit.stability is not None:  # on the tracker's registry: one gate, removed with it
+        # Hooked on the tracker's registry, so one gate serves both and both come off together.
+        if fit.stability is not None:
             fit.stability.attach(pl_module, tracker.registry)
             on_step = functools.partial(self._watch_attention, fit)
             logged.append(Logged(fit.stability, on_step=on_step))
         return Attached(
             tracker.registry,
             logged,
-            # the loss rules read every batch's loss: the ranks' mean, or this rank's own
+            # The loss rules read the loss of every batch, either its mean over the ranks or
+            # this rank's own loss.
             every_batch=self.loss_agreement.reading != "off",
             on_remove=self._end_fit,
             earlier_layout=_saved_by_release_0_2,
         )
 
     def _make_tracker(self, trainer: TrainerView, pl_module: nn.Module) -> GradFlowTracker:
-        """Build the fit's tracker for the Trainer's optimizers and its gradient clipping.
+        """Build the fit's tracker for the Trainer's optimizers and gradient clipping.
+
+        If no optimizer steps some layer, this warns once and names the layer.
 
         Args:
-            trainer: the trainer, whose optimizers and clipping the tracker reads.
-            pl_module: the model whose layers the tracker measures, and whose learning rate and
-                output units the alarms quote.
+            trainer: the trainer. The tracker reads its optimizers and gradient clipping.
+            pl_module: the model. The tracker measures its layers, and the alarm messages quote
+                its learning rate and output units.
 
         Returns:
-            The tracker, with the run's facts its alarms quote; a layer no optimizer steps is
-            warned of once.
+            The tracker. Its alarms already know the facts of the run that they quote.
         """
         clip = trainer.gradient_clip_val
         algorithm = trainer.gradient_clip_algorithm or "norm"
@@ -275,7 +288,7 @@ class GradFlowCallback(HookCallback):
             max_layers_logged=self.max_layers_logged,
             guard=self.hook_guard(),
         )
-        if tracker.alarms is not None:  # the learning rate and the output units, to quote
+        if tracker.alarms is not None:  # alarm messages quote the learning rate and output units
             tracker.alarms.know(RunFacts.of(pl_module, trainer.optimizers))
         unstepped = tracker.unstepped()
         if unstepped:
@@ -289,8 +302,8 @@ class GradFlowCallback(HookCallback):
     def _end_fit(self) -> None:
         """Close the fit whose hooks came off, and drop what it made.
 
-        Its alarms' state is carried to the next fit, and the fit's trainer tells whether an
-        alarm's ``stop`` ended it.
+        The state of the fit's alarms is carried to the next fit. If an alarm's ``stop`` action
+        ended the fit, the alarm policy then warns of it once.
         """
         fit = self._fit
         self._carried.end_fit()
@@ -303,21 +316,21 @@ class GradFlowCallback(HookCallback):
     def on_before_optimizer_step(
         self, trainer: TrainerView, pl_module: nn.Module, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Measure the gradient ``optimizer`` is about to apply, and act on the alarms read.
+        """Measure the gradient that ``optimizer`` is about to apply, then act on any alarms.
 
         Args:
-            trainer: the trainer whose GradScaler unscales the gradients read, and whose step the
-                measurement belongs to.
-            pl_module: the model trained, unread.
-            optimizer: the optimizer about to step, whose gradients are measured (and, under
-                ``"skip"``, dropped).
+            trainer: the trainer. Its GradScaler scale is used to unscale the gradients, and
+                the measurement belongs to its current step.
+            pl_module: the model being trained. It is not read.
+            optimizer: the optimizer about to step. Its gradients are measured. Under the
+                ``"skip"`` action they are also dropped.
         """
         fit = self._fit
         if fit is None:
             return
         scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
         enabled = scaler is not None and scaler.is_enabled()
-        scale = internals.grad_scaler_scale(scaler) if enabled else None  # no sync
+        scale = internals.grad_scaler_scale(scaler) if enabled else None  # no host sync
         # Lightning does not unscale for optimizers that unscale inside their step (fused).
         fused = scale is not None and internals.steps_unscale_themselves(optimizer)
         fit.tracker.observe(
@@ -339,13 +352,13 @@ class GradFlowCallback(HookCallback):
     def _batch_ending(
         self, trainer: TrainerView, outputs: STEP_OUTPUT, *, logging_step: bool
     ) -> None:
-        """Close a logging step's attention statistics, then feed the batch's loss to the rules.
+        """Close the attention statistics of a logging step, then give the loss to the rules.
 
         Args:
             trainer: the trainer the alarms act on.
-            outputs: what the batch's ``training_step`` returned, where the loss is read.
-            logging_step: whether the batch belongs to a logging step (the attention statistics
-                close only then).
+            outputs: what ``training_step`` returned for the batch. The loss is read from it.
+            logging_step: whether the batch belongs to a logging step. The attention statistics
+                are closed only then.
         """
         fit = self._fit
         if fit is None:
@@ -357,13 +370,13 @@ class GradFlowCallback(HookCallback):
             self.loss_agreement.feed(trainer, outputs, self.cadence.batch_step, alarms, fit.policy)
 
     def _log_alarms(self, fit: _Fit, trainer: TrainerView, step: int, table: LayerTable) -> None:
-        """Log the alarms' counts and text since the last logging step, with its values.
+        """Log the alarm counts and alarm text gathered since the last logging step.
 
         Args:
             fit: the fit whose alarms are logged.
             trainer: the trainer whose loggers are written to.
-            step: the logging step, which the counts and text are written at.
-            table: the step's values per layer (the alarms need only its step).
+            step: the logging step. The counts and text are written at this step.
+            table: the step's values per layer. It is not read; only ``step`` is needed.
         """
         alarms = fit.tracker.alarms
         if alarms is not None:
@@ -376,7 +389,7 @@ class GradFlowCallback(HookCallback):
 
         Args:
             fit: the fit whose alarms read them.
-            trainer: the trainer, unread (the signature every step reader has).
+            trainer: the trainer. It is not read; every step reader takes it.
             step: the logging step the values belong to.
             result: the step's instability statistics.
         """
@@ -388,7 +401,8 @@ class GradFlowCallback(HookCallback):
         """Draw the epoch's chart, heatmap and histograms.
 
         Args:
-            fit: the fit whose histograms and shards are drawn.
+            fit: the fit. Its histograms are written, and its shard plan tells how the
+                gradients are split across ranks.
             trainer: the trainer whose loggers are written to.
             table: the epoch's values per layer.
         """
@@ -396,11 +410,11 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _log_epoch(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Close the alarms' epoch: act on the last verdicts, then log the counts and the text.
+        """Close the epoch for the alarms: act on the last results, then log counts and text.
 
         Args:
-            trainer: the trainer the alarms act on and whose loggers are written to.
-            pl_module: the model trained, unread.
+            trainer: the trainer. The alarms act on it and write to its loggers.
+            pl_module: the model being trained. It is not read.
         """
         fit = self._fit
         alarms = None if fit is None else fit.tracker.alarms
@@ -409,11 +423,13 @@ class GradFlowCallback(HookCallback):
 
 
 def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | None) -> str | None:
-    """Say why the alarms' actions cannot run in a Fabric loop: a ``"stop"`` needs a Trainer.
+    """Say why the alarm actions cannot run in a Fabric loop, if they cannot.
+
+    The ``"stop"`` action needs a Trainer, because a Fabric loop has no ``should_stop``.
 
     Args:
         actions: the action of each rule, as ``on_alarm`` asked.
-        rules: the alarm rules (``None``: no alarm fires, so none stops the fit).
+        rules: the alarm rules. ``None`` means no alarm fires, so none can stop the fit.
 
     Returns:
         The reason, or ``None`` where no rule stops the fit.
@@ -435,29 +451,34 @@ class _Fit:
     """
 
     trainer: TrainerView
-    """The trainer running the fit, whose ``should_stop`` tells, when the hooks come off,
-    whether an alarm's ``stop`` ended it."""
+    """The trainer running the fit. When the hooks come off, its ``should_stop`` tells whether
+    an alarm's ``stop`` action ended the fit."""
     tracker: GradFlowTracker
-    """The gradient flow of every layer, for the Trainer's optimizers; its ``alarms`` (``None``:
-    ``alarms=False``) are the fit's alarms."""
+    """The tracker that measures the gradient flow of every layer for the Trainer's optimizers.
+    Its ``alarms`` are the fit's alarms, or ``None`` under ``alarms=False``."""
     policy: AlarmPolicy
-    """What the fit's alarms do (``on_alarm``), and what is written of them: its warnings, its
-    stop and its counts belong to this fit alone."""
+    """What the fit's alarms do, as ``on_alarm`` asked, and how they are logged. Its warnings,
+    stop and counts belong to this fit alone."""
     stability: StabilityStats | None
-    """The attention and output-logit statistics (``None``: ``stability=False``)."""
+    """The attention and output-logit statistics, or ``None`` under ``stability=False``."""
     histograms: LayerHistograms | None
-    """The histograms of ``log10 |g|`` per layer (``None``: ``histograms=False``)."""
+    """The histograms of ``log10 |g|`` per layer, or ``None`` under ``histograms=False``."""
 
 
 class _CarriedAlarms:
-    """Carry the alarms' running scales from one fit to the next, and through checkpoints.
+    """Carry the running scales of the alarms from one fit to the next, and through checkpoints.
 
-    Between fits they are the state the last fit's alarms left, or a checkpoint's. A fit's
-    alarms start from it (:meth:`start_fit`) and, when its hooks come off, leave theirs
-    (:meth:`end_fit`); while a fit runs, a checkpoint saves the fit's alarms. What is carried is
-    the alarms' :meth:`~lightning_hooks.core.alarms.TrainingAlarms.state_dict`: the running
-    scales, the ring buffer and the counts. What the alarms count once it is loaded, the fit's
-    log has already written (:meth:`~.alarm_policy.AlarmLog.start`).
+    A *running scale* is the running mean and spread that a spike is measured against (see
+    docs/glossary.md). What is carried is the state given by
+    :meth:`~lightning_hooks.core.alarms.TrainingAlarms.state_dict`. It holds the running scales,
+    the ring buffer of recent steps and the counts.
+
+    Between fits, the state carried is the one the last fit's alarms left, or one loaded from a
+    checkpoint. A new fit's alarms start from it (:meth:`start_fit`). When the fit's hooks come
+    off, the alarms leave their own state for the next fit (:meth:`end_fit`). While a fit runs,
+    a checkpoint saves the state of that fit's alarms. The fit's log treats the loaded counts
+    as already written, so it logs only what the alarms count after them
+    (:meth:`~.alarm_policy.AlarmLog.start`).
 
     Example:
         >>> carried = _CarriedAlarms()
@@ -467,45 +488,48 @@ class _CarriedAlarms:
 
     def __init__(self) -> None:
         self._state: dict[str, Any] | None = None
-        """The state between fits: the last fit's alarms', or a checkpoint's (``None``: none)."""
+        """The state kept between fits, from the last fit or a checkpoint. ``None`` if none."""
         self._alarms: TrainingAlarms | None = None
-        """The running fit's alarms (``None``: between fits, or ``alarms=False``)."""
+        """The alarms of the running fit. ``None`` between fits or under ``alarms=False``."""
         self._log: AlarmLog | None = None
-        """The running fit's log, which starts from the counts its alarms are loaded with."""
+        """The alarm log of the running fit. It starts from the counts loaded into the alarms."""
 
     def start_fit(self, alarms: TrainingAlarms | None, log: AlarmLog) -> None:
         """Start a fit's fresh ``alarms`` from the state carried, if any.
 
         Args:
-            alarms: the fit's alarms, until :meth:`end_fit` (``None``: the fit has none).
-            log: the fit's log of the alarms, started from what they count once loaded.
+            alarms: the fit's alarms, held until :meth:`end_fit`. ``None`` if the fit has none.
+            log: the fit's alarm log. It starts from the counts the alarms hold once loaded.
         """
         self._alarms = alarms
         self._log = log
         self._load()
 
     def end_fit(self) -> None:
-        """Carry the running fit's alarms' state to the next fit, and let them go."""
+        """Keep the state of the running fit's alarms for the next fit, then let them go."""
         if self._alarms is not None:
             self._state = self._alarms.state_dict()
         self._alarms = None
         self._log = None
 
     def host_state(self) -> dict[str, Any]:
-        """Return the alarms' running scales, saved in checkpoints.
+        """Return the state of the alarms, which checkpoints save.
 
         Returns:
-            The running fit's, or else the state carried; empty where there is none.
+            The state of the running fit's alarms. Between fits, the state carried instead.
+            An empty dict if there is none.
         """
         if self._alarms is not None:
             return self._alarms.state_dict()
         return dict(self._state or {})
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's running scales, in the running fit's alarms if any.
+        """Continue from the alarm state a checkpoint saved.
+
+        If a fit is running, its alarms load the state at once.
 
         Args:
-            state: the scales :meth:`host_state` saved (empty: none).
+            state: the state that :meth:`host_state` returned. An empty dict means none.
         """
         self._state = dict(state) or None
         self._load()
@@ -513,15 +537,15 @@ class _CarriedAlarms:
     def _load(self) -> None:
         """Load the state carried into the running fit's alarms, and start the log from them.
 
-        A state of another model's layers is dropped, with a warning: the running scales start
-        afresh.
+        A state saved for another model's layers is dropped with a warning. The running scales
+        then start afresh.
         """
         alarms = self._alarms
         if alarms is not None and self._state is not None:
             try:
                 alarms.load_state_dict(self._state)
             except ValueError as err:
-                self._state = None  # another model's: dropped once, not at every later fit
+                self._state = None  # another model's state: drop it now, not at every later fit
                 rank_zero_warn(
                     f"GradFlowCallback: {err}; running scales start afresh.",
                     category=LightningHooksWarning,
@@ -531,22 +555,24 @@ class _CarriedAlarms:
 
 
 _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")
-"""What release 0.2.0 saved of the tracker, at the top of the callback's state."""
+"""The keys of the tracker's state that release 0.2.0 saved at the top of the callback's state."""
 
 
 def _saved_by_release_0_2(state: dict[str, Any]) -> dict[str, Any]:
     """Read a checkpoint's state in this release's layout.
 
-    Release 0.2.0 saved the tracker's state at the top and the instability statistics' under
-    ``"stability"``; each is now under its place and class.
+    Release 0.2.0 saved the tracker's state at the top level, and the state of the instability
+    statistics under ``"stability"``. This release saves each one under a key made of its
+    position and class name.
 
     Args:
         state: the callback's state as the checkpoint holds it.
 
     Returns:
-        The state under the keys this release saves (unchanged where it is this release's).
+        The state under the keys this release saves. A state already in this layout is
+        returned unchanged.
     """
-    if not all(key in state for key in _TRACKER_STATE):  # this version's, or another model's
+    if not all(key in state for key in _TRACKER_STATE):  # not the 0.2.0 layout
         return dict(state)
     rest = {k: v for k, v in state.items() if k not in (*_TRACKER_STATE, "stability")}
     converted = {f"0:{GradFlowTracker.__name__}": {k: state[k] for k in _TRACKER_STATE}}
@@ -559,7 +585,7 @@ def _histograms(tracker: GradFlowTracker) -> LayerHistograms:
     """Make the histograms of ``log10 |g|``, one per layer the tracker measures.
 
     Args:
-        tracker: the fit's tracker, whose layers and device the histograms take.
+        tracker: the fit's tracker. The histograms take its layers and device.
 
     Returns:
         Empty histograms on the layers' device.
@@ -572,13 +598,13 @@ def _alarm_rules(alarms: AlarmRules | bool) -> AlarmRules | None:
     """Read ``alarms`` as the alarm rules.
 
     Args:
-        alarms: the rules, ``True`` for the defaults, or ``False`` for none.
+        alarms: the rules, ``True`` for the default rules, or ``False`` for none.
 
     Returns:
         The rules, or ``None`` for none.
 
     Raises:
-        TypeError: ``alarms`` is neither rules nor a bool.
+        TypeError: if ``alarms`` is neither an ``AlarmRules`` nor a bool.
     """
     if not isinstance(alarms, AlarmRules | bool):
         raise TypeError(

@@ -1,7 +1,7 @@
-"""Draw what ``GradFlowCallback`` shows at each epoch end beside its scalars.
+"""Draw the pictures that ``GradFlowCallback`` logs at each epoch end, beside its scalars.
 
-That is the gradient-flow chart, the heatmap of the gradient norm per layer and epoch, and
-the histograms of ``log10 |g|``.
+There are three kinds: the gradient-flow chart, the heatmap of the gradient norm per layer and
+epoch, and the histograms of ``log10 |g|``.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def observe_histograms(
     """Count the gradients ``optimizer`` is about to apply into ``hist``, per layer.
 
     Args:
-        hist: the histograms of ``log10 |g|``, one per layer, that the counts are added to.
-        layout: the parameters' layout, which tells each parameter's layer.
-        optimizer: the optimizer about to step; only the parameters it steps are counted.
+        hist: the histograms of ``log10 |g|``, one per layer. The counts are added to them.
+        layout: the layout of the parameters. It tells which layer each parameter belongs to.
+        optimizer: the optimizer about to step. Only the parameters it steps are counted.
     """
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     pairs = [
@@ -42,21 +42,22 @@ def observe_histograms(
         for p, row in zip(layout.params, layout.owner, strict=True)
         if p.grad is not None and id(p) in stepped
     ]
-    grads = ParamLayout.grads([p for p, _ in pairs])  # sparse: the coalesced values
+    grads = ParamLayout.grads([p for p, _ in pairs])  # a sparse gradient gives its coalesced values
     hist.update(grads, [row for _, row in pairs])
 
 
 class GradFlowPictures:
     """Draw an epoch's chart and heatmap, and write its histograms.
 
-    It holds the heatmap's columns, one per epoch of the fit (:meth:`start` forgets them), saved
-    in checkpoints.
+    It holds the heatmap's columns, one per epoch of the fit. Checkpoints save them, and
+    :meth:`start` forgets them at the start of a new fit.
 
     Args:
-        max_layers_logged: histograms for the layers whose scalars are logged
+        max_layers_logged: the most layers whose scalars are logged. Histograms are written
+            only for those layers
             (:func:`~lightning_hooks.core.stats.grad_flow_tags.logged_rows`).
         chart: draw the chart of mean and max ``|g|`` per layer.
-        heatmap: draw the gradient norm per layer and epoch.
+        heatmap: draw the heatmap of the gradient norm per layer and epoch.
     """
 
     def __init__(self, max_layers_logged: int | None, *, chart: bool, heatmap: bool) -> None:
@@ -64,7 +65,7 @@ class GradFlowPictures:
         self.chart = chart
         self.heatmap = heatmap
         self.history = EpochColumns()
-        """The gradient norm per layer of each epoch of the fit, the heatmap's columns."""
+        """The gradient norm per layer for each epoch of the fit, one heatmap column per epoch."""
 
     def start(self) -> None:
         """Start a new fit's heatmap, forgetting the last fit's epochs."""
@@ -79,16 +80,17 @@ class GradFlowPictures:
     ) -> None:
         """Write the epoch's histograms, then on rank 0 its chart and heatmap.
 
-        The histograms' counts are a collective under FSDP2, on every rank. An epoch with no logging
-        step writes nothing.
+        Under FSDP2, summing the histogram counts is a collective, so every rank takes part.
+        An epoch with no logging step writes nothing. A *logging step* is an optimizer step on
+        which the callback measures its values (see docs/glossary.md).
 
         Args:
             trainer: the trainer whose loggers are written to, at the epoch's step
                 (:func:`~.attached.epoch_step`).
             stats: the epoch's values per layer.
-            histograms: the epoch's histograms of ``log10 |g|`` (``None``: none are written).
-            shards: how the gradients are sharded across ranks under FSDP2 (``None``: whole on
-                every rank).
+            histograms: the epoch's histograms of ``log10 |g|``. ``None`` writes no histograms.
+            shards: how the gradients are sharded across ranks under FSDP2. ``None`` means each
+                rank holds the whole gradient.
         """
         if not stats.count.any():
             return
@@ -103,8 +105,9 @@ class GradFlowPictures:
         """Draw the chart of mean and max ``|g|`` per layer.
 
         Args:
-            trainer: the trainer whose loggers get the figure, titled with its epoch.
-            stats: the epoch's values per layer (the global row, last, is left out).
+            trainer: the trainer whose loggers get the figure. Its epoch is in the title.
+            stats: the epoch's values per layer. The last row holds the global values and is
+                left out.
         """
         mean = stats.column("grad_abs_mean")[:-1]
         peak = stats.column("grad_abs_max", "peak")[:-1]
@@ -116,8 +119,9 @@ class GradFlowPictures:
         """Add the epoch's gradient norms to the heatmap's columns, and draw the heatmap.
 
         Args:
-            trainer: the trainer whose loggers get the figure; its epoch names the new column.
-            stats: the epoch's values per layer (the global row, last, is left out).
+            trainer: the trainer whose loggers get the figure. Its epoch names the new column.
+            stats: the epoch's values per layer. The last row holds the global values and is
+                left out.
         """
         norms = {"grad_norm": stats.column("grad_norm")[:-1]}
         self.history.add(trainer.current_epoch, stats.layers[:-1], norms)
@@ -136,14 +140,14 @@ class GradFlowPictures:
         """Write the epoch's histograms of the logged layers on rank 0, then reset them.
 
         Args:
-            trainer: the trainer whose loggers are written to; only rank 0 writes.
-            stats: the epoch's values per layer, which choose the layers logged.
-            hist: the epoch's histograms, reset once their counts are read.
-            shards: how the gradients are sharded under FSDP2, whose counts are summed across
-                ranks (``None``: rank 0's counts are every rank's).
+            trainer: the trainer whose loggers are written to. Only rank 0 writes.
+            stats: the epoch's values per layer. They choose which layers are logged.
+            hist: the epoch's histograms. They are reset once their counts are read.
+            shards: how the gradients are sharded under FSDP2. Then the counts are summed across
+                ranks. ``None`` means rank 0's counts already stand for every rank.
         """
-        # Gradients are all-reduced before the optimizer step: rank 0's counts are every rank's.
-        # FSDP2: each rank counted its shard's entries; the whole gradient is their sum.
+        # Gradients are all-reduced before the optimizer step, so rank 0's counts match every
+        # rank's. Under FSDP2 each rank counted only its own shard, so the counts are summed.
         counts = (
             hist.host_counts() if shards is None else shards.sum(hist.counts).cpu().double().numpy()
         )

@@ -1,8 +1,10 @@
 """Provide ``StatsCallback``, which logs any :class:`~.stat.LayerStat` and keeps it in checkpoints.
 
-Each statistic is logged at each logging step and epoch end. The module also holds what every
-callback that watches a selection of modules shares: its checkpoint key, the check that the
-selection watches something, and the attaching of its statistics.
+Each statistic is logged at each logging step and at each epoch end. A *logging step* is an
+optimizer step on which the callbacks measure and write their values (see docs/glossary.md).
+
+The module also holds helpers that every callback watching a selection of modules shares. They
+build the checkpoint key, check that the selection watches something, and attach the statistics.
 """
 
 from __future__ import annotations
@@ -33,19 +35,21 @@ __all__ = [
     "watches_selection",
 ]
 
-# The bare class in the signature: jsonargparse (LightningCLI) resolves a ``class_path`` against
-# a class, not against the subscripted generic ``LayerStat[Any]``.
+# The signature uses the bare class. jsonargparse (used by LightningCLI) resolves a
+# ``class_path`` against a class, not against the subscripted generic ``LayerStat[Any]``.
 _AnyStat = LayerStat
 
 
 class Findings:
-    """Count a callback's findings per layer in one fit, warning of the first on each layer.
+    """Count a callback's findings per layer in one fit, and warn of the first on each layer.
 
-    The rest are counted and summed up in one warning when the fit's hooks come off.
+    A *finding* is a problem a callback warns of on one layer, such as a large share of dead
+    units. Later findings on the same layer are only counted. One warning sums them up when the
+    fit's hooks come off.
 
     Args:
-        owner: the callback's name, which the summary begins with.
-        noun: what a finding is called in the summary (``"dead-unit findings"``).
+        owner: the callback's name. The summary begins with it.
+        noun: what the summary calls the findings, for example ``"dead-unit findings"``.
     """
 
     def __init__(self, owner: str, noun: str) -> None:
@@ -60,13 +64,13 @@ class Findings:
             layer: the qualified name of the module the finding is on.
 
         Returns:
-            Whether it is the first on that layer in this fit (to be warned).
+            Whether it is the first finding on that layer in this fit, which should be warned of.
         """
         self._seen[layer] += 1
         return self._seen[layer] == 1
 
     def warn_held_back(self) -> None:
-        """Warn once of the findings held back after the first per layer, and start afresh."""
+        """Warn once of the findings held back after the first on each layer, then reset."""
         held = {layer: n - 1 for layer, n in self._seen.items() if n > 1}
         self._seen.clear()
         if held:
@@ -87,23 +91,26 @@ def watches_selection(  # noqa: PLR0913 (a callback's selection: one keyword eac
     selected: Mapping[str, object],
     hint: str = "",
 ) -> bool:
-    """Check each statistic's selection on ``model``, the check of a callback's ``_validate``.
+    """Check that the statistics select some module of ``model``.
+
+    A callback's ``_validate`` calls this before the fit.
 
     Args:
-        owner: the callback's name, which its messages begin with.
+        owner: the callback's name. Its messages begin with it.
         model: the model whose modules the statistics select from.
-        stats: the callback's statistics, each selecting its modules.
-        what: what the statistics watch (``"module"``), as the messages name it.
-        selected: the constructor arguments that select modules, with the values the user gave
-            (``None`` or empty where left at the default).
-        hint: a clause the message ends with where nothing is selected.
+        stats: the callback's statistics. Each one selects its own modules.
+        what: the name the messages give to what is watched, for example ``"module"``.
+        selected: the constructor arguments that select modules, with the values the user gave.
+            An argument left at its default is ``None`` or empty.
+        hint: a clause added to the end of the message when nothing is selected.
 
     Returns:
-        Whether any statistic selects a module of ``model``; where none does at the defaults,
-        ``False`` after one warning (see :func:`nothing_to_watch`).
+        Whether any statistic selects a module of ``model``. If none does and the selection is
+        at its defaults, this warns once and returns ``False`` (see :func:`nothing_to_watch`).
 
     Raises:
-        ValueError: a pattern matches no module name, or the user's selection selects nothing.
+        ValueError: if a pattern matches no module name, or the user's selection selects
+            nothing.
     """
     chosen = [stat.select(model) for stat in stats]
     if any(chosen):
@@ -118,21 +125,25 @@ def attach_stats(
     *,
     on_remove: Callable[[], None] | None = None,
 ) -> Attached:
-    """Hook each statistic on ``model``, on one registry whose gate opens at logging steps.
+    """Hook each statistic on ``model`` through one shared hook registry.
+
+    The registry's *gate* puts the hooks on the model for each logging step and takes them off
+    after it. Every hook runs under the callback's *guard* (see docs/glossary.md).
 
     Args:
-        model: the model the statistics' hooks are put on.
-        guard: the guard of the callback's hooks, which the registry runs every hook under.
-        logged: each statistic (a :class:`~.stat.LayerStat`) with what the callback reads of its
+        model: the model the hooks are put on.
+        guard: the guard of the callback's hooks. The registry runs every hook under it.
+        logged: each statistic, a :class:`~.stat.LayerStat`, with the callbacks that read its
             results.
         on_remove: called once when the hooks come off.
 
     Returns:
-        What the fit attached; the ranks align the statistics' rows (a module that runs on some
-        ranks only).
+        What the fit attached. Under several processes, the ranks align the statistics' rows,
+        because a module may run on some ranks only. A *row* is a statistic's entry for one
+        module.
 
     Raises:
-        TypeError: a statistic of ``logged`` is not a :class:`~.stat.LayerStat`.
+        TypeError: if a statistic in ``logged`` is not a :class:`~.stat.LayerStat`.
     """
     registry = HookRegistry(model, guard=guard)
     stats = [_layer_stat(item) for item in logged]
@@ -142,16 +153,16 @@ def attach_stats(
 
 
 def _layer_stat(logged: Logged[Any]) -> LayerStat[Any]:
-    """Return the statistic of ``logged``, checked to be a layer statistic.
+    """Return the statistic of ``logged`` after checking that it is a layer statistic.
 
     Args:
-        logged: a statistic with what its callback reads of it.
+        logged: a statistic with the callbacks that read its results.
 
     Returns:
         The statistic, typed as a :class:`~.stat.LayerStat`.
 
     Raises:
-        TypeError: the statistic is not a :class:`~.stat.LayerStat`.
+        TypeError: if the statistic is not a :class:`~.stat.LayerStat`.
     """
     stat = logged.stat
     if not isinstance(stat, LayerStat):
@@ -161,20 +172,22 @@ def _layer_stat(logged: Logged[Any]) -> LayerStat[Any]:
 
 @named_arguments
 class StatsCallback(HookCallback):
-    """Hook each statistic on the model in the logging steps' training forwards.
+    """Hook each statistic on the model during the training forward of each logging step.
 
-    Each statistic is carried in checkpoints too.
+    A *logging step* is an optimizer step on which the callback measures and writes its values
+    (see docs/glossary.md). The state of each statistic is also saved in checkpoints.
 
-    Logged metrics: each statistic's ``step_values`` at each logging step, its ``tags`` at each
-    epoch end.
+    Each statistic logs its ``step_values`` at each logging step and its ``tags`` at each epoch
+    end.
 
     Args:
-        stats: one statistic or several; each is attached afresh at every fit.
-        every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
-            (``None``: the Trainer's ``log_every_n_steps``; 1: every step).
+        stats: one statistic or a sequence of them. Each is attached afresh at every fit.
+        every_n_steps: measure on optimizer steps ``n-1, 2n-1, ...`` and on the first step of
+            each epoch. ``None`` uses the Trainer's ``log_every_n_steps``, and 1 measures every
+            step.
 
     Raises:
-        TypeError: ``stats`` is not a statistic or a non-empty sequence of them.
+        TypeError: if ``stats`` is neither a statistic nor a non-empty sequence of them.
 
     Example:
         >>> from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
@@ -192,7 +205,7 @@ class StatsCallback(HookCallback):
         items: tuple[object, ...] = ()
         if isinstance(stats, LayerStat):
             items = (stats,)
-        elif isinstance(stats, Sequence):  # a string's characters are refused below
+        elif isinstance(stats, Sequence):  # a string passes here, and the check below refuses it
             items = tuple(stats)
         if not items or not all(isinstance(s, LayerStat) for s in items):
             raise TypeError(
@@ -220,10 +233,11 @@ class StatsCallback(HookCallback):
 def selection_state_key(types: object, include: object, exclude: object) -> dict[str, Any]:
     """Make the fields of a callback's checkpoint key from its module selection.
 
-    The key is the one release 0.2.0 saved under: a checkpoint's state is found by it.
+    The key has the same fields that release 0.2.0 saved under. A checkpoint's state is found
+    by this key.
 
     Args:
-        types: the module types selected (``None``: any).
+        types: the module types selected. ``None`` means any type.
         include: the glob patterns on qualified module names that are kept.
         exclude: the glob patterns on qualified module names that are dropped.
 
@@ -242,21 +256,23 @@ def nothing_to_watch(
 ) -> bool:
     """Refuse or idle a fit whose model has nothing to watch.
 
-    Where the user selected modules, this is a ``ValueError``; at the defaults it is one warning
-    and an idle fit (as Lightning's ``LearningRateMonitor`` without a scheduler).
+    If the user chose the selection, this raises a ``ValueError``. If the selection is at its
+    defaults, this warns once and the callback does nothing in the fit. Lightning's
+    ``LearningRateMonitor`` does the same when there is no scheduler.
 
     Args:
-        owner: the callback's name, which the message begins with.
-        what: what the callback watches (``"module owning a parameter"``).
-        selected: the constructor arguments that select modules, with the values the user gave
-            (``None`` or empty where left at the default).
-        hint: a clause the message ends with.
+        owner: the callback's name. The message begins with it.
+        what: what the callback watches, for example ``"module owning a parameter"``.
+        selected: the constructor arguments that select modules, with the values the user gave.
+            An argument left at its default is ``None`` or empty.
+        hint: a clause added to the end of the message.
 
     Returns:
-        ``False``: the fit has nothing to watch (what ``_validate`` returns).
+        ``False``, meaning the fit has nothing to watch. ``_validate`` returns this value.
 
     Raises:
-        ValueError: the user's selection selects nothing, naming the arguments given.
+        ValueError: if the user's selection selects nothing. The message names the arguments
+            given.
     """
     given = [f"{argument}={value!r}" for argument, value in selected.items() if value]
     if given:
