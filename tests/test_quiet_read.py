@@ -18,7 +18,7 @@ from test_alarms import SPIKE_WARNS, DeeperMLP, Fault, LongMLP, _alarms
 from lightning_hooks import AlarmRules, GradFlowCallback, LightningHooksWarning
 from lightning_hooks.core.alarms.rules import QUIET_READS
 from lightning_hooks.core.ops.grouped_norms import GroupedNorms
-from lightning_hooks.core.stats import optimizer_view
+from lightning_hooks.core.stats import alarm_feed
 
 
 def test_an_unknown_read_is_named_with_the_allowed_ones() -> None:
@@ -42,7 +42,7 @@ class _Foreach(GroupedNorms):
 def _foreach(root: Path, model: type[LongMLP] = LongMLP) -> list[tuple[int, str, str]]:
     """The alarms of a fit whose quiet steps read with one ``_foreach_norm``, without a word."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(optimizer_view, "GroupedNorms", _Foreach)
+        patch.setattr(alarm_feed, "GroupedNorms", _Foreach)
         alarms, said = _fit("grouped", root, model)
     assert not [m for m in said if "quiet_read" in m], said
     return alarms
@@ -94,7 +94,7 @@ def test_kernels_that_fail_are_said_once_and_the_fit_reads_with_foreach(
             raise RuntimeError("no kernel image is available for execution on the device")
 
     foreach = _foreach(tmp_path / "foreach")
-    monkeypatch.setattr(optimizer_view, "_pointer_norms", lambda view: Broken())
+    monkeypatch.setattr(alarm_feed, "_pointer_norms", lambda view: Broken())
     broken, said = _fit("triton", tmp_path / "triton")
     assert broken == foreach and len(launches) == 1
     fallback = [m for m in said if "quiet_read='triton'" in m]
@@ -115,7 +115,7 @@ def test_the_grouped_read_gives_the_foreach_norms_alarms_without_a_word(
             return super().__call__(grads)
 
     foreach = _foreach(tmp_path / "foreach", DeeperMLP)
-    monkeypatch.setattr(optimizer_view, "GroupedNorms", Spy)
+    monkeypatch.setattr(alarm_feed, "GroupedNorms", Spy)
     grouped, said = _fit("grouped", tmp_path / "grouped", DeeperMLP)
     assert grouped == foreach and min(step for step, _, _ in grouped) == 33
     assert not [m for m in said if "quiet_read" in m], said
@@ -135,7 +135,7 @@ def test_a_grouped_read_that_fails_is_said_once_and_the_fit_reads_with_foreach(
             raise RuntimeError("stack expects each tensor to be equal size")
 
     foreach = _foreach(tmp_path / "foreach", DeeperMLP)
-    monkeypatch.setattr(optimizer_view, "GroupedNorms", Broken)
+    monkeypatch.setattr(alarm_feed, "GroupedNorms", Broken)
     grouped, said = _fit("grouped", tmp_path / "grouped", DeeperMLP)
     assert grouped == foreach and len(calls) == 1
     fallback = [m for m in said if "quiet_read='grouped'" in m]

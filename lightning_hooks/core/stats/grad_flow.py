@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,20 +15,15 @@ from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.ops.grad_stats import GLOBAL, GRAD_STATS, ParamLayout
-from lightning_hooks.core.ops.grouped_norms import plain_grads
 from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable
+from lightning_hooks.core.stats.alarm_feed import AlarmFeed, AlarmStep, Clip, Measured
 from lightning_hooks.core.stats.grad_flow_tags import grad_flow_scalars
 from lightning_hooks.core.stats.optimizer_view import (
     OptimizerView,
     OptimizerViews,
-    Read,
     UpdateRatio,
     ViewStats,
-    adaptive,
-    foreach_norms,
-    quiet_read,
-    read_fallback,
 )
 from lightning_hooks.core.stats.output_grad import OutputGradients
 from lightning_hooks.core.transport import ShardPlan
@@ -46,15 +40,6 @@ _PRECLIP = GRAD_FLOW_STATS.index("grad_norm_preclip")
 _GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 _ALL = slice(0, len(GRAD_STATS))
 _SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the gradient
-
-
-class Clip(NamedTuple):
-    """Name the gradient clipping a run applies: the Trainer's two clipping settings."""
-
-    bound: float
-    """``gradient_clip_val``: the largest norm, or the largest value of an entry."""
-    algorithm: str
-    """``gradient_clip_algorithm``: ``"norm"`` or ``"value"``."""
 
 
 def layers_of(
@@ -206,9 +191,15 @@ class GradFlowTracker(HookOwner):
         self._post_clip = post_clip
         self._step = 0  # the last observe's step (the post-hook's)
         self._calls = 0  # its calls
-        self.alarms = TrainingAlarms(rows, alarms, device) if alarms is not None else None
-        clipping = None if clip is None else Clip(*clip)
-        self._sentinel = _SentinelRead(self.alarms, self._stats, self._outputs.order, clipping)
+        self.alarms: TrainingAlarms | None = None
+        """The alarms, which :attr:`alarm_feed` hands each step's norms (``None``: none)."""
+        self.alarm_feed: AlarmFeed | None = None
+        """Serves the alarms' own cadence, on the steps that are not logging steps too."""
+        if alarms is not None:
+            self.alarms = TrainingAlarms(rows, alarms, device)
+            clipping = None if clip is None else Clip(*clip)
+            order = self._outputs.order
+            self.alarm_feed = AlarmFeed(self.alarms, self._views, self._stats, order, clipping)
         if output_grad:
             self._outputs.hook(self.registry, modules, model)
         for optimizer in optimizers:
@@ -233,6 +224,9 @@ class GradFlowTracker(HookOwner):
     ) -> None:
         """Record the gradients ``optimizer`` (only its parameters) is about to apply.
 
+        On a logging step the tracker measures them. On the steps the alarms' cadence names, the
+        :attr:`alarm_feed` hands their norms to the alarms, after the tracker.
+
         Args:
             optimizer: the optimizer about to step.
             grad_scale: the AMP loss scale the output gradients carry, or ``None``.
@@ -242,48 +236,52 @@ class GradFlowTracker(HookOwner):
         step = self._calls if step is None else step
         self._step = step
         self._calls += 1
-        logging_step = self.registry.logging_step
-        # The alarms read this step only where their own cadence says so.
-        alarms = self.alarms
-        if alarms is not None and step % alarms.rules.evaluate_every_n_steps:
-            alarms = None
-        if not logging_step and alarms is None:
-            return  # nothing reads this step
-        view = self._views.view(optimizer)
-        if not view.params:
-            return
-        if alarms is not None and alarms.evaluated < alarms.rules.diverge_early:  # from step 1
-            alarms.set_adaptive(adaptive(optimizer, view.params))
-        at = AlarmStep(step, amp=grad_scale is not None)
-        # A quiet step (the alarms read it, nothing else does): one read of the dense
-        # gradients' norms, and done. A sparse or missing gradient takes the general path.
-        sentinel = alarms is not None and param_grad_scale is None
-        if sentinel and self._sentinel.quiet(view, logging_step, at):
-            return
-        valid = view.valid()
-        stats = self._read_stats(view, logging_step, param_grad_scale)
-        # Recording the step may add into ``stats`` in place, so the alarms get their own copy
-        # of the norms first.
-        norms = stats[:, 0].clone() if logging_step and alarms is not None else stats[:, 0]
-        if logging_step:
-            self._record_step(optimizer, view, stats, valid, grad_scale)
-        if alarms is not None:
-            # Last, once the logging step has set what the hook after the optimizer step reads.
-            self._sentinel.post(view, norms, None if valid is None else valid[:, 0], at)
+        feed = self.alarm_feed
+        if feed is not None and not feed.due(step):
+            feed = None
+        measured = None
+        if self.registry.logging_step:
+            measured = self._measure(optimizer, grad_scale, param_grad_scale, feed is not None)
+        if feed is not None:
+            at = AlarmStep(step, amp=grad_scale is not None)
+            feed.observe(optimizer, at, measured, param_grad_scale)
         self._outputs.order.clear()
 
-    def _read_stats(
-        self, view: OptimizerView, logging_step: bool, param_grad_scale: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Read ``view``'s gradient statistics: all at a logging step, else the alarms' norms."""
+    def _measure(
+        self,
+        optimizer: torch.optim.Optimizer,
+        grad_scale: torch.Tensor | None,
+        param_grad_scale: torch.Tensor | None,
+        for_alarms: bool,
+    ) -> Measured | None:
+        """Measure a logging step's statistics of ``optimizer``'s layers into the accumulator.
+
+        Args:
+            optimizer: the optimizer about to step.
+            grad_scale: the AMP loss scale the output gradients carry, or ``None``.
+            param_grad_scale: the loss scale the parameter gradients still carry, or ``None``.
+            for_alarms: the alarms read this step too: return their copy of the norms.
+
+        Returns:
+            The norms the alarms read, with ``for_alarms``; else ``None``.
+        """
+        view = self._views.view(optimizer)
+        if not view.params:
+            return None
+        valid = view.valid()
         grads = ParamLayout.grads(view.params)
-        if logging_step and not self._post_clip:
+        if self._post_clip:  # the gradient applied is read after the step; now the weight norm
+            stats = self._stats.norms(view, grads, weights=True)
+        else:
             stats = self._stats.full(view, grads)
-        else:  # the sentinel's, and at a logging step under clipping the weight norm
-            stats = self._stats.norms(view, grads, weights=self._post_clip and logging_step)
         if param_grad_scale is not None:
             stats[:, _SCALED] /= param_grad_scale
-        return stats
+        measured = None
+        if for_alarms:  # their own copy: recording the step may add into ``stats`` in place
+            stepped = None if valid is None else valid[:, 0]
+            measured = Measured(stats[:, 0].clone(), stepped)
+        self._record_step(optimizer, view, stats, valid, grad_scale)
+        return measured
 
     def _record_step(
         self,
@@ -414,115 +412,3 @@ class GradFlowTracker(HookOwner):
             The scalars, by tag.
         """
         return dict(grad_flow_scalars(result, self.max_layers_logged, step=True))
-
-
-class AlarmStep(NamedTuple):
-    """Name the optimizer step whose gradient norms the alarms are handed."""
-
-    number: int
-    """The step the alarms name and count."""
-    amp: bool
-    """Whether an AMP loss scaler steps it: a non-finite gradient is then *amp_overflow*, the
-    step the scaler skips, not *nonfinite*."""
-
-
-class _SentinelRead:
-    """Hand the alarms (``None``: off) their norms at the steps their cadence runs them.
-
-    Args:
-        alarms: the alarms handed the norms (``None``: off).
-        stats: reads the statistics of an optimizer's view.
-        order: the layer rows as their output-gradient hooks fired (emptied per step).
-        clip: the Trainer's gradient clipping, for the *explosion* rule (``None``: none).
-    """
-
-    def __init__(
-        self,
-        alarms: TrainingAlarms | None,
-        stats: ViewStats,
-        order: list[int],
-        clip: Clip | None,
-    ) -> None:
-        self.alarms = alarms
-        self._stats = stats
-        self._order = order
-        self._clip = clip
-        self._sharded = stats.shards is not None  # FSDP2: the general path makes norms whole
-        self._triton = alarms is not None and alarms.rules.quiet_read == "triton"
-
-    def quiet(self, view: OptimizerView, logging_step: bool, at: AlarmStep) -> bool:
-        """Read a quiet step's dense gradients' norms and post them to the alarms.
-
-        A logging step only prepares the read (its statistics serve).
-
-        Args:
-            view: the optimizer's view.
-            logging_step: whether this step is a logging step.
-            at: the optimizer step the alarms are handed.
-
-        Returns:
-            ``True`` when the read was done.
-        """
-        if self.alarms is None or self._sharded:
-            return False
-        if logging_step:  # the host copy and the read made here, not on a quiet step
-            self.alarms.reserve(len(view.params))
-            self._read(view)
-            return False
-        grads = plain_grads(view.params)
-        if grads is None:  # a missing or sparse gradient: the general path
-            return False
-        try:
-            norms = (self._read(view) if view.read is None else view.read)(grads)
-        except Exception as error:  # a gradient set by hand, unlike its parameter; a Triton
-            # that cannot launch the kernels: said once, then the multi-tensor read
-            view.read = foreach_norms
-            failed = "its kernels failed" if self._triton else "its stacks failed"
-            read_fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
-            norms = foreach_norms(grads)
-        self.post(view, norms, None, at, segmented=False)
-        return True
-
-    def _read(self, view: OptimizerView) -> Read:
-        """:func:`quiet_read` of ``view``, made once per view."""
-        if view.read is None:
-            view.read = quiet_read(view, self._triton)
-        return view.read
-
-    def post(
-        self,
-        view: OptimizerView,
-        norms: torch.Tensor,
-        stepped: torch.Tensor | None,
-        at: AlarmStep,
-        *,
-        segmented: bool = True,
-    ) -> None:
-        """Hand ``norms`` to the alarms.
-
-        Args:
-            view: the optimizer's view.
-            norms: per layer then global (``segmented``), else per parameter.
-            stepped: the rows some gradient reached.
-            at: the optimizer step the alarms are handed.
-            segmented: ``norms`` are per layer then global; else per parameter.
-        """
-        assert self.alarms is not None
-        clip = self._clip  # the largest global norm the optimizer applies (by value: a bound)
-        bound = None
-        if clip is not None and clip.algorithm == "norm":
-            bound = clip.bound
-        elif clip is not None:
-            bound = clip.bound * view.scale
-        self.alarms.update(
-            norms,
-            view.row_ids,
-            step=at.number,
-            amp=at.amp,
-            order=self._order,
-            weights=partial(self._stats.weight_norms, view),
-            stepped=stepped,
-            clip=bound,
-            segments=None if segmented else view.segments,
-        )
-        self._order.clear()

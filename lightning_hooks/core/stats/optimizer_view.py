@@ -1,11 +1,10 @@
 """Say what each optimizer steps of a gradient-flow layout.
 
-Also its gradient statistics, update ratio and quiet read.
+Also its gradient statistics and its update ratio.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -15,7 +14,6 @@ from torch import nn
 from lightning_hooks import internals
 from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import HostSegments, TrainingAlarms
-from lightning_hooks.core.ops import pointer_norms
 from lightning_hooks.core.ops.grad_stats import (
     GRAD_STATS,
     LayerIndex,
@@ -25,11 +23,10 @@ from lightning_hooks.core.ops.grad_stats import (
     segment_norm,
     update_norms,
 )
-from lightning_hooks.core.ops.grouped_norms import GroupedNorms, typical_update
-from lightning_hooks.core.ops.tensors import Workspace, foreach_norm
+from lightning_hooks.core.ops.grouped_norms import typical_update
+from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
 from lightning_hooks.core.transport import ShardPlan, to_local
-from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = [
     "OptimizerView",
@@ -38,9 +35,6 @@ __all__ = [
     "UpdateRatio",
     "ViewStats",
     "adaptive",
-    "foreach_norms",
-    "quiet_read",
-    "read_fallback",
 ]
 
 Read = Callable[[Sequence[torch.Tensor]], torch.Tensor]
@@ -412,68 +406,3 @@ class UpdateRatio:
         valid = (view.weight_norm > 0)[:, None]
         self.accumulator.update(ratio[:, None], [self.column], view.cells, valid, replicated=True)
         view.weight_norm = None
-
-
-def quiet_read(view: OptimizerView, triton: bool) -> Read:
-    """Return the read of ``view``'s gradient norms by ``AlarmRules.quiet_read``.
-
-    One that cannot be made is said once and :func:`foreach_norms` reads instead.
-
-    Args:
-        view: the optimizer's view.
-        triton: the ``"triton"`` read; else the ``"grouped"`` one.
-
-    Returns:
-        The read.
-    """
-    try:
-        read = _pointer_norms(view) if triton else GroupedNorms(view.params)
-    except Exception as error:  # its index or tables not made (pinned memory, say)
-        failed = "its tables could not be built" if triton else "it could not be made"
-        read = f"{failed} ({type(error).__name__}: {error})"
-    if isinstance(read, str):
-        read_fallback(triton, read, 4)
-        return foreach_norms
-    return read
-
-
-def foreach_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Return each gradient's L2 norm by one ``torch._foreach_norm`` (the read of last resort).
-
-    Args:
-        grads: the gradients.
-
-    Returns:
-        The norms, stacked.
-    """
-    return torch.stack(foreach_norm(list(grads)))
-
-
-def _pointer_norms(view: OptimizerView) -> Read | str:
-    """Return the pointer-table read of ``view``'s gradients, or why it cannot read them."""
-    why = pointer_norms.available()
-    if why is None and view.params[0].device.type != "cuda":
-        why = f"the gradients are on {view.params[0].device.type}, not CUDA"
-    if why is not None:
-        return why
-    try:
-        return pointer_norms.PointerNorms(view.params)
-    except ValueError as error:  # a layout it does not read
-        return f"it reads {error}"
-
-
-def read_fallback(triton: bool, why: str, stacklevel: int = 3) -> None:
-    """Say once, for one optimizer, why the quiet step reads with ``_foreach_norm``.
-
-    Args:
-        triton: the read that failed was ``"triton"``; else ``"grouped"``.
-        why: why it failed, as the warning says it.
-        stacklevel: the warning's stack level.
-    """
-    read = "triton" if triton else "grouped"
-    warnings.warn(
-        f"AlarmRules(quiet_read={read!r}): {why}; quiet steps read the gradients' norms with "
-        "torch._foreach_norm instead",
-        LightningHooksWarning,
-        stacklevel=stacklevel,
-    )
