@@ -71,6 +71,19 @@ class CollectiveCounter(pl.Callback):
         self.epochs.append({"all": all_, "ours": ours.total(), "ours_by_name": dict(ours)})
 
 
+class LossReading(pl.Callback):
+    """Keeps how a ``GradFlowCallback``'s running fit reads the loss (put it after the callback)."""
+
+    def __init__(self, watched: Any) -> None:
+        self.watched = watched
+        self.reading: str | None = None
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        agreement = getattr(getattr(self.watched, "_fit", None), "loss_agreement", None)
+        if agreement is not None:  # a StatsCallback reads no loss: None
+            self.reading = agreement.reading
+
+
 def _called_from_package() -> bool:
     import lightning_hooks
 

@@ -27,7 +27,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from collectives import CollectiveCounter
+from collectives import CollectiveCounter, LossReading
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -127,10 +127,11 @@ def loss_fit(root: Path, model: DeepMLP, on_alarm: Any = "warn") -> dict[str, An
 
     grad_flow = GradFlowCallback(on_alarm=on_alarm, chart=False)
     log, counter = AlarmLog(grad_flow), CollectiveCounter()
+    reading = LossReading(grad_flow)
     trainer = pl.Trainer(
         devices=2,
         strategy="ddp",
-        callbacks=[grad_flow, log, counter],
+        callbacks=[grad_flow, log, counter, reading],
         **trainer_options(root, "tensorboard"),
     )
     report: dict[str, Any] = {"error": None}
@@ -149,7 +150,7 @@ def loss_fit(root: Path, model: DeepMLP, on_alarm: Any = "warn") -> dict[str, An
     report["losses"] = getattr(model, "losses", {})
     report["steps"] = counter.steps
     report["global_step"] = trainer.global_step
-    report["loss_reading"] = grad_flow.loss_agreement.reading
+    report["loss_reading"] = reading.reading
     return report
 
 

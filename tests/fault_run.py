@@ -47,7 +47,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from collectives import CollectiveCounter
+from collectives import CollectiveCounter, LossReading
 from ddp_run import AlarmLog, DeepMLP, ManualSkip, exit_cleanly, trainer_options
 from fsdp_run import ShardedMLP
 from pytorch_lightning.strategies import ModelParallelStrategy
@@ -239,6 +239,7 @@ def fit(root: Path, name: str, strategy: str) -> dict[str, Any]:
     held: Trainer = {}
     ours = callback(name, held)
     counter = CollectiveCounter()
+    reading = LossReading(ours)
     log = [AlarmLog(ours)] if name == "gan" else []
     # The GAN's generator backward does not reach the discriminator's parameters.
     chosen: Any = "ddp_find_unused_parameters_true" if name == "gan" else "ddp"
@@ -247,7 +248,7 @@ def fit(root: Path, name: str, strategy: str) -> dict[str, Any]:
     trainer = pl.Trainer(
         devices=2,
         strategy=chosen,
-        callbacks=[ours, *log, counter],
+        callbacks=[ours, *log, counter, reading],
         **trainer_options(root / name, "tensorboard"),
     )
     held["trainer"] = trainer
@@ -259,7 +260,6 @@ def fit(root: Path, name: str, strategy: str) -> dict[str, Any]:
         finally:
             counter.restore()
     guard = ours.hook_guard()
-    agreement = getattr(ours, "loss_agreement", None)
     return {
         "disabled_step": getattr(guard, "disabled_step", None),
         "failed": guard.failed,
@@ -269,7 +269,7 @@ def fit(root: Path, name: str, strategy: str) -> dict[str, Any]:
         "global_step": trainer.global_step,
         "steps": counter.steps,
         "epochs": counter.epochs,
-        "loss_reading": None if agreement is None else agreement.reading,
+        "loss_reading": reading.reading,
         "alarms": log[0].epochs if log else {},
         "losses": getattr(model, "losses", {}),
     }

@@ -33,6 +33,7 @@ from lightning_hooks.core.hooks.guard import STRICT_ENV, guarded
 from lightning_hooks.core.stats import output_grad
 from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
 from lightning_hooks.core.stats.grad_flow import GradFlowTracker
+from lightning_hooks.core.stats.stability import StabilityStats
 
 from conftest import default_callback_types, hooks_left, make_trainer
 
@@ -141,6 +142,8 @@ KINDS = {
     "Lightning hook": Fault(
         GradFlowTracker, "observe", "GradFlowCallback", "on_before_optimizer_step hook"
     ),
+    # A fit's set-up that fails after the tracker hooked the model: its hooks come off too.
+    "set-up": Fault(StabilityStats, "attach", "GradFlowCallback", "on_train_start hook"),
     "state_dict": Fault(GradFlowCallback, "state_dict", "GradFlowCallback", "state_dict hook"),
     "on_train_end": Fault(
         GradFlowCallback, "on_train_end", "GradFlowCallback", "on_train_end hook"

@@ -84,48 +84,44 @@ class _Pending(NamedTuple):
 class LossAgreement:
     """Feed the loss from ``training_step`` to the loss rules, and carry the ranks' flags with it.
 
-    With one process, the rules read that process's loss. With several, they read the mean loss
-    over the ranks. One ``all_reduce`` per batch computes that mean. The same collective carries
-    each rank's failure flag and stop request to the callback's :class:`~.ranks.RankAgreement`.
+    Each fit makes its own. With one process, the rules read that process's loss. With several,
+    they read the mean loss over the ranks. One ``all_reduce`` per batch computes that mean. The
+    same collective carries each rank's failure flag and stop request to the callback's
+    :class:`~.ranks.RankAgreement`.
 
     Args:
         ranks: the callback's agreement across ranks. It acts on the failures and the stop
             requests that the collective carries.
+        pl_module: the model of the fit. Whether Fabric set it up and whether it uses automatic
+            optimization decide how a batch's loss is read.
+        rules: the fit's alarm rules (``None``: no alarms, so no loss is read).
 
     Example:
         >>> from lightning_hooks.core.hooks.guard import Guard
         >>> guard = Guard("Cb", strict=False)
-        >>> agreement = LossAgreement(RankAgreement(lambda: guard, remove_hooks=lambda: None))
-        >>> agreement.plan(torch.nn.Linear(1, 1), AlarmRules())
+        >>> ranks = RankAgreement(lambda: guard, remove_hooks=lambda: None)
+        >>> agreement = LossAgreement(ranks, torch.nn.Linear(1, 1), AlarmRules())
         >>> agreement.reading  # one process: this rank's own loss, no collective
         'own'
     """
 
-    def __init__(self, ranks: RankAgreement) -> None:
+    def __init__(
+        self, ranks: RankAgreement, pl_module: nn.Module, rules: AlarmRules | None
+    ) -> None:
         self._ranks = ranks
         self._carrier: HostCopy | None = None
-        self.reading: Literal["own", "mean", "off"] = (
-            "off"  # how this fit reads the loss; set by :meth:`plan`
-        )
+        """The host copy of the four sums of :func:`_carry`; ``None`` unless ``"mean"``."""
         self._manual = False
         self._pending: _Pending | None = None
+        self.reading: Literal["own", "mean", "off"] = "off"
+        """How this fit reads the loss.
 
-    def plan(self, pl_module: nn.Module, rules: AlarmRules | None) -> None:
-        """Set :attr:`reading` at a fit's start.
-
-        The reading is ``"off"`` when no loss rule runs. It is ``"own"`` when one process runs.
-        Otherwise it is ``"mean"``, which costs one ``all_reduce`` per batch. Under manual
-        optimization, the reading turns ``"off"`` at the first batch where some ranks return a
-        loss and others do not.
-
-        Args:
-            pl_module: the model of the fit. This method reads whether Fabric set it up and
-                whether it uses automatic optimization.
-            rules: the fit's alarm rules (``None``: no alarms, so no loss is read).
+        It is ``"off"`` when no loss rule runs, and ``"own"`` when one process runs. Otherwise
+        it is ``"mean"``, which costs one ``all_reduce`` per batch. Under manual optimization,
+        the reading turns ``"off"`` at the first batch where some ranks return a loss and others
+        do not.
         """
-        self._carrier = None
         if rules is None or not rules.watches_loss:
-            self.reading = "off"
             return
         if world_size() == 1:
             self.reading = "own"
@@ -135,9 +131,7 @@ class LossAgreement:
         # treated like manual optimization.
         fabric = is_set_up_by_fabric(pl_module)
         self._manual = fabric or not getattr(pl_module, "automatic_optimization", False)
-        self._carrier = HostCopy(
-            (4,), group_device()
-        )  # the host copy of the four sums of :func:`_carry`
+        self._carrier = HostCopy((4,), group_device())
 
     def feed(
         self,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +44,8 @@ class GradFlowCallback(HookCallback):
     docs/glossary.md). The alarms are the checks of :class:`~lightning_hooks.core.AlarmRules`,
     and they run on every optimizer step, not only on logging steps.
 
-    Each logging step logs every tag below except the ``*_max`` ones, under
+    Each logging step logs every tag below except the peaks over the epoch
+    (``grad_norm_max``, ``update_ratio_max`` and ``output_grad_norm_max``), under
     ``grad_flow/{stat}_step/...``. It also logs ``grad_flow/alarms_step/{rule}`` and
     ``grad_flow/notices_step/{name}``. A *notice* is a fact that is logged but never warned of.
 
@@ -143,25 +143,11 @@ class GradFlowCallback(HookCallback):
         every_n_steps: int | None = None,
         stability: bool = True,
     ) -> None:
+        # Every argument is checked first, so a bad one fails before anything is built.
         checks.module_types("GradFlowCallback", types, (nn.Module,))
-        self.types = types
-        self.include = as_patterns(include, f"GradFlowCallback(include={include!r})")
-        self.exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
-        rules = _alarm_rules(alarms)
-        actions = check_actions(on_alarm)
-        super().__init__(
-            state_key=selection_state_key(types, self.include, self.exclude),
-            every_n_steps=every_n_steps,
-            uses_images=chart or heatmap,
-            fabric_refusal=_refusal_under_fabric(actions, rules),
-        )
-        self.alarms = rules
-        self.on_alarm = actions
-        """The action of each rule, as ``on_alarm`` asked (a rule it did not name: its default)."""
-        self._carried = _CarriedAlarms()
-        self.kept["alarms"] = self._carried  # carries the running scales to the next fit
-        self.loss_agreement = LossAgreement(self.ranks)
-        self.max_layers_logged = checks.positive_int_or_none(
+        include = as_patterns(include, f"GradFlowCallback(include={include!r})")
+        exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
+        max_layers_logged = checks.positive_int_or_none(
             "GradFlowCallback", "max_layers_logged", max_layers_logged, none_means="every layer"
         )
         switches = {
@@ -174,15 +160,33 @@ class GradFlowCallback(HookCallback):
         }
         for name, value in switches.items():
             checks.boolean("GradFlowCallback", name, value)
-        self.histograms = histograms
+        rules = _alarm_rules(alarms)
+        actions = check_actions(on_alarm)
+        super().__init__(
+            state_key=selection_state_key(types, include, exclude),
+            every_n_steps=every_n_steps,
+            uses_images=chart or heatmap,
+            fabric_refusal=_refusal_under_fabric(actions, rules),
+        )
+        self.types = types
+        self.include = include
+        self.exclude = exclude
         self.update_ratio = update_ratio
         self.output_grad = output_grad
         self.chart = chart
+        self.max_layers_logged = max_layers_logged
+        self.histograms = histograms
         self.heatmap = heatmap
+        self.alarms = rules
+        self.on_alarm = actions
+        """The action of each rule, as ``on_alarm`` asked (a rule it did not name: its default)."""
         self.stability = stability
-        self._pictures = GradFlowPictures(self.max_layers_logged, chart=chart, heatmap=heatmap)
+        self._carried = _CarriedAlarms()
+        self.kept["alarms"] = self._carried  # carries the running scales to the next fit
+        self._pictures = GradFlowPictures(max_layers_logged, chart=chart, heatmap=heatmap)
         self.kept["heatmap"] = self._pictures.history  # so a resumed fit draws earlier epochs
-        self._fit: _Fit | None = None  # what the running fit measures; None between fits
+        self._fit: _Fit | None = None
+        """What the running fit measures and acts on; ``None`` between fits."""
 
     @override
     def _validate(self, pl_module: nn.Module) -> bool:
@@ -213,7 +217,8 @@ class GradFlowCallback(HookCallback):
 
         The tracker is built for the Trainer's optimizers. The optional statistics are hooked
         on the tracker's registry. The alarms start from the state the last fit left, and the
-        loss is read at each batch.
+        loss is read at each batch. If a step of the set-up fails, the hooks already put on the
+        model come off again before the error goes on to the guard.
 
         Args:
             trainer: the trainer. The tracker reads its optimizers and gradient clipping. When
@@ -222,39 +227,41 @@ class GradFlowCallback(HookCallback):
 
         Returns:
             What the fit attached. This is the tracker's registry, the tracker and the
-            instability statistics, each with the callbacks that read its results.
+            instability statistics, each with the fit's readers of its results.
         """
         tracker = self._make_tracker(trainer, pl_module)
-        self._pictures.start()
-        policy = AlarmPolicy(self.on_alarm, request_stop=self.ranks.request_stop)
-        self._carried.start_fit(tracker.alarms, policy.log)
-        self.loss_agreement.plan(pl_module, self.alarms)
-        fit = _Fit(
-            trainer=trainer,
-            tracker=tracker,
-            policy=policy,
-            stability=StabilityStats() if self.stability else None,
-            histograms=_histograms(tracker) if self.histograms else None,
-        )
+        try:
+            fit = _Fit(
+                trainer=trainer,
+                tracker=tracker,
+                policy=AlarmPolicy(self.on_alarm, request_stop=self.ranks.request_stop),
+                loss_agreement=LossAgreement(self.ranks, pl_module, self.alarms),
+                pictures=self._pictures,
+                stability=StabilityStats() if self.stability else None,
+                histograms=_histograms(tracker) if self.histograms else None,
+            )
+            if fit.stability is not None:
+                # Hooked on the tracker's registry, so one gate serves both and both come off
+                # together.
+                fit.stability.attach(pl_module, tracker.registry)
+            self._pictures.start()
+            self._carried.start_fit(fit.alarms, fit.policy.log)
+        except BaseException:
+            tracker.remove()
+            self._carried.end_fit()
+            raise
         self._fit = fit
         logged: list[Logged[Any]] = [
-            Logged(
-                tracker,
-                on_step=functools.partial(self._log_alarms, fit),
-                on_epoch=functools.partial(self._draw_pictures, fit),
-            )
+            Logged(tracker, on_step=fit.log_alarms, on_epoch=fit.draw_pictures),
         ]
-        # Hooked on the tracker's registry, so one gate serves both and both come off together.
         if fit.stability is not None:
-            fit.stability.attach(pl_module, tracker.registry)
-            on_step = functools.partial(self._watch_attention, fit)
-            logged.append(Logged(fit.stability, on_step=on_step))
+            logged.append(Logged(fit.stability, on_step=fit.watch_attention))
         return Attached(
             tracker.registry,
             logged,
             # The loss rules read the loss of every batch, either its mean over the ranks or
             # this rank's own loss.
-            every_batch=self.loss_agreement.reading != "off",
+            every_batch=fit.loss_agreement.reading != "off",
             on_remove=self._end_fit,
             earlier_layout=_saved_by_release_0_2,
         )
@@ -262,7 +269,8 @@ class GradFlowCallback(HookCallback):
     def _make_tracker(self, trainer: TrainerView, pl_module: nn.Module) -> GradFlowTracker:
         """Build the fit's tracker for the Trainer's optimizers and gradient clipping.
 
-        If no optimizer steps some layer, this warns once and names the layer.
+        If no optimizer steps some layer, this warns once and names the layer. If that warning
+        is raised as an error, the tracker's hooks come off first.
 
         Args:
             trainer: the trainer. The tracker reads its optimizers and gradient clipping.
@@ -288,15 +296,20 @@ class GradFlowCallback(HookCallback):
             max_layers_logged=self.max_layers_logged,
             guard=self.hook_guard(),
         )
-        if tracker.alarms is not None:  # alarm messages quote the learning rate and output units
-            tracker.alarms.know(RunFacts.of(pl_module, trainer.optimizers))
-        unstepped = tracker.unstepped()
-        if unstepped:
-            rank_zero_warn(
-                f"GradFlowCallback: no optimizer of the Trainer steps the trainable parameters "
-                f"of {', '.join(repr(n) for n in unstepped)}; these layers are not measured.",
-                category=LightningHooksWarning,
-            )
+        try:
+            if tracker.alarms is not None:  # messages quote the learning rate and output units
+                tracker.alarms.know(RunFacts.of(pl_module, trainer.optimizers))
+            unstepped = tracker.unstepped()
+            if unstepped:
+                rank_zero_warn(
+                    f"GradFlowCallback: no optimizer of the Trainer steps the trainable "
+                    f"parameters of {', '.join(repr(n) for n in unstepped)}; these layers are "
+                    "not measured.",
+                    category=LightningHooksWarning,
+                )
+        except BaseException:
+            tracker.remove()
+            raise
         return tracker
 
     def _end_fit(self) -> None:
@@ -309,7 +322,7 @@ class GradFlowCallback(HookCallback):
         self._carried.end_fit()
         self._fit = None
         if fit is not None:
-            fit.policy.announce_stop(fit.trainer)
+            fit.close()
 
     @override
     @guarded
@@ -325,28 +338,8 @@ class GradFlowCallback(HookCallback):
             optimizer: the optimizer about to step. Its gradients are measured. Under the
                 ``"skip"`` action they are also dropped.
         """
-        fit = self._fit
-        if fit is None:
-            return
-        scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
-        enabled = scaler is not None and scaler.is_enabled()
-        scale = internals.grad_scaler_scale(scaler) if enabled else None  # no host sync
-        # Lightning does not unscale for optimizers that unscale inside their step (fused).
-        fused = scale is not None and internals.steps_unscale_themselves(optimizer)
-        fit.tracker.observe(
-            optimizer,
-            grad_scale=scale,
-            param_grad_scale=scale if fused else None,
-            step=trainer.global_step,
-        )
-        if fit.histograms is not None:
-            observe_histograms(fit.histograms, fit.tracker.layout, optimizer)
-        alarms = fit.tracker.alarms
-        if alarms is None:
-            return
-        found = alarms.poll(wait=fit.policy.wait)
-        if found:
-            fit.policy.act(trainer, optimizer, alarms, found)
+        if self._fit is not None:
+            self._fit.observe(trainer, optimizer)
 
     @override
     def _batch_ending(
@@ -360,53 +353,8 @@ class GradFlowCallback(HookCallback):
             logging_step: whether the batch belongs to a logging step. The attention statistics
                 are closed only then.
         """
-        fit = self._fit
-        if fit is None:
-            return
-        if fit.stability is not None and logging_step:
-            fit.stability.end_step()
-        alarms = fit.tracker.alarms
-        if alarms is not None:
-            self.loss_agreement.feed(trainer, outputs, self.cadence.batch_step, alarms, fit.policy)
-
-    def _log_alarms(self, fit: _Fit, trainer: TrainerView, step: int, table: LayerTable) -> None:
-        """Log the alarm counts and alarm text gathered since the last logging step.
-
-        Args:
-            fit: the fit whose alarms are logged.
-            trainer: the trainer whose loggers are written to.
-            step: the logging step. The counts and text are written at this step.
-            table: the step's values per layer. It is not read; only ``step`` is needed.
-        """
-        alarms = fit.tracker.alarms
-        if alarms is not None:
-            fit.policy.log.log_step(trainer, alarms, step)
-
-    def _watch_attention(
-        self, fit: _Fit, trainer: TrainerView, step: int, result: StabilityResult
-    ) -> None:
-        """Hand a logging step's attention logits and entropies to the attention rule.
-
-        Args:
-            fit: the fit whose alarms read them.
-            trainer: the trainer. It is not read; every step reader takes it.
-            step: the logging step the values belong to.
-            result: the step's instability statistics.
-        """
-        alarms = fit.tracker.alarms
-        if alarms is not None:
-            alarms.update_attention(result.attn_logit_max, result.attn_entropy_min, step=step)
-
-    def _draw_pictures(self, fit: _Fit, trainer: TrainerView, table: LayerTable) -> None:
-        """Draw the epoch's chart, heatmap and histograms.
-
-        Args:
-            fit: the fit. Its histograms are written, and its shard plan tells how the
-                gradients are split across ranks.
-            trainer: the trainer whose loggers are written to.
-            table: the epoch's values per layer.
-        """
-        self._pictures.write(trainer, table, fit.histograms, fit.tracker.shards)
+        if self._fit is not None:
+            self._fit.end_batch(trainer, outputs, self.cadence.batch_step, logging_step)
 
     @override
     def _log_epoch(self, trainer: TrainerView, pl_module: nn.Module) -> None:
@@ -416,10 +364,8 @@ class GradFlowCallback(HookCallback):
             trainer: the trainer. The alarms act on it and write to its loggers.
             pl_module: the model being trained. It is not read.
         """
-        fit = self._fit
-        alarms = None if fit is None else fit.tracker.alarms
-        if fit is not None and alarms is not None:
-            fit.policy.end_epoch(trainer, alarms)
+        if self._fit is not None:
+            self._fit.end_epoch(trainer)
 
 
 def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | None) -> str | None:
@@ -445,24 +391,126 @@ def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | Non
 
 @dataclass
 class _Fit:
-    """Hold what one fit of :class:`GradFlowCallback` measures.
+    """Measure one fit of :class:`GradFlowCallback` and act on its alarms.
 
-    It is made at the fit's train start and dropped when its hooks come off.
+    It is made at the fit's train start, and closed when the fit's hooks come off. The
+    callback's hooks call it by name: :meth:`observe` before each optimizer step,
+    :meth:`end_batch` after each batch and :meth:`end_epoch` at the epoch's end. The readers of
+    the tracker's and the instability statistics' results are its :meth:`log_alarms`,
+    :meth:`watch_attention` and :meth:`draw_pictures`.
     """
 
     trainer: TrainerView
     """The trainer running the fit. When the hooks come off, its ``should_stop`` tells whether
     an alarm's ``stop`` action ended the fit."""
     tracker: GradFlowTracker
-    """The tracker that measures the gradient flow of every layer for the Trainer's optimizers.
-    Its ``alarms`` are the fit's alarms, or ``None`` under ``alarms=False``."""
+    """Measures the gradient flow of every layer for the Trainer's optimizers."""
     policy: AlarmPolicy
     """What the fit's alarms do, as ``on_alarm`` asked, and how they are logged. Its warnings,
     stop and counts belong to this fit alone."""
+    loss_agreement: LossAgreement
+    """Feeds each batch's loss to the loss rules, this rank's or the mean over the ranks."""
+    pictures: GradFlowPictures
+    """Draws the chart, the heatmap and the histograms at each epoch's end."""
     stability: StabilityStats | None
     """The attention and output-logit statistics, or ``None`` under ``stability=False``."""
     histograms: LayerHistograms | None
     """The histograms of ``log10 |g|`` per layer, or ``None`` under ``histograms=False``."""
+
+    @property
+    def alarms(self) -> TrainingAlarms | None:
+        """The fit's alarms, which the tracker feeds; ``None`` under ``alarms=False``."""
+        return self.tracker.alarms
+
+    def observe(self, trainer: TrainerView, optimizer: torch.optim.Optimizer) -> None:
+        """Measure the gradient ``optimizer`` is about to apply, then act on any alarms.
+
+        Args:
+            trainer: the trainer. Its GradScaler's scale unscales the gradients, and the
+                measurement belongs to its current step.
+            optimizer: the optimizer about to step.
+        """
+        scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
+        enabled = scaler is not None and scaler.is_enabled()
+        scale = internals.grad_scaler_scale(scaler) if enabled else None  # no host sync
+        # Lightning does not unscale for optimizers that unscale inside their step (fused).
+        fused = scale is not None and internals.steps_unscale_themselves(optimizer)
+        self.tracker.observe(
+            optimizer,
+            grad_scale=scale,
+            param_grad_scale=scale if fused else None,
+            step=trainer.global_step,
+        )
+        if self.histograms is not None:
+            observe_histograms(self.histograms, self.tracker.layout, optimizer)
+        if self.alarms is None:
+            return
+        found = self.alarms.poll(wait=self.policy.wait)
+        if found:
+            self.policy.act(trainer, optimizer, self.alarms, found)
+
+    def end_batch(
+        self, trainer: TrainerView, outputs: STEP_OUTPUT, step: int, logging_step: bool
+    ) -> None:
+        """Close the attention statistics of a logging step, then give the loss to the rules.
+
+        Args:
+            trainer: the trainer the alarms act on.
+            outputs: what ``training_step`` returned for the batch. The loss is read from it.
+            step: the optimizer step the batch belongs to.
+            logging_step: whether the batch belongs to a logging step. The attention statistics
+                are closed only then.
+        """
+        if self.stability is not None and logging_step:
+            self.stability.end_step()
+        if self.alarms is not None:
+            self.loss_agreement.feed(trainer, outputs, step, self.alarms, self.policy)
+
+    def log_alarms(self, trainer: TrainerView, step: int, table: LayerTable) -> None:
+        """Log the alarm counts and alarm text gathered since the last logging step.
+
+        Args:
+            trainer: the trainer whose loggers are written to.
+            step: the logging step. The counts and text are written at this step.
+            table: the step's values per layer, which every reader of the tracker is given;
+                the alarms' counts do not depend on it.
+        """
+        if self.alarms is not None:
+            self.policy.log.log_step(trainer, self.alarms, step)
+
+    def watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
+        """Hand a logging step's attention logits and entropies to the attention rule.
+
+        Args:
+            trainer: the trainer, which every reader of a statistic is given; the rule does
+                not act on it here.
+            step: the logging step the values belong to.
+            result: the step's instability statistics.
+        """
+        if self.alarms is not None:
+            self.alarms.update_attention(result.attn_logit_max, result.attn_entropy_min, step=step)
+
+    def draw_pictures(self, trainer: TrainerView, table: LayerTable) -> None:
+        """Draw the epoch's chart, heatmap and histograms.
+
+        Args:
+            trainer: the trainer whose loggers are written to.
+            table: the epoch's values per layer.
+        """
+        self.pictures.write(trainer, table, self.histograms, self.tracker.shards)
+
+    def end_epoch(self, trainer: TrainerView) -> None:
+        """Close the epoch for the alarms: act on the last results, then log counts and text.
+
+        Args:
+            trainer: the trainer. The alarms act on it and write to its loggers.
+        """
+        if self.alarms is not None:
+            self.policy.end_epoch(trainer, self.alarms)
+
+    def close(self) -> None:
+        """End the fit: if an alarm's ``stop`` action ended it, the policy warns of it once."""
+        self.policy.announce_stop(self.trainer)
 
 
 class _CarriedAlarms:
