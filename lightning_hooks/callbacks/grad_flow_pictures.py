@@ -12,7 +12,7 @@ from lightning_hooks.callbacks.attached import epoch_step
 from lightning_hooks.callbacks.epoch_columns import EpochColumns
 from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core import LayerHistograms, LayerTable, ParamLayout
-from lightning_hooks.core.stats.grad_flow_tags import logged_rows
+from lightning_hooks.core.stats.grad_flow import logged_rows
 from lightning_hooks.core.transport import ShardPlan
 from lightning_hooks.logging import (
     Binned,
@@ -55,7 +55,7 @@ class GradFlowPictures:
     Args:
         max_layers_logged: the most layers whose scalars are logged. Histograms are written
             only for those layers
-            (:func:`~lightning_hooks.core.stats.grad_flow_tags.logged_rows`).
+            (:func:`~lightning_hooks.core.stats.grad_flow.logged_rows`).
         chart: draw the chart of mean and max ``|g|`` per layer.
         heatmap: draw the heatmap of the gradient norm per layer and epoch.
     """

@@ -1,10 +1,15 @@
-"""Measure the gradient flow of a model, per layer, accumulated with no host sync per step."""
+"""Measure the gradient flow of a model, per layer, accumulated with no host sync per step.
+
+Also name its tags: ``grad_flow/{stat}/{layer}``, ``grad_flow/global/{stat}`` and the
+percentiles over the layers, and which layers are logged one by one.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -18,7 +23,6 @@ from lightning_hooks.core.ops.grad_stats import GLOBAL, GRAD_STATS, ParamLayout
 from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable
 from lightning_hooks.core.stats.alarm_feed import AlarmFeed, AlarmStep, Clip, Measured
-from lightning_hooks.core.stats.grad_flow_tags import grad_flow_scalars
 from lightning_hooks.core.stats.optimizer_view import (
     OptimizerView,
     OptimizerViews,
@@ -27,8 +31,16 @@ from lightning_hooks.core.stats.optimizer_view import (
 )
 from lightning_hooks.core.stats.output_grad import OutputGradients
 from lightning_hooks.core.transport import ShardPlan
+from lightning_hooks.tags import grad_flow_tag
 
-__all__ = ["GRAD_FLOW_STATS", "Clip", "GradFlowTracker", "layers_of"]
+__all__ = [
+    "GRAD_FLOW_STATS",
+    "Clip",
+    "GradFlowTracker",
+    "grad_flow_scalars",
+    "layers_of",
+    "logged_rows",
+]
 
 GRAD_FLOW_STATS = (*GRAD_STATS, "update_ratio", "output_grad_norm", "grad_norm_preclip")
 """The tracker's columns (``grad_norm_preclip``: only with ``post_clip``)."""
@@ -412,3 +424,92 @@ class GradFlowTracker(HookOwner):
             The scalars, by tag.
         """
         return dict(grad_flow_scalars(result, self.max_layers_logged, step=True))
+
+
+class _Column(NamedTuple):
+    """Name one tag per layer: its suffix, the table's statistic and its reduction over steps."""
+
+    suffix: str
+    stat: str
+    kind: str
+    """``"mean"``, ``"peak"`` or ``"total"`` (a :meth:`LayerTable.column` kind)."""
+
+
+_LOGGED = tuple(
+    _Column(*row)
+    for row in (
+        ("grad_norm", "grad_norm", "mean"),
+        ("grad_norm_max", "grad_norm", "peak"),
+        ("grad_abs_mean", "grad_abs_mean", "mean"),
+        ("grad_abs_max", "grad_abs_max", "peak"),
+        ("grad_nonfinite", "grad_nonfinite", "total"),
+        ("weight_norm", "weight_norm", "mean"),
+        ("update_ratio", "update_ratio", "mean"),
+        ("update_ratio_max", "update_ratio", "peak"),
+        ("output_grad_norm", "output_grad_norm", "mean"),
+        ("output_grad_norm_max", "output_grad_norm", "peak"),
+        ("grad_norm_preclip", "grad_norm_preclip", "mean"),
+    )
+)
+_PERCENTILES = (5, 50, 95)
+
+
+def grad_flow_scalars(
+    stats: LayerTable, max_layers: int | None, *, step: bool
+) -> Iterator[tuple[str, float]]:
+    """Yield the tagged scalars of a gradient-flow table, for an epoch or a logging step.
+
+    They are the means per layer and over the model, the peaks and totals, and beyond
+    ``max_layers`` layers percentiles over them all.
+
+    Args:
+        stats: the gradient-flow table, the global row last.
+        max_layers: the most layers logged one by one (``None``: all).
+        step: a logging step's scalars, without the peaks (``*_max``); else an epoch's.
+
+    Yields:
+        ``(tag, value)`` of each scalar.
+    """
+    last = len(stats.layers) - 1  # the global row
+    rows = logged_rows(stats, max_layers)
+    if stats.count[-1, stats.stats.index("grad_norm_preclip")] > 0:  # clipped: the applied one
+        yield grad_flow_tag("grad_norm_postclip"), float(stats.column("grad_norm")[-1])
+    for suffix, stat, kind in _LOGGED:
+        if step and suffix != stat:
+            continue
+        column = stats.column(stat, kind)
+        counts = stats.count[:, stats.stats.index(stat)]
+        for row in (*rows, last):
+            if counts[row] == 0:
+                continue
+            layer = stats.layers[row]
+            tag = grad_flow_tag(suffix, None if row == last else layer)
+            yield tag, float(column[row])
+        values = column[:last][(counts[:last] > 0) & np.isfinite(column[:last])]
+        if len(rows) < last and values.size:  # percentiles over the layers
+            for q, value in zip(_PERCENTILES, np.percentile(values, _PERCENTILES), strict=True):
+                yield grad_flow_tag(f"{suffix}_p{q:02d}"), float(value)
+
+
+def logged_rows(stats: LayerTable, max_layers: int | None) -> list[int]:
+    """Return the layer rows of ``stats`` to log.
+
+    Args:
+        stats: a gradient-flow table, the global row last.
+        max_layers: the most rows returned (``None``: all).
+
+    Returns:
+        All the layer rows, or the non-finite first, then half the largest and half the smallest
+        gradient norms.
+    """
+    num_layers = len(stats.layers) - 1
+    if max_layers is None or num_layers <= max_layers:
+        return list(range(num_layers))
+    norm = stats.column("grad_norm")[:num_layers]
+    nonfinite = stats.column("grad_nonfinite", "total")[:num_layers]
+    bad = [int(i) for i in np.flatnonzero((nonfinite > 0) | ~np.isfinite(norm))][:max_layers]
+    order = [int(i) for i in np.argsort(np.where(np.isfinite(norm), norm, np.inf)) if i not in bad]
+    top = (max_layers - len(bad)) // 2
+    smallest = order[: max_layers - len(bad) - top]
+    largest = order[len(order) - top :] if top else []
+    return sorted({*bad, *smallest, *largest})
