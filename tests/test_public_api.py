@@ -100,6 +100,18 @@ def test_every_public_constructor_names_the_closest_argument_to_a_misspelt_one(n
         assert f"did you mean {keyword!r}?" in str(err.value), (typo, str(err.value))
 
 
+def test_a_checked_signature_names_each_keyword() -> None:
+    """The check lists the keywords a misspelt one is compared with, so a ``**kwargs`` (whose
+    names no signature lists) is refused when the class is made, not at its first call."""
+    from lightning_hooks.core.checks import named_arguments
+
+    class Loose:
+        def __init__(self, **options: object) -> None: ...
+
+    with pytest.raises(TypeError, match=r"named_arguments\(.*Loose.__init__\): takes \*\*options"):
+        named_arguments(Loose)
+
+
 @pytest.mark.parametrize(
     ("module", "old", "new"),
     [

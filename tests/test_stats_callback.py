@@ -21,7 +21,14 @@ from lightning_hooks import (
     SaturationCallback,
 )
 from lightning_hooks.callbacks.stats import StatsCallback
+from lightning_hooks.core import (
+    ActivationStatsTracker,
+    DeadUnitTracker,
+    LayerTimer,
+    SaturationTracker,
+)
 from lightning_hooks.core.hooks.selection import Selection
+from lightning_hooks.core.stats.activation_shape import ActivationShape
 
 from conftest import TinyMLP, epoch_end_step, hooks_left, make_trainer, read_scalars
 
@@ -119,6 +126,71 @@ def test_selection_validates_types_and_patterns_once() -> None:
         Selection.of("Cb", include=[1], arguments=("layers", "exclude"))  # type: ignore[list-item]
     picked = Selection.of("Cb", types=nn.Linear, exclude="net.4").modules(TinyMLP())
     assert [name for name, _ in picked] == ["net.0", "net.2"]
+
+
+class _Declares(LayerStat[float]):
+    """A statistic that declares one state with the options it is given."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        self.add_layer_state("peak", **options)
+
+    def summarize(self, states: dict[str, np.ndarray]) -> float:
+        return 0.0
+
+    def tags(self, result: float) -> dict[str, float]:
+        return {}
+
+
+def test_a_misspelt_state_option_is_named_with_the_closest_and_every_option() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"^_Declares\.add_layer_state\(widht=\.\.\.\): unknown argument "
+        r"\(did you mean 'width'\?\); the arguments are name, reduce, width, dtype, fill, kind$",
+    ):
+        _Declares(reduce="max", widht=(2,))
+
+
+def test_a_state_without_reduce_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match=r"add_layer_state\(\) missing .*argument: 'reduce'"):
+        _Declares(width=(2,))
+
+
+def test_a_state_takes_every_option_by_keyword() -> None:
+    stat = _Declares(reduce="max", width=(2,), dtype=torch.float32, fill=0.0, kind="layer")
+    spec = stat.specs["peak"]
+    assert (spec.reduce, spec.width, spec.dtype, spec.fill, spec.kind) == (
+        "max",
+        (2,),
+        torch.float32,
+        0.0,
+        "layer",
+    )
+    stat.row("net.0")
+    assert stat.peak.tolist() == [[0.0, 0.0]]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [ActivationStatsTracker, ActivationShape, DeadUnitTracker, LayerTimer, SaturationTracker],
+)
+def test_a_statistic_names_the_closest_to_a_misspelt_selection_keyword(make: Any) -> None:
+    name = make.__name__
+    with pytest.raises(
+        TypeError,
+        match=rf"^{name}\(incude=\.\.\.\): unknown argument \(did you mean 'include'\?\); "
+        r"the arguments are .*types, include, exclude",
+    ):
+        make(incude="net.0")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [ActivationStatsTracker, ActivationShape, DeadUnitTracker, LayerTimer, SaturationTracker],
+)
+def test_a_statistic_selects_by_its_keywords(make: Any) -> None:
+    stat = make(types=nn.Linear, include="net.*", exclude="net.4")
+    assert [name for name, _ in stat.select(TinyMLP())] == ["net.0", "net.2"]
 
 
 def test_state_keys_tell_configurations_apart() -> None:

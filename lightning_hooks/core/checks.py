@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-C = TypeVar("C", bound=type)
+W = TypeVar("W", bound=Callable[..., object])
 
 
 def _fail(owner: str, name: str, value: object, expected: str, error: type[Exception]) -> Exception:
@@ -327,51 +327,72 @@ def optimizer(owner: str, name: str, value: object) -> torch.optim.Optimizer:
     return _instance(owner, name, value, Optimizer, "a torch.optim.Optimizer")
 
 
-def named_arguments(cls: C) -> C:
-    """Make a class's constructor refuse a misspelt keyword by name, with the closest valid one.
+def named_arguments(target: W) -> W:
+    """Make a constructor or a method refuse a misspelt keyword by name, with the closest one.
 
-    A class decorator. The check runs before anything else in the constructor (Python's own
-    error says only "unexpected keyword argument"). The signature ``help()`` and the docs show
-    stays the constructor's own.
+    A decorator, of a class (its own ``__init__`` is wrapped) or of a method. The check runs
+    before anything else in the call (Python's own error says only "unexpected keyword
+    argument"). The signature ``help()`` and the docs show stays the wrapped function's own.
 
     Args:
-        cls: the class whose own ``__init__`` is wrapped.
+        target: the class whose own ``__init__`` is wrapped, or the method wrapped.
 
     Returns:
-        ``cls``, its constructor wrapped; the wrapper raises ``TypeError`` for an unknown
-        keyword.
+        ``target``, its constructor wrapped (a class) or wrapped itself (a method); the wrapper
+        raises ``TypeError`` for an unknown keyword.
+
+    Raises:
+        TypeError: the wrapped function takes ``**kwargs``, whose names it cannot list.
 
     Example:
         >>> @named_arguments
         ... class Knob:
         ...     def __init__(self, *, level: int = 0, scale: int = 1) -> None: ...
+        ...     @named_arguments
+        ...     def turn(self, *, by: int, wrap: bool = False) -> None: ...
         >>> Knob(levle=1)
         Traceback (most recent call last):
         TypeError: Knob(levle=...): unknown argument (did you mean 'level'?); the arguments are ...
+        >>> Knob().turn(by=1, warp=True)
+        Traceback (most recent call last):
+        TypeError: Knob.turn(warp=...): unknown argument (did you mean 'wrap'?); the arguments ...
     """
-    init: Callable[..., None] = vars(cls)["__init__"]  # its own, not an inherited one
-    names = _keyword_names(init)
+    if isinstance(target, type):
+        init: Callable[..., object] = vars(target)["__init__"]  # its own, not an inherited one
+        checked_init = _checked(init, method=None)
+        setattr(target, "__init__", checked_init)  # noqa: B010 (mypy refuses assigning to a method)
+        return target
+    return typing.cast(W, _checked(target, method=target.__name__))
 
-    @functools.wraps(init)
-    def checked(self: object, *args: object, **kwargs: object) -> None:
+
+def _checked(function: Callable[..., object], method: str | None) -> Callable[..., object]:
+    """Return ``function`` (a constructor, or the method named ``method``) checking keywords."""
+    names = _keyword_names(function)
+
+    @functools.wraps(function)
+    def checked(self: object, *args: object, **kwargs: object) -> object:
         for name in kwargs:
             if name not in names:
-                raise TypeError(_unknown_argument(type(self).__name__, name, names))
-        init(self, *args, **kwargs)
+                owner = type(self).__name__
+                if method is not None:
+                    owner = f"{owner}.{method}"
+                raise TypeError(_unknown_argument(owner, name, names))
+        return function(self, *args, **kwargs)
 
-    setattr(cls, "__init__", checked)  # noqa: B010 (mypy refuses assigning to a method)
-    return cls
+    return checked
 
 
-def _keyword_names(init: Callable[..., None]) -> tuple[str, ...]:
-    """Return the names ``init`` takes by keyword, a ``**kwargs: Unpack[TypedDict]``'s too."""
+def _keyword_names(function: Callable[..., object]) -> tuple[str, ...]:
+    """Return the names ``function`` takes by keyword, its first (``self``) left out."""
     names: list[str] = []
-    for parameter in list(inspect.signature(init).parameters.values())[1:]:
+    for parameter in list(inspect.signature(function).parameters.values())[1:]:
         if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY):
             names.append(parameter.name)
         elif parameter.kind is parameter.VAR_KEYWORD:
-            hint = typing.get_type_hints(init, include_extras=True)[parameter.name]
-            names.extend(typing.get_type_hints(typing.get_args(hint)[0]))
+            raise TypeError(
+                f"named_arguments({function.__qualname__}): takes **{parameter.name}, whose "
+                "names it cannot list; give each keyword its own parameter"
+            )
     return tuple(names)
 
 

@@ -7,13 +7,14 @@ import math
 import numpy as np
 import torch
 from torch import nn
-from typing_extensions import Unpack
 
 from lightning_hooks import internals
+from lightning_hooks.core.checks import named_arguments
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.ops.feature_stats import CHUNK, STACKED
 from lightning_hooks.core.ops.tensors import iter_float_tensors, piece_size
 from lightning_hooks.core.stats.activation_stats import feature_modules
-from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
+from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.tags import layer_tag
 
 __all__ = ["ActivationShape", "power_sums"]
@@ -74,6 +75,7 @@ def power_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (binomial * central[:, None, :]).sum(2), torch.maximum(high, -low).view(-1).float()
 
 
+@named_arguments
 class ActivationShape(LayerStat[Shape]):
     """Measure per layer, over its outputs at logging steps, the kurtosis and the outlier ratio.
 
@@ -83,9 +85,10 @@ class ActivationShape(LayerStat[Shape]):
     ones a piece at a time.
 
     Args:
+        types: only modules of these types (``None``: :func:`.default_feature_module`'s).
+        include: glob patterns on qualified module names to keep (``None``: every name).
+        exclude: glob patterns on qualified module names to drop.
         owner: the name the selection's errors begin with.
-        **selection: the modules measured: ``types``, ``include`` and ``exclude`` (see
-            :class:`~.stat.SelectionArgs`).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 4), nn.ReLU())
@@ -99,9 +102,14 @@ class ActivationShape(LayerStat[Shape]):
     peak: torch.Tensor
 
     def __init__(
-        self, *, owner: str = "ActivationShape", **selection: Unpack[SelectionArgs]
+        self,
+        *,
+        types: ModuleTypes = None,
+        include: Patterns = None,
+        exclude: Patterns = None,
+        owner: str = "ActivationShape",
     ) -> None:
-        super().__init__(selection_of(type(self).__name__, owner, selection))
+        super().__init__(Selection.of(owner, types=types, include=include, exclude=exclude))
         self.add_layer_state("sums", reduce="sum", width=(5,))  # n, sums of x, x^2, x^3, x^4
         self.add_layer_state("peak", reduce="max", dtype=torch.float32)  # max |x|
 

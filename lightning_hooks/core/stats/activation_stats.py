@@ -8,12 +8,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch import nn
-from typing_extensions import Unpack
 
 from lightning_hooks import internals
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.registry import HookRegistry
-from lightning_hooks.core.hooks.selection import Selection, is_kind
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, is_kind
 from lightning_hooks.core.ops.feature_stats import (
     FEATURE_STATS,
     NUM_SUMS,
@@ -26,7 +25,7 @@ from lightning_hooks.core.ops.feature_stats import (
 )
 from lightning_hooks.core.ops.histogram import bin_counts, linear_edges
 from lightning_hooks.core.ops.tensors import Workspace, iter_float_tensors
-from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
+from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.core.transport import FirstNonFinite
 from lightning_hooks.tags import layer_tag
 
@@ -121,11 +120,13 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
 
     Args:
         model: the model to instrument now (``None``: call :meth:`attach` later).
+        types: only modules of these types (``None``: :func:`default_feature_module`'s).
+        include: glob patterns on qualified module names to keep (``None``: every name).
+        exclude: glob patterns on qualified module names to drop.
         histogram_bins: number of histogram bins per row; ``0``: no histograms.
         histogram_range: fixed ``(low, high)`` edges; ``None``: a running range.
         fused: use ``fused_feature_stats`` (compiled: one reading pass instead of six).
         owner: the public name errors give.
-        **selection: ``types`` (default :func:`default_feature_module`), ``include``, ``exclude``.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -142,17 +143,19 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
     edges: torch.Tensor
     has_edges: torch.Tensor
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a public constructor: one keyword per option)
         self,
         model: nn.Module | None = None,
         *,
+        types: ModuleTypes = None,
+        include: Patterns = None,
+        exclude: Patterns = None,
         histogram_bins: int = 0,
         histogram_range: tuple[float, float] | None = None,
         fused: bool = False,
         owner: str = "ActivationStatsTracker",
-        **selection: Unpack[SelectionArgs],
     ) -> None:
-        super().__init__(selection_of(type(self).__name__, owner, selection))
+        super().__init__(Selection.of(owner, types=types, include=include, exclude=exclude))
         self.bins = histogram_bins
         self.histogram_range = histogram_range
         self.workspace = Workspace()

@@ -11,14 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
-from typing_extensions import Unpack
 
 from lightning_hooks import internals
 from lightning_hooks.core.checks import named_arguments
-from lightning_hooks.core.hooks.selection import Patterns, Selection
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.ops.feature_stats import STACKED
 from lightning_hooks.core.ops.tensors import Workspace, iter_float_tensors
-from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
+from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.tags import layer_tag
 
 __all__ = ["RELU_FAMILY", "DeadUnitTracker", "DeadUnits", "fired_counts", "unit_dim"]
@@ -121,9 +120,11 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
 
     Args:
         model: the model to watch now (``None``: call :meth:`attach` later).
+        types: activation module types to watch (default :data:`RELU_FAMILY`).
+        include: glob patterns on qualified module names to keep (``None``: every name).
+        exclude: glob patterns on qualified module names to drop.
         pre_activation: glob patterns of modules (any type) whose output feeds ``F.relu``.
         owner: the public name errors give.
-        **selection: ``types`` (default :data:`RELU_FAMILY`), ``include``, ``exclude``.
 
     Example:
         >>> layer = nn.Linear(3, 4)
@@ -141,15 +142,17 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
     calls: torch.Tensor
     counts: torch.Tensor
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a public constructor: one keyword per option)
         self,
         model: nn.Module | None = None,
         *,
+        types: ModuleTypes = RELU_FAMILY,
+        include: Patterns = None,
+        exclude: Patterns = None,
         pre_activation: Patterns = None,
         owner: str = "DeadUnitTracker",
-        **selection: Unpack[SelectionArgs],
     ) -> None:
-        super().__init__(selection_of(type(self).__name__, owner, selection, RELU_FAMILY))
+        super().__init__(Selection.of(owner, types=types, include=include, exclude=exclude))
         self.workspace = Workspace()  # the largest output's fired mask, reused
         self.producers = Selection.of(
             owner, include=pre_activation, arguments=("pre_activation", "exclude")

@@ -12,11 +12,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 from torch import nn
-from typing_extensions import Unpack
 
+from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.registry import HookRegistry
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.ops.tensors import is_training_forward
-from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
+from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.tags import family_tag, layer_tag
 
 __all__ = ["LayerTimer", "LayerTimes"]
@@ -100,6 +101,7 @@ class _Clock:
         return (end - start) * 1e3
 
 
+@named_arguments
 class LayerTimer(LayerStat[LayerTimes]):
     """Time the forward of every selected layer at logging steps (not the backward).
 
@@ -108,10 +110,12 @@ class LayerTimer(LayerStat[LayerTimes]):
 
     Args:
         model: the model to time now (``None``: call :meth:`attach` later).
+        types: only modules of these types (``None``: any).
+        include: glob patterns on qualified module names to keep (``None``: every name).
+        exclude: glob patterns on qualified module names to drop.
         leaves: keep only modules without children.
         cuda: use CUDA events (``None``: when a parameter of the model is on a CUDA device).
         owner: the public name errors give.
-        **selection: ``types``, ``include``, ``exclude`` (see :class:`~.stat.SelectionArgs`).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -131,16 +135,18 @@ class LayerTimer(LayerStat[LayerTimes]):
     step_ms: torch.Tensor
     steps: torch.Tensor
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a public constructor: one keyword per option)
         self,
         model: nn.Module | None = None,
         *,
+        types: ModuleTypes = None,
+        include: Patterns = None,
+        exclude: Patterns = None,
         leaves: bool = True,
         cuda: bool | None = None,
         owner: str = "LayerTimer",
-        **selection: Unpack[SelectionArgs],
     ) -> None:
-        super().__init__(selection_of(type(self).__name__, owner, selection))
+        super().__init__(Selection.of(owner, types=types, include=include, exclude=exclude))
         self.leaves = leaves
         self.use_cuda = cuda
         self.sampling = False

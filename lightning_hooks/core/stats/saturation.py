@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
-from typing_extensions import Unpack
 
-from lightning_hooks.core.hooks.selection import torch_equivalent
-from lightning_hooks.core.stats.stat import LayerStat, SelectionArgs, selection_of
+from lightning_hooks.core.checks import named_arguments
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, torch_equivalent
+from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.tags import layer_tag
 
 __all__ = [
@@ -128,6 +128,7 @@ class SaturatedUnits:
         return np.where(self.entries > 0, self.always_saturated / np.maximum(self.units, 1), np.nan)
 
 
+@named_arguments
 class SaturationTracker(LayerStat[SaturatedUnits]):
     """Count per layer the saturated outputs of training forwards and the units never unsaturated.
 
@@ -135,10 +136,12 @@ class SaturationTracker(LayerStat[SaturatedUnits]):
 
     Args:
         model: the model to watch now (``None``: call :meth:`attach` later).
+        types: the module types to watch (``None``: :data:`SATURATING_TYPES`).
+        include: glob patterns on qualified module names to keep (``None``: every name).
+        exclude: glob patterns on qualified module names to drop.
         unit_dim: the output dimension that indexes units.
         margin: the threshold margin of the smooth activations (see :func:`saturation_mask`).
         owner: the public name errors give.
-        **selection: ``types`` (default :data:`SATURATING_TYPES`), ``include``, ``exclude``.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 3), nn.Tanh())
@@ -157,17 +160,19 @@ class SaturationTracker(LayerStat[SaturatedUnits]):
     entries: torch.Tensor
     unsaturated: torch.Tensor
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (a public constructor: one keyword per option)
         self,
         model: nn.Module | None = None,
         *,
+        types: ModuleTypes = None,
+        include: Patterns = None,
+        exclude: Patterns = None,
         unit_dim: int = 1,
         margin: float = 0.01,
         owner: str = "SaturationTracker",
-        **selection: Unpack[SelectionArgs],
     ) -> None:
-        types = selection.get("types") or SATURATING_TYPES
-        super().__init__(selection_of(type(self).__name__, owner, {**selection, "types": types}))
+        watched = types or SATURATING_TYPES
+        super().__init__(Selection.of(owner, types=watched, include=include, exclude=exclude))
         self.owner = owner
         self.unit_dim = unit_dim
         self.margin = margin

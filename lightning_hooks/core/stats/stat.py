@@ -13,58 +13,23 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 from torch import nn
-from typing_extensions import Self, TypedDict
+from typing_extensions import Self
 
 from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
-from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
+from lightning_hooks.core.hooks.selection import Selection
 from lightning_hooks.core.hooks.shared import Snapshots
 from lightning_hooks.core.ops.tensors import Pending, is_training_forward
 from lightning_hooks.core.stats.states import Reduce, RowStates, StateSpec, unpack
 from lightning_hooks.core.transport import HostCopy
 
-__all__ = ["LayerStat", "Reduce", "SelectionArgs", "StateSpec", "selection_of"]
+__all__ = ["LayerStat", "Reduce", "StateSpec"]
 
 R = TypeVar("R")
 
 
 _COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
-
-
-class SelectionArgs(TypedDict, total=False):
-    """Name the keyword arguments that select a statistic's modules (:meth:`Selection.of`)."""
-
-    types: ModuleTypes
-    include: Patterns
-    exclude: Patterns
-
-
-def selection_of(
-    stat: str, owner: str, args: SelectionArgs, default_types: ModuleTypes = None
-) -> Selection:
-    """Return the :class:`Selection` of ``args`` given to statistic ``stat``.
-
-    Args:
-        stat: the statistic's name, which the message of a misspelt argument names.
-        owner: the name the selection's errors begin with.
-        args: the selecting keyword arguments the user gave.
-        default_types: the module types selected where ``args`` gives no ``types``.
-
-    Returns:
-        The selection.
-
-    Raises:
-        TypeError: ``args`` holds another argument (a typo).
-    """
-    unknown = sorted(set(args) - set(SelectionArgs.__annotations__))
-    if unknown:
-        raise TypeError(f"{stat}.__init__() got an unexpected keyword argument {unknown[0]!r}")
-    include = args.get("include")
-    exclude = args.get("exclude")
-    return Selection.of(
-        owner, types=args.get("types", default_types), include=include, exclude=exclude
-    )
 
 
 @named_arguments

@@ -9,11 +9,12 @@ from typing import Literal
 
 import numpy as np
 import torch
-from typing_extensions import Required, Self, TypedDict, Unpack
+from typing_extensions import Self
 
+from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.transport import all_gather_stacked, is_distributed
 
-__all__ = ["Kind", "Reduce", "RowStates", "StateOptions", "StateSpec", "unpack"]
+__all__ = ["Kind", "Reduce", "RowStates", "StateSpec", "unpack"]
 
 Reduce = Literal["sum", "max", "min", "same"]  # "same": values every rank shares (bin edges)
 Kind = Literal["layer", "unit", "global"]
@@ -44,19 +45,6 @@ class StateSpec:
             return float(self.reduce != "max")
         info = torch.iinfo(self.dtype)
         return float(info.min if self.reduce == "max" else info.max)
-
-
-class StateOptions(TypedDict, total=False):
-    """Name how a state is declared (:meth:`RowStates.add_layer_state`), but its name."""
-
-    reduce: Required[Reduce]  # how the ranks' copies pool
-    width: Sequence[int]  # the shape of a row's entry (``()``: a number)
-    dtype: torch.dtype  # default float64
-    fill: float | None  # a fresh entry's value (``None``: the identity of ``reduce``)
-    kind: Kind  # default ``"layer"``
-
-
-_STATE_OPTIONS = tuple(StateOptions.__annotations__)  # its keys, in order
 
 
 def _dtype_on(spec: StateSpec, device: torch.device) -> torch.dtype:
@@ -92,18 +80,6 @@ _POOL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # the ranks' copie
 }
 
 
-def _check_options(owner: str, options: StateOptions) -> None:
-    """Refuse a misspelt option by name, as a signature would, and a missing ``reduce``."""
-    for key in options:
-        if key not in _STATE_OPTIONS:
-            raise TypeError(
-                f"{owner}({key}=...): unknown argument; the arguments are name, "
-                f"{', '.join(_STATE_OPTIONS)}"
-            )
-    if "reduce" not in options:
-        raise TypeError(f"{owner}(reduce=...): missing; one of sum, max, min, same")
-
-
 class RowStates:
     """Hold per-layer states: declared, grown a row at a time, aligned and reduced across ranks."""
 
@@ -116,7 +92,17 @@ class RowStates:
         self._aligned = 0  # rows every rank has, in the same order (see align_rows)
         self._counts: dict[str, dict[int, int]] = {}  # host-side counts by state (see tally)
 
-    def add_layer_state(self, name: str, **options: Unpack[StateOptions]) -> None:
+    @named_arguments
+    def add_layer_state(  # noqa: PLR0913 (torchmetrics' add_state: one keyword per option)
+        self,
+        name: str,
+        *,
+        reduce: Reduce,
+        width: Sequence[int] = (),
+        dtype: torch.dtype = torch.float64,
+        fill: float | None = None,
+        kind: Kind = "layer",
+    ) -> None:
         """Declare a state pooled across ranks by ``reduce``, ``[rows, *width]``.
 
         With ``kind="unit"`` there are ``units`` entries per row (:meth:`unit_slice`), with
@@ -124,19 +110,19 @@ class RowStates:
 
         Args:
             name: the state's name, the attribute it is kept under.
-            **options: how the state is declared; see :class:`StateOptions`.
+            reduce: how the ranks' copies pool: ``"sum"``, ``"max"``, ``"min"``, or ``"same"``
+                for values every rank shares (bin edges).
+            width: the shape of a row's entry (``()``: a number).
+            dtype: the state's dtype (float64 is float32 on MPS).
+            fill: a fresh entry's value (``None``: the identity of ``reduce``).
+            kind: where the entries live (see :data:`Kind`).
 
         Raises:
-            TypeError: an option that is not one of :class:`StateOptions`', or no ``reduce``.
+            TypeError: a keyword that is not one of these (the error names the closest), or no
+                ``reduce``.
         """
-        _check_options(f"{type(self).__name__}.add_layer_state", options)
         spec = StateSpec(
-            name=name,
-            reduce=options["reduce"],
-            dtype=options.get("dtype", torch.float64),
-            width=tuple(options.get("width", ())),
-            kind=options.get("kind", "layer"),
-            fill=options.get("fill"),
+            name=name, reduce=reduce, dtype=dtype, width=tuple(width), kind=kind, fill=fill
         )
         self.specs[name] = spec
         setattr(self, name, self._fresh(spec, 0, self.device))
