@@ -11,7 +11,7 @@ import torch
 
 from lightning_hooks.core import LayerStatsAccumulator
 from lightning_hooks.core.stats import accumulator as accumulator_module
-from lightning_hooks.core.stats import states as states_module
+from lightning_hooks.core.stats import stat as states_module
 
 
 def test_steps_batch_equals_one_update_per_step() -> None:

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import FeatureMapCallback, LightningHooksWarning, SaturationCallback
 from lightning_hooks.core import SaturationTracker, saturation_mask, unit_saturation
-from lightning_hooks.core.stats import states as states_module
+from lightning_hooks.core.stats import stat as states_module
 
 from conftest import TinyMLP, epoch_end_step, hooks_left, read_scalars
 from syncs import count_syncs
