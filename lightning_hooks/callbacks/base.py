@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
-import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
@@ -342,21 +341,6 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         attached = fit.attached  # a failure in the batch's hooks may have taken it off
         if measured is not None and attached is not None:
             self._end_logging_step(trainer, measured, attached)
-
-    if TYPE_CHECKING:
-        # Lightning's empty default is inherited, not defined here, so that Lightning skips it
-        # (see skip_inherited). It reads none of its arguments, so it accepts what a Fabric loop
-        # passes the hooks, as FabricDriven requires.
-        def on_before_optimizer_step(
-            self, trainer: TrainerView, pl_module: nn.Module, optimizer: torch.optim.Optimizer
-        ) -> None:
-            """Observe the gradients an optimizer is about to apply; the default does nothing.
-
-            Args:
-                trainer: the trainer of the fit.
-                pl_module: the module watched.
-                optimizer: the optimizer about to step.
-            """
 
     def _end_logging_step(self, trainer: TrainerView, step: int, attached: Attached) -> None:
         """Write a logging step whose optimizer step has run (its last micro-batch ended).
