@@ -83,7 +83,8 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
        base opens the hooks. The subclass may start and end the step (``_batch_started``,
        ``_batch_ending``). The base then copies the statistics to the host and writes them.
     4. At an epoch end the base writes every statistic's epoch, then calls ``_log_epoch``.
-    5. ``on_train_end``, ``on_exception`` and ``teardown`` take every hook off.
+    5. The fit ends at the exits below (a fit that ends well: ``on_train_end``, then
+       ``teardown``). Each takes every hook off.
 
     Every Lightning hook runs under the callback's guard
     (:func:`~lightning_hooks.core.hooks.guard.guarded`). An error in the library's own code
@@ -116,6 +117,26 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     outlives a fit and is saved in checkpoints goes in :attr:`kept`. Under several processes,
     :attr:`ranks` (a :class:`~.ranks.RankAgreement`) makes every rank act alike: a failure
     disables the callback on all of them, and a stop stops them all.
+
+    The exits use three verbs. ``flush`` writes what was measured and saves the loggers.
+    ``remove_hooks`` takes the fit's hooks and statistics off the model. ``_let_go`` does that
+    too, and drops what Lightning set on the callback for the fit, so that nothing of the
+    callback keeps the model alive. A second ``remove_hooks`` or ``_let_go`` does nothing.
+
+    ====================  ===============================  ===================================
+    exit                  when                             what runs
+    ====================  ===============================  ===================================
+    ``on_train_end``      the training loop ended          the ranks agree on a last failure,
+                                                           the loggers are saved,
+                                                           ``remove_hooks``
+    ``on_exception``      the fit raised (then Lightning   ``flush``, then ``_let_go``
+                          calls no ``teardown``)
+    ``teardown``          the end of every stage           ``_let_go``
+    the guard, the ranks  a hook of ours failed, on this   ``remove_hooks``; the callback does
+                          rank or on another               nothing more in the fit
+    ``release``           a Fabric loop's end (also its    ``flush``, ``on_train_end``, then
+                          ``on_train_end`` call)           ``teardown``, called by the run
+    ====================  ===============================  ===================================
 
     In a Fabric loop, :class:`~.fabric.FabricHooks`, which the base derives from, answers
     Fabric's calls, and a :class:`~.fabric.FabricRun` drives these same hooks with a stand-in for
@@ -310,16 +331,31 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     def on_train_batch_start(
         self, trainer: TrainerView, pl_module: nn.Module, batch: Any, batch_idx: int
     ) -> None:
-        logs = self.cadence.start_batch(trainer, batch_idx)
-        fit = self._fit_state
-        if fit.attached is not None and fit.attached.copying:  # on CUDA, the last step's copy
-            fit.attached.write_steps(trainer, wait=False)
-        self._set_gate(logs)
+        logging_step = self.cadence.start_batch(trainer, batch_idx)
+        attached = self._fit_state.attached
+        if attached is not None:
+            attached.write_arrived_steps(trainer)  # on CUDA, the last logging step's copy
+        self._set_gate(logging_step)
         # Save what the library's callbacks wrote since the last batch's end, so that a run
         # killed in this batch keeps it. Where several of them run, the first to get here saves
         # for all of them, once per batch.
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
-        fit.logging_batch = logs and fit.attached is not None
+        self._start_measuring(trainer, batch, logging_step=logging_step)
+
+    def _start_measuring(self, trainer: TrainerView, batch: Any, *, logging_step: bool) -> None:  # noqa: ANN401 (the user's batch)
+        """Record whether the starting batch is measured, and if so, open what it measures.
+
+        A batch is measured where it belongs to a logging step and the fit attached (a failure
+        takes the hooks off, and an idle fit never attaches). The subclass then opens the step
+        (``_batch_started``).
+
+        Args:
+            trainer: the trainer running the batch.
+            batch: the batch as the dataloader gave it, before ``training_step``.
+            logging_step: whether the batch belongs to a logging step, as the cadence says.
+        """
+        fit = self._fit_state
+        fit.logging_batch = logging_step and fit.attached is not None
         if fit.logging_batch:
             self.cadence.measure()
             self._batch_started(trainer, batch)
@@ -437,19 +473,19 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         try:
             self.flush(trainer)
         finally:
-            self._detach()
+            self._let_go()
 
     @override
     @guarded
     def teardown(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
-        self._detach()
+        self._let_go()
 
     def flush(self, trainer: TrainerView) -> None:
         """Write what was measured before the hooks go.
 
         On CUDA this waits for the last logging step's copy and writes it. The loggers are then
         saved. ``on_exception`` calls this method. So does the end of a Fabric loop, which may
-        come without an epoch end before it.
+        come without an epoch end before it (see the exits in the class's docstring).
 
         Args:
             trainer: the trainer whose loggers are written to and saved.
@@ -459,8 +495,12 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
             attached.write_steps(trainer, wait=True)
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
 
-    def _detach(self) -> None:
-        """Take the fit off the model: its hooks, and whatever of it would keep the model alive."""
+    def _let_go(self) -> None:
+        """Take the fit's hooks off, and drop what Lightning set on the callback for the fit.
+
+        These are the shadows of the inherited per-batch hooks (:func:`~.trainer.skip_inherited`)
+        and the model's ``log`` and ``log_dict``, which would keep the model alive.
+        """
         self.remove_hooks()
         restore_inherited(self)
         drop_model_logging(self)
