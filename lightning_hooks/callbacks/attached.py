@@ -352,10 +352,14 @@ class Attached:
                 else:
                     afresh.append(type(logged.stat).__name__)
         except (KeyError, ValueError):
-            for logged in self.logged:
-                logged.stat.reset()
+            self.reset_statistics()
             raise
         return afresh
+
+    def reset_statistics(self) -> None:
+        """Start every statistic's epoch afresh, dropping what it holds of the epoch so far."""
+        for logged in self.logged:
+            logged.stat.reset()
 
     def remove(self) -> None:
         """Take every hook off the model, then call ``on_remove`` (once)."""

@@ -294,7 +294,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         """Load the checkpoint's state that :meth:`load_state_dict` kept, if any.
 
         The statistics' state goes to what the fit attached, the rest to :attr:`kept`. A state
-        that does not match this model is dropped, with one warning.
+        with a part that does not match this model is dropped whole, with one warning.
 
         Args:
             fit: the running fit, which has just attached.
@@ -306,16 +306,12 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
             return
         pending = attached.in_this_layout(pending)
         try:
-            afresh = attached.load_state_dict(
-                {k: v for k, v in pending.items() if k not in self.kept}
-            )
-            for key, kept in self.kept.items():
-                if key in pending:
-                    kept.load_host_state(pending[key])
+            afresh = self._load_whole(attached, pending)
         except (KeyError, ValueError) as err:
+            parts = ", ".join(["statistics", *(key for key in self.kept if key in pending)])
             rank_zero_warn(
-                f"{type(self).__name__}: the checkpoint's statistics do not match this "
-                f"model and are dropped ({err})",
+                f"{type(self).__name__}: the checkpoint's state does not match this model "
+                f"({err}); none of it is loaded ({parts})",
                 category=LightningHooksWarning,
             )
             return
@@ -325,6 +321,38 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
                 "(saved under another configuration); this epoch's values of it start afresh",
                 category=LightningHooksWarning,
             )
+
+    def _load_whole(self, attached: Attached, state: dict[str, Any]) -> list[str]:
+        """Load a checkpoint's ``state`` into the statistics and into :attr:`kept`, or none of it.
+
+        What :attr:`kept` holds is saved first, so that a part that fails to load, after others
+        did, leaves each collaborator as it was before.
+
+        Args:
+            attached: what the fit attached, whose statistics load their part of ``state``.
+            state: the callback's state, in this release's layout.
+
+        Returns:
+            The statistics that start afresh for want of an entry, by class name.
+
+        Raises:
+            KeyError: a part of ``state`` lacks what its statistic or collaborator needs. The
+                statistics then start afresh, and each collaborator of :attr:`kept` is as it was.
+            ValueError: a part of ``state`` does not fit this model; as for ``KeyError``.
+        """
+        before = {key: kept.host_state() for key, kept in self.kept.items() if key in state}
+        try:
+            afresh = attached.load_state_dict(
+                {k: v for k, v in state.items() if k not in self.kept}
+            )
+            for key in before:
+                self.kept[key].load_host_state(state[key])
+        except (KeyError, ValueError):
+            attached.reset_statistics()
+            for key, earlier in before.items():
+                self.kept[key].load_host_state(earlier)
+            raise
+        return afresh
 
     @override
     @guarded
