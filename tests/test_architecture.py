@@ -98,6 +98,62 @@ def test_a_callback_extends_the_base_at_its_five_points_and_never_chains_to_it()
                 assert not chained or node.func.attr == "__init__", (cls.__name__, node.func.attr)
 
 
+def _is_extension_point(method: ast.FunctionDef) -> bool:
+    """Whether a method of the base is there for a subclass to write: abstract, or a documented
+    default that does nothing (a docstring, then at most a constant returned)."""
+    abstract = any(getattr(d, "id", "") == "abstractmethod" for d in method.decorator_list)
+    docstring, *rest = method.body
+    documented = isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)
+    constant = [isinstance(s, ast.Return) and isinstance(s.value, ast.Constant) for s in rest]
+    return abstract or (documented and constant in ([], [True]))
+
+
+def _hooks_chained_with_super() -> set[str]:
+    """The methods a callback overrides and calls with ``super()``, its constructor aside."""
+    import inspect
+    import textwrap
+
+    chained = set()
+    for cls in _callback_classes():
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls)))):
+            called = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            on_super = called and isinstance(node.func.value, ast.Call)
+            if on_super and getattr(node.func.value.func, "id", "") == "super":
+                chained.add(node.func.attr)
+    return chained - {"__init__"}
+
+
+def test_the_base_has_at_most_five_extension_points_and_each_is_in_its_table() -> None:
+    """Counted by their shape, not by their names: every abstract method and documented no-op of
+    the base, and every hook a callback overrides and chains with ``super()``."""
+    import inspect
+
+    from lightning_hooks.callbacks.base import HookCallback
+
+    tree = ast.parse(inspect.getsource(HookCallback))
+    (base,) = [node for node in tree.body if isinstance(node, ast.ClassDef)]
+    methods = [node for node in base.body if isinstance(node, ast.FunctionDef)]
+    points = {m.name for m in methods if _is_extension_point(m)} | _hooks_chained_with_super()
+    assert points == EXTENSION_POINTS
+    assert len(points) <= 5
+    table = inspect.getdoc(HookCallback) or ""
+    assert all(f"``{name}``" in table for name in points)
+
+
+def test_the_callbacks_define_no_method_for_the_type_checker_alone() -> None:
+    """A method a reader sees in a callback's class exists at run time: none is defined under
+    ``if TYPE_CHECKING:``."""
+    for path in sorted((CORE.parent / "callbacks").glob("*.py")):
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for node in cls.body:
+                hidden = (
+                    isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING"
+                )
+                assert not hidden, f"{path.name}:{node.lineno}: {cls.name} under TYPE_CHECKING"
+
+
 def test_the_base_holds_the_lifecycle_and_fabric_holds_its_entry_points() -> None:
     """The base defines no method Fabric calls by name: those, and the run they start, are
     ``FabricHooks``' (``callbacks/fabric.py``), which the base derives from, so every callback

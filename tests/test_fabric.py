@@ -19,7 +19,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
-from lightning_hooks import GradFlowCallback
+from lightning_hooks import ActivationStatsCallback, GradFlowCallback
 from lightning_hooks.callbacks.fabric import FabricTrainer, check_fabric
 from lightning_hooks.errors import TrainingAlarmWarning
 
@@ -224,3 +224,34 @@ def test_trainer_only_callbacks_refused_under_fabric(tmp_path: Path, name: str, 
         MisconfigurationException, match=rf"{name} does not work under Fabric.*{why}"
     ):
         _train(fabric, _model(), 1)
+
+
+class _Observing(ActivationStatsCallback):
+    """A user's subclass that reads each optimizer step, which its parent does not."""
+
+    def __init__(self) -> None:
+        super().__init__(every_n_steps=2)
+        self.steps: list[int] = []
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self.steps.append(trainer.global_step)
+
+
+def test_the_run_calls_on_before_optimizer_step_where_the_callback_defines_one(
+    tmp_path: Path,
+) -> None:
+    """The run hands each optimizer step to the callback's own ``on_before_optimizer_step``;
+    a callback that keeps Lightning's empty one (ActivationStatsCallback) still logs."""
+    from lightning_hooks.callbacks.trainer import inherits_empty_hook
+
+    observing = _Observing()
+    _train(_fabric(tmp_path / "a", observing), _model(), 3)
+    assert observing.steps == [0, 1, 2]
+    activations = ActivationStatsCallback(every_n_steps=2)
+    assert inherits_empty_hook(activations, "on_before_optimizer_step")
+    assert not inherits_empty_hook(observing, "on_before_optimizer_step")
+    model = _model()
+    _train(_fabric(tmp_path / "b", activations), model, 3)
+    assert read_scalars(tmp_path / "b" / "tb")
+    activations.release()
+    assert hooks_left(model) == []

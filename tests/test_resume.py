@@ -154,7 +154,7 @@ def test_state_for_another_model_is_dropped_with_a_warning(tmp_path: Path) -> No
     callback = GradFlowCallback()
     state = {"layers": ["other"], "stats": ["x"], "total": 0, "peak": 0, "count": 0}
     callback.load_state_dict(state)
-    with pytest.warns(LightningHooksWarning, match="do not match this model"):
+    with pytest.warns(LightningHooksWarning, match="does not match this model"):
         make_trainer(tmp_path, callbacks=[callback]).fit(TinyMLP())
     assert "grad_flow/grad_norm/net.0" in read_scalars(tmp_path)
 
@@ -193,10 +193,38 @@ def test_a_checkpoint_with_one_statistic_of_another_model_keeps_none_of_them(
     assert state["0:GradFlowTracker"]["count"] is not None  # the tracker's epoch so far
     state["1:StabilityStats"] = {**state["1:StabilityStats"], "layers": ["elsewhere"]}
     callback.load_state_dict(state)
-    with pytest.warns(LightningHooksWarning, match="do not match this model"):
+    with pytest.warns(LightningHooksWarning, match="does not match this model"):
         trainer(tmp_path / "dropped", callbacks=[callback]).fit(SameBatchesMLP())
     trainer(tmp_path / "fresh", callbacks=[GradFlowCallback()]).fit(SameBatchesMLP())
     _assert_same(_grad_flow_at(tmp_path / "dropped", 4), _grad_flow_at(tmp_path / "fresh", 4))
+
+
+def test_a_checkpoint_whose_heatmap_does_not_load_keeps_nothing_of_its_state(
+    tmp_path: Path,
+) -> None:
+    """The statistics and the alarms load, then the heatmap's history does not: nothing of the
+    checkpoint is kept, the warning names every part dropped, and the epoch is a fresh fit's."""
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=SAVED_AT, save_top_k=-1)
+    trainer(tmp_path / "first", callbacks=[GradFlowCallback(), every]).fit(SameBatchesMLP())
+    (path,) = sorted((tmp_path / "ckpt").glob("*.ckpt"))[:1]
+    callback = GradFlowCallback()
+    state = dict(torch.load(path, weights_only=False)["callbacks"][callback.state_key])
+    assert list(callback.kept) == ["alarms", "heatmap"]  # the alarms load first
+    state["heatmap"] = {"epochs": [{"epoch": 0, "layers": ["net.0"]}]}  # no "columns"
+    callback.load_state_dict(state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path / "dropped", callbacks=[callback]).fit(SameBatchesMLP())
+    ours = [str(w.message) for w in caught if issubclass(w.category, LightningHooksWarning)]
+    assert len(ours) == 1, ours
+    assert "does not match this model ('columns')" in ours[0]
+    assert ours[0].endswith("none of it is loaded (statistics, alarms, heatmap)")
+    fresh = GradFlowCallback()
+    trainer(tmp_path / "fresh", callbacks=[fresh]).fit(SameBatchesMLP())
+    _assert_same(_grad_flow_at(tmp_path / "dropped", 4), _grad_flow_at(tmp_path / "fresh", 4))
+    # the alarms' running scales began afresh too, not from the checkpoint's two steps
+    dropped_scale = callback.kept["alarms"].host_state()["scale"]
+    assert torch.equal(dropped_scale, fresh.kept["alarms"].host_state()["scale"])
 
 
 class MixedMLP(RepeatedBatchMLP):

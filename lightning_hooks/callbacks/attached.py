@@ -219,7 +219,7 @@ class Attached:
         self.every_batch = every_batch
         self._on_remove = on_remove
         self._earlier_layout = earlier_layout
-        self.copying = False
+        self._copying = False
         """Whether a logging step's values are on their way to the host and not all written."""
 
     def end_logging_step(self, trainer: TrainerView, step: int) -> None:
@@ -227,7 +227,7 @@ class Attached:
 
         The base calls this after a logging step's optimizer step. The new copies are written
         once they reach the host. On the CPU that is at once. On CUDA it is at a later batch
-        (see :meth:`write_steps`).
+        (see :meth:`write_arrived_steps`).
 
         Args:
             trainer: the trainer whose loggers are written to.
@@ -236,8 +236,20 @@ class Attached:
         self.write_steps(trainer, wait=True)
         for logged in self.logged:
             logged.stat.start_copy(step)
-        self.copying = True
+        self._copying = True
         self.write_steps(trainer, wait=False)
+
+    def write_arrived_steps(self, trainer: TrainerView) -> None:
+        """Write the logging steps whose copies have reached the host since the last look.
+
+        The base calls this at every batch's start. A batch after which no copy is on its way,
+        which is most of them, looks at no statistic.
+
+        Args:
+            trainer: the trainer whose loggers are written to.
+        """
+        if self._copying:
+            self.write_steps(trainer, wait=False)
 
     def write_steps(self, trainer: TrainerView, wait: bool) -> None:
         """Write every logging step whose values are on the host.
@@ -247,11 +259,9 @@ class Attached:
             wait: block until each copy is done. If ``False``, write only the copies that have
                 arrived.
         """
-        if not (wait or self.copying):
-            return
         for logged in self.logged:
             logged.write_step(trainer, wait)
-        self.copying = not wait and self.copies_in_flight
+        self._copying = not wait and self.copies_in_flight
 
     def write_epoch(self, trainer: TrainerView) -> None:
         """Write each statistic's epoch and start the next one.
@@ -342,10 +352,14 @@ class Attached:
                 else:
                     afresh.append(type(logged.stat).__name__)
         except (KeyError, ValueError):
-            for logged in self.logged:
-                logged.stat.reset()
+            self.reset_statistics()
             raise
         return afresh
+
+    def reset_statistics(self) -> None:
+        """Start every statistic's epoch afresh, dropping what it holds of the epoch so far."""
+        for logged in self.logged:
+            logged.stat.reset()
 
     def remove(self) -> None:
         """Take every hook off the model, then call ``on_remove`` (once)."""

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
-import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
@@ -84,7 +83,8 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
        base opens the hooks. The subclass may start and end the step (``_batch_started``,
        ``_batch_ending``). The base then copies the statistics to the host and writes them.
     4. At an epoch end the base writes every statistic's epoch, then calls ``_log_epoch``.
-    5. ``on_train_end``, ``on_exception`` and ``teardown`` take every hook off.
+    5. The fit ends at the exits below (a fit that ends well: ``on_train_end``, then
+       ``teardown``). Each takes every hook off.
 
     Every Lightning hook runs under the callback's guard
     (:func:`~lightning_hooks.core.hooks.guard.guarded`). An error in the library's own code
@@ -117,6 +117,26 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     outlives a fit and is saved in checkpoints goes in :attr:`kept`. Under several processes,
     :attr:`ranks` (a :class:`~.ranks.RankAgreement`) makes every rank act alike: a failure
     disables the callback on all of them, and a stop stops them all.
+
+    The exits use three verbs. ``flush`` writes what was measured and saves the loggers.
+    ``remove_hooks`` takes the fit's hooks and statistics off the model. ``_let_go`` does that
+    too, and drops what Lightning set on the callback for the fit, so that nothing of the
+    callback keeps the model alive. A second ``remove_hooks`` or ``_let_go`` does nothing.
+
+    ====================  ===============================  ===================================
+    exit                  when                             what runs
+    ====================  ===============================  ===================================
+    ``on_train_end``      the training loop ended          the ranks agree on a last failure,
+                                                           the loggers are saved,
+                                                           ``remove_hooks``
+    ``on_exception``      the fit raised (then Lightning   ``flush``, then ``_let_go``
+                          calls no ``teardown``)
+    ``teardown``          the end of every stage           ``_let_go``
+    the guard, the ranks  a hook of ours failed, on this   ``remove_hooks``; the callback does
+                          rank or on another               nothing more in the fit
+    ``release``           a Fabric loop's end (also its    ``flush``, ``on_train_end``, then
+                          ``on_train_end`` call)           ``teardown``, called by the run
+    ====================  ===============================  ===================================
 
     In a Fabric loop, :class:`~.fabric.FabricHooks`, which the base derives from, answers
     Fabric's calls, and a :class:`~.fabric.FabricRun` drives these same hooks with a stand-in for
@@ -274,7 +294,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         """Load the checkpoint's state that :meth:`load_state_dict` kept, if any.
 
         The statistics' state goes to what the fit attached, the rest to :attr:`kept`. A state
-        that does not match this model is dropped, with one warning.
+        with a part that does not match this model is dropped whole, with one warning.
 
         Args:
             fit: the running fit, which has just attached.
@@ -286,16 +306,12 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
             return
         pending = attached.in_this_layout(pending)
         try:
-            afresh = attached.load_state_dict(
-                {k: v for k, v in pending.items() if k not in self.kept}
-            )
-            for key, kept in self.kept.items():
-                if key in pending:
-                    kept.load_host_state(pending[key])
+            afresh = self._load_whole(attached, pending)
         except (KeyError, ValueError) as err:
+            parts = ", ".join(["statistics", *(key for key in self.kept if key in pending)])
             rank_zero_warn(
-                f"{type(self).__name__}: the checkpoint's statistics do not match this "
-                f"model and are dropped ({err})",
+                f"{type(self).__name__}: the checkpoint's state does not match this model "
+                f"({err}); none of it is loaded ({parts})",
                 category=LightningHooksWarning,
             )
             return
@@ -306,21 +322,68 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
                 category=LightningHooksWarning,
             )
 
+    def _load_whole(self, attached: Attached, state: dict[str, Any]) -> list[str]:
+        """Load a checkpoint's ``state`` into the statistics and into :attr:`kept`, or none of it.
+
+        What :attr:`kept` holds is saved first, so that a part that fails to load, after others
+        did, leaves each collaborator as it was before.
+
+        Args:
+            attached: what the fit attached, whose statistics load their part of ``state``.
+            state: the callback's state, in this release's layout.
+
+        Returns:
+            The statistics that start afresh for want of an entry, by class name.
+
+        Raises:
+            KeyError: a part of ``state`` lacks what its statistic or collaborator needs. The
+                statistics then start afresh, and each collaborator of :attr:`kept` is as it was.
+            ValueError: a part of ``state`` does not fit this model; as for ``KeyError``.
+        """
+        before = {key: kept.host_state() for key, kept in self.kept.items() if key in state}
+        try:
+            afresh = attached.load_state_dict(
+                {k: v for k, v in state.items() if k not in self.kept}
+            )
+            for key in before:
+                self.kept[key].load_host_state(state[key])
+        except (KeyError, ValueError):
+            attached.reset_statistics()
+            for key, earlier in before.items():
+                self.kept[key].load_host_state(earlier)
+            raise
+        return afresh
+
     @override
     @guarded
     def on_train_batch_start(
         self, trainer: TrainerView, pl_module: nn.Module, batch: Any, batch_idx: int
     ) -> None:
-        logs = self.cadence.start_batch(trainer, batch_idx)
-        fit = self._fit_state
-        if fit.attached is not None and fit.attached.copying:  # on CUDA, the last step's copy
-            fit.attached.write_steps(trainer, wait=False)
-        self._set_gate(logs)
+        logging_step = self.cadence.start_batch(trainer, batch_idx)
+        attached = self._fit_state.attached
+        if attached is not None:
+            attached.write_arrived_steps(trainer)  # on CUDA, the last logging step's copy
+        self._set_gate(logging_step)
         # Save what the library's callbacks wrote since the last batch's end, so that a run
         # killed in this batch keeps it. Where several of them run, the first to get here saves
         # for all of them, once per batch.
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
-        fit.logging_batch = logs and fit.attached is not None
+        self._start_measuring(trainer, batch, logging_step=logging_step)
+
+    def _start_measuring(self, trainer: TrainerView, batch: Any, *, logging_step: bool) -> None:  # noqa: ANN401 (the user's batch)
+        """Record whether the starting batch is measured, and if so, open what it measures.
+
+        A batch is measured where it belongs to a logging step and the fit attached (a failure
+        takes the hooks off, and an idle fit never attaches). The subclass then opens the step
+        (``_batch_started``).
+
+        Args:
+            trainer: the trainer running the batch.
+            batch: the batch as the dataloader gave it, before ``training_step``.
+            logging_step: whether the batch belongs to a logging step, as the cadence says.
+        """
+        fit = self._fit_state
+        fit.logging_batch = logging_step and fit.attached is not None
         if fit.logging_batch:
             self.cadence.measure()
             self._batch_started(trainer, batch)
@@ -342,21 +405,6 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         attached = fit.attached  # a failure in the batch's hooks may have taken it off
         if measured is not None and attached is not None:
             self._end_logging_step(trainer, measured, attached)
-
-    if TYPE_CHECKING:
-        # Lightning's empty default is inherited, not defined here, so that Lightning skips it
-        # (see skip_inherited). It reads none of its arguments, so it accepts what a Fabric loop
-        # passes the hooks, as FabricDriven requires.
-        def on_before_optimizer_step(
-            self, trainer: TrainerView, pl_module: nn.Module, optimizer: torch.optim.Optimizer
-        ) -> None:
-            """Observe the gradients an optimizer is about to apply; the default does nothing.
-
-            Args:
-                trainer: the trainer of the fit.
-                pl_module: the module watched.
-                optimizer: the optimizer about to step.
-            """
 
     def _end_logging_step(self, trainer: TrainerView, step: int, attached: Attached) -> None:
         """Write a logging step whose optimizer step has run (its last micro-batch ended).
@@ -453,19 +501,19 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         try:
             self.flush(trainer)
         finally:
-            self._detach()
+            self._let_go()
 
     @override
     @guarded
     def teardown(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
-        self._detach()
+        self._let_go()
 
     def flush(self, trainer: TrainerView) -> None:
         """Write what was measured before the hooks go.
 
         On CUDA this waits for the last logging step's copy and writes it. The loggers are then
         saved. ``on_exception`` calls this method. So does the end of a Fabric loop, which may
-        come without an epoch end before it.
+        come without an epoch end before it (see the exits in the class's docstring).
 
         Args:
             trainer: the trainer whose loggers are written to and saved.
@@ -475,8 +523,12 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
             attached.write_steps(trainer, wait=True)
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
 
-    def _detach(self) -> None:
-        """Take the fit off the model: its hooks, and whatever of it would keep the model alive."""
+    def _let_go(self) -> None:
+        """Take the fit's hooks off, and drop what Lightning set on the callback for the fit.
+
+        These are the shadows of the inherited per-batch hooks (:func:`~.trainer.skip_inherited`)
+        and the model's ``log`` and ``log_dict``, which would keep the model alive.
+        """
         self.remove_hooks()
         restore_inherited(self)
         drop_model_logging(self)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import torch
 from lightning_fabric import Fabric
@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from lightning_hooks.callbacks.trainer import (
     SHARDED_STRATEGIES,
     TrainerView,
+    inherits_empty_hook,
     stands_down_for_users_own,
 )
 from lightning_hooks.core.hooks.guard import Guard
@@ -68,69 +69,33 @@ class FabricChecked(Protocol):
 class FabricDriven(FabricChecked, Protocol):
     """Describe what a :class:`FabricRun` calls on the callback it drives.
 
-    These are the callback's guard, its ``flush`` and its Trainer hooks. The run hands each hook
-    its :class:`FabricTrainer` in the Trainer's place and the watched module in the
-    LightningModule's; the hooks are typed by what they read of these, a
-    :class:`~.trainer.TrainerView` and a plain ``nn.Module``.
+    Beside the guard and ``flush``, these are Lightning's Trainer hooks, each with the contract of
+    its namesake in ``pytorch_lightning.Callback``. The run hands each hook a
+    :class:`FabricTrainer` as ``trainer`` and the watched module as ``pl_module``, so the hooks are
+    typed by what they read of these: a :class:`~.trainer.TrainerView` and a plain ``nn.Module``.
+    ``on_before_optimizer_step`` is not here: only some callbacks define it, and the run looks for
+    it once, when it starts (:class:`_StepObserver`).
     """
 
     def hook_guard(self) -> Guard:
         """Return the guard of the running fit, which the run's own hooks run under."""
 
     def flush(self, trainer: TrainerView) -> None:
-        """Write what was measured and save the loggers, before the hooks go.
-
-        Args:
-            trainer: the trainer whose loggers are written to and saved.
-        """
+        """Write what was measured and save the loggers, before the hooks go."""
 
     def setup(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
-        """Start a fit: its checks and its new state.
-
-        Args:
-            trainer: the trainer of the fit.
-            pl_module: the module watched.
-            stage: the stage set up (the run sets up ``"fit"``).
-        """
+        """Start a fit: its checks and its new state."""
 
     def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Check the watched module, which may leave the fit nothing to watch.
-
-        Args:
-            trainer: the trainer of the fit.
-            pl_module: the module watched.
-        """
+        """Check the watched module, which may leave the fit nothing to watch."""
 
     def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Put the fit's hooks on the module, for the optimizers the trainer knows.
-
-        Args:
-            trainer: the trainer of the fit, whose optimizers and clipping are read.
-            pl_module: the module the hooks are put on.
-        """
+        """Put the fit's hooks on the module, for the optimizers the trainer knows."""
 
     def on_train_batch_start(
         self, trainer: TrainerView, pl_module: nn.Module, batch: object, batch_idx: int
     ) -> None:
-        """Start a batch: the cadence decides whether it belongs to a logging step.
-
-        Args:
-            trainer: the trainer of the fit.
-            pl_module: the module watched.
-            batch: the batch, which a Fabric loop does not hand over (``None``).
-            batch_idx: the batch's index.
-        """
-
-    def on_before_optimizer_step(
-        self, trainer: TrainerView, pl_module: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> None:
-        """Observe the gradients an optimizer is about to apply.
-
-        Args:
-            trainer: the trainer of the fit.
-            pl_module: the module watched.
-            optimizer: the optimizer about to step.
-        """
+        """Start a batch: the cadence decides whether it belongs to a logging step."""
 
     def on_train_batch_end(
         self,
@@ -140,40 +105,40 @@ class FabricDriven(FabricChecked, Protocol):
         batch: object,
         batch_idx: int,
     ) -> None:
-        """End a batch whose optimizer step has run, and write a logging step's values.
-
-        Args:
-            trainer: the trainer of the fit.
-            pl_module: the module watched.
-            outputs: the loss fed before the step (``None`` where none was).
-            batch: the batch, which a Fabric loop does not hand over (``None``).
-            batch_idx: the batch's index.
-        """
+        """End a batch whose optimizer step has run, and write a logging step's values."""
 
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Write the epoch's aggregates.
-
-        Args:
-            trainer: the trainer whose loggers are written to.
-            pl_module: the module watched.
-        """
+        """Write the epoch's aggregates."""
 
     def on_train_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """End the fit and take its hooks off.
-
-        Args:
-            trainer: the trainer whose loggers are saved.
-            pl_module: the module watched.
-        """
+        """End the fit and take its hooks off."""
 
     def teardown(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
-        """Take the fit off the module, whatever happened before.
+        """Take the fit off the module, whatever happened before."""
 
-        Args:
-            trainer: the trainer of the fit.
-            pl_module: the module watched.
-            stage: the stage torn down (the run tears down ``"fit"``).
-        """
+
+class _StepObserver(Protocol):
+    """Describe a callback that defines its own ``on_before_optimizer_step``."""
+
+    def on_before_optimizer_step(
+        self, trainer: TrainerView, pl_module: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Observe the gradients ``optimizer`` is about to apply."""
+
+
+def _observes_steps(callback: object) -> TypeGuard[_StepObserver]:
+    """Tell whether ``callback`` defines its own ``on_before_optimizer_step``.
+
+    A callback that inherits Lightning's empty default has nothing to observe there, so the run
+    does not call it, as Lightning's Trainer skips it (:func:`~.trainer.skip_inherited`).
+
+    Args:
+        callback: the callback the run drives.
+
+    Returns:
+        Whether its class defines the hook, which then takes what the run hands every hook.
+    """
+    return not inherits_empty_hook(callback, "on_before_optimizer_step")
 
 
 class _RunHolder(FabricDriven, Protocol):
@@ -352,6 +317,9 @@ class FabricRun:
         self._attached = False
         self._undo: list[Callable[[], None]] = []
         self._warned_module = False
+        self._step_observer: _StepObserver | None = None
+        if _observes_steps(callback):
+            self._step_observer = callback
 
     @classmethod
     def take_over(
@@ -535,7 +503,8 @@ class FabricRun:
             self.trainer.optimizers.append(optimizer)
         if new or not self._attached:
             self._start()
-        self.callback.on_before_optimizer_step(self.trainer, self.module, optimizer)
+        if self._step_observer is not None:
+            self._step_observer.on_before_optimizer_step(self.trainer, self.module, optimizer)
 
     def _start(self) -> None:
         """Attach (again) for the optimizers known, and set the gate of the coming step."""

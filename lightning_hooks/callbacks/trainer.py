@@ -30,6 +30,7 @@ __all__ = [
     "SHARDED_STRATEGIES",
     "TrainerView",
     "check_trainer",
+    "inherits_empty_hook",
     "lightning_module_of",
     "restore_inherited",
     "skip_inherited",
@@ -293,6 +294,19 @@ _TRAINERS = tuple(trainer for trainer, _ in _NAMESPACES)
 _DEFAULTS = {name: {getattr(base, name) for _, base in _NAMESPACES} for name in PER_BATCH_HOOKS}
 
 
+def inherits_empty_hook(callback: object, name: str) -> bool:
+    """Tell whether a callback leaves the per-batch hook ``name`` to Lightning's empty default.
+
+    Args:
+        callback: the callback asked about; its class is read, not its instance.
+        name: one of :data:`PER_BATCH_HOOKS`.
+
+    Returns:
+        Whether its class inherits the hook from ``Callback`` of either Lightning namespace.
+    """
+    return getattr(type(callback), name, None) in _DEFAULTS[name]
+
+
 def skip_inherited(callback: pl.Callback, trainer: object) -> None:
     """Let Lightning skip the empty per-batch hooks a callback inherits, under Lightning's Trainer.
 
@@ -306,8 +320,7 @@ def skip_inherited(callback: pl.Callback, trainer: object) -> None:
     """
     if not isinstance(trainer, _TRAINERS):
         return
-    cls = type(callback)
-    inherited = [n for n in PER_BATCH_HOOKS if getattr(cls, n) in _DEFAULTS[n]]
+    inherited = [name for name in PER_BATCH_HOOKS if inherits_empty_hook(callback, name)]
     shadow_hooks(callback, inherited)
 
 
