@@ -132,9 +132,10 @@ def test_lazy_parameters_are_refused_with_one_warning_and_the_run_goes_on(tmp_pa
         trainer.fit(model)
     ours = [str(w.message) for w in caught if issubclass(w.category, LightningHooksWarning)]
     assert ours == [
-        "GradFlowCallback: the model's lazy parameters ['net.0.weight', 'net.0.bias'] are not "
-        "initialized before fit; this callback does nothing in this fit. Initialize them first: "
-        "one forward of a sample batch before trainer.fit (or in the LightningModule's setup)"
+        "GradFlowCallback: the selected layers' lazy parameters ['net.0.weight', 'net.0.bias'] "
+        "are not initialized before fit; this callback does nothing in this fit. Initialize them "
+        "first: one forward of a sample batch before trainer.fit (or in the LightningModule's "
+        "setup)"
     ]
     assert trainer.global_step == 4 and hooks_left(model) == []
     tags = read_scalars(tmp_path / "lazy")
@@ -144,3 +145,15 @@ def test_lazy_parameters_are_refused_with_one_warning_and_the_run_goes_on(tmp_pa
     trainer = make_trainer(tmp_path / "init", callbacks=[GradFlowCallback()])
     trainer.fit(model)
     assert "grad_flow/grad_norm/net.0" in read_scalars(tmp_path / "init")
+
+
+def test_a_lazy_layer_left_out_of_the_selection_leaves_the_others_measured(tmp_path: Path) -> None:
+    model = LazyMLP()
+    trainer = make_trainer(tmp_path, callbacks=[GradFlowCallback(exclude="net.0")])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    assert not [w for w in caught if issubclass(w.category, LightningHooksWarning)]
+    tags = read_scalars(tmp_path)
+    assert "grad_flow/grad_norm/net.2" in tags
+    assert not any(tag.endswith("/net.0") for tag in tags)

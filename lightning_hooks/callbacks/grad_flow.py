@@ -194,10 +194,19 @@ class GradFlowCallback(HookCallback):
             "GradFlowCallback", types=self.types, include=self.include, exclude=self.exclude
         )
         modules = selection.modules(pl_module)
-        lazy = [n for n, p in pl_module.named_parameters() if is_lazy(p)]
+        # The layers measured: the selected modules, and the model itself where it counts.
+        owners = list(modules)
+        if self.types is None and not self.include:
+            owners.append(("", pl_module))
+        lazy = [
+            f"{name}.{param_name}" if name else param_name
+            for name, module in owners
+            for param_name, param in module.named_parameters(recurse=False)
+            if is_lazy(param)
+        ]
         if lazy:
             rank_zero_warn(
-                f"GradFlowCallback: the model's lazy parameters {lazy[:3]} are not "
+                f"GradFlowCallback: the selected layers' lazy parameters {lazy[:3]} are not "
                 "initialized before fit; this callback does nothing in this fit. Initialize "
                 "them first: one forward of a sample batch before trainer.fit (or in the "
                 "LightningModule's setup)",
@@ -237,15 +246,15 @@ class GradFlowCallback(HookCallback):
                 policy=AlarmPolicy(self.on_alarm, request_stop=self.ranks.request_stop),
                 loss_agreement=LossAgreement(self.ranks, pl_module, self.alarms),
                 pictures=self._pictures,
-                stability=StabilityStats() if self.stability else None,
-                histograms=_histograms(tracker) if self.histograms else None,
+                stability_stats=StabilityStats() if self.stability else None,
+                gradient_histograms=_histograms(tracker) if self.histograms else None,
             )
-            if fit.stability is not None:
+            if fit.stability_stats is not None:
                 # Hooked on the tracker's registry, so one gate serves both and both come off
                 # together.
-                fit.stability.attach(pl_module, tracker.registry)
+                fit.stability_stats.attach(pl_module, tracker.registry)
             self._pictures.start()
-            self._carried.start_fit(fit.alarms, fit.policy.log)
+            self._carried.start_fit(fit.training_alarms, fit.policy.log)
         except BaseException:
             tracker.remove()
             self._carried.end_fit()
@@ -254,8 +263,8 @@ class GradFlowCallback(HookCallback):
         logged: list[Logged[Any]] = [
             Logged(tracker, on_step=fit.log_alarms, on_epoch=fit.draw_pictures),
         ]
-        if fit.stability is not None:
-            logged.append(Logged(fit.stability, on_step=fit.watch_attention))
+        if fit.stability_stats is not None:
+            logged.append(Logged(fit.stability_stats, on_step=fit.watch_attention))
         return Attached(
             tracker.registry,
             logged,
@@ -329,15 +338,7 @@ class GradFlowCallback(HookCallback):
     def on_before_optimizer_step(
         self, trainer: TrainerView, pl_module: nn.Module, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Measure the gradient that ``optimizer`` is about to apply, then act on any alarms.
-
-        Args:
-            trainer: the trainer. Its GradScaler scale is used to unscale the gradients, and
-                the measurement belongs to its current step.
-            pl_module: the model being trained. It is not read.
-            optimizer: the optimizer about to step. Its gradients are measured. Under the
-                ``"skip"`` action they are also dropped.
-        """
+        """Measure the gradient ``optimizer`` is about to apply (:meth:`_Fit.observe`)."""
         if self._fit is not None:
             self._fit.observe(trainer, optimizer)
 
@@ -345,25 +346,13 @@ class GradFlowCallback(HookCallback):
     def _batch_ending(
         self, trainer: TrainerView, outputs: STEP_OUTPUT, *, logging_step: bool
     ) -> None:
-        """Close the attention statistics of a logging step, then give the loss to the rules.
-
-        Args:
-            trainer: the trainer the alarms act on.
-            outputs: what ``training_step`` returned for the batch. The loss is read from it.
-            logging_step: whether the batch belongs to a logging step. The attention statistics
-                are closed only then.
-        """
+        """Give the batch's loss to the loss rules (:meth:`_Fit.end_batch`)."""
         if self._fit is not None:
             self._fit.end_batch(trainer, outputs, self.cadence.batch_step, logging_step)
 
     @override
     def _log_epoch(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Close the epoch for the alarms: act on the last results, then log counts and text.
-
-        Args:
-            trainer: the trainer. The alarms act on it and write to its loggers.
-            pl_module: the model being trained. It is not read.
-        """
+        """Close the epoch for the alarms (:meth:`_Fit.end_epoch`)."""
         if self._fit is not None:
             self._fit.end_epoch(trainer)
 
@@ -412,13 +401,13 @@ class _Fit:
     """Feeds each batch's loss to the loss rules, this rank's or the mean over the ranks."""
     pictures: GradFlowPictures
     """Draws the chart, the heatmap and the histograms at each epoch's end."""
-    stability: StabilityStats | None
+    stability_stats: StabilityStats | None
     """The attention and output-logit statistics, or ``None`` under ``stability=False``."""
-    histograms: LayerHistograms | None
+    gradient_histograms: LayerHistograms | None
     """The histograms of ``log10 |g|`` per layer, or ``None`` under ``histograms=False``."""
 
     @property
-    def alarms(self) -> TrainingAlarms | None:
+    def training_alarms(self) -> TrainingAlarms | None:
         """The fit's alarms, which the tracker feeds; ``None`` under ``alarms=False``."""
         return self.tracker.alarms
 
@@ -441,13 +430,13 @@ class _Fit:
             param_grad_scale=scale if fused else None,
             step=trainer.global_step,
         )
-        if self.histograms is not None:
-            observe_histograms(self.histograms, self.tracker.layout, optimizer)
-        if self.alarms is None:
+        if self.gradient_histograms is not None:
+            observe_histograms(self.gradient_histograms, self.tracker.layout, optimizer)
+        if self.training_alarms is None:
             return
-        found = self.alarms.poll(wait=self.policy.wait)
+        found = self.training_alarms.poll(wait=self.policy.wait)
         if found:
-            self.policy.act(trainer, optimizer, self.alarms, found)
+            self.policy.act(trainer, optimizer, self.training_alarms, found)
 
     def end_batch(
         self, trainer: TrainerView, outputs: STEP_OUTPUT, step: int, logging_step: bool
@@ -461,10 +450,10 @@ class _Fit:
             logging_step: whether the batch belongs to a logging step. The attention statistics
                 are closed only then.
         """
-        if self.stability is not None and logging_step:
-            self.stability.end_step()
-        if self.alarms is not None:
-            self.loss_agreement.feed(trainer, outputs, step, self.alarms, self.policy)
+        if self.stability_stats is not None and logging_step:
+            self.stability_stats.end_step()
+        if self.training_alarms is not None:
+            self.loss_agreement.feed(trainer, outputs, step, self.training_alarms, self.policy)
 
     def log_alarms(self, trainer: TrainerView, step: int, table: LayerTable) -> None:
         """Log the alarm counts and alarm text gathered since the last logging step.
@@ -475,8 +464,8 @@ class _Fit:
             table: the step's values per layer, which every reader of the tracker is given;
                 the alarms' counts do not depend on it.
         """
-        if self.alarms is not None:
-            self.policy.log.log_step(trainer, self.alarms, step)
+        if self.training_alarms is not None:
+            self.policy.log.log_step(trainer, self.training_alarms, step)
 
     def watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
         """Hand a logging step's attention logits and entropies to the attention rule.
@@ -487,8 +476,10 @@ class _Fit:
             step: the logging step the values belong to.
             result: the step's instability statistics.
         """
-        if self.alarms is not None:
-            self.alarms.update_attention(result.attn_logit_max, result.attn_entropy_min, step=step)
+        if self.training_alarms is not None:
+            self.training_alarms.update_attention(
+                result.attn_logit_max, result.attn_entropy_min, step=step
+            )
 
     def draw_pictures(self, trainer: TrainerView, table: LayerTable) -> None:
         """Draw the epoch's chart, heatmap and histograms.
@@ -497,7 +488,7 @@ class _Fit:
             trainer: the trainer whose loggers are written to.
             table: the epoch's values per layer.
         """
-        self.pictures.write(trainer, table, self.histograms, self.tracker.shards)
+        self.pictures.write(trainer, table, self.gradient_histograms, self.tracker.shards)
 
     def end_epoch(self, trainer: TrainerView) -> None:
         """Close the epoch for the alarms: act on the last results, then log counts and text.
@@ -505,8 +496,8 @@ class _Fit:
         Args:
             trainer: the trainer. The alarms act on it and write to its loggers.
         """
-        if self.alarms is not None:
-            self.policy.end_epoch(trainer, self.alarms)
+        if self.training_alarms is not None:
+            self.policy.end_epoch(trainer, self.training_alarms)
 
     def close(self) -> None:
         """End the fit: if an alarm's ``stop`` action ended it, the policy warns of it once."""

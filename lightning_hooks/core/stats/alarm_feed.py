@@ -18,7 +18,7 @@ import torch
 
 from lightning_hooks.core.alarms import TrainingAlarms
 from lightning_hooks.core.ops import pointer_norms
-from lightning_hooks.core.ops.grad_stats import ParamLayout
+from lightning_hooks.core.ops.grad_stats import GRAD_STATS, ParamLayout
 from lightning_hooks.core.ops.grouped_norms import GroupedNorms, plain_grads
 from lightning_hooks.core.ops.tensors import foreach_norm
 from lightning_hooks.core.stats.optimizer_view import (
@@ -32,7 +32,9 @@ from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["AlarmFeed", "AlarmStep", "Clip", "Measured", "foreach_norms", "quiet_read"]
 
-_SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the gradient
+_NORM = GRAD_STATS.index("grad_norm")
+_SCALED = slice(_NORM, GRAD_STATS.index("grad_abs_max") + 1)
+"""The columns linear in the gradient: ``grad_norm``, ``grad_abs_mean``, ``grad_abs_max``."""
 
 
 class Clip(NamedTuple):
@@ -149,7 +151,7 @@ class AlarmFeed:
         if param_grad_scale is not None:
             stats[:, _SCALED] /= param_grad_scale
         valid = view.valid()
-        self._send(view, stats[:, 0], None if valid is None else valid[:, 0], at)
+        self._send(view, stats[:, _NORM], None if valid is None else valid[:, _NORM], at)
 
     def _prepare_quiet_read(
         self, view: OptimizerView, param_grad_scale: torch.Tensor | None

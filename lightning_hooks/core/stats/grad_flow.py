@@ -51,11 +51,17 @@ _WEIGHT = GRAD_FLOW_STATS.index("weight_norm")
 _PRECLIP = GRAD_FLOW_STATS.index("grad_norm_preclip")
 _GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 _ALL = slice(0, len(GRAD_STATS))
-_SCALED = slice(0, 3)  # grad_norm, grad_abs_mean, grad_abs_max: linear in the gradient
+_NORM = GRAD_FLOW_STATS.index("grad_norm")
+_SCALED = slice(_NORM, GRAD_FLOW_STATS.index("grad_abs_max") + 1)
+"""The columns linear in the gradient: ``grad_norm``, ``grad_abs_mean``, ``grad_abs_max``."""
 
 
 def layers_of(
-    model: nn.Module, modules: Sequence[tuple[str, nn.Module]], *, types: object, include: object
+    model: nn.Module,
+    modules: Sequence[tuple[str, nn.Module]],
+    *,
+    types: ModuleTypes,
+    include: Patterns,
 ) -> ParamLayout:
     """Lay out the parameters of the layers the tracker measures.
 
@@ -290,8 +296,8 @@ class GradFlowTracker(HookOwner):
             stats[:, _SCALED] /= param_grad_scale
         measured = None
         if for_alarms:  # their own copy: recording the step may add into ``stats`` in place
-            stepped = None if valid is None else valid[:, 0]
-            measured = Measured(stats[:, 0].clone(), stepped)
+            stepped = None if valid is None else valid[:, _NORM]
+            measured = Measured(stats[:, _NORM].clone(), stepped)
         self._record_step(optimizer, view, stats, valid, grad_scale)
         return measured
 
@@ -308,8 +314,8 @@ class GradFlowTracker(HookOwner):
         The weights are kept for the update ratio.
         """
         if self._post_clip:  # the gradient the optimizer applies is read in the step post-hook
-            cells = None if valid is None else valid[:, [0, _WEIGHT]]
-            values = stats[:, [0, _WEIGHT]]
+            cells = None if valid is None else valid[:, [_NORM, _WEIGHT]]
+            values = stats[:, [_NORM, _WEIGHT]]
             self.accumulator.update(values, [_PRECLIP, _WEIGHT], view.cells, cells, replicated=True)
         else:
             self.accumulator.update(stats, _ALL, view.cells, valid, replicated=True)
