@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import cast
 
 import torch
 from torch import nn
 
 from lightning_hooks import internals
-from lightning_hooks.core.ops.grouped_norms import abs_sum_max, cpu_grouping, plain_grads
+from lightning_hooks.core.ops.grouped_norms import abs_sum_max, cpu_grouping
 from lightning_hooks.core.ops.tensors import Workspace, foreach_norm
 from lightning_hooks.core.transport import ShardPlan, to_local
 
@@ -25,6 +27,7 @@ __all__ = [
     "ParamLayout",
     "grad_stats",
     "param_norms",
+    "plain_grads",
     "segment_norm",
     "update_norms",
 ]
@@ -34,6 +37,25 @@ GRAD_STATS = ("grad_norm", "grad_abs_mean", "grad_abs_max", "grad_nonfinite", "w
 """Columns of :func:`grad_stats`, in order."""
 GLOBAL = "global"  # name of the extra last row that aggregates every layer
 ROOT = "<root>"  # row name of the parameters the model itself owns
+_GRAD = attrgetter("grad")
+_IS_SPARSE = attrgetter("is_sparse")
+_PLAIN = {torch.Tensor}
+
+
+def plain_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor] | None:
+    """Return each parameter's gradient when every one is a plain dense tensor.
+
+    Args:
+        params: the parameters.
+
+    Returns:
+        The gradients, or ``None`` where one is not a plain dense tensor.
+    """
+    plain = list(map(_GRAD, params))
+    # None is NoneType's and a DTensor its own type: only dense tensors are plain Tensors
+    if set(map(type, plain)) - _PLAIN or any(map(_IS_SPARSE, plain)):
+        return None
+    return cast("list[torch.Tensor]", plain)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from operator import attrgetter, itemgetter
-from typing import cast
 
 import torch
 
@@ -25,7 +24,6 @@ __all__ = [
     "GroupedNorms",
     "abs_sum_max",
     "cpu_grouping",
-    "plain_grads",
     "typical_update",
 ]
 
@@ -119,25 +117,6 @@ _SHAPE = attrgetter("shape")
 _DTYPE = attrgetter("dtype")
 _DEVICE = attrgetter("device")
 _CPU = torch.device("cpu")
-_GRAD = attrgetter("grad")
-_IS_SPARSE = attrgetter("is_sparse")
-_PLAIN = {torch.Tensor}
-
-
-def plain_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor] | None:
-    """Return each parameter's gradient when every one is a plain dense tensor.
-
-    Args:
-        params: the parameters.
-
-    Returns:
-        The gradients, or ``None`` where one is not a plain dense tensor.
-    """
-    plain = list(map(_GRAD, params))
-    # None is NoneType's and a DTensor its own type: only dense tensors are plain Tensors
-    if set(map(type, plain)) - _PLAIN or any(map(_IS_SPARSE, plain)):
-        return None
-    return cast("list[torch.Tensor]", plain)
 
 
 def cpu_grouping(

@@ -18,14 +18,14 @@ import torch
 
 from lightning_hooks.core.alarms import TrainingAlarms
 from lightning_hooks.core.ops import pointer_norms
-from lightning_hooks.core.ops.grad_stats import GRAD_STATS, ParamLayout
-from lightning_hooks.core.ops.grouped_norms import GroupedNorms, plain_grads
+from lightning_hooks.core.ops.grad_stats import GRAD_STATS, ParamLayout, plain_grads
+from lightning_hooks.core.ops.grouped_norms import GroupedNorms
 from lightning_hooks.core.ops.tensors import foreach_norm
 from lightning_hooks.core.stats.optimizer_view import (
     OptimizerView,
     OptimizerViews,
     Read,
-    ViewStats,
+    ViewNorms,
     adaptive,
 )
 from lightning_hooks.errors import LightningHooksWarning
@@ -71,7 +71,7 @@ class AlarmFeed:
     Args:
         alarms: the alarms handed the norms.
         views: what each optimizer steps of the tracker's layout (the tracker's own views).
-        stats: reads the statistics of an optimizer's view.
+        norms: reads the gradient and weight norms of an optimizer's view.
         order: the layer rows as their output-gradient hooks fired (emptied per step).
         clip: the Trainer's gradient clipping, for the *explosion* rule (``None``: none).
 
@@ -92,16 +92,16 @@ class AlarmFeed:
         self,
         alarms: TrainingAlarms,
         views: OptimizerViews,
-        stats: ViewStats,
+        norms: ViewNorms,
         order: list[int],
         clip: Clip | None,
     ) -> None:
         self.alarms = alarms
         self._views = views
-        self._stats = stats
+        self._norms = norms
         self._order = order
         self._clip = clip
-        self._sharded = stats.shards is not None  # FSDP2: the general path makes norms whole
+        self._sharded = norms.shards is not None  # FSDP2: the general path makes norms whole
         self._triton = alarms.rules.quiet_read == "triton"
 
     def due(self, step: int) -> bool:
@@ -147,7 +147,7 @@ class AlarmFeed:
         # general path.
         if param_grad_scale is None and not self._sharded and self._quiet(view, at):
             return
-        stats = self._stats.norms(view, ParamLayout.grads(view.params), weights=False)
+        stats = self._norms.norms(view, ParamLayout.grads(view.params), weights=False)
         if param_grad_scale is not None:
             stats[:, _SCALED] /= param_grad_scale
         valid = view.valid()
@@ -221,7 +221,7 @@ class AlarmFeed:
             step=at.number,
             amp=at.amp,
             order=self._order,
-            weights=partial(self._stats.weight_norms, view),
+            weights=partial(self._norms.weight_norms, view),
             stepped=stepped,
             clip=bound,
             segments=None if segmented else view.segments,

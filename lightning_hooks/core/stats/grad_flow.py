@@ -19,7 +19,7 @@ from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
-from lightning_hooks.core.ops.grad_stats import GLOBAL, GRAD_STATS, ParamLayout
+from lightning_hooks.core.ops.grad_stats import GLOBAL, GRAD_STATS, ParamLayout, grad_stats
 from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable
 from lightning_hooks.core.stats.alarm_feed import AlarmFeed, AlarmStep, Clip, Measured
@@ -27,10 +27,10 @@ from lightning_hooks.core.stats.optimizer_view import (
     OptimizerView,
     OptimizerViews,
     UpdateRatio,
-    ViewStats,
+    ViewNorms,
 )
 from lightning_hooks.core.stats.output_grad import OutputGradients
-from lightning_hooks.core.transport import ShardPlan
+from lightning_hooks.core.transport import ShardPlan, to_local
 from lightning_hooks.tags import grad_flow_tag
 
 __all__ = [
@@ -200,7 +200,8 @@ class GradFlowTracker(HookOwner):
         self.max_layers_logged = max_layers_logged
         # FSDP2: parameters are DTensors; statistics of their shards are made whole per step.
         self.shards = ShardPlan.from_params(self.layout.params)
-        self._stats = ViewStats(self.shards, Workspace())  # the |g| pass's buffer, reused
+        self._workspace = Workspace()  # the |g| pass's buffer, reused every step
+        self._norms = ViewNorms(self.shards, self._workspace)
         self._optimizers = optimizers
         self._views = OptimizerViews(self.layout, update_ratio=update_ratio)
         self._outputs = OutputGradients(self.accumulator, _OUTPUT, self._optimizers, self._views)
@@ -217,7 +218,7 @@ class GradFlowTracker(HookOwner):
             self.alarms = TrainingAlarms(rows, alarms, device)
             clipping = None if clip is None else Clip(*clip)
             order = self._outputs.order
-            self.alarm_feed = AlarmFeed(self.alarms, self._views, self._stats, order, clipping)
+            self.alarm_feed = AlarmFeed(self.alarms, self._views, self._norms, order, clipping)
         if output_grad:
             self._outputs.hook(self.registry, modules, model)
         for optimizer in optimizers:
@@ -289,9 +290,9 @@ class GradFlowTracker(HookOwner):
         valid = view.valid()
         grads = ParamLayout.grads(view.params)
         if self._post_clip:  # the gradient applied is read after the step; now the weight norm
-            stats = self._stats.norms(view, grads, weights=True)
+            stats = self._norms.norms(view, grads, weights=True)
         else:
-            stats = self._stats.full(view, grads)
+            stats = self._grad_stats(view, grads, weights=True)
         if param_grad_scale is not None:
             stats[:, _SCALED] /= param_grad_scale
         measured = None
@@ -300,6 +301,24 @@ class GradFlowTracker(HookOwner):
             measured = Measured(stats[:, _NORM].clone(), stepped)
         self._record_step(optimizer, view, stats, valid, grad_scale)
         return measured
+
+    def _grad_stats(
+        self, view: OptimizerView, grads: list[torch.Tensor], *, weights: bool
+    ) -> torch.Tensor:
+        """Return :func:`grad_stats` of the layers ``view`` steps, FSDP2 shards made whole.
+
+        Args:
+            view: the optimizer's view.
+            grads: the gradients of its parameters.
+            weights: also the weight norms.
+
+        Returns:
+            ``[rows, GRAD_STATS]`` statistics.
+        """
+        params = [to_local(p) for p in view.params] if weights else None
+        return grad_stats(
+            grads, params, view.layer_index, shards=self.shards, workspace=self._workspace
+        )
 
     def _record_step(
         self,
@@ -333,7 +352,7 @@ class GradFlowTracker(HookOwner):
         if self._post_clip:
             # After clipping and the update, p.grad still holds what the optimizer applied.
             valid = view.valid()
-            stats = self._stats.full(view, ParamLayout.grads(view.params), weights=False)
+            stats = self._grad_stats(view, ParamLayout.grads(view.params), weights=False)
             cells = None if valid is None else valid[:, _GRAD]
             self.accumulator.update(stats[:, _GRAD], _GRAD, view.cells, cells, replicated=True)
         self._updates.record(optimizer, view, self.alarms, self._step)

@@ -1,6 +1,6 @@
 """Say what each optimizer steps of a gradient-flow layout.
 
-Also its gradient statistics and its update ratio.
+Also the norms of its gradients and weights, and its update ratio.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from lightning_hooks.core.ops.grad_stats import (
     GRAD_STATS,
     LayerIndex,
     ParamLayout,
-    grad_stats,
     param_norms,
     segment_norm,
     update_norms,
@@ -33,7 +32,7 @@ __all__ = [
     "OptimizerViews",
     "Read",
     "UpdateRatio",
-    "ViewStats",
+    "ViewNorms",
     "adaptive",
 ]
 
@@ -274,8 +273,10 @@ class OptimizerViews:
         return frozenset(o for o, p in pairs if id(p) in held)
 
 
-class ViewStats:
-    """Compute ``[rows, GRAD_STATS]`` of an :class:`OptimizerView`, FSDP2 shards made whole.
+class ViewNorms:
+    """Compute the L2 norms of an :class:`OptimizerView`'s gradients and weights per row.
+
+    Under FSDP2 the norms of the shards are made whole.
 
     Args:
         shards: the FSDP2 plan that makes the statistics whole (``None``: not sharded).
@@ -285,24 +286,6 @@ class ViewStats:
     def __init__(self, shards: ShardPlan | None, workspace: Workspace) -> None:
         self.shards = shards
         self.workspace = workspace
-
-    def full(
-        self, view: OptimizerView, grads: list[torch.Tensor], *, weights: bool = True
-    ) -> torch.Tensor:
-        """Return :func:`grad_stats` of ``view``.
-
-        Args:
-            view: the optimizer's view.
-            grads: the gradients of its parameters.
-            weights: also the weight norms.
-
-        Returns:
-            ``[rows, GRAD_STATS]`` statistics.
-        """
-        params = [to_local(p) for p in view.params] if weights else None
-        return grad_stats(
-            grads, params, view.layer_index, shards=self.shards, workspace=self.workspace
-        )
 
     def norms(
         self, view: OptimizerView, grads: list[torch.Tensor], *, weights: bool
