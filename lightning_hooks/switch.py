@@ -7,7 +7,10 @@ Torch-free, so that ``lightning-hooks --help`` lists them without importing the 
 
 from __future__ import annotations
 
-__all__ = ["ENV", "SHORT_NAMES", "requested"]
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["ENV", "SHORT_NAMES", "requested", "state_key_fields"]
 
 ENV = "LIGHTNING_HOOKS"
 """The environment variable: a comma-separated list of callbacks, by short or class name."""
@@ -56,3 +59,28 @@ def requested(value: str) -> list[str]:
                 f"or their class names {', '.join(SHORT_NAMES.values())}"
             )
     return list(dict.fromkeys(names))
+
+
+def state_key_fields(fields: Mapping[str, Any], *, from_environment: bool) -> dict[str, Any]:
+    """Return the fields of a callback's checkpoint key, with one more if the switch added it.
+
+    The switch may add a callback beside the user's own of the same configuration. Lightning
+    refuses two callbacks with one key, so the one the switch added gets a field of its own, and
+    the two never share their checkpoint state.
+
+    Args:
+        fields: the fields that tell the callback's configuration apart.
+        from_environment: whether ``LIGHTNING_HOOKS`` added the callback, not the user.
+
+    Returns:
+        ``fields``, with ``environment=True`` where the switch added the callback.
+
+    Example:
+        >>> state_key_fields({"include": ()}, from_environment=True)
+        {'include': (), 'environment': True}
+        >>> state_key_fields({"include": ()}, from_environment=False)
+        {'include': ()}
+    """
+    if from_environment:
+        return {**fields, "environment": True}
+    return dict(fields)

@@ -63,7 +63,7 @@ def test_no_callback_skips_a_parent_with_super_of_a_grandparent() -> None:
 
 
 EXTENSION_POINTS = {"_validate", "_attach", "_batch_started", "_batch_ending", "_log_epoch"}
-"""The points at which a callback extends the base, each named in its docstring's table."""
+"""The points at which a callback extends the base, each named in its docstring's list."""
 
 
 def _members_of_the_base() -> set[str]:
@@ -123,7 +123,7 @@ def _hooks_chained_with_super() -> set[str]:
     return chained - {"__init__"}
 
 
-def test_the_base_has_at_most_five_extension_points_and_each_is_in_its_table() -> None:
+def test_the_base_has_at_most_five_extension_points_and_each_is_in_its_docstring() -> None:
     """Counted by their shape, not by their names: every abstract method and documented no-op of
     the base, and every hook a callback overrides and chains with ``super()``."""
     import inspect
@@ -136,8 +136,8 @@ def test_the_base_has_at_most_five_extension_points_and_each_is_in_its_table() -
     points = {m.name for m in methods if _is_extension_point(m)} | _hooks_chained_with_super()
     assert points == EXTENSION_POINTS
     assert len(points) <= 5
-    table = inspect.getdoc(HookCallback) or ""
-    assert all(f"``{name}``" in table for name in points)
+    doc = inspect.getdoc(HookCallback) or ""
+    assert all(f"``{name}``" in doc for name in points)
 
 
 def test_the_callbacks_define_no_method_for_the_type_checker_alone() -> None:

@@ -227,6 +227,33 @@ def test_a_checkpoint_whose_heatmap_does_not_load_keeps_nothing_of_its_state(
     assert torch.equal(dropped_scale, fresh.kept["alarms"].host_state()["scale"])
 
 
+def test_a_checkpoint_whose_alarms_are_another_models_keeps_nothing_of_its_state(
+    tmp_path: Path,
+) -> None:
+    """The statistics load, then the alarms' state names other layers: nothing of the checkpoint
+    is kept, with one warning, and the epoch and the running scales are a fresh fit's."""
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=SAVED_AT, save_top_k=-1)
+    trainer(tmp_path / "first", callbacks=[GradFlowCallback(), every]).fit(SameBatchesMLP())
+    (path,) = sorted((tmp_path / "ckpt").glob("*.ckpt"))[:1]
+    callback = GradFlowCallback()
+    state = dict(torch.load(path, weights_only=False)["callbacks"][callback.state_key])
+    alarms = state["alarms"]
+    state["alarms"] = {**alarms, "layers": [f"other.{i}" for i in range(len(alarms["layers"]))]}
+    callback.load_state_dict(state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(tmp_path / "dropped", callbacks=[callback]).fit(SameBatchesMLP())
+    ours = [str(w.message) for w in caught if issubclass(w.category, LightningHooksWarning)]
+    assert len(ours) == 1, ours
+    assert "does not match this model (TrainingAlarms.load_state_dict: saved layers" in ours[0]
+    assert ours[0].endswith("none of it is loaded (statistics, alarms, heatmap)")
+    fresh = GradFlowCallback()
+    trainer(tmp_path / "fresh", callbacks=[fresh]).fit(SameBatchesMLP())
+    _assert_same(_grad_flow_at(tmp_path / "dropped", 4), _grad_flow_at(tmp_path / "fresh", 4))
+    dropped_scale = callback.kept["alarms"].host_state()["scale"]
+    assert torch.equal(dropped_scale, fresh.kept["alarms"].host_state()["scale"])
+
+
 class MixedMLP(RepeatedBatchMLP):
     """Tanh and ReLU layers, so that every per-step callback has something to watch."""
 

@@ -1,8 +1,9 @@
-"""Provide the base class of every callback, which runs its lifecycle, logging and writing.
+"""Provide the base class of every callback, which runs the lifecycle of its fits.
 
 What one fit measures is an :class:`~.attached.Attached` that the callback builds in
-``_attach``. What a Fabric loop calls on a callback is in :class:`~.fabric.FabricHooks`, which
-the base derives from.
+``_attach``. The base writes it and takes it off; its checkpoint state goes through a
+:class:`~.checkpoint.CheckpointSlot`. What a Fabric loop calls on a callback is in
+:class:`~.fabric.FabricHooks`, which the base derives from.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
-from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, Checkpointed
 from lightning_hooks.callbacks.cadence import LoggingCadence, check_every_n_steps
+from lightning_hooks.callbacks.checkpoint import CheckpointSlot
 from lightning_hooks.callbacks.fabric import FabricHooks
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import (
@@ -31,9 +32,9 @@ from lightning_hooks.callbacks.trainer import (
     stands_down_for_users_own,
 )
 from lightning_hooks.core.hooks.guard import Guard, guarded
-from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import drop_model_logging
 from lightning_hooks.logging import save_loggers
+from lightning_hooks.switch import state_key_fields
 
 __all__ = ["FitState", "HookCallback"]
 
@@ -60,9 +61,6 @@ class FitState:
     idle: bool = False
     """Whether the callback does nothing in this fit. This happens when the model has nothing to
     watch, or when a callback the user passed already watches it."""
-    checkpoint: dict[str, Any] | None = None
-    """The callback's state from a checkpoint, kept from ``load_state_dict`` until the fit
-    attaches."""
     attached: Attached | None = None
     """What the fit put on the model, from its train start until its hooks come off."""
     logging_batch: bool = False
@@ -70,77 +68,30 @@ class FitState:
 
 
 class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta):
-    """Run a callback's hooks for one fit at a time under a guard, and write what they measure.
+    """Run a callback's hooks for one fit at a time, under a guard, and write what they measure.
 
-    The base drives every fit the same way:
+    A subclass writes ``_attach``, and may write any of the four other extension points. It
+    overrides no other method of the base, and an override does not call the base's version:
 
-    1. ``on_fit_start`` asks the subclass whether the model has anything to watch
-       (``_validate``).
-    2. ``on_train_start`` asks the subclass to put its hooks on the model (``_attach``). It
-       returns an :class:`~.attached.Attached`: the hooks, the statistics and the functions that
-       read each statistic's values.
-    3. At a logging step, an optimizer step the callback measures (see docs/glossary.md), the
-       base opens the hooks. The subclass may start and end the step (``_batch_started``,
-       ``_batch_ending``). The base then copies the statistics to the host and writes them.
-    4. At an epoch end the base writes every statistic's epoch, then calls ``_log_epoch``.
-    5. The fit ends at the exits below (a fit that ends well: ``on_train_end``, then
-       ``teardown``). Each takes every hook off.
+    - ``_validate`` (at ``on_fit_start``): checks the model; returns ``False`` if there is
+      nothing to watch.
+    - ``_attach`` (at ``on_train_start``): puts the fit's hooks on the model and returns the
+      :class:`~.attached.Attached`.
+    - ``_batch_started`` (a logging step's first batch): opens what the step measures.
+    - ``_batch_ending`` (the end of each such batch, or of every batch with ``every_batch``):
+      closes it.
+    - ``_log_epoch`` (at ``on_train_epoch_end``, after each statistic's epoch): logs what else
+      the callback reads of the epoch.
 
-    Every Lightning hook runs under the callback's guard
-    (:func:`~lightning_hooks.core.hooks.guard.guarded`). An error in the library's own code
-    disables the callback for the rest of the fit, with one warning. It never ends the user's
-    run.
+    A subclass may also define a Lightning hook the base does not, decorated with ``@guarded``
+    as the base's hooks are (``GradFlowCallback`` reads ``on_before_optimizer_step``).
 
-    ==================  ==============================  ========================================
-    extension           called                          the subclass
-    ==================  ==============================  ========================================
-    ``_validate``       ``on_fit_start``                checks the model; a refused
-                                                        configuration raises here. Returns
-                                                        ``False`` if there is nothing to watch
-    ``_attach``         ``on_train_start``              puts its hooks on; returns what it
-                                                        attached
-    ``_batch_started``  a logging step's first batch    opens what the step measures
-    ``_batch_ending``   each such batch's end (every    closes it
-                        batch's with ``every_batch``)
-    ``_log_epoch``      ``on_train_epoch_end``, after   logs what else it reads of the epoch
-                        each statistic's epoch
-    ==================  ==============================  ========================================
-
-    A subclass overrides only these five methods of the base. ``_attach`` is required. The
-    others do nothing by default, and an override does not call the base's version. A subclass
-    may also define a Lightning hook the base does not define, decorated with ``@guarded`` as
-    the base's hooks are. For example, ``GradFlowCallback`` reads each optimizer step in
-    ``on_before_optimizer_step``.
-
-    A subclass passes everything else to the constructor: ``state_key``, which tells the
-    checkpoints of two configurations apart, ``uses_images`` and ``fabric_refusal``. State that
-    outlives a fit and is saved in checkpoints goes in :attr:`kept`. Under several processes,
-    :attr:`ranks` (a :class:`~.ranks.RankAgreement`) makes every rank act alike: a failure
-    disables the callback on all of them, and a stop stops them all.
-
-    The exits use three verbs. ``flush`` writes what was measured and saves the loggers.
-    ``remove_hooks`` takes the fit's hooks and statistics off the model. ``_let_go`` does that
-    too, and drops what Lightning set on the callback for the fit, so that nothing of the
-    callback keeps the model alive. A second ``remove_hooks`` or ``_let_go`` does nothing.
-
-    ====================  ===============================  ===================================
-    exit                  when                             what runs
-    ====================  ===============================  ===================================
-    ``on_train_end``      the training loop ended          the ranks agree on a last failure,
-                                                           the loggers are saved,
-                                                           ``remove_hooks``
-    ``on_exception``      the fit raised (then Lightning   ``flush``, then ``_let_go``
-                          calls no ``teardown``)
-    ``teardown``          the end of every stage           ``_let_go``
-    the guard, the ranks  a hook of ours failed, on this   ``remove_hooks``; the callback does
-                          rank or on another               nothing more in the fit
-    ``release``           a Fabric loop's end (also its    ``flush``, ``on_train_end``, then
-                          ``on_train_end`` call)           ``teardown``, called by the run
-    ====================  ===============================  ===================================
-
-    In a Fabric loop, :class:`~.fabric.FabricHooks`, which the base derives from, answers
-    Fabric's calls, and a :class:`~.fabric.FabricRun` drives these same hooks with a stand-in for
-    the Trainer. The base itself imports nothing of Fabric (an import-linter contract).
+    Every Lightning hook here runs under the fit's guard: an error in the library's own code
+    disables the callback for the rest of the fit, with one warning, and never ends the run.
+    Every exit of a fit (``on_train_end``, ``on_exception``, ``teardown``, a failure) takes
+    the hooks off; docs/architecture.md lists what each does. The base also holds what the
+    callbacks share: :attr:`cadence`, :attr:`ranks` and :attr:`checkpoint`, whose :attr:`kept`
+    are the collaborators that outlive a fit.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -195,8 +146,8 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         self._state_key = self._generate_state_key(**self._state_key_fields)
         self.uses_images = uses_images
         """Whether the callback draws pictures. A logger that cannot show them is warned of."""
-        self.kept: dict[str, Checkpointed] = {}
-        """Collaborators that outlive a fit and are saved in checkpoints, by key."""
+        self.checkpoint = CheckpointSlot(type(self).__name__)
+        """Saves the callback's state in checkpoints, and restores it when a fit attaches."""
         self._fit_state = FitState(self._new_guard())
         """What the running fit holds; each fit's ``setup`` starts a new one."""
         self.ranks = RankAgreement(self.hook_guard, remove_hooks=self.remove_hooks)
@@ -228,41 +179,39 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         return Guard(type(self).__name__, strict=self.strict)
 
     @property
+    def kept(self) -> dict[str, Checkpointed]:
+        """Return the collaborators that outlive a fit and are saved in checkpoints, by key."""
+        return self.checkpoint.kept
+
+    @property
     def state_key(self) -> str:
         """Return the key of the callback's checkpoint state, unique per configuration.
 
-        The same configuration added by the ``LIGHTNING_HOOKS`` switch gets a key of its own
-        (:meth:`mark_from_environment`). The key is built when it changes, not when it is
-        read, because Lightning reads it for every hook it calls.
+        It is built when it changes, not when read, because Lightning reads it at every hook.
         """
         return self._state_key
 
     @property
     def from_environment(self) -> bool:
-        """Return whether the ``LIGHTNING_HOOKS`` switch added the callback, not the user.
-
-        Such a callback stands aside when the user passed a callback of the same class.
-        """
+        """Return whether the ``LIGHTNING_HOOKS`` switch added the callback, not the user."""
         return self._from_environment
 
     def mark_from_environment(self) -> None:
-        """Mark the callback as added by the ``LIGHTNING_HOOKS`` switch.
+        """Mark the callback as added by the switch, which gives it a checkpoint key of its own.
 
-        Its checkpoint key gets a field of its own, so that its state and that of a callback
-        of the same configuration the user passed never share a key.
+        See :func:`~lightning_hooks.switch.state_key_fields`.
         """
         self._from_environment = True
-        self._state_key = self._generate_state_key(**self._state_key_fields, environment=True)
+        fields = state_key_fields(self._state_key_fields, from_environment=True)
+        self._state_key = self._generate_state_key(**fields)
 
     @override
     def setup(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
         if stage != "fit":
             return
-        # Each fit starts healthy. A checkpoint loaded before the fit is kept for it.
-        self._fit_state = FitState(
+        self._fit_state = FitState(  # each fit starts healthy
             self._new_guard(),
             idle=stands_down_for_users_own(self, trainer.callbacks),  # type: ignore[attr-defined]
-            checkpoint=self._fit_state.checkpoint,
         )
         if not self._fit_state.idle:
             check_trainer(
@@ -288,71 +237,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         if fit.idle:
             return
         fit.attached = self._attach(trainer, pl_module)
-        self._restore_checkpoint(fit)
-
-    def _restore_checkpoint(self, fit: FitState) -> None:
-        """Load the checkpoint's state that :meth:`load_state_dict` kept, if any.
-
-        The statistics' state goes to what the fit attached, the rest to :attr:`kept`. A state
-        with a part that does not match this model is dropped whole, with one warning.
-
-        Args:
-            fit: the running fit, which has just attached.
-        """
-        pending = fit.checkpoint
-        fit.checkpoint = None
-        attached = fit.attached
-        if not pending or attached is None:
-            return
-        pending = attached.in_this_layout(pending)
-        try:
-            afresh = self._load_whole(attached, pending)
-        except (KeyError, ValueError) as err:
-            parts = ", ".join(["statistics", *(key for key in self.kept if key in pending)])
-            rank_zero_warn(
-                f"{type(self).__name__}: the checkpoint's state does not match this model "
-                f"({err}); none of it is loaded ({parts})",
-                category=LightningHooksWarning,
-            )
-            return
-        if afresh:
-            rank_zero_warn(
-                f"{type(self).__name__}: the checkpoint holds no state of {', '.join(afresh)} "
-                "(saved under another configuration); this epoch's values of it start afresh",
-                category=LightningHooksWarning,
-            )
-
-    def _load_whole(self, attached: Attached, state: dict[str, Any]) -> list[str]:
-        """Load a checkpoint's ``state`` into the statistics and into :attr:`kept`, or none of it.
-
-        What :attr:`kept` holds is saved first, so that a part that fails to load, after others
-        did, leaves each collaborator as it was before.
-
-        Args:
-            attached: what the fit attached, whose statistics load their part of ``state``.
-            state: the callback's state, in this release's layout.
-
-        Returns:
-            The statistics that start afresh for want of an entry, by class name.
-
-        Raises:
-            KeyError: a part of ``state`` lacks what its statistic or collaborator needs. The
-                statistics then start afresh, and each collaborator of :attr:`kept` is as it was.
-            ValueError: a part of ``state`` does not fit this model; as for ``KeyError``.
-        """
-        before = {key: kept.host_state() for key, kept in self.kept.items() if key in state}
-        try:
-            afresh = attached.load_state_dict(
-                {k: v for k, v in state.items() if k not in self.kept}
-            )
-            for key in before:
-                self.kept[key].load_host_state(state[key])
-        except (KeyError, ValueError):
-            attached.reset_statistics()
-            for key, earlier in before.items():
-                self.kept[key].load_host_state(earlier)
-            raise
-        return afresh
+        self.checkpoint.restore(fit.attached)  # a checkpoint loaded before the fit, if any
 
     @override
     @guarded
@@ -459,18 +344,12 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         """Return what a checkpoint saves of the callback.
 
         Returns:
-            The epoch so far of each statistic, reduced across ranks, on the host, and the
-            state of what :attr:`kept` holds, by key.
+            What :meth:`~.checkpoint.CheckpointSlot.save` returns.
         """
         attached = self._fit_state.attached
-        state: dict[str, Any] = {}
-        if attached is not None:
-            if self.ranks.size > 1 and attached.aligned:
-                attached.align_rows()  # include the rows made since the last logging step
-            state = attached.state_dict()
-        for key, kept in self.kept.items():
-            state[key] = kept.host_state()
-        return state
+        if attached is not None and self.ranks.size > 1 and attached.aligned:
+            attached.align_rows()  # include the rows made since the last logging step
+        return self.checkpoint.save(attached)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -480,7 +359,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
             state_dict: the callback's state as the checkpoint holds it; loaded into the statistics
                 and into :attr:`kept` at the next ``on_train_start``.
         """
-        self._fit_state.checkpoint = dict(state_dict)
+        self.checkpoint.hold(state_dict)
 
     @override
     @guarded
@@ -513,7 +392,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
 
         On CUDA this waits for the last logging step's copy and writes it. The loggers are then
         saved. ``on_exception`` calls this method. So does the end of a Fabric loop, which may
-        come without an epoch end before it (see the exits in the class's docstring).
+        come without an epoch end before it.
 
         Args:
             trainer: the trainer whose loggers are written to and saved.

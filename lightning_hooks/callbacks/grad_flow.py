@@ -565,19 +565,28 @@ class _CarriedAlarms:
     def load_host_state(self, state: dict[str, Any]) -> None:
         """Continue from the alarm state a checkpoint saved.
 
-        If a fit is running, its alarms load the state at once.
+        If a fit is running, its alarms load the state at once. A state they refuse raises, so
+        that the callback drops the whole checkpoint with one warning
+        (:meth:`~.checkpoint.CheckpointSlot.restore`); the state carried is then unchanged.
 
         Args:
             state: the state that :meth:`host_state` returned. An empty dict means none.
+
+        Raises:
+            ValueError: the state was saved for another model's layers, or by an older version.
         """
-        self._state = dict(state) or None
-        self._load()
+        loaded = dict(state) or None
+        if self._alarms is not None and loaded is not None:
+            self._alarms.load_state_dict(loaded)
+        self._state = loaded
+        if self._log is not None:
+            self._log.start(self._alarms)
 
     def _load(self) -> None:
-        """Load the state carried into the running fit's alarms, and start the log from them.
+        """Load the state carried from the last fit into this fit's alarms, and start the log.
 
-        A state saved for another model's layers is dropped with a warning. The running scales
-        then start afresh.
+        A state the last fit left for another model's layers is dropped with a warning. The
+        running scales then start afresh.
         """
         alarms = self._alarms
         if alarms is not None and self._state is not None:
