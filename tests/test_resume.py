@@ -272,7 +272,7 @@ class _ResultProbe(pl.Callback):
         self.results: list[Any] = []
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        attached = self.watched._fit_state.attached
+        attached = self.watched._lifecycle.attached
         assert attached is not None
         self.results.append(attached.logged[0].stat.result())
 

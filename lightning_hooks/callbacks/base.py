@@ -148,7 +148,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         """Whether the callback draws pictures. A logger that cannot show them is warned of."""
         self.checkpoint = CheckpointSlot(type(self).__name__)
         """Saves the callback's state in checkpoints, and restores it when a fit attaches."""
-        self._fit_state = FitState(self._new_guard())
+        self._lifecycle = FitState(self._new_guard())
         """What the running fit holds; each fit's ``setup`` starts a new one."""
         self.ranks = RankAgreement(self.hook_guard, remove_hooks=self.remove_hooks)
         """Makes the ranks of a multi-process fit agree on failures, stops and new rows."""
@@ -168,7 +168,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         Returns:
             The guard: its ``failed`` says whether the callback is disabled, and why.
         """
-        return self._fit_state.guard
+        return self._lifecycle.guard
 
     def _new_guard(self) -> Guard:
         """Make a guard for a fit that starts healthy.
@@ -209,11 +209,11 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     def setup(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
         if stage != "fit":
             return
-        self._fit_state = FitState(  # each fit starts healthy
+        self._lifecycle = FitState(  # each fit starts healthy
             self._new_guard(),
             idle=stands_down_for_users_own(self, trainer.callbacks),  # type: ignore[attr-defined]
         )
-        if not self._fit_state.idle:
+        if not self._lifecycle.idle:
             check_trainer(
                 type(self).__name__,
                 trainer,
@@ -223,7 +223,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
 
     @override
     def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        fit = self._fit_state
+        fit = self._lifecycle
         if not fit.idle:  # runs after ``configure_model``, so its layers exist
             fit.idle = not self._validate(pl_module)
         skip_inherited(self, trainer)  # Lightning then calls only the hooks defined here
@@ -233,7 +233,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         self.remove_hooks()
         self.ranks.start()
-        fit = self._fit_state
+        fit = self._lifecycle
         if fit.idle:
             return
         fit.attached = self._attach(trainer, pl_module)
@@ -245,7 +245,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         self, trainer: TrainerView, pl_module: nn.Module, batch: Any, batch_idx: int
     ) -> None:
         logging_step = self.cadence.start_batch(trainer, batch_idx)
-        attached = self._fit_state.attached
+        attached = self._lifecycle.attached
         if attached is not None:
             attached.write_arrived_steps(trainer)  # on CUDA, the last logging step's copy
         self._set_gate(logging_step)
@@ -267,7 +267,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
             batch: the batch as the dataloader gave it, before ``training_step``.
             logging_step: whether the batch belongs to a logging step, as the cadence says.
         """
-        fit = self._fit_state
+        fit = self._lifecycle
         fit.logging_batch = logging_step and fit.attached is not None
         if fit.logging_batch:
             self.cadence.measure()
@@ -283,7 +283,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         batch: Any,
         batch_idx: int,
     ) -> None:
-        fit = self._fit_state
+        fit = self._lifecycle
         if fit.attached is not None and (fit.logging_batch or fit.attached.every_batch):
             self._batch_ending(trainer, outputs, logging_step=fit.logging_batch)
         measured = self.cadence.finished_step(trainer)
@@ -321,7 +321,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
             logging_step: whether the coming batch belongs to a logging step. If so, the gate
                 opens.
         """
-        attached = self._fit_state.attached
+        attached = self._lifecycle.attached
         gate = None if attached is None else attached.registry
         if gate is not None and gate.logging_step != logging_step:
             gate.set_logging_step(logging_step)
@@ -329,9 +329,9 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     @override
     @guarded
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        self.ranks.agree(trainer, trainer.global_step, self._fit_state.attached, always=True)
+        self.ranks.agree(trainer, trainer.global_step, self._lifecycle.attached, always=True)
         self.cadence.end_epoch()
-        attached = self._fit_state.attached  # a failure the ranks agreed on takes it off
+        attached = self._lifecycle.attached  # a failure the ranks agreed on takes it off
         if attached is not None:
             attached.write_steps(trainer, wait=True)
             attached.write_epoch(trainer)  # each statistic's epoch, then the next one starts
@@ -346,7 +346,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         Returns:
             What :meth:`~.checkpoint.CheckpointSlot.save` returns.
         """
-        attached = self._fit_state.attached
+        attached = self._lifecycle.attached
         if attached is not None and self.ranks.size > 1 and attached.aligned:
             attached.align_rows()  # include the rows made since the last logging step
         return self.checkpoint.save(attached)
@@ -366,7 +366,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     def on_train_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         try:
             if self.hook_guard().failed is None:  # agree on a failure after the last epoch end
-                attached = self._fit_state.attached
+                attached = self._lifecycle.attached
                 self.ranks.agree(trainer, trainer.global_step, attached, always=True)
             save_loggers(trainer.loggers, layout=trainer.is_global_zero)
         finally:
@@ -397,7 +397,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         Args:
             trainer: the trainer whose loggers are written to and saved.
         """
-        attached = self._fit_state.attached
+        attached = self._lifecycle.attached
         if attached is not None:
             attached.write_steps(trainer, wait=True)
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
@@ -418,8 +418,8 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         What the fit attached is removed, and the fit's statistics with it. Calling it again does
         nothing; the guard calls it after a failure.
         """
-        attached = self._fit_state.attached
-        self._fit_state.attached = None
+        attached = self._lifecycle.attached
+        self._lifecycle.attached = None
         if attached is not None:
             attached.remove()
 
