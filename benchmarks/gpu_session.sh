@@ -21,8 +21,9 @@ mkdir -p "$OUT"
 } 2>&1 | tee -a "$OUT/log.txt"
 timeout "${TESTS_S:-60}" python3 -m pytest -q -p no:cacheprovider -o addopts=-ra \
   tests/test_cuda.py tests/test_alarm_rules.py tests/test_layer_time.py tests/test_precision.py \
-  tests/test_distributed.py tests/test_pointer_norms.py tests/test_quiet_read.py \
-  tests/test_grouped_norms.py -k "cuda or fsdp_fit_is_refused or pointer or quiet_read or grouped" \
+  tests/test_distributed.py tests/test_quiet_step_pointer_norms.py tests/test_quiet_step_read.py \
+  tests/test_quiet_step_grouped_norms.py \
+  -k "cuda or fsdp_fit_is_refused or pointer or quiet_step_read or grouped" \
   2>&1 | tee -a "$OUT/log.txt" | tail -n 25
 timeout "${QUIET_S:-70}" python3 benchmarks/quiet_step.py --accelerator cuda --model launch \
   --steps 300 --rounds 2 2>&1 | tee -a "$OUT/log.txt" | tail -n 8

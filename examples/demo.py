@@ -7,7 +7,7 @@
   gradient.
 
 The story of the two runs in docs/demo.md is checked against their event files by
-``tests/test_demo_story.py``.
+``tests/test_docs_demo_claims.py``.
 
 Every callback of the library watches both runs. Run it with ``./dev demo`` (which sets
 everything up) or ``python examples/demo.py``; then ``tensorboard --logdir runs``.

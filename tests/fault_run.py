@@ -1,4 +1,5 @@
-"""Faults injected on rank 1 only, 2 CPU processes (gloo), run as a script by test_faults.py.
+"""Faults injected on rank 1 only, 2 CPU processes (gloo), run as a script by
+test_distributed_fault_agreement.py.
 
 ``python tests/fault_run.py --out DIR --strategy ddp|fsdp``: Lightning's launcher re-runs this
 script for rank 1, so everything happens under ``main()``. Every fit trains 2 epochs of 4
@@ -8,8 +9,8 @@ one that raises ``RuntimeError("injected ...")`` at the steps ``FAULTS`` gives. 
 quiet step keeps raising at every later step (a persistent bug); the others raise once. Each rank
 writes ``rank{r}.json``: per fit, the step at which the callback was disabled, the guard's cause,
 the warnings of the library on that rank, the final ``global_step`` and the collectives of the
-library per batch. A fit that hangs would keep the launch from ending: test_faults.py kills the
-whole process group at its time limit and fails.
+library per batch. A fit that hangs would keep the launch from ending:
+test_distributed_fault_agreement.py kills the whole process group at its time limit and fails.
 
 Fits (``GradFlowCallback`` with its default alarms unless said):
 

@@ -535,7 +535,7 @@ def test_stop_makes_no_per_step_decision_collective(
 ) -> None:
     """``stop`` no longer asks the strategy for a decision at each step (a collective and a host
     sync under DDP): one process stops at once; ranks agree on collectives made anyway
-    (tests/test_faults.py)."""
+    (tests/test_distributed_fault_agreement.py)."""
     calls: list[int] = []
     trainer = trainer_factory(
         callbacks=[Fault("multiply"), GradFlowCallback(alarms=GRAD_RULES, on_alarm="stop")],

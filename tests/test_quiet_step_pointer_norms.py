@@ -5,7 +5,8 @@ Without CUDA the kernels run in Triton's interpreter, which follows the table's 
 host memory, when the process starts with ``TRITON_INTERPRET=1`` (Triton reads it at its
 import, which Lightning makes before any test module runs)::
 
-    TRITON_INTERPRET=1 python -m pytest tests/test_pointer_norms.py  # Triton installed, no GPU
+    # Triton installed, no GPU
+    TRITON_INTERPRET=1 python -m pytest tests/test_quiet_step_pointer_norms.py
 """
 
 from __future__ import annotations
