@@ -100,3 +100,16 @@ def test_activation_histograms_count_finite_values_only(tmp_path: Path) -> None:
     numel = 32 * 16
     nonfinite = dict(scalars["activations/nonfinite/net.0"])[epoch_end_step(4)]
     assert nonfinite > 0 and hist.num == sum(hist.bucket) == numel - nonfinite
+
+
+def test_histograms_count_every_optimizer_step_not_only_the_logging_steps(tmp_path: Path) -> None:
+    recorder = GradRecorder()
+    callback = GradFlowCallback(histograms=True, every_n_steps=3)
+    make_trainer(tmp_path, callbacks=[recorder, callback]).fit(TinyMLP())
+    histograms = read_histograms(tmp_path)
+    assert sorted(histograms) == [f"grad_flow/grad_log10_abs/{n}" for n in LAYERS]
+    for layer in LAYERS:
+        (_, hist), *_ = histograms[f"grad_flow/grad_log10_abs/{layer}"]
+        first_epoch = recorder.grads[layer][:4]
+        # the 4 steps of the first epoch, not only its 2 logging steps (0 and 2)
+        assert hist.num == sum(grads.size for grads in first_epoch)

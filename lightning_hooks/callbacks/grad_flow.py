@@ -26,7 +26,7 @@ from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
-from lightning_hooks.core.stats.grad_flow import Clip, layers_of
+from lightning_hooks.core.stats.grad_flow import Clip, counts_the_model_itself, layers_of
 from lightning_hooks.core.stats.stability import Result as StabilityResult
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
@@ -71,7 +71,7 @@ class GradFlowCallback(HookCallback):
     ``grad_flow/global/{stat}_p{q}``            beyond ``max_layers_logged`` layers: percentiles
     ``grad_flow/chart`` (image)                 mean and max ``|g|`` per layer, log scale
     ``grad_flow/heatmap`` (image)               ``heatmap=True``: norm per layer x epoch, log scale
-    ``grad_flow/grad_log10_abs/{layer}``        ``histograms=True``: histogram of ``log10 |g|``
+    ``grad_flow/grad_log10_abs/{layer}``        ``histograms=True``: ``log10 |g|``, every step
     ``grad_flow/alarms/{rule}``                 alarms of the epoch that warned, per rule
     ``grad_flow/notices/{name}``                notices of the epoch (logged, never warned)
     ``grad_flow/alarms/text_summary`` (text)    one line per alarm: step, rule, layer, values
@@ -93,8 +93,9 @@ class GradFlowCallback(HookCallback):
         max_layers_logged: the most layers whose per-layer tags are logged each epoch. Layers
             with a non-finite gradient come first. Then half the places go to the largest
             gradient norms and half to the smallest. ``None`` logs every layer.
-        histograms: log a histogram of ``log10 |g|`` per layer each epoch. This costs one more
-            pass over the gradients.
+        histograms: log a histogram of ``log10 |g|`` per layer each epoch, over every optimizer
+            step of the epoch, not only the logging steps. This costs one more pass over the
+            gradients at every step.
         heatmap: log, each epoch, an image of the gradient norm per layer and epoch.
         alarms: the alarm rules. ``True`` uses the defaults of :class:`AlarmRules`, and
             ``False`` turns the alarms off.
@@ -194,9 +195,8 @@ class GradFlowCallback(HookCallback):
             "GradFlowCallback", types=self.types, include=self.include, exclude=self.exclude
         )
         modules = selection.modules(pl_module)
-        # The layers measured: the selected modules, and the model itself where it counts.
-        owners = list(modules)
-        if self.types is None and not self.include:
+        owners = list(modules)  # the layers measured
+        if counts_the_model_itself(self.types, self.include):
             owners.append(("", pl_module))
         lazy = [
             f"{name}.{param_name}" if name else param_name

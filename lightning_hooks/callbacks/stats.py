@@ -247,7 +247,12 @@ def selection_state_key(types: object, include: object, exclude: object) -> dict
     Example:
         >>> selection_state_key(None, (), ("*.bn*",))
         {'types': 'None', 'include': (), 'exclude': ('*.bn*',)}
+        >>> from torch import nn
+        >>> selection_state_key((nn.Linear,), (), ()) == selection_state_key(nn.Linear, (), ())
+        True
     """
+    if isinstance(types, list | tuple):  # one selection, however it is written
+        types = types[0] if len(types) == 1 else tuple(types)
     return {"types": repr(types), "include": include, "exclude": exclude}
 
 

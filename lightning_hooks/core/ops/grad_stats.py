@@ -22,6 +22,8 @@ from lightning_hooks.core.transport import ShardPlan, to_local
 __all__ = [
     "GLOBAL",
     "GRAD_STATS",
+    "LINEAR_IN_GRADIENT",
+    "NORM",
     "ROOT",
     "LayerIndex",
     "ParamLayout",
@@ -35,6 +37,10 @@ __all__ = [
 
 GRAD_STATS = ("grad_norm", "grad_abs_mean", "grad_abs_max", "grad_nonfinite", "weight_norm")
 """Columns of :func:`grad_stats`, in order."""
+NORM = GRAD_STATS.index("grad_norm")
+"""The column of the gradient's L2 norm."""
+LINEAR_IN_GRADIENT = slice(NORM, GRAD_STATS.index("grad_abs_max") + 1)
+"""The columns a loss scale multiplies: ``grad_norm``, ``grad_abs_mean``, ``grad_abs_max``."""
 GLOBAL = "global"  # name of the extra last row that aggregates every layer
 ROOT = "<root>"  # row name of the parameters the model itself owns
 _GRAD = attrgetter("grad")

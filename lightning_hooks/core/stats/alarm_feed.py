@@ -18,7 +18,7 @@ import torch
 
 from lightning_hooks.core.alarms import TrainingAlarms
 from lightning_hooks.core.ops import pointer_norms
-from lightning_hooks.core.ops.grad_stats import GRAD_STATS, ParamLayout, plain_grads
+from lightning_hooks.core.ops.grad_stats import LINEAR_IN_GRADIENT, NORM, ParamLayout, plain_grads
 from lightning_hooks.core.ops.grouped_norms import GroupedNorms
 from lightning_hooks.core.ops.tensors import foreach_norm
 from lightning_hooks.core.stats.optimizer_view import (
@@ -31,10 +31,6 @@ from lightning_hooks.core.stats.optimizer_view import (
 from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["AlarmFeed", "AlarmStep", "Clip", "Measured", "foreach_norms", "quiet_read"]
-
-_NORM = GRAD_STATS.index("grad_norm")
-_SCALED = slice(_NORM, GRAD_STATS.index("grad_abs_max") + 1)
-"""The columns linear in the gradient: ``grad_norm``, ``grad_abs_mean``, ``grad_abs_max``."""
 
 
 class Clip(NamedTuple):
@@ -149,9 +145,9 @@ class AlarmFeed:
             return
         stats = self._norms.norms(view, ParamLayout.grads(view.params), weights=False)
         if param_grad_scale is not None:
-            stats[:, _SCALED] /= param_grad_scale
+            stats[:, LINEAR_IN_GRADIENT] /= param_grad_scale
         valid = view.valid()
-        self._send(view, stats[:, _NORM], None if valid is None else valid[:, _NORM], at)
+        self._send(view, stats[:, NORM], None if valid is None else valid[:, NORM], at)
 
     def _prepare_quiet_read(
         self, view: OptimizerView, param_grad_scale: torch.Tensor | None

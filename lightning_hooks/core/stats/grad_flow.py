@@ -19,7 +19,14 @@ from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
-from lightning_hooks.core.ops.grad_stats import GLOBAL, GRAD_STATS, ParamLayout, grad_stats
+from lightning_hooks.core.ops.grad_stats import (
+    GLOBAL,
+    GRAD_STATS,
+    LINEAR_IN_GRADIENT,
+    NORM,
+    ParamLayout,
+    grad_stats,
+)
 from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable
 from lightning_hooks.core.stats.alarm_feed import AlarmFeed, AlarmStep, Clip, Measured
@@ -37,6 +44,7 @@ __all__ = [
     "GRAD_FLOW_STATS",
     "Clip",
     "GradFlowTracker",
+    "counts_the_model_itself",
     "grad_flow_scalars",
     "layers_of",
     "logged_rows",
@@ -51,9 +59,6 @@ _WEIGHT = GRAD_FLOW_STATS.index("weight_norm")
 _PRECLIP = GRAD_FLOW_STATS.index("grad_norm_preclip")
 _GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 _ALL = slice(0, len(GRAD_STATS))
-_NORM = GRAD_FLOW_STATS.index("grad_norm")
-_SCALED = slice(_NORM, GRAD_FLOW_STATS.index("grad_abs_max") + 1)
-"""The columns linear in the gradient: ``grad_norm``, ``grad_abs_mean``, ``grad_abs_max``."""
 
 
 def layers_of(
@@ -75,8 +80,21 @@ def layers_of(
         The layout of the selected modules' own parameters; the model's own parameters (a
         learnable temperature) count too, unless ``types`` or ``include`` narrows the selection.
     """
-    root = model if types is None and not include else None
+    root = model if counts_the_model_itself(types, include) else None
     return ParamLayout.from_modules(modules, root=root)
+
+
+def counts_the_model_itself(types: ModuleTypes, include: Patterns) -> bool:
+    """Say whether the model's own parameters (a learnable temperature, say) form a layer.
+
+    Args:
+        types: the module types selected (``None``: any).
+        include: the glob patterns kept (empty: every module).
+
+    Returns:
+        ``True`` unless ``types`` or ``include`` narrows the selection.
+    """
+    return types is None and not include
 
 
 def _check_args(
@@ -294,11 +312,11 @@ class GradFlowTracker(HookOwner):
         else:
             stats = self._grad_stats(view, grads, weights=True)
         if param_grad_scale is not None:
-            stats[:, _SCALED] /= param_grad_scale
+            stats[:, LINEAR_IN_GRADIENT] /= param_grad_scale
         measured = None
         if for_alarms:  # their own copy: recording the step may add into ``stats`` in place
-            stepped = None if valid is None else valid[:, _NORM]
-            measured = Measured(stats[:, _NORM].clone(), stepped)
+            stepped = None if valid is None else valid[:, NORM]
+            measured = Measured(stats[:, NORM].clone(), stepped)
         self._record_step(optimizer, view, stats, valid, grad_scale)
         return measured
 
@@ -333,8 +351,8 @@ class GradFlowTracker(HookOwner):
         The weights are kept for the update ratio.
         """
         if self._post_clip:  # the gradient the optimizer applies is read in the step post-hook
-            cells = None if valid is None else valid[:, [_NORM, _WEIGHT]]
-            values = stats[:, [_NORM, _WEIGHT]]
+            cells = None if valid is None else valid[:, [NORM, _WEIGHT]]
+            values = stats[:, [NORM, _WEIGHT]]
             self.accumulator.update(values, [_PRECLIP, _WEIGHT], view.cells, cells, replicated=True)
         else:
             self.accumulator.update(stats, _ALL, view.cells, valid, replicated=True)
@@ -460,21 +478,18 @@ class _Column(NamedTuple):
     """``"mean"``, ``"peak"`` or ``"total"`` (a :meth:`LayerTable.column` kind)."""
 
 
-_LOGGED = tuple(
-    _Column(*row)
-    for row in (
-        ("grad_norm", "grad_norm", "mean"),
-        ("grad_norm_max", "grad_norm", "peak"),
-        ("grad_abs_mean", "grad_abs_mean", "mean"),
-        ("grad_abs_max", "grad_abs_max", "peak"),
-        ("grad_nonfinite", "grad_nonfinite", "total"),
-        ("weight_norm", "weight_norm", "mean"),
-        ("update_ratio", "update_ratio", "mean"),
-        ("update_ratio_max", "update_ratio", "peak"),
-        ("output_grad_norm", "output_grad_norm", "mean"),
-        ("output_grad_norm_max", "output_grad_norm", "peak"),
-        ("grad_norm_preclip", "grad_norm_preclip", "mean"),
-    )
+_LOGGED = (
+    _Column(suffix="grad_norm", stat="grad_norm", kind="mean"),
+    _Column(suffix="grad_norm_max", stat="grad_norm", kind="peak"),
+    _Column(suffix="grad_abs_mean", stat="grad_abs_mean", kind="mean"),
+    _Column(suffix="grad_abs_max", stat="grad_abs_max", kind="peak"),
+    _Column(suffix="grad_nonfinite", stat="grad_nonfinite", kind="total"),
+    _Column(suffix="weight_norm", stat="weight_norm", kind="mean"),
+    _Column(suffix="update_ratio", stat="update_ratio", kind="mean"),
+    _Column(suffix="update_ratio_max", stat="update_ratio", kind="peak"),
+    _Column(suffix="output_grad_norm", stat="output_grad_norm", kind="mean"),
+    _Column(suffix="output_grad_norm_max", stat="output_grad_norm", kind="peak"),
+    _Column(suffix="grad_norm_preclip", stat="grad_norm_preclip", kind="mean"),
 )
 _PERCENTILES = (5, 50, 95)
 
