@@ -199,57 +199,48 @@ def test_a_checkpoint_with_one_statistic_of_another_model_keeps_none_of_them(
     _assert_same(_grad_flow_at(tmp_path / "dropped", 4), _grad_flow_at(tmp_path / "fresh", 4))
 
 
-def test_a_checkpoint_whose_heatmap_does_not_load_keeps_nothing_of_its_state(
-    tmp_path: Path,
+def _spoil_heatmap(state: dict[str, Any]) -> None:
+    state["heatmap"] = {"epochs": [{"epoch": 0, "layers": ["net.0"]}]}  # no "columns"
+
+
+def _spoil_alarms(state: dict[str, Any]) -> None:
+    alarms = state["alarms"]
+    state["alarms"] = {**alarms, "layers": [f"other.{i}" for i in range(len(alarms["layers"]))]}
+
+
+@pytest.mark.parametrize(
+    ("spoil", "why"),
+    [
+        (_spoil_heatmap, "('columns')"),
+        (_spoil_alarms, "(TrainingAlarms.load_state_dict: saved layers"),
+    ],
+    ids=["heatmap", "alarms"],
+)
+def test_a_checkpoint_with_one_part_that_does_not_load_keeps_nothing_of_its_state(
+    spoil: Callable[[dict[str, Any]], None], why: str, tmp_path: Path
 ) -> None:
-    """The statistics and the alarms load, then the heatmap's history does not: nothing of the
-    checkpoint is kept, the warning names every part dropped, and the epoch is a fresh fit's."""
+    """The statistics load, then a later part of the state (the alarms' running scales, the
+    heatmap's history) does not: nothing of the checkpoint is kept, with one warning that names
+    every part dropped, and the epoch and the running scales are a fresh fit's."""
     every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=SAVED_AT, save_top_k=-1)
     trainer(tmp_path / "first", callbacks=[GradFlowCallback(), every]).fit(SameBatchesMLP())
     (path,) = sorted((tmp_path / "ckpt").glob("*.ckpt"))[:1]
     callback = GradFlowCallback()
     state = dict(torch.load(path, weights_only=False)["callbacks"][callback.state_key])
     assert list(callback.kept) == ["alarms", "heatmap"]  # the alarms load first
-    state["heatmap"] = {"epochs": [{"epoch": 0, "layers": ["net.0"]}]}  # no "columns"
+    spoil(state)
     callback.load_state_dict(state)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer(tmp_path / "dropped", callbacks=[callback]).fit(SameBatchesMLP())
     ours = [str(w.message) for w in caught if issubclass(w.category, LightningHooksWarning)]
     assert len(ours) == 1, ours
-    assert "does not match this model ('columns')" in ours[0]
+    assert f"does not match this model {why}" in ours[0]
     assert ours[0].endswith("none of it is loaded (statistics, alarms, heatmap)")
     fresh = GradFlowCallback()
     trainer(tmp_path / "fresh", callbacks=[fresh]).fit(SameBatchesMLP())
     _assert_same(_grad_flow_at(tmp_path / "dropped", 4), _grad_flow_at(tmp_path / "fresh", 4))
-    # the alarms' running scales began afresh too, not from the checkpoint's two steps
-    dropped_scale = callback.kept["alarms"].host_state()["scale"]
-    assert torch.equal(dropped_scale, fresh.kept["alarms"].host_state()["scale"])
-
-
-def test_a_checkpoint_whose_alarms_are_another_models_keeps_nothing_of_its_state(
-    tmp_path: Path,
-) -> None:
-    """The statistics load, then the alarms' state names other layers: nothing of the checkpoint
-    is kept, with one warning, and the epoch and the running scales are a fresh fit's."""
-    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=SAVED_AT, save_top_k=-1)
-    trainer(tmp_path / "first", callbacks=[GradFlowCallback(), every]).fit(SameBatchesMLP())
-    (path,) = sorted((tmp_path / "ckpt").glob("*.ckpt"))[:1]
-    callback = GradFlowCallback()
-    state = dict(torch.load(path, weights_only=False)["callbacks"][callback.state_key])
-    alarms = state["alarms"]
-    state["alarms"] = {**alarms, "layers": [f"other.{i}" for i in range(len(alarms["layers"]))]}
-    callback.load_state_dict(state)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer(tmp_path / "dropped", callbacks=[callback]).fit(SameBatchesMLP())
-    ours = [str(w.message) for w in caught if issubclass(w.category, LightningHooksWarning)]
-    assert len(ours) == 1, ours
-    assert "does not match this model (TrainingAlarms.load_state_dict: saved layers" in ours[0]
-    assert ours[0].endswith("none of it is loaded (statistics, alarms, heatmap)")
-    fresh = GradFlowCallback()
-    trainer(tmp_path / "fresh", callbacks=[fresh]).fit(SameBatchesMLP())
-    _assert_same(_grad_flow_at(tmp_path / "dropped", 4), _grad_flow_at(tmp_path / "fresh", 4))
+    # the alarms' running scales began afresh too, not from the checkpoint's steps
     dropped_scale = callback.kept["alarms"].host_state()["scale"]
     assert torch.equal(dropped_scale, fresh.kept["alarms"].host_state()["scale"])
 
