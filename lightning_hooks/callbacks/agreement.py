@@ -1,9 +1,8 @@
 """Feed each batch's loss to the loss rules, either this rank's loss or the mean over ranks.
 
-When several processes run, the ranks must agree on three things: the mean loss that the loss
-rules read, whether a hook failed on any rank, and whether any rank asked to stop. One
-``all_reduce`` of four numbers per batch carries all three. A logging step therefore needs no
-collective of its own for them.
+Under several processes, one ``all_reduce`` of four numbers per batch carries the mean loss,
+whether a hook failed on any rank, and whether any rank asked to stop, so a logging step needs
+no collective of its own for them.
 """
 
 from __future__ import annotations
@@ -42,11 +41,7 @@ class RankFlags(NamedTuple):
 
 
 class _Sums(NamedTuple):
-    """Hold the result of one batch's collective, as read on the host.
-
-    Each of the four numbers is a sum over the ranks. The optimizer step of the batch is kept
-    with them.
-    """
+    """Hold one batch's collective as read on the host: four sums over the ranks, and the step."""
 
     loss: float
     with_loss: int  # ranks whose ``training_step`` returned a loss
@@ -56,27 +51,14 @@ class _Sums(NamedTuple):
 
     @classmethod
     def of(cls, values: np.ndarray, step: int) -> _Sums:
-        """Read the collective's host copy.
-
-        Args:
-            values: the four sums as copied to the host: loss, ranks with a loss, ranks failed,
-                ranks stopping.
-            step: the optimizer step whose batch posted the collective.
-
-        Returns:
-            The sums, named, with their step.
-        """
+        """Name the four sums of the collective's host copy, with the step that posted it."""
         return cls(float(values[0]), int(values[1]), int(values[2]), int(values[3]), step)
 
 
 class _Pending(NamedTuple):
-    """Hold what :meth:`LossAgreement._feed_mean` feeds the loss rules.
+    """Hold what :meth:`LossAgreement._feed_mean` feeds the loss rules."""
 
-    This is the batch's summed tensor, which stays on the device unread, the batch's optimizer
-    step, and the collectives read on the host so far.
-    """
-
-    carried: torch.Tensor
+    carried: torch.Tensor  # the batch's sums, left on the device unread
     step: int
     read: list[_Sums]
 
@@ -84,15 +66,13 @@ class _Pending(NamedTuple):
 class LossAgreement:
     """Feed the loss from ``training_step`` to the loss rules, and carry the ranks' flags with it.
 
-    Each fit makes its own. With one process, the rules read that process's loss. With several,
-    they read the mean loss over the ranks. One ``all_reduce`` per batch computes that mean. The
-    same collective carries each rank's failure flag and stop request to the callback's
-    :class:`~.ranks.RankAgreement`.
+    Each fit makes its own. With one process, the rules read its loss; with several, the mean
+    over the ranks, from one ``all_reduce`` per batch that also carries each rank's failure flag
+    and stop request to ``ranks``.
 
     Args:
-        ranks: the callback's agreement across ranks. It acts on the failures and the stop
-            requests that the collective carries.
-        pl_module: the model of the fit. Whether Fabric set it up and whether it uses automatic
+        ranks: the callback's agreement across ranks, which acts on the failures and stops.
+        pl_module: the model. Whether Fabric set it up and whether it uses automatic
             optimization decide how a batch's loss is read.
         rules: the fit's alarm rules (``None``: no alarms, so no loss is read).
 
@@ -110,17 +90,12 @@ class LossAgreement:
     ) -> None:
         self._ranks = ranks
         self._carrier: HostCopy | None = None
-        """The host copy of the four sums of :func:`_carry`; ``None`` unless ``"mean"``."""
         self._manual = False
         self._pending: _Pending | None = None
         self.reading: Literal["own", "mean", "off"] = "off"
-        """How this fit reads the loss.
-
-        It is ``"off"`` when no loss rule runs, and ``"own"`` when one process runs. Otherwise
-        it is ``"mean"``, which costs one ``all_reduce`` per batch. Under manual optimization,
-        the reading turns ``"off"`` at the first batch where some ranks return a loss and others
-        do not.
-        """
+        """How this fit reads the loss: ``"off"`` (no loss rule), ``"own"`` (one process) or
+        ``"mean"``. Under manual optimization it turns ``"off"`` at the first batch where some
+        ranks return a loss and others do not."""
         if rules is None or not rules.watches_loss:
             return
         if world_size() == 1:
@@ -141,15 +116,9 @@ class LossAgreement:
         alarms: TrainingAlarms,
         policy: AlarmPolicy,
     ) -> None:
-        """Feed one batch's loss to the loss rules, and act on the alarms they raise.
+        """Feed one batch's loss to the loss rules at ``step``, and act on the alarms they raise.
 
-        Args:
-            trainer: the trainer. The alarm policy acts on it, and a rank's failure or stop
-                request is applied to it.
-            outputs: what this rank's ``training_step`` returned, where its loss is read.
-            step: the optimizer step the batch feeds.
-            alarms: the fit's alarms, fed the loss at ``step``.
-            policy: the fit's alarm policy, which acts on the alarms the loss rules raise.
+        Under ``"mean"``, the ranks' failures and stop requests are applied to ``trainer`` too.
         """
         if self.reading == "own":
             loss = training_loss(trainer, outputs)
@@ -171,15 +140,9 @@ class LossAgreement:
     ) -> RankFlags | None:
         """Send the loss and the two flags to the batch's ``all_reduce``.
 
-        Args:
-            loss: this rank's loss (``None``: none was returned).
-            step: the optimizer step the batch belongs to.
-            failed: whether one of this rank's hooks failed.
-            stop: this rank's request to stop the fit.
-
         Returns:
-            The ranks' summed flags, once the collective's result has been copied to the host
-            and read. On CUDA this happens one batch later. Otherwise ``None``.
+            The ranks' summed flags once the result is read on the host (on CUDA, one batch
+            later), else ``None``.
         """
         if self.reading != "mean":
             return None
@@ -202,11 +165,6 @@ class LossAgreement:
         """Run the loss rules on the ranks' mean loss, and act on the alarms they raise.
 
         Under manual optimization, a batch's mean is used only if every rank returned a loss.
-
-        Args:
-            trainer: the trainer the alarm policy acts on (a warning, a stop or a raise).
-            alarms: the fit's alarms, fed the mean loss.
-            policy: the fit's alarm policy, which acts on them.
         """
         pending = self._pending
         self._pending = None
@@ -221,12 +179,7 @@ class LossAgreement:
         policy.act(trainer, None, alarms, alarms.poll())
 
     def _rules_off(self, step: int, with_loss: int) -> None:
-        """Turn the loss rules off for the rest of the fit, with one warning.
-
-        Args:
-            step: the optimizer step from which the rules are off, named in the warning.
-            with_loss: how many ranks returned a loss at that step, named in the warning.
-        """
+        """Turn the loss rules off for the rest of the fit, with one warning."""
         self.reading = "off"
         self._carrier = None
         rank_zero_warn(
@@ -241,14 +194,7 @@ class LossAgreement:
 
 
 def _read_sums(carrier: HostCopy) -> list[_Sums]:
-    """Read the last collective posted to ``carrier`` on the host, waiting for it.
-
-    Args:
-        carrier: the host copy of the batches' collectives.
-
-    Returns:
-        Its sums with their step, or nothing where none was posted since the last read.
-    """
+    """Read the last collective posted to ``carrier``, waiting; empty if none since the last."""
     got = carrier.read(wait=True)
     if got is None:
         return []
@@ -258,11 +204,6 @@ def _read_sums(carrier: HostCopy) -> list[_Sums]:
 
 def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
     """Sum this rank's loss and flags over the ranks, in one ``all_reduce``.
-
-    Args:
-        loss: this rank's loss (``None``: its ``training_step`` returned none).
-        failed: whether one of this rank's hooks failed.
-        stop: whether this rank asks to stop the fit.
 
     Returns:
         ``[loss, ranks with a loss, ranks failed, ranks stopping]``, on the group's device (the
@@ -279,12 +220,11 @@ def training_loss(trainer: TrainerView, outputs: STEP_OUTPUT) -> torch.Tensor | 
     """Read ``training_step``'s loss in the user's units.
 
     Under automatic optimization, Lightning passes the batch-end hooks the loss divided by
-    ``accumulate_grad_batches``. That is the value the backward pass saw. The alarms quote
-    losses as the user logs them, so this function undoes the division.
+    ``accumulate_grad_batches``. The alarms quote losses as the user logs them, so this function
+    undoes the division.
 
     Args:
-        trainer: the trainer. Its ``accumulate_grad_batches`` and its module's optimization
-            mode decide whether the loss is scaled back.
+        trainer: the trainer, whose ``accumulate_grad_batches`` and optimization mode decide.
         outputs: what ``training_step`` returned, as the batch-end hook gets it.
 
     Returns:

@@ -1,8 +1,7 @@
 """Decide what ``GradFlowCallback`` does when an alarm fires, and write the alarms.
 
-When an alarm fires, :class:`AlarmPolicy` takes its rule's action. The action warns, stops
-the fit, raises, skips the optimizer step, or only logs the alarm. :class:`AlarmLog` writes the
-alarms to the loggers. :mod:`.agreement` describes which loss the loss rules read under DDP.
+:class:`AlarmPolicy` takes the fired rule's action: warn, stop the fit, raise, skip the
+optimizer step, or only log. :class:`AlarmLog` writes the alarms to the loggers.
 """
 
 from __future__ import annotations
@@ -36,16 +35,15 @@ __all__ = ["Action", "AlarmLog", "AlarmPolicy", "check_actions"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
-# The rules an action can apply to. A notice is a rule whose alarms are only logged (see
-# docs/glossary.md). Some notices take no action at all. amp_overflow takes none because the
-# GradScaler already acts on it. A setback takes none because telling it from a divergence
-# takes a few steps, and the *diverging* rule acts once the divergence is confirmed.
+# The rules an action can apply to. Some notices take none: the GradScaler already acts on
+# amp_overflow, and a setback takes a few steps to tell from a divergence, which the
+# *diverging* rule acts on once confirmed.
 _ACTIONABLE = tuple(rule for rule in ALARM_RULES if rule not in NOTICES or NOTICES[rule].acts)
 # Skipping an optimizer step does not cure what these rules find.
 _NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")
-# Healthy runs also show one-step spikes and stalls (see benchmarks/divergence.py). So under
-# "warn" these rules are notices, which are only logged. A spike that harms the optimizer also
-# raises an *explosion* alarm, and that alarm warns.
+# Healthy runs also show one-step spikes and stalls (see benchmarks/divergence.py), so under
+# "warn" these are only logged. A spike that harms the optimizer also raises *explosion*, which
+# warns.
 _LOGGED = tuple(rule for rule in _ACTIONABLE if rule in NOTICES)
 _SUMMARY_LINES = 100
 
@@ -53,12 +51,10 @@ _SUMMARY_LINES = 100
 def check_actions(on_alarm: object) -> dict[str, Action]:
     """Read ``on_alarm`` as an action per rule.
 
-    A notice is a rule whose alarms are only logged by default (see docs/glossary.md). The
-    notices *spike* and *stall* are only logged unless ``on_alarm`` names them, or unless it is
-    the single action ``"skip"``. Skipping a spike's step is what ``"skip"`` is for. A single
-    ``"stop"`` or ``"raise"`` therefore never ends a run on a notice, because healthy runs show
-    notices too. Any other rule that a mapping does not name warns. A single ``"skip"`` warns
-    for the rules that skipping cannot cure.
+    The notices *spike* and *stall* are only logged unless ``on_alarm`` names them or is the
+    single action ``"skip"`` (skipping a spike's step is what it is for). So a single ``"stop"``
+    or ``"raise"`` never ends a run on a notice, which healthy runs show too. A rule a mapping
+    does not name warns, and a single ``"skip"`` warns for the rules skipping cannot cure.
 
     Args:
         on_alarm: one action for every rule, or a mapping of rule to action.
@@ -121,12 +117,11 @@ class AlarmPolicy:
 
     A callback makes a new policy for each fit, so that the warnings, the stop and the counts
     belong to that fit alone. A warning is given once per rule and layer in each epoch. Under
-    DDP, ``stop`` and ``raise`` act on every rank. The :attr:`log` attribute writes the alarms
-    to the loggers. The policy does not store the alarms. Each method that needs them is
-    passed the fit's alarms.
+    DDP, ``stop`` and ``raise`` act on every rank. The policy does not store the alarms: each
+    method that needs them is passed the fit's alarms.
 
     Args:
-        actions: the action of every rule, as :func:`check_actions` reads ``on_alarm``.
+        actions: the action of every rule.
         request_stop: called for a ``stop`` under DDP. The ranks agree on the stop at their
             next agreement.
 
@@ -140,10 +135,10 @@ class AlarmPolicy:
         self.actions = dict(actions)
         self.log = AlarmLog(self.actions)
         """Writes the alarms to the loggers at each logging step and at each epoch end."""
-        # ``skip`` must know the current step's verdict before the optimizer step runs, and
-        # that costs a CUDA sync.
+        # ``skip`` must know the step's verdict before the optimizer step runs, and that costs a
+        # CUDA sync.
         self.wait = "skip" in self.actions.values()
-        self._request_stop = request_stop  # under DDP, asks the ranks to agree on a stop
+        self._request_stop = request_stop
         self._warned: set[tuple[str, str]] = set()
         self.stopped_by: TrainingAlarm | None = None  # the first alarm whose ``stop`` acted
 
@@ -156,14 +151,9 @@ class AlarmPolicy:
     ) -> None:
         """Warn, stop, raise or skip for each alarm found, as its rule's action says.
 
-        Args:
-            trainer: the trainer. A ``stop`` stops it, and a ``skip`` applies only to an alarm
-                of its current step.
-            optimizer: the optimizer about to step. A ``skip`` drops its gradients. ``None``
-                outside an optimizer step, where there is nothing to skip.
-            alarms: the fit's alarms. Before a ``raise``, those since the last logging step
-                are written.
-            found: the alarms read from them, in the order they were raised.
+        A ``skip`` applies only to an alarm of the trainer's current step, and drops the
+        gradients of ``optimizer`` (``None`` outside an optimizer step). Before a ``raise``, the
+        alarms since the last logging step are written.
 
         Raises:
             TrainingAlarmError: an alarm's rule has the action ``"raise"``.
@@ -188,8 +178,7 @@ class AlarmPolicy:
         if stop and world_size() == 1:
             trainer.should_stop = True
         elif stop:
-            # The ranks agree on the stop in a collective the callback makes anyway, so no
-            # host sync is needed here.
+            # The ranks agree on it in a collective the callback makes anyway: no host sync.
             self._request_stop()
 
     def announce_stop(self, trainer: TrainerView) -> None:
@@ -197,9 +186,6 @@ class AlarmPolicy:
 
         Without this warning, a fit that an alarm stopped looks like one that finished, except
         for its step count.
-
-        Args:
-            trainer: the trainer whose ``should_stop`` and ``global_step`` the warning reads.
         """
         alarm = self.stopped_by
         self.stopped_by = None
@@ -212,12 +198,7 @@ class AlarmPolicy:
             )
 
     def _raise(self, trainer: TrainerView, alarms: TrainingAlarms, alarm: TrainingAlarm) -> None:
-        """Write an alarm to the event files, then raise it as a :class:`TrainingAlarmError`.
-
-        Args:
-            trainer: the trainer whose loggers get the alarm before it is raised.
-            alarms: the fit's alarms, whose alarms since the last logging step are written first.
-            alarm: the alarm whose rule's action is ``"raise"``.
+        """Write the alarms to the event files, then raise ``alarm`` as a ``TrainingAlarmError``.
 
         Raises:
             TrainingAlarmError: always. If a logger fails to write, that failure becomes the
@@ -238,25 +219,16 @@ class AlarmPolicy:
         raise error
 
     def _keep_before_raising(self, trainer: TrainerView, alarms: TrainingAlarms, step: int) -> None:
-        """Write the alarms since the last logging step, and save the loggers, before a raise.
+        """Write the alarms since the last logging step at ``step``, and save the loggers.
 
-        The raising alarm is included. The alarm that ends the fit is then in the event files,
-        where a check such as ``lightning-hooks report --fail-on`` can find it.
-
-        Args:
-            trainer: the trainer whose loggers are written to and saved.
-            alarms: the fit's alarms, whose counts and log are written.
-            step: the raising alarm's step, which the counts and text are written at.
+        The raising alarm is included, so ``lightning-hooks report --fail-on`` can find the alarm
+        that ended the fit.
         """
         self.log.log_step(trainer, alarms, step)
         save_loggers(trainer.loggers)
 
     def _warn_once(self, alarm: TrainingAlarm) -> None:
-        """Warn of an alarm, once per rule and layer in an epoch.
-
-        Args:
-            alarm: the alarm. It is attached to the warning as ``warning.alarm``.
-        """
+        """Warn of an alarm, attached as ``warning.alarm``, once per rule and layer in an epoch."""
         key = (alarm.rule, alarm.layer)
         if key not in self._warned:
             self._warned.add(key)
@@ -266,10 +238,6 @@ class AlarmPolicy:
 
     def end_epoch(self, trainer: TrainerView, alarms: TrainingAlarms) -> None:
         """Act on the epoch's last verdicts, then write its alarms and start the next epoch.
-
-        Args:
-            trainer: the trainer the alarms act on and whose loggers are written to.
-            alarms: the fit's alarms, whose epoch is taken and started afresh.
 
         Raises:
             TrainingAlarmError: a last verdict's rule has the action ``"raise"``.
@@ -282,14 +250,12 @@ class AlarmPolicy:
 class AlarmLog:
     """Write the alarms to the loggers: their counts per rule, and their text.
 
-    A rule that takes an action is counted under ``grad_flow/alarms/<rule>``. A rule that is
-    only logged, called a notice, is counted under ``grad_flow/notices/<rule>``. Each logging
-    step writes what came since the previous one. Each epoch end writes the epoch's counts and a
-    summary.
+    A rule that takes an action is counted under ``grad_flow/alarms/<rule>``, a notice under
+    ``grad_flow/notices/<rule>``. Each logging step writes what came since the previous one;
+    each epoch end writes the epoch's counts and a summary.
 
     Args:
-        actions: each rule's action, as :func:`check_actions` returns it. A rule whose action
-            is ``"log"`` is a notice.
+        actions: each rule's action. A rule whose action is ``"log"`` is a notice.
 
     Example:
         >>> log = AlarmLog(check_actions("warn"))
@@ -303,33 +269,22 @@ class AlarmLog:
             rule: notice_tag(rule) if rule in self._noticed else alarm_tag(rule)
             for rule in ALARM_RULES
         }
-        """Each rule's tag: under ``alarms`` when it acts, else under ``notices``."""
         self._logged = 0  # how many alarms of the epoch's log are written
         self._counted: dict[str, int] = {}
         self._summary_step: int | None = None  # the step of this fit's last epoch summary
 
     def start(self, alarms: TrainingAlarms | None) -> None:
-        """Start a fit from the current counts of its alarms, which are not new.
+        """Start a fit from the current counts of its alarms, after any saved state is loaded.
 
-        The fit's alarms may continue the counts of a checkpoint or of the previous fit. A
-        logging step writes only what they count beyond those.
-
-        Args:
-            alarms: the fit's alarms, after any saved state is loaded into them. ``None`` if
-                the fit has no alarms.
+        Those counts, from a checkpoint or the previous fit, are not new: a logging step writes
+        only what the alarms count beyond them.
         """
         self._summary_step = None
         self._counted = {} if alarms is None else dict(alarms.counts)
         self._logged = 0 if alarms is None else len(alarms.log)
 
     def log_step(self, trainer: TrainerView, alarms: TrainingAlarms, step: int) -> None:
-        """Log the per-rule counts since the last logging step, and any alarms' text.
-
-        Args:
-            trainer: the trainer whose loggers are written to; only rank 0 writes the text.
-            alarms: the fit's alarms, whose counts and log are read.
-            step: the logging step the values are written at.
-        """
+        """Log the per-rule counts since the last logging step, and on rank 0 the alarms' text."""
         counts = {rule: n - self._counted.get(rule, 0) for rule, n in alarms.counts.items()}
         self._counted = dict(alarms.counts)
         tags = step_tags({self.tags[rule]: n for rule, n in counts.items()})
@@ -343,15 +298,9 @@ class AlarmLog:
     def end_epoch(self, trainer: TrainerView, alarms: TrainingAlarms) -> None:
         """Take the epoch's alarms, and log its counts and its text summary.
 
-        The counts and the summary are written at the epoch step
-        (:func:`~.attached.epoch_step`). The summary goes under its own tag
-        (:data:`~lightning_hooks.tags.ALARM_TEXT`), apart from the text of the logging steps. An
-        epoch in which no batch made an optimizer step has the same epoch step as the epoch
-        before it. Its summary would replace that epoch's summary, so it is not written.
-
-        Args:
-            trainer: the trainer whose loggers are written to; only rank 0 writes the text.
-            alarms: the fit's alarms, whose epoch is taken and started afresh.
+        Both are written at :func:`~.attached.epoch_step`; rank 0 writes the summary under
+        :data:`~lightning_hooks.tags.ALARM_TEXT`. An epoch with no optimizer step shares the
+        previous epoch's step, and its summary would replace that one's, so it is not written.
         """
         counts, log = alarms.take_epoch()
         self._logged = 0
@@ -371,29 +320,16 @@ def _speaker(alarm: TrainingAlarm) -> str:
     """Begin the alarm's message with the callback's name and the rule.
 
     Lightning's warning formatter drops a warning's category when the warning comes from a path
-    that contains "lightning". The message itself must therefore say where it comes from.
-
-    Args:
-        alarm: the alarm, whose rule and message are read.
-
-    Returns:
-        The message, beginning with ``GradFlowCallback [rule]``.
+    that contains "lightning", so the message itself must say where it comes from.
     """
     return f"GradFlowCallback [{alarm.rule}]: {alarm.message}"
 
 
 def _summary(log: list[TrainingAlarm], where: str, noticed: set[str]) -> str:
-    """Write the alarms' text for the event files.
+    """Write the alarms' text for the event files, after a header that says ``where``.
 
-    Args:
-        log: the alarms, in the order they were raised.
-        where: words that say what the text covers, such as a logging step or the epoch.
-        noticed: the rules that only log (their lines are marked as notices).
-
-    Returns:
-        One line per alarm, made of its warning's first line, with notices marked as such.
-        The alarm's details follow on indented lines. The ring buffer's lines (see
-        docs/glossary.md) are added once per step.
+    Each alarm has one line, its warning's first line, with notices marked as such, and its
+    details on indented lines. The ring buffer's lines are added once per step.
     """
     lines: list[str] = []
     shown: set[int] = set()
@@ -403,8 +339,7 @@ def _summary(log: list[TrainingAlarm], where: str, noticed: set[str]) -> str:
         lines.append(f"- step {alarm.step}, {alarm.rule}{kind}, {alarm.layer}: {first}")
         lines += [f"    - {line}" for line in details]
         if alarm.history_steps and alarm.step not in shown:
-            # Show the ring buffer once per step. For each row involved it gives the norm, and
-            # in brackets the norm divided by the running scale.
+            # Per row: the norm, and in brackets the norm over the running scale.
             shown.add(alarm.step)
             lines += [f"    - {line}" for line in alarm.history_lines()]
     if len(log) > _SUMMARY_LINES:

@@ -1,8 +1,8 @@
 """Define what one fit of a callback attaches to the model.
 
-This is the registry of the fit's hooks, the statistics those hooks feed, and the functions
-that read the statistics' results. A callback builds it in its ``_attach`` method.
-:class:`~.base.HookCallback` then drives it through the fit and removes it at the end.
+This is the registry of the fit's hooks, the statistics they feed, and the functions that read
+the results. A callback builds it in ``_attach``; :class:`~.base.HookCallback` drives and
+removes it.
 """
 
 from __future__ import annotations
@@ -32,40 +32,24 @@ R = TypeVar("R")
 
 
 class Windowed(Protocol[R]):
-    """Describe a statistic that is measured at logging steps and copied to the host.
+    """Describe a statistic measured at logging steps, whose values are copied to the host.
 
-    A logging step is an optimizer step that the callback measures (see docs/glossary.md).
-    After its optimizer step, the step's values are copied to the host. They are read once the
-    copy is done.
+    The copy starts after the logging step's optimizer step, and the values are read once it
+    is done.
     """
 
     def start_copy(self, step: int) -> None:
-        """Start the host copy of the values measured since the last logging step.
-
-        Args:
-            step: the logging step the values belong to, returned with them by :meth:`take_copy`.
-        """
+        """Start the host copy of the values measured since the last logging step, ``step``."""
 
     def take_copy(self, wait: bool) -> tuple[int, R] | None:
-        """Return the copied step and its result, or ``None`` if the copy has not arrived.
-
-        Args:
-            wait: block until the copy is done. If ``False``, return ``None`` while the copy is
-                on its way.
-        """
+        """Return the copied step and result; ``None`` if it has not arrived (unless ``wait``)."""
 
     @property
     def copy_in_flight(self) -> bool:
         """Tell whether a copy is still on its way to the host."""
 
     def step_values(self, result: R) -> dict[str, float]:
-        """Return a logging step's values, keyed by their epoch tags.
-
-        The caller turns each epoch tag into the matching step tag.
-
-        Args:
-            result: the logging step's result, as :meth:`take_copy` returned it.
-        """
+        """Return a logging step's values by their epoch tags, which the caller makes step tags."""
 
 
 class EpochResult(Protocol[R]):
@@ -78,11 +62,7 @@ class EpochResult(Protocol[R]):
         """Start the next epoch."""
 
     def tags(self, result: R) -> dict[str, float]:
-        """Return the epoch's values under their tags.
-
-        Args:
-            result: the epoch's result, as :meth:`result` returned it.
-        """
+        """Return the values of the epoch's ``result`` under their tags."""
 
 
 class Checkpointed(Protocol):
@@ -92,27 +72,18 @@ class Checkpointed(Protocol):
         """Return the state to save, reduced across ranks, on the host."""
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        """Continue from a state :meth:`host_state` saved.
-
-        Args:
-            state: the saved state, as read from a checkpoint (on the host).
-        """
+        """Continue from a state :meth:`host_state` saved, as read from a checkpoint."""
 
 
 class Statistic(Windowed[R], EpochResult[R], Checkpointed, Protocol[R]):
-    """Describe what a callback logs and saves of each statistic of a fit.
-
-    A :class:`~lightning_hooks.core.stats.stat.LayerStat` is one, and so is a
-    :class:`~lightning_hooks.core.GradFlowTracker`.
-    """
+    """Describe what a callback logs and saves of a statistic, such as a ``GradFlowTracker``."""
 
 
 class Logged(Generic[R]):
     """Pair a statistic of one fit with the functions that read its results.
 
-    The statistic logs its own scalar values. Beyond those, a callback may draw a picture,
-    raise an alarm or give a warning from the results. Each reading function takes the
-    statistic's result type.
+    The statistic logs its own scalar values; the functions may draw a picture, raise an alarm
+    or give a warning from the results.
 
     Args:
         stat: the statistic, whose step values and epoch tags are logged.
@@ -156,13 +127,7 @@ class Logged(Generic[R]):
             self.on_step(trainer, step, result)
 
     def write_epoch(self, trainer: TrainerView, result: R) -> None:
-        """Write the tags of the epoch's ``result``, then call ``on_epoch`` with it.
-
-        Args:
-            trainer: the trainer whose loggers are written to, at the epoch's step
-                (:func:`epoch_step`).
-            result: the epoch's result, reduced across ranks.
-        """
+        """Write the epoch's ``result`` at :func:`epoch_step`, then call ``on_epoch`` with it."""
         log_scalars(trainer.loggers, self.stat.tags(result), epoch_step(trainer))
         if self.on_epoch is not None:
             self.on_epoch(trainer, result)
@@ -172,13 +137,11 @@ class Attached:
     """Hold what one fit of a callback put on the model.
 
     Args:
-        registry: the registry of the fit's module hooks. At each batch the base class sets
-            its gate, the switch that puts the module hooks on for a logging step only (see
-            docs/glossary.md). ``None`` if the fit has no module hook.
+        registry: the registry of the fit's module hooks, whose gate the base sets at each
+            batch (see docs/glossary.md). ``None`` if the fit has no module hook.
         logged: the statistics the hooks feed, logged at each logging step and epoch end.
-        aligned: the statistics whose rows the ranks align before they reduce them. A row is
-            a statistic's entry for one module that ran. Without the alignment, a module that
-            runs on only some ranks would make the reduce hang.
+        aligned: the statistics whose rows the ranks align before they reduce them. Without
+            it, a module that runs on only some ranks would make the reduce hang.
         every_batch: if ``True``, the callback's ``_batch_ending`` runs at every batch, not only
             at logging steps.
         on_remove: called once when the hooks come off (the fit ended, failed, or was torn down).
@@ -220,18 +183,12 @@ class Attached:
         self._on_remove = on_remove
         self._earlier_layout = earlier_layout
         self._copying = False
-        """Whether a logging step's values are on their way to the host and not all written."""
 
     def end_logging_step(self, trainer: TrainerView, step: int) -> None:
-        """Write the last logging step's values, then start the host copies of this one's.
+        """Write the last logging step's values, then start the host copies of ``step``'s.
 
         The base calls this after a logging step's optimizer step. The new copies are written
-        once they reach the host. On the CPU that is at once. On CUDA it is at a later batch
-        (see :meth:`write_arrived_steps`).
-
-        Args:
-            trainer: the trainer whose loggers are written to.
-            step: the logging step whose values are copied.
+        once they reach the host: on the CPU at once, on CUDA at a later batch.
         """
         self.write_steps(trainer, wait=True)
         for logged in self.logged:
@@ -244,9 +201,6 @@ class Attached:
 
         The base calls this at every batch's start. A batch after which no copy is on its way,
         which is most of them, looks at no statistic.
-
-        Args:
-            trainer: the trainer whose loggers are written to.
         """
         if self._copying:
             self.write_steps(trainer, wait=False)
@@ -256,22 +210,17 @@ class Attached:
 
         Args:
             trainer: the trainer whose loggers are written to.
-            wait: block until each copy is done. If ``False``, write only the copies that have
-                arrived.
+            wait: block until each copy is done. If ``False``, write only those that arrived.
         """
         for logged in self.logged:
             logged.write_step(trainer, wait)
         self._copying = not wait and self.copies_in_flight
 
     def write_epoch(self, trainer: TrainerView) -> None:
-        """Write each statistic's epoch and start the next one.
+        """Write each statistic's epoch at :func:`epoch_step` and start the next one.
 
-        The collectives of all statistics run first, on every rank. So a rank that fails
-        later, while it writes on the host, has still taken part in every collective.
-
-        Args:
-            trainer: the trainer whose loggers are written to, at the epoch's step
-                (:func:`epoch_step`).
+        The collectives of all statistics run first, on every rank, so a rank that fails later,
+        while it writes on the host, has still taken part in every collective.
         """
         results = [(logged, logged.stat.result()) for logged in self.logged]
         for logged, result in results:
@@ -284,11 +233,7 @@ class Attached:
         return any(logged.stat.copy_in_flight for logged in self.logged)
 
     def rows_grew(self) -> bool:
-        """Tell whether this rank made new rows since the rows were last aligned across ranks.
-
-        Returns:
-            ``True`` where a statistic of :attr:`aligned` has new rows.
-        """
+        """Tell whether a statistic of :attr:`aligned` has new rows since they were last aligned."""
         return any(stat.rows_grew for stat in self.aligned)
 
     def align_rows(self) -> None:
@@ -298,22 +243,11 @@ class Attached:
             stat.align_rows([rank[i] for rank in new])
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the checkpoint state, which holds each statistic's epoch so far.
-
-        Returns:
-            The states by key, reduced across ranks, on the host.
-        """
+        """Return each statistic's epoch so far by key, reduced across ranks, on the host."""
         return {_state_name(i, s.stat): s.stat.host_state() for i, s in enumerate(self.logged)}
 
     def in_this_layout(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Return a checkpoint's ``state`` in this release's layout, whichever release saved it.
-
-        Args:
-            state: the callback's state as the checkpoint holds it.
-
-        Returns:
-            The same state, under the keys :meth:`state_dict` saves.
-        """
+        """Return a checkpoint's ``state`` under the keys :meth:`state_dict` saves."""
         if self._earlier_layout is None:
             return dict(state)
         return self._earlier_layout(state)
@@ -321,9 +255,8 @@ class Attached:
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
         """Continue from a checkpoint's ``state``.
 
-        A statistic with no entry in the checkpoint starts its epoch afresh. This happens when
-        the configuration that saved the checkpoint did not measure it. The other statistics
-        continue.
+        A statistic with no entry in the checkpoint (the configuration that saved it did not
+        measure it) starts its epoch afresh; the others continue.
 
         Args:
             state: the callback's state, in this release's layout (see :meth:`in_this_layout`).
@@ -335,9 +268,8 @@ class Attached:
         Raises:
             KeyError: the state belongs to another model. Either it holds no entry for any
                 statistic, or an entry lacks part of its statistic's state.
-            ValueError: the state belongs to another model, because its values do not fit the
-                statistics. No part of the state is then kept. The statistics loaded before the
-                one that did not fit also start their epoch afresh.
+            ValueError: the state's values do not fit the statistics. No part of it is kept:
+                the statistics loaded before the one that did not fit start afresh too.
         """
         if not state:
             return []
@@ -375,20 +307,10 @@ def epoch_step(trainer: TrainerView) -> int:
     """Return the step every value of the ending epoch is written at.
 
     This is the step at which Lightning logs the epoch's own metrics, such as a
-    ``self.log(..., on_epoch=True)`` or a validation metric at the epoch's end. It is the step of
-    the epoch's last batch that made an optimizer step. Where each such batch makes one
-    optimizer step, it is ``trainer.global_step - 1``.
-    :func:`~lightning_hooks.internals.lightning.lightning_epoch_step` reads it exactly.
-
-    If the epoch's last step is also a logging step, that logging step shares this step. Its
-    values stay apart because they are written under the ``_step`` tags.
-
-    Under Fabric, a :class:`~.fabric.FabricTrainer` stands in for the Trainer. There the epoch
-    step is the watched module's last optimizer step of the epoch, ``global_step - 1``. That is
-    also the step at which that logging step's values are written.
-
-    Args:
-        trainer: the trainer whose epoch is ending, in ``on_train_epoch_end``.
+    ``self.log(..., on_epoch=True)``: the step of the epoch's last batch that made an optimizer
+    step (usually ``trainer.global_step - 1``). A logging step on the same step keeps its values
+    apart under the ``_step`` tags. Under Fabric, where a :class:`~.fabric.FabricTrainer`
+    stands in for the Trainer, it is the watched module's last optimizer step of the epoch.
 
     Returns:
         The step (-1 for a first epoch in which no batch stepped, as Lightning's).
@@ -403,13 +325,5 @@ def epoch_step(trainer: TrainerView) -> int:
 
 
 def _state_name(index: int, stat: Statistic[Any]) -> str:
-    """Name a statistic in its callback's checkpoint state.
-
-    Args:
-        index: the statistic's place among the fit's.
-        stat: the statistic, whose class names it.
-
-    Returns:
-        ``"<place>:<class>"``, for example ``"0:GradFlowTracker"``.
-    """
+    """Name a statistic in the checkpoint state by place and class: ``"0:GradFlowTracker"``."""
     return f"{index}:{type(stat).__name__}"

@@ -1,9 +1,7 @@
 """Provide the base class of every callback, which runs the lifecycle of its fits.
 
-What one fit measures is an :class:`~.attached.Attached` that the callback builds in
-``_attach``. The base writes it and takes it off; its checkpoint state goes through a
-:class:`~.checkpoint.CheckpointSlot`. What a Fabric loop calls on a callback is in
-:class:`~.fabric.FabricHooks`, which the base derives from.
+What a Fabric loop calls on a callback is in :class:`~.fabric.FabricHooks`, which the base
+derives from.
 """
 
 from __future__ import annotations
@@ -51,20 +49,16 @@ else:
 class FitState:
     """Hold the state of one fit of a callback, from its ``setup`` to the next fit's ``setup``.
 
-    Each fit's ``setup`` makes a new one, so a fit starts healthy whatever happened in the
-    previous fit.
+    Each fit's ``setup`` makes a new one, so a fit starts healthy whatever happened before.
     """
 
     guard: Guard
-    """The guard of the fit's hooks (see docs/glossary.md). A failure disables the callback for
-    the rest of the fit."""
     idle: bool = False
-    """Whether the callback does nothing in this fit. This happens when the model has nothing to
-    watch, or when a callback the user passed already watches it."""
+    """Whether the callback does nothing in this fit: the model has nothing to watch, or a
+    callback the user passed already watches it."""
     attached: Attached | None = None
     """What the fit put on the model, from its train start until its hooks come off."""
     logging_batch: bool = False
-    """Whether the running batch belongs to a logging step."""
 
 
 class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta):
@@ -90,8 +84,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     disables the callback for the rest of the fit, with one warning, and never ends the run.
     Every exit of a fit (``on_train_end``, ``on_exception``, ``teardown``, a failure) takes
     the hooks off; docs/architecture.md lists what each does. The base also holds what the
-    callbacks share: :attr:`cadence`, :attr:`ranks` and :attr:`checkpoint`, whose :attr:`kept`
-    are the collaborators that outlive a fit.
+    callbacks share: :attr:`cadence`, :attr:`ranks` and :attr:`checkpoint`.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -123,16 +116,14 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         Args:
             state_key: the fields that tell this configuration's checkpoint state apart from
                 another's (Lightning refuses two callbacks with one key).
-            every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
-                (``None``: the Trainer's ``log_every_n_steps``).
+            every_n_steps: the cadence of the logging steps (see :class:`~.cadence.LoggingCadence`).
             strict: if ``True``, a hook's exception is raised. If ``False``, it disables the
                 callback for the rest of the fit. If ``None``, the ``LIGHTNING_HOOKS_STRICT``
                 environment variable decides.
             uses_images: whether the callback draws pictures. A logger that cannot show them
                 is warned of.
-            fabric_refusal: why this configuration cannot run in a Fabric loop, or ``None`` if
-                it can. It is passed to :class:`~.fabric.FabricHooks`, and a Fabric run refuses
-                the callback with this reason at ``fabric.setup``.
+            fabric_refusal: why this configuration cannot run in a Fabric loop, or ``None``.
+                A Fabric run refuses the callback with this reason at ``fabric.setup``.
 
         Raises:
             ValueError: ``every_n_steps`` is not a positive int or ``None``.
@@ -145,37 +136,26 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         self._from_environment = False
         self._state_key = self._generate_state_key(**self._state_key_fields)
         self.uses_images = uses_images
-        """Whether the callback draws pictures. A logger that cannot show them is warned of."""
         self.checkpoint = CheckpointSlot(type(self).__name__)
         """Saves the callback's state in checkpoints, and restores it when a fit attaches."""
         self._lifecycle = FitState(self._new_guard())
-        """What the running fit holds; each fit's ``setup`` starts a new one."""
         self.ranks = RankAgreement(self.hook_guard, remove_hooks=self.remove_hooks)
         """Makes the ranks of a multi-process fit agree on failures, stops and new rows."""
 
     @property
     def every_n_steps(self) -> int | None:
-        """Return the cadence of the logging steps.
-
-        Optimizer steps ``n-1, 2n-1, ...`` and the first step of each epoch are measured.
-        ``None`` stands for the Trainer's ``log_every_n_steps``.
-        """
+        """Return the cadence of the logging steps; ``None`` means ``log_every_n_steps``."""
         return self.cadence.every_n_steps
 
     def hook_guard(self) -> Guard:
         """Return the guard of this fit's hooks.
 
-        Returns:
-            The guard: its ``failed`` says whether the callback is disabled, and why.
+        Its ``failed`` says whether the callback is disabled, and why.
         """
         return self._lifecycle.guard
 
     def _new_guard(self) -> Guard:
-        """Make a guard for a fit that starts healthy.
-
-        Returns:
-            A guard with no failure, strict as :attr:`strict` says.
-        """
+        """Make a guard with no failure, strict as :attr:`strict` says."""
         return Guard(type(self).__name__, strict=self.strict)
 
     @property
@@ -197,10 +177,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         return self._from_environment
 
     def mark_from_environment(self) -> None:
-        """Mark the callback as added by the switch, which gives it a checkpoint key of its own.
-
-        See :func:`~lightning_hooks.switch.state_key_fields`.
-        """
+        """Mark the callback as added by the switch, which gives it a checkpoint key of its own."""
         self._from_environment = True
         fields = state_key_fields(self._state_key_fields, from_environment=True)
         self._state_key = self._generate_state_key(**fields)
@@ -249,23 +226,15 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         if attached is not None:
             attached.write_arrived_steps(trainer)  # on CUDA, the last logging step's copy
         self._set_gate(logging_step)
-        # Save what the library's callbacks wrote since the last batch's end, so that a run
-        # killed in this batch keeps it. Where several of them run, the first to get here saves
-        # for all of them, once per batch.
+        # Save what was written since the last batch's end, so that a run killed in this batch
+        # keeps it. The first of the library's callbacks to get here saves for all, once.
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
         self._start_measuring(trainer, batch, logging_step=logging_step)
 
     def _start_measuring(self, trainer: TrainerView, batch: Any, *, logging_step: bool) -> None:  # noqa: ANN401 (the user's batch)
-        """Record whether the starting batch is measured, and if so, open what it measures.
+        """Measure the batch if it belongs to a logging step and the fit attached.
 
-        A batch is measured where it belongs to a logging step and the fit attached (a failure
-        takes the hooks off, and an idle fit never attaches). The subclass then opens the step
-        (``_batch_started``).
-
-        Args:
-            trainer: the trainer running the batch.
-            batch: the batch as the dataloader gave it, before ``training_step``.
-            logging_step: whether the batch belongs to a logging step, as the cadence says.
+        A failure takes the hooks off, and an idle fit never attaches.
         """
         fit = self._lifecycle
         fit.logging_batch = logging_step and fit.attached is not None
@@ -294,15 +263,9 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     def _end_logging_step(self, trainer: TrainerView, step: int, attached: Attached) -> None:
         """Write a logging step whose optimizer step has run (its last micro-batch ended).
 
-        The ranks agree first. If they agree on a failure, the callback is disabled on every
-        rank and nothing is written. Otherwise the step's values are written. The module hooks
-        then close unless the next step is a logging step too. A step that is not a logging
-        step therefore runs none of the library's hooks.
-
-        Args:
-            trainer: the trainer whose loggers are written to.
-            step: the logging step.
-            attached: what the fit attached, whose statistics are written.
+        The ranks agree first; on a failure the callback is disabled on every rank and nothing
+        is written. The module hooks then close unless the next step is a logging step too, so
+        a step that is not a logging step runs none of the library's hooks.
         """
         self.ranks.agree(trainer, step, attached, always=False)
         if self.hook_guard().failed is not None:
@@ -311,15 +274,9 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         self._set_gate(self.cadence.logs(trainer, trainer.global_step))
 
     def _set_gate(self, logging_step: bool) -> None:
-        """Open or close the gate of the module hooks.
+        """Open the gate for a logging step, else close it (see docs/glossary.md).
 
-        The gate is the switch that puts the module hooks on the model for a logging step and
-        takes them off after it (see docs/glossary.md). It is set only when its value changes,
-        so a step that is not a logging step only reads it.
-
-        Args:
-            logging_step: whether the coming batch belongs to a logging step. If so, the gate
-                opens.
+        It is set only when its value changes, so a step that is not a logging step only reads it.
         """
         attached = self._lifecycle.attached
         gate = None if attached is None else attached.registry
@@ -341,11 +298,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     @override
     @guarded
     def state_dict(self) -> dict[str, Any]:
-        """Return what a checkpoint saves of the callback.
-
-        Returns:
-            What :meth:`~.checkpoint.CheckpointSlot.save` returns.
-        """
+        """Return what a checkpoint saves of the callback."""
         attached = self._lifecycle.attached
         if attached is not None and self.ranks.size > 1 and attached.aligned:
             attached.align_rows()  # include the rows made since the last logging step
@@ -353,12 +306,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Keep a checkpoint's state until the next fit attaches its statistics.
-
-        Args:
-            state_dict: the callback's state as the checkpoint holds it; loaded into the statistics
-                and into :attr:`kept` at the next ``on_train_start``.
-        """
+        """Hold a checkpoint's state until the next ``on_train_start`` loads it."""
         self.checkpoint.hold(state_dict)
 
     @override
@@ -388,14 +336,10 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         self._let_go()
 
     def flush(self, trainer: TrainerView) -> None:
-        """Write what was measured before the hooks go.
+        """Write what was measured before the hooks go, then save the loggers.
 
-        On CUDA this waits for the last logging step's copy and writes it. The loggers are then
-        saved. ``on_exception`` calls this method. So does the end of a Fabric loop, which may
-        come without an epoch end before it.
-
-        Args:
-            trainer: the trainer whose loggers are written to and saved.
+        On CUDA this waits for the last logging step's copy. ``on_exception`` calls it, and so
+        does the end of a Fabric loop, which may come without an epoch end before it.
         """
         attached = self._lifecycle.attached
         if attached is not None:
@@ -413,10 +357,9 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         drop_model_logging(self)
 
     def remove_hooks(self) -> None:
-        """Take every hook of the running fit off the model.
+        """Take every hook and statistic of the running fit off the model.
 
-        What the fit attached is removed, and the fit's statistics with it. Calling it again does
-        nothing; the guard calls it after a failure.
+        Calling it again does nothing; the guard calls it after a failure.
         """
         attached = self._lifecycle.attached
         self._lifecycle.attached = None
@@ -424,14 +367,10 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
             attached.remove()
 
     def _validate(self, pl_module: nn.Module) -> bool:
-        """Check the model at ``on_fit_start``, and say whether the fit has anything to watch.
+        """Check the model at ``on_fit_start``, after ``configure_model``.
 
         A configuration the callback cannot watch raises here, before training starts. The default
         accepts every model.
-
-        Args:
-            pl_module: the model the fit trains, after ``configure_model`` (the layers built there
-                exist).
 
         Returns:
             Whether the fit has anything to watch (``False``: the callback does nothing in it).
@@ -442,24 +381,16 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
         """Put the fit's hooks on ``pl_module`` at each fit's train start.
 
-        Args:
-            trainer: the trainer of the fit, whose optimizers, strategy or loggers the callback may
-                read to decide what to attach.
-            pl_module: the model the hooks are put on.
-
         Returns:
             What the fit attached: its hooks' registry, its statistics and what the callback
             reads of them.
         """
 
     def _batch_started(self, trainer: TrainerView, batch: Any) -> None:  # noqa: ANN401 (the user's batch)
-        """Open what a logging step measures, at the step's first batch, with its hooks on.
+        """Open what a logging step measures, at its first batch, before ``training_step``.
 
-        The default does nothing.
-
-        Args:
-            trainer: the trainer running the batch (its ``global_step`` is the logging step).
-            batch: the batch as the dataloader gave it, before ``training_step``.
+        The hooks are on, and ``trainer.global_step`` is the logging step. The default does
+        nothing.
         """
 
     def _batch_ending(
@@ -467,24 +398,13 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     ) -> None:
         """Close what a logging step's batch measured, at its end, while the hooks are on.
 
-        Where the fit attached with ``every_batch``, it runs at the end of every batch. The default
-        does nothing.
-
-        Args:
-            trainer: the trainer running the batch, whose step and loggers a subclass may
-                read.
-            outputs: what the batch's ``training_step`` returned (where its loss is read).
-            logging_step: whether the batch belongs to a logging step (``False`` only where the fit
-                attached with ``every_batch``).
+        Where the fit attached with ``every_batch``, it runs at the end of every batch, and
+        ``logging_step`` says whether the batch belongs to a logging step. The default does
+        nothing.
         """
 
     def _log_epoch(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Log what else the callback reads of the epoch, after each statistic's epoch is written.
 
-        The default logs nothing.
-
-        Args:
-            trainer: the trainer whose loggers are written to, at the epoch's step
-                (:func:`~.attached.epoch_step`).
-            pl_module: the model trained, for a callback that reads it at the epoch's end.
+        It logs at the epoch's step (:func:`~.attached.epoch_step`). The default logs nothing.
         """

@@ -9,15 +9,11 @@ __all__ = ["LoggingCadence", "check_every_n_steps"]
 
 
 def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
-    """Check that a cadence is a positive int or ``None``.
+    """Return ``every_n_steps`` unchanged if it is a positive int or ``None``.
 
     Args:
         owner: the callback's name, which the error begins with.
-        every_n_steps: how often the callback measures, in optimizer steps, as the user gave
-            it. ``None`` means the Trainer's ``log_every_n_steps``.
-
-    Returns:
-        ``every_n_steps``, unchanged.
+        every_n_steps: the cadence in optimizer steps; ``None`` means ``log_every_n_steps``.
 
     Raises:
         ValueError: ``every_n_steps`` is neither a positive int nor ``None``.
@@ -33,19 +29,14 @@ def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
 class LoggingCadence:
     """Decide which optimizer steps a callback measures.
 
-    A logging step is an optimizer step that the callback measures and writes to the loggers
-    (see docs/glossary.md). The logging steps are every ``every_n_steps``-th optimizer step,
-    that is steps ``n-1, 2n-1, ...``, plus the first step of each epoch. When ``every_n_steps``
-    is ``None``, the Trainer's ``log_every_n_steps`` sets the cadence.
-
-    Under gradient accumulation, every micro-batch of a logging step belongs to that step. The
-    step's values are written once its optimizer step has run. The first step of an epoch is
-    found from the batch index, not in ``on_train_epoch_start``. This way, a run resumed in the
-    middle of an epoch measures the same steps as a run that was never interrupted.
+    The logging steps (see docs/glossary.md) are optimizer steps ``n-1, 2n-1, ...`` plus the
+    first step of each epoch. Under gradient accumulation, every micro-batch of a logging step
+    belongs to it, and its values are written once its optimizer step has run. The epoch's
+    first step is found from the batch index, not in ``on_train_epoch_start``, so a run resumed
+    mid-epoch measures the same steps as one never interrupted.
 
     Args:
-        every_n_steps: measure every n-th optimizer step. ``None`` uses the Trainer's
-            ``log_every_n_steps``.
+        every_n_steps: ``n``; ``None`` uses the Trainer's ``log_every_n_steps``.
 
     Example:
         >>> from types import SimpleNamespace
@@ -64,21 +55,11 @@ class LoggingCadence:
         self.batch_step = 0
         """The optimizer step the running batch feeds."""
         self.epoch_start_step = -1
-        """The optimizer step of the running epoch's first batch."""
         self.measuring: int | None = None
-        """The logging step being measured. It is reset to ``None`` once its values are handed
-        over to be written."""
+        """The logging step being measured, until its values are handed over to be written."""
 
     def logs(self, trainer: TrainerView, step: int) -> bool:
-        """Tell whether an optimizer step is a logging step by the cadence alone.
-
-        Args:
-            trainer: the trainer. Its ``log_every_n_steps`` is used when no cadence is set.
-            step: the optimizer step asked about.
-
-        Returns:
-            Whether ``step`` is a logging step.
-        """
+        """Tell whether optimizer step ``step`` is a logging step by the cadence alone."""
         every = getattr(
             trainer, "log_every_n_steps", 50
         )  # Lightning sets it; TrainerView does not declare it
@@ -88,12 +69,7 @@ class LoggingCadence:
     def start_batch(self, trainer: TrainerView, batch_idx: int) -> bool:
         """Note a batch's start, and tell whether it belongs to a logging step.
 
-        Args:
-            trainer: the trainer, whose ``global_step`` is the step the batch feeds.
-            batch_idx: the batch's index in its epoch. Index 0 marks the epoch's first step.
-
-        Returns:
-            Whether the batch belongs to a logging step.
+        ``batch_idx`` 0 marks the epoch's first step.
         """
         self.batch_step = trainer.global_step
         if batch_idx == 0:
@@ -114,14 +90,9 @@ class LoggingCadence:
     def finished_step(self, trainer: TrainerView) -> int | None:
         """Note a batch's end, and return the logging step whose optimizer step has just run.
 
-        Args:
-            trainer: the trainer. Its ``global_step`` moves past the measured step once that
-                step's optimizer step has run.
-
         Returns:
-            The logging step whose optimizer step has just run. Each step is returned only
-            once. Otherwise ``None``: for a quiet step (one that is not measured), and for each
-            micro-batch before the last one of a step.
+            That step, once only. ``None`` for a quiet step, and for each micro-batch before a
+            step's last one.
         """
         measured = self.measuring
         if measured is None or trainer.global_step <= measured:

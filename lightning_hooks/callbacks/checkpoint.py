@@ -1,9 +1,4 @@
-"""Save a callback's state in checkpoints, and restore it whole or not at all.
-
-The base :class:`~.base.HookCallback` holds one :class:`CheckpointSlot`. Its ``state_dict`` and
-``load_state_dict`` hand over to the slot, and its ``on_train_start`` asks the slot to restore
-once the fit has attached.
-"""
+"""Save a callback's state in checkpoints, and restore it whole or not at all."""
 
 from __future__ import annotations
 
@@ -20,14 +15,10 @@ __all__ = ["CheckpointSlot"]
 class CheckpointSlot:
     """Hold a callback's checkpoint state, from ``load_state_dict`` until its fit attaches.
 
-    A callback's state has two parts. The statistics of the running fit save their epoch so far
-    (:meth:`~.attached.Attached.state_dict`). The collaborators in :attr:`kept` outlive a fit
-    and save their own state, each under its key.
-
-    Lightning loads a checkpoint before the fit's hooks exist, so the slot keeps the state
-    (:meth:`hold`) until the fit has attached (:meth:`restore`). The restore loads the whole
-    state or none of it. If a part does not fit this model, every part already loaded is put
-    back as it was, and one warning names what was dropped.
+    A callback's state has two parts: the running fit's statistics save their epoch so far,
+    and the collaborators in :attr:`kept`, which outlive a fit, save their own state under
+    their keys. Lightning loads a checkpoint before the fit's hooks exist, so the slot holds
+    the state until the fit has attached, then loads all of it or none.
 
     Args:
         owner: the callback's class name, which starts each warning.
@@ -43,18 +34,12 @@ class CheckpointSlot:
         self.kept: dict[str, Checkpointed] = {}
         """Collaborators that outlive a fit and are saved in checkpoints, by key."""
         self._pending: dict[str, Any] | None = None
-        """The state a checkpoint gave, until the next fit attaches. ``None`` if none."""
 
     def save(self, attached: Attached | None) -> dict[str, Any]:
         """Return what a checkpoint saves: the statistics' state, then that of :attr:`kept`.
 
-        Args:
-            attached: what the running fit attached, or ``None`` between fits (then only
-                :attr:`kept` is saved).
-
-        Returns:
-            Each statistic's epoch so far, reduced across ranks, and the state of each
-            collaborator of :attr:`kept` by its key, all on the host.
+        Between fits ``attached`` is ``None``, and only :attr:`kept` is saved. The state is on
+        the host, reduced across ranks.
         """
         state = {} if attached is None else attached.state_dict()
         for key, kept in self.kept.items():
@@ -62,11 +47,7 @@ class CheckpointSlot:
         return state
 
     def hold(self, state: dict[str, Any]) -> None:
-        """Keep a checkpoint's ``state`` until the next fit attaches.
-
-        Args:
-            state: the callback's state as the checkpoint holds it.
-        """
+        """Keep a checkpoint's ``state`` until the next fit attaches."""
         self._pending = dict(state)
 
     def restore(self, attached: Attached) -> None:
@@ -75,9 +56,6 @@ class CheckpointSlot:
         The state is loaded whole or not at all. If a part does not fit this model, nothing of
         it is kept, with one warning. If it holds no entry for some statistic, that statistic
         starts its epoch afresh, with one warning.
-
-        Args:
-            attached: what the fit has just attached.
         """
         pending = self._pending
         self._pending = None
@@ -106,10 +84,6 @@ class CheckpointSlot:
 
         What :attr:`kept` holds is saved first. If a part fails to load after others did, each
         collaborator then loads what it held before, and the statistics start afresh.
-
-        Args:
-            attached: what the fit attached, whose statistics load their part of ``state``.
-            state: the callback's state, in this release's layout.
 
         Returns:
             The statistics that start afresh for want of an entry, by class name.

@@ -39,18 +39,13 @@ class GradFlowCallback(HookCallback):
     r"""Log per-layer gradient flow at logging steps, and raise early-warning alarms at every step.
 
     The gradient flow of a layer is the gradient applied to it, its weights and its updates.
-    A *layer* is a module that owns trainable parameters directly. A *logging step* is an
-    optimizer step on which the callback measures and writes its values (see
-    docs/glossary.md). The alarms are the checks of :class:`~lightning_hooks.core.AlarmRules`,
-    and they run on every optimizer step, not only on logging steps.
+    Layers, logging steps and notices are defined in docs/glossary.md. The alarms are the
+    checks of :class:`~lightning_hooks.core.AlarmRules`, and they run on every optimizer step.
 
-    Each logging step logs every tag below except the peaks over the epoch
-    (``grad_norm_max``, ``update_ratio_max`` and ``output_grad_norm_max``), under
-    ``grad_flow/{stat}_step/...``. It also logs ``grad_flow/alarms_step/{rule}`` and
-    ``grad_flow/notices_step/{name}``. A *notice* is a fact that is logged but never warned of.
-
-    At each epoch end the callback logs the metrics below. In them, ``{layer}`` is the
-    module's qualified name, for example ``encoder.0``.
+    Each logging step logs every tag below under ``grad_flow/{stat}_step/...``, except the
+    epoch peaks (``grad_norm_max``, ``update_ratio_max``, ``output_grad_norm_max``), and also
+    ``grad_flow/alarms_step/{rule}`` and ``grad_flow/notices_step/{name}``. Each epoch end logs
+    the tags below, where ``{layer}`` is the module's qualified name, such as ``encoder.0``.
 
     ==========================================  ================================================
     Tag                                         Value, over the epoch's logging steps
@@ -91,11 +86,10 @@ class GradFlowCallback(HookCallback):
         output_grad: measure the gradient with respect to each layer's output.
         chart: log the gradient-flow chart image each epoch.
         max_layers_logged: the most layers whose per-layer tags are logged each epoch. Layers
-            with a non-finite gradient come first. Then half the places go to the largest
+            with a non-finite gradient come first, then half the places go to the largest
             gradient norms and half to the smallest. ``None`` logs every layer.
         histograms: log a histogram of ``log10 |g|`` per layer each epoch, over every optimizer
-            step of the epoch, not only the logging steps. This costs one more pass over the
-            gradients at every step.
+            step. This costs one more pass over the gradients at every step.
         heatmap: log, each epoch, an image of the gradient norm per layer and epoch.
         alarms: the alarm rules. ``True`` uses the defaults of :class:`AlarmRules`, and
             ``False`` turns the alarms off.
@@ -116,15 +110,9 @@ class GradFlowCallback(HookCallback):
         >>> import pytorch_lightning as pl
         >>> trainer = pl.Trainer(callbacks=[GradFlowCallback(exclude="*.bn*")])  # doctest: +SKIP
 
-    Each fit attaches a :class:`~lightning_hooks.core.GradFlowTracker` for the Trainer's
-    optimizers. With ``stability``, it also attaches the instability statistics. The callback
-    itself adds the alarms and the pictures.
-
-    Under several processes, every rank measures the same layers. A *row* is a statistic's entry
-    for one layer or module. The tracker has one row per layer of the model. The instability
-    statistics have one row per attention module and output module, and every rank runs these in
-    every training forward. So the ranks never need to agree on new rows. A callback that
-    watches modules only some ranks run would need to.
+    Under several processes every rank measures the same layers, and every rank runs the
+    attention and output modules in every training forward, so the ranks never need to agree
+    on new rows (see docs/glossary.md).
     """
 
     def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)
@@ -180,14 +168,13 @@ class GradFlowCallback(HookCallback):
         self.heatmap = heatmap
         self.alarms = rules
         self.on_alarm = actions
-        """The action of each rule, as ``on_alarm`` asked (a rule it did not name: its default)."""
+        """The action of each rule; a rule ``on_alarm`` did not name has its default."""
         self.stability = stability
         self._carried = _CarriedAlarms()
         self.kept["alarms"] = self._carried  # carries the running scales to the next fit
         self._pictures = GradFlowPictures(max_layers_logged, chart=chart, heatmap=heatmap)
         self.kept["heatmap"] = self._pictures.history  # so a resumed fit draws earlier epochs
         self._fit: _Fit | None = None
-        """What the running fit measures and acts on; ``None`` between fits."""
 
     @override
     def _validate(self, pl_module: nn.Module) -> bool:
@@ -222,21 +209,10 @@ class GradFlowCallback(HookCallback):
 
     @override
     def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
-        """Set up what the fit measures: the tracker, the optional statistics and the alarms.
+        """Attach the tracker, the optional statistics and the alarms for one fit.
 
-        The tracker is built for the Trainer's optimizers. The optional statistics are hooked
-        on the tracker's registry. The alarms start from the state the last fit left, and the
-        loss is read at each batch. If a step of the set-up fails, the hooks already put on the
-        model come off again before the error goes on to the guard.
-
-        Args:
-            trainer: the trainer. The tracker reads its optimizers and gradient clipping. When
-                the hooks come off, its ``should_stop`` tells whether an alarm ended the fit.
-            pl_module: the model. The hooks are put on it, and the loss rules read its loss.
-
-        Returns:
-            What the fit attached. This is the tracker's registry, the tracker and the
-            instability statistics, each with the fit's readers of its results.
+        The alarms start from the state the last fit left. If a step of the set-up fails, the
+        hooks already on the model come off before the error goes on to the guard.
         """
         tracker = self._make_tracker(trainer, pl_module)
         try:
@@ -250,8 +226,7 @@ class GradFlowCallback(HookCallback):
                 gradient_histograms=_histograms(tracker) if self.histograms else None,
             )
             if fit.stability_stats is not None:
-                # Hooked on the tracker's registry, so one gate serves both and both come off
-                # together.
+                # On the tracker's registry, so one gate serves both and both come off together.
                 fit.stability_stats.attach(pl_module, tracker.registry)
             self._pictures.start()
             self._carried.start_fit(fit.training_alarms, fit.policy.log)
@@ -268,9 +243,7 @@ class GradFlowCallback(HookCallback):
         return Attached(
             tracker.registry,
             logged,
-            # The loss rules read the loss of every batch, either its mean over the ranks or
-            # this rank's own loss.
-            every_batch=fit.loss_agreement.reading != "off",
+            every_batch=fit.loss_agreement.reading != "off",  # the loss rules read every batch
             on_remove=self._end_fit,
             earlier_layout=_saved_by_release_0_2,
         )
@@ -280,14 +253,6 @@ class GradFlowCallback(HookCallback):
 
         If no optimizer steps some layer, this warns once and names the layer. If that warning
         is raised as an error, the tracker's hooks come off first.
-
-        Args:
-            trainer: the trainer. The tracker reads its optimizers and gradient clipping.
-            pl_module: the model. The tracker measures its layers, and the alarm messages quote
-                its learning rate and output units.
-
-        Returns:
-            The tracker. Its alarms already know the facts of the run that they quote.
         """
         clip = trainer.gradient_clip_val
         algorithm = trainer.gradient_clip_algorithm or "norm"
@@ -322,11 +287,7 @@ class GradFlowCallback(HookCallback):
         return tracker
 
     def _end_fit(self) -> None:
-        """Close the fit whose hooks came off, and drop what it made.
-
-        The state of the fit's alarms is carried to the next fit. If an alarm's ``stop`` action
-        ended the fit, the alarm policy then warns of it once.
-        """
+        """Carry the fit's alarm state to the next fit, then warn once if an alarm stopped it."""
         fit = self._fit
         self._carried.end_fit()
         self._fit = None
@@ -358,17 +319,7 @@ class GradFlowCallback(HookCallback):
 
 
 def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | None) -> str | None:
-    """Say why the alarm actions cannot run in a Fabric loop, if they cannot.
-
-    The ``"stop"`` action needs a Trainer, because a Fabric loop has no ``should_stop``.
-
-    Args:
-        actions: the action of each rule, as ``on_alarm`` asked.
-        rules: the alarm rules. ``None`` means no alarm fires, so none can stop the fit.
-
-    Returns:
-        The reason, or ``None`` where no rule stops the fit.
-    """
+    """Say why ``"stop"`` cannot run in a Fabric loop, which has no ``should_stop``, or ``None``."""
     stopping = sorted(rule for rule, action in actions.items() if action == "stop")
     if rules is None or not stopping:
         return None
@@ -382,29 +333,21 @@ def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | Non
 class _Fit:
     """Measure one fit of :class:`GradFlowCallback` and act on its alarms.
 
-    It is made at the fit's train start, and closed when the fit's hooks come off. The
-    callback's hooks call it by name: :meth:`observe` before each optimizer step,
-    :meth:`end_batch` after each batch and :meth:`end_epoch` at the epoch's end. The readers of
-    the tracker's and the instability statistics' results are its :meth:`log_alarms`,
+    It is made at the fit's train start and closed when the fit's hooks come off. The
+    callback's hooks call :meth:`observe`, :meth:`end_batch` and :meth:`end_epoch`; the
+    tracker's and the instability statistics' results go to :meth:`log_alarms`,
     :meth:`watch_attention` and :meth:`draw_pictures`.
     """
 
     trainer: TrainerView
-    """The trainer running the fit. When the hooks come off, its ``should_stop`` tells whether
-    an alarm's ``stop`` action ended the fit."""
     tracker: GradFlowTracker
-    """Measures the gradient flow of every layer for the Trainer's optimizers."""
     policy: AlarmPolicy
-    """What the fit's alarms do, as ``on_alarm`` asked, and how they are logged. Its warnings,
-    stop and counts belong to this fit alone."""
+    """What the fit's alarms do and how they are logged. Its warnings, stop and counts belong
+    to this fit alone."""
     loss_agreement: LossAgreement
-    """Feeds each batch's loss to the loss rules, this rank's or the mean over the ranks."""
     pictures: GradFlowPictures
-    """Draws the chart, the heatmap and the histograms at each epoch's end."""
     stability_stats: StabilityStats | None
-    """The attention and output-logit statistics, or ``None`` under ``stability=False``."""
     gradient_histograms: LayerHistograms | None
-    """The histograms of ``log10 |g|`` per layer, or ``None`` under ``histograms=False``."""
 
     @property
     def training_alarms(self) -> TrainingAlarms | None:
@@ -414,10 +357,7 @@ class _Fit:
     def observe(self, trainer: TrainerView, optimizer: torch.optim.Optimizer) -> None:
         """Measure the gradient ``optimizer`` is about to apply, then act on any alarms.
 
-        Args:
-            trainer: the trainer. Its GradScaler's scale unscales the gradients, and the
-                measurement belongs to its current step.
-            optimizer: the optimizer about to step.
+        The gradients are unscaled by the trainer's GradScaler scale, if it has one.
         """
         scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
         enabled = scaler is not None and scaler.is_enabled()
@@ -441,61 +381,30 @@ class _Fit:
     def end_batch(
         self, trainer: TrainerView, outputs: STEP_OUTPUT, step: int, logging_step: bool
     ) -> None:
-        """Close the attention statistics of a logging step, then give the loss to the rules.
-
-        Args:
-            trainer: the trainer the alarms act on.
-            outputs: what ``training_step`` returned for the batch. The loss is read from it.
-            step: the optimizer step the batch belongs to.
-            logging_step: whether the batch belongs to a logging step. The attention statistics
-                are closed only then.
-        """
+        """Close the attention statistics of a logging step, then give the loss to the rules."""
         if self.stability_stats is not None and logging_step:
             self.stability_stats.end_step()
         if self.training_alarms is not None:
             self.loss_agreement.feed(trainer, outputs, step, self.training_alarms, self.policy)
 
     def log_alarms(self, trainer: TrainerView, step: int, table: LayerTable) -> None:
-        """Log the alarm counts and alarm text gathered since the last logging step.
-
-        Args:
-            trainer: the trainer whose loggers are written to.
-            step: the logging step. The counts and text are written at this step.
-            table: the step's values per layer, which every reader of the tracker is given;
-                the alarms' counts do not depend on it.
-        """
+        """Log the alarm counts and text gathered since the last logging step, at ``step``."""
         if self.training_alarms is not None:
             self.policy.log.log_step(trainer, self.training_alarms, step)
 
     def watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
-        """Hand a logging step's attention logits and entropies to the attention rule.
-
-        Args:
-            trainer: the trainer, which every reader of a statistic is given; the rule does
-                not act on it here.
-            step: the logging step the values belong to.
-            result: the step's instability statistics.
-        """
+        """Hand a logging step's attention logits and entropies to the attention rule."""
         if self.training_alarms is not None:
             self.training_alarms.update_attention(
                 result.attn_logit_max, result.attn_entropy_min, step=step
             )
 
     def draw_pictures(self, trainer: TrainerView, table: LayerTable) -> None:
-        """Draw the epoch's chart, heatmap and histograms.
-
-        Args:
-            trainer: the trainer whose loggers are written to.
-            table: the epoch's values per layer.
-        """
+        """Draw the epoch's chart, heatmap and histograms."""
         self.pictures.write(trainer, table, self.gradient_histograms, self.tracker.shards)
 
     def end_epoch(self, trainer: TrainerView) -> None:
-        """Close the epoch for the alarms: act on the last results, then log counts and text.
-
-        Args:
-            trainer: the trainer. The alarms act on it and write to its loggers.
-        """
+        """Close the epoch for the alarms: act on the last results, then log counts and text."""
         if self.training_alarms is not None:
             self.policy.end_epoch(trainer, self.training_alarms)
 
@@ -505,19 +414,13 @@ class _Fit:
 
 
 class _CarriedAlarms:
-    """Carry the running scales of the alarms from one fit to the next, and through checkpoints.
+    """Carry the alarms' state from one fit to the next, and through checkpoints.
 
-    A *running scale* is the running mean and spread that a spike is measured against (see
-    docs/glossary.md). What is carried is the state given by
-    :meth:`~lightning_hooks.core.alarms.TrainingAlarms.state_dict`. It holds the running scales,
-    the ring buffer of recent steps and the counts.
-
-    Between fits, the state carried is the one the last fit's alarms left, or one loaded from a
-    checkpoint. A new fit's alarms start from it (:meth:`start_fit`). When the fit's hooks come
-    off, the alarms leave their own state for the next fit (:meth:`end_fit`). While a fit runs,
-    a checkpoint saves the state of that fit's alarms. The fit's log treats the loaded counts
-    as already written, so it logs only what the alarms count after them
-    (:meth:`~.alarm_policy.AlarmLog.start`).
+    The state is :meth:`~lightning_hooks.core.alarms.TrainingAlarms.state_dict`: the running
+    scales, the ring buffer of recent steps and the counts (see docs/glossary.md). Between
+    fits it is what the last fit left or a checkpoint loaded; a new fit starts from it, and
+    while a fit runs a checkpoint saves that fit's state. The fit's log treats loaded counts
+    as already written, so it logs only what the alarms count after them.
 
     Example:
         >>> carried = _CarriedAlarms()
@@ -526,18 +429,15 @@ class _CarriedAlarms:
     """
 
     def __init__(self) -> None:
-        self._state: dict[str, Any] | None = None
-        """The state kept between fits, from the last fit or a checkpoint. ``None`` if none."""
-        self._alarms: TrainingAlarms | None = None
-        """The alarms of the running fit. ``None`` between fits or under ``alarms=False``."""
+        self._state: dict[str, Any] | None = None  # kept between fits
+        self._alarms: TrainingAlarms | None = None  # the running fit's
         self._log: AlarmLog | None = None
-        """The alarm log of the running fit. It starts from the counts loaded into the alarms."""
 
     def start_fit(self, alarms: TrainingAlarms | None, log: AlarmLog) -> None:
-        """Start a fit's fresh ``alarms`` from the state carried, if any.
+        """Start a fit's fresh ``alarms`` (held until :meth:`end_fit`) from the state carried.
 
         Args:
-            alarms: the fit's alarms, held until :meth:`end_fit`. ``None`` if the fit has none.
+            alarms: the fit's alarms, or ``None`` if the fit has none.
             log: the fit's alarm log. It starts from the counts the alarms hold once loaded.
         """
         self._alarms = alarms
@@ -552,12 +452,7 @@ class _CarriedAlarms:
         self._log = None
 
     def host_state(self) -> dict[str, Any]:
-        """Return the state of the alarms, which checkpoints save.
-
-        Returns:
-            The state of the running fit's alarms. Between fits, the state carried instead.
-            An empty dict if there is none.
-        """
+        """Return what a checkpoint saves: the running fit's state, else the one carried, or {}."""
         if self._alarms is not None:
             return self._alarms.state_dict()
         return dict(self._state or {})
@@ -565,12 +460,11 @@ class _CarriedAlarms:
     def load_host_state(self, state: dict[str, Any]) -> None:
         """Continue from the alarm state a checkpoint saved.
 
-        If a fit is running, its alarms load the state at once. A state they refuse raises, so
-        that the callback drops the whole checkpoint with one warning
-        (:meth:`~.checkpoint.CheckpointSlot.restore`); the state carried is then unchanged.
+        A running fit's alarms load it at once. A state they refuse raises, so that the
+        callback drops the whole checkpoint with one warning; the state carried is unchanged.
 
         Args:
-            state: the state that :meth:`host_state` returned. An empty dict means none.
+            state: what :meth:`host_state` returned. An empty dict means none.
 
         Raises:
             ValueError: the state was saved for another model's layers, or by an older version.
@@ -583,10 +477,10 @@ class _CarriedAlarms:
             self._log.start(self._alarms)
 
     def _load(self) -> None:
-        """Load the state carried from the last fit into this fit's alarms, and start the log.
+        """Load the carried state into this fit's alarms and start the log.
 
-        A state the last fit left for another model's layers is dropped with a warning. The
-        running scales then start afresh.
+        A state left for another model's layers is dropped with a warning, and the running
+        scales start afresh.
         """
         alarms = self._alarms
         if alarms is not None and self._state is not None:
@@ -607,18 +501,11 @@ _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")
 
 
 def _saved_by_release_0_2(state: dict[str, Any]) -> dict[str, Any]:
-    """Read a checkpoint's state in this release's layout.
+    """Read a checkpoint's state in this release's layout; one already in it comes back as is.
 
     Release 0.2.0 saved the tracker's state at the top level, and the state of the instability
     statistics under ``"stability"``. This release saves each one under a key made of its
     position and class name.
-
-    Args:
-        state: the callback's state as the checkpoint holds it.
-
-    Returns:
-        The state under the keys this release saves. A state already in this layout is
-        returned unchanged.
     """
     if not all(key in state for key in _TRACKER_STATE):  # not the 0.2.0 layout
         return dict(state)
@@ -630,26 +517,13 @@ def _saved_by_release_0_2(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _histograms(tracker: GradFlowTracker) -> LayerHistograms:
-    """Make the histograms of ``log10 |g|``, one per layer the tracker measures.
-
-    Args:
-        tracker: the fit's tracker. The histograms take its layers and device.
-
-    Returns:
-        Empty histograms on the layers' device.
-    """
+    """Make empty histograms of ``log10 |g|``, one per layer, on the layers' device."""
     layout = tracker.layout
     return LayerHistograms(len(layout.layers), device=layout.index.device)
 
 
 def _alarm_rules(alarms: AlarmRules | bool) -> AlarmRules | None:
-    """Read ``alarms`` as the alarm rules.
-
-    Args:
-        alarms: the rules, ``True`` for the default rules, or ``False`` for none.
-
-    Returns:
-        The rules, or ``None`` for none.
+    """Read ``alarms`` as the rules: ``True`` the defaults, ``False`` none (``None``).
 
     Raises:
         TypeError: if ``alarms`` is neither an ``AlarmRules`` nor a bool.

@@ -1,8 +1,4 @@
-"""Draw the pictures that ``GradFlowCallback`` logs at each epoch end, beside its scalars.
-
-There are three kinds: the gradient-flow chart, the heatmap of the gradient norm per layer and
-epoch, and the histograms of ``log10 |g|``.
-"""
+"""Draw the chart, heatmap and histograms that ``GradFlowCallback`` logs at each epoch end."""
 
 from __future__ import annotations
 
@@ -29,12 +25,9 @@ __all__ = ["GradFlowPictures", "observe_histograms"]
 def observe_histograms(
     hist: LayerHistograms, layout: ParamLayout, optimizer: torch.optim.Optimizer
 ) -> None:
-    """Count the gradients ``optimizer`` is about to apply into ``hist``, per layer.
+    """Add the gradients ``optimizer`` is about to apply to ``hist``, per layer of ``layout``.
 
-    Args:
-        hist: the histograms of ``log10 |g|``, one per layer. The counts are added to them.
-        layout: the layout of the parameters. It tells which layer each parameter belongs to.
-        optimizer: the optimizer about to step. Only the parameters it steps are counted.
+    Only the parameters ``optimizer`` steps are counted.
     """
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     pairs = [
@@ -49,8 +42,7 @@ def observe_histograms(
 class GradFlowPictures:
     """Draw an epoch's chart and heatmap, and write its histograms.
 
-    It holds the heatmap's columns, one per epoch of the fit. Checkpoints save them, and
-    :meth:`start` forgets them at the start of a new fit.
+    It holds the heatmap's columns, one per epoch of the fit, which checkpoints save.
 
     Args:
         max_layers_logged: the most layers whose scalars are logged. Histograms are written
@@ -65,7 +57,7 @@ class GradFlowPictures:
         self.chart = chart
         self.heatmap = heatmap
         self.history = EpochColumns()
-        """The gradient norm per layer for each epoch of the fit, one heatmap column per epoch."""
+        """The gradient norm per layer, one heatmap column per epoch of the fit."""
 
     def start(self) -> None:
         """Start a new fit's heatmap, forgetting the last fit's epochs."""
@@ -81,12 +73,10 @@ class GradFlowPictures:
         """Write the epoch's histograms, then on rank 0 its chart and heatmap.
 
         Under FSDP2, summing the histogram counts is a collective, so every rank takes part.
-        An epoch with no logging step writes nothing. A *logging step* is an optimizer step on
-        which the callback measures its values (see docs/glossary.md).
+        An epoch with no logging step writes nothing.
 
         Args:
-            trainer: the trainer whose loggers are written to, at the epoch's step
-                (:func:`~.attached.epoch_step`).
+            trainer: the trainer whose loggers are written to, at :func:`~.attached.epoch_step`.
             stats: the epoch's values per layer.
             histograms: the epoch's histograms of ``log10 |g|``. ``None`` writes no histograms.
             shards: how the gradients are sharded across ranks under FSDP2. ``None`` means each
@@ -102,13 +92,7 @@ class GradFlowPictures:
             self._write_heatmap(trainer, stats)
 
     def _write_chart(self, trainer: TrainerView, stats: LayerTable) -> None:
-        """Draw the chart of mean and max ``|g|`` per layer.
-
-        Args:
-            trainer: the trainer whose loggers get the figure. Its epoch is in the title.
-            stats: the epoch's values per layer. The last row holds the global values and is
-                left out.
-        """
+        """Draw the chart of mean and max ``|g|`` per layer, leaving out the global last row."""
         mean = stats.column("grad_abs_mean")[:-1]
         peak = stats.column("grad_abs_max", "peak")[:-1]
         title = f"gradient flow, epoch {trainer.current_epoch}"
@@ -116,13 +100,7 @@ class GradFlowPictures:
         log_figure(trainer.loggers, family_tag(GRAD_FLOW, "chart"), figure, epoch_step(trainer))
 
     def _write_heatmap(self, trainer: TrainerView, stats: LayerTable) -> None:
-        """Add the epoch's gradient norms to the heatmap's columns, and draw the heatmap.
-
-        Args:
-            trainer: the trainer whose loggers get the figure. Its epoch names the new column.
-            stats: the epoch's values per layer. The last row holds the global values and is
-                left out.
-        """
+        """Add the epoch's gradient norms, without the global last row, and draw the heatmap."""
         norms = {"grad_norm": stats.column("grad_norm")[:-1]}
         self.history.add(trainer.current_epoch, stats.layers[:-1], norms)
         layers, epochs, values = self.history.grid("grad_norm")
@@ -137,15 +115,7 @@ class GradFlowPictures:
         hist: LayerHistograms,
         shards: ShardPlan | None,
     ) -> None:
-        """Write the epoch's histograms of the logged layers on rank 0, then reset them.
-
-        Args:
-            trainer: the trainer whose loggers are written to. Only rank 0 writes.
-            stats: the epoch's values per layer. They choose which layers are logged.
-            hist: the epoch's histograms. They are reset once their counts are read.
-            shards: how the gradients are sharded under FSDP2. Then the counts are summed across
-                ranks. ``None`` means rank 0's counts already stand for every rank.
-        """
+        """Write the epoch's histograms of the logged layers on rank 0, then reset them."""
         # Gradients are all-reduced before the optimizer step, so rank 0's counts match every
         # rank's. Under FSDP2 each rank counted only its own shard, so the counts are summed.
         counts = (

@@ -16,30 +16,23 @@ class RankAgreement:
     """Make every rank of a multi-process fit act alike on a callback's failure, stop and rows.
 
     Three things must be the same on every rank, or one rank would wait forever in a collective
-    that the others skip:
+    that the others skip (guard, row and logging step: see docs/glossary.md):
 
-    - **A failure.** When a hook of the callback fails on one rank, its guard holds the failure
-      until the ranks agree. The guard is the wrapper that catches errors in the library's own
-      code (see docs/glossary.md). Once the ranks agree, the callback is disabled on every
-      rank, with one warning.
-    - **A stop.** An alarm's ``stop`` on one rank waits for the same agreement. Then every rank
+    - **A failure.** A hook's failure on one rank is held by its guard until the ranks agree;
+      then the callback is disabled on every rank, with one warning.
+    - **A stop.** An alarm's ``stop`` on one rank waits for the same agreement, so every rank
       stops after the same step.
-    - **New rows.** A row is a statistic's entry for one layer or module. A module that runs
-      on only some ranks makes its rows on those ranks alone. The rows are put in one order on
-      every rank before they are reduced.
+    - **New rows.** A module that runs on only some ranks makes its rows there alone. The rows
+      are put in one order on every rank before they are reduced.
 
     The ranks agree at each logging step and each epoch end, in one small collective. A
-    logging step is an optimizer step the callback measures (see docs/glossary.md). A callback
-    may already run a collective at every batch, such as the one that averages the loss (see
-    :mod:`.agreement`). That collective then carries the failure and stop flags as well, and
-    the callback passes their sums to :meth:`apply`. A logging step where this happened needs
-    no collective of its own. With one process there is nothing to exchange.
+    callback that already runs a collective at every batch, such as the loss mean of
+    :mod:`.agreement`, carries the flags in it and passes their sums to :meth:`apply`; that
+    logging step then needs no collective of its own. With one process nothing is exchanged.
 
     Args:
-        guard: a function that returns the guard of the running fit. Each fit has its own
-            guard.
-        remove_hooks: a function that takes the callback's hooks off the model once the
-            callback is disabled.
+        guard: returns the guard of the running fit (each fit has its own).
+        remove_hooks: takes the callback's hooks off the model once it is disabled.
 
     Example:
         >>> guard = Guard("Cb", strict=False)
@@ -57,13 +50,13 @@ class RankAgreement:
         """How many processes the fit runs on (counted at its train start)."""
         self.stop_requested = False
         """This rank's request to stop the fit, until the ranks agree on it."""
-        self._agreed_at: int | None = None  # the last step at which :meth:`apply` got flags
+        self._agreed_at: int | None = None
 
     def start(self) -> None:
         """Count the ranks at a fit's train start, and forget the last fit's requests.
 
-        When several ranks run, the fit's guard holds a failure until the ranks agree on it. A
-        strict guard is the exception: it raises at once on each rank that fails.
+        Under several ranks the guard holds a failure until they agree, unless it is strict:
+        a strict guard raises at once on each rank that fails.
         """
         guard = self._fit_guard()
         self.size = world_size()
@@ -86,11 +79,10 @@ class RankAgreement:
         """Agree on a failure, a stop and new rows, at a logging step or an epoch end.
 
         Args:
-            trainer: the trainer. It is stopped if a rank asked to stop, and its rank 0 warns
-                of a failure.
+            trainer: stopped if a rank asked to stop; its rank 0 warns of a failure.
             step: the optimizer step the ranks agree at, named in a failure's warning.
-            attached: what the running fit attached. The rows of its statistics are aligned
-                across the ranks. ``None`` if nothing is attached or the callback is disabled.
+            attached: what the running fit attached, whose statistics' rows are aligned.
+                ``None`` if nothing is attached or the callback is disabled.
             always: agree even if the ranks already agreed at ``step`` through :meth:`apply`.
                 An epoch end passes ``True``, so that the rows are aligned there too.
         """
@@ -113,8 +105,8 @@ class RankAgreement:
         Args:
             trainer: the trainer whose ``should_stop`` is set where a rank asked to stop.
             step: the optimizer step of the batch whose collective carried the flags.
-            failed: how many ranks failed (0: none).
-            stopping: how many ranks asked to stop (0: none).
+            failed: how many ranks failed.
+            stopping: how many ranks asked to stop.
 
         Returns:
             Whether a failure disabled the callback (its hooks are then off on every rank).
@@ -124,12 +116,6 @@ class RankAgreement:
 
     def _act(self, trainer: TrainerView, step: int, *, failed: int, stopping: int) -> bool:
         """Stop if any rank asked, and disable the callback on every rank if any failed.
-
-        Args:
-            trainer: the trainer whose ``should_stop`` is set where a rank asked to stop.
-            step: the optimizer step agreed at, named in a failure's warning.
-            failed: how many ranks failed (0: none).
-            stopping: how many ranks asked to stop (0: none).
 
         Returns:
             Whether a failure disabled the callback.
@@ -147,11 +133,6 @@ class RankAgreement:
         If a layer's units differ between ranks, the callback is disabled on every rank. A
         strict guard raises the error instead.
 
-        Args:
-            trainer: the trainer whose rank 0 warns where the callback is disabled.
-            step: the optimizer step aligned at, named in the warning.
-            attached: what the fit attached, whose statistics' rows are aligned.
-
         Raises:
             ValueError: a layer's units differ between ranks and the guard is strict.
         """
@@ -166,10 +147,7 @@ class RankAgreement:
     def _disable(self, trainer: TrainerView, step: int, causes: Sequence[str | None]) -> None:
         """Disable the callback on every rank, with one warning on rank 0 naming each cause.
 
-        Args:
-            trainer: the trainer whose rank 0 writes the warning.
-            step: the optimizer step it is disabled at, named in the warning.
-            causes: each rank's cause, by rank (``None`` for a rank that did not fail).
+        ``causes`` holds each rank's cause by rank, ``None`` for a rank that did not fail.
         """
         guard = self._fit_guard()
         guard.disable_on_every_rank(causes, step, warn=trainer.is_global_zero)

@@ -1,10 +1,7 @@
 """Provide ``StatsCallback``, which logs any :class:`~.stat.LayerStat` and keeps it in checkpoints.
 
-Each statistic is logged at each logging step and at each epoch end. A *logging step* is an
-optimizer step on which the callbacks measure and write their values (see docs/glossary.md).
-
-The module also holds helpers that every callback watching a selection of modules shares. They
-build the checkpoint key, check that the selection watches something, and attach the statistics.
+The module also holds what every callback watching a selection of modules shares: the
+checkpoint key, the check that the selection watches something, and the attaching.
 """
 
 from __future__ import annotations
@@ -35,20 +32,19 @@ __all__ = [
     "watches_selection",
 ]
 
-# The signature uses the bare class. jsonargparse (used by LightningCLI) resolves a
-# ``class_path`` against a class, not against the subscripted generic ``LayerStat[Any]``.
+# The bare class: jsonargparse (LightningCLI) resolves a ``class_path`` against a class, not
+# against the subscripted generic ``LayerStat[Any]``.
 _AnyStat = LayerStat
 
 
 class Findings:
     """Count a callback's findings per layer in one fit, and warn of the first on each layer.
 
-    A *finding* is a problem a callback warns of on one layer, such as a large share of dead
-    units. Later findings on the same layer are only counted. One warning sums them up when the
-    fit's hooks come off.
+    Later findings (see docs/glossary.md) on the same layer are only counted, and one warning
+    sums them up when the fit's hooks come off.
 
     Args:
-        owner: the callback's name. The summary begins with it.
+        owner: the callback's name, which begins the summary.
         noun: what the summary calls the findings, for example ``"dead-unit findings"``.
     """
 
@@ -58,14 +54,7 @@ class Findings:
         self._seen: Counter[str] = Counter()
 
     def first(self, layer: str) -> bool:
-        """Count a finding on ``layer``.
-
-        Args:
-            layer: the qualified name of the module the finding is on.
-
-        Returns:
-            Whether it is the first finding on that layer in this fit, which should be warned of.
-        """
+        """Count a finding on ``layer``, and tell whether it is the first there, to warn of."""
         self._seen[layer] += 1
         return self._seen[layer] == 1
 
@@ -91,22 +80,19 @@ def watches_selection(  # noqa: PLR0913 (a callback's selection: one keyword eac
     selected: Mapping[str, object],
     hint: str = "",
 ) -> bool:
-    """Check that the statistics select some module of ``model``.
-
-    A callback's ``_validate`` calls this before the fit.
+    """Check, in a callback's ``_validate``, that the statistics select some module of ``model``.
 
     Args:
-        owner: the callback's name. Its messages begin with it.
-        model: the model whose modules the statistics select from.
-        stats: the callback's statistics. Each one selects its own modules.
-        what: the name the messages give to what is watched, for example ``"module"``.
-        selected: the constructor arguments that select modules, with the values the user gave.
-            An argument left at its default is ``None`` or empty.
+        owner: the callback's name, which begins its messages.
+        model: the model whose modules each statistic selects from.
+        stats: the callback's statistics.
+        what: what the messages call the watched thing, for example ``"module"``.
+        selected: as for :func:`nothing_to_watch`.
         hint: a clause added to the end of the message when nothing is selected.
 
     Returns:
-        Whether any statistic selects a module of ``model``. If none does and the selection is
-        at its defaults, this warns once and returns ``False`` (see :func:`nothing_to_watch`).
+        Whether any statistic selects a module. If none does and the selection is at its
+        defaults, this warns once and returns ``False`` (see :func:`nothing_to_watch`).
 
     Raises:
         ValueError: if a pattern matches no module name, or the user's selection selects
@@ -125,22 +111,17 @@ def attach_stats(
     *,
     on_remove: Callable[[], None] | None = None,
 ) -> Attached:
-    """Hook each statistic on ``model`` through one shared hook registry.
-
-    The registry's *gate* puts the hooks on the model for each logging step and takes them off
-    after it. Every hook runs under the callback's *guard* (see docs/glossary.md).
+    """Hook each statistic on ``model`` through one shared hook registry, under ``guard``.
 
     Args:
         model: the model the hooks are put on.
-        guard: the guard of the callback's hooks. The registry runs every hook under it.
-        logged: each statistic, a :class:`~.stat.LayerStat`, with the callbacks that read its
-            results.
+        guard: the guard of the callback's hooks (see docs/glossary.md).
+        logged: each :class:`~.stat.LayerStat` with the functions that read its results.
         on_remove: called once when the hooks come off.
 
     Returns:
-        What the fit attached. Under several processes, the ranks align the statistics' rows,
-        because a module may run on some ranks only. A *row* is a statistic's entry for one
-        module.
+        What the fit attached. Every statistic's rows are aligned across ranks, because a
+        module may run on some ranks only.
 
     Raises:
         TypeError: if a statistic in ``logged`` is not a :class:`~.stat.LayerStat`.
@@ -153,13 +134,7 @@ def attach_stats(
 
 
 def _layer_stat(logged: Logged[Any]) -> LayerStat[Any]:
-    """Return the statistic of ``logged`` after checking that it is a layer statistic.
-
-    Args:
-        logged: a statistic with the callbacks that read its results.
-
-    Returns:
-        The statistic, typed as a :class:`~.stat.LayerStat`.
+    """Return the statistic of ``logged``, typed as a :class:`~.stat.LayerStat`.
 
     Raises:
         TypeError: if the statistic is not a :class:`~.stat.LayerStat`.
@@ -174,11 +149,8 @@ def _layer_stat(logged: Logged[Any]) -> LayerStat[Any]:
 class StatsCallback(HookCallback):
     """Hook each statistic on the model during the training forward of each logging step.
 
-    A *logging step* is an optimizer step on which the callback measures and writes its values
-    (see docs/glossary.md). The state of each statistic is also saved in checkpoints.
-
-    Each statistic logs its ``step_values`` at each logging step and its ``tags`` at each epoch
-    end.
+    Each statistic logs its ``step_values`` at each logging step (see docs/glossary.md) and its
+    ``tags`` at each epoch end, and its state is saved in checkpoints.
 
     Args:
         stats: one statistic or a sequence of them. Each is attached afresh at every fit.
@@ -217,7 +189,6 @@ class StatsCallback(HookCallback):
             state_key={"stats": [s.config_key() for s in chosen]}, every_n_steps=every_n_steps
         )
         self.stats: tuple[LayerStat[Any], ...] = chosen
-        """The statistics, attached afresh at each fit."""
 
     @override
     def _validate(self, pl_module: nn.Module) -> bool:
@@ -233,16 +204,7 @@ class StatsCallback(HookCallback):
 def selection_state_key(types: object, include: object, exclude: object) -> dict[str, Any]:
     """Make the fields of a callback's checkpoint key from its module selection.
 
-    The key has the same fields that release 0.2.0 saved under. A checkpoint's state is found
-    by this key.
-
-    Args:
-        types: the module types selected. ``None`` means any type.
-        include: the glob patterns on qualified module names that are kept.
-        exclude: the glob patterns on qualified module names that are dropped.
-
-    Returns:
-        The fields, by name.
+    The fields are those release 0.2.0 saved under, so its checkpoints are still found.
 
     Example:
         >>> selection_state_key(None, (), ("*.bn*",))
@@ -261,23 +223,22 @@ def nothing_to_watch(
 ) -> bool:
     """Refuse or idle a fit whose model has nothing to watch.
 
-    If the user chose the selection, this raises a ``ValueError``. If the selection is at its
-    defaults, this warns once and the callback does nothing in the fit. Lightning's
-    ``LearningRateMonitor`` does the same when there is no scheduler.
+    A selection at its defaults warns once, and the callback does nothing in the fit, as
+    Lightning's ``LearningRateMonitor`` does when there is no scheduler.
 
     Args:
-        owner: the callback's name. The message begins with it.
+        owner: the callback's name, which begins the message.
         what: what the callback watches, for example ``"module owning a parameter"``.
         selected: the constructor arguments that select modules, with the values the user gave.
             An argument left at its default is ``None`` or empty.
         hint: a clause added to the end of the message.
 
     Returns:
-        ``False``, meaning the fit has nothing to watch. ``_validate`` returns this value.
+        ``False``, for ``_validate`` to return: the fit has nothing to watch.
 
     Raises:
-        ValueError: if the user's selection selects nothing. The message names the arguments
-            given.
+        ValueError: if the user chose a selection that selects nothing. The message names the
+            arguments given.
     """
     given = [f"{argument}={value!r}" for argument, value in selected.items() if value]
     if given:

@@ -1,10 +1,8 @@
 """Hand the alarms the gradient norms of each optimizer step they run on.
 
-The tracker measures its statistics on logging steps only. The alarms run on their own cadence
-(``AlarmRules.evaluate_every_n_steps``, every step by default). :class:`AlarmFeed` is the part
-that serves that cadence: on a logging step it hands on the norms the tracker just read; on any
-other step, a *quiet step*, it reads the dense gradients' norms itself with one read and no host
-sync.
+The alarms run on their own cadence (``AlarmRules.evaluate_every_n_steps``, every step by
+default). On a logging step :class:`AlarmFeed` hands on the norms the tracker just read; on a
+quiet step it reads the dense gradients' norms itself, in one read with no host sync.
 """
 
 from __future__ import annotations
@@ -46,7 +44,6 @@ class AlarmStep(NamedTuple):
     """Name the optimizer step whose gradient norms the alarms are handed."""
 
     number: int
-    """The step the alarms name and count."""
     amp: bool
     """Whether an AMP loss scaler steps it: a non-finite gradient is then *amp_overflow*, the
     step the scaler skips, not *nonfinite*."""
@@ -66,7 +63,7 @@ class AlarmFeed:
 
     Args:
         alarms: the alarms handed the norms.
-        views: what each optimizer steps of the tracker's layout (the tracker's own views).
+        views: the tracker's own views: what each optimizer steps of its layout.
         norms: reads the gradient and weight norms of an optimizer's view.
         order: the layer rows as their output-gradient hooks fired (emptied per step).
         clip: the Trainer's gradient clipping, for the *explosion* rule (``None``: none).
@@ -101,14 +98,7 @@ class AlarmFeed:
         self._triton = alarms.rules.quiet_read == "triton"
 
     def due(self, step: int) -> bool:
-        """Say whether the alarms run on ``step``: their own cadence.
-
-        Args:
-            step: the optimizer step.
-
-        Returns:
-            Whether the alarms read this step's gradients.
-        """
+        """Say whether the alarms' own cadence runs them on optimizer step ``step``."""
         return step % self.alarms.rules.evaluate_every_n_steps == 0
 
     def observe(
@@ -138,9 +128,8 @@ class AlarmFeed:
             self._prepare_quiet_read(view, param_grad_scale)
             self._send(view, measured.norms, measured.stepped, at)
             return
-        # A quiet step: one read of the dense gradients' norms, and done. A sparse or missing
-        # gradient, a gradient that still carries the loss scale, or sharded parameters take the
-        # general path.
+        # A quiet step: one read of the dense gradients' norms. A sparse or missing gradient, one
+        # that still carries the loss scale, or sharded parameters take the general path.
         if param_grad_scale is None and not self._sharded and self._quiet(view, at):
             return
         stats = self._norms.norms(view, ParamLayout.grads(view.params), weights=False)
@@ -159,10 +148,6 @@ class AlarmFeed:
 
     def _quiet(self, view: OptimizerView, at: AlarmStep) -> bool:
         """Read a quiet step's dense gradients' norms and send them to the alarms.
-
-        Args:
-            view: the optimizer's view.
-            at: the optimizer step the alarms are handed.
 
         Returns:
             ``True`` when the read was done; ``False`` for a missing or sparse gradient.
@@ -196,14 +181,9 @@ class AlarmFeed:
         *,
         segmented: bool = True,
     ) -> None:
-        """Hand ``norms`` to the alarms.
+        """Hand ``norms`` to the alarms: per layer then global if ``segmented``, else per parameter.
 
-        Args:
-            view: the optimizer's view.
-            norms: per layer then global (``segmented``), else per parameter.
-            stepped: the rows some gradient reached.
-            at: the optimizer step the alarms are handed.
-            segmented: ``norms`` are per layer then global; else per parameter.
+        ``stepped`` holds the rows some gradient reached.
         """
         clip = self._clip  # the largest global norm the optimizer applies (by value: a bound)
         bound = None
@@ -233,9 +213,6 @@ def quiet_read(view: OptimizerView, triton: bool) -> Read:
     Args:
         view: the optimizer's view.
         triton: the ``"triton"`` read; else the ``"grouped"`` one.
-
-    Returns:
-        The read.
     """
     try:
         read = _pointer_norms(view) if triton else GroupedNorms(view.params)
@@ -249,14 +226,7 @@ def quiet_read(view: OptimizerView, triton: bool) -> Read:
 
 
 def foreach_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Return each gradient's L2 norm by one ``torch._foreach_norm`` (the read of last resort).
-
-    Args:
-        grads: the gradients.
-
-    Returns:
-        The norms, stacked.
-    """
+    """Return each gradient's L2 norm, stacked, by one ``torch._foreach_norm`` (the last resort)."""
     return torch.stack(foreach_norm(list(grads)))
 
 
@@ -276,10 +246,7 @@ def _pointer_norms(view: OptimizerView) -> Read | str:
 def _read_fallback(triton: bool, why: str, stacklevel: int = 3) -> None:
     """Say once, for one optimizer, why the quiet step reads with ``_foreach_norm``.
 
-    Args:
-        triton: the read that failed was ``"triton"``; else ``"grouped"``.
-        why: why it failed, as the warning says it.
-        stacklevel: the warning's stack level.
+    ``triton`` tells whether the read that failed was ``"triton"`` or ``"grouped"``.
     """
     read = "triton" if triton else "grouped"
     warnings.warn(

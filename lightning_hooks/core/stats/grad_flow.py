@@ -68,17 +68,9 @@ def layers_of(
     types: ModuleTypes,
     include: Patterns,
 ) -> ParamLayout:
-    """Lay out the parameters of the layers the tracker measures.
+    """Lay out the own parameters of the selected ``(name, module)`` pairs.
 
-    Args:
-        model: the model, whose own parameters may form a layer.
-        modules: the modules selected, ``(name, module)``.
-        types: the module types selected (``None``: any).
-        include: the glob patterns kept (empty: every module).
-
-    Returns:
-        The layout of the selected modules' own parameters; the model's own parameters (a
-        learnable temperature) count too, unless ``types`` or ``include`` narrows the selection.
+    The model's own parameters count too, as :func:`counts_the_model_itself` says.
     """
     root = model if counts_the_model_itself(types, include) else None
     return ParamLayout.from_modules(modules, root=root)
@@ -86,10 +78,6 @@ def layers_of(
 
 def counts_the_model_itself(types: ModuleTypes, include: Patterns) -> bool:
     """Say whether the model's own parameters (a learnable temperature, say) form a layer.
-
-    Args:
-        types: the module types selected (``None``: any).
-        include: the glob patterns kept (empty: every module).
 
     Returns:
         ``True`` unless ``types`` or ``include`` narrows the selection.
@@ -100,16 +88,7 @@ def counts_the_model_itself(types: ModuleTypes, include: Patterns) -> bool:
 def _check_args(
     model: object, optimizers: object, alarms: object, **flags: object
 ) -> list[torch.optim.Optimizer]:
-    """Check the tracker's model, optimizers, alarm rules and flags, naming the culprit.
-
-    Args:
-        model: the ``model`` argument, which must be a module.
-        optimizers: the ``optimizers`` argument, which must be an iterable of optimizers.
-        alarms: the ``alarms`` argument, which must be an ``AlarmRules`` or ``None``.
-        **flags: the boolean arguments, by name.
-
-    Returns:
-        The optimizers, as a list.
+    """Check the tracker's arguments, naming the culprit, and return the optimizers as a list.
 
     Raises:
         TypeError: an argument is not of its type.
@@ -138,20 +117,15 @@ def _check_args(
 class GradFlowTracker(HookOwner):
     """Track per-layer gradient flow (:data:`GRAD_FLOW_STATS`) over optimizer steps, no host sync.
 
-    A layer is a module that owns trainable parameters directly. Call :meth:`observe` just
-    before ``optimizer.step()`` and any clipping, on every rank. The update ratio (and, with
-    ``post_clip``, the gradient the optimizer applied) is read afterwards, in a hook that runs
-    after the optimizer step.
+    Call :meth:`observe` just before ``optimizer.step()`` and any clipping, on every rank. The
+    update ratio (and, with ``post_clip``, the gradient the optimizer applied) is read in a hook
+    after the optimizer step. While ``registry.logging_step`` is ``False`` nothing is measured,
+    except what the alarms read at their own cadence.
 
-    On a step that is not a logging step (``registry.logging_step = False``) nothing is
-    measured, except what the alarms read: they run at their own cadence.
-
-    The tracker is a statistic built from parts. Its states belong to one
-    :class:`~.accumulator.LayerStatsAccumulator`, which three readers fill: the gradient read,
-    the output gradients' hooks and the update ratio. Its logging steps' copies, its result,
-    its tags and its checkpoint state are those of a :class:`~.stat.LayerStat`, under the same
-    names, so a callback logs and saves it as it does every other statistic. It hooks
-    ``model`` when it is made.
+    Its states belong to one :class:`~.accumulator.LayerStatsAccumulator`, filled by the
+    gradient read, the output gradients' hooks and the update ratio. Its copies, result, tags
+    and checkpoint state follow :class:`~.stat.LayerStat`, so a callback logs and saves it like
+    any other statistic. It hooks ``model`` when it is made.
 
     Args:
         model: the model to track.
@@ -229,9 +203,8 @@ class GradFlowTracker(HookOwner):
         self._step = 0  # the last observe's step (the post-hook's)
         self._calls = 0  # its calls
         self.alarms: TrainingAlarms | None = None
-        """The alarms, which :attr:`alarm_feed` hands each step's norms (``None``: none)."""
         self.alarm_feed: AlarmFeed | None = None
-        """Serves the alarms' own cadence, on the steps that are not logging steps too."""
+        """Hands the alarms each step's norms at their own cadence, logging step or not."""
         if alarms is not None:
             self.alarms = TrainingAlarms(rows, alarms, device)
             clipping = None if clip is None else Clip(*clip)
@@ -243,11 +216,7 @@ class GradFlowTracker(HookOwner):
             self.registry.optimizer_step_post_hook(optimizer, self._after_step)
 
     def unstepped(self) -> tuple[str, ...]:
-        """Return the layers with a trainable parameter in none of the optimizers: never measured.
-
-        Returns:
-            The names of those layers.
-        """
+        """Return the layers with a trainable parameter in no optimizer, which are not measured."""
         return self._views.unstepped(self._optimizers)
 
     @torch.no_grad()
@@ -262,7 +231,7 @@ class GradFlowTracker(HookOwner):
         """Record the gradients ``optimizer`` (only its parameters) is about to apply.
 
         On a logging step the tracker measures them. On the steps the alarms' cadence names, the
-        :attr:`alarm_feed` hands their norms to the alarms, after the tracker.
+        :attr:`alarm_feed` then hands their norms to the alarms.
 
         Args:
             optimizer: the optimizer about to step.
@@ -293,14 +262,8 @@ class GradFlowTracker(HookOwner):
     ) -> Measured | None:
         """Measure a logging step's statistics of ``optimizer``'s layers into the accumulator.
 
-        Args:
-            optimizer: the optimizer about to step.
-            grad_scale: the AMP loss scale the output gradients carry, or ``None``.
-            param_grad_scale: the loss scale the parameter gradients still carry, or ``None``.
-            for_alarms: the alarms read this step too: return their copy of the norms.
-
         Returns:
-            The norms the alarms read, with ``for_alarms``; else ``None``.
+            With ``for_alarms``, the alarms' own copy of the norms; else ``None``.
         """
         view = self._views.view(optimizer)
         if not view.params:
@@ -323,16 +286,7 @@ class GradFlowTracker(HookOwner):
     def _grad_stats(
         self, view: OptimizerView, grads: list[torch.Tensor], *, weights: bool
     ) -> torch.Tensor:
-        """Return :func:`grad_stats` of the layers ``view`` steps, FSDP2 shards made whole.
-
-        Args:
-            view: the optimizer's view.
-            grads: the gradients of its parameters.
-            weights: also the weight norms.
-
-        Returns:
-            ``[rows, GRAD_STATS]`` statistics.
-        """
+        """Return ``[rows, GRAD_STATS]`` of the layers ``view`` steps, FSDP2 shards made whole."""
         params = [to_local(p) for p in view.params] if weights else None
         return grad_stats(
             grads, params, view.layer_index, shards=self.shards, workspace=self._workspace
@@ -378,59 +332,36 @@ class GradFlowTracker(HookOwner):
     def result(self) -> LayerTable:
         """Return the mean and max over the epoch's observed steps, reduced across ranks.
 
-        Two collectives.
-
-        Returns:
-            The epoch's table.
+        This makes two collectives.
         """
         self._outputs.drain()
         return self.accumulator.result()
 
     def start_copy(self, step: int) -> None:
-        """Start the copy of the values since the last logging step.
-
-        As :meth:`LayerStat.start_copy` does.
-
-        Args:
-            step: the logging step, returned with the copy by :meth:`take_copy`.
-        """
+        """Start the copy of the values since the last logging step, as ``LayerStat`` does."""
         self._outputs.drain()
         self.accumulator.start_copy(step)
 
     def take_copy(self, wait: bool) -> tuple[int, LayerTable] | None:
-        """Return the started copy's step and table (see :meth:`LayerStat.take_copy`).
+        """Return the started copy's ``(step, table)``; ``None`` when none is, or while copying.
 
         Args:
             wait: block until the copy is done.
-
-        Returns:
-            ``(step, table)`` of the started copy; ``None`` when none is, or while copying.
         """
         return self.accumulator.take_copy(wait)
 
     @property
     def copy_in_flight(self) -> bool:
-        """Say whether a started copy was not yet returned (see :attr:`LayerStat.copy_in_flight`).
-
-        Returns:
-            Whether a copy is in flight.
-        """
+        """Say whether a started copy was not yet returned."""
         return self.accumulator.copy_in_flight
 
     def host_state(self) -> dict[str, Any]:
-        """Return the epoch so far, reduced across ranks, on the host (for a checkpoint).
-
-        Returns:
-            The checkpoint state, by name.
-        """
+        """Return the epoch so far, reduced across ranks, on the host (for a checkpoint)."""
         self._outputs.drain()
         return self.accumulator.host_state()
 
     def load_host_state(self, state: dict[str, Any]) -> None:
         """Continue the epoch :meth:`host_state` saved.
-
-        Args:
-            state: what :meth:`host_state` returned, from a checkpoint.
 
         Raises:
             ValueError: the state was saved for other layers or statistics.
@@ -444,28 +375,15 @@ class GradFlowTracker(HookOwner):
         self._outputs.reset()
 
     def tags(self, result: LayerTable) -> dict[str, float]:
-        """Return ``grad_flow/{stat}/{layer}`` and ``grad_flow/global/{stat}``.
+        """Return ``grad_flow/{stat}/{layer}`` and ``grad_flow/global/{stat}`` by tag.
 
         They are the means, and the peaks as ``*_max`` (at most ``max_layers_logged`` layers, and
         percentiles over them all).
-
-        Args:
-            result: the epoch's table.
-
-        Returns:
-            The scalars, by tag.
         """
         return dict(grad_flow_scalars(result, self.max_layers_logged, step=False))
 
     def step_values(self, result: LayerTable) -> dict[str, float]:
-        """Return one logging step's :meth:`tags`, but the peaks (a step's mean is its value).
-
-        Args:
-            result: the logging step's table.
-
-        Returns:
-            The scalars, by tag.
-        """
+        """Return one logging step's :meth:`tags`, but the peaks (a step's mean is its value)."""
         return dict(grad_flow_scalars(result, self.max_layers_logged, step=True))
 
 
@@ -497,7 +415,7 @@ _PERCENTILES = (5, 50, 95)
 def grad_flow_scalars(
     stats: LayerTable, max_layers: int | None, *, step: bool
 ) -> Iterator[tuple[str, float]]:
-    """Yield the tagged scalars of a gradient-flow table, for an epoch or a logging step.
+    """Yield ``(tag, value)`` of a gradient-flow table, for an epoch or a logging step.
 
     They are the means per layer and over the model, the peaks and totals, and beyond
     ``max_layers`` layers percentiles over them all.
@@ -506,9 +424,6 @@ def grad_flow_scalars(
         stats: the gradient-flow table, the global row last.
         max_layers: the most layers logged one by one (``None``: all).
         step: a logging step's scalars, without the peaks (``*_max``); else an epoch's.
-
-    Yields:
-        ``(tag, value)`` of each scalar.
     """
     last = len(stats.layers) - 1  # the global row
     rows = logged_rows(stats, max_layers)
@@ -532,15 +447,10 @@ def grad_flow_scalars(
 
 
 def logged_rows(stats: LayerTable, max_layers: int | None) -> list[int]:
-    """Return the layer rows of ``stats`` to log.
+    """Return the layer rows of ``stats`` to log, at most ``max_layers`` (``None``: all).
 
-    Args:
-        stats: a gradient-flow table, the global row last.
-        max_layers: the most rows returned (``None``: all).
-
-    Returns:
-        All the layer rows, or the non-finite first, then half the largest and half the smallest
-        gradient norms.
+    Past that many, the non-finite rows come first, then half the places go to the largest
+    gradient norms and half to the smallest.
     """
     num_layers = len(stats.layers) - 1
     if max_layers is None or num_layers <= max_layers:

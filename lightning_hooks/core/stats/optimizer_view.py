@@ -1,7 +1,4 @@
-"""Say what each optimizer steps of a gradient-flow layout.
-
-Also the norms of its gradients and weights, and its update ratio.
-"""
+"""Say what each optimizer steps of a gradient-flow layout, its norms and its update ratio."""
 
 from __future__ import annotations
 
@@ -73,10 +70,7 @@ class OptimizerView:
 
     @property
     def cells(self) -> torch.Tensor | slice:
-        """:attr:`rows` as the accumulator takes them.
-
-        Every row, in order, as a slice (views of its states: no gather and scatter).
-        """
+        """:attr:`rows` as the accumulator takes them: a slice, with no gather, for every row."""
         return slice(None) if self.every_row else self.rows
 
     @property
@@ -89,7 +83,7 @@ class OptimizerView:
 
         Returns:
             ``[layers + 1, GRAD_STATS]``, false in the gradient columns of layers with no
-            gradient at this step (cached per pattern); ``None``: no gradient missing.
+            gradient at this step (cached per pattern); ``None`` if no gradient is missing.
         """
         missing = tuple([p.grad is None for p in self.params])  # one frame, not one per tensor
         if not any(missing):
@@ -113,15 +107,7 @@ _SECOND_MOMENT = ("exp_avg_sq", "square_avg", "sum", "exp_avg_sq_row")
 
 
 def adaptive(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> bool:
-    """Say whether ``optimizer`` keeps a second moment for the first of ``params``.
-
-    Args:
-        optimizer: the optimizer.
-        params: the parameters it steps.
-
-    Returns:
-        Whether the optimizer is adaptive.
-    """
+    """Say whether ``optimizer`` is adaptive: it keeps a second moment for ``params[0]``."""
     state = optimizer.state.get(params[0], {}) if params else {}
     return any(key in state for key in _SECOND_MOMENT)
 
@@ -154,16 +140,10 @@ class OptimizerViews:
         self.built: dict[int, OptimizerView] = {}  # by the optimizer's ``id``, as built
 
     def view(self, optimizer: torch.optim.Optimizer) -> OptimizerView:
-        """Return the view of ``optimizer``.
+        """Return the view of ``optimizer``, about to step.
 
         It is built anew when its param_groups change and after :meth:`clear` (a parameter
         unfrozen by ``requires_grad`` alone counts from there).
-
-        Args:
-            optimizer: the optimizer about to step.
-
-        Returns:
-            Its view.
         """
         view = self.current(optimizer)
         if view is None:
@@ -173,14 +153,7 @@ class OptimizerViews:
         return view
 
     def current(self, optimizer: torch.optim.Optimizer) -> OptimizerView | None:
-        """Return the view built at ``optimizer``'s last step, if its param_groups are unchanged.
-
-        Args:
-            optimizer: the optimizer.
-
-        Returns:
-            Its view, or ``None``.
-        """
+        """Return the view built at ``optimizer``'s last step, or ``None`` if its groups changed."""
         view = self.built.get(id(optimizer))
         if view is not None and view.key != _groups_key(optimizer):
             del self.built[id(optimizer)]
@@ -194,14 +167,7 @@ class OptimizerViews:
         self.generation += 1
 
     def unstepped(self, optimizers: Sequence[torch.optim.Optimizer]) -> tuple[str, ...]:
-        """Return the layers with a trainable parameter in none of ``optimizers``: never measured.
-
-        Args:
-            optimizers: every optimizer of the fit.
-
-        Returns:
-            The names of those layers.
-        """
+        """Return the layers with a trainable parameter in none of ``optimizers``: not measured."""
         held = set().union(*map(_held, optimizers))
         pairs = zip(self.layout.owner, self.layout.params, strict=True)
         rows = {o for o, p in pairs if p.requires_grad and id(p) not in held}
@@ -244,9 +210,6 @@ class OptimizerViews:
     def first_param(self, optimizer: torch.optim.Optimizer) -> nn.Parameter | None:
         """Return the parameter whose gradient tells whether ``optimizer`` zeroed its gradients.
 
-        Args:
-            optimizer: the optimizer.
-
         Returns:
             Its first tracked parameter, or ``None`` where it steps none.
         """
@@ -257,14 +220,7 @@ class OptimizerViews:
         return next((p for p in self.layout.params if id(p) in held), None)
 
     def layers(self, optimizer: torch.optim.Optimizer) -> frozenset[int]:
-        """Return the layout rows ``optimizer`` steps (before a view: those in its param_groups).
-
-        Args:
-            optimizer: the optimizer.
-
-        Returns:
-            The rows.
-        """
+        """Return the layout rows ``optimizer`` steps (before a view: those in its param_groups)."""
         view = self.current(optimizer)  # a param_groups change bumps the generation
         if view is not None:
             return view.layer_ids
@@ -290,16 +246,7 @@ class ViewNorms:
     def norms(
         self, view: OptimizerView, grads: list[torch.Tensor], *, weights: bool
     ) -> torch.Tensor:
-        """Return the gradient (and with ``weights`` weight) L2 norms; other columns NaN.
-
-        Args:
-            view: the optimizer's view.
-            grads: the gradients of its parameters.
-            weights: also the weight norms.
-
-        Returns:
-            ``[rows, GRAD_STATS]`` statistics.
-        """
+        """Return ``[rows, GRAD_STATS]``: gradient (and with ``weights`` weight) norms, else NaN."""
         norms = [param_norms(grads, self.workspace)]
         if weights:
             norms.append(param_norms([to_local(p) for p in view.params], self.workspace))
@@ -313,14 +260,7 @@ class ViewNorms:
         return stats
 
     def weight_norms(self, view: OptimizerView) -> torch.Tensor:
-        """Return the weight norms of ``view`` (the alarms' diagnosis).
-
-        Args:
-            view: the optimizer's view.
-
-        Returns:
-            ``[rows]`` weight norms.
-        """
+        """Return the ``[rows]`` weight norms of ``view``, for the alarms' diagnosis."""
         norms = param_norms([to_local(p) for p in view.params], self.workspace)
         if self.shards is not None:
             (norms,) = self.shards.reduce(norms=[norms]).norms
@@ -346,12 +286,7 @@ class UpdateRatio:
 
     @staticmethod
     def keep(view: OptimizerView, weight_norm: torch.Tensor) -> None:
-        """Copy the weights ``view`` steps, and their norms, before the step.
-
-        Args:
-            view: the optimizer's view, which keeps the copy.
-            weight_norm: the weights' norms per row.
-        """
+        """Keep in ``view`` a copy of its weights and their norms per row, before the step."""
         internals.foreach_copy_(view.before, [to_local(p) for p in view.params])
         view.weight_norm = weight_norm
 
@@ -364,13 +299,7 @@ class UpdateRatio:
     ) -> None:
         """Record each layer's ratio after the step, and the alarms' *stall* reading.
 
-        The stall reading is taken for an adaptive optimizer only.
-
-        Args:
-            optimizer: the optimizer that stepped.
-            view: its view, with the weights kept before the step.
-            alarms: the alarms given the stall reading (``None``: none).
-            step: the step, which the stall reading is recorded at.
+        The stall reading is taken, at ``step``, for an adaptive optimizer only.
         """
         if view.weight_norm is None:
             return
