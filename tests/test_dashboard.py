@@ -92,6 +92,32 @@ def test_max_layers_logged_keeps_the_extremes_and_logs_percentiles(tmp_path: Pat
     assert not any("_p50" in t for t in full), "no percentiles below the bound"
 
 
+class SpareMLP(TinyMLP):
+    """TinyMLP with two layers its forward never runs: they get no gradient at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+
+def test_layers_without_a_gradient_take_no_place_among_the_layers_logged(tmp_path: Path) -> None:
+    pl.seed_everything(7, verbose=False)
+    full = GradFlowCallback(max_layers_logged=None, chart=False)
+    make_trainer(tmp_path / "full", callbacks=[full]).fit(SpareMLP())
+    pl.seed_everything(7, verbose=False)
+    bounded = GradFlowCallback(max_layers_logged=2, chart=False)
+    make_trainer(tmp_path / "bounded", callbacks=[bounded]).fit(SpareMLP())
+    norms = {
+        t.rsplit("/", 1)[1]: v[-1][1]
+        for t, v in read_scalars(tmp_path / "full").items()
+        if "/grad_norm/" in t
+    }
+    assert set(norms) == {"net.0", "net.2", "net.4"}  # the spare layers have no value
+    extremes = {min(norms, key=norms.__getitem__), max(norms, key=norms.__getitem__)}
+    logged = {t.rsplit("/", 1)[1] for t in read_scalars(tmp_path / "bounded") if "/grad_norm/" in t}
+    assert logged == extremes
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])
 def test_max_layers_logged_is_validated(bad: Any) -> None:
     with pytest.raises(

@@ -450,15 +450,19 @@ def logged_rows(stats: LayerTable, max_layers: int | None) -> list[int]:
     """Return the layer rows of ``stats`` to log, at most ``max_layers`` (``None``: all).
 
     Past that many, the non-finite rows come first, then half the places go to the largest
-    gradient norms and half to the smallest.
+    gradient norms and half to the smallest. A layer that got no gradient has no value to log,
+    and takes no place.
     """
     num_layers = len(stats.layers) - 1
     if max_layers is None or num_layers <= max_layers:
         return list(range(num_layers))
     norm = stats.column("grad_norm")[:num_layers]
+    measured = stats.count[:num_layers, stats.stats.index("grad_norm")] > 0
     nonfinite = stats.column("grad_nonfinite", "total")[:num_layers]
-    bad = [int(i) for i in np.flatnonzero((nonfinite > 0) | ~np.isfinite(norm))][:max_layers]
-    order = [int(i) for i in np.argsort(np.where(np.isfinite(norm), norm, np.inf)) if i not in bad]
+    bad_rows = measured & ((nonfinite > 0) | ~np.isfinite(norm))
+    bad = [int(i) for i in np.flatnonzero(bad_rows)][:max_layers]
+    by_norm = np.argsort(np.where(np.isfinite(norm), norm, np.inf))
+    order = [int(i) for i in by_norm if measured[i] and i not in bad]
     top = (max_layers - len(bad)) // 2
     smallest = order[: max_layers - len(bad) - top]
     largest = order[len(order) - top :] if top else []
