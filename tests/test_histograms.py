@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.plugins import MixedPrecision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
@@ -113,3 +114,31 @@ def test_histograms_count_every_optimizer_step_not_only_the_logging_steps(tmp_pa
         first_epoch = recorder.grads[layer][:4]
         # the 4 steps of the first epoch, not only its 2 logging steps (0 and 2)
         assert hist.num == sum(grads.size for grads in first_epoch)
+
+
+class FusedMLP(TinyMLP):
+    """TinyMLP stepped by a fused Adam, which unscales the gradients inside its step."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3, fused=True)
+
+
+def test_histograms_of_a_fused_optimizer_under_a_grad_scaler_count_the_unscaled_gradients(
+    tmp_path: Path,
+) -> None:
+    # Lightning's own 16-mixed plugin with a real GradScaler on the CPU: Lightning leaves a
+    # fused optimizer's gradients scaled (by 1024, a power of two: the division is exact).
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    recorder = GradRecorder()
+    callback = GradFlowCallback(histograms=True)
+    make_trainer(tmp_path, callbacks=[recorder, callback], plugins=[plugin]).fit(FusedMLP())
+    edges = LOG10_EDGES.double().numpy()
+    histograms = read_histograms(tmp_path)
+    for layer in LAYERS:
+        (_, hist), *_ = histograms[f"grad_flow/grad_log10_abs/{layer}"]
+        grads = np.concatenate(recorder.grads[layer][:4]) / np.float32(1024.0)
+        with np.errstate(divide="ignore"):
+            logs = np.log10(np.abs(grads).astype(np.float32))
+        expected = np.bincount(np.digitize(logs, edges), minlength=len(edges) + 1)
+        assert list(hist.bucket) == expected.tolist()

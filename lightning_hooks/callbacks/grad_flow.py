@@ -364,14 +364,16 @@ class _Fit:
         scale = internals.grad_scaler_scale(scaler) if enabled else None  # no host sync
         # Lightning does not unscale for optimizers that unscale inside their step (fused).
         fused = scale is not None and internals.steps_unscale_themselves(optimizer)
+        param_grad_scale = scale if fused else None
         self.tracker.observe(
             optimizer,
             grad_scale=scale,
-            param_grad_scale=scale if fused else None,
+            param_grad_scale=param_grad_scale,
             step=trainer.global_step,
         )
         if self.gradient_histograms is not None:
-            observe_histograms(self.gradient_histograms, self.tracker.layout, optimizer)
+            layout = self.tracker.layout
+            observe_histograms(self.gradient_histograms, layout, optimizer, param_grad_scale)
         if self.training_alarms is None:
             return
         found = self.training_alarms.poll(wait=self.policy.wait)
