@@ -20,13 +20,13 @@ from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
 from lightning_hooks.callbacks.stats import nothing_to_watch, selection_state_key
-from lightning_hooks.callbacks.trainer import TrainerView
+from lightning_hooks.callbacks.trainer import TrainerView, enabled_grad_scaler, gradient_clipping
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, checks
 from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
-from lightning_hooks.core.stats.grad_flow import Clip, counts_the_model_itself, layers_of
+from lightning_hooks.core.stats.grad_flow import counts_the_model_itself, layers_of
 from lightning_hooks.core.stats.stability import Result as StabilityResult
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
@@ -254,8 +254,7 @@ class GradFlowCallback(HookCallback):
         If no optimizer steps some layer, this warns once and names the layer. If that warning
         is raised as an error, the tracker's hooks come off first.
         """
-        clip = trainer.gradient_clip_val
-        algorithm = trainer.gradient_clip_algorithm or "norm"
+        clip = gradient_clipping(trainer)
         tracker = GradFlowTracker(
             pl_module,
             trainer.optimizers,
@@ -264,9 +263,9 @@ class GradFlowCallback(HookCallback):
             exclude=self.exclude,
             update_ratio=self.update_ratio,
             output_grad=self.output_grad,
-            post_clip=bool(clip),
+            post_clip=clip is not None,
             alarms=self.alarms,
-            clip=Clip(float(clip), str(getattr(algorithm, "value", algorithm))) if clip else None,
+            clip=clip,
             max_layers_logged=self.max_layers_logged,
             guard=self.hook_guard(),
         )
@@ -359,9 +358,8 @@ class _Fit:
 
         The gradients are unscaled by the trainer's GradScaler scale, if it has one.
         """
-        scaler: Any = getattr(trainer.strategy.precision_plugin, "scaler", None)
-        enabled = scaler is not None and scaler.is_enabled()
-        scale = internals.grad_scaler_scale(scaler) if enabled else None  # no host sync
+        scaler = enabled_grad_scaler(trainer)
+        scale = None if scaler is None else internals.grad_scaler_scale(scaler)  # no host sync
         # Lightning does not unscale for optimizers that unscale inside their step (fused).
         fused = scale is not None and internals.steps_unscale_themselves(optimizer)
         param_grad_scale = scale if fused else None

@@ -19,6 +19,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_hooks.core.stats.alarm_feed import Clip
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import shadow_hooks, tensor_parallel_size, unshadow_hooks
 from lightning_hooks.logging import shows_pictures
@@ -30,6 +31,8 @@ __all__ = [
     "SHARDED_STRATEGIES",
     "TrainerView",
     "check_trainer",
+    "enabled_grad_scaler",
+    "gradient_clipping",
     "inherits_empty_hook",
     "lightning_module_of",
     "restore_inherited",
@@ -331,3 +334,37 @@ def restore_inherited(callback: pl.Callback) -> None:
         callback: the callback whose hooks :func:`skip_inherited` shadowed.
     """
     unshadow_hooks(callback)
+
+
+def enabled_grad_scaler(trainer: TrainerView) -> torch.amp.GradScaler | None:
+    """Return the GradScaler of the Trainer's precision plugin, if it has one that is enabled.
+
+    Under fp16 AMP the gradients carry its loss scale until it unscales them.
+
+    Args:
+        trainer: the trainer, whose strategy's precision plugin may hold a ``scaler``.
+
+    Returns:
+        The scaler, or ``None`` without one or with one disabled.
+    """
+    scaler: torch.amp.GradScaler | None = getattr(trainer.strategy.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return scaler
+
+
+def gradient_clipping(trainer: TrainerView) -> Clip | None:
+    """Return the gradient clipping the Trainer applies, or ``None`` without one.
+
+    Args:
+        trainer: the trainer, whose ``gradient_clip_val`` and ``gradient_clip_algorithm`` are
+            read. Lightning's algorithm is an enum whose value is ``"norm"`` or ``"value"``.
+
+    Returns:
+        The bound and the algorithm's name.
+    """
+    bound = trainer.gradient_clip_val
+    if not bound:
+        return None
+    algorithm = trainer.gradient_clip_algorithm or "norm"
+    return Clip(float(bound), str(getattr(algorithm, "value", algorithm)))
