@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from lightning_hooks.core.checks import choice, named_arguments
-from lightning_hooks.core.stats.stat import LayerStat
+from lightning_hooks.core.stats.stat import RowStates
 from lightning_hooks.core.transport import rank
 from lightning_hooks.tags import family_tag
 
@@ -82,10 +82,10 @@ class LayerTable:
         return table[:, self.stats.index(stat)]
 
 
-class LayerStatsAccumulator(LayerStat[LayerTable]):
+class LayerStatsAccumulator(RowStates[LayerTable]):
     """Accumulate the sum, max and count of ``[layers, stats]`` values fed by :meth:`update`.
 
-    No hooks: the caller feeds every value.
+    It holds no hooks: the caller feeds every value.
 
     Args:
         layers: the row names.
@@ -210,7 +210,7 @@ class LayerStatsAccumulator(LayerStat[LayerTable]):
         return {**super().host_state(), "stats": list(self.stats)}
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`host_state` (see :meth:`LayerStat.load_host_state`).
+        """Restore :meth:`host_state` (see :meth:`RowStates.load_host_state`).
 
         Args:
             state: what :meth:`host_state` returned, from a checkpoint.

@@ -94,8 +94,21 @@ _POOL: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {  # the ranks' copie
 }
 
 
-class RowStates:
-    """Hold per-layer states: declared, grown a row at a time, aligned and reduced across ranks."""
+_COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+"""How an epoch folds its logging steps' states together, by reduce."""
+
+
+class RowStates(ABC, Generic[R]):
+    """Hold per-layer states and their logging steps, and turn them into a result ``R``.
+
+    The states are declared (:meth:`add_layer_state`), grown a row at a time, aligned and
+    reduced across ranks in one collective. Each logging step's states are copied to the host
+    without waiting (:meth:`start_copy`, then :meth:`take_copy`) and folded into the epoch, which
+    checkpoints save (:meth:`host_state`). A subclass implements :meth:`summarize` and
+    :meth:`tags`, and feeds the states itself, as
+    :class:`~lightning_hooks.core.stats.accumulator.LayerStatsAccumulator` does, or through
+    module hooks, as :class:`LayerStat` does.
+    """
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
@@ -105,6 +118,10 @@ class RowStates:
         self._starts: list[int] = []  # where each row's entries begin in the per-unit states
         self._aligned = 0  # rows every rank has, in the same order (see align_rows)
         self._counts: dict[str, dict[int, int]] = {}  # host-side counts by state (see tally)
+        self._hooked: tuple[str, ...] = ()  # modules hooked: a saved row's name may start with one
+        self._epoch: dict[str, np.ndarray] | None = None
+        self._host_copy: HostCopy | None = None
+        self._ready: list[tuple[int, dict[str, np.ndarray]]] = []  # folded, not yet read
 
     @named_arguments
     def add_layer_state(  # noqa: PLR0913 (torchmetrics' add_state: one keyword per option)
@@ -332,178 +349,6 @@ class RowStates:
             if spec.reduce != "same":
                 getattr(self, spec.name).fill_(spec.identity)
 
-
-_COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
-
-
-@named_arguments
-class LayerStat(RowStates, HookOwner, ABC, Generic[R]):
-    """Base of every per-layer statistic: states on the model's device, one collective, one copy.
-
-    Subclasses declare states in ``__init__`` (:meth:`add_layer_state`, ...) and implement
-    :meth:`observe` (or :meth:`hook_module`), :meth:`summarize` and :meth:`tags`; the base owns
-    the hooks, the reduce across ranks, reset and the checkpoint state.
-
-    In the words of torchmetrics' ``Metric``: :meth:`observe` is ``update``, called for each
-    layer's output; :meth:`summarize` is ``compute``, given the states already reduced across
-    ranks (``sync``); :meth:`reset` is ``reset``. What ``Metric`` does not have: a logging step's
-    states are copied to the host without waiting (:meth:`start_copy`, then :meth:`take_copy`),
-    and the epoch so far is saved in checkpoints (:meth:`host_state`).
-
-    Args:
-        selection: which modules to hook (``None``: none; rows are made by the caller).
-
-    Example:
-        >>> class Peak(LayerStat[dict[str, float]]):
-        ...     def __init__(self) -> None:
-        ...         super().__init__(Selection.of("Peak", types=nn.Linear))
-        ...         self.add_layer_state("peak", reduce="max")
-        ...     def observe(self, name, module, output):
-        ...         row = self.row(name)
-        ...         self.peak[row] = torch.maximum(self.peak[row], output.detach().abs().max())
-        ...     def summarize(self, states):
-        ...         return dict(zip(self.layers, states["peak"].tolist()))
-        ...     def tags(self, result):
-        ...         return {f"peak/{k}": v for k, v in result.items()}
-        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
-        >>> with Peak().attach(model) as stat:
-        ...     _ = model(torch.ones(3, 2))
-        ...     sorted(stat.tags(stat.result()))
-        ['peak/0', 'peak/2']
-    """
-
-    def __init__(self, selection: Selection | None = None) -> None:
-        super().__init__()
-        self.selection = selection
-        self.registry: HookRegistry | None = None
-        self._hooked: tuple[str, ...] = ()
-        self._pending: Pending[Any] = Pending()  # small outputs' snapshots (see _defer)
-        self._snapshots: Snapshots | None = None  # shared with the registry's other statistics
-        self._epoch: dict[str, np.ndarray] | None = None
-        self._host_copy: HostCopy | None = None
-        self._ready: list[tuple[int, dict[str, np.ndarray]]] = []  # folded, not yet read
-
-    def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> Self:
-        """Forget every row and hook ``model``.
-
-        Args:
-            model: the model whose selected modules are hooked; its device is the states'.
-            registry: the registry the hooks go on (``None``: a new one on ``model``).
-
-        Returns:
-            ``self``, a context manager.
-        """
-        check_module(type(self).__name__, "model", model)
-        self.remove()
-        self._epoch = None
-        self._host_copy = None
-        self._ready = []
-        params = itertools.chain(model.parameters(), model.buffers())
-        device = next((t.device for t in params), torch.device("cpu"))
-        self._drop_rows(device)
-        self.to(device)
-        self.registry = HookRegistry(model) if registry is None else registry
-        self._snapshots = self.registry.shared.snapshots
-        chosen = {name for name, _ in self.select(model)}
-        # The registry warns once about selected modules that run no Python hooks.
-        selected = self.registry.modules(where=lambda name, _: name in chosen)
-        self._hooked = tuple(name for name, _ in selected)
-        for name, module in selected:
-            self.hook_module(self.registry, name, module)
-        self._attached(model, self.registry)
-        return self
-
-    def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
-        """Set up what needs the hooked model (runs last in :meth:`attach`)."""
-
-    def config_key(self) -> str:
-        """Return what tells two instances' checkpoint states apart.
-
-        Returns:
-            A key made of the class and the selection.
-        """
-        return f"{type(self).__name__}:{self.selection!r}"
-
-    def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        """Return the modules to hook: :attr:`selection`'s (override to add others).
-
-        Args:
-            model: the model the modules are selected from.
-
-        Returns:
-            ``(name, module)`` of each module to hook.
-        """
-        return [] if self.selection is None else self.selection.modules(model)
-
-    def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
-        """Register the hooks of one selected module: a gated forward hook by default.
-
-        Args:
-            registry: the registry the hooks go on.
-            name: the module's qualified name, its row's name.
-            module: the module hooked.
-        """
-        registry.forward_hook(module, self._forward_hook(name), gated=True)
-
-    def _forward_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
-        """Return the forward hook of module ``name``, which observes its training outputs."""
-
-        def hook(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
-            if not is_training_forward(module):  # grad is enabled past here
-                return
-            with torch.no_grad():
-                self.observe(name, module, output)
-
-        return hook
-
-    def observe(self, name: str, module: nn.Module, output: object) -> None:
-        """Measure one training output of module ``name`` into the states (no host sync).
-
-        Args:
-            name: the module's qualified name, its row's name.
-            module: the module that ran.
-            output: what the module returned.
-
-        Raises:
-            NotImplementedError: a subclass hooks with the default forward hook but does not
-                implement it.
-        """
-        raise NotImplementedError
-
-    def _defer(self, key: Hashable, row: int, snapshot: torch.Tensor) -> None:
-        """Hold a small output's ``snapshot`` for ``row``, stacked by ``key`` at :meth:`drain`."""
-        if self._pending.add(key, row, snapshot):
-            self.drain()
-
-    def _snapshot(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Return a copy of an output to :meth:`_defer`, before an in-place op overwrites it.
-
-        There is one copy for every statistic on the model, whichever callback holds it
-        (:class:`~.tensors.Snapshots`).
-        """
-        if self._snapshots is None:
-            return tensor.detach().clone()
-        return self._snapshots.copy(tensor)
-
-    def _drain_pending(self) -> Iterator[tuple[Any, list[int], torch.Tensor]]:
-        """Yield the held snapshots, a stack per key (:meth:`Pending.drain`).
-
-        The shared copies are let go (each holder keeps its own).
-        """
-        if self._snapshots is not None:
-            self._snapshots.clear()
-        return self._pending.drain()
-
-    def remove(self) -> None:
-        """Remove every hook, the registry and snapshots not yet measured (idempotent)."""
-        self._pending.clear()
-        if self._snapshots is not None:
-            self._snapshots.clear()
-            self._snapshots = None
-        if self.registry is not None:
-            self.registry.remove()
-            self.registry = None
-
     def start_copy(self, step: int) -> None:
         """End a logging step: reduce its values across ranks and start their host copy.
 
@@ -676,3 +521,168 @@ class LayerStat(RowStates, HookOwner, ABC, Generic[R]):
             epoch[name] = saved.double().numpy().copy()
         self._reset_window()
         self._epoch = epoch
+
+
+@named_arguments
+class LayerStat(RowStates[R], HookOwner):
+    """Base of every per-layer statistic: states on the model's device, one collective, one copy.
+
+    Subclasses declare states in ``__init__`` (:meth:`add_layer_state`, ...) and implement
+    :meth:`observe` (or :meth:`hook_module`), :meth:`summarize` and :meth:`tags`; the base owns
+    the hooks, the reduce across ranks, reset and the checkpoint state.
+
+    In the words of torchmetrics' ``Metric``: :meth:`observe` is ``update``, called for each
+    layer's output; :meth:`summarize` is ``compute``, given the states already reduced across
+    ranks (``sync``); :meth:`reset` is ``reset``. What ``Metric`` does not have: a logging step's
+    states are copied to the host without waiting (:meth:`start_copy`, then :meth:`take_copy`),
+    and the epoch so far is saved in checkpoints (:meth:`host_state`).
+
+    Args:
+        selection: which modules to hook (``None``: none; rows are made by the caller).
+
+    Example:
+        >>> class Peak(LayerStat[dict[str, float]]):
+        ...     def __init__(self) -> None:
+        ...         super().__init__(Selection.of("Peak", types=nn.Linear))
+        ...         self.add_layer_state("peak", reduce="max")
+        ...     def observe(self, name, module, output):
+        ...         row = self.row(name)
+        ...         self.peak[row] = torch.maximum(self.peak[row], output.detach().abs().max())
+        ...     def summarize(self, states):
+        ...         return dict(zip(self.layers, states["peak"].tolist()))
+        ...     def tags(self, result):
+        ...         return {f"peak/{k}": v for k, v in result.items()}
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+        >>> with Peak().attach(model) as stat:
+        ...     _ = model(torch.ones(3, 2))
+        ...     sorted(stat.tags(stat.result()))
+        ['peak/0', 'peak/2']
+    """
+
+    def __init__(self, selection: Selection | None = None) -> None:
+        super().__init__()
+        self.selection = selection
+        self.registry: HookRegistry | None = None
+        self._pending: Pending[Any] = Pending()  # small outputs' snapshots (see _defer)
+        self._snapshots: Snapshots | None = None  # shared with the registry's other statistics
+
+    def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> Self:
+        """Forget every row and hook ``model``.
+
+        Args:
+            model: the model whose selected modules are hooked; its device is the states'.
+            registry: the registry the hooks go on (``None``: a new one on ``model``).
+
+        Returns:
+            ``self``, a context manager.
+        """
+        check_module(type(self).__name__, "model", model)
+        self.remove()
+        self._epoch = None
+        self._host_copy = None
+        self._ready = []
+        params = itertools.chain(model.parameters(), model.buffers())
+        device = next((t.device for t in params), torch.device("cpu"))
+        self._drop_rows(device)
+        self.to(device)
+        self.registry = HookRegistry(model) if registry is None else registry
+        self._snapshots = self.registry.shared.snapshots
+        chosen = {name for name, _ in self.select(model)}
+        # The registry warns once about selected modules that run no Python hooks.
+        selected = self.registry.modules(where=lambda name, _: name in chosen)
+        self._hooked = tuple(name for name, _ in selected)
+        for name, module in selected:
+            self.hook_module(self.registry, name, module)
+        self._attached(model, self.registry)
+        return self
+
+    def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
+        """Set up what needs the hooked model (runs last in :meth:`attach`)."""
+
+    def config_key(self) -> str:
+        """Return what tells two instances' checkpoint states apart.
+
+        Returns:
+            A key made of the class and the selection.
+        """
+        return f"{type(self).__name__}:{self.selection!r}"
+
+    def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """Return the modules to hook: :attr:`selection`'s (override to add others).
+
+        Args:
+            model: the model the modules are selected from.
+
+        Returns:
+            ``(name, module)`` of each module to hook.
+        """
+        return [] if self.selection is None else self.selection.modules(model)
+
+    def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
+        """Register the hooks of one selected module: a gated forward hook by default.
+
+        Args:
+            registry: the registry the hooks go on.
+            name: the module's qualified name, its row's name.
+            module: the module hooked.
+        """
+        registry.forward_hook(module, self._forward_hook(name), gated=True)
+
+    def _forward_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+        """Return the forward hook of module ``name``, which observes its training outputs."""
+
+        def hook(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
+            if not is_training_forward(module):  # grad is enabled past here
+                return
+            with torch.no_grad():
+                self.observe(name, module, output)
+
+        return hook
+
+    def observe(self, name: str, module: nn.Module, output: object) -> None:
+        """Measure one training output of module ``name`` into the states (no host sync).
+
+        Args:
+            name: the module's qualified name, its row's name.
+            module: the module that ran.
+            output: what the module returned.
+
+        Raises:
+            NotImplementedError: a subclass hooks with the default forward hook but does not
+                implement it.
+        """
+        raise NotImplementedError
+
+    def _defer(self, key: Hashable, row: int, snapshot: torch.Tensor) -> None:
+        """Hold a small output's ``snapshot`` for ``row``, stacked by ``key`` at :meth:`drain`."""
+        if self._pending.add(key, row, snapshot):
+            self.drain()
+
+    def _snapshot(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Return a copy of an output to :meth:`_defer`, before an in-place op overwrites it.
+
+        There is one copy for every statistic on the model, whichever callback holds it
+        (:class:`~.tensors.Snapshots`).
+        """
+        if self._snapshots is None:
+            return tensor.detach().clone()
+        return self._snapshots.copy(tensor)
+
+    def _drain_pending(self) -> Iterator[tuple[Any, list[int], torch.Tensor]]:
+        """Yield the held snapshots, a stack per key (:meth:`Pending.drain`).
+
+        The shared copies are let go (each holder keeps its own).
+        """
+        if self._snapshots is not None:
+            self._snapshots.clear()
+        return self._pending.drain()
+
+    def remove(self) -> None:
+        """Remove every hook, the registry and snapshots not yet measured (idempotent)."""
+        self._pending.clear()
+        if self._snapshots is not None:
+            self._snapshots.clear()
+            self._snapshots = None
+        if self.registry is not None:
+            self.registry.remove()
+            self.registry = None
