@@ -232,8 +232,7 @@ class _MemoryProbe(pl.Callback):
         params = {id(p) for p in args[1].parameters()}
         self.bytes.append(_storage_bytes(t for t in held if id(t) not in params))
         tracker = self.watched._fit.tracker  # type: ignore[attr-defined]
-        states = tracker.accumulator
-        self.accumulator.append(sum(getattr(states, n).numel() for n in states.specs))
+        self.accumulator.append(sum(getattr(tracker, n).numel() for n in tracker.specs))
         self.alarm_bytes.append(_storage_bytes(_held_tensors(tracker.alarms).values()))
 
 

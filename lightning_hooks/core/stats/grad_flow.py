@@ -7,7 +7,7 @@ percentiles over the layers, and which layers are logged one by one.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -114,7 +114,7 @@ def _check_args(
 
 
 @named_arguments
-class GradFlowTracker(HookOwner):
+class GradFlowTracker(LayerStatsAccumulator, HookOwner):
     """Track per-layer gradient flow (:data:`GRAD_FLOW_STATS`) over optimizer steps, no host sync.
 
     Call :meth:`observe` just before ``optimizer.step()`` and any clipping, on every rank. The
@@ -122,10 +122,11 @@ class GradFlowTracker(HookOwner):
     after the optimizer step. While ``registry.logging_step`` is ``False`` nothing is measured,
     except what the alarms read at their own cadence.
 
-    Its states belong to one :class:`~.accumulator.LayerStatsAccumulator`, filled by the
-    gradient read, the output gradients' hooks and the update ratio. Its copies, result, tags
-    and checkpoint state follow :class:`~.stat.LayerStat`, so a callback logs and saves it like
-    any other statistic. It hooks ``model`` when it is made.
+    It is a :class:`~.accumulator.LayerStatsAccumulator` of one row per layer, then the global
+    row, and one column per statistic, filled by the gradient read, the output gradients' hooks
+    and the update ratio. So its logging steps' copies, its result and its checkpoint state are
+    those of every statistic, and a callback logs and saves it like any other. It hooks
+    ``model`` when it is made.
 
     Args:
         model: the model to track.
@@ -188,7 +189,8 @@ class GradFlowTracker(HookOwner):
             raise ValueError(f"GradFlowTracker: no selected module owns a parameter ({chosen})")
         device = self.layout.index.device
         rows = (*self.layout.layers, GLOBAL)
-        self.accumulator = LayerStatsAccumulator(rows, GRAD_FLOW_STATS).to(device)
+        super().__init__(rows, GRAD_FLOW_STATS)
+        self.to(device)
         self.max_layers_logged = max_layers_logged
         # FSDP2: parameters are DTensors; statistics of their shards are made whole per step.
         self.shards = ShardPlan.from_params(self.layout.params)
@@ -196,8 +198,8 @@ class GradFlowTracker(HookOwner):
         self._norms = ViewNorms(self.shards, self._workspace)
         self._optimizers = optimizers
         self._views = OptimizerViews(self.layout, update_ratio=update_ratio)
-        self._outputs = OutputGradients(self.accumulator, _OUTPUT, self._optimizers, self._views)
-        self._updates = UpdateRatio(self.accumulator, _UPDATE, self.shards)
+        self._outputs = OutputGradients(self, _OUTPUT, self._optimizers, self._views)
+        self._updates = UpdateRatio(self, _UPDATE, self.shards)
         self._output_grad = output_grad
         self._post_clip = post_clip
         self._step = 0  # the last observe's step (the post-hook's)
@@ -307,9 +309,9 @@ class GradFlowTracker(HookOwner):
         if self._post_clip:  # the gradient the optimizer applies is read in the step post-hook
             cells = None if valid is None else valid[:, [NORM, _WEIGHT]]
             values = stats[:, [NORM, _WEIGHT]]
-            self.accumulator.update(values, [_PRECLIP, _WEIGHT], view.cells, cells, replicated=True)
+            self.update(values, [_PRECLIP, _WEIGHT], view.cells, cells, replicated=True)
         else:
-            self.accumulator.update(stats, _ALL, view.cells, valid, replicated=True)
+            self.update(stats, _ALL, view.cells, valid, replicated=True)
         if self._views.update_ratio:
             self._updates.keep(view, stats[:, _WEIGHT])
         if self._output_grad:
@@ -326,53 +328,23 @@ class GradFlowTracker(HookOwner):
             valid = view.valid()
             stats = self._grad_stats(view, ParamLayout.grads(view.params), weights=False)
             cells = None if valid is None else valid[:, _GRAD]
-            self.accumulator.update(stats[:, _GRAD], _GRAD, view.cells, cells, replicated=True)
+            self.update(stats[:, _GRAD], _GRAD, view.cells, cells, replicated=True)
         self._updates.record(optimizer, view, self.alarms, self._step)
 
-    def result(self) -> LayerTable:
-        """Return the mean and max over the epoch's observed steps, reduced across ranks.
+    def drain(self) -> None:
+        """Add the output gradients of the steps since the last reduce, then the host's counts.
 
-        This makes two collectives.
+        The output gradients are summed across ranks here, so every reduce (:meth:`start_copy`,
+        :meth:`result`, :meth:`host_state`) reads them.
         """
         self._outputs.drain()
-        return self.accumulator.result()
-
-    def start_copy(self, step: int) -> None:
-        """Start the copy of the values since the last logging step, as ``LayerStat`` does."""
-        self._outputs.drain()
-        self.accumulator.start_copy(step)
-
-    def take_copy(self, wait: bool) -> tuple[int, LayerTable] | None:
-        """Return the started copy's ``(step, table)``; ``None`` when none is, or while copying.
-
-        Args:
-            wait: block until the copy is done.
-        """
-        return self.accumulator.take_copy(wait)
-
-    @property
-    def copy_in_flight(self) -> bool:
-        """Say whether a started copy was not yet returned."""
-        return self.accumulator.copy_in_flight
-
-    def host_state(self) -> dict[str, Any]:
-        """Return the epoch so far, reduced across ranks, on the host (for a checkpoint)."""
-        self._outputs.drain()
-        return self.accumulator.host_state()
-
-    def load_host_state(self, state: dict[str, Any]) -> None:
-        """Continue the epoch :meth:`host_state` saved.
-
-        Raises:
-            ValueError: the state was saved for other layers or statistics.
-        """
-        self.accumulator.load_host_state(state)
+        super().drain()
 
     def reset(self) -> None:
         """Start a new accumulation period (an epoch); parameters are looked up afresh."""
-        self.accumulator.reset()
+        self._outputs.reset()  # the output gradients not yet reduced belong to the old period
+        super().reset()
         self._views.clear()
-        self._outputs.reset()
 
     def tags(self, result: LayerTable) -> dict[str, float]:
         """Return ``grad_flow/{stat}/{layer}`` and ``grad_flow/global/{stat}`` by tag.
