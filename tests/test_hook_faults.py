@@ -30,6 +30,7 @@ from lightning_hooks import (
 )
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.core.hooks.guard import STRICT_ENV, guarded
+from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats import output_grad
 from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
 from lightning_hooks.core.stats.grad_flow import GradFlowTracker
@@ -144,6 +145,10 @@ KINDS = {
     ),
     # A fit's set-up that fails after the tracker hooked the model: its hooks come off too.
     "set-up": Fault(StabilityStats, "attach", "GradFlowCallback", "on_train_start hook"),
+    # The tracker's own construction, failing after its output-gradient hooks went on.
+    "tracker's construction": Fault(
+        HookRegistry, "optimizer_step_post_hook", "GradFlowCallback", "on_train_start hook"
+    ),
     "state_dict": Fault(GradFlowCallback, "state_dict", "GradFlowCallback", "state_dict hook"),
     "on_train_end": Fault(
         GradFlowCallback, "on_train_end", "GradFlowCallback", "on_train_end hook"

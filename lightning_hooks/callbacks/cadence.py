@@ -60,9 +60,9 @@ class LoggingCadence:
 
     def logs(self, trainer: TrainerView, step: int) -> bool:
         """Tell whether optimizer step ``step`` is a logging step by the cadence alone."""
-        every = getattr(
-            trainer, "log_every_n_steps", 50
-        )  # Lightning sets it; TrainerView does not declare it
+        # Lightning sets log_every_n_steps on its Trainer (50 by default); TrainerView does not
+        # declare it.
+        every = getattr(trainer, "log_every_n_steps", 50)
         cadence = self.every_n_steps or max(1, int(every))
         return (step + 1) % cadence == 0
 

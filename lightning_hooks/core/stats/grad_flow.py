@@ -212,10 +212,14 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
             clipping = None if clip is None else Clip(*clip)
             order = self._outputs.order
             self.alarm_feed = AlarmFeed(self.alarms, self._views, self._norms, order, clipping)
-        if output_grad:
-            self._outputs.hook(self.registry, modules, model)
-        for optimizer in optimizers:
-            self.registry.optimizer_step_post_hook(optimizer, self._after_step)
+        try:
+            if output_grad:
+                self._outputs.hook(self.registry, modules, model)
+            for optimizer in optimizers:
+                self.registry.optimizer_step_post_hook(optimizer, self._after_step)
+        except BaseException:
+            self.registry.remove()  # a tracker half hooked leaves no hook behind
+            raise
 
     def unstepped(self) -> tuple[str, ...]:
         """Return the layers with a trainable parameter in no optimizer, which are not measured."""

@@ -64,7 +64,6 @@ OutputHook = Callable[[nn.Module, tuple[Any, ...], object], None]
 
 
 def _output_norm(grad: torch.Tensor) -> torch.Tensor:
-    # fp16/bf16 are summed in float32; float64 (precision="64-true") stays float64.
     """Return the L2 norm of ``grad``, fp16 and bf16 summed in float32, float64 kept."""
     dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
     norm: torch.Tensor = torch.linalg.vector_norm(grad, dtype=dtype)
