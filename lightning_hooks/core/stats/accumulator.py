@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -14,9 +14,11 @@ from lightning_hooks.core.stats.stat import RowStates
 from lightning_hooks.core.transport import rank
 from lightning_hooks.tags import family_tag
 
-__all__ = ["LayerStatsAccumulator", "LayerTable"]
+__all__ = ["LayerStatsAccumulator", "LayerTable", "Reduction"]
 
 Columns = slice | Sequence[int]
+Reduction = Literal["mean", "peak", "total", "count"]
+"""A table's reductions of a statistic over the steps (:meth:`LayerTable.column`)."""
 
 
 @named_arguments
@@ -56,7 +58,7 @@ class LayerTable:
     total: np.ndarray
     count: np.ndarray
 
-    def column(self, stat: str, kind: str = "mean") -> np.ndarray:
+    def column(self, stat: str, kind: Reduction = "mean") -> np.ndarray:
         """Return one statistic for every layer.
 
         Args:

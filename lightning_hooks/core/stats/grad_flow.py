@@ -28,7 +28,7 @@ from lightning_hooks.core.ops.grad_stats import (
     grad_stats,
 )
 from lightning_hooks.core.ops.tensors import Workspace
-from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable
+from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable, Reduction
 from lightning_hooks.core.stats.alarm_feed import AlarmFeed, AlarmStep, Clip, Measured
 from lightning_hooks.core.stats.optimizer_view import (
     OptimizerView,
@@ -310,12 +310,20 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
 
         The weights are kept for the update ratio.
         """
-        if self._post_clip:  # the gradient the optimizer applies is read in the step post-hook
-            cells = None if valid is None else valid[:, [NORM, _WEIGHT]]
-            values = stats[:, [NORM, _WEIGHT]]
-            self.update(values, [_PRECLIP, _WEIGHT], view.cells, cells, replicated=True)
+        if self._post_clip:
+            # Under clipping, the gradient read before the step is the one before clipping: its
+            # norm goes to grad_norm_preclip. The gradient applied is read in the step post-hook.
+            read = [NORM, _WEIGHT]
+            cells = None if valid is None else valid[:, read]
+            self.update(
+                stats[:, read],
+                columns=[_PRECLIP, _WEIGHT],
+                rows=view.cells,
+                valid=cells,
+                replicated=True,
+            )
         else:
-            self.update(stats, _ALL, view.cells, valid, replicated=True)
+            self.update(stats, columns=_ALL, rows=view.cells, valid=valid, replicated=True)
         if self._views.update_ratio:
             self._updates.keep(view, stats[:, _WEIGHT])
         if self._output_grad:
@@ -332,7 +340,9 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
             valid = view.valid()
             stats = self._grad_stats(view, ParamLayout.grads(view.params), weights=False)
             cells = None if valid is None else valid[:, _GRAD]
-            self.update(stats[:, _GRAD], _GRAD, view.cells, cells, replicated=True)
+            self.update(
+                stats[:, _GRAD], columns=_GRAD, rows=view.cells, valid=cells, replicated=True
+            )
         self._updates.record(optimizer, view, self.alarms, self._step)
 
     def drain(self) -> None:
@@ -368,7 +378,7 @@ class _Column(NamedTuple):
 
     suffix: str
     stat: str
-    kind: str
+    kind: Reduction
     """``"mean"``, ``"peak"`` or ``"total"`` (a :meth:`LayerTable.column` kind)."""
 
 

@@ -316,5 +316,7 @@ class UpdateRatio:
         )
         ratio = upd / view.weight_norm.clamp_min(torch.finfo(upd.dtype).tiny)
         valid = (view.weight_norm > 0)[:, None]
-        self.accumulator.update(ratio[:, None], [self.column], view.cells, valid, replicated=True)
+        self.accumulator.update(
+            ratio[:, None], columns=[self.column], rows=view.cells, valid=valid, replicated=True
+        )
         view.weight_norm = None

@@ -306,7 +306,7 @@ class OutputGradients:
         if world_size() == 1:
             valid = self._hit[cells, None] > 0
             self.accumulator.update(
-                sq.sqrt()[:, None], [self.column], cells, valid, replicated=True
+                sq.sqrt()[:, None], columns=[self.column], rows=cells, valid=valid, replicated=True
             )
         else:  # under DDP: the step's rank-local squares, kept until the epoch's one reduction
             rows = view.rows[:-1]
@@ -325,7 +325,9 @@ class OutputGradients:
         norm = series[:, 0].sqrt() / world_size()
         rows = torch.arange(norm.shape[1], device=norm.device)
         valid = series[:, 1, :, None] > 0
-        self.accumulator.update(norm[:, :, None], [self.column], rows, valid, replicated=True)
+        self.accumulator.update(
+            norm[:, :, None], columns=[self.column], rows=rows, valid=valid, replicated=True
+        )
         self.reset()
 
     def reset(self) -> None:
