@@ -35,7 +35,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_hooks.core import AlarmRules, GradFlowTracker, ParamLayout, TrainingAlarms
+from lightning_hooks.core import (
+    AlarmFeed,
+    AlarmRules,
+    GradFlowTracker,
+    ParamLayout,
+    TrainingAlarms,
+)
 from lightning_hooks.core.ops.grad_stats import param_norms, segment_norm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,8 +219,8 @@ def nan_weight_live(seed: int, step: int = 20) -> list[tuple[int, str, str]]:
     run = Run("nan", seed=seed)
     x_all, y_all = _batches(run, gen)
     found: list[tuple[int, str, str]] = []
-    with GradFlowTracker(model, [opt], alarms=AlarmRules()) as tracker:
-        assert tracker.alarms is not None
+    with GradFlowTracker(model, [opt]) as tracker:
+        feed = AlarmFeed(tracker, AlarmRules())
         for s in range(step + 3):
             tracker.registry.logging_step = False  # the sentinel alone, as on a quiet step
             if s == step:
@@ -223,8 +229,8 @@ def nan_weight_live(seed: int, step: int = 20) -> list[tuple[int, str, str]]:
             idx = torch.randint(0, len(x_all), (32,), generator=gen)
             opt.zero_grad()
             nn.functional.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
-            tracker.observe(opt, step=s)
-            found += [(a.step, a.rule, a.layer) for a in tracker.alarms.poll()]
+            feed.observe(opt, tracker.observe(opt), step=s)
+            found += [(a.step, a.rule, a.layer) for a in feed.alarms.poll()]
             opt.step()
     return found
 

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     )
     from lightning_hooks.core import (
         ActivationStatsTracker,
+        AlarmFeed,
         AlarmRules,
         DeadUnitTracker,
         GradFlowTracker,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ActivationStatsCallback",
     "ActivationStatsTracker",
+    "AlarmFeed",
     "AlarmRules",
     "DeadReLUCallback",
     "DeadUnitTracker",

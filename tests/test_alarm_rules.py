@@ -13,7 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker, TrainingAlarms
+from lightning_hooks import (
+    AlarmFeed,
+    AlarmRules,
+    GradFlowCallback,
+    GradFlowTracker,
+    TrainingAlarms,
+)
 
 from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
 
@@ -36,15 +42,15 @@ def _nan_target_alarm(output_grad: bool) -> Any:
     torch.manual_seed(0)
     model = HeadFirst()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with GradFlowTracker(model, [opt], output_grad=output_grad, alarms=AlarmRules()) as tracker:
+    with GradFlowTracker(model, [opt], output_grad=output_grad) as tracker:
+        feed = AlarmFeed(tracker, AlarmRules())
         for step in range(3):
             opt.zero_grad()
             target = torch.full((4, 1), math.nan if step == 2 else 0.0)
             nn.functional.mse_loss(model(torch.randn(4, 8)), target).backward()
-            tracker.observe(opt)
+            feed.observe(opt, tracker.observe(opt))
             opt.step()
-        assert tracker.alarms is not None
-        return tracker.alarms.poll()
+        return feed.alarms.poll()
 
 
 def _absolute_alarm_steps(rules: AlarmRules) -> list[int]:
@@ -52,14 +58,35 @@ def _absolute_alarm_steps(rules: AlarmRules) -> list[int]:
     torch.manual_seed(0)
     model = HeadFirst()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with GradFlowTracker(model, [opt], alarms=rules) as tracker:
+    with GradFlowTracker(model, [opt]) as tracker:
+        feed = AlarmFeed(tracker, rules)
+        for _ in range(11):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(torch.randn(4, 8)), torch.ones(4, 1)).backward()
+            feed.observe(opt, tracker.observe(opt))
+            opt.step()
+        return [a.step for a in feed.alarms.poll() if a.rule == "absolute"]
+
+
+def test_the_trackers_alarms_of_release_0_2_still_run_with_a_deprecation_warning() -> None:
+    """``GradFlowTracker(alarms=...)``, as release 0.2.0 took it, still feeds its alarms at each
+    ``observe``: the same alarms as a feed made by hand, and a ``DeprecationWarning`` that names
+    the feed."""
+    rules = AlarmRules(evaluate_every_n_steps=3, max_grad_norm=1e-12)
+    torch.manual_seed(0)
+    model = HeadFirst()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.warns(DeprecationWarning, match=r"alarms=.*deprecated.*AlarmFeed\(tracker"):
+        tracker = GradFlowTracker(model, [opt], alarms=rules)
+    with tracker:
         for _ in range(11):
             opt.zero_grad()
             nn.functional.mse_loss(model(torch.randn(4, 8)), torch.ones(4, 1)).backward()
             tracker.observe(opt)
             opt.step()
         assert tracker.alarms is not None
-        return [a.step for a in tracker.alarms.poll() if a.rule == "absolute"]
+        steps = [a.step for a in tracker.alarms.poll() if a.rule == "absolute"]
+    assert steps == _absolute_alarm_steps(rules) == [0, 3, 6, 9]
 
 
 def test_evaluate_every_n_steps_evaluates_the_rules_on_steps_0_n_2n() -> None:
@@ -241,6 +268,9 @@ def test_tracker_checks_its_arguments() -> None:
         GradFlowTracker(model, [3])  # type: ignore[list-item]
     with pytest.raises(TypeError, match=r"GradFlowTracker\(alarms=True\): must be an AlarmRules"):
         GradFlowTracker(model, [opt], alarms=True)  # type: ignore[arg-type]
+    rules_must = r"TrainingAlarms\(rules=True\): must be an AlarmRules"
+    with GradFlowTracker(model, [opt]) as tracker, pytest.raises(TypeError, match=rules_must):
+        AlarmFeed(tracker, True)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"GradFlowTracker\(post_clip=1\): must be True or False"):
         GradFlowTracker(model, [opt], post_clip=1)  # type: ignore[arg-type]
     assert hooks_left(model) == []

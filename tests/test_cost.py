@@ -23,7 +23,7 @@ from test_grad_flow import LAYERS, ReferenceMLP
 from torch import nn
 
 import lightning_hooks
-from lightning_hooks import AlarmRules, GradFlowCallback, GradFlowTracker
+from lightning_hooks import AlarmFeed, AlarmRules, GradFlowCallback, GradFlowTracker
 from lightning_hooks.core import TrainingAlarms
 from lightning_hooks.core.ops.grouped_norms import MAX_GROUPS
 from lightning_hooks.errors import LightningHooksWarning
@@ -99,7 +99,8 @@ def _ops_per_step(
     """ATen ops of one training step (after a warm-up step), with or without a tracker."""
     model = _deep(depth)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    tracker = GradFlowTracker(model, [opt], alarms=alarms) if tracked else None
+    tracker = GradFlowTracker(model, [opt]) if tracked else None
+    feed = None if tracker is None or alarms is None else AlarmFeed(tracker, alarms)
     x = torch.randn(8, 4)
     counter = OpCounter()
     for i in range(2):
@@ -110,7 +111,9 @@ def _ops_per_step(
         opt.zero_grad()
         model(x).square().mean().backward()
         if tracker is not None:
-            tracker.observe(opt)
+            measured = tracker.observe(opt)
+            if feed is not None:
+                feed.observe(opt, measured)
         opt.step()
     counter.stop()
     if tracker is not None:
@@ -231,9 +234,10 @@ class _MemoryProbe(pl.Callback):
         held = _held_tensors(self.watched).values()
         params = {id(p) for p in args[1].parameters()}
         self.bytes.append(_storage_bytes(t for t in held if id(t) not in params))
-        tracker = self.watched._fit.tracker  # type: ignore[attr-defined]
+        fit = self.watched._fit  # type: ignore[attr-defined]
+        tracker = fit.tracker
         self.accumulator.append(sum(getattr(tracker, n).numel() for n in tracker.specs))
-        self.alarm_bytes.append(_storage_bytes(_held_tensors(tracker.alarms).values()))
+        self.alarm_bytes.append(_storage_bytes(_held_tensors(fit.training_alarms).values()))
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -12,15 +12,17 @@ import lightning_hooks
 
 PUBLIC = {
     "lightning_hooks": [
-        "ActivationStatsCallback", "ActivationStatsTracker", "AlarmRules", "DeadReLUCallback",
-        "DeadUnitTracker", "FeatureMapCallback", "GradFlowCallback", "GradFlowTracker",
+        "ActivationStatsCallback", "ActivationStatsTracker", "AlarmFeed", "AlarmRules",
+        "DeadReLUCallback", "DeadUnitTracker", "FeatureMapCallback", "GradFlowCallback",
+        "GradFlowTracker",
         "TrainingAlarm", "TrainingAlarmError", "TrainingAlarmWarning", "TrainingAlarms",
         "HookRegistry", "LayerStat", "LayerTable", "LayerTimeCallback", "LightningHooksError",
         "LightningHooksWarning", "MetricStat", "SaturationCallback", "Selection", "StatsCallback",
         "capture_outputs", "select_modules",
     ],
     "lightning_hooks.core": [
-        "ALARM_RULES", "ActivationStatsTracker", "AlarmRules", "DeadUnitTracker", "DeadUnits",
+        "ALARM_RULES", "ActivationStatsTracker", "AlarmFeed", "AlarmRules", "DeadUnitTracker",
+        "DeadUnits",
         "FEATURE_STATS", "FeatureSummary", "FirstNonFinite", "GRAD_FLOW_STATS", "GRAD_STATS",
         "GradFlowTracker", "TrainingAlarm", "TrainingAlarms", "HookRegistry", "LayerHistogram",
         "LayerHistograms", "LayerStat", "LayerStatsAccumulator", "LayerTable",

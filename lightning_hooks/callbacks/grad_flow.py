@@ -26,6 +26,7 @@ from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
+from lightning_hooks.core.stats.alarm_feed import AlarmFeed
 from lightning_hooks.core.stats.grad_flow import counts_the_model_itself, layers_of
 from lightning_hooks.core.stats.stability import Result as StabilityResult
 from lightning_hooks.core.stats.stability import StabilityStats
@@ -219,6 +220,7 @@ class GradFlowCallback(HookCallback):
             fit = _Fit(
                 trainer=trainer,
                 tracker=tracker,
+                alarm_feed=self._alarm_feed(trainer, pl_module, tracker),
                 policy=AlarmPolicy(self.on_alarm, request_stop=self.ranks.request_stop),
                 loss_agreement=LossAgreement(self.ranks, pl_module, self.alarms),
                 pictures=self._pictures,
@@ -254,7 +256,6 @@ class GradFlowCallback(HookCallback):
         If no optimizer steps some layer, this warns once and names the layer. If that warning
         is raised as an error, the tracker's hooks come off first.
         """
-        clip = gradient_clipping(trainer)
         tracker = GradFlowTracker(
             pl_module,
             trainer.optimizers,
@@ -263,15 +264,11 @@ class GradFlowCallback(HookCallback):
             exclude=self.exclude,
             update_ratio=self.update_ratio,
             output_grad=self.output_grad,
-            post_clip=clip is not None,
-            alarms=self.alarms,
-            clip=clip,
+            post_clip=gradient_clipping(trainer) is not None,
             max_layers_logged=self.max_layers_logged,
             guard=self.hook_guard(),
         )
         try:
-            if tracker.alarms is not None:  # messages quote the learning rate and output units
-                tracker.alarms.know(RunFacts.of(pl_module, trainer.optimizers))
             unstepped = tracker.unstepped()
             if unstepped:
                 rank_zero_warn(
@@ -284,6 +281,19 @@ class GradFlowCallback(HookCallback):
             tracker.remove()
             raise
         return tracker
+
+    def _alarm_feed(
+        self, trainer: TrainerView, pl_module: nn.Module, tracker: GradFlowTracker
+    ) -> AlarmFeed | None:
+        """Make the fit's alarms and their feed from ``tracker``, or ``None`` without alarms.
+
+        The alarms' messages quote the run's learning rate and output units.
+        """
+        if self.alarms is None:
+            return None
+        feed = AlarmFeed(tracker, self.alarms, gradient_clipping(trainer))
+        feed.alarms.know(RunFacts.of(pl_module, trainer.optimizers))
+        return feed
 
     def _end_fit(self) -> None:
         """Carry the fit's alarm state to the next fit, then warn once if an alarm stopped it."""
@@ -340,6 +350,8 @@ class _Fit:
 
     trainer: TrainerView
     tracker: GradFlowTracker
+    alarm_feed: AlarmFeed | None
+    """Hands the alarms each step's gradient norms; ``None`` under ``alarms=False``."""
     policy: AlarmPolicy
     """What the fit's alarms do and how they are logged. Its warnings, stop and counts belong
     to this fit alone."""
@@ -350,8 +362,8 @@ class _Fit:
 
     @property
     def training_alarms(self) -> TrainingAlarms | None:
-        """The fit's alarms, which the tracker feeds; ``None`` under ``alarms=False``."""
-        return self.tracker.alarms
+        """The fit's alarms, which :attr:`alarm_feed` feeds; ``None`` under ``alarms=False``."""
+        return None if self.alarm_feed is None else self.alarm_feed.alarms
 
     def observe(self, trainer: TrainerView, optimizer: torch.optim.Optimizer) -> None:
         """Measure the gradient ``optimizer`` is about to apply, then act on any alarms.
@@ -363,20 +375,25 @@ class _Fit:
         # Lightning does not unscale for optimizers that unscale inside their step (fused).
         fused = scale is not None and internals.steps_unscale_themselves(optimizer)
         param_grad_scale = scale if fused else None
-        self.tracker.observe(
-            optimizer,
-            grad_scale=scale,
-            param_grad_scale=param_grad_scale,
-            step=trainer.global_step,
+        measured = self.tracker.observe(
+            optimizer, grad_scale=scale, param_grad_scale=param_grad_scale
         )
         if self.gradient_histograms is not None:
             layout = self.tracker.layout
             observe_histograms(self.gradient_histograms, layout, optimizer, param_grad_scale)
-        if self.training_alarms is None:
+        if self.alarm_feed is None:
             return
-        found = self.training_alarms.poll(wait=self.policy.wait)
+        self.alarm_feed.observe(
+            optimizer,
+            measured,
+            step=trainer.global_step,
+            grad_scale=scale,
+            param_grad_scale=param_grad_scale,
+        )
+        alarms = self.alarm_feed.alarms
+        found = alarms.poll(wait=self.policy.wait)
         if found:
-            self.policy.act(trainer, optimizer, self.training_alarms, found)
+            self.policy.act(trainer, optimizer, alarms, found)
 
     def end_batch(
         self, trainer: TrainerView, outputs: STEP_OUTPUT, step: int, logging_step: bool

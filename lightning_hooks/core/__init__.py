@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from lightning_hooks.core.ops.tensors import is_training_forward, iter_float_tensors
     from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable
     from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
+    from lightning_hooks.core.stats.alarm_feed import AlarmFeed
     from lightning_hooks.core.stats.dead_units import DeadUnits, DeadUnitTracker
     from lightning_hooks.core.stats.grad_flow import GRAD_FLOW_STATS, GradFlowTracker
     from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
@@ -54,6 +55,7 @@ _MODULES = {
     "ops.tensors": "is_training_forward iter_float_tensors",
     "stats.accumulator": "LayerStatsAccumulator LayerTable",
     "stats.activation_stats": "ActivationStatsTracker",
+    "stats.alarm_feed": "AlarmFeed",
     "stats.dead_units": "DeadUnits DeadUnitTracker",
     "stats.grad_flow": "GRAD_FLOW_STATS GradFlowTracker",
     "stats.layer_time": "LayerTimer LayerTimes",
@@ -79,6 +81,7 @@ __all__ = [
     "GRAD_STATS",
     "SATURATING_TYPES",
     "ActivationStatsTracker",
+    "AlarmFeed",
     "AlarmRules",
     "DeadUnitTracker",
     "DeadUnits",

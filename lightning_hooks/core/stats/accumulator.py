@@ -42,7 +42,7 @@ class LayerTable:
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> with GradFlowTracker(model, [opt]) as tracker:
         ...     model(torch.randn(16, 4)).pow(2).mean().backward()
-        ...     tracker.observe(opt)
+        ...     measured = tracker.observe(opt)  # the norms an AlarmFeed reads
         ...     opt.step()
         ...     table = tracker.result()
         >>> table.layers

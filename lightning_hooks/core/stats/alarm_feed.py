@@ -1,8 +1,9 @@
 """Hand the alarms the gradient norms of each optimizer step they run on.
 
 The alarms run on their own cadence (``AlarmRules.evaluate_every_n_steps``, every step by
-default). On a logging step :class:`AlarmFeed` hands on the norms the tracker just read; on a
-quiet step it reads the dense gradients' norms itself, in one read with no host sync.
+default), whatever the tracker's logging steps. On a logging step :class:`AlarmFeed` hands on
+the norms the tracker just read; on a quiet step it reads the dense gradients' norms itself, in
+one read with no host sync.
 """
 
 from __future__ import annotations
@@ -10,25 +11,34 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
-from lightning_hooks.core.alarms import TrainingAlarms
+from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
+from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.ops import pointer_norms
-from lightning_hooks.core.ops.grad_stats import LINEAR_IN_GRADIENT, NORM, ParamLayout, plain_grads
-from lightning_hooks.core.ops.grouped_norms import GroupedNorms
+from lightning_hooks.core.ops.grad_stats import (
+    GLOBAL,
+    LINEAR_IN_GRADIENT,
+    NORM,
+    ParamLayout,
+    plain_grads,
+)
+from lightning_hooks.core.ops.grouped_norms import GroupedNorms, typical_update
 from lightning_hooks.core.ops.tensors import foreach_norm
 from lightning_hooks.core.stats.optimizer_view import (
     OptimizerView,
     OptimizerViews,
     Read,
+    UpdateReader,
     ViewNorms,
     adaptive,
 )
+from lightning_hooks.core.transport import to_local
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["AlarmFeed", "AlarmStep", "Clip", "Measured", "foreach_norms", "quiet_read"]
+__all__ = ["AlarmFeed", "Clip", "Measured", "Tracked", "foreach_norms", "quiet_read"]
 
 
 class Clip(NamedTuple):
@@ -40,32 +50,39 @@ class Clip(NamedTuple):
     """``gradient_clip_algorithm``: ``"norm"`` or ``"value"``."""
 
 
-class AlarmStep(NamedTuple):
-    """Name the optimizer step whose gradient norms the alarms are handed."""
-
-    number: int
-    amp: bool
-    """Whether an AMP loss scaler steps it: a non-finite gradient is then *amp_overflow*, the
-    step the scaler skips, not *nonfinite*."""
-
-
 class Measured(NamedTuple):
-    """What the tracker read of a logging step that the alarms read too."""
+    """What a tracker read of a logging step that the alarms read too."""
 
     norms: torch.Tensor
     """The gradient L2 norms per layer, then the global one (the alarms' own copy)."""
     stepped: torch.Tensor | None
     """The rows some gradient reached at this step (``None``: every row)."""
+    order: tuple[int, ...]
+    """The layer rows in the order their output-gradient hooks fired in the backward."""
 
 
+class Tracked(Protocol):
+    """What :class:`AlarmFeed` reads of a :class:`~.grad_flow.GradFlowTracker`."""
+
+    views: OptimizerViews
+    """What each optimizer steps of the tracker's layout."""
+    view_norms: ViewNorms
+    """Reads the gradient and weight norms of an optimizer's view."""
+    update_readers: list[UpdateReader]
+    """Called with each logging step's update, before the tracker reads its update ratio."""
+
+
+@named_arguments
 class AlarmFeed:
     """Hand the alarms each step's gradient norms, on the steps their cadence runs them.
 
+    Call :meth:`observe` after the tracker observed the step, with what the tracker measured. On
+    the logging steps of an adaptive optimizer the feed also hands the *stall* rule the step's
+    typical update, which the tracker's update ratio reads.
+
     Args:
-        alarms: the alarms handed the norms.
-        views: the tracker's own views: what each optimizer steps of its layout.
-        norms: reads the gradient and weight norms of an optimizer's view.
-        order: the layer rows as their output-gradient hooks fired (emptied per step).
+        tracker: the tracker whose layout, views and updates the feed reads.
+        rules: the alarm rules; :attr:`alarms` applies them.
         clip: the Trainer's gradient clipping, for the *explosion* rule (``None``: none).
 
     Example:
@@ -73,29 +90,28 @@ class AlarmFeed:
         >>> from lightning_hooks.core import AlarmRules, GradFlowTracker
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> with GradFlowTracker(model, [opt], alarms=AlarmRules()) as tracker:
+        >>> with GradFlowTracker(model, [opt]) as tracker:
+        ...     feed = AlarmFeed(tracker, AlarmRules())
         ...     tracker.registry.logging_step = False  # every step is a quiet step
         ...     model(torch.randn(16, 4)).pow(2).mean().backward()
-        ...     tracker.observe(opt)
-        ...     tracker.alarms.evaluated  # the feed read the step, the tracker did not
+        ...     feed.observe(opt, tracker.observe(opt))
+        ...     feed.alarms.evaluated  # the feed read the step, the tracker did not
         1
     """
 
-    def __init__(
-        self,
-        alarms: TrainingAlarms,
-        views: OptimizerViews,
-        norms: ViewNorms,
-        order: list[int],
-        clip: Clip | None,
-    ) -> None:
-        self.alarms = alarms
-        self._views = views
-        self._norms = norms
-        self._order = order
+    def __init__(self, tracker: Tracked, rules: AlarmRules, clip: Clip | None = None) -> None:
+        layout = tracker.views.layout
+        self.alarms = TrainingAlarms((*layout.layers, GLOBAL), rules, layout.index.device)
+        """The alarms the feed hands the norms to."""
+        self._views = tracker.views
+        self._norms = tracker.view_norms
         self._clip = clip
-        self._sharded = norms.shards is not None  # FSDP2: the general path makes norms whole
-        self._triton = alarms.rules.quiet_read == "triton"
+        self._sharded = self._norms.shards is not None  # FSDP2: the general path makes norms whole
+        self._triton = rules.quiet_read == "triton"
+        self._step = 0  # the step observed last, which the alarms and the stall reading name
+        self._amp = False  # whether an AMP loss scaler steps it
+        self._calls = 0
+        tracker.update_readers.append(self._read_update)
 
     def due(self, step: int) -> bool:
         """Say whether the alarms' own cadence runs them on optimizer step ``step``."""
@@ -104,20 +120,32 @@ class AlarmFeed:
     def observe(
         self,
         optimizer: torch.optim.Optimizer,
-        at: AlarmStep,
         measured: Measured | None,
-        param_grad_scale: torch.Tensor | None,
+        *,
+        step: int | None = None,
+        grad_scale: torch.Tensor | None = None,
+        param_grad_scale: torch.Tensor | None = None,
     ) -> None:
         """Hand the alarms the norms of the gradients ``optimizer`` is about to apply.
 
-        Call it on the steps :meth:`due` names, after the tracker observed the step.
+        Call it on every optimizer step, after the tracker observed it; it reads the steps
+        :meth:`due` names.
 
         Args:
             optimizer: the optimizer about to step.
-            at: the optimizer step the alarms are handed.
-            measured: what the tracker read of a logging step; ``None`` on any other step.
+            measured: what the tracker's ``observe`` returned: its reading of a logging step,
+                else ``None``.
+            step: the optimizer step the alarms name and count (default: calls from 0).
+            grad_scale: the AMP loss scale, or ``None``. A non-finite gradient under it is
+                *amp_overflow*, the step the scaler skips, not *nonfinite*.
             param_grad_scale: the loss scale the parameter gradients still carry, or ``None``.
         """
+        step = self._calls if step is None else step
+        self._step = step
+        self._amp = grad_scale is not None
+        self._calls += 1
+        if not self.due(step):
+            return
         view = self._views.view(optimizer)
         if not view.params:
             return
@@ -126,17 +154,33 @@ class AlarmFeed:
             alarms.set_adaptive(adaptive(optimizer, view.params))
         if measured is not None:
             self._prepare_quiet_read(view, param_grad_scale)
-            self._send(view, measured.norms, measured.stepped, at)
+            self._send(view, measured.norms, measured.stepped, order=measured.order)
             return
         # A quiet step: one read of the dense gradients' norms. A sparse or missing gradient, one
         # that still carries the loss scale, or sharded parameters take the general path.
-        if param_grad_scale is None and not self._sharded and self._quiet(view, at):
+        if param_grad_scale is None and not self._sharded and self._quiet(view):
             return
         stats = self._norms.norms(view, ParamLayout.grads(view.params), weights=False)
         if param_grad_scale is not None:
             stats[:, LINEAR_IN_GRADIENT] /= param_grad_scale
         valid = view.valid()
-        self._send(view, stats[:, NORM], None if valid is None else valid[:, NORM], at)
+        self._send(view, stats[:, NORM], None if valid is None else valid[:, NORM])
+
+    def _read_update(
+        self, optimizer: torch.optim.Optimizer, view: OptimizerView, after: list[torch.Tensor]
+    ) -> None:
+        """Hand *stall* a logging step's typical update, for an adaptive optimizer only.
+
+        ``view.before`` still holds the weights before the step.
+        """
+        if not adaptive(optimizer, view.params):
+            return
+        lr = max(float(g["lr"]) for g in optimizer.param_groups)
+        applied: list[torch.Tensor | None] = [
+            to_local(p.grad) if p.grad is not None else None for p in view.params
+        ]
+        update = typical_update(view.before, after, applied)
+        self.alarms.update_stall(update, lr, step=self._step)
 
     def _prepare_quiet_read(
         self, view: OptimizerView, param_grad_scale: torch.Tensor | None
@@ -146,7 +190,7 @@ class AlarmFeed:
             self.alarms.reserve(len(view.params))
             self._read(view)
 
-    def _quiet(self, view: OptimizerView, at: AlarmStep) -> bool:
+    def _quiet(self, view: OptimizerView) -> bool:
         """Read a quiet step's dense gradients' norms and send them to the alarms.
 
         Returns:
@@ -163,7 +207,7 @@ class AlarmFeed:
             failed = "its kernels failed" if self._triton else "its stacks failed"
             _read_fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
             norms = foreach_norms(grads)
-        self._send(view, norms, None, at, segmented=False)
+        self._send(view, norms, None, segmented=False)
         return True
 
     def _read(self, view: OptimizerView) -> Read:
@@ -177,13 +221,15 @@ class AlarmFeed:
         view: OptimizerView,
         norms: torch.Tensor,
         stepped: torch.Tensor | None,
-        at: AlarmStep,
         *,
+        order: Sequence[int] = (),
         segmented: bool = True,
     ) -> None:
-        """Hand ``norms`` to the alarms: per layer then global if ``segmented``, else per parameter.
+        """Hand ``norms`` of the step observed last to the alarms.
 
-        ``stepped`` holds the rows some gradient reached.
+        They are per layer then global if ``segmented``, else per parameter. ``stepped`` holds
+        the rows some gradient reached, ``order`` the backward order of the layers'
+        output-gradient hooks.
         """
         clip = self._clip  # the largest global norm the optimizer applies (by value: a bound)
         bound = None
@@ -194,15 +240,14 @@ class AlarmFeed:
         self.alarms.update(
             norms,
             view.row_ids,
-            step=at.number,
-            amp=at.amp,
-            order=self._order,
+            step=self._step,
+            amp=self._amp,
+            order=order,
             weights=partial(self._norms.weight_norms, view),
             stepped=stepped,
             clip=bound,
             segments=None if segmented else view.segments,
         )
-        self._order.clear()
 
 
 def quiet_read(view: OptimizerView, triton: bool) -> Read:

@@ -6,6 +6,7 @@ percentiles over the layers, and which layers are logged one by one.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -29,11 +30,13 @@ from lightning_hooks.core.ops.grad_stats import (
 )
 from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable, Reduction
-from lightning_hooks.core.stats.alarm_feed import AlarmFeed, AlarmStep, Clip, Measured
+from lightning_hooks.core.stats.alarm_feed import AlarmFeed, Clip, Measured
 from lightning_hooks.core.stats.optimizer_view import (
+    ColumnValues,
     OptimizerView,
     OptimizerViews,
     UpdateRatio,
+    UpdateReader,
     ViewNorms,
 )
 from lightning_hooks.core.stats.output_grad import OutputGradients
@@ -42,7 +45,6 @@ from lightning_hooks.tags import grad_flow_tag
 
 __all__ = [
     "GRAD_FLOW_STATS",
-    "Clip",
     "GradFlowTracker",
     "counts_the_model_itself",
     "grad_flow_scalars",
@@ -119,8 +121,8 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
 
     Call :meth:`observe` just before ``optimizer.step()`` and any clipping, on every rank. The
     update ratio (and, with ``post_clip``, the gradient the optimizer applied) is read in a hook
-    after the optimizer step. While ``registry.logging_step`` is ``False`` nothing is measured,
-    except what the alarms read at their own cadence.
+    after the optimizer step. While ``registry.logging_step`` is ``False`` nothing is measured.
+    The alarms read the tracker through an :class:`~.alarm_feed.AlarmFeed`.
 
     It is a :class:`~.accumulator.LayerStatsAccumulator` of one row per layer, then the global
     row, and one column per statistic, filled by the gradient read, the output gradients' hooks
@@ -137,9 +139,10 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         update_ratio: measure the update ratio (keeps one copy of the parameters).
         output_grad: measure the gradient with respect to each layer's output.
         post_clip: gradients are clipped before the step: measure them in the step post-hook.
-        clip: the Trainer's gradient clipping (a :class:`Clip`, or ``(gradient_clip_val,
-            gradient_clip_algorithm)``), for the *explosion* rule.
-        alarms: gradient alarm rules (``tracker.alarms`` is then a ``TrainingAlarms``).
+        clip: deprecated with ``alarms``: give it to the :class:`~.alarm_feed.AlarmFeed`.
+        alarms: deprecated: make an :class:`~.alarm_feed.AlarmFeed` of the tracker. Given, the
+            tracker makes one and feeds it at each :meth:`observe`, and ``tracker.alarms`` is
+            its ``TrainingAlarms``.
         max_layers_logged: :meth:`tags` for at most this many layers, non-finite first, then
             half the largest and half the smallest gradient norms, and percentiles over all
             (``None``: every layer).
@@ -149,6 +152,9 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         TypeError: ``model``, ``optimizers``, ``alarms`` or a flag is not of its type.
         ValueError: no selected module owns a parameter.
 
+    Warns:
+        DeprecationWarning: ``alarms`` is given.
+
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -156,7 +162,7 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         ...     for _ in range(3):
         ...         opt.zero_grad()
         ...         model(torch.randn(16, 4)).pow(2).mean().backward()
-        ...         tracker.observe(opt)
+        ...         measured = tracker.observe(opt)  # the norms an AlarmFeed reads
         ...         opt.step()
         ...     stats = tracker.result()
         >>> stats.layers, stats.count[0].tolist()
@@ -195,23 +201,31 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         # FSDP2: parameters are DTensors; statistics of their shards are made whole per step.
         self.shards = ShardPlan.from_params(self.layout.params)
         self._workspace = Workspace()  # the |g| pass's buffer, reused every step
-        self._norms = ViewNorms(self.shards, self._workspace)
+        self.view_norms = ViewNorms(self.shards, self._workspace)
+        """Reads the gradient and weight norms of an optimizer's view."""
         self._optimizers = optimizers
-        self._views = OptimizerViews(self.layout, update_ratio=update_ratio)
-        self._outputs = OutputGradients(self, _OUTPUT, self._optimizers, self._views)
-        self._updates = UpdateRatio(self, _UPDATE, self.shards)
+        self.views = OptimizerViews(self.layout, update_ratio=update_ratio)
+        """What each optimizer steps of the layout, built at its first step."""
+        self.update_readers: list[UpdateReader] = []
+        """Called with each logging step's update, before the update ratio is read."""
+        self._outputs = OutputGradients(self._optimizers, self.views)
+        self._updates = UpdateRatio(self.shards, self.update_readers)
         self._output_grad = output_grad
         self._post_clip = post_clip
-        self._step = 0  # the last observe's step (the post-hook's)
-        self._calls = 0  # its calls
+        self._deprecated_feed: AlarmFeed | None = None
         self.alarms: TrainingAlarms | None = None
-        self.alarm_feed: AlarmFeed | None = None
-        """Hands the alarms each step's norms at their own cadence, logging step or not."""
+        """Deprecated with ``alarms``: the alarms of the feed the tracker made."""
         if alarms is not None:
-            self.alarms = TrainingAlarms(rows, alarms, device)
+            warnings.warn(
+                "GradFlowTracker(alarms=..., clip=...) is deprecated: make the feed yourself, "
+                "feed = AlarmFeed(tracker, rules, clip), then feed.observe(optimizer, "
+                "tracker.observe(optimizer)) and feed.alarms.poll()",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             clipping = None if clip is None else Clip(*clip)
-            order = self._outputs.order
-            self.alarm_feed = AlarmFeed(self.alarms, self._views, self._norms, order, clipping)
+            self._deprecated_feed = AlarmFeed(self, alarms, clipping)
+            self.alarms = self._deprecated_feed.alarms
         try:
             if output_grad:
                 self._outputs.hook(self.registry, modules, model)
@@ -223,7 +237,7 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
 
     def unstepped(self) -> tuple[str, ...]:
         """Return the layers with a trainable parameter in no optimizer, which are not measured."""
-        return self._views.unstepped(self._optimizers)
+        return self.views.unstepped(self._optimizers)
 
     @torch.no_grad()
     def observe(
@@ -233,59 +247,62 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         grad_scale: torch.Tensor | None = None,
         param_grad_scale: torch.Tensor | None = None,
         step: int | None = None,
-    ) -> None:
+    ) -> Measured | None:
         """Record the gradients ``optimizer`` (only its parameters) is about to apply.
 
-        On a logging step the tracker measures them. On the steps the alarms' cadence names, the
-        :attr:`alarm_feed` then hands their norms to the alarms.
+        On a logging step the tracker measures them; on any other step it does nothing.
 
         Args:
             optimizer: the optimizer about to step.
             grad_scale: the AMP loss scale the output gradients carry, or ``None``.
             param_grad_scale: the loss scale the parameter gradients still carry, or ``None``.
-            step: the optimizer step the alarms name and count (default: calls from 0).
+            step: the optimizer step; only the deprecated ``alarms`` read it.
+
+        Returns:
+            What an :class:`~.alarm_feed.AlarmFeed` reads of a logging step: a copy of the
+            gradient norms per layer, the rows stepped and the backward order; ``None`` on any
+            other step, or where ``optimizer`` steps no tracked layer.
         """
-        step = self._calls if step is None else step
-        self._step = step
-        self._calls += 1
-        feed = self.alarm_feed
-        if feed is not None and not feed.due(step):
-            feed = None
         measured = None
         if self.registry.logging_step:
-            measured = self._measure(optimizer, grad_scale, param_grad_scale, feed is not None)
-        if feed is not None:
-            at = AlarmStep(step, amp=grad_scale is not None)
-            feed.observe(optimizer, at, measured, param_grad_scale)
+            measured = self._measure(optimizer, grad_scale, param_grad_scale)
         self._outputs.order.clear()
+        if self._deprecated_feed is not None:
+            self._deprecated_feed.observe(
+                optimizer,
+                measured,
+                step=step,
+                grad_scale=grad_scale,
+                param_grad_scale=param_grad_scale,
+            )
+        return measured
 
     def _measure(
         self,
         optimizer: torch.optim.Optimizer,
         grad_scale: torch.Tensor | None,
         param_grad_scale: torch.Tensor | None,
-        for_alarms: bool,
     ) -> Measured | None:
         """Measure a logging step's statistics of ``optimizer``'s layers into the accumulator.
 
         Returns:
-            With ``for_alarms``, the alarms' own copy of the norms; else ``None``.
+            A copy of the gradient norms and the backward order, for the alarms; ``None`` where
+            ``optimizer`` steps no tracked layer.
         """
-        view = self._views.view(optimizer)
+        view = self.views.view(optimizer)
         if not view.params:
             return None
         valid = view.valid()
         grads = ParamLayout.grads(view.params)
         if self._post_clip:  # the gradient applied is read after the step; now the weight norm
-            stats = self._norms.norms(view, grads, weights=True)
+            stats = self.view_norms.norms(view, grads, weights=True)
         else:
             stats = self._grad_stats(view, grads, weights=True)
         if param_grad_scale is not None:
             stats[:, LINEAR_IN_GRADIENT] /= param_grad_scale
-        measured = None
-        if for_alarms:  # their own copy: recording the step may add into ``stats`` in place
-            stepped = None if valid is None else valid[:, NORM]
-            measured = Measured(stats[:, NORM].clone(), stepped)
+        # the alarms' own copy: recording the step may add into ``stats`` in place
+        stepped = None if valid is None else valid[:, NORM]
+        measured = Measured(stats[:, NORM].clone(), stepped, tuple(self._outputs.order))
         self._record_step(optimizer, view, stats, valid, grad_scale)
         return measured
 
@@ -324,15 +341,22 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
             )
         else:
             self.update(stats, columns=_ALL, rows=view.cells, valid=valid, replicated=True)
-        if self._views.update_ratio:
+        if self.views.update_ratio:
             self._updates.keep(view, stats[:, _WEIGHT])
         if self._output_grad:
-            self._outputs.record(optimizer, view, grad_scale)
+            self._update_column(_OUTPUT, self._outputs.record(optimizer, view, grad_scale))
+
+    def _update_column(self, column: int, got: ColumnValues | None) -> None:
+        """Add a reader's values of one statistic, if it returned any."""
+        if got is not None:
+            self.update(
+                got.values, columns=[column], rows=got.rows, valid=got.valid, replicated=True
+            )
 
     @torch.no_grad()
     def _after_step(self, optimizer: torch.optim.Optimizer, *args: object) -> None:
         """Read the applied gradient (``post_clip``) and the update ratio after the step."""
-        view = self._views.built.get(id(optimizer))
+        view = self.views.built.get(id(optimizer))
         if view is None or not view.params or not self.registry.logging_step:
             return
         if self._post_clip:
@@ -343,7 +367,7 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
             self.update(
                 stats[:, _GRAD], columns=_GRAD, rows=view.cells, valid=cells, replicated=True
             )
-        self._updates.record(optimizer, view, self.alarms, self._step)
+        self._update_column(_UPDATE, self._updates.record(optimizer, view))
 
     def drain(self) -> None:
         """Add the output gradients of the steps since the last reduce, then the host's counts.
@@ -351,14 +375,14 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         The output gradients are summed across ranks here, so every reduce (:meth:`start_copy`,
         :meth:`result`, :meth:`host_state`) reads them.
         """
-        self._outputs.drain()
+        self._update_column(_OUTPUT, self._outputs.drain())
         super().drain()
 
     def reset(self) -> None:
         """Start a new accumulation period (an epoch); parameters are looked up afresh."""
         self._outputs.reset()  # the output gradients not yet reduced belong to the old period
         super().reset()
-        self._views.clear()
+        self.views.clear()
 
     def tags(self, result: LayerTable) -> dict[str, float]:
         """Return ``grad_flow/{stat}/{layer}`` and ``grad_flow/global/{stat}`` by tag.

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from lightning_hooks import internals
 from lightning_hooks.core import checks
-from lightning_hooks.core.alarms import HostSegments, TrainingAlarms
+from lightning_hooks.core.alarms import HostSegments
 from lightning_hooks.core.ops.grad_stats import (
     GRAD_STATS,
     LayerIndex,
@@ -19,25 +20,39 @@ from lightning_hooks.core.ops.grad_stats import (
     segment_norm,
     update_norms,
 )
-from lightning_hooks.core.ops.grouped_norms import typical_update
 from lightning_hooks.core.ops.tensors import Workspace
-from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
 from lightning_hooks.core.transport import ShardPlan, to_local
 
 __all__ = [
+    "ColumnValues",
     "OptimizerView",
     "OptimizerViews",
     "Read",
     "UpdateRatio",
+    "UpdateReader",
     "ViewNorms",
     "adaptive",
 ]
 
 Read = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 """A read of gradients' L2 norms, one per gradient."""
+UpdateReader = Callable[[torch.optim.Optimizer, "OptimizerView", list[torch.Tensor]], None]
+"""Reads a logging step's update: the optimizer, its view (``view.before`` holds the weights
+before the step) and the weights after it."""
 _WEIGHT = GRAD_STATS.index("weight_norm")
 _OF_GRADIENT = tuple(name != "weight_norm" for name in GRAD_STATS)
 """Per column of :data:`GRAD_STATS`: whether a layer with no gradient has no value there."""
+
+
+class ColumnValues(NamedTuple):
+    """A step's values of one statistic, as a reader hands them to the tracker's ``update``."""
+
+    values: torch.Tensor
+    """``[rows, 1]``, or ``[steps, rows, 1]`` for several steps."""
+    rows: torch.Tensor | slice
+    """The layout rows of ``values``."""
+    valid: torch.Tensor
+    """Which cells have a value."""
 
 
 @dataclass
@@ -268,20 +283,17 @@ class ViewNorms:
 
 
 class UpdateRatio:
-    """Add ``||w_after - w_before|| / ||w_before||`` per layer into ``column`` of ``accumulator``.
+    """Read ``||w_after - w_before|| / ||w_before||`` per layer, over an optimizer step.
 
     Args:
-        accumulator: the accumulator the ratios go into.
-        column: the accumulator's column of the ratios.
         shards: the FSDP2 plan that makes the norms whole, or ``None``.
+        readers: called with each step's update before its ratio is read (the *stall* rule's
+            feed), in order.
     """
 
-    def __init__(
-        self, accumulator: LayerStatsAccumulator, column: int, shards: ShardPlan | None
-    ) -> None:
-        self.accumulator = accumulator
-        self.column = column
+    def __init__(self, shards: ShardPlan | None, readers: list[UpdateReader]) -> None:
         self.shards = shards
+        self.readers = readers
         self.workspace = Workspace()  # the stacks of the updates' read, kept for the fit
 
     @staticmethod
@@ -290,33 +302,21 @@ class UpdateRatio:
         internals.foreach_copy_(view.before, [to_local(p) for p in view.params])
         view.weight_norm = weight_norm
 
-    def record(
-        self,
-        optimizer: torch.optim.Optimizer,
-        view: OptimizerView,
-        alarms: TrainingAlarms | None,
-        step: int,
-    ) -> None:
-        """Record each layer's ratio after the step, and the alarms' *stall* reading.
+    def record(self, optimizer: torch.optim.Optimizer, view: OptimizerView) -> ColumnValues | None:
+        """Return each layer's ratio after the step; the :attr:`readers` read the update first.
 
-        The stall reading is taken, at ``step``, for an adaptive optimizer only.
+        Returns:
+            The ratios, or ``None`` where :meth:`keep` kept no weights for this step.
         """
         if view.weight_norm is None:
-            return
+            return None
         after = [to_local(p) for p in view.params]
-        if alarms is not None and adaptive(optimizer, view.params):
-            # before update_norms, which overwrites view.before; a logging step only
-            lr = max(float(g["lr"]) for g in optimizer.param_groups)
-            applied: list[torch.Tensor | None] = [
-                to_local(p.grad) if p.grad is not None else None for p in view.params
-            ]
-            alarms.update_stall(typical_update(view.before, after, applied), lr, step=step)
+        for read in self.readers:  # before update_norms, which overwrites view.before
+            read(optimizer, view, after)
         upd = update_norms(
             view.before, after, view.layer_index, shards=self.shards, workspace=self.workspace
         )
         ratio = upd / view.weight_norm.clamp_min(torch.finfo(upd.dtype).tiny)
         valid = (view.weight_norm > 0)[:, None]
-        self.accumulator.update(
-            ratio[:, None], columns=[self.column], rows=view.cells, valid=valid, replicated=True
-        )
         view.weight_norm = None
+        return ColumnValues(ratio[:, None], view.cells, valid)

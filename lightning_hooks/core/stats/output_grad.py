@@ -14,8 +14,7 @@ from lightning_hooks import internals
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import compiled_regions
 from lightning_hooks.core.ops.tensors import is_grad_forward, iter_float_tensors
-from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator
-from lightning_hooks.core.stats.optimizer_view import OptimizerView, OptimizerViews
+from lightning_hooks.core.stats.optimizer_view import ColumnValues, OptimizerView, OptimizerViews
 from lightning_hooks.core.transport import all_reduce_sum_, world_size
 
 __all__ = ["OutputGradients"]
@@ -157,28 +156,22 @@ def _output_hook(
 class OutputGradients:
     """Measure the L2 norm of the gradient with respect to each layer's output.
 
-    It is summed in square over the backward passes of a step of one of ``optimizers``, into
-    ``column`` of ``accumulator``; under DDP summed across ranks at :meth:`drain`. :attr:`order`:
-    the backward order.
+    It is summed in square over the backward passes of a step of one of ``optimizers``.
+    :meth:`record` returns each step's norms, and under DDP :meth:`drain` returns them summed
+    across ranks. :attr:`order`: the backward order.
 
     Args:
-        accumulator: the accumulator the norms go into.
-        column: the accumulator's column of the norms.
         optimizers: the optimizers whose steps are measured.
         views: the optimizers' views over the layout, which give each step's rows.
     """
 
     def __init__(
         self,
-        accumulator: LayerStatsAccumulator,
-        column: int,
         optimizers: Sequence[torch.optim.Optimizer],
         views: OptimizerViews,
     ) -> None:
         device = views.layout.index.device
         num_layers = len(views.layout.layers)
-        self.accumulator = accumulator
-        self.column = column
         self.optimizers = list(optimizers)
         self.views = views
         self.order: list[int] = []
@@ -242,13 +235,16 @@ class OutputGradients:
 
     def record(
         self, optimizer: torch.optim.Optimizer, view: OptimizerView, grad_scale: torch.Tensor | None
-    ) -> None:
-        """Add the output gradients of ``optimizer``'s rows into the accumulator, at a logging step.
+    ) -> ColumnValues | None:
+        """Return the output gradients' norms of ``optimizer``'s rows, at a logging step.
 
         Args:
-            optimizer: the optimizer that just stepped.
+            optimizer: the optimizer about to step.
             view: the optimizer's view, which gives the rows it steps.
             grad_scale: the AMP loss scale the gradients carry (``None``: none).
+
+        Returns:
+            The step's norms; ``None`` under DDP, where :meth:`drain` returns them.
         """
         _sum_noted(self._noted, self._hits)
         for row, fresh in self._extra:
@@ -259,10 +255,14 @@ class OutputGradients:
         self._sq.add_(torch.stack(self._compiled_sq))
         internals.foreach_zero_(self._compiled_sq)
         self._drop_other_backward(optimizer, view)
-        self._observe(view, grad_scale)
+        norms = self._take(view, grad_scale)
         self._clear_unowned()
-        if len(self.optimizers) < 2:
-            return
+        if len(self.optimizers) > 1:
+            self._mark_other_optimizers(optimizer)
+        return norms
+
+    def _mark_other_optimizers(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep the sums and each other optimizer's gradient, to tell at its step what fed it."""
         self._pending_sq.copy_(self._sq)  # for the other optimizers' next steps
         self._pending_hit.copy_(self._hit)
         for other in self.optimizers:
@@ -294,20 +294,19 @@ class OutputGradients:
         self._sq.index_copy_(0, rows, sq)
         self._hit.index_copy_(0, rows, self._hit[rows] - self._pending_hit[rows])
 
-    def _observe(self, view: OptimizerView, grad_scale: torch.Tensor | None) -> None:
-        """Add the step's unscaled norms of ``view``'s rows into the accumulator.
+    def _take(self, view: OptimizerView, grad_scale: torch.Tensor | None) -> ColumnValues | None:
+        """Return the step's unscaled norms of ``view``'s rows, and zero their sums.
 
-        Under DDP they are kept for the epoch's one reduction.
+        Under DDP they are kept for the epoch's one reduction, and ``None`` is returned.
         """
         cells = view.layer_cells  # the rows ``view`` steps (a slice: views, no gather)
         sq = self._sq[cells]
         if grad_scale is not None:
             sq = sq / grad_scale.square()
+        norms = None
         if world_size() == 1:
             valid = self._hit[cells, None] > 0
-            self.accumulator.update(
-                sq.sqrt()[:, None], columns=[self.column], rows=cells, valid=valid, replicated=True
-            )
+            norms = ColumnValues(sq.sqrt()[:, None], cells, valid)
         else:  # under DDP: the step's rank-local squares, kept until the epoch's one reduction
             rows = view.rows[:-1]
             slot = self._sq.new_zeros(2, self._sq.shape[0])
@@ -316,19 +315,22 @@ class OutputGradients:
             self._series.append(slot)
         self._sq[cells] = 0.0
         self._hit[cells] = 0.0
+        return norms
 
-    def drain(self) -> None:
-        """Reduce the per-step output-gradient squares across ranks into the accumulator."""
+    def drain(self) -> ColumnValues | None:
+        """Return the steps' output-gradient norms kept under DDP, summed across ranks.
+
+        Returns:
+            ``[steps, layers, 1]`` norms, or ``None`` where no step was kept.
+        """
         if not self._series:
-            return
+            return None
         series = all_reduce_sum_(torch.stack(self._series))
         norm = series[:, 0].sqrt() / world_size()
         rows = torch.arange(norm.shape[1], device=norm.device)
         valid = series[:, 1, :, None] > 0
-        self.accumulator.update(
-            norm[:, :, None], columns=[self.column], rows=rows, valid=valid, replicated=True
-        )
         self.reset()
+        return ColumnValues(norm[:, :, None], rows, valid)
 
     def reset(self) -> None:
         """Drop the steps kept for the reduction (a new accumulation period)."""
