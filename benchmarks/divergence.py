@@ -48,6 +48,10 @@ class), each with its twin. Their held-out half (:data:`NEW_HELD_OUT`) was froze
 recorded, before any rule was tuned on them. Two outlier families on SGD with momentum tune the
 rule for an outlier's echo; quick fresh families of new models, data and recipes
 (:data:`FRESH_LRS`, :data:`NEW_FRESH`) were frozen and recorded before it was judged on them.
+A second fresh half (:data:`FRESH2_LRS`: new models on the iris, synthetic, diabetes, digits,
+breast-cancer and wine sets, on Adam, AdamW, SGD with momentum or Nesterov, RMSprop and
+Adagrad, with constant, warm-up, step, cosine, one-cycle and linear schedules) was frozen and
+recorded before the change to the loss rule that it judges, and is reported apart (``fresh2``).
 
 The traces are saved in ``benchmarks/results/divergence_traces.pt`` (``--traces``; not in git).
 Recording every run takes roughly an hour of one CPU core (estimated from a few steps of each),
@@ -76,7 +80,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from functools import cache, partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import families
 import numpy as np
@@ -97,7 +101,7 @@ STEPS = 300
 SMOOTH = 5  # steps in the ground truth's mean loss
 SEEDS = (0, 1, 2)
 HELD_OUT = (2,)  # seeds not looked at while the defaults were chosen
-ADAPTIVE = ("adam", "adamw", "rmsprop", "adamw95")  # the optimizers with a second moment
+ADAPTIVE = ("adam", "adamw", "rmsprop", "adamw95", "adagrad")  # with a second moment
 LOG_EVERY = 50  # the Trainer's log_every_n_steps: the callback's logging steps
 DAMAGE_WINDOW = (50, 100)  # steps after an explosion where its loss is compared with the twin's
 # "clearly worse": this ratio, and above it by this share of the twin's first loss (the loss's
@@ -136,6 +140,41 @@ def _wine() -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.tensor(data.data, dtype=torch.float32)
     x = (x - x.mean(0)) / x.std(0)
     return x, torch.tensor(data.target, dtype=torch.long)
+
+
+def _standardised(x: Any) -> torch.Tensor:
+    """Features as a float tensor, each column standardised."""
+    t = torch.tensor(x, dtype=torch.float32)
+    return (t - t.mean(0)) / t.std(0)
+
+
+def _iris() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's ``load_iris`` (4 features, 3 classes), standardised."""
+    from sklearn.datasets import load_iris
+
+    data = load_iris()
+    return _standardised(data.data), torch.tensor(data.target, dtype=torch.long)
+
+
+def _synth() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's ``make_classification``: 1000 rows, 20 features (10 informative), 4
+    classes, a fixed ``random_state``; standardised."""
+    from sklearn.datasets import make_classification
+
+    x, y = make_classification(
+        n_samples=1000, n_features=20, n_informative=10, n_classes=4, random_state=0
+    )
+    return _standardised(x), torch.tensor(y, dtype=torch.long)
+
+
+def _diabetes() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's ``load_diabetes`` (10 features) as classification: its regression target
+    binned at its quartiles into 4 classes; standardised."""
+    from sklearn.datasets import load_diabetes
+
+    data = load_diabetes()
+    edges = np.quantile(data.target, [0.25, 0.5, 0.75])
+    return _standardised(data.data), torch.tensor(np.digitize(data.target, edges))
 
 
 def _text() -> torch.Tensor:
@@ -285,6 +324,17 @@ BUILD: dict[str, Callable[[], nn.Module]] = {
     "fresh-wide-digits": lambda: families.DeepMLP(64, 10, layers=3, width=256),
     "fresh-pool-cnn-digits": families.PoolCNN2d,
     "fresh-bnmlp-wine": lambda: families.BNMLP(13, 3),
+    # the second fresh half, frozen before the rule change it judges (:data:`FRESH2_MODELS`)
+    "fresh2-silu-iris": lambda: families.DeepMLP(4, 3, layers=3, width=32, activation=nn.SiLU),
+    "fresh2-lnmlp-synth": lambda: families.LNMLP(20, 4),
+    "fresh2-tanh-diabetes": lambda: families.DeepMLP(10, 4, layers=4, activation=nn.Tanh),
+    "fresh2-resmlp-synth": lambda: families.ResMLP(20, 4, d=48, blocks=4),
+    "fresh2-gncnn-digits": families.GNCNN2d,
+    "fresh2-elu-cancer": lambda: families.DeepMLP(30, 2, layers=5, width=48, activation=nn.ELU),
+    "fresh2-leaky-wine": lambda: families.DeepMLP(
+        13, 3, layers=4, width=128, activation=nn.LeakyReLU
+    ),
+    "fresh2-bnmlp-diabetes": lambda: families.BNMLP(10, 4),
 }
 MIXED = ("ft-mix", "ft-mix-lora", "ft-gru-mix")
 """The fine-tunes on :data:`families.MIXED_DOCS`: each micro-batch from one document."""
@@ -309,12 +359,12 @@ class Run:
     """
 
     model: str
-    optimizer: str  # sgd (momentum 0.9, 0 on the LSTM), nesterov, adam, adamw, rmsprop
+    optimizer: str  # sgd (momentum 0.9, 0 on the LSTM), nesterov, adam, adamw, rmsprop, adagrad
     lr: float
     # "ramp": linear from 0 to ``lr`` over the run; "cosine": 10% linear warm-up, then cosine
     # decay to 0 at the last step; "onecycle": torch's OneCycleLR (cosine, pct_start 0.3);
     # "step": x0.1 at half the run, x0.01 at three quarters; "linear": 10% linear warm-up, then
-    # linear decay to 0
+    # linear decay to 0; "warmup": 10% linear warm-up, then constant
     schedule: str = "constant"
     seed: int = 0
     clip: float | None = None  # clip_grad_norm_ before the step
@@ -369,7 +419,7 @@ class Run:
         if self.schedule == "step":  # x0.1 at half the run, x0.01 at three quarters
             return self.lr * (1.0 if t < 0.5 else 0.1 if t < 0.75 else 0.01)
         warm = self.steps // 10
-        if self.schedule in ("linear", "cosine") and step < warm:
+        if self.schedule in ("linear", "cosine", "warmup") and step < warm:
             return self.lr * (step + 1) / warm
         if self.schedule == "linear":
             return self.lr * (last - step) / (last - warm)
@@ -538,6 +588,58 @@ breast-cancer set on AdamW with warm-up and cosine decay; a wide (256) ReLU MLP 
 SGD with Nesterov and one-cycle; a CNN with max pooling on the digits on Adam with a step
 schedule; an MLP with BatchNorm on the wine set at 16 on SGD with momentum 0.9."""
 
+
+class FreshRecipe(NamedTuple):
+    """How a family of the second fresh half trains: its optimizer, schedule, batch (``None``:
+    32), clipping (``None``: off) and the learning rates of its sweep."""
+
+    optimizer: str
+    schedule: str
+    batch: int | None
+    clip: float | None
+    lrs: tuple[float, ...]
+
+
+FRESH2_LRS = {
+    "fresh2-silu-iris": FreshRecipe("adam", "warmup", 16, None, (1e-3, 1e-2, 0.1, 0.3, 1.0, 3.0)),
+    "fresh2-lnmlp-synth": FreshRecipe("sgd", "step", None, None, (0.01, 0.1, 0.3, 1.0, 3.0, 10.0)),
+    "fresh2-tanh-diabetes": FreshRecipe(
+        "adagrad", "constant", None, None, (0.01, 0.1, 0.3, 1.0, 3.0, 10.0)
+    ),
+    "fresh2-resmlp-synth": FreshRecipe(
+        "adamw", "onecycle", 64, None, (1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)
+    ),
+    "fresh2-gncnn-digits": FreshRecipe(
+        "rmsprop", "cosine", None, 1.0, (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3)
+    ),
+    "fresh2-elu-cancer": FreshRecipe("adam", "step", 8, None, (1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0)),
+    "fresh2-leaky-wine": FreshRecipe(
+        "nesterov", "onecycle", 8, None, (0.01, 0.1, 0.3, 1.0, 3.0, 10.0)
+    ),
+    "fresh2-bnmlp-diabetes": FreshRecipe(
+        "sgd", "linear", 16, None, (0.01, 0.1, 0.5, 1.0, 3.0, 10.0)
+    ),
+}
+"""The second fresh half: per model, how it trains, each swept from a usual learning rate to
+past what the model can take."""
+FRESH2_MODELS = frozenset(FRESH2_LRS)
+FRESH2_RUNS = [
+    Run(model, spec.optimizer, lr, spec.schedule, clip=spec.clip, batch=spec.batch)
+    for model, spec in FRESH2_LRS.items()
+    for lr in spec.lrs
+]
+"""Frozen and recorded before the change to the loss rule that it judges, and before any of
+its results was looked at: new models, data and recipes beside every other half. A 3-layer SiLU
+MLP on the iris set at a batch of 16 on Adam with a linear warm-up to a constant rate; an MLP
+with LayerNorm and GELU on a synthetic 4-class set (``make_classification``) on SGD with
+momentum 0.9 and a step schedule; a 4-layer tanh MLP on the diabetes set binned into quartiles
+on Adagrad; a residual MLP of 4 pre-LN blocks on the synthetic set at 64 on AdamW with
+one-cycle; a CNN with GroupNorm and SiLU on the digits on RMSprop with warm-up, cosine decay
+and clipping at 1; a 5-layer ELU MLP on the breast-cancer set at 8 on Adam with a step
+schedule; a wide (128) 4-layer LeakyReLU MLP on the wine set at 8 on SGD with Nesterov and
+one-cycle; an MLP with BatchNorm on the binned diabetes set at 16 on SGD with momentum, warm-up
+and linear decay."""
+
 # Networks a too-high learning rate kills, healthy runs whose layers idle, healthy runs with an
 # outlier batch: recorded, their held-out half frozen (NEW_HELD_OUT), before any rule was tuned
 # on them.
@@ -643,7 +745,7 @@ def family(run: Run) -> str:  # noqa: PLR0911 (one return per kind of family)
         return "ft-mix-mb1" if run.accum == 1 else "ft-mix-accum"
     if run.model in DEAD_MODELS:
         return f"{run.model}-{run.optimizer}"
-    if run.model in NEW_MODELS or run.model in FRESH_MODELS:
+    if run.model in NEW_MODELS or run.model in FRESH_MODELS | FRESH2_MODELS:
         return run.model
     return FAMILY[run.model]
 
@@ -690,13 +792,15 @@ accumulation, where the loss swings most from one micro-batch to the next."""
 
 
 def group(name: str) -> str:
-    """The half a family is reported in: ``tuning``, ``held_out`` or ``fresh``."""
+    """The half a family is reported in: ``tuning``, ``held_out``, ``fresh`` or ``fresh2``."""
+    if name in FRESH2_MODELS:
+        return "fresh2"
     if name in FRESH_FAMILIES | NEW_FRESH:
         return "fresh"
     return "held_out" if name in HELD_OUT_FAMILIES | NEW_HELD_OUT else "tuning"
 
 
-def _optimizer(run: Run, model: nn.Module) -> torch.optim.Optimizer:
+def _optimizer(run: Run, model: nn.Module) -> torch.optim.Optimizer:  # noqa: PLR0911 (one return per optimizer)
     params = model.parameters()
     if run.optimizer == "sgd":
         momentum = 0.0 if run.model == "lstm" else 0.9
@@ -707,6 +811,8 @@ def _optimizer(run: Run, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=run.lr, weight_decay=0.01)
     if run.optimizer == "rmsprop":
         return torch.optim.RMSprop(params, lr=run.lr)
+    if run.optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=run.lr)
     if run.model.startswith("ft"):  # a fine-tune: the trainable parameters only
         params = (p for p in model.parameters() if p.requires_grad)
     if run.optimizer == "adamw95":  # Wortsman et al.'s AdamW: independent weight decay 1e-4
@@ -716,8 +822,11 @@ def _optimizer(run: Run, model: nn.Module) -> torch.optim.Optimizer:
 
 def _tabular(model: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | None:
     """The data set of a model on scikit-learn's sets; ``None`` for a text model."""
-    if model in FRESH_MODELS:  # named by its data set, last
-        return {"wine": _wine, "digits": _digits, "cancer": _cancer}[model.rsplit("-", 1)[1]]
+    if model in FRESH_MODELS | FRESH2_MODELS:  # named by its data set, last
+        return {
+            "wine": _wine, "digits": _digits, "cancer": _cancer, "iris": _iris,
+            "synth": _synth, "diabetes": _diabetes,
+        }[model.rsplit("-", 1)[1]]  # fmt: skip
     if model in ("resmlp", "wine", "resmlp-wine") or model.endswith(("-wine", "-cancer")):
         return {"resmlp": _cancer, "wine": _wine, "resmlp-wine": _wine}.get(
             model, _wine if "wine" in model else _cancer
@@ -976,7 +1085,14 @@ def all_runs() -> list[Run]:
     runs += [
         replace(run, seed=seed)
         for seed in NEW_SEEDS
-        for run in (*TRANSIENTS, *COLLAPSES, *FINE_TUNING, *FINE_TUNING_MIXED, *FRESH_RUNS)
+        for run in (
+            *TRANSIENTS,
+            *COLLAPSES,
+            *FINE_TUNING,
+            *FINE_TUNING_MIXED,
+            *FRESH_RUNS,
+            *FRESH2_RUNS,
+        )
     ]
     return runs + new_runs()
 
@@ -991,6 +1107,7 @@ QUICK = frozenset(
     | {"lstm", "pre-ln", "post-ln"}
     | NEW_MODELS
     | FRESH_MODELS
+    | FRESH2_MODELS
 )
 """The models quick to record on a CPU (a second or two a run): the digits, tabular and
 character-level ones. The byte-level transformers and recurrent models, the GPTs and the
@@ -1788,6 +1905,7 @@ HALVES = {
     "tuning": "tuning families",
     "held_out": "held-out families",
     "fresh": "fresh held-out families, recorded after the defaults were frozen",
+    "fresh2": "second fresh families, frozen and recorded after the defaults they are judged on",
 }
 
 
@@ -1851,6 +1969,7 @@ def result_header(
         "held_out_seeds": HELD_OUT,
         "held_out_families": sorted(HELD_OUT_FAMILIES),
         "fresh_families": sorted(FRESH_FAMILIES),
+        "fresh2_families": sorted(FRESH2_MODELS),
         "record_s": recorded,
         "wall_s": time.perf_counter() - started,
         "defaults": asdict(AlarmRules()),
@@ -1913,6 +2032,7 @@ def main(argv: list[str] | None = None) -> None:
         "new_families": new_families(traces, AlarmRules()),
         "new_held_out_families": sorted(NEW_HELD_OUT),
         "new_fresh_families": sorted(NEW_FRESH),
+        "fresh2_families": sorted(FRESH2_MODELS),
         "label_runs": labelled,
         "labelled": {
             "command": header["command"],
@@ -2131,7 +2251,9 @@ def markdown(out: dict[str, Any]) -> str:
             kind += f"; {'worse than' if row['damaged'] else 'no worse than'} its twin"
         at = "-" if row["diverges_at"] is None else row["diverges_at"]
         first = "-" if row["first_warning"] is None else row["first_warning"]
-        held = {"tuning": "tuning", "held_out": "held out", "fresh": "fresh"}[group(row["family"])]
+        held = {"tuning": "tuning", "held_out": "held out", "fresh": "fresh", "fresh2": "fresh2"}[
+            group(row["family"])
+        ]
         lines.append(
             f"| {row['run']} | {row['seed']} | {row['family']} ({held}) | {at} | {kind} | {first} |"
         )
@@ -2216,7 +2338,11 @@ def new_markdown(out: dict[str, Any]) -> str:
         "rule for an outlier the loss falls back from was judged on them: "
         + ", ".join(f"`{f}`" for f in out.get("new_fresh_families", []))
         + ". The tuning half adds two outlier families on SGD with momentum: "
-        "`outlier-bnmlp-cancer`, `outlier-bncnn-cancer`.",
+        "`outlier-bnmlp-cancer`, `outlier-bncnn-cancer`. The second fresh half (`fresh2`), "
+        "quick families of new models, data and recipes frozen and recorded before the change "
+        "to the loss rule it judges, and before any of its results was looked at: "
+        + ", ".join(f"`{f}`" for f in out.get("fresh2_families", []))
+        + ".",
     ]
     head = (
         "| rule set | runs warned | of them harmed or divergent (precision) | warned, healthy "

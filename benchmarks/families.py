@@ -23,6 +23,8 @@ users run them.
   on :data:`MIXED_DOCS`, documents that differ a lot in difficulty, one document a micro-batch:
   near-duplicate boilerplate (codec tables) beside English prose the base never saw, so one
   micro-batch's loss can be 2-3x the next one's;
+- ``LNMLP``: an MLP with LayerNorm and GELU; ``GNCNN2d``: a CNN with GroupNorm and SiLU on the
+  digits (the second fresh half's models, with ``DeepMLP``, ``ResMLP`` and ``BNMLP`` on new data);
 - ``ReluMLP``, ``ReluCNN2d``, ``ReluCNN1d``: small ReLU networks without normalisation, where a
   too-high learning rate kills a layer whole;
 - ``FrozenBackbone``, ``TwoBranch``, ``MixtureOfExperts``: healthy models whose layers get no
@@ -54,12 +56,14 @@ __all__ = [
     "BYTES",
     "GPT",
     "IDLE",
+    "LNMLP",
     "BNCNN1d",
     "ByteGRU",
     "ByteLSTM",
     "ByteTransformer",
     "DeepMLP",
     "FrozenBackbone",
+    "GNCNN2d",
     "LoRA",
     "MixtureOfExperts",
     "PoolCNN2d",
@@ -201,6 +205,26 @@ def PoolCNN2d() -> nn.Module:  # noqa: N802
         nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(), nn.Linear(32 * 4, 10),
+    )  # fmt: skip
+
+
+def LNMLP(inputs: int, classes: int, width: int = 64, layers: int = 3) -> nn.Module:  # noqa: N802
+    """An MLP of ``layers`` hidden layers of ``width`` units, each a linear layer, LayerNorm and
+    GELU: ``inputs`` features, ``classes`` outputs."""
+    body: list[nn.Module] = []
+    for index in range(layers):
+        body += [nn.Linear(inputs if index == 0 else width, width), nn.LayerNorm(width), nn.GELU()]
+    return nn.Sequential(*body, nn.Linear(width, classes))
+
+
+def GNCNN2d() -> nn.Module:  # noqa: N802
+    """Two 3x3 convolutions with GroupNorm (4 groups) and SiLU on the 8x8 digits, averaged over
+    the image, a linear head of 10 outputs."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.SiLU(),
+        nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.SiLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
     )  # fmt: skip
 
 

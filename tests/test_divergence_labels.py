@@ -188,6 +188,43 @@ def test_the_held_out_new_families_cover_every_model_data_set_and_optimizer() ->
             assert any(part in f.split("-") for f in side), (half, part)
 
 
+def test_the_second_fresh_half_is_new_families_on_their_own_side() -> None:
+    """The second fresh half's families are reported in a half of their own, share no model
+    with any other half, and each is swept on both seeds among the quick runs."""
+    bench = _bench()
+    fresh2 = bench.FRESH2_MODELS
+    assert {bench.group(bench.family(r)) for r in bench.FRESH2_RUNS} == {"fresh2"}
+    others = {r.model for r in bench.all_runs() if r.model not in fresh2}
+    assert not fresh2 & others
+    assert not fresh2 & (bench.HELD_OUT_FAMILIES | bench.NEW_HELD_OUT | bench.NEW_FRESH)
+    quick = [r for r in bench.quick_runs() if r.model in fresh2]
+    assert len(quick) == len(bench.NEW_SEEDS) * len(bench.FRESH2_RUNS)
+    for model, spec in bench.FRESH2_LRS.items():
+        assert len(spec.lrs) >= 5 and list(spec.lrs) == sorted(spec.lrs), model
+
+
+@pytest.mark.parametrize(("name", "rows", "classes"), [("iris", 150, 3), ("diabetes", 442, 4)])
+def test_the_second_fresh_halfs_data_sets_are_standardised_and_labelled(
+    name: str, rows: int, classes: int
+) -> None:
+    """The iris set as it is and the diabetes set binned at its quartiles: standardised
+    features, every class present, the diabetes classes near a quarter of the rows each."""
+    bench = _bench()
+    x, y = {"iris": bench._iris, "diabetes": bench._diabetes}[name]()
+    assert x.shape[0] == rows == y.shape[0]
+    assert np.allclose(x.mean(0).numpy(), 0.0, atol=1e-5)
+    assert np.allclose(x.std(0).numpy(), 1.0, atol=1e-5)
+    counts = np.bincount(y.numpy(), minlength=classes)
+    assert len(counts) == classes and counts.min() >= rows // classes - 2
+
+
+def test_the_warmup_schedule_ramps_then_holds() -> None:
+    run = _bench().Run("fresh2-silu-iris", "adam", 0.3, "warmup")
+    assert run.lr_at(0) == pytest.approx(0.3 / 30)
+    assert run.lr_at(29) == pytest.approx(0.3)
+    assert run.lr_at(30) == run.lr_at(299) == 0.3
+
+
 def test_the_saved_label_tables_are_their_runs_recounted() -> None:
     """``benchmarks/results/divergence.json``: each rule set's precision per half is its first
     warnings on the saved runs (both labels) recounted; each half warns at least one run."""
