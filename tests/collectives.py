@@ -79,9 +79,9 @@ class LossReading(pl.Callback):
         self.reading: str | None = None
 
     def on_train_batch_end(self, *args: Any) -> None:
-        agreement = getattr(getattr(self.watched, "_fit", None), "loss_agreement", None)
-        if agreement is not None:  # a StatsCallback reads no loss: None
-            self.reading = agreement.reading
+        alarms = getattr(getattr(self.watched, "_fit", None), "alarms", None)
+        if alarms is not None:  # a StatsCallback, or alarms=False, reads no loss: None
+            self.reading = alarms.loss_agreement.reading
 
 
 def _called_from_package() -> bool:

@@ -390,3 +390,19 @@ def test_the_activation_shape_in_batches_is_the_one_measured_output_by_output(
     assert batched[0] == alone[0] == ("0", "1", "2")
     for got, want in zip(batched[1:], alone[1:], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_a_state_saved_for_layers_in_another_order_adds_no_row() -> None:
+    """A checkpoint state whose layers come in another order than the rows already made is
+    refused before any row is made: a refused state leaves the statistic as it was."""
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 2)).train()
+    with ActivationStatsTracker(model) as saved:
+        model(torch.ones(4, 2))
+        state = saved.host_state()
+    assert tuple(state["layers"]) == ("0", "1")
+    state["layers"] = ["1", "0"]
+    with ActivationStatsTracker(model) as fresh:
+        fresh.row("0")
+        with pytest.raises(ValueError, match=r"saved for layers \('1', '0'\)"):
+            fresh.load_host_state(state)
+        assert fresh.layers == ("0",)

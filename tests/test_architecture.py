@@ -62,7 +62,7 @@ def test_no_callback_skips_a_parent_with_super_of_a_grandparent() -> None:
                 assert not node.args, f"{path.name}:{node.lineno}: super() with arguments"
 
 
-EXTENSION_POINTS = {"_validate", "_attach", "_batch_started", "_batch_ending", "_log_epoch"}
+EXTENSION_POINTS = {"_validate", "_attach", "_batch_started", "_batch_ending", "_epoch_ending"}
 """The points at which a callback extends the base, each named in its docstring's list."""
 
 

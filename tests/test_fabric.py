@@ -126,6 +126,36 @@ def test_fabric_clip_gradients_preclip_norm_is_exact(tmp_path: Path) -> None:
     assert [s for s, _ in scalars["grad_flow/grad_norm_step/0"]] == [1, 3, 5]
 
 
+def test_fabric_clip_bound_that_changes_every_step_keeps_the_epochs_values(
+    tmp_path: Path,
+) -> None:
+    """A ``max_norm`` that changes at every step (a schedule of the clip) keeps the fit: the
+    epoch's gradient norms are the means over its logging steps of what plain torch reads,
+    before and after the clip, not the last step's alone."""
+    model = _model()
+    fabric = _fabric(tmp_path, GradFlowCallback(every_n_steps=2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    wrapped, opt = fabric.setup(model, opt)
+    seen = {}
+    for step in range(6):
+        x, y = _batch(step)
+        fabric.backward(nn.functional.mse_loss(wrapped(x), y))
+        before = _layer_norms(model)["0"]
+        fabric.clip_gradients(wrapped, opt, max_norm=0.04 + 0.002 * step)
+        seen[step] = (before, _layer_norms(model)["0"])
+        opt.step()
+        opt.zero_grad()
+    fabric.call("on_train_epoch_end")
+    scalars = read_scalars(tmp_path / "tb")
+    logging_steps = [1, 3, 5]
+    assert [s for s, _ in scalars["grad_flow/grad_norm_step/0"]] == logging_steps
+    preclip = sum(seen[s][0] for s in logging_steps) / len(logging_steps)
+    applied = sum(seen[s][1] for s in logging_steps) / len(logging_steps)
+    assert scalars["grad_flow/grad_norm_preclip/0"][0][1] == pytest.approx(preclip, rel=1e-5)
+    assert scalars["grad_flow/grad_norm/0"][0][1] == pytest.approx(applied, rel=1e-5)
+    assert len({seen[s][1] for s in logging_steps}) == len(logging_steps)  # each step differs
+
+
 def test_fabric_loss_rules_read_the_fed_loss(tmp_path: Path) -> None:
     """``fabric.call("on_before_backward", loss)`` feeds the loss rules: the loss spike at step
     37 is named diverging; without the line only the gradient rules speak."""

@@ -74,8 +74,8 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
     - ``_batch_started`` (a logging step's first batch): opens what the step measures.
     - ``_batch_ending`` (the end of each such batch, or of every batch with ``every_batch``):
       closes it.
-    - ``_log_epoch`` (at ``on_train_epoch_end``, after each statistic's epoch): logs what else
-      the callback reads of the epoch.
+    - ``_epoch_ending`` (at ``on_train_epoch_end``, after each statistic's epoch): closes the
+      epoch for the callback, and logs what else it reads of it.
 
     A subclass may also define a Lightning hook the base does not, decorated with ``@guarded``
     as the base's hooks are (``GradFlowCallback`` reads ``on_before_optimizer_step``).
@@ -292,7 +292,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         if attached is not None:
             attached.write_steps(trainer, wait=True)
             attached.write_epoch(trainer)  # each statistic's epoch, then the next one starts
-            self._log_epoch(trainer, pl_module)
+            self._epoch_ending(trainer, pl_module)
         save_loggers(trainer.loggers)  # the chart layout waits for the next batch's save
 
     @override
@@ -403,8 +403,9 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
         nothing.
         """
 
-    def _log_epoch(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Log what else the callback reads of the epoch, after each statistic's epoch is written.
+    def _epoch_ending(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Close the epoch for the callback, after each statistic's epoch is written.
 
-        It logs at the epoch's step (:func:`~.attached.epoch_step`). The default logs nothing.
+        What it logs goes at the epoch's step (:func:`~.attached.epoch_step`). The default does
+        nothing.
         """

@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from lightning_hooks.callbacks.trainer import (
     SHARDED_STRATEGIES,
     TrainerView,
+    gradient_clipping,
     inherits_empty_hook,
     stands_down_for_users_own,
 )
@@ -463,8 +464,9 @@ class FabricRun:
     def before_clip(self, optimizer: Any, algorithm: str, value: Any) -> None:  # noqa: ANN401 (as check_clip)
         """Observe the gradients ``fabric.clip_gradients`` is about to clip.
 
-        A new bound or algorithm is recorded as the trainer's clipping, and the fit attaches again
-        to measure after it.
+        A new bound or algorithm is recorded as the trainer's clipping, which the alarms read at
+        each step. Where the clipping begins, the fit attaches again to measure after it; a
+        changed bound keeps the fit and what it measured.
 
         Args:
             optimizer: the optimizer whose gradients are clipped, as Fabric hands it on.
@@ -474,13 +476,12 @@ class FabricRun:
         optimizer = unwrapped_optimizer(optimizer)
         if not self._owns(optimizer) or value is None:
             return
-        bound = float(value)
         trainer = self.trainer
-        if (bound, algorithm) != (trainer.gradient_clip_val, trainer.gradient_clip_algorithm):
-            trainer.gradient_clip_val = bound
-            trainer.gradient_clip_algorithm = algorithm
-            if self._attached:  # the clipping began or changed: measured after it from now on
-                self._start()
+        began = gradient_clipping(trainer) is None
+        trainer.gradient_clip_val = float(value)
+        trainer.gradient_clip_algorithm = algorithm
+        if began and gradient_clipping(trainer) is not None and self._attached:
+            self._start()  # the clipping began: measured after it from now on
         self.before_step(optimizer)
         self._observed.add(id(optimizer))
 

@@ -244,7 +244,7 @@ class FeatureMapCallback(HookCallback):
         return Attached(None, on_remove=self._forget_probe)
 
     @override
-    def _log_epoch(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+    def _epoch_ending(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         if self._probe is None or not trainer.is_global_zero:
             return
         if (trainer.current_epoch + 1) % self.every_n_epochs:

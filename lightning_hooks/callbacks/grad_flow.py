@@ -14,21 +14,19 @@ from torch.nn.parameter import is_lazy
 from typing_extensions import override
 
 from lightning_hooks import internals
-from lightning_hooks.callbacks.agreement import LossAgreement
-from lightning_hooks.callbacks.alarm_policy import Action, AlarmLog, AlarmPolicy, check_actions
+from lightning_hooks.callbacks.alarm_policy import Action, check_actions
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
+from lightning_hooks.callbacks.grad_flow_alarms import FitAlarms, GradFlowAlarms
 from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
 from lightning_hooks.callbacks.stats import nothing_to_watch, selection_state_key
 from lightning_hooks.callbacks.trainer import TrainerView, enabled_grad_scaler, gradient_clipping
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, checks
-from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarms
+from lightning_hooks.core.alarms import AlarmRules
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
-from lightning_hooks.core.stats.alarm_feed import AlarmFeed
 from lightning_hooks.core.stats.grad_flow import counts_the_model_itself, layers_of
-from lightning_hooks.core.stats.stability import Result as StabilityResult
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
 
@@ -171,8 +169,8 @@ class GradFlowCallback(HookCallback):
         self.on_alarm = actions
         """The action of each rule; a rule ``on_alarm`` did not name has its default."""
         self.stability = stability
-        self._carried = _CarriedAlarms()
-        self.kept["alarms"] = self._carried  # carries the running scales to the next fit
+        self._alarms = GradFlowAlarms(rules, actions, self.ranks)
+        self.kept["alarms"] = self._alarms  # carries the running scales to the next fit
         self._pictures = GradFlowPictures(max_layers_logged, chart=chart, heatmap=heatmap)
         self.kept["heatmap"] = self._pictures.history  # so a resumed fit draws earlier epochs
         self._fit: _Fit | None = None
@@ -218,11 +216,8 @@ class GradFlowCallback(HookCallback):
         tracker = self._make_tracker(trainer, pl_module)
         try:
             fit = _Fit(
-                trainer=trainer,
                 tracker=tracker,
-                alarm_feed=self._alarm_feed(trainer, pl_module, tracker),
-                policy=AlarmPolicy(self.on_alarm, request_stop=self.ranks.request_stop),
-                loss_agreement=LossAgreement(self.ranks, pl_module, self.alarms),
+                alarms=self._alarms.start(trainer, pl_module, tracker),
                 pictures=self._pictures,
                 stability_stats=StabilityStats() if self.stability else None,
                 gradient_histograms=_histograms(tracker) if self.histograms else None,
@@ -231,21 +226,28 @@ class GradFlowCallback(HookCallback):
                 # On the tracker's registry, so one gate serves both and both come off together.
                 fit.stability_stats.attach(pl_module, tracker.registry)
             self._pictures.start()
-            self._carried.start_fit(fit.training_alarms, fit.policy.log)
         except BaseException:
             tracker.remove()
-            self._carried.end_fit()
+            self._alarms.end()
             raise
         self._fit = fit
+        alarms = fit.alarms
         logged: list[Logged[Any]] = [
-            Logged(tracker, on_step=fit.log_alarms, on_epoch=fit.draw_pictures),
+            Logged(
+                tracker,
+                on_step=None if alarms is None else alarms.log_step,
+                on_epoch=fit.draw_pictures,
+            ),
         ]
         if fit.stability_stats is not None:
-            logged.append(Logged(fit.stability_stats, on_step=fit.watch_attention))
+            on_step = None if alarms is None else alarms.watch_attention
+            logged.append(Logged(fit.stability_stats, on_step=on_step))
+        # The loss rules read every batch.
+        every_batch = alarms is not None and alarms.loss_agreement.reading != "off"
         return Attached(
             tracker.registry,
             logged,
-            every_batch=fit.loss_agreement.reading != "off",  # the loss rules read every batch
+            every_batch=every_batch,
             on_remove=self._end_fit,
             earlier_layout=_saved_by_release_0_2,
         )
@@ -282,26 +284,10 @@ class GradFlowCallback(HookCallback):
             raise
         return tracker
 
-    def _alarm_feed(
-        self, trainer: TrainerView, pl_module: nn.Module, tracker: GradFlowTracker
-    ) -> AlarmFeed | None:
-        """Make the fit's alarms and their feed from ``tracker``, or ``None`` without alarms.
-
-        The alarms' messages quote the run's learning rate and output units.
-        """
-        if self.alarms is None:
-            return None
-        feed = AlarmFeed(tracker, self.alarms, gradient_clipping(trainer))
-        feed.alarms.know(RunFacts.of(pl_module, trainer.optimizers))
-        return feed
-
     def _end_fit(self) -> None:
         """Carry the fit's alarm state to the next fit, then warn once if an alarm stopped it."""
-        fit = self._fit
-        self._carried.end_fit()
         self._fit = None
-        if fit is not None:
-            fit.close()
+        self._alarms.end()
 
     @override
     @guarded
@@ -318,13 +304,13 @@ class GradFlowCallback(HookCallback):
     ) -> None:
         """Give the batch's loss to the loss rules (:meth:`_Fit.end_batch`)."""
         if self._fit is not None:
-            self._fit.end_batch(trainer, outputs, self.cadence.batch_step, logging_step)
+            self._fit.end_batch(outputs, self.cadence.batch_step, logging_step)
 
     @override
-    def _log_epoch(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Close the epoch for the alarms (:meth:`_Fit.end_epoch`)."""
-        if self._fit is not None:
-            self._fit.end_epoch(trainer)
+    def _epoch_ending(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Close the epoch for the alarms (:meth:`FitAlarms.end_epoch`)."""
+        if self._fit is not None and self._fit.alarms is not None:
+            self._fit.alarms.end_epoch()
 
 
 def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | None) -> str | None:
@@ -340,33 +326,22 @@ def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | Non
 
 @dataclass
 class _Fit:
-    """Measure one fit of :class:`GradFlowCallback` and act on its alarms.
+    """Measure one fit of :class:`GradFlowCallback`, and hand its alarms what they read.
 
-    It is made at the fit's train start and closed when the fit's hooks come off. The
-    callback's hooks call :meth:`observe`, :meth:`end_batch` and :meth:`end_epoch`; the
-    tracker's and the instability statistics' results go to :meth:`log_alarms`,
-    :meth:`watch_attention` and :meth:`draw_pictures`.
+    It is made at the fit's train start and dropped when the fit's hooks come off. The
+    callback's hooks call :meth:`observe` and :meth:`end_batch`; the tracker's result of each
+    epoch goes to :meth:`draw_pictures`.
     """
 
-    trainer: TrainerView
     tracker: GradFlowTracker
-    alarm_feed: AlarmFeed | None
-    """Hands the alarms each step's gradient norms; ``None`` under ``alarms=False``."""
-    policy: AlarmPolicy
-    """What the fit's alarms do and how they are logged. Its warnings, stop and counts belong
-    to this fit alone."""
-    loss_agreement: LossAgreement
+    alarms: FitAlarms | None
+    """The fit's alarms; ``None`` under ``alarms=False``."""
     pictures: GradFlowPictures
     stability_stats: StabilityStats | None
     gradient_histograms: LayerHistograms | None
 
-    @property
-    def training_alarms(self) -> TrainingAlarms | None:
-        """The fit's alarms, which :attr:`alarm_feed` feeds; ``None`` under ``alarms=False``."""
-        return None if self.alarm_feed is None else self.alarm_feed.alarms
-
     def observe(self, trainer: TrainerView, optimizer: torch.optim.Optimizer) -> None:
-        """Measure the gradient ``optimizer`` is about to apply, then act on any alarms.
+        """Measure the gradient ``optimizer`` is about to apply, then hand it to the alarms.
 
         The gradients are unscaled by the trainer's GradScaler scale, if it has one.
         """
@@ -381,136 +356,21 @@ class _Fit:
         if self.gradient_histograms is not None:
             layout = self.tracker.layout
             observe_histograms(self.gradient_histograms, layout, optimizer, param_grad_scale)
-        if self.alarm_feed is None:
-            return
-        self.alarm_feed.observe(
-            optimizer,
-            measured,
-            step=trainer.global_step,
-            grad_scale=scale,
-            param_grad_scale=param_grad_scale,
-        )
-        alarms = self.alarm_feed.alarms
-        found = alarms.poll(wait=self.policy.wait)
-        if found:
-            self.policy.act(trainer, optimizer, alarms, found)
+        if self.alarms is not None:
+            self.alarms.observe(
+                optimizer, measured, grad_scale=scale, param_grad_scale=param_grad_scale
+            )
 
-    def end_batch(
-        self, trainer: TrainerView, outputs: STEP_OUTPUT, step: int, logging_step: bool
-    ) -> None:
+    def end_batch(self, outputs: STEP_OUTPUT, step: int, logging_step: bool) -> None:
         """Close the attention statistics of a logging step, then give the loss to the rules."""
         if self.stability_stats is not None and logging_step:
             self.stability_stats.end_step()
-        if self.training_alarms is not None:
-            self.loss_agreement.feed(trainer, outputs, step, self.training_alarms, self.policy)
-
-    def log_alarms(self, trainer: TrainerView, step: int, table: LayerTable) -> None:
-        """Log the alarm counts and text gathered since the last logging step, at ``step``."""
-        if self.training_alarms is not None:
-            self.policy.log.log_step(trainer, self.training_alarms, step)
-
-    def watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
-        """Hand a logging step's attention logits and entropies to the attention rule."""
-        if self.training_alarms is not None:
-            self.training_alarms.update_attention(
-                result.attn_logit_max, result.attn_entropy_min, step=step
-            )
+        if self.alarms is not None:
+            self.alarms.feed_loss(outputs, step)
 
     def draw_pictures(self, trainer: TrainerView, table: LayerTable) -> None:
         """Draw the epoch's chart, heatmap and histograms."""
         self.pictures.write(trainer, table, self.gradient_histograms, self.tracker.shards)
-
-    def end_epoch(self, trainer: TrainerView) -> None:
-        """Close the epoch for the alarms: act on the last results, then log counts and text."""
-        if self.training_alarms is not None:
-            self.policy.end_epoch(trainer, self.training_alarms)
-
-    def close(self) -> None:
-        """End the fit: if an alarm's ``stop`` action ended it, the policy warns of it once."""
-        self.policy.announce_stop(self.trainer)
-
-
-class _CarriedAlarms:
-    """Carry the alarms' state from one fit to the next, and through checkpoints.
-
-    The state is :meth:`~lightning_hooks.core.alarms.TrainingAlarms.state_dict`: the running
-    scales, the ring buffer of recent steps and the counts (see docs/glossary.md). Between
-    fits it is what the last fit left or a checkpoint loaded; a new fit starts from it, and
-    while a fit runs a checkpoint saves that fit's state. The fit's log treats loaded counts
-    as already written, so it logs only what the alarms count after them.
-
-    Example:
-        >>> carried = _CarriedAlarms()
-        >>> carried.host_state()  # no fit ran yet, and no checkpoint was loaded
-        {}
-    """
-
-    def __init__(self) -> None:
-        self._state: dict[str, Any] | None = None  # kept between fits
-        self._alarms: TrainingAlarms | None = None  # the running fit's
-        self._log: AlarmLog | None = None
-
-    def start_fit(self, alarms: TrainingAlarms | None, log: AlarmLog) -> None:
-        """Start a fit's fresh ``alarms`` (held until :meth:`end_fit`) from the state carried.
-
-        Args:
-            alarms: the fit's alarms, or ``None`` if the fit has none.
-            log: the fit's alarm log. It starts from the counts the alarms hold once loaded.
-        """
-        self._alarms = alarms
-        self._log = log
-        self._load()
-
-    def end_fit(self) -> None:
-        """Keep the state of the running fit's alarms for the next fit, then let them go."""
-        if self._alarms is not None:
-            self._state = self._alarms.state_dict()
-        self._alarms = None
-        self._log = None
-
-    def host_state(self) -> dict[str, Any]:
-        """Return what a checkpoint saves: the running fit's state, else the one carried, or {}."""
-        if self._alarms is not None:
-            return self._alarms.state_dict()
-        return dict(self._state or {})
-
-    def load_host_state(self, state: dict[str, Any]) -> None:
-        """Continue from the alarm state a checkpoint saved.
-
-        A running fit's alarms load it at once. A state they refuse raises, so that the
-        callback drops the whole checkpoint with one warning; the state carried is unchanged.
-
-        Args:
-            state: what :meth:`host_state` returned. An empty dict means none.
-
-        Raises:
-            ValueError: the state was saved for another model's layers, or by an older version.
-        """
-        loaded = dict(state) or None
-        if self._alarms is not None and loaded is not None:
-            self._alarms.load_state_dict(loaded)
-        self._state = loaded
-        if self._log is not None:
-            self._log.start(self._alarms)
-
-    def _load(self) -> None:
-        """Load the carried state into this fit's alarms and start the log.
-
-        A state left for another model's layers is dropped with a warning, and the running
-        scales start afresh.
-        """
-        alarms = self._alarms
-        if alarms is not None and self._state is not None:
-            try:
-                alarms.load_state_dict(self._state)
-            except ValueError as err:
-                self._state = None  # another model's state: drop it now, not at every later fit
-                rank_zero_warn(
-                    f"GradFlowCallback: {err}; running scales start afresh.",
-                    category=LightningHooksWarning,
-                )
-        if self._log is not None:
-            self._log.start(alarms)
 
 
 _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")

@@ -189,7 +189,7 @@ class TrainingAlarms:
         """Say whether the optimizer keeps a second moment (Adam, RMSprop, ...).
 
         If it does, *diverging* holds its first ``diverge_early`` losses to
-        ``diverge_overshoot`` (``GradFlowTracker`` sets it).
+        ``diverge_overshoot`` (an ``AlarmFeed`` sets it at its first steps).
 
         Args:
             value: whether the optimizer is adaptive.

@@ -83,7 +83,6 @@ class AlarmFeed:
     Args:
         tracker: the tracker whose layout, views and updates the feed reads.
         rules: the alarm rules; :attr:`alarms` applies them.
-        clip: the Trainer's gradient clipping, for the *explosion* rule (``None``: none).
 
     Example:
         >>> from torch import nn
@@ -99,17 +98,17 @@ class AlarmFeed:
         1
     """
 
-    def __init__(self, tracker: Tracked, rules: AlarmRules, clip: Clip | None = None) -> None:
+    def __init__(self, tracker: Tracked, rules: AlarmRules) -> None:
         layout = tracker.views.layout
         self.alarms = TrainingAlarms((*layout.layers, GLOBAL), rules, layout.index.device)
         """The alarms the feed hands the norms to."""
         self._views = tracker.views
         self._norms = tracker.view_norms
-        self._clip = clip
         self._sharded = self._norms.shards is not None  # FSDP2: the general path makes norms whole
         self._triton = rules.quiet_read == "triton"
         self._step = 0  # the step observed last, which the alarms and the stall reading name
         self._amp = False  # whether an AMP loss scaler steps it
+        self._clip: Clip | None = None  # the clipping it applies
         self._calls = 0
         tracker.update_readers.append(self._read_update)
 
@@ -117,7 +116,7 @@ class AlarmFeed:
         """Say whether the alarms' own cadence runs them on optimizer step ``step``."""
         return step % self.alarms.rules.evaluate_every_n_steps == 0
 
-    def observe(
+    def observe(  # noqa: PLR0913 (one optimizer step's facts, a keyword each, as a public method)
         self,
         optimizer: torch.optim.Optimizer,
         measured: Measured | None,
@@ -125,6 +124,7 @@ class AlarmFeed:
         step: int | None = None,
         grad_scale: torch.Tensor | None = None,
         param_grad_scale: torch.Tensor | None = None,
+        clip: Clip | None = None,
     ) -> None:
         """Hand the alarms the norms of the gradients ``optimizer`` is about to apply.
 
@@ -139,10 +139,13 @@ class AlarmFeed:
             grad_scale: the AMP loss scale, or ``None``. A non-finite gradient under it is
                 *amp_overflow*, the step the scaler skips, not *nonfinite*.
             param_grad_scale: the loss scale the parameter gradients still carry, or ``None``.
+            clip: the gradient clipping this step applies, for the *explosion* rule (``None``:
+                none). Under Fabric its bound may change from one step to the next.
         """
         step = self._calls if step is None else step
         self._step = step
         self._amp = grad_scale is not None
+        self._clip = clip
         self._calls += 1
         if not self.due(step):
             return

@@ -213,18 +213,18 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         self._output_grad = output_grad
         self._post_clip = post_clip
         self._deprecated_feed: AlarmFeed | None = None
+        self._deprecated_clip = None if clip is None else Clip(*clip)
         self.alarms: TrainingAlarms | None = None
         """Deprecated with ``alarms``: the alarms of the feed the tracker made."""
         if alarms is not None:
             warnings.warn(
                 "GradFlowTracker(alarms=..., clip=...) is deprecated: make the feed yourself, "
-                "feed = AlarmFeed(tracker, rules, clip), then feed.observe(optimizer, "
-                "tracker.observe(optimizer)) and feed.alarms.poll()",
+                "feed = AlarmFeed(tracker, rules), then feed.observe(optimizer, "
+                "tracker.observe(optimizer), clip=clip) and feed.alarms.poll()",
                 DeprecationWarning,
                 stacklevel=2,
             )
-            clipping = None if clip is None else Clip(*clip)
-            self._deprecated_feed = AlarmFeed(self, alarms, clipping)
+            self._deprecated_feed = AlarmFeed(self, alarms)
             self.alarms = self._deprecated_feed.alarms
         try:
             if output_grad:
@@ -274,6 +274,7 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
                 step=step,
                 grad_scale=grad_scale,
                 param_grad_scale=param_grad_scale,
+                clip=self._deprecated_clip,
             )
         return measured
 
@@ -375,7 +376,7 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         The output gradients are summed across ranks here, so every reduce (:meth:`start_copy`,
         :meth:`result`, :meth:`host_state`) reads them.
         """
-        self._update_column(_OUTPUT, self._outputs.drain())
+        self._update_column(_OUTPUT, self._outputs.reduce_kept_steps())
         super().drain()
 
     def reset(self) -> None:

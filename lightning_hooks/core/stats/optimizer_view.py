@@ -57,30 +57,55 @@ class ColumnValues(NamedTuple):
 
 @dataclass
 class OptimizerView:
-    """Hold the tracked parameters one optimizer steps, and the buffers of its update ratio."""
+    """Hold the tracked parameters one optimizer steps, and the buffers of its update ratio.
+
+    :class:`OptimizerViews` builds it at the optimizer's step; its fields describe the
+    parameters, and the last three are what readers of the view keep in it between steps.
+    """
 
     params: tuple[nn.Parameter, ...]
+    """The tracked parameters the optimizer steps, in the layout's order."""
     index: torch.Tensor
-    rows: torch.Tensor  # layers it steps, then the global row
+    """Each parameter's row among :attr:`rows` (the layers it steps, numbered from 0)."""
+    rows: torch.Tensor
+    """The layout rows of the layers it steps, then the global row."""
     before: list[torch.Tensor]
-    owner: tuple[int, ...]  # index, on the host
-    key: tuple[int, ...]  # the param_groups' sizes it was built for
-    unique: torch.Tensor  # positions of each parameter's first listing (global figures)
-    numel: torch.Tensor  # [layers + 1] elements it steps per layer, then all (shared once)
-    row_ids: tuple[int, ...]  # ``rows`` on the host
-    segments: HostSegments  # ``index`` and ``unique`` on the host (the sentinel's)
+    """A copy of each parameter before the step, for the update ratio (empty without it)."""
+    owner: tuple[int, ...]
+    """:attr:`index` on the host."""
+    key: tuple[int, ...]
+    """The sizes of the optimizer's param_groups the view was built for."""
+    unique: torch.Tensor
+    """The positions of each parameter's first listing: a shared one counts once globally."""
+    numel: torch.Tensor
+    """``[layers + 1]``: the elements it steps per layer, then in all (a shared one once)."""
+    row_ids: tuple[int, ...]
+    """:attr:`rows` on the host."""
+    segments: HostSegments
+    """:attr:`index` and :attr:`unique` on the host, as the alarms read per-parameter norms."""
+    every_row: bool = False
+    """Whether it steps every layer of the layout (one optimizer's usual case)."""
     weight_norm: torch.Tensor | None = None
+    """The weight norms per row before the step, kept by the update ratio until after it."""
     masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
-    read: Read | None = None  # the quiet step's read of its gradient norms, made once
-    every_row: bool = False  # it steps every layer of the layout (one optimizer's usual case)
+    """:meth:`valid`'s masks, by the pattern of missing gradients."""
+    read: Read | None = None
+    """The quiet step's read of its gradient norms, made once by the alarms' feed."""
+    layer_ids: frozenset[int] = field(init=False)
+    """The layout rows of the layers it steps, on the host."""
+    layer_index: LayerIndex = field(init=False)
+    """How each parameter adds into its layer's row and into the global row."""
+    distinct: bool = field(init=False)
+    """Whether no parameter is listed twice."""
+    scale: float = field(init=False)
+    """The square root of the number of entries: a bound, over one unit value, on the global
+    norm that clipping by value lets through."""
 
     def __post_init__(self) -> None:
         """Make the host-side rows and the layer index once, from the fields."""
-        self.layer_ids = frozenset(self.row_ids[:-1])  # the layout rows it steps, on the host
-        # views of index, numel and unique, made once: what the statistics add up by layer
+        self.layer_ids = frozenset(self.row_ids[:-1])
         self.layer_index = LayerIndex(self.index, self.numel[:-1], self.unique, self.numel[-1])
-        self.distinct = len(self.unique) == len(self.params)  # no parameter listed twice
-        # a bound on the global norm clipping by value lets through, over one unit value
+        self.distinct = len(self.unique) == len(self.params)
         self.scale = sum(p.numel() for p in self.params) ** 0.5
 
     @property

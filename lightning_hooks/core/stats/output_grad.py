@@ -157,8 +157,9 @@ class OutputGradients:
     """Measure the L2 norm of the gradient with respect to each layer's output.
 
     It is summed in square over the backward passes of a step of one of ``optimizers``.
-    :meth:`record` returns each step's norms, and under DDP :meth:`drain` returns them summed
-    across ranks. :attr:`order`: the backward order.
+    :meth:`record` returns each step's norms; under DDP it keeps them, and
+    :meth:`reduce_kept_steps` returns them summed across ranks. :attr:`order`: the backward
+    order.
 
     Args:
         optimizers: the optimizers whose steps are measured.
@@ -244,7 +245,7 @@ class OutputGradients:
             grad_scale: the AMP loss scale the gradients carry (``None``: none).
 
         Returns:
-            The step's norms; ``None`` under DDP, where :meth:`drain` returns them.
+            The step's norms; ``None`` under DDP, where :meth:`reduce_kept_steps` returns them.
         """
         _sum_noted(self._noted, self._hits)
         for row, fresh in self._extra:
@@ -317,7 +318,7 @@ class OutputGradients:
         self._hit[cells] = 0.0
         return norms
 
-    def drain(self) -> ColumnValues | None:
+    def reduce_kept_steps(self) -> ColumnValues | None:
         """Return the steps' output-gradient norms kept under DDP, summed across ranks.
 
         Returns:

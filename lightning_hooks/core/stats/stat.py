@@ -504,12 +504,14 @@ class RowStates(ABC, Generic[R]):
             raise ValueError(
                 f"{type(self).__name__}: saved for layers {foreign!r}, which it does not watch"
             )
+        # The rows the state would leave, checked before any is made: a refused state adds none.
+        grown = (*self.layers, *(name for name in layers if name not in self.rows))
+        if grown != layers:
+            raise ValueError(f"saved for layers {layers!r}; this one has {self.layers!r}")
         units = state.get("units") or [0] * len(layers)
         for name, n in zip(layers, units, strict=True):
             self.row(name, int(n))
         self._aligned = len(self.rows)  # the same saved rows on every rank
-        if self.layers != layers:
-            raise ValueError(f"saved for layers {layers!r}; this one has {self.layers!r}")
         epoch: dict[str, np.ndarray] = {}
         for name, spec in self.specs.items():
             target: torch.Tensor = getattr(self, name)

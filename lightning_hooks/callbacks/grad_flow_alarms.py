@@ -1,0 +1,202 @@
+"""Run the alarms of ``GradFlowCallback``: each fit's, and their state across fits.
+
+:class:`GradFlowAlarms` lives as long as the callback. It starts each fit's :class:`FitAlarms`
+from the state the last fit or a checkpoint left, and keeps that fit's state when it ends.
+:class:`FitAlarms` hands the alarms each step's gradient norms and each batch's loss, acts on
+what they find, and logs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities.types import STEP_OUTPUT
+from torch import nn
+
+from lightning_hooks.callbacks.agreement import LossAgreement
+from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
+from lightning_hooks.callbacks.ranks import RankAgreement
+from lightning_hooks.callbacks.trainer import TrainerView, gradient_clipping
+from lightning_hooks.core import GradFlowTracker, LayerTable
+from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarms
+from lightning_hooks.core.stats.alarm_feed import AlarmFeed, Measured
+from lightning_hooks.core.stats.stability import Result as StabilityResult
+from lightning_hooks.errors import LightningHooksWarning
+
+__all__ = ["FitAlarms", "GradFlowAlarms"]
+
+
+@dataclass
+class FitAlarms:
+    """Run the alarms of one fit: feed them, act on what they find, and log them.
+
+    :meth:`GradFlowAlarms.start` makes it at the fit's train start, and
+    :meth:`GradFlowAlarms.end` closes it when the fit's hooks come off.
+    """
+
+    trainer: TrainerView
+    feed: AlarmFeed
+    """Hands the alarms each step's gradient norms."""
+    policy: AlarmPolicy
+    """What the alarms do and how they are logged. Its warnings, stop and counts belong to this
+    fit alone."""
+    loss_agreement: LossAgreement
+    """Hands the alarms each batch's loss, the mean over the ranks under DDP."""
+
+    @property
+    def alarms(self) -> TrainingAlarms:
+        """The fit's alarms."""
+        return self.feed.alarms
+
+    def observe(
+        self,
+        optimizer: torch.optim.Optimizer,
+        measured: Measured | None,
+        *,
+        grad_scale: torch.Tensor | None,
+        param_grad_scale: torch.Tensor | None,
+    ) -> None:
+        """Hand the alarms the gradients ``optimizer`` is about to apply, and act on them.
+
+        Args:
+            optimizer: the optimizer about to step.
+            measured: what the tracker measured of this step, on a logging step; else ``None``.
+            grad_scale: the AMP loss scale, or ``None``.
+            param_grad_scale: the loss scale the parameter gradients still carry, or ``None``.
+        """
+        self.feed.observe(
+            optimizer,
+            measured,
+            step=self.trainer.global_step,
+            grad_scale=grad_scale,
+            param_grad_scale=param_grad_scale,
+            clip=gradient_clipping(self.trainer),
+        )
+        found = self.alarms.poll(wait=self.policy.wait)
+        if found:
+            self.policy.act(self.trainer, optimizer, self.alarms, found)
+
+    def feed_loss(self, outputs: STEP_OUTPUT, step: int) -> None:
+        """Give the batch's loss to the loss rules at optimizer step ``step``."""
+        self.loss_agreement.feed(self.trainer, outputs, step, self.alarms, self.policy)
+
+    def log_step(self, trainer: TrainerView, step: int, table: LayerTable) -> None:
+        """Log the alarm counts and text gathered since the last logging step, at ``step``.
+
+        It is called with the tracker's result of the logging step, which it does not read.
+        """
+        self.policy.log.log_step(trainer, self.alarms, step)
+
+    def watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
+        """Hand a logging step's attention logits and entropies to the attention rule."""
+        self.alarms.update_attention(result.attn_logit_max, result.attn_entropy_min, step=step)
+
+    def end_epoch(self) -> None:
+        """Act on the epoch's last results, then log its counts and text."""
+        self.policy.end_epoch(self.trainer, self.alarms)
+
+
+class GradFlowAlarms:
+    """Start each fit's alarms, and carry their state from one fit to the next.
+
+    The state is :meth:`~lightning_hooks.core.alarms.TrainingAlarms.state_dict`: the running
+    scales, the ring buffer of recent steps and the counts (see docs/glossary.md). Between fits
+    it is what the last fit left or a checkpoint loaded; a new fit starts from it, and while a
+    fit runs a checkpoint saves that fit's state. The fit's log treats loaded counts as already
+    written, so it logs only what the alarms count after them.
+
+    Args:
+        rules: the alarm rules (``None``: no alarms; a checkpoint's state is still carried).
+        actions: the action of each rule.
+        ranks: the callback's agreement across ranks, which stops or disables every rank alike.
+
+    Example:
+        >>> from lightning_hooks.callbacks.alarm_policy import check_actions
+        >>> from lightning_hooks.core.hooks.guard import Guard
+        >>> ranks = RankAgreement(lambda: Guard("Cb", strict=False), remove_hooks=lambda: None)
+        >>> alarms = GradFlowAlarms(AlarmRules(), check_actions("warn"), ranks)
+        >>> alarms.host_state()  # no fit ran yet, and no checkpoint was loaded
+        {}
+    """
+
+    def __init__(
+        self, rules: AlarmRules | None, actions: Mapping[str, Action], ranks: RankAgreement
+    ) -> None:
+        self.rules = rules
+        self.actions = actions
+        self._ranks = ranks
+        self._state: dict[str, Any] | None = None  # kept between fits
+        self._running: FitAlarms | None = None
+
+    def start(
+        self, trainer: TrainerView, pl_module: nn.Module, tracker: GradFlowTracker
+    ) -> FitAlarms | None:
+        """Start a fit's alarms on ``tracker``, from the state carried.
+
+        Their messages quote the run's learning rate and output units. A state left for
+        another model's layers is dropped with a warning, and the running scales start afresh.
+
+        Returns:
+            The fit's alarms, or ``None`` without rules.
+        """
+        if self.rules is None:
+            return None
+        feed = AlarmFeed(tracker, self.rules)
+        feed.alarms.know(RunFacts.of(pl_module, trainer.optimizers))
+        running = FitAlarms(
+            trainer=trainer,
+            feed=feed,
+            policy=AlarmPolicy(self.actions, request_stop=self._ranks.request_stop),
+            loss_agreement=LossAgreement(self._ranks, pl_module, self.rules),
+        )
+        if self._state is not None:
+            try:
+                running.alarms.load_state_dict(self._state)
+            except ValueError as err:
+                self._state = None  # another model's state: drop it now, not at every later fit
+                rank_zero_warn(
+                    f"GradFlowCallback: {err}; running scales start afresh.",
+                    category=LightningHooksWarning,
+                )
+        running.policy.log.start(running.alarms)
+        self._running = running
+        return running
+
+    def end(self) -> None:
+        """Keep the running fit's state for the next fit; if an alarm's stop ended it, say so."""
+        running = self._running
+        self._running = None
+        if running is None:
+            return
+        self._state = running.alarms.state_dict()
+        running.policy.announce_stop(running.trainer)
+
+    def host_state(self) -> dict[str, Any]:
+        """Return what a checkpoint saves: the running fit's state, else the one carried, or {}."""
+        if self._running is not None:
+            return self._running.alarms.state_dict()
+        return dict(self._state or {})
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        """Continue from the alarm state a checkpoint saved.
+
+        A running fit's alarms load it at once. A state they refuse raises, so that the
+        callback drops the whole checkpoint with one warning; the state carried is unchanged.
+
+        Args:
+            state: what :meth:`host_state` returned. An empty dict means none.
+
+        Raises:
+            ValueError: the state was saved for another model's layers, or by an older version.
+        """
+        loaded = dict(state) or None
+        running = self._running
+        if running is not None and loaded is not None:
+            running.alarms.load_state_dict(loaded)
+        self._state = loaded
+        if running is not None:
+            running.policy.log.start(running.alarms)
