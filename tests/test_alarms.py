@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-import re
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,6 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.precision import MixedPrecision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import (
@@ -29,65 +26,12 @@ from lightning_hooks.core import ALARM_RULES
 from lightning_hooks.tags import ALARM_TEXT
 
 from conftest import TinyMLP, dataset, epoch_end_step, hooks_left, read_scalars
+from support import LAYERS, SPIKE_WARNS, Fault, K, LongMLP, alarm_warnings
 
-LAYERS = ("net.0", "net.2", "net.4")
 RULES = ALARM_RULES  # every rule, in the order of its counts
 # The gradient rules alone: the loss rules are tested on real data in test_divergence.py; a
 # one-step spike warns only when asked to (it logs by default).
 GRAD_RULES = AlarmRules(diverge_ratio=None)
-SPIKE_WARNS = {"spike": "warn"}
-K = 30  # the step faults are injected at: well past AlarmRules.min_history
-ALARM = re.compile(r"at optimizer step (\d+): (\S+)")
-
-
-class LongMLP(TinyMLP):
-    """TinyMLP with ``batches`` batches of 8 per epoch and a sane learning rate."""
-
-    def __init__(self, batches: int = 40, lr: float = 0.05) -> None:
-        super().__init__(lr=lr)
-        self.batches = batches
-
-    def train_dataloader(self) -> DataLoader[Any]:
-        return DataLoader(dataset(n=8 * self.batches), batch_size=8)
-
-
-class DeeperMLP(LongMLP):
-    """LongMLP with two more hidden layers: sets of gradients of one shape (the hidden layers'
-    biases and 16 x 16 weights), which the default quiet read stacks."""
-
-    def __init__(self, batches: int = 40) -> None:
-        super().__init__(batches=batches)
-        hidden = [m for _ in range(2) for m in (nn.Linear(16, 16), nn.ReLU())]
-        self.net = nn.Sequential(*self.net[:4], *hidden, self.net[4])
-
-
-class Fault(pl.Callback):
-    """Injects one fault into ``layer`` at optimizer step ``step`` (``global_step``)."""
-
-    def __init__(self, kind: str, layer: str = "net.2", step: int = K) -> None:
-        self.kind, self.layer, self.step = kind, layer, step
-
-    def _params(self, pl_module: pl.LightningModule) -> list[torch.nn.Parameter]:
-        return list(pl_module.get_submodule(self.layer).parameters())
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
-        if self.kind == "nan_weight" and trainer.global_step == self.step:
-            with torch.no_grad():
-                self._params(pl_module)[0][0, 0] = math.nan
-        if self.kind == "kill" and trainer.global_step == self.step:
-            with torch.no_grad():  # the ReLU after the layer never fires again: a dead layer
-                self._params(pl_module)[1].fill_(-1e3)
-
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        hit = trainer.global_step == self.step
-        for p in self._params(pl_module):
-            assert p.grad is not None
-            if self.kind == "multiply" and hit:
-                p.grad.mul_(1e6)
-            if self.kind == "scale50" and hit:
-                p.grad.mul_(50.0)
-            if self.kind == "shrink" and trainer.global_step >= self.step:
-                p.grad.mul_(1e-6)
 
 
 class NormProbe(pl.Callback):
@@ -126,16 +70,6 @@ def _fit(
     trainer = trainer_factory(callbacks=list(callbacks), **kw)
     trainer.fit(model)
     return trainer
-
-
-def _alarms(record: Iterator[warnings.WarningMessage]) -> list[tuple[int, str, str]]:
-    """``(step, layer, message)`` of each TrainingAlarmWarning, in the order emitted."""
-    out = []
-    for w in record:
-        if issubclass(w.category, TrainingAlarmWarning):
-            step, layer = ALARM.search(str(w.message)).groups()  # type: ignore[union-attr]
-            out.append((int(step), layer, str(w.message)))
-    return out
 
 
 def _texts(logdir: Path) -> dict[int, str]:
@@ -198,7 +132,7 @@ def test_spike_at_a_step_that_is_not_a_statistics_step_is_named_at_defaults(
             Fault("multiply", step=at),
             GradFlowCallback(alarms=GRAD_RULES, on_alarm=SPIKE_WARNS),
         )
-    alarms = _alarms(record)
+    alarms = alarm_warnings(record)
     assert min(step for step, _, _ in alarms) == at  # nothing before the fault
     step, layer, message = next(a for a in alarms if "spike" in a[2])
     assert (step, layer) == (at, "net.2")
@@ -228,7 +162,7 @@ def test_nan_weight_is_named_at_its_layer_and_step_at_defaults(tmp_path: Path) -
         default_fit(
             tmp_path, LongMLP(), Fault("nan_weight", step=20), GradFlowCallback(alarms=GRAD_RULES)
         )
-    alarms = _alarms(record)
+    alarms = alarm_warnings(record)
     assert alarms[0][:2] == (20, "net.2")
     assert (
         "non-finite weights at optimizer step 20: net.2 (first layer in forward order)"
@@ -267,7 +201,7 @@ def test_a_dead_network_is_named_at_its_deepest_layer_at_defaults(tmp_path: Path
         )
     norms = np.array(probe.norms)
     assert (norms[10:, :2] == 0).all() and (norms[10:, 2] > 0).all()
-    alarms = _alarms(record)
+    alarms = alarm_warnings(record)
     assert [a[:2] for a in alarms] == [(10 + DEAD_STEPS - 1, "net.2")]  # once per run of steps
     assert "dead network" in alarms[0][2] and "net.2 and every layer before it" in alarms[0][2]
     assert _counts(tmp_path / "lightning_logs", 80)["vanishing"] == 1
@@ -277,7 +211,7 @@ def test_a_shrunk_layer_is_named_after_vanish_steps(trainer_factory: Any) -> Non
     with pytest.warns(TrainingAlarmWarning) as record:
         callback = GradFlowCallback(alarms=GRAD_RULES)
         _fit(trainer_factory, LongMLP(), Fault("shrink", "net.0", step=3), callback)
-    assert [a[:2] for a in _alarms(record)] == [(3 + 20 - 1, "net.0")]
+    assert [a[:2] for a in alarm_warnings(record)] == [(3 + 20 - 1, "net.0")]
 
 
 class Adam(LongMLP):
@@ -308,7 +242,7 @@ def test_healthy_runs_of_300_steps_raise_no_alarm_at_defaults(
         warnings.simplefilter("always")
         trainer = default_fit(tmp_path, model, GradFlowCallback(alarms=GRAD_RULES))
     assert trainer.global_step == 300
-    assert _alarms(record) == []
+    assert alarm_warnings(record) == []
     assert _counts(tmp_path / "lightning_logs", 300) == dict.fromkeys(RULES, 0.0)
     assert _texts(tmp_path / "lightning_logs")[epoch_end_step(300)].startswith(
         "0 warnings and 0 notices in epoch 0"
@@ -444,7 +378,7 @@ def test_amp_overflow_is_counted_never_an_explosion(trainer_factory: Any, tmp_pa
             GradFlowCallback(chart=False, alarms=GRAD_RULES),
             plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
         )
-    assert _alarms(record) == []
+    assert alarm_warnings(record) == []
     skipped = sum(probe.skipped)
     assert 0 < skipped < len(probe.skipped)
     counts = _counts(tmp_path, 40)

@@ -14,7 +14,6 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from ops import OpsPerStep
-from test_cost import _StepWindow
 from timm_shim import import_timm
 from torch import nn
 from torch.distributions import Categorical
@@ -35,6 +34,7 @@ from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.report import _fmt
 
 from conftest import epoch_end_step, make_trainer, read_scalars
+from support import StepWindow
 from syncs import count_syncs
 from tensorboard_server import charts, read_layouts
 
@@ -735,7 +735,7 @@ def test_through_fit_a_quiet_step_runs_the_bare_ops_and_no_step_syncs(
         def active(on: bool) -> Callable[[], None]:
             return lambda: setattr(counter, "active", on)
 
-        window = _StepWindow(active(True), active(False))
+        window = StepWindow(active(True), active(False))
         callbacks = [window, hooked, GradFlowCallback(every_n_steps=2, alarms=False)]
         make_trainer(tmp_path / "hooked", callbacks=callbacks, max_steps=STEPS).fit(
             _unchecked_nano()

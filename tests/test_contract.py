@@ -44,20 +44,11 @@ from lightning_hooks.core import (
 )
 
 from conftest import TinyCNN, TinyMLP, dataset, hooks_left, make_trainer, read_scalars
+from support import HookCounter
 
 CALLBACKS: list[Callable[[], pl.Callback]] = [GradFlowCallback]
 CALLBACKS += [ActivationStatsCallback, DeadReLUCallback]
 CALLBACKS += [LayerTimeCallback, FeatureMapCallback, SaturationCallback]
-
-
-class HookCounter(pl.Callback):
-    """Records how many forward hooks the model holds at each training batch."""
-
-    def __init__(self) -> None:
-        self.counts: list[int] = []
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
-        self.counts.append(sum(len(m._forward_hooks) for m in pl_module.modules()))
 
 
 @pytest.fixture(params=CALLBACKS, ids=lambda c: c.__name__)

@@ -19,7 +19,6 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from ops import OpCounter, OpsPerStep
-from test_grad_flow import LAYERS, ReferenceMLP
 from torch import nn
 
 import lightning_hooks
@@ -36,24 +35,10 @@ from conftest import (
     make_trainer,
     read_scalars,
 )
+from support import LAYERS, ReferenceMLP, StepWindow
 from syncs import count_syncs
 
 CALLBACKS = default_callback_types()
-
-
-class _StepWindow(pl.Callback):
-    """Opens ``start`` at each batch start, closes ``stop`` at the epoch end (before logging)."""
-
-    def __init__(self, start: Callable[[], None], stop: Callable[[], None]) -> None:
-        self.start, self.stop = start, stop
-        self.steps = 0
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self.steps += 1
-        self.start()
-
-    def on_train_epoch_end(self, *args: Any) -> None:
-        self.stop()
 
 
 def test_no_host_sync_per_step_with_every_callback(
@@ -67,7 +52,7 @@ def test_no_host_sync_per_step_with_every_callback(
         def stop() -> None:
             counter.active = False
 
-        window = _StepWindow(start, stop)
+        window = StepWindow(start, stop)
         callbacks = [window, *(cls() for cls in CALLBACKS)]
         trainer_factory(callbacks=callbacks, max_epochs=2).fit(BoundedMLP())
     assert window.steps == 8

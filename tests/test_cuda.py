@@ -21,7 +21,6 @@ import test_dead_relu
 import test_grad_flow
 import test_saturation
 import torch
-from test_alarms import SPIKE_WARNS, DeeperMLP, Fault, _alarms
 
 from lightning_hooks import (
     ActivationStatsCallback,
@@ -34,6 +33,7 @@ from lightning_hooks import (
 )
 
 from conftest import make_trainer
+from support import SPIKE_WARNS, DeeperMLP, Fault, alarm_warnings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -205,6 +205,6 @@ def test_a_spike_on_cuda_is_named_at_its_own_step(
         big = ~(want < 1e19)
         torch.testing.assert_close(got[~big], want[~big], rtol=1e-5, atol=0)
         assert torch.equal(~(got < 1e19), big)
-    alarms = _alarms(record)
+    alarms = alarm_warnings(record)
     assert min(step for step, _, _ in alarms) == 37
     assert next((s, layer) for s, layer, m in alarms if "spike" in m) == (37, "net.2")

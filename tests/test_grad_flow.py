@@ -21,57 +21,8 @@ from conftest import (
     read_image_tags,
     read_scalars,
 )
+from support import LAYERS, ReferenceMLP
 from syncs import SyncWindow, count_syncs
-
-LAYERS = ("net.0", "net.2", "net.4")
-
-
-class ReferenceMLP(TinyMLP):
-    """Records, independently of the library, what each optimizer step applies and changes."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.steps: list[dict[str, dict[str, float]]] = []
-        self._before: dict[str, torch.Tensor] = {}
-        self._outputs: list[tuple[str, torch.Tensor]] = []
-        self._out_sq: dict[str, float] = dict.fromkeys(LAYERS, 0.0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, module in enumerate(self.net):
-            x = module(x)
-            if f"net.{i}" in LAYERS and x.requires_grad:
-                x.register_hook(lambda g, n=f"net.{i}": self._add_out(n, g))
-        return x
-
-    def _add_out(self, name: str, grad: torch.Tensor) -> None:
-        self._out_sq[name] += float(grad.pow(2).sum())
-
-    def _layer(self, name: str) -> list[torch.nn.Parameter]:
-        return list(self.get_submodule(name).parameters())
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        step: dict[str, dict[str, float]] = {}
-        for name in LAYERS:
-            g = torch.cat([p.grad.flatten() for p in self._layer(name)])  # type: ignore[union-attr]
-            w = torch.cat([p.detach().flatten() for p in self._layer(name)])
-            self._before[name] = w.clone()
-            step[name] = {
-                "grad_norm": float(g.norm()),
-                "grad_abs_mean": float(g.abs().mean()),
-                "grad_abs_max": float(g.abs().max()),
-                "weight_norm": float(w.norm()),
-                "output_grad_norm": math.sqrt(self._out_sq[name]),
-            }
-            self._out_sq[name] = 0.0
-        self.steps.append(step)
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if not self.steps or "update_ratio" in self.steps[-1][LAYERS[0]]:
-            return  # no optimizer step since the last record (gradient accumulation)
-        for name in LAYERS:
-            w = torch.cat([p.detach().flatten() for p in self._layer(name)])
-            before = self._before[name]
-            self.steps[-1][name]["update_ratio"] = float((w - before).norm() / before.norm())
 
 
 def _expected(

@@ -12,13 +12,13 @@ import pytest
 import torch
 from ddp_metric_run import Recorder
 from pytorch_lightning.callbacks import ModelCheckpoint
-from test_resume import RepeatedBatchMLP
 from torch import nn
 from torchmetrics import CatMetric, MaxMetric, MeanMetric, Metric
 
 from lightning_hooks import LightningHooksWarning, MetricStat, StatsCallback
 
 from conftest import TinyMLP, epoch_end_step, make_trainer, read_scalars
+from support import RepeatedBatchMLP
 
 LINEARS = ("net.0", "net.2", "net.4")
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from test_alarms import LongMLP
 from torch import nn
 
 from lightning_hooks import GradFlowCallback
@@ -20,6 +19,7 @@ from lightning_hooks.report import format_table, read_run
 from lightning_hooks.tags import NOTICES, SPIKE_SCORE
 
 from conftest import epoch_end_step, read_alarm_texts, read_scalars
+from support import LongMLP
 
 NOTICE = "aux_head got no gradient in 20 optimizer steps (to step 19): is it used in forward?"
 

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 from pytorch_lightning.plugins import MixedPrecision
-from test_grad_flow import LAYERS, ReferenceMLP
 
 from lightning_hooks import GradFlowCallback
 
 from conftest import epoch_end_step, read_scalars
+from support import LAYERS, ReferenceMLP
 
 CHECKED = (
     ("grad_norm", "grad_norm", "grad_norm_max"),

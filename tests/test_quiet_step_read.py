@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-from test_alarms import SPIKE_WARNS, DeeperMLP, Fault, LongMLP, _alarms
 
 from lightning_hooks import AlarmRules, GradFlowCallback, LightningHooksWarning
 from lightning_hooks.core.alarms.rules import QUIET_READS
 from lightning_hooks.core.ops.grouped_norms import GroupedNorms
 from lightning_hooks.core.stats import alarm_feed
+
+from support import SPIKE_WARNS, DeeperMLP, Fault, LongMLP, alarm_warnings
 
 
 def test_an_unknown_read_is_named_with_the_allowed_ones() -> None:
@@ -68,7 +69,7 @@ def _fit(
             ],
         ).fit(model())
     said = [str(w.message) for w in record if w.category is LightningHooksWarning]
-    return _alarms(iter(record)), said
+    return alarm_warnings(iter(record)), said
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback off CUDA")

@@ -13,9 +13,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from release_checkpoint import SAVED_AT, SameBatchesMLP, trainer
-from test_contract import HookCounter
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_hooks import (
     ActivationStatsCallback,
@@ -28,17 +26,9 @@ from lightning_hooks import (
 from lightning_hooks.callbacks.base import HookCallback
 
 from conftest import TinyMLP, epoch_end_step, hooks_left, make_trainer, read_scalars
+from support import HookCounter, RepeatedBatchMLP
 
 RELEASE_CHECKPOINT = Path(__file__).parent / "data" / "grad_flow_0.2.0.ckpt"
-
-
-class RepeatedBatchMLP(TinyMLP):
-    """Every batch holds the same 8 samples: a replayed batch after a resume is the same data."""
-
-    def train_dataloader(self) -> DataLoader[Any]:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(8, 8, generator=g).repeat(4, 1)
-        return DataLoader(TensorDataset(x, x[:, :1]), batch_size=8)
 
 
 def _fit(root: Path, model: TinyMLP, epochs: int, **kwargs: Any) -> HookCounter:
