@@ -1,4 +1,4 @@
-"""The ``lightning-hooks`` command, which reads runs back and gates on them.
+"""The ``lightning-hooks`` command, which reads runs back and checks them as a CI gate.
 
 ``lightning-hooks report LOGDIR`` reads the runs back (:mod:`lightning_hooks.report`) and checks
 its ``--fail-on`` rules against every run.
@@ -301,7 +301,7 @@ _CALLBACK = {
 
 
 def _describe(metric: str, reports: Sequence[RunReport]) -> str:
-    """Say what a run that lacks ``metric`` lacks, and which callback would log it."""
+    """Return what a run without ``metric`` is missing, and which callback would log it."""
     if metric in ("warnings", "notices"):
         return (
             "alarm counts <family>/alarms/<rule> or <family>/notices/<name> "

@@ -17,7 +17,7 @@ __all__ = ["ENV", "SHORT_NAMES", "callbacks", "requested"]
 def callbacks() -> list[Any]:
     """Build the callbacks ``LIGHTNING_HOOKS`` asks for, at their defaults.
 
-    Each is marked as added by the environment, so that it stands down beside the user's own.
+    Each is marked as added by the environment, so that it gives way to the user's own.
 
     Returns:
         The callbacks, in the order ``LIGHTNING_HOOKS`` names them (empty where it is unset).

@@ -1,4 +1,4 @@
-"""Read a run back, as ``lightning-hooks report`` prints it.
+"""Reading a run back, as ``lightning-hooks report`` prints it.
 
 A run is TensorBoard event files, or a ``CSVLogger``'s ``metrics.csv``; what is read back is the
 per-layer table of its last epoch, its warnings and its notices. Event files are read with their

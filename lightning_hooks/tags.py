@@ -1,8 +1,8 @@
 """Every tag's name, in one place.
 
-How a family, a statistic and a layer make a tag, how a logging step's tag is told from an
-epoch's, and the few fixed tags. The callbacks write with these, the alarms count under them, and
-``lightning-hooks report`` reads them back.
+How a family, a statistic and a layer make a tag, how a logging step's tag is told apart from
+an epoch's, and the few fixed tags. The callbacks write with these, the alarms count under them,
+and ``lightning-hooks report`` reads them back.
 
 A scalar tag is ``<family>/<stat>/<layer>`` (one curve per layer), ``<family>/global/<stat>``
 (over all layers; ``<stat>_p05`` for a percentile over the layers), ``<family>/alarms/<rule>``

@@ -1,4 +1,4 @@
-"""Offer the Lightning callbacks, thin adapters over the core."""
+"""The Lightning callbacks: thin adapters over the core."""
 
 from lightning_hooks.callbacks.activation_stats import ActivationStatsCallback
 from lightning_hooks.callbacks.dead_relu import DeadReLUCallback

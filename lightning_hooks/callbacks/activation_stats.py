@@ -1,4 +1,4 @@
-"""Provide ``ActivationStatsCallback``, which logs what every layer produces at each epoch end."""
+"""The ``ActivationStatsCallback``: statistics of each layer's output, logged at each epoch end."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ _HEATMAPS = ("mean", "std", "zero_fraction")
 
 @named_arguments
 class ActivationStatsCallback(HookCallback):
-    r"""Log per-layer statistics of every selected module's output at each epoch end.
+    r"""Logs per-layer statistics of every selected module's output at each epoch end.
 
     The statistics are over the epoch's logging steps' training forwards; each logging step
     also logs them under ``activations/{stat}_step/...``.

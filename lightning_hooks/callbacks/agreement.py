@@ -1,6 +1,6 @@
-"""Feed each batch's loss to the loss rules, either this rank's loss or the mean over ranks.
+"""How each batch's loss reaches the loss rules: this rank's loss, or the mean over the ranks.
 
-Under several processes, one ``all_reduce`` of four numbers per batch carries the mean loss,
+With several processes, one ``all_reduce`` of four numbers per batch carries the mean loss,
 whether a hook failed on any rank, and whether any rank asked to stop, so a logging step needs
 no collective of its own for them.
 """
@@ -34,14 +34,14 @@ __all__ = ["LossAgreement", "RankFlags", "training_loss"]
 
 
 class RankFlags(NamedTuple):
-    """Count the ranks that reported a failed hook, and those that asked to stop, at one batch."""
+    """How many ranks reported a failed hook, and how many asked to stop, at one batch."""
 
     failed: int
     stopping: int
 
 
 class _Sums(NamedTuple):
-    """Hold one batch's collective as read on the host: four sums over the ranks, and the step."""
+    """One batch's collective as read on the host: four sums over the ranks, and the step."""
 
     loss: float
     with_loss: int  # ranks whose ``training_step`` returned a loss
@@ -51,12 +51,12 @@ class _Sums(NamedTuple):
 
     @classmethod
     def of(cls, values: np.ndarray, step: int) -> _Sums:
-        """Name the four sums of the collective's host copy, with the step that posted it."""
+        """Return the collective's host copy as four named sums, with the step that posted it."""
         return cls(float(values[0]), int(values[1]), int(values[2]), int(values[3]), step)
 
 
 class _Pending(NamedTuple):
-    """Hold what :meth:`LossAgreement._feed_mean` feeds the loss rules."""
+    """What :meth:`LossAgreement._feed_mean` feeds the loss rules."""
 
     carried: torch.Tensor  # the batch's sums, left on the device unread
     step: int
@@ -64,7 +64,7 @@ class _Pending(NamedTuple):
 
 
 class LossAgreement:
-    """Feed the loss from ``training_step`` to the loss rules, and carry the ranks' flags with it.
+    """Feeds the loss from ``training_step`` to the loss rules, with the ranks' flags alongside.
 
     Each fit makes its own. With one process, the rules read its loss; with several, the mean
     over the ranks, from one ``all_reduce`` per batch that also carries each rank's failure flag

@@ -1,4 +1,4 @@
-"""Decide what ``GradFlowCallback`` does when an alarm fires, and write the alarms.
+"""What ``GradFlowCallback`` does when an alarm fires, and how the alarms are written.
 
 :class:`AlarmPolicy` takes the fired rule's action: warn, stop the fit, raise, skip the
 optimizer step, or only log. :class:`AlarmLog` writes the alarms to the loggers.
@@ -36,7 +36,7 @@ __all__ = ["Action", "AlarmLog", "AlarmPolicy", "check_actions"]
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
 # The rules an action can apply to. Some notices take none: the GradScaler already acts on
-# amp_overflow, and a setback takes a few steps to tell from a divergence, which the
+# amp_overflow, and a setback takes a few steps to distinguish from a divergence, which the
 # *diverging* rule acts on once confirmed.
 _ACTIONABLE = tuple(rule for rule in ALARM_RULES if rule not in NOTICES or NOTICES[rule].acts)
 # Skipping an optimizer step does not cure what these rules find.
@@ -113,7 +113,7 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
 
 
 class AlarmPolicy:
-    """Apply each rule's action to the alarms, as :func:`check_actions` reads ``on_alarm``.
+    """Applies each rule's action to the alarms, as :func:`check_actions` reads ``on_alarm``.
 
     A callback makes a new policy for each fit, so that the warnings, the stop and the counts
     belong to that fit alone. A warning is given once per rule and layer in each epoch. Under
@@ -182,7 +182,7 @@ class AlarmPolicy:
             self._request_stop()
 
     def announce_stop(self, trainer: TrainerView) -> None:
-        """Say once, at the fit's end, whether an alarm's ``stop`` ended it.
+        """Warn once, at the fit's end, if an alarm's ``stop`` ended it.
 
         Without this warning, a fit that an alarm stopped looks like one that finished, except
         for its step count.
@@ -248,7 +248,7 @@ class AlarmPolicy:
 
 
 class AlarmLog:
-    """Write the alarms to the loggers: their counts per rule, and their text.
+    """Writes the alarms to the loggers: their counts per rule, and their text.
 
     A rule that takes an action is counted under ``grad_flow/alarms/<rule>``, a notice under
     ``grad_flow/notices/<rule>``. Each logging step writes what came since the previous one;

@@ -1,4 +1,4 @@
-"""Define what one fit of a callback attaches to the model.
+"""The record of what one fit of a callback attaches to the model.
 
 This is the registry of the fit's hooks, the statistics they feed, and the functions that read
 the results. A callback builds it in ``_attach``; :class:`~.base.HookCallback` drives and
@@ -32,7 +32,7 @@ R = TypeVar("R")
 
 
 class Windowed(Protocol[R]):
-    """Describe a statistic measured at logging steps, whose values are copied to the host.
+    """A statistic measured at logging steps, whose values are copied to the host.
 
     The copy starts after the logging step's optimizer step, and the values are read once it
     is done.
@@ -46,14 +46,14 @@ class Windowed(Protocol[R]):
 
     @property
     def copy_in_flight(self) -> bool:
-        """Tell whether a copy is still on its way to the host."""
+        """Return whether a copy is still on its way to the host."""
 
     def step_values(self, result: R) -> dict[str, float]:
         """Return a logging step's values by their epoch tags, which the caller makes step tags."""
 
 
 class EpochResult(Protocol[R]):
-    """Describe a statistic aggregated over an epoch's logging steps."""
+    """A statistic aggregated over an epoch's logging steps."""
 
     def result(self) -> R:
         """Return the epoch's result, reduced across ranks."""
@@ -66,7 +66,7 @@ class EpochResult(Protocol[R]):
 
 
 class Checkpointed(Protocol):
-    """Describe a statistic or collaborator whose state a callback saves in checkpoints."""
+    """A statistic or collaborator whose state a callback saves in checkpoints."""
 
     def host_state(self) -> dict[str, Any]:
         """Return the state to save, reduced across ranks, on the host."""
@@ -76,11 +76,11 @@ class Checkpointed(Protocol):
 
 
 class Statistic(Windowed[R], EpochResult[R], Checkpointed, Protocol[R]):
-    """Describe what a callback logs and saves of a statistic, such as a ``GradFlowTracker``."""
+    """A statistic that a callback logs and saves, such as a ``GradFlowTracker``."""
 
 
 class Logged(Generic[R]):
-    """Pair a statistic of one fit with the functions that read its results.
+    """A statistic of one fit, paired with the functions that read its results.
 
     The statistic logs its own scalar values; the functions may draw a picture, raise an alarm
     or give a warning from the results.
@@ -134,7 +134,7 @@ class Logged(Generic[R]):
 
 
 class Attached:
-    """Hold what one fit of a callback put on the model.
+    """What one fit of a callback put on the model.
 
     Args:
         registry: the registry of the fit's module hooks, whose gate the base sets at each
@@ -229,11 +229,11 @@ class Attached:
 
     @property
     def copies_in_flight(self) -> bool:
-        """Tell whether a logging step's values are still on their way to the host."""
+        """Return whether a logging step's values are still on their way to the host."""
         return any(logged.stat.copy_in_flight for logged in self.logged)
 
     def rows_grew(self) -> bool:
-        """Tell whether a statistic of :attr:`aligned` has new rows since they were last aligned."""
+        """Return whether any statistic of :attr:`aligned` has new rows since the last alignment."""
         return any(stat.rows_grew for stat in self.aligned)
 
     def align_rows(self) -> None:
@@ -325,5 +325,5 @@ def epoch_step(trainer: TrainerView) -> int:
 
 
 def _state_name(index: int, stat: Statistic[Any]) -> str:
-    """Name a statistic in the checkpoint state by place and class: ``"0:GradFlowTracker"``."""
+    """Return a statistic's checkpoint name, by place and class: ``"0:GradFlowTracker"``."""
     return f"{index}:{type(stat).__name__}"

@@ -1,7 +1,7 @@
-"""Provide the base class of every callback, which runs the lifecycle of its fits.
+"""The base class of every callback, which runs the lifecycle of its fits.
 
-What a Fabric loop calls on a callback is in :class:`~.fabric.FabricHooks`, which the base
-derives from.
+The methods a Fabric loop calls on a callback are in :class:`~.fabric.FabricHooks`, from which
+the base derives.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ else:
 
 @dataclass
 class FitState:
-    """Hold the state of one fit of a callback, from its ``setup`` to the next fit's ``setup``.
+    """The state of one fit of a callback, from its ``setup`` to the next fit's ``setup``.
 
     Each fit's ``setup`` makes a new one, so a fit starts healthy whatever happened before.
     """
@@ -62,7 +62,7 @@ class FitState:
 
 
 class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta):
-    """Run a callback's hooks for one fit at a time, under a guard, and write what they measure.
+    """Runs a callback's hooks for one fit at a time, under a guard, and writes what they measure.
 
     A subclass writes ``_attach``, and may write any of the four other extension points. It
     overrides no other method of the base, and an override does not call the base's version:
@@ -306,7 +306,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback, metaclass=ABCMeta)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Hold a checkpoint's state until the next ``on_train_start`` loads it."""
+        """Store a checkpoint's state until the next ``on_train_start`` loads it."""
         self.checkpoint.hold(state_dict)
 
     @override

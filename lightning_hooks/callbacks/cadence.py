@@ -1,4 +1,4 @@
-"""Decide which optimizer steps a callback measures, and keep where the running one is."""
+"""Which optimizer steps a callback measures, and the step that the current batch belongs to."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
 
 
 class LoggingCadence:
-    """Decide which optimizer steps a callback measures.
+    """Decides which optimizer steps a callback measures.
 
     The logging steps (see docs/glossary.md) are optimizer steps ``n-1, 2n-1, ...`` plus the
     first step of each epoch. Under gradient accumulation, every micro-batch of a logging step
@@ -59,7 +59,7 @@ class LoggingCadence:
         """The logging step being measured, until its values are handed over to be written."""
 
     def logs(self, trainer: TrainerView, step: int) -> bool:
-        """Tell whether optimizer step ``step`` is a logging step by the cadence alone."""
+        """Return whether optimizer step ``step`` is a logging step by the cadence alone."""
         # Lightning sets log_every_n_steps on its Trainer (50 by default); TrainerView does not
         # declare it.
         every = getattr(trainer, "log_every_n_steps", 50)
@@ -67,7 +67,7 @@ class LoggingCadence:
         return (step + 1) % cadence == 0
 
     def start_batch(self, trainer: TrainerView, batch_idx: int) -> bool:
-        """Note a batch's start, and tell whether it belongs to a logging step.
+        """Record a batch's start, and return whether it belongs to a logging step.
 
         ``batch_idx`` 0 marks the epoch's first step.
         """
@@ -88,7 +88,7 @@ class LoggingCadence:
         self.measuring = None
 
     def finished_step(self, trainer: TrainerView) -> int | None:
-        """Note a batch's end, and return the logging step whose optimizer step has just run.
+        """Record a batch's end, and return the logging step whose optimizer step has just run.
 
         Returns:
             That step, once only. ``None`` for a quiet step, and for each micro-batch before a

@@ -1,4 +1,4 @@
-"""Save a callback's state in checkpoints, and restore it whole or not at all."""
+"""Saving a callback's state in checkpoints, and restoring it whole or not at all."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["CheckpointSlot"]
 
 
 class CheckpointSlot:
-    """Hold a callback's checkpoint state, from ``load_state_dict`` until its fit attaches.
+    """A callback's checkpoint state, held from ``load_state_dict`` until its fit attaches.
 
     A callback's state has two parts: the running fit's statistics save their epoch so far,
     and the collaborators in :attr:`kept`, which outlive a fit, save their own state under
@@ -47,7 +47,7 @@ class CheckpointSlot:
         return state
 
     def hold(self, state: dict[str, Any]) -> None:
-        """Keep a checkpoint's ``state`` until the next fit attaches."""
+        """Store a checkpoint's ``state`` until the next fit attaches."""
         self._pending = dict(state)
 
     def restore(self, attached: Attached) -> None:

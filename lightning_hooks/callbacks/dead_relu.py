@@ -1,4 +1,4 @@
-"""Provide ``DeadReLUCallback``, which counts the units that never fired in an epoch, per layer."""
+"""The ``DeadReLUCallback``, which counts, per layer, the units that never fired in an epoch."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ _FUNCTIONAL_HINT = (
 
 @named_arguments
 class DeadReLUCallback(HookCallback):
-    r"""Count the dead units of each activation layer: those that never fired in an epoch.
+    r"""Counts the dead units of each activation layer: those that never fired in an epoch.
 
     A dead unit fired on no logging step's batch of the epoch.
 

@@ -1,7 +1,7 @@
-"""Keep the per-layer values of every epoch of a fit, for a heatmap of layer by epoch.
+"""The per-layer values of every epoch of a fit, kept for a layer-by-epoch heatmap.
 
-The values are saved in checkpoints, so that a resumed fit draws the epochs before the
-checkpoint too.
+The values are saved in checkpoints, so that a resumed fit also draws the epochs before the
+checkpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ __all__ = ["EpochColumns"]
 
 
 class EpochColumns:
-    """Keep one column of per-layer values per epoch, for each statistic of a heatmap.
+    """One column of per-layer values per epoch, for each statistic of a heatmap.
 
     Example:
         >>> columns = EpochColumns()

@@ -1,10 +1,10 @@
-"""Connect the callbacks to a Fabric loop, where a :class:`FabricRun` stands in for the Trainer.
+"""Support for the callbacks in a Fabric loop, where a :class:`FabricRun` stands in for the Trainer.
 
-Every callback is a :class:`FabricHooks`: Fabric finds a callback's hooks by name, and the ones it
-calls (``on_after_setup``, ``on_after_optimizer_step``) and ``release`` are here, with the run
-they start. The run drives the callback's Trainer hooks, which :class:`FabricDriven` names, with
-a :class:`FabricTrainer` in the Trainer's place. See ``docs/fabric.md``. Lightning's Trainer is
-met in :mod:`.trainer`.
+Every callback is a :class:`FabricHooks`: Fabric finds a callback's hooks by name; the ones it
+calls (``on_after_setup``, ``on_after_optimizer_step``), ``release`` and the run they start are
+defined here. The run calls the callback's Trainer hooks, listed by :class:`FabricDriven`, with
+a :class:`FabricTrainer` in place of the Trainer. See ``docs/fabric.md``. Lightning's Trainer is
+handled in :mod:`.trainer`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class FabricChecked(Protocol):
 
 
 class FabricDriven(FabricChecked, Protocol):
-    """Describe what a :class:`FabricRun` calls on the callback it drives.
+    """The methods a :class:`FabricRun` calls on the callback it drives.
 
     Beside the guard and ``flush``, these are Lightning's Trainer hooks, each with the contract of
     its namesake in ``pytorch_lightning.Callback``. The run hands each hook a
@@ -119,7 +119,7 @@ class FabricDriven(FabricChecked, Protocol):
 
 
 class _StepObserver(Protocol):
-    """Describe a callback that defines its own ``on_before_optimizer_step``."""
+    """A callback that defines its own ``on_before_optimizer_step``."""
 
     def on_before_optimizer_step(
         self, trainer: TrainerView, pl_module: nn.Module, optimizer: torch.optim.Optimizer
@@ -128,7 +128,7 @@ class _StepObserver(Protocol):
 
 
 def _observes_steps(callback: object) -> TypeGuard[_StepObserver]:
-    """Tell whether ``callback`` defines its own ``on_before_optimizer_step``.
+    """Return whether ``callback`` defines its own ``on_before_optimizer_step``.
 
     A callback that inherits Lightning's empty default has nothing to observe there, so the run
     does not call it, as Lightning's Trainer skips it (:func:`~.trainer.skip_inherited`).
@@ -143,13 +143,13 @@ def _observes_steps(callback: object) -> TypeGuard[_StepObserver]:
 
 
 class _RunHolder(FabricDriven, Protocol):
-    """Describe a :class:`FabricHooks` whose class has the hooks the run drives."""
+    """A :class:`FabricHooks` whose class has the hooks the run drives."""
 
     fabric_run: FabricRun | None
 
 
 class FabricHooks:
-    """Answer Fabric's calls on a callback: its entry points in a Fabric loop, and the run.
+    """A callback's entry points for Fabric's calls in a Fabric loop, and the run they start.
 
     Fabric finds a callback's hooks by name (``Fabric.call``, and its optimizer's
     ``on_after_optimizer_step``), so these are methods of the callback itself. The first,
@@ -209,7 +209,7 @@ class FabricHooks:
 
 
 class _FabricStrategy:
-    """Offer the one attribute of a Trainer's strategy the callbacks read, over Fabric's.
+    """The one attribute of a Trainer's strategy that the callbacks read, over Fabric's.
 
     Args:
         precision_plugin: Fabric's precision, whose ``scaler`` (a GradScaler, or none) is read.
@@ -220,7 +220,7 @@ class _FabricStrategy:
 
 
 class FabricTrainer:
-    """Stand in for the Trainer in a Fabric loop, offering what the callbacks read of one.
+    """Stands in for the Trainer in a Fabric loop, with what the callbacks read from a Trainer.
 
     It satisfies :class:`~.trainer.TrainerView`, the type of every hook's ``trainer``, and reads
     its precision, loggers and rank from a ``Fabric``.
@@ -293,7 +293,7 @@ _CLIPS = (
 
 
 class FabricRun:
-    """Run a callback watching a module of one Fabric loop, in place of the Trainer's hooks.
+    """Runs a callback that watches a module of one Fabric loop, in place of the Trainer's hooks.
 
     Args:
         callback: the callback, driven through its Trainer hooks with a :class:`FabricTrainer`
@@ -329,8 +329,8 @@ class FabricRun:
         """Drive ``callback`` in a Fabric loop, in its place among Fabric's callbacks.
 
         ``fabric.call(...)`` then reaches the run, which answers with Fabric's arguments and
-        drives the callback's Trainer hooks. A callback added by ``LIGHTNING_HOOKS`` that the
-        user passed already stands down.
+        drives the callback's Trainer hooks. A callback added by ``LIGHTNING_HOOKS`` gives way
+        when the user already passed one of its class.
 
         Args:
             callback: the callback ``fabric.setup`` called.
@@ -338,7 +338,7 @@ class FabricRun:
             module: the module Fabric set up, which the run hooks.
 
         Returns:
-            The run, started; ``None`` where the callback stands down.
+            The run, started; ``None`` where the callback gives way.
         """
         callbacks = fabric_callbacks(fabric)
         ours = [c.callback if isinstance(c, FabricRun) else c for c in callbacks or ()]
@@ -361,7 +361,7 @@ class FabricRun:
         ref = weakref.ref(self)
 
         def pre_step(optimizer: torch.optim.Optimizer, *args: object) -> None:
-            """Hand an optimizer about to step to the run, while it lives.
+            """Pass an optimizer about to step to the run, while the run exists.
 
             Args:
                 optimizer: the optimizer about to step (torch's global pre-step hook sees every
@@ -419,7 +419,7 @@ class FabricRun:
         self._undo.append(before_fabric_clips(self.fabric.strategy, method, argument, before))
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Tell whether ``optimizer`` steps a parameter of the watched module.
+        """Return whether ``optimizer`` steps a parameter of the watched module.
 
         The answer is cached per optimizer.
 
@@ -515,7 +515,7 @@ class FabricRun:
 
     def _batch_start(self) -> None:
         """Start the coming step's batch, so that the cadence gates it."""
-        # A batch index other than 0: Fabric has no epochs, the cadence alone samples.
+        # A batch index other than 0: Fabric has no epochs, so the cadence alone picks the steps.
         step = self.trainer.global_step
         self.callback.on_train_batch_start(self.trainer, self.module, None, step + 1)
 

@@ -1,4 +1,4 @@
-"""Provide ``FeatureMapCallback``, which draws what the layers respond to in a fixed probe batch."""
+"""The ``FeatureMapCallback``, which draws the layers' responses to a fixed probe batch."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[st
 
 @named_arguments
 class FeatureMapCallback(HookCallback):
-    r"""Draw the feature maps of a fixed probe batch each epoch, and optionally its embedding.
+    r"""Draws the feature maps of a fixed probe batch each epoch, and optionally its embedding.
 
     Logged metrics, at the epoch's step (:func:`~.attached.epoch_step`):
 
@@ -272,14 +272,14 @@ class FeatureMapCallback(HookCallback):
 
 
 class ProbeInputError(LightningHooksError, TypeError):
-    """Signal that the first training batch holds no usable model input.
+    """Raised when the first training batch holds no usable model input.
 
     The guard lets it through, so the fit stops at its first batch.
     """
 
 
 def has_tensor(x: object) -> bool:
-    """Tell whether ``x`` holds a tensor.
+    """Return whether ``x`` holds a tensor.
 
     Args:
         x: a tensor, or a (nested) list, tuple or mapping.

@@ -1,4 +1,4 @@
-"""Provide ``GradFlowCallback``, which logs how gradients flow through every layer."""
+"""The ``GradFlowCallback``, which logs how gradients flow through every layer."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ __all__ = ["GradFlowCallback"]
 
 @named_arguments
 class GradFlowCallback(HookCallback):
-    r"""Log per-layer gradient flow at logging steps, and raise early-warning alarms at every step.
+    r"""Logs per-layer gradient flow at logging steps and raises early-warning alarms at every step.
 
     The gradient flow of a layer is the gradient applied to it, its weights and its updates.
     Layers, logging steps and notices are defined in docs/glossary.md. The alarms are the
@@ -302,7 +302,7 @@ class GradFlowCallback(HookCallback):
     def _batch_ending(
         self, trainer: TrainerView, outputs: STEP_OUTPUT, *, logging_step: bool
     ) -> None:
-        """Give the batch's loss to the loss rules (:meth:`_Fit.end_batch`)."""
+        """Pass the batch's loss to the loss rules (:meth:`_Fit.end_batch`)."""
         if self._fit is not None:
             self._fit.end_batch(outputs, self.cadence.batch_step, logging_step)
 
@@ -314,7 +314,7 @@ class GradFlowCallback(HookCallback):
 
 
 def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | None) -> str | None:
-    """Say why ``"stop"`` cannot run in a Fabric loop, which has no ``should_stop``, or ``None``."""
+    """Return why ``"stop"`` cannot run in a Fabric loop (no ``should_stop``), or ``None``."""
     stopping = sorted(rule for rule, action in actions.items() if action == "stop")
     if rules is None or not stopping:
         return None
@@ -326,7 +326,7 @@ def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | Non
 
 @dataclass
 class _Fit:
-    """Measure one fit of :class:`GradFlowCallback`, and hand its alarms what they read.
+    """Measures one fit of :class:`GradFlowCallback`, and passes its alarms what they read.
 
     It is made at the fit's train start and dropped when the fit's hooks come off. The
     callback's hooks call :meth:`observe` and :meth:`end_batch`; the tracker's result of each
@@ -341,7 +341,7 @@ class _Fit:
     gradient_histograms: LayerHistograms | None
 
     def observe(self, trainer: TrainerView, optimizer: torch.optim.Optimizer) -> None:
-        """Measure the gradient ``optimizer`` is about to apply, then hand it to the alarms.
+        """Measure the gradient ``optimizer`` is about to apply, then pass it to the alarms.
 
         The gradients are unscaled by the trainer's GradScaler scale, if it has one.
         """

@@ -1,8 +1,8 @@
-"""Run the alarms of ``GradFlowCallback``: each fit's, and their state across fits.
+"""The alarms of ``GradFlowCallback``: those of each fit, and their state across fits.
 
 :class:`GradFlowAlarms` lives as long as the callback. It starts each fit's :class:`FitAlarms`
-from the state the last fit or a checkpoint left, and keeps that fit's state when it ends.
-:class:`FitAlarms` hands the alarms each step's gradient norms and each batch's loss, acts on
+from the state left by the last fit or a checkpoint, and keeps that fit's state when it ends.
+:class:`FitAlarms` passes the alarms each step's gradient norms and each batch's loss, acts on
 what they find, and logs them.
 """
 
@@ -32,7 +32,7 @@ __all__ = ["FitAlarms", "GradFlowAlarms"]
 
 @dataclass
 class FitAlarms:
-    """Run the alarms of one fit: feed them, act on what they find, and log them.
+    """Runs the alarms of one fit: feeds them, acts on what they find, and logs them.
 
     :meth:`GradFlowAlarms.start` makes it at the fit's train start, and
     :meth:`GradFlowAlarms.end` closes it when the fit's hooks come off.
@@ -60,7 +60,7 @@ class FitAlarms:
         grad_scale: torch.Tensor | None,
         param_grad_scale: torch.Tensor | None,
     ) -> None:
-        """Hand the alarms the gradients ``optimizer`` is about to apply, and act on them.
+        """Pass the alarms the gradients ``optimizer`` is about to apply, and act on them.
 
         Args:
             optimizer: the optimizer about to step.
@@ -81,7 +81,7 @@ class FitAlarms:
             self.policy.act(self.trainer, optimizer, self.alarms, found)
 
     def feed_loss(self, outputs: STEP_OUTPUT, step: int) -> None:
-        """Give the batch's loss to the loss rules at optimizer step ``step``."""
+        """Pass the batch's loss to the loss rules at optimizer step ``step``."""
         self.loss_agreement.feed(self.trainer, outputs, step, self.alarms, self.policy)
 
     def log_step(self, trainer: TrainerView, step: int, table: LayerTable) -> None:
@@ -92,7 +92,7 @@ class FitAlarms:
         self.policy.log.log_step(trainer, self.alarms, step)
 
     def watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
-        """Hand a logging step's attention logits and entropies to the attention rule."""
+        """Pass a logging step's attention logits and entropies to the attention rule."""
         self.alarms.update_attention(result.attn_logit_max, result.attn_entropy_min, step=step)
 
     def end_epoch(self) -> None:
@@ -101,7 +101,7 @@ class FitAlarms:
 
 
 class GradFlowAlarms:
-    """Start each fit's alarms, and carry their state from one fit to the next.
+    """Starts each fit's alarms, and carries their state from one fit to the next.
 
     The state is :meth:`~lightning_hooks.core.alarms.TrainingAlarms.state_dict`: the running
     scales, the ring buffer of recent steps and the counts (see docs/glossary.md). Between fits
@@ -167,7 +167,7 @@ class GradFlowAlarms:
         return running
 
     def end(self) -> None:
-        """Keep the running fit's state for the next fit; if an alarm's stop ended it, say so."""
+        """Keep the running fit's state for the next fit; warn if an alarm's stop ended the fit."""
         running = self._running
         self._running = None
         if running is None:

@@ -1,4 +1,4 @@
-"""Draw the chart, heatmap and histograms that ``GradFlowCallback`` logs at each epoch end."""
+"""The chart, heatmap and histograms that ``GradFlowCallback`` logs at each epoch end."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def observe_histograms(
 
 
 class GradFlowPictures:
-    """Draw an epoch's chart and heatmap, and write its histograms.
+    """Draws an epoch's chart and heatmap, and writes its histograms.
 
     It holds the heatmap's columns, one per epoch of the fit, which checkpoints save.
 

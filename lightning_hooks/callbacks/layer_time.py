@@ -1,4 +1,4 @@
-"""Provide ``LayerTimeCallback``, which times each layer's forward on logging steps."""
+"""The ``LayerTimeCallback``, which times each layer's forward pass on logging steps."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ _NAME = "LayerTimeCallback"
 
 @named_arguments
 class LayerTimeCallback(HookCallback):
-    r"""Time every layer's forward on logging steps, in ms and as a share of the step.
+    r"""Times every layer's forward on logging steps, in ms and as a share of the step.
 
     Logged metrics, per epoch, means over the epoch's logging steps; each logging step also logs
     the same tags with ``_step`` after the statistic (``layer_time/step_ms_step``):

@@ -13,7 +13,7 @@ __all__ = ["RankAgreement"]
 
 
 class RankAgreement:
-    """Make every rank of a multi-process fit act alike on a callback's failure, stop and rows.
+    """Makes every rank of a multi-process fit act alike on a callback's failure, stop and rows.
 
     Three things must be the same on every rank, or one rank would wait forever in a collective
     that the others skip (guard, row and logging step: see docs/glossary.md):
@@ -70,7 +70,7 @@ class RankAgreement:
 
     @property
     def failed_here(self) -> bool:
-        """Tell whether this rank has a hook failure that the ranks have not yet agreed on."""
+        """Return whether this rank has a hook failure that the ranks have not yet agreed on."""
         return self._fit_guard().local is not None
 
     def agree(

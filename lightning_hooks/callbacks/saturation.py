@@ -1,4 +1,4 @@
-"""Provide ``SaturationCallback``, which measures how saturated the bounded activations are."""
+"""The ``SaturationCallback``, which measures how saturated the bounded activations are."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ _WATCHES = (
 
 @named_arguments
 class SaturationCallback(HookCallback):
-    r"""Measure the saturated outputs of every bounded activation, and units saturated all epoch.
+    r"""Measures the saturated outputs of every bounded activation, and units saturated all epoch.
 
     Watches ``Sigmoid``, ``Tanh``, ``Softsign``, ``Hardtanh`` (``ReLU6`` included) and
     ``Hardsigmoid`` modules. Logged metrics, per epoch (``{layer}``: the module's qualified

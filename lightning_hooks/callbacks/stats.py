@@ -1,7 +1,7 @@
-"""Provide ``StatsCallback``, which logs any :class:`~.stat.LayerStat` and keeps it in checkpoints.
+"""The ``StatsCallback``, which logs any :class:`~.stat.LayerStat` and saves it in checkpoints.
 
-The module also holds what every callback watching a selection of modules shares: the
-checkpoint key, the check that the selection watches something, and the attaching.
+The module also holds what all callbacks that watch a selection of modules share: the
+checkpoint key, the check that the selection matches some module, and the attaching of hooks.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _AnyStat = LayerStat
 
 
 class Findings:
-    """Count a callback's findings per layer in one fit, and warn of the first on each layer.
+    """Counts a callback's findings per layer in one fit, and warns of the first on each layer.
 
     Later findings (see docs/glossary.md) on the same layer are only counted, and one warning
     sums them up when the fit's hooks come off.
@@ -54,7 +54,7 @@ class Findings:
         self._seen: Counter[str] = Counter()
 
     def first(self, layer: str) -> bool:
-        """Count a finding on ``layer``, and tell whether it is the first there, to warn of."""
+        """Count a finding on ``layer``, and return whether it is the first there (to warn of)."""
         self._seen[layer] += 1
         return self._seen[layer] == 1
 
@@ -147,7 +147,7 @@ def _layer_stat(logged: Logged[Any]) -> LayerStat[Any]:
 
 @named_arguments
 class StatsCallback(HookCallback):
-    """Hook each statistic on the model during the training forward of each logging step.
+    """Hooks each statistic on the model during the training forward of each logging step.
 
     Each statistic logs its ``step_values`` at each logging step (see docs/glossary.md) and its
     ``tags`` at each epoch end, and its state is saved in checkpoints.
@@ -221,7 +221,7 @@ def selection_state_key(types: object, include: object, exclude: object) -> dict
 def nothing_to_watch(
     owner: str, what: str, *, selected: Mapping[str, object], hint: str = ""
 ) -> bool:
-    """Refuse or idle a fit whose model has nothing to watch.
+    """Reject, or leave idle, a fit whose model has nothing to watch.
 
     A selection at its defaults warns once, and the callback does nothing in the fit, as
     Lightning's ``LearningRateMonitor`` does when there is no scheduler.

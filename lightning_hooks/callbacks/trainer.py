@@ -1,9 +1,9 @@
-"""Connect the callbacks to Lightning's Trainer.
+"""Running the callbacks under Lightning's Trainer.
 
 This covers what the callbacks read of a Trainer (:class:`TrainerView`), the checks the Trainer
-must pass at setup, both of Lightning's namespaces (``pytorch_lightning`` and
+must pass at setup, both Lightning namespaces (``pytorch_lightning`` and
 ``lightning.pytorch``), a callback added by ``LIGHTNING_HOOKS`` yielding to the user's own, and
-the empty per-batch hooks Lightning need not call. Fabric's loop is met in
+the empty per-batch hooks Lightning need not call. Fabric's loop is handled in
 :mod:`~lightning_hooks.callbacks.fabric`.
 """
 
@@ -61,7 +61,7 @@ SECOND_CALLBACK: type = object if _NAMESPACES[-1][1] is pl.Callback else _NAMESP
 
 
 class _StrategyView(Protocol):
-    """Describe what the callbacks read of a Trainer's strategy: its precision plugin."""
+    """What the callbacks read from a Trainer's strategy: its precision plugin."""
 
     @property
     def precision_plugin(self) -> object:
@@ -69,7 +69,7 @@ class _StrategyView(Protocol):
 
 
 class TrainerView(Protocol):
-    """Describe what the callbacks read of the Trainer their hooks are handed.
+    """What the callbacks read from the Trainer that their hooks are handed.
 
     The same hooks run under Lightning's Trainer and in a Fabric loop, where a
     :class:`~lightning_hooks.callbacks.fabric.FabricTrainer` stands in for the Trainer. The
@@ -244,7 +244,7 @@ def lightning_module_of(owner: str, module: nn.Module) -> pl.LightningModule:
 
 
 def _is_lightning_module(module: nn.Module) -> TypeGuard[pl.LightningModule]:
-    """Tell whether ``module`` is a LightningModule of either of Lightning's namespaces.
+    """Return whether ``module`` is a LightningModule of either of Lightning's namespaces.
 
     Args:
         module: the module asked about.
@@ -257,7 +257,7 @@ def _is_lightning_module(module: nn.Module) -> TypeGuard[pl.LightningModule]:
 
 
 def stands_down_for_users_own(callback: object, callbacks: Sequence[object]) -> bool:
-    """Tell whether ``callback`` stands down for the user's own.
+    """Return whether ``callback`` gives way to the user's own.
 
     Args:
         callback: one of the library's callbacks.
@@ -275,7 +275,7 @@ def stands_down_for_users_own(callback: object, callbacks: Sequence[object]) -> 
 
 
 def _from_environment(callback: object) -> bool:
-    """Tell whether the ``LIGHTNING_HOOKS`` switch added ``callback``.
+    """Return whether the ``LIGHTNING_HOOKS`` switch added ``callback``.
 
     Args:
         callback: any callback; one without ``from_environment`` is the user's.
@@ -298,7 +298,7 @@ _DEFAULTS = {name: {getattr(base, name) for _, base in _NAMESPACES} for name in 
 
 
 def inherits_empty_hook(callback: object, name: str) -> bool:
-    """Tell whether a callback leaves the per-batch hook ``name`` to Lightning's empty default.
+    """Return whether a callback leaves the per-batch hook ``name`` to Lightning's empty default.
 
     Args:
         callback: the callback asked about; its class is read, not its instance.

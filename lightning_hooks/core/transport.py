@@ -1,4 +1,4 @@
-"""Move values off the device and across ranks.
+"""Moving values off the device and across ranks.
 
 The host read-back of small device tensors, the first non-finite event, the process group's
 facts (no-ops in one process), and sharded parameters.

@@ -1,4 +1,4 @@
-"""Write statistics and pictures to every Lightning logger, through one sink per kind of logger.
+"""Writing statistics and pictures to every Lightning logger, through one sink per logger kind.
 
 This module decides which sink adapts which logger, and holds the one guarded way to write to
 each.
@@ -63,7 +63,7 @@ that failed stays failed, and a TensorBoard sink keeps the charts of its dashboa
 
 
 def register_sink(kind: type[LoggerSink]) -> type[LoggerSink]:
-    """Adapt the loggers ``kind.accepts`` with ``kind``, ahead of every kind registered before.
+    """Use ``kind`` for the loggers ``kind.accepts``, ahead of every kind registered before.
 
     Register a subclass's sink after its base's. Usable as a class decorator.
 

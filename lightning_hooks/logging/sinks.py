@@ -322,7 +322,7 @@ def _step_file(tag: str, step: int, suffix: str) -> str:
 
 
 class CSVSink(LoggerSink):
-    """Write to a ``CSVLogger``: pictures as PNG files, text as Markdown files.
+    """Writes to a ``CSVLogger``: pictures as PNG files, text as Markdown files.
 
     Each figure or image goes to ``<log_dir>/<tag>/step_<step>.png``, every step's text to
     ``<log_dir>/<tag with dots>.md``; no histograms or embeddings.
@@ -405,7 +405,7 @@ _UNSAFE = re.compile(r"[^a-zA-Z0-9_/. -]+")
 
 
 class MLflowSink(LoggerSink):
-    """Write to an ``MLFlowLogger``, through its ``MlflowClient``.
+    """Writes to an ``MLFlowLogger``, through its ``MlflowClient``.
 
     Figures and text go as ``<tag>/step_<step>`` ``.png`` / ``.md`` artifacts, images as MLflow
     images; no histograms or embeddings.
@@ -487,7 +487,7 @@ def _rebinned(counts: np.ndarray, edges: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 class WandbSink(LoggerSink):
-    """Write to a ``WandbLogger``, at ``trainer/global_step`` as Lightning logs.
+    """Writes to a ``WandbLogger``, at ``trainer/global_step`` as Lightning logs.
 
     Figures and images go as ``wandb.Image``, histograms as ``wandb.Histogram``, text as a table
     row; no embeddings.

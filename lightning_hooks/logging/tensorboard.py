@@ -126,7 +126,7 @@ class _TensorBoardLogger(LightningLogger, Protocol):
 
 
 class TensorBoardSink(LoggerSink):
-    """Write to a ``TensorBoardLogger`` (either namespace, or a subclass).
+    """Writes to a ``TensorBoardLogger`` (either namespace, or a subclass).
 
     Its ``SummaryWriter`` gets figures, images, histograms, text, embeddings and the
     custom-scalars layout.

@@ -1,6 +1,6 @@
 """The gradient rules on the host (numpy, ``float32``): one step's norms in, each rule's flags out.
 
-And the running scale a spike is measured against (an EMA of the log and of its spread).
+Also the running scale that a spike is measured against (an EMA of the log and of its spread).
 """
 
 from __future__ import annotations

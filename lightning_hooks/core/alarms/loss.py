@@ -178,7 +178,7 @@ class _Said(NamedTuple):
     first: str
     """What happened, at which step, in one clause."""
     details: tuple[str, ...]
-    """The evidence, one a line."""
+    """The evidence, one per line."""
 
 
 @dataclass
@@ -583,7 +583,7 @@ class LossRules:
         return TrainingAlarm("diverging", "loss", step, x, best, said.first, details=details)
 
     def _confirms(self, step: int, x: float, why: str, setback: Setback) -> _Said:
-        """Say what *diverging* says when it confirms ``setback``.
+        """Return the text of *diverging* when it confirms ``setback``.
 
         Its running mean against its best, and why it is confirmed.
         """
@@ -599,7 +599,7 @@ class LossRules:
         return _Said(first, (confirmed, where))
 
     def _holds(self, step: int, x: float, why: str) -> _Said:
-        """Say what *diverging* says at a later step while the divergence holds.
+        """Return the text of *diverging* at a later step while the divergence holds.
 
         This step's loss against the best, and since when; not the running mean, which may
         still remember a blow-up long past.
@@ -692,7 +692,7 @@ def _loss_spike(step: int, value: float, scale: float, rules: AlarmRules) -> Tra
 
 
 def _over(value: float, best: float) -> str:
-    """Say how far ``value`` is over ``best``.
+    """Return how far ``value`` is over ``best``.
 
     A ratio (``3.2x``), or the difference when the best is not positive.
     """

@@ -1,7 +1,7 @@
 """What an alarm says, built on the host once a rule fired.
 
 :class:`TrainingAlarm`, the layer it names, its message (a first line a person reads at a
-glance, then the details one a line), the ring buffer's story, and the fixes :mod:`.advice`
+glance, then the details, one per line), the ring buffer's history, and the fixes :mod:`.advice`
 gives it.
 """
 
@@ -45,7 +45,7 @@ class TrainingAlarm:
         value: the gradient norm (or loss) that fired it.
         reference: what it was compared with (running scale, threshold, floor, weight norm).
         message: the whole text: a first line a person reads at a glance (what happened, at
-            which step, and the fix most likely to work), then :attr:`details`, one a line.
+            which step, and the fix most likely to work), then :attr:`details`, one per line.
         others: the other layers the rule flagged at the same step.
         history_steps: the optimizer steps in the ring buffer, oldest first, up to ``step``.
         history: per step, the gradient norm of every row (``history_layers``: the layers, then
@@ -78,10 +78,10 @@ class TrainingAlarm:
     network_cut: bool = False
 
     def history_lines(self) -> list[str]:
-        """Tell the ring buffer's story, step by step.
+        """Return the ring buffer's history, step by step.
 
         Returns:
-            One line a step: the norm / running scale of the layer that left first, the layer
+            One line per step: the norm / running scale of the layer that left first, the layer
             named and the global row (``"-"``: not armed yet).
         """
         names = dict.fromkeys(n for n in (self.departed, self.layer, "global") if n)
@@ -247,7 +247,7 @@ def with_history(
     """Add the ring buffer's history to ``alarm``.
 
     Args:
-        alarm: the alarm to tell the story of.
+        alarm: the alarm to add the history to.
         layers: the name of each row of the history.
         history: the ring buffer's steps, and per step the rows' norms, running scales and
             bands.
@@ -333,7 +333,7 @@ def with_fixes(alarm: TrainingAlarm, advice: Advice) -> TrainingAlarm:
     Its first line with the first of the fixes (the one most likely to work,
     :func:`~lightning_hooks.core.alarms.advice.advise`), then the run's learning rate (when a
     fix is to lower it), its details, why that fix leads (when the evidence put it first) and
-    the other fixes, one a line.
+    the other fixes, one per line.
 
     Args:
         alarm: the alarm, its first line and details written.
@@ -413,11 +413,11 @@ class _Said(NamedTuple):
     first: str
     """What happened, at which step, in one clause."""
     details: tuple[str, ...] = ()
-    """The thresholds and the evidence, one a line."""
+    """The thresholds and the evidence, one per line."""
 
 
 def _dead_network_text(culprit: _Culprit, step: int) -> _Said:
-    """Say what *vanishing* says of a dead network (:data:`~.gradients.DEAD_STEPS`)."""
+    """Return the text of *vanishing* for a dead network (:data:`~.gradients.DEAD_STEPS`)."""
     since = step - DEAD_STEPS + 1
     return _Said(
         f"dead network at optimizer step {step}: {culprit.layer} and every layer before it get "
@@ -431,7 +431,7 @@ def _dead_network_text(culprit: _Culprit, step: int) -> _Said:
 
 
 def _no_gradient_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
-    """Say what the notice *no_gradient* says of a trainable layer that got no gradient.
+    """Return the text of the notice *no_gradient* for a trainable layer that got no gradient.
 
     Or next to none, while a layer before it gets one: :func:`_bypassed_text`.
     """
@@ -453,7 +453,7 @@ def _no_gradient_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
 
 
 def _bypassed_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
-    """Say what the notice *no_gradient* says of a layer the gradient flows around.
+    """Return the text of the notice *no_gradient* for a layer the gradient flows around.
 
     Its gradient stayed tiny while a layer before it got one.
     """
@@ -472,7 +472,7 @@ def _bypassed_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
 
 
 def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
-    """Say what a gradient rule other than *explosion* says."""
+    """Return the text of a gradient rule other than *explosion*."""
     layer, value, ref = culprit
     at = f"optimizer step {step}"
     if rule == "spike":
@@ -514,7 +514,7 @@ def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Sa
 def _explosion_text(
     culprit: _Culprit, report: GradientReport, at: FiredStep, rules: AlarmRules
 ) -> _Said:
-    """Say *explosion*'s message: the size and what the optimizer applies.
+    """Return the text of *explosion*: the size, and what the optimizer applies.
 
     The global norm's running scale, which its advice reads, is in its details.
     """

@@ -186,7 +186,7 @@ class TrainingAlarms:
         self._host_copy.reserve((parameters,))
 
     def set_adaptive(self, value: bool) -> None:
-        """Say whether the optimizer keeps a second moment (Adam, RMSprop, ...).
+        """Set whether the optimizer keeps a second moment (Adam, RMSprop, ...).
 
         If it does, *diverging* holds its first ``diverge_early`` losses to
         ``diverge_overshoot`` (an ``AlarmFeed`` sets it at its first steps).

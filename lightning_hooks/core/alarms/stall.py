@@ -1,4 +1,4 @@
-"""*stall* on the optimizer's update at logging steps, and its alarm.
+"""The rule *stall* on the optimizer's update at logging steps, and its alarm.
 
 The rule compares the update per unit of learning rate against its running level, while the
 loss has stopped learning. The device only copies the update to host memory without blocking;

@@ -1,6 +1,6 @@
 """Tools for plain PyTorch loops over a hooked model.
 
-Record the outputs of named layers (:func:`capture_outputs`), and run a probe batch without
+They record the outputs of named layers (:func:`capture_outputs`) and run a probe batch without
 leaving a trace (:func:`probe_mode`).
 """
 

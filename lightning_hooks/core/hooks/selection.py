@@ -1,6 +1,6 @@
-"""Choose which modules of a model to instrument, by type and by qualified-name pattern.
+"""Which modules of a model to instrument, by type and by qualified-name pattern.
 
-Hugging Face and timm activations count as the torch class they compute as.
+Hugging Face and timm activations count as the torch class whose function they compute.
 """
 
 from __future__ import annotations

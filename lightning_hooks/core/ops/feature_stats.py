@@ -1,7 +1,4 @@
-"""Compute a float32 vector of :data:`FEATURE_STATS` per module output.
-
-Also the statistics of many such vectors pooled together.
-"""
+"""A float32 vector of :data:`FEATURE_STATS` per module output, and many such vectors pooled."""
 
 from __future__ import annotations
 
@@ -146,7 +143,7 @@ def fused_feature_stats(x: torch.Tensor, workspace: Workspace | None = None) -> 
 
 @dataclass(frozen=True)
 class FeatureSummary:
-    """Hold host-side statistics pooled over every element observed.
+    """Host-side statistics pooled over every element observed.
 
     Each statistic is an array with a row per name of ``layers`` (``std`` Bessel-corrected,
     ``nonfinite`` the count of NaN / Inf).

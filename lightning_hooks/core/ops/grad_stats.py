@@ -1,7 +1,7 @@
-"""Compute per-layer gradient, weight and update statistics.
+"""Per-layer gradient, weight and update statistics.
 
-A few multi-tensor reads, reduced per layer (:class:`ParamLayout`) on the device, nothing read
-back.
+They take a few multi-tensor reads, reduced per layer (:class:`ParamLayout`) on the device, and
+read nothing back.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def plain_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor] | No
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """Say which layer each parameter belongs to.
+    """The layer that each parameter belongs to.
 
     A layer is a module owning parameters directly, or the model: :data:`ROOT`. Every parameter is
     listed, trainable or not, a tied one once per owner (``first``: whether a listing is the
@@ -194,7 +194,7 @@ class ParamLayout:
 
 @dataclass(frozen=True)
 class LayerIndex:
-    """Say how per-parameter values add into layer rows, then a global row.
+    """How per-parameter values add into layer rows, then a global row.
 
     The tensors are on the parameters' device, made once per set of parameters: views, never
     copies, of its buffers.

@@ -1,9 +1,9 @@
-"""Read many tensors in a handful of ops.
+"""Reads of many tensors in a handful of ops.
 
 The reads: L2 norms, ``|t|`` sums and maxima, an update's typical size.
 
-Small tensors of one shape are stacked: for many small gradients the host work per tensor of
-``_foreach_norm`` is the whole cost.
+Small tensors of one shape are stacked, because for many small gradients the per-tensor host
+work of ``_foreach_norm`` is the whole cost.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ _SumMax = tuple[torch.Tensor, torch.Tensor]
 
 
 class GroupedNorms:
-    """Compute the L2 norms of the gradients of fixed ``params``.
+    """Computes the L2 norms of the gradients of fixed ``params``.
 
     On the CPU they are ``_foreach_norm``'s bits.
 
@@ -252,7 +252,7 @@ def typical_update(
 
 
 def _stackable(old: torch.Tensor, new: torch.Tensor, grad: torch.Tensor | None) -> bool:
-    """Say whether a parameter's before, after and gradient can be stacked with others."""
+    """Return whether a parameter's before, after and gradient can be stacked with others."""
     plain = type(new) is torch.Tensor and type(old) is torch.Tensor and not new.is_sparse
     if not plain or not 0 < new.numel() <= SMALL or old.shape != new.shape:
         return False

@@ -1,4 +1,4 @@
-"""Provide the one histogram: log10 or linear edges, fixed or running, counts kept in a tensor."""
+"""The library's one histogram: log10 or linear edges, fixed or running, counts in a tensor."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def linear_edges(low: torch.Tensor, high: torch.Tensor, unit: torch.Tensor) -> t
 
 @dataclass(frozen=True)
 class LayerHistogram:
-    """Hold one layer's counts on the host.
+    """One layer's counts on the host.
 
     Attributes:
         limits: ``limits[i]`` is bucket ``i``'s right edge.
@@ -81,7 +81,7 @@ class LayerHistogram:
 
 
 class LayerHistograms:
-    """Count ``log10 |x|`` (``scale="linear"``: ``x``) per layer, as ``[num_layers, buckets]``.
+    """Counts ``log10 |x|`` (``scale="linear"``: ``x``) per layer, as ``[num_layers, buckets]``.
 
     Args:
         num_layers: the layers, one row of counts each.

@@ -1,4 +1,4 @@
-"""Compute each gradient's L2 norm in two Triton kernels.
+"""Each gradient's L2 norm, computed in two Triton kernels.
 
 The kernels find the tensors through a table of their addresses written each step, without
 ``_foreach_norm``'s per-tensor host work (no atomics: the same gradients give the same bits).
@@ -24,7 +24,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def available() -> str | None:
-    """Say whether Triton can be imported.
+    """Check whether Triton can be imported.
 
     Returns:
         ``None`` when Triton can be imported, else why not (for the caller's one message).
@@ -45,7 +45,7 @@ def _kernels() -> tuple[Any, Any]:
 
 
 class PointerNorms:
-    """Compute the float32 L2 norms of the gradients of ``params`` in two launches.
+    """Computes the float32 L2 norms of the gradients of ``params`` in two launches.
 
     One launch sums squares over spans of :data:`SPAN`, one adds each tensor's spans.
 

@@ -1,7 +1,4 @@
-"""Provide small tensor helpers of the hooks.
-
-They cover which forwards count, scratch memory, pieces and held outputs.
-"""
+"""Tensor helpers for the hooks: which forwards count, scratch memory, pieces and held outputs."""
 
 from __future__ import annotations
 
@@ -47,7 +44,7 @@ def piece_size(device: torch.device, cpu: int) -> int:
 
 
 class Workspace:
-    """Keep what a reader of tensors reuses from one step to the next.
+    """What a reader of tensors reuses from one step to the next.
 
     It holds flat scratch buffers per dtype and device, grown as needed (fresh ones page-fault), and
     the stacks of its grouped reads.
@@ -78,7 +75,7 @@ class Workspace:
 
 
 def is_training_forward(module: nn.Module) -> bool:
-    """Say whether a hook on ``module`` runs in a training forward that counts.
+    """Return whether a hook on ``module`` runs in a training forward that counts.
 
     A forward counts unless it is validation or the sanity check (grad disabled), or an
     activation-checkpoint recompute.
@@ -107,7 +104,7 @@ def is_training_forward(module: nn.Module) -> bool:
 
 
 def is_grad_forward(module: nn.Module) -> bool:
-    """Say whether ``module``'s outputs can get training gradients (a checkpoint recompute too).
+    """Return whether ``module``'s outputs can get training gradients (a checkpoint recompute too).
 
     Args:
         module: the module whose hook asks.
@@ -189,7 +186,7 @@ _INDICES = 64  # row patterns whose device index is kept
 
 
 class Pending(Generic[K]):
-    """Hold snapshots by group, with the rows they go to and a cache of their device indices."""
+    """Snapshots by group, with the rows they go to and a cache of their device indices."""
 
     def __init__(self) -> None:
         self._groups: dict[K, tuple[list[int], list[torch.Tensor]]] = {}
@@ -197,7 +194,7 @@ class Pending(Generic[K]):
         self._indices: dict[tuple[object, ...], torch.Tensor] = {}
 
     def add(self, key: K, row: int, snapshot: torch.Tensor) -> bool:
-        """Hold ``snapshot`` for ``row`` in ``key``'s group.
+        """Store ``snapshot`` for ``row`` in ``key``'s group.
 
         Args:
             key: the group the snapshot is stacked with.

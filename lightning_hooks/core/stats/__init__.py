@@ -1,1 +1,1 @@
-"""One module per per-layer statistic: its states, hooks, compute and tags."""
+"""The per-layer statistics, one module each: states, hooks, compute and tags."""

@@ -1,4 +1,4 @@
-"""Accumulate ``[layers, stats]`` values over an epoch, read as a table."""
+"""Accumulation of ``[layers, stats]`` values over an epoch, read as a table."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ Reduction = Literal["mean", "peak", "total", "count"]
 @named_arguments
 @dataclass(frozen=True)
 class LayerTable:
-    """Hold the result of an epoch: ``[layers, stats]`` arrays, ``NaN`` where never updated.
+    """The result of an epoch: ``[layers, stats]`` arrays, ``NaN`` where never updated.
 
     Attributes:
         layers: layer names, one per row.
@@ -85,7 +85,7 @@ class LayerTable:
 
 
 class LayerStatsAccumulator(RowStates[LayerTable]):
-    """Accumulate the sum, max and count of ``[layers, stats]`` values fed by :meth:`update`.
+    """Accumulates the sum, max and count of ``[layers, stats]`` values fed by :meth:`update`.
 
     It holds no hooks: the caller feeds every value.
 

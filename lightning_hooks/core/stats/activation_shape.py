@@ -1,4 +1,4 @@
-"""Measure how heavy the tails of each layer's output are: its kurtosis and its outlier ratio."""
+"""How heavy the tails of each layer's output are: its kurtosis and its outlier ratio."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def power_sums(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @named_arguments
 class ActivationShape(LayerStat[Shape]):
-    """Measure per layer, over its outputs at logging steps, the kurtosis and the outlier ratio.
+    """Measures per layer, over its outputs at logging steps, the kurtosis and the outlier ratio.
 
     It logs ``activations/kurtosis/{layer}`` (Pearson's, 3 for a Gaussian) and
     ``activations/outlier_ratio/{layer}`` (``max |x|`` over the RMS), from power sums

@@ -1,4 +1,4 @@
-"""Measure statistics of what each layer outputs, accumulated over an epoch without a host sync."""
+"""Statistics of each layer's output, accumulated over an epoch without a host sync."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ SCALARS = ("mean", "std", "min", "max", "abs_mean", "zero_fraction", "nonfinite"
 
 
 def default_feature_module(name: str, module: nn.Module) -> bool:
-    """Say whether a module is in the default selection.
+    """Return whether a module is in the default selection.
 
     The default selection is modules owning a parameter directly (not a container through its
     children), and activation modules (:data:`ACTIVATION_MODULES`).
@@ -67,7 +67,7 @@ def default_feature_module(name: str, module: nn.Module) -> bool:
 
 
 def owns_parameters(module: nn.Module) -> bool:
-    """Say whether ``module`` holds a parameter itself (not only through a child).
+    """Return whether ``module`` holds a parameter itself (not only through a child).
 
     Args:
         module: the module.
@@ -95,7 +95,7 @@ def feature_modules(selection: Selection | None, model: nn.Module) -> list[tuple
 
 @dataclass(frozen=True)
 class Histogram:
-    """Hold one row's histogram: ``counts[i]`` in ``[edges[i], edges[i + 1])``."""
+    """One row's histogram: ``counts[i]`` in ``[edges[i], edges[i + 1])``."""
 
     layer: str
     edges: np.ndarray
@@ -103,7 +103,7 @@ class Histogram:
 
 
 class ActivationResult(NamedTuple):
-    """Hold what :class:`ActivationStatsTracker` measured over logging steps."""
+    """What :class:`ActivationStatsTracker` measured over logging steps."""
 
     summary: FeatureSummary
     histograms: list[Histogram]  # a row each (none without ``histogram_bins``)
@@ -111,7 +111,7 @@ class ActivationResult(NamedTuple):
 
 @named_arguments
 class ActivationStatsTracker(LayerStat[ActivationResult]):
-    """Measure per-layer statistics (:data:`SCALARS`) of the floating outputs of training forwards.
+    """Measures per-layer statistics (:data:`SCALARS`) of the floating outputs of training forwards.
 
     They are accumulated over an epoch, no host sync per step (row ``{module}.{index or key}`` for
     a tuple, list or dict). Histograms span ``histogram_range`` or the previous epoch's range;

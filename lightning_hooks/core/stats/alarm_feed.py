@@ -1,7 +1,7 @@
-"""Hand the alarms the gradient norms of each optimizer step they run on.
+"""The gradient norms that the alarms get, on each optimizer step they run on.
 
 The alarms run on their own cadence (``AlarmRules.evaluate_every_n_steps``, every step by
-default), whatever the tracker's logging steps. On a logging step :class:`AlarmFeed` hands on
+default), whatever the tracker's logging steps. On a logging step :class:`AlarmFeed` passes on
 the norms the tracker just read; on a quiet step it reads the dense gradients' norms itself, in
 one read with no host sync.
 """
@@ -42,7 +42,7 @@ __all__ = ["AlarmFeed", "Clip", "Measured", "Tracked", "foreach_norms", "quiet_r
 
 
 class Clip(NamedTuple):
-    """Name the gradient clipping a run applies: the Trainer's two clipping settings."""
+    """The gradient clipping a run applies: the Trainer's two clipping settings."""
 
     bound: float
     """``gradient_clip_val``: the largest norm, or the largest value of an entry."""
@@ -74,7 +74,7 @@ class Tracked(Protocol):
 
 @named_arguments
 class AlarmFeed:
-    """Hand the alarms each step's gradient norms, on the steps their cadence runs them.
+    """Gives the alarms each step's gradient norms, on the steps their cadence runs them.
 
     Call :meth:`observe` after the tracker observed the step, with what the tracker measured. On
     the logging steps of an adaptive optimizer the feed also hands the *stall* rule the step's
@@ -113,7 +113,7 @@ class AlarmFeed:
         tracker.update_readers.append(self._read_update)
 
     def due(self, step: int) -> bool:
-        """Say whether the alarms' own cadence runs them on optimizer step ``step``."""
+        """Return whether the alarms' own cadence runs them on optimizer step ``step``."""
         return step % self.alarms.rules.evaluate_every_n_steps == 0
 
     def observe(  # noqa: PLR0913 (one optimizer step's facts, a keyword each, as a public method)
@@ -126,7 +126,7 @@ class AlarmFeed:
         param_grad_scale: torch.Tensor | None = None,
         clip: Clip | None = None,
     ) -> None:
-        """Hand the alarms the norms of the gradients ``optimizer`` is about to apply.
+        """Pass the alarms the norms of the gradients ``optimizer`` is about to apply.
 
         Call it on every optimizer step, after the tracker observed it; it reads the steps
         :meth:`due` names.
@@ -172,7 +172,7 @@ class AlarmFeed:
     def _read_update(
         self, optimizer: torch.optim.Optimizer, view: OptimizerView, after: list[torch.Tensor]
     ) -> None:
-        """Hand *stall* a logging step's typical update, for an adaptive optimizer only.
+        """Pass *stall* a logging step's typical update, for an adaptive optimizer only.
 
         ``view.before`` still holds the weights before the step.
         """
@@ -228,7 +228,7 @@ class AlarmFeed:
         order: Sequence[int] = (),
         segmented: bool = True,
     ) -> None:
-        """Hand ``norms`` of the step observed last to the alarms.
+        """Pass the ``norms`` of the last observed step to the alarms.
 
         They are per layer then global if ``segmented``, else per parameter. ``stepped`` holds
         the rows some gradient reached, ``order`` the backward order of the layers'
@@ -292,7 +292,7 @@ def _pointer_norms(view: OptimizerView) -> Read | str:
 
 
 def _read_fallback(triton: bool, why: str, stacklevel: int = 3) -> None:
-    """Say once, for one optimizer, why the quiet step reads with ``_foreach_norm``.
+    """Warn once, for one optimizer, why the quiet step reads with ``_foreach_norm``.
 
     ``triton`` tells whether the read that failed was ``"triton"`` or ``"grouped"``.
     """

@@ -1,4 +1,4 @@
-"""Compute the logits of sdpa, ``nn.MultiheadAttention`` and eager attention, and capture them."""
+"""Computation and capture of the logits of sdpa, ``nn.MultiheadAttention`` and eager attention."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ _MHA_FORWARD = ("query", "key", "value", "key_padding_mask", "need_weights", "at
 
 
 class MhaCall(NamedTuple):
-    """Hold the arguments of one ``nn.MultiheadAttention`` call that its logits depend on."""
+    """The arguments of one ``nn.MultiheadAttention`` call that its logits depend on."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -212,7 +212,7 @@ def mha_logit_chunks(
 
 
 class _Projections(NamedTuple):
-    """Hold the projected queries and keys of an ``nn.MultiheadAttention`` call, heads apart."""
+    """The projected queries and keys of an ``nn.MultiheadAttention`` call, split by head."""
 
     query: torch.Tensor  # [N*H, L, d]
     key_t: torch.Tensor  # the keys transposed, [N*H, d, S']
@@ -251,9 +251,9 @@ def _mha_projections(
 
 
 class HeadEntropy(NamedTuple):
-    """Hold the attention entropy of logits ``[..., H, L, S]``.
+    """The attention entropy of logits ``[..., H, L, S]``.
 
-    Sums that pool exactly over calls and ranks.
+    It holds sums, which pool exactly over calls and ranks.
     """
 
     peak: torch.Tensor  # the largest logit
@@ -283,7 +283,7 @@ def attention_head_entropy(logits: torch.Tensor) -> HeadEntropy:
 
 
 def looks_like_attention(module: nn.Module) -> bool:
-    """Say whether ``module``'s class is named as attention (``GPT2Attention``).
+    """Return whether ``module``'s class is named as attention (``GPT2Attention``).
 
     ``nn.MultiheadAttention`` does not count.
 
@@ -306,7 +306,7 @@ def _softmax_logits(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tens
 
 
 class _Running(NamedTuple):
-    """Hold a module whose forward runs, on :class:`AttentionCapture`'s stack."""
+    """A module whose forward is running, on :class:`AttentionCapture`'s stack."""
 
     name: str
     module: nn.Module
@@ -345,7 +345,7 @@ def attention_free(registry: HookRegistry) -> set[int]:
 
 
 class AttentionCapture(SuspendableMode):
-    """See the attention calls of a model's modules in the training forwards of logging steps.
+    """Captures the attention calls of a model's modules in the training forwards of logging steps.
 
     A ``TorchFunctionMode``, entered by the outermost module of such a forward: it hands each
     sdpa call's logits (and each 4-D softmax's input, in a module that
@@ -376,7 +376,7 @@ class AttentionCapture(SuspendableMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:  # noqa: ANN401 (torch's __torch_function__ protocol)
-        """Hand an attention call to :meth:`look`, then run it unchanged.
+        """Pass an attention call to :meth:`look`, then run it unchanged.
 
         Only this library's part runs under the registry's guard: an error of the call itself
         reaches its caller as it is.

@@ -1,4 +1,4 @@
-"""Find dead units: which units (:func:`unit_dim`) of a layer never fired on any training sample.
+"""Dead units: the units (:func:`unit_dim`) of a layer that never fired on any training sample.
 
 A unit fires where its output is ``> 0``. A functional ``F.relu`` cannot be hooked: watch the
 layer that produces its input (``pre_activation``).
@@ -85,7 +85,7 @@ def fired_counts(y: torch.Tensor, dim: int, workspace: Workspace | None = None) 
 
 @dataclass(frozen=True)
 class DeadUnits:
-    """Hold the result of an epoch, one entry per watched layer that ran.
+    """The result of an epoch, one entry per watched layer that ran.
 
     Attributes:
         layers: the layers' qualified names.
@@ -113,7 +113,7 @@ class DeadUnits:
 
 @named_arguments
 class DeadUnitTracker(LayerStat[DeadUnits]):
-    """Count per unit of activation outputs how often it fired in the training forwards of an epoch.
+    """Counts, per unit of activation outputs, how often it fired in an epoch's training forwards.
 
     A unit that never fired is dead. A module called at several widths gets a row per width
     (``name``, then ``name-{units}``).

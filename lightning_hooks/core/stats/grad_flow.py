@@ -1,7 +1,7 @@
-"""Measure the gradient flow of a model, per layer, accumulated with no host sync per step.
+"""Per-layer gradient flow of a model, accumulated with no host sync per step.
 
-Also name its tags: ``grad_flow/{stat}/{layer}``, ``grad_flow/global/{stat}`` and the
-percentiles over the layers, and which layers are logged one by one.
+The module also names its tags (``grad_flow/{stat}/{layer}``, ``grad_flow/global/{stat}`` and
+the percentiles over the layers) and says which layers are logged one by one.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def layers_of(
 
 
 def counts_the_model_itself(types: ModuleTypes, include: Patterns) -> bool:
-    """Say whether the model's own parameters (a learnable temperature, say) form a layer.
+    """Return whether the model's own parameters (a learnable temperature, say) form a layer.
 
     Returns:
         ``True`` unless ``types`` or ``include`` narrows the selection.
@@ -117,7 +117,7 @@ def _check_args(
 
 @named_arguments
 class GradFlowTracker(LayerStatsAccumulator, HookOwner):
-    """Track per-layer gradient flow (:data:`GRAD_FLOW_STATS`) over optimizer steps, no host sync.
+    """Tracks per-layer gradient flow (:data:`GRAD_FLOW_STATS`) over optimizer steps, no host sync.
 
     Call :meth:`observe` just before ``optimizer.step()`` and any clipping, on every rank. The
     update ratio (and, with ``post_clip``, the gradient the optimizer applied) is read in a hook
@@ -399,7 +399,7 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
 
 
 class _Column(NamedTuple):
-    """Name one tag per layer: its suffix, the table's statistic and its reduction over steps."""
+    """A tag logged per layer: its suffix, the table's statistic and its reduction over steps."""
 
     suffix: str
     stat: str

@@ -1,4 +1,4 @@
-"""Time the forward of each layer at logging steps.
+"""Timing of each layer's forward pass at logging steps.
 
 The clock is ``perf_counter`` on the CPU, CUDA events on a GPU.
 """
@@ -25,7 +25,7 @@ __all__ = ["LayerTimer", "LayerTimes"]
 
 @dataclass(frozen=True)
 class LayerTimes:
-    """Hold the timings over the logging steps since the last reset.
+    """The timings over the logging steps since the last reset.
 
     Attributes:
         layers: layer names, model order.
@@ -52,14 +52,14 @@ Mark = float | torch.cuda.Event
 
 
 class _Span(NamedTuple):
-    """Hold two readings of the clock: a layer's forward, or a logging step's batch."""
+    """Two readings of the clock: a layer's forward, or a logging step's batch."""
 
     start: Mark
     end: Mark
 
 
 class _LayerSpan(NamedTuple):
-    """Hold one forward call of the layer in row ``row``."""
+    """One forward call of the layer in row ``row``."""
 
     row: int
     span: _Span
@@ -67,7 +67,7 @@ class _LayerSpan(NamedTuple):
 
 @dataclass(frozen=True)
 class _Clock:
-    """Read ``perf_counter``, or record CUDA events on the current stream (read after a sync)."""
+    """Reads ``perf_counter``, or records CUDA events on the current stream (read after a sync)."""
 
     cuda: bool
 
@@ -103,7 +103,7 @@ class _Clock:
 
 @named_arguments
 class LayerTimer(LayerStat[LayerTimes]):
-    """Time the forward of every selected layer at logging steps (not the backward).
+    """Times the forward of every selected layer at logging steps (not the backward).
 
     CUDA events are read at the next logging step. Only leaf modules by default, so no time
     counts twice.

@@ -1,4 +1,4 @@
-"""Run a ``torchmetrics.Metric`` of the user's as a per-layer statistic.
+"""A user's ``torchmetrics.Metric``, run as a per-layer statistic.
 
 A clone per layer is fed the layer's training outputs at logging steps and computed at each
 epoch end; across ranks, one all-gather per metric state for all the layers together.
@@ -68,7 +68,7 @@ def _check_metric(metric: object) -> Metric:
 
 
 class _Gathered:
-    """Serve as a clone's ``dist_sync_fn`` for one compute.
+    """A clone's ``dist_sync_fn`` for one compute.
 
     It hands every rank's value of each state, gathered already with the other layers' (one
     all-gather per state), to torchmetrics' own sync, which reduces them by the state's
@@ -107,7 +107,7 @@ def _states(metric: Metric) -> dict[str, Tensor]:
 
 @named_arguments
 class MetricStat(LayerStat[dict[str, float]]):
-    """Run a ``torchmetrics.Metric`` of yours per layer: a clone of ``metric`` for each one.
+    """Runs your ``torchmetrics.Metric`` per layer: a clone of ``metric`` for each one.
 
     A clone is made for each selected layer. Each clone's ``update`` gets the layer's training
     output at each logging step, and its ``compute`` over the epoch is logged at each epoch end

@@ -1,4 +1,4 @@
-"""Say what each optimizer steps of a gradient-flow layout, its norms and its update ratio."""
+"""The part of a gradient-flow layout that each optimizer steps, its norms and update ratio."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class ColumnValues(NamedTuple):
 
 @dataclass
 class OptimizerView:
-    """Hold the tracked parameters one optimizer steps, and the buffers of its update ratio.
+    """The tracked parameters that one optimizer steps, and the buffers of its update ratio.
 
     :class:`OptimizerViews` builds it at the optimizer's step; its fields describe the
     parameters, and the last three are what readers of the view keep in it between steps.
@@ -147,7 +147,7 @@ _SECOND_MOMENT = ("exp_avg_sq", "square_avg", "sum", "exp_avg_sq_row")
 
 
 def adaptive(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> bool:
-    """Say whether ``optimizer`` is adaptive: it keeps a second moment for ``params[0]``."""
+    """Return whether ``optimizer`` is adaptive: it keeps a second moment for ``params[0]``."""
     state = optimizer.state.get(params[0], {}) if params else {}
     return any(key in state for key in _SECOND_MOMENT)
 
@@ -163,7 +163,7 @@ def _held(optimizer: torch.optim.Optimizer) -> set[int]:
 
 
 class OptimizerViews:
-    """Build and keep the :class:`OptimizerView` of each optimizer over ``layout``, at its step.
+    """Builds and keeps the :class:`OptimizerView` of each optimizer over ``layout``, at its step.
 
     A view holds a copy of its parameters for the ``update_ratio``; :attr:`generation` changes
     whenever a view is built or dropped.
@@ -270,7 +270,7 @@ class OptimizerViews:
 
 
 class ViewNorms:
-    """Compute the L2 norms of an :class:`OptimizerView`'s gradients and weights per row.
+    """Computes the L2 norms of an :class:`OptimizerView`'s gradients and weights per row.
 
     Under FSDP2 the norms of the shards are made whole.
 
@@ -308,7 +308,7 @@ class ViewNorms:
 
 
 class UpdateRatio:
-    """Read ``||w_after - w_before|| / ||w_before||`` per layer, over an optimizer step.
+    """Reads ``||w_after - w_before|| / ||w_before||`` per layer, over an optimizer step.
 
     Args:
         shards: the FSDP2 plan that makes the norms whole, or ``None``.

@@ -1,4 +1,4 @@
-"""Measure the gradient with respect to each layer's output, per optimizer step."""
+"""The gradient with respect to each layer's output, measured per optimizer step."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _NotedNorm(NamedTuple):
-    """Hold an eager gradient hook's output-gradient norm, until a record sums it into its row."""
+    """An eager gradient hook's output-gradient norm, held until a record sums it into its row."""
 
     sq_row: torch.Tensor  # the row of the sums of squares
     norm: torch.Tensor
@@ -35,7 +35,7 @@ Noted = list[_NotedNorm]
 
 
 class _Sums(NamedTuple):
-    """Hold where the output hooks of every layer add up."""
+    """The buffers where the output hooks of every layer add up."""
 
     sq: torch.Tensor  # [layers] sums of the squared norms
     hit: torch.Tensor  # [layers] the outputs hooked (compiled regions)
@@ -44,7 +44,7 @@ class _Sums(NamedTuple):
 
 
 class _Wrap(Protocol):
-    """Type the registry's guard (:meth:`HookRegistry.guarded`): ``fn`` with its errors caught."""
+    """The type of the registry's guard, :meth:`HookRegistry.guarded`: ``fn``, errors caught."""
 
     def __call__(self, fn: F, where: str) -> F:
         """Return ``fn`` with its errors caught.
@@ -154,11 +154,11 @@ def _output_hook(
 
 
 class OutputGradients:
-    """Measure the L2 norm of the gradient with respect to each layer's output.
+    """Measures the L2 norm of the gradient with respect to each layer's output.
 
-    It is summed in square over the backward passes of a step of one of ``optimizers``.
+    Its square is summed over the backward passes of a step of one of ``optimizers``.
     :meth:`record` returns each step's norms; under DDP it keeps them, and
-    :meth:`reduce_kept_steps` returns them summed across ranks. :attr:`order`: the backward
+    :meth:`reduce_kept_steps` returns them summed across ranks. :attr:`order` is the backward
     order.
 
     Args:
@@ -263,7 +263,7 @@ class OutputGradients:
         return norms
 
     def _mark_other_optimizers(self, optimizer: torch.optim.Optimizer) -> None:
-        """Keep the sums and each other optimizer's gradient, to tell at its step what fed it."""
+        """Keep the sums and each other optimizer's gradient, to find at its step what fed it."""
         self._pending_sq.copy_(self._sq)  # for the other optimizers' next steps
         self._pending_hit.copy_(self._hit)
         for other in self.optimizers:

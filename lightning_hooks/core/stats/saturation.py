@@ -1,4 +1,4 @@
-"""Measure the saturation of bounded activations (Sigmoid, Tanh, Hardtanh, ...)."""
+"""Saturation of bounded activations (Sigmoid, Tanh, Hardtanh, ...)."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def unit_saturation(mask: torch.Tensor, unit_dim: int = 1) -> tuple[torch.Tensor
 
 @dataclass(frozen=True)
 class SaturatedUnits:
-    """Hold what :class:`SaturationTracker` found over a period (its result), one row per layer.
+    """What :class:`SaturationTracker` found over a period (its result), one row per layer.
 
     Attributes:
         layers: layer names.
@@ -130,7 +130,7 @@ class SaturatedUnits:
 
 @named_arguments
 class SaturationTracker(LayerStat[SaturatedUnits]):
-    """Count per layer the saturated outputs of training forwards and the units never unsaturated.
+    """Counts per layer the saturated outputs of training forwards and the units never unsaturated.
 
     Saturation is :func:`saturation_mask`'s; no host sync.
 

@@ -1,6 +1,6 @@
-"""Measure transformer instability signals: the largest attention logit, the logits' log-partition.
+"""Signals of transformer instability: the largest attention logit, the logits' log-partition.
 
-Both grow before a transformer diverges: the reasons for QK-norm and z-loss.
+Both grow before a transformer diverges; they are what QK-norm and z-loss address.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ STABILITY_STATS = ("attn_logit_max", "attn_entropy_min", "logit_logz", "logit_lo
 
 
 class Result(NamedTuple):
-    """Hold what the instability statistics read over a logging step or an epoch, per module.
+    """What the instability statistics read over a logging step or an epoch, per module.
 
     Each field maps a module's qualified name to its value; a module the statistic did not see
     (no attention softmax, no floating output) is left out.
@@ -52,7 +52,7 @@ class Result(NamedTuple):
 
 
 class _LogZ(NamedTuple):
-    """Hold what one output measured of its rows' log-partition ``log Z``."""
+    """What one output measured of its rows' log-partition ``log Z``."""
 
     total: torch.Tensor  # the sum of log Z over the positions
     positions: int  # the positions it is over
@@ -69,7 +69,7 @@ def _measure_logz(output: torch.Tensor) -> _LogZ:
 
 
 class StabilityStats(LayerStat[Result]):
-    """Measure the attention logits and the output logits' log-partition, signs of instability.
+    """Measures the attention logits and the output logits' log-partition, signs of instability.
 
     In the training forwards of logging steps (not inside ``torch.compile``):
 

@@ -1,4 +1,4 @@
-"""Provide ``LayerStat``, the base of every per-layer statistic, and the states it holds.
+"""``LayerStat``, the base of every per-layer statistic, and the states it holds.
 
 Its states are on the model's device, reduced across ranks in one packed collective
 (:class:`RowStates`), and each logging step's values are copied to the host.
@@ -37,7 +37,7 @@ Kind = Literal["layer", "unit", "global"]
 
 @dataclass(frozen=True)
 class StateSpec:
-    """Describe one declared state (see :data:`Kind`)."""
+    """One declared state (see :data:`Kind`)."""
 
     name: str
     reduce: Reduce
@@ -99,7 +99,7 @@ _COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 
 class RowStates(ABC, Generic[R]):
-    """Hold per-layer states and their logging steps, and turn them into a result ``R``.
+    """Per-layer states and their logging steps, turned into a result ``R``.
 
     The states are declared (:meth:`add_layer_state`), grown a row at a time, aligned and
     reduced across ranks in one collective. Each logging step's states are copied to the host
@@ -228,7 +228,7 @@ class RowStates(ABC, Generic[R]):
 
     @property
     def rows_grew(self) -> bool:
-        """Say whether rows were made since :meth:`align_rows`.
+        """Return whether rows were made since :meth:`align_rows`.
 
         Returns:
             Whether rows were made.
@@ -391,7 +391,7 @@ class RowStates(ABC, Generic[R]):
 
     @property
     def copy_in_flight(self) -> bool:
-        """Say whether a started copy was not yet returned by :meth:`take_copy`.
+        """Return whether a started copy was not yet returned by :meth:`take_copy`.
 
         Returns:
             Whether a copy is in flight.
@@ -527,7 +527,7 @@ class RowStates(ABC, Generic[R]):
 
 @named_arguments
 class LayerStat(RowStates[R], HookOwner):
-    """Base of every per-layer statistic: states on the model's device, one collective, one copy.
+    """The base of each per-layer statistic: states on the model's device, one collective, one copy.
 
     Subclasses declare states in ``__init__`` (:meth:`add_layer_state`, ...) and implement
     :meth:`observe` (or :meth:`hook_module`), :meth:`summarize` and :meth:`tags`; the base owns
@@ -656,7 +656,7 @@ class LayerStat(RowStates[R], HookOwner):
         raise NotImplementedError
 
     def _defer(self, key: Hashable, row: int, snapshot: torch.Tensor) -> None:
-        """Hold a small output's ``snapshot`` for ``row``, stacked by ``key`` at :meth:`drain`."""
+        """Store a small output's ``snapshot`` for ``row``, stacked by ``key`` at :meth:`drain`."""
         if self._pending.add(key, row, snapshot):
             self.drain()
 
