@@ -9,6 +9,7 @@ one read with no host sync.
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 from functools import partial
 from typing import NamedTuple, Protocol
@@ -110,6 +111,8 @@ class AlarmFeed:
         self._amp = False  # whether an AMP loss scaler steps it
         self._clip: Clip | None = None  # the clipping it applies
         self._calls = 0
+        self._reads: weakref.WeakKeyDictionary[OptimizerView, Read] = weakref.WeakKeyDictionary()
+        """Each view's quiet read, made once; it goes with its view."""
         tracker.update_readers.append(self._read_update)
 
     def due(self, step: int) -> bool:
@@ -170,11 +173,15 @@ class AlarmFeed:
         self._send(view, stats[:, NORM], None if valid is None else valid[:, NORM])
 
     def _read_update(
-        self, optimizer: torch.optim.Optimizer, view: OptimizerView, after: list[torch.Tensor]
+        self,
+        optimizer: torch.optim.Optimizer,
+        view: OptimizerView,
+        before: list[torch.Tensor],
+        after: list[torch.Tensor],
     ) -> None:
         """Pass *stall* a logging step's typical update, for an adaptive optimizer only.
 
-        ``view.before`` still holds the weights before the step.
+        ``before`` holds the weights before the step, until the update ratio reads it.
         """
         if not adaptive(optimizer, view.params):
             return
@@ -182,7 +189,7 @@ class AlarmFeed:
         applied: list[torch.Tensor | None] = [
             to_local(p.grad) if p.grad is not None else None for p in view.params
         ]
-        update = typical_update(view.before, after, applied)
+        update = typical_update(before, after, applied)
         self.alarms.update_stall(update, lr, step=self._step)
 
     def _prepare_quiet_read(
@@ -206,7 +213,7 @@ class AlarmFeed:
             norms = self._read(view)(grads)
         except Exception as error:  # a gradient set by hand, unlike its parameter; a Triton
             # that cannot launch the kernels: said once, then the multi-tensor read
-            view.read = foreach_norms
+            self._reads[view] = foreach_norms
             failed = "its kernels failed" if self._triton else "its stacks failed"
             _read_fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
             norms = foreach_norms(grads)
@@ -215,9 +222,11 @@ class AlarmFeed:
 
     def _read(self, view: OptimizerView) -> Read:
         """:func:`quiet_read` of ``view``, made once per view."""
-        if view.read is None:
-            view.read = quiet_read(view, self._triton)
-        return view.read
+        read = self._reads.get(view)
+        if read is None:
+            read = quiet_read(view, self._triton)
+            self._reads[view] = read
+        return read
 
     def _send(
         self,

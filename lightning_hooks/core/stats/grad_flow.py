@@ -204,12 +204,13 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         self.view_norms = ViewNorms(self.shards, self._workspace)
         """Reads the gradient and weight norms of an optimizer's view."""
         self._optimizers = optimizers
-        self.views = OptimizerViews(self.layout, update_ratio=update_ratio)
+        self.views = OptimizerViews(self.layout)
         """What each optimizer steps of the layout, built at its first step."""
         self.update_readers: list[UpdateReader] = []
         """Called with each logging step's update, before the update ratio is read."""
         self._outputs = OutputGradients(self._optimizers, self.views)
         self._updates = UpdateRatio(self.shards, self.update_readers)
+        self._update_ratio = update_ratio
         self._output_grad = output_grad
         self._post_clip = post_clip
         self._deprecated_feed: AlarmFeed | None = None
@@ -342,7 +343,7 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
             )
         else:
             self.update(stats, columns=_ALL, rows=view.cells, valid=valid, replicated=True)
-        if self.views.update_ratio:
+        if self._update_ratio:
             self._updates.keep(view, stats[:, _WEIGHT])
         if self._output_grad:
             self._update_column(_OUTPUT, self._outputs.record(optimizer, view, grad_scale))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -36,9 +37,11 @@ __all__ = [
 
 Read = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 """A read of gradients' L2 norms, one per gradient."""
-UpdateReader = Callable[[torch.optim.Optimizer, "OptimizerView", list[torch.Tensor]], None]
-"""Reads a logging step's update: the optimizer, its view (``view.before`` holds the weights
-before the step) and the weights after it."""
+UpdateReader = Callable[
+    [torch.optim.Optimizer, "OptimizerView", list[torch.Tensor], list[torch.Tensor]], None
+]
+"""Reads a logging step's update: the optimizer, its view, and the weights before and after the
+step."""
 _WEIGHT = GRAD_STATS.index("weight_norm")
 _OF_GRADIENT = tuple(name != "weight_norm" for name in GRAD_STATS)
 """Per column of :data:`GRAD_STATS`: whether a layer with no gradient has no value there."""
@@ -55,12 +58,13 @@ class ColumnValues(NamedTuple):
     """Which cells have a value."""
 
 
-@dataclass
+@dataclass(eq=False)
 class OptimizerView:
-    """The tracked parameters that one optimizer steps, and the buffers of its update ratio.
+    """The tracked parameters that one optimizer steps, and where they add up per layer.
 
-    :class:`OptimizerViews` builds it at the optimizer's step; its fields describe the
-    parameters, and the last three are what readers of the view keep in it between steps.
+    :class:`OptimizerViews` builds it at the optimizer's step. It describes the parameters;
+    what its readers keep between steps (the update ratio's copy of the weights, the alarms'
+    quiet read) they keep themselves, by view.
     """
 
     params: tuple[nn.Parameter, ...]
@@ -69,8 +73,6 @@ class OptimizerView:
     """Each parameter's row among :attr:`rows` (the layers it steps, numbered from 0)."""
     rows: torch.Tensor
     """The layout rows of the layers it steps, then the global row."""
-    before: list[torch.Tensor]
-    """A copy of each parameter before the step, for the update ratio (empty without it)."""
     owner: tuple[int, ...]
     """:attr:`index` on the host."""
     key: tuple[int, ...]
@@ -85,12 +87,8 @@ class OptimizerView:
     """:attr:`index` and :attr:`unique` on the host, as the alarms read per-parameter norms."""
     every_row: bool = False
     """Whether it steps every layer of the layout (one optimizer's usual case)."""
-    weight_norm: torch.Tensor | None = None
-    """The weight norms per row before the step, kept by the update ratio until after it."""
     masks: dict[tuple[bool, ...], torch.Tensor] = field(default_factory=dict)
     """:meth:`valid`'s masks, by the pattern of missing gradients."""
-    read: Read | None = None
-    """The quiet step's read of its gradient norms, made once by the alarms' feed."""
     layer_ids: frozenset[int] = field(init=False)
     """The layout rows of the layers it steps, on the host."""
     layer_index: LayerIndex = field(init=False)
@@ -165,17 +163,14 @@ def _held(optimizer: torch.optim.Optimizer) -> set[int]:
 class OptimizerViews:
     """Builds and keeps the :class:`OptimizerView` of each optimizer over ``layout``, at its step.
 
-    A view holds a copy of its parameters for the ``update_ratio``; :attr:`generation` changes
-    whenever a view is built or dropped.
+    :attr:`generation` changes whenever a view is built or dropped.
 
     Args:
         layout: the gradient-flow layout the views select from.
-        update_ratio: whether views keep a copy of their parameters for the update ratio.
     """
 
-    def __init__(self, layout: ParamLayout, *, update_ratio: bool) -> None:
+    def __init__(self, layout: ParamLayout) -> None:
         self.layout = layout
-        self.update_ratio = update_ratio
         self.generation = 0
         self.built: dict[int, OptimizerView] = {}  # by the optimizer's ``id``, as built
 
@@ -223,7 +218,6 @@ class OptimizerViews:
         layers.append(len(layout.layers))
         rows = torch.tensor(layers, dtype=torch.long, device=index.device)
         index = torch.searchsorted(rows, index)  # the subset's layers 0..k-1: dense segments
-        before = [torch.empty_like(to_local(p)) for p in params] if self.update_ratio else []
         dense = {layer: i for i, layer in enumerate(layers)}
         owner = tuple(dense[o] for o, k in zip(layout.owner, keep, strict=True) if k)
         positions = layout.unique_positions(keep)
@@ -237,7 +231,6 @@ class OptimizerViews:
             params=params,
             index=index,
             rows=rows,
-            before=before,
             owner=owner,
             key=key,
             unique=unique,
@@ -310,6 +303,9 @@ class ViewNorms:
 class UpdateRatio:
     """Reads ``||w_after - w_before|| / ||w_before||`` per layer, over an optimizer step.
 
+    It keeps, for each view, a copy of the weights from :meth:`keep` until :meth:`record`; the
+    copy goes with its view.
+
     Args:
         shards: the FSDP2 plan that makes the norms whole, or ``None``.
         readers: called with each step's update before its ratio is read (the *stall* rule's
@@ -320,12 +316,22 @@ class UpdateRatio:
         self.shards = shards
         self.readers = readers
         self.workspace = Workspace()  # the stacks of the updates' read, kept for the fit
+        self._before: weakref.WeakKeyDictionary[OptimizerView, list[torch.Tensor]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._weight_norms: weakref.WeakKeyDictionary[OptimizerView, torch.Tensor] = (
+            weakref.WeakKeyDictionary()
+        )
 
-    @staticmethod
-    def keep(view: OptimizerView, weight_norm: torch.Tensor) -> None:
-        """Keep in ``view`` a copy of its weights and their norms per row, before the step."""
-        internals.foreach_copy_(view.before, [to_local(p) for p in view.params])
-        view.weight_norm = weight_norm
+    def keep(self, view: OptimizerView, weight_norm: torch.Tensor) -> None:
+        """Keep a copy of ``view``'s weights, and their norms per row, before the step."""
+        weights = [to_local(p) for p in view.params]
+        before = self._before.get(view)
+        if before is None:
+            before = [torch.empty_like(w) for w in weights]
+            self._before[view] = before
+        internals.foreach_copy_(before, weights)
+        self._weight_norms[view] = weight_norm
 
     def record(self, optimizer: torch.optim.Optimizer, view: OptimizerView) -> ColumnValues | None:
         """Return each layer's ratio after the step; the :attr:`readers` read the update first.
@@ -333,15 +339,16 @@ class UpdateRatio:
         Returns:
             The ratios, or ``None`` where :meth:`keep` kept no weights for this step.
         """
-        if view.weight_norm is None:
+        weight_norm = self._weight_norms.pop(view, None)
+        if weight_norm is None:
             return None
+        before = self._before[view]
         after = [to_local(p) for p in view.params]
-        for read in self.readers:  # before update_norms, which overwrites view.before
-            read(optimizer, view, after)
+        for read in self.readers:  # before update_norms, which overwrites ``before``
+            read(optimizer, view, before, after)
         upd = update_norms(
-            view.before, after, view.layer_index, shards=self.shards, workspace=self.workspace
+            before, after, view.layer_index, shards=self.shards, workspace=self.workspace
         )
-        ratio = upd / view.weight_norm.clamp_min(torch.finfo(upd.dtype).tiny)
-        valid = (view.weight_norm > 0)[:, None]
-        view.weight_norm = None
+        ratio = upd / weight_norm.clamp_min(torch.finfo(upd.dtype).tiny)
+        valid = (weight_norm > 0)[:, None]
         return ColumnValues(ratio[:, None], view.cells, valid)
