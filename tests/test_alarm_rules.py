@@ -273,7 +273,13 @@ def test_tracker_checks_its_arguments() -> None:
         AlarmFeed(tracker, True)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"GradFlowTracker\(post_clip=1\): must be True or False"):
         GradFlowTracker(model, [opt], post_clip=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"GradFlowTracker\(clip='nrom'\): must be one of"):
+        GradFlowTracker(model, [opt], alarms=AlarmRules(), clip=(1.0, "nrom"))
+    with pytest.raises(ValueError, match=r"GradFlowTracker\(clip=0.0\): must be"):
+        GradFlowTracker(model, [opt], alarms=AlarmRules(), clip=(0.0, "norm"))
     assert hooks_left(model) == []
+    with pytest.warns(DeprecationWarning, match=r"clip=\.\.\.\) is deprecated, and without alarms"):
+        GradFlowTracker(model, [opt], clip=(1.0, "norm")).remove()
     with pytest.raises(TypeError, match=r"TrainingAlarms\(rules=True\): must be an AlarmRules"):
         TrainingAlarms(["a"], True)  # type: ignore[arg-type]
 

@@ -92,6 +92,16 @@ def test_max_layers_logged_keeps_the_extremes_and_logs_percentiles(tmp_path: Pat
     assert not any("_p50" in t for t in full), "no percentiles below the bound"
 
 
+def test_one_layer_logged_is_the_one_of_the_largest_gradient_norm(tmp_path: Path) -> None:
+    """An odd place goes to the largest gradient norms: with ``max_layers_logged=1`` the layer
+    logged is the one an explosion would show in, not the quietest."""
+    full = _fit(tmp_path / "full", None)
+    one = _fit(tmp_path / "one", 1)
+    norms = {t.rsplit("/", 1)[1]: v[-1][1] for t, v in full.items() if "/grad_norm/" in t}
+    logged = {t.rsplit("/", 1)[1] for t in one if "/grad_norm/" in t}
+    assert logged == {max(norms, key=norms.__getitem__)}
+
+
 class SpareMLP(TinyMLP):
     """TinyMLP with two layers its forward never runs: they get no gradient at all."""
 

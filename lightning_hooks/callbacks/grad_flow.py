@@ -86,7 +86,8 @@ class GradFlowCallback(HookCallback):
         chart: log the gradient-flow chart image each epoch.
         max_layers_logged: the most layers whose per-layer tags are logged each epoch. Layers
             with a non-finite gradient come first, then half the places go to the largest
-            gradient norms and half to the smallest. ``None`` logs every layer.
+            gradient norms (with an odd place) and half to the smallest. ``None`` logs every
+            layer.
         histograms: log a histogram of ``log10 |g|`` per layer each epoch, over every optimizer
             step. This costs one more pass over the gradients at every step.
         heatmap: log, each epoch, an image of the gradient norm per layer and epoch.

@@ -19,7 +19,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_hooks.core.stats.alarm_feed import Clip
+from lightning_hooks.core.stats.alarm_feed import Clip, as_clip
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import shadow_hooks, tensor_parallel_size, unshadow_hooks
 from lightning_hooks.logging import shows_pictures
@@ -367,4 +367,4 @@ def gradient_clipping(trainer: TrainerView) -> Clip | None:
     if not bound:
         return None
     algorithm = trainer.gradient_clip_algorithm or "norm"
-    return Clip(float(bound), str(getattr(algorithm, "value", algorithm)))
+    return as_clip("Trainer", (float(bound), str(getattr(algorithm, "value", algorithm))))

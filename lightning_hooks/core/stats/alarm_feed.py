@@ -12,10 +12,11 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from functools import partial
-from typing import NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 
+from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.ops import pointer_norms
@@ -39,7 +40,7 @@ from lightning_hooks.core.stats.optimizer_view import (
 from lightning_hooks.core.transport import to_local
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["AlarmFeed", "Clip", "Measured", "Tracked", "foreach_norms", "quiet_read"]
+__all__ = ["AlarmFeed", "Clip", "Measured", "Tracked", "as_clip", "foreach_norms", "quiet_read"]
 
 
 class Clip(NamedTuple):
@@ -47,8 +48,41 @@ class Clip(NamedTuple):
 
     bound: float
     """``gradient_clip_val``: the largest norm, or the largest value of an entry."""
-    algorithm: str
+    algorithm: Literal["norm", "value"]
     """``gradient_clip_algorithm``: ``"norm"`` or ``"value"``."""
+
+
+CLIP_ALGORITHMS: tuple[Literal["norm", "value"], ...] = ("norm", "value")
+
+
+def as_clip(owner: str, value: Clip | tuple[float, str]) -> Clip:
+    """Check a gradient clipping given as ``(bound, algorithm)``, naming ``owner``'s ``clip``.
+
+    Returns:
+        The clipping, its bound a float.
+
+    Raises:
+        ValueError: the bound is not positive, or the algorithm is neither ``"norm"`` nor
+            ``"value"``.
+        TypeError: the bound is not a real number.
+    """
+    bound = checks.real(owner, "clip", value[0], low=0.0, low_open=True)
+    algorithm = checks.choice(owner, "clip", value[1], CLIP_ALGORITHMS)
+    return Clip(bound, algorithm)
+
+
+class _Step(NamedTuple):
+    """The optimizer step whose gradient norms the alarms are passed."""
+
+    number: int
+    amp: bool
+    """Whether an AMP loss scaler steps it: a non-finite gradient is then *amp_overflow*, the
+    step the scaler skips, not *nonfinite*."""
+    clip: Clip | None
+    """The gradient clipping it applies, for the *explosion* rule."""
+    order: tuple[int, ...]
+    """The layer rows in the order their output-gradient hooks fired in its backward (a
+    logging step's; empty on another step, where the hooks do not run)."""
 
 
 class Measured(NamedTuple):
@@ -107,9 +141,7 @@ class AlarmFeed:
         self._norms = tracker.view_norms
         self._sharded = self._norms.shards is not None  # FSDP2: the general path makes norms whole
         self._triton = rules.quiet_read == "triton"
-        self._step = 0  # the step observed last, which the alarms and the stall reading name
-        self._amp = False  # whether an AMP loss scaler steps it
-        self._clip: Clip | None = None  # the clipping it applies
+        self._step = 0  # the step observed last, which the stall reading after it names
         self._calls = 0
         self._reads: weakref.WeakKeyDictionary[OptimizerView, Read] = weakref.WeakKeyDictionary()
         """Each view's quiet read, made once; it goes with its view."""
@@ -147,8 +179,6 @@ class AlarmFeed:
         """
         step = self._calls if step is None else step
         self._step = step
-        self._amp = grad_scale is not None
-        self._clip = clip
         self._calls += 1
         if not self.due(step):
             return
@@ -158,19 +188,21 @@ class AlarmFeed:
         alarms = self.alarms
         if alarms.evaluated < alarms.rules.diverge_early:  # from step 1
             alarms.set_adaptive(adaptive(optimizer, view.params))
+        order = () if measured is None else measured.order
+        at = _Step(step, amp=grad_scale is not None, clip=clip, order=order)
         if measured is not None:
             self._prepare_quiet_read(view, param_grad_scale)
-            self._send(view, measured.norms, measured.stepped, order=measured.order)
+            self._send(view, measured.norms, measured.stepped, at)
             return
         # A quiet step: one read of the dense gradients' norms. A sparse or missing gradient, one
         # that still carries the loss scale, or sharded parameters take the general path.
-        if param_grad_scale is None and not self._sharded and self._quiet(view):
+        if param_grad_scale is None and not self._sharded and self._quiet(view, at):
             return
         stats = self._norms.norms(view, ParamLayout.grads(view.params), weights=False)
         if param_grad_scale is not None:
             stats[:, LINEAR_IN_GRADIENT] /= param_grad_scale
         valid = view.valid()
-        self._send(view, stats[:, NORM], None if valid is None else valid[:, NORM])
+        self._send(view, stats[:, NORM], None if valid is None else valid[:, NORM], at)
 
     def _read_update(
         self,
@@ -200,7 +232,7 @@ class AlarmFeed:
             self.alarms.reserve(len(view.params))
             self._read(view)
 
-    def _quiet(self, view: OptimizerView) -> bool:
+    def _quiet(self, view: OptimizerView, at: _Step) -> bool:
         """Read a quiet step's dense gradients' norms and send them to the alarms.
 
         Returns:
@@ -217,7 +249,7 @@ class AlarmFeed:
             failed = "its kernels failed" if self._triton else "its stacks failed"
             _read_fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
             norms = foreach_norms(grads)
-        self._send(view, norms, None, segmented=False)
+        self._send(view, norms, None, at, segmented=False)
         return True
 
     def _read(self, view: OptimizerView) -> Read:
@@ -233,17 +265,16 @@ class AlarmFeed:
         view: OptimizerView,
         norms: torch.Tensor,
         stepped: torch.Tensor | None,
+        at: _Step,
         *,
-        order: Sequence[int] = (),
         segmented: bool = True,
     ) -> None:
-        """Pass the ``norms`` of the last observed step to the alarms.
+        """Pass the alarms the ``norms`` of step ``at``.
 
         They are per layer then global if ``segmented``, else per parameter. ``stepped`` holds
-        the rows some gradient reached, ``order`` the backward order of the layers'
-        output-gradient hooks.
+        the rows some gradient reached.
         """
-        clip = self._clip  # the largest global norm the optimizer applies (by value: a bound)
+        clip = at.clip  # the largest global norm the optimizer applies (by value: a bound)
         bound = None
         if clip is not None and clip.algorithm == "norm":
             bound = clip.bound
@@ -252,9 +283,9 @@ class AlarmFeed:
         self.alarms.update(
             norms,
             view.row_ids,
-            step=self._step,
-            amp=self._amp,
-            order=order,
+            step=at.number,
+            amp=at.amp,
+            order=at.order,
             weights=partial(self._norms.weight_norms, view),
             stepped=stepped,
             clip=bound,

@@ -30,7 +30,7 @@ from lightning_hooks.core.ops.grad_stats import (
 )
 from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable, Reduction
-from lightning_hooks.core.stats.alarm_feed import AlarmFeed, Clip, Measured
+from lightning_hooks.core.stats.alarm_feed import AlarmFeed, Clip, Measured, as_clip
 from lightning_hooks.core.stats.optimizer_view import (
     ColumnValues,
     OptimizerView,
@@ -187,6 +187,7 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
     ) -> None:
         flags = {"update_ratio": update_ratio, "output_grad": output_grad, "post_clip": post_clip}
         optimizers = _check_args(model, optimizers, alarms, **flags)
+        deprecated_clip = None if clip is None else as_clip("GradFlowTracker", clip)
         self.registry: HookRegistry = HookRegistry(model, guard=guard)
         modules = self.registry.modules(types=types, include=include, exclude=exclude)
         self.layout = layers_of(model, modules, types=types, include=include)
@@ -214,9 +215,17 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         self._output_grad = output_grad
         self._post_clip = post_clip
         self._deprecated_feed: AlarmFeed | None = None
-        self._deprecated_clip = None if clip is None else Clip(*clip)
+        self._deprecated_clip = deprecated_clip
         self.alarms: TrainingAlarms | None = None
         """Deprecated with ``alarms``: the alarms of the feed the tracker made."""
+        if alarms is None and clip is not None:
+            warnings.warn(
+                "GradFlowTracker(clip=...) is deprecated, and without alarms= it has no effect: "
+                "give the clipping to the alarms' feed, feed.observe(optimizer, measured, "
+                "clip=clip)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         if alarms is not None:
             warnings.warn(
                 "GradFlowTracker(alarms=..., clip=...) is deprecated: make the feed yourself, "
@@ -462,8 +471,8 @@ def logged_rows(stats: LayerTable, max_layers: int | None) -> list[int]:
     """Return the layer rows of ``stats`` to log, at most ``max_layers`` (``None``: all).
 
     Past that many, the non-finite rows come first, then half the places go to the largest
-    gradient norms and half to the smallest. A layer that got no gradient has no value to log,
-    and takes no place.
+    gradient norms (with an odd place) and half to the smallest. A layer that got no gradient
+    has no value to log, and takes no place.
     """
     num_layers = len(stats.layers) - 1
     if max_layers is None or num_layers <= max_layers:
@@ -475,7 +484,7 @@ def logged_rows(stats: LayerTable, max_layers: int | None) -> list[int]:
     bad = [int(i) for i in np.flatnonzero(bad_rows)][:max_layers]
     by_norm = np.argsort(np.where(np.isfinite(norm), norm, np.inf))
     order = [int(i) for i in by_norm if measured[i] and i not in bad]
-    top = (max_layers - len(bad)) // 2
+    top = (max_layers - len(bad) + 1) // 2  # an odd place goes to the largest
     smallest = order[: max_layers - len(bad) - top]
     largest = order[len(order) - top :] if top else []
     return sorted({*bad, *smallest, *largest})

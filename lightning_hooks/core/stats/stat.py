@@ -504,7 +504,8 @@ class RowStates(ABC, Generic[R]):
             raise ValueError(
                 f"{type(self).__name__}: saved for layers {foreign!r}, which it does not watch"
             )
-        # The rows the state would leave, checked before any is made: a refused state adds none.
+        # The rows the state would leave, checked before any is made: a state saved for other
+        # layers adds none.
         grown = (*self.layers, *(name for name in layers if name not in self.rows))
         if grown != layers:
             raise ValueError(f"saved for layers {layers!r}; this one has {self.layers!r}")
