@@ -298,7 +298,11 @@ def test_loss_rule_names_the_step_of_a_bad_batch(trainer_factory: Any) -> None:
     assert math.isclose(loss.reference, math.exp(mean), rel_tol=1e-4)
 
 
-def test_loss_rule_is_off_by_default(trainer_factory: Any) -> None:
+def test_loss_spike_rule_is_off_by_default(trainer_factory: Any) -> None:
+    """*loss_spike* is off at the defaults (``loss_factor=None``): a bad batch warns of no loss
+    spike. *diverging*, the other loss rule, is on."""
+    assert AlarmRules().loss_factor is None
+    assert AlarmRules().diverge_ratio is not None
     with pytest.warns(TrainingAlarmWarning) as record:
         _fit(trainer_factory, LongMLP(), BadBatch(K), GradFlowCallback(), max_steps=K + 2)
     assert not [w for w in record if "loss spike" in str(w.message)]

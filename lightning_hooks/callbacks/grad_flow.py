@@ -170,8 +170,8 @@ class GradFlowCallback(HookCallback):
         self.on_alarm = actions
         """The action of each rule; a rule ``on_alarm`` did not name has its default."""
         self.stability = stability
-        self._alarms = GradFlowAlarms(rules, actions, self.ranks)
-        self.kept["alarms"] = self._alarms  # carries the running scales to the next fit
+        self._alarms_across_fits = GradFlowAlarms(rules, actions, self.ranks)
+        self.kept["alarms"] = self._alarms_across_fits  # carries the running scales to the next fit
         self._pictures = GradFlowPictures(max_layers_logged, chart=chart, heatmap=heatmap)
         self.kept["heatmap"] = self._pictures.history  # so a resumed fit draws earlier epochs
         self._fit: _Fit | None = None
@@ -218,7 +218,7 @@ class GradFlowCallback(HookCallback):
         try:
             fit = _Fit(
                 tracker=tracker,
-                alarms=self._alarms.start(trainer, pl_module, tracker),
+                alarms=self._alarms_across_fits.start(trainer, pl_module, tracker),
                 pictures=self._pictures,
                 stability_stats=StabilityStats() if self.stability else None,
                 gradient_histograms=_histograms(tracker) if self.histograms else None,
@@ -229,7 +229,7 @@ class GradFlowCallback(HookCallback):
             self._pictures.start()
         except BaseException:
             tracker.remove()
-            self._alarms.end()
+            self._alarms_across_fits.end()
             raise
         self._fit = fit
         alarms = fit.alarms
@@ -288,7 +288,7 @@ class GradFlowCallback(HookCallback):
     def _end_fit(self) -> None:
         """Carry the fit's alarm state to the next fit, then warn once if an alarm stopped it."""
         self._fit = None
-        self._alarms.end()
+        self._alarms_across_fits.end()
 
     @override
     @guarded

@@ -302,15 +302,20 @@ def quiet_read(view: OptimizerView, triton: bool) -> Read:
         view: the optimizer's view.
         triton: the ``"triton"`` read; else the ``"grouped"`` one.
     """
-    try:
-        read = _pointer_norms(view) if triton else GroupedNorms(view.params)
-    except Exception as error:  # its index or tables not made (pinned memory, say)
-        failed = "its tables could not be built" if triton else "it could not be made"
-        read = f"{failed} ({type(error).__name__}: {error})"
-    if isinstance(read, str):
-        _read_fallback(triton, read, 4)
-        return foreach_norms
-    return read
+    if triton:
+        try:
+            return _pointer_norms(view)
+        except ValueError as error:  # no Triton, no CUDA, or a layout it does not read
+            why = str(error)
+        except Exception as error:  # its tables not made (pinned memory, say)
+            why = f"its tables could not be built ({type(error).__name__}: {error})"
+    else:
+        try:
+            return GroupedNorms(view.params)
+        except Exception as error:  # its index not made
+            why = f"it could not be made ({type(error).__name__}: {error})"
+    _read_fallback(triton, why, 4)
+    return foreach_norms
 
 
 def foreach_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -318,17 +323,22 @@ def foreach_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(foreach_norm(list(grads)))
 
 
-def _pointer_norms(view: OptimizerView) -> Read | str:
-    """Return the pointer-table read of ``view``'s gradients, or why it cannot read them."""
+def _pointer_norms(view: OptimizerView) -> Read:
+    """Return the pointer-table read of ``view``'s gradients.
+
+    Raises:
+        ValueError: Triton is missing, the gradients are not on CUDA, or their layout is one it
+            does not read; the message says which.
+    """
     why = pointer_norms.available()
     if why is None and view.params[0].device.type != "cuda":
         why = f"the gradients are on {view.params[0].device.type}, not CUDA"
     if why is not None:
-        return why
+        raise ValueError(why)
     try:
         return pointer_norms.PointerNorms(view.params)
     except ValueError as error:  # a layout it does not read
-        return f"it reads {error}"
+        raise ValueError(f"it reads {error}") from error
 
 
 def _read_fallback(triton: bool, why: str, stacklevel: int = 3) -> None:
