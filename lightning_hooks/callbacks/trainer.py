@@ -19,7 +19,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_hooks.core.stats.alarm_feed import Clip, as_clip
+from lightning_hooks.core.stats.alarm_feed import Clip
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import shadow_hooks, tensor_parallel_size, unshadow_hooks
 from lightning_hooks.logging import shows_pictures
@@ -366,5 +366,8 @@ def gradient_clipping(trainer: TrainerView) -> Clip | None:
     bound = trainer.gradient_clip_val
     if not bound:
         return None
+    # Read at every optimizer step, so not checked again: Lightning checked the Trainer's
+    # arguments, and its algorithm is "norm" or "value" (Fabric's clip methods name theirs).
     algorithm = trainer.gradient_clip_algorithm or "norm"
-    return as_clip("Trainer", (float(bound), str(getattr(algorithm, "value", algorithm))))
+    name = str(getattr(algorithm, "value", algorithm))
+    return Clip(float(bound), "value" if name == "value" else "norm")
