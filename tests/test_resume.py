@@ -253,7 +253,7 @@ class _ResultProbe(pl.Callback):
         self.results: list[Any] = []
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        attached = self.watched._lifecycle.attached
+        attached = self.watched.lifecycle.attached
         assert attached is not None
         self.results.append(attached.logged[0].stat.result())
 
@@ -375,4 +375,4 @@ def test_one_module_type_alone_or_in_a_tuple_resumes_the_same_checkpoint(tmp_pat
     make_trainer(
         tmp_path / "second", max_epochs=2, callbacks=[resumed, again], enable_checkpointing=True
     ).fit(TinyMLP(), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
-    assert resumed.checkpoint.kept["alarms"].host_state()
+    assert resumed.kept["alarms"].host_state()

@@ -10,12 +10,13 @@ from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.attached import Attached, Logged, epoch_step
+from lightning_hooks.callbacks.attached import Logged, epoch_step
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.epoch_columns import EpochColumns
 from lightning_hooks.callbacks.stats import attach_stats, watches_selection
 from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.checks import boolean, named_arguments, positive_int, real
+from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.stats.activation_shape import ActivationShape
 from lightning_hooks.core.stats.activation_stats import ActivationResult, ActivationStatsTracker
@@ -124,36 +125,63 @@ class ActivationStatsCallback(HookCallback):
         self._shape = shape
 
     @override
-    def _validate(self, pl_module: nn.Module) -> bool:
-        stats: list[LayerStat[Any]] = [self._activations, self._shape]
-        selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
-        return watches_selection(_NAME, pl_module, stats, what="module", selected=selected)
+    def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Check that the selection finds some module of the model."""
+        if self.lifecycle.watching:
+            stats: list[LayerStat[Any]] = [self._activations, self._shape]
+            selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
+            self.lifecycle.watching = watches_selection(
+                _NAME, pl_module, stats, what="module", selected=selected
+            )
 
     @override
-    def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
-        self._history.clear()
-        self._warned_nonfinite = False
-        logged: list[Logged[Any]] = [
-            Logged(self._activations, on_epoch=self._draw),
-            Logged(self._shape),
-        ]
-        return attach_stats(pl_module, self.hook_guard(), logged)
+    @guarded
+    def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Hook the statistics on the selected modules; each epoch's go to :meth:`_draw`."""
+        if self.lifecycle.start_training():
+            self._history.clear()
+            self._warned_nonfinite = False
+            logged: list[Logged[Any]] = [
+                Logged(self._activations, on_epoch=self._draw),
+                Logged(self._shape),
+            ]
+            self.lifecycle.attach(attach_stats(pl_module, self.hook_guard(), logged))
 
     @override
-    def _batch_ending(
-        self, trainer: TrainerView, outputs: STEP_OUTPUT, *, logging_step: bool
+    @guarded
+    def on_train_batch_start(
+        self, trainer: TrainerView, pl_module: nn.Module, batch: Any, batch_idx: int
     ) -> None:
-        """Warn once of the first module whose output went non-finite.
+        """Open the hooks' gate where the batch belongs to a logging step."""
+        self.lifecycle.start_batch(trainer, batch_idx)
 
-        Args:
-            trainer: the trainer running the batch, unread (the warning names the step measured).
-            outputs: what the batch's ``training_step`` returned, unread.
-            logging_step: whether the batch belongs to a logging step, unread.
-        """
-        if not self.warn_nonfinite or self._warned_nonfinite:
+    @override
+    @guarded
+    def on_train_batch_end(
+        self,
+        trainer: TrainerView,
+        pl_module: nn.Module,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """Warn of a first non-finite output, then write a logging step once it has stepped."""
+        if self.lifecycle.measuring and self.warn_nonfinite:
+            self._warn_first_nonfinite()
+        self.lifecycle.end_batch(trainer)
+
+    @override
+    @guarded
+    def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Write the epoch's statistics, and draw its histograms and heatmaps."""
+        self.lifecycle.end_epoch(trainer)
+
+    def _warn_first_nonfinite(self) -> None:
+        """Warn once of the first module whose output went non-finite, in a measured batch."""
+        if self._warned_nonfinite:
             return
         tracker = self._activations
-        tracker.end_step(self.cadence.batch_step)
+        tracker.end_step(self.lifecycle.cadence.batch_step)
         found = tracker.first_nonfinite.poll()
         if found is not None:
             step, row = found

@@ -1,8 +1,8 @@
 """The record of what one fit of a callback attaches to the model.
 
 This is the registry of the fit's hooks, the statistics they feed, and the functions that read
-the results. A callback builds it in ``_attach``; :class:`~.base.HookCallback` drives and
-removes it.
+the results. A callback builds it in its ``on_train_start`` and hands it to its
+:class:`~.lifecycle.Lifecycle`, which writes and removes it.
 """
 
 from __future__ import annotations
@@ -137,13 +137,11 @@ class Attached:
     """What one fit of a callback put on the model.
 
     Args:
-        registry: the registry of the fit's module hooks, whose gate the base sets at each
+        registry: the registry of the fit's module hooks, whose gate the lifecycle sets at each
             batch (see docs/glossary.md). ``None`` if the fit has no module hook.
         logged: the statistics the hooks feed, logged at each logging step and epoch end.
         aligned: the statistics whose rows the ranks align before they reduce them. Without
             it, a module that runs on only some ranks would make the reduce hang.
-        every_batch: if ``True``, the callback's ``_batch_ending`` runs at every batch, not only
-            at logging steps.
         on_remove: called once when the hooks come off (the fit ended, failed, or was torn down).
         earlier_layout: converts checkpoint state saved by an earlier release into this
             release's layout. ``None`` if every release saved this layout.
@@ -166,20 +164,18 @@ class Attached:
         0
     """
 
-    def __init__(  # noqa: PLR0913 (what one fit holds: one keyword each)
+    def __init__(
         self,
         registry: HookRegistry | None,
         logged: Sequence[Logged[Any]] = (),
         *,
         aligned: Sequence[LayerStat[Any]] = (),
-        every_batch: bool = False,
         on_remove: Callable[[], None] | None = None,
         earlier_layout: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self.registry = registry
         self.logged = tuple(logged)
         self.aligned = tuple(aligned)
-        self.every_batch = every_batch
         self._on_remove = on_remove
         self._earlier_layout = earlier_layout
         self._copying = False
@@ -187,7 +183,7 @@ class Attached:
     def end_logging_step(self, trainer: TrainerView, step: int) -> None:
         """Write the last logging step's values, then start the host copies of ``step``'s.
 
-        The base calls this after a logging step's optimizer step. The new copies are written
+        The lifecycle calls this after a logging step's optimizer step. The new copies are written
         once they reach the host: on the CPU at once, on CUDA at a later batch.
         """
         self.write_steps(trainer, wait=True)
@@ -199,7 +195,7 @@ class Attached:
     def write_arrived_steps(self, trainer: TrainerView) -> None:
         """Write the logging steps whose copies have reached the host since the last look.
 
-        The base calls this at every batch's start. A batch after which no copy is on its way,
+        The lifecycle calls this at every batch's start. A batch after which no copy is on its way,
         which is most of them, looks at no statistic.
         """
         if self._copying:

@@ -156,9 +156,8 @@ class FabricHooks:
     ``on_after_setup``, starts a :class:`FabricRun` that takes the callback's place among
     Fabric's callbacks and drives its Trainer hooks from then on.
 
-    The class under it provides those hooks (:class:`FabricDriven`): the methods here are typed
-    by what they need of it, so a class that lacks one fails the type check at its
-    ``super().__init__()``.
+    Each callback defines those hooks (:class:`FabricDriven`); ``tests/test_architecture.py``
+    checks that every callback defines its own.
 
     Args:
         fabric_refusal: why the callback's configuration cannot run in a Fabric loop (``None``:
@@ -170,7 +169,7 @@ class FabricHooks:
     fabric_run: FabricRun | None
     """The run that drives the callback in a Fabric loop, from ``fabric.setup`` to its release."""
 
-    def __init__(self: _RunHolder, *, fabric_refusal: str | None) -> None:
+    def __init__(self, *, fabric_refusal: str | None) -> None:
         super().__init__()
         self.fabric_refusal = fabric_refusal
         self.fabric_run = None

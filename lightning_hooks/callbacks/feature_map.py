@@ -9,6 +9,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.exceptions import MisconfigurationException
+from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
@@ -19,9 +20,16 @@ from lightning_hooks.callbacks.stats import nothing_to_watch
 from lightning_hooks.callbacks.trainer import TrainerView, lightning_module_of
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
 from lightning_hooks.core.checks import named_arguments
+from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import Patterns, as_patterns
 from lightning_hooks.errors import LightningHooksError
-from lightning_hooks.logging import feature_map_grid, log_embedding, log_image, log_scalars
+from lightning_hooks.logging import (
+    feature_map_grid,
+    log_embedding,
+    log_image,
+    log_scalars,
+    save_loggers,
+)
 from lightning_hooks.tags import family_tag, layer_tag
 
 __all__ = ["FeatureMapCallback", "ProbeInputError"]
@@ -147,7 +155,22 @@ class FeatureMapCallback(HookCallback):
         self._drawn: list[str] = []
 
     @override
-    def _validate(self, pl_module: nn.Module) -> bool:
+    def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Check that the model can run the probe, and choose the layers drawn."""
+        if self.lifecycle.watching:
+            self.lifecycle.watching = self._choose_layers(pl_module)
+
+    def _choose_layers(self, pl_module: nn.Module) -> bool:
+        """Choose the layers drawn, and check the model runs a probe.
+
+        Returns:
+            Whether there is anything to draw.
+
+        Raises:
+            MisconfigurationException: the model defines no ``forward`` and no ``forward_fn``
+                was given.
+            ValueError: a name in ``layers`` or ``embedding`` is not a module of the model.
+        """
         # LightningModule's own forward only calls nn.Module's stub.
         stubs = (pl.LightningModule.forward, nn.Module.forward)
         if self.forward_fn is None and type(pl_module).forward in stubs:
@@ -181,11 +204,50 @@ class FeatureMapCallback(HookCallback):
         self._labels = self._given_labels
 
     @override
-    def _batch_started(self, trainer: TrainerView, batch: Any) -> None:
-        """Take the probe from the fit's first logging batch, unless the user gave one.
+    @guarded
+    def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Attach no hook: the feature maps are drawn at epoch ends, from the probe batch.
+
+        The fit forgets a probe taken from a batch when it ends.
+        """
+        if self.lifecycle.start_training():
+            self._forget_probe()
+            self.lifecycle.attach(Attached(None, on_remove=self._forget_probe))
+
+    @override
+    @guarded
+    def on_train_batch_start(
+        self, trainer: TrainerView, pl_module: nn.Module, batch: Any, batch_idx: int
+    ) -> None:
+        """Take the probe from the fit's first logging batch, unless the user gave one."""
+        if self.lifecycle.start_batch(trainer, batch_idx):
+            self._take_probe(batch)
+
+    @override
+    @guarded
+    def on_train_batch_end(
+        self,
+        trainer: TrainerView,
+        pl_module: nn.Module,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """End the batch for the cadence."""
+        self.lifecycle.end_batch(trainer)
+
+    @override
+    @guarded
+    def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Draw the probe's feature maps, every ``every_n_epochs`` epochs."""
+        if self.lifecycle.end_epoch(trainer):
+            self._draw(trainer, pl_module)
+            save_loggers(trainer.loggers)
+
+    def _take_probe(self, batch: Any) -> None:  # noqa: ANN401 (the user's batch)
+        """Take the probe from ``batch``, unless the fit has one.
 
         Args:
-            trainer: the trainer running the batch, unread.
             batch: the training batch whose first ``probe_size`` samples (and labels, where it has
                 them) become the probe.
 
@@ -229,22 +291,8 @@ class FeatureMapCallback(HookCallback):
             )
         return x
 
-    @override
-    def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
-        """Attach no hook: the feature maps are drawn at epoch ends, from the probe batch.
-
-        Args:
-            trainer: the trainer of the fit, unread.
-            pl_module: the model, unread (the probe runs through it at each drawn epoch's end).
-
-        Returns:
-            A fit with no registry, which forgets a probe taken from a batch when it ends.
-        """
-        self._forget_probe()
-        return Attached(None, on_remove=self._forget_probe)
-
-    @override
-    def _epoch_ending(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+    def _draw(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Run the probe through the model and draw the chosen layers' outputs, on rank 0."""
         if self._probe is None or not trainer.is_global_zero:
             return
         if (trainer.current_epoch + 1) % self.every_n_epochs:

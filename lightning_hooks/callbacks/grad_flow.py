@@ -29,6 +29,7 @@ from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selectio
 from lightning_hooks.core.stats.grad_flow import counts_the_model_itself, layers_of
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
+from lightning_hooks.logging import save_loggers
 
 __all__ = ["GradFlowCallback"]
 
@@ -170,14 +171,27 @@ class GradFlowCallback(HookCallback):
         self.on_alarm = actions
         """The action of each rule; a rule ``on_alarm`` did not name has its default."""
         self.stability = stability
-        self._alarms_across_fits = GradFlowAlarms(rules, actions, self.ranks)
+        self._alarms_across_fits = GradFlowAlarms(rules, actions, self.lifecycle.ranks)
         self.kept["alarms"] = self._alarms_across_fits  # carries the running scales to the next fit
         self._pictures = GradFlowPictures(max_layers_logged, chart=chart, heatmap=heatmap)
         self.kept["heatmap"] = self._pictures.history  # so a resumed fit draws earlier epochs
         self._fit: _Fit | None = None
 
     @override
-    def _validate(self, pl_module: nn.Module) -> bool:
+    def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Check that the selection finds some layer, whose parameters are initialized."""
+        if self.lifecycle.watching:
+            self.lifecycle.watching = self._finds_layers(pl_module)
+
+    def _finds_layers(self, pl_module: nn.Module) -> bool:
+        """Return whether the selection finds some layer to measure in ``pl_module``.
+
+        A selection at its defaults that finds none, or lazy parameters not yet initialized,
+        warn once: the callback then does nothing in the fit.
+
+        Raises:
+            ValueError: the user's selection selects no layer.
+        """
         selection = Selection.of(
             "GradFlowCallback", types=self.types, include=self.include, exclude=self.exclude
         )
@@ -208,6 +222,12 @@ class GradFlowCallback(HookCallback):
         return True
 
     @override
+    @guarded
+    def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Attach the tracker, the optional statistics and the alarms for this fit."""
+        if self.lifecycle.start_training():
+            self.lifecycle.attach(self._attach(trainer, pl_module))
+
     def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
         """Attach the tracker, the optional statistics and the alarms for one fit.
 
@@ -243,12 +263,9 @@ class GradFlowCallback(HookCallback):
         if fit.stability_stats is not None:
             on_step = None if alarms is None else alarms.watch_attention
             logged.append(Logged(fit.stability_stats, on_step=on_step))
-        # The loss rules read every batch.
-        every_batch = alarms is not None and alarms.loss_agreement.reading != "off"
         return Attached(
             tracker.registry,
             logged,
-            every_batch=every_batch,
             on_remove=self._end_fit,
             earlier_layout=_saved_by_release_0_2,
         )
@@ -300,18 +317,41 @@ class GradFlowCallback(HookCallback):
             self._fit.observe(trainer, optimizer)
 
     @override
-    def _batch_ending(
-        self, trainer: TrainerView, outputs: STEP_OUTPUT, *, logging_step: bool
+    @guarded
+    def on_train_batch_start(
+        self, trainer: TrainerView, pl_module: nn.Module, batch: Any, batch_idx: int
     ) -> None:
-        """Pass the batch's loss to the loss rules (:meth:`_Fit.end_batch`)."""
-        if self._fit is not None:
-            self._fit.end_batch(outputs, self.cadence.batch_step, logging_step)
+        """Open the hooks' gate where the batch belongs to a logging step."""
+        self.lifecycle.start_batch(trainer, batch_idx)
 
     @override
-    def _epoch_ending(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Close the epoch for the alarms (:meth:`FitAlarms.end_epoch`)."""
-        if self._fit is not None and self._fit.alarms is not None:
-            self._fit.alarms.end_epoch()
+    @guarded
+    def on_train_batch_end(
+        self,
+        trainer: TrainerView,
+        pl_module: nn.Module,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """Pass the batch's loss to the loss rules, then write a logging step that has stepped.
+
+        The loss rules read every batch (:meth:`_Fit.end_batch`).
+        """
+        if self._fit is not None:
+            step = self.lifecycle.cadence.batch_step
+            self._fit.end_batch(outputs, step, self.lifecycle.measuring)
+        self.lifecycle.end_batch(trainer)
+
+    @override
+    @guarded
+    def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Write the epoch's statistics and pictures, then close it for the alarms."""
+        self.lifecycle.end_epoch(trainer)
+        fit = self._fit  # ``None`` once the fit's hooks came off
+        if fit is not None and fit.alarms is not None:
+            fit.alarms.end_epoch()
+            save_loggers(trainer.loggers)  # what the alarms wrote of the epoch
 
 
 def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | None) -> str | None:

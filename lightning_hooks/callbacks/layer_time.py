@@ -8,12 +8,13 @@ from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.attached import Attached, Logged, epoch_step
+from lightning_hooks.callbacks.attached import Logged, epoch_step
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.fabric import UNDER_FABRIC
 from lightning_hooks.callbacks.stats import attach_stats, watches_selection
 from lightning_hooks.callbacks.trainer import TrainerView, lightning_module_of
 from lightning_hooks.core.checks import boolean, named_arguments
+from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
 from lightning_hooks.logging import layer_time_figure, log_figure
@@ -86,26 +87,53 @@ class LayerTimeCallback(HookCallback):
         self._timer = timer
 
     @override
-    def _validate(self, pl_module: nn.Module) -> bool:
-        selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
-        return watches_selection(_NAME, pl_module, [self._timer], what="module", selected=selected)
+    def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Check that the selection finds some module of the model."""
+        if self.lifecycle.watching:
+            selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
+            self.lifecycle.watching = watches_selection(
+                _NAME, pl_module, [self._timer], what="module", selected=selected
+            )
 
     @override
-    def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
-        device = lightning_module_of(_NAME, pl_module).device  # Fabric refuses the callback
-        self._timer.use_cuda = device.type == "cuda"
-        logged = [Logged(self._timer, on_epoch=self._draw_chart)]
-        return attach_stats(pl_module, self.hook_guard(), logged)
+    @guarded
+    def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Hook the timer on the selected modules; each epoch's times go to :meth:`_draw_chart`."""
+        if self.lifecycle.start_training():
+            device = lightning_module_of(_NAME, pl_module).device  # Fabric refuses the callback
+            self._timer.use_cuda = device.type == "cuda"
+            logged = [Logged(self._timer, on_epoch=self._draw_chart)]
+            self.lifecycle.attach(attach_stats(pl_module, self.hook_guard(), logged))
 
     @override
-    def _batch_started(self, trainer: TrainerView, batch: Any) -> None:
-        self._timer.start_step(trainer.global_step)
-
-    @override
-    def _batch_ending(
-        self, trainer: TrainerView, outputs: STEP_OUTPUT, *, logging_step: bool
+    @guarded
+    def on_train_batch_start(
+        self, trainer: TrainerView, pl_module: nn.Module, batch: Any, batch_idx: int
     ) -> None:
-        self._timer.end_step()
+        """Start the step's clock where the batch belongs to a logging step."""
+        if self.lifecycle.start_batch(trainer, batch_idx):
+            self._timer.start_step(trainer.global_step)
+
+    @override
+    @guarded
+    def on_train_batch_end(
+        self,
+        trainer: TrainerView,
+        pl_module: nn.Module,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """Stop the step's clock, then write a logging step once its optimizer step has run."""
+        if self.lifecycle.measuring:
+            self._timer.end_step()
+        self.lifecycle.end_batch(trainer)
+
+    @override
+    @guarded
+    def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Write the epoch's mean times, and draw the chart."""
+        self.lifecycle.end_epoch(trainer)
 
     def _draw_chart(self, trainer: TrainerView, times: LayerTimes) -> None:
         """Draw the epoch's forward time per layer, on rank 0, with ``chart``.

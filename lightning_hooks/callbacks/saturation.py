@@ -6,14 +6,16 @@ import numbers
 from typing import Any
 
 from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.attached import Attached, Logged
+from lightning_hooks.callbacks.attached import Logged
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.stats import Findings, attach_stats, watches_selection
 from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.checks import fraction_or_none, module_types, named_arguments, real
+from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.stats.saturation import (
     SATURATING_TYPES,
@@ -108,17 +110,51 @@ class SaturationCallback(HookCallback):
         self.margin = margin
 
     @override
-    def _validate(self, pl_module: nn.Module) -> bool:
-        selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
-        return watches_selection(_NAME, pl_module, [self.tracker], what=_WATCHES, selected=selected)
+    def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Check that the selection finds some activation of the model."""
+        if self.lifecycle.watching:
+            selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
+            self.lifecycle.watching = watches_selection(
+                _NAME, pl_module, [self.tracker], what=_WATCHES, selected=selected
+            )
 
     @override
-    def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
+    @guarded
+    def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Hook the watched activations; each epoch's saturated units go to :meth:`_warn`."""
-        logged = [Logged(self.tracker, on_epoch=self._warn)]
-        return attach_stats(
-            pl_module, self.hook_guard(), logged, on_remove=self.findings.warn_held_back
-        )
+        if self.lifecycle.start_training():
+            logged = [Logged(self.tracker, on_epoch=self._warn)]
+            attached = attach_stats(
+                pl_module, self.hook_guard(), logged, on_remove=self.findings.warn_held_back
+            )
+            self.lifecycle.attach(attached)
+
+    @override
+    @guarded
+    def on_train_batch_start(
+        self, trainer: TrainerView, pl_module: nn.Module, batch: Any, batch_idx: int
+    ) -> None:
+        """Open the hooks' gate where the batch belongs to a logging step."""
+        self.lifecycle.start_batch(trainer, batch_idx)
+
+    @override
+    @guarded
+    def on_train_batch_end(
+        self,
+        trainer: TrainerView,
+        pl_module: nn.Module,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """Write a logging step once its optimizer step has run."""
+        self.lifecycle.end_batch(trainer)
+
+    @override
+    @guarded
+    def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Write the epoch's saturated units, and warn of each layer past ``warn_at``."""
+        self.lifecycle.end_epoch(trainer)
 
     def _warn(self, trainer: TrainerView, found: SaturatedUnits) -> None:
         """Warn of each layer at or past ``warn_at``, once per layer per fit, on rank 0.

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
 
@@ -18,7 +19,7 @@ from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.checks import named_arguments
-from lightning_hooks.core.hooks.guard import Guard
+from lightning_hooks.core.hooks.guard import Guard, guarded
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
@@ -80,7 +81,7 @@ def watches_selection(  # noqa: PLR0913 (a callback's selection: one keyword eac
     selected: Mapping[str, object],
     hint: str = "",
 ) -> bool:
-    """Check, in a callback's ``_validate``, that the statistics select some module of ``model``.
+    """Check, in a callback's ``on_fit_start``, that the statistics select some module of ``model``.
 
     Args:
         owner: the callback's name, which begins its messages.
@@ -191,14 +192,48 @@ class StatsCallback(HookCallback):
         self.stats: tuple[LayerStat[Any], ...] = chosen
 
     @override
-    def _validate(self, pl_module: nn.Module) -> bool:
-        name = type(self).__name__
-        return watches_selection(name, pl_module, self.stats, what="module", selected={})
+    def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Check that the statistics select some module of the model."""
+        if self.lifecycle.watching:
+            name = type(self).__name__
+            self.lifecycle.watching = watches_selection(
+                name, pl_module, self.stats, what="module", selected={}
+            )
 
     @override
-    def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
-        logged = [Logged(stat) for stat in self.stats]
-        return attach_stats(pl_module, self.hook_guard(), logged)
+    @guarded
+    def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Hook each statistic on the model for this fit."""
+        if self.lifecycle.start_training():
+            logged = [Logged(stat) for stat in self.stats]
+            self.lifecycle.attach(attach_stats(pl_module, self.hook_guard(), logged))
+
+    @override
+    @guarded
+    def on_train_batch_start(
+        self, trainer: TrainerView, pl_module: nn.Module, batch: Any, batch_idx: int
+    ) -> None:
+        """Open the hooks' gate where the batch belongs to a logging step."""
+        self.lifecycle.start_batch(trainer, batch_idx)
+
+    @override
+    @guarded
+    def on_train_batch_end(
+        self,
+        trainer: TrainerView,
+        pl_module: nn.Module,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """Write a logging step once its optimizer step has run."""
+        self.lifecycle.end_batch(trainer)
+
+    @override
+    @guarded
+    def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """Write each statistic's epoch."""
+        self.lifecycle.end_epoch(trainer)
 
 
 def selection_state_key(types: object, include: object, exclude: object) -> dict[str, Any]:
@@ -234,7 +269,8 @@ def nothing_to_watch(
         hint: a clause added to the end of the message.
 
     Returns:
-        ``False``, for ``_validate`` to return: the fit has nothing to watch.
+        ``False``, for the callback's ``on_fit_start`` to set as the lifecycle's ``watching``:
+        the fit has nothing to watch.
 
     Raises:
         ValueError: if the user chose a selection that selects nothing. The message names the

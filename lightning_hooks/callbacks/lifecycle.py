@@ -1,0 +1,247 @@
+"""The lifecycle every callback shares: one fit at a time, under a guard, at the logging steps.
+
+A callback holds one :class:`Lifecycle` and calls it from its Lightning hooks by name, as
+Lightning's ``ThroughputMonitor`` calls its ``Throughput``. The lifecycle never calls the
+callback: what a callback measures, it attaches and reads in its own hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_hooks.callbacks.attached import Attached
+from lightning_hooks.callbacks.cadence import LoggingCadence, check_every_n_steps
+from lightning_hooks.callbacks.checkpoint import CheckpointSlot
+from lightning_hooks.callbacks.ranks import RankAgreement
+from lightning_hooks.callbacks.trainer import TrainerView, check_trainer
+from lightning_hooks.core.hooks.guard import Guard
+from lightning_hooks.logging import save_loggers
+
+__all__ = ["FitState", "Lifecycle"]
+
+
+@dataclass
+class FitState:
+    """The state of one fit of a callback, from its ``setup`` to the next fit's ``setup``.
+
+    Each fit's ``setup`` makes a new one, so a fit starts healthy whatever happened before.
+    """
+
+    guard: Guard
+    watching: bool = True
+    """Whether the callback watches the model in this fit. It does not where the model has
+    nothing to watch, or where a callback the user passed already watches it."""
+    attached: Attached | None = None
+    """What the fit put on the model, from its train start until its hooks come off."""
+    logging_batch: bool = False
+    """Whether the running batch belongs to a logging step that the fit measures."""
+
+
+class Lifecycle:
+    """Runs what every callback does in each fit, whatever it measures.
+
+    A callback calls it from its Lightning hooks:
+
+    - ``setup``: :meth:`start_fit`, with a new guard.
+    - ``on_fit_start``: the callback checks the model, and sets :attr:`watching` to ``False``
+      where there is nothing to watch.
+    - ``on_train_start``: :meth:`start_training`, then, where it returns ``True``, the callback
+      puts its hooks on the model and hands them to :meth:`attach`.
+    - ``on_train_batch_start``: :meth:`start_batch`, which says whether the batch is measured.
+    - ``on_train_batch_end``: :meth:`end_batch`, which writes a logging step once its optimizer
+      step has run.
+    - ``on_train_epoch_end``: :meth:`end_epoch`, which writes each statistic's epoch.
+    - ``on_train_end``, ``on_exception`` and ``teardown``: :meth:`end_training`, :meth:`flush`
+      and :meth:`remove_hooks`, which take the hooks off.
+    - ``state_dict`` and ``load_state_dict``: :meth:`state_dict` and :attr:`checkpoint`.
+
+    Args:
+        owner: the callback's name, which begins its messages.
+        guard: the guard of the hooks until the first fit's ``setup`` makes its own.
+        every_n_steps: the cadence of the logging steps (see :class:`~.cadence.LoggingCadence`).
+        uses_images: whether the callback draws pictures. A logger that cannot show them is
+            warned of.
+
+    Raises:
+        ValueError: ``every_n_steps`` is not a positive int or ``None``.
+
+    Example:
+        >>> guard = Guard("Watcher", strict=False)
+        >>> lifecycle = Lifecycle("Watcher", guard, every_n_steps=10, uses_images=False)
+        >>> lifecycle.cadence.every_n_steps
+        10
+        >>> lifecycle.attached is None  # nothing is on a model before a fit's train start
+        True
+    """
+
+    def __init__(
+        self, owner: str, guard: Guard, *, every_n_steps: int | None, uses_images: bool
+    ) -> None:
+        self.owner = owner
+        self.uses_images = uses_images
+        self.cadence = LoggingCadence(check_every_n_steps(owner, every_n_steps))
+        """Which optimizer steps are logging steps, and where the running one is."""
+        self.checkpoint = CheckpointSlot(owner)
+        """Saves the callback's state in checkpoints, and restores it when a fit attaches."""
+        self.ranks = RankAgreement(self.guard, remove_hooks=self.remove_hooks)
+        """Makes the ranks of a multi-process fit agree on failures, stops and new rows."""
+        self._fit = FitState(guard)
+
+    def guard(self) -> Guard:
+        """Return the guard of this fit's hooks; its ``failed`` says whether the fit failed."""
+        return self._fit.guard
+
+    @property
+    def watching(self) -> bool:
+        """Return whether the callback watches the model in this fit."""
+        return self._fit.watching
+
+    @watching.setter
+    def watching(self, watching: bool) -> None:
+        self._fit.watching = watching
+
+    @property
+    def attached(self) -> Attached | None:
+        """Return what the fit put on the model, or ``None`` outside its train start and end."""
+        return self._fit.attached
+
+    @property
+    def measuring(self) -> bool:
+        """Return whether the running batch belongs to a logging step, with the hooks on."""
+        return self._fit.logging_batch and self._fit.attached is not None
+
+    def start_fit(self, trainer: TrainerView, guard: Guard, *, watching: bool) -> None:
+        """Start a fit with a new guard, and check the Trainer if the callback watches.
+
+        Args:
+            trainer: the trainer of the fit.
+            guard: the fit's guard, with no failure.
+            watching: ``False`` where a callback the user passed already watches the model.
+        """
+        self._fit = FitState(guard, watching=watching)
+        if watching:
+            check_trainer(
+                self.owner,
+                trainer,
+                uses_images=self.uses_images,
+                every_n_steps=self.cadence.every_n_steps,
+            )
+
+    def start_training(self) -> bool:
+        """Take off what an earlier fit left, and count the ranks, at the fit's train start.
+
+        Returns:
+            Whether the callback watches the model: then it attaches its hooks.
+        """
+        self.remove_hooks()
+        self.ranks.start()
+        return self._fit.watching
+
+    def attach(self, attached: Attached) -> None:
+        """Keep what the fit put on the model, and load a checkpoint held for it, if any."""
+        self._fit.attached = attached
+        self.checkpoint.restore(attached)
+
+    def start_batch(self, trainer: TrainerView, batch_idx: int) -> bool:
+        """Start a batch: write the copies that arrived, and open or close the gate.
+
+        Before it, what was written since the last batch's end is saved, so that a run killed
+        in this batch keeps it. The first of the library's callbacks to get here saves for all.
+
+        Args:
+            trainer: the trainer running the batch.
+            batch_idx: the batch's index in its epoch.
+
+        Returns:
+            Whether the batch is measured: it belongs to a logging step and the hooks are on.
+        """
+        logging_step = self.cadence.start_batch(trainer, batch_idx)
+        attached = self._fit.attached
+        if attached is not None:
+            attached.write_arrived_steps(trainer)  # on CUDA, the last logging step's copy
+        self._set_gate(logging_step)
+        save_loggers(trainer.loggers, layout=trainer.is_global_zero)
+        self._fit.logging_batch = logging_step and attached is not None
+        if self._fit.logging_batch:
+            self.cadence.measure()
+        return self._fit.logging_batch
+
+    def end_batch(self, trainer: TrainerView) -> None:
+        """End a batch, and write its logging step if its optimizer step has run.
+
+        The ranks agree first; on a failure the callback is disabled on every rank and nothing
+        is written. The module hooks then close unless the next step is a logging step too, so
+        a step that is not a logging step runs none of the library's hooks.
+        """
+        step = self.cadence.finished_step(trainer)
+        attached = self._fit.attached  # a failure in the batch's hooks may have taken it off
+        if step is None or attached is None:
+            return
+        self.ranks.agree(trainer, step, attached, always=False)
+        if self.guard().failed is not None:
+            return
+        attached.end_logging_step(trainer, step)
+        self._set_gate(self.cadence.logs(trainer, trainer.global_step))
+
+    def _set_gate(self, logging_step: bool) -> None:
+        """Open the gate for a logging step, else close it (see docs/glossary.md).
+
+        It is set only when its value changes, so a step that is not a logging step only reads it.
+        """
+        attached = self._fit.attached
+        gate = None if attached is None else attached.registry
+        if gate is not None and gate.logging_step != logging_step:
+            gate.set_logging_step(logging_step)
+
+    def end_epoch(self, trainer: TrainerView) -> bool:
+        """Write each statistic's epoch, after the ranks agree, then save the loggers.
+
+        Returns:
+            Whether the hooks are still on, so that the callback closes its epoch too. It then
+            saves the loggers again after what it writes.
+        """
+        self.ranks.agree(trainer, trainer.global_step, self._fit.attached, always=True)
+        self.cadence.end_epoch()
+        attached = self._fit.attached  # a failure the ranks agreed on takes it off
+        if attached is not None:
+            attached.write_steps(trainer, wait=True)
+            attached.write_epoch(trainer)  # each statistic's epoch, then the next one starts
+        save_loggers(trainer.loggers)  # the chart layout waits for the next batch's save
+        return attached is not None
+
+    def end_training(self, trainer: TrainerView) -> None:
+        """Agree on a failure after the last epoch end, save the loggers, and take the hooks off."""
+        try:
+            if self.guard().failed is None:
+                self.ranks.agree(trainer, trainer.global_step, self._fit.attached, always=True)
+            save_loggers(trainer.loggers, layout=trainer.is_global_zero)
+        finally:
+            self.remove_hooks()
+
+    def flush(self, trainer: TrainerView) -> None:
+        """Write what was measured before the hooks go, then save the loggers.
+
+        On CUDA this waits for the last logging step's copy.
+        """
+        attached = self._fit.attached
+        if attached is not None:
+            attached.write_steps(trainer, wait=True)
+        save_loggers(trainer.loggers, layout=trainer.is_global_zero)
+
+    def remove_hooks(self) -> None:
+        """Take every hook and statistic of the running fit off the model.
+
+        Calling it again does nothing; the guard calls it after a failure.
+        """
+        attached = self._fit.attached
+        self._fit.attached = None
+        if attached is not None:
+            attached.remove()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return what a checkpoint saves of the callback, with the rows of every rank."""
+        attached = self._fit.attached
+        if attached is not None and self.ranks.size > 1 and attached.aligned:
+            attached.align_rows()  # include the rows made since the last logging step
+        return self.checkpoint.save(attached)
