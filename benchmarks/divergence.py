@@ -1222,7 +1222,7 @@ def replay_alarms(trace: dict[str, Any], rules: AlarmRules) -> list[TrainingAlar
     alarms = TrainingAlarms(trace["layers"], rules)
     now = [0]  # the step being replayed: the learning rate the callback would read at it
     lrs = trace["lrs"]
-    alarms.know(RunFacts(lambda: float(lrs[now[0]]), output_units(trace["run"]["model"])))
+    alarms.set_run_facts(RunFacts(lambda: float(lrs[now[0]]), output_units(trace["run"]["model"])))
     clip = trace["run"].get("clip")
     stepped = trace.get("stepped")
     # the callback reads the stall on optimizers with a second moment (traces recorded

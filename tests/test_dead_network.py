@@ -96,7 +96,7 @@ def test_the_loss_jump_before_a_death_is_told() -> None:
     """On the rules alone: a loss of 2.3, one step at 30, then flat at ln 10 while the first
     layer gets exactly zero gradient from step 12 on."""
     alarms = TrainingAlarms(["a", "b", "global"], AlarmRules())
-    alarms.know(RunFacts(read_learning_rate=lambda: 0.5, classes=10))
+    alarms.set_run_facts(RunFacts(read_learning_rate=lambda: 0.5, classes=10))
     losses = [2.3] * 10 + [30.0] + [math.log(10)] * 20
     for step, loss in enumerate(losses):
         first = 0.0 if step >= 12 else 1.0

@@ -13,8 +13,8 @@ from typing_extensions import override
 from lightning_hooks.callbacks.attached import Logged, epoch_step
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.epoch_columns import EpochColumns
-from lightning_hooks.callbacks.stats import attach_stats, watches_selection
 from lightning_hooks.callbacks.trainer import TrainerView
+from lightning_hooks.callbacks.watching import attach_stats, watches_selection
 from lightning_hooks.core.checks import boolean, named_arguments, positive_int, real
 from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
@@ -119,7 +119,8 @@ class ActivationStatsCallback(HookCallback):
         self.include = s.include
         self.exclude = s.exclude
         self._history = EpochColumns()  # the heatmaps' columns, one per epoch of the fit
-        self.kept["heatmaps"] = self._history  # a resumed fit draws the earlier epochs
+        # So that a resumed fit draws the earlier epochs.
+        self.lifecycle.checkpoint.keep("heatmaps", self._history)
         self._warned_nonfinite = False
         self._activations = tracker
         self._shape = shape
@@ -173,7 +174,7 @@ class ActivationStatsCallback(HookCallback):
     @override
     @guarded
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Write the epoch's statistics, and draw its histograms and heatmaps."""
+        """Write the epoch's statistics; their reader :meth:`_draw` draws the pictures."""
         self.lifecycle.end_epoch(trainer)
 
     def _warn_first_nonfinite(self) -> None:

@@ -19,9 +19,9 @@ from lightning_hooks.callbacks.lifecycle import Lifecycle
 from lightning_hooks.callbacks.trainer import (
     SECOND_CALLBACK,
     TrainerView,
+    defers_to_users_own,
     restore_inherited,
     skip_inherited,
-    stands_down_for_users_own,
 )
 from lightning_hooks.core.hooks.guard import Guard, guarded
 from lightning_hooks.internals.lightning import drop_model_logging
@@ -49,15 +49,16 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
     ``on_exception``, ``teardown``, ``state_dict`` and ``load_state_dict``. A callback
     overrides none of them, and the base calls no method of a callback.
 
-    Every Lightning hook a callback defines is decorated with ``@guarded``, as the base's are:
-    an error in the library's own code disables the callback for the rest of the fit, with one
+    Every Lightning hook a callback defines is decorated with ``@guarded``, as the base's are,
+    but ``on_fit_start``, whose configuration errors must stop the fit before it trains: an
+    error in the library's own code disables the callback for the rest of the fit, with one
     warning, and never ends the run. Every exit of a fit (``on_train_end``, ``on_exception``,
     ``teardown``, a failure) takes the hooks off; docs/architecture.md lists what each does.
 
     Example:
         >>> import pytorch_lightning as pl
         >>> from lightning_hooks.callbacks.attached import Logged
-        >>> from lightning_hooks.callbacks.stats import attach_stats
+        >>> from lightning_hooks.callbacks.watching import attach_stats
         >>> from lightning_hooks.core.hooks.guard import guarded
         >>> from lightning_hooks.core.stats.activation_stats import ActivationStatsTracker
         >>> class Activations(HookCallback):
@@ -164,10 +165,10 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
 
     @override
     def setup(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
-        """Start a fit healthy, and let Lightning skip the per-batch hooks the callback leaves."""
+        """Start a fit with a new guard; let Lightning skip the per-batch hooks left undefined."""
         if stage != "fit":
             return
-        standing_down = stands_down_for_users_own(self, trainer.callbacks)  # type: ignore[attr-defined]
+        standing_down = defers_to_users_own(self, trainer.callbacks)  # type: ignore[attr-defined]
         self.lifecycle.start_fit(trainer, self._new_guard(), watching=not standing_down)
         skip_inherited(self, trainer)  # Lightning then calls only the hooks defined
 
@@ -185,7 +186,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
     @override
     @guarded
     def on_train_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Agree on a failure after the last epoch end, save the loggers, take the hooks off."""
+        """Write what is pending, agree on a last failure, save the loggers, take the hooks off."""
         self.lifecycle.end_training(trainer)
 
     @override
@@ -193,27 +194,19 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
     def on_exception(
         self, trainer: TrainerView, pl_module: nn.Module, exception: BaseException
     ) -> None:
-        """Write what was measured, then let the model go."""
+        """Write what was measured, then take the hooks off and release the model."""
         try:
-            self.flush(trainer)
+            self.lifecycle.flush(trainer)
         finally:
-            self._let_go()
+            self._release_model()
 
     @override
     @guarded
     def teardown(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
         """Let the model go, whatever happened before."""
-        self._let_go()
+        self._release_model()
 
-    def flush(self, trainer: TrainerView) -> None:
-        """Write what was measured before the hooks go, then save the loggers.
-
-        On CUDA this waits for the last logging step's copy. ``on_exception`` calls it, and so
-        does the end of a Fabric loop, which may come without an epoch end before it.
-        """
-        self.lifecycle.flush(trainer)
-
-    def _let_go(self) -> None:
+    def _release_model(self) -> None:
         """Take the fit's hooks off, and drop what Lightning set on the callback for the fit.
 
         These are the shadows of the inherited per-batch hooks (:func:`~.trainer.skip_inherited`)

@@ -35,6 +35,20 @@ class CheckpointSlot:
         """Collaborators that outlive a fit and are saved in checkpoints, by key."""
         self._pending: dict[str, Any] | None = None
 
+    def keep(self, key: str, kept: Checkpointed) -> None:
+        """Save ``kept``'s state in checkpoints under ``key``, from now on.
+
+        Args:
+            key: the entry of the callback's state that holds it.
+            kept: a collaborator that outlives a fit.
+
+        Raises:
+            ValueError: ``key`` already holds another collaborator.
+        """
+        if key in self.kept:
+            raise ValueError(f"{self.owner}: the checkpoint already keeps {key!r}")
+        self.kept[key] = kept
+
     def save(self, attached: Attached | None) -> dict[str, Any]:
         """Return what a checkpoint saves: the statistics' state, then that of :attr:`kept`.
 

@@ -11,8 +11,9 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Logged
 from lightning_hooks.callbacks.base import HookCallback
-from lightning_hooks.callbacks.stats import Findings, attach_stats, watches_selection
+from lightning_hooks.callbacks.findings import Findings
 from lightning_hooks.callbacks.trainer import TrainerView
+from lightning_hooks.callbacks.watching import attach_stats, watches_selection
 from lightning_hooks.core.checks import fraction_or_none, named_arguments
 from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import Patterns
@@ -152,7 +153,7 @@ class DeadReLUCallback(HookCallback):
     @override
     @guarded
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Write the epoch's dead units, and warn of each layer past ``warn_at``."""
+        """Write the epoch's dead units; their reader :meth:`_warn` warns past ``warn_at``."""
         self.lifecycle.end_epoch(trainer)
 
     def _warn(self, trainer: TrainerView, found: DeadUnits) -> None:

@@ -24,9 +24,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from lightning_hooks.callbacks.trainer import (
     SHARDED_STRATEGIES,
     TrainerView,
+    defers_to_users_own,
     gradient_clipping,
     inherits_empty_hook,
-    stands_down_for_users_own,
 )
 from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.errors import LightningHooksWarning
@@ -70,7 +70,7 @@ class FabricChecked(Protocol):
 class FabricDriven(FabricChecked, Protocol):
     """The methods a :class:`FabricRun` calls on the callback it drives.
 
-    Beside the guard and ``flush``, these are Lightning's Trainer hooks, each with the contract of
+    Beside the guard, these are Lightning's Trainer hooks, each with the contract of
     its namesake in ``pytorch_lightning.Callback``. The run hands each hook a
     :class:`FabricTrainer` as ``trainer`` and the watched module as ``pl_module``, so the hooks are
     typed by what they read of these: a :class:`~.trainer.TrainerView` and a plain ``nn.Module``.
@@ -80,9 +80,6 @@ class FabricDriven(FabricChecked, Protocol):
 
     def hook_guard(self) -> Guard:
         """Return the guard of the running fit, which the run's own hooks run under."""
-
-    def flush(self, trainer: TrainerView) -> None:
-        """Write what was measured and save the loggers, before the hooks go."""
 
     def setup(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
         """Start a fit: its checks and its new state."""
@@ -341,7 +338,7 @@ class FabricRun:
         """
         callbacks = fabric_callbacks(fabric)
         ours = [c.callback if isinstance(c, FabricRun) else c for c in callbacks or ()]
-        if stands_down_for_users_own(callback, ours):
+        if defers_to_users_own(callback, ours):
             return None
         run = cls(callback, fabric, module)
         if callbacks is not None and callback in callbacks:
@@ -560,7 +557,6 @@ class FabricRun:
         callback = self.callback
         trainer = self.trainer
         if self._attached:
-            callback.flush(trainer)
             callback.on_train_end(trainer, self.module)
         callback.teardown(trainer, self.module, "fit")
         self._attached = False

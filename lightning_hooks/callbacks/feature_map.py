@@ -9,6 +9,7 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from lightning_fabric.utilities.exceptions import MisconfigurationException
+from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from typing_extensions import override
@@ -16,8 +17,8 @@ from typing_extensions import override
 from lightning_hooks.callbacks.attached import Attached, epoch_step
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.fabric import UNDER_FABRIC
-from lightning_hooks.callbacks.stats import nothing_to_watch
 from lightning_hooks.callbacks.trainer import TrainerView, lightning_module_of
+from lightning_hooks.callbacks.watching import nothing_to_watch
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import guarded
@@ -256,7 +257,9 @@ class FeatureMapCallback(HookCallback):
         """
         if self._probe is None:
             size = self.probe_size  # the first samples, copied
-            self._probe = map_tensors(self._model_input(batch), lambda x: x[:size].detach().clone())
+            self._probe = apply_to_collection(
+                self._model_input(batch), torch.Tensor, lambda x: x[:size].detach().clone()
+            )
             self._labels = default_labels(batch, self.probe_size)
 
     def _model_input(self, batch: object) -> object:
@@ -299,7 +302,7 @@ class FeatureMapCallback(HookCallback):
             return
         wanted = [*self._drawn, *([self.embedding] if self.embedding else [])]
         module = lightning_module_of(_OWNER, pl_module)  # Fabric refuses the callback
-        probe = map_tensors(self._probe, lambda x: x.to(module.device))
+        probe = apply_to_collection(self._probe, torch.Tensor, lambda x: x.to(module.device))
         with probe_mode(module), capture_outputs(module, wanted, clone=True) as outputs:
             (self.forward_fn or type(module).__call__)(module, probe)
         step = epoch_step(trainer)
@@ -381,22 +384,3 @@ def default_labels(batch: object, size: int) -> torch.Tensor | None:
     if isinstance(labels, torch.Tensor) and labels.dim() == 1 and len(labels) >= size:
         return labels[:size].detach().clone()
     return None
-
-
-def map_tensors(x: object, fn: Callable[[torch.Tensor], torch.Tensor]) -> object:
-    """Apply ``fn`` to each tensor of ``x``.
-
-    Args:
-        x: a tensor, or a (nested) list, tuple or mapping.
-        fn: the function each tensor is replaced by the result of (a slice, a copy, a move).
-
-    Returns:
-        ``x`` with each tensor replaced by ``fn`` of it, in the same structure.
-    """
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, list | tuple):
-        return type(x)(map_tensors(item, fn) for item in x)
-    if isinstance(x, Mapping):
-        return {key: map_tensors(item, fn) for key, item in x.items()}
-    return x

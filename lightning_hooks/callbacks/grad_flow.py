@@ -19,8 +19,8 @@ from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.grad_flow_alarms import FitAlarms, GradFlowAlarms
 from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
-from lightning_hooks.callbacks.stats import nothing_to_watch, selection_state_key
 from lightning_hooks.callbacks.trainer import TrainerView, enabled_grad_scaler, gradient_clipping
+from lightning_hooks.callbacks.watching import nothing_to_watch, selection_state_key
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, checks
 from lightning_hooks.core.alarms import AlarmRules
 from lightning_hooks.core.checks import named_arguments
@@ -172,9 +172,11 @@ class GradFlowCallback(HookCallback):
         """The action of each rule; a rule ``on_alarm`` did not name has its default."""
         self.stability = stability
         self._alarms_across_fits = GradFlowAlarms(rules, actions, self.lifecycle.ranks)
-        self.kept["alarms"] = self._alarms_across_fits  # carries the running scales to the next fit
+        # The alarms carry their running scales to the next fit, and through checkpoints.
+        self.lifecycle.checkpoint.keep("alarms", self._alarms_across_fits)
         self._pictures = GradFlowPictures(max_layers_logged, chart=chart, heatmap=heatmap)
-        self.kept["heatmap"] = self._pictures.history  # so a resumed fit draws earlier epochs
+        # So that a resumed fit draws the earlier epochs.
+        self.lifecycle.checkpoint.keep("heatmap", self._pictures.history)
         self._fit: _Fit | None = None
 
     @override

@@ -146,7 +146,7 @@ class GradFlowAlarms:
         if self.rules is None:
             return None
         feed = AlarmFeed(tracker, self.rules)
-        feed.alarms.know(RunFacts.of(pl_module, trainer.optimizers))
+        feed.alarms.set_run_facts(RunFacts.of(pl_module, trainer.optimizers))
         running = FitAlarms(
             trainer=trainer,
             feed=feed,

@@ -11,8 +11,8 @@ from typing_extensions import override
 from lightning_hooks.callbacks.attached import Logged, epoch_step
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.fabric import UNDER_FABRIC
-from lightning_hooks.callbacks.stats import attach_stats, watches_selection
 from lightning_hooks.callbacks.trainer import TrainerView, lightning_module_of
+from lightning_hooks.callbacks.watching import attach_stats, watches_selection
 from lightning_hooks.core.checks import boolean, named_arguments
 from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
@@ -132,7 +132,7 @@ class LayerTimeCallback(HookCallback):
     @override
     @guarded
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Write the epoch's mean times, and draw the chart."""
+        """Write the epoch's mean times; their reader :meth:`_draw_chart` draws the chart."""
         self.lifecycle.end_epoch(trainer)
 
     def _draw_chart(self, trainer: TrainerView, times: LayerTimes) -> None:

@@ -1,8 +1,10 @@
 """The lifecycle every callback shares: one fit at a time, under a guard, at the logging steps.
 
 A callback holds one :class:`Lifecycle` and calls it from its Lightning hooks by name, as
-Lightning's ``ThroughputMonitor`` calls its ``Throughput``. The lifecycle never calls the
-callback: what a callback measures, it attaches and reads in its own hooks.
+Lightning's ``ThroughputMonitor`` calls its ``Throughput``. The lifecycle calls no method of the
+callback's class: what a callback measures, it attaches in its own hooks, and the only functions
+of the callback the lifecycle runs are those it was handed with them (the readers of each
+statistic's results, and what runs when the hooks come off).
 """
 
 from __future__ import annotations
@@ -84,12 +86,16 @@ class Lifecycle:
         """Which optimizer steps are logging steps, and where the running one is."""
         self.checkpoint = CheckpointSlot(owner)
         """Saves the callback's state in checkpoints, and restores it when a fit attaches."""
+        self._fit = FitState(guard)
         self.ranks = RankAgreement(self.guard, remove_hooks=self.remove_hooks)
         """Makes the ranks of a multi-process fit agree on failures, stops and new rows."""
-        self._fit = FitState(guard)
 
     def guard(self) -> Guard:
-        """Return the guard of this fit's hooks; its ``failed`` says whether the fit failed."""
+        """Return the guard of this fit's hooks; its ``failed`` says whether the fit failed.
+
+        It is a method, not a property, so that the rank agreement can hold it and read the
+        guard of whichever fit runs: each fit's ``setup`` makes a new one.
+        """
         return self._fit.guard
 
     @property
@@ -211,8 +217,15 @@ class Lifecycle:
         return attached is not None
 
     def end_training(self, trainer: TrainerView) -> None:
-        """Agree on a failure after the last epoch end, save the loggers, and take the hooks off."""
+        """End the fit's training, and take the hooks off.
+
+        What is still pending is written (a Fabric loop may end without an epoch end before
+        it), the ranks agree on a failure after the last epoch end, and the loggers are saved.
+        """
         try:
+            attached = self._fit.attached
+            if attached is not None:
+                attached.write_steps(trainer, wait=True)
             if self.guard().failed is None:
                 self.ranks.agree(trainer, trainer.global_step, self._fit.attached, always=True)
             save_loggers(trainer.loggers, layout=trainer.is_global_zero)
@@ -222,7 +235,7 @@ class Lifecycle:
     def flush(self, trainer: TrainerView) -> None:
         """Write what was measured before the hooks go, then save the loggers.
 
-        On CUDA this waits for the last logging step's copy.
+        On CUDA this waits for the last logging step's copy. ``on_exception`` calls it.
         """
         attached = self._fit.attached
         if attached is not None:

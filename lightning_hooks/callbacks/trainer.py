@@ -31,13 +31,13 @@ __all__ = [
     "SHARDED_STRATEGIES",
     "TrainerView",
     "check_trainer",
+    "defers_to_users_own",
     "enabled_grad_scaler",
     "gradient_clipping",
     "inherits_empty_hook",
     "lightning_module_of",
     "restore_inherited",
     "skip_inherited",
-    "stands_down_for_users_own",
 ]
 
 SHARDED_STRATEGIES = frozenset({"FSDPStrategy", "DeepSpeedStrategy"})
@@ -256,7 +256,7 @@ def _is_lightning_module(module: nn.Module) -> TypeGuard[pl.LightningModule]:
     return isinstance(module, _LIGHTNING_MODULES)
 
 
-def stands_down_for_users_own(callback: object, callbacks: Sequence[object]) -> bool:
+def defers_to_users_own(callback: object, callbacks: Sequence[object]) -> bool:
     """Return whether ``callback`` gives way to the user's own.
 
     Args:

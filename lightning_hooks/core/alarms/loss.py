@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from lightning_hooks.core.alarms.gradients import RunningScale, as_array
-from lightning_hooks.core.alarms.messages import TrainingAlarm, ratio_text
+from lightning_hooks.core.alarms.messages import Message, TrainingAlarm, ratio_text
 from lightning_hooks.core.alarms.rules import AlarmRules
 from lightning_hooks.core.alarms.setback import Setback, setback_opened, setback_recovered
 from lightning_hooks.core.transport import HostCopy
@@ -172,15 +172,6 @@ class LossLevels:
             self.first += (x - self.first) / n
 
 
-class _Said(NamedTuple):
-    """What a loss alarm says before its thresholds and fixes."""
-
-    first: str
-    """What happened, at which step, in one clause."""
-    details: tuple[str, ...]
-    """The evidence, one per line."""
-
-
 @dataclass
 class _Group:
     """The losses read so far of one optimizer step (its micro-batches), and their sum."""
@@ -194,24 +185,32 @@ class LossRules:
 
     They are evaluated on the host when its non-blocking copy is read.
 
-    *diverging* works in two stages. When the short running mean crosses the bar (a rise over
-    the best by ``diverge_ratio - 1`` of it, by ``diverge_giveback`` of what the run had
-    learnt, and by ``diverge_noise`` spreads of the short mean's own noise), a *setback* opens:
-    logged, never warned. It is confirmed as *diverging*, which warns, when
-    ``diverge_patience`` of its optimizer steps in a row have a mean loss over the bar
-    themselves (not only the running mean, which remembers one bad batch for a few steps; a
-    step back under the bar starts the count again), when the loss passes
-    ``diverge_lost`` times where the run started (the running mean; once the run has learnt,
-    the median of the last ``2 * diverge_patience - 1`` optimizer steps' mean losses, which
-    fewer than ``diverge_patience`` outlier steps cannot move: one bad batch, or two, is a
-    setback and not a divergence), or when the loss is not finite. A setback that falls back
-    first is logged as recovered. Once the run has learnt, a step back under the bar after one
-    or two steps over it marks an outlier batch the run came back from; so does a step still
-    over the bar that fell back under half the outlier steps' mean loss and under the run's
-    start (the outlier's damage, which the run recovers from). For
-    ``diverge_patience * diverge_span`` optimizer steps, the rise that follows (the outlier's
-    echo, which an optimizer with momentum carries on for a while) confirms nothing, unless a
-    step's mean loss passes the outlier steps' own or the loss is not finite.
+    *diverging* is a small state machine over the short running mean of the loss:
+
+    - **Healthy.** The running mean is under the bar: a rise over the best by
+      ``diverge_ratio - 1`` of it, by ``diverge_giveback`` of what the run had learnt, and by
+      ``diverge_noise`` spreads of the short mean's own noise.
+    - **Setback** (logged, never warned). The running mean crossed the bar. From here:
+
+      - back to *healthy* when the running mean falls under the bar first (logged as
+        recovered);
+      - back to *healthy* when one optimizer step's mean loss is back under the bar: the count
+        starts again, since the running mean remembers a bad batch for a few steps;
+      - to *diverging* (a warning) when ``diverge_patience`` optimizer steps in a row have a
+        mean loss over the bar themselves;
+      - to *diverging* when the loss passes ``diverge_lost`` times where the run started. The
+        loss read is the running mean; once the run has learnt, it is the median of the last
+        ``2 * diverge_patience - 1`` optimizer steps' mean losses, which fewer than
+        ``diverge_patience`` outlier steps cannot move;
+      - to *diverging* at once when the loss is not finite.
+
+    - **Outlier held.** Once the run has learnt, a step back under the bar after one or two
+      steps over it marks an outlier batch the run came back from; so does a step still over
+      the bar that fell back under half the outlier steps' mean loss and under the run's start.
+      For ``diverge_patience * diverge_span`` optimizer steps the rise that follows (the
+      outlier's echo, which an optimizer with momentum carries on for a while) confirms
+      nothing, unless a step's mean loss passes the outlier steps' own or the loss is not
+      finite.
 
     Under gradient accumulation the callback reads every micro-batch's loss: the rule counts
     the losses of each optimizer step (:attr:`per_step`), spans its running means over
@@ -358,7 +357,9 @@ class LossRules:
         bar = self._bar()
         # armed after ``min_history`` losses: before, a loss is not yet told from the run's noise
         over = levels.seen > 1 and levels.mean > bar
-        alarms = self._judge(x, step, bar, self._step_mean()) if over else self._recover(step)
+        alarms = (
+            self._over_the_bar(x, step, bar, self._step_mean()) if over else self._recover(step)
+        )
         if self.setback is None:
             levels.settle(x, self._span(), rules.min_history)
         else:  # the last loss is still the run's: the next jitter is measured from it
@@ -397,7 +398,9 @@ class LossRules:
             return None
         return group.total / group.losses
 
-    def _judge(self, x: float, step: int, bar: float, mean: float | None) -> list[TrainingAlarm]:
+    def _over_the_bar(
+        self, x: float, step: int, bar: float, mean: float | None
+    ) -> list[TrainingAlarm]:
         """Judge a running mean over the bar: a setback opened, held, or confirmed.
 
         A completed step under the bar starts the count again: the run came back, and what the
@@ -438,7 +441,7 @@ class LossRules:
         # the run's start (:attr:`LossLevels.first`) is known once ``min_history`` losses are in
         started = levels.seen > rules.min_history
         lost_bar = rules.diverge_lost * levels.first + self._noise_bar()
-        if started and self._learnt() and self._recent:
+        if started and self._has_learnt() and self._recent:
             median = float(np.median(self._recent))
             if median > lost_bar:
                 why = (
@@ -458,7 +461,7 @@ class LossRules:
         and comes back under the bar after fewer than ``diverge_patience`` steps over it, or
         falls back from them (:meth:`_falls_back`), met one or two outlier batches: for
         ``diverge_patience * diverge_span`` optimizer steps after it came back
-        (:meth:`_echo_steps`), the rise that follows (an optimizer with momentum carries the
+        (:meth:`_outlier_hold_steps`), the rise that follows (an optimizer with momentum carries the
         outlier's update on for a while) counts toward nothing, unless a step's mean loss passes
         the outlier steps' own, which an echo does not.
 
@@ -485,8 +488,8 @@ class LossRules:
             setback.steps += 1
             setback.jump = max(setback.jump, mean)
             return False
-        if setback.steps and self._learnt():
-            self._echo = (step + self._echo_steps(), setback.jump)
+        if setback.steps and self._has_learnt():
+            self._echo = (step + self._outlier_hold_steps(), setback.jump)
             setback.steps = 0
             return True
         setback.steps = 0
@@ -511,9 +514,9 @@ class LossRules:
         """
         outlier_steps = 0 < setback.steps < self.rules.diverge_patience
         kept = mean < self.levels.first  # not all it had learnt lost
-        return outlier_steps and kept and mean < _FALLS_BACK * setback.jump and self._learnt()
+        return outlier_steps and kept and mean < _FALLS_BACK * setback.jump and self._has_learnt()
 
-    def _echo_steps(self) -> int:
+    def _outlier_hold_steps(self) -> int:
         """Return the optimizer steps an outlier batch's echo is held after the run came back.
 
         ``diverge_patience`` spans of the short running mean (``diverge_span`` steps each): 12
@@ -521,7 +524,7 @@ class LossRules:
         """
         return self.rules.diverge_patience * self.rules.diverge_span
 
-    def _learnt(self) -> bool:
+    def _has_learnt(self) -> bool:
         """Return whether the run has learnt: its best is under :data:`_LEARNT` of its start.
 
         Such a run meets an outlier batch now and then, and one or two cannot move the median
@@ -582,7 +585,7 @@ class LossRules:
         best = self.levels.best
         return TrainingAlarm("diverging", "loss", step, x, best, said.first, details=details)
 
-    def _confirms(self, step: int, x: float, why: str, setback: Setback) -> _Said:
+    def _confirms(self, step: int, x: float, why: str, setback: Setback) -> Message:
         """Return the text of *diverging* when it confirms ``setback``.
 
         Its running mean against its best, and why it is confirmed.
@@ -596,9 +599,9 @@ class LossRules:
             )
         confirmed = f"the setback of optimizer step {setback.start} is confirmed: {why}"
         where = f"this step's loss {x:.4g}; the run started at {levels.first:.4g}"
-        return _Said(first, (confirmed, where))
+        return Message(first, (confirmed, where))
 
-    def _holds(self, step: int, x: float, why: str) -> _Said:
+    def _holds(self, step: int, x: float, why: str) -> Message:
         """Return the text of *diverging* at a later step while the divergence holds.
 
         This step's loss against the best, and since when; not the running mean, which may
@@ -613,7 +616,7 @@ class LossRules:
                 f"{_over(x, levels.best)} its best {levels.best:.4g}{since}"
             )
         held = f"{why}: its running mean {levels.mean:.4g} is still over diverging's bar"
-        return _Said(first, (held,))
+        return Message(first, (held,))
 
     def _recover(self, step: int) -> list[TrainingAlarm]:
         """Close the open setback, if any, at ``step``: a recovery when it was not confirmed."""

@@ -22,6 +22,7 @@ from lightning_hooks.core.checks import named_arguments
 
 __all__ = [
     "FiredStep",
+    "Message",
     "NormHistory",
     "TrainingAlarm",
     "gradient_alarm",
@@ -407,7 +408,7 @@ def ratio_text(value: float) -> str:
     return f"{value:.3g}x" if math.isfinite(value) else f"{value}"
 
 
-class _Said(NamedTuple):
+class Message(NamedTuple):
     """What an alarm says before its fixes: its first line and its details."""
 
     first: str
@@ -416,10 +417,10 @@ class _Said(NamedTuple):
     """The thresholds and the evidence, one per line."""
 
 
-def _dead_network_text(culprit: _Culprit, step: int) -> _Said:
+def _dead_network_text(culprit: _Culprit, step: int) -> Message:
     """Return the text of *vanishing* for a dead network (:data:`~.gradients.DEAD_STEPS`)."""
     since = step - DEAD_STEPS + 1
-    return _Said(
+    return Message(
         f"dead network at optimizer step {step}: {culprit.layer} and every layer before it get "
         f"no gradient since step {since}",
         (
@@ -430,7 +431,7 @@ def _dead_network_text(culprit: _Culprit, step: int) -> _Said:
     )
 
 
-def _no_gradient_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
+def _no_gradient_text(culprit: _Culprit, step: int, rules: AlarmRules) -> Message:
     """Return the text of the notice *no_gradient* for a trainable layer that got no gradient.
 
     Or next to none, while a layer before it gets one: :func:`_bypassed_text`.
@@ -439,7 +440,7 @@ def _no_gradient_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
         return _bypassed_text(culprit, step, rules)
     layer = culprit.layer
     steps = rules.vanish_steps
-    return _Said(
+    return Message(
         f"{layer} got no gradient in {steps} optimizer steps (to step {step}): is it used in "
         "forward?",
         (
@@ -452,14 +453,14 @@ def _no_gradient_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
     )
 
 
-def _bypassed_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
+def _bypassed_text(culprit: _Culprit, step: int, rules: AlarmRules) -> Message:
     """Return the text of the notice *no_gradient* for a layer the gradient flows around.
 
     Its gradient stayed tiny while a layer before it got one.
     """
     layer, value, ref = culprit
     steps = rules.vanish_steps
-    return _Said(
+    return Message(
         f"{layer} got next to no gradient in {steps} optimizer steps (to step {step}), while a "
         "layer before it gets one: is it bypassed?",
         (
@@ -471,12 +472,12 @@ def _bypassed_text(culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
     )
 
 
-def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Said:
+def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> Message:
     """Return the text of a gradient rule other than *explosion*."""
     layer, value, ref = culprit
     at = f"optimizer step {step}"
     if rule == "spike":
-        return _Said(
+        return Message(
             f"gradient spike at {at}: {layer} grad norm {value:.4g} is {value / ref:.3g}x its "
             "running scale",
             (
@@ -487,9 +488,11 @@ def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Sa
             ),
         )
     if rule == "absolute":
-        return _Said(f"gradient norm above max_grad_norm at {at}: {layer} {value:.4g} > {ref:.4g}")
+        return Message(
+            f"gradient norm above max_grad_norm at {at}: {layer} {value:.4g} > {ref:.4g}"
+        )
     if rule == "vanishing":
-        return _Said(
+        return Message(
             f"vanishing gradient at {at}: {layer} grad norm {value:.3g} under {ref:.3g} for "
             f"{rules.vanish_steps} steps",
             (
@@ -501,11 +504,11 @@ def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Sa
         return _no_gradient_text(culprit, step, rules)
     if rule == "nonfinite":
         what, order = ("weights", "forward") if not math.isfinite(ref) else ("gradient", "backward")
-        return _Said(
+        return Message(
             f"non-finite {what} at {at}: {layer} (first layer in {order} order)",
             (f"{layer} grad norm {value:.4g}",),
         )
-    return _Said(
+    return Message(
         f"AMP overflow at {at}: the GradScaler skipped the step",
         (f"grad norm {value:.4g}",),
     )
@@ -513,7 +516,7 @@ def _describe(rule: str, culprit: _Culprit, step: int, rules: AlarmRules) -> _Sa
 
 def _explosion_text(
     culprit: _Culprit, report: GradientReport, at: FiredStep, rules: AlarmRules
-) -> _Said:
+) -> Message:
     """Return the text of *explosion*: the size, and what the optimizer applies.
 
     The global norm's running scale, which its advice reads, is in its details.
@@ -527,7 +530,7 @@ def _explosion_text(
         if shrink == 1.0
         else f"{value * shrink / ref:.3g}x after clipping to {clip:.4g}"
     )
-    return _Said(
+    return Message(
         f"gradient explosion at optimizer step {at.step}: {layer} {value / ref:.3g}x its scale, "
         f"{applied}",
         (

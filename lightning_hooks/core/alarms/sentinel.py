@@ -127,7 +127,7 @@ class TrainingAlarms:
         """What the alarms may quote of the run: the learning rate, the output layer's units
         (:meth:`know`)."""
 
-    def know(self, facts: RunFacts) -> None:
+    def set_run_facts(self, facts: RunFacts) -> None:
         """Quote ``facts`` in the alarms.
 
         The learning rate where the fix is to lower it, and ``ln C`` beside the loss of a dead
