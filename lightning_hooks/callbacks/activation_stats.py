@@ -182,7 +182,7 @@ class ActivationStatsCallback(HookCallback):
         if self._warned_nonfinite:
             return
         tracker = self._activations
-        tracker.end_step(self.lifecycle.cadence.batch_step)
+        tracker.end_step(self.lifecycle.batch_step)
         found = tracker.first_nonfinite.poll()
         if found is not None:
             step, row = found

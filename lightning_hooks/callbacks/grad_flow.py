@@ -341,7 +341,7 @@ class GradFlowCallback(HookCallback):
         The loss rules read every batch (:meth:`_Fit.end_batch`).
         """
         if self._fit is not None:
-            step = self.lifecycle.cadence.batch_step
+            step = self.lifecycle.batch_step
             self._fit.end_batch(outputs, step, self.lifecycle.measuring)
         self.lifecycle.end_batch(trainer)
 

@@ -95,6 +95,10 @@ class FitAlarms:
         """Pass a logging step's attention logits and entropies to the attention rule."""
         self.alarms.update_attention(result.attn_logit_max, result.attn_entropy_min, step=step)
 
+    def start_log(self) -> None:
+        """Log only what the alarms count from now on: counts loaded are already written."""
+        self.policy.log.start(self.alarms)
+
     def end_epoch(self) -> None:
         """Act on the epoch's last results, then log its counts and text."""
         self.policy.end_epoch(self.trainer, self.alarms)
@@ -162,7 +166,7 @@ class GradFlowAlarms:
                     f"GradFlowCallback: {err}; running scales start afresh.",
                     category=LightningHooksWarning,
                 )
-        running.policy.log.start(running.alarms)
+        running.start_log()
         self._running = running
         return running
 
@@ -199,4 +203,4 @@ class GradFlowAlarms:
             running.alarms.load_state_dict(loaded)
         self._state = loaded
         if running is not None:
-            running.policy.log.start(running.alarms)
+            running.start_log()

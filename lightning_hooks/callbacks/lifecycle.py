@@ -113,6 +113,11 @@ class Lifecycle:
         return self._fit.attached
 
     @property
+    def batch_step(self) -> int:
+        """Return the optimizer step the running batch feeds."""
+        return self.cadence.batch_step
+
+    @property
     def measuring(self) -> bool:
         """Return whether the running batch belongs to a logging step, with the hooks on."""
         return self._fit.logging_batch and self._fit.attached is not None
