@@ -230,7 +230,7 @@ def nan_weight_live(seed: int, step: int = 20) -> list[tuple[int, str, str]]:
             opt.zero_grad()
             nn.functional.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
             feed.observe(opt, tracker.observe(opt), step=s)
-            found += [(a.step, a.rule, a.layer) for a in feed.alarms.poll()]
+            found += [(a.step, a.rule, a.layer) for a in feed.training_alarms.poll()]
             opt.step()
     return found
 

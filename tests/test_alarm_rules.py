@@ -50,7 +50,7 @@ def _nan_target_alarm(output_grad: bool) -> Any:
             nn.functional.mse_loss(model(torch.randn(4, 8)), target).backward()
             feed.observe(opt, tracker.observe(opt))
             opt.step()
-        return feed.alarms.poll()
+        return feed.training_alarms.poll()
 
 
 def _absolute_alarm_steps(rules: AlarmRules) -> list[int]:
@@ -65,7 +65,7 @@ def _absolute_alarm_steps(rules: AlarmRules) -> list[int]:
             nn.functional.mse_loss(model(torch.randn(4, 8)), torch.ones(4, 1)).backward()
             feed.observe(opt, tracker.observe(opt))
             opt.step()
-        return [a.step for a in feed.alarms.poll() if a.rule == "absolute"]
+        return [a.step for a in feed.training_alarms.poll() if a.rule == "absolute"]
 
 
 def test_the_trackers_alarms_of_release_0_2_still_run_with_a_deprecation_warning() -> None:

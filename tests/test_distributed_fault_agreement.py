@@ -209,7 +209,7 @@ def test_the_loss_moves_to_the_nccl_group_device_without_a_sync(
     import torch.distributed as dist
     from torch.overrides import TorchFunctionMode
 
-    from lightning_hooks.callbacks.agreement import _carry
+    from lightning_hooks.callbacks.loss_agreement import _carry
     from lightning_hooks.core import transport as distributed
 
     assert distributed.group_device() == torch.device("cpu")  # no group, as gloo's
@@ -246,7 +246,7 @@ def test_the_carried_loss_keeps_no_graph_alive() -> None:
     that carries it is out of autograd, so the batch's graph is freed with the batch."""
     import torch
 
-    from lightning_hooks.callbacks.agreement import _carry
+    from lightning_hooks.callbacks.loss_agreement import _carry
 
     weight = torch.ones(3, requires_grad=True)
     loss = (weight * 2.0).sum()

@@ -92,8 +92,7 @@ class ActivationStatsCallback(HookCallback):
         fused: bool = False,
         every_n_steps: int | None = None,
     ) -> None:
-        self.selection = Selection.of(_NAME, types=types, include=include, exclude=exclude)
-        s = self.selection
+        selection = Selection.of(_NAME, types=types, include=include, exclude=exclude)
         self.histogram_bins = positive_int(_NAME, "histogram_bins", histogram_bins)
         self.histogram_range = _check_range(histogram_range)
         self.histograms = boolean(_NAME, "histograms", histograms)
@@ -101,23 +100,28 @@ class ActivationStatsCallback(HookCallback):
         self.warn_nonfinite = boolean(_NAME, "warn_nonfinite", warn_nonfinite)
         self.fused = boolean(_NAME, "fused", fused)
         tracker = ActivationStatsTracker(
-            types=s.types,
-            include=s.include,
-            exclude=s.exclude,
+            types=selection.types,
+            include=selection.include,
+            exclude=selection.exclude,
             histogram_bins=self.histogram_bins if self.histograms else 0,
             histogram_range=self.histogram_range,
             fused=self.fused,
             owner=_NAME,
         )
-        shape = ActivationShape(types=s.types, include=s.include, exclude=s.exclude, owner=_NAME)
+        shape = ActivationShape(
+            types=selection.types,
+            include=selection.include,
+            exclude=selection.exclude,
+            owner=_NAME,
+        )
         super().__init__(
             state_key={"stats": [tracker.config_key(), shape.config_key()]},
             every_n_steps=every_n_steps,
             uses_images=self.heatmaps or self.histograms,
         )
         self.types = types
-        self.include = s.include
-        self.exclude = s.exclude
+        self.include = selection.include
+        self.exclude = selection.exclude
         self._history = EpochColumns()  # the heatmaps' columns, one per epoch of the fit
         # So that a resumed fit draws the earlier epochs.
         self.lifecycle.checkpoint.keep("heatmaps", self._history)

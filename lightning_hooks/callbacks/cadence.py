@@ -5,7 +5,7 @@ from __future__ import annotations
 from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.checks import positive_int_or_none
 
-__all__ = ["LoggingCadence", "check_every_n_steps"]
+__all__ = ["LIGHTNING_LOG_EVERY_N_STEPS", "LoggingCadence", "check_every_n_steps"]
 
 
 def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
@@ -24,6 +24,11 @@ def check_every_n_steps(owner: str, every_n_steps: int | None) -> int | None:
     """
     meaning = "the Trainer's log_every_n_steps"
     return positive_int_or_none(owner, "every_n_steps", every_n_steps, none_means=meaning)
+
+
+LIGHTNING_LOG_EVERY_N_STEPS = 50
+"""The Trainer's default ``log_every_n_steps``: the cadence where neither the callback nor the
+trainer names one (a Fabric loop has no Trainer to name it)."""
 
 
 class LoggingCadence:
@@ -55,14 +60,13 @@ class LoggingCadence:
         self.batch_step = 0
         """The optimizer step the running batch feeds."""
         self.epoch_start_step = -1
-        self.measuring: int | None = None
+        self.measured_step: int | None = None
         """The logging step being measured, until its values are handed over to be written."""
 
     def logs(self, trainer: TrainerView, step: int) -> bool:
         """Return whether optimizer step ``step`` is a logging step by the cadence alone."""
-        # Lightning sets log_every_n_steps on its Trainer (50 by default); TrainerView does not
-        # declare it.
-        every = getattr(trainer, "log_every_n_steps", 50)
+        # Lightning sets log_every_n_steps on its Trainer; TrainerView does not declare it.
+        every = getattr(trainer, "log_every_n_steps", LIGHTNING_LOG_EVERY_N_STEPS)
         cadence = self.every_n_steps or max(1, int(every))
         return (step + 1) % cadence == 0
 
@@ -78,14 +82,14 @@ class LoggingCadence:
 
     def measure(self) -> None:
         """Mark the running batch's logging step as measured."""
-        self.measuring = self.batch_step
+        self.measured_step = self.batch_step
 
     def end_epoch(self) -> None:
         """Stop measuring any logging step at the end of an epoch.
 
         If a skipped batch cut a logging step short, that step is not written.
         """
-        self.measuring = None
+        self.measured_step = None
 
     def finished_step(self, trainer: TrainerView) -> int | None:
         """Record a batch's end, and return the logging step whose optimizer step has just run.
@@ -94,8 +98,8 @@ class LoggingCadence:
             That step, once only. ``None`` for a quiet step, and for each micro-batch before a
             step's last one.
         """
-        measured = self.measuring
+        measured = self.measured_step
         if measured is None or trainer.global_step <= measured:
             return None
-        self.measuring = None
+        self.measured_step = None
         return measured

@@ -21,6 +21,7 @@ from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from lightning_hooks.callbacks.cadence import LIGHTNING_LOG_EVERY_N_STEPS
 from lightning_hooks.callbacks.trainer import (
     SHARDED_STRATEGIES,
     TrainerView,
@@ -240,7 +241,7 @@ class FabricTrainer:
         self.global_step = 0
         self.current_epoch = 0
         self.should_stop = False
-        self.log_every_n_steps = 50  # the cadence when ``every_n_steps`` is ``None``
+        self.log_every_n_steps = LIGHTNING_LOG_EVERY_N_STEPS  # where ``every_n_steps`` is ``None``
         self.loggers = list(fabric.loggers)
         self.is_global_zero = bool(fabric.is_global_zero)
         self.optimizers: list[torch.optim.Optimizer] = []

@@ -38,7 +38,7 @@ __all__ = ["FeatureMapCallback", "ProbeInputError"]
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-_OWNER = "FeatureMapCallback"
+_NAME = "FeatureMapCallback"
 
 
 def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[str, nn.Module]]:
@@ -58,7 +58,7 @@ def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[st
     try:
         return select_modules(model, include=patterns)
     except ValueError as err:
-        raise ValueError(f"{_OWNER}({argument}={patterns!r}): {err}") from None
+        raise ValueError(f"{_NAME}({argument}={patterns!r}): {err}") from None
 
 
 @named_arguments
@@ -113,10 +113,10 @@ class FeatureMapCallback(HookCallback):
         every_n_epochs: int = 1,
         strict: bool | None = None,
     ) -> None:
-        self.max_layers = checks.positive_int(_OWNER, "max_layers", max_layers)
-        self.channels = checks.positive_int(_OWNER, "channels", channels)
-        self.probe_size = checks.positive_int(_OWNER, "probe_size", probe_size)
-        self.every_n_epochs = checks.positive_int(_OWNER, "every_n_epochs", every_n_epochs)
+        self.max_layers = checks.positive_int(_NAME, "max_layers", max_layers)
+        self.channels = checks.positive_int(_NAME, "channels", channels)
+        self.probe_size = checks.positive_int(_NAME, "probe_size", probe_size)
+        self.every_n_epochs = checks.positive_int(_NAME, "every_n_epochs", every_n_epochs)
         items: object = layers
         if isinstance(layers, str):
             items = [layers]
@@ -124,28 +124,28 @@ class FeatureMapCallback(HookCallback):
             items = ()
         if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
             raise TypeError(
-                f"{_OWNER}(layers={layers!r}): must be a module name or glob pattern, a sequence "
+                f"{_NAME}(layers={layers!r}): must be a module name or glob pattern, a sequence "
                 f"of them, or None, got {layers!r}"
             )
         self.layers = as_patterns(layers)
-        self.input_fn = checks.callable_or_none(_OWNER, "input_fn", input_fn) or default_input
-        self.forward_fn = checks.callable_or_none(_OWNER, "forward_fn", forward_fn)
+        self.input_fn = checks.callable_or_none(_NAME, "input_fn", input_fn) or default_input
+        self.forward_fn = checks.callable_or_none(_NAME, "forward_fn", forward_fn)
         if embedding is not None and not isinstance(embedding, str):
             raise TypeError(
-                f"{_OWNER}(embedding={embedding!r}): must be a module name (str) or None, "
+                f"{_NAME}(embedding={embedding!r}): must be a module name (str) or None, "
                 f"got {embedding!r}"
             )
         self.embedding = embedding
         super().__init__(
             state_key={"layers": self.layers, "embedding": self.embedding},
             uses_images=True,
-            strict=None if strict is None else checks.boolean(_OWNER, "strict", strict),
+            strict=None if strict is None else checks.boolean(_NAME, "strict", strict),
             fabric_refusal="it draws its probe images from the training batch, which Fabric "
             f"does not hand to callbacks. {UNDER_FABRIC}",
         )
         if probe_labels is not None and not isinstance(probe_labels, torch.Tensor):
             raise TypeError(
-                f"{_OWNER}(probe_labels={probe_labels!r}): must be a tensor of one label per "
+                f"{_NAME}(probe_labels={probe_labels!r}): must be a tensor of one label per "
                 f"probe sample or None, got {type(probe_labels).__name__}"
             )
         # The user's probe is kept for every fit; one taken from a batch belongs to its fit.
@@ -176,9 +176,9 @@ class FeatureMapCallback(HookCallback):
         stubs = (pl.LightningModule.forward, nn.Module.forward)
         if self.forward_fn is None and type(pl_module).forward in stubs:
             raise MisconfigurationException(
-                f"{_OWNER}: {type(pl_module).__name__} defines no forward(), so the probe "
+                f"{_NAME}: {type(pl_module).__name__} defines no forward(), so the probe "
                 "batch cannot run through it. Define forward(), or pass "
-                f"{_OWNER}(forward_fn=lambda module, probe: ...) that runs the probe."
+                f"{_NAME}(forward_fn=lambda module, probe: ...) that runs the probe."
             )
         if self.layers:
             names = [name for name, _ in _named(pl_module, "layers", self.layers)]
@@ -193,7 +193,7 @@ class FeatureMapCallback(HookCallback):
             _named(pl_module, "embedding", self.embedding)
         elif not self._drawn:
             selected = {"layers": self.layers}
-            return nothing_to_watch(_OWNER, "convolution or Linear layer", selected=selected)
+            return nothing_to_watch(_NAME, "convolution or Linear layer", selected=selected)
         return True
 
     def _forget_probe(self) -> None:
@@ -282,13 +282,13 @@ class FeatureMapCallback(HookCallback):
         except Exception as err:
             shown = "None" if self.input_fn is default_input else repr(self.input_fn)
             raise ProbeInputError(
-                f"{_OWNER}(input_fn={shown}): raised {type(err).__name__}: {err} on the first "
+                f"{_NAME}(input_fn={shown}): raised {type(err).__name__}: {err} on the first "
                 f"training batch (a {type(batch).__name__}); pass input_fn=lambda batch: ... "
                 "that returns the model input, or probe=..."
             ) from err
         if not has_tensor(x):
             raise ProbeInputError(
-                f"{_OWNER}(input_fn=...): the model input taken from the first training batch "
+                f"{_NAME}(input_fn=...): the model input taken from the first training batch "
                 f"holds no tensor, got {type(x).__name__}; pass input_fn=lambda batch: ... "
                 "that returns the model input, or probe=..."
             )
@@ -301,7 +301,7 @@ class FeatureMapCallback(HookCallback):
         if (trainer.current_epoch + 1) % self.every_n_epochs:
             return
         wanted = [*self._drawn, *([self.embedding] if self.embedding else [])]
-        module = lightning_module_of(_OWNER, pl_module)  # Fabric refuses the callback
+        module = lightning_module_of(_NAME, pl_module)  # Fabric refuses the callback
         probe = apply_to_collection(self._probe, torch.Tensor, lambda x: x.to(module.device))
         with probe_mode(module), capture_outputs(module, wanted, clone=True) as outputs:
             (self.forward_fn or type(module).__call__)(module, probe)

@@ -33,6 +33,8 @@ from lightning_hooks.logging import save_loggers
 
 __all__ = ["GradFlowCallback"]
 
+_NAME = "GradFlowCallback"
+
 
 @named_arguments
 class GradFlowCallback(HookCallback):
@@ -134,11 +136,11 @@ class GradFlowCallback(HookCallback):
         stability: bool = True,
     ) -> None:
         # Every argument is checked first, so a bad one fails before anything is built.
-        checks.module_types("GradFlowCallback", types, (nn.Module,))
-        include = as_patterns(include, f"GradFlowCallback(include={include!r})")
-        exclude = as_patterns(exclude, f"GradFlowCallback(exclude={exclude!r})")
+        checks.module_types(_NAME, types, (nn.Module,))
+        include = as_patterns(include, f"{_NAME}(include={include!r})")
+        exclude = as_patterns(exclude, f"{_NAME}(exclude={exclude!r})")
         max_layers_logged = checks.positive_int_or_none(
-            "GradFlowCallback", "max_layers_logged", max_layers_logged, none_means="every layer"
+            _NAME, "max_layers_logged", max_layers_logged, none_means="every layer"
         )
         switches = {
             "update_ratio": update_ratio,
@@ -149,7 +151,7 @@ class GradFlowCallback(HookCallback):
             "stability": stability,
         }
         for name, value in switches.items():
-            checks.boolean("GradFlowCallback", name, value)
+            checks.boolean(_NAME, name, value)
         rules = _alarm_rules(alarms)
         actions = check_actions(on_alarm)
         super().__init__(
@@ -171,9 +173,9 @@ class GradFlowCallback(HookCallback):
         self.on_alarm = actions
         """The action of each rule; a rule ``on_alarm`` did not name has its default."""
         self.stability = stability
-        self._alarms_across_fits = GradFlowAlarms(rules, actions, self.lifecycle.ranks)
+        self._alarm_state = GradFlowAlarms(rules, actions, self.lifecycle.ranks)
         # The alarms carry their running scales to the next fit, and through checkpoints.
-        self.lifecycle.checkpoint.keep("alarms", self._alarms_across_fits)
+        self.lifecycle.checkpoint.keep("alarms", self._alarm_state)
         self._pictures = GradFlowPictures(max_layers_logged, chart=chart, heatmap=heatmap)
         # So that a resumed fit draws the earlier epochs.
         self.lifecycle.checkpoint.keep("heatmap", self._pictures.history)
@@ -195,7 +197,7 @@ class GradFlowCallback(HookCallback):
             ValueError: the user's selection selects no layer.
         """
         selection = Selection.of(
-            "GradFlowCallback", types=self.types, include=self.include, exclude=self.exclude
+            _NAME, types=self.types, include=self.include, exclude=self.exclude
         )
         modules = selection.modules(pl_module)
         owners = list(modules)  # the layers measured
@@ -209,7 +211,7 @@ class GradFlowCallback(HookCallback):
         ]
         if lazy:
             rank_zero_warn(
-                f"GradFlowCallback: the selected layers' lazy parameters {lazy[:3]} are not "
+                f"{_NAME}: the selected layers' lazy parameters {lazy[:3]} are not "
                 "initialized before fit; this callback does nothing in this fit. Initialize "
                 "them first: one forward of a sample batch before trainer.fit (or in the "
                 "LightningModule's setup)",
@@ -218,9 +220,7 @@ class GradFlowCallback(HookCallback):
             return False
         if not layers_of(pl_module, modules, types=self.types, include=self.include).layers:
             selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
-            return nothing_to_watch(
-                "GradFlowCallback", "module owning a parameter", selected=selected
-            )
+            return nothing_to_watch(_NAME, "module owning a parameter", selected=selected)
         return True
 
     @override
@@ -240,7 +240,7 @@ class GradFlowCallback(HookCallback):
         try:
             fit = _Fit(
                 tracker=tracker,
-                alarms=self._alarms_across_fits.start(trainer, pl_module, tracker),
+                fit_alarms=self._alarm_state.start(trainer, pl_module, tracker),
                 pictures=self._pictures,
                 stability_stats=StabilityStats() if self.stability else None,
                 gradient_histograms=_histograms(tracker) if self.histograms else None,
@@ -251,10 +251,10 @@ class GradFlowCallback(HookCallback):
             self._pictures.start()
         except BaseException:
             tracker.remove()
-            self._alarms_across_fits.end()
+            self._alarm_state.end()
             raise
         self._fit = fit
-        alarms = fit.alarms
+        alarms = fit.fit_alarms
         logged: list[Logged[Any]] = [
             Logged(
                 tracker,
@@ -294,7 +294,7 @@ class GradFlowCallback(HookCallback):
             unstepped = tracker.unstepped()
             if unstepped:
                 rank_zero_warn(
-                    f"GradFlowCallback: no optimizer of the Trainer steps the trainable "
+                    f"{_NAME}: no optimizer of the Trainer steps the trainable "
                     f"parameters of {', '.join(repr(n) for n in unstepped)}; these layers are "
                     "not measured.",
                     category=LightningHooksWarning,
@@ -307,7 +307,7 @@ class GradFlowCallback(HookCallback):
     def _end_fit(self) -> None:
         """Carry the fit's alarm state to the next fit, then warn once if an alarm stopped it."""
         self._fit = None
-        self._alarms_across_fits.end()
+        self._alarm_state.end()
 
     @override
     @guarded
@@ -351,8 +351,8 @@ class GradFlowCallback(HookCallback):
         """Write the epoch's statistics and pictures, then close it for the alarms."""
         self.lifecycle.end_epoch(trainer)
         fit = self._fit  # ``None`` once the fit's hooks came off
-        if fit is not None and fit.alarms is not None:
-            fit.alarms.end_epoch()
+        if fit is not None and fit.fit_alarms is not None:
+            fit.fit_alarms.end_epoch()
             save_loggers(trainer.loggers)  # what the alarms wrote of the epoch
 
 
@@ -377,7 +377,7 @@ class _Fit:
     """
 
     tracker: GradFlowTracker
-    alarms: FitAlarms | None
+    fit_alarms: FitAlarms | None
     """The fit's alarms; ``None`` under ``alarms=False``."""
     pictures: GradFlowPictures
     stability_stats: StabilityStats | None
@@ -399,8 +399,8 @@ class _Fit:
         if self.gradient_histograms is not None:
             layout = self.tracker.layout
             observe_histograms(self.gradient_histograms, layout, optimizer, param_grad_scale)
-        if self.alarms is not None:
-            self.alarms.observe(
+        if self.fit_alarms is not None:
+            self.fit_alarms.observe(
                 optimizer, measured, grad_scale=scale, param_grad_scale=param_grad_scale
             )
 
@@ -408,8 +408,8 @@ class _Fit:
         """Close the attention statistics of a logging step, then give the loss to the rules."""
         if self.stability_stats is not None and logging_step:
             self.stability_stats.end_step()
-        if self.alarms is not None:
-            self.alarms.feed_loss(outputs, step)
+        if self.fit_alarms is not None:
+            self.fit_alarms.feed_loss(outputs, step)
 
     def draw_pictures(self, trainer: TrainerView, table: LayerTable) -> None:
         """Draw the epoch's chart, heatmap and histograms."""
@@ -443,14 +443,17 @@ def _histograms(tracker: GradFlowTracker) -> LayerHistograms:
 
 
 def _alarm_rules(alarms: AlarmRules | bool) -> AlarmRules | None:
-    """Read ``alarms`` as the rules: ``True`` the defaults, ``False`` none (``None``).
+    """Return the alarm rules that ``alarms`` asks for.
+
+    ``True`` asks for the default rules, ``False`` for none (``None``), and an ``AlarmRules``
+    for itself.
 
     Raises:
         TypeError: if ``alarms`` is neither an ``AlarmRules`` nor a bool.
     """
     if not isinstance(alarms, AlarmRules | bool):
         raise TypeError(
-            f"GradFlowCallback(alarms={alarms!r}): expected an AlarmRules or a bool, "
+            f"{_NAME}(alarms={alarms!r}): expected an AlarmRules or a bool, "
             f"got {type(alarms).__name__}"
         )
     if alarms is True:

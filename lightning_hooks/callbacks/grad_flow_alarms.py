@@ -17,8 +17,8 @@ from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 
-from lightning_hooks.callbacks.agreement import LossAgreement
 from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
+from lightning_hooks.callbacks.loss_agreement import LossAgreement
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView, gradient_clipping
 from lightning_hooks.core import GradFlowTracker, LayerTable
@@ -48,9 +48,9 @@ class FitAlarms:
     """Hands the alarms each batch's loss, the mean over the ranks under DDP."""
 
     @property
-    def alarms(self) -> TrainingAlarms:
+    def training_alarms(self) -> TrainingAlarms:
         """The fit's alarms."""
-        return self.feed.alarms
+        return self.feed.training_alarms
 
     def observe(
         self,
@@ -76,32 +76,34 @@ class FitAlarms:
             param_grad_scale=param_grad_scale,
             clip=gradient_clipping(self.trainer),
         )
-        found = self.alarms.poll(wait=self.policy.wait)
+        found = self.training_alarms.poll(wait=self.policy.wait)
         if found:
-            self.policy.act(self.trainer, optimizer, self.alarms, found)
+            self.policy.act(self.trainer, optimizer, self.training_alarms, found)
 
     def feed_loss(self, outputs: STEP_OUTPUT, step: int) -> None:
         """Pass the batch's loss to the loss rules at optimizer step ``step``."""
-        self.loss_agreement.feed(self.trainer, outputs, step, self.alarms, self.policy)
+        self.loss_agreement.feed(self.trainer, outputs, step, self.training_alarms, self.policy)
 
     def log_step(self, trainer: TrainerView, step: int, table: LayerTable) -> None:
         """Log the alarm counts and text gathered since the last logging step, at ``step``.
 
         It is called with the tracker's result of the logging step, which it does not read.
         """
-        self.policy.log.log_step(trainer, self.alarms, step)
+        self.policy.log.log_step(trainer, self.training_alarms, step)
 
     def watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
         """Pass a logging step's attention logits and entropies to the attention rule."""
-        self.alarms.update_attention(result.attn_logit_max, result.attn_entropy_min, step=step)
+        self.training_alarms.update_attention(
+            result.attn_logit_max, result.attn_entropy_min, step=step
+        )
 
     def start_log(self) -> None:
         """Log only what the alarms count from now on: counts loaded are already written."""
-        self.policy.log.start(self.alarms)
+        self.policy.log.start(self.training_alarms)
 
     def end_epoch(self) -> None:
         """Act on the epoch's last results, then log its counts and text."""
-        self.policy.end_epoch(self.trainer, self.alarms)
+        self.policy.end_epoch(self.trainer, self.training_alarms)
 
 
 class GradFlowAlarms:
@@ -150,7 +152,7 @@ class GradFlowAlarms:
         if self.rules is None:
             return None
         feed = AlarmFeed(tracker, self.rules)
-        feed.alarms.set_run_facts(RunFacts.of(pl_module, trainer.optimizers))
+        feed.training_alarms.set_run_facts(RunFacts.of(pl_module, trainer.optimizers))
         running = FitAlarms(
             trainer=trainer,
             feed=feed,
@@ -159,7 +161,7 @@ class GradFlowAlarms:
         )
         if self._state is not None:
             try:
-                running.alarms.load_state_dict(self._state)
+                running.training_alarms.load_state_dict(self._state)
             except ValueError as err:
                 self._state = None  # another model's state: drop it now, not at every later fit
                 rank_zero_warn(
@@ -176,13 +178,13 @@ class GradFlowAlarms:
         self._running = None
         if running is None:
             return
-        self._state = running.alarms.state_dict()
+        self._state = running.training_alarms.state_dict()
         running.policy.announce_stop(running.trainer)
 
     def host_state(self) -> dict[str, Any]:
         """Return what a checkpoint saves: the running fit's state, else the one carried, or {}."""
         if self._running is not None:
-            return self._running.alarms.state_dict()
+            return self._running.training_alarms.state_dict()
         return dict(self._state or {})
 
     def load_host_state(self, state: dict[str, Any]) -> None:
@@ -200,7 +202,7 @@ class GradFlowAlarms:
         loaded = dict(state) or None
         running = self._running
         if running is not None and loaded is not None:
-            running.alarms.load_state_dict(loaded)
+            running.training_alarms.load_state_dict(loaded)
         self._state = loaded
         if running is not None:
             running.start_log()

@@ -86,7 +86,7 @@ class Lifecycle:
         """Which optimizer steps are logging steps, and where the running one is."""
         self.checkpoint = CheckpointSlot(owner)
         """Saves the callback's state in checkpoints, and restores it when a fit attaches."""
-        self._fit = FitState(guard)
+        self._state = FitState(guard)
         self.ranks = RankAgreement(self.guard, remove_hooks=self.remove_hooks)
         """Makes the ranks of a multi-process fit agree on failures, stops and new rows."""
 
@@ -96,21 +96,21 @@ class Lifecycle:
         It is a method, not a property, so that the rank agreement can hold it and read the
         guard of whichever fit runs: each fit's ``setup`` makes a new one.
         """
-        return self._fit.guard
+        return self._state.guard
 
     @property
     def watching(self) -> bool:
         """Return whether the callback watches the model in this fit."""
-        return self._fit.watching
+        return self._state.watching
 
     @watching.setter
     def watching(self, watching: bool) -> None:
-        self._fit.watching = watching
+        self._state.watching = watching
 
     @property
     def attached(self) -> Attached | None:
         """Return what the fit put on the model, or ``None`` outside its train start and end."""
-        return self._fit.attached
+        return self._state.attached
 
     @property
     def batch_step(self) -> int:
@@ -120,7 +120,7 @@ class Lifecycle:
     @property
     def measuring(self) -> bool:
         """Return whether the running batch belongs to a logging step, with the hooks on."""
-        return self._fit.logging_batch and self._fit.attached is not None
+        return self._state.logging_batch and self._state.attached is not None
 
     def start_fit(self, trainer: TrainerView, guard: Guard, *, watching: bool) -> None:
         """Start a fit with a new guard, and check the Trainer if the callback watches.
@@ -130,7 +130,7 @@ class Lifecycle:
             guard: the fit's guard, with no failure.
             watching: ``False`` where a callback the user passed already watches the model.
         """
-        self._fit = FitState(guard, watching=watching)
+        self._state = FitState(guard, watching=watching)
         if watching:
             check_trainer(
                 self.owner,
@@ -147,11 +147,11 @@ class Lifecycle:
         """
         self.remove_hooks()
         self.ranks.start()
-        return self._fit.watching
+        return self._state.watching
 
     def attach(self, attached: Attached) -> None:
         """Keep what the fit put on the model, and load a checkpoint held for it, if any."""
-        self._fit.attached = attached
+        self._state.attached = attached
         self.checkpoint.restore(attached)
 
     def start_batch(self, trainer: TrainerView, batch_idx: int) -> bool:
@@ -168,15 +168,15 @@ class Lifecycle:
             Whether the batch is measured: it belongs to a logging step and the hooks are on.
         """
         logging_step = self.cadence.start_batch(trainer, batch_idx)
-        attached = self._fit.attached
+        attached = self._state.attached
         if attached is not None:
             attached.write_arrived_steps(trainer)  # on CUDA, the last logging step's copy
         self._set_gate(logging_step)
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
-        self._fit.logging_batch = logging_step and attached is not None
-        if self._fit.logging_batch:
+        self._state.logging_batch = logging_step and attached is not None
+        if self._state.logging_batch:
             self.cadence.measure()
-        return self._fit.logging_batch
+        return self._state.logging_batch
 
     def end_batch(self, trainer: TrainerView) -> None:
         """End a batch, and write its logging step if its optimizer step has run.
@@ -186,7 +186,7 @@ class Lifecycle:
         a step that is not a logging step runs none of the library's hooks.
         """
         step = self.cadence.finished_step(trainer)
-        attached = self._fit.attached  # a failure in the batch's hooks may have taken it off
+        attached = self._state.attached  # a failure in the batch's hooks may have taken it off
         if step is None or attached is None:
             return
         self.ranks.agree(trainer, step, attached, always=False)
@@ -200,7 +200,7 @@ class Lifecycle:
 
         It is set only when its value changes, so a step that is not a logging step only reads it.
         """
-        attached = self._fit.attached
+        attached = self._state.attached
         gate = None if attached is None else attached.registry
         if gate is not None and gate.logging_step != logging_step:
             gate.set_logging_step(logging_step)
@@ -212,9 +212,9 @@ class Lifecycle:
             Whether the hooks are still on, so that the callback closes its epoch too. It then
             saves the loggers again after what it writes.
         """
-        self.ranks.agree(trainer, trainer.global_step, self._fit.attached, always=True)
+        self.ranks.agree(trainer, trainer.global_step, self._state.attached, always=True)
         self.cadence.end_epoch()
-        attached = self._fit.attached  # a failure the ranks agreed on takes it off
+        attached = self._state.attached  # a failure the ranks agreed on takes it off
         if attached is not None:
             attached.write_steps(trainer, wait=True)
             attached.write_epoch(trainer)  # each statistic's epoch, then the next one starts
@@ -228,11 +228,11 @@ class Lifecycle:
         it), the ranks agree on a failure after the last epoch end, and the loggers are saved.
         """
         try:
-            attached = self._fit.attached
+            attached = self._state.attached
             if attached is not None:
                 attached.write_steps(trainer, wait=True)
             if self.guard().failed is None:
-                self.ranks.agree(trainer, trainer.global_step, self._fit.attached, always=True)
+                self.ranks.agree(trainer, trainer.global_step, self._state.attached, always=True)
             save_loggers(trainer.loggers, layout=trainer.is_global_zero)
         finally:
             self.remove_hooks()
@@ -242,7 +242,7 @@ class Lifecycle:
 
         On CUDA this waits for the last logging step's copy. ``on_exception`` calls it.
         """
-        attached = self._fit.attached
+        attached = self._state.attached
         if attached is not None:
             attached.write_steps(trainer, wait=True)
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
@@ -252,14 +252,14 @@ class Lifecycle:
 
         Calling it again does nothing; the guard calls it after a failure.
         """
-        attached = self._fit.attached
-        self._fit.attached = None
+        attached = self._state.attached
+        self._state.attached = None
         if attached is not None:
             attached.remove()
 
     def state_dict(self) -> dict[str, Any]:
         """Return what a checkpoint saves of the callback, with the rows of every rank."""
-        attached = self._fit.attached
+        attached = self._state.attached
         if attached is not None and self.ranks.size > 1 and attached.aligned:
             attached.align_rows()  # include the rows made since the last logging step
         return self.checkpoint.save(attached)

@@ -27,7 +27,7 @@ class RankAgreement:
 
     The ranks agree at each logging step and each epoch end, in one small collective. A
     callback that already runs a collective at every batch, such as the loss mean of
-    :mod:`.agreement`, carries the flags in it and passes their sums to :meth:`apply`; that
+    :mod:`.loss_agreement`, carries the flags in it and passes their sums to :meth:`apply`; that
     logging step then needs no collective of its own. With one process nothing is exchanged.
 
     Args:

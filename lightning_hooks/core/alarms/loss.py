@@ -172,6 +172,22 @@ class LossLevels:
             self.first += (x - self.first) / n
 
 
+class _Echo(NamedTuple):
+    """The echo of an outlier batch the run came back from, held for a while."""
+
+    until_step: int
+    """The last optimizer step the echo is held to."""
+    outlier_loss: float
+    """The outlier steps' highest mean loss: a step past it is worse than the outlier."""
+
+
+class _Peak(NamedTuple):
+    """The optimizer step of the run's highest mean loss so far, and that loss."""
+
+    step: int
+    loss: float
+
+
 @dataclass
 class _Group:
     """The losses read so far of one optimizer step (its micro-batches), and their sum."""
@@ -249,10 +265,9 @@ class LossRules:
         """The mean losses of the last optimizer steps, whose median *diverging* holds to
         ``diverge_lost``."""
         self._trail: deque[tuple[int, float]] = deque(maxlen=rules.history)
-        self._echo: tuple[int, float] | None = None
-        """The echo of an outlier batch held (:meth:`_count`): its last optimizer step, and the
-        outlier steps' highest mean loss."""
-        self._peak = (-1, -math.inf)  # the step of the highest mean loss, and that loss
+        self._echo: _Echo | None = None
+        """The echo of an outlier batch held (:meth:`_count`)."""
+        self._peak = _Peak(-1, -math.inf)
         self._start = math.nan  # the first optimizer step's mean loss
         self.adaptive = False
         """The optimizer keeps a second moment: its first ``diverge_early`` losses are held to
@@ -372,8 +387,8 @@ class LossRules:
         self._trail.append((step, mean))
         if math.isnan(self._start):
             self._start = mean
-        if mean > self._peak[1]:
-            self._peak = (step, mean)
+        if mean > self._peak.loss:
+            self._peak = _Peak(step, mean)
 
     def story(self) -> LossStory | None:
         """Return where the run started, its highest step and its last steps.
@@ -383,8 +398,8 @@ class LossRules:
         """
         if self.rules.diverge_ratio is None or self.levels.seen < self.rules.min_history:
             return None
-        peak_step, peak = self._peak
-        return LossStory(self._start, peak_step, peak, tuple(self._trail))
+        peak = self._peak
+        return LossStory(self._start, peak.step, peak.loss, tuple(self._trail))
 
     def _step_mean(self) -> float | None:
         """Return the step's mean loss, once its last loss is read.
@@ -476,7 +491,9 @@ class LossRules:
             setback but a loss that is not finite.
         """
         echo = self._echo
-        if echo is not None and (step > echo[0] or (mean is not None and mean > echo[1])):
+        past = echo is not None and step > echo.until_step
+        worse = echo is not None and mean is not None and mean > echo.outlier_loss
+        if past or worse:
             echo = None  # over, or a step worse than the outlier itself: no echo
             self._echo = None
         if mean is None:
@@ -489,7 +506,7 @@ class LossRules:
             setback.jump = max(setback.jump, mean)
             return False
         if setback.steps and self._has_learnt():
-            self._echo = (step + self._outlier_hold_steps(), setback.jump)
+            self._echo = _Echo(step + self._outlier_hold_steps(), setback.jump)
             setback.steps = 0
             return True
         setback.steps = 0
@@ -668,7 +685,7 @@ class LossRules:
             self._recent.clear()
             self._recent.extend(state.get("loss_recent", ()))
             echo = state.get("loss_echo")
-            self._echo = None if echo is None else (int(echo[0]), float(echo[1]))
+            self._echo = None if echo is None else _Echo(int(echo[0]), float(echo[1]))
         elif "diverging" in state:
             mean, deviation, best, first = as_array(state["diverging"]).tolist()
             seen = int(state["loss_seen"])

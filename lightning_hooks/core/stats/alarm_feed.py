@@ -117,7 +117,7 @@ class AlarmFeed:
 
     Args:
         tracker: the tracker whose layout, views and updates the feed reads.
-        rules: the alarm rules; :attr:`alarms` applies them.
+        rules: the alarm rules; :attr:`training_alarms` applies them.
 
     Example:
         >>> from torch import nn
@@ -129,13 +129,13 @@ class AlarmFeed:
         ...     tracker.registry.logging_step = False  # every step is a quiet step
         ...     model(torch.randn(16, 4)).pow(2).mean().backward()
         ...     feed.observe(opt, tracker.observe(opt))
-        ...     feed.alarms.evaluated  # the feed read the step, the tracker did not
+        ...     feed.training_alarms.evaluated  # the feed read the step, the tracker did not
         1
     """
 
     def __init__(self, tracker: Tracked, rules: AlarmRules) -> None:
         layout = tracker.views.layout
-        self.alarms = TrainingAlarms((*layout.layers, GLOBAL), rules, layout.index.device)
+        self.training_alarms = TrainingAlarms((*layout.layers, GLOBAL), rules, layout.index.device)
         """The alarms the feed hands the norms to."""
         self._views = tracker.views
         self._norms = tracker.view_norms
@@ -149,7 +149,7 @@ class AlarmFeed:
 
     def due(self, step: int) -> bool:
         """Return whether the alarms' own cadence runs them on optimizer step ``step``."""
-        return step % self.alarms.rules.evaluate_every_n_steps == 0
+        return step % self.training_alarms.rules.evaluate_every_n_steps == 0
 
     def observe(  # noqa: PLR0913 (one optimizer step's facts, a keyword each, as a public method)
         self,
@@ -185,7 +185,7 @@ class AlarmFeed:
         view = self._views.view(optimizer)
         if not view.params:
             return
-        alarms = self.alarms
+        alarms = self.training_alarms
         if alarms.evaluated < alarms.rules.diverge_early:  # from step 1
             alarms.set_adaptive(adaptive(optimizer, view.params))
         order = () if measured is None else measured.order
@@ -222,14 +222,14 @@ class AlarmFeed:
             to_local(p.grad) if p.grad is not None else None for p in view.params
         ]
         update = typical_update(before, after, applied)
-        self.alarms.update_stall(update, lr, step=self._step)
+        self.training_alarms.update_stall(update, lr, step=self._step)
 
     def _prepare_quiet_read(
         self, view: OptimizerView, param_grad_scale: torch.Tensor | None
     ) -> None:
         """Make the quiet steps' host copy and read on a logging step, not on a quiet step."""
         if param_grad_scale is None and not self._sharded:
-            self.alarms.reserve(len(view.params))
+            self.training_alarms.reserve(len(view.params))
             self._read(view)
 
     def _quiet(self, view: OptimizerView, at: _Step) -> bool:
@@ -243,8 +243,9 @@ class AlarmFeed:
             return False
         try:
             norms = self._read(view)(grads)
-        except Exception as error:  # a gradient set by hand, unlike its parameter; a Triton
-            # that cannot launch the kernels: said once, then the multi-tensor read
+        except Exception as error:
+            # A gradient set by hand unlike its parameter, or Triton kernels that cannot
+            # launch: the feed says so once, then reads with the multi-tensor norm from now on.
             self._reads[view] = foreach_norms
             failed = "its kernels failed" if self._triton else "its stacks failed"
             _read_fallback(self._triton, f"{failed} ({type(error).__name__}: {error})")
@@ -280,7 +281,7 @@ class AlarmFeed:
             bound = clip.bound
         elif clip is not None:
             bound = clip.bound * view.scale
-        self.alarms.update(
+        self.training_alarms.update(
             norms,
             view.row_ids,
             step=at.number,

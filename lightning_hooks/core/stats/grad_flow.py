@@ -230,12 +230,12 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
             warnings.warn(
                 "GradFlowTracker(alarms=..., clip=...) is deprecated: make the feed yourself, "
                 "feed = AlarmFeed(tracker, rules), then feed.observe(optimizer, "
-                "tracker.observe(optimizer), clip=clip) and feed.alarms.poll()",
+                "tracker.observe(optimizer), clip=clip) and feed.training_alarms.poll()",
                 DeprecationWarning,
                 stacklevel=2,
             )
             self._deprecated_feed = AlarmFeed(self, alarms)
-            self.alarms = self._deprecated_feed.alarms
+            self.alarms = self._deprecated_feed.training_alarms
         try:
             if output_grad:
                 self._outputs.hook(self.registry, modules, model)
