@@ -46,7 +46,7 @@ def _started(tmp_path: Path, written: list[int]) -> tuple[Lifecycle, SimpleNames
 
     tracker = DeadUnitTracker()
     logged = [Logged(tracker, on_step=record)]
-    lifecycle.attach(attach_stats(model, lifecycle.guard(), logged))
+    lifecycle.attach(attach_stats(model, lifecycle.guard, logged))
     return lifecycle, trainer, model
 
 

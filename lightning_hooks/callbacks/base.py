@@ -49,11 +49,14 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
     ``on_exception``, ``teardown``, ``state_dict`` and ``load_state_dict``. A callback
     overrides none of them, and the base calls no method of a callback.
 
-    Every Lightning hook a callback defines is decorated with ``@guarded``, as the base's are,
-    but ``on_fit_start``, whose configuration errors must stop the fit before it trains: an
-    error in the library's own code disables the callback for the rest of the fit, with one
-    warning, and never ends the run. Every exit of a fit (``on_train_end``, ``on_exception``,
-    ``teardown``, a failure) takes the hooks off; docs/architecture.md lists what each does.
+    Every Lightning hook that runs during training is decorated with ``@guarded``, in the base
+    and in each callback: an error in the library's own code disables the callback for the rest
+    of the fit, with one warning, and never ends the run. ``setup`` and ``on_fit_start`` are
+    not, because a configuration error must stop the fit before it trains, and neither is
+    ``load_state_dict``, which only holds the state until the fit attaches.
+
+    Every exit of a fit (``on_train_end``, ``on_exception``, ``teardown``, a failure) takes the
+    hooks off; docs/architecture.md lists what each does.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -133,7 +136,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
 
         Its ``failed`` says whether the callback is disabled, and why.
         """
-        return self.lifecycle.guard()
+        return self.lifecycle.guard
 
     def _new_guard(self) -> Guard:
         """Make a guard with no failure, strict as :attr:`strict` says."""
@@ -203,7 +206,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
     @override
     @guarded
     def teardown(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
-        """Let the model go, whatever happened before."""
+        """Take the hooks off and release the model, whatever happened before."""
         self._release_model()
 
     def _release_model(self) -> None:

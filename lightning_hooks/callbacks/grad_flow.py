@@ -173,7 +173,7 @@ class GradFlowCallback(HookCallback):
         self.on_alarm = actions
         """The action of each rule; a rule ``on_alarm`` did not name has its default."""
         self.stability = stability
-        self._alarm_state = GradFlowAlarms(rules, actions, self.lifecycle.ranks)
+        self._alarm_state = GradFlowAlarms(rules, actions)
         # The alarms carry their running scales to the next fit, and through checkpoints.
         self.lifecycle.checkpoint.keep("alarms", self._alarm_state)
         self._pictures = GradFlowPictures(max_layers_logged, chart=chart, heatmap=heatmap)
@@ -240,7 +240,9 @@ class GradFlowCallback(HookCallback):
         try:
             fit = _Fit(
                 tracker=tracker,
-                fit_alarms=self._alarm_state.start(trainer, pl_module, tracker),
+                fit_alarms=self._alarm_state.start(
+                    trainer, pl_module, tracker, self.lifecycle.ranks
+                ),
                 pictures=self._pictures,
                 stability_stats=StabilityStats() if self.stability else None,
                 gradient_histograms=_histograms(tracker) if self.histograms else None,

@@ -118,33 +118,38 @@ class GradFlowAlarms:
     Args:
         rules: the alarm rules (``None``: no alarms; a checkpoint's state is still carried).
         actions: the action of each rule.
-        ranks: the callback's agreement across ranks, which stops or disables every rank alike.
 
     Example:
         >>> from lightning_hooks.callbacks.alarm_policy import check_actions
         >>> from lightning_hooks.core.hooks.guard import Guard
-        >>> ranks = RankAgreement(lambda: Guard("Cb", strict=False), remove_hooks=lambda: None)
-        >>> alarms = GradFlowAlarms(AlarmRules(), check_actions("warn"), ranks)
+        >>> alarms = GradFlowAlarms(AlarmRules(), check_actions("warn"))
         >>> alarms.host_state()  # no fit ran yet, and no checkpoint was loaded
         {}
     """
 
-    def __init__(
-        self, rules: AlarmRules | None, actions: Mapping[str, Action], ranks: RankAgreement
-    ) -> None:
+    def __init__(self, rules: AlarmRules | None, actions: Mapping[str, Action]) -> None:
         self.rules = rules
         self.actions = actions
-        self._ranks = ranks
         self._state: dict[str, Any] | None = None  # kept between fits
         self._running: FitAlarms | None = None
 
     def start(
-        self, trainer: TrainerView, pl_module: nn.Module, tracker: GradFlowTracker
+        self,
+        trainer: TrainerView,
+        pl_module: nn.Module,
+        tracker: GradFlowTracker,
+        ranks: RankAgreement,
     ) -> FitAlarms | None:
         """Start a fit's alarms on ``tracker``, from the state carried.
 
         Their messages quote the run's learning rate and output units. A state left for
         another model's layers is dropped with a warning, and the running scales start afresh.
+
+        Args:
+            trainer: the trainer of the fit.
+            pl_module: the model, whose learning rate and output units the messages quote.
+            tracker: the fit's tracker, which the alarms' feed reads.
+            ranks: the fit's agreement across ranks, which stops or disables every rank alike.
 
         Returns:
             The fit's alarms, or ``None`` without rules.
@@ -156,8 +161,8 @@ class GradFlowAlarms:
         running = FitAlarms(
             trainer=trainer,
             feed=feed,
-            policy=AlarmPolicy(self.actions, request_stop=self._ranks.request_stop),
-            loss_agreement=LossAgreement(self._ranks, pl_module, self.rules),
+            policy=AlarmPolicy(self.actions, request_stop=ranks.request_stop),
+            loss_agreement=LossAgreement(ranks, pl_module, self.rules),
         )
         if self._state is not None:
             try:

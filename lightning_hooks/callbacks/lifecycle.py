@@ -31,6 +31,8 @@ class FitState:
     """
 
     guard: Guard
+    ranks: RankAgreement
+    """Makes the ranks of the fit agree on failures, stops and new rows, under its guard."""
     watching: bool = True
     """Whether the callback watches the model in this fit. It does not where the model has
     nothing to watch, or where a callback the user passed already watches it."""
@@ -86,17 +88,22 @@ class Lifecycle:
         """Which optimizer steps are logging steps, and where the running one is."""
         self.checkpoint = CheckpointSlot(owner)
         """Saves the callback's state in checkpoints, and restores it when a fit attaches."""
-        self._state = FitState(guard)
-        self.ranks = RankAgreement(self.guard, remove_hooks=self.remove_hooks)
-        """Makes the ranks of a multi-process fit agree on failures, stops and new rows."""
+        self._state = self._new_fit(guard, watching=True)
 
+    def _new_fit(self, guard: Guard, *, watching: bool) -> FitState:
+        """Make the state of a fit that starts healthy, under ``guard``."""
+        ranks = RankAgreement(guard, remove_hooks=self.remove_hooks)
+        return FitState(guard, ranks, watching=watching)
+
+    @property
     def guard(self) -> Guard:
-        """Return the guard of this fit's hooks; its ``failed`` says whether the fit failed.
-
-        It is a method, not a property, so that the rank agreement can hold it and read the
-        guard of whichever fit runs: each fit's ``setup`` makes a new one.
-        """
+        """Return the guard of this fit's hooks; its ``failed`` says whether the fit failed."""
         return self._state.guard
+
+    @property
+    def ranks(self) -> RankAgreement:
+        """Return the agreement of this fit's ranks on failures, stops and new rows."""
+        return self._state.ranks
 
     @property
     def watching(self) -> bool:
@@ -130,7 +137,7 @@ class Lifecycle:
             guard: the fit's guard, with no failure.
             watching: ``False`` where a callback the user passed already watches the model.
         """
-        self._state = FitState(guard, watching=watching)
+        self._state = self._new_fit(guard, watching=watching)
         if watching:
             check_trainer(
                 self.owner,
@@ -190,7 +197,7 @@ class Lifecycle:
         if step is None or attached is None:
             return
         self.ranks.agree(trainer, step, attached, always=False)
-        if self.guard().failed is not None:
+        if self.guard.failed is not None:
             return
         attached.end_logging_step(trainer, step)
         self._set_gate(self.cadence.logs(trainer, trainer.global_step))
@@ -231,7 +238,7 @@ class Lifecycle:
             attached = self._state.attached
             if attached is not None:
                 attached.write_steps(trainer, wait=True)
-            if self.guard().failed is None:
+            if self.guard.failed is None:
                 self.ranks.agree(trainer, trainer.global_step, self._state.attached, always=True)
             save_loggers(trainer.loggers, layout=trainer.is_global_zero)
         finally:

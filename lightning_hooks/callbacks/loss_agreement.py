@@ -79,7 +79,7 @@ class LossAgreement:
     Example:
         >>> from lightning_hooks.core.hooks.guard import Guard
         >>> guard = Guard("Cb", strict=False)
-        >>> ranks = RankAgreement(lambda: guard, remove_hooks=lambda: None)
+        >>> ranks = RankAgreement(guard, remove_hooks=lambda: None)
         >>> agreement = LossAgreement(ranks, torch.nn.Linear(1, 1), AlarmRules())
         >>> agreement.reading  # one process: this rank's own loss, no collective
         'own'

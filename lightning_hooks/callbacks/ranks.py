@@ -31,20 +31,20 @@ class RankAgreement:
     logging step then needs no collective of its own. With one process nothing is exchanged.
 
     Args:
-        guard: returns the guard of the running fit (each fit has its own).
+        guard: the guard of the fit; each fit has its own, and its own agreement.
         remove_hooks: takes the callback's hooks off the model once it is disabled.
 
     Example:
         >>> guard = Guard("Cb", strict=False)
-        >>> ranks = RankAgreement(lambda: guard, remove_hooks=lambda: None)
+        >>> ranks = RankAgreement(guard, remove_hooks=lambda: None)
         >>> ranks.start()  # at a fit's train start
         >>> ranks.request_stop()
         >>> ranks.stop_requested
         True
     """
 
-    def __init__(self, guard: Callable[[], Guard], remove_hooks: Callable[[], None]) -> None:
-        self._fit_guard = guard
+    def __init__(self, guard: Guard, remove_hooks: Callable[[], None]) -> None:
+        self._guard = guard
         self._remove_hooks = remove_hooks
         self.size = 1
         """How many processes the fit runs on (counted at its train start)."""
@@ -58,7 +58,7 @@ class RankAgreement:
         Under several ranks the guard holds a failure until they agree, unless it is strict:
         a strict guard raises at once on each rank that fails.
         """
-        guard = self._fit_guard()
+        guard = self._guard
         self.size = world_size()
         self.stop_requested = False
         self._agreed_at = None
@@ -71,7 +71,7 @@ class RankAgreement:
     @property
     def failed_here(self) -> bool:
         """Return whether this rank has a hook failure that the ranks have not yet agreed on."""
-        return self._fit_guard().local is not None
+        return self._guard.local is not None
 
     def agree(
         self, trainer: TrainerView, step: int, attached: Attached | None, *, always: bool
@@ -86,7 +86,7 @@ class RankAgreement:
             always: agree even if the ranks already agreed at ``step`` through :meth:`apply`.
                 An epoch end passes ``True``, so that the rows are aligned there too.
         """
-        guard = self._fit_guard()
+        guard = self._guard
         agreed = self._agreed_at == step and not always
         if self.size == 1 or guard.failed is not None or agreed:
             return
@@ -124,7 +124,7 @@ class RankAgreement:
             trainer.should_stop = True
             self.stop_requested = False
         if failed:
-            self._disable(trainer, step, gather_objects(self._fit_guard().local))
+            self._disable(trainer, step, gather_objects(self._guard.local))
         return bool(failed)
 
     def _align_rows(self, trainer: TrainerView, step: int, attached: Attached) -> None:
@@ -139,7 +139,7 @@ class RankAgreement:
         try:
             attached.align_rows()
         except ValueError as error:
-            if self._fit_guard().strict:
+            if self._guard.strict:
                 raise
             cause = f"aligning rows across ranks: {type(error).__name__}: {error}"
             self._disable(trainer, step, [cause] * self.size)  # the same cause for every rank
@@ -149,7 +149,7 @@ class RankAgreement:
 
         ``causes`` holds each rank's cause by rank, ``None`` for a rank that did not fail.
         """
-        guard = self._fit_guard()
+        guard = self._guard
         guard.disable_on_every_rank(causes, step, warn=trainer.is_global_zero)
         guard.removal_due()
         self._remove_hooks()

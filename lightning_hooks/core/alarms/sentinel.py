@@ -485,6 +485,21 @@ class NormRing:
             self.steps = list(state["ring_steps"])
 
 
+def _under_or_nan(value: float, bound: float) -> bool:
+    """Return whether ``value`` is under ``bound``; a NaN counts as under (it harms the model)."""
+    return not value >= bound
+
+
+def _over_or_nan(value: float, bound: float) -> bool:
+    """Return whether ``value`` is over ``bound``; a NaN counts as over (it harms the model)."""
+    return not value <= bound
+
+
+def _at_least_or_nan(value: float, bound: float) -> bool:
+    """Return whether ``value`` is at least ``bound``; a NaN counts as at least."""
+    return not value < bound
+
+
 def attention_alarms(
     logit_max: Mapping[str, float],
     entropy_min: Mapping[str, float],
@@ -524,30 +539,32 @@ def attention_alarms(
     limit = rules.attn_logit_max
     floor = rules.attn_entropy_min
     growth = rules.attn_growth
+    history = history or {}
     focused = {}
     for layer, peak in logit_max.items():
         entropy = entropy_min.get(layer, math.nan)
-        if not entropy >= floor:
+        if _under_or_nan(entropy, floor):
             focused[layer] = (peak, entropy)
     need = min(rules.attn_min_layers, len(logit_max))
     high = [
-        layer for layer, (peak, _) in focused.items() if limit is not None and not peak <= limit
+        layer
+        for layer, (peak, _) in focused.items()
+        if limit is not None and _over_or_nan(peak, limit)
     ]
     high = high if len(high) >= need else []
     growing = []
     if growth is not None:
         for layer, (peak, _) in focused.items():
-            past = [*(history or {}).get(layer, ())[-2:], peak]
+            past = [*history.get(layer, ())[-2:], peak]
             if (
                 len(past) == 3
                 and past[0] >= rules.attn_logit_min
                 and all(b >= growth * a for a, b in pairwise(past))
             ):
                 growing.append(layer)
-    if sum(not peak < rules.attn_logit_min for peak in logit_max.values()) < need:
+    if sum(_at_least_or_nan(peak, rules.attn_logit_min) for peak in logit_max.values()) < need:
         growing = []
     alarms = []
-    history = history or {}
     for layer, (peak, entropy) in focused.items():
         if layer not in high and layer not in growing:
             continue
