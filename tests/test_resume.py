@@ -217,7 +217,10 @@ def test_a_checkpoint_with_one_part_that_does_not_load_keeps_nothing_of_its_stat
     (path,) = sorted((tmp_path / "ckpt").glob("*.ckpt"))[:1]
     callback = GradFlowCallback()
     state = dict(torch.load(path, weights_only=False)["callbacks"][callback.state_key])
-    assert list(callback.kept) == ["alarms", "heatmap"]  # the alarms load first
+    assert list(callback.lifecycle.checkpoint.kept) == [
+        "alarms",
+        "heatmap",
+    ]  # the alarms load first
     spoil(state)
     callback.load_state_dict(state)
     with warnings.catch_warnings(record=True) as caught:
@@ -231,8 +234,10 @@ def test_a_checkpoint_with_one_part_that_does_not_load_keeps_nothing_of_its_stat
     trainer(tmp_path / "fresh", callbacks=[fresh]).fit(SameBatchesMLP())
     _assert_same(_grad_flow_at(tmp_path / "dropped", 4), _grad_flow_at(tmp_path / "fresh", 4))
     # the alarms' running scales began afresh too, not from the checkpoint's steps
-    dropped_scale = callback.kept["alarms"].host_state()["scale"]
-    assert torch.equal(dropped_scale, fresh.kept["alarms"].host_state()["scale"])
+    dropped_scale = callback.lifecycle.checkpoint.kept["alarms"].host_state()["scale"]
+    assert torch.equal(
+        dropped_scale, fresh.lifecycle.checkpoint.kept["alarms"].host_state()["scale"]
+    )
 
 
 class MixedMLP(RepeatedBatchMLP):
@@ -375,4 +380,4 @@ def test_one_module_type_alone_or_in_a_tuple_resumes_the_same_checkpoint(tmp_pat
     make_trainer(
         tmp_path / "second", max_epochs=2, callbacks=[resumed, again], enable_checkpointing=True
     ).fit(TinyMLP(), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
-    assert resumed.kept["alarms"].host_state()
+    assert resumed.lifecycle.checkpoint.kept["alarms"].host_state()

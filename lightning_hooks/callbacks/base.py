@@ -13,7 +13,6 @@ import pytorch_lightning as pl
 from torch import nn
 from typing_extensions import override
 
-from lightning_hooks.callbacks.attached import Checkpointed
 from lightning_hooks.callbacks.fabric import FabricHooks
 from lightning_hooks.callbacks.lifecycle import Lifecycle
 from lightning_hooks.callbacks.trainer import (
@@ -141,11 +140,6 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
     def _new_guard(self) -> Guard:
         """Make a guard with no failure, strict as :attr:`strict` says."""
         return Guard(type(self).__name__, strict=self.strict)
-
-    @property
-    def kept(self) -> dict[str, Checkpointed]:
-        """Return the collaborators that outlive a fit and are saved in checkpoints, by key."""
-        return self.lifecycle.checkpoint.kept
 
     @property
     def state_key(self) -> str:

@@ -87,12 +87,25 @@ class FitAlarms:
     def log_step(self, trainer: TrainerView, step: int, table: LayerTable) -> None:
         """Log the alarm counts and text gathered since the last logging step, at ``step``.
 
-        It is called with the tracker's result of the logging step, which it does not read.
+        It reads the tracker's logging steps (a ``Logged`` reader), so it takes their result.
+
+        Args:
+            trainer: the trainer whose loggers are written to.
+            step: the logging step.
+            table: the tracker's result of the logging step, unread.
         """
         self.policy.log.log_step(trainer, self.training_alarms, step)
 
     def watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
-        """Pass a logging step's attention logits and entropies to the attention rule."""
+        """Pass a logging step's attention logits and entropies to the attention rule.
+
+        It reads the instability statistics' logging steps (a ``Logged`` reader).
+
+        Args:
+            trainer: the trainer of the step, unread (the fit's alarms hold theirs).
+            step: the logging step.
+            result: the step's instability statistics.
+        """
         self.training_alarms.update_attention(
             result.attn_logit_max, result.attn_entropy_min, step=step
         )
