@@ -79,6 +79,10 @@ class GradFlowCallback(HookCallback):
     ``stability/{stat}_step/{layer}``           each of the five at each logging step
     ==========================================  ================================================
 
+    Under several processes every rank measures the same layers, and every rank runs the
+    attention and output modules in every training forward, so the ranks never need to agree
+    on new rows (see docs/glossary.md).
+
     Args:
         types: only modules of these types count as layers. By default any module with
             parameters counts.
@@ -112,10 +116,6 @@ class GradFlowCallback(HookCallback):
     Example:
         >>> import pytorch_lightning as pl
         >>> trainer = pl.Trainer(callbacks=[GradFlowCallback(exclude="*.bn*")])  # doctest: +SKIP
-
-    Under several processes every rank measures the same layers, and every rank runs the
-    attention and output modules in every training forward, so the ranks never need to agree
-    on new rows (see docs/glossary.md).
     """
 
     def __init__(  # noqa: PLR0913 (a callback's public constructor: one keyword per option)

@@ -49,7 +49,7 @@ class FitAlarms:
 
     @property
     def training_alarms(self) -> TrainingAlarms:
-        """The fit's alarms."""
+        """Return the rules' state that this fit runs: its scales, ring buffer and counts."""
         return self.feed.training_alarms
 
     def observe(

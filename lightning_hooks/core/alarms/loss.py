@@ -370,7 +370,8 @@ class LossRules:
         if self._group.losses == self.per_step:  # the step's last loss: its mean is known
             self._close_step(step, self._group.total / self._group.losses)
         bar = self._bar()
-        # armed after ``min_history`` losses: before, a loss is not yet told from the run's noise
+        # Armed from the second loss, so that a learning rate too high is seen in its first
+        # steps; until ``min_history`` losses have measured the noise, the bar has no noise margin.
         over = levels.seen > 1 and levels.mean > bar
         alarms = (
             self._over_the_bar(x, step, bar, self._step_mean()) if over else self._recover(step)
