@@ -1,0 +1,138 @@
+"""The checkpoint slot and the rank agreement every lifecycle holds, driven by hand.
+
+``test_resume.py`` drives the same objects through ``Trainer.fit`` and real checkpoints; these
+tests pin their contracts one case at a time.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_hooks.callbacks.attached import Attached, Logged
+from lightning_hooks.callbacks.checkpoint import CheckpointSlot
+from lightning_hooks.callbacks.ranks import RankAgreement
+from lightning_hooks.callbacks.watching import attach_stats
+from lightning_hooks.core.hooks.guard import Guard
+from lightning_hooks.core.stats.dead_units import DeadUnitTracker
+from lightning_hooks.errors import LightningHooksWarning
+
+
+class _Counter:
+    """A collaborator that outlives a fit: one number, saved and loaded as it is."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def host_state(self) -> dict[str, Any]:
+        """Return the number, for a checkpoint."""
+        return {"value": self.value}
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        """Load the number a checkpoint saved."""
+        self.value = int(state["value"])
+
+
+def _attached(*, measured: bool) -> Attached:
+    """A fit that watches one ReLU; ``measured``: after one measured forward (its rows exist)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    attached = attach_stats(model, Guard("Watcher", strict=True), [Logged(DeadUnitTracker())])
+    assert attached.registry is not None
+    if measured:
+        attached.registry.set_logging_step(True)
+        model(torch.randn(3, 4))
+    return attached
+
+
+def test_one_key_keeps_one_collaborator() -> None:
+    slot = CheckpointSlot("Watcher")
+    slot.keep("count", _Counter(1))
+    with pytest.raises(ValueError, match="already keeps 'count'"):
+        slot.keep("count", _Counter(2))
+
+
+def test_between_fits_only_the_kept_collaborators_are_saved() -> None:
+    slot = CheckpointSlot("Watcher")
+    slot.keep("count", _Counter(3))
+    assert slot.save(None) == {"count": {"value": 3}}
+
+
+def test_a_state_that_fits_is_loaded_whole_when_the_fit_attaches() -> None:
+    """The statistics and the kept collaborator both continue from the checkpoint."""
+    saved_slot = CheckpointSlot("Watcher")
+    saved_slot.keep("count", _Counter(7))
+    saved = saved_slot.save(_attached(measured=True))
+    slot = CheckpointSlot("Watcher")
+    counter = _Counter(0)
+    slot.keep("count", counter)
+    slot.hold(saved)
+    attached = _attached(measured=False)  # a fit at its train start: nothing measured yet
+    slot.restore(attached)
+    assert counter.value == 7
+    again = slot.save(attached)
+    assert again["0:DeadUnitTracker"]["layers"] == saved["0:DeadUnitTracker"]["layers"] == ["1"]
+    for name in ("fired", "calls"):
+        assert torch.equal(again["0:DeadUnitTracker"][name], saved["0:DeadUnitTracker"][name])
+
+
+def test_a_state_of_another_model_is_refused_whole_with_one_warning() -> None:
+    """A checkpoint whose statistics belong to another model loads nothing: the kept
+    collaborator keeps what it held, and the warning names the parts refused."""
+    slot = CheckpointSlot("Watcher")
+    counter = _Counter(5)
+    slot.keep("count", counter)
+    slot.hold({"0:OtherStatistic": {}, "count": {"value": 9}})
+    with pytest.warns(LightningHooksWarning, match=r"none of it is loaded \(statistics, count\)"):
+        slot.restore(_attached(measured=False))
+    assert counter.value == 5
+
+
+class _Picky(_Counter):
+    """A collaborator that refuses any state: it was saved for another model."""
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        """Refuse the state, as a collaborator does with another model's."""
+        raise ValueError("saved for another model")
+
+
+def test_a_part_refused_after_others_loaded_puts_each_back() -> None:
+    """The statistics and the first collaborator load, then the second refuses its part: the
+    first loads what it held before, and the statistics start afresh."""
+    saved_slot = CheckpointSlot("Watcher")
+    saved_slot.keep("count", _Counter(9))
+    saved_slot.keep("picky", _Counter(1))
+    saved = saved_slot.save(_attached(measured=True))
+    slot = CheckpointSlot("Watcher")
+    counter = _Counter(5)
+    slot.keep("count", counter)
+    slot.keep("picky", _Picky(0))
+    slot.hold(saved)
+    attached = _attached(measured=False)
+    with pytest.warns(LightningHooksWarning, match="saved for another model"):
+        slot.restore(attached)
+    assert counter.value == 5
+    calls = slot.save(attached)["0:DeadUnitTracker"]["calls"]
+    assert float(calls.sum()) == 0.0
+
+
+def test_one_process_acts_on_the_flags_at_once() -> None:
+    """With one process, a stop request stops the trainer, and a failure disables the callback
+    and takes its hooks off, with no collective."""
+    removed: list[bool] = []
+    guard = Guard("Watcher", strict=False)
+    ranks = RankAgreement(guard, remove_hooks=lambda: removed.append(True))
+    ranks.start()
+    trainer = SimpleNamespace(should_stop=False, is_global_zero=True)
+    ranks.request_stop()
+    assert not ranks.apply(trainer, 4, failed=0, stopping=1)
+    assert trainer.should_stop
+    assert not ranks.stop_requested
+    with pytest.warns(LightningHooksWarning, match="Watcher"):
+        assert ranks.apply(trainer, 5, failed=1, stopping=0)
+    assert guard.failed is not None
+    assert removed == [True]
