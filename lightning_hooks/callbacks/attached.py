@@ -7,7 +7,7 @@ the results. A callback builds it in its ``on_train_start`` and hands it to its
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from lightning_hooks.callbacks.trainer import TrainerView
@@ -142,9 +142,6 @@ class Attached:
         logged: the statistics the hooks feed, logged at each logging step and epoch end.
         aligned: the statistics whose rows the ranks align before they reduce them. Without
             it, a module that runs on only some ranks would make the reduce hang.
-        kept: collaborators of the fit saved in checkpoints beside its statistics, by key. Each
-            stands in for the callback's collaborator kept under the same key while the fit
-            runs (see :class:`~.checkpoint.CheckpointSlot`).
         on_remove: called once when the hooks come off (the fit ended, failed, or was torn down).
         earlier_layout: converts checkpoint state saved by an earlier release into this
             release's layout. ``None`` if every release saved this layout.
@@ -167,21 +164,18 @@ class Attached:
         0
     """
 
-    def __init__(  # noqa: PLR0913 (what one fit holds: one keyword each)
+    def __init__(
         self,
         registry: HookRegistry | None,
         logged: Sequence[Logged[Any]] = (),
         *,
         aligned: Sequence[LayerStat[Any]] = (),
-        kept: Mapping[str, Checkpointed] | None = None,
         on_remove: Callable[[], None] | None = None,
         earlier_layout: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self.registry = registry
         self.logged = tuple(logged)
         self.aligned = tuple(aligned)
-        self.kept: dict[str, Checkpointed] = dict(kept or {})
-        """The fit's collaborators saved in checkpoints beside its statistics, by key."""
         self._on_remove = on_remove
         self._earlier_layout = earlier_layout
         self._copying = False

@@ -50,32 +50,22 @@ class CheckpointSlot:
         self.kept[key] = kept
 
     def save(self, attached: Attached | None) -> dict[str, Any]:
-        """Return what a checkpoint saves: the statistics' state, then that of each kept one.
+        """Return what a checkpoint saves: the statistics' state, then that of :attr:`kept`.
 
         Between fits ``attached`` is ``None``, and only :attr:`kept` is saved. The state is on
         the host, reduced across ranks.
         """
         state = {} if attached is None else attached.state_dict()
-        for key, kept in self._kept_by(attached).items():
+        for key, kept in self.kept.items():
             state[key] = kept.host_state()
         return state
-
-    def _kept_by(self, attached: Attached | None) -> dict[str, Checkpointed]:
-        """Return the collaborators saved beside the statistics, by key.
-
-        A running fit's own (:attr:`~.attached.Attached.kept`) stands in for the callback's
-        under the same key: while the fit runs, its state is the one that counts.
-        """
-        if attached is None:
-            return dict(self.kept)
-        return {**self.kept, **attached.kept}
 
     def hold(self, state: dict[str, Any]) -> None:
         """Store a checkpoint's ``state`` until the next fit attaches."""
         self._pending = dict(state)
 
     def restore(self, attached: Attached) -> None:
-        """Load the state held, if any, into the fit's statistics and the collaborators kept.
+        """Load the state held, if any, into the fit's statistics and into :attr:`kept`.
 
         The state is loaded whole or not at all. If a part does not fit this model, nothing of
         it is kept, with one warning. If it holds no entry for some statistic, that statistic
@@ -89,8 +79,7 @@ class CheckpointSlot:
         try:
             afresh = self._load_whole(attached, state)
         except (KeyError, ValueError) as err:
-            kept = self._kept_by(attached)
-            parts = ", ".join(["statistics", *(key for key in kept if key in state)])
+            parts = ", ".join(["statistics", *(key for key in self.kept if key in state)])
             rank_zero_warn(
                 f"{self.owner}: the checkpoint's state does not match this model ({err}); "
                 f"none of it is loaded ({parts})",
@@ -105,10 +94,10 @@ class CheckpointSlot:
             )
 
     def _load_whole(self, attached: Attached, state: dict[str, Any]) -> list[str]:
-        """Load ``state`` into the statistics and the collaborators kept, or put each back.
+        """Load ``state`` into the statistics and into :attr:`kept`, or put each back.
 
-        What the collaborators hold is saved first. If a part fails to load after others did,
-        each collaborator then loads what it held before, and the statistics start afresh.
+        What :attr:`kept` holds is saved first. If a part fails to load after others did, each
+        collaborator then loads what it held before, and the statistics start afresh.
 
         Returns:
             The statistics that start afresh for want of an entry, by class name.
@@ -117,15 +106,16 @@ class CheckpointSlot:
             KeyError: a part of ``state`` lacks what its statistic or collaborator needs.
             ValueError: a part of ``state`` does not fit this model.
         """
-        kept = self._kept_by(attached)
-        before = {key: each.host_state() for key, each in kept.items() if key in state}
+        before = {key: kept.host_state() for key, kept in self.kept.items() if key in state}
         try:
-            afresh = attached.load_state_dict({k: v for k, v in state.items() if k not in kept})
+            afresh = attached.load_state_dict(
+                {k: v for k, v in state.items() if k not in self.kept}
+            )
             for key in before:
-                kept[key].load_host_state(state[key])
+                self.kept[key].load_host_state(state[key])
         except (KeyError, ValueError):
             attached.reset_statistics()
             for key, earlier in before.items():
-                kept[key].load_host_state(earlier)
+                self.kept[key].load_host_state(earlier)
             raise
         return afresh

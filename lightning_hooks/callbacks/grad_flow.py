@@ -237,12 +237,12 @@ class GradFlowCallback(HookCallback):
         hooks already on the model come off before the error goes on to the guard.
         """
         tracker = self._make_tracker(trainer, pl_module)
-        fit_alarms = None
         try:
-            fit_alarms = self._alarm_state.start(trainer, pl_module, tracker, self.lifecycle.ranks)
             fit = _Fit(
                 tracker=tracker,
-                fit_alarms=fit_alarms,
+                fit_alarms=self._alarm_state.start(
+                    trainer, pl_module, tracker, self.lifecycle.ranks
+                ),
                 pictures=self._pictures,
                 stability_stats=StabilityStats() if self.stability else None,
                 gradient_histograms=_histograms(tracker) if self.histograms else None,
@@ -253,26 +253,23 @@ class GradFlowCallback(HookCallback):
             self._pictures.start()
         except BaseException:
             tracker.remove()
-            if fit_alarms is not None:
-                self._alarm_state.end(fit_alarms)
+            self._alarm_state.end()
             raise
         self._fit = fit
+        alarms = fit.fit_alarms
         logged: list[Logged[Any]] = [
             Logged(
                 tracker,
-                on_step=None if fit_alarms is None else fit_alarms.log_step,
+                on_step=None if alarms is None else alarms.log_step,
                 on_epoch=fit.draw_pictures,
             ),
         ]
         if fit.stability_stats is not None:
-            on_step = None if fit_alarms is None else fit_alarms.watch_attention
+            on_step = None if alarms is None else alarms.watch_attention
             logged.append(Logged(fit.stability_stats, on_step=on_step))
-        # While the fit runs, a checkpoint saves and loads its alarms, not those carried.
-        kept = {} if fit_alarms is None else {"alarms": fit_alarms}
         return Attached(
             tracker.registry,
             logged,
-            kept=kept,
             on_remove=self._end_fit,
             earlier_layout=_saved_by_release_0_2,
         )
@@ -311,10 +308,8 @@ class GradFlowCallback(HookCallback):
 
     def _end_fit(self) -> None:
         """Carry the fit's alarm state to the next fit, then warn once if an alarm stopped it."""
-        fit = self._fit
         self._fit = None
-        if fit is not None and fit.fit_alarms is not None:
-            self._alarm_state.end(fit.fit_alarms)
+        self._alarm_state.end()
 
     @override
     @guarded

@@ -35,8 +35,7 @@ class FitAlarms:
     """Runs the alarms of one fit: feeds them, acts on what they find, and logs them.
 
     :meth:`GradFlowAlarms.start` makes it at the fit's train start, and
-    :meth:`GradFlowAlarms.end` takes its state back when the fit's hooks come off. While the
-    fit runs, checkpoints save and load its state (it is kept by the fit's ``Attached``).
+    :meth:`GradFlowAlarms.end` closes it when the fit's hooks come off.
     """
 
     trainer: TrainerView
@@ -115,26 +114,6 @@ class FitAlarms:
         """Log only what the alarms count from now on: counts loaded are already written."""
         self.policy.log.start(self.training_alarms)
 
-    def host_state(self) -> dict[str, Any]:
-        """Return what a checkpoint saves of the fit's alarms: their state."""
-        return self.training_alarms.state_dict()
-
-    def load_host_state(self, state: dict[str, Any]) -> None:
-        """Continue from the alarm state a checkpoint saved.
-
-        A state refused raises, so that the callback drops the whole checkpoint with one
-        warning. Counts loaded are not logged again.
-
-        Args:
-            state: what :meth:`host_state` returned. An empty dict means none.
-
-        Raises:
-            ValueError: the state was saved for another model's layers.
-        """
-        if state:
-            self.training_alarms.load_state_dict(state)
-        self.start_log()
-
     def end_epoch(self) -> None:
         """Act on the epoch's last results, then log its counts and text."""
         self.policy.end_epoch(self.trainer, self.training_alarms)
@@ -145,9 +124,9 @@ class GradFlowAlarms:
 
     The state is :meth:`~lightning_hooks.core.alarms.TrainingAlarms.state_dict`: the running
     scales, the ring buffer of recent steps and the counts (see docs/glossary.md). Between fits
-    it is what the last fit left or a checkpoint loaded, and a new fit starts from it. While a
-    fit runs, the fit's own alarms (:class:`FitAlarms`) are what a checkpoint saves and loads;
-    :meth:`end` takes their state back when the fit's hooks come off.
+    it is what the last fit left or a checkpoint loaded; a new fit starts from it, and while a
+    fit runs a checkpoint saves that fit's state. The fit's log treats loaded counts as already
+    written, so it logs only what the alarms count after them.
 
     Args:
         rules: the alarm rules (``None``: no alarms; a checkpoint's state is still carried).
@@ -155,6 +134,7 @@ class GradFlowAlarms:
 
     Example:
         >>> from lightning_hooks.callbacks.alarm_policy import check_actions
+        >>> from lightning_hooks.core.hooks.guard import Guard
         >>> alarms = GradFlowAlarms(AlarmRules(), check_actions("warn"))
         >>> alarms.host_state()  # no fit ran yet, and no checkpoint was loaded
         {}
@@ -163,7 +143,8 @@ class GradFlowAlarms:
     def __init__(self, rules: AlarmRules | None, actions: Mapping[str, Action]) -> None:
         self.rules = rules
         self.actions = actions
-        self._carried: dict[str, Any] | None = None
+        self._state: dict[str, Any] | None = None  # kept between fits
+        self._running: FitAlarms | None = None
 
     def start(
         self,
@@ -190,37 +171,56 @@ class GradFlowAlarms:
             return None
         feed = AlarmFeed(tracker, self.rules)
         feed.training_alarms.set_run_facts(RunFacts.of(pl_module, trainer.optimizers))
-        fit_alarms = FitAlarms(
+        running = FitAlarms(
             trainer=trainer,
             feed=feed,
             policy=AlarmPolicy(self.actions, request_stop=ranks.request_stop),
             loss_agreement=LossAgreement(ranks, pl_module, self.rules),
         )
-        if self._carried is not None:
+        if self._state is not None:
             try:
-                fit_alarms.training_alarms.load_state_dict(self._carried)
+                running.training_alarms.load_state_dict(self._state)
             except ValueError as err:
-                self._carried = None  # another model's state: drop it now, not at every fit
+                self._state = None  # another model's state: drop it now, not at every later fit
                 rank_zero_warn(
                     f"GradFlowCallback: {err}; running scales start afresh.",
                     category=LightningHooksWarning,
                 )
-        fit_alarms.start_log()
-        return fit_alarms
+        running.start_log()
+        self._running = running
+        return running
 
-    def end(self, fit_alarms: FitAlarms) -> None:
-        """Keep a fit's state for the next fit; warn if an alarm's stop ended the fit."""
-        self._carried = fit_alarms.host_state()
-        fit_alarms.policy.announce_stop(fit_alarms.trainer)
+    def end(self) -> None:
+        """Keep the running fit's state for the next fit; warn if an alarm's stop ended the fit."""
+        running = self._running
+        self._running = None
+        if running is None:
+            return
+        self._state = running.training_alarms.state_dict()
+        running.policy.announce_stop(running.trainer)
 
     def host_state(self) -> dict[str, Any]:
-        """Return the state carried between fits, or ``{}``."""
-        return dict(self._carried or {})
+        """Return what a checkpoint saves: the running fit's state, else the one carried, or {}."""
+        if self._running is not None:
+            return self._running.training_alarms.state_dict()
+        return dict(self._state or {})
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        """Carry the alarm state a checkpoint saved to the next fit.
+        """Continue from the alarm state a checkpoint saved.
+
+        A running fit's alarms load it at once. A state they refuse raises, so that the
+        callback drops the whole checkpoint with one warning; the state carried is unchanged.
 
         Args:
             state: what :meth:`host_state` returned. An empty dict means none.
+
+        Raises:
+            ValueError: the state was saved for another model's layers, or by an older version.
         """
-        self._carried = dict(state) or None
+        loaded = dict(state) or None
+        running = self._running
+        if running is not None and loaded is not None:
+            running.training_alarms.load_state_dict(loaded)
+        self._state = loaded
+        if running is not None:
+            running.start_log()
