@@ -118,6 +118,10 @@ class FitAlarms:
         """Act on the epoch's last results, then log its counts and text."""
         self.policy.end_epoch(self.trainer, self.training_alarms)
 
+    def announce_stop(self) -> None:
+        """Warn once, at the fit's end, if an alarm's stop ended it."""
+        self.policy.announce_stop(self.trainer)
+
 
 class GradFlowAlarms:
     """Starts each fit's alarms, and carries their state from one fit to the next.
@@ -197,7 +201,7 @@ class GradFlowAlarms:
         if running is None:
             return
         self._state = running.training_alarms.state_dict()
-        running.policy.announce_stop(running.trainer)
+        running.announce_stop()
 
     def host_state(self) -> dict[str, Any]:
         """Return what a checkpoint saves: the running fit's state, else the one carried, or {}."""

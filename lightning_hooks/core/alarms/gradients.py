@@ -6,8 +6,8 @@ Also the running scale that a spike is measured against (an EMA of the log and o
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -367,6 +367,30 @@ class GradientRules:
         logs = [np.float32(math.log(f)) for f in self._factors]
         self._log_first = logs[0]  # the band the report gives: the spike rule's
         self._low_log = None if min(logs) == logs[0] else min(logs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the gradient rules' state, for a checkpoint.
+
+        Returns:
+            The running scale, the *vanishing* counters and the cut of a dead network, by name.
+        """
+        return {
+            "scale": torch.from_numpy(self.scale.state.copy()),
+            "low": torch.from_numpy(self.low.copy()),
+            "dead": (self.cut, self.cut_steps),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a state saved before the dead network's cut has none.
+
+        Args:
+            state: what :meth:`state_dict` returned, among the alarms' other entries.
+        """
+        self.scale.load(state["scale"])
+        self.low[...] = as_array(state["low"])
+        cut, cut_steps = state.get("dead", (-1, 0))
+        self.cut = int(cut)
+        self.cut_steps = int(cut_steps)
 
     def host_rows(self, rows: Sequence[int] | torch.Tensor | None) -> np.ndarray | None:
         """Return ``rows`` as a host array.

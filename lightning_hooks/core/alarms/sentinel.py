@@ -386,11 +386,9 @@ class TrainingAlarms:
         self._drain(wait=True)
         return {
             "layers": self.layers,
-            "scale": torch.from_numpy(self._gradients.scale.state.copy()),
+            **self._gradients.state_dict(),
             **self._loss.state_dict(),
             **self._stall.state_dict(),
-            "low": torch.from_numpy(self._gradients.low.copy()),
-            "dead": (self._gradients.cut, self._gradients.cut_steps),
             **self._ring.state_dict(),
             "counts": dict(self.counts),
         }
@@ -412,13 +410,9 @@ class TrainingAlarms:
             )
         if "scale" not in state:
             raise ValueError("TrainingAlarms.load_state_dict: a state of an older version")
-        self._gradients.scale.load(state["scale"])
+        self._gradients.load_state_dict(state)
         self._loss.load_state_dict(state)
         self._stall.load_state_dict(state)
-        self._gradients.low[...] = as_array(state["low"])
-        cut, cut_steps = state.get("dead", (-1, 0))  # a state saved before it: none
-        self._gradients.cut = int(cut)
-        self._gradients.cut_steps = int(cut_steps)
         self._ring.load_state_dict(state)
         counts = dict(state["counts"])
         if "transient" in counts:  # a 0.2.0 state: a transient is a setback that recovered
