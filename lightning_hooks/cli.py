@@ -30,7 +30,7 @@ from lightning_hooks.report import (
     read_run,
 )
 from lightning_hooks.switch import SHORT_NAMES
-from lightning_hooks.tags import GRAD_FLOW, NOTICES, Notice
+from lightning_hooks.tags import GRAD_FLOW, NOTICES, Notice, alarm_tag, layer_metric, notice_tag
 
 __all__ = ["LAYER_METRICS", "RULES", "FailRule", "check", "known_metrics", "main"]
 
@@ -239,15 +239,10 @@ def known_metrics() -> list[str]:
         *(name for name, _ in COLUMNS),
         "warnings",
         "notices",
-        *(f"{family}/{stat}" for family, stats in LAYER_METRICS.items() for stat in stats),
+        *(layer_metric(family, stat) for family, stats in LAYER_METRICS.items() for stat in stats),
+        *(alarm_tag(rule, f) for f, rules in RULES.items() for rule in rules if rule not in never),
         *(
-            f"{f}/alarms/{rule}"
-            for f, rules in RULES.items()
-            for rule in rules
-            if rule not in never
-        ),
-        *(
-            f"{f}/notices/{rule}"
+            notice_tag(rule, f)
             for f, rules in RULES.items()
             for rule in rules
             if rule not in closed
@@ -308,7 +303,7 @@ def _describe(metric: str, reports: Sequence[RunReport]) -> str:
             "(GradFlowCallback(alarms=False)?)"
         )
     family, _, rule = metric.partition("/alarms/")
-    noticed = f"{family}/notices/{rule}"
+    noticed = notice_tag(rule, family)
     if rule and any(noticed in report.notices for report in reports):
         return f"{metric}: {rule} was a notice, logged and never warned, as {noticed}"
     full = dict(COLUMNS).get(metric, metric)

@@ -26,6 +26,7 @@ from lightning_hooks.tags import (
     NOTICES_0_2_0,
     SPIKE_SCORE,
     epoch_tag,
+    layer_metric,
     notice_tag,
 )
 
@@ -44,12 +45,14 @@ __all__ = [
 ]
 
 COLUMNS: tuple[tuple[str, str], ...] = (
-    ("dead_fraction", "dead_relu/dead_fraction"),
-    ("grad_norm", "grad_flow/grad_norm"),
-    ("update_ratio", "grad_flow/update_ratio"),
-    ("grad_nonfinite", "grad_flow/grad_nonfinite"),
+    ("dead_fraction", layer_metric("dead_relu", "dead_fraction")),
+    ("grad_norm", layer_metric(GRAD_FLOW, "grad_norm")),
+    ("update_ratio", layer_metric(GRAD_FLOW, "update_ratio")),
+    ("grad_nonfinite", layer_metric(GRAD_FLOW, "grad_nonfinite")),
 )
 """The table's columns: ``(name, family/stat)``; every other statistic is in the JSON only."""
+
+_GRAD_NORM = layer_metric(GRAD_FLOW, "grad_norm")
 
 _HEALTHY_UPDATE_RATIO = 1e-3  # the usual rule of thumb for ||dw|| / ||w|| per step
 
@@ -87,7 +90,7 @@ class LayerRow:
             False
         """
         flows = any(full.startswith(f"{GRAD_FLOW}/") for full in self.values)
-        norm = self.values.get("grad_flow/grad_norm", math.nan)
+        norm = self.values.get(_GRAD_NORM, math.nan)
         return flows and (norm == 0 or math.isnan(norm)) and not self.get("grad_nonfinite") > 0
 
     def severity(self) -> tuple[float, float, float, float]:
@@ -97,7 +100,7 @@ class LayerRow:
             Its keys in turn: non-finite gradients, no gradient at all, dead fraction, then the
             update ratio's distance from 1e-3 in decades (each negated: the worst sorts first).
         """
-        norm = self.values.get("grad_flow/grad_norm", 1.0)
+        norm = self.values.get(_GRAD_NORM, 1.0)
         broken = self.get("grad_nonfinite") > 0 or not math.isfinite(norm)
         dead = self.get("dead_fraction")
         ratio = self.get("update_ratio")
@@ -477,9 +480,9 @@ def _build(
         if tag_step != step:
             continue  # a layer not logged in the last epoch (max_layers_logged)
         if stat == GLOBAL:
-            global_values[f"{family}/{rest}"] = value
+            global_values[layer_metric(family, rest)] = value
         else:
-            rows.setdefault(rest, LayerRow(rest)).values[f"{family}/{stat}"] = value
+            rows.setdefault(rest, LayerRow(rest)).values[layer_metric(family, stat)] = value
     ordered = sorted(rows.values(), key=lambda r: (r.severity(), r.layer))
     # keyed by its tag: the name --fail-on takes
     warnings = {tag: n for tag, n in sorted(totals.items()) if _kind(tag) == ALARMS}
@@ -560,8 +563,8 @@ def _notice_name(tag: str) -> str:
 
 
 _ATTENTION = (
-    ("largest logit", "stability/attn_logit_max", max),
-    ("lowest entropy", "stability/attn_entropy_min", min),
+    ("largest logit", layer_metric("stability", "attn_logit_max"), max),
+    ("lowest entropy", layer_metric("stability", "attn_entropy_min"), min),
 )
 
 

@@ -39,11 +39,13 @@ __all__ = [
     "PERCENTILE",
     "SPIKE_SCORE",
     "STEP",
+    "TAG_CACHE_SIZE",
     "Notice",
     "alarm_tag",
     "epoch_tag",
     "family_tag",
     "grad_flow_tag",
+    "layer_metric",
     "layer_tag",
     "notice_tag",
     "step_tag",
@@ -62,7 +64,9 @@ ALARM_TEXT = f"{GRAD_FLOW}/alarms"
 PERCENTILE = re.compile(r"_p\d+$")
 """A percentile over the layers at the end of a statistic's name (``grad_norm_p50``)."""
 _STEP_SUFFIX = re.compile(r"_step(_p\d+)?$")
-_TAGS = 1 << 16  # tags whose derived names are kept (each logging step writes the same ones)
+TAG_CACHE_SIZE = 1 << 16
+"""How many tags a cache of what is derived from a tag keeps: each logging step writes the same
+tags, so what a tag gives (its step tag, its chart, its bytes) is derived once."""
 
 LIBRARY_FAMILIES = (
     GRAD_FLOW,
@@ -141,38 +145,60 @@ NOTICE_COUNTS = "notices"
 ``<family>/notices/<name>``. ``lightning-hooks report`` lists them apart from the warnings."""
 
 
-def alarm_tag(rule: str) -> str:
+def alarm_tag(rule: str, family: str = GRAD_FLOW) -> str:
     """Return the tag of the count of one alarm rule's warnings.
 
     The report and its gate (``--fail-on``) use the same name.
 
     Args:
         rule: the alarm rule whose warnings are counted (``"diverging"``).
+        family: the family whose alarms they are.
 
     Returns:
-        ``grad_flow/alarms/<rule>``.
+        ``<family>/alarms/<rule>``.
 
     Example:
         >>> alarm_tag("diverging")
         'grad_flow/alarms/diverging'
     """
-    return f"{GRAD_FLOW}/{ALARMS}/{rule}"
+    return f"{family}/{ALARMS}/{rule}"
 
 
-def notice_tag(name: str) -> str:
+def notice_tag(name: str, family: str = GRAD_FLOW) -> str:
     """Return the tag of the count of one notice.
 
     Args:
         name: the notice's name (``"setback"``, see :data:`NOTICES`).
+        family: the family whose notice it is.
 
     Returns:
-        ``grad_flow/notices/<name>``.
+        ``<family>/notices/<name>``.
 
     Example:
         >>> notice_tag("setback")
         'grad_flow/notices/setback'
     """
-    return f"{GRAD_FLOW}/{NOTICE_COUNTS}/{name}"
+    return f"{family}/{NOTICE_COUNTS}/{name}"
+
+
+def layer_metric(family: str, stat: str) -> str:
+    """Return the name of a per-layer statistic across its layers, as the report names it.
+
+    It is a layer's tag without the layer: the report's columns, its JSON and its gate
+    (``--fail-on``) name a statistic this way.
+
+    Args:
+        family: the family the statistic is filed under (``"grad_flow"``).
+        stat: the statistic's name (``"grad_norm"``).
+
+    Returns:
+        ``<family>/<stat>``.
+
+    Example:
+        >>> layer_metric("grad_flow", "grad_norm")
+        'grad_flow/grad_norm'
+    """
+    return f"{family}/{stat}"
 
 
 @dataclass(frozen=True)
@@ -278,7 +304,7 @@ SPIKE_SCORE = alarm_tag("spike_score")
 """Every counted alarm and notice per 1,000 optimizer steps of the fit: a rate, not a count."""
 
 
-@functools.lru_cache(maxsize=_TAGS)
+@functools.lru_cache(maxsize=TAG_CACHE_SIZE)
 def step_tag(tag: str) -> str:
     """Return the tag of ``tag``'s value at one logging step.
 

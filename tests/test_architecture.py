@@ -234,3 +234,34 @@ def test_every_lightning_hook_a_callback_defines_runs_under_its_guard() -> None:
             method = vars(cls).get(name)
             if method is not None:
                 assert getattr(method, "lightning_hooks_guarded", False), (cls.__name__, name)
+
+
+def _reads_of_the_callback_list(tree: ast.AST) -> set[str]:
+    """Return each read of a list of callbacks in ``tree``: ``.callbacks``, ``fabric_callbacks``."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "callbacks":
+            found.add(ast.unparse(node))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "fabric_callbacks":
+            found.add(ast.unparse(node))
+    return found
+
+
+def test_a_callback_reads_the_list_of_callbacks_only_to_give_way_to_the_users_own() -> None:
+    """A callback never finds another by scanning the Trainer's callbacks. It reads the list in
+    one place, under each loop: a callback the ``LIGHTNING_HOOKS`` switch added gives way to one
+    of its class that the user passed (``defers_to_users_own``, at ``setup`` and at
+    ``fabric.setup``). The Fabric loop's stand-in Trainer holds its one callback in a list of
+    its own, as the Trainer does."""
+    package = CORE.parent
+    readers = {}
+    for path in sorted(package.rglob("*.py")):
+        reads = _reads_of_the_callback_list(ast.parse(path.read_text()))
+        if reads:
+            readers[path.relative_to(package).as_posix()] = reads
+    assert readers == {
+        "callbacks/base.py": {"trainer.callbacks"},
+        "callbacks/fabric.py": {"fabric_callbacks(fabric)", "self.callbacks"},
+    }
+    base = (package / "callbacks" / "base.py").read_text()
+    assert "defers_to_users_own(self, trainer.callbacks)" in base

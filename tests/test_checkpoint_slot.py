@@ -1,12 +1,11 @@
-"""The checkpoint slot and the rank agreement every lifecycle holds, driven by hand.
+"""The checkpoint slot every lifecycle holds, driven by hand.
 
-``test_resume.py`` drives the same objects through ``Trainer.fit`` and real checkpoints; these
-tests pin their contracts one case at a time.
+``test_resume.py`` drives the same object through ``Trainer.fit`` and real checkpoints; these
+tests pin its contract one case at a time.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,7 +14,6 @@ from torch import nn
 
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.checkpoint import CheckpointSlot
-from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.watching import attach_stats
 from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.stats.dead_units import DeadUnitTracker
@@ -118,21 +116,3 @@ def test_a_part_refused_after_others_loaded_puts_each_back() -> None:
     assert counter.value == 5
     calls = slot.save(attached)["0:DeadUnitTracker"]["calls"]
     assert float(calls.sum()) == 0.0
-
-
-def test_one_process_acts_on_the_flags_at_once() -> None:
-    """With one process, a stop request stops the trainer, and a failure disables the callback
-    and takes its hooks off, with no collective."""
-    removed: list[bool] = []
-    guard = Guard("Watcher", strict=False)
-    ranks = RankAgreement(guard, remove_hooks=lambda: removed.append(True))
-    ranks.start()
-    trainer = SimpleNamespace(should_stop=False, is_global_zero=True)
-    ranks.request_stop()
-    assert not ranks.apply(trainer, 4, failed=0, stopping=1)
-    assert trainer.should_stop
-    assert not ranks.stop_requested
-    with pytest.warns(LightningHooksWarning, match="Watcher"):
-        assert ranks.apply(trainer, 5, failed=1, stopping=0)
-    assert guard.failed is not None
-    assert removed == [True]

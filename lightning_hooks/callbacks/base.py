@@ -117,6 +117,9 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
         self.strict = strict
         self._from_environment = False
         self._state_key = self._generate_state_key(**self._state_key_fields)
+        self._shadowed_hooks: tuple[str, ...] = ()
+        """The inherited per-batch hooks Lightning skips in this fit (see
+        :func:`~.trainer.skip_inherited`)."""
         self.lifecycle = Lifecycle(
             type(self).__name__,
             self._new_guard(),
@@ -167,7 +170,8 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
             return
         standing_down = defers_to_users_own(self, trainer.callbacks)  # type: ignore[attr-defined]
         self.lifecycle.start_fit(trainer, self._new_guard(), watching=not standing_down)
-        skip_inherited(self, trainer)  # Lightning then calls only the hooks defined
+        restore_inherited(self, self._shadowed_hooks)  # a fit that ended without a teardown
+        self._shadowed_hooks = skip_inherited(self, trainer)  # Lightning calls only those defined
 
     @override
     @guarded
@@ -210,7 +214,8 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
         and the model's ``log`` and ``log_dict``, which would keep the model alive.
         """
         self.remove_hooks()
-        restore_inherited(self)
+        restore_inherited(self, self._shadowed_hooks)
+        self._shadowed_hooks = ()
         drop_model_logging(self)
 
     def remove_hooks(self) -> None:

@@ -16,7 +16,7 @@ from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.callbacks.watching import attach_stats, watches_selection
 from lightning_hooks.core.checks import fraction_or_none, named_arguments
 from lightning_hooks.core.hooks.guard import guarded
-from lightning_hooks.core.hooks.selection import Patterns
+from lightning_hooks.core.hooks.selection import Patterns, as_patterns
 from lightning_hooks.core.stats.dead_units import RELU_FAMILY, DeadUnits, DeadUnitTracker
 from lightning_hooks.errors import LightningHooksWarning
 
@@ -93,10 +93,10 @@ class DeadReLUCallback(HookCallback):
         """The dead units of each watched layer, attached afresh at each fit."""
         self.findings = Findings(_NAME, "dead-unit findings")
         """The layers warned of in this fit (repeats are summed up at its end)."""
-        assert tracker.selection is not None
         self.types = types
-        self.include = tracker.selection.include
-        self.exclude = tracker.selection.exclude
+        # The tracker checked them; these are the tuples its selection holds.
+        self.include = as_patterns(include)
+        self.exclude = as_patterns(exclude)
         self.pre_activation = tracker.producers.include
 
     @override

@@ -173,9 +173,9 @@ class GradFlowCallback(HookCallback):
         self.on_alarm = actions
         """The action of each rule; a rule ``on_alarm`` did not name has its default."""
         self.stability = stability
-        self._alarm_state = GradFlowAlarms(rules, actions)
+        self._alarms_across_fits = GradFlowAlarms(rules, actions)
         # The alarms carry their running scales to the next fit, and through checkpoints.
-        self.lifecycle.checkpoint.keep("alarms", self._alarm_state)
+        self.lifecycle.checkpoint.keep("alarms", self._alarms_across_fits)
         self._pictures = GradFlowPictures(max_layers_logged, chart=chart, heatmap=heatmap)
         # So that a resumed fit draws the earlier epochs.
         self.lifecycle.checkpoint.keep("heatmap", self._pictures.history)
@@ -240,10 +240,9 @@ class GradFlowCallback(HookCallback):
         try:
             fit = _Fit(
                 tracker=tracker,
-                fit_alarms=self._alarm_state.start(
+                fit_alarms=self._alarms_across_fits.start(
                     trainer, pl_module, tracker, self.lifecycle.ranks
                 ),
-                pictures=self._pictures,
                 stability_stats=StabilityStats() if self.stability else None,
                 gradient_histograms=_histograms(tracker) if self.histograms else None,
             )
@@ -253,7 +252,7 @@ class GradFlowCallback(HookCallback):
             self._pictures.start()
         except BaseException:
             tracker.remove()
-            self._alarm_state.end()
+            self._alarms_across_fits.end()
             raise
         self._fit = fit
         alarms = fit.fit_alarms
@@ -261,7 +260,7 @@ class GradFlowCallback(HookCallback):
             Logged(
                 tracker,
                 on_step=None if alarms is None else alarms.log_step,
-                on_epoch=fit.draw_pictures,
+                on_epoch=self._draw_pictures,
             ),
         ]
         if fit.stability_stats is not None:
@@ -306,10 +305,16 @@ class GradFlowCallback(HookCallback):
             raise
         return tracker
 
+    def _draw_pictures(self, trainer: TrainerView, table: LayerTable) -> None:
+        """Draw the chart, heatmap and histograms of an epoch of the running fit."""
+        fit = self._fit
+        if fit is not None:
+            self._pictures.write(trainer, table, fit.gradient_histograms, fit.tracker.shards)
+
     def _end_fit(self) -> None:
         """Carry the fit's alarm state to the next fit, then warn once if an alarm stopped it."""
         self._fit = None
-        self._alarm_state.end()
+        self._alarms_across_fits.end()
 
     @override
     @guarded
@@ -374,14 +379,12 @@ class _Fit:
     """Measures one fit of :class:`GradFlowCallback`, and passes its alarms what they read.
 
     It is made at the fit's train start and dropped when the fit's hooks come off. The
-    callback's hooks call :meth:`observe` and :meth:`end_batch`; the tracker's result of each
-    epoch goes to :meth:`draw_pictures`.
+    callback's hooks call :meth:`observe` and :meth:`end_batch`.
     """
 
     tracker: GradFlowTracker
     fit_alarms: FitAlarms | None
     """The fit's alarms; ``None`` under ``alarms=False``."""
-    pictures: GradFlowPictures
     stability_stats: StabilityStats | None
     gradient_histograms: LayerHistograms | None
 
@@ -406,16 +409,12 @@ class _Fit:
                 optimizer, measured, grad_scale=scale, param_grad_scale=param_grad_scale
             )
 
-    def end_batch(self, outputs: STEP_OUTPUT, step: int, logging_step: bool) -> None:
-        """Close the attention statistics of a logging step, then give the loss to the rules."""
-        if self.stability_stats is not None and logging_step:
+    def end_batch(self, outputs: STEP_OUTPUT, step: int, measuring: bool) -> None:
+        """Close the attention statistics of a measured batch, then give the loss to the rules."""
+        if self.stability_stats is not None and measuring:
             self.stability_stats.end_step()
         if self.fit_alarms is not None:
             self.fit_alarms.feed_loss(outputs, step)
-
-    def draw_pictures(self, trainer: TrainerView, table: LayerTable) -> None:
-        """Draw the epoch's chart, heatmap and histograms."""
-        self.pictures.write(trainer, table, self.gradient_histograms, self.tracker.shards)
 
 
 _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")

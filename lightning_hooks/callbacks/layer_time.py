@@ -15,7 +15,7 @@ from lightning_hooks.callbacks.trainer import TrainerView, lightning_module_of
 from lightning_hooks.callbacks.watching import attach_stats, watches_selection
 from lightning_hooks.core.checks import boolean, named_arguments
 from lightning_hooks.core.hooks.guard import guarded
-from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, as_patterns
 from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
 from lightning_hooks.logging import layer_time_figure, log_figure
 from lightning_hooks.tags import family_tag
@@ -80,10 +80,10 @@ class LayerTimeCallback(HookCallback):
             fabric_refusal="it times on the LightningModule's device (pl_module.device), which a "
             f"plain nn.Module set up by Fabric does not have. {UNDER_FABRIC}",
         )
-        assert timer.selection is not None
         self.types = types
-        self.include = timer.selection.include
-        self.exclude = timer.selection.exclude
+        # The tracker checked them; these are the tuples its selection holds.
+        self.include = as_patterns(include)
+        self.exclude = as_patterns(exclude)
         self._timer = timer
 
     @override

@@ -38,7 +38,7 @@ class FitState:
     nothing to watch, or where a callback the user passed already watches it."""
     attached: Attached | None = None
     """What the fit put on the model, from its train start until its hooks come off."""
-    logging_batch: bool = False
+    measuring: bool = False
     """Whether the running batch belongs to a logging step that the fit measures."""
 
 
@@ -127,7 +127,7 @@ class Lifecycle:
     @property
     def measuring(self) -> bool:
         """Return whether the running batch belongs to a logging step, with the hooks on."""
-        return self._state.logging_batch and self._state.attached is not None
+        return self._state.measuring and self._state.attached is not None
 
     def start_fit(self, trainer: TrainerView, guard: Guard, *, watching: bool) -> None:
         """Start a fit with a new guard, and check the Trainer if the callback watches.
@@ -164,8 +164,8 @@ class Lifecycle:
     def start_batch(self, trainer: TrainerView, batch_idx: int) -> bool:
         """Start a batch: write the copies that arrived, and open or close the gate.
 
-        Before it, what was written since the last batch's end is saved, so that a run killed
-        in this batch keeps it. The first of the library's callbacks to get here saves for all.
+        It also has the loggers save what was written up to now, so that a run killed in this
+        batch keeps it. The first of the library's callbacks to get here saves for all.
 
         Args:
             trainer: the trainer running the batch.
@@ -180,10 +180,10 @@ class Lifecycle:
             attached.write_arrived_steps(trainer)  # on CUDA, the last logging step's copy
         self._set_gate(logging_step)
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
-        self._state.logging_batch = logging_step and attached is not None
-        if self._state.logging_batch:
+        self._state.measuring = logging_step and attached is not None
+        if self._state.measuring:
             self.cadence.measure()
-        return self._state.logging_batch
+        return self._state.measuring
 
     def end_batch(self, trainer: TrainerView) -> None:
         """End a batch, and write its logging step if its optimizer step has run.

@@ -17,7 +17,7 @@ from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.callbacks.watching import attach_stats, watches_selection
 from lightning_hooks.core.checks import fraction_or_none, module_types, named_arguments, real
 from lightning_hooks.core.hooks.guard import guarded
-from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
+from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, as_patterns
 from lightning_hooks.core.stats.saturation import (
     SATURATING_TYPES,
     SaturatedUnits,
@@ -103,10 +103,10 @@ class SaturationCallback(HookCallback):
         """The saturation of each watched layer, attached afresh at each fit."""
         self.findings = Findings(_NAME, "saturation findings")
         """The layers warned of in this fit (repeats are summed up at its end)."""
-        assert tracker.selection is not None
         self.types = types
-        self.include = tracker.selection.include
-        self.exclude = tracker.selection.exclude
+        # The tracker checked them; these are the tuples its selection holds.
+        self.include = as_patterns(include)
+        self.exclude = as_patterns(exclude)
         self.unit_dim = unit_dim
         self.margin = margin
 

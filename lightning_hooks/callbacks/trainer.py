@@ -19,7 +19,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 
-from lightning_hooks.core.stats.alarm_feed import Clip
+from lightning_hooks.core.clipping import Clip
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import shadow_hooks, tensor_parallel_size, unshadow_hooks
 from lightning_hooks.logging import shows_pictures
@@ -310,7 +310,7 @@ def inherits_empty_hook(callback: object, name: str) -> bool:
     return getattr(type(callback), name, None) in _DEFAULTS[name]
 
 
-def skip_inherited(callback: pl.Callback, trainer: object) -> None:
+def skip_inherited(callback: pl.Callback, trainer: object) -> tuple[str, ...]:
     """Let Lightning skip the empty per-batch hooks a callback inherits, under Lightning's Trainer.
 
     A Fabric loop is left alone. See
@@ -320,20 +320,24 @@ def skip_inherited(callback: pl.Callback, trainer: object) -> None:
         callback: the callback whose inherited, empty per-batch hooks are shadowed for the fit.
         trainer: the trainer of the fit; only a Trainer of either Lightning namespace is acted
             on.
+
+    Returns:
+        The hooks shadowed, for :func:`restore_inherited`.
     """
     if not isinstance(trainer, _TRAINERS):
-        return
+        return ()
     inherited = [name for name in PER_BATCH_HOOKS if inherits_empty_hook(callback, name)]
-    shadow_hooks(callback, inherited)
+    return shadow_hooks(callback, inherited)
 
 
-def restore_inherited(callback: pl.Callback) -> None:
+def restore_inherited(callback: pl.Callback, shadowed: Sequence[str]) -> None:
     """Let Lightning call a callback's inherited hooks again; calling it twice does no harm.
 
     Args:
         callback: the callback whose hooks :func:`skip_inherited` shadowed.
+        shadowed: the hooks :func:`skip_inherited` returned.
     """
-    unshadow_hooks(callback)
+    unshadow_hooks(callback, shadowed)
 
 
 def enabled_grad_scaler(trainer: TrainerView) -> torch.amp.GradScaler | None:

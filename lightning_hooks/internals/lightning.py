@@ -29,11 +29,8 @@ __all__ = [
     "unwrapped_optimizer",
 ]
 
-_SHADOWED = "_lightning_hooks_shadowed"
-"""The instance attribute where :func:`shadow_hooks` lists the hooks it shadowed."""
 
-
-def shadow_hooks(callback: object, names: Iterable[str]) -> None:
+def shadow_hooks(callback: object, names: Iterable[str]) -> tuple[str, ...]:
     """Speed-up: shadow the empty per-batch hooks a callback inherits, so Lightning skips them.
 
     Each of ``names`` is set to ``None`` on the instance, for one fit, so that Lightning does not
@@ -50,25 +47,28 @@ def shadow_hooks(callback: object, names: Iterable[str]) -> None:
     Args:
         callback: the callback whose inherited hooks are shadowed on its instance.
         names: the per-batch hooks it leaves empty; a hook the instance defines itself is kept.
+
+    Returns:
+        The hooks shadowed, for :func:`unshadow_hooks`.
     """
     if not speedups():
-        return
-    own = callback.__dict__
-    shadowed = tuple(name for name in names if name not in own)
-    own.update(dict.fromkeys(shadowed))
-    own[_SHADOWED] = own.get(_SHADOWED, ()) + shadowed
+        return ()
+    shadowed = tuple(name for name in names if name not in vars(callback))
+    for name in shadowed:
+        setattr(callback, name, None)
+    return shadowed
 
 
-def unshadow_hooks(callback: object) -> None:
-    """Take off the shadows :func:`shadow_hooks` set (idempotent).
+def unshadow_hooks(callback: object, shadowed: Iterable[str]) -> None:
+    """Take off the shadows :func:`shadow_hooks` set; calling it again does nothing.
 
     Args:
         callback: the callback whose shadowed hooks are restored to the ones it inherits.
+        shadowed: the hooks :func:`shadow_hooks` returned.
     """
-    own = callback.__dict__
-    for name in own.pop(_SHADOWED, ()):
-        if own.get(name, False) is None:
-            del own[name]
+    for name in shadowed:
+        if name in vars(callback) and getattr(callback, name) is None:
+            delattr(callback, name)
 
 
 def drop_model_logging(callback: object) -> None:

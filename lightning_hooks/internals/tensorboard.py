@@ -18,13 +18,13 @@ from typing_extensions import Buffer
 
 from lightning_hooks.internals import speedups
 from lightning_hooks.internals.lightning import logger_prefix
+from lightning_hooks.tags import TAG_CACHE_SIZE
 
 if TYPE_CHECKING:
     from tensorboard.compat.proto.summary_pb2 import Summary
 
 __all__ = ["Checksums", "fast_checksums", "one_event_writer", "scalar_summary"]
 
-_TAGS = 1 << 16  # tags whose bytes are kept (each logging step writes the same ones)
 _MASK = 0xFFFFFFFF
 _DELTA = 0xA282EAD8  # TFRecord's mask: rotate right by 15 bits, add this
 
@@ -133,7 +133,7 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-@functools.lru_cache(maxsize=_TAGS)
+@functools.lru_cache(maxsize=TAG_CACHE_SIZE)
 def _head(tag: str) -> bytes:
     """A tag's ``Summary.Value`` bytes before its ``simple_value`` (always of the same length)."""
     text = tag.encode("utf-8")

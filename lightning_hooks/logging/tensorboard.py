@@ -24,9 +24,7 @@ from lightning_hooks.logging.sinks import (
     Moments,
     lightning_types,
 )
-from lightning_hooks.tags import PERCENTILE, STEP, step_tag
-
-_TAGS = 1 << 16  # tags whose derived names are kept (each logging step writes the same ones)
+from lightning_hooks.tags import PERCENTILE, STEP, TAG_CACHE_SIZE, step_tag
 
 if TYPE_CHECKING:
     import torch
@@ -310,7 +308,7 @@ def _charts(tags: tuple[str, ...]) -> frozenset[tuple[str, str]]:
     return frozenset(key for key in map(chart_key, tags) if key is not None)
 
 
-@functools.lru_cache(maxsize=_TAGS)
+@functools.lru_cache(maxsize=TAG_CACHE_SIZE)
 def chart_key(tag: str) -> tuple[str, str] | None:
     """Return the ``(family, stat)`` chart a tag belongs to.
 

@@ -125,7 +125,7 @@ class TrainingAlarms:
         self._logits: dict[str, list[float]] = {}  # the attention logits of the last logging steps
         self.facts = RunFacts()
         """What the alarms may quote of the run: the learning rate, the output layer's units
-        (:meth:`know`)."""
+        (:meth:`set_run_facts`)."""
 
     def set_run_facts(self, facts: RunFacts) -> None:
         """Quote ``facts`` in the alarms.

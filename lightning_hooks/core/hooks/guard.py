@@ -1,4 +1,4 @@
-"""The guard: an error in one of our hooks disables that statistic, never the user's run."""
+"""The guard: an error in one of our hooks disables that callback, never the user's run."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def strict_default() -> bool:
 
 
 class Guard:
-    """Catches the exceptions of statistic ``name``'s hooks.
+    """Catches the exceptions of the hooks of callback ``name``.
 
     The first exception marks it :attr:`failed`, warns once, and the owner removes its hooks at
     the next Lightning hook (with :attr:`defer`, once the ranks agree:
@@ -41,7 +41,7 @@ class Guard:
     library's own errors.
 
     Args:
-        name: the statistic (or callback) the warning names.
+        name: the callback the warning names.
         strict: re-raise every exception (default: :func:`strict_default`).
     """
 
@@ -56,7 +56,7 @@ class Guard:
         self.local: str | None = None
         """This rank's failure, deferred until the ranks agree."""
         self.disabled_step: int | None = None
-        """The step at which the ranks disabled the statistic, once agreed."""
+        """The step at which the ranks disabled the callback, once agreed."""
 
     def fail(self, where: str, error: Exception) -> None:
         """Record ``error`` raised in ``where``: re-raise if strict or ours, else warn once.
@@ -82,11 +82,11 @@ class Guard:
         self._warn(f"for the rest of the fit: its {where} raised {type(error).__name__}: {error}")
 
     def disable_on_every_rank(self, causes: Sequence[str | None], step: int, *, warn: bool) -> None:
-        """Disable the statistic at ``step`` on every rank, once the ranks agreed.
+        """Disable the callback at ``step`` on every rank, once the ranks agreed.
 
         Args:
             causes: ``causes[r]`` is rank ``r``'s :attr:`local` (``None``: healthy).
-            step: the step the statistic is disabled at, named in the warning.
+            step: the step the callback is disabled at, named in the warning.
             warn: write one warning naming each failure (rank 0).
         """
         failed = [f"rank {r}: {cause}" for r, cause in enumerate(causes) if cause is not None]
@@ -97,7 +97,7 @@ class Guard:
             self._warn(f"on every rank from step {step} for the rest of the fit: {self.failed}")
 
     def _warn(self, how: str) -> None:
-        """Warn that the statistic is disabled ``how`` (when, and why), and how to raise instead."""
+        """Warn that the callback is disabled ``how`` (when, and why), and how to raise instead."""
         warnings.warn(
             f"{self.name} is disabled {how}. Training goes on without it; set {STRICT_ENV}=1 (or "
             "strict=True) to raise instead.",
@@ -106,7 +106,7 @@ class Guard:
         )
 
     def removal_due(self) -> bool:
-        """Return whether the owner should remove the statistic's hooks now.
+        """Return whether the owner should remove the callback's hooks now.
 
         Returns:
             ``True`` once after a failure, then ``False``.
@@ -153,13 +153,13 @@ GUARDED_HOOKS = (
     "on_validation_epoch_start",
     "on_validation_epoch_end",
 )
-"""The hooks :func:`guarded` runs under the guard, skipped once the statistic failed (not
+"""The hooks :func:`guarded` runs under the guard, skipped once the callback failed (not
 ``setup`` nor ``on_fit_start``: configuration errors must stop the fit). A failed ``state_dict``
 returns ``None``: the checkpoint is saved without the callback's state, and a fit resumed from it
 starts the callback's epoch afresh."""
 
 RELEASE_HOOKS = ("on_train_end", "on_exception", "teardown")
-"""The hooks that take the statistic's hooks off: :func:`guarded` runs them under the guard
+"""The hooks that take the callback's hooks off: :func:`guarded` runs them under the guard
 too, but they run after a failure as well, so that every hook is removed whatever failed before.
 A failure in one of them is reported like any other (in ``on_exception`` the user's exception
 goes on, not ours)."""

@@ -12,13 +12,13 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from functools import partial
-from typing import Literal, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
-from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
+from lightning_hooks.core.clipping import Clip
 from lightning_hooks.core.ops import pointer_norms
 from lightning_hooks.core.ops.grad_stats import (
     GLOBAL,
@@ -40,35 +40,7 @@ from lightning_hooks.core.stats.optimizer_view import (
 from lightning_hooks.core.transport import to_local
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["AlarmFeed", "Clip", "Measured", "Tracked", "as_clip", "foreach_norms", "quiet_read"]
-
-
-class Clip(NamedTuple):
-    """The gradient clipping a run applies: the Trainer's two clipping settings."""
-
-    bound: float
-    """``gradient_clip_val``: the largest norm, or the largest value of an entry."""
-    algorithm: Literal["norm", "value"]
-    """``gradient_clip_algorithm``: ``"norm"`` or ``"value"``."""
-
-
-CLIP_ALGORITHMS: tuple[Literal["norm", "value"], ...] = ("norm", "value")
-
-
-def as_clip(owner: str, value: Clip | tuple[float, str]) -> Clip:
-    """Check a gradient clipping given as ``(bound, algorithm)``, naming ``owner``'s ``clip``.
-
-    Returns:
-        The clipping, its bound a float.
-
-    Raises:
-        ValueError: the bound is not positive, or the algorithm is neither ``"norm"`` nor
-            ``"value"``.
-        TypeError: the bound is not a real number.
-    """
-    bound = checks.real(owner, "clip", value[0], low=0.0, low_open=True)
-    algorithm = checks.choice(owner, "clip", value[1], CLIP_ALGORITHMS)
-    return Clip(bound, algorithm)
+__all__ = ["AlarmFeed", "Measured", "Tracked", "foreach_norms", "quiet_read"]
 
 
 class _Step(NamedTuple):

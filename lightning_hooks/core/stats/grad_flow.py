@@ -6,7 +6,6 @@ the percentiles over the layers) and says which layers are logged one by one.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -17,6 +16,7 @@ from torch import nn
 from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
 from lightning_hooks.core.checks import named_arguments
+from lightning_hooks.core.clipping import Clip
 from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
@@ -30,7 +30,8 @@ from lightning_hooks.core.ops.grad_stats import (
 )
 from lightning_hooks.core.ops.tensors import Workspace
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable, Reduction
-from lightning_hooks.core.stats.alarm_feed import AlarmFeed, Clip, Measured, as_clip
+from lightning_hooks.core.stats.alarm_feed import Measured
+from lightning_hooks.core.stats.deprecated_alarms import deprecated_tracker_alarms
 from lightning_hooks.core.stats.optimizer_view import (
     ColumnValues,
     OptimizerView,
@@ -87,9 +88,7 @@ def counts_the_model_itself(types: ModuleTypes, include: Patterns) -> bool:
     return types is None and not include
 
 
-def _check_args(
-    model: object, optimizers: object, alarms: object, **flags: object
-) -> list[torch.optim.Optimizer]:
+def _check_args(model: object, optimizers: object, **flags: object) -> list[torch.optim.Optimizer]:
     """Check the tracker's arguments, naming the culprit, and return the optimizers as a list.
 
     Raises:
@@ -107,11 +106,6 @@ def _check_args(
         raise TypeError(f"GradFlowTracker(optimizers=[...]): must be {expected}, {got}")
     for name, flag in flags.items():
         checks.boolean("GradFlowTracker", name, flag)
-    if alarms is not None and not isinstance(alarms, AlarmRules):
-        raise TypeError(
-            f"GradFlowTracker(alarms={alarms!r}): must be an AlarmRules or None, "
-            f"got {type(alarms).__name__}"
-        )
     return checked
 
 
@@ -141,8 +135,8 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         post_clip: gradients are clipped before the step: measure them in the step post-hook.
         clip: deprecated with ``alarms``: give it to the :class:`~.alarm_feed.AlarmFeed`.
         alarms: deprecated: make an :class:`~.alarm_feed.AlarmFeed` of the tracker. Given, the
-            tracker makes one and feeds it at each :meth:`observe`, and ``tracker.alarms`` is
-            its ``TrainingAlarms``.
+            tracker feeds the alarms at each :meth:`observe`, and ``tracker.alarms`` is their
+            ``TrainingAlarms`` (:mod:`~.deprecated_alarms`).
         max_layers_logged: :meth:`tags` for at most this many layers, non-finite first, then
             half the largest and half the smallest gradient norms, and percentiles over all
             (``None``: every layer).
@@ -153,7 +147,7 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         ValueError: no selected module owns a parameter.
 
     Warns:
-        DeprecationWarning: ``alarms`` is given.
+        DeprecationWarning: ``alarms`` or ``clip`` is given.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -186,8 +180,7 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         guard: Guard | None = None,
     ) -> None:
         flags = {"update_ratio": update_ratio, "output_grad": output_grad, "post_clip": post_clip}
-        optimizers = _check_args(model, optimizers, alarms, **flags)
-        deprecated_clip = None if clip is None else as_clip("GradFlowTracker", clip)
+        optimizers = _check_args(model, optimizers, **flags)
         self.registry: HookRegistry = HookRegistry(model, guard=guard)
         modules = self.registry.modules(types=types, include=include, exclude=exclude)
         self.layout = layers_of(model, modules, types=types, include=include)
@@ -214,28 +207,11 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         self._update_ratio = update_ratio
         self._output_grad = output_grad
         self._post_clip = post_clip
-        self._deprecated_feed: AlarmFeed | None = None
-        self._deprecated_clip = deprecated_clip
+        self._deprecated_alarms = deprecated_tracker_alarms(self, alarms, clip)
         self.alarms: TrainingAlarms | None = None
-        """Deprecated with ``alarms``: the alarms of the feed the tracker made."""
-        if alarms is None and clip is not None:
-            warnings.warn(
-                "GradFlowTracker(clip=...) is deprecated, and without alarms= it has no effect: "
-                "give the clipping to the alarms' feed, feed.observe(optimizer, measured, "
-                "clip=clip)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-        if alarms is not None:
-            warnings.warn(
-                "GradFlowTracker(alarms=..., clip=...) is deprecated: make the feed yourself, "
-                "feed = AlarmFeed(tracker, rules), then feed.observe(optimizer, "
-                "tracker.observe(optimizer), clip=clip) and feed.training_alarms.poll()",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            self._deprecated_feed = AlarmFeed(self, alarms)
-            self.alarms = self._deprecated_feed.training_alarms
+        """Deprecated with ``alarms``: the alarms the tracker feeds."""
+        if self._deprecated_alarms is not None:
+            self.alarms = self._deprecated_alarms.training_alarms
         try:
             if output_grad:
                 self._outputs.hook(self.registry, modules, model)
@@ -277,14 +253,13 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         if self.registry.logging_step:
             measured = self._measure(optimizer, grad_scale, param_grad_scale)
         self._outputs.order.clear()
-        if self._deprecated_feed is not None:
-            self._deprecated_feed.observe(
+        if self._deprecated_alarms is not None:
+            self._deprecated_alarms.observe(
                 optimizer,
                 measured,
                 step=step,
                 grad_scale=grad_scale,
                 param_grad_scale=param_grad_scale,
-                clip=self._deprecated_clip,
             )
         return measured
 
