@@ -118,6 +118,15 @@ def _running_scale(norms: np.ndarray, window: int = 50) -> tuple[float, float]:
     return mean, var
 
 
+def _assert_running_scale(state: dict[str, Any], norms: np.ndarray) -> None:
+    """The alarm state's running scales are those of ``norms``, computed here in plain Python."""
+    assert state["scale"][2].tolist() == [float(len(norms))] * 4  # finite steps seen, per row
+    for row, layer in enumerate(LAYERS):
+        mean, var = _running_scale(norms[:, row])
+        assert math.isclose(float(state["scale"][0, row]), mean, rel_tol=1e-4), layer
+        assert math.isclose(float(state["scale"][1, row]), var, rel_tol=1e-3), layer
+
+
 @pytest.mark.parametrize("at", [37, 137])
 def test_spike_at_a_step_that_is_not_a_statistics_step_is_named_at_defaults(
     tmp_path: Path, at: int
@@ -402,13 +411,47 @@ def test_alarm_state_survives_a_checkpoint_resume(trainer_factory: Any, tmp_path
     trainer.fit(model, ckpt_path=tmp_path / "mid.ckpt")
     state = callback.state_dict()["alarms"]
     norms = np.array(probe.norms)  # 40 steps: both runs, recorded independently
-    assert state["scale"][2].tolist() == [40.0] * 4  # finite steps seen, per row
-    for row, layer in enumerate(LAYERS):
-        mean, var = _running_scale(norms[:, row])
-        assert math.isclose(float(state["scale"][0, row]), mean, rel_tol=1e-4), layer
-        assert math.isclose(float(state["scale"][1, row]), var, rel_tol=1e-3), layer
+    _assert_running_scale(state, norms)
     ring = state["ring"][:, 0, :3].numpy()  # the last 16 steps' norms, by step % 16
     np.testing.assert_allclose(ring[[s % 16 for s in range(24, 40)]], norms[24:], rtol=1e-5)
+
+
+class SaveAt(pl.Callback):
+    """Saves a checkpoint at the end of one batch, while the fit runs."""
+
+    def __init__(self, path: Path, batch_idx: int) -> None:
+        self.path = path
+        self.batch_idx = batch_idx
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if args[-1] == self.batch_idx:
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_checkpoint_saved_mid_fit_holds_the_running_fits_alarm_state(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    """A checkpoint taken while a fit runs saves the alarms of that fit, as far as they got."""
+    probe = NormProbe()
+    callback = GradFlowCallback(chart=False, alarms=GRAD_RULES)
+    path = tmp_path / "mid.ckpt"
+    _fit(trainer_factory, LongMLP(batches=20), probe, callback, SaveAt(path, batch_idx=11))
+    saved = torch.load(path, weights_only=False)["callbacks"][callback.state_key]["alarms"]
+    _assert_running_scale(saved, np.array(probe.norms[:12]))
+    _assert_running_scale(callback.state_dict()["alarms"], np.array(probe.norms))
+
+
+def test_a_second_fit_on_the_same_callback_goes_on_from_the_first_fits_alarm_state(
+    trainer_factory: Any,
+) -> None:
+    """The alarms' running scales carry from one fit to the next on the same callback."""
+    probe = NormProbe()
+    callback = GradFlowCallback(chart=False, alarms=GRAD_RULES)
+    model = LongMLP(batches=20)
+    _fit(trainer_factory, model, probe, callback)
+    _fit(trainer_factory, model, probe, callback)
+    assert len(probe.norms) == 40
+    _assert_running_scale(callback.state_dict()["alarms"], np.array(probe.norms))
 
 
 class StepSyncs(pl.Callback):

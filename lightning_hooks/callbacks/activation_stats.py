@@ -125,7 +125,6 @@ class ActivationStatsCallback(HookCallback):
         self._history = EpochColumns()  # the heatmaps' columns, one per epoch of the fit
         # So that a resumed fit draws the earlier epochs.
         self.lifecycle.checkpoint.keep("heatmaps", self._history)
-        self._warned_nonfinite = False
         self._activations = tracker
         self._shape = shape
 
@@ -145,7 +144,6 @@ class ActivationStatsCallback(HookCallback):
         """Hook the statistics on the selected modules; each epoch's go to :meth:`_draw`."""
         if self.lifecycle.start_training():
             self._history.clear()
-            self._warned_nonfinite = False
             logged: list[Logged[Any]] = [
                 Logged(self._activations, on_epoch=self._draw),
                 Logged(self._shape),
@@ -182,15 +180,17 @@ class ActivationStatsCallback(HookCallback):
         self.lifecycle.end_epoch(trainer)
 
     def _warn_first_nonfinite(self) -> None:
-        """Warn once of the first module whose output went non-finite, in a measured batch."""
-        if self._warned_nonfinite:
-            return
+        """Warn once of the first module whose output went non-finite, in a measured batch.
+
+        The tracker watches for it afresh in each fit, from the moment it attaches.
+        """
         tracker = self._activations
+        if tracker.first_nonfinite.taken:  # warned of in this fit already
+            return
         tracker.end_step(self.lifecycle.batch_step)
-        found = tracker.first_nonfinite.poll()
+        found = tracker.first_nonfinite.take()
         if found is not None:
             step, row = found
-            self._warned_nonfinite = True
             rank_zero_warn(
                 f"{_NAME}: the first module whose output went non-finite (NaN/Inf) is "
                 f"'{tracker.layers[row]}', at global step {step} (the first in execution order "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from pytorch_lightning.utilities import rank_zero_warn
@@ -91,8 +92,6 @@ class DeadReLUCallback(HookCallback):
         super().__init__(state_key={"stats": [tracker.config_key()]}, every_n_steps=every_n_steps)
         self.tracker = tracker
         """The dead units of each watched layer, attached afresh at each fit."""
-        self.findings = Findings(_NAME, "dead-unit findings")
-        """The layers warned of in this fit (repeats are summed up at its end)."""
         self.types = types
         # The tracker checked them; these are the tuples its selection holds.
         self.include = as_patterns(include)
@@ -123,9 +122,11 @@ class DeadReLUCallback(HookCallback):
     def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Hook the watched activations; each epoch's dead units go to :meth:`_warn`."""
         if self.lifecycle.start_training():
-            logged = [Logged(self.tracker, on_epoch=self._warn)]
+            # The fit's own findings: its warnings, and the repeats summed up when it ends.
+            findings = Findings(_NAME, "dead-unit findings")
+            logged = [Logged(self.tracker, on_epoch=partial(self._warn, findings))]
             attached = attach_stats(
-                pl_module, self.hook_guard(), logged, on_remove=self.findings.warn_held_back
+                pl_module, self.hook_guard(), logged, on_remove=findings.warn_held_back
             )
             self.lifecycle.attach(attached)
 
@@ -156,10 +157,11 @@ class DeadReLUCallback(HookCallback):
         """Write the epoch's dead units; their reader :meth:`_warn` warns past ``warn_at``."""
         self.lifecycle.end_epoch(trainer)
 
-    def _warn(self, trainer: TrainerView, found: DeadUnits) -> None:
+    def _warn(self, findings: Findings, trainer: TrainerView, found: DeadUnits) -> None:
         """Warn of each layer at or past ``warn_at``, once per layer per fit.
 
         Args:
+            findings: the fit's findings, which say whether a layer is warned of already.
             trainer: the trainer whose epoch the warning names.
             found: the epoch's dead units per layer.
         """
@@ -169,7 +171,7 @@ class DeadReLUCallback(HookCallback):
             return
         rows = zip(found.layers, found.dead, found.units, found.dead_fraction, strict=True)
         for layer, dead, units, share in rows:
-            if dead > 0 and share >= warn_at and self.findings.first(layer):
+            if dead > 0 and share >= warn_at and findings.first(layer):
                 rank_zero_warn(
                     f"{_NAME}: layer '{layer}' has {dead} of {units} units dead in epoch {epoch} "
                     f"(never fired on a logging step's batch; dead fraction {share:.3g} >= "

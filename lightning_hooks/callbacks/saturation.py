@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from functools import partial
 from typing import Any
 
 from pytorch_lightning.utilities import rank_zero_warn
@@ -101,8 +102,6 @@ class SaturationCallback(HookCallback):
         super().__init__(state_key={"stats": [tracker.config_key()]}, every_n_steps=every_n_steps)
         self.tracker = tracker
         """The saturation of each watched layer, attached afresh at each fit."""
-        self.findings = Findings(_NAME, "saturation findings")
-        """The layers warned of in this fit (repeats are summed up at its end)."""
         self.types = types
         # The tracker checked them; these are the tuples its selection holds.
         self.include = as_patterns(include)
@@ -124,9 +123,11 @@ class SaturationCallback(HookCallback):
     def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Hook the watched activations; each epoch's saturated units go to :meth:`_warn`."""
         if self.lifecycle.start_training():
-            logged = [Logged(self.tracker, on_epoch=self._warn)]
+            # The fit's own findings: its warnings, and the repeats summed up when it ends.
+            findings = Findings(_NAME, "saturation findings")
+            logged = [Logged(self.tracker, on_epoch=partial(self._warn, findings))]
             attached = attach_stats(
-                pl_module, self.hook_guard(), logged, on_remove=self.findings.warn_held_back
+                pl_module, self.hook_guard(), logged, on_remove=findings.warn_held_back
             )
             self.lifecycle.attach(attached)
 
@@ -157,10 +158,11 @@ class SaturationCallback(HookCallback):
         """Write the epoch's saturated units; their reader :meth:`_warn` warns past ``warn_at``."""
         self.lifecycle.end_epoch(trainer)
 
-    def _warn(self, trainer: TrainerView, found: SaturatedUnits) -> None:
+    def _warn(self, findings: Findings, trainer: TrainerView, found: SaturatedUnits) -> None:
         """Warn of each layer at or past ``warn_at``, once per layer per fit, on rank 0.
 
         Args:
+            findings: the fit's findings, which say whether a layer is warned of already.
             trainer: the trainer whose epoch the warning names (only rank 0 warns).
             found: the epoch's units saturated on every sample, per layer.
         """
@@ -171,7 +173,7 @@ class SaturationCallback(HookCallback):
         shares = found.always_saturated_fraction
         counts = found.always_saturated
         for layer, share, k, n in zip(found.layers, shares, counts, found.units, strict=True):
-            if k > 0 and share >= warn_at and self.findings.first(layer):
+            if k > 0 and share >= warn_at and findings.first(layer):
                 rank_zero_warn(
                     f"{_NAME}: layer {layer!r} has {k} of {n} units ({share:.0%}) "
                     f"saturated on every training sample of epoch {epoch} (warn_at="

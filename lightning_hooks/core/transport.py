@@ -186,6 +186,8 @@ class FirstNonFinite:
         self.code = torch.full((1,), -1, dtype=torch.int64, device=device)
         self._host_copy = HostCopy((1,), device, torch.int64)
         self._host_copy.clear(-1)
+        self.taken = False
+        """Whether :meth:`take` has returned the mark."""
 
     def mark(self, bad: torch.Tensor, step: int, row: int | torch.Tensor) -> None:
         """Record ``(step, row)`` if ``bad`` is the first non-finite event.
@@ -214,6 +216,25 @@ class FirstNonFinite:
             box.post(self.code)  # on the CPU the copy is the read
             code = -1 if self.device.type == "cuda" else _code(box.read(wait=False))
         return divmod(code, _ROW_SPACE) if code >= 0 else None
+
+    def take(self) -> tuple[int, int] | None:
+        """Poll the first mark without waiting, and return it once only.
+
+        Returns:
+            The ``(step, row)`` of the first mark the first time it has reached the host; then,
+            and before it, ``None``.
+
+        Example:
+            >>> watch = FirstNonFinite(torch.device("cpu"))
+            >>> watch.mark(torch.tensor(True), step=4, row=2)
+            >>> watch.take(), watch.take(), watch.taken
+            ((4, 2), None, True)
+        """
+        if self.taken:
+            return None
+        found = self.poll()
+        self.taken = found is not None
+        return found
 
     def reset(self) -> None:
         """Forget any mark (a new run)."""

@@ -87,15 +87,11 @@ class Gated:
 
 
 class HookOwner:
-    """Base of the core's trackers: a context manager that removes its registry's hooks."""
-
-    registry: HookRegistry | None
-    """The registry the hooks are on (``None``: none yet, or removed)."""
+    """Base of what puts hooks on a model: a context manager whose exit calls :meth:`remove`."""
 
     def remove(self) -> None:
-        """Remove every hook (idempotent)."""
-        if self.registry is not None:
-            self.registry.remove()
+        """Remove every hook; calling it again does nothing. Each owner defines it."""
+        raise NotImplementedError(f"{type(self).__name__} defines no remove()")
 
     def __enter__(self) -> Self:
         """Enter the block: the hooks stay until it exits."""

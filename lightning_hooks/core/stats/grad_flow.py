@@ -221,6 +221,10 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
             self.registry.remove()  # a tracker half hooked leaves no hook behind
             raise
 
+    def remove(self) -> None:
+        """Remove every hook of the tracker; calling it again does nothing."""
+        self.registry.remove()
+
     def unstepped(self) -> tuple[str, ...]:
         """Return the layers with a trainable parameter in no optimizer, which are not measured."""
         return self.views.unstepped(self._optimizers)
