@@ -48,6 +48,7 @@ __all__ = [
     "layer_metric",
     "layer_tag",
     "notice_tag",
+    "percentile_stat",
     "step_tag",
     "step_tags",
 ]
@@ -62,7 +63,8 @@ ALARM_TEXT = f"{GRAD_FLOW}/alarms"
 """The alarms' text of each epoch: its summary. TensorBoard files a text under
 ``<tag>/text_summary``; a logging step's text is under :data:`ALARM_STEP_TEXT`."""
 PERCENTILE = re.compile(r"_p\d+$")
-"""A percentile over the layers at the end of a statistic's name (``grad_norm_p50``)."""
+"""A percentile over the layers at the end of a statistic's name (``grad_norm_p50``); see
+:func:`percentile_stat`."""
 _STEP_SUFFIX = re.compile(r"_step(_p\d+)?$")
 TAG_CACHE_SIZE = 1 << 16
 """How many tags a cache of what is derived from a tag keeps: each logging step writes the same
@@ -179,6 +181,23 @@ def notice_tag(name: str, family: str = GRAD_FLOW) -> str:
         'grad_flow/notices/setback'
     """
     return f"{family}/{NOTICE_COUNTS}/{name}"
+
+
+def percentile_stat(stat: str, q: int) -> str:
+    """Return the name of a percentile over the layers of a statistic.
+
+    Args:
+        stat: the statistic's name (``"grad_norm"``).
+        q: the percentile, from 0 to 100.
+
+    Returns:
+        ``<stat>_p<q>``, ``q`` in two digits at least.
+
+    Example:
+        >>> percentile_stat("grad_norm", 5), percentile_stat("grad_norm", 50)
+        ('grad_norm_p05', 'grad_norm_p50')
+    """
+    return f"{stat}_p{q:02d}"
 
 
 def layer_metric(family: str, stat: str) -> str:

@@ -1,4 +1,4 @@
-"""The Lightning callbacks: thin adapters over the core."""
+"""The Lightning callbacks: each holds the core's statistics and alarms, and runs them in a fit."""
 
 from lightning_hooks.callbacks.activation_stats import ActivationStatsCallback
 from lightning_hooks.callbacks.dead_relu import DeadReLUCallback

@@ -16,9 +16,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from lightning_hooks.callbacks.attached import epoch_step
 from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.alarms import ALARM_RULES, TrainingAlarm, TrainingAlarms
-from lightning_hooks.core.transport import (
-    world_size,
-)
+from lightning_hooks.core.transport import world_size
 from lightning_hooks.errors import TrainingAlarmError, TrainingAlarmWarning
 from lightning_hooks.logging import log_scalars, log_text, save_loggers
 from lightning_hooks.tags import (
@@ -205,7 +203,7 @@ class AlarmPolicy:
                 error's cause instead of hiding it.
         """
         error = TrainingAlarmError(
-            _speaker(alarm),
+            _with_callback_name(alarm),
             rule=alarm.rule,
             layer=alarm.layer,
             step=alarm.step,
@@ -232,7 +230,7 @@ class AlarmPolicy:
         key = (alarm.rule, alarm.layer)
         if key not in self._warned:
             self._warned.add(key)
-            warning = TrainingAlarmWarning(_speaker(alarm))
+            warning = TrainingAlarmWarning(_with_callback_name(alarm))
             warning.alarm = alarm
             rank_zero_warn(warning, category=TrainingAlarmWarning)
 
@@ -316,7 +314,7 @@ class AlarmLog:
             log_text(trainer.loggers, ALARM_TEXT, _summary(log, where, self._noticed), step)
 
 
-def _speaker(alarm: TrainingAlarm) -> str:
+def _with_callback_name(alarm: TrainingAlarm) -> str:
     """Begin the alarm's message with the callback's name and the rule.
 
     Lightning's warning formatter drops a warning's category when the warning comes from a path

@@ -91,19 +91,15 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
         *,
         state_key: Mapping[str, Any],
         every_n_steps: int | None = None,
-        strict: bool | None = None,
         uses_images: bool = False,
         fabric_refusal: str | None = None,
     ) -> None:
-        """Set the cadence and the guard's strictness, and the state every fit starts from.
+        """Set the cadence, the checkpoint key, and the state every fit starts from.
 
         Args:
             state_key: the fields that tell this configuration's checkpoint state apart from
                 another's (Lightning refuses two callbacks with one key).
             every_n_steps: the cadence of the logging steps (see :class:`~.cadence.LoggingCadence`).
-            strict: if ``True``, a hook's exception is raised. If ``False``, it disables the
-                callback for the rest of the fit. If ``None``, the ``LIGHTNING_HOOKS_STRICT``
-                environment variable decides.
             uses_images: whether the callback draws pictures. A logger that cannot show them
                 is warned of.
             fabric_refusal: why this configuration cannot run in a Fabric loop, or ``None``.
@@ -114,7 +110,10 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
         """
         super().__init__(fabric_refusal=fabric_refusal)
         self._state_key_fields = dict(state_key)
-        self.strict = strict
+        self.strict: bool | None = None
+        """Whether a hook's exception is raised (``True``) or disables the callback for the rest
+        of the fit (``False``). ``None``: the ``LIGHTNING_HOOKS_STRICT`` environment variable
+        decides. Each fit's ``setup`` reads it."""
         self._from_environment = False
         self._state_key = self._generate_state_key(**self._state_key_fields)
         self._shadowed_hooks: tuple[str, ...] = ()

@@ -16,9 +16,9 @@ class CheckpointSlot:
     """A callback's checkpoint state, held from ``load_state_dict`` until its fit attaches.
 
     A callback's state has two parts: the running fit's statistics save their epoch so far,
-    and the collaborators in :attr:`kept`, which outlive a fit, save their own state under
-    their keys. Lightning loads a checkpoint before the fit's hooks exist, so the slot holds
-    the state until the fit has attached, then loads all of it or none.
+    and the collaborators in :attr:`kept`, which the callback holds across fits, save their own
+    state under their keys. Lightning loads a checkpoint before the fit's hooks exist, so the
+    slot holds the state until the fit has attached, then loads all of it or none.
 
     Args:
         owner: the callback's class name, which starts each warning.
@@ -32,7 +32,7 @@ class CheckpointSlot:
     def __init__(self, owner: str) -> None:
         self.owner = owner
         self.kept: dict[str, Checkpointed] = {}
-        """Collaborators that outlive a fit and are saved in checkpoints, by key."""
+        """Collaborators the callback holds across fits, saved in checkpoints, by key."""
         self._pending: dict[str, Any] | None = None
 
     def keep(self, key: str, kept: Checkpointed) -> None:
@@ -40,7 +40,7 @@ class CheckpointSlot:
 
         Args:
             key: the entry of the callback's state that holds it.
-            kept: a collaborator that outlives a fit.
+            kept: a collaborator the callback holds across fits.
 
         Raises:
             ValueError: ``key`` already holds another collaborator.

@@ -139,10 +139,10 @@ class FeatureMapCallback(HookCallback):
         super().__init__(
             state_key={"layers": self.layers, "embedding": self.embedding},
             uses_images=True,
-            strict=None if strict is None else checks.boolean(_NAME, "strict", strict),
             fabric_refusal="it draws its probe images from the training batch, which Fabric "
             f"does not hand to callbacks. {UNDER_FABRIC}",
         )
+        self.strict = None if strict is None else checks.boolean(_NAME, "strict", strict)
         if probe_labels is not None and not isinstance(probe_labels, torch.Tensor):
             raise TypeError(
                 f"{_NAME}(probe_labels={probe_labels!r}): must be a tensor of one label per "

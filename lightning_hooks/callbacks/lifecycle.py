@@ -208,9 +208,9 @@ class Lifecycle:
         It is set only when its value changes, so a step that is not a logging step only reads it.
         """
         attached = self._state.attached
-        gate = None if attached is None else attached.registry
-        if gate is not None and gate.logging_step != logging_step:
-            gate.set_logging_step(logging_step)
+        registry = None if attached is None else attached.registry  # it holds the gate
+        if registry is not None and registry.logging_step != logging_step:
+            registry.set_logging_step(logging_step)
 
     def end_epoch(self, trainer: TrainerView) -> bool:
         """Write each statistic's epoch, after the ranks agree, then save the loggers.
@@ -232,22 +232,21 @@ class Lifecycle:
         """End the fit's training, and take the hooks off.
 
         What is still pending is written (a Fabric loop may end without an epoch end before
-        it), the ranks agree on a failure after the last epoch end, and the loggers are saved.
+        it) and the loggers are saved (:meth:`flush`); then the ranks agree on a failure after
+        the last epoch end.
         """
         try:
-            attached = self._state.attached
-            if attached is not None:
-                attached.write_steps(trainer, wait=True)
+            self.flush(trainer)
             if self.guard.failed is None:
                 self.ranks.agree(trainer, trainer.global_step, self._state.attached, always=True)
-            save_loggers(trainer.loggers, layout=trainer.is_global_zero)
         finally:
             self.remove_hooks()
 
     def flush(self, trainer: TrainerView) -> None:
         """Write what was measured before the hooks go, then save the loggers.
 
-        On CUDA this waits for the last logging step's copy. ``on_exception`` calls it.
+        On CUDA this waits for the last logging step's copy. ``on_exception`` calls it, and
+        :meth:`end_training`.
         """
         attached = self._state.attached
         if attached is not None:

@@ -98,7 +98,7 @@ class AlarmFeed:
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> with GradFlowTracker(model, [opt]) as tracker:
         ...     feed = AlarmFeed(tracker, AlarmRules())
-        ...     tracker.registry.logging_step = False  # every step is a quiet step
+        ...     tracker.registry.set_logging_step(False)  # every step is a quiet step
         ...     model(torch.randn(16, 4)).pow(2).mean().backward()
         ...     feed.observe(opt, tracker.observe(opt))
         ...     feed.training_alarms.evaluated  # the feed read the step, the tracker did not

@@ -42,7 +42,7 @@ from lightning_hooks.core.stats.optimizer_view import (
 )
 from lightning_hooks.core.stats.output_grad import OutputGradients
 from lightning_hooks.core.transport import ShardPlan, to_local
-from lightning_hooks.tags import grad_flow_tag
+from lightning_hooks.tags import grad_flow_tag, percentile_stat
 
 __all__ = [
     "GRAD_FLOW_STATS",
@@ -443,7 +443,7 @@ def grad_flow_scalars(
         values = column[:last][(counts[:last] > 0) & np.isfinite(column[:last])]
         if len(rows) < last and values.size:  # percentiles over the layers
             for q, value in zip(_PERCENTILES, np.percentile(values, _PERCENTILES), strict=True):
-                yield grad_flow_tag(f"{suffix}_p{q:02d}"), float(value)
+                yield grad_flow_tag(percentile_stat(suffix, q)), float(value)
 
 
 def logged_rows(stats: LayerTable, max_layers: int | None) -> list[int]:
