@@ -58,6 +58,38 @@ def test_the_contracts_in_types_stay_within_their_bounds() -> None:
     assert not bare, f"a noqa without its reason in {bare}"
 
 
+PROTOCOL_MEMBERS = 5
+"""The most members a protocol declares itself; a larger contract is made of small ones, each
+the part some caller reads (``TrainerView`` of ``FitProgress``, ``TrainingSetup`` and
+``GradientSettings``)."""
+
+
+def _is_protocol(node: ast.ClassDef) -> bool:
+    """Whether ``node`` derives from ``Protocol`` or ``Protocol[...]`` directly."""
+    for base in node.bases:
+        named = base.value if isinstance(base, ast.Subscript) else base
+        if isinstance(named, ast.Name) and named.id == "Protocol":
+            return True
+    return False
+
+
+def test_every_protocol_is_a_small_contract() -> None:
+    """No protocol declares more than five members of its own: methods, properties and
+    attributes."""
+    large = {}
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and _is_protocol(node):
+                own = [
+                    member
+                    for member in node.body
+                    if isinstance(member, ast.FunctionDef | ast.AnnAssign)
+                ]
+                if len(own) > PROTOCOL_MEMBERS:
+                    large[f"{_name(path)}:{node.name}"] = len(own)
+    assert large == {}
+
+
 def test_the_package_is_held_to_the_docstring_rules() -> None:
     """pydocstyle's rules (Google convention) hold for every module of the package, whose
     docstrings the reference pages render, and not for the tests."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
-from lightning_hooks.callbacks.trainer import TrainerView
+from lightning_hooks.callbacks.trainer import FitProgress, TrainerView
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.core.transport import gather_objects
@@ -143,8 +143,6 @@ class Attached:
         aligned: the statistics whose rows the ranks align before they reduce them. Without
             it, a module that runs on only some ranks would make the reduce hang.
         on_remove: called once when the hooks come off (the fit ended, failed, or was torn down).
-        earlier_layout: converts checkpoint state saved by an earlier release into this
-            release's layout. ``None`` if every release saved this layout.
 
     Example:
         >>> import torch
@@ -171,13 +169,11 @@ class Attached:
         *,
         aligned: Sequence[LayerStat[Any]] = (),
         on_remove: Callable[[], None] | None = None,
-        earlier_layout: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self.registry = registry
         self.logged = tuple(logged)
         self.aligned = tuple(aligned)
         self._on_remove = on_remove
-        self._earlier_layout = earlier_layout
         self._copying = False
 
     def end_logging_step(self, trainer: TrainerView, step: int) -> None:
@@ -238,57 +234,6 @@ class Attached:
         for i, stat in enumerate(self.aligned):
             stat.align_rows([rank[i] for rank in new])
 
-    def state_dict(self) -> dict[str, Any]:
-        """Return each statistic's epoch so far by key, reduced across ranks, on the host."""
-        return {_state_name(i, s.stat): s.stat.host_state() for i, s in enumerate(self.logged)}
-
-    def in_this_layout(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Return a checkpoint's ``state`` under the keys :meth:`state_dict` saves."""
-        if self._earlier_layout is None:
-            return dict(state)
-        return self._earlier_layout(state)
-
-    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
-        """Continue from a checkpoint's ``state``.
-
-        A statistic with no entry in the checkpoint (the configuration that saved it did not
-        measure it) starts its epoch afresh; the others continue.
-
-        Args:
-            state: the callback's state, in this release's layout (see :meth:`in_this_layout`).
-                It is empty if it was saved outside a fit, and then nothing is loaded.
-
-        Returns:
-            The statistics that start afresh for want of an entry, by class name.
-
-        Raises:
-            KeyError: the state belongs to another model. Either it holds no entry for any
-                statistic, or an entry lacks part of its statistic's state.
-            ValueError: the state's values do not fit the statistics. No part of it is kept:
-                the statistics loaded before the one that did not fit start afresh too.
-        """
-        if not state:
-            return []
-        names = [_state_name(i, logged.stat) for i, logged in enumerate(self.logged)]
-        if not any(name in state for name in names):
-            raise KeyError(f"the checkpoint holds none of {names}")
-        afresh = []
-        try:
-            for name, logged in zip(names, self.logged, strict=True):
-                if name in state:
-                    logged.stat.load_host_state(state[name])
-                else:
-                    afresh.append(type(logged.stat).__name__)
-        except (KeyError, ValueError):
-            self.reset_statistics()
-            raise
-        return afresh
-
-    def reset_statistics(self) -> None:
-        """Start every statistic's epoch afresh, dropping what it holds of the epoch so far."""
-        for logged in self.logged:
-            logged.stat.reset()
-
     def remove(self) -> None:
         """Take every hook off the model, then call ``on_remove`` (once)."""
         if self.registry is not None:
@@ -299,7 +244,7 @@ class Attached:
             on_remove()
 
 
-def epoch_step(trainer: TrainerView) -> int:
+def epoch_step(trainer: FitProgress) -> int:
     """Return the step every value of the ending epoch is written at.
 
     This is the step at which Lightning logs the epoch's own metrics, such as a
@@ -318,8 +263,3 @@ def epoch_step(trainer: TrainerView) -> int:
     """
     step = lightning_epoch_step(trainer)
     return trainer.global_step - 1 if step is None else step
-
-
-def _state_name(index: int, stat: Statistic[Any]) -> str:
-    """Return a statistic's checkpoint name, by place and class: ``"0:GradFlowTracker"``."""
-    return f"{index}:{type(stat).__name__}"

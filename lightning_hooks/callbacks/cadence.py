@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_hooks.callbacks.trainer import TrainerView
+from lightning_hooks.callbacks.trainer import FitProgress
 from lightning_hooks.core.checks import positive_int_or_none
 
 __all__ = ["LIGHTNING_LOG_EVERY_N_STEPS", "LoggingCadence", "check_every_n_steps"]
@@ -63,14 +63,14 @@ class LoggingCadence:
         self.measured_step: int | None = None
         """The logging step being measured, until its values are handed over to be written."""
 
-    def logs(self, trainer: TrainerView, step: int) -> bool:
+    def logs(self, trainer: FitProgress, step: int) -> bool:
         """Return whether optimizer step ``step`` is a logging step by the cadence alone."""
-        # Lightning sets log_every_n_steps on its Trainer; TrainerView does not declare it.
+        # Lightning sets log_every_n_steps on its Trainer; no protocol of ours declares it.
         every = getattr(trainer, "log_every_n_steps", LIGHTNING_LOG_EVERY_N_STEPS)
         cadence = self.every_n_steps or max(1, int(every))
         return (step + 1) % cadence == 0
 
-    def start_batch(self, trainer: TrainerView, batch_idx: int) -> bool:
+    def start_batch(self, trainer: FitProgress, batch_idx: int) -> bool:
         """Record a batch's start, and return whether it belongs to a logging step.
 
         ``batch_idx`` 0 marks the epoch's first step.
@@ -91,7 +91,7 @@ class LoggingCadence:
         """
         self.measured_step = None
 
-    def finished_step(self, trainer: TrainerView) -> int | None:
+    def finished_step(self, trainer: FitProgress) -> int | None:
         """Record a batch's end, and return the logging step whose optimizer step has just run.
 
         Returns:

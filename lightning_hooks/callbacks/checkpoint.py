@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pytorch_lightning.utilities import rank_zero_warn
 
-from lightning_hooks.callbacks.attached import Attached, Checkpointed
+from lightning_hooks.callbacks.attached import Attached, Checkpointed, Statistic
 from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["CheckpointSlot"]
@@ -18,7 +19,8 @@ class CheckpointSlot:
     A callback's state has two parts: the running fit's statistics save their epoch so far,
     and the collaborators in :attr:`kept`, which the callback holds across fits, save their own
     state under their keys. Lightning loads a checkpoint before the fit's hooks exist, so the
-    slot holds the state until the fit has attached, then loads all of it or none.
+    slot holds the state until the fit has attached, then loads all of it or none. A statistic's
+    state is saved under its place and class name (``"0:GradFlowTracker"``).
 
     Args:
         owner: the callback's class name, which starts each warning.
@@ -34,6 +36,15 @@ class CheckpointSlot:
         self.kept: dict[str, Checkpointed] = {}
         """Collaborators the callback holds across fits, saved in checkpoints, by key."""
         self._pending: dict[str, Any] | None = None
+        self._earlier_layout: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+
+    def read_earlier_layout(self, convert: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        """Read each checkpoint through ``convert``, which reads an earlier release's layout.
+
+        Args:
+            convert: returns a state in this release's layout, and one already in it as it is.
+        """
+        self._earlier_layout = convert
 
     def keep(self, key: str, kept: Checkpointed) -> None:
         """Save ``kept``'s state in checkpoints under ``key``, from now on.
@@ -55,7 +66,7 @@ class CheckpointSlot:
         Between fits ``attached`` is ``None``, and only :attr:`kept` is saved. The state is on
         the host, reduced across ranks.
         """
-        state = {} if attached is None else attached.state_dict()
+        state = {} if attached is None else _statistics_state(attached)
         for key, kept in self.kept.items():
             state[key] = kept.host_state()
         return state
@@ -75,7 +86,8 @@ class CheckpointSlot:
         self._pending = None
         if not pending:
             return
-        state = attached.in_this_layout(pending)
+        convert = self._earlier_layout
+        state = dict(pending) if convert is None else convert(pending)
         try:
             afresh = self._load_whole(attached, state)
         except (KeyError, ValueError) as err:
@@ -108,14 +120,59 @@ class CheckpointSlot:
         """
         before = {key: kept.host_state() for key, kept in self.kept.items() if key in state}
         try:
-            afresh = attached.load_state_dict(
-                {k: v for k, v in state.items() if k not in self.kept}
+            afresh = _load_statistics(
+                attached, {k: v for k, v in state.items() if k not in self.kept}
             )
             for key in before:
                 self.kept[key].load_host_state(state[key])
         except (KeyError, ValueError):
-            attached.reset_statistics()
+            for logged in attached.logged:
+                logged.stat.reset()  # their epoch so far starts afresh
             for key, earlier in before.items():
                 self.kept[key].load_host_state(earlier)
             raise
         return afresh
+
+
+def _state_name(index: int, stat: Statistic[Any]) -> str:
+    """Return a statistic's checkpoint name, by place and class: ``"0:GradFlowTracker"``."""
+    return f"{index}:{type(stat).__name__}"
+
+
+def _statistics_state(attached: Attached) -> dict[str, Any]:
+    """Return each statistic's epoch so far by its name, reduced across ranks, on the host."""
+    logged = attached.logged
+    return {_state_name(i, each.stat): each.stat.host_state() for i, each in enumerate(logged)}
+
+
+def _load_statistics(attached: Attached, state: dict[str, Any]) -> list[str]:
+    """Continue each statistic of ``attached`` from its entry in a checkpoint's ``state``.
+
+    A statistic with no entry (the configuration that saved it did not measure it) starts its
+    epoch afresh; the others continue.
+
+    Args:
+        attached: the fit whose statistics load.
+        state: the statistics' part of the callback's state, in this release's layout. It is
+            empty if it was saved outside a fit, and then nothing is loaded.
+
+    Returns:
+        The statistics that start afresh for want of an entry, by class name.
+
+    Raises:
+        KeyError: the state belongs to another model. Either it holds no entry for any
+            statistic, or an entry lacks part of its statistic's state.
+        ValueError: the state's values do not fit the statistics.
+    """
+    if not state:
+        return []
+    names = [_state_name(i, logged.stat) for i, logged in enumerate(attached.logged)]
+    if not any(name in state for name in names):
+        raise KeyError(f"the checkpoint holds none of {names}")
+    afresh = []
+    for name, logged in zip(names, attached.logged, strict=True):
+        if name in state:
+            logged.stat.load_host_state(state[name])
+        else:
+            afresh.append(type(logged.stat).__name__)
+    return afresh

@@ -40,11 +40,13 @@ from lightning_hooks.internals.lightning import (
 
 __all__ = [
     "UNDER_FABRIC",
+    "BatchHooks",
     "FabricChecked",
     "FabricDriven",
     "FabricHooks",
     "FabricRun",
     "FabricTrainer",
+    "FitHooks",
     "check_fabric",
 ]
 
@@ -68,19 +70,8 @@ class FabricChecked(Protocol):
     """Why the callback's configuration cannot run in a Fabric loop (``None``: it can)."""
 
 
-class FabricDriven(FabricChecked, Protocol):
-    """The methods a :class:`FabricRun` calls on the callback it drives.
-
-    Beside the guard, these are Lightning's Trainer hooks, each with the contract of
-    its namesake in ``pytorch_lightning.Callback``. The run hands each hook a
-    :class:`FabricTrainer` as ``trainer`` and the watched module as ``pl_module``, so the hooks are
-    typed by what they read of these: a :class:`~.trainer.TrainerView` and a plain ``nn.Module``.
-    ``on_before_optimizer_step`` is not here: only some callbacks define it, and the run looks for
-    it once, when it starts (:class:`_StepObserver`).
-    """
-
-    def hook_guard(self) -> Guard:
-        """Return the guard of the running fit, which the run's own hooks run under."""
+class FitHooks(Protocol):
+    """The Trainer hooks that begin and end a fit, which a :class:`FabricRun` calls too."""
 
     def setup(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
         """Start a fit: its checks and its new state."""
@@ -90,6 +81,16 @@ class FabricDriven(FabricChecked, Protocol):
 
     def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Put the fit's hooks on the module, for the optimizers the trainer knows."""
+
+    def on_train_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
+        """End the fit and take its hooks off."""
+
+    def teardown(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
+        """Take the fit off the module, whatever happened before."""
+
+
+class BatchHooks(Protocol):
+    """The Trainer hooks of each batch and epoch, which a :class:`FabricRun` calls too."""
 
     def on_train_batch_start(
         self, trainer: TrainerView, pl_module: nn.Module, batch: object, batch_idx: int
@@ -109,11 +110,21 @@ class FabricDriven(FabricChecked, Protocol):
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Write the epoch's aggregates."""
 
-    def on_train_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """End the fit and take its hooks off."""
 
-    def teardown(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
-        """Take the fit off the module, whatever happened before."""
+class FabricDriven(FabricChecked, FitHooks, BatchHooks, Protocol):
+    """What a :class:`FabricRun` calls on the callback it drives.
+
+    Beside the guard, these are Lightning's Trainer hooks (:class:`FitHooks` and
+    :class:`BatchHooks`), each with the contract of its namesake in ``pytorch_lightning.Callback``.
+    The run hands each hook a :class:`FabricTrainer` as ``trainer`` and the watched module as
+    ``pl_module``, so the hooks are typed by what they read of these: a
+    :class:`~.trainer.TrainerView` and a plain ``nn.Module``. ``on_before_optimizer_step`` is
+    not here: only some callbacks define it, and the run looks for it once, when it starts
+    (:class:`_StepObserver`).
+    """
+
+    def hook_guard(self) -> Guard:
+        """Return the guard of the running fit, which the run's own hooks run under."""
 
 
 class _StepObserver(Protocol):

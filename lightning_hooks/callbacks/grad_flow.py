@@ -176,6 +176,8 @@ class GradFlowCallback(HookCallback):
         self._alarms_across_fits = GradFlowAlarms(rules, actions)
         # The alarms carry their running scales to the next fit, and through checkpoints.
         self.lifecycle.checkpoint.keep("alarms", self._alarms_across_fits)
+        # Release 0.2.0 saved the tracker's state at the top of the callback's.
+        self.lifecycle.checkpoint.read_earlier_layout(_saved_by_release_0_2)
         self._pictures = GradFlowPictures(max_layers_logged, chart=chart, heatmap=heatmap)
         # So that a resumed fit draws the earlier epochs.
         self.lifecycle.checkpoint.keep("heatmap", self._pictures.history)
@@ -270,7 +272,6 @@ class GradFlowCallback(HookCallback):
             tracker.registry,
             logged,
             on_remove=self._end_fit,
-            earlier_layout=_saved_by_release_0_2,
         )
 
     def _make_tracker(self, trainer: TrainerView, pl_module: nn.Module) -> GradFlowTracker:

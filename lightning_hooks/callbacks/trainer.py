@@ -29,7 +29,10 @@ __all__ = [
     "PER_BATCH_HOOKS",
     "SECOND_CALLBACK",
     "SHARDED_STRATEGIES",
+    "FitProgress",
+    "GradientSettings",
     "TrainerView",
+    "TrainingSetup",
     "check_trainer",
     "defers_to_users_own",
     "enabled_grad_scaler",
@@ -68,24 +71,8 @@ class _StrategyView(Protocol):
         """Return the precision plugin, whose ``scaler`` (a GradScaler, or none) is read."""
 
 
-class TrainerView(Protocol):
-    """What the callbacks read from the Trainer that their hooks are handed.
-
-    The same hooks run under Lightning's Trainer and in a Fabric loop, where a
-    :class:`~lightning_hooks.callbacks.fabric.FabricTrainer` stands in for the Trainer. The
-    hooks, and the collaborators they hand the trainer to, are typed by this view rather than by
-    ``pl.Trainer``, so that the stand-in takes the Trainer's place as it is: the Trainers of both
-    of Lightning's namespaces and the stand-in each satisfy it. A member is read-only where
-    Lightning's Trainer makes it a property; ``should_stop`` alone is written.
-
-    Two more attributes are read and are not members: Lightning sets ``log_every_n_steps`` and
-    ``callbacks`` on its Trainer outside the class, so a type checker does not find them on
-    ``pl.Trainer``, and as members they would make a ``pl.Trainer`` fail the type check where a
-    hook is called with one. ``log_every_n_steps``, read with ``getattr``, is the cadence of a
-    callback that takes the Trainer's (:class:`~.cadence.LoggingCadence`, :func:`check_trainer`);
-    ``callbacks`` tells a callback added by ``LIGHTNING_HOOKS`` at its ``setup`` whether the user
-    passed their own.
-    """
+class FitProgress(Protocol):
+    """Where the fit is, and where its values go: what every callback reads of its Trainer."""
 
     should_stop: bool
     """Whether the fit stops at the end of this step; an alarm's ``stop`` and the ranks'
@@ -107,6 +94,14 @@ class TrainerView(Protocol):
     def is_global_zero(self) -> bool:
         """Return whether this is rank 0, the one that draws pictures and writes text."""
 
+
+class TrainingSetup(Protocol):
+    """What is trained and how: the module, its optimizers and the strategy that runs them."""
+
+    @property
+    def lightning_module(self) -> nn.Module:
+        """Return the module trained, whose ``automatic_optimization`` is read where it has one."""
+
     @property
     def optimizers(self) -> Sequence[torch.optim.Optimizer]:
         """Return the optimizers whose steps the gradient flow reads."""
@@ -118,6 +113,10 @@ class TrainerView(Protocol):
         :func:`check_trainer` also reads its class and its tensor-parallel size, to refuse a
         strategy whose statistics would be a shard's.
         """
+
+
+class GradientSettings(Protocol):
+    """How the Trainer treats the gradient before a step: its clipping and accumulation."""
 
     @property
     def gradient_clip_val(self) -> float | None:
@@ -131,9 +130,27 @@ class TrainerView(Protocol):
     def accumulate_grad_batches(self) -> int:
         """Return how many batches make one optimizer step, which a batch's loss is divided by."""
 
-    @property
-    def lightning_module(self) -> nn.Module:
-        """Return the module trained, whose ``automatic_optimization`` is read where it has one."""
+
+class TrainerView(FitProgress, TrainingSetup, GradientSettings, Protocol):
+    """What the callbacks read from the Trainer that their hooks are handed.
+
+    The same hooks run under Lightning's Trainer and in a Fabric loop, where a
+    :class:`~lightning_hooks.callbacks.fabric.FabricTrainer` stands in for the Trainer. The
+    hooks, and the collaborators they hand the trainer to, are typed by this view rather than by
+    ``pl.Trainer``, so that the stand-in takes the Trainer's place as it is: the Trainers of both
+    of Lightning's namespaces and the stand-in each satisfy it. It is made of three small
+    contracts: :class:`FitProgress`, which every callback reads; :class:`TrainingSetup` and
+    :class:`GradientSettings`, which the gradient flow and its alarms read. A member is
+    read-only where Lightning's Trainer makes it a property; ``should_stop`` alone is written.
+
+    Two more attributes are read and are not members: Lightning sets ``log_every_n_steps`` and
+    ``callbacks`` on its Trainer outside the class, so a type checker does not find them on
+    ``pl.Trainer``, and as members they would make a ``pl.Trainer`` fail the type check where a
+    hook is called with one. ``log_every_n_steps``, read with ``getattr``, is the cadence of a
+    callback that takes the Trainer's (:class:`~.cadence.LoggingCadence`, :func:`check_trainer`);
+    ``callbacks`` tells a callback added by ``LIGHTNING_HOOKS`` at its ``setup`` whether the user
+    passed their own.
+    """
 
 
 _FSDP2 = (
@@ -340,7 +357,7 @@ def restore_inherited(callback: pl.Callback, shadowed: Sequence[str]) -> None:
     unshadow_hooks(callback, shadowed)
 
 
-def enabled_grad_scaler(trainer: TrainerView) -> torch.amp.GradScaler | None:
+def enabled_grad_scaler(trainer: TrainingSetup) -> torch.amp.GradScaler | None:
     """Return the GradScaler of the Trainer's precision plugin, if it has one that is enabled.
 
     Under fp16 AMP the gradients carry its loss scale until it unscales them.
@@ -357,7 +374,7 @@ def enabled_grad_scaler(trainer: TrainerView) -> torch.amp.GradScaler | None:
     return scaler
 
 
-def gradient_clipping(trainer: TrainerView) -> Clip | None:
+def gradient_clipping(trainer: GradientSettings) -> Clip | None:
     """Return the gradient clipping the Trainer applies, or ``None`` without one.
 
     Args:

@@ -52,8 +52,8 @@ class RawHistogram(TypedDict):
     bucket_counts: list[float]
 
 
-class _SummaryWriter(Protocol):
-    """The calls of a ``SummaryWriter`` that :class:`TensorBoardSink` makes."""
+class _PictureWriter(Protocol):
+    """The calls of a ``SummaryWriter`` that write pictures: figures, images and histograms."""
 
     def add_figure(self, tag: str, figure: Figure, global_step: int, close: bool) -> None:
         """Write ``figure`` as an image.
@@ -85,6 +85,13 @@ class _SummaryWriter(Protocol):
             global_step: the step it is logged at.
             **raw: the buckets and moments (the keywords of :func:`histogram_raw`).
         """
+
+
+class _SummaryWriter(_PictureWriter, Protocol):
+    """The calls of a ``SummaryWriter`` that :class:`TensorBoardSink` makes.
+
+    Beside the pictures', these write text, embeddings and the custom-scalars layout.
+    """
 
     def add_text(self, tag: str, text_string: str, global_step: int) -> None:
         """Write Markdown text.
