@@ -213,3 +213,18 @@ def test_memory_stays_flat_when_every_step_is_timed(trainer_factory: Any) -> Non
     # The marks are dropped as they are read, not kept until the epoch ends (about 700 bytes a
     # step, 21 kB here).
     assert probe.held[35] - probe.held[5] < 1000, probe.held
+
+
+def test_the_clock_follows_where_the_model_says_it_runs() -> None:
+    """A module that says where it runs (a LightningModule's ``device``) is timed there, even
+    with no parameter on that device; another module runs where its parameters are."""
+    from lightning_hooks.core.stats.layer_time import _runs_on_cuda
+
+    class OnCuda(nn.Module):
+        @property
+        def device(self) -> torch.device:
+            return torch.device("cuda", 0)
+
+    assert _runs_on_cuda(OnCuda())
+    assert not _runs_on_cuda(nn.Linear(2, 2))
+    assert not _runs_on_cuda(nn.ReLU())

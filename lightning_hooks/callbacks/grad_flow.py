@@ -251,6 +251,7 @@ class GradFlowCallback(HookCallback):
             if fit.stability_stats is not None:
                 # On the tracker's registry, so one gate serves both and both come off together.
                 fit.stability_stats.attach(pl_module, tracker.registry)
+            # A new fit's heatmap; a checkpoint's columns load into it once the fit attaches.
             self._pictures.start()
         except BaseException:
             tracker.remove()

@@ -11,7 +11,7 @@ from typing_extensions import override
 from lightning_hooks.callbacks.attached import Logged, epoch_step
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.fabric import UNDER_FABRIC
-from lightning_hooks.callbacks.trainer import TrainerView, lightning_module_of
+from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.callbacks.watching import attach_stats, watches_selection
 from lightning_hooks.core.checks import boolean, named_arguments
 from lightning_hooks.core.hooks.guard import guarded
@@ -100,8 +100,6 @@ class LayerTimeCallback(HookCallback):
     def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Hook the timer on the selected modules; each epoch's times go to :meth:`_draw_chart`."""
         if self.lifecycle.start_training():
-            device = lightning_module_of(_NAME, pl_module).device  # Fabric refuses the callback
-            self._timer.use_cuda = device.type == "cuda"
             logged = [Logged(self._timer, on_epoch=self._draw_chart)]
             self.lifecycle.attach(attach_stats(pl_module, self.hook_guard(), logged))
 

@@ -114,7 +114,8 @@ class LayerTimer(LayerStat[LayerTimes]):
         include: glob patterns on qualified module names to keep (``None``: every name).
         exclude: glob patterns on qualified module names to drop.
         leaves: keep only modules without children.
-        cuda: use CUDA events (``None``: when a parameter of the model is on a CUDA device).
+        cuda: use CUDA events (``None``: where the model runs on a CUDA device, by its
+            ``device`` where it has one, as a ``LightningModule`` does, else by its parameters).
         owner: the public name errors give.
 
     Example:
@@ -188,7 +189,7 @@ class LayerTimer(LayerStat[LayerTimes]):
     def _attached(self, model: nn.Module, registry: HookRegistry) -> None:
         """Choose the clock for the hooked model and clear the host totals."""
         cuda = self.use_cuda
-        self._clock = _Clock(any(p.is_cuda for p in model.parameters()) if cuda is None else cuda)
+        self._clock = _Clock(_runs_on_cuda(model) if cuda is None else cuda)
         self._clear_host()
 
     def hook_module(self, registry: HookRegistry, name: str, module: nn.Module) -> None:
@@ -323,3 +324,16 @@ class LayerTimer(LayerStat[LayerTimes]):
         """Remove every hook (idempotent) and stop sampling."""
         super().remove()
         self.sampling = False
+
+
+def _runs_on_cuda(model: nn.Module) -> bool:
+    """Return whether ``model`` runs on a CUDA device.
+
+    A module that says where it runs (a ``LightningModule``'s ``device``) is taken at its word,
+    so that one with no parameter on the device is timed on it too; another module runs where
+    a parameter of it is.
+    """
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return any(p.is_cuda for p in model.parameters())
