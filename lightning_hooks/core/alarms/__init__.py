@@ -4,7 +4,7 @@ from lightning_hooks.core.alarms.gradients import HostSegments
 from lightning_hooks.core.alarms.messages import TrainingAlarm
 from lightning_hooks.core.alarms.rules import ALARM_RULES, AlarmRules
 from lightning_hooks.core.alarms.run_facts import RunFacts
-from lightning_hooks.core.alarms.sentinel import TrainingAlarms
+from lightning_hooks.core.alarms.training_alarms import TrainingAlarms
 
 __all__ = [
     "ALARM_RULES",

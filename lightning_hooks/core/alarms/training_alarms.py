@@ -1,4 +1,4 @@
-"""The alarm sentinel, run at every optimizer step (no Lightning).
+"""`TrainingAlarms`: the alarm rules run at every optimizer step (no Lightning).
 
 The device posts a non-blocking copy of the gradient norms (and the loss) to host memory, and
 the rules and any diagnosis run on the host when it is read: no host sync, no kernel on a quiet
