@@ -76,7 +76,13 @@ class Checkpointed(Protocol):
 
 
 class Statistic(Windowed[R], EpochResult[R], Checkpointed, Protocol[R]):
-    """A statistic that a callback logs and saves, such as a ``GradFlowTracker``."""
+    """A statistic that a callback logs and saves, such as a ``GradFlowTracker``.
+
+    Each part is what one caller reads: :class:`Logged` the logging steps (:class:`Windowed`)
+    and the epochs (:class:`EpochResult`), the checkpoint slot the state (:class:`Checkpointed`).
+    No statistic implements them by hand: ``LayerStat`` and ``LayerStatsAccumulator`` (the
+    gradient flow's) implement all three once, as torchmetrics' ``Metric`` does its own.
+    """
 
 
 class Logged(Generic[R]):

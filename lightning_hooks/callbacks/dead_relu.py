@@ -81,6 +81,8 @@ class DeadReLUCallback(HookCallback):
         warn_at: float | None = 0.5,
         every_n_steps: int | None = None,
     ) -> None:
+        include = as_patterns(include, f"{_NAME}(include={include!r})")
+        exclude = as_patterns(exclude, f"{_NAME}(exclude={exclude!r})")
         tracker = DeadUnitTracker(
             types=types,
             include=include,
@@ -93,9 +95,8 @@ class DeadReLUCallback(HookCallback):
         self.tracker = tracker
         """The dead units of each watched layer, attached afresh at each fit."""
         self.types = types
-        # The tracker checked them; these are the tuples its selection holds.
-        self.include = as_patterns(include)
-        self.exclude = as_patterns(exclude)
+        self.include = include
+        self.exclude = exclude
         self.pre_activation = tracker.producers.include
 
     @override

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -117,17 +118,7 @@ class FeatureMapCallback(HookCallback):
         self.channels = checks.positive_int(_NAME, "channels", channels)
         self.probe_size = checks.positive_int(_NAME, "probe_size", probe_size)
         self.every_n_epochs = checks.positive_int(_NAME, "every_n_epochs", every_n_epochs)
-        items: object = layers
-        if isinstance(layers, str):
-            items = [layers]
-        elif layers is None:
-            items = ()
-        if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
-            raise TypeError(
-                f"{_NAME}(layers={layers!r}): must be a module name or glob pattern, a sequence "
-                f"of them, or None, got {layers!r}"
-            )
-        self.layers = as_patterns(layers)
+        self.layers = as_patterns(layers, f"{_NAME}(layers={layers!r})")
         self.input_fn = checks.callable_or_none(_NAME, "input_fn", input_fn) or default_input
         self.forward_fn = checks.callable_or_none(_NAME, "forward_fn", forward_fn)
         if embedding is not None and not isinstance(embedding, str):
@@ -148,21 +139,19 @@ class FeatureMapCallback(HookCallback):
                 f"{_NAME}(probe_labels={probe_labels!r}): must be a tensor of one label per "
                 f"probe sample or None, got {type(probe_labels).__name__}"
             )
-        # The user's probe is kept for every fit; one taken from a batch belongs to its fit.
+        # The user's probe serves every fit; one taken from a batch belongs to its fit alone.
         self._given_probe = probe
         self._given_labels = probe_labels
-        self._probe = probe
-        self._labels = probe_labels
-        self._drawn: list[str] = []
+        self._fit: _FitProbe | None = None
 
     @override
     def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Check that the model can run the probe, and choose the layers drawn."""
+        """Check that the model can run the probe, and that it has layers to draw."""
         if self.lifecycle.watching:
-            self.lifecycle.watching = self._choose_layers(pl_module)
+            self.lifecycle.watching = self._can_draw(pl_module)
 
-    def _choose_layers(self, pl_module: nn.Module) -> bool:
-        """Choose the layers drawn, and check the model runs a probe.
+    def _can_draw(self, pl_module: nn.Module) -> bool:
+        """Check the model runs a probe and names the embedding, and that it has layers to draw.
 
         Returns:
             Whether there is anything to draw.
@@ -180,6 +169,22 @@ class FeatureMapCallback(HookCallback):
                 "batch cannot run through it. Define forward(), or pass "
                 f"{_NAME}(forward_fn=lambda module, probe: ...) that runs the probe."
             )
+        drawn = self._layers_drawn(pl_module)
+        if self.embedding is not None:
+            _named(pl_module, "embedding", self.embedding)
+        elif not drawn:
+            selected = {"layers": self.layers}
+            return nothing_to_watch(_NAME, "convolution or Linear layer", selected=selected)
+        return True
+
+    def _layers_drawn(self, pl_module: nn.Module) -> list[str]:
+        """Return the layers to draw: those ``layers`` names, or the convolutions, else ``Linear``.
+
+        At most ``max_layers`` of them, spread evenly from the first to the last.
+
+        Raises:
+            ValueError: a name in ``layers`` is not a module of the model.
+        """
         if self.layers:
             names = [name for name, _ in _named(pl_module, "layers", self.layers)]
         else:
@@ -188,32 +193,23 @@ class FeatureMapCallback(HookCallback):
         if len(names) > self.max_layers:  # evenly spaced from first to last
             picks = np.linspace(0, len(names) - 1, self.max_layers).round().astype(int)
             names = [names[i] for i in np.unique(picks)]
-        self._drawn = names
-        if self.embedding is not None:
-            _named(pl_module, "embedding", self.embedding)
-        elif not self._drawn:
-            selected = {"layers": self.layers}
-            return nothing_to_watch(_NAME, "convolution or Linear layer", selected=selected)
-        return True
-
-    def _forget_probe(self) -> None:
-        """Drop a probe taken from a batch, so that the next fit takes its own.
-
-        A probe the user gave is kept for every fit.
-        """
-        self._probe = self._given_probe
-        self._labels = self._given_labels
+        return names
 
     @override
     @guarded
     def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Attach no hook: the feature maps are drawn at epoch ends, from the probe batch.
+        """Start the fit's probe and layers; no hook: the maps are drawn at epoch ends.
 
-        The fit forgets a probe taken from a batch when it ends.
+        The fit's probe, and one taken from a batch with it, go when the fit ends.
         """
         if self.lifecycle.start_training():
-            self._forget_probe()
-            self.lifecycle.attach(Attached(None, on_remove=self._forget_probe))
+            drawn = self._layers_drawn(pl_module)
+            self._fit = _FitProbe(drawn, self._given_probe, self._given_labels)
+            self.lifecycle.attach(Attached(None, on_remove=self._end_fit))
+
+    def _end_fit(self) -> None:
+        """Drop the fit's probe and layers when its hooks come off."""
+        self._fit = None
 
     @override
     @guarded
@@ -255,12 +251,13 @@ class FeatureMapCallback(HookCallback):
         Raises:
             ProbeInputError: ``input_fn`` finds no model input in ``batch``.
         """
-        if self._probe is None:
+        fit = self._fit
+        if fit is not None and fit.inputs is None:
             size = self.probe_size  # the first samples, copied
-            self._probe = apply_to_collection(
+            fit.inputs = apply_to_collection(
                 self._model_input(batch), torch.Tensor, lambda x: x[:size].detach().clone()
             )
-            self._labels = default_labels(batch, self.probe_size)
+            fit.labels = default_labels(batch, self.probe_size)
 
     def _model_input(self, batch: object) -> object:
         """Take the model input of the first training batch.
@@ -296,17 +293,18 @@ class FeatureMapCallback(HookCallback):
 
     def _draw(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Run the probe through the model and draw the chosen layers' outputs, on rank 0."""
-        if self._probe is None or not trainer.is_global_zero:
+        fit = self._fit
+        if fit is None or fit.inputs is None or not trainer.is_global_zero:
             return
         if (trainer.current_epoch + 1) % self.every_n_epochs:
             return
-        wanted = [*self._drawn, *([self.embedding] if self.embedding else [])]
+        wanted = [*fit.drawn, *([self.embedding] if self.embedding else [])]
         module = lightning_module_of(_NAME, pl_module)  # Fabric refuses the callback
-        probe = apply_to_collection(self._probe, torch.Tensor, lambda x: x.to(module.device))
+        probe = apply_to_collection(fit.inputs, torch.Tensor, lambda x: x.to(module.device))
         with probe_mode(module), capture_outputs(module, wanted, clone=True) as outputs:
             (self.forward_fn or type(module).__call__)(module, probe)
         step = epoch_step(trainer)
-        drawn = [(n, outputs[n]) for n in self._drawn if isinstance(outputs.get(n), torch.Tensor)]
+        drawn = [(n, outputs[n]) for n in fit.drawn if isinstance(outputs.get(n), torch.Tensor)]
         if drawn:  # one copy to the host
             means = torch.stack([out.float().abs().mean() for _, out in drawn]).cpu().tolist()
             tags = [layer_tag("feature_map", "abs_mean", name) for name, _ in drawn]
@@ -317,9 +315,25 @@ class FeatureMapCallback(HookCallback):
                 log_image(trainer.loggers, family_tag("feature_map", name), image, step)
         if self.embedding is not None and isinstance(outputs.get(self.embedding), torch.Tensor):
             features = outputs[self.embedding].flatten(1).float().cpu()
-            labels = None if self._labels is None else self._labels.cpu().tolist()
+            labels = None if fit.labels is None else fit.labels.cpu().tolist()
             tag = family_tag("feature_map", self.embedding)
             log_embedding(trainer.loggers, tag, features, labels, step)
+
+
+@dataclass
+class _FitProbe:
+    """What one fit of :class:`FeatureMapCallback` draws: its layers and its probe batch.
+
+    It is made at the fit's train start and dropped when the fit's hooks come off.
+    """
+
+    drawn: list[str]
+    """The layers whose outputs are drawn."""
+    inputs: Any
+    """The probe: the user's, or the first samples of the fit's first logging batch once taken
+    (``None`` until then)."""
+    labels: torch.Tensor | None
+    """One label per probe sample, for the projector, where known."""
 
 
 class ProbeInputError(LightningHooksError, TypeError):

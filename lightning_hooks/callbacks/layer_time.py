@@ -70,6 +70,8 @@ class LayerTimeCallback(HookCallback):
     ) -> None:
         self.leaves = boolean(_NAME, "leaves", leaves)
         self.chart = boolean(_NAME, "chart", chart)
+        include = as_patterns(include, f"{_NAME}(include={include!r})")
+        exclude = as_patterns(exclude, f"{_NAME}(exclude={exclude!r})")
         timer = LayerTimer(
             types=types, include=include, exclude=exclude, leaves=self.leaves, owner=_NAME
         )
@@ -81,9 +83,8 @@ class LayerTimeCallback(HookCallback):
             f"plain nn.Module set up by Fabric does not have. {UNDER_FABRIC}",
         )
         self.types = types
-        # The tracker checked them; these are the tuples its selection holds.
-        self.include = as_patterns(include)
-        self.exclude = as_patterns(exclude)
+        self.include = include
+        self.exclude = exclude
         self._timer = timer
 
     @override

@@ -91,6 +91,8 @@ class SaturationCallback(HookCallback):
         unit_dim = int(dim)
         margin = real(_NAME, "margin", margin, low=0.0, high=0.5, low_open=True, high_open=True)
         self.warn_at = fraction_or_none(_NAME, "warn_at", warn_at)  # before selection errors
+        include = as_patterns(include, f"{_NAME}(include={include!r})")
+        exclude = as_patterns(exclude, f"{_NAME}(exclude={exclude!r})")
         tracker = SaturationTracker(
             types=types,
             include=include,
@@ -103,9 +105,8 @@ class SaturationCallback(HookCallback):
         self.tracker = tracker
         """The saturation of each watched layer, attached afresh at each fit."""
         self.types = types
-        # The tracker checked them; these are the tuples its selection holds.
-        self.include = as_patterns(include)
-        self.exclude = as_patterns(exclude)
+        self.include = include
+        self.exclude = exclude
         self.unit_dim = unit_dim
         self.margin = margin
 

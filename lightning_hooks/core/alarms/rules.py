@@ -220,7 +220,8 @@ class AlarmRules:
         if "every_n_steps" in state:
             state = dict(state)
             state["evaluate_every_n_steps"] = state.pop("every_n_steps")
-        self.__dict__.update(state)
+        for name, value in state.items():
+            object.__setattr__(self, name, value)  # frozen: as the dataclass's own __init__ sets
 
     @property
     def watches_loss(self) -> bool:

@@ -100,7 +100,7 @@ class Guard:
         """Warn that the callback is disabled ``how`` (when, and why), and how to raise instead."""
         warnings.warn(
             f"{self.name} is disabled {how}. Training goes on without it; set {STRICT_ENV}=1 (or "
-            "strict=True) to raise instead.",
+            "the callback's strict = True) to raise instead.",
             LightningHooksWarning,
             stacklevel=4,
         )

@@ -18,6 +18,9 @@ from lightning_hooks.core.stats.alarm_feed import AlarmFeed, Measured, Tracked
 __all__ = ["DeprecatedTrackerAlarms", "deprecated_tracker_alarms"]
 
 _OWNER = "GradFlowTracker"
+_AT_THE_CALLER = 4
+"""The warnings' stack level: this module's function, ``GradFlowTracker.__init__``, the check of
+its keywords (:func:`~lightning_hooks.core.checks.named_arguments`), then the user's line."""
 
 
 class DeprecatedTrackerAlarms:
@@ -101,7 +104,7 @@ def deprecated_tracker_alarms(
                 "give the clipping to the alarms' feed, feed.observe(optimizer, measured, "
                 "clip=clip)",
                 DeprecationWarning,
-                stacklevel=3,
+                stacklevel=_AT_THE_CALLER,
             )
         return None
     warnings.warn(
@@ -109,6 +112,6 @@ def deprecated_tracker_alarms(
         "feed = AlarmFeed(tracker, rules), then feed.observe(optimizer, "
         "tracker.observe(optimizer), clip=clip) and feed.training_alarms.poll()",
         DeprecationWarning,
-        stacklevel=3,
+        stacklevel=_AT_THE_CALLER,
     )
     return DeprecatedTrackerAlarms(tracker, alarms, checked)

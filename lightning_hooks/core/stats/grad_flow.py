@@ -6,6 +6,7 @@ the percentiles over the layers) and says which layers are logged one by one.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -246,7 +247,8 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
             optimizer: the optimizer about to step.
             grad_scale: the AMP loss scale the output gradients carry, or ``None``.
             param_grad_scale: the loss scale the parameter gradients still carry, or ``None``.
-            step: the optimizer step; only the deprecated ``alarms`` read it.
+            step: deprecated with ``alarms``: the optimizer step those alarms name. Without
+                them it has no effect, with a ``DeprecationWarning``.
 
         Returns:
             What an :class:`~.alarm_feed.AlarmFeed` reads of a logging step: a copy of the
@@ -257,6 +259,14 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         if self.registry.logging_step:
             measured = self._measure(optimizer, grad_scale, param_grad_scale)
         self._outputs.order.clear()
+        if self._deprecated_alarms is None and step is not None:
+            warnings.warn(
+                "GradFlowTracker.observe(step=...) is deprecated, and without the tracker's "
+                "alarms= it has no effect: give the step to the alarms' feed, "
+                "feed.observe(optimizer, measured, step=step)",
+                DeprecationWarning,
+                stacklevel=3,  # this method, the no_grad wrapper, then the user's line
+            )
         if self._deprecated_alarms is not None:
             self._deprecated_alarms.observe(
                 optimizer,
