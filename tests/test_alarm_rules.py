@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -354,47 +353,3 @@ def test_a_misspelt_rule_argument_is_named_with_the_closest_real_one() -> None:
     ):
         AlarmRules(zzz=1)  # type: ignore[call-arg]
     assert AlarmRules(spike_factor=20.0) == AlarmRules(20.0)  # positional and named alike
-
-
-def _deprecated_uses() -> dict[str, Any]:
-    """Each deprecated use of release 0.2.0's API, as a user's line calls it."""
-    import lightning_hooks
-
-    def tracker_alarms() -> None:
-        GradFlowTracker(nn.Linear(2, 2), alarms=AlarmRules()).remove()
-
-    def tracker_clip() -> None:
-        GradFlowTracker(nn.Linear(2, 2), clip=(1.0, "norm")).remove()
-
-    def observe_step() -> None:
-        model = nn.Linear(2, 2)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with GradFlowTracker(model, [opt]) as tracker:
-            model(torch.ones(1, 2)).sum().backward()
-            tracker.observe(opt, step=3)
-
-    def rules_every_n_steps() -> None:
-        AlarmRules(every_n_steps=3)
-
-    def renamed_name() -> None:
-        getattr(lightning_hooks, "GradientAlarms")  # noqa: B009 (the old name, read as a user reads it)
-
-    return {
-        "GradFlowTracker(alarms=...)": tracker_alarms,
-        "GradFlowTracker(clip=...)": tracker_clip,
-        "GradFlowTracker.observe(step=...)": observe_step,
-        "AlarmRules(every_n_steps=...)": rules_every_n_steps,
-        "lightning_hooks.GradientAlarms": renamed_name,
-    }
-
-
-@pytest.mark.parametrize("use", sorted(_deprecated_uses()))
-def test_each_deprecation_warning_points_at_the_users_line(use: str) -> None:
-    """A ``DeprecationWarning`` shows under Python's default filters only where it is attributed
-    to the user's code: each one names the line that made the deprecated call, not ours."""
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        _deprecated_uses()[use]()
-    deprecations = [w for w in record if issubclass(w.category, DeprecationWarning)]
-    assert deprecations, use
-    assert {Path(w.filename).name for w in deprecations} == {Path(__file__).name}

@@ -143,8 +143,7 @@ class ActivationStatsCallback(HookCallback):
     def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Hook the statistics on the selected modules; each epoch's go to :meth:`_draw`."""
         if self.lifecycle.start_training():
-            # A new fit's heatmaps; a checkpoint's columns load into them once the fit attaches.
-            self._history.clear()
+            self._history.clear()  # a new fit's heatmaps; lifecycle.attach loads a checkpoint's
             logged: list[Logged[Any]] = [
                 Logged(self._activations, on_epoch=self._draw),
                 Logged(self._shape),

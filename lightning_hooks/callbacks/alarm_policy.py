@@ -153,6 +153,13 @@ class AlarmPolicy:
         gradients of ``optimizer`` (``None`` outside an optimizer step). Before a ``raise``, the
         alarms since the last logging step are written.
 
+        Args:
+            trainer: the trainer, stopped where an alarm's action is ``stop``.
+            optimizer: the optimizer about to step, whose step ``skip`` skips (``None`` at an
+                epoch end).
+            alarms: the rules' state, which the alarms came from.
+            found: the alarms the rules found since the last poll.
+
         Raises:
             TrainingAlarmError: an alarm's rule has the action ``"raise"``.
         """
@@ -184,6 +191,9 @@ class AlarmPolicy:
 
         Without this warning, a fit that an alarm stopped looks like one that finished, except
         for its step count.
+
+        Args:
+            trainer: the trainer of the ending fit, whose ``should_stop`` says if a stop ended it.
         """
         alarm = self.stopped_by
         self.stopped_by = None
@@ -237,6 +247,10 @@ class AlarmPolicy:
     def end_epoch(self, trainer: TrainerView, alarms: TrainingAlarms) -> None:
         """Act on the epoch's last verdicts, then write its alarms and start the next epoch.
 
+        Args:
+            trainer: the trainer ending the epoch.
+            alarms: the rules' state, polled one last time.
+
         Raises:
             TrainingAlarmError: a last verdict's rule has the action ``"raise"``.
         """
@@ -276,13 +290,22 @@ class AlarmLog:
 
         Those counts, from a checkpoint or the previous fit, are not new: a logging step writes
         only what the alarms count beyond them.
+
+        Args:
+            alarms: the rules' state, whose counts so far count as written.
         """
         self._summary_step = None
         self._counted = {} if alarms is None else dict(alarms.counts)
         self._logged = 0 if alarms is None else len(alarms.log)
 
     def log_step(self, trainer: TrainerView, alarms: TrainingAlarms, step: int) -> None:
-        """Log the per-rule counts since the last logging step, and on rank 0 the alarms' text."""
+        """Log the per-rule counts since the last logging step, and on rank 0 the alarms' text.
+
+        Args:
+            trainer: the trainer whose loggers are written to.
+            alarms: the rules' state, whose counts are read.
+            step: the logging step the counts are written at.
+        """
         counts = {rule: n - self._counted.get(rule, 0) for rule, n in alarms.counts.items()}
         self._counted = dict(alarms.counts)
         tags = step_tags({self.tags[rule]: n for rule, n in counts.items()})
@@ -299,6 +322,10 @@ class AlarmLog:
         Both are written at :func:`~.attached.epoch_step`; rank 0 writes the summary under
         :data:`~lightning_hooks.tags.ALARM_TEXT`. An epoch with no optimizer step shares the
         previous epoch's step, and its summary would replace that one's, so it is not written.
+
+        Args:
+            trainer: the trainer whose loggers are written to.
+            alarms: the rules' state, whose epoch is taken.
         """
         counts, log = alarms.take_epoch()
         self._logged = 0

@@ -133,7 +133,12 @@ class Logged(Generic[R]):
             self.on_step(trainer, step, result)
 
     def write_epoch(self, trainer: TrainerView, result: R) -> None:
-        """Write the epoch's ``result`` at :func:`epoch_step`, then call ``on_epoch`` with it."""
+        """Write the epoch's ``result`` at :func:`epoch_step`, then call ``on_epoch`` with it.
+
+        Args:
+            trainer: the trainer whose loggers are written to.
+            result: the epoch's result, reduced across ranks.
+        """
         log_scalars(trainer.loggers, self.stat.tags(result), epoch_step(trainer))
         if self.on_epoch is not None:
             self.on_epoch(trainer, result)
@@ -187,6 +192,10 @@ class Attached:
 
         The lifecycle calls this after a logging step's optimizer step. The new copies are written
         once they reach the host: on the CPU at once, on CUDA at a later batch.
+
+        Args:
+            trainer: the trainer whose loggers are written to.
+            step: the logging step whose optimizer step has just run.
         """
         self.write_steps(trainer, wait=True)
         for logged in self.logged:
@@ -199,6 +208,9 @@ class Attached:
 
         The lifecycle calls this at every batch's start. A batch after which no copy is on its way,
         which is most of them, looks at no statistic.
+
+        Args:
+            trainer: the trainer whose loggers are written to.
         """
         if self._copying:
             self.write_steps(trainer, wait=False)
@@ -219,6 +231,9 @@ class Attached:
 
         The collectives of all statistics run first, on every rank, so a rank that fails later,
         while it writes on the host, has still taken part in every collective.
+
+        Args:
+            trainer: the trainer whose loggers are written to, at the epoch's step.
         """
         results = [(logged, logged.stat.result()) for logged in self.logged]
         for logged, result in results:
@@ -258,6 +273,9 @@ def epoch_step(trainer: FitProgress) -> int:
     step (usually ``trainer.global_step - 1``). A logging step on the same step keeps its values
     apart under the ``_step`` tags. Under Fabric, where a :class:`~.fabric.FabricTrainer`
     stands in for the Trainer, it is the watched module's last optimizer step of the epoch.
+
+    Args:
+        trainer: the trainer (or Fabric's stand-in) of the ending epoch.
 
     Returns:
         The step (-1 for a first epoch in which no batch stepped, as Lightning's).

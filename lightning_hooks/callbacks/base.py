@@ -130,7 +130,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
     @property
     def every_n_steps(self) -> int | None:
         """Return the cadence of the logging steps; ``None`` means ``log_every_n_steps``."""
-        return self.lifecycle.cadence.every_n_steps
+        return self.lifecycle.every_n_steps
 
     def hook_guard(self) -> Guard:
         """Return the guard of this fit's hooks.

@@ -64,7 +64,13 @@ class LoggingCadence:
         """The logging step being measured, until its values are handed over to be written."""
 
     def logs(self, trainer: FitProgress, step: int) -> bool:
-        """Return whether optimizer step ``step`` is a logging step by the cadence alone."""
+        """Return whether optimizer step ``step`` is a logging step by the cadence alone.
+
+        Args:
+            trainer: the trainer, whose ``log_every_n_steps`` is the cadence where
+                ``every_n_steps`` is ``None``.
+            step: the optimizer step asked about.
+        """
         # Lightning sets log_every_n_steps on its Trainer; no protocol of ours declares it.
         every = getattr(trainer, "log_every_n_steps", LIGHTNING_LOG_EVERY_N_STEPS)
         cadence = self.every_n_steps or max(1, int(every))
@@ -74,6 +80,10 @@ class LoggingCadence:
         """Record a batch's start, and return whether it belongs to a logging step.
 
         ``batch_idx`` 0 marks the epoch's first step.
+
+        Args:
+            trainer: the trainer, whose ``global_step`` the batch feeds.
+            batch_idx: the batch's index in its epoch.
         """
         self.batch_step = trainer.global_step
         if batch_idx == 0:
@@ -93,6 +103,9 @@ class LoggingCadence:
 
     def finished_step(self, trainer: FitProgress) -> int | None:
         """Record a batch's end, and return the logging step whose optimizer step has just run.
+
+        Args:
+            trainer: the trainer, whose ``global_step`` says whether the step has run.
 
         Returns:
             That step, once only. ``None`` for a quiet step, and for each micro-batch before a

@@ -65,6 +65,9 @@ class CheckpointSlot:
 
         Between fits ``attached`` is ``None``, and only :attr:`kept` is saved. The state is on
         the host, reduced across ranks.
+
+        Args:
+            attached: what the running fit attached, or ``None`` between fits.
         """
         state = {} if attached is None else _statistics_state(attached)
         for key, kept in self.kept.items():
@@ -72,7 +75,11 @@ class CheckpointSlot:
         return state
 
     def hold(self, state: dict[str, Any]) -> None:
-        """Store a checkpoint's ``state`` until the next fit attaches."""
+        """Store a checkpoint's ``state`` until the next fit attaches.
+
+        Args:
+            state: the callback's state, as ``state_dict`` saved it.
+        """
         self._pending = dict(state)
 
     def restore(self, attached: Attached) -> None:
@@ -81,6 +88,9 @@ class CheckpointSlot:
         The state is loaded whole or not at all. If a part does not fit this model, nothing of
         it is kept, with one warning. If it holds no entry for some statistic, that statistic
         starts its epoch afresh, with one warning.
+
+        Args:
+            attached: what the fit attached, whose statistics load their part.
         """
         pending = self._pending
         self._pending = None

@@ -28,7 +28,11 @@ class Findings:
         self._seen: Counter[str] = Counter()
 
     def first(self, layer: str) -> bool:
-        """Count a finding on ``layer``, and return whether it is the first there (to warn of)."""
+        """Count a finding on ``layer``, and return whether it is the first there (to warn of).
+
+        Args:
+            layer: the layer the finding is on.
+        """
         self._seen[layer] += 1
         return self._seen[layer] == 1
 

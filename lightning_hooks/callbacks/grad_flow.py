@@ -173,7 +173,7 @@ class GradFlowCallback(HookCallback):
         self.on_alarm = actions
         """The action of each rule; a rule ``on_alarm`` did not name has its default."""
         self.stability = stability
-        self._alarms_across_fits = GradFlowAlarms(rules, actions)
+        self._alarms_across_fits = GradFlowAlarms(rules, actions, running=self._running_alarms)
         # The alarms carry their running scales to the next fit, and through checkpoints.
         self.lifecycle.checkpoint.keep("alarms", self._alarms_across_fits)
         # Release 0.2.0 saved the tracker's state at the top of the callback's.
@@ -228,8 +228,12 @@ class GradFlowCallback(HookCallback):
     @override
     @guarded
     def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Attach the tracker, the optional statistics and the alarms for this fit."""
+        """Start the fit's heatmap, then attach the tracker, the optional statistics and the alarms.
+
+        ``lifecycle.attach`` loads a checkpoint held for the fit, the heatmap's columns with it.
+        """
         if self.lifecycle.start_training():
+            self._pictures.start()
             self.lifecycle.attach(self._attach(trainer, pl_module))
 
     def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
@@ -251,11 +255,8 @@ class GradFlowCallback(HookCallback):
             if fit.stability_stats is not None:
                 # On the tracker's registry, so one gate serves both and both come off together.
                 fit.stability_stats.attach(pl_module, tracker.registry)
-            # A new fit's heatmap; a checkpoint's columns load into it once the fit attaches.
-            self._pictures.start()
         except BaseException:
             tracker.remove()
-            self._alarms_across_fits.end()
             raise
         self._fit = fit
         alarms = fit.fit_alarms
@@ -313,10 +314,16 @@ class GradFlowCallback(HookCallback):
         if fit is not None:
             self._pictures.write(trainer, table, fit.gradient_histograms, fit.tracker.shards)
 
+    def _running_alarms(self) -> FitAlarms | None:
+        """Return the running fit's alarms, which the fit holds; ``None`` between fits."""
+        return None if self._fit is None else self._fit.fit_alarms
+
     def _end_fit(self) -> None:
         """Carry the fit's alarm state to the next fit, then warn once if an alarm stopped it."""
+        fit = self._fit
         self._fit = None
-        self._alarms_across_fits.end()
+        if fit is not None and fit.fit_alarms is not None:
+            self._alarms_across_fits.end(fit.fit_alarms)
 
     @override
     @guarded

@@ -1,14 +1,14 @@
 """The alarms of ``GradFlowCallback``: those of each fit, and their state across fits.
 
-:class:`GradFlowAlarms` lives as long as the callback. It starts each fit's :class:`FitAlarms`
-from the state left by the last fit or a checkpoint, and keeps that fit's state when it ends.
-:class:`FitAlarms` passes the alarms each step's gradient norms and each batch's loss, acts on
-what they find, and logs them.
+:class:`FitAlarms` belongs to one fit: it passes the alarms each step's gradient norms and each
+batch's loss, acts on what they find, and logs them. :class:`GradFlowAlarms` lives as long as
+the callback: it makes each fit's :class:`FitAlarms` from the state the last fit or a checkpoint
+left, keeps that fit's state when it ends, and saves the running fit's in checkpoints.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +34,8 @@ __all__ = ["FitAlarms", "GradFlowAlarms"]
 class FitAlarms:
     """Runs the alarms of one fit: feeds them, acts on what they find, and logs them.
 
-    :meth:`GradFlowAlarms.start` makes it at the fit's train start, and
-    :meth:`GradFlowAlarms.end` closes it when the fit's hooks come off.
+    :meth:`GradFlowAlarms.start` makes it at the fit's train start; the fit holds it, and hands
+    it to :meth:`GradFlowAlarms.end` when its hooks come off.
     """
 
     trainer: TrainerView
@@ -81,7 +81,12 @@ class FitAlarms:
             self.policy.act(self.trainer, optimizer, self.training_alarms, found)
 
     def feed_loss(self, outputs: STEP_OUTPUT, step: int) -> None:
-        """Pass the batch's loss to the loss rules at optimizer step ``step``."""
+        """Pass the batch's loss to the loss rules at optimizer step ``step``.
+
+        Args:
+            outputs: what the batch's ``training_step`` returned, which holds its loss.
+            step: the optimizer step the batch feeds.
+        """
         self.loss_agreement.feed(self.trainer, outputs, step, self.training_alarms, self.policy)
 
     def log_step(self, trainer: TrainerView, step: int, table: LayerTable) -> None:
@@ -135,20 +140,26 @@ class GradFlowAlarms:
     Args:
         rules: the alarm rules (``None``: no alarms; a checkpoint's state is still carried).
         actions: the action of each rule.
+        running: returns the running fit's alarms, which the fit holds (``None`` between fits).
 
     Example:
         >>> from lightning_hooks.callbacks.alarm_policy import check_actions
-        >>> from lightning_hooks.core.hooks.guard import Guard
-        >>> alarms = GradFlowAlarms(AlarmRules(), check_actions("warn"))
+        >>> alarms = GradFlowAlarms(AlarmRules(), check_actions("warn"), running=lambda: None)
         >>> alarms.host_state()  # no fit ran yet, and no checkpoint was loaded
         {}
     """
 
-    def __init__(self, rules: AlarmRules | None, actions: Mapping[str, Action]) -> None:
+    def __init__(
+        self,
+        rules: AlarmRules | None,
+        actions: Mapping[str, Action],
+        *,
+        running: Callable[[], FitAlarms | None],
+    ) -> None:
         self.rules = rules
         self.actions = actions
-        self._state: dict[str, Any] | None = None  # kept between fits
-        self._running: FitAlarms | None = None
+        self._state: dict[str, Any] | None = None  # carried between fits
+        self._running = running
 
     def start(
         self,
@@ -191,22 +202,22 @@ class GradFlowAlarms:
                     category=LightningHooksWarning,
                 )
         running.start_log()
-        self._running = running
         return running
 
-    def end(self) -> None:
-        """Keep the running fit's state for the next fit; warn if an alarm's stop ended the fit."""
-        running = self._running
-        self._running = None
-        if running is None:
-            return
-        self._state = running.training_alarms.state_dict()
-        running.announce_stop()
+    def end(self, fit_alarms: FitAlarms) -> None:
+        """Keep an ending fit's state for the next fit; warn if an alarm's stop ended the fit.
+
+        Args:
+            fit_alarms: the alarms of the fit whose hooks come off.
+        """
+        self._state = fit_alarms.training_alarms.state_dict()
+        fit_alarms.announce_stop()
 
     def host_state(self) -> dict[str, Any]:
         """Return what a checkpoint saves: the running fit's state, else the one carried, or {}."""
-        if self._running is not None:
-            return self._running.training_alarms.state_dict()
+        running = self._running()
+        if running is not None:
+            return running.training_alarms.state_dict()
         return dict(self._state or {})
 
     def load_host_state(self, state: dict[str, Any]) -> None:
@@ -222,7 +233,7 @@ class GradFlowAlarms:
             ValueError: the state was saved for another model's layers, or by an older version.
         """
         loaded = dict(state) or None
-        running = self._running
+        running = self._running()
         if running is not None and loaded is not None:
             running.training_alarms.load_state_dict(loaded)
         self._state = loaded

@@ -33,6 +33,8 @@ class FitState:
     guard: Guard
     ranks: RankAgreement
     """Makes the ranks of the fit agree on failures, stops and new rows, under its guard."""
+    cadence: LoggingCadence
+    """Which of the fit's optimizer steps are logging steps, and where the running one is."""
     watching: bool = True
     """Whether the callback watches the model in this fit. It does not where the model has
     nothing to watch, or where a callback the user passed already watches it."""
@@ -73,7 +75,7 @@ class Lifecycle:
     Example:
         >>> guard = Guard("Watcher", strict=False)
         >>> lifecycle = Lifecycle("Watcher", guard, every_n_steps=10, uses_images=False)
-        >>> lifecycle.cadence.every_n_steps
+        >>> lifecycle.every_n_steps
         10
         >>> lifecycle.attached is None  # nothing is on a model before a fit's train start
         True
@@ -84,8 +86,8 @@ class Lifecycle:
     ) -> None:
         self.owner = owner
         self.uses_images = uses_images
-        self.cadence = LoggingCadence(check_every_n_steps(owner, every_n_steps))
-        """Which optimizer steps are logging steps, and where the running one is."""
+        self.every_n_steps = check_every_n_steps(owner, every_n_steps)
+        """The cadence of the logging steps; ``None``: the Trainer's ``log_every_n_steps``."""
         self.checkpoint = CheckpointSlot(owner)
         """Saves the callback's state in checkpoints, and restores it when a fit attaches."""
         self._state = self._new_fit(guard, watching=True)
@@ -93,7 +95,8 @@ class Lifecycle:
     def _new_fit(self, guard: Guard, *, watching: bool) -> FitState:
         """Make the state of a fit that starts healthy, under ``guard``."""
         ranks = RankAgreement(guard, remove_hooks=self.remove_hooks)
-        return FitState(guard, ranks, watching=watching)
+        cadence = LoggingCadence(self.every_n_steps)
+        return FitState(guard, ranks, cadence, watching=watching)
 
     @property
     def guard(self) -> Guard:
@@ -120,6 +123,11 @@ class Lifecycle:
         return self._state.attached
 
     @property
+    def cadence(self) -> LoggingCadence:
+        """Return this fit's cadence: which steps are logging steps, and the running one."""
+        return self._state.cadence
+
+    @property
     def batch_step(self) -> int:
         """Return the optimizer step the running batch feeds."""
         return self.cadence.batch_step
@@ -143,7 +151,7 @@ class Lifecycle:
                 self.owner,
                 trainer,
                 uses_images=self.uses_images,
-                every_n_steps=self.cadence.every_n_steps,
+                every_n_steps=self.every_n_steps,
             )
 
     def start_training(self) -> bool:
@@ -157,7 +165,11 @@ class Lifecycle:
         return self._state.watching
 
     def attach(self, attached: Attached) -> None:
-        """Keep what the fit put on the model, and load a checkpoint held for it, if any."""
+        """Keep what the fit put on the model, and load a checkpoint held for it, if any.
+
+        Args:
+            attached: the hooks and statistics the callback put on the model for this fit.
+        """
         self._state.attached = attached
         self.checkpoint.restore(attached)
 
@@ -191,6 +203,9 @@ class Lifecycle:
         The ranks agree first; on a failure the callback is disabled on every rank and nothing
         is written. The module hooks then close unless the next step is a logging step too, so
         a step that is not a logging step runs none of the library's hooks.
+
+        Args:
+            trainer: the trainer running the batch, whose loggers get the logging step.
         """
         step = self.cadence.finished_step(trainer)
         attached = self._state.attached  # a failure in the batch's hooks may have taken it off
@@ -215,6 +230,9 @@ class Lifecycle:
     def end_epoch(self, trainer: TrainerView) -> bool:
         """Write each statistic's epoch, after the ranks agree, then save the loggers.
 
+        Args:
+            trainer: the trainer ending the epoch, whose loggers get its values.
+
         Returns:
             Whether the hooks are still on, so that the callback closes its epoch too. It then
             saves the loggers again after what it writes.
@@ -234,6 +252,9 @@ class Lifecycle:
         What is still pending is written (a Fabric loop may end without an epoch end before
         it) and the loggers are saved (:meth:`flush`); then the ranks agree on a failure after
         the last epoch end.
+
+        Args:
+            trainer: the trainer ending the fit.
         """
         try:
             self.flush(trainer)
@@ -247,6 +268,9 @@ class Lifecycle:
 
         On CUDA this waits for the last logging step's copy. ``on_exception`` calls it, and
         :meth:`end_training`.
+
+        Args:
+            trainer: the trainer whose loggers get what is pending.
         """
         attached = self._state.attached
         if attached is not None:

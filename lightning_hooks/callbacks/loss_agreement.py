@@ -119,6 +119,13 @@ class LossAgreement:
         """Feed one batch's loss to the loss rules at ``step``, and act on the alarms they raise.
 
         Under ``"mean"``, the ranks' failures and stop requests are applied to ``trainer`` too.
+
+        Args:
+            trainer: the trainer of the batch, stopped where a rank asked to.
+            outputs: what the batch's ``training_step`` returned, which holds its loss.
+            step: the optimizer step the batch feeds.
+            alarms: the rules' state that takes the loss.
+            policy: what the alarms the loss raises do.
         """
         if self.reading == "own":
             loss = training_loss(trainer, outputs)

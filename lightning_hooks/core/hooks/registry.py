@@ -86,6 +86,12 @@ class Gated:
             self.handle = None
 
 
+_SAMPLED_RENAMED = (
+    "HookRegistry.sampled is renamed logging_step: read registry.logging_step, and set it with "
+    "registry.set_logging_step(...)"
+)
+
+
 class HookOwner:
     """Base of what puts hooks on a model: a context manager whose exit calls :meth:`remove`."""
 
@@ -143,6 +149,17 @@ class HookRegistry(HookOwner):
         self._unhookable = _unhookable_modules(model)
         self._names = {id(module): name for name, module in model.named_modules()}
         self._warned_unhookable = False
+
+    @property
+    def sampled(self) -> bool:
+        """Deprecated: :attr:`logging_step`, as release 0.2.0 named it; setting it sets that."""
+        warnings.warn(_SAMPLED_RENAMED, DeprecationWarning, stacklevel=2)
+        return self.logging_step
+
+    @sampled.setter
+    def sampled(self, logging_step: bool) -> None:
+        warnings.warn(_SAMPLED_RENAMED, DeprecationWarning, stacklevel=2)
+        self.set_logging_step(bool(logging_step))
 
     def set_logging_step(self, logging_step: bool) -> None:
         """Put the gated hooks on for a logging step, or take them off after it.

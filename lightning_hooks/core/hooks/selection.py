@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -303,13 +304,14 @@ def compiled_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def select_modules(
+def select_modules(  # noqa: PLR0913 (release 0.2.0's signature, its last keyword deprecated)
     model: nn.Module,
     *,
     types: ModuleTypes = None,
     include: Patterns = None,
     exclude: Patterns = None,
     where: ModuleFilter | None = None,
+    arguments: tuple[str, str] | None = None,
 ) -> list[tuple[str, nn.Module]]:
     """Return the ``(qualified_name, module)`` pairs of ``model`` to instrument.
 
@@ -324,6 +326,8 @@ def select_modules(
             keep only modules matching one.
         exclude: glob patterns; drop modules matching any.
         where: an extra predicate ``(name, module) -> bool``.
+        arguments: deprecated and unused: release 0.2.0's names of ``include`` and ``exclude``
+            in the errors, which now name ``select_modules``.
 
     Returns:
         The selected pairs.
@@ -331,6 +335,9 @@ def select_modules(
     Raises:
         TypeError: ``types`` holds something not an ``nn.Module`` subclass.
         ValueError: a pattern matches no module; the message lists the closest real names.
+
+    Warns:
+        DeprecationWarning: ``arguments`` is given.
 
     Example:
         >>> from torch import nn
@@ -340,6 +347,13 @@ def select_modules(
         >>> [name for name, _ in select_modules(model, exclude="2")]
         ['0', '1']
     """
+    if arguments is not None:
+        warnings.warn(
+            "select_modules(arguments=...) is deprecated and has no effect: its errors name "
+            "select_modules",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     check_module("select_modules", "model", model)
     selection = Selection.of("select_modules", types=types, include=include, exclude=exclude)
     return selection.modules(model, where)

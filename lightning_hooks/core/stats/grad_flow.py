@@ -110,6 +110,12 @@ def _check_args(model: object, optimizers: object, **flags: object) -> list[torc
     return checked
 
 
+_SAMPLED_MOVED = (
+    "GradFlowTracker.sampled is deprecated: read tracker.registry.logging_step, and set it with "
+    "tracker.registry.set_logging_step(...)"
+)
+
+
 @named_arguments
 class GradFlowTracker(LayerStatsAccumulator, HookOwner):
     """Tracks per-layer gradient flow (:data:`GRAD_FLOW_STATS`) over optimizer steps, no host sync.
@@ -221,6 +227,17 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         except BaseException:
             self.registry.remove()  # a tracker half hooked leaves no hook behind
             raise
+
+    @property
+    def sampled(self) -> bool:
+        """Deprecated: release 0.2.0's logging-step switch; setting it sets the registry's."""
+        warnings.warn(_SAMPLED_MOVED, DeprecationWarning, stacklevel=2)
+        return self.registry.logging_step
+
+    @sampled.setter
+    def sampled(self, logging_step: bool) -> None:
+        warnings.warn(_SAMPLED_MOVED, DeprecationWarning, stacklevel=2)
+        self.registry.set_logging_step(bool(logging_step))
 
     def remove(self) -> None:
         """Remove every hook of the tracker; calling it again does nothing."""
