@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_hooks.tags import (
     ALARMS,
+    DEAD_RELU,
     GLOBAL,
     GRAD_FLOW,
     LIBRARY_FAMILIES,
@@ -25,6 +26,7 @@ from lightning_hooks.tags import (
     NOTICES,
     NOTICES_0_2_0,
     SPIKE_SCORE,
+    STABILITY,
     epoch_tag,
     layer_metric,
     notice_tag,
@@ -45,7 +47,7 @@ __all__ = [
 ]
 
 COLUMNS: tuple[tuple[str, str], ...] = (
-    ("dead_fraction", layer_metric("dead_relu", "dead_fraction")),
+    ("dead_fraction", layer_metric(DEAD_RELU, "dead_fraction")),
     ("grad_norm", layer_metric(GRAD_FLOW, "grad_norm")),
     ("update_ratio", layer_metric(GRAD_FLOW, "update_ratio")),
     ("grad_nonfinite", layer_metric(GRAD_FLOW, "grad_nonfinite")),
@@ -563,8 +565,8 @@ def _notice_name(tag: str) -> str:
 
 
 _ATTENTION = (
-    ("largest logit", layer_metric("stability", "attn_logit_max"), max),
-    ("lowest entropy", layer_metric("stability", "attn_entropy_min"), min),
+    ("largest logit", layer_metric(STABILITY, "attn_logit_max"), max),
+    ("lowest entropy", layer_metric(STABILITY, "attn_entropy_min"), min),
 )
 
 

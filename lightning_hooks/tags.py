@@ -27,17 +27,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
+    "ACTIVATIONS",
     "ALARMS",
     "ALARM_STEP_TEXT",
     "ALARM_TEXT",
+    "DEAD_RELU",
+    "FEATURE_MAP",
     "GLOBAL",
     "GRAD_FLOW",
+    "LAYER_TIME",
     "LIBRARY_FAMILIES",
     "NOTICES",
     "NOTICES_0_2_0",
     "NOTICE_COUNTS",
     "PERCENTILE",
+    "SATURATION",
     "SPIKE_SCORE",
+    "STABILITY",
     "STEP",
     "TAG_CACHE_SIZE",
     "Notice",
@@ -70,14 +76,27 @@ TAG_CACHE_SIZE = 1 << 16
 """How many tags a cache of what is derived from a tag keeps: each logging step writes the same
 tags, so what a tag gives (its step tag, its chart, its bytes) is derived once."""
 
+ACTIVATIONS = "activations"
+"""``ActivationStatsCallback``'s family."""
+DEAD_RELU = "dead_relu"
+"""``DeadReLUCallback``'s family."""
+SATURATION = "saturation"
+"""``SaturationCallback``'s family."""
+LAYER_TIME = "layer_time"
+"""``LayerTimeCallback``'s family."""
+STABILITY = "stability"
+"""The family of ``GradFlowCallback``'s instability statistics (``stability=True``)."""
+FEATURE_MAP = "feature_map"
+"""``FeatureMapCallback``'s family."""
+
 LIBRARY_FAMILIES = (
     GRAD_FLOW,
-    "activations",
-    "dead_relu",
-    "saturation",
-    "layer_time",
-    "stability",
-    "feature_map",
+    ACTIVATIONS,
+    DEAD_RELU,
+    SATURATION,
+    LAYER_TIME,
+    STABILITY,
+    FEATURE_MAP,
 )
 """The families of the library's own tags; a tag of any other family is a user's statistic
 (:class:`~lightning_hooks.StatsCallback`), a column of its own in ``lightning-hooks report``."""

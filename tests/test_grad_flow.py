@@ -69,6 +69,21 @@ def test_logged_values_equal_an_independent_computation(
     assert read_image_tags(tmp_path) == ["grad_flow/chart"]
 
 
+def test_a_logging_step_logs_each_layer_statistic_but_the_epoch_peaks(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    """A logging step logs each per-layer statistic of the epoch under its ``_step`` tag, but
+    the epoch's peaks: a step's value is the statistic itself (``GradFlowCallback``'s table)."""
+    trainer_factory(callbacks=[GradFlowCallback()], max_epochs=1).fit(ReferenceMLP())
+    layer = LAYERS[0]
+    stats = [tag.split("/")[1] for tag in read_scalars(tmp_path) if tag.endswith(f"/{layer}")]
+    per_step = {stat.removesuffix("_step") for stat in stats if stat.endswith("_step")}
+    per_epoch = {stat for stat in stats if not stat.endswith("_step")}
+    peaks = {"grad_norm_max", "update_ratio_max", "output_grad_norm_max"}
+    assert peaks < per_epoch
+    assert per_step == per_epoch - peaks
+
+
 class WideReferenceMLP(ReferenceMLP):
     """ReferenceMLP with layers past the |g| pass's small-tensor and one-piece sizes: net.0's
     32x1024 weight goes through the reused buffer, net.2's 1100x1024 in two pieces. A small

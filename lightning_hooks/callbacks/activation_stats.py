@@ -23,7 +23,7 @@ from lightning_hooks.core.stats.activation_stats import ActivationResult, Activa
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import Binned, layer_epoch_heatmap, log_figure, log_histogram
-from lightning_hooks.tags import family_tag
+from lightning_hooks.tags import ACTIVATIONS, family_tag
 
 __all__ = ["ActivationStatsCallback"]
 
@@ -218,7 +218,7 @@ class ActivationStatsCallback(HookCallback):
             if stats.numel[row] and np.isfinite(hist.edges).all():
                 low, high, total, squares = (float(column[row]) for column in columns)
                 binned = Binned(hist.edges[1:], hist.counts, (low, high, total, squares))
-                tag = family_tag("activations", "histogram", hist.layer)
+                tag = family_tag(ACTIVATIONS, "histogram", hist.layer)
                 log_histogram(trainer.loggers, tag, binned, step)
         heatmaps = {stat: stats.column(stat) for stat in _HEATMAPS}
         self._history.add(trainer.current_epoch, stats.layers, heatmaps)
@@ -235,7 +235,7 @@ class ActivationStatsCallback(HookCallback):
         for stat in _HEATMAPS:
             layers, epochs, grid = self._history.grid(stat)
             figure = layer_epoch_heatmap(layers, epochs, grid, title=f"activations: {stat}")
-            log_figure(trainer.loggers, family_tag("activations", "heatmap", stat), figure, step)
+            log_figure(trainer.loggers, family_tag(ACTIVATIONS, "heatmap", stat), figure, step)
 
 
 def _check_range(value: tuple[float, float] | None) -> tuple[float, float] | None:

@@ -32,7 +32,7 @@ from lightning_hooks.logging import (
     log_scalars,
     save_loggers,
 )
-from lightning_hooks.tags import family_tag, layer_tag
+from lightning_hooks.tags import FEATURE_MAP, family_tag, layer_tag
 
 __all__ = ["FeatureMapCallback", "ProbeInputError"]
 
@@ -307,16 +307,16 @@ class FeatureMapCallback(HookCallback):
         drawn = [(n, outputs[n]) for n in fit.drawn if isinstance(outputs.get(n), torch.Tensor)]
         if drawn:  # one copy to the host
             means = torch.stack([out.float().abs().mean() for _, out in drawn]).cpu().tolist()
-            tags = [layer_tag("feature_map", "abs_mean", name) for name, _ in drawn]
+            tags = [layer_tag(FEATURE_MAP, "abs_mean", name) for name, _ in drawn]
             log_scalars(trainer.loggers, dict(zip(tags, means, strict=True)), step)
         for name, output in drawn:
             if 2 <= output.dim() <= 5:
                 image = feature_map_grid(output, self.channels)
-                log_image(trainer.loggers, family_tag("feature_map", name), image, step)
+                log_image(trainer.loggers, family_tag(FEATURE_MAP, name), image, step)
         if self.embedding is not None and isinstance(outputs.get(self.embedding), torch.Tensor):
             features = outputs[self.embedding].flatten(1).float().cpu()
             labels = None if fit.labels is None else fit.labels.cpu().tolist()
-            tag = family_tag("feature_map", self.embedding)
+            tag = family_tag(FEATURE_MAP, self.embedding)
             log_embedding(trainer.loggers, tag, features, labels, step)
 
 

@@ -18,7 +18,7 @@ from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, as_patterns
 from lightning_hooks.core.stats.layer_time import LayerTimer, LayerTimes
 from lightning_hooks.logging import layer_time_figure, log_figure
-from lightning_hooks.tags import family_tag
+from lightning_hooks.tags import LAYER_TIME, family_tag
 
 __all__ = ["LayerTimeCallback"]
 
@@ -148,4 +148,4 @@ class LayerTimeCallback(HookCallback):
         title = f"forward time per layer, epoch {epoch}, step {step_ms:.2f} ms"
         figure = layer_time_figure(times.layers, times.forward_ms, step_ms, title=title)
         step = epoch_step(trainer)
-        log_figure(trainer.loggers, family_tag("layer_time", "chart"), figure, step)
+        log_figure(trainer.loggers, family_tag(LAYER_TIME, "chart"), figure, step)

@@ -24,7 +24,18 @@ from lightning_hooks.logging.sinks import (
     Moments,
     lightning_types,
 )
-from lightning_hooks.tags import PERCENTILE, STEP, TAG_CACHE_SIZE, step_tag
+from lightning_hooks.tags import (
+    ACTIVATIONS,
+    ALARMS,
+    DEAD_RELU,
+    GLOBAL,
+    GRAD_FLOW,
+    NOTICE_COUNTS,
+    PERCENTILE,
+    STEP,
+    TAG_CACHE_SIZE,
+    step_tag,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -296,7 +307,7 @@ def histogram_raw(
 MAX_CHARTS = 64
 """At most this many charts in one run's layout; the families' own tags beyond it are dropped."""
 
-_CATEGORY_ORDER = ("grad_flow", "alarms", "notices", "activations", "dead_relu")
+_CATEGORY_ORDER = (GRAD_FLOW, ALARMS, NOTICE_COUNTS, ACTIVATIONS, DEAD_RELU)
 _COUNTS = ("alarms", "notices")  # a chart per family, never per layer: one line per rule
 # Within a category: the statistics a reader looks at first (the rest by name).
 _CHART_ORDER = (
@@ -335,7 +346,7 @@ def chart_key(tag: str) -> tuple[str, str] | None:
     parts = tag.split("/")
     if len(parts) < 3 or not all(parts):
         return None
-    if parts[1] == "global":
+    if parts[1] == GLOBAL:
         return parts[0], PERCENTILE.sub("", parts[2])
     return parts[0], parts[1]
 

@@ -15,7 +15,7 @@ from lightning_hooks.core.ops.feature_stats import CHUNK, STACKED
 from lightning_hooks.core.ops.tensors import iter_float_tensors, piece_size
 from lightning_hooks.core.stats.activation_stats import feature_modules
 from lightning_hooks.core.stats.stat import LayerStat
-from lightning_hooks.tags import layer_tag
+from lightning_hooks.tags import ACTIVATIONS, layer_tag
 
 __all__ = ["ActivationShape", "power_sums"]
 
@@ -200,4 +200,4 @@ class ActivationShape(LayerStat[Shape]):
         layers, n, kurtosis, ratio = result
         pairs = (("kurtosis", kurtosis), ("outlier_ratio", ratio))
         seen = [i for i in range(len(layers)) if n[i] > 0]
-        return {layer_tag("activations", s, layers[i]): float(v[i]) for s, v in pairs for i in seen}
+        return {layer_tag(ACTIVATIONS, s, layers[i]): float(v[i]) for s, v in pairs for i in seen}

@@ -27,7 +27,7 @@ from lightning_hooks.core.ops.histogram import bin_counts, linear_edges
 from lightning_hooks.core.ops.tensors import Workspace, iter_float_tensors
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.core.transport import FirstNonFinite
-from lightning_hooks.tags import layer_tag
+from lightning_hooks.tags import ACTIVATIONS, layer_tag
 
 __all__ = [
     "ACTIVATION_MODULES",
@@ -306,7 +306,7 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
         """
         stats = result.summary
         return {
-            layer_tag("activations", stat, layer): float(value)
+            layer_tag(ACTIVATIONS, stat, layer): float(value)
             for stat in SCALARS
             for layer, value, n in zip(stats.layers, stats.column(stat), stats.numel, strict=True)
             if n > 0

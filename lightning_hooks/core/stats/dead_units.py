@@ -18,7 +18,7 @@ from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selectio
 from lightning_hooks.core.ops.feature_stats import STACKED
 from lightning_hooks.core.ops.tensors import Workspace, iter_float_tensors
 from lightning_hooks.core.stats.stat import LayerStat
-from lightning_hooks.tags import layer_tag
+from lightning_hooks.tags import DEAD_RELU, layer_tag
 
 __all__ = ["RELU_FAMILY", "DeadUnitTracker", "DeadUnits", "fired_counts", "unit_dim"]
 
@@ -289,7 +289,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
             The scalars, by tag.
         """
         return {
-            layer_tag("dead_relu", "zero_fraction", layer): float(result.zero_fraction[i])
+            layer_tag(DEAD_RELU, "zero_fraction", layer): float(result.zero_fraction[i])
             for i, layer in enumerate(result.layers)
             if result.calls[i] > 0
         }
@@ -306,7 +306,7 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         out: dict[str, float] = {}
         fractions = result.dead_fraction
         for i, layer in enumerate(result.layers):
-            out[layer_tag("dead_relu", "dead_fraction", layer)] = float(fractions[i])
-            out[layer_tag("dead_relu", "dead_count", layer)] = float(result.dead[i])
-            out[layer_tag("dead_relu", "zero_fraction", layer)] = float(result.zero_fraction[i])
+            out[layer_tag(DEAD_RELU, "dead_fraction", layer)] = float(fractions[i])
+            out[layer_tag(DEAD_RELU, "dead_count", layer)] = float(result.dead[i])
+            out[layer_tag(DEAD_RELU, "zero_fraction", layer)] = float(result.zero_fraction[i])
         return out

@@ -421,19 +421,22 @@ class _Column(NamedTuple):
     stat: str
     kind: Reduction
     """``"mean"``, ``"peak"`` or ``"total"`` (a :meth:`LayerTable.column` kind)."""
+    per_step: bool = True
+    """Whether a logging step logs it too; an epoch's peak of a statistic is the epoch's alone
+    (a logging step's value is the statistic itself)."""
 
 
 _LOGGED = (
     _Column(suffix="grad_norm", stat="grad_norm", kind="mean"),
-    _Column(suffix="grad_norm_max", stat="grad_norm", kind="peak"),
+    _Column(suffix="grad_norm_max", stat="grad_norm", kind="peak", per_step=False),
     _Column(suffix="grad_abs_mean", stat="grad_abs_mean", kind="mean"),
     _Column(suffix="grad_abs_max", stat="grad_abs_max", kind="peak"),
     _Column(suffix="grad_nonfinite", stat="grad_nonfinite", kind="total"),
     _Column(suffix="weight_norm", stat="weight_norm", kind="mean"),
     _Column(suffix="update_ratio", stat="update_ratio", kind="mean"),
-    _Column(suffix="update_ratio_max", stat="update_ratio", kind="peak"),
+    _Column(suffix="update_ratio_max", stat="update_ratio", kind="peak", per_step=False),
     _Column(suffix="output_grad_norm", stat="output_grad_norm", kind="mean"),
-    _Column(suffix="output_grad_norm_max", stat="output_grad_norm", kind="peak"),
+    _Column(suffix="output_grad_norm_max", stat="output_grad_norm", kind="peak", per_step=False),
     _Column(suffix="grad_norm_preclip", stat="grad_norm_preclip", kind="mean"),
 )
 _PERCENTILES = (5, 50, 95)
@@ -456,8 +459,8 @@ def grad_flow_scalars(
     rows = logged_rows(stats, max_layers)
     if stats.count[-1, stats.stats.index("grad_norm_preclip")] > 0:  # clipped: the applied one
         yield grad_flow_tag("grad_norm_postclip"), float(stats.column("grad_norm")[-1])
-    for suffix, stat, kind in _LOGGED:
-        if step and suffix != stat:
+    for suffix, stat, kind, per_step in _LOGGED:
+        if step and not per_step:
             continue
         column = stats.column(stat, kind)
         counts = stats.count[:, stats.stats.index(stat)]

@@ -18,7 +18,7 @@ from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.ops.tensors import is_training_forward
 from lightning_hooks.core.stats.stat import LayerStat
-from lightning_hooks.tags import family_tag, layer_tag
+from lightning_hooks.tags import LAYER_TIME, family_tag, layer_tag
 
 __all__ = ["LayerTimer", "LayerTimes"]
 
@@ -309,10 +309,10 @@ class LayerTimer(LayerStat[LayerTimes]):
         out = dict[str, float]()
         for i in np.flatnonzero(result.calls):
             layer = result.layers[i]
-            out[layer_tag("layer_time", "forward_ms", layer)] = float(result.forward_ms[i])
-            out[layer_tag("layer_time", "share", layer)] = float(share[i])
-        out[family_tag("layer_time", "step_ms")] = result.step_ms
-        out[family_tag("layer_time", "forward_share")] = float(share.sum())
+            out[layer_tag(LAYER_TIME, "forward_ms", layer)] = float(result.forward_ms[i])
+            out[layer_tag(LAYER_TIME, "share", layer)] = float(share[i])
+        out[family_tag(LAYER_TIME, "step_ms")] = result.step_ms
+        out[family_tag(LAYER_TIME, "forward_share")] = float(share.sum())
         return out
 
     def reset(self) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, torch_equivalent
 from lightning_hooks.core.stats.stat import LayerStat
-from lightning_hooks.tags import layer_tag
+from lightning_hooks.tags import SATURATION, layer_tag
 
 __all__ = [
     "SATURATING_TYPES",
@@ -260,14 +260,14 @@ class SaturationTracker(LayerStat[SaturatedUnits]):
         always = result.always_saturated_fraction
         for i in np.flatnonzero(ran):
             layer = result.layers[i]
-            out[layer_tag("saturation", "saturated_fraction", layer)] = float(saturated[i])
-            out[layer_tag("saturation", "always_saturated_fraction", layer)] = float(always[i])
+            out[layer_tag(SATURATION, "saturated_fraction", layer)] = float(saturated[i])
+            out[layer_tag(SATURATION, "always_saturated_fraction", layer)] = float(always[i])
         if ran.any():
             total = result.saturated[ran].sum() / result.entries[ran].sum()
-            out[layer_tag("saturation", "saturated_fraction")] = float(total)
+            out[layer_tag(SATURATION, "saturated_fraction")] = float(total)
             always_all = result.always_saturated[ran].sum() / result.units[ran].sum()
-            out[layer_tag("saturation", "always_saturated_fraction")] = float(always_all)
-        out[layer_tag("saturation", "layers")] = float(ran.sum())
+            out[layer_tag(SATURATION, "always_saturated_fraction")] = float(always_all)
+        out[layer_tag(SATURATION, "layers")] = float(ran.sum())
         return out
 
 

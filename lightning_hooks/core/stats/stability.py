@@ -26,7 +26,7 @@ from lightning_hooks.core.stats.attention import (
 )
 from lightning_hooks.core.stats.stat import LayerStat
 from lightning_hooks.errors import LightningHooksWarning
-from lightning_hooks.tags import layer_tag
+from lightning_hooks.tags import STABILITY, layer_tag
 
 __all__ = ["STABILITY_STATS", "StabilityStats"]
 
@@ -298,7 +298,7 @@ class StabilityStats(LayerStat[Result]):
             The scalars, by tag.
         """
         return {
-            layer_tag("stability", stat, layer): value
+            layer_tag(STABILITY, stat, layer): value
             for stat, values in result._asdict().items()
             for layer, value in values.items()
         }
