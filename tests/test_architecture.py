@@ -105,14 +105,51 @@ def test_each_callback_defines_its_own_hooks_and_overrides_nothing_of_the_base()
                 assert not chained or node.func.attr == "__init__", (cls.__name__, node.func.attr)
 
 
+def _does_nothing(statement: ast.stmt) -> bool:
+    """Whether ``statement`` does nothing: ``pass``, ``...``, a string, or a constant returned."""
+    if isinstance(statement, ast.Pass):
+        return True
+    if isinstance(statement, ast.Expr):
+        return isinstance(statement.value, ast.Constant)
+    if isinstance(statement, ast.Return):
+        return statement.value is None or isinstance(statement.value, ast.Constant)
+    return False
+
+
 def _is_extension_point(method: ast.FunctionDef) -> bool:
-    """Whether a method of the base is there for a subclass to write: abstract, or a documented
-    default that does nothing (a docstring, then at most a constant returned)."""
+    """Whether a method of the base is there for a subclass to write: abstract, one that raises
+    ``NotImplementedError``, or a default that does nothing (a docstring, ``pass``, ``...`` or a
+    constant returned)."""
     abstract = any(getattr(d, "id", "") == "abstractmethod" for d in method.decorator_list)
-    docstring, *rest = method.body
-    documented = isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)
-    constant = [isinstance(s, ast.Return) and isinstance(s.value, ast.Constant) for s in rest]
-    return abstract or (documented and constant in ([], [True]))
+    raises = any(
+        isinstance(node, ast.Raise) and "NotImplementedError" in ast.unparse(node)
+        for node in ast.walk(method)
+    )
+    return abstract or raises or all(_does_nothing(statement) for statement in method.body)
+
+
+_TEMPLATE_HOOKS = (
+    "def hook(self):\n    pass",
+    "def hook(self):\n    ...",
+    "def hook(self):\n    'Override me.'",
+    "def hook(self):\n    'Override me.'\n    return None",
+    "def hook(self):\n    raise NotImplementedError",
+    "@abstractmethod\ndef hook(self):\n    'Override me.'\n    x = 1",
+)
+
+
+@pytest.mark.parametrize("source", _TEMPLATE_HOOKS)
+def test_each_form_of_a_templates_hook_is_an_extension_point(source: str) -> None:
+    """The check the base is held to catches each form a template's hook takes."""
+    (method,) = ast.parse(source).body
+    assert isinstance(method, ast.FunctionDef)
+    assert _is_extension_point(method)
+
+
+def test_a_method_that_works_is_not_an_extension_point() -> None:
+    (method,) = ast.parse("def hook(self):\n    'Work.'\n    self.lifecycle.flush(1)").body
+    assert isinstance(method, ast.FunctionDef)
+    assert not _is_extension_point(method)
 
 
 def test_the_base_has_no_extension_point_and_calls_only_its_own_methods() -> None:

@@ -7,7 +7,6 @@ import importlib
 import inspect
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -143,68 +142,92 @@ def test_a_renamed_public_name_still_imports_with_a_deprecation_warning(
     assert old not in package.__all__
 
 
-def _deprecated_uses() -> dict[str, Any]:
-    """Each deprecated use of release 0.2.0's API, as a user's line calls it."""
-
-    def tracker_alarms() -> None:
-        GradFlowTracker(nn.Linear(2, 2), alarms=AlarmRules()).remove()
-
-    def tracker_clip() -> None:
-        GradFlowTracker(nn.Linear(2, 2), clip=(1.0, "norm")).remove()
-
-    def observe_step() -> None:
-        model = nn.Linear(2, 2)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with GradFlowTracker(model, [opt]) as tracker:
-            model(torch.ones(1, 2)).sum().backward()
-            tracker.observe(opt, step=3)
-
-    def rules_every_n_steps() -> None:
-        AlarmRules(every_n_steps=3)
-
-    def renamed_name() -> None:
-        getattr(lightning_hooks, "GradientAlarms")  # noqa: B009 (the old name, read as a user reads it)
-
-    def registry_sampled() -> None:
-        model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-        with HookRegistry(model) as registry:
-            registry.forward_hook(model[1], lambda *args: None, gated=True)
-            registry.sampled = False
-            assert registry.sampled is False
-            assert registry.logging_step is False
-            assert len(model[1]._forward_hooks) == 0  # the gate closed, as 0.2.0's did
-
-    def tracker_sampled() -> None:
-        with GradFlowTracker(nn.Linear(2, 2)) as tracker:
-            tracker.sampled = False
-            assert tracker.sampled is False
-            assert tracker.registry.logging_step is False
-
-    def select_modules_arguments() -> None:
-        model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-        found = select_modules(model, types=nn.Linear, arguments=("include", "exclude"))
-        assert found == select_modules(model, types=nn.Linear)
-
-    return {
-        "HookRegistry.sampled": registry_sampled,
-        "GradFlowTracker.sampled": tracker_sampled,
-        "select_modules(arguments=...)": select_modules_arguments,
-        "GradFlowTracker(alarms=...)": tracker_alarms,
-        "GradFlowTracker(clip=...)": tracker_clip,
-        "GradFlowTracker.observe(step=...)": observe_step,
-        "AlarmRules(every_n_steps=...)": rules_every_n_steps,
-        "lightning_hooks.GradientAlarms": renamed_name,
-    }
+def _use_tracker_alarms() -> None:
+    GradFlowTracker(nn.Linear(2, 2), alarms=AlarmRules()).remove()
 
 
-@pytest.mark.parametrize("use", sorted(_deprecated_uses()))
+def _use_tracker_clip() -> None:
+    GradFlowTracker(nn.Linear(2, 2), clip=(1.0, "norm")).remove()
+
+
+def _use_observe_step() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with GradFlowTracker(model, [opt]) as tracker:
+        model(torch.ones(1, 2)).sum().backward()
+        tracker.observe(opt, step=3)
+
+
+def _use_rules_every_n_steps() -> None:
+    AlarmRules(every_n_steps=3)
+
+
+def _use_renamed_name() -> None:
+    getattr(lightning_hooks, "GradientAlarms")  # noqa: B009 (the old name, read as a user reads it)
+
+
+def _use_registry_sampled() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with HookRegistry(model) as registry:
+        registry.forward_hook(model[1], lambda *args: None, gated=True)
+        registry.sampled = False
+        assert registry.sampled is False
+        assert registry.logging_step is False
+        assert len(model[1]._forward_hooks) == 0  # the gate closed, as 0.2.0's did
+
+
+def _use_tracker_sampled() -> None:
+    with GradFlowTracker(nn.Linear(2, 2)) as tracker:
+        tracker.sampled = False
+        assert tracker.sampled is False
+        assert tracker.registry.logging_step is False
+
+
+def _use_select_modules_arguments() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    found = select_modules(model, types=nn.Linear, arguments=("include", "exclude"))
+    assert found == select_modules(model, types=nn.Linear)
+
+
+def _use_callback_uses_images() -> None:
+    assert lightning_hooks.GradFlowCallback(chart=False).uses_images is False
+
+
+def _use_callback_flush() -> None:
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(loggers=[], is_global_zero=True)
+    lightning_hooks.GradFlowCallback().flush(trainer)  # type: ignore[arg-type]
+
+
+def _use_callback_policy() -> None:
+    assert lightning_hooks.GradFlowCallback().policy is None  # between fits: no fit's policy
+
+
+_RELEASE_0_2_USES = {
+    "HookCallback.uses_images": _use_callback_uses_images,
+    "HookCallback.flush(trainer)": _use_callback_flush,
+    "GradFlowCallback.policy": _use_callback_policy,
+    "HookRegistry.sampled": _use_registry_sampled,
+    "GradFlowTracker.sampled": _use_tracker_sampled,
+    "select_modules(arguments=...)": _use_select_modules_arguments,
+    "GradFlowTracker(alarms=...)": _use_tracker_alarms,
+    "GradFlowTracker(clip=...)": _use_tracker_clip,
+    "GradFlowTracker.observe(step=...)": _use_observe_step,
+    "AlarmRules(every_n_steps=...)": _use_rules_every_n_steps,
+    "lightning_hooks.GradientAlarms": _use_renamed_name,
+}
+"""Each use of release 0.2.0's API that changed, as a user's line makes it."""
+
+
+@pytest.mark.parametrize("use", sorted(_RELEASE_0_2_USES))
 def test_release_0_2_uses_still_work_and_warn_at_the_users_line(use: str) -> None:
     """Each use of release 0.2.0's API that changed still works, with a ``DeprecationWarning``
     that names the line that made it, not ours: Python's default filters show a warning only
     where it is attributed to the user's code."""
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        _deprecated_uses()[use]()
+        _RELEASE_0_2_USES[use]()
     deprecations = [w for w in record if issubclass(w.category, DeprecationWarning)]
     assert deprecations, use
     assert {Path(w.filename).name for w in deprecations} == {Path(__file__).name}

@@ -144,7 +144,7 @@ class AlarmPolicy:
         self,
         trainer: TrainerView,
         optimizer: torch.optim.Optimizer | None,
-        alarms: TrainingAlarms,
+        training_alarms: TrainingAlarms,
         found: list[TrainingAlarm],
     ) -> None:
         """Warn, stop, raise or skip for each alarm found, as its rule's action says.
@@ -157,7 +157,7 @@ class AlarmPolicy:
             trainer: the trainer, stopped where an alarm's action is ``stop``.
             optimizer: the optimizer about to step, whose step ``skip`` skips (``None`` at an
                 epoch end).
-            alarms: the rules' state, which the alarms came from.
+            training_alarms: the rules' state, which the alarms came from.
             found: the alarms the rules found since the last poll.
 
         Raises:
@@ -169,7 +169,7 @@ class AlarmPolicy:
             if action is None or action == "log":
                 continue
             if action == "raise":
-                self._raise(trainer, alarms, alarm)
+                self._raise(trainer, training_alarms, alarm)
             self._warn_once(alarm)
             if action == "stop" and self.stopped_by is None:
                 self.stopped_by = alarm
@@ -205,7 +205,9 @@ class AlarmPolicy:
                 category=TrainingAlarmWarning,
             )
 
-    def _raise(self, trainer: TrainerView, alarms: TrainingAlarms, alarm: TrainingAlarm) -> None:
+    def _raise(
+        self, trainer: TrainerView, training_alarms: TrainingAlarms, alarm: TrainingAlarm
+    ) -> None:
         """Write the alarms to the event files, then raise ``alarm`` as a ``TrainingAlarmError``.
 
         Raises:
@@ -221,18 +223,20 @@ class AlarmPolicy:
             alarm=alarm,
         )
         try:
-            self._keep_before_raising(trainer, alarms, alarm.step)
+            self._keep_before_raising(trainer, training_alarms, alarm.step)
         except Exception as failure:
             raise error from failure
         raise error
 
-    def _keep_before_raising(self, trainer: TrainerView, alarms: TrainingAlarms, step: int) -> None:
+    def _keep_before_raising(
+        self, trainer: TrainerView, training_alarms: TrainingAlarms, step: int
+    ) -> None:
         """Write the alarms since the last logging step at ``step``, and save the loggers.
 
         The raising alarm is included, so ``lightning-hooks report --fail-on`` can find the alarm
         that ended the fit.
         """
-        self.log.log_step(trainer, alarms, step)
+        self.log.log_step(trainer, training_alarms, step)
         save_loggers(trainer.loggers)
 
     def _warn_once(self, alarm: TrainingAlarm) -> None:
@@ -244,19 +248,19 @@ class AlarmPolicy:
             warning.alarm = alarm
             rank_zero_warn(warning, category=TrainingAlarmWarning)
 
-    def end_epoch(self, trainer: TrainerView, alarms: TrainingAlarms) -> None:
+    def end_epoch(self, trainer: TrainerView, training_alarms: TrainingAlarms) -> None:
         """Act on the epoch's last verdicts, then write its alarms and start the next epoch.
 
         Args:
             trainer: the trainer ending the epoch.
-            alarms: the rules' state, polled one last time.
+            training_alarms: the rules' state, polled one last time.
 
         Raises:
             TrainingAlarmError: a last verdict's rule has the action ``"raise"``.
         """
-        self.act(trainer, None, alarms, alarms.poll(wait=True))
+        self.act(trainer, None, training_alarms, training_alarms.poll(wait=True))
         self._warned.clear()  # in the next epoch, each rule and layer may warn once
-        self.log.end_epoch(trainer, alarms)
+        self.log.end_epoch(trainer, training_alarms)
 
 
 class AlarmLog:
@@ -285,38 +289,40 @@ class AlarmLog:
         self._counted: dict[str, int] = {}
         self._summary_step: int | None = None  # the step of this fit's last epoch summary
 
-    def start(self, alarms: TrainingAlarms | None) -> None:
+    def start(self, training_alarms: TrainingAlarms | None) -> None:
         """Start a fit from the current counts of its alarms, after any saved state is loaded.
 
         Those counts, from a checkpoint or the previous fit, are not new: a logging step writes
         only what the alarms count beyond them.
 
         Args:
-            alarms: the rules' state, whose counts so far count as written.
+            training_alarms: the rules' state, whose counts so far count as written.
         """
         self._summary_step = None
-        self._counted = {} if alarms is None else dict(alarms.counts)
-        self._logged = 0 if alarms is None else len(alarms.log)
+        self._counted = {} if training_alarms is None else dict(training_alarms.counts)
+        self._logged = 0 if training_alarms is None else len(training_alarms.log)
 
-    def log_step(self, trainer: TrainerView, alarms: TrainingAlarms, step: int) -> None:
+    def log_step(self, trainer: TrainerView, training_alarms: TrainingAlarms, step: int) -> None:
         """Log the per-rule counts since the last logging step, and on rank 0 the alarms' text.
 
         Args:
             trainer: the trainer whose loggers are written to.
-            alarms: the rules' state, whose counts are read.
+            training_alarms: the rules' state, whose counts are read.
             step: the logging step the counts are written at.
         """
-        counts = {rule: n - self._counted.get(rule, 0) for rule, n in alarms.counts.items()}
-        self._counted = dict(alarms.counts)
+        counts = {
+            rule: n - self._counted.get(rule, 0) for rule, n in training_alarms.counts.items()
+        }
+        self._counted = dict(training_alarms.counts)
         tags = step_tags({self.tags[rule]: n for rule, n in counts.items()})
         log_scalars(trainer.loggers, tags, step)
-        new = alarms.log[self._logged :]
-        self._logged = len(alarms.log)
+        new = training_alarms.log[self._logged :]
+        self._logged = len(training_alarms.log)
         if new and trainer.is_global_zero:
             summary = _summary(new, f"up to step {step}", self._noticed)
             log_text(trainer.loggers, ALARM_STEP_TEXT, summary, step)
 
-    def end_epoch(self, trainer: TrainerView, alarms: TrainingAlarms) -> None:
+    def end_epoch(self, trainer: TrainerView, training_alarms: TrainingAlarms) -> None:
         """Take the epoch's alarms, and log its counts and its text summary.
 
         Both are written at :func:`~.attached.epoch_step`; rank 0 writes the summary under
@@ -325,14 +331,14 @@ class AlarmLog:
 
         Args:
             trainer: the trainer whose loggers are written to.
-            alarms: the rules' state, whose epoch is taken.
+            training_alarms: the rules' state, whose epoch is taken.
         """
-        counts, log = alarms.take_epoch()
+        counts, log = training_alarms.take_epoch()
         self._logged = 0
         self._counted = {}
         step = epoch_step(trainer)
         scalars = {self.tags[rule]: float(n) for rule, n in counts.items()}
-        scalars[SPIKE_SCORE] = alarms.spike_score
+        scalars[SPIKE_SCORE] = training_alarms.spike_score
         log_scalars(trainer.loggers, scalars, step)
         repeated = step == self._summary_step
         self._summary_step = step

@@ -6,6 +6,7 @@ the base derives.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -142,6 +143,32 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
     def _new_guard(self) -> Guard:
         """Make a guard with no failure, strict as :attr:`strict` says."""
         return Guard(type(self).__name__, strict=self.strict)
+
+    @property
+    def uses_images(self) -> bool:
+        """Deprecated: release 0.2.0's name of whether the callback draws pictures."""
+        warnings.warn(
+            f"{type(self).__name__}.uses_images is deprecated: read callback.lifecycle.uses_images",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.lifecycle.uses_images
+
+    def flush(self, trainer: TrainerView) -> None:
+        """Deprecated: write what was measured and save the loggers, as release 0.2.0 did.
+
+        The end of training and ``on_exception`` write it themselves, under Fabric too.
+
+        Args:
+            trainer: the trainer whose loggers get what is pending.
+        """
+        warnings.warn(
+            f"{type(self).__name__}.flush(trainer) is deprecated: the end of training writes "
+            "what is pending, and callback.lifecycle.flush(trainer) does it at any time",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self.lifecycle.flush(trainer)
 
     @property
     def state_key(self) -> str:

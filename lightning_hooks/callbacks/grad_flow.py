@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ from torch.nn.parameter import is_lazy
 from typing_extensions import override
 
 from lightning_hooks import internals
-from lightning_hooks.callbacks.alarm_policy import Action, check_actions
+from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy, check_actions
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.grad_flow_alarms import FitAlarms, GradFlowAlarms
@@ -44,13 +45,15 @@ class GradFlowCallback(HookCallback):
     Layers, logging steps and notices are defined in docs/glossary.md. The alarms are the
     checks of :class:`~lightning_hooks.core.AlarmRules`, and they run on every optimizer step.
 
-    Each logging step logs every tag below under ``grad_flow/{stat}_step/...``, except the
-    epoch peaks (``grad_norm_max``, ``update_ratio_max``, ``output_grad_norm_max``), and also
-    ``grad_flow/alarms_step/{rule}`` and ``grad_flow/notices_step/{name}``. Each epoch end logs
-    the tags below, where ``{layer}`` is the module's qualified name, such as ``encoder.0``.
+    Each epoch end logs the tags below, where ``{layer}`` is the module's qualified name, such
+    as ``encoder.0``. Each logging step logs the ``grad_flow`` scalars among them under
+    ``grad_flow/{stat}_step/...``, but the epoch peaks (``grad_norm_max``, ``update_ratio_max``,
+    ``output_grad_norm_max``), and also ``grad_flow/alarms_step/{rule}`` and
+    ``grad_flow/notices_step/{name}``; the ``stability`` scalars are logged so too (the last row).
+    Pictures and text are an epoch's only.
 
     ==========================================  ================================================
-    Tag                                         Value, over the epoch's logging steps
+    Tag                                         Value at an epoch end, over its logging steps
     ==========================================  ================================================
     ``grad_flow/grad_norm/{layer}``             L2 norm of the gradient applied, mean
     ``grad_flow/grad_norm_max/{layer}``         the same, max
@@ -182,6 +185,18 @@ class GradFlowCallback(HookCallback):
         # So that a resumed fit draws the earlier epochs.
         self.lifecycle.checkpoint.keep("heatmap", self._pictures.history)
         self._fit: _Fit | None = None
+
+    @property
+    def policy(self) -> AlarmPolicy | None:
+        """Deprecated: release 0.2.0's alarm policy, now each fit's own (``None`` between fits)."""
+        warnings.warn(
+            f"{_NAME}.policy is deprecated: each fit has its own alarm policy, and the actions "
+            "are callback.on_alarm",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        alarms = self._running_alarms()
+        return None if alarms is None else alarms.policy
 
     @override
     def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
@@ -365,10 +380,9 @@ class GradFlowCallback(HookCallback):
     @guarded
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Write the epoch's statistics and pictures, then close it for the alarms."""
-        self.lifecycle.end_epoch(trainer)
-        fit = self._fit  # ``None`` once the fit's hooks came off
-        if fit is not None and fit.fit_alarms is not None:
-            fit.fit_alarms.end_epoch()
+        alarms = self._running_alarms()
+        if self.lifecycle.end_epoch(trainer) and alarms is not None:  # the hooks are still on
+            alarms.end_epoch()
             save_loggers(trainer.loggers)  # what the alarms wrote of the epoch
 
 

@@ -113,7 +113,7 @@ class LossAgreement:
         trainer: TrainerView,
         outputs: STEP_OUTPUT,
         step: int,
-        alarms: TrainingAlarms,
+        training_alarms: TrainingAlarms,
         policy: AlarmPolicy,
     ) -> None:
         """Feed one batch's loss to the loss rules at ``step``, and act on the alarms they raise.
@@ -124,14 +124,14 @@ class LossAgreement:
             trainer: the trainer of the batch, stopped where a rank asked to.
             outputs: what the batch's ``training_step`` returned, which holds its loss.
             step: the optimizer step the batch feeds.
-            alarms: the rules' state that takes the loss.
+            training_alarms: the rules' state that takes the loss.
             policy: what the alarms the loss raises do.
         """
         if self.reading == "own":
             loss = training_loss(trainer, outputs)
             if loss is not None:
-                alarms.update_loss(loss, step=step)
-                policy.act(trainer, None, alarms, alarms.poll())
+                training_alarms.update_loss(loss, step=step)
+                policy.act(trainer, None, training_alarms, training_alarms.poll())
         elif self.reading == "mean":
             ranks = self._ranks
             loss = training_loss(trainer, outputs)
@@ -140,7 +140,7 @@ class LossAgreement:
                 disabled = ranks.apply(trainer, step, failed=flags.failed, stopping=flags.stopping)
                 if disabled:  # the hooks are off on every rank, so skip the loss
                     return
-            self._feed_mean(trainer, alarms, policy)
+            self._feed_mean(trainer, training_alarms, policy)
 
     def _post(
         self, loss: torch.Tensor | None, step: int, *, failed: bool, stop: bool
@@ -168,7 +168,9 @@ class LossAgreement:
             return None
         return RankFlags(sum(s.failed for s in read), sum(s.stopping for s in read))
 
-    def _feed_mean(self, trainer: TrainerView, alarms: TrainingAlarms, policy: AlarmPolicy) -> None:
+    def _feed_mean(
+        self, trainer: TrainerView, training_alarms: TrainingAlarms, policy: AlarmPolicy
+    ) -> None:
         """Run the loss rules on the ranks' mean loss, and act on the alarms they raise.
 
         Under manual optimization, a batch's mean is used only if every rank returned a loss.
@@ -178,12 +180,14 @@ class LossAgreement:
         if pending is None:
             return
         if not self._manual:
-            alarms.update_loss(pending.carried[0] / world_size(), step=pending.step)
+            training_alarms.update_loss(pending.carried[0] / world_size(), step=pending.step)
         elif self.reading == "mean":
             for sums in pending.read:
                 if sums.with_loss == world_size():
-                    alarms.update_loss(torch.tensor(sums.loss / world_size()), step=sums.step)
-        policy.act(trainer, None, alarms, alarms.poll())
+                    training_alarms.update_loss(
+                        torch.tensor(sums.loss / world_size()), step=sums.step
+                    )
+        policy.act(trainer, None, training_alarms, training_alarms.poll())
 
     def _rules_off(self, step: int, with_loss: int) -> None:
         """Turn the loss rules off for the rest of the fit, with one warning."""
