@@ -572,6 +572,9 @@ class LayerStat(RowStates[R], HookOwner):
     def attach(self, model: nn.Module, registry: HookRegistry | None = None) -> Self:
         """Forget every row and hook ``model``.
 
+        A statistic is made once and attached at each fit, which starts it afresh, as
+        torchmetrics' ``Metric`` is made once and ``reset``.
+
         Args:
             model: the model whose selected modules are hooked; its device is the states'.
             registry: the registry the hooks go on (``None``: a new one on ``model``).
