@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 from pytorch_lightning.loggers import CSVLogger
 from torch import nn
@@ -19,6 +20,7 @@ from lightning_hooks.callbacks.lifecycle import Lifecycle
 from lightning_hooks.callbacks.watching import attach_stats
 from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.stats.dead_units import DeadUnits, DeadUnitTracker
+from lightning_hooks.errors import LightningHooksWarning
 
 
 def _trainer(tmp_path: Path) -> SimpleNamespace:
@@ -32,9 +34,14 @@ def _trainer(tmp_path: Path) -> SimpleNamespace:
     )
 
 
-def _started(tmp_path: Path, written: list[int]) -> tuple[Lifecycle, SimpleNamespace, nn.Module]:
-    """A lifecycle that watches a small ReLU model every 2 steps, attached for a fit."""
-    guard = Guard("Watcher", strict=True)
+def _started(
+    tmp_path: Path, written: list[int], *, strict: bool = True
+) -> tuple[Lifecycle, SimpleNamespace, nn.Module]:
+    """A lifecycle that watches a small ReLU model every 2 steps, attached for a fit.
+
+    A ``strict`` guard raises a failure; another disables the callback for the rest of the fit.
+    """
+    guard = Guard("Watcher", strict=strict)
     lifecycle = Lifecycle("Watcher", guard, every_n_steps=2, uses_images=False)
     trainer = _trainer(tmp_path)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
@@ -97,3 +104,33 @@ def test_a_callback_standing_aside_attaches_nothing(tmp_path: Path) -> None:
     assert not lifecycle.start_training()
     assert not lifecycle.start_batch(trainer, batch_idx=0)
     assert lifecycle.attached is None
+
+
+def test_a_failed_batch_writes_nothing_of_its_logging_step(tmp_path: Path) -> None:
+    """A failure in a batch's hooks (one process: the guard disables at once) leaves its
+    logging step unwritten; the steps before it were written."""
+    written: list[int] = []
+    lifecycle, trainer, model = _started(tmp_path, written, strict=False)
+    _one_step(lifecycle, trainer, model)  # step 0, written
+    assert lifecycle.start_batch(trainer, batch_idx=1)  # step 1, a logging step
+    model(torch.randn(3, 4))
+    with pytest.warns(LightningHooksWarning, match="Watcher is disabled"):
+        lifecycle.guard.fail("forward hook", RuntimeError("boom"))
+    trainer.global_step += 1
+    lifecycle.end_batch(trainer)
+    assert written == [0]
+
+
+def test_a_batch_is_measured_only_once_the_fit_has_attached(tmp_path: Path) -> None:
+    """Before the fit attaches (or after its hooks came off), even a logging step is not
+    measured; each fit's cadence starts afresh."""
+    guard = Guard("Watcher", strict=True)
+    lifecycle = Lifecycle("Watcher", guard, every_n_steps=1, uses_images=False)
+    trainer = _trainer(tmp_path)
+    lifecycle.start_fit(trainer, guard, watching=True)
+    first = lifecycle.cadence
+    assert lifecycle.start_training()
+    assert not lifecycle.start_batch(trainer, batch_idx=0)
+    assert not lifecycle.measuring
+    lifecycle.start_fit(trainer, Guard("Watcher", strict=True), watching=True)
+    assert lifecycle.cadence is not first

@@ -150,13 +150,13 @@ class AlarmPolicy:
         """Warn, stop, raise or skip for each alarm found, as its rule's action says.
 
         A ``skip`` applies only to an alarm of the trainer's current step, and drops the
-        gradients of ``optimizer`` (``None`` outside an optimizer step). Before a ``raise``, the
-        alarms since the last logging step are written.
+        gradients of ``optimizer``. Before a ``raise``, the alarms since the last logging step
+        are written.
 
         Args:
             trainer: the trainer, stopped where an alarm's action is ``stop``.
-            optimizer: the optimizer about to step, whose step ``skip`` skips (``None`` at an
-                epoch end).
+            optimizer: the optimizer about to step, whose step ``skip`` skips; ``None`` outside
+                an optimizer step (a batch's end, for the loss rules, and an epoch's end).
             training_alarms: the rules' state, which the alarms came from.
             found: the alarms the rules found since the last poll.
 

@@ -46,11 +46,11 @@ class GradFlowCallback(HookCallback):
     checks of :class:`~lightning_hooks.core.AlarmRules`, and they run on every optimizer step.
 
     Each epoch end logs the tags below, where ``{layer}`` is the module's qualified name, such
-    as ``encoder.0``. Each logging step logs the ``grad_flow`` scalars among them under
-    ``grad_flow/{stat}_step/...``, but the epoch peaks (``grad_norm_max``, ``update_ratio_max``,
-    ``output_grad_norm_max``), and also ``grad_flow/alarms_step/{rule}`` and
-    ``grad_flow/notices_step/{name}``; the ``stability`` scalars are logged so too (the last row).
-    Pictures and text are an epoch's only.
+    as ``encoder.0``. At each logging step the ``grad_flow`` scalars, except the ``*_max`` peaks,
+    are also logged under ``grad_flow/{stat}_step/{layer}``, with the alarm and notice counts
+    under ``grad_flow/alarms_step/{rule}`` and ``grad_flow/notices_step/{name}``, and the
+    ``stability`` scalars under ``stability/{stat}_step/{layer}``. Images and text are written
+    only at epoch ends.
 
     ==========================================  ================================================
     Tag                                         Value at an epoch end, over its logging steps
