@@ -168,7 +168,7 @@ class ActivationStatsCallback(HookCallback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """Warn of a first non-finite output, then write a logging step once it has stepped."""
+        """Warn of the first non-finite output, then log a logging step whose optimizer step ran."""
         if self.lifecycle.measuring and self.warn_nonfinite:
             self._warn_first_nonfinite()
         self.lifecycle.end_batch(trainer)
@@ -176,7 +176,7 @@ class ActivationStatsCallback(HookCallback):
     @override
     @guarded
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Write the epoch's statistics; their reader :meth:`_draw` draws the pictures."""
+        """Log the epoch's aggregates; :meth:`_draw` then draws the histograms and heatmaps."""
         self.lifecycle.end_epoch(trainer)
 
     def _warn_first_nonfinite(self) -> None:

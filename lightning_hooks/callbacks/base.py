@@ -174,7 +174,8 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
     def state_key(self) -> str:
         """Return the key of the callback's checkpoint state, unique per configuration.
 
-        It is built when it changes, not when read, because Lightning reads it at every hook.
+        It is computed once, and again only when the switch marks the callback as its own,
+        because Lightning reads it at every hook.
         """
         return self._state_key
 
@@ -202,18 +203,18 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
     @override
     @guarded
     def state_dict(self) -> dict[str, Any]:
-        """Return what a checkpoint saves of the callback."""
+        """Return the callback's checkpoint state."""
         return self.lifecycle.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Store a checkpoint's state until the next ``on_train_start`` loads it."""
+        """Hold a checkpoint's state until the next ``on_train_start`` restores it."""
         self.lifecycle.checkpoint.hold(state_dict)
 
     @override
     @guarded
     def on_train_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Write what is pending, agree on a last failure, save the loggers, take the hooks off."""
+        """Log what is pending, check the processes for a failure, flush the loggers, unhook."""
         self.lifecycle.end_training(trainer)
 
     @override
@@ -221,7 +222,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
     def on_exception(
         self, trainer: TrainerView, pl_module: nn.Module, exception: BaseException
     ) -> None:
-        """Write what was measured, then take the hooks off and release the model."""
+        """Log what was measured, then remove the hooks and release the model."""
         try:
             self.lifecycle.flush(trainer)
         finally:
@@ -230,7 +231,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
     @override
     @guarded
     def teardown(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
-        """Take the hooks off and release the model, whatever happened before."""
+        """Remove the hooks and release the model, whatever happened before."""
         self._release_model()
 
     def _release_model(self) -> None:

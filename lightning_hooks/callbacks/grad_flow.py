@@ -83,8 +83,8 @@ class GradFlowCallback(HookCallback):
     ==========================================  ================================================
 
     Under several processes every rank measures the same layers, and every rank runs the
-    attention and output modules in every training forward, so the ranks never need to agree
-    on new rows (see docs/glossary.md).
+    attention and output modules in every training forward, so no collective is needed to line
+    up the layers of the ranks.
 
     Args:
         types: only modules of these types count as layers. By default any module with
@@ -367,7 +367,7 @@ class GradFlowCallback(HookCallback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """Pass the batch's loss to the loss rules, then write a logging step that has stepped.
+        """Pass the batch's loss to the loss rules, then log a logging step whose step ran.
 
         The loss rules read every batch (:meth:`_Fit.end_batch`).
         """
@@ -379,7 +379,7 @@ class GradFlowCallback(HookCallback):
     @override
     @guarded
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Write the epoch's statistics and pictures, then close it for the alarms."""
+        """Log the epoch's aggregates and pictures, then close the epoch for the alarms."""
         alarms = self._running_alarms()
         if self.lifecycle.end_epoch(trainer) and alarms is not None:  # the hooks are still on
             alarms.end_epoch()

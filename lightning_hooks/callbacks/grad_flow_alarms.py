@@ -49,7 +49,7 @@ class FitAlarms:
 
     @property
     def training_alarms(self) -> TrainingAlarms:
-        """Return the rules' state that this fit runs: its scales, ring buffer and counts."""
+        """Return the fit's ``TrainingAlarms``: the rules' running scales, ring buffer, counts."""
         return self.feed.training_alarms
 
     def observe(
@@ -92,7 +92,8 @@ class FitAlarms:
     def log_step(self, trainer: TrainerView, step: int, table: LayerTable) -> None:
         """Log the alarm counts and text gathered since the last logging step, at ``step``.
 
-        It reads the tracker's logging steps (a ``Logged`` reader), so it takes their result.
+        The tracker's ``Logged`` calls it at each logging step, with the step's table, which the
+        alarms do not need.
 
         Args:
             trainer: the trainer whose loggers are written to.

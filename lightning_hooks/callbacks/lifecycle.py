@@ -155,7 +155,7 @@ class Lifecycle:
             )
 
     def start_training(self) -> bool:
-        """Take off what an earlier fit left, and count the ranks, at the fit's train start.
+        """Remove the hooks an earlier fit left and count the processes, at the fit's train start.
 
         Returns:
             Whether the callback watches the model: then it attaches its hooks.
@@ -174,10 +174,10 @@ class Lifecycle:
         self.checkpoint.restore(attached)
 
     def start_batch(self, trainer: TrainerView, batch_idx: int) -> bool:
-        """Start a batch: write the copies that arrived, and open or close the gate.
+        """Start a batch: log the values that reached the host, and put the hooks on or off.
 
         It also has the loggers save what was written up to now, so that a run killed in this
-        batch keeps it. The first of the library's callbacks to get here saves for all.
+        batch keeps it. With several of the library's callbacks, the first one here flushes for all.
 
         Args:
             trainer: the trainer running the batch.
@@ -228,7 +228,7 @@ class Lifecycle:
             registry.set_logging_step(logging_step)
 
     def end_epoch(self, trainer: TrainerView) -> bool:
-        """Write each statistic's epoch, after the ranks agree, then save the loggers.
+        """Log each statistic's epoch aggregates once the processes agree, then flush the loggers.
 
         Args:
             trainer: the trainer ending the epoch, whose loggers get its values.
@@ -288,7 +288,7 @@ class Lifecycle:
             attached.remove()
 
     def state_dict(self) -> dict[str, Any]:
-        """Return what a checkpoint saves of the callback, with the rows of every rank."""
+        """Return the callback's checkpoint state, with the layers of every process."""
         attached = self._state.attached
         if attached is not None and self.ranks.size > 1 and attached.aligned:
             attached.align_rows()  # include the rows made since the last logging step

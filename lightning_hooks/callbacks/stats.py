@@ -110,5 +110,5 @@ class StatsCallback(HookCallback):
     @override
     @guarded
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """Write each statistic's epoch."""
+        """Log each statistic's epoch aggregates."""
         self.lifecycle.end_epoch(trainer)

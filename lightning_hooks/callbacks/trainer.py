@@ -249,8 +249,8 @@ def lightning_module_of(owner: str, module: nn.Module) -> pl.LightningModule:
         ``module``, typed as the LightningModule it is.
 
     Raises:
-        TypeError: ``module`` is no LightningModule, which a Fabric loop's refusal of the callback
-            keeps from happening.
+        TypeError: ``module`` is not a LightningModule (a Fabric loop refuses such callbacks
+            before this can happen).
     """
     if _is_lightning_module(module):
         return module
