@@ -81,13 +81,18 @@ class FitAlarms:
             self.policy.act(self.trainer, optimizer, self.training_alarms, found)
 
     def feed_loss(self, outputs: STEP_OUTPUT, step: int) -> None:
-        """Pass the batch's loss to the loss rules at optimizer step ``step``.
+        """Pass the batch's loss to the loss rules at optimizer step ``step``, and act on them.
 
         Args:
             outputs: what the batch's ``training_step`` returned, which holds its loss.
             step: the optimizer step the batch feeds.
         """
-        self.loss_agreement.feed(self.trainer, outputs, step, self.training_alarms, self.policy)
+        losses = self.loss_agreement.losses(self.trainer, outputs, step)
+        if losses is None:
+            return
+        for loss in losses:
+            self.training_alarms.update_loss(loss.value, step=loss.step)
+        self.policy.act(self.trainer, None, self.training_alarms, self.training_alarms.poll())
 
     def log_step(self, trainer: TrainerView, step: int, table: LayerTable) -> None:
         """Log the alarm counts and text gathered since the last logging step, at ``step``.

@@ -1,4 +1,4 @@
-"""How each batch's loss reaches the loss rules: this rank's loss, or the mean over the ranks.
+"""Which loss the loss rules read at each batch: this rank's loss, or the mean over the ranks.
 
 With several processes, one ``all_reduce`` of four numbers per batch carries the mean loss,
 whether a hook failed on any rank, and whether any rank asked to stop, so a logging step needs
@@ -16,10 +16,9 @@ from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 
-from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView
-from lightning_hooks.core.alarms import AlarmRules, TrainingAlarms
+from lightning_hooks.core.alarms import AlarmRules
 from lightning_hooks.core.transport import (
     HostCopy,
     all_reduce_sum_,
@@ -30,7 +29,7 @@ from lightning_hooks.core.transport import (
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import is_set_up_by_fabric
 
-__all__ = ["LossAgreement", "RankFlags", "training_loss"]
+__all__ = ["Loss", "LossAgreement", "RankFlags", "training_loss"]
 
 
 class RankFlags(NamedTuple):
@@ -55,8 +54,15 @@ class _Sums(NamedTuple):
         return cls(float(values[0]), int(values[1]), int(values[2]), int(values[3]), step)
 
 
+class Loss(NamedTuple):
+    """A loss for the loss rules, and the optimizer step it belongs to."""
+
+    value: torch.Tensor
+    step: int
+
+
 class _Pending(NamedTuple):
-    """What :meth:`LossAgreement._feed_mean` feeds the loss rules."""
+    """What :meth:`LossAgreement._mean_losses` hands the loss rules."""
 
     carried: torch.Tensor  # the batch's sums, left on the device unread
     step: int
@@ -64,7 +70,7 @@ class _Pending(NamedTuple):
 
 
 class LossAgreement:
-    """Feeds the loss from ``training_step`` to the loss rules, with the ranks' flags alongside.
+    """Reads the loss from ``training_step`` for the loss rules, with the ranks' flags alongside.
 
     Each fit makes its own. With one process, the rules read its loss; with several, the mean
     over the ranks, from one ``all_reduce`` per batch that also carries each rank's failure flag
@@ -108,15 +114,8 @@ class LossAgreement:
         self._manual = fabric or not getattr(pl_module, "automatic_optimization", False)
         self._carrier = HostCopy((4,), group_device())
 
-    def feed(
-        self,
-        trainer: TrainerView,
-        outputs: STEP_OUTPUT,
-        step: int,
-        training_alarms: TrainingAlarms,
-        policy: AlarmPolicy,
-    ) -> None:
-        """Feed one batch's loss to the loss rules at ``step``, and act on the alarms they raise.
+    def losses(self, trainer: TrainerView, outputs: STEP_OUTPUT, step: int) -> list[Loss] | None:
+        """Read one batch's loss for the loss rules at ``step``.
 
         Under ``"mean"``, the ranks' failures and stop requests are applied to ``trainer`` too.
 
@@ -124,23 +123,26 @@ class LossAgreement:
             trainer: the trainer of the batch, stopped where a rank asked to.
             outputs: what the batch's ``training_step`` returned, which holds its loss.
             step: the optimizer step the batch feeds.
-            training_alarms: the rules' state that takes the loss.
-            policy: what the alarms the loss raises do.
+
+        Returns:
+            The losses the rules take now, each with its step, after which the alarms are
+            polled (under ``"mean"`` on CUDA, the ranks' mean arrives a batch later, and a
+            batch where some ranks returned no loss adds none); ``None`` where nothing was read:
+            no loss, the rules off, or the callback disabled on every rank.
         """
         if self.reading == "own":
             loss = training_loss(trainer, outputs)
-            if loss is not None:
-                training_alarms.update_loss(loss, step=step)
-                policy.act(trainer, None, training_alarms, training_alarms.poll())
-        elif self.reading == "mean":
+            return None if loss is None else [Loss(loss, step)]
+        if self.reading == "mean":
             ranks = self._ranks
             loss = training_loss(trainer, outputs)
             flags = self._post(loss, step, failed=ranks.failed_here, stop=ranks.stop_requested)
             if flags is not None:
                 disabled = ranks.apply(trainer, step, failed=flags.failed, stopping=flags.stopping)
                 if disabled:  # the hooks are off on every rank, so skip the loss
-                    return
-            self._feed_mean(trainer, training_alarms, policy)
+                    return None
+            return self._mean_losses()
+        return None
 
     def _post(
         self, loss: torch.Tensor | None, step: int, *, failed: bool, stop: bool
@@ -167,26 +169,24 @@ class LossAgreement:
             return None
         return RankFlags(sum(s.failed for s in read), sum(s.stopping for s in read))
 
-    def _feed_mean(
-        self, trainer: TrainerView, training_alarms: TrainingAlarms, policy: AlarmPolicy
-    ) -> None:
-        """Run the loss rules on the ranks' mean loss, and act on the alarms they raise.
+    def _mean_losses(self) -> list[Loss] | None:
+        """Return the ranks' mean loss of the batches read, for the loss rules.
 
         Under manual optimization, a batch's mean is used only if every rank returned a loss.
+
+        Returns:
+            The means, each with its step; ``None`` where no batch was posted.
         """
         pending = self._pending
         self._pending = None
         if pending is None:
-            return
+            return None
         if not self._manual:
-            training_alarms.update_loss(pending.carried[0] / world_size(), step=pending.step)
-        elif self.reading == "mean":
-            for sums in pending.read:
-                if sums.with_loss == world_size():
-                    training_alarms.update_loss(
-                        torch.tensor(sums.loss / world_size()), step=sums.step
-                    )
-        policy.act(trainer, None, training_alarms, training_alarms.poll())
+            return [Loss(pending.carried[0] / world_size(), pending.step)]
+        if self.reading != "mean":
+            return []
+        everyone = [sums for sums in pending.read if sums.with_loss == world_size()]
+        return [Loss(torch.tensor(sums.loss / world_size()), sums.step) for sums in everyone]
 
     def _rules_off(self, step: int, with_loss: int) -> None:
         """Turn the loss rules off for the rest of the fit, with one warning."""
