@@ -44,7 +44,7 @@ class DeadReLUCallback(HookCallback):
     logging step also logs ``dead_relu/zero_fraction_step/{layer}``.
 
     ======================================  ===================================================
-    Tag                                     Value, over the epoch's training forwards
+    Tag                                     Value, over the epoch's logging steps' forwards
     ======================================  ===================================================
     ``dead_relu/dead_fraction/{layer}``     units that never fired / units
     ``dead_relu/dead_count/{layer}``        units that never fired

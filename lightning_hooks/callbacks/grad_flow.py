@@ -195,8 +195,8 @@ class GradFlowCallback(HookCallback):
             DeprecationWarning,
             stacklevel=2,
         )
-        alarms = self._running_alarms()
-        return None if alarms is None else alarms.policy
+        fit_alarms = self._running_alarms()
+        return None if fit_alarms is None else fit_alarms.policy
 
     @override
     def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
@@ -274,16 +274,16 @@ class GradFlowCallback(HookCallback):
             tracker.remove()
             raise
         self._fit = fit
-        alarms = fit.fit_alarms
+        fit_alarms = fit.fit_alarms
         logged: list[Logged[Any]] = [
             Logged(
                 tracker,
-                on_step=None if alarms is None else alarms.log_step,
+                on_step=None if fit_alarms is None else fit_alarms.log_step,
                 on_epoch=self._draw_pictures,
             ),
         ]
         if fit.stability_stats is not None:
-            on_step = None if alarms is None else alarms.watch_attention
+            on_step = None if fit_alarms is None else fit_alarms.watch_attention
             logged.append(Logged(fit.stability_stats, on_step=on_step))
         return Attached(
             tracker.registry,
@@ -380,9 +380,9 @@ class GradFlowCallback(HookCallback):
     @guarded
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Log the epoch's aggregates and pictures, then close the epoch for the alarms."""
-        alarms = self._running_alarms()
-        if self.lifecycle.end_epoch(trainer) and alarms is not None:  # the hooks are still on
-            alarms.end_epoch()
+        fit_alarms = self._running_alarms()
+        if self.lifecycle.end_epoch(trainer) and fit_alarms is not None:  # the hooks are still on
+            fit_alarms.end_epoch()
             save_loggers(trainer.loggers)  # what the alarms wrote of the epoch
 
 

@@ -216,6 +216,18 @@ class RowStates(ABC, Generic[R]):
                 setattr(self, spec.name, torch.cat([old, new]))
         return index
 
+    def _start_afresh(self, device: torch.device) -> None:
+        """Forget every row, state and logging step, the states emptied on ``device``.
+
+        A statistic attached to a new model starts so (:meth:`LayerStat.attach`): unlike
+        :meth:`reset`, which keeps the rows of the same model, and the host copy on its device.
+        """
+        self._epoch = None
+        self._host_copy = None
+        self._ready = []
+        self._drop_rows(device)
+        self.to(device)
+
     def _drop_rows(self, device: torch.device) -> None:
         """Forget every row, the states emptied on ``device``."""
         self.rows = {}
@@ -584,13 +596,8 @@ class LayerStat(RowStates[R], HookOwner):
         """
         check_module(type(self).__name__, "model", model)
         self.remove()
-        self._epoch = None
-        self._host_copy = None
-        self._ready = []
         params = itertools.chain(model.parameters(), model.buffers())
-        device = next((t.device for t in params), torch.device("cpu"))
-        self._drop_rows(device)
-        self.to(device)
+        self._start_afresh(next((t.device for t in params), torch.device("cpu")))
         self.registry = HookRegistry(model) if registry is None else registry
         self._snapshots = self.registry.shared.snapshots
         chosen = {name for name, _ in self.select(model)}
