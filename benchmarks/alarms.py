@@ -1,8 +1,8 @@
 """False alarms on healthy runs and detection steps on injected faults, for the gradient alarms.
 
 Every run is a small model trained in a plain loop on the CPU (seconds each). Each step's
-per-layer gradient L2 norms (before the optimizer step, the sentinel's input) and the loss are
-recorded, then replayed through :class:`~lightning_hooks.core.TrainingAlarms` under each
+per-layer gradient L2 norms (before the optimizer step, the every-step check's input) and the loss
+are recorded, then replayed through :class:`~lightning_hooks.core.TrainingAlarms` under each
 candidate rule setting: the rules are exactly the library's, and one trace serves every setting.
 Faults that need the weights (a NaN written into a weight) run live through a
 :class:`~lightning_hooks.core.GradFlowTracker` at the defaults.
@@ -173,7 +173,7 @@ def _inject_grads(run: Run, step: int, model: nn.Module) -> None:
 
 
 def record(run: Run) -> Trace:
-    """Train ``run`` and record what the sentinel reads each step."""
+    """Train ``run`` and record what the every-step check reads each step."""
     torch.manual_seed(run.seed)
     gen = torch.Generator().manual_seed(run.seed)
     model = BUILD[run.model]()
@@ -222,7 +222,7 @@ def nan_weight_live(seed: int, step: int = 20) -> list[tuple[int, str, str]]:
     with GradFlowTracker(model, [opt]) as tracker:
         feed = AlarmFeed(tracker, AlarmRules())
         for s in range(step + 3):
-            tracker.registry.logging_step = False  # the sentinel alone, as on a quiet step
+            tracker.registry.logging_step = False  # the every-step check alone, as on a quiet step
             if s == step:
                 with torch.no_grad():
                     model.net[2].weight[0, 0] = math.nan

@@ -10,8 +10,8 @@ can take), recipes (AdamW with warm-up and cosine decay to 0, RMSprop, SGD with 
 one-cycle, clipping on and off) and the families of ``benchmarks/families.py`` (byte-level
 transformers and GPTs, recurrent models, transients, small batches and fine-tuning).
 
-Each step records what the sentinel reads (per-layer gradient L2 norms and the global one, before
-clipping and the optimizer step), the training loss, the LR and the typical update (what the
+Each step records what the every-step check reads (per-layer gradient L2 norms and the global one,
+before clipping and the optimizer step), the training loss, the LR and the typical update (what the
 *stall* rule reads on logging steps), into one trace file (``--traces``); the rules are then
 replayed on the traces: ours through the real :class:`~lightning_hooks.core.TrainingAlarms`, the
 peers' re-implemented from their published sources at their defaults (see :data:`PEERS`).
@@ -943,8 +943,8 @@ def grad_norms(layout: ParamLayout) -> np.ndarray:
 
 
 def record(run: Run) -> dict[str, Any]:
-    """Train ``run`` and record what the sentinel reads each step: per-layer gradient norms (then
-    the global one) and the loss; also the weight norms, for rules that want them."""
+    """Train ``run`` and record what the every-step check reads each step: per-layer gradient norms
+    (then the global one) and the loss; also the weight norms, for rules that want them."""
     norms, weights, losses, updates, micro, stepped = [], [], [], [], [], []
     layers: list[str] = []
     last: list[torch.Tensor] | None = None
@@ -1203,8 +1203,8 @@ def _first_divergence(losses: np.ndarray) -> int | None:
 def ours(
     rules: AlarmRules, warn: tuple[str, ...] = WARNED
 ) -> Callable[[dict[str, Any]], list[int]]:
-    """This library's sentinel at ``rules``: the steps of its alarms of the ``warn`` rules (by
-    default, those that warn under ``GradFlowCallback``'s default ``on_alarm="warn"``), fed
+    """This library's every-step check at ``rules``: the steps of its alarms of the ``warn`` rules
+    (by default, those that warn under ``GradFlowCallback``'s default ``on_alarm="warn"``), fed
     as the callback feeds it: the pre-clip norms and the clip every step; on the logging steps
     (every ``LOG_EVERY``) the typical update and the learning rate, and the attention
     statistics ``StabilityStats`` measured."""
@@ -1216,8 +1216,8 @@ def ours(
 
 
 def replay_alarms(trace: dict[str, Any], rules: AlarmRules) -> list[TrainingAlarm]:
-    """Every alarm of this library's sentinel at ``rules`` on ``trace``, in order, fed as the
-    callback feeds it (see :func:`ours`); a layer no gradient reached on a step (``stepped``)
+    """Every alarm of this library's every-step check at ``rules`` on ``trace``, in order, fed as
+    the callback feeds it (see :func:`ours`); a layer no gradient reached on a step (``stepped``)
     is out of the rules that step, as the callback leaves it."""
     alarms = TrainingAlarms(trace["layers"], rules)
     now = [0]  # the step being replayed: the learning rate the callback would read at it

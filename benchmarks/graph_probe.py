@@ -1,7 +1,7 @@
-"""Would a CUDA graph make the gradient sentinel's device part cheaper?
+"""Would a CUDA graph make the every-step gradient check's device part cheaper?
 
-On a quiet step the sentinel's device work is the norm pass: ``torch._foreach_norm`` over the
-gradients, its ``stack``, and one non-blocking copy of the norms into pinned host memory
+On a quiet step the every-step check's device work is the norm pass: ``torch._foreach_norm`` over
+the gradients, its ``stack``, and one non-blocking copy of the norms into pinned host memory
 (``HostCopy.post``), then an event. Could it run as one CUDA graph? A graph reads
 fixed addresses, so it also needs the gradients where they were when it was captured: under
 Lightning's default ``zero_grad(set_to_none=True)`` each backward allocates them anew.

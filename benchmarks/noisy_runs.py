@@ -82,7 +82,7 @@ def tiny_losses(seed: int) -> list[float]:
 
 
 def fired(losses: list[float], rules: AlarmRules) -> list[int]:
-    """Steps of the real sentinel's *diverging* alarms on ``losses``."""
+    """Steps of the real every-step check's *diverging* alarms on ``losses``."""
     alarms = TrainingAlarms(["global"], rules)
     steps = []
     for step, loss in enumerate(losses):

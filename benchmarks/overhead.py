@@ -303,7 +303,7 @@ def configs(include_tutorial: bool = True) -> list[Config]:
     for every in (4, 16):
         every_n = {n: _accepted(c, {"every_n_steps": every}) for n, c in found.items()}
         out.append(Config(f"all, every {every}th step", partial(_build, found, every_n), every_n))
-    if "GradFlowCallback" in found:  # the sentinel's share: the same without alarms
+    if "GradFlowCallback" in found:  # the every-step check's share: the same without alarms
         quiet = {"alarms": False}
         out.append(
             Config(
@@ -331,7 +331,7 @@ def configs(include_tutorial: bool = True) -> list[Config]:
                 off,
             )
         )
-    # The floor of a per-step gradient sentinel: one multi-tensor read of the gradients.
+    # The floor of a per-step gradient check: one multi-tensor read of the gradients.
     out.append(Config("floor: one gradient read (_foreach_norm)", lambda: [GradientRead()]))
     # The floor of every statistic on every step: each tensor it measures read once, plus the
     # copy and the difference the exact update ratio cannot do without.

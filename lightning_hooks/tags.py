@@ -384,9 +384,9 @@ def step_tags(values: Mapping[str, float]) -> dict[str, float]:
 
 ALARM_STEP_TEXT = step_tag(ALARM_TEXT)
 """The alarms' text of each logging step: the alarms read since the last one
-(``grad_flow/alarms_step``). An epoch's last step may be a logging step, and the epoch's summary
-(:data:`ALARM_TEXT`) is written at that step: two texts under one tag at one step, TensorBoard
-would show one."""
+(``grad_flow/alarms_step``). It has its own tag because an epoch's last step may be a logging
+step, where the epoch's summary (:data:`ALARM_TEXT`) is written too, and TensorBoard shows only
+one text per tag and step."""
 
 
 def epoch_tag(tag: str) -> str | None:

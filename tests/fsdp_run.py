@@ -11,7 +11,7 @@ launch, each writing TensorBoard events under ``--out/<name>``:
 - ``hsdp``: the same on the 2-D ``(replicate=2, shard=1)`` mesh: replicas must not count twice;
 - ``clip``: gradient flow with ``accumulate_grad_batches=2`` and ``gradient_clip_val=0.5``;
 - ``skip`` and ``stop``: a NaN written into one gradient entry, which only rank 0's shard holds,
-  at step ``NAN_STEP``, with ``on_alarm="skip"`` (statistics every 4th step, the sentinel's
+  at step ``NAN_STEP``, with ``on_alarm="skip"`` (statistics every 4th step, the every-step check's
   norm-only pass between) / ``"stop"`` (every statistic at every step); each rank saves its final
   weights and ``global_step`` (``rank{r}.json``);
 - ``example``: ``examples/fsdp2.py``'s training (logs under ``--out/example/runs``);
@@ -112,10 +112,10 @@ def callbacks(run: str) -> list[pl.Callback]:
     from lightning_hooks.core import AlarmRules
 
     if run == "skip":
-        # Statistics every 4th step (0 and 4), the sentinel's norm-only pass at every other step
-        # (NAN_STEP is one of those).
-        sentinel = AlarmRules(evaluate_every_n_steps=1)
-        return [GradFlowCallback(on_alarm=run, chart=False, every_n_steps=4, alarms=sentinel)]
+        # Statistics every 4th step (0 and 4), the every-step check's norm-only pass at every other
+        # step (NAN_STEP is one of those).
+        every_step = AlarmRules(evaluate_every_n_steps=1)
+        return [GradFlowCallback(on_alarm=run, chart=False, every_n_steps=4, alarms=every_step)]
     if run == "stop":  # every statistic at every step: the NaN step is counted in grad_nonfinite
         # The gradient rules only: what is compared is the stop at the NaN's step.
         rules = AlarmRules(diverge_ratio=None)

@@ -120,7 +120,7 @@ def test_an_off_sample_step_dispatches_no_operation() -> None:
         assert _ops_per_step(depth, True, logging_step=False) == _ops_per_step(depth, False)
 
 
-def test_the_sentinel_is_the_norm_pass_and_one_copy_whatever_the_depth() -> None:
+def test_the_every_step_check_is_the_norm_pass_and_one_copy_whatever_the_depth() -> None:
     """Off-sample steps with the alarms on: one multi-tensor norm, a segment sum, one copy of the
     norms to the host; the rules run there."""
     extra = {
@@ -351,7 +351,7 @@ class _Chain(TinyMLP):
             self.add_module(f"layer{i}", layer)
         # The head's ReLU unit alive, and orthogonal weights keeping the gradient's scale
         # through the depth: no layer's gradient falls below the vanishing floor, and both
-        # depths take the sentinel's quiet path (one whose rules fire takes another).
+        # depths take the every-step check's quiet path (one whose rules fire takes another).
         with torch.no_grad():
             head.weight.mul_(0.1)
             head.bias.fill_(1.0)

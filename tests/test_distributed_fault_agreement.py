@@ -209,7 +209,7 @@ def test_the_loss_moves_to_the_nccl_group_device_without_a_sync(
     import torch.distributed as dist
     from torch.overrides import TorchFunctionMode
 
-    from lightning_hooks.callbacks.loss_agreement import _carry
+    from lightning_hooks.callbacks.loss_agreement import _all_reduce_loss_and_flags
     from lightning_hooks.core import transport as distributed
 
     assert distributed.group_device() == torch.device("cpu")  # no group, as gloo's
@@ -234,7 +234,7 @@ def test_the_loss_moves_to_the_nccl_group_device_without_a_sync(
 
     loss = torch.tensor(2.5, dtype=torch.bfloat16)  # on the CPU: NCCL would refuse it
     with RecordMoves():
-        carried = _carry(loss, failed=True, stop=False)
+        carried = _all_reduce_loss_and_flags(loss, failed=True, stop=False)
     # the flags, then the loss: each to cuda:3 without blocking
     assert moves == [("cuda:3", True), ("cuda:3", True)]
     assert carried.tolist() == [2.5, 1.0, 1.0, 0.0] and carried.dtype == torch.float32
@@ -246,10 +246,10 @@ def test_the_carried_loss_keeps_no_graph_alive() -> None:
     that carries it is out of autograd, so the batch's graph is freed with the batch."""
     import torch
 
-    from lightning_hooks.callbacks.loss_agreement import _carry
+    from lightning_hooks.callbacks.loss_agreement import _all_reduce_loss_and_flags
 
     weight = torch.ones(3, requires_grad=True)
     loss = (weight * 2.0).sum()
-    carried = _carry(loss, failed=False, stop=False)
+    carried = _all_reduce_loss_and_flags(loss, failed=False, stop=False)
     assert carried.grad_fn is None and not carried.requires_grad
     assert carried.tolist() == [6.0, 1.0, 0.0, 0.0]

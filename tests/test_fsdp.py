@@ -1,9 +1,9 @@
 """FSDP2 on CPU (gloo, 2 processes) against one process on the same global batches.
 
 One launch of ``tests/fsdp_run.py`` (about 30 s on 2 shared cores) serves every test here: the
-FSDP2 and HSDP fits with every statistic, accumulation with clipping, the sentinel's ``skip`` and
-``stop`` on a NaN that only one rank's shard holds, ``examples/fsdp2.py`` and the tensor-parallel
-refusal.
+FSDP2 and HSDP fits with every statistic, accumulation with clipping, the every-step check's
+``skip`` and ``stop`` on a NaN that only one rank's shard holds, ``examples/fsdp2.py`` and the
+tensor-parallel refusal.
 """
 
 from __future__ import annotations
@@ -128,9 +128,9 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         report = _report(fsdp_out, rank)
         fsdp, hsdp, skip = report["fsdp"], report["hsdp"], report["skip"]  # batches = steps
         # Per logging step, whatever the number of layers: one all_gather of every parameter's
-        # packed gradient and weight partials (which the sentinel reads too), one of the update's;
-        # each is a logging step: one all_reduce (output gradients) and one all_gather each (the
-        # accumulator, the instability statistics), one all_gather per statistic for
+        # packed gradient and weight partials (which the every-step check reads too), one of the
+        # update's; each is a logging step: one all_reduce (output gradients) and one all_gather
+        # each (the accumulator, the instability statistics), one all_gather per statistic for
         # activations (two: ActivationStatsCallback holds the activation shape too), dead units
         # and saturation; and one all_reduce of the loss (the diverging rule reads the mean
         # over ranks) at every batch, which carries GradFlowCallback's agreement of the ranks on a
@@ -138,7 +138,7 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
         # At the first logging step, each statistics callback's new rows: one all_gather_object
         # (the rows' names) each, once.
         assert fsdp["steps"] == [2 + 3 + 4 + 1 + 3 + 3] + [2 + 3 + 4 + 1 + 3] * 7
-        # The sentinel alone (off the statistics' cadence): one all_gather of the gradient
+        # The every-step check alone (off the statistics' cadence): one all_gather of the gradient
         # norms; at NAN_STEP, where it fires, one more: the weights, read only then.
         # every_n_steps=4 samples steps 0, 3, 4 and 7 (each + 3 at its logging step); + 1 each:
         # the loss.
@@ -183,8 +183,8 @@ def test_collectives_per_step_and_epoch(fsdp_out: Path) -> None:
 def test_alarm_actions_agree_across_ranks_and_with_one_process(
     action: str, fsdp_out: Path, single: tuple[Path, dict[str, Any]]
 ) -> None:
-    # The NaN is in rank 0's shard only: rank 1 acts on the same verdict because the sentinel
-    # reads the whole gradient.
+    # The NaN is in rank 0's shard only: rank 1 acts on the same verdict because the every-step
+    # check reads the whole gradient.
     ranks = [_report(fsdp_out, r)[action] for r in (0, 1)]
     reference = single[1][action]
     for got in ranks:

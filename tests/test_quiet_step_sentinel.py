@@ -1,5 +1,5 @@
-"""The quiet step's sentinel: per-parameter norms copied to the host and folded into layers there,
-against plain torch; the host copy that carries them."""
+"""The alarms' every-step check on a quiet step: per-parameter norms copied to the host and folded
+into layers there, against plain torch; the host copy that carries them."""
 
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ class TiedAutoencoder(pl.LightningModule):
 
 
 class Probe(pl.Callback):
-    """Per step, in plain torch before the sentinel reads them: each layer's gradient norm over
-    the parameters it owns, and the global norm over every distinct parameter once; at
+    """Per step, in plain torch before the every-step check reads them: each layer's gradient norm
+    over the parameters it owns, and the global norm over every distinct parameter once; at
     ``FAULT`` it multiplies ``mid``'s gradient by 1e6 first."""
 
     def __init__(self) -> None:

@@ -39,20 +39,28 @@ _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
 _ACTIONABLE = tuple(rule for rule in ALARM_RULES if rule not in NOTICES or NOTICES[rule].acts)
 # Skipping an optimizer step does not cure what these rules find.
 _NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")
-# Healthy runs also show one-step spikes and stalls (see benchmarks/divergence.py), so under
-# "warn" these are only logged. A spike that harms the optimizer also raises *explosion*, which
+# Healthy runs also show one-step spikes and stalls (see benchmarks/divergence.py), so unless
+# named these are only logged. A spike that harms the optimizer also raises *explosion*, which
 # warns.
-_LOGGED = tuple(rule for rule in _ACTIONABLE if rule in NOTICES)
+_NOTICES_LOGGED_BY_DEFAULT = tuple(rule for rule in _ACTIONABLE if rule in NOTICES)
 _SUMMARY_LINES = 100
 
 
 def check_actions(on_alarm: object) -> dict[str, Action]:
     """Read ``on_alarm`` as an action per rule.
 
-    The notices *spike* and *stall* are only logged unless ``on_alarm`` names them or is the
-    single action ``"skip"`` (skipping a spike's step is what it is for). So a single ``"stop"``
-    or ``"raise"`` never ends a run on a notice, which healthy runs show too. A rule a mapping
-    does not name warns, and a single ``"skip"`` warns for the rules skipping cannot cure.
+    | ``on_alarm``            | the alarm rules              | the notices *spike* and *stall* |
+    | ----------------------- | ---------------------------- | ------------------------------- |
+    | ``"warn"``, ``"stop"``, | that action                  | ``"log"``                       |
+    | ``"raise"``             |                              |                                 |
+    | ``"log"``               | ``"log"``                    | ``"log"``                       |
+    | ``"skip"``              | ``"skip"``, or ``"warn"``    | *spike*: ``"skip"``;            |
+    |                         | where a skip cannot cure     | *stall*: ``"warn"``             |
+    | a mapping               | as named, else ``"warn"``    | as named, else ``"log"``        |
+
+    So a single ``"stop"`` or ``"raise"`` never ends a run on a notice, which healthy runs show
+    too; skipping a spike's step is what ``"skip"`` is for. The rules a skipped step cannot cure
+    are *vanishing*, *loss_spike*, *diverging*, *stall* and *attention*.
 
     Args:
         on_alarm: one action for every rule, or a mapping of rule to action.
@@ -84,15 +92,10 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
             f"GradFlowCallback(on_alarm={on_alarm!r}): must be one of {_ACTIONS} or a mapping "
             f"{{rule: action}}, got {on_alarm!r}{hint}"
         )
-    given = dict.fromkeys(_ACTIONABLE, on_alarm) if isinstance(on_alarm, str) else on_alarm
-    if on_alarm == "skip":
-        given = {**given, **dict.fromkeys(_NOT_SKIPPABLE, "warn")}
-    if on_alarm in ("warn", "stop", "raise"):
-        given = {**given, **dict.fromkeys(_LOGGED, "log")}
-    actions: dict[str, Action] = {
-        **dict.fromkeys(_ACTIONABLE, "warn"),
-        **dict.fromkeys(_LOGGED, "log"),
-    }
+    given = _one_action_for_all(on_alarm) if isinstance(on_alarm, str) else on_alarm
+    # The defaults, which a mapping's rules replace:
+    actions: dict[str, Action] = dict.fromkeys(_ACTIONABLE, "warn")
+    actions.update(dict.fromkeys(_NOTICES_LOGGED_BY_DEFAULT, "log"))
     for rule, action in given.items():
         if rule not in _ACTIONABLE:
             raise ValueError(
@@ -107,6 +110,23 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
                 f"{allowed}, got {action!r}"
             )
         actions[rule] = action
+    return actions
+
+
+def _one_action_for_all(action: str) -> dict[str, str]:
+    """Return the action of each rule under a single ``on_alarm`` action (see the table above).
+
+    Args:
+        action: one of the actions.
+
+    Returns:
+        The action of every rule an action applies to, by rule.
+    """
+    actions = dict.fromkeys(_ACTIONABLE, action)
+    if action == "skip":
+        actions.update(dict.fromkeys(_NOT_SKIPPABLE, "warn"))
+    if action in ("warn", "stop", "raise"):
+        actions.update(dict.fromkeys(_NOTICES_LOGGED_BY_DEFAULT, "log"))
     return actions
 
 

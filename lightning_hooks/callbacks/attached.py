@@ -148,12 +148,13 @@ class Attached:
     """What one fit of a callback put on the model.
 
     Args:
-        registry: the registry of the fit's module hooks, whose gate the lifecycle sets at each
-            batch (see docs/glossary.md). ``None`` if the fit has no module hook.
+        registry: the registry of the fit's module hooks, which the lifecycle tells at each batch
+            whether it belongs to a logging step. ``None`` if the fit has no module hook.
         logged: the statistics the hooks feed, logged at each logging step and epoch end.
         aligned: the statistics whose rows the ranks align before they reduce them. Without
             it, a module that runs on only some ranks would make the reduce hang.
-        on_remove: called once when the hooks come off (the fit ended, failed, or was torn down).
+        on_remove: called once when the module hooks are removed (the fit ended, failed, or was
+            torn down).
 
     Example:
         >>> import torch
@@ -164,11 +165,11 @@ class Attached:
         >>> registry = HookRegistry(model)
         >>> tracker = DeadUnitTracker().attach(model, registry)
         >>> fit = Attached(registry, [Logged(tracker)], aligned=[tracker])
-        >>> registry.set_logging_step(True)  # a logging step: the gate opens
+        >>> registry.set_logging_step(True)  # a logging step: the module hooks go on
         >>> output = model(torch.randn(3, 4, requires_grad=True))
         >>> tracker.layers  # the ReLU ran in a training forward: its row exists
         ('1',)
-        >>> fit.remove()  # the fit ends: every hook comes off
+        >>> fit.remove()  # the fit ends: every module hook is removed
         >>> len(registry)
         0
     """
@@ -256,7 +257,7 @@ class Attached:
             stat.align_rows([rank[i] for rank in new])
 
     def remove(self) -> None:
-        """Take every hook off the model, then call ``on_remove`` (once)."""
+        """Remove every module hook from the model, then call ``on_remove`` (once)."""
         if self.registry is not None:
             self.registry.remove()
         on_remove = self._on_remove

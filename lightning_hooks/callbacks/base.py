@@ -56,7 +56,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
     ``load_state_dict``, which only holds the state until the fit attaches.
 
     Every exit of a fit (``on_train_end``, ``on_exception``, ``teardown``, a failure) takes the
-    hooks off; docs/architecture.md lists what each does.
+    module hooks; docs/architecture.md lists what each does.
 
     Example:
         >>> import pytorch_lightning as pl
@@ -235,7 +235,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
         self._release_model()
 
     def _release_model(self) -> None:
-        """Take the fit's hooks off, and drop what Lightning set on the callback for the fit.
+        """Remove the fit's module hooks, and drop what Lightning set on the callback for the fit.
 
         These are the shadows of the inherited per-batch hooks (:func:`~.trainer.skip_inherited`)
         and the model's ``log`` and ``log_dict``, which would keep the model alive.

@@ -36,15 +36,15 @@ class CheckpointSlot:
         self.kept: dict[str, Checkpointed] = {}
         """Collaborators the callback holds across fits, saved in checkpoints, by key."""
         self._pending: dict[str, Any] | None = None
-        self._earlier_layout: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+        self._upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
-    def read_earlier_layout(self, convert: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-        """Read each checkpoint through ``convert``, which reads an earlier release's layout.
+    def upgrade_old_states_with(self, upgrade: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        """Pass each checkpoint's state through ``upgrade``, which reads older releases' layouts.
 
         Args:
-            convert: returns a state in this release's layout, and one already in it as it is.
+            upgrade: returns a state in this release's layout, and one already in it as it is.
         """
-        self._earlier_layout = convert
+        self._upgrade = upgrade
 
     def keep(self, key: str, kept: Checkpointed) -> None:
         """Save ``kept``'s state in checkpoints under ``key``, from now on.
@@ -96,8 +96,8 @@ class CheckpointSlot:
         self._pending = None
         if not pending:
             return
-        convert = self._earlier_layout
-        state = dict(pending) if convert is None else convert(pending)
+        upgrade = self._upgrade
+        state = dict(pending) if upgrade is None else upgrade(pending)
         try:
             afresh = self._load_whole(attached, state)
         except (KeyError, ValueError) as err:

@@ -83,7 +83,7 @@ class FitHooks(Protocol):
         """Put the fit's hooks on the module, for the optimizers the trainer knows."""
 
     def on_train_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
-        """End the fit and take its hooks off."""
+        """End the fit and remove its module hooks."""
 
     def teardown(self, trainer: TrainerView, pl_module: nn.Module, stage: str) -> None:
         """Take the fit off the module, whatever happened before."""
@@ -516,19 +516,19 @@ class FabricRun:
             self._step_observer.on_before_optimizer_step(self.trainer, self.module, optimizer)
 
     def _start(self) -> None:
-        """Attach (again) for the optimizers known, and set the gate of the coming step."""
+        """Attach (again) for the optimizers known, and start the coming step's batch."""
         self.callback.on_train_start(self.trainer, self.module)
         self._attached = True
         self._batch_start()
 
     def _batch_start(self) -> None:
-        """Start the coming step's batch, so that the cadence gates it."""
+        """Start the coming step's batch, whose module hooks the cadence puts on or not."""
         # A batch index other than 0: Fabric has no epochs, so the cadence alone picks the steps.
         step = self.trainer.global_step
         self.callback.on_train_batch_start(self.trainer, self.module, None, step + 1)
 
     def on_after_optimizer_step(self, strategy: object, optimizer: torch.optim.Optimizer) -> None:
-        """Count an optimizer step, end its batch, and gate the next one.
+        """Count an optimizer step, end its batch, and start the next one.
 
         Fabric calls this hook after each optimizer step.
 

@@ -208,7 +208,7 @@ class FeatureMapCallback(HookCallback):
             self.lifecycle.attach(Attached(None, on_remove=self._end_fit))
 
     def _end_fit(self) -> None:
-        """Drop the fit's probe and layers when its hooks come off."""
+        """Drop the fit's probe and layers when the fit ends."""
         self._fit = None
 
     @override
@@ -324,7 +324,7 @@ class FeatureMapCallback(HookCallback):
 class _FitProbe:
     """What one fit of :class:`FeatureMapCallback` draws: its layers and its probe batch.
 
-    It is made at the fit's train start and dropped when the fit's hooks come off.
+    It is made at the fit's train start and dropped when the fit ends.
     """
 
     drawn: list[str]

@@ -15,7 +15,7 @@ class Findings:
     """Counts a callback's findings per layer in one fit, and warns of the first on each layer.
 
     Later findings (see docs/glossary.md) on the same layer are only counted, and one warning
-    sums them up when the fit's hooks come off.
+    sums them up when the fit ends.
 
     Args:
         owner: the callback's name, which begins the summary.

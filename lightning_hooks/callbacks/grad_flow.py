@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
 from lightning_hooks.core.stats.grad_flow import counts_the_model_itself, layers_of
+from lightning_hooks.core.stats.stability import Result as StabilityResult
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import save_loggers
@@ -81,10 +82,6 @@ class GradFlowCallback(HookCallback):
     ``stability/logit_logz_max/{layer}``        the same, max
     ``stability/{stat}_step/{layer}``           each of the five at each logging step
     ==========================================  ================================================
-
-    Under several processes every rank measures the same layers, and every rank runs the
-    attention and output modules in every training forward, so no collective is needed to line
-    up the layers of the ranks.
 
     Args:
         types: only modules of these types count as layers. By default any module with
@@ -180,7 +177,7 @@ class GradFlowCallback(HookCallback):
         # The alarms carry their running scales to the next fit, and through checkpoints.
         self.lifecycle.checkpoint.keep("alarms", self._alarms_across_fits)
         # Release 0.2.0 saved the tracker's state at the top of the callback's.
-        self.lifecycle.checkpoint.read_earlier_layout(_saved_by_release_0_2)
+        self.lifecycle.checkpoint.upgrade_old_states_with(_upgrade_0_2_0_state)
         self._pictures = GradFlowPictures(max_layers_logged, chart=chart, heatmap=heatmap)
         # So that a resumed fit draws the earlier epochs.
         self.lifecycle.checkpoint.keep("heatmap", self._pictures.history)
@@ -255,7 +252,7 @@ class GradFlowCallback(HookCallback):
         """Attach the tracker, the optional statistics and the alarms for one fit.
 
         The alarms start from the state the last fit left. If a step of the set-up fails, the
-        hooks already on the model come off before the error goes on to the guard.
+        module hooks already on the model are removed before the error goes on to the guard.
         """
         tracker = self._make_tracker(trainer, pl_module)
         try:
@@ -268,34 +265,43 @@ class GradFlowCallback(HookCallback):
                 gradient_histograms=_histograms(tracker) if self.histograms else None,
             )
             if fit.stability_stats is not None:
-                # On the tracker's registry, so one gate serves both and both come off together.
+                # On the tracker's registry: one switch turns both on at logging steps, and both are
+                # removed together.
                 fit.stability_stats.attach(pl_module, tracker.registry)
         except BaseException:
             tracker.remove()
             raise
         self._fit = fit
+        on_tracker_step: Callable[[TrainerView, int, LayerTable], None] | None = None
+        on_stability_step: Callable[[TrainerView, int, StabilityResult], None] | None = None
         fit_alarms = fit.fit_alarms
+        if fit_alarms is not None:
+
+            def log_alarms(trainer: TrainerView, step: int, _table: LayerTable) -> None:
+                # the alarms' counts and text, written with the tracker's values at each step
+                fit_alarms.log_step(trainer, step)
+
+            def watch_attention(_trainer: TrainerView, step: int, result: StabilityResult) -> None:
+                # each logging step's attention logits, for the attention rule
+                fit_alarms.watch_attention(step, result)
+
+            on_tracker_step = log_alarms
+            on_stability_step = watch_attention
         logged: list[Logged[Any]] = [
-            Logged(
-                tracker,
-                on_step=None if fit_alarms is None else fit_alarms.log_step,
-                on_epoch=self._draw_pictures,
-            ),
+            Logged(tracker, on_step=on_tracker_step, on_epoch=self._draw_pictures),
         ]
         if fit.stability_stats is not None:
-            on_step = None if fit_alarms is None else fit_alarms.watch_attention
-            logged.append(Logged(fit.stability_stats, on_step=on_step))
-        return Attached(
-            tracker.registry,
-            logged,
-            on_remove=self._end_fit,
-        )
+            logged.append(Logged(fit.stability_stats, on_step=on_stability_step))
+        # No ``aligned=``: the tracker's rows come from the optimizers' parameters, the same on
+        # every rank, and every rank runs the attention and output modules in every training
+        # forward, so no collective lines up the ranks' rows.
+        return Attached(tracker.registry, logged, on_remove=self._end_fit)
 
     def _make_tracker(self, trainer: TrainerView, pl_module: nn.Module) -> GradFlowTracker:
         """Build the fit's tracker for the Trainer's optimizers and gradient clipping.
 
         If no optimizer steps some layer, this warns once and names the layer. If that warning
-        is raised as an error, the tracker's hooks come off first.
+        is raised as an error, the tracker's module hooks are removed first.
         """
         tracker = GradFlowTracker(
             pl_module,
@@ -354,7 +360,7 @@ class GradFlowCallback(HookCallback):
     def on_train_batch_start(
         self, trainer: TrainerView, pl_module: nn.Module, batch: Any, batch_idx: int
     ) -> None:
-        """Open the hooks' gate where the batch belongs to a logging step."""
+        """Put the module hooks on the model if the batch belongs to a logging step."""
         self.lifecycle.start_batch(trainer, batch_idx)
 
     @override
@@ -381,7 +387,7 @@ class GradFlowCallback(HookCallback):
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Log the epoch's aggregates and pictures, then close the epoch for the alarms."""
         fit_alarms = self._running_alarms()
-        if self.lifecycle.end_epoch(trainer) and fit_alarms is not None:  # the hooks are still on
+        if self.lifecycle.end_epoch(trainer) and fit_alarms is not None:  # still attached
             fit_alarms.end_epoch()
             save_loggers(trainer.loggers)  # what the alarms wrote of the epoch
 
@@ -401,7 +407,7 @@ def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | Non
 class _Fit:
     """Measures one fit of :class:`GradFlowCallback`, and passes its alarms what they read.
 
-    It is made at the fit's train start and dropped when the fit's hooks come off. The
+    It is made at the fit's train start and dropped when the fit ends. The
     callback's hooks call :meth:`observe` and :meth:`end_batch`.
     """
 
@@ -418,7 +424,9 @@ class _Fit:
         """
         scaler = enabled_grad_scaler(trainer)
         scale = None if scaler is None else internals.grad_scaler_scale(scaler)  # no host sync
-        # Lightning does not unscale for optimizers that unscale inside their step (fused).
+        # Lightning calls ``scaler.unscale_`` before this hook, except for fused optimizers,
+        # which unscale inside their ``step()``: their ``.grad`` still carries the loss scale,
+        # which the measurements divide out themselves.
         fused = scale is not None and internals.steps_unscale_themselves(optimizer)
         param_grad_scale = scale if fused else None
         measured = self.tracker.observe(
@@ -444,7 +452,7 @@ _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")
 """The keys of the tracker's state that release 0.2.0 saved at the top of the callback's state."""
 
 
-def _saved_by_release_0_2(state: dict[str, Any]) -> dict[str, Any]:
+def _upgrade_0_2_0_state(state: dict[str, Any]) -> dict[str, Any]:
     """Read a checkpoint's state in this release's layout; one already in it comes back as is.
 
     Release 0.2.0 saved the tracker's state at the top level, and the state of the instability

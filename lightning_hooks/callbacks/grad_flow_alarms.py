@@ -21,7 +21,7 @@ from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
 from lightning_hooks.callbacks.loss_agreement import LossAgreement
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView, gradient_clipping
-from lightning_hooks.core import GradFlowTracker, LayerTable
+from lightning_hooks.core import GradFlowTracker
 from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarms
 from lightning_hooks.core.stats.alarm_feed import AlarmFeed, Measured
 from lightning_hooks.core.stats.stability import Result as StabilityResult
@@ -35,7 +35,7 @@ class FitAlarms:
     """Runs the alarms of one fit: feeds them, acts on what they find, and logs them.
 
     :meth:`GradFlowAlarms.start` makes it at the fit's train start; the fit holds it, and hands
-    it to :meth:`GradFlowAlarms.end` when its hooks come off.
+    it to :meth:`GradFlowAlarms.end` when its module hooks are removed.
     """
 
     trainer: TrainerView
@@ -94,26 +94,19 @@ class FitAlarms:
             self.training_alarms.update_loss(loss.value, step=loss.step)
         self.policy.act(self.trainer, None, self.training_alarms, self.training_alarms.poll())
 
-    def log_step(self, trainer: TrainerView, step: int, table: LayerTable) -> None:
+    def log_step(self, trainer: TrainerView, step: int) -> None:
         """Log the alarm counts and text gathered since the last logging step, at ``step``.
-
-        The tracker's ``Logged`` calls it at each logging step, with the step's table, which the
-        alarms do not need.
 
         Args:
             trainer: the trainer whose loggers are written to.
             step: the logging step.
-            table: the tracker's result of the logging step, unread.
         """
         self.policy.log.log_step(trainer, self.training_alarms, step)
 
-    def watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
+    def watch_attention(self, step: int, result: StabilityResult) -> None:
         """Pass a logging step's attention logits and entropies to the attention rule.
 
-        It reads the instability statistics' logging steps (a ``Logged`` reader).
-
         Args:
-            trainer: the trainer of the step, unread (the fit's alarms hold theirs).
             step: the logging step.
             result: the step's instability statistics.
         """
@@ -214,7 +207,7 @@ class GradFlowAlarms:
         """Keep an ending fit's state for the next fit; warn if an alarm's stop ended the fit.
 
         Args:
-            fit_alarms: the alarms of the fit whose hooks come off.
+            fit_alarms: the alarms of the fit that ends.
         """
         self._state = fit_alarms.training_alarms.state_dict()
         fit_alarms.announce_stop()

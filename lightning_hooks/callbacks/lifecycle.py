@@ -1,10 +1,10 @@
 """The lifecycle every callback shares: one fit at a time, under a guard, at the logging steps.
 
 A callback holds one :class:`Lifecycle` and calls it from its Lightning hooks by name, as
-Lightning's ``ThroughputMonitor`` calls its ``Throughput``. The lifecycle calls no method of the
-callback's class: what a callback measures, it attaches in its own hooks, and the only functions
-of the callback the lifecycle runs are those it was handed with them (the readers of each
-statistic's results, and what runs when the hooks come off).
+Lightning's ``ThroughputMonitor`` calls its ``Throughput``. The lifecycle never calls the
+callback's methods. It calls only the functions passed in the callback's
+:class:`~.attached.Attached`: each ``Logged``'s ``on_step`` and ``on_epoch``, and
+``Attached.on_remove``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class FitState:
     """Whether the callback watches the model in this fit. It does not where the model has
     nothing to watch, or where a callback the user passed already watches it."""
     attached: Attached | None = None
-    """What the fit put on the model, from its train start until its hooks come off."""
+    """What the fit put on the model, from its train start until its module hooks are removed."""
     measuring: bool = False
     """Whether the running batch belongs to a logging step that the fit measures."""
 
@@ -53,13 +53,13 @@ class Lifecycle:
     - ``on_fit_start``: the callback checks the model, and sets :attr:`watching` to ``False``
       where there is nothing to watch.
     - ``on_train_start``: :meth:`start_training`, then, where it returns ``True``, the callback
-      puts its hooks on the model and hands them to :meth:`attach`.
+      registers its module hooks and hands them to :meth:`attach`.
     - ``on_train_batch_start``: :meth:`start_batch`, which says whether the batch is measured.
     - ``on_train_batch_end``: :meth:`end_batch`, which writes a logging step once its optimizer
       step has run.
     - ``on_train_epoch_end``: :meth:`end_epoch`, which writes each statistic's epoch.
     - ``on_train_end``, ``on_exception`` and ``teardown``: :meth:`end_training`, :meth:`flush`
-      and :meth:`remove_hooks`, which take the hooks off.
+      and :meth:`remove_hooks`, which remove the module hooks.
     - ``state_dict`` and ``load_state_dict``: :meth:`state_dict` and :attr:`checkpoint`.
 
     Args:
@@ -184,13 +184,14 @@ class Lifecycle:
             batch_idx: the batch's index in its epoch.
 
         Returns:
-            Whether the batch is measured: it belongs to a logging step and the hooks are on.
+            Whether the batch is measured: it belongs to a logging step and the fit's module
+            hooks are on the model.
         """
         logging_step = self.cadence.start_batch(trainer, batch_idx)
         attached = self._state.attached
         if attached is not None:
             attached.write_arrived_steps(trainer)  # on CUDA, the last logging step's copy
-        self._set_gate(logging_step)
+        self._hooks_for_logging_step(logging_step)
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
         self._state.measuring = logging_step and attached is not None
         if self._state.measuring:
@@ -201,8 +202,8 @@ class Lifecycle:
         """End a batch, and write its logging step if its optimizer step has run.
 
         The ranks agree first; on a failure the callback is disabled on every rank and nothing
-        is written. The module hooks then close unless the next step is a logging step too, so
-        a step that is not a logging step runs none of the library's hooks.
+        is written. The module hooks are then removed unless the next step is a logging step
+        too, so a step that is not a logging step runs none of the library's module hooks.
 
         Args:
             trainer: the trainer running the batch, whose loggers get the logging step.
@@ -215,15 +216,16 @@ class Lifecycle:
         if self.guard.failed is not None:
             return
         attached.end_logging_step(trainer, step)
-        self._set_gate(self.cadence.logs(trainer, trainer.global_step))
+        self._hooks_for_logging_step(self.cadence.logs(trainer, trainer.global_step))
 
-    def _set_gate(self, logging_step: bool) -> None:
-        """Open the gate for a logging step, else close it (see docs/glossary.md).
+    def _hooks_for_logging_step(self, logging_step: bool) -> None:
+        """Put the fit's gated module hooks on the model for a logging step, else remove them.
 
-        It is set only when its value changes, so a step that is not a logging step only reads it.
+        The registry is told only when the answer changes, so a step that is not a logging step
+        after another one only reads a flag.
         """
         attached = self._state.attached
-        registry = None if attached is None else attached.registry  # it holds the gate
+        registry = None if attached is None else attached.registry
         if registry is not None and registry.logging_step != logging_step:
             registry.set_logging_step(logging_step)
 
@@ -234,12 +236,13 @@ class Lifecycle:
             trainer: the trainer ending the epoch, whose loggers get its values.
 
         Returns:
-            Whether the hooks are still on, so that the callback closes its epoch too. It then
-            saves the loggers again after what it writes.
+            Whether the fit is still attached (its module hooks on the model), so that the
+            callback closes its epoch too. It then saves the loggers again after what it
+            writes.
         """
         self.ranks.agree(trainer, trainer.global_step, self._state.attached, always=True)
         self.cadence.end_epoch()
-        attached = self._state.attached  # a failure the ranks agreed on takes it off
+        attached = self._state.attached  # a failure the ranks agreed on removes it
         if attached is not None:
             attached.write_steps(trainer, wait=True)
             attached.write_epoch(trainer)  # each statistic's epoch, then the next one starts
@@ -247,7 +250,7 @@ class Lifecycle:
         return attached is not None
 
     def end_training(self, trainer: TrainerView) -> None:
-        """End the fit's training, and take the hooks off.
+        """End the fit's training, and remove its module hooks.
 
         What is still pending is written (a Fabric loop may end without an epoch end before
         it) and the loggers are saved (:meth:`flush`); then the ranks agree on a failure after

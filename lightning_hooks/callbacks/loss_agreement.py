@@ -61,12 +61,15 @@ class Loss(NamedTuple):
     step: int
 
 
-class _Pending(NamedTuple):
-    """What :meth:`LossAgreement._mean_losses` hands the loss rules."""
+class _Exchanged(NamedTuple):
+    """One batch's exchange, which :meth:`LossAgreement._mean_losses` turns into losses."""
 
-    carried: torch.Tensor  # the batch's sums, left on the device unread
+    device_sums: torch.Tensor
+    """This batch's sums over the ranks, left on the device unread."""
     step: int
-    read: list[_Sums]
+    """The optimizer step the batch feeds."""
+    host_sums: list[_Sums]
+    """The sums that have reached the host: on CUDA the previous batch's, else this one's."""
 
 
 class LossAgreement:
@@ -95,9 +98,9 @@ class LossAgreement:
         self, ranks: RankAgreement, pl_module: nn.Module, rules: AlarmRules | None
     ) -> None:
         self._ranks = ranks
-        self._carrier: HostCopy | None = None
+        self._sums_to_host: HostCopy | None = None
         self._manual = False
-        self._pending: _Pending | None = None
+        self._exchanged: _Exchanged | None = None
         self.reading: Literal["own", "mean", "off"] = "off"
         """How this fit reads the loss: ``"off"`` (no loss rule), ``"own"`` (one process) or
         ``"mean"``. Under manual optimization it turns ``"off"`` at the first batch where some
@@ -112,7 +115,7 @@ class LossAgreement:
         # treated like manual optimization.
         fabric = is_set_up_by_fabric(pl_module)
         self._manual = fabric or not getattr(pl_module, "automatic_optimization", False)
-        self._carrier = HostCopy((4,), group_device())
+        self._sums_to_host = HostCopy((4,), group_device())
 
     def losses(self, trainer: TrainerView, outputs: STEP_OUTPUT, step: int) -> list[Loss] | None:
         """Read one batch's loss for the loss rules at ``step``.
@@ -136,32 +139,32 @@ class LossAgreement:
         if self.reading == "mean":
             ranks = self._ranks
             loss = training_loss(trainer, outputs)
-            flags = self._post(loss, step, failed=ranks.failed_here, stop=ranks.stop_requested)
+            flags = self._exchange(loss, step, failed=ranks.failed_here, stop=ranks.stop_requested)
             if flags is not None:
                 disabled = ranks.apply(trainer, step, failed=flags.failed, stopping=flags.stopping)
-                if disabled:  # the hooks are off on every rank, so skip the loss
+                if disabled:  # the module hooks are removed on every rank, so skip the loss
                     return None
             return self._mean_losses()
         return None
 
-    def _post(
+    def _exchange(
         self, loss: torch.Tensor | None, step: int, *, failed: bool, stop: bool
     ) -> RankFlags | None:
-        """Send the loss and the two flags to the batch's ``all_reduce``.
+        """Sum the loss and the two flags over the ranks in the batch's ``all_reduce``.
 
         Returns:
             The ranks' summed flags once the result is read on the host (on CUDA, one batch
             later), else ``None``.
         """
-        carrier = self._carrier
-        if carrier is None:  # the loss rules are off
+        sums_to_host = self._sums_to_host
+        if sums_to_host is None:  # the loss rules are off
             return None
-        read = _read_sums(carrier)  # on CUDA, the previous batch's collective
-        carried = _carry(loss, failed, stop)
-        carrier.post(carried, meta=step)
-        if carried.device.type != "cuda":
-            read += _read_sums(carrier)  # off CUDA it has finished, so read this batch's
-        self._pending = _Pending(carried, step, read)
+        read = _read_sums(sums_to_host)  # on CUDA, the previous batch's collective
+        device_sums = _all_reduce_loss_and_flags(loss, failed, stop)
+        sums_to_host.post(device_sums, meta=step)
+        if device_sums.device.type != "cuda":
+            read += _read_sums(sums_to_host)  # off CUDA it has finished, so read this batch's
+        self._exchanged = _Exchanged(device_sums, step, read)
         disagree = [sums for sums in read if 0 < sums.with_loss < world_size()]
         if self._manual and disagree:  # decide on the host, before anything that may raise
             self._rules_off(disagree[0].step, disagree[0].with_loss)
@@ -177,21 +180,25 @@ class LossAgreement:
         Returns:
             The means, each with its step; ``None`` where no batch was posted.
         """
-        pending = self._pending
-        self._pending = None
-        if pending is None:
+        exchanged = self._exchanged
+        self._exchanged = None
+        if exchanged is None:
             return None
         if not self._manual:
-            return [Loss(pending.carried[0] / world_size(), pending.step)]
+            # Automatic optimization: every rank returned a loss, so this batch's mean is
+            # taken from its sum on the device, with no host sync.
+            return [Loss(exchanged.device_sums[0] / world_size(), exchanged.step)]
         if self.reading != "mean":
             return []
-        everyone = [sums for sums in pending.read if sums.with_loss == world_size()]
+        # Manual optimization (or Fabric): only the batches whose sums have reached the host
+        # (on CUDA a batch late), and only where every rank returned a loss.
+        everyone = [sums for sums in exchanged.host_sums if sums.with_loss == world_size()]
         return [Loss(torch.tensor(sums.loss / world_size()), sums.step) for sums in everyone]
 
     def _rules_off(self, step: int, with_loss: int) -> None:
         """Turn the loss rules off for the rest of the fit, with one warning."""
         self.reading = "off"
-        self._carrier = None
+        self._sums_to_host = None
         rank_zero_warn(
             "GradFlowCallback: the loss rules (diverging, loss_spike) are off from step "
             f"{step} on: under manual optimization {with_loss} of {world_size()} ranks' "
@@ -203,16 +210,16 @@ class LossAgreement:
         )
 
 
-def _read_sums(carrier: HostCopy) -> list[_Sums]:
-    """Read the last collective posted to ``carrier``, waiting; empty if none since the last."""
-    got = carrier.read(wait=True)
+def _read_sums(sums_to_host: HostCopy) -> list[_Sums]:
+    """Read the last collective posted to ``sums_to_host``, waiting; empty if none since."""
+    got = sums_to_host.read(wait=True)
     if got is None:
         return []
     values, step = got
     return [_Sums.of(values, step)]
 
 
-def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
+def _all_reduce_loss_and_flags(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
     """Sum this rank's loss and flags over the ranks, in one ``all_reduce``.
 
     Returns:
@@ -220,10 +227,10 @@ def _carry(loss: torch.Tensor | None, failed: bool, stop: bool) -> torch.Tensor:
         loss is moved there without a host sync).
     """
     flags = [0.0, float(loss is not None), float(failed), float(stop)]
-    carried = torch.tensor(flags, dtype=torch.float32).to(device=group_device(), non_blocking=True)
+    sums = torch.tensor(flags, dtype=torch.float32).to(device=group_device(), non_blocking=True)
     if loss is not None:
-        carried[:1].copy_(to_group_device(loss).reshape(1))
-    return all_reduce_sum_(carried)
+        sums[:1].copy_(to_group_device(loss).reshape(1))
+    return all_reduce_sum_(sums)
 
 
 def training_loss(trainer: TrainerView, outputs: STEP_OUTPUT) -> torch.Tensor | None:

@@ -32,7 +32,7 @@ class RankAgreement:
 
     Args:
         guard: the guard of the fit; each fit has its own, and its own agreement.
-        remove_hooks: takes the callback's hooks off the model once it is disabled.
+        remove_hooks: removes the callback's module hooks once it is disabled.
 
     Example:
         >>> guard = Guard("Cb", strict=False)

@@ -137,7 +137,7 @@ class SaturationCallback(HookCallback):
     def on_train_batch_start(
         self, trainer: TrainerView, pl_module: nn.Module, batch: Any, batch_idx: int
     ) -> None:
-        """Open the hooks' gate where the batch belongs to a logging step."""
+        """Put the module hooks on the model if the batch belongs to a logging step."""
         self.lifecycle.start_batch(trainer, batch_idx)
 
     @override

@@ -67,7 +67,7 @@ def attach_stats(
         model: the model the hooks are put on.
         guard: the guard of the callback's hooks (see docs/glossary.md).
         logged: each :class:`~.stat.LayerStat` with the functions that read its results.
-        on_remove: called once when the hooks come off.
+        on_remove: called once when the module hooks are removed.
 
     Returns:
         What the fit attached. Every statistic's rows are aligned across ranks, because a

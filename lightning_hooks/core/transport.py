@@ -85,7 +85,8 @@ class HostCopy:
     def reserve(self, shape: tuple[int, ...]) -> HostSlot:
         """Return the host views for values of ``shape``, made once.
 
-        Reserve ahead: a post makes none.
+        A caller reserves its shapes ahead, so that :meth:`post` never allocates. If the buffer
+        must grow, a value posted and not yet read stays in the old buffer until it is read.
 
         Args:
             shape: the shape of the values to be posted.
@@ -154,6 +155,8 @@ class HostCopy:
 
 
 _ROW_SPACE = 1 << 24
+"""A :class:`FirstNonFinite` mark packs a step and a row into one integer,
+``step * _ROW_SPACE + row`` (``-1``: none yet), so one device write records both."""
 
 
 def _code(got: tuple[np.ndarray, Any] | None) -> int:
@@ -210,11 +213,13 @@ class FirstNonFinite:
         Returns:
             The ``(step, row)`` of the first mark that has reached the host, or ``None``.
         """
-        box = self._host_copy
-        code = _code(box.read(wait=False))
-        if code < 0 and not box.pending:
-            box.post(self.code)  # on the CPU the copy is the read
-            code = -1 if self.device.type == "cuda" else _code(box.read(wait=False))
+        host_copy = self._host_copy
+        code = _code(host_copy.read(wait=False))
+        if code < 0 and not host_copy.pending:
+            # Nothing has arrived and no copy is on its way: start one (on the CPU it is read
+            # at once; on CUDA at a later poll).
+            host_copy.post(self.code)
+            code = -1 if self.device.type == "cuda" else _code(host_copy.read(wait=False))
         return divmod(code, _ROW_SPACE) if code >= 0 else None
 
     def take(self) -> tuple[int, int] | None:

@@ -1,4 +1,4 @@
-"""The every-step sentinel: the alarm rules, their defaults, state, messages and advice."""
+"""The every-step check: the alarm rules, their defaults, state, messages and advice."""
 
 from lightning_hooks.core.alarms.gradients import HostSegments
 from lightning_hooks.core.alarms.messages import TrainingAlarm

@@ -132,7 +132,7 @@ class LossLevels:
         relative = sigma / abs(self.level) if self.level else 0.0
         return min(max(float(span), (relative / _LEVEL_NOISE) ** 2), _LEVEL_SPAN_MAX)
 
-    def rise(self, x: float, span: int) -> None:
+    def update_short_mean(self, x: float, span: int) -> None:
         """Fold the finite loss ``x`` into the short running mean (the rules then judge it).
 
         Args:
@@ -150,7 +150,7 @@ class LossLevels:
             return
         self.mean += (x - self.mean) * max(2.0 / (span + 1), 1.0 / n)
 
-    def settle(self, x: float, span: int, history: int) -> None:
+    def update_baseline(self, x: float, span: int, history: int) -> None:
         """Fold the judged loss ``x`` into the jitter, the level, the best and the start.
 
         Not while a setback is open: a blow-up is not the run's noise, and the bar holds still.
@@ -201,7 +201,25 @@ class LossRules:
 
     They are evaluated on the host when its non-blocking copy is read.
 
-    *diverging* is a small state machine over the short running mean of the loss:
+    *diverging* is a small state machine over the short running mean of the loss (the *bar*
+    is :meth:`_bar`; a *setback* is logged, a *diverging* is warned):
+
+    ```text
+    from       when                                               to
+    healthy    the running mean passes the bar                    setback (logged)
+    setback    the running mean is back under the bar             healthy (logged: recovered)
+    setback    a whole step's mean loss is back under the bar     setback, its count restarted
+    setback    diverge_patience steps in a row over the bar,      diverging (warned)
+               or the loss past diverge_lost x the run's start
+    diverging  the running mean is back under the bar             healthy
+    any        a loss that is not finite                          diverging (warned)
+    ```
+
+    Once the run has learnt, a step back under the bar after one or two outlier steps holds
+    their echo: for a while, the rise that follows counts toward nothing (**Outlier held**,
+    below).
+
+    In words:
 
     - **Healthy.** The running mean is under the bar: a rise over the best by
       ``diverge_ratio - 1`` of it, by ``diverge_giveback`` of what the run had learnt, and by
@@ -210,8 +228,9 @@ class LossRules:
 
       - back to *healthy* when the running mean falls under the bar first (logged as
         recovered);
-      - back to *healthy* when one optimizer step's mean loss is back under the bar: the count
-        starts again, since the running mean remembers a bad batch for a few steps;
+      - still a setback, its count of steps over the bar started again, when one optimizer
+        step's mean loss is back under the bar: the running mean remembers a bad batch for a few
+        steps, the step's own mean does not;
       - to *diverging* (a warning) when ``diverge_patience`` optimizer steps in a row have a
         mean loss over the bar themselves;
       - to *diverging* when the loss passes ``diverge_lost`` times where the run started. The
@@ -220,6 +239,9 @@ class LossRules:
         ``diverge_patience`` outlier steps cannot move;
       - to *diverging* at once when the loss is not finite.
 
+    - **Diverging** (warned at its confirmation; the alarm is raised again at each loss over
+      the bar while it holds). Back to *healthy*, with no notice, when the running mean falls
+      under the bar.
     - **Outlier held.** Once the run has learnt, a step back under the bar after one or two
       steps over it marks an outlier batch the run came back from; so does a step still over
       the bar that fell back under half the outlier steps' mean loss and under the run's start.
@@ -266,13 +288,13 @@ class LossRules:
         ``diverge_lost``."""
         self._trail: deque[tuple[int, float]] = deque(maxlen=rules.history)
         self._echo: _Echo | None = None
-        """The echo of an outlier batch held (:meth:`_count`)."""
+        """The echo of an outlier batch held (:meth:`_count_toward_patience`)."""
         self._peak = _Peak(-1, -math.inf)
         self._start = math.nan  # the first optimizer step's mean loss
         self.adaptive = False
         """The optimizer keeps a second moment: its first ``diverge_early`` losses are held to
         the ``diverge_overshoot`` bar (:meth:`TrainingAlarms.set_adaptive`)."""
-        self._box = HostCopy((1,), device)
+        self._host_copy = HostCopy((1,), device)
 
     @property
     def seen(self) -> int:
@@ -307,7 +329,7 @@ class LossRules:
         """
         # float32 on the device first: a non-blocking copy to the host does not convert
         value = loss if loss.dtype == torch.float32 else loss.float()
-        self._box.post(value, step)  # under no_grad: the copy records no graph
+        self._host_copy.post(value, step)  # under no_grad: the copy records no graph
 
     def read(self, wait: bool) -> LossVerdict | None:
         """Evaluate the posted loss once its copy is read.
@@ -318,7 +340,7 @@ class LossRules:
         Returns:
             Its step and alarms, if any; else ``None`` (also while the copy is not read).
         """
-        got = self._box.read(wait)
+        got = self._host_copy.read(wait)
         if got is None:
             return None
         value, step = got
@@ -365,7 +387,7 @@ class LossRules:
         levels = self.levels
         if not math.isfinite(x):
             return self._confirm(step, x, "the loss is not finite")
-        levels.rise(x, self._span())
+        levels.update_short_mean(x, self._span())
         self._group.total += x
         if self._group.losses == self.per_step:  # the step's last loss: its mean is known
             self._close_step(step, self._group.total / self._group.losses)
@@ -377,7 +399,7 @@ class LossRules:
             self._over_the_bar(x, step, bar, self._step_mean()) if over else self._recover(step)
         )
         if self.setback is None:
-            levels.settle(x, self._span(), rules.min_history)
+            levels.update_baseline(x, self._span(), rules.min_history)
         else:  # the last loss is still the run's: the next jitter is measured from it
             levels.last = x
         return alarms
@@ -421,7 +443,7 @@ class LossRules:
 
         A completed step under the bar starts the count again: the run came back, and what the
         running mean still remembers is the bad steps before, one or two outlier batches. Once
-        the run has learnt, the outlier's echo is then held (:meth:`_count`).
+        the run has learnt, the outlier's echo is then held (:meth:`_count_toward_patience`).
 
         Args:
             x: the loss.
@@ -442,11 +464,11 @@ class LossRules:
             setback = Setback(step, levels.best, levels.mean)
             self.setback = setback
             opened = [setback_opened(step, setback, levels.mean, levels.first, rules)]
-        echo = self._count(setback, step, bar, mean)
+        echo_held = self._count_toward_patience(setback, step, bar, mean)
         setback.peak = max(setback.peak, levels.mean)
         if setback.confirmed:
             return [self._diverging_alarm(step, x, "it holds")]
-        if echo:
+        if echo_held:
             return opened
         if setback.steps >= rules.diverge_patience:
             why = (
@@ -470,7 +492,9 @@ class LossRules:
             return opened + self._confirm(step, x, why)
         return opened
 
-    def _count(self, setback: Setback, step: int, bar: float, mean: float | None) -> bool:
+    def _count_toward_patience(
+        self, setback: Setback, step: int, bar: float, mean: float | None
+    ) -> bool:
         """Count the step just completed toward the setback; return whether an echo holds.
 
         A step over the bar counts, one under it starts the count again. A run that has learnt

@@ -109,41 +109,38 @@ class AlarmRules:
             ...``; ``every_n_steps=`` is still taken here, with a ``DeprecationWarning``.
         loss_factor: *loss_spike*: the training loss exceeds this many times its running scale
             (and ``spike_sigmas`` spreads above it); off by default.
-        diverge_ratio: *setback*, then *diverging*: the short running mean of the training
-            loss (an EMA over ``diverge_span`` optimizer steps' losses) has risen above its
-            best level so far by ``diverge_ratio - 1`` times the best's magnitude ... (a
-            non-finite loss always fires). The best is the lowest of a running level that
-            lengthens with the loss's noise, so a lucky micro-batch is not a best. Must be > 1.
-        diverge_giveback: ... and has given back at least this fraction of what it had learnt
-            (the run's start, the mean of its first ``min_history`` losses, minus the best) ...
-        diverge_noise: ... and the rise clears that bar by this many standard deviations of
+        diverge_ratio: *setback*, then *diverging*, on the training loss. A setback opens when
+            the loss's short running mean (an EMA over ``diverge_span`` optimizer steps' losses)
+            rises above its best level so far by ``(diverge_ratio - 1) x |best|``, and by the
+            two margins below. The best is the lowest of a running level that lengthens with
+            the loss's noise, so a lucky micro-batch is not a best. A setback is logged with
+            its step, never warned, and acted on by no ``on_alarm``; a loss that is not finite
+            is *diverging* at once. Must be > 1.
+        diverge_giveback: the rise must also give back at least this fraction of what the run
+            had learnt: its start (the mean of its first ``min_history`` losses) minus its best.
+        diverge_noise: the rise must also clear that bar by this many standard deviations of
             the short running mean's own noise, measured from one loss to the next (a trend
-            does not count as noise); 0 turns the noise bar off. Such a rise is a *setback*:
-            logged with its step, never warned, acted on by no ``on_alarm``.
-        diverge_span: span, in optimizer steps, of the loss's short running mean. Under
+            does not count as noise). 0 turns this margin off.
+        diverge_span: the span, in optimizer steps, of the loss's short running mean. Under
             gradient accumulation the callback reads every micro-batch's loss: the span is this
             many steps of them.
-        diverge_early: the first this many optimizer steps of an adaptive optimizer (its first
-            updates overshoot) are held to the bar ``diverge_overshoot`` x the best
-            (>= ``diverge_ratio``).
-        diverge_overshoot: see ``diverge_early``.
+        diverge_early: the first this many optimizer steps of an adaptive optimizer (whose
+            first updates overshoot) are held to the bar ``diverge_overshoot`` x the best
+            instead of ``diverge_ratio`` x the best.
+        diverge_overshoot: the bar of ``diverge_early``'s first steps (>= ``diverge_ratio``).
         diverge_patience: a setback is confirmed as *diverging* (which warns, stops or raises
-            under ``on_alarm``) once this many of its optimizer steps in a row have a mean loss
-            over the bar themselves, not only the running mean that remembers an earlier one (1:
-            at once; a step back under the bar starts the count again); one step's
-            micro-batches, read at the same weights, count once ...
-        diverge_lost: ... or when the loss is above this many times the run's start (beyond
-            the noise bar; once ``min_history`` losses are in): its running mean, or, once the
-            run's best is under half its start, the median loss of the last
-            ``2 * diverge_patience - 1`` optimizer steps (one or two outlier batches cannot
-            move it, where the running mean remembers them); or the loss is not finite. A
-            setback that falls back before either is logged as recovered. Must be > 0.
-            Once the run has learnt, a setback whose step loss comes back under the bar after
-            fewer than ``diverge_patience`` steps over it (one or two outlier batches) is held
-            for ``diverge_patience * diverge_span`` optimizer steps after it came back: the
-            rise that follows, which an optimizer with momentum carries on for a while, is
-            the outlier's echo and confirms nothing (neither by patience nor by the median)
-            unless a step's mean loss passes the outlier steps' own or the loss is not finite.
+            under ``on_alarm``) once this many of its optimizer steps in a row have a mean
+            loss over the bar themselves, not only the running mean that remembers an earlier
+            one. 1 confirms at once. A step back under the bar starts the count again; the
+            micro-batches of one step, read at the same weights, count once.
+        diverge_lost: a setback is also confirmed as *diverging* once the loss is above this
+            many times the run's start (plus the noise margin; once ``min_history`` losses are
+            in). The loss compared is the running mean, or, once the run's best is under half
+            its start, the median loss of the last ``2 * diverge_patience - 1`` optimizer
+            steps, which one or two outlier batches cannot move. A setback that falls back
+            under the bar before it is confirmed is logged as recovered. Must be > 0. After
+            one or two outlier batches, the rise that follows is held as their echo and
+            confirms nothing for a while (``LossRules`` explains the hold).
         stall_factor: *stall*: on a logging step, the median ``|w_after - w_before| / lr`` over
             a sample of each tensor's entries with a non-zero gradient fell this many times
             below its running level. Adaptive optimizers only; not evaluated while the learning

@@ -27,15 +27,16 @@ class Setback:
     best: float
     """The best level when it opened."""
     peak: float
-    """The highest running mean so far."""
+    """The highest short running mean of the loss since it opened."""
     steps: int = 0
     """Its optimizer steps whose mean loss is over the bar itself (not only the running mean,
     which remembers an earlier loss); with one loss a step, its losses over the bar."""
     confirmed: bool = False
     """Confirmed as a divergence: *diverging* warns while it holds."""
     jump: float = -math.inf
-    """The highest mean loss of its steps over the bar counted so far: an outlier batch's own,
-    which the echo that follows it does not pass."""
+    """The highest single step's mean loss among its steps counted over the bar: an outlier
+    batch's own loss, which the echo that follows it does not pass (unlike :attr:`peak`, a
+    step's own mean, not the running mean)."""
 
 
 def setback_opened(

@@ -106,7 +106,7 @@ class StallRule:
     def __init__(self, rules: AlarmRules, device: torch.device) -> None:
         self.rules = rules
         self.state = StallState()
-        self._box = HostCopy((1,), device)
+        self._host_copy = HostCopy((1,), device)
         self.peak_lr = 0.0
         """The largest learning rate seen so far."""
 
@@ -138,7 +138,7 @@ class StallRule:
             step: the optimizer step, quoted by the alarm.
             loss: how far the loss has come at this step (``None``: the update alone decides).
         """
-        self._box.post(update.detach().reshape(1).float(), (step, lr, loss))
+        self._host_copy.post(update.detach().reshape(1).float(), (step, lr, loss))
 
     def read(self, wait: bool) -> TrainingAlarm | None:
         """Evaluate the posted update once its copy is read.
@@ -149,7 +149,7 @@ class StallRule:
         Returns:
             The alarm if the rule fired, else ``None`` (also while the copy is not read).
         """
-        got = self._box.read(wait)
+        got = self._host_copy.read(wait)
         if got is None:
             return None
         value, (step, lr, loss) = got

@@ -166,7 +166,7 @@ class TrainingAlarms:
             clip: the largest global L2 norm the optimizer will apply, for *explosion*.
             segments: ``norm`` is ``[parameters]`` L2 norms, folded into ``rows`` on the host.
         """
-        self._drain(wait=True)  # the previous step's verdict: at most one step late
+        self._read_arrived(wait=True)  # the previous step's verdict: at most one step late
         self.evaluated += 1
         norm = (norm[:, 0] if norm.dim() == 2 else norm).float()  # GradFlowTracker's: float32
         host_rows = self._gradients.host_rows(rows)
@@ -175,7 +175,7 @@ class TrainingAlarms:
         once = tuple(dict.fromkeys(order))  # a layer whose hook fired twice: its first time
         self._host_copy.post(value, PostedStep(step, once, host_rows, weights, clip, amp, segments))
         if not self._cuda:  # the copy was the read: diagnose now, while the weights are these
-            self._drain(wait=False)
+            self._read_arrived(wait=False)
 
     def reserve(self, parameters: int) -> None:
         """Make the host copy of ``parameters`` norms ready for :meth:`update`'s ``segments``.
@@ -208,10 +208,10 @@ class TrainingAlarms:
         """
         if not self._watches_loss:
             return
-        self._drain_loss(wait=True)  # also counts the finite losses seen so far
+        self._read_arrived_loss(wait=True)  # also counts the finite losses seen so far
         self._loss.update(loss, step)
         if not self._cuda:
-            self._drain_loss(wait=False)
+            self._read_arrived_loss(wait=False)
 
     @torch.no_grad()
     def update_stall(self, update: torch.Tensor, lr: float, *, step: int) -> None:
@@ -226,12 +226,12 @@ class TrainingAlarms:
         """
         if not self._stall.due(lr):
             return
-        self._drain_stall(wait=True)
-        self._drain_loss(wait=True)  # the loss's state as of this step
+        self._read_arrived_stall(wait=True)
+        self._read_arrived_loss(wait=True)  # the loss's state as of this step
         self._stall.update(update, lr, step, self._loss.progress())
         self._stall_posted = True
         if not self._cuda:
-            self._drain_stall(wait=False)
+            self._read_arrived_stall(wait=False)
 
     def update_attention(
         self, logit_max: Mapping[str, float], entropy_min: Mapping[str, float], *, step: int
@@ -268,12 +268,12 @@ class TrainingAlarms:
         Returns:
             The new alarms, in the order they were read.
         """
-        self._drain(wait)
+        self._read_arrived(wait)
         new = self._new
         self._new = []
         return new
 
-    def _drain_loss(self, wait: bool) -> None:
+    def _read_arrived_loss(self, wait: bool) -> None:
         """Record the loss rules' alarms once the posted loss is read (``wait``: block)."""
         verdict = self._loss.read(wait)
         if verdict is None:
@@ -282,7 +282,7 @@ class TrainingAlarms:
         for alarm in verdict.alarms:
             self._record(with_history(alarm, self.layers, history))
 
-    def _drain_stall(self, wait: bool) -> None:
+    def _read_arrived_stall(self, wait: bool) -> None:
         """Record *stall*'s alarm once the posted update is read (``wait``: block)."""
         if not self._stall_posted:
             return
@@ -293,10 +293,10 @@ class TrainingAlarms:
         if alarm is not None:
             self._record(alarm)
 
-    def _drain(self, wait: bool) -> None:
+    def _read_arrived(self, wait: bool) -> None:
         """Read every posted copy and run its rules (``wait``: block until each is read)."""
-        self._drain_loss(wait)
-        self._drain_stall(wait)
+        self._read_arrived_loss(wait)
+        self._read_arrived_stall(wait)
         got = self._host_copy.read(wait)
         if got is None:
             return
@@ -369,7 +369,7 @@ class TrainingAlarms:
         Returns:
             The flagged (layer, step) pairs per rule, and every alarm, since the last call.
         """
-        self._drain(wait=True)
+        self._read_arrived(wait=True)
         counts = self.counts
         log = self.log
         self.counts = dict.fromkeys(ALARM_RULES, 0)
@@ -383,7 +383,7 @@ class TrainingAlarms:
             The running scales, vanishing counters, ring buffer and counts, by name, with the
             layers they are of.
         """
-        self._drain(wait=True)
+        self._read_arrived(wait=True)
         return {
             "layers": self.layers,
             **self._gradients.state_dict(),

@@ -159,10 +159,10 @@ returns ``None``: the checkpoint is saved without the callback's state, and a fi
 starts the callback's epoch afresh."""
 
 RELEASE_HOOKS = ("on_train_end", "on_exception", "teardown")
-"""The hooks that take the callback's hooks off: :func:`guarded` runs them under the guard
-too, but they run after a failure as well, so that every hook is removed whatever failed before.
-A failure in one of them is reported like any other (in ``on_exception`` the user's exception
-goes on, not ours)."""
+"""The Lightning hooks that remove the callback's module hooks: :func:`guarded` runs them under the
+guard too, but they run after a failure as well, so that every hook is removed whatever failed
+before. A failure in one of them is reported like any other (in ``on_exception`` the user's
+exception goes on, not ours)."""
 
 
 class _GuardedOwner(Protocol):
@@ -176,15 +176,15 @@ class _GuardedOwner(Protocol):
         """
 
     def remove_hooks(self) -> None:
-        """Take the callback's hooks off the model."""
+        """Remove the callback's module hooks from the model."""
 
 
 def guarded(method: F) -> F:
     """Run a callback's Lightning hook under its guard.
 
-    An exception is the guard's to handle (:meth:`Guard.fail`), and once the callback failed,
-    its hooks come off (``remove_hooks``) and its hooks of :data:`GUARDED_HOOKS` do nothing
-    more; those of :data:`RELEASE_HOOKS` still run.
+    An exception is the guard's to handle (:meth:`Guard.fail`). Once the callback has failed,
+    its module hooks are removed (``remove_hooks``), its Lightning hooks of
+    :data:`GUARDED_HOOKS` return at once, and those of :data:`RELEASE_HOOKS` still run.
 
     Args:
         method: the hook, named as Lightning calls it.
@@ -196,14 +196,14 @@ def guarded(method: F) -> F:
         >>> class Watcher:
         ...     guard = Guard("Watcher", strict=False)
         ...     def hook_guard(self): return self.guard
-        ...     def remove_hooks(self): print("hooks off")
+        ...     def remove_hooks(self): print("module hooks removed")
         ...     @guarded
         ...     def on_train_start(self): raise RuntimeError("ours")
         >>> import warnings
         >>> with warnings.catch_warnings():
         ...     warnings.simplefilter("ignore")
         ...     Watcher().on_train_start()
-        hooks off
+        module hooks removed
     """
     name = method.__name__
     always = name in RELEASE_HOOKS

@@ -80,7 +80,7 @@ class Gated:
         return self.handle
 
     def uninstall(self) -> None:
-        """Take the hook off its module (idempotent)."""
+        """Remove the hook from its module (idempotent)."""
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
@@ -400,7 +400,7 @@ class HookRegistry(HookOwner):
         return self.gated_hook(module, run, pre=pre, source=hook, **options)
 
     def drop(self, hooks: Collection[Callable[..., Any]]) -> None:
-        """Take gated hooks off their modules for good.
+        """Remove gated hooks from their modules for good.
 
         A hook that has nothing left to measure costs a logging step nothing. Under
         ``torch.compile`` they stay (a changed hook set recompiles).

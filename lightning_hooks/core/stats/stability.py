@@ -250,7 +250,7 @@ class StabilityStats(LayerStat[Result]):
             )
 
     def _drop_other_candidates(self, output: str) -> None:
-        """Take the hooks off the candidates other than the ``output`` layer, once it is known.
+        """Remove the module hooks of the candidates but the ``output`` layer, once it is known.
 
         They have nothing to measure, so a logging step does not run one per parameter owner.
         """

@@ -355,7 +355,7 @@ class RowStates(ABC, Generic[R]):
             packed = torch.cat(parts)
         return packed, shapes
 
-    def _reset_window(self) -> None:
+    def _reset_step_states(self) -> None:
         """Start the next logging step: every state but ``"same"`` ones back to its identity."""
         for spec in self.specs.values():
             if spec.reduce != "same":
@@ -369,12 +369,12 @@ class RowStates(ABC, Generic[R]):
         """
         self._collect(wait=True)  # at most one logging step's copy in flight
         packed, shapes = self._reduced()
-        box = self._host_copy
-        if box is None or box.shape != tuple(packed.shape):
-            box = HostCopy(tuple(packed.shape), packed.device, packed.dtype)
-            self._host_copy = box
-        box.post(packed, meta=(step, shapes))
-        self._reset_window()
+        host_copy = self._host_copy
+        if host_copy is None or host_copy.shape != tuple(packed.shape):
+            host_copy = HostCopy(tuple(packed.shape), packed.device, packed.dtype)
+            self._host_copy = host_copy
+        host_copy.post(packed, meta=(step, shapes))
+        self._reset_step_states()
 
     def _collect(self, wait: bool) -> None:
         """Fold the started copy into the epoch once done (``wait``: block)."""
@@ -410,15 +410,17 @@ class RowStates(ABC, Generic[R]):
         """
         return bool(self._ready) or (self._host_copy is not None and self._host_copy.pending)
 
-    def _with_epoch(self, window: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Return the epoch's logging steps so far, folded, and one more.
+    def _with_epoch(self, step_states: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Combine the epoch's states so far with one more logging step's, ``step_states``.
 
-        The one more is ``window`` (some or all of the states).
+        Each state combines by its reduce: ``"sum"`` states add, ``"max"`` and ``"min"`` states
+        take the larger or smaller, and ``"same"`` states take the newest. Rows made since the
+        epoch's last logging step start from their identity.
         """
         if self._epoch is None:
-            return window
+            return step_states
         pooled = {}
-        for name, new in window.items():
+        for name, new in step_states.items():
             spec = self.specs[name]
             old = self._epoch[name]
             if old.shape != new.shape:  # rows made since
@@ -482,7 +484,7 @@ class RowStates(ABC, Generic[R]):
         States (but ``"same"`` ones) and logging steps are dropped, rows kept.
         """
         self.drain()
-        self._reset_window()
+        self._reset_step_states()
         self._epoch = None
         self._ready = []  # and a logging step's copy still in flight
         if self._host_copy is not None:
@@ -534,7 +536,7 @@ class RowStates(ABC, Generic[R]):
             if spec.reduce == "same":
                 target.copy_(saved)
             epoch[name] = saved.double().numpy().copy()
-        self._reset_window()
+        self._reset_step_states()
         self._epoch = epoch
 
 
