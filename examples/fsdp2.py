@@ -134,7 +134,7 @@ def time_steps(rounds: int = 3, steps: int = 30) -> None:
 
 def _time_shard_reduce(params: list[torch.Tensor], calls: int = 200) -> float:
     """Median time of one ``ShardPlan.reduce`` of a logging step's partials (4 per parameter)."""
-    from lightning_hooks.core.transport import ShardPlan
+    from lightning_hooks.core.sharding import ShardPlan
 
     plan = ShardPlan.from_params(params)
     assert plan is not None

@@ -201,7 +201,7 @@ def _refused_layouts() -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lightning_hooks.core.transport import ShardPlan
+    from lightning_hooks.core.sharding import ShardPlan
 
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b"))
     sharded = distribute_tensor(torch.ones(4, 2), mesh["a"], [Shard(0)])

@@ -210,7 +210,7 @@ def test_the_loss_moves_to_the_nccl_group_device_without_a_sync(
     from torch.overrides import TorchFunctionMode
 
     from lightning_hooks.callbacks.loss_agreement import _all_reduce_loss_and_flags
-    from lightning_hooks.core import transport as distributed
+    from lightning_hooks.core import distributed
 
     assert distributed.group_device() == torch.device("cpu")  # no group, as gloo's
     monkeypatch.setattr(distributed, "is_distributed", lambda: True)

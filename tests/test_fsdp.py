@@ -24,7 +24,7 @@ from pytorch_lightning.strategies import FSDPStrategy, SingleDeviceStrategy
 
 from lightning_hooks import GradFlowCallback
 from lightning_hooks.core.ops.grouped_norms import abs_sum_max
-from lightning_hooks.core.transport import ShardPlan, combine_partials
+from lightning_hooks.core.sharding import ShardPlan, combine_partials
 from lightning_hooks.errors import TrainingAlarmWarning
 
 from conftest import epoch_end_step, read_histograms, read_scalars, run_script

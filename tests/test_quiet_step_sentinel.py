@@ -18,8 +18,8 @@ from lightning_hooks import AlarmRules, GradFlowCallback
 from lightning_hooks.core.alarms import HostSegments
 from lightning_hooks.core.alarms.gradients import GradientRules, RunningScale
 from lightning_hooks.core.alarms.loss import LossRules
+from lightning_hooks.core.host_copy import HostCopy
 from lightning_hooks.core.ops.grad_stats import ParamLayout, param_norms, segment_norm
-from lightning_hooks.core.transport import HostCopy
 from lightning_hooks.errors import TrainingAlarmWarning
 
 FAULT = 37  # a quiet step: the Trainer logs (and the statistics sample) every 50

@@ -16,7 +16,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from lightning_hooks.callbacks.attached import epoch_step
 from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.alarms import ALARM_RULES, TrainingAlarm, TrainingAlarms
-from lightning_hooks.core.transport import world_size
+from lightning_hooks.core.distributed import world_size
 from lightning_hooks.errors import TrainingAlarmError, TrainingAlarmWarning
 from lightning_hooks.logging import log_scalars, log_text, save_loggers
 from lightning_hooks.tags import (

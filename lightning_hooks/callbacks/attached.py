@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from lightning_hooks.callbacks.trainer import FitProgress, TrainerView
+from lightning_hooks.core.distributed import gather_objects
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.stats.stat import LayerStat
-from lightning_hooks.core.transport import gather_objects
 from lightning_hooks.internals.lightning import lightning_epoch_step
 from lightning_hooks.logging import log_scalars
 from lightning_hooks.tags import step_tags
@@ -24,14 +24,14 @@ __all__ = [
     "EpochResult",
     "Logged",
     "Statistic",
-    "Windowed",
+    "StepValues",
     "epoch_step",
 ]
 
 R = TypeVar("R")
 
 
-class Windowed(Protocol[R]):
+class StepValues(Protocol[R]):
     """A statistic measured at logging steps, whose values are copied to the host.
 
     The copy starts after the logging step's optimizer step, and the values are read once it
@@ -75,10 +75,10 @@ class Checkpointed(Protocol):
         """Continue from a state :meth:`host_state` saved, as read from a checkpoint."""
 
 
-class Statistic(Windowed[R], EpochResult[R], Checkpointed, Protocol[R]):
+class Statistic(StepValues[R], EpochResult[R], Checkpointed, Protocol[R]):
     """A statistic that a callback logs and saves, such as a ``GradFlowTracker``.
 
-    Each part is what one caller reads: :class:`Logged` the logging steps (:class:`Windowed`)
+    Each part is what one caller reads: :class:`Logged` the logging steps (:class:`StepValues`)
     and the epochs (:class:`EpochResult`), the checkpoint slot the state (:class:`Checkpointed`).
     No statistic implements them by hand: ``LayerStat`` and ``LayerStatsAccumulator`` (the
     gradient flow's) implement all three once, as torchmetrics' ``Metric`` does its own.

@@ -8,8 +8,8 @@ from lightning_hooks.callbacks.attached import epoch_step
 from lightning_hooks.callbacks.epoch_columns import EpochColumns
 from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core import LayerHistograms, LayerTable, ParamLayout
+from lightning_hooks.core.sharding import ShardPlan
 from lightning_hooks.core.stats.grad_flow import logged_rows
-from lightning_hooks.core.transport import ShardPlan
 from lightning_hooks.logging import (
     Binned,
     grad_flow_figure,

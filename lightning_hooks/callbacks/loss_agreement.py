@@ -19,13 +19,13 @@ from torch import nn
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.alarms import AlarmRules
-from lightning_hooks.core.transport import (
-    HostCopy,
+from lightning_hooks.core.distributed import (
     all_reduce_sum_,
     group_device,
     to_group_device,
     world_size,
 )
+from lightning_hooks.core.host_copy import HostCopy
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import is_set_up_by_fabric
 

@@ -6,8 +6,8 @@ from collections.abc import Callable, Sequence
 
 from lightning_hooks.callbacks.attached import Attached
 from lightning_hooks.callbacks.trainer import TrainerView
+from lightning_hooks.core.distributed import agree, gather_objects, world_size
 from lightning_hooks.core.hooks.guard import Guard
-from lightning_hooks.core.transport import agree, gather_objects, world_size
 
 __all__ = ["RankAgreement"]
 

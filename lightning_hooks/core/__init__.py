@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         select_modules,
         torch_equivalent,
     )
+    from lightning_hooks.core.host_copy import FirstNonFinite
     from lightning_hooks.core.ops.feature_stats import (
         FEATURE_STATS,
         FeatureSummary,
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
     )
     from lightning_hooks.core.stats.stability import StabilityStats
     from lightning_hooks.core.stats.stat import LayerStat
-    from lightning_hooks.core.transport import FirstNonFinite
 
 # Module (under lightning_hooks.core) -> the public names it defines, imported on first access.
 _MODULES = {
@@ -64,7 +64,7 @@ _MODULES = {
     "unit_saturation SaturationStats",  # the last: 0.2.0's name of SaturatedUnits, not listed
     "stats.stability": "StabilityStats",
     "stats.stat": "LayerStat",
-    "transport": "FirstNonFinite",
+    "host_copy": "FirstNonFinite",
 }
 _LAZY = {
     name: f"{__name__}.{module}" for module, names in _MODULES.items() for name in names.split()

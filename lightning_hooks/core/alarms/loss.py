@@ -19,7 +19,7 @@ from lightning_hooks.core.alarms.gradients import RunningScale, as_array
 from lightning_hooks.core.alarms.messages import Message, TrainingAlarm, ratio_text
 from lightning_hooks.core.alarms.rules import AlarmRules
 from lightning_hooks.core.alarms.setback import Setback, setback_opened, setback_recovered
-from lightning_hooks.core.transport import HostCopy
+from lightning_hooks.core.host_copy import HostCopy
 
 __all__ = ["LossLevels", "LossProgress", "LossRules", "LossStory", "LossVerdict", "Setback"]
 

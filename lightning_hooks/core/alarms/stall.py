@@ -20,7 +20,7 @@ from lightning_hooks.core.alarms.gradients import as_array
 from lightning_hooks.core.alarms.loss import LossProgress
 from lightning_hooks.core.alarms.messages import TrainingAlarm
 from lightning_hooks.core.alarms.rules import AlarmRules
-from lightning_hooks.core.transport import HostCopy
+from lightning_hooks.core.host_copy import HostCopy
 
 __all__ = ["StallRule", "StallState"]
 

@@ -38,7 +38,7 @@ from lightning_hooks.core.alarms.rules import ALARM_RULES, AlarmRules, WeightNor
 from lightning_hooks.core.alarms.run_facts import RunFacts
 from lightning_hooks.core.alarms.stall import StallRule
 from lightning_hooks.core.checks import named_arguments
-from lightning_hooks.core.transport import HostCopy
+from lightning_hooks.core.host_copy import HostCopy
 
 __all__ = ["NormRing", "PostedStep", "TrainingAlarms"]
 

@@ -35,10 +35,16 @@ def strict_default() -> bool:
 class Guard:
     """Catches the exceptions of the hooks of callback ``name``.
 
-    The first exception marks it :attr:`failed`, warns once, and the owner removes its hooks at
-    the next Lightning hook (with :attr:`defer`, once the ranks agree:
-    :meth:`disable_on_every_rank`). A ``strict`` guard re-raises, as every guard does for the
-    library's own errors.
+    The first exception marks it :attr:`failed`, warns once, and the owner removes its module
+    hooks at the next Lightning hook. Under several processes (:attr:`defer`), the failure waits
+    in :attr:`local` until the ranks agree (:meth:`disable_on_every_rank`), so that every rank
+    disables the callback at the same step. A ``strict`` guard re-raises, as every guard does for
+    the library's own errors.
+
+    ```text
+    one process:      healthy --error--> failed, removal pending --removal_due()--> removed
+    several (defer):  healthy --error--> local --ranks agree--> failed, removal pending --> ...
+    ```
 
     Args:
         name: the callback the warning names.
@@ -49,7 +55,8 @@ class Guard:
         self.name = name
         self.strict = strict_default() if strict is None else bool(strict)
         self.failed: str | None = None  # "where: ErrorType: message" of the first error
-        self.pending = False  # a failure whose hooks the owner has not removed yet
+        self.pending = False
+        """A failure whose module hooks the owner has not removed yet (:meth:`removal_due`)."""
         self.defer = False
         """Multi-process: a failure is kept in :attr:`local` until the ranks agree on it, so
         that every rank disables at the same step (:meth:`disable_on_every_rank`)."""

@@ -142,7 +142,10 @@ class HookRegistry(HookOwner):
         self.logging_step = True
         """Whether the gated hooks run: set by :meth:`set_logging_step` (a plain attribute to
         read, so that a quiet step calls nothing of the registry)."""
-        self.fixed = internals.is_compiled(model)  # the gated hooks stay installed (torch.compile)
+        self.fixed = internals.is_compiled(model)
+        """Whether the gated hooks stay on the model at every step: under ``torch.compile``,
+        adding or removing a hook would recompile the model, so they stay, and each checks
+        :attr:`logging_step` itself."""
         self.guard = guard
         self.shared = shared_by(model)
         """What every registry on the model shares, whichever callback holds it."""

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_hooks import internals
 from lightning_hooks.core.ops.grouped_norms import abs_sum_max, cpu_grouping
 from lightning_hooks.core.ops.tensors import Workspace, foreach_norm
-from lightning_hooks.core.transport import ShardPlan, to_local
+from lightning_hooks.core.sharding import ShardPlan, to_local
 
 __all__ = [
     "GLOBAL",

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from lightning_hooks.core.checks import choice, named_arguments
+from lightning_hooks.core.distributed import rank
 from lightning_hooks.core.stats.stat import RowStates
-from lightning_hooks.core.transport import rank
 from lightning_hooks.tags import family_tag
 
 __all__ = ["LayerStatsAccumulator", "LayerTable", "Reduction"]

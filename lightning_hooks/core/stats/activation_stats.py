@@ -13,6 +13,7 @@ from lightning_hooks import internals
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, is_kind
+from lightning_hooks.core.host_copy import FirstNonFinite
 from lightning_hooks.core.ops.feature_stats import (
     FEATURE_STATS,
     NUM_SUMS,
@@ -26,7 +27,6 @@ from lightning_hooks.core.ops.feature_stats import (
 from lightning_hooks.core.ops.histogram import bin_counts, linear_edges
 from lightning_hooks.core.ops.tensors import Workspace, iter_float_tensors
 from lightning_hooks.core.stats.stat import LayerStat
-from lightning_hooks.core.transport import FirstNonFinite
 from lightning_hooks.tags import ACTIVATIONS, layer_tag
 
 __all__ = [

@@ -29,6 +29,7 @@ from lightning_hooks.core.ops.grad_stats import (
 )
 from lightning_hooks.core.ops.grouped_norms import GroupedNorms, typical_update
 from lightning_hooks.core.ops.tensors import foreach_norm
+from lightning_hooks.core.sharding import to_local
 from lightning_hooks.core.stats.optimizer_view import (
     OptimizerView,
     OptimizerViews,
@@ -37,7 +38,6 @@ from lightning_hooks.core.stats.optimizer_view import (
     ViewNorms,
     adaptive,
 )
-from lightning_hooks.core.transport import to_local
 from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["AlarmFeed", "Measured", "Tracked", "foreach_norms", "quiet_read"]

@@ -30,6 +30,7 @@ from lightning_hooks.core.ops.grad_stats import (
     grad_stats,
 )
 from lightning_hooks.core.ops.tensors import Workspace
+from lightning_hooks.core.sharding import ShardPlan, to_local
 from lightning_hooks.core.stats.accumulator import LayerStatsAccumulator, LayerTable, Reduction
 from lightning_hooks.core.stats.alarm_feed import Measured
 from lightning_hooks.core.stats.deprecated_alarms import deprecated_tracker_alarms
@@ -42,7 +43,6 @@ from lightning_hooks.core.stats.optimizer_view import (
     ViewNorms,
 )
 from lightning_hooks.core.stats.output_grad import OutputGradients
-from lightning_hooks.core.transport import ShardPlan, to_local
 from lightning_hooks.tags import grad_flow_tag, percentile_stat
 
 __all__ = [

@@ -17,12 +17,12 @@ from torchmetrics import Metric
 from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_hooks.core.checks import named_arguments
+from lightning_hooks.core.distributed import all_gather_stacked, is_distributed, rank, world_size
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection
 from lightning_hooks.core.ops.tensors import iter_float_tensors
 from lightning_hooks.core.stats.activation_stats import feature_modules
 from lightning_hooks.core.stats.stat import LayerStat
-from lightning_hooks.core.transport import all_gather_stacked, is_distributed, rank, world_size
 from lightning_hooks.tags import layer_tag
 
 __all__ = ["FAMILY", "MetricStat"]

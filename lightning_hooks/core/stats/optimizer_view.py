@@ -22,7 +22,7 @@ from lightning_hooks.core.ops.grad_stats import (
     update_norms,
 )
 from lightning_hooks.core.ops.tensors import Workspace
-from lightning_hooks.core.transport import ShardPlan, to_local
+from lightning_hooks.core.sharding import ShardPlan, to_local
 
 __all__ = [
     "ColumnValues",

@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from lightning_hooks import internals
+from lightning_hooks.core.distributed import all_reduce_sum_, world_size
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import compiled_regions
 from lightning_hooks.core.ops.tensors import is_grad_forward, iter_float_tensors
 from lightning_hooks.core.stats.optimizer_view import ColumnValues, OptimizerView, OptimizerViews
-from lightning_hooks.core.transport import all_reduce_sum_, world_size
 
 __all__ = ["OutputGradients"]
 

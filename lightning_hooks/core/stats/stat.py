@@ -20,11 +20,12 @@ from typing_extensions import Self
 
 from lightning_hooks.core.checks import module as check_module
 from lightning_hooks.core.checks import named_arguments
+from lightning_hooks.core.distributed import all_gather_stacked, is_distributed
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import Selection
 from lightning_hooks.core.hooks.shared import Snapshots
+from lightning_hooks.core.host_copy import HostCopy
 from lightning_hooks.core.ops.tensors import Pending, is_training_forward
-from lightning_hooks.core.transport import HostCopy, all_gather_stacked, is_distributed
 
 __all__ = ["Kind", "LayerStat", "Reduce", "RowStates", "StateSpec", "unpack"]
 
@@ -259,7 +260,10 @@ class RowStates(ABC, Generic[R]):
     def align_rows(self, new: Sequence[Sequence[tuple[str, int]]]) -> None:
         """Give every rank the same rows, in rank order.
 
-        Thus a module run on some ranks only does not hang the collective.
+        Thus a module run on some ranks only does not hang the collective. For example, with
+        rows ``[x]`` aligned before, rank 0 made ``[a, b]`` since and rank 1 made ``[b, c]``:
+        both end with ``[x, a, b, c]``. A row this rank made keeps its entries; a row only
+        another rank made starts at each state's identity.
 
         Args:
             new: each rank's :meth:`new_rows`, in rank order.
@@ -277,6 +281,8 @@ class RowStates(ABC, Generic[R]):
                     )
         mine = self.new_rows()
         if [n for n, _ in mine] != list(order):
+            # Cut the states back to the aligned rows, then add the new rows in rank order,
+            # copying back the entries of the rows this rank made.
             per_row = [spec for spec in self.specs.values() if spec.kind != "global"]
             kept = {n: [self._entries(s, self.rows[n]).clone() for s in per_row] for n, _ in mine}
             aligned = self._aligned
