@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,26 +272,9 @@ class GradFlowCallback(HookCallback):
             tracker.remove()
             raise
         self._fit = fit
-        on_tracker_step: Callable[[TrainerView, int, LayerTable], None] | None = None
-        on_stability_step: Callable[[TrainerView, int, StabilityResult], None] | None = None
-        fit_alarms = fit.fit_alarms
-        if fit_alarms is not None:
-
-            def log_alarms(trainer: TrainerView, step: int, _table: LayerTable) -> None:
-                # the alarms' counts and text, written with the tracker's values at each step
-                fit_alarms.log_step(trainer, step)
-
-            def watch_attention(_trainer: TrainerView, step: int, result: StabilityResult) -> None:
-                # each logging step's attention logits, for the attention rule
-                fit_alarms.watch_attention(step, result)
-
-            on_tracker_step = log_alarms
-            on_stability_step = watch_attention
-        logged: list[Logged[Any]] = [
-            Logged(tracker, on_step=on_tracker_step, on_epoch=self._draw_pictures),
-        ]
+        logged: list[Logged[Any]] = [Logged(tracker, on_epoch=self._draw_pictures)]
         if fit.stability_stats is not None:
-            logged.append(Logged(fit.stability_stats, on_step=on_stability_step))
+            logged.append(Logged(fit.stability_stats, on_step=fit.watch_attention))
         # No ``aligned=``: the tracker's rows come from the optimizers' parameters, the same on
         # every rank, and every rank runs the attention and output modules in every training
         # forward, so no collective lines up the ranks' rows.
@@ -375,12 +358,15 @@ class GradFlowCallback(HookCallback):
     ) -> None:
         """Pass the batch's loss to the loss rules, then log a logging step whose step ran.
 
-        The loss rules read every batch (:meth:`_Fit.end_batch`).
+        The loss rules read every batch (:meth:`_Fit.end_batch`). A logging step's alarm counts
+        and text are written at the same step as its values.
         """
         if self._fit is not None:
             step = self.lifecycle.batch_step
             self._fit.end_batch(outputs, step, self.lifecycle.measuring)
-        self.lifecycle.end_batch(trainer)
+        logged_step = self.lifecycle.end_batch(trainer)
+        if logged_step is not None and self._fit is not None:
+            self._fit.log_alarms(trainer, logged_step)
 
     @override
     @guarded
@@ -407,8 +393,8 @@ def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | Non
 class _Fit:
     """Measures one fit of :class:`GradFlowCallback`, and passes its alarms what they read.
 
-    It is made at the fit's train start and dropped when the fit ends. The
-    callback's hooks call :meth:`observe` and :meth:`end_batch`.
+    It is made at the fit's train start and dropped when the fit ends. The callback's hooks
+    call :meth:`observe`, :meth:`end_batch` and :meth:`log_alarms`.
     """
 
     tracker: GradFlowTracker
@@ -439,6 +425,19 @@ class _Fit:
             self.fit_alarms.observe(
                 optimizer, measured, grad_scale=scale, param_grad_scale=param_grad_scale
             )
+
+    def watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
+        """Pass a logging step's attention statistics to the attention rule, if alarms run.
+
+        The instability statistics' ``Logged`` calls it once the step's values are on the host.
+        """
+        if self.fit_alarms is not None:
+            self.fit_alarms.watch_attention(step, result)
+
+    def log_alarms(self, trainer: TrainerView, step: int) -> None:
+        """Log the alarm counts and text of the logging step ``step``, if alarms run."""
+        if self.fit_alarms is not None:
+            self.fit_alarms.log_step(trainer, step)
 
     def end_batch(self, outputs: STEP_OUTPUT, step: int, measuring: bool) -> None:
         """Close the attention statistics of a measured batch, then give the loss to the rules."""

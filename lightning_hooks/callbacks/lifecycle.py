@@ -198,7 +198,7 @@ class Lifecycle:
             self.cadence.measure()
         return self._state.measuring
 
-    def end_batch(self, trainer: TrainerView) -> None:
+    def end_batch(self, trainer: TrainerView) -> int | None:
         """End a batch, and write its logging step if its optimizer step has run.
 
         The ranks agree first; on a failure the callback is disabled on every rank and nothing
@@ -207,16 +207,20 @@ class Lifecycle:
 
         Args:
             trainer: the trainer running the batch, whose loggers get the logging step.
+
+        Returns:
+            The logging step whose values were written or copied to the host, or ``None``.
         """
         step = self.cadence.finished_step(trainer)
-        attached = self._state.attached  # a failure in the batch's hooks may have taken it off
+        attached = self._state.attached  # a failure in the batch's hooks may have removed it
         if step is None or attached is None:
-            return
+            return None
         self.ranks.agree(trainer, step, attached, always=False)
         if self.guard.failed is not None:
-            return
+            return None
         attached.end_logging_step(trainer, step)
         self._hooks_for_logging_step(self.cadence.logs(trainer, trainer.global_step))
+        return step
 
     def _hooks_for_logging_step(self, logging_step: bool) -> None:
         """Put the fit's gated module hooks on the model for a logging step, else remove them.
