@@ -189,17 +189,14 @@ class AlarmPolicy:
             if action is None or action == "log":
                 continue
             if action == "raise":
-                self._raise(trainer, training_alarms, alarm)
+                self._raise(trainer, training_alarms, alarm)  # raises
             self._warn_once(alarm)
-            if action == "stop" and self.stopped_by is None:
-                self.stopped_by = alarm
-            stop = stop or action == "stop"
-            if action == "skip" and optimizer is not None and alarm.step == trainer.global_step:
-                # Torch optimizers skip parameters whose gradient is ``None``, so clearing the
-                # gradients makes the coming ``optimizer.step()`` do nothing.
-                for group in optimizer.param_groups:
-                    for param in group["params"]:
-                        param.grad = None
+            if action == "stop":
+                stop = True
+                if self.stopped_by is None:
+                    self.stopped_by = alarm
+            elif action == "skip" and optimizer is not None and alarm.step == trainer.global_step:
+                _skip_step(optimizer)
         if stop and world_size() == 1:
             trainer.should_stop = True
         elif stop:
@@ -365,6 +362,16 @@ class AlarmLog:
         if trainer.is_global_zero and not repeated:
             where = f"in epoch {trainer.current_epoch}"
             log_text(trainer.loggers, ALARM_TEXT, _summary(log, where, self._noticed), step)
+
+
+def _skip_step(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer``'s coming ``step()`` do nothing, by clearing its gradients.
+
+    Torch optimizers skip a parameter whose gradient is ``None``.
+    """
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
 
 
 def _with_callback_name(alarm: TrainingAlarm) -> str:

@@ -173,7 +173,7 @@ class GradFlowCallback(HookCallback):
         self.on_alarm = actions
         """The action of each rule; a rule ``on_alarm`` did not name has its default."""
         self.stability = stability
-        self._alarms_across_fits = GradFlowAlarms(rules, actions, running=self._running_alarms)
+        self._alarms_across_fits = GradFlowAlarms(rules, actions)
         # The alarms carry their running scales to the next fit, and through checkpoints.
         self.lifecycle.checkpoint.keep("alarms", self._alarms_across_fits)
         # Release 0.2.0 saved the tracker's state at the top of the callback's.
@@ -192,7 +192,7 @@ class GradFlowCallback(HookCallback):
             DeprecationWarning,
             stacklevel=2,
         )
-        fit_alarms = self._running_alarms()
+        fit_alarms = self._alarms_across_fits.running
         return None if fit_alarms is None else fit_alarms.policy
 
     @override
@@ -256,21 +256,25 @@ class GradFlowCallback(HookCallback):
         """
         tracker = self._make_tracker(trainer, pl_module)
         try:
-            fit = _Fit(
-                tracker=tracker,
-                fit_alarms=self._alarms_across_fits.start(
-                    trainer, pl_module, tracker, self.lifecycle.ranks
-                ),
-                stability_stats=StabilityStats() if self.stability else None,
-                gradient_histograms=_histograms(tracker) if self.histograms else None,
+            stability_stats = StabilityStats() if self.stability else None
+            if stability_stats is not None:
+                # On the tracker's registry: one switch turns both on at logging steps, and both
+                # are removed together.
+                stability_stats.attach(pl_module, tracker.registry)
+            gradient_histograms = _histograms(tracker) if self.histograms else None
+            # Last, so that nothing after it can fail: the alarms are running once started.
+            fit_alarms = self._alarms_across_fits.start(
+                trainer, pl_module, tracker, self.lifecycle.ranks
             )
-            if fit.stability_stats is not None:
-                # On the tracker's registry: one switch turns both on at logging steps, and both are
-                # removed together.
-                fit.stability_stats.attach(pl_module, tracker.registry)
         except BaseException:
             tracker.remove()
             raise
+        fit = _Fit(
+            tracker=tracker,
+            fit_alarms=fit_alarms,
+            stability_stats=stability_stats,
+            gradient_histograms=gradient_histograms,
+        )
         self._fit = fit
         logged: list[Logged[Any]] = [Logged(tracker, on_epoch=self._draw_pictures)]
         if fit.stability_stats is not None:
@@ -318,25 +322,19 @@ class GradFlowCallback(HookCallback):
         if fit is not None:
             self._pictures.write(trainer, table, fit.gradient_histograms, fit.tracker.shards)
 
-    def _running_alarms(self) -> FitAlarms | None:
-        """Return the running fit's alarms, which the fit holds; ``None`` between fits."""
-        return None if self._fit is None else self._fit.fit_alarms
-
     def _end_fit(self) -> None:
         """Carry the fit's alarm state to the next fit, then warn once if an alarm stopped it."""
-        fit = self._fit
         self._fit = None
-        if fit is not None and fit.fit_alarms is not None:
-            self._alarms_across_fits.end(fit.fit_alarms)
+        self._alarms_across_fits.end()
 
     @override
     @guarded
     def on_before_optimizer_step(
         self, trainer: TrainerView, pl_module: nn.Module, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Measure the gradient ``optimizer`` is about to apply (:meth:`_Fit.observe`)."""
+        """Measure the gradient ``optimizer`` is about to apply, and pass it to the alarms."""
         if self._fit is not None:
-            self._fit.observe(trainer, optimizer)
+            self._fit.before_optimizer_step(trainer, optimizer)
 
     @override
     @guarded
@@ -361,19 +359,24 @@ class GradFlowCallback(HookCallback):
         The loss rules read every batch (:meth:`_Fit.end_batch`). A logging step's alarm counts
         and text are written at the same step as its values.
         """
-        if self._fit is not None:
-            step = self.lifecycle.batch_step
-            self._fit.end_batch(outputs, step, self.lifecycle.measuring)
-        logged_step = self.lifecycle.end_batch(trainer)
-        if logged_step is not None and self._fit is not None:
-            self._fit.log_alarms(trainer, logged_step)
+        fit = self._fit
+        if fit is None:  # not attached, or disabled
+            self.lifecycle.end_batch(trainer)
+            return
+        # The loss first: under several processes its all_reduce also carries the ranks' failures
+        # and stop requests, so the lifecycle's end of the batch needs no collective of its own.
+        fit.end_batch(outputs, self.lifecycle.batch_step, measuring=self.lifecycle.measuring)
+        logged_step = self.lifecycle.end_batch(trainer)  # a failure here removes the fit
+        if logged_step is not None:
+            fit.log_alarms(logged_step)
 
     @override
     @guarded
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Log the epoch's aggregates and pictures, then close the epoch for the alarms."""
-        fit_alarms = self._running_alarms()
-        if self.lifecycle.end_epoch(trainer) and fit_alarms is not None:  # still attached
+        still_attached = self.lifecycle.end_epoch(trainer)
+        fit_alarms = self._alarms_across_fits.running
+        if still_attached and fit_alarms is not None:
             fit_alarms.end_epoch()
             save_loggers(trainer.loggers)  # what the alarms wrote of the epoch
 
@@ -394,7 +397,7 @@ class _Fit:
     """Measures one fit of :class:`GradFlowCallback`, and passes its alarms what they read.
 
     It is made at the fit's train start and dropped when the fit ends. The callback's hooks
-    call :meth:`observe`, :meth:`end_batch` and :meth:`log_alarms`.
+    call :meth:`before_optimizer_step`, :meth:`end_batch` and :meth:`log_alarms`.
     """
 
     tracker: GradFlowTracker
@@ -403,7 +406,7 @@ class _Fit:
     stability_stats: StabilityStats | None
     gradient_histograms: LayerHistograms | None
 
-    def observe(self, trainer: TrainerView, optimizer: torch.optim.Optimizer) -> None:
+    def before_optimizer_step(self, trainer: TrainerView, optimizer: torch.optim.Optimizer) -> None:
         """Measure the gradient ``optimizer`` is about to apply, then pass it to the alarms.
 
         The gradients are unscaled by the trainer's GradScaler scale, if it has one.
@@ -422,7 +425,7 @@ class _Fit:
             layout = self.tracker.layout
             observe_histograms(self.gradient_histograms, layout, optimizer, param_grad_scale)
         if self.fit_alarms is not None:
-            self.fit_alarms.observe(
+            self.fit_alarms.check_gradients(
                 optimizer, measured, grad_scale=scale, param_grad_scale=param_grad_scale
             )
 
@@ -434,12 +437,12 @@ class _Fit:
         if self.fit_alarms is not None:
             self.fit_alarms.watch_attention(step, result)
 
-    def log_alarms(self, trainer: TrainerView, step: int) -> None:
+    def log_alarms(self, step: int) -> None:
         """Log the alarm counts and text of the logging step ``step``, if alarms run."""
         if self.fit_alarms is not None:
-            self.fit_alarms.log_step(trainer, step)
+            self.fit_alarms.log_step(step)
 
-    def end_batch(self, outputs: STEP_OUTPUT, step: int, measuring: bool) -> None:
+    def end_batch(self, outputs: STEP_OUTPUT, step: int, *, measuring: bool) -> None:
         """Close the attention statistics of a measured batch, then give the loss to the rules."""
         if self.stability_stats is not None and measuring:
             self.stability_stats.end_step()

@@ -8,7 +8,7 @@ left, keeps that fit's state when it ends, and saves the running fit's in checkp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +34,9 @@ __all__ = ["FitAlarms", "GradFlowAlarms"]
 class FitAlarms:
     """Runs the alarms of one fit: feeds them, acts on what they find, and logs them.
 
-    :meth:`GradFlowAlarms.start` makes it at the fit's train start; the fit holds it, and hands
-    it to :meth:`GradFlowAlarms.end` when its module hooks are removed.
+    :meth:`GradFlowAlarms.start` makes it at the fit's train start and holds it as
+    :attr:`GradFlowAlarms.running` until :meth:`GradFlowAlarms.end`, when the fit's module hooks
+    are removed.
     """
 
     trainer: TrainerView
@@ -52,7 +53,7 @@ class FitAlarms:
         """Return the fit's ``TrainingAlarms``: the rules' running scales, ring buffer, counts."""
         return self.feed.training_alarms
 
-    def observe(
+    def check_gradients(
         self,
         optimizer: torch.optim.Optimizer,
         measured: Measured | None,
@@ -94,14 +95,13 @@ class FitAlarms:
             self.training_alarms.update_loss(loss.value, step=loss.step)
         self.policy.act(self.trainer, None, self.training_alarms, self.training_alarms.poll())
 
-    def log_step(self, trainer: TrainerView, step: int) -> None:
+    def log_step(self, step: int) -> None:
         """Log the alarm counts and text gathered since the last logging step, at ``step``.
 
         Args:
-            trainer: the trainer whose loggers are written to.
             step: the logging step.
         """
-        self.policy.log.log_step(trainer, self.training_alarms, step)
+        self.policy.log.log_step(self.trainer, self.training_alarms, step)
 
     def watch_attention(self, step: int, result: StabilityResult) -> None:
         """Pass a logging step's attention logits and entropies to the attention rule.
@@ -139,26 +139,20 @@ class GradFlowAlarms:
     Args:
         rules: the alarm rules (``None``: no alarms; a checkpoint's state is still carried).
         actions: the action of each rule.
-        running: returns the running fit's alarms, which the fit holds (``None`` between fits).
 
     Example:
         >>> from lightning_hooks.callbacks.alarm_policy import check_actions
-        >>> alarms = GradFlowAlarms(AlarmRules(), check_actions("warn"), running=lambda: None)
+        >>> alarms = GradFlowAlarms(AlarmRules(), check_actions("warn"))
         >>> alarms.host_state()  # no fit ran yet, and no checkpoint was loaded
         {}
     """
 
-    def __init__(
-        self,
-        rules: AlarmRules | None,
-        actions: Mapping[str, Action],
-        *,
-        running: Callable[[], FitAlarms | None],
-    ) -> None:
+    def __init__(self, rules: AlarmRules | None, actions: Mapping[str, Action]) -> None:
         self.rules = rules
         self.actions = actions
         self._state: dict[str, Any] | None = None  # carried between fits
-        self._running = running
+        self.running: FitAlarms | None = None
+        """The running fit's alarms, from :meth:`start` to :meth:`end`; ``None`` between fits."""
 
     def start(
         self,
@@ -201,20 +195,21 @@ class GradFlowAlarms:
                     category=LightningHooksWarning,
                 )
         running.start_log()
+        self.running = running
         return running
 
-    def end(self, fit_alarms: FitAlarms) -> None:
-        """Keep an ending fit's state for the next fit; warn if an alarm's stop ended the fit.
-
-        Args:
-            fit_alarms: the alarms of the fit that ends.
-        """
-        self._state = fit_alarms.training_alarms.state_dict()
-        fit_alarms.announce_stop()
+    def end(self) -> None:
+        """Keep the ending fit's state for the next fit; warn if an alarm's stop ended the fit."""
+        running = self.running
+        self.running = None
+        if running is None:
+            return
+        self._state = running.training_alarms.state_dict()
+        running.announce_stop()
 
     def host_state(self) -> dict[str, Any]:
         """Return what a checkpoint saves: the running fit's state, else the one carried, or {}."""
-        running = self._running()
+        running = self.running
         if running is not None:
             return running.training_alarms.state_dict()
         return dict(self._state or {})
@@ -232,7 +227,7 @@ class GradFlowAlarms:
             ValueError: the state was saved for another model's layers, or by an older version.
         """
         loaded = dict(state) or None
-        running = self._running()
+        running = self.running
         if running is not None and loaded is not None:
             running.training_alarms.load_state_dict(loaded)
         self._state = loaded

@@ -71,6 +71,14 @@ class _Exchanged(NamedTuple):
     host_sums: list[_Sums]
     """The sums that have reached the host: on CUDA the previous batch's, else this one's."""
 
+    def flags(self) -> RankFlags | None:
+        """Return the ranks' summed flags of the sums on the host; ``None`` before any arrived."""
+        if not self.host_sums:
+            return None
+        failed = sum(sums.failed for sums in self.host_sums)
+        stopping = sum(sums.stopping for sums in self.host_sums)
+        return RankFlags(failed, stopping)
+
 
 class LossAgreement:
     """Reads the loss from ``training_step`` for the loss rules, with the ranks' flags alongside.
@@ -100,7 +108,6 @@ class LossAgreement:
         self._ranks = ranks
         self._sums_to_host: HostCopy | None = None
         self._manual = False
-        self._exchanged: _Exchanged | None = None
         self.reading: Literal["own", "mean", "off"] = "off"
         """How this fit reads the loss: ``"off"`` (no loss rule), ``"own"`` (one process) or
         ``"mean"``. Under manual optimization it turns ``"off"`` at the first batch where some
@@ -139,22 +146,27 @@ class LossAgreement:
         if self.reading == "mean":
             ranks = self._ranks
             loss = training_loss(trainer, outputs)
-            flags = self._exchange(loss, step, failed=ranks.failed_here, stop=ranks.stop_requested)
+            exchanged = self._exchange(
+                loss, step, failed=ranks.failed_here, stop=ranks.stop_requested
+            )
+            if exchanged is None:  # the loss rules turned off
+                return None
+            flags = exchanged.flags()
             if flags is not None:
                 disabled = ranks.apply(trainer, step, failed=flags.failed, stopping=flags.stopping)
                 if disabled:  # the module hooks are removed on every rank, so skip the loss
                     return None
-            return self._mean_losses()
+            return self._mean_losses(exchanged)
         return None
 
     def _exchange(
         self, loss: torch.Tensor | None, step: int, *, failed: bool, stop: bool
-    ) -> RankFlags | None:
+    ) -> _Exchanged | None:
         """Sum the loss and the two flags over the ranks in the batch's ``all_reduce``.
 
         Returns:
-            The ranks' summed flags once the result is read on the host (on CUDA, one batch
-            later), else ``None``.
+            The batch's sums on the device, and those read on the host (on CUDA, one batch
+            later); ``None`` where the loss rules are off.
         """
         sums_to_host = self._sums_to_host
         if sums_to_host is None:  # the loss rules are off
@@ -164,26 +176,22 @@ class LossAgreement:
         sums_to_host.post(device_sums, meta=step)
         if device_sums.device.type != "cuda":
             read += _read_sums(sums_to_host)  # off CUDA it has finished, so read this batch's
-        self._exchanged = _Exchanged(device_sums, step, read)
         disagree = [sums for sums in read if 0 < sums.with_loss < world_size()]
         if self._manual and disagree:  # decide on the host, before anything that may raise
             self._rules_off(disagree[0].step, disagree[0].with_loss)
-        if not read:
-            return None
-        return RankFlags(sum(s.failed for s in read), sum(s.stopping for s in read))
+        return _Exchanged(device_sums, step, read)
 
-    def _mean_losses(self) -> list[Loss] | None:
+    def _mean_losses(self, exchanged: _Exchanged) -> list[Loss]:
         """Return the ranks' mean loss of the batches read, for the loss rules.
 
         Under manual optimization, a batch's mean is used only if every rank returned a loss.
 
+        Args:
+            exchanged: the batch's exchange.
+
         Returns:
-            The means, each with its step; ``None`` where no batch was posted.
+            The means, each with its step.
         """
-        exchanged = self._exchanged
-        self._exchanged = None
-        if exchanged is None:
-            return None
         if not self._manual:
             # Automatic optimization: every rank returned a loss, so this batch's mean is
             # taken from its sum on the device, with no host sync.

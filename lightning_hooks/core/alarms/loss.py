@@ -329,7 +329,9 @@ class LossRules:
         """
         # float32 on the device first: a non-blocking copy to the host does not convert
         value = loss if loss.dtype == torch.float32 else loss.float()
-        self._host_copy.post(value, step)  # under no_grad: the copy records no graph
+        # The loss arrives detached (Lightning detaches what it hands the batch-end hooks, and
+        # so does the Fabric driver), so the copy records no graph.
+        self._host_copy.post(value, step)
 
     def read(self, wait: bool) -> LossVerdict | None:
         """Evaluate the posted loss once its copy is read.

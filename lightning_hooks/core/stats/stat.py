@@ -64,7 +64,12 @@ class StateSpec:
 
 def _dtype_on(spec: StateSpec, device: torch.device) -> torch.dtype:
     """Return ``spec``'s dtype on ``device``: float64 is float32 on MPS, which has no float64."""
-    return torch.float32 if device.type == "mps" and spec.dtype == torch.float64 else spec.dtype
+    return _packing_dtype(device) if spec.dtype == torch.float64 else spec.dtype
+
+
+def _packing_dtype(device: torch.device) -> torch.dtype:
+    """Return the dtype states are reduced and copied in: float64, or float32 on MPS."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def unpack(host: np.ndarray, shapes: dict[str, torch.Size]) -> dict[str, np.ndarray]:
@@ -346,7 +351,7 @@ class RowStates(ABC, Generic[R]):
         The reduce is one collective.
         """
         self.drain()
-        dtype = torch.float32 if self.device.type == "mps" else torch.float64  # MPS: no float64
+        dtype = _packing_dtype(self.device)
         tensors = [getattr(self, n) for n in self.specs]
         shapes = {n: t.shape for n, t in zip(self.specs, tensors, strict=True)}
         parts = [t.reshape(-1).to(dtype) for t in tensors]
