@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Literal, NoReturn
 
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
@@ -189,7 +189,7 @@ class AlarmPolicy:
             if action is None or action == "log":
                 continue
             if action == "raise":
-                self._raise(trainer, training_alarms, alarm)  # raises
+                self._raise(trainer, training_alarms, alarm)
             self._warn_once(alarm)
             if action == "stop":
                 stop = True
@@ -224,7 +224,7 @@ class AlarmPolicy:
 
     def _raise(
         self, trainer: TrainerView, training_alarms: TrainingAlarms, alarm: TrainingAlarm
-    ) -> None:
+    ) -> NoReturn:
         """Write the alarms to the event files, then raise ``alarm`` as a ``TrainingAlarmError``.
 
         Raises:

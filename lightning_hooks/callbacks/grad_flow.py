@@ -192,8 +192,10 @@ class GradFlowCallback(HookCallback):
             DeprecationWarning,
             stacklevel=2,
         )
-        fit_alarms = self._alarms_across_fits.running
-        return None if fit_alarms is None else fit_alarms.policy
+        fit = self._fit
+        if fit is None or fit.fit_alarms is None:
+            return None
+        return fit.fit_alarms.policy
 
     @override
     def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
@@ -251,11 +253,20 @@ class GradFlowCallback(HookCallback):
     def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
         """Attach the tracker, the optional statistics and the alarms for one fit.
 
-        The alarms start from the state the last fit left. If a step of the set-up fails, the
+        A layer no optimizer steps is warned of once, by name. The alarms start from the state
+        the last fit left. If a step of the set-up fails (a warning raised as an error too), the
         module hooks already on the model are removed before the error goes on to the guard.
         """
         tracker = self._make_tracker(trainer, pl_module)
         try:
+            unstepped = tracker.unstepped()
+            if unstepped:  # warned once; raised as an error, the hooks are removed below
+                rank_zero_warn(
+                    f"{_NAME}: no optimizer of the Trainer steps the trainable "
+                    f"parameters of {', '.join(repr(n) for n in unstepped)}; these layers are "
+                    "not measured.",
+                    category=LightningHooksWarning,
+                )
             stability_stats = StabilityStats() if self.stability else None
             if stability_stats is not None:
                 # On the tracker's registry: one switch turns both on at logging steps, and both
@@ -285,12 +296,8 @@ class GradFlowCallback(HookCallback):
         return Attached(tracker.registry, logged, on_remove=self._end_fit)
 
     def _make_tracker(self, trainer: TrainerView, pl_module: nn.Module) -> GradFlowTracker:
-        """Build the fit's tracker for the Trainer's optimizers and gradient clipping.
-
-        If no optimizer steps some layer, this warns once and names the layer. If that warning
-        is raised as an error, the tracker's module hooks are removed first.
-        """
-        tracker = GradFlowTracker(
+        """Build the fit's tracker for the Trainer's optimizers and gradient clipping."""
+        return GradFlowTracker(
             pl_module,
             trainer.optimizers,
             types=self.types,
@@ -302,19 +309,6 @@ class GradFlowCallback(HookCallback):
             max_layers_logged=self.max_layers_logged,
             guard=self.hook_guard(),
         )
-        try:
-            unstepped = tracker.unstepped()
-            if unstepped:
-                rank_zero_warn(
-                    f"{_NAME}: no optimizer of the Trainer steps the trainable "
-                    f"parameters of {', '.join(repr(n) for n in unstepped)}; these layers are "
-                    "not measured.",
-                    category=LightningHooksWarning,
-                )
-        except BaseException:
-            tracker.remove()
-            raise
-        return tracker
 
     def _draw_pictures(self, trainer: TrainerView, table: LayerTable) -> None:
         """Draw the chart, heatmap and histograms of an epoch of the running fit."""
@@ -374,11 +368,9 @@ class GradFlowCallback(HookCallback):
     @guarded
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Log the epoch's aggregates and pictures, then close the epoch for the alarms."""
-        still_attached = self.lifecycle.end_epoch(trainer)
-        fit_alarms = self._alarms_across_fits.running
-        if still_attached and fit_alarms is not None:
-            fit_alarms.end_epoch()
-            save_loggers(trainer.loggers)  # what the alarms wrote of the epoch
+        still_attached = self.lifecycle.end_epoch(trainer)  # not after a failure ranks agreed on
+        if still_attached and self._fit is not None:
+            self._fit.end_epoch(trainer)
 
 
 def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | None) -> str | None:
@@ -441,6 +433,12 @@ class _Fit:
         """Log the alarm counts and text of the logging step ``step``, if alarms run."""
         if self.fit_alarms is not None:
             self.fit_alarms.log_step(step)
+
+    def end_epoch(self, trainer: TrainerView) -> None:
+        """Act on the epoch's last alarms, and log their counts and text, if alarms run."""
+        if self.fit_alarms is not None:
+            self.fit_alarms.end_epoch()
+            save_loggers(trainer.loggers)  # what the alarms wrote of the epoch
 
     def end_batch(self, outputs: STEP_OUTPUT, step: int, *, measuring: bool) -> None:
         """Close the attention statistics of a measured batch, then give the loss to the rules."""

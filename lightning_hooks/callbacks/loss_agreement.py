@@ -149,8 +149,6 @@ class LossAgreement:
             exchanged = self._exchange(
                 loss, step, failed=ranks.failed_here, stop=ranks.stop_requested
             )
-            if exchanged is None:  # the loss rules turned off
-                return None
             flags = exchanged.flags()
             if flags is not None:
                 disabled = ranks.apply(trainer, step, failed=flags.failed, stopping=flags.stopping)
@@ -161,16 +159,15 @@ class LossAgreement:
 
     def _exchange(
         self, loss: torch.Tensor | None, step: int, *, failed: bool, stop: bool
-    ) -> _Exchanged | None:
+    ) -> _Exchanged:
         """Sum the loss and the two flags over the ranks in the batch's ``all_reduce``.
 
         Returns:
             The batch's sums on the device, and those read on the host (on CUDA, one batch
-            later); ``None`` where the loss rules are off.
+            later).
         """
         sums_to_host = self._sums_to_host
-        if sums_to_host is None:  # the loss rules are off
-            return None
+        assert sums_to_host is not None  # made with the "mean" reading, the one that exchanges
         read = _read_sums(sums_to_host)  # on CUDA, the previous batch's collective
         device_sums = _all_reduce_loss_and_flags(loss, failed, stop)
         sums_to_host.post(device_sums, meta=step)
@@ -206,7 +203,6 @@ class LossAgreement:
     def _rules_off(self, step: int, with_loss: int) -> None:
         """Turn the loss rules off for the rest of the fit, with one warning."""
         self.reading = "off"
-        self._sums_to_host = None
         rank_zero_warn(
             "GradFlowCallback: the loss rules (diverging, loss_spike) are off from step "
             f"{step} on: under manual optimization {with_loss} of {world_size()} ranks' "

@@ -87,6 +87,8 @@ class HostCopy:
     def post(self, value: torch.Tensor, meta: Any = None) -> None:  # noqa: ANN401 (the caller's record, handed back with the value)
         """Start copying ``value`` to the host.
 
+        A value posted while another is still pending replaces it: a caller reads first.
+
         Args:
             value: the device tensor to copy.
             meta: the caller's record, which comes back with the value from :meth:`read`.

@@ -133,14 +133,14 @@ def each_sink(loggers: Sequence[LightningLogger], write: Callable[[LoggerSink], 
         _write(sink, write)
 
 
-def _write(sink: LoggerSink, write: Callable[[LoggerSink], None]) -> None:
-    """Call ``write`` on ``sink`` and mark it unsaved; a client that raises is dropped.
+def _write(sink: LoggerSink, write: Callable[[LoggerSink], None], *, saves: bool = False) -> None:
+    """Call ``write`` on ``sink``; a client that raises is dropped.
 
-    See :func:`each_sink`.
+    See :func:`each_sink`. The sink is then unsaved, unless ``write`` was its save.
     """
     try:
         write(sink)
-        sink.unsaved = True
+        sink.unsaved = not saves
     except Exception as err:
         if strict_default():
             raise
@@ -186,8 +186,7 @@ def save_loggers(loggers: Sequence[LightningLogger], *, layout: bool = False) ->
         if layout and sink.has_new_charts():
             _write(sink, lambda s: s.dashboard())
         if sink.unsaved:
-            _write(sink, lambda s: s.save())
-            sink.unsaved = False
+            _write(sink, lambda s: s.save(), saves=True)
 
 
 def shows_pictures(loggers: Sequence[LightningLogger]) -> bool:

@@ -88,7 +88,9 @@ class AlarmFeed:
     typical update, which the tracker's update ratio reads.
 
     Args:
-        tracker: the tracker whose layout, views and updates the feed reads.
+        tracker: the tracker whose layout, views and updates the feed reads. The feed adds
+            itself to the tracker's ``update_readers``, which the tracker calls with each
+            logging step's update once measured.
         rules: the alarm rules; :attr:`training_alarms` applies them.
 
     Example:
@@ -158,7 +160,9 @@ class AlarmFeed:
         if not view.params:
             return
         alarms = self.training_alarms
-        if alarms.evaluated < alarms.rules.diverge_early:  # from step 1
+        # Whether the optimizer is adaptive is read over diverging's early steps only, the
+        # steps whose bar depends on it.
+        if alarms.evaluated < alarms.rules.diverge_early:
             alarms.set_adaptive(adaptive(optimizer, view.params))
         order = () if measured is None else measured.order
         at = _Step(step, amp=grad_scale is not None, clip=clip, order=order)
