@@ -2,7 +2,7 @@
 
 ``LossAgreement`` reads each batch's loss for the loss rules: this rank's own, or the mean over
 the ranks from one ``all_reduce`` that also carries the ranks' failures and stop requests (here
-a second rank is simulated by what the ``all_reduce`` adds). ``GradFlowAlarms`` starts each
+a second rank is simulated by what the ``all_reduce`` adds). ``AlarmsAcrossFits`` starts each
 fit's alarms from the state the last fit or a checkpoint left, holds the running fit's, and
 keeps it when the fit ends. ``test_distributed_fault_agreement.py`` and the resume tests drive
 the same objects through ``Trainer.fit``.
@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_hooks.callbacks import loss_agreement
 from lightning_hooks.callbacks.alarm_policy import check_actions
-from lightning_hooks.callbacks.grad_flow_alarms import GradFlowAlarms
+from lightning_hooks.callbacks.grad_flow_alarms import AlarmsAcrossFits
 from lightning_hooks.callbacks.loss_agreement import LossAgreement
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.core import GradFlowTracker
@@ -136,7 +136,7 @@ def test_manual_optimization_turns_the_loss_rules_off_where_a_rank_has_no_loss(
     assert agreement.losses(trainer, {"loss": torch.tensor(1.0)}, step=3) is None
 
 
-def _start(alarms: GradFlowAlarms, model: nn.Module) -> Any:
+def _start(alarms: AlarmsAcrossFits, model: nn.Module) -> Any:
     trainer = _trainer(model)
     tracker = GradFlowTracker(model, trainer.optimizers)
     ranks, _ = _ranks()
@@ -153,7 +153,7 @@ def test_the_alarms_carry_their_state_from_one_fit_to_the_next() -> None:
     """A fit's alarms are held as ``running`` until the fit ends; a checkpoint saves the
     running fit's state, and the next fit starts from the state the last one left."""
     model = _Model()
-    alarms = GradFlowAlarms(AlarmRules(), check_actions("warn"))
+    alarms = AlarmsAcrossFits(AlarmRules(), check_actions("warn"))
     assert alarms.running is None and alarms.host_state() == {}
     first, tracker = _start(alarms, model)
     assert alarms.running is first
@@ -177,13 +177,13 @@ def test_another_models_alarm_state_is_refused_by_a_running_fit_and_dropped_by_t
     checkpoint with one warning) and keeps its own; between fits such a state waits, and the
     next fit drops it with a warning and starts afresh."""
     model = _Model()
-    other = GradFlowAlarms(AlarmRules(), check_actions("warn"))
+    other = AlarmsAcrossFits(AlarmRules(), check_actions("warn"))
     _, other_tracker = _start(other, nn.Sequential(nn.Linear(2, 2)))
     foreign = other.host_state()
     other.end()
     other_tracker.remove()
 
-    alarms = GradFlowAlarms(AlarmRules(), check_actions("warn"))
+    alarms = AlarmsAcrossFits(AlarmRules(), check_actions("warn"))
     first, tracker = _start(alarms, model)
     _feed(first, [2.0, 1.5, 1.0])
     good = alarms.host_state()

@@ -14,13 +14,12 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from typing_extensions import override
 
-from lightning_hooks import internals
 from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy, check_actions
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
-from lightning_hooks.callbacks.grad_flow_alarms import FitAlarms, GradFlowAlarms
+from lightning_hooks.callbacks.grad_flow_alarms import AlarmsAcrossFits, FitAlarms
 from lightning_hooks.callbacks.grad_flow_pictures import GradFlowPictures, observe_histograms
-from lightning_hooks.callbacks.trainer import TrainerView, enabled_grad_scaler, gradient_clipping
+from lightning_hooks.callbacks.trainer import TrainerView, gradient_clipping, loss_scales
 from lightning_hooks.callbacks.watching import nothing_to_watch, selection_state_key
 from lightning_hooks.core import GradFlowTracker, LayerHistograms, LayerTable, checks
 from lightning_hooks.core.alarms import AlarmRules
@@ -173,7 +172,7 @@ class GradFlowCallback(HookCallback):
         self.on_alarm = actions
         """The action of each rule; a rule ``on_alarm`` did not name has its default."""
         self.stability = stability
-        self._alarms_across_fits = GradFlowAlarms(rules, actions)
+        self._alarms_across_fits = AlarmsAcrossFits(rules, actions)
         # The alarms carry their running scales to the next fit, and through checkpoints.
         self.lifecycle.checkpoint.keep("alarms", self._alarms_across_fits)
         # Release 0.2.0 saved the tracker's state at the top of the callback's.
@@ -394,7 +393,8 @@ class _Fit:
 
     tracker: GradFlowTracker
     fit_alarms: FitAlarms | None
-    """The fit's alarms; ``None`` under ``alarms=False``."""
+    """The fit's alarms, which the callback's ``AlarmsAcrossFits`` starts, holds as ``running``
+    and ends; ``None`` under ``alarms=False``."""
     stability_stats: StabilityStats | None
     gradient_histograms: LayerHistograms | None
 
@@ -403,13 +403,7 @@ class _Fit:
 
         The gradients are unscaled by the trainer's GradScaler scale, if it has one.
         """
-        scaler = enabled_grad_scaler(trainer)
-        scale = None if scaler is None else internals.grad_scaler_scale(scaler)  # no host sync
-        # Lightning calls ``scaler.unscale_`` before this hook, except for fused optimizers,
-        # which unscale inside their ``step()``: their ``.grad`` still carries the loss scale,
-        # which the measurements divide out themselves.
-        fused = scale is not None and internals.steps_unscale_themselves(optimizer)
-        param_grad_scale = scale if fused else None
+        scale, param_grad_scale = loss_scales(trainer, optimizer)
         measured = self.tracker.observe(
             optimizer, grad_scale=scale, param_grad_scale=param_grad_scale
         )

@@ -1,7 +1,7 @@
 """The alarms of ``GradFlowCallback``: those of each fit, and their state across fits.
 
 :class:`FitAlarms` belongs to one fit: it passes the alarms each step's gradient norms and each
-batch's loss, acts on what they find, and logs them. :class:`GradFlowAlarms` lives as long as
+batch's loss, acts on what they find, and logs them. :class:`AlarmsAcrossFits` lives as long as
 the callback: it makes each fit's :class:`FitAlarms` from the state the last fit or a checkpoint
 left, keeps that fit's state when it ends, and saves the running fit's in checkpoints.
 """
@@ -27,16 +27,16 @@ from lightning_hooks.core.stats.alarm_feed import AlarmFeed, Measured
 from lightning_hooks.core.stats.stability import Result as StabilityResult
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["FitAlarms", "GradFlowAlarms"]
+__all__ = ["AlarmsAcrossFits", "FitAlarms"]
 
 
 @dataclass
 class FitAlarms:
     """Runs the alarms of one fit: feeds them, acts on what they find, and logs them.
 
-    :meth:`GradFlowAlarms.start` makes it at the fit's train start and holds it as
-    :attr:`GradFlowAlarms.running` until :meth:`GradFlowAlarms.end`, when the fit's module hooks
-    are removed.
+    :meth:`AlarmsAcrossFits.start` makes it at the fit's train start and holds it as
+    :attr:`AlarmsAcrossFits.running` until :meth:`AlarmsAcrossFits.end`, when the fit's module
+    hooks are removed. The fit's ``_Fit`` calls it at each step.
     """
 
     trainer: TrainerView
@@ -127,7 +127,7 @@ class FitAlarms:
         self.policy.announce_stop(self.trainer)
 
 
-class GradFlowAlarms:
+class AlarmsAcrossFits:
     """Starts each fit's alarms, and carries their state from one fit to the next.
 
     The state is :meth:`~lightning_hooks.core.alarms.TrainingAlarms.state_dict`: the running
@@ -142,7 +142,7 @@ class GradFlowAlarms:
 
     Example:
         >>> from lightning_hooks.callbacks.alarm_policy import check_actions
-        >>> alarms = GradFlowAlarms(AlarmRules(), check_actions("warn"))
+        >>> alarms = AlarmsAcrossFits(AlarmRules(), check_actions("warn"))
         >>> alarms.host_state()  # no fit ran yet, and no checkpoint was loaded
         {}
     """

@@ -19,6 +19,7 @@ from lightning_fabric.utilities.exceptions import MisconfigurationException
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_hooks import internals
 from lightning_hooks.core.clipping import Clip
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import shadow_hooks, tensor_parallel_size, unshadow_hooks
@@ -35,10 +36,10 @@ __all__ = [
     "TrainingSetup",
     "check_trainer",
     "defers_to_users_own",
-    "enabled_grad_scaler",
     "gradient_clipping",
     "inherits_empty_hook",
     "lightning_module_of",
+    "loss_scales",
     "restore_inherited",
     "skip_inherited",
 ]
@@ -357,21 +358,32 @@ def restore_inherited(callback: pl.Callback, shadowed: Sequence[str]) -> None:
     unshadow_hooks(callback, shadowed)
 
 
-def enabled_grad_scaler(trainer: TrainingSetup) -> torch.amp.GradScaler | None:
-    """Return the GradScaler of the Trainer's precision plugin, if it has one that is enabled.
+def loss_scales(
+    trainer: TrainingSetup, optimizer: torch.optim.Optimizer
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Return the AMP loss scale, and the scale ``optimizer``'s gradients still carry.
 
-    Under fp16 AMP the gradients carry its loss scale until it unscales them.
+    Under fp16 AMP the gradients carry the GradScaler's loss scale until it unscales them.
+    Lightning calls ``scaler.unscale_`` before ``on_before_optimizer_step``, except for fused
+    optimizers, which unscale inside their ``step()``: their ``.grad`` still carries the scale,
+    which the measurements divide out themselves. The scale is read on the device, with no
+    host sync.
 
     Args:
         trainer: the trainer, whose strategy's precision plugin may hold a ``scaler``.
+        optimizer: the optimizer about to step.
 
     Returns:
-        The scaler, or ``None`` without one or with one disabled.
+        ``(grad_scale, param_grad_scale)``: the loss scale (``None`` without an enabled
+        GradScaler), and the same scale where the gradients still carry it, else ``None``.
     """
     scaler: torch.amp.GradScaler | None = getattr(trainer.strategy.precision_plugin, "scaler", None)
     if scaler is None or not scaler.is_enabled():
-        return None
-    return scaler
+        return None, None
+    scale = internals.grad_scaler_scale(scaler)
+    if scale is not None and internals.steps_unscale_themselves(optimizer):
+        return scale, scale
+    return scale, None
 
 
 def gradient_clipping(trainer: GradientSettings) -> Clip | None:
