@@ -57,11 +57,17 @@ def _ranks() -> tuple[RankAgreement, list[bool]]:
     return ranks, removed
 
 
-def _two_ranks(monkeypatch: pytest.MonkeyPatch, other: list[float]) -> None:
-    """Make this process one of two ranks, the other sending ``[loss, has loss, failed, stop]``."""
+def _two_ranks(
+    monkeypatch: pytest.MonkeyPatch, other: list[float], automatic: bool = True
+) -> tuple[LossAgreement, Any, list[bool]]:
+    """Return the loss agreement of this process as one of two ranks, with its trainer and the
+    record of its hooks' removal; the other rank sends ``[loss, has loss, failed, stop]``."""
     monkeypatch.setattr(loss_agreement, "world_size", lambda: 2)
     added = torch.tensor(other, dtype=torch.float32)
     monkeypatch.setattr(loss_agreement, "all_reduce_sum_", lambda sums: sums.add_(added))
+    model = _Model(automatic)
+    ranks, removed = _ranks()
+    return LossAgreement(ranks, model, AlarmRules()), _trainer(model), removed
 
 
 def test_one_process_reads_its_own_loss_in_the_users_units() -> None:
@@ -83,11 +89,7 @@ def test_one_process_reads_its_own_loss_in_the_users_units() -> None:
 
 def test_two_ranks_read_the_mean_loss_from_one_all_reduce(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two ranks under automatic optimization: the rules read the mean of the ranks' losses."""
-    _two_ranks(monkeypatch, other=[3.0, 1.0, 0.0, 0.0])
-    model = _Model()
-    trainer = _trainer(model)
-    ranks, removed = _ranks()
-    agreement = LossAgreement(ranks, model, AlarmRules())
+    agreement, trainer, removed = _two_ranks(monkeypatch, other=[3.0, 1.0, 0.0, 0.0])
     assert agreement.reading == "mean"
     (loss,) = agreement.losses(trainer, {"loss": torch.tensor(1.0)}, step=3) or []
     assert loss.step == 3 and float(loss.value) == 2.0  # (1 + 3) / 2
@@ -99,11 +101,7 @@ def test_a_failure_on_the_other_rank_disables_the_callback_here(
 ) -> None:
     """The loss's ``all_reduce`` carries the other rank's failure: this rank disables the
     callback at the same step, removes its module hooks, and hands the rules no loss."""
-    _two_ranks(monkeypatch, other=[3.0, 1.0, 1.0, 0.0])
-    model = _Model()
-    trainer = _trainer(model)
-    ranks, removed = _ranks()
-    agreement = LossAgreement(ranks, model, AlarmRules())
+    agreement, trainer, removed = _two_ranks(monkeypatch, other=[3.0, 1.0, 1.0, 0.0])
     with pytest.warns(LightningHooksWarning, match="on every rank from step 5"):
         assert agreement.losses(trainer, {"loss": torch.tensor(1.0)}, step=5) is None
     assert removed == [True]
@@ -111,11 +109,7 @@ def test_a_failure_on_the_other_rank_disables_the_callback_here(
 
 def test_a_stop_requested_on_the_other_rank_stops_this_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """The other rank's stop request reaches this rank in the same ``all_reduce``."""
-    _two_ranks(monkeypatch, other=[3.0, 1.0, 0.0, 1.0])
-    model = _Model()
-    trainer = _trainer(model)
-    ranks, _ = _ranks()
-    agreement = LossAgreement(ranks, model, AlarmRules())
+    agreement, trainer, _ = _two_ranks(monkeypatch, other=[3.0, 1.0, 0.0, 1.0])
     assert agreement.losses(trainer, {"loss": torch.tensor(1.0)}, step=5)
     assert trainer.should_stop
 
@@ -125,11 +119,7 @@ def test_manual_optimization_turns_the_loss_rules_off_where_a_rank_has_no_loss(
 ) -> None:
     """Under manual optimization a rank may return no loss: the mean is then unknown, so the
     loss rules turn off for the rest of the fit, with one warning that says how to keep them."""
-    _two_ranks(monkeypatch, other=[0.0, 0.0, 0.0, 0.0])
-    model = _Model(automatic=False)
-    trainer = _trainer(model)
-    ranks, _ = _ranks()
-    agreement = LossAgreement(ranks, model, AlarmRules())
+    agreement, trainer, _ = _two_ranks(monkeypatch, other=[0.0, 0.0, 0.0, 0.0], automatic=False)
     with pytest.warns(LightningHooksWarning, match="1 of 2 ranks' training_step returned a loss"):
         assert agreement.losses(trainer, {"loss": torch.tensor(1.0)}, step=2) == []
     assert agreement.reading == "off"

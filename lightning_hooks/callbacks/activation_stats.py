@@ -184,16 +184,12 @@ class ActivationStatsCallback(HookCallback):
 
         The tracker watches for it afresh in each fit, from the moment it attaches.
         """
-        tracker = self._activations
-        if tracker.first_nonfinite.taken:  # warned of in this fit already
-            return
-        tracker.end_step(self.lifecycle.batch_step)
-        found = tracker.first_nonfinite.take()
+        found = self._activations.take_first_nonfinite(self.lifecycle.batch_step)
         if found is not None:
-            step, row = found
+            step, module = found
             rank_zero_warn(
                 f"{_NAME}: the first module whose output went non-finite (NaN/Inf) is "
-                f"'{tracker.layers[row]}', at global step {step} (the first in execution order "
+                f"'{module}', at global step {step} (the first in execution order "
                 "in the first step with a non-finite output).",
                 category=LightningHooksWarning,
             )

@@ -243,7 +243,8 @@ class GradFlowCallback(HookCallback):
     def on_train_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Start the fit's heatmap, then attach the tracker, the optional statistics and the alarms.
 
-        ``lifecycle.attach`` loads a checkpoint held for the fit, the heatmap's columns with it.
+        If a checkpoint is held for the fit, ``lifecycle.attach`` loads it, and with it the
+        heatmap's columns.
         """
         if self.lifecycle.start_training():
             self._pictures.start()
@@ -347,7 +348,7 @@ class GradFlowCallback(HookCallback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """Pass the batch's loss to the loss rules, then log a logging step whose step ran.
+        """Pass the batch's loss to the loss rules; if the batch ended a logging step, write it.
 
         The loss rules read every batch (:meth:`_Fit.end_batch`). A logging step's alarm counts
         and text are written at the same step as its values.
@@ -447,7 +448,7 @@ _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")
 
 
 def _upgrade_0_2_0_state(state: dict[str, Any]) -> dict[str, Any]:
-    """Read a checkpoint's state in this release's layout; one already in it comes back as is.
+    """Convert a state saved by release 0.2.0 to this release's layout; return others unchanged.
 
     Release 0.2.0 saved the tracker's state at the top level, and the state of the instability
     statistics under ``"stability"``. This release saves each one under a key made of its

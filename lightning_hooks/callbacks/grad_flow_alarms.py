@@ -115,7 +115,7 @@ class FitAlarms:
         )
 
     def start_log(self) -> None:
-        """Log only what the alarms count from now on: counts loaded are already written."""
+        """Start the fit's log from the counts the alarms hold now, which were already written."""
         self.policy.log.start(self.training_alarms)
 
     def end_epoch(self) -> None:

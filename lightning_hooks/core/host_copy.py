@@ -41,10 +41,15 @@ class HostCopy:
         self._event = torch.cuda.Event() if self._cuda else None  # type: ignore[no-untyped-call]
         self._meta: Any = None
         self._allocate(shape)
+        self._posted = self._slots[tuple(shape)]
+        """The slot of the value posted last, which :meth:`read` returns."""
         self.pending = False
 
     def _allocate(self, shape: tuple[int, ...]) -> None:
-        """Make a host buffer of ``shape``, the torch and numpy views over it, and its slot."""
+        """Make a host buffer of ``shape``, the torch and numpy views over it, and its slot.
+
+        The slots of the old buffer are dropped; a value posted in one stays readable.
+        """
         if self._cuda:
             self._host = torch.zeros(shape, dtype=self._dtype, pin_memory=True)
             self._view = self._host.numpy()
@@ -52,8 +57,7 @@ class HostCopy:
             dtype = np.dtype(str(self._dtype).removeprefix("torch."))
             self._view = np.zeros(shape, dtype=dtype)
             self._host = torch.from_numpy(self._view)
-        self._slot = HostSlot(tensor=self._host, array=self._view)
-        self._slots = {tuple(self._host.shape): self._slot}
+        self._slots = {tuple(self._host.shape): HostSlot(tensor=self._host, array=self._view)}
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -76,9 +80,7 @@ class HostCopy:
             return self._slots[shape]
         count = math.prod(shape)
         if count > self._host.numel():
-            unread = self._slot  # a pending value stays in the old buffer until read
             self._allocate((count,))
-            self._slot = unread
         host = self._host.view(-1)[:count].view(shape)
         array = self._view.reshape(-1)[:count].reshape(shape)
         self._slots[shape] = HostSlot(tensor=host, array=array)
@@ -94,7 +96,7 @@ class HostCopy:
             meta: the caller's record, which comes back with the value from :meth:`read`.
         """
         slot = self._slots.get(tuple(value.shape)) or self.reserve(tuple(value.shape))
-        self._slot = slot
+        self._posted = slot
         slot.tensor.copy_(value, non_blocking=self._event is not None)
         if self._event is not None:
             self._event.record()
@@ -121,7 +123,7 @@ class HostCopy:
         meta = self._meta
         self._meta = None
         self.pending = False
-        return self._slot.array, meta
+        return self._posted.array, meta
 
     def clear(self, fill: float = 0) -> None:
         """Drop a pending value and fill the host buffer.

@@ -273,6 +273,28 @@ class ActivationStatsTracker(LayerStat[ActivationResult]):
         first = torch.argmax(bad.to(torch.uint8))
         self.first_nonfinite.mark(bad.any(), step, first)
 
+    def take_first_nonfinite(self, step: int) -> tuple[int, str] | None:
+        """End the measured step ``step``, and return the first non-finite output once found.
+
+        The mark is read without waiting (on CUDA a step or so late), and returned only once
+        in a fit: after that, and before it is found, this returns ``None`` and marks nothing.
+
+        Args:
+            step: the step that just ran (:meth:`end_step`).
+
+        Returns:
+            The step and the module of the first output that went non-finite (the first in
+            execution order in that step), or ``None``.
+        """
+        if self.first_nonfinite.taken:
+            return None
+        self.end_step(step)
+        found = self.first_nonfinite.take()
+        if found is None:
+            return None
+        found_step, row = found
+        return found_step, self.layers[row]
+
     def summary(self) -> FeatureSummary:
         """Return the statistics so far, reduced across ranks.
 

@@ -115,7 +115,9 @@ class AlarmFeed:
         self._norms = tracker.view_norms
         self._sharded = self._norms.shards is not None  # FSDP2: the general path makes norms whole
         self._triton = rules.quiet_read == "triton"
-        self._step = 0  # the step observed last, which the stall reading after it names
+        self._step = 0
+        """The optimizer step observed last. The update the tracker reads after that step's
+        ``optimizer.step()`` (:meth:`_read_update`) belongs to it, so *stall* names it."""
         self._calls = 0
         self._reads: weakref.WeakKeyDictionary[OptimizerView, Read] = weakref.WeakKeyDictionary()
         """Each view's quiet read, made once; it goes with its view."""
