@@ -114,6 +114,40 @@ def test_a_stop_requested_on_the_other_rank_stops_this_one(monkeypatch: pytest.M
     assert trainer.should_stop
 
 
+class _ArrivesABatchLate:
+    """A host copy that hands back each posted value at the next post, as on CUDA."""
+
+    def __init__(self) -> None:
+        self._in_flight: tuple[Any, Any] | None = None
+        self._arrived: tuple[Any, Any] | None = None
+
+    def post(self, value: torch.Tensor, meta: Any = None) -> None:
+        self._arrived = self._in_flight
+        self._in_flight = (value.detach().clone().numpy(), meta)
+
+    def read(self, wait: bool) -> tuple[Any, Any] | None:
+        arrived = self._arrived
+        self._arrived = None
+        return arrived
+
+
+def test_flags_that_arrive_a_batch_late_are_agreed_at_the_batch_that_sent_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA a batch's sums reach the host at the next batch: a failure the other rank sent
+    at step 4 disables the callback at step 4, read at step 5, and the ranks count as agreed at
+    step 4 only, so step 5's logging step still makes its own agreement."""
+    agreement, trainer, removed = _two_ranks(monkeypatch, other=[3.0, 1.0, 1.0, 0.0])
+    monkeypatch.setattr(agreement, "_sums_to_host", _ArrivesABatchLate())
+    assert agreement.losses(trainer, {"loss": torch.tensor(1.0)}, step=4) == [
+        (pytest.approx(2.0), 4)
+    ]  # nothing has arrived yet: the mean is the device's, and no flag is read
+    assert not removed
+    with pytest.warns(LightningHooksWarning, match="on every rank from step 4"):
+        assert agreement.losses(trainer, {"loss": torch.tensor(1.0)}, step=5) is None
+    assert removed == [True]
+
+
 def test_manual_optimization_turns_the_loss_rules_off_where_a_rank_has_no_loss(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

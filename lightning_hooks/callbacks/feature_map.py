@@ -205,9 +205,9 @@ class FeatureMapCallback(HookCallback):
         if self.lifecycle.start_training():
             drawn = self._layers_drawn(pl_module)
             self._fit = _FitProbe(drawn, self._given_probe, self._given_labels)
-            self.lifecycle.attach(Attached(None, on_remove=self._end_fit))
+            self.lifecycle.attach(Attached(None, on_remove=self._on_hooks_removed))
 
-    def _end_fit(self) -> None:
+    def _on_hooks_removed(self) -> None:
         """Drop the fit's probe and layers when the fit ends."""
         self._fit = None
 

@@ -293,7 +293,7 @@ class GradFlowCallback(HookCallback):
         # No ``aligned=``: the tracker's rows come from the optimizers' parameters, the same on
         # every rank, and every rank runs the attention and output modules in every training
         # forward, so no collective lines up the ranks' rows.
-        return Attached(tracker.registry, logged, on_remove=self._end_fit)
+        return Attached(tracker.registry, logged, on_remove=self._on_hooks_removed)
 
     def _make_tracker(self, trainer: TrainerView, pl_module: nn.Module) -> GradFlowTracker:
         """Build the fit's tracker for the Trainer's optimizers and gradient clipping."""
@@ -316,8 +316,11 @@ class GradFlowCallback(HookCallback):
         if fit is not None:
             self._pictures.write(trainer, table, fit.gradient_histograms, fit.tracker.shards)
 
-    def _end_fit(self) -> None:
-        """Carry the fit's alarm state to the next fit, then warn once if an alarm stopped it."""
+    def _on_hooks_removed(self) -> None:
+        """End the fit: at its end, or after a failure the ranks agreed on.
+
+        The fit's alarm state is carried to the next fit, with one warning if an alarm stopped it.
+        """
         self._fit = None
         self._alarms_across_fits.end()
 
@@ -358,7 +361,8 @@ class GradFlowCallback(HookCallback):
             self.lifecycle.end_batch(trainer)
             return
         # The loss first: under several processes its all_reduce also carries the ranks' failures
-        # and stop requests, so the lifecycle's end of the batch needs no collective of its own.
+        # and stop requests. Where they are read at once (off CUDA), the ranks have agreed on
+        # this batch, and the lifecycle's end of the batch needs no collective of its own.
         fit.end_batch(outputs, self.lifecycle.batch_step, measuring=self.lifecycle.measuring)
         logged_step = self.lifecycle.end_batch(trainer)  # a failure here removes the fit
         if logged_step is not None:

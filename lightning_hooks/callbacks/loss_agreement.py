@@ -33,10 +33,13 @@ __all__ = ["Loss", "LossAgreement", "RankFlags", "training_loss"]
 
 
 class RankFlags(NamedTuple):
-    """How many ranks reported a failed hook, and how many asked to stop, at one batch."""
+    """How many ranks reported a failed hook, and how many asked to stop, by a batch's step."""
 
     failed: int
     stopping: int
+    step: int
+    """The optimizer step of the last batch whose sums carried them (on CUDA, the batch
+    before the one that reads them)."""
 
 
 class _Sums(NamedTuple):
@@ -77,7 +80,14 @@ class _Exchanged(NamedTuple):
             return None
         failed = sum(sums.failed for sums in self.host_sums)
         stopping = sum(sums.stopping for sums in self.host_sums)
-        return RankFlags(failed, stopping)
+        return RankFlags(failed, stopping, step=self.host_sums[-1].step)
+
+    def partial(self) -> _Sums | None:
+        """Return the first sums on the host where some ranks returned a loss and others none."""
+        for sums in self.host_sums:
+            if 0 < sums.with_loss < world_size():
+                return sums
+        return None
 
 
 class LossAgreement:
@@ -149,9 +159,16 @@ class LossAgreement:
             exchanged = self._exchange(
                 loss, step, failed=ranks.failed_here, stop=ranks.stop_requested
             )
+            partial = exchanged.partial()
+            if self._manual and partial is not None:  # decided before anything that may raise
+                self._rules_off(partial.step, partial.with_loss)
             flags = exchanged.flags()
             if flags is not None:
-                disabled = ranks.apply(trainer, step, failed=flags.failed, stopping=flags.stopping)
+                # The step the flags were sent at: on CUDA the batch before, so the ranks have
+                # not agreed on this batch yet, and its logging step makes its own agreement.
+                disabled = ranks.apply(
+                    trainer, flags.step, failed=flags.failed, stopping=flags.stopping
+                )
                 if disabled:  # the module hooks are removed on every rank, so skip the loss
                     return None
             return self._mean_losses(exchanged)
@@ -173,9 +190,6 @@ class LossAgreement:
         sums_to_host.post(device_sums, meta=step)
         if device_sums.device.type != "cuda":
             read += _read_sums(sums_to_host)  # off CUDA it has finished, so read this batch's
-        disagree = [sums for sums in read if 0 < sums.with_loss < world_size()]
-        if self._manual and disagree:  # decide on the host, before anything that may raise
-            self._rules_off(disagree[0].step, disagree[0].with_loss)
         return _Exchanged(device_sums, step, read)
 
     def _mean_losses(self, exchanged: _Exchanged) -> list[Loss]:
