@@ -26,13 +26,13 @@ def observe_histograms(
     hist: LayerHistograms,
     layout: ParamLayout,
     optimizer: torch.optim.Optimizer,
-    grad_scale: torch.Tensor | None = None,
+    param_grad_scale: torch.Tensor | None = None,
 ) -> None:
     """Add the gradients ``optimizer`` is about to apply to ``hist``, per layer of ``layout``.
 
-    Only the parameters ``optimizer`` steps are counted. ``grad_scale`` is the loss scale the
-    gradients still carry (a fused optimizer under fp16 AMP unscales inside its step), divided
-    out before they are counted.
+    Only the parameters ``optimizer`` steps are counted. ``param_grad_scale`` is the loss scale
+    the gradients still carry (a fused optimizer under fp16 AMP unscales inside its step),
+    divided out before they are counted.
     """
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     pairs = [
@@ -41,8 +41,8 @@ def observe_histograms(
         if p.grad is not None and id(p) in stepped
     ]
     grads = ParamLayout.grads([p for p, _ in pairs])  # a sparse gradient gives its coalesced values
-    if grad_scale is not None:
-        grads = [grad / grad_scale for grad in grads]
+    if param_grad_scale is not None:
+        grads = [grad / param_grad_scale for grad in grads]
     hist.update(grads, [row for _, row in pairs])
 
 
