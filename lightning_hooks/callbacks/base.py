@@ -102,7 +102,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
                 another's (Lightning refuses two callbacks with one key).
             every_n_steps: the cadence of the logging steps (see :class:`~.cadence.LoggingCadence`).
             uses_images: whether the callback draws pictures. A logger that cannot show them
-                is warned of.
+                triggers one warning.
             fabric_refusal: why this configuration cannot run in a Fabric loop, or ``None``.
                 A Fabric run refuses the callback with this reason at ``fabric.setup``.
 
@@ -195,8 +195,8 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
         """Start a fit with a new guard; let Lightning skip the per-batch hooks left undefined."""
         if stage != "fit":
             return
-        standing_down = defers_to_users_own(self, trainer.callbacks)  # type: ignore[attr-defined]
-        self.lifecycle.start_fit(trainer, self._new_guard(), watching=not standing_down)
+        users_own_watches = defers_to_users_own(self, trainer.callbacks)  # type: ignore[attr-defined]
+        self.lifecycle.start_fit(trainer, self._new_guard(), watching=not users_own_watches)
         restore_inherited(self, self._shadowed_hooks)  # a fit that ended without a teardown
         self._shadowed_hooks = skip_inherited(self, trainer)  # Lightning calls only those defined
 

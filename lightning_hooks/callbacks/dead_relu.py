@@ -162,7 +162,7 @@ class DeadReLUCallback(HookCallback):
         """Warn of each layer at or past ``warn_at``, once per layer per fit.
 
         Args:
-            findings: the fit's findings, which say whether a layer is warned of already.
+            findings: the fit's findings, which say whether a layer was already warned about.
             trainer: the trainer whose epoch the warning names.
             found: the epoch's dead units per layer.
         """

@@ -253,9 +253,10 @@ class GradFlowCallback(HookCallback):
     def _attach(self, trainer: TrainerView, pl_module: nn.Module) -> Attached:
         """Attach the tracker, the optional statistics and the alarms for one fit.
 
-        A layer no optimizer steps is warned of once, by name. The alarms start from the state
-        the last fit left. If a step of the set-up fails (a warning raised as an error too), the
-        module hooks already on the model are removed before the error goes on to the guard.
+        A layer that no optimizer steps triggers one warning that names it. The alarms start from
+        the state the last fit left. If a step of the set-up fails (a warning raised as an error
+        too), the module hooks already on the model are removed before the error goes on to the
+        guard.
         """
         tracker = self._make_tracker(trainer, pl_module)
         try:

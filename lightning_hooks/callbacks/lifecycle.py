@@ -66,8 +66,8 @@ class Lifecycle:
         owner: the callback's name, which begins its messages.
         guard: the guard of the hooks until the first fit's ``setup`` makes its own.
         every_n_steps: the cadence of the logging steps (see :class:`~.cadence.LoggingCadence`).
-        uses_images: whether the callback draws pictures. A logger that cannot show them is
-            warned of.
+        uses_images: whether the callback draws pictures. A logger that cannot show them
+            triggers one warning.
 
     Raises:
         ValueError: ``every_n_steps`` is not a positive int or ``None``.

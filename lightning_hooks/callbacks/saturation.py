@@ -163,7 +163,7 @@ class SaturationCallback(HookCallback):
         """Warn of each layer at or past ``warn_at``, once per layer per fit, on rank 0.
 
         Args:
-            findings: the fit's findings, which say whether a layer is warned of already.
+            findings: the fit's findings, which say whether a layer was already warned about.
             trainer: the trainer whose epoch the warning names (only rank 0 warns).
             found: the epoch's units saturated on every sample, per layer.
         """
