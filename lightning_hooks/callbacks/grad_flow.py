@@ -26,6 +26,7 @@ from lightning_hooks.core.alarms import AlarmRules
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
+from lightning_hooks.core.stats.alarm_feed import Measured
 from lightning_hooks.core.stats.grad_flow import counts_the_model_itself, layers_of
 from lightning_hooks.core.stats.stability import Result as StabilityResult
 from lightning_hooks.core.stats.stability import StabilityStats
@@ -191,10 +192,7 @@ class GradFlowCallback(HookCallback):
             DeprecationWarning,
             stacklevel=2,
         )
-        fit = self._fit
-        if fit is None or fit.fit_alarms is None:
-            return None
-        return fit.fit_alarms.policy
+        return None if self._fit is None else self._fit.fit_alarms.policy
 
     @override
     def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
@@ -283,7 +281,7 @@ class GradFlowCallback(HookCallback):
             raise
         fit = _Fit(
             tracker=tracker,
-            fit_alarms=fit_alarms,
+            fit_alarms=_NoAlarms() if fit_alarms is None else fit_alarms,
             stability_stats=stability_stats,
             gradient_histograms=gradient_histograms,
         )
@@ -367,7 +365,7 @@ class GradFlowCallback(HookCallback):
         fit.end_batch(outputs, self.lifecycle.batch_step, measuring=self.lifecycle.measuring)
         logged_step = self.lifecycle.end_batch(trainer)  # a failure here removes the fit
         if logged_step is not None:
-            fit.log_alarms(logged_step)
+            fit.fit_alarms.log_step(logged_step)
 
     @override
     @guarded
@@ -389,18 +387,52 @@ def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | Non
     )
 
 
+class _NoAlarms:
+    """The fit's alarms under ``alarms=False``: each call does nothing.
+
+    It stands in for a :class:`FitAlarms` as Lightning's ``PassThroughProfiler`` stands in for a
+    profiler, so the fit calls its alarms the same way whether they run or not.
+    """
+
+    policy = None
+    """No alarm policy: release 0.2.0's ``callback.policy`` reads ``None``."""
+
+    def check_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        measured: Measured | None,
+        *,
+        grad_scale: torch.Tensor | None,
+        param_grad_scale: torch.Tensor | None,
+    ) -> None:
+        """Do nothing: no rule reads the gradients."""
+
+    def feed_loss(self, outputs: STEP_OUTPUT, step: int) -> None:
+        """Do nothing: no rule reads the loss."""
+
+    def watch_attention(self, step: int, result: StabilityResult) -> None:
+        """Do nothing: no rule reads the attention statistics."""
+
+    def log_step(self, step: int) -> None:
+        """Do nothing: there are no alarm counts to log."""
+
+    def end_epoch(self) -> None:
+        """Do nothing: there are no alarms to act on or log."""
+
+
 @dataclass
 class _Fit:
     """Measures one fit of :class:`GradFlowCallback`, and passes its alarms what they read.
 
     It is made at the fit's train start and dropped when the fit ends. The callback's hooks
-    call :meth:`before_optimizer_step`, :meth:`end_batch` and :meth:`log_alarms`.
+    call :meth:`before_optimizer_step`, :meth:`end_batch` and :meth:`end_epoch`, and the
+    alarms' ``log_step`` after a logging step is written.
     """
 
     tracker: GradFlowTracker
-    fit_alarms: FitAlarms | None
+    fit_alarms: FitAlarms | _NoAlarms
     """The fit's alarms, which the callback's ``AlarmsAcrossFits`` starts, holds as ``running``
-    and ends; ``None`` under ``alarms=False``."""
+    and ends; under ``alarms=False``, a stand-in that does nothing."""
     stability_stats: StabilityStats | None
     gradient_histograms: LayerHistograms | None
 
@@ -416,36 +448,27 @@ class _Fit:
         if self.gradient_histograms is not None:
             layout = self.tracker.layout
             observe_histograms(self.gradient_histograms, layout, optimizer, param_grad_scale)
-        if self.fit_alarms is not None:
-            self.fit_alarms.check_gradients(
-                optimizer, measured, grad_scale=scale, param_grad_scale=param_grad_scale
-            )
+        self.fit_alarms.check_gradients(
+            optimizer, measured, grad_scale=scale, param_grad_scale=param_grad_scale
+        )
 
     def watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
-        """Pass a logging step's attention statistics to the attention rule, if alarms run.
+        """Pass a logging step's attention statistics to the attention rule.
 
         The instability statistics' ``Logged`` calls it once the step's values are on the host.
         """
-        if self.fit_alarms is not None:
-            self.fit_alarms.watch_attention(step, result)
-
-    def log_alarms(self, step: int) -> None:
-        """Log the alarm counts and text of the logging step ``step``, if alarms run."""
-        if self.fit_alarms is not None:
-            self.fit_alarms.log_step(step)
+        self.fit_alarms.watch_attention(step, result)
 
     def end_epoch(self, trainer: TrainerView) -> None:
-        """Act on the epoch's last alarms, and log their counts and text, if alarms run."""
-        if self.fit_alarms is not None:
-            self.fit_alarms.end_epoch()
-            save_loggers(trainer.loggers)  # what the alarms wrote of the epoch
+        """Act on the epoch's last alarms, and log their counts and text."""
+        self.fit_alarms.end_epoch()
+        save_loggers(trainer.loggers)  # what the alarms wrote of the epoch
 
     def end_batch(self, outputs: STEP_OUTPUT, step: int, *, measuring: bool) -> None:
         """Close the attention statistics of a measured batch, then give the loss to the rules."""
         if self.stability_stats is not None and measuring:
             self.stability_stats.end_step()
-        if self.fit_alarms is not None:
-            self.fit_alarms.feed_loss(outputs, step)
+        self.fit_alarms.feed_loss(outputs, step)
 
 
 _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")
