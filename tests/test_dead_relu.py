@@ -174,9 +174,20 @@ def test_warns_once_per_layer_per_fit_and_counts_the_rest(
     ]
 
 
-def test_below_threshold_does_not_warn(trainer_factory: Any) -> None:
-    torch.manual_seed(0)  # net.3 keeps under 40 % dead units with this initialization
-    trainer_factory(callbacks=[DeadReLUCallback(warn_at=0.4)]).fit(RecordingMLP())
+def test_below_threshold_does_not_warn(trainer_factory: Any, tmp_path: Path) -> None:
+    """5 of net.1's 16 units dead (31 %), none of net.3's: under ``warn_at=0.4``, no warning."""
+    model = RecordingMLP()  # the DEAD units of net.0 never fire
+    alive = [unit for unit in range(16) if unit not in DEAD]
+    with torch.no_grad():  # every other unit fires for every input
+        model.net[0].bias[alive] = 10.0
+        model.net[2].bias.fill_(10.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_factory(callbacks=[DeadReLUCallback(warn_at=0.4)]).fit(model)
+    assert not [w for w in caught if issubclass(w.category, LightningHooksWarning)]
+    scalars = read_scalars(tmp_path)
+    assert _logged(scalars, "dead_fraction", "net.1", 4) == pytest.approx(len(DEAD) / 16)
+    assert _logged(scalars, "dead_fraction", "net.3", 4) == 0.0
 
 
 class DeadChannelCNN(TinyCNN):

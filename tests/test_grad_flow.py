@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -174,8 +175,14 @@ def test_scalars_only_logger_gets_scalars_and_one_warning(
 
 
 def test_chart_off_needs_no_tensorboard(trainer_factory: Any, tmp_path: Path) -> None:
+    """With the chart off, a CSV logger gets the scalars and no warning of missing images."""
     logger = CSVLogger(str(tmp_path), name="csv", version=0)
-    trainer_factory(callbacks=[GradFlowCallback(chart=False)], logger=logger).fit(TinyMLP())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_factory(callbacks=[GradFlowCallback(chart=False)], logger=logger).fit(TinyMLP())
+    assert not [w for w in caught if issubclass(w.category, LightningHooksWarning)]
+    header = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+    assert "grad_flow/grad_norm/net.0" in header.split(",")
 
 
 def test_pattern_matching_nothing_fails_at_setup(trainer_factory: Any) -> None:

@@ -29,7 +29,10 @@ from lightning_hooks.tags import (
     step_tags,
 )
 
-__all__ = ["Action", "AlarmLog", "AlarmPolicy", "check_actions"]
+__all__ = ["OWNER", "Action", "AlarmLog", "AlarmPolicy", "check_actions"]
+
+OWNER = "GradFlowCallback"
+"""The callback the alarms belong to, which begins their messages."""
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
@@ -82,14 +85,14 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
     """
     if not isinstance(on_alarm, str | Mapping):
         raise TypeError(
-            f"GradFlowCallback(on_alarm={on_alarm!r}): must be one of {_ACTIONS} or a mapping "
+            f"{OWNER}(on_alarm={on_alarm!r}): must be one of {_ACTIONS} or a mapping "
             f"{{rule: action}} with rules in {_ACTIONABLE}, got {on_alarm!r}"
         )
     if isinstance(on_alarm, str) and on_alarm not in _ACTIONS:
         close = difflib.get_close_matches(on_alarm, _ACTIONS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(
-            f"GradFlowCallback(on_alarm={on_alarm!r}): must be one of {_ACTIONS} or a mapping "
+            f"{OWNER}(on_alarm={on_alarm!r}): must be one of {_ACTIONS} or a mapping "
             f"{{rule: action}}, got {on_alarm!r}{hint}"
         )
     given = _one_action_for_all(on_alarm) if isinstance(on_alarm, str) else on_alarm
@@ -99,14 +102,13 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
     for rule, action in given.items():
         if rule not in _ACTIONABLE:
             raise ValueError(
-                f"GradFlowCallback(on_alarm={on_alarm!r}): rules must be in {_ACTIONABLE}, "
-                f"got {rule!r}"
+                f"{OWNER}(on_alarm={on_alarm!r}): rules must be in {_ACTIONABLE}, got {rule!r}"
             )
         skippable = rule not in _NOT_SKIPPABLE
         if action not in _ACTIONS or (action == "skip" and not skippable):
             allowed = _ACTIONS if skippable else tuple(a for a in _ACTIONS if a != "skip")
             raise ValueError(
-                f"GradFlowCallback(on_alarm={on_alarm!r}): the action for {rule!r} must be in "
+                f"{OWNER}(on_alarm={on_alarm!r}): the action for {rule!r} must be in "
                 f"{allowed}, got {action!r}"
             )
         actions[rule] = action
@@ -216,7 +218,7 @@ class AlarmPolicy:
         self.stopped_by = None
         if alarm is not None and trainer.should_stop:
             rank_zero_warn(
-                f"GradFlowCallback [{alarm.rule}]: on_alarm='stop' ended the fit at optimizer "
+                f"{OWNER} [{alarm.rule}]: on_alarm='stop' ended the fit at optimizer "
                 f"step {trainer.global_step}, after the {alarm.rule} alarm of step {alarm.step}:\n"
                 f"{alarm.message}",
                 category=TrainingAlarmWarning,
@@ -380,7 +382,7 @@ def _with_callback_name(alarm: TrainingAlarm) -> str:
     Lightning's warning formatter drops a warning's category when the warning comes from a path
     that contains "lightning", so the message itself must say where it comes from.
     """
-    return f"GradFlowCallback [{alarm.rule}]: {alarm.message}"
+    return f"{OWNER} [{alarm.rule}]: {alarm.message}"
 
 
 def _summary(log: list[TrainingAlarm], where: str, noticed: set[str]) -> str:

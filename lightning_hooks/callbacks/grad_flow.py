@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from typing_extensions import override
 
-from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy, check_actions
+from lightning_hooks.callbacks.alarm_policy import OWNER, Action, AlarmPolicy, check_actions
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.grad_flow_alarms import AlarmsAcrossFits, FitAlarms
@@ -34,8 +34,6 @@ from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import save_loggers
 
 __all__ = ["GradFlowCallback"]
-
-_NAME = "GradFlowCallback"
 
 
 @named_arguments
@@ -136,11 +134,11 @@ class GradFlowCallback(HookCallback):
         stability: bool = True,
     ) -> None:
         # Every argument is checked first, so a bad one fails before anything is built.
-        checks.module_types(_NAME, types, (nn.Module,))
-        include = as_patterns(include, f"{_NAME}(include={include!r})")
-        exclude = as_patterns(exclude, f"{_NAME}(exclude={exclude!r})")
+        checks.module_types(OWNER, types, (nn.Module,))
+        include = as_patterns(include, f"{OWNER}(include={include!r})")
+        exclude = as_patterns(exclude, f"{OWNER}(exclude={exclude!r})")
         max_layers_logged = checks.positive_int_or_none(
-            _NAME, "max_layers_logged", max_layers_logged, none_means="every layer"
+            OWNER, "max_layers_logged", max_layers_logged, none_means="every layer"
         )
         switches = {
             "update_ratio": update_ratio,
@@ -151,7 +149,7 @@ class GradFlowCallback(HookCallback):
             "stability": stability,
         }
         for name, value in switches.items():
-            checks.boolean(_NAME, name, value)
+            checks.boolean(OWNER, name, value)
         rules = _alarm_rules(alarms)
         actions = check_actions(on_alarm)
         super().__init__(
@@ -187,7 +185,7 @@ class GradFlowCallback(HookCallback):
     def policy(self) -> AlarmPolicy | None:
         """Deprecated: release 0.2.0's alarm policy, now each fit's own (``None`` between fits)."""
         warnings.warn(
-            f"{_NAME}.policy is deprecated: each fit has its own alarm policy, and the actions "
+            f"{OWNER}.policy is deprecated: each fit has its own alarm policy, and the actions "
             "are callback.on_alarm",
             DeprecationWarning,
             stacklevel=2,
@@ -210,7 +208,7 @@ class GradFlowCallback(HookCallback):
             ValueError: the user's selection selects no layer.
         """
         selection = Selection.of(
-            _NAME, types=self.types, include=self.include, exclude=self.exclude
+            OWNER, types=self.types, include=self.include, exclude=self.exclude
         )
         modules = selection.modules(pl_module)
         owners = list(modules)  # the layers measured
@@ -224,7 +222,7 @@ class GradFlowCallback(HookCallback):
         ]
         if lazy:
             rank_zero_warn(
-                f"{_NAME}: the selected layers' lazy parameters {lazy[:3]} are not "
+                f"{OWNER}: the selected layers' lazy parameters {lazy[:3]} are not "
                 "initialized before fit; this callback does nothing in this fit. Initialize "
                 "them first: one forward of a sample batch before trainer.fit (or in the "
                 "LightningModule's setup)",
@@ -233,7 +231,7 @@ class GradFlowCallback(HookCallback):
             return False
         if not layers_of(pl_module, modules, types=self.types, include=self.include).layers:
             selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
-            return nothing_to_watch(_NAME, "module owning a parameter", selected=selected)
+            return nothing_to_watch(OWNER, "module owning a parameter", selected=selected)
         return True
 
     @override
@@ -261,7 +259,7 @@ class GradFlowCallback(HookCallback):
             unstepped = tracker.unstepped()
             if unstepped:  # warned once; raised as an error, the hooks are removed below
                 rank_zero_warn(
-                    f"{_NAME}: no optimizer of the Trainer steps the trainable "
+                    f"{OWNER}: no optimizer of the Trainer steps the trainable "
                     f"parameters of {', '.join(repr(n) for n in unstepped)}; these layers are "
                     "not measured.",
                     category=LightningHooksWarning,
@@ -508,7 +506,7 @@ def _alarm_rules(alarms: AlarmRules | bool) -> AlarmRules | None:
     """
     if not isinstance(alarms, AlarmRules | bool):
         raise TypeError(
-            f"{_NAME}(alarms={alarms!r}): expected an AlarmRules or a bool, "
+            f"{OWNER}(alarms={alarms!r}): expected an AlarmRules or a bool, "
             f"got {type(alarms).__name__}"
         )
     if alarms is True:

@@ -17,7 +17,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 
-from lightning_hooks.callbacks.alarm_policy import Action, AlarmPolicy
+from lightning_hooks.callbacks.alarm_policy import OWNER, Action, AlarmPolicy
 from lightning_hooks.callbacks.loss_agreement import LossAgreement
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView, gradient_clipping
@@ -191,7 +191,7 @@ class AlarmsAcrossFits:
             except ValueError as err:
                 self._state = None  # another model's state: drop it now, not at every later fit
                 rank_zero_warn(
-                    f"GradFlowCallback: {err}; running scales start afresh.",
+                    f"{OWNER}: {err}; running scales start afresh.",
                     category=LightningHooksWarning,
                 )
         running.start_log()

@@ -16,6 +16,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 
+from lightning_hooks.callbacks.alarm_policy import OWNER
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.alarms import AlarmRules
@@ -218,7 +219,7 @@ class LossAgreement:
         """Turn the loss rules off for the rest of the fit, with one warning."""
         self.reading = "off"
         rank_zero_warn(
-            "GradFlowCallback: the loss rules (diverging, loss_spike) are off from step "
+            f"{OWNER}: the loss rules (diverging, loss_spike) are off from step "
             f"{step} on: under manual optimization {with_loss} of {world_size()} ranks' "
             "training_step returned a loss there, the others none, so the mean over ranks is "
             "unknown; the gradient rules still run. Return the loss on every rank to keep them, "
