@@ -286,7 +286,7 @@ class GradFlowCallback(HookCallback):
         self._fit = fit
         logged: list[Logged[Any]] = [Logged(tracker, on_epoch=self._draw_pictures)]
         if fit.stability_stats is not None:
-            logged.append(Logged(fit.stability_stats, on_step=fit.watch_attention))
+            logged.append(Logged(fit.stability_stats, on_step=self._watch_attention))
         # No ``aligned=``: the tracker's rows come from the optimizers' parameters, the same on
         # every rank, and every rank runs the attention and output modules in every training
         # forward, so no collective lines up the ranks' rows.
@@ -313,6 +313,15 @@ class GradFlowCallback(HookCallback):
         if fit is not None:
             self._pictures.write(trainer, table, fit.gradient_histograms, fit.tracker.shards)
 
+    def _watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
+        """Pass a logging step's attention statistics to the attention rule of the running fit.
+
+        The instability statistics' ``Logged`` calls it once the step's values are on the host.
+        """
+        fit = self._fit
+        if fit is not None:
+            fit.fit_alarms.watch_attention(step, result)
+
     def _on_hooks_removed(self) -> None:
         """End the fit: at its end, or after a failure the ranks agreed on.
 
@@ -326,9 +335,23 @@ class GradFlowCallback(HookCallback):
     def on_before_optimizer_step(
         self, trainer: TrainerView, pl_module: nn.Module, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Measure the gradient ``optimizer`` is about to apply, and pass it to the alarms."""
-        if self._fit is not None:
-            self._fit.before_optimizer_step(trainer, optimizer)
+        """Measure the gradient ``optimizer`` is about to apply, then pass it to the alarms.
+
+        The gradients are unscaled by the trainer's GradScaler scale, if it has one.
+        """
+        fit = self._fit
+        if fit is None:  # not attached, or disabled
+            return
+        scale, param_grad_scale = loss_scales(trainer, optimizer)
+        measured = fit.tracker.observe(
+            optimizer, grad_scale=scale, param_grad_scale=param_grad_scale
+        )
+        if fit.gradient_histograms is not None:
+            layout = fit.tracker.layout
+            observe_histograms(fit.gradient_histograms, layout, optimizer, param_grad_scale)
+        fit.fit_alarms.check_gradients(
+            optimizer, measured, grad_scale=scale, param_grad_scale=param_grad_scale
+        )
 
     @override
     @guarded
@@ -350,17 +373,20 @@ class GradFlowCallback(HookCallback):
     ) -> None:
         """Pass the batch's loss to the loss rules; if the batch ended a logging step, write it.
 
-        The loss rules read every batch (:meth:`_Fit.end_batch`). A logging step's alarm counts
-        and text are written at the same step as its values.
+        The loss rules read every batch. A logging step's alarm counts and text are written at
+        the same step as its values.
         """
         fit = self._fit
         if fit is None:  # not attached, or disabled
             self.lifecycle.end_batch(trainer)
             return
-        # The loss first: under several processes its all_reduce also carries the ranks' failures
-        # and stop requests. Where they are read at once (off CUDA), the ranks have agreed on
-        # this batch, and the lifecycle's end of the batch needs no collective of its own.
-        fit.end_batch(outputs, self.lifecycle.batch_step, measuring=self.lifecycle.measuring)
+        if fit.stability_stats is not None and self.lifecycle.measuring:
+            fit.stability_stats.end_step()  # the measured batch's attention statistics are whole
+        # The loss before the lifecycle: under several processes its all_reduce also carries the
+        # ranks' failures and stop requests. Where they are read at once (off CUDA), the ranks
+        # have agreed on this batch, and the lifecycle's end of the batch needs no collective of
+        # its own.
+        fit.fit_alarms.feed_loss(outputs, self.lifecycle.batch_step)
         logged_step = self.lifecycle.end_batch(trainer)  # a failure here removes the fit
         if logged_step is not None:
             fit.fit_alarms.log_step(logged_step)
@@ -370,8 +396,10 @@ class GradFlowCallback(HookCallback):
     def on_train_epoch_end(self, trainer: TrainerView, pl_module: nn.Module) -> None:
         """Log the epoch's aggregates and pictures, then close the epoch for the alarms."""
         still_attached = self.lifecycle.end_epoch(trainer)  # not after a failure ranks agreed on
-        if still_attached and self._fit is not None:
-            self._fit.end_epoch(trainer)
+        fit = self._fit
+        if still_attached and fit is not None:
+            fit.fit_alarms.end_epoch()
+            save_loggers(trainer.loggers)  # what the alarms wrote of the epoch
 
 
 def _refusal_under_fabric(actions: Mapping[str, Action], rules: AlarmRules | None) -> str | None:
@@ -420,53 +448,21 @@ class _NoAlarms:
 
 @dataclass
 class _Fit:
-    """Measures one fit of :class:`GradFlowCallback`, and passes its alarms what they read.
+    """What measures one fit of :class:`GradFlowCallback`, and the fit's alarms.
 
-    It is made at the fit's train start and dropped when the fit ends. The callback's hooks
-    call :meth:`before_optimizer_step`, :meth:`end_batch` and :meth:`end_epoch`, and the
-    alarms' ``log_step`` after a logging step is written.
+    It is made at the fit's train start and dropped when the fit ends. The callback's Lightning
+    hooks call each part by name.
     """
 
     tracker: GradFlowTracker
+    """Measures the gradient flow of the fit's layers."""
     fit_alarms: FitAlarms | _NoAlarms
     """The fit's alarms, which the callback's ``AlarmsAcrossFits`` starts, holds as ``running``
     and ends; under ``alarms=False``, a stand-in that does nothing."""
     stability_stats: StabilityStats | None
+    """The instability statistics, under ``stability=True``."""
     gradient_histograms: LayerHistograms | None
-
-    def before_optimizer_step(self, trainer: TrainerView, optimizer: torch.optim.Optimizer) -> None:
-        """Measure the gradient ``optimizer`` is about to apply, then pass it to the alarms.
-
-        The gradients are unscaled by the trainer's GradScaler scale, if it has one.
-        """
-        scale, param_grad_scale = loss_scales(trainer, optimizer)
-        measured = self.tracker.observe(
-            optimizer, grad_scale=scale, param_grad_scale=param_grad_scale
-        )
-        if self.gradient_histograms is not None:
-            layout = self.tracker.layout
-            observe_histograms(self.gradient_histograms, layout, optimizer, param_grad_scale)
-        self.fit_alarms.check_gradients(
-            optimizer, measured, grad_scale=scale, param_grad_scale=param_grad_scale
-        )
-
-    def watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
-        """Pass a logging step's attention statistics to the attention rule.
-
-        The instability statistics' ``Logged`` calls it once the step's values are on the host.
-        """
-        self.fit_alarms.watch_attention(step, result)
-
-    def end_epoch(self, trainer: TrainerView) -> None:
-        """Act on the epoch's last alarms, and log their counts and text."""
-        self.fit_alarms.end_epoch()
-        save_loggers(trainer.loggers)  # what the alarms wrote of the epoch
-
-    def end_batch(self, outputs: STEP_OUTPUT, step: int, *, measuring: bool) -> None:
-        """Close the attention statistics of a measured batch, then give the loss to the rules."""
-        if self.stability_stats is not None and measuring:
-            self.stability_stats.end_step()
-        self.fit_alarms.feed_loss(outputs, step)
+    """The histograms of ``log10 |g|``, under ``histograms=True``."""
 
 
 _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")

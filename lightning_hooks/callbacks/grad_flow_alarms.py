@@ -36,7 +36,7 @@ class FitAlarms:
 
     :meth:`AlarmsAcrossFits.start` makes it at the fit's train start and holds it as
     :attr:`AlarmsAcrossFits.running` until :meth:`AlarmsAcrossFits.end`, when the fit's module
-    hooks are removed. The fit's ``_Fit`` calls it at each step.
+    hooks are removed. The callback's Lightning hooks call it at each step.
     """
 
     trainer: TrainerView
