@@ -167,8 +167,8 @@ def one_rank_alarm(held: Trainer) -> Callable[..., Any]:
 
 def faults(name: str, held: Trainer) -> Any:
     """The fault of fit ``name`` (a context manager)."""
-    from lightning_hooks.callbacks.alarm_policy import AlarmPolicy
     from lightning_hooks.callbacks.attached import Logged
+    from lightning_hooks.callbacks.grad_flow_alarms import FitAlarms
     from lightning_hooks.core import GradFlowTracker
     from lightning_hooks.core.alarms import TrainingAlarms
     from lightning_hooks.core.stats import output_grad
@@ -185,7 +185,7 @@ def faults(name: str, held: Trainer) -> Any:
         "quiet_no_loss": (TrainingAlarms, "update", lambda: step() >= 1),
         "logging": (GradFlowTracker, "step_values", lambda: step() == 4),
         "loss": (TrainingAlarms, "update_loss", lambda: step() == 2),
-        "epoch_end": (AlarmPolicy, "end_epoch", lambda: epoch() == 0),
+        "epoch_end": (FitAlarms, "end_epoch", lambda: epoch() == 0),
         "output_grad": (output_grad, "_output_norm", lambda: step() == 3),
         "optimizer_hook": (GradFlowTracker, "_after_step", lambda: step() == 3),
         "stats_logging": (stat, "observe", lambda: step() == 3),

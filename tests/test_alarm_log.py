@@ -1,6 +1,6 @@
-"""What the alarms write and warn, fit by fit: ``AlarmLog`` writes at each logging step the
-alarms counted since the last, from the counts its fit's alarms were loaded with, and
-``AlarmPolicy`` warns of each rule and layer once a fit. Fed real ``TrainingAlarms``."""
+"""What the alarms write, fit by fit: ``AlarmLog`` writes at each logging step the alarms
+counted since the last, from the counts its fit's alarms were loaded with. Fed real
+``TrainingAlarms``."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ import math
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 import torch
 
-from lightning_hooks.callbacks.alarm_policy import AlarmLog, AlarmPolicy, check_actions
+from lightning_hooks.callbacks.alarm_policy import AlarmLog, check_actions
 from lightning_hooks.core.alarms import AlarmRules, TrainingAlarm, TrainingAlarms
-from lightning_hooks.errors import LightningHooksWarning
 
 from conftest import MetricsOnlyLogger
 
@@ -68,17 +66,3 @@ def test_a_fit_counts_from_the_alarms_it_loads_never_below_them() -> None:
     loaded.poll()
     log.log_step(trainer, loaded, 7)
     assert _written(trainer, NONFINITE) == [(6, 0), (7, 1)]
-
-
-def test_a_policy_warns_of_a_rule_and_layer_once() -> None:
-    """Four alarms of one rule and layer: one warning. Each fit makes its own policy, which
-    warns of them again."""
-    alarms, found = _alarms(nan_at=(1, 2))
-    assert [a.step for a in found] == [1, 2]
-    trainer = SimpleNamespace(should_stop=False, global_step=3)
-    for fit in range(2):
-        policy = AlarmPolicy(check_actions("warn"), request_stop=lambda: None)
-        with pytest.warns(LightningHooksWarning) as caught:
-            policy.act(trainer, None, alarms, found)
-            policy.act(trainer, None, alarms, found)
-        assert len(caught) == 1, fit

@@ -10,6 +10,7 @@ the same objects through ``Trainer.fit``.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -223,3 +224,28 @@ def test_another_models_alarm_state_is_refused_by_a_running_fit_and_dropped_by_t
     assert second.training_alarms.state_dict()["loss_levels"]["seen"] == 0
     alarms.end()
     tracker.remove()
+
+
+def test_each_fits_alarms_warn_of_a_rule_and_layer_once() -> None:
+    """Two steps' NaN gradients in one layer, acted on twice: one warning. The next fit's alarms
+    warn of them again. Fed real ``TrainingAlarms``."""
+    model = _Model()
+    alarms = AlarmsAcrossFits(AlarmRules(), check_actions("warn"))
+    for fit in range(2):
+        running, tracker = _start(alarms, model)
+        training_alarms = running.training_alarms
+        found = []
+        for step in range(4):
+            norm = math.nan if step in (1, 2) else 1.0
+            training_alarms.update(torch.tensor([norm, 1.0, 1.0]), step=step, clip=None)
+            found += training_alarms.poll(wait=True)
+        assert [(a.rule, a.layer, a.step) for a in found] == [
+            ("nonfinite", "net.0", 1),
+            ("nonfinite", "net.0", 2),
+        ]
+        with pytest.warns(LightningHooksWarning) as caught:
+            running.act(None, found)
+            running.act(None, found)
+        assert len(caught) == 1, fit
+        alarms.end()
+        tracker.remove()

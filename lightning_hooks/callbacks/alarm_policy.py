@@ -1,24 +1,19 @@
 """What ``GradFlowCallback`` does when an alarm fires, and how the alarms are written.
 
-:class:`AlarmPolicy` takes the fired rule's action: warn, stop the fit, raise, skip the
-optimizer step, or only log. :class:`AlarmLog` writes the alarms to the loggers.
+:func:`check_actions` reads ``on_alarm`` as the action of each rule: warn, stop the fit, raise,
+skip the optimizer step, or only log. :class:`AlarmLog` writes the alarms to the loggers.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping
-from typing import Literal, NoReturn
-
-import torch
-from pytorch_lightning.utilities import rank_zero_warn
+from collections.abc import Mapping
+from typing import Literal
 
 from lightning_hooks.callbacks.attached import epoch_step
 from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.alarms import ALARM_RULES, TrainingAlarm, TrainingAlarms
-from lightning_hooks.core.distributed import world_size
-from lightning_hooks.errors import TrainingAlarmError, TrainingAlarmWarning
-from lightning_hooks.logging import log_scalars, log_text, save_loggers
+from lightning_hooks.logging import log_scalars, log_text
 from lightning_hooks.tags import (
     ALARM_STEP_TEXT,
     ALARM_TEXT,
@@ -29,7 +24,7 @@ from lightning_hooks.tags import (
     step_tags,
 )
 
-__all__ = ["OWNER", "Action", "AlarmLog", "AlarmPolicy", "check_actions"]
+__all__ = ["OWNER", "Action", "AlarmLog", "check_actions"]
 
 OWNER = "GradFlowCallback"
 """The callback the alarms belong to, which begins their messages."""
@@ -132,156 +127,6 @@ def _one_action_for_all(action: str) -> dict[str, str]:
     return actions
 
 
-class AlarmPolicy:
-    """Applies each rule's action to the alarms, as :func:`check_actions` reads ``on_alarm``.
-
-    A callback makes a new policy for each fit, so that the warnings, the stop and the counts
-    belong to that fit alone. A warning is given once per rule and layer in each epoch. Under
-    DDP, ``stop`` and ``raise`` act on every rank. The policy does not store the alarms: each
-    method that needs them is passed the fit's alarms.
-
-    Args:
-        actions: the action of every rule.
-        request_stop: called for a ``stop`` under DDP. The ranks agree on the stop at their
-            next agreement.
-
-    Example:
-        >>> policy = AlarmPolicy(check_actions({"diverging": "stop"}), request_stop=lambda: None)
-        >>> policy.actions["diverging"], policy.actions["vanishing"], policy.actions["spike"]
-        ('stop', 'warn', 'log')
-    """
-
-    def __init__(self, actions: Mapping[str, Action], request_stop: Callable[[], None]) -> None:
-        self.actions = dict(actions)
-        self.log = AlarmLog(self.actions)
-        """Writes the alarms to the loggers at each logging step and at each epoch end."""
-        # ``skip`` must know the step's verdict before the optimizer step runs, and that costs a
-        # CUDA sync.
-        self.wait = "skip" in self.actions.values()
-        self._request_stop = request_stop
-        self._warned: set[tuple[str, str]] = set()
-        self.stopped_by: TrainingAlarm | None = None  # the first alarm whose ``stop`` acted
-
-    def act(
-        self,
-        trainer: TrainerView,
-        optimizer: torch.optim.Optimizer | None,
-        training_alarms: TrainingAlarms,
-        found: list[TrainingAlarm],
-    ) -> None:
-        """Warn, stop, raise or skip for each alarm found, as its rule's action says.
-
-        A ``skip`` applies only to an alarm of the trainer's current step, and drops the
-        gradients of ``optimizer``. Before a ``raise``, the alarms since the last logging step
-        are written.
-
-        Args:
-            trainer: the trainer, stopped where an alarm's action is ``stop``.
-            optimizer: the optimizer about to step, whose step ``skip`` skips; ``None`` outside
-                an optimizer step (a batch's end, for the loss rules, and an epoch's end).
-            training_alarms: the rules' state, which the alarms came from.
-            found: the alarms the rules found since the last poll.
-
-        Raises:
-            TrainingAlarmError: an alarm's rule has the action ``"raise"``.
-        """
-        stop = False
-        for alarm in found:
-            action = self.actions.get(alarm.rule)
-            if action is None or action == "log":
-                continue
-            if action == "raise":
-                self._raise(trainer, training_alarms, alarm)
-            self._warn_once(alarm)
-            if action == "stop":
-                stop = True
-                if self.stopped_by is None:
-                    self.stopped_by = alarm
-            elif action == "skip" and optimizer is not None and alarm.step == trainer.global_step:
-                _skip_step(optimizer)
-        if stop and world_size() == 1:
-            trainer.should_stop = True
-        elif stop:
-            # The ranks agree on it in a collective the callback makes anyway: no host sync.
-            self._request_stop()
-
-    def announce_stop(self, trainer: TrainerView) -> None:
-        """Warn once, at the fit's end, if an alarm's ``stop`` ended it.
-
-        Without this warning, a fit that an alarm stopped looks like one that finished, except
-        for its step count.
-
-        Args:
-            trainer: the trainer of the ending fit, whose ``should_stop`` says if a stop ended it.
-        """
-        alarm = self.stopped_by
-        self.stopped_by = None
-        if alarm is not None and trainer.should_stop:
-            rank_zero_warn(
-                f"{OWNER} [{alarm.rule}]: on_alarm='stop' ended the fit at optimizer "
-                f"step {trainer.global_step}, after the {alarm.rule} alarm of step {alarm.step}:\n"
-                f"{alarm.message}",
-                category=TrainingAlarmWarning,
-            )
-
-    def _raise(
-        self, trainer: TrainerView, training_alarms: TrainingAlarms, alarm: TrainingAlarm
-    ) -> NoReturn:
-        """Write the alarms to the event files, then raise ``alarm`` as a ``TrainingAlarmError``.
-
-        Raises:
-            TrainingAlarmError: always. If a logger fails to write, that failure becomes the
-                error's cause instead of hiding it.
-        """
-        error = TrainingAlarmError(
-            _with_callback_name(alarm),
-            rule=alarm.rule,
-            layer=alarm.layer,
-            step=alarm.step,
-            value=alarm.value,
-            alarm=alarm,
-        )
-        try:
-            self._keep_before_raising(trainer, training_alarms, alarm.step)
-        except Exception as failure:
-            raise error from failure
-        raise error
-
-    def _keep_before_raising(
-        self, trainer: TrainerView, training_alarms: TrainingAlarms, step: int
-    ) -> None:
-        """Write the alarms since the last logging step at ``step``, and save the loggers.
-
-        The raising alarm is included, so ``lightning-hooks report --fail-on`` can find the alarm
-        that ended the fit.
-        """
-        self.log.log_step(trainer, training_alarms, step)
-        save_loggers(trainer.loggers)
-
-    def _warn_once(self, alarm: TrainingAlarm) -> None:
-        """Warn of an alarm, attached as ``warning.alarm``, once per rule and layer in an epoch."""
-        key = (alarm.rule, alarm.layer)
-        if key not in self._warned:
-            self._warned.add(key)
-            warning = TrainingAlarmWarning(_with_callback_name(alarm))
-            warning.alarm = alarm
-            rank_zero_warn(warning, category=TrainingAlarmWarning)
-
-    def end_epoch(self, trainer: TrainerView, training_alarms: TrainingAlarms) -> None:
-        """Act on the epoch's last verdicts, then write its alarms and start the next epoch.
-
-        Args:
-            trainer: the trainer ending the epoch.
-            training_alarms: the rules' state, polled one last time.
-
-        Raises:
-            TrainingAlarmError: a last verdict's rule has the action ``"raise"``.
-        """
-        self.act(trainer, None, training_alarms, training_alarms.poll(wait=True))
-        self._warned.clear()  # in the next epoch, each rule and layer may warn once
-        self.log.end_epoch(trainer, training_alarms)
-
-
 class AlarmLog:
     """Writes the alarms to the loggers: their counts per rule, and their text.
 
@@ -364,25 +209,6 @@ class AlarmLog:
         if trainer.is_global_zero and not repeated:
             where = f"in epoch {trainer.current_epoch}"
             log_text(trainer.loggers, ALARM_TEXT, _summary(log, where, self._noticed), step)
-
-
-def _skip_step(optimizer: torch.optim.Optimizer) -> None:
-    """Make ``optimizer``'s coming ``step()`` do nothing, by clearing its gradients.
-
-    Torch optimizers skip a parameter whose gradient is ``None``.
-    """
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = None
-
-
-def _with_callback_name(alarm: TrainingAlarm) -> str:
-    """Begin the alarm's message with the callback's name and the rule.
-
-    Lightning's warning formatter drops a warning's category when the warning comes from a path
-    that contains "lightning", so the message itself must say where it comes from.
-    """
-    return f"{OWNER} [{alarm.rule}]: {alarm.message}"
 
 
 def _summary(log: list[TrainingAlarm], where: str, noticed: set[str]) -> str:

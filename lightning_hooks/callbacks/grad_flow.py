@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from typing_extensions import override
 
-from lightning_hooks.callbacks.alarm_policy import OWNER, Action, AlarmPolicy, check_actions
+from lightning_hooks.callbacks.alarm_policy import OWNER, Action, check_actions
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.grad_flow_alarms import AlarmsAcrossFits, FitAlarms
@@ -182,15 +182,18 @@ class GradFlowCallback(HookCallback):
         self._fit: _Fit | None = None
 
     @property
-    def policy(self) -> AlarmPolicy | None:
-        """Deprecated: release 0.2.0's alarm policy, now each fit's own (``None`` between fits)."""
+    def policy(self) -> FitAlarms | None:
+        """Deprecated: release 0.2.0's alarm policy; now the running fit's alarms, which act.
+
+        ``None`` between fits and under ``alarms=False``.
+        """
         warnings.warn(
-            f"{OWNER}.policy is deprecated: each fit has its own alarm policy, and the actions "
-            "are callback.on_alarm",
+            f"{OWNER}.policy is deprecated: each fit has its own alarms, which act on them, and "
+            "the actions are callback.on_alarm",
             DeprecationWarning,
             stacklevel=2,
         )
-        return None if self._fit is None else self._fit.fit_alarms.policy
+        return self._alarms_across_fits.running
 
     @override
     def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:
@@ -419,9 +422,6 @@ class _NoAlarms:
     It stands in for a :class:`FitAlarms` as Lightning's ``PassThroughProfiler`` stands in for a
     profiler, so the fit calls its alarms the same way whether they run or not.
     """
-
-    policy = None
-    """No alarm policy: release 0.2.0's ``callback.policy`` reads ``None``."""
 
     def check_gradients(
         self,

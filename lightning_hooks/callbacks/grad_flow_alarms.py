@@ -8,45 +8,71 @@ left, keeps that fit's state when it ends, and saves the running fit's in checkp
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
 
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 
-from lightning_hooks.callbacks.alarm_policy import OWNER, Action, AlarmPolicy
+from lightning_hooks.callbacks.alarm_policy import OWNER, Action, AlarmLog
 from lightning_hooks.callbacks.loss_agreement import LossAgreement
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView, gradient_clipping
 from lightning_hooks.core import GradFlowTracker
-from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarms
+from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarm, TrainingAlarms
+from lightning_hooks.core.distributed import world_size
 from lightning_hooks.core.stats.alarm_feed import AlarmFeed, Measured
 from lightning_hooks.core.stats.stability import Result as StabilityResult
-from lightning_hooks.errors import LightningHooksWarning
+from lightning_hooks.errors import LightningHooksWarning, TrainingAlarmError, TrainingAlarmWarning
+from lightning_hooks.logging import save_loggers
 
 __all__ = ["AlarmsAcrossFits", "FitAlarms"]
 
 
-@dataclass
 class FitAlarms:
     """Runs the alarms of one fit: feeds them, acts on what they find, and logs them.
 
     :meth:`AlarmsAcrossFits.start` makes it at the fit's train start and holds it as
     :attr:`AlarmsAcrossFits.running` until :meth:`AlarmsAcrossFits.end`, when the fit's module
     hooks are removed. The callback's Lightning hooks call it at each step.
+
+    What it does with an alarm is the action of its rule, as :func:`.check_actions` reads
+    ``on_alarm``: warn, stop the fit, raise, skip the optimizer step, or only log. A warning is
+    given once per rule and layer in each epoch. Under DDP, ``stop`` and ``raise`` act on every
+    rank. Each fit has its own, so the warnings, the stop and the counts belong to that fit alone.
+
+    Args:
+        trainer: the trainer of the fit.
+        feed: hands the alarms each step's gradient norms.
+        loss_agreement: hands the alarms each batch's loss, the mean over the ranks under DDP.
+        actions: the action of every rule.
+        request_stop: called for a ``stop`` under DDP. The ranks agree on the stop at their
+            next agreement.
     """
 
-    trainer: TrainerView
-    feed: AlarmFeed
-    """Hands the alarms each step's gradient norms."""
-    policy: AlarmPolicy
-    """What the alarms do and how they are logged. Its warnings, stop and counts belong to this
-    fit alone."""
-    loss_agreement: LossAgreement
-    """Hands the alarms each batch's loss, the mean over the ranks under DDP."""
+    def __init__(
+        self,
+        trainer: TrainerView,
+        feed: AlarmFeed,
+        loss_agreement: LossAgreement,
+        actions: Mapping[str, Action],
+        request_stop: Callable[[], None],
+    ) -> None:
+        self.trainer = trainer
+        self.feed = feed
+        self.loss_agreement = loss_agreement
+        self.actions = dict(actions)
+        self.log = AlarmLog(self.actions)
+        """Writes the alarms to the loggers at each logging step and at each epoch end."""
+        # ``skip`` must know the step's verdict before the optimizer step runs, and that costs a
+        # CUDA sync.
+        self.wait = "skip" in self.actions.values()
+        self._request_stop = request_stop
+        self._warned: set[tuple[str, str]] = set()
+        self.stopped_by: TrainingAlarm | None = None
+        """The first alarm whose ``stop`` acted in this fit."""
 
     @property
     def training_alarms(self) -> TrainingAlarms:
@@ -77,9 +103,9 @@ class FitAlarms:
             param_grad_scale=param_grad_scale,
             clip=gradient_clipping(self.trainer),
         )
-        found = self.training_alarms.poll(wait=self.policy.wait)
+        found = self.training_alarms.poll(wait=self.wait)
         if found:
-            self.policy.act(self.trainer, optimizer, self.training_alarms, found)
+            self.act(optimizer, found)
 
     def feed_loss(self, outputs: STEP_OUTPUT, step: int) -> None:
         """Pass the batch's loss to the loss rules at optimizer step ``step``, and act on them.
@@ -93,15 +119,7 @@ class FitAlarms:
             return
         for loss in losses:
             self.training_alarms.update_loss(loss.value, step=loss.step)
-        self.policy.act(self.trainer, None, self.training_alarms, self.training_alarms.poll())
-
-    def log_step(self, step: int) -> None:
-        """Log the alarm counts and text gathered since the last logging step, at ``step``.
-
-        Args:
-            step: the logging step.
-        """
-        self.policy.log.log_step(self.trainer, self.training_alarms, step)
+        self.act(None, self.training_alarms.poll())
 
     def watch_attention(self, step: int, result: StabilityResult) -> None:
         """Pass a logging step's attention logits and entropies to the attention rule.
@@ -114,17 +132,121 @@ class FitAlarms:
             result.attn_logit_max, result.attn_entropy_min, step=step
         )
 
+    def act(self, optimizer: torch.optim.Optimizer | None, found: list[TrainingAlarm]) -> None:
+        """Warn, stop, raise or skip for each alarm found, as its rule's action says.
+
+        A ``skip`` applies only to an alarm of the trainer's current step, and drops the
+        gradients of ``optimizer``. Before a ``raise``, the alarms since the last logging step
+        are written.
+
+        Args:
+            optimizer: the optimizer about to step, whose step ``skip`` skips; ``None`` outside
+                an optimizer step (a batch's end, for the loss rules, and an epoch's end).
+            found: the alarms the rules found since the last poll.
+
+        Raises:
+            TrainingAlarmError: an alarm's rule has the action ``"raise"``.
+        """
+        stop = False
+        for alarm in found:
+            action = self.actions.get(alarm.rule)
+            if action is None or action == "log":
+                continue
+            if action == "raise":
+                self._raise(alarm)
+            self._warn_once(alarm)
+            if action == "stop":
+                stop = True
+                if self.stopped_by is None:
+                    self.stopped_by = alarm
+            elif (
+                action == "skip"
+                and optimizer is not None
+                and alarm.step == self.trainer.global_step
+            ):
+                _skip_step(optimizer)
+        if stop and world_size() == 1:
+            self.trainer.should_stop = True
+        elif stop:
+            # The ranks agree on it in a collective the callback makes anyway: no host sync.
+            self._request_stop()
+
+    def log_step(self, step: int) -> None:
+        """Log the alarm counts and text gathered since the last logging step, at ``step``.
+
+        Args:
+            step: the logging step.
+        """
+        self.log.log_step(self.trainer, self.training_alarms, step)
+
     def start_log(self) -> None:
         """Start the fit's log from the counts the alarms hold now, which were already written."""
-        self.policy.log.start(self.training_alarms)
+        self.log.start(self.training_alarms)
 
     def end_epoch(self) -> None:
-        """Act on the epoch's last results, then log its counts and text."""
-        self.policy.end_epoch(self.trainer, self.training_alarms)
+        """Act on the epoch's last verdicts, then write its alarms and start the next epoch.
+
+        Raises:
+            TrainingAlarmError: a last verdict's rule has the action ``"raise"``.
+        """
+        self.act(None, self.training_alarms.poll(wait=True))
+        self._warned.clear()  # in the next epoch, each rule and layer may warn once
+        self.log.end_epoch(self.trainer, self.training_alarms)
 
     def announce_stop(self) -> None:
-        """Warn once, at the fit's end, if an alarm's stop ended it."""
-        self.policy.announce_stop(self.trainer)
+        """Warn once, at the fit's end, if an alarm's ``stop`` ended it.
+
+        Without this warning, a fit that an alarm stopped looks like one that finished, except
+        for its step count.
+        """
+        alarm = self.stopped_by
+        self.stopped_by = None
+        if alarm is not None and self.trainer.should_stop:
+            rank_zero_warn(
+                f"{OWNER} [{alarm.rule}]: on_alarm='stop' ended the fit at optimizer "
+                f"step {self.trainer.global_step}, after the {alarm.rule} alarm of step "
+                f"{alarm.step}:\n{alarm.message}",
+                category=TrainingAlarmWarning,
+            )
+
+    def _raise(self, alarm: TrainingAlarm) -> NoReturn:
+        """Write the alarms to the event files, then raise ``alarm`` as a ``TrainingAlarmError``.
+
+        Raises:
+            TrainingAlarmError: always. If a logger fails to write, that failure becomes the
+                error's cause instead of hiding it.
+        """
+        error = TrainingAlarmError(
+            _with_callback_name(alarm),
+            rule=alarm.rule,
+            layer=alarm.layer,
+            step=alarm.step,
+            value=alarm.value,
+            alarm=alarm,
+        )
+        try:
+            self._keep_before_raising(alarm.step)
+        except Exception as failure:
+            raise error from failure
+        raise error
+
+    def _keep_before_raising(self, step: int) -> None:
+        """Write the alarms since the last logging step at ``step``, and save the loggers.
+
+        The raising alarm is included, so ``lightning-hooks report --fail-on`` can find the alarm
+        that ended the fit.
+        """
+        self.log_step(step)
+        save_loggers(self.trainer.loggers)
+
+    def _warn_once(self, alarm: TrainingAlarm) -> None:
+        """Warn of an alarm, attached as ``warning.alarm``, once per rule and layer in an epoch."""
+        key = (alarm.rule, alarm.layer)
+        if key not in self._warned:
+            self._warned.add(key)
+            warning = TrainingAlarmWarning(_with_callback_name(alarm))
+            warning.alarm = alarm
+            rank_zero_warn(warning, category=TrainingAlarmWarning)
 
 
 class AlarmsAcrossFits:
@@ -182,8 +304,9 @@ class AlarmsAcrossFits:
         running = FitAlarms(
             trainer=trainer,
             feed=feed,
-            policy=AlarmPolicy(self.actions, request_stop=ranks.request_stop),
             loss_agreement=LossAgreement(ranks, pl_module, self.rules),
+            actions=self.actions,
+            request_stop=ranks.request_stop,
         )
         if self._state is not None:
             try:
@@ -233,3 +356,22 @@ class AlarmsAcrossFits:
         self._state = loaded
         if running is not None:
             running.start_log()
+
+
+def _skip_step(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer``'s coming ``step()`` do nothing, by clearing its gradients.
+
+    Torch optimizers skip a parameter whose gradient is ``None``.
+    """
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
+
+
+def _with_callback_name(alarm: TrainingAlarm) -> str:
+    """Begin the alarm's message with the callback's name and the rule.
+
+    Lightning's warning formatter drops a warning's category when the warning comes from a path
+    that contains "lightning", so the message itself must say where it comes from.
+    """
+    return f"{OWNER} [{alarm.rule}]: {alarm.message}"
