@@ -8,6 +8,7 @@ import math
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from lightning_hooks.callbacks.alarm_policy import AlarmLog, check_actions
@@ -66,3 +67,21 @@ def test_a_fit_counts_from_the_alarms_it_loads_never_below_them() -> None:
     loaded.poll()
     log.log_step(trainer, loaded, 7)
     assert _written(trainer, NONFINITE) == [(6, 0), (7, 1)]
+
+
+def test_a_state_that_fails_part_way_leaves_the_alarms_as_they_were() -> None:
+    """The running scales and the ring load before the counts fail: the error goes on, and the
+    alarms hold what they held before."""
+    saved, _ = _alarms(nan_at=(1,))
+    alarms, _ = _alarms(nan_at=(), steps=3)
+    before = alarms.state_dict()
+    spoiled = {**saved.state_dict(), "counts": [0, 1]}
+    with pytest.raises(TypeError):
+        alarms.load_state_dict(spoiled)
+    after = alarms.state_dict()
+    same = {"rtol": 0.0, "atol": 0.0, "equal_nan": True}
+    torch.testing.assert_close(after["scale"], before["scale"], **same)
+    assert not torch.allclose(after["scale"], saved.state_dict()["scale"], equal_nan=True)
+    torch.testing.assert_close(after["ring"], before["ring"], **same)
+    assert after["ring_steps"] == before["ring_steps"]
+    assert after["counts"] == before["counts"]

@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_hooks import (
     ActivationStatsCallback,
+    AlarmRules,
     DeadReLUCallback,
     GradFlowCallback,
     LayerTimeCallback,
@@ -198,13 +199,24 @@ def _spoil_alarms(state: dict[str, Any]) -> None:
     state["alarms"] = {**alarms, "layers": [f"other.{i}" for i in range(len(alarms["layers"]))]}
 
 
+def _heatmap_of_another_type(state: dict[str, Any]) -> None:
+    state["heatmap"] = [0, 1]
+
+
+def _alarm_counts_of_another_type(state: dict[str, Any]) -> None:
+    # The alarms' other parts load before their counts fail: each is put back.
+    state["alarms"] = {**state["alarms"], "counts": [0, 1]}
+
+
 @pytest.mark.parametrize(
     ("spoil", "why"),
     [
         (_spoil_heatmap, "('columns')"),
         (_spoil_alarms, "(TrainingAlarms.load_state_dict: saved layers"),
+        (_heatmap_of_another_type, "('list' object has no attribute 'get')"),
+        (_alarm_counts_of_another_type, "(cannot convert dictionary update sequence"),
     ],
-    ids=["heatmap", "alarms"],
+    ids=["heatmap", "alarms", "heatmap-type", "alarm-counts-type"],
 )
 def test_a_checkpoint_with_one_part_that_does_not_load_keeps_nothing_of_its_state(
     spoil: Callable[[dict[str, Any]], None], why: str, tmp_path: Path
@@ -381,3 +393,53 @@ def test_one_module_type_alone_or_in_a_tuple_resumes_the_same_checkpoint(tmp_pat
         tmp_path / "second", max_epochs=2, callbacks=[resumed, again], enable_checkpointing=True
     ).fit(TinyMLP(), ckpt_path=tmp_path / "ckpt" / "last.ckpt")
     assert resumed.lifecycle.checkpoint.kept["alarms"].host_state()
+
+
+class _FailsBeforeTraining(pl.Callback):
+    """A user's callback whose ``on_fit_start`` raises: the fit ends before its train start."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        raise RuntimeError("the user's callback failed")
+
+
+def test_a_checkpoint_held_by_a_fit_that_never_trained_is_not_restored_by_the_next(
+    tmp_path: Path,
+) -> None:
+    """A fit resumed from a checkpoint fails before its train start; the next fit of the same
+    callback, with no checkpoint, logs what a fresh callback logs."""
+
+    def every() -> ModelCheckpoint:
+        return ModelCheckpoint(
+            dirpath=tmp_path / "ckpt", every_n_train_steps=SAVED_AT, save_top_k=-1
+        )
+
+    trainer(tmp_path / "first", callbacks=[GradFlowCallback(), every()]).fit(SameBatchesMLP())
+    (path,) = sorted((tmp_path / "ckpt").glob("*.ckpt"))[:1]
+    callback = GradFlowCallback()
+    failing = trainer(tmp_path / "failed", callbacks=[callback, every(), _FailsBeforeTraining()])
+    with pytest.raises(RuntimeError, match="the user's callback failed"):
+        failing.fit(SameBatchesMLP(), ckpt_path=path)
+    trainer(tmp_path / "again", callbacks=[callback]).fit(SameBatchesMLP())
+    trainer(tmp_path / "fresh", callbacks=[GradFlowCallback()]).fit(SameBatchesMLP())
+    _assert_same(_grad_flow_at(tmp_path / "again", 4), _grad_flow_at(tmp_path / "fresh", 4))
+
+
+def test_a_fit_after_one_that_failed_counts_only_its_own_alarms(tmp_path: Path) -> None:
+    """Every step's gradient is over ``max_grad_norm``. A fit that fails at its fourth batch
+    counts three such notices it never wrote; the next fit of the same callback writes the four
+    of its own epoch, as a fresh callback does, not seven."""
+    tag = "grad_flow/notices/absolute"
+
+    def callback() -> GradFlowCallback:
+        return GradFlowCallback(alarms=AlarmRules(max_grad_norm=1e-6), on_alarm="log")
+
+    carried = callback()
+    with pytest.raises(RuntimeError, match="boom in training_step"):
+        make_trainer(tmp_path / "failed", callbacks=[carried]).fit(RepeatedBatchMLP(fail_at_step=3))
+    torch.manual_seed(0)
+    make_trainer(tmp_path / "again", callbacks=[carried]).fit(RepeatedBatchMLP())
+    torch.manual_seed(0)
+    make_trainer(tmp_path / "fresh", callbacks=[callback()]).fit(RepeatedBatchMLP())
+    fresh = read_scalars(tmp_path / "fresh")[tag]
+    assert fresh == [(3, 4.0)]  # one notice per step of the epoch
+    assert read_scalars(tmp_path / "again")[tag] == fresh

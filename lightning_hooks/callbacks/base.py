@@ -241,6 +241,7 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
         and the model's ``log`` and ``log_dict``, which would keep the model alive.
         """
         self.remove_hooks()
+        self.lifecycle.checkpoint.drop_held()  # a checkpoint's state no fit attached to
         restore_inherited(self, self._shadowed_hooks)
         self._shadowed_hooks = ()
         drop_model_logging(self)

@@ -82,11 +82,21 @@ class CheckpointSlot:
         """
         self._pending = dict(state)
 
+    def drop_held(self) -> None:
+        """Drop a state that no fit attached to: the next fit must not continue from it.
+
+        A fit that failed before its train start, one whose callback watched nothing, or a
+        ``validate`` run with a checkpoint leave the state they loaded held. The callback drops
+        it when the run ends (``teardown``, or ``on_exception``).
+        """
+        self._pending = None
+
     def restore(self, attached: Attached) -> None:
         """Load the state held, if any, into the fit's statistics and into :attr:`kept`.
 
-        The state is loaded whole or not at all. If a part does not fit this model, nothing of
-        it is kept, with one warning. If it holds no entry for some statistic, that statistic
+        The state is loaded whole or not at all. If a part does not fit this model, or fails to
+        load for any other reason (a value of the wrong type), nothing of it is kept, with one
+        warning. If it holds no entry for some statistic, that statistic
         starts its epoch afresh, with one warning.
 
         Args:
@@ -97,11 +107,11 @@ class CheckpointSlot:
         if not pending:
             return
         upgrade = self._upgrade
-        state = dict(pending) if upgrade is None else upgrade(pending)
         try:
+            state = dict(pending) if upgrade is None else upgrade(pending)
             afresh = self._load_whole(attached, state)
-        except (KeyError, ValueError) as err:
-            parts = ", ".join(["statistics", *(key for key in self.kept if key in state)])
+        except Exception as err:  # a state that does not load never ends the fit
+            parts = ", ".join(["statistics", *(key for key in self.kept if key in pending)])
             rank_zero_warn(
                 f"{self.owner}: the checkpoint's state does not match this model ({err}); "
                 f"none of it is loaded ({parts})",
@@ -127,6 +137,7 @@ class CheckpointSlot:
         Raises:
             KeyError: a part of ``state`` lacks what its statistic or collaborator needs.
             ValueError: a part of ``state`` does not fit this model.
+            Exception: any other failure to load a part, raised again once each is put back.
         """
         before = {key: kept.host_state() for key, kept in self.kept.items() if key in state}
         try:
@@ -135,7 +146,7 @@ class CheckpointSlot:
             )
             for key in before:
                 self.kept[key].load_host_state(state[key])
-        except (KeyError, ValueError):
+        except Exception:
             for logged in attached.logged:
                 logged.stat.reset()  # their epoch so far starts afresh
             for key, earlier in before.items():

@@ -322,11 +322,16 @@ class AlarmsAcrossFits:
         return running
 
     def end(self) -> None:
-        """Keep the ending fit's state for the next fit; warn if an alarm's stop ended the fit."""
+        """Keep the ending fit's state for the next fit; warn if an alarm's stop ended the fit.
+
+        The counts of an epoch the fit did not end (it failed part way) are dropped with it, as
+        its statistics are: the next fit counts its own epoch from 0.
+        """
         running = self.running
         self.running = None
         if running is None:
             return
+        running.training_alarms.take_epoch()
         self._state = running.training_alarms.state_dict()
         running.announce_stop()
 

@@ -394,7 +394,10 @@ class TrainingAlarms:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the layers must match this instance's.
+        """Restore :meth:`state_dict`, whole or not at all; the layers must match this instance's.
+
+        A state that fails part way (a value missing or of the wrong type) leaves this instance
+        as it was, and the error goes on.
 
         Args:
             state: what :meth:`state_dict` returned.
@@ -410,6 +413,15 @@ class TrainingAlarms:
             )
         if "scale" not in state:
             raise ValueError("TrainingAlarms.load_state_dict: a state of an older version")
+        before = self.state_dict()
+        try:
+            self._load(state)
+        except Exception:
+            self._load(before)
+            raise
+
+    def _load(self, state: Mapping[str, Any]) -> None:
+        """Load each part of a state :meth:`load_state_dict` checked."""
         self._gradients.load_state_dict(state)
         self._loss.load_state_dict(state)
         self._stall.load_state_dict(state)
