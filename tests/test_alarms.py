@@ -346,7 +346,13 @@ def test_raise_raises_the_library_error_and_removes_hooks(trainer_factory: Any) 
     assert all(not opt._optimizer_step_post_hooks for opt in trainer.optimizers)
 
 
-def test_skip_leaves_weights_and_momentum_unchanged_for_that_step(trainer_factory: Any) -> None:
+@pytest.mark.parametrize("clip", [None, "norm", "value"])
+def test_skip_leaves_weights_and_momentum_unchanged_for_that_step(
+    trainer_factory: Any, clip: str | None
+) -> None:
+    """Also when Lightning clips the gradients after the alarms read them: clipping by value
+    refuses a model with no gradient, so the skipped step's gradients go inside its ``step()``."""
+    clipping = {} if clip is None else {"gradient_clip_val": 0.5, "gradient_clip_algorithm": clip}
     probe = NormProbe()
     # the 1e6x fault is a spike and an explosion: both warn here
     explode = rf"(spike|explosion) at optimizer step {K}: net\.2"
@@ -358,6 +364,7 @@ def test_skip_leaves_weights_and_momentum_unchanged_for_that_step(trainer_factor
             Fault("multiply"),
             GradFlowCallback(alarms=GRAD_RULES, on_alarm="skip"),
             max_steps=K + 2,
+            **clipping,
         )
     assert trainer.global_step == K + 2
     for step in (K - 1, K, K + 1):
@@ -578,3 +585,56 @@ def test_a_network_cut_by_a_dead_layer_is_named_at_once_with_the_learning_rate(
         warnings.simplefilter("always")
         twin.fit(LongMLP())
     assert not [w for w in record if issubclass(w.category, TrainingAlarmWarning)]
+
+
+class PerSampleLossMLP(LongMLP):
+    """Manual optimization whose ``training_step`` returns a loss per sample, first the batch's
+    mean times ``2 ** step``: a first element that doubles each step, while the mean falls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        x, y = batch
+        per_sample = (self(x) - y).pow(2).squeeze(1)
+        loss = per_sample.mean()
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        optimizer.step()  # type: ignore[union-attr]
+        growing = loss.detach().reshape(1) * 2.0**self.global_step
+        return torch.cat([growing, per_sample.detach()[1:]])
+
+
+def test_a_loss_of_more_than_one_number_is_refused_with_one_warning(trainer_factory: Any) -> None:
+    """The loss rules would read the returned tensor's first element, which doubles each step:
+    *diverging*. They read no such loss; one warning names its shape, and no alarm comes."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _fit(trainer_factory, PerSampleLossMLP(), GradFlowCallback(), max_steps=30)
+    ours = [str(w.message) for w in record if issubclass(w.category, LightningHooksWarning)]
+    assert alarm_warnings(record) == []
+    assert len(ours) == 1, ours
+    assert "training_step returned a loss of shape (8,), not one number" in ours[0]
+
+
+@pytest.mark.parametrize("action", ["warn", "stop"])
+def test_an_alarm_warning_the_users_filter_makes_an_error_reaches_the_user(
+    trainer_factory: Any, action: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``filterwarnings("error", category=TrainingAlarmWarning)``, the alarm's warning
+    reaches the user as the error they asked for, with the module hooks removed. The guard (as
+    users run it, not strict) does not swallow it, which disabled the callback for the rest of
+    the fit, with no stop taken."""
+    monkeypatch.setenv("LIGHTNING_HOOKS_STRICT", "0")  # the suite's guards raise every error
+    model = LongMLP()
+    callback = GradFlowCallback(alarms=GRAD_RULES, on_alarm=action)
+    trainer = trainer_factory(callbacks=[Fault("multiply"), callback], max_steps=K + 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.filterwarnings("error", category=TrainingAlarmWarning)
+        with pytest.raises(TrainingAlarmWarning, match=rf"at optimizer step {K}: net\.2"):
+            trainer.fit(model)
+    assert hooks_left(model) == []
+    assert trainer.should_stop == (action == "stop")  # the stop was taken before the warning

@@ -9,6 +9,7 @@ left, keeps that fit's state when it ends, and saves the running fit's in checkp
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, NoReturn
 
 import torch
@@ -73,6 +74,8 @@ class FitAlarms:
         self._warned: set[tuple[str, str]] = set()
         self.stopped_by: TrainingAlarm | None = None
         """The first alarm whose ``stop`` acted in this fit."""
+        self._skip_at: dict[torch.optim.Optimizer, int] = {}
+        """The optimizers whose step a ``skip`` marked, and that step."""
 
     @property
     def training_alarms(self) -> TrainingAlarms:
@@ -148,13 +151,14 @@ class FitAlarms:
             TrainingAlarmError: an alarm's rule has the action ``"raise"``.
         """
         stop = False
+        to_warn = []
         for alarm in found:
             action = self.actions.get(alarm.rule)
             if action is None or action == "log":
                 continue
             if action == "raise":
                 self._raise(alarm)
-            self._warn_once(alarm)
+            to_warn.append(alarm)
             if action == "stop":
                 stop = True
                 if self.stopped_by is None:
@@ -164,12 +168,65 @@ class FitAlarms:
                 and optimizer is not None
                 and alarm.step == self.trainer.global_step
             ):
-                _skip_step(optimizer)
+                self._skip_at[optimizer] = alarm.step
         if stop and world_size() == 1:
             self.trainer.should_stop = True
         elif stop:
             # The ranks agree on it in a collective the callback makes anyway: no host sync.
             self._request_stop()
+        # Last: where the user's warning filter turns a warning into an error, the stop and the
+        # skip are taken, and the error goes on to the user (see the guard).
+        for alarm in to_warn:
+            self._warn_once(alarm)
+
+    def skip_marked_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+    ) -> tuple[tuple[object, ...], dict[str, object]] | None:
+        """Skip ``optimizer``'s step if :meth:`act` marked it: its step pre-hook, under ``skip``.
+
+        A skipped step's gradients are dropped after Lightning has clipped them, which by value
+        refuses a model with no gradient at all; torch optimizers skip a parameter whose
+        gradient is ``None``. Lightning runs the callbacks' ``on_before_optimizer_step`` and
+        the clipping inside the closure it passes to ``step()``, so the gradients are dropped
+        when that closure returns. A step without a closure (a GradScaler's, a Fabric loop's)
+        was marked before it began: they are dropped now. A mark of a step that did not run (a
+        GradScaler skipped it) is dropped at the next step, which runs.
+
+        Args:
+            optimizer: the optimizer about to step.
+            args: the positional arguments of its ``step()``.
+            kwargs: the keyword arguments of its ``step()``.
+
+        Returns:
+            The arguments with the closure wrapped, or ``None`` (unchanged) without a closure.
+        """
+        closure = kwargs.get("closure")
+        if callable(closure):
+            return args, {**kwargs, "closure": partial(self._skip_after, optimizer, closure)}
+        closure = args[0] if args else None
+        if callable(closure):
+            return (partial(self._skip_after, optimizer, closure), *args[1:]), kwargs
+        self._drop_marked_gradients(optimizer)
+        return None
+
+    def _skip_after(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], object]
+    ) -> object:
+        """Run the step's closure, then drop the gradients if the step is marked to skip."""
+        loss = closure()
+        self._drop_marked_gradients(optimizer)
+        return loss
+
+    def _drop_marked_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop ``optimizer``'s gradients if its current step is marked to skip; unmark it."""
+        if self._skip_at.pop(optimizer, None) != self.trainer.global_step:
+            return
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
 
     def log_step(self, step: int) -> None:
         """Log the alarm counts and text gathered since the last logging step, at ``step``.
@@ -308,6 +365,9 @@ class AlarmsAcrossFits:
             actions=self.actions,
             request_stop=ranks.request_stop,
         )
+        if "skip" in self.actions.values():  # on the tracker's registry: removed with its hooks
+            for optimizer in trainer.optimizers:
+                tracker.registry.optimizer_step_pre_hook(optimizer, running.skip_marked_step)
         if self._state is not None:
             try:
                 running.training_alarms.load_state_dict(self._state)
@@ -361,16 +421,6 @@ class AlarmsAcrossFits:
         self._state = loaded
         if running is not None:
             running.start_log()
-
-
-def _skip_step(optimizer: torch.optim.Optimizer) -> None:
-    """Make ``optimizer``'s coming ``step()`` do nothing, by clearing its gradients.
-
-    Torch optimizers skip a parameter whose gradient is ``None``.
-    """
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = None
 
 
 def _with_callback_name(alarm: TrainingAlarm) -> str:

@@ -119,6 +119,7 @@ class LossAgreement:
         self._ranks = ranks
         self._sums_to_host: HostCopy | None = None
         self._manual = False
+        self._warned_of_shape = False  # a loss that is not one number is refused once a fit
         self.reading: Literal["own", "mean", "off"] = "off"
         """How this fit reads the loss: ``"off"`` (no loss rule), ``"own"`` (one process) or
         ``"mean"``. Under manual optimization it turns ``"off"`` at the first batch where some
@@ -152,11 +153,11 @@ class LossAgreement:
             no loss, the rules off, or the callback disabled on every rank.
         """
         if self.reading == "own":
-            loss = training_loss(trainer, outputs)
+            loss = self._one_number(training_loss(trainer, outputs))
             return None if loss is None else [Loss(loss, step)]
         if self.reading == "mean":
             ranks = self._ranks
-            loss = training_loss(trainer, outputs)
+            loss = self._one_number(training_loss(trainer, outputs))
             exchanged = self._exchange(
                 loss, step, failed=ranks.failed_here, stop=ranks.stop_requested
             )
@@ -173,6 +174,24 @@ class LossAgreement:
                 if disabled:  # the module hooks are removed on every rank, so skip the loss
                     return None
             return self._mean_losses(exchanged)
+        return None
+
+    def _one_number(self, loss: torch.Tensor | None) -> torch.Tensor | None:
+        """Return ``loss`` if it is one number, else ``None``, with one warning in the fit.
+
+        Under manual optimization ``training_step`` may return any tensor, a per-sample loss,
+        say; the loss rules would read one element of it as the batch's loss.
+        """
+        if loss is None or loss.numel() == 1:
+            return loss
+        if not self._warned_of_shape:
+            self._warned_of_shape = True
+            rank_zero_warn(
+                f"{OWNER}: training_step returned a loss of shape {tuple(loss.shape)}, not one "
+                "number; the loss rules (diverging, loss_spike) read no loss from such a batch. "
+                "Return the loss the optimizer minimizes (its mean, say) to have them.",
+                category=LightningHooksWarning,
+            )
         return None
 
     def _exchange(

@@ -73,10 +73,16 @@ class Guard:
             error: the exception raised.
 
         Raises:
-            Exception: ``error`` itself, if the guard is strict or the error is the library's
-                own (:class:`LightningHooksError`).
+            Exception: ``error`` itself, if the guard is strict, or the error is the library's
+                own (:class:`LightningHooksError`), or, in one process, it is one of the
+                library's warnings that the user's warning filter turned into an error: the user
+                asked for it. Under several processes such a warning is raised on rank 0 alone,
+                and an error on one rank would hang the others: it is a failure like any other,
+                which the ranks agree on.
         """
         if self.strict or isinstance(error, LightningHooksError):
+            raise error
+        if isinstance(error, LightningHooksWarning) and not self.defer:
             raise error
         if self.failed is not None or self.local is not None:
             return

@@ -436,6 +436,23 @@ class HookRegistry(HookOwner):
         hook = self.guarded(hook, "optimizer step post-hook")
         return self._add(optimizer.register_step_post_hook(hook))
 
+    def optimizer_step_pre_hook(
+        self,
+        optimizer: torch.optim.Optimizer,
+        hook: Callable[..., tuple[tuple[object, ...], dict[str, object]] | None],
+    ) -> RemovableHandle:
+        """Register ``optimizer.register_step_pre_hook(hook)``, owned and guarded.
+
+        Args:
+            optimizer: the optimizer hooked.
+            hook: the step pre-hook, which may return the step's arguments changed.
+
+        Returns:
+            Its handle.
+        """
+        hook = self.guarded(hook, "optimizer step pre-hook")
+        return self._add(optimizer.register_step_pre_hook(hook))
+
     def remove(self) -> None:
         """Remove every hook and drop the model (idempotent)."""
         self._model = None
