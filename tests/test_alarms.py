@@ -632,9 +632,33 @@ def test_an_alarm_warning_the_users_filter_makes_an_error_reaches_the_user(
     callback = GradFlowCallback(alarms=GRAD_RULES, on_alarm=action)
     trainer = trainer_factory(callbacks=[Fault("multiply"), callback], max_steps=K + 2)
     with warnings.catch_warnings():
-        warnings.simplefilter("default")
+        warnings.simplefilter("ignore")  # the user's filter: this one category an error
         warnings.filterwarnings("error", category=TrainingAlarmWarning)
         with pytest.raises(TrainingAlarmWarning, match=rf"at optimizer step {K}: net\.2"):
             trainer.fit(model)
     assert hooks_left(model) == []
     assert trainer.should_stop == (action == "stop")  # the stop was taken before the warning
+
+
+def test_alarms_after_the_epochs_last_logging_step_are_written_at_its_end(
+    trainer_factory: Any, tmp_path: Path
+) -> None:
+    """Logging steps 0, 9, 19 and 29 of an epoch of 36 steps, and a 1e6x gradient at step 32: its
+    alarms are written step by step at the epoch's step, 35, so that the step counts of the
+    epoch add up to its totals."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _fit(
+            trainer_factory,
+            LongMLP(batches=36),
+            Fault("multiply", step=32),
+            GradFlowCallback(alarms=GRAD_RULES, on_alarm=SPIKE_WARNS),
+            log_every_n_steps=10,
+        )
+    assert any("at optimizer step 32" in str(w.message) for w in record)
+    scalars = read_scalars(tmp_path)
+    for rule in ("spike", "explosion"):
+        steps = dict(scalars[f"grad_flow/alarms_step/{rule}"])
+        assert list(steps) == [0, 9, 19, 29, 35], rule
+        assert steps[35] >= 1, rule
+        assert sum(steps.values()) == dict(scalars[f"grad_flow/alarms/{rule}"])[35], rule

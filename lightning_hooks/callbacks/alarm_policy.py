@@ -151,6 +151,7 @@ class AlarmLog:
         }
         self._logged = 0  # how many alarms of the epoch's log are written
         self._counted: dict[str, int] = {}
+        self._step_written: int | None = None  # the step of the last logging step's counts
         self._summary_step: int | None = None  # the step of this fit's last epoch summary
 
     def start(self, training_alarms: TrainingAlarms | None) -> None:
@@ -163,6 +164,7 @@ class AlarmLog:
             training_alarms: the rules' state, whose counts so far count as written.
         """
         self._summary_step = None
+        self._step_written = None
         self._counted = {} if training_alarms is None else dict(training_alarms.counts)
         self._logged = 0 if training_alarms is None else len(training_alarms.log)
 
@@ -178,6 +180,7 @@ class AlarmLog:
             rule: n - self._counted.get(rule, 0) for rule, n in training_alarms.counts.items()
         }
         self._counted = dict(training_alarms.counts)
+        self._step_written = step
         tags = step_tags({self.tags[rule]: n for rule, n in counts.items()})
         log_scalars(trainer.loggers, tags, step)
         new = training_alarms.log[self._logged :]
@@ -192,15 +195,20 @@ class AlarmLog:
         Both are written at :func:`~.attached.epoch_step`; rank 0 writes the summary under
         :data:`~lightning_hooks.tags.ALARM_TEXT`. An epoch with no optimizer step shares the
         previous epoch's step, and its summary would replace that one's, so it is not written.
+        What the alarms read after the epoch's last logging step is first written as a logging
+        step's counts and text would be, at the epoch's step, unless a logging step was written
+        there already.
 
         Args:
             trainer: the trainer whose loggers are written to.
             training_alarms: the rules' state, whose epoch is taken.
         """
+        step = epoch_step(trainer)
+        if step != self._step_written and self._unwritten(training_alarms):
+            self.log_step(trainer, training_alarms, step)
         counts, log = training_alarms.take_epoch()
         self._logged = 0
         self._counted = {}
-        step = epoch_step(trainer)
         scalars = {self.tags[rule]: float(n) for rule, n in counts.items()}
         scalars[SPIKE_SCORE] = training_alarms.spike_score
         log_scalars(trainer.loggers, scalars, step)
@@ -209,6 +217,13 @@ class AlarmLog:
         if trainer.is_global_zero and not repeated:
             where = f"in epoch {trainer.current_epoch}"
             log_text(trainer.loggers, ALARM_TEXT, _summary(log, where, self._noticed), step)
+
+    def _unwritten(self, training_alarms: TrainingAlarms) -> bool:
+        """Return whether the alarms counted or logged any alarm since the last logging step."""
+        if len(training_alarms.log) > self._logged:
+            return True
+        counted = self._counted
+        return any(n != counted.get(rule, 0) for rule, n in training_alarms.counts.items())
 
 
 def _summary(log: list[TrainingAlarm], where: str, noticed: set[str]) -> str:
