@@ -47,6 +47,7 @@ def _trainer(model: nn.Module, accumulate: int = 1) -> Any:  # the members the r
         should_stop=False,
         is_global_zero=True,
         global_step=0,
+        current_epoch=0,
         loggers=[],
     )
 

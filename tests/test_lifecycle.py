@@ -29,6 +29,7 @@ def _trainer(tmp_path: Path) -> SimpleNamespace:
         strategy=object(),
         loggers=[CSVLogger(tmp_path)],
         global_step=0,
+        current_epoch=0,
         log_every_n_steps=50,
         is_global_zero=True,
     )

@@ -26,7 +26,14 @@ from lightning_hooks import (
 )
 from lightning_hooks.callbacks.base import HookCallback
 
-from conftest import TinyMLP, epoch_end_step, hooks_left, make_trainer, read_scalars
+from conftest import (
+    TinyMLP,
+    epoch_end_step,
+    hooks_left,
+    make_trainer,
+    read_alarm_texts,
+    read_scalars,
+)
 from support import HookCounter, RepeatedBatchMLP
 
 RELEASE_CHECKPOINT = Path(__file__).parent / "data" / "grad_flow_0.2.0.ckpt"
@@ -304,7 +311,7 @@ def test_every_per_step_callback_resumes_mid_epoch_with_the_same_values(
     _fit_with(tmp_path / "first", make, callbacks=[ckpt], enable_checkpointing=True)
     path = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
     saved = torch.load(path, weights_only=False)["callbacks"][make().state_key]
-    statistics = {key: state for key, state in saved.items() if key != "heatmaps"}
+    statistics = {key: state for key, state in saved.items() if key not in ("heatmaps", "epoch")}
     assert statistics and all(state["layers"] for state in statistics.values())
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     resumed = _fit_with(
@@ -443,3 +450,85 @@ def test_a_fit_after_one_that_failed_counts_only_its_own_alarms(tmp_path: Path) 
     fresh = read_scalars(tmp_path / "fresh")[tag]
     assert fresh == [(3, 4.0)]  # one notice per step of the epoch
     assert read_scalars(tmp_path / "again")[tag] == fresh
+
+
+def test_a_checkpoint_at_an_epochs_last_batch_resumes_the_next_epoch_afresh(
+    tmp_path: Path,
+) -> None:
+    """Saved at step 4, the last batch of epoch 0, before its epoch end: the fit resumes at epoch
+    1, and its values, alarm counts included (every step's gradient is over
+    ``max_grad_norm``), are the uninterrupted fit's epoch 1, not epochs 0 and 1 merged."""
+
+    def callbacks(*more: pl.Callback) -> list[pl.Callback]:
+        rules = AlarmRules(max_grad_norm=1e-6)
+        return [GradFlowCallback(alarms=rules, on_alarm="log"), DeadReLUCallback(), *more]
+
+    def every() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+
+    torch.manual_seed(0)
+    make_trainer(tmp_path / "whole", max_epochs=2, callbacks=callbacks()).fit(RepeatedBatchMLP())
+    torch.manual_seed(0)
+    first = make_trainer(
+        tmp_path / "first", max_epochs=2, callbacks=callbacks(every()), enable_checkpointing=True
+    )
+    first.fit(RepeatedBatchMLP())
+    path = next((tmp_path / "ckpt").glob("*step=4.ckpt"))
+    resumed = make_trainer(
+        tmp_path / "resumed", max_epochs=2, callbacks=callbacks(every()), enable_checkpointing=True
+    )
+    resumed.fit(RepeatedBatchMLP(), ckpt_path=path)
+    whole = read_scalars(tmp_path / "whole")
+    again = read_scalars(tmp_path / "resumed")
+    epoch_tags = [
+        t
+        for t in whole
+        if t.startswith(("grad_flow/", "dead_relu/")) and "_step" not in t and "/global/" not in t
+    ]
+    assert len(epoch_tags) > 20
+    for tag in epoch_tags:
+        assert [s for s, _ in again[tag]] == [7], tag  # epoch 0's end never ran in this fit
+        assert math.isclose(again[tag][0][1], dict(whole[tag])[7], rel_tol=1e-6), tag
+    assert dict(whole["grad_flow/notices/absolute"])[7] == 4.0  # one a step
+
+
+@pytest.mark.filterwarnings("ignore:.*checkpoint that ended before the epoch ended.*")
+def test_a_fit_resumed_mid_epoch_writes_the_alarms_read_before_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Every step's gradient is over ``max_grad_norm``; logging steps 0, 2, 4 and 5, the epoch's
+    step 3. A checkpoint after step 1, which no logging step wrote: the resumed fit writes it at
+    its first logging step, with step 2's, as the uninterrupted fit does, and its epoch's text
+    counts what its scalar counts."""
+
+    def callback() -> GradFlowCallback:
+        rules = AlarmRules(max_grad_norm=1e-6)
+        return GradFlowCallback(alarms=rules, on_alarm="log", every_n_steps=3)
+
+    def every() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+
+    torch.manual_seed(0)
+    make_trainer(tmp_path / "whole", max_epochs=2, callbacks=[callback()]).fit(RepeatedBatchMLP())
+    torch.manual_seed(0)
+    make_trainer(
+        tmp_path / "first", max_epochs=2, callbacks=[callback(), every()], enable_checkpointing=True
+    ).fit(RepeatedBatchMLP())
+    path = next((tmp_path / "ckpt").glob("*step=2.ckpt"))
+    make_trainer(
+        tmp_path / "resumed",
+        max_epochs=2,
+        callbacks=[callback(), every()],
+        enable_checkpointing=True,
+    ).fit(RepeatedBatchMLP(), ckpt_path=path)
+    whole = read_scalars(tmp_path / "whole")
+    resumed = read_scalars(tmp_path / "resumed")
+    step_tag = "grad_flow/notices_step/absolute"
+    assert [s for s, _ in whole[step_tag]] == [0, 2, 3, 4, 5, 7]
+    assert resumed[step_tag] == [(s, n) for s, n in whole[step_tag] if s >= 2]
+    assert dict(resumed[step_tag])[2] == 2.0  # steps 1 and 2
+    assert resumed["grad_flow/notices/absolute"] == whole["grad_flow/notices/absolute"]
+    headers = [text.split("\n")[0] for text in read_alarm_texts(tmp_path / "resumed")]
+    want = [text.split("\n")[0] for text in read_alarm_texts(tmp_path / "whole")][1:]
+    assert headers == want
+    assert "0 warnings and 4 notices in epoch 0" in headers

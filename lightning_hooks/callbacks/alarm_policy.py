@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from lightning_hooks.callbacks.attached import epoch_step
 from lightning_hooks.callbacks.trainer import TrainerView
@@ -24,7 +24,7 @@ from lightning_hooks.tags import (
     step_tags,
 )
 
-__all__ = ["OWNER", "Action", "AlarmLog", "check_actions"]
+__all__ = ["OWNER", "Action", "AlarmLog", "Written", "check_actions"]
 
 OWNER = "GradFlowCallback"
 """The callback the alarms belong to, which begins their messages."""
@@ -127,6 +127,15 @@ def _one_action_for_all(action: str) -> dict[str, str]:
     return actions
 
 
+class Written(NamedTuple):
+    """What an :class:`AlarmLog` had written of an epoch's alarms by its last logging step."""
+
+    counts: dict[str, int]
+    """The counts per rule."""
+    alarms: int
+    """How many of the epoch's alarms (``TrainingAlarms.log``) were in the text."""
+
+
 class AlarmLog:
     """Writes the alarms to the loggers: their counts per rule, and their text.
 
@@ -154,19 +163,24 @@ class AlarmLog:
         self._step_written: int | None = None  # the step of the last logging step's counts
         self._summary_step: int | None = None  # the step of this fit's last epoch summary
 
-    def start(self, training_alarms: TrainingAlarms | None) -> None:
-        """Start a fit from the current counts of its alarms, after any saved state is loaded.
+    def start(self, training_alarms: TrainingAlarms | None, written: Written | None = None) -> None:
+        """Start a fit from what of its alarms is already written, after any state is loaded.
 
-        Those counts, from a checkpoint or the previous fit, are not new: a logging step writes
-        only what the alarms count beyond them.
+        A logging step writes only what the alarms count and log beyond it.
 
         Args:
-            training_alarms: the rules' state, whose counts so far count as written.
+            training_alarms: the rules' state, all of whose counts and alarms so far count as
+                written where ``written`` is ``None``.
+            written: what a checkpoint's fit had written by its last logging step (of the same
+                epoch); the alarms it read after that step are written at the resumed fit's
+                first logging step.
         """
         self._summary_step = None
         self._step_written = None
-        self._counted = {} if training_alarms is None else dict(training_alarms.counts)
-        self._logged = 0 if training_alarms is None else len(training_alarms.log)
+        counts = {} if training_alarms is None else training_alarms.counts
+        logged = 0 if training_alarms is None else len(training_alarms.log)
+        self._counted = dict(counts if written is None else written.counts)
+        self._logged = logged if written is None else min(written.alarms, logged)
 
     def log_step(self, trainer: TrainerView, training_alarms: TrainingAlarms, step: int) -> None:
         """Log the per-rule counts since the last logging step, and on rank 0 the alarms' text.
@@ -217,6 +231,11 @@ class AlarmLog:
         if trainer.is_global_zero and not repeated:
             where = f"in epoch {trainer.current_epoch}"
             log_text(trainer.loggers, ALARM_TEXT, _summary(log, where, self._noticed), step)
+
+    @property
+    def written(self) -> Written:
+        """Return what the last logging step had written of the epoch, for a checkpoint."""
+        return Written(dict(self._counted), self._logged)
 
     def _unwritten(self, training_alarms: TrainingAlarms) -> bool:
         """Return whether the alarms counted or logged any alarm since the last logging step."""

@@ -46,7 +46,7 @@ class LoggingCadence:
     Example:
         >>> from types import SimpleNamespace
         >>> cadence = LoggingCadence(every_n_steps=3)
-        >>> trainer = SimpleNamespace(global_step=0, log_every_n_steps=50)
+        >>> trainer = SimpleNamespace(global_step=0, current_epoch=0, log_every_n_steps=50)
         >>> logs = []
         >>> for step in range(4):  # one batch a step: the epoch's first, then steps 2, 5, ...
         ...     trainer.global_step = step
@@ -60,6 +60,8 @@ class LoggingCadence:
         self.batch_step = 0
         """The optimizer step the running batch feeds."""
         self.epoch_start_step = -1
+        self.epoch: int | None = None
+        """The epoch of the running batch (``None`` before the fit's first batch)."""
         self.measured_step: int | None = None
         """The logging step being measured, until its values are handed over to be written."""
 
@@ -86,6 +88,7 @@ class LoggingCadence:
             batch_idx: the batch's index in its epoch.
         """
         self.batch_step = trainer.global_step
+        self.epoch = trainer.current_epoch
         if batch_idx == 0:
             self.epoch_start_step = self.batch_step
         return self.logs(trainer, self.batch_step) or self.batch_step == self.epoch_start_step

@@ -17,10 +17,10 @@ class CheckpointSlot:
     """A callback's checkpoint state, held from ``load_state_dict`` until its fit attaches.
 
     A callback's state has two parts: the running fit's statistics save their epoch so far,
-    and the collaborators in :attr:`kept`, which the callback holds across fits, save their own
-    state under their keys. Lightning loads a checkpoint before the fit's hooks exist, so the
-    slot holds the state until the fit has attached, then loads all of it or none. A statistic's
-    state is saved under its place and class name (``"0:GradFlowTracker"``).
+    with that epoch's index, and the collaborators in :attr:`kept`, which the callback holds
+    across fits, save their own state under their keys. Lightning loads a checkpoint before the
+    fit's hooks exist, so the slot holds the state until the fit has attached, then loads all of it
+    or none. A statistic's state is saved under its place and class name (``"0:GradFlowTracker"``).
 
     Args:
         owner: the callback's class name, which starts each warning.
@@ -37,6 +37,8 @@ class CheckpointSlot:
         """Collaborators the callback holds across fits, saved in checkpoints, by key."""
         self._pending: dict[str, Any] | None = None
         self._upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+        self.restored_epoch: int | None = None
+        """The epoch whose statistics the last restored state continued (``None``: unknown)."""
 
     def upgrade_old_states_with(self, upgrade: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         """Pass each checkpoint's state through ``upgrade``, which reads older releases' layouts.
@@ -60,7 +62,7 @@ class CheckpointSlot:
             raise ValueError(f"{self.owner}: the checkpoint already keeps {key!r}")
         self.kept[key] = kept
 
-    def save(self, attached: Attached | None) -> dict[str, Any]:
+    def save(self, attached: Attached | None, epoch: int | None = None) -> dict[str, Any]:
         """Return what a checkpoint saves: the statistics' state, then that of :attr:`kept`.
 
         Between fits ``attached`` is ``None``, and only :attr:`kept` is saved. The state is on
@@ -68,8 +70,12 @@ class CheckpointSlot:
 
         Args:
             attached: what the running fit attached, or ``None`` between fits.
+            epoch: the epoch the statistics' state is of (``None``: before the fit's first
+                batch).
         """
         state = {} if attached is None else _statistics_state(attached)
+        if attached is not None and epoch is not None:
+            state[_EPOCH] = epoch
         for key, kept in self.kept.items():
             state[key] = kept.host_state()
         return state
@@ -104,6 +110,7 @@ class CheckpointSlot:
         """
         pending = self._pending
         self._pending = None
+        self.restored_epoch = None
         if not pending:
             return
         upgrade = self._upgrade
@@ -118,6 +125,8 @@ class CheckpointSlot:
                 category=LightningHooksWarning,
             )
             return
+        epoch = state.get(_EPOCH)
+        self.restored_epoch = epoch if isinstance(epoch, int) else None
         if afresh:
             rank_zero_warn(
                 f"{self.owner}: the checkpoint holds no state of {', '.join(afresh)} "
@@ -141,9 +150,8 @@ class CheckpointSlot:
         """
         before = {key: kept.host_state() for key, kept in self.kept.items() if key in state}
         try:
-            afresh = _load_statistics(
-                attached, {k: v for k, v in state.items() if k not in self.kept}
-            )
+            statistics = {k: v for k, v in state.items() if k not in self.kept and k != _EPOCH}
+            afresh = _load_statistics(attached, statistics)
             for key in before:
                 self.kept[key].load_host_state(state[key])
         except Exception:
@@ -153,6 +161,10 @@ class CheckpointSlot:
                 self.kept[key].load_host_state(earlier)
             raise
         return afresh
+
+
+_EPOCH = "epoch"
+"""The key of the epoch the statistics' state is of."""
 
 
 def _state_name(index: int, stat: Statistic[Any]) -> str:

@@ -17,7 +17,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 
-from lightning_hooks.callbacks.alarm_policy import OWNER, Action, AlarmLog
+from lightning_hooks.callbacks.alarm_policy import OWNER, Action, AlarmLog, Written
 from lightning_hooks.callbacks.loss_agreement import LossAgreement
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView, gradient_clipping
@@ -30,6 +30,11 @@ from lightning_hooks.errors import LightningHooksWarning, TrainingAlarmError, Tr
 from lightning_hooks.logging import save_loggers
 
 __all__ = ["AlarmsAcrossFits", "FitAlarms"]
+
+_EPOCH = "epoch"
+"""The key of the epoch a running fit's saved alarm counts are of."""
+_WRITTEN = "written"
+"""The key of what a running fit's log had written of its epoch, by its last logging step."""
 
 
 class FitAlarms:
@@ -236,9 +241,14 @@ class FitAlarms:
         """
         self.log.log_step(self.trainer, self.training_alarms, step)
 
-    def start_log(self) -> None:
-        """Start the fit's log from the counts the alarms hold now, which were already written."""
-        self.log.start(self.training_alarms)
+    def start_log(self, written: Written | None = None) -> None:
+        """Start the fit's log from what is already written.
+
+        Args:
+            written: what a checkpoint's fit had written; ``None``: everything the alarms hold
+                now.
+        """
+        self.log.start(self.training_alarms, written)
 
     def end_epoch(self) -> None:
         """Act on the epoch's last verdicts, then write its alarms and start the next epoch.
@@ -396,10 +406,20 @@ class AlarmsAcrossFits:
         running.announce_stop()
 
     def host_state(self) -> dict[str, Any]:
-        """Return what a checkpoint saves: the running fit's state, else the one carried, or {}."""
+        """Return what a checkpoint saves: the running fit's state, else the one carried, or {}.
+
+        The running fit's state also names its epoch, whose counts it holds, and the counts its
+        log has written by the last logging step.
+        """
         running = self.running
         if running is not None:
-            return running.training_alarms.state_dict()
+            state = running.training_alarms.state_dict()
+            written = running.log.written
+            return {
+                **state,
+                _EPOCH: running.trainer.current_epoch,
+                _WRITTEN: {"counts": written.counts, "alarms": written.alarms},
+            }
         return dict(self._state or {})
 
     def load_host_state(self, state: dict[str, Any]) -> None:
@@ -416,11 +436,19 @@ class AlarmsAcrossFits:
         """
         loaded = dict(state) or None
         running = self.running
+        written = None
         if running is not None and loaded is not None:
             running.training_alarms.load_state_dict(loaded)
+            epoch = running.trainer.current_epoch
+            if loaded.get(_EPOCH, epoch) != epoch:
+                # Saved at its epoch's last batch, before the epoch's end: the fit resumes at the
+                # next epoch, whose counts start at 0, as its statistics do.
+                running.training_alarms.take_epoch()
+            elif _WRITTEN in loaded:
+                written = Written(dict(loaded[_WRITTEN]["counts"]), int(loaded[_WRITTEN]["alarms"]))
         self._state = loaded
         if running is not None:
-            running.start_log()
+            running.start_log(written)
 
 
 def _with_callback_name(alarm: TrainingAlarm) -> str:

@@ -189,6 +189,14 @@ class Lifecycle:
         """
         logging_step = self.cadence.start_batch(trainer, batch_idx)
         attached = self._state.attached
+        restored = self.checkpoint.restored_epoch
+        self.checkpoint.restored_epoch = None
+        if attached is not None and restored is not None and restored != trainer.current_epoch:
+            # The checkpoint was saved at its epoch's last batch, before the epoch's end: the
+            # fit resumes at the next epoch, which starts afresh. The saved epoch's aggregates
+            # are not written, as Lightning's own epoch metrics are not.
+            for logged in attached.logged:
+                logged.stat.reset()
         if attached is not None:
             attached.write_arrived_steps(trainer)  # on CUDA, the last logging step's copy
         self._hooks_for_logging_step(logging_step)
@@ -299,4 +307,4 @@ class Lifecycle:
         attached = self._state.attached
         if attached is not None and self.ranks.size > 1 and attached.aligned:
             attached.align_rows()  # include the rows made since the last logging step
-        return self.checkpoint.save(attached)
+        return self.checkpoint.save(attached, epoch=self.cadence.epoch)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -380,8 +381,8 @@ class TrainingAlarms:
         """Return the state a checkpoint holds, on the host.
 
         Returns:
-            The running scales, vanishing counters, ring buffer and counts, by name, with the
-            layers they are of.
+            The running scales, vanishing counters, ring buffer, counts and the epoch's alarms
+            (each a dict of its fields), by name, with the layers they are of.
         """
         self._read_arrived(wait=True)
         return {
@@ -391,6 +392,7 @@ class TrainingAlarms:
             **self._stall.state_dict(),
             **self._ring.state_dict(),
             "counts": dict(self.counts),
+            "log": [asdict(alarm) for alarm in self.log],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -430,6 +432,8 @@ class TrainingAlarms:
         if "transient" in counts:  # a 0.2.0 state: a transient is a setback that recovered
             counts["setback"] = counts.pop("transient")
         self.counts = {**dict.fromkeys(ALARM_RULES, 0), **counts}
+        # Saved before this release without the epoch's alarms: its text starts from the resume.
+        self.log = [TrainingAlarm(**alarm) for alarm in state.get("log", [])]
 
 
 class NormRing:
