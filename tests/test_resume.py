@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from release_checkpoint import SAVED_AT, SameBatchesMLP, trainer
 from torch import nn
 
@@ -532,3 +532,43 @@ def test_a_fit_resumed_mid_epoch_writes_the_alarms_read_before_its_checkpoint(
     want = [text.split("\n")[0] for text in read_alarm_texts(tmp_path / "whole")][1:]
     assert headers == want
     assert "0 warnings and 4 notices in epoch 0" in headers
+
+
+# Lightning's advice to a fit that has an OnExceptionCheckpoint and no ckpt_path.
+@pytest.mark.filterwarnings("ignore:.*was called without a model.*")
+@pytest.mark.filterwarnings("ignore:.*there is no last checkpoint available.*")
+@pytest.mark.filterwarnings("ignore:.*checkpoint that ended before the epoch ended.*")
+def test_a_fit_resumed_from_lightnings_exception_checkpoint_continues_the_failed_epoch(
+    tmp_path: Path,
+) -> None:
+    """The fit fails at its third batch; Lightning's ``OnExceptionCheckpoint`` saves after the
+    callback's ``on_exception``, which kept the epoch so far. Resumed from it, the epoch's values
+    and alarm counts (one a step) are the uninterrupted fit's."""
+
+    def callback() -> GradFlowCallback:
+        return GradFlowCallback(alarms=AlarmRules(max_grad_norm=1e-6), on_alarm="log")
+
+    torch.manual_seed(0)
+    make_trainer(tmp_path / "whole", callbacks=[callback()]).fit(RepeatedBatchMLP())
+    torch.manual_seed(0)
+    on_exception = OnExceptionCheckpoint(tmp_path / "ckpt")
+    failing = make_trainer(
+        tmp_path / "failed", callbacks=[callback(), on_exception], enable_checkpointing=True
+    )
+    with pytest.raises(RuntimeError, match="boom in training_step"):
+        failing.fit(RepeatedBatchMLP(fail_at_step=2))
+    path = tmp_path / "ckpt" / "on_exception.ckpt"
+    saved = torch.load(path, weights_only=False)["callbacks"][callback().state_key]
+    assert "0:GradFlowTracker" in saved  # the epoch so far, kept before the hooks went
+    make_trainer(tmp_path / "resumed", callbacks=[callback()]).fit(
+        RepeatedBatchMLP(), ckpt_path=path
+    )
+    whole = read_scalars(tmp_path / "whole")
+    resumed = read_scalars(tmp_path / "resumed")
+    tags = [t for t in whole if t.startswith("grad_flow/") and "_step" not in t]
+    assert len(tags) > 30
+    for tag in tags:
+        ((_, want),) = whole[tag]
+        ((_, got),) = resumed[tag]  # at Lightning's epoch step of the resumed fit
+        assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12), tag
+    assert whole["grad_flow/notices/absolute"][0][1] == 4.0

@@ -222,9 +222,13 @@ class HookCallback(FabricHooks, pl.Callback, _SecondCallback):
     def on_exception(
         self, trainer: TrainerView, pl_module: nn.Module, exception: BaseException
     ) -> None:
-        """Log what was measured, then remove the hooks and release the model."""
+        """Log what was measured, keep it for a checkpoint, remove the hooks, release the model.
+
+        Lightning's ``OnExceptionCheckpoint`` saves after this hook: it saves what was kept.
+        """
         try:
             self.lifecycle.flush(trainer)
+            self.lifecycle.keep_failed_fit()
         finally:
             self._release_model()
 

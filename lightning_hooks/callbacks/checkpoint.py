@@ -39,6 +39,8 @@ class CheckpointSlot:
         self._upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None
         self.restored_epoch: int | None = None
         """The epoch whose statistics the last restored state continued (``None``: unknown)."""
+        self._failed_fit: dict[str, Any] = {}
+        """The statistics' state of a fit that failed, taken before its hooks were removed."""
 
     def upgrade_old_states_with(self, upgrade: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
         """Pass each checkpoint's state through ``upgrade``, which reads older releases' layouts.
@@ -73,12 +75,27 @@ class CheckpointSlot:
             epoch: the epoch the statistics' state is of (``None``: before the fit's first
                 batch).
         """
-        state = {} if attached is None else _statistics_state(attached)
-        if attached is not None and epoch is not None:
-            state[_EPOCH] = epoch
+        state = dict(self._failed_fit) if attached is None else _statistics_part(attached, epoch)
         for key, kept in self.kept.items():
             state[key] = kept.host_state()
         return state
+
+    def keep_failed_fit(self, attached: Attached | None, epoch: int | None) -> None:
+        """Keep the statistics' state of a fit that failed, before its hooks are removed.
+
+        Lightning calls its checkpoint callbacks last, so ``OnExceptionCheckpoint`` saves after
+        the fit's hooks were removed: it saves this state, which continues the failed epoch.
+        The next fit's setup drops it (:meth:`drop_failed_fit`).
+
+        Args:
+            attached: what the failed fit attached (``None``: nothing is kept).
+            epoch: the epoch its statistics are of.
+        """
+        self._failed_fit = {} if attached is None else _statistics_part(attached, epoch)
+
+    def drop_failed_fit(self) -> None:
+        """Drop the statistics' state kept by :meth:`keep_failed_fit`."""
+        self._failed_fit = {}
 
     def hold(self, state: dict[str, Any]) -> None:
         """Store a checkpoint's ``state`` until the next fit attaches.
@@ -170,6 +187,14 @@ _EPOCH = "epoch"
 def _state_name(index: int, stat: Statistic[Any]) -> str:
     """Return a statistic's checkpoint name, by place and class: ``"0:GradFlowTracker"``."""
     return f"{index}:{type(stat).__name__}"
+
+
+def _statistics_part(attached: Attached, epoch: int | None) -> dict[str, Any]:
+    """Return the statistics' part of a checkpoint: their state, and the epoch it is of."""
+    state = _statistics_state(attached)
+    if epoch is not None:
+        state[_EPOCH] = epoch
+    return state
 
 
 def _statistics_state(attached: Attached) -> dict[str, Any]:

@@ -381,6 +381,9 @@ class AlarmsAcrossFits:
         if self._state is not None:
             try:
                 running.training_alarms.load_state_dict(self._state)
+                # The counts and alarms of an epoch the last fit did not end (it failed part
+                # way) are dropped, as its statistics are: this fit counts its own from 0.
+                running.training_alarms.take_epoch()
             except ValueError as err:
                 self._state = None  # another model's state: drop it now, not at every later fit
                 rank_zero_warn(
@@ -392,17 +395,17 @@ class AlarmsAcrossFits:
         return running
 
     def end(self) -> None:
-        """Keep the ending fit's state for the next fit; warn if an alarm's stop ended the fit.
+        """Keep the ending fit's state; warn if an alarm's stop ended the fit.
 
-        The counts of an epoch the fit did not end (it failed part way) are dropped with it, as
-        its statistics are: the next fit counts its own epoch from 0.
+        The state kept is what a checkpoint of the running fit saves: a checkpoint saved after
+        a failure (Lightning's ``OnExceptionCheckpoint``) continues the failed epoch. The next
+        fit starts from its running scales.
         """
         running = self.running
-        self.running = None
         if running is None:
             return
-        running.training_alarms.take_epoch()
-        self._state = running.training_alarms.state_dict()
+        self._state = self.host_state()
+        self.running = None
         running.announce_stop()
 
     def host_state(self) -> dict[str, Any]:

@@ -146,6 +146,7 @@ class Lifecycle:
             watching: ``False`` where a callback the user passed already watches the model.
         """
         self._state = self._new_fit(guard, watching=watching)
+        self.checkpoint.drop_failed_fit()  # kept by the last fit, if it failed
         if watching:
             check_trainer(
                 self.owner,
@@ -291,6 +292,15 @@ class Lifecycle:
         if attached is not None:
             attached.write_steps(trainer, wait=True)
         save_loggers(trainer.loggers, layout=trainer.is_global_zero)
+
+    def keep_failed_fit(self) -> None:
+        """Keep the running fit's statistics for a checkpoint saved after its failure.
+
+        In one process only: their state is reduced across ranks, and a collective made on the
+        failing rank alone would hang it.
+        """
+        if self.ranks.size == 1:
+            self.checkpoint.keep_failed_fit(self._state.attached, self.cadence.epoch)
 
     def remove_hooks(self) -> None:
         """Take every hook and statistic of the running fit off the model.

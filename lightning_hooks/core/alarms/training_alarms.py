@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -382,7 +382,9 @@ class TrainingAlarms:
 
         Returns:
             The running scales, vanishing counters, ring buffer, counts and the epoch's alarms
-            (each a dict of its fields), by name, with the layers they are of.
+            (each a dict of its fields, without the ring buffer's history it quotes, which
+            would make a checkpoint grow with every alarm), by name, with the layers they are
+            of.
         """
         self._read_arrived(wait=True)
         return {
@@ -392,7 +394,7 @@ class TrainingAlarms:
             **self._stall.state_dict(),
             **self._ring.state_dict(),
             "counts": dict(self.counts),
-            "log": [asdict(alarm) for alarm in self.log],
+            "log": [asdict(_without_history(alarm)) for alarm in self.log],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -434,6 +436,11 @@ class TrainingAlarms:
         self.counts = {**dict.fromkeys(ALARM_RULES, 0), **counts}
         # Saved before this release without the epoch's alarms: its text starts from the resume.
         self.log = [TrainingAlarm(**alarm) for alarm in state.get("log", [])]
+
+
+def _without_history(alarm: TrainingAlarm) -> TrainingAlarm:
+    """Return ``alarm`` without the ring buffer's steps it quotes."""
+    return replace(alarm, history_steps=(), history=(), history_scale=(), history_layers=())
 
 
 class NormRing:
