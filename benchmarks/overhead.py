@@ -750,7 +750,7 @@ def markdown(results: dict[str, Any]) -> str:
         _table(results, "wall"),
         "",
         "Median CPU step of each fit (robust to other tenants; a logging step every n is not in "
-        "it: this is the off-sample cost):",
+        "it: this is the quiet-step cost):",
         "",
         _table(results, "cpu_median"),
     ]

@@ -144,7 +144,7 @@ def _plain_loop(steps: int) -> None:
         if turn % 50 == 0:
             logging_step.reset()
     labels = {
-        "off": "LayerTimer, off-sample step",
+        "off": "LayerTimer, quiet step",
         "logging_step": "LayerTimer, logging step",
         "saturation": "SaturationTracker (4 Tanh)",
     }

@@ -367,6 +367,7 @@ def test_skip_leaves_weights_and_momentum_unchanged_for_that_step(
             **clipping,
         )
     assert trainer.global_step == K + 2
+    assert all(not opt._optimizer_step_pre_hooks for opt in trainer.optimizers)  # skip's, removed
     for step in (K - 1, K, K + 1):
         same = all(
             torch.equal(a, b) for a, b in zip(probe.before[step], probe.after[step], strict=True)
@@ -662,3 +663,39 @@ def test_alarms_after_the_epochs_last_logging_step_are_written_at_its_end(
         assert list(steps) == [0, 9, 19, 29, 35], rule
         assert steps[35] >= 1, rule
         assert sum(steps.values()) == dict(scalars[f"grad_flow/alarms/{rule}"])[35], rule
+
+
+class LBFGSMLP(LongMLP):
+    """LBFGS, whose ``step()`` evaluates its closure, and Lightning's hooks in it, many times."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters(), lr=0.01, max_iter=5)
+
+
+class StepProbe(pl.Callback):
+    """Counts ``on_before_optimizer_step`` calls, and the steps the watched alarms evaluated."""
+
+    def __init__(self, watched: GradFlowCallback) -> None:
+        self.watched = watched
+        self.calls = 0
+        self.evaluated: list[int] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.calls += 1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        fit = self.watched._fit
+        assert fit is not None
+        self.evaluated.append(fit.fit_alarms.training_alarms.evaluated)  # type: ignore[union-attr]
+
+
+def test_an_lbfgs_step_is_measured_once_though_its_closure_runs_many_times(
+    trainer_factory: Any,
+) -> None:
+    callback = GradFlowCallback(alarms=GRAD_RULES)
+    probe = StepProbe(callback)
+    with warnings.catch_warnings(record=True):  # what the alarms find is not the point here
+        warnings.simplefilter("always")
+        _fit(trainer_factory, LBFGSMLP(batches=6), callback, probe, max_steps=6)
+    assert probe.calls > 6  # the closure ran Lightning's hook several times a step
+    assert probe.evaluated == [1, 2, 3, 4, 5, 6]  # the alarms read each step once

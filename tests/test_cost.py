@@ -115,13 +115,13 @@ def test_operations_per_layer_are_constant_and_few() -> None:
     assert per_layer == 1, extra
 
 
-def test_an_off_sample_step_dispatches_no_operation() -> None:
+def test_a_quiet_step_dispatches_no_operation() -> None:
     for depth in (4, 16):
         assert _ops_per_step(depth, True, logging_step=False) == _ops_per_step(depth, False)
 
 
 def test_the_every_step_check_is_the_norm_pass_and_one_copy_whatever_the_depth() -> None:
-    """Off-sample steps with the alarms on: one multi-tensor norm, a segment sum, one copy of the
+    """Quiet steps with the alarms on: one multi-tensor norm, a segment sum, one copy of the
     norms to the host; the rules run there."""
     extra = {
         d: _ops_per_step(d, True, logging_step=False, alarms=AlarmRules()) - _ops_per_step(d, False)
@@ -164,7 +164,7 @@ def test_the_gradient_rules_launch_no_kernel() -> None:
     assert [(a.rule, a.layer, a.step) for a in alarms.poll()] == [("spike", "b", 3)]
 
 
-def test_callback_off_sample_steps_cost_what_bare_steps_cost(trainer_factory: Any) -> None:
+def test_a_callbacks_quiet_steps_cost_what_bare_steps_cost(trainer_factory: Any) -> None:
     bare, logging_step, alarmed = OpsPerStep(), OpsPerStep(), OpsPerStep()
     trainer_factory(callbacks=[bare]).fit(TinyMLP())
     quiet = GradFlowCallback(every_n_steps=2, alarms=False)
@@ -176,7 +176,7 @@ def test_callback_off_sample_steps_cost_what_bare_steps_cost(trainer_factory: An
     assert logging_step.per_step[2] == bare.per_step[2]
     assert logging_step.per_step[1] > bare.per_step[1]
     assert logging_step.per_step[3] > bare.per_step[3]
-    # Alarms on every step: off-sample steps pay the norms and the rules, not the full statistics.
+    # Alarms on every step: quiet steps pay the norms and the rules, not the full statistics.
     extra = [a - b for a, b in zip(alarmed.per_step, bare.per_step, strict=True)]
     assert 0 < extra[2] < min(extra[1], extra[3])
 

@@ -107,7 +107,7 @@ def test_only_logging_step_training_forwards_are_timed() -> None:
     assert hooks_left(model) == []
 
 
-def test_off_sample_steps_read_no_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quiet_steps_read_no_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     marks = []
     original = _Clock.mark
     monkeypatch.setattr(_Clock, "mark", lambda self: marks.append(1) or original(self))

@@ -23,10 +23,12 @@ def test_one_process_acts_on_the_flags_at_once() -> None:
     ranks = RankAgreement(guard, remove_hooks=lambda: removed.append(True))
     ranks.start()
     trainer = SimpleNamespace(should_stop=False, is_global_zero=True)
-    ranks.request_stop()
+    ranks.request_stop(trainer)
+    assert trainer.should_stop  # at once: no other rank to agree with
+    assert not ranks.stop_requested
+    trainer.should_stop = False
     assert not ranks.apply(trainer, 4, failed=0, stopping=1)
     assert trainer.should_stop
-    assert not ranks.stop_requested
     with pytest.warns(LightningHooksWarning, match="Watcher"):
         assert ranks.apply(trainer, 5, failed=1, stopping=0)
     assert guard.failed is not None

@@ -37,8 +37,6 @@ class CheckpointSlot:
         """Collaborators the callback holds across fits, saved in checkpoints, by key."""
         self._pending: dict[str, Any] | None = None
         self._upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-        self.restored_epoch: int | None = None
-        """The epoch whose statistics the last restored state continued (``None``: unknown)."""
         self._failed_fit: dict[str, Any] = {}
         """The statistics' state of a fit that failed, taken before its hooks were removed."""
 
@@ -114,22 +112,25 @@ class CheckpointSlot:
         """
         self._pending = None
 
-    def restore(self, attached: Attached) -> None:
+    def restore(self, attached: Attached) -> int | None:
         """Load the state held, if any, into the fit's statistics and into :attr:`kept`.
 
         The state is loaded whole or not at all. If a part does not fit this model, or fails to
         load for any other reason (a value of the wrong type), nothing of it is kept, with one
-        warning. If it holds no entry for some statistic, that statistic
-        starts its epoch afresh, with one warning.
+        warning. If it holds no entry for some statistic, that statistic starts its epoch
+        afresh, with one warning.
 
         Args:
             attached: what the fit attached, whose statistics load their part.
+
+        Returns:
+            The epoch the loaded statistics are of, or ``None``: nothing loaded, or a state
+            saved without it (by release 0.2.0, or between fits).
         """
         pending = self._pending
         self._pending = None
-        self.restored_epoch = None
         if not pending:
-            return
+            return None
         upgrade = self._upgrade
         try:
             state = dict(pending) if upgrade is None else upgrade(pending)
@@ -141,15 +142,15 @@ class CheckpointSlot:
                 f"none of it is loaded ({parts})",
                 category=LightningHooksWarning,
             )
-            return
-        epoch = state.get(_EPOCH)
-        self.restored_epoch = epoch if isinstance(epoch, int) else None
+            return None
         if afresh:
             rank_zero_warn(
                 f"{self.owner}: the checkpoint holds no state of {', '.join(afresh)} "
                 "(saved under another configuration); this epoch's values of it start afresh",
                 category=LightningHooksWarning,
             )
+        epoch = state.get(_EPOCH)
+        return epoch if isinstance(epoch, int) else None
 
     def _load_whole(self, attached: Attached, state: dict[str, Any]) -> list[str]:
         """Load ``state`` into the statistics and into :attr:`kept`, or put each back.

@@ -345,6 +345,11 @@ class GradFlowCallback(HookCallback):
         fit = self._fit
         if fit is None:  # not attached, or disabled
             return
+        step = trainer.global_step
+        if fit.observed is optimizer and fit.observed_step == step:
+            return  # LBFGS: each evaluation of its closure in one step runs this hook again
+        fit.observed = optimizer
+        fit.observed_step = step
         scale, param_grad_scale = loss_scales(trainer, optimizer)
         measured = fit.tracker.observe(
             optimizer, grad_scale=scale, param_grad_scale=param_grad_scale
@@ -463,6 +468,10 @@ class _Fit:
     """The instability statistics, under ``stability=True``."""
     gradient_histograms: LayerHistograms | None
     """The histograms of ``log10 |g|``, under ``histograms=True``."""
+    observed: torch.optim.Optimizer | None = None
+    """The optimizer whose gradients were measured last, at :attr:`observed_step`: an
+    optimizer step is measured once, at its first ``on_before_optimizer_step``."""
+    observed_step: int = -1
 
 
 _TRACKER_STATE = ("layers", "units", "total", "peak", "count", "stats")

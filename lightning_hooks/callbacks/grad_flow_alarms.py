@@ -23,13 +23,12 @@ from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView, gradient_clipping
 from lightning_hooks.core import GradFlowTracker
 from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarm, TrainingAlarms
-from lightning_hooks.core.distributed import world_size
 from lightning_hooks.core.stats.alarm_feed import AlarmFeed, Measured
 from lightning_hooks.core.stats.stability import Result as StabilityResult
 from lightning_hooks.errors import LightningHooksWarning, TrainingAlarmError, TrainingAlarmWarning
 from lightning_hooks.logging import save_loggers
 
-__all__ = ["AlarmsAcrossFits", "FitAlarms"]
+__all__ = ["AlarmsAcrossFits", "FitAlarms", "SkippedSteps"]
 
 _EPOCH = "epoch"
 """The key of the epoch a running fit's saved alarm counts are of."""
@@ -54,8 +53,8 @@ class FitAlarms:
         feed: hands the alarms each step's gradient norms.
         loss_agreement: hands the alarms each batch's loss, the mean over the ranks under DDP.
         actions: the action of every rule.
-        request_stop: called for a ``stop`` under DDP. The ranks agree on the stop at their
-            next agreement.
+        request_stop: called with the trainer for a ``stop``: it stops the fit at once in one
+            process; under DDP, once the ranks agree on it.
     """
 
     def __init__(
@@ -64,7 +63,7 @@ class FitAlarms:
         feed: AlarmFeed,
         loss_agreement: LossAgreement,
         actions: Mapping[str, Action],
-        request_stop: Callable[[], None],
+        request_stop: Callable[[TrainerView], None],
     ) -> None:
         self.trainer = trainer
         self.feed = feed
@@ -79,8 +78,8 @@ class FitAlarms:
         self._warned: set[tuple[str, str]] = set()
         self.stopped_by: TrainingAlarm | None = None
         """The first alarm whose ``stop`` acted in this fit."""
-        self._skip_at: dict[torch.optim.Optimizer, int] = {}
-        """The optimizers whose step a ``skip`` marked, and that step."""
+        self.skipped_steps = SkippedSteps(trainer)
+        """The optimizer steps a ``skip`` marked, which it skips when they run."""
 
     @property
     def training_alarms(self) -> TrainingAlarms:
@@ -173,65 +172,13 @@ class FitAlarms:
                 and optimizer is not None
                 and alarm.step == self.trainer.global_step
             ):
-                self._skip_at[optimizer] = alarm.step
-        if stop and world_size() == 1:
-            self.trainer.should_stop = True
-        elif stop:
-            # The ranks agree on it in a collective the callback makes anyway: no host sync.
-            self._request_stop()
+                self.skipped_steps.mark(optimizer, alarm.step)
+        if stop:
+            self._request_stop(self.trainer)
         # Last: where the user's warning filter turns a warning into an error, the stop and the
         # skip are taken, and the error goes on to the user (see the guard).
         for alarm in to_warn:
             self._warn_once(alarm)
-
-    def skip_marked_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        args: tuple[object, ...],
-        kwargs: dict[str, object],
-    ) -> tuple[tuple[object, ...], dict[str, object]] | None:
-        """Skip ``optimizer``'s step if :meth:`act` marked it: its step pre-hook, under ``skip``.
-
-        A skipped step's gradients are dropped after Lightning has clipped them, which by value
-        refuses a model with no gradient at all; torch optimizers skip a parameter whose
-        gradient is ``None``. Lightning runs the callbacks' ``on_before_optimizer_step`` and
-        the clipping inside the closure it passes to ``step()``, so the gradients are dropped
-        when that closure returns. A step without a closure (a GradScaler's, a Fabric loop's)
-        was marked before it began: they are dropped now. A mark of a step that did not run (a
-        GradScaler skipped it) is dropped at the next step, which runs.
-
-        Args:
-            optimizer: the optimizer about to step.
-            args: the positional arguments of its ``step()``.
-            kwargs: the keyword arguments of its ``step()``.
-
-        Returns:
-            The arguments with the closure wrapped, or ``None`` (unchanged) without a closure.
-        """
-        closure = kwargs.get("closure")
-        if callable(closure):
-            return args, {**kwargs, "closure": partial(self._skip_after, optimizer, closure)}
-        closure = args[0] if args else None
-        if callable(closure):
-            return (partial(self._skip_after, optimizer, closure), *args[1:]), kwargs
-        self._drop_marked_gradients(optimizer)
-        return None
-
-    def _skip_after(
-        self, optimizer: torch.optim.Optimizer, closure: Callable[[], object]
-    ) -> object:
-        """Run the step's closure, then drop the gradients if the step is marked to skip."""
-        loss = closure()
-        self._drop_marked_gradients(optimizer)
-        return loss
-
-    def _drop_marked_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        """Drop ``optimizer``'s gradients if its current step is marked to skip; unmark it."""
-        if self._skip_at.pop(optimizer, None) != self.trainer.global_step:
-            return
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                param.grad = None
 
     def log_step(self, step: int) -> None:
         """Log the alarm counts and text gathered since the last logging step, at ``step``.
@@ -316,6 +263,78 @@ class FitAlarms:
             rank_zero_warn(warning, category=TrainingAlarmWarning)
 
 
+class SkippedSteps:
+    """Skips the optimizer steps that an alarm's ``skip`` marks, when they run.
+
+    :meth:`hook` is each optimizer's step pre-hook while some rule's action is ``skip``.
+
+    Args:
+        trainer: the trainer of the fit, whose ``global_step`` is the step running.
+    """
+
+    def __init__(self, trainer: TrainerView) -> None:
+        self.trainer = trainer
+        self._marked: dict[torch.optim.Optimizer, int] = {}
+
+    def mark(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """Mark ``optimizer``'s step ``step`` to be skipped.
+
+        Args:
+            optimizer: the optimizer whose step is skipped.
+            step: the optimizer step, the one running.
+        """
+        self._marked[optimizer] = step
+
+    def hook(
+        self,
+        optimizer: torch.optim.Optimizer,
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+    ) -> tuple[tuple[object, ...], dict[str, object]] | None:
+        """Skip ``optimizer``'s step if it is marked: its step pre-hook, under ``skip``.
+
+        A skipped step's gradients are dropped after Lightning has clipped them, which by value
+        refuses a model with no gradient at all; torch optimizers skip a parameter whose
+        gradient is ``None``. Lightning runs the callbacks' ``on_before_optimizer_step`` and
+        the clipping inside the closure it passes to ``step()``, so the gradients are dropped
+        when that closure returns. A step without a closure (a GradScaler's, a Fabric loop's)
+        was marked before it began: they are dropped now. A mark of a step that did not run (a
+        GradScaler skipped it) is dropped at the next step, which runs.
+
+        Args:
+            optimizer: the optimizer about to step.
+            args: the positional arguments of its ``step()``.
+            kwargs: the keyword arguments of its ``step()``.
+
+        Returns:
+            The arguments with the closure wrapped, or ``None`` (unchanged) without a closure.
+        """
+        closure = kwargs.get("closure")
+        if callable(closure):
+            return args, {**kwargs, "closure": partial(self._skip_after, optimizer, closure)}
+        closure = args[0] if args else None
+        if callable(closure):
+            return (partial(self._skip_after, optimizer, closure), *args[1:]), kwargs
+        self._drop_marked_gradients(optimizer)
+        return None
+
+    def _skip_after(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], object]
+    ) -> object:
+        """Run the step's closure, then drop the gradients if the step is marked to skip."""
+        loss = closure()
+        self._drop_marked_gradients(optimizer)
+        return loss
+
+    def _drop_marked_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop ``optimizer``'s gradients if its current step is marked to skip; unmark it."""
+        if self._marked.pop(optimizer, None) != self.trainer.global_step:
+            return
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+
 class AlarmsAcrossFits:
     """Starts each fit's alarms, and carries their state from one fit to the next.
 
@@ -377,7 +396,7 @@ class AlarmsAcrossFits:
         )
         if "skip" in self.actions.values():  # on the tracker's registry: removed with its hooks
             for optimizer in trainer.optimizers:
-                tracker.registry.optimizer_step_pre_hook(optimizer, running.skip_marked_step)
+                tracker.registry.optimizer_step_pre_hook(optimizer, running.skipped_steps.hook)
         if self._state is not None:
             try:
                 running.training_alarms.load_state_dict(self._state)

@@ -42,6 +42,9 @@ class FitState:
     """What the fit put on the model, from its train start until its module hooks are removed."""
     measuring: bool = False
     """Whether the running batch belongs to a logging step that the fit measures."""
+    restored_epoch: int | None = None
+    """The epoch a checkpoint's statistics were of, until the fit's first batch compares it
+    with its own."""
 
 
 class Lifecycle:
@@ -172,7 +175,7 @@ class Lifecycle:
             attached: the hooks and statistics the callback put on the model for this fit.
         """
         self._state.attached = attached
-        self.checkpoint.restore(attached)
+        self._state.restored_epoch = self.checkpoint.restore(attached)
 
     def start_batch(self, trainer: TrainerView, batch_idx: int) -> bool:
         """Start a batch: log the values that reached the host, and put the hooks on or off.
@@ -190,8 +193,8 @@ class Lifecycle:
         """
         logging_step = self.cadence.start_batch(trainer, batch_idx)
         attached = self._state.attached
-        restored = self.checkpoint.restored_epoch
-        self.checkpoint.restored_epoch = None
+        restored = self._state.restored_epoch
+        self._state.restored_epoch = None
         if attached is not None and restored is not None and restored != trainer.current_epoch:
             # The checkpoint was saved at its epoch's last batch, before the epoch's end: the
             # fit resumes at the next epoch, which starts afresh. The saved epoch's aggregates

@@ -37,9 +37,11 @@ class RankAgreement:
     Example:
         >>> guard = Guard("Cb", strict=False)
         >>> ranks = RankAgreement(guard, remove_hooks=lambda: None)
-        >>> ranks.start()  # at a fit's train start
-        >>> ranks.request_stop()
-        >>> ranks.stop_requested
+        >>> ranks.start()  # at a fit's train start: one process
+        >>> from types import SimpleNamespace
+        >>> trainer = SimpleNamespace(should_stop=False)
+        >>> ranks.request_stop(trainer)  # with one process: at once
+        >>> trainer.should_stop
         True
     """
 
@@ -64,9 +66,18 @@ class RankAgreement:
         self._agreed_at = None
         guard.defer = not guard.strict and self.size > 1
 
-    def request_stop(self) -> None:
-        """Ask to stop the fit. Every rank stops once the ranks agree on the request."""
-        self.stop_requested = True
+    def request_stop(self, trainer: TrainerView) -> None:
+        """Stop the fit: at once in one process; under several, once the ranks agree on it.
+
+        The ranks agree in a collective the callback makes anyway (no host sync of its own).
+
+        Args:
+            trainer: the trainer, whose ``should_stop`` is set (in one process, now).
+        """
+        if self.size == 1:
+            trainer.should_stop = True
+        else:
+            self.stop_requested = True
 
     @property
     def failed_here(self) -> bool:

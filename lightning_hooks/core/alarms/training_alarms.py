@@ -1,8 +1,9 @@
 """`TrainingAlarms`: the alarm rules run at every optimizer step (no Lightning).
 
 The device posts a non-blocking copy of the gradient norms (and the loss) to host memory, and
-the rules and any diagnosis run on the host when it is read: no host sync, no kernel on a quiet
-step.
+the rules and any diagnosis run on the host when it is read: no read of a device value and no
+kernel on a quiet step. On CUDA each step first waits for the copy its previous step posted
+(its event), which the device has finished unless the host runs more than a step ahead.
 """
 
 from __future__ import annotations
@@ -153,7 +154,10 @@ class TrainingAlarms:
         clip: float | None = None,
         segments: HostSegments | None = None,
     ) -> None:
-        """Post one optimizer step's norms to the host (no host sync) for the gradient rules.
+        """Post one optimizer step's norms to the host for the gradient rules.
+
+        On CUDA it first reads the previous step's copy, waiting for it if the device has not
+        finished it; the copy posted now is read at the next step.
 
         Args:
             norm: ``[len(rows)]`` gradient L2 norms, last the global one (of a table: column 0).
@@ -201,7 +205,8 @@ class TrainingAlarms:
     def update_loss(self, loss: torch.Tensor, *, step: int) -> None:
         """Apply *loss_spike* and *diverging* to one training loss.
 
-        No host sync: the verdict is read at most one step late.
+        The verdict is read at most one step late: on CUDA this first waits for the previous
+        step's copy, if the device has not finished it.
 
         Args:
             loss: the training loss, a device scalar.
