@@ -572,3 +572,38 @@ def test_a_fit_resumed_from_lightnings_exception_checkpoint_continues_the_failed
         ((_, got),) = resumed[tag]  # at Lightning's epoch step of the resumed fit
         assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12), tag
     assert whole["grad_flow/notices/absolute"][0][1] == 4.0
+
+
+@pytest.mark.filterwarnings("ignore:.*checkpoint that ended before the epoch ended.*")
+def test_the_loss_rules_resume_under_accumulation_as_if_never_stopped(tmp_path: Path) -> None:
+    """Two micro-batches a step: a fit resumed after its first optimizer step ends with the loss
+    rules' state of the uninterrupted fit, to the bit: how many losses make a step is saved
+    with the running levels, and the first step, highest step and trail the messages quote."""
+
+    def fit(root: Path, *more: pl.Callback, **kwargs: Any) -> GradFlowCallback:
+        callback = GradFlowCallback()
+        make_trainer(
+            root,
+            max_epochs=3,
+            accumulate_grad_batches=2,
+            callbacks=[callback, *more],
+            enable_checkpointing=bool(more),
+        ).fit(RepeatedBatchMLP(), **kwargs)
+        return callback
+
+    def every() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+
+    torch.manual_seed(0)
+    whole = fit(tmp_path / "whole")
+    torch.manual_seed(0)
+    fit(tmp_path / "first", every())
+    path = next((tmp_path / "ckpt").glob("*step=1.ckpt"))
+    resumed = fit(tmp_path / "resumed", every(), ckpt_path=path)
+    want = whole.lifecycle.checkpoint.kept["alarms"].host_state()
+    got = resumed.lifecycle.checkpoint.kept["alarms"].host_state()
+    assert want["loss_per_step"] == 2
+    keys = ("loss_levels", "loss_recent", "loss_per_step", "loss_step", "loss_group")
+    for key in (*keys, "loss_start", "loss_peak"):
+        assert got[key] == want[key], key
+    assert got["loss_trail"] == want["loss_trail"]

@@ -684,8 +684,9 @@ class LossRules:
         """Return the loss rules' state, for a checkpoint.
 
         Returns:
-            The running scale, *diverging*'s levels, the open setback and the last steps' mean
-            losses, by name.
+            The running scale, *diverging*'s levels, the open setback, the last steps' mean
+            losses, the losses read per optimizer step and of the last step, and the run's
+            first and highest step and its trail of steps that the messages quote, by name.
         """
         return {
             "loss_scale": torch.from_numpy(self.scale.state.copy()),
@@ -693,6 +694,12 @@ class LossRules:
             "loss_setback": None if self.setback is None else asdict(self.setback),
             "loss_recent": list(self._recent),
             "loss_echo": None if self._echo is None else list(self._echo),
+            "loss_per_step": self.per_step,
+            "loss_step": self._step,
+            "loss_group": [self._group.losses, self._group.total],
+            "loss_start": self._start,
+            "loss_peak": list(self._peak),
+            "loss_trail": [list(point) for point in self._trail],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -713,6 +720,17 @@ class LossRules:
             self._recent.extend(state.get("loss_recent", ()))
             echo = state.get("loss_echo")
             self._echo = None if echo is None else _Echo(int(echo[0]), float(echo[1]))
+            # Saved before this release without them: the first whole step counts them again.
+            self.per_step = int(state.get("loss_per_step", 1))
+            step = state.get("loss_step")
+            self._step = None if step is None else int(step)
+            losses, total = state.get("loss_group", (0, 0.0))
+            self._group = _Group(int(losses), float(total))
+            self._start = float(state.get("loss_start", math.nan))
+            peak = state.get("loss_peak", (-1, -math.inf))
+            self._peak = _Peak(int(peak[0]), float(peak[1]))
+            self._trail.clear()
+            self._trail.extend((int(s), float(m)) for s, m in state.get("loss_trail", ()))
         elif "diverging" in state:
             mean, deviation, best, first = as_array(state["diverging"]).tolist()
             seen = int(state["loss_seen"])
