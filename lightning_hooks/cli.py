@@ -77,7 +77,7 @@ _OPS: dict[str, Callable[[float, float], bool]] = {
     "<": operator.lt,
     "==": operator.eq,
 }
-_RULE = re.compile(r"^\s*([A-Za-z0-9_./-]+)\s*(>=|<=|==|>|<)\s*([-+0-9.eE]+|inf|nan)\s*$")
+_RULE = re.compile(r"^\s*([A-Za-z0-9_./-]+)\s*(>=|<=|==|>|<)\s*([-+]?[0-9.eE+-]+|[-+]?inf)\s*$")
 
 
 @dataclass(frozen=True)
@@ -122,12 +122,17 @@ class FailRule:
                 what was received.
         """
         match = _RULE.match(text)
+        expected = (
+            f"--fail-on {text!r}: expected <metric><op><number> with op one of "
+            f"{', '.join(_OPS)}, e.g. 'grad_nonfinite>0' or 'dead_fraction>=0.9'"
+        )
         if match is None:
-            raise ValueError(
-                f"--fail-on {text!r}: expected <metric><op><number> with op one of "
-                f"{', '.join(_OPS)}, e.g. 'grad_nonfinite>0' or 'dead_fraction>=0.9'"
-            )
-        return cls(_NOTICE_COLUMNS.get(match[1], match[1]), match[2], float(match[3]))
+            raise ValueError(expected)
+        try:
+            threshold = float(match[3])
+        except ValueError:
+            raise ValueError(f"{expected}; {match[3]!r} is not a number") from None
+        return cls(_NOTICE_COLUMNS.get(match[1], match[1]), match[2], threshold)
 
     def problems(self, reports: Sequence[RunReport]) -> list[str]:
         """Return why the rule cannot be checked.

@@ -394,6 +394,8 @@ def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     late = _last_step(steps, counts=False) > _last_step(epoch, counts=False)
     source = steps if late else epoch
     last = {tag: events[-1] for tag, events in source.items() if _kind(tag) is None}
+    if late:
+        _carry_epoch_only_statistics(last, epoch, steps, layered)
     ended = _last_step(epoch, counts=True)
     totals = {
         tag: math.fsum(
@@ -406,6 +408,29 @@ def read_run(run_dir: Path, logdir: Path) -> RunReport | None:
     report = _build(_run_name(run_dir, logdir), step, last, totals)
     _ending(report, steps)
     return report
+
+
+def _carry_epoch_only_statistics(
+    last: dict[str, tuple[int, float]], epoch: _Series, steps: _Series, step: int
+) -> None:
+    """Add to ``last`` the last epoch's values of the statistics no logging step logs.
+
+    A run reported at a logging step after its last epoch end has no value there of a statistic
+    logged at epoch ends only (``dead_relu/dead_fraction``): its last epoch's values stand for it,
+    at ``step``, so that a rule on it still checks the run.
+    """
+    logged_at_steps = {_statistic(tag) for tag in steps}
+    epoch_end = _last_step(epoch, counts=False)
+    for tag, events in epoch.items():
+        at, value = events[-1]
+        if _kind(tag) is None and at == epoch_end and _statistic(tag) not in logged_at_steps:
+            last[tag] = (step, value)
+
+
+def _statistic(tag: str) -> str:
+    """Return a layer tag's ``family/stat``."""
+    family, stat, _ = tag.split("/", 2)
+    return f"{family}/{stat}"
 
 
 def _kind(tag: str) -> str | None:

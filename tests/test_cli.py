@@ -18,7 +18,12 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_hooks import DeadReLUCallback, GradFlowCallback, TrainingAlarmWarning
+from lightning_hooks import (
+    DeadReLUCallback,
+    GradFlowCallback,
+    LightningHooksWarning,
+    TrainingAlarmWarning,
+)
 from lightning_hooks.cli import main
 from lightning_hooks.core.alarms import ALARM_RULES
 from lightning_hooks.tags import NOTICES, NOTICES_0_2_0
@@ -229,11 +234,21 @@ def test_no_events_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert f"{tmp_path / 'missing'}: no such directory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "rule",
+    [
+        "dead fraction high",
+        "warnings>nan",  # a comparison with NaN never holds: the gate would always pass
+        "grad_norm>1e",
+        "warnings>..",
+    ],
+)
 def test_a_malformed_rule_is_a_usage_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    rule: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["report", str(tmp_path), "--fail-on", "dead fraction high"]) == 2
-    assert "expected <metric><op><number>" in capsys.readouterr().err
+    assert main(["report", str(tmp_path), "--fail-on", rule]) == 2
+    err = capsys.readouterr().err
+    assert f"--fail-on {rule!r}: expected <metric><op><number>" in err
 
 
 def _fit(root: Path, **kwargs: Any) -> Path:
@@ -720,3 +735,34 @@ def test_a_logging_step_after_the_last_epoch_is_reported_with_its_counts(
     ((_, epoch_count),) = scalars["grad_flow/alarms/absolute"]
     after = [v for s, v in scalars["grad_flow/alarms_step/absolute"] if s > epoch_step]
     assert after and run["warnings"]["grad_flow/alarms/absolute"] == epoch_count + sum(after)
+
+
+class _DeadThenFails(TinyMLP):
+    """A ReLU that never fires (its layer's bias far below 0), and a failure at step 6, two
+    batches into the second epoch: the run's logging steps go on after its last epoch end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.no_grad():
+            self.net[2].bias.fill_(-1e3)  # net.3, the second ReLU, never fires
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == 6:
+            raise RuntimeError("killed mid-epoch")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_run_killed_mid_epoch_is_gated_on_its_last_epochs_dead_fraction(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``dead_fraction`` is logged at epoch ends only: reported at the run's last logging step,
+    after its last epoch end, the rule still checks the epoch's value, and the gate fails."""
+    trainer = make_trainer(tmp_path, max_epochs=2, callbacks=[DeadReLUCallback()])
+    dead = pytest.warns(LightningHooksWarning, match="'net.3' has 16 of 16 units dead")
+    with dead, pytest.raises(RuntimeError, match="killed mid-epoch"):
+        trainer.fit(_DeadThenFails())
+    scalars = read_scalars(tmp_path)
+    assert scalars["dead_relu/dead_fraction/net.3"] == [(3, 1.0)]
+    assert max(s for s, _ in scalars["dead_relu/zero_fraction_step/net.3"]) > 3
+    assert main(["report", str(tmp_path), "--fail-on", "dead_fraction>=0.9"]) == 1
+    assert "dead_fraction" in capsys.readouterr().out
