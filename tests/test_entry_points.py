@@ -157,3 +157,9 @@ def test_fabric_does_not_add_a_callback_twice(
     fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     runs = [cb for cb in fabric._callbacks if type(cb).__name__ == "FabricRun"]
     assert [run.callback for run in runs] == [mine]
+    # The added callback gave way, and left Fabric's list: the loop's documented calls reach
+    # only the run, never a Trainer hook with Fabric's arguments.
+    assert not [cb for cb in fabric._callbacks if isinstance(cb, GradFlowCallback)]
+    fabric.call("on_before_backward", model(torch.randn(2, 4)).sum())
+    fabric.call("on_train_epoch_end")
+    fabric.call("on_train_end")

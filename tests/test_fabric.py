@@ -285,3 +285,18 @@ def test_the_run_calls_on_before_optimizer_step_where_the_callback_defines_one(
     assert read_scalars(tmp_path / "b" / "tb")
     activations.release()
     assert hooks_left(model) == []
+
+
+def test_a_callback_kept_after_its_run_ended_holds_no_model(tmp_path: Path) -> None:
+    """After ``fabric.call("on_train_end")`` the user may keep the callback (to read it, or for
+    the next loop): it holds no Fabric, module or optimizer."""
+    callback = GradFlowCallback(every_n_steps=2)
+    model = _model()
+    ref = weakref.ref(model)
+    fabric = _fabric(tmp_path, callback)
+    _train(fabric, model, 2)
+    fabric.call("on_train_end")
+    assert callback.fabric_run is None
+    del model, fabric
+    gc.collect()
+    assert ref() is None

@@ -142,3 +142,15 @@ def test_histograms_of_a_fused_optimizer_under_a_grad_scaler_count_the_unscaled_
             logs = np.log10(np.abs(grads).astype(np.float32))
         expected = np.bincount(np.digitize(logs, edges), minlength=len(edges) + 1)
         assert list(hist.bucket) == expected.tolist()
+
+
+def test_bf16_values_are_binned_against_the_float32_edges() -> None:
+    """Edges 0.125 apart around 100, where bf16's spacing is 0.5: rounded to bf16, the edges would
+    collapse onto each other and move counts to the next bin. Binned in float32, the counts are
+    numpy's of the same values."""
+    values = torch.linspace(98.0, 102.0, 1001).to(torch.bfloat16)
+    inner = torch.linspace(98.0, 102.0, 33)[1:-1]
+    out = torch.zeros(len(inner) + 1, dtype=torch.int64)
+    bin_counts(values, inner, out)
+    want = np.bincount(np.digitize(values.float().numpy(), inner.numpy()), minlength=len(out))
+    assert out.tolist() == want.tolist()

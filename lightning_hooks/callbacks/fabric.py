@@ -151,6 +151,23 @@ def _observes_steps(callback: object) -> TypeGuard[_StepObserver]:
     return not inherits_empty_hook(callback, "on_before_optimizer_step")
 
 
+class _GaveWay:
+    """Stands in Fabric's callback list for a callback that gave way to the user's own.
+
+    It has no hook, so ``fabric.call`` passes it by.
+
+    Args:
+        name: the class name of the callback that gave way.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        """Name the callback that gave way."""
+        return f"<{self.name} added by LIGHTNING_HOOKS, giving way to the user's own>"
+
+
 class _RunHolder(FabricDriven, Protocol):
     """A :class:`FabricHooks` whose class has the hooks the run drives."""
 
@@ -351,6 +368,10 @@ class FabricRun:
         callbacks = fabric_callbacks(fabric)
         ours = [c.callback if isinstance(c, FabricRun) else c for c in callbacks or ()]
         if defers_to_users_own(callback, ours):
+            if callbacks is not None and callback in callbacks:
+                # fabric.call would hand its Trainer hooks Fabric's arguments. Replaced, not
+                # removed: Fabric is iterating over the list while it calls this hook.
+                callbacks[callbacks.index(callback)] = _GaveWay(type(callback).__name__)
             return None
         run = cls(callback, fabric, module)
         if callbacks is not None and callback in callbacks:
@@ -575,6 +596,9 @@ class FabricRun:
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
+        if isinstance(callback, FabricHooks) and callback.fabric_run is self:
+            # The callback the user keeps holds no Fabric, model or optimizer after its run.
+            callback.fabric_run = None
 
     def on_after_setup(self, fabric: Fabric, module: nn.Module) -> None:
         """Warn once that the module of a second ``fabric.setup`` is not watched.

@@ -37,7 +37,9 @@ def bin_counts(
         scale: what is binned: ``"log10"`` bins ``log10 |x|``, ``"linear"`` bins ``x`` itself.
     """
     flat = x.detach().reshape(-1)
-    flat = flat.abs().float() if scale == "log10" else flat
+    # In float32, as the edges are: under bf16 autocast an edge rounded to the values' dtype
+    # would move counts to the next bin.
+    flat = flat.abs().float() if scale == "log10" else flat.float()
     values = flat.clamp_min(1e-38).log10() if scale == "log10" else flat
     bucket = torch.bucketize(values, inner.to(values.dtype), right=True)
     spill = out.shape[0]  # non-finite entries go to a bucket past the end, then dropped
