@@ -130,3 +130,52 @@ def test_a_cadence_of_its_own_measures_without_the_trainers_logging_steps(
     assert [step for step, _ in scalars["grad_flow/grad_norm/net.0"]] == [
         epoch_end_step(4 * epoch) for epoch in (1, 2, 3)
     ]
+
+
+class TwoOptimizers(TinyMLP):
+    """Manual optimization: each batch steps two optimizers, one per Linear pair, so the
+    optimizer step advances by 2 a batch. Records each batch's gradient norms, in plain torch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.norms: dict[int, dict[str, float]] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        first, second = self.optimizers()  # type: ignore[misc]
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.manual_backward(loss)
+        self.norms[self.trainer.global_step] = {
+            name: float(torch.cat([p.grad.flatten() for p in layer.parameters()]).norm())
+            for name, layer in (("net.0", self.net[0]), ("net.4", self.net[4]))
+        }
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+        return loss.detach()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        first = [*self.net[0].parameters(), *self.net[2].parameters()]
+        return [
+            torch.optim.SGD(first, lr=0.1),
+            torch.optim.SGD(self.net[4].parameters(), lr=0.1),
+        ]
+
+
+def test_a_batch_that_steps_several_optimizers_is_measured_when_it_holds_a_logging_step(
+    tmp_path: Path,
+) -> None:
+    """Two optimizer steps a batch, every 4 optimizer steps: the batches starting at steps 2 and
+    6 hold steps 3 and 7, and the epoch's first is measured too. With one step a batch the
+    cadence would meet only even steps, and measure the epoch's first batch alone."""
+    model = TwoOptimizers()
+    callback = GradFlowCallback(every_n_steps=4, alarms=False, chart=False)
+    make_trainer(tmp_path, callbacks=[callback]).fit(model)
+    scalars = read_scalars(tmp_path)
+    for layer in ("net.0", "net.4"):
+        logged = scalars[f"grad_flow/grad_norm_step/{layer}"]
+        assert [s for s, _ in logged] == [0, 2, 6], layer  # 4 batches: steps 0 to 7
+        for step, value in logged:
+            assert math.isclose(value, model.norms[step][layer], rel_tol=1e-5), (layer, step)

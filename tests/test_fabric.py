@@ -300,3 +300,30 @@ def test_a_callback_kept_after_its_run_ended_holds_no_model(tmp_path: Path) -> N
     del model, fabric
     gc.collect()
     assert ref() is None
+
+
+def test_releasing_one_callback_keeps_the_others_clip_observer(tmp_path: Path) -> None:
+    """Two callbacks each observe ``fabric.clip_gradients``; the second is released after step 3:
+    the first still reads the gradient before the clip, as plain torch."""
+    model = _model()
+    kept = GradFlowCallback(every_n_steps=2)
+    released = ActivationStatsCallback(every_n_steps=2)
+    logger = TensorBoardLogger(str(tmp_path), name="tb", version=0)
+    fabric = Fabric(accelerator="cpu", devices=1, callbacks=[kept, released], loggers=[logger])
+    wrapped, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    before_clip = {}
+    for step in range(8):
+        x, y = _batch(step)
+        fabric.backward(nn.functional.mse_loss(wrapped(x), y))
+        before_clip[step] = _layer_norms(model)["0"]
+        fabric.clip_gradients(wrapped, opt, max_norm=0.05)
+        opt.step()
+        opt.zero_grad()
+        if step == 3:
+            released.release()
+    fabric.call("on_train_end")
+    preclip = read_scalars(tmp_path / "tb")["grad_flow/grad_norm_preclip_step/0"]
+    assert [s for s, _ in preclip] == [1, 3, 5, 7]
+    for step, value in preclip:
+        assert value == pytest.approx(before_clip[step], rel=1e-5), step
+    assert not any("clip_gradients" in name for name in vars(fabric.strategy))

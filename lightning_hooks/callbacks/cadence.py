@@ -38,7 +38,9 @@ class LoggingCadence:
     first step of each epoch. Under gradient accumulation, every micro-batch of a logging step
     belongs to it, and its values are written once its optimizer step has run. The epoch's
     first step is found from the batch index, not in ``on_train_epoch_start``, so a run resumed
-    mid-epoch measures the same steps as one never interrupted.
+    mid-epoch measures the same steps as one never interrupted. A batch that steps several
+    optimizers (manual optimization) is measured when one of its steps is a logging step, and
+    its values are written at its first step.
 
     Args:
         every_n_steps: ``n``; ``None`` uses the Trainer's ``log_every_n_steps``.
@@ -64,19 +66,25 @@ class LoggingCadence:
         """The epoch of the running batch (``None`` before the fit's first batch)."""
         self.measured_step: int | None = None
         """The logging step being measured, until its values are handed over to be written."""
+        self.steps_per_batch = 1
+        """The optimizer steps of the last batch that stepped: one, or one per optimizer where
+        several step in a batch (manual optimization)."""
 
     def logs(self, trainer: FitProgress, step: int) -> bool:
-        """Return whether optimizer step ``step`` is a logging step by the cadence alone.
+        """Return whether the batch starting at optimizer step ``step`` holds a logging step.
+
+        It does when one of the :attr:`steps_per_batch` optimizer steps it takes is a logging
+        step by the cadence alone: with one step a batch, when ``step`` itself is.
 
         Args:
             trainer: the trainer, whose ``log_every_n_steps`` is the cadence where
                 ``every_n_steps`` is ``None``.
-            step: the optimizer step asked about.
+            step: the optimizer step the batch starts at.
         """
         # Lightning sets log_every_n_steps on its Trainer; no protocol of ours declares it.
         every = getattr(trainer, "log_every_n_steps", LIGHTNING_LOG_EVERY_N_STEPS)
         cadence = self.every_n_steps or max(1, int(every))
-        return (step + 1) % cadence == 0
+        return (step + self.steps_per_batch) // cadence > step // cadence
 
     def start_batch(self, trainer: FitProgress, batch_idx: int) -> bool:
         """Record a batch's start, and return whether it belongs to a logging step.
@@ -114,6 +122,9 @@ class LoggingCadence:
             That step, once only. ``None`` for a quiet step, and for each micro-batch before a
             step's last one.
         """
+        stepped = trainer.global_step - self.batch_step
+        if stepped > 0:  # a micro-batch before its step's last one steps nothing
+            self.steps_per_batch = stepped
         measured = self.measured_step
         if measured is None or trainer.global_step <= measured:
             return None

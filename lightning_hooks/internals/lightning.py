@@ -168,16 +168,29 @@ def before_fabric_clips(
             refused set-up).
 
     Returns:
-        A function that takes the shadow off.
+        A function that takes the shadow off, and only it: another callback's shadow over or
+        under it stays. A shadow another one covers stays as a pass-through that calls nothing.
     """
     original = getattr(strategy, method)
+    underneath = strategy.__dict__.get(method)  # another callback's shadow, or None
+    observe: Callable[[Any, Any], None] | None = before
 
     def clip(module: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: ANN401 (stands in for the strategy's clip method, whatever it takes and returns)
-        before(optimizer, kwargs.get(argument, args[0] if args else None))
+        if observe is not None:
+            observe(optimizer, kwargs.get(argument, args[0] if args else None))
         return original(module, optimizer, *args, **kwargs)
 
+    def take_off() -> None:
+        nonlocal observe
+        observe = None  # holds no callback from now on
+        if strategy.__dict__.get(method) is clip:  # on top: what was under it comes back
+            if underneath is None:
+                strategy.__dict__.pop(method, None)
+            else:
+                setattr(strategy, method, underneath)
+
     setattr(strategy, method, clip)
-    return lambda: strategy.__dict__.pop(method, None)
+    return take_off
 
 
 def unwrapped_optimizer(optimizer: Any) -> Any:  # noqa: ANN401 (any optimizer, wrapped or not)
