@@ -24,6 +24,7 @@ from conftest import (
     dataset,
     epoch_end_step,
     hooks_left,
+    make_trainer,
     read_histograms,
     read_image_tags,
     read_scalars,
@@ -406,3 +407,22 @@ def test_a_state_saved_for_layers_in_another_order_adds_no_row() -> None:
         with pytest.raises(ValueError, match=r"saved for layers \('1', '0'\)"):
             fresh.load_host_state(state)
         assert fresh.layers == ("0",)
+
+
+class FrozenFirstLayer(TinyMLP):
+    """Its first Linear in eval mode for every epoch (a frozen backbone's usual set-up): a Linear
+    computes the same in either mode, so its statistics are those of the model in train mode."""
+
+    def on_train_epoch_start(self) -> None:
+        self.net[0].eval()
+
+
+def test_a_submodule_in_eval_mode_in_the_training_forward_is_measured(tmp_path: Path) -> None:
+    runs = {}
+    for name, model in (("frozen", FrozenFirstLayer), ("train", TinyMLP)):
+        torch.manual_seed(0)
+        callbacks = [ActivationStatsCallback(every_n_steps=1)]
+        make_trainer(tmp_path / name, callbacks=callbacks).fit(model())
+        runs[name] = read_scalars(tmp_path / name)
+    assert "activations/mean/net.0" in runs["frozen"]
+    assert runs["frozen"] == runs["train"]  # every tag and value, net.0's among them

@@ -94,7 +94,9 @@ def is_training_forward(module: nn.Module) -> bool:
         ...     is_training_forward(layer)
         False
     """
-    if not (module.training and torch.is_grad_enabled()):
+    # Not the module's own training flag: a submodule the user put in eval mode (a frozen
+    # backbone) runs in the training forward too, and counts.
+    if not torch.is_grad_enabled():
         return False
     if internals.is_compiling():
         # Dynamo cannot trace the graph-task query (a graph break per hooked module), and a
