@@ -385,3 +385,54 @@ def test_a_module_called_at_two_widths_gets_a_row_per_width(
     assert _reference(model.calls[16], dim=1)[0] >= len(DEAD)
     assert _reference(model.calls[8], dim=1)[0] >= 2
     assert hooks_left(model) == []
+
+
+class DeadChannelConv1d(pl.LightningModule):
+    """Conv1d (4 channels, channel 0 dead) then ReLU: its ``[N, C, L]`` output looks like a
+    transformer's ``[N, L, F]``, whose units are the last dimension. Sequences of ``lengths``."""
+
+    def __init__(self, lengths: tuple[int, ...] = (16,)) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Conv1d(1, 4, 3, padding=1), nn.ReLU())
+        _kill(self.net[0].bias, [0])
+        self.lengths = lengths
+        self.outputs: list[torch.Tensor] = []
+        self.net[1].register_forward_hook(self._record)
+
+    def _record(self, module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if self.training and torch.is_grad_enabled():
+            self.outputs.append(out.detach().clone())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        length = self.lengths[batch_idx % len(self.lengths)]
+        return self.net(batch[0][..., :length]).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        x = torch.randn(32, 1, 24, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x), batch_size=8)
+
+
+@pytest.mark.parametrize("lengths", [(16,), (16, 17, 18, 19, 20, 21)], ids=["fixed", "varying"])
+def test_unit_dim_names_the_channels_of_a_conv1d_output(
+    lengths: tuple[int, ...], trainer_factory: Any, tmp_path: Path
+) -> None:
+    """``unit_dim=1``: channel 0 of 4 is the one dead unit, whatever the sequence's length."""
+    model = DeadChannelConv1d(lengths)
+    callback = DeadReLUCallback(unit_dim=1, warn_at=None, every_n_steps=1)
+    trainer_factory(callbacks=[callback]).fit(model)
+    dead, units, _ = _reference(model.outputs, dim=1)
+    assert (dead, units) == (1, 4)
+    scalars = read_scalars(tmp_path)
+    assert _logged(scalars, "dead_count", "net.1", 4) == 1
+    assert _logged(scalars, "dead_fraction", "net.1", 4) == pytest.approx(1 / 4)
+
+
+def test_unit_dim_is_checked_and_keys_its_own_checkpoint_state() -> None:
+    with pytest.raises(TypeError, match=r"DeadReLUCallback\(unit_dim=1.5\): must be an int"):
+        DeadReLUCallback(unit_dim=1.5)  # type: ignore[arg-type]
+    assert DeadReLUCallback().state_key != DeadReLUCallback(unit_dim=1).state_key
+    assert DeadReLUCallback().state_key == DeadReLUCallback(unit_dim=None).state_key

@@ -64,6 +64,10 @@ class DeadReLUCallback(HookCallback):
         every_n_steps: measure optimizer steps ``n-1, 2n-1, ...`` and each epoch's first
             (``None``: the Trainer's ``log_every_n_steps``; 1: every step); a unit is dead if it
             fired on no logging step's batch.
+        unit_dim: the output dimension that indexes units. ``None`` takes the last dimension
+            of a 2-d or 3-d output (the features of ``[N, F]`` and ``[N, L, F]``) and dimension
+            1 from 4-d (the channels of ``[N, C, H, W]``). Pass ``1`` after a ``Conv1d``
+            (``[N, C, L]``), ``-1`` after a channels-last layer (``[N, H, W, C]``).
 
     Example:
         >>> import pytorch_lightning as pl
@@ -80,6 +84,7 @@ class DeadReLUCallback(HookCallback):
         pre_activation: Patterns = None,
         warn_at: float | None = 0.5,
         every_n_steps: int | None = None,
+        unit_dim: int | None = None,
     ) -> None:
         include = as_patterns(include, f"{_NAME}(include={include!r})")
         exclude = as_patterns(exclude, f"{_NAME}(exclude={exclude!r})")
@@ -89,6 +94,7 @@ class DeadReLUCallback(HookCallback):
             exclude=exclude,
             owner=_NAME,
             pre_activation=pre_activation,
+            unit_dim=unit_dim,
         )
         self.warn_at = fraction_or_none(_NAME, "warn_at", warn_at)
         super().__init__(state_key={"stats": [tracker.config_key()]}, every_n_steps=every_n_steps)
@@ -98,6 +104,7 @@ class DeadReLUCallback(HookCallback):
         self.include = include
         self.exclude = exclude
         self.pre_activation = tracker.producers.include
+        self.unit_dim = unit_dim
 
     @override
     def on_fit_start(self, trainer: TrainerView, pl_module: nn.Module) -> None:

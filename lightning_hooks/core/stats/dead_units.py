@@ -124,6 +124,10 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         include: glob patterns on qualified module names to keep (``None``: every name).
         exclude: glob patterns on qualified module names to drop.
         pre_activation: glob patterns of modules (any type) whose output feeds ``F.relu``.
+        unit_dim: the output dimension that indexes units (``1``: the channels of a
+            ``[N, C, L]`` Conv1d output; ``-1``: the features of a ``[N, H, W, C]`` channels-last
+            output). ``None`` guesses from the module and the output (:func:`unit_dim`): the
+            last dimension of a 2-d or 3-d output, dimension 1 from 4-d.
         owner: the public name errors give.
 
     Example:
@@ -150,9 +154,14 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         include: Patterns = None,
         exclude: Patterns = None,
         pre_activation: Patterns = None,
+        unit_dim: int | None = None,
         owner: str = "DeadUnitTracker",
     ) -> None:
+        if unit_dim is not None and (isinstance(unit_dim, bool) or not isinstance(unit_dim, int)):
+            raise TypeError(f"{owner}(unit_dim={unit_dim!r}): must be an int or None")
         super().__init__(Selection.of(owner, types=types, include=include, exclude=exclude))
+        self.owner = owner
+        self.unit_dim = unit_dim
         self.workspace = Workspace()  # the largest output's fired mask, reused
         self.producers = Selection.of(
             owner, include=pre_activation, arguments=("pre_activation", "exclude")
@@ -167,9 +176,10 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
         """Return what tells two instances' checkpoint states apart.
 
         Returns:
-            The base's key with the ``pre_activation`` patterns.
+            The base's key with the ``pre_activation`` patterns, and ``unit_dim`` where given.
         """
-        return f"{super().config_key()}:{self.producers.include!r}"
+        key = f"{super().config_key()}:{self.producers.include!r}"
+        return key if self.unit_dim is None else f"{key}:unit_dim={self.unit_dim}"
 
     def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
         """Return the watched activations and the ``pre_activation`` producers, in model order.
@@ -199,7 +209,15 @@ class DeadUnitTracker(LayerStat[DeadUnits]):
             y = next((t for _, t in iter_float_tensors(output) if t.ndim >= 1), None)
         if y is None or y.numel() == 0:
             return
-        dim = unit_dim(module, y.ndim)
+        if self.unit_dim is None:
+            dim = unit_dim(module, y.ndim)
+        elif -y.ndim <= self.unit_dim < y.ndim:
+            dim = self.unit_dim % y.ndim
+        else:
+            raise ValueError(
+                f"{self.owner}(unit_dim={self.unit_dim}): layer {name!r} returned a "
+                f"{y.ndim}-d output {tuple(y.shape)}"
+            )
         row = self._width_row(name, y.shape[dim])
         self.tally("calls", row)
         if y.numel() <= STACKED and not internals.is_compiling():

@@ -208,7 +208,8 @@ class RowStates(ABC, Generic[R]):
             if self.units[index] != units:
                 raise ValueError(
                     f"{type(self).__name__}: layer {name!r} had {self.units[index]} units, "
-                    f"now {units}; pass the unit dimension whose size does not change"
+                    f"now {units}; pass the unit dimension whose size does not change "
+                    "(unit_dim=)"
                 )
             return index
         index = len(self.rows)
