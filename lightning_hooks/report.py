@@ -345,15 +345,25 @@ def _read_series(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Read every scalar tag of one run as ``[(step, value)]``.
 
     A run is its event files in name order, or else its ``metrics.csv``; a resumed run's values
-    are kept as :func:`_csv_series` keeps them.
+    are kept as :func:`_csv_series` keeps them. An event file whose first step is not past the
+    steps logged before it is a resumed run's: every tag's values from that step on are dropped.
     """
     paths = sorted(run_dir.glob("events.out.tfevents.*"))
     if not paths and (run_dir / METRICS_FILE).is_file():
         return _csv_series(run_dir / METRICS_FILE)
     series: dict[str, list[tuple[int, float]]] = {}
+    last = -1
     for path in paths:
+        first = True
         for tag, step, value in _scalar_events(path):
+            if first and step <= last:
+                # A run resumed from an earlier checkpoint into the same folder: what the files
+                # before logged from this step on, under every tag, belongs to the branch it left.
+                for values in series.values():
+                    values[:] = [(s, v) for s, v in values if s < step]
+            first = False
             _append(series, tag, step, value)
+            last = max(last, step)
     return series
 
 

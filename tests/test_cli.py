@@ -766,3 +766,60 @@ def test_a_run_killed_mid_epoch_is_gated_on_its_last_epochs_dead_fraction(
     assert max(s for s, _ in scalars["dead_relu/zero_fraction_step/net.3"]) > 3
     assert main(["report", str(tmp_path), "--fail-on", "dead_fraction>=0.9"]) == 1
     assert "dead_fraction" in capsys.readouterr().out
+
+
+class _FailsAtStep(TinyMLP):
+    """Raises at optimizer step ``step``: a run killed there."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.step:
+            raise RuntimeError("killed")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before")
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_a_run_resumed_from_an_earlier_checkpoint_into_its_folder_drops_the_branch_it_left(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first fit warns at every step (``max_grad_norm``) for three epochs. A second fit,
+    without that rule, resumes from its step-6 checkpoint into the same folder and dies at step
+    7, before its epoch's end: the report keeps what came before step 6 (epoch 0, steps 4 and 5)
+    and drops what the first fit logged from step 6 on (epochs 1 and 2), which the second never
+    logged again."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from lightning_hooks import AlarmRules
+
+    saved = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    first = GradFlowCallback(alarms=AlarmRules(max_grad_norm=1e-9), chart=False)
+    trainer = make_trainer(
+        tmp_path, max_epochs=3, callbacks=[first, saved], enable_checkpointing=True
+    )
+    with pytest.warns(TrainingAlarmWarning):
+        trainer.fit(TinyMLP())
+    first_run = read_scalars(tmp_path)
+    epochs = first_run["grad_flow/alarms/absolute"]
+    assert [s for s, _ in epochs] == [3, 7, 11]
+    # what the resumed run's history holds: epoch 0, and steps 4 and 5 before its checkpoint
+    kept = epochs[0][1] + sum(
+        n for s, n in first_run["grad_flow/alarms_step/absolute"] if s in (4, 5)
+    )
+    (step_6,) = (tmp_path / "ckpt").glob("*step=6.ckpt")
+    again = make_trainer(
+        tmp_path,
+        max_epochs=3,
+        callbacks=[GradFlowCallback(chart=False)],
+        enable_checkpointing=False,
+    )
+    with pytest.raises(RuntimeError, match="killed"):
+        again.fit(_FailsAtStep(7), ckpt_path=step_6)
+    _, payload, _ = _report_json(tmp_path, capsys=capsys)
+    (run,) = payload["runs"]
+    assert run["step"] == 6
+    assert kept == 6
+    assert run["warnings"]["grad_flow/alarms/absolute"] == kept
