@@ -339,6 +339,23 @@ def check(reports: Iterable[RunReport], rules: Sequence[FailRule]) -> list[str]:
     return [line for report in reports for rule in rules for line in rule.violations(report)]
 
 
+def _at_least_one(text: str) -> int:
+    """Read ``--top``'s number of rows: a whole number of at least 1.
+
+    Raises:
+        argparse.ArgumentTypeError: it is not one; the message says what was received.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of rows, at least 1; got {text!r}"
+        )
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     """Build the command line's parser: the ``report`` command and its options."""
     parser = argparse.ArgumentParser(
@@ -360,7 +377,9 @@ def _parser() -> argparse.ArgumentParser:
         "symbolic links followed",
     )
     report.add_argument("--format", choices=("table", "json"), default="table")
-    report.add_argument("--top", type=int, default=20, help="table rows per run (default 20)")
+    report.add_argument(
+        "--top", type=_at_least_one, default=20, help="table rows per run (default 20)"
+    )
     report.add_argument(
         "--fail-on",
         action="append",

@@ -184,6 +184,9 @@ def _csv_series(path: Path) -> dict[str, list[tuple[int, float]]]:
     Returns:
         Each tag's series; an empty cell is no value, and one that is no number is NaN.
 
+    Raises:
+        EventFileError: a row is cut off: it has fewer cells than the header, or no step.
+
     Example:
         >>> import tempfile
         >>> path = Path(tempfile.mkdtemp()) / "metrics.csv"
@@ -193,8 +196,11 @@ def _csv_series(path: Path) -> dict[str, list[tuple[int, float]]]:
     """
     series: dict[str, list[tuple[int, float]]] = {}
     with path.open(newline="", encoding="utf-8") as file:
-        for row in csv.DictReader(file):
-            step = int(float(row.get("step") or 0))
+        for line, row in enumerate(csv.DictReader(file), start=2):
+            if None in row.values() or not row.get("step"):
+                # fewer cells than the header: a row cut off (a run killed while it wrote)
+                raise EventFileError(f"{path}: row {line} is cut off (it has no step)")
+            step = int(float(row["step"]))
             for tag, cell in row.items():
                 if tag != "step" and cell:
                     _append(series, tag, step, _float(cell))

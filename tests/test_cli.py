@@ -823,3 +823,29 @@ def test_a_run_resumed_from_an_earlier_checkpoint_into_its_folder_drops_the_bran
     assert run["step"] == 6
     assert kept == 6
     assert run["warnings"]["grad_flow/alarms/absolute"] == kept
+
+
+def test_a_cut_off_csv_row_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run killed while its ``metrics.csv`` was written ends in a row cut short: read as step 0
+    it would wipe the earlier values of its tags and count the steps again. It is refused."""
+    logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    make_trainer(tmp_path, logger=logger, callbacks=[GradFlowCallback()]).fit(TinyMLP())
+    (path,) = tmp_path.rglob("metrics.csv")
+    assert main(["report", str(tmp_path)]) == 0
+    capsys.readouterr()
+    text = path.read_bytes()
+    path.write_bytes(text[: len(text) - 40])  # the last row loses its last cells, step among them
+    assert main(["report", str(tmp_path)]) == 2
+    assert "is cut off (it has no step)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("top", ["0", "-1", "x"])
+def test_top_is_at_least_one_row(
+    top: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(tmp_path), "--top", top])
+    assert exit_info.value.code == 2
+    assert f"expected a whole number of rows, at least 1; got {top!r}" in capsys.readouterr().err
