@@ -10,7 +10,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from lightning_hooks.callbacks.attached import Attached, Checkpointed, Statistic
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["CheckpointSlot"]
+__all__ = ["EPOCH", "CheckpointSlot"]
 
 
 class CheckpointSlot:
@@ -149,7 +149,7 @@ class CheckpointSlot:
                 "(saved under another configuration); this epoch's values of it start afresh",
                 category=LightningHooksWarning,
             )
-        epoch = state.get(_EPOCH)
+        epoch = state.get(EPOCH)
         return epoch if isinstance(epoch, int) else None
 
     def _load_whole(self, attached: Attached, state: dict[str, Any]) -> list[str]:
@@ -168,7 +168,7 @@ class CheckpointSlot:
         """
         before = {key: kept.host_state() for key, kept in self.kept.items() if key in state}
         try:
-            statistics = {k: v for k, v in state.items() if k not in self.kept and k != _EPOCH}
+            statistics = {k: v for k, v in state.items() if k not in self.kept and k != EPOCH}
             afresh = _load_statistics(attached, statistics)
             for key in before:
                 self.kept[key].load_host_state(state[key])
@@ -181,8 +181,8 @@ class CheckpointSlot:
         return afresh
 
 
-_EPOCH = "epoch"
-"""The key of the epoch the statistics' state is of."""
+EPOCH = "epoch"
+"""The key of the epoch a saved epoch so far is of (the statistics', the alarms' counts)."""
 
 
 def _state_name(index: int, stat: Statistic[Any]) -> str:
@@ -194,7 +194,7 @@ def _statistics_part(attached: Attached, epoch: int | None) -> dict[str, Any]:
     """Return the statistics' part of a checkpoint: their state, and the epoch it is of."""
     state = _statistics_state(attached)
     if epoch is not None:
-        state[_EPOCH] = epoch
+        state[EPOCH] = epoch
     return state
 
 

@@ -18,6 +18,7 @@ from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 
 from lightning_hooks.callbacks.alarm_policy import OWNER, Action, AlarmLog, Written
+from lightning_hooks.callbacks.checkpoint import EPOCH
 from lightning_hooks.callbacks.loss_agreement import LossAgreement
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView, gradient_clipping
@@ -30,8 +31,6 @@ from lightning_hooks.logging import save_loggers
 
 __all__ = ["AlarmsAcrossFits", "FitAlarms", "SkippedSteps"]
 
-_EPOCH = "epoch"
-"""The key of the epoch a running fit's saved alarm counts are of."""
 _WRITTEN = "written"
 """The key of what a running fit's log had written of its epoch, by its last logging step."""
 
@@ -73,7 +72,7 @@ class FitAlarms:
         """Writes the alarms to the loggers at each logging step and at each epoch end."""
         # ``skip`` must know the step's verdict before the optimizer step runs, and that costs a
         # CUDA sync.
-        self.wait = "skip" in self.actions.values()
+        self.waits_for_verdict = "skip" in self.actions.values()
         self._request_stop = request_stop
         self._warned: set[tuple[str, str]] = set()
         self.stopped_by: TrainingAlarm | None = None
@@ -110,7 +109,7 @@ class FitAlarms:
             param_grad_scale=param_grad_scale,
             clip=gradient_clipping(self.trainer),
         )
-        found = self.training_alarms.poll(wait=self.wait)
+        found = self.training_alarms.poll(wait=self.waits_for_verdict)
         if found:
             self.act(optimizer, found)
 
@@ -439,7 +438,7 @@ class AlarmsAcrossFits:
             written = running.log.written
             return {
                 **state,
-                _EPOCH: running.trainer.current_epoch,
+                EPOCH: running.trainer.current_epoch,
                 _WRITTEN: {"counts": written.counts, "alarms": written.alarms},
             }
         return dict(self._state or {})
@@ -462,7 +461,7 @@ class AlarmsAcrossFits:
         if running is not None and loaded is not None:
             running.training_alarms.load_state_dict(loaded)
             epoch = running.trainer.current_epoch
-            if loaded.get(_EPOCH, epoch) != epoch:
+            if loaded.get(EPOCH, epoch) != epoch:
                 # Saved at its epoch's last batch, before the epoch's end: the fit resumes at the
                 # next epoch, whose counts start at 0, as its statistics do.
                 running.training_alarms.take_epoch()
