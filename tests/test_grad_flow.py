@@ -19,6 +19,7 @@ from conftest import (
     TinyMLP,
     epoch_end_step,
     hooks_left,
+    make_trainer,
     read_image_tags,
     read_scalars,
 )
@@ -205,3 +206,21 @@ def test_bad_types_argument_is_named() -> None:
         TypeError, match=r"GradFlowCallback\(types=3\): must be a subclass of one of \['Module'\]"
     ):
         GradFlowCallback(types=3)  # type: ignore[arg-type]
+
+
+class _FirstLayerInEvalMode(TinyMLP):
+    """Its first Linear in eval mode every epoch (a frozen backbone's set-up), still trained: a
+    Linear computes the same in either mode, so the fit is the train-mode one, step for step."""
+
+    def on_train_epoch_start(self) -> None:
+        self.net[0].eval()
+
+
+def test_a_submodule_in_eval_mode_gets_its_output_gradient_measured(tmp_path: Path) -> None:
+    runs = {}
+    for name, model in (("eval", _FirstLayerInEvalMode), ("train", TinyMLP)):
+        torch.manual_seed(0)
+        make_trainer(tmp_path / name, callbacks=[GradFlowCallback()]).fit(model())
+        runs[name] = read_scalars(tmp_path / name)
+    assert "grad_flow/output_grad_norm/net.0" in runs["eval"]
+    assert runs["eval"] == runs["train"]  # every tag and value, net.0's output gradient among them

@@ -112,9 +112,11 @@ def is_grad_forward(module: nn.Module) -> bool:
         module: the module whose hook asks.
 
     Returns:
-        Whether the module is training with grad enabled.
+        Whether grad is enabled. Not the module's own training flag: a submodule the user put in
+        eval mode (a frozen backbone) gets gradients in the training forward too, as
+        :func:`is_training_forward` counts its forward.
     """
-    return module.training and torch.is_grad_enabled()
+    return torch.is_grad_enabled()
 
 
 def iter_float_tensors(output: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
