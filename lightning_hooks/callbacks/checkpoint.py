@@ -10,7 +10,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from lightning_hooks.callbacks.attached import Attached, Checkpointed, Statistic
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["EPOCH", "CheckpointSlot"]
+__all__ = ["EPOCH", "CheckpointSlot", "rolls_over"]
 
 
 class CheckpointSlot:
@@ -37,6 +37,7 @@ class CheckpointSlot:
         """Collaborators the callback holds across fits, saved in checkpoints, by key."""
         self._pending: dict[str, Any] | None = None
         self._upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+        self._on_new_epoch: list[Callable[[], None]] = []
         self._failed_fit: dict[str, Any] = {}
         """The statistics' state of a fit that failed, taken before its hooks were removed."""
 
@@ -48,12 +49,16 @@ class CheckpointSlot:
         """
         self._upgrade = upgrade
 
-    def keep(self, key: str, kept: Checkpointed) -> None:
+    def keep(
+        self, key: str, kept: Checkpointed, *, on_new_epoch: Callable[[], None] | None = None
+    ) -> None:
         """Save ``kept``'s state in checkpoints under ``key``, from now on.
 
         Args:
             key: the entry of the callback's state that holds it.
             kept: a collaborator the callback holds across fits.
+            on_new_epoch: called when a fit resumes from a checkpoint saved at its epoch's last
+                batch, before the epoch's end: the fit runs the next epoch, which starts afresh.
 
         Raises:
             ValueError: ``key`` already holds another collaborator.
@@ -61,6 +66,22 @@ class CheckpointSlot:
         if key in self.kept:
             raise ValueError(f"{self.owner}: the checkpoint already keeps {key!r}")
         self.kept[key] = kept
+        if on_new_epoch is not None:
+            self._on_new_epoch.append(on_new_epoch)
+
+    def start_new_epoch(self, attached: Attached) -> None:
+        """Start the running epoch afresh: the restored state was of an earlier epoch.
+
+        The statistics are reset and each ``on_new_epoch`` given to :meth:`keep` is called.
+        The saved epoch's aggregates are not written, as Lightning's own epoch metrics are not.
+
+        Args:
+            attached: the running fit's statistics.
+        """
+        for logged in attached.logged:
+            logged.stat.reset()
+        for start in self._on_new_epoch:
+            start()
 
     def save(self, attached: Attached | None, epoch: int | None = None) -> dict[str, Any]:
         """Return what a checkpoint saves: the statistics' state, then that of :attr:`kept`.
@@ -150,7 +171,12 @@ class CheckpointSlot:
                 category=LightningHooksWarning,
             )
         epoch = state.get(EPOCH)
-        return epoch if isinstance(epoch, int) else None
+        if not isinstance(epoch, int):  # saved between fits: a kept collaborator's, if any
+            nested = [
+                s.get(EPOCH) for k, s in state.items() if k in self.kept and isinstance(s, dict)
+            ]
+            epoch = next((e for e in nested if isinstance(e, int)), None)
+        return epoch
 
     def _load_whole(self, attached: Attached, state: dict[str, Any]) -> list[str]:
         """Load ``state`` into the statistics and into :attr:`kept`, or put each back.
@@ -179,6 +205,14 @@ class CheckpointSlot:
                 self.kept[key].load_host_state(earlier)
             raise
         return afresh
+
+
+def rolls_over(saved: int | None, current: int) -> bool:
+    """Return whether a state saved in epoch ``saved`` leaves epoch ``current`` to start afresh.
+
+    A checkpoint saved at its epoch's last batch, before the epoch's end, resumes at the next.
+    """
+    return saved is not None and saved != current
 
 
 EPOCH = "epoch"

@@ -28,7 +28,6 @@ from lightning_hooks.core.hooks.guard import guarded
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns, Selection, as_patterns
 from lightning_hooks.core.stats.alarm_feed import Measured
 from lightning_hooks.core.stats.grad_flow import counts_the_model_itself, layers_of
-from lightning_hooks.core.stats.stability import Result as StabilityResult
 from lightning_hooks.core.stats.stability import StabilityStats
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.logging import save_loggers
@@ -173,7 +172,8 @@ class GradFlowCallback(HookCallback):
         self.stability = stability
         self._alarms_across_fits = AlarmsAcrossFits(rules, actions)
         # The alarms carry their running scales to the next fit, and through checkpoints.
-        self.lifecycle.checkpoint.keep("alarms", self._alarms_across_fits)
+        across = self._alarms_across_fits
+        self.lifecycle.checkpoint.keep("alarms", across, on_new_epoch=across.start_new_epoch)
         # Release 0.2.0 saved the tracker's state at the top of the callback's.
         self.lifecycle.checkpoint.upgrade_old_states_with(_upgrade_0_2_0_state)
         self._pictures = GradFlowPictures(max_layers_logged, chart=chart, heatmap=heatmap)
@@ -289,7 +289,9 @@ class GradFlowCallback(HookCallback):
         self._fit = fit
         logged: list[Logged[Any]] = [Logged(tracker, on_epoch=self._draw_pictures)]
         if fit.stability_stats is not None:
-            logged.append(Logged(fit.stability_stats, on_step=self._watch_attention))
+            # The attention rule reads each logging step's values once they are on the host.
+            reader = None if fit_alarms is None else fit_alarms.watch_attention
+            logged.append(Logged(fit.stability_stats, on_step=reader))
         # No ``aligned=``: the tracker's rows come from the optimizers' parameters, the same on
         # every rank, and every rank runs the attention and output modules in every training
         # forward, so no collective lines up the ranks' rows.
@@ -315,15 +317,6 @@ class GradFlowCallback(HookCallback):
         fit = self._fit
         if fit is not None:
             self._pictures.write(trainer, table, fit.gradient_histograms, fit.tracker.shards)
-
-    def _watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
-        """Pass a logging step's attention statistics to the attention rule of the running fit.
-
-        The instability statistics' ``Logged`` calls it once the step's values are on the host.
-        """
-        fit = self._fit
-        if fit is not None:
-            fit.fit_alarms.watch_attention(step, result)
 
     def _on_hooks_removed(self) -> None:
         """End the fit: at its end, or after a failure the ranks agreed on.
@@ -440,9 +433,6 @@ class _NoAlarms:
 
     def feed_loss(self, outputs: STEP_OUTPUT, step: int) -> None:
         """Do nothing: no rule reads the loss."""
-
-    def watch_attention(self, step: int, result: StabilityResult) -> None:
-        """Do nothing: no rule reads the attention statistics."""
 
     def log_step(self, step: int) -> None:
         """Do nothing: there are no alarm counts to log."""

@@ -127,10 +127,13 @@ class FitAlarms:
             self.training_alarms.update_loss(loss.value, step=loss.step)
         self.act(None, self.training_alarms.poll())
 
-    def watch_attention(self, step: int, result: StabilityResult) -> None:
+    def watch_attention(self, trainer: TrainerView, step: int, result: StabilityResult) -> None:
         """Pass a logging step's attention logits and entropies to the attention rule.
 
+        The instability statistics' ``Logged`` calls it once the step's values are on the host.
+
         Args:
+            trainer: the fit's trainer (this fit's own: :attr:`trainer`).
             step: the logging step.
             result: the step's instability statistics.
         """
@@ -443,6 +446,16 @@ class AlarmsAcrossFits:
             }
         return dict(self._state or {})
 
+    def start_new_epoch(self) -> None:
+        """Drop the restored epoch's counts: the fit resumes at the next epoch.
+
+        The lifecycle calls it (through the checkpoint slot) at the fit's first batch.
+        """
+        running = self.running
+        if running is not None:
+            running.training_alarms.take_epoch()
+            running.start_log()
+
     def load_host_state(self, state: dict[str, Any]) -> None:
         """Continue from the alarm state a checkpoint saved.
 
@@ -460,12 +473,7 @@ class AlarmsAcrossFits:
         written = None
         if running is not None and loaded is not None:
             running.training_alarms.load_state_dict(loaded)
-            epoch = running.trainer.current_epoch
-            if loaded.get(EPOCH, epoch) != epoch:
-                # Saved at its epoch's last batch, before the epoch's end: the fit resumes at the
-                # next epoch, whose counts start at 0, as its statistics do.
-                running.training_alarms.take_epoch()
-            elif _WRITTEN in loaded:
+            if _WRITTEN in loaded:
                 written = Written(dict(loaded[_WRITTEN]["counts"]), int(loaded[_WRITTEN]["alarms"]))
         self._state = loaded
         if running is not None:

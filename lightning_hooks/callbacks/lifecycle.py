@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_hooks.callbacks.attached import Attached
 from lightning_hooks.callbacks.cadence import LoggingCadence, check_every_n_steps
-from lightning_hooks.callbacks.checkpoint import CheckpointSlot
+from lightning_hooks.callbacks.checkpoint import CheckpointSlot, rolls_over
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView, check_trainer
 from lightning_hooks.core.hooks.guard import Guard
@@ -195,12 +195,8 @@ class Lifecycle:
         attached = self._state.attached
         restored = self._state.restored_epoch
         self._state.restored_epoch = None
-        if attached is not None and restored is not None and restored != trainer.current_epoch:
-            # The checkpoint was saved at its epoch's last batch, before the epoch's end: the
-            # fit resumes at the next epoch, which starts afresh. The saved epoch's aggregates
-            # are not written, as Lightning's own epoch metrics are not.
-            for logged in attached.logged:
-                logged.stat.reset()
+        if attached is not None and rolls_over(restored, trainer.current_epoch):
+            self.checkpoint.start_new_epoch(attached)
         if attached is not None:
             attached.write_arrived_steps(trainer)  # on CUDA, the last logging step's copy
         self._hooks_for_logging_step(logging_step)

@@ -57,6 +57,22 @@ def lower_median(values: np.ndarray) -> np.float32:
     return low
 
 
+def _vanishing_floor(live: np.ndarray, fraction: float) -> np.float32:
+    """Return *vanishing*'s floor: ``fraction`` of the live layers' lower median.
+
+    Args:
+        live: the norms of the layers with a finite gradient.
+        fraction: the rules' ``vanish_fraction``.
+
+    Returns:
+        The floor, 0 where no layer is live (a zero norm is then always tiny).
+    """
+    floor: np.float32 = np.float32(0.0)
+    if live.size:
+        floor = lower_median(live) * np.float32(fraction)
+    return floor
+
+
 class GradientReport(NamedTuple):
     """One step's verdicts of the gradient rules, and what they were judged against.
 
@@ -235,7 +251,7 @@ class RunningScale:
             logs = np.array([[math.log(f)] for f in factors], np.float32)
             self._logs[factors] = logs
         armed = self.count >= self.armed_at
-        bands = np.maximum(np.sqrt(self.var) * self.sigmas, logs)  # [factors, rows]
+        bands = np.maximum(self._std_band(), logs)  # [factors, rows]
         bands[:, ~armed] = np.inf
         return Thresholds(list(bands + self.mean), armed, bands)
 
@@ -275,8 +291,7 @@ class RunningScale:
         Returns:
             ``mean + max(spike_sigmas * std, low)``; ``_LOG_MAX`` where every factor is off.
         """
-        spread = np.sqrt(self.var, out=self._spread)
-        spread *= self.sigmas
+        spread = self._std_band(out=self._spread)
         np.maximum(spread, first, out=band)
         bound = band if low is None else np.maximum(spread, low, out=spread)
         if bound is band and first == math.inf:  # no ceiling: only a non-finite norm stands out
@@ -301,9 +316,7 @@ class RunningScale:
         weight *= keep
         delta = np.where(keep, np.minimum(log_x, ceiling), self.mean) - self.mean
         spread = weight * (log_x <= ceiling)
-        self.mean += weight * delta
-        self.var += spread * np.square(delta)
-        self.var *= np.float32(1.0) - spread
+        self._fold(delta, weight, spread, np.float32(1.0) - spread)
 
     def update_steady(self, log_x: np.ndarray) -> None:
         """Do :meth:`update` where :meth:`steady`, every row kept and none above its ceiling.
@@ -315,11 +328,28 @@ class RunningScale:
         """
         self.count += np.float32(1.0)
         delta = np.subtract(log_x, self.mean, out=self._spread)
-        self.mean += np.multiply(delta, self.alpha, out=self._top)
+        self._fold(delta, self.alpha, self.alpha, self._keep, out=self._top)
+
+    def _std_band(self, out: np.ndarray | None = None) -> np.ndarray:
+        """Return ``spike_sigmas * std`` per row, the least of every factor's band."""
+        spread = np.sqrt(self.var, out=out)
+        spread *= self.sigmas
+        return spread
+
+    def _fold(
+        self,
+        delta: np.ndarray,
+        weight: np.ndarray | np.float32,
+        spread: np.ndarray | np.float32,
+        keep: np.ndarray | np.float32,
+        out: np.ndarray | None = None,
+    ) -> None:
+        """The EMA step both updates share; ``delta`` (``log x - mean``) is overwritten."""
+        self.mean += np.multiply(delta, weight, out=out)
         delta *= delta
-        delta *= self.alpha
+        delta *= spread
         self.var += delta
-        self.var *= self._keep
+        self.var *= keep
 
 
 DEAD_STEPS = 5
@@ -513,7 +543,7 @@ class GradientRules:
         layers = norm[:-1]
         fraction = self.rules.vanish_fraction
         # every layer above the floor: none is zero, so this is the median of the live ones
-        floor = lower_median(layers) * np.float32(fraction) if fraction is not None else 0
+        floor = _vanishing_floor(layers, fraction) if fraction is not None else 0
         if not (layers > floor).all():
             return None
         report.norm[...] = norm
@@ -562,8 +592,7 @@ class GradientRules:
         if fraction is None:
             return self._false, np.full_like(norm, np.nan), self._false
         live = norm[finite & layers]
-        # 0 when every layer is zero: a zero norm is always tiny
-        floor = lower_median(live) * np.float32(fraction) if live.size else np.float32(0.0)
+        floor = _vanishing_floor(live, fraction)
         tiny = (norm <= floor) & layers
         self.low *= tiny | ~layers  # a layer not stepped keeps its count
         self.low += tiny
