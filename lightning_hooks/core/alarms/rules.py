@@ -105,8 +105,9 @@ class AlarmRules:
             one still gets some) is a *vanishing* warning.
         nonfinite: *nonfinite*: a NaN/Inf gradient norm, naming the layer where it entered.
         evaluate_every_n_steps: evaluate the rules on optimizer steps ``0, n, 2n, ...`` (1: every
-            step). Not a callback's ``every_n_steps``, whose logging steps are ``n - 1, 2n - 1,
-            ...``; ``every_n_steps=`` is still taken here, with a ``DeprecationWarning``.
+            step); with several optimizers, each on every n-th of its own steps. Not a
+            callback's ``every_n_steps``, whose logging steps are ``n - 1, 2n - 1, ...``;
+            ``every_n_steps=`` is still taken here, with a ``DeprecationWarning``.
         loss_factor: *loss_spike*: the training loss exceeds this many times its running scale
             (and ``spike_sigmas`` spreads above it); off by default.
         diverge_ratio: *setback*, then *diverging*, on the training loss. A setback opens when

@@ -121,10 +121,15 @@ class AlarmFeed:
         self._calls = 0
         self._reads: weakref.WeakKeyDictionary[OptimizerView, Read] = weakref.WeakKeyDictionary()
         """Each view's quiet read, made once; it goes with its view."""
+        self._own_steps: weakref.WeakKeyDictionary[OptimizerView, int] = weakref.WeakKeyDictionary()
+        """Each optimizer's next step of its own (:meth:`_own_step`)."""
         tracker.update_readers.append(self._read_update)
 
     def due(self, step: int) -> bool:
-        """Return whether the alarms' own cadence runs them on optimizer step ``step``."""
+        """Return whether the alarms' own cadence runs them on an optimizer's step ``step``.
+
+        With several optimizers, ``step`` counts one optimizer's own steps (:meth:`observe`).
+        """
         return step % self.training_alarms.rules.evaluate_every_n_steps == 0
 
     def observe(  # noqa: PLR0913 (one optimizer step's facts, a keyword each, as a public method)
@@ -156,9 +161,9 @@ class AlarmFeed:
         step = self._calls if step is None else step
         self._step = step
         self._calls += 1
-        if not self.due(step):
-            return
         view = self._views.view(optimizer)
+        if not self.due(self._own_step(view, step)):
+            return
         if not view.params:
             return
         alarms = self.training_alarms
@@ -181,6 +186,18 @@ class AlarmFeed:
             stats[:, LINEAR_IN_GRADIENT] /= param_grad_scale
         valid = view.valid()
         self._send(view, stats[:, NORM], None if valid is None else valid[:, NORM], at)
+
+    def _own_step(self, view: OptimizerView, step: int) -> int:
+        """Return the step of ``view``'s optimizer alone that optimizer step ``step`` is.
+
+        One optimizer's own steps are the optimizer steps; several optimizers share them (two a
+        batch: the first steps on the even ones, the second on the odd ones), and each is
+        evaluated on every ``evaluate_every_n_steps``-th of its own. An optimizer's own steps
+        count on from the step it was first observed at, so a resumed fit keeps the cadence.
+        """
+        number = self._own_steps.get(view, step)
+        self._own_steps[view] = number + 1
+        return number
 
     def _read_update(
         self,
