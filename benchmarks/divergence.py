@@ -87,7 +87,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_hooks.callbacks.alarm_policy import check_actions
+from lightning_hooks.callbacks.alarm_actions import check_actions
 from lightning_hooks.core import AlarmRules, ParamLayout, TrainingAlarms
 from lightning_hooks.core.alarms import ALARM_RULES, RunFacts, TrainingAlarm
 from lightning_hooks.core.ops.grad_stats import param_norms, segment_norm

@@ -79,7 +79,7 @@ class LossReading(pl.Callback):
         self.reading: str | None = None
 
     def on_train_batch_end(self, *args: Any) -> None:
-        alarms = getattr(getattr(self.watched, "_fit", None), "fit_alarms", None)
+        alarms = getattr(getattr(self.watched, "_fit", None), "alarms", None)
         if alarms is not None:  # a StatsCallback, or alarms=False, reads no loss: None
             self.reading = alarms.loss_agreement.reading
 

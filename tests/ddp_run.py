@@ -115,7 +115,7 @@ class AlarmLog(pl.Callback):
         self.epochs: dict[int, list[tuple[str, int, float]]] = {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        alarms = self.watched._fit.fit_alarms.training_alarms
+        alarms = self.watched._fit.alarms.training_alarms
         self.epochs[trainer.current_epoch] = [(a.rule, a.step, a.value) for a in alarms.log]
 
 

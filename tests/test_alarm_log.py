@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_hooks.callbacks.alarm_policy import AlarmLog, check_actions
+from lightning_hooks.callbacks.alarm_actions import check_actions
+from lightning_hooks.callbacks.alarm_log import AlarmLog
 from lightning_hooks.core.alarms import AlarmRules, TrainingAlarm, TrainingAlarms
 
 from conftest import MetricsOnlyLogger

@@ -686,7 +686,7 @@ class StepProbe(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
         fit = self.watched._fit
         assert fit is not None
-        self.evaluated.append(fit.fit_alarms.training_alarms.evaluated)  # type: ignore[union-attr]
+        self.evaluated.append(fit.alarms.training_alarms.evaluated)  # type: ignore[union-attr]
 
 
 def test_an_lbfgs_step_is_measured_once_though_its_closure_runs_many_times(

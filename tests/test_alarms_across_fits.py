@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_hooks.callbacks import loss_agreement
-from lightning_hooks.callbacks.alarm_policy import check_actions
+from lightning_hooks.callbacks.alarm_actions import check_actions
 from lightning_hooks.callbacks.grad_flow_alarms import AlarmsAcrossFits
 from lightning_hooks.callbacks.loss_agreement import LossAgreement
 from lightning_hooks.callbacks.ranks import RankAgreement

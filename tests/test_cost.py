@@ -222,9 +222,7 @@ class _MemoryProbe(pl.Callback):
         fit = self.watched._fit  # type: ignore[attr-defined]
         tracker = fit.tracker
         self.accumulator.append(sum(getattr(tracker, n).numel() for n in tracker.specs))
-        self.alarm_bytes.append(
-            _storage_bytes(_held_tensors(fit.fit_alarms.training_alarms).values())
-        )
+        self.alarm_bytes.append(_storage_bytes(_held_tensors(fit.alarms.training_alarms).values()))
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from typing_extensions import override
 
-from lightning_hooks.callbacks.alarm_policy import OWNER, Action, check_actions
+from lightning_hooks.callbacks.alarm_actions import OWNER, Action, check_actions
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.grad_flow_alarms import AlarmsAcrossFits, FitAlarms
@@ -282,7 +282,7 @@ class GradFlowCallback(HookCallback):
             raise
         fit = _Fit(
             tracker=tracker,
-            fit_alarms=_NoAlarms() if fit_alarms is None else fit_alarms,
+            alarms=_NoAlarms() if fit_alarms is None else fit_alarms,
             stability_stats=stability_stats,
             gradient_histograms=gradient_histograms,
         )
@@ -350,7 +350,7 @@ class GradFlowCallback(HookCallback):
         if fit.gradient_histograms is not None:
             layout = fit.tracker.layout
             observe_histograms(fit.gradient_histograms, layout, optimizer, param_grad_scale)
-        fit.fit_alarms.check_gradients(
+        fit.alarms.check_gradients(
             optimizer, measured, grad_scale=scale, param_grad_scale=param_grad_scale
         )
 
@@ -387,10 +387,10 @@ class GradFlowCallback(HookCallback):
         # ranks' failures and stop requests. Where they are read at once (off CUDA), the ranks
         # have agreed on this batch, and the lifecycle's end of the batch needs no collective of
         # its own.
-        fit.fit_alarms.feed_loss(outputs, self.lifecycle.batch_step)
+        fit.alarms.feed_loss(outputs, self.lifecycle.batch_step)
         logged_step = self.lifecycle.end_batch(trainer)  # a failure here removes the fit
         if logged_step is not None:
-            fit.fit_alarms.log_step(logged_step)
+            fit.alarms.log_step(logged_step)
 
     @override
     @guarded
@@ -399,7 +399,7 @@ class GradFlowCallback(HookCallback):
         still_attached = self.lifecycle.end_epoch(trainer)  # not after a failure ranks agreed on
         fit = self._fit
         if still_attached and fit is not None:
-            fit.fit_alarms.end_epoch()
+            fit.alarms.end_epoch()
             save_loggers(trainer.loggers)  # what the alarms wrote of the epoch
 
 
@@ -451,7 +451,7 @@ class _Fit:
 
     tracker: GradFlowTracker
     """Measures the gradient flow of the fit's layers."""
-    fit_alarms: FitAlarms | _NoAlarms
+    alarms: FitAlarms | _NoAlarms
     """The fit's alarms, which the callback's ``AlarmsAcrossFits`` starts, holds as ``running``
     and ends; under ``alarms=False``, a stand-in that does nothing."""
     stability_stats: StabilityStats | None

@@ -17,7 +17,8 @@ from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 
-from lightning_hooks.callbacks.alarm_policy import OWNER, Action, AlarmLog, Written
+from lightning_hooks.callbacks.alarm_actions import OWNER, Action
+from lightning_hooks.callbacks.alarm_log import AlarmLog, Written
 from lightning_hooks.callbacks.checkpoint import EPOCH
 from lightning_hooks.callbacks.loss_agreement import LossAgreement
 from lightning_hooks.callbacks.ranks import RankAgreement
@@ -199,6 +200,39 @@ class FitAlarms:
         """
         self.log.start(self.training_alarms, written)
 
+    def state(self) -> dict[str, Any]:
+        """Return what a checkpoint of this fit saves of its alarms.
+
+        That is the rules' state (running scales, ring buffer, counts), the epoch whose counts
+        it holds, and what the log had written of them by the last logging step.
+        """
+        written = self.log.written
+        return {
+            **self.training_alarms.state_dict(),
+            EPOCH: self.trainer.current_epoch,
+            _WRITTEN: {"counts": written.counts, "alarms": written.alarms},
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue from what :meth:`state` saved (or release 0.2.0's rules' state alone).
+
+        Args:
+            state: the saved state.
+
+        Raises:
+            ValueError: the state was saved for another model's layers, or by an older version.
+        """
+        self.training_alarms.load_state_dict(state)
+        written = None
+        if _WRITTEN in state:
+            written = Written(dict(state[_WRITTEN]["counts"]), int(state[_WRITTEN]["alarms"]))
+        self.start_log(written)
+
+    def start_new_epoch(self) -> None:
+        """Drop the counts of the epoch a checkpoint was saved in: the fit resumes at the next."""
+        self.training_alarms.take_epoch()
+        self.start_log()
+
     def end_epoch(self) -> None:
         """Act on the epoch's last verdicts, then write its alarms and start the next epoch.
 
@@ -305,7 +339,8 @@ class SkippedSteps:
 
         Args:
             optimizer: the optimizer about to step.
-            args: the positional arguments of its ``step()``.
+            args: the positional arguments of its ``step()``, the optimizer first (torch passes
+                the bound method's ``self``), then the closure if given by position.
             kwargs: the keyword arguments of its ``step()``.
 
         Returns:
@@ -314,9 +349,9 @@ class SkippedSteps:
         closure = kwargs.get("closure")
         if callable(closure):
             return args, {**kwargs, "closure": partial(self._skip_after, optimizer, closure)}
-        closure = args[0] if args else None
+        closure = args[1] if len(args) > 1 else None
         if callable(closure):
-            return (partial(self._skip_after, optimizer, closure), *args[1:]), kwargs
+            return (args[0], partial(self._skip_after, optimizer, closure), *args[2:]), kwargs
         self._drop_marked_gradients(optimizer)
         return None
 
@@ -351,7 +386,7 @@ class AlarmsAcrossFits:
         actions: the action of each rule.
 
     Example:
-        >>> from lightning_hooks.callbacks.alarm_policy import check_actions
+        >>> from lightning_hooks.callbacks.alarm_actions import check_actions
         >>> alarms = AlarmsAcrossFits(AlarmRules(), check_actions("warn"))
         >>> alarms.host_state()  # no fit ran yet, and no checkpoint was loaded
         {}
@@ -437,13 +472,7 @@ class AlarmsAcrossFits:
         """
         running = self.running
         if running is not None:
-            state = running.training_alarms.state_dict()
-            written = running.log.written
-            return {
-                **state,
-                EPOCH: running.trainer.current_epoch,
-                _WRITTEN: {"counts": written.counts, "alarms": written.alarms},
-            }
+            return running.state()
         return dict(self._state or {})
 
     def start_new_epoch(self) -> None:
@@ -453,8 +482,7 @@ class AlarmsAcrossFits:
         """
         running = self.running
         if running is not None:
-            running.training_alarms.take_epoch()
-            running.start_log()
+            running.start_new_epoch()
 
     def load_host_state(self, state: dict[str, Any]) -> None:
         """Continue from the alarm state a checkpoint saved.
@@ -470,14 +498,11 @@ class AlarmsAcrossFits:
         """
         loaded = dict(state) or None
         running = self.running
-        written = None
         if running is not None and loaded is not None:
-            running.training_alarms.load_state_dict(loaded)
-            if _WRITTEN in loaded:
-                written = Written(dict(loaded[_WRITTEN]["counts"]), int(loaded[_WRITTEN]["alarms"]))
+            running.load_state(loaded)
+        elif running is not None:
+            running.start_log()
         self._state = loaded
-        if running is not None:
-            running.start_log(written)
 
 
 def _with_callback_name(alarm: TrainingAlarm) -> str:

@@ -159,7 +159,9 @@ class Lifecycle:
             )
 
     def start_training(self) -> bool:
-        """Remove the hooks an earlier fit left and count the processes, at the fit's train start.
+        """Remove the hooks an earlier fit left and start the ranks' agreement, at train start.
+
+        The ranks' agreement counts the fit's processes.
 
         Returns:
             Whether the callback watches the model: then it attaches its hooks.

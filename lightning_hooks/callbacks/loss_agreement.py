@@ -16,7 +16,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 
-from lightning_hooks.callbacks.alarm_policy import OWNER
+from lightning_hooks.callbacks.alarm_actions import OWNER
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.alarms import AlarmRules

@@ -205,6 +205,8 @@ class AlarmRules:
     attn_min_layers: int = 2
     attn_growth: float | None = 1.3
     attn_logit_min: float = 100.0
+    # ``str``, not a ``Literal``: LightningCLI then passes a wrong value on to the check, whose
+    # error names the allowed values
     quiet_read: str = "grouped"
 
     @property

@@ -209,7 +209,7 @@ class HookRegistry(HookOwner):
         Returns:
             Its handle while installed, else ``None``.
         """
-        where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
+        where = self._forward_hook_name(module, pre)
         guarded = self._ours(self.guarded(hook, where))
         gated = Gated(module, guarded, pre=pre, options=options, source=source)
         self._gated_hooks.append(gated)
@@ -289,6 +289,10 @@ class HookRegistry(HookOwner):
     def _name(self, module: nn.Module) -> str:
         """Return ``module``'s qualified name in the model, else its class name."""
         return self._names.get(id(module)) or type(module).__name__
+
+    def _forward_hook_name(self, module: nn.Module, pre: bool) -> str:
+        """Return what the guard calls a forward (pre-)hook on ``module`` in its messages."""
+        return f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
 
     def guarded(self, fn: F, where: str) -> F:
         """Wrap ``fn`` by the registry's guard, for hooks the registry does not own.
@@ -389,7 +393,7 @@ class HookRegistry(HookOwner):
         """Register a forward (pre-)hook, gated or not, owned and guarded."""
         # the caller checked hookable(): its warning's stack level counts from there
         if not gated:
-            where = f"forward {'pre-hook' if pre else 'hook'} on {self._name(module)!r}"
+            where = self._forward_hook_name(module, pre)
             register = module.register_forward_pre_hook if pre else module.register_forward_hook
             return self._add(register(self._ours(self.guarded(hook, where)), **options))
 

@@ -20,7 +20,6 @@ from lightning_hooks.core.ops.tensors import Workspace, foreach_norm
 from lightning_hooks.core.sharding import ShardPlan, to_local
 
 __all__ = [
-    "GLOBAL",
     "GRAD_STATS",
     "LINEAR_IN_GRADIENT",
     "NORM",
@@ -41,7 +40,6 @@ NORM = GRAD_STATS.index("grad_norm")
 """The column of the gradient's L2 norm."""
 LINEAR_IN_GRADIENT = slice(NORM, GRAD_STATS.index("grad_abs_max") + 1)
 """The columns a loss scale multiplies: ``grad_norm``, ``grad_abs_mean``, ``grad_abs_max``."""
-GLOBAL = "global"  # name of the extra last row that aggregates every layer
 ROOT = "<root>"  # row name of the parameters the model itself owns
 _GRAD = attrgetter("grad")
 _IS_SPARSE = attrgetter("is_sparse")

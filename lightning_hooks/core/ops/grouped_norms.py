@@ -35,11 +35,12 @@ _SumMax = tuple[torch.Tensor, torch.Tensor]
 
 
 class GroupedNorms:
-    """Computes the L2 norms of the gradients of fixed ``params``.
+    """Computes the L2 norms of the gradients of a fixed list of ``params``.
 
-    On the CPU they are ``_foreach_norm``'s bits.
-
-    Small ones of one shape, dtype and device are read in at most :data:`MAX_GROUPS` stacks.
+    Small gradients that share a shape, dtype and device are stacked and read by one op per
+    stack (at most :data:`MAX_GROUPS` stacks); each other gradient is read by
+    ``torch._foreach_norm``. On the CPU the norms are bit for bit those ``_foreach_norm`` gives
+    for every gradient.
 
     Args:
         params: the parameters, whose shapes, dtypes and devices fix the stacks.

@@ -15,7 +15,6 @@ __all__ = [
     "Pending",
     "Workspace",
     "foreach_norm",
-    "is_grad_forward",
     "is_training_forward",
     "iter_float_tensors",
     "logsumexp_rows",
@@ -103,20 +102,6 @@ def is_training_forward(module: nn.Module) -> bool:
         # compiled forward's hooks never run again in backward: recomputation is in the graph.
         return True
     return internals.current_graph_task_id() == -1  # not a checkpoint recompute in backward
-
-
-def is_grad_forward(module: nn.Module) -> bool:
-    """Return whether ``module``'s outputs can get training gradients (a checkpoint recompute too).
-
-    Args:
-        module: the module whose hook asks.
-
-    Returns:
-        Whether grad is enabled. Not the module's own training flag: a submodule the user put in
-        eval mode (a frozen backbone) gets gradients in the training forward too, as
-        :func:`is_training_forward` counts its forward.
-    """
-    return torch.is_grad_enabled()
 
 
 def iter_float_tensors(output: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:

@@ -21,7 +21,6 @@ from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.clipping import Clip
 from lightning_hooks.core.ops import pointer_norms
 from lightning_hooks.core.ops.grad_stats import (
-    GLOBAL,
     LINEAR_IN_GRADIENT,
     NORM,
     ParamLayout,
@@ -39,6 +38,7 @@ from lightning_hooks.core.stats.optimizer_view import (
     adaptive,
 )
 from lightning_hooks.errors import LightningHooksWarning
+from lightning_hooks.tags import GLOBAL
 
 __all__ = ["AlarmFeed", "Measured", "Tracked", "foreach_norms", "quiet_read"]
 

@@ -22,7 +22,6 @@ from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.hooks.registry import HookOwner, HookRegistry
 from lightning_hooks.core.hooks.selection import ModuleTypes, Patterns
 from lightning_hooks.core.ops.grad_stats import (
-    GLOBAL,
     GRAD_STATS,
     LINEAR_IN_GRADIENT,
     NORM,
@@ -43,7 +42,7 @@ from lightning_hooks.core.stats.optimizer_view import (
     ViewNorms,
 )
 from lightning_hooks.core.stats.output_grad import OutputGradients
-from lightning_hooks.tags import grad_flow_tag, percentile_stat
+from lightning_hooks.tags import GLOBAL, grad_flow_tag, percentile_stat
 
 __all__ = [
     "GRAD_FLOW_STATS",
@@ -422,8 +421,8 @@ class _Column(NamedTuple):
     kind: Reduction
     """``"mean"``, ``"peak"`` or ``"total"`` (a :meth:`LayerTable.column` kind)."""
     per_step: bool = True
-    """Whether a logging step logs it too; an epoch's peak of a statistic is the epoch's alone
-    (a logging step's value is the statistic itself)."""
+    """Whether each logging step logs it too. A peak is logged per epoch only: at one logging
+    step the peak of a statistic equals the statistic, which is already logged."""
 
 
 _LOGGED = (

@@ -96,8 +96,8 @@ class OptimizerView:
     distinct: bool = field(init=False)
     """Whether no parameter is listed twice."""
     scale: float = field(init=False)
-    """The square root of the number of entries: a bound, over one unit value, on the global
-    norm that clipping by value lets through."""
+    """The square root of the number of entries it steps. Clipping by value at ``v`` keeps the
+    global norm at most ``v * scale``: the bound *explosion* compares a norm with."""
 
     def __post_init__(self) -> None:
         """Make the host-side rows and the layer index once, from the fields."""

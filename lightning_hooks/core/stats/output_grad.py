@@ -14,7 +14,7 @@ from lightning_hooks import internals
 from lightning_hooks.core.distributed import all_reduce_sum_, world_size
 from lightning_hooks.core.hooks.registry import HookRegistry
 from lightning_hooks.core.hooks.selection import compiled_regions
-from lightning_hooks.core.ops.tensors import is_grad_forward, iter_float_tensors
+from lightning_hooks.core.ops.tensors import iter_float_tensors
 from lightning_hooks.core.stats.optimizer_view import ColumnValues, OptimizerView, OptimizerViews
 
 __all__ = ["OutputGradients"]
@@ -132,7 +132,10 @@ def _output_hook(
     eager = wrap(eager, "output gradient hook")  # made once
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: object) -> None:
-        if not is_grad_forward(module):
+        # grad enabled, not the module's own training flag: a submodule the user put in eval
+        # mode (a frozen backbone) gets gradients in the training forward too, and a checkpoint
+        # recompute registers its outputs here
+        if not torch.is_grad_enabled():
             return
         # Compiled: Dynamo cannot trace a host list mutated in backward (the non-finite alarm
         # falls back to reverse model order), and AOTAutograd checks the version of a tensor
@@ -224,7 +227,7 @@ class OutputGradients:
 
     def _called_again(self, rows: list[int], region: nn.Module, args: tuple[Any, ...]) -> None:
         """Give a compiled region's rows fresh tensors, from its second call in a step on."""
-        if not is_grad_forward(region):
+        if not torch.is_grad_enabled():
             return
         if id(region) not in self._called:
             self._called.add(id(region))

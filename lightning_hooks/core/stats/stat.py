@@ -31,7 +31,9 @@ __all__ = ["Kind", "LayerStat", "Reduce", "RowStates", "StateSpec", "unpack"]
 
 R = TypeVar("R")
 
-Reduce = Literal["sum", "max", "min", "same"]  # "same": values every rank shares (bin edges)
+Reduce = Literal["sum", "max", "min", "same"]
+"""How a state's entries combine over steps and ranks: summed, the largest, the smallest, or
+``"same"`` for values every rank holds alike (histogram bin edges)."""
 Kind = Literal["layer", "unit", "global"]
 """Where a state's entries live: a row per layer, a run per row's units, or one for the model."""
 
