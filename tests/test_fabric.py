@@ -21,7 +21,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from lightning_hooks import ActivationStatsCallback, GradFlowCallback
 from lightning_hooks.callbacks.fabric import FabricTrainer, check_fabric
-from lightning_hooks.errors import TrainingAlarmWarning
+from lightning_hooks.errors import LightningHooksWarning, TrainingAlarmWarning
 
 from conftest import epoch_end_step, hooks_left, read_scalars, trainer_view_members
 
@@ -327,3 +327,50 @@ def test_releasing_one_callback_keeps_the_others_clip_observer(tmp_path: Path) -
     for step, value in preclip:
         assert value == pytest.approx(before_clip[step], rel=1e-5), step
     assert not any("clip_gradients" in name for name in vars(fabric.strategy))
+
+
+def test_fabric_setup_module_is_said_once_with_the_fix(tmp_path: Path) -> None:
+    """``fabric.setup_module`` calls no callback, so nothing can be watched: the first optimizer
+    step says so once, naming ``fabric.setup``, and the loop trains on with no hook of ours."""
+    model = _model()
+    fabric = _fabric(tmp_path, GradFlowCallback(every_n_steps=2))
+    wrapped = fabric.setup_module(model)
+    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
+    with pytest.warns(LightningHooksWarning, match=r"fabric\.setup\(model, optimizer\)") as said:
+        for step in range(4):
+            x, y = _batch(step)
+            fabric.backward(nn.functional.mse_loss(wrapped(x), y))
+            opt.step()
+            opt.zero_grad()
+    assert len([w for w in said if "watches nothing" in str(w.message)]) == 1
+    assert hooks_left(model) == []
+
+
+def test_fabric_lbfgs_reads_the_gradient_of_the_steps_own_closure(tmp_path: Path) -> None:
+    """LBFGS evaluates its closure inside the step: each logging step's gradient norm is the one
+    of that step's first evaluation, as plain torch computes it (and as the Trainer logs), not
+    the previous step's last; the output gradients of that evaluation are logged too."""
+    model = _model()
+    fabric = _fabric(tmp_path, GradFlowCallback(every_n_steps=2))
+    wrapped, opt = fabric.setup(model, torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3))
+    first: dict[int, dict[str, float]] = {}
+    for step in range(6):
+        x, y = _batch(step)
+
+        def closure(step: int = step, x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(wrapped(x), y)
+            fabric.backward(loss)
+            first.setdefault(step, _layer_norms(model))
+            return loss
+
+        opt.step(closure)
+    fabric.call("on_train_end")
+    scalars = read_scalars(tmp_path / "tb")
+    for layer in ("0", "2"):
+        logged = scalars[f"grad_flow/grad_norm_step/{layer}"]
+        assert [s for s, _ in logged] == [1, 3, 5]
+        for step, value in logged:
+            assert value == pytest.approx(first[step][layer], rel=1e-5), (layer, step)
+    assert [s for s, _ in scalars["grad_flow/output_grad_norm_step/0"]] == [1, 3, 5]
+    assert hooks_left(model) == []

@@ -194,11 +194,14 @@ class FabricHooks:
     """Why the callback's configuration cannot run in a Fabric loop (``None``: it can)."""
     fabric_run: FabricRun | None
     """The run that drives the callback in a Fabric loop, from ``fabric.setup`` to its release."""
+    fabric_unwatched_said: bool
+    """Whether the callback said that Fabric steps an optimizer while no module is watched."""
 
     def __init__(self, *, fabric_refusal: str | None) -> None:
         super().__init__()
         self.fabric_refusal = fabric_refusal
         self.fabric_run = None
+        self.fabric_unwatched_said = False
 
     def on_after_setup(self: _RunHolder, fabric: Fabric, module: nn.Module) -> None:
         """Watch ``module`` under Fabric: a :class:`FabricRun` drives this callback.
@@ -214,6 +217,9 @@ class FabricHooks:
     def on_after_optimizer_step(self, strategy: object, optimizer: torch.optim.Optimizer) -> None:
         """Forward Fabric's hook to the run, when the run could not take the callback's place.
 
+        Without a run no module was set up by ``fabric.setup`` (``fabric.setup_module`` calls
+        no callback), so nothing is watched: the callback says so once, with the fix.
+
         Args:
             strategy: Fabric's strategy, passed on unread.
             optimizer: the optimizer that has just stepped.
@@ -221,6 +227,15 @@ class FabricHooks:
         run = self.fabric_run
         if run is not None:
             run.on_after_optimizer_step(strategy, optimizer)
+        elif not self.fabric_unwatched_said:
+            self.fabric_unwatched_said = True
+            rank_zero_warn(
+                f"{type(self).__name__}: Fabric stepped an optimizer, but no module was set up "
+                "by fabric.setup, so this callback watches nothing in this loop "
+                "(fabric.setup_module calls no callback). Set the model up with "
+                "fabric.setup(model, optimizer), or model = fabric.setup(model).",
+                category=LightningHooksWarning,
+            )
 
     def release(self) -> None:
         """Write what is pending and remove every hook now, under Fabric.
@@ -344,6 +359,7 @@ class FabricRun:
         self._undo: list[Callable[[], None]] = []
         self._warned_module = False
         self._step_observer: _StepObserver | None = None
+        self._after_closure: Callable[[torch.optim.Optimizer], None] = self.before_step
         if _observes_steps(callback):
             self._step_observer = callback
 
@@ -389,13 +405,30 @@ class FabricRun:
         self.callback.on_fit_start(self.trainer, self.module)
         ref = weakref.ref(self)
 
-        def pre_step(optimizer: torch.optim.Optimizer, *args: object) -> None:
+        def pre_step(
+            optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
             """Pass an optimizer about to step to the run, while the run exists.
 
             Args:
                 optimizer: the optimizer about to step (torch's global pre-step hook sees every
                     one).
-                *args: torch's further hook arguments, unread.
+                args: the step's positional arguments (the optimizer first), where a closure
+                    may be.
+                kwargs: the step's keyword arguments, where a closure may be.
+
+            Returns:
+                The step's arguments with its closure wrapped (see :meth:`before_step_call`),
+                or ``None`` to leave them as they are.
+            """
+            run = ref()
+            return None if run is None else run.before_step_call(optimizer, args, kwargs)
+
+        def observe(optimizer: torch.optim.Optimizer) -> None:
+            """Pass an optimizer whose closure was just evaluated to the run, while it exists.
+
+            Args:
+                optimizer: the optimizer about to apply the closure's gradients.
             """
             run = ref()
             if run is not None:
@@ -403,6 +436,7 @@ class FabricRun:
 
         guard = self.callback.hook_guard()  # the guard of this fit, made anew by its setup
         handle = register_optimizer_step_pre_hook(guard.wrap(pre_step, "optimizer step pre-hook"))
+        self._after_closure = guard.wrap(observe, "optimizer closure")
         self._undo.append(handle.remove)
         weakref.finalize(self, handle.remove)  # a run garbage-collected leaves no global hook
         for attribute, algorithm, argument in _CLIPS:
@@ -513,6 +547,50 @@ class FabricRun:
             self._start()  # the clipping began: measured after it from now on
         self.before_step(optimizer)
         self._observed.add(id(optimizer))
+
+    def before_step_call(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Observe an optimizer about to step, or its closure's first evaluation.
+
+        A step given a closure (LBFGS) evaluates it inside the step, so the gradients before
+        the step are the previous step's: the closure is wrapped, and the gradients are observed
+        after its first evaluation, where Lightning's Trainer observes them.
+
+        Args:
+            optimizer: the optimizer about to step.
+            args: the step's positional arguments: the optimizer, then the closure if passed
+                by position.
+            kwargs: the step's keyword arguments.
+
+        Returns:
+            The step's arguments with the closure wrapped; ``None`` where the step has no
+            closure or the optimizer is not the watched module's (it is observed now, or not).
+        """
+        positional = "closure" not in kwargs
+        closure = args[1] if positional and len(args) > 1 else kwargs.get("closure")
+        if closure is None or not self._owns(optimizer):
+            self.before_step(optimizer)
+            return None
+        after_closure = self._after_closure
+        evaluated = False
+
+        def evaluate() -> Any:  # noqa: ANN401 (the closure's loss, as the optimizer takes it)
+            """Evaluate the closure; after its first evaluation, observe the gradients.
+
+            Returns:
+                What the closure returns.
+            """
+            nonlocal evaluated
+            result = closure()
+            if not evaluated:
+                evaluated = True
+                after_closure(optimizer)
+            return result
+
+        if positional:
+            return (args[0], evaluate, *args[2:]), kwargs
+        return args, {**kwargs, "closure": evaluate}
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Observe the gradients an optimizer of the watched module is about to apply.
