@@ -77,6 +77,41 @@ class TinyMLP(pl.LightningModule):
         return DataLoader(dataset(), batch_size=8)
 
 
+class TwoOptimizers(TinyMLP):
+    """Manual optimization: each batch steps two optimizers, the first Linear pair's then the
+    last Linear's, so the first steps on even optimizer steps and the second on odd ones.
+    Records each batch's gradient norms, in plain torch. With ``spare``, the second also holds
+    ``spare``, a layer the forward never uses: it never gets a gradient."""
+
+    def __init__(self, spare: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.norms: dict[int, dict[str, float]] = {}
+        self.spare = nn.Linear(4, 4) if spare else None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        first, second = self.optimizers()  # type: ignore[misc]
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.manual_backward(loss)
+        self.norms[self.trainer.global_step] = {
+            name: float(torch.cat([p.grad.flatten() for p in layer.parameters()]).norm())
+            for name, layer in (("net.0", self.net[0]), ("net.4", self.net[4]))
+        }
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+        return loss.detach()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        first = [*self.net[0].parameters(), *self.net[2].parameters()]
+        second = [*self.net[4].parameters()]
+        if self.spare is not None:
+            second.extend(self.spare.parameters())
+        return [torch.optim.SGD(first, lr=0.1), torch.optim.SGD(second, lr=0.1)]
+
+
 class BoundedMLP(TinyMLP):
     """TinyMLP with its second ReLU a Tanh: every callback has something to watch at its
     defaults (SaturationCallback watches bounded activations only, and idles without one)."""

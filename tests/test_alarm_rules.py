@@ -21,7 +21,7 @@ from lightning_hooks import (
     TrainingAlarms,
 )
 
-from conftest import TinyMLP, hooks_left, make_trainer, read_scalars
+from conftest import TinyMLP, TwoOptimizers, hooks_left, make_trainer, read_scalars
 
 RENAMED = r"AlarmRules\(every_n_steps=\.\.\.\) is deprecated: use evaluate_every_n_steps="
 
@@ -108,33 +108,6 @@ def test_evaluate_every_n_steps_under_trainer_fit_is_steps_0_n_2n(tmp_path: Path
     assert [step for step, count in counted if count > 0] == [0, 3, 6, 9]
 
 
-class TwoOptimizers(TinyMLP):
-    """Manual optimization: each batch steps two optimizers, the first layers' then the last's,
-    so the first steps on even optimizer steps and the second on odd ones. The second also holds
-    ``spare``, a layer the forward never uses: it never gets a gradient."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.spare = nn.Linear(4, 4)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        first, second = self.optimizers()  # type: ignore[misc]
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
-        self.manual_backward(loss)
-        first.step()
-        second.step()
-        first.zero_grad()
-        second.zero_grad()
-        return loss.detach()
-
-    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
-        first = [*self.net[0].parameters(), *self.net[2].parameters()]
-        second = [*self.net[4].parameters(), *self.spare.parameters()]
-        return [torch.optim.SGD(first, lr=0.1), torch.optim.SGD(second, lr=0.1)]
-
-
 def test_evaluate_every_n_steps_counts_each_optimizers_own_steps(tmp_path: Path) -> None:
     """Two optimizers a batch, ``evaluate_every_n_steps=2``: each optimizer is evaluated on every
     second of its own steps. The second steps on optimizer steps 1, 3, 5 and 7 and is evaluated
@@ -143,7 +116,7 @@ def test_evaluate_every_n_steps_counts_each_optimizers_own_steps(tmp_path: Path)
     epoch is written at Lightning's step of its last batch, 3."""
     rules = AlarmRules(evaluate_every_n_steps=2, vanish_steps=2, diverge_ratio=None)
     callback = GradFlowCallback(alarms=rules, chart=False)
-    make_trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(TwoOptimizers())
+    make_trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(TwoOptimizers(spare=True))
     counted = read_scalars(tmp_path / "tb" / "version_0")["grad_flow/notices/no_gradient"]
     assert counted == [(3, 1.0)]
 

@@ -191,9 +191,9 @@ def test_the_callbacks_define_no_method_for_the_type_checker_alone() -> None:
 
 
 def test_fabric_holds_its_entry_points() -> None:
-    """The base defines no method Fabric calls by name: those, and the run they start, are
-    ``FabricHooks``' (``callbacks/fabric.py``), which the base derives from, so every callback
-    still answers Fabric."""
+    """The base defines no method Fabric calls by name: those are ``FabricHooks``'
+    (``callbacks/fabric.py``), which the base derives from, so every callback still answers
+    Fabric; the run they start is ``callbacks/fabric_run.py``'s."""
     from lightning_hooks.callbacks.base import HookCallback
     from lightning_hooks.callbacks.fabric import FabricHooks
 
@@ -298,5 +298,5 @@ def test_a_callback_reads_the_list_of_callbacks_only_to_give_way_to_the_users_ow
             readers[path.relative_to(package).as_posix()] = reads
     assert readers == {
         "callbacks/base.py": {"trainer.callbacks"},
-        "callbacks/fabric.py": {"fabric_callbacks(fabric)", "self.callbacks"},
+        "callbacks/fabric_run.py": {"fabric_callbacks(fabric)", "self.callbacks"},
     }

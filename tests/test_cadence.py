@@ -26,7 +26,15 @@ from lightning_hooks import (
     SaturationCallback,
 )
 
-from conftest import TinyMLP, dataset, epoch_end_step, hooks_left, make_trainer, read_scalars
+from conftest import (
+    TinyMLP,
+    TwoOptimizers,
+    dataset,
+    epoch_end_step,
+    hooks_left,
+    make_trainer,
+    read_scalars,
+)
 
 CADENCED = (ActivationStatsCallback, DeadReLUCallback, SaturationCallback, GradFlowCallback)
 FAMILIES = ("activations/", "dead_relu/", "saturation/", "grad_flow/")
@@ -130,38 +138,6 @@ def test_a_cadence_of_its_own_measures_without_the_trainers_logging_steps(
     assert [step for step, _ in scalars["grad_flow/grad_norm/net.0"]] == [
         epoch_end_step(4 * epoch) for epoch in (1, 2, 3)
     ]
-
-
-class TwoOptimizers(TinyMLP):
-    """Manual optimization: each batch steps two optimizers, one per Linear pair, so the
-    optimizer step advances by 2 a batch. Records each batch's gradient norms, in plain torch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.norms: dict[int, dict[str, float]] = {}
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        first, second = self.optimizers()  # type: ignore[misc]
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
-        self.manual_backward(loss)
-        self.norms[self.trainer.global_step] = {
-            name: float(torch.cat([p.grad.flatten() for p in layer.parameters()]).norm())
-            for name, layer in (("net.0", self.net[0]), ("net.4", self.net[4]))
-        }
-        first.step()
-        second.step()
-        first.zero_grad()
-        second.zero_grad()
-        return loss.detach()
-
-    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
-        first = [*self.net[0].parameters(), *self.net[2].parameters()]
-        return [
-            torch.optim.SGD(first, lr=0.1),
-            torch.optim.SGD(self.net[4].parameters(), lr=0.1),
-        ]
 
 
 def test_a_batch_that_steps_several_optimizers_is_measured_when_it_holds_a_logging_step(

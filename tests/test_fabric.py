@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
 from lightning_hooks import ActivationStatsCallback, GradFlowCallback
-from lightning_hooks.callbacks.fabric import FabricTrainer, check_fabric
+from lightning_hooks.callbacks.fabric_run import FabricTrainer, check_fabric
 from lightning_hooks.errors import LightningHooksWarning, TrainingAlarmWarning
 
 from conftest import epoch_end_step, hooks_left, read_scalars, trainer_view_members

@@ -12,7 +12,8 @@ import pytest
 import torch
 from pytorch_lightning.loggers import CSVLogger
 
-from lightning_hooks import GradFlowCallback, LightningHooksWarning
+from lightning_hooks import AlarmRules, GradFlowCallback, LightningHooksWarning
+from lightning_hooks.errors import TrainingAlarmWarning
 
 from conftest import (
     MetricsOnlyLogger,
@@ -224,3 +225,20 @@ def test_a_submodule_in_eval_mode_gets_its_output_gradient_measured(tmp_path: Pa
         runs[name] = read_scalars(tmp_path / name)
     assert "grad_flow/output_grad_norm/net.0" in runs["eval"]
     assert runs["eval"] == runs["train"]  # every tag and value, net.0's output gradient among them
+
+
+class MyGradFlow(GradFlowCallback):
+    """A user's subclass, which adds nothing."""
+
+
+def test_a_subclass_names_itself_in_its_errors_and_its_alarms(tmp_path: Path) -> None:
+    """A subclass's constructor errors and its alarms begin with its own name, as its lifecycle's
+    messages do."""
+    with pytest.raises(ValueError, match=r"^MyGradFlow\(on_alarm='wran'\)"):
+        MyGradFlow(on_alarm="wran")
+    with pytest.raises(TypeError, match=r"^MyGradFlow\(alarms=3\)"):
+        MyGradFlow(alarms=3)  # type: ignore[arg-type]
+    rules = AlarmRules(max_grad_norm=1e-12, diverge_ratio=None)
+    callback = MyGradFlow(alarms=rules, chart=False)
+    with pytest.warns(TrainingAlarmWarning, match=r"^MyGradFlow \[absolute\]: "):
+        make_trainer(tmp_path, max_epochs=1, callbacks=[callback]).fit(TinyMLP())

@@ -27,7 +27,6 @@ from lightning_hooks.tags import ACTIVATIONS, family_tag
 
 __all__ = ["ActivationStatsCallback"]
 
-_NAME = "ActivationStatsCallback"
 _HEATMAPS = ("mean", "std", "zero_fraction")
 
 
@@ -92,13 +91,14 @@ class ActivationStatsCallback(HookCallback):
         fused: bool = False,
         every_n_steps: int | None = None,
     ) -> None:
-        selection = Selection.of(_NAME, types=types, include=include, exclude=exclude)
-        self.histogram_bins = positive_int(_NAME, "histogram_bins", histogram_bins)
-        self.histogram_range = _check_range(histogram_range)
-        self.histograms = boolean(_NAME, "histograms", histograms)
-        self.heatmaps = boolean(_NAME, "heatmaps", heatmaps)
-        self.warn_nonfinite = boolean(_NAME, "warn_nonfinite", warn_nonfinite)
-        self.fused = boolean(_NAME, "fused", fused)
+        owner = type(self).__name__  # a subclass's own name, as the lifecycle's messages give
+        selection = Selection.of(owner, types=types, include=include, exclude=exclude)
+        self.histogram_bins = positive_int(owner, "histogram_bins", histogram_bins)
+        self.histogram_range = _check_range(histogram_range, owner)
+        self.histograms = boolean(owner, "histograms", histograms)
+        self.heatmaps = boolean(owner, "heatmaps", heatmaps)
+        self.warn_nonfinite = boolean(owner, "warn_nonfinite", warn_nonfinite)
+        self.fused = boolean(owner, "fused", fused)
         tracker = ActivationStatsTracker(
             types=selection.types,
             include=selection.include,
@@ -106,13 +106,13 @@ class ActivationStatsCallback(HookCallback):
             histogram_bins=self.histogram_bins if self.histograms else 0,
             histogram_range=self.histogram_range,
             fused=self.fused,
-            owner=_NAME,
+            owner=owner,
         )
         shape = ActivationShape(
             types=selection.types,
             include=selection.include,
             exclude=selection.exclude,
-            owner=_NAME,
+            owner=owner,
         )
         super().__init__(
             state_key={"stats": [tracker.config_key(), shape.config_key()]},
@@ -135,7 +135,7 @@ class ActivationStatsCallback(HookCallback):
             stats: list[LayerStat[Any]] = [self._activations, self._shape]
             selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
             self.lifecycle.watching = watches_selection(
-                _NAME, pl_module, stats, what="module", selected=selected
+                self.lifecycle.owner, pl_module, stats, what="module", selected=selected
             )
 
     @override
@@ -188,8 +188,8 @@ class ActivationStatsCallback(HookCallback):
         if found is not None:
             step, module = found
             rank_zero_warn(
-                f"{_NAME}: the first module whose output went non-finite (NaN/Inf) is "
-                f"'{module}', at global step {step} (the first in execution order "
+                f"{self.lifecycle.owner}: the first module whose output went non-finite (NaN/Inf) "
+                f"is '{module}', at global step {step} (the first in execution order "
                 "in the first step with a non-finite output).",
                 category=LightningHooksWarning,
             )
@@ -234,11 +234,12 @@ class ActivationStatsCallback(HookCallback):
             log_figure(trainer.loggers, family_tag(ACTIVATIONS, "heatmap", stat), figure, step)
 
 
-def _check_range(value: tuple[float, float] | None) -> tuple[float, float] | None:
+def _check_range(value: tuple[float, float] | None, owner: str) -> tuple[float, float] | None:
     """Check ``histogram_range``: ``None`` or a ``(low, high)`` pair with ``low < high``.
 
     Args:
         value: the range the user gave.
+        owner: the callback whose argument it is, which the error names.
 
     Returns:
         The range as two floats, or ``None``.
@@ -249,9 +250,9 @@ def _check_range(value: tuple[float, float] | None) -> tuple[float, float] | Non
     if value is None:
         return None
     if isinstance(value, tuple | list) and len(value) == 2:
-        low = real(_NAME, "histogram_range[0]", value[0])
-        high = real(_NAME, "histogram_range[1]", value[1])
+        low = real(owner, "histogram_range[0]", value[0])
+        high = real(owner, "histogram_range[1]", value[1])
         if low < high:
             return low, high
     expected = "None or (low, high) with low < high"
-    raise ValueError(f"{_NAME}(histogram_range={value!r}): must be {expected}, got {value!r}")
+    raise ValueError(f"{owner}(histogram_range={value!r}): must be {expected}, got {value!r}")

@@ -13,10 +13,7 @@ from typing import Literal
 from lightning_hooks.core.alarms import ALARM_RULES
 from lightning_hooks.tags import NOTICES
 
-__all__ = ["OWNER", "Action", "check_actions"]
-
-OWNER = "GradFlowCallback"
-"""The callback the alarms belong to, which begins their messages."""
+__all__ = ["Action", "check_actions"]
 
 Action = Literal["warn", "stop", "raise", "skip", "log"]
 _ACTIONS: tuple[Action, ...] = ("warn", "stop", "raise", "skip", "log")
@@ -32,7 +29,7 @@ _NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")
 _NOTICES_LOGGED_BY_DEFAULT = tuple(rule for rule in _ACTIONABLE if rule in NOTICES)
 
 
-def check_actions(on_alarm: object) -> dict[str, Action]:
+def check_actions(on_alarm: object, owner: str = "GradFlowCallback") -> dict[str, Action]:
     """Read ``on_alarm`` as an action per rule.
 
     | ``on_alarm``            | the alarm rules              | the notices *spike* and *stall* |
@@ -50,6 +47,7 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
 
     Args:
         on_alarm: one action for every rule, or a mapping of rule to action.
+        owner: the callback whose argument it is, which its errors name.
 
     Returns:
         The action of every rule, by rule.
@@ -68,14 +66,14 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
     """
     if not isinstance(on_alarm, str | Mapping):
         raise TypeError(
-            f"{OWNER}(on_alarm={on_alarm!r}): must be one of {_ACTIONS} or a mapping "
+            f"{owner}(on_alarm={on_alarm!r}): must be one of {_ACTIONS} or a mapping "
             f"{{rule: action}} with rules in {_ACTIONABLE}, got {on_alarm!r}"
         )
     if isinstance(on_alarm, str) and on_alarm not in _ACTIONS:
         close = difflib.get_close_matches(on_alarm, _ACTIONS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(
-            f"{OWNER}(on_alarm={on_alarm!r}): must be one of {_ACTIONS} or a mapping "
+            f"{owner}(on_alarm={on_alarm!r}): must be one of {_ACTIONS} or a mapping "
             f"{{rule: action}}, got {on_alarm!r}{hint}"
         )
     given = _one_action_for_all(on_alarm) if isinstance(on_alarm, str) else on_alarm
@@ -85,13 +83,13 @@ def check_actions(on_alarm: object) -> dict[str, Action]:
     for rule, action in given.items():
         if rule not in _ACTIONABLE:
             raise ValueError(
-                f"{OWNER}(on_alarm={on_alarm!r}): rules must be in {_ACTIONABLE}, got {rule!r}"
+                f"{owner}(on_alarm={on_alarm!r}): rules must be in {_ACTIONABLE}, got {rule!r}"
             )
         skippable = rule not in _NOT_SKIPPABLE
         if action not in _ACTIONS or (action == "skip" and not skippable):
             allowed = _ACTIONS if skippable else tuple(a for a in _ACTIONS if a != "skip")
             raise ValueError(
-                f"{OWNER}(on_alarm={on_alarm!r}): the action for {rule!r} must be in "
+                f"{owner}(on_alarm={on_alarm!r}): the action for {rule!r} must be in "
                 f"{allowed}, got {action!r}"
             )
         actions[rule] = action

@@ -272,7 +272,7 @@ def epoch_step(trainer: FitProgress) -> int:
     This is the step at which Lightning logs the epoch's own metrics, such as a
     ``self.log(..., on_epoch=True)``: the step of the epoch's last batch that made an optimizer
     step (usually ``trainer.global_step - 1``). A logging step on the same step keeps its values
-    apart under the ``_step`` tags. Under Fabric, where a :class:`~.fabric.FabricTrainer`
+    apart under the ``_step`` tags. Under Fabric, where a :class:`~.fabric_run.FabricTrainer`
     stands in for the Trainer, it is the watched module's last optimizer step of the epoch.
 
     Args:

@@ -23,7 +23,6 @@ from lightning_hooks.errors import LightningHooksWarning
 
 __all__ = ["DeadReLUCallback"]
 
-_NAME = "DeadReLUCallback"
 _WATCHES = (
     "ReLU-family activation module (ReLU, ReLU6, LeakyReLU, ELU, GELU, SiLU, or a Hugging Face or "
     "timm activation computing one)"
@@ -86,17 +85,18 @@ class DeadReLUCallback(HookCallback):
         every_n_steps: int | None = None,
         unit_dim: int | None = None,
     ) -> None:
-        include = as_patterns(include, f"{_NAME}(include={include!r})")
-        exclude = as_patterns(exclude, f"{_NAME}(exclude={exclude!r})")
+        owner = type(self).__name__  # a subclass's own name, as the lifecycle's messages give
+        include = as_patterns(include, f"{owner}(include={include!r})")
+        exclude = as_patterns(exclude, f"{owner}(exclude={exclude!r})")
         tracker = DeadUnitTracker(
             types=types,
             include=include,
             exclude=exclude,
-            owner=_NAME,
+            owner=owner,
             pre_activation=pre_activation,
             unit_dim=unit_dim,
         )
-        self.warn_at = fraction_or_none(_NAME, "warn_at", warn_at)
+        self.warn_at = fraction_or_none(owner, "warn_at", warn_at)
         super().__init__(state_key={"stats": [tracker.config_key()]}, every_n_steps=every_n_steps)
         self.tracker = tracker
         """The dead units of each watched layer, attached afresh at each fit."""
@@ -117,7 +117,7 @@ class DeadReLUCallback(HookCallback):
                 "pre_activation": self.pre_activation,
             }
             self.lifecycle.watching = watches_selection(
-                _NAME,
+                self.lifecycle.owner,
                 pl_module,
                 [self.tracker],
                 what=_WATCHES,
@@ -131,7 +131,7 @@ class DeadReLUCallback(HookCallback):
         """Hook the watched activations; each epoch's dead units go to :meth:`_warn`."""
         if self.lifecycle.start_training():
             # The fit's own findings: its warnings, and the repeats summed up when it ends.
-            findings = Findings(_NAME, "dead-unit findings")
+            findings = Findings(self.lifecycle.owner, "dead-unit findings")
             logged = [Logged(self.tracker, on_epoch=partial(self._warn, findings))]
             attached = attach_stats(
                 pl_module, self.hook_guard(), logged, on_remove=findings.warn_held_back
@@ -181,8 +181,8 @@ class DeadReLUCallback(HookCallback):
         for layer, dead, units, share in rows:
             if dead > 0 and share >= warn_at and findings.first(layer):
                 rank_zero_warn(
-                    f"{_NAME}: layer '{layer}' has {dead} of {units} units dead in epoch {epoch} "
-                    f"(never fired on a logging step's batch; dead fraction {share:.3g} >= "
-                    f"warn_at {warn_at:g})",
+                    f"{self.lifecycle.owner}: layer '{layer}' has {dead} of {units} units dead in "
+                    f"epoch {epoch} (never fired on a logging step's batch; dead fraction "
+                    f"{share:.3g} >= warn_at {warn_at:g})",
                     category=LightningHooksWarning,
                 )

@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Attached, epoch_step
 from lightning_hooks.callbacks.base import HookCallback
-from lightning_hooks.callbacks.fabric import UNDER_FABRIC
+from lightning_hooks.callbacks.fabric_run import UNDER_FABRIC
 from lightning_hooks.callbacks.trainer import TrainerView, lightning_module_of
 from lightning_hooks.callbacks.watching import nothing_to_watch
 from lightning_hooks.core import capture_outputs, checks, probe_mode, select_modules
@@ -39,16 +39,16 @@ __all__ = ["FeatureMapCallback", "ProbeInputError"]
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-_NAME = "FeatureMapCallback"
-
-
-def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[str, nn.Module]]:
+def _named(
+    model: nn.Module, argument: str, patterns: Patterns, owner: str
+) -> list[tuple[str, nn.Module]]:
     """Find the modules that ``patterns`` name.
 
     Args:
         model: the model whose qualified module names the patterns are matched against.
         argument: the constructor argument the patterns came from (the error names it first).
         patterns: glob patterns on qualified module names.
+        owner: the callback whose argument it is, which the error names.
 
     Returns:
         ``(name, module)`` of each module named, in the model's order.
@@ -59,7 +59,7 @@ def _named(model: nn.Module, argument: str, patterns: Patterns) -> list[tuple[st
     try:
         return select_modules(model, include=patterns)
     except ValueError as err:
-        raise ValueError(f"{_NAME}({argument}={patterns!r}): {err}") from None
+        raise ValueError(f"{owner}({argument}={patterns!r}): {err}") from None
 
 
 @named_arguments
@@ -114,16 +114,17 @@ class FeatureMapCallback(HookCallback):
         every_n_epochs: int = 1,
         strict: bool | None = None,
     ) -> None:
-        self.max_layers = checks.positive_int(_NAME, "max_layers", max_layers)
-        self.channels = checks.positive_int(_NAME, "channels", channels)
-        self.probe_size = checks.positive_int(_NAME, "probe_size", probe_size)
-        self.every_n_epochs = checks.positive_int(_NAME, "every_n_epochs", every_n_epochs)
-        self.layers = as_patterns(layers, f"{_NAME}(layers={layers!r})")
-        self.input_fn = checks.callable_or_none(_NAME, "input_fn", input_fn) or default_input
-        self.forward_fn = checks.callable_or_none(_NAME, "forward_fn", forward_fn)
+        owner = type(self).__name__  # a subclass's own name, as the lifecycle's messages give
+        self.max_layers = checks.positive_int(owner, "max_layers", max_layers)
+        self.channels = checks.positive_int(owner, "channels", channels)
+        self.probe_size = checks.positive_int(owner, "probe_size", probe_size)
+        self.every_n_epochs = checks.positive_int(owner, "every_n_epochs", every_n_epochs)
+        self.layers = as_patterns(layers, f"{owner}(layers={layers!r})")
+        self.input_fn = checks.callable_or_none(owner, "input_fn", input_fn) or default_input
+        self.forward_fn = checks.callable_or_none(owner, "forward_fn", forward_fn)
         if embedding is not None and not isinstance(embedding, str):
             raise TypeError(
-                f"{_NAME}(embedding={embedding!r}): must be a module name (str) or None, "
+                f"{owner}(embedding={embedding!r}): must be a module name (str) or None, "
                 f"got {embedding!r}"
             )
         self.embedding = embedding
@@ -133,10 +134,10 @@ class FeatureMapCallback(HookCallback):
             fabric_refusal="it draws its probe images from the training batch, which Fabric "
             f"does not hand to callbacks. {UNDER_FABRIC}",
         )
-        self.strict = None if strict is None else checks.boolean(_NAME, "strict", strict)
+        self.strict = None if strict is None else checks.boolean(owner, "strict", strict)
         if probe_labels is not None and not isinstance(probe_labels, torch.Tensor):
             raise TypeError(
-                f"{_NAME}(probe_labels={probe_labels!r}): must be a tensor of one label per "
+                f"{owner}(probe_labels={probe_labels!r}): must be a tensor of one label per "
                 f"probe sample or None, got {type(probe_labels).__name__}"
             )
         # The user's probe serves every fit; one taken from a batch belongs to its fit alone.
@@ -165,16 +166,18 @@ class FeatureMapCallback(HookCallback):
         stubs = (pl.LightningModule.forward, nn.Module.forward)
         if self.forward_fn is None and type(pl_module).forward in stubs:
             raise MisconfigurationException(
-                f"{_NAME}: {type(pl_module).__name__} defines no forward(), so the probe "
-                "batch cannot run through it. Define forward(), or pass "
-                f"{_NAME}(forward_fn=lambda module, probe: ...) that runs the probe."
+                f"{self.lifecycle.owner}: {type(pl_module).__name__} defines no forward(), so the "
+                "probe batch cannot run through it. Define forward(), or pass "
+                f"{self.lifecycle.owner}(forward_fn=lambda module, probe: ...) that runs the probe."
             )
         drawn = self._layers_drawn(pl_module)
         if self.embedding is not None:
-            _named(pl_module, "embedding", self.embedding)
+            _named(pl_module, "embedding", self.embedding, self.lifecycle.owner)
         elif not drawn:
             selected = {"layers": self.layers}
-            return nothing_to_watch(_NAME, "convolution or Linear layer", selected=selected)
+            return nothing_to_watch(
+                self.lifecycle.owner, "convolution or Linear layer", selected=selected
+            )
         return True
 
     def _layers_drawn(self, pl_module: nn.Module) -> list[str]:
@@ -186,7 +189,9 @@ class FeatureMapCallback(HookCallback):
             ValueError: a name in ``layers`` is not a module of the model.
         """
         if self.layers:
-            names = [name for name, _ in _named(pl_module, "layers", self.layers)]
+            names = [
+                name for name, _ in _named(pl_module, "layers", self.layers, self.lifecycle.owner)
+            ]
         else:
             names = [name for name, _ in select_modules(pl_module, types=_CONV)]
             names = names or [name for name, _ in select_modules(pl_module, types=nn.Linear)]
@@ -279,15 +284,15 @@ class FeatureMapCallback(HookCallback):
         except Exception as err:
             shown = "None" if self.input_fn is default_input else repr(self.input_fn)
             raise ProbeInputError(
-                f"{_NAME}(input_fn={shown}): raised {type(err).__name__}: {err} on the first "
-                f"training batch (a {type(batch).__name__}); pass input_fn=lambda batch: ... "
-                "that returns the model input, or probe=..."
+                f"{self.lifecycle.owner}(input_fn={shown}): raised {type(err).__name__}: {err} on "
+                f"the first training batch (a {type(batch).__name__}); pass "
+                "input_fn=lambda batch: ... that returns the model input, or probe=..."
             ) from err
         if not has_tensor(x):
             raise ProbeInputError(
-                f"{_NAME}(input_fn=...): the model input taken from the first training batch "
-                f"holds no tensor, got {type(x).__name__}; pass input_fn=lambda batch: ... "
-                "that returns the model input, or probe=..."
+                f"{self.lifecycle.owner}(input_fn=...): the model input taken from the first "
+                f"training batch holds no tensor, got {type(x).__name__}; pass "
+                "input_fn=lambda batch: ... that returns the model input, or probe=..."
             )
         return x
 
@@ -299,7 +304,7 @@ class FeatureMapCallback(HookCallback):
         if (trainer.current_epoch + 1) % self.every_n_epochs:
             return
         wanted = [*fit.drawn, *([self.embedding] if self.embedding else [])]
-        module = lightning_module_of(_NAME, pl_module)  # Fabric refuses the callback
+        module = lightning_module_of(self.lifecycle.owner, pl_module)  # Fabric refuses the callback
         probe = apply_to_collection(fit.inputs, torch.Tensor, lambda x: x.to(module.device))
         with probe_mode(module), capture_outputs(module, wanted, clone=True) as outputs:
             (self.forward_fn or type(module).__call__)(module, probe)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from typing_extensions import override
 
-from lightning_hooks.callbacks.alarm_actions import OWNER, Action, check_actions
+from lightning_hooks.callbacks.alarm_actions import Action, check_actions
 from lightning_hooks.callbacks.attached import Attached, Logged
 from lightning_hooks.callbacks.base import HookCallback
 from lightning_hooks.callbacks.grad_flow_alarms import AlarmsAcrossFits, FitAlarms
@@ -133,11 +133,12 @@ class GradFlowCallback(HookCallback):
         stability: bool = True,
     ) -> None:
         # Every argument is checked first, so a bad one fails before anything is built.
-        checks.module_types(OWNER, types, (nn.Module,))
-        include = as_patterns(include, f"{OWNER}(include={include!r})")
-        exclude = as_patterns(exclude, f"{OWNER}(exclude={exclude!r})")
+        owner = type(self).__name__  # a subclass's own name, as the lifecycle's messages give
+        checks.module_types(owner, types, (nn.Module,))
+        include = as_patterns(include, f"{owner}(include={include!r})")
+        exclude = as_patterns(exclude, f"{owner}(exclude={exclude!r})")
         max_layers_logged = checks.positive_int_or_none(
-            OWNER, "max_layers_logged", max_layers_logged, none_means="every layer"
+            owner, "max_layers_logged", max_layers_logged, none_means="every layer"
         )
         switches = {
             "update_ratio": update_ratio,
@@ -148,9 +149,9 @@ class GradFlowCallback(HookCallback):
             "stability": stability,
         }
         for name, value in switches.items():
-            checks.boolean(OWNER, name, value)
-        rules = _alarm_rules(alarms)
-        actions = check_actions(on_alarm)
+            checks.boolean(owner, name, value)
+        rules = _alarm_rules(alarms, owner)
+        actions = check_actions(on_alarm, owner)
         super().__init__(
             state_key=selection_state_key(types, include, exclude),
             every_n_steps=every_n_steps,
@@ -170,7 +171,7 @@ class GradFlowCallback(HookCallback):
         self.on_alarm = actions
         """The action of each rule; a rule ``on_alarm`` did not name has its default."""
         self.stability = stability
-        self._alarms_across_fits = AlarmsAcrossFits(rules, actions)
+        self._alarms_across_fits = AlarmsAcrossFits(rules, actions, owner)
         # The alarms carry their running scales to the next fit, and through checkpoints.
         across = self._alarms_across_fits
         self.lifecycle.checkpoint.keep("alarms", across, on_new_epoch=across.start_new_epoch)
@@ -188,8 +189,8 @@ class GradFlowCallback(HookCallback):
         ``None`` between fits and under ``alarms=False``.
         """
         warnings.warn(
-            f"{OWNER}.policy is deprecated: each fit has its own alarms, which act on them, and "
-            "the actions are callback.on_alarm",
+            f"{self.lifecycle.owner}.policy is deprecated: each fit has its own alarms, which act "
+            "on them, and the actions are callback.on_alarm",
             DeprecationWarning,
             stacklevel=2,
         )
@@ -211,7 +212,7 @@ class GradFlowCallback(HookCallback):
             ValueError: the user's selection selects no layer.
         """
         selection = Selection.of(
-            OWNER, types=self.types, include=self.include, exclude=self.exclude
+            self.lifecycle.owner, types=self.types, include=self.include, exclude=self.exclude
         )
         modules = selection.modules(pl_module)
         owners = list(modules)  # the layers measured
@@ -225,8 +226,8 @@ class GradFlowCallback(HookCallback):
         ]
         if lazy:
             rank_zero_warn(
-                f"{OWNER}: the selected layers' lazy parameters {lazy[:3]} are not "
-                "initialized before fit; this callback does nothing in this fit. Initialize "
+                f"{self.lifecycle.owner}: the selected layers' lazy parameters {lazy[:3]} are "
+                "not initialized before fit; this callback does nothing in this fit. Initialize "
                 "them first: one forward of a sample batch before trainer.fit (or in the "
                 "LightningModule's setup)",
                 category=LightningHooksWarning,
@@ -234,7 +235,9 @@ class GradFlowCallback(HookCallback):
             return False
         if not layers_of(pl_module, modules, types=self.types, include=self.include).layers:
             selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
-            return nothing_to_watch(OWNER, "module owning a parameter", selected=selected)
+            return nothing_to_watch(
+                self.lifecycle.owner, "module owning a parameter", selected=selected
+            )
         return True
 
     @override
@@ -262,7 +265,7 @@ class GradFlowCallback(HookCallback):
             unstepped = tracker.unstepped()
             if unstepped:  # warned once; raised as an error, the hooks are removed below
                 rank_zero_warn(
-                    f"{OWNER}: no optimizer of the Trainer steps the trainable "
+                    f"{self.lifecycle.owner}: no optimizer of the Trainer steps the trainable "
                     f"parameters of {', '.join(repr(n) for n in unstepped)}; these layers are "
                     "not measured.",
                     category=LightningHooksWarning,
@@ -490,7 +493,7 @@ def _histograms(tracker: GradFlowTracker) -> LayerHistograms:
     return LayerHistograms(len(layout.layers), device=layout.index.device)
 
 
-def _alarm_rules(alarms: AlarmRules | bool) -> AlarmRules | None:
+def _alarm_rules(alarms: AlarmRules | bool, owner: str) -> AlarmRules | None:
     """Return the alarm rules that ``alarms`` asks for.
 
     ``True`` asks for the default rules, ``False`` for none (``None``), and an ``AlarmRules``
@@ -501,7 +504,7 @@ def _alarm_rules(alarms: AlarmRules | bool) -> AlarmRules | None:
     """
     if not isinstance(alarms, AlarmRules | bool):
         raise TypeError(
-            f"{OWNER}(alarms={alarms!r}): expected an AlarmRules or a bool, "
+            f"{owner}(alarms={alarms!r}): expected an AlarmRules or a bool, "
             f"got {type(alarms).__name__}"
         )
     if alarms is True:

@@ -17,7 +17,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 
-from lightning_hooks.callbacks.alarm_actions import OWNER, Action
+from lightning_hooks.callbacks.alarm_actions import Action
 from lightning_hooks.callbacks.alarm_log import AlarmLog, Written
 from lightning_hooks.callbacks.checkpoint import EPOCH
 from lightning_hooks.callbacks.loss_agreement import LossAgreement
@@ -55,17 +55,20 @@ class FitAlarms:
         actions: the action of every rule.
         request_stop: called with the trainer for a ``stop``: it stops the fit at once in one
             process; under DDP, once the ranks agree on it.
+        owner: the callback's name, which begins each alarm's message.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the fit's parts, each built by AlarmsAcrossFits.start)
         self,
         trainer: TrainerView,
         feed: AlarmFeed,
         loss_agreement: LossAgreement,
         actions: Mapping[str, Action],
         request_stop: Callable[[TrainerView], None],
+        owner: str,
     ) -> None:
         self.trainer = trainer
+        self.owner = owner
         self.feed = feed
         self.loss_agreement = loss_agreement
         self.actions = dict(actions)
@@ -253,7 +256,7 @@ class FitAlarms:
         self.stopped_by = None
         if alarm is not None and self.trainer.should_stop:
             rank_zero_warn(
-                f"{OWNER} [{alarm.rule}]: on_alarm='stop' ended the fit at optimizer "
+                f"{self.owner} [{alarm.rule}]: on_alarm='stop' ended the fit at optimizer "
                 f"step {self.trainer.global_step}, after the {alarm.rule} alarm of step "
                 f"{alarm.step}:\n{alarm.message}",
                 category=TrainingAlarmWarning,
@@ -267,7 +270,7 @@ class FitAlarms:
                 error's cause instead of hiding it.
         """
         error = TrainingAlarmError(
-            _with_callback_name(alarm),
+            _with_callback_name(self.owner, alarm),
             rule=alarm.rule,
             layer=alarm.layer,
             step=alarm.step,
@@ -294,7 +297,7 @@ class FitAlarms:
         key = (alarm.rule, alarm.layer)
         if key not in self._warned:
             self._warned.add(key)
-            warning = TrainingAlarmWarning(_with_callback_name(alarm))
+            warning = TrainingAlarmWarning(_with_callback_name(self.owner, alarm))
             warning.alarm = alarm
             rank_zero_warn(warning, category=TrainingAlarmWarning)
 
@@ -384,6 +387,7 @@ class AlarmsAcrossFits:
     Args:
         rules: the alarm rules (``None``: no alarms; a checkpoint's state is still carried).
         actions: the action of each rule.
+        owner: the callback's name, which begins the alarms' messages.
 
     Example:
         >>> from lightning_hooks.callbacks.alarm_actions import check_actions
@@ -392,9 +396,15 @@ class AlarmsAcrossFits:
         {}
     """
 
-    def __init__(self, rules: AlarmRules | None, actions: Mapping[str, Action]) -> None:
+    def __init__(
+        self,
+        rules: AlarmRules | None,
+        actions: Mapping[str, Action],
+        owner: str = "GradFlowCallback",
+    ) -> None:
         self.rules = rules
         self.actions = actions
+        self.owner = owner
         self._state: dict[str, Any] | None = None  # carried between fits
         self.running: FitAlarms | None = None
         """The running fit's alarms, from :meth:`start` to :meth:`end`; ``None`` between fits."""
@@ -427,9 +437,10 @@ class AlarmsAcrossFits:
         running = FitAlarms(
             trainer=trainer,
             feed=feed,
-            loss_agreement=LossAgreement(ranks, pl_module, self.rules),
+            loss_agreement=LossAgreement(ranks, pl_module, self.rules, self.owner),
             actions=self.actions,
             request_stop=ranks.request_stop,
+            owner=self.owner,
         )
         if "skip" in self.actions.values():  # on the tracker's registry: removed with its hooks
             for optimizer in trainer.optimizers:
@@ -443,7 +454,7 @@ class AlarmsAcrossFits:
             except ValueError as err:
                 self._state = None  # another model's state: drop it now, not at every later fit
                 rank_zero_warn(
-                    f"{OWNER}: {err}; running scales start afresh.",
+                    f"{self.owner}: {err}; running scales start afresh.",
                     category=LightningHooksWarning,
                 )
         running.start_log()
@@ -505,10 +516,10 @@ class AlarmsAcrossFits:
         self._state = loaded
 
 
-def _with_callback_name(alarm: TrainingAlarm) -> str:
+def _with_callback_name(owner: str, alarm: TrainingAlarm) -> str:
     """Begin the alarm's message with the callback's name and the rule.
 
     Lightning's warning formatter drops a warning's category when the warning comes from a path
     that contains "lightning", so the message itself must say where it comes from.
     """
-    return f"{OWNER} [{alarm.rule}]: {alarm.message}"
+    return f"{owner} [{alarm.rule}]: {alarm.message}"

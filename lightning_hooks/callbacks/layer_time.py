@@ -10,7 +10,7 @@ from typing_extensions import override
 
 from lightning_hooks.callbacks.attached import Logged, epoch_step
 from lightning_hooks.callbacks.base import HookCallback
-from lightning_hooks.callbacks.fabric import UNDER_FABRIC
+from lightning_hooks.callbacks.fabric_run import UNDER_FABRIC
 from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.callbacks.watching import attach_stats, watches_selection
 from lightning_hooks.core.checks import boolean, named_arguments
@@ -21,8 +21,6 @@ from lightning_hooks.logging import layer_time_figure, log_figure
 from lightning_hooks.tags import LAYER_TIME, family_tag
 
 __all__ = ["LayerTimeCallback"]
-
-_NAME = "LayerTimeCallback"
 
 
 @named_arguments
@@ -68,12 +66,13 @@ class LayerTimeCallback(HookCallback):
         leaves: bool = True,
         chart: bool = True,
     ) -> None:
-        self.leaves = boolean(_NAME, "leaves", leaves)
-        self.chart = boolean(_NAME, "chart", chart)
-        include = as_patterns(include, f"{_NAME}(include={include!r})")
-        exclude = as_patterns(exclude, f"{_NAME}(exclude={exclude!r})")
+        owner = type(self).__name__  # a subclass's own name, as the lifecycle's messages give
+        self.leaves = boolean(owner, "leaves", leaves)
+        self.chart = boolean(owner, "chart", chart)
+        include = as_patterns(include, f"{owner}(include={include!r})")
+        exclude = as_patterns(exclude, f"{owner}(exclude={exclude!r})")
         timer = LayerTimer(
-            types=types, include=include, exclude=exclude, leaves=self.leaves, owner=_NAME
+            types=types, include=include, exclude=exclude, leaves=self.leaves, owner=owner
         )
         super().__init__(
             state_key={"stats": [timer.config_key()]},
@@ -93,7 +92,7 @@ class LayerTimeCallback(HookCallback):
         if self.lifecycle.watching:
             selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
             self.lifecycle.watching = watches_selection(
-                _NAME, pl_module, [self._timer], what="module", selected=selected
+                self.lifecycle.owner, pl_module, [self._timer], what="module", selected=selected
             )
 
     @override

@@ -16,7 +16,6 @@ from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import nn
 
-from lightning_hooks.callbacks.alarm_actions import OWNER
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView
 from lightning_hooks.core.alarms import AlarmRules
@@ -103,6 +102,7 @@ class LossAgreement:
         pl_module: the model. Whether Fabric set it up and whether it uses automatic
             optimization decide how a batch's loss is read.
         rules: the fit's alarm rules (``None``: no alarms, so no loss is read).
+        owner: the callback's name, which begins its messages.
 
     Example:
         >>> from lightning_hooks.core.hooks.guard import Guard
@@ -114,9 +114,14 @@ class LossAgreement:
     """
 
     def __init__(
-        self, ranks: RankAgreement, pl_module: nn.Module, rules: AlarmRules | None
+        self,
+        ranks: RankAgreement,
+        pl_module: nn.Module,
+        rules: AlarmRules | None,
+        owner: str = "GradFlowCallback",
     ) -> None:
         self._ranks = ranks
+        self.owner = owner
         self._sums_to_host: HostCopy | None = None
         self._manual = False
         self._warned_of_shape = False  # a loss that is not one number is refused once a fit
@@ -130,7 +135,7 @@ class LossAgreement:
             self.reading = "own"
             return
         self.reading = "mean"
-        # A Fabric loop hands over its loss whenever it chooses (see fabric.py), so it is
+        # A Fabric loop hands over its loss whenever it chooses (see fabric_run.py), so it is
         # treated like manual optimization.
         fabric = is_set_up_by_fabric(pl_module)
         self._manual = fabric or not getattr(pl_module, "automatic_optimization", False)
@@ -187,9 +192,9 @@ class LossAgreement:
         if not self._warned_of_shape:
             self._warned_of_shape = True
             rank_zero_warn(
-                f"{OWNER}: training_step returned a loss of shape {tuple(loss.shape)}, not one "
-                "number; the loss rules (diverging, loss_spike) read no loss from such a batch. "
-                "Return the loss the optimizer minimizes (its mean, say) to have them.",
+                f"{self.owner}: training_step returned a loss of shape {tuple(loss.shape)}, not "
+                "one number; the loss rules (diverging, loss_spike) read no loss from such a "
+                "batch. Return the loss the optimizer minimizes (its mean, say) to have them.",
                 category=LightningHooksWarning,
             )
         return None
@@ -238,7 +243,7 @@ class LossAgreement:
         """Turn the loss rules off for the rest of the fit, with one warning."""
         self.reading = "off"
         rank_zero_warn(
-            f"{OWNER}: the loss rules (diverging, loss_spike) are off from step "
+            f"{self.owner}: the loss rules (diverging, loss_spike) are off from step "
             f"{step} on: under manual optimization {with_loss} of {world_size()} ranks' "
             "training_step returned a loss there, the others none, so the mean over ranks is "
             "unknown; the gradient rules still run. Return the loss on every rank to keep them, "

@@ -29,7 +29,6 @@ from lightning_hooks.errors import LightningHooksWarning
 __all__ = ["SaturationCallback"]
 
 
-_NAME = "SaturationCallback"
 _WATCHES = (
     "bounded activation module (Sigmoid, Tanh, Softsign, Hardtanh, ReLU6, Hardsigmoid, or a "
     "Hugging Face or timm activation computing one)"
@@ -84,20 +83,21 @@ class SaturationCallback(HookCallback):
         warn_at: float | None = 0.5,
         every_n_steps: int | None = None,
     ) -> None:
-        module_types(_NAME, types, SATURATING_TYPES)
+        owner = type(self).__name__  # a subclass's own name, as the lifecycle's messages give
+        module_types(owner, types, SATURATING_TYPES)
         dim: Any = unit_dim
         if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
-            raise TypeError(f"{_NAME}(unit_dim={dim!r}): must be an int, got {dim!r}")
+            raise TypeError(f"{owner}(unit_dim={dim!r}): must be an int, got {dim!r}")
         unit_dim = int(dim)
-        margin = real(_NAME, "margin", margin, low=0.0, high=0.5, low_open=True, high_open=True)
-        self.warn_at = fraction_or_none(_NAME, "warn_at", warn_at)  # before selection errors
-        include = as_patterns(include, f"{_NAME}(include={include!r})")
-        exclude = as_patterns(exclude, f"{_NAME}(exclude={exclude!r})")
+        margin = real(owner, "margin", margin, low=0.0, high=0.5, low_open=True, high_open=True)
+        self.warn_at = fraction_or_none(owner, "warn_at", warn_at)  # before selection errors
+        include = as_patterns(include, f"{owner}(include={include!r})")
+        exclude = as_patterns(exclude, f"{owner}(exclude={exclude!r})")
         tracker = SaturationTracker(
             types=types,
             include=include,
             exclude=exclude,
-            owner=_NAME,
+            owner=owner,
             unit_dim=unit_dim,
             margin=margin,
         )
@@ -116,7 +116,7 @@ class SaturationCallback(HookCallback):
         if self.lifecycle.watching:
             selected = {"types": self.types, "include": self.include, "exclude": self.exclude}
             self.lifecycle.watching = watches_selection(
-                _NAME, pl_module, [self.tracker], what=_WATCHES, selected=selected
+                self.lifecycle.owner, pl_module, [self.tracker], what=_WATCHES, selected=selected
             )
 
     @override
@@ -125,7 +125,7 @@ class SaturationCallback(HookCallback):
         """Hook the watched activations; each epoch's saturated units go to :meth:`_warn`."""
         if self.lifecycle.start_training():
             # The fit's own findings: its warnings, and the repeats summed up when it ends.
-            findings = Findings(_NAME, "saturation findings")
+            findings = Findings(self.lifecycle.owner, "saturation findings")
             logged = [Logged(self.tracker, on_epoch=partial(self._warn, findings))]
             attached = attach_stats(
                 pl_module, self.hook_guard(), logged, on_remove=findings.warn_held_back
@@ -176,7 +176,7 @@ class SaturationCallback(HookCallback):
         for layer, share, k, n in zip(found.layers, shares, counts, found.units, strict=True):
             if k > 0 and share >= warn_at and findings.first(layer):
                 rank_zero_warn(
-                    f"{_NAME}: layer {layer!r} has {k} of {n} units ({share:.0%}) "
+                    f"{self.lifecycle.owner}: layer {layer!r} has {k} of {n} units ({share:.0%}) "
                     f"saturated on every training sample of epoch {epoch} (warn_at="
                     f"{warn_at!r}); their gradients are near zero. Consider a smaller learning "
                     "rate or weight init, normalization before the activation, or a "

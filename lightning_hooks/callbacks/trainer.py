@@ -4,7 +4,8 @@ This covers what the callbacks read of a Trainer (:class:`TrainerView`), the che
 must pass at setup, both Lightning namespaces (``pytorch_lightning`` and
 ``lightning.pytorch``), a callback added by ``LIGHTNING_HOOKS`` yielding to the user's own, and
 the empty per-batch hooks Lightning need not call. Fabric's loop is handled in
-:mod:`~lightning_hooks.callbacks.fabric`.
+:mod:`~lightning_hooks.callbacks.fabric` (a callback's entry points) and
+:mod:`~lightning_hooks.callbacks.fabric_run` (the run that drives it).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class TrainerView(FitProgress, TrainingSetup, GradientSettings, Protocol):
     """What the callbacks read from the Trainer that their hooks are handed.
 
     The same hooks run under Lightning's Trainer and in a Fabric loop, where a
-    :class:`~lightning_hooks.callbacks.fabric.FabricTrainer` stands in for the Trainer. The
+    :class:`~lightning_hooks.callbacks.fabric_run.FabricTrainer` stands in for the Trainer. The
     hooks, and the collaborators they hand the trainer to, are typed by this view rather than by
     ``pl.Trainer``, so that the stand-in takes the Trainer's place as it is: the Trainers of both
     of Lightning's namespaces and the stand-in each satisfy it. It is made of three small

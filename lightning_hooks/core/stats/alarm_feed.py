@@ -75,8 +75,9 @@ class Tracked(Protocol):
     """What each optimizer steps of the tracker's layout."""
     view_norms: ViewNorms
     """Reads the gradient and weight norms of an optimizer's view."""
-    update_readers: list[UpdateReader]
-    """Called with each logging step's update, before the tracker reads its update ratio."""
+
+    def add_update_reader(self, read: UpdateReader) -> None:
+        """Call ``read`` with each logging step's update, before its update ratio is read."""
 
 
 @named_arguments
@@ -89,8 +90,8 @@ class AlarmFeed:
 
     Args:
         tracker: the tracker whose layout, views and updates the feed reads. The feed adds
-            itself to the tracker's ``update_readers``, which the tracker calls with each
-            logging step's update once measured.
+            itself to the tracker's update readers (``add_update_reader``), which the tracker
+            calls with each logging step's update once measured.
         rules: the alarm rules; :attr:`training_alarms` applies them.
 
     Example:
@@ -123,7 +124,7 @@ class AlarmFeed:
         """Each view's quiet read, made once; it goes with its view."""
         self._own_steps: weakref.WeakKeyDictionary[OptimizerView, int] = weakref.WeakKeyDictionary()
         """Each optimizer's next step of its own (:meth:`_own_step`)."""
-        tracker.update_readers.append(self._read_update)
+        tracker.add_update_reader(self._read_update)
 
     def due(self, step: int) -> bool:
         """Return whether the alarms' own cadence runs them on an optimizer's step ``step``.

@@ -206,10 +206,9 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         self._optimizers = optimizers
         self.views = OptimizerViews(self.layout)
         """What each optimizer steps of the layout, built at its first step."""
-        self.update_readers: list[UpdateReader] = []
-        """Called with each logging step's update, before the update ratio is read."""
+        self._update_readers: list[UpdateReader] = []
         self._outputs = OutputGradients(self._optimizers, self.views)
-        self._updates = UpdateRatio(self.shards, self.update_readers)
+        self._updates = UpdateRatio(self.shards, self._update_readers)
         self._update_ratio = update_ratio
         self._output_grad = output_grad
         self._post_clip = post_clip
@@ -245,6 +244,18 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
     def unstepped(self) -> tuple[str, ...]:
         """Return the layers with a trainable parameter in no optimizer, which are not measured."""
         return self.views.unstepped(self._optimizers)
+
+    def add_update_reader(self, read: UpdateReader) -> None:
+        """Call ``read`` with each logging step's update, before the update ratio is read.
+
+        ``read(optimizer, view, before, after)`` gets the optimizer, its view, and the weights
+        of the view before and after the step. The tracker overwrites ``before`` once the
+        readers return: a reader keeps none of it.
+
+        Args:
+            read: the reader, called in the order added.
+        """
+        self._update_readers.append(read)
 
     @torch.no_grad()
     def observe(
