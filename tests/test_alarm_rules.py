@@ -303,6 +303,129 @@ def test_state_of_other_layers_is_refused() -> None:
         TrainingAlarms(["a", "b", "global"]).load_state_dict(state)
 
 
+RELEASE_CHECKPOINT = Path(__file__).parent / "data" / "grad_flow_0.2.0.ckpt"
+"""A checkpoint saved by release 0.2.0's ``GradFlowCallback`` (see ``release_checkpoint.py``)."""
+
+ADDED_AFTER_0_2_0 = (
+    "dead",
+    "loss_recent",
+    "loss_echo",
+    "loss_per_step",
+    "loss_step",
+    "loss_group",
+    "loss_start",
+    "loss_peak",
+    "loss_trail",
+    "log",
+)
+"""The entries a state gained after release 0.2.0, before states carried a version."""
+
+
+def _alarms_that_ran() -> TrainingAlarms:
+    """Alarms fed gradient norms with a spike and losses with a rise: no part of their state
+    is a new instance's."""
+    alarms = TrainingAlarms(["a", "b", "global"], AlarmRules(min_history=3))
+    norms = [[1.0, 2.0, 2.2], [1.1, 2.1, 2.4], [0.9, 1.9, 2.1], [1.0, 200.0, 200.0]]
+    for step, norm in enumerate(norms):
+        alarms.update(torch.tensor(norm), step=step)
+        alarms.update_loss(torch.tensor(2.0 - 0.1 * step), step=step)
+    alarms.poll(wait=True)
+    return alarms
+
+
+def _same(saved: Any, loaded: Any) -> bool:
+    """Whether two states' values are the same, ``nan`` equal to ``nan``."""
+    if isinstance(saved, torch.Tensor):
+        return torch.equal(saved.isnan(), loaded.isnan()) and torch.equal(
+            saved.nan_to_num(), loaded.nan_to_num()
+        )
+    if isinstance(saved, dict):
+        return saved.keys() == loaded.keys() and all(_same(v, loaded[k]) for k, v in saved.items())
+    if isinstance(saved, list | tuple):
+        return len(saved) == len(loaded) and all(map(_same, saved, loaded))
+    if isinstance(saved, float) and math.isnan(saved):
+        return isinstance(loaded, float) and math.isnan(loaded)
+    return bool(saved == loaded)
+
+
+def test_a_state_saved_now_carries_its_version() -> None:
+    state = _alarms_that_ran().state_dict()
+    assert state["version"] == 1
+    loaded = TrainingAlarms(["a", "b", "global"], AlarmRules(min_history=3))
+    loaded.load_state_dict(state)
+    assert _same(state, loaded.state_dict())
+
+
+def test_a_state_saved_without_a_version_loads_as_before() -> None:
+    """The layout saved before states carried a version loads whole; one that lacks the
+    entries added after release 0.2.0 starts them as a new instance does. The state handed in
+    is left as it was."""
+    saved = _alarms_that_ran().state_dict()
+    unversioned = {k: v for k, v in saved.items() if k != "version"}
+    loaded = TrainingAlarms(["a", "b", "global"], AlarmRules(min_history=3))
+    loaded.load_state_dict(unversioned)
+    assert "version" not in unversioned
+    now = loaded.state_dict()
+    assert _same({k: v for k, v in now.items() if k != "version"}, unversioned)
+    assert now["log"] != [] and now["loss_trail"] != []  # restored, not a new instance's
+
+    shorter = {k: v for k, v in unversioned.items() if k not in ADDED_AFTER_0_2_0}
+    loaded = TrainingAlarms(["a", "b", "global"], AlarmRules(min_history=3))
+    loaded.load_state_dict(shorter)
+    now = loaded.state_dict()
+    fresh = TrainingAlarms(["a", "b", "global"]).state_dict()
+    assert all(_same(fresh[k], now[k]) for k in ADDED_AFTER_0_2_0)
+    assert all(_same(v, now[k]) for k, v in shorter.items())
+
+    older = {k: v for k, v in unversioned.items() if k != "scale"}
+    with pytest.raises(ValueError, match=r"load_state_dict: a state of an older version$"):
+        TrainingAlarms(["a", "b", "global"]).load_state_dict(older)
+
+
+def test_a_state_saved_by_release_0_2_0_loads_into_the_current_format() -> None:
+    """The alarms' state in release 0.2.0's checkpoint: its values are restored exactly,
+    *diverging*'s ``[mean, deviation, best, first]`` become the loss levels, its
+    ``transient`` count becomes ``setback``, and a state saved after it carries the version."""
+    checkpoint = torch.load(RELEASE_CHECKPOINT, weights_only=False)
+    [saved] = [s["alarms"] for k, s in checkpoint["callbacks"].items() if "GradFlow" in k]
+    assert "version" not in saved and "diverging" in saved  # release 0.2.0's format
+    alarms = TrainingAlarms(saved["layers"])
+    alarms.load_state_dict(saved)
+    now = alarms.state_dict()
+    assert now["version"] == 1
+    kept = ("layers", "scale", "low", "loss_scale", "peak_lr", "ring", "ring_steps")
+    assert all(_same(saved[k], now[k]) for k in kept)
+    # the stall's values; its flag is set afresh at each logging step before it is read
+    assert _same(saved["stall"][1:], now["stall"][1:])
+    mean, deviation, best, first = saved["diverging"].tolist()
+    assert now["loss_levels"] == {
+        "seen": saved["loss_seen"],
+        "first": first,
+        "mean": mean,
+        "level": mean,
+        "best": best,
+        "jitter": deviation,
+        "last": mean,
+    }
+    counts = {k: v for k, v in saved["counts"].items() if k != "transient"}
+    assert now["counts"] == {**counts, "no_gradient": 0, "setback": saved["counts"]["transient"]}
+    fresh = TrainingAlarms(saved["layers"]).state_dict()
+    assert all(_same(fresh[k], now[k]) for k in (*ADDED_AFTER_0_2_0, "loss_setback"))
+
+
+def test_a_state_of_a_later_version_is_refused_and_the_alarms_keep_theirs() -> None:
+    alarms = _alarms_that_ran()
+    before = alarms.state_dict()
+    later = {**TrainingAlarms(["a", "b", "global"]).state_dict(), "version": 2}
+    reads = (
+        r"a state of version 2; this release reads version 1 and states saved without a "
+        r"version \(release 0\.2\.0's, and the layout saved after it\)"
+    )
+    with pytest.raises(ValueError, match=reads):
+        alarms.load_state_dict(later)
+    assert _same(before, alarms.state_dict())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_verdict_is_read_without_a_sync_at_most_one_step_late() -> None:
     """Updates and polls never sync, the one that finds the alarm included (the rules and the

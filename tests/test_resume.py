@@ -206,6 +206,10 @@ def _spoil_alarms(state: dict[str, Any]) -> None:
     state["alarms"] = {**alarms, "layers": [f"other.{i}" for i in range(len(alarms["layers"]))]}
 
 
+def _alarms_of_a_later_version(state: dict[str, Any]) -> None:
+    state["alarms"] = {**state["alarms"], "version": 2}
+
+
 def _heatmap_of_another_type(state: dict[str, Any]) -> None:
     state["heatmap"] = [0, 1]
 
@@ -220,10 +224,11 @@ def _alarm_counts_of_another_type(state: dict[str, Any]) -> None:
     [
         (_spoil_heatmap, "('columns')"),
         (_spoil_alarms, "(TrainingAlarms.load_state_dict: saved layers"),
+        (_alarms_of_a_later_version, "(TrainingAlarms.load_state_dict: a state of version 2;"),
         (_heatmap_of_another_type, None),  # the error is Python's own: its words are not ours
         (_alarm_counts_of_another_type, None),
     ],
-    ids=["heatmap", "alarms", "heatmap-type", "alarm-counts-type"],
+    ids=["heatmap", "alarms", "alarms-version", "heatmap-type", "alarm-counts-type"],
 )
 def test_a_checkpoint_with_one_part_that_does_not_load_keeps_nothing_of_its_state(
     spoil: Callable[[dict[str, Any]], None], why: str | None, tmp_path: Path

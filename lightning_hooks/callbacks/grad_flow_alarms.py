@@ -223,7 +223,8 @@ class FitAlarms:
             state: the saved state.
 
         Raises:
-            ValueError: the state was saved for another model's layers, or by an older version.
+            ValueError: the state was saved for another model's layers, before release 0.2.0,
+                or in a format of a later release.
         """
         self.training_alarms.load_state_dict(state)
         written = None
@@ -505,7 +506,8 @@ class AlarmsAcrossFits:
             state: what :meth:`host_state` returned. An empty dict means none.
 
         Raises:
-            ValueError: the state was saved for another model's layers, or by an older version.
+            ValueError: the state was saved for another model's layers, before release 0.2.0,
+                or in a format of a later release.
         """
         loaded = dict(state) or None
         running = self.running

@@ -411,14 +411,15 @@ class GradientRules:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a state saved before the dead network's cut has none.
+        """Restore :meth:`state_dict`.
 
         Args:
-            state: what :meth:`state_dict` returned, among the alarms' other entries.
+            state: what :meth:`state_dict` returned, among the alarms' other entries, in the
+                current format (:func:`~lightning_hooks.core.alarms.saved_state.upgrade`).
         """
         self.scale.load(state["scale"])
         self.low[...] = as_array(state["low"])
-        cut, cut_steps = state.get("dead", (-1, 0))
+        cut, cut_steps = state["dead"]
         self.cut = int(cut)
         self.cut_steps = int(cut_steps)
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from lightning_hooks.core.alarms.gradients import RunningScale, as_array
+from lightning_hooks.core.alarms.gradients import RunningScale
 from lightning_hooks.core.alarms.messages import Message, TrainingAlarm, ratio_text
 from lightning_hooks.core.alarms.rules import AlarmRules
 from lightning_hooks.core.alarms.setback import Setback, setback_opened, setback_recovered
@@ -703,47 +703,30 @@ class LossRules:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`, or a 0.2.0 state.
-
-        A 0.2.0 state holds its running mean, mean absolute deviation, best and first loss;
-        *diverging* starts afresh if the state has neither.
+        """Restore :meth:`state_dict`.
 
         Args:
-            state: what :meth:`state_dict` returned (or 0.2.0's).
+            state: what :meth:`state_dict` returned, among the alarms' other entries, in the
+                current format (:func:`~lightning_hooks.core.alarms.saved_state.upgrade`).
         """
         self.scale.load(state["loss_scale"])
-        if "loss_levels" in state:
-            self.levels = LossLevels(**state["loss_levels"])
-            setback = state.get("loss_setback")
-            self.setback = None if setback is None else Setback(**setback)
-            self._recent.clear()
-            self._recent.extend(state.get("loss_recent", ()))
-            echo = state.get("loss_echo")
-            self._echo = None if echo is None else _Echo(int(echo[0]), float(echo[1]))
-            # Saved before this release without them: the first whole step counts them again.
-            self.per_step = int(state.get("loss_per_step", 1))
-            step = state.get("loss_step")
-            self._step = None if step is None else int(step)
-            losses, total = state.get("loss_group", (0, 0.0))
-            self._group = _Group(int(losses), float(total))
-            self._start = float(state.get("loss_start", math.nan))
-            peak = state.get("loss_peak", (-1, -math.inf))
-            self._peak = _Peak(int(peak[0]), float(peak[1]))
-            self._trail.clear()
-            self._trail.extend((int(s), float(m)) for s, m in state.get("loss_trail", ()))
-        elif "diverging" in state:
-            mean, deviation, best, first = as_array(state["diverging"]).tolist()
-            seen = int(state["loss_seen"])
-            # a deviation from the mean stands in for the jitter: both measure the noise
-            self.levels = LossLevels(
-                seen=seen,
-                first=first,
-                mean=mean,
-                level=mean,
-                best=best,
-                jitter=deviation,
-                last=mean,
-            )
+        self.levels = LossLevels(**state["loss_levels"])
+        setback = state["loss_setback"]
+        self.setback = None if setback is None else Setback(**setback)
+        self._recent.clear()
+        self._recent.extend(state["loss_recent"])
+        echo = state["loss_echo"]
+        self._echo = None if echo is None else _Echo(int(echo[0]), float(echo[1]))
+        self.per_step = int(state["loss_per_step"])
+        step = state["loss_step"]
+        self._step = None if step is None else int(step)
+        losses, total = state["loss_group"]
+        self._group = _Group(int(losses), float(total))
+        self._start = float(state["loss_start"])
+        peak = state["loss_peak"]
+        self._peak = _Peak(int(peak[0]), float(peak[1]))
+        self._trail.clear()
+        self._trail.extend((int(s), float(m)) for s, m in state["loss_trail"])
 
 
 def _loss_spike(step: int, value: float, scale: float, rules: AlarmRules) -> TrainingAlarm:

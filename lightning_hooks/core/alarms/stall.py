@@ -199,12 +199,13 @@ class StallRule:
         return {"stall": torch.from_numpy(self.state.array()), "peak_lr": self.peak_lr}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the level starts afresh if the state lacks it.
+        """Restore :meth:`state_dict`; the level starts afresh if the saved one is of another size.
 
         Args:
-            state: what :meth:`state_dict` returned.
+            state: what :meth:`state_dict` returned, in the current format
+                (:func:`~lightning_hooks.core.alarms.saved_state.upgrade`).
         """
-        if "stall" in state and tuple(state["stall"].shape) == self.state.array().shape:
+        if tuple(state["stall"].shape) == self.state.array().shape:
             self.state = StallState.of(as_array(state["stall"]))
             self.peak_lr = float(state["peak_lr"])
 

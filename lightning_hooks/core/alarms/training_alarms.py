@@ -38,6 +38,7 @@ from lightning_hooks.core.alarms.messages import (
 )
 from lightning_hooks.core.alarms.rules import ALARM_RULES, AlarmRules, WeightNorms
 from lightning_hooks.core.alarms.run_facts import RunFacts
+from lightning_hooks.core.alarms.saved_state import STATE_VERSION, VERSION, upgrade
 from lightning_hooks.core.alarms.stall import StallRule
 from lightning_hooks.core.checks import named_arguments
 from lightning_hooks.core.host_copy import HostCopy
@@ -389,10 +390,11 @@ class TrainingAlarms:
             The running scales, vanishing counters, ring buffer, counts and the epoch's alarms
             (each a dict of its fields, without the ring buffer's history it quotes, which
             would make a checkpoint grow with every alarm), by name, with the layers they are
-            of.
+            of and the format's version under ``"version"``.
         """
         self._read_arrived(wait=True)
         return {
+            VERSION: STATE_VERSION,
             "layers": self.layers,
             **self._gradients.state_dict(),
             **self._loss.state_dict(),
@@ -405,42 +407,40 @@ class TrainingAlarms:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`, whole or not at all; the layers must match this instance's.
 
+        A state saved without a version (release 0.2.0's, or the layout saved after it) is
+        first upgraded to the current format
+        (:func:`~lightning_hooks.core.alarms.saved_state.upgrade`).
         A state that fails part way (a value missing or of the wrong type) leaves this instance
         as it was, and the error goes on.
 
         Args:
-            state: what :meth:`state_dict` returned.
+            state: what :meth:`state_dict` returned, in this release or an earlier one.
 
         Raises:
-            ValueError: the saved layers differ from this instance's, or the state is of an
-                older version.
+            ValueError: the saved layers differ from this instance's, or the state is older
+                than release 0.2.0, or of a version this release does not read.
         """
         if tuple(state["layers"]) != self.layers:
             raise ValueError(
                 f"TrainingAlarms.load_state_dict: saved layers {tuple(state['layers'])!r} differ "
                 f"from this model's {self.layers!r}"
             )
-        if "scale" not in state:
-            raise ValueError("TrainingAlarms.load_state_dict: a state of an older version")
+        current = upgrade(state)
         before = self.state_dict()
         try:
-            self._load(state)
+            self._load(current)
         except Exception:
             self._load(before)
             raise
 
     def _load(self, state: Mapping[str, Any]) -> None:
-        """Load each part of a state :meth:`load_state_dict` checked."""
+        """Load each part of a state in the current format."""
         self._gradients.load_state_dict(state)
         self._loss.load_state_dict(state)
         self._stall.load_state_dict(state)
         self._ring.load_state_dict(state)
-        counts = dict(state["counts"])
-        if "transient" in counts:  # a 0.2.0 state: a transient is a setback that recovered
-            counts["setback"] = counts.pop("transient")
-        self.counts = {**dict.fromkeys(ALARM_RULES, 0), **counts}
-        # Saved before this release without the epoch's alarms: its text starts from the resume.
-        self.log = [TrainingAlarm(**alarm) for alarm in state.get("log", [])]
+        self.counts = {**dict.fromkeys(ALARM_RULES, 0), **dict(state["counts"])}
+        self.log = [TrainingAlarm(**alarm) for alarm in state["log"]]
 
 
 def _without_history(alarm: TrainingAlarm) -> TrainingAlarm:
