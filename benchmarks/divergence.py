@@ -108,7 +108,9 @@ DAMAGE_WINDOW = (50, 100)  # steps after an explosion where its loss is compared
 # scale: 0.046 on the 10-class sets, whose first loss is ln 10; 0.014 on a 2-class one)
 DAMAGE_RATIO, DAMAGE_MARGIN = 1.25, 0.02
 _SEQ, _VOCAB = 32, 96
-WARNED = tuple(rule for rule, action in check_actions("warn").items() if action == "warn")
+WARNED = tuple(
+    rule for rule, action in check_actions("warn", "GradFlowCallback").items() if action == "warn"
+)
 """The rules that warn under the default ``on_alarm="warn"``."""
 
 # --- data -------------------------------------------------------------------------------------
@@ -1590,10 +1592,10 @@ WITHIN = 10
 its death."""
 NOTICED = (
     *(rule for rule, notice in NOTICES.items() if not notice.acts and rule in ALARM_RULES),
-    *(r for r, a in check_actions("warn").items() if a == "log"),
+    *(r for r, a in check_actions("warn", "GradFlowCallback").items() if a == "log"),
 )
 """The rules only logged under the default ``on_alarm="warn"``: notices."""
-STOPS = tuple(r for r, a in check_actions("stop").items() if a == "stop")
+STOPS = tuple(r for r, a in check_actions("stop", "GradFlowCallback").items() if a == "stop")
 """The rules whose alarm stops the run under ``on_alarm="stop"``."""
 
 

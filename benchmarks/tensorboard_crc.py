@@ -1,5 +1,8 @@
 """What TensorBoard's event-file checksums cost: its pure-Python CRC-32C against the C one
-the TensorBoard sink installs (``lightning_hooks/logging/tensorboard.py``).
+the TensorBoard sink gives its logger's writer (``lightning_hooks/internals/tensorboard.py``).
+
+Each fit computes every record's checksums with the one measured, through TensorBoard's own
+``masked_crc32c`` (the sink's own install is held off, so both are timed the same way).
 
 For each configuration, one 200-step fit of the launch-bound stand-in (``overhead._launch``,
 one torch thread) per checksum: the bytes and records written, the CPU time of the checksums
@@ -24,9 +27,11 @@ from tensorboard.summary.writer import record_writer
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "tests")]
 
+import google_crc32c  # noqa: E402
 import overhead  # noqa: E402
 
-import lightning_hooks.callbacks.base as writing  # noqa: E402
+import lightning_hooks.callbacks.lifecycle as writing  # noqa: E402
+import lightning_hooks.logging.tensorboard as sink  # noqa: E402
 from lightning_hooks.internals import tensorboard as _crc  # noqa: E402
 
 
@@ -48,17 +53,21 @@ def measure(
 
     save = writing.save_loggers
 
-    def timed_save(loggers: Any) -> None:
+    def timed_save(loggers: Any, **kwargs: Any) -> None:
         started = time.perf_counter()
-        save(loggers)
+        save(loggers, **kwargs)
         saves.append(time.perf_counter() - started)
 
     record_writer.masked_crc32c = timed
     writing.save_loggers = timed_save
+    install = sink.fast_checksums
+    sink.fast_checksums = lambda experiment: False  # every record through ``timed``
     try:
         overhead.fit("launch", make(), steps)
     finally:
         writing.save_loggers = save
+        record_writer.masked_crc32c = pure
+        sink.fast_checksums = install
     return {
         **spent,
         "save_median_ms": statistics.median(saves) * 1e3,
@@ -68,8 +77,8 @@ def measure(
 
 def main() -> None:
     torch.set_num_threads(1)
-    assert _crc.fast_checksums(), "google_crc32c with its C implementation is needed"
-    fast = record_writer.masked_crc32c
+    assert google_crc32c.implementation == "c", "google_crc32c with its C implementation is needed"
+    fast = _crc.Checksums(value=google_crc32c.value, fallback=pure).masked_crc32c
     found = overhead.discovered()
     configs = {
         "GradFlowCallback()": lambda: [found["GradFlowCallback"]()],

@@ -40,7 +40,7 @@ def _written(trainer: Any, tag: str) -> list[tuple[int, float]]:
 
 
 def test_a_logging_step_writes_the_alarms_counted_since_the_last() -> None:
-    log = AlarmLog(check_actions("warn"))
+    log = AlarmLog(check_actions("warn", "GradFlowCallback"))
     trainer = _trainer()
     alarms = TrainingAlarms(["a", "b"], AlarmRules())
     log.start(alarms)
@@ -60,7 +60,7 @@ def test_a_fit_counts_from_the_alarms_it_loads_never_below_them() -> None:
     loaded = TrainingAlarms(["a", "b"], AlarmRules())
     loaded.load_state_dict(saved.state_dict())
     assert loaded.counts["nonfinite"] == 2
-    log = AlarmLog(check_actions("warn"))
+    log = AlarmLog(check_actions("warn", "GradFlowCallback"))
     trainer = _trainer()
     log.start(loaded)
     log.log_step(trainer, loaded, 6)

@@ -69,7 +69,7 @@ def _two_ranks(
     monkeypatch.setattr(loss_agreement, "all_reduce_sum_", lambda sums: sums.add_(added))
     model = _Model(automatic)
     ranks, removed = _ranks()
-    return LossAgreement(ranks, model, AlarmRules()), _trainer(model), removed
+    return LossAgreement(ranks, model, AlarmRules(), "Cb"), _trainer(model), removed
 
 
 def test_one_process_reads_its_own_loss_in_the_users_units() -> None:
@@ -78,13 +78,13 @@ def test_one_process_reads_its_own_loss_in_the_users_units() -> None:
     model = _Model()
     trainer = _trainer(model, accumulate=4)
     ranks, _ = _ranks()
-    agreement = LossAgreement(ranks, model, AlarmRules())
+    agreement = LossAgreement(ranks, model, AlarmRules(), "Cb")
     assert agreement.reading == "own"
     (loss,) = agreement.losses(trainer, {"loss": torch.tensor(0.25)}, step=7) or []
     assert loss.step == 7 and float(loss.value) == 1.0
     assert agreement.losses(trainer, None, step=8) is None  # training_step returned no loss
 
-    off = LossAgreement(ranks, model, AlarmRules(diverge_ratio=None))
+    off = LossAgreement(ranks, model, AlarmRules(diverge_ratio=None), "Cb")
     assert off.reading == "off"
     assert off.losses(trainer, {"loss": torch.tensor(0.25)}, step=7) is None
 
@@ -179,7 +179,7 @@ def test_the_alarms_carry_their_state_from_one_fit_to_the_next() -> None:
     """A fit's alarms are held as ``running`` until the fit ends; a checkpoint saves the
     running fit's state, and the next fit starts from the state the last one left."""
     model = _Model()
-    alarms = AlarmsAcrossFits(AlarmRules(), check_actions("warn"))
+    alarms = AlarmsAcrossFits(AlarmRules(), check_actions("warn", "Cb"), "Cb")
     assert alarms.running is None and alarms.host_state() == {}
     first, tracker = _start(alarms, model)
     assert alarms.running is first
@@ -203,13 +203,13 @@ def test_another_models_alarm_state_is_refused_by_a_running_fit_and_dropped_by_t
     checkpoint with one warning) and keeps its own; between fits such a state waits, and the
     next fit drops it with a warning and starts afresh."""
     model = _Model()
-    other = AlarmsAcrossFits(AlarmRules(), check_actions("warn"))
+    other = AlarmsAcrossFits(AlarmRules(), check_actions("warn", "Cb"), "Cb")
     _, other_tracker = _start(other, nn.Sequential(nn.Linear(2, 2)))
     foreign = other.host_state()
     other.end()
     other_tracker.remove()
 
-    alarms = AlarmsAcrossFits(AlarmRules(), check_actions("warn"))
+    alarms = AlarmsAcrossFits(AlarmRules(), check_actions("warn", "Cb"), "Cb")
     first, tracker = _start(alarms, model)
     _feed(first, [2.0, 1.5, 1.0])
     good = alarms.host_state()
@@ -231,7 +231,7 @@ def test_each_fits_alarms_warn_of_a_rule_and_layer_once() -> None:
     """Two steps' NaN gradients in one layer, acted on twice: one warning. The next fit's alarms
     warn of them again. Fed real ``TrainingAlarms``."""
     model = _Model()
-    alarms = AlarmsAcrossFits(AlarmRules(), check_actions("warn"))
+    alarms = AlarmsAcrossFits(AlarmRules(), check_actions("warn", "Cb"), "Cb")
     for fit in range(2):
         running, tracker = _start(alarms, model)
         training_alarms = running.training_alarms

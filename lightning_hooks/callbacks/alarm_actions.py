@@ -29,7 +29,7 @@ _NOT_SKIPPABLE = ("vanishing", "loss_spike", "diverging", "stall", "attention")
 _NOTICES_LOGGED_BY_DEFAULT = tuple(rule for rule in _ACTIONABLE if rule in NOTICES)
 
 
-def check_actions(on_alarm: object, owner: str = "GradFlowCallback") -> dict[str, Action]:
+def check_actions(on_alarm: object, owner: str) -> dict[str, Action]:
     """Read ``on_alarm`` as an action per rule.
 
     | ``on_alarm``            | the alarm rules              | the notices *spike* and *stall* |
@@ -57,11 +57,11 @@ def check_actions(on_alarm: object, owner: str = "GradFlowCallback") -> dict[str
         TypeError: ``on_alarm`` is neither a string nor a mapping.
 
     Example:
-        >>> check_actions("skip")["vanishing"], check_actions("warn")["spike"]
+        >>> check_actions("skip", "Cb")["vanishing"], check_actions("warn", "Cb")["spike"]
         ('warn', 'log')
-        >>> check_actions("stop")["diverging"], check_actions("stop")["spike"]
+        >>> check_actions("stop", "Cb")["diverging"], check_actions("stop", "Cb")["spike"]
         ('stop', 'log')
-        >>> check_actions({"spike": "stop"})["spike"]
+        >>> check_actions({"spike": "stop"}, "Cb")["spike"]
         'stop'
     """
     if not isinstance(on_alarm, str | Mapping):

@@ -50,7 +50,7 @@ class AlarmLog:
 
     Example:
         >>> from lightning_hooks.callbacks.alarm_actions import check_actions
-        >>> log = AlarmLog(check_actions("warn"))
+        >>> log = AlarmLog(check_actions("warn", "GradFlowCallback"))
         >>> log.tags["diverging"], log.tags["spike"]
         ('grad_flow/alarms/diverging', 'grad_flow/notices/spike')
     """

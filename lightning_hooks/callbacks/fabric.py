@@ -46,14 +46,14 @@ class FabricHooks:
     """Why the callback's configuration cannot run in a Fabric loop (``None``: it can)."""
     fabric_run: FabricRun | None
     """The run that drives the callback in a Fabric loop, from ``fabric.setup`` to its release."""
-    fabric_unwatched_said: bool
+    _said_unwatched: bool
     """Whether the callback said that Fabric steps an optimizer while no module is watched."""
 
     def __init__(self, *, fabric_refusal: str | None) -> None:
         super().__init__()
         self.fabric_refusal = fabric_refusal
         self.fabric_run = None
-        self.fabric_unwatched_said = False
+        self._said_unwatched = False
 
     def on_after_setup(self: _RunHolder, fabric: Fabric, module: nn.Module) -> None:
         """Watch ``module`` under Fabric: a :class:`~.fabric_run.FabricRun` drives the callback.
@@ -79,8 +79,8 @@ class FabricHooks:
         run = self.fabric_run
         if run is not None:
             run.on_after_optimizer_step(strategy, optimizer)
-        elif not self.fabric_unwatched_said:
-            self.fabric_unwatched_said = True
+        elif not self._said_unwatched:
+            self._said_unwatched = True
             rank_zero_warn(
                 f"{type(self).__name__}: Fabric stepped an optimizer, but no module was set up "
                 "by fabric.setup, so this callback watches nothing in this loop "

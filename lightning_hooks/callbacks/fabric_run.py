@@ -53,11 +53,14 @@ __all__ = [
 ]
 
 _SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
-_REFUSED_STRATEGIES = SHARDED_STRATEGIES | {"ModelParallelStrategy", "DataParallelStrategy"}
-_REFUSED_STRATEGIES |= {
+# strategies under which a statistic would be a shard's or a replica's: the Trainer's sharded
+# ones, model and data parallelism, and Fabric's XLA ones
+_REFUSED_STRATEGIES = SHARDED_STRATEGIES | {
+    "ModelParallelStrategy",
+    "DataParallelStrategy",
     "XLAStrategy",
     "XLAFSDPStrategy",
-}  # Fabric's strategies beyond the Trainer's
+}
 UNDER_FABRIC = (
     "GradFlowCallback, ActivationStatsCallback, DeadReLUCallback and SaturationCallback run under "
     "Fabric."

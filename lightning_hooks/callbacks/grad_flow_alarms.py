@@ -167,7 +167,7 @@ class FitAlarms:
             if action is None or action == "log":
                 continue
             if action == "raise":
-                self._raise(alarm)
+                self._raise(alarm)  # it does not return
             to_warn.append(alarm)
             if action == "stop":
                 stop = True
@@ -392,7 +392,7 @@ class AlarmsAcrossFits:
 
     Example:
         >>> from lightning_hooks.callbacks.alarm_actions import check_actions
-        >>> alarms = AlarmsAcrossFits(AlarmRules(), check_actions("warn"))
+        >>> alarms = AlarmsAcrossFits(AlarmRules(), check_actions("warn", "Cb"), "Cb")
         >>> alarms.host_state()  # no fit ran yet, and no checkpoint was loaded
         {}
     """
@@ -401,7 +401,7 @@ class AlarmsAcrossFits:
         self,
         rules: AlarmRules | None,
         actions: Mapping[str, Action],
-        owner: str = "GradFlowCallback",
+        owner: str,
     ) -> None:
         self.rules = rules
         self.actions = actions

@@ -108,7 +108,7 @@ class LossAgreement:
         >>> from lightning_hooks.core.hooks.guard import Guard
         >>> guard = Guard("Cb", strict=False)
         >>> ranks = RankAgreement(guard, remove_hooks=lambda: None)
-        >>> agreement = LossAgreement(ranks, torch.nn.Linear(1, 1), AlarmRules())
+        >>> agreement = LossAgreement(ranks, torch.nn.Linear(1, 1), AlarmRules(), "Cb")
         >>> agreement.reading  # one process: this rank's own loss, no collective
         'own'
     """
@@ -118,7 +118,7 @@ class LossAgreement:
         ranks: RankAgreement,
         pl_module: nn.Module,
         rules: AlarmRules | None,
-        owner: str = "GradFlowCallback",
+        owner: str,
     ) -> None:
         self._ranks = ranks
         self.owner = owner

@@ -160,7 +160,7 @@ class TensorBoardSink(LoggerSink):
         """The ``(family, stat)`` charts of the scalars written so far (:func:`chart_key`)."""
         self.charts_written: frozenset[tuple[str, str]] = frozenset()
         """The charts of the last layout written."""
-        fast_checksums()  # a speed-up: the event files' checksums in C, once
+        fast_checksums(self.logger.experiment)  # a speed-up: this writer's checksums in C
 
     @classmethod
     def accepts(cls, logger: object) -> bool:
