@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_hooks.callbacks.attached import Attached, Logged
-from lightning_hooks.callbacks.checkpoint import CheckpointSlot
+from lightning_hooks.callbacks.checkpoint import CheckpointSlot, rolls_over
 from lightning_hooks.callbacks.watching import attach_stats
 from lightning_hooks.core.hooks.guard import Guard
 from lightning_hooks.core.stats.dead_units import DeadUnitTracker
@@ -116,3 +116,26 @@ def test_a_part_refused_after_others_loaded_puts_each_back() -> None:
     assert counter.value == 5
     calls = slot.save(attached)["0:DeadUnitTracker"]["calls"]
     assert float(calls.sum()) == 0.0
+
+
+def test_a_state_of_another_epoch_rolls_over() -> None:
+    """Only a state saved in an earlier epoch than the one resumed starts the epoch afresh."""
+    assert not rolls_over(None, 3)  # saved between fits or by release 0.2.0: nothing to say
+    assert not rolls_over(3, 3)  # saved mid-epoch: the epoch goes on
+    assert rolls_over(2, 3)  # saved at epoch 2's last batch: the fit resumes at epoch 3
+
+
+def test_a_new_epoch_resets_the_statistics_and_tells_each_collaborator() -> None:
+    slot = CheckpointSlot("Watcher")
+    told: list[str] = []
+    slot.keep("count", _Counter(1), on_new_epoch=lambda: told.append("count"))
+    slot.keep("other", _Counter(2))
+    attached = _attached(measured=True)
+    stat = attached.logged[0].stat
+    assert float(stat.host_state()["calls"].sum()) == 1.0  # the measured forward
+    slot.start_new_epoch(attached)
+    assert told == ["count"]
+    state = stat.host_state()
+    assert state["layers"] == ["1"]  # its rows stay; what they counted starts afresh
+    assert float(state["calls"].sum()) == 0.0
+    assert float(state["counts"].sum()) == 0.0

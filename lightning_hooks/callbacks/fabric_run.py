@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import torch
@@ -32,6 +33,7 @@ from lightning_hooks.callbacks.trainer import (
     inherits_empty_hook,
 )
 from lightning_hooks.core.hooks.guard import Guard
+from lightning_hooks.core.hooks.registry import wrap_step_closure
 from lightning_hooks.errors import LightningHooksWarning
 from lightning_hooks.internals.lightning import (
     before_fabric_clips,
@@ -263,6 +265,38 @@ _CLIPS = (
     ("clip_gradients_norm", "norm", "max_norm"),
     ("clip_gradients_value", "value", "clip_val"),
 )
+
+
+class _FirstEvaluation:
+    """A step's closure that calls ``after`` once, after its first evaluation.
+
+    LBFGS evaluates its closure several times in one step; the gradients of the first are the
+    step's, as Lightning's Trainer reads them.
+
+    Args:
+        optimizer: the optimizer stepping, which ``after`` is called with.
+        after: observes the gradients the closure made.
+        closure: the step's closure.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        after: Callable[[torch.optim.Optimizer], None],
+        closure: Callable[[], Any],
+    ) -> None:
+        self.optimizer = optimizer
+        self.after = after
+        self.closure = closure
+        self.evaluated = False
+
+    def __call__(self) -> Any:  # noqa: ANN401 (the closure's loss, as the optimizer takes it)
+        """Evaluate the closure; after its first evaluation, observe the gradients."""
+        result = self.closure()
+        if not self.evaluated:
+            self.evaluated = True
+            self.after(self.optimizer)
+        return result
 
 
 class FabricRun:
@@ -500,30 +534,14 @@ class FabricRun:
             The step's arguments with the closure wrapped; ``None`` where the step has no
             closure or the optimizer is not the watched module's (it is observed now, or not).
         """
-        positional = "closure" not in kwargs
-        closure = args[1] if positional and len(args) > 1 else kwargs.get("closure")
-        if closure is None or not self._owns(optimizer):
+        wrapped = None
+        if self._owns(optimizer):
+            wrapped = wrap_step_closure(
+                args, kwargs, partial(_FirstEvaluation, optimizer, self._after_closure)
+            )
+        if wrapped is None:
             self.before_step(optimizer)
-            return None
-        after_closure = self._after_closure
-        evaluated = False
-
-        def evaluate() -> Any:  # noqa: ANN401 (the closure's loss, as the optimizer takes it)
-            """Evaluate the closure; after its first evaluation, observe the gradients.
-
-            Returns:
-                What the closure returns.
-            """
-            nonlocal evaluated
-            result = closure()
-            if not evaluated:
-                evaluated = True
-                after_closure(optimizer)
-            return result
-
-        if positional:
-            return (args[0], evaluate, *args[2:]), kwargs
-        return args, {**kwargs, "closure": evaluate}
+        return wrapped
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Observe the gradients an optimizer of the watched module is about to apply.

@@ -25,6 +25,7 @@ from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView, gradient_clipping
 from lightning_hooks.core import GradFlowTracker
 from lightning_hooks.core.alarms import AlarmRules, RunFacts, TrainingAlarm, TrainingAlarms
+from lightning_hooks.core.hooks.registry import wrap_step_closure
 from lightning_hooks.core.stats.alarm_feed import AlarmFeed, Measured
 from lightning_hooks.core.stats.stability import Result as StabilityResult
 from lightning_hooks.errors import LightningHooksWarning, TrainingAlarmError, TrainingAlarmWarning
@@ -350,14 +351,14 @@ class SkippedSteps:
         Returns:
             The arguments with the closure wrapped, or ``None`` (unchanged) without a closure.
         """
-        closure = kwargs.get("closure")
-        if callable(closure):
-            return args, {**kwargs, "closure": partial(self._skip_after, optimizer, closure)}
-        closure = args[1] if len(args) > 1 else None
-        if callable(closure):
-            return (args[0], partial(self._skip_after, optimizer, closure), *args[2:]), kwargs
-        self._drop_marked_gradients(optimizer)
-        return None
+
+        def skipping(closure: Callable[[], object]) -> Callable[[], object]:
+            return partial(self._skip_after, optimizer, closure)
+
+        wrapped = wrap_step_closure(args, kwargs, skipping)
+        if wrapped is None:
+            self._drop_marked_gradients(optimizer)
+        return wrapped
 
     def _skip_after(
         self, optimizer: torch.optim.Optimizer, closure: Callable[[], object]

@@ -23,10 +23,37 @@ from lightning_hooks.core.hooks.shared import shared_by
 from lightning_hooks.core.hooks.suspended import outside_suspended
 from lightning_hooks.errors import LightningHooksWarning
 
-__all__ = ["Gated", "HookOwner", "HookRegistry"]
+__all__ = ["Gated", "HookOwner", "HookRegistry", "StepArgs", "wrap_step_closure"]
 
 ForwardHook = Callable[[nn.Module, Any, Any], Any]
 F = TypeVar("F", bound=Callable[..., Any])
+StepArgs = tuple[tuple[Any, ...], dict[str, Any]]
+"""The arguments an optimizer step pre-hook gets and may return: ``(args, kwargs)``."""
+
+
+def wrap_step_closure(
+    args: tuple[Any, ...], kwargs: dict[str, Any], wrap: Callable[[Callable[[], Any]], Any]
+) -> StepArgs | None:
+    """Return an optimizer step's arguments with its closure replaced by ``wrap(closure)``.
+
+    torch passes a step pre-hook the step's positional arguments with the optimizer first, so a
+    closure given by position is the second; one given by keyword is ``kwargs["closure"]``.
+
+    Args:
+        args: the step's positional arguments, the optimizer first.
+        kwargs: the step's keyword arguments.
+        wrap: makes the closure the step runs from the one it was given.
+
+    Returns:
+        The arguments with the closure wrapped, or ``None`` where the step has no closure.
+    """
+    closure = kwargs.get("closure")
+    if callable(closure):
+        return args, {**kwargs, "closure": wrap(closure)}
+    closure = args[1] if len(args) > 1 else None
+    if callable(closure):
+        return (args[0], wrap(closure), *args[2:]), kwargs
+    return None
 
 
 def _unhookable_modules(model: nn.Module) -> dict[int, str]:
