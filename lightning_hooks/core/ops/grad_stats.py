@@ -20,10 +20,13 @@ from lightning_hooks.core.ops.tensors import Workspace, foreach_norm
 from lightning_hooks.core.sharding import ShardPlan, to_local
 
 __all__ = [
+    "GRADIENT_STATS",
     "GRAD_STATS",
     "LINEAR_IN_GRADIENT",
     "NORM",
+    "OF_GRADIENT",
     "ROOT",
+    "WEIGHT",
     "LayerIndex",
     "ParamLayout",
     "grad_stats",
@@ -34,8 +37,14 @@ __all__ = [
 ]
 
 
-GRAD_STATS = ("grad_norm", "grad_abs_mean", "grad_abs_max", "grad_nonfinite", "weight_norm")
-"""Columns of :func:`grad_stats`, in order."""
+GRADIENT_STATS = ("grad_norm", "grad_abs_mean", "grad_abs_max", "grad_nonfinite")
+"""The columns of :func:`grad_stats` measured of the gradient, in order."""
+GRAD_STATS = (*GRADIENT_STATS, "weight_norm")
+"""Columns of :func:`grad_stats`, in order: the gradient's, then the weight's norm."""
+OF_GRADIENT = slice(0, len(GRADIENT_STATS))
+"""The columns of :data:`GRAD_STATS` measured of the gradient: a layer with none has no value."""
+WEIGHT = GRAD_STATS.index("weight_norm")
+"""The column of the weight's L2 norm, after the gradient's."""
 NORM = GRAD_STATS.index("grad_norm")
 """The column of the gradient's L2 norm."""
 LINEAR_IN_GRADIENT = slice(NORM, GRAD_STATS.index("grad_abs_max") + 1)

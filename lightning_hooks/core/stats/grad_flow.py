@@ -25,6 +25,8 @@ from lightning_hooks.core.ops.grad_stats import (
     GRAD_STATS,
     LINEAR_IN_GRADIENT,
     NORM,
+    OF_GRADIENT,
+    WEIGHT,
     ParamLayout,
     grad_stats,
 )
@@ -58,9 +60,7 @@ GRAD_FLOW_STATS = (*GRAD_STATS, "update_ratio", "output_grad_norm", "grad_norm_p
 
 _UPDATE = GRAD_FLOW_STATS.index("update_ratio")
 _OUTPUT = GRAD_FLOW_STATS.index("output_grad_norm")
-_WEIGHT = GRAD_FLOW_STATS.index("weight_norm")
 _PRECLIP = GRAD_FLOW_STATS.index("grad_norm_preclip")
-_GRAD = slice(0, _WEIGHT)  # the gradient's columns of GRAD_STATS
 _ALL = slice(0, len(GRAD_STATS))
 
 
@@ -357,11 +357,11 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         if self._post_clip:
             # Under clipping, the gradient read before the step is the one before clipping: its
             # norm goes to grad_norm_preclip. The gradient applied is read in the step post-hook.
-            read = [NORM, _WEIGHT]
+            read = [NORM, WEIGHT]
             cells = None if valid is None else valid[:, read]
             self.update(
                 stats[:, read],
-                columns=[_PRECLIP, _WEIGHT],
+                columns=[_PRECLIP, WEIGHT],
                 rows=view.cells,
                 valid=cells,
                 replicated=True,
@@ -369,7 +369,7 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
         else:
             self.update(stats, columns=_ALL, rows=view.cells, valid=valid, replicated=True)
         if self._update_ratio:
-            self._updates.keep(view, stats[:, _WEIGHT])
+            self._updates.keep(view, stats[:, WEIGHT])
         if self._output_grad:
             self._update_column(_OUTPUT, self._outputs.record(optimizer, view, grad_scale))
 
@@ -390,9 +390,13 @@ class GradFlowTracker(LayerStatsAccumulator, HookOwner):
             # After clipping and the update, p.grad still holds what the optimizer applied.
             valid = view.valid()
             stats = self._grad_stats(view, ParamLayout.grads(view.params), weights=False)
-            cells = None if valid is None else valid[:, _GRAD]
+            cells = None if valid is None else valid[:, OF_GRADIENT]
             self.update(
-                stats[:, _GRAD], columns=_GRAD, rows=view.cells, valid=cells, replicated=True
+                stats[:, OF_GRADIENT],
+                columns=OF_GRADIENT,
+                rows=view.cells,
+                valid=cells,
+                replicated=True,
             )
         self._update_column(_UPDATE, self._updates.record(optimizer, view))
 

@@ -15,6 +15,9 @@ from lightning_hooks.core import checks
 from lightning_hooks.core.alarms import HostSegments
 from lightning_hooks.core.ops.grad_stats import (
     GRAD_STATS,
+    GRADIENT_STATS,
+    NORM,
+    WEIGHT,
     LayerIndex,
     ParamLayout,
     param_norms,
@@ -42,8 +45,7 @@ UpdateReader = Callable[
 ]
 """Reads a logging step's update: the optimizer, its view, and the weights before and after the
 step."""
-_WEIGHT = GRAD_STATS.index("weight_norm")
-_OF_GRADIENT = tuple(name != "weight_norm" for name in GRAD_STATS)
+_OF_GRADIENT = tuple(name in GRADIENT_STATS for name in GRAD_STATS)
 """Per column of :data:`GRAD_STATS`: whether a layer with no gradient has no value there."""
 
 
@@ -288,7 +290,7 @@ class ViewNorms:
         num_layers = len(view.rows) - 1
         stats = norms[0].new_full((num_layers + 1, len(GRAD_STATS)), torch.nan)
         unique = None if view.distinct else view.unique  # the same sum, one gather fewer
-        for column, values in zip((0, _WEIGHT), norms, strict=False):
+        for column, values in zip((NORM, WEIGHT), norms, strict=False):
             stats[:, column] = segment_norm(values, view.index, num_layers, unique)
         return stats
 
