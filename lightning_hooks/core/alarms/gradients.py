@@ -388,7 +388,7 @@ class GradientRules:
         """The consecutive steps with that layer the deepest of a dead network."""
         self._is_layer = np.arange(rows) < rows - 1
         self._false = np.zeros(rows, dtype=bool)
-        self._true = np.ones(rows, dtype=bool)  # every row stepped (:meth:`read`'s, by identity)
+        self._true = np.ones(rows, dtype=bool)  # every row stepped
         self._rows: tuple[object, np.ndarray | None] = (None, None)
         self._factors = [rules.spike_factor or math.inf, *filter(None, [rules.explode_factor])]
         self.quiet = GradientReport.zeros(rows)
@@ -459,6 +459,7 @@ class GradientRules:
         """
         norm = value[0] if value.ndim == 2 else value
         stepped = value[1] > 0 if value.ndim == 2 else None
+        every_row_active = stepped is None
         active = self._true if stepped is None else stepped
         held = self._true
         if rows is not None and rows.size != self.rows:  # not one optimizer stepping every layer
@@ -469,18 +470,21 @@ class GradientRules:
             # step with another optimizer's: it stays out of the rules, its layers do not.
             active = np.zeros(self.rows, dtype=bool)
             active[rows[:-1]] = True if stepped is None else stepped[:-1]
+            every_row_active = False
             held = np.zeros(self.rows, dtype=bool)
             held[rows[:-1]] = True
         with np.errstate(all="ignore"):
-            return self.evaluate(norm, active, amp, clip, held)
+            return self.evaluate(norm, active, amp, clip, held, every_row_active=every_row_active)
 
-    def evaluate(
+    def evaluate(  # noqa: PLR0913 (a step's facts, on the quiet step's path: no record per step)
         self,
         norm: np.ndarray,
         active: np.ndarray,
         amp: bool,
         clip: float | None,
         held: np.ndarray | None = None,
+        *,
+        every_row_active: bool = False,
     ) -> GradientReport:
         """Return the rules' report on one step's ``norm``; the state updated.
 
@@ -491,13 +495,15 @@ class GradientRules:
             clip: the largest global L2 norm the optimizer applies, for *explosion*.
             held: ``[rows]``, the rows whose trainable parameters the optimizer stepping holds
                 (``None``: every row); a layer out of it (frozen) is never *no_gradient*.
+            every_row_active: every row got a gradient (``active`` is all true), so a step where
+                no rule can fire may take the quiet report (:meth:`_quiet_report`).
 
         Returns:
             The report of this step's verdicts.
         """
         held = self._true if held is None else held
         log_norm = np.log(norm)
-        if active is self._true and self.scale.steady():
+        if every_row_active and self.scale.steady():
             quiet = self._quiet_report(norm, log_norm)
             if quiet is not None:
                 return quiet
