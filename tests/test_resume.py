@@ -93,6 +93,29 @@ def test_resume_after_epoch_one_reports_the_same_epoch_two(tmp_path: Path) -> No
 # Lightning's advice about non-resumable dataloaders: every batch here is the same data.
 # every 3rd step: steps 0 and 2 of 4 are logging steps; the resumed run (from step 2) must not take
 # its first batch for the start of an epoch.
+def test_a_checkpoint_saved_between_fits_resumes_the_next_epoch_afresh(tmp_path: Path) -> None:
+    """Saved by ``trainer.save_checkpoint`` after a one-epoch fit, so between fits (no statistics
+    in it): the resumed fit runs epoch 1, whose alarm count (every step's gradient is over
+    ``max_grad_norm``) is that epoch's alone, as in the uninterrupted fit."""
+
+    def callbacks() -> list[pl.Callback]:
+        return [GradFlowCallback(alarms=AlarmRules(max_grad_norm=1e-6), on_alarm="log")]
+
+    torch.manual_seed(0)
+    make_trainer(tmp_path / "whole", max_epochs=2, callbacks=callbacks()).fit(RepeatedBatchMLP())
+    torch.manual_seed(0)
+    first = make_trainer(tmp_path / "first", max_epochs=1, callbacks=callbacks())
+    first.fit(RepeatedBatchMLP())
+    path = tmp_path / "between.ckpt"
+    first.save_checkpoint(path)
+    resumed = make_trainer(tmp_path / "resumed", max_epochs=2, callbacks=callbacks())
+    resumed.fit(RepeatedBatchMLP(), ckpt_path=path)
+    whole = dict(read_scalars(tmp_path / "whole")["grad_flow/notices/absolute"])
+    again = dict(read_scalars(tmp_path / "resumed")["grad_flow/notices/absolute"])
+    assert whole == {3: 4.0, 7: 4.0}  # one a step
+    assert again == {7: 4.0}
+
+
 @pytest.mark.filterwarnings("ignore:.*checkpoint that ended before the epoch ended.*")
 @pytest.mark.parametrize(("every", "logged_before"), [(1, 2), (3, 1)])
 def test_resume_mid_epoch_carries_the_partial_epoch(

@@ -171,12 +171,7 @@ class CheckpointSlot:
                 category=LightningHooksWarning,
             )
         epoch = state.get(EPOCH)
-        if not isinstance(epoch, int):  # saved between fits: a kept collaborator's, if any
-            nested = [
-                s.get(EPOCH) for k, s in state.items() if k in self.kept and isinstance(s, dict)
-            ]
-            epoch = next((e for e in nested if isinstance(e, int)), None)
-        return epoch
+        return epoch if isinstance(epoch, int) else None
 
     def _load_whole(self, attached: Attached, state: dict[str, Any]) -> list[str]:
         """Load ``state`` into the statistics and into :attr:`kept`, or put each back.

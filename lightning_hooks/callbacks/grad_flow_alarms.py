@@ -19,7 +19,6 @@ from torch import nn
 
 from lightning_hooks.callbacks.alarm_actions import Action
 from lightning_hooks.callbacks.alarm_log import AlarmLog, Written
-from lightning_hooks.callbacks.checkpoint import EPOCH
 from lightning_hooks.callbacks.loss_agreement import LossAgreement
 from lightning_hooks.callbacks.ranks import RankAgreement
 from lightning_hooks.callbacks.trainer import TrainerView, gradient_clipping
@@ -207,13 +206,13 @@ class FitAlarms:
     def state(self) -> dict[str, Any]:
         """Return what a checkpoint of this fit saves of its alarms.
 
-        That is the rules' state (running scales, ring buffer, counts), the epoch whose counts
-        it holds, and what the log had written of them by the last logging step.
+        That is the rules' state (running scales, ring buffer, counts) and what the log had
+        written of the counts by the last logging step. The epoch they are of is the
+        checkpoint's own (:data:`~.checkpoint.EPOCH`, saved with the statistics).
         """
         written = self.log.written
         return {
             **self.training_alarms.state_dict(),
-            EPOCH: self.trainer.current_epoch,
             _WRITTEN: {"counts": written.counts, "alarms": written.alarms},
         }
 
