@@ -346,6 +346,56 @@ def test_fabric_setup_module_is_said_once_with_the_fix(tmp_path: Path) -> None:
     assert hooks_left(model) == []
 
 
+def _epoch_is_the_mean_of_its_steps(root: Path, layers: tuple[str, ...]) -> None:
+    """Each layer's epoch ``grad_norm`` is the mean of the values its logging steps wrote."""
+    scalars = read_scalars(root / "tb")
+    for layer in layers:
+        steps = [value for _, value in scalars[f"grad_flow/grad_norm_step/{layer}"]]
+        assert len(steps) == 6, layer
+        [(_, epoch)] = scalars[f"grad_flow/grad_norm/{layer}"]
+        assert epoch == pytest.approx(sum(steps) / len(steps), rel=1e-5), layer
+
+
+# The first attach knows the first optimizer only (Fabric names an optimizer when it steps).
+@pytest.mark.filterwarnings("ignore:.*no optimizer of the Trainer steps.*")
+def test_fabric_a_second_optimizer_keeps_the_epoch_so_far(tmp_path: Path) -> None:
+    """Two optimizers, one per Linear: the second's first step attaches the fit again, and the
+    epoch so far is carried over, so each layer's epoch mean is that of all its logged steps."""
+    model = _model()
+    fabric = _fabric(tmp_path, GradFlowCallback(every_n_steps=1, chart=False))
+    first = torch.optim.SGD(model[0].parameters(), lr=0.05)
+    second = torch.optim.SGD(model[2].parameters(), lr=0.05)
+    wrapped, first, second = fabric.setup(model, first, second)
+    for step in range(6):
+        x, y = _batch(step)
+        fabric.backward(nn.functional.mse_loss(wrapped(x), y))
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+    fabric.call("on_train_epoch_end")
+    fabric.call("on_train_end")
+    _epoch_is_the_mean_of_its_steps(tmp_path, ("0", "2"))
+
+
+def test_fabric_clipping_that_begins_mid_epoch_keeps_the_epoch_so_far(tmp_path: Path) -> None:
+    """``fabric.clip_gradients`` from step 3 on attaches the fit again (to measure after the
+    clip); the epoch so far is carried over."""
+    model = _model()
+    fabric = _fabric(tmp_path, GradFlowCallback(every_n_steps=1, chart=False))
+    wrapped, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    for step in range(6):
+        x, y = _batch(step)
+        fabric.backward(nn.functional.mse_loss(wrapped(x), y))
+        if step >= 3:
+            fabric.clip_gradients(wrapped, opt, max_norm=10.0)  # above every norm: no change
+        opt.step()
+        opt.zero_grad()
+    fabric.call("on_train_epoch_end")
+    fabric.call("on_train_end")
+    _epoch_is_the_mean_of_its_steps(tmp_path, ("0", "2"))
+
+
 def test_fabric_lbfgs_reads_the_gradient_of_the_steps_own_closure(tmp_path: Path) -> None:
     """LBFGS evaluates its closure inside the step: each logging step's gradient norm is the one
     of that step's first evaluation, as plain torch computes it (and as the Trainer logs), not

@@ -51,6 +51,7 @@ __all__ = [
     "FabricTrainer",
     "FitHooks",
     "RunHolder",
+    "StateHooks",
     "check_fabric",
 ]
 
@@ -96,6 +97,19 @@ class FitHooks(Protocol):
         """Take the fit off the module, whatever happened before."""
 
 
+class StateHooks(Protocol):
+    """The Trainer hooks of a checkpoint's state.
+
+    A run attached again mid-epoch carries its epoch so far through them.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the fit's state, as a checkpoint saves it."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Hold a saved state, which the next attach restores."""
+
+
 class BatchHooks(Protocol):
     """The Trainer hooks of each batch and epoch, which a :class:`FabricRun` calls too."""
 
@@ -118,11 +132,12 @@ class BatchHooks(Protocol):
         """Write the epoch's aggregates."""
 
 
-class FabricDriven(FabricChecked, FitHooks, BatchHooks, Protocol):
+class FabricDriven(FabricChecked, FitHooks, StateHooks, BatchHooks, Protocol):
     """What a :class:`FabricRun` calls on the callback it drives.
 
-    Beside the guard, these are Lightning's Trainer hooks (:class:`FitHooks` and
-    :class:`BatchHooks`), each with the contract of its namesake in ``pytorch_lightning.Callback``.
+    Beside the guard, these are Lightning's Trainer hooks (:class:`FitHooks`,
+    :class:`StateHooks` and :class:`BatchHooks`), each with the contract of its namesake in
+    ``pytorch_lightning.Callback``.
     The run hands each hook a :class:`FabricTrainer` as ``trainer`` and the watched module as
     ``pl_module``, so the hooks are typed by what they read of these: a
     :class:`~.trainer.TrainerView` and a plain ``nn.Module``. ``on_before_optimizer_step`` is
@@ -566,7 +581,13 @@ class FabricRun:
             self._step_observer.on_before_optimizer_step(self.trainer, self.module, optimizer)
 
     def _start(self) -> None:
-        """Attach (again) for the optimizers known, and start the coming step's batch."""
+        """Attach (again) for the optimizers known, and start the coming step's batch.
+
+        Attached again (an optimizer or the clipping joined), the fit carries its epoch so far:
+        the callback's state is taken first and restored by the new attach, as a checkpoint's.
+        """
+        if self._attached:
+            self.callback.load_state_dict(self.callback.state_dict())
         self.callback.on_train_start(self.trainer, self.module)
         self._attached = True
         self._batch_start()
